@@ -1,0 +1,49 @@
+"""Attention backends: one interface, a reference implementation, room for fast kernels.
+
+A backend is called once per layer with the batch's new q/k/v. It must (1) store the new K/V of *all*
+sequences into their slots (quantize-on-store), and only then (2) let every query attend over the stored
+context. Step (1) before (2) is what makes a block written by one sequence in this step readable by another
+(prefix sharing) and makes chunked, cached and uncached prefill read identical bytes.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from kv8.attention.metadata import AttentionMetadata
+from kv8.attention.reference import paged_attention_reference
+from kv8.cache.paged_cache import PagedKVCache
+
+
+class AttentionBackend(Protocol):
+    name: str
+
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cache: PagedKVCache,
+                layer: int, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        """query ``[T, Hq, D]``, key/value ``[T, Hkv, D]`` -> output ``[T, Hq, D]``."""
+        ...
+
+
+class ReferenceBackend:
+    """Plain torch: store with :meth:`PagedKVCache.store`, attend with the reference loop."""
+
+    name = "reference"
+
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cache: PagedKVCache,
+                layer: int, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        cache.store(layer, key, value, meta.slot_mapping)
+        return paged_attention_reference(query, cache, layer, meta, scale)
+
+
+BACKENDS: dict[str, type] = {"reference": ReferenceBackend}
+
+
+def get_backend(name: str) -> AttentionBackend:
+    """``auto`` picks the fastest available backend; today that is the reference."""
+    if name == "auto":
+        name = "reference"
+    if name not in BACKENDS:
+        raise ValueError(f"attention_backend={name!r} is not known; choose one of: auto, {', '.join(BACKENDS)}")
+    return BACKENDS[name]()

@@ -1,0 +1,98 @@
+"""The KV cache tensors and quantize-on-store.
+
+Layout, one tensor for the whole model (``H`` = KV heads, ``D`` = head dim, ``bs`` = block size)::
+
+    data: [num_layers, 2 (K, V), num_blocks, H, bs, D]   dtype = storage dtype (uint8 codes for FP8)
+
+so one (layer, K|V, block, head) is a contiguous ``bs x D`` tile -- what a paged-attention kernel streams.
+A token's slot is ``block_id * bs + offset``; token ``t`` of a sequence lives at
+``block_table[t // bs] * bs + t % bs``.
+
+FP8 convention (vLLM's kernels): ``stored = saturate(rne(x / scale))``, ``read = stored * scale`` with the
+per-layer K and V scales of :class:`kv8.quant.scales.KVScales` (shape broadcastable to ``[H, D]``).
+16/32-bit caches store the value cast to the cache dtype and have no scales.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kv8.quant.formats import KVCacheDtype, dequantize, quantize
+from kv8.quant.scales import KVScales
+
+
+@dataclass(frozen=True)
+class CacheShape:
+    num_layers: int
+    num_blocks: int
+    num_kv_heads: int
+    block_size: int
+    head_dim: int
+
+
+class PagedKVCache:
+    """Owns the cache tensor; knows how to store new K/V into slots and how to read blocks back."""
+
+    def __init__(self, shape: CacheShape, kv_dtype: KVCacheDtype, scales: KVScales | None) -> None:
+        if kv_dtype.is_fp8 and scales is None:
+            raise ValueError("an FP8 KV cache needs scales (KVScales.default gives 1.0)")
+        if scales is not None and scales.num_layers != shape.num_layers:
+            raise ValueError(f"KV scales have {scales.num_layers} layers, the model has {shape.num_layers}")
+        self.shape = shape
+        self.kv_dtype = kv_dtype
+        self.scales = scales if kv_dtype.is_fp8 else None
+        # zeros: the OS maps pages lazily, so an unused budget costs no resident memory.
+        self.data = torch.zeros(shape.num_layers, 2, shape.num_blocks, shape.num_kv_heads, shape.block_size,
+                                shape.head_dim, dtype=kv_dtype.storage_dtype)
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel() * self.data.element_size()
+
+    def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(K cache, V cache) of one layer, each ``[num_blocks, H, bs, D]``."""
+        return self.data[layer, 0], self.data[layer, 1]
+
+    def layer_scales(self, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(k_scale, v_scale) broadcastable to ``[H, D]``, or None for a 16/32-bit cache."""
+        return None if self.scales is None else self.scales.layer(layer)
+
+    def encode(self, x: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+        """Values ``[..., H, D]`` -> what the cache stores."""
+        if self.kv_dtype.fp8 is None:
+            return x.to(self.kv_dtype.storage_dtype)
+        return quantize(x, scale, self.kv_dtype.fp8)
+
+    def decode(self, stored: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+        """What the cache stores -> values in ``dtype``."""
+        if self.kv_dtype.fp8 is None:
+            return stored.to(dtype)
+        return dequantize(stored, scale, self.kv_dtype.fp8, dtype=dtype)
+
+    def store(self, layer: int, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        """Write new tokens. key/value: ``[T, H, D]``; slot_mapping: ``[T]`` int64 slots."""
+        k_cache, v_cache = self.layer(layer)
+        scales = self.layer_scales(layer)
+        k_scale, v_scale = scales if scales is not None else (None, None)
+        bs = self.shape.block_size
+        blocks, offsets = slot_mapping // bs, slot_mapping % bs
+        # Advanced indices around a slice: the indexed view is [T, H, D], matching key/value.
+        k_cache[blocks, :, offsets] = self.encode(key, k_scale)
+        v_cache[blocks, :, offsets] = self.encode(value, v_scale)
+
+    def gather(self, layer: int, block_table: torch.Tensor, num_tokens: int,
+               dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Read the first ``num_tokens`` tokens of one sequence, dequantized: (K, V) each ``[num_tokens, H, D]``."""
+        k_cache, v_cache = self.layer(layer)
+        nb = -(-num_tokens // self.shape.block_size)
+        idx = block_table[:nb]
+        scales = self.layer_scales(layer)
+        k_scale, v_scale = scales if scales is not None else (None, None)
+        out = []
+        for cache, scale in ((k_cache, k_scale), (v_cache, v_scale)):
+            blocks = cache[idx]                                  # [nb, H, bs, D]
+            tokens = blocks.transpose(1, 2).reshape(-1, self.shape.num_kv_heads, self.shape.head_dim)
+            out.append(self.decode(tokens[:num_tokens], scale, dtype))  # [num_tokens, H, D]
+        return out[0], out[1]

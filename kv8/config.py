@@ -1,0 +1,290 @@
+"""Frozen, validated configuration objects.
+
+Every user-facing option is checked once, here, when the engine is built: a bad value raises
+``ValueError`` naming the field, the value and what is allowed. Later code trusts these objects.
+
+* :class:`ModelArchConfig` -- the architecture, normalised from a Hugging Face ``config.json`` dict
+  (or the equivalent dict built from GGUF metadata).
+* :class:`CacheConfig` -- KV cache dtype, block size, memory budget, prefix caching.
+* :class:`SchedulerConfig` -- per-step token budget, concurrent sequences, context length.
+* :class:`EngineConfig` -- all of the above plus the model source and the compute dtype.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+import torch
+
+from kv8.quant.formats import KVCacheDtype
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+
+_DTYPES: dict[str, torch.dtype] = {
+    "auto": torch.bfloat16,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float": torch.float32,
+}
+
+
+def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    """Compute dtype from a vLLM-style name; ``auto`` is bfloat16 (the CPU has native bf16)."""
+    if isinstance(dtype, torch.dtype):
+        if dtype in (torch.bfloat16, torch.float16, torch.float32):
+            return dtype
+        raise ValueError(f"dtype={dtype} is not supported; choose one of: bfloat16, float16, float32")
+    if not isinstance(dtype, str) or dtype.lower() not in _DTYPES:
+        raise ValueError(f"dtype={dtype!r} is not supported; choose one of: {', '.join(_DTYPES)}")
+    return _DTYPES[dtype.lower()]
+
+
+_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
+          "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4, "tb": 1000**4}
+
+
+def parse_memory(value: int | str, field_name: str = "kv_cache_memory") -> int:
+    """Bytes from an int or a string such as ``"2GiB"``, ``"512MiB"``, ``"1.5GB"`` or ``"1000000"``."""
+    if isinstance(value, bool):
+        raise ValueError(f"{field_name}={value!r} must be a number of bytes or a string such as '2GiB'")
+    if isinstance(value, int):
+        nbytes = value
+    elif isinstance(value, str):
+        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", value)
+        if not m or m.group(2).lower() not in _UNITS:
+            raise ValueError(
+                f"{field_name}={value!r} is not a memory size; use bytes (an int) or a number with one of the "
+                f"units {', '.join(u for u in _UNITS if u)} (e.g. '2GiB')")
+        nbytes = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    else:
+        raise ValueError(f"{field_name}={value!r} must be an int (bytes) or a string such as '2GiB'")
+    if nbytes <= 0:
+        raise ValueError(f"{field_name}={value!r} must be positive")
+    return nbytes
+
+
+def format_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return f"{n} B"  # unreachable
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """RoPE scaling from the config's ``rope_scaling``. Supported: ``linear`` and ``llama3``."""
+
+    rope_type: str
+    factor: float
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+    @staticmethod
+    def from_dict(d: Mapping[str, Any] | None) -> "RopeScaling | None":
+        if not d:
+            return None
+        rope_type = d.get("rope_type", d.get("type"))
+        if rope_type in (None, "default"):
+            return None
+        if rope_type not in ("linear", "llama3"):
+            raise ValueError(f"rope_scaling type {rope_type!r} is not supported; kv8 supports: linear, llama3")
+        return RopeScaling(
+            rope_type=rope_type,
+            factor=float(d["factor"]),
+            low_freq_factor=float(d.get("low_freq_factor", 1.0)),
+            high_freq_factor=float(d.get("high_freq_factor", 4.0)),
+            original_max_position_embeddings=int(d.get("original_max_position_embeddings", 8192)),
+        )
+
+
+@dataclass(frozen=True)
+class ModelArchConfig:
+    """Architecture of a Llama-family decoder (Llama, Mistral, Qwen2).
+
+    Invariants: ``num_heads % num_kv_heads == 0``; ``head_dim`` even; ``eos_token_ids`` non-empty tuple.
+    """
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: RopeScaling | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool
+    bos_token_id: int | None
+    eos_token_ids: tuple[int, ...]
+    sliding_window: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(f"model_type={self.model_type!r} is not supported; kv8 supports: "
+                             f"{', '.join(SUPPORTED_MODEL_TYPES)}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_attention_heads={self.num_heads} is not a multiple of "
+                             f"num_key_value_heads={self.num_kv_heads}")
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim={self.head_dim} must be even for rotary embeddings")
+
+    @property
+    def gqa_ratio(self) -> int:
+        return self.num_heads // self.num_kv_heads
+
+    @staticmethod
+    def from_hf_config(cfg: Mapping[str, Any]) -> "ModelArchConfig":
+        """Normalise a Hugging Face config.json dict. Missing required keys raise ``ValueError``."""
+        model_type = cfg.get("model_type")
+        try:
+            hidden = int(cfg["hidden_size"])
+            heads = int(cfg["num_attention_heads"])
+            eos = cfg.get("eos_token_id")
+            eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else ((int(eos),) if eos is not None else ())
+            sliding = cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None
+            return ModelArchConfig(
+                model_type=str(model_type),
+                vocab_size=int(cfg["vocab_size"]),
+                hidden_size=hidden,
+                intermediate_size=int(cfg["intermediate_size"]),
+                num_layers=int(cfg["num_hidden_layers"]),
+                num_heads=heads,
+                num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
+                head_dim=int(cfg.get("head_dim") or hidden // heads),
+                rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+                rope_theta=float(cfg.get("rope_theta", (cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0))),
+                rope_scaling=RopeScaling.from_dict(cfg.get("rope_scaling")),
+                max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+                tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+                attention_bias=bool(cfg.get("attention_bias", model_type == "qwen2")),
+                bos_token_id=cfg.get("bos_token_id"),
+                eos_token_ids=eos_ids,
+                sliding_window=int(sliding) if sliding else None,
+            )
+        except KeyError as e:
+            raise ValueError(f"model config is missing the key {e.args[0]!r}") from None
+
+    def kv_bytes_per_token(self, kv_dtype: KVCacheDtype) -> int:
+        """Bytes one token occupies in the KV cache over all layers (K and V)."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * kv_dtype.bytes_per_element
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """KV cache settings.
+
+    ``kv_cache_memory`` (bytes) or ``num_kv_blocks`` fixes the budget; with neither, the engine derives one
+    from the machine's free memory (see :func:`default_kv_cache_memory`).
+    """
+
+    kv_dtype: KVCacheDtype
+    block_size: int = 16
+    kv_cache_memory: int | None = None
+    num_kv_blocks: int | None = None
+    enable_prefix_caching: bool = True
+    quantization_param_path: str | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.block_size, int) or self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size={self.block_size!r} must be a power of two >= 1 (e.g. 16)")
+        if self.kv_cache_memory is not None and self.num_kv_blocks is not None:
+            raise ValueError("give either kv_cache_memory or num_kv_blocks, not both")
+        if self.num_kv_blocks is not None and (not isinstance(self.num_kv_blocks, int) or self.num_kv_blocks < 1):
+            raise ValueError(f"num_kv_blocks={self.num_kv_blocks!r} must be an int >= 1")
+        if self.quantization_param_path is not None and not self.kv_dtype.is_fp8:
+            raise ValueError(
+                f"quantization_param_path={self.quantization_param_path!r} gives FP8 KV scales, but "
+                f"kv_cache_dtype={self.kv_dtype.name!r} is not an FP8 format; set kv_cache_dtype='fp8' "
+                "(or fp8_e4m3 / fp8_e4m3fnuz / fp8_e5m2) or drop quantization_param_path")
+
+
+def _positive_int(name: str, value: Any, minimum: int = 1) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name}={value!r} must be an int >= {minimum}")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Per-step limits.
+
+    Invariant: ``max_num_batched_tokens >= 1``; a prompt longer than the per-step budget is prefilled in
+    chunks (chunked prefill), so the budget never limits prompt length -- ``max_model_len`` does.
+    """
+
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int = 2048
+
+    def __post_init__(self) -> None:
+        _positive_int("max_num_seqs", self.max_num_seqs)
+        _positive_int("max_num_batched_tokens", self.max_num_batched_tokens)
+        _positive_int("max_model_len", self.max_model_len, minimum=2)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything the engine needs, validated. Built by :func:`kv8.engine.engine.build_engine_config`."""
+
+    model: str
+    model_kind: str  # "hf" or "gguf"
+    arch: ModelArchConfig
+    dtype: torch.dtype
+    cache: CacheConfig
+    scheduler: SchedulerConfig
+    seed: int = 0
+    attention_backend: str = "auto"
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.scheduler.max_model_len > self.arch.max_position_embeddings:
+            raise ValueError(
+                f"max_model_len={self.scheduler.max_model_len} exceeds the model's context "
+                f"(max_position_embeddings={self.arch.max_position_embeddings})")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+            raise ValueError(f"seed={self.seed!r} must be an int")
+
+
+def blocks_for_memory(memory: int, arch: ModelArchConfig, kv_dtype: KVCacheDtype, block_size: int) -> int:
+    """How many whole blocks fit in ``memory`` bytes."""
+    return memory // (arch.kv_bytes_per_token(kv_dtype) * block_size)
+
+
+def ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def available_memory() -> int:
+    """MemAvailable from /proc/meminfo (bytes); falls back to 8 GiB where it cannot be read."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 8 * 1024**3
+
+
+def default_kv_cache_memory() -> int:
+    """Default KV budget: 25% of the memory available now, at most 4 GiB (vLLM's CPU default)."""
+    return int(min(4 * 1024**3, 0.25 * available_memory()))
+
+
+__all__ = [
+    "CacheConfig", "EngineConfig", "ModelArchConfig", "RopeScaling", "SchedulerConfig", "available_memory",
+    "blocks_for_memory", "ceil_div", "default_kv_cache_memory", "format_bytes", "parse_memory",
+    "resolve_dtype",
+]

@@ -1,0 +1,109 @@
+"""Runs one scheduled step: flattens the chunks into one batch, runs the model, samples.
+
+Input: a :class:`SchedulerOutput`. Output: a :class:`ModelRunnerOutput` with the token sampled for every
+chunk that reached the end of its request, and the logprobs that were asked for. The runner does not
+change request state; the engine applies the output.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kv8.attention.backend import AttentionBackend
+from kv8.attention.metadata import AttentionMetadata
+from kv8.cache.kv_cache_manager import KVCacheManager
+from kv8.cache.paged_cache import PagedKVCache
+from kv8.engine.request import Request, TokenLogprobs
+from kv8.engine.sampler import compute_logprobs, sample
+from kv8.engine.scheduler import SchedulerOutput
+from kv8.model.llama import LlamaForCausalLM
+
+
+@dataclass(frozen=True)
+class ModelRunnerOutput:
+    sampled: dict[str, int]                              # request id -> new token id
+    logprobs: dict[str, TokenLogprobs]                   # request id -> logprobs of the new token (if asked)
+    prompt_logprobs: dict[str, list[TokenLogprobs]]      # request id -> logprobs of prompt tokens scored this step
+
+
+def _to_token_logprobs(token: torch.Tensor, lp: torch.Tensor, top_v: torch.Tensor, top_i: torch.Tensor,
+                       row: int, k: int) -> TokenLogprobs:
+    return TokenLogprobs(int(token[row]), float(lp[row]), top_i[row, :k].tolist(), top_v[row, :k].tolist())
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaForCausalLM, cache: PagedKVCache, kv: KVCacheManager,
+                 backend: AttentionBackend) -> None:
+        self.model = model
+        self.cache = cache
+        self.kv = kv
+        self.backend = backend
+
+    def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        input_ids: list[int] = []
+        positions: list[int] = []
+        query_lens, seq_lens, tables = [], [], []
+        for c in so.chunks:
+            end = c.start + c.num_new_tokens
+            input_ids.extend(c.request.all_token_ids[c.start:end])
+            positions.extend(range(c.start, end))
+            query_lens.append(c.num_new_tokens)
+            seq_lens.append(end)
+            tables.append(self.kv.block_ids(c.request.request_id))
+        meta = AttentionMetadata.build(query_lens, seq_lens, tables, self.cache.shape.block_size)
+        hidden = self.model(torch.tensor(input_ids), torch.tensor(positions), self.cache, meta, self.backend)
+
+        ends = meta.query_start_loc[1:].tolist()
+        sampling = [(c, ends[i] - 1) for i, c in enumerate(so.chunks) if c.samples]
+        out = ModelRunnerOutput({}, {}, {})
+        if sampling:
+            reqs = [c.request for c, _ in sampling]
+            logits = self.model.compute_logits(hidden[[row for _, row in sampling]])   # [S, V]
+            self._mask_early_stop(logits, reqs)
+            result = sample(logits, [r.sampling_params for r in reqs], [r.generator for r in reqs])
+            for i, r in enumerate(reqs):
+                out.sampled[r.request_id] = int(result.token_ids[i])
+                k = r.sampling_params.logprobs
+                if k is not None and result.logprobs is not None and result.top_logprobs is not None:
+                    top_v, top_i = result.top_logprobs
+                    out.logprobs[r.request_id] = _to_token_logprobs(result.token_ids, result.logprobs, top_v,
+                                                                    top_i, i, k)
+        for i, c in enumerate(so.chunks):
+            if c.request.wants_prompt_logprobs:
+                start_row = ends[i] - c.num_new_tokens
+                self._prompt_logprobs(c.request, c.start, c.num_new_tokens, hidden[start_row:ends[i]], out)
+        return out
+
+    @staticmethod
+    def _mask_early_stop(logits: torch.Tensor, reqs: list[Request]) -> None:
+        """Below ``min_tokens``, EOS and stop tokens cannot be sampled (as in vLLM)."""
+        for i, r in enumerate(reqs):
+            p = r.sampling_params
+            if r.num_output_tokens < p.min_tokens:
+                banned = list(p.stop_token_ids) + ([] if p.ignore_eos else list(r.eos_token_ids))
+                logits[i, banned] = float("-inf")
+
+    def _prompt_logprobs(self, req: Request, start: int, n: int, hidden: torch.Tensor,
+                         out: ModelRunnerOutput) -> None:
+        """Score prompt tokens ``start+1 .. start+n`` (those that are prompt tokens and not scored yet).
+
+        Position ``p``'s logits predict token ``p + 1``. ``req.prompt_logprobs`` holds one entry per prompt
+        token (None for the first), so after a preemption nothing is scored twice.
+        """
+        next_token = max(len(req.prompt_logprobs), 1)          # first prompt token not scored yet
+        first = max(start, next_token - 1)
+        last = min(start + n, req.num_prompt_tokens - 1)       # exclusive bound on predicting positions
+        if first >= last:
+            return
+        k = req.sampling_params.prompt_logprobs or 0
+        rows = hidden[first - start:last - start]
+        targets = torch.tensor(req.prompt_token_ids[first + 1:last + 1])
+        chunk: list[TokenLogprobs] = []
+        for s in range(0, rows.shape[0], 256):  # bound the [rows, V] float32 buffer
+            logits = self.model.compute_logits(rows[s:s + 256])
+            lp, top_v, top_i = compute_logprobs(logits, targets[s:s + 256], k)
+            chunk.extend(_to_token_logprobs(targets[s:s + 256], lp, top_v, top_i, j, k)
+                         for j in range(logits.shape[0]))
+        out.prompt_logprobs[req.request_id] = chunk

@@ -1,0 +1,238 @@
+"""Turn one step's logits into next tokens, per-request reproducibly.
+
+``sample(logits, params, generators)`` handles a batch in which every row has its own
+``SamplingParams`` and its own CPU ``torch.Generator``:
+
+* Greedy rows (``temperature < 1e-5``): ``argmax`` of the raw logits; ties go to the lowest token id.
+  Their generator is not touched.
+* Random rows, in this order: divide by the temperature, keep the ``top_k`` most likely tokens, keep
+  the smallest prefix (by probability) whose mass is >= ``top_p`` (the top token is always kept),
+  drop tokens whose probability is below ``min_p`` times the top probability (each filter sees the
+  distribution renormalised after the previous one). Then draw with the exponential race
+  ``argmax(p / q)``, ``q ~ Exp(1)``, written in log space as ``argmax(logit - log q)`` (the Gumbel-max
+  trick), where ``q`` is a fresh length-V draw from that row's generator only.
+
+Reproducibility invariant: every random row draws exactly V exponentials from its own generator per
+call, and all other arithmetic is row-wise, so a seeded request produces the same tokens whatever
+the other rows of the batch are and wherever it sits in the batch. The filters are batched (one
+stable sort for all random rows); only the noise is drawn row by row.
+
+Logprobs follow vLLM v1's default: they are taken from ``log_softmax`` of the raw logits (before
+temperature and filtering), computed in float32.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from kv8.sampling_params import SamplingParams, SamplingType
+
+__all__ = ["SamplerOutput", "compute_logprobs", "make_generator", "sample"]
+
+# Exponential draws are clamped to this so that ``log q`` is finite: a filtered token (logit -inf)
+# then stays at -inf and can never win the race.
+_TINY = torch.finfo(torch.float32).tiny
+
+
+@dataclass(frozen=True)
+class SamplerOutput:
+    """Result of one sampling step for a batch of B rows.
+
+    token_ids: [B] int64, the chosen token of each row.
+    logprobs: [B] float32, log-probability of each chosen token under the raw distribution
+        (``log_softmax`` of the raw logits); None when no row has ``logprobs`` set.
+    top_logprobs: (values [B, K] float32, ids [B, K] int64), each row sorted by decreasing value,
+        with K the largest ``logprobs`` requested in the batch (rows that asked for fewer use the
+        first entries; rows that asked for none may ignore theirs); None when no row has
+        ``logprobs`` set.
+    """
+
+    token_ids: torch.Tensor
+    logprobs: torch.Tensor | None
+    top_logprobs: tuple[torch.Tensor, torch.Tensor] | None
+
+
+def make_generator(seed: int | None, fallback: torch.Generator) -> torch.Generator:
+    """Return a new CPU generator for one request.
+
+    With a seed the generator is ``manual_seed(seed)``; with ``None`` its seed is drawn from
+    ``fallback`` (the engine's generator, itself seeded by the engine-level seed), which advances
+    ``fallback``. Either way the result is a deterministic function of (seed, fallback state).
+    """
+    if not isinstance(fallback, torch.Generator) or fallback.device.type != "cpu":
+        raise ValueError(f"fallback must be a CPU torch.Generator, got {fallback!r}")
+    if seed is None:
+        seed = int(torch.randint(0, 2**62, (1,), generator=fallback).item())
+    elif isinstance(seed, bool) or not isinstance(seed, int) or not -(2**63) <= seed < 2**64:
+        raise ValueError(f"seed must be None or an int in [-2**63, 2**64 - 1], got {seed!r}")
+    generator = torch.Generator(device="cpu")
+    generator.manual_seed(seed)
+    return generator
+
+
+def compute_logprobs(
+    logits: torch.Tensor, token_ids: torch.Tensor, k: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Log-probabilities of ``token_ids`` and the top ``k`` of each row, from raw logits.
+
+    Args:
+        logits: [N, V] floating point, converted to float32.
+        token_ids: [N] integer ids in [0, V).
+        k: number of top entries, 0 <= k <= V.
+
+    Returns:
+        (token_logprob [N] float32, topk values [N, k] float32 sorted descending, topk ids [N, k]
+        int64). The same function serves prompt logprobs (N = prompt positions).
+    """
+    if logits.dim() != 2 or not logits.is_floating_point():
+        raise ValueError(
+            f"logits must be a 2-D floating point tensor [N, V], got shape {tuple(logits.shape)} "
+            f"dtype {logits.dtype}"
+        )
+    n_rows, vocab = logits.shape
+    if token_ids.shape != (n_rows,) or token_ids.is_floating_point() or token_ids.dtype == torch.bool:
+        raise ValueError(
+            f"token_ids must be an integer tensor of shape ({n_rows},), got shape "
+            f"{tuple(token_ids.shape)} dtype {token_ids.dtype}"
+        )
+    if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= vocab:
+        raise ValueError(f"k must be an int in [0, {vocab}] (the vocabulary size), got {k!r}")
+    ids = token_ids.to(device=logits.device, dtype=torch.int64)
+    if n_rows and (int(ids.min()) < 0 or int(ids.max()) >= vocab):
+        raise ValueError(f"token_ids must lie in [0, {vocab}), got values in "
+                         f"[{int(ids.min())}, {int(ids.max())}]")
+    logp = torch.log_softmax(logits.to(torch.float32), dim=-1)  # [N, V]
+    token_logprob = logp.gather(1, ids.unsqueeze(1)).squeeze(1)  # [N]
+    top_values, top_ids = torch.topk(logp, k, dim=-1, largest=True, sorted=True)  # [N, k] x2
+    return token_logprob, top_values, top_ids
+
+
+def sample(
+    logits: torch.Tensor,
+    params: Sequence[SamplingParams],
+    generators: Sequence[torch.Generator],
+) -> SamplerOutput:
+    """Choose one token per row; see the module docstring for the algorithm and invariants.
+
+    Args:
+        logits: [B, V] any floating dtype; computed in float32. Every row must have a finite
+            maximum (no NaN, no +inf, not all -inf); -inf entries are allowed and never sampled.
+        params: B SamplingParams, one per row.
+        generators: B CPU generators, one per row (greedy rows' generators are left untouched).
+    """
+    _check_inputs(logits, params, generators)
+    x = logits.detach().to(torch.float32)  # [B, V]; never modified in place
+    n_rows, vocab = x.shape
+    token_ids = torch.empty(n_rows, dtype=torch.int64, device=x.device)
+
+    greedy = [i for i, p in enumerate(params) if p.sampling_type is SamplingType.GREEDY]
+    random_rows = [i for i, p in enumerate(params) if p.sampling_type is SamplingType.RANDOM]
+    if greedy:
+        # torch.argmax returns the first maximal index: ties go to the lowest id.
+        token_ids[greedy] = torch.argmax(x[greedy], dim=-1)
+    if random_rows:
+        token_ids[random_rows] = _sample_random(
+            x[random_rows], [params[i] for i in random_rows], [generators[i] for i in random_rows]
+        )
+
+    requested = [p.logprobs for p in params if p.logprobs is not None]
+    if not requested:
+        return SamplerOutput(token_ids=token_ids, logprobs=None, top_logprobs=None)
+    k = max(requested)
+    if k > vocab:
+        raise ValueError(f"logprobs must be <= the vocabulary size {vocab}, got {k}")
+    token_logprob, top_values, top_ids = compute_logprobs(x, token_ids, k)
+    return SamplerOutput(
+        token_ids=token_ids, logprobs=token_logprob, top_logprobs=(top_values, top_ids)
+    )
+
+
+def _check_inputs(
+    logits: torch.Tensor, params: Sequence[SamplingParams], generators: Sequence[torch.Generator]
+) -> None:
+    if not isinstance(logits, torch.Tensor) or logits.dim() != 2 or not logits.is_floating_point():
+        raise ValueError(
+            "logits must be a 2-D floating point tensor [B, V], got "
+            f"{type(logits).__name__} {getattr(logits, 'shape', None)} {getattr(logits, 'dtype', None)}"
+        )
+    n_rows, vocab = logits.shape
+    if vocab < 1:
+        raise ValueError(f"logits must have a vocabulary dimension >= 1, got shape {tuple(logits.shape)}")
+    if len(params) != n_rows:
+        raise ValueError(f"params must have one entry per logits row ({n_rows}), got {len(params)}")
+    if len(generators) != n_rows:
+        raise ValueError(
+            f"generators must have one entry per logits row ({n_rows}), got {len(generators)}"
+        )
+    for i, (p, g) in enumerate(zip(params, generators)):
+        if not isinstance(p, SamplingParams):
+            raise ValueError(f"params[{i}] must be a SamplingParams, got {p!r}")
+        if not isinstance(g, torch.Generator) or g.device.type != "cpu":
+            raise ValueError(f"generators[{i}] must be a CPU torch.Generator, got {g!r}")
+    if n_rows:
+        row_max = logits.detach().amax(dim=-1)  # [B]; amax propagates NaN
+        bad = (~torch.isfinite(row_max)).nonzero().flatten().tolist()
+        if bad:
+            raise ValueError(
+                f"logits rows {bad} have no finite maximum (NaN, +inf or all -inf); every row needs "
+                "at least one finite logit and no NaN or +inf"
+            )
+
+
+def _sample_random(
+    x: torch.Tensor, params: Sequence[SamplingParams], generators: Sequence[torch.Generator]
+) -> torch.Tensor:
+    """Temperature, top-k, top-p, min-p, then the exponential race; x is [R, V] float32."""
+    n_rows, vocab = x.shape
+    temperature = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=x.device)
+    # Subtracting the row max first keeps a small temperature from overflowing to inf.
+    scaled = (x - x.amax(dim=-1, keepdim=True)) / temperature.unsqueeze(1)  # [R, V], max 0
+    filtered = _apply_filters(scaled, params)
+
+    # Row by row, each from its own generator: the only place where rows are not batched.
+    noise = torch.stack(
+        [torch.empty(vocab, dtype=torch.float32).exponential_(generator=g) for g in generators]
+    ).to(x.device)  # [R, V]
+    noise.clamp_(min=_TINY)
+    return torch.argmax(filtered - noise.log(), dim=-1)
+
+
+def _apply_filters(scaled: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """Set to -inf the logits removed by top_k, then top_p, then min_p; scaled is [R, V].
+
+    A row whose filters are all disabled comes back bit-identical, so whether a batch needs the
+    sort at all does not change any row's result.
+    """
+    n_rows, vocab = scaled.shape
+    top_k = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
+    top_p = [p.top_p for p in params]
+    min_p = [p.min_p for p in params]
+    use_top_p = any(v < 1.0 for v in top_p)
+    use_min_p = any(v > 0.0 for v in min_p)
+    if all(k == vocab for k in top_k) and not use_top_p and not use_min_p:
+        return scaled
+
+    device = scaled.device
+    # Stable descending sort: equal logits keep increasing-id order, so results are deterministic.
+    sorted_logits, order = torch.sort(scaled, dim=-1, descending=True, stable=True)  # [R, V] x2
+    position = torch.arange(vocab, device=device).unsqueeze(0)  # [1, V]
+    keep = position < torch.tensor(top_k, device=device).unsqueeze(1)  # [R, V]
+    neg_inf = float("-inf")
+
+    if use_top_p:
+        probs = torch.softmax(sorted_logits.masked_fill(~keep, neg_inf), dim=-1)  # [R, V]
+        # Mass strictly before each position; position 0 has 0 < top_p, so the top token stays.
+        mass_before = torch.zeros_like(probs)
+        mass_before[:, 1:] = torch.cumsum(probs, dim=-1)[:, :-1]
+        top_p_t = torch.tensor(top_p, dtype=torch.float32, device=device).unsqueeze(1)  # [R, 1]
+        keep &= (mass_before < top_p_t) | (top_p_t >= 1.0)
+    if use_min_p:
+        probs = torch.softmax(sorted_logits.masked_fill(~keep, neg_inf), dim=-1)  # [R, V]
+        min_p_t = torch.tensor(min_p, dtype=torch.float32, device=device).unsqueeze(1)  # [R, 1]
+        keep &= probs >= min_p_t * probs[:, :1]
+
+    kept_sorted = sorted_logits.masked_fill(~keep, neg_inf)
+    return torch.full_like(scaled, neg_inf).scatter_(1, order, kept_sorted)  # back to vocab order

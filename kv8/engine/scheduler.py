@@ -1,0 +1,123 @@
+"""Continuous batching: which requests advance by how many tokens in the next step.
+
+Each step has a token budget (``max_num_batched_tokens``). Running requests go first, in arrival order: each
+asks for all its uncomputed tokens (1 for a decode, the rest of its prompt for a chunked prefill) up to the
+remaining budget. When the block pool cannot supply a running request, the newest running request is
+preempted -- its blocks freed, its progress reset, and it goes back to the front of the queue to be
+recomputed (its cached prefix blocks usually make that cheap). Then, if nothing was preempted, waiting
+requests are admitted (prefix hits first) while budget, ``max_num_seqs`` and free blocks allow.
+
+Invariant: a request whose tokens fit in ``max_model_len`` always fits in an empty pool (the engine refuses
+pools smaller than ``max_model_len``), so preemption always makes progress: no crash, no hang.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from kv8.cache.kv_cache_manager import KVCacheManager
+from kv8.config import SchedulerConfig
+from kv8.engine.request import Request, RequestStatus
+
+
+@dataclass(frozen=True)
+class ScheduledChunk:
+    """``request`` computes tokens ``[start, start + num_new_tokens)`` this step."""
+
+    request: Request
+    start: int
+    num_new_tokens: int
+
+    @property
+    def samples(self) -> bool:
+        """True when this chunk reaches the end of the request's tokens, so a new token is sampled."""
+        return self.start + self.num_new_tokens == self.request.num_tokens
+
+
+@dataclass(frozen=True)
+class SchedulerOutput:
+    chunks: tuple[ScheduledChunk, ...]
+    preempted: tuple[Request, ...]
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(c.num_new_tokens for c in self.chunks)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.chunks
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
+        self.config = config
+        self.kv = kv
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+
+    def add(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def _preempt(self, request: Request) -> None:
+        self.kv.free(request)
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.WAITING
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    def schedule(self) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        chunks: list[ScheduledChunk] = []
+        preempted: list[Request] = []
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            while self.kv.allocate_slots(req, n) is None:
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is req:
+                    break
+            else:
+                chunks.append(ScheduledChunk(req, req.num_computed_tokens, n))
+                budget -= n
+                i += 1
+
+        while not preempted and self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            req = self.waiting[0]
+            hit_blocks, num_hit_tokens = self.kv.get_computed_blocks(req)
+            n = min(req.num_tokens - num_hit_tokens, budget)
+            if self.kv.allocate_slots(req, n, hit_blocks) is None:
+                break
+            self.waiting.popleft()
+            req.num_computed_tokens = num_hit_tokens
+            if req.num_preemptions == 0:
+                req.num_cached_prompt_tokens = num_hit_tokens
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            chunks.append(ScheduledChunk(req, num_hit_tokens, n))
+            budget -= n
+        return SchedulerOutput(tuple(chunks), tuple(preempted))
+
+    def advance(self, output: SchedulerOutput) -> None:
+        """Record that the scheduled chunks were computed; publish their full blocks to the prefix cache."""
+        for chunk in output.chunks:
+            chunk.request.num_computed_tokens = chunk.start + chunk.num_new_tokens
+            self.kv.cache_computed_blocks(chunk.request)
+
+    def finish(self, request: Request, status: RequestStatus) -> None:
+        """Remove a request (running or waiting) and free its blocks."""
+        if request in self.running:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        request.status = status
+        self.kv.free(request)

@@ -1,0 +1,127 @@
+"""``LLM``: the offline Python API, named like vLLM's so user code ports unchanged.
+
+``LLM`` composes an :class:`LLMEngine` (it does not inherit from it): ``generate`` queues every prompt,
+steps the engine until all are done and returns one :class:`RequestOutput` per prompt, in prompt order.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+from tqdm.auto import tqdm
+
+from kv8.engine.args import DEFAULT_MODEL, EngineArgs
+from kv8.engine.engine import LLMEngine
+from kv8.outputs import RequestOutput
+from kv8.sampling_params import SamplingParams
+
+Prompt = str | Sequence[int] | dict[str, Any]
+
+
+def _normalize_prompts(prompts: Prompt | Sequence[Prompt]) -> list[str | list[int]]:
+    """A string, a list of token ids, ``{"prompt": ...}`` / ``{"prompt_token_ids": [...]}`` or a list of these."""
+    if isinstance(prompts, (str, dict)):
+        prompts = [prompts]
+    elif isinstance(prompts, Sequence) and prompts and all(isinstance(t, int) and not isinstance(t, bool)
+                                                            for t in prompts):
+        prompts = [list(prompts)]  # type: ignore[list-item]
+    if not isinstance(prompts, Sequence) or isinstance(prompts, (bytes, bytearray)):
+        raise ValueError(f"prompts must be a string, a list of token ids, or a list of these; got "
+                         f"{type(prompts).__name__}")
+    out: list[str | list[int]] = []
+    for i, p in enumerate(prompts):
+        if isinstance(p, dict):
+            if "prompt_token_ids" in p:
+                p = p["prompt_token_ids"]
+            elif "prompt" in p:
+                p = p["prompt"]
+            else:
+                raise ValueError(f"prompts[{i}] is a dict without 'prompt' or 'prompt_token_ids'")
+        if isinstance(p, str):
+            out.append(p)
+        elif isinstance(p, Sequence) and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
+            out.append(list(p))
+        else:
+            raise ValueError(f"prompts[{i}] must be a string or a list of token ids, got {type(p).__name__}")
+    return out
+
+
+class LLM:
+    """An LLM with a paged, optionally FP8, KV cache.
+
+    >>> llm = LLM(model="smollm2-135m", kv_cache_dtype="fp8")            # doctest: +SKIP
+    >>> llm.generate("London is the capital of")[0].outputs[0].text      # doctest: +SKIP
+
+    Keyword arguments are :class:`EngineArgs` fields (vLLM's names): ``dtype``, ``kv_cache_dtype``,
+    ``quantization_param_path``, ``kv_cache_memory``, ``num_kv_blocks``, ``block_size``,
+    ``enable_prefix_caching``, ``max_num_seqs``, ``max_num_batched_tokens``, ``max_model_len``, ``seed``,
+    ``attention_backend``.
+    """
+
+    def __init__(self, model: str = DEFAULT_MODEL, **kwargs: Any) -> None:
+        unknown = sorted(set(kwargs) - set(EngineArgs.field_names()))
+        if unknown:
+            raise TypeError(f"LLM() got unknown option(s) {', '.join(unknown)}; known: "
+                            f"{', '.join(EngineArgs.field_names())}")
+        self.engine = LLMEngine(EngineArgs(model=model, **kwargs))
+        self._counter = 0
+
+    def get_tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    def generate(self, prompts: Prompt | Sequence[Prompt],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Generate for every prompt; one output per prompt, in order."""
+        items = _normalize_prompts(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            params = [sampling_params] * len(items)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(items):
+                raise ValueError(f"got {len(params)} SamplingParams for {len(items)} prompts; pass one, or one "
+                                 "per prompt")
+        return self._run(items, params, use_tqdm)
+
+    def chat(self, messages: list[dict[str, str]] | list[list[dict[str, str]]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             use_tqdm: bool = True, add_generation_prompt: bool = True) -> list[RequestOutput]:
+        """Apply the tokenizer's chat template to one conversation or a list of them, then generate."""
+        convs = [messages] if messages and isinstance(messages[0], dict) else messages
+        tok = self.engine.tokenizer
+        if not getattr(tok, "chat_template", None):
+            raise ValueError("this model's tokenizer has no chat template; use generate() with a plain prompt")
+        prompts = []
+        for conv in convs:
+            ids = tok.apply_chat_template(conv, tokenize=True, add_generation_prompt=add_generation_prompt)
+            if isinstance(ids, dict) or hasattr(ids, "keys"):
+                ids = ids["input_ids"]
+            prompts.append(list(ids))
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def _run(self, items: list[str | list[int]], params: list[SamplingParams], use_tqdm: bool) -> list[RequestOutput]:
+        ids = []
+        try:
+            for item, p in zip(items, params):
+                ids.append(self.engine.add_request(item, p, request_id=f"gen-{self._counter}"))
+                self._counter += 1
+        except Exception:
+            for rid in ids:
+                self.engine.abort_request(rid)
+            raise
+        done: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm or len(ids) < 2)
+        try:
+            while len(done) < len(ids):
+                for out in self.engine.step():
+                    if out.finished:
+                        done[out.request_id] = out
+                        bar.update(1)
+        finally:
+            bar.close()
+            for rid in ids:
+                if rid not in done:
+                    self.engine.abort_request(rid)
+        return [done[rid] for rid in ids]

@@ -1,0 +1,147 @@
+"""The Llama-family decoder (Llama, Mistral, Qwen2) over a paged KV cache.
+
+Module and parameter names follow Hugging Face's (``model.layers.N.self_attn.q_proj.weight`` ...) so
+checkpoints load by name. Shapes in comments: ``T`` = tokens in the flattened batch, ``Hq``/``Hkv`` = query/KV
+heads, ``D`` = head dim, ``E`` = hidden size. The model is built on the meta device and its parameters are
+assigned from the checkpoint (:mod:`kv8.model.loader`), so weights exist in memory once.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kv8.attention.backend import AttentionBackend
+from kv8.attention.metadata import AttentionMetadata
+from kv8.cache.paged_cache import PagedKVCache
+from kv8.config import ModelArchConfig, RopeScaling
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+def rope_inv_freq(arch: ModelArchConfig) -> torch.Tensor:
+    """Inverse frequencies ``[D / 2]`` (float32, CPU), with the config's rope scaling applied."""
+    d = arch.head_dim
+    # float32 throughout, as Hugging Face computes it, so positions rotate identically.
+    inv = 1.0 / (arch.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64, device="cpu").float() / d))
+    rs: RopeScaling | None = arch.rope_scaling
+    if rs is not None and rs.rope_type == "linear":
+        inv = inv / rs.factor
+    elif rs is not None and rs.rope_type == "llama3":
+        low_wavelen = rs.original_max_position_embeddings / rs.low_freq_factor
+        high_wavelen = rs.original_max_position_embeddings / rs.high_freq_factor
+        wavelen = 2 * math.pi / inv
+        smooth = (rs.original_max_position_embeddings / wavelen - rs.low_freq_factor) / (
+            rs.high_freq_factor - rs.low_freq_factor)
+        scaled = torch.where(wavelen > low_wavelen, inv / rs.factor, inv)
+        mid = (wavelen <= low_wavelen) & (wavelen >= high_wavelen)
+        inv = torch.where(mid, (1 - smooth) * inv / rs.factor + smooth * inv, scaled)
+    return inv.float()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE (HF layout). x ``[T, H, D]``; cos/sin ``[T, 1, D]`` in x's dtype."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, arch: ModelArchConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads, self.num_kv_heads, self.head_dim = arch.num_heads, arch.num_kv_heads, arch.head_dim
+        e, d = arch.hidden_size, arch.head_dim
+        bias = arch.attention_bias
+        self.q_proj = nn.Linear(e, self.num_heads * d, bias=bias)
+        self.k_proj = nn.Linear(e, self.num_kv_heads * d, bias=bias)
+        self.v_proj = nn.Linear(e, self.num_kv_heads * d, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * d, e, bias=False)
+        self.scale = d ** -0.5
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: PagedKVCache,
+                meta: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:
+        t = x.shape[0]
+        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)        # [T, Hq, D]
+        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)     # [T, Hkv, D]
+        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)     # [T, Hkv, D]
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        out = backend.forward(q, k, v, cache, self.layer_idx, meta, self.scale)  # [T, Hq, D]
+        return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, arch: ModelArchConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(arch.hidden_size, arch.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(arch.hidden_size, arch.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(arch.intermediate_size, arch.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, arch: ModelArchConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.self_attn = Attention(arch, layer_idx)
+        self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.mlp = MLP(arch)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: PagedKVCache,
+                meta: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, meta, backend)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, arch: ModelArchConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(arch, i) for i in range(arch.num_layers))
+        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+
+
+class LlamaForCausalLM(nn.Module):
+    """``forward`` returns final hidden states ``[T, E]``; ``compute_logits`` projects selected rows."""
+
+    def __init__(self, arch: ModelArchConfig) -> None:
+        super().__init__()
+        self.arch = arch
+        self.model = LlamaModel(arch)
+        self.lm_head = nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
+        self.register_buffer("inv_freq", rope_inv_freq(arch), persistent=False)
+
+    def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin ``[T, 1, D]`` for positions ``[T]`` (angles computed in float32)."""
+        freqs = positions.float().unsqueeze(1) * self.inv_freq.unsqueeze(0)   # [T, D/2]
+        emb = torch.cat((freqs, freqs), dim=-1).unsqueeze(1)                   # [T, 1, D]
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: PagedKVCache,
+                meta: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:
+        x = self.model.embed_tokens(input_ids)                                 # [T, E]
+        cos, sin = self.rope(positions, x.dtype)
+        for layer in self.model.layers:
+            x = layer(x, cos, sin, cache, meta, backend)
+        return self.model.norm(x)
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden ``[N, E]`` -> logits ``[N, V]`` in float32."""
+        return self.lm_head(hidden).float()

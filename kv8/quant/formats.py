@@ -1,0 +1,331 @@
+"""FP8 formats and the resolved KV-cache dtype.
+
+This module owns two concepts that every other part of kv8 relies on:
+
+* :class:`FP8Format` -- one 8-bit floating-point format (OCP ``E4M3FN``, AMD ``E4M3FNUZ``, OCP ``E5M2``) with an
+  exact codec between float tensors and raw ``uint8`` codes.
+* :class:`KVCacheDtype` -- what the user asked for with ``kv_cache_dtype``, resolved to a storage dtype.
+
+The KV cache stores FP8 values as raw ``uint8`` codes, never as torch float8 tensors, so every format (including the
+emulated fnuz one) is handled identically and later kernels can decode the bits directly.
+
+Encoding convention (the one vLLM's cache kernels use): ``code = saturate(round_to_nearest_even(x))`` computed in
+float32, where saturation clamps to ``±max_finite`` (so ``±inf`` and any out-of-range finite value become the largest
+finite code of the same sign, never NaN or inf). NaN encodes to :attr:`FP8Format.nan_code`, with the sign bit kept where
+the format has a negative NaN. Inputs wider than float32 (float64) are first rounded to float32.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import lru_cache
+
+import torch
+
+__all__ = [
+    "FP8Format",
+    "E4M3",
+    "E4M3FNUZ",
+    "E5M2",
+    "FP8_FORMATS",
+    "fp8_format",
+    "quantize",
+    "dequantize",
+    "KVCacheDtype",
+    "KV_CACHE_DTYPE_CHOICES",
+    "resolve_kv_cache_dtype",
+]
+
+_SIGN_BIT = 0x80
+_DECODE_DTYPES: tuple[torch.dtype, ...] = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def _code_value(code: int, exponent_bits: int, mantissa_bits: int, exponent_bias: int,
+                has_inf: bool, nan_codes: tuple[int, ...]) -> float:
+    """Value of one 8-bit code under the given layout (pure Python, exact)."""
+    if code in nan_codes:
+        return math.nan
+    sign = -1.0 if code & _SIGN_BIT else 1.0
+    exponent = (code >> mantissa_bits) & ((1 << exponent_bits) - 1)
+    mantissa = code & ((1 << mantissa_bits) - 1)
+    if has_inf and exponent == (1 << exponent_bits) - 1:
+        if mantissa != 0:
+            raise ValueError(f"code 0x{code:02x} has an all-ones exponent and a non-zero mantissa but is not in "
+                             f"nan_codes={nan_codes}")
+        return sign * math.inf
+    if exponent == 0:  # zero or subnormal
+        return sign * math.ldexp(mantissa, 1 - exponent_bias - mantissa_bits)
+    return sign * math.ldexp((1 << mantissa_bits) + mantissa, exponent - exponent_bias - mantissa_bits)
+
+
+@dataclass(frozen=True)
+class FP8Format:
+    """One 8-bit floating-point format and its exact codec.
+
+    Bit layout of a code: ``S | E (exponent_bits) | M (mantissa_bits)``, sign in bit 7. With ``e`` the exponent field
+    and ``m`` the mantissa field: ``e == 0`` is zero/subnormal, value ``(-1)^S * m / 2^M * 2^(1 - bias)``; otherwise
+    ``(-1)^S * (1 + m / 2^M) * 2^(e - bias)``. Special codes:
+
+    * ``fp8_e4m3`` (OCP E4M3FN, bias 7): no infinities; NaN is ``S.1111.111`` (0x7F, 0xFF); 0x80 is -0.0;
+      max 448, min subnormal 2^-9.
+    * ``fp8_e4m3fnuz`` (AMD, bias 8): no infinities, no negative zero; 0x80 is the only NaN; max 240, min
+      subnormal 2^-10.
+    * ``fp8_e5m2`` (OCP/IEEE-like, bias 15): ``S.11111.00`` is ±inf (0x7C, 0xFC), ``S.11111.{01,10,11}`` are NaN;
+      0x80 is -0.0; max 57344, min subnormal 2^-16.
+
+    Invariants (checked at construction): the fields agree with each other -- ``max_finite`` and ``min_subnormal``
+    are exactly the largest finite and smallest positive values of the layout, ``nan_code`` is a NaN code, and the
+    reference ``torch_dtype`` decodes every non-NaN code to the same value as this layout.
+
+    Attributes:
+        nan_code: the code NaN encodes to (positive NaN); a negative NaN encodes to ``nan_code | 0x80`` when that is
+            also a NaN code (e4m3fn: 0x7F/0xFF, e5m2: 0x7E/0xFE, the quiet NaN ml_dtypes produces), else to
+            ``nan_code`` (fnuz: 0x80).
+    """
+
+    name: str
+    exponent_bits: int
+    mantissa_bits: int
+    exponent_bias: int
+    max_finite: float
+    min_subnormal: float
+    torch_dtype: torch.dtype
+    has_negative_zero: bool
+    has_inf: bool
+    nan_codes: tuple[int, ...]
+    nan_code: int
+
+    def __post_init__(self) -> None:
+        for field in ("exponent_bits", "mantissa_bits", "exponent_bias", "nan_code"):
+            value = getattr(self, field)
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise ValueError(f"FP8Format.{field}={value!r} must be an int")
+        if self.exponent_bits < 1 or self.mantissa_bits < 1 or self.exponent_bits + self.mantissa_bits != 7:
+            raise ValueError(f"FP8Format exponent_bits={self.exponent_bits}, mantissa_bits={self.mantissa_bits}: "
+                             "both must be >= 1 and sum to 7 (plus one sign bit)")
+        if not self.nan_codes or any(not 0 <= c <= 255 for c in self.nan_codes):
+            raise ValueError(f"FP8Format.nan_codes={self.nan_codes!r} must be a non-empty tuple of codes in [0, 255]")
+        if self.nan_code not in self.nan_codes or self.nan_code & _SIGN_BIT and self.nan_code != _SIGN_BIT:
+            raise ValueError(f"FP8Format.nan_code=0x{self.nan_code:02x} must be a positive NaN code (or 0x80 when "
+                             f"that is the only NaN), one of nan_codes={self.nan_codes}")
+        if self.has_negative_zero == (_SIGN_BIT in self.nan_codes):
+            raise ValueError(f"FP8Format.has_negative_zero={self.has_negative_zero} contradicts nan_codes="
+                             f"{self.nan_codes}: code 0x80 is either -0.0 or NaN")
+        values = [_code_value(c, self.exponent_bits, self.mantissa_bits, self.exponent_bias, self.has_inf,
+                              self.nan_codes) for c in range(256)]
+        finite = [v for v in values if math.isfinite(v)]
+        if max(finite) != self.max_finite:
+            raise ValueError(f"FP8Format.max_finite={self.max_finite} but the layout's largest finite value is "
+                             f"{max(finite)}")
+        smallest = min(v for v in finite if v > 0)
+        if smallest != self.min_subnormal:
+            raise ValueError(f"FP8Format.min_subnormal={self.min_subnormal} but the layout's smallest positive value "
+                             f"is {smallest}")
+        if not isinstance(self.torch_dtype, torch.dtype) or self.torch_dtype.itemsize != 1 \
+                or not self.torch_dtype.is_floating_point:
+            raise ValueError(f"FP8Format.torch_dtype={self.torch_dtype!r} must be a torch float8 dtype")
+        reference = torch.arange(256, dtype=torch.uint8).view(self.torch_dtype).to(torch.float32).tolist()
+        for code, (mine, ref) in enumerate(zip(values, reference)):
+            if math.isnan(mine) != math.isnan(ref) or (not math.isnan(mine) and mine != ref):
+                raise ValueError(f"FP8Format {self.name!r}: code 0x{code:02x} decodes to {mine} but torch_dtype="
+                                 f"{self.torch_dtype} decodes it to {ref}")
+
+    @property
+    def negative_nan_code(self) -> int:
+        """The code a NaN with its sign bit set encodes to."""
+        signed = self.nan_code | _SIGN_BIT
+        return signed if signed in self.nan_codes else self.nan_code
+
+    def values(self) -> list[float]:
+        """The value of every code 0..255, in code order (NaN for NaN codes, ±0.0 with its sign)."""
+        return _decode_table(self, torch.float32, torch.device("cpu")).tolist()
+
+    def encode(self, x: torch.Tensor) -> torch.Tensor:
+        """Encode ``x`` (any float dtype, already divided by the scale) to ``uint8`` codes of the same shape.
+
+        ``code = saturate(round_to_nearest_even(float32(x)))``: finite values outside ``±max_finite`` and ``±inf``
+        saturate to ``±max_finite``; NaN becomes :attr:`nan_code` (:attr:`negative_nan_code` for a negative NaN);
+        -0.0 becomes 0x80 where the format has a negative zero, else 0x00.
+        """
+        if not isinstance(x, torch.Tensor) or not x.dtype.is_floating_point:
+            raise ValueError(f"FP8Format.encode: x must be a floating-point tensor, got "
+                             f"{x.dtype if isinstance(x, torch.Tensor) else type(x).__name__}")
+        xf = x.to(torch.float32)
+        # torch's float8 cast is round-to-nearest-even on finite in-range float32 (verified exhaustively against
+        # ml_dtypes over all 2^32 inputs for the three formats); clamping first gives the saturation convention.
+        codes = xf.clamp(-self.max_finite, self.max_finite).to(self.torch_dtype).view(torch.uint8)
+        nan = torch.isnan(xf)
+        if bool(nan.any()):
+            positive = torch.tensor(self.nan_code, dtype=torch.uint8, device=codes.device)
+            negative = torch.tensor(self.negative_nan_code, dtype=torch.uint8, device=codes.device)
+            codes = torch.where(nan, torch.where(torch.signbit(xf), negative, positive), codes)
+        return codes
+
+    def decode(self, codes: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """Decode ``uint8`` codes to values in ``dtype`` (same shape, same device).
+
+        Exact for every supported ``dtype`` (float16, bfloat16, float32, float64): all three formats' values are
+        representable in each of them.
+        """
+        if not isinstance(codes, torch.Tensor) or codes.dtype != torch.uint8:
+            raise ValueError(f"FP8Format.decode: codes must be a torch.uint8 tensor, got "
+                             f"{codes.dtype if isinstance(codes, torch.Tensor) else type(codes).__name__}")
+        if dtype not in _DECODE_DTYPES:
+            raise ValueError(f"FP8Format.decode: dtype={dtype} is not supported; choose one of {_DECODE_DTYPES}")
+        return torch.take(_decode_table(self, dtype, codes.device), codes.long())
+
+
+@lru_cache(maxsize=64)
+def _decode_table(fmt: FP8Format, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """256-entry lookup table: ``table[code]`` is the value of ``code`` in ``dtype`` on ``device``."""
+    values = [_code_value(c, fmt.exponent_bits, fmt.mantissa_bits, fmt.exponent_bias, fmt.has_inf, fmt.nan_codes)
+              for c in range(256)]
+    table = torch.tensor(values, dtype=torch.float64).to(dtype)
+    if not torch.equal(torch.nan_to_num(table.double()), torch.nan_to_num(torch.tensor(values, dtype=torch.float64))):
+        raise ValueError(f"{fmt.name} values are not exactly representable in dtype={dtype}")
+    return table.to(device)
+
+
+E4M3 = FP8Format(
+    name="fp8_e4m3", exponent_bits=4, mantissa_bits=3, exponent_bias=7, max_finite=448.0,
+    min_subnormal=2.0 ** -9, torch_dtype=torch.float8_e4m3fn, has_negative_zero=True, has_inf=False,
+    nan_codes=(0x7F, 0xFF), nan_code=0x7F,
+)
+E4M3FNUZ = FP8Format(
+    name="fp8_e4m3fnuz", exponent_bits=4, mantissa_bits=3, exponent_bias=8, max_finite=240.0,
+    min_subnormal=2.0 ** -10, torch_dtype=torch.float8_e4m3fnuz, has_negative_zero=False, has_inf=False,
+    nan_codes=(0x80,), nan_code=0x80,
+)
+E5M2 = FP8Format(
+    name="fp8_e5m2", exponent_bits=5, mantissa_bits=2, exponent_bias=15, max_finite=57344.0,
+    min_subnormal=2.0 ** -16, torch_dtype=torch.float8_e5m2, has_negative_zero=True, has_inf=True,
+    nan_codes=(0x7D, 0x7E, 0x7F, 0xFD, 0xFE, 0xFF), nan_code=0x7E,
+)
+
+FP8_FORMATS: dict[str, FP8Format] = {f.name: f for f in (E4M3, E4M3FNUZ, E5M2)}
+
+
+def fp8_format(name: str) -> FP8Format:
+    """The FP8 format with canonical ``name`` ("fp8_e4m3", "fp8_e4m3fnuz" or "fp8_e5m2")."""
+    if name not in FP8_FORMATS:
+        raise ValueError(f"fp8 format name={name!r} is not known; choose one of: {', '.join(FP8_FORMATS)}")
+    return FP8_FORMATS[name]
+
+
+def _checked_scale(scale: torch.Tensor | float, shape: torch.Size, where: str) -> torch.Tensor | float:
+    """Validate a scale (finite, > 0, broadcastable to ``shape`` without growing it); tensors become float32."""
+    if isinstance(scale, torch.Tensor):
+        if not scale.dtype.is_floating_point:
+            raise ValueError(f"{where}: scale must be a floating-point tensor or a float, got dtype {scale.dtype}")
+        try:
+            broadcast = torch.broadcast_shapes(shape, scale.shape)
+        except RuntimeError as exc:
+            raise ValueError(f"{where}: scale of shape {tuple(scale.shape)} does not broadcast to "
+                             f"{tuple(shape)}") from exc
+        if broadcast != shape:
+            raise ValueError(f"{where}: scale of shape {tuple(scale.shape)} would broadcast the input of shape "
+                             f"{tuple(shape)} to {tuple(broadcast)}")
+        scale32 = scale.to(torch.float32)
+        if not bool(torch.all(torch.isfinite(scale32) & (scale32 > 0))):
+            raise ValueError(f"{where}: scale must be finite and > 0 everywhere, got {scale}")
+        return scale32
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
+        raise ValueError(f"{where}: scale={scale!r} must be a float or a floating-point tensor")
+    if not (math.isfinite(scale) and scale > 0):
+        raise ValueError(f"{where}: scale={scale!r} must be finite and > 0")
+    return float(scale)
+
+
+def quantize(x: torch.Tensor, scale: torch.Tensor | float, fmt: FP8Format) -> torch.Tensor:
+    """``fmt.encode(float32(x) / scale)``: ``uint8`` codes with the shape of ``x``.
+
+    ``scale`` is a positive finite float or a float tensor broadcastable to ``x`` (per-tensor, per-head, ...).
+    """
+    if not isinstance(x, torch.Tensor) or not x.dtype.is_floating_point:
+        raise ValueError(f"quantize: x must be a floating-point tensor, got "
+                         f"{x.dtype if isinstance(x, torch.Tensor) else type(x).__name__}")
+    return fmt.encode(x.to(torch.float32) / _checked_scale(scale, x.shape, "quantize"))
+
+
+def dequantize(codes: torch.Tensor, scale: torch.Tensor | float, fmt: FP8Format,
+               dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``fmt.decode(codes) * scale``, multiplied in float32 and then cast to ``dtype``."""
+    if not isinstance(codes, torch.Tensor):
+        raise ValueError(f"dequantize: codes must be a torch.uint8 tensor, got {type(codes).__name__}")
+    if dtype not in _DECODE_DTYPES:
+        raise ValueError(f"dequantize: dtype={dtype} is not supported; choose one of {_DECODE_DTYPES}")
+    values = fmt.decode(codes, torch.float32) * _checked_scale(scale, codes.shape, "dequantize")
+    return values.to(dtype)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# kv_cache_dtype resolution
+# ----------------------------------------------------------------------------------------------------------------
+
+KV_CACHE_DTYPE_CHOICES: tuple[str, ...] = (
+    "auto", "bfloat16", "float16", "float32", "fp8", "fp8_e4m3", "fp8_e5m2", "fp8_e4m3fnuz",
+)
+_ALIASES: dict[str, str] = {
+    "bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32", "float": "float32",
+    "fp8": "fp8_e4m3", "fp8_e4m3fn": "fp8_e4m3",
+}
+_FLOAT_CACHES: dict[str, torch.dtype] = {
+    "bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32,
+}
+_COMPUTE_DTYPES: dict[torch.dtype, str] = {dtype: name for name, dtype in _FLOAT_CACHES.items()}
+
+
+@dataclass(frozen=True)
+class KVCacheDtype:
+    """What the user asked for with ``kv_cache_dtype``, resolved.
+
+    Invariants: ``name`` is canonical ("bfloat16" | "float16" | "float32" | "fp8_e4m3" | "fp8_e4m3fnuz" |
+    "fp8_e5m2"); FP8 caches store raw codes (``storage_dtype == torch.uint8`` and ``fp8`` is the matching format);
+    16/32-bit caches store their float dtype and have ``fp8 is None``.
+    """
+
+    name: str
+    storage_dtype: torch.dtype
+    fp8: FP8Format | None
+
+    def __post_init__(self) -> None:
+        if self.name in _FLOAT_CACHES:
+            expected: tuple[torch.dtype, FP8Format | None] = (_FLOAT_CACHES[self.name], None)
+        elif self.name in FP8_FORMATS:
+            expected = (torch.uint8, FP8_FORMATS[self.name])
+        else:
+            raise ValueError(f"KVCacheDtype.name={self.name!r} is not canonical; choose one of: "
+                             f"{', '.join([*_FLOAT_CACHES, *FP8_FORMATS])}")
+        if (self.storage_dtype, self.fp8) != expected:
+            raise ValueError(f"KVCacheDtype {self.name!r}: storage_dtype={self.storage_dtype}, fp8="
+                             f"{self.fp8.name if self.fp8 else None} must be {expected[0]}, "
+                             f"{expected[1].name if expected[1] else None}")
+
+    @property
+    def is_fp8(self) -> bool:
+        """True when the cache stores FP8 codes."""
+        return self.fp8 is not None
+
+    @property
+    def bytes_per_element(self) -> int:
+        """Bytes one cached K or V element occupies (1 for FP8, 2 for 16-bit, 4 for float32)."""
+        return self.storage_dtype.itemsize
+
+
+def resolve_kv_cache_dtype(name: str, compute_dtype: torch.dtype) -> KVCacheDtype:
+    """Resolve a ``kv_cache_dtype`` setting against the model's compute dtype.
+
+    ``"auto"`` is the compute dtype (bfloat16, float16 or float32); ``"fp8"`` is ``fp8_e4m3``; the aliases bf16,
+    fp16, half, fp32, float and fp8_e4m3fn are accepted too. Names are matched exactly (case-sensitive).
+    """
+    if compute_dtype not in _COMPUTE_DTYPES:
+        raise ValueError(f"compute_dtype={compute_dtype} is not supported; choose one of: "
+                         f"{', '.join(str(d) for d in _COMPUTE_DTYPES)}")
+    if not isinstance(name, str) or (name not in KV_CACHE_DTYPE_CHOICES and name not in _ALIASES):
+        raise ValueError(f"kv_cache_dtype={name!r} is not supported; choose one of: "
+                         f"{', '.join(KV_CACHE_DTYPE_CHOICES)} (aliases: {', '.join(_ALIASES)})")
+    canonical = _COMPUTE_DTYPES[compute_dtype] if name == "auto" else _ALIASES.get(name, name)
+    if canonical in _FLOAT_CACHES:
+        return KVCacheDtype(name=canonical, storage_dtype=_FLOAT_CACHES[canonical], fp8=None)
+    return KVCacheDtype(name=canonical, storage_dtype=torch.uint8, fp8=FP8_FORMATS[canonical])

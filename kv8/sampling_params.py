@@ -1,0 +1,198 @@
+"""Per-request sampling parameters, named and defaulted like vLLM's ``SamplingParams``.
+
+User code written for vLLM ports unchanged for the fields listed below: the names, defaults and
+meanings match vLLM's. Everything is validated once, in ``__post_init__``; a bad value raises
+``ValueError`` naming the field, the value and what is allowed. Types are checked too: ``bool`` is
+not accepted where a number is expected, and NaN / infinity are rejected.
+
+Invariants after construction:
+
+* ``stop`` is a ``list[str]`` of non-empty strings (``None`` and a single string are normalised).
+* ``stop_token_ids`` is a ``list[int]`` of non-negative ids (``None`` is normalised to ``[]``).
+* float fields hold ``float`` values, int fields hold ``int`` values.
+
+The dataclass is frozen so that the engine can share one validated object between the ``n`` samples
+of a request without copying; use ``dataclasses.replace`` to derive a modified copy (it re-validates).
+The normalisation above is the only place that writes fields after ``__init__``, and it happens
+before the object is handed out.
+
+Greedy vs random: a temperature below ``GREEDY_TEMPERATURE_EPS`` (1e-5, as in vLLM) means greedy
+decoding; ``top_k``, ``top_p``, ``min_p`` and ``seed`` are then irrelevant. ``n > 1`` with greedy
+decoding is allowed (vLLM allows it) but the ``n`` samples will be identical.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+import numbers
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["GREEDY_TEMPERATURE_EPS", "SamplingParams", "SamplingType"]
+
+GREEDY_TEMPERATURE_EPS = 1e-5
+"""Temperatures strictly below this value select greedy decoding (same threshold as vLLM)."""
+
+# torch.Generator.manual_seed accepts exactly this inclusive range.
+_SEED_MIN = -(2**63)
+_SEED_MAX = 2**64 - 1
+
+
+class SamplingType(enum.Enum):
+    """How the next token of a request is chosen."""
+
+    GREEDY = "greedy"
+    RANDOM = "random"
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _check_int(name: str, value: Any, lo: int | None, hi: int | None, allowed: str) -> int:
+    if not _is_int(value) or (lo is not None and value < lo) or (hi is not None and value > hi):
+        raise ValueError(f"{name} must be {allowed}, got {value!r}")
+    return int(value)
+
+
+def _check_optional_int(name: str, value: Any, lo: int, allowed: str) -> int | None:
+    if value is None:
+        return None
+    return _check_int(name, value, lo, None, allowed + " or None")
+
+
+def _check_float(name: str, value: Any, ok: Any, allowed: str) -> float:
+    """Return ``float(value)`` if it is a finite real (not bool) and ``ok(float(value))``."""
+    if not isinstance(value, numbers.Real) or isinstance(value, bool):
+        raise ValueError(f"{name} must be {allowed}, got {value!r}")
+    as_float = float(value)
+    if not math.isfinite(as_float) or not ok(as_float):
+        raise ValueError(f"{name} must be {allowed}, got {value!r}")
+    return as_float
+
+
+def _check_bool(name: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be a bool (True or False), got {value!r}")
+    return value
+
+
+def _normalise_stop(value: Any) -> list[str]:
+    allowed = "None, a non-empty string or a list of non-empty strings"
+    if value is None:
+        return []
+    items = [value] if isinstance(value, str) else value
+    if not isinstance(items, (list, tuple)):
+        raise ValueError(f"stop must be {allowed}, got {value!r}")
+    for item in items:
+        if not isinstance(item, str) or item == "":
+            raise ValueError(f"stop must be {allowed}, got {value!r} (bad entry {item!r})")
+    return list(items)
+
+
+def _normalise_stop_token_ids(value: Any) -> list[int]:
+    allowed = "None or a list of token ids (ints >= 0)"
+    if value is None:
+        return []
+    if not isinstance(value, (list, tuple)):
+        raise ValueError(f"stop_token_ids must be {allowed}, got {value!r}")
+    for item in value:
+        if not _is_int(item) or item < 0:
+            raise ValueError(f"stop_token_ids must be {allowed}, got {value!r} (bad entry {item!r})")
+    return [int(item) for item in value]
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Sampling parameters of one request (see the module docstring for invariants).
+
+    Fields:
+        n: number of samples to generate for the prompt, >= 1 (identical samples when greedy).
+        temperature: >= 0; below 1e-5 means greedy (argmax).
+        top_p: nucleus mass in (0, 1]; 1 disables.
+        top_k: keep the k most likely tokens, >= 1; 0 or -1 disables (vLLM accepts both).
+        min_p: in [0, 1]; drop tokens whose probability is below ``min_p`` times the top probability.
+        seed: per-request random seed (any int torch.Generator.manual_seed accepts), or None to draw
+            one from the engine's generator.
+        max_tokens: maximum number of generated tokens, >= 1, or None for up to the model's context.
+        min_tokens: EOS and stop tokens are not allowed before this many tokens, 0 <= min_tokens <=
+            max_tokens.
+        stop: strings that end generation when produced (normalised to ``list[str]``).
+        stop_token_ids: token ids that end generation (normalised to ``list[int]``).
+        ignore_eos: keep generating after the EOS token.
+        include_stop_str_in_output: keep the matched stop string in the returned text.
+        logprobs: number of top logprobs returned per generated token, >= 0 (0 = only the sampled
+            token's logprob), or None for no logprobs.
+        prompt_logprobs: the same for prompt tokens.
+        skip_special_tokens: drop special tokens when detokenizing.
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        values: dict[str, Any] = {
+            "n": _check_int("n", self.n, 1, None, "an int >= 1"),
+            "temperature": _check_float(
+                "temperature", self.temperature, lambda v: v >= 0.0, "a finite number >= 0"
+            ),
+            "top_p": _check_float(
+                "top_p", self.top_p, lambda v: 0.0 < v <= 1.0, "a number in (0, 1]"
+            ),
+            "top_k": self._checked_top_k(),
+            "min_p": _check_float(
+                "min_p", self.min_p, lambda v: 0.0 <= v <= 1.0, "a number in [0, 1]"
+            ),
+            "seed": None
+            if self.seed is None
+            else _check_int("seed", self.seed, _SEED_MIN, _SEED_MAX,
+                            f"None or an int in [{_SEED_MIN}, {_SEED_MAX}]"),
+            "max_tokens": _check_optional_int("max_tokens", self.max_tokens, 1, "an int >= 1"),
+            "min_tokens": _check_int("min_tokens", self.min_tokens, 0, None, "an int >= 0"),
+            "stop": _normalise_stop(self.stop),
+            "stop_token_ids": _normalise_stop_token_ids(self.stop_token_ids),
+            "ignore_eos": _check_bool("ignore_eos", self.ignore_eos),
+            "include_stop_str_in_output": _check_bool(
+                "include_stop_str_in_output", self.include_stop_str_in_output
+            ),
+            "logprobs": _check_optional_int("logprobs", self.logprobs, 0, "an int >= 0"),
+            "prompt_logprobs": _check_optional_int(
+                "prompt_logprobs", self.prompt_logprobs, 0, "an int >= 0"
+            ),
+            "skip_special_tokens": _check_bool("skip_special_tokens", self.skip_special_tokens),
+        }
+        max_tokens = values["max_tokens"]
+        if max_tokens is not None and values["min_tokens"] > max_tokens:
+            raise ValueError(
+                f"min_tokens must be <= max_tokens ({max_tokens}), got {self.min_tokens!r}"
+            )
+        # Normalisation during construction only (see module docstring).
+        for name, value in values.items():
+            object.__setattr__(self, name, value)
+
+    def _checked_top_k(self) -> int:
+        top_k = self.top_k
+        if not _is_int(top_k) or not (top_k in (0, -1) or top_k >= 1):
+            raise ValueError(f"top_k must be an int >= 1, or 0 / -1 to disable, got {top_k!r}")
+        return int(top_k)
+
+    @property
+    def sampling_type(self) -> SamplingType:
+        """GREEDY when ``temperature < GREEDY_TEMPERATURE_EPS``, else RANDOM."""
+        if self.temperature < GREEDY_TEMPERATURE_EPS:
+            return SamplingType.GREEDY
+        return SamplingType.RANDOM
