@@ -1,0 +1,84 @@
+"""Shared fixtures: tiny random Hugging Face models (Llama, Qwen2 with bias, GQA) with a small BPE tokenizer.
+
+Models are built with transformers configs and ``save_pretrained`` into a session temp dir; transformers is
+then the independent oracle for logits.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+_TEXT = [
+    "The quick brown fox jumps over the lazy dog. London is the capital of England.",
+    "Paris is the capital of France, and Berlin is the capital of Germany.",
+    "Once upon a time there was a little model that stored its cache in eight bits.",
+    "Numbers: 0 1 2 3 4 5 6 7 8 9 10 100 1000. Punctuation: , . ; : ! ? ( ) [ ] { }",
+] * 4
+
+CHAT_TEMPLATE = ("{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}</s>{% endfor %}"
+                 "{% if add_generation_prompt %}<s>assistant:{% endif %}")
+
+TINY_CONFIGS = {
+    # name: (model_type, extra config)
+    "llama": ("llama", dict(num_attention_heads=4, num_key_value_heads=4)),
+    "llama_gqa": ("llama", dict(num_attention_heads=6, num_key_value_heads=2)),
+    "qwen2": ("qwen2", dict(num_attention_heads=4, num_key_value_heads=2)),
+}
+
+
+def _make_tokenizer(path: str):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=384, special_tokens=["<unk>", "<s>", "</s>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(_TEXT, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(path)
+    return fast
+
+
+def make_tiny_model(path: str, name: str, seed: int = 0, **overrides) -> str:
+    """Save a tiny random model of kind ``name`` (see TINY_CONFIGS) with a tokenizer into ``path``."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    model_type, extra = TINY_CONFIGS[name]
+    tok = _make_tokenizer(path)
+    cfg = dict(vocab_size=len(tok), hidden_size=96, intermediate_size=192, num_hidden_layers=2,
+               head_dim=16, max_position_embeddings=512, rms_norm_eps=1e-6, rope_theta=10000.0,
+               bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
+    cfg.update(extra)
+    cfg.update(overrides)
+    config = AutoConfig.for_model(model_type, **cfg)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
+    with torch.no_grad():  # larger than default init so that attention is not uniform
+        for pname, p in model.named_parameters():
+            if p.dim() == 2:
+                p.normal_(0.0, 0.08)
+            elif pname.endswith("bias"):
+                p.normal_(0.0, 0.1)
+    model.save_pretrained(path, safe_serialization=True)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory) -> dict[str, str]:
+    out = {}
+    for name in TINY_CONFIGS:
+        out[name] = make_tiny_model(str(tmp_path_factory.mktemp(name)), name)
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tiny_models) -> str:
+    return tiny_models["llama"]
