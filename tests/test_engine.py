@@ -1,0 +1,210 @@
+"""End-to-end engine behaviour on a tiny random model, in every KV dtype.
+
+Greedy output must not depend on how requests are batched, on prefix caching, or on preemption; after
+every test all blocks are back in the pool.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from kv8 import LLM, SamplingParams
+
+KV_DTYPES = ["float32", "bfloat16", "fp8_e4m3", "fp8_e4m3fnuz", "fp8_e5m2"]
+PROMPTS = [
+    "The quick brown fox jumps over the lazy dog. London is",
+    "Paris is the capital of",
+    "Once upon a time there was a little model that stored its cache in eight bits. It",
+    "Numbers: 0 1 2 3 4 5 6 7 8 9 10 100",
+    "The quick brown fox jumps over the lazy dog. Berlin is the capital of Germany, and",
+    "Punctuation",
+]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+
+
+def check_all_blocks_free(llm: LLM) -> None:
+    kv = llm.engine.kv
+    kv.check_integrity()
+    assert not kv.req_blocks, f"requests still hold blocks: {list(kv.req_blocks)}"
+    assert kv.num_free_blocks == kv.pool.num_blocks
+    assert not llm.engine.scheduler.has_unfinished() and not llm.engine.parents
+
+
+def make_llm(path: str, **kw) -> LLM:
+    kw.setdefault("dtype", "float32")
+    kw.setdefault("max_model_len", 256)
+    if "num_kv_blocks" not in kw:
+        kw.setdefault("kv_cache_memory", "8MiB")
+    return LLM(model=path, **kw)
+
+
+def tokens_of(outputs) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+@pytest.fixture(scope="module")
+def reference_tokens(tiny_models):
+    """Greedy tokens of each prompt run alone, float32 compute, per KV dtype, prefix caching off."""
+    out = {}
+    for kv in KV_DTYPES:
+        llm = make_llm(tiny_models["llama_gqa"], kv_cache_dtype=kv, enable_prefix_caching=False)
+        out[kv] = [llm.generate(p, GREEDY)[0].outputs[0].token_ids for p in PROMPTS]
+        check_all_blocks_free(llm)
+    return out
+
+
+@pytest.mark.parametrize("kv", KV_DTYPES)
+def test_continuous_batching_equals_one_at_a_time(tiny_models, reference_tokens, kv):
+    llm = make_llm(tiny_models["llama_gqa"], kv_cache_dtype=kv, enable_prefix_caching=False,
+                   max_num_batched_tokens=24, max_num_seqs=4)   # chunked prefill + staggered admission
+    outs = llm.generate(PROMPTS, GREEDY)
+    assert tokens_of(outs) == reference_tokens[kv]
+    check_all_blocks_free(llm)
+
+
+@pytest.mark.parametrize("kv", KV_DTYPES)
+def test_prefix_caching_gives_identical_tokens(tiny_models, reference_tokens, kv):
+    llm = make_llm(tiny_models["llama_gqa"], kv_cache_dtype=kv, enable_prefix_caching=True, block_size=4)
+    first = llm.generate(PROMPTS, GREEDY)
+    again = llm.generate(PROMPTS, GREEDY)          # every prompt now hits cached blocks
+    assert tokens_of(first) == reference_tokens[kv]
+    assert tokens_of(again) == reference_tokens[kv]
+    assert any(o.num_cached_tokens > 0 for o in again)
+    assert llm.engine.kv.prefix_cache_hit_rate() > 0
+    check_all_blocks_free(llm)
+
+
+@pytest.mark.parametrize("kv", KV_DTYPES)
+@pytest.mark.parametrize("prefix_caching", [False, True])
+def test_preemption_under_tiny_cache_gives_identical_tokens(tiny_models, reference_tokens, kv, prefix_caching):
+    # 16 blocks of 4 tokens = 64 token slots for six sequences of ~30 tokens: preemption is certain.
+    llm = make_llm(tiny_models["llama_gqa"], kv_cache_dtype=kv, enable_prefix_caching=prefix_caching,
+                   block_size=4, num_kv_blocks=16, max_model_len=64)
+    outs = llm.generate(PROMPTS, GREEDY)
+    assert llm.engine.scheduler.num_preemptions > 0
+    assert tokens_of(outs) == reference_tokens[kv]
+    check_all_blocks_free(llm)
+
+
+def test_seeded_sampling_is_reproducible_regardless_of_batch(tiny_llama):
+    llm = make_llm(tiny_llama)
+    p = SamplingParams(temperature=1.0, top_p=0.9, seed=1234, max_tokens=10, ignore_eos=True)
+    alone = llm.generate(PROMPTS[1], p)[0].outputs[0].token_ids
+    others = SamplingParams(temperature=1.2, max_tokens=7, ignore_eos=True)
+    batch = llm.generate([PROMPTS[0], PROMPTS[1], PROMPTS[2]], [others, p, others])
+    assert batch[1].outputs[0].token_ids == alone
+    other_seed = llm.generate(PROMPTS[1], SamplingParams(temperature=1.0, top_p=0.9, seed=99, max_tokens=10,
+                                                         ignore_eos=True))
+    assert other_seed[0].outputs[0].token_ids != alone
+    check_all_blocks_free(llm)
+
+
+def test_n_samples_stop_and_lengths(tiny_llama):
+    llm = make_llm(tiny_llama)
+    out = llm.generate(PROMPTS[0], SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=6, ignore_eos=True))[0]
+    assert [c.index for c in out.outputs] == [0, 1, 2]
+    assert all(len(c.token_ids) == 6 and c.finish_reason == "length" for c in out.outputs)
+    assert len({tuple(c.token_ids) for c in out.outputs}) > 1   # seeds seed+i differ
+    # stop_token_ids: stop at the first greedy token.
+    first = llm.generate(PROMPTS[1], GREEDY)[0].outputs[0]
+    stopped = llm.generate(PROMPTS[1], SamplingParams(temperature=0, max_tokens=12,
+                                                      stop_token_ids=[first.token_ids[2]]))[0].outputs[0]
+    assert stopped.finish_reason == "stop" and stopped.stop_reason == first.token_ids[2]
+    assert stopped.token_ids == first.token_ids[:first.token_ids.index(first.token_ids[2]) + 1]
+    # stop string: text is cut before it, finish_reason stop.
+    full = first.text
+    stop = full[len(full) // 2:len(full) // 2 + 2]
+    if stop and stop.strip():
+        s_out = llm.generate(PROMPTS[1], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True,
+                                                        stop=[stop]))[0].outputs[0]
+        assert s_out.finish_reason == "stop" and s_out.stop_reason == stop
+        assert s_out.text == full[:full.index(stop)]
+    check_all_blocks_free(llm)
+
+
+def test_logprobs_and_prompt_logprobs(tiny_llama):
+    llm = make_llm(tiny_llama, max_num_batched_tokens=8)   # prompt logprobs across chunks
+    out = llm.generate(PROMPTS[2], SamplingParams(temperature=0, max_tokens=4, logprobs=3, prompt_logprobs=2,
+                                                  ignore_eos=True))[0]
+    comp = out.outputs[0]
+    assert len(comp.logprobs) == 4
+    for tok, pos in zip(comp.token_ids, comp.logprobs):
+        assert tok in pos and pos[tok].rank == 1          # greedy picks the top token
+        assert len(pos) == 3
+        vals = sorted((lp.logprob for lp in pos.values()), reverse=True)
+        assert all(v <= 0 for v in vals)
+    assert abs(comp.cumulative_logprob - sum(p[t].logprob for t, p in zip(comp.token_ids, comp.logprobs))) < 1e-5
+    plp = out.prompt_logprobs
+    assert len(plp) == len(out.prompt_token_ids) and plp[0] is None
+    for tok, pos in zip(out.prompt_token_ids[1:], plp[1:]):
+        assert tok in pos and len(pos) >= 2
+    check_all_blocks_free(llm)
+
+
+def test_prompt_logprobs_equal_decode_logprobs(tiny_llama):
+    """Scoring a sequence as a prompt gives the logprobs it got while being generated."""
+    llm = make_llm(tiny_llama)
+    gen = llm.generate(PROMPTS[1], SamplingParams(temperature=0, max_tokens=5, logprobs=0, ignore_eos=True))[0]
+    ids = gen.prompt_token_ids + gen.outputs[0].token_ids
+    scored = llm.generate([ids], SamplingParams(max_tokens=1, prompt_logprobs=0))[0].prompt_logprobs
+    n = len(gen.prompt_token_ids)
+    for i, tok in enumerate(gen.outputs[0].token_ids):
+        assert abs(scored[n + i][tok].logprob - gen.outputs[0].logprobs[i][tok].logprob) < 1e-4
+    check_all_blocks_free(llm)
+
+
+def test_chat_uses_the_template(tiny_llama):
+    llm = make_llm(tiny_llama)
+    out = llm.chat([{"role": "user", "content": "hello"}], GREEDY)[0]
+    tok = llm.get_tokenizer()
+    assert tok.decode(out.prompt_token_ids) == "<s>user: hello</s><s>assistant:"
+    check_all_blocks_free(llm)
+
+
+def test_fp8_cache_holds_twice_the_tokens_of_bf16(tiny_llama):
+    caps = {}
+    for kv in ("bfloat16", "fp8_e4m3", "fp8_e5m2", "fp8_e4m3fnuz"):
+        llm = make_llm(tiny_llama, kv_cache_dtype=kv, kv_cache_memory="4MiB")
+        caps[kv] = llm.engine.kv.pool.num_blocks
+        assert llm.engine.cache.nbytes <= 4 * 1024 * 1024
+    assert caps["fp8_e4m3"] == caps["fp8_e5m2"] == caps["fp8_e4m3fnuz"] == 2 * caps["bfloat16"]
+
+
+def test_bad_inputs_raise_clear_errors(tiny_llama):
+    with pytest.raises(ValueError, match="kv_cache_dtype='fp9'.*fp8_e4m3"):
+        make_llm(tiny_llama, kv_cache_dtype="fp9")
+    with pytest.raises(TypeError, match="unknown option.*gpu_memory_utilization"):
+        make_llm(tiny_llama, gpu_memory_utilization=0.9)
+    with pytest.raises(ValueError, match="kv_cache_memory='lots'"):
+        make_llm(tiny_llama, kv_cache_memory="lots")
+    with pytest.raises(ValueError, match="fewer than max_model_len"):
+        make_llm(tiny_llama, num_kv_blocks=2, max_model_len=256)
+    with pytest.raises(ValueError, match="quantization_param_path.*not an FP8"):
+        make_llm(tiny_llama, kv_cache_dtype="bfloat16", quantization_param_path="x.json")
+    with pytest.raises(ValueError, match="max_num_seqs=0"):
+        make_llm(tiny_llama, max_num_seqs=0)
+    llm = make_llm(tiny_llama, max_model_len=32)
+    with pytest.raises(ValueError, match="prompt has .* tokens; with max_model_len=32"):
+        llm.generate("word " * 40, GREEDY)
+    with pytest.raises(ValueError, match="prompt is empty"):
+        llm.generate("", GREEDY)
+    with pytest.raises(ValueError, match="not token ids"):
+        llm.generate([[1, 2, 10**6]], GREEDY)
+    with pytest.raises(ValueError, match="2 SamplingParams for 3 prompts"):
+        llm.generate(PROMPTS[:3], [GREEDY, GREEDY])
+    # The engine still serves after rejected requests, and nothing leaked.
+    assert llm.generate(PROMPTS[1], GREEDY)[0].outputs[0].token_ids
+    check_all_blocks_free(llm)
+
+
+def test_abort_frees_blocks(tiny_llama):
+    llm = make_llm(tiny_llama)
+    eng = llm.engine
+    eng.add_request(PROMPTS[0], SamplingParams(max_tokens=50, ignore_eos=True), request_id="a")
+    eng.add_request(PROMPTS[1], SamplingParams(n=2, max_tokens=50, ignore_eos=True), request_id="b")
+    eng.step()
+    eng.step()
+    assert eng.kv.req_blocks
+    assert eng.abort_request("a") and eng.abort_request("b")
+    assert not eng.abort_request("a")
+    check_all_blocks_free(llm)
