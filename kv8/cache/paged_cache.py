@@ -43,8 +43,10 @@ class PagedKVCache:
         self.shape = shape
         self.kv_dtype = kv_dtype
         self.scales = scales if kv_dtype.is_fp8 else None
-        # zeros: the OS maps pages lazily, so an unused budget costs no resident memory.
-        self.data = torch.zeros(shape.num_layers, 2, shape.num_blocks, shape.num_kv_heads, shape.block_size,
+        # empty, not zeros: pages are mapped lazily, so an unused budget costs neither time nor resident
+        # memory. Slots are always written before they are read (a slot beyond a sequence's length is never
+        # used in its attention), so the initial contents do not matter.
+        self.data = torch.empty(shape.num_layers, 2, shape.num_blocks, shape.num_kv_heads, shape.block_size,
                                 shape.head_dim, dtype=kv_dtype.storage_dtype)
 
     @property

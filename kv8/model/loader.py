@@ -7,6 +7,7 @@ as the parameter directly. KV-scale tensors found in the checkpoint are collecte
 
 from __future__ import annotations
 
+import functools
 import glob
 import json
 import logging
@@ -46,12 +47,18 @@ def read_hf_config(path: str) -> dict[str, Any]:
         raise ValueError(f"cannot read the model config {cfg_path}: {e}") from None
 
 
+@functools.lru_cache(maxsize=2)
+def _read_gguf(path: str, mtime: float) -> tuple[Any, Any]:
+    """Parse a GGUF file once per (path, mtime): the config read and the weight load share the parse."""
+    from kv8.model.gguf_loader import read_gguf
+
+    return read_gguf(path)
+
+
 def read_model_config(kind: str, path: str) -> dict[str, Any]:
     """The Hugging Face config dict of a model, without loading weights."""
     if kind == "gguf":
-        from kv8.model.gguf_loader import read_gguf
-
-        return dict(read_gguf(path)[0].hf_config)
+        return dict(_read_gguf(path, os.path.getmtime(path))[0].hf_config)
     if kind == "hf":
         return read_hf_config(path)
     raise ValueError(f"model kind {kind!r} is not one of: hf, gguf")
@@ -85,9 +92,9 @@ def load_model(kind: str, path: str, dtype: torch.dtype) -> LoadedModel:
     """Build the model for ``path`` (kind ``"hf"`` or ``"gguf"``) with weights in ``dtype``."""
     start = time.perf_counter()
     if kind == "gguf":
-        from kv8.model.gguf_loader import iter_gguf_tensors, read_gguf
+        from kv8.model.gguf_loader import iter_gguf_tensors
 
-        gguf_model, reader = read_gguf(path)
+        gguf_model, reader = _read_gguf(path, os.path.getmtime(path))
         hf_config = dict(gguf_model.hf_config)
         tensors: Iterator[tuple[str, torch.Tensor]] = iter_gguf_tensors(reader, gguf_model, dtype)
     elif kind == "hf":

@@ -1,0 +1,151 @@
+"""The ``kv8`` command line: a thin layer that turns flags into :class:`EngineArgs` and ``SamplingParams``.
+
+Subcommands: ``generate`` (text from a prompt), ``info`` (architecture and KV-cache capacity per dtype).
+Engine flags use vLLM's names (``--kv-cache-dtype``, ``--quantization-param-path``, ``--max-model-len`` ...).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from typing import Sequence
+
+from kv8.config import (ModelArchConfig, blocks_for_memory, default_kv_cache_memory, format_bytes, parse_memory,
+                        resolve_dtype)
+from kv8.engine.args import DEFAULT_MODEL, EngineArgs
+from kv8.quant.formats import KV_CACHE_DTYPE_CHOICES, resolve_kv_cache_dtype
+
+EPILOG = """examples:
+  kv8 generate "London is the capital of"                       # default model, 16-bit cache
+  kv8 generate "London is the capital of" --kv-cache-dtype fp8  # FP8 (E4M3) cache, scale 1.0
+  kv8 generate "Hi" --kv-cache-dtype fp8 --quantization-param-path kv_cache_scales.json
+  kv8 info smollm2-135m --kv-cache-memory 1GiB
+models: the alias smollm2-135m (default), a Hugging Face model directory, or a .gguf file."""
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    """Engine flags shared by every subcommand that runs a model (names follow vLLM)."""
+    d = EngineArgs()
+    g = p.add_argument_group("engine")
+    g.add_argument("--dtype", default=d.dtype, help="compute dtype: auto (=bfloat16), bfloat16, float16, float32")
+    g.add_argument("--kv-cache-dtype", default=d.kv_cache_dtype, choices=KV_CACHE_DTYPE_CHOICES,
+                   help="KV cache storage: auto = the compute dtype; fp8 = fp8_e4m3 (1 byte per value)")
+    g.add_argument("--quantization-param-path", default=None, metavar="JSON",
+                   help="KV scales in vLLM's kv_cache_scales.json format (FP8 caches only)")
+    g.add_argument("--kv-cache-memory", default=None, metavar="SIZE",
+                   help="KV cache budget, e.g. 2GiB (default: 25%% of free memory, at most 4GiB)")
+    g.add_argument("--num-kv-blocks", type=int, default=None, help="KV cache budget in blocks instead of bytes")
+    g.add_argument("--block-size", type=int, default=d.block_size, help="tokens per KV block")
+    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=d.enable_prefix_caching,
+                   help="reuse cached KV blocks of shared prompt prefixes")
+    g.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs, help="max sequences per step")
+    g.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens,
+                   help="max tokens per step (longer prompts are prefilled in chunks)")
+    g.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's, <= 8192)")
+    g.add_argument("--seed", type=int, default=d.seed, help="engine seed for requests without their own")
+    g.add_argument("--attention-backend", default=d.attention_backend, help="auto or reference")
+
+
+def engine_args_from(ns: argparse.Namespace, model: str) -> EngineArgs:
+    return EngineArgs(model=model, dtype=ns.dtype, kv_cache_dtype=ns.kv_cache_dtype,
+                      quantization_param_path=ns.quantization_param_path, kv_cache_memory=ns.kv_cache_memory,
+                      num_kv_blocks=ns.num_kv_blocks, block_size=ns.block_size,
+                      enable_prefix_caching=ns.enable_prefix_caching, max_num_seqs=ns.max_num_seqs,
+                      max_num_batched_tokens=ns.max_num_batched_tokens, max_model_len=ns.max_model_len,
+                      seed=ns.seed, attention_backend=ns.attention_backend)
+
+
+def cmd_generate(ns: argparse.Namespace) -> int:
+    from kv8 import LLM, SamplingParams
+
+    llm = LLM(**vars(engine_args_from(ns, ns.model)))
+    params = SamplingParams(n=ns.n, temperature=ns.temperature, top_p=ns.top_p, top_k=ns.top_k, min_p=ns.min_p,
+                            seed=ns.sampling_seed, max_tokens=ns.max_tokens, stop=ns.stop or None,
+                            ignore_eos=ns.ignore_eos)
+    outs = llm.chat([{"role": "user", "content": p} for p in ns.prompt][:1], params) if ns.chat and len(ns.prompt) == 1 \
+        else llm.generate(list(ns.prompt), params)
+    for out in outs:
+        for c in out.outputs:
+            if ns.json:
+                print(json.dumps({"prompt": out.prompt, "index": c.index, "text": c.text, "token_ids": c.token_ids,
+                                  "finish_reason": c.finish_reason}))
+            else:
+                print((out.prompt or "") + c.text if not ns.chat else c.text)
+    return 0
+
+
+def cmd_info(ns: argparse.Namespace) -> int:
+    from kv8.model.loader import read_model_config
+    from kv8.model.registry import resolve_model_path
+
+    kind, path = resolve_model_path(ns.model)
+    arch = ModelArchConfig.from_hf_config(read_model_config(kind, path))
+    memory = parse_memory(ns.kv_cache_memory) if ns.kv_cache_memory else default_kv_cache_memory()
+    print(f"model        {ns.model} ({kind}: {path})")
+    print(f"architecture {arch.model_type}: {arch.num_layers} layers, hidden {arch.hidden_size}, "
+          f"{arch.num_heads} query / {arch.num_kv_heads} KV heads, head_dim {arch.head_dim}, "
+          f"vocab {arch.vocab_size}, context {arch.max_position_embeddings}, rope_theta {arch.rope_theta:g}")
+    print(f"KV budget    {format_bytes(memory)}, blocks of {ns.block_size} tokens\n")
+    print(f"{'kv_cache_dtype':<15}{'bytes/token':>12}{'blocks':>10}{'tokens':>11}{'x 16-bit':>10}")
+    base = None
+    for name in ("bfloat16", "float32", "fp8_e4m3", "fp8_e5m2", "fp8_e4m3fnuz"):
+        kvd = resolve_kv_cache_dtype(name, resolve_dtype("auto"))
+        blocks = blocks_for_memory(memory, arch, kvd, ns.block_size)
+        tokens = blocks * ns.block_size
+        base = base or tokens
+        print(f"{name:<15}{arch.kv_bytes_per_token(kvd):>12}{blocks:>10}{tokens:>11}{tokens / base:>10.2f}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kv8", description="LLM inference with an 8-bit floating-point KV cache.",
+                                     epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("-v", "--verbose", action="store_true", help="log engine details (cache size, timings)")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    g = sub.add_parser("generate", help="generate text for one or more prompts",
+                       description="Generate text for one or more prompts and print prompt + completion.",
+                       epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    g.add_argument("prompt", nargs="+", help="prompt text (several prompts are batched)")
+    g.add_argument("--model", "-m", default=DEFAULT_MODEL, help=f"model to run (default: {DEFAULT_MODEL})")
+    s = g.add_argument_group("sampling")
+    s.add_argument("--max-tokens", type=int, default=64, help="tokens to generate per prompt (default 64)")
+    s.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    s.add_argument("--top-p", type=float, default=1.0)
+    s.add_argument("--top-k", type=int, default=0)
+    s.add_argument("--min-p", type=float, default=0.0)
+    s.add_argument("--n", type=int, default=1, help="completions per prompt")
+    s.add_argument("--sampling-seed", type=int, default=None, help="seed for reproducible sampling")
+    s.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    s.add_argument("--ignore-eos", action="store_true")
+    g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    g.add_argument("--json", action="store_true", help="print one JSON object per completion")
+    add_engine_args(g)
+    g.set_defaults(func=cmd_generate)
+
+    i = sub.add_parser("info", help="architecture and KV-cache capacity per dtype",
+                       description="Show a model's architecture and, for each KV dtype, bytes per token and how "
+                                   "many tokens fit in a cache memory budget. Loads no weights.")
+    i.add_argument("model", nargs="?", default=DEFAULT_MODEL, help=f"model (default: {DEFAULT_MODEL})")
+    i.add_argument("--kv-cache-memory", default=None, metavar="SIZE", help="budget, e.g. 2GiB (default as engine)")
+    i.add_argument("--block-size", type=int, default=16)
+    i.set_defaults(func=cmd_info)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    ns = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO if ns.verbose else logging.WARNING,
+                        format="%(levelname)s %(name)s: %(message)s")
+    try:
+        return ns.func(ns)
+    except ValueError as e:
+        print(f"kv8: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

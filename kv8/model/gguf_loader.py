@@ -1,0 +1,355 @@
+"""Reading a GGUF checkpoint (llama.cpp's format) as a Hugging Face config and HF-named torch tensors.
+
+`read_gguf` parses the metadata into a ``config.json``-style dict (`GGUFModel.hf_config`) and checks the
+tensor table up front (every tensor maps to a known HF name, has a supported type and the shape the config
+implies), so a bad file fails before any weight is dequantized. `iter_gguf_tensors` then yields
+``(hf_name, tensor)`` pairs one at a time, dequantized with `gguf.quants.dequantize` (numpy, float32) and
+cast to the compute dtype, so peak memory is one float32 tensor beyond the model itself.
+
+Invariants of the yielded tensors:
+
+* shapes are Hugging Face's (``[out_features, in_features]``); GGUF stores dimensions fastest-first, i.e.
+  reversed, and the dequantized numpy array is already in HF order;
+* for the ``llama`` architecture, llama.cpp's converter reorders the rows of every attention head of
+  ``q_proj``/``k_proj`` (weights and biases) from HF's half-split rotary layout (``[x0..x(d/2-1),
+  y0..y(d/2-1)]``) to an interleaved one (``[x0, y0, x1, y1, ...]``); the rows are put back here, so the
+  tensors equal what transformers produces from the same file. ``qwen2`` files are not permuted;
+* ``lm_head.weight`` is yielded only when the file has ``output.weight``; otherwise
+  ``hf_config["tie_word_embeddings"]`` is True and the embedding doubles as the output projection.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import gguf
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType as QT
+from gguf import GGUFValueType
+
+SUPPORTED_ARCHITECTURES: tuple[str, ...] = ("llama", "qwen2")
+_HF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+
+SUPPORTED_TENSOR_TYPES: frozenset[QT] = frozenset({
+    QT.F32, QT.F16, QT.BF16, QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1, QT.Q8_0,
+    QT.Q2_K, QT.Q3_K, QT.Q4_K, QT.Q5_K, QT.Q6_K,
+})
+
+_REQUIRED_CONFIG_KEYS = (
+    "model_type", "architectures", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+    "num_attention_heads", "num_key_value_heads", "head_dim", "rms_norm_eps", "rope_theta",
+    "max_position_embeddings", "tie_word_embeddings", "attention_bias", "bos_token_id", "eos_token_id",
+)
+
+# GGUF tensor name -> HF name; per-layer names are below and prefixed with blk.N. / model.layers.N.
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_LAYER_NAMES = {
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+    "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+}
+
+
+@dataclass(frozen=True)
+class GGUFModel:
+    """A GGUF file's model description.
+
+    ``hf_config`` is a Hugging Face ``config.json``-style dict (treat it as read-only) holding at least
+    `_REQUIRED_CONFIG_KEYS`, plus ``hidden_act`` and, when the file states one, ``rope_scaling``.
+    ``model_type`` is one of `SUPPORTED_ARCHITECTURES`.
+    """
+
+    hf_config: dict[str, Any]
+    path: str
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.path, str) or not self.path:
+            raise ValueError(f"GGUFModel.path must be a non-empty string, got {self.path!r}")
+        missing = [key for key in _REQUIRED_CONFIG_KEYS if key not in self.hf_config]
+        if missing:
+            raise ValueError(f"GGUFModel.hf_config is missing {missing}")
+        if self.hf_config["model_type"] not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(f"GGUFModel.hf_config['model_type'] is {self.hf_config['model_type']!r}; "
+                             f"supported: {list(SUPPORTED_ARCHITECTURES)}")
+
+
+def _has_fast_get() -> bool:
+    method = getattr(gguf.GGUFReader, "_get", None)
+    if method is None:
+        return False
+    params = list(inspect.signature(method).parameters)
+    return params[:5] == ["self", "offset", "dtype", "count", "override_order"]
+
+
+class _FastGGUFReader(gguf.GGUFReader):
+    """`gguf.GGUFReader` that slices its file through a plain ndarray view of the memory map.
+
+    The stock reader parses ~100k tiny metadata parts (the vocabulary and merges) by slicing an
+    ``np.memmap``, whose per-slice Python overhead is ~2/3 of its parse time (about 2 s for SmolLM2).
+    The bytes and the values are the same; only the wrapper type differs (tensor ``data`` arrays become
+    read-only ``np.ndarray`` views of the mapping instead of ``np.memmap``). This overrides the private
+    ``GGUFReader._get``; `read_gguf` uses the stock reader when that method's signature is not the
+    expected one, which costs time, never correctness.
+    """
+
+    def _get(self, offset: int, dtype: Any, count: int = 1, override_order: Any = None) -> np.ndarray:
+        plain = self.__dict__.get("_kv8_plain")
+        if plain is None:
+            plain = self.data.view(np.ndarray)
+            self.__dict__["_kv8_plain"] = plain
+        count = int(count)
+        item_type = np.dtype(dtype)
+        arr = plain[offset:offset + item_type.itemsize * count].view(item_type)[:count]
+        return arr.view(arr.dtype.newbyteorder(self.byte_order if override_order is None else override_order))
+
+
+_READER_CLASS: type[gguf.GGUFReader] = _FastGGUFReader if _has_fast_get() else gguf.GGUFReader
+
+
+def _field_value(reader: gguf.GGUFReader, key: str) -> Any:
+    """The scalar or string metadata value under ``key``, or None when the file lacks it."""
+    field = reader.fields.get(key)
+    if field is None:
+        return None
+    value_type = field.types[0]
+    if value_type == GGUFValueType.ARRAY:
+        raise ValueError(f"GGUF metadata key {key!r} holds an array; a single value was expected")
+    part = field.parts[field.data[0]]
+    if value_type == GGUFValueType.STRING:
+        return bytes(part).decode("utf-8")
+    return part[0].item()
+
+
+def _require(reader: gguf.GGUFReader, key: str, path: str) -> Any:
+    value = _field_value(reader, key)
+    if value is None:
+        raise ValueError(f"GGUF file {path!r} lacks the metadata key {key!r}")
+    return value
+
+
+def _rope_scaling(reader: gguf.GGUFReader, arch: str, path: str) -> dict[str, Any] | None:
+    """HF ``rope_scaling`` from ``{arch}.rope.scaling.*``; None when absent or of type ``none``."""
+    prefix = f"{arch}.rope.scaling."
+    scaling_type = _field_value(reader, prefix + "type")
+    factor = _field_value(reader, prefix + "factor")
+    if scaling_type is None:
+        if factor is not None and factor != 1.0:
+            raise ValueError(f"GGUF file {path!r} has {prefix}factor={factor} but no {prefix}type")
+        return None
+    if scaling_type == "none":
+        return None
+    if scaling_type not in ("linear", "yarn"):
+        raise ValueError(f"GGUF file {path!r} has {prefix}type={scaling_type!r}; supported: 'none', 'linear', 'yarn'")
+    if factor is None:
+        raise ValueError(f"GGUF file {path!r} has {prefix}type={scaling_type!r} but no {prefix}factor")
+    scaling: dict[str, Any] = {"rope_type": scaling_type, "factor": float(factor)}
+    optional = {
+        "original_context_length": "original_max_position_embeddings",
+        "attn_factor": "attention_factor",
+        "yarn_beta_fast": "beta_fast",
+        "yarn_beta_slow": "beta_slow",
+    }
+    for gguf_key, hf_key in optional.items():
+        value = _field_value(reader, prefix + gguf_key)
+        if value is not None:
+            scaling[hf_key] = value
+    return scaling
+
+
+def _hf_config(reader: gguf.GGUFReader, path: str) -> dict[str, Any]:
+    arch = _require(reader, "general.architecture", path)
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise ValueError(f"GGUF file {path!r} has architecture {arch!r}; supported: {list(SUPPORTED_ARCHITECTURES)}")
+    names = {tensor.name for tensor in reader.tensors}
+    if "rope_freqs.weight" in names:
+        raise ValueError(f"GGUF file {path!r} has a rope_freqs.weight tensor (Llama-3-style per-frequency rope "
+                         f"factors), which kv8 does not support")
+    tokens = reader.fields.get("tokenizer.ggml.tokens")
+    if tokens is None:
+        raise ValueError(f"GGUF file {path!r} lacks the metadata key 'tokenizer.ggml.tokens' (the vocabulary)")
+
+    def key(name: str) -> Any:
+        return _require(reader, f"{arch}.{name}", path)
+
+    hidden_size = key("embedding_length")
+    num_heads = key("attention.head_count")
+    num_kv_heads = _field_value(reader, f"{arch}.attention.head_count_kv")
+    num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads  # llama.cpp's default: no GQA
+    head_dim = _field_value(reader, f"{arch}.attention.key_length")
+    if head_dim is None:
+        if hidden_size % num_heads:
+            raise ValueError(f"GGUF file {path!r}: {arch}.embedding_length={hidden_size} is not divisible by "
+                             f"{arch}.attention.head_count={num_heads} and there is no {arch}.attention.key_length")
+        head_dim = hidden_size // num_heads
+    for other in ("attention.value_length", "rope.dimension_count"):
+        value = _field_value(reader, f"{arch}.{other}")
+        if value is not None and value != head_dim:
+            raise ValueError(f"GGUF file {path!r} has {arch}.{other}={value} but head_dim={head_dim}; kv8 supports "
+                             f"only full-width rotary embeddings with equal key and value head sizes")
+    if num_heads % num_kv_heads:
+        raise ValueError(f"GGUF file {path!r}: head_count={num_heads} is not a multiple of head_count_kv={num_kv_heads}")
+    rope_theta = _field_value(reader, f"{arch}.rope.freq_base")
+
+    config: dict[str, Any] = {
+        "model_type": arch,
+        "architectures": [_HF_ARCHITECTURES[arch]],
+        "vocab_size": len(tokens.data),
+        "hidden_size": hidden_size,
+        "intermediate_size": key("feed_forward_length"),
+        "num_hidden_layers": key("block_count"),
+        "num_attention_heads": num_heads,
+        "num_key_value_heads": num_kv_heads,
+        "head_dim": head_dim,
+        "hidden_act": "silu",
+        "rms_norm_eps": float(key("attention.layer_norm_rms_epsilon")),
+        "rope_theta": 10000.0 if rope_theta is None else float(rope_theta),  # llama.cpp's default
+        "max_position_embeddings": key("context_length"),
+        "tie_word_embeddings": "output.weight" not in names,
+        "attention_bias": "blk.0.attn_q.bias" in names,
+        "bos_token_id": _field_value(reader, "tokenizer.ggml.bos_token_id"),
+        "eos_token_id": _field_value(reader, "tokenizer.ggml.eos_token_id"),
+    }
+    scaling = _rope_scaling(reader, arch, path)
+    if scaling is not None:
+        config["rope_scaling"] = scaling
+    return config
+
+
+def hf_tensor_name(gguf_name: str) -> str:
+    """The Hugging Face name of a GGUF tensor (``blk.3.attn_q.weight`` -> ``model.layers.3.self_attn.q_proj.weight``).
+    Raises `ValueError` for a name with no mapping."""
+    if gguf_name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[gguf_name]
+    parts = gguf_name.split(".", 2)
+    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _LAYER_NAMES:
+        return f"model.layers.{int(parts[1])}.{_LAYER_NAMES[parts[2]]}"
+    raise ValueError(f"GGUF tensor {gguf_name!r} has no Hugging Face Llama/Qwen2 equivalent")
+
+
+def _expected_shapes(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
+    """Every HF tensor name the config implies, with its shape."""
+    hidden, inter = config["hidden_size"], config["intermediate_size"]
+    q_rows = config["num_attention_heads"] * config["head_dim"]
+    kv_rows = config["num_key_value_heads"] * config["head_dim"]
+    shapes: dict[str, tuple[int, ...]] = {
+        "model.embed_tokens.weight": (config["vocab_size"], hidden),
+        "model.norm.weight": (hidden,),
+    }
+    if not config["tie_word_embeddings"]:
+        shapes["lm_head.weight"] = (config["vocab_size"], hidden)
+    for i in range(config["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        shapes |= {
+            p + "self_attn.q_proj.weight": (q_rows, hidden),
+            p + "self_attn.k_proj.weight": (kv_rows, hidden),
+            p + "self_attn.v_proj.weight": (kv_rows, hidden),
+            p + "self_attn.o_proj.weight": (hidden, q_rows),
+            p + "mlp.gate_proj.weight": (inter, hidden),
+            p + "mlp.up_proj.weight": (inter, hidden),
+            p + "mlp.down_proj.weight": (hidden, inter),
+            p + "input_layernorm.weight": (hidden,),
+            p + "post_attention_layernorm.weight": (hidden,),
+        }
+        if config["attention_bias"]:
+            shapes |= {p + "self_attn.q_proj.bias": (q_rows,), p + "self_attn.k_proj.bias": (kv_rows,),
+                       p + "self_attn.v_proj.bias": (kv_rows,)}
+    return shapes
+
+
+def _hf_shape(tensor: Any) -> tuple[int, ...]:
+    return tuple(int(dim) for dim in reversed(tensor.shape.tolist()))  # GGUF lists dims fastest-first
+
+
+def _check_tensors(reader: gguf.GGUFReader, model: GGUFModel) -> None:
+    expected = _expected_shapes(model.hf_config)
+    found: set[str] = set()
+    for tensor in reader.tensors:
+        name = hf_tensor_name(tensor.name)
+        if name not in expected:
+            raise ValueError(f"GGUF file {model.path!r} has tensor {tensor.name!r} ({name}), which its config "
+                             f"does not imply (layers={model.hf_config['num_hidden_layers']}, "
+                             f"attention_bias={model.hf_config['attention_bias']})")
+        if tensor.tensor_type not in SUPPORTED_TENSOR_TYPES:
+            supported = sorted(t.name for t in SUPPORTED_TENSOR_TYPES)
+            raise ValueError(f"GGUF tensor {tensor.name!r} in {model.path!r} has type {tensor.tensor_type.name}; "
+                             f"supported: {supported}")
+        if _hf_shape(tensor) != expected[name]:
+            raise ValueError(f"GGUF tensor {tensor.name!r} in {model.path!r} has shape {_hf_shape(tensor)} "
+                             f"(HF order); the config implies {expected[name]}")
+        found.add(name)
+    missing = sorted(set(expected) - found)
+    if missing:
+        raise ValueError(f"GGUF file {model.path!r} lacks {len(missing)} tensors, e.g. {missing[:3]}")
+
+
+def read_gguf(path: str) -> tuple[GGUFModel, gguf.GGUFReader]:
+    """Parse ``path`` (metadata and tensor table; the tensor data stays memory-mapped) and validate it.
+
+    Raises `ValueError` for a missing or malformed file, an unsupported architecture (naming it and
+    `SUPPORTED_ARCHITECTURES`), an unsupported tensor type, or tensors that do not match the config.
+    """
+    if not os.path.isfile(path):
+        raise ValueError(f"GGUF path {path!r} is not a file")
+    try:
+        reader = _READER_CLASS(path)
+    except (ValueError, KeyError, IndexError) as error:
+        raise ValueError(f"GGUF file {path!r} could not be parsed: {error}") from error
+    model = GGUFModel(hf_config=_hf_config(reader, path), path=path)
+    _check_tensors(reader, model)
+    return model, reader
+
+
+def _unpermute_rotary_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """Undo llama.cpp's per-head interleave of rotary rows: within each head, GGUF row ``2*i + j`` is HF row
+    ``j*d/2 + i`` (``j`` in {0, 1}, ``d`` the head size). Works on weights ``[rows, in]`` and biases ``[rows]``."""
+    half = weight.shape[0] // num_heads // 2
+    # (heads, d/2, 2, *rest) -> (heads, 2, d/2, *rest)
+    return weight.reshape(num_heads, half, 2, *weight.shape[1:]).transpose(1, 2).reshape(weight.shape)
+
+
+def _dequantize(tensor: Any) -> torch.Tensor:
+    """float32 torch tensor in HF shape; never a view of the (read-only) file mapping."""
+    array = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+    array = array.reshape(_hf_shape(tensor))
+    if not array.flags.writeable or array.dtype != np.float32:
+        array = array.astype(np.float32, copy=True)
+    return torch.from_numpy(array)
+
+
+def iter_gguf_tensors(reader: gguf.GGUFReader, model: GGUFModel, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(hf_name, tensor)`` for every tensor of the file, in file order, dequantized to ``dtype``.
+
+    ``reader`` and ``model`` must come from the same `read_gguf` call. Tensors are contiguous, own their
+    memory, and have HF shapes and (for llama) HF row order; see the module docstring.
+    """
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise ValueError(f"dtype must be a floating-point torch.dtype, got {dtype!r}")
+    config = model.hf_config
+    heads = {"q_proj": config["num_attention_heads"], "k_proj": config["num_key_value_heads"]}
+    permuted = config["model_type"] == "llama"
+    for tensor in reader.tensors:
+        name = hf_tensor_name(tensor.name)
+        weight = _dequantize(tensor)
+        if permuted and ".self_attn." in name:
+            projection = name.split(".")[-2]
+            if projection in heads:
+                weight = _unpermute_rotary_rows(weight, heads[projection])
+        yield name, weight.to(dtype).contiguous()

