@@ -60,7 +60,7 @@ def make_tiny_model(path: str, name: str, seed: int = 0, **overrides) -> str:
     cfg.update(overrides)
     config = AutoConfig.for_model(model_type, **cfg)
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():  # larger than default init so that attention is not uniform
         for pname, p in model.named_parameters():
             if p.dim() == 2:

@@ -79,7 +79,7 @@ def hf_logits(path: str, tokens: list[int], kv_name: str = "float32") -> torch.T
     from transformers import AutoModelForCausalLM
 
     attn = _register_fp8_attention(kv_name) if kv_name in FP8_NP else "eager"
-    model = AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32, attn_implementation=attn)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation=attn)
     with torch.no_grad():
         return model(torch.tensor([tokens])).logits[0].float()
 

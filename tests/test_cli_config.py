@@ -1,0 +1,92 @@
+"""The CLI (thin layer over EngineArgs) and the config validation it relies on."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from kv8.config import ModelArchConfig, RopeScaling, parse_memory, resolve_dtype
+from kv8.entrypoints.cli import build_parser, main
+
+
+def test_generate_and_info_on_a_tiny_model(tiny_llama, capsys):
+    assert main(["generate", "Paris is the", "London is", "--model", tiny_llama, "--max-tokens", "5",
+                 "--ignore-eos", "--kv-cache-dtype", "fp8_e5m2", "--kv-cache-memory", "4MiB",
+                 "--max-model-len", "128", "--json"]) == 0
+    lines = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
+    assert [x["prompt"] for x in lines] == ["Paris is the", "London is"]
+    assert all(len(x["token_ids"]) == 5 and x["finish_reason"] == "length" for x in lines)
+    assert main(["info", tiny_llama, "--kv-cache-memory", "1MiB"]) == 0
+    out = capsys.readouterr().out
+    assert "2 layers" in out and "4 query / 4 KV heads" in out
+    rows = {line.split()[0]: line.split() for line in out.splitlines() if line.startswith(("bfloat16", "fp8"))}
+    assert int(rows["fp8_e4m3"][3]) == 2 * int(rows["bfloat16"][3])       # twice the tokens
+    assert int(rows["fp8_e4m3"][1]) == 2 * 2 * 4 * 16                       # K+V x layers x heads x dim bytes
+
+
+def test_cli_errors_are_clear(tiny_llama, capsys):
+    assert main(["generate", "x", "--model", "/nonexistent/model"]) == 2
+    assert "does not download" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["generate", "x", "--kv-cache-dtype", "int4"])
+    assert "invalid choice: 'int4'" in capsys.readouterr().err
+
+
+def test_help_is_readable(capsys):
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["generate", "--help"])
+    text = capsys.readouterr().out
+    for flag in ("--kv-cache-dtype", "--quantization-param-path", "--max-tokens", "examples:"):
+        assert flag in text
+
+
+@pytest.mark.parametrize("value,expected", [(1024, 1024), ("2GiB", 2 * 1024**3), ("512MiB", 512 * 1024**2),
+                                            ("1.5GB", 1_500_000_000), ("1000", 1000)])
+def test_parse_memory(value, expected):
+    assert parse_memory(value) == expected
+
+
+@pytest.mark.parametrize("value", ["lots", "-1GiB", 0, -5, True, "2 parsecs", None])
+def test_parse_memory_rejects(value):
+    with pytest.raises(ValueError, match="kv_cache_memory"):
+        parse_memory(value)
+
+
+def test_dtype_names():
+    assert resolve_dtype("auto") == torch.bfloat16 and resolve_dtype("float32") == torch.float32
+    with pytest.raises(ValueError, match="dtype='int8'.*bfloat16"):
+        resolve_dtype("int8")
+
+
+def test_arch_config_validation():
+    base = dict(model_type="llama", vocab_size=10, hidden_size=8, intermediate_size=16, num_hidden_layers=1,
+                num_attention_heads=2, num_key_value_heads=2)
+    arch = ModelArchConfig.from_hf_config(base)
+    assert arch.head_dim == 4 and arch.gqa_ratio == 1 and not arch.attention_bias
+    assert ModelArchConfig.from_hf_config({**base, "model_type": "qwen2"}).attention_bias
+    with pytest.raises(ValueError, match="model_type='gpt2'"):
+        ModelArchConfig.from_hf_config({**base, "model_type": "gpt2"})
+    with pytest.raises(ValueError, match="num_key_value_heads=3"):
+        ModelArchConfig.from_hf_config({**base, "num_key_value_heads": 3})
+    with pytest.raises(ValueError, match="missing the key 'vocab_size'"):
+        ModelArchConfig.from_hf_config({k: v for k, v in base.items() if k != "vocab_size"})
+    with pytest.raises(ValueError, match="rope_scaling type 'yarn'"):
+        RopeScaling.from_dict({"rope_type": "yarn", "factor": 2.0})
+
+
+def test_llama3_rope_scaling_matches_transformers(tmp_path):
+    """kv8's inverse frequencies equal transformers' for llama3 and linear scaling."""
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from kv8.model.llama import rope_inv_freq
+
+    for rs in ({"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64}, {"rope_type": "linear", "factor": 4.0}):
+        cfg = LlamaConfig(hidden_size=64, num_attention_heads=2, max_position_embeddings=512,
+                          rope_scaling=dict(rs, rope_theta=10000.0), rope_theta=10000.0)
+        expected, _ = ROPE_INIT_FUNCTIONS[rs["rope_type"]](cfg, "cpu")
+        arch = ModelArchConfig.from_hf_config({**cfg.to_dict(), "rope_scaling": rs, "rope_theta": 10000.0})
+        torch.testing.assert_close(rope_inv_freq(arch), expected.float(), rtol=1e-6, atol=0)

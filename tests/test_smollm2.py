@@ -1,0 +1,37 @@
+"""The real default model (SmolLM2-135M-Instruct, GGUF Q4_1) through the whole engine."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from kv8 import LLM, SamplingParams
+
+FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures")
+VLLM_SCALES = os.path.join(FIXTURES, "vllm-llama2-7b-kv_cache_scales.json")
+GREEDY = SamplingParams(temperature=0, max_tokens=8)
+
+
+@pytest.mark.parametrize("kv", ["auto", "fp8", "fp8_e5m2", "fp8_e4m3fnuz"])
+def test_capital_of_france_is_paris(kv):
+    llm = LLM(model="smollm2-135m", kv_cache_dtype=kv, kv_cache_memory="64MiB", max_model_len=1024)
+    text = llm.generate("The capital of France is", GREEDY)[0].outputs[0].text
+    assert "Paris" in text, text
+    kv_mgr = llm.engine.kv
+    assert kv_mgr.num_free_blocks == kv_mgr.pool.num_blocks
+
+
+def test_chat_and_issue_example():
+    llm = LLM(model="smollm2-135m", kv_cache_dtype="fp8", kv_cache_memory="64MiB", max_model_len=1024)
+    out = llm.generate("London is the capital of", SamplingParams(temperature=1.3, top_p=0.8, seed=0))
+    assert out[0].outputs[0].text and len(out[0].outputs[0].token_ids) == 16
+    chat = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
+                    SamplingParams(temperature=0, max_tokens=24))[0].outputs[0]
+    assert "Paris" in chat.text, chat.text
+
+
+def test_vllm_scales_file_is_rejected_for_smollm2_with_the_mismatch():
+    with pytest.raises(ValueError, match=r"32.*30|30.*32"):
+        LLM(model="smollm2-135m", kv_cache_dtype="fp8", quantization_param_path=VLLM_SCALES,
+            kv_cache_memory="64MiB", max_model_len=1024)
