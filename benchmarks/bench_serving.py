@@ -1,0 +1,72 @@
+"""Serving throughput at a fixed KV-cache memory budget: bf16 cache vs FP8 cache, side by side in one run.
+
+Many concurrent requests with long prompts go through kv8's continuous batching. The KV budget is the same
+for every configuration, so an FP8 cache holds twice the tokens and can run about twice the sequences at
+once. Prints generated tokens per second, peak concurrent sequences, preemptions, and the ratio to bf16.
+
+    .venv/bin/python benchmarks/bench_serving.py                  # default workload (a few minutes)
+    .venv/bin/python benchmarks/bench_serving.py --quick          # small smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import time
+
+from kv8 import LLM, SamplingParams
+
+
+def run(kv_dtype: str, prompts: list[list[int]], args: argparse.Namespace) -> dict:
+    llm = LLM(model=args.model, kv_cache_dtype=kv_dtype, kv_cache_memory=args.kv_cache_memory,
+              max_model_len=args.prompt_len + args.max_tokens + 16, max_num_seqs=args.max_num_seqs,
+              max_num_batched_tokens=args.max_num_batched_tokens, enable_prefix_caching=False)
+    eng = llm.engine
+    params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
+    for i, p in enumerate(prompts):
+        eng.add_request(p, params, request_id=str(i))
+    peak, generated, steps = 0, 0, 0
+    start = time.perf_counter()
+    while eng.has_unfinished_requests():
+        outs = eng.step()
+        steps += 1
+        peak = max(peak, len(eng.scheduler.running))
+        generated += sum(len(o.outputs[0].token_ids) for o in outs if o.finished)
+    elapsed = time.perf_counter() - start
+    assert eng.kv.num_free_blocks == eng.kv.pool.num_blocks
+    return {"kv": kv_dtype, "seconds": elapsed, "tok_s": generated / elapsed, "peak": peak, "steps": steps,
+            "preemptions": eng.scheduler.num_preemptions, "blocks": eng.kv.pool.num_blocks,
+            "capacity": eng.kv.pool.num_blocks * eng.config.cache.block_size, "generated": generated}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--num-requests", type=int, default=64)
+    ap.add_argument("--prompt-len", type=int, default=512)
+    ap.add_argument("--max-tokens", type=int, default=256)
+    ap.add_argument("--kv-cache-memory", default="136MiB",
+                    help="the same budget for every configuration (136MiB holds ~8 bf16 / ~16 fp8 sequences of "
+                         "768 tokens of SmolLM2)")
+    ap.add_argument("--max-num-seqs", type=int, default=64)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    ap.add_argument("--kv-dtypes", default="bfloat16,fp8_e4m3,fp8_e5m2")
+    ap.add_argument("--quick", action="store_true", help="16 requests, 256-token prompts, 64 new tokens, 24MiB")
+    args = ap.parse_args()
+    if args.quick:
+        args.num_requests, args.prompt_len, args.max_tokens, args.kv_cache_memory = 16, 256, 64, "24MiB"
+    rng = random.Random(0)
+    prompts = [[rng.randrange(100, 40000) for _ in range(args.prompt_len)] for _ in range(args.num_requests)]
+    print(f"workload: {args.num_requests} requests x {args.prompt_len} prompt tokens + {args.max_tokens} new "
+          f"tokens, KV budget {args.kv_cache_memory}, model {args.model}")
+    results = [run(kv, prompts, args) for kv in args.kv_dtypes.split(",")]
+    base = results[0]["tok_s"]
+    print(f"{'kv_cache_dtype':<14}{'tokens':>8}{'blocks':>8}{'peak seqs':>10}{'preempt':>9}{'seconds':>9}"
+          f"{'gen tok/s':>11}{'x ' + results[0]['kv']:>14}")
+    for r in results:
+        print(f"{r['kv']:<14}{r['capacity']:>8}{r['blocks']:>8}{r['peak']:>10}{r['preemptions']:>9}"
+              f"{r['seconds']:>9.1f}{r['tok_s']:>11.1f}{r['tok_s'] / base:>14.2f}")
+
+
+if __name__ == "__main__":
+    main()
