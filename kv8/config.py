@@ -21,6 +21,9 @@ import torch
 from kv8.quant.formats import KVCacheDtype
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+SCALE_MODES = ("static", "dynamic")
+ROTATIONS = ("none", "hadamard")
+DYNAMIC_SCALE_BYTES = 4  # one float32 scale per (token, KV head) for K and for V
 
 _DTYPES: dict[str, torch.dtype] = {
     "auto": torch.bfloat16,
@@ -177,9 +180,14 @@ class ModelArchConfig:
         except KeyError as e:
             raise ValueError(f"model config is missing the key {e.args[0]!r}") from None
 
-    def kv_bytes_per_token(self, kv_dtype: KVCacheDtype) -> int:
-        """Bytes one token occupies in the KV cache over all layers (K and V)."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * kv_dtype.bytes_per_element
+    def kv_bytes_per_token(self, kv_dtype: KVCacheDtype, dynamic_scales: bool = False) -> int:
+        """Bytes one token occupies in the KV cache over all layers (K and V).
+
+        With dynamic scales, each token also keeps one float32 scale per KV head for K and for V
+        (``4 / head_dim`` overhead: 6.25% at head_dim 64).
+        """
+        per_head = self.head_dim * kv_dtype.bytes_per_element + (DYNAMIC_SCALE_BYTES if dynamic_scales else 0)
+        return 2 * self.num_layers * self.num_kv_heads * per_head
 
 
 @dataclass(frozen=True)
@@ -188,6 +196,12 @@ class CacheConfig:
 
     ``kv_cache_memory`` (bytes) or ``num_kv_blocks`` fixes the budget; with neither, the engine derives one
     from the machine's free memory (see :func:`default_kv_cache_memory`).
+
+    ``scale_mode``: ``static`` -- per-layer scales (file, checkpoint, or 1.0); ``dynamic`` -- a scale per token
+    and KV head, computed when the token is stored (``amax / format max``) and kept beside it (FP8 only).
+    ``rotation``: ``hadamard`` -- K and V are multiplied by an orthonormal per-head Hadamard matrix before they
+    are stored; the same matrix is folded into q and undone on the attention output, so attention is unchanged
+    in exact arithmetic while outliers are spread across channels before rounding. Needs a power-of-two head_dim.
     """
 
     kv_dtype: KVCacheDtype
@@ -196,8 +210,26 @@ class CacheConfig:
     num_kv_blocks: int | None = None
     enable_prefix_caching: bool = True
     quantization_param_path: str | None = None
+    scale_mode: str = "static"
+    rotation: str = "none"
+
+    @property
+    def dynamic_scales(self) -> bool:
+        return self.scale_mode == "dynamic"
 
     def __post_init__(self) -> None:
+        if self.scale_mode not in SCALE_MODES:
+            raise ValueError(f"kv_cache_scale_mode={self.scale_mode!r} is not supported; choose one of: "
+                             f"{', '.join(SCALE_MODES)}")
+        if self.rotation not in ROTATIONS:
+            raise ValueError(f"kv_cache_rotation={self.rotation!r} is not supported; choose one of: "
+                             f"{', '.join(ROTATIONS)}")
+        if self.dynamic_scales and not self.kv_dtype.is_fp8:
+            raise ValueError(f"kv_cache_scale_mode='dynamic' needs an FP8 cache, but kv_cache_dtype="
+                             f"{self.kv_dtype.name!r}; set kv_cache_dtype='fp8' (or another fp8 format)")
+        if self.dynamic_scales and self.quantization_param_path is not None:
+            raise ValueError("kv_cache_scale_mode='dynamic' computes scales per token; it cannot be combined "
+                             f"with quantization_param_path={self.quantization_param_path!r} (drop one of them)")
         if not isinstance(self.block_size, int) or self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size={self.block_size!r} must be a power of two >= 1 (e.g. 16)")
         if self.kv_cache_memory is not None and self.num_kv_blocks is not None:
@@ -257,9 +289,10 @@ class EngineConfig:
             raise ValueError(f"seed={self.seed!r} must be an int")
 
 
-def blocks_for_memory(memory: int, arch: ModelArchConfig, kv_dtype: KVCacheDtype, block_size: int) -> int:
+def blocks_for_memory(memory: int, arch: ModelArchConfig, kv_dtype: KVCacheDtype, block_size: int,
+                      dynamic_scales: bool = False) -> int:
     """How many whole blocks fit in ``memory`` bytes."""
-    return memory // (arch.kv_bytes_per_token(kv_dtype) * block_size)
+    return memory // (arch.kv_bytes_per_token(kv_dtype, dynamic_scales) * block_size)
 
 
 def ceil_div(a: int, b: int) -> int:

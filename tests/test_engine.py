@@ -10,7 +10,18 @@ import pytest
 
 from kv8 import LLM, SamplingParams
 
-KV_DTYPES = ["float32", "bfloat16", "fp8_e4m3", "fp8_e4m3fnuz", "fp8_e5m2"]
+KV_CONFIGS = {
+    "float32": dict(kv_cache_dtype="float32"),
+    "bfloat16": dict(kv_cache_dtype="bfloat16"),
+    "fp8_e4m3": dict(kv_cache_dtype="fp8_e4m3"),
+    "fp8_e4m3fnuz": dict(kv_cache_dtype="fp8_e4m3fnuz"),
+    "fp8_e5m2": dict(kv_cache_dtype="fp8_e5m2"),
+    "fp8_e4m3+dynamic": dict(kv_cache_dtype="fp8_e4m3", kv_cache_scale_mode="dynamic"),
+    "fp8_e4m3+hadamard": dict(kv_cache_dtype="fp8_e4m3", kv_cache_rotation="hadamard"),
+    "fp8_e5m2+dynamic+hadamard": dict(kv_cache_dtype="fp8_e5m2", kv_cache_scale_mode="dynamic",
+                                      kv_cache_rotation="hadamard"),
+}
+KV_DTYPES = list(KV_CONFIGS)
 PROMPTS = [
     "The quick brown fox jumps over the lazy dog. London is",
     "Paris is the capital of",
@@ -47,7 +58,7 @@ def reference_tokens(tiny_models):
     """Greedy tokens of each prompt run alone, float32 compute, per KV dtype, prefix caching off."""
     out = {}
     for kv in KV_DTYPES:
-        llm = make_llm(tiny_models["llama_gqa"], kv_cache_dtype=kv, enable_prefix_caching=False)
+        llm = make_llm(tiny_models["llama_gqa"], **KV_CONFIGS[kv], enable_prefix_caching=False)
         out[kv] = [llm.generate(p, GREEDY)[0].outputs[0].token_ids for p in PROMPTS]
         check_all_blocks_free(llm)
     return out
@@ -55,7 +66,7 @@ def reference_tokens(tiny_models):
 
 @pytest.mark.parametrize("kv", KV_DTYPES)
 def test_continuous_batching_equals_one_at_a_time(tiny_models, reference_tokens, kv):
-    llm = make_llm(tiny_models["llama_gqa"], kv_cache_dtype=kv, enable_prefix_caching=False,
+    llm = make_llm(tiny_models["llama_gqa"], **KV_CONFIGS[kv], enable_prefix_caching=False,
                    max_num_batched_tokens=24, max_num_seqs=4)   # chunked prefill + staggered admission
     outs = llm.generate(PROMPTS, GREEDY)
     assert tokens_of(outs) == reference_tokens[kv]
@@ -64,7 +75,7 @@ def test_continuous_batching_equals_one_at_a_time(tiny_models, reference_tokens,
 
 @pytest.mark.parametrize("kv", KV_DTYPES)
 def test_prefix_caching_gives_identical_tokens(tiny_models, reference_tokens, kv):
-    llm = make_llm(tiny_models["llama_gqa"], kv_cache_dtype=kv, enable_prefix_caching=True, block_size=4)
+    llm = make_llm(tiny_models["llama_gqa"], **KV_CONFIGS[kv], enable_prefix_caching=True, block_size=4)
     first = llm.generate(PROMPTS, GREEDY)
     again = llm.generate(PROMPTS, GREEDY)          # every prompt now hits cached blocks
     assert tokens_of(first) == reference_tokens[kv]
@@ -78,7 +89,7 @@ def test_prefix_caching_gives_identical_tokens(tiny_models, reference_tokens, kv
 @pytest.mark.parametrize("prefix_caching", [False, True])
 def test_preemption_under_tiny_cache_gives_identical_tokens(tiny_models, reference_tokens, kv, prefix_caching):
     # 16 blocks of 4 tokens = 64 token slots for six sequences of ~30 tokens: preemption is certain.
-    llm = make_llm(tiny_models["llama_gqa"], kv_cache_dtype=kv, enable_prefix_caching=prefix_caching,
+    llm = make_llm(tiny_models["llama_gqa"], **KV_CONFIGS[kv], enable_prefix_caching=prefix_caching,
                    block_size=4, num_kv_blocks=16, max_model_len=64)
     outs = llm.generate(PROMPTS, GREEDY)
     assert llm.engine.scheduler.num_preemptions > 0
@@ -168,6 +179,12 @@ def test_fp8_cache_holds_twice_the_tokens_of_bf16(tiny_llama):
         caps[kv] = llm.engine.kv.pool.num_blocks
         assert llm.engine.cache.nbytes <= 4 * 1024 * 1024
     assert caps["fp8_e4m3"] == caps["fp8_e5m2"] == caps["fp8_e4m3fnuz"] == 2 * caps["bfloat16"]
+    # Dynamic scales cost one float32 per token, head and K/V: 4 / head_dim (16 here) = 25% on this tiny model.
+    dyn = make_llm(tiny_llama, kv_cache_dtype="fp8", kv_cache_scale_mode="dynamic", kv_cache_memory="4MiB")
+    per_token = dyn.engine.config.arch.kv_bytes_per_token(dyn.engine.config.cache.kv_dtype, True)
+    assert per_token == 2 * 2 * 4 * (16 + 4)
+    assert dyn.engine.kv.pool.num_blocks == (4 * 1024 * 1024) // (per_token * 16)
+    assert dyn.engine.cache.nbytes <= 4 * 1024 * 1024
 
 
 def test_bad_inputs_raise_clear_errors(tiny_llama):
@@ -183,6 +200,14 @@ def test_bad_inputs_raise_clear_errors(tiny_llama):
         make_llm(tiny_llama, kv_cache_dtype="bfloat16", quantization_param_path="x.json")
     with pytest.raises(ValueError, match="max_num_seqs=0"):
         make_llm(tiny_llama, max_num_seqs=0)
+    with pytest.raises(ValueError, match="kv_cache_scale_mode='dynamic' needs an FP8 cache"):
+        make_llm(tiny_llama, kv_cache_scale_mode="dynamic")
+    with pytest.raises(ValueError, match="kv_cache_scale_mode='per-token'.*static, dynamic"):
+        make_llm(tiny_llama, kv_cache_dtype="fp8", kv_cache_scale_mode="per-token")
+    with pytest.raises(ValueError, match="kv_cache_rotation='random'.*none, hadamard"):
+        make_llm(tiny_llama, kv_cache_rotation="random")
+    with pytest.raises(ValueError, match="cannot be combined with quantization_param_path"):
+        make_llm(tiny_llama, kv_cache_dtype="fp8", kv_cache_scale_mode="dynamic", quantization_param_path="x")
     llm = make_llm(tiny_llama, max_model_len=32)
     with pytest.raises(ValueError, match="prompt has .* tokens; with max_model_len=32"):
         llm.generate("word " * 40, GREEDY)

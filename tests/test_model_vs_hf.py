@@ -20,6 +20,7 @@ from kv8.attention.metadata import AttentionMetadata
 from kv8.cache.paged_cache import CacheShape, PagedKVCache
 from kv8.model.loader import load_model
 from kv8.quant.formats import resolve_kv_cache_dtype
+from kv8.quant.rotation import hadamard
 from kv8.quant.scales import KVScales
 
 BLOCK = 8
@@ -27,15 +28,18 @@ BLOCK = 8
 TOLERANCE = {"float32": 1e-4, "bfloat16": 0.03, "fp8_e4m3": 0.35, "fp8_e4m3fnuz": 0.35, "fp8_e5m2": 0.75}
 
 
-def run_paged(path: str, kv_name: str, tokens: list[int], chunks: list[int]) -> torch.Tensor:
+def run_paged(path: str, kv_name: str, tokens: list[int], chunks: list[int], dynamic: bool = False,
+              rotation: bool = False) -> torch.Tensor:
     """Logits [len(tokens), V] from kv8, computing the tokens in the given chunk sizes."""
     loaded = load_model("hf", path, torch.float32)
     arch = loaded.arch
     kv_dtype = resolve_kv_cache_dtype(kv_name, torch.float32)
-    scales = KVScales.default(arch.num_layers) if kv_dtype.is_fp8 else None
+    scales = KVScales.default(arch.num_layers) if kv_dtype.is_fp8 and not dynamic else None
+    if rotation:
+        loaded.model.kv_rotation = hadamard(arch.head_dim)
     nblocks = -(-len(tokens) // BLOCK)
     cache = PagedKVCache(CacheShape(arch.num_layers, nblocks + 3, arch.num_kv_heads, BLOCK, arch.head_dim),
-                         kv_dtype, scales)
+                         kv_dtype, scales, dynamic_scales=dynamic)
     table = [nblocks + 2 - i for i in range(nblocks)]  # out-of-order block ids, blocks 0 and 1 unused
     out, start = [], 0
     for n in chunks:
@@ -51,8 +55,13 @@ def run_paged(path: str, kv_name: str, tokens: list[int], chunks: list[int]) -> 
 FP8_NP = {"fp8_e4m3": "float8_e4m3fn", "fp8_e4m3fnuz": "float8_e4m3fnuz", "fp8_e5m2": "float8_e5m2"}
 
 
-def _register_fp8_attention(kv_name: str) -> str:
-    """Register with transformers an eager attention that reads K/V rounded to FP8 by ml_dtypes (scale 1)."""
+def _register_fp8_attention(kv_name: str, dynamic: bool = False, rotation: bool = False) -> str:
+    """Register with transformers an eager attention that reads K/V rounded to FP8 by ml_dtypes.
+
+    Scale 1.0, or (``dynamic``) a scale per token and head of amax / format max. With ``rotation`` the values
+    are rounded in the Hadamard basis and rotated back: ``fq(k R) R``, which is what scoring ``q R`` against
+    stored ``fq(k R)`` computes.
+    """
     import ml_dtypes
     import numpy as np
     from transformers import AttentionInterface
@@ -62,23 +71,37 @@ def _register_fp8_attention(kv_name: str) -> str:
     np_dtype = getattr(ml_dtypes, FP8_NP[kv_name])
     fmax = float(ml_dtypes.finfo(np_dtype).max)
 
-    def fake_quant(x: torch.Tensor) -> torch.Tensor:
+    rot = hadamard(16).double() if rotation else None   # the tiny models' head_dim
+
+    def round_fp8(x: torch.Tensor) -> torch.Tensor:
         a = x.detach().float().numpy().clip(-fmax, fmax)
         return torch.from_numpy(a.astype(np_dtype).astype(np.float32))
+
+    def fake_quant(x: torch.Tensor) -> torch.Tensor:   # x [B, H, S, D]
+        if rot is not None:
+            x = (x.double() @ rot).float()
+        if dynamic:
+            s = x.abs().amax(-1, keepdim=True) / fmax
+            s = torch.where(s > 0, s, torch.ones_like(s))
+            y = round_fp8(x / s) * s
+        else:
+            y = round_fp8(x)
+        return (y.double() @ rot).float() if rot is not None else y
 
     def attention(module, query, key, value, attention_mask, **kwargs):
         return eager_attention_forward(module, query, fake_quant(key), fake_quant(value), attention_mask, **kwargs)
 
-    name = f"kv8_test_{kv_name}"
+    name = f"kv8_test_{kv_name}_{dynamic}_{rotation}"
     AttentionInterface.register(name, attention)
     AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS["eager"])  # the same causal mask as eager
     return name
 
 
-def hf_logits(path: str, tokens: list[int], kv_name: str = "float32") -> torch.Tensor:
+def hf_logits(path: str, tokens: list[int], kv_name: str = "float32", dynamic: bool = False,
+              rotation: bool = False) -> torch.Tensor:
     from transformers import AutoModelForCausalLM
 
-    attn = _register_fp8_attention(kv_name) if kv_name in FP8_NP else "eager"
+    attn = _register_fp8_attention(kv_name, dynamic, rotation) if kv_name in FP8_NP else "eager"
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation=attn)
     with torch.no_grad():
         return model(torch.tensor([tokens])).logits[0].float()
@@ -127,3 +150,21 @@ def test_chunking_does_not_change_logits(tiny_models, oracle):
         whole = run_paged(path, kv, tokens, [len(tokens)])
         pieces = run_paged(path, kv, tokens, [5, 3, 8, 16, 11])
         torch.testing.assert_close(pieces, whole, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("kv_name", list(FP8_NP))
+@pytest.mark.parametrize("dynamic,rotation", [(True, False), (False, True), (True, True)])
+def test_dynamic_scales_and_rotation_match_the_oracle(tiny_models, oracle, kv_name, dynamic, rotation):
+    tokens, _ = oracle
+    path = tiny_models["llama_gqa"]
+    expected = hf_logits(path, tokens, kv_name, dynamic, rotation)
+    got = run_paged(path, kv_name, tokens, [20, 17] + [1] * 6, dynamic=dynamic, rotation=rotation)
+    err = (got - expected).abs().max().item() / expected.std().item()
+    assert err <= 2e-3, f"{kv_name} dynamic={dynamic} rotation={rotation}: relative max error {err:.2e}"
+    assert (got.argmax(-1) == expected.argmax(-1)).all()
+
+
+def test_rotation_alone_does_not_change_a_float32_model(tiny_models, oracle):
+    tokens, ref = oracle
+    got = run_paged(tiny_models["qwen2"], "float32", tokens, [20, 17] + [1] * 6, rotation=True)
+    torch.testing.assert_close(got, ref["qwen2"], rtol=1e-4, atol=1e-4)

@@ -34,6 +34,8 @@ class EngineArgs:
     max_model_len: int | None = None
     seed: int = 0
     attention_backend: str = "auto"
+    kv_cache_scale_mode: str = "static"
+    kv_cache_rotation: str = "none"
 
     @staticmethod
     def field_names() -> list[str]:
@@ -49,7 +51,11 @@ class EngineArgs:
         memory = None if self.kv_cache_memory is None else parse_memory(self.kv_cache_memory)
         cache = CacheConfig(kv_dtype=kv_dtype, block_size=self.block_size, kv_cache_memory=memory,
                             num_kv_blocks=self.num_kv_blocks, enable_prefix_caching=self.enable_prefix_caching,
-                            quantization_param_path=self.quantization_param_path)
+                            quantization_param_path=self.quantization_param_path,
+                            scale_mode=self.kv_cache_scale_mode, rotation=self.kv_cache_rotation)
+        if cache.rotation == "hadamard" and arch.head_dim & (arch.head_dim - 1):
+            raise ValueError(f"kv_cache_rotation='hadamard' needs a power-of-two head_dim; this model has "
+                             f"head_dim={arch.head_dim}")
         max_model_len = self.max_model_len
         if max_model_len is None:
             max_model_len = min(arch.max_position_embeddings, 8192)
@@ -71,10 +77,10 @@ def resolve_num_blocks(config: EngineConfig) -> int:
         num_blocks = cc.num_kv_blocks
     else:
         memory = cc.kv_cache_memory if cc.kv_cache_memory is not None else default_kv_cache_memory()
-        num_blocks = blocks_for_memory(memory, arch, cc.kv_dtype, cc.block_size)
+        num_blocks = blocks_for_memory(memory, arch, cc.kv_dtype, cc.block_size, cc.dynamic_scales)
     capacity = num_blocks * cc.block_size
     if capacity < config.scheduler.max_model_len:
-        per_token = arch.kv_bytes_per_token(cc.kv_dtype)
+        per_token = arch.kv_bytes_per_token(cc.kv_dtype, cc.dynamic_scales)
         raise ValueError(
             f"the KV cache holds {capacity} tokens ({num_blocks} blocks of {cc.block_size}, "
             f"{format_bytes(per_token)} per token in {cc.kv_dtype.name}), fewer than max_model_len="

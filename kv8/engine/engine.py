@@ -31,6 +31,7 @@ from kv8.model.loader import load_model, read_model_config
 from kv8.model.registry import resolve_model_path
 from kv8.model.tokenizer import load_tokenizer
 from kv8.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
+from kv8.quant.rotation import hadamard
 from kv8.quant.scales import ModelScaleInfo, resolve_kv_scales, scales_from_checkpoint
 from kv8.sampling_params import SamplingParams
 
@@ -57,10 +58,17 @@ class LLMEngine:
         arch, cc = self.config.arch, self.config.cache
         info = ModelScaleInfo(arch.model_type, arch.num_layers, arch.num_kv_heads, arch.head_dim)
         ckpt = scales_from_checkpoint(loaded.scale_tensors, loaded.hf_config, info) if loaded.scale_tensors else None
-        scales = resolve_kv_scales(cc.kv_dtype, info, cc.quantization_param_path, ckpt)
+        if cc.dynamic_scales:
+            scales = None
+            if ckpt is not None:
+                logger.info("dynamic KV scales: the checkpoint's static scales (%s) are not used", ckpt.source)
+        else:
+            scales = resolve_kv_scales(cc.kv_dtype, info, cc.quantization_param_path, ckpt)
+        if cc.rotation == "hadamard":
+            self.model.kv_rotation = hadamard(arch.head_dim)
         num_blocks = resolve_num_blocks(self.config)
         self.cache = PagedKVCache(CacheShape(arch.num_layers, num_blocks, arch.num_kv_heads, cc.block_size,
-                                             arch.head_dim), cc.kv_dtype, scales)
+                                             arch.head_dim), cc.kv_dtype, scales, cc.dynamic_scales)
         self.kv = KVCacheManager(num_blocks, cc.block_size, cc.enable_prefix_caching)
         self.scheduler = Scheduler(self.config.scheduler, self.kv)
         self.backend = get_backend(self.config.attention_backend)
@@ -70,12 +78,14 @@ class LLMEngine:
             {self.tokenizer.eos_token_id} if self.tokenizer.eos_token_id is not None else set())
         self.parents: dict[str, _Parent] = {}
         self._ids = itertools.count()
-        per_token = arch.kv_bytes_per_token(cc.kv_dtype)
+        per_token = arch.kv_bytes_per_token(cc.kv_dtype, cc.dynamic_scales)
+        scale_desc = ("dynamic per token and head" if cc.dynamic_scales else
+                      scales.source if scales is not None else "none (not fp8)")
         logger.info(
             "KV cache: dtype %s, %d blocks of %d tokens = %d tokens, %s per token, %s in all; scales: %s; "
-            "prefix caching %s; attention backend %s",
+            "rotation %s; prefix caching %s; attention backend %s",
             cc.kv_dtype.name, num_blocks, cc.block_size, num_blocks * cc.block_size, format_bytes(per_token),
-            format_bytes(self.cache.nbytes), scales.source if scales is not None else "none (not fp8)",
+            format_bytes(self.cache.nbytes), scale_desc, cc.rotation,
             "on" if cc.enable_prefix_caching else "off", self.backend.name)
 
     # ---- requests -------------------------------------------------------------------------------------------

@@ -18,6 +18,7 @@ from kv8.attention.backend import AttentionBackend
 from kv8.attention.metadata import AttentionMetadata
 from kv8.cache.paged_cache import PagedKVCache
 from kv8.config import ModelArchConfig, RopeScaling
+from kv8.quant.rotation import rotate
 
 
 class RMSNorm(nn.Module):
@@ -73,13 +74,18 @@ class Attention(nn.Module):
         self.scale = d ** -0.5
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: PagedKVCache,
-                meta: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:
+                meta: AttentionMetadata, backend: AttentionBackend,
+                kv_rotation: torch.Tensor | None) -> torch.Tensor:
         t = x.shape[0]
         q = self.q_proj(x).view(t, self.num_heads, self.head_dim)        # [T, Hq, D]
         k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)     # [T, Hkv, D]
         v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)     # [T, Hkv, D]
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if kv_rotation is not None:  # see kv8.quant.rotation: store k R, v R; score with q R
+            q, k, v = rotate(q, kv_rotation), rotate(k, kv_rotation), rotate(v, kv_rotation)
         out = backend.forward(q, k, v, cache, self.layer_idx, meta, self.scale)  # [T, Hq, D]
+        if kv_rotation is not None:  # R is its own inverse
+            out = rotate(out, kv_rotation)
         return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
 
 
@@ -103,8 +109,9 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(arch)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: PagedKVCache,
-                meta: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, meta, backend)
+                meta: AttentionMetadata, backend: AttentionBackend,
+                kv_rotation: torch.Tensor | None) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, meta, backend, kv_rotation)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -125,6 +132,8 @@ class LlamaForCausalLM(nn.Module):
         self.model = LlamaModel(arch)
         self.lm_head = nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
         self.register_buffer("inv_freq", rope_inv_freq(arch), persistent=False)
+        # Orthonormal D x D matrix applied to K/V before they are stored (kv8.quant.rotation), or None.
+        self.kv_rotation: torch.Tensor | None = None
 
     def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin ``[T, 1, D]`` for positions ``[T]`` (angles computed in float32)."""
@@ -138,7 +147,7 @@ class LlamaForCausalLM(nn.Module):
         x = self.model.embed_tokens(input_ids)                                 # [T, E]
         cos, sin = self.rope(positions, x.dtype)
         for layer in self.model.layers:
-            x = layer(x, cos, sin, cache, meta, backend)
+            x = layer(x, cos, sin, cache, meta, backend, self.kv_rotation)
         return self.model.norm(x)
 
     @torch.inference_mode()
