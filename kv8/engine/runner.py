@@ -8,6 +8,7 @@ change request state; the engine applies the output.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -40,6 +41,10 @@ class ModelRunner:
         self.cache = cache
         self.kv = kv
         self.backend = backend
+        # Optional observer of full prompt distributions (used by ``kv8 eval``): called with the request id,
+        # the position ``p`` of the first row, and float32 logits ``[rows, V]`` whose row ``i`` predicts
+        # prompt token ``p + i + 1``. Only requests that ask for prompt logprobs are observed.
+        self.prompt_logits_hook: Callable[[str, int, torch.Tensor], None] | None = None
 
     def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
         input_ids: list[int] = []
@@ -103,6 +108,8 @@ class ModelRunner:
         chunk: list[TokenLogprobs] = []
         for s in range(0, rows.shape[0], 256):  # bound the [rows, V] float32 buffer
             logits = self.model.compute_logits(rows[s:s + 256])
+            if self.prompt_logits_hook is not None:
+                self.prompt_logits_hook(req.request_id, first + s, logits)
             lp, top_v, top_i = compute_logprobs(logits, targets[s:s + 256], k)
             chunk.extend(_to_token_logprobs(targets[s:s + 256], lp, top_v, top_i, j, k)
                          for j in range(logits.shape[0]))

@@ -1,6 +1,8 @@
 """The ``kv8`` command line: a thin layer that turns flags into :class:`EngineArgs` and ``SamplingParams``.
 
-Subcommands: ``generate`` (text from a prompt), ``info`` (architecture and KV-cache capacity per dtype).
+Subcommands: ``generate`` (text from a prompt), ``info`` (architecture and KV-cache capacity per dtype),
+``serve`` / ``run`` (the OpenAI-compatible HTTP server; ``run`` takes the model as a positional argument).
+``calibrate`` / ``eval`` (fp8 KV-scale calibration and accuracy evaluation, :mod:`kv8.tools.commands`).
 Engine flags use vLLM's names (``--kv-cache-dtype``, ``--quantization-param-path``, ``--max-model-len`` ...).
 """
 
@@ -22,6 +24,8 @@ EPILOG = """examples:
   kv8 generate "London is the capital of" --kv-cache-dtype fp8  # FP8 (E4M3) cache, scale 1.0
   kv8 generate "Hi" --kv-cache-dtype fp8 --quantization-param-path kv_cache_scales.json
   kv8 info smollm2-135m --kv-cache-memory 1GiB
+  kv8 serve --model-id smollm2-135m --kv-cache-dtype fp8_e5m2 --port 8000  # OpenAI-compatible server
+  kv8 run smollm2-135m --kv-cache-dtype fp8 --quantization-param-path kv_cache_scales.json
 models: the alias smollm2-135m (default), a Hugging Face model directory, or a .gguf file."""
 
 
@@ -46,6 +50,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's, <= 8192)")
     g.add_argument("--seed", type=int, default=d.seed, help="engine seed for requests without their own")
     g.add_argument("--attention-backend", default=d.attention_backend, help="auto or reference")
+    g.add_argument("--kv-cache-scale-mode", default=d.kv_cache_scale_mode, choices=("static", "dynamic"),
+                   help="FP8 scales: static per layer (file, checkpoint or 1.0) or dynamic per token and head "
+                        "(no calibration; +4 bytes per token, head and K/V)")
+    g.add_argument("--kv-cache-rotation", default=d.kv_cache_rotation, choices=("none", "hadamard"),
+                   help="rotate K/V by a per-head Hadamard matrix before storing (more accurate FP8)")
 
 
 def engine_args_from(ns: argparse.Namespace, model: str) -> EngineArgs:
@@ -54,7 +63,36 @@ def engine_args_from(ns: argparse.Namespace, model: str) -> EngineArgs:
                       num_kv_blocks=ns.num_kv_blocks, block_size=ns.block_size,
                       enable_prefix_caching=ns.enable_prefix_caching, max_num_seqs=ns.max_num_seqs,
                       max_num_batched_tokens=ns.max_num_batched_tokens, max_model_len=ns.max_model_len,
-                      seed=ns.seed, attention_backend=ns.attention_backend)
+                      seed=ns.seed, attention_backend=ns.attention_backend,
+                      kv_cache_scale_mode=ns.kv_cache_scale_mode, kv_cache_rotation=ns.kv_cache_rotation)
+
+
+def add_server_args(p: argparse.ArgumentParser) -> None:
+    """Flags of ``serve`` / ``run`` (the server itself lives in kv8.entrypoints.server, imported on use)."""
+    g = p.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: loopback only)")
+    g.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    g.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on /v1 routes (default: $KV8_API_KEY if set)")
+    g.add_argument("--served-model-name", default=None, help="model name clients use (default: the model argument)")
+    g.add_argument("--max-n", type=int, default=16, help="largest n per request (default 16)")
+    g.add_argument("--max-tokens-limit", type=int, default=None,
+                   help="largest max_tokens per request (default: max_model_len)")
+    g.add_argument("--max-request-bytes", type=int, default=4 * 1024 * 1024,
+                   help="largest request body in bytes (default 4 MiB)")
+    g.add_argument("--max-waiting-requests", type=int, default=256,
+                   help="sequences that may wait beyond --max-num-seqs before new requests get 503 "
+                        "(default 256)")
+    g.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="seconds in-flight requests may run after SIGTERM/SIGINT before they are aborted")
+    g.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"],
+                   help="uvicorn log level (default warning)")
+
+
+def cmd_serve(ns: argparse.Namespace) -> int:
+    from kv8.entrypoints.server import run_server
+
+    return run_server(ns, engine_args_from(ns, ns.model))
 
 
 def cmd_generate(ns: argparse.Namespace) -> int:
@@ -132,6 +170,29 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("--kv-cache-memory", default=None, metavar="SIZE", help="budget, e.g. 2GiB (default as engine)")
     i.add_argument("--block-size", type=int, default=16)
     i.set_defaults(func=cmd_info)
+
+    sv = sub.add_parser("serve", help="OpenAI-compatible HTTP server",
+                        description="Serve /v1/completions, /v1/chat/completions, /v1/models, /health and "
+                                    "/metrics on 127.0.0.1 (see --host).",
+                        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sv.add_argument("--model-id", "--model", "-m", dest="model", default=DEFAULT_MODEL,
+                    help=f"model to serve (default: {DEFAULT_MODEL})")
+    add_server_args(sv)
+    add_engine_args(sv)
+    sv.set_defaults(func=cmd_serve)
+
+    r = sub.add_parser("run", help="OpenAI-compatible HTTP server, model given positionally",
+                       description="Same as 'serve', with the model as the first argument.",
+                       epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    r.add_argument("model", help="model to serve: an alias, a Hugging Face model directory or a .gguf file")
+    add_server_args(r)
+    add_engine_args(r)
+    r.set_defaults(func=cmd_serve)
+
+    from kv8.tools.commands import add_calibrate_parser, add_eval_parser
+
+    add_calibrate_parser(sub)   # kv8 calibrate: fp8 KV scales from calibration text
+    add_eval_parser(sub)        # kv8 eval: KLD / top-1 / PPL of KV configurations vs a float32 cache
     return parser
 
 

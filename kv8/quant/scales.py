@@ -3,7 +3,8 @@
 An fp8 KV cache stores ``saturate(rne(x / scale))`` and reads back ``stored * scale``. One scale per
 layer (or per layer and KV head) for K and one for V. Scales come from, in order of precedence:
 
-1. ``--quantization-param-path``: a vLLM ``kv_cache_scales.json`` file (:func:`load_vllm_scales_json`);
+1. ``--quantization-param-path``: a vLLM ``kv_cache_scales.json`` file (:func:`load_vllm_scales_json`) or a
+   kv8 scales file (:func:`load_kv8_scales_json`), told apart by content (:func:`load_scales_file`);
 2. scale tensors stored in the checkpoint (:func:`scales_from_checkpoint`);
 3. the default 1.0, with one warning per :func:`resolve_kv_scales` call (that is, one per engine built).
 
@@ -35,9 +36,12 @@ __all__ = [
     "ModelScaleInfo",
     "ScaleGranularity",
     "is_kv_scale_name",
+    "load_kv8_scales_json",
+    "load_scales_file",
     "load_vllm_scales_json",
     "resolve_kv_scales",
     "scales_from_checkpoint",
+    "write_kv8_scales_json",
     "write_vllm_scales_json",
 ]
 
@@ -329,6 +333,101 @@ def write_vllm_scales_json(path: str | os.PathLike[str], scales: KVScales, model
 
 
 # --------------------------------------------------------------------------------------------------
+# kv8 scales JSON (any granularity, separate K and V, any fp8 format)
+# --------------------------------------------------------------------------------------------------
+
+KV8_SCALES_FORMAT = "kv8-kv-scales"
+KV8_SCALES_VERSION = 1
+
+
+def _read_json(path: str | os.PathLike[str]) -> Any:
+    where = os.fspath(path)
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except OSError as e:
+        raise ValueError(f"{where}: cannot read KV cache scales file: {e.strerror or e}") from e
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{where}: not a valid JSON KV cache scales file: {e}") from e
+
+
+def write_kv8_scales_json(path: str | os.PathLike[str], scales: KVScales, model: ModelScaleInfo) -> None:
+    """Write ``scales`` in the kv8 schema::
+
+        {"format": "kv8-kv-scales", "version": 1, "model_type": str, "num_layers": L, "num_kv_heads": H,
+         "head_dim": D, "granularity": "tensor" | "head" | "channel", "made_for": fp8 format name | null,
+         "k": [[[float]]], "v": [[[float]]]}
+
+    ``k``/``v`` are nested lists of shape ``[L, 1, 1]``, ``[L, H, 1]`` or ``[L, H, D]`` (the KVScales shape).
+    """
+    _check_fits(scales, model)
+    doc = {
+        "format": KV8_SCALES_FORMAT, "version": KV8_SCALES_VERSION, "model_type": model.model_type,
+        "num_layers": model.num_layers, "num_kv_heads": model.num_kv_heads, "head_dim": model.head_dim,
+        "granularity": scales.granularity.value, "made_for": scales.made_for,
+        "k": scales.k.tolist(), "v": scales.v.tolist(),
+    }
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(doc, f)
+        f.write("\n")
+
+
+def _kv8_scales_from_doc(data: dict[str, Any], where: str, model: ModelScaleInfo) -> KVScales:
+    if data.get("version") != KV8_SCALES_VERSION:
+        raise ValueError(f"{where}: kv8 scales file version is {data.get('version')!r}; kv8 reads version "
+                         f"{KV8_SCALES_VERSION}")
+    expected = {"model_type": model.model_type, "num_layers": model.num_layers,
+                "num_kv_heads": model.num_kv_heads, "head_dim": model.head_dim}
+    for key, want in expected.items():
+        if data.get(key) != want:
+            raise ValueError(f"{where}: {key} is {data.get(key)!r} but the model has {key}={want!r}")
+    try:
+        granularity = ScaleGranularity(data.get("granularity"))
+    except ValueError:
+        raise ValueError(f"{where}: granularity is {data.get('granularity')!r}; allowed: "
+                         f"{[g.value for g in ScaleGranularity]}") from None
+    tensors: dict[str, torch.Tensor] = {}
+    for name in ("k", "v"):
+        raw = data.get(name)
+        ok = isinstance(raw, list) and all(
+            isinstance(h, list) and all(isinstance(c, list) and all(
+                isinstance(x, (int, float)) and not isinstance(x, bool) for x in c) for c in h) for h in raw)
+        if not ok:
+            raise ValueError(f"{where}: '{name}' must be a nested list of numbers [layers][heads][channels]")
+        try:
+            tensors[name] = torch.tensor(raw, dtype=torch.float32)
+        except (ValueError, TypeError) as e:
+            raise ValueError(f"{where}: '{name}' is not a rectangular [layers][heads][channels] list: {e}") from None
+    try:
+        scales = KVScales(k=tensors["k"], v=tensors["v"], granularity=granularity,
+                          source=f"quantization_param_path {where}", made_for=data.get("made_for"))
+    except ValueError as e:
+        raise ValueError(f"{where}: {e}") from None
+    _check_fits(scales, model)
+    return scales
+
+
+def load_kv8_scales_json(path: str | os.PathLike[str], model: ModelScaleInfo) -> KVScales:
+    """Load a kv8 scales file (schema in :func:`write_kv8_scales_json`) for ``model``; model_type, layer,
+    head and head_dim counts must match, and the scales must satisfy every :class:`KVScales` invariant."""
+    where = os.fspath(path)
+    data = _read_json(path)
+    if not isinstance(data, dict) or data.get("format") != KV8_SCALES_FORMAT:
+        raise ValueError(f"{where}: not a kv8 scales file (expected a JSON object with "
+                         f"\"format\": \"{KV8_SCALES_FORMAT}\")")
+    return _kv8_scales_from_doc(data, where, model)
+
+
+def load_scales_file(path: str | os.PathLike[str], model: ModelScaleInfo) -> KVScales:
+    """Load a ``quantization_param_path``: a kv8 scales file (``"format": "kv8-kv-scales"``) or else a
+    vLLM ``kv_cache_scales.json``, decided by the file's content."""
+    data = _read_json(path)
+    if isinstance(data, dict) and data.get("format") == KV8_SCALES_FORMAT:
+        return _kv8_scales_from_doc(data, os.fspath(path), model)
+    return load_vllm_scales_json(path, model)
+
+
+# --------------------------------------------------------------------------------------------------
 # Checkpoint tensors
 # --------------------------------------------------------------------------------------------------
 
@@ -514,7 +613,8 @@ def resolve_kv_scales(
 ) -> KVScales | None:
     """The KV scales an engine should use, converted for the cache's fp8 format; None if not fp8.
 
-    Precedence: ``quantization_param_path`` (a vLLM JSON file), then ``checkpoint_scales``, then 1.0.
+    Precedence: ``quantization_param_path`` (a vLLM or kv8 JSON file, see :func:`load_scales_file`), then
+    ``checkpoint_scales``, then 1.0.
     Falling back to 1.0 logs one warning on logger ``"kv8"`` per call. Engines call this once per
     construction, so every engine built without scales warns once; it is deliberately not deduplicated
     per process, since a second engine may load a different model. A ``quantization_param_path`` with a
@@ -531,7 +631,7 @@ def resolve_kv_scales(
     fmt = kv_dtype.fp8
     assert fmt is not None  # is_fp8 guarantees it
     if quantization_param_path is not None:
-        scales = load_vllm_scales_json(quantization_param_path, model)
+        scales = load_scales_file(quantization_param_path, model)
     elif checkpoint_scales is not None:
         scales = checkpoint_scales
     else:

@@ -1,0 +1,163 @@
+"""OpenAI request bodies (validated strictly) and OpenAI-shaped errors.
+
+Every request model forbids unknown fields and validates in pydantic's strict mode: ``"1"`` is not an int,
+``true`` is not a number, and a field the server does not implement is a 400, never silently ignored.
+Fields kv8 accepts but whose only honest value is the default (``frequency_penalty``, ``presence_penalty``)
+accept exactly that value. ``null`` means "the default" for optional fields, as in OpenAI's API.
+
+Errors leave the server as ``{"error": {"message", "type", "param", "code"}}`` (:meth:`APIError.body`).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+MAX_LOGPROBS = 20
+MAX_STOP_STRINGS = 16
+
+
+class APIError(Exception):
+    """An error answered to the client with ``status`` and OpenAI's error body."""
+
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type_
+        self.param = param
+        self.code = code
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class _SamplingFields(_Strict):
+    """Fields shared by both endpoints (vLLM's extensions included: top_k, min_p, min_tokens ...)."""
+
+    model: str
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    top_k: int | None = Field(None, ge=-1)
+    min_p: float | None = Field(None, ge=0.0, le=1.0)
+    n: int | None = Field(None, ge=1)
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    seed: int | None = Field(None, ge=-(2**63), le=2**64 - 1)
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    ignore_eos: bool | None = None
+    min_tokens: int | None = Field(None, ge=0)
+    include_stop_str_in_output: bool | None = None
+    skip_special_tokens: bool | None = None
+
+    @model_validator(mode="after")
+    def _check_common(self) -> "_SamplingFields":
+        for name in ("frequency_penalty", "presence_penalty"):
+            value = getattr(self, name)
+            if value not in (None, 0, 0.0):
+                raise ValueError(f"{name}={value!r} is not supported by kv8 (only 0, no penalty, is accepted)")
+        stops = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
+        if len(stops) > MAX_STOP_STRINGS:
+            raise ValueError(f"stop has {len(stops)} entries; at most {MAX_STOP_STRINGS} are allowed")
+        if any(s == "" for s in stops):
+            raise ValueError("stop must not contain empty strings")
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options is only allowed when stream is true")
+        return self
+
+
+class CompletionRequest(_SamplingFields):
+    """POST /v1/completions. ``max_tokens=0`` (with ``echo``) scores the prompt without generating."""
+
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = Field(None, ge=0)
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    echo: bool | None = None
+
+    @model_validator(mode="after")
+    def _check_prompt(self) -> "CompletionRequest":
+        p = self.prompt
+        if isinstance(p, str) and p == "":
+            raise ValueError("prompt is empty")
+        if isinstance(p, list):
+            if not p:
+                raise ValueError("prompt is an empty list")
+            for i, item in enumerate(p):
+                if item == "" or item == []:
+                    raise ValueError(f"prompt[{i}] is empty")
+        return self
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompt(s) as a list: each a string or a list of token ids."""
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if p and isinstance(p[0], int):
+            return [list(p)]  # type: ignore[arg-type]
+        return list(p)  # type: ignore[arg-type]
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "user", "assistant"]
+    content: str | list[TextPart]
+
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(part.text for part in self.content)
+
+
+class ChatCompletionRequest(_SamplingFields):
+    """POST /v1/chat/completions."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+
+    @model_validator(mode="after")
+    def _check_chat(self) -> "ChatCompletionRequest":
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs requires logprobs to be true")
+        if (self.max_tokens is not None and self.max_completion_tokens is not None
+                and self.max_tokens != self.max_completion_tokens):
+            raise ValueError(f"max_tokens ({self.max_tokens}) and max_completion_tokens "
+                             f"({self.max_completion_tokens}) disagree; give one of them")
+        return self
+
+    @property
+    def token_limit(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+def validation_error(e: ValidationError) -> APIError:
+    """The first problem of a pydantic error as a 400 naming the field, the problem and the bad value."""
+    err = e.errors(include_url=False)[0]
+    loc = [str(x) for x in err["loc"]]
+    where = ".".join(loc) if loc else "body"
+    msg = err["msg"].removeprefix("Value error, ")
+    value = repr(err.get("input"))
+    if len(value) > 120:
+        value = value[:117] + "..."
+    extra = f"; {len(e.errors())} problems in all" if len(e.errors()) > 1 else ""
+    text = f"{where}: {msg}" if err["type"] == "value_error" and not loc else f"{where}: {msg} (got {value}){extra}"
+    if err["type"] == "extra_forbidden":
+        text = f"unknown or unsupported field {where!r} (got {value})"
+    return APIError(400, text, param=loc[0] if loc else None)

@@ -1,0 +1,160 @@
+"""One HTTP request's engine requests: admission, outputs, disconnects and the capacity they hold.
+
+A :class:`RequestRun` holds one :class:`SubRequest` per prompt. ``start`` adds them to the engine (a
+``ValueError`` from the engine becomes a 400, a stopped engine a 503); ``updates`` yields the sub-requests
+whose outputs changed, coalescing everything that arrived since the last call, until all are finished;
+``close`` aborts whatever is unfinished (freeing its KV blocks before the engine's next step), counts the
+aborted sequences, and gives the run's capacity back. ``close`` is idempotent and must run however the
+HTTP request ends: normally, on an error, or when the client goes away.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Callable
+
+from kv8.entrypoints.async_engine import AsyncEngine, EngineDeadError, OutputMailbox
+from kv8.entrypoints.metrics import ServerMetrics
+from kv8.entrypoints.protocol import APIError
+from kv8.outputs import CompletionOutput, PositionLogprobs, RequestOutput
+from kv8.sampling_params import SamplingParams
+
+
+class ClientDisconnected(Exception):
+    """The client of a non-streaming request went away; its engine requests were aborted."""
+
+
+@dataclass(frozen=True)
+class Stream:
+    """An SSE body and the function that aborts its requests; ``close`` must run even if ``chunks`` never
+    starts (a client that disconnects before the first chunk), and is idempotent."""
+
+    chunks: AsyncIterator[str]
+    close: Callable[[], None]
+
+
+@dataclass
+class SubRequest:
+    """One engine request: one prompt of the HTTP request."""
+
+    request_id: str
+    prompt_text: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    score_only: bool             # max_tokens=0: prompt logprobs only, the sampled token is dropped
+    latest: RequestOutput | None = None
+    first_token: dict[int, float] = field(default_factory=dict)   # choice index -> time of its first token
+    num_tokens: dict[int, int] = field(default_factory=dict)      # choice index -> tokens counted so far
+    recorded: set[int] = field(default_factory=set)               # choice indexes whose finish was counted
+
+
+class RequestRun:
+    """The engine requests of one HTTP request, and the mailbox their outputs arrive in.
+
+    ``release`` is called exactly once, by :meth:`close`, when the run stops holding server capacity.
+    """
+
+    def __init__(self, engine: AsyncEngine, metrics: ServerMetrics, subs: list[SubRequest],
+                 release: Callable[[], None]) -> None:
+        self.engine = engine
+        self.metrics = metrics
+        self.release = release
+        self.subs = subs
+        self.by_id = {s.request_id: s for s in subs}
+        self.mailbox = OutputMailbox()
+        self.arrival = time.monotonic()
+        self.num_seqs = sum(s.params.n for s in subs)
+        self.added: list[SubRequest] = []
+        self.closed = False
+
+    async def start(self) -> None:
+        engine = self.engine
+        try:
+            for sub in self.subs:
+                await engine.add(sub.request_id, sub.prompt_ids, sub.params, self.mailbox)
+                self.added.append(sub)
+                self.metrics.prompt_tokens += len(sub.prompt_ids)
+        except ValueError as e:
+            self.close()
+            raise APIError(400, str(e), param="prompt") from e
+        except EngineDeadError as e:
+            self.close()
+            raise APIError(503, str(e), type_="server_error", code="engine_unavailable") from e
+        except BaseException:
+            self.close()
+            raise
+
+    def finished(self) -> bool:
+        return all(s.latest is not None and s.latest.finished for s in self.subs)
+
+    async def updates(self, disconnect: asyncio.Future[None] | None = None) -> AsyncIterator[list[SubRequest]]:
+        """Yield the subs that changed, until all finished. Raises ClientDisconnected if ``disconnect`` fires."""
+        while not self.finished():
+            get = asyncio.ensure_future(self.mailbox.get_all())
+            try:
+                if disconnect is not None:
+                    waiting: set[asyncio.Future[Any]] = {get, disconnect}
+                    done, _ = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+                    if get not in done:
+                        raise ClientDisconnected()
+                items = await get
+            finally:
+                if not get.done():
+                    get.cancel()
+            changed: dict[str, SubRequest] = {}
+            for rid, out in items:
+                if isinstance(out, BaseException):
+                    raise APIError(503, str(out), type_="server_error", code="engine_unavailable")
+                sub = self.by_id[rid]
+                sub.latest = out
+                changed[rid] = sub
+                self._observe(sub, out)
+            yield list(changed.values())
+
+    def _observe(self, sub: SubRequest, out: RequestOutput) -> None:
+        now = time.monotonic()
+        metrics = self.metrics
+        for c in out.outputs:
+            ntok = len(c.token_ids)
+            metrics.generation_tokens += ntok - sub.num_tokens.get(c.index, 0)
+            sub.num_tokens[c.index] = ntok
+            if ntok and c.index not in sub.first_token:
+                sub.first_token[c.index] = now
+                metrics.ttft.observe(now - self.arrival)
+            if c.finish_reason is not None and c.index not in sub.recorded:
+                sub.recorded.add(c.index)
+                if ntok > 1:
+                    metrics.tpot.observe((now - sub.first_token[c.index]) / (ntok - 1))
+                metrics.record_finished(c.finish_reason)
+
+    def close(self) -> None:
+        """Abort whatever is unfinished and give back the in-flight slots (idempotent)."""
+        if self.closed:
+            return
+        self.closed = True
+        for sub in self.added:
+            if sub.latest is None or not sub.latest.finished:
+                self.engine.abort(sub.request_id)
+                for _ in range(sub.params.n - len(sub.recorded)):
+                    self.metrics.record_finished("abort")
+        self.release()
+
+
+def sse(obj: Any) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+def usage(run: RequestRun) -> dict[str, int]:
+    prompt = sum(len(s.prompt_ids) for s in run.subs)
+    completion = sum(len(visible(s, c)[1]) for s in run.subs if s.latest for c in s.latest.outputs)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def visible(sub: SubRequest, c: CompletionOutput) -> tuple[str, list[int], list[PositionLogprobs] | None, str | None]:
+    """text, token ids, logprobs and finish reason the client sees (nothing generated for max_tokens=0)."""
+    if sub.score_only:
+        return "", [], [] if c.logprobs is not None else None, ("length" if c.finish_reason else None)
+    return c.text, c.token_ids, c.logprobs, c.finish_reason

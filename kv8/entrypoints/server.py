@@ -1,0 +1,263 @@
+"""``kv8 serve`` / ``kv8 run``: an OpenAI-compatible HTTP server (FastAPI on uvicorn).
+
+Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models`` (all behind the API key
+when one is set), ``GET /health`` and ``GET /metrics`` (Prometheus text, open).
+
+Request bodies are read by hand rather than by FastAPI, so that every failure has OpenAI's error shape and a
+precise status: 413 for a body over ``--max-request-bytes``, 400 for invalid UTF-8, malformed JSON (NaN and
+Infinity included), a non-object body, wrong types, out-of-range values or unknown fields; 401 for a missing
+or wrong API key, 404 for an unknown model or route, 503 when overloaded, draining or the engine is down.
+
+Security defaults: binds 127.0.0.1 unless ``--host`` says otherwise; the API key (``--api-key`` or
+``$KV8_API_KEY``) is compared in constant time; bodies, ``n`` and ``max_tokens`` are bounded; JSON only.
+
+Shutdown: on SIGTERM/SIGINT uvicorn stops accepting connections, new requests on open connections get 503,
+in-flight requests run to completion for up to ``--shutdown-timeout`` seconds and are then aborted (a stream
+ends with an error event and ``data: [DONE]``, a non-streaming request gets a 503); the engine thread stops
+and the process exits 0 (uvicorn re-raises the signal after shutting down; kv8's handlers absorb it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import hmac
+import json
+import logging
+import os
+import signal
+import time
+from typing import Any, AsyncIterator, Callable
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from pydantic import ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from kv8.engine.args import EngineArgs
+from kv8.entrypoints.async_engine import AsyncEngine
+from kv8.entrypoints.metrics import ServerMetrics
+from kv8.entrypoints.protocol import APIError, ChatCompletionRequest, CompletionRequest, validation_error
+from kv8.entrypoints.request_run import ClientDisconnected, Stream
+from kv8.entrypoints.serving import OpenAIServing, ServingLimits
+
+logger = logging.getLogger("kv8.server")
+
+API_KEY_ENV = "KV8_API_KEY"
+
+
+class _SSEResponse(StreamingResponse):
+    """A streaming response whose ``on_close`` runs however the response ends (finished, client gone,
+    cancelled before the first chunk)."""
+
+    def __init__(self, stream: Stream) -> None:
+        super().__init__(stream.chunks, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self._on_close = stream.close
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._on_close()
+
+
+def _json_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not valid JSON")
+
+
+async def read_json_body(request: Request, limit: int) -> dict[str, Any]:
+    length = request.headers.get("content-length")
+    if length is not None and length.isdigit() and int(length) > limit:
+        raise APIError(413, f"the request body has {int(length)} bytes, over the limit of {limit} bytes")
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > limit:
+            raise APIError(413, f"the request body has more than {limit} bytes, over the limit of {limit} bytes")
+    if not body:
+        raise APIError(400, "the request body is empty; send a JSON object")
+    try:
+        text = bytes(body).decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise APIError(400, f"the request body is not valid UTF-8 (byte {e.start}: {e.reason})") from e
+    try:
+        obj = json.loads(text, parse_constant=_json_constant)
+    except (ValueError, RecursionError) as e:
+        raise APIError(400, f"the request body is not valid JSON: {e}") from e
+    if not isinstance(obj, dict):
+        raise APIError(400, f"the request body must be a JSON object, got {type(obj).__name__}")
+    return obj
+
+
+async def _wait_disconnect(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+def build_app(engine: AsyncEngine, limits: ServingLimits, api_key: str | None, max_request_bytes: int) -> FastAPI:
+    """The ASGI app. ``app.state.draining`` set to True makes new /v1 requests answer 503."""
+    metrics = ServerMetrics()
+    serving = OpenAIServing(engine, limits, metrics)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        app.state.loop = asyncio.get_running_loop()
+        engine.start()
+        yield
+        engine.shutdown()
+
+    app = FastAPI(title="kv8", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.draining = False
+    app.state.serving = serving
+
+    def error_response(e: APIError) -> JSONResponse:
+        metrics.record_rejected(e.status)
+        headers = {"WWW-Authenticate": "Bearer"} if e.status == 401 else None
+        return JSONResponse(e.body(), status_code=e.status, headers=headers)
+
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, e: APIError) -> JSONResponse:
+        return error_response(e)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
+        msg = f"no route {request.method} {request.url.path}" if e.status_code in (404, 405) else str(e.detail)
+        return error_response(APIError(e.status_code, msg))
+
+    @app.exception_handler(ClientDisconnected)
+    async def _gone(_: Request, e: ClientDisconnected) -> Response:
+        return Response(status_code=499)
+
+    @app.exception_handler(Exception)
+    async def _internal(_: Request, e: Exception) -> JSONResponse:
+        logger.exception("internal error")
+        return error_response(APIError(500, f"internal server error: {type(e).__name__}: {e}", type_="server_error"))
+
+    def check_access(request: Request) -> None:
+        if api_key is not None:
+            auth = request.headers.get("authorization", "")
+            scheme, _, token = auth.partition(" ")
+            if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), api_key.encode()):
+                raise APIError(401, "Incorrect or missing API key; send the header 'Authorization: Bearer <key>'",
+                               code="invalid_api_key")
+        if app.state.draining:
+            raise APIError(503, "the server is shutting down", type_="server_error", code="shutting_down")
+        if not engine.is_running:
+            raise APIError(503, "the engine is not running", type_="server_error", code="engine_unavailable")
+
+    def respond(result: dict[str, Any] | Stream) -> Response:
+        if isinstance(result, Stream):
+            return _SSEResponse(result)
+        return JSONResponse(result)
+
+    @app.get("/health")
+    async def health() -> Response:
+        if not engine.is_running:
+            return JSONResponse({"status": "engine not running"}, status_code=503)
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return PlainTextResponse(metrics.render(engine.stats(), serving.in_flight),
+                                 media_type="text/plain; version=0.0.4")
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> Response:
+        check_access(request)
+        return JSONResponse({"object": "list", "data": [{
+            "id": limits.served_model_name, "object": "model", "created": int(time.time()), "owned_by": "kv8",
+            "max_model_len": limits.max_model_len}]})
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        check_access(request)
+        body = await read_json_body(request, max_request_bytes)
+        try:
+            req = CompletionRequest.model_validate(body)
+        except ValidationError as e:
+            raise validation_error(e) from e
+        return respond(await serving.completion(req, lambda: _wait_disconnect(request)))
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        check_access(request)
+        body = await read_json_body(request, max_request_bytes)
+        try:
+            req = ChatCompletionRequest.model_validate(body)
+        except ValidationError as e:
+            raise validation_error(e) from e
+        return respond(await serving.chat(req, lambda: _wait_disconnect(request)))
+
+    return app
+
+
+# ---- command line (flags are defined in kv8.entrypoints.cli.add_server_args) -----------------------------------
+def _positive(name: str, value: int | float | None) -> None:
+    if value is not None and (isinstance(value, bool) or value <= 0):
+        raise ValueError(f"--{name.replace('_', '-')}={value!r} must be > 0")
+
+
+def run_server(ns: argparse.Namespace, engine_args: EngineArgs) -> int:
+    import uvicorn
+
+    from kv8.engine.engine import LLMEngine
+
+    for name in ("max_n", "max_tokens_limit", "max_request_bytes", "shutdown_timeout"):
+        _positive(name, getattr(ns, name))
+    if ns.max_waiting_requests < 0:
+        raise ValueError(f"--max-waiting-requests={ns.max_waiting_requests} must be >= 0")
+    if not 0 <= ns.port <= 65535:
+        raise ValueError(f"--port={ns.port} must be in [0, 65535]")
+    api_key = ns.api_key if ns.api_key is not None else (os.environ.get(API_KEY_ENV) or None)
+    if api_key is not None and not api_key.strip():
+        raise ValueError("--api-key must not be empty")
+
+    llm = LLMEngine(engine_args)
+    cfg = llm.config
+    max_model_len = cfg.scheduler.max_model_len
+    if ns.max_tokens_limit is not None and ns.max_tokens_limit > max_model_len:
+        raise ValueError(f"--max-tokens-limit={ns.max_tokens_limit} exceeds max_model_len={max_model_len}")
+    stats = llm.stats()
+    limits = ServingLimits(
+        served_model_name=ns.served_model_name or engine_args.model, max_model_len=max_model_len,
+        max_tokens=ns.max_tokens_limit or max_model_len, max_n=ns.max_n,
+        max_in_flight=cfg.scheduler.max_num_seqs + ns.max_waiting_requests,
+        kv_capacity_tokens=stats["num_blocks"] * cfg.cache.block_size, kv_block_size=cfg.cache.block_size)
+
+    async_engine = AsyncEngine(llm)
+    app = build_app(async_engine, limits, api_key, ns.max_request_bytes)
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            loop = getattr(app.state, "loop", None)
+            if not app.state.draining and loop is not None:
+                # in-flight requests get ``shutdown_timeout`` seconds; then they end with an error event / 503
+                # (so their connections close cleanly) instead of being cancelled mid-write by uvicorn
+                loop.call_soon_threadsafe(loop.call_later, ns.shutdown_timeout, async_engine.abort_all,
+                                          f"the server is shutting down; the request was aborted after the "
+                                          f"{ns.shutdown_timeout:g} s shutdown timeout")
+            app.state.draining = True
+            super().handle_exit(sig, frame)
+
+    config = uvicorn.Config(app, host=ns.host, port=ns.port, log_level=ns.log_level, access_log=False,
+                            timeout_graceful_shutdown=ns.shutdown_timeout + 5.0, lifespan="on")
+    server = Server(config)
+    # uvicorn re-raises the signal it caught once it has shut down; these handlers turn that into a clean exit.
+    received: list[int] = []
+    handler: Callable[[int, Any], None] = lambda sig, frame: received.append(sig)  # noqa: E731
+    signal.signal(signal.SIGTERM, handler)
+    signal.signal(signal.SIGINT, handler)
+    print(f"kv8: serving {limits.served_model_name!r} on http://{ns.host}:{ns.port}/v1 "
+          f"(kv_cache_dtype={cfg.cache.kv_dtype.name}, API key {'required' if api_key else 'not required'})",
+          flush=True)
+    server.run()
+    if not server.started:
+        raise ValueError(f"could not start the server on {ns.host}:{ns.port} (see the log above)")
+    print("kv8: server stopped", flush=True)
+    return 0
+
+

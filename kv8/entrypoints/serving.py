@@ -1,0 +1,372 @@
+"""The OpenAI completion and chat-completion endpoints on top of :class:`AsyncEngine`.
+
+One HTTP request becomes one engine request per prompt (``n`` samples each, fanned out by the engine). Its
+outputs are read from a single :class:`OutputMailbox` and turned into OpenAI JSON, either at the end or as
+SSE chunks (``data: {...}`` lines, then ``data: [DONE]``). Engine outputs are cumulative, so updates that
+arrive while the client is slower than the engine are coalesced into one chunk.
+
+Prompts are tokenized (and chat templates applied) in a worker thread, so that a large prompt does not
+stall the other streams on the event loop.
+
+Streaming text holds back the last ``len(longest stop string) - 1`` characters until the request finishes,
+so that a stop string completed by a later token never has its beginning streamed. A request whose client
+goes away (a cancelled streaming generator, or an ``http.disconnect`` while a non-streaming request waits)
+is aborted at once: the engine frees its KV blocks before its next step.
+
+Legacy ``logprobs.text_offset`` values are offsets into the concatenation of the returned token strings
+(prompt tokens included when ``echo``), as in vLLM.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any, AsyncIterator, Awaitable, Callable
+
+from kv8.entrypoints.async_engine import AsyncEngine
+from kv8.entrypoints.metrics import ServerMetrics
+from kv8.entrypoints.protocol import APIError, ChatCompletionRequest, CompletionRequest
+from kv8.entrypoints.request_run import RequestRun, Stream, SubRequest, sse, usage, visible
+from kv8.outputs import CompletionOutput, Logprob, PositionLogprobs
+from kv8.sampling_params import SamplingParams
+
+DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+
+
+@dataclass(frozen=True)
+class ServingLimits:
+    """Per-request limits. Invariant: every field >= 1; ``max_tokens <= max_model_len``."""
+
+    served_model_name: str
+    max_model_len: int
+    max_tokens: int
+    max_n: int
+    max_in_flight: int           # sequences accepted and unfinished before new requests get 503
+    kv_capacity_tokens: int
+    kv_block_size: int
+
+
+def _sorted_entries(entry: PositionLogprobs) -> list[tuple[int, Logprob]]:
+    return sorted(entry.items(), key=lambda kv: (kv[1].rank if kv[1].rank is not None else 1 << 30, kv[0]))
+
+
+class OpenAIServing:
+    def __init__(self, engine: AsyncEngine, limits: ServingLimits, metrics: ServerMetrics) -> None:
+        self.engine = engine
+        self.limits = limits
+        self.metrics = metrics
+        self.tokenizer = engine.engine.tokenizer
+        self.in_flight = 0
+        self._counter = itertools.count()
+
+    # ---- shared checks --------------------------------------------------------------------------------------
+    def _check_model(self, model: str) -> None:
+        if model != self.limits.served_model_name:
+            raise APIError(404, f"The model `{model}` does not exist; this server serves "
+                                f"`{self.limits.served_model_name}`", param="model", code="model_not_found")
+
+    def _check_n(self, n: int) -> None:
+        if n > self.limits.max_n:
+            raise APIError(400, f"n={n} is above this server's limit of {self.limits.max_n}", param="n")
+
+    def _max_tokens(self, requested: int | None, n_prompt: int, default: int | None, param: str,
+                    prompt_param: str) -> int:
+        """Generated-token budget; 400 when the prompt (+ requested tokens) cannot fit the context."""
+        lim = self.limits
+        where = (f"(the KV cache holds {lim.kv_capacity_tokens} tokens in blocks of {lim.kv_block_size}; "
+                 f"max_model_len is {lim.max_model_len})")
+        if n_prompt >= lim.max_model_len:
+            raise APIError(400, f"This model's maximum context length is {lim.max_model_len} tokens, but the "
+                                f"prompt has {n_prompt} tokens: at most {lim.max_model_len - 1} fit, leaving room "
+                                f"for one generated token {where}", param=prompt_param,
+                           code="context_length_exceeded")
+        if requested is not None and requested > lim.max_tokens:
+            raise APIError(400, f"{param}={requested} is above this server's limit of {lim.max_tokens}",
+                           param=param)
+        if requested is None:
+            return min(default if default is not None else lim.max_tokens, lim.max_model_len - n_prompt)
+        if n_prompt + requested > lim.max_model_len:
+            raise APIError(400, f"This model's maximum context length is {lim.max_model_len} tokens, but "
+                                f"{n_prompt + requested} were requested ({n_prompt} in the prompt, {requested} for "
+                                f"the completion) {where}", param=param, code="context_length_exceeded")
+        return requested
+
+    def _release(self, num_seqs: int) -> None:
+        self.in_flight -= num_seqs
+
+    def _admit(self, subs: list[SubRequest]) -> RequestRun:
+        num_seqs = sum(s.params.n for s in subs)
+        run = RequestRun(self.engine, self.metrics, subs, lambda: self._release(num_seqs))
+        if self.in_flight + run.num_seqs > self.limits.max_in_flight:
+            raise APIError(503, f"The server is overloaded: {self.in_flight} sequences in flight, this request "
+                                f"adds {run.num_seqs}, the limit is {self.limits.max_in_flight}; retry later",
+                           type_="server_error", code="overloaded")
+        self.in_flight += run.num_seqs
+        return run
+
+    @staticmethod
+    def _params(req: Any, n: int, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None) -> SamplingParams:
+        def pick(value: Any, default: Any) -> Any:
+            return default if value is None else value
+        try:
+            return SamplingParams(
+                n=n, temperature=pick(req.temperature, 1.0), top_p=pick(req.top_p, 1.0), top_k=pick(req.top_k, 0),
+                min_p=pick(req.min_p, 0.0), seed=req.seed, max_tokens=max_tokens, min_tokens=pick(req.min_tokens, 0),
+                stop=req.stop, stop_token_ids=req.stop_token_ids, ignore_eos=pick(req.ignore_eos, False),
+                include_stop_str_in_output=pick(req.include_stop_str_in_output, False), logprobs=logprobs,
+                prompt_logprobs=prompt_logprobs, skip_special_tokens=pick(req.skip_special_tokens, True))
+        except ValueError as e:
+            raise APIError(400, str(e), param=str(e).split(" ", 1)[0]) from e
+
+    def _new_id(self, prefix: str) -> str:
+        return f"{prefix}-{uuid.uuid4().hex[:16]}{next(self._counter)}"
+
+    def _holdback(self, params: SamplingParams) -> int:
+        return max((len(s) for s in params.stop), default=1) - 1
+
+    # ---- /v1/completions ------------------------------------------------------------------------------------
+    def _completion_subs(self, req: CompletionRequest) -> tuple[list[SubRequest], bool]:
+        self._check_model(req.model)
+        n = req.n or 1
+        self._check_n(n)
+        echo = bool(req.echo)
+        score_only = req.max_tokens == 0
+        base_id = self._new_id("cmpl")
+        subs = []
+        vocab = self.engine.engine.config.arch.vocab_size
+        for i, prompt in enumerate(req.prompts()):
+            if isinstance(prompt, str):
+                try:
+                    _, ids = self.engine.engine.tokenize(prompt)
+                except ValueError as e:
+                    raise APIError(400, str(e), param="prompt") from e
+                text = prompt
+            else:
+                bad = [t for t in prompt if not 0 <= t < vocab]
+                if bad:
+                    raise APIError(400, f"prompt contains token ids {bad[:5]} outside the vocabulary [0, {vocab})",
+                                   param="prompt")
+                ids, text = list(prompt), self.tokenizer.decode(prompt, skip_special_tokens=False)
+            max_tokens = self._max_tokens(req.max_tokens, len(ids), DEFAULT_COMPLETION_MAX_TOKENS, "max_tokens",
+                                          "prompt")
+            if score_only and not echo:
+                raise APIError(400, "max_tokens=0 is only allowed with echo=true (it scores the prompt)",
+                               param="max_tokens")
+            params = self._params(req, 1 if score_only else n, max(max_tokens, 1), req.logprobs,
+                                  req.logprobs if echo and req.logprobs is not None else None)
+            subs.append(SubRequest(f"{base_id}-{i}", text, ids, params, score_only))
+        return subs, echo
+
+    def _legacy_logprobs(self, ids: list[int], entries: list[PositionLogprobs | None], offset: int
+                         ) -> tuple[dict[str, list[Any]], int]:
+        tokens, token_lps, tops, offsets = [], [], [], []
+        for tid, entry in zip(ids, entries):
+            if entry is None or tid not in entry:
+                token, lp, top = self.tokenizer.decode([tid]), None, None
+            else:
+                token = entry[tid].decoded_token or ""
+                lp = entry[tid].logprob
+                top = {}
+                for _, v in _sorted_entries(entry):  # tokens that decode alike: keep the most likely one
+                    top.setdefault(v.decoded_token or "", v.logprob)
+            tokens.append(token)
+            token_lps.append(lp)
+            tops.append(top)
+            offsets.append(offset)
+            offset += len(token)
+        return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}, offset
+
+    def _choice_parts(self, sub: SubRequest, c: CompletionOutput, echo: bool, first: bool, sent_text: int,
+                      sent_tokens: int, offset: int, final_text: bool) -> tuple[str, dict | None, int, int, int]:
+        """New text and logprobs of one choice since (sent_text, sent_tokens); returns them with the new marks."""
+        text, ids, lps, reason = visible(sub, c)
+        visible_text = text
+        if reason is None and not final_text:  # hold back what may be the start of a stop string
+            visible_text = text[:max(sent_text, len(text) - self._holdback(sub.params))]
+        delta = visible_text[sent_text:]
+        logprobs = None
+        want_lps = sub.params.logprobs is not None
+        if want_lps:
+            merged: dict[str, list[Any]] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+            if echo and first:
+                p_entries = sub.latest.prompt_logprobs if sub.latest and sub.latest.prompt_logprobs else \
+                    [None] * len(sub.prompt_ids)
+                part, offset = self._legacy_logprobs(sub.prompt_ids, p_entries, offset)
+                for k in merged:
+                    merged[k] += part[k]
+            part, offset = self._legacy_logprobs(ids[sent_tokens:], list(lps or [])[sent_tokens:], offset)
+            for k in merged:
+                merged[k] += part[k]
+            logprobs = merged
+        if echo and first:
+            delta = sub.prompt_text + delta
+        return delta, logprobs, len(visible_text), len(ids), offset
+
+    async def completion(self, req: CompletionRequest, disconnect: Callable[[], Awaitable[None]]
+                         ) -> dict[str, Any] | Stream:
+        subs, echo = await asyncio.to_thread(self._completion_subs, req)
+        run = self._admit(subs)
+        await run.start()
+        created, model, n = int(time.time()), self.limits.served_model_name, req.n or 1
+        rid = subs[0].request_id.rsplit("-", 1)[0]
+        if req.stream:
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            return Stream(self._completion_stream(run, echo, n, rid, created, model, include_usage), run.close)
+        watcher = asyncio.ensure_future(disconnect())
+        try:
+            async for _ in run.updates(watcher):
+                pass
+        finally:
+            watcher.cancel()
+            run.close()
+        choices = []
+        for i, sub in enumerate(subs):
+            assert sub.latest is not None
+            for c in sub.latest.outputs:
+                text, lps, _, _, _ = self._choice_parts(sub, c, echo, True, 0, 0, 0, True)
+                choices.append({"index": i * n + c.index, "text": text, "logprobs": lps,
+                                "finish_reason": visible(sub, c)[3]})
+            if sub.score_only and n > 1:  # the prompt was scored once; every requested choice gets the result
+                choices += [dict(choices[-1], index=i * n + k) for k in range(1, n)]
+        return {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": choices,
+                "usage": usage(run)}
+
+    async def _completion_stream(self, run: RequestRun, echo: bool, n: int, rid: str, created: int, model: str,
+                                 include_usage: bool) -> AsyncIterator[str]:
+        marks: dict[tuple[int, int], tuple[int, int, int, bool]] = {}  # (sub, choice) -> text, tokens, offset, done
+        try:
+            async for changed in run.updates():
+                choices = []
+                for sub in changed:
+                    i = run.subs.index(sub)
+                    assert sub.latest is not None
+                    for c in sub.latest.outputs:
+                        key = (i, c.index)
+                        st, tk, off, done = marks.get(key, (0, 0, 0, False))
+                        if done:
+                            continue
+                        first = key not in marks
+                        text, lps, st, tk, off = self._choice_parts(sub, c, echo, first, st, tk, off, False)
+                        reason = visible(sub, c)[3]
+                        marks[key] = (st, tk, off, reason is not None)
+                        if text or reason is not None or (lps and lps["tokens"]):
+                            for k in range(n if sub.score_only else 1):
+                                choices.append({"index": i * n + c.index + k, "text": text, "logprobs": lps,
+                                                "finish_reason": reason})
+                if choices:
+                    chunk = {"id": rid, "object": "text_completion", "created": created, "model": model,
+                             "choices": choices}
+                    if include_usage:
+                        chunk["usage"] = None
+                    yield sse(chunk)
+            if include_usage:
+                yield sse({"id": rid, "object": "text_completion", "created": created, "model": model,
+                            "choices": [], "usage": usage(run)})
+        except APIError as e:
+            yield sse(e.body())
+        finally:
+            run.close()
+        yield "data: [DONE]\n\n"
+
+    # ---- /v1/chat/completions -------------------------------------------------------------------------------
+    def _chat_sub(self, req: ChatCompletionRequest) -> SubRequest:
+        self._check_model(req.model)
+        n = req.n or 1
+        self._check_n(n)
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise APIError(400, "this model's tokenizer has no chat template; use /v1/completions",
+                           param="messages")
+        conv = [{"role": m.role, "content": m.text()} for m in req.messages]
+        try:
+            ids = self.tokenizer.apply_chat_template(conv, tokenize=True, add_generation_prompt=True)
+        except Exception as e:  # jinja TemplateError and friends: the conversation does not fit the template
+            raise APIError(400, f"the chat template rejected the messages: {e}", param="messages") from e
+        if hasattr(ids, "keys"):
+            ids = ids["input_ids"]
+        ids = list(ids)
+        max_tokens = self._max_tokens(req.token_limit, len(ids), None,
+                                      "max_completion_tokens" if req.max_completion_tokens else "max_tokens",
+                                      "messages")
+        logprobs = (req.top_logprobs or 0) if req.logprobs else None
+        params = self._params(req, n, max_tokens, logprobs, None)
+        return SubRequest(self._new_id("chatcmpl"), "", ids, params, False)
+
+    def _chat_logprobs(self, sub: SubRequest, ids: list[int], lps: list[PositionLogprobs]) -> list[dict[str, Any]]:
+        k = sub.params.logprobs or 0
+        out = []
+        for tid, entry in zip(ids, lps):
+            chosen = entry[tid]
+            token = chosen.decoded_token or ""
+            top = [{"token": v.decoded_token or "", "logprob": v.logprob,
+                    "bytes": list((v.decoded_token or "").encode("utf-8"))}
+                   for _, v in _sorted_entries(entry) if v.rank is not None and v.rank <= k][:k]
+            out.append({"token": token, "logprob": chosen.logprob, "bytes": list(token.encode("utf-8")),
+                        "top_logprobs": top})
+        return out
+
+    async def chat(self, req: ChatCompletionRequest, disconnect: Callable[[], Awaitable[None]]
+                   ) -> dict[str, Any] | Stream:
+        sub = await asyncio.to_thread(self._chat_sub, req)
+        run = self._admit([sub])
+        await run.start()
+        created, model = int(time.time()), self.limits.served_model_name
+        if req.stream:
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            return Stream(self._chat_stream(run, sub, created, model, include_usage), run.close)
+        watcher = asyncio.ensure_future(disconnect())
+        try:
+            async for _ in run.updates(watcher):
+                pass
+        finally:
+            watcher.cancel()
+            run.close()
+        assert sub.latest is not None
+        choices = []
+        for c in sub.latest.outputs:
+            lps = {"content": self._chat_logprobs(sub, c.token_ids, c.logprobs)} if c.logprobs is not None else None
+            choices.append({"index": c.index, "message": {"role": "assistant", "content": c.text},
+                            "logprobs": lps, "finish_reason": c.finish_reason})
+        return {"id": sub.request_id, "object": "chat.completion", "created": created, "model": model,
+                "choices": choices, "usage": usage(run)}
+
+    async def _chat_stream(self, run: RequestRun, sub: SubRequest, created: int, model: str,
+                           include_usage: bool) -> AsyncIterator[str]:
+        base = {"id": sub.request_id, "object": "chat.completion.chunk", "created": created, "model": model}
+        if include_usage:
+            base["usage"] = None
+        marks: dict[int, tuple[int, int, bool]] = {}
+        try:
+            yield sse(dict(base, choices=[{"index": i, "delta": {"role": "assistant", "content": ""},
+                                            "logprobs": None, "finish_reason": None}
+                                           for i in range(sub.params.n)]))
+            async for _ in run.updates():
+                assert sub.latest is not None
+                choices = []
+                for c in sub.latest.outputs:
+                    st, tk, done = marks.get(c.index, (0, 0, False))
+                    if done:
+                        continue
+                    text = c.text if c.finish_reason else c.text[:max(st, len(c.text) - self._holdback(sub.params))]
+                    delta, new_ids = text[st:], c.token_ids[tk:]
+                    lps = None
+                    if c.logprobs is not None and new_ids:
+                        lps = {"content": self._chat_logprobs(sub, new_ids, c.logprobs[tk:])}
+                    marks[c.index] = (len(text), len(c.token_ids), c.finish_reason is not None)
+                    if delta or lps:
+                        choices.append({"index": c.index, "delta": {"content": delta}, "logprobs": lps,
+                                        "finish_reason": None})
+                    if c.finish_reason is not None:
+                        choices.append({"index": c.index, "delta": {}, "logprobs": None,
+                                        "finish_reason": c.finish_reason})
+                if choices:
+                    yield sse(dict(base, choices=choices))
+            if include_usage:
+                yield sse(dict(base, choices=[], usage=usage(run)))
+        except APIError as e:
+            yield sse(e.body())
+        finally:
+            run.close()
+        yield "data: [DONE]\n\n"

@@ -1,0 +1,558 @@
+"""The OpenAI-compatible server, end to end: a real ``kv8 serve`` subprocess on a free loopback port, driven by
+the official ``openai`` client and by raw ``httpx`` requests.
+
+Oracles: the offline :class:`LLM` on the same tiny model and options (greedy text, prompt logprobs), and the
+server itself (a request alone vs. the same request among 32 concurrent streams; streamed vs. non-streamed).
+KV-cache state is read from ``/metrics``. Every wait is bounded.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Iterator
+
+import httpx
+import openai
+import pytest
+import torch
+
+from kv8 import LLM, SamplingParams
+
+API_KEY = "test-key-123"
+ENGINE_FLAGS = ["--dtype", "float32", "--num-kv-blocks", "128", "--block-size", "16", "--max-model-len", "256",
+                "--max-num-seqs", "8"]
+SERVER_FLAGS = ["--max-waiting-requests", "32", "--max-n", "16", "--max-request-bytes", "65536",
+                "--shutdown-timeout", "0.3"]
+START_TIMEOUT_S = 120.0
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    def __init__(self, args: list[str], log_path: str, env: dict[str, str] | None = None) -> None:
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_path
+        self.log = open(log_path, "wb")
+        self.proc = subprocess.Popen([sys.executable, "-m", "kv8.entrypoints.cli", *args, "--port", str(self.port)],
+                                     stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while True:
+            assert self.proc.poll() is None, f"server exited early:\n{self.read_log()}"
+            assert time.monotonic() < deadline, f"server not healthy after {START_TIMEOUT_S}s:\n{self.read_log()}"
+            try:
+                if httpx.get(self.url + "/health", timeout=1.0).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            time.sleep(0.2)
+
+    def read_log(self) -> str:
+        with open(self.log_path, "rb") as f:
+            return f.read().decode(errors="replace")
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=10)
+        self.log.close()
+        return self.proc.returncode
+
+
+@pytest.fixture(scope="module")
+def server(tiny_llama: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    log = str(tmp_path_factory.mktemp("server") / "server.log")
+    # one intra-op thread: the tiny model gains nothing from two, and OpenMP barriers stall when the CPUs are busy
+    srv = Server(["serve", "--model-id", tiny_llama, "--api-key", API_KEY, *ENGINE_FLAGS, *SERVER_FLAGS], log,
+                 env={"OMP_NUM_THREADS": "1"})
+    yield srv
+    assert srv.stop() == 0, srv.read_log()
+
+
+@pytest.fixture(scope="module")
+def client(server: Server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0, timeout=60.0)
+
+
+@pytest.fixture(scope="module")
+def offline(tiny_llama: str) -> LLM:
+    return LLM(tiny_llama, dtype="float32", num_kv_blocks=128, block_size=16, max_model_len=256, max_num_seqs=8)
+
+
+@contextlib.contextmanager
+def single_thread() -> Iterator[None]:
+    """Run the offline oracle with one intra-op thread, like the test server (OMP_NUM_THREADS=1), so both use
+    the same kernels and float32 results match bit for bit."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def _metrics(server: Server) -> dict[str, float]:
+    text = httpx.get(server.url + "/metrics", timeout=10).text
+    out = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            out[name] = float(value)
+    return out
+
+
+def _wait_idle(server: Server, timeout: float = 20.0) -> dict[str, float]:
+    deadline = time.monotonic() + timeout
+    while True:
+        m = _metrics(server)
+        if (m["kv8:kv_cache_usage_perc"] == 0.0 and m["kv8:num_requests_running"] == 0
+                and m["kv8:num_requests_waiting"] == 0 and m["kv8:num_requests_in_flight"] == 0):
+            return m
+        assert time.monotonic() < deadline, f"server still busy after {timeout}s: {m}"
+        time.sleep(0.1)
+
+
+def _post(server: Server, path: str, body: Any, key: str | None = API_KEY, raw: bytes | None = None) -> httpx.Response:
+    headers = {"Content-Type": "application/json"}
+    if key is not None:
+        headers["Authorization"] = f"Bearer {key}"
+    content = raw if raw is not None else json.dumps(body).encode()
+    return httpx.post(server.url + path, content=content, headers=headers, timeout=60)
+
+
+def _collect_completion_stream(stream: Any) -> tuple[dict[int, str], dict[int, str | None], Any]:
+    texts: dict[int, str] = {}
+    reasons: dict[int, str | None] = {}
+    usage = None
+    for chunk in stream:
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for ch in chunk.choices:
+            texts[ch.index] = texts.get(ch.index, "") + ch.text
+            if ch.finish_reason is not None:
+                reasons[ch.index] = ch.finish_reason
+    return texts, reasons, usage
+
+
+# ---- basic endpoints ----------------------------------------------------------------------------------------
+def test_health_and_models(server: Server, client: openai.OpenAI, tiny_llama: str) -> None:
+    assert httpx.get(server.url + "/health", timeout=10).json() == {"status": "ok"}
+    models = client.models.list()
+    assert [m.id for m in models.data] == [tiny_llama]
+
+
+def test_greedy_completion_matches_offline_engine(server: Server, client: openai.OpenAI, offline: LLM,
+                                                  tiny_llama: str) -> None:
+    prompts = ["London is the capital of", "Once upon a time there"]
+    with single_thread():
+        ref = offline.generate(prompts, SamplingParams(temperature=0.0, max_tokens=12), use_tqdm=False)
+    resp = client.completions.create(model=tiny_llama, prompt=prompts, max_tokens=12, temperature=0.0)
+    assert [c.index for c in resp.choices] == [0, 1]
+    assert [c.text for c in resp.choices] == [r.outputs[0].text for r in ref]
+    assert [c.finish_reason for c in resp.choices] == [r.outputs[0].finish_reason for r in ref]
+    assert resp.usage.prompt_tokens == sum(len(r.prompt_token_ids) for r in ref)
+    assert resp.usage.completion_tokens == sum(len(r.outputs[0].token_ids) for r in ref)
+    # streaming gives the same text; token-id prompts give the same as the text they encode
+    texts, reasons, usage = _collect_completion_stream(client.completions.create(
+        model=tiny_llama, prompt=prompts[0], max_tokens=12, temperature=0.0, stream=True,
+        stream_options={"include_usage": True}))
+    assert texts[0] == ref[0].outputs[0].text and reasons[0] == ref[0].outputs[0].finish_reason
+    assert usage.completion_tokens == len(ref[0].outputs[0].token_ids)
+    by_ids = client.completions.create(model=tiny_llama, prompt=ref[1].prompt_token_ids, max_tokens=12,
+                                       temperature=0.0)
+    assert by_ids.choices[0].text == ref[1].outputs[0].text
+
+
+def test_completion_logprobs(client: openai.OpenAI, offline: LLM, tiny_llama: str) -> None:
+    resp = client.completions.create(model=tiny_llama, prompt="Paris is the capital of", max_tokens=6,
+                                     temperature=0.0, logprobs=3)
+    lp = resp.choices[0].logprobs
+    with single_thread():
+        ref = offline.generate("Paris is the capital of", SamplingParams(temperature=0.0, max_tokens=6, logprobs=3),
+                               use_tqdm=False)[0].outputs[0]
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(ref.token_ids) == 6
+    for i, (tid, entry) in enumerate(zip(ref.token_ids, ref.logprobs)):
+        assert lp.token_logprobs[i] == pytest.approx(entry[tid].logprob, abs=1e-5)
+        # the legacy format keys alternatives by their text, so ids that decode alike (e.g. to U+FFFD) merge
+        assert set(lp.top_logprobs[i]) == {v.decoded_token for v in entry.values()}
+        # greedy: the chosen token is the most likely one
+        assert max(lp.top_logprobs[i].values()) == pytest.approx(lp.token_logprobs[i], abs=1e-6)
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
+
+
+def test_echo_scoring_like_lm_eval(client: openai.OpenAI, offline: LLM, tiny_llama: str) -> None:
+    """lm-evaluation-harness local-completions: echo=true, max_tokens=0, logprobs=1 scores the prompt."""
+    tok = offline.get_tokenizer()
+    contexts = ["The quick brown fox jumps over the lazy dog.", "Numbers: 0 1 2 3"]
+    ids = [tok.encode(c) for c in contexts]
+    resp = client.completions.create(model=tiny_llama, prompt=ids, max_tokens=0, echo=True, logprobs=1,
+                                     temperature=0.0)
+    with single_thread():
+        ref = offline.generate([{"prompt_token_ids": x} for x in ids],
+                               SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=1), use_tqdm=False)
+    assert resp.usage.completion_tokens == 0
+    for choice, r, x in zip(resp.choices, ref, ids):
+        lp = choice.logprobs
+        assert choice.text == tok.decode(x)
+        assert len(lp.tokens) == len(x) and lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+        for i in range(1, len(x)):
+            assert lp.token_logprobs[i] == pytest.approx(r.prompt_logprobs[i][x[i]].logprob, abs=1e-5)
+            assert set(lp.top_logprobs[i]) == {v.decoded_token for v in r.prompt_logprobs[i].values()}
+    # a string prompt echoes the prompt itself, and with max_tokens > 0 the completion follows it
+    both = client.completions.create(model=tiny_llama, prompt=contexts[0], max_tokens=4, echo=True, logprobs=0,
+                                     temperature=0.0)
+    alone = client.completions.create(model=tiny_llama, prompt=contexts[0], max_tokens=4, temperature=0.0)
+    assert both.choices[0].text == contexts[0] + alone.choices[0].text
+    assert len(both.choices[0].logprobs.tokens) == len(ids[0]) + both.usage.completion_tokens
+
+
+def test_stop_strings_streamed_and_not(client: openai.OpenAI, tiny_llama: str) -> None:
+    prompt = "Berlin is the capital of"
+    full = client.completions.create(model=tiny_llama, prompt=prompt, max_tokens=24, temperature=0.0,
+                                     extra_body={"ignore_eos": True}).choices[0].text
+    clean = [i for i in range(4, len(full) - 3) if "\ufffd" not in full[i:i + 3]]
+    assert clean, f"no usable stop string in {full!r}"
+    stop = full[clean[len(clean) // 2]:clean[len(clean) // 2] + 3]
+    expected = full[:full.find(stop)]
+    kwargs: dict[str, Any] = dict(model=tiny_llama, prompt=prompt, max_tokens=24, temperature=0.0, stop=[stop],
+                                  extra_body={"ignore_eos": True})
+    resp = client.completions.create(**kwargs)
+    assert resp.choices[0].text == expected and resp.choices[0].finish_reason == "stop"
+    texts, reasons, _ = _collect_completion_stream(client.completions.create(stream=True, **kwargs))
+    assert texts[0] == expected and reasons[0] == "stop"
+
+
+def test_n_and_seed_reproducible(client: openai.OpenAI, tiny_llama: str) -> None:
+    kwargs: dict[str, Any] = dict(model=tiny_llama, prompt="Once upon a time", max_tokens=10, temperature=1.0,
+                                  n=3)
+    a = client.completions.create(seed=1234, **kwargs)
+    b = client.completions.create(seed=1234, **kwargs)
+    c = client.completions.create(seed=4321, **kwargs)
+    assert sorted(ch.index for ch in a.choices) == [0, 1, 2]
+    assert [ch.text for ch in a.choices] == [ch.text for ch in b.choices]
+    assert len({ch.text for ch in a.choices}) > 1  # the n samples differ from each other
+    assert [ch.text for ch in a.choices] != [ch.text for ch in c.choices]
+    texts, reasons, _ = _collect_completion_stream(client.completions.create(seed=1234, stream=True, **kwargs))
+    assert [texts[i] for i in range(3)] == [ch.text for ch in a.choices] and len(reasons) == 3
+
+
+def test_chat_completion(client: openai.OpenAI, offline: LLM, tiny_llama: str) -> None:
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Where is London?"}]
+    with single_thread():
+        ref = offline.chat(messages, SamplingParams(temperature=0.0, max_tokens=10, logprobs=2), use_tqdm=False)[0]
+    resp = client.chat.completions.create(model=tiny_llama, messages=messages, max_tokens=10, temperature=0.0,
+                                          logprobs=True, top_logprobs=2)
+    choice = resp.choices[0]
+    assert choice.message.role == "assistant" and choice.message.content == ref.outputs[0].text
+    assert resp.usage.prompt_tokens == len(ref.prompt_token_ids)
+    content = choice.logprobs.content
+    assert len(content) == resp.usage.completion_tokens == len(ref.outputs[0].token_ids)
+    for item, tid, entry in zip(content, ref.outputs[0].token_ids, ref.outputs[0].logprobs):
+        assert item.logprob == pytest.approx(entry[tid].logprob, abs=1e-5)
+        assert len(item.top_logprobs) == 2 and item.top_logprobs[0].logprob >= item.top_logprobs[1].logprob
+        assert item.top_logprobs[0].logprob == pytest.approx(item.logprob, abs=1e-6)  # greedy
+    stream = client.chat.completions.create(model=tiny_llama, messages=messages, max_tokens=10, temperature=0.0,
+                                            stream=True, stream_options={"include_usage": True})
+    text, reason, usage, roles = "", None, None, []
+    for chunk in stream:
+        usage = chunk.usage or usage
+        for ch in chunk.choices:
+            if ch.delta.role:
+                roles.append(ch.delta.role)
+            text += ch.delta.content or ""
+            reason = ch.finish_reason or reason
+    assert roles == ["assistant"] and text == ref.outputs[0].text and reason == ref.outputs[0].finish_reason
+    assert usage.completion_tokens == len(ref.outputs[0].token_ids)
+    # content given as a list of text parts is the same conversation
+    parts = client.chat.completions.create(model=tiny_llama, max_tokens=10, temperature=0.0, messages=[
+        messages[0], {"role": "user", "content": [{"type": "text", "text": "Where is "},
+                                                  {"type": "text", "text": "London?"}]}])
+    assert parts.choices[0].message.content == ref.outputs[0].text
+
+
+# ---- concurrency, disconnects, overload ---------------------------------------------------------------------
+def test_32_concurrent_streams_match_alone_then_cache_empty(server: Server, client: openai.OpenAI,
+                                                           tiny_llama: str) -> None:
+    prompts = [f"Request {i}: the quick brown fox" for i in range(32)]
+    alone = [client.completions.create(model=tiny_llama, prompt=p, max_tokens=16, temperature=0.0).choices[0].text
+             for p in prompts]
+
+    def stream_one(p: str) -> str:
+        c = openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0, timeout=120.0)
+        texts, reasons, _ = _collect_completion_stream(
+            c.completions.create(model=tiny_llama, prompt=p, max_tokens=16, temperature=0.0, stream=True))
+        assert set(reasons) == {0}
+        return texts[0]
+
+    with ThreadPoolExecutor(max_workers=32) as pool:
+        together = list(pool.map(stream_one, prompts))
+    assert together == alone
+    _wait_idle(server)
+
+
+def _open_stream(server: Server, body: dict[str, Any]) -> tuple[httpx.Client, Any, Iterator[str]]:
+    c = httpx.Client(timeout=60)
+    cm = c.stream("POST", server.url + "/v1/completions", json=body,
+                  headers={"Authorization": f"Bearer {API_KEY}"})
+    resp = cm.__enter__()
+    assert resp.status_code == 200, resp.read()
+    lines = resp.iter_lines()
+    return c, cm, lines
+
+
+def _drop(streams: list[tuple[httpx.Client, Any, Iterator[str]]]) -> None:
+    for c, cm, _ in streams:
+        cm.__exit__(None, None, None)
+        c.close()
+
+
+def test_disconnects_free_blocks_and_overload_is_503(server: Server, tiny_llama: str) -> None:
+    """max_num_seqs=8, so streams of n=16 are waves of 8 sequences x 240 decode steps: whatever is queued behind
+    32 sequences cannot start for 960 steps (over a second here), far longer than these clients wait before
+    dropping. The abort counter tells aborted sequences from finished ones."""
+    abort_key = 'kv8:request_success_total{finished_reason="abort"}'
+    long_body = dict(model=tiny_llama, prompt="Paris is the capital", max_tokens=240, temperature=0.0,
+                     ignore_eos=True, stream=True, n=16)
+    aborted = _wait_idle(server).get(abort_key, 0.0)
+    streams = []
+    try:
+        streams += [_open_stream(server, long_body) for _ in range(2)]  # 32 sequences; the limit is 8 + 32 = 40
+        over = _post(server, "/v1/completions", dict(model=tiny_llama, prompt="x y", max_tokens=2, n=9))
+        assert over.status_code == 503 and over.json()["error"]["code"] == "overloaded"
+        # exactly at the limit: admitted, queued behind the streams; its non-streaming client gives up
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(server.url + "/v1/completions", timeout=httpx.Timeout(60, read=0.2),
+                       headers={"Authorization": f"Bearer {API_KEY}"},
+                       json=dict(model=tiny_llama, prompt="a b c", max_tokens=2, n=8))
+        deadline = time.monotonic() + 10
+        while (m := _metrics(server)).get(abort_key, 0.0) - aborted < 8:
+            assert time.monotonic() < deadline, m
+            time.sleep(0.02)
+        assert m[abort_key] - aborted == 8
+    finally:
+        _drop(streams)
+    aborted = _wait_idle(server, timeout=10.0)[abort_key]
+    # streaming clients that drop mid-stream: 16 + 16 + 8 = 40 sequences (at the limit), dropped after one chunk
+    streams = []
+    try:
+        streams += [_open_stream(server, dict(long_body, n=n)) for n in (16, 16, 8)]
+        first = next(line for line in streams[0][2] if line.startswith("data: "))
+        assert json.loads(first[6:])["choices"]
+        assert _metrics(server)["kv8:kv_cache_usage_perc"] > 0
+    finally:
+        _drop(streams)
+    m = _wait_idle(server, timeout=10.0)
+    assert 8 <= m[abort_key] - aborted <= 40
+
+
+# ---- bad input ----------------------------------------------------------------------------------------------
+def _expect_error(resp: httpx.Response, status: int, *fragments: str, param: str | None = None) -> None:
+    assert resp.status_code == status, resp.text
+    err = resp.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    for f in fragments:
+        assert f in err["message"], err["message"]
+    if param is not None:
+        assert err["param"] == param, err
+
+
+def test_bad_requests_get_openai_errors_and_server_keeps_serving(server: Server, client: openai.OpenAI,
+                                                                 tiny_llama: str) -> None:
+    ok = dict(model=tiny_llama, prompt="Hello there", max_tokens=2, temperature=0.0)
+    cmpl, chat = "/v1/completions", "/v1/chat/completions"
+    _expect_error(_post(server, cmpl, None, raw=b'{"model": "x", "prompt": '), 400, "not valid JSON")
+    _expect_error(_post(server, cmpl, None, raw=b'{"model": "\xff\xfe", "prompt": "a"}'), 400, "UTF-8")
+    _expect_error(_post(server, cmpl, None, raw=b""), 400, "empty")
+    _expect_error(_post(server, cmpl, [1, 2]), 400, "JSON object")
+    _expect_error(_post(server, cmpl, None, raw=json.dumps(ok).replace("0.0", "NaN").encode()), 400, "NaN")
+    # wrong types (strict: no coercion)
+    _expect_error(_post(server, cmpl, {**ok, "temperature": "0.5"}), 400, "temperature", param="temperature")
+    _expect_error(_post(server, cmpl, {**ok, "max_tokens": True}), 400, "max_tokens", param="max_tokens")
+    _expect_error(_post(server, cmpl, {**ok, "prompt": 5}), 400, "prompt", param="prompt")
+    _expect_error(_post(server, cmpl, {**ok, "stream": "yes"}), 400, "stream", param="stream")
+    # out-of-range values and server limits
+    _expect_error(_post(server, cmpl, {**ok, "temperature": 3}), 400, "temperature", param="temperature")
+    _expect_error(_post(server, cmpl, {**ok, "top_p": 0}), 400, "top_p", param="top_p")
+    _expect_error(_post(server, cmpl, {**ok, "n": 0}), 400, "n", param="n")
+    _expect_error(_post(server, cmpl, {**ok, "n": 17}), 400, "limit of 16", param="n")
+    _expect_error(_post(server, cmpl, {**ok, "logprobs": 21}), 400, "logprobs", param="logprobs")
+    _expect_error(_post(server, cmpl, {**ok, "max_tokens": -1}), 400, "max_tokens", param="max_tokens")
+    _expect_error(_post(server, cmpl, {**ok, "max_tokens": 100000}), 400, "limit of 256", param="max_tokens")
+    _expect_error(_post(server, cmpl, {**ok, "max_tokens": 0}), 400, "echo", param="max_tokens")
+    _expect_error(_post(server, cmpl, {**ok, "top_k": -2}), 400, "top_k", param="top_k")
+    _expect_error(_post(server, cmpl, {**ok, "stop": [""]}), 400, "empty")
+    _expect_error(_post(server, cmpl, {**ok, "stream_options": {"include_usage": True}}), 400, "stream")
+    _expect_error(_post(server, cmpl, {**ok, "prompt": [0, 1, 999999]}), 400, "vocabulary", param="prompt")
+    # unknown or unsupported fields are refused, never ignored
+    _expect_error(_post(server, cmpl, {**ok, "foo": 1}), 400, "'foo'", param="foo")
+    _expect_error(_post(server, cmpl, {**ok, "logit_bias": {"1": 5}}), 400, "'logit_bias'", param="logit_bias")
+    _expect_error(_post(server, cmpl, {**ok, "presence_penalty": 0.5}), 400, "presence_penalty")
+    # empty and huge prompts
+    _expect_error(_post(server, cmpl, {**ok, "prompt": ""}), 400, "empty")
+    _expect_error(_post(server, cmpl, {**ok, "prompt": []}), 400, "empty")
+    _expect_error(_post(server, cmpl, {**ok, "prompt": ["a", ""]}), 400, "prompt[1] is empty")
+    long_ids = [5] * 300
+    r = _post(server, cmpl, {**ok, "prompt": long_ids})
+    _expect_error(r, 400, "300 tokens", "256", "KV cache holds 2048 tokens", param="prompt")
+    assert r.json()["error"]["code"] == "context_length_exceeded"
+    _expect_error(_post(server, cmpl, {**ok, "prompt": [5] * 250, "max_tokens": 10}), 400, "260",
+                  param="max_tokens")
+    _expect_error(_post(server, cmpl, {**ok, "prompt": "word " * 20000}), 413, "limit of 65536")
+    # chat-specific
+    _expect_error(_post(server, chat, {"model": tiny_llama, "messages": []}), 400, "messages", param="messages")
+    _expect_error(_post(server, chat, {"model": tiny_llama, "messages": [{"role": "robot", "content": "hi"}]}),
+                  400, "role", param="messages")
+    _expect_error(_post(server, chat, {"model": tiny_llama, "messages": [{"role": "user", "content": "hi"}],
+                                       "top_logprobs": 2}), 400, "requires logprobs")
+    _expect_error(_post(server, chat, {"model": tiny_llama, "messages": [{"role": "user", "content": "hi"}],
+                                       "tools": []}), 400, "'tools'", param="tools")
+    # auth, model, route
+    _expect_error(_post(server, cmpl, ok, key="wrong"), 401, "API key")
+    _expect_error(_post(server, cmpl, ok, key=None), 401, "API key")
+    _expect_error(httpx.get(server.url + "/v1/models", timeout=10), 401, "API key")
+    _expect_error(_post(server, cmpl, {**ok, "model": "gpt-4"}), 404, "gpt-4", param="model")
+    _expect_error(_post(server, "/v1/embeddings", ok), 404, "no route")
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model=tiny_llama, prompt="hi", max_tokens=2, temperature=-1)
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=server.url + "/v1", api_key="nope", max_retries=0).models.list()
+    # still serving, and nothing leaked
+    assert _post(server, cmpl, ok).status_code == 200
+    m = _wait_idle(server)
+    assert m['kv8:request_rejected_total{status="400"}'] >= 30
+
+
+def test_metrics_exposition(server: Server, client: openai.OpenAI, tiny_llama: str) -> None:
+    before = _wait_idle(server)
+    for _ in range(2):  # 40 prompt tokens = 2 full blocks: the second request hits the prefix cache
+        r = client.completions.create(model=tiny_llama, prompt=list(range(10, 50)), max_tokens=4, temperature=0.0)
+    after = _metrics(server)
+    assert after["kv8:generation_tokens_total"] - before["kv8:generation_tokens_total"] == 2 * r.usage.completion_tokens
+    assert after["kv8:prompt_tokens_total"] - before["kv8:prompt_tokens_total"] == 80
+    text = httpx.get(server.url + "/metrics", timeout=10).text
+    for name, kind in [("kv8:kv_cache_usage_perc", "gauge"), ("kv8:num_requests_running", "gauge"),
+                       ("kv8:num_requests_waiting", "gauge"), ("kv8:prefix_cache_hit_rate", "gauge"),
+                       ("kv8:generation_tokens_total", "counter"), ("kv8:time_to_first_token_seconds", "histogram"),
+                       ("kv8:time_per_output_token_seconds", "histogram")]:
+        assert f"# TYPE {name} {kind}" in text
+    m = _metrics(server)
+    assert m["kv8:time_to_first_token_seconds_count"] >= 1
+    assert m['kv8:time_to_first_token_seconds_bucket{le="+Inf"}'] == m["kv8:time_to_first_token_seconds_count"]
+    assert m["kv8:time_per_output_token_seconds_count"] >= 1
+    assert 0.0 < m["kv8:prefix_cache_hit_rate"] <= 1.0
+    assert re.search(r"^kv8:kv_cache_total_blocks 128$", text, re.M)
+
+
+def test_sigterm_drains_then_aborts_after_the_shutdown_timeout(server: Server, tiny_llama: str) -> None:
+    """Streams of 16 + 16 + 8 sequences need 5 waves x 240 decode steps, far more than the 0.3 s shutdown
+    timeout: after SIGTERM the server refuses new connections, the stream still running at the timeout ends
+    with an error event and [DONE], and the process exits 0."""
+    body = dict(model=tiny_llama, prompt="Once upon", max_tokens=240, ignore_eos=True, n=16, stream=True)
+    streams = [_open_stream(server, dict(body, n=n)) for n in (16, 16, 8)]
+    try:
+        server.proc.send_signal(signal.SIGTERM)
+        tails = [[line for line in lines if line.startswith("data: ")][-2:] for _, _, lines in streams]
+    finally:
+        _drop(streams)
+    assert all(tail[-1] == "data: [DONE]" for tail in tails)
+    err = json.loads(tails[-1][0][6:])["error"]
+    assert "shutdown timeout" in err["message"] and err["code"] == "engine_unavailable"
+    assert server.proc.wait(timeout=30) == 0, server.read_log()
+    assert "server stopped" in server.read_log() and "Traceback" not in server.read_log()
+    with pytest.raises(httpx.TransportError):
+        httpx.get(server.url + "/health", timeout=2)
+
+
+# ---- the real model, and shutdown ---------------------------------------------------------------------------
+def test_smollm2_greedy_chat_and_sigterm_exits_0(tmp_path: Any) -> None:
+    srv = Server(["run", "smollm2-135m", "--kv-cache-dtype", "fp8", "--max-model-len", "512",
+                  "--kv-cache-memory", "64MiB"], str(tmp_path / "smollm2.log"), env={"KV8_API_KEY": "k"})
+    try:
+        c = openai.OpenAI(base_url=srv.url + "/v1", api_key="k", max_retries=0, timeout=120.0)
+        resp = c.chat.completions.create(model="smollm2-135m", temperature=0.0, max_tokens=8, messages=[
+            {"role": "user", "content": "What is the capital of France?"}])
+        assert "Paris" in resp.choices[0].message.content
+        # SIGTERM while a request streams: it is finished (or aborted) and the process exits 0
+        stream = c.chat.completions.create(model="smollm2-135m", temperature=0.0, max_tokens=6, stream=True,
+                                           messages=[{"role": "user", "content": "Count to ten."}])
+        chunks = iter(stream)
+        next(chunks)
+        srv.proc.send_signal(signal.SIGTERM)
+        reasons = [ch.finish_reason for chunk in chunks for ch in chunk.choices if ch.finish_reason]
+        assert reasons == ["length"]
+        assert srv.proc.wait(timeout=30) == 0, srv.read_log()
+        assert "server stopped" in srv.read_log()
+    finally:
+        srv.stop()
+
+
+def test_cli_defaults_and_bad_flags(tiny_llama: str, capsys: pytest.CaptureFixture[str]) -> None:
+    from kv8.entrypoints.cli import build_parser, main
+
+    parser = build_parser()
+    run = parser.parse_args(["run", "m", "--kv-cache-dtype", "fp8", "--quantization-param-path", "s.json"])
+    assert (run.model, run.host, run.port, run.kv_cache_dtype, run.quantization_param_path) == \
+        ("m", "127.0.0.1", 8000, "fp8", "s.json")
+    for flag in ("--model-id", "--model"):
+        serve = parser.parse_args(["serve", flag, "x", "--kv-cache-dtype", "fp8_e5m2"])
+        assert (serve.model, serve.host, serve.kv_cache_dtype) == ("x", "127.0.0.1", "fp8_e5m2")
+    # option errors are reported before any weights are loaded
+    assert main(["serve", "--model-id", tiny_llama, "--max-n", "0"]) == 2
+    assert "--max-n=0 must be > 0" in capsys.readouterr().err
+    assert main(["serve", "--model-id", tiny_llama, "--api-key", " "]) == 2
+    assert "--api-key must not be empty" in capsys.readouterr().err
+
+
+def test_output_mailbox_keeps_latest_and_errors() -> None:
+    import asyncio
+
+    from kv8.entrypoints.async_engine import OutputMailbox
+
+    async def scenario() -> list[Any]:
+        box = OutputMailbox()
+        box.put_nowait(("a", "a1"))  # type: ignore[arg-type]
+        box.put_nowait(("a", "a2"))  # type: ignore[arg-type]
+        box.put_nowait(("b", "b1"))  # type: ignore[arg-type]
+        first = await box.get_all()
+        err = RuntimeError("down")
+        box.put_nowait(("a", err))
+        box.put_nowait(("a", "a3"))  # type: ignore[arg-type]  # an error is never replaced
+        second = await box.get_all()
+        waiting = asyncio.ensure_future(box.get_all())
+        await asyncio.sleep(0)
+        assert not waiting.done()  # nothing new: get_all waits
+        waiting.cancel()
+        return [first, second]
+
+    first, second = asyncio.run(scenario())
+    assert first == [("a", "a2"), ("b", "b1")]
+    assert len(second) == 1 and isinstance(second[0][1], RuntimeError)
+
+
+def test_histogram_exposition() -> None:
+    from kv8.entrypoints.metrics import Histogram
+
+    h = Histogram("x_seconds", "help", (0.1, 1.0))
+    for v in (0.05, 0.1, 0.5, 3.0):
+        h.observe(v)
+    assert h.render()[2:] == ['x_seconds_bucket{le="0.1"} 2', 'x_seconds_bucket{le="1.0"} 3',
+                              'x_seconds_bucket{le="+Inf"} 4', "x_seconds_sum 3.65", "x_seconds_count 4"]
+    with pytest.raises(ValueError, match="strictly ascending"):
+        Histogram("y", "help", (1.0, 0.5))
