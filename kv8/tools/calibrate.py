@@ -1,0 +1,114 @@
+"""``kv8 calibrate``: compute fp8 KV-cache scales by running a model over calibration text.
+
+The model runs through the real engine (scheduler, runner, paged cache) with a float32 cache, i.e. nothing
+is quantized, and an :class:`~kv8.tools.kv_stats.ObserverBackend` wrapped around the configured attention
+backend sees exactly the post-RoPE K and V of every prompt token that the cache is asked to store.
+Samples are consecutive windows of ``seq_len`` tokens from the data (see :mod:`kv8.tools.data`), each sent
+as one prompt with ``max_tokens=1`` (the sampled token is never stored), with prefix caching off and a cache
+large enough for one batch of samples, so every token is computed and observed exactly once.
+
+Scales are ``statistic * headroom / format max`` per scale group (:mod:`kv8.tools.kv_stats`). Outputs
+(:mod:`kv8.tools.export`): a vLLM ``kv_cache_scales.json`` (tensor granularity; one scale per layer, the
+larger of K and V), a kv8 scales JSON (any granularity, K and V separate), or a copy of the model directory
+with the scales as checkpoint tensors.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+from tqdm.auto import tqdm
+
+from kv8.engine.args import EngineArgs
+from kv8.engine.engine import LLMEngine
+from kv8.quant.scales import KVScales, ModelScaleInfo
+from kv8.sampling_params import SamplingParams
+from kv8.tools.data import read_corpus, token_windows, tokenize_corpus
+from kv8.tools.kv_stats import KVStatsCollector, ObserverBackend, ScaleRecipe
+
+__all__ = ["CalibrationResult", "build_engine", "calibrate", "check_length", "run_prompts"]
+
+
+@dataclass(frozen=True)
+class CalibrationResult:
+    """Scales plus what they were computed from. ``collector.amax`` holds the exact observed maxima."""
+
+    scales: KVScales
+    recipe: ScaleRecipe
+    info: ModelScaleInfo
+    num_samples: int
+    num_tokens: int
+    collector: KVStatsCollector
+
+
+def build_engine(model: str, **kwargs: object) -> LLMEngine:
+    """An :class:`LLMEngine`; a model that cannot be loaded raises ValueError naming the model."""
+    try:
+        return LLMEngine(EngineArgs(model=model, **kwargs))  # type: ignore[arg-type]
+    except ValueError:
+        raise
+    except Exception as e:  # e.g. a corrupt safetensors file: re-raised as a ValueError naming the model
+        raise ValueError(f"cannot load model {model!r}: {type(e).__name__}: {e}") from e
+
+
+def check_length(model: str, length: int, what: str) -> None:
+    """Raise ValueError when ``length`` prompt tokens (plus the one sampled token) exceed the model's context."""
+    from kv8.config import ModelArchConfig
+    from kv8.model.loader import read_model_config
+    from kv8.model.registry import resolve_model_path
+
+    context = ModelArchConfig.from_hf_config(read_model_config(*resolve_model_path(model))).max_position_embeddings
+    if length + 1 > context:
+        raise ValueError(f"{what}={length} is too long for the model: its context is {context} positions and one "
+                         f"is needed for the sampled token, so at most {context - 1}")
+
+
+def run_prompts(engine: LLMEngine, prompts: Sequence[list[int]], params: SamplingParams,
+                batch: int, progress: tqdm | None = None) -> dict[str, list[int]]:
+    """Run ``prompts`` ``batch`` at a time (request ids ``"p<i>"``); returns generated token ids per id."""
+    out: dict[str, list[int]] = {}
+    for start in range(0, len(prompts), batch):
+        for i in range(start, min(start + batch, len(prompts))):
+            engine.add_request(prompts[i], params, request_id=f"p{i}")
+        while engine.has_unfinished_requests():
+            for o in engine.step():
+                if o.finished:
+                    out[o.request_id] = list(o.outputs[0].token_ids)
+                    if progress is not None:
+                        progress.update(1)
+    return out
+
+
+def calibrate(model: str, data: Sequence[str], recipe: ScaleRecipe, *, num_samples: int = 64,
+              seq_len: int = 512, skip_tokens: int = 0, dtype: str = "auto", batch: int = 4,
+              max_num_batched_tokens: int = 2048, attention_backend: str = "auto",
+              show_progress: bool = True) -> CalibrationResult:
+    """Observe ``num_samples`` windows of ``seq_len`` tokens from ``data`` (after ``skip_tokens``) and
+    compute scales by ``recipe``. Raises ValueError for unusable data, options or models."""
+    for name, value, low in (("num_samples", num_samples, 1), ("seq_len", seq_len, 2), ("batch", batch, 1)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise ValueError(f"{name}={value!r} must be an int >= {low}")
+    docs = read_corpus(data)
+    check_length(model, seq_len, "seq_len")
+    block_size = 16
+    per_seq = math.ceil((seq_len + 1) / block_size)
+    engine = build_engine(model, dtype=dtype, kv_cache_dtype="float32", enable_prefix_caching=False,
+                          max_model_len=seq_len + 1, num_kv_blocks=per_seq * batch, block_size=block_size,
+                          max_num_seqs=batch, max_num_batched_tokens=max(max_num_batched_tokens, seq_len),
+                          attention_backend=attention_backend)
+    arch = engine.config.arch
+    info = ModelScaleInfo(arch.model_type, arch.num_layers, arch.num_kv_heads, arch.head_dim)
+    samples = token_windows(tokenize_corpus(docs, engine.tokenizer), seq_len, num_samples, skip_tokens)
+    collector = KVStatsCollector(arch.num_layers, arch.num_kv_heads, arch.head_dim,
+                                 recipe.granularity if recipe.needs_histogram else None)
+    engine.runner.backend = ObserverBackend(engine.runner.backend, collector)
+    with tqdm(total=len(samples), desc="Calibrating", unit="sample", disable=not show_progress) as bar:
+        run_prompts(engine, samples, SamplingParams(temperature=0.0, max_tokens=1), batch, bar)
+    what = f"{recipe.statistic}" + (f" p{recipe.percentile:g}" if recipe.statistic == "percentile" else "")
+    source = (f"kv8 calibrate ({what}, {recipe.granularity.value}, {recipe.fmt.name}, headroom "
+              f"{recipe.headroom:g}, {len(samples)} x {seq_len} tokens)")
+    scales = collector.scales(recipe, source)
+    return CalibrationResult(scales=scales, recipe=recipe, info=info,
+                             num_samples=len(samples), num_tokens=len(samples) * seq_len, collector=collector)

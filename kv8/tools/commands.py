@@ -1,0 +1,154 @@
+"""The ``kv8 calibrate`` and ``kv8 eval`` subcommands (registered by :mod:`kv8.entrypoints.cli`)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from typing import Any
+
+from kv8.quant.formats import FP8_FORMATS, KV_CACHE_DTYPE_CHOICES, fp8_format
+from kv8.quant.scales import ScaleGranularity
+
+CALIBRATE_EPILOG = """examples:
+  kv8 calibrate smollm2-135m --data wiki.xml.bz2 --output kv_cache_scales.json          # vLLM JSON
+  kv8 calibrate smollm2-135m --data text.jsonl --granularity head --output scales.json  # kv8 JSON
+  kv8 calibrate ./my-model --data a.txt b.txt --statistic percentile --percentile 99.9 --save-model ./my-model-fp8kv
+outputs: --output-format vllm (one scale per layer, the larger of K and V; tensor granularity, fp8_e4m3[fnuz])
+  or kv8 ({"format": "kv8-kv-scales", ...}: any granularity, K and V separate); both are accepted by
+  --quantization-param-path. --save-model writes a model directory with k_scale/v_scale/kv_scale tensors."""
+
+EVAL_EPILOG = """examples:
+  kv8 eval smollm2-135m --data wiki.xml.bz2 --kv-cache-dtype fp8_e4m3 --config fp8_e4m3:kv_cache_scales.json
+  kv8 eval smollm2-135m --data held_out.txt --config fp8_e5m2 --json report.json --plot report.png
+every configuration is compared with the same engine using a float32 KV cache."""
+
+
+def _fraction(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} must be a finite number > 0")
+    return value
+
+
+def add_calibrate_parser(sub: Any) -> None:
+    c = sub.add_parser("calibrate", help="compute fp8 KV-cache scales from calibration text",
+                       description="Run a model over calibration text with an unquantized (float32) KV cache, "
+                                   "observe the K and V it stores and write fp8 scales.",
+                       epilog=CALIBRATE_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    c.add_argument("model", help="alias (smollm2-135m), Hugging Face model directory or .gguf file")
+    c.add_argument("--data", nargs="+", required=True, metavar="FILE",
+                   help="calibration text: plain text, .jsonl with a 'text' field, a MediaWiki XML dump; .bz2 ok")
+    c.add_argument("--num-samples", type=int, default=64, help="number of samples (default 64)")
+    c.add_argument("--seq-len", type=int, default=512, help="tokens per sample (default 512)")
+    c.add_argument("--skip-tokens", type=int, default=0, help="skip this many data tokens first (default 0)")
+    c.add_argument("--granularity", choices=[g.value for g in ScaleGranularity], default="tensor",
+                   help="one scale per layer (tensor), per KV head (head) or per channel (channel)")
+    c.add_argument("--statistic", choices=("amax", "percentile", "mse"), default="amax",
+                   help="amax = largest |x|; percentile of |x|; mse = clip value minimising the fp8 error")
+    c.add_argument("--percentile", type=float, default=99.99, help="for --statistic percentile (default 99.99)")
+    c.add_argument("--format", default="fp8_e4m3", choices=list(FP8_FORMATS),
+                   help="fp8 format the scales are made for (default fp8_e4m3)")
+    c.add_argument("--headroom", type=_fraction, default=1.0, help="multiply every statistic by this (default 1)")
+    c.add_argument("--output", "-o", default=None, metavar="PATH", help="scales file to write (.json)")
+    c.add_argument("--output-format", choices=("vllm", "kv8"), default=None,
+                   help="default: vllm for tensor granularity with fp8_e4m3[fnuz], else kv8")
+    c.add_argument("--save-model", default=None, metavar="DIR",
+                   help="also write a copy of the model with the scales as checkpoint tensors")
+    c.add_argument("--dtype", default="auto", help="compute dtype (default auto = bfloat16, as when serving)")
+    c.add_argument("--batch", type=int, default=4, help="samples run together (default 4)")
+    c.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    c.add_argument("--attention-backend", default="auto", help="attention backend of the engine (default auto)")
+    c.add_argument("--no-progress", action="store_true", help="no progress bar")
+    c.set_defaults(func=cmd_calibrate)
+
+
+def cmd_calibrate(ns: argparse.Namespace) -> int:
+    from kv8.tools.calibrate import calibrate
+    from kv8.tools.export import save_model_with_scales, write_scales
+    from kv8.tools.kv_stats import ScaleRecipe
+
+    if ns.output is None and ns.save_model is None:
+        raise ValueError("nothing to write: give --output PATH and/or --save-model DIR")
+    granularity = ScaleGranularity(ns.granularity)
+    output_format = ns.output_format
+    if output_format is None:
+        vllm_ok = (granularity is ScaleGranularity.TENSOR and ns.format in ("fp8_e4m3", "fp8_e4m3fnuz")
+                   and ns.output is not None and ns.output.endswith(".json"))
+        output_format = "vllm" if vllm_ok else "kv8"
+    if output_format == "vllm" and granularity is not ScaleGranularity.TENSOR:
+        raise ValueError(f"--output-format vllm holds one scale per layer; --granularity {ns.granularity} needs "
+                         "--output-format kv8")
+    recipe = ScaleRecipe(granularity=granularity, statistic=ns.statistic, fmt=fp8_format(ns.format),
+                         percentile=ns.percentile, headroom=ns.headroom)
+    result = calibrate(ns.model, ns.data, recipe, num_samples=ns.num_samples, seq_len=ns.seq_len,
+                       skip_tokens=ns.skip_tokens, dtype=ns.dtype, batch=ns.batch,
+                       max_num_batched_tokens=ns.max_num_batched_tokens, attention_backend=ns.attention_backend,
+                       show_progress=not ns.no_progress)
+    s = result.scales
+    print(f"calibrated {result.info.num_layers} layers on {result.num_samples} samples x {ns.seq_len} tokens: "
+          f"{s.source}")
+    print(f"  K scales: min {float(s.k.min()):.4g}, max {float(s.k.max()):.4g}; "
+          f"V scales: min {float(s.v.min()):.4g}, max {float(s.v.max()):.4g}")
+    if ns.output is not None:
+        write_scales(ns.output, s, result.info, output_format)
+        print(f"wrote {output_format} scales to {ns.output}")
+    if ns.save_model is not None:
+        save_model_with_scales(ns.model, ns.save_model, s)
+        print(f"wrote model with KV scales to {ns.save_model}")
+    return 0
+
+
+def add_eval_parser(sub: Any) -> None:
+    e = sub.add_parser("eval", help="accuracy of KV-cache configurations against a float32 cache",
+                       description="Teacher-forced perplexity, KL divergence and top-1 agreement against a float32 "
+                                   "KV cache, plus greedy-generation agreement, for each KV configuration.",
+                       epilog=EVAL_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    e.add_argument("model", help="alias (smollm2-135m), Hugging Face model directory or .gguf file")
+    e.add_argument("--data", nargs="+", required=True, metavar="FILE", help="evaluation text (as for calibrate)")
+    e.add_argument("--config", action="append", default=[], metavar="DTYPE[:SCALES]",
+                   help="a KV configuration, e.g. fp8_e4m3:kv_cache_scales.json (repeatable)")
+    e.add_argument("--kv-cache-dtype", action="append", default=[], choices=KV_CACHE_DTYPE_CHOICES,
+                   help="a KV configuration without a scales file (repeatable)")
+    e.add_argument("--window", type=int, default=512, help="tokens per window; the second half is scored")
+    e.add_argument("--num-windows", type=int, default=16, help="windows to score (default 16)")
+    e.add_argument("--skip-tokens", type=int, default=0, help="skip this many data tokens first (held-out data)")
+    e.add_argument("--gen-prompts", type=int, default=8, help="greedy-generation prompts (0 = none)")
+    e.add_argument("--gen-prompt-len", type=int, default=32, help="tokens per greedy prompt")
+    e.add_argument("--gen-tokens", type=int, default=32, help="greedy tokens per prompt")
+    e.add_argument("--dtype", default="auto", help="compute dtype (default auto = bfloat16)")
+    e.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    e.add_argument("--attention-backend", default="reference",
+                   help="reference (default: every cache read the same way, so only storage differs) or auto")
+    e.add_argument("--json", nargs="?", const="-", default=None, metavar="PATH",
+                   help="write the report as JSON to PATH (no PATH: print it instead of the table)")
+    e.add_argument("--plot", default=None, metavar="FILE.png", help="write a figure (needs matplotlib)")
+    e.add_argument("--no-progress", action="store_true", help="no progress bars")
+    e.set_defaults(func=cmd_eval)
+
+
+def cmd_eval(ns: argparse.Namespace) -> int:
+    from kv8.tools.evaluate import DEFAULT_CONFIGS, KVConfig, evaluate
+
+    specs = [KVConfig.parse(c) for c in ns.config] + [KVConfig(d) for d in ns.kv_cache_dtype]
+    if not specs:
+        specs = [KVConfig(d) for d in DEFAULT_CONFIGS]
+    report = evaluate(ns.model, ns.data, specs, window=ns.window, num_windows=ns.num_windows,
+                      skip_tokens=ns.skip_tokens, gen_prompts=ns.gen_prompts, gen_prompt_len=ns.gen_prompt_len,
+                      gen_tokens=ns.gen_tokens, dtype=ns.dtype, max_num_batched_tokens=ns.max_num_batched_tokens,
+                      attention_backend=ns.attention_backend, show_progress=not ns.no_progress)
+    if ns.json == "-":
+        json.dump(report.to_dict(), sys.stdout, indent=2)
+        print()
+    else:
+        print(report.table())
+        if ns.json is not None:
+            with open(ns.json, "w", encoding="utf-8") as f:
+                json.dump(report.to_dict(), f, indent=2)
+                f.write("\n")
+    if ns.plot is not None:
+        from kv8.tools.plot import plot_report
+
+        plot_report(report, ns.plot)
+    return 0

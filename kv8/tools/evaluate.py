@@ -1,0 +1,303 @@
+"""``kv8 eval``: how much a KV-cache configuration changes a model's predictions.
+
+Everything runs through the real engine with the real paged cache. One engine is built per configuration
+(``kv_cache_dtype`` plus an optional ``quantization_param_path``) and one reference engine with a float32
+cache; all use the same model, compute dtype and data.
+
+Teacher-forced scoring: the data is cut into consecutive windows of ``window`` tokens (see
+:mod:`kv8.tools.data`). Each window is one prompt; the runner's prompt-logits hook hands over the full
+next-token distribution of every prompt position, and the second half of the window is scored (positions
+``window//2 - 1 .. window - 2`` predicting tokens ``window//2 .. window - 1``), so every scored token has at
+least ``window//2`` tokens of context. Per configuration, over all scored tokens:
+
+* perplexity ``exp(mean NLL)`` and its difference to the reference's (ΔPPL);
+* mean KL divergence ``KL(P_ref || P_cfg)`` of the next-token distributions (natural log, nats);
+* top-1 agreement: the fraction of positions whose argmax equals the reference's;
+* greedy agreement: ``gen_prompts`` prompts of ``gen_prompt_len`` tokens (consecutive windows of the data)
+  are continued greedily for ``gen_tokens`` tokens; reported are the mean number of tokens generated before
+  the first divergence from the reference and the fraction of continuations identical to it;
+* per layer, the relative RMS error of the cache round trip ``decode(encode(x))`` of everything stored
+  (K and V separately) and the fraction of values clipped by the fp8 range.
+
+Attention backend: by default every engine uses the ``reference`` backend, which dequantizes any cache to
+float32 and attends identically, so the differences measured come only from what the cache stores. With
+``attention_backend="auto"`` (what ``kv8 generate`` uses) a fused kernel may compute differently for
+different cache dtypes, and its numerics are part of the comparison (e.g. a bfloat16 cache then no longer
+matches the float32 reference exactly under bfloat16 compute).
+
+Chunked prefill does not change what is measured: a window longer than ``max_num_batched_tokens`` is
+prefilled in several steps, but every chunk attends over the same stored (quantized) bytes, which is what
+an fp8 cache means; only float rounding of the unquantized arithmetic may differ between chunkings.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any, Sequence
+
+import torch
+from tqdm.auto import tqdm
+
+from kv8.attention.backend import AttentionBackend
+from kv8.attention.metadata import AttentionMetadata
+from kv8.cache.paged_cache import PagedKVCache
+from kv8.engine.engine import LLMEngine
+from kv8.quant.formats import KV_CACHE_DTYPE_CHOICES
+from kv8.sampling_params import SamplingParams
+from kv8.tools.calibrate import build_engine, check_length, run_prompts
+from kv8.tools.data import read_corpus, token_windows, tokenize_corpus
+
+__all__ = ["ConfigResult", "EvalReport", "KVConfig", "QuantErrorObserver", "evaluate"]
+
+DEFAULT_CONFIGS = ("bfloat16", "fp8_e4m3", "fp8_e5m2")
+
+
+@dataclass(frozen=True)
+class KVConfig:
+    """One KV-cache configuration to evaluate: a ``kv_cache_dtype`` and optionally a scales file."""
+
+    kv_cache_dtype: str
+    quantization_param_path: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.kv_cache_dtype not in KV_CACHE_DTYPE_CHOICES:
+            raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r} is not supported; choose one of: "
+                             f"{', '.join(KV_CACHE_DTYPE_CHOICES)}")
+
+    @staticmethod
+    def parse(spec: str) -> "KVConfig":
+        """``DTYPE`` or ``DTYPE:SCALES_PATH`` (e.g. ``fp8_e4m3:scales.json``)."""
+        dtype, sep, path = spec.partition(":")
+        if sep and not path:
+            raise ValueError(f"config {spec!r}: nothing after ':'; write DTYPE or DTYPE:SCALES_PATH")
+        return KVConfig(dtype, path or None)
+
+    @property
+    def label(self) -> str:
+        return self.kv_cache_dtype + (f":{self.quantization_param_path}" if self.quantization_param_path else "")
+
+
+class QuantErrorObserver:
+    """Attention backend wrapper: measures the cache round-trip error of every stored K/V, then delegates."""
+
+    def __init__(self, inner: AttentionBackend, num_layers: int) -> None:
+        self.inner = inner
+        self.name = f"quant-error({inner.name})"
+        self.err_sq = torch.zeros(2, num_layers, dtype=torch.float64)
+        self.ref_sq = torch.zeros(2, num_layers, dtype=torch.float64)
+        self.clipped = torch.zeros(2, num_layers, dtype=torch.int64)
+        self.count = torch.zeros(2, num_layers, dtype=torch.int64)
+
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cache: PagedKVCache,
+                layer: int, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        scales = cache.layer_scales(layer)
+        for i, x in enumerate((key, value)):
+            s = None if scales is None else scales[i]
+            xf = x.float()
+            back = cache.decode(cache.encode(x, s), s, torch.float32)
+            self.err_sq[i, layer] += float(((back - xf) ** 2).sum())
+            self.ref_sq[i, layer] += float((xf ** 2).sum())
+            self.count[i, layer] += xf.numel()
+            fmt = cache.kv_dtype.fp8
+            if fmt is not None and s is not None:
+                self.clipped[i, layer] += int(((xf / s).abs() > fmt.max_finite).sum())
+        return self.inner.forward(query, key, value, cache, layer, meta, scale)
+
+    def relative_rms_error(self) -> torch.Tensor:
+        """[2, L]: sqrt(sum err^2 / sum x^2) per (K|V, layer)."""
+        return torch.sqrt(self.err_sq / self.ref_sq.clamp(min=1e-300))
+
+    def clipped_fraction(self) -> torch.Tensor:
+        return self.clipped.double() / self.count.clamp(min=1).double()
+
+
+@dataclass(frozen=True)
+class ConfigResult:
+    label: str
+    kv_cache_dtype: str                      # canonical name
+    scales_source: str | None
+    bytes_per_token: int
+    perplexity: float
+    delta_ppl: float                         # perplexity - reference perplexity
+    mean_nll: float
+    mean_kld: float                          # nats per scored token
+    max_kld: float
+    top1_agreement: float
+    greedy_mean_match: float                 # tokens before the first divergence, mean over prompts
+    greedy_identical: float                  # fraction of prompts with identical continuations
+    layer_k_rel_err: list[float] = field(default_factory=list)
+    layer_v_rel_err: list[float] = field(default_factory=list)
+    layer_k_clipped: list[float] = field(default_factory=list)
+    layer_v_clipped: list[float] = field(default_factory=list)
+    layer_k_scale_max: list[float] | None = None   # largest K/V scale of each layer (fp8 only)
+    layer_v_scale_max: list[float] | None = None
+
+
+@dataclass(frozen=True)
+class EvalReport:
+    model: str
+    dtype: str
+    attention_backend: str
+    window: int
+    num_windows: int
+    scored_tokens: int
+    gen_prompts: int
+    gen_prompt_len: int
+    gen_tokens: int
+    reference: ConfigResult
+    results: list[ConfigResult]
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @staticmethod
+    def from_dict(d: dict[str, Any]) -> "EvalReport":
+        """Inverse of :meth:`to_dict` (e.g. to print the table of a saved ``--json`` report)."""
+        fields_ = dict(d)
+        fields_["reference"] = ConfigResult(**d["reference"])
+        fields_["results"] = [ConfigResult(**r) for r in d["results"]]
+        return EvalReport(**fields_)
+
+    def table(self) -> str:
+        rows = [self.reference, *self.results]
+        w = max(len(r.label) for r in rows) + 2
+        head = (f"{'kv cache':<{w}}{'bytes/tok':>10}{'PPL':>10}{'ΔPPL':>9}{'KLD':>10}{'top-1':>8}"
+                f"{'greedy':>8}{'same':>6}{'K err':>8}{'V err':>8}")
+        lines = [f"model {self.model} (compute {self.dtype}, attention {self.attention_backend}); "
+                 f"{self.num_windows} windows of {self.window} tokens, {self.scored_tokens} scored; greedy: "
+                 f"{self.gen_prompts} prompts x {self.gen_tokens} tokens; reference: float32 cache", head]
+        for r in rows:
+            k_err = max(r.layer_k_rel_err, default=0.0)
+            v_err = max(r.layer_v_rel_err, default=0.0)
+            lines.append(f"{r.label:<{w}}{r.bytes_per_token:>10}{r.perplexity:>10.4f}{r.delta_ppl:>+9.4f}"
+                         f"{r.mean_kld:>10.2e}{r.top1_agreement:>8.4f}{r.greedy_mean_match:>8.1f}"
+                         f"{r.greedy_identical:>6.2f}{k_err:>8.4f}{v_err:>8.4f}")
+        lines.append("KLD = mean KL(reference || config) in nats; greedy = mean tokens before the first divergence; "
+                     "same = fraction of identical greedy continuations; K/V err = worst layer's relative RMS "
+                     "round-trip error")
+        return "\n".join(lines)
+
+
+class _Scorer:
+    """Per-configuration accumulators of the teacher-forced metrics."""
+
+    def __init__(self) -> None:
+        self.nll = 0.0
+        self.kld = 0.0
+        self.max_kld = 0.0
+        self.top1 = 0
+        self.n = 0
+
+    def add(self, logp: torch.Tensor, ref_logp: torch.Tensor, targets: torch.Tensor) -> None:
+        self.nll -= float(logp.gather(1, targets.unsqueeze(1)).sum())
+        kld = (ref_logp.exp() * (ref_logp - logp)).sum(-1)
+        self.kld += float(kld.sum())
+        self.max_kld = max(self.max_kld, float(kld.max()))
+        self.top1 += int((logp.argmax(-1) == ref_logp.argmax(-1)).sum())
+        self.n += targets.numel()
+
+
+def _score_window(engine: LLMEngine, tokens: list[int], first_pos: int) -> torch.Tensor:
+    """Log-probabilities ``[len(tokens) - 1 - first_pos, V]`` of positions ``first_pos .. len - 2``."""
+    rows: dict[int, torch.Tensor] = {}
+
+    def hook(request_id: str, pos: int, logits: torch.Tensor) -> None:
+        for j in range(logits.shape[0]):
+            if pos + j >= first_pos:
+                rows[pos + j] = logits[j]
+
+    engine.runner.prompt_logits_hook = hook
+    try:
+        run_prompts(engine, [tokens], SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0), 1)
+    finally:
+        engine.runner.prompt_logits_hook = None
+    want = range(first_pos, len(tokens) - 1)
+    if sorted(rows) != list(want):
+        raise RuntimeError(f"prompt-logits hook saw positions {sorted(rows)[:3]}..., expected {want}")
+    return torch.log_softmax(torch.stack([rows[p] for p in want]).double(), dim=-1)
+
+
+def _greedy_match(ref: list[int], other: list[int]) -> int:
+    n = 0
+    for a, b in zip(ref, other):
+        if a != b:
+            break
+        n += 1
+    return n
+
+
+def evaluate(model: str, data: Sequence[str], configs: Sequence[KVConfig], *, window: int = 512,
+             num_windows: int = 16, skip_tokens: int = 0, gen_prompts: int = 8, gen_prompt_len: int = 32,
+             gen_tokens: int = 32, dtype: str = "auto", max_num_batched_tokens: int = 2048,
+             attention_backend: str = "reference", show_progress: bool = True) -> EvalReport:
+    """Evaluate every configuration in ``configs`` against a float32 cache; see the module docstring."""
+    if not configs:
+        raise ValueError("no KV cache configurations to evaluate; give --config or --kv-cache-dtype")
+    for name, value, low in (("window", window, 4), ("num_windows", num_windows, 1), ("gen_prompts", gen_prompts, 0),
+                             ("gen_prompt_len", gen_prompt_len, 1), ("gen_tokens", gen_tokens, 1)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise ValueError(f"{name}={value!r} must be an int >= {low}")
+    docs = read_corpus(data)
+    check_length(model, window, "window")
+    check_length(model, gen_prompt_len + gen_tokens, "gen_prompt_len + gen_tokens")
+    block_size = 16
+    max_len = max(window, gen_prompt_len + gen_tokens) + 1
+    blocks = max(math.ceil(max_len / block_size), max(gen_prompts, 1) * math.ceil((gen_prompt_len + gen_tokens + 1)
+                                                                                 / block_size))
+    common = dict(dtype=dtype, enable_prefix_caching=False, max_model_len=max_len, num_kv_blocks=blocks,
+                  block_size=block_size, max_num_seqs=max(gen_prompts, 1),
+                  max_num_batched_tokens=max_num_batched_tokens, attention_backend=attention_backend)
+    all_configs = [KVConfig("float32"), *configs]
+    engines: list[LLMEngine] = []
+    observers: list[QuantErrorObserver] = []
+    for cfg in all_configs:
+        engine = build_engine(model, kv_cache_dtype=cfg.kv_cache_dtype,
+                              quantization_param_path=cfg.quantization_param_path, **common)
+        obs = QuantErrorObserver(engine.runner.backend, engine.config.arch.num_layers)
+        engine.runner.backend = obs
+        engines.append(engine)
+        observers.append(obs)
+    tokens = tokenize_corpus(docs, engines[0].tokenizer)
+    windows = token_windows(tokens, window, num_windows, skip_tokens)
+    first = window // 2 - 1
+    scorers = [_Scorer() for _ in all_configs]
+    with tqdm(total=len(windows), desc="Scoring windows", unit="window", disable=not show_progress) as bar:
+        for w in windows:
+            targets = torch.tensor(w[first + 1:])
+            ref_logp = _score_window(engines[0], w, first)
+            scorers[0].add(ref_logp, ref_logp, targets)
+            for engine, scorer in zip(engines[1:], scorers[1:]):
+                scorer.add(_score_window(engine, w, first), ref_logp, targets)
+            bar.update(1)
+    greedy: list[dict[str, list[int]]] = []
+    if gen_prompts:
+        prompts = token_windows(tokens, gen_prompt_len, gen_prompts, skip_tokens)
+        params = SamplingParams(temperature=0.0, max_tokens=gen_tokens, ignore_eos=True)
+        for engine in tqdm(engines, desc="Greedy generation", unit="config", disable=not show_progress):
+            greedy.append(run_prompts(engine, prompts, params, len(prompts)))
+    ref_ppl = math.exp(scorers[0].nll / scorers[0].n)
+    results = []
+    for cfg, engine, obs, sc, i in zip(all_configs, engines, observers, scorers, range(len(engines))):
+        matches = [_greedy_match(greedy[0][rid], greedy[i][rid]) for rid in greedy[0]] if greedy else []
+        err, clipped = obs.relative_rms_error(), obs.clipped_fraction()
+        sc_k = sc_v = None
+        if engine.cache.scales is not None:
+            sc_k = engine.cache.scales.k.amax(dim=(1, 2)).tolist()
+            sc_v = engine.cache.scales.v.amax(dim=(1, 2)).tolist()
+        ppl = math.exp(sc.nll / sc.n)
+        results.append(ConfigResult(
+            label=cfg.label if i else "float32 (reference)", kv_cache_dtype=engine.config.cache.kv_dtype.name,
+            scales_source=engine.cache.scales.source if engine.cache.scales is not None else None,
+            bytes_per_token=engine.config.arch.kv_bytes_per_token(engine.config.cache.kv_dtype),
+            perplexity=ppl, delta_ppl=ppl - ref_ppl, mean_nll=sc.nll / sc.n, mean_kld=sc.kld / sc.n,
+            max_kld=sc.max_kld, top1_agreement=sc.top1 / sc.n,
+            greedy_mean_match=sum(matches) / len(matches) if matches else math.nan,
+            greedy_identical=sum(m == gen_tokens for m in matches) / len(matches) if matches else math.nan,
+            layer_k_rel_err=err[0].tolist(), layer_v_rel_err=err[1].tolist(),
+            layer_k_clipped=clipped[0].tolist(), layer_v_clipped=clipped[1].tolist(),
+            layer_k_scale_max=sc_k, layer_v_scale_max=sc_v))
+    return EvalReport(model=model, dtype=str(engines[0].config.dtype).replace("torch.", ""),
+                      attention_backend=engines[0].runner.backend.inner.name, window=window,
+                      num_windows=len(windows), scored_tokens=scorers[0].n, gen_prompts=gen_prompts if greedy else 0,
+                      gen_prompt_len=gen_prompt_len, gen_tokens=gen_tokens, reference=results[0], results=results[1:])

@@ -1,0 +1,209 @@
+"""Statistics of the K and V values an engine stores, and the fp8 scales they imply.
+
+:class:`KVStatsCollector` accumulates, per layer and for K and V separately, the exact absolute maximum of
+every (KV head, channel) and -- for the percentile and MSE statistics -- a histogram of ``|x|`` per scale
+group (one group per layer for tensor granularity, per KV head for head granularity, per channel for channel
+granularity). Histogram bins are log-spaced, ``BINS_PER_OCTAVE`` per power of two over
+``[2^LOG2_LO, 2^LOG2_HI)``, plus an underflow bin (``|x| < 2^LOG2_LO``, zeros included) and an overflow bin.
+
+Statistics per group (the scale is then ``statistic * headroom / format max``):
+
+* ``amax``: the exact maximum of ``|x|``;
+* ``percentile``: the upper edge of the bin holding the ``ceil(p/100 * N)``-th smallest ``|x|``, capped at
+  amax, so ``true percentile <= statistic <= true percentile * 2^(1/BINS_PER_OCTAVE)``;
+* ``mse``: the clip value ``f * amax``, ``f`` among ``MSE_CANDIDATES`` factors from 1 down to 1/8, that
+  minimises the squared fp8 round-trip error of the histogram (each bin represented by its geometric
+  centre, the underflow bin by 0, the overflow bin by amax); ties go to the larger clip value.
+
+A group that only ever held zeros has statistic 0; any scale stores it exactly, and it gets scale 1.0.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from kv8.attention.backend import AttentionBackend
+from kv8.attention.metadata import AttentionMetadata
+from kv8.cache.paged_cache import PagedKVCache
+from kv8.quant.formats import FP8Format
+from kv8.quant.scales import KVScales, ScaleGranularity
+
+LOG2_LO, LOG2_HI, BINS_PER_OCTAVE = -24, 24, 32
+NUM_BINS = (LOG2_HI - LOG2_LO) * BINS_PER_OCTAVE + 2
+MSE_CANDIDATES = 97
+STATISTICS = ("amax", "percentile", "mse")
+
+
+@dataclass(frozen=True)
+class ScaleRecipe:
+    """How observed statistics become scales. ``percentile`` is only used by the percentile statistic."""
+
+    granularity: ScaleGranularity
+    statistic: str
+    fmt: FP8Format
+    percentile: float = 99.99
+    headroom: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.granularity, ScaleGranularity):
+            raise ValueError(f"granularity={self.granularity!r} must be one of {[g.value for g in ScaleGranularity]}")
+        if self.statistic not in STATISTICS:
+            raise ValueError(f"statistic={self.statistic!r} is not known; choose one of: {', '.join(STATISTICS)}")
+        if not isinstance(self.fmt, FP8Format):
+            raise ValueError(f"fmt={self.fmt!r} must be an FP8Format")
+        if isinstance(self.percentile, bool) or not isinstance(self.percentile, (int, float)) \
+                or not 0 < self.percentile <= 100:
+            raise ValueError(f"percentile={self.percentile!r} must be a number in (0, 100]")
+        if isinstance(self.headroom, bool) or not isinstance(self.headroom, (int, float)) \
+                or not math.isfinite(self.headroom) or self.headroom <= 0:
+            raise ValueError(f"headroom={self.headroom!r} must be a finite number > 0 (1.0 = none)")
+
+    @property
+    def needs_histogram(self) -> bool:
+        return self.statistic != "amax"
+
+
+def _bin_index(x: torch.Tensor) -> torch.Tensor:
+    """Histogram bin of each ``|x|`` (int64, same shape)."""
+    idx = torch.floor((torch.log2(x.abs()) - LOG2_LO) * BINS_PER_OCTAVE) + 1
+    return idx.nan_to_num(0.0, posinf=NUM_BINS - 1, neginf=0.0).clamp(0, NUM_BINS - 1).long()
+
+
+def _bin_upper_edges() -> torch.Tensor:
+    """[NUM_BINS] float64 upper edge of each bin (the overflow bin's is +inf)."""
+    b = torch.arange(NUM_BINS, dtype=torch.float64)
+    edges = torch.exp2(LOG2_LO + b / BINS_PER_OCTAVE)
+    edges[-1] = math.inf
+    return edges
+
+
+def _bin_centres() -> torch.Tensor:
+    """[NUM_BINS] float64 representative value of each bin (underflow 0; overflow NaN, replaced by amax)."""
+    b = torch.arange(NUM_BINS, dtype=torch.float64)
+    centres = torch.exp2(LOG2_LO + (b - 0.5) / BINS_PER_OCTAVE)
+    centres[0] = 0.0
+    centres[-1] = math.nan
+    return centres
+
+
+class KVStatsCollector:
+    """Accumulates K/V statistics per layer; see the module docstring. Tensors index ``[0]`` = K, ``[1]`` = V."""
+
+    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int,
+                 histogram_granularity: ScaleGranularity | None) -> None:
+        self.num_layers, self.num_kv_heads, self.head_dim = num_layers, num_kv_heads, head_dim
+        self.amax = torch.zeros(2, num_layers, num_kv_heads, head_dim, dtype=torch.float32)
+        self.num_tokens = torch.zeros(num_layers, dtype=torch.int64)
+        self.histogram_granularity = histogram_granularity
+        self.hist: torch.Tensor | None = None
+        if histogram_granularity is not None:
+            self.hist = torch.zeros(2, num_layers, self._num_groups(histogram_granularity), NUM_BINS,
+                                    dtype=torch.int64)
+
+    def _num_groups(self, g: ScaleGranularity) -> int:
+        return {ScaleGranularity.TENSOR: 1, ScaleGranularity.HEAD: self.num_kv_heads,
+                ScaleGranularity.CHANNEL: self.num_kv_heads * self.head_dim}[g]
+
+    def _group_of(self) -> torch.Tensor:
+        """[H, D] group index of each (head, channel) for the histogram granularity."""
+        h, d = self.num_kv_heads, self.head_dim
+        g = self.histogram_granularity
+        if g is ScaleGranularity.TENSOR:
+            return torch.zeros(h, d, dtype=torch.int64)
+        if g is ScaleGranularity.HEAD:
+            return torch.arange(h).unsqueeze(1).expand(h, d)
+        return torch.arange(h * d).reshape(h, d)
+
+    def observe(self, layer: int, key: torch.Tensor, value: torch.Tensor) -> None:
+        """Record new tokens of ``layer``: key/value ``[T, H, D]`` (what the cache is asked to store)."""
+        self.num_tokens[layer] += key.shape[0]
+        groups = self._group_of() if self.hist is not None else None
+        for i, x in enumerate((key, value)):
+            xf = x.detach().float()
+            if xf.shape[0] == 0:
+                continue
+            torch.maximum(self.amax[i, layer], xf.abs().amax(dim=0), out=self.amax[i, layer])
+            if self.hist is not None and groups is not None:
+                flat = (groups.unsqueeze(0) * NUM_BINS + _bin_index(xf)).reshape(-1)
+                self.hist[i, layer] += torch.bincount(flat, minlength=self.hist.shape[2] * NUM_BINS).view(
+                    self.hist.shape[2], NUM_BINS)
+
+    def amax_at(self, granularity: ScaleGranularity) -> torch.Tensor:
+        """[2, L, H or 1, D or 1] exact absolute maxima reduced to ``granularity``."""
+        if granularity is ScaleGranularity.TENSOR:
+            return self.amax.amax(dim=(2, 3), keepdim=True)
+        if granularity is ScaleGranularity.HEAD:
+            return self.amax.amax(dim=3, keepdim=True)
+        return self.amax.clone()
+
+    def _grouped(self, t: torch.Tensor, granularity: ScaleGranularity) -> torch.Tensor:
+        """[2, L, H', D'] -> [2, L, G] in histogram-group order."""
+        return t.reshape(2, self.num_layers, self._num_groups(granularity))
+
+    def statistic(self, recipe: ScaleRecipe) -> torch.Tensor:
+        """[2, L, H or 1, D or 1] float32 statistic per scale group (before headroom and format max)."""
+        if int(self.num_tokens.min()) == 0:
+            raise ValueError("no K/V values were observed for some layer; calibration needs at least one token")
+        amax = self.amax_at(recipe.granularity)
+        if recipe.statistic == "amax":
+            return amax
+        if self.hist is None or self.histogram_granularity is not recipe.granularity:
+            raise ValueError(f"statistic {recipe.statistic!r} at {recipe.granularity.value} granularity needs a "
+                             f"histogram collected at that granularity")
+        group_amax = self._grouped(amax, recipe.granularity).double()
+        if recipe.statistic == "percentile":
+            stat = self._percentile(recipe.percentile, group_amax)
+        else:
+            stat = self._mse_clip(recipe.fmt, group_amax)
+        return stat.float().reshape(amax.shape)
+
+    def _percentile(self, q: float, group_amax: torch.Tensor) -> torch.Tensor:
+        assert self.hist is not None
+        counts = self.hist.double()
+        total = counts.sum(-1, keepdim=True)
+        rank = torch.ceil(total * (q / 100.0)).clamp(min=1)
+        first = (counts.cumsum(-1) >= rank).double().argmax(-1)          # first bin reaching the rank
+        return torch.minimum(_bin_upper_edges()[first], group_amax)
+
+    def _mse_clip(self, fmt: FP8Format, group_amax: torch.Tensor) -> torch.Tensor:
+        assert self.hist is not None
+        counts = self.hist.double()                                       # [2, L, G, B]
+        values = _bin_centres().expand_as(counts).clone()
+        values[..., -1] = group_amax
+        values = torch.minimum(values, group_amax.unsqueeze(-1))
+        factors = torch.exp2(torch.linspace(0.0, -3.0, MSE_CANDIDATES, dtype=torch.float64))
+        best_err = torch.full_like(group_amax, math.inf)
+        best = group_amax.clone()
+        for f in factors.tolist():
+            clip = group_amax * f
+            scale = torch.where(clip > 0, clip / fmt.max_finite, torch.ones_like(clip)).unsqueeze(-1)
+            x = (values / scale).float()
+            err = ((fmt.decode(fmt.encode(x)).double() * scale - values) ** 2 * counts).sum(-1)
+            better = err < best_err
+            best_err = torch.where(better, err, best_err)
+            best = torch.where(better, clip, best)
+        return best
+
+    def scales(self, recipe: ScaleRecipe, source: str) -> KVScales:
+        """:class:`KVScales` made for ``recipe.fmt``: ``statistic * headroom / fmt.max_finite`` per group."""
+        stat = self.statistic(recipe) * recipe.headroom
+        scale = torch.where(stat > 0, stat / recipe.fmt.max_finite, torch.ones_like(stat))
+        return KVScales(k=scale[0], v=scale[1], granularity=recipe.granularity, source=source,
+                        made_for=recipe.fmt.name)
+
+
+class ObserverBackend:
+    """An attention backend that shows every layer's new K/V to a collector, then delegates unchanged."""
+
+    def __init__(self, inner: AttentionBackend, collector: KVStatsCollector) -> None:
+        self.inner = inner
+        self.collector = collector
+        self.name = f"observer({inner.name})"
+
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cache: PagedKVCache,
+                layer: int, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        self.collector.observe(layer, key, value)
+        return self.inner.forward(query, key, value, cache, layer, meta, scale)

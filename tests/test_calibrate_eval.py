@@ -1,0 +1,340 @@
+"""``kv8 calibrate`` / ``kv8 eval``: scales from observed K/V, output formats, --save-model, perplexity.
+
+Oracles are independent of kv8's engine: the post-RoPE K/V and the log-probabilities come from transformers
+(its DynamicCache holds exactly what a KV cache stores), run in float32 on the same token windows.
+"""
+
+from __future__ import annotations
+
+import bz2
+import json
+import math
+import os
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from kv8.engine.args import EngineArgs
+from kv8.engine.engine import LLMEngine
+from kv8.entrypoints.cli import main
+from kv8.quant.formats import E4M3, E5M2
+from kv8.quant.scales import KVScales, ModelScaleInfo, ScaleGranularity, load_scales_file
+from kv8.sampling_params import SamplingParams
+from kv8.tools.calibrate import calibrate
+from kv8.tools.data import read_documents, token_windows
+from kv8.tools.evaluate import EvalReport, KVConfig, evaluate
+from kv8.tools.export import save_model_with_scales, write_scales
+from kv8.tools.kv_stats import BINS_PER_OCTAVE, ScaleRecipe
+
+SEQ, SAMPLES = 32, 3
+WORDS = ("the quick brown fox jumps over lazy dog London is capital of England Paris France Berlin Germany "
+         "once upon a time there was little model that stored its cache in eight bits numbers 0 1 2 3 4 5").split()
+
+
+@pytest.fixture(scope="module")
+def text_file(tmp_path_factory: pytest.TempPathFactory) -> str:
+    rng = random.Random(0)
+    text = " ".join(rng.choice(WORDS) for _ in range(1500)) + ".\n"
+    path = tmp_path_factory.mktemp("data") / "calib.txt"
+    path.write_text(text)
+    return str(path)
+
+
+def _windows(model_dir: str, data: str, length: int, count: int, skip: int = 0) -> list[list[int]]:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    ids = tok(Path(data).read_text(), add_special_tokens=False)["input_ids"]
+    return [ids[skip + i * length: skip + (i + 1) * length] for i in range(count)]
+
+
+def _hf_kv(model_dir: str, windows: list[list[int]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per layer (K, V) of all windows, each ``[tokens, H, D]`` float32, from transformers' cache."""
+    from transformers import AutoModelForCausalLM, DynamicCache
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32).eval()
+    per_layer: list[tuple[list[torch.Tensor], list[torch.Tensor]]] = []
+    for w in windows:
+        cache = DynamicCache()
+        with torch.no_grad():
+            model(torch.tensor([w]), past_key_values=cache, use_cache=True)
+        for i, layer in enumerate(cache.layers):
+            if len(per_layer) <= i:
+                per_layer.append(([], []))
+            per_layer[i][0].append(layer.keys[0].transpose(0, 1))
+            per_layer[i][1].append(layer.values[0].transpose(0, 1))
+    return [(torch.cat(k), torch.cat(v)) for k, v in per_layer]
+
+
+def _reduce_amax(x: torch.Tensor, granularity: ScaleGranularity) -> torch.Tensor:
+    a = x.abs().amax(dim=0)                                    # [H, D]
+    if granularity is ScaleGranularity.TENSOR:
+        return a.amax().reshape(1, 1)
+    if granularity is ScaleGranularity.HEAD:
+        return a.amax(dim=1, keepdim=True)
+    return a
+
+
+@pytest.mark.parametrize("granularity", list(ScaleGranularity))
+def test_amax_scales_are_observed_maxima_over_format_max(tiny_models: dict[str, str], text_file: str,
+                                                          granularity: ScaleGranularity) -> None:
+    model = tiny_models["llama_gqa"]
+    result = calibrate(model, [text_file], ScaleRecipe(granularity, "amax", E4M3), num_samples=SAMPLES,
+                       seq_len=SEQ, dtype="float32", batch=2, show_progress=False)
+    kv = _hf_kv(model, _windows(model, text_file, SEQ, SAMPLES))
+    assert result.num_tokens == SAMPLES * SEQ
+    assert result.scales.granularity is granularity and result.scales.made_for == "fp8_e4m3"
+    for i, (k, v) in enumerate(kv):
+        torch.testing.assert_close(result.scales.k[i], _reduce_amax(k, granularity) / 448.0, rtol=1e-5, atol=0)
+        torch.testing.assert_close(result.scales.v[i], _reduce_amax(v, granularity) / 448.0, rtol=1e-5, atol=0)
+
+
+def test_headroom_and_format_scale_the_statistic(tiny_models: dict[str, str], text_file: str) -> None:
+    model = tiny_models["llama"]
+    base = calibrate(model, [text_file], ScaleRecipe(ScaleGranularity.TENSOR, "amax", E4M3), num_samples=2,
+                     seq_len=SEQ, dtype="float32", show_progress=False).scales
+    other = calibrate(model, [text_file], ScaleRecipe(ScaleGranularity.TENSOR, "amax", E5M2, headroom=2.0),
+                      num_samples=2, seq_len=SEQ, dtype="float32", show_progress=False).scales
+    torch.testing.assert_close(other.k, base.k * 448.0 * 2.0 / 57344.0, rtol=1e-6, atol=0)
+    assert other.made_for == "fp8_e5m2"
+
+
+def _fp8_sq_error(x: torch.Tensor, scale: torch.Tensor) -> float:
+    return float(((E4M3.decode(E4M3.encode(x / scale)) * scale - x) ** 2).sum())
+
+
+def test_percentile_and_mse_statistics(tiny_models: dict[str, str], text_file: str) -> None:
+    model = tiny_models["llama"]
+    kv = _hf_kv(model, _windows(model, text_file, SEQ, SAMPLES))
+    q = 90.0
+    pct = calibrate(model, [text_file], ScaleRecipe(ScaleGranularity.HEAD, "percentile", E4M3, percentile=q),
+                    num_samples=SAMPLES, seq_len=SEQ, dtype="float32", show_progress=False).scales
+    for i, (k, _) in enumerate(kv):
+        for h in range(k.shape[1]):
+            values = k[:, h].abs().flatten().sort().values
+            true = float(values[math.ceil(q / 100 * values.numel()) - 1])
+            got = float(pct.k[i, h, 0]) * 448.0
+            assert true * (1 - 1e-6) <= got <= true * 2 ** (1 / BINS_PER_OCTAVE) * (1 + 1e-6)
+    mse = calibrate(model, [text_file], ScaleRecipe(ScaleGranularity.TENSOR, "mse", E4M3), num_samples=SAMPLES,
+                    seq_len=SEQ, dtype="float32", show_progress=False).scales
+    for i, (k, v) in enumerate(kv):
+        for x, got in ((k, mse.k[i]), (v, mse.v[i])):
+            amax_scale = x.abs().max() / 448.0
+            assert float(got) <= float(amax_scale) * (1 + 1e-6)
+            assert _fp8_sq_error(x, got) <= _fp8_sq_error(x, amax_scale) * 1.02
+
+
+class _StoredBytes:
+    """Test backend wrapper: records what the cache holds for every new token after the store."""
+
+    def __init__(self, inner):  # type: ignore[no-untyped-def]
+        self.inner, self.name, self.stored = inner, "stored-bytes", []
+
+    def forward(self, query, key, value, cache, layer, meta, scale):  # type: ignore[no-untyped-def]
+        out = self.inner.forward(query, key, value, cache, layer, meta, scale)
+        bs = cache.shape.block_size
+        k_cache, v_cache = cache.layer(layer)
+        blocks, offsets = meta.slot_mapping // bs, meta.slot_mapping % bs
+        self.stored.append((k_cache[blocks, :, offsets].clone(), v_cache[blocks, :, offsets].clone()))
+        return out
+
+
+def _cache_contents(model: str, prompt: list[int], **kwargs: object) -> tuple[KVScales, list]:
+    engine = LLMEngine(EngineArgs(model=model, kv_cache_dtype="fp8_e4m3", num_kv_blocks=8, max_model_len=64,
+                                  enable_prefix_caching=False, dtype="float32", **kwargs))  # type: ignore[arg-type]
+    probe = _StoredBytes(engine.runner.backend)
+    engine.runner.backend = probe
+    engine.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=3))
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert engine.cache.scales is not None
+    return engine.cache.scales, probe.stored
+
+
+def _same_contents(a: list, b: list) -> bool:
+    return len(a) == len(b) and all(torch.equal(x[0], y[0]) and torch.equal(x[1], y[1]) for x, y in zip(a, b))
+
+
+def test_every_output_format_loads_back_with_the_same_cache_contents(tiny_models: dict[str, str], text_file: str,
+                                                                       tmp_path: Path) -> None:
+    model = tiny_models["qwen2"]
+    res = calibrate(model, [text_file], ScaleRecipe(ScaleGranularity.TENSOR, "amax", E4M3), num_samples=2,
+                    seq_len=SEQ, dtype="float32", show_progress=False)
+    s, info = res.scales, res.info
+    assert not torch.equal(s.k, s.v)
+    prompt = _windows(model, text_file, 20, 1, skip=500)[0]
+
+    write_scales(str(tmp_path / "kv8.json"), s, info, "kv8")
+    write_scales(str(tmp_path / "vllm.json"), s, info, "vllm")
+    save_model_with_scales(model, str(tmp_path / "model"), s)
+    both = torch.maximum(s.k, s.v)
+    write_scales(str(tmp_path / "kv8_max.json"), KVScales(both, both, s.granularity, "test", s.made_for), info, "kv8")
+
+    assert torch.equal(load_scales_file(tmp_path / "kv8.json", info).k, s.k)
+    assert torch.equal(load_scales_file(tmp_path / "vllm.json", info).v, both)
+    from_json, bytes_json = _cache_contents(model, prompt, quantization_param_path=str(tmp_path / "kv8.json"))
+    from_ckpt, bytes_ckpt = _cache_contents(str(tmp_path / "model"), prompt)
+    assert torch.equal(from_json.k, s.k) and torch.equal(from_json.v, s.v)
+    assert torch.equal(from_ckpt.k, s.k) and torch.equal(from_ckpt.v, s.v) and "checkpoint" in from_ckpt.source
+    assert _same_contents(bytes_json, bytes_ckpt)
+    from_vllm, bytes_vllm = _cache_contents(model, prompt, quantization_param_path=str(tmp_path / "vllm.json"))
+    _, bytes_max = _cache_contents(model, prompt, quantization_param_path=str(tmp_path / "kv8_max.json"))
+    assert torch.equal(from_vllm.k, both) and _same_contents(bytes_vllm, bytes_max)
+    assert not _same_contents(bytes_vllm, bytes_json)
+
+
+@pytest.mark.parametrize("granularity", [ScaleGranularity.HEAD, ScaleGranularity.CHANNEL])
+def test_kv8_json_round_trips_finer_granularity(tiny_models: dict[str, str], text_file: str, tmp_path: Path,
+                                                granularity: ScaleGranularity) -> None:
+    model = tiny_models["llama_gqa"]
+    res = calibrate(model, [text_file], ScaleRecipe(granularity, "amax", E4M3), num_samples=1, seq_len=SEQ,
+                    dtype="float32", show_progress=False)
+    path = tmp_path / "s.json"
+    write_scales(str(path), res.scales, res.info, "kv8")
+    doc = json.loads(path.read_text())
+    assert doc["format"] == "kv8-kv-scales" and doc["granularity"] == granularity.value
+    loaded, _ = _cache_contents(model, [5, 6, 7, 8], quantization_param_path=str(path))
+    assert torch.equal(loaded.k, res.scales.k) and torch.equal(loaded.v, res.scales.v)
+    if granularity is ScaleGranularity.HEAD:
+        save_model_with_scales(model, str(tmp_path / "m"), res.scales)
+        from_ckpt, _ = _cache_contents(str(tmp_path / "m"), [5, 6, 7, 8])
+        assert torch.equal(from_ckpt.k, res.scales.k) and from_ckpt.granularity is ScaleGranularity.HEAD
+        config = json.loads((tmp_path / "m" / "config.json").read_text())
+        assert config["kv_cache_torch_dtype"] == "float8_e4m3fn"
+        from transformers import AutoModelForCausalLM  # the saved directory is still a loadable HF model
+        AutoModelForCausalLM.from_pretrained(str(tmp_path / "m"))
+    else:
+        with pytest.raises(ValueError, match="channel-granularity"):
+            save_model_with_scales(model, str(tmp_path / "m"), res.scales)
+        with pytest.raises(ValueError, match="one scale per layer"):
+            write_scales(str(tmp_path / "v.json"), res.scales, res.info, "vllm")
+
+
+def test_eval_perplexity_equals_transformers_and_metrics_are_consistent(tiny_models: dict[str, str],
+                                                                         text_file: str, tmp_path: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    model = tiny_models["llama"]
+    window, n = 24, 3
+    report = evaluate(model, [text_file], [KVConfig("float32"), KVConfig("fp8_e5m2")], window=window,
+                      num_windows=n, skip_tokens=7, gen_prompts=2, gen_prompt_len=6, gen_tokens=5, dtype="float32",
+                      max_num_batched_tokens=10, show_progress=False)
+    hf = AutoModelForCausalLM.from_pretrained(model, torch_dtype=torch.float32).eval()
+    nll = []
+    for w in _windows(model, text_file, window, n, skip=7):
+        with torch.no_grad():
+            logp = torch.log_softmax(hf(torch.tensor([w])).logits[0].double(), dim=-1)
+        for p in range(window // 2 - 1, window - 1):
+            nll.append(-float(logp[p, w[p + 1]]))
+    assert report.scored_tokens == len(nll) == n * (window - window // 2)
+    assert report.reference.perplexity == pytest.approx(math.exp(sum(nll) / len(nll)), rel=1e-5)
+    same, fp8 = report.results
+    assert same.mean_kld == pytest.approx(0.0, abs=1e-12) and same.top1_agreement == 1.0
+    assert same.greedy_identical == 1.0 and same.greedy_mean_match == 5.0 and same.delta_ppl == pytest.approx(0.0)
+    assert fp8.bytes_per_token * 4 == same.bytes_per_token
+    assert fp8.mean_kld > 0 and 0 <= fp8.top1_agreement <= 1 and min(fp8.layer_k_rel_err) > 0
+    assert max(same.layer_k_rel_err) == 0.0 and fp8.layer_k_scale_max == [1.0, 1.0]
+
+
+def test_cli_calibrate_and_eval(tiny_models: dict[str, str], text_file: str, tmp_path: Path,
+                                capsys: pytest.CaptureFixture[str]) -> None:
+    model = tiny_models["llama"]
+    out = tmp_path / "kv_cache_scales.json"
+    assert main(["calibrate", model, "--data", text_file, "--num-samples", "2", "--seq-len", str(SEQ),
+                 "--output", str(out), "--no-progress"]) == 0
+    assert json.loads(out.read_text())["kv_cache"]["dtype"] == "float8_e4m3fn"   # vLLM schema by default
+    report, plot = tmp_path / "r.json", tmp_path / "r.png"
+    assert main(["eval", model, "--data", text_file, "--config", f"fp8_e4m3:{out}", "--kv-cache-dtype", "fp8_e5m2",
+                 "--window", "16", "--num-windows", "1", "--gen-prompts", "1", "--gen-prompt-len", "4",
+                 "--gen-tokens", "3", "--json", str(report), "--plot", str(plot), "--no-progress"]) == 0
+    assert "fp8_e4m3:" in capsys.readouterr().out
+    labels = [r["label"] for r in json.loads(report.read_text())["results"]]
+    assert labels == [f"fp8_e4m3:{out}", "fp8_e5m2"]
+    assert f"fp8_e4m3:{out}" in EvalReport.from_dict(json.loads(report.read_text())).table()
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_data_formats(tmp_path: Path) -> None:
+    wiki = ("<mediawiki xmlns=\"http://www.mediawiki.org/xml/export-0.10/\"><page><title>A</title><ns>0</ns>"
+            "<revision><text>'''Alpha''' is a [[Greek alphabet|letter]].{{Infobox|x={{y}}}}&lt;ref&gt;cite"
+            "&lt;/ref&gt;\n== History ==\nOld [[File:a.png|thumb|pic]] text.</text></revision></page>"
+            "<page><title>B</title><ns>0</ns><redirect title=\"A\"/><revision><text>#REDIRECT [[A]]</text>"
+            "</revision></page><page><title>T</title><ns>1</ns><revision><text>talk</text></revision></page>"
+            "</mediawiki>")
+    (tmp_path / "w.xml.bz2").write_bytes(bz2.compress(wiki.encode()))
+    assert read_documents(str(tmp_path / "w.xml.bz2")) == ["Alpha is a letter.\nHistory\nOld  text."]
+    (tmp_path / "d.jsonl").write_text('{"text": "one"}\n\n{"text": "two"}\n')
+    assert read_documents(str(tmp_path / "d.jsonl")) == ["one", "two"]
+    assert token_windows(list(range(10)), 3, None, skip=2) == [[2, 3, 4], [5, 6, 7]]
+
+
+def test_bad_inputs_give_clear_errors(tiny_models: dict[str, str], text_file: str, tmp_path: Path,
+                                      capsys: pytest.CaptureFixture[str]) -> None:
+    model = tiny_models["llama"]
+    recipe = ScaleRecipe(ScaleGranularity.TENSOR, "amax", E4M3)
+    (tmp_path / "empty.txt").write_text("  \n")
+    (tmp_path / "bad.jsonl").write_text('{"text": "ok"}\n{"txt": 1}\n')
+    (tmp_path / "bad.bz2").write_bytes(b"not bzip2")
+    for path, message in ((tmp_path / "empty.txt", "holds no text"), (tmp_path / "missing.txt", "cannot be read"),
+                          (tmp_path / "bad.jsonl", "line 2"), (tmp_path / "bad.bz2", "not valid bzip2")):
+        with pytest.raises(ValueError, match=message):
+            read_documents(str(path))
+    with pytest.raises(ValueError, match="not even one window"):
+        calibrate(model, [text_file], recipe, num_samples=1, seq_len=SEQ, skip_tokens=10**6, show_progress=False)
+    with pytest.raises(ValueError, match="seq_len=512 is too long for the model: its context is 512"):
+        calibrate(model, [text_file], recipe, num_samples=1, seq_len=512, show_progress=False)
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "config.json").write_text(Path(model, "config.json").read_text())
+    (broken / "model.safetensors").write_bytes(b"garbage")
+    with pytest.raises(ValueError, match="cannot load model"):
+        calibrate(str(broken), [text_file], recipe, seq_len=SEQ, show_progress=False)
+    with pytest.raises(ValueError, match="statistic='max'"):
+        ScaleRecipe(ScaleGranularity.TENSOR, "max", E4M3)
+    with pytest.raises(ValueError, match="headroom"):
+        ScaleRecipe(ScaleGranularity.TENSOR, "amax", E4M3, headroom=0.0)
+    with pytest.raises(ValueError, match="kv_cache_dtype='fp9'"):
+        KVConfig.parse("fp9:x.json")
+    assert main(["calibrate", model, "--data", str(tmp_path / "empty.txt"), "--output", "x.json"]) == 2
+    assert "holds no text" in capsys.readouterr().err
+    assert main(["calibrate", str(tmp_path / "nope"), "--data", text_file, "--output", "x.json"]) == 2
+    assert "not accepted" in capsys.readouterr().err
+    assert main(["calibrate", model, "--data", text_file, "--granularity", "head", "--output-format", "vllm",
+                 "--output", "x.json"]) == 2
+    assert "--output-format kv8" in capsys.readouterr().err
+    assert not os.path.exists("x.json")
+    info = ModelScaleInfo("llama", 2, 4, 16)
+    (tmp_path / "wrong.json").write_text(json.dumps({"format": "kv8-kv-scales", "version": 1, "model_type": "llama",
+                                                     "num_layers": 3, "num_kv_heads": 4, "head_dim": 16}))
+    with pytest.raises(ValueError, match="num_layers is 3"):
+        load_scales_file(tmp_path / "wrong.json", info)
+
+
+def test_save_model_from_a_sharded_checkpoint_replaces_old_scales(tiny_models: dict[str, str], text_file: str,
+                                                                   tmp_path: Path) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    source = tmp_path / "sharded"
+    AutoModelForCausalLM.from_pretrained(tiny_models["llama"]).save_pretrained(source, max_shard_size="100KB")
+    AutoTokenizer.from_pretrained(tiny_models["llama"]).save_pretrained(source)
+    half = torch.full((2, 1, 1), 0.5)
+    first = save_model_with_scales(str(source), str(tmp_path / "a"), KVScales(half, half, ScaleGranularity.TENSOR,
+                                                                              "test", "fp8_e4m3"))
+    assert len(list(source.glob("*.safetensors"))) > 1 and (Path(first) / "kv_cache_scales.safetensors").exists()
+    res = calibrate(str(source), [text_file], ScaleRecipe(ScaleGranularity.TENSOR, "amax", E4M3), num_samples=1,
+                    seq_len=SEQ, dtype="float32", show_progress=False)
+    save_model_with_scales(first, str(tmp_path / "b"), res.scales)      # the source already has (other) scales
+    loaded, contents = _cache_contents(str(tmp_path / "b"), [5, 6, 7, 8])
+    assert torch.equal(loaded.k, res.scales.k) and torch.equal(loaded.v, res.scales.v)
+    index = json.loads((tmp_path / "b" / "model.safetensors.index.json").read_text())
+    assert index["weight_map"]["model.layers.1.self_attn.kv_scale"] == "kv_cache_scales.safetensors"
+    _, direct = _cache_contents(tiny_models["llama"], [5, 6, 7, 8], quantization_param_path=_kv8_file(res, tmp_path))
+    assert _same_contents(contents, direct)
+
+
+def _kv8_file(res, tmp_path: Path) -> str:  # type: ignore[no-untyped-def]
+    path = str(tmp_path / "direct.json")
+    write_scales(path, res.scales, res.info, "kv8")
+    return path
