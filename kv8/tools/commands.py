@@ -107,8 +107,9 @@ def add_eval_parser(sub: Any) -> None:
                        epilog=EVAL_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     e.add_argument("model", help="alias (smollm2-135m), Hugging Face model directory or .gguf file")
     e.add_argument("--data", nargs="+", required=True, metavar="FILE", help="evaluation text (as for calibrate)")
-    e.add_argument("--config", action="append", default=[], metavar="DTYPE[:SCALES]",
-                   help="a KV configuration, e.g. fp8_e4m3:kv_cache_scales.json (repeatable)")
+    e.add_argument("--config", action="append", default=[], metavar="DTYPE[+dynamic][+hadamard][:SCALES]",
+                   help="a KV configuration, e.g. fp8_e4m3:kv_cache_scales.json or fp8_e4m3+dynamic+hadamard "
+                        "(repeatable)")
     e.add_argument("--kv-cache-dtype", action="append", default=[], choices=KV_CACHE_DTYPE_CHOICES,
                    help="a KV configuration without a scales file (repeatable)")
     e.add_argument("--window", type=int, default=512, help="tokens per window; the second half is scored")

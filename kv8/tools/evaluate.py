@@ -55,10 +55,13 @@ DEFAULT_CONFIGS = ("bfloat16", "fp8_e4m3", "fp8_e5m2")
 
 @dataclass(frozen=True)
 class KVConfig:
-    """One KV-cache configuration to evaluate: a ``kv_cache_dtype`` and optionally a scales file."""
+    """One KV-cache configuration to evaluate: a ``kv_cache_dtype``, its scale mode and rotation, and
+    optionally a scales file."""
 
     kv_cache_dtype: str
     quantization_param_path: str | None = None
+    scale_mode: str = "static"
+    rotation: str = "none"
 
     def __post_init__(self) -> None:
         if self.kv_cache_dtype not in KV_CACHE_DTYPE_CHOICES:
@@ -67,15 +70,24 @@ class KVConfig:
 
     @staticmethod
     def parse(spec: str) -> "KVConfig":
-        """``DTYPE`` or ``DTYPE:SCALES_PATH`` (e.g. ``fp8_e4m3:scales.json``)."""
-        dtype, sep, path = spec.partition(":")
+        """``DTYPE[+dynamic][+hadamard][:SCALES_PATH]``, e.g. ``fp8_e4m3:scales.json`` or
+        ``fp8_e4m3+dynamic+hadamard``. Other combinations are checked when the engine is built."""
+        head, sep, path = spec.partition(":")
         if sep and not path:
-            raise ValueError(f"config {spec!r}: nothing after ':'; write DTYPE or DTYPE:SCALES_PATH")
-        return KVConfig(dtype, path or None)
+            raise ValueError(f"config {spec!r}: nothing after ':'; write DTYPE[+dynamic][+hadamard][:SCALES_PATH]")
+        dtype, *options = head.split("+")
+        unknown = [o for o in options if o not in ("dynamic", "hadamard")]
+        if unknown:
+            raise ValueError(f"config {spec!r}: unknown option(s) {', '.join(unknown)}; after the dtype, "
+                             "+dynamic (per-token scales) and +hadamard (rotation) are allowed")
+        return KVConfig(dtype, path or None, "dynamic" if "dynamic" in options else "static",
+                        "hadamard" if "hadamard" in options else "none")
 
     @property
     def label(self) -> str:
-        return self.kv_cache_dtype + (f":{self.quantization_param_path}" if self.quantization_param_path else "")
+        return (self.kv_cache_dtype + ("+dynamic" if self.scale_mode == "dynamic" else "")
+                + ("+hadamard" if self.rotation == "hadamard" else "")
+                + (f":{self.quantization_param_path}" if self.quantization_param_path else ""))
 
 
 class QuantErrorObserver:
@@ -93,7 +105,10 @@ class QuantErrorObserver:
                 layer: int, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         scales = cache.layer_scales(layer)
         for i, x in enumerate((key, value)):
-            s = None if scales is None else scales[i]
+            if cache.dynamic_scales:
+                s = cache.dynamic_scale(x).unsqueeze(-1)           # [T, H, 1], as the store computes it
+            else:
+                s = None if scales is None else scales[i]
             xf = x.float()
             back = cache.decode(cache.encode(x, s), s, torch.float32)
             self.err_sq[i, layer] += float(((back - xf) ** 2).sum())
@@ -253,7 +268,8 @@ def evaluate(model: str, data: Sequence[str], configs: Sequence[KVConfig], *, wi
     observers: list[QuantErrorObserver] = []
     for cfg in all_configs:
         engine = build_engine(model, kv_cache_dtype=cfg.kv_cache_dtype,
-                              quantization_param_path=cfg.quantization_param_path, **common)
+                              quantization_param_path=cfg.quantization_param_path,
+                              kv_cache_scale_mode=cfg.scale_mode, kv_cache_rotation=cfg.rotation, **common)
         obs = QuantErrorObserver(engine.runner.backend, engine.config.arch.num_layers)
         engine.runner.backend = obs
         engines.append(engine)
@@ -289,7 +305,8 @@ def evaluate(model: str, data: Sequence[str], configs: Sequence[KVConfig], *, wi
         results.append(ConfigResult(
             label=cfg.label if i else "float32 (reference)", kv_cache_dtype=engine.config.cache.kv_dtype.name,
             scales_source=engine.cache.scales.source if engine.cache.scales is not None else None,
-            bytes_per_token=engine.config.arch.kv_bytes_per_token(engine.config.cache.kv_dtype),
+            bytes_per_token=engine.config.arch.kv_bytes_per_token(engine.config.cache.kv_dtype,
+                                                                  engine.config.cache.dynamic_scales),
             perplexity=ppl, delta_ppl=ppl - ref_ppl, mean_nll=sc.nll / sc.n, mean_kld=sc.kld / sc.n,
             max_kld=sc.max_kld, top1_agreement=sc.top1 / sc.n,
             greedy_mean_match=sum(matches) / len(matches) if matches else math.nan,
