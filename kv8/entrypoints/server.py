@@ -25,7 +25,6 @@ import contextlib
 import hmac
 import json
 import logging
-import os
 import signal
 import time
 from typing import Any, AsyncIterator, Callable
@@ -35,6 +34,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from kv8 import envs
 from kv8.engine.args import EngineArgs
 from kv8.entrypoints.async_engine import AsyncEngine
 from kv8.entrypoints.metrics import ServerMetrics
@@ -44,7 +44,7 @@ from kv8.entrypoints.serving import OpenAIServing, ServingLimits
 
 logger = logging.getLogger("kv8.server")
 
-API_KEY_ENV = "KV8_API_KEY"
+API_KEY_ENV = envs.API_KEY_ENV
 
 
 class _SSEResponse(StreamingResponse):
@@ -212,7 +212,7 @@ def run_server(ns: argparse.Namespace, engine_args: EngineArgs) -> int:
         raise ValueError(f"--max-waiting-requests={ns.max_waiting_requests} must be >= 0")
     if not 0 <= ns.port <= 65535:
         raise ValueError(f"--port={ns.port} must be in [0, 65535]")
-    api_key = ns.api_key if ns.api_key is not None else (os.environ.get(API_KEY_ENV) or None)
+    api_key = ns.api_key if ns.api_key is not None else envs.api_key()
     if api_key is not None and not api_key.strip():
         raise ValueError("--api-key must not be empty")
 

@@ -11,7 +11,7 @@ edited or replaced file, or a transformers upgrade, gets a fresh entry. Entries 
 directory and renamed into place, so a reader never sees a half-written one.
 
 Cache directory: the ``cache_dir`` argument, else ``$KV8_CACHE_DIR``, else ``~/.cache/kv8``
-(`default_cache_dir`, the only place this module reads the environment).
+(`default_cache_dir`, through :mod:`kv8.envs`).
 """
 
 from __future__ import annotations
@@ -23,13 +23,15 @@ import tempfile
 import transformers
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
+from kv8 import envs
+
 TOKENIZER_KINDS: tuple[str, ...] = ("gguf", "hf")
-CACHE_DIR_ENV = "KV8_CACHE_DIR"
+CACHE_DIR_ENV = envs.CACHE_DIR_ENV
 
 
 def default_cache_dir() -> str:
-    """``$KV8_CACHE_DIR`` when set and non-empty, else ``~/.cache/kv8``."""
-    return os.environ.get(CACHE_DIR_ENV) or os.path.join(os.path.expanduser("~"), ".cache", "kv8")
+    """``$KV8_CACHE_DIR`` when set and non-empty, else ``~/.cache/kv8`` (see :mod:`kv8.envs`)."""
+    return envs.cache_dir()
 
 
 def gguf_tokenizer_cache_path(path: str, cache_dir: str | None = None) -> str:

@@ -1,0 +1,30 @@
+"""Every environment variable kv8 reads, in one place.
+
+| variable | meaning |
+|---|---|
+| ``KV8_CACHE_DIR`` | where converted tokenizers and compiled kernels are cached (default ``~/.cache/kv8``) |
+| ``CXX`` | the C++ compiler that builds the fused attention kernels (default ``g++``) |
+| ``KV8_API_KEY`` | the server's API key when ``--api-key`` is not given |
+"""
+
+from __future__ import annotations
+
+import os
+
+CACHE_DIR_ENV = "KV8_CACHE_DIR"
+API_KEY_ENV = "KV8_API_KEY"
+
+
+def cache_dir() -> str:
+    """``$KV8_CACHE_DIR`` when set and non-empty, else ``~/.cache/kv8``."""
+    return os.environ.get(CACHE_DIR_ENV) or os.path.join(os.path.expanduser("~"), ".cache", "kv8")
+
+
+def cxx() -> str:
+    """``$CXX`` or ``g++``."""
+    return os.environ.get("CXX") or "g++"
+
+
+def api_key() -> str | None:
+    """``$KV8_API_KEY`` when set and non-empty."""
+    return os.environ.get(API_KEY_ENV) or None
