@@ -8,13 +8,17 @@ context. Step (1) before (2) is what makes a block written by one sequence in th
 
 from __future__ import annotations
 
+import logging
 from typing import Protocol
 
 import torch
 
+from kv8.attention.fused import FusedCPUBackend, KernelUnavailable
 from kv8.attention.metadata import AttentionMetadata
 from kv8.attention.reference import paged_attention_reference
 from kv8.cache.paged_cache import PagedKVCache
+
+logger = logging.getLogger("kv8")
 
 
 class AttentionBackend(Protocol):
@@ -37,13 +41,24 @@ class ReferenceBackend:
         return paged_attention_reference(query, cache, layer, meta, scale)
 
 
-BACKENDS: dict[str, type] = {"reference": ReferenceBackend}
+BACKENDS: dict[str, type] = {"reference": ReferenceBackend, "cpu_fused": FusedCPUBackend}
+
+_auto_fallback_warned = False
 
 
 def get_backend(name: str) -> AttentionBackend:
-    """``auto`` picks the fastest available backend; today that is the reference."""
+    """``auto`` is ``cpu_fused`` when its kernels build and load, else ``reference`` (with one warning per
+    process saying why). Naming ``cpu_fused`` explicitly raises :class:`KernelUnavailable` instead."""
+    global _auto_fallback_warned
     if name == "auto":
-        name = "reference"
+        try:
+            return FusedCPUBackend()
+        except KernelUnavailable as exc:
+            if not _auto_fallback_warned:
+                _auto_fallback_warned = True
+                logger.warning("attention backend: using the slow reference path because the fused CPU kernels "
+                               "are unavailable: %s", exc)
+            return ReferenceBackend()
     if name not in BACKENDS:
         raise ValueError(f"attention_backend={name!r} is not known; choose one of: auto, {', '.join(BACKENDS)}")
     return BACKENDS[name]()

@@ -1,0 +1,148 @@
+"""Decode-step attention: kv8's fused CPU kernel (FP8 and bf16 caches) vs torch SDPA vs memcpy, side by side.
+
+SmolLM2 shapes (9 query heads, 3 KV heads, head_dim 64, blocks of 16), bf16 queries, one new token per
+sequence. For every (batch, context) it prints the time of one layer's decode attention for
+
+* ``kv8 fp8``  -- :func:`kv8.attention.fused.paged_attention_fused` over an fp8_e4m3 paged cache,
+* ``kv8 bf16`` -- the same kernel over a bf16 paged cache,
+* ``sdpa``     -- ``F.scaled_dot_product_attention(..., enable_gqa=True)`` over a contiguous bf16 cache,
+* ``copy fp8`` / ``copy bf16`` -- ``dst.copy_(src)`` of as many bytes as the fp8 / bf16 cache holds,
+
+(best of 5 timing windows) with effective bandwidth (cache bytes read / time; for a copy, bytes copied / time), the kernels' fraction of
+the copy bandwidth of the same bytes, and the ratios fp8/bf16 and bf16/sdpa. Calls cycle through enough
+layers (distinct buffers) that every variant streams at least ``--footprint-mb`` MiB, i.e. from DRAM rather
+than a warm L3, as in a real decode step where each layer's cache is read once.
+
+    .venv/bin/python benchmarks/bench_attention.py            # batch 1, 8, 32 x context 1k, 4k, 8k
+    .venv/bin/python benchmarks/bench_attention.py --quick    # batch 1, 8 x context 1k, 4k
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import time
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from kv8.attention.fused import load_kernels, paged_attention_fused
+from kv8.attention.metadata import AttentionMetadata
+from kv8.cache.paged_cache import CacheShape, PagedKVCache
+from kv8.quant.formats import resolve_kv_cache_dtype
+from kv8.quant.scales import KVScales
+
+HQ, HKV, D, BS = 9, 3, 64, 16
+
+
+def timeit(fn: Callable[[int], object], n_layers: int, min_time: float, windows: int = 5) -> float:
+    """Seconds per call of ``fn(layer)``, cycling layers: the best of ``windows`` windows, each at least
+    ``min_time / windows`` seconds and one full cycle of layers (robust to other load on the machine)."""
+    for i in range(min(n_layers, 3)):
+        fn(i)
+    best, layer = math.inf, 0
+    for _ in range(windows):
+        calls, start = 0, time.perf_counter()
+        while True:
+            fn(layer % n_layers)
+            layer += 1
+            calls += 1
+            elapsed = time.perf_counter() - start
+            if elapsed >= min_time / windows and calls >= n_layers:
+                break
+        best = min(best, elapsed / calls)
+    return best
+
+
+def layers_for(bytes_per_layer: int, footprint: int, cap: int = 4096) -> int:
+    return max(2, min(cap, math.ceil(footprint / bytes_per_layer)))
+
+
+def paged_cache(kv_name: str, n_layers: int, batch: int, ctx: int) -> tuple[PagedKVCache, AttentionMetadata]:
+    kv = resolve_kv_cache_dtype(kv_name, torch.bfloat16)
+    blocks_per_seq = ctx // BS
+    cache = PagedKVCache(CacheShape(n_layers, batch * blocks_per_seq, HKV, BS, D), kv,
+                         KVScales.default(n_layers) if kv.is_fp8 else None)
+    if kv.is_fp8:
+        # Random codes without NaN (0x7F / 0xFF): uniform over the finite values.
+        codes = torch.randint(0, 126, cache.data.shape, dtype=torch.uint8)
+        codes |= torch.randint(0, 2, cache.data.shape, dtype=torch.uint8) << 7
+        cache.data.copy_(codes)
+    else:
+        cache.data.copy_(torch.randn(cache.data.shape, dtype=torch.bfloat16))
+    perm = torch.randperm(batch * blocks_per_seq).view(batch, blocks_per_seq).tolist()  # scattered blocks
+    meta = AttentionMetadata.build([1] * batch, [ctx] * batch, perm, BS)
+    return cache, meta
+
+
+def bench(batch: int, ctx: int, args: argparse.Namespace) -> dict[str, float]:
+    lib = load_kernels()
+    q = torch.randn(batch, HQ, D, dtype=torch.bfloat16)
+    scale = D ** -0.5
+    res: dict[str, float] = {}
+    tokens = batch * ctx
+    fp8_bytes = tokens * HKV * D * 2          # K and V, one byte each
+    bf16_bytes = 2 * fp8_bytes
+    res["fp8_bytes"], res["bf16_bytes"] = fp8_bytes, bf16_bytes
+    for name, nbytes in (("fp8", fp8_bytes), ("bf16", bf16_bytes)):
+        nl = layers_for(nbytes, args.footprint_mb << 20)
+        cache, meta = paged_cache("fp8_e4m3" if name == "fp8" else "bfloat16", nl, batch, ctx)
+        res[name] = timeit(lambda i: paged_attention_fused(lib, q, cache, i, meta, scale), nl, args.min_time)
+        del cache
+    nl = layers_for(bf16_bytes, args.footprint_mb << 20)
+    kc = torch.randn(nl, batch, HKV, ctx, D, dtype=torch.bfloat16)
+    vc = torch.randn(nl, batch, HKV, ctx, D, dtype=torch.bfloat16)
+    q4 = q.unsqueeze(2)  # [B, Hq, 1, D]
+    res["sdpa"] = timeit(lambda i: F.scaled_dot_product_attention(q4, kc[i], vc[i], scale=scale, enable_gqa=True),
+                         nl, args.min_time)
+    del kc, vc
+    for name, nbytes in (("copy_fp8", fp8_bytes), ("copy_bf16", bf16_bytes)):
+        nl = layers_for(nbytes, args.footprint_mb << 20)
+        src = torch.empty(nl, nbytes, dtype=torch.uint8).fill_(1)
+        dst = torch.empty(nbytes, dtype=torch.uint8)
+        res[name] = timeit(lambda i: dst.copy_(src[i]), nl, args.min_time)
+        del src, dst
+    return res
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="batch 1, 8 and contexts 1k, 4k only")
+    ap.add_argument("--batch", type=int, nargs="*", default=None)
+    ap.add_argument("--context", type=int, nargs="*", default=None)
+    ap.add_argument("--min-time", type=float, default=1.0, help="seconds per measurement (default 1.0)")
+    ap.add_argument("--footprint-mb", type=int, default=128, help="bytes each variant cycles through (MiB)")
+    ap.add_argument("--threads", type=int, default=None, help="torch / kernel threads (default: torch's)")
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    batches = args.batch or ([1, 8] if args.quick else [1, 8, 32])
+    contexts = args.context or ([1024, 4096] if args.quick else [1024, 4096, 8192])
+    lib = load_kernels()
+    print(f"kv8 attention decode benchmark: Hq={HQ} Hkv={HKV} D={D} block={BS}, q bf16, "
+          f"{torch.get_num_threads()} threads, fast path: {lib.has_fast_path}, footprint >= {args.footprint_mb} MiB, "
+          f"load average {os.getloadavg()[0]:.2f}")
+    hdr = (f"{'batch':>5} {'ctx':>6} | {'kv8 fp8':>9} {'kv8 bf16':>9} {'sdpa':>9} {'copy fp8':>9} {'copy bf16':>9} | "
+           f"{'fp8 GB/s':>8} {'bf16 GB/s':>9} {'sdpa GB/s':>9} {'cp8 GB/s':>8} {'cp16 GB/s':>9} | "
+           f"{'fp8/cp':>6} {'bf16/cp':>7} | {'fp8/bf16':>8} {'bf16/sdpa':>9}")
+    print("times are microseconds per layer call; fp8/cp = fp8 kernel bandwidth / copy bandwidth of the same bytes")
+    print(hdr)
+    print("-" * len(hdr))
+    for b in batches:
+        for ctx in contexts:
+            r = bench(b, ctx, args)
+            gb = lambda nbytes, t: nbytes / t / 1e9  # noqa: E731
+            f8, b16 = gb(r["fp8_bytes"], r["fp8"]), gb(r["bf16_bytes"], r["bf16"])
+            sd = gb(r["bf16_bytes"], r["sdpa"])
+            c8, c16 = gb(r["fp8_bytes"], r["copy_fp8"]), gb(r["bf16_bytes"], r["copy_bf16"])
+            us = lambda t: t * 1e6  # noqa: E731
+            print(f"{b:>5} {ctx:>6} | {us(r['fp8']):>9.1f} {us(r['bf16']):>9.1f} {us(r['sdpa']):>9.1f} "
+                  f"{us(r['copy_fp8']):>9.1f} {us(r['copy_bf16']):>9.1f} | {f8:>8.1f} {b16:>9.1f} {sd:>9.1f} "
+                  f"{c8:>8.1f} {c16:>9.1f} | {f8 / c8:>6.2f} {b16 / c16:>7.2f} | "
+                  f"{r['fp8'] / r['bf16']:>8.2f} {r['bf16'] / r['sdpa']:>9.2f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
