@@ -1,6 +1,7 @@
 """Serving throughput at a fixed KV-cache memory budget: bf16 cache vs FP8 cache, side by side in one run.
 
-Many concurrent requests with long prompts go through kv8's continuous batching. The KV budget is the same
+Many concurrent requests with long prompts go through kv8's continuous batching (default engine settings:
+prefix caching on, so a preempted request's blocks can be found again when it is resumed). The KV budget is the same
 for every configuration, so an FP8 cache holds twice the tokens and can run about twice the sequences at
 once. Prints generated tokens per second, peak concurrent sequences, preemptions, and the ratio to bf16.
 
@@ -20,7 +21,7 @@ from kv8 import LLM, SamplingParams
 def run(kv_dtype: str, prompts: list[list[int]], args: argparse.Namespace) -> dict:
     llm = LLM(model=args.model, kv_cache_dtype=kv_dtype, kv_cache_memory=args.kv_cache_memory,
               max_model_len=args.prompt_len + args.max_tokens + 16, max_num_seqs=args.max_num_seqs,
-              max_num_batched_tokens=args.max_num_batched_tokens, enable_prefix_caching=False)
+              max_num_batched_tokens=args.max_num_batched_tokens)
     eng = llm.engine
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
     for i, p in enumerate(prompts):

@@ -69,6 +69,13 @@ class KVCacheManager:
         self.pool.num_hits += len(hits)
         return hits, len(hits) * self.block_size
 
+    def blocks_needed(self, request: Request, num_new_tokens: int, computed_blocks: list[int]) -> int:
+        """Free blocks that :meth:`allocate_slots` would take for this request (new blocks plus free hits)."""
+        num_computed = request.num_computed_tokens + len(computed_blocks) * self.block_size
+        have = len(self.req_blocks.get(request.request_id, [])) + len(computed_blocks)
+        new = max(ceil_div(num_computed + num_new_tokens, self.block_size) - have, 0)
+        return new + sum(self.pool.blocks[b].ref_cnt == 0 for b in computed_blocks)
+
     def allocate_slots(self, request: Request, num_new_tokens: int,
                        computed_blocks: list[int] | None = None) -> list[int] | None:
         """Make room for ``num_new_tokens`` more tokens after the computed ones; all or nothing.

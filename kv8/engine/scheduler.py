@@ -5,7 +5,9 @@ asks for all its uncomputed tokens (1 for a decode, the rest of its prompt for a
 remaining budget. When the block pool cannot supply a running request, the newest running request is
 preempted -- its blocks freed, its progress reset, and it goes back to the front of the queue to be
 recomputed (its cached prefix blocks usually make that cheap). Then, if nothing was preempted, waiting
-requests are admitted (prefix hits first) while budget, ``max_num_seqs`` and free blocks allow.
+requests are admitted (prefix hits first) while budget, ``max_num_seqs`` and free blocks allow, keeping one
+free block in reserve per running request (a watermark, so that admitting a prompt does not immediately force
+the preemption of a decoding request, whose recompute would waste the work done).
 
 Invariant: a request whose tokens fit in ``max_model_len`` always fits in an empty pool (the engine refuses
 pools smaller than ``max_model_len``), so preemption always makes progress: no crash, no hang.
@@ -95,6 +97,9 @@ class Scheduler:
             req = self.waiting[0]
             hit_blocks, num_hit_tokens = self.kv.get_computed_blocks(req)
             n = min(req.num_tokens - num_hit_tokens, budget)
+            if self.running and self.kv.blocks_needed(req, n, hit_blocks) + len(self.running) > \
+                    self.kv.num_free_blocks:
+                break
             if self.kv.allocate_slots(req, n, hit_blocks) is None:
                 break
             self.waiting.popleft()
