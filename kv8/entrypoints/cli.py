@@ -37,7 +37,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-cache-dtype", default=d.kv_cache_dtype, choices=KV_CACHE_DTYPE_CHOICES,
                    help="KV cache storage: auto = the compute dtype; fp8 = fp8_e4m3 (1 byte per value)")
     g.add_argument("--quantization-param-path", default=None, metavar="JSON",
-                   help="KV scales in vLLM's kv_cache_scales.json format (FP8 caches only)")
+                   help="KV scales file: vLLM's kv_cache_scales.json or kv8's JSON from kv8 calibrate (FP8 caches only)")
     g.add_argument("--kv-cache-memory", default=None, metavar="SIZE",
                    help="KV cache budget, e.g. 2GiB (default: 25%% of free memory, at most 4GiB)")
     g.add_argument("--num-kv-blocks", type=int, default=None, help="KV cache budget in blocks instead of bytes")
