@@ -57,6 +57,11 @@ def test_checkpoint_scales_are_used_and_stored_values_follow_them(tiny_models, t
     assert torch.equal(scales.v[:, :, 0], torch.tensor([[0.25, 0.125], [0.25, 0.125]]))
     out = llm.generate("Paris is the", SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))[0]
     assert len(out.outputs[0].token_ids) == 3
+    # Calibrated static scales describe unrotated K/V: refused with a rotated cache, allowed with dynamic scales.
+    with pytest.raises(ValueError, match="kv_cache_rotation='hadamard' cannot use static scales"):
+        make_llm(str(dst), kv_cache_dtype="fp8", kv_cache_rotation="hadamard")
+    assert make_llm(str(dst), kv_cache_dtype="fp8", kv_cache_rotation="hadamard",
+                    kv_cache_scale_mode="dynamic").engine.cache.dynamic_scales
     # Without an FP8 cache the scales are simply not needed.
     assert make_llm(str(dst), kv_cache_dtype="float32").engine.cache.scales is None
 

@@ -64,6 +64,11 @@ class LLMEngine:
                 logger.info("dynamic KV scales: the checkpoint's static scales (%s) are not used", ckpt.source)
         else:
             scales = resolve_kv_scales(cc.kv_dtype, info, cc.quantization_param_path, ckpt)
+            if cc.rotation != "none" and scales is not None and (cc.quantization_param_path or ckpt is not None):
+                # Calibrated scales describe unrotated K/V; applied to rotated values they would be wrong.
+                raise ValueError(
+                    f"kv_cache_rotation={cc.rotation!r} cannot use static scales from {scales.source}: they were "
+                    "computed for unrotated K/V. Use kv_cache_scale_mode='dynamic', or drop the scales (1.0)")
         if cc.rotation == "hadamard":
             self.model.kv_rotation = hadamard(arch.head_dim)
         num_blocks = resolve_num_blocks(self.config)
