@@ -172,24 +172,23 @@ def build_app(engine: AsyncEngine, limits: ServingLimits, api_key: str | None, m
             "id": limits.served_model_name, "object": "model", "created": int(time.time()), "owned_by": "kv8",
             "max_model_len": limits.max_model_len}]})
 
-    @app.post("/v1/completions")
-    async def completions(request: Request) -> Response:
+    async def parse(request: Request, model: type[CompletionRequest] | type[ChatCompletionRequest]) -> Any:
+        """Check the key, read the bounded JSON body and validate it strictly (errors become 4xx)."""
         check_access(request)
         body = await read_json_body(request, max_request_bytes)
         try:
-            req = CompletionRequest.model_validate(body)
+            return model.model_validate(body)
         except ValidationError as e:
             raise validation_error(e) from e
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        req = await parse(request, CompletionRequest)
         return respond(await serving.completion(req, lambda: _wait_disconnect(request)))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        check_access(request)
-        body = await read_json_body(request, max_request_bytes)
-        try:
-            req = ChatCompletionRequest.model_validate(body)
-        except ValidationError as e:
-            raise validation_error(e) from e
+        req = await parse(request, ChatCompletionRequest)
         return respond(await serving.chat(req, lambda: _wait_disconnect(request)))
 
     return app

@@ -53,6 +53,17 @@ def _sorted_entries(entry: PositionLogprobs) -> list[tuple[int, Logprob]]:
     return sorted(entry.items(), key=lambda kv: (kv[1].rank if kv[1].rank is not None else 1 << 30, kv[0]))
 
 
+async def _run_to_completion(run: RequestRun, disconnect: Callable[[], Awaitable[object]]) -> None:
+    """Drain a non-streamed request's updates until it finishes, aborting it if the client disconnects."""
+    watcher = asyncio.ensure_future(disconnect())
+    try:
+        async for _ in run.updates(watcher):
+            pass
+    finally:
+        watcher.cancel()
+        run.close()
+
+
 class OpenAIServing:
     def __init__(self, engine: AsyncEngine, limits: ServingLimits, metrics: ServerMetrics) -> None:
         self.engine = engine
@@ -215,13 +226,7 @@ class OpenAIServing:
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return Stream(self._completion_stream(run, echo, n, rid, created, model, include_usage), run.close)
-        watcher = asyncio.ensure_future(disconnect())
-        try:
-            async for _ in run.updates(watcher):
-                pass
-        finally:
-            watcher.cancel()
-            run.close()
+        await _run_to_completion(run, disconnect)
         choices = []
         for i, sub in enumerate(subs):
             assert sub.latest is not None
@@ -316,13 +321,7 @@ class OpenAIServing:
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return Stream(self._chat_stream(run, sub, created, model, include_usage), run.close)
-        watcher = asyncio.ensure_future(disconnect())
-        try:
-            async for _ in run.updates(watcher):
-                pass
-        finally:
-            watcher.cancel()
-            run.close()
+        await _run_to_completion(run, disconnect)
         assert sub.latest is not None
         choices = []
         for c in sub.latest.outputs:
