@@ -354,3 +354,38 @@ def test_eval_dynamic_and_rotation_configs(tiny_models: dict[str, str], text_fil
     # Per-token scales add 4 bytes per (token, head, K|V) to 16 one-byte values: 20 / 16 of the static size.
     assert dyn.bytes_per_token * 16 == static.bytes_per_token * 20
     assert dyn.mean_kld > 0 and max(dyn.layer_k_rel_err) > 0 and dyn.layer_k_scale_max is None
+
+
+def test_calibration_for_a_rotated_cache(tiny_models: dict[str, str], text_file: str, tmp_path: Path) -> None:
+    """Scales calibrated with rotation describe the rotated K/V, say so in kv8 JSON, and only load with it."""
+    from kv8 import LLM
+    from kv8.quant.rotation import hadamard
+
+    model = tiny_models["llama_gqa"]
+    recipe = ScaleRecipe(granularity=ScaleGranularity.HEAD, statistic="amax", fmt=E4M3)
+    kw = dict(num_samples=2, seq_len=16, dtype="float32", show_progress=False)
+    plain = calibrate(model, [text_file], recipe, **kw).scales
+    rotated = calibrate(model, [text_file], recipe, rotation="hadamard", **kw)
+    s = rotated.scales
+    assert s.rotation == "hadamard" and "hadamard rotation" in s.source
+    # Independent check: amax over tokens and channels of transformers' cached K/V rotated by the Hadamard matrix.
+    rot = hadamard(16)
+    for i, (k, v) in enumerate(_hf_kv(model, _windows(model, text_file, 16, 2))):
+        torch.testing.assert_close(s.k[i, :, 0], (k @ rot).abs().amax(dim=(0, 2)) / 448.0, rtol=1e-5, atol=0)
+        torch.testing.assert_close(s.v[i, :, 0], (v @ rot).abs().amax(dim=(0, 2)) / 448.0, rtol=1e-5, atol=0)
+    assert not torch.allclose(s.v, plain.v)
+    path = str(tmp_path / "rot.json")
+    write_scales(path, s, rotated.info, "kv8")
+    ones = torch.ones(2, 1, 1)
+    tensor_rot = KVScales(k=ones, v=ones, granularity=ScaleGranularity.TENSOR, source="test", made_for="fp8_e4m3",
+                          rotation="hadamard")
+    with pytest.raises(ValueError, match="cannot say"):
+        write_scales(str(tmp_path / "v.json"), tensor_rot, rotated.info, "vllm")
+    with pytest.raises(ValueError, match="cannot say"):
+        save_model_with_scales(model, str(tmp_path / "m"), s)
+    common = dict(dtype="float32", max_model_len=64, kv_cache_memory="2MiB", kv_cache_dtype="fp8",
+                  quantization_param_path=path)
+    llm = LLM(model=model, kv_cache_rotation="hadamard", **common)
+    assert llm.engine.cache.scales.rotation == "hadamard"
+    with pytest.raises(ValueError, match="calibrated with rotation 'hadamard', but kv_cache_rotation='none'"):
+        LLM(model=model, **common)

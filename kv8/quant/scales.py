@@ -83,8 +83,13 @@ class KVScales:
     granularity: ScaleGranularity
     source: str
     made_for: str | None
+    # The basis the scales describe: "none", or "hadamard" for scales calibrated on K/V rotated as
+    # kv_cache_rotation="hadamard" stores them (only kv8's JSON schema can carry it).
+    rotation: str = "none"
 
     def __post_init__(self) -> None:
+        if self.rotation not in ("none", "hadamard"):
+            raise ValueError(f"KVScales.rotation must be 'none' or 'hadamard', got {self.rotation!r}")
         if not isinstance(self.granularity, ScaleGranularity):
             raise ValueError(
                 f"KVScales.granularity must be a ScaleGranularity, got {self.granularity!r}; "
@@ -156,6 +161,7 @@ class KVScales:
             granularity=self.granularity,
             source=f"{self.source}, {note} for {fmt.name}",
             made_for=fmt.name,
+            rotation=self.rotation,
         )
 
     @staticmethod
@@ -314,6 +320,9 @@ def write_vllm_scales_json(path: str | os.PathLike[str], scales: KVScales, model
     """
     if scales.granularity is not ScaleGranularity.TENSOR:
         raise ValueError(f"vLLM scale files hold one scale per layer; got {scales.granularity.value} granularity")
+    if scales.rotation != "none":
+        raise ValueError(f"vLLM scale files cannot say that scales were calibrated on {scales.rotation}-rotated "
+                         "K/V; write kv8's JSON schema instead")
     if not torch.equal(scales.k, scales.v):
         raise ValueError("vLLM scale files hold one scale per layer for both K and V; k and v differ")
     if scales.made_for not in _FORMAT_TO_TORCH_DTYPE:
@@ -356,7 +365,10 @@ def write_kv8_scales_json(path: str | os.PathLike[str], scales: KVScales, model:
 
         {"format": "kv8-kv-scales", "version": 1, "model_type": str, "num_layers": L, "num_kv_heads": H,
          "head_dim": D, "granularity": "tensor" | "head" | "channel", "made_for": fp8 format name | null,
-         "k": [[[float]]], "v": [[[float]]]}
+         "rotation": "none" | "hadamard", "k": [[[float]]], "v": [[[float]]]}
+
+    ``rotation`` (absent means ``"none"``) names the basis the scales were calibrated in: a cache must use the
+    same ``kv_cache_rotation``.
 
     ``k``/``v`` are nested lists of shape ``[L, 1, 1]``, ``[L, H, 1]`` or ``[L, H, D]`` (the KVScales shape).
     """
@@ -364,7 +376,7 @@ def write_kv8_scales_json(path: str | os.PathLike[str], scales: KVScales, model:
     doc = {
         "format": KV8_SCALES_FORMAT, "version": KV8_SCALES_VERSION, "model_type": model.model_type,
         "num_layers": model.num_layers, "num_kv_heads": model.num_kv_heads, "head_dim": model.head_dim,
-        "granularity": scales.granularity.value, "made_for": scales.made_for,
+        "granularity": scales.granularity.value, "made_for": scales.made_for, "rotation": scales.rotation,
         "k": scales.k.tolist(), "v": scales.v.tolist(),
     }
     with open(path, "w", encoding="utf-8") as f:
@@ -400,7 +412,8 @@ def _kv8_scales_from_doc(data: dict[str, Any], where: str, model: ModelScaleInfo
             raise ValueError(f"{where}: '{name}' is not a rectangular [layers][heads][channels] list: {e}") from None
     try:
         scales = KVScales(k=tensors["k"], v=tensors["v"], granularity=granularity,
-                          source=f"quantization_param_path {where}", made_for=data.get("made_for"))
+                          source=f"quantization_param_path {where}", made_for=data.get("made_for"),
+                          rotation=data.get("rotation", "none"))
     except ValueError as e:
         raise ValueError(f"{where}: {e}") from None
     _check_fits(scales, model)

@@ -83,10 +83,12 @@ def run_prompts(engine: LLMEngine, prompts: Sequence[list[int]], params: Samplin
 
 def calibrate(model: str, data: Sequence[str], recipe: ScaleRecipe, *, num_samples: int = 64,
               seq_len: int = 512, skip_tokens: int = 0, dtype: str = "auto", batch: int = 4,
-              max_num_batched_tokens: int = 2048, attention_backend: str = "auto",
+              max_num_batched_tokens: int = 2048, attention_backend: str = "auto", rotation: str = "none",
               show_progress: bool = True) -> CalibrationResult:
     """Observe ``num_samples`` windows of ``seq_len`` tokens from ``data`` (after ``skip_tokens``) and
-    compute scales by ``recipe``. Raises ValueError for unusable data, options or models."""
+    compute scales by ``recipe``. With ``rotation="hadamard"`` the engine rotates K/V as a cache with
+    ``kv_cache_rotation="hadamard"`` stores them, so the scales describe the rotated values (and say so).
+    Raises ValueError for unusable data, options or models."""
     for name, value, low in (("num_samples", num_samples, 1), ("seq_len", seq_len, 2), ("batch", batch, 1)):
         if isinstance(value, bool) or not isinstance(value, int) or value < low:
             raise ValueError(f"{name}={value!r} must be an int >= {low}")
@@ -97,7 +99,7 @@ def calibrate(model: str, data: Sequence[str], recipe: ScaleRecipe, *, num_sampl
     engine = build_engine(model, dtype=dtype, kv_cache_dtype="float32", enable_prefix_caching=False,
                           max_model_len=seq_len + 1, num_kv_blocks=per_seq * batch, block_size=block_size,
                           max_num_seqs=batch, max_num_batched_tokens=max(max_num_batched_tokens, seq_len),
-                          attention_backend=attention_backend)
+                          attention_backend=attention_backend, kv_cache_rotation=rotation)
     arch = engine.config.arch
     info = ModelScaleInfo(arch.model_type, arch.num_layers, arch.num_kv_heads, arch.head_dim)
     samples = token_windows(tokenize_corpus(docs, engine.tokenizer), seq_len, num_samples, skip_tokens)
@@ -108,7 +110,8 @@ def calibrate(model: str, data: Sequence[str], recipe: ScaleRecipe, *, num_sampl
         run_prompts(engine, samples, SamplingParams(temperature=0.0, max_tokens=1), batch, bar)
     what = f"{recipe.statistic}" + (f" p{recipe.percentile:g}" if recipe.statistic == "percentile" else "")
     source = (f"kv8 calibrate ({what}, {recipe.granularity.value}, {recipe.fmt.name}, headroom "
-              f"{recipe.headroom:g}, {len(samples)} x {seq_len} tokens)")
-    scales = collector.scales(recipe, source)
+              f"{recipe.headroom:g}, {len(samples)} x {seq_len} tokens"
+              + (f", {rotation} rotation)" if rotation != "none" else ")"))
+    scales = collector.scales(recipe, source, rotation)
     return CalibrationResult(scales=scales, recipe=recipe, info=info,
                              num_samples=len(samples), num_tokens=len(samples) * seq_len, collector=collector)

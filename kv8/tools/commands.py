@@ -60,6 +60,9 @@ def add_calibrate_parser(sub: Any) -> None:
     c.add_argument("--batch", type=int, default=4, help="samples run together (default 4)")
     c.add_argument("--max-num-batched-tokens", type=int, default=2048)
     c.add_argument("--attention-backend", default="auto", help="attention backend of the engine (default auto)")
+    c.add_argument("--kv-cache-rotation", choices=("none", "hadamard"), default="none",
+                   help="calibrate for a cache that rotates K/V (kv8 JSON output only; use the same "
+                        "--kv-cache-rotation when serving)")
     c.add_argument("--no-progress", action="store_true", help="no progress bar")
     c.set_defaults(func=cmd_calibrate)
 
@@ -75,7 +78,7 @@ def cmd_calibrate(ns: argparse.Namespace) -> int:
     output_format = ns.output_format
     if output_format is None:
         vllm_ok = (granularity is ScaleGranularity.TENSOR and ns.format in ("fp8_e4m3", "fp8_e4m3fnuz")
-                   and ns.output is not None and ns.output.endswith(".json"))
+                   and ns.kv_cache_rotation == "none" and ns.output is not None and ns.output.endswith(".json"))
         output_format = "vllm" if vllm_ok else "kv8"
     if output_format == "vllm" and granularity is not ScaleGranularity.TENSOR:
         raise ValueError(f"--output-format vllm holds one scale per layer; --granularity {ns.granularity} needs "
@@ -85,7 +88,7 @@ def cmd_calibrate(ns: argparse.Namespace) -> int:
     result = calibrate(ns.model, ns.data, recipe, num_samples=ns.num_samples, seq_len=ns.seq_len,
                        skip_tokens=ns.skip_tokens, dtype=ns.dtype, batch=ns.batch,
                        max_num_batched_tokens=ns.max_num_batched_tokens, attention_backend=ns.attention_backend,
-                       show_progress=not ns.no_progress)
+                       rotation=ns.kv_cache_rotation, show_progress=not ns.no_progress)
     s = result.scales
     print(f"calibrated {result.info.num_layers} layers on {result.num_samples} samples x {ns.seq_len} tokens: "
           f"{s.source}")

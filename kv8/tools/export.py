@@ -43,7 +43,8 @@ def vllm_view(scales: KVScales) -> KVScales:
         raise ValueError(f"a vLLM scales file holds one scale per layer; got {scales.granularity.value} "
                          "granularity (use --output-format kv8, or --granularity tensor)")
     both = torch.maximum(scales.k, scales.v)
-    return KVScales(k=both, v=both, granularity=scales.granularity, source=scales.source, made_for=scales.made_for)
+    return KVScales(k=both, v=both, granularity=scales.granularity, source=scales.source, made_for=scales.made_for,
+                    rotation=scales.rotation)
 
 
 def write_scales(path: str, scales: KVScales, info: ModelScaleInfo, output_format: str) -> None:
@@ -150,6 +151,9 @@ def save_model_with_scales(model: str, out_dir: str, scales: KVScales) -> str:
     from kv8.model.loader import read_model_config
     from kv8.model.registry import resolve_model_path
 
+    if scales.rotation != "none":
+        raise ValueError(f"--save-model writes checkpoint scales, which cannot say they were calibrated on "
+                         f"{scales.rotation}-rotated K/V; write them with --output (kv8 JSON) instead")
     new = scale_tensors(scales)
     kind, path = resolve_model_path(model)
     hf_config = read_model_config(kind, path)

@@ -187,12 +187,13 @@ class KVStatsCollector:
             best = torch.where(better, clip, best)
         return best
 
-    def scales(self, recipe: ScaleRecipe, source: str) -> KVScales:
-        """:class:`KVScales` made for ``recipe.fmt``: ``statistic * headroom / fmt.max_finite`` per group."""
+    def scales(self, recipe: ScaleRecipe, source: str, rotation: str = "none") -> KVScales:
+        """:class:`KVScales` made for ``recipe.fmt``: ``statistic * headroom / fmt.max_finite`` per group.
+        ``rotation`` names the basis the observed K/V were in."""
         stat = self.statistic(recipe) * recipe.headroom
         scale = torch.where(stat > 0, stat / recipe.fmt.max_finite, torch.ones_like(stat))
         return KVScales(k=scale[0], v=scale[1], granularity=recipe.granularity, source=source,
-                        made_for=recipe.fmt.name)
+                        made_for=recipe.fmt.name, rotation=rotation)
 
 
 class ObserverBackend:
