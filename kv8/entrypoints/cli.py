@@ -49,7 +49,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="max tokens per step (longer prompts are prefilled in chunks)")
     g.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's, <= 8192)")
     g.add_argument("--seed", type=int, default=d.seed, help="engine seed for requests without their own")
-    g.add_argument("--attention-backend", default=d.attention_backend, help="auto or reference")
+    g.add_argument("--attention-backend", default=d.attention_backend,
+                   help="auto (the fused CPU kernels, or the reference if they cannot be built), cpu_fused, reference")
     g.add_argument("--kv-cache-scale-mode", default=d.kv_cache_scale_mode, choices=("static", "dynamic"),
                    help="FP8 scales: static per layer (file, checkpoint or 1.0) or dynamic per token and head "
                         "(no calibration; +4 bytes per token, head and K/V)")
