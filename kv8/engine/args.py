@@ -11,7 +11,6 @@ from dataclasses import dataclass, fields
 
 from kv8.config import (CacheConfig, EngineConfig, ModelArchConfig, SchedulerConfig, blocks_for_memory,
                         default_kv_cache_memory, format_bytes, parse_memory, resolve_dtype)
-from kv8.model.registry import resolve_model_path
 from kv8.quant.formats import resolve_kv_cache_dtype
 
 logger = logging.getLogger("kv8")
@@ -89,4 +88,4 @@ def resolve_num_blocks(config: EngineConfig) -> int:
     return num_blocks
 
 
-__all__ = ["DEFAULT_MODEL", "EngineArgs", "resolve_model_path", "resolve_num_blocks"]
+__all__ = ["DEFAULT_MODEL", "EngineArgs", "resolve_num_blocks"]

@@ -63,15 +63,7 @@ class LLMEngine:
             if ckpt is not None:
                 logger.info("dynamic KV scales: the checkpoint's static scales (%s) are not used", ckpt.source)
         else:
-            scales = resolve_kv_scales(cc.kv_dtype, info, cc.quantization_param_path, ckpt)
-            calibrated = cc.quantization_param_path is not None or ckpt is not None  # 1.0 fits any basis
-            if scales is not None and calibrated and scales.rotation != cc.rotation:
-                # Scales describe K/V in one basis; applied to values in another they would be wrong.
-                raise ValueError(
-                    f"the static KV scales from {scales.source} were calibrated with rotation "
-                    f"{scales.rotation!r}, but kv_cache_rotation={cc.rotation!r}; calibrate with "
-                    f"`kv8 calibrate --kv-cache-rotation {cc.rotation}`, use kv_cache_scale_mode='dynamic', "
-                    "or drop the scales (1.0)")
+            scales = resolve_kv_scales(cc.kv_dtype, info, cc.quantization_param_path, ckpt, cc.rotation)
         if cc.rotation == "hadamard":
             self.model.kv_rotation = hadamard(arch.head_dim)
         num_blocks = resolve_num_blocks(self.config)

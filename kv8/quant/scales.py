@@ -623,11 +623,13 @@ def resolve_kv_scales(
     model: ModelScaleInfo,
     quantization_param_path: str | os.PathLike[str] | None,
     checkpoint_scales: KVScales | None,
+    rotation: str = "none",
 ) -> KVScales | None:
     """The KV scales an engine should use, converted for the cache's fp8 format; None if not fp8.
 
     Precedence: ``quantization_param_path`` (a vLLM or kv8 JSON file, see :func:`load_scales_file`), then
-    ``checkpoint_scales``, then 1.0.
+    ``checkpoint_scales``, then 1.0. File or checkpoint scales must have been calibrated in the cache's
+    ``rotation`` basis (ValueError otherwise); 1.0 fits any basis.
     Falling back to 1.0 logs one warning on logger ``"kv8"`` per call. Engines call this once per
     construction, so every engine built without scales warns once; it is deliberately not deduplicated
     per process, since a second engine may load a different model. A ``quantization_param_path`` with a
@@ -656,4 +658,9 @@ def resolve_kv_scales(
         )
         return KVScales.default(model.num_layers)
     _check_fits(scales, model)
+    if scales.rotation != rotation:
+        raise ValueError(
+            f"the static KV scales from {scales.source} were calibrated with rotation {scales.rotation!r}, but "
+            f"kv_cache_rotation={rotation!r}; calibrate with `kv8 calibrate --kv-cache-rotation {rotation}`, use "
+            "kv_cache_scale_mode='dynamic', or drop the scales (1.0)")
     return scales.for_format(fmt)
