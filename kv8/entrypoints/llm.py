@@ -18,12 +18,17 @@ from kv8.sampling_params import SamplingParams
 Prompt = str | Sequence[int] | dict[str, Any]
 
 
+def _is_token_ids(x: object) -> bool:
+    """A sequence of ints (bools excluded); range checks are the engine's."""
+    return isinstance(x, Sequence) and not isinstance(x, str) and all(
+        isinstance(t, int) and not isinstance(t, bool) for t in x)
+
+
 def _normalize_prompts(prompts: Prompt | Sequence[Prompt]) -> list[str | list[int]]:
     """A string, a list of token ids, ``{"prompt": ...}`` / ``{"prompt_token_ids": [...]}`` or a list of these."""
     if isinstance(prompts, (str, dict)):
         prompts = [prompts]
-    elif isinstance(prompts, Sequence) and prompts and all(isinstance(t, int) and not isinstance(t, bool)
-                                                            for t in prompts):
+    elif _is_token_ids(prompts) and prompts:
         prompts = [list(prompts)]  # type: ignore[list-item]
     if not isinstance(prompts, Sequence) or isinstance(prompts, (bytes, bytearray)):
         raise ValueError(f"prompts must be a string, a list of token ids, or a list of these; got "
@@ -39,7 +44,7 @@ def _normalize_prompts(prompts: Prompt | Sequence[Prompt]) -> list[str | list[in
                 raise ValueError(f"prompts[{i}] is a dict without 'prompt' or 'prompt_token_ids'")
         if isinstance(p, str):
             out.append(p)
-        elif isinstance(p, Sequence) and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
+        elif _is_token_ids(p):
             out.append(list(p))
         else:
             raise ValueError(f"prompts[{i}] must be a string or a list of token ids, got {type(p).__name__}")
