@@ -218,6 +218,13 @@ class LLMEngine:
             entry[lp.token_id] = Logprob(lp.logprob, rank, self.tokenizer.decode([lp.token_id]))
         return entry
 
+    def _converted(self, raw: list[TokenLogprobs | None], done: list[PositionLogprobs | None]
+                   ) -> list[PositionLogprobs | None]:
+        """``raw`` as output dicts; ``done`` caches the positions converted at earlier steps, so each position is
+        detokenized once, not at every step that reports the request."""
+        done.extend(None if x is None else self._position_logprobs(x) for x in raw[len(done):])
+        return list(done)
+
     def _make_output(self, parent: _Parent) -> RequestOutput:
         outs = []
         for req in parent.children:
@@ -226,12 +233,12 @@ class LLMEngine:
             outs.append(CompletionOutput(
                 index=req.index, text=req.text, token_ids=list(req.output_token_ids),
                 cumulative_logprob=req.cumulative_logprob if p.logprobs is not None else None,
-                logprobs=[self._position_logprobs(x) for x in req.logprobs] if p.logprobs is not None else None,
+                logprobs=self._converted(req.logprobs, req.logprob_dicts) if p.logprobs is not None else None,
                 finish_reason=status, stop_reason=req.stop_reason))
         first = parent.children[0]
         prompt_lps = None
         if first.sampling_params.prompt_logprobs is not None:
-            prompt_lps = [None if x is None else self._position_logprobs(x) for x in first.prompt_logprobs]
+            prompt_lps = self._converted(first.prompt_logprobs, first.prompt_logprob_dicts)
         return RequestOutput(
             request_id=parent.request_id, prompt=parent.prompt, prompt_token_ids=parent.prompt_token_ids,
             prompt_logprobs=prompt_lps, outputs=outs, finished=all(r.is_finished for r in parent.children),

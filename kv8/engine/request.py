@@ -66,6 +66,9 @@ class Request:
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     prompt_logprobs: list[TokenLogprobs | None] = field(default_factory=list)
     cumulative_logprob: float = 0.0
+    # The engine's cache of ``logprobs`` / ``prompt_logprobs`` converted to output dicts (``kv8.outputs``).
+    logprob_dicts: list = field(default_factory=list)
+    prompt_logprob_dicts: list = field(default_factory=list)
     first_token_time: float | None = None
     # Text produced so far (maintained by the engine's detokenizer) and how much of it was already streamed.
     text: str = ""
