@@ -19,7 +19,7 @@ import torch
 from kv8.engine.args import EngineArgs
 from kv8.engine.engine import LLMEngine
 from kv8.entrypoints.cli import main
-from kv8.quant.formats import E4M3, E5M2
+from kv8.quant.formats import E4M3, E4M3FNUZ, E5M2
 from kv8.quant.scales import KVScales, ModelScaleInfo, ScaleGranularity, load_scales_file
 from kv8.sampling_params import SamplingParams
 from kv8.tools.calibrate import calibrate
@@ -29,6 +29,7 @@ from kv8.tools.export import save_model_with_scales, write_scales
 from kv8.tools.kv_stats import BINS_PER_OCTAVE, ScaleRecipe
 
 SEQ, SAMPLES = 32, 3
+RAW = dict(key_bound="observed", power_of_two=False)  # scales = statistic of the stored values / format max
 WORDS = ("the quick brown fox jumps over lazy dog London is capital of England Paris France Berlin Germany "
          "once upon a time there was little model that stored its cache in eight bits numbers 0 1 2 3 4 5").split()
 
@@ -81,7 +82,7 @@ def _reduce_amax(x: torch.Tensor, granularity: ScaleGranularity) -> torch.Tensor
 def test_amax_scales_are_observed_maxima_over_format_max(tiny_models: dict[str, str], text_file: str,
                                                           granularity: ScaleGranularity) -> None:
     model = tiny_models["llama_gqa"]
-    result = calibrate(model, [text_file], ScaleRecipe(granularity, "amax", E4M3), num_samples=SAMPLES,
+    result = calibrate(model, [text_file], ScaleRecipe(granularity, "amax", E4M3, **RAW), num_samples=SAMPLES,
                        seq_len=SEQ, dtype="float32", batch=2, show_progress=False)
     kv = _hf_kv(model, _windows(model, text_file, SEQ, SAMPLES))
     assert result.num_tokens == SAMPLES * SEQ
@@ -109,21 +110,134 @@ def test_percentile_and_mse_statistics(tiny_models: dict[str, str], text_file: s
     model = tiny_models["llama"]
     kv = _hf_kv(model, _windows(model, text_file, SEQ, SAMPLES))
     q = 90.0
-    pct = calibrate(model, [text_file], ScaleRecipe(ScaleGranularity.HEAD, "percentile", E4M3, percentile=q),
-                    num_samples=SAMPLES, seq_len=SEQ, dtype="float32", show_progress=False).scales
+    recipe = ScaleRecipe(ScaleGranularity.HEAD, "percentile", E4M3, percentile=q, **RAW)
+    pct = calibrate(model, [text_file], recipe, num_samples=SAMPLES, seq_len=SEQ, dtype="float32", show_progress=False).scales
     for i, (k, _) in enumerate(kv):
         for h in range(k.shape[1]):
             values = k[:, h].abs().flatten().sort().values
             true = float(values[math.ceil(q / 100 * values.numel()) - 1])
             got = float(pct.k[i, h, 0]) * 448.0
             assert true * (1 - 1e-6) <= got <= true * 2 ** (1 / BINS_PER_OCTAVE) * (1 + 1e-6)
-    mse = calibrate(model, [text_file], ScaleRecipe(ScaleGranularity.TENSOR, "mse", E4M3), num_samples=SAMPLES,
-                    seq_len=SEQ, dtype="float32", show_progress=False).scales
+    mse = calibrate(model, [text_file], ScaleRecipe(ScaleGranularity.TENSOR, "mse", E4M3, **RAW),
+                    num_samples=SAMPLES, seq_len=SEQ, dtype="float32", show_progress=False).scales
     for i, (k, v) in enumerate(kv):
         for x, got in ((k, mse.k[i]), (v, mse.v[i])):
             amax_scale = x.abs().max() / 448.0
             assert float(got) <= float(amax_scale) * (1 + 1e-6)
             assert _fp8_sq_error(x, got) <= _fp8_sq_error(x, amax_scale) * 1.02
+
+
+def _pow2_up(x: torch.Tensor) -> torch.Tensor:
+    """Smallest power of two >= x, by float64 search (independent of kv8's rounding helper)."""
+    out = torch.ones_like(x, dtype=torch.float64)
+    for _ in range(80):
+        out = torch.where(out < x.double(), out * 2, out)
+        out = torch.where(out / 2 >= x.double(), out / 2, out)
+    return out.float()
+
+
+def _pair_norm_envelope(k: torch.Tensor, rotation: torch.Tensor | None = None) -> torch.Tensor:
+    """Largest |k_i| a key channel can reach at any RoPE position, written out from the definition."""
+    half = k.shape[-1] // 2
+    base = k if rotation is None else k @ rotation.T
+    r = (base[..., :half] ** 2 + base[..., half:] ** 2).sqrt()
+    if rotation is None:
+        return torch.cat((r, r), dim=-1)
+    # normalized Sylvester-Hadamard: every entry is +-1/sqrt(D), so each pair reaches sqrt(2/D) * r
+    return (r.sum(-1, keepdim=True) * math.sqrt(2.0 / k.shape[-1])).expand_as(k)
+
+
+@pytest.mark.parametrize("granularity", list(ScaleGranularity))
+def test_default_scales_are_powers_of_two_over_the_position_invariant_key_envelope(
+        tiny_models: dict[str, str], text_file: str, granularity: ScaleGranularity) -> None:
+    model = tiny_models["llama_gqa"]
+    recipe = ScaleRecipe(granularity, "amax", E4M3)
+    assert recipe.key_bound == "position" and recipe.power_of_two
+    result = calibrate(model, [text_file], recipe, num_samples=SAMPLES, seq_len=SEQ, dtype="float32",
+                       show_progress=False)
+    kv = _hf_kv(model, _windows(model, text_file, SEQ, SAMPLES))
+    assert "position key bound" in result.scales.source and "power-of-two" in result.scales.source
+    for i, (k, v) in enumerate(kv):
+        want_k = _pow2_up(_reduce_amax(_pair_norm_envelope(k), granularity) / 448.0)
+        torch.testing.assert_close(result.scales.k[i], want_k, rtol=0, atol=0)
+        torch.testing.assert_close(result.scales.v[i], _pow2_up(_reduce_amax(v, granularity) / 448.0), rtol=0, atol=0)
+        assert bool((result.scales.k[i] >= _reduce_amax(k, granularity) / 448.0).all())
+
+
+def test_rotated_key_envelope(tiny_models: dict[str, str], text_file: str) -> None:
+    from kv8.quant.rotation import hadamard
+
+    model = tiny_models["llama_gqa"]
+    res = calibrate(model, [text_file], ScaleRecipe(ScaleGranularity.CHANNEL, "amax", E4M3), num_samples=2,
+                    seq_len=16, dtype="float32", rotation="hadamard", show_progress=False).scales
+    rot = hadamard(16)
+    for i, (k, _) in enumerate(_hf_kv(model, _windows(model, text_file, 16, 2))):
+        want = _pow2_up(_pair_norm_envelope(k @ rot, rot).abs().amax(dim=0) / 448.0)
+        torch.testing.assert_close(res.k[i], want, rtol=0, atol=0)
+
+
+def _hf_keys_at(model_dir: str, window: list[int], offset: int) -> list[torch.Tensor]:
+    """transformers' cached (post-RoPE) keys ``[T, H, D]`` per layer for ``window`` placed at ``offset``."""
+    from transformers import AutoModelForCausalLM, DynamicCache
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    cache = DynamicCache()
+    positions = torch.arange(offset, offset + len(window)).unsqueeze(0)
+    with torch.no_grad():
+        model(torch.tensor([window]), position_ids=positions, past_key_values=cache, use_cache=True)
+    return [layer.keys[0].transpose(0, 1) for layer in cache.layers]
+
+
+def test_position_bound_key_scales_hold_at_positions_calibration_never_saw(tiny_models: dict[str, str],
+                                                                          text_file: str) -> None:
+    """Shifting every position of a text changes no pre-RoPE key (RoPE attention only sees relative
+    positions), so the same keys show up rotated by other angles: the envelope covers them all, while scales
+    from the observed keys are exceeded."""
+    model = tiny_models["llama_gqa"]
+    kw = dict(num_samples=2, seq_len=SEQ, dtype="float32", show_progress=False)
+    bound = calibrate(model, [text_file], ScaleRecipe(ScaleGranularity.CHANNEL, "amax", E4M3, **RAW | {
+        "key_bound": "position"}), **kw).scales
+    seen = calibrate(model, [text_file], ScaleRecipe(ScaleGranularity.CHANNEL, "amax", E4M3, **RAW), **kw).scales
+    window = _windows(model, text_file, SEQ, 1)[0]
+    worst_bound, worst_seen = 0.0, 0.0
+    for offset in (0, 7, 100, 333, 2000, 12345):
+        for i, k in enumerate(_hf_keys_at(model, window, offset)):
+            a = k.abs().amax(dim=0)
+            worst_bound = max(worst_bound, float((a / (bound.k[i] * 448.0)).max()))
+            worst_seen = max(worst_seen, float((a / (seen.k[i] * 448.0)).max()))
+    assert worst_bound <= 1.0 + 1e-5
+    assert worst_seen > 1.05  # observed-key scales would clip these keys
+
+
+@pytest.mark.parametrize("fmt", [E4M3, E4M3FNUZ, E5M2], ids=lambda f: f.name)
+def test_power_of_two_scales_never_round_worse_than_scale_one(fmt) -> None:
+    """For s = 2^-k <= 1 every value within s * max rounds at least as close as with scale 1.0; a scale that
+    is not a power of two does not have that property."""
+    gen = torch.Generator().manual_seed(0)
+    mags = torch.exp2(torch.empty(200_000).uniform_(-24, math.log2(fmt.max_finite), generator=gen))
+    x = mags * torch.where(torch.rand(mags.shape, generator=gen) < 0.5, -1.0, 1.0)
+
+    def err(values: torch.Tensor, scale: float) -> torch.Tensor:
+        return (fmt.decode(fmt.encode(values / scale)) * scale - values).abs()
+
+    for k in range(0, 9):
+        s = 2.0 ** -k
+        inside = x[x.abs() <= s * fmt.max_finite]
+        assert bool((err(inside, s) <= err(inside, 1.0)).all()), f"scale 2^-{k}"
+    odd = 0.75 / 16
+    inside = x[x.abs() <= odd * fmt.max_finite]
+    assert bool((err(inside, odd) > err(inside, 1.0)).any())
+
+
+def test_power_of_two_mse_picks_a_power_of_two_at_or_below_the_amax_one(tiny_models: dict[str, str],
+                                                                         text_file: str) -> None:
+    model = tiny_models["llama"]
+    kw = dict(num_samples=SAMPLES, seq_len=SEQ, dtype="float32", show_progress=False)
+    mse = calibrate(model, [text_file], ScaleRecipe(ScaleGranularity.TENSOR, "mse", E4M3), **kw).scales
+    amax = calibrate(model, [text_file], ScaleRecipe(ScaleGranularity.TENSOR, "amax", E4M3), **kw).scales
+    for got, top in ((mse.k, amax.k), (mse.v, amax.v)):
+        assert torch.equal(torch.exp2(torch.round(torch.log2(got))), got)
+        assert bool((got <= top).all()) and bool((got >= top / 8).all())
 
 
 class _StoredBytes:
@@ -160,7 +274,7 @@ def _same_contents(a: list, b: list) -> bool:
 def test_every_output_format_loads_back_with_the_same_cache_contents(tiny_models: dict[str, str], text_file: str,
                                                                        tmp_path: Path) -> None:
     model = tiny_models["qwen2"]
-    res = calibrate(model, [text_file], ScaleRecipe(ScaleGranularity.TENSOR, "amax", E4M3), num_samples=2,
+    res = calibrate(model, [text_file], ScaleRecipe(ScaleGranularity.TENSOR, "amax", E4M3, **RAW), num_samples=2,
                     seq_len=SEQ, dtype="float32", show_progress=False)
     s, info = res.scales, res.info
     assert not torch.equal(s.k, s.v)
@@ -295,6 +409,10 @@ def test_bad_inputs_give_clear_errors(tiny_models: dict[str, str], text_file: st
         ScaleRecipe(ScaleGranularity.TENSOR, "max", E4M3)
     with pytest.raises(ValueError, match="headroom"):
         ScaleRecipe(ScaleGranularity.TENSOR, "amax", E4M3, headroom=0.0)
+    with pytest.raises(ValueError, match="key_bound='rope'.*position, observed"):
+        ScaleRecipe(ScaleGranularity.TENSOR, "amax", E4M3, key_bound="rope")
+    with pytest.raises(ValueError, match="power_of_two=1"):
+        ScaleRecipe(ScaleGranularity.TENSOR, "amax", E4M3, power_of_two=1)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="kv_cache_dtype='fp9'"):
         KVConfig.parse("fp9:x.json")
     assert main(["calibrate", model, "--data", str(tmp_path / "empty.txt"), "--output", "x.json"]) == 2
@@ -362,7 +480,7 @@ def test_calibration_for_a_rotated_cache(tiny_models: dict[str, str], text_file:
     from kv8.quant.rotation import hadamard
 
     model = tiny_models["llama_gqa"]
-    recipe = ScaleRecipe(granularity=ScaleGranularity.HEAD, statistic="amax", fmt=E4M3)
+    recipe = ScaleRecipe(granularity=ScaleGranularity.HEAD, statistic="amax", fmt=E4M3, **RAW)
     kw = dict(num_samples=2, seq_len=16, dtype="float32", show_progress=False)
     plain = calibrate(model, [text_file], recipe, **kw).scales
     rotated = calibrate(model, [text_file], recipe, rotation="hadamard", **kw)

@@ -7,7 +7,9 @@ Samples are consecutive windows of ``seq_len`` tokens from the data (see :mod:`k
 as one prompt with ``max_tokens=1`` (the sampled token is never stored), with prefix caching off and a cache
 large enough for one batch of samples, so every token is computed and observed exactly once.
 
-Scales are ``statistic * headroom / format max`` per scale group (:mod:`kv8.tools.kv_stats`). Outputs
+Scales are ``statistic * headroom / format max`` per scale group, by default over the keys'
+position-invariant envelope and rounded up to powers of two, so that they hold at positions calibration
+never saw and can never round a value worse than scale 1.0 does short of clipping (:mod:`kv8.tools.kv_stats`). Outputs
 (:mod:`kv8.tools.export`): a vLLM ``kv_cache_scales.json`` (tensor granularity; one scale per layer, the
 larger of K and V), a kv8 scales JSON (any granularity, K and V separate), or a copy of the model directory
 with the scales as checkpoint tensors.
@@ -23,6 +25,7 @@ from tqdm.auto import tqdm
 
 from kv8.engine.args import EngineArgs
 from kv8.engine.engine import LLMEngine
+from kv8.quant.rotation import hadamard
 from kv8.quant.scales import KVScales, ModelScaleInfo
 from kv8.sampling_params import SamplingParams
 from kv8.tools.data import read_corpus, token_windows, tokenize_corpus
@@ -33,7 +36,8 @@ __all__ = ["CalibrationResult", "build_engine", "calibrate", "check_length", "ru
 
 @dataclass(frozen=True)
 class CalibrationResult:
-    """Scales plus what they were computed from. ``collector.amax`` holds the exact observed maxima."""
+    """Scales plus what they were computed from. ``collector.amax`` holds the exact observed maxima (of the
+    keys' envelopes with ``recipe.key_bound="position"``)."""
 
     scales: KVScales
     recipe: ScaleRecipe
@@ -104,13 +108,15 @@ def calibrate(model: str, data: Sequence[str], recipe: ScaleRecipe, *, num_sampl
     info = ModelScaleInfo(arch.model_type, arch.num_layers, arch.num_kv_heads, arch.head_dim)
     samples = token_windows(tokenize_corpus(docs, engine.tokenizer), seq_len, num_samples, skip_tokens)
     collector = KVStatsCollector(arch.num_layers, arch.num_kv_heads, arch.head_dim,
-                                 recipe.granularity if recipe.needs_histogram else None)
+                                 recipe.granularity if recipe.needs_histogram else None, recipe.key_bound,
+                                 hadamard(arch.head_dim) if rotation == "hadamard" else None)
     engine.runner.backend = ObserverBackend(engine.runner.backend, collector)
     with tqdm(total=len(samples), desc="Calibrating", unit="sample", disable=not show_progress) as bar:
         run_prompts(engine, samples, SamplingParams(temperature=0.0, max_tokens=1), batch, bar)
     what = f"{recipe.statistic}" + (f" p{recipe.percentile:g}" if recipe.statistic == "percentile" else "")
     source = (f"kv8 calibrate ({what}, {recipe.granularity.value}, {recipe.fmt.name}, headroom "
-              f"{recipe.headroom:g}, {len(samples)} x {seq_len} tokens"
+              f"{recipe.headroom:g}, {recipe.key_bound} key bound, "
+              f"{'power-of-two' if recipe.power_of_two else 'exact'} scales, {len(samples)} x {seq_len} tokens"
               + (f", {rotation} rotation)" if rotation != "none" else ")"))
     scales = collector.scales(recipe, source, rotation)
     return CalibrationResult(scales=scales, recipe=recipe, info=info,

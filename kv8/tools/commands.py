@@ -51,6 +51,12 @@ def add_calibrate_parser(sub: Any) -> None:
     c.add_argument("--format", default="fp8_e4m3", choices=list(FP8_FORMATS),
                    help="fp8 format the scales are made for (default fp8_e4m3)")
     c.add_argument("--headroom", type=_fraction, default=1.0, help="multiply every statistic by this (default 1)")
+    c.add_argument("--key-bound", choices=("position", "observed"), default="position",
+                   help="position (default): K statistics over each key's RoPE envelope, the largest value it "
+                        "can take at any position; observed: over the stored keys as seen")
+    c.add_argument("--scale-rounding", choices=("pow2", "none"), default="pow2",
+                   help="pow2 (default): round each scale up to a power of two, which never rounds a value "
+                        "worse than scale 1.0 short of clipping; none: use statistic / format max as is")
     c.add_argument("--output", "-o", default=None, metavar="PATH", help="scales file to write (.json)")
     c.add_argument("--output-format", choices=("vllm", "kv8"), default=None,
                    help="default: vllm for tensor granularity with fp8_e4m3[fnuz], else kv8")
@@ -84,7 +90,8 @@ def cmd_calibrate(ns: argparse.Namespace) -> int:
         raise ValueError(f"--output-format vllm holds one scale per layer; --granularity {ns.granularity} needs "
                          "--output-format kv8")
     recipe = ScaleRecipe(granularity=granularity, statistic=ns.statistic, fmt=fp8_format(ns.format),
-                         percentile=ns.percentile, headroom=ns.headroom)
+                         percentile=ns.percentile, headroom=ns.headroom, key_bound=ns.key_bound,
+                         power_of_two=ns.scale_rounding == "pow2")
     result = calibrate(ns.model, ns.data, recipe, num_samples=ns.num_samples, seq_len=ns.seq_len,
                        skip_tokens=ns.skip_tokens, dtype=ns.dtype, batch=ns.batch,
                        max_num_batched_tokens=ns.max_num_batched_tokens, attention_backend=ns.attention_backend,

@@ -6,16 +6,37 @@ group (one group per layer for tensor granularity, per KV head for head granular
 granularity). Histogram bins are log-spaced, ``BINS_PER_OCTAVE`` per power of two over
 ``[2^LOG2_LO, 2^LOG2_HI)``, plus an underflow bin (``|x| < 2^LOG2_LO``, zeros included) and an overflow bin.
 
-Statistics per group (the scale is then ``statistic * headroom / format max``):
+What is observed for K (``ScaleRecipe.key_bound``):
+
+* ``"position"`` (default): the *position-invariant envelope* of each key. RoPE rotates every channel pair
+  ``(j, j + D/2)`` (Llama's rotate-half layout) by an angle that depends on the position, so a post-RoPE key
+  channel can reach the pair's norm ``r_j = sqrt(k_j^2 + k_{j+D/2}^2)`` at *some* position even if calibration
+  never saw that position -- the reason plain amax scales clip at unseen positions. The envelope replaces
+  channel ``i`` by ``sup over positions |k_i|``: ``r`` of its pair without a K/V rotation, and
+  ``sum_j r_j * sqrt(R[j, i]^2 + R[j + D/2, i]^2)`` when keys are stored rotated by an orthonormal ``R``
+  (``kv8.quant.rotation``; the pair norms are taken of the un-rotated key). Every statistic below is then
+  computed over envelopes, so the scales hold for the same keys at any position.
+* ``"observed"``: the stored values themselves (what vLLM-style calibration measures).
+
+V is always observed as stored (it carries no position).
+
+Statistics per group (the scale is then ``statistic * headroom / format max``, rounded *up* to a power of two
+when ``ScaleRecipe.power_of_two``, the default):
 
 * ``amax``: the exact maximum of ``|x|``;
 * ``percentile``: the upper edge of the bin holding the ``ceil(p/100 * N)``-th smallest ``|x|``, capped at
   amax, so ``true percentile <= statistic <= true percentile * 2^(1/BINS_PER_OCTAVE)``;
-* ``mse``: the clip value ``f * amax``, ``f`` among ``MSE_CANDIDATES`` factors from 1 down to 1/8, that
-  minimises the squared fp8 round-trip error of the histogram (each bin represented by its geometric
+* ``mse``: the clip value ``f * amax``, ``f`` among ``MSE_CANDIDATES`` factors from 1 down to 1/8 (with
+  power-of-two scales: the clip values of the first power-of-two scale at or above amax's and of its halves
+  down to 1/8), that minimises the squared fp8 round-trip error of the histogram (each bin represented by its geometric
   centre, the underflow bin by 0, the overflow bin by amax); ties go to the larger clip value.
 
 A group that only ever held zeros has statistic 0; any scale stores it exactly, and it gets scale 1.0.
+
+Why powers of two: for a scale ``s = 2^-k <= 1`` the values ``s * fp8`` include every fp8 value up to
+``s * max`` (the fp8 grid only gets finer), so round-to-nearest of any ``|x| <= s * max`` is at least as close
+as at scale 1.0, value by value: such a scale can only remove subnormal rounding error, never add error except
+by clipping. A non-power-of-two scale moves every rounding boundary and can be worse than 1.0 on any value.
 """
 
 from __future__ import annotations
@@ -35,6 +56,7 @@ LOG2_LO, LOG2_HI, BINS_PER_OCTAVE = -24, 24, 32
 NUM_BINS = (LOG2_HI - LOG2_LO) * BINS_PER_OCTAVE + 2
 MSE_CANDIDATES = 97
 STATISTICS = ("amax", "percentile", "mse")
+KEY_BOUNDS = ("position", "observed")
 
 
 @dataclass(frozen=True)
@@ -46,6 +68,8 @@ class ScaleRecipe:
     fmt: FP8Format
     percentile: float = 99.99
     headroom: float = 1.0
+    key_bound: str = "position"
+    power_of_two: bool = True
 
     def __post_init__(self) -> None:
         if not isinstance(self.granularity, ScaleGranularity):
@@ -60,10 +84,40 @@ class ScaleRecipe:
         if isinstance(self.headroom, bool) or not isinstance(self.headroom, (int, float)) \
                 or not math.isfinite(self.headroom) or self.headroom <= 0:
             raise ValueError(f"headroom={self.headroom!r} must be a finite number > 0 (1.0 = none)")
+        if self.key_bound not in KEY_BOUNDS:
+            raise ValueError(f"key_bound={self.key_bound!r} is not known; choose one of: {', '.join(KEY_BOUNDS)}")
+        if not isinstance(self.power_of_two, bool):
+            raise ValueError(f"power_of_two={self.power_of_two!r} must be a bool")
 
     @property
     def needs_histogram(self) -> bool:
         return self.statistic != "amax"
+
+
+def key_envelope(key: torch.Tensor, rotation: torch.Tensor | None) -> torch.Tensor:
+    """Position-invariant envelope (float32, same shape) of stored keys ``[..., D]``; see the module docstring.
+    ``rotation`` is the orthonormal ``R`` the stored keys were multiplied by (``k R``), or None."""
+    k = key.float()
+    d = k.shape[-1]
+    if d % 2:
+        raise ValueError(f"a RoPE key envelope needs an even head_dim, got {d}")
+    half = d // 2
+    if rotation is None:
+        r = torch.sqrt(k[..., :half] ** 2 + k[..., half:] ** 2)
+        return torch.cat((r, r), dim=-1)
+    rot = rotation.float()
+    k = k @ rot.T                                                     # back to the un-rotated (RoPE) basis
+    r = torch.sqrt(k[..., :half] ** 2 + k[..., half:] ** 2)          # [..., D/2], invariant under RoPE
+    weight = torch.sqrt(rot[:half] ** 2 + rot[half:] ** 2)           # [D/2, D]
+    return r @ weight
+
+
+def round_up_pow2(scale: torch.Tensor) -> torch.Tensor:
+    """The smallest power of two ``>= scale`` (elementwise, for positive finite scales)."""
+    exp = torch.ceil(torch.log2(scale.double()))
+    out = torch.exp2(exp)
+    out = torch.where(out < scale.double(), out * 2, out)             # guard log2 rounding
+    return out.to(scale.dtype)
 
 
 def _bin_index(x: torch.Tensor) -> torch.Tensor:
@@ -93,8 +147,12 @@ class KVStatsCollector:
     """Accumulates K/V statistics per layer; see the module docstring. Tensors index ``[0]`` = K, ``[1]`` = V."""
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int,
-                 histogram_granularity: ScaleGranularity | None) -> None:
+                 histogram_granularity: ScaleGranularity | None, key_bound: str = "position",
+                 rotation: torch.Tensor | None = None) -> None:
+        if key_bound not in KEY_BOUNDS:
+            raise ValueError(f"key_bound={key_bound!r} is not known; choose one of: {', '.join(KEY_BOUNDS)}")
         self.num_layers, self.num_kv_heads, self.head_dim = num_layers, num_kv_heads, head_dim
+        self.key_bound, self.rotation = key_bound, rotation
         self.amax = torch.zeros(2, num_layers, num_kv_heads, head_dim, dtype=torch.float32)
         self.num_tokens = torch.zeros(num_layers, dtype=torch.int64)
         self.histogram_granularity = histogram_granularity
@@ -118,9 +176,12 @@ class KVStatsCollector:
         return torch.arange(h * d).reshape(h, d)
 
     def observe(self, layer: int, key: torch.Tensor, value: torch.Tensor) -> None:
-        """Record new tokens of ``layer``: key/value ``[T, H, D]`` (what the cache is asked to store)."""
+        """Record new tokens of ``layer``: key/value ``[T, H, D]`` (what the cache is asked to store).
+        With ``key_bound="position"`` the key's envelope is recorded instead of the key."""
         self.num_tokens[layer] += key.shape[0]
         groups = self._group_of() if self.hist is not None else None
+        if self.key_bound == "position":
+            key = key_envelope(key.detach(), self.rotation)
         for i, x in enumerate((key, value)):
             xf = x.detach().float()
             if xf.shape[0] == 0:
@@ -157,7 +218,7 @@ class KVStatsCollector:
         if recipe.statistic == "percentile":
             stat = self._percentile(recipe.percentile, group_amax)
         else:
-            stat = self._mse_clip(recipe.fmt, group_amax)
+            stat = self._mse_clip(recipe.fmt, group_amax, recipe.power_of_two)
         return stat.float().reshape(amax.shape)
 
     def _percentile(self, q: float, group_amax: torch.Tensor) -> torch.Tensor:
@@ -168,17 +229,23 @@ class KVStatsCollector:
         first = (counts.cumsum(-1) >= rank).double().argmax(-1)          # first bin reaching the rank
         return torch.minimum(_bin_upper_edges()[first], group_amax)
 
-    def _mse_clip(self, fmt: FP8Format, group_amax: torch.Tensor) -> torch.Tensor:
+    def _mse_clip(self, fmt: FP8Format, group_amax: torch.Tensor, power_of_two: bool) -> torch.Tensor:
         assert self.hist is not None
         counts = self.hist.double()                                       # [2, L, G, B]
         values = _bin_centres().expand_as(counts).clone()
         values[..., -1] = group_amax
         values = torch.minimum(values, group_amax.unsqueeze(-1))
-        factors = torch.exp2(torch.linspace(0.0, -3.0, MSE_CANDIDATES, dtype=torch.float64))
+        top = group_amax
+        if power_of_two:  # candidates are the clip values of power-of-two scales: 1, 1/2, 1/4, 1/8 of the first
+            top = torch.where(group_amax > 0, round_up_pow2(group_amax / fmt.max_finite) * fmt.max_finite,
+                              group_amax)
+            factors = torch.exp2(-torch.arange(4, dtype=torch.float64))
+        else:
+            factors = torch.exp2(torch.linspace(0.0, -3.0, MSE_CANDIDATES, dtype=torch.float64))
         best_err = torch.full_like(group_amax, math.inf)
         best = group_amax.clone()
         for f in factors.tolist():
-            clip = group_amax * f
+            clip = top * f
             scale = torch.where(clip > 0, clip / fmt.max_finite, torch.ones_like(clip)).unsqueeze(-1)
             x = (values / scale).float()
             err = ((fmt.decode(fmt.encode(x)).double() * scale - values) ** 2 * counts).sum(-1)
@@ -188,10 +255,15 @@ class KVStatsCollector:
         return best
 
     def scales(self, recipe: ScaleRecipe, source: str, rotation: str = "none") -> KVScales:
-        """:class:`KVScales` made for ``recipe.fmt``: ``statistic * headroom / fmt.max_finite`` per group.
-        ``rotation`` names the basis the observed K/V were in."""
+        """:class:`KVScales` made for ``recipe.fmt``: ``statistic * headroom / fmt.max_finite`` per group,
+        rounded up to a power of two if ``recipe.power_of_two``. ``rotation`` names the basis of the K/V."""
+        if recipe.key_bound != self.key_bound:
+            raise ValueError(f"the recipe's key_bound={recipe.key_bound!r} but this collector recorded "
+                             f"key_bound={self.key_bound!r}")
         stat = self.statistic(recipe) * recipe.headroom
         scale = torch.where(stat > 0, stat / recipe.fmt.max_finite, torch.ones_like(stat))
+        if recipe.power_of_two:
+            scale = round_up_pow2(scale)
         return KVScales(k=scale[0], v=scale[1], granularity=recipe.granularity, source=source,
                         made_for=recipe.fmt.name, rotation=rotation)
 
