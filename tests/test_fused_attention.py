@@ -35,6 +35,7 @@ from kv8.attention.fused import KernelUnavailable, load_kernels, paged_attention
 from kv8.attention.metadata import AttentionMetadata
 from kv8.attention.reference import paged_attention_reference
 from kv8.cache.paged_cache import CacheShape, PagedKVCache
+from kv8.native import cpu_flags
 from kv8.quant.formats import FP8_FORMATS, resolve_kv_cache_dtype
 from kv8.quant.scales import KVScales, ScaleGranularity
 
@@ -49,7 +50,7 @@ SEQ_LENS = [1, 16, 33, 21, 48, 17, 130]
 
 def cpu_has_fast_path() -> bool:
     """AVX-512 F/BW/VL + VBMI + BF16: what the fast path needs (this project's machine has them)."""
-    flags = set(fused._cpu_flags().split())
+    flags = set(cpu_flags().split())
     return {"avx512f", "avx512bw", "avx512vl", "avx512vbmi", "avx512_bf16"} <= flags
 
 

@@ -4,12 +4,8 @@ Why this shape: PyTorch's float8 conversions run at ~1 GB/s on this CPU, so dequ
 than a bf16 cache; the dequant has to live inside the attention loop. numba is not installed and
 ``torch.compile`` takes tens of seconds to start and cannot express the bit-level decode, so the kernels are
 plain C++ (``cpu_kernels.cpp``, intrinsics, OpenMP, a C ABI, no torch headers), compiled with the system
-``g++ -O3 -march=native -fopenmp -shared -fPIC`` in a few seconds the first time and cached as
-``<cache dir>/kernels/<hash>.so``; the hash covers the source, the compiler command, the compiler version and
-the CPU flags, so an edited source, another compiler or another CPU gets its own build. The cache dir is
-``$KV8_CACHE_DIR`` if set, else ``~/.cache/kv8``. Each build goes to a private temporary file and is
-published with an atomic ``os.replace``, so concurrent first starts are safe (both may compile; either
-result is complete). The library links ``libgomp.so.1`` by soname, so in a torch process it shares
+``g++`` in a few seconds the first time and cached (:mod:`kv8.native`: one build per source, compiler and
+CPU, atomic publication). The library links ``libgomp.so.1`` by soname, so in a torch process it shares
 torch's OpenMP runtime and thread pool.
 
 On a CPU with AVX-512 BF16 + VBMI the kernel decodes FP8 straight to bf16 with in-register byte tables and
@@ -25,20 +21,16 @@ input (FP8: ``saturate(rne(x / scale))``, the NaN rule of :meth:`kv8.quant.forma
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import logging
 import os
-import shutil
-import subprocess
-import tempfile
 import weakref
 from pathlib import Path
 
 import torch
 
-from kv8 import envs
 from kv8.attention.metadata import AttentionMetadata
 from kv8.cache.paged_cache import PagedKVCache
+from kv8.native import KernelUnavailable, build_shared_library
 
 logger = logging.getLogger("kv8")
 
@@ -53,7 +45,6 @@ __all__ = [
 ]
 
 SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
-BASE_FLAGS: tuple[str, ...] = ("-O3", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
 
 KV_DTYPE_CODES: dict[str, int] = {
     "fp8_e4m3": 0, "fp8_e4m3fnuz": 1, "fp8_e5m2": 2, "bfloat16": 3, "float16": 4, "float32": 5,
@@ -69,67 +60,9 @@ _ERRORS: dict[int, str] = {
 }
 
 
-class KernelUnavailable(RuntimeError):
-    """The C++ kernels could not be built or loaded (the message says why)."""
-
-
-def _cache_dir() -> Path:
-    return Path(envs.cache_dir()) / "kernels"
-
-
-def _cpu_flags() -> str:
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return ""
-
-
-def _compiler() -> str:
-    cxx = envs.cxx()
-    path = shutil.which(cxx)
-    if path is None:
-        raise KernelUnavailable(f"no C++ compiler: {cxx!r} is not on PATH (set CXX to a g++-compatible compiler)")
-    return path
-
-
 def _build(march: str) -> Path:
-    """Compile (or find the cached) shared library for ``-march=march``; returns its path."""
-    cxx = _compiler()
-    flags = (*BASE_FLAGS, f"-march={march}")
-    try:
-        version = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=60).stdout
-    except (OSError, subprocess.SubprocessError) as exc:
-        raise KernelUnavailable(f"cannot run the compiler {cxx}: {exc}") from exc
-    digest = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), " ".join(flags).encode(), version.encode(), _cpu_flags().encode()):
-        digest.update(part)
-        digest.update(b"\0")
-    out_dir = _cache_dir()
-    target = out_dir / f"{digest.hexdigest()[:24]}.so"
-    if target.exists():
-        return target
-    try:
-        out_dir.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=".build-", suffix=".so", dir=out_dir)
-        os.close(fd)
-    except OSError as exc:
-        raise KernelUnavailable(f"cannot write the kernel cache directory {out_dir}: {exc}") from exc
-    try:
-        cmd = [cxx, *flags, "-o", tmp, str(SOURCE)]
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-        if proc.returncode != 0:
-            raise KernelUnavailable(f"compiling {SOURCE.name} failed ({' '.join(cmd)}):\n{proc.stderr[-2000:]}")
-        os.replace(tmp, target)  # atomic: a concurrent loader sees no file or a complete one
-    except (OSError, subprocess.SubprocessError) as exc:
-        raise KernelUnavailable(f"compiling {SOURCE.name} failed: {exc}") from exc
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return target
+    """Compile (or find the cached) attention library for ``-march=march``; returns its path."""
+    return build_shared_library(SOURCE, march)
 
 
 _P = ctypes.c_void_p

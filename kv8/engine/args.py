@@ -33,6 +33,7 @@ class EngineArgs:
     max_model_len: int | None = None
     seed: int = 0
     attention_backend: str = "auto"
+    linear_backend: str = "auto"
     kv_cache_scale_mode: str = "static"
     kv_cache_rotation: str = "none"
 
@@ -66,7 +67,8 @@ class EngineArgs:
         sched = SchedulerConfig(max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
                                 max_model_len=max_model_len)
         return EngineConfig(model=model_path, model_kind=model_kind, arch=arch, dtype=dtype, cache=cache,
-                            scheduler=sched, seed=self.seed, attention_backend=self.attention_backend)
+                            scheduler=sched, seed=self.seed, attention_backend=self.attention_backend,
+                            linear_backend=self.linear_backend)
 
 
 def resolve_num_blocks(config: EngineConfig) -> int:

@@ -18,6 +18,7 @@ from kv8.attention.backend import AttentionBackend
 from kv8.attention.metadata import AttentionMetadata
 from kv8.cache.paged_cache import PagedKVCache
 from kv8.config import ModelArchConfig, RopeScaling
+from kv8.model.cpu_linear import LinearKernels, PackedLinear
 from kv8.quant.rotation import rotate
 
 
@@ -70,16 +71,21 @@ class Attention(nn.Module):
         self.q_proj = nn.Linear(e, self.num_heads * d, bias=bias)
         self.k_proj = nn.Linear(e, self.num_kv_heads * d, bias=bias)
         self.v_proj = nn.Linear(e, self.num_kv_heads * d, bias=bias)
-        self.o_proj = nn.Linear(self.num_heads * d, e, bias=False)
+        self.o_proj: nn.Module = nn.Linear(self.num_heads * d, e, bias=False)
+        self.qkv_proj: PackedLinear | None = None  # q/k/v packed into one matrix (pack_linears)
         self.scale = d ** -0.5
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: PagedKVCache,
                 meta: AttentionMetadata, backend: AttentionBackend,
                 kv_rotation: torch.Tensor | None) -> torch.Tensor:
         t = x.shape[0]
-        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)        # [T, Hq, D]
-        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)     # [T, Hkv, D]
-        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)     # [T, Hkv, D]
+        if self.qkv_proj is not None:
+            q, k, v = self.qkv_proj(x).split(self.qkv_proj.sizes, dim=-1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q = q.view(t, self.num_heads, self.head_dim)                     # [T, Hq, D]
+        k = k.view(t, self.num_kv_heads, self.head_dim)                  # [T, Hkv, D]
+        v = v.view(t, self.num_kv_heads, self.head_dim)                  # [T, Hkv, D]
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if kv_rotation is not None:  # see kv8.quant.rotation: store k R, v R; score with q R
             q, k, v = rotate(q, kv_rotation), rotate(k, kv_rotation), rotate(v, kv_rotation)
@@ -94,9 +100,13 @@ class MLP(nn.Module):
         super().__init__()
         self.gate_proj = nn.Linear(arch.hidden_size, arch.intermediate_size, bias=False)
         self.up_proj = nn.Linear(arch.hidden_size, arch.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(arch.intermediate_size, arch.hidden_size, bias=False)
+        self.down_proj: nn.Module = nn.Linear(arch.intermediate_size, arch.hidden_size, bias=False)
+        self.gate_up_proj: PackedLinear | None = None  # gate and up packed into one matrix (pack_linears)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gate_up_proj is not None:
+            gate, up = self.gate_up_proj(x).split(self.gate_up_proj.sizes, dim=-1)
+            return self.down_proj(F.silu(gate) * up)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
@@ -130,7 +140,7 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.arch = arch
         self.model = LlamaModel(arch)
-        self.lm_head = nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
+        self.lm_head: nn.Module = nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
         self.register_buffer("inv_freq", rope_inv_freq(arch), persistent=False)
         # Orthonormal D x D matrix applied to K/V before they are stored (kv8.quant.rotation), or None.
         self.kv_rotation: torch.Tensor | None = None
@@ -149,6 +159,19 @@ class LlamaForCausalLM(nn.Module):
         for layer in self.model.layers:
             x = layer(x, cos, sin, cache, meta, backend, self.kv_rotation)
         return self.model.norm(x)
+
+    def pack_linears(self, lib: LinearKernels) -> None:
+        """Replace every projection by a :class:`PackedLinear` (q/k/v and gate/up each packed into one
+        matrix); the ``nn.Linear`` weights are dropped, so weights stay in memory once. Needs bf16 weights."""
+        for layer in self.model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            attn.qkv_proj = PackedLinear(lib, [attn.q_proj, attn.k_proj, attn.v_proj])
+            del attn.q_proj, attn.k_proj, attn.v_proj
+            attn.o_proj = PackedLinear(lib, [attn.o_proj])
+            mlp.gate_up_proj = PackedLinear(lib, [mlp.gate_proj, mlp.up_proj])
+            del mlp.gate_proj, mlp.up_proj
+            mlp.down_proj = PackedLinear(lib, [mlp.down_proj])
+        self.lm_head = PackedLinear(lib, [self.lm_head])
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
