@@ -32,8 +32,8 @@
 #define KV8_LINEAR_FAST 0
 #endif
 
-static const int PANEL = 32;   // output columns per panel (two zmm registers of fp32 accumulators)
-static const int MAX_MR = 12;  // rows per micro-kernel call: 24 accumulators + 2 weights + 1 broadcast
+static const int PANEL = 32;  // output columns per panel (two zmm registers of fp32 accumulators)
+static const int64_t ROW_CHUNK = 192;  // rows of x per pass over the weights (x chunk stays in L2)
 
 extern "C" int kv8_linear_available() { return KV8_LINEAR_FAST; }
 
@@ -66,21 +66,29 @@ extern "C" int kv8_linear_pack(const uint16_t* w, int64_t N, int64_t K, uint16_t
 }
 
 #if KV8_LINEAR_FAST
-// MR rows of x (stride K) times one panel -> MR x 32 outputs (columns n0 .. n0 + ncols - 1 are stored).
-template <int MR>
+static inline __mmask16 lane_mask(int n) {  // the first n (clamped to 0..16) of 16 lanes
+    return n >= 16 ? (__mmask16)0xFFFF : n <= 0 ? (__mmask16)0 : (__mmask16)((1u << n) - 1);
+}
+
+// MR rows of x (stride K) times NP adjacent panels (NP = 1 or 2, i.e. 32 or 64 columns starting at n0) ->
+// MR x 32*NP outputs; only columns below N are stored.
+template <int MR, int NP>
 static inline void micro(const uint16_t* x, int64_t K, const uint16_t* panel, int64_t kp, const float* bias,
-                         int64_t n0, int ncols, uint16_t* out, int64_t N) {
-    __m512 acc[MR][2];
-    for (int r = 0; r < MR; ++r) {
-        acc[r][0] = _mm512_setzero_ps();
-        acc[r][1] = _mm512_setzero_ps();
-    }
+                         int64_t n0, int64_t N, uint16_t* out) {
+    constexpr int NV = 2 * NP;  // zmm accumulators per row
+    __m512 acc[MR][NV];
+    for (int r = 0; r < MR; ++r)
+        for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_setzero_ps();
     const int64_t pairs = kp / 2;
     const int64_t full = K / 2;  // pairs whose two x values both exist (K even: all of them)
+    const int64_t panel_stride = (int64_t)PANEL * kp;
     for (int64_t kk = 0; kk < pairs; ++kk) {
-        const __m512bh w0 = (__m512bh)_mm512_loadu_si512((const void*)(panel + kk * 64));
-        const __m512bh w1 = (__m512bh)_mm512_loadu_si512((const void*)(panel + kk * 64 + 32));
-        if (kk + 8 < pairs) _mm_prefetch((const char*)(panel + (kk + 8) * 64), _MM_HINT_T0);
+        __m512bh w[NV];
+        for (int q = 0; q < NP; ++q) {
+            const uint16_t* src = panel + q * panel_stride + kk * 64;
+            w[2 * q] = (__m512bh)_mm512_loadu_si512((const void*)src);
+            w[2 * q + 1] = (__m512bh)_mm512_loadu_si512((const void*)(src + 32));
+        }
         for (int r = 0; r < MR; ++r) {
             int32_t xv;
             if (kk < full) {
@@ -89,33 +97,44 @@ static inline void micro(const uint16_t* x, int64_t K, const uint16_t* panel, in
                 xv = x[r * K + 2 * kk];
             }
             const __m512bh b = (__m512bh)_mm512_set1_epi32(xv);
-            acc[r][0] = _mm512_dpbf16_ps(acc[r][0], w0, b);
-            acc[r][1] = _mm512_dpbf16_ps(acc[r][1], w1, b);
+            for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_dpbf16_ps(acc[r][v], w[v], b);
         }
     }
-    __m512 b0 = _mm512_setzero_ps(), b1 = _mm512_setzero_ps();
-    if (bias) {
-        const __mmask16 m0 = ncols >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << ncols) - 1);
-        const __mmask16 m1 = ncols >= 32 ? (__mmask16)0xFFFF
-                           : ncols <= 16 ? (__mmask16)0 : (__mmask16)((1u << (ncols - 16)) - 1);
-        b0 = _mm512_maskz_loadu_ps(m0, bias + n0);
-        b1 = _mm512_maskz_loadu_ps(m1, bias + n0 + 16);
-    }
-    const __mmask16 s0 = ncols >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << ncols) - 1);
-    const __mmask16 s1 = ncols >= 32 ? (__mmask16)0xFFFF
-                       : ncols <= 16 ? (__mmask16)0 : (__mmask16)((1u << (ncols - 16)) - 1);
-    for (int r = 0; r < MR; ++r) {
-        const __m256i y0 = (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(acc[r][0], b0));
-        const __m256i y1 = (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(acc[r][1], b1));
-        _mm256_mask_storeu_epi16(out + r * N + n0, s0, y0);
-        _mm256_mask_storeu_epi16(out + r * N + n0 + 16, s1, y1);
+    for (int v = 0; v < NV; ++v) {
+        const int64_t c0 = n0 + 16 * v;
+        const __mmask16 m = lane_mask((int)(N - c0 < 16 ? N - c0 : 16));
+        if (!m) break;
+        const __m512 bv = bias ? _mm512_maskz_loadu_ps(m, bias + c0) : _mm512_setzero_ps();
+        for (int r = 0; r < MR; ++r) {
+            const __m256i y = (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(acc[r][v], bv));
+            _mm256_mask_storeu_epi16(out + r * N + c0, m, y);
+        }
     }
 }
 
-typedef void (*MicroFn)(const uint16_t*, int64_t, const uint16_t*, int64_t, const float*, int64_t, int, uint16_t*,
-                        int64_t);
-static const MicroFn MICRO[MAX_MR + 1] = {nullptr, micro<1>, micro<2>, micro<3>, micro<4>, micro<5>, micro<6>,
-                                          micro<7>, micro<8>, micro<9>, micro<10>, micro<11>, micro<12>};
+typedef void (*MicroFn)(const uint16_t*, int64_t, const uint16_t*, int64_t, const float*, int64_t, int64_t,
+                        uint16_t*);
+static const int MAX_MR1 = 12;  // one panel: 24 accumulators + 2 weights + 1 broadcast registers
+static const int MAX_MR2 = 6;   // two panels: 24 accumulators + 4 weights + 1 broadcast
+static const MicroFn MICRO1[MAX_MR1 + 1] = {nullptr, micro<1, 1>, micro<2, 1>, micro<3, 1>, micro<4, 1>,
+                                            micro<5, 1>, micro<6, 1>, micro<7, 1>, micro<8, 1>, micro<9, 1>,
+                                            micro<10, 1>, micro<11, 1>, micro<12, 1>};
+static const MicroFn MICRO2[MAX_MR2 + 1] = {nullptr, micro<1, 2>, micro<2, 2>, micro<3, 2>, micro<4, 2>,
+                                            micro<5, 2>, micro<6, 2>};
+
+// Rows [0, M) in nearly equal blocks of at most max_mr rows, each through table[rows].
+static inline void row_blocks(const MicroFn* table, int max_mr, const uint16_t* x, int64_t M, int64_t K,
+                              const uint16_t* panel, int64_t kp, const float* bias, int64_t n0, int64_t N,
+                              uint16_t* out) {
+    const int64_t nblk = (M + max_mr - 1) / max_mr;
+    const int64_t base = M / nblk, extra = M % nblk;
+    int64_t r0 = 0;
+    for (int64_t b = 0; b < nblk; ++b) {
+        const int mr = (int)(base + (b < extra ? 1 : 0));
+        table[mr](x + r0 * K, K, panel, kp, bias, n0, N, out + r0 * N);
+        r0 += mr;
+    }
+}
 #endif
 
 // out[M, N] = x[M, K] @ W^T (+ bias), W pre-packed by kv8_linear_pack.
@@ -125,20 +144,26 @@ extern "C" int kv8_linear(const uint16_t* x, int64_t M, int64_t K, const uint16_
     if (!x || !packed || !out || M <= 0 || K <= 0 || N <= 0 || nthreads <= 0) return 5;
     const int64_t kp = (K + 1) & ~(int64_t)1;
     const int64_t panels = (N + PANEL - 1) / PANEL;
-    // Row blocks of nearly equal size, at most MAX_MR rows each.
-    const int64_t nblk = (M + MAX_MR - 1) / MAX_MR;
-    const int64_t base = M / nblk, extra = M % nblk;
     const int threads = (int)(panels < nthreads ? panels : nthreads);
-#pragma omp parallel for schedule(static) num_threads(threads)
-    for (int64_t p = 0; p < panels; ++p) {
-        const uint16_t* panel = packed + p * PANEL * kp;
-        const int64_t n0 = p * PANEL;
-        const int ncols = (int)(N - n0 < PANEL ? N - n0 : PANEL);
-        int64_t r0 = 0;
-        for (int64_t b = 0; b < nblk; ++b) {
-            const int mr = (int)(base + (b < extra ? 1 : 0));
-            MICRO[mr](x + r0 * K, K, panel, kp, bias, n0, ncols, out + r0 * N, N);
-            r0 += mr;
+    // Rows go in chunks of ROW_CHUNK so that a chunk of x stays in L2 while every panel passes over it.
+    // Within a chunk each thread takes a contiguous run of panels and walks it two panels (64 columns) at
+    // a time, one panel for an odd one left over.
+#pragma omp parallel num_threads(threads)
+    {
+        const int t = omp_get_thread_num(), nt = omp_get_num_threads();
+        const int64_t p0 = panels * t / nt, p1 = panels * (t + 1) / nt;
+        for (int64_t m0 = 0; m0 < M; m0 += ROW_CHUNK) {
+            const int64_t rows = M - m0 < ROW_CHUNK ? M - m0 : ROW_CHUNK;
+            const uint16_t* xc = x + m0 * K;
+            uint16_t* oc = out + m0 * N;
+            for (int64_t p = p0; p < p1; p += 2) {
+                const uint16_t* panel = packed + p * PANEL * kp;
+                if (p + 1 < p1) {
+                    row_blocks(MICRO2, MAX_MR2, xc, rows, K, panel, kp, bias, p * PANEL, N, oc);
+                } else {
+                    row_blocks(MICRO1, MAX_MR1, xc, rows, K, panel, kp, bias, p * PANEL, N, oc);
+                }
+            }
         }
     }
     return 0;
