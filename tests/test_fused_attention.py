@@ -14,7 +14,7 @@
   and the generic (non-AVX-512) build.
 
 Tolerances (the kernels accumulate in fp32; the fast path carries q and the softmax weights as bf16 hi+lo,
-~16 significant bits): with M = 1 + max|ref|,
+~16 significant bits, except the weights of a bf16 output, which are bf16): with M = 1 + max|ref|,
   fp32 output: |out - ref| <= 5e-5 * M    (observed <= ~1e-5 * M)
   fp16 output: |out - ref| <= 2^-10 * M   (one fp16 ulp at the top of the range)
   bf16 output: |out - ref| <= 2^-7 * M    (one bf16 ulp at the top of the range: both sides round to bf16)

@@ -18,7 +18,9 @@
 //   the high byte of the bf16 value, the sign bit is ORed in; every FP8 value is an exact bf16, subnormals
 //   and NaN included) and multiplied with vdpbf16ps (bf16 x bf16 products are exact in fp32, fp32
 //   accumulation). q is split into bf16 hi + lo parts (lo skipped when q is bf16 without a per-channel
-//   K scale: it is zero), so q keeps ~16 significant bits; so do the softmax weights. The softmax scale and
+//   K scale: it is zero), so q keeps ~16 significant bits; so do the softmax weights when the output is
+//   fp32 / fp16, while for a bf16 output they are rounded to bf16 once (as precise as the output itself;
+//   this halves the P.V products). The softmax scale and
 //   per-tensor / per-head K scales multiply the 16 scores of a tile once; per-channel K scales fold into
 //   q; V scales of any granularity multiply the output once; dynamic per-token scales multiply the scores
 //   (K) and the softmax weights (V). K tiles are transposed at 128-bit granularity so a register holds 4
@@ -659,7 +661,7 @@ static inline __m512 exp512(__m512 x) {
 }
 
 // out[r] (RB rows x nvs accumulators, in memory) = out * alpha + P . V for one tile (P as bf16 hi + lo).
-template <int RB>
+template <int RB, bool PLO>
 static inline void tile_pv(const __m512i* vbuf, int nvs, const uint32_t* const* phi, const uint32_t* const* plo,
                            float* const* obuf, const float* alpha) {
     int v0 = 0;
@@ -674,9 +676,11 @@ static inline void tile_pv(const __m512i* vbuf, int nvs, const uint32_t* const* 
             for (int m = 0; m < 4; ++m) v[m] = _mm512_load_si512(vbuf + u * nvs + v0 + m);
             for (int r = 0; r < RB; ++r) {
                 __m512i p = _mm512_set1_epi32((int)phi[r][u]);
-                __m512i pl = _mm512_set1_epi32((int)plo[r][u]);
                 for (int m = 0; m < 4; ++m) acc[r][m] = _mm512_dpbf16_ps(acc[r][m], as_bh(v[m]), as_bh(p));
-                for (int m = 0; m < 4; ++m) acc[r][m] = _mm512_dpbf16_ps(acc[r][m], as_bh(v[m]), as_bh(pl));
+                if (PLO) {
+                    __m512i pl = _mm512_set1_epi32((int)plo[r][u]);
+                    for (int m = 0; m < 4; ++m) acc[r][m] = _mm512_dpbf16_ps(acc[r][m], as_bh(v[m]), as_bh(pl));
+                }
             }
         }
         for (int r = 0; r < RB; ++r)
@@ -688,7 +692,7 @@ static inline void tile_pv(const __m512i* vbuf, int nvs, const uint32_t* const* 
             for (int u = 0; u < 8; ++u) {
                 __m512i v = _mm512_load_si512(vbuf + u * nvs + v0);
                 acc = _mm512_dpbf16_ps(acc, as_bh(v), as_bh(_mm512_set1_epi32((int)phi[r][u])));
-                acc = _mm512_dpbf16_ps(acc, as_bh(v), as_bh(_mm512_set1_epi32((int)plo[r][u])));
+                if (PLO) acc = _mm512_dpbf16_ps(acc, as_bh(v), as_bh(_mm512_set1_epi32((int)plo[r][u])));
             }
             _mm512_store_ps(obuf[r] + v0 * 16, acc);
         }
@@ -697,7 +701,7 @@ static inline void tile_pv(const __m512i* vbuf, int nvs, const uint32_t* const* 
 
 // tile_pv with the V decode fused in (no V buffer): for the few rows of a decode step. Same accumulator
 // layout as decode_v_tile + tile_pv.
-template <int KV, int RB>
+template <int KV, int RB, bool PLO>
 static void tile_pv_fused(const uint8_t* const* rows, int D, const uint32_t* const* phi, const uint32_t* const* plo,
                           float* const* obuf, const float* alpha) {
     const bool fp8 = KV != KV_BF16;
@@ -728,9 +732,11 @@ static void tile_pv_fused(const uint8_t* const* rows, int D, const uint32_t* con
             }
             for (int r = 0; r < RB; ++r) {
                 __m512i p = _mm512_set1_epi32((int)phi[r][u]);
-                __m512i pl = _mm512_set1_epi32((int)plo[r][u]);
                 for (int m = 0; m < NV; ++m) acc[r][m] = _mm512_dpbf16_ps(acc[r][m], as_bh(v[m]), as_bh(p));
-                for (int m = 0; m < NV; ++m) acc[r][m] = _mm512_dpbf16_ps(acc[r][m], as_bh(v[m]), as_bh(pl));
+                if (PLO) {
+                    __m512i pl = _mm512_set1_epi32((int)plo[r][u]);
+                    for (int m = 0; m < NV; ++m) acc[r][m] = _mm512_dpbf16_ps(acc[r][m], as_bh(v[m]), as_bh(pl));
+                }
             }
         }
         for (int r = 0; r < RB; ++r)
@@ -741,12 +747,12 @@ static void tile_pv_fused(const uint8_t* const* rows, int D, const uint32_t* con
 typedef void (*PvFused)(const uint8_t* const*, int, const uint32_t* const*, const uint32_t* const*, float* const*,
                         const float*);
 
-template <int KV>
+template <int KV, bool PLO>
 static inline void pick_pv_fused(PvFused* f) {
-    f[1] = tile_pv_fused<KV, 1>;
-    f[2] = tile_pv_fused<KV, 2>;
-    f[3] = tile_pv_fused<KV, 3>;
-    f[4] = tile_pv_fused<KV, 4>;
+    f[1] = tile_pv_fused<KV, 1, PLO>;
+    f[2] = tile_pv_fused<KV, 2, PLO>;
+    f[3] = tile_pv_fused<KV, 3, PLO>;
+    f[4] = tile_pv_fused<KV, 4, PLO>;
 }
 
 // q row (D values) -> bf16 hi / lo slots, each slot's 8 channels broadcast to the 4 lanes.
@@ -775,19 +781,19 @@ static inline void prep_q(const Problem& P, int64_t src, const float* kscale, __
 
 typedef void (*TileDecoder)(const uint8_t* const*, int, __m512i*);
 
-template <bool QLO>
+template <bool QLO, bool PLO>
 static int run_item_fast(const Problem& P, const Item& it, float* ws) {
     TileDecoder decode_k, decode_v;
     PvFused pv_fused[5];
     switch (P.kv) {
         case KV_E4M3: decode_k = decode_k_tile<KV_E4M3>; decode_v = decode_v_tile<KV_E4M3>;
-            pick_pv_fused<KV_E4M3>(pv_fused); break;
+            pick_pv_fused<KV_E4M3, PLO>(pv_fused); break;
         case KV_E4M3FNUZ: decode_k = decode_k_tile<KV_E4M3FNUZ>; decode_v = decode_v_tile<KV_E4M3FNUZ>;
-            pick_pv_fused<KV_E4M3FNUZ>(pv_fused); break;
+            pick_pv_fused<KV_E4M3FNUZ, PLO>(pv_fused); break;
         case KV_E5M2: decode_k = decode_k_tile<KV_E5M2>; decode_v = decode_v_tile<KV_E5M2>;
-            pick_pv_fused<KV_E5M2>(pv_fused); break;
+            pick_pv_fused<KV_E5M2, PLO>(pv_fused); break;
         default: decode_k = decode_k_tile<KV_BF16>; decode_v = decode_v_tile<KV_BF16>;
-            pick_pv_fused<KV_BF16>(pv_fused); break;
+            pick_pv_fused<KV_BF16, PLO>(pv_fused); break;
     }
     const Rows w = rows_of(P, it);
     const int D = P.D, R = w.R;
@@ -875,8 +881,11 @@ static int run_item_fast(const Problem& P, const Item& it, float* ws) {
                 if (P.vts) p = _mm512_mul_ps(p, vsv);  // per-token V scale rides on the weight
                 __m256i h = (__m256i)_mm512_cvtneps_pbh(p);
                 _mm256_store_si256((__m256i*)(phi + (size_t)r * 16), h);
-                __m512 hf = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-                _mm256_store_si256((__m256i*)(plo + (size_t)r * 16), (__m256i)_mm512_cvtneps_pbh(_mm512_sub_ps(p, hf)));
+                if (PLO) {
+                    __m512 hf = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+                    _mm256_store_si256((__m256i*)(plo + (size_t)r * 16),
+                                       (__m256i)_mm512_cvtneps_pbh(_mm512_sub_ps(p, hf)));
+                }
             }
         }
         prefetch_tile<false, true>(P, it, t0 + PREFETCH_TILES * TILE);
@@ -899,10 +908,10 @@ static int run_item_fast(const Problem& P, const Item& it, float* ws) {
                 ob[i] = obuf + (size_t)(rb + i) * nacc;
             }
             switch (nb) {
-                case 4: tile_pv<4>(vbuf, nvs, ph, pl, ob, alpha + rb); break;
-                case 3: tile_pv<3>(vbuf, nvs, ph, pl, ob, alpha + rb); break;
-                case 2: tile_pv<2>(vbuf, nvs, ph, pl, ob, alpha + rb); break;
-                default: tile_pv<1>(vbuf, nvs, ph, pl, ob, alpha + rb); break;
+                case 4: tile_pv<4, PLO>(vbuf, nvs, ph, pl, ob, alpha + rb); break;
+                case 3: tile_pv<3, PLO>(vbuf, nvs, ph, pl, ob, alpha + rb); break;
+                case 2: tile_pv<2, PLO>(vbuf, nvs, ph, pl, ob, alpha + rb); break;
+                default: tile_pv<1, PLO>(vbuf, nvs, ph, pl, ob, alpha + rb); break;
             }
         }
     }
@@ -931,7 +940,9 @@ static ItemFn pick_item_fn(const Problem& P, int* fast) {
     if (P.D % 16 == 0 && P.D <= 1024 && (is_fp8(P.kv) || P.kv == KV_BF16)) {
         *fast = 1;
         bool qlo = !(P.q_dtype == DT_BF16 && !k_per_channel(P));
-        return qlo ? run_item_fast<true> : run_item_fast<false>;
+        bool plo = P.q_dtype != DT_BF16;  // bf16 compute: weights in bf16, as precise as the output
+        if (qlo) return plo ? run_item_fast<true, true> : run_item_fast<true, false>;
+        return plo ? run_item_fast<false, true> : run_item_fast<false, false>;
     }
 #endif
     return run_item_generic;

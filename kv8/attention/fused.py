@@ -12,7 +12,8 @@ On a CPU with AVX-512 BF16 + VBMI the kernel decodes FP8 straight to bf16 with i
 multiplies with ``vdpbf16ps`` (exact products, fp32 accumulation); elsewhere, and for fp16/fp32 caches, it
 runs an fp32 path that decodes FP8 on bits. Details and precision: see ``cpu_kernels.cpp``. Numerics versus
 :func:`kv8.attention.reference.paged_attention_reference`: q and the softmax weights are carried as bf16
-hi + lo (about 16 significant bits; q exactly when it is bf16), products are exact and accumulated in fp32.
+hi + lo (about 16 significant bits; q exactly when it is bf16; the weights in bf16 alone when the output is
+bf16), products are exact and accumulated in fp32.
 
 The store is bit-exact with :meth:`kv8.cache.paged_cache.PagedKVCache.store` for every finite and infinite
 input (FP8: ``saturate(rne(x / scale))``, the NaN rule of :meth:`kv8.quant.formats.FP8Format.encode`).
