@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kv8.model.cpu_linear import PackedLinear, load_linear_kernels
+from kv8.model.cpu_dense import PackedLinear, load_dense_kernels
 
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # (out, in) per layer, SmolLM2-135M
 
@@ -37,7 +37,7 @@ def main() -> None:
     ap.add_argument("--rows", default="1,4,8,16,32,64,256,2048", help="comma-separated M values")
     ap.add_argument("--layers", type=int, default=30)
     args = ap.parse_args()
-    lib = load_linear_kernels()
+    lib = load_dense_kernels()
     torch.manual_seed(0)
     weights = [[torch.randn(n, k).bfloat16() for n, k in SHAPES] for _ in range(args.layers)]
     packed = []

@@ -23,7 +23,7 @@ from kv8.quant.formats import KVCacheDtype
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 SCALE_MODES = ("static", "dynamic")
 ROTATIONS = ("none", "hadamard")
-LINEAR_BACKENDS = ("auto", "torch", "cpu_packed")  # kv8.model.cpu_linear
+DENSE_BACKENDS = ("auto", "torch", "cpu")  # kv8.model.cpu_dense
 DYNAMIC_SCALE_BYTES = 4  # one float32 scale per (token, KV head) for K and for V
 
 _DTYPES: dict[str, torch.dtype] = {
@@ -279,16 +279,16 @@ class EngineConfig:
     scheduler: SchedulerConfig
     seed: int = 0
     attention_backend: str = "auto"
-    linear_backend: str = "auto"
+    dense_backend: str = "auto"
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if self.linear_backend not in LINEAR_BACKENDS:
-            raise ValueError(f"linear_backend={self.linear_backend!r} is not known; choose one of: "
-                             f"{', '.join(LINEAR_BACKENDS)}")
-        if self.linear_backend == "cpu_packed" and self.dtype != torch.bfloat16:
-            raise ValueError(f"linear_backend='cpu_packed' needs dtype bfloat16, got {self.dtype}; use "
-                             f"linear_backend='auto' or 'torch'")
+        if self.dense_backend not in DENSE_BACKENDS:
+            raise ValueError(f"dense_backend={self.dense_backend!r} is not known; choose one of: "
+                             f"{', '.join(DENSE_BACKENDS)}")
+        if self.dense_backend == "cpu" and self.dtype != torch.bfloat16:
+            raise ValueError(f"dense_backend='cpu' needs dtype bfloat16, got {self.dtype}; use "
+                             f"dense_backend='auto' or 'torch'")
         if self.scheduler.max_model_len > self.arch.max_position_embeddings:
             raise ValueError(
                 f"max_model_len={self.scheduler.max_model_len} exceeds the model's context "

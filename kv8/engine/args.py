@@ -33,7 +33,7 @@ class EngineArgs:
     max_model_len: int | None = None
     seed: int = 0
     attention_backend: str = "auto"
-    linear_backend: str = "auto"
+    dense_backend: str = "auto"
     kv_cache_scale_mode: str = "static"
     kv_cache_rotation: str = "none"
 
@@ -68,7 +68,7 @@ class EngineArgs:
                                 max_model_len=max_model_len)
         return EngineConfig(model=model_path, model_kind=model_kind, arch=arch, dtype=dtype, cache=cache,
                             scheduler=sched, seed=self.seed, attention_backend=self.attention_backend,
-                            linear_backend=self.linear_backend)
+                            dense_backend=self.dense_backend)
 
 
 def resolve_num_blocks(config: EngineConfig) -> int:

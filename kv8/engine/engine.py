@@ -27,7 +27,7 @@ from kv8.engine.request import Request, RequestStatus, TokenLogprobs
 from kv8.engine.runner import ModelRunner, ModelRunnerOutput
 from kv8.engine.sampler import make_generator
 from kv8.engine.scheduler import Scheduler
-from kv8.model.cpu_linear import load_linear_kernels, select_linear_backend
+from kv8.model.cpu_dense import load_dense_kernels, select_dense_backend
 from kv8.model.loader import load_model, read_model_config
 from kv8.model.registry import resolve_model_path
 from kv8.model.tokenizer import load_tokenizer
@@ -67,9 +67,9 @@ class LLMEngine:
             scales = resolve_kv_scales(cc.kv_dtype, info, cc.quantization_param_path, ckpt, cc.rotation)
         if cc.rotation == "hadamard":
             self.model.kv_rotation = hadamard(arch.head_dim)
-        self.linear_backend = select_linear_backend(self.config.linear_backend, self.config.dtype)
-        if self.linear_backend == "cpu_packed":
-            self.model.pack_linears(load_linear_kernels())
+        self.dense_backend = select_dense_backend(self.config.dense_backend, self.config.dtype)
+        if self.dense_backend == "cpu":
+            self.model.use_cpu_kernels(load_dense_kernels())
         num_blocks = resolve_num_blocks(self.config)
         self.cache = PagedKVCache(CacheShape(arch.num_layers, num_blocks, arch.num_kv_heads, cc.block_size,
                                              arch.head_dim), cc.kv_dtype, scales, cc.dynamic_scales)
@@ -87,10 +87,10 @@ class LLMEngine:
                       scales.source if scales is not None else "none (not fp8)")
         logger.info(
             "KV cache: dtype %s, %d blocks of %d tokens = %d tokens, %s per token, %s in all; scales: %s; "
-            "rotation %s; prefix caching %s; attention backend %s; linear backend %s",
+            "rotation %s; prefix caching %s; attention backend %s; dense backend %s",
             cc.kv_dtype.name, num_blocks, cc.block_size, num_blocks * cc.block_size, format_bytes(per_token),
             format_bytes(self.cache.nbytes), scale_desc, cc.rotation,
-            "on" if cc.enable_prefix_caching else "off", self.backend.name, self.linear_backend)
+            "on" if cc.enable_prefix_caching else "off", self.backend.name, self.dense_backend)
 
     # ---- requests -------------------------------------------------------------------------------------------
     def tokenize(self, prompt: str | Sequence[int]) -> tuple[str | None, list[int]]:

@@ -51,9 +51,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int, default=d.seed, help="engine seed for requests without their own")
     g.add_argument("--attention-backend", default=d.attention_backend,
                    help="auto (the fused CPU kernels, or the reference if they cannot be built), cpu_fused, reference")
-    g.add_argument("--linear-backend", default=d.linear_backend, choices=("auto", "torch", "cpu_packed"),
-                   help="auto (bf16 models: kv8's packed AVX-512 BF16 kernel if it builds, else torch), torch, "
-                        "cpu_packed")
+    g.add_argument("--dense-backend", default=d.dense_backend, choices=("auto", "torch", "cpu"),
+                   help="linear layers, norms, activation, RoPE: auto (bf16 models: kv8's AVX-512 BF16 kernels if "
+                        "they build, else torch), torch, cpu")
     g.add_argument("--kv-cache-scale-mode", default=d.kv_cache_scale_mode, choices=("static", "dynamic"),
                    help="FP8 scales: static per layer (file, checkpoint or 1.0) or dynamic per token and head "
                         "(no calibration; +4 bytes per token, head and K/V)")
@@ -68,7 +68,7 @@ def engine_args_from(ns: argparse.Namespace, model: str) -> EngineArgs:
                       enable_prefix_caching=ns.enable_prefix_caching, max_num_seqs=ns.max_num_seqs,
                       max_num_batched_tokens=ns.max_num_batched_tokens, max_model_len=ns.max_model_len,
                       seed=ns.seed, attention_backend=ns.attention_backend,
-                      linear_backend=ns.linear_backend, kv_cache_scale_mode=ns.kv_cache_scale_mode, kv_cache_rotation=ns.kv_cache_rotation)
+                      dense_backend=ns.dense_backend, kv_cache_scale_mode=ns.kv_cache_scale_mode, kv_cache_rotation=ns.kv_cache_rotation)
 
 
 def add_server_args(p: argparse.ArgumentParser) -> None:

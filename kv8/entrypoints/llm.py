@@ -60,7 +60,7 @@ class LLM:
     Keyword arguments are :class:`EngineArgs` fields (vLLM's names): ``dtype``, ``kv_cache_dtype``,
     ``quantization_param_path``, ``kv_cache_memory``, ``num_kv_blocks``, ``block_size``,
     ``enable_prefix_caching``, ``max_num_seqs``, ``max_num_batched_tokens``, ``max_model_len``, ``seed``,
-    ``attention_backend``, ``linear_backend``, ``kv_cache_scale_mode``, ``kv_cache_rotation``.
+    ``attention_backend``, ``dense_backend``, ``kv_cache_scale_mode``, ``kv_cache_rotation``.
     """
 
     def __init__(self, model: str = DEFAULT_MODEL, **kwargs: Any) -> None:

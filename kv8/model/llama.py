@@ -18,7 +18,7 @@ from kv8.attention.backend import AttentionBackend
 from kv8.attention.metadata import AttentionMetadata
 from kv8.cache.paged_cache import PagedKVCache
 from kv8.config import ModelArchConfig, RopeScaling
-from kv8.model.cpu_linear import LinearKernels, PackedLinear
+from kv8.model.cpu_dense import DenseKernels, PackedLinear
 from kv8.quant.rotation import rotate
 
 
@@ -27,11 +27,16 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(dim))
         self.eps = eps
+        self.kernels: DenseKernels | None = None  # set by LlamaForCausalLM.use_cpu_kernels
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(norm(h), h)`` with ``h = x + residual`` (or ``x``): the residual add is fused into the norm."""
+        if self.kernels is not None:
+            return self.kernels.rmsnorm(x, residual, self.weight, self.eps)
+        h = x if residual is None else x + residual
+        hf = h.float()
+        hf = hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * hf.to(h.dtype), h
 
 
 def rope_inv_freq(arch: ModelArchConfig) -> torch.Tensor:
@@ -72,21 +77,22 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(e, self.num_kv_heads * d, bias=bias)
         self.v_proj = nn.Linear(e, self.num_kv_heads * d, bias=bias)
         self.o_proj: nn.Module = nn.Linear(self.num_heads * d, e, bias=False)
-        self.qkv_proj: PackedLinear | None = None  # q/k/v packed into one matrix (pack_linears)
+        self.qkv_proj: PackedLinear | None = None  # q/k/v packed into one matrix (use_cpu_kernels)
+        self.kernels: DenseKernels | None = None
         self.scale = d ** -0.5
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: PagedKVCache,
                 meta: AttentionMetadata, backend: AttentionBackend,
                 kv_rotation: torch.Tensor | None) -> torch.Tensor:
         t = x.shape[0]
-        if self.qkv_proj is not None:
-            q, k, v = self.qkv_proj(x).split(self.qkv_proj.sizes, dim=-1)
-        else:
-            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        q = q.view(t, self.num_heads, self.head_dim)                     # [T, Hq, D]
-        k = k.view(t, self.num_kv_heads, self.head_dim)                  # [T, Hkv, D]
-        v = v.view(t, self.num_kv_heads, self.head_dim)                  # [T, Hkv, D]
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if self.kernels is not None and self.qkv_proj is not None:  # cos/sin: [T, D/2] float32
+            q, k, v = self.kernels.rope_qkv(self.qkv_proj(x), cos, sin, self.num_heads, self.num_kv_heads,
+                                            self.head_dim)
+        else:                                                             # cos/sin: [T, 1, D], x's dtype
+            q = self.q_proj(x).view(t, self.num_heads, self.head_dim)         # [T, Hq, D]
+            k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)      # [T, Hkv, D]
+            v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)      # [T, Hkv, D]
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if kv_rotation is not None:  # see kv8.quant.rotation: store k R, v R; score with q R
             q, k, v = rotate(q, kv_rotation), rotate(k, kv_rotation), rotate(v, kv_rotation)
         out = backend.forward(q, k, v, cache, self.layer_idx, meta, self.scale)  # [T, Hq, D]
@@ -101,12 +107,12 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(arch.hidden_size, arch.intermediate_size, bias=False)
         self.up_proj = nn.Linear(arch.hidden_size, arch.intermediate_size, bias=False)
         self.down_proj: nn.Module = nn.Linear(arch.intermediate_size, arch.hidden_size, bias=False)
-        self.gate_up_proj: PackedLinear | None = None  # gate and up packed into one matrix (pack_linears)
+        self.gate_up_proj: PackedLinear | None = None  # gate and up packed into one matrix (use_cpu_kernels)
+        self.kernels: DenseKernels | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.gate_up_proj is not None:
-            gate, up = self.gate_up_proj(x).split(self.gate_up_proj.sizes, dim=-1)
-            return self.down_proj(F.silu(gate) * up)
+        if self.kernels is not None and self.gate_up_proj is not None:
+            return self.down_proj(self.kernels.silu_mul(self.gate_up_proj(x)))
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
@@ -118,11 +124,15 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.mlp = MLP(arch)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: PagedKVCache,
-                meta: AttentionMetadata, backend: AttentionBackend,
-                kv_rotation: torch.Tensor | None) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, meta, backend, kv_rotation)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
+                cache: PagedKVCache, meta: AttentionMetadata, backend: AttentionBackend,
+                kv_rotation: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(mlp output, residual stream)``; the next norm adds the two (the previous layer's output is
+        ``x + residual``; the first layer gets ``residual=None``)."""
+        h, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(h, cos, sin, cache, meta, backend, kv_rotation)
+        h, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(h), residual
 
 
 class LlamaModel(nn.Module):
@@ -144,10 +154,14 @@ class LlamaForCausalLM(nn.Module):
         self.register_buffer("inv_freq", rope_inv_freq(arch), persistent=False)
         # Orthonormal D x D matrix applied to K/V before they are stored (kv8.quant.rotation), or None.
         self.kv_rotation: torch.Tensor | None = None
+        self.kernels: DenseKernels | None = None  # use_cpu_kernels
 
     def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin ``[T, 1, D]`` for positions ``[T]`` (angles computed in float32)."""
+        """cos, sin of positions ``[T]`` (angles computed in float32): ``[T, D/2]`` float32 for the CPU
+        kernels, else ``[T, 1, D]`` in ``dtype`` (both halves)."""
         freqs = positions.float().unsqueeze(1) * self.inv_freq.unsqueeze(0)   # [T, D/2]
+        if self.kernels is not None:
+            return freqs.cos(), freqs.sin()
         emb = torch.cat((freqs, freqs), dim=-1).unsqueeze(1)                   # [T, 1, D]
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
@@ -156,22 +170,28 @@ class LlamaForCausalLM(nn.Module):
                 meta: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:
         x = self.model.embed_tokens(input_ids)                                 # [T, E]
         cos, sin = self.rope(positions, x.dtype)
+        residual: torch.Tensor | None = None
         for layer in self.model.layers:
-            x = layer(x, cos, sin, cache, meta, backend, self.kv_rotation)
-        return self.model.norm(x)
+            x, residual = layer(x, residual, cos, sin, cache, meta, backend, self.kv_rotation)
+        return self.model.norm(x, residual)[0]
 
-    def pack_linears(self, lib: LinearKernels) -> None:
-        """Replace every projection by a :class:`PackedLinear` (q/k/v and gate/up each packed into one
-        matrix); the ``nn.Linear`` weights are dropped, so weights stay in memory once. Needs bf16 weights."""
+    def use_cpu_kernels(self, kernels: DenseKernels) -> None:
+        """Run the dense part on kv8's CPU kernels (:mod:`kv8.model.cpu_dense`): every projection becomes a
+        :class:`PackedLinear` (q/k/v and gate/up each packed into one matrix; the ``nn.Linear`` weights are
+        dropped, so weights stay in memory once), and norms, SiLU * up and RoPE run fused. Needs bf16 weights."""
         for layer in self.model.layers:
             attn, mlp = layer.self_attn, layer.mlp
-            attn.qkv_proj = PackedLinear(lib, [attn.q_proj, attn.k_proj, attn.v_proj])
+            attn.qkv_proj = PackedLinear(kernels, [attn.q_proj, attn.k_proj, attn.v_proj])
             del attn.q_proj, attn.k_proj, attn.v_proj
-            attn.o_proj = PackedLinear(lib, [attn.o_proj])
-            mlp.gate_up_proj = PackedLinear(lib, [mlp.gate_proj, mlp.up_proj])
+            attn.o_proj = PackedLinear(kernels, [attn.o_proj])
+            mlp.gate_up_proj = PackedLinear(kernels, [mlp.gate_proj, mlp.up_proj])
             del mlp.gate_proj, mlp.up_proj
-            mlp.down_proj = PackedLinear(lib, [mlp.down_proj])
-        self.lm_head = PackedLinear(lib, [self.lm_head])
+            mlp.down_proj = PackedLinear(kernels, [mlp.down_proj])
+            attn.kernels = mlp.kernels = kernels
+            layer.input_layernorm.kernels = layer.post_attention_layernorm.kernels = kernels
+        self.model.norm.kernels = kernels
+        self.lm_head = PackedLinear(kernels, [self.lm_head])
+        self.kernels = kernels
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
