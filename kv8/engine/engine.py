@@ -26,7 +26,7 @@ from kv8.engine.detokenizer import IncrementalDetokenizer, find_stop
 from kv8.engine.request import Request, RequestStatus, TokenLogprobs
 from kv8.engine.runner import ModelRunner, ModelRunnerOutput
 from kv8.engine.sampler import make_generator
-from kv8.engine.scheduler import Scheduler
+from kv8.engine.scheduler import Scheduler, SchedulerOutput
 from kv8.model.cpu_dense import load_dense_kernels, select_dense_backend
 from kv8.model.loader import load_model, read_model_config
 from kv8.model.registry import resolve_model_path
@@ -82,6 +82,7 @@ class LLMEngine:
             {self.tokenizer.eos_token_id} if self.tokenizer.eos_token_id is not None else set())
         self.parents: dict[str, _Parent] = {}
         self._ids = itertools.count()
+        self.last_schedule: SchedulerOutput | None = None
         per_token = arch.kv_bytes_per_token(cc.kv_dtype, cc.dynamic_scales)
         scale_desc = ("dynamic per token and head" if cc.dynamic_scales else
                       scales.source if scales is not None else "none (not fp8)")
@@ -151,6 +152,7 @@ class LLMEngine:
     # ---- stepping -------------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         so = self.scheduler.schedule()
+        self.last_schedule = so  # what the step computed (read by benchmarks and tools)
         if so.is_empty:
             return []
         result = self.runner.execute(so)
