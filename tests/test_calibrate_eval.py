@@ -209,6 +209,26 @@ def test_position_bound_key_scales_hold_at_positions_calibration_never_saw(tiny_
     assert worst_seen > 1.05  # observed-key scales would clip these keys
 
 
+def test_held_out_clip_check_counts_what_would_clip(tiny_models: dict[str, str], text_file: str) -> None:
+    """The check runs the windows after the calibration windows; its clip fractions and worst ratios equal
+    those computed from transformers' K/V of the same windows and the calibrated scales."""
+    model = tiny_models["llama_gqa"]
+    res = calibrate(model, [text_file], ScaleRecipe(ScaleGranularity.CHANNEL, "amax", E4M3, **RAW), num_samples=2,
+                    seq_len=SEQ, dtype="float32", check_samples=2, show_progress=False)
+    check = res.check
+    assert check is not None and check.num_tokens == 2 * SEQ
+    held_out = _hf_kv(model, _windows(model, text_file, SEQ, 2, skip=2 * SEQ))
+    any_clipped = False
+    for i, (k, v) in enumerate(held_out):
+        for x, scale, frac, worst in ((k, res.scales.k[i], check.k_clipped[i], check.k_worst[i]),
+                                      (v, res.scales.v[i], check.v_clipped[i], check.v_worst[i])):
+            ratio = x.abs() / (scale * 448.0)
+            assert frac == pytest.approx(float((ratio > 1).float().mean()), abs=1e-9)
+            assert worst == pytest.approx(float(ratio.max()), rel=1e-5)
+            any_clipped |= frac > 0
+    assert any_clipped and not check.clean and "would clip" in check.summary()
+    assert "--headroom" in check.summary()
+
 @pytest.mark.parametrize("fmt", [E4M3, E4M3FNUZ, E5M2], ids=lambda f: f.name)
 def test_power_of_two_scales_never_round_worse_than_scale_one(fmt) -> None:
     """For s = 2^-k <= 1 every value within s * max rounds at least as close as with scale 1.0; a scale that
@@ -409,6 +429,8 @@ def test_bad_inputs_give_clear_errors(tiny_models: dict[str, str], text_file: st
         ScaleRecipe(ScaleGranularity.TENSOR, "max", E4M3)
     with pytest.raises(ValueError, match="headroom"):
         ScaleRecipe(ScaleGranularity.TENSOR, "amax", E4M3, headroom=0.0)
+    with pytest.raises(ValueError, match="check_samples=-1 must be an int >= 0"):
+        calibrate(model, [text_file], recipe, seq_len=SEQ, check_samples=-1, show_progress=False)
     with pytest.raises(ValueError, match="key_bound='rope'.*position, observed"):
         ScaleRecipe(ScaleGranularity.TENSOR, "amax", E4M3, key_bound="rope")
     with pytest.raises(ValueError, match="power_of_two=1"):

@@ -29,9 +29,39 @@ from kv8.quant.rotation import hadamard
 from kv8.quant.scales import KVScales, ModelScaleInfo
 from kv8.sampling_params import SamplingParams
 from kv8.tools.data import read_corpus, token_windows, tokenize_corpus
-from kv8.tools.kv_stats import KVStatsCollector, ObserverBackend, ScaleRecipe
+from kv8.tools.kv_stats import ClipCounter, KVStatsCollector, ObserverBackend, ScaleRecipe
 
-__all__ = ["CalibrationResult", "build_engine", "calibrate", "check_length", "run_prompts"]
+__all__ = ["CalibrationResult", "ClipCheck", "build_engine", "calibrate", "check_length", "run_prompts"]
+
+
+@dataclass(frozen=True)
+class ClipCheck:
+    """How the scales fare on held-out windows (the ones right after the calibration windows): per layer,
+    the fraction of K / V values that would clip and the largest ``|x| / (scale * format max)``."""
+
+    num_tokens: int
+    k_clipped: list[float]
+    v_clipped: list[float]
+    k_worst: list[float]
+    v_worst: list[float]
+
+    @property
+    def clean(self) -> bool:
+        return max(self.k_clipped + self.v_clipped) == 0.0
+
+    def summary(self) -> str:
+        if self.clean:
+            worst = max(self.k_worst + self.v_worst)
+            return (f"held-out check on {self.num_tokens} tokens: no K or V value would clip (largest value at "
+                    f"{worst:.2f} of the range)")
+        lines = [f"held-out check on {self.num_tokens} tokens: some values would clip:"]
+        for name, frac, worst in (("K", self.k_clipped, self.k_worst), ("V", self.v_clipped, self.v_worst)):
+            bad = [i for i, f in enumerate(frac) if f > 0]
+            if bad:
+                lines.append(f"  {name}: layers {bad[:12]}{' ...' if len(bad) > 12 else ''}, up to "
+                             f"{max(frac) * 100:.3g}% of a layer's values, largest at {max(worst):.3g}x the range "
+                             f"(--headroom {max(worst):.3g} would hold them)")
+        return "\n".join(lines)
 
 
 @dataclass(frozen=True)
@@ -45,6 +75,7 @@ class CalibrationResult:
     num_samples: int
     num_tokens: int
     collector: KVStatsCollector
+    check: ClipCheck | None = None
 
 
 def build_engine(model: str, **kwargs: object) -> LLMEngine:
@@ -88,12 +119,15 @@ def run_prompts(engine: LLMEngine, prompts: Sequence[list[int]], params: Samplin
 def calibrate(model: str, data: Sequence[str], recipe: ScaleRecipe, *, num_samples: int = 64,
               seq_len: int = 512, skip_tokens: int = 0, dtype: str = "auto", batch: int = 4,
               max_num_batched_tokens: int = 2048, attention_backend: str = "auto", rotation: str = "none",
-              show_progress: bool = True) -> CalibrationResult:
+              check_samples: int = 0, show_progress: bool = True) -> CalibrationResult:
     """Observe ``num_samples`` windows of ``seq_len`` tokens from ``data`` (after ``skip_tokens``) and
-    compute scales by ``recipe``. With ``rotation="hadamard"`` the engine rotates K/V as a cache with
+    compute scales by ``recipe``. With ``check_samples > 0`` the next ``check_samples`` windows of the data,
+    which calibration did not see, are run too and :class:`ClipCheck` reports which values the scales would
+    clip (``result.check``). With ``rotation="hadamard"`` the engine rotates K/V as a cache with
     ``kv_cache_rotation="hadamard"`` stores them, so the scales describe the rotated values (and say so).
     Raises ValueError for unusable data, options or models."""
-    for name, value, low in (("num_samples", num_samples, 1), ("seq_len", seq_len, 2), ("batch", batch, 1)):
+    for name, value, low in (("num_samples", num_samples, 1), ("seq_len", seq_len, 2), ("batch", batch, 1),
+                             ("check_samples", check_samples, 0)):
         if isinstance(value, bool) or not isinstance(value, int) or value < low:
             raise ValueError(f"{name}={value!r} must be an int >= {low}")
     docs = read_corpus(data)
@@ -106,7 +140,8 @@ def calibrate(model: str, data: Sequence[str], recipe: ScaleRecipe, *, num_sampl
                           attention_backend=attention_backend, kv_cache_rotation=rotation)
     arch = engine.config.arch
     info = ModelScaleInfo(arch.model_type, arch.num_layers, arch.num_kv_heads, arch.head_dim)
-    samples = token_windows(tokenize_corpus(docs, engine.tokenizer), seq_len, num_samples, skip_tokens)
+    tokens = tokenize_corpus(docs, engine.tokenizer)
+    samples = token_windows(tokens, seq_len, num_samples, skip_tokens)
     collector = KVStatsCollector(arch.num_layers, arch.num_kv_heads, arch.head_dim,
                                  recipe.granularity if recipe.needs_histogram else None, recipe.key_bound,
                                  hadamard(arch.head_dim) if rotation == "hadamard" else None)
@@ -119,5 +154,16 @@ def calibrate(model: str, data: Sequence[str], recipe: ScaleRecipe, *, num_sampl
               f"{'power-of-two' if recipe.power_of_two else 'exact'} scales, {len(samples)} x {seq_len} tokens"
               + (f", {rotation} rotation)" if rotation != "none" else ")"))
     scales = collector.scales(recipe, source, rotation)
-    return CalibrationResult(scales=scales, recipe=recipe, info=info,
-                             num_samples=len(samples), num_tokens=len(samples) * seq_len, collector=collector)
+    check = None
+    if check_samples:
+        held_out = token_windows(tokens, seq_len, check_samples, skip_tokens + len(samples) * seq_len)
+        counter = ClipCounter(scales, recipe.fmt)
+        engine.runner.backend.collector = counter  # type: ignore[attr-defined]
+        with tqdm(total=len(held_out), desc="Checking", unit="sample", disable=not show_progress) as bar:
+            run_prompts(engine, held_out, SamplingParams(temperature=0.0, max_tokens=1), batch, bar)
+        total = counter.total.clamp(min=1).double()
+        frac = (counter.clipped.double() / total).tolist()
+        check = ClipCheck(len(held_out) * seq_len, frac[0], frac[1], counter.worst[0].tolist(),
+                          counter.worst[1].tolist())
+    return CalibrationResult(scales=scales, recipe=recipe, info=info, num_samples=len(samples),
+                             num_tokens=len(samples) * seq_len, collector=collector, check=check)

@@ -62,6 +62,9 @@ def add_calibrate_parser(sub: Any) -> None:
                    help="default: vllm for tensor granularity with fp8_e4m3[fnuz], else kv8")
     c.add_argument("--save-model", default=None, metavar="DIR",
                    help="also write a copy of the model with the scales as checkpoint tensors")
+    c.add_argument("--check-samples", type=int, default=0, metavar="N",
+                   help="also run the N windows after the calibration windows and report which K/V values the "
+                        "new scales would clip (default 0: no check)")
     c.add_argument("--dtype", default="auto", help="compute dtype (default auto = bfloat16, as when serving)")
     c.add_argument("--batch", type=int, default=4, help="samples run together (default 4)")
     c.add_argument("--max-num-batched-tokens", type=int, default=2048)
@@ -95,12 +98,15 @@ def cmd_calibrate(ns: argparse.Namespace) -> int:
     result = calibrate(ns.model, ns.data, recipe, num_samples=ns.num_samples, seq_len=ns.seq_len,
                        skip_tokens=ns.skip_tokens, dtype=ns.dtype, batch=ns.batch,
                        max_num_batched_tokens=ns.max_num_batched_tokens, attention_backend=ns.attention_backend,
-                       rotation=ns.kv_cache_rotation, show_progress=not ns.no_progress)
+                       rotation=ns.kv_cache_rotation, check_samples=ns.check_samples,
+                       show_progress=not ns.no_progress)
     s = result.scales
     print(f"calibrated {result.info.num_layers} layers on {result.num_samples} samples x {ns.seq_len} tokens: "
           f"{s.source}")
     print(f"  K scales: min {float(s.k.min()):.4g}, max {float(s.k.max()):.4g}; "
           f"V scales: min {float(s.v.min()):.4g}, max {float(s.v.max()):.4g}")
+    if result.check is not None:
+        print(result.check.summary())
     if ns.output is not None:
         write_scales(ns.output, s, result.info, output_format)
         print(f"wrote {output_format} scales to {ns.output}")

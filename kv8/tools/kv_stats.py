@@ -268,10 +268,31 @@ class KVStatsCollector:
                         made_for=recipe.fmt.name, rotation=rotation)
 
 
+class ClipCounter:
+    """Counts, per layer, how many K and V values would clip with given scales: ``|x| > scale * fmt max``
+    (values exactly at the limit are representable), and the largest ``|x| / (scale * fmt max)`` seen.
+    Fed by :class:`ObserverBackend` (it has the collector interface: ``observe(layer, key, value)``)."""
+
+    def __init__(self, scales: KVScales, fmt: FP8Format) -> None:
+        self.limits = [scales.k.float() * fmt.max_finite, scales.v.float() * fmt.max_finite]  # [L, H|1, D|1]
+        num_layers = scales.k.shape[0]
+        self.clipped = torch.zeros(2, num_layers, dtype=torch.int64)
+        self.total = torch.zeros(2, num_layers, dtype=torch.int64)
+        self.worst = torch.zeros(2, num_layers, dtype=torch.float64)
+
+    def observe(self, layer: int, key: torch.Tensor, value: torch.Tensor) -> None:
+        for i, x in enumerate((key, value)):
+            ratio = x.detach().float().abs() / self.limits[i][layer]
+            self.clipped[i, layer] += int((ratio > 1.0).sum())
+            self.total[i, layer] += ratio.numel()
+            if ratio.numel():
+                self.worst[i, layer] = max(float(self.worst[i, layer]), float(ratio.max()))
+
+
 class ObserverBackend:
     """An attention backend that shows every layer's new K/V to a collector, then delegates unchanged."""
 
-    def __init__(self, inner: AttentionBackend, collector: KVStatsCollector) -> None:
+    def __init__(self, inner: AttentionBackend, collector: KVStatsCollector | ClipCounter) -> None:
         self.inner = inner
         self.collector = collector
         self.name = f"observer({inner.name})"
