@@ -29,7 +29,7 @@ from kv8.tools.export import save_model_with_scales, write_scales
 from kv8.tools.kv_stats import BINS_PER_OCTAVE, ScaleRecipe
 
 SEQ, SAMPLES = 32, 3
-RAW = dict(key_bound="observed", power_of_two=False)  # scales = statistic of the stored values / format max
+RAW = dict(key_bound="observed", power_of_two=False, v_headroom=1.0)  # scales = statistic of stored values / max
 WORDS = ("the quick brown fox jumps over lazy dog London is capital of England Paris France Berlin Germany "
          "once upon a time there was little model that stored its cache in eight bits numbers 0 1 2 3 4 5").split()
 
@@ -160,7 +160,8 @@ def test_default_scales_are_powers_of_two_over_the_position_invariant_key_envelo
     for i, (k, v) in enumerate(kv):
         want_k = _pow2_up(_reduce_amax(_pair_norm_envelope(k), granularity) / 448.0)
         torch.testing.assert_close(result.scales.k[i], want_k, rtol=0, atol=0)
-        torch.testing.assert_close(result.scales.v[i], _pow2_up(_reduce_amax(v, granularity) / 448.0), rtol=0, atol=0)
+        want_v = _pow2_up(_reduce_amax(v, granularity) * 2.0 / 448.0)  # default v_headroom 2
+        torch.testing.assert_close(result.scales.v[i], want_v, rtol=0, atol=0)
         assert bool((result.scales.k[i] >= _reduce_amax(k, granularity) / 448.0).all())
 
 
@@ -195,8 +196,8 @@ def test_position_bound_key_scales_hold_at_positions_calibration_never_saw(tiny_
     from the observed keys are exceeded."""
     model = tiny_models["llama_gqa"]
     kw = dict(num_samples=2, seq_len=SEQ, dtype="float32", show_progress=False)
-    bound = calibrate(model, [text_file], ScaleRecipe(ScaleGranularity.CHANNEL, "amax", E4M3, **RAW | {
-        "key_bound": "position"}), **kw).scales
+    bound = calibrate(model, [text_file], ScaleRecipe(ScaleGranularity.CHANNEL, "amax", E4M3, **(RAW | {
+        "key_bound": "position"})), **kw).scales
     seen = calibrate(model, [text_file], ScaleRecipe(ScaleGranularity.CHANNEL, "amax", E4M3, **RAW), **kw).scales
     window = _windows(model, text_file, SEQ, 1)[0]
     worst_bound, worst_seen = 0.0, 0.0
@@ -429,6 +430,8 @@ def test_bad_inputs_give_clear_errors(tiny_models: dict[str, str], text_file: st
         ScaleRecipe(ScaleGranularity.TENSOR, "max", E4M3)
     with pytest.raises(ValueError, match="headroom"):
         ScaleRecipe(ScaleGranularity.TENSOR, "amax", E4M3, headroom=0.0)
+    with pytest.raises(ValueError, match="v_headroom=-1"):
+        ScaleRecipe(ScaleGranularity.TENSOR, "amax", E4M3, v_headroom=-1)
     with pytest.raises(ValueError, match="check_samples=-1 must be an int >= 0"):
         calibrate(model, [text_file], recipe, seq_len=SEQ, check_samples=-1, show_progress=False)
     with pytest.raises(ValueError, match="key_bound='rope'.*position, observed"):

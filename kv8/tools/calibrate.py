@@ -8,7 +8,7 @@ as one prompt with ``max_tokens=1`` (the sampled token is never stored), with pr
 large enough for one batch of samples, so every token is computed and observed exactly once.
 
 Scales are ``statistic * headroom / format max`` per scale group, by default over the keys'
-position-invariant envelope and rounded up to powers of two, so that they hold at positions calibration
+position-invariant envelope, with V given one more power of two of headroom, and rounded up to powers of two, so that they hold at positions calibration
 never saw and can never round a value worse than scale 1.0 does short of clipping (:mod:`kv8.tools.kv_stats`). Outputs
 (:mod:`kv8.tools.export`): a vLLM ``kv_cache_scales.json`` (tensor granularity; one scale per layer, the
 larger of K and V), a kv8 scales JSON (any granularity, K and V separate), or a copy of the model directory
@@ -150,7 +150,7 @@ def calibrate(model: str, data: Sequence[str], recipe: ScaleRecipe, *, num_sampl
         run_prompts(engine, samples, SamplingParams(temperature=0.0, max_tokens=1), batch, bar)
     what = f"{recipe.statistic}" + (f" p{recipe.percentile:g}" if recipe.statistic == "percentile" else "")
     source = (f"kv8 calibrate ({what}, {recipe.granularity.value}, {recipe.fmt.name}, headroom "
-              f"{recipe.headroom:g}, {recipe.key_bound} key bound, "
+              f"{recipe.headroom:g} (V x{recipe.v_headroom:g}), {recipe.key_bound} key bound, "
               f"{'power-of-two' if recipe.power_of_two else 'exact'} scales, {len(samples)} x {seq_len} tokens"
               + (f", {rotation} rotation)" if rotation != "none" else ")"))
     scales = collector.scales(recipe, source, rotation)

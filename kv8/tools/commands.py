@@ -51,6 +51,9 @@ def add_calibrate_parser(sub: Any) -> None:
     c.add_argument("--format", default="fp8_e4m3", choices=list(FP8_FORMATS),
                    help="fp8 format the scales are made for (default fp8_e4m3)")
     c.add_argument("--headroom", type=_fraction, default=1.0, help="multiply every statistic by this (default 1)")
+    c.add_argument("--v-headroom", type=_fraction, default=2.0,
+                   help="multiply V statistics by this as well (default 2: values have no position-invariant "
+                        "bound and new text exceeds the calibrated maxima; see --check-samples)")
     c.add_argument("--key-bound", choices=("position", "observed"), default="position",
                    help="position (default): K statistics over each key's RoPE envelope, the largest value it "
                         "can take at any position; observed: over the stored keys as seen")
@@ -93,7 +96,7 @@ def cmd_calibrate(ns: argparse.Namespace) -> int:
         raise ValueError(f"--output-format vllm holds one scale per layer; --granularity {ns.granularity} needs "
                          "--output-format kv8")
     recipe = ScaleRecipe(granularity=granularity, statistic=ns.statistic, fmt=fp8_format(ns.format),
-                         percentile=ns.percentile, headroom=ns.headroom, key_bound=ns.key_bound,
+                         percentile=ns.percentile, headroom=ns.headroom, v_headroom=ns.v_headroom, key_bound=ns.key_bound,
                          power_of_two=ns.scale_rounding == "pow2")
     result = calibrate(ns.model, ns.data, recipe, num_samples=ns.num_samples, seq_len=ns.seq_len,
                        skip_tokens=ns.skip_tokens, dtype=ns.dtype, batch=ns.batch,

@@ -18,10 +18,12 @@ What is observed for K (``ScaleRecipe.key_bound``):
   computed over envelopes, so the scales hold for the same keys at any position.
 * ``"observed"``: the stored values themselves (what vLLM-style calibration measures).
 
-V is always observed as stored (it carries no position).
+V is always observed as stored (it carries no position), so nothing bounds it on text calibration never saw:
+its scales get an extra ``ScaleRecipe.v_headroom`` (default 2, one power of two; the held-out check of
+``kv8 calibrate --check-samples`` found SmolLM2's values up to 1.3-1.6x beyond their calibrated maxima).
 
-Statistics per group (the scale is then ``statistic * headroom / format max``, rounded *up* to a power of two
-when ``ScaleRecipe.power_of_two``, the default):
+Statistics per group (the scale is then ``statistic * headroom / format max``, times ``v_headroom`` for V,
+rounded *up* to a power of two when ``ScaleRecipe.power_of_two``, the default):
 
 * ``amax``: the exact maximum of ``|x|``;
 * ``percentile``: the upper edge of the bin holding the ``ceil(p/100 * N)``-th smallest ``|x|``, capped at
@@ -68,6 +70,7 @@ class ScaleRecipe:
     fmt: FP8Format
     percentile: float = 99.99
     headroom: float = 1.0
+    v_headroom: float = 2.0
     key_bound: str = "position"
     power_of_two: bool = True
 
@@ -81,9 +84,11 @@ class ScaleRecipe:
         if isinstance(self.percentile, bool) or not isinstance(self.percentile, (int, float)) \
                 or not 0 < self.percentile <= 100:
             raise ValueError(f"percentile={self.percentile!r} must be a number in (0, 100]")
-        if isinstance(self.headroom, bool) or not isinstance(self.headroom, (int, float)) \
-                or not math.isfinite(self.headroom) or self.headroom <= 0:
-            raise ValueError(f"headroom={self.headroom!r} must be a finite number > 0 (1.0 = none)")
+        for name in ("headroom", "v_headroom"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+                    or value <= 0:
+                raise ValueError(f"{name}={value!r} must be a finite number > 0 (1.0 = none)")
         if self.key_bound not in KEY_BOUNDS:
             raise ValueError(f"key_bound={self.key_bound!r} is not known; choose one of: {', '.join(KEY_BOUNDS)}")
         if not isinstance(self.power_of_two, bool):
@@ -255,12 +260,13 @@ class KVStatsCollector:
         return best
 
     def scales(self, recipe: ScaleRecipe, source: str, rotation: str = "none") -> KVScales:
-        """:class:`KVScales` made for ``recipe.fmt``: ``statistic * headroom / fmt.max_finite`` per group,
-        rounded up to a power of two if ``recipe.power_of_two``. ``rotation`` names the basis of the K/V."""
+        """:class:`KVScales` made for ``recipe.fmt``: ``statistic * headroom / fmt.max_finite`` per group (times
+        ``v_headroom`` for V), rounded up to a power of two if ``recipe.power_of_two``. ``rotation`` names the basis of the K/V."""
         if recipe.key_bound != self.key_bound:
             raise ValueError(f"the recipe's key_bound={recipe.key_bound!r} but this collector recorded "
                              f"key_bound={self.key_bound!r}")
         stat = self.statistic(recipe) * recipe.headroom
+        stat[1] = stat[1] * recipe.v_headroom
         scale = torch.where(stat > 0, stat / recipe.fmt.max_finite, torch.ones_like(stat))
         if recipe.power_of_two:
             scale = round_up_pow2(scale)
