@@ -283,18 +283,22 @@ class EngineConfig:
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if self.dense_backend not in DENSE_BACKENDS:
-            raise ValueError(f"dense_backend={self.dense_backend!r} is not known; choose one of: "
-                             f"{', '.join(DENSE_BACKENDS)}")
-        if self.dense_backend == "cpu" and self.dtype != torch.bfloat16:
-            raise ValueError(f"dense_backend='cpu' needs dtype bfloat16, got {self.dtype}; use "
-                             f"dense_backend='auto' or 'torch'")
+        check_dense_backend(self.dense_backend, self.dtype)
         if self.scheduler.max_model_len > self.arch.max_position_embeddings:
             raise ValueError(
                 f"max_model_len={self.scheduler.max_model_len} exceeds the model's context "
                 f"(max_position_embeddings={self.arch.max_position_embeddings})")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise ValueError(f"seed={self.seed!r} must be an int")
+
+
+def check_dense_backend(name: str, dtype: torch.dtype) -> None:
+    """Raise ValueError unless ``name`` is one of :data:`DENSE_BACKENDS` and usable with compute ``dtype``."""
+    if name not in DENSE_BACKENDS:
+        raise ValueError(f"dense_backend={name!r} is not known; choose one of: {', '.join(DENSE_BACKENDS)}")
+    if name == "cpu" and dtype != torch.bfloat16:
+        raise ValueError(f"dense_backend='cpu' needs dtype bfloat16, got {dtype}; use dense_backend='auto' or "
+                         f"'torch'")
 
 
 def blocks_for_memory(memory: int, arch: ModelArchConfig, kv_dtype: KVCacheDtype, block_size: int,

@@ -30,13 +30,13 @@ from typing import Sequence
 import torch
 from torch import nn
 
-from kv8.config import DENSE_BACKENDS
+from kv8.config import DENSE_BACKENDS, check_dense_backend
 from kv8.native import KernelUnavailable, build_shared_library
 
 logger = logging.getLogger("kv8")
 
-__all__ = ["DENSE_BACKENDS", "DenseKernels", "PackedLinear", "linear_reference", "load_dense_kernels",
-           "rmsnorm_reference", "rope_reference", "select_dense_backend", "silu_mul_reference"]
+__all__ = ["DENSE_BACKENDS", "DenseKernels", "PackedLinear", "apply_rope", "linear_reference",
+           "load_dense_kernels", "rmsnorm_reference", "rope_reference", "select_dense_backend", "silu_mul_reference"]
 
 SOURCE = Path(__file__).with_name("dense_kernels.cpp")
 
@@ -53,7 +53,8 @@ def linear_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
 
 def rmsnorm_reference(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
                       eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(norm(h), h)`` with ``h = x + residual`` (or x): the torch code :meth:`DenseKernels.rmsnorm` replaces."""
+    """``(norm(h), h)`` with ``h = x + residual`` (or x): the model's torch path, which
+    :meth:`DenseKernels.rmsnorm` replaces."""
     h = x if residual is None else x + residual
     hf = h.float()
     hf = hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + eps)
@@ -66,6 +67,13 @@ def silu_mul_reference(gate_up: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.silu(gate) * up
 
 
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE (HF layout), the model's torch path. x ``[T, H, D]``; cos/sin ``[T, 1, D]`` in x's dtype."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
 def rope_reference(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int, num_kv_heads: int,
                    head_dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Rotate-half RoPE of q and k from packed ``qkv [T, (Hq + 2 Hkv) D]``; cos/sin ``[T, D/2]`` float32."""
@@ -73,13 +81,8 @@ def rope_reference(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_
     q, k, v = qkv.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1)
     c = torch.cat((cos, cos), dim=-1).unsqueeze(1).to(qkv.dtype)
     s = torch.cat((sin, sin), dim=-1).unsqueeze(1).to(qkv.dtype)
-
-    def rot(x: torch.Tensor) -> torch.Tensor:
-        half = x.shape[-1] // 2
-        return x * c + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * s
-
-    return (rot(q.reshape(t, num_heads, head_dim)), rot(k.reshape(t, num_kv_heads, head_dim)),
-            v.reshape(t, num_kv_heads, head_dim).contiguous())
+    return (apply_rope(q.reshape(t, num_heads, head_dim), c, s),
+            apply_rope(k.reshape(t, num_kv_heads, head_dim), c, s), v.reshape(t, num_kv_heads, head_dim).contiguous())
 
 
 class DenseKernels:
@@ -223,12 +226,9 @@ def select_dense_backend(name: str, dtype: torch.dtype) -> str:
     says why once per process and uses torch); ``cpu`` raises :class:`KernelUnavailable` if they can't;
     models in other dtypes use torch."""
     global _auto_fallback_logged
-    if name not in DENSE_BACKENDS:
-        raise ValueError(f"dense_backend={name!r} is not known; choose one of: {', '.join(DENSE_BACKENDS)}")
-    if name == "torch" or (name == "auto" and dtype != torch.bfloat16):
+    check_dense_backend(name, dtype)
+    if name == "torch" or dtype != torch.bfloat16:
         return "torch"
-    if name == "cpu" and dtype != torch.bfloat16:
-        raise ValueError(f"dense_backend='cpu' needs dtype bfloat16, got {dtype}")
     try:
         load_dense_kernels()
     except KernelUnavailable as exc:

@@ -18,7 +18,7 @@ from kv8.attention.backend import AttentionBackend
 from kv8.attention.metadata import AttentionMetadata
 from kv8.cache.paged_cache import PagedKVCache
 from kv8.config import ModelArchConfig, RopeScaling
-from kv8.model.cpu_dense import DenseKernels, PackedLinear
+from kv8.model.cpu_dense import DenseKernels, PackedLinear, apply_rope, rmsnorm_reference
 from kv8.quant.rotation import rotate
 
 
@@ -33,10 +33,7 @@ class RMSNorm(nn.Module):
         """``(norm(h), h)`` with ``h = x + residual`` (or ``x``): the residual add is fused into the norm."""
         if self.kernels is not None:
             return self.kernels.rmsnorm(x, residual, self.weight, self.eps)
-        h = x if residual is None else x + residual
-        hf = h.float()
-        hf = hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * hf.to(h.dtype), h
+        return rmsnorm_reference(x, residual, self.weight, self.eps)
 
 
 def rope_inv_freq(arch: ModelArchConfig) -> torch.Tensor:
@@ -59,13 +56,6 @@ def rope_inv_freq(arch: ModelArchConfig) -> torch.Tensor:
     return inv.float()
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate-half RoPE (HF layout). x ``[T, H, D]``; cos/sin ``[T, 1, D]`` in x's dtype."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
-
-
 class Attention(nn.Module):
     def __init__(self, arch: ModelArchConfig, layer_idx: int) -> None:
         super().__init__()
@@ -78,16 +68,15 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(e, self.num_kv_heads * d, bias=bias)
         self.o_proj: nn.Module = nn.Linear(self.num_heads * d, e, bias=False)
         self.qkv_proj: PackedLinear | None = None  # q/k/v packed into one matrix (use_cpu_kernels)
-        self.kernels: DenseKernels | None = None
         self.scale = d ** -0.5
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: PagedKVCache,
                 meta: AttentionMetadata, backend: AttentionBackend,
                 kv_rotation: torch.Tensor | None) -> torch.Tensor:
         t = x.shape[0]
-        if self.kernels is not None and self.qkv_proj is not None:  # cos/sin: [T, D/2] float32
-            q, k, v = self.kernels.rope_qkv(self.qkv_proj(x), cos, sin, self.num_heads, self.num_kv_heads,
-                                            self.head_dim)
+        if self.qkv_proj is not None:                                   # cos/sin: [T, D/2] float32
+            q, k, v = self.qkv_proj.lib.rope_qkv(self.qkv_proj(x), cos, sin, self.num_heads, self.num_kv_heads,
+                                                 self.head_dim)
         else:                                                             # cos/sin: [T, 1, D], x's dtype
             q = self.q_proj(x).view(t, self.num_heads, self.head_dim)         # [T, Hq, D]
             k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)      # [T, Hkv, D]
@@ -108,11 +97,10 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(arch.hidden_size, arch.intermediate_size, bias=False)
         self.down_proj: nn.Module = nn.Linear(arch.intermediate_size, arch.hidden_size, bias=False)
         self.gate_up_proj: PackedLinear | None = None  # gate and up packed into one matrix (use_cpu_kernels)
-        self.kernels: DenseKernels | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.kernels is not None and self.gate_up_proj is not None:
-            return self.down_proj(self.kernels.silu_mul(self.gate_up_proj(x)))
+        if self.gate_up_proj is not None:
+            return self.down_proj(self.gate_up_proj.lib.silu_mul(self.gate_up_proj(x)))
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
@@ -187,7 +175,6 @@ class LlamaForCausalLM(nn.Module):
             mlp.gate_up_proj = PackedLinear(kernels, [mlp.gate_proj, mlp.up_proj])
             del mlp.gate_proj, mlp.up_proj
             mlp.down_proj = PackedLinear(kernels, [mlp.down_proj])
-            attn.kernels = mlp.kernels = kernels
             layer.input_layernorm.kernels = layer.post_attention_layernorm.kernels = kernels
         self.model.norm.kernels = kernels
         self.lm_head = PackedLinear(kernels, [self.lm_head])
