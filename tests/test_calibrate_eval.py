@@ -111,7 +111,8 @@ def test_percentile_and_mse_statistics(tiny_models: dict[str, str], text_file: s
     kv = _hf_kv(model, _windows(model, text_file, SEQ, SAMPLES))
     q = 90.0
     recipe = ScaleRecipe(ScaleGranularity.HEAD, "percentile", E4M3, percentile=q, **RAW)
-    pct = calibrate(model, [text_file], recipe, num_samples=SAMPLES, seq_len=SEQ, dtype="float32", show_progress=False).scales
+    pct = calibrate(model, [text_file], recipe, num_samples=SAMPLES, seq_len=SEQ, dtype="float32",
+                    show_progress=False).scales
     for i, (k, _) in enumerate(kv):
         for h in range(k.shape[1]):
             values = k[:, h].abs().flatten().sort().values

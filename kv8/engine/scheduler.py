@@ -7,9 +7,9 @@ preempted -- its blocks freed, its progress reset, and it goes back to the front
 recomputed (its cached prefix blocks usually make that cheap). Then, if nothing was preempted, waiting
 requests are admitted (prefix hits first) while budget, ``max_num_seqs`` and free blocks allow, keeping
 enough free blocks in reserve for every running request to grow by ``GROWTH_RESERVE_TOKENS`` tokens, at most
-a quarter of the pool (a watermark, so that admitting a prompt does not soon force the preemption of a decoding request, whose
-recompute would waste the work done; measured with ``benchmarks/bench_serving.py``: a reserve of 64 tokens
-instead of one block cut the recomputed tokens by a quarter and total time by 3-10%).
+a quarter of the pool (a watermark, so that admitting a prompt does not soon force the preemption of a
+decoding request, whose recompute would waste the work done; measured with ``benchmarks/bench_serving.py``:
+a reserve of 64 tokens instead of one block cut the recomputed tokens by a quarter and total time by 3-10%).
 
 Invariant: a request whose tokens fit in ``max_model_len`` always fits in an empty pool (the engine refuses
 pools smaller than ``max_model_len``), so preemption always makes progress: no crash, no hang.

@@ -68,7 +68,8 @@ def engine_args_from(ns: argparse.Namespace, model: str) -> EngineArgs:
                       enable_prefix_caching=ns.enable_prefix_caching, max_num_seqs=ns.max_num_seqs,
                       max_num_batched_tokens=ns.max_num_batched_tokens, max_model_len=ns.max_model_len,
                       seed=ns.seed, attention_backend=ns.attention_backend,
-                      dense_backend=ns.dense_backend, kv_cache_scale_mode=ns.kv_cache_scale_mode, kv_cache_rotation=ns.kv_cache_rotation)
+                      dense_backend=ns.dense_backend, kv_cache_scale_mode=ns.kv_cache_scale_mode,
+                      kv_cache_rotation=ns.kv_cache_rotation)
 
 
 def add_server_args(p: argparse.ArgumentParser) -> None:

@@ -8,8 +8,9 @@ as one prompt with ``max_tokens=1`` (the sampled token is never stored), with pr
 large enough for one batch of samples, so every token is computed and observed exactly once.
 
 Scales are ``statistic * headroom / format max`` per scale group, by default over the keys'
-position-invariant envelope, with V given one more power of two of headroom, and rounded up to powers of two, so that they hold at positions calibration
-never saw and can never round a value worse than scale 1.0 does short of clipping (:mod:`kv8.tools.kv_stats`). Outputs
+position-invariant envelope, with V given one more power of two of headroom, and rounded up to powers of
+two, so that they hold at positions calibration never saw and can never round a value worse than scale 1.0
+does short of clipping (:mod:`kv8.tools.kv_stats`). Outputs
 (:mod:`kv8.tools.export`): a vLLM ``kv_cache_scales.json`` (tensor granularity; one scale per layer, the
 larger of K and V), a kv8 scales JSON (any granularity, K and V separate), or a copy of the model directory
 with the scales as checkpoint tensors.

@@ -96,8 +96,8 @@ def cmd_calibrate(ns: argparse.Namespace) -> int:
         raise ValueError(f"--output-format vllm holds one scale per layer; --granularity {ns.granularity} needs "
                          "--output-format kv8")
     recipe = ScaleRecipe(granularity=granularity, statistic=ns.statistic, fmt=fp8_format(ns.format),
-                         percentile=ns.percentile, headroom=ns.headroom, v_headroom=ns.v_headroom, key_bound=ns.key_bound,
-                         power_of_two=ns.scale_rounding == "pow2")
+                         percentile=ns.percentile, headroom=ns.headroom, v_headroom=ns.v_headroom,
+                         key_bound=ns.key_bound, power_of_two=ns.scale_rounding == "pow2")
     result = calibrate(ns.model, ns.data, recipe, num_samples=ns.num_samples, seq_len=ns.seq_len,
                        skip_tokens=ns.skip_tokens, dtype=ns.dtype, batch=ns.batch,
                        max_num_batched_tokens=ns.max_num_batched_tokens, attention_backend=ns.attention_backend,

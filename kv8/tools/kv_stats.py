@@ -30,8 +30,8 @@ rounded *up* to a power of two when ``ScaleRecipe.power_of_two``, the default):
   amax, so ``true percentile <= statistic <= true percentile * 2^(1/BINS_PER_OCTAVE)``;
 * ``mse``: the clip value ``f * amax``, ``f`` among ``MSE_CANDIDATES`` factors from 1 down to 1/8 (with
   power-of-two scales: the clip values of the first power-of-two scale at or above amax's and of its halves
-  down to 1/8), that minimises the squared fp8 round-trip error of the histogram (each bin represented by its geometric
-  centre, the underflow bin by 0, the overflow bin by amax); ties go to the larger clip value.
+  down to 1/8), that minimises the squared fp8 round-trip error of the histogram (each bin represented by its
+  geometric centre, the underflow bin by 0, the overflow bin by amax); ties go to the larger clip value.
 
 A group that only ever held zeros has statistic 0; any scale stores it exactly, and it gets scale 1.0.
 
@@ -261,7 +261,8 @@ class KVStatsCollector:
 
     def scales(self, recipe: ScaleRecipe, source: str, rotation: str = "none") -> KVScales:
         """:class:`KVScales` made for ``recipe.fmt``: ``statistic * headroom / fmt.max_finite`` per group (times
-        ``v_headroom`` for V), rounded up to a power of two if ``recipe.power_of_two``. ``rotation`` names the basis of the K/V."""
+        ``v_headroom`` for V), rounded up to a power of two if ``recipe.power_of_two``. ``rotation`` names the
+        basis of the K/V."""
         if recipe.key_bound != self.key_bound:
             raise ValueError(f"the recipe's key_bound={recipe.key_bound!r} but this collector recorded "
                              f"key_bound={self.key_bound!r}")
