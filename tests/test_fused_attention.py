@@ -85,9 +85,10 @@ def random_kv(n: int, heads: int, dim: int, gen: torch.Generator) -> torch.Tenso
 
 def make_case(kv_name: str, gran: str, q_dtype: torch.dtype, *, group: int = 3, dim: int = 64, bs: int = 16,
               heads: int = 2, query_lens: list[int] | None = None, seq_lens: list[int] | None = None,
-              seed: int = 0) -> tuple[PagedKVCache, AttentionMetadata, torch.Tensor]:
+              seed: int = 0, poison: bool = False) -> tuple[PagedKVCache, AttentionMetadata, torch.Tensor]:
     """A 2-layer cache whose layer 1 holds every context token (stored by the reference), metadata for the
-    new tokens, and queries [T, heads * group, dim]."""
+    new tokens, and queries [T, heads * group, dim]. ``poison``: every slot (and dynamic scale) that holds no
+    context token is NaN, so a kernel that reads past a sequence's last token returns NaN."""
     query_lens = QUERY_LENS if query_lens is None else query_lens
     seq_lens = SEQ_LENS if seq_lens is None else seq_lens
     gen = torch.Generator().manual_seed(seed)
@@ -102,6 +103,13 @@ def make_case(kv_name: str, gran: str, q_dtype: torch.dtype, *, group: int = 3, 
     cache = PagedKVCache(CacheShape(2, num_blocks, heads, bs, dim), kv, make_scales(kv_name, gran, 2, heads, dim, gen),
                          dynamic_scales=gran == "dynamic")
     everything = AttentionMetadata.build(list(seq_lens), list(seq_lens), tables, bs)
+    if poison:
+        if kv_name in FP8:
+            cache.data.fill_(0x80 if kv_name == "fp8_e4m3fnuz" else 0x7F)  # the formats' NaN codes
+        else:
+            cache.data.fill_(float("nan"))
+        if cache.token_scales is not None:
+            cache.token_scales.fill_(float("nan"))
     total = sum(seq_lens)
     dtype = q_dtype if kv_name in FP8 else kv.storage_dtype
     cache.store(1, random_kv(total, heads, dim, gen).to(dtype), random_kv(total, heads, dim, gen).to(dtype),
@@ -310,6 +318,42 @@ def test_attention_with_flush_denormal(lib: fused.KernelLibrary) -> None:
         check_attention(lib, cache, meta, q)
     finally:
         torch.set_flush_denormal(False)
+
+
+@pytest.mark.parametrize("kv_name,gran", [(k, g) for k in FP8 for g in ("tensor", "head", "channel", "dynamic")]
+                         + [("bfloat16", "none")])
+@pytest.mark.parametrize("group,dim", [(1, 64), (2, 128), (3, 64), (4, 256)])
+@pytest.mark.parametrize("bs", [16, 32])
+def test_decode_item_kernel(lib: fused.KernelLibrary, kv_name: str, gran: str, group: int, dim: int,
+                            bs: int) -> None:
+    """The fast path's decode-item kernel (bf16 compute, blocks of a multiple of 16 tokens, items of <= 4 rows
+    = query heads per KV head x query tokens) serves every item of these batches (asserted), and equals the
+    reference: ragged lengths at and across the 16-token tiles and 64-token softmax chunks, up to 4 query tokens
+    per sequence with causal limits, NaN in every slot past the context (never read), automatic and forced
+    partitions, including partitions the early query rows of a sequence do not reach."""
+    per_seq = 4 // group  # query tokens per sequence that keep items at <= 4 rows
+    seq_lens = [1, 15, 16, 17, 63, 64, 65, 129, 300]
+    query_lens = [min(1 + i % per_seq, n) for i, n in enumerate(seq_lens)]
+    assert lib.uses_decode_kernel(kv_name, torch.bfloat16, dim, bs, group * per_seq) == lib.has_fast_path
+    assert not lib.uses_decode_kernel(kv_name, torch.bfloat16, dim, bs, 5)
+    assert not lib.uses_decode_kernel(kv_name, torch.float32, dim, bs, group)
+    cache, meta, q = make_case(kv_name, gran, torch.bfloat16, group=group, dim=dim, bs=bs, heads=2,
+                               query_lens=query_lens, seq_lens=seq_lens, seed=group * dim + bs, poison=True)
+    for partition in (0, 16, 48):
+        check_attention(lib, cache, meta, q, partition_size=partition)
+
+
+def test_decode_item_kernel_conditions(lib: fused.KernelLibrary) -> None:
+    """Where the decode-item kernel does not apply, the general fast path serves (tested above)."""
+    fast = lib.has_fast_path
+    assert lib.uses_decode_kernel("fp8_e4m3", torch.bfloat16, 64, 16, 3) == fast
+    assert lib.uses_decode_kernel("fp8_e5m2", torch.bfloat16, 128, 48, 4) == fast
+    assert lib.uses_decode_kernel("fp8_e4m3fnuz", torch.bfloat16, 256, 16, 1) == fast
+    assert not lib.uses_decode_kernel("fp8_e4m3", torch.bfloat16, 64, 8, 3)     # blocks of 8 tokens
+    assert not lib.uses_decode_kernel("fp8_e4m3", torch.bfloat16, 80, 16, 3)    # head_dim 80
+    assert not lib.uses_decode_kernel("fp8_e4m3", torch.float16, 64, 16, 3)     # fp16 compute
+    assert not lib.uses_decode_kernel("float16", torch.bfloat16, 64, 16, 3)     # fp16 cache: generic path
+    assert not lib.uses_decode_kernel("fp8_e4m3", torch.bfloat16, 64, 16, 16)   # prefill-sized items
 
 
 # ------------------------------------------------------------------------------------------------

@@ -86,6 +86,8 @@ class KernelLibrary:
         lib.kv8_has_fast_path.restype = _I
         lib.kv8_attention_path.argtypes = [_I, _I, _I]
         lib.kv8_attention_path.restype = _I
+        lib.kv8_decode_item_path.argtypes = [_I, _I, _I, _I, _I]
+        lib.kv8_decode_item_path.restype = _I
         lib.kv8_paged_attention.argtypes = [
             _P, _I, _P, _L, _I, _I, _I,          # q, q_dtype, out, T, Hq, Hkv, D
             _P, _P, _I, _L, _I,                  # k_cache, v_cache, kv, num_blocks, bs
@@ -111,6 +113,14 @@ class KernelLibrary:
         """"fast" (AVX-512 BF16) or "generic" (fp32) for these parameters."""
         fast = self._lib.kv8_attention_path(KV_DTYPE_CODES[kv_dtype], _COMPUTE_CODES[compute_dtype], head_dim)
         return "fast" if fast else "generic"
+
+    def uses_decode_kernel(self, kv_dtype: str, compute_dtype: torch.dtype, head_dim: int, block_size: int,
+                           rows: int) -> bool:
+        """Whether items of ``rows`` rows (query heads per KV head x query tokens of one sequence) take the
+        fast path's decode-item kernel (K/V read in place, softmax per 64 tokens): bf16 compute, an FP8 or
+        bf16 cache, head_dim 64 / 128 / 256, blocks of a multiple of 16 tokens, at most 4 rows."""
+        return bool(self._lib.kv8_decode_item_path(KV_DTYPE_CODES[kv_dtype], _COMPUTE_CODES[compute_dtype],
+                                                   head_dim, block_size, rows))
 
     def decode_fp8(self, fmt: str, codes: torch.Tensor, path: str) -> torch.Tensor:
         """Decode uint8 ``codes`` with the kernel's bit decoder (``path="bits"``) or bf16 tables (``"tables"``)."""
