@@ -76,7 +76,7 @@ static inline __mmask16 lane_mask(int n) {  // the first n (clamped to 0..16) of
 // MR x 32*NP outputs; only columns below N are stored.
 template <int MR, int NP>
 static inline void micro(const uint16_t* x, int64_t K, const uint16_t* panel, int64_t kp, const float* bias,
-                         int64_t n0, int64_t N, uint16_t* out) {
+                         int64_t n0, int64_t N, uint16_t* out, const uint16_t* pf, int pf_first, int pf_step) {
     constexpr int NV = 2 * NP;  // zmm accumulators per row
     __m512 acc[MR][NV];
     for (int r = 0; r < MR; ++r)
@@ -84,13 +84,20 @@ static inline void micro(const uint16_t* x, int64_t K, const uint16_t* panel, in
     const int64_t pairs = kp / 2;
     const int64_t full = K / 2;  // pairs whose two x values both exist (K even: all of them)
     const int64_t panel_stride = (int64_t)PANEL * kp;
+    int64_t pf_next = pf ? pf_first : pairs;  // next pair index whose lines of the next panels to prefetch
     for (int64_t kk = 0; kk < pairs; ++kk) {
         __m512bh w[NV];
         for (int q = 0; q < NP; ++q) {
             const uint16_t* src = panel + q * panel_stride + kk * 64;
             w[2 * q] = (__m512bh)_mm512_loadu_si512((const void*)src);
             w[2 * q + 1] = (__m512bh)_mm512_loadu_si512((const void*)(src + 32));
+            if (kk == pf_next) {  // lines of the next panels, into L2: DRAM streams while the blocks compute
+                const char* f = (const char*)(pf + q * panel_stride + kk * 64);
+                __builtin_prefetch(f, 0, 2);
+                __builtin_prefetch(f + 64, 0, 2);
+            }
         }
+        if (kk == pf_next) pf_next += pf_step;
         for (int r = 0; r < MR; ++r) {
             int32_t xv;
             if (kk < full) {
@@ -115,7 +122,7 @@ static inline void micro(const uint16_t* x, int64_t K, const uint16_t* panel, in
 }
 
 typedef void (*MicroFn)(const uint16_t*, int64_t, const uint16_t*, int64_t, const float*, int64_t, int64_t,
-                        uint16_t*);
+                        uint16_t*, const uint16_t*, int, int);
 static const int MAX_MR1 = 12;  // one panel: 24 accumulators + 2 weights + 1 broadcast registers
 static const int MAX_MR2 = 6;   // two panels: 24 accumulators + 4 weights + 1 broadcast
 static const MicroFn MICRO1[MAX_MR1 + 1] = {nullptr, micro<1, 1>, micro<2, 1>, micro<3, 1>, micro<4, 1>,
@@ -124,16 +131,17 @@ static const MicroFn MICRO1[MAX_MR1 + 1] = {nullptr, micro<1, 1>, micro<2, 1>, m
 static const MicroFn MICRO2[MAX_MR2 + 1] = {nullptr, micro<1, 2>, micro<2, 2>, micro<3, 2>, micro<4, 2>,
                                             micro<5, 2>, micro<6, 2>};
 
-// Rows [0, M) in nearly equal blocks of at most max_mr rows, each through table[rows].
+// Rows [0, M) in nearly equal blocks of at most max_mr rows, each through table[rows]; the blocks share the
+// prefetch of the panels at `next` (NULL: none) into L2, block b taking the pairs kk = b mod blocks.
 static inline void row_blocks(const MicroFn* table, int max_mr, const uint16_t* x, int64_t M, int64_t K,
                               const uint16_t* panel, int64_t kp, const float* bias, int64_t n0, int64_t N,
-                              uint16_t* out) {
+                              uint16_t* out, const uint16_t* next) {
     const int64_t nblk = (M + max_mr - 1) / max_mr;
     const int64_t base = M / nblk, extra = M % nblk;
     int64_t r0 = 0;
     for (int64_t b = 0; b < nblk; ++b) {
         const int mr = (int)(base + (b < extra ? 1 : 0));
-        table[mr](x + r0 * K, K, panel, kp, bias, n0, N, out + r0 * N);
+        table[mr](x + r0 * K, K, panel, kp, bias, n0, N, out + r0 * N, next, (int)b, (int)nblk);
         r0 += mr;
     }
 }
@@ -160,10 +168,13 @@ extern "C" int kv8_linear(const uint16_t* x, int64_t M, int64_t K, const uint16_
             uint16_t* oc = out + m0 * N;
             for (int64_t p = p0; p < p1; p += 2) {
                 const uint16_t* panel = packed + p * PANEL * kp;
+                // Prefetch the next two panels while this pair computes (within the thread's run): with
+                // several row blocks per panel the compute no longer waits for DRAM.
+                const uint16_t* next = p + 3 < p1 ? panel + 2 * PANEL * kp : nullptr;
                 if (p + 1 < p1) {
-                    row_blocks(MICRO2, MAX_MR2, xc, rows, K, panel, kp, bias, p * PANEL, N, oc);
+                    row_blocks(MICRO2, MAX_MR2, xc, rows, K, panel, kp, bias, p * PANEL, N, oc, next);
                 } else {
-                    row_blocks(MICRO1, MAX_MR1, xc, rows, K, panel, kp, bias, p * PANEL, N, oc);
+                    row_blocks(MICRO1, MAX_MR1, xc, rows, K, panel, kp, bias, p * PANEL, N, oc, nullptr);
                 }
             }
         }
