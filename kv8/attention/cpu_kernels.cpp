@@ -28,6 +28,10 @@
 //   V is paired over tokens for vdpbf16ps. Decode steps (<= 4 query rows per item) decode V directly into
 //   the P.V product; prefill blocks decode each tile once into an L1 buffer used by all their rows.
 //   Blocks are scattered, so K and V rows are software-prefetched two tiles ahead.
+//   Decode items (bf16 compute, <= 4 rows, blocks of a multiple of 16 tokens, D = 64 / 128 / 256) take
+//   run_item_decode instead: the same arithmetic with D a compile-time constant, tiles read in place
+//   through one base pointer, the K decode fused into the scores, one online-softmax step per 64 tokens
+//   (4 tiles) instead of per tile, and K/V prefetched into L2 six tiles ahead (~1.4x the tile loop).
 // * GENERIC (any KV dtype, any D, any ISA): fp32 arithmetic, FP8 decoded on bits (E5M2 = high byte of
 //   an fp16; E4M3/E4M3FNUZ shifted into an fp32 and multiplied by 2^120 / 2^119, exact for subnormals
 //   because MXCSR DAZ/FTZ are cleared in every kernel thread).
@@ -786,6 +790,24 @@ static inline void prep_q(const Problem& P, int64_t src, const float* kscale, __
     }
 }
 
+// Per item: the query rows as bf16 hi / lo slots (D / 8 per row; per-channel K scales folded in, kscale
+// [D] filled then), each row's last visible position; returns the factor of the scores (softmax scale times
+// a per-tensor / per-head K scale).
+static float prep_rows(const Problem& P, const Item& it, const Rows& w, float* kscale, __m512i* qhi,
+                       __m512i* qlo, int64_t* lim) {
+    const int D = P.D, nslots = D / 8;
+    const bool kch = k_per_channel(P);
+    if (kch)
+        for (int d = 0; d < D; ++d) kscale[d] = P.ks[it.kvh * P.ks_hs + d * P.ks_ds];
+    for (int r = 0; r < w.R; ++r) {
+        int h = it.kvh * P.G + r % P.G;
+        int64_t src = ((w.qrow0 + r / P.G) * P.Hq + h) * (int64_t)D;
+        prep_q(P, src, kch ? kscale : nullptr, qhi + (size_t)r * nslots, qlo + (size_t)r * nslots);
+        lim[r] = row_limit(P, it, w, r);
+    }
+    return P.sm_scale * (kch ? 1.0f : k_head_scale(P, it.kvh));
+}
+
 // ------------------------------------------------------------------------------------------------
 // FAST path, decode items: <= 4 rows (a GQA group of <= 4 query heads of one new token, or <= 4 query
 // tokens of one head) over blocks of a multiple of 16 tokens, so that every tile is 16 consecutive rows
@@ -887,16 +909,10 @@ static int run_item_decode(const Problem& P, const Item& it, float* ws) {
     int64_t lim[R];
 
     const bool kch = k_per_channel(P);
-    if (kch)
-        for (int d = 0; d < D; ++d) kscale[d] = P.ks[it.kvh * P.ks_hs + d * P.ks_ds];
-    const float sfac = P.sm_scale * (kch ? 1.0f : k_head_scale(P, it.kvh));
+    const float sfac = prep_rows(P, it, w, kscale, qhi, qlo, lim);
     for (int r = 0; r < R; ++r) {
-        int h = it.kvh * P.G + r % P.G;
-        int64_t src = ((w.qrow0 + r / P.G) * P.Hq + h) * (int64_t)D;
-        prep_q(P, src, kch ? kscale : nullptr, qhi + r * NS, qlo + r * NS);
         mx[r] = -INFINITY;
         sum[r] = _mm512_setzero_ps();
-        lim[r] = row_limit(P, it, w, r);
     }
     memset(obuf, 0, sizeof(obuf));
 
@@ -1045,17 +1061,10 @@ static int run_item_fast(const Problem& P, const Item& it, float* ws) {
     int64_t* lim = (int64_t*)mem; mem += up64((size_t)R * 8);
     float* nat = (float*)mem;
 
-    const bool kch = k_per_channel(P);
-    if (kch)
-        for (int d = 0; d < D; ++d) kscale[d] = P.ks[it.kvh * P.ks_hs + d * P.ks_ds];
-    const float sfac = P.sm_scale * (kch ? 1.0f : k_head_scale(P, it.kvh));
+    const float sfac = prep_rows(P, it, w, kscale, qhi, qlo, lim);
     for (int r = 0; r < R; ++r) {
-        int h = it.kvh * P.G + r % P.G;
-        int64_t src = ((w.qrow0 + r / P.G) * P.Hq + h) * (int64_t)D;
-        prep_q(P, src, kch ? kscale : nullptr, qhi + (size_t)r * nslots, qlo + (size_t)r * nslots);
         mx[r] = -INFINITY;
         _mm512_store_ps(sum + (size_t)r * 16, _mm512_setzero_ps());
-        lim[r] = row_limit(P, it, w, r);
     }
     memset(obuf, 0, (size_t)R * nacc * 4);
 
