@@ -58,6 +58,7 @@ enum { DT_BF16 = 0, DT_F16 = 1, DT_F32 = 2 };
 enum { OK = 0, ERR_BLOCK_ID = 1, ERR_TABLE_WIDTH = 2, ERR_LENGTHS = 3, ERR_SLOT = 4, ERR_ARGS = 5, ERR_OOM = 6 };
 
 static const int TILE = 16;  // context tokens per tile
+static const int ROWS_PER_ITEM = 48;  // query rows (tokens x heads of a GQA group) per work item, at most
 static const int64_t SMALL_WORK = 8192;  // (context tokens x query rows) below which one thread is used
 
 // ------------------------------------------------------------------------------------------------
@@ -1243,7 +1244,9 @@ int kv8_paged_attention(const void* q, int q_dtype, void* out, int64_t T, int Hq
     if ((P.kts == nullptr) != (P.vts == nullptr)) return ERR_ARGS;
     P.B = B; P.qsl = qsl; P.seq_lens = seq_lens; P.bt = bt; P.bt_stride = bt_stride;
     P.sm_scale = sm_scale;
-    P.qb = P.G >= 16 ? 1 : 16 / P.G;
+    // Query tokens per item: ~48 rows (tokens x GQA group) share each decoded K/V tile; measured on 4 x 512
+    // prefill tokens, 48 rows took ~15% less time than 16 (32: ~9%, 64: no better than 48).
+    P.qb = P.G >= ROWS_PER_ITEM ? 1 : ROWS_PER_ITEM / P.G;
     P.bs_shift = (bs & (bs - 1)) == 0 ? __builtin_ctz((unsigned)bs) : -1;
 
     if (qsl[0] != 0 || qsl[B] != T) return ERR_LENGTHS;
