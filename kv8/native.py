@@ -4,7 +4,9 @@ Sources are plain C++ with a C ABI (intrinsics, OpenMP, no torch headers), loade
 compiled with the system compiler (``$CXX``, default ``g++``) as ``-O3 -fopenmp -shared -fPIC -std=c++17
 -march=<march>`` and cached as ``<cache dir>/kernels/<hash>.so``; the hash covers the source, the compiler
 command, the compiler version and the CPU flags, so an edited source, another compiler or another CPU gets its
-own build. The cache dir is ``$KV8_CACHE_DIR`` if set, else ``~/.cache/kv8``. Each build goes to a private
+own build; it also covers the files the source includes with ``#include "..."`` (kv8's shared headers, found
+relative to the including file, as the compiler finds them), so editing a header rebuilds every library that
+uses it. The cache dir is ``$KV8_CACHE_DIR`` if set, else ``~/.cache/kv8``. Each build goes to a private
 temporary file and is published with an atomic ``os.replace``, so concurrent first starts are safe (both may
 compile; either result is complete).
 """
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import shutil
 import subprocess
 import tempfile
@@ -45,6 +48,26 @@ def cpu_flags() -> str:
     return ""
 
 
+_LOCAL_INCLUDE = re.compile(rb'^\s*#\s*include\s*"([^"]+)"', re.MULTILINE)
+
+
+def _source_texts(source: Path) -> list[bytes]:
+    """The bytes of ``source`` and, recursively, of the files it includes with ``#include "..."`` (each once,
+    in a fixed order); raises OSError when one cannot be read."""
+    seen: set[Path] = set()
+    texts: list[bytes] = []
+    stack = [source.resolve()]
+    while stack:
+        path = stack.pop()
+        if path in seen:
+            continue
+        seen.add(path)
+        text = path.read_bytes()
+        texts.append(text)
+        stack.extend((path.parent / name.decode()).resolve() for name in reversed(_LOCAL_INCLUDE.findall(text)))
+    return texts
+
+
 def _compiler() -> str:
     cxx = envs.cxx()
     path = shutil.which(cxx)
@@ -63,7 +86,11 @@ def build_shared_library(source: Path, march: str) -> Path:
     except (OSError, subprocess.SubprocessError) as exc:
         raise KernelUnavailable(f"cannot run the compiler {cxx}: {exc}") from exc
     digest = hashlib.sha256()
-    for part in (source.read_bytes(), " ".join(flags).encode(), version.encode(), cpu_flags().encode()):
+    try:
+        texts = _source_texts(source)
+    except OSError as exc:
+        raise KernelUnavailable(f"cannot read {source.name} or a file it includes: {exc}") from exc
+    for part in (*texts, " ".join(flags).encode(), version.encode(), cpu_flags().encode()):
         digest.update(part)
         digest.update(b"\0")
     out_dir = _cache_dir()

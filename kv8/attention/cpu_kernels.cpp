@@ -46,6 +46,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "../simd_exp.h"
+
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VBMI__) && \
     defined(__AVX512BF16__)
 #define KV8_FAST 1
@@ -654,24 +656,6 @@ static inline void tile_scores(const __m512i* kbuf, int nslots, const __m512i* c
     for (int r = 0; r < RB; ++r) out[r] = reduce_scores(acc[r]);
 }
 
-// exp for x <= 0 (and -inf), ~1 ulp: Cephes polynomial, 2^n applied with vscalefps (exact underflow).
-static inline __m512 exp512(__m512 x) {
-    x = _mm512_max_ps(_mm512_set1_ps(-104.0f), x);
-    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), r);
-    p = _mm512_add_ps(p, _mm512_set1_ps(1.0f));
-    return _mm512_scalef_ps(p, n);
-}
-
 // out[r] (RB rows x nvs accumulators, in memory) = out * alpha + P . V for one tile (P as bf16 hi + lo).
 template <int RB, bool PLO>
 static inline void tile_pv(const __m512i* vbuf, int nvs, const uint32_t* const* phi, const uint32_t* const* plo,
@@ -976,7 +960,7 @@ static int run_item_decode(const Problem& P, const Item& it, float* ws) {
             const __m512 mv = _mm512_set1_ps(mnew);
             __m512 psum = _mm512_setzero_ps();
             for (int j = 0; j < nt; ++j) {
-                __m512 p = _mm512_maskz_mov_ps(valid[r][j], exp512(_mm512_sub_ps(s[r][j], mv)));
+                __m512 p = _mm512_maskz_mov_ps(valid[r][j], exp_ps(_mm512_sub_ps(s[r][j], mv)));
                 psum = _mm512_add_ps(psum, p);
                 if (P.vts) p = _mm512_mul_ps(p, vsv[j]);  // per-token V scale rides on the weight
                 _mm256_store_si256((__m256i*)(ph + j * 8), (__m256i)_mm512_cvtneps_pbh(p));
@@ -1113,7 +1097,7 @@ static int run_item_fast(const Problem& P, const Item& it, float* ws) {
                 float mnew = tmax > mx[r] ? tmax : mx[r];
                 alpha[r] = mnew == mx[r] ? 1.0f : expf(mx[r] - mnew);
                 mx[r] = mnew;
-                __m512 p = _mm512_maskz_mov_ps(valid, exp512(_mm512_sub_ps(s, _mm512_set1_ps(mnew))));
+                __m512 p = _mm512_maskz_mov_ps(valid, exp_ps(_mm512_sub_ps(s, _mm512_set1_ps(mnew))));
                 float* sr = sum + (size_t)r * 16;
                 _mm512_store_ps(sr, _mm512_fmadd_ps(_mm512_load_ps(sr), _mm512_set1_ps(alpha[r]), p));
                 if (P.vts) p = _mm512_mul_ps(p, vsv);  // per-token V scale rides on the weight
