@@ -14,8 +14,8 @@ import logging
 import sys
 from typing import Sequence
 
-from kv8.config import (ModelArchConfig, blocks_for_memory, default_kv_cache_memory, format_bytes, parse_memory,
-                        resolve_dtype)
+from kv8.config import (DENSE_BACKENDS, ModelArchConfig, blocks_for_memory, default_kv_cache_memory, format_bytes,
+                        parse_memory, resolve_dtype)
 from kv8.engine.args import DEFAULT_MODEL, EngineArgs
 from kv8.quant.formats import KV_CACHE_DTYPE_CHOICES, resolve_kv_cache_dtype
 
@@ -51,7 +51,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int, default=d.seed, help="engine seed for requests without their own")
     g.add_argument("--attention-backend", default=d.attention_backend,
                    help="auto (the fused CPU kernels, or the reference if they cannot be built), cpu_fused, reference")
-    g.add_argument("--dense-backend", default=d.dense_backend, choices=("auto", "torch", "cpu"),
+    g.add_argument("--dense-backend", default=d.dense_backend, choices=DENSE_BACKENDS,
                    help="linear layers, norms, activation, RoPE: auto (bf16 models: kv8's AVX-512 BF16 kernels if "
                         "they build, else torch), torch, cpu")
     g.add_argument("--kv-cache-scale-mode", default=d.kv_cache_scale_mode, choices=("static", "dynamic"),

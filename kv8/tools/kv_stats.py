@@ -61,6 +61,12 @@ STATISTICS = ("amax", "percentile", "mse")
 KEY_BOUNDS = ("position", "observed")
 
 
+def check_key_bound(key_bound: str) -> None:
+    """Raise ValueError unless ``key_bound`` is one of :data:`KEY_BOUNDS`."""
+    if key_bound not in KEY_BOUNDS:
+        raise ValueError(f"key_bound={key_bound!r} is not known; choose one of: {', '.join(KEY_BOUNDS)}")
+
+
 @dataclass(frozen=True)
 class ScaleRecipe:
     """How observed statistics become scales. ``percentile`` is only used by the percentile statistic."""
@@ -89,8 +95,7 @@ class ScaleRecipe:
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
                     or value <= 0:
                 raise ValueError(f"{name}={value!r} must be a finite number > 0 (1.0 = none)")
-        if self.key_bound not in KEY_BOUNDS:
-            raise ValueError(f"key_bound={self.key_bound!r} is not known; choose one of: {', '.join(KEY_BOUNDS)}")
+        check_key_bound(self.key_bound)
         if not isinstance(self.power_of_two, bool):
             raise ValueError(f"power_of_two={self.power_of_two!r} must be a bool")
 
@@ -154,8 +159,7 @@ class KVStatsCollector:
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int,
                  histogram_granularity: ScaleGranularity | None, key_bound: str = "position",
                  rotation: torch.Tensor | None = None) -> None:
-        if key_bound not in KEY_BOUNDS:
-            raise ValueError(f"key_bound={key_bound!r} is not known; choose one of: {', '.join(KEY_BOUNDS)}")
+        check_key_bound(key_bound)
         self.num_layers, self.num_kv_heads, self.head_dim = num_layers, num_kv_heads, head_dim
         self.key_bound, self.rotation = key_bound, rotation
         self.amax = torch.zeros(2, num_layers, num_kv_heads, head_dim, dtype=torch.float32)
