@@ -4,8 +4,8 @@ Why this shape: PyTorch's float8 conversions run at ~1 GB/s on this CPU, so dequ
 than a bf16 cache; the dequant has to live inside the attention loop. numba is not installed and
 ``torch.compile`` takes tens of seconds to start and cannot express the bit-level decode, so the kernels are
 plain C++ (``cpu_kernels.cpp``, intrinsics, OpenMP, a C ABI, no torch headers), compiled with the system
-``g++`` in a few seconds the first time and cached (:mod:`kv8.native`: one build per source, compiler and
-CPU, atomic publication). The library links ``libgomp.so.1`` by soname, so in a torch process it shares
+``g++`` once (about 11 s; ``scripts/setup.sh`` does it) and cached (:mod:`kv8.native`: one build per
+source and included headers, compiler and CPU, atomic publication). The library links ``libgomp.so.1`` by soname, so in a torch process it shares
 torch's OpenMP runtime and thread pool.
 
 On a CPU with AVX-512 BF16 + VBMI the kernel decodes FP8 straight to bf16 with in-register byte tables and

@@ -3,8 +3,9 @@ weights, and the elementwise ops around them fused into single passes.
 
 Linear layers (:class:`PackedLinear`).
 A decode step multiplies one row per running sequence with every weight matrix, so its cost is reading the
-weights; inside the model oneDNN's bf16 GEMMs stream them at ~10-20 GB/s here, the packed kernel at ~25-34
-GB/s (``benchmarks/bench_linear.py``), and it is within ~10% of oneDNN for prefill-sized inputs. The weights
+weights; at 1-16 rows oneDNN's bf16 GEMMs stream them at ~14-17 GB/s here, the packed kernel (which
+prefetches the next panels while one computes) at ~33-45 GB/s, and at prefill-sized inputs it is ~1.2x
+faster (``benchmarks/bench_linear.py``, docs/benchmarks.md). The weights
 are kept *only* in the packed layout (no second copy), and projections that read the same input are packed
 together (q/k/v, gate/up), so a layer makes four calls instead of seven.
 
