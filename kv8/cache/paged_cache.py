@@ -84,6 +84,10 @@ class PagedKVCache:
         """(k_scale, v_scale) broadcastable to ``[H, D]``, or None for a 16/32-bit cache."""
         return None if self.scales is None else self.scales.layer(layer)
 
+    def layer_token_scales(self, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(K, V) per-token scales of one layer, each ``[num_blocks, H, bs]`` float32, or None (static scales)."""
+        return None if self.token_scales is None else (self.token_scales[layer, 0], self.token_scales[layer, 1])
+
     def encode(self, x: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
         """Values ``[..., H, D]`` -> what the cache stores."""
         if self.kv_dtype.fp8 is None:
