@@ -30,6 +30,7 @@ import torch.nn.functional as F
 
 from kv8.attention.fused import load_kernels, paged_attention_fused
 from kv8.attention.metadata import AttentionMetadata
+from kv8.cache.codec import KVCodec
 from kv8.cache.paged_cache import CacheShape, PagedKVCache
 from kv8.quant.formats import resolve_kv_cache_dtype
 from kv8.quant.scales import KVScales
@@ -63,8 +64,8 @@ def layers_for(bytes_per_layer: int, footprint: int, cap: int = 4096) -> int:
 def paged_cache(kv_name: str, n_layers: int, batch: int, ctx: int) -> tuple[PagedKVCache, AttentionMetadata]:
     kv = resolve_kv_cache_dtype(kv_name, torch.bfloat16)
     blocks_per_seq = ctx // BS
-    cache = PagedKVCache(CacheShape(n_layers, batch * blocks_per_seq, HKV, BS, D), kv,
-                         KVScales.default(n_layers) if kv.is_fp8 else None)
+    cache = PagedKVCache(CacheShape(n_layers, batch * blocks_per_seq, HKV, BS, D),
+                         KVCodec.build(kv, D, scales=KVScales.default(n_layers) if kv.is_fp8 else None))
     if kv.is_fp8:
         # Random codes without NaN (0x7F / 0xFF): uniform over the finite values.
         codes = torch.randint(0, 126, cache.data.shape, dtype=torch.uint8)

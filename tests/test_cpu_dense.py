@@ -15,6 +15,7 @@ from kv8.engine.engine import LLMEngine
 from kv8.model.cpu_dense import (PackedLinear, linear_reference, load_dense_kernels, rmsnorm_reference,
                                  rope_reference, select_dense_backend, silu_mul_reference)
 from kv8.native import KernelUnavailable, cpu_flags
+from kv8.observer import EngineObserver
 from kv8.sampling_params import SamplingParams
 
 HAS_BF16 = {"avx512f", "avx512bw", "avx512_bf16"} <= set(cpu_flags().split())
@@ -194,11 +195,15 @@ def test_missing_compiler_falls_back_once_or_raises(monkeypatch: pytest.MonkeyPa
 
 
 def _prefill_logits(model: str, dense_backend: str, prompt: list[int], **kw: object) -> tuple[torch.Tensor, list[int]]:
-    engine = LLMEngine(EngineArgs(model=model, dtype="bfloat16", dense_backend=dense_backend, num_kv_blocks=16,
-                                  max_model_len=128, kv_cache_dtype="fp8_e4m3", **kw))  # type: ignore[arg-type]
-    assert engine.dense_backend == dense_backend
     rows: list[torch.Tensor] = []
-    engine.runner.prompt_logits_hook = lambda rid, start, logits: rows.append(logits)
+
+    class Rows(EngineObserver):
+        def on_prompt_logits(self, request_id: str, start: int, logits: torch.Tensor) -> None:
+            rows.append(logits)
+
+    engine = LLMEngine(EngineArgs(model=model, dtype="bfloat16", dense_backend=dense_backend, num_kv_blocks=16,
+                                  max_model_len=128, kv_cache_dtype="fp8_e4m3", **kw), Rows())  # type: ignore[arg-type]
+    assert engine.dense_backend == dense_backend
     engine.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=4, prompt_logprobs=0))
     tokens: list[int] = []
     while engine.has_unfinished_requests():

@@ -34,9 +34,10 @@ from kv8.attention.backend import FusedCPUBackend, ReferenceBackend, get_backend
 from kv8.attention.fused import KernelUnavailable, load_kernels, paged_attention_fused, store_kv_fused
 from kv8.attention.metadata import AttentionMetadata
 from kv8.attention.reference import paged_attention_reference
+from kv8.cache.codec import KVCodec
 from kv8.cache.paged_cache import CacheShape, PagedKVCache
 from kv8.native import cpu_flags
-from kv8.quant.formats import FP8_FORMATS, resolve_kv_cache_dtype
+from kv8.quant.formats import FP8_FORMATS, KVCacheDtype, resolve_kv_cache_dtype
 from kv8.quant.scales import KVScales, ScaleGranularity
 
 KV_DTYPES = ["fp8_e4m3", "fp8_e4m3fnuz", "fp8_e5m2", "bfloat16", "float16", "float32"]
@@ -47,6 +48,13 @@ TOL = {torch.float32: 5e-5, torch.float16: 2.0 ** -10, torch.bfloat16: 2.0 ** -7
 QUERY_LENS = [1, 1, 1, 5, 16, 17, 1]
 SEQ_LENS = [1, 16, 33, 21, 48, 17, 130]
 
+
+
+def make_cache(shape: CacheShape, kv: KVCacheDtype, scales: KVScales | None, dynamic: bool = False) -> PagedKVCache:
+    """A cache whose codec stores ``kv`` with static ``scales`` (or dynamic scales)."""
+    codec = KVCodec.build(kv, shape.head_dim, scale_mode="dynamic" if dynamic else "static",
+                          scales=scales if kv.is_fp8 else None)
+    return PagedKVCache(shape, codec)
 
 def cpu_has_fast_path() -> bool:
     """AVX-512 F/BW/VL + VBMI + BF16: what the fast path needs (this project's machine has them)."""
@@ -100,8 +108,8 @@ def make_case(kv_name: str, gran: str, q_dtype: torch.dtype, *, group: int = 3, 
     for n in blocks:
         tables.append(perm[i:i + n])
         i += n
-    cache = PagedKVCache(CacheShape(2, num_blocks, heads, bs, dim), kv, make_scales(kv_name, gran, 2, heads, dim, gen),
-                         dynamic_scales=gran == "dynamic")
+    cache = make_cache(CacheShape(2, num_blocks, heads, bs, dim), kv, make_scales(kv_name, gran, 2, heads, dim, gen),
+                       gran == "dynamic")
     everything = AttentionMetadata.build(list(seq_lens), list(seq_lens), tables, bs)
     if poison:
         if kv_name in FP8:
@@ -198,8 +206,8 @@ def test_store_bit_exact(lib: fused.KernelLibrary, kv_name: str, gran: str, in_d
     kv = resolve_kv_cache_dtype(kv_name, torch.bfloat16)
     scales = make_scales(kv_name, gran, 2, heads, dim, gen)
     shape = CacheShape(2, 8, heads, bs, dim)
-    ref = PagedKVCache(shape, kv, scales, dynamic_scales=gran == "dynamic")
-    mine = PagedKVCache(shape, kv, scales, dynamic_scales=gran == "dynamic")
+    ref = make_cache(shape, kv, scales, gran == "dynamic")
+    mine = make_cache(shape, kv, scales, gran == "dynamic")
     key, value = random_kv(tokens, heads, dim, gen), random_kv(tokens, heads, dim, gen)
     if kv.is_fp8:  # special values (NaN and inf included) in a few heads of a few tokens
         fmax = kv.fp8.max_finite
@@ -235,7 +243,7 @@ def test_store_dense_fp32_sweep(lib: fused.KernelLibrary, fmt: str) -> None:
     tokens = x.shape[0]
     kv = resolve_kv_cache_dtype(fmt, torch.float32)
     shape = CacheShape(1, tokens // bs + 1, heads, bs, dim)
-    ref, mine = PagedKVCache(shape, kv, KVScales.default(1)), PagedKVCache(shape, kv, KVScales.default(1))
+    ref, mine = make_cache(shape, kv, KVScales.default(1)), make_cache(shape, kv, KVScales.default(1))
     slots = torch.arange(tokens)
     ref.store(0, x, x, slots)
     store_kv_fused(lib, mine, 0, x, x, slots)
@@ -366,7 +374,7 @@ def test_backend_forward_matches_reference_backend() -> None:
     kv = resolve_kv_cache_dtype("fp8_e4m3", torch.bfloat16)
     scales = make_scales("fp8_e4m3", "head", 1, heads, dim, gen)
     shape = CacheShape(1, 12, heads, bs, dim)
-    caches = [PagedKVCache(shape, kv, scales) for _ in range(2)]
+    caches = [make_cache(shape, kv, scales) for _ in range(2)]
     tables = [[3, 7, 1], [0, 2]]
     fused_backend, reference = get_backend("auto"), ReferenceBackend()
     assert isinstance(fused_backend, FusedCPUBackend) and fused_backend.name == "cpu_fused"

@@ -17,7 +17,9 @@ import torch
 
 from kv8.attention.backend import ReferenceBackend
 from kv8.attention.metadata import AttentionMetadata
+from kv8.cache.codec import KVCodec
 from kv8.cache.paged_cache import CacheShape, PagedKVCache
+from kv8.layers.attention import AttentionContext
 from kv8.model.loader import load_model
 from kv8.quant.formats import resolve_kv_cache_dtype
 from kv8.quant.rotation import hadamard
@@ -35,18 +37,17 @@ def run_paged(path: str, kv_name: str, tokens: list[int], chunks: list[int], dyn
     arch = loaded.arch
     kv_dtype = resolve_kv_cache_dtype(kv_name, torch.float32)
     scales = KVScales.default(arch.num_layers) if kv_dtype.is_fp8 and not dynamic else None
-    if rotation:
-        loaded.model.kv_rotation = hadamard(arch.head_dim)
+    codec = KVCodec.build(kv_dtype, arch.head_dim, scale_mode="dynamic" if dynamic else "static",
+                          rotation="hadamard" if rotation else "none", scales=scales)
     nblocks = -(-len(tokens) // BLOCK)
-    cache = PagedKVCache(CacheShape(arch.num_layers, nblocks + 3, arch.num_kv_heads, BLOCK, arch.head_dim),
-                         kv_dtype, scales, dynamic_scales=dynamic)
+    cache = PagedKVCache(CacheShape(arch.num_layers, nblocks + 3, arch.num_kv_heads, BLOCK, arch.head_dim), codec)
     table = [nblocks + 2 - i for i in range(nblocks)]  # out-of-order block ids, blocks 0 and 1 unused
     out, start = [], 0
     for n in chunks:
         end = start + n
         meta = AttentionMetadata.build([n], [end], [table], BLOCK)
-        hidden = loaded.model(torch.tensor(tokens[start:end]), torch.arange(start, end), cache, meta,
-                              ReferenceBackend())
+        hidden = loaded.model(torch.tensor(tokens[start:end]), torch.arange(start, end),
+                              AttentionContext(cache, meta, ReferenceBackend()))
         out.append(loaded.model.compute_logits(hidden))
         start = end
     return torch.cat(out)

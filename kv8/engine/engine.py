@@ -18,6 +18,7 @@ from typing import Any, Sequence
 import torch
 
 from kv8.attention.backend import get_backend
+from kv8.cache.codec import KVCodec
 from kv8.cache.kv_cache_manager import KVCacheManager
 from kv8.cache.paged_cache import CacheShape, PagedKVCache
 from kv8.config import EngineConfig, format_bytes
@@ -31,8 +32,8 @@ from kv8.model.cpu_dense import load_dense_kernels, select_dense_backend
 from kv8.model.loader import load_model, read_model_config
 from kv8.model.registry import resolve_model_path
 from kv8.model.tokenizer import load_tokenizer
+from kv8.observer import EngineObserver
 from kv8.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
-from kv8.quant.rotation import hadamard
 from kv8.quant.scales import ModelScaleInfo, resolve_kv_scales, scales_from_checkpoint
 from kv8.sampling_params import SamplingParams
 
@@ -49,7 +50,7 @@ class _Parent:
 
 
 class LLMEngine:
-    def __init__(self, args: EngineArgs) -> None:
+    def __init__(self, args: EngineArgs, observer: EngineObserver | None = None) -> None:
         kind, path = resolve_model_path(args.model)
         # Validate every option against the architecture before paying for the weights.
         self.config: EngineConfig = args.create_engine_config(read_model_config(kind, path), kind, path)
@@ -65,18 +66,18 @@ class LLMEngine:
                 logger.info("dynamic KV scales: the checkpoint's static scales (%s) are not used", ckpt.source)
         else:
             scales = resolve_kv_scales(cc.kv_dtype, info, cc.quantization_param_path, ckpt, cc.rotation)
-        if cc.rotation == "hadamard":
-            self.model.kv_rotation = hadamard(arch.head_dim)
+        codec = KVCodec.build(cc.kv_dtype, arch.head_dim, scale_mode=cc.scale_mode, rotation=cc.rotation,
+                              scales=scales)
         self.dense_backend = select_dense_backend(self.config.dense_backend, self.config.dtype)
         if self.dense_backend == "cpu":
             self.model.use_cpu_kernels(load_dense_kernels())
         num_blocks = resolve_num_blocks(self.config)
         self.cache = PagedKVCache(CacheShape(arch.num_layers, num_blocks, arch.num_kv_heads, cc.block_size,
-                                             arch.head_dim), cc.kv_dtype, scales, cc.dynamic_scales)
+                                             arch.head_dim), codec)
         self.kv = KVCacheManager(num_blocks, cc.block_size, cc.enable_prefix_caching)
         self.scheduler = Scheduler(self.config.scheduler, self.kv)
         self.backend = get_backend(self.config.attention_backend)
-        self.runner = ModelRunner(self.model, self.cache, self.kv, self.backend)
+        self.runner = ModelRunner(self.model, self.cache, self.kv, self.backend, observer)
         self.generator = torch.Generator().manual_seed(self.config.seed)
         self.eos_token_ids = frozenset(arch.eos_token_ids) | (
             {self.tokenizer.eos_token_id} if self.tokenizer.eos_token_id is not None else set())
@@ -84,13 +85,11 @@ class LLMEngine:
         self._ids = itertools.count()
         self.last_schedule: SchedulerOutput | None = None
         per_token = arch.kv_bytes_per_token(cc.kv_dtype, cc.dynamic_scales)
-        scale_desc = ("dynamic per token and head" if cc.dynamic_scales else
-                      scales.source if scales is not None else "none (not fp8)")
         logger.info(
-            "KV cache: dtype %s, %d blocks of %d tokens = %d tokens, %s per token, %s in all; scales: %s; "
-            "rotation %s; prefix caching %s; attention backend %s; dense backend %s",
+            "KV cache: dtype %s, %d blocks of %d tokens = %d tokens, %s per token, %s in all; %s; "
+            "prefix caching %s; attention backend %s; dense backend %s",
             cc.kv_dtype.name, num_blocks, cc.block_size, num_blocks * cc.block_size, format_bytes(per_token),
-            format_bytes(self.cache.nbytes), scale_desc, cc.rotation,
+            format_bytes(self.cache.nbytes), codec.describe(),
             "on" if cc.enable_prefix_caching else "off", self.backend.name, self.dense_backend)
 
     # ---- requests -------------------------------------------------------------------------------------------

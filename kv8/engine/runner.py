@@ -8,8 +8,6 @@ change request state; the engine applies the output.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
-
 import torch
 
 from kv8.attention.backend import AttentionBackend
@@ -19,7 +17,9 @@ from kv8.cache.paged_cache import PagedKVCache
 from kv8.engine.request import Request, TokenLogprobs
 from kv8.engine.sampler import compute_logprobs, sample
 from kv8.engine.scheduler import SchedulerOutput
+from kv8.layers.attention import AttentionContext
 from kv8.model.llama import LlamaForCausalLM
+from kv8.observer import EngineObserver
 
 
 @dataclass(frozen=True)
@@ -36,15 +36,12 @@ def _to_token_logprobs(token: torch.Tensor, lp: torch.Tensor, top_v: torch.Tenso
 
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, cache: PagedKVCache, kv: KVCacheManager,
-                 backend: AttentionBackend) -> None:
+                 backend: AttentionBackend, observer: EngineObserver | None = None) -> None:
         self.model = model
         self.cache = cache
         self.kv = kv
         self.backend = backend
-        # Optional observer of full prompt distributions (used by ``kv8 eval``): called with the request id,
-        # the position ``p`` of the first row, and float32 logits ``[rows, V]`` whose row ``i`` predicts
-        # prompt token ``p + i + 1``. Only requests that ask for prompt logprobs are observed.
-        self.prompt_logits_hook: Callable[[str, int, torch.Tensor], None] | None = None
+        self.observer = observer
 
     def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
         input_ids: list[int] = []
@@ -58,7 +55,8 @@ class ModelRunner:
             seq_lens.append(end)
             tables.append(self.kv.block_ids(c.request.request_id))
         meta = AttentionMetadata.build(query_lens, seq_lens, tables, self.cache.shape.block_size)
-        hidden = self.model(torch.tensor(input_ids), torch.tensor(positions), self.cache, meta, self.backend)
+        ctx = AttentionContext(self.cache, meta, self.backend, self.observer)
+        hidden = self.model(torch.tensor(input_ids), torch.tensor(positions), ctx)
 
         ends = meta.query_start_loc[1:].tolist()
         sampling = [(c, ends[i] - 1) for i, c in enumerate(so.chunks) if c.samples]
@@ -108,8 +106,8 @@ class ModelRunner:
         chunk: list[TokenLogprobs] = []
         for s in range(0, rows.shape[0], 256):  # bound the [rows, V] float32 buffer
             logits = self.model.compute_logits(rows[s:s + 256])
-            if self.prompt_logits_hook is not None:
-                self.prompt_logits_hook(req.request_id, first + s, logits)
+            if self.observer is not None:
+                self.observer.on_prompt_logits(req.request_id, first + s, logits)
             lp, top_v, top_i = compute_logprobs(logits, targets[s:s + 256], k)
             chunk.extend(_to_token_logprobs(targets[s:s + 256], lp, top_v, top_i, j, k)
                          for j in range(logits.shape[0]))

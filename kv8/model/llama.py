@@ -14,12 +14,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kv8.attention.backend import AttentionBackend
-from kv8.attention.metadata import AttentionMetadata
-from kv8.cache.paged_cache import PagedKVCache
 from kv8.config import ModelArchConfig, RopeScaling
+from kv8.layers.attention import AttentionContext, PagedAttention
 from kv8.model.cpu_dense import DenseKernels, PackedLinear, apply_rope, rmsnorm_reference
-from kv8.quant.rotation import rotate
 
 
 class RMSNorm(nn.Module):
@@ -68,11 +65,9 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(e, self.num_kv_heads * d, bias=bias)
         self.o_proj: nn.Module = nn.Linear(self.num_heads * d, e, bias=False)
         self.qkv_proj: PackedLinear | None = None  # q/k/v packed into one matrix (use_cpu_kernels)
-        self.scale = d ** -0.5
+        self.attn = PagedAttention(layer_idx, self.num_heads, self.num_kv_heads, d, d ** -0.5)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: PagedKVCache,
-                meta: AttentionMetadata, backend: AttentionBackend,
-                kv_rotation: torch.Tensor | None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
         t = x.shape[0]
         if self.qkv_proj is not None:                                   # cos/sin: [T, D/2] float32
             q, k, v = self.qkv_proj.lib.rope_qkv(self.qkv_proj(x), cos, sin, self.num_heads, self.num_kv_heads,
@@ -82,12 +77,7 @@ class Attention(nn.Module):
             k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)      # [T, Hkv, D]
             v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)      # [T, Hkv, D]
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if kv_rotation is not None:  # see kv8.quant.rotation: store k R, v R; score with q R
-            q, k, v = rotate(q, kv_rotation), rotate(k, kv_rotation), rotate(v, kv_rotation)
-        out = backend.forward(q, k, v, cache, self.layer_idx, meta, self.scale)  # [T, Hq, D]
-        if kv_rotation is not None:  # R is its own inverse
-            out = rotate(out, kv_rotation)
-        return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
+        return self.o_proj(self.attn(q, k, v, ctx))
 
 
 class MLP(nn.Module):
@@ -113,12 +103,11 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(arch)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
-                cache: PagedKVCache, meta: AttentionMetadata, backend: AttentionBackend,
-                kv_rotation: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+                ctx: AttentionContext) -> tuple[torch.Tensor, torch.Tensor]:
         """``(mlp output, residual stream)``; the next norm adds the two (the previous layer's output is
         ``x + residual``; the first layer gets ``residual=None``)."""
         h, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(h, cos, sin, cache, meta, backend, kv_rotation)
+        x = self.self_attn(h, cos, sin, ctx)
         h, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(h), residual
 
@@ -140,8 +129,6 @@ class LlamaForCausalLM(nn.Module):
         self.model = LlamaModel(arch)
         self.lm_head: nn.Module = nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
         self.register_buffer("inv_freq", rope_inv_freq(arch), persistent=False)
-        # Orthonormal D x D matrix applied to K/V before they are stored (kv8.quant.rotation), or None.
-        self.kv_rotation: torch.Tensor | None = None
         self.kernels: DenseKernels | None = None  # use_cpu_kernels
 
     def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -154,13 +141,12 @@ class LlamaForCausalLM(nn.Module):
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
     @torch.inference_mode()
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: PagedKVCache,
-                meta: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
         x = self.model.embed_tokens(input_ids)                                 # [T, E]
         cos, sin = self.rope(positions, x.dtype)
         residual: torch.Tensor | None = None
         for layer in self.model.layers:
-            x, residual = layer(x, residual, cos, sin, cache, meta, backend, self.kv_rotation)
+            x, residual = layer(x, residual, cos, sin, ctx)
         return self.model.norm(x, residual)[0]
 
     def use_cpu_kernels(self, kernels: DenseKernels) -> None:

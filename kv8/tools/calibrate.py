@@ -1,8 +1,8 @@
 """``kv8 calibrate``: compute fp8 KV-cache scales by running a model over calibration text.
 
 The model runs through the real engine (scheduler, runner, paged cache) with a float32 cache, i.e. nothing
-is quantized, and an :class:`~kv8.tools.kv_stats.ObserverBackend` wrapped around the configured attention
-backend sees exactly the post-RoPE K and V of every prompt token that the cache is asked to store.
+is quantized, and an observer (:class:`_KVWatch`, :mod:`kv8.observer`) sees exactly the post-RoPE K and V of
+every prompt token that the cache is asked to store, in the basis the cache stores them.
 Samples are consecutive windows of ``seq_len`` tokens from the data (see :mod:`kv8.tools.data`), each sent
 as one prompt with ``max_tokens=1`` (the sampled token is never stored), with prefix caching off and a cache
 large enough for one batch of samples, so every token is computed and observed exactly once.
@@ -22,15 +22,20 @@ import math
 from dataclasses import dataclass
 from typing import Sequence
 
+import torch
 from tqdm.auto import tqdm
 
+from kv8.cache.codec import KVCodec
+from kv8.config import ModelArchConfig
 from kv8.engine.args import EngineArgs
 from kv8.engine.engine import LLMEngine
-from kv8.quant.rotation import hadamard
+from kv8.model.loader import read_model_config
+from kv8.model.registry import resolve_model_path
+from kv8.observer import EngineObserver
 from kv8.quant.scales import KVScales, ModelScaleInfo
 from kv8.sampling_params import SamplingParams
 from kv8.tools.data import read_corpus, token_windows, tokenize_corpus
-from kv8.tools.kv_stats import ClipCounter, KVStatsCollector, ObserverBackend, ScaleRecipe
+from kv8.tools.kv_stats import ClipCounter, KVStatsCollector, ScaleRecipe
 
 __all__ = ["CalibrationResult", "ClipCheck", "build_engine", "calibrate", "check_length", "run_prompts"]
 
@@ -79,23 +84,36 @@ class CalibrationResult:
     check: ClipCheck | None = None
 
 
-def build_engine(model: str, **kwargs: object) -> LLMEngine:
-    """An :class:`LLMEngine`; a model that cannot be loaded raises ValueError naming the model."""
+class _KVWatch(EngineObserver):
+    """Shows every stored K/V to ``sink`` (a :class:`KVStatsCollector` or a :class:`ClipCounter`)."""
+
+    def __init__(self) -> None:
+        self.sink: KVStatsCollector | ClipCounter | None = None
+
+    def on_kv_store(self, layer: int, key: torch.Tensor, value: torch.Tensor, codec: KVCodec) -> None:
+        if self.sink is not None:
+            self.sink.observe(layer, key, value)
+
+
+def build_engine(model: str, observer: EngineObserver | None = None, **kwargs: object) -> LLMEngine:
+    """An :class:`LLMEngine` watched by ``observer``; a model that cannot be loaded raises ValueError naming
+    the model."""
     try:
-        return LLMEngine(EngineArgs(model=model, **kwargs))  # type: ignore[arg-type]
+        return LLMEngine(EngineArgs(model=model, **kwargs), observer)  # type: ignore[arg-type]
     except ValueError:
         raise
     except Exception as e:  # e.g. a corrupt safetensors file: re-raised as a ValueError naming the model
         raise ValueError(f"cannot load model {model!r}: {type(e).__name__}: {e}") from e
 
 
+def model_arch(model: str) -> ModelArchConfig:
+    """The architecture of ``model`` from its config alone (no weights are read)."""
+    return ModelArchConfig.from_hf_config(read_model_config(*resolve_model_path(model)))
+
+
 def check_length(model: str, length: int, what: str) -> None:
     """Raise ValueError when ``length`` prompt tokens (plus the one sampled token) exceed the model's context."""
-    from kv8.config import ModelArchConfig
-    from kv8.model.loader import read_model_config
-    from kv8.model.registry import resolve_model_path
-
-    context = ModelArchConfig.from_hf_config(read_model_config(*resolve_model_path(model))).max_position_embeddings
+    context = model_arch(model).max_position_embeddings
     if length + 1 > context:
         raise ValueError(f"{what}={length} is too long for the model: its context is {context} positions and one "
                          f"is needed for the sampled token, so at most {context - 1}")
@@ -135,7 +153,8 @@ def calibrate(model: str, data: Sequence[str], recipe: ScaleRecipe, *, num_sampl
     check_length(model, seq_len, "seq_len")
     block_size = 16
     per_seq = math.ceil((seq_len + 1) / block_size)
-    engine = build_engine(model, dtype=dtype, kv_cache_dtype="float32", enable_prefix_caching=False,
+    watch = _KVWatch()
+    engine = build_engine(model, watch, dtype=dtype, kv_cache_dtype="float32", enable_prefix_caching=False,
                           max_model_len=seq_len + 1, num_kv_blocks=per_seq * batch, block_size=block_size,
                           max_num_seqs=batch, max_num_batched_tokens=max(max_num_batched_tokens, seq_len),
                           attention_backend=attention_backend, kv_cache_rotation=rotation)
@@ -145,8 +164,8 @@ def calibrate(model: str, data: Sequence[str], recipe: ScaleRecipe, *, num_sampl
     samples = token_windows(tokens, seq_len, num_samples, skip_tokens)
     collector = KVStatsCollector(arch.num_layers, arch.num_kv_heads, arch.head_dim,
                                  recipe.granularity if recipe.needs_histogram else None, recipe.key_bound,
-                                 hadamard(arch.head_dim) if rotation == "hadamard" else None)
-    engine.runner.backend = ObserverBackend(engine.runner.backend, collector)
+                                 engine.cache.codec.rotation)
+    watch.sink = collector
     with tqdm(total=len(samples), desc="Calibrating", unit="sample", disable=not show_progress) as bar:
         run_prompts(engine, samples, SamplingParams(temperature=0.0, max_tokens=1), batch, bar)
     what = f"{recipe.statistic}" + (f" p{recipe.percentile:g}" if recipe.statistic == "percentile" else "")
@@ -159,7 +178,7 @@ def calibrate(model: str, data: Sequence[str], recipe: ScaleRecipe, *, num_sampl
     if check_samples:
         held_out = token_windows(tokens, seq_len, check_samples, skip_tokens + len(samples) * seq_len)
         counter = ClipCounter(scales, recipe.fmt)
-        engine.runner.backend.collector = counter  # type: ignore[attr-defined]
+        watch.sink = counter
         with tqdm(total=len(held_out), desc="Checking", unit="sample", disable=not show_progress) as bar:
             run_prompts(engine, held_out, SamplingParams(temperature=0.0, max_tokens=1), batch, bar)
         total = counter.total.clamp(min=1).double()

@@ -5,7 +5,7 @@ Everything runs through the real engine with the real paged cache. One engine is
 cache; all use the same model, compute dtype and data.
 
 Teacher-forced scoring: the data is cut into consecutive windows of ``window`` tokens (see
-:mod:`kv8.tools.data`). Each window is one prompt; the runner's prompt-logits hook hands over the full
+:mod:`kv8.tools.data`). Each window is one prompt; the engine's observer (:mod:`kv8.observer`) hands over the full
 next-token distribution of every prompt position, and the second half of the window is scored (positions
 ``window//2 - 1 .. window - 2`` predicting tokens ``window//2 .. window - 1``), so every scored token has at
 least ``window//2`` tokens of context. Per configuration, over all scored tokens:
@@ -34,18 +34,17 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 from tqdm.auto import tqdm
 
-from kv8.attention.backend import AttentionBackend
-from kv8.attention.metadata import AttentionMetadata
-from kv8.cache.paged_cache import PagedKVCache
+from kv8.cache.codec import KVCodec
 from kv8.engine.engine import LLMEngine
+from kv8.observer import EngineObserver
 from kv8.quant.formats import KV_CACHE_DTYPE_CHOICES
 from kv8.sampling_params import SamplingParams
-from kv8.tools.calibrate import build_engine, check_length, run_prompts
+from kv8.tools.calibrate import build_engine, check_length, model_arch, run_prompts
 from kv8.tools.data import read_corpus, token_windows, tokenize_corpus
 
 __all__ = ["ConfigResult", "EvalReport", "KVConfig", "QuantErrorObserver", "evaluate"]
@@ -90,34 +89,29 @@ class KVConfig:
                 + (f":{self.quantization_param_path}" if self.quantization_param_path else ""))
 
 
-class QuantErrorObserver:
-    """Attention backend wrapper: measures the cache round-trip error of every stored K/V, then delegates."""
+class QuantErrorObserver(EngineObserver):
+    """Measures the cache round-trip error of every stored K/V (through the cache's codec) and hands prompt
+    logits to ``prompt_rows`` while it is set."""
 
-    def __init__(self, inner: AttentionBackend, num_layers: int) -> None:
-        self.inner = inner
-        self.name = f"quant-error({inner.name})"
+    def __init__(self, num_layers: int) -> None:
         self.err_sq = torch.zeros(2, num_layers, dtype=torch.float64)
         self.ref_sq = torch.zeros(2, num_layers, dtype=torch.float64)
         self.clipped = torch.zeros(2, num_layers, dtype=torch.int64)
         self.count = torch.zeros(2, num_layers, dtype=torch.int64)
+        self.prompt_rows: Callable[[str, int, torch.Tensor], None] | None = None
 
-    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cache: PagedKVCache,
-                layer: int, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        scales = cache.layer_scales(layer)
+    def on_kv_store(self, layer: int, key: torch.Tensor, value: torch.Tensor, codec: KVCodec) -> None:
         for i, x in enumerate((key, value)):
-            if cache.dynamic_scales:
-                s = cache.dynamic_scale(x).unsqueeze(-1)           # [T, H, 1], as the store computes it
-            else:
-                s = None if scales is None else scales[i]
             xf = x.float()
-            back = cache.decode(cache.encode(x, s), s, torch.float32)
+            back, clipped = codec.round_trip(x, layer, i)
             self.err_sq[i, layer] += float(((back - xf) ** 2).sum())
             self.ref_sq[i, layer] += float((xf ** 2).sum())
             self.count[i, layer] += xf.numel()
-            fmt = cache.kv_dtype.fp8
-            if fmt is not None and s is not None:
-                self.clipped[i, layer] += int(((xf / s).abs() > fmt.max_finite).sum())
-        return self.inner.forward(query, key, value, cache, layer, meta, scale)
+            self.clipped[i, layer] += clipped
+
+    def on_prompt_logits(self, request_id: str, start: int, logits: torch.Tensor) -> None:
+        if self.prompt_rows is not None:
+            self.prompt_rows(request_id, start, logits)
 
     def relative_rms_error(self) -> torch.Tensor:
         """[2, L]: sqrt(sum err^2 / sum x^2) per (K|V, layer)."""
@@ -213,7 +207,7 @@ class _Scorer:
         self.n += targets.numel()
 
 
-def _score_window(engine: LLMEngine, tokens: list[int], first_pos: int) -> torch.Tensor:
+def _score_window(engine: LLMEngine, obs: QuantErrorObserver, tokens: list[int], first_pos: int) -> torch.Tensor:
     """Log-probabilities ``[len(tokens) - 1 - first_pos, V]`` of positions ``first_pos .. len - 2``."""
     rows: dict[int, torch.Tensor] = {}
 
@@ -222,11 +216,11 @@ def _score_window(engine: LLMEngine, tokens: list[int], first_pos: int) -> torch
             if pos + j >= first_pos:
                 rows[pos + j] = logits[j]
 
-    engine.runner.prompt_logits_hook = hook
+    obs.prompt_rows = hook
     try:
         run_prompts(engine, [tokens], SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0), 1)
     finally:
-        engine.runner.prompt_logits_hook = None
+        obs.prompt_rows = None
     want = range(first_pos, len(tokens) - 1)
     if sorted(rows) != list(want):
         raise RuntimeError(f"prompt-logits hook saw positions {sorted(rows)[:3]}..., expected {want}")
@@ -264,14 +258,14 @@ def evaluate(model: str, data: Sequence[str], configs: Sequence[KVConfig], *, wi
                   block_size=block_size, max_num_seqs=max(gen_prompts, 1),
                   max_num_batched_tokens=max_num_batched_tokens, attention_backend=attention_backend)
     all_configs = [KVConfig("float32"), *configs]
+    num_layers = model_arch(model).num_layers
     engines: list[LLMEngine] = []
     observers: list[QuantErrorObserver] = []
     for cfg in all_configs:
-        engine = build_engine(model, kv_cache_dtype=cfg.kv_cache_dtype,
+        obs = QuantErrorObserver(num_layers)
+        engine = build_engine(model, observer=obs, kv_cache_dtype=cfg.kv_cache_dtype,
                               quantization_param_path=cfg.quantization_param_path,
                               kv_cache_scale_mode=cfg.scale_mode, kv_cache_rotation=cfg.rotation, **common)
-        obs = QuantErrorObserver(engine.runner.backend, engine.config.arch.num_layers)
-        engine.runner.backend = obs
         engines.append(engine)
         observers.append(obs)
     tokens = tokenize_corpus(docs, engines[0].tokenizer)
@@ -281,10 +275,10 @@ def evaluate(model: str, data: Sequence[str], configs: Sequence[KVConfig], *, wi
     with tqdm(total=len(windows), desc="Scoring windows", unit="window", disable=not show_progress) as bar:
         for w in windows:
             targets = torch.tensor(w[first + 1:])
-            ref_logp = _score_window(engines[0], w, first)
+            ref_logp = _score_window(engines[0], observers[0], w, first)
             scorers[0].add(ref_logp, ref_logp, targets)
-            for engine, scorer in zip(engines[1:], scorers[1:]):
-                scorer.add(_score_window(engine, w, first), ref_logp, targets)
+            for engine, obs, scorer in zip(engines[1:], observers[1:], scorers[1:]):
+                scorer.add(_score_window(engine, obs, w, first), ref_logp, targets)
             bar.update(1)
     greedy: list[dict[str, list[int]]] = []
     if gen_prompts:
@@ -315,6 +309,6 @@ def evaluate(model: str, data: Sequence[str], configs: Sequence[KVConfig], *, wi
             layer_k_clipped=clipped[0].tolist(), layer_v_clipped=clipped[1].tolist(),
             layer_k_scale_max=sc_k, layer_v_scale_max=sc_v))
     return EvalReport(model=model, dtype=str(engines[0].config.dtype).replace("torch.", ""),
-                      attention_backend=engines[0].runner.backend.inner.name, window=window,
+                      attention_backend=engines[0].runner.backend.name, window=window,
                       num_windows=len(windows), scored_tokens=scorers[0].n, gen_prompts=gen_prompts if greedy else 0,
                       gen_prompt_len=gen_prompt_len, gen_tokens=gen_tokens, reference=results[0], results=results[1:])

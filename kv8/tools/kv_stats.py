@@ -48,9 +48,6 @@ from dataclasses import dataclass
 
 import torch
 
-from kv8.attention.backend import AttentionBackend
-from kv8.attention.metadata import AttentionMetadata
-from kv8.cache.paged_cache import PagedKVCache
 from kv8.quant.formats import FP8Format
 from kv8.quant.scales import KVScales, ScaleGranularity
 
@@ -282,7 +279,7 @@ class KVStatsCollector:
 class ClipCounter:
     """Counts, per layer, how many K and V values would clip with given scales: ``|x| > scale * fmt max``
     (values exactly at the limit are representable), and the largest ``|x| / (scale * fmt max)`` seen.
-    Fed by :class:`ObserverBackend` (it has the collector interface: ``observe(layer, key, value)``)."""
+    It has the collector interface: ``observe(layer, key, value)``."""
 
     def __init__(self, scales: KVScales, fmt: FP8Format) -> None:
         self.limits = [scales.k.float() * fmt.max_finite, scales.v.float() * fmt.max_finite]  # [L, H|1, D|1]
@@ -298,17 +295,3 @@ class ClipCounter:
             self.total[i, layer] += ratio.numel()
             if ratio.numel():
                 self.worst[i, layer] = max(float(self.worst[i, layer]), float(ratio.max()))
-
-
-class ObserverBackend:
-    """An attention backend that shows every layer's new K/V to a collector, then delegates unchanged."""
-
-    def __init__(self, inner: AttentionBackend, collector: KVStatsCollector | ClipCounter) -> None:
-        self.inner = inner
-        self.collector = collector
-        self.name = f"observer({inner.name})"
-
-    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cache: PagedKVCache,
-                layer: int, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        self.collector.observe(layer, key, value)
-        return self.inner.forward(query, key, value, cache, layer, meta, scale)

@@ -1,0 +1,154 @@
+"""The KV codec: the one place that decides what the KV cache stores for a key or value vector.
+
+A codec is a storage format plus how values are scaled and in which basis they are stored::
+
+    stored  = encode(x R / s)          x: one K or V vector of a KV head, [D]
+    read    = decode(stored) * s       (in the stored basis; attention works there, see below)
+
+* format (:class:`kv8.quant.formats.KVCacheDtype`): FP8 (E4M3, E4M3FNUZ, E5M2: ``saturate(rne(.))`` to raw
+  ``uint8`` codes) or a 16/32-bit float (a plain cast, ``s = 1``);
+* scales ``s``: *static* -- per layer, for K and V separately, per tensor, KV head or channel
+  (:class:`kv8.quant.scales.KVScales`) -- or *dynamic* -- one float32 per token and KV head, ``amax(|x|) /
+  format max`` (1.0 for an all-zero or non-finite vector), computed at store time and kept beside the codes;
+* basis ``R``: identity, or the orthonormal per-head Hadamard matrix (:mod:`kv8.quant.rotation`). Queries are
+  rotated the same way and the attention output is rotated back (``R`` is its own inverse), so attention over
+  the stored basis equals attention over the original one in exact arithmetic and nothing stored is ever
+  un-rotated.
+
+Everything that writes, reads or measures stored K/V goes through a codec: the reference store and gather
+(:class:`kv8.cache.paged_cache.PagedKVCache`), the fused kernels (their per-layer scale arguments come from
+:meth:`KVCodec.layer_scales`; their encode is tested bit-exact against :meth:`KVCodec.encode`), the attention
+layer (:meth:`KVCodec.to_stored_basis`), calibration statistics (:attr:`KVCodec.rotation` for the key envelope)
+and ``kv8 eval``'s round-trip error (:meth:`KVCodec.round_trip`).
+
+Invariants (checked by :meth:`KVCodec.build`, once, when the engine is built): dynamic scales and static
+scales exclude each other and both need an FP8 format; an FP8 codec in static mode always has scales (1.0 when
+none were given); a rotation needs a power-of-two ``head_dim``. That static scales describe the codec's basis
+is checked where they are resolved (:func:`kv8.quant.scales.resolve_kv_scales`; 1.0 fits every basis).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kv8.quant.formats import KVCacheDtype, dequantize, quantize
+from kv8.quant.rotation import hadamard, rotate
+from kv8.quant.scales import KVScales
+
+SCALE_MODES = ("static", "dynamic")
+ROTATIONS = ("none", "hadamard")
+DYNAMIC_SCALE_BYTES = 4  # one float32 scale per (token, KV head), for K and for V
+
+K, V = 0, 1  # index of keys / values in every (K, V) pair
+
+
+@dataclass(frozen=True, eq=False)
+class KVCodec:
+    """Format + scales + basis of the stored K/V. Build with :meth:`build`."""
+
+    kv_dtype: KVCacheDtype
+    head_dim: int
+    scales: KVScales | None = None          # static scales (FP8, static mode); None otherwise
+    dynamic: bool = False                   # per-token, per-head scales stored beside the codes
+    rotation_name: str = "none"
+    rotation: torch.Tensor | None = None    # [D, D] orthonormal, float32; None = identity
+
+    @staticmethod
+    def build(kv_dtype: KVCacheDtype, head_dim: int, *, scale_mode: str = "static", rotation: str = "none",
+              scales: KVScales | None = None) -> "KVCodec":
+        """A validated codec. ``scales`` are the static scales (ignored with a 16/32-bit format: there is
+        nothing to scale); an FP8 format in static mode without scales gets 1.0 for every layer only when the
+        caller passes :meth:`KVScales.default` -- a missing scale is never invented here."""
+        if scale_mode not in SCALE_MODES:
+            raise ValueError(f"kv_cache_scale_mode={scale_mode!r} is not supported; choose one of: "
+                             f"{', '.join(SCALE_MODES)}")
+        if rotation not in ROTATIONS:
+            raise ValueError(f"kv_cache_rotation={rotation!r} is not supported; choose one of: {', '.join(ROTATIONS)}")
+        dynamic = scale_mode == "dynamic"
+        if dynamic and not kv_dtype.is_fp8:
+            raise ValueError(f"kv_cache_scale_mode='dynamic' needs an FP8 cache, but kv_cache_dtype="
+                             f"{kv_dtype.name!r}; set kv_cache_dtype='fp8' (or another fp8 format)")
+        if dynamic and scales is not None:
+            raise ValueError(f"kv_cache_scale_mode='dynamic' computes scales per token; static scales "
+                             f"({scales.source}) cannot be combined with it")
+        if kv_dtype.is_fp8 and not dynamic and scales is None:
+            raise ValueError("an FP8 KV cache in static scale mode needs scales (KVScales.default gives 1.0)")
+        matrix = None
+        if rotation == "hadamard":
+            if head_dim < 1 or head_dim & (head_dim - 1):
+                raise ValueError(f"kv_cache_rotation='hadamard' needs a power-of-two head_dim; this model has "
+                                 f"head_dim={head_dim}")
+            matrix = hadamard(head_dim)
+        return KVCodec(kv_dtype, head_dim, scales if kv_dtype.is_fp8 else None, dynamic, rotation, matrix)
+
+    # ---- sizes ----------------------------------------------------------------------------------------------
+    def bytes_per_head(self) -> int:
+        """Bytes one token's K (or V) of one KV head occupies: codes plus a dynamic scale."""
+        return self.head_dim * self.kv_dtype.bytes_per_element + (DYNAMIC_SCALE_BYTES if self.dynamic else 0)
+
+    # ---- basis ----------------------------------------------------------------------------------------------
+    def to_stored_basis(self, x: torch.Tensor) -> torch.Tensor:
+        """``x R`` over the last dim (identity without a rotation); also undoes it, since ``R R = I``."""
+        return x if self.rotation is None else rotate(x, self.rotation)
+
+    # ---- scales ---------------------------------------------------------------------------------------------
+    def layer_scales(self, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Static ``(k_scale, v_scale)`` of one layer, float32 broadcastable to ``[H, D]``; None without."""
+        return None if self.scales is None else self.scales.layer(layer)
+
+    def token_scales(self, x: torch.Tensor) -> torch.Tensor:
+        """Dynamic scales ``[T, H]`` float32 of values ``[T, H, D]``: ``amax / format max``, 1.0 where that is
+        zero or not finite."""
+        fmt = self.kv_dtype.fp8
+        assert fmt is not None, "dynamic scales exist only for FP8 codecs"
+        s = x.float().abs().amax(dim=-1) / fmt.max_finite
+        return torch.where(torch.isfinite(s) & (s > 0), s, torch.ones_like(s))
+
+    # ---- bytes ----------------------------------------------------------------------------------------------
+    def encode(self, x: torch.Tensor, layer: int, which: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Values ``[T, H, D]`` (already in the stored basis) of ``which`` (:data:`K` or :data:`V`) in ``layer``
+        -> ``(stored [T, H, D], token scales [T, H] or None)``."""
+        fmt = self.kv_dtype.fp8
+        if fmt is None:
+            return x.to(self.kv_dtype.storage_dtype), None
+        if self.dynamic:
+            ts = self.token_scales(x)
+            return quantize(x, ts.unsqueeze(-1), fmt), ts
+        assert self.scales is not None
+        return quantize(x, self.scales.layer(layer)[which], fmt), None
+
+    def decode(self, stored: torch.Tensor, layer: int, which: int, dtype: torch.dtype,
+               token_scales: torch.Tensor | None = None) -> torch.Tensor:
+        """What :meth:`encode` stored ``[T, H, D]`` -> values in ``dtype`` (stored basis). ``token_scales``
+        ``[T, H]`` are the stored dynamic scales (required in dynamic mode)."""
+        fmt = self.kv_dtype.fp8
+        if fmt is None:
+            return stored.to(dtype)
+        if self.dynamic:
+            assert token_scales is not None, "a dynamic codec decodes with the stored token scales"
+            return dequantize(stored, token_scales.unsqueeze(-1), fmt, dtype=dtype)
+        assert self.scales is not None
+        return dequantize(stored, self.scales.layer(layer)[which], fmt, dtype=dtype)
+
+    def round_trip(self, x: torch.Tensor, layer: int, which: int) -> tuple[torch.Tensor, int]:
+        """``(read-back float32 [T, H, D], number of values clipped)`` for values ``[T, H, D]`` in the stored
+        basis: what attention reads for ``x`` and how many of its values lay beyond the format's range
+        (``|x| / s > format max``; 0 for a 16/32-bit cache)."""
+        stored, ts = self.encode(x, layer, which)
+        back = self.decode(stored, layer, which, torch.float32, ts)
+        fmt = self.kv_dtype.fp8
+        if fmt is None:
+            return back, 0
+        scale = ts.unsqueeze(-1) if ts is not None else self.scales.layer(layer)[which]  # type: ignore[union-attr]
+        return back, int(((x.float() / scale).abs() > fmt.max_finite).sum())
+
+    def describe(self) -> str:
+        """One line for logs: the scales' source and the basis."""
+        scales = ("dynamic per token and head" if self.dynamic else
+                  self.scales.source if self.scales is not None else "none (not fp8)")
+        return f"scales: {scales}; rotation {self.rotation_name}"
+
+
+__all__ = ["DYNAMIC_SCALE_BYTES", "K", "KVCodec", "ROTATIONS", "SCALE_MODES", "V"]

@@ -1,0 +1,60 @@
+"""The attention layer every model uses: new q/k/v in, attention over the paged cache out.
+
+A model computes q, k and v (projections, norms, RoPE: its own math) and calls
+:class:`PagedAttention` with an :class:`AttentionContext`, the per-forward state passed explicitly down the
+model. The layer moves q/k/v into the basis the KV codec stores (:meth:`kv8.cache.codec.KVCodec.to_stored_basis`),
+shows the new K/V to an observer if there is one, lets the attention backend store them and attend, and moves
+the output back. Models never see how K/V are stored.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from kv8.attention.backend import AttentionBackend
+from kv8.attention.metadata import AttentionMetadata
+from kv8.cache.paged_cache import PagedKVCache
+from kv8.observer import EngineObserver
+
+
+@dataclass(frozen=True)
+class AttentionContext:
+    """Per-forward state: the cache, the batch layout, the backend that stores and attends, an observer."""
+
+    cache: PagedKVCache
+    meta: AttentionMetadata
+    backend: AttentionBackend
+    observer: EngineObserver | None = None
+
+
+class PagedAttention(nn.Module):
+    """Attention of one layer over the paged KV cache. No parameters.
+
+    ``forward(q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, D], ctx) -> [T, Hq * D]`` in q's dtype.
+    Invariant: the new K/V of the whole batch are stored before any query attends (the backend's contract),
+    so every query reads the bytes as stored, whatever the batching, chunking or prefix caching.
+    """
+
+    def __init__(self, layer_idx: int, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.scale = scale
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
+        codec = ctx.cache.codec
+        q, k, v = codec.to_stored_basis(q), codec.to_stored_basis(k), codec.to_stored_basis(v)
+        if ctx.observer is not None:
+            ctx.observer.on_kv_store(self.layer_idx, k, v, codec)
+        out = ctx.backend.forward(q, k, v, ctx.cache, self.layer_idx, ctx.meta, self.scale)   # [T, Hq, D]
+        out = codec.to_stored_basis(out)  # R is its own inverse
+        return out.reshape(out.shape[0], self.num_heads * self.head_dim)
+
+    def extra_repr(self) -> str:
+        return f"layer={self.layer_idx}, heads={self.num_heads}, kv_heads={self.num_kv_heads}, head_dim={self.head_dim}"
+
+
+__all__ = ["AttentionContext", "PagedAttention"]

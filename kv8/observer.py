@@ -1,0 +1,28 @@
+"""What tools may watch while the engine runs: an explicit observer interface instead of patched internals.
+
+``kv8 calibrate`` needs every K/V the cache stores, ``kv8 eval`` needs the round-trip error of those values and
+the full next-token distribution of every prompt position. An :class:`EngineObserver` passed to the engine
+(``LLMEngine(args, observer=...)``) is called at exactly those two points; the default methods do nothing.
+Observers must not modify the tensors they are shown.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kv8.cache.codec import KVCodec
+
+
+class EngineObserver:
+    """Base class: override the hooks you need."""
+
+    def on_kv_store(self, layer: int, key: torch.Tensor, value: torch.Tensor, codec: KVCodec) -> None:
+        """Called once per layer and step, just before new K/V ``[T, H_kv, D]`` (in the codec's stored basis,
+        in the compute dtype) are encoded into the cache by ``codec``."""
+
+    def on_prompt_logits(self, request_id: str, start: int, logits: torch.Tensor) -> None:
+        """Called for requests that asked for prompt logprobs: float32 ``logits [rows, V]`` whose row ``i``
+        predicts prompt token ``start + i + 1``."""
+
+
+__all__ = ["EngineObserver"]
