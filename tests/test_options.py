@@ -206,3 +206,10 @@ def test_arch_dependent_checks():
     with pytest.raises(ValueError, match="max_model_len=48 exceeds the model's sliding window"):
         EngineArgs(max_model_len=48).create_engine_config(windowed, "hf", "/m")
     assert _config().scheduler.max_model_len == 64
+
+
+def test_info_checks_block_size(tiny_llama, capsys):
+    from kv8.entrypoints.cli import main
+
+    assert main(["info", tiny_llama, "--block-size", "0"]) == 2
+    assert "block_size=0 must be a power of two" in capsys.readouterr().err

@@ -16,8 +16,8 @@ import logging
 import sys
 from typing import Sequence
 
-from kv8.config import (ModelArchConfig, blocks_for_memory, default_kv_cache_memory, format_bytes, parse_memory,
-                        resolve_dtype)
+from kv8.config import (CacheConfig, ModelArchConfig, blocks_for_memory, default_kv_cache_memory, format_bytes,
+                        parse_memory, resolve_dtype)
 from kv8.engine.args import DEFAULT_MODEL, EngineArgs
 from kv8.quant.formats import resolve_kv_cache_dtype
 
@@ -90,6 +90,9 @@ def cmd_info(ns: argparse.Namespace) -> int:
     kind, path = resolve_model_path(ns.model)
     arch = ModelArchConfig.from_hf_config(read_model_config(kind, path))
     memory = parse_memory(ns.kv_cache_memory) if ns.kv_cache_memory else default_kv_cache_memory()
+    # the same checks as an engine's cache (block_size a power of two, memory > 0), for any dtype
+    CacheConfig(kv_dtype=resolve_kv_cache_dtype("auto", resolve_dtype("auto")), block_size=ns.block_size,
+                kv_cache_memory=memory)
     print(f"model        {ns.model} ({kind}: {path})")
     print(f"architecture {arch.model_type}: {arch.num_layers} layers, hidden {arch.hidden_size}, "
           f"{arch.num_heads} query / {arch.num_kv_heads} KV heads, head_dim {arch.head_dim}, "
