@@ -1,7 +1,11 @@
-"""Frozen, validated configuration objects.
+"""Frozen, validated configuration objects, and the tuples that declare each option's allowed values.
 
 Every user-facing option is checked once, here, when the engine is built: a bad value raises
-``ValueError`` naming the field, the value and what is allowed. Later code trusts these objects.
+``ValueError`` naming the field, the value and what is allowed. Later code trusts these objects: an
+:class:`EngineConfig` that exists is a valid configuration, so code below the engine need not re-check it.
+The CLI's ``choices`` come from the same tuples (:data:`DTYPE_CHOICES`, :data:`ATTENTION_BACKENDS`,
+:data:`DENSE_BACKENDS`, :data:`SCALE_MODES`, :data:`ROTATIONS`; KV cache dtypes from
+:data:`kv8.quant.formats.KV_CACHE_DTYPE_CHOICES`), see :class:`kv8.engine.args.EngineArgs`.
 
 * :class:`ModelArchConfig` -- the architecture, normalised from a Hugging Face ``config.json`` dict
   (or the equivalent dict built from GGUF metadata).
@@ -23,7 +27,10 @@ from kv8.quant.formats import KVCacheDtype
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 SCALE_MODES = ("static", "dynamic")
 ROTATIONS = ("none", "hadamard")
-DENSE_BACKENDS = ("auto", "torch", "cpu")  # kv8.model.cpu_dense
+# auto, then the names registered in kv8.attention.backend.BACKENDS (tests check that the two agree)
+ATTENTION_BACKENDS = ("auto", "cpu_fused", "reference")
+# kv8.model.cpu_dense: torch's layers, or kv8's packed AVX-512 BF16 linear layers with fused norm/SiLU/RoPE
+DENSE_BACKENDS = ("auto", "torch", "packed_bf16")
 DYNAMIC_SCALE_BYTES = 4  # one float32 scale per (token, KV head) for K and for V
 
 _DTYPES: dict[str, torch.dtype] = {
@@ -37,6 +44,7 @@ _DTYPES: dict[str, torch.dtype] = {
     "fp32": torch.float32,
     "float": torch.float32,
 }
+DTYPE_CHOICES: tuple[str, ...] = tuple(_DTYPES)  # matched case-insensitively by resolve_dtype
 
 
 def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
@@ -191,6 +199,11 @@ class ModelArchConfig:
         return 2 * self.num_layers * self.num_kv_heads * per_head
 
 
+def _positive_int(name: str, value: Any, minimum: int = 1) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name}={value!r} must be an int >= {minimum}")
+
+
 @dataclass(frozen=True)
 class CacheConfig:
     """KV cache settings.
@@ -202,7 +215,13 @@ class CacheConfig:
     and KV head, computed when the token is stored (``amax / format max``) and kept beside it (FP8 only).
     ``rotation``: ``hadamard`` -- K and V are multiplied by an orthonormal per-head Hadamard matrix before they
     are stored; the same matrix is folded into q and undone on the attention output, so attention is unchanged
-    in exact arithmetic while outliers are spread across channels before rounding. Needs a power-of-two head_dim.
+    in exact arithmetic while outliers are spread across channels before rounding. Needs a power-of-two head_dim
+    (checked by :class:`EngineConfig`, which knows the model).
+
+    Invariants: ``block_size`` is a power of two; at most one of ``kv_cache_memory`` (bytes) and
+    ``num_kv_blocks`` is set, and it is an int >= 1; ``scale_mode`` in :data:`SCALE_MODES`, ``rotation`` in
+    :data:`ROTATIONS`; dynamic scales and ``quantization_param_path`` need an FP8 ``kv_dtype`` and exclude each
+    other.
     """
 
     kv_dtype: KVCacheDtype
@@ -231,22 +250,22 @@ class CacheConfig:
         if self.dynamic_scales and self.quantization_param_path is not None:
             raise ValueError("kv_cache_scale_mode='dynamic' computes scales per token; it cannot be combined "
                              f"with quantization_param_path={self.quantization_param_path!r} (drop one of them)")
-        if not isinstance(self.block_size, int) or self.block_size < 1 or self.block_size & (self.block_size - 1):
+        if (isinstance(self.block_size, bool) or not isinstance(self.block_size, int) or self.block_size < 1
+                or self.block_size & (self.block_size - 1)):
             raise ValueError(f"block_size={self.block_size!r} must be a power of two >= 1 (e.g. 16)")
         if self.kv_cache_memory is not None and self.num_kv_blocks is not None:
             raise ValueError("give either kv_cache_memory or num_kv_blocks, not both")
-        if self.num_kv_blocks is not None and (not isinstance(self.num_kv_blocks, int) or self.num_kv_blocks < 1):
-            raise ValueError(f"num_kv_blocks={self.num_kv_blocks!r} must be an int >= 1")
+        if self.kv_cache_memory is not None:
+            _positive_int("kv_cache_memory", self.kv_cache_memory)
+        if self.num_kv_blocks is not None:
+            _positive_int("num_kv_blocks", self.num_kv_blocks)
+        if not isinstance(self.enable_prefix_caching, bool):
+            raise ValueError(f"enable_prefix_caching={self.enable_prefix_caching!r} must be True or False")
         if self.quantization_param_path is not None and not self.kv_dtype.is_fp8:
             raise ValueError(
                 f"quantization_param_path={self.quantization_param_path!r} gives FP8 KV scales, but "
                 f"kv_cache_dtype={self.kv_dtype.name!r} is not an FP8 format; set kv_cache_dtype='fp8' "
                 "(or fp8_e4m3 / fp8_e4m3fnuz / fp8_e5m2) or drop quantization_param_path")
-
-
-def _positive_int(name: str, value: Any, minimum: int = 1) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name}={value!r} must be an int >= {minimum}")
 
 
 @dataclass(frozen=True)
@@ -269,7 +288,12 @@ class SchedulerConfig:
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """Everything the engine needs, validated. Built by :func:`kv8.engine.engine.build_engine_config`."""
+    """Everything the engine needs, validated. Built by :meth:`kv8.engine.args.EngineArgs.create_engine_config`.
+
+    Invariants beyond those of its parts: ``attention_backend`` is in :data:`ATTENTION_BACKENDS`;
+    ``dense_backend`` is in :data:`DENSE_BACKENDS` and usable with ``dtype``; ``max_model_len`` fits the
+    model's context and sliding window; a Hadamard rotation has a power-of-two ``head_dim``; ``seed`` is an int.
+    """
 
     model: str
     model_kind: str  # "hf" or "gguf"
@@ -283,22 +307,34 @@ class EngineConfig:
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend={self.attention_backend!r} is not known; choose one of: "
+                             f"{', '.join(ATTENTION_BACKENDS)}")
         check_dense_backend(self.dense_backend, self.dtype)
-        if self.scheduler.max_model_len > self.arch.max_position_embeddings:
-            raise ValueError(
-                f"max_model_len={self.scheduler.max_model_len} exceeds the model's context "
-                f"(max_position_embeddings={self.arch.max_position_embeddings})")
+        arch, max_len = self.arch, self.scheduler.max_model_len
+        if self.cache.rotation == "hadamard" and arch.head_dim & (arch.head_dim - 1):
+            raise ValueError(f"kv_cache_rotation='hadamard' needs a power-of-two head_dim; this model has "
+                             f"head_dim={arch.head_dim}")
+        if arch.sliding_window and max_len > arch.sliding_window:
+            raise ValueError(f"max_model_len={max_len} exceeds the model's sliding window "
+                             f"({arch.sliding_window}); kv8 does not implement sliding-window attention")
+        if max_len > arch.max_position_embeddings:
+            raise ValueError(f"max_model_len={max_len} exceeds the model's context "
+                             f"(max_position_embeddings={arch.max_position_embeddings})")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise ValueError(f"seed={self.seed!r} must be an int")
 
 
 def check_dense_backend(name: str, dtype: torch.dtype) -> None:
-    """Raise ValueError unless ``name`` is one of :data:`DENSE_BACKENDS` and usable with compute ``dtype``."""
+    """Raise ValueError unless ``name`` is one of :data:`DENSE_BACKENDS` and usable with compute ``dtype``.
+
+    Called by :class:`EngineConfig`; a built config has passed it.
+    """
     if name not in DENSE_BACKENDS:
         raise ValueError(f"dense_backend={name!r} is not known; choose one of: {', '.join(DENSE_BACKENDS)}")
-    if name == "cpu" and dtype != torch.bfloat16:
-        raise ValueError(f"dense_backend='cpu' needs dtype bfloat16, got {dtype}; use dense_backend='auto' or "
-                         f"'torch'")
+    if name == "packed_bf16" and dtype != torch.bfloat16:
+        raise ValueError(f"dense_backend='packed_bf16' needs dtype bfloat16, got {dtype}; use dense_backend='auto' "
+                         f"or 'torch'")
 
 
 def blocks_for_memory(memory: int, arch: ModelArchConfig, kv_dtype: KVCacheDtype, block_size: int,
@@ -329,7 +365,7 @@ def default_kv_cache_memory() -> int:
 
 
 __all__ = [
-    "CacheConfig", "EngineConfig", "ModelArchConfig", "RopeScaling", "SchedulerConfig", "available_memory",
-    "blocks_for_memory", "ceil_div", "default_kv_cache_memory", "format_bytes", "parse_memory",
-    "resolve_dtype",
+    "ATTENTION_BACKENDS", "DENSE_BACKENDS", "DTYPE_CHOICES", "ROTATIONS", "SCALE_MODES", "CacheConfig",
+    "EngineConfig", "ModelArchConfig", "RopeScaling", "SchedulerConfig", "available_memory", "blocks_for_memory",
+    "ceil_div", "check_dense_backend", "default_kv_cache_memory", "format_bytes", "parse_memory", "resolve_dtype",
 ]

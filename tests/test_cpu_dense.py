@@ -40,7 +40,7 @@ def _linear(out_features: int, in_features: int, bias: bool, seed: int) -> nn.Li
 def test_the_kernel_exists_on_this_machine() -> None:
     """This project's machine has AVX-512 BF16; the kernel must build and load there."""
     assert HAS_BF16
-    assert select_dense_backend("auto", torch.bfloat16) == "cpu"
+    assert select_dense_backend("auto", torch.bfloat16) == "packed_bf16"
 
 
 @needs_kernel
@@ -172,10 +172,10 @@ def test_elementwise_kernels_reject_bad_inputs(lib: cpu_dense.DenseKernels) -> N
 def test_backend_selection() -> None:
     assert select_dense_backend("torch", torch.bfloat16) == "torch"
     assert select_dense_backend("auto", torch.float32) == "torch"
-    with pytest.raises(ValueError, match="dense_backend='fast' is not known; choose one of: auto, torch, cpu"):
+    with pytest.raises(ValueError, match="dense_backend='fast' is not known; choose one of: auto, torch, packed_bf16"):
         select_dense_backend("fast", torch.bfloat16)
     with pytest.raises(ValueError, match="needs dtype bfloat16"):
-        select_dense_backend("cpu", torch.float32)
+        select_dense_backend("packed_bf16", torch.float32)
 
 
 def test_missing_compiler_falls_back_once_or_raises(monkeypatch: pytest.MonkeyPatch, tmp_path,
@@ -191,7 +191,7 @@ def test_missing_compiler_falls_back_once_or_raises(monkeypatch: pytest.MonkeyPa
     warnings = [r for r in caplog.records if "CPU kernels are unavailable" in r.getMessage()]
     assert len(warnings) == 1 and "kv8-no-such-compiler" in warnings[0].getMessage()
     with pytest.raises(KernelUnavailable, match="not on PATH"):
-        select_dense_backend("cpu", torch.bfloat16)
+        select_dense_backend("packed_bf16", torch.bfloat16)
 
 
 def _prefill_logits(model: str, dense_backend: str, prompt: list[int], **kw: object) -> tuple[torch.Tensor, list[int]]:
@@ -221,15 +221,15 @@ def test_engine_with_cpu_kernels_matches_torch(tiny_models: dict[str, str], name
     rotated cache): the logits of every prompt position agree to bf16 rounding noise."""
     prompt = [3 + (7 * i) % 40 for i in range(40)]
     ref, _ = _prefill_logits(tiny_models[name], "torch", prompt, **kw)
-    got, tokens = _prefill_logits(tiny_models[name], "cpu", prompt, **kw)
+    got, tokens = _prefill_logits(tiny_models[name], "packed_bf16", prompt, **kw)
     assert got.shape == ref.shape and len(tokens) == 4
     assert float((got - ref).abs().max()) <= 0.05 * float(ref.std())
     assert float((got.argmax(-1) == ref.argmax(-1)).float().mean()) >= 0.95
 
 
 def test_engine_config_rejects_cpu_kernels_for_float32(tiny_models: dict[str, str]) -> None:
-    with pytest.raises(ValueError, match="dense_backend='cpu' needs dtype bfloat16"):
-        LLMEngine(EngineArgs(model=tiny_models["llama"], dtype="float32", dense_backend="cpu",
+    with pytest.raises(ValueError, match="dense_backend='packed_bf16' needs dtype bfloat16"):
+        LLMEngine(EngineArgs(model=tiny_models["llama"], dtype="float32", dense_backend="packed_bf16",
                              num_kv_blocks=8, max_model_len=64))
     with pytest.raises(ValueError, match="dense_backend='x' is not known"):
         LLMEngine(EngineArgs(model=tiny_models["llama"], dense_backend="x", num_kv_blocks=8, max_model_len=64))

@@ -1,69 +1,174 @@
-"""User-facing engine options with vLLM's names, turned into a validated :class:`EngineConfig`.
+"""User-facing engine options with vLLM's names, declared once and turned into a validated :class:`EngineConfig`.
 
-``LLM(**kwargs)``, the CLI and the server all go through :class:`EngineArgs`, so every entry point accepts
-the same options with the same checks.
+Each field of :class:`EngineArgs` is one option. Its default, help text, allowed values and CLI flag are the
+field's declaration (:func:`option`); the allowed values are the tuples that :mod:`kv8.config` and
+:mod:`kv8.quant.formats` check against. Everything else is generated from the fields:
+
+* ``LLM(**kwargs)`` takes the fields as keyword arguments;
+* :meth:`EngineArgs.add_cli_args` adds one flag per field to an argparse parser (``--kv-cache-dtype`` ...;
+  booleans as ``--enable-prefix-caching`` / ``--no-enable-prefix-caching``) and
+  :meth:`EngineArgs.from_cli_args` reads them back, so every ``kv8`` subcommand shares the same flags;
+* :meth:`EngineArgs.describe` prints the table of options.
+
+Values are checked in one place: :meth:`EngineArgs.create_engine_config` converts them (dtype names,
+memory sizes) and the frozen dataclasses of :mod:`kv8.config` validate them, raising ``ValueError`` naming
+the field, the value and what is allowed. The CLI's ``choices`` and types only make argparse report a bad
+flag earlier, with the same allowed values.
 """
 
 from __future__ import annotations
 
+import argparse
 import logging
-from dataclasses import dataclass, fields
+from dataclasses import MISSING, dataclass, field, fields
+from typing import Any, Callable, Iterable, Mapping
 
-from kv8.config import (CacheConfig, EngineConfig, ModelArchConfig, SchedulerConfig, blocks_for_memory,
-                        default_kv_cache_memory, format_bytes, parse_memory, resolve_dtype)
-from kv8.quant.formats import resolve_kv_cache_dtype
+from kv8.config import (ATTENTION_BACKENDS, DENSE_BACKENDS, DTYPE_CHOICES, ROTATIONS, SCALE_MODES, CacheConfig,
+                        EngineConfig, ModelArchConfig, SchedulerConfig, blocks_for_memory, default_kv_cache_memory,
+                        format_bytes, parse_memory, resolve_dtype)
+from kv8.quant.formats import KV_CACHE_DTYPE_CHOICES, resolve_kv_cache_dtype
 
 logger = logging.getLogger("kv8")
 
 DEFAULT_MODEL = "smollm2-135m"
 
 
+def _memory_size(text: str) -> str:
+    """argparse type of memory sizes: checks the syntax now and keeps the string (parsed again by the config)."""
+    try:
+        parse_memory(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
+
+
+def option(default: Any, help: str, *, choices: tuple[str, ...] | None = None,
+           type: Callable[[str], Any] | None = str, metavar: str | None = None, cli: bool = True) -> Any:
+    """A field of :class:`EngineArgs`: its default plus what the CLI and :meth:`EngineArgs.describe` need.
+
+    ``type`` converts the flag's text (``bool`` makes a ``--x`` / ``--no-x`` pair); ``choices`` is the tuple
+    that declares the allowed values; ``cli=False`` marks a field each command declares itself (the model,
+    which is positional for some commands).
+    """
+    return field(default=default, metadata={"help": help, "choices": choices, "type": type, "metavar": metavar,
+                                            "cli": cli})
+
+
 @dataclass
 class EngineArgs:
-    model: str = DEFAULT_MODEL
-    dtype: str = "auto"
-    kv_cache_dtype: str = "auto"
-    quantization_param_path: str | None = None
-    kv_cache_memory: int | str | None = None
-    num_kv_blocks: int | None = None
-    block_size: int = 16
-    enable_prefix_caching: bool = True
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
-    max_model_len: int | None = None
-    seed: int = 0
-    attention_backend: str = "auto"
-    dense_backend: str = "auto"
-    kv_cache_scale_mode: str = "static"
-    kv_cache_rotation: str = "none"
+    """Engine options (vLLM's names). Construct freely; :meth:`create_engine_config` validates."""
+
+    model: str = option(DEFAULT_MODEL, "model: an alias (smollm2-135m), a Hugging Face model directory or a "
+                        ".gguf file", cli=False)
+    dtype: str = option("auto", "compute dtype; auto = bfloat16", choices=DTYPE_CHOICES, type=str.lower)
+    kv_cache_dtype: str = option("auto", "KV cache storage: auto = the compute dtype; fp8 = fp8_e4m3 (1 byte per "
+                                 "value)", choices=KV_CACHE_DTYPE_CHOICES)
+    quantization_param_path: str | None = option(
+        None, "KV scales file: vLLM's kv_cache_scales.json or kv8's JSON from kv8 calibrate (FP8 caches only)",
+        metavar="JSON")
+    kv_cache_memory: int | str | None = option(
+        None, "KV cache budget: bytes or a size such as 2GiB (default: 25% of free memory, at most 4GiB)",
+        type=_memory_size, metavar="SIZE")
+    num_kv_blocks: int | None = option(None, "KV cache budget in blocks instead of bytes", type=int)
+    block_size: int = option(16, "tokens per KV block (a power of two)", type=int)
+    enable_prefix_caching: bool = option(True, "reuse cached KV blocks of shared prompt prefixes", type=bool)
+    max_num_seqs: int = option(64, "max sequences per step", type=int)
+    max_num_batched_tokens: int = option(2048, "max tokens per step (longer prompts are prefilled in chunks)",
+                                         type=int)
+    max_model_len: int | None = option(None, "context length (default: the model's, at most 8192)", type=int)
+    seed: int = option(0, "engine seed for requests without their own", type=int)
+    attention_backend: str = option(
+        "auto", "attention: auto = cpu_fused (kv8's fused CPU kernels) if they build, else reference (plain torch)",
+        choices=ATTENTION_BACKENDS)
+    dense_backend: str = option(
+        "auto", "linear layers, norms, activation, RoPE: auto = packed_bf16 (kv8's packed AVX-512 BF16 kernels) "
+        "for bfloat16 models if they build, else torch", choices=DENSE_BACKENDS)
+    kv_cache_scale_mode: str = option(
+        "static", "FP8 scales: static per layer (file, checkpoint or 1.0) or dynamic per token and head "
+        "(no calibration; +4 bytes per token, head and K/V)", choices=SCALE_MODES)
+    kv_cache_rotation: str = option(
+        "none", "rotate K/V by a per-head Hadamard matrix before storing (more accurate FP8)", choices=ROTATIONS)
 
     @staticmethod
     def field_names() -> list[str]:
         return [f.name for f in fields(EngineArgs)]
 
+    # ---- CLI ----------------------------------------------------------------------------------------------------
+    @staticmethod
+    def flag(name: str) -> str:
+        """The CLI flag of field ``name``: ``kv_cache_dtype`` -> ``--kv-cache-dtype``."""
+        return "--" + name.replace("_", "-")
+
+    @classmethod
+    def add_cli_args(cls, parser: argparse.ArgumentParser, *, include: Iterable[str] | None = None,
+                     exclude: Iterable[str] = (), defaults: Mapping[str, Any] | None = None
+                     ) -> argparse._ArgumentGroup:
+        """Add one flag per field (those in ``include`` if given, less ``exclude``) to an "engine" group.
+
+        ``defaults`` overrides a field's default for this parser (a command that needs another default says
+        so here, in one place). Fields declared with ``cli=False`` (the model) are left to the command.
+        Returns the argument group.
+        """
+        by_name = {f.name: f for f in fields(cls)}
+        chosen = set(by_name) if include is None else set(include)
+        excluded = set(exclude)
+        defaults = dict(defaults or {})
+        unknown = (chosen | excluded | set(defaults)) - set(by_name)
+        if unknown:
+            raise ValueError(f"not EngineArgs fields: {', '.join(sorted(unknown))}")
+        if set(defaults) & excluded or set(defaults) - chosen:
+            raise ValueError(f"defaults {sorted(defaults)} name fields this parser does not offer")
+        group = parser.add_argument_group("engine options (EngineArgs; LLM(...) takes the same names)")
+        for name, f in by_name.items():
+            if name not in chosen or name in excluded or not f.metadata["cli"]:
+                continue
+            default = defaults.get(name, f.default)
+            choices, kind = f.metadata["choices"], f.metadata["type"]
+            if choices is not None and default is not None and default not in choices:
+                raise ValueError(f"default {name}={default!r} is not one of: {', '.join(choices)}")
+            help_text = f.metadata["help"].replace("%", "%%") + ("" if default is None else " (default: %(default)s)")
+            kwargs: dict[str, Any] = dict(dest=name, default=default, help=help_text)
+            if kind is bool:
+                kwargs["action"] = argparse.BooleanOptionalAction
+            else:
+                kwargs.update(type=kind, choices=choices, metavar=f.metadata["metavar"])
+            group.add_argument(cls.flag(name), **kwargs)
+        return group
+
+    @classmethod
+    def from_cli_args(cls, ns: argparse.Namespace) -> "EngineArgs":
+        """The fields the namespace has (flags from :meth:`add_cli_args`, and ``model``); others keep defaults."""
+        return cls(**{name: getattr(ns, name) for name in cls.field_names() if hasattr(ns, name)})
+
+    @classmethod
+    def describe(cls) -> str:
+        """A table of every option: name, CLI flag, default, allowed values and help."""
+        lines = ["EngineArgs options (LLM(name=value), or the kv8 flag):"]
+        for f in fields(cls):
+            default = f.default if f.default is not MISSING else None
+            flag = cls.flag(f.name) if f.metadata["cli"] else "(given by each command)"
+            if f.metadata["type"] is bool:
+                flag = flag.replace("--", "--[no-]", 1)
+            lines.append(f"  {f.name:<24} {flag:<34} default {default!r}")
+            lines.append(f"      {f.metadata['help']}")
+            if f.metadata["choices"]:
+                lines.append(f"      one of: {', '.join(f.metadata['choices'])}")
+        return "\n".join(lines)
+
+    # ---- validation ---------------------------------------------------------------------------------------------
     def create_engine_config(self, hf_config: dict, model_kind: str, model_path: str) -> EngineConfig:
-        """Validate everything against the model's architecture."""
+        """Convert and validate every option against the model's architecture (``ValueError`` if one is bad)."""
         arch = ModelArchConfig.from_hf_config(hf_config)
         dtype = resolve_dtype(self.dtype)
         kv_dtype = resolve_kv_cache_dtype(self.kv_cache_dtype, dtype)
-        if not isinstance(self.enable_prefix_caching, bool):
-            raise ValueError(f"enable_prefix_caching={self.enable_prefix_caching!r} must be True or False")
         memory = None if self.kv_cache_memory is None else parse_memory(self.kv_cache_memory)
         cache = CacheConfig(kv_dtype=kv_dtype, block_size=self.block_size, kv_cache_memory=memory,
                             num_kv_blocks=self.num_kv_blocks, enable_prefix_caching=self.enable_prefix_caching,
                             quantization_param_path=self.quantization_param_path,
                             scale_mode=self.kv_cache_scale_mode, rotation=self.kv_cache_rotation)
-        if cache.rotation == "hadamard" and arch.head_dim & (arch.head_dim - 1):
-            raise ValueError(f"kv_cache_rotation='hadamard' needs a power-of-two head_dim; this model has "
-                             f"head_dim={arch.head_dim}")
         max_model_len = self.max_model_len
         if max_model_len is None:
-            max_model_len = min(arch.max_position_embeddings, 8192)
-            if arch.sliding_window:
-                max_model_len = min(max_model_len, arch.sliding_window)
-        elif arch.sliding_window and max_model_len > arch.sliding_window:
-            raise ValueError(f"max_model_len={max_model_len} exceeds the model's sliding window "
-                             f"({arch.sliding_window}); kv8 does not implement sliding-window attention")
+            max_model_len = min(arch.max_position_embeddings, 8192, arch.sliding_window or 8192)
         sched = SchedulerConfig(max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
                                 max_model_len=max_model_len)
         return EngineConfig(model=model_path, model_kind=model_kind, arch=arch, dtype=dtype, cache=cache,
@@ -90,4 +195,4 @@ def resolve_num_blocks(config: EngineConfig) -> int:
     return num_blocks
 
 
-__all__ = ["DEFAULT_MODEL", "EngineArgs", "resolve_num_blocks"]
+__all__ = ["DEFAULT_MODEL", "EngineArgs", "option", "resolve_num_blocks"]

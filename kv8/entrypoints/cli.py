@@ -3,7 +3,9 @@
 Subcommands: ``generate`` (text from a prompt), ``info`` (architecture and KV-cache capacity per dtype),
 ``serve`` / ``run`` (the OpenAI-compatible HTTP server; ``run`` takes the model as a positional argument).
 ``calibrate`` / ``eval`` (fp8 KV-scale calibration and accuracy evaluation, :mod:`kv8.tools.commands`).
-Engine flags use vLLM's names (``--kv-cache-dtype``, ``--quantization-param-path``, ``--max-model-len`` ...).
+Engine flags use vLLM's names (``--kv-cache-dtype``, ``--quantization-param-path``, ``--max-model-len`` ...) and
+are generated from the fields of :class:`EngineArgs` (``EngineArgs.add_cli_args`` / ``from_cli_args``); the
+flags declared here are the ones that are not engine options (sampling, server, output).
 """
 
 from __future__ import annotations
@@ -14,10 +16,10 @@ import logging
 import sys
 from typing import Sequence
 
-from kv8.config import (DENSE_BACKENDS, ModelArchConfig, blocks_for_memory, default_kv_cache_memory, format_bytes,
+from kv8.config import (CacheConfig, ModelArchConfig, blocks_for_memory, default_kv_cache_memory, format_bytes,
                         parse_memory, resolve_dtype)
 from kv8.engine.args import DEFAULT_MODEL, EngineArgs
-from kv8.quant.formats import KV_CACHE_DTYPE_CHOICES, resolve_kv_cache_dtype
+from kv8.quant.formats import resolve_kv_cache_dtype
 
 EPILOG = """examples:
   kv8 generate "London is the capital of"                       # default model, 16-bit cache
@@ -28,48 +30,8 @@ EPILOG = """examples:
   kv8 run smollm2-135m --kv-cache-dtype fp8 --quantization-param-path kv_cache_scales.json
 models: the alias smollm2-135m (default), a Hugging Face model directory, or a .gguf file."""
 
-
-def add_engine_args(p: argparse.ArgumentParser) -> None:
-    """Engine flags shared by every subcommand that runs a model (names follow vLLM)."""
-    d = EngineArgs()
-    g = p.add_argument_group("engine")
-    g.add_argument("--dtype", default=d.dtype, help="compute dtype: auto (=bfloat16), bfloat16, float16, float32")
-    g.add_argument("--kv-cache-dtype", default=d.kv_cache_dtype, choices=KV_CACHE_DTYPE_CHOICES,
-                   help="KV cache storage: auto = the compute dtype; fp8 = fp8_e4m3 (1 byte per value)")
-    g.add_argument("--quantization-param-path", default=None, metavar="JSON",
-                   help="KV scales file: vLLM's kv_cache_scales.json or kv8's JSON from kv8 calibrate (FP8 caches only)")
-    g.add_argument("--kv-cache-memory", default=None, metavar="SIZE",
-                   help="KV cache budget, e.g. 2GiB (default: 25%% of free memory, at most 4GiB)")
-    g.add_argument("--num-kv-blocks", type=int, default=None, help="KV cache budget in blocks instead of bytes")
-    g.add_argument("--block-size", type=int, default=d.block_size, help="tokens per KV block")
-    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=d.enable_prefix_caching,
-                   help="reuse cached KV blocks of shared prompt prefixes")
-    g.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs, help="max sequences per step")
-    g.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens,
-                   help="max tokens per step (longer prompts are prefilled in chunks)")
-    g.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's, <= 8192)")
-    g.add_argument("--seed", type=int, default=d.seed, help="engine seed for requests without their own")
-    g.add_argument("--attention-backend", default=d.attention_backend,
-                   help="auto (the fused CPU kernels, or the reference if they cannot be built), cpu_fused, reference")
-    g.add_argument("--dense-backend", default=d.dense_backend, choices=DENSE_BACKENDS,
-                   help="linear layers, norms, activation, RoPE: auto (bf16 models: kv8's AVX-512 BF16 kernels if "
-                        "they build, else torch), torch, cpu")
-    g.add_argument("--kv-cache-scale-mode", default=d.kv_cache_scale_mode, choices=("static", "dynamic"),
-                   help="FP8 scales: static per layer (file, checkpoint or 1.0) or dynamic per token and head "
-                        "(no calibration; +4 bytes per token, head and K/V)")
-    g.add_argument("--kv-cache-rotation", default=d.kv_cache_rotation, choices=("none", "hadamard"),
-                   help="rotate K/V by a per-head Hadamard matrix before storing (more accurate FP8)")
-
-
-def engine_args_from(ns: argparse.Namespace, model: str) -> EngineArgs:
-    return EngineArgs(model=model, dtype=ns.dtype, kv_cache_dtype=ns.kv_cache_dtype,
-                      quantization_param_path=ns.quantization_param_path, kv_cache_memory=ns.kv_cache_memory,
-                      num_kv_blocks=ns.num_kv_blocks, block_size=ns.block_size,
-                      enable_prefix_caching=ns.enable_prefix_caching, max_num_seqs=ns.max_num_seqs,
-                      max_num_batched_tokens=ns.max_num_batched_tokens, max_model_len=ns.max_model_len,
-                      seed=ns.seed, attention_backend=ns.attention_backend,
-                      dense_backend=ns.dense_backend, kv_cache_scale_mode=ns.kv_cache_scale_mode,
-                      kv_cache_rotation=ns.kv_cache_rotation)
+# kv8 info loads no weights: only the options that size the cache table apply to it
+INFO_OPTIONS = ("kv_cache_memory", "block_size")
 
 
 def add_server_args(p: argparse.ArgumentParser) -> None:
@@ -97,18 +59,20 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
 def cmd_serve(ns: argparse.Namespace) -> int:
     from kv8.entrypoints.server import run_server
 
-    return run_server(ns, engine_args_from(ns, ns.model))
+    return run_server(ns, EngineArgs.from_cli_args(ns))
 
 
 def cmd_generate(ns: argparse.Namespace) -> int:
     from kv8 import LLM, SamplingParams
 
-    llm = LLM(**vars(engine_args_from(ns, ns.model)))
+    llm = LLM(**vars(EngineArgs.from_cli_args(ns)))
     params = SamplingParams(n=ns.n, temperature=ns.temperature, top_p=ns.top_p, top_k=ns.top_k, min_p=ns.min_p,
                             seed=ns.sampling_seed, max_tokens=ns.max_tokens, stop=ns.stop or None,
                             ignore_eos=ns.ignore_eos)
-    outs = llm.chat([{"role": "user", "content": p} for p in ns.prompt][:1], params) if ns.chat and len(ns.prompt) == 1 \
-        else llm.generate(list(ns.prompt), params)
+    if ns.chat and len(ns.prompt) == 1:
+        outs = llm.chat([{"role": "user", "content": ns.prompt[0]}], params)
+    else:
+        outs = llm.generate(list(ns.prompt), params)
     for out in outs:
         for c in out.outputs:
             if ns.json:
@@ -126,6 +90,9 @@ def cmd_info(ns: argparse.Namespace) -> int:
     kind, path = resolve_model_path(ns.model)
     arch = ModelArchConfig.from_hf_config(read_model_config(kind, path))
     memory = parse_memory(ns.kv_cache_memory) if ns.kv_cache_memory else default_kv_cache_memory()
+    # the same checks as an engine's cache (block_size a power of two, memory > 0), for any dtype
+    CacheConfig(kv_dtype=resolve_kv_cache_dtype("auto", resolve_dtype("auto")), block_size=ns.block_size,
+                kv_cache_memory=memory)
     print(f"model        {ns.model} ({kind}: {path})")
     print(f"architecture {arch.model_type}: {arch.num_layers} layers, hidden {arch.hidden_size}, "
           f"{arch.num_heads} query / {arch.num_kv_heads} KV heads, head_dim {arch.head_dim}, "
@@ -165,15 +132,14 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--ignore-eos", action="store_true")
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     g.add_argument("--json", action="store_true", help="print one JSON object per completion")
-    add_engine_args(g)
+    EngineArgs.add_cli_args(g)
     g.set_defaults(func=cmd_generate)
 
     i = sub.add_parser("info", help="architecture and KV-cache capacity per dtype",
                        description="Show a model's architecture and, for each KV dtype, bytes per token and how "
                                    "many tokens fit in a cache memory budget. Loads no weights.")
     i.add_argument("model", nargs="?", default=DEFAULT_MODEL, help=f"model (default: {DEFAULT_MODEL})")
-    i.add_argument("--kv-cache-memory", default=None, metavar="SIZE", help="budget, e.g. 2GiB (default as engine)")
-    i.add_argument("--block-size", type=int, default=16)
+    EngineArgs.add_cli_args(i, include=INFO_OPTIONS)
     i.set_defaults(func=cmd_info)
 
     sv = sub.add_parser("serve", help="OpenAI-compatible HTTP server",
@@ -183,7 +149,7 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--model-id", "--model", "-m", dest="model", default=DEFAULT_MODEL,
                     help=f"model to serve (default: {DEFAULT_MODEL})")
     add_server_args(sv)
-    add_engine_args(sv)
+    EngineArgs.add_cli_args(sv)
     sv.set_defaults(func=cmd_serve)
 
     r = sub.add_parser("run", help="OpenAI-compatible HTTP server, model given positionally",
@@ -191,7 +157,7 @@ def build_parser() -> argparse.ArgumentParser:
                        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     r.add_argument("model", help="model to serve: an alias, a Hugging Face model directory or a .gguf file")
     add_server_args(r)
-    add_engine_args(r)
+    EngineArgs.add_cli_args(r)
     r.set_defaults(func=cmd_serve)
 
     from kv8.tools.commands import add_calibrate_parser, add_eval_parser

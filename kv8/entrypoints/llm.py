@@ -57,10 +57,8 @@ class LLM:
     >>> llm = LLM(model="smollm2-135m", kv_cache_dtype="fp8")            # doctest: +SKIP
     >>> llm.generate("London is the capital of")[0].outputs[0].text      # doctest: +SKIP
 
-    Keyword arguments are :class:`EngineArgs` fields (vLLM's names): ``dtype``, ``kv_cache_dtype``,
-    ``quantization_param_path``, ``kv_cache_memory``, ``num_kv_blocks``, ``block_size``,
-    ``enable_prefix_caching``, ``max_num_seqs``, ``max_num_batched_tokens``, ``max_model_len``, ``seed``,
-    ``attention_backend``, ``dense_backend``, ``kv_cache_scale_mode``, ``kv_cache_rotation``.
+    Keyword arguments are the fields of :class:`~kv8.engine.args.EngineArgs` (vLLM's names, the same options as
+    the ``kv8`` flags); ``print(EngineArgs.describe())`` lists them with defaults, allowed values and help.
     """
 
     def __init__(self, model: str = DEFAULT_MODEL, **kwargs: Any) -> None:

@@ -1,4 +1,10 @@
-"""The ``kv8 calibrate`` and ``kv8 eval`` subcommands (registered by :mod:`kv8.entrypoints.cli`)."""
+"""The ``kv8 calibrate`` and ``kv8 eval`` subcommands (registered by :mod:`kv8.entrypoints.cli`).
+
+Their engine flags come from :meth:`EngineArgs.add_cli_args`, like every other subcommand's. Each tool builds
+its own engines and fixes the options that define what it measures (the cache dtype, its size, prefix
+caching); those are left out of its flags, and :data:`CALIBRATE_EXCLUDED` / :data:`EVAL_EXCLUDED` say which and
+why. The flags declared here are the tools' own.
+"""
 
 from __future__ import annotations
 
@@ -8,8 +14,25 @@ import math
 import sys
 from typing import Any
 
+from kv8.engine.args import EngineArgs
 from kv8.quant.formats import FP8_FORMATS, KV_CACHE_DTYPE_CHOICES, fp8_format
 from kv8.quant.scales import ScaleGranularity
+
+# Engine options the tools set themselves: the cache holds exactly the windows of one batch (--seq-len /
+# --window, --batch / --gen-prompts) and computes every token once (no prefix caching).
+SIZED_BY_TOOL = ("kv_cache_memory", "num_kv_blocks", "block_size", "enable_prefix_caching", "max_num_seqs",
+                 "max_model_len")
+# Engine options calibrate() and evaluate() do not take: greedy runs do not use the seed; the dense backend is
+# the engine's default (auto).
+NOT_PASSED = ("seed", "dense_backend")
+# calibrate observes K/V before any rounding: an unquantized float32 cache, so no scales of its own.
+CALIBRATE_EXCLUDED = SIZED_BY_TOOL + NOT_PASSED + ("kv_cache_dtype", "quantization_param_path", "kv_cache_scale_mode")
+# eval builds one engine per configuration; --config / --kv-cache-dtype (repeatable) name the configurations.
+EVAL_EXCLUDED = SIZED_BY_TOOL + NOT_PASSED + ("kv_cache_dtype", "quantization_param_path", "kv_cache_scale_mode",
+                                              "kv_cache_rotation")
+# eval compares caches: by default every engine reads its cache through the same reference attention, so only
+# what the cache stores differs (--attention-backend auto puts the fused kernels' numerics in the comparison).
+EVAL_DEFAULTS = {"attention_backend": "reference"}
 
 CALIBRATE_EPILOG = """examples:
   kv8 calibrate smollm2-135m --data wiki.xml.bz2 --output kv_cache_scales.json          # vLLM JSON
@@ -17,12 +40,15 @@ CALIBRATE_EPILOG = """examples:
   kv8 calibrate ./my-model --data a.txt b.txt --statistic percentile --percentile 99.9 --save-model ./my-model-fp8kv
 outputs: --output-format vllm (one scale per layer, the larger of K and V; tensor granularity, fp8_e4m3[fnuz])
   or kv8 ({"format": "kv8-kv-scales", ...}: any granularity, K and V separate); both are accepted by
-  --quantization-param-path. --save-model writes a model directory with k_scale/v_scale/kv_scale tensors."""
+  --quantization-param-path. --save-model writes a model directory with k_scale/v_scale/kv_scale tensors.
+--kv-cache-rotation hadamard calibrates for a cache that rotates K/V (kv8 JSON output only); serve with the
+  same --kv-cache-rotation."""
 
 EVAL_EPILOG = """examples:
   kv8 eval smollm2-135m --data wiki.xml.bz2 --kv-cache-dtype fp8_e4m3 --config fp8_e4m3:kv_cache_scales.json
   kv8 eval smollm2-135m --data held_out.txt --config fp8_e5m2 --json report.json --plot report.png
-every configuration is compared with the same engine using a float32 KV cache."""
+every configuration is compared with the same engine using a float32 KV cache; by default all of them attend
+through the reference backend, so only what the caches store differs (--attention-backend auto: fused kernels)."""
 
 
 def _fraction(text: str) -> float:
@@ -68,13 +94,8 @@ def add_calibrate_parser(sub: Any) -> None:
     c.add_argument("--check-samples", type=int, default=0, metavar="N",
                    help="also run the N windows after the calibration windows and report which K/V values the "
                         "new scales would clip (default 0: no check)")
-    c.add_argument("--dtype", default="auto", help="compute dtype (default auto = bfloat16, as when serving)")
     c.add_argument("--batch", type=int, default=4, help="samples run together (default 4)")
-    c.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    c.add_argument("--attention-backend", default="auto", help="attention backend of the engine (default auto)")
-    c.add_argument("--kv-cache-rotation", choices=("none", "hadamard"), default="none",
-                   help="calibrate for a cache that rotates K/V (kv8 JSON output only; use the same "
-                        "--kv-cache-rotation when serving)")
+    EngineArgs.add_cli_args(c, exclude=CALIBRATE_EXCLUDED)
     c.add_argument("--no-progress", action="store_true", help="no progress bar")
     c.set_defaults(func=cmd_calibrate)
 
@@ -98,10 +119,11 @@ def cmd_calibrate(ns: argparse.Namespace) -> int:
     recipe = ScaleRecipe(granularity=granularity, statistic=ns.statistic, fmt=fp8_format(ns.format),
                          percentile=ns.percentile, headroom=ns.headroom, v_headroom=ns.v_headroom,
                          key_bound=ns.key_bound, power_of_two=ns.scale_rounding == "pow2")
-    result = calibrate(ns.model, ns.data, recipe, num_samples=ns.num_samples, seq_len=ns.seq_len,
-                       skip_tokens=ns.skip_tokens, dtype=ns.dtype, batch=ns.batch,
-                       max_num_batched_tokens=ns.max_num_batched_tokens, attention_backend=ns.attention_backend,
-                       rotation=ns.kv_cache_rotation, check_samples=ns.check_samples,
+    args = EngineArgs.from_cli_args(ns)
+    result = calibrate(args.model, ns.data, recipe, num_samples=ns.num_samples, seq_len=ns.seq_len,
+                       skip_tokens=ns.skip_tokens, dtype=args.dtype, batch=ns.batch,
+                       max_num_batched_tokens=args.max_num_batched_tokens, attention_backend=args.attention_backend,
+                       rotation=args.kv_cache_rotation, check_samples=ns.check_samples,
                        show_progress=not ns.no_progress)
     s = result.scales
     print(f"calibrated {result.info.num_layers} layers on {result.num_samples} samples x {ns.seq_len} tokens: "
@@ -129,35 +151,33 @@ def add_eval_parser(sub: Any) -> None:
     e.add_argument("--config", action="append", default=[], metavar="DTYPE[+dynamic][+hadamard][:SCALES]",
                    help="a KV configuration, e.g. fp8_e4m3:kv_cache_scales.json or fp8_e4m3+dynamic+hadamard "
                         "(repeatable)")
-    e.add_argument("--kv-cache-dtype", action="append", default=[], choices=KV_CACHE_DTYPE_CHOICES,
-                   help="a KV configuration without a scales file (repeatable)")
+    e.add_argument("--kv-cache-dtype", dest="kv_cache_dtypes", action="append", default=[],
+                   choices=KV_CACHE_DTYPE_CHOICES, help="a KV configuration without a scales file (repeatable)")
     e.add_argument("--window", type=int, default=512, help="tokens per window; the second half is scored")
     e.add_argument("--num-windows", type=int, default=16, help="windows to score (default 16)")
     e.add_argument("--skip-tokens", type=int, default=0, help="skip this many data tokens first (held-out data)")
     e.add_argument("--gen-prompts", type=int, default=8, help="greedy-generation prompts (0 = none)")
     e.add_argument("--gen-prompt-len", type=int, default=32, help="tokens per greedy prompt")
     e.add_argument("--gen-tokens", type=int, default=32, help="greedy tokens per prompt")
-    e.add_argument("--dtype", default="auto", help="compute dtype (default auto = bfloat16)")
-    e.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    e.add_argument("--attention-backend", default="reference",
-                   help="reference (default: every cache read the same way, so only storage differs) or auto")
     e.add_argument("--json", nargs="?", const="-", default=None, metavar="PATH",
                    help="write the report as JSON to PATH (no PATH: print it instead of the table)")
     e.add_argument("--plot", default=None, metavar="FILE.png", help="write a figure (needs matplotlib)")
     e.add_argument("--no-progress", action="store_true", help="no progress bars")
+    EngineArgs.add_cli_args(e, exclude=EVAL_EXCLUDED, defaults=EVAL_DEFAULTS)
     e.set_defaults(func=cmd_eval)
 
 
 def cmd_eval(ns: argparse.Namespace) -> int:
     from kv8.tools.evaluate import DEFAULT_CONFIGS, KVConfig, evaluate
 
-    specs = [KVConfig.parse(c) for c in ns.config] + [KVConfig(d) for d in ns.kv_cache_dtype]
+    specs = [KVConfig.parse(c) for c in ns.config] + [KVConfig(d) for d in ns.kv_cache_dtypes]
     if not specs:
         specs = [KVConfig(d) for d in DEFAULT_CONFIGS]
-    report = evaluate(ns.model, ns.data, specs, window=ns.window, num_windows=ns.num_windows,
+    args = EngineArgs.from_cli_args(ns)
+    report = evaluate(args.model, ns.data, specs, window=ns.window, num_windows=ns.num_windows,
                       skip_tokens=ns.skip_tokens, gen_prompts=ns.gen_prompts, gen_prompt_len=ns.gen_prompt_len,
-                      gen_tokens=ns.gen_tokens, dtype=ns.dtype, max_num_batched_tokens=ns.max_num_batched_tokens,
-                      attention_backend=ns.attention_backend, show_progress=not ns.no_progress)
+                      gen_tokens=ns.gen_tokens, dtype=args.dtype, max_num_batched_tokens=args.max_num_batched_tokens,
+                      attention_backend=args.attention_backend, show_progress=not ns.no_progress)
     if ns.json == "-":
         json.dump(report.to_dict(), sys.stdout, indent=2)
         print()

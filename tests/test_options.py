@@ -1,0 +1,215 @@
+"""Engine options are declared once (EngineArgs fields) and every CLI subcommand's engine flags come from them."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import fields
+
+import pytest
+import torch
+
+from kv8.config import (ATTENTION_BACKENDS, DENSE_BACKENDS, DTYPE_CHOICES, ROTATIONS, SCALE_MODES,
+                        check_dense_backend)
+from kv8.engine.args import EngineArgs
+from kv8.entrypoints.cli import INFO_OPTIONS, build_parser
+from kv8.quant.formats import KV_CACHE_DTYPE_CHOICES
+from kv8.tools.commands import CALIBRATE_EXCLUDED, EVAL_DEFAULTS, EVAL_EXCLUDED
+
+FIELDS = EngineArgs.field_names()
+# the command line each subcommand needs besides engine flags
+BASE_ARGV = {"generate": ["generate", "hi"], "serve": ["serve"], "run": ["run", "m"], "info": ["info", "m"],
+             "calibrate": ["calibrate", "m", "--data", "d.txt"], "eval": ["eval", "m", "--data", "d.txt"]}
+OFFERED = {"generate": set(FIELDS), "serve": set(FIELDS), "run": set(FIELDS), "info": {"model", *INFO_OPTIONS},
+           "calibrate": set(FIELDS) - set(CALIBRATE_EXCLUDED), "eval": set(FIELDS) - set(EVAL_EXCLUDED)}
+# a value other than the default for every field, and its flags
+OTHER = dict(model="some-model", dtype="float32", kv_cache_dtype="fp8_e5m2", quantization_param_path="s.json",
+             kv_cache_memory="3GiB", num_kv_blocks=7, block_size=32, enable_prefix_caching=False, max_num_seqs=3,
+             max_num_batched_tokens=99, max_model_len=77, seed=5, attention_backend="reference",
+             dense_backend="packed_bf16", kv_cache_scale_mode="dynamic", kv_cache_rotation="hadamard")
+
+
+def _subparser(command: str) -> argparse.ArgumentParser:
+    parser = build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return sub.choices[command]
+
+
+def _engine_dests(command: str) -> set[str]:
+    return {a.dest for a in _subparser(command)._actions if a.dest in FIELDS}
+
+
+def _flags(name: str, value: object) -> list[str]:
+    if isinstance(value, bool):
+        return [("--" if value else "--no-") + name.replace("_", "-")]
+    return [EngineArgs.flag(name), str(value)]
+
+
+def test_other_values_differ_from_defaults():
+    assert set(OTHER) == set(FIELDS)
+    assert all(OTHER[f.name] != f.default for f in fields(EngineArgs))
+
+
+@pytest.mark.parametrize("command", sorted(OFFERED))
+def test_every_engine_field_is_a_flag(command):
+    """Every field is a flag of every subcommand that runs a model, except the documented exclusions."""
+    assert _engine_dests(command) == OFFERED[command]
+
+
+@pytest.mark.parametrize("command", sorted(OFFERED))
+def test_from_cli_args_round_trips(command):
+    parser = build_parser()
+    defaults = EngineArgs.from_cli_args(parser.parse_args(BASE_ARGV[command]))
+    tool_defaults = EVAL_DEFAULTS if command == "eval" else {}
+    for f in fields(EngineArgs):
+        if f.name != "model":
+            assert getattr(defaults, f.name) == tool_defaults.get(f.name, f.default), f.name
+    argv = list(BASE_ARGV[command])
+    for name in sorted(OFFERED[command] - {"model"}):
+        argv += _flags(name, OTHER[name])
+    got = EngineArgs.from_cli_args(parser.parse_args(argv))
+    for name in OFFERED[command] - {"model"}:
+        assert getattr(got, name) == OTHER[name], name
+    for name in set(FIELDS) - OFFERED[command]:
+        assert getattr(got, name) == getattr(EngineArgs(), name), name
+
+
+def test_model_argument_of_each_command():
+    parser = build_parser()
+    for argv in (["generate", "x", "--model", "A"], ["generate", "x", "-m", "A"], ["serve", "--model-id", "A"],
+                 ["serve", "--model", "A"], ["run", "A"], ["info", "A"], ["calibrate", "A", "--data", "d"],
+                 ["eval", "A", "--data", "d"]):
+        assert EngineArgs.from_cli_args(parser.parse_args(argv)).model == "A", argv
+
+
+def test_eval_keeps_its_repeatable_kv_cache_dtype():
+    ns = build_parser().parse_args(BASE_ARGV["eval"] + ["--kv-cache-dtype", "fp8", "--kv-cache-dtype", "bfloat16"])
+    assert ns.kv_cache_dtypes == ["fp8", "bfloat16"]
+    assert EngineArgs.from_cli_args(ns).kv_cache_dtype == "auto"   # not an engine option of eval
+
+
+CHOICE_FIELDS = {"dtype": DTYPE_CHOICES, "kv_cache_dtype": KV_CACHE_DTYPE_CHOICES,
+                 "attention_backend": ATTENTION_BACKENDS, "dense_backend": DENSE_BACKENDS,
+                 "kv_cache_scale_mode": SCALE_MODES, "kv_cache_rotation": ROTATIONS}
+
+
+def test_choices_come_from_the_declaring_tuples():
+    by_name = {f.name: f for f in fields(EngineArgs)}
+    assert {n for n, f in by_name.items() if f.metadata["choices"]} == set(CHOICE_FIELDS)
+    for name, choices in CHOICE_FIELDS.items():
+        assert by_name[name].metadata["choices"] is choices
+
+
+def test_attention_backends_match_the_registry():
+    from kv8.attention.backend import BACKENDS
+
+    assert set(ATTENTION_BACKENDS) == {"auto", *BACKENDS}
+
+
+@pytest.mark.parametrize("command,name", [(c, n) for c in sorted(OFFERED) for n in sorted(CHOICE_FIELDS)
+                                          if n in OFFERED[c]])
+def test_bad_choice_is_an_argparse_error_naming_the_allowed_values(command, name, capsys):
+    with pytest.raises(SystemExit) as exc:
+        build_parser().parse_args(BASE_ARGV[command] + [EngineArgs.flag(name), "nonsense"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert f"argument {EngineArgs.flag(name)}: invalid choice: 'nonsense'" in err
+    assert all(c in err for c in CHOICE_FIELDS[name])
+
+
+def test_bad_values_are_argparse_errors(capsys):
+    parser = build_parser()
+    for argv, message in ((["--kv-cache-memory", "lots"], "argument --kv-cache-memory: kv_cache_memory='lots' is "
+                                                          "not a memory size"),
+                          (["--block-size", "x"], "argument --block-size: invalid int value: 'x'"),
+                          (["--dense-backend", "cpu"], "invalid choice: 'cpu' (choose from 'auto', 'torch', "
+                                                       "'packed_bf16')")):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["generate", "x", *argv])
+        assert message in capsys.readouterr().err
+
+
+def test_cli_spellings():
+    ns = build_parser().parse_args(["generate", "x", "--dtype", "BF16", "--kv-cache-memory", "1000000"])
+    args = EngineArgs.from_cli_args(ns)
+    assert (args.dtype, args.kv_cache_memory) == ("bf16", "1000000")
+
+
+def test_add_cli_args_rejects_mistakes():
+    with pytest.raises(ValueError, match="not EngineArgs fields: nope"):
+        EngineArgs.add_cli_args(argparse.ArgumentParser(), exclude=("nope",))
+    with pytest.raises(ValueError, match="name fields this parser does not offer"):
+        EngineArgs.add_cli_args(argparse.ArgumentParser(), exclude=("seed",), defaults={"seed": 1})
+    with pytest.raises(ValueError, match="default attention_backend='fast' is not one of: auto, cpu_fused"):
+        EngineArgs.add_cli_args(argparse.ArgumentParser(), defaults={"attention_backend": "fast"})
+
+
+def test_describe_and_help_list_every_option(capsys):
+    text = EngineArgs.describe()
+    for f in fields(EngineArgs):
+        assert f.name in text and f.metadata["help"] in text
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["generate", "--help"])
+    out = capsys.readouterr().out
+    assert all(EngineArgs.flag(n) in out for n in FIELDS if n != "model")
+    assert "--no-enable-prefix-caching" in out
+
+
+def test_llm_docstring_points_at_engine_args():
+    from kv8.entrypoints.llm import LLM
+
+    assert "EngineArgs.describe()" in (LLM.__doc__ or "")
+
+
+# ---- validation happens in the config, with messages naming field, value and allowed values ----------------------
+HF = dict(model_type="llama", vocab_size=10, hidden_size=8, intermediate_size=16, num_hidden_layers=1,
+          num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64)
+
+
+def _config(**kw):
+    return EngineArgs(**kw).create_engine_config(HF, "hf", "/m")
+
+
+def test_dense_backend_names():
+    assert DENSE_BACKENDS == ("auto", "torch", "packed_bf16")
+    with pytest.raises(ValueError, match="^dense_backend='x' is not known; choose one of: auto, torch, packed_bf16$"):
+        check_dense_backend("x", torch.bfloat16)
+    with pytest.raises(ValueError, match="dense_backend='cpu' is not known"):
+        _config(dense_backend="cpu")
+    with pytest.raises(ValueError, match="^dense_backend='packed_bf16' needs dtype bfloat16, got torch.float32"):
+        _config(dense_backend="packed_bf16", dtype="float32")
+    assert _config(dense_backend="packed_bf16").dense_backend == "packed_bf16"
+
+
+@pytest.mark.parametrize("kw,message", [
+    (dict(attention_backend="fast"), "attention_backend='fast' is not known; choose one of: auto, cpu_fused, "
+                                     "reference"),
+    (dict(enable_prefix_caching="yes"), "enable_prefix_caching='yes' must be True or False"),
+    (dict(kv_cache_memory="lots"), "kv_cache_memory='lots' is not a memory size"),
+    (dict(num_kv_blocks=0), "num_kv_blocks=0 must be an int >= 1"),
+    (dict(block_size=3), "block_size=3 must be a power of two"),
+    (dict(max_model_len=65), r"max_model_len=65 exceeds the model's context \(max_position_embeddings=64\)"),
+    (dict(seed="1"), "seed='1' must be an int"),
+    (dict(kv_cache_scale_mode="per-token"), "kv_cache_scale_mode='per-token' is not supported; choose one of: "
+                                            "static, dynamic"),
+    (dict(kv_cache_rotation="random"), "kv_cache_rotation='random' is not supported; choose one of: none, hadamard"),
+])
+def test_config_errors_name_field_value_and_allowed(kw, message):
+    with pytest.raises(ValueError, match=message):
+        _config(**kw)
+
+
+def test_arch_dependent_checks():
+    with pytest.raises(ValueError, match="kv_cache_rotation='hadamard' needs a power-of-two head_dim"):
+        EngineArgs(kv_cache_rotation="hadamard").create_engine_config({**HF, "head_dim": 6}, "hf", "/m")
+    windowed = {**HF, "sliding_window": 32}
+    assert EngineArgs().create_engine_config(windowed, "hf", "/m").scheduler.max_model_len == 32
+    with pytest.raises(ValueError, match="max_model_len=48 exceeds the model's sliding window"):
+        EngineArgs(max_model_len=48).create_engine_config(windowed, "hf", "/m")
+    assert _config().scheduler.max_model_len == 64
+
+
+def test_info_checks_block_size(tiny_llama, capsys):
+    from kv8.entrypoints.cli import main
+
+    assert main(["info", tiny_llama, "--block-size", "0"]) == 2
+    assert "block_size=0 must be a power of two" in capsys.readouterr().err
