@@ -22,16 +22,14 @@ from typing import Any, Mapping
 
 import torch
 
+from kv8.cache.codec import ROTATIONS, SCALE_MODES, KVCodec
 from kv8.quant.formats import KVCacheDtype
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
-SCALE_MODES = ("static", "dynamic")
-ROTATIONS = ("none", "hadamard")
 # auto, then the names registered in kv8.attention.backend.BACKENDS (tests check that the two agree)
 ATTENTION_BACKENDS = ("auto", "cpu_fused", "reference")
 # kv8.model.cpu_dense: torch's layers, or kv8's packed AVX-512 BF16 linear layers with fused norm/SiLU/RoPE
 DENSE_BACKENDS = ("auto", "torch", "packed_bf16")
-DYNAMIC_SCALE_BYTES = 4  # one float32 scale per (token, KV head) for K and for V
 
 _DTYPES: dict[str, torch.dtype] = {
     "auto": torch.bfloat16,
@@ -195,7 +193,7 @@ class ModelArchConfig:
         With dynamic scales, each token also keeps one float32 scale per KV head for K and for V
         (``4 / head_dim`` overhead: 6.25% at head_dim 64).
         """
-        per_head = self.head_dim * kv_dtype.bytes_per_element + (DYNAMIC_SCALE_BYTES if dynamic_scales else 0)
+        per_head = KVCodec.bytes_per_head(kv_dtype, self.head_dim, dynamic_scales)
         return 2 * self.num_layers * self.num_kv_heads * per_head
 
 

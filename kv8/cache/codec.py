@@ -21,9 +21,10 @@ Everything that writes, reads or measures stored K/V goes through a codec: the r
 layer (:meth:`KVCodec.to_stored_basis`), calibration statistics (:attr:`KVCodec.rotation` for the key envelope)
 and ``kv8 eval``'s round-trip error (:meth:`KVCodec.round_trip`).
 
-Invariants (checked by :meth:`KVCodec.build`, once, when the engine is built): dynamic scales and static
-scales exclude each other and both need an FP8 format; an FP8 codec in static mode always has scales (1.0 when
-none were given); a rotation needs a power-of-two ``head_dim``. That static scales describe the codec's basis
+Invariants (the options are checked by :class:`kv8.config.CacheConfig`, the scales by :meth:`KVCodec.build`,
+once, when the engine is built): dynamic scales and static scales exclude each other and both need an FP8
+format; an FP8 codec in static mode always has scales (1.0 when none were given); a rotation needs a
+power-of-two ``head_dim``. That static scales describe the codec's basis
 is checked where they are resolved (:func:`kv8.quant.scales.resolve_kv_scales`; 1.0 fits every basis).
 """
 
@@ -58,35 +59,26 @@ class KVCodec:
     @staticmethod
     def build(kv_dtype: KVCacheDtype, head_dim: int, *, scale_mode: str = "static", rotation: str = "none",
               scales: KVScales | None = None) -> "KVCodec":
-        """A validated codec. ``scales`` are the static scales (ignored with a 16/32-bit format: there is
-        nothing to scale); an FP8 format in static mode without scales gets 1.0 for every layer only when the
-        caller passes :meth:`KVScales.default` -- a missing scale is never invented here."""
-        if scale_mode not in SCALE_MODES:
-            raise ValueError(f"kv_cache_scale_mode={scale_mode!r} is not supported; choose one of: "
-                             f"{', '.join(SCALE_MODES)}")
-        if rotation not in ROTATIONS:
-            raise ValueError(f"kv_cache_rotation={rotation!r} is not supported; choose one of: {', '.join(ROTATIONS)}")
+        """A codec for options already validated by :class:`kv8.config.CacheConfig` (``scale_mode`` in
+        :data:`SCALE_MODES`, ``rotation`` in :data:`ROTATIONS`, dynamic scales only with FP8, a power-of-two
+        ``head_dim`` for a rotation). ``scales`` are the static scales (dropped for a 16/32-bit format: there is
+        nothing to scale); an FP8 format in static mode needs them -- 1.0 comes from :meth:`KVScales.default`,
+        never invented here."""
         dynamic = scale_mode == "dynamic"
-        if dynamic and not kv_dtype.is_fp8:
-            raise ValueError(f"kv_cache_scale_mode='dynamic' needs an FP8 cache, but kv_cache_dtype="
-                             f"{kv_dtype.name!r}; set kv_cache_dtype='fp8' (or another fp8 format)")
         if dynamic and scales is not None:
             raise ValueError(f"kv_cache_scale_mode='dynamic' computes scales per token; static scales "
                              f"({scales.source}) cannot be combined with it")
         if kv_dtype.is_fp8 and not dynamic and scales is None:
             raise ValueError("an FP8 KV cache in static scale mode needs scales (KVScales.default gives 1.0)")
-        matrix = None
-        if rotation == "hadamard":
-            if head_dim < 1 or head_dim & (head_dim - 1):
-                raise ValueError(f"kv_cache_rotation='hadamard' needs a power-of-two head_dim; this model has "
-                                 f"head_dim={head_dim}")
-            matrix = hadamard(head_dim)
+        matrix = hadamard(head_dim) if rotation == "hadamard" else None
         return KVCodec(kv_dtype, head_dim, scales if kv_dtype.is_fp8 else None, dynamic, rotation, matrix)
 
     # ---- sizes ----------------------------------------------------------------------------------------------
-    def bytes_per_head(self) -> int:
-        """Bytes one token's K (or V) of one KV head occupies: codes plus a dynamic scale."""
-        return self.head_dim * self.kv_dtype.bytes_per_element + (DYNAMIC_SCALE_BYTES if self.dynamic else 0)
+    @staticmethod
+    def bytes_per_head(kv_dtype: KVCacheDtype, head_dim: int, dynamic: bool) -> int:
+        """Bytes one token's K (or V) of one KV head occupies: its codes, plus its scale with dynamic scales
+        (``4 / head_dim`` overhead: 6.25% at head_dim 64)."""
+        return head_dim * kv_dtype.bytes_per_element + (DYNAMIC_SCALE_BYTES if dynamic else 0)
 
     # ---- basis ----------------------------------------------------------------------------------------------
     def to_stored_basis(self, x: torch.Tensor) -> torch.Tensor:

@@ -69,7 +69,7 @@ class LLMEngine:
         codec = KVCodec.build(cc.kv_dtype, arch.head_dim, scale_mode=cc.scale_mode, rotation=cc.rotation,
                               scales=scales)
         self.dense_backend = select_dense_backend(self.config.dense_backend, self.config.dtype)
-        if self.dense_backend == "cpu":
+        if self.dense_backend == "packed_bf16":
             self.model.use_cpu_kernels(load_dense_kernels())
         num_blocks = resolve_num_blocks(self.config)
         self.cache = PagedKVCache(CacheShape(arch.num_layers, num_blocks, arch.num_kv_heads, cc.block_size,

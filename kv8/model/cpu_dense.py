@@ -223,7 +223,7 @@ _auto_fallback_logged = False
 
 
 def select_dense_backend(name: str, dtype: torch.dtype) -> str:
-    """``"cpu"`` or ``"torch"``. ``auto`` uses the kernels for bf16 models when they build and load (else
+    """``"packed_bf16"`` or ``"torch"``. ``auto`` uses the kernels for bf16 models when they build and load (else
     says why once per process and uses torch); ``cpu`` raises :class:`KernelUnavailable` if they can't;
     models in other dtypes use torch."""
     global _auto_fallback_logged
@@ -233,13 +233,13 @@ def select_dense_backend(name: str, dtype: torch.dtype) -> str:
     try:
         load_dense_kernels()
     except KernelUnavailable as exc:
-        if name == "cpu":
+        if name == "packed_bf16":
             raise
         if not _auto_fallback_logged:
             _auto_fallback_logged = True
             logger.warning("dense layers: using torch because kv8's CPU kernels are unavailable: %s", exc)
         return "torch"
-    return "cpu"
+    return "packed_bf16"
 
 
 class PackedLinear(nn.Module):
