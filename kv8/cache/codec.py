@@ -35,11 +35,10 @@ from dataclasses import dataclass
 import torch
 
 from kv8.quant.formats import KVCacheDtype, dequantize, quantize
-from kv8.quant.rotation import hadamard, rotate
+from kv8.quant.rotation import ROTATIONS, hadamard, rotate
 from kv8.quant.scales import KVScales
 
 SCALE_MODES = ("static", "dynamic")
-ROTATIONS = ("none", "hadamard")
 DYNAMIC_SCALE_BYTES = 4  # one float32 scale per (token, KV head), for K and for V
 
 K, V = 0, 1  # index of keys / values in every (K, V) pair

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import functools
 
+ROTATIONS = ("none", "hadamard")  # kv_cache_rotation: no rotation, or the per-head Hadamard matrix below
+
 import torch
 
 

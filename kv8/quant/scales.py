@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from kv8.quant.formats import E4M3, E4M3FNUZ, E5M2, FP8Format, KVCacheDtype
+from kv8.quant.rotation import ROTATIONS
 
 logger = logging.getLogger("kv8")
 
@@ -88,8 +89,8 @@ class KVScales:
     rotation: str = "none"
 
     def __post_init__(self) -> None:
-        if self.rotation not in ("none", "hadamard"):
-            raise ValueError(f"KVScales.rotation must be 'none' or 'hadamard', got {self.rotation!r}")
+        if self.rotation not in ROTATIONS:
+            raise ValueError(f"KVScales.rotation must be one of {', '.join(ROTATIONS)}, got {self.rotation!r}")
         if not isinstance(self.granularity, ScaleGranularity):
             raise ValueError(
                 f"KVScales.granularity must be a ScaleGranularity, got {self.granularity!r}; "

@@ -42,7 +42,7 @@ from tqdm.auto import tqdm
 from kv8.cache.codec import KVCodec
 from kv8.engine.engine import LLMEngine
 from kv8.observer import EngineObserver
-from kv8.quant.formats import KV_CACHE_DTYPE_CHOICES
+from kv8.quant.formats import resolve_kv_cache_dtype
 from kv8.sampling_params import SamplingParams
 from kv8.tools.calibrate import build_engine, check_length, model_arch, run_prompts
 from kv8.tools.data import read_corpus, token_windows, tokenize_corpus
@@ -63,9 +63,8 @@ class KVConfig:
     rotation: str = "none"
 
     def __post_init__(self) -> None:
-        if self.kv_cache_dtype not in KV_CACHE_DTYPE_CHOICES:
-            raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r} is not supported; choose one of: "
-                             f"{', '.join(KV_CACHE_DTYPE_CHOICES)}")
+        # Checked here, before any engine loads weights; the names (aliases included) are the engine's.
+        resolve_kv_cache_dtype(self.kv_cache_dtype, torch.float32)
 
     @staticmethod
     def parse(spec: str) -> "KVConfig":
