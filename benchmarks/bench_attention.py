@@ -11,8 +11,8 @@ sequence. For every (batch, context) it prints the time of one layer's decode at
 
 (best of 5 timing windows) with effective bandwidth (cache bytes read / time; for a copy, bytes copied / time),
 the kernels' fraction of the copy bandwidth of the same bytes, and the ratios fp8/bf16 and bf16/sdpa. Calls cycle
-through enough layers (distinct buffers) that every variant streams at least ``--footprint-mb`` MiB, i.e. from DRAM rather
-than a warm L3, as in a real decode step where each layer's cache is read once.
+through enough layers (distinct buffers) that every variant streams at least ``--footprint-mb`` MiB, i.e. from
+DRAM rather than a warm L3, as in a real decode step where each layer's cache is read once.
 
     .venv/bin/python benchmarks/bench_attention.py            # batch 1, 8, 32 x context 1k, 4k, 8k
     .venv/bin/python benchmarks/bench_attention.py --quick    # batch 1, 8 x context 1k, 4k
