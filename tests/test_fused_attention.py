@@ -442,7 +442,7 @@ def test_bad_inputs_raise(lib: fused.KernelLibrary) -> None:
 
 def test_backend_bad_block_id_is_a_value_error(lib: fused.KernelLibrary) -> None:
     """The trusted hot path (no Python validation) still reports a bad block id or slot as a ValueError."""
-    cache, meta, q = make_case("fp8_e4m3", "tensor", torch.bfloat16, query_lens=[1, 2], seq_lens=[5, 20])
+    cache, _, q = make_case("fp8_e4m3", "tensor", torch.bfloat16, query_lens=[1, 2], seq_lens=[5, 20])
     backend = FusedCPUBackend()
     bad = AttentionMetadata.build([1, 2], [5, 20], [[cache.shape.num_blocks + 5], [0, 1]], cache.shape.block_size)
     k = torch.zeros(3, cache.shape.num_kv_heads, cache.shape.head_dim, dtype=torch.bfloat16)

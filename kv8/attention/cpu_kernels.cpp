@@ -70,7 +70,7 @@ extern "C" {
 // Production interface
 // ------------------------------------------------------------------------------------------------
 
-// 1 when the AVX-512 BF16 fast path was compiled in.
+// 1 when the AVX-512 BF16 fast path is compiled in.
 int kv8_has_fast_path(void) { return KV8_FAST; }
 
 // Name of KV dtype / compute dtype `code`, NULL past the last one: Python builds its code tables from these.

@@ -72,29 +72,29 @@ struct kv8_store_call { KV8_STORE_CALL_FIELDS(KV8_DECLARE_FIELD) };
 static const char* abi_layout_text(void) {
     static char text[2048];
     static const bool built = [] {  // once, thread-safe (a C++ static initializer)
-    size_t n = 0;
-#define KV8_PUT(...) n += (size_t)snprintf(text + n, n < sizeof(text) ? sizeof(text) - n : 0, __VA_ARGS__)
-#define KV8_STRUCT(S, FIELDS)                                                                         \
-    KV8_PUT("%s %zu:", #S, sizeof(S));                                                                \
-    FIELDS(KV8_FIELD_OF_##S)                                                                          \
-    KV8_PUT(";");
-#define KV8_FIELD_OF_kv8_layer(type, name) KV8_PUT(" %s@%zu+%zu", #name, offsetof(kv8_layer, name), \
-                                                  sizeof(((kv8_layer*)0)->name));
-#define KV8_FIELD_OF_kv8_attention_call(type, name) KV8_PUT(" %s@%zu+%zu", #name,                     \
-    offsetof(kv8_attention_call, name), sizeof(((kv8_attention_call*)0)->name));
-#define KV8_FIELD_OF_kv8_store_call(type, name) KV8_PUT(" %s@%zu+%zu", #name,                         \
-    offsetof(kv8_store_call, name), sizeof(((kv8_store_call*)0)->name));
-    KV8_STRUCT(kv8_layer, KV8_LAYER_FIELDS)
-    KV8_PUT(" ");
-    KV8_STRUCT(kv8_attention_call, KV8_ATTENTION_CALL_FIELDS)
-    KV8_PUT(" ");
-    KV8_STRUCT(kv8_store_call, KV8_STORE_CALL_FIELDS)
-#undef KV8_FIELD_OF_kv8_store_call
-#undef KV8_FIELD_OF_kv8_attention_call
-#undef KV8_FIELD_OF_kv8_layer
-#undef KV8_STRUCT
-#undef KV8_PUT
-    return true;
+        size_t n = 0;
+    #define KV8_PUT(...) n += (size_t)snprintf(text + n, n < sizeof(text) ? sizeof(text) - n : 0, __VA_ARGS__)
+    #define KV8_STRUCT(S, FIELDS)                                                                         \
+        KV8_PUT("%s %zu:", #S, sizeof(S));                                                                \
+        FIELDS(KV8_FIELD_OF_##S)                                                                          \
+        KV8_PUT(";");
+    #define KV8_FIELD_OF_kv8_layer(type, name) KV8_PUT(" %s@%zu+%zu", #name, offsetof(kv8_layer, name), \
+                                                      sizeof(((kv8_layer*)0)->name));
+    #define KV8_FIELD_OF_kv8_attention_call(type, name) KV8_PUT(" %s@%zu+%zu", #name,                     \
+        offsetof(kv8_attention_call, name), sizeof(((kv8_attention_call*)0)->name));
+    #define KV8_FIELD_OF_kv8_store_call(type, name) KV8_PUT(" %s@%zu+%zu", #name,                         \
+        offsetof(kv8_store_call, name), sizeof(((kv8_store_call*)0)->name));
+        KV8_STRUCT(kv8_layer, KV8_LAYER_FIELDS)
+        KV8_PUT(" ");
+        KV8_STRUCT(kv8_attention_call, KV8_ATTENTION_CALL_FIELDS)
+        KV8_PUT(" ");
+        KV8_STRUCT(kv8_store_call, KV8_STORE_CALL_FIELDS)
+    #undef KV8_FIELD_OF_kv8_store_call
+    #undef KV8_FIELD_OF_kv8_attention_call
+    #undef KV8_FIELD_OF_kv8_layer
+    #undef KV8_STRUCT
+    #undef KV8_PUT
+        return true;
     }();
     (void)built;
     return text;
