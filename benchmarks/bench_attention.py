@@ -3,18 +3,20 @@
 SmolLM2 shapes (9 query heads, 3 KV heads, head_dim 64, blocks of 16), bf16 queries, one new token per
 sequence. For every (batch, context) it prints the time of one layer's decode attention for
 
-* ``kv8 fp8``  -- :func:`kv8.attention.fused.paged_attention_fused` over an fp8_e4m3 paged cache,
+* ``kv8 fp8``  -- :meth:`kv8.attention.fused.KernelLibrary.attention` (what the ``cpu_fused`` backend calls)
+  over an fp8_e4m3 paged cache,
 * ``kv8 bf16`` -- the same kernel over a bf16 paged cache,
 * ``sdpa``     -- ``F.scaled_dot_product_attention(..., enable_gqa=True)`` over a contiguous bf16 cache,
 * ``copy fp8`` / ``copy bf16`` -- ``dst.copy_(src)`` of as many bytes as the fp8 / bf16 cache holds,
 
-(best of 5 timing windows) with effective bandwidth (cache bytes read / time; for a copy, bytes copied / time), the kernels' fraction of
-the copy bandwidth of the same bytes, and the ratios fp8/bf16 and bf16/sdpa. Calls cycle through enough
-layers (distinct buffers) that every variant streams at least ``--footprint-mb`` MiB, i.e. from DRAM rather
-than a warm L3, as in a real decode step where each layer's cache is read once.
+(best of 5 timing windows) with effective bandwidth (cache bytes read / time; for a copy, bytes copied / time),
+the kernels' fraction of the copy bandwidth of the same bytes, and the ratios fp8/bf16 and bf16/sdpa. Calls cycle
+through enough layers (distinct buffers) that every variant streams at least ``--footprint-mb`` MiB, i.e. from
+DRAM rather than a warm L3, as in a real decode step where each layer's cache is read once.
 
     .venv/bin/python benchmarks/bench_attention.py            # batch 1, 8, 32 x context 1k, 4k, 8k
     .venv/bin/python benchmarks/bench_attention.py --quick    # batch 1, 8 x context 1k, 4k
+    .venv/bin/python benchmarks/bench_attention.py --kv8-only --batch 1 8 32 --context 4096  # kv8 only
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from kv8.attention.fused import load_kernels, paged_attention_fused
+from kv8.attention.fused import load_kernels
 from kv8.attention.metadata import AttentionMetadata
 from kv8.cache.codec import KVCodec
 from kv8.cache.paged_cache import CacheShape, PagedKVCache
@@ -90,8 +92,10 @@ def bench(batch: int, ctx: int, args: argparse.Namespace) -> dict[str, float]:
     for name, nbytes in (("fp8", fp8_bytes), ("bf16", bf16_bytes)):
         nl = layers_for(nbytes, args.footprint_mb << 20)
         cache, meta = paged_cache("fp8_e4m3" if name == "fp8" else "bfloat16", nl, batch, ctx)
-        res[name] = timeit(lambda i: paged_attention_fused(lib, q, cache, i, meta, scale), nl, args.min_time)
+        res[name] = timeit(lambda i: lib.attention(q, cache, i, meta, scale), nl, args.min_time)
         del cache
+    if args.kv8_only:
+        return res
     nl = layers_for(bf16_bytes, args.footprint_mb << 20)
     kc = torch.randn(nl, batch, HKV, ctx, D, dtype=torch.bfloat16)
     vc = torch.randn(nl, batch, HKV, ctx, D, dtype=torch.bfloat16)
@@ -115,6 +119,7 @@ def main() -> None:
     ap.add_argument("--context", type=int, nargs="*", default=None)
     ap.add_argument("--min-time", type=float, default=1.0, help="seconds per measurement (default 1.0)")
     ap.add_argument("--footprint-mb", type=int, default=128, help="bytes each variant cycles through (MiB)")
+    ap.add_argument("--kv8-only", action="store_true", help="time the kv8 kernels only (no sdpa, no copies)")
     ap.add_argument("--threads", type=int, default=None, help="torch / kernel threads (default: torch's)")
     args = ap.parse_args()
     if args.threads:
@@ -129,11 +134,17 @@ def main() -> None:
            f"{'fp8 GB/s':>8} {'bf16 GB/s':>9} {'sdpa GB/s':>9} {'cp8 GB/s':>8} {'cp16 GB/s':>9} | "
            f"{'fp8/cp':>6} {'bf16/cp':>7} | {'fp8/bf16':>8} {'bf16/sdpa':>9}")
     print("times are microseconds per layer call; fp8/cp = fp8 kernel bandwidth / copy bandwidth of the same bytes")
+    if args.kv8_only:
+        hdr = f"{'batch':>5} {'ctx':>6} | {'kv8 fp8':>9} {'kv8 bf16':>9} | {'fp8/bf16':>8}"
     print(hdr)
     print("-" * len(hdr))
     for b in batches:
         for ctx in contexts:
             r = bench(b, ctx, args)
+            if args.kv8_only:
+                print(f"{b:>5} {ctx:>6} | {r['fp8'] * 1e6:>9.1f} {r['bf16'] * 1e6:>9.1f} | "
+                      f"{r['fp8'] / r['bf16']:>8.2f}", flush=True)
+                continue
             gb = lambda nbytes, t: nbytes / t / 1e9  # noqa: E731
             f8, b16 = gb(r["fp8_bytes"], r["fp8"]), gb(r["bf16_bytes"], r["bf16"])
             sd = gb(r["bf16_bytes"], r["sdpa"])

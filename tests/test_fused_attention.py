@@ -22,6 +22,7 @@ Tolerances (the kernels accumulate in fp32; the fast path carries q and the soft
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import math
 
@@ -62,9 +63,17 @@ def cpu_has_fast_path() -> bool:
     return {"avx512f", "avx512bw", "avx512vl", "avx512vbmi", "avx512_bf16"} <= flags
 
 
+def load_or_skip(march: str = "native") -> fused.KernelLibrary:
+    """The kernels for ``march``; the test is skipped (with the reason) where they cannot be built."""
+    try:
+        return load_kernels(march)
+    except KernelUnavailable as exc:
+        pytest.skip(f"fused CPU kernels unavailable: {exc}")
+
+
 @pytest.fixture(scope="module")
 def lib() -> fused.KernelLibrary:
-    lib = load_kernels()
+    lib = load_or_skip()
     assert lib.has_fast_path == cpu_has_fast_path(), "-march=native must enable the fast path exactly when the CPU can"
     return lib
 
@@ -72,7 +81,18 @@ def lib() -> fused.KernelLibrary:
 @pytest.fixture(scope="module")
 def generic_lib() -> fused.KernelLibrary:
     """A build without AVX-512 (x86-64-v3 = AVX2): exercises the generic fp32 path everywhere."""
-    return load_kernels("x86-64-v3")
+    return load_or_skip("x86-64-v3")
+
+
+def attention_path(lib: fused.KernelLibrary, kv_name: str, q_dtype: torch.dtype, dim: int) -> str:
+    """"fast" (an AVX-512 BF16 item kernel serves prefill-sized items) or "generic"."""
+    kernel = fused.KernelTesting(lib).item_kernel(kv_name, q_dtype, dim)
+    return "generic" if kernel == "generic" else "fast"
+
+
+def uses_decode_kernel(lib: fused.KernelLibrary, kv_name: str, q_dtype: torch.dtype, dim: int, bs: int,
+                       rows: int) -> bool:
+    return fused.KernelTesting(lib).item_kernel(kv_name, q_dtype, dim, bs, rows) == "decode"
 
 
 def make_scales(kv_name: str, gran: str, layers: int, heads: int, dim: int,
@@ -149,12 +169,12 @@ def test_fp8_decode_all_codes(lib: fused.KernelLibrary, fmt: str, path: str, flu
     codes = torch.arange(256, dtype=torch.uint8)
     if path == "tables" and not lib.has_fast_path:
         with pytest.raises(ValueError, match="not available"):
-            lib.decode_fp8(fmt, codes, path)
+            fused.KernelTesting(lib).decode_fp8(fmt, codes, path)
         return
     want = torch.tensor(FP8_FORMATS[fmt].values(), dtype=torch.float32)
     torch.set_flush_denormal(flush_denormal)
     try:
-        got = lib.decode_fp8(fmt, codes, path)
+        got = fused.KernelTesting(lib).decode_fp8(fmt, codes, path)
     finally:
         torch.set_flush_denormal(False)
     nan = torch.isnan(want)
@@ -166,12 +186,12 @@ def test_generic_build_decodes_on_bits(generic_lib: fused.KernelLibrary) -> None
     assert not generic_lib.has_fast_path
     for fmt in FP8:
         want = torch.tensor(FP8_FORMATS[fmt].values(), dtype=torch.float32)
-        got = generic_lib.decode_fp8(fmt, torch.arange(256, dtype=torch.uint8), "bits")
+        got = fused.KernelTesting(generic_lib).decode_fp8(fmt, torch.arange(256, dtype=torch.uint8), "bits")
         nan = torch.isnan(want)
         assert torch.equal(torch.isnan(got), nan)
         assert torch.equal(got[~nan].view(torch.int32), want[~nan].view(torch.int32))
     with pytest.raises(ValueError, match="not available"):
-        generic_lib.decode_fp8("fp8_e4m3", torch.arange(256, dtype=torch.uint8), "tables")
+        fused.KernelTesting(generic_lib).decode_fp8("fp8_e4m3", torch.arange(256, dtype=torch.uint8), "tables")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -262,7 +282,7 @@ def test_attention_dtypes_and_scales(lib: fused.KernelLibrary, kv_name: str, gra
                                      q_dtype: torch.dtype) -> None:
     cache, meta, q = make_case(kv_name, gran, q_dtype)
     expected = "fast" if kv_name in FP8 + ["bfloat16"] and lib.has_fast_path else "generic"
-    assert lib.attention_path(kv_name, q_dtype, 64) == expected
+    assert attention_path(lib, kv_name, q_dtype, 64) == expected
     check_attention(lib, cache, meta, q)
 
 
@@ -283,7 +303,7 @@ def test_attention_odd_head_dim(lib: fused.KernelLibrary, kv_name: str, dim: int
     """D = 80 takes the fast path with a partial 64-channel chunk; D = 72 (not a multiple of 16) the generic."""
     cache, meta, q = make_case(kv_name, "channel", torch.float32, dim=dim, heads=2)
     fast = dim == 80 and kv_name != "float16" and lib.has_fast_path
-    assert lib.attention_path(kv_name, torch.float32, dim) == ("fast" if fast else "generic")
+    assert attention_path(lib, kv_name, torch.float32, dim) == ("fast" if fast else "generic")
     check_attention(lib, cache, meta, q)
 
 
@@ -312,7 +332,7 @@ def test_attention_dynamic_scales(lib: fused.KernelLibrary, kv_name: str, q_dtyp
 @pytest.mark.parametrize("kv_name,gran", [("fp8_e4m3", "channel"), ("fp8_e5m2", "dynamic"),
                                           ("fp8_e4m3fnuz", "head"), ("bfloat16", "none")])
 def test_attention_generic_build(generic_lib: fused.KernelLibrary, kv_name: str, gran: str) -> None:
-    assert generic_lib.attention_path(kv_name, torch.bfloat16, 64) == "generic"
+    assert attention_path(generic_lib, kv_name, torch.bfloat16, 64) == "generic"
     for q_dtype in (torch.bfloat16, torch.float32):
         cache, meta, q = make_case(kv_name, gran, q_dtype)
         check_attention(generic_lib, cache, meta, q, partition_size=32)
@@ -342,9 +362,9 @@ def test_decode_item_kernel(lib: fused.KernelLibrary, kv_name: str, gran: str, g
     per_seq = 4 // group  # query tokens per sequence that keep items at <= 4 rows
     seq_lens = [1, 15, 16, 17, 63, 64, 65, 129, 300]
     query_lens = [min(1 + i % per_seq, n) for i, n in enumerate(seq_lens)]
-    assert lib.uses_decode_kernel(kv_name, torch.bfloat16, dim, bs, group * per_seq) == lib.has_fast_path
-    assert not lib.uses_decode_kernel(kv_name, torch.bfloat16, dim, bs, 5)
-    assert not lib.uses_decode_kernel(kv_name, torch.float32, dim, bs, group)
+    assert uses_decode_kernel(lib, kv_name, torch.bfloat16, dim, bs, group * per_seq) == lib.has_fast_path
+    assert not uses_decode_kernel(lib, kv_name, torch.bfloat16, dim, bs, 5)
+    assert not uses_decode_kernel(lib, kv_name, torch.float32, dim, bs, group)
     cache, meta, q = make_case(kv_name, gran, torch.bfloat16, group=group, dim=dim, bs=bs, heads=2,
                                query_lens=query_lens, seq_lens=seq_lens, seed=group * dim + bs, poison=True)
     for partition in (0, 16, 48):
@@ -354,21 +374,21 @@ def test_decode_item_kernel(lib: fused.KernelLibrary, kv_name: str, gran: str, g
 def test_decode_item_kernel_conditions(lib: fused.KernelLibrary) -> None:
     """Where the decode-item kernel does not apply, the general fast path serves (tested above)."""
     fast = lib.has_fast_path
-    assert lib.uses_decode_kernel("fp8_e4m3", torch.bfloat16, 64, 16, 3) == fast
-    assert lib.uses_decode_kernel("fp8_e5m2", torch.bfloat16, 128, 48, 4) == fast
-    assert lib.uses_decode_kernel("fp8_e4m3fnuz", torch.bfloat16, 256, 16, 1) == fast
-    assert not lib.uses_decode_kernel("fp8_e4m3", torch.bfloat16, 64, 8, 3)     # blocks of 8 tokens
-    assert not lib.uses_decode_kernel("fp8_e4m3", torch.bfloat16, 80, 16, 3)    # head_dim 80
-    assert not lib.uses_decode_kernel("fp8_e4m3", torch.float16, 64, 16, 3)     # fp16 compute
-    assert not lib.uses_decode_kernel("float16", torch.bfloat16, 64, 16, 3)     # fp16 cache: generic path
-    assert not lib.uses_decode_kernel("fp8_e4m3", torch.bfloat16, 64, 16, 16)   # prefill-sized items
+    assert uses_decode_kernel(lib, "fp8_e4m3", torch.bfloat16, 64, 16, 3) == fast
+    assert uses_decode_kernel(lib, "fp8_e5m2", torch.bfloat16, 128, 48, 4) == fast
+    assert uses_decode_kernel(lib, "fp8_e4m3fnuz", torch.bfloat16, 256, 16, 1) == fast
+    assert not uses_decode_kernel(lib, "fp8_e4m3", torch.bfloat16, 64, 8, 3)     # blocks of 8 tokens
+    assert not uses_decode_kernel(lib, "fp8_e4m3", torch.bfloat16, 80, 16, 3)    # head_dim 80
+    assert not uses_decode_kernel(lib, "fp8_e4m3", torch.float16, 64, 16, 3)     # fp16 compute
+    assert not uses_decode_kernel(lib, "float16", torch.bfloat16, 64, 16, 3)     # fp16 cache: generic path
+    assert not uses_decode_kernel(lib, "fp8_e4m3", torch.bfloat16, 64, 16, 16)   # prefill-sized items
 
 
 # ------------------------------------------------------------------------------------------------
 # Backend and errors
 # ------------------------------------------------------------------------------------------------
 
-def test_backend_forward_matches_reference_backend() -> None:
+def test_backend_forward_matches_reference_backend(lib: fused.KernelLibrary) -> None:
     gen = torch.Generator().manual_seed(5)
     heads, group, dim, bs = 2, 3, 64, 16
     kv = resolve_kv_cache_dtype("fp8_e4m3", torch.bfloat16)
@@ -426,3 +446,47 @@ def test_bad_inputs_raise(lib: fused.KernelLibrary) -> None:
     k = torch.zeros(1, cache.shape.num_kv_heads, cache.shape.head_dim)
     with pytest.raises(ValueError, match="slot"):
         store_kv_fused(lib, cache, 1, k, k, torch.tensor([cache.shape.num_blocks * cache.shape.block_size]))
+
+
+def test_backend_bad_block_id_is_a_value_error(lib: fused.KernelLibrary) -> None:
+    """The trusted hot path (no Python validation) still reports a bad block id or slot as a ValueError."""
+    cache, _, q = make_case("fp8_e4m3", "tensor", torch.bfloat16, query_lens=[1, 2], seq_lens=[5, 20])
+    backend = FusedCPUBackend()
+    bad = AttentionMetadata.build([1, 2], [5, 20], [[cache.shape.num_blocks + 5], [0, 1]], cache.shape.block_size)
+    k = torch.zeros(3, cache.shape.num_kv_heads, cache.shape.head_dim, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="block id"):
+        backend.lib.attention(q, cache, 1, bad, 0.1)
+    with pytest.raises(ValueError, match="slot"):  # the store comes first and finds the slot outside the cache
+        backend.forward(q, k, k, cache, 1, bad, 0.1)
+
+
+def test_codes_and_messages_come_from_the_library(lib: fused.KernelLibrary) -> None:
+    assert set(lib.kv_dtype_codes) == set(KV_DTYPES)
+    assert set(lib.compute_codes) == {torch.bfloat16, torch.float16, torch.float32}
+    assert "block id" in lib.error_message(1) and lib.error_message(999) == "error 999"
+
+
+def test_struct_mirror_mismatch_is_refused(lib: fused.KernelLibrary) -> None:
+    """A library whose argument structs differ from the ctypes mirror is KernelUnavailable, with both layouts."""
+    lib._lib.kv8_abi_layout.restype = ctypes.c_char_p
+    c_layout = lib._lib.kv8_abi_layout().decode()
+    fused.check_abi(c_layout)  # the real mirror matches
+
+    class Swapped(ctypes.Structure):
+        _fields_ = [(n, t) for n, t in reversed(fused.StoreCall._fields_)]
+
+    structs = tuple((name, Swapped if struct is fused.StoreCall else struct) for name, struct in fused._STRUCTS)
+    with pytest.raises(KernelUnavailable, match="mirror"):
+        fused.check_abi(c_layout, structs)
+
+
+def test_layer_args_follow_replaced_scales(lib: fused.KernelLibrary) -> None:
+    """The per-layer argument struct is rebuilt when the cache's scales object is replaced."""
+    cache, meta, q = make_case("fp8_e4m3", "head", torch.float32)
+    check_attention(lib, cache, meta, q)
+    first = lib.layer_args(cache, 1)
+    assert lib.layer_args(cache, 1) is first  # reused
+    cache.scales = KVScales(k=cache.scales.k * 2, v=cache.scales.v * 2, granularity=cache.scales.granularity,
+                            source="test", made_for=None)
+    assert lib.layer_args(cache, 1) is not first
+    check_attention(lib, cache, meta, q)

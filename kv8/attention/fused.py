@@ -3,10 +3,15 @@
 Why this shape: PyTorch's float8 conversions run at ~1 GB/s on this CPU, so dequantize-then-attend is slower
 than a bf16 cache; the dequant has to live inside the attention loop. numba is not installed and
 ``torch.compile`` takes tens of seconds to start and cannot express the bit-level decode, so the kernels are
-plain C++ (``cpu_kernels.cpp``, intrinsics, OpenMP, a C ABI, no torch headers), compiled with the system
-``g++`` once (about 11 s; ``scripts/setup.sh`` does it) and cached (:mod:`kv8.native`: one build per
-source and included headers, compiler and CPU, atomic publication). The library links ``libgomp.so.1`` by soname, so in a torch process it shares
-torch's OpenMP runtime and thread pool.
+plain C++ (``cpu_kernels.cpp`` and the parts it includes from ``csrc/``; intrinsics, OpenMP, a C ABI, no torch
+headers), compiled with the system ``g++`` once (about 11 s; ``scripts/setup.sh`` does it) and cached
+(:mod:`kv8.native`: one build per source and included headers, compiler and CPU, atomic publication). The
+library links ``libgomp.so.1`` by soname, so in a torch process it shares torch's OpenMP runtime and thread pool.
+
+Interface: each entry point takes pointers to argument structs (``csrc/abi.h``) mirrored here with
+``ctypes.Structure``; the library exports their layout, its dtype codes and its error messages, and
+:class:`KernelLibrary` reads them at load (a layout mismatch is :class:`KernelUnavailable`), so no number of the
+C side is copied here. A layer's struct (cache pointers, scales) is built once per (cache, layer) and reused.
 
 On a CPU with AVX-512 BF16 + VBMI the kernel decodes FP8 straight to bf16 with in-register byte tables and
 multiplies with ``vdpbf16ps`` (exact products, fp32 accumulation); elsewhere, and for fp16/fp32 caches, it
@@ -23,7 +28,6 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import os
 import weakref
 from pathlib import Path
 
@@ -38,8 +42,8 @@ logger = logging.getLogger("kv8")
 __all__ = [
     "FusedCPUBackend",
     "KernelLibrary",
+    "KernelTesting",
     "KernelUnavailable",
-    "KV_DTYPE_CODES",
     "load_kernels",
     "paged_attention_fused",
     "store_kv_fused",
@@ -47,18 +51,65 @@ __all__ = [
 
 SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
 
-KV_DTYPE_CODES: dict[str, int] = {
-    "fp8_e4m3": 0, "fp8_e4m3fnuz": 1, "fp8_e5m2": 2, "bfloat16": 3, "float16": 4, "float32": 5,
-}
-_COMPUTE_CODES: dict[torch.dtype, int] = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
-_ERRORS: dict[int, str] = {
-    1: "a block table entry is not a valid block id (>= num_blocks or negative)",
-    2: "block_tables is too narrow for seq_lens",
-    3: "query_start_loc / seq_lens are inconsistent (need 0 <= query_len <= seq_len, query_start_loc[-1] == T)",
-    4: "slot_mapping holds a slot outside the cache",
-    5: "invalid kernel arguments",
-    6: "out of memory in the kernel",
-}
+# ------------------------------------------------------------------------------------------------
+# The argument structs (csrc/abi.h); KernelLibrary checks them against the library's kv8_abi_layout().
+# ------------------------------------------------------------------------------------------------
+
+_P = ctypes.c_void_p
+_I32 = ctypes.c_int32
+_I64 = ctypes.c_int64
+
+
+class LayerArgs(ctypes.Structure):
+    """``kv8_layer``: one (cache, layer), built once and reused every step (see :meth:`KernelLibrary.layer_args`)."""
+
+    _fields_ = [
+        ("k_cache", _P), ("v_cache", _P), ("num_blocks", _I64),
+        ("kv_dtype", _I32), ("num_kv_heads", _I32), ("block_size", _I32), ("head_dim", _I32),
+        ("k_scale", _P), ("k_scale_head_stride", _I64), ("k_scale_dim_stride", _I64),
+        ("v_scale", _P), ("v_scale_head_stride", _I64), ("v_scale_dim_stride", _I64),
+        ("k_token_scales", _P), ("v_token_scales", _P),
+    ]
+
+
+class AttentionCall(ctypes.Structure):
+    """``kv8_attention_call``: the query batch of one attention call."""
+
+    _fields_ = [
+        ("q", _P), ("out", _P), ("num_tokens", _I64), ("num_q_heads", _I32), ("q_dtype", _I32),
+        ("query_start_loc", _P), ("seq_lens", _P), ("block_tables", _P), ("block_table_stride", _I64),
+        ("num_seqs", _I32), ("num_threads", _I32), ("sm_scale", ctypes.c_float), ("partition_size", _I64),
+    ]
+
+
+class StoreCall(ctypes.Structure):
+    """``kv8_store_call``: the new K/V rows of one quantize-on-store call."""
+
+    _fields_ = [
+        ("key", _P), ("value", _P), ("slot_mapping", _P), ("num_tokens", _I64), ("in_dtype", _I32),
+        ("num_threads", _I32),
+    ]
+
+
+_STRUCTS: tuple[tuple[str, type[ctypes.Structure]], ...] = (
+    ("kv8_layer", LayerArgs), ("kv8_attention_call", AttentionCall), ("kv8_store_call", StoreCall))
+
+
+def abi_layout(structs: tuple[tuple[str, type[ctypes.Structure]], ...] = _STRUCTS) -> str:
+    """The layout text of ``structs`` in the format of the C side's ``kv8_abi_layout()``."""
+    parts = []
+    for name, struct in structs:
+        fields = " ".join(f"{f}@{getattr(struct, f).offset}+{getattr(struct, f).size}" for f, _ in struct._fields_)
+        parts.append(f"{name} {ctypes.sizeof(struct)}: {fields};")
+    return " ".join(parts)
+
+
+def check_abi(c_layout: str, structs: tuple[tuple[str, type[ctypes.Structure]], ...] = _STRUCTS) -> None:
+    """Raise :class:`KernelUnavailable` unless the library's struct layout equals the ctypes mirror's."""
+    mine = abi_layout(structs)
+    if c_layout != mine:
+        raise KernelUnavailable("the kernel library's argument structs differ from kv8/attention/fused.py's mirror "
+                                f"(edit both together):\n  C:      {c_layout}\n  Python: {mine}")
 
 
 def _build(march: str) -> Path:
@@ -66,14 +117,30 @@ def _build(march: str) -> Path:
     return build_shared_library(SOURCE, march)
 
 
-_P = ctypes.c_void_p
-_I = ctypes.c_int
-_L = ctypes.c_int64
-_F = ctypes.c_float
+def _names(fn: ctypes._CFuncPtr) -> dict[str, int]:
+    """{name: code} of a ``kv8_*_name(int)`` table function (NULL ends the table)."""
+    fn.argtypes, fn.restype = [ctypes.c_int], ctypes.c_char_p
+    table, code = {}, 0
+    while (name := fn(code)) is not None:
+        table[name.decode()] = code
+        code += 1
+    return table
 
+
+# ------------------------------------------------------------------------------------------------
+# The library
+# ------------------------------------------------------------------------------------------------
 
 class KernelLibrary:
-    """The loaded kernels. Build with :func:`load_kernels`."""
+    """The loaded kernels (build with :func:`load_kernels`).
+
+    Production interface, used by :class:`FusedCPUBackend`: :meth:`store` and :meth:`attention`. They trust
+    their arguments (the engine validated options and shapes at its boundary): tensors on the CPU, contiguous
+    int64 metadata, shapes matching the cache. The C side still checks what memory safety needs (block ids,
+    slots, lengths, table width) and a failure raises ``ValueError`` naming it. :func:`store_kv_fused` and
+    :func:`paged_attention_fused` are the validated entries for direct use; :class:`KernelTesting` holds
+    what only tests use.
+    """
 
     def __init__(self, path: Path, march: str) -> None:
         try:
@@ -82,45 +149,131 @@ class KernelLibrary:
             raise KernelUnavailable(f"cannot load {path}: {exc}") from exc
         self.path = path
         self.march = march
-        lib.kv8_has_fast_path.argtypes = []
-        lib.kv8_has_fast_path.restype = _I
-        lib.kv8_attention_path.argtypes = [_I, _I, _I]
-        lib.kv8_attention_path.restype = _I
-        lib.kv8_decode_item_path.argtypes = [_I, _I, _I, _I, _I]
-        lib.kv8_decode_item_path.restype = _I
-        lib.kv8_paged_attention.argtypes = [
-            _P, _I, _P, _L, _I, _I, _I,          # q, q_dtype, out, T, Hq, Hkv, D
-            _P, _P, _I, _L, _I,                  # k_cache, v_cache, kv, num_blocks, bs
-            _P, _L, _L, _P, _L, _L,              # k_scale, strides, v_scale, strides
-            _P, _P,                              # k / v token scales (dynamic) or NULL
-            _I, _P, _P, _P, _L,                  # B, qsl, seq_lens, block_tables, bt_stride
-            _F, _I, _L,                          # sm_scale, nthreads, partition_size
-        ]
-        lib.kv8_paged_attention.restype = _I
-        lib.kv8_store_kv.argtypes = [
-            _P, _P, _I, _L, _I, _I, _P,          # key, value, in_dtype, T, H, D, slots
-            _P, _P, _I, _L, _I,                  # k_cache, v_cache, kv, num_blocks, bs
-            _P, _L, _L, _P, _L, _L,              # k_scale, strides, v_scale, strides
-            _P, _P, _I,                          # k / v token scales (dynamic) or NULL, nthreads
-        ]
-        lib.kv8_store_kv.restype = _I
-        lib.kv8_decode_fp8.argtypes = [_I, _I, _P, _L, _P]
-        lib.kv8_decode_fp8.restype = _I
+        lib.kv8_abi_layout.argtypes, lib.kv8_abi_layout.restype = [], ctypes.c_char_p
+        check_abi(lib.kv8_abi_layout().decode())
+        lib.kv8_has_fast_path.argtypes, lib.kv8_has_fast_path.restype = [], ctypes.c_int
+        lib.kv8_error_message.argtypes, lib.kv8_error_message.restype = [ctypes.c_int], ctypes.c_char_p
+        lib.kv8_paged_attention.argtypes = [ctypes.POINTER(LayerArgs), ctypes.POINTER(AttentionCall)]
+        lib.kv8_paged_attention.restype = ctypes.c_int
+        lib.kv8_store_kv.argtypes = [ctypes.POINTER(LayerArgs), ctypes.POINTER(StoreCall)]
+        lib.kv8_store_kv.restype = ctypes.c_int
         self._lib = lib
         self.has_fast_path = bool(lib.kv8_has_fast_path())
+        #: KV dtype name (``KVCacheDtype.name``) -> the library's code, and torch dtype -> compute code.
+        self.kv_dtype_codes: dict[str, int] = _names(lib.kv8_kv_dtype_name)
+        self.compute_codes: dict[torch.dtype, int] = {
+            getattr(torch, name): code for name, code in _names(lib.kv8_compute_dtype_name).items()}
+        # Per cache: (key, {layer: (LayerArgs, tensors it points into)}); see layer_args.
+        self._layers: weakref.WeakKeyDictionary[PagedKVCache, tuple[tuple, dict[int, tuple]]] = \
+            weakref.WeakKeyDictionary()
 
-    def attention_path(self, kv_dtype: str, compute_dtype: torch.dtype, head_dim: int) -> str:
-        """"fast" (AVX-512 BF16) or "generic" (fp32) for these parameters."""
-        fast = self._lib.kv8_attention_path(KV_DTYPE_CODES[kv_dtype], _COMPUTE_CODES[compute_dtype], head_dim)
-        return "fast" if fast else "generic"
+    def error_message(self, code: int) -> str:
+        """The library's message for return code ``code``."""
+        msg = self._lib.kv8_error_message(code)
+        return msg.decode() if msg is not None else f"error {code}"
 
-    def uses_decode_kernel(self, kv_dtype: str, compute_dtype: torch.dtype, head_dim: int, block_size: int,
-                           rows: int) -> bool:
-        """Whether items of ``rows`` rows (query heads per KV head x query tokens of one sequence) take the
-        fast path's decode-item kernel (K/V read in place, softmax per 64 tokens): bf16 compute, an FP8 or
-        bf16 cache, head_dim 64 / 128 / 256, blocks of a multiple of 16 tokens, at most 4 rows."""
-        return bool(self._lib.kv8_decode_item_path(KV_DTYPE_CODES[kv_dtype], _COMPUTE_CODES[compute_dtype],
-                                                   head_dim, block_size, rows))
+    def attention(self, query: torch.Tensor, cache: PagedKVCache, layer: int, meta: AttentionMetadata,
+                  scale: float, partition_size: int = 0) -> torch.Tensor:
+        """query ``[T, Hq, D]`` -> output ``[T, Hq, D]`` (query's dtype) over the stored context; trusted
+        arguments (see the class docstring). ``partition_size``: see :func:`paged_attention_fused`."""
+        query = query.contiguous()
+        out = torch.empty_like(query)
+        tables = meta.block_tables
+        call = AttentionCall(query.data_ptr(), out.data_ptr(), query.shape[0], query.shape[1],
+                             self.compute_codes[query.dtype], meta.query_start_loc.data_ptr(),
+                             meta.seq_lens.data_ptr(), tables.data_ptr(), tables.shape[1], meta.num_seqs,
+                             torch.get_num_threads(), scale, partition_size)
+        rc = self._lib.kv8_paged_attention(ctypes.byref(self.layer_args(cache, layer)), ctypes.byref(call))
+        if rc != 0:
+            raise ValueError(f"paged attention (layer {layer}): {self.error_message(rc)}")
+        return out
+
+    def store(self, key: torch.Tensor, value: torch.Tensor, cache: PagedKVCache, layer: int,
+              slot_mapping: torch.Tensor) -> None:
+        """Quantize-on-store of ``key``/``value`` ``[T, H_kv, D]`` into ``slot_mapping`` (``[T]`` int64);
+        trusted arguments (see the class docstring)."""
+        key, value = key.contiguous(), value.contiguous()
+        call = StoreCall(key.data_ptr(), value.data_ptr(), slot_mapping.data_ptr(), key.shape[0],
+                         self.compute_codes[key.dtype], torch.get_num_threads())
+        rc = self._lib.kv8_store_kv(ctypes.byref(self.layer_args(cache, layer)), ctypes.byref(call))
+        if rc != 0:
+            raise ValueError(f"store (layer {layer}): {self.error_message(rc)}")
+
+    def layer_args(self, cache: PagedKVCache, layer: int) -> LayerArgs:
+        """The ``kv8_layer`` of ``cache``'s layer ``layer``, built on first use and reused.
+
+        Memoized (building it costs ~10 us, 2 calls per layer per step) under a key of the cache tensor's data
+        pointer and shape, the KV dtype, the scales object and the token-scale tensor's data pointer, so a
+        replaced tensor or scales object is never read through a stale pointer. The entry holds the scale
+        tensors it points into, so they live as long as the pointers.
+        """
+        ts = getattr(cache, "token_scales", None)
+        key = (cache.data.data_ptr(), cache.shape, cache.kv_dtype, id(getattr(cache, "scales", None)),
+               0 if ts is None else ts.data_ptr())
+        entry = self._layers.get(cache)
+        if entry is None or entry[0] != key:
+            entry = (key, {})
+            self._layers[cache] = entry
+        built = entry[1].get(layer)
+        if built is None:
+            built = entry[1][layer] = self._build_layer_args(cache, layer)
+        return built[0]
+
+    def _build_layer_args(self, cache: PagedKVCache, layer: int) -> tuple[LayerArgs, tuple]:
+        """(LayerArgs, the tensors it points into, and the scales object of the key). Validates the layer once."""
+        shape = cache.shape
+        if not 0 <= layer < shape.num_layers:
+            raise ValueError(f"layer={layer} is outside [0, {shape.num_layers})")
+        if not cache.data.is_contiguous():
+            raise ValueError("cache.data must be contiguous")
+        k_cache, v_cache = cache.layer(layer)
+        args = LayerArgs(k_cache=k_cache.data_ptr(), v_cache=v_cache.data_ptr(), num_blocks=shape.num_blocks,
+                         kv_dtype=self.kv_dtype_codes[cache.kv_dtype.name], num_kv_heads=shape.num_kv_heads,
+                         block_size=shape.block_size, head_dim=shape.head_dim)
+        scales = cache.layer_scales(layer)
+        for prefix, s in zip(("k", "v"), scales if scales is not None else ()):
+            if s.dtype != torch.float32 or s.ndim != 2 or s.shape[0] not in (1, shape.num_kv_heads) \
+                    or s.shape[1] not in (1, shape.head_dim):
+                raise ValueError(f"layer {layer} {prefix.upper()} scale has dtype {s.dtype} and shape "
+                                 f"{list(s.shape)}; need float32 [1 or {shape.num_kv_heads}, 1 or {shape.head_dim}]")
+            setattr(args, f"{prefix}_scale", s.data_ptr())
+            setattr(args, f"{prefix}_scale_head_stride", s.stride(0) if s.shape[0] > 1 else 0)
+            setattr(args, f"{prefix}_scale_dim_stride", s.stride(1) if s.shape[1] > 1 else 0)
+        token_scales = cache.layer_token_scales(layer)
+        if token_scales is not None:
+            for prefix, ts in zip(("k", "v"), token_scales):
+                if ts.dtype != torch.float32 or not ts.is_contiguous() \
+                        or tuple(ts.shape) != (shape.num_blocks, shape.num_kv_heads, shape.block_size):
+                    raise ValueError(f"layer {layer} {prefix.upper()} token scales must be contiguous float32 "
+                                     f"[{shape.num_blocks}, {shape.num_kv_heads}, {shape.block_size}], got "
+                                     f"{ts.dtype} {list(ts.shape)}")
+                setattr(args, f"{prefix}_token_scales", ts.data_ptr())
+        return args, (scales, token_scales, getattr(cache, "scales", None))
+
+
+class KernelTesting:
+    """The library's testing interface (``kv8_test_*`` exports): what only kv8's tests use, never production."""
+
+    ITEM_KERNELS = ("generic", "tile", "decode")
+
+    def __init__(self, lib: KernelLibrary) -> None:
+        self.lib = lib
+        c = lib._lib
+        c.kv8_test_item_kernel.argtypes = [ctypes.c_int] * 5
+        c.kv8_test_item_kernel.restype = ctypes.c_int
+        c.kv8_test_decode_fp8.argtypes = [ctypes.c_int, ctypes.c_int, _P, _I64, _P]
+        c.kv8_test_decode_fp8.restype = ctypes.c_int
+        self._c = c
+
+    def item_kernel(self, kv_dtype: str, compute_dtype: torch.dtype, head_dim: int, block_size: int = 16,
+                    rows: int = 48) -> str:
+        """The item kernel that serves items of ``rows`` rows (query heads per KV head x query tokens of one
+        sequence): "generic" (fp32), "tile" (AVX-512 BF16, any item) or "decode" (AVX-512 BF16, decode-sized
+        items: bf16 compute, an FP8 or bf16 cache, head_dim 64 / 128 / 256, blocks of a multiple of 16 tokens,
+        at most 4 rows)."""
+        code = self._c.kv8_test_item_kernel(self.lib.kv_dtype_codes[kv_dtype], self.lib.compute_codes[compute_dtype],
+                                            head_dim, block_size, rows)
+        return self.ITEM_KERNELS[code]
 
     def decode_fp8(self, fmt: str, codes: torch.Tensor, path: str) -> torch.Tensor:
         """Decode uint8 ``codes`` with the kernel's bit decoder (``path="bits"``) or bf16 tables (``"tables"``)."""
@@ -132,77 +285,11 @@ class KernelLibrary:
         if codes.dtype != torch.uint8:
             raise ValueError(f"codes must be uint8, got {codes.dtype}")
         out = torch.empty(codes.shape, dtype=torch.float32)
-        rc = self._lib.kv8_decode_fp8(KV_DTYPE_CODES[fmt], 0 if path == "bits" else 1, codes.data_ptr(),
-                                      codes.numel(), out.data_ptr())
+        rc = self._c.kv8_test_decode_fp8(self.lib.kv_dtype_codes[fmt], 0 if path == "bits" else 1, codes.data_ptr(),
+                                         codes.numel(), out.data_ptr())
         if rc != 0:
-            raise ValueError(f"decode path {path!r} is not available in this build (march={self.march})")
+            raise ValueError(f"decode path {path!r} is not available in this build (march={self.lib.march})")
         return out
-
-    def attention(self, query: torch.Tensor, out: torch.Tensor, cache: PagedKVCache, layer: int,
-                  meta: AttentionMetadata, scale: float, partition_size: int = 0) -> None:
-        tables = meta.block_tables
-        rc = self._lib.kv8_paged_attention(
-            query.data_ptr(), _COMPUTE_CODES[query.dtype], out.data_ptr(), query.shape[0], query.shape[1],
-            cache.shape.num_kv_heads, cache.shape.head_dim, *_layer_args(cache, layer),
-            meta.num_seqs, meta.query_start_loc.data_ptr(), meta.seq_lens.data_ptr(), tables.data_ptr(),
-            tables.shape[1], scale, torch.get_num_threads(), partition_size)
-        if rc != 0:
-            raise ValueError(f"paged attention (layer {layer}): {_ERRORS.get(rc, f'error {rc}')}")
-
-    def store(self, key: torch.Tensor, value: torch.Tensor, cache: PagedKVCache, layer: int,
-              slot_mapping: torch.Tensor) -> None:
-        rc = self._lib.kv8_store_kv(
-            key.data_ptr(), value.data_ptr(), _COMPUTE_CODES[key.dtype], key.shape[0], key.shape[1], key.shape[2],
-            slot_mapping.data_ptr(), *_layer_args(cache, layer), torch.get_num_threads())
-        if rc != 0:
-            raise ValueError(f"store (layer {layer}): {_ERRORS.get(rc, f'error {rc}')}")
-
-
-# Per cache and layer: (k_cache, v_cache, kv dtype code, num_blocks, block_size, k_scale, k_head_stride,
-# k_dim_stride, v_scale, v_head_stride, v_dim_stride, k_token_scales, v_token_scales) -- the argument run the
-# C entry points share. Memoized (building views costs ~10 us a call, 2 calls per layer per step) and keyed by
-# the tensors' identity and data pointers, so a replaced tensor is never read through a stale pointer.
-_LAYER_ARGS: weakref.WeakKeyDictionary[PagedKVCache, tuple[tuple[int, ...], dict[int, tuple[int, ...]]]] = \
-    weakref.WeakKeyDictionary()
-
-
-def _layer_args(cache: PagedKVCache, layer: int) -> tuple[int, ...]:
-    scales, token_scales = cache.scales, getattr(cache, "token_scales", None)
-    key = (cache.data.data_ptr(), id(scales), 0 if token_scales is None else token_scales.data_ptr())
-    entry = _LAYER_ARGS.get(cache)
-    if entry is None or entry[0] != key:
-        entry = (key, {})
-        _LAYER_ARGS[cache] = entry
-    args = entry[1].get(layer)
-    if args is None:
-        args = entry[1][layer] = _compute_layer_args(cache, layer)
-    return args
-
-
-def _compute_layer_args(cache: PagedKVCache, layer: int) -> tuple[int, ...]:
-    shape = cache.shape
-    if not cache.data.is_contiguous():
-        raise ValueError("cache.data must be contiguous")
-    k_cache, v_cache = cache.layer(layer)
-    args = [k_cache.data_ptr(), v_cache.data_ptr(), KV_DTYPE_CODES[cache.kv_dtype.name], shape.num_blocks,
-            shape.block_size]
-    scales = cache.layer_scales(layer)
-    for s in scales if scales is not None else ():
-        if s.dtype != torch.float32 or s.ndim != 2 or s.shape[0] not in (1, shape.num_kv_heads) \
-                or s.shape[1] not in (1, shape.head_dim):
-            raise ValueError(f"layer {layer} KV scale has dtype {s.dtype} and shape {list(s.shape)}; need float32 "
-                             f"[1 or {shape.num_kv_heads}, 1 or {shape.head_dim}]")
-        args += [s.data_ptr(), s.stride(0) if s.shape[0] > 1 else 0, s.stride(1) if s.shape[1] > 1 else 0]
-    if scales is None:
-        args += [0] * 6
-    ts = getattr(cache, "token_scales", None)
-    if ts is None:
-        args += [0, 0]
-    else:
-        if ts.dtype != torch.float32 or not ts.is_contiguous():
-            raise ValueError(f"cache.token_scales must be contiguous float32, got {ts.dtype}")
-        args += [ts[layer, 0].data_ptr(), ts[layer, 1].data_ptr()]
-    return tuple(args)
 
 
 _LOADED: dict[str, KernelLibrary] = {}
@@ -228,8 +315,12 @@ def load_kernels(march: str = "native") -> KernelLibrary:
     return _LOADED[march]
 
 
-def _check_common(name: str, x: torch.Tensor, cache: PagedKVCache) -> None:
-    if x.dtype not in _COMPUTE_CODES:
+# ------------------------------------------------------------------------------------------------
+# Validated entries (direct users, tests, benchmarks); the backend calls the library directly.
+# ------------------------------------------------------------------------------------------------
+
+def _check_common(lib: KernelLibrary, name: str, x: torch.Tensor, cache: PagedKVCache) -> None:
+    if x.dtype not in lib.compute_codes:
         raise ValueError(f"{name} dtype {x.dtype} is not supported; use bfloat16, float16 or float32")
     if x.ndim != 3 or x.shape[2] != cache.shape.head_dim:
         raise ValueError(f"{name} shape {list(x.shape)} must be [T, H, head_dim={cache.shape.head_dim}]")
@@ -239,8 +330,9 @@ def _check_common(name: str, x: torch.Tensor, cache: PagedKVCache) -> None:
 
 def store_kv_fused(lib: KernelLibrary, cache: PagedKVCache, layer: int, key: torch.Tensor, value: torch.Tensor,
                    slot_mapping: torch.Tensor) -> None:
-    """Quantize-on-store of ``key``/``value`` ``[T, H_kv, D]`` into ``slot_mapping`` (``[T]`` int64)."""
-    _check_common("key", key, cache)
+    """Quantize-on-store of ``key``/``value`` ``[T, H_kv, D]`` into ``slot_mapping`` (``[T]`` int64), with
+    every argument validated (``ValueError`` naming the bad one)."""
+    _check_common(lib, "key", key, cache)
     if value.shape != key.shape or value.dtype != key.dtype:
         raise ValueError(f"value {list(value.shape)} {value.dtype} must match key {list(key.shape)} {key.dtype}")
     if key.shape[1] != cache.shape.num_kv_heads:
@@ -250,17 +342,18 @@ def store_kv_fused(lib: KernelLibrary, cache: PagedKVCache, layer: int, key: tor
                          f"{list(slot_mapping.shape)}")
     if not 0 <= layer < cache.shape.num_layers:
         raise ValueError(f"layer={layer} is outside [0, {cache.shape.num_layers})")
-    lib.store(key.contiguous(), value.contiguous(), cache, layer, slot_mapping.contiguous())
+    lib.store(key, value, cache, layer, slot_mapping.contiguous())
 
 
 def paged_attention_fused(lib: KernelLibrary, query: torch.Tensor, cache: PagedKVCache, layer: int,
                           meta: AttentionMetadata, scale: float, partition_size: int = 0) -> torch.Tensor:
-    """query ``[T, Hq, D]`` -> output ``[T, Hq, D]`` (query's dtype) over the stored context.
+    """query ``[T, Hq, D]`` -> output ``[T, Hq, D]`` (query's dtype) over the stored context, with every argument
+    validated (``ValueError`` naming the bad one).
 
     Same contract as :func:`kv8.attention.reference.paged_attention_reference`. ``partition_size`` (tokens,
     rounded up to 16) forces a context split (0: automatic, negative: never).
     """
-    _check_common("query", query, cache)
+    _check_common(lib, "query", query, cache)
     if query.shape[1] % cache.shape.num_kv_heads != 0:
         raise ValueError(f"query heads {query.shape[1]} must be a multiple of KV heads {cache.shape.num_kv_heads}")
     if not 0 <= layer < cache.shape.num_layers:
@@ -272,16 +365,15 @@ def paged_attention_fused(lib: KernelLibrary, query: torch.Tensor, cache: PagedK
     if meta.query_start_loc.shape[0] != meta.num_seqs + 1 or meta.block_tables.shape[0] != meta.num_seqs:
         raise ValueError(f"meta has {meta.num_seqs} sequences but query_start_loc {list(meta.query_start_loc.shape)}"
                          f" and block_tables {list(meta.block_tables.shape)}")
-    query = query.contiguous()
-    out = torch.empty_like(query)
-    lib.attention(query, out, cache, layer, meta, float(scale), partition_size)
-    return out
+    return lib.attention(query, cache, layer, meta, float(scale), partition_size)
 
 
 class FusedCPUBackend:
     """Store with the C++ quantize-on-store kernel, then attend with the fused paged-attention kernel.
 
     Construction builds/loads the kernels and raises :class:`KernelUnavailable` (with the reason) if it can't.
+    ``forward`` calls the library's trusted entries: the engine validated shapes and dtypes at its boundary,
+    and the per-layer checks run once, when a layer's arguments are built.
     """
 
     name = "cpu_fused"
@@ -291,5 +383,5 @@ class FusedCPUBackend:
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cache: PagedKVCache,
                 layer: int, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        store_kv_fused(self.lib, cache, layer, key, value, meta.slot_mapping)
-        return paged_attention_fused(self.lib, query, cache, layer, meta, scale)
+        self.lib.store(key, value, cache, layer, meta.slot_mapping)
+        return self.lib.attention(query, cache, layer, meta, scale)

@@ -1,0 +1,101 @@
+// The argument structures of the C entry points (kv8/attention/cpu_kernels.cpp), mirrored by
+// ctypes.Structure classes in kv8/attention/fused.py. Each struct is declared once, as a field list; the
+// same list generates the struct and kv8_abi_layout(), a text that names every field with its offset and
+// size. Python builds the same text from its mirror at load and refuses a library whose text differs.
+//
+//   kv8_layer           one (cache, layer): constant across steps, built once per layer and reused
+//   kv8_attention_call  one attention call: the query batch and its layout
+//   kv8_store_call      one quantize-on-store call: the new K/V and their slots
+#pragma once
+
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+
+// k_cache / v_cache: [num_blocks, num_kv_heads, block_size, head_dim] elements of kv_dtype. Static scales
+// (FP8): float32 with element strides over (kv head, channel), 0 = broadcast; NULL for a 16/32-bit cache
+// or with dynamic scales. Dynamic per-token scales: [num_blocks, num_kv_heads, block_size] float32 beside
+// the codes (both or neither).
+#define KV8_LAYER_FIELDS(X)               \
+    X(void*, k_cache)                     \
+    X(void*, v_cache)                     \
+    X(int64_t, num_blocks)                \
+    X(int32_t, kv_dtype)                  \
+    X(int32_t, num_kv_heads)              \
+    X(int32_t, block_size)                \
+    X(int32_t, head_dim)                  \
+    X(const float*, k_scale)              \
+    X(int64_t, k_scale_head_stride)       \
+    X(int64_t, k_scale_dim_stride)        \
+    X(const float*, v_scale)              \
+    X(int64_t, v_scale_head_stride)       \
+    X(int64_t, v_scale_dim_stride)        \
+    X(float*, k_token_scales)             \
+    X(float*, v_token_scales)
+
+// q / out: [num_tokens, num_q_heads, head_dim] contiguous in q_dtype. The batch (kv8.attention.metadata):
+// query_start_loc [num_seqs + 1], seq_lens [num_seqs], block_tables [num_seqs, block_table_stride], int64.
+// partition_size: context tokens per partition (rounded up to 16), 0 = automatic, < 0 = never split.
+#define KV8_ATTENTION_CALL_FIELDS(X)      \
+    X(const void*, q)                     \
+    X(void*, out)                         \
+    X(int64_t, num_tokens)                \
+    X(int32_t, num_q_heads)               \
+    X(int32_t, q_dtype)                   \
+    X(const int64_t*, query_start_loc)    \
+    X(const int64_t*, seq_lens)           \
+    X(const int64_t*, block_tables)       \
+    X(int64_t, block_table_stride)        \
+    X(int32_t, num_seqs)                  \
+    X(int32_t, num_threads)               \
+    X(float, sm_scale)                    \
+    X(int64_t, partition_size)
+
+// key / value: [num_tokens, num_kv_heads, head_dim] contiguous in in_dtype; slot_mapping [num_tokens] int64
+// (slot = block * block_size + offset).
+#define KV8_STORE_CALL_FIELDS(X)          \
+    X(const void*, key)                   \
+    X(const void*, value)                 \
+    X(const int64_t*, slot_mapping)       \
+    X(int64_t, num_tokens)                \
+    X(int32_t, in_dtype)                  \
+    X(int32_t, num_threads)
+
+#define KV8_DECLARE_FIELD(type, name) type name;
+struct kv8_layer { KV8_LAYER_FIELDS(KV8_DECLARE_FIELD) };
+struct kv8_attention_call { KV8_ATTENTION_CALL_FIELDS(KV8_DECLARE_FIELD) };
+struct kv8_store_call { KV8_STORE_CALL_FIELDS(KV8_DECLARE_FIELD) };
+#undef KV8_DECLARE_FIELD
+
+// "kv8_layer 104: k_cache@0+8 v_cache@8+8 ...; kv8_attention_call ...; kv8_store_call ...;" -- struct
+// name and size, then each field's name, offset and size, in declaration order.
+static const char* abi_layout_text(void) {
+    static char text[2048];
+    static const bool built = [] {  // once, thread-safe (a C++ static initializer)
+        size_t n = 0;
+    #define KV8_PUT(...) n += (size_t)snprintf(text + n, n < sizeof(text) ? sizeof(text) - n : 0, __VA_ARGS__)
+    #define KV8_STRUCT(S, FIELDS)                                                                         \
+        KV8_PUT("%s %zu:", #S, sizeof(S));                                                                \
+        FIELDS(KV8_FIELD_OF_##S)                                                                          \
+        KV8_PUT(";");
+    #define KV8_FIELD_OF_kv8_layer(type, name) KV8_PUT(" %s@%zu+%zu", #name, offsetof(kv8_layer, name), \
+                                                      sizeof(((kv8_layer*)0)->name));
+    #define KV8_FIELD_OF_kv8_attention_call(type, name) KV8_PUT(" %s@%zu+%zu", #name,                     \
+        offsetof(kv8_attention_call, name), sizeof(((kv8_attention_call*)0)->name));
+    #define KV8_FIELD_OF_kv8_store_call(type, name) KV8_PUT(" %s@%zu+%zu", #name,                         \
+        offsetof(kv8_store_call, name), sizeof(((kv8_store_call*)0)->name));
+        KV8_STRUCT(kv8_layer, KV8_LAYER_FIELDS)
+        KV8_PUT(" ");
+        KV8_STRUCT(kv8_attention_call, KV8_ATTENTION_CALL_FIELDS)
+        KV8_PUT(" ");
+        KV8_STRUCT(kv8_store_call, KV8_STORE_CALL_FIELDS)
+    #undef KV8_FIELD_OF_kv8_store_call
+    #undef KV8_FIELD_OF_kv8_attention_call
+    #undef KV8_FIELD_OF_kv8_layer
+    #undef KV8_STRUCT
+    #undef KV8_PUT
+        return true;
+    }();
+    (void)built;
+    return text;
+}

@@ -1,0 +1,192 @@
+// AVX-512 BF16 building blocks shared by the two fast item kernels (item_tile.h: any tile shape;
+// item_decode.h: decode-sized items). Compiled only when KV8_FAST.
+//
+// FP8 -> bf16: two in-register 128-entry byte tables (vpermt2b gives the low and the high byte of the bf16
+// value, the sign bit is ORed in); every FP8 value is an exact bf16, subnormals and NaN included.
+// Products: vdpbf16ps (bf16 x bf16 products are exact in fp32, fp32 accumulation).
+//
+// Register layouts (a "slot" is 8 channels, 16 bytes of bf16 = one 128-bit lane):
+//   q row      qhi[s] / qlo[s]: channels 8s..8s+7 of q (bf16 hi and lo parts), broadcast to the 4 lanes
+//   K (scores) one register = 4 tokens x one slot (a 4x4 transpose of 128-bit blocks of 4 rows), so
+//              vdpbf16ps gives 4 tokens x 4 partial sums; reduce_scores sums them per token
+//   V (P.V)    one register = 16 channels x a pair of tokens (2u, 2u + 1), paired for vdpbf16ps against
+//              the broadcast pair of weights; accumulator a holds channel acc_channel(kv, a)
+#pragma once
+
+#include "problem.h"
+#include "../../simd_exp.h"
+
+#if KV8_FAST
+
+struct Lut {
+    __m512i lo0, lo1, hi0, hi1;  // low / high byte of the bf16 value of codes 0..127
+};
+
+static Lut make_lut(int fmt) {
+    alignas(64) uint8_t lo[128], hi[128];
+    for (int c = 0; c < 128; ++c) {
+        float v = fp8_exact(fmt, c);
+        uint16_t b = isnan(v) ? 0x7fc0 : (uint16_t)(f_bits(v) >> 16);  // exact: <= 3 mantissa bits
+        lo[c] = (uint8_t)(b & 0xff);
+        hi[c] = (uint8_t)(b >> 8);
+    }
+    Lut L;
+    L.lo0 = _mm512_load_si512(lo);
+    L.lo1 = _mm512_load_si512(lo + 64);
+    L.hi0 = _mm512_load_si512(hi);
+    L.hi1 = _mm512_load_si512(hi + 64);
+    return L;
+}
+
+static const Lut& lut_for(int fmt) {
+    static const Lut luts[3] = {make_lut(KV_E4M3), make_lut(KV_E4M3FNUZ), make_lut(KV_E5M2)};
+    return luts[fmt];
+}
+
+// 64 FP8 codes -> 64 bf16: w0 = codes 0..7 of each 128-bit lane, w1 = codes 8..15 (lane order kept).
+template <int KV>
+static inline void fp8_to_bf16(__m512i c, const Lut& L, __m512i& w0, __m512i& w1) {
+    __m512i lo = _mm512_permutex2var_epi8(L.lo0, c, L.lo1);
+    __m512i hi = _mm512_permutex2var_epi8(L.hi0, c, L.hi1);
+    hi = _mm512_ternarylogic_epi32(hi, c, _mm512_set1_epi8((char)0x80), 0xF8);  // hi | (c & 0x80)
+    if (KV == KV_E4M3FNUZ) {  // 0x80 is NaN, not -0
+        __mmask64 nan = _mm512_cmpeq_epi8_mask(c, _mm512_set1_epi8((char)0x80));
+        hi = _mm512_mask_mov_epi8(hi, nan, _mm512_set1_epi8(0x7f));
+        lo = _mm512_mask_mov_epi8(lo, nan, _mm512_set1_epi8((char)0xc0));
+    }
+    w0 = _mm512_unpacklo_epi8(lo, hi);
+    w1 = _mm512_unpackhi_epi8(lo, hi);
+}
+
+// 4x4 transpose of 128-bit blocks: out[c] lane k = in[k] lane c.
+static inline void transpose4x128(const __m512i in[4], __m512i out[4]) {
+    __m512i a = _mm512_shuffle_i64x2(in[0], in[1], 0x44);
+    __m512i b = _mm512_shuffle_i64x2(in[0], in[1], 0xEE);
+    __m512i c = _mm512_shuffle_i64x2(in[2], in[3], 0x44);
+    __m512i d = _mm512_shuffle_i64x2(in[2], in[3], 0xEE);
+    out[0] = _mm512_shuffle_i64x2(a, c, 0x88);
+    out[1] = _mm512_shuffle_i64x2(a, c, 0xDD);
+    out[2] = _mm512_shuffle_i64x2(b, d, 0x88);
+    out[3] = _mm512_shuffle_i64x2(b, d, 0xDD);
+}
+
+// 64-byte loads of cache rows; masked only for the tail chunk of a head dim that is not a multiple of 64 bytes.
+static inline __m512i load_bytes(const uint8_t* p, __mmask64 mk) {
+    return mk == ~(__mmask64)0 ? _mm512_loadu_si512(p) : _mm512_maskz_loadu_epi8(mk, p);
+}
+// The mask of the first `rem` bytes of a 64-byte chunk (all when rem >= 64).
+static inline __mmask64 chunk_mask(int rem) { return rem >= 64 ? ~(__mmask64)0 : (((__mmask64)1 << rem) - 1); }
+
+static inline __m512bh as_bh(__m512i x) { return (__m512bh)x; }
+
+// Channels of one 64-byte chunk of a cache row: 64 (FP8) or 32 (bf16); accumulators (16 channels) per chunk.
+template <int KV> constexpr int chunk_channels() { return KV == KV_BF16 ? 32 : 64; }
+template <int KV> constexpr int chunk_accs() { return KV == KV_BF16 ? 2 : 4; }
+
+// K: one 64-byte chunk of 4 token rows (in[k] = row of token k) -> the chunk's slots, each holding the
+// slot's 8 channels of the 4 tokens (token k in lane k): 8 slots (FP8) or 4 (bf16).
+template <int KV>
+static inline void k_chunk_slots(const __m512i in[4], const Lut& L, __m512i* slots) {
+    __m512i t[4];
+    transpose4x128(in, t);
+    for (int c = 0; c < 4; ++c) {
+        if (KV == KV_BF16) slots[c] = t[c];
+        else fp8_to_bf16<KV>(t[c], L, slots[2 * c], slots[2 * c + 1]);
+    }
+}
+
+// V: one 64-byte chunk of the rows of tokens 2u (a) and 2u + 1 (b) -> chunk_accs<KV>() registers of bf16
+// token pairs, register m holding accumulator m of the chunk.
+template <int KV>
+static inline void v_chunk_pairs(__m512i a, __m512i b, const Lut& L, __m512i* v) {
+    if (KV == KV_BF16) {
+        v[0] = _mm512_unpacklo_epi16(a, b);
+        v[1] = _mm512_unpackhi_epi16(a, b);
+    } else {
+        fp8_to_bf16<KV>(_mm512_unpacklo_epi8(a, b), L, v[0], v[1]);
+        fp8_to_bf16<KV>(_mm512_unpackhi_epi8(a, b), L, v[2], v[3]);
+    }
+}
+
+// acc[m] += V pair m x the row's weights of that token pair (bf16 hi, and lo when PLO).
+template <int NV, bool PLO>
+static inline void pv_accumulate(__m512* acc, const __m512i* v, uint32_t phi, uint32_t plo) {
+    const __m512i p = _mm512_set1_epi32((int)phi);
+    for (int m = 0; m < NV; ++m) acc[m] = _mm512_dpbf16_ps(acc[m], as_bh(v[m]), as_bh(p));
+    if (PLO) {
+        const __m512i pl = _mm512_set1_epi32((int)plo);
+        for (int m = 0; m < NV; ++m) acc[m] = _mm512_dpbf16_ps(acc[m], as_bh(v[m]), as_bh(pl));
+    }
+}
+
+// V accumulators per row. Channel maps: fp8: v = 4z + m, lane 4k + j -> d = 64z + 16k + 4m + j;
+//                                       bf16: v = 2z + h, lane 4k + j -> d = 32z + 8k + 4h + j.
+static inline int num_vslots(int kv, int D) { return is_fp8(kv) ? 4 * ((D + 63) / 64) : 2 * ((D + 31) / 32); }
+
+static inline int acc_channel(int kv, int a) {
+    int v = a >> 4, k = (a >> 2) & 3, j = a & 3;
+    if (is_fp8(kv)) return 64 * (v >> 2) + 16 * k + 4 * (v & 3) + j;
+    return 32 * (v >> 1) + 8 * k + 4 * (v & 1) + j;
+}
+
+// The nacc accumulators of one row (accumulator layout) -> channels 0..D-1 in natural order.
+static inline void natural_order(int kv, const float* acc, int nacc, int D, float* nat) {
+    for (int i = 0; i < nacc; ++i) {
+        const int d = acc_channel(kv, i);
+        if (d < D) nat[d] = acc[i];
+    }
+}
+
+// acc[g] lane (k, i): token 4g + k, partial i (the layout of a transposed K tile). Sums the partials;
+// result lane t = token t.
+static inline __m512 reduce_scores(const __m512* acc) {
+    const __m512i nat = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+    __m512 x01 = _mm512_add_ps(_mm512_unpacklo_ps(acc[0], acc[1]), _mm512_unpackhi_ps(acc[0], acc[1]));
+    __m512 x23 = _mm512_add_ps(_mm512_unpacklo_ps(acc[2], acc[3]), _mm512_unpackhi_ps(acc[2], acc[3]));
+    __m512d a = _mm512_castps_pd(x01), b = _mm512_castps_pd(x23);
+    __m512 y = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+    return _mm512_permutexvar_ps(nat, y);  // lane 4k + j held token 4j + k
+}
+
+static inline void prep_q(const Problem& P, int64_t src, const float* kscale, __m512i* hi, __m512i* lo) {
+    const int D = P.D;
+    for (int d = 0; d < D; d += 16) {
+        __m512 x;
+        if (P.q_dtype == DT_BF16)
+            x = _mm512_castsi512_ps(_mm512_slli_epi32(
+                _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)((const uint16_t*)P.q + src + d))), 16));
+        else if (P.q_dtype == DT_F16)
+            x = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)((const uint16_t*)P.q + src + d)));
+        else
+            x = _mm512_loadu_ps((const float*)P.q + src + d);
+        if (kscale) x = _mm512_mul_ps(x, _mm512_loadu_ps(kscale + d));
+        __m256i h = (__m256i)_mm512_cvtneps_pbh(x);
+        __m512 hf = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+        __m256i l = (__m256i)_mm512_cvtneps_pbh(_mm512_sub_ps(x, hf));
+        int s = d / 8;
+        hi[s] = _mm512_broadcast_i32x4(_mm256_castsi256_si128(h));
+        hi[s + 1] = _mm512_broadcast_i32x4(_mm256_extracti128_si256(h, 1));
+        lo[s] = _mm512_broadcast_i32x4(_mm256_castsi256_si128(l));
+        lo[s + 1] = _mm512_broadcast_i32x4(_mm256_extracti128_si256(l, 1));
+    }
+}
+
+// Per item: the query rows as bf16 hi / lo slots (D / 8 per row; per-channel K scales folded in, kscale
+// [D] filled then), each row's last visible position; returns the factor of the scores (softmax scale times
+// a per-tensor / per-head K scale).
+static float prep_rows(const Problem& P, const Item& it, const Rows& w, float* kscale, __m512i* qhi,
+                       __m512i* qlo, int64_t* lim) {
+    const int D = P.D, nslots = D / 8;
+    const bool kch = k_per_channel(P);
+    if (kch)
+        for (int d = 0; d < D; ++d) kscale[d] = P.ks[it.kvh * P.ks_hs + d * P.ks_ds];
+    for (int r = 0; r < w.R; ++r) {
+        int h = it.kvh * P.G + r % P.G;
+        int64_t src = ((w.qrow0 + r / P.G) * P.Hq + h) * (int64_t)D;
+        prep_q(P, src, kch ? kscale : nullptr, qhi + (size_t)r * nslots, qlo + (size_t)r * nslots);
+        lim[r] = row_limit(P, it, w, r);
+    }
+    return P.sm_scale * (kch ? 1.0f : k_head_scale(P, it.kvh));
+}
+
+#endif  // KV8_FAST

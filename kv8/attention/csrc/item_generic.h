@@ -1,0 +1,121 @@
+// The generic item kernel: fp32 arithmetic, any KV dtype, any head dim, any ISA. FP8 is decoded on bits
+// (common.h; exact for subnormals because every kernel thread clears DAZ/FTZ). It is the path of fp16 /
+// fp32 caches, of head dims that are not a multiple of 16, and of builds without AVX-512 BF16; it
+// carries no arithmetic shared with the fast kernels (those multiply bf16 in registers).
+//
+// Per tile of 16 tokens: decode K rows to fp32, scores and an online-softmax step per row, decode V rows,
+// then acc = acc * alpha + p . V.
+#pragma once
+
+#include "problem.h"
+
+template <int KV>
+static void decode_row_f32(const uint8_t* row, int D, float* out) {
+    if (KV == KV_E4M3 || KV == KV_E4M3FNUZ || KV == KV_E5M2) {
+        for (int d = 0; d < D; ++d) out[d] = fp8_bits<KV>(row[d]);
+    } else if (KV == KV_BF16) {
+        const uint16_t* r = (const uint16_t*)row;
+        for (int d = 0; d < D; ++d) out[d] = bf16_f(r[d]);
+    } else if (KV == KV_F16) {
+        const uint16_t* r = (const uint16_t*)row;
+        for (int d = 0; d < D; ++d) out[d] = f16_f(r[d]);
+    } else {
+        memcpy(out, row, sizeof(float) * (size_t)D);
+    }
+}
+
+typedef void (*RowDecoder)(const uint8_t*, int, float*);
+
+static int run_item_generic(const Problem& P, const Item& it, float* ws) {
+    RowDecoder decode_row;
+    switch (P.kv) {
+        case KV_E4M3: decode_row = decode_row_f32<KV_E4M3>; break;
+        case KV_E4M3FNUZ: decode_row = decode_row_f32<KV_E4M3FNUZ>; break;
+        case KV_E5M2: decode_row = decode_row_f32<KV_E5M2>; break;
+        case KV_BF16: decode_row = decode_row_f32<KV_BF16>; break;
+        case KV_F16: decode_row = decode_row_f32<KV_F16>; break;
+        default: decode_row = decode_row_f32<KV_F32>; break;
+    }
+    const Rows w = rows_of(P, it);
+    const int D = P.D, R = w.R;
+    const size_t nq = (size_t)R * D;
+    size_t bytes = up64(nq * 4) * 2 + up64((size_t)TILE * D * 4) * 2 + up64((size_t)R * 4) * 3 +
+                   up64((size_t)R * 8) + up64((size_t)R * TILE * 4);
+    char* mem = (char*)tl_scratch.get(bytes);
+    if (!mem) return ERR_OOM;
+    float* qf = (float*)mem; mem += up64(nq * 4);
+    float* acc = (float*)mem; mem += up64(nq * 4);
+    float* kf = (float*)mem; mem += up64((size_t)TILE * D * 4);
+    float* vf = (float*)mem; mem += up64((size_t)TILE * D * 4);
+    float* mx = (float*)mem; mem += up64((size_t)R * 4);
+    float* sum = (float*)mem; mem += up64((size_t)R * 4);
+    float* alpha = (float*)mem; mem += up64((size_t)R * 4);
+    int64_t* lim = (int64_t*)mem; mem += up64((size_t)R * 8);
+    float* prob = (float*)mem;
+
+    const bool kch = k_per_channel(P);
+    const float sfac = P.sm_scale * (kch ? 1.0f : k_head_scale(P, it.kvh));
+    for (int r = 0; r < R; ++r) {
+        int h = it.kvh * P.G + r % P.G;
+        int64_t src = ((w.qrow0 + r / P.G) * P.Hq + h) * (int64_t)D;
+        for (int d = 0; d < D; ++d) {
+            float x = load_f(P.q, P.q_dtype, src + d);
+            if (kch) x *= P.ks[it.kvh * P.ks_hs + d * P.ks_ds];
+            qf[(size_t)r * D + d] = x;
+        }
+        mx[r] = -INFINITY;
+        sum[r] = 0.0f;
+        lim[r] = row_limit(P, it, w, r);
+    }
+    memset(acc, 0, nq * 4);
+
+    const uint8_t* kr[TILE];
+    const uint8_t* vr[TILE];
+    float ksc[TILE], vsc[TILE];
+    for (int t = 0; t < TILE; ++t) ksc[t] = vsc[t] = 1.0f;
+    int r0 = 0;
+    for (int p = 0; p < PREFETCH_TILES; ++p) prefetch_tile(P, it, it.t0 + p * TILE);
+    for (int64_t t0 = it.t0; t0 < it.t1; t0 += TILE) {
+        int n = (int)(it.t1 - t0 < TILE ? it.t1 - t0 : TILE);
+        prefetch_tile(P, it, t0 + PREFETCH_TILES * TILE);
+        if (!tile_rows(P, it, t0, n, kr, vr, ksc, vsc)) return ERR_BLOCK_ID;
+        while (r0 < R && lim[r0] < t0) ++r0;  // rows before r0 see nothing of this tile (limits ascend)
+        for (int t = 0; t < n; ++t) decode_row(kr[t], D, kf + (size_t)t * D);
+        for (int r = r0; r < R; ++r) {
+            const float* qr = qf + (size_t)r * D;
+            float tmax = -INFINITY;
+            float* s = prob + (size_t)r * TILE;
+            for (int t = 0; t < TILE; ++t) {
+                if (t >= n || t0 + t > lim[r]) { s[t] = -INFINITY; continue; }
+                const float* kt = kf + (size_t)t * D;
+                float dot = 0.0f;
+                for (int d = 0; d < D; ++d) dot += qr[d] * kt[d];
+                s[t] = dot * sfac * ksc[t];
+                tmax = s[t] > tmax ? s[t] : tmax;
+            }
+            float mnew = tmax > mx[r] ? tmax : mx[r];
+            alpha[r] = mnew == mx[r] ? 1.0f : expf(mx[r] - mnew);
+            mx[r] = mnew;
+            float ls = 0.0f;
+            for (int t = 0; t < TILE; ++t) {
+                s[t] = s[t] == -INFINITY ? 0.0f : expf(s[t] - mnew);
+                ls += s[t];
+            }
+            sum[r] = sum[r] * alpha[r] + ls;
+        }
+        for (int t = 0; t < n; ++t) decode_row(vr[t], D, vf + (size_t)t * D);
+        for (int r = r0; r < R; ++r) {
+            float* ar = acc + (size_t)r * D;
+            const float* p = prob + (size_t)r * TILE;
+            for (int d = 0; d < D; ++d) ar[d] *= alpha[r];
+            for (int t = 0; t < n; ++t) {
+                if (p[t] == 0.0f) continue;
+                const float* vt = vf + (size_t)t * D;
+                const float pt = p[t] * vsc[t];
+                for (int d = 0; d < D; ++d) ar[d] += pt * vt[d];
+            }
+        }
+    }
+    for (int r = 0; r < R; ++r) finish_row(P, it, w, r, acc + (size_t)r * D, mx[r], sum[r], ws);
+    return OK;
+}

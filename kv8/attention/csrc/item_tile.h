@@ -1,0 +1,283 @@
+// The tile item kernel: the fast path (AVX-512 BF16) for every item shape -- prefill blocks of up to 48
+// rows, fp16 / fp32 compute, head dims that are a multiple of 16 up to 1024, any block size. Items of
+// decode shape with bf16 compute go to item_decode.h instead (see pick_item_fn).
+//
+// Per tile of 16 tokens: gather the 16 row pointers (tile_rows: pad rows read zeros), decode K once into a
+// transposed buffer shared by all rows, scores for blocks of 4 rows, an online-softmax step per row and tile,
+// then P.V: a decode step (<= 4 rows left) decodes V straight into the product (tile_pv_fused), larger
+// items decode the tile once into an L1 buffer used by all rows (decode_v_tile + tile_pv). Both P.V
+// routines are kept: buffering costs a store and reload per tile that only pays off across many rows.
+//
+// Precision: q is split into bf16 hi + lo parts (QLO; lo skipped when q is bf16 without a per-channel K
+// scale: it is zero), so q keeps ~16 significant bits; so do the softmax weights (PLO) when the output is
+// fp32 / fp16, while for a bf16 output they are rounded to bf16 once (as precise as the output itself).
+// The softmax scale and per-tensor / per-head K scales multiply the 16 scores of a tile once; per-channel K
+// scales fold into q; V scales of any granularity multiply the output once; dynamic per-token scales
+// multiply the scores (K) and the softmax weights (V). Blocks are scattered, so K and V rows are
+// software-prefetched two tiles ahead.
+#pragma once
+
+#include "fast_simd.h"
+
+#if KV8_FAST
+
+// K tile -> kbuf[s * 4 + g]: slot s (channels 8s..8s+7) of tokens 4g..4g+3 (one per 128-bit lane).
+template <int KV>
+static void decode_k_tile(const uint8_t* const* rows, int D, __m512i* kbuf) {
+    const Lut& L = lut_for(KV == KV_BF16 ? KV_E4M3 : KV);
+    constexpr int CH = chunk_channels<KV>(), ES = KV == KV_BF16 ? 2 : 1;
+    for (int z = 0; z * CH < D; ++z) {
+        const int rem = D - z * CH, nslots = (rem >= CH ? CH : rem) / 8;
+        for (int g = 0; g < 4; ++g) {
+            __m512i in[4], slots[8];
+            for (int k = 0; k < 4; ++k) in[k] = load_bytes(rows[4 * g + k] + z * 64, chunk_mask(rem * ES));
+            k_chunk_slots<KV>(in, L, slots);
+            for (int l = 0; l < nslots; ++l) kbuf[(CH / 8 * z + l) * 4 + g] = slots[l];
+        }
+    }
+}
+
+// V tile -> vbuf[u * nvs + v]: bf16 pairs (token 2u, token 2u+1) for the 16 channels of accumulator v.
+template <int KV>
+static void decode_v_tile(const uint8_t* const* rows, int D, __m512i* vbuf) {
+    const Lut& L = lut_for(KV == KV_BF16 ? KV_E4M3 : KV);
+    constexpr int CH = chunk_channels<KV>(), NV = chunk_accs<KV>(), ES = KV == KV_BF16 ? 2 : 1;
+    const int nvs = num_vslots(KV, D);
+    for (int u = 0; u < 8; ++u) {
+        for (int z = 0; z * CH < D; ++z) {
+            const __mmask64 mk = chunk_mask((D - z * CH) * ES);
+            v_chunk_pairs<KV>(load_bytes(rows[2 * u] + z * 64, mk), load_bytes(rows[2 * u + 1] + z * 64, mk), L,
+                              vbuf + u * nvs + NV * z);
+        }
+    }
+}
+
+// Scores of RB rows against one K tile: out[r] lane t = q_r . k_t (unscaled), natural token order.
+template <int RB, bool QLO>
+static inline void tile_scores(const __m512i* kbuf, int nslots, const __m512i* const* qhi,
+                               const __m512i* const* qlo, __m512* out) {
+    __m512 acc[RB][4];
+    for (int r = 0; r < RB; ++r)
+        for (int g = 0; g < 4; ++g) acc[r][g] = _mm512_setzero_ps();
+    for (int s = 0; s < nslots; ++s) {
+        __m512i q[RB];
+        for (int r = 0; r < RB; ++r) q[r] = _mm512_load_si512(qhi[r] + s);
+        for (int g = 0; g < 4; ++g) {
+            __m512i k = _mm512_load_si512(kbuf + s * 4 + g);
+            for (int r = 0; r < RB; ++r) acc[r][g] = _mm512_dpbf16_ps(acc[r][g], as_bh(q[r]), as_bh(k));
+        }
+        if (QLO) {
+            for (int r = 0; r < RB; ++r) q[r] = _mm512_load_si512(qlo[r] + s);
+            for (int g = 0; g < 4; ++g) {
+                __m512i k = _mm512_load_si512(kbuf + s * 4 + g);
+                for (int r = 0; r < RB; ++r) acc[r][g] = _mm512_dpbf16_ps(acc[r][g], as_bh(q[r]), as_bh(k));
+            }
+        }
+    }
+    for (int r = 0; r < RB; ++r) out[r] = reduce_scores(acc[r]);
+}
+
+// out[r] (RB rows x nvs accumulators, in memory) = out * alpha + P . V for one decoded V tile (P as bf16
+// hi + lo), 4 accumulators at a time.
+template <int RB, bool PLO>
+static inline void tile_pv(const __m512i* vbuf, int nvs, const uint32_t* const* phi, const uint32_t* const* plo,
+                           float* const* obuf, const float* alpha) {
+    int v0 = 0;
+    for (; v0 + 4 <= nvs; v0 += 4) {
+        __m512 acc[RB][4];
+        for (int r = 0; r < RB; ++r) {
+            __m512 a = _mm512_set1_ps(alpha[r]);
+            for (int m = 0; m < 4; ++m) acc[r][m] = _mm512_mul_ps(_mm512_load_ps(obuf[r] + (v0 + m) * 16), a);
+        }
+        for (int u = 0; u < 8; ++u) {
+            __m512i v[4];
+            for (int m = 0; m < 4; ++m) v[m] = _mm512_load_si512(vbuf + u * nvs + v0 + m);
+            for (int r = 0; r < RB; ++r) pv_accumulate<4, PLO>(acc[r], v, phi[r][u], PLO ? plo[r][u] : 0);
+        }
+        for (int r = 0; r < RB; ++r)
+            for (int m = 0; m < 4; ++m) _mm512_store_ps(obuf[r] + (v0 + m) * 16, acc[r][m]);
+    }
+    for (; v0 < nvs; ++v0) {
+        for (int r = 0; r < RB; ++r) {
+            __m512 acc = _mm512_mul_ps(_mm512_load_ps(obuf[r] + v0 * 16), _mm512_set1_ps(alpha[r]));
+            for (int u = 0; u < 8; ++u) {
+                const __m512i v = _mm512_load_si512(vbuf + u * nvs + v0);
+                pv_accumulate<1, PLO>(&acc, &v, phi[r][u], PLO ? plo[r][u] : 0);
+            }
+            _mm512_store_ps(obuf[r] + v0 * 16, acc);
+        }
+    }
+}
+
+// tile_pv with the V decode fused in (no V buffer), for the few rows of a decode step. Same accumulator
+// layout as decode_v_tile + tile_pv.
+template <int KV, int RB, bool PLO>
+static void tile_pv_fused(const uint8_t* const* rows, int D, const uint32_t* const* phi, const uint32_t* const* plo,
+                          float* const* obuf, const float* alpha) {
+    const Lut& L = lut_for(KV == KV_BF16 ? KV_E4M3 : KV);
+    constexpr int CH = chunk_channels<KV>(), NV = chunk_accs<KV>(), ES = KV == KV_BF16 ? 2 : 1;
+    for (int z = 0; z * CH < D; ++z) {
+        const __mmask64 mk = chunk_mask((D - z * CH) * ES);
+        __m512 acc[RB][NV];
+        for (int r = 0; r < RB; ++r) {
+            __m512 a = _mm512_set1_ps(alpha[r]);
+            for (int m = 0; m < NV; ++m) acc[r][m] = _mm512_mul_ps(_mm512_load_ps(obuf[r] + (z * NV + m) * 16), a);
+        }
+        for (int u = 0; u < 8; ++u) {
+            __m512i v[4];
+            v_chunk_pairs<KV>(load_bytes(rows[2 * u] + z * 64, mk), load_bytes(rows[2 * u + 1] + z * 64, mk), L, v);
+            for (int r = 0; r < RB; ++r) pv_accumulate<NV, PLO>(acc[r], v, phi[r][u], PLO ? plo[r][u] : 0);
+        }
+        for (int r = 0; r < RB; ++r)
+            for (int m = 0; m < NV; ++m) _mm512_store_ps(obuf[r] + (z * NV + m) * 16, acc[r][m]);
+    }
+}
+
+typedef void (*PvFused)(const uint8_t* const*, int, const uint32_t* const*, const uint32_t* const*, float* const*,
+                        const float*);
+
+template <int KV, bool PLO>
+static inline void pick_pv_fused(PvFused* f) {
+    f[1] = tile_pv_fused<KV, 1, PLO>;
+    f[2] = tile_pv_fused<KV, 2, PLO>;
+    f[3] = tile_pv_fused<KV, 3, PLO>;
+    f[4] = tile_pv_fused<KV, 4, PLO>;
+}
+
+typedef void (*TileDecoder)(const uint8_t* const*, int, __m512i*);
+
+template <bool QLO, bool PLO>
+static int run_item_tile(const Problem& P, const Item& it, float* ws) {
+    TileDecoder decode_k, decode_v;
+    PvFused pv_fused[5];
+    switch (P.kv) {
+        case KV_E4M3: decode_k = decode_k_tile<KV_E4M3>; decode_v = decode_v_tile<KV_E4M3>;
+            pick_pv_fused<KV_E4M3, PLO>(pv_fused); break;
+        case KV_E4M3FNUZ: decode_k = decode_k_tile<KV_E4M3FNUZ>; decode_v = decode_v_tile<KV_E4M3FNUZ>;
+            pick_pv_fused<KV_E4M3FNUZ, PLO>(pv_fused); break;
+        case KV_E5M2: decode_k = decode_k_tile<KV_E5M2>; decode_v = decode_v_tile<KV_E5M2>;
+            pick_pv_fused<KV_E5M2, PLO>(pv_fused); break;
+        default: decode_k = decode_k_tile<KV_BF16>; decode_v = decode_v_tile<KV_BF16>;
+            pick_pv_fused<KV_BF16, PLO>(pv_fused); break;
+    }
+    const Rows w = rows_of(P, it);
+    const int D = P.D, R = w.R;
+    const int nslots = D / 8, nvs = num_vslots(P.kv, D), nacc = nvs * 16;
+    size_t qbytes = (size_t)R * nslots * 64;
+    size_t bytes = 2 * qbytes + (size_t)nslots * 4 * 64 + (size_t)8 * nvs * 64 + (size_t)R * nacc * 4 +
+                   up64((size_t)R * 4) * 2 + (size_t)R * 64 * 3 + up64((size_t)D * 4) * 2 + up64((size_t)R * 8);
+    char* mem = (char*)tl_scratch.get(bytes);
+    if (!mem) return ERR_OOM;
+    __m512i* qhi = (__m512i*)mem; mem += qbytes;
+    __m512i* qlo = (__m512i*)mem; mem += qbytes;
+    __m512i* kbuf = (__m512i*)mem; mem += (size_t)nslots * 4 * 64;
+    __m512i* vbuf = (__m512i*)mem; mem += (size_t)8 * nvs * 64;
+    float* obuf = (float*)mem; mem += (size_t)R * nacc * 4;
+    float* mx = (float*)mem; mem += up64((size_t)R * 4);
+    float* sum = (float*)mem; mem += (size_t)R * 64;  // per row: 16 lane-wise partial sums
+    float* alpha = (float*)mem; mem += up64((size_t)R * 4);
+    uint32_t* phi = (uint32_t*)mem; mem += (size_t)R * 64;  // 8 used dwords per row, 64-byte stride
+    uint32_t* plo = (uint32_t*)mem; mem += (size_t)R * 64;
+    float* kscale = (float*)mem; mem += up64((size_t)D * 4);
+    int64_t* lim = (int64_t*)mem; mem += up64((size_t)R * 8);
+    float* nat = (float*)mem;
+
+    const float sfac = prep_rows(P, it, w, kscale, qhi, qlo, lim);
+    for (int r = 0; r < R; ++r) {
+        mx[r] = -INFINITY;
+        _mm512_store_ps(sum + (size_t)r * 16, _mm512_setzero_ps());
+    }
+    memset(obuf, 0, (size_t)R * nacc * 4);
+
+    const uint8_t* kr[TILE];
+    const uint8_t* vr[TILE];
+    alignas(64) float ksc[TILE], vsc[TILE];
+    for (int t = 0; t < TILE; ++t) ksc[t] = vsc[t] = 1.0f;
+    const __m512i* qh[4];
+    const __m512i* ql[4];
+    const uint32_t* ph[4];
+    const uint32_t* pl[4];
+    float* ob[4];
+    __m512 sc[4];
+    const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    int r0 = 0;
+    for (int p = 0; p < PREFETCH_TILES; ++p) prefetch_tile(P, it, it.t0 + p * TILE);
+    for (int64_t t0 = it.t0; t0 < it.t1; t0 += TILE) {
+        int n = (int)(it.t1 - t0 < TILE ? it.t1 - t0 : TILE);
+        // K lines now, V lines before the V decode: bursts that fit the L1 miss buffers (one burst of both
+        // measures 2x slower for bf16).
+        prefetch_tile<true, false>(P, it, t0 + PREFETCH_TILES * TILE);
+        if (!tile_rows(P, it, t0, n, kr, vr, ksc, vsc)) return ERR_BLOCK_ID;
+        while (r0 < R && lim[r0] < t0) ++r0;  // rows before r0 see nothing of this tile (limits ascend)
+        decode_k(kr, D, kbuf);
+        const __m512 sfv = _mm512_mul_ps(_mm512_set1_ps(sfac), _mm512_load_ps(ksc));
+        const __m512 vsv = _mm512_load_ps(vsc);
+        for (int rb = r0; rb < R; rb += 4) {
+            int nb = R - rb < 4 ? R - rb : 4;
+            for (int i = 0; i < nb; ++i) {
+                qh[i] = qhi + (size_t)(rb + i) * nslots;
+                ql[i] = qlo + (size_t)(rb + i) * nslots;
+            }
+            switch (nb) {
+                case 4: tile_scores<4, QLO>(kbuf, nslots, qh, ql, sc); break;
+                case 3: tile_scores<3, QLO>(kbuf, nslots, qh, ql, sc); break;
+                case 2: tile_scores<2, QLO>(kbuf, nslots, qh, ql, sc); break;
+                default: tile_scores<1, QLO>(kbuf, nslots, qh, ql, sc); break;
+            }
+            for (int i = 0; i < nb; ++i) {
+                int r = rb + i;
+                int64_t nv = lim[r] - t0 + 1 < n ? lim[r] - t0 + 1 : n;  // visible tokens of this tile (>= 1)
+                __mmask16 valid = (__mmask16)_mm512_cmplt_epi32_mask(lane, _mm512_set1_epi32((int)nv));
+                __m512 s = _mm512_mask_mul_ps(_mm512_set1_ps(-INFINITY), valid, sc[i], sfv);
+                float tmax = _mm512_reduce_max_ps(s);
+                float mnew = tmax > mx[r] ? tmax : mx[r];
+                alpha[r] = mnew == mx[r] ? 1.0f : expf(mx[r] - mnew);
+                mx[r] = mnew;
+                __m512 p = _mm512_maskz_mov_ps(valid, exp_ps(_mm512_sub_ps(s, _mm512_set1_ps(mnew))));
+                float* sr = sum + (size_t)r * 16;
+                _mm512_store_ps(sr, _mm512_fmadd_ps(_mm512_load_ps(sr), _mm512_set1_ps(alpha[r]), p));
+                if (P.vts) p = _mm512_mul_ps(p, vsv);  // per-token V scale rides on the weight
+                __m256i h = (__m256i)_mm512_cvtneps_pbh(p);
+                _mm256_store_si256((__m256i*)(phi + (size_t)r * 16), h);
+                if (PLO) {
+                    __m512 hf = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+                    _mm256_store_si256((__m256i*)(plo + (size_t)r * 16),
+                                       (__m256i)_mm512_cvtneps_pbh(_mm512_sub_ps(p, hf)));
+                }
+            }
+        }
+        prefetch_tile<false, true>(P, it, t0 + PREFETCH_TILES * TILE);
+        if (R - r0 <= 4) {  // decode step: decode V straight into the P.V product
+            int nb = R - r0;
+            for (int i = 0; i < nb; ++i) {
+                ph[i] = phi + (size_t)(r0 + i) * 16;
+                pl[i] = plo + (size_t)(r0 + i) * 16;
+                ob[i] = obuf + (size_t)(r0 + i) * nacc;
+            }
+            pv_fused[nb](vr, D, ph, pl, ob, alpha + r0);
+            continue;
+        }
+        decode_v(vr, D, vbuf);
+        for (int rb = r0; rb < R; rb += 4) {
+            int nb = R - rb < 4 ? R - rb : 4;
+            for (int i = 0; i < nb; ++i) {
+                ph[i] = phi + (size_t)(rb + i) * 16;
+                pl[i] = plo + (size_t)(rb + i) * 16;
+                ob[i] = obuf + (size_t)(rb + i) * nacc;
+            }
+            switch (nb) {
+                case 4: tile_pv<4, PLO>(vbuf, nvs, ph, pl, ob, alpha + rb); break;
+                case 3: tile_pv<3, PLO>(vbuf, nvs, ph, pl, ob, alpha + rb); break;
+                case 2: tile_pv<2, PLO>(vbuf, nvs, ph, pl, ob, alpha + rb); break;
+                default: tile_pv<1, PLO>(vbuf, nvs, ph, pl, ob, alpha + rb); break;
+            }
+        }
+    }
+    for (int r = 0; r < R; ++r) {
+        natural_order(P.kv, obuf + (size_t)r * nacc, nacc, D, nat);
+        finish_row(P, it, w, r, nat, mx[r], _mm512_reduce_add_ps(_mm512_load_ps(sum + (size_t)r * 16)), ws);
+    }
+    return OK;
+}
+
+#endif  // KV8_FAST

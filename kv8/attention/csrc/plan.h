@@ -1,0 +1,170 @@
+// Attention planning: work items, their order and threads, and the log-sum-exp combine of partitions.
+//
+//   sequence i, query tokens split in blocks of qb (~48 rows with the GQA group), per KV head:
+//     context [0, end) cut into partitions of `part` tokens  ->  one item per partition
+//   items run longest first on an OpenMP dynamic schedule; an item of a split context writes
+//   (max, sum, acc[D]) per row into the workspace, and the combine merges them (vLLM's paged attention v2):
+//     out = sum_p e^(m_p - M) acc_p / sum_p e^(m_p - M) l_p
+// Small calls stay on one thread (waking the others costs more than the work).
+#pragma once
+
+#include "problem.h"
+
+// The problem of one call, from the layer and call structs; ERR_ARGS when they are unusable.
+static int make_problem(const kv8_layer& L, const kv8_attention_call& C, Problem& P) {
+    const int Hkv = L.num_kv_heads, Hq = C.num_q_heads, D = L.head_dim, bs = L.block_size, kv = L.kv_dtype;
+    if (Hkv <= 0 || Hq % Hkv != 0 || D <= 0 || bs <= 0 || C.num_seqs < 0 || C.num_threads <= 0 || kv < 0 ||
+        kv >= KV_COUNT || C.q_dtype < 0 || C.q_dtype >= DT_COUNT ||
+        (int64_t)D * esize_of(kv) > (int64_t)sizeof(ZERO_ROW) ||
+        (L.k_token_scales == nullptr) != (L.v_token_scales == nullptr))
+        return ERR_ARGS;
+    P.q = C.q; P.q_dtype = C.q_dtype; P.out = C.out;
+    P.Hq = Hq; P.Hkv = Hkv; P.D = D; P.G = Hq / Hkv;
+    P.kc = (const uint8_t*)L.k_cache; P.vc = (const uint8_t*)L.v_cache;
+    P.kv = kv; P.esize = esize_of(kv); P.num_blocks = L.num_blocks; P.bs = bs;
+    P.ks = L.k_scale; P.ks_hs = L.k_scale_head_stride; P.ks_ds = L.k_scale_dim_stride;
+    P.vs = L.v_scale; P.vs_hs = L.v_scale_head_stride; P.vs_ds = L.v_scale_dim_stride;
+    P.kts = L.k_token_scales; P.vts = L.v_token_scales;
+    P.B = C.num_seqs; P.qsl = C.query_start_loc; P.seq_lens = C.seq_lens; P.bt = C.block_tables;
+    P.bt_stride = C.block_table_stride;
+    P.sm_scale = C.sm_scale;
+    // Query tokens per item: ~48 rows (tokens x GQA group) share each decoded K/V tile; measured on 4 x 512
+    // prefill tokens, 48 rows took ~15% less time than 16 (32: ~9%, 64: no better than 48).
+    P.qb = P.G >= ROWS_PER_ITEM ? 1 : ROWS_PER_ITEM / P.G;
+    P.bs_shift = (bs & (bs - 1)) == 0 ? __builtin_ctz((unsigned)bs) : -1;
+    return OK;
+}
+
+// Runs `fn` over every item of P (T query tokens in all), then combines split contexts. The batch layout
+// is checked first (lengths, table width; block ids are checked by the tile walk). partition_size: see
+// kv8_attention_call.
+static int run_attention(const Problem& P, int64_t T, int nthreads, int64_t partition_size, ItemFn fn) {
+    const int B = P.B, Hkv = P.Hkv, D = P.D, bs = P.bs;
+    const int64_t *qsl = P.qsl, *seq_lens = P.seq_lens, bt_stride = P.bt_stride;
+    if (qsl[0] != 0 || qsl[B] != T) return ERR_LENGTHS;
+    int64_t n_base = 0, total_ctx = 0;
+    for (int i = 0; i < B; ++i) {
+        int64_t ql = qsl[i + 1] - qsl[i], sl = seq_lens[i];
+        if (ql < 0 || sl < ql || (ql > 0 && sl < 1)) return ERR_LENGTHS;
+        if ((sl + bs - 1) / bs > bt_stride) return ERR_TABLE_WIDTH;
+        int64_t nq = (ql + P.qb - 1) / P.qb;
+        n_base += nq * Hkv;
+        total_ctx += sl * nq * Hkv;
+    }
+    int64_t part;
+    if (partition_size > 0) part = (partition_size + TILE - 1) / TILE * TILE;
+    else if (partition_size < 0 || n_base >= 4 * (int64_t)nthreads)
+        part = (int64_t)1 << 40;  // no split (and no overflow in the ceil-divisions below)
+    else {
+        int64_t want = (total_ctx + 8 * nthreads - 1) / (8 * nthreads);
+        part = want < 256 ? 256 : (want + TILE - 1) / TILE * TILE;
+    }
+
+    // Items, and workspace for partitioned ones.
+    int64_t n_items = 0;
+    for (int i = 0; i < B; ++i) {
+        int64_t ql = qsl[i + 1] - qsl[i], sl = seq_lens[i];
+        for (int64_t j0 = 0; j0 < ql; j0 += P.qb) {
+            int64_t j1 = j0 + P.qb < ql ? j0 + P.qb : ql;
+            int64_t end = sl - ql + j1;
+            n_items += Hkv * ((end + part - 1) / part);
+        }
+    }
+    Item* items = (Item*)malloc(sizeof(Item) * (size_t)(n_items ? n_items : 1));
+    if (!items) return ERR_OOM;
+    struct Group { int64_t first, nparts; int rows; };
+    Group* groups = (Group*)malloc(sizeof(Group) * (size_t)(n_base ? n_base : 1));
+    if (!groups) { free(items); return ERR_OOM; }
+    int64_t ni = 0, ng = 0, ws_floats = 0;
+    for (int i = 0; i < B; ++i) {
+        int64_t ql = qsl[i + 1] - qsl[i], sl = seq_lens[i];
+        for (int64_t j0 = 0; j0 < ql; j0 += P.qb) {
+            int64_t j1 = j0 + P.qb < ql ? j0 + P.qb : ql;
+            int64_t end = sl - ql + j1;
+            int64_t np = (end + part - 1) / part;
+            int rows = (int)(j1 - j0) * P.G;
+            for (int h = 0; h < Hkv; ++h) {
+                groups[ng] = Group{ni, np, rows};
+                for (int64_t p = 0; p < np; ++p) {
+                    Item& it = items[ni++];
+                    it.seq = i; it.kvh = h; it.j0 = (int)j0; it.j1 = (int)j1;
+                    it.t0 = p * part;
+                    it.t1 = (p + 1) * part < end ? (p + 1) * part : end;
+                    it.cost = (it.t1 - it.t0) * rows;
+                    if (np > 1) { it.ws = ws_floats; ws_floats += (int64_t)rows * (D + 2); }
+                    else it.ws = -1;
+                }
+                ++ng;
+            }
+        }
+    }
+    float* ws = nullptr;
+    if (ws_floats) {
+        ws = (float*)tl_workspace.get((size_t)ws_floats * 4);
+        if (!ws) { free(items); free(groups); return ERR_OOM; }
+    }
+    // Longest items first, so the dynamic schedule ends balanced.
+    int64_t* order = (int64_t*)malloc(sizeof(int64_t) * (size_t)(n_items ? n_items : 1));
+    if (!order) { free(items); free(groups); return ERR_OOM; }
+    for (int64_t k = 0; k < n_items; ++k) order[k] = k;
+    qsort_r(order, (size_t)n_items, sizeof(int64_t),
+            [](const void* a, const void* b, void* ctx) -> int {
+                const Item* its = (const Item*)ctx;
+                int64_t ca = its[*(const int64_t*)a].cost, cb = its[*(const int64_t*)b].cost;
+                return ca < cb ? 1 : (ca > cb ? -1 : 0);
+            },
+            items);
+
+    int err = OK;
+    int64_t total_cost = 0;
+    for (int64_t k = 0; k < n_items; ++k) total_cost += items[k].cost;
+    // Waking the other threads costs ~10 us (much more on a busy machine): small calls run on one thread.
+    int nt = (int)(n_items < nthreads ? (n_items ? n_items : 1) : nthreads);
+    if (total_cost < SMALL_WORK) nt = 1;
+#pragma omp parallel num_threads(nt)
+    {
+        FpEnv env;
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t k = 0; k < n_items; ++k) {
+            int e = fn(P, items[order[k]], ws);
+            if (e != OK) {
+#pragma omp atomic write
+                err = e;
+            }
+        }
+        if (ws_floats && err == OK) {
+            // Combine partitions: out = sum_p e^(m_p - M) acc_p / sum_p e^(m_p - M) l_p.
+#pragma omp for schedule(dynamic, 4)
+            for (int64_t g = 0; g < ng; ++g) {
+                const Group& gr = groups[g];
+                if (gr.nparts < 2) continue;
+                const Item& first = items[gr.first];
+                Item direct = first;
+                direct.ws = -1;
+                Rows w = rows_of(P, direct);
+                float* acc = (float*)tl_scratch.get((size_t)D * 4);
+                for (int r = 0; r < gr.rows; ++r) {
+                    float M = -INFINITY;
+                    for (int64_t p = 0; p < gr.nparts; ++p) {
+                        float m = ws[items[gr.first + p].ws + (int64_t)r * (D + 2)];
+                        M = m > M ? m : M;
+                    }
+                    float L = 0.0f;
+                    for (int d = 0; d < D; ++d) acc[d] = 0.0f;
+                    for (int64_t p = 0; p < gr.nparts; ++p) {
+                        const float* src = ws + items[gr.first + p].ws + (int64_t)r * (D + 2);
+                        if (src[1] == 0.0f) continue;  // the row saw nothing of this partition
+                        float f = expf(src[0] - M);
+                        L += f * src[1];
+                        for (int d = 0; d < D; ++d) acc[d] += f * src[2 + d];
+                    }
+                    finish_row(P, direct, w, r, acc, M, L, nullptr);
+                }
+            }
+        }
+    }
+    free(order);
+    free(items);
+    free(groups);
+    return err;
+}

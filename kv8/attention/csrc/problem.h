@@ -1,0 +1,220 @@
+// The problem one attention call solves, its work items, and what every item kernel shares: row
+// geometry, the tile walk over the paged cache (block ids checked here), prefetch, scratch, and the
+// finish of a row (normalize, V scale, convert, or write a partial for the partition combine).
+//
+// Cache layer layout: k_cache / v_cache are [num_blocks, Hkv, bs, D] contiguous, elements of `esize` bytes.
+// Token `pos` of a sequence lives in block `block_table[pos / bs]`, row `pos % bs`:
+//
+//   block_table[seq] = [ 7, 2, 9 ]        bs = 16, context of 40 tokens
+//   pos  0..15 -> block 7, rows 0..15     tile at t0 = 16: 16 rows of block 2, one base pointer
+//   pos 16..31 -> block 2, rows 0..15     tile at t0 = 32: 8 rows of block 9 + 8 pad rows (zeros)
+//   pos 32..39 -> block 9, rows 0..7      pad rows are never read from the cache
+//
+// An item is (sequence, KV head, query tokens [j0, j1), context [t0, t1)); its rows are the query heads of
+// the GQA group x its query tokens, token-major (row r = token j0 + r / G, head kvh * G + r % G).
+#pragma once
+
+#include "common.h"
+#include "abi.h"
+
+static const int TILE = 16;  // context tokens per tile
+static const int ROWS_PER_ITEM = 48;  // query rows (tokens x heads of a GQA group) per work item, at most
+static const int64_t SMALL_WORK = 8192;  // (context tokens x query rows) below which one thread is used
+
+// One attention call in the kernels' short names: built by make_problem (plan.h) from kv8_layer and
+// kv8_attention_call, read-only in the item kernels.
+struct Problem {
+    const void* q;
+    int q_dtype;
+    void* out;
+    int Hq, Hkv, D, G;
+    const uint8_t* kc;
+    const uint8_t* vc;
+    int kv, esize;
+    int64_t num_blocks;
+    int bs;
+    const float* ks;
+    int64_t ks_hs, ks_ds;
+    const float* vs;
+    int64_t vs_hs, vs_ds;
+    const float* kts;  // dynamic per-token scales [num_blocks, Hkv, bs] of this layer's K / V, or NULL
+    const float* vts;
+    int B;
+    const int64_t* qsl;
+    const int64_t* seq_lens;
+    const int64_t* bt;
+    int64_t bt_stride;
+    float sm_scale;
+    int qb;        // query tokens per item
+    int bs_shift;  // log2(bs) when bs is a power of two, else -1 (divisions are slow in the tile loop)
+};
+
+static inline int64_t block_index(const Problem& P, int64_t pos) {
+    return P.bs_shift >= 0 ? pos >> P.bs_shift : pos / P.bs;
+}
+static inline int64_t block_offset(const Problem& P, int64_t pos) {
+    return P.bs_shift >= 0 ? pos & (P.bs - 1) : pos % P.bs;
+}
+
+struct Item {
+    int seq, kvh, j0, j1;  // query tokens [j0, j1) of seq
+    int64_t t0, t1;        // context tokens [t0, t1), t0 a multiple of TILE
+    int64_t ws;            // offset (floats) of this item's partial result in the workspace, -1: write output
+    int64_t cost;
+};
+
+typedef int (*ItemFn)(const Problem&, const Item&, float*);  // runs one item; 0 or an error code
+
+struct Scratch {  // per thread, grows, never shrinks
+    void* mem = nullptr;
+    size_t size = 0;
+    void* get(size_t n) {
+        if (n > size) {
+            free(mem);
+            size = (n + 4095) & ~(size_t)4095;
+            mem = aligned_alloc(64, size);
+            if (!mem) size = 0;
+        }
+        return mem;
+    }
+};
+static thread_local Scratch tl_scratch;
+static thread_local Scratch tl_workspace;
+
+static inline size_t up64(size_t n) { return (n + 63) & ~(size_t)63; }
+
+alignas(64) static const uint8_t ZERO_ROW[4096] = {0};  // pad rows of a partial tile (D * esize <= 4096)
+
+// Row geometry of one item.
+struct Rows {
+    int R;             // rows = (j1 - j0) * G, token-major: row r is query token j0 + r / G, head kvh*G + r % G
+    int64_t base;      // position of query token 0 = seq_len - q_len
+    int64_t qrow0;     // flat index of query token j0 in the batch
+};
+
+static inline Rows rows_of(const Problem& P, const Item& it) {
+    Rows w;
+    w.R = (it.j1 - it.j0) * P.G;
+    int64_t q_len = P.qsl[it.seq + 1] - P.qsl[it.seq];
+    w.base = P.seq_lens[it.seq] - q_len;
+    w.qrow0 = P.qsl[it.seq] + it.j0;
+    return w;
+}
+
+static inline int64_t row_limit(const Problem& P, const Item& it, const Rows& w, int r) {
+    return w.base + it.j0 + r / P.G;  // last visible context position (inclusive)
+}
+
+// Row pointers of one tile of K and V (pad tokens point at zeros) and, with dynamic scales, the tokens'
+// K and V scales (0 for pad tokens; without dynamic scales ksc/vsc are left alone: the caller sets them to
+// 1 once and only the last tile of an item can have pad tokens, where their score is masked and their
+// weight is 0 anyway). Returns false on a bad block id.
+static inline bool tile_rows(const Problem& P, const Item& it, int64_t t0, int n, const uint8_t** kr,
+                             const uint8_t** vr, float* ksc, float* vsc) {
+    const int64_t* table = P.bt + (int64_t)it.seq * P.bt_stride;
+    const int64_t row_bytes = (int64_t)P.D * P.esize;
+    if (P.bs % TILE == 0) {  // t0 is a multiple of TILE: the whole tile lies in one block
+        int64_t blk = table[block_index(P, t0)];
+        if ((uint64_t)blk >= (uint64_t)P.num_blocks) return false;
+        int64_t row0 = (blk * P.Hkv + it.kvh) * P.bs + block_offset(P, t0);
+        const uint8_t* kb = P.kc + row0 * row_bytes;
+        const uint8_t* vb = P.vc + row0 * row_bytes;
+        for (int t = 0; t < TILE; ++t) {
+            kr[t] = kb + t * row_bytes;
+            vr[t] = vb + t * row_bytes;
+        }
+        if (P.kts)
+            for (int t = 0; t < n; ++t) {
+                ksc[t] = P.kts[row0 + t];
+                vsc[t] = P.vts[row0 + t];
+            }
+        for (int t = n; t < TILE; ++t) {
+            kr[t] = vr[t] = ZERO_ROW;
+            ksc[t] = vsc[t] = 0.0f;
+        }
+        return true;
+    }
+    for (int t = 0; t < TILE; ++t) {
+        if (t < n) {
+            int64_t pos = t0 + t;
+            int64_t blk = table[block_index(P, pos)];
+            if ((uint64_t)blk >= (uint64_t)P.num_blocks) return false;
+            int64_t row = (blk * P.Hkv + it.kvh) * P.bs + block_offset(P, pos);
+            kr[t] = P.kc + row * row_bytes;
+            vr[t] = P.vc + row * row_bytes;
+            if (P.kts) {
+                ksc[t] = P.kts[row];
+                vsc[t] = P.vts[row];
+            }
+        } else {
+            kr[t] = ZERO_ROW;
+            vr[t] = ZERO_ROW;
+            ksc[t] = 0.0f;
+            vsc[t] = 0.0f;
+        }
+    }
+    return true;
+}
+
+// A prefetch the optimizer cannot delete (GCC 12 drops loops whose only effect is __builtin_prefetch).
+static inline void prefetch_l1(const void* p) { asm volatile("prefetcht0 %0" : : "m"(*(const char*)p)); }
+static inline void prefetch_l2(const void* p) { asm volatile("prefetcht1 %0" : : "m"(*(const char*)p)); }
+
+// Software prefetch of the K and V rows (and token scales) of the tile at t0: blocks are scattered, so the
+// hardware prefetchers cannot follow. Out-of-range block ids are left to tile_rows to report. L2: into L2
+// (prefetcht1) rather than L1.
+template <bool K = true, bool V = true, bool L2 = false>
+static inline void prefetch_tile(const Problem& P, const Item& it, int64_t t0) {
+    if (t0 >= it.t1) return;
+    const int n = (int)(it.t1 - t0 < TILE ? it.t1 - t0 : TILE);
+    const int64_t* table = P.bt + (int64_t)it.seq * P.bt_stride;
+    const int64_t row_bytes = (int64_t)P.D * P.esize;
+    for (int t = 0; t < n;) {
+        int64_t pos = t0 + t;
+        int64_t blk = table[block_index(P, pos)];
+        if ((uint64_t)blk >= (uint64_t)P.num_blocks) return;
+        int64_t off = block_offset(P, pos);
+        int run = (int)(P.bs - off < n - t ? P.bs - off : n - t);  // rows of this tile in this block
+        int64_t row = (blk * P.Hkv + it.kvh) * P.bs + off;
+        const char* k = (const char*)(P.kc + row * row_bytes);
+        const char* v = (const char*)(P.vc + row * row_bytes);
+        for (int64_t b = 0; b < run * row_bytes; b += 64) {
+            if (K) L2 ? prefetch_l2(k + b) : prefetch_l1(k + b);
+            if (V) L2 ? prefetch_l2(v + b) : prefetch_l1(v + b);
+        }
+        if (P.kts) {
+            if (K) L2 ? prefetch_l2(P.kts + row) : prefetch_l1(P.kts + row);
+            if (V) L2 ? prefetch_l2(P.vts + row) : prefetch_l1(P.vts + row);
+        }
+        t += run;
+    }
+}
+static const int PREFETCH_TILES = 2;  // prefetch distance (measured: 1..4 are within noise, none is 3x slower)
+
+static inline float k_head_scale(const Problem& P, int kvh) { return P.ks ? P.ks[kvh * P.ks_hs] : 1.0f; }
+static inline bool k_per_channel(const Problem& P) { return P.ks && P.ks_ds != 0; }
+
+// Finish one row: acc (natural channel order), running max m and sum l -> output row or partial.
+static void finish_row(const Problem& P, const Item& it, const Rows& w, int r, const float* acc, float m,
+                       float l, float* ws) {
+    const int D = P.D;
+    if (it.ws >= 0) {
+        float* dst = ws + it.ws + (int64_t)r * (D + 2);
+        dst[0] = m;
+        dst[1] = l;
+        memcpy(dst + 2, acc, sizeof(float) * (size_t)D);
+        return;
+    }
+    int h = it.kvh * P.G + r % P.G;
+    int64_t qi = w.qrow0 + r / P.G;
+    int64_t o = (qi * P.Hq + h) * (int64_t)D;
+    float inv = 1.0f / l;
+    const float* vs = P.vs ? P.vs + it.kvh * P.vs_hs : nullptr;
+    for (int d = 0; d < D; ++d) {
+        float x = acc[d] * inv;
+        if (vs) x *= vs[d * P.vs_ds];
+        if (P.q_dtype == DT_BF16) ((uint16_t*)P.out)[o + d] = f_bf16(x);
+        else if (P.q_dtype == DT_F16) ((uint16_t*)P.out)[o + d] = f_f16(x);
+        else ((float*)P.out)[o + d] = x;
+    }
+}
