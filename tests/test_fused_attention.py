@@ -22,6 +22,7 @@ Tolerances (the kernels accumulate in fp32; the fast path carries q and the soft
 
 from __future__ import annotations
 
+import dataclasses
 import ctypes
 import logging
 import math
@@ -481,12 +482,14 @@ def test_struct_mirror_mismatch_is_refused(lib: fused.KernelLibrary) -> None:
 
 
 def test_layer_args_follow_replaced_scales(lib: fused.KernelLibrary) -> None:
-    """The per-layer argument struct is rebuilt when the cache's scales object is replaced."""
+    """The per-layer argument struct is rebuilt when the cache's codec (here: its scales) is replaced."""
     cache, meta, q = make_case("fp8_e4m3", "head", torch.float32)
     check_attention(lib, cache, meta, q)
     first = lib.layer_args(cache, 1)
     assert lib.layer_args(cache, 1) is first  # reused
-    cache.scales = KVScales(k=cache.scales.k * 2, v=cache.scales.v * 2, granularity=cache.scales.granularity,
-                            source="test", made_for=None)
+    old = cache.codec.scales
+    cache.codec = dataclasses.replace(cache.codec, scales=KVScales(k=old.k * 2, v=old.v * 2,
+                                                                   granularity=old.granularity, source="test",
+                                                                   made_for=None))
     assert lib.layer_args(cache, 1) is not first
     check_attention(lib, cache, meta, q)

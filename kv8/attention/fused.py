@@ -203,13 +203,12 @@ class KernelLibrary:
         """The ``kv8_layer`` of ``cache``'s layer ``layer``, built on first use and reused.
 
         Memoized (building it costs ~10 us, 2 calls per layer per step) under a key of the cache tensor's data
-        pointer and shape, the KV dtype, the scales object and the token-scale tensor's data pointer, so a
-        replaced tensor or scales object is never read through a stale pointer. The entry holds the scale
-        tensors it points into, so they live as long as the pointers.
+        pointer and shape, the cache's codec (frozen: format, scales, basis) and the token-scale tensor's data
+        pointer, so a replaced tensor or codec is never read through a stale pointer. The entry holds the
+        scale tensors it points into, so they live as long as the pointers.
         """
-        ts = getattr(cache, "token_scales", None)
-        key = (cache.data.data_ptr(), cache.shape, cache.kv_dtype, id(getattr(cache, "scales", None)),
-               0 if ts is None else ts.data_ptr())
+        ts = cache.token_scales
+        key = (cache.data.data_ptr(), cache.shape, id(cache.codec), 0 if ts is None else ts.data_ptr())
         entry = self._layers.get(cache)
         if entry is None or entry[0] != key:
             entry = (key, {})
@@ -220,7 +219,7 @@ class KernelLibrary:
         return built[0]
 
     def _build_layer_args(self, cache: PagedKVCache, layer: int) -> tuple[LayerArgs, tuple]:
-        """(LayerArgs, the tensors it points into, and the scales object of the key). Validates the layer once."""
+        """(LayerArgs, the tensors it points into, and the codec of the key). Validates the layer once."""
         shape = cache.shape
         if not 0 <= layer < shape.num_layers:
             raise ValueError(f"layer={layer} is outside [0, {shape.num_layers})")
@@ -248,7 +247,7 @@ class KernelLibrary:
                                      f"[{shape.num_blocks}, {shape.num_kv_heads}, {shape.block_size}], got "
                                      f"{ts.dtype} {list(ts.shape)}")
                 setattr(args, f"{prefix}_token_scales", ts.data_ptr())
-        return args, (scales, token_scales, getattr(cache, "scales", None))
+        return args, (scales, token_scales, cache.codec)
 
 
 class KernelTesting:
