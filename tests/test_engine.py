@@ -38,7 +38,7 @@ def check_all_blocks_free(llm: LLM) -> None:
     kv.check_integrity()
     assert not kv.req_blocks, f"requests still hold blocks: {list(kv.req_blocks)}"
     assert kv.num_free_blocks == kv.pool.num_blocks
-    assert not llm.engine.scheduler.has_unfinished() and not llm.engine.parents
+    assert not llm.engine.scheduler.has_unfinished() and not llm.engine.has_unfinished_requests()
 
 
 def make_llm(path: str, **kw) -> LLM:
