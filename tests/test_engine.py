@@ -215,6 +215,10 @@ def test_bad_inputs_raise_clear_errors(tiny_llama):
         llm.generate("", GREEDY)
     with pytest.raises(ValueError, match="not token ids"):
         llm.generate([[1, 2, 10**6]], GREEDY)
+    with pytest.raises(ValueError, match=r"logprobs must be <= the vocabulary size \d+, got 100000"):
+        llm.generate(PROMPTS[1], SamplingParams(logprobs=100000))
+    with pytest.raises(ValueError, match=r"prompt_logprobs must be <= the vocabulary size"):
+        llm.generate(PROMPTS[1], SamplingParams(prompt_logprobs=100000))
     with pytest.raises(ValueError, match="2 SamplingParams for 3 prompts"):
         llm.generate(PROMPTS[:3], [GREEDY, GREEDY])
     # The engine still serves after rejected requests, and nothing leaked.

@@ -63,7 +63,7 @@ class ModelRunner:
             positions.extend(range(c.start, end))
             query_lens.append(c.num_new_tokens)
             seq_lens.append(end)
-            tables.append(c.block_ids)
+            tables.append(list(c.block_ids))
         meta = AttentionMetadata.build(query_lens, seq_lens, tables, self.cache.shape.block_size)
         ctx = AttentionContext(self.cache, meta, self.backend, self.observer)
         hidden = self.model(torch.tensor(input_ids), torch.tensor(positions), ctx)
