@@ -38,7 +38,7 @@ def check_all_blocks_free(llm: LLM) -> None:
     kv.check_integrity()
     assert not kv.req_blocks, f"requests still hold blocks: {list(kv.req_blocks)}"
     assert kv.num_free_blocks == kv.pool.num_blocks
-    assert not llm.engine.scheduler.has_unfinished() and not llm.engine.parents
+    assert not llm.engine.scheduler.has_unfinished() and not llm.engine.has_unfinished_requests()
 
 
 def make_llm(path: str, **kw) -> LLM:
@@ -215,6 +215,10 @@ def test_bad_inputs_raise_clear_errors(tiny_llama):
         llm.generate("", GREEDY)
     with pytest.raises(ValueError, match="not token ids"):
         llm.generate([[1, 2, 10**6]], GREEDY)
+    with pytest.raises(ValueError, match=r"logprobs must be <= the vocabulary size \d+, got 100000"):
+        llm.generate(PROMPTS[1], SamplingParams(logprobs=100000))
+    with pytest.raises(ValueError, match=r"prompt_logprobs must be <= the vocabulary size"):
+        llm.generate(PROMPTS[1], SamplingParams(prompt_logprobs=100000))
     with pytest.raises(ValueError, match="2 SamplingParams for 3 prompts"):
         llm.generate(PROMPTS[:3], [GREEDY, GREEDY])
     # The engine still serves after rejected requests, and nothing leaked.

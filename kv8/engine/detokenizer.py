@@ -1,4 +1,4 @@
-"""Incremental detokenization and stop strings.
+"""Incremental detokenization and stop-string search (used by :mod:`kv8.engine.output_processor`).
 
 Text is produced a token at a time without re-decoding the whole output: decode a short window of ids twice
 (with and without the newest ones) and emit the difference, holding back text that ends in an incomplete

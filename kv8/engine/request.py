@@ -3,10 +3,14 @@
 A :class:`Request` owns its tokens (prompt then outputs) and ``num_computed_tokens``: how many of them have
 their K/V in the cache. The scheduler moves ``num_computed_tokens`` towards ``num_tokens`` a chunk at a time
 ("schedule tokens, not phases"), so prefill, chunked prefill, decode and recompute after preemption are one
-mechanism. A parent request with ``n > 1`` is fanned out into ``n`` of these by the engine.
+mechanism. A user request with ``n > 1`` becomes ``n`` of these (see :mod:`kv8.engine.input_processor`).
 
-Invariant: ``0 <= num_computed_tokens <= num_tokens``; a request samples a new token in a step exactly when
-that step brings ``num_computed_tokens`` to ``num_tokens``.
+Text is not kept here: the output processor (:mod:`kv8.engine.output_processor`) owns detokenized text and
+the logprob dicts handed to users.
+
+Invariants: ``0 <= num_computed_tokens <= num_tokens``; a request samples a new token in a step exactly when
+that step brings ``num_computed_tokens`` to ``num_tokens``; ``all_token_ids == prompt_token_ids +
+output_token_ids``.
 """
 
 from __future__ import annotations
@@ -45,13 +49,15 @@ class TokenLogprobs:
 
 @dataclass
 class Request:
+    """One sequence. ``max_tokens`` is the effective limit (``SamplingParams.max_tokens`` capped by the room
+    left in ``max_model_len``); ``eos_token_ids`` are the model's end-of-sequence tokens."""
+
     request_id: str
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
     generator: torch.Generator
     max_tokens: int
     eos_token_ids: frozenset[int]
-    prompt: str | None = None
     arrival_time: float = field(default_factory=time.monotonic)
     parent_id: str | None = None
     index: int = 0
@@ -66,15 +72,15 @@ class Request:
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     prompt_logprobs: list[TokenLogprobs | None] = field(default_factory=list)
     cumulative_logprob: float = 0.0
-    # The engine's cache of ``logprobs`` / ``prompt_logprobs`` converted to output dicts (``kv8.outputs``).
-    logprob_dicts: list = field(default_factory=list)
-    prompt_logprob_dicts: list = field(default_factory=list)
-    first_token_time: float | None = None
-    # Text produced so far (maintained by the engine's detokenizer) and how much of it was already streamed.
-    text: str = ""
 
     def __post_init__(self) -> None:
         self.all_token_ids: list[int] = list(self.prompt_token_ids)
+        p = self.sampling_params
+        # The one definition of "which tokens stop": EOS (unless ignore_eos) and stop_token_ids. They end the
+        # request once it has min_tokens outputs (scheduler.check_stop) and cannot be sampled before (the
+        # runner masks them).
+        self.stop_tokens: frozenset[int] = frozenset(p.stop_token_ids) | (
+            frozenset() if p.ignore_eos else self.eos_token_ids)
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -1,18 +1,25 @@
 """Runs one scheduled step: flattens the chunks into one batch, runs the model, samples.
 
-Input: a :class:`SchedulerOutput`. Output: a :class:`ModelRunnerOutput` with the token sampled for every
-chunk that reached the end of its request, and the logprobs that were asked for. The runner does not
-change request state; the engine applies the output.
+Input: a :class:`SchedulerOutput`, whose chunks carry their requests' block tables. Output: a
+:class:`ModelRunnerOutput` with the token sampled for every chunk that reached the end of its request, and the
+logprobs that were asked for. The runner reads requests but never changes them, and never touches the KV cache
+manager; the scheduler applies the output (:meth:`kv8.engine.scheduler.Scheduler.update`).
+
+Batch layout (T = sum of the chunks' new tokens)::
+
+    input_ids, positions   [T]      chunk 0's tokens, then chunk 1's, ...
+    hidden                 [T, E]   row query_start_loc[i + 1] - 1 is the last token of chunk i
+    logits                 [S, V]   one row per chunk that samples (S <= number of chunks)
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
 import torch
 
 from kv8.attention.backend import AttentionBackend
 from kv8.attention.metadata import AttentionMetadata
-from kv8.cache.kv_cache_manager import KVCacheManager
 from kv8.cache.paged_cache import PagedKVCache
 from kv8.engine.request import Request, TokenLogprobs
 from kv8.engine.sampler import compute_logprobs, sample
@@ -24,6 +31,8 @@ from kv8.observer import EngineObserver
 
 @dataclass(frozen=True)
 class ModelRunnerOutput:
+    """One step's results, keyed by request id (only the requests that produced something appear)."""
+
     sampled: dict[str, int]                              # request id -> new token id
     logprobs: dict[str, TokenLogprobs]                   # request id -> logprobs of the new token (if asked)
     prompt_logprobs: dict[str, list[TokenLogprobs]]      # request id -> logprobs of prompt tokens scored this step
@@ -35,11 +44,12 @@ def _to_token_logprobs(token: torch.Tensor, lp: torch.Tensor, top_v: torch.Tenso
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaForCausalLM, cache: PagedKVCache, kv: KVCacheManager,
-                 backend: AttentionBackend, observer: EngineObserver | None = None) -> None:
+    """Owns the model, the paged cache it reads and writes, and the attention backend."""
+
+    def __init__(self, model: LlamaForCausalLM, cache: PagedKVCache, backend: AttentionBackend,
+                 observer: EngineObserver | None = None) -> None:
         self.model = model
         self.cache = cache
-        self.kv = kv
         self.backend = backend
         self.observer = observer
 
@@ -53,7 +63,7 @@ class ModelRunner:
             positions.extend(range(c.start, end))
             query_lens.append(c.num_new_tokens)
             seq_lens.append(end)
-            tables.append(self.kv.block_ids(c.request.request_id))
+            tables.append(list(c.block_ids))
         meta = AttentionMetadata.build(query_lens, seq_lens, tables, self.cache.shape.block_size)
         ctx = AttentionContext(self.cache, meta, self.backend, self.observer)
         hidden = self.model(torch.tensor(input_ids), torch.tensor(positions), ctx)
@@ -81,12 +91,11 @@ class ModelRunner:
 
     @staticmethod
     def _mask_early_stop(logits: torch.Tensor, reqs: list[Request]) -> None:
-        """Below ``min_tokens``, EOS and stop tokens cannot be sampled (as in vLLM)."""
+        """Below ``min_tokens``, the tokens that would stop the request (``Request.stop_tokens``, the set
+        :func:`kv8.engine.scheduler.check_stop` stops on) cannot be sampled (as in vLLM)."""
         for i, r in enumerate(reqs):
-            p = r.sampling_params
-            if r.num_output_tokens < p.min_tokens:
-                banned = list(p.stop_token_ids) + ([] if p.ignore_eos else list(r.eos_token_ids))
-                logits[i, banned] = float("-inf")
+            if r.num_output_tokens < r.sampling_params.min_tokens and r.stop_tokens:
+                logits[i, sorted(r.stop_tokens)] = float("-inf")
 
     def _prompt_logprobs(self, req: Request, start: int, n: int, hidden: torch.Tensor,
                          out: ModelRunnerOutput) -> None:

@@ -19,6 +19,11 @@ stable sort for all random rows); only the noise is drawn row by row.
 
 Logprobs follow vLLM v1's default: they are taken from ``log_softmax`` of the raw logits (before
 temperature and filtering), computed in float32.
+
+Validation: ``sample`` runs every step, so it trusts its per-row inputs: each ``SamplingParams`` was
+validated at construction and each request's ``logprobs`` checked against the vocabulary where the request
+entered the engine (:mod:`kv8.engine.input_processor`). It only checks the batch's shape and that every row of
+logits has a finite maximum (a NaN from the model must not become a token).
 """
 
 from __future__ import annotations
@@ -120,12 +125,12 @@ def sample(
     Args:
         logits: [B, V] any floating dtype; computed in float32. Every row must have a finite
             maximum (no NaN, no +inf, not all -inf); -inf entries are allowed and never sampled.
-        params: B SamplingParams, one per row.
+        params: B validated SamplingParams, one per row, each with ``logprobs`` None or <= V.
         generators: B CPU generators, one per row (greedy rows' generators are left untouched).
     """
     _check_inputs(logits, params, generators)
     x = logits.detach().to(torch.float32)  # [B, V]; never modified in place
-    n_rows, vocab = x.shape
+    n_rows = x.shape[0]
     token_ids = torch.empty(n_rows, dtype=torch.int64, device=x.device)
 
     greedy = [i for i, p in enumerate(params) if p.sampling_type is SamplingType.GREEDY]
@@ -141,10 +146,7 @@ def sample(
     requested = [p.logprobs for p in params if p.logprobs is not None]
     if not requested:
         return SamplerOutput(token_ids=token_ids, logprobs=None, top_logprobs=None)
-    k = max(requested)
-    if k > vocab:
-        raise ValueError(f"logprobs must be <= the vocabulary size {vocab}, got {k}")
-    token_logprob, top_values, top_ids = compute_logprobs(x, token_ids, k)
+    token_logprob, top_values, top_ids = compute_logprobs(x, token_ids, max(requested))
     return SamplerOutput(
         token_ids=token_ids, logprobs=token_logprob, top_logprobs=(top_values, top_ids)
     )
@@ -167,11 +169,6 @@ def _check_inputs(
         raise ValueError(
             f"generators must have one entry per logits row ({n_rows}), got {len(generators)}"
         )
-    for i, (p, g) in enumerate(zip(params, generators)):
-        if not isinstance(p, SamplingParams):
-            raise ValueError(f"params[{i}] must be a SamplingParams, got {p!r}")
-        if not isinstance(g, torch.Generator) or g.device.type != "cpu":
-            raise ValueError(f"generators[{i}] must be a CPU torch.Generator, got {g!r}")
     if n_rows:
         row_max = logits.detach().amax(dim=-1)  # [B]; amax propagates NaN
         bad = (~torch.isfinite(row_max)).nonzero().flatten().tolist()

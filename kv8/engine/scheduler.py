@@ -11,29 +11,45 @@ a quarter of the pool (a watermark, so that admitting a prompt does not soon for
 decoding request, whose recompute would waste the work done; measured with ``benchmarks/bench_serving.py``:
 a reserve of 64 tokens instead of one block cut the recomputed tokens by a quarter and total time by 3-10%).
 
-Invariant: a request whose tokens fit in ``max_model_len`` always fits in an empty pool (the engine refuses
-pools smaller than ``max_model_len``), so preemption always makes progress: no crash, no hang.
+The scheduler side also owns the request state that follows from a step: :meth:`Scheduler.update` records
+the computed tokens, appends each sampled token and its logprobs, and ends requests by :func:`check_stop`, the
+one place that applies the token-level stop rules (EOS, stop token ids, ``min_tokens``, ``max_tokens``).
+Stop strings need text and belong to the output processor.
+
+Invariants: a request whose tokens fit in ``max_model_len`` always fits in an empty pool (the engine refuses
+pools smaller than ``max_model_len``), so preemption always makes progress: no crash, no hang. Each
+:class:`ScheduledChunk` carries its request's block table as allocated for that step, so the runner needs no
+access to the KV cache manager.
 """
 
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from kv8.cache.kv_cache_manager import KVCacheManager
 from kv8.config import SchedulerConfig
 from kv8.engine.request import Request, RequestStatus
+
+if TYPE_CHECKING:
+    from kv8.engine.runner import ModelRunnerOutput
 
 GROWTH_RESERVE_TOKENS = 64  # per running request, kept free when admitting (rounded up to whole blocks)
 
 
 @dataclass(frozen=True)
 class ScheduledChunk:
-    """``request`` computes tokens ``[start, start + num_new_tokens)`` this step."""
+    """``request`` computes tokens ``[start, start + num_new_tokens)`` this step.
+
+    ``block_ids`` is the request's block table after this step's allocation: it covers at least
+    ``start + num_new_tokens`` tokens (token ``t`` lives in block ``block_ids[t // block_size]``).
+    """
 
     request: Request
     start: int
     num_new_tokens: int
+    block_ids: tuple[int, ...]
 
     @property
     def samples(self) -> bool:
@@ -43,6 +59,9 @@ class ScheduledChunk:
 
 @dataclass(frozen=True)
 class SchedulerOutput:
+    """What one step computes: one chunk per scheduled request (running requests first, then admitted ones),
+    and the requests preempted to make room (their blocks are already freed)."""
+
     chunks: tuple[ScheduledChunk, ...]
     preempted: tuple[Request, ...]
 
@@ -93,7 +112,7 @@ class Scheduler:
                 if victim is req:
                     break
             else:
-                chunks.append(ScheduledChunk(req, req.num_computed_tokens, n))
+                chunks.append(ScheduledChunk(req, req.num_computed_tokens, n, self._block_ids(req)))
                 budget -= n
                 i += 1
 
@@ -113,21 +132,71 @@ class Scheduler:
                 req.num_cached_prompt_tokens = num_hit_tokens
             req.status = RequestStatus.RUNNING
             self.running.append(req)
-            chunks.append(ScheduledChunk(req, num_hit_tokens, n))
+            chunks.append(ScheduledChunk(req, num_hit_tokens, n, self._block_ids(req)))
             budget -= n
         return SchedulerOutput(tuple(chunks), tuple(preempted))
 
-    def advance(self, output: SchedulerOutput) -> None:
-        """Record that the scheduled chunks were computed; publish their full blocks to the prefix cache."""
+    def _block_ids(self, request: Request) -> tuple[int, ...]:
+        # Taken right after the request's allocation succeeded; a preemption later in the same schedule() only
+        # takes requests that were not scheduled yet, so the table stays valid for the whole step.
+        return tuple(self.kv.block_ids(request.request_id))
+
+    def update(self, output: SchedulerOutput, result: ModelRunnerOutput) -> list[Request]:
+        """Apply one step's results and return the requests that sampled a token, in chunk order.
+
+        Every chunk's tokens become computed (their full blocks are published to the prefix cache); then each
+        sampled token is appended with its logprobs, and a request that :func:`check_stop` ends is finished
+        (its blocks freed). Prompt logprobs scored this step are appended as well.
+        """
         for chunk in output.chunks:
             chunk.request.num_computed_tokens = chunk.start + chunk.num_new_tokens
             self.kv.cache_computed_blocks(chunk.request)
+        updated = []
+        for chunk in output.chunks:
+            req = chunk.request
+            rid = req.request_id
+            if rid in result.prompt_logprobs:
+                if not req.prompt_logprobs:
+                    req.prompt_logprobs.append(None)   # the first prompt token has no logprob
+                req.prompt_logprobs.extend(result.prompt_logprobs[rid])
+            token = result.sampled.get(rid)
+            if token is None:
+                continue
+            req.append_output_token(token)
+            lp = result.logprobs.get(rid)
+            if lp is not None:
+                req.logprobs.append(lp)
+                req.cumulative_logprob += lp.logprob
+            status = check_stop(req)
+            if status is not None:
+                self.finish(req, status)
+            updated.append(req)
+        return updated
 
     def finish(self, request: Request, status: RequestStatus) -> None:
-        """Remove a request (running or waiting) and free its blocks."""
+        """Remove a request (running or waiting) and free its blocks. On a request that is already finished
+        this only sets ``status`` (a stop string found in the text of a request that reached ``max_tokens``)."""
         if request in self.running:
             self.running.remove(request)
         elif request in self.waiting:
             self.waiting.remove(request)
         request.status = status
         self.kv.free(request)
+
+
+def check_stop(request: Request) -> RequestStatus | None:
+    """The token-level stop rules, applied after a token was appended; None while the request goes on.
+
+    Once the request has ``min_tokens`` outputs, a token in ``request.stop_tokens`` stops it: EOS reports no
+    stop reason, a ``stop_token_ids`` hit reports the token (EOS wins when a token is both, unless
+    ``ignore_eos``). Otherwise it ends with ``length`` at ``request.max_tokens`` outputs.
+    """
+    token = request.output_token_ids[-1]
+    p = request.sampling_params
+    if request.num_output_tokens >= p.min_tokens and token in request.stop_tokens:
+        if p.ignore_eos or token not in request.eos_token_ids:
+            request.stop_reason = token
+        return RequestStatus.FINISHED_STOPPED
+    if request.num_output_tokens >= request.max_tokens:
+        return RequestStatus.FINISHED_LENGTH
+    return None

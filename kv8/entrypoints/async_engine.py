@@ -1,8 +1,10 @@
 """An :class:`LLMEngine` driven by one background thread, fed and drained from an asyncio event loop.
 
 Threading model (the invariant everything else relies on): **only the engine thread touches the engine's
-mutable state** (``add_request``, ``abort_request``, ``step``, ``stats``). The event loop talks to it through
-an inbox guarded by a condition variable:
+mutable state** (``add_request``, ``abort_request``, ``step``, ``stats``) **and the engine's tokenizer**
+(requests arrive as token ids; the server tokenizes with its own instance, see
+:mod:`kv8.entrypoints.server_tokenizer`). The event loop talks to the thread through an inbox guarded by a
+condition variable:
 
 * :meth:`AsyncEngine.add` puts ``(request_id, prompt token ids, params, mailbox)`` in the inbox and awaits a
   future that the engine thread resolves once ``add_request`` accepted (or rejected) the request;

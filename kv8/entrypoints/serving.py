@@ -6,7 +6,9 @@ SSE chunks (``data: {...}`` lines, then ``data: [DONE]``). Engine outputs are cu
 arrive while the client is slower than the engine are coalesced into one chunk.
 
 Prompts are tokenized (and chat templates applied) in a worker thread, so that a large prompt does not
-stall the other streams on the event loop.
+stall the other streams on the event loop, with the server's own tokenizer (:class:`ServerTokenizer`: a
+second instance behind a lock), never the engine's, which the engine thread uses to decode at every step.
+The engine receives token ids only.
 
 Streaming text holds back the last ``len(longest stop string) - 1`` characters until the request finishes,
 so that a stop string completed by a later token never has its beginning streamed. A request whose client
@@ -30,6 +32,7 @@ from kv8.entrypoints.async_engine import AsyncEngine
 from kv8.entrypoints.metrics import ServerMetrics
 from kv8.entrypoints.protocol import APIError, ChatCompletionRequest, CompletionRequest
 from kv8.entrypoints.request_run import RequestRun, Stream, SubRequest, sse, usage, visible
+from kv8.entrypoints.server_tokenizer import ServerTokenizer
 from kv8.outputs import CompletionOutput, Logprob, PositionLogprobs
 from kv8.sampling_params import SamplingParams
 
@@ -65,11 +68,15 @@ async def _run_to_completion(run: RequestRun, disconnect: Callable[[], Awaitable
 
 
 class OpenAIServing:
-    def __init__(self, engine: AsyncEngine, limits: ServingLimits, metrics: ServerMetrics) -> None:
+    """The endpoints' logic. ``tokenizer`` defaults to a new :class:`ServerTokenizer` for the engine's model."""
+
+    def __init__(self, engine: AsyncEngine, limits: ServingLimits, metrics: ServerMetrics,
+                 tokenizer: ServerTokenizer | None = None) -> None:
         self.engine = engine
         self.limits = limits
         self.metrics = metrics
-        self.tokenizer = engine.engine.tokenizer
+        self.tokenizer = tokenizer if tokenizer is not None else ServerTokenizer.load(engine.engine.config)
+        self.vocab_size = engine.engine.config.arch.vocab_size
         self.in_flight = 0
         self._counter = itertools.count()
 
@@ -147,14 +154,12 @@ class OpenAIServing:
         score_only = req.max_tokens == 0
         base_id = self._new_id("cmpl")
         subs = []
-        vocab = self.engine.engine.config.arch.vocab_size
+        vocab = self.vocab_size
         for i, prompt in enumerate(req.prompts()):
             if isinstance(prompt, str):
-                try:
-                    _, ids = self.engine.engine.tokenize(prompt)
-                except ValueError as e:
-                    raise APIError(400, str(e), param="prompt") from e
-                text = prompt
+                if not prompt:
+                    raise APIError(400, "prompt is empty", param="prompt")
+                ids, text = self.tokenizer.encode(prompt), prompt
             else:
                 bad = [t for t in prompt if not 0 <= t < vocab]
                 if bad:
@@ -281,17 +286,14 @@ class OpenAIServing:
         self._check_model(req.model)
         n = req.n or 1
         self._check_n(n)
-        if not getattr(self.tokenizer, "chat_template", None):
+        if not self.tokenizer.has_chat_template:
             raise APIError(400, "this model's tokenizer has no chat template; use /v1/completions",
                            param="messages")
         conv = [{"role": m.role, "content": m.text()} for m in req.messages]
         try:
-            ids = self.tokenizer.apply_chat_template(conv, tokenize=True, add_generation_prompt=True)
+            ids = self.tokenizer.apply_chat_template(conv)
         except Exception as e:  # jinja TemplateError and friends: the conversation does not fit the template
             raise APIError(400, f"the chat template rejected the messages: {e}", param="messages") from e
-        if hasattr(ids, "keys"):
-            ids = ids["input_ids"]
-        ids = list(ids)
         max_tokens = self._max_tokens(req.token_limit, len(ids), None,
                                       "max_completion_tokens" if req.max_completion_tokens else "max_tokens",
                                       "messages")
