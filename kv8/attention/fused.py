@@ -29,6 +29,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import weakref
+from typing import Any
 from pathlib import Path
 
 import torch
@@ -99,7 +100,8 @@ def abi_layout(structs: tuple[tuple[str, type[ctypes.Structure]], ...] = _STRUCT
     """The layout text of ``structs`` in the format of the C side's ``kv8_abi_layout()``."""
     parts = []
     for name, struct in structs:
-        fields = " ".join(f"{f}@{getattr(struct, f).offset}+{getattr(struct, f).size}" for f, _ in struct._fields_)
+        fields = " ".join(f"{f[0]}@{getattr(struct, f[0]).offset}+{getattr(struct, f[0]).size}"
+                          for f in struct._fields_)
         parts.append(f"{name} {ctypes.sizeof(struct)}: {fields};")
     return " ".join(parts)
 
@@ -117,7 +119,7 @@ def _build(march: str) -> Path:
     return build_shared_library(SOURCE, march)
 
 
-def _names(fn: ctypes._CFuncPtr) -> dict[str, int]:
+def _names(fn: Any) -> dict[str, int]:
     """{name: code} of a ``kv8_*_name(int)`` table function (NULL ends the table)."""
     fn.argtypes, fn.restype = [ctypes.c_int], ctypes.c_char_p
     table, code = {}, 0

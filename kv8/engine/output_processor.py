@@ -19,7 +19,7 @@ Thread safety: the tokenizer is used only by the thread that drives the engine.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Sequence, cast
 
 from kv8.engine.detokenizer import IncrementalDetokenizer, find_stop
 from kv8.engine.request import Request, RequestStatus, TokenLogprobs
@@ -81,7 +81,7 @@ class OutputProcessor:
             p = req.sampling_params
             if (p.stop and delta and req.status != RequestStatus.FINISHED_STOPPED
                     and req.num_output_tokens >= p.min_tokens):
-                hit = find_stop(state.text, len(delta), p.stop)
+                hit = find_stop(state.text, len(delta), [p.stop] if isinstance(p.stop, str) else p.stop)
                 if hit is not None:
                     idx, stop = hit
                     state.text = state.text[:idx + len(stop)] if p.include_stop_str_in_output else state.text[:idx]
@@ -112,7 +112,7 @@ class OutputProcessor:
             outs.append(CompletionOutput(
                 index=req.index, text=state.text, token_ids=list(req.output_token_ids),
                 cumulative_logprob=req.cumulative_logprob if want else None,
-                logprobs=self._converted(req.logprobs, state.logprobs) if want else None,
+                logprobs=cast("list[PositionLogprobs]", self._converted(req.logprobs, state.logprobs)) if want else None,
                 finish_reason=req.status.value if req.is_finished else None, stop_reason=req.stop_reason))
         first = group.children[0]
         prompt_lps = None
@@ -123,7 +123,7 @@ class OutputProcessor:
             prompt_logprobs=prompt_lps, outputs=outs, finished=all(r.is_finished for r in group.children),
             num_cached_tokens=first.num_cached_prompt_tokens)
 
-    def _converted(self, raw: list[TokenLogprobs | None], done: list[PositionLogprobs | None]
+    def _converted(self, raw: Sequence[TokenLogprobs | None], done: list[PositionLogprobs | None]
                    ) -> list[PositionLogprobs | None]:
         """``raw`` as output dicts; ``done`` caches the positions converted at earlier steps, so each position
         is detokenized once, not at every step that reports the request."""
@@ -136,6 +136,6 @@ class OutputProcessor:
             entry[tid] = Logprob(val, rank, self.tokenizer.decode([tid]))
         if lp.token_id not in entry:
             # rank of the chosen token among all: 1 + number of top entries strictly above it (>= when not listed)
-            rank = 1 + sum(v > lp.logprob for v in lp.top_logprobs) if lp.top_logprobs else None
-            entry[lp.token_id] = Logprob(lp.logprob, rank, self.tokenizer.decode([lp.token_id]))
+            above = 1 + sum(v > lp.logprob for v in lp.top_logprobs) if lp.top_logprobs else None
+            entry[lp.token_id] = Logprob(lp.logprob, above, self.tokenizer.decode([lp.token_id]))
         return entry

@@ -79,7 +79,7 @@ class Request:
         # The one definition of "which tokens stop": EOS (unless ignore_eos) and stop_token_ids. They end the
         # request once it has min_tokens outputs (scheduler.check_stop) and cannot be sampled before (the
         # runner masks them).
-        self.stop_tokens: frozenset[int] = frozenset(p.stop_token_ids) | (
+        self.stop_tokens: frozenset[int] = frozenset(p.stop_token_ids or ()) | (
             frozenset() if p.ignore_eos else self.eos_token_ids)
 
     @property

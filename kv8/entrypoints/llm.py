@@ -26,15 +26,18 @@ def _is_token_ids(x: object) -> bool:
 
 def _normalize_prompts(prompts: Prompt | Sequence[Prompt]) -> list[str | list[int]]:
     """A string, a list of token ids, ``{"prompt": ...}`` / ``{"prompt_token_ids": [...]}`` or a list of these."""
+    items: Sequence[Any]
     if isinstance(prompts, (str, dict)):
-        prompts = [prompts]
+        items = [prompts]
     elif _is_token_ids(prompts) and prompts:
-        prompts = [list(prompts)]  # type: ignore[list-item]
-    if not isinstance(prompts, Sequence) or isinstance(prompts, (bytes, bytearray)):
+        items = [list(prompts)]
+    elif isinstance(prompts, Sequence) and not isinstance(prompts, (bytes, bytearray)):
+        items = prompts
+    else:
         raise ValueError(f"prompts must be a string, a list of token ids, or a list of these; got "
                          f"{type(prompts).__name__}")
     out: list[str | list[int]] = []
-    for i, p in enumerate(prompts):
+    for i, p in enumerate(items):
         if isinstance(p, dict):
             if "prompt_token_ids" in p:
                 p = p["prompt_token_ids"]
@@ -92,13 +95,13 @@ class LLM:
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
              use_tqdm: bool = True, add_generation_prompt: bool = True) -> list[RequestOutput]:
         """Apply the tokenizer's chat template to one conversation or a list of them, then generate."""
-        convs = [messages] if messages and isinstance(messages[0], dict) else messages
+        convs: list[Any] = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         tok = self.engine.tokenizer
         if not getattr(tok, "chat_template", None):
             raise ValueError("this model's tokenizer has no chat template; use generate() with a plain prompt")
-        prompts = []
+        prompts: list[Prompt] = []
         for conv in convs:
-            ids = tok.apply_chat_template(conv, tokenize=True, add_generation_prompt=add_generation_prompt)
+            ids: Any = tok.apply_chat_template(conv, tokenize=True, add_generation_prompt=add_generation_prompt)
             if isinstance(ids, dict) or hasattr(ids, "keys"):
                 ids = ids["input_ids"]
             prompts.append(list(ids))

@@ -106,7 +106,7 @@ class CompletionRequest(_SamplingFields):
         if isinstance(p, str):
             return [p]
         if p and isinstance(p[0], int):
-            return [list(p)]  # type: ignore[arg-type]
+            return [list(p)]
         return list(p)  # type: ignore[arg-type]
 
 

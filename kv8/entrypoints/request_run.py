@@ -90,7 +90,7 @@ class RequestRun:
     def finished(self) -> bool:
         return all(s.latest is not None and s.latest.finished for s in self.subs)
 
-    async def updates(self, disconnect: asyncio.Future[None] | None = None) -> AsyncIterator[list[SubRequest]]:
+    async def updates(self, disconnect: asyncio.Future[Any] | None = None) -> AsyncIterator[list[SubRequest]]:
         """Yield the subs that changed, until all finished. Raises ClientDisconnected if ``disconnect`` fires."""
         while not self.finished():
             get = asyncio.ensure_future(self.mailbox.get_all())

@@ -26,7 +26,7 @@ import itertools
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Awaitable, Callable
+from typing import Any, AsyncIterator, Awaitable, Callable, Sequence
 
 from kv8.entrypoints.async_engine import AsyncEngine
 from kv8.entrypoints.metrics import ServerMetrics
@@ -143,7 +143,7 @@ class OpenAIServing:
         return f"{prefix}-{uuid.uuid4().hex[:16]}{next(self._counter)}"
 
     def _holdback(self, params: SamplingParams) -> int:
-        return max((len(s) for s in params.stop), default=1) - 1
+        return max((len(s) for s in params.stop or ()), default=1) - 1
 
     # ---- /v1/completions ------------------------------------------------------------------------------------
     def _completion_subs(self, req: CompletionRequest) -> tuple[list[SubRequest], bool]:
@@ -176,12 +176,16 @@ class OpenAIServing:
             subs.append(SubRequest(f"{base_id}-{i}", text, ids, params, score_only))
         return subs, echo
 
-    def _legacy_logprobs(self, ids: list[int], entries: list[PositionLogprobs | None], offset: int
+    def _legacy_logprobs(self, ids: list[int], entries: Sequence[PositionLogprobs | None], offset: int
                          ) -> tuple[dict[str, list[Any]], int]:
-        tokens, token_lps, tops, offsets = [], [], [], []
+        tokens: list[str] = []
+        token_lps: list[float | None] = []
+        tops: list[dict[str, float] | None] = []
+        offsets: list[int] = []
         for tid, entry in zip(ids, entries):
+            top: dict[str, float] | None = None
             if entry is None or tid not in entry:
-                token, lp, top = self.tokenizer.decode([tid]), None, None
+                token, lp = self.tokenizer.decode([tid]), None
             else:
                 token = entry[tid].decoded_token or ""
                 lp = entry[tid].logprob

@@ -61,12 +61,12 @@ class ClipCheck:
             return (f"held-out check on {self.num_tokens} tokens: no K or V value would clip (largest value at "
                     f"{worst:.2f} of the range)")
         lines = [f"held-out check on {self.num_tokens} tokens: some values would clip:"]
-        for name, frac, worst in (("K", self.k_clipped, self.k_worst), ("V", self.v_clipped, self.v_worst)):
-            bad = [i for i, f in enumerate(frac) if f > 0]
+        for name, fracs, worsts in (("K", self.k_clipped, self.k_worst), ("V", self.v_clipped, self.v_worst)):
+            bad = [i for i, f in enumerate(fracs) if f > 0]
             if bad:
                 lines.append(f"  {name}: layers {bad[:12]}{' ...' if len(bad) > 12 else ''}, up to "
-                             f"{max(frac) * 100:.3g}% of a layer's values, largest at {max(worst):.3g}x the range "
-                             f"(--headroom {max(worst):.3g} would hold them)")
+                             f"{max(fracs) * 100:.3g}% of a layer's values, largest at {max(worsts):.3g}x the range "
+                             f"(--headroom {max(worsts):.3g} would hold them)")
         return "\n".join(lines)
 
 
