@@ -27,16 +27,10 @@ class AttentionMetadata:
     block_tables: torch.Tensor       # [B, max_blocks] int64, padded with 0
     query_lens_list: tuple[int, ...]  # host copies, for loops in the reference
     seq_lens_list: tuple[int, ...]
-    max_query_len: int
-    max_seq_len: int
 
     @property
     def num_seqs(self) -> int:
         return len(self.seq_lens_list)
-
-    @property
-    def is_pure_decode(self) -> bool:
-        return self.max_query_len == 1
 
     @staticmethod
     def build(query_lens: list[int], seq_lens: list[int], block_tables: list[list[int]],
@@ -62,6 +56,4 @@ class AttentionMetadata:
             block_tables=tables,
             query_lens_list=tuple(query_lens),
             seq_lens_list=tuple(seq_lens),
-            max_query_len=max(query_lens, default=0),
-            max_seq_len=max(seq_lens, default=0),
         )

@@ -109,12 +109,6 @@ class BlockPool:
         block.block_hash = block_hash
         self.cached[block_hash] = block_id
 
-    def reset_prefix_cache(self) -> None:
-        """Forget every cached hash (e.g. after the scales changed). In-use blocks are untouched."""
-        for block in self.blocks:
-            block.block_hash = None
-        self.cached.clear()
-
     def check_integrity(self) -> None:
         """Raise ``AssertionError`` if an invariant of the module docstring is broken."""
         for block in self.blocks:

@@ -16,7 +16,6 @@ output_token_ids``.
 from __future__ import annotations
 
 import enum
-import time
 from dataclasses import dataclass, field
 
 import torch
@@ -58,7 +57,6 @@ class Request:
     generator: torch.Generator
     max_tokens: int
     eos_token_ids: frozenset[int]
-    arrival_time: float = field(default_factory=time.monotonic)
     parent_id: str | None = None
     index: int = 0
 
