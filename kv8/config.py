@@ -23,7 +23,7 @@ from kv8.quant.formats import KVCacheDtype
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 SCALE_MODES = ("static", "dynamic")
 ROTATIONS = ("none", "hadamard")
-DENSE_BACKENDS = ("auto", "torch", "cpu")  # kv8.model.cpu_dense
+DENSE_BACKENDS = ("auto", "torch", "packed_bf16")  # kv8.layers.dense_kernels
 DYNAMIC_SCALE_BYTES = 4  # one float32 scale per (token, KV head) for K and for V
 
 _DTYPES: dict[str, torch.dtype] = {
@@ -296,8 +296,8 @@ def check_dense_backend(name: str, dtype: torch.dtype) -> None:
     """Raise ValueError unless ``name`` is one of :data:`DENSE_BACKENDS` and usable with compute ``dtype``."""
     if name not in DENSE_BACKENDS:
         raise ValueError(f"dense_backend={name!r} is not known; choose one of: {', '.join(DENSE_BACKENDS)}")
-    if name == "cpu" and dtype != torch.bfloat16:
-        raise ValueError(f"dense_backend='cpu' needs dtype bfloat16, got {dtype}; use dense_backend='auto' or "
+    if name == "packed_bf16" and dtype != torch.bfloat16:
+        raise ValueError(f"dense_backend='packed_bf16' needs dtype bfloat16, got {dtype}; use dense_backend='auto' or "
                          f"'torch'")
 
 
