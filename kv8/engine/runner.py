@@ -18,7 +18,7 @@ from kv8.engine.request import Request, TokenLogprobs
 from kv8.engine.sampler import compute_logprobs, sample
 from kv8.engine.scheduler import SchedulerOutput
 from kv8.layers.attention import AttentionContext
-from kv8.model.llama import LlamaForCausalLM
+from kv8.models.registry import CausalLM
 from kv8.observer import EngineObserver
 
 
@@ -35,7 +35,7 @@ def _to_token_logprobs(token: torch.Tensor, lp: torch.Tensor, top_v: torch.Tenso
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaForCausalLM, cache: PagedKVCache, kv: KVCacheManager,
+    def __init__(self, model: CausalLM, cache: PagedKVCache, kv: KVCacheManager,
                  backend: AttentionBackend, observer: EngineObserver | None = None) -> None:
         self.model = model
         self.cache = cache
