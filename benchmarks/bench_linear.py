@@ -15,9 +15,9 @@ import time
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
-from kv8.model.cpu_dense import PackedLinear, load_dense_kernels
+from kv8.layers.dense_kernels import select_dense_backend
+from kv8.layers.linear import Linear
 
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # (out, in) per layer, SmolLM2-135M
 
@@ -37,16 +37,17 @@ def main() -> None:
     ap.add_argument("--rows", default="1,4,8,16,32,64,256,2048", help="comma-separated M values")
     ap.add_argument("--layers", type=int, default=30)
     args = ap.parse_args()
-    lib = load_dense_kernels()
+    backend = select_dense_backend("packed_bf16", torch.bfloat16)
     torch.manual_seed(0)
     weights = [[torch.randn(n, k).bfloat16() for n, k in SHAPES] for _ in range(args.layers)]
     packed = []
     for layer in weights:
         mods = []
         for w in layer:
-            lin = nn.Linear(w.shape[1], w.shape[0], bias=False, dtype=torch.bfloat16)
+            lin = Linear(w.shape[1], w.shape[0], False, backend)
             lin.weight.data = w
-            mods.append(PackedLinear(lib, [lin]))
+            lin.process_weights_after_loading()   # packs a copy; ``w`` stays for torch
+            mods.append(lin)
         packed.append(mods)
     nbytes = sum(w.numel() * 2 for layer in weights for w in layer)
     print(f"{args.layers} layers, {nbytes / 1e6:.0f} MB of bf16 weights, {torch.get_num_threads()} threads")

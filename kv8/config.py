@@ -28,7 +28,7 @@ from kv8.quant.formats import KVCacheDtype
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 # auto, then the names registered in kv8.attention.backend.BACKENDS (tests check that the two agree)
 ATTENTION_BACKENDS = ("auto", "cpu_fused", "reference")
-# kv8.model.cpu_dense: torch's layers, or kv8's packed AVX-512 BF16 linear layers with fused norm/SiLU/RoPE
+# kv8.layers.dense_kernels: torch ops, or kv8's packed AVX-512 BF16 linear layers with fused norm/SiLU/RoPE
 DENSE_BACKENDS = ("auto", "torch", "packed_bf16")
 
 _DTYPES: dict[str, torch.dtype] = {

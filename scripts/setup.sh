@@ -22,7 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from kv8.attention.fused import load_kernels
-from kv8.model.cpu_dense import load_dense_kernels
+from kv8.layers.dense_kernels import load_dense_kernels
 from kv8.native import KernelUnavailable
 
 

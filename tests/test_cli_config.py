@@ -81,7 +81,7 @@ def test_llama3_rope_scaling_matches_transformers(tmp_path):
     from transformers import LlamaConfig
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    from kv8.model.llama import rope_inv_freq
+    from kv8.layers.rotary import rope_inv_freq
 
     for rs in ({"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                 "original_max_position_embeddings": 64}, {"rope_type": "linear", "factor": 4.0}):
@@ -89,4 +89,4 @@ def test_llama3_rope_scaling_matches_transformers(tmp_path):
                           rope_scaling=dict(rs, rope_theta=10000.0), rope_theta=10000.0)
         expected, _ = ROPE_INIT_FUNCTIONS[rs["rope_type"]](cfg, "cpu")
         arch = ModelArchConfig.from_hf_config({**cfg.to_dict(), "rope_scaling": rs, "rope_theta": 10000.0})
-        torch.testing.assert_close(rope_inv_freq(arch), expected.float(), rtol=1e-6, atol=0)
+        torch.testing.assert_close(rope_inv_freq(arch.head_dim, arch.rope_theta, arch.rope_scaling), expected.float(), rtol=1e-6, atol=0)

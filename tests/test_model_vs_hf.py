@@ -1,4 +1,5 @@
-"""Logits of kv8's paged model agree with Hugging Face transformers (the independent oracle).
+"""Logits of kv8's paged model agree with Hugging Face transformers (the independent oracle); the model
+registry and the loader's checks of checkpoint names.
 
 Each case prefills a 37-token prompt in two chunks (the second attends to the first through the paged
 cache), then decodes 6 tokens one at a time, and compares every position's logits with transformers' full
@@ -12,6 +13,10 @@ forward of the same sequence.
 
 from __future__ import annotations
 
+import glob
+import os
+import shutil
+
 import pytest
 import torch
 
@@ -19,8 +24,13 @@ from kv8.attention.backend import ReferenceBackend
 from kv8.attention.metadata import AttentionMetadata
 from kv8.cache.codec import KVCodec
 from kv8.cache.paged_cache import CacheShape, PagedKVCache
+from kv8.config import SUPPORTED_MODEL_TYPES
 from kv8.layers.attention import AttentionContext
+from kv8.layers.linear import LinearBase
 from kv8.model.loader import load_model
+from kv8.models.llama import LlamaForCausalLM
+from kv8.models.registry import MODEL_TYPES, model_class
+from kv8.native import KernelUnavailable
 from kv8.quant.formats import resolve_kv_cache_dtype
 from kv8.quant.rotation import hadamard
 from kv8.quant.scales import KVScales
@@ -169,3 +179,62 @@ def test_rotation_alone_does_not_change_a_float32_model(tiny_models, oracle):
     tokens, ref = oracle
     got = run_paged(tiny_models["qwen2"], "float32", tokens, [20, 17] + [1] * 6, rotation=True)
     torch.testing.assert_close(got, ref["qwen2"], rtol=1e-4, atol=1e-4)
+
+
+def test_registry_maps_configs_and_rejects_an_unknown_model_type():
+    assert set(MODEL_TYPES) == set(SUPPORTED_MODEL_TYPES)
+    for model_type in ("llama", "mistral", "qwen2"):
+        assert model_class({"model_type": model_type}) is LlamaForCausalLM
+    assert model_class({"architectures": ["Qwen2ForCausalLM"]}) is LlamaForCausalLM
+    with pytest.raises(ValueError, match=r"model_type='gpt2' is not supported; kv8 supports model types: "
+                                         r"llama, mistral, qwen2 \(architectures: LlamaForCausalLM, "):
+        model_class({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]})
+    with pytest.raises(ValueError, match=r"a config without model_type \(architectures=\['GPT2LMHeadModel'\]\)"):
+        model_class({"architectures": ["GPT2LMHeadModel"]})
+
+
+def _edited_checkpoint(src: str, dst: str, edit) -> str:
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    (file,) = glob.glob(os.path.join(dst, "*.safetensors"))
+    tensors = load_file(file)
+    edit(tensors)
+    save_file(tensors, file, metadata={"format": "pt"})
+    return dst
+
+
+def test_loader_names_missing_unknown_and_misshapen_tensors(tiny_models, tmp_path):
+    src = tiny_models["qwen2"]
+    path = _edited_checkpoint(src, str(tmp_path / "missing"),
+                              lambda t: t.pop("model.layers.1.self_attn.k_proj.bias"))
+    with pytest.raises(ValueError, match=r"lacks 1 tensors, e\.g\. model\.layers\.1\.self_attn\.k_proj\.bias"):
+        load_model("hf", path, torch.float32)
+    path = _edited_checkpoint(src, str(tmp_path / "unknown"),
+                              lambda t: t.update({"model.layers.0.mlp.gate_proj.qweight": torch.zeros(2)}))
+    with pytest.raises(ValueError, match=r"tensors kv8 does not know \(1, e\.g\. model\.layers\.0\.mlp\.gate_proj"
+                                         r"\.qweight\)"):
+        load_model("hf", path, torch.float32)
+    path = _edited_checkpoint(src, str(tmp_path / "shape"),
+                              lambda t: t.update({"model.layers.0.mlp.up_proj.weight": torch.zeros(3, 96)}))
+    with pytest.raises(ValueError, match=r"checkpoint tensor model\.layers\.0\.mlp\.up_proj\.weight has shape "
+                                         r"\(3, 96\), the model expects \(192, 96\)"):
+        load_model("hf", path, torch.float32)
+
+
+@pytest.mark.parametrize("dense_backend", ["torch", "packed_bf16"])
+def test_weights_are_held_once(tiny_models, dense_backend):
+    """Merged q/k/v and gate/up; with packed_bf16 the linear layers keep only the packed layout."""
+    try:
+        loaded = load_model("hf", tiny_models["qwen2"], torch.bfloat16, dense_backend)
+    except KernelUnavailable as exc:
+        pytest.skip(f"kv8's dense kernels are unavailable: {exc}")
+    assert loaded.dense_backend == dense_backend
+    names = {n for n, _ in loaded.model.named_parameters()}
+    assert "model.layers.0.self_attn.qkv_proj.bias" in names or dense_backend == "packed_bf16"
+    linears = [m for m in loaded.model.modules() if isinstance(m, LinearBase)]
+    assert len(linears) == 2 * 4 + 1   # qkv, o, gate_up, down per layer; lm_head
+    for layer in linears:
+        assert hasattr(layer, "weight") == (dense_backend == "torch")
+        assert hasattr(layer, "packed") == (dense_backend == "packed_bf16")
+    assert not any(p.is_meta for p in loaded.model.parameters())

@@ -32,9 +32,8 @@ from kv8.engine.output_processor import OutputProcessor
 from kv8.engine.request import RequestStatus
 from kv8.engine.runner import ModelRunner
 from kv8.engine.scheduler import Scheduler, SchedulerOutput
-from kv8.model.cpu_dense import load_dense_kernels, select_dense_backend
 from kv8.model.loader import load_model, read_model_config
-from kv8.model.registry import resolve_model_path
+from kv8.model.sources import resolve_model_path
 from kv8.model.tokenizer import load_tokenizer
 from kv8.observer import EngineObserver
 from kv8.outputs import RequestOutput
@@ -51,7 +50,8 @@ class LLMEngine:
         kind, path = resolve_model_path(args.model)
         # Validate every option against the architecture before paying for the weights.
         self.config: EngineConfig = args.create_engine_config(read_model_config(kind, path), kind, path)
-        loaded = load_model(kind, path, self.config.dtype)
+        loaded = load_model(kind, path, self.config.dtype, self.config.dense_backend)
+        self.dense_backend = loaded.dense_backend
         self.model = loaded.model
         self.tokenizer = load_tokenizer(kind, path)
         arch, cc = self.config.arch, self.config.cache
@@ -65,9 +65,6 @@ class LLMEngine:
             scales = resolve_kv_scales(cc.kv_dtype, info, cc.quantization_param_path, ckpt, cc.rotation)
         codec = KVCodec.build(cc.kv_dtype, arch.head_dim, scale_mode=cc.scale_mode, rotation=cc.rotation,
                               scales=scales)
-        self.dense_backend = select_dense_backend(self.config.dense_backend, self.config.dtype)
-        if self.dense_backend == "packed_bf16":
-            self.model.use_cpu_kernels(load_dense_kernels())
         num_blocks = resolve_num_blocks(self.config)
         self.cache = PagedKVCache(CacheShape(arch.num_layers, num_blocks, arch.num_kv_heads, cc.block_size,
                                              arch.head_dim), codec)

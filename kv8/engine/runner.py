@@ -25,7 +25,7 @@ from kv8.engine.request import Request, TokenLogprobs
 from kv8.engine.sampler import compute_logprobs, sample
 from kv8.engine.scheduler import SchedulerOutput
 from kv8.layers.attention import AttentionContext
-from kv8.model.llama import LlamaForCausalLM
+from kv8.models.registry import CausalLM
 from kv8.observer import EngineObserver
 
 
@@ -46,7 +46,7 @@ def _to_token_logprobs(token: torch.Tensor, lp: torch.Tensor, top_v: torch.Tenso
 class ModelRunner:
     """Owns the model, the paged cache it reads and writes, and the attention backend."""
 
-    def __init__(self, model: LlamaForCausalLM, cache: PagedKVCache, backend: AttentionBackend,
+    def __init__(self, model: CausalLM, cache: PagedKVCache, backend: AttentionBackend,
                  observer: EngineObserver | None = None) -> None:
         self.model = model
         self.cache = cache

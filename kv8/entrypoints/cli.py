@@ -85,7 +85,7 @@ def cmd_generate(ns: argparse.Namespace) -> int:
 
 def cmd_info(ns: argparse.Namespace) -> int:
     from kv8.model.loader import read_model_config
-    from kv8.model.registry import resolve_model_path
+    from kv8.model.sources import resolve_model_path
 
     kind, path = resolve_model_path(ns.model)
     arch = ModelArchConfig.from_hf_config(read_model_config(kind, path))

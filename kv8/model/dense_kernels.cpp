@@ -1,7 +1,7 @@
 // kv8 CPU kernels for the dense part of a decoder layer, bf16 in and out: linear layers on pre-packed
 // weights, RMSNorm with the residual add fused in, SiLU(gate) * up, and RoPE of q/k (with v copied out).
 //
-// Plain C ABI (extern "C"), loaded with ctypes by kv8/model/cpu_dense.py, compiled there with
+// Plain C ABI (extern "C"), loaded with ctypes by kv8/layers/dense_kernels.py, compiled there with
 // `g++ -O3 -march=native -fopenmp -shared -fPIC` (the build is kv8/native.py's). No torch headers.
 //
 // Linear. Why: a decode step multiplies a few rows (one per running sequence) with every weight matrix, so its

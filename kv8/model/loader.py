@@ -1,8 +1,13 @@
 """Load a model from a Hugging Face directory or a GGUF file, without a second copy of the weights.
 
-The model is built on the meta device; each checkpoint tensor is converted to the compute dtype and assigned
-as the parameter directly. KV-scale tensors found in the checkpoint are collected for
-:mod:`kv8.quant.scales` rather than loaded into the model.
+Steps: pick the model class from the config (:func:`kv8.models.registry.model_class`) and the dense backend
+(:func:`kv8.layers.dense_kernels.select_dense_backend`, once); build the model on the meta device; load each
+checkpoint tensor by its Hugging Face name -- a tensor of a merged layer (``packed_modules_mapping``, e.g.
+``q_proj`` -> shard ``"q"`` of ``qkv_proj``) is copied into its rows by ``param.weight_loader(param, tensor,
+shard_id)``, any other tensor is converted to the compute dtype and assigned as the parameter; tie weights
+(``tied_weights``); then let every layer convert its loaded weights (``process_weights_after_loading``: the
+packed_bf16 linear method packs them and drops the originals). Missing and unknown tensors are errors that
+name them. KV-scale tensors are collected for :mod:`kv8.quant.scales` rather than loaded into the model.
 """
 
 from __future__ import annotations
@@ -20,7 +25,8 @@ import torch
 from torch import nn
 
 from kv8.config import ModelArchConfig
-from kv8.model.llama import LlamaForCausalLM
+from kv8.layers.dense_kernels import select_dense_backend
+from kv8.models.registry import CausalLM, model_class
 from kv8.quant.scales import is_kv_scale_name
 
 logger = logging.getLogger("kv8")
@@ -31,11 +37,12 @@ _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 @dataclass(frozen=True)
 class LoadedModel:
-    model: LlamaForCausalLM
+    model: CausalLM
     arch: ModelArchConfig
     hf_config: dict[str, Any]
     scale_tensors: dict[str, torch.Tensor]   # checkpoint KV-scale tensors by name (possibly empty)
     load_seconds: float
+    dense_backend: str                       # the resolved dense backend: "torch" or "packed_bf16"
 
 
 def read_hf_config(path: str) -> dict[str, Any]:
@@ -78,18 +85,46 @@ def _iter_safetensors(path: str) -> Iterator[tuple[str, torch.Tensor]]:
                 yield name, f.get_tensor(name)
 
 
-def _assign(model: nn.Module, name: str, tensor: torch.Tensor) -> None:
-    module_path, _, pname = name.rpartition(".")
+ShardId = int | str | None
+
+
+def _checkpoint_names(model: nn.Module, tied: dict[str, str]) -> dict[str, tuple[str, ShardId]]:
+    """checkpoint tensor name -> (parameter name, shard id) for every tensor the model needs."""
+    shards: dict[str, list[tuple[str, ShardId]]] = {}   # merged module -> [(checkpoint module, shard id)]
+    for ckpt_module, (merged, shard_id) in getattr(model, "packed_modules_mapping", {}).items():
+        shards.setdefault(merged, []).append((ckpt_module, shard_id))
+    names: dict[str, tuple[str, ShardId]] = {}
+    for pname, _ in model.named_parameters():
+        if pname in tied:
+            continue
+        module_path, _, leaf = pname.rpartition(".")
+        parent, _, module = module_path.rpartition(".")
+        for ckpt_module, shard_id in shards.get(module, [(module, None)]):
+            names[f"{parent}.{ckpt_module}.{leaf}" if parent else f"{ckpt_module}.{leaf}"] = (pname, shard_id)
+    return names
+
+
+def _load(model: nn.Module, pname: str, tensor: torch.Tensor, shard_id: ShardId, dtype: torch.dtype) -> None:
+    module_path, _, leaf = pname.rpartition(".")
     module = model.get_submodule(module_path)
-    old = getattr(module, pname)
-    if tuple(old.shape) != tuple(tensor.shape):
-        raise ValueError(f"checkpoint tensor {name} has shape {tuple(tensor.shape)}, the model expects "
-                         f"{tuple(old.shape)}")
-    setattr(module, pname, nn.Parameter(tensor, requires_grad=False))
+    param = getattr(module, leaf)
+    if shard_id is None:
+        if tuple(param.shape) != tuple(tensor.shape):
+            raise ValueError(f"has shape {tuple(tensor.shape)}, the model expects {tuple(param.shape)}")
+        setattr(module, leaf, nn.Parameter(tensor.to(dtype), requires_grad=False))
+        return
+    if param.is_meta:   # the first shard allocates the merged parameter
+        real = nn.Parameter(torch.empty(param.shape, dtype=dtype, device="cpu"), requires_grad=False)
+        real.weight_loader = param.weight_loader  # type: ignore[attr-defined]
+        setattr(module, leaf, real)
+        param = real
+    param.weight_loader(param, tensor, shard_id)
 
 
-def load_model(kind: str, path: str, dtype: torch.dtype) -> LoadedModel:
-    """Build the model for ``path`` (kind ``"hf"`` or ``"gguf"``) with weights in ``dtype``."""
+def load_model(kind: str, path: str, dtype: torch.dtype, dense_backend: str = "torch") -> LoadedModel:
+    """Build the model for ``path`` (kind ``"hf"`` or ``"gguf"``) with weights in ``dtype`` and dense layers on
+    ``dense_backend`` (a validated ``kv8.config.DENSE_BACKENDS`` name; ``LoadedModel.dense_backend`` says which
+    one ``auto`` resolved to)."""
     start = time.perf_counter()
     if kind == "gguf":
         from kv8.model.gguf_loader import iter_gguf_tensors
@@ -102,34 +137,45 @@ def load_model(kind: str, path: str, dtype: torch.dtype) -> LoadedModel:
         tensors = _iter_safetensors(path)
     else:
         raise ValueError(f"model kind {kind!r} is not one of: hf, gguf")
+    cls = model_class(hf_config)
     arch = ModelArchConfig.from_hf_config(hf_config)
+    backend = select_dense_backend(dense_backend, dtype)
     with torch.device("meta"):
-        model = LlamaForCausalLM(arch)
-    expected = {n for n, _ in model.named_parameters()}
-    if arch.tie_word_embeddings:
-        expected.discard("lm_head.weight")
+        model = cls(arch, backend)
+    tied = dict(getattr(model, "tied_weights", {})) if arch.tie_word_embeddings else {}
+    names = _checkpoint_names(model, tied)
     scale_tensors: dict[str, torch.Tensor] = {}
     loaded: set[str] = set()
     unexpected: list[str] = []
     for name, tensor in tensors:
         if is_kv_scale_name(name):
             scale_tensors[name] = tensor.float()
-        elif name in expected:
-            _assign(model, name, tensor.to(dtype))
+        elif name in names:
+            pname, shard_id = names[name]
+            try:
+                _load(model, pname, tensor, shard_id, dtype)
+            except ValueError as exc:
+                raise ValueError(f"checkpoint tensor {name} {exc}") from None
             loaded.add(name)
-        elif name == "lm_head.weight" and arch.tie_word_embeddings:
-            continue  # some tied checkpoints store the copy; the embedding is used
+        elif name in tied:
+            continue  # some tied checkpoints store the copy; the shared parameter is used
         elif not name.endswith(_IGNORED_SUFFIXES):
             unexpected.append(name)
     if unexpected:
         raise ValueError(f"checkpoint {path} has tensors kv8 does not know ({len(unexpected)}, e.g. "
                          f"{', '.join(unexpected[:4])}); quantized weights other than GGUF are not supported")
-    missing = sorted(expected - loaded)
+    missing = sorted(set(names) - loaded)
     if missing:
         raise ValueError(f"checkpoint {path} lacks {len(missing)} tensors, e.g. {', '.join(missing[:4])}")
-    if arch.tie_word_embeddings:
-        model.lm_head.weight = model.model.embed_tokens.weight
+    for target, source in tied.items():
+        module_path, _, leaf = target.rpartition(".")
+        setattr(model.get_submodule(module_path), leaf, model.get_parameter(source))
+    for module in model.modules():
+        process = getattr(module, "process_weights_after_loading", None)
+        if process is not None:
+            process()
     model.eval()
     seconds = time.perf_counter() - start
-    logger.info("loaded %s (%s, %d layers) in %.1f s", path, arch.model_type, arch.num_layers, seconds)
-    return LoadedModel(model, arch, hf_config, scale_tensors, seconds)
+    logger.info("loaded %s (%s, %d layers, dense backend %s) in %.1f s", path, arch.model_type, arch.num_layers,
+                backend.name, seconds)
+    return LoadedModel(model, arch, hf_config, scale_tensors, seconds, backend.name)

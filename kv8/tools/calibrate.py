@@ -30,7 +30,7 @@ from kv8.config import ModelArchConfig
 from kv8.engine.args import EngineArgs
 from kv8.engine.engine import LLMEngine
 from kv8.model.loader import read_model_config
-from kv8.model.registry import resolve_model_path
+from kv8.model.sources import resolve_model_path
 from kv8.observer import EngineObserver
 from kv8.quant.scales import KVScales, ModelScaleInfo
 from kv8.sampling_params import SamplingParams

@@ -149,7 +149,7 @@ def save_model_with_scales(model: str, out_dir: str, scales: KVScales) -> str:
     """Write a Hugging Face directory for ``model`` (alias, HF directory or GGUF file) carrying ``scales``;
     returns the directory. See the module docstring for what is written."""
     from kv8.model.loader import read_model_config
-    from kv8.model.registry import resolve_model_path
+    from kv8.model.sources import resolve_model_path
 
     if scales.rotation != "none":
         raise ValueError(f"--save-model writes checkpoint scales, which cannot say they were calibrated on "

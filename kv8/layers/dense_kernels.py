@@ -1,89 +1,39 @@
-"""The dense part of a decoder layer on the CPU in bf16 (``dense_kernels.cpp``): linear layers on pre-packed
-weights, and the elementwise ops around them fused into single passes.
+"""kv8's dense CPU kernels (``kv8/model/dense_kernels.cpp``, AVX-512 BF16) through ctypes, and the choice
+of the dense backend.
 
-Linear layers (:class:`PackedLinear`).
-A decode step multiplies one row per running sequence with every weight matrix, so its cost is reading the
-weights; at 1-16 rows oneDNN's bf16 GEMMs stream them at ~14-17 GB/s here, the packed kernel (which
-prefetches the next panels while one computes) at ~33-45 GB/s, and at prefill-sized inputs it is ~1.2x
-faster (``benchmarks/bench_linear.py``, docs/benchmarks.md). The weights
-are kept *only* in the packed layout (no second copy), and projections that read the same input are packed
-together (q/k/v, gate/up), so a layer makes four calls instead of seven.
+:class:`DenseKernels` wraps the C ABI: ``pack`` / ``linear`` (a bf16 matrix in a packed layout that the
+kernel streams while prefetching the next panels), ``rmsnorm`` (residual add + RMSNorm in one pass),
+``silu_mul`` (SiLU(gate) * up) and ``rope_qkv`` (RoPE of q and k read straight from a packed q/k/v
+projection, v copied out beside them). Every method checks dtypes and shapes and raises ``ValueError``;
+every kernel takes bf16 and returns new contiguous bf16 tensors. The layers that use them, each beside its
+plain torch reference, are in :mod:`kv8.layers.linear`, :mod:`~kv8.layers.norm`,
+:mod:`~kv8.layers.activation` and :mod:`~kv8.layers.rotary`.
 
-Elementwise ops (:class:`DenseKernels` ``rmsnorm`` / ``silu_mul`` / ``rope_qkv``): the residual add plus
-RMSNorm, SiLU(gate) * up, and RoPE of q and k read straight from the packed q/k/v projection (v copied out
-beside them) each take one pass over the data instead of 3-8 torch ops, and round to bf16 exactly where the
-torch code they replace does (:func:`rmsnorm_reference`, :func:`silu_mul_reference`, :func:`rope_reference`),
-so they differ from it only in the last bits of exp / the order of a row's sum of squares.
-
-Invariants: ``PackedLinear(x)`` equals ``x @ W.T + b`` computed with exact bf16 products, fp32 accumulation
-and one rounding to bf16 -- up to the order of the fp32 additions -- for bf16 ``x`` of any number of rows;
-each output row depends only on its own input row (the result does not depend on the batch it is in).
-Plain torch reference: :func:`linear_reference`.
+:func:`select_dense_backend` turns the engine option ``dense_backend`` (validated by
+:func:`kv8.config.check_dense_backend`) into a :class:`DenseBackend`, once, when the model loads:
+``torch`` runs torch ops; ``packed_bf16`` runs these kernels and needs a bf16 model; ``auto`` is
+``packed_bf16`` for bf16 models when the kernels build and load, else torch (with one warning per process).
 """
 
 from __future__ import annotations
 
 import ctypes
 import logging
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
 
 import torch
-from torch import nn
 
-from kv8.config import DENSE_BACKENDS, check_dense_backend
 from kv8.native import KernelUnavailable, build_shared_library
 
 logger = logging.getLogger("kv8")
 
-__all__ = ["DENSE_BACKENDS", "DenseKernels", "PackedLinear", "apply_rope", "linear_reference",
-           "load_dense_kernels", "rmsnorm_reference", "rope_reference", "select_dense_backend", "silu_mul_reference"]
+__all__ = ["DenseBackend", "DenseKernels", "TORCH_BACKEND", "load_dense_kernels", "select_dense_backend"]
 
-SOURCE = Path(__file__).with_name("dense_kernels.cpp")
+# The C++ source stays beside the model package (its owner keeps the C++ tree there).
+SOURCE = Path(__file__).parent.parent / "model" / "dense_kernels.cpp"
 
 _P, _L, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
-
-
-def linear_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """What the packed kernel computes, in plain torch: float32 products and sums, one rounding to x's dtype."""
-    y = x.float() @ weight.float().T
-    if bias is not None:
-        y = y + bias.float()
-    return y.to(x.dtype)
-
-
-def rmsnorm_reference(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
-                      eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(norm(h), h)`` with ``h = x + residual`` (or x): the model's torch path, which
-    :meth:`DenseKernels.rmsnorm` replaces."""
-    h = x if residual is None else x + residual
-    hf = h.float()
-    hf = hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * hf.to(h.dtype), h
-
-
-def silu_mul_reference(gate_up: torch.Tensor) -> torch.Tensor:
-    """``silu(gate) * up`` for ``gate_up = [gate | up]`` along the last dim."""
-    gate, up = gate_up.chunk(2, dim=-1)
-    return torch.nn.functional.silu(gate) * up
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate-half RoPE (HF layout), the model's torch path. x ``[T, H, D]``; cos/sin ``[T, 1, D]`` in x's dtype."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
-
-
-def rope_reference(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int, num_kv_heads: int,
-                   head_dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Rotate-half RoPE of q and k from packed ``qkv [T, (Hq + 2 Hkv) D]``; cos/sin ``[T, D/2]`` float32."""
-    t = qkv.shape[0]
-    q, k, v = qkv.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1)
-    c = torch.cat((cos, cos), dim=-1).unsqueeze(1).to(qkv.dtype)
-    s = torch.cat((sin, sin), dim=-1).unsqueeze(1).to(qkv.dtype)
-    return (apply_rope(q.reshape(t, num_heads, head_dim), c, s),
-            apply_rope(k.reshape(t, num_kv_heads, head_dim), c, s), v.reshape(t, num_kv_heads, head_dim).contiguous())
 
 
 class DenseKernels:
@@ -222,60 +172,37 @@ def load_dense_kernels() -> DenseKernels:
 _auto_fallback_logged = False
 
 
-def select_dense_backend(name: str, dtype: torch.dtype) -> str:
-    """``"packed_bf16"`` or ``"torch"``. ``auto`` uses the kernels for bf16 models when they build and load (else
-    says why once per process and uses torch); ``cpu`` raises :class:`KernelUnavailable` if they can't;
-    models in other dtypes use torch."""
+@dataclass(frozen=True)
+class DenseBackend:
+    """How the dense layers of a model compute: ``name`` is ``"torch"`` (``kernels`` is None) or
+    ``"packed_bf16"`` (``kernels`` is the loaded library). Each layer picks its implementation from it when it
+    is constructed; nothing switches afterwards."""
+
+    name: str
+    kernels: DenseKernels | None = None
+
+    def __post_init__(self) -> None:
+        if (self.name == "packed_bf16") != (self.kernels is not None):
+            raise ValueError(f"dense backend {self.name!r} must come with kernels exactly when it is 'packed_bf16'")
+
+
+TORCH_BACKEND = DenseBackend("torch")
+
+
+def select_dense_backend(name: str, dtype: torch.dtype) -> DenseBackend:
+    """The backend for option ``name`` (one of ``kv8.config.DENSE_BACKENDS``, already validated against
+    ``dtype``). ``packed_bf16`` raises :class:`KernelUnavailable` if the kernels cannot be built or loaded;
+    ``auto`` then says why once per process and uses torch; models in other dtypes than bf16 use torch."""
     global _auto_fallback_logged
-    check_dense_backend(name, dtype)
     if name == "torch" or dtype != torch.bfloat16:
-        return "torch"
+        return TORCH_BACKEND
     try:
-        load_dense_kernels()
+        kernels = load_dense_kernels()
     except KernelUnavailable as exc:
         if name == "packed_bf16":
             raise
         if not _auto_fallback_logged:
             _auto_fallback_logged = True
             logger.warning("dense layers: using torch because kv8's CPU kernels are unavailable: %s", exc)
-        return "torch"
-    return "packed_bf16"
-
-
-class PackedLinear(nn.Module):
-    """One or more ``nn.Linear`` layers that read the same input, as one packed bf16 matrix.
-
-    ``forward(x)`` returns ``[..., sum(out_features)]``: the layers' outputs side by side, in the order given
-    (split with ``sizes``). The original weights are not kept.
-    """
-
-    def __init__(self, lib: DenseKernels, layers: Sequence[nn.Linear]) -> None:
-        super().__init__()
-        if not layers:
-            raise ValueError("PackedLinear needs at least one layer")
-        in_features = {layer.in_features for layer in layers}
-        if len(in_features) != 1:
-            raise ValueError(f"layers packed together must share in_features, got {sorted(in_features)}")
-        self.lib = lib
-        self.in_features = in_features.pop()
-        self.sizes = [layer.out_features for layer in layers]
-        self.out_features = sum(self.sizes)
-        weight = torch.cat([layer.weight.detach() for layer in layers], dim=0)
-        self.register_buffer("packed", lib.pack(weight), persistent=False)
-        bias = None
-        if any(layer.bias is not None for layer in layers):
-            bias = torch.cat([layer.bias.detach().float() if layer.bias is not None
-                              else torch.zeros(layer.out_features) for layer in layers]).contiguous()
-        self.register_buffer("bias", bias, persistent=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype != torch.bfloat16:
-            raise ValueError(f"PackedLinear takes bfloat16 input, got {x.dtype}")
-        if x.shape[-1] != self.in_features:
-            raise ValueError(f"input has {x.shape[-1]} features, the layer {self.in_features}")
-        lead = x.shape[:-1]
-        out = self.lib.linear(x.reshape(-1, self.in_features).contiguous(), self.packed, self.out_features, self.bias)
-        return out.view(*lead, self.out_features)
-
-    def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.sizes}, bias={self.bias is not None}"
+        return TORCH_BACKEND
+    return DenseBackend("packed_bf16", kernels)

@@ -1,0 +1,176 @@
+"""Linear layers whose method is chosen once, when the model is built (vLLM's ``LinearMethodBase`` idea).
+
+A layer owns its parameters in the checkpoint layout -- ``weight [N, K]`` and optional ``bias [N]`` -- and
+delegates the arithmetic to a :class:`LinearMethod`:
+
+* :class:`TorchLinearMethod`: ``F.linear`` on the weights as loaded.
+* :class:`PackedBF16LinearMethod`: kv8's packed AVX-512 BF16 kernel (:meth:`DenseKernels.linear`). After
+  loading, :meth:`~LinearMethod.process_weights_after_loading` replaces ``weight`` by its packed layout
+  (buffer ``packed``) and the bias by a float32 copy, so the weights stay in memory once.
+
+Merged layers hold several projections that read the same input as one matrix, their outputs side by side:
+:class:`QKVLinear` (shards ``"q"``, ``"k"``, ``"v"``) and :class:`MergedLinear` (shards ``0, 1, ...``, e.g.
+gate and up). The loader gives each checkpoint tensor to ``param.weight_loader(param, tensor, shard_id)``,
+which copies it into its rows; a model names the shards in ``packed_modules_mapping``.
+
+Invariants: ``layer(x)`` is ``[..., N]`` in x's dtype for any number of leading dims; each output row depends
+only on its own input row. The packed method equals :func:`linear_reference` (exact bf16 products, fp32 sums,
+one rounding to bf16) up to the order of the fp32 additions.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kv8.layers.dense_kernels import DenseBackend, DenseKernels
+
+__all__ = ["Linear", "LinearBase", "LinearMethod", "MergedLinear", "PackedBF16LinearMethod", "QKVLinear",
+           "TorchLinearMethod", "linear_method", "linear_reference"]
+
+
+def linear_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """What the packed kernel computes, in plain torch: float32 products and sums, one rounding to x's dtype."""
+    y = x.float() @ weight.float().T
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype)
+
+
+class LinearMethod:
+    """How a :class:`LinearBase` layer computes ``x @ W.T + b``."""
+
+    name = "abstract"
+
+    def process_weights_after_loading(self, layer: LinearBase) -> None:
+        """Turn the loaded ``weight`` / ``bias`` into what :meth:`apply` reads (called once, after loading)."""
+
+    def apply(self, layer: LinearBase, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class TorchLinearMethod(LinearMethod):
+    name = "torch"
+
+    def apply(self, layer: LinearBase, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, layer.weight, layer.bias)
+
+
+class PackedBF16LinearMethod(LinearMethod):
+    """bf16 only. After loading the layer holds ``packed`` (1-D bf16) and ``bias_f32`` (``[N]`` float32 or
+    None) as non-persistent buffers, and no ``weight`` / ``bias`` parameters."""
+
+    name = "packed_bf16"
+
+    def __init__(self, kernels: DenseKernels) -> None:
+        self.kernels = kernels
+
+    def process_weights_after_loading(self, layer: LinearBase) -> None:
+        weight = layer.weight.detach()
+        layer.register_buffer("packed", self.kernels.pack(weight), persistent=False)
+        bias = None if layer.bias is None else layer.bias.detach().float().contiguous()
+        layer.register_buffer("bias_f32", bias, persistent=False)
+        del layer.weight, layer.bias   # the packed layout is the only copy kept
+
+    def apply(self, layer: LinearBase, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype != torch.bfloat16:
+            raise ValueError(f"the packed bf16 linear method takes bfloat16 input, got {x.dtype}")
+        if x.shape[-1] != layer.in_features:
+            raise ValueError(f"input has {x.shape[-1]} features, the layer {layer.in_features}")
+        lead = x.shape[:-1]
+        out = self.kernels.linear(x.reshape(-1, layer.in_features).contiguous(), layer.packed,
+                                  layer.out_features, layer.bias_f32)
+        return out.view(*lead, layer.out_features)
+
+
+def linear_method(backend: DenseBackend) -> LinearMethod:
+    """The linear method of a dense backend."""
+    if backend.kernels is None:
+        return TorchLinearMethod()
+    return PackedBF16LinearMethod(backend.kernels)
+
+
+class LinearBase(nn.Module):
+    """``output_sizes`` projections of one input, stored as one ``weight [sum(output_sizes), in_features]``.
+
+    Parameters are created on the current default device (the meta device while a model is built for
+    loading); ``weight_loader`` copies one shard into its rows (``shard_id`` is resolved by
+    :meth:`shard_index`).
+    """
+
+    def __init__(self, in_features: int, output_sizes: Sequence[int], bias: bool, backend: DenseBackend) -> None:
+        super().__init__()
+        self.in_features = in_features
+        self.output_sizes = list(output_sizes)
+        self.out_features = sum(self.output_sizes)
+        self.has_bias = bias
+        self.method = linear_method(backend)
+        self.weight = nn.Parameter(torch.empty(self.out_features, in_features), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
+        self.bias: nn.Parameter | None = None
+        if bias:
+            self.bias = nn.Parameter(torch.empty(self.out_features), requires_grad=False)
+            self.bias.weight_loader = self.weight_loader  # type: ignore[attr-defined]
+
+    def shard_index(self, shard_id: int | str | None) -> int:
+        """Index into ``output_sizes`` of a shard id (None: the whole matrix, for one-shard layers)."""
+        if shard_id is None and len(self.output_sizes) == 1:
+            return 0
+        raise ValueError(f"{type(self).__name__} has no shard {shard_id!r}")
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int | str | None = None) -> None:
+        """Copy ``loaded`` (one shard's rows of ``param``, any float dtype) into ``param``."""
+        i = self.shard_index(shard_id)
+        offset, size = sum(self.output_sizes[:i]), self.output_sizes[i]
+        rows = param.data.narrow(0, offset, size)
+        if tuple(loaded.shape) != tuple(rows.shape):
+            raise ValueError(f"has shape {tuple(loaded.shape)}, the model expects {tuple(rows.shape)}")
+        rows.copy_(loaded)
+
+    def process_weights_after_loading(self) -> None:
+        self.method.process_weights_after_loading(self)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.method.apply(self, x)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, output_sizes={self.output_sizes}, "
+                f"bias={self.has_bias}, "
+                f"method={self.method.name}")
+
+
+class Linear(LinearBase):
+    """One projection ``[in_features] -> [out_features]``."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, backend: DenseBackend) -> None:
+        super().__init__(in_features, [out_features], bias, backend)
+
+
+class MergedLinear(LinearBase):
+    """Projections of one input side by side (gate and up: shards 0 and 1); split the output with
+    ``output_sizes``."""
+
+    def shard_index(self, shard_id: int | str | None) -> int:
+        if isinstance(shard_id, int) and 0 <= shard_id < len(self.output_sizes):
+            return shard_id
+        raise ValueError(f"MergedLinear has shards 0..{len(self.output_sizes) - 1}, not {shard_id!r}")
+
+
+class QKVLinear(LinearBase):
+    """q, k and v projections as one matrix: output ``[..., (Hq + 2 Hkv) * D]`` = ``[q | k | v]``."""
+
+    SHARDS = ("q", "k", "v")
+
+    def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool,
+                 backend: DenseBackend) -> None:
+        super().__init__(hidden_size, [num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim],
+                         bias, backend)
+        self.head_dim, self.num_heads, self.num_kv_heads = head_dim, num_heads, num_kv_heads
+
+    def shard_index(self, shard_id: int | str | None) -> int:
+        if shard_id in self.SHARDS:
+            return self.SHARDS.index(shard_id)  # type: ignore[arg-type]
+        raise ValueError(f"QKVLinear has shards 'q', 'k', 'v', not {shard_id!r}")

@@ -1,0 +1,70 @@
+"""Which model class runs a checkpoint: Hugging Face ``model_type`` (or ``architectures``) -> class.
+
+Adding an architecture is one model file in :mod:`kv8.models`, one entry in :data:`MODEL_TYPES` (and its
+``architectures`` names in :data:`ARCHITECTURES`), and tests. A model class follows :class:`CausalLM`.
+``model_type`` decides when present; ``architectures`` is consulted only for a config without it.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar, Mapping, Protocol
+
+import torch
+
+from kv8.config import ModelArchConfig
+from kv8.layers.attention import AttentionContext
+from kv8.layers.dense_kernels import DenseBackend
+from kv8.models.llama import LlamaForCausalLM
+
+__all__ = ["ARCHITECTURES", "MODEL_TYPES", "CausalLM", "model_class", "supported_model_types"]
+
+
+class CausalLM(Protocol):
+    """What the loader and the runner use of a model class."""
+
+    # checkpoint module name -> (merged module name, shard id), for merged linear layers
+    packed_modules_mapping: ClassVar[dict[str, tuple[str, int | str]]]
+    # parameter name -> name of the parameter it shares when ``arch.tie_word_embeddings``
+    tied_weights: ClassVar[dict[str, str]]
+
+    def __init__(self, arch: ModelArchConfig, backend: DenseBackend) -> None:
+        """Build on the current default device (the loader uses the meta device)."""
+
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
+        """``forward``: token ids and positions ``[T]`` -> final hidden states ``[T, E]``."""
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``[N, E]`` -> float32 logits ``[N, V]``."""
+
+
+MODEL_TYPES: dict[str, type] = {
+    "llama": LlamaForCausalLM,
+    "mistral": LlamaForCausalLM,
+    "qwen2": LlamaForCausalLM,
+}
+
+ARCHITECTURES: dict[str, str] = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+}
+
+
+def supported_model_types() -> tuple[str, ...]:
+    return tuple(sorted(MODEL_TYPES))
+
+
+def model_class(hf_config: Mapping[str, Any]) -> type:
+    """The class for a Hugging Face config dict; ``ValueError`` naming the type and the supported ones."""
+    model_type = hf_config.get("model_type")
+    if model_type is None:
+        for name in hf_config.get("architectures") or ():
+            if name in ARCHITECTURES:
+                model_type = ARCHITECTURES[name]
+                break
+    if model_type in MODEL_TYPES:
+        return MODEL_TYPES[model_type]
+    given = (f"model_type={model_type!r}" if model_type is not None
+             else f"a config without model_type (architectures={hf_config.get('architectures')!r})")
+    raise ValueError(f"{given} is not supported; kv8 supports model types: {', '.join(supported_model_types())} "
+                     f"(architectures: {', '.join(sorted(ARCHITECTURES))})")
