@@ -92,7 +92,7 @@ def bench(batch: int, ctx: int, args: argparse.Namespace) -> dict[str, float]:
     for name, nbytes in (("fp8", fp8_bytes), ("bf16", bf16_bytes)):
         nl = layers_for(nbytes, args.footprint_mb << 20)
         cache, meta = paged_cache("fp8_e4m3" if name == "fp8" else "bfloat16", nl, batch, ctx)
-        res[name] = timeit(lambda i: lib.attention(q, cache, i, meta, scale), nl, args.min_time)
+        res[name] = timeit(lambda i, c=cache, m=meta: lib.attention(q, c, i, m, scale), nl, args.min_time)
         del cache
     if args.kv8_only:
         return res
@@ -100,14 +100,15 @@ def bench(batch: int, ctx: int, args: argparse.Namespace) -> dict[str, float]:
     kc = torch.randn(nl, batch, HKV, ctx, D, dtype=torch.bfloat16)
     vc = torch.randn(nl, batch, HKV, ctx, D, dtype=torch.bfloat16)
     q4 = q.unsqueeze(2)  # [B, Hq, 1, D]
-    res["sdpa"] = timeit(lambda i: F.scaled_dot_product_attention(q4, kc[i], vc[i], scale=scale, enable_gqa=True),
-                         nl, args.min_time)
+    res["sdpa"] = timeit(
+        lambda i, k=kc, v=vc: F.scaled_dot_product_attention(q4, k[i], v[i], scale=scale, enable_gqa=True),
+        nl, args.min_time)
     del kc, vc
     for name, nbytes in (("copy_fp8", fp8_bytes), ("copy_bf16", bf16_bytes)):
         nl = layers_for(nbytes, args.footprint_mb << 20)
         src = torch.empty(nl, nbytes, dtype=torch.uint8).fill_(1)
         dst = torch.empty(nbytes, dtype=torch.uint8)
-        res[name] = timeit(lambda i: dst.copy_(src[i]), nl, args.min_time)
+        res[name] = timeit(lambda i, d=dst, s=src: d.copy_(s[i]), nl, args.min_time)
         del src, dst
     return res
 

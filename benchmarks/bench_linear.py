@@ -57,12 +57,12 @@ def main() -> None:
             xs = {k: torch.randn(m, k).bfloat16() for k in {k for _, k in SHAPES}}
             reps = 5 if m <= 256 else 2
 
-            def run_torch() -> None:
+            def run_torch(xs: dict[int, torch.Tensor] = xs) -> None:
                 for layer in weights:
                     for w in layer:
                         F.linear(xs[w.shape[1]], w)
 
-            def run_kv8() -> None:
+            def run_kv8(xs: dict[int, torch.Tensor] = xs) -> None:
                 for layer in packed:
                     for p in layer:
                         p(xs[p.in_features])

@@ -17,8 +17,9 @@ The CLI's ``choices`` come from the same tuples (:data:`DTYPE_CHOICES`, :data:`A
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any
 
 import torch
 
@@ -99,7 +100,7 @@ class RopeScaling:
     original_max_position_embeddings: int = 8192
 
     @staticmethod
-    def from_dict(d: Mapping[str, Any] | None) -> "RopeScaling | None":
+    def from_dict(d: Mapping[str, Any] | None) -> RopeScaling | None:
         if not d:
             return None
         rope_type = d.get("rope_type", d.get("type"))
@@ -156,7 +157,7 @@ class ModelArchConfig:
         return self.num_heads // self.num_kv_heads
 
     @staticmethod
-    def from_hf_config(cfg: Mapping[str, Any]) -> "ModelArchConfig":
+    def from_hf_config(cfg: Mapping[str, Any]) -> ModelArchConfig:
         """Normalise a Hugging Face config.json dict. Missing required keys raise ``ValueError``."""
         model_type = cfg.get("model_type")
         try:

@@ -1,5 +1,5 @@
 // exp of 16 float32 lanes for kv8's C++ kernels (AVX-512), shared by kv8/attention/cpu_kernels.cpp and
-// kv8/model/dense_kernels.cpp. kv8/native.py hashes the files a source includes with #include "...", so an
+// kv8/layers/dense_kernels.cpp. kv8/native.py hashes the files a source includes with #include "...", so an
 // edit here rebuilds both libraries.
 #pragma once
 #include <immintrin.h>

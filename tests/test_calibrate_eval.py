@@ -20,7 +20,8 @@ from kv8.engine.args import EngineArgs
 from kv8.engine.engine import LLMEngine
 from kv8.entrypoints.cli import main
 from kv8.quant.formats import E4M3, E4M3FNUZ, E5M2
-from kv8.quant.scales import KVScales, ModelScaleInfo, ScaleGranularity, load_scales_file
+from kv8.quant.scale_files import load_scales_file
+from kv8.quant.scales import KVScales, ModelScaleInfo, ScaleGranularity
 from kv8.sampling_params import SamplingParams
 from kv8.tools.calibrate import calibrate
 from kv8.tools.data import read_documents, token_windows

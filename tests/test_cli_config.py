@@ -89,4 +89,5 @@ def test_llama3_rope_scaling_matches_transformers(tmp_path):
                           rope_scaling=dict(rs, rope_theta=10000.0), rope_theta=10000.0)
         expected, _ = ROPE_INIT_FUNCTIONS[rs["rope_type"]](cfg, "cpu")
         arch = ModelArchConfig.from_hf_config({**cfg.to_dict(), "rope_scaling": rs, "rope_theta": 10000.0})
-        torch.testing.assert_close(rope_inv_freq(arch.head_dim, arch.rope_theta, arch.rope_scaling), expected.float(), rtol=1e-6, atol=0)
+        got = rope_inv_freq(arch.head_dim, arch.rope_theta, arch.rope_scaling)
+        torch.testing.assert_close(got, expected.float(), rtol=1e-6, atol=0)

@@ -34,7 +34,7 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 
 
 def check_all_blocks_free(llm: LLM) -> None:
-    kv = llm.engine.kv
+    kv = llm.engine.kv_manager
     kv.check_integrity()
     assert not kv.req_blocks, f"requests still hold blocks: {list(kv.req_blocks)}"
     assert kv.num_free_blocks == kv.pool.num_blocks
@@ -81,7 +81,7 @@ def test_prefix_caching_gives_identical_tokens(tiny_models, reference_tokens, kv
     assert tokens_of(first) == reference_tokens[kv]
     assert tokens_of(again) == reference_tokens[kv]
     assert any(o.num_cached_tokens > 0 for o in again)
-    assert llm.engine.kv.prefix_cache_hit_rate() > 0
+    assert llm.engine.kv_manager.prefix_cache_hit_rate() > 0
     check_all_blocks_free(llm)
 
 
@@ -133,6 +133,21 @@ def test_n_samples_stop_and_lengths(tiny_llama):
     check_all_blocks_free(llm)
 
 
+def test_min_tokens_bans_stop_tokens_end_to_end(tiny_llama):
+    """min_tokens masks the tokens that would stop the request in the sampled logits (they come out of the
+    model in inference mode, so the mask must be applied there too) and the engine keeps serving after."""
+    llm = make_llm(tiny_llama)
+    first = llm.generate(PROMPTS[1], GREEDY)[0].outputs[0]
+    stop_id = first.token_ids[0]
+    out = llm.generate(PROMPTS[1], SamplingParams(temperature=0, max_tokens=6, min_tokens=3,
+                                                  stop_token_ids=[stop_id]))[0].outputs[0]
+    assert stop_id not in out.token_ids[:3] and len(out.token_ids) >= 3
+    sampled = llm.generate(PROMPTS[1], SamplingParams(temperature=1.0, seed=3, max_tokens=4, min_tokens=4))
+    assert len(sampled[0].outputs[0].token_ids) == 4
+    assert llm.generate(PROMPTS[1], GREEDY)[0].outputs[0].token_ids == first.token_ids
+    check_all_blocks_free(llm)
+
+
 def test_logprobs_and_prompt_logprobs(tiny_llama):
     llm = make_llm(tiny_llama, max_num_batched_tokens=8)   # prompt logprobs across chunks
     out = llm.generate(PROMPTS[2], SamplingParams(temperature=0, max_tokens=4, logprobs=3, prompt_logprobs=2,
@@ -176,14 +191,14 @@ def test_fp8_cache_holds_twice_the_tokens_of_bf16(tiny_llama):
     caps = {}
     for kv in ("bfloat16", "fp8_e4m3", "fp8_e5m2", "fp8_e4m3fnuz"):
         llm = make_llm(tiny_llama, kv_cache_dtype=kv, kv_cache_memory="4MiB")
-        caps[kv] = llm.engine.kv.pool.num_blocks
+        caps[kv] = llm.engine.kv_manager.pool.num_blocks
         assert llm.engine.cache.nbytes <= 4 * 1024 * 1024
     assert caps["fp8_e4m3"] == caps["fp8_e5m2"] == caps["fp8_e4m3fnuz"] == 2 * caps["bfloat16"]
     # Dynamic scales cost one float32 per token, head and K/V: 4 / head_dim (16 here) = 25% on this tiny model.
     dyn = make_llm(tiny_llama, kv_cache_dtype="fp8", kv_cache_scale_mode="dynamic", kv_cache_memory="4MiB")
     per_token = dyn.engine.config.arch.kv_bytes_per_token(dyn.engine.config.cache.kv_dtype, True)
     assert per_token == 2 * 2 * 4 * (16 + 4)
-    assert dyn.engine.kv.pool.num_blocks == (4 * 1024 * 1024) // (per_token * 16)
+    assert dyn.engine.kv_manager.pool.num_blocks == (4 * 1024 * 1024) // (per_token * 16)
     assert dyn.engine.cache.nbytes <= 4 * 1024 * 1024
 
 
@@ -233,7 +248,7 @@ def test_abort_frees_blocks(tiny_llama):
     eng.add_request(PROMPTS[1], SamplingParams(n=2, max_tokens=50, ignore_eos=True), request_id="b")
     eng.step()
     eng.step()
-    assert eng.kv.req_blocks
+    assert eng.kv_manager.req_blocks
     assert eng.abort_request("a") and eng.abort_request("b")
     assert not eng.abort_request("a")
     check_all_blocks_free(llm)

@@ -22,8 +22,8 @@ Tolerances (the kernels accumulate in fp32; the fast path carries q and the soft
 
 from __future__ import annotations
 
-import dataclasses
 import ctypes
+import dataclasses
 import logging
 import math
 
@@ -349,6 +349,7 @@ def test_attention_with_flush_denormal(lib: fused.KernelLibrary) -> None:
         torch.set_flush_denormal(False)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kv_name,gran", [(k, g) for k in FP8 for g in ("tensor", "head", "channel", "dynamic")]
                          + [("bfloat16", "none")])
 @pytest.mark.parametrize("group,dim", [(1, 64), (2, 128), (3, 64), (4, 256)])

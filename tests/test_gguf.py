@@ -339,6 +339,7 @@ def smollm2_transformers() -> Any:
     return AutoModelForCausalLM.from_pretrained(SMOLLM2_DIR, gguf_file=SMOLLM2_FILE, dtype=torch.float32)
 
 
+@pytest.mark.slow
 def test_smollm2_weights_equal_transformers(smollm2_ours: Any, smollm2_transformers: Any) -> None:
     _, ours, _ = smollm2_ours
     reference = smollm2_transformers.state_dict()
@@ -349,6 +350,7 @@ def test_smollm2_weights_equal_transformers(smollm2_ours: Any, smollm2_transform
         assert torch.equal(tensor, reference[name]), name
 
 
+@pytest.mark.slow
 def test_smollm2_config(smollm2_ours: Any, smollm2_transformers: Any) -> None:
     config = smollm2_ours[0].hf_config
     assert config["model_type"] == "llama" and config["architectures"] == ["LlamaForCausalLM"]
@@ -365,6 +367,7 @@ def test_smollm2_config(smollm2_ours: Any, smollm2_transformers: Any) -> None:
         assert config[key] == getattr(reference, key), key
 
 
+@pytest.mark.slow
 def test_smollm2_loads_in_a_few_seconds(smollm2_ours: Any) -> None:
     # measured ~1.7 s (0.55 s parse + 1.1 s dequantize) on the 2-core dev machine; generous bound for CI
     assert smollm2_ours[2] < 10.0
@@ -393,6 +396,7 @@ def cached_tokenizers(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any
     return {"first": first, "second": second, "cold": cold, "warm": warm, "cache": cache}
 
 
+@pytest.mark.slow
 def test_tokenizer_encodes_like_transformers(cached_tokenizers: dict[str, Any], reference_tokenizer: Any) -> None:
     assert cached_tokenizers["second"]("The capital of France is").input_ids == [504, 3575, 282, 4649, 314]
     for tokenizer in (cached_tokenizers["first"], cached_tokenizers["second"]):
@@ -403,6 +407,7 @@ def test_tokenizer_encodes_like_transformers(cached_tokenizers: dict[str, Any], 
             assert tokenizer.decode(ids) == text
 
 
+@pytest.mark.slow
 def test_tokenizer_special_tokens_and_chat_template(cached_tokenizers: dict[str, Any],
                                                     reference_tokenizer: Any) -> None:
     tokenizer = cached_tokenizers["second"]
@@ -416,11 +421,13 @@ def test_tokenizer_special_tokens_and_chat_template(cached_tokenizers: dict[str,
     assert text.endswith("<|im_start|>user\nHi there<|im_end|>\n<|im_start|>assistant\n")
 
 
+@pytest.mark.slow
 def test_tokenizer_second_load_is_fast(cached_tokenizers: dict[str, Any]) -> None:
     # measured: cold ~4 s (transformers' conversion), warm ~0.1 s
     assert cached_tokenizers["warm"] < 1.5
     assert cached_tokenizers["warm"] < cached_tokenizers["cold"] / 3
-    assert os.path.isfile(os.path.join(gguf_tokenizer_cache_path(SMOLLM2, cached_tokenizers["cache"]), "tokenizer.json"))
+    cache_dir = gguf_tokenizer_cache_path(SMOLLM2, cached_tokenizers["cache"])
+    assert os.path.isfile(os.path.join(cache_dir, "tokenizer.json"))
 
 
 def test_tokenizer_cache_key_follows_the_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -436,6 +443,7 @@ def test_tokenizer_cache_key_follows_the_file(tmp_path: Path, monkeypatch: pytes
     assert gguf_tokenizer_cache_path(str(path)).startswith(os.path.expanduser("~/.cache/kv8/tokenizers/"))
 
 
+@pytest.mark.slow
 def test_tokenizer_from_hf_directory_and_bad_inputs(cached_tokenizers: dict[str, Any], tmp_path: Path) -> None:
     directory = gguf_tokenizer_cache_path(SMOLLM2, cached_tokenizers["cache"])
     tokenizer = load_tokenizer("hf", directory)
@@ -475,7 +483,8 @@ def test_registry_rejects_everything_else(tmp_path: Path, monkeypatch: pytest.Mo
     with pytest.raises(ValueError) as error:
         resolve_model_path("HuggingFaceTB/SmolLM2-135M-Instruct")
     message = str(error.value)
-    for part in ("'HuggingFaceTB/SmolLM2-135M-Instruct'", "'smollm2-135m'", "config.json", ".gguf", "does not download"):
+    for part in ("'HuggingFaceTB/SmolLM2-135M-Instruct'", "'smollm2-135m'", "config.json", ".gguf",
+                 "does not download"):
         assert part in message
     with pytest.raises(ValueError, match="empty"):
         resolve_model_path("")

@@ -8,8 +8,7 @@ from dataclasses import fields
 import pytest
 import torch
 
-from kv8.config import (ATTENTION_BACKENDS, DENSE_BACKENDS, DTYPE_CHOICES, ROTATIONS, SCALE_MODES,
-                        check_dense_backend)
+from kv8.config import ATTENTION_BACKENDS, DENSE_BACKENDS, DTYPE_CHOICES, ROTATIONS, SCALE_MODES, check_dense_backend
 from kv8.engine.args import EngineArgs
 from kv8.entrypoints.cli import INFO_OPTIONS, build_parser
 from kv8.quant.formats import KV_CACHE_DTYPE_CHOICES

@@ -12,16 +12,9 @@ import pytest
 import torch
 
 from kv8.quant.formats import E4M3, E4M3FNUZ, E5M2, resolve_kv_cache_dtype
-from kv8.quant.scales import (
-    KVScales,
-    ModelScaleInfo,
-    ScaleGranularity,
-    is_kv_scale_name,
-    load_vllm_scales_json,
-    resolve_kv_scales,
-    scales_from_checkpoint,
-    write_vllm_scales_json,
-)
+from kv8.quant.scale_files import load_vllm_scales_json, write_vllm_scales_json
+from kv8.quant.scale_sources import is_kv_scale_name, resolve_kv_scales, scales_from_checkpoint
+from kv8.quant.scales import KVScales, ModelScaleInfo, ScaleGranularity
 
 FIXTURE = Path(__file__).parent / "fixtures" / "vllm-llama2-7b-kv_cache_scales.json"
 LLAMA2_7B = ModelScaleInfo(model_type="llama", num_layers=32, num_kv_heads=32, head_dim=128)
@@ -374,7 +367,8 @@ def test_checkpoint_bf16_scales_converted_to_float32() -> None:
 @pytest.mark.parametrize(
     ("tensor", "pattern"),
     [
-        (torch.ones(3), r"model\.layers\.1\.self_attn\.kv_scale has shape \[3\]; allowed: \[\], \[1\] or \[num_kv_heads=2\]"),
+        (torch.ones(3),
+         r"model\.layers\.1\.self_attn\.kv_scale has shape \[3\]; allowed: \[\], \[1\] or \[num_kv_heads=2\]"),
         (torch.ones(1, 2), r"has shape \[1, 2\]"),
         (torch.ones(2, 1), r"has shape \[2, 1\]"),
         (torch.tensor(1, dtype=torch.int32), r"has dtype torch\.int32; KV scales must be floating point"),
@@ -512,7 +506,8 @@ def test_channel_granularity_is_representable() -> None:
 @pytest.mark.parametrize(
     ("k", "v", "granularity", "pattern"),
     [
-        (torch.ones(2, 1, 1), torch.ones(3, 1, 1), ScaleGranularity.TENSOR, r"k shape \[2, 1, 1\] != .*v shape \[3, 1, 1\]"),
+        (torch.ones(2, 1, 1), torch.ones(3, 1, 1), ScaleGranularity.TENSOR,
+         r"k shape \[2, 1, 1\] != .*v shape \[3, 1, 1\]"),
         (torch.ones(2, 1), torch.ones(2, 1), ScaleGranularity.TENSOR, r"KVScales\.k must have shape"),
         (torch.ones(0, 1, 1), torch.ones(0, 1, 1), ScaleGranularity.TENSOR, r"num_layers>=1"),
         (torch.ones(2, 1, 1, dtype=torch.float64), torch.ones(2, 1, 1), ScaleGranularity.TENSOR, r"k must be float32"),

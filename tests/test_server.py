@@ -17,8 +17,9 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Iterator
+from typing import Any
 
 import httpx
 import openai
@@ -481,6 +482,7 @@ def test_sigterm_drains_then_aborts_after_the_shutdown_timeout(server: Server, t
 
 
 # ---- the real model, and shutdown ---------------------------------------------------------------------------
+@pytest.mark.slow
 def test_smollm2_greedy_chat_and_sigterm_exits_0(tmp_path: Any) -> None:
     srv = Server(["run", "smollm2-135m", "--kv-cache-dtype", "fp8", "--max-model-len", "512",
                   "--kv-cache-memory", "64MiB"], str(tmp_path / "smollm2.log"), env={"KV8_API_KEY": "k"})

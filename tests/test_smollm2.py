@@ -8,6 +8,8 @@ import pytest
 
 from kv8 import LLM, SamplingParams
 
+pytestmark = pytest.mark.slow  # every test here runs the real SmolLM2-135M
+
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures")
 VLLM_SCALES = os.path.join(FIXTURES, "vllm-llama2-7b-kv_cache_scales.json")
 GREEDY = SamplingParams(temperature=0, max_tokens=8)
@@ -18,7 +20,7 @@ def test_capital_of_france_is_paris(kv):
     llm = LLM(model="smollm2-135m", kv_cache_dtype=kv, kv_cache_memory="64MiB", max_model_len=1024)
     text = llm.generate("The capital of France is", GREEDY)[0].outputs[0].text
     assert "Paris" in text, text
-    kv_mgr = llm.engine.kv
+    kv_mgr = llm.engine.kv_manager
     assert kv_mgr.num_free_blocks == kv_mgr.pool.num_blocks
 
 

@@ -29,8 +29,8 @@ from __future__ import annotations
 import ctypes
 import logging
 import weakref
-from typing import Any
 from pathlib import Path
+from typing import Any
 
 import torch
 

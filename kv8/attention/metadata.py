@@ -34,7 +34,7 @@ class AttentionMetadata:
 
     @staticmethod
     def build(query_lens: list[int], seq_lens: list[int], block_tables: list[list[int]],
-              block_size: int) -> "AttentionMetadata":
+              block_size: int) -> AttentionMetadata:
         """Build from per-sequence host lists. ``block_tables[i]`` must cover ``seq_lens[i]`` tokens."""
         slots: list[int] = []
         for q_len, s_len, table in zip(query_lens, seq_lens, block_tables):

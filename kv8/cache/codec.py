@@ -25,7 +25,7 @@ Invariants (the options are checked by :class:`kv8.config.CacheConfig`, the scal
 once, when the engine is built): dynamic scales and static scales exclude each other and both need an FP8
 format; an FP8 codec in static mode always has scales (1.0 when none were given); a rotation needs a
 power-of-two ``head_dim``. That static scales describe the codec's basis
-is checked where they are resolved (:func:`kv8.quant.scales.resolve_kv_scales`; 1.0 fits every basis).
+is checked where they are resolved (:func:`kv8.quant.scale_sources.resolve_kv_scales`; 1.0 fits every basis).
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ class KVCodec:
 
     @staticmethod
     def build(kv_dtype: KVCacheDtype, head_dim: int, *, scale_mode: str = "static", rotation: str = "none",
-              scales: KVScales | None = None) -> "KVCodec":
+              scales: KVScales | None = None) -> KVCodec:
         """A codec for options already validated by :class:`kv8.config.CacheConfig` (``scale_mode`` in
         :data:`SCALE_MODES`, ``rotation`` in :data:`ROTATIONS`, dynamic scales only with FP8, a power-of-two
         ``head_dim`` for a rotation). ``scales`` are the static scales (dropped for a 16/32-bit format: there is

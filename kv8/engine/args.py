@@ -20,12 +20,26 @@ from __future__ import annotations
 
 import argparse
 import logging
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import MISSING, dataclass, field, fields
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any
 
-from kv8.config import (ATTENTION_BACKENDS, DENSE_BACKENDS, DTYPE_CHOICES, ROTATIONS, SCALE_MODES, CacheConfig,
-                        EngineConfig, ModelArchConfig, SchedulerConfig, blocks_for_memory, default_kv_cache_memory,
-                        format_bytes, parse_memory, resolve_dtype)
+from kv8.config import (
+    ATTENTION_BACKENDS,
+    DENSE_BACKENDS,
+    DTYPE_CHOICES,
+    ROTATIONS,
+    SCALE_MODES,
+    CacheConfig,
+    EngineConfig,
+    ModelArchConfig,
+    SchedulerConfig,
+    blocks_for_memory,
+    default_kv_cache_memory,
+    format_bytes,
+    parse_memory,
+    resolve_dtype,
+)
 from kv8.quant.formats import KV_CACHE_DTYPE_CHOICES, resolve_kv_cache_dtype
 
 logger = logging.getLogger("kv8")
@@ -136,7 +150,7 @@ class EngineArgs:
         return group
 
     @classmethod
-    def from_cli_args(cls, ns: argparse.Namespace) -> "EngineArgs":
+    def from_cli_args(cls, ns: argparse.Namespace) -> EngineArgs:
         """The fields the namespace has (flags from :meth:`add_cli_args`, and ``model``); others keep defaults."""
         return cls(**{name: getattr(ns, name) for name in cls.field_names() if hasattr(ns, name)})
 

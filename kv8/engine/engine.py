@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import itertools
 import logging
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from kv8.attention.backend import get_backend
 from kv8.cache.codec import KVCodec
@@ -37,7 +38,8 @@ from kv8.model.sources import resolve_model_path
 from kv8.model.tokenizer import load_tokenizer
 from kv8.observer import EngineObserver
 from kv8.outputs import RequestOutput
-from kv8.quant.scales import ModelScaleInfo, resolve_kv_scales, scales_from_checkpoint
+from kv8.quant.scale_sources import resolve_kv_scales, scales_from_checkpoint
+from kv8.quant.scales import ModelScaleInfo
 from kv8.sampling_params import SamplingParams
 
 logger = logging.getLogger("kv8")
@@ -68,8 +70,8 @@ class LLMEngine:
         num_blocks = resolve_num_blocks(self.config)
         self.cache = PagedKVCache(CacheShape(arch.num_layers, num_blocks, arch.num_kv_heads, cc.block_size,
                                              arch.head_dim), codec)
-        self.kv = KVCacheManager(num_blocks, cc.block_size, cc.enable_prefix_caching)
-        self.scheduler = Scheduler(self.config.scheduler, self.kv)
+        self.kv_manager = KVCacheManager(num_blocks, cc.block_size, cc.enable_prefix_caching)
+        self.scheduler = Scheduler(self.config.scheduler, self.kv_manager)
         self.backend = get_backend(self.config.attention_backend)
         self.runner = ModelRunner(self.model, self.cache, self.backend, observer)
         self.input_processor = InputProcessor(self.config, self.tokenizer)
@@ -127,9 +129,9 @@ class LLMEngine:
         return {
             "num_running": len(self.scheduler.running),
             "num_waiting": len(self.scheduler.waiting),
-            "kv_cache_usage": self.kv.pool.usage,
-            "num_free_blocks": self.kv.num_free_blocks,
-            "num_blocks": self.kv.pool.num_blocks,
-            "prefix_cache_hit_rate": self.kv.prefix_cache_hit_rate(),
+            "kv_cache_usage": self.kv_manager.pool.usage,
+            "num_free_blocks": self.kv_manager.num_free_blocks,
+            "num_blocks": self.kv_manager.pool.num_blocks,
+            "prefix_cache_hit_rate": self.kv_manager.prefix_cache_hit_rate(),
             "num_preemptions": self.scheduler.num_preemptions,
         }

@@ -14,7 +14,8 @@ Thread safety: the tokenizer is used only by the thread that drives the engine.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 

@@ -18,8 +18,9 @@ Thread safety: the tokenizer is used only by the thread that drives the engine.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Sequence, cast
+from typing import Any, cast
 
 from kv8.engine.detokenizer import IncrementalDetokenizer, find_stop
 from kv8.engine.request import Request, RequestStatus, TokenLogprobs
@@ -112,7 +113,8 @@ class OutputProcessor:
             outs.append(CompletionOutput(
                 index=req.index, text=state.text, token_ids=list(req.output_token_ids),
                 cumulative_logprob=req.cumulative_logprob if want else None,
-                logprobs=cast("list[PositionLogprobs]", self._converted(req.logprobs, state.logprobs)) if want else None,
+                logprobs=(cast("list[PositionLogprobs]", self._converted(req.logprobs, state.logprobs)) if want
+                          else None),
                 finish_reason=req.status.value if req.is_finished else None, stop_reason=req.stop_reason))
         first = group.children[0]
         prompt_lps = None

@@ -53,6 +53,7 @@ class ModelRunner:
         self.backend = backend
         self.observer = observer
 
+    @torch.inference_mode()
     def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
         input_ids: list[int] = []
         positions: list[int] = []

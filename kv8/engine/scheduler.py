@@ -75,9 +75,9 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
+    def __init__(self, config: SchedulerConfig, kv_manager: KVCacheManager) -> None:
         self.config = config
-        self.kv = kv
+        self.kv_manager = kv_manager
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
@@ -89,7 +89,7 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def _preempt(self, request: Request) -> None:
-        self.kv.free(request)
+        self.kv_manager.free(request)
         request.num_computed_tokens = 0
         request.status = RequestStatus.WAITING
         request.num_preemptions += 1
@@ -105,7 +105,7 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             n = min(req.num_tokens - req.num_computed_tokens, budget)
-            while self.kv.allocate_slots(req, n) is None:
+            while self.kv_manager.allocate_slots(req, n) is None:
                 victim = self.running.pop()
                 self._preempt(victim)
                 preempted.append(victim)
@@ -116,15 +116,16 @@ class Scheduler:
                 budget -= n
                 i += 1
 
-        reserve = -(-GROWTH_RESERVE_TOKENS // self.kv.block_size)  # blocks per running request
+        reserve = -(-GROWTH_RESERVE_TOKENS // self.kv_manager.block_size)  # blocks per running request
         while not preempted and self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
-            hit_blocks, num_hit_tokens = self.kv.get_computed_blocks(req)
+            hit_blocks, num_hit_tokens = self.kv_manager.get_computed_blocks(req)
             n = min(req.num_tokens - num_hit_tokens, budget)
-            held = min(len(self.running) * reserve, self.kv.pool.num_blocks // 4)
-            if self.running and self.kv.blocks_needed(req, n, hit_blocks) + held > self.kv.num_free_blocks:
+            held = min(len(self.running) * reserve, self.kv_manager.pool.num_blocks // 4)
+            needed = self.kv_manager.blocks_needed(req, n, hit_blocks)
+            if self.running and needed + held > self.kv_manager.num_free_blocks:
                 break
-            if self.kv.allocate_slots(req, n, hit_blocks) is None:
+            if self.kv_manager.allocate_slots(req, n, hit_blocks) is None:
                 break
             self.waiting.popleft()
             req.num_computed_tokens = num_hit_tokens
@@ -139,7 +140,7 @@ class Scheduler:
     def _block_ids(self, request: Request) -> tuple[int, ...]:
         # Taken right after the request's allocation succeeded; a preemption later in the same schedule() only
         # takes requests that were not scheduled yet, so the table stays valid for the whole step.
-        return tuple(self.kv.block_ids(request.request_id))
+        return tuple(self.kv_manager.block_ids(request.request_id))
 
     def update(self, output: SchedulerOutput, result: ModelRunnerOutput) -> list[Request]:
         """Apply one step's results and return the requests that sampled a token, in chunk order.
@@ -150,7 +151,7 @@ class Scheduler:
         """
         for chunk in output.chunks:
             chunk.request.num_computed_tokens = chunk.start + chunk.num_new_tokens
-            self.kv.cache_computed_blocks(chunk.request)
+            self.kv_manager.cache_computed_blocks(chunk.request)
         updated = []
         for chunk in output.chunks:
             req = chunk.request
@@ -181,7 +182,7 @@ class Scheduler:
         elif request in self.waiting:
             self.waiting.remove(request)
         request.status = status
-        self.kv.free(request)
+        self.kv_manager.free(request)
 
 
 def check_stop(request: Request) -> RequestStatus | None:

@@ -14,10 +14,17 @@ import argparse
 import json
 import logging
 import sys
-from typing import Sequence
+from collections.abc import Sequence
 
-from kv8.config import (CacheConfig, ModelArchConfig, blocks_for_memory, default_kv_cache_memory, format_bytes,
-                        parse_memory, resolve_dtype)
+from kv8.config import (
+    CacheConfig,
+    ModelArchConfig,
+    blocks_for_memory,
+    default_kv_cache_memory,
+    format_bytes,
+    parse_memory,
+    resolve_dtype,
+)
 from kv8.engine.args import DEFAULT_MODEL, EngineArgs
 from kv8.quant.formats import resolve_kv_cache_dtype
 

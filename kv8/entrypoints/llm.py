@@ -6,7 +6,8 @@ steps the engine until all are done and returns one :class:`RequestOutput` per p
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from tqdm.auto import tqdm
 

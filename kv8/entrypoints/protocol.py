@@ -64,7 +64,7 @@ class _SamplingFields(_Strict):
     skip_special_tokens: bool | None = None
 
     @model_validator(mode="after")
-    def _check_common(self) -> "_SamplingFields":
+    def _check_common(self) -> _SamplingFields:
         for name in ("frequency_penalty", "presence_penalty"):
             value = getattr(self, name)
             if value not in (None, 0, 0.0):
@@ -88,7 +88,7 @@ class CompletionRequest(_SamplingFields):
     echo: bool | None = None
 
     @model_validator(mode="after")
-    def _check_prompt(self) -> "CompletionRequest":
+    def _check_prompt(self) -> CompletionRequest:
         p = self.prompt
         if isinstance(p, str) and p == "":
             raise ValueError("prompt is empty")
@@ -133,7 +133,7 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
 
     @model_validator(mode="after")
-    def _check_chat(self) -> "ChatCompletionRequest":
+    def _check_chat(self) -> ChatCompletionRequest:
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs requires logprobs to be true")
         if (self.max_tokens is not None and self.max_completion_tokens is not None

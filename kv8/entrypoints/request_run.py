@@ -13,8 +13,9 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Callable
+from typing import Any
 
 from kv8.entrypoints.async_engine import AsyncEngine, EngineDeadError, OutputMailbox
 from kv8.entrypoints.metrics import ServerMetrics

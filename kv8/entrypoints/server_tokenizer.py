@@ -13,7 +13,8 @@ Invariant: the wrapped tokenizer object is not the engine's (``ServerTokenizer.l
 from __future__ import annotations
 
 import threading
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from kv8.config import EngineConfig
 from kv8.model.tokenizer import load_tokenizer

@@ -1,4 +1,4 @@
-"""kv8's dense CPU kernels (``kv8/model/dense_kernels.cpp``, AVX-512 BF16) through ctypes, and the choice
+"""kv8's dense CPU kernels (``kv8/layers/dense_kernels.cpp``, AVX-512 BF16) through ctypes, and the choice
 of the dense backend.
 
 :class:`DenseKernels` wraps the C ABI: ``pack`` / ``linear`` (a bf16 matrix in a packed layout that the
@@ -31,7 +31,7 @@ logger = logging.getLogger("kv8")
 __all__ = ["DenseBackend", "DenseKernels", "TORCH_BACKEND", "load_dense_kernels", "select_dense_backend"]
 
 # The C++ source stays beside the model package (its owner keeps the C++ tree there).
-SOURCE = Path(__file__).parent.parent / "model" / "dense_kernels.cpp"
+SOURCE = Path(__file__).with_name("dense_kernels.cpp")
 
 _P, _L, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 

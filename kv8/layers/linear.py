@@ -20,7 +20,7 @@ one rounding to bf16) up to the order of the fp32 additions.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -81,8 +81,8 @@ class PackedBF16LinearMethod(LinearMethod):
         if x.shape[-1] != layer.in_features:
             raise ValueError(f"input has {x.shape[-1]} features, the layer {layer.in_features}")
         lead = x.shape[:-1]
-        out = self.kernels.linear(x.reshape(-1, layer.in_features).contiguous(), layer.packed,
-                                  layer.out_features, layer.bias_f32)
+        out = self.kernels.linear(x.reshape(-1, layer.in_features).contiguous(), layer.packed, layer.out_features,
+                                  layer.bias_f32)
         return out.view(*lead, layer.out_features)
 
 
@@ -100,6 +100,9 @@ class LinearBase(nn.Module):
     loading); ``weight_loader`` copies one shard into its rows (``shard_id`` is resolved by
     :meth:`shard_index`).
     """
+
+    packed: torch.Tensor              # buffers of the packed method, set by process_weights_after_loading
+    bias_f32: torch.Tensor | None
 
     def __init__(self, in_features: int, output_sizes: Sequence[int], bias: bool, backend: DenseBackend) -> None:
         super().__init__()
@@ -172,5 +175,5 @@ class QKVLinear(LinearBase):
 
     def shard_index(self, shard_id: int | str | None) -> int:
         if shard_id in self.SHARDS:
-            return self.SHARDS.index(shard_id)  # type: ignore[arg-type]
+            return self.SHARDS.index(shard_id)
         raise ValueError(f"QKVLinear has shards 'q', 'k', 'v', not {shard_id!r}")

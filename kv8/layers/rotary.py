@@ -86,6 +86,8 @@ class RotaryEmbedding(nn.Module):
     """RoPE for attention with ``num_heads`` query heads and ``num_kv_heads`` KV heads of ``head_dim``.
     Buffer ``inv_freq [D/2]`` float32 (not in checkpoints)."""
 
+    inv_freq: torch.Tensor
+
     def __init__(self, head_dim: int, num_heads: int, num_kv_heads: int, rope_theta: float,
                  rope_scaling: RopeScaling | None, backend: DenseBackend) -> None:
         super().__init__()

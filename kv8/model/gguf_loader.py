@@ -205,7 +205,8 @@ def _hf_config(reader: gguf.GGUFReader, path: str) -> dict[str, Any]:
             raise ValueError(f"GGUF file {path!r} has {arch}.{other}={value} but head_dim={head_dim}; kv8 supports "
                              f"only full-width rotary embeddings with equal key and value head sizes")
     if num_heads % num_kv_heads:
-        raise ValueError(f"GGUF file {path!r}: head_count={num_heads} is not a multiple of head_count_kv={num_kv_heads}")
+        raise ValueError(f"GGUF file {path!r}: head_count={num_heads} is not a multiple of "
+                         f"head_count_kv={num_kv_heads}")
     rope_theta = _field_value(reader, f"{arch}.rope.freq_base")
 
     config: dict[str, Any] = {
@@ -334,7 +335,8 @@ def _dequantize(tensor: Any) -> torch.Tensor:
     return torch.from_numpy(array)
 
 
-def iter_gguf_tensors(reader: gguf.GGUFReader, model: GGUFModel, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_gguf_tensors(reader: gguf.GGUFReader, model: GGUFModel,
+                      dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(hf_name, tensor)`` for every tensor of the file, in file order, dequantized to ``dtype``.
 
     ``reader`` and ``model`` must come from the same `read_gguf` call. Tensors are contiguous, own their

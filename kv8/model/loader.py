@@ -7,7 +7,7 @@ checkpoint tensor by its Hugging Face name -- a tensor of a merged layer (``pack
 shard_id)``, any other tensor is converted to the compute dtype and assigned as the parameter; tie weights
 (``tied_weights``); then let every layer convert its loaded weights (``process_weights_after_loading``: the
 packed_bf16 linear method packs them and drops the originals). Missing and unknown tensors are errors that
-name them. KV-scale tensors are collected for :mod:`kv8.quant.scales` rather than loaded into the model.
+name them. KV-scale tensors are collected for :mod:`kv8.quant.scale_sources` rather than loaded into the model.
 """
 
 from __future__ import annotations
@@ -18,8 +18,9 @@ import json
 import logging
 import os
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 from torch import nn
@@ -27,7 +28,7 @@ from torch import nn
 from kv8.config import ModelArchConfig
 from kv8.layers.dense_kernels import select_dense_backend
 from kv8.models.registry import CausalLM, model_class
-from kv8.quant.scales import is_kv_scale_name
+from kv8.quant.scale_sources import is_kv_scale_name
 
 logger = logging.getLogger("kv8")
 

@@ -7,7 +7,8 @@ Adding an architecture is one model file in :mod:`kv8.models`, one entry in :dat
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, Mapping, Protocol
+from collections.abc import Mapping
+from typing import Any, ClassVar, Protocol
 
 import torch
 

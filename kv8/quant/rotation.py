@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import functools
 
-ROTATIONS = ("none", "hadamard")  # kv_cache_rotation: no rotation, or the per-head Hadamard matrix below
-
 import torch
+
+ROTATIONS = ("none", "hadamard")  # kv_cache_rotation: no rotation, or the per-head Hadamard matrix below
 
 
 @functools.lru_cache(maxsize=8)

@@ -19,8 +19,8 @@ with the scales as checkpoint tensors.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 from tqdm.auto import tqdm

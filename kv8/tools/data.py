@@ -20,7 +20,8 @@ import json
 import os
 import re
 import xml.etree.ElementTree as ET
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 __all__ = ["read_corpus", "read_documents", "tokenize_corpus", "token_windows", "wiki_to_text"]
 

@@ -33,8 +33,9 @@ an fp8 cache means; only float rounding of the unquantized arithmetic may differ
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import torch
 from tqdm.auto import tqdm
@@ -67,7 +68,7 @@ class KVConfig:
         resolve_kv_cache_dtype(self.kv_cache_dtype, torch.float32)
 
     @staticmethod
-    def parse(spec: str) -> "KVConfig":
+    def parse(spec: str) -> KVConfig:
         """``DTYPE[+dynamic][+hadamard][:SCALES_PATH]``, e.g. ``fp8_e4m3:scales.json`` or
         ``fp8_e4m3+dynamic+hadamard``. Other combinations are checked when the engine is built."""
         head, sep, path = spec.partition(":")
@@ -160,7 +161,7 @@ class EvalReport:
         return asdict(self)
 
     @staticmethod
-    def from_dict(d: dict[str, Any]) -> "EvalReport":
+    def from_dict(d: dict[str, Any]) -> EvalReport:
         """Inverse of :meth:`to_dict` (e.g. to print the table of a saved ``--json`` report)."""
         fields_ = dict(d)
         fields_["reference"] = ConfigResult(**d["reference"])

@@ -1,0 +1,134 @@
+// Elementwise parts of a decoder layer. Included once, by dense_kernels.cpp, after dense_linear.h.
+#pragma once
+
+// ------------------------------------------------------------------------------------------------
+// Elementwise parts of a decoder layer, bf16 in and out, fp32 arithmetic, rounded where torch's bf16
+// ops round (so results match the torch code they replace up to the last bit of exp / rsqrt / the order
+// of a row's sum of squares). Rows are split across threads when a call is large enough to pay for it.
+// ------------------------------------------------------------------------------------------------
+
+static const int64_t PARALLEL_MIN = 1 << 16;  // elements below which one thread does the whole call
+
+#if KV8_LINEAR_FAST
+static inline __m512 bf16x16_to_f32(const uint16_t* p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
+}
+static inline __m512 bf16x16_to_f32_mask(const uint16_t* p, __mmask16 m) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
+}
+static inline __m512 round_bf16(__m512 x) {  // x rounded to the nearest bf16 (ties to even), as fp32
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(x)), 16));
+}
+static inline void store_bf16(uint16_t* p, __m512 x, __mmask16 m) {
+    _mm256_mask_storeu_epi16(p, m, (__m256i)_mm512_cvtneps_pbh(x));
+}
+static inline __mmask16 tail_mask(int64_t n) { return n >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << n) - 1); }
+#endif
+
+// h = x (+ residual, rounded to bf16); residual_out = h (if given); out = bf16(w * bf16(h * rsqrt(mean(h^2) + eps))).
+// x, residual, residual_out, out: [T, E] contiguous; w: [E]. residual_out may alias residual or x.
+extern "C" int kv8_rmsnorm(const uint16_t* x, const uint16_t* residual, uint16_t* residual_out, const uint16_t* w,
+                           float eps, int64_t T, int64_t E, uint16_t* out, int nthreads) {
+#if KV8_LINEAR_FAST
+    if (!x || !w || !out || T < 0 || E <= 0 || nthreads <= 0) return 5;
+    const int threads = T * E < PARALLEL_MIN ? 1 : nthreads;
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t t = 0; t < T; ++t) {
+        const uint16_t* xr = x + t * E;
+        const uint16_t* rr = residual ? residual + t * E : nullptr;
+        uint16_t* ro = residual_out ? residual_out + t * E : nullptr;
+        __m512 ss = _mm512_setzero_ps();
+        for (int64_t e = 0; e < E; e += 16) {
+            const __mmask16 m = tail_mask(E - e);
+            __m512 h = bf16x16_to_f32_mask(xr + e, m);
+            if (rr) h = round_bf16(_mm512_add_ps(h, bf16x16_to_f32_mask(rr + e, m)));
+            if (ro) store_bf16(ro + e, h, m);
+            ss = _mm512_fmadd_ps(h, h, ss);
+        }
+        const float inv = 1.0f / sqrtf(_mm512_reduce_add_ps(ss) / (float)E + eps);
+        const __m512 iv = _mm512_set1_ps(inv);
+        const uint16_t* src = ro ? ro : xr;  // h, already rounded (or x itself without a residual)
+        for (int64_t e = 0; e < E; e += 16) {
+            const __mmask16 m = tail_mask(E - e);
+            __m512 h = (ro || !rr) ? bf16x16_to_f32_mask(src + e, m)
+                                   : round_bf16(_mm512_add_ps(bf16x16_to_f32_mask(xr + e, m),
+                                                              bf16x16_to_f32_mask(rr + e, m)));
+            __m512 n = round_bf16(_mm512_mul_ps(h, iv));
+            store_bf16(out + t * E + e, _mm512_mul_ps(bf16x16_to_f32_mask(w + e, m), n), m);
+        }
+    }
+    return 0;
+#else
+    (void)x; (void)residual; (void)residual_out; (void)w; (void)eps; (void)T; (void)E; (void)out; (void)nthreads;
+    return 7;
+#endif
+}
+
+// gu: [T, 2I] (gate | up); out[T, I] = bf16(bf16(silu(gate)) * up).
+extern "C" int kv8_silu_mul(const uint16_t* gu, int64_t T, int64_t I, uint16_t* out, int nthreads) {
+#if KV8_LINEAR_FAST
+    if (!gu || !out || T < 0 || I <= 0 || nthreads <= 0) return 5;
+    const int threads = T * I < PARALLEL_MIN ? 1 : nthreads;
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t t = 0; t < T; ++t) {
+        const uint16_t* g = gu + t * 2 * I;
+        const uint16_t* u = g + I;
+        for (int64_t i = 0; i < I; i += 16) {
+            const __mmask16 m = tail_mask(I - i);
+            __m512 a = bf16x16_to_f32_mask(g + i, m);
+            __m512 s = round_bf16(_mm512_div_ps(a, _mm512_add_ps(_mm512_set1_ps(1.0f),
+                                                                 exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), a)))));
+            store_bf16(out + t * I + i, _mm512_mul_ps(s, bf16x16_to_f32_mask(u + i, m)), m);
+        }
+    }
+    return 0;
+#else
+    (void)gu; (void)T; (void)I; (void)out; (void)nthreads;
+    return 7;
+#endif
+}
+
+// Rotate-half RoPE of q and k read from packed projection rows, plus a copy of v, into contiguous outputs.
+// qkv: [T, row_stride] with q at column 0 (Hq*D), k after it (Hkv*D), v after k (Hkv*D).
+// cos, sin: [T, D/2] float32 angles' cos/sin; like torch they are first rounded to bf16, then
+// out = bf16(bf16(x * c) + bf16(rot(x) * s)) with rot(x) = (-x2, x1).
+extern "C" int kv8_rope_qkv(const uint16_t* qkv, int64_t T, int64_t row_stride, int Hq, int Hkv, int D,
+                            const float* cos, const float* sin, uint16_t* q_out, uint16_t* k_out, uint16_t* v_out,
+                            int nthreads) {
+#if KV8_LINEAR_FAST
+    if (!qkv || !cos || !sin || !q_out || !k_out || !v_out || T < 0 || Hq <= 0 || Hkv <= 0 || D <= 0 || D % 2 ||
+        row_stride < (int64_t)(Hq + 2 * Hkv) * D || nthreads <= 0)
+        return 5;
+    const int half = D / 2;
+    const int threads = T * (Hq + 2 * Hkv) * D < PARALLEL_MIN ? 1 : nthreads;
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t t = 0; t < T; ++t) {
+        const uint16_t* row = qkv + t * row_stride;
+        const float* cr = cos + t * half;
+        const float* sr = sin + t * half;
+        for (int h = 0; h < Hq + Hkv; ++h) {
+            const uint16_t* src = row + (int64_t)h * D;
+            uint16_t* dst = h < Hq ? q_out + (t * Hq + h) * (int64_t)D : k_out + (t * Hkv + (h - Hq)) * (int64_t)D;
+            for (int j = 0; j < half; j += 16) {
+                const __mmask16 m = tail_mask(half - j);
+                __m512 c = round_bf16(_mm512_maskz_loadu_ps(m, cr + j));
+                __m512 s = round_bf16(_mm512_maskz_loadu_ps(m, sr + j));
+                __m512 x1 = bf16x16_to_f32_mask(src + j, m);
+                __m512 x2 = bf16x16_to_f32_mask(src + half + j, m);
+                // first half: x1 c - x2 s; second half: x2 c + x1 s (each product rounded, then the sum)
+                __m512 a = _mm512_add_ps(round_bf16(_mm512_mul_ps(x1, c)),
+                                         round_bf16(_mm512_mul_ps(_mm512_sub_ps(_mm512_setzero_ps(), x2), s)));
+                __m512 b = _mm512_add_ps(round_bf16(_mm512_mul_ps(x2, c)), round_bf16(_mm512_mul_ps(x1, s)));
+                store_bf16(dst + j, a, m);
+                store_bf16(dst + half + j, b, m);
+            }
+        }
+        memcpy(v_out + t * Hkv * (int64_t)D, row + (int64_t)(Hq + Hkv) * D, (size_t)Hkv * D * 2);
+    }
+    return 0;
+#else
+    (void)qkv; (void)T; (void)row_stride; (void)Hq; (void)Hkv; (void)D; (void)cos; (void)sin; (void)q_out;
+    (void)k_out; (void)v_out; (void)nthreads;
+    return 7;
+#endif
+}

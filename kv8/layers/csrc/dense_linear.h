@@ -1,0 +1,155 @@
+// Packed bf16 linear layer (see dense_kernels.cpp for the layout, numerics and invariants). Included once,
+// by dense_kernels.cpp, after the includes and the KV8_LINEAR_FAST switch.
+#pragma once
+
+static const int PANEL = 32;  // output columns per panel (two zmm registers of fp32 accumulators)
+static const int64_t ROW_CHUNK = 192;  // rows of x per pass over the weights (x chunk stays in L2)
+
+extern "C" int kv8_linear_available() { return KV8_LINEAR_FAST; }
+
+extern "C" int64_t kv8_linear_packed_size(int64_t N, int64_t K) {
+    if (N <= 0 || K <= 0) return -1;
+    int64_t kp = (K + 1) & ~(int64_t)1;
+    int64_t np = (N + PANEL - 1) / PANEL * PANEL;
+    return np * kp;
+}
+
+// packed[p][kk][c][j] = W[p*32 + c, 2*kk + j] (zero outside W).
+extern "C" int kv8_linear_pack(const uint16_t* w, int64_t N, int64_t K, uint16_t* packed) {
+    if (!w || !packed || N <= 0 || K <= 0) return 5;
+    const int64_t kp = (K + 1) & ~(int64_t)1;
+    const int64_t panels = (N + PANEL - 1) / PANEL;
+#pragma omp parallel for schedule(static)
+    for (int64_t p = 0; p < panels; ++p) {
+        uint16_t* dst = packed + p * PANEL * kp;
+        for (int64_t kk = 0; kk < kp / 2; ++kk) {
+            for (int c = 0; c < PANEL; ++c) {
+                const int64_t n = p * PANEL + c;
+                for (int j = 0; j < 2; ++j) {
+                    const int64_t k = 2 * kk + j;
+                    dst[(kk * PANEL + c) * 2 + j] = (n < N && k < K) ? w[n * K + k] : 0;
+                }
+            }
+        }
+    }
+    return 0;
+}
+
+#if KV8_LINEAR_FAST
+static inline __mmask16 lane_mask(int n) {  // the first n (clamped to 0..16) of 16 lanes
+    return n >= 16 ? (__mmask16)0xFFFF : n <= 0 ? (__mmask16)0 : (__mmask16)((1u << n) - 1);
+}
+
+// MR rows of x (stride K) times NP adjacent panels (NP = 1 or 2, i.e. 32 or 64 columns starting at n0) ->
+// MR x 32*NP outputs; only columns below N are stored.
+template <int MR, int NP>
+static inline void micro(const uint16_t* x, int64_t K, const uint16_t* panel, int64_t kp, const float* bias,
+                         int64_t n0, int64_t N, uint16_t* out, const uint16_t* pf, int pf_first, int pf_step) {
+    constexpr int NV = 2 * NP;  // zmm accumulators per row
+    __m512 acc[MR][NV];
+    for (int r = 0; r < MR; ++r)
+        for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_setzero_ps();
+    const int64_t pairs = kp / 2;
+    const int64_t full = K / 2;  // pairs whose two x values both exist (K even: all of them)
+    const int64_t panel_stride = (int64_t)PANEL * kp;
+    int64_t pf_next = pf ? pf_first : pairs;  // next pair index whose lines of the next panels to prefetch
+    for (int64_t kk = 0; kk < pairs; ++kk) {
+        __m512bh w[NV];
+        for (int q = 0; q < NP; ++q) {
+            const uint16_t* src = panel + q * panel_stride + kk * 64;
+            w[2 * q] = (__m512bh)_mm512_loadu_si512((const void*)src);
+            w[2 * q + 1] = (__m512bh)_mm512_loadu_si512((const void*)(src + 32));
+            if (kk == pf_next) {  // lines of the next panels, into L2: DRAM streams while the blocks compute
+                const char* f = (const char*)(pf + q * panel_stride + kk * 64);
+                __builtin_prefetch(f, 0, 2);
+                __builtin_prefetch(f + 64, 0, 2);
+            }
+        }
+        if (kk == pf_next) pf_next += pf_step;
+        for (int r = 0; r < MR; ++r) {
+            int32_t xv;
+            if (kk < full) {
+                memcpy(&xv, x + r * K + 2 * kk, 4);
+            } else {  // odd K: the last pair has one value (its partner weight is zero)
+                xv = x[r * K + 2 * kk];
+            }
+            const __m512bh b = (__m512bh)_mm512_set1_epi32(xv);
+            for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_dpbf16_ps(acc[r][v], w[v], b);
+        }
+    }
+    for (int v = 0; v < NV; ++v) {
+        const int64_t c0 = n0 + 16 * v;
+        const __mmask16 m = lane_mask((int)(N - c0 < 16 ? N - c0 : 16));
+        if (!m) break;
+        const __m512 bv = bias ? _mm512_maskz_loadu_ps(m, bias + c0) : _mm512_setzero_ps();
+        for (int r = 0; r < MR; ++r) {
+            const __m256i y = (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(acc[r][v], bv));
+            _mm256_mask_storeu_epi16(out + r * N + c0, m, y);
+        }
+    }
+}
+
+typedef void (*MicroFn)(const uint16_t*, int64_t, const uint16_t*, int64_t, const float*, int64_t, int64_t,
+                        uint16_t*, const uint16_t*, int, int);
+static const int MAX_MR1 = 12;  // one panel: 24 accumulators + 2 weights + 1 broadcast registers
+static const int MAX_MR2 = 6;   // two panels: 24 accumulators + 4 weights + 1 broadcast
+static const MicroFn MICRO1[MAX_MR1 + 1] = {nullptr, micro<1, 1>, micro<2, 1>, micro<3, 1>, micro<4, 1>,
+                                            micro<5, 1>, micro<6, 1>, micro<7, 1>, micro<8, 1>, micro<9, 1>,
+                                            micro<10, 1>, micro<11, 1>, micro<12, 1>};
+static const MicroFn MICRO2[MAX_MR2 + 1] = {nullptr, micro<1, 2>, micro<2, 2>, micro<3, 2>, micro<4, 2>,
+                                            micro<5, 2>, micro<6, 2>};
+
+// Rows [0, M) in nearly equal blocks of at most max_mr rows, each through table[rows]; the blocks share the
+// prefetch of the panels at `next` (NULL: none) into L2, block b taking the pairs kk = b mod blocks.
+static inline void row_blocks(const MicroFn* table, int max_mr, const uint16_t* x, int64_t M, int64_t K,
+                              const uint16_t* panel, int64_t kp, const float* bias, int64_t n0, int64_t N,
+                              uint16_t* out, const uint16_t* next) {
+    const int64_t nblk = (M + max_mr - 1) / max_mr;
+    const int64_t base = M / nblk, extra = M % nblk;
+    int64_t r0 = 0;
+    for (int64_t b = 0; b < nblk; ++b) {
+        const int mr = (int)(base + (b < extra ? 1 : 0));
+        table[mr](x + r0 * K, K, panel, kp, bias, n0, N, out + r0 * N, next, (int)b, (int)nblk);
+        r0 += mr;
+    }
+}
+#endif
+
+// out[M, N] = x[M, K] @ W^T (+ bias), W pre-packed by kv8_linear_pack.
+extern "C" int kv8_linear(const uint16_t* x, int64_t M, int64_t K, const uint16_t* packed, int64_t N,
+                          const float* bias, uint16_t* out, int nthreads) {
+#if KV8_LINEAR_FAST
+    if (!x || !packed || !out || M <= 0 || K <= 0 || N <= 0 || nthreads <= 0) return 5;
+    const int64_t kp = (K + 1) & ~(int64_t)1;
+    const int64_t panels = (N + PANEL - 1) / PANEL;
+    const int threads = (int)(panels < nthreads ? panels : nthreads);
+    // Rows go in chunks of ROW_CHUNK so that a chunk of x stays in L2 while every panel passes over it.
+    // Within a chunk each thread takes a contiguous run of panels and walks it two panels (64 columns) at
+    // a time, one panel for an odd one left over.
+#pragma omp parallel num_threads(threads)
+    {
+        const int t = omp_get_thread_num(), nt = omp_get_num_threads();
+        const int64_t p0 = panels * t / nt, p1 = panels * (t + 1) / nt;
+        for (int64_t m0 = 0; m0 < M; m0 += ROW_CHUNK) {
+            const int64_t rows = M - m0 < ROW_CHUNK ? M - m0 : ROW_CHUNK;
+            const uint16_t* xc = x + m0 * K;
+            uint16_t* oc = out + m0 * N;
+            for (int64_t p = p0; p < p1; p += 2) {
+                const uint16_t* panel = packed + p * PANEL * kp;
+                // Prefetch the next two panels while this pair computes (within the thread's run): with
+                // several row blocks per panel the compute no longer waits for DRAM.
+                const uint16_t* next = p + 3 < p1 ? panel + 2 * PANEL * kp : nullptr;
+                if (p + 1 < p1) {
+                    row_blocks(MICRO2, MAX_MR2, xc, rows, K, panel, kp, bias, p * PANEL, N, oc, next);
+                } else {
+                    row_blocks(MICRO1, MAX_MR1, xc, rows, K, panel, kp, bias, p * PANEL, N, oc, nullptr);
+                }
+            }
+        }
+    }
+    return 0;
+#else
+    (void)x; (void)M; (void)K; (void)packed; (void)N; (void)bias; (void)out; (void)nthreads;
+    return 7;
+#endif
+}

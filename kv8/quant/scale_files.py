@@ -1,0 +1,277 @@
+"""KV scale files: vLLM's ``kv_cache_scales.json`` and kv8's own JSON schema (read and write).
+
+``--quantization-param-path`` takes either; :func:`load_scales_file` tells them apart by content. vLLM's schema
+holds one scale per layer and tensor-parallel rank, used for K and V alike; kv8's holds K and V separately at
+tensor, head or channel granularity and records the basis (rotation) the scales describe.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from kv8.quant.scales import (
+    FORMAT_TO_TORCH_DTYPE,
+    TORCH_DTYPE_TO_FORMAT,
+    KVScales,
+    ModelScaleInfo,
+    ScaleGranularity,
+    check_fits,
+)
+
+__all__ = ["load_kv8_scales_json", "load_scales_file", "load_vllm_scales_json", "write_kv8_scales_json",
+           "write_vllm_scales_json"]
+
+# --------------------------------------------------------------------------------------------------
+# vLLM kv_cache_scales.json
+# --------------------------------------------------------------------------------------------------
+
+
+def _int_key(key: Any, what: str, where: str) -> int:
+    if isinstance(key, int) and not isinstance(key, bool):
+        value = key
+    elif isinstance(key, str) and re.fullmatch(r"[0-9]+", key):
+        value = int(key)
+    else:
+        raise ValueError(f"{where}: {what} key {key!r} is not a non-negative integer")
+    if value < 0:
+        raise ValueError(f"{where}: {what} key {key!r} is negative")
+    return value
+
+
+def _int_keyed(mapping: Mapping[Any, Any], what: str, where: str) -> dict[int, Any]:
+    out: dict[int, Any] = {}
+    for key, value in mapping.items():
+        index = _int_key(key, what, where)
+        if index in out:
+            raise ValueError(f"{where}: {what} {index} appears twice (key {key!r})")
+        out[index] = value
+    return out
+
+
+def load_vllm_scales_json(
+    path: str | os.PathLike[str], model: ModelScaleInfo, tp_rank: int = 0, tp_size: int = 1
+) -> KVScales:
+    """Load a vLLM ``kv_cache_scales.json`` file for ``model``.
+
+    Schema: ``{"model_type": str, "kv_cache": {"dtype": "float8_e4m3fn" | "float8_e4m3fnuz",
+    "scaling_factor": {tp_rank: {layer: float}}}}`` with integer keys written as strings. Validated as
+    vLLM does (the file must hold exactly ``tp_size`` ranks, ``model_type`` must match, the rank must have
+    exactly ``model.num_layers`` layers, all of ``0..num_layers-1``) plus: every scale must be a finite
+    number > 0. Unlike vLLM, which logs and falls back to 1.0, every problem raises ValueError naming the
+    file. The one scale per layer is used for both K and V (tensor granularity).
+    """
+    where = os.fspath(path)
+    for name, value in (("tp_size", tp_size), ("tp_rank", tp_rank)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise ValueError(f"{name} must be a non-negative int, got {value!r}")
+    if tp_size < 1:
+        raise ValueError(f"tp_size must be >= 1, got {tp_size}")
+    if tp_rank >= tp_size:
+        raise ValueError(f"tp_rank must be in [0, tp_size={tp_size}), got {tp_rank}")
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except OSError as e:
+        raise ValueError(f"{where}: cannot read KV cache scales file: {e.strerror or e}") from e
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{where}: not a valid JSON KV cache scales file: {e}") from e
+
+    if not isinstance(data, dict):
+        raise ValueError(f"{where}: top level must be a JSON object, got {type(data).__name__}")
+    for key in ("model_type", "kv_cache"):
+        if key not in data:
+            raise ValueError(f"{where}: missing key {key!r} (expected keys 'model_type' and 'kv_cache')")
+    if data["model_type"] != model.model_type:
+        raise ValueError(
+            f"{where}: scales were computed for model_type {data['model_type']!r} but the model is "
+            f"{model.model_type!r}"
+        )
+    kv = data["kv_cache"]
+    if not isinstance(kv, dict):
+        raise ValueError(f"{where}: 'kv_cache' must be an object, got {type(kv).__name__}")
+    for key in ("dtype", "scaling_factor"):
+        if key not in kv:
+            raise ValueError(f"{where}: missing key 'kv_cache.{key}'")
+    dtype = kv["dtype"]
+    if dtype not in TORCH_DTYPE_TO_FORMAT:
+        raise ValueError(
+            f"{where}: kv_cache.dtype is {dtype!r}; vLLM scale files are only defined for "
+            f"{sorted(TORCH_DTYPE_TO_FORMAT)}"
+        )
+    if not isinstance(kv["scaling_factor"], dict):
+        raise ValueError(f"{where}: 'kv_cache.scaling_factor' must be an object keyed by TP rank")
+    ranks = _int_keyed(kv["scaling_factor"], "TP rank", where)
+    if len(ranks) != tp_size:
+        raise ValueError(
+            f"{where}: file holds scales for {len(ranks)} TP rank(s) {sorted(ranks)} but kv8 runs with "
+            f"tensor-parallel size {tp_size}"
+        )
+    if tp_rank not in ranks:
+        raise ValueError(f"{where}: no scales for TP rank {tp_rank} (ranks present: {sorted(ranks)})")
+    if not isinstance(ranks[tp_rank], dict):
+        raise ValueError(f"{where}: scaling_factor[{tp_rank}] must be an object keyed by layer index")
+    layers = _int_keyed(ranks[tp_rank], "layer", where)
+    if len(layers) != model.num_layers:
+        raise ValueError(
+            f"{where}: file has scales for {len(layers)} layers but the model has {model.num_layers} layers"
+        )
+    missing = [i for i in range(model.num_layers) if i not in layers]
+    if missing:
+        raise ValueError(
+            f"{where}: no scale for layer(s) {missing} in TP rank {tp_rank} "
+            f"(unexpected layer keys: {sorted(i for i in layers if i >= model.num_layers)})"
+        )
+    values: list[float] = []
+    for i in range(model.num_layers):
+        raw = layers[i]
+        if isinstance(raw, bool) or not isinstance(raw, (int, float)):
+            raise ValueError(f"{where}: scale for layer {i} is {raw!r}; expected a number")
+        if not math.isfinite(raw) or raw <= 0:
+            raise ValueError(f"{where}: scale for layer {i} is {raw!r}; scales must be finite and > 0")
+        values.append(float(raw))
+    scales = torch.tensor(values, dtype=torch.float32).reshape(-1, 1, 1)
+    if not bool((torch.isfinite(scales) & (scales > 0)).all()):
+        bad = int((~(torch.isfinite(scales) & (scales > 0))).nonzero()[0, 0])
+        raise ValueError(f"{where}: scale for layer {bad} ({values[bad]!r}) is not representable as float32 > 0")
+    return KVScales(
+        k=scales,
+        v=scales,
+        granularity=ScaleGranularity.TENSOR,
+        source=f"quantization_param_path {where}",
+        made_for=TORCH_DTYPE_TO_FORMAT[dtype],
+    )
+
+
+def write_vllm_scales_json(path: str | os.PathLike[str], scales: KVScales, model_type: str) -> None:
+    """Write tensor-granularity scales with K == V as a single-rank vLLM ``kv_cache_scales.json``.
+
+    The vLLM format holds one scale per layer for both K and V and is defined only for E4M3FN/E4M3FNUZ,
+    so ``scales`` must have tensor granularity, identical K and V, and ``made_for`` fp8_e4m3(fnuz).
+    """
+    if scales.granularity is not ScaleGranularity.TENSOR:
+        raise ValueError(f"vLLM scale files hold one scale per layer; got {scales.granularity.value} granularity")
+    if scales.rotation != "none":
+        raise ValueError(f"vLLM scale files cannot say that scales were calibrated on {scales.rotation}-rotated "
+                         "K/V; write kv8's JSON schema instead")
+    if not torch.equal(scales.k, scales.v):
+        raise ValueError("vLLM scale files hold one scale per layer for both K and V; k and v differ")
+    if scales.made_for not in FORMAT_TO_TORCH_DTYPE:
+        raise ValueError(
+            f"vLLM scale files are only defined for {sorted(FORMAT_TO_TORCH_DTYPE)}; made_for is {scales.made_for!r}"
+        )
+    if not isinstance(model_type, str) or not model_type:
+        raise ValueError(f"model_type must be a non-empty string, got {model_type!r}")
+    per_layer = {str(i): float(scales.k[i, 0, 0]) for i in range(scales.num_layers)}
+    doc = {
+        "model_type": model_type,
+        "kv_cache": {"dtype": FORMAT_TO_TORCH_DTYPE[scales.made_for], "scaling_factor": {"0": per_layer}},
+    }
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(doc, f, indent=4)
+        f.write("\n")
+
+
+# --------------------------------------------------------------------------------------------------
+# kv8 scales JSON (any granularity, separate K and V, any fp8 format)
+# --------------------------------------------------------------------------------------------------
+
+KV8_SCALES_FORMAT = "kv8-kv-scales"
+KV8_SCALES_VERSION = 1
+
+
+def _read_json(path: str | os.PathLike[str]) -> Any:
+    where = os.fspath(path)
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except OSError as e:
+        raise ValueError(f"{where}: cannot read KV cache scales file: {e.strerror or e}") from e
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{where}: not a valid JSON KV cache scales file: {e}") from e
+
+
+def write_kv8_scales_json(path: str | os.PathLike[str], scales: KVScales, model: ModelScaleInfo) -> None:
+    """Write ``scales`` in the kv8 schema::
+
+        {"format": "kv8-kv-scales", "version": 1, "model_type": str, "num_layers": L, "num_kv_heads": H,
+         "head_dim": D, "granularity": "tensor" | "head" | "channel", "made_for": fp8 format name | null,
+         "rotation": "none" | "hadamard", "k": [[[float]]], "v": [[[float]]]}
+
+    ``rotation`` (absent means ``"none"``) names the basis the scales were calibrated in: a cache must use the
+    same ``kv_cache_rotation``.
+
+    ``k``/``v`` are nested lists of shape ``[L, 1, 1]``, ``[L, H, 1]`` or ``[L, H, D]`` (the KVScales shape).
+    """
+    check_fits(scales, model)
+    doc = {
+        "format": KV8_SCALES_FORMAT, "version": KV8_SCALES_VERSION, "model_type": model.model_type,
+        "num_layers": model.num_layers, "num_kv_heads": model.num_kv_heads, "head_dim": model.head_dim,
+        "granularity": scales.granularity.value, "made_for": scales.made_for, "rotation": scales.rotation,
+        "k": scales.k.tolist(), "v": scales.v.tolist(),
+    }
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(doc, f)
+        f.write("\n")
+
+
+def _kv8_scales_from_doc(data: dict[str, Any], where: str, model: ModelScaleInfo) -> KVScales:
+    if data.get("version") != KV8_SCALES_VERSION:
+        raise ValueError(f"{where}: kv8 scales file version is {data.get('version')!r}; kv8 reads version "
+                         f"{KV8_SCALES_VERSION}")
+    expected = {"model_type": model.model_type, "num_layers": model.num_layers,
+                "num_kv_heads": model.num_kv_heads, "head_dim": model.head_dim}
+    for key, want in expected.items():
+        if data.get(key) != want:
+            raise ValueError(f"{where}: {key} is {data.get(key)!r} but the model has {key}={want!r}")
+    try:
+        granularity = ScaleGranularity(data.get("granularity"))
+    except ValueError:
+        raise ValueError(f"{where}: granularity is {data.get('granularity')!r}; allowed: "
+                         f"{[g.value for g in ScaleGranularity]}") from None
+    tensors: dict[str, torch.Tensor] = {}
+    for name in ("k", "v"):
+        raw = data.get(name)
+        ok = isinstance(raw, list) and all(
+            isinstance(h, list) and all(isinstance(c, list) and all(
+                isinstance(x, (int, float)) and not isinstance(x, bool) for x in c) for c in h) for h in raw)
+        if not ok:
+            raise ValueError(f"{where}: '{name}' must be a nested list of numbers [layers][heads][channels]")
+        try:
+            tensors[name] = torch.tensor(raw, dtype=torch.float32)
+        except (ValueError, TypeError) as e:
+            raise ValueError(f"{where}: '{name}' is not a rectangular [layers][heads][channels] list: {e}") from None
+    try:
+        scales = KVScales(k=tensors["k"], v=tensors["v"], granularity=granularity,
+                          source=f"quantization_param_path {where}", made_for=data.get("made_for"),
+                          rotation=data.get("rotation", "none"))
+    except ValueError as e:
+        raise ValueError(f"{where}: {e}") from None
+    check_fits(scales, model)
+    return scales
+
+
+def load_kv8_scales_json(path: str | os.PathLike[str], model: ModelScaleInfo) -> KVScales:
+    """Load a kv8 scales file (schema in :func:`write_kv8_scales_json`) for ``model``; model_type, layer,
+    head and head_dim counts must match, and the scales must satisfy every :class:`KVScales` invariant."""
+    where = os.fspath(path)
+    data = _read_json(path)
+    if not isinstance(data, dict) or data.get("format") != KV8_SCALES_FORMAT:
+        raise ValueError(f"{where}: not a kv8 scales file (expected a JSON object with "
+                         f"\"format\": \"{KV8_SCALES_FORMAT}\")")
+    return _kv8_scales_from_doc(data, where, model)
+
+
+def load_scales_file(path: str | os.PathLike[str], model: ModelScaleInfo) -> KVScales:
+    """Load a ``quantization_param_path``: a kv8 scales file (``"format": "kv8-kv-scales"``) or else a
+    vLLM ``kv_cache_scales.json``, decided by the file's content."""
+    data = _read_json(path)
+    if isinstance(data, dict) and data.get("format") == KV8_SCALES_FORMAT:
+        return _kv8_scales_from_doc(data, os.fspath(path), model)
+    return load_vllm_scales_json(path, model)
