@@ -150,6 +150,19 @@ class EngineArgs:
         return group
 
     @classmethod
+    def add_model_arg(cls, parser: argparse.ArgumentParser, *flags: str, optional: bool = False) -> None:
+        """The ``model`` argument with the field's help: positional (no ``flags``; required unless
+        ``optional``, which gives it the default model) or a flag such as ``--model``."""
+        help_text = cls.__dataclass_fields__["model"].metadata["help"]
+        with_default = f"{help_text} (default: {DEFAULT_MODEL})"
+        if flags:
+            parser.add_argument(*flags, dest="model", default=DEFAULT_MODEL, help=with_default)
+        elif optional:
+            parser.add_argument("model", nargs="?", default=DEFAULT_MODEL, help=with_default)
+        else:
+            parser.add_argument("model", help=help_text)
+
+    @classmethod
     def from_cli_args(cls, ns: argparse.Namespace) -> EngineArgs:
         """The fields the namespace has (flags from :meth:`add_cli_args`, and ``model``); others keep defaults."""
         return cls(**{name: getattr(ns, name) for name in cls.field_names() if hasattr(ns, name)})

@@ -25,7 +25,7 @@ from kv8.config import (
     parse_memory,
     resolve_dtype,
 )
-from kv8.engine.args import DEFAULT_MODEL, EngineArgs
+from kv8.engine.args import EngineArgs
 from kv8.quant.formats import resolve_kv_cache_dtype
 
 EPILOG = """examples:
@@ -126,7 +126,7 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Generate text for one or more prompts and print prompt + completion.",
                        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     g.add_argument("prompt", nargs="+", help="prompt text (several prompts are batched)")
-    g.add_argument("--model", "-m", default=DEFAULT_MODEL, help=f"model to run (default: {DEFAULT_MODEL})")
+    EngineArgs.add_model_arg(g, "--model", "-m")
     s = g.add_argument_group("sampling")
     s.add_argument("--max-tokens", type=int, default=64, help="tokens to generate per prompt (default 64)")
     s.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
@@ -145,7 +145,7 @@ def build_parser() -> argparse.ArgumentParser:
     i = sub.add_parser("info", help="architecture and KV-cache capacity per dtype",
                        description="Show a model's architecture and, for each KV dtype, bytes per token and how "
                                    "many tokens fit in a cache memory budget. Loads no weights.")
-    i.add_argument("model", nargs="?", default=DEFAULT_MODEL, help=f"model (default: {DEFAULT_MODEL})")
+    EngineArgs.add_model_arg(i, optional=True)
     EngineArgs.add_cli_args(i, include=INFO_OPTIONS)
     i.set_defaults(func=cmd_info)
 
@@ -153,8 +153,7 @@ def build_parser() -> argparse.ArgumentParser:
                         description="Serve /v1/completions, /v1/chat/completions, /v1/models, /health and "
                                     "/metrics on 127.0.0.1 (see --host).",
                         epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
-    sv.add_argument("--model-id", "--model", "-m", dest="model", default=DEFAULT_MODEL,
-                    help=f"model to serve (default: {DEFAULT_MODEL})")
+    EngineArgs.add_model_arg(sv, "--model-id", "--model", "-m")
     add_server_args(sv)
     EngineArgs.add_cli_args(sv)
     sv.set_defaults(func=cmd_serve)
@@ -162,7 +161,7 @@ def build_parser() -> argparse.ArgumentParser:
     r = sub.add_parser("run", help="OpenAI-compatible HTTP server, model given positionally",
                        description="Same as 'serve', with the model as the first argument.",
                        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
-    r.add_argument("model", help="model to serve: an alias, a Hugging Face model directory or a .gguf file")
+    EngineArgs.add_model_arg(r)
     add_server_args(r)
     EngineArgs.add_cli_args(r)
     r.set_defaults(func=cmd_serve)

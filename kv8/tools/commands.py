@@ -63,7 +63,7 @@ def add_calibrate_parser(sub: Any) -> None:
                        description="Run a model over calibration text with an unquantized (float32) KV cache, "
                                    "observe the K and V it stores and write fp8 scales.",
                        epilog=CALIBRATE_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
-    c.add_argument("model", help="alias (smollm2-135m), Hugging Face model directory or .gguf file")
+    EngineArgs.add_model_arg(c)
     c.add_argument("--data", nargs="+", required=True, metavar="FILE",
                    help="calibration text: plain text, .jsonl with a 'text' field, a MediaWiki XML dump; .bz2 ok")
     c.add_argument("--num-samples", type=int, default=64, help="number of samples (default 64)")
@@ -146,7 +146,7 @@ def add_eval_parser(sub: Any) -> None:
                        description="Teacher-forced perplexity, KL divergence and top-1 agreement against a float32 "
                                    "KV cache, plus greedy-generation agreement, for each KV configuration.",
                        epilog=EVAL_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
-    e.add_argument("model", help="alias (smollm2-135m), Hugging Face model directory or .gguf file")
+    EngineArgs.add_model_arg(e)
     e.add_argument("--data", nargs="+", required=True, metavar="FILE", help="evaluation text (as for calibrate)")
     e.add_argument("--config", action="append", default=[], metavar="DTYPE[+dynamic][+hadamard][:SCALES]",
                    help="a KV configuration, e.g. fp8_e4m3:kv_cache_scales.json or fp8_e4m3+dynamic+hadamard "
