@@ -167,6 +167,11 @@ def test_logprobs_and_prompt_logprobs(tiny_llama):
     check_all_blocks_free(llm)
 
 
+def test_one_token_prompt_has_prompt_logprobs_none(tiny_llama):
+    out = make_llm(tiny_llama).generate([[5]], SamplingParams(max_tokens=2, prompt_logprobs=1))[0]
+    assert out.prompt_logprobs == [None]
+
+
 def test_prompt_logprobs_equal_decode_logprobs(tiny_llama):
     """Scoring a sequence as a prompt gives the logprobs it got while being generated."""
     llm = make_llm(tiny_llama)

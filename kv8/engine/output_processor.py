@@ -119,7 +119,9 @@ class OutputProcessor:
         first = group.children[0]
         prompt_lps = None
         if first.wants_prompt_logprobs:
-            prompt_lps = self._converted(first.prompt_logprobs, group.states[0].prompt_logprobs)
+            # An output exists only once the whole prompt is computed; the first prompt token has no logprob,
+            # so a one-token prompt has [None] (as vLLM returns), never [].
+            prompt_lps = self._converted(first.prompt_logprobs or [None], group.states[0].prompt_logprobs)
         return RequestOutput(
             request_id=group.request_id, prompt=group.prompt, prompt_token_ids=first.prompt_token_ids,
             prompt_logprobs=prompt_lps, outputs=outs, finished=all(r.is_finished for r in group.children),
