@@ -381,6 +381,17 @@ def test_bad_requests_get_openai_errors_and_server_keeps_serving(server: Server,
     _expect_error(_post(server, cmpl, None, raw=b'{"model": "x", "prompt": '), 400, "not valid JSON")
     _expect_error(_post(server, cmpl, None, raw=b'{"model": "\xff\xfe", "prompt": "a"}'), 400, "UTF-8")
     _expect_error(_post(server, cmpl, None, raw=b""), 400, "empty")
+    # lone UTF-16 surrogates are valid JSON escapes but not characters: 400 naming where, never a 500
+    def raw(body: dict) -> bytes:
+        return json.dumps(body).encode()   # ensure_ascii: a lone surrogate is written as its \\u escape
+
+    _expect_error(_post(server, cmpl, None, raw=raw({**ok, "prompt": "a\ud800b"})), 400, "surrogate",
+                  param="prompt")
+    _expect_error(_post(server, cmpl, None, raw=raw({**ok, "prompt": ["ok", "\udfff"]})), 400, "surrogate",
+                  param="prompt[1]")
+    _expect_error(_post(server, cmpl, None, raw=raw({**ok, "model": "\ud800"})), 400, "surrogate", param="model")
+    _expect_error(_post(server, chat, None, raw=raw({"model": tiny_llama, "max_tokens": 2, "messages": [
+        {"role": "user", "content": "\ud83d"}]})), 400, "surrogate", param="messages[0].content")
     _expect_error(_post(server, cmpl, [1, 2]), 400, "JSON object")
     _expect_error(_post(server, cmpl, None, raw=json.dumps(ok).replace("0.0", "NaN").encode()), 400, "NaN")
     # wrong types (strict: no coercion)

@@ -89,7 +89,33 @@ async def read_json_body(request: Request, limit: int) -> dict[str, Any]:
         raise APIError(400, f"the request body is not valid JSON: {e}") from e
     if not isinstance(obj, dict):
         raise APIError(400, f"the request body must be a JSON object, got {type(obj).__name__}")
+    bad = _lone_surrogate(obj)
+    if bad is not None:
+        raise APIError(400, f"the request holds a lone UTF-16 surrogate escape (in {bad}), which is not a "
+                            "character; send text as valid Unicode", param=bad or None)
     return obj
+
+
+def _lone_surrogate(obj: Any) -> str | None:
+    """The path (``prompt[1]``, ``messages[0].content``) of a string in a JSON value that holds a lone surrogate
+    (``"\\ud800"`` is valid JSON but no character; no tokenizer or UTF-8 encoder takes it), else None.
+    Iterative, so nesting depth is no limit."""
+    stack: list[tuple[Any, str]] = [(obj, "")]
+    while stack:
+        value, path = stack.pop()
+        if isinstance(value, str):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError:
+                return path
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                where = f"{path}.{key}" if path else str(key)
+                stack.append((key, where))
+                stack.append((item, where))
+        elif isinstance(value, list):
+            stack.extend((item, f"{path}[{i}]") for i, item in enumerate(value))
+    return None
 
 
 async def _wait_disconnect(request: Request) -> None:
