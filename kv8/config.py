@@ -16,6 +16,7 @@ The CLI's ``choices`` come from the same tuples (:data:`DTYPE_CHOICES`, :data:`A
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -26,7 +27,6 @@ import torch
 from kv8.cache.codec import ROTATIONS, SCALE_MODES, KVCodec
 from kv8.quant.formats import KVCacheDtype
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 # auto, then the names registered in kv8.attention.backend.BACKENDS (tests check that the two agree)
 ATTENTION_BACKENDS = ("auto", "cpu_fused", "reference")
 # kv8.layers.dense_kernels: torch ops, or kv8's packed AVX-512 BF16 linear layers with fused norm/SiLU/RoPE
@@ -117,6 +117,27 @@ class RopeScaling:
         )
 
 
+def _cfg_int(cfg: Mapping[str, Any], key: str, default: int | None = None) -> int:
+    """``cfg[key]`` as an int (a JSON null takes ``default``); ``ValueError`` naming the key otherwise."""
+    value = cfg.get(key)
+    if value is None:
+        if default is None:
+            raise ValueError(f"model config is missing the key {key!r}")
+        return default
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"model config {key}={value!r} must be an integer")
+    return value
+
+
+def _cfg_float(cfg: Mapping[str, Any], key: str, default: float) -> float:
+    value = cfg.get(key)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"model config {key}={value!r} must be a number")
+    return float(value)
+
+
 @dataclass(frozen=True)
 class ModelArchConfig:
     """Architecture of a Llama-family decoder (Llama, Mistral, Qwen2).
@@ -143,9 +164,15 @@ class ModelArchConfig:
     sliding_window: int | None = None
 
     def __post_init__(self) -> None:
-        if self.model_type not in SUPPORTED_MODEL_TYPES:
-            raise ValueError(f"model_type={self.model_type!r} is not supported; kv8 supports: "
-                             f"{', '.join(SUPPORTED_MODEL_TYPES)}")
+        for name, value in (("vocab_size", self.vocab_size), ("hidden_size", self.hidden_size),
+                            ("intermediate_size", self.intermediate_size), ("num_hidden_layers", self.num_layers),
+                            ("num_attention_heads", self.num_heads), ("num_key_value_heads", self.num_kv_heads),
+                            ("head_dim", self.head_dim), ("max_position_embeddings", self.max_position_embeddings)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"model config {name}={value!r} must be an int >= 1")
+        for name, fvalue in (("rms_norm_eps", self.rms_norm_eps), ("rope_theta", self.rope_theta)):
+            if not math.isfinite(fvalue) or fvalue <= 0:
+                raise ValueError(f"model config {name}={fvalue!r} must be a finite number > 0")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_attention_heads={self.num_heads} is not a multiple of "
                              f"num_key_value_heads={self.num_kv_heads}")
@@ -158,35 +185,40 @@ class ModelArchConfig:
 
     @staticmethod
     def from_hf_config(cfg: Mapping[str, Any]) -> ModelArchConfig:
-        """Normalise a Hugging Face config.json dict. Missing required keys raise ``ValueError``."""
+        """Normalise a Hugging Face config.json dict. A model type without a registered model class, a missing
+        key, or a value of the wrong type or range raises ``ValueError`` naming the key."""
+        if not isinstance(cfg, Mapping):
+            raise ValueError(f"the model config must be a JSON object, got {type(cfg).__name__}")
+        from kv8.models.registry import model_class  # the registry imports this module
+
+        model_class(cfg)
         model_type = cfg.get("model_type")
-        try:
-            hidden = int(cfg["hidden_size"])
-            heads = int(cfg["num_attention_heads"])
-            eos = cfg.get("eos_token_id")
-            eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else ((int(eos),) if eos is not None else ())
-            sliding = cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None
-            return ModelArchConfig(
-                model_type=str(model_type),
-                vocab_size=int(cfg["vocab_size"]),
-                hidden_size=hidden,
-                intermediate_size=int(cfg["intermediate_size"]),
-                num_layers=int(cfg["num_hidden_layers"]),
-                num_heads=heads,
-                num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
-                head_dim=int(cfg.get("head_dim") or hidden // heads),
-                rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-                rope_theta=float(cfg.get("rope_theta", (cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0))),
-                rope_scaling=RopeScaling.from_dict(cfg.get("rope_scaling")),
-                max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
-                tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-                attention_bias=bool(cfg.get("attention_bias", model_type == "qwen2")),
-                bos_token_id=cfg.get("bos_token_id"),
-                eos_token_ids=eos_ids,
-                sliding_window=int(sliding) if sliding else None,
-            )
-        except KeyError as e:
-            raise ValueError(f"model config is missing the key {e.args[0]!r}") from None
+        hidden, heads = _cfg_int(cfg, "hidden_size"), _cfg_int(cfg, "num_attention_heads")
+        eos = cfg.get("eos_token_id")
+        eos_list = eos if isinstance(eos, (list, tuple)) else ([] if eos is None else [eos])
+        if any(isinstance(e, bool) or not isinstance(e, int) for e in eos_list):
+            raise ValueError(f"model config eos_token_id={eos!r} must be an int or a list of ints")
+        sliding = cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None
+        rope_default = (cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0)
+        return ModelArchConfig(
+            model_type=str(model_type),
+            vocab_size=_cfg_int(cfg, "vocab_size"),
+            hidden_size=hidden,
+            intermediate_size=_cfg_int(cfg, "intermediate_size"),
+            num_layers=_cfg_int(cfg, "num_hidden_layers"),
+            num_heads=heads,
+            num_kv_heads=_cfg_int(cfg, "num_key_value_heads", heads),
+            head_dim=_cfg_int(cfg, "head_dim", hidden // heads if heads > 0 else 0),
+            rms_norm_eps=_cfg_float(cfg, "rms_norm_eps", 1e-6),
+            rope_theta=_cfg_float(cfg, "rope_theta", rope_default),
+            rope_scaling=RopeScaling.from_dict(cfg.get("rope_scaling")),
+            max_position_embeddings=_cfg_int(cfg, "max_position_embeddings", 2048),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            attention_bias=bool(cfg.get("attention_bias", model_type == "qwen2")),
+            bos_token_id=cfg.get("bos_token_id"),
+            eos_token_ids=tuple(eos_list),
+            sliding_window=_cfg_int(cfg, "sliding_window") if sliding else None,
+        )
 
     def kv_bytes_per_token(self, kv_dtype: KVCacheDtype, dynamic_scales: bool = False) -> int:
         """Bytes one token occupies in the KV cache over all layers (K and V).

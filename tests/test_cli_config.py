@@ -76,6 +76,36 @@ def test_arch_config_validation():
         RopeScaling.from_dict({"rope_type": "yarn", "factor": 2.0})
 
 
+@pytest.mark.parametrize("change,message", [
+    ({"rope_theta": -1}, r"rope_theta=-1\.0 must be a finite number > 0"),
+    ({"rms_norm_eps": float("nan")}, r"rms_norm_eps=nan must be a finite number > 0"),
+    ({"hidden_size": -1}, r"hidden_size=-1 must be an int >= 1"),
+    ({"num_hidden_layers": 0}, r"num_hidden_layers=0 must be an int >= 1"),
+    ({"hidden_size": "8"}, r"hidden_size='8' must be an integer"),
+    ({"eos_token_id": "x"}, r"eos_token_id='x' must be an int"),
+])
+def test_arch_config_rejects_bad_values(change, message):
+    base = dict(model_type="llama", vocab_size=10, hidden_size=8, intermediate_size=16, num_hidden_layers=1,
+                num_attention_heads=2, num_key_value_heads=2)
+    with pytest.raises(ValueError, match=message):
+        ModelArchConfig.from_hf_config({**base, **change})
+    with pytest.raises(ValueError, match="must be a JSON object, got list"):
+        ModelArchConfig.from_hf_config([base])  # type: ignore[arg-type]
+
+
+def test_a_layer_count_the_checkpoint_does_not_hold_is_refused_before_building(tiny_llama, tmp_path, capsys):
+    import shutil
+
+    bad = tmp_path / "m"
+    shutil.copytree(tiny_llama, bad)
+    cfg = json.loads((bad / "config.json").read_text())
+    for layers in (1_000_000_000, cfg["num_hidden_layers"] + 1):
+        (bad / "config.json").write_text(json.dumps({**cfg, "num_hidden_layers": layers}))
+        assert main(["generate", "x", "--model", str(bad), "--num-kv-blocks", "8"]) == 2
+        err = capsys.readouterr().err
+        assert f"num_hidden_layers={layers}" in err and "checkpoint holds layers model.layers.0" in err
+
+
 def test_llama3_rope_scaling_matches_transformers(tmp_path):
     """kv8's inverse frequencies equal transformers' for llama3 and linear scaling."""
     from transformers import LlamaConfig

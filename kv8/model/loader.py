@@ -17,6 +17,7 @@ import glob
 import json
 import logging
 import os
+import re
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -72,18 +73,41 @@ def read_model_config(kind: str, path: str) -> dict[str, Any]:
     raise ValueError(f"model kind {kind!r} is not one of: hf, gguf")
 
 
-def _iter_safetensors(path: str) -> Iterator[tuple[str, torch.Tensor]]:
-    from safetensors import safe_open
-
+def _safetensors_files(path: str) -> list[str]:
     files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
     if not files:
         bins = glob.glob(os.path.join(path, "*.bin")) + glob.glob(os.path.join(path, "*.pt"))
         hint = " (kv8 never unpickles .bin/.pt files; convert them to safetensors)" if bins else ""
         raise ValueError(f"no *.safetensors weights in {path}{hint}")
+    return files
+
+
+def _iter_safetensors(files: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
+    from safetensors import safe_open
+
     for file in files:
         with safe_open(file, framework="pt") as f:
             for name in f.keys():
                 yield name, f.get_tensor(name)
+
+
+_LAYER_NAME = re.compile(r"^model\.layers\.(\d+)\.")
+
+
+def _check_layer_count(files: list[str], arch: ModelArchConfig, path: str) -> None:
+    """Compare the config's layer count with the layers the checkpoint holds (read from the file headers
+    only), before a model of that many layers is built."""
+    from safetensors import safe_open
+
+    found: set[int] = set()
+    for file in files:
+        with safe_open(file, framework="pt") as f:
+            found.update(int(m.group(1)) for name in f.keys() if (m := _LAYER_NAME.match(name)))
+    count = max(found) + 1 if found else 0
+    if count != arch.num_layers:
+        held = f"layers model.layers.0 .. model.layers.{count - 1}" if count else "no model.layers.N tensors"
+        raise ValueError(f"{os.path.join(path, 'config.json')} says num_hidden_layers={arch.num_layers}, but the "
+                         f"checkpoint holds {held}")
 
 
 ShardId = int | str | None
@@ -135,11 +159,14 @@ def load_model(kind: str, path: str, dtype: torch.dtype, dense_backend: str = "t
         tensors: Iterator[tuple[str, torch.Tensor]] = iter_gguf_tensors(reader, gguf_model, dtype)
     elif kind == "hf":
         hf_config = read_hf_config(path)
-        tensors = _iter_safetensors(path)
+        files = _safetensors_files(path)
+        tensors = _iter_safetensors(files)
     else:
         raise ValueError(f"model kind {kind!r} is not one of: hf, gguf")
     cls = model_class(hf_config)
     arch = ModelArchConfig.from_hf_config(hf_config)
+    if kind == "hf":
+        _check_layer_count(files, arch, path)
     backend = select_dense_backend(dense_backend, dtype)
     with torch.device("meta"):
         model = cls(arch, backend)
