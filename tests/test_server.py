@@ -381,6 +381,15 @@ def test_bad_requests_get_openai_errors_and_server_keeps_serving(server: Server,
     _expect_error(_post(server, cmpl, None, raw=b'{"model": "x", "prompt": '), 400, "not valid JSON")
     _expect_error(_post(server, cmpl, None, raw=b'{"model": "\xff\xfe", "prompt": "a"}'), 400, "UTF-8")
     _expect_error(_post(server, cmpl, None, raw=b""), 400, "empty")
+    # only JSON bodies: a form or text/plain POST (which browsers send without a CORS preflight) is a 415
+    for ctype in ("text/plain", "application/x-www-form-urlencoded", None):
+        headers = {"Authorization": f"Bearer {API_KEY}", **({"Content-Type": ctype} if ctype else {})}
+        resp = httpx.post(server.url + cmpl, content=json.dumps(ok).encode(), headers=headers, timeout=60)
+        assert resp.status_code == 415 and "application/json" in resp.json()["error"]["message"], resp.text
+    # CORS is off by default: a preflight gets no Access-Control-Allow-Origin
+    pre = httpx.options(server.url + cmpl, headers={"Origin": "http://evil.example", "Access-Control-Request-Method":
+                                                   "POST"}, timeout=60)
+    assert "access-control-allow-origin" not in pre.headers
     # lone UTF-16 surrogates are valid JSON escapes but not characters: 400 naming where, never a 500
     def raw(body: dict) -> bytes:
         return json.dumps(body).encode()   # ensure_ascii: a lone surrogate is written as its \\u escape
@@ -569,3 +578,30 @@ def test_histogram_exposition() -> None:
                               'x_seconds_bucket{le="+Inf"} 4', "x_seconds_sum 3.65", "x_seconds_count 4"]
     with pytest.raises(ValueError, match="strictly ascending"):
         Histogram("y", "help", (1.0, 0.5))
+
+
+def test_allowed_origins_turn_cors_on_for_those_origins_only(tiny_llama: str) -> None:
+    """``--allowed-origins`` adds CORS for the named origins; others get no Access-Control-Allow-Origin."""
+    import asyncio
+
+    from kv8.engine.args import EngineArgs
+    from kv8.engine.engine import LLMEngine
+    from kv8.entrypoints.async_engine import AsyncEngine
+    from kv8.entrypoints.server import build_app
+    from kv8.entrypoints.serving import ServingLimits
+
+    engine = LLMEngine(EngineArgs(model=tiny_llama, dtype="float32", num_kv_blocks=16, max_model_len=64))
+    limits = ServingLimits(served_model_name="tiny", max_model_len=64, max_tokens=64, max_n=2, max_in_flight=4,
+                           kv_capacity_tokens=16 * 16, kv_block_size=16)
+    app = build_app(AsyncEngine(engine), limits, None, 1 << 20, ("http://localhost:3000",))
+
+    async def preflight(origin: str) -> httpx.Response:
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://kv8") as c:
+            return await c.options("/v1/completions", headers={"Origin": origin,
+                                                               "Access-Control-Request-Method": "POST"})
+
+    allowed = asyncio.run(preflight("http://localhost:3000"))
+    assert allowed.headers.get("access-control-allow-origin") == "http://localhost:3000"
+    other = asyncio.run(preflight("http://evil.example"))
+    assert "access-control-allow-origin" not in other.headers

@@ -59,6 +59,9 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
                         "(default 256)")
     g.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds in-flight requests may run after SIGTERM/SIGINT before they are aborted")
+    g.add_argument("--allowed-origins", nargs="+", default=[], metavar="ORIGIN",
+                   help="browser origins allowed by CORS, e.g. http://localhost:3000, or * for any "
+                        "(default: none, CORS off)")
     g.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"],
                    help="uvicorn log level (default warning)")
 

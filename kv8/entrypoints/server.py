@@ -69,6 +69,12 @@ def _json_constant(name: str) -> Any:
 
 
 async def read_json_body(request: Request, limit: int) -> dict[str, Any]:
+    # Only JSON bodies: a browser page can POST text/plain or a form to a server on 127.0.0.1 without a CORS
+    # preflight, but not application/json.
+    ctype = request.headers.get("content-type", "")
+    if ctype.split(";", 1)[0].strip().lower() != "application/json":
+        raise APIError(415, f"Content-Type {ctype or '(none)'!r} is not supported; send the request body as "
+                            "application/json")
     length = request.headers.get("content-length")
     if length is not None and length.isdigit() and int(length) > limit:
         raise APIError(413, f"the request body has {int(length)} bytes, over the limit of {limit} bytes")
@@ -125,7 +131,8 @@ async def _wait_disconnect(request: Request) -> None:
             return
 
 
-def build_app(engine: AsyncEngine, limits: ServingLimits, api_key: str | None, max_request_bytes: int) -> FastAPI:
+def build_app(engine: AsyncEngine, limits: ServingLimits, api_key: str | None, max_request_bytes: int,
+              allowed_origins: tuple[str, ...] = ()) -> FastAPI:
     """The ASGI app. ``app.state.draining`` set to True makes new /v1 requests answer 503."""
     metrics = ServerMetrics()
     serving = OpenAIServing(engine, limits, metrics)
@@ -140,6 +147,11 @@ def build_app(engine: AsyncEngine, limits: ServingLimits, api_key: str | None, m
     app = FastAPI(title="kv8", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.draining = False
     app.state.serving = serving
+    if allowed_origins:  # CORS is off unless origins are named: no browser page may read kv8's answers
+        from fastapi.middleware.cors import CORSMiddleware
+
+        app.add_middleware(CORSMiddleware, allow_origins=list(allowed_origins), allow_methods=["GET", "POST"],
+                           allow_headers=["Authorization", "Content-Type"])
 
     def error_response(e: APIError) -> JSONResponse:
         metrics.record_rejected(e.status)
@@ -255,7 +267,7 @@ def run_server(ns: argparse.Namespace, engine_args: EngineArgs) -> int:
         kv_capacity_tokens=stats["num_blocks"] * cfg.cache.block_size, kv_block_size=cfg.cache.block_size)
 
     async_engine = AsyncEngine(llm)
-    app = build_app(async_engine, limits, api_key, ns.max_request_bytes)
+    app = build_app(async_engine, limits, api_key, ns.max_request_bytes, tuple(ns.allowed_origins))
 
     class Server(uvicorn.Server):
         def handle_exit(self, sig: int, frame: Any) -> None:
