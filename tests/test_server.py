@@ -364,6 +364,29 @@ def test_disconnects_free_blocks_and_overload_is_503(server: Server, tiny_llama:
 
 
 # ---- bad input ----------------------------------------------------------------------------------------------
+def test_client_metadata_is_accepted_and_changes_nothing(server: Server, client: openai.OpenAI,
+                                                         tiny_llama: str) -> None:
+    """Fields the openai SDK, LangChain and LiteLLM send by default are accepted and ignored; the developer role
+    renders as system; response_format text is a no-op while JSON formats are refused."""
+    plain = dict(model=tiny_llama, temperature=0.0, max_tokens=4)
+    meta = dict(user="u-1", store=False, metadata={"k": "v"}, safety_identifier="s-1", prompt_cache_key="p-1")
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello there"}]
+    base = client.chat.completions.create(messages=msgs, **plain).choices[0].message.content
+    dev_msgs = [{"role": "developer", "content": "Be brief.", "name": "ops"},
+                {"role": "user", "content": "Hello there", "name": "ann"}]
+    got = client.chat.completions.create(messages=dev_msgs, modalities=["text"], parallel_tool_calls=False,
+                                         response_format={"type": "text"}, **meta, **plain)
+    assert got.choices[0].message.content == base
+    cmpl = client.completions.create(prompt="Hello there", user="u-1", extra_body={"store": False}, **plain)
+    assert cmpl.choices[0].text == client.completions.create(prompt="Hello there", **plain).choices[0].text
+    chat = "/v1/chat/completions"
+    _expect_error(_post(server, chat, {**plain, "messages": msgs, "response_format": {"type": "json_object"}}),
+                  400, "response_format", param="response_format")
+    _expect_error(_post(server, chat, {**plain, "messages": msgs, "modalities": ["audio"]}), 400, "modalities",
+                  param="modalities")
+    _expect_error(_post(server, chat, {**plain, "messages": msgs, "logit_bias": {"1": 1}}), 400, "logit_bias")
+
+
 def _expect_error(resp: httpx.Response, status: int, *fragments: str, param: str | None = None) -> None:
     assert resp.status_code == status, resp.text
     err = resp.json()["error"]

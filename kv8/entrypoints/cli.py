@@ -26,6 +26,7 @@ from kv8.config import (
     resolve_dtype,
 )
 from kv8.engine.args import EngineArgs
+from kv8.native import KernelUnavailable
 from kv8.quant.formats import resolve_kv_cache_dtype
 
 EPILOG = """examples:
@@ -119,10 +120,17 @@ def cmd_info(ns: argparse.Namespace) -> int:
     return 0
 
 
+def _version() -> str:
+    from kv8 import __version__
+
+    return __version__
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kv8", description="LLM inference with an 8-bit floating-point KV cache.",
                                      epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("-v", "--verbose", action="store_true", help="log engine details (cache size, timings)")
+    parser.add_argument("--version", action="version", version=f"kv8 {_version()}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     g = sub.add_parser("generate", help="generate text for one or more prompts",
@@ -183,9 +191,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                         format="%(levelname)s %(name)s: %(message)s")
     try:
         return ns.func(ns)
-    except ValueError as e:
+    except (ValueError, KernelUnavailable) as e:   # bad input, or a kernel library asked for by name
         print(f"kv8: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("kv8: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

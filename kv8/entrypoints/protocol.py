@@ -62,6 +62,13 @@ class _SamplingFields(_Strict):
     min_tokens: int | None = Field(None, ge=0)
     include_stop_str_in_output: bool | None = None
     skip_special_tokens: bool | None = None
+    # Metadata that popular clients (the openai SDK, LangChain, LiteLLM) send by default. Accepted and ignored:
+    # none of them changes what is generated. Everything else unknown is still a 400.
+    user: str | None = None
+    store: bool | None = None
+    metadata: dict[str, str] | None = None
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
 
     @model_validator(mode="after")
     def _check_common(self) -> _SamplingFields:
@@ -116,17 +123,35 @@ class TextPart(_Strict):
 
 
 class ChatMessage(_Strict):
-    role: Literal["system", "user", "assistant"]
+    """A message; ``developer`` is OpenAI's newer name for ``system`` and is rendered as ``system``; ``name``
+    (a participant name) is accepted and not rendered, as chat templates do not read it."""
+
+    role: Literal["system", "developer", "user", "assistant"]
     content: str | list[TextPart]
+    name: str | None = None
+
+    @property
+    def template_role(self) -> str:
+        return "system" if self.role == "developer" else self.role
 
     def text(self) -> str:
         return self.content if isinstance(self.content, str) else "".join(part.text for part in self.content)
+
+
+class ResponseFormatText(_Strict):
+    """``response_format`` kv8 serves: plain text (the default, a no-op). ``json_object`` / ``json_schema`` need
+    constrained decoding, which kv8 does not implement: they are refused, never ignored."""
+
+    type: Literal["text"]
 
 
 class ChatCompletionRequest(_SamplingFields):
     """POST /v1/chat/completions."""
 
     messages: list[ChatMessage] = Field(min_length=1)
+    response_format: ResponseFormatText | None = None
+    modalities: list[Literal["text"]] | None = None       # metadata: text is all kv8 produces
+    parallel_tool_calls: bool | None = None               # metadata without tools (tools are refused)
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool | None = None

@@ -294,7 +294,7 @@ class OpenAIServing:
         if not self.tokenizer.has_chat_template:
             raise APIError(400, "this model's tokenizer has no chat template; use /v1/completions",
                            param="messages")
-        conv = [{"role": m.role, "content": m.text()} for m in req.messages]
+        conv = [{"role": m.template_role, "content": m.text()} for m in req.messages]
         try:
             ids = self.tokenizer.apply_chat_template(conv)
         except Exception as e:  # jinja TemplateError and friends: the conversation does not fit the template
