@@ -28,6 +28,7 @@ TINY_CONFIGS = {
     "llama": ("llama", dict(num_attention_heads=4, num_key_value_heads=4)),
     "llama_gqa": ("llama", dict(num_attention_heads=6, num_key_value_heads=2)),
     "qwen2": ("qwen2", dict(num_attention_heads=4, num_key_value_heads=2)),
+    "qwen3": ("qwen3", dict(num_attention_heads=4, num_key_value_heads=2, head_dim=32)),
 }
 
 
@@ -67,6 +68,8 @@ def make_tiny_model(path: str, name: str, seed: int = 0, **overrides) -> str:
                 p.normal_(0.0, 0.08)
             elif pname.endswith("bias"):
                 p.normal_(0.0, 0.1)
+            elif pname.endswith(("q_norm.weight", "k_norm.weight")):   # QK-norm weights other than 1
+                p.uniform_(0.5, 1.5)
     model.save_pretrained(path, safe_serialization=True)
     return path
 

@@ -298,10 +298,10 @@ def _prefill_logits(model: str, dense_backend: str, prompt: list[int], **kw: obj
 
 
 @needs_kernel
-@pytest.mark.parametrize("name,kw", [("llama_gqa", {}), ("qwen2", {}),
+@pytest.mark.parametrize("name,kw", [("llama_gqa", {}), ("qwen2", {}), ("qwen3", {}),
                                      ("llama_gqa", {"kv_cache_rotation": "hadamard"})])
 def test_engine_with_packed_kernels_matches_torch(tiny_models: dict[str, str], name: str, kw: dict) -> None:
-    """Same model in bf16 with torch's dense layers and with kv8's kernels (Qwen2: q/k/v biases; with a
+    """Same model in bf16 with torch's dense layers and with kv8's kernels (Qwen2: q/k/v biases; Qwen3: QK-norm; with a
     rotated cache): the logits of every prompt position agree to bf16 rounding noise."""
     prompt = [3 + (7 * i) % 40 for i in range(40)]
     ref, _ = _prefill_logits(tiny_models[name], "torch", prompt, **kw)

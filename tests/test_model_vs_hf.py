@@ -28,6 +28,7 @@ from kv8.layers.attention import AttentionContext
 from kv8.layers.linear import LinearBase
 from kv8.model.loader import load_model
 from kv8.models.llama import LlamaForCausalLM
+from kv8.models.qwen3 import Qwen3ForCausalLM
 from kv8.models.registry import model_class
 from kv8.native import KernelUnavailable
 from kv8.quant.formats import resolve_kv_cache_dtype
@@ -124,8 +125,15 @@ def oracle(tiny_models):
     return tokens, {name: hf_logits(path, tokens) for name, path in tiny_models.items()}
 
 
-@pytest.mark.parametrize("model_name", ["llama", "llama_gqa", "qwen2"])
-@pytest.mark.parametrize("kv_name", list(TOLERANCE))
+# Against the float32 oracle an FP8 cache is held to loose bounds set on the Llama-family models; the tiny
+# Qwen3 (QK-norm over head_dim 32) is held to the exact FP8 check below (transformers reading K/V rounded by
+# ml_dtypes) and here only in 16/32 bits and E4M3FNUZ, since its random weights make FP8 rounding itself move
+# the logits just past those bounds (0.351 relative error, 79% top-1 with E4M3).
+LOGIT_CASES = [(kv, m) for kv in TOLERANCE for m in ("llama", "llama_gqa", "qwen2", "qwen3")
+               if not (m == "qwen3" and kv in ("fp8_e4m3", "fp8_e5m2"))]
+
+
+@pytest.mark.parametrize("kv_name,model_name", LOGIT_CASES)
 def test_prefill_and_decode_logits_match_transformers(tiny_models, oracle, model_name, kv_name):
     tokens, ref = oracle
     chunks = [20, 17] + [1] * 6   # chunked prefill across block boundaries, then decode steps
@@ -140,7 +148,7 @@ def test_prefill_and_decode_logits_match_transformers(tiny_models, oracle, model
     assert agree >= (1.0 if kv_name == "float32" else 0.8), f"top-1 agreement {agree:.2f}"
 
 
-@pytest.mark.parametrize("model_name", ["llama", "llama_gqa", "qwen2"])
+@pytest.mark.parametrize("model_name", ["llama", "llama_gqa", "qwen2", "qwen3"])
 @pytest.mark.parametrize("kv_name", list(FP8_NP))
 def test_fp8_cache_matches_transformers_with_fp8_rounded_kv(tiny_models, oracle, model_name, kv_name):
     tokens, _ = oracle
@@ -183,9 +191,10 @@ def test_rotation_alone_does_not_change_a_float32_model(tiny_models, oracle):
 def test_registry_maps_configs_and_rejects_an_unknown_model_type():
     for model_type in ("llama", "mistral", "qwen2"):
         assert model_class({"model_type": model_type}) is LlamaForCausalLM
+    assert model_class({"model_type": "qwen3"}) is Qwen3ForCausalLM
     assert model_class({"architectures": ["Qwen2ForCausalLM"]}) is LlamaForCausalLM
     with pytest.raises(ValueError, match=r"model_type='gpt2' is not supported; kv8 supports model types: "
-                                         r"llama, mistral, qwen2 \(architectures: LlamaForCausalLM, "):
+                                         r"llama, mistral, qwen2, qwen3 \(architectures: LlamaForCausalLM, "):
         model_class({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]})
     with pytest.raises(ValueError, match=r"a config without model_type \(architectures=\['GPT2LMHeadModel'\]\)"):
         model_class({"architectures": ["GPT2LMHeadModel"]})

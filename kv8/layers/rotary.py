@@ -111,6 +111,19 @@ class RotaryEmbedding(nn.Module):
         q, k, v = _split_heads(qkv, self.num_heads, self.num_kv_heads, self.head_dim)
         return apply_rope(q, rope.cos, rope.sin), apply_rope(k, rope.cos, rope.sin), v.contiguous()
 
+    def rotate(self, q: torch.Tensor, k: torch.Tensor, rope: RopeAngles) -> tuple[torch.Tensor, torch.Tensor]:
+        """RoPE of q ``[T, Hq, D]`` and k ``[T, Hkv, D]`` already split (for models that transform q and k
+        between the projection and RoPE, e.g. QK-norm), in plain torch for either angle layout."""
+        cos, sin = rope.cos, rope.sin
+        if cos.dim() == 2:   # [T, D/2] float32 (the packed_bf16 layout) -> [T, 1, D] in q's dtype
+            cos = torch.cat((cos, cos), dim=-1).unsqueeze(1).to(q.dtype)
+            sin = torch.cat((sin, sin), dim=-1).unsqueeze(1).to(q.dtype)
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+
+    def split(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``qkv [T, (Hq + 2 Hkv) D]`` -> views q ``[T, Hq, D]``, k and v ``[T, Hkv, D]`` (not rotated)."""
+        return _split_heads(qkv, self.num_heads, self.num_kv_heads, self.head_dim)
+
     def extra_repr(self) -> str:
         return (f"head_dim={self.head_dim}, heads={self.num_heads}, kv_heads={self.num_kv_heads}, "
                 f"kernels={self.kernels is not None}")

@@ -55,10 +55,10 @@ class MLP(nn.Module):
 
 class DecoderLayer(nn.Module):
     def __init__(self, arch: ModelArchConfig, layer_idx: int, rotary_emb: RotaryEmbedding,
-                 backend: DenseBackend) -> None:
+                 backend: DenseBackend, attention_cls: type[nn.Module] = Attention) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, backend)
-        self.self_attn = Attention(arch, layer_idx, rotary_emb, backend)
+        self.self_attn = attention_cls(arch, layer_idx, rotary_emb, backend)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, backend)
         self.mlp = MLP(arch, backend)
 
@@ -73,12 +73,13 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, arch: ModelArchConfig, backend: DenseBackend) -> None:
+    def __init__(self, arch: ModelArchConfig, backend: DenseBackend, attention_cls: type[nn.Module]) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
         self.rotary_emb = RotaryEmbedding(arch.head_dim, arch.num_heads, arch.num_kv_heads, arch.rope_theta,
                                           arch.rope_scaling, backend)
-        self.layers = nn.ModuleList(DecoderLayer(arch, i, self.rotary_emb, backend) for i in range(arch.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(arch, i, self.rotary_emb, backend, attention_cls)
+                                    for i in range(arch.num_layers))
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, backend)
 
 
@@ -95,11 +96,13 @@ class LlamaForCausalLM(nn.Module):
     }
     # parameter -> the parameter it shares, when the config ties word embeddings
     tied_weights = {"lm_head.weight": "model.embed_tokens.weight"}
+    # the attention block; family members that differ only there (Qwen3's QK-norm) name their own
+    attention_cls: type[nn.Module] = Attention
 
     def __init__(self, arch: ModelArchConfig, backend: DenseBackend = TORCH_BACKEND) -> None:
         super().__init__()
         self.arch = arch
-        self.model = LlamaModel(arch, backend)
+        self.model = LlamaModel(arch, backend, self.attention_cls)
         self.lm_head = Linear(arch.hidden_size, arch.vocab_size, False, backend)
 
     @torch.inference_mode()

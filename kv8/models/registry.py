@@ -16,6 +16,7 @@ from kv8.config import ModelArchConfig
 from kv8.layers.attention import AttentionContext
 from kv8.layers.dense_kernels import DenseBackend
 from kv8.models.llama import LlamaForCausalLM
+from kv8.models.qwen3 import Qwen3ForCausalLM
 
 __all__ = ["ARCHITECTURES", "MODEL_TYPES", "CausalLM", "model_class", "supported_model_types"]
 
@@ -42,12 +43,14 @@ MODEL_TYPES: dict[str, type] = {
     "llama": LlamaForCausalLM,
     "mistral": LlamaForCausalLM,
     "qwen2": LlamaForCausalLM,
+    "qwen3": Qwen3ForCausalLM,
 }
 
 ARCHITECTURES: dict[str, str] = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
 }
 
 
