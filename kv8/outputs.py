@@ -25,8 +25,9 @@ class CompletionOutput:
     token_ids: list[int]
     cumulative_logprob: float | None
     logprobs: list[PositionLogprobs] | None
-    finish_reason: str | None = None       # "stop", "length", "abort" or None while running
+    finish_reason: str | None = None       # "stop", "length", "abort", "error" or None while running
     stop_reason: int | str | None = None   # the stop string or stop token id that ended it
+    error: str | None = None               # with finish_reason "error": why this sequence alone failed
 
     def finished(self) -> bool:
         return self.finish_reason is not None

@@ -148,6 +148,33 @@ def test_min_tokens_bans_stop_tokens_end_to_end(tiny_llama):
     check_all_blocks_free(llm)
 
 
+def test_non_finite_logits_fail_that_request_alone(tiny_llama, tmp_path):
+    """A NaN in one token's embedding makes the logits of every prompt holding that token NaN: those requests
+    finish with finish_reason "error" and a message, the others in the same batch are unchanged, every block
+    returns to the pool and the engine goes on serving."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    bad = tmp_path / "nan"
+    shutil.copytree(tiny_llama, bad)
+    weights_file = next(bad.glob("*.safetensors"))
+    weights = load_file(str(weights_file))
+    poisoned = 7
+    weights["model.embed_tokens.weight"][poisoned] = float("nan")
+    save_file(weights, str(weights_file), metadata={"format": "pt"})
+    clean_prompt, nan_prompt = [3, 4, 5, 6, 8, 9], [3, 4, poisoned, 6, 8, 9]
+    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    expected = make_llm(tiny_llama).generate([clean_prompt], params)[0].outputs[0].token_ids
+    llm = make_llm(str(bad))
+    failed, ok = llm.generate([nan_prompt, clean_prompt], params)
+    assert failed.finished and failed.outputs[0].finish_reason == "error"
+    assert "non-finite logits" in failed.outputs[0].error and failed.outputs[0].token_ids == []
+    assert ok.outputs[0].finish_reason == "length" and ok.outputs[0].token_ids == expected
+    check_all_blocks_free(llm)
+    assert llm.generate([clean_prompt], params)[0].outputs[0].token_ids == expected
+
+
 def test_logprobs_and_prompt_logprobs(tiny_llama):
     llm = make_llm(tiny_llama, max_num_batched_tokens=8)   # prompt logprobs across chunks
     out = llm.generate(PROMPTS[2], SamplingParams(temperature=0, max_tokens=4, logprobs=3, prompt_logprobs=2,

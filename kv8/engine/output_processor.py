@@ -72,10 +72,13 @@ class OutputProcessor:
     def detokenize(self, updated: list[Request]) -> list[Request]:
         """Add the text of each request's newest token; return the requests a stop string ends now.
 
-        Invariant: each request in ``updated`` gained exactly one output token since the last call.
+        Invariant: each request in ``updated`` gained exactly one output token since the last call, except a
+        failed one (status ``FINISHED_ERROR``), which gained none and keeps its text.
         """
         stopped = []
         for req in updated:
+            if req.status is RequestStatus.FINISHED_ERROR:
+                continue
             state = self._state(req)
             delta = state.detokenizer.add(req.output_token_ids[-1])
             state.text += delta
@@ -115,7 +118,8 @@ class OutputProcessor:
                 cumulative_logprob=req.cumulative_logprob if want else None,
                 logprobs=(cast("list[PositionLogprobs]", self._converted(req.logprobs, state.logprobs)) if want
                           else None),
-                finish_reason=req.status.value if req.is_finished else None, stop_reason=req.stop_reason))
+                finish_reason=req.status.value if req.is_finished else None, stop_reason=req.stop_reason,
+                error=req.error))
         first = group.children[0]
         prompt_lps = None
         if first.wants_prompt_logprobs:

@@ -29,11 +29,12 @@ class RequestStatus(enum.Enum):
     FINISHED_STOPPED = "stop"
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "abort"
+    FINISHED_ERROR = "error"     # this request alone failed (e.g. the model gave it non-finite logits)
 
     @property
     def is_finished(self) -> bool:
         return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
-                        RequestStatus.FINISHED_ABORTED)
+                        RequestStatus.FINISHED_ABORTED, RequestStatus.FINISHED_ERROR)
 
 
 @dataclass
@@ -69,6 +70,7 @@ class Request:
     block_hashes: list[bytes] = field(default_factory=list)
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     prompt_logprobs: list[TokenLogprobs | None] = field(default_factory=list)
+    error: str | None = None   # why the request failed (status FINISHED_ERROR)
     cumulative_logprob: float = 0.0
 
     def __post_init__(self) -> None:

@@ -14,7 +14,7 @@ Batch layout (T = sum of the chunks' new tokens)::
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -36,6 +36,7 @@ class ModelRunnerOutput:
     sampled: dict[str, int]                              # request id -> new token id
     logprobs: dict[str, TokenLogprobs]                   # request id -> logprobs of the new token (if asked)
     prompt_logprobs: dict[str, list[TokenLogprobs]]      # request id -> logprobs of prompt tokens scored this step
+    failed: dict[str, str] = field(default_factory=dict)  # request id -> why it cannot go on (it alone fails)
 
 
 def _to_token_logprobs(token: torch.Tensor, lp: torch.Tensor, top_v: torch.Tensor, top_i: torch.Tensor,
@@ -76,6 +77,16 @@ class ModelRunner:
             reqs = [c.request for c, _ in sampling]
             logits = self.model.compute_logits(hidden[[row for _, row in sampling]])   # [S, V]
             self._mask_early_stop(logits, reqs)
+            # A row without a finite maximum (NaN anywhere, +inf, or nothing left) has no token to sample: that
+            # request fails alone, the others sample as usual.
+            finite = torch.isfinite(logits.amax(dim=-1)).tolist()
+            for r, ok in zip(reqs, finite):
+                if not ok:
+                    out.failed[r.request_id] = ("the model produced non-finite logits (NaN or inf) for this request; "
+                                                "the model's weights or config are broken")
+            if not all(finite):
+                keep = [i for i, ok in enumerate(finite) if ok]
+                reqs, logits = [reqs[i] for i in keep], logits[keep]
             result = sample(logits, [r.sampling_params for r in reqs], [r.generator for r in reqs])
             for i, r in enumerate(reqs):
                 out.sampled[r.request_id] = int(result.token_ids[i])

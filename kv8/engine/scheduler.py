@@ -143,7 +143,7 @@ class Scheduler:
         return tuple(self.kv_manager.block_ids(request.request_id))
 
     def update(self, output: SchedulerOutput, result: ModelRunnerOutput) -> list[Request]:
-        """Apply one step's results and return the requests that sampled a token, in chunk order.
+        """Apply one step's results and return the requests that sampled a token or failed, in chunk order.
 
         Every chunk's tokens become computed (their full blocks are published to the prefix cache); then each
         sampled token is appended with its logprobs, and a request that :func:`check_stop` ends is finished
@@ -160,6 +160,12 @@ class Scheduler:
                 if not req.prompt_logprobs:
                     req.prompt_logprobs.append(None)   # the first prompt token has no logprob
                 req.prompt_logprobs.extend(result.prompt_logprobs[rid])
+            error = result.failed.get(rid)
+            if error is not None:
+                req.error = error
+                self.finish(req, RequestStatus.FINISHED_ERROR)
+                updated.append(req)
+                continue
             token = result.sampled.get(rid)
             if token is None:
                 continue

@@ -113,6 +113,10 @@ class RequestRun:
                 sub.latest = out
                 changed[rid] = sub
                 self._observe(sub, out)
+                failed = next((c for c in out.outputs if c.finish_reason == "error"), None)
+                if failed is not None:   # this request alone failed; the engine goes on serving the others
+                    raise APIError(500, f"generation failed: {failed.error}", type_="server_error",
+                                   code="generation_failed")
             yield list(changed.values())
 
     def _observe(self, sub: SubRequest, out: RequestOutput) -> None:
