@@ -101,7 +101,7 @@ def test_a_layer_count_the_checkpoint_does_not_hold_is_refused_before_building(t
     cfg = json.loads((bad / "config.json").read_text())
     for layers in (1_000_000_000, cfg["num_hidden_layers"] + 1):
         (bad / "config.json").write_text(json.dumps({**cfg, "num_hidden_layers": layers}))
-        assert main(["generate", "x", "--model", str(bad), "--num-kv-blocks", "8"]) == 2
+        assert main(["generate", "x", "--model", str(bad), "--num-kv-blocks", "8", "--max-model-len", "64"]) == 2
         err = capsys.readouterr().err
         assert f"num_hidden_layers={layers}" in err and "checkpoint holds layers model.layers.0" in err
 

@@ -38,7 +38,7 @@ from kv8.model.sources import resolve_model_path
 from kv8.model.tokenizer import load_tokenizer
 from kv8.observer import EngineObserver
 from kv8.outputs import RequestOutput
-from kv8.quant.scale_sources import resolve_kv_scales, scales_from_checkpoint
+from kv8.quant.scale_sources import engine_kv_scales
 from kv8.quant.scales import ModelScaleInfo
 from kv8.sampling_params import SamplingParams
 
@@ -52,22 +52,16 @@ class LLMEngine:
         kind, path = resolve_model_path(args.model)
         # Validate every option against the architecture before paying for the weights.
         self.config: EngineConfig = args.create_engine_config(read_model_config(kind, path), kind, path)
+        num_blocks = resolve_num_blocks(self.config)   # a budget too small for max_model_len fails here
         loaded = load_model(kind, path, self.config.dtype, self.config.dense_backend)
         self.dense_backend = loaded.dense_backend
         self.model = loaded.model
         self.tokenizer = load_tokenizer(kind, path)
         arch, cc = self.config.arch, self.config.cache
-        info = ModelScaleInfo(arch.model_type, arch.num_layers, arch.num_kv_heads, arch.head_dim)
-        ckpt = scales_from_checkpoint(loaded.scale_tensors, loaded.hf_config, info) if loaded.scale_tensors else None
-        if cc.dynamic_scales:
-            scales = None
-            if ckpt is not None:
-                logger.info("dynamic KV scales: the checkpoint's static scales (%s) are not used", ckpt.source)
-        else:
-            scales = resolve_kv_scales(cc.kv_dtype, info, cc.quantization_param_path, ckpt, cc.rotation)
+        scales = engine_kv_scales(cc, ModelScaleInfo(arch.model_type, arch.num_layers, arch.num_kv_heads,
+                                                     arch.head_dim), loaded.scale_tensors, loaded.hf_config)
         codec = KVCodec.build(cc.kv_dtype, arch.head_dim, scale_mode=cc.scale_mode, rotation=cc.rotation,
                               scales=scales)
-        num_blocks = resolve_num_blocks(self.config)
         self.cache = PagedKVCache(CacheShape(arch.num_layers, num_blocks, arch.num_kv_heads, cc.block_size,
                                              arch.head_dim), codec)
         self.kv_manager = KVCacheManager(num_blocks, cc.block_size, cc.enable_prefix_caching)

@@ -17,13 +17,14 @@ from typing import Any
 
 import torch
 
+from kv8.config import CacheConfig
 from kv8.quant.formats import E4M3, KVCacheDtype
 from kv8.quant.scale_files import load_scales_file
 from kv8.quant.scales import TORCH_DTYPE_TO_FORMAT, KVScales, ModelScaleInfo, ScaleGranularity, check_fits
 
 logger = logging.getLogger("kv8")
 
-__all__ = ["is_kv_scale_name", "resolve_kv_scales", "scales_from_checkpoint"]
+__all__ = ["engine_kv_scales", "is_kv_scale_name", "resolve_kv_scales", "scales_from_checkpoint"]
 
 _HOW_TO_GET_SCALES = (
     "run `kv8 calibrate` to compute per-layer scales and pass the resulting file with "
@@ -242,3 +243,16 @@ def resolve_kv_scales(
             f"kv_cache_rotation={rotation!r}; calibrate with `kv8 calibrate --kv-cache-rotation {rotation}`, use "
             "kv_cache_scale_mode='dynamic', or drop the scales (1.0)")
     return scales.for_format(fmt)
+
+
+def engine_kv_scales(cache: CacheConfig, model: ModelScaleInfo, checkpoint_tensors: Mapping[str, torch.Tensor],
+                     hf_config: Mapping[str, Any]) -> KVScales | None:
+    """The static scales an engine with cache settings ``cache`` uses: None with dynamic scales (the
+    checkpoint's static scales are then not used, which is logged) or a 16/32-bit cache, else
+    :func:`resolve_kv_scales` over the file, the checkpoint's scale tensors and 1.0."""
+    ckpt = scales_from_checkpoint(checkpoint_tensors, hf_config, model) if checkpoint_tensors else None
+    if cache.dynamic_scales:
+        if ckpt is not None:
+            logger.info("dynamic KV scales: the checkpoint's static scales (%s) are not used", ckpt.source)
+        return None
+    return resolve_kv_scales(cache.kv_dtype, model, cache.quantization_param_path, ckpt, cache.rotation)
