@@ -108,12 +108,17 @@ class RopeScaling:
             return None
         if rope_type not in ("linear", "llama3"):
             raise ValueError(f"rope_scaling type {rope_type!r} is not supported; kv8 supports: linear, llama3")
+        if d.get("factor") is None:
+            raise ValueError(f"model config rope_scaling ({rope_type}) is missing the key 'factor'")
+        factor = _cfg_float(d, "factor", 1.0)
+        if not math.isfinite(factor) or factor <= 0:
+            raise ValueError(f"model config rope_scaling factor={factor!r} must be a finite number > 0")
         return RopeScaling(
             rope_type=rope_type,
-            factor=float(d["factor"]),
-            low_freq_factor=float(d.get("low_freq_factor", 1.0)),
-            high_freq_factor=float(d.get("high_freq_factor", 4.0)),
-            original_max_position_embeddings=int(d.get("original_max_position_embeddings", 8192)),
+            factor=factor,
+            low_freq_factor=_cfg_float(d, "low_freq_factor", 1.0),
+            high_freq_factor=_cfg_float(d, "high_freq_factor", 4.0),
+            original_max_position_embeddings=_cfg_int(d, "original_max_position_embeddings", 8192),
         )
 
 
@@ -140,7 +145,7 @@ def _cfg_float(cfg: Mapping[str, Any], key: str, default: float) -> float:
 
 @dataclass(frozen=True)
 class ModelArchConfig:
-    """Architecture of a Llama-family decoder (Llama, Mistral, Qwen2).
+    """Architecture of a Llama-family decoder (Llama, Mistral, Qwen2, Qwen3).
 
     Invariants: ``num_heads % num_kv_heads == 0``; ``head_dim`` even; ``eos_token_ids`` non-empty tuple.
     """
@@ -167,7 +172,8 @@ class ModelArchConfig:
         for name, value in (("vocab_size", self.vocab_size), ("hidden_size", self.hidden_size),
                             ("intermediate_size", self.intermediate_size), ("num_hidden_layers", self.num_layers),
                             ("num_attention_heads", self.num_heads), ("num_key_value_heads", self.num_kv_heads),
-                            ("head_dim", self.head_dim), ("max_position_embeddings", self.max_position_embeddings)):
+                            ("head_dim", self.head_dim), ("max_position_embeddings", self.max_position_embeddings),
+                            *((("sliding_window", self.sliding_window),) if self.sliding_window is not None else ())):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"model config {name}={value!r} must be an int >= 1")
         for name, fvalue in (("rms_norm_eps", self.rms_norm_eps), ("rope_theta", self.rope_theta)):
@@ -189,10 +195,9 @@ class ModelArchConfig:
         key, or a value of the wrong type or range raises ``ValueError`` naming the key."""
         if not isinstance(cfg, Mapping):
             raise ValueError(f"the model config must be a JSON object, got {type(cfg).__name__}")
-        from kv8.models.registry import model_class  # the registry imports this module
+        from kv8.models.registry import resolve_model_type  # the registry imports this module
 
-        model_class(cfg)
-        model_type = cfg.get("model_type")
+        model_type = resolve_model_type(cfg)
         hidden, heads = _cfg_int(cfg, "hidden_size"), _cfg_int(cfg, "num_attention_heads")
         eos = cfg.get("eos_token_id")
         eos_list = eos if isinstance(eos, (list, tuple)) else ([] if eos is None else [eos])
@@ -201,7 +206,7 @@ class ModelArchConfig:
         sliding = cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None
         rope_default = (cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0)
         return ModelArchConfig(
-            model_type=str(model_type),
+            model_type=model_type,
             vocab_size=_cfg_int(cfg, "vocab_size"),
             hidden_size=hidden,
             intermediate_size=_cfg_int(cfg, "intermediate_size"),

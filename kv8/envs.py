@@ -3,7 +3,7 @@
 | variable | meaning |
 |---|---|
 | ``KV8_CACHE_DIR`` | where converted tokenizers and compiled kernels are cached (default ``~/.cache/kv8``) |
-| ``CXX`` | the C++ compiler that builds the fused attention kernels (default ``g++``) |
+| ``CXX`` | the C++ compiler that builds kv8's attention and dense kernels (default ``g++``) |
 | ``KV8_API_KEY`` | the server's API key when ``--api-key`` is not given |
 """
 

@@ -1,4 +1,4 @@
-"""What tools may watch while the engine runs: an explicit observer interface instead of patched internals.
+"""What tools may watch while the engine runs, through one explicit interface.
 
 ``kv8 calibrate`` needs every K/V the cache stores, ``kv8 eval`` needs the round-trip error of those values and
 the full next-token distribution of every prompt position. An :class:`EngineObserver` passed to the engine

@@ -83,6 +83,8 @@ def test_arch_config_validation():
     ({"num_hidden_layers": 0}, r"num_hidden_layers=0 must be an int >= 1"),
     ({"hidden_size": "8"}, r"hidden_size='8' must be an integer"),
     ({"eos_token_id": "x"}, r"eos_token_id='x' must be an int"),
+    ({"sliding_window": -3}, r"sliding_window=-3 must be an int >= 1"),
+    ({"rope_scaling": {"rope_type": "linear"}}, r"rope_scaling \(linear\) is missing the key 'factor'"),
 ])
 def test_arch_config_rejects_bad_values(change, message):
     base = dict(model_type="llama", vocab_size=10, hidden_size=8, intermediate_size=16, num_hidden_layers=1,
@@ -91,6 +93,16 @@ def test_arch_config_rejects_bad_values(change, message):
         ModelArchConfig.from_hf_config({**base, **change})
     with pytest.raises(ValueError, match="must be a JSON object, got list"):
         ModelArchConfig.from_hf_config([base])  # type: ignore[arg-type]
+
+
+def test_model_type_from_architectures_and_cli_dtype_aliases(tiny_models, capsys):
+    base = dict(vocab_size=10, hidden_size=8, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2,
+                num_key_value_heads=2, architectures=["Qwen2ForCausalLM"])
+    arch = ModelArchConfig.from_hf_config(base)   # no model_type: taken from architectures
+    assert arch.model_type == "qwen2" and arch.attention_bias
+    assert main(["generate", "x", "--model", tiny_models["llama"], "--num-kv-blocks", "8", "--max-model-len", "64",
+                 "--max-tokens", "2", "--dtype", "float32", "--kv-cache-dtype", "fp8_e4m3fn"]) == 0
+    capsys.readouterr()
 
 
 def test_a_layer_count_the_checkpoint_does_not_hold_is_refused_before_building(tiny_llama, tmp_path, capsys):

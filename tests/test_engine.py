@@ -235,6 +235,8 @@ def test_fp8_cache_holds_twice_the_tokens_of_bf16(tiny_llama):
 
 
 def test_bad_inputs_raise_clear_errors(tiny_llama):
+    with pytest.raises(ValueError, match=r"stop_token_ids contains \[10000000\], not token ids in \[0, "):
+        make_llm(tiny_llama).generate([[3, 4]], SamplingParams(stop_token_ids=[10000000], min_tokens=1))
     with pytest.raises(ValueError, match="kv_cache_dtype='fp9'.*fp8_e4m3"):
         make_llm(tiny_llama, kv_cache_dtype="fp9")
     with pytest.raises(TypeError, match="unknown option.*gpu_memory_utilization"):

@@ -11,7 +11,7 @@ import torch
 from kv8.config import ATTENTION_BACKENDS, DENSE_BACKENDS, DTYPE_CHOICES, ROTATIONS, SCALE_MODES, check_dense_backend
 from kv8.engine.args import EngineArgs
 from kv8.entrypoints.cli import INFO_OPTIONS, build_parser
-from kv8.quant.formats import KV_CACHE_DTYPE_CHOICES
+from kv8.quant.formats import KV_CACHE_DTYPE_NAMES
 from kv8.tools.commands import CALIBRATE_EXCLUDED, EVAL_DEFAULTS, EVAL_EXCLUDED
 
 FIELDS = EngineArgs.field_names()
@@ -86,7 +86,7 @@ def test_eval_keeps_its_repeatable_kv_cache_dtype():
     assert EngineArgs.from_cli_args(ns).kv_cache_dtype == "auto"   # not an engine option of eval
 
 
-CHOICE_FIELDS = {"dtype": DTYPE_CHOICES, "kv_cache_dtype": KV_CACHE_DTYPE_CHOICES,
+CHOICE_FIELDS = {"dtype": DTYPE_CHOICES, "kv_cache_dtype": KV_CACHE_DTYPE_NAMES,
                  "attention_backend": ATTENTION_BACKENDS, "dense_backend": DENSE_BACKENDS,
                  "kv_cache_scale_mode": SCALE_MODES, "kv_cache_rotation": ROTATIONS}
 

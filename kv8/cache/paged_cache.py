@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kv8.cache.codec import KVCodec
+from kv8.cache.codec import K, KVCodec, V
 from kv8.quant.formats import KVCacheDtype
 from kv8.quant.scales import KVScales
 
@@ -69,7 +69,7 @@ class PagedKVCache:
 
     @property
     def nbytes(self) -> int:
-        extra = 0 if self.token_scales is None else self.token_scales.numel() * 4
+        extra = 0 if self.token_scales is None else self.token_scales.numel() * self.token_scales.element_size()
         return self.data.numel() * self.data.element_size() + extra
 
     def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -103,7 +103,7 @@ class PagedKVCache:
         idx = block_table[:nb]
         h, d = self.shape.num_kv_heads, self.shape.head_dim
         out = []
-        for which in (0, 1):
+        for which in (K, V):
             blocks = self.data[layer, which][idx]                                # [nb, H, bs, D]
             tokens = blocks.transpose(1, 2).reshape(-1, h, d)[:num_tokens]        # [num_tokens, H, D]
             ts = None

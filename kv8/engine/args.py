@@ -19,7 +19,6 @@ flag earlier, with the same allowed values.
 from __future__ import annotations
 
 import argparse
-import logging
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Any
@@ -40,9 +39,7 @@ from kv8.config import (
     parse_memory,
     resolve_dtype,
 )
-from kv8.quant.formats import KV_CACHE_DTYPE_CHOICES, resolve_kv_cache_dtype
-
-logger = logging.getLogger("kv8")
+from kv8.quant.formats import KV_CACHE_DTYPE_NAMES, resolve_kv_cache_dtype
 
 DEFAULT_MODEL = "smollm2-135m"
 
@@ -76,7 +73,7 @@ class EngineArgs:
                         ".gguf file", cli=False)
     dtype: str = option("auto", "compute dtype; auto = bfloat16", choices=DTYPE_CHOICES, type=str.lower)
     kv_cache_dtype: str = option("auto", "KV cache storage: auto = the compute dtype; fp8 = fp8_e4m3 (1 byte per "
-                                 "value)", choices=KV_CACHE_DTYPE_CHOICES)
+                                 "value)", choices=KV_CACHE_DTYPE_NAMES)
     quantization_param_path: str | None = option(
         None, "KV scales file: vLLM's kv_cache_scales.json or kv8's JSON from kv8 calibrate (FP8 caches only)",
         metavar="JSON")

@@ -23,7 +23,8 @@ temperature and filtering), computed in float32.
 Validation: ``sample`` runs every step, so it trusts its per-row inputs: each ``SamplingParams`` was
 validated at construction and each request's ``logprobs`` checked against the vocabulary where the request
 entered the engine (:mod:`kv8.engine.input_processor`). It only checks the batch's shape and that every row of
-logits has a finite maximum (a NaN from the model must not become a token).
+logits has a finite maximum, its contract (a NaN from the model must not become a token): the runner takes a
+request whose row has none out of the batch first and fails it alone.
 """
 
 from __future__ import annotations

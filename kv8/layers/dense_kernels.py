@@ -9,7 +9,7 @@ every kernel takes bf16 and returns new contiguous bf16 tensors. The layers that
 plain torch reference, are in :mod:`kv8.layers.linear`, :mod:`~kv8.layers.norm`,
 :mod:`~kv8.layers.activation` and :mod:`~kv8.layers.rotary`.
 
-:func:`select_dense_backend` turns the engine option ``dense_backend`` (validated by
+:func:`select_dense_backend` turns the engine option ``dense_backend`` (checked by
 :func:`kv8.config.check_dense_backend`) into a :class:`DenseBackend`, once, when the model loads:
 ``torch`` runs torch ops; ``packed_bf16`` runs these kernels and needs a bf16 model; ``auto`` is
 ``packed_bf16`` for bf16 models when the kernels build and load, else torch (with one warning per process).
@@ -24,13 +24,13 @@ from pathlib import Path
 
 import torch
 
+from kv8.config import check_dense_backend
 from kv8.native import KernelUnavailable, build_shared_library
 
 logger = logging.getLogger("kv8")
 
 __all__ = ["DenseBackend", "DenseKernels", "TORCH_BACKEND", "load_dense_kernels", "select_dense_backend"]
 
-# The C++ source stays beside the model package (its owner keeps the C++ tree there).
 SOURCE = Path(__file__).with_name("dense_kernels.cpp")
 
 _P, _L, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
@@ -194,6 +194,7 @@ def select_dense_backend(name: str, dtype: torch.dtype) -> DenseBackend:
     ``dtype``). ``packed_bf16`` raises :class:`KernelUnavailable` if the kernels cannot be built or loaded;
     ``auto`` then says why once per process and uses torch; models in other dtypes than bf16 use torch."""
     global _auto_fallback_logged
+    check_dense_backend(name, dtype)   # once per model load; callers other than the engine reach here too
     if name == "torch" or dtype != torch.bfloat16:
         return TORCH_BACKEND
     try:

@@ -18,7 +18,7 @@ from kv8.layers.dense_kernels import DenseBackend
 from kv8.models.llama import LlamaForCausalLM
 from kv8.models.qwen3 import Qwen3ForCausalLM
 
-__all__ = ["ARCHITECTURES", "MODEL_TYPES", "CausalLM", "model_class", "supported_model_types"]
+__all__ = ["ARCHITECTURES", "MODEL_TYPES", "CausalLM", "model_class", "resolve_model_type", "supported_model_types"]
 
 
 class CausalLM(Protocol):
@@ -58,17 +58,23 @@ def supported_model_types() -> tuple[str, ...]:
     return tuple(sorted(MODEL_TYPES))
 
 
-def model_class(hf_config: Mapping[str, Any]) -> type:
-    """The class for a Hugging Face config dict; ``ValueError`` naming the type and the supported ones."""
+def resolve_model_type(hf_config: Mapping[str, Any]) -> str:
+    """The supported ``model_type`` of a Hugging Face config dict (from ``architectures`` when the config has
+    no ``model_type``); ``ValueError`` naming the type and the supported ones."""
     model_type = hf_config.get("model_type")
     if model_type is None:
         for name in hf_config.get("architectures") or ():
             if name in ARCHITECTURES:
                 model_type = ARCHITECTURES[name]
                 break
-    if model_type in MODEL_TYPES:
-        return MODEL_TYPES[model_type]
+    if isinstance(model_type, str) and model_type in MODEL_TYPES:
+        return model_type
     given = (f"model_type={model_type!r}" if model_type is not None
              else f"a config without model_type (architectures={hf_config.get('architectures')!r})")
     raise ValueError(f"{given} is not supported; kv8 supports model types: {', '.join(supported_model_types())} "
                      f"(architectures: {', '.join(sorted(ARCHITECTURES))})")
+
+
+def model_class(hf_config: Mapping[str, Any]) -> type:
+    """The class for a Hugging Face config dict; ``ValueError`` naming the type and the supported ones."""
+    return MODEL_TYPES[resolve_model_type(hf_config)]

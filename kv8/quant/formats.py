@@ -34,6 +34,7 @@ __all__ = [
     "dequantize",
     "KVCacheDtype",
     "KV_CACHE_DTYPE_CHOICES",
+    "KV_CACHE_DTYPE_NAMES",
     "resolve_kv_cache_dtype",
 ]
 
@@ -266,10 +267,12 @@ def dequantize(codes: torch.Tensor, scale: torch.Tensor | float, fmt: FP8Format,
 KV_CACHE_DTYPE_CHOICES: tuple[str, ...] = (
     "auto", "bfloat16", "float16", "float32", "fp8", "fp8_e4m3", "fp8_e5m2", "fp8_e4m3fnuz",
 )
+# Other accepted spellings (vLLM's and torch's names); every entry point accepts them.
 _ALIASES: dict[str, str] = {
     "bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32", "float": "float32",
     "fp8": "fp8_e4m3", "fp8_e4m3fn": "fp8_e4m3",
 }
+KV_CACHE_DTYPE_NAMES: tuple[str, ...] = KV_CACHE_DTYPE_CHOICES + tuple(_ALIASES)  # choices plus aliases
 _FLOAT_CACHES: dict[str, torch.dtype] = {
     "bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32,
 }

@@ -11,7 +11,6 @@ other by a factor of 2 (:meth:`KVScales.for_format`), as vLLM and TGI do on ROCm
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 from enum import Enum
 
@@ -19,8 +18,6 @@ import torch
 
 from kv8.quant.formats import E4M3, E4M3FNUZ, E5M2, FP8Format
 from kv8.quant.rotation import ROTATIONS
-
-logger = logging.getLogger("kv8")
 
 __all__ = ["FORMAT_TO_TORCH_DTYPE", "KVScales", "ModelScaleInfo", "ScaleGranularity", "TORCH_DTYPE_TO_FORMAT",
            "check_fits"]

@@ -15,7 +15,7 @@ import sys
 from typing import Any
 
 from kv8.engine.args import EngineArgs
-from kv8.quant.formats import FP8_FORMATS, KV_CACHE_DTYPE_CHOICES, fp8_format
+from kv8.quant.formats import FP8_FORMATS, KV_CACHE_DTYPE_NAMES, fp8_format
 from kv8.quant.scales import ScaleGranularity
 
 # Engine options the tools set themselves: the cache holds exactly the windows of one batch (--seq-len /
@@ -152,7 +152,7 @@ def add_eval_parser(sub: Any) -> None:
                    help="a KV configuration, e.g. fp8_e4m3:kv_cache_scales.json or fp8_e4m3+dynamic+hadamard "
                         "(repeatable)")
     e.add_argument("--kv-cache-dtype", dest="kv_cache_dtypes", action="append", default=[],
-                   choices=KV_CACHE_DTYPE_CHOICES, help="a KV configuration without a scales file (repeatable)")
+                   choices=KV_CACHE_DTYPE_NAMES, help="a KV configuration without a scales file (repeatable)")
     e.add_argument("--window", type=int, default=512, help="tokens per window; the second half is scored")
     e.add_argument("--num-windows", type=int, default=16, help="windows to score (default 16)")
     e.add_argument("--skip-tokens", type=int, default=0, help="skip this many data tokens first (held-out data)")
