@@ -18,6 +18,16 @@ def test_generate_and_info_on_a_tiny_model(tiny_llama, capsys):
     lines = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
     assert [x["prompt"] for x in lines] == ["Paris is the", "London is"]
     assert all(len(x["token_ids"]) == 5 and x["finish_reason"] == "length" for x in lines)
+    # --chat applies the chat template to every prompt (each its own conversation)
+    from kv8 import LLM, SamplingParams
+
+    assert main(["generate", "Paris is the", "London is", "--chat", "--model", tiny_llama, "--max-tokens", "5",
+                 "--ignore-eos", "--kv-cache-memory", "4MiB", "--max-model-len", "128", "--json"]) == 0
+    chat = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
+    llm = LLM(tiny_llama, kv_cache_memory="4MiB", max_model_len=128)
+    expected = llm.chat([[{"role": "user", "content": p}] for p in ("Paris is the", "London is")],
+                        SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))
+    assert [x["token_ids"] for x in chat] == [o.outputs[0].token_ids for o in expected]
     assert main(["info", tiny_llama, "--kv-cache-memory", "1MiB"]) == 0
     out = capsys.readouterr().out
     assert "2 layers" in out and "4 query / 4 KV heads" in out

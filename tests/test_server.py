@@ -436,6 +436,10 @@ def test_bad_requests_get_openai_errors_and_server_keeps_serving(server: Server,
     _expect_error(_post(server, cmpl, {**ok, "top_p": 0}), 400, "top_p", param="top_p")
     _expect_error(_post(server, cmpl, {**ok, "n": 0}), 400, "n", param="n")
     _expect_error(_post(server, cmpl, {**ok, "n": 17}), 400, "limit of 16", param="n")
+    # more sequences than can ever be in flight (8 running + 32 waiting): 400 with the limit, not 503 "retry"
+    _expect_error(_post(server, cmpl, {**ok, "prompt": ["Hello"] * 41}), 400, "41 sequences", "limit of 40",
+                  param="prompt")
+    _expect_error(_post(server, cmpl, {**ok, "prompt": ["a", "b", "c"], "n": 16}), 400, "48 sequences")
     _expect_error(_post(server, cmpl, {**ok, "logprobs": 21}), 400, "logprobs", param="logprobs")
     _expect_error(_post(server, cmpl, {**ok, "max_tokens": -1}), 400, "max_tokens", param="max_tokens")
     _expect_error(_post(server, cmpl, {**ok, "max_tokens": 100000}), 400, "limit of 256", param="max_tokens")

@@ -80,8 +80,8 @@ def cmd_generate(ns: argparse.Namespace) -> int:
     params = SamplingParams(n=ns.n, temperature=ns.temperature, top_p=ns.top_p, top_k=ns.top_k, min_p=ns.min_p,
                             seed=ns.sampling_seed, max_tokens=ns.max_tokens, stop=ns.stop or None,
                             ignore_eos=ns.ignore_eos)
-    if ns.chat and len(ns.prompt) == 1:
-        outs = llm.chat([{"role": "user", "content": ns.prompt[0]}], params)
+    if ns.chat:   # each prompt is its own one-message conversation
+        outs = llm.chat([[{"role": "user", "content": p}] for p in ns.prompt], params)
     else:
         outs = llm.generate(list(ns.prompt), params)
     for out in outs:
