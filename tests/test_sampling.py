@@ -416,3 +416,53 @@ def test_empty_batch() -> None:
     out = sample(torch.zeros(0, 8), [], [])
     assert isinstance(out, SamplerOutput)
     assert out.token_ids.shape == (0,) and out.logprobs is None and out.top_logprobs is None
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_partial_selection_filters_keep_what_the_full_sort_keeps(seed: int) -> None:
+    """The filters on the top candidates (topk) keep exactly the tokens the full-vocabulary stable sort keeps,
+    for top-k, top-p, min-p and their mixes, rows without filters, masked (-inf) logits and ties."""
+    from kv8.engine.sampler import _apply_filters, apply_filters_reference
+
+    gen = torch.Generator().manual_seed(seed)
+    vocab = 5000
+    scale = [0.5, 2.0, 6.0][seed % 3]   # flat to peaked distributions
+    logits = torch.randn(9, vocab, generator=gen) * scale
+    logits[1, :300] = float("-inf")
+    logits[2, 10:20] = logits[2, 10]     # ties
+    params = [
+        SamplingParams(temperature=1.0, top_k=50),
+        SamplingParams(temperature=1.0, top_p=0.9),
+        SamplingParams(temperature=1.0, top_p=0.5, top_k=200),
+        SamplingParams(temperature=1.0, min_p=0.05),
+        SamplingParams(temperature=1.0, top_p=0.8, min_p=0.02),
+        SamplingParams(temperature=1.0),                       # no filter: the row comes back unchanged
+        SamplingParams(temperature=1.0, top_k=1),
+        SamplingParams(temperature=1.0, top_k=3000),           # K past half the vocabulary: the reference path
+        SamplingParams(temperature=1.0, top_p=0.999),          # the nucleus may not close within the candidates
+    ]
+    scaled = logits - logits.amax(dim=-1, keepdim=True)
+    for rows in ([0, 1, 2, 3, 4, 5, 6], [0, 3, 5], list(range(9)), [5]):
+        got = _apply_filters(scaled[rows], [params[i] for i in rows])
+        want = apply_filters_reference(scaled[rows], [params[i] for i in rows])
+        assert torch.equal(torch.isfinite(got), torch.isfinite(want)), rows
+        assert torch.equal(got[torch.isfinite(got)], want[torch.isfinite(want)]), rows
+
+
+def test_partial_selection_serves_top_k_and_peaked_top_p_without_the_full_sort(monkeypatch) -> None:
+    import kv8.engine.sampler as sampler_mod
+
+    want = sampler_mod.apply_filters_reference
+    gen = torch.Generator().manual_seed(0)
+    scaled = torch.randn(3, 50000, generator=gen) * 4.0
+    scaled -= scaled.amax(dim=-1, keepdim=True)
+    params = [SamplingParams(temperature=1.0, top_k=40), SamplingParams(temperature=1.0, top_p=0.9),
+              SamplingParams(temperature=1.0, min_p=0.1)]
+    expected = want(scaled, params)
+
+    def no_full_sort(*args, **kwargs):
+        raise AssertionError("the full-vocabulary sort ran")
+
+    monkeypatch.setattr(sampler_mod, "apply_filters_reference", no_full_sort)
+    got = sampler_mod._apply_filters(scaled, params)
+    assert torch.equal(torch.isfinite(got), torch.isfinite(expected))

@@ -36,11 +36,14 @@ import torch
 
 from kv8.sampling_params import SamplingParams, SamplingType
 
-__all__ = ["SamplerOutput", "compute_logprobs", "make_generator", "sample"]
+__all__ = ["CANDIDATES", "SamplerOutput", "apply_filters_reference", "compute_logprobs", "make_generator", "sample"]
 
 # Exponential draws are clamped to this so that ``log q`` is finite: a filtered token (logit -inf)
 # then stays at -inf and can never win the race.
 _TINY = torch.finfo(torch.float32).tiny
+# Candidates per row for top-p / min-p without top_k: the nucleus of a sampling distribution almost always
+# closes within them; a row whose does not is filtered by the full sort.
+CANDIDATES = 1024
 
 
 @dataclass(frozen=True)
@@ -199,7 +202,64 @@ def _sample_random(
 
 
 def _apply_filters(scaled: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
-    """Set to -inf the logits removed by top_k, then top_p, then min_p; scaled is [R, V].
+    """:func:`apply_filters_reference` by partial selection: the filters only ever keep the most likely
+    tokens, so they run on the ``K`` best of each row (``torch.topk``, ordered as the stable sort orders them)
+    instead of a sort of the whole vocabulary. ``K`` is the largest ``top_k`` of the batch, or
+    :data:`CANDIDATES` for rows filtered by top-p / min-p alone; when a row's filters could keep a token beyond
+    its ``K`` candidates (the nucleus does not close within them, or the ``K``-th candidate still passes
+    min-p) the batch takes the reference path. The tokens kept equal the reference's, with two exceptions at
+    a cut: which of several exactly equal logits straddling the ``K``-th place enter the candidates follows
+    ``topk``, and a probability within float rounding of a top-p or min-p threshold may fall on the other side
+    (the sums run over ``K`` values instead of ``V``).
+    """
+    n_rows, vocab = scaled.shape
+    top_k = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
+    top_p = [p.top_p for p in params]
+    min_p = [p.min_p for p in params]
+    active = [k < vocab or tp < 1.0 or mp > 0.0 for k, tp, mp in zip(top_k, top_p, min_p)]
+    if not any(active):
+        return scaled
+    k_cand = min(vocab, max(k if k < vocab else CANDIDATES for k, on in zip(top_k, active) if on))
+    if k_cand >= vocab // 2:
+        return apply_filters_reference(scaled, params)
+    device = scaled.device
+    values, ids = torch.topk(scaled, k_cand, dim=-1)                                  # [R, K], descending
+    by_id = torch.argsort(ids, dim=-1)                 # equal values: increasing id, as the stable sort has them
+    values, ids = values.gather(1, by_id), ids.gather(1, by_id)
+    order = torch.sort(values, dim=-1, descending=True, stable=True).indices
+    cand, cand_ids = values.gather(1, order), ids.gather(1, order)                   # [R, K]
+    position = torch.arange(k_cand, device=device).unsqueeze(0)
+    top_k_t = torch.tensor(top_k, device=device).unsqueeze(1)
+    keep = position < top_k_t                                                          # [R, K]
+    neg_inf = float("-inf")
+    closed = torch.tensor([k < vocab for k in top_k], device=device)   # rows whose top_k already bounds them
+    if any(tp < 1.0 for tp in top_p):
+        # Probabilities over what top_k kept: the candidates when top_k bounds the row, else the whole row.
+        log_norm = torch.where(closed, torch.logsumexp(cand.masked_fill(~keep, neg_inf), dim=-1),
+                               torch.logsumexp(scaled, dim=-1))                      # [R]
+        probs = torch.exp(cand.masked_fill(~keep, neg_inf) - log_norm.unsqueeze(1))  # [R, K]
+        mass = torch.cumsum(probs, dim=-1)
+        mass_before = torch.zeros_like(probs)
+        mass_before[:, 1:] = mass[:, :-1]
+        top_p_t = torch.tensor(top_p, dtype=torch.float32, device=device).unsqueeze(1)
+        keep &= (mass_before < top_p_t) | (top_p_t >= 1.0)
+        closed |= (mass[:, -1:] >= top_p_t).squeeze(1) & (top_p_t < 1.0).squeeze(1)
+    if any(mp > 0.0 for mp in min_p):
+        # min_p compares each probability with the largest, a ratio no renormalisation changes.
+        ratio = torch.exp(cand - cand[:, :1])                                          # [R, K]
+        min_p_t = torch.tensor(min_p, dtype=torch.float32, device=device).unsqueeze(1)
+        keep &= ratio >= min_p_t
+        closed |= (ratio[:, -1:] < min_p_t).squeeze(1)
+    needs = torch.tensor(active, device=device)
+    if bool((needs & ~closed).any()):   # a row could keep a token beyond its candidates
+        return apply_filters_reference(scaled, params)
+    out = torch.full_like(scaled, neg_inf).scatter_(1, cand_ids, cand.masked_fill(~keep, neg_inf))
+    return torch.where(needs.unsqueeze(1), out, scaled)
+
+
+def apply_filters_reference(scaled: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """Set to -inf the logits removed by top_k, then top_p, then min_p; scaled is [R, V]. The plain
+    reference: one stable sort of the whole vocabulary per row (what :func:`_apply_filters` must equal).
 
     A row whose filters are all disabled comes back bit-identical, so whether a batch needs the
     sort at all does not change any row's result.
