@@ -14,8 +14,9 @@
 
 Reproducibility invariant: every random row draws exactly V exponentials from its own generator per
 call, and all other arithmetic is row-wise, so a seeded request produces the same tokens whatever
-the other rows of the batch are and wherever it sits in the batch. The filters are batched (one
-stable sort for all random rows); only the noise is drawn row by row.
+the other rows of the batch are and wherever it sits in the batch. The filters are batched and run on
+each row's best candidates (partial selection, :func:`_apply_filters`; the full-vocabulary sort
+:func:`apply_filters_reference` is their oracle and fallback); only the noise is drawn row by row.
 
 Logprobs follow vLLM v1's default: they are taken from ``log_softmax`` of the raw logits (before
 temperature and filtering), computed in float32.
