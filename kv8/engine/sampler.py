@@ -205,24 +205,39 @@ def _sample_random(
 def _apply_filters(scaled: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
     """:func:`apply_filters_reference` by partial selection: the filters only ever keep the most likely
     tokens, so they run on the ``K`` best of each row (``torch.topk``, ordered as the stable sort orders them)
-    instead of a sort of the whole vocabulary. ``K`` is the largest ``top_k`` of the batch, or
-    :data:`CANDIDATES` for rows filtered by top-p / min-p alone; when a row's filters could keep a token beyond
-    its ``K`` candidates (the nucleus does not close within them, or the ``K``-th candidate still passes
-    min-p) the batch takes the reference path. The tokens kept equal the reference's, with two exceptions at
-    a cut: which of several exactly equal logits straddling the ``K``-th place enter the candidates follows
-    ``topk``, and a probability within float rounding of a top-p or min-p threshold may fall on the other side
-    (the sums run over ``K`` values instead of ``V``).
+    instead of a sort of the whole vocabulary. A row's own bound is its ``top_k``, or :data:`CANDIDATES` when
+    only top-p / min-p filter it; a row whose bound is half the vocabulary or more, or whose filters could keep
+    a token beyond its candidates (the nucleus does not close within them, or the last candidate still passes
+    min-p), is filtered by the reference, row by row, so which path a row takes depends on that row alone.
+    The tokens kept equal the reference's, with two exceptions at a cut: which of several exactly equal logits
+    straddling the ``K``-th place enter the candidates follows ``topk``, and a probability within float
+    rounding of a top-p or min-p threshold may fall on the other side (the sums run over ``K`` values).
     """
     n_rows, vocab = scaled.shape
     top_k = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
     top_p = [p.top_p for p in params]
     min_p = [p.min_p for p in params]
     active = [k < vocab or tp < 1.0 or mp > 0.0 for k, tp, mp in zip(top_k, top_p, min_p)]
-    if not any(active):
-        return scaled
-    k_cand = min(vocab, max(k if k < vocab else CANDIDATES for k, on in zip(top_k, active) if on))
-    if k_cand >= vocab // 2:
-        return apply_filters_reference(scaled, params)
+    bound = [k if k < vocab else min(vocab, CANDIDATES) for k in top_k]
+    fast = [i for i in range(n_rows) if active[i] and bound[i] < vocab // 2]
+    slow = [i for i in range(n_rows) if active[i] and bound[i] >= vocab // 2]
+    out = scaled.clone() if any(active) else scaled
+    if fast:
+        sub = scaled[fast]
+        filtered, closed = _filter_candidates(sub, [top_k[i] for i in fast], [top_p[i] for i in fast],
+                                              [min_p[i] for i in fast], max(bound[i] for i in fast))
+        out[fast] = filtered
+        slow += [fast[j] for j, ok in enumerate(closed.tolist()) if not ok]
+    if slow:
+        out[slow] = apply_filters_reference(scaled[slow], [params[i] for i in slow])
+    return out
+
+
+def _filter_candidates(scaled: torch.Tensor, top_k: list[int], top_p: list[float], min_p: list[float],
+                       k_cand: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The filters on the ``k_cand`` best of each row of ``scaled [R, V]``: (filtered ``[R, V]``, closed
+    ``[R]`` bool: True where no token beyond the candidates could have been kept, so the row is exact)."""
+    vocab = scaled.shape[1]
     device = scaled.device
     values, ids = torch.topk(scaled, k_cand, dim=-1)                                  # [R, K], descending
     by_id = torch.argsort(ids, dim=-1)                 # equal values: increasing id, as the stable sort has them
@@ -230,10 +245,9 @@ def _apply_filters(scaled: torch.Tensor, params: Sequence[SamplingParams]) -> to
     order = torch.sort(values, dim=-1, descending=True, stable=True).indices
     cand, cand_ids = values.gather(1, order), ids.gather(1, order)                   # [R, K]
     position = torch.arange(k_cand, device=device).unsqueeze(0)
-    top_k_t = torch.tensor(top_k, device=device).unsqueeze(1)
-    keep = position < top_k_t                                                          # [R, K]
+    keep = position < torch.tensor(top_k, device=device).unsqueeze(1)                # [R, K]
     neg_inf = float("-inf")
-    closed = torch.tensor([k < vocab for k in top_k], device=device)   # rows whose top_k already bounds them
+    closed = torch.tensor([k < vocab for k in top_k], device=device)   # top_k already bounds the row
     if any(tp < 1.0 for tp in top_p):
         # Probabilities over what top_k kept: the candidates when top_k bounds the row, else the whole row.
         log_norm = torch.where(closed, torch.logsumexp(cand.masked_fill(~keep, neg_inf), dim=-1),
@@ -244,18 +258,15 @@ def _apply_filters(scaled: torch.Tensor, params: Sequence[SamplingParams]) -> to
         mass_before[:, 1:] = mass[:, :-1]
         top_p_t = torch.tensor(top_p, dtype=torch.float32, device=device).unsqueeze(1)
         keep &= (mass_before < top_p_t) | (top_p_t >= 1.0)
-        closed |= (mass[:, -1:] >= top_p_t).squeeze(1) & (top_p_t < 1.0).squeeze(1)
+        closed |= ((mass[:, -1:] >= top_p_t) & (top_p_t < 1.0)).squeeze(1)
     if any(mp > 0.0 for mp in min_p):
         # min_p compares each probability with the largest, a ratio no renormalisation changes.
         ratio = torch.exp(cand - cand[:, :1])                                          # [R, K]
         min_p_t = torch.tensor(min_p, dtype=torch.float32, device=device).unsqueeze(1)
         keep &= ratio >= min_p_t
         closed |= (ratio[:, -1:] < min_p_t).squeeze(1)
-    needs = torch.tensor(active, device=device)
-    if bool((needs & ~closed).any()):   # a row could keep a token beyond its candidates
-        return apply_filters_reference(scaled, params)
-    out = torch.full_like(scaled, neg_inf).scatter_(1, cand_ids, cand.masked_fill(~keep, neg_inf))
-    return torch.where(needs.unsqueeze(1), out, scaled)
+    filtered = torch.full_like(scaled, neg_inf).scatter_(1, cand_ids, cand.masked_fill(~keep, neg_inf))
+    return filtered, closed
 
 
 def apply_filters_reference(scaled: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
