@@ -387,6 +387,29 @@ def test_client_metadata_is_accepted_and_changes_nothing(server: Server, client:
     _expect_error(_post(server, chat, {**plain, "messages": msgs, "logit_bias": {"1": 1}}), 400, "logit_bias")
 
 
+def test_tokenize_and_detokenize_endpoints(server: Server, tiny_llama: str) -> None:
+    """vLLM's /tokenize and /detokenize: the ids generation sees for a prompt or a chat, and text back."""
+    from kv8.model.tokenizer import load_tokenizer
+
+    oracle = load_tokenizer("hf", tiny_llama)
+    resp = _post(server, "/tokenize", {"model": tiny_llama, "prompt": "Hello there"})
+    assert resp.status_code == 200, resp.text
+    body = resp.json()
+    assert body["tokens"] == oracle.encode("Hello there") and body["count"] == len(body["tokens"])
+    assert body["max_model_len"] == 256
+    plain = _post(server, "/tokenize", {"prompt": "Hello there", "add_special_tokens": False}).json()["tokens"]
+    assert plain == oracle.encode("Hello there", add_special_tokens=False)
+    msgs = [{"role": "user", "content": "Hello there"}]
+    chat = _post(server, "/tokenize", {"messages": msgs}).json()["tokens"]
+    assert chat == list(oracle.apply_chat_template(msgs, tokenize=True, add_generation_prompt=True)["input_ids"])
+    back = _post(server, "/detokenize", {"model": tiny_llama, "tokens": plain})
+    assert back.status_code == 200 and back.json()["prompt"] == oracle.decode(plain)
+    _expect_error(_post(server, "/detokenize", {"tokens": [0, 999999]}), 400, "vocabulary", param="tokens")
+    _expect_error(_post(server, "/tokenize", {"prompt": "a", "messages": msgs}), 400, "exactly one")
+    _expect_error(_post(server, "/tokenize", {"prompt": "a", "model": "other"}), 404, "does not exist")
+    _expect_error(_post(server, "/tokenize", {"prompt": "a"}, key=None), 401, "API key")
+
+
 def _expect_error(resp: httpx.Response, status: int, *fragments: str, param: str | None = None) -> None:
     assert resp.status_code == status, resp.text
     err = resp.json()["error"]

@@ -172,6 +172,31 @@ class ChatCompletionRequest(_SamplingFields):
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
 
+class TokenizeRequest(_Strict):
+    """POST /tokenize (vLLM's): a ``prompt`` (text) or chat ``messages``, exactly one of them."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True          # prompt: the tokenizer's special tokens (BOS ...), as generation adds
+    add_generation_prompt: bool = True       # messages: end with the assistant's turn, as chat completions do
+
+    @model_validator(mode="after")
+    def _one_input(self) -> TokenizeRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give exactly one of prompt and messages")
+        if self.messages is not None and not self.messages:
+            raise ValueError("messages is empty")
+        return self
+
+
+class DetokenizeRequest(_Strict):
+    """POST /detokenize (vLLM's): token ids back to text."""
+
+    model: str | None = None
+    tokens: list[int]
+
+
 def validation_error(e: ValidationError) -> APIError:
     """The first problem of a pydantic error as a 400 naming the field, the problem and the bad value."""
     err = e.errors(include_url=False)[0]

@@ -32,14 +32,21 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kv8 import envs
 from kv8.engine.args import EngineArgs
 from kv8.entrypoints.async_engine import AsyncEngine
 from kv8.entrypoints.metrics import ServerMetrics
-from kv8.entrypoints.protocol import APIError, ChatCompletionRequest, CompletionRequest, validation_error
+from kv8.entrypoints.protocol import (
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+    validation_error,
+)
 from kv8.entrypoints.request_run import ClientDisconnected, Stream
 from kv8.entrypoints.serving import OpenAIServing, ServingLimits
 
@@ -211,7 +218,7 @@ def build_app(engine: AsyncEngine, limits: ServingLimits, api_key: str | None, m
             "id": limits.served_model_name, "object": "model", "created": int(time.time()), "owned_by": "kv8",
             "max_model_len": limits.max_model_len}]})
 
-    async def parse(request: Request, model: type[CompletionRequest] | type[ChatCompletionRequest]) -> Any:
+    async def parse(request: Request, model: type[BaseModel]) -> Any:
         """Check the key, read the bounded JSON body and validate it strictly (errors become 4xx)."""
         check_access(request)
         body = await read_json_body(request, max_request_bytes)
@@ -229,6 +236,16 @@ def build_app(engine: AsyncEngine, limits: ServingLimits, api_key: str | None, m
     async def chat_completions(request: Request) -> Response:
         req = await parse(request, ChatCompletionRequest)
         return respond(await serving.chat(req, lambda: _wait_disconnect(request)))
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> Response:
+        req = await parse(request, TokenizeRequest)
+        return JSONResponse(await asyncio.to_thread(serving.tokenize, req))
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> Response:
+        req = await parse(request, DetokenizeRequest)
+        return JSONResponse(await asyncio.to_thread(serving.detokenize, req))
 
     return app
 

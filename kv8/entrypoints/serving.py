@@ -31,7 +31,13 @@ from typing import Any
 
 from kv8.entrypoints.async_engine import AsyncEngine
 from kv8.entrypoints.metrics import ServerMetrics
-from kv8.entrypoints.protocol import APIError, ChatCompletionRequest, CompletionRequest
+from kv8.entrypoints.protocol import (
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+)
 from kv8.entrypoints.request_run import RequestRun, Stream, SubRequest, sse, usage, visible
 from kv8.entrypoints.server_tokenizer import ServerTokenizer
 from kv8.outputs import CompletionOutput, Logprob, PositionLogprobs
@@ -82,6 +88,26 @@ class OpenAIServing:
         self._counter = itertools.count()
 
     # ---- shared checks --------------------------------------------------------------------------------------
+    # ---- /tokenize and /detokenize (vLLM's) ---------------------------------------------------------------
+    def tokenize(self, req: TokenizeRequest) -> dict[str, Any]:
+        """Token ids of a prompt or a chat, as generation would see them (run in a worker thread)."""
+        if req.model is not None:
+            self._check_model(req.model)
+        if req.prompt is not None:
+            ids = self.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+        else:
+            ids = self.tokenizer.chat_ids(req.messages or [], req.add_generation_prompt)
+        return {"tokens": ids, "count": len(ids), "max_model_len": self.limits.max_model_len}
+
+    def detokenize(self, req: DetokenizeRequest) -> dict[str, Any]:
+        if req.model is not None:
+            self._check_model(req.model)
+        bad = [t for t in req.tokens if not 0 <= t < self.vocab_size]
+        if bad:
+            raise APIError(400, f"tokens contains ids {bad[:5]} outside the vocabulary [0, {self.vocab_size})",
+                           param="tokens")
+        return {"prompt": self.tokenizer.decode(req.tokens)}
+
     def _check_model(self, model: str) -> None:
         if model != self.limits.served_model_name:
             raise APIError(404, f"The model `{model}` does not exist; this server serves "
@@ -297,14 +323,7 @@ class OpenAIServing:
         self._check_model(req.model)
         n = req.n or 1
         self._check_n(n)
-        if not self.tokenizer.has_chat_template:
-            raise APIError(400, "this model's tokenizer has no chat template; use /v1/completions",
-                           param="messages")
-        conv = [{"role": m.template_role, "content": m.text()} for m in req.messages]
-        try:
-            ids = self.tokenizer.apply_chat_template(conv)
-        except Exception as e:  # jinja TemplateError and friends: the conversation does not fit the template
-            raise APIError(400, f"the chat template rejected the messages: {e}", param="messages") from e
+        ids = self.tokenizer.chat_ids(req.messages)
         max_tokens = self._max_tokens(req.token_limit, len(ids), None,
                                       "max_completion_tokens" if req.max_completion_tokens else "max_tokens",
                                       "messages")
