@@ -218,10 +218,12 @@ def _apply_filters(scaled: torch.Tensor, params: Sequence[SamplingParams]) -> to
     top_p = [p.top_p for p in params]
     min_p = [p.min_p for p in params]
     active = [k < vocab or tp < 1.0 or mp > 0.0 for k, tp, mp in zip(top_k, top_p, min_p)]
+    if not any(active):
+        return scaled
     bound = [k if k < vocab else min(vocab, CANDIDATES) for k in top_k]
     fast = [i for i in range(n_rows) if active[i] and bound[i] < vocab // 2]
     slow = [i for i in range(n_rows) if active[i] and bound[i] >= vocab // 2]
-    out = scaled.clone() if any(active) else scaled
+    out = scaled.clone()
     if fast:
         sub = scaled[fast]
         filtered, closed = _filter_candidates(sub, [top_k[i] for i in fast], [top_p[i] for i in fast],

@@ -178,13 +178,13 @@ class OpenAIServing:
         n = req.n or 1
         self._check_n(n)
         prompts = req.prompts()
-        seqs = len(prompts) * (1 if req.max_tokens == 0 else n)
+        score_only = req.max_tokens == 0
+        seqs = len(prompts) * (1 if score_only else n)
         if seqs > self.limits.max_in_flight:   # can never be admitted, however long the client waits
             raise APIError(400, f"this request asks for {seqs} sequences ({len(prompts)} prompts x n), over the "
                                 f"server's limit of {self.limits.max_in_flight} sequences in flight; split it",
                            param="prompt")
         echo = bool(req.echo)
-        score_only = req.max_tokens == 0
         base_id = self._new_id("cmpl")
         subs = []
         vocab = self.vocab_size
