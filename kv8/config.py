@@ -143,11 +143,21 @@ def _cfg_float(cfg: Mapping[str, Any], key: str, default: float) -> float:
     return float(value)
 
 
+LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
 @dataclass(frozen=True)
 class ModelArchConfig:
-    """Architecture of a Llama-family decoder (Llama, Mistral, Qwen2, Qwen3).
+    """Architecture of a decoder, the fields every model and the engine use.
 
-    Invariants: ``num_heads % num_kv_heads == 0``; ``head_dim`` even; ``eos_token_ids`` non-empty tuple.
+    A model file whose architecture has more settings (Gemma 3's ``query_pre_attn_scalar``, ...) declares a
+    subclass with those fields and names it in its class's ``arch_config_cls``; :meth:`from_hf_config` builds
+    that subclass, adding the fields its :meth:`extra_fields` reads.
+
+    Attention kinds per layer: ``layer_types[i]`` is ``"sliding_attention"`` (the layer attends to its last
+    ``sliding_window`` tokens) or ``"full_attention"``. Invariants: ``num_heads % num_kv_heads == 0``;
+    ``head_dim`` even; ``layer_types`` has ``num_layers`` entries from :data:`LAYER_TYPES`, and a sliding one
+    only with ``sliding_window`` set.
     """
 
     model_type: str
@@ -167,8 +177,12 @@ class ModelArchConfig:
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
     sliding_window: int | None = None
+    layer_types: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
+        if not self.layer_types:   # default: every layer is of the model's one kind
+            kind = "full_attention" if self.sliding_window is None else "sliding_attention"
+            object.__setattr__(self, "layer_types", (kind,) * self.num_layers)
         for name, value in (("vocab_size", self.vocab_size), ("hidden_size", self.hidden_size),
                             ("intermediate_size", self.intermediate_size), ("num_hidden_layers", self.num_layers),
                             ("num_attention_heads", self.num_heads), ("num_key_value_heads", self.num_kv_heads),
@@ -184,6 +198,24 @@ class ModelArchConfig:
                              f"num_key_value_heads={self.num_kv_heads}")
         if self.head_dim % 2:
             raise ValueError(f"head_dim={self.head_dim} must be even for rotary embeddings")
+        if len(self.layer_types) != self.num_layers or any(t not in LAYER_TYPES for t in self.layer_types):
+            raise ValueError(f"model config layer_types={list(self.layer_types)!r} must list one of "
+                             f"{', '.join(LAYER_TYPES)} for each of the {self.num_layers} layers")
+        if self.sliding_window is None and "sliding_attention" in self.layer_types:
+            raise ValueError("model config layer_types has sliding_attention layers but no sliding_window")
+
+    def layer_window(self, layer: int) -> int | None:
+        """The sliding window of ``layer`` (None: the layer attends to the whole context)."""
+        return self.sliding_window if self.layer_types[layer] == "sliding_attention" else None
+
+    @property
+    def layer_windows(self) -> tuple[int | None, ...]:
+        return tuple(self.layer_window(i) for i in range(self.num_layers))
+
+    @classmethod
+    def extra_fields(cls, cfg: Mapping[str, Any]) -> dict[str, Any]:
+        """The values of the fields a subclass adds, read from the Hugging Face config (none here)."""
+        return {}
 
     @property
     def gqa_ratio(self) -> int:
@@ -191,13 +223,15 @@ class ModelArchConfig:
 
     @staticmethod
     def from_hf_config(cfg: Mapping[str, Any]) -> ModelArchConfig:
-        """Normalise a Hugging Face config.json dict. A model type without a registered model class, a missing
-        key, or a value of the wrong type or range raises ``ValueError`` naming the key."""
+        """Normalise a Hugging Face config.json dict into the config class of its model (``arch_config_cls``
+        of the registered class). A model type without a registered model class, a missing key, or a value of
+        the wrong type or range raises ``ValueError`` naming the key."""
         if not isinstance(cfg, Mapping):
             raise ValueError(f"the model config must be a JSON object, got {type(cfg).__name__}")
-        from kv8.models.registry import resolve_model_type  # the registry imports this module
+        from kv8.models.registry import MODEL_TYPES, resolve_model_type  # the registry imports this module
 
         model_type = resolve_model_type(cfg)
+        config_cls: type[ModelArchConfig] = MODEL_TYPES[model_type].arch_config_cls
         hidden, heads = _cfg_int(cfg, "hidden_size"), _cfg_int(cfg, "num_attention_heads")
         eos = cfg.get("eos_token_id")
         eos_list = eos if isinstance(eos, (list, tuple)) else ([] if eos is None else [eos])
@@ -205,7 +239,11 @@ class ModelArchConfig:
             raise ValueError(f"model config eos_token_id={eos!r} must be an int or a list of ints")
         sliding = cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None
         rope_default = (cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0)
-        return ModelArchConfig(
+        layer_types = cfg.get("layer_types")
+        if layer_types is not None and not (isinstance(layer_types, list)
+                                            and all(isinstance(t, str) for t in layer_types)):
+            raise ValueError(f"model config layer_types={layer_types!r} must be a list of strings")
+        return config_cls(
             model_type=model_type,
             vocab_size=_cfg_int(cfg, "vocab_size"),
             hidden_size=hidden,
@@ -223,6 +261,8 @@ class ModelArchConfig:
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=tuple(eos_list),
             sliding_window=_cfg_int(cfg, "sliding_window") if sliding else None,
+            layer_types=tuple(layer_types or ()) if sliding else (),
+            **config_cls.extra_fields(cfg),
         )
 
     def kv_bytes_per_token(self, kv_dtype: KVCacheDtype, dynamic_scales: bool = False) -> int:
@@ -401,7 +441,7 @@ def default_kv_cache_memory() -> int:
 
 
 __all__ = [
-    "ATTENTION_BACKENDS", "DENSE_BACKENDS", "DTYPE_CHOICES", "ROTATIONS", "SCALE_MODES", "CacheConfig",
+    "ATTENTION_BACKENDS", "DENSE_BACKENDS", "DTYPE_CHOICES", "LAYER_TYPES", "ROTATIONS", "SCALE_MODES", "CacheConfig",
     "EngineConfig", "ModelArchConfig", "RopeScaling", "SchedulerConfig", "available_memory", "blocks_for_memory",
     "ceil_div", "check_dense_backend", "default_kv_cache_memory", "format_bytes", "parse_memory", "resolve_dtype",
 ]

@@ -98,6 +98,7 @@ class LlamaForCausalLM(nn.Module):
     tied_weights = {"lm_head.weight": "model.embed_tokens.weight"}
     # the attention block; family members that differ only there (Qwen3's QK-norm) name their own
     attention_cls: type[nn.Module] = Attention
+    arch_config_cls = ModelArchConfig
 
     def __init__(self, arch: ModelArchConfig, backend: DenseBackend = TORCH_BACKEND) -> None:
         super().__init__()

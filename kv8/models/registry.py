@@ -28,6 +28,8 @@ class CausalLM(Protocol):
     packed_modules_mapping: ClassVar[dict[str, tuple[str, int | str]]]
     # parameter name -> name of the parameter it shares when ``arch.tie_word_embeddings``
     tied_weights: ClassVar[dict[str, str]]
+    # the config class :meth:`ModelArchConfig.from_hf_config` builds for this model (a subclass adds fields)
+    arch_config_cls: ClassVar[type[ModelArchConfig]]
 
     def __init__(self, arch: ModelArchConfig, backend: DenseBackend) -> None:
         """Build on the current default device (the loader uses the meta device)."""
