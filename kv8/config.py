@@ -228,10 +228,10 @@ class ModelArchConfig:
         the wrong type or range raises ``ValueError`` naming the key."""
         if not isinstance(cfg, Mapping):
             raise ValueError(f"the model config must be a JSON object, got {type(cfg).__name__}")
-        from kv8.models.registry import MODEL_TYPES, resolve_model_type  # the registry imports this module
+        from kv8.models.registry import arch_config_class, resolve_model_type  # the registry imports this module
 
         model_type = resolve_model_type(cfg)
-        config_cls: type[ModelArchConfig] = MODEL_TYPES[model_type].arch_config_cls
+        config_cls = arch_config_class(model_type)
         hidden, heads = _cfg_int(cfg, "hidden_size"), _cfg_int(cfg, "num_attention_heads")
         eos = cfg.get("eos_token_id")
         eos_list = eos if isinstance(eos, (list, tuple)) else ([] if eos is None else [eos])

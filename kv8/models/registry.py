@@ -18,7 +18,8 @@ from kv8.layers.dense_kernels import DenseBackend
 from kv8.models.llama import LlamaForCausalLM
 from kv8.models.qwen3 import Qwen3ForCausalLM
 
-__all__ = ["ARCHITECTURES", "MODEL_TYPES", "CausalLM", "model_class", "resolve_model_type", "supported_model_types"]
+__all__ = ["ARCHITECTURES", "MODEL_TYPES", "CausalLM", "arch_config_class", "model_class", "resolve_model_type",
+           "supported_model_types"]
 
 
 class CausalLM(Protocol):
@@ -41,7 +42,7 @@ class CausalLM(Protocol):
         """``[N, E]`` -> float32 logits ``[N, V]``."""
 
 
-MODEL_TYPES: dict[str, type] = {
+MODEL_TYPES: dict[str, Any] = {   # model_type -> a class following CausalLM
     "llama": LlamaForCausalLM,
     "mistral": LlamaForCausalLM,
     "qwen2": LlamaForCausalLM,
@@ -75,6 +76,12 @@ def resolve_model_type(hf_config: Mapping[str, Any]) -> str:
              else f"a config without model_type (architectures={hf_config.get('architectures')!r})")
     raise ValueError(f"{given} is not supported; kv8 supports model types: {', '.join(supported_model_types())} "
                      f"(architectures: {', '.join(sorted(ARCHITECTURES))})")
+
+
+def arch_config_class(model_type: str) -> type[ModelArchConfig]:
+    """The config class of a registered ``model_type`` (its model's ``arch_config_cls``)."""
+    cls: type[ModelArchConfig] = MODEL_TYPES[model_type].arch_config_cls
+    return cls
 
 
 def model_class(hf_config: Mapping[str, Any]) -> type:
