@@ -50,10 +50,10 @@ def run(kv_dtype: str, prompts: list[list[int]], args: argparse.Namespace) -> di
             decode_tokens += len(so.chunks)
             decode_seconds += dt
     elapsed = time.perf_counter() - start
-    assert eng.kv_manager.num_free_blocks == eng.kv_manager.pool.num_blocks
+    assert eng.kv_manager.num_free_blocks == eng.kv_manager.num_blocks
     return {"kv": kv_dtype, "seconds": elapsed, "tok_s": generated / elapsed, "peak": peak, "steps": steps,
-            "preemptions": eng.scheduler.num_preemptions, "blocks": eng.kv_manager.pool.num_blocks,
-            "capacity": eng.kv_manager.pool.num_blocks * eng.config.cache.block_size, "generated": generated,
+            "preemptions": eng.scheduler.num_preemptions, "blocks": eng.kv_manager.num_blocks,
+            "capacity": eng.kv_manager.num_blocks * eng.config.cache.block_size, "generated": generated,
             "prefill_tokens": prefill_tokens, "prefill_seconds": prefill_seconds,
             "decode_batch": decode_tokens / max(decode_steps, 1),
             "decode_ms": 1e3 * decode_seconds / max(decode_steps, 1),

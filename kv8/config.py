@@ -144,6 +144,8 @@ def _cfg_float(cfg: Mapping[str, Any], key: str, default: float) -> float:
 
 
 LAYER_TYPES = ("full_attention", "sliding_attention")
+# kv_cache_dtype_skip_layers entries besides layer indices: every layer of that kind stays in the compute dtype
+SKIP_LAYER_KINDS = ("sliding_window", "full_attention")
 
 
 @dataclass(frozen=True)
@@ -294,6 +296,11 @@ class CacheConfig:
     in exact arithmetic while outliers are spread across channels before rounding. Needs a power-of-two head_dim
     (checked by :class:`EngineConfig`, which knows the model).
 
+    ``skip_layers`` (``kv_cache_dtype_skip_layers``): layer indices and :data:`SKIP_LAYER_KINDS` whose layers stay
+    in the compute dtype while the rest are FP8. ``hybrid`` (off with ``disable_hybrid_kv_cache_manager``):
+    sliding-window layers keep only the blocks inside their window; off, they keep every block (attention is
+    windowed either way).
+
     Invariants: ``block_size`` is a power of two; at most one of ``kv_cache_memory`` (bytes) and
     ``num_kv_blocks`` is set, and it is an int >= 1; ``scale_mode`` in :data:`SCALE_MODES`, ``rotation`` in
     :data:`ROTATIONS`; dynamic scales and ``quantization_param_path`` need an FP8 ``kv_dtype`` and exclude each
@@ -308,6 +315,8 @@ class CacheConfig:
     quantization_param_path: str | None = None
     scale_mode: str = "static"
     rotation: str = "none"
+    skip_layers: tuple[int | str, ...] = ()
+    hybrid: bool = True
 
     @property
     def dynamic_scales(self) -> bool:
@@ -329,6 +338,15 @@ class CacheConfig:
         if (isinstance(self.block_size, bool) or not isinstance(self.block_size, int) or self.block_size < 1
                 or self.block_size & (self.block_size - 1)):
             raise ValueError(f"block_size={self.block_size!r} must be a power of two >= 1 (e.g. 16)")
+        for entry in self.skip_layers:
+            if entry not in SKIP_LAYER_KINDS and (isinstance(entry, bool) or not isinstance(entry, int) or entry < 0):
+                raise ValueError(f"kv_cache_dtype_skip_layers entry {entry!r} must be a layer index >= 0 or one of: "
+                                 f"{', '.join(SKIP_LAYER_KINDS)}")
+        if self.skip_layers and not self.kv_dtype.is_fp8:
+            raise ValueError(f"kv_cache_dtype_skip_layers keeps layers out of an FP8 cache, but kv_cache_dtype="
+                             f"{self.kv_dtype.name!r} is not FP8")
+        if not isinstance(self.hybrid, bool):
+            raise ValueError(f"disable_hybrid_kv_cache_manager={not self.hybrid!r} must be True or False")
         if self.kv_cache_memory is not None and self.num_kv_blocks is not None:
             raise ValueError("give either kv_cache_memory or num_kv_blocks, not both")
         if self.kv_cache_memory is not None:
@@ -368,7 +386,8 @@ class EngineConfig:
 
     Invariants beyond those of its parts: ``attention_backend`` is in :data:`ATTENTION_BACKENDS`;
     ``dense_backend`` is in :data:`DENSE_BACKENDS` and usable with ``dtype``; ``max_model_len`` fits the
-    model's context and sliding window; a Hadamard rotation has a power-of-two ``head_dim``; ``seed`` is an int.
+    model's context; ``kv_cache_dtype_skip_layers`` names layers the model has; a Hadamard rotation has a
+    power-of-two ``head_dim``; ``seed`` is an int.
     """
 
     model: str
@@ -391,14 +410,32 @@ class EngineConfig:
         if self.cache.rotation == "hadamard" and arch.head_dim & (arch.head_dim - 1):
             raise ValueError(f"kv_cache_rotation='hadamard' needs a power-of-two head_dim; this model has "
                              f"head_dim={arch.head_dim}")
-        if arch.sliding_window and max_len > arch.sliding_window:
-            raise ValueError(f"max_model_len={max_len} exceeds the model's sliding window "
-                             f"({arch.sliding_window}); kv8 does not implement sliding-window attention")
+        self.skipped_layers()   # validates kv_cache_dtype_skip_layers against the model
         if max_len > arch.max_position_embeddings:
             raise ValueError(f"max_model_len={max_len} exceeds the model's context "
                              f"(max_position_embeddings={arch.max_position_embeddings})")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise ValueError(f"seed={self.seed!r} must be an int")
+
+
+    def skipped_layers(self) -> tuple[bool, ...]:
+        """Per layer, whether ``kv_cache_dtype_skip_layers`` keeps it in the compute dtype."""
+        arch = self.arch
+        skipped = [False] * arch.num_layers
+        for entry in self.cache.skip_layers:
+            if isinstance(entry, int):
+                if entry >= arch.num_layers:
+                    raise ValueError(f"kv_cache_dtype_skip_layers has layer {entry}, but the model has "
+                                     f"{arch.num_layers} layers (0..{arch.num_layers - 1})")
+                skipped[entry] = True
+                continue
+            kind = "sliding_attention" if entry == "sliding_window" else "full_attention"
+            if kind not in arch.layer_types:
+                raise ValueError(f"kv_cache_dtype_skip_layers has {entry!r}, but this model has no "
+                                 f"{kind.replace('_', ' ')} layers")
+            for i, t in enumerate(arch.layer_types):
+                skipped[i] = skipped[i] or t == kind
+        return tuple(skipped)
 
 
 def check_dense_backend(name: str, dtype: torch.dtype) -> None:
@@ -441,7 +478,8 @@ def default_kv_cache_memory() -> int:
 
 
 __all__ = [
-    "ATTENTION_BACKENDS", "DENSE_BACKENDS", "DTYPE_CHOICES", "LAYER_TYPES", "ROTATIONS", "SCALE_MODES", "CacheConfig",
+    "ATTENTION_BACKENDS", "DENSE_BACKENDS", "DTYPE_CHOICES", "LAYER_TYPES", "ROTATIONS", "SKIP_LAYER_KINDS",
+    "SCALE_MODES", "CacheConfig",
     "EngineConfig", "ModelArchConfig", "RopeScaling", "SchedulerConfig", "available_memory", "blocks_for_memory",
     "ceil_div", "check_dense_backend", "default_kv_cache_memory", "format_bytes", "parse_memory", "resolve_dtype",
 ]

@@ -37,7 +37,7 @@ def check_all_blocks_free(llm: LLM) -> None:
     kv = llm.engine.kv_manager
     kv.check_integrity()
     assert not kv.req_blocks, f"requests still hold blocks: {list(kv.req_blocks)}"
-    assert kv.num_free_blocks == kv.pool.num_blocks
+    assert kv.num_free_blocks == kv.num_blocks
     assert not llm.engine.scheduler.has_unfinished() and not llm.engine.has_unfinished_requests()
 
 
@@ -223,14 +223,14 @@ def test_fp8_cache_holds_twice_the_tokens_of_bf16(tiny_llama):
     caps = {}
     for kv in ("bfloat16", "fp8_e4m3", "fp8_e5m2", "fp8_e4m3fnuz"):
         llm = make_llm(tiny_llama, kv_cache_dtype=kv, kv_cache_memory="4MiB")
-        caps[kv] = llm.engine.kv_manager.pool.num_blocks
+        caps[kv] = llm.engine.kv_manager.num_blocks
         assert llm.engine.cache.nbytes <= 4 * 1024 * 1024
     assert caps["fp8_e4m3"] == caps["fp8_e5m2"] == caps["fp8_e4m3fnuz"] == 2 * caps["bfloat16"]
     # Dynamic scales cost one float32 per token, head and K/V: 4 / head_dim (16 here) = 25% on this tiny model.
     dyn = make_llm(tiny_llama, kv_cache_dtype="fp8", kv_cache_scale_mode="dynamic", kv_cache_memory="4MiB")
     per_token = dyn.engine.config.arch.kv_bytes_per_token(dyn.engine.config.cache.kv_dtype, True)
     assert per_token == 2 * 2 * 4 * (16 + 4)
-    assert dyn.engine.kv_manager.pool.num_blocks == (4 * 1024 * 1024) // (per_token * 16)
+    assert dyn.engine.kv_manager.num_blocks == (4 * 1024 * 1024) // (per_token * 16)
     assert dyn.engine.cache.nbytes <= 4 * 1024 * 1024
 
 

@@ -50,14 +50,14 @@ def test_check_stop_token_rules() -> None:
 
 
 def test_chunks_carry_block_tables_and_update_applies_the_step() -> None:
-    kv = KVCacheManager(num_blocks=8, block_size=4, enable_prefix_caching=False)
+    kv = KVCacheManager.full_attention(num_blocks=8, block_size=4, enable_prefix_caching=False)
     sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=32), kv)
     a, b = req("a", list(range(6)), max_tokens=2), req("b", list(range(10, 13)), max_tokens=5)
     sched.add(a)
     sched.add(b)
     so = sched.schedule()
     assert [(c.request.request_id, c.start, c.num_new_tokens, c.block_ids) for c in so.chunks] == [
-        ("a", 0, 6, (0, 1)), ("b", 0, 3, (2,))]
+        ("a", 0, 6, ((0, 1),)), ("b", 0, 3, ((2,),))]
     lp = TokenLogprobs(4, -0.5, [4], [-0.5])
     updated = sched.update(so, ModelRunnerOutput(sampled={"a": 4, "b": EOS}, logprobs={"a": lp}, prompt_logprobs={}))
     assert updated == [a, b]
@@ -65,7 +65,7 @@ def test_chunks_carry_block_tables_and_update_applies_the_step() -> None:
     assert b.status is RequestStatus.FINISHED_STOPPED and "b" not in kv.req_blocks   # EOS: blocks freed
     so = sched.schedule()
     assert [(c.request.request_id, c.start, c.num_new_tokens, c.block_ids) for c in so.chunks] == [
-        ("a", 6, 1, (0, 1))]
+        ("a", 6, 1, ((0, 1),))]
     sched.update(so, ModelRunnerOutput(sampled={"a": 5}, logprobs={}, prompt_logprobs={}))
     assert a.status is RequestStatus.FINISHED_LENGTH and not kv.req_blocks
     kv.check_integrity()

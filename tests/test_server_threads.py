@@ -92,4 +92,4 @@ def test_server_tokenizes_with_its_own_tokenizer_while_the_engine_decodes(tiny_l
     assert recorder.threads <= {"kv8-engine", "MainThread"}, recorder.threads
     assert not engine.has_unfinished_requests()
     engine.kv_manager.check_integrity()
-    assert engine.kv_manager.num_free_blocks == engine.kv_manager.pool.num_blocks
+    assert engine.kv_manager.num_free_blocks == engine.kv_manager.num_blocks

@@ -21,7 +21,7 @@ def test_capital_of_france_is_paris(kv):
     text = llm.generate("The capital of France is", GREEDY)[0].outputs[0].text
     assert "Paris" in text, text
     kv_mgr = llm.engine.kv_manager
-    assert kv_mgr.num_free_blocks == kv_mgr.pool.num_blocks
+    assert kv_mgr.num_free_blocks == kv_mgr.num_blocks
 
 
 def test_chat_and_issue_example():

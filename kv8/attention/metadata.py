@@ -27,6 +27,7 @@ class AttentionMetadata:
     block_tables: torch.Tensor       # [B, max_blocks] int64, padded with 0
     query_lens_list: tuple[int, ...]  # host copies, for loops in the reference
     seq_lens_list: tuple[int, ...]
+    sliding_window: int | None = None   # keys at positions > query position - window (None: all)
 
     @property
     def num_seqs(self) -> int:
@@ -34,7 +35,7 @@ class AttentionMetadata:
 
     @staticmethod
     def build(query_lens: list[int], seq_lens: list[int], block_tables: list[list[int]],
-              block_size: int) -> AttentionMetadata:
+              block_size: int, sliding_window: int | None = None) -> AttentionMetadata:
         """Build from per-sequence host lists. ``block_tables[i]`` must cover ``seq_lens[i]`` tokens."""
         slots: list[int] = []
         for q_len, s_len, table in zip(query_lens, seq_lens, block_tables):
@@ -56,4 +57,5 @@ class AttentionMetadata:
             block_tables=tables,
             query_lens_list=tuple(query_lens),
             seq_lens_list=tuple(seq_lens),
+            sliding_window=sliding_window,
         )

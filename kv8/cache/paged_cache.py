@@ -1,8 +1,12 @@
 """The KV cache tensors and quantize-on-store.
 
-Layout, one tensor for the whole model (``H`` = KV heads, ``D`` = head dim, ``bs`` = block size)::
+Layout, one tensor for the layers the cache holds (``H`` = KV heads, ``D`` = head dim, ``bs`` = block size)::
 
-    data: [num_layers, 2 (K, V), num_blocks, H, bs, D]   dtype = storage dtype (uint8 codes for FP8)
+    data: [num_slots, 2 (K, V), num_blocks, H, bs, D]   dtype = storage dtype (uint8 codes for FP8)
+
+Model layer ``l`` lives in slot ``slots[l]``. Without a slot map every layer has its own slot (``num_slots =
+num_layers``); a hybrid layout (:mod:`kv8.cache.layout`) puts several layers in one slot, each reached
+through its own group's block table, so a block index means different tokens in different layers.
 
 so one (layer, K|V, block, head) is a contiguous ``bs x D`` tile -- what a paged-attention kernel streams.
 A token's slot is ``block_id * bs + offset``; token ``t`` of a sequence lives at
@@ -12,7 +16,7 @@ What a slot holds is decided by the cache's :class:`kv8.cache.codec.KVCodec` (fo
 scales, basis); this class owns only the tensors and where a token's bytes go. With dynamic scales, each
 stored token also keeps one float32 scale per KV head for K and for V beside its codes::
 
-    token_scales: [num_layers, 2, num_blocks, H, bs]   float32
+    token_scales: [num_slots, 2, num_blocks, H, bs]   float32
 
 A slot's codes and scale are written together and read together, so prefix caching and preemption read back
 exactly what was stored.
@@ -20,6 +24,7 @@ exactly what was stored.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -41,17 +46,23 @@ class CacheShape:
 class PagedKVCache:
     """Owns the cache tensors; stores new K/V into slots and reads blocks back, both through its codec."""
 
-    def __init__(self, shape: CacheShape, codec: KVCodec) -> None:
+    def __init__(self, shape: CacheShape, codec: KVCodec, slots: Mapping[int, int] | None = None) -> None:
+        """``shape.num_layers`` is the model's layer count; ``slots`` maps each layer this cache holds to its
+        slot (None: every layer, slot = layer). Static scales are indexed by model layer."""
         self.shape = shape
         self.codec = codec
+        self.slots: dict[int, int] = dict(slots) if slots is not None else {i: i for i in range(shape.num_layers)}
+        if not self.slots or any(not 0 <= layer < shape.num_layers or s < 0 for layer, s in self.slots.items()):
+            raise ValueError(f"slots {self.slots} must map layers in [0, {shape.num_layers}) to slots >= 0")
+        num_slots = max(self.slots.values()) + 1
         # empty, not zeros: pages are mapped lazily, so an unused budget costs neither time nor resident
         # memory. Slots are always written before they are read (a slot beyond a sequence's length is never
         # used in its attention), so the initial contents do not matter.
-        self.data = torch.empty(shape.num_layers, 2, shape.num_blocks, shape.num_kv_heads, shape.block_size,
+        self.data = torch.empty(num_slots, 2, shape.num_blocks, shape.num_kv_heads, shape.block_size,
                                 shape.head_dim, dtype=codec.kv_dtype.storage_dtype)
         self.token_scales: torch.Tensor | None = None
         if codec.dynamic:
-            self.token_scales = torch.empty(shape.num_layers, 2, shape.num_blocks, shape.num_kv_heads,
+            self.token_scales = torch.empty(num_slots, 2, shape.num_blocks, shape.num_kv_heads,
                                             shape.block_size, dtype=torch.float32)
 
     @property
@@ -74,7 +85,8 @@ class PagedKVCache:
 
     def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(K cache, V cache) of one layer, each ``[num_blocks, H, bs, D]``."""
-        return self.data[layer, 0], self.data[layer, 1]
+        s = self.slots[layer]
+        return self.data[s, 0], self.data[s, 1]
 
     def layer_scales(self, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Static (k_scale, v_scale) broadcastable to ``[H, D]``, or None (16/32-bit cache, dynamic scales)."""
@@ -82,32 +94,35 @@ class PagedKVCache:
 
     def layer_token_scales(self, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(K, V) per-token scales of one layer, each ``[num_blocks, H, bs]`` float32, or None (static scales)."""
-        return None if self.token_scales is None else (self.token_scales[layer, 0], self.token_scales[layer, 1])
+        if self.token_scales is None:
+            return None
+        s = self.slots[layer]
+        return self.token_scales[s, 0], self.token_scales[s, 1]
 
     def store(self, layer: int, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         """Write new tokens (the reference store). key/value: ``[T, H, D]`` in the stored basis; slot_mapping:
         ``[T]`` int64 slots."""
-        bs = self.shape.block_size
+        bs, slot = self.shape.block_size, self.slots[layer]
         blocks, offsets = slot_mapping // bs, slot_mapping % bs
         for which, x in enumerate((key, value)):
             stored, ts = self.codec.encode(x, layer, which)
             # Advanced indices around a slice: the indexed view is [T, H, D], matching x.
-            self.data[layer, which][blocks, :, offsets] = stored
+            self.data[slot, which][blocks, :, offsets] = stored
             if ts is not None and self.token_scales is not None:
-                self.token_scales[layer, which][blocks, :, offsets] = ts
+                self.token_scales[slot, which][blocks, :, offsets] = ts
 
     def gather(self, layer: int, block_table: torch.Tensor, num_tokens: int,
                dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """Read the first ``num_tokens`` tokens of one sequence, decoded: (K, V) each ``[num_tokens, H, D]``."""
         nb = -(-num_tokens // self.shape.block_size)
         idx = block_table[:nb]
-        h, d = self.shape.num_kv_heads, self.shape.head_dim
+        h, d, slot = self.shape.num_kv_heads, self.shape.head_dim, self.slots[layer]
         out = []
         for which in (K, V):
-            blocks = self.data[layer, which][idx]                                # [nb, H, bs, D]
+            blocks = self.data[slot, which][idx]                                 # [nb, H, bs, D]
             tokens = blocks.transpose(1, 2).reshape(-1, h, d)[:num_tokens]        # [num_tokens, H, D]
             ts = None
             if self.token_scales is not None:
-                ts = self.token_scales[layer, which][idx].transpose(1, 2).reshape(-1, h)[:num_tokens]
+                ts = self.token_scales[slot, which][idx].transpose(1, 2).reshape(-1, h)[:num_tokens]
             out.append(self.codec.decode(tokens, layer, which, dtype, ts))
         return out[0], out[1]

@@ -23,6 +23,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Any
 
+from kv8.cache.layout import KVCacheLayout, pool_block_bytes, split_budget
 from kv8.config import (
     ATTENTION_BACKENDS,
     DENSE_BACKENDS,
@@ -33,7 +34,6 @@ from kv8.config import (
     EngineConfig,
     ModelArchConfig,
     SchedulerConfig,
-    blocks_for_memory,
     default_kv_cache_memory,
     format_bytes,
     parse_memory,
@@ -99,6 +99,12 @@ class EngineArgs:
         "(no calibration; +4 bytes per token, head and K/V)", choices=SCALE_MODES)
     kv_cache_rotation: str = option(
         "none", "rotate K/V by a per-head Hadamard matrix before storing (more accurate FP8)", choices=ROTATIONS)
+    kv_cache_dtype_skip_layers: str | list[int | str] | None = option(
+        None, "layers kept in the compute dtype in an FP8 cache: comma-separated layer indices and/or "
+        "'sliding_window' (every sliding-window layer) or 'full_attention'", metavar="LAYERS")
+    disable_hybrid_kv_cache_manager: bool = option(
+        False, "keep every block of sliding-window layers instead of freeing those that leave the window",
+        type=bool)
 
     @staticmethod
     def field_names() -> list[str]:
@@ -189,10 +195,12 @@ class EngineArgs:
         cache = CacheConfig(kv_dtype=kv_dtype, block_size=self.block_size, kv_cache_memory=memory,
                             num_kv_blocks=self.num_kv_blocks, enable_prefix_caching=self.enable_prefix_caching,
                             quantization_param_path=self.quantization_param_path,
-                            scale_mode=self.kv_cache_scale_mode, rotation=self.kv_cache_rotation)
+                            scale_mode=self.kv_cache_scale_mode, rotation=self.kv_cache_rotation,
+                            skip_layers=_skip_layers(self.kv_cache_dtype_skip_layers),
+                            hybrid=not self.disable_hybrid_kv_cache_manager)
         max_model_len = self.max_model_len
         if max_model_len is None:
-            max_model_len = min(arch.max_position_embeddings, 8192, arch.sliding_window or 8192)
+            max_model_len = min(arch.max_position_embeddings, 8192)
         sched = SchedulerConfig(max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
                                 max_model_len=max_model_len)
         return EngineConfig(model=model_path, model_kind=model_kind, arch=arch, dtype=dtype, cache=cache,
@@ -200,22 +208,46 @@ class EngineArgs:
                             dense_backend=self.dense_backend)
 
 
-def resolve_num_blocks(config: EngineConfig) -> int:
-    """Blocks for the configured budget; raises if they cannot hold one ``max_model_len`` sequence."""
-    cc, arch = config.cache, config.arch
+def _skip_layers(value: str | Iterable[int | str] | None) -> tuple[int | str, ...]:
+    """``kv_cache_dtype_skip_layers`` as a tuple: "1,sliding_window" or [1, "sliding_window"] -> (1,
+    "sliding_window"); digits become layer indices (validated by :class:`CacheConfig`)."""
+    if value is None:
+        return ()
+    items = value.split(",") if isinstance(value, str) else list(value)
+    out: list[int | str] = []
+    for item in items:
+        if isinstance(item, str):
+            item = item.strip()
+            out.append(int(item) if item.isdigit() else item)
+        else:
+            out.append(item)
+    return tuple(out)
+
+
+def resolve_num_blocks(config: EngineConfig, layout: KVCacheLayout) -> list[int]:
+    """Blocks of each pool of ``layout`` for the configured budget; raises if a pool cannot hold what one
+    ``max_model_len`` sequence needs in it (sliding-window groups counted at their window)."""
+    cc, sched = config.cache, config.scheduler
+    block_bytes = pool_block_bytes(config, layout)
+    chunk = min(sched.max_num_batched_tokens, sched.max_model_len)
     if cc.num_kv_blocks is not None:
-        num_blocks = cc.num_kv_blocks
+        if len(layout.pools) > 1:
+            raise ValueError("num_kv_blocks cannot size a cache with layers in two dtypes "
+                             "(kv_cache_dtype_skip_layers); give kv_cache_memory instead")
+        num_blocks = [cc.num_kv_blocks]
     else:
         memory = cc.kv_cache_memory if cc.kv_cache_memory is not None else default_kv_cache_memory()
-        num_blocks = blocks_for_memory(memory, arch, cc.kv_dtype, cc.block_size, cc.dynamic_scales)
-    capacity = num_blocks * cc.block_size
-    if capacity < config.scheduler.max_model_len:
-        per_token = arch.kv_bytes_per_token(cc.kv_dtype, cc.dynamic_scales)
-        raise ValueError(
-            f"the KV cache holds {capacity} tokens ({num_blocks} blocks of {cc.block_size}, "
-            f"{format_bytes(per_token)} per token in {cc.kv_dtype.name}), fewer than max_model_len="
-            f"{config.scheduler.max_model_len}; raise kv_cache_memory (needs at least "
-            f"{format_bytes(per_token * config.scheduler.max_model_len)}) or lower max_model_len")
+        num_blocks = split_budget(memory, layout, block_bytes, sched.max_model_len, cc.block_size, chunk)
+    needs = [layout.blocks_per_sequence(p.pool_id, sched.max_model_len, cc.block_size, chunk) for p in layout.pools]
+    for p, n, need in zip(layout.pools, num_blocks, needs):
+        if n < need:
+            what = ("num_kv_blocks" if cc.num_kv_blocks is not None else "kv_cache_memory (needs at least "
+                    f"{format_bytes(sum(b * k for b, k in zip(block_bytes, needs)))})")
+            stored = "the compute dtype" if p.skipped else cc.kv_dtype.name
+            raise ValueError(
+                f"the KV cache has {n} blocks of {cc.block_size} tokens ({format_bytes(block_bytes[p.pool_id])} "
+                f"each in {stored}), fewer than max_model_len={sched.max_model_len} needs ({need} blocks for one "
+                f"sequence); raise {what} or lower max_model_len")
     return num_blocks
 
 

@@ -25,6 +25,7 @@ from typing import Any
 from kv8.attention.backend import get_backend
 from kv8.cache.codec import KVCodec
 from kv8.cache.kv_cache_manager import KVCacheManager
+from kv8.cache.layout import layout_for
 from kv8.cache.paged_cache import CacheShape, PagedKVCache
 from kv8.config import EngineConfig, format_bytes
 from kv8.engine.args import EngineArgs, resolve_num_blocks
@@ -38,6 +39,7 @@ from kv8.model.sources import resolve_model_path
 from kv8.model.tokenizer import load_tokenizer
 from kv8.observer import EngineObserver
 from kv8.outputs import RequestOutput
+from kv8.quant.formats import resolve_kv_cache_dtype
 from kv8.quant.scale_sources import engine_kv_scales
 from kv8.quant.scales import ModelScaleInfo
 from kv8.sampling_params import SamplingParams
@@ -52,7 +54,8 @@ class LLMEngine:
         kind, path = resolve_model_path(args.model)
         # Validate every option against the architecture before paying for the weights.
         self.config: EngineConfig = args.create_engine_config(read_model_config(kind, path), kind, path)
-        num_blocks = resolve_num_blocks(self.config)   # a budget too small for max_model_len fails here
+        self.layout = layout_for(self.config)
+        num_blocks = resolve_num_blocks(self.config, self.layout)   # a budget too small for max_model_len fails here
         loaded = load_model(kind, path, self.config.dtype, self.config.dense_backend)
         self.dense_backend = loaded.dense_backend
         self.model = loaded.model
@@ -62,22 +65,27 @@ class LLMEngine:
                                                      arch.head_dim), loaded.scale_tensors, loaded.hf_config)
         codec = KVCodec.build(cc.kv_dtype, arch.head_dim, scale_mode=cc.scale_mode, rotation=cc.rotation,
                               scales=scales)
-        self.cache = PagedKVCache(CacheShape(arch.num_layers, num_blocks, arch.num_kv_heads, cc.block_size,
-                                             arch.head_dim), codec)
-        self.kv_manager = KVCacheManager(num_blocks, cc.block_size, cc.enable_prefix_caching)
+        # Pools: the kv_cache_dtype one first; layers of kv_cache_dtype_skip_layers in the compute dtype.
+        caches = []
+        for pool, n in zip(self.layout.pools, num_blocks):
+            pool_codec = (KVCodec.build(resolve_kv_cache_dtype("auto", self.config.dtype), arch.head_dim)
+                          if pool.skipped else codec)
+            shape = CacheShape(arch.num_layers, n, arch.num_kv_heads, cc.block_size, arch.head_dim)
+            caches.append(PagedKVCache(shape, pool_codec, {i: self.layout.layer_slot[i] for i in pool.layers}))
+        self.caches = tuple(caches)
+        self.cache = self.caches[0]   # the kv_cache_dtype pool (the only one unless layers are skipped)
+        self.kv_manager = KVCacheManager(self.layout, num_blocks, cc.block_size, cc.enable_prefix_caching)
         self.scheduler = Scheduler(self.config.scheduler, self.kv_manager)
         self.backend = get_backend(self.config.attention_backend)
-        self.runner = ModelRunner(self.model, self.cache, self.backend, observer)
+        self.runner = ModelRunner(self.model, self.caches, self.layout, self.backend, observer)
         self.input_processor = InputProcessor(self.config, self.tokenizer)
         self.output_processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
         self.last_schedule: SchedulerOutput | None = None
-        per_token = arch.kv_bytes_per_token(cc.kv_dtype, cc.dynamic_scales)
         logger.info(
-            "KV cache: dtype %s, %d blocks of %d tokens = %d tokens, %s per token, %s in all; %s; "
-            "prefix caching %s; attention backend %s; dense backend %s",
-            cc.kv_dtype.name, num_blocks, cc.block_size, num_blocks * cc.block_size, format_bytes(per_token),
-            format_bytes(self.cache.nbytes), codec.describe(),
+            "KV cache: dtype %s, %s blocks of %d tokens, %s in all; %s; %s; prefix caching %s; attention backend "
+            "%s; dense backend %s", cc.kv_dtype.name, " + ".join(map(str, num_blocks)), cc.block_size,
+            format_bytes(sum(c.nbytes for c in self.caches)), self.layout.describe(), codec.describe(),
             "on" if cc.enable_prefix_caching else "off", self.backend.name, self.dense_backend)
 
     # ---- requests -------------------------------------------------------------------------------------------
@@ -123,9 +131,9 @@ class LLMEngine:
         return {
             "num_running": len(self.scheduler.running),
             "num_waiting": len(self.scheduler.waiting),
-            "kv_cache_usage": self.kv_manager.pool.usage,
+            "kv_cache_usage": self.kv_manager.usage,
             "num_free_blocks": self.kv_manager.num_free_blocks,
-            "num_blocks": self.kv_manager.pool.num_blocks,
+            "num_blocks": self.kv_manager.num_blocks,
             "prefix_cache_hit_rate": self.kv_manager.prefix_cache_hit_rate(),
             "num_preemptions": self.scheduler.num_preemptions,
         }

@@ -14,12 +14,14 @@ Batch layout (T = sum of the chunks' new tokens)::
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 
 from kv8.attention.backend import AttentionBackend
 from kv8.attention.metadata import AttentionMetadata
+from kv8.cache.layout import KVCacheLayout
 from kv8.cache.paged_cache import PagedKVCache
 from kv8.engine.request import Request, TokenLogprobs
 from kv8.engine.sampler import compute_logprobs, sample
@@ -47,12 +49,29 @@ def _to_token_logprobs(token: torch.Tensor, lp: torch.Tensor, top_v: torch.Tenso
 class ModelRunner:
     """Owns the model, the paged cache it reads and writes, and the attention backend."""
 
-    def __init__(self, model: CausalLM, cache: PagedKVCache, backend: AttentionBackend,
-                 observer: EngineObserver | None = None) -> None:
+    def __init__(self, model: CausalLM, caches: Sequence[PagedKVCache], layout: KVCacheLayout,
+                 backend: AttentionBackend, observer: EngineObserver | None = None) -> None:
+        """``caches[p]`` holds pool ``p`` of ``layout``."""
         self.model = model
-        self.cache = cache
+        self.caches = tuple(caches)
+        self.layout = layout
+        self.block_size = self.caches[0].shape.block_size
         self.backend = backend
         self.observer = observer
+
+    def _context(self, query_lens: list[int], seq_lens: list[int],
+                 tables: list[tuple[tuple[int, ...], ...]]) -> AttentionContext:
+        """One :class:`AttentionMetadata` per KV cache group (its tables, with freed entries read as block 0:
+        they lie before the window and are never read), and each layer's (cache, metadata)."""
+        metas = []
+        for g in self.layout.groups:
+            group_tables = [[max(b, 0) for b in t[g.group_id]] for t in tables]
+            metas.append(AttentionMetadata.build(query_lens, seq_lens, group_tables, self.block_size,
+                                                 sliding_window=g.sliding_window))
+        if len(metas) == 1:
+            return AttentionContext(self.caches[0], metas[0], self.backend, self.observer)
+        per_layer = tuple((self.caches[self.layout.groups[g].pool], metas[g]) for g in self.layout.layer_group)
+        return AttentionContext(per_layer[0][0], per_layer[0][1], self.backend, self.observer, per_layer)
 
     @torch.inference_mode()
     def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
@@ -65,12 +84,11 @@ class ModelRunner:
             positions.extend(range(c.start, end))
             query_lens.append(c.num_new_tokens)
             seq_lens.append(end)
-            tables.append(list(c.block_ids))
-        meta = AttentionMetadata.build(query_lens, seq_lens, tables, self.cache.shape.block_size)
-        ctx = AttentionContext(self.cache, meta, self.backend, self.observer)
+            tables.append(c.block_ids)
+        ctx = self._context(query_lens, seq_lens, tables)
         hidden = self.model(torch.tensor(input_ids), torch.tensor(positions), ctx)
 
-        ends = meta.query_start_loc[1:].tolist()
+        ends = ctx.meta.query_start_loc[1:].tolist()
         sampling = [(c, ends[i] - 1) for i, c in enumerate(so.chunks) if c.samples]
         out = ModelRunnerOutput({}, {}, {})
         if sampling:

@@ -16,8 +16,9 @@ the computed tokens, appends each sampled token and its logprobs, and ends reque
 one place that applies the token-level stop rules (EOS, stop token ids, ``min_tokens``, ``max_tokens``).
 Stop strings need text and belong to the output processor.
 
-Invariants: a request whose tokens fit in ``max_model_len`` always fits in an empty pool (the engine refuses
-pools smaller than ``max_model_len``), so preemption always makes progress: no crash, no hang. Each
+Invariants: a request whose tokens fit in ``max_model_len`` always fits in empty pools (the engine refuses
+pools smaller than one ``max_model_len`` sequence needs, counting sliding-window groups at their window), so
+preemption always makes progress: no crash, no hang. Each
 :class:`ScheduledChunk` carries its request's block table as allocated for that step, so the runner needs no
 access to the KV cache manager.
 """
@@ -42,14 +43,15 @@ GROWTH_RESERVE_TOKENS = 64  # per running request, kept free when admitting (rou
 class ScheduledChunk:
     """``request`` computes tokens ``[start, start + num_new_tokens)`` this step.
 
-    ``block_ids`` is the request's block table after this step's allocation: it covers at least
-    ``start + num_new_tokens`` tokens (token ``t`` lives in block ``block_ids[t // block_size]``).
+    ``block_ids[g]`` is the request's block table in KV cache group ``g`` after this step's allocation: it
+    covers at least ``start + num_new_tokens`` tokens (token ``t`` lives in block ``block_ids[g][t //
+    block_size]``); in a sliding-window group, entries before the window are ``NULL_BLOCK`` (never read).
     """
 
     request: Request
     start: int
     num_new_tokens: int
-    block_ids: tuple[int, ...]
+    block_ids: tuple[tuple[int, ...], ...]
 
     @property
     def samples(self) -> bool:
@@ -105,7 +107,7 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             n = min(req.num_tokens - req.num_computed_tokens, budget)
-            while self.kv_manager.allocate_slots(req, n) is None:
+            while not self.kv_manager.allocate_slots(req, n):
                 victim = self.running.pop()
                 self._preempt(victim)
                 preempted.append(victim)
@@ -116,16 +118,19 @@ class Scheduler:
                 budget -= n
                 i += 1
 
-        reserve = -(-GROWTH_RESERVE_TOKENS // self.kv_manager.block_size)  # blocks per running request
+        kv = self.kv_manager
+        reserve = -(-GROWTH_RESERVE_TOKENS // kv.block_size)  # blocks per running request and group
+        group_counts = [len(kv.layout.pool_groups(p)) for p in range(len(kv.pools))]
         while not preempted and self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
-            hit_blocks, num_hit_tokens = self.kv_manager.get_computed_blocks(req)
+            hit_blocks, num_hit_tokens = kv.get_computed_blocks(req)
             n = min(req.num_tokens - num_hit_tokens, budget)
-            held = min(len(self.running) * reserve, self.kv_manager.pool.num_blocks // 4)
-            needed = self.kv_manager.blocks_needed(req, n, hit_blocks)
-            if self.running and needed + held > self.kv_manager.num_free_blocks:
+            needed = kv.blocks_needed(req, n, hit_blocks)
+            if self.running and any(
+                    need + min(len(self.running) * reserve * groups, pool.num_blocks // 4) > pool.num_free_blocks
+                    for need, groups, pool in zip(needed, group_counts, kv.pools)):
                 break
-            if self.kv_manager.allocate_slots(req, n, hit_blocks) is None:
+            if not kv.allocate_slots(req, n, hit_blocks):
                 break
             self.waiting.popleft()
             req.num_computed_tokens = num_hit_tokens
@@ -137,10 +142,10 @@ class Scheduler:
             budget -= n
         return SchedulerOutput(tuple(chunks), tuple(preempted))
 
-    def _block_ids(self, request: Request) -> tuple[int, ...]:
+    def _block_ids(self, request: Request) -> tuple[tuple[int, ...], ...]:
         # Taken right after the request's allocation succeeded; a preemption later in the same schedule() only
-        # takes requests that were not scheduled yet, so the table stays valid for the whole step.
-        return tuple(self.kv_manager.block_ids(request.request_id))
+        # takes requests that were not scheduled yet, so the tables stay valid for the whole step.
+        return self.kv_manager.block_ids(request.request_id)
 
     def update(self, output: SchedulerOutput, result: ModelRunnerOutput) -> list[Request]:
         """Apply one step's results and return the requests that sampled a token or failed, in chunk order.

@@ -22,12 +22,22 @@ from kv8.observer import EngineObserver
 
 @dataclass(frozen=True)
 class AttentionContext:
-    """Per-forward state: the cache, the batch layout, the backend that stores and attends, an observer."""
+    """Per-forward state: the cache, the batch layout, the backend that stores and attends, an observer.
+
+    With one KV cache group (every layer reads the same block tables) ``cache`` and ``meta`` serve every
+    layer. A hybrid layout (:mod:`kv8.cache.layout`: sliding-window groups, skipped layers) gives
+    ``per_layer[l] = (cache of layer l's pool, metadata of layer l's group)``; the metadata carries the group's
+    block tables, slots and sliding window.
+    """
 
     cache: PagedKVCache
     meta: AttentionMetadata
     backend: AttentionBackend
     observer: EngineObserver | None = None
+    per_layer: tuple[tuple[PagedKVCache, AttentionMetadata], ...] = ()
+
+    def for_layer(self, layer: int) -> tuple[PagedKVCache, AttentionMetadata]:
+        return self.per_layer[layer] if self.per_layer else (self.cache, self.meta)
 
 
 class PagedAttention(nn.Module):
@@ -45,11 +55,12 @@ class PagedAttention(nn.Module):
         self.scale = scale
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
-        codec = ctx.cache.codec
+        cache, meta = ctx.for_layer(self.layer_idx)
+        codec = cache.codec
         q, k, v = codec.to_stored_basis(q), codec.to_stored_basis(k), codec.to_stored_basis(v)
         if ctx.observer is not None:
             ctx.observer.on_kv_store(self.layer_idx, k, v, codec)
-        out = ctx.backend.forward(q, k, v, ctx.cache, self.layer_idx, ctx.meta, self.scale)   # [T, Hq, D]
+        out = ctx.backend.forward(q, k, v, cache, self.layer_idx, meta, self.scale)   # [T, Hq, D]
         out = codec.to_stored_basis(out)  # R is its own inverse
         return out.reshape(out.shape[0], self.num_heads * self.head_dim)
 

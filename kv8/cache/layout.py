@@ -1,0 +1,172 @@
+"""Where each layer's K/V lives: KV cache groups, pools and slots (the hybrid layout).
+
+Layers differ in what they keep: a full-attention layer keeps every token of a sequence, a sliding-window
+layer only its last ``window`` tokens (older blocks can be freed and reused), and a layer named in
+``kv_cache_dtype_skip_layers`` is stored in the compute dtype instead of FP8. Layers that agree on both form
+a *kind*. A request has one block table per *group*; the blocks come from a *pool*::
+
+    pool      one tensor [num_slots, 2, num_blocks, H, bs, D] and one free list (one storage dtype)
+    group     up to num_slots layers of one kind; a block id in its table names the same block index in
+              every slot, slot s holding layer group.layers[s]
+    kind      (window, storage): its layers are cut into groups of num_slots layers
+
+Within a pool every kind is cut into groups of the same size, ``num_slots`` = the fewest layers any kind of
+the pool has (vLLM's hybrid KV cache manager does the same), so one block id is the same number of bytes
+whatever group holds it and all groups of a pool share its free blocks: memory freed by a sliding-window
+group is reused by a full-attention group and vice versa. A kind whose layer count is not a multiple of
+``num_slots`` leaves the last slots of its last group unused.
+
+Example, Gemma-3-270M (18 layers, every 6th global, window 512): kinds full (3 layers) and sliding (15);
+``num_slots = 3``; groups ``full[5, 11, 17]`` and five sliding groups of 3 layers. At 8k context a sequence
+holds 512 blocks of the full group and at most ``ceil(512 / 16) + 1 = 33`` of each sliding group.
+
+Pools: layers of one storage dtype share a pool. With skipped layers there are two pools (FP8 first), each
+with its own blocks; the memory budget is split in proportion to what one ``max_model_len`` sequence needs in
+each (:func:`split_budget`).
+
+Invariants: every model layer is in exactly one group; the groups of a pool have ``len(layers) <=
+pool.num_slots``; a layer's (pool, slot) is unique.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from kv8.cache.codec import KVCodec
+from kv8.config import ceil_div
+from kv8.quant.formats import resolve_kv_cache_dtype
+
+if TYPE_CHECKING:
+    from kv8.config import EngineConfig
+
+
+@dataclass(frozen=True)
+class KVCacheGroup:
+    """Layers that share one block table per request. ``sliding_window`` None: full attention."""
+
+    group_id: int
+    pool: int
+    layers: tuple[int, ...]        # slot s holds layers[s]
+    sliding_window: int | None     # what its layers attend to
+    frees_out_of_window: bool = True   # False (disable_hybrid_kv_cache_manager): keeps every block
+
+    @property
+    def kept_window(self) -> int | None:
+        """The window whose blocks the group keeps (None: every block)."""
+        return self.sliding_window if self.frees_out_of_window else None
+
+    def max_blocks(self, num_tokens: int, block_size: int, chunk: int) -> int:
+        """The most blocks one sequence of ``num_tokens`` tokens holds in this group at once, computed in chunks of
+        at most ``chunk`` tokens (a sliding group frees blocks before the window of a chunk's first token)."""
+        full = ceil_div(num_tokens, block_size)
+        if self.kept_window is None:
+            return full
+        return min(full, ceil_div(self.kept_window - 1 + chunk, block_size) + 1)
+
+
+@dataclass(frozen=True)
+class KVPoolSpec:
+    """One physical pool: ``num_slots`` layer slots per block, stored as ``skipped`` (compute dtype) or not."""
+
+    pool_id: int
+    num_slots: int
+    skipped: bool
+    layers: tuple[int, ...]         # the model layers it holds, ascending
+
+
+@dataclass(frozen=True)
+class KVCacheLayout:
+    groups: tuple[KVCacheGroup, ...]
+    pools: tuple[KVPoolSpec, ...]
+    layer_group: tuple[int, ...]    # model layer -> group id
+    layer_slot: tuple[int, ...]     # model layer -> slot in its pool
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layer_group)
+
+    @property
+    def has_sliding_window(self) -> bool:
+        return any(g.sliding_window is not None for g in self.groups)
+
+    def pool_groups(self, pool: int) -> tuple[KVCacheGroup, ...]:
+        return tuple(g for g in self.groups if g.pool == pool)
+
+    def blocks_per_sequence(self, pool: int, num_tokens: int, block_size: int, chunk: int) -> int:
+        """Blocks of ``pool`` one sequence of ``num_tokens`` tokens needs at most (:meth:`KVCacheGroup.max_blocks`)."""
+        return sum(g.max_blocks(num_tokens, block_size, chunk) for g in self.pool_groups(pool))
+
+    @staticmethod
+    def build(layer_windows: Sequence[int | None], skipped: Sequence[bool] = (), hybrid: bool = True
+              ) -> KVCacheLayout:
+        """The layout for per-layer windows and skip flags (``skipped[i]``: layer i stays in the compute dtype).
+        ``hybrid=False``: sliding-window groups keep every block (vLLM's ``disable_hybrid_kv_cache_manager``)."""
+        n = len(layer_windows)
+        skip = tuple(skipped) or (False,) * n
+        if len(skip) != n or n == 0:
+            raise ValueError(f"{len(skip)} skip flags for {n} layers")
+        groups: list[KVCacheGroup] = []
+        pools: list[KVPoolSpec] = []
+        layer_group, layer_slot = [0] * n, [0] * n
+        for is_skipped in (False, True):   # the kv_cache_dtype pool first
+            layers = [i for i in range(n) if skip[i] == is_skipped]
+            if not layers:
+                continue
+            windows = sorted({layer_windows[i] for i in layers}, key=lambda w: (w is not None, w or 0))
+            kinds = [[i for i in layers if layer_windows[i] == w] for w in windows]
+            num_slots = min(len(k) for k in kinds)
+            pool_id = len(pools)
+            pools.append(KVPoolSpec(pool_id, num_slots, is_skipped, tuple(layers)))
+            for w, kind in zip(windows, kinds):
+                for start in range(0, len(kind), num_slots):
+                    members = tuple(kind[start:start + num_slots])
+                    for slot, layer in enumerate(members):
+                        layer_group[layer], layer_slot[layer] = len(groups), slot
+                    groups.append(KVCacheGroup(len(groups), pool_id, members, w, hybrid))
+        return KVCacheLayout(tuple(groups), tuple(pools), tuple(layer_group), tuple(layer_slot))
+
+    def describe(self) -> str:
+        parts = []
+        for p in self.pools:
+            gs = self.pool_groups(p.pool_id)
+            kinds: dict[int | None, int] = {}
+            for g in gs:
+                kinds[g.sliding_window] = kinds.get(g.sliding_window, 0) + 1
+            what = ", ".join(f"{c} {'full' if w is None else f'window-{w}'}" for w, c in kinds.items())
+            parts.append(f"{'compute-dtype' if p.skipped else 'kv-dtype'} pool: {len(gs)} groups of "
+                         f"{p.num_slots} layers ({what})")
+        return "; ".join(parts)
+
+
+def layout_for(config: EngineConfig) -> KVCacheLayout:
+    """The layout of an engine's KV cache: its model's layer windows, skipped layers and hybrid setting."""
+    return KVCacheLayout.build(config.arch.layer_windows, config.skipped_layers(), config.cache.hybrid)
+
+
+def pool_block_bytes(config: EngineConfig, layout: KVCacheLayout) -> list[int]:
+    """Bytes of one block of each pool (all its slots, K and V, per-token scales included)."""
+    arch, cc = config.arch, config.cache
+    out = []
+    for p in layout.pools:
+        kv_dtype = resolve_kv_cache_dtype("auto", config.dtype) if p.skipped else cc.kv_dtype
+        per_head = KVCodec.bytes_per_head(kv_dtype, arch.head_dim, cc.dynamic_scales and not p.skipped)
+        out.append(p.num_slots * 2 * arch.num_kv_heads * cc.block_size * per_head)
+    return out
+
+
+def split_budget(memory: int, layout: KVCacheLayout, block_bytes: Sequence[int], max_model_len: int,
+                 block_size: int, chunk: int) -> list[int]:
+    """Blocks per pool for ``memory`` bytes. ``block_bytes[p]``: bytes of one block of pool p (all its slots).
+
+    One pool takes everything; with two, each gets memory in proportion to what one ``max_model_len``
+    sequence needs in it (with out-of-window blocks freed), so both run out at about the same load.
+    """
+    need = [layout.blocks_per_sequence(p.pool_id, max_model_len, block_size, chunk) * block_bytes[p.pool_id]
+            for p in layout.pools]
+    total = sum(need)
+    return [int(memory * need[p] / total) // block_bytes[p] for p in range(len(need))]
+
+
+__all__ = ["KVCacheGroup", "KVCacheLayout", "KVPoolSpec", "layout_for", "pool_block_bytes", "split_budget"]
