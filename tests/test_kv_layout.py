@@ -100,7 +100,7 @@ def test_sliding_window_prefix_hits_need_only_the_window_blocks():
     free_before = kv.num_free_blocks
     assert kv.allocate_slots(b, 2, hits)
     assert all(t[:5] == (NULL_BLOCK,) * 5 for t in kv.block_ids("b"))
-    assert free_before - kv.num_free_blocks == 2 * (2 + 1)   # per group: 2 hit blocks + 1 new block
+    assert free_before - kv.num_free_blocks == 2 + 1   # one group (both layers): 2 hit blocks + 1 new one
     kv.check_integrity()
     kv.free(b)
     assert kv.num_free_blocks == 64
