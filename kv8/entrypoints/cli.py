@@ -19,7 +19,6 @@ from collections.abc import Sequence
 from kv8.config import (
     CacheConfig,
     ModelArchConfig,
-    blocks_for_memory,
     default_kv_cache_memory,
     format_bytes,
     parse_memory,
@@ -108,16 +107,45 @@ def cmd_info(ns: argparse.Namespace) -> int:
     print(f"architecture {arch.model_type}: {arch.num_layers} layers, hidden {arch.hidden_size}, "
           f"{arch.num_heads} query / {arch.num_kv_heads} KV heads, head_dim {arch.head_dim}, "
           f"vocab {arch.vocab_size}, context {arch.max_position_embeddings}, rope_theta {arch.rope_theta:g}")
-    print(f"KV budget    {format_bytes(memory)}, blocks of {ns.block_size} tokens\n")
-    print(f"{'kv_cache_dtype':<15}{'bytes/token':>12}{'blocks':>10}{'tokens':>11}{'x 16-bit':>10}")
+    print(capacity_table(arch, memory, ns.block_size))
+    return 0
+
+
+def capacity_table(arch: ModelArchConfig, memory: int, block_size: int) -> str:
+    """Per KV dtype: bytes per token of the full-attention and the sliding-window layers, and how much context
+    fits in ``memory`` -- keeping every block, and freeing blocks that left a layer's window (the engine's
+    default; vLLM's hybrid KV cache manager), counted for sequences of the model's default context ``L``.
+    ``x bf16``: sequences of L that fit, freed, relative to a bfloat16 cache freed; ``x bf16 all``: relative to a
+    bfloat16 cache that keeps every block."""
+    from kv8.cache.codec import KVCodec
+    from kv8.cache.layout import KVCacheLayout
+
+    length = min(arch.max_position_embeddings, 8192)
+    windows = arch.layer_windows
+    n_full = sum(w is None for w in windows)
+    kinds = [f"{n_full} full attention"] if n_full else []
+    if len(windows) > n_full:
+        kinds.append(f"{len(windows) - n_full} sliding window ({arch.sliding_window} tokens)")
+    lines = [f"layers       {', '.join(kinds)}",
+             f"KV budget    {format_bytes(memory)}, blocks of {block_size} tokens; sequences of L = {length} tokens",
+             "",
+             f"{'kv_cache_dtype':<15}{'B/tok full':>11}{'B/tok window':>13}{'tokens, keep all':>18}"
+             f"{'seqs of L':>11}{'seqs of L, freed':>18}{'x bf16':>10}{'x bf16 all':>15}"]
     base = None
     for name in ("bfloat16", "float32", "fp8_e4m3", "fp8_e5m2", "fp8_e4m3fnuz"):
         kvd = resolve_kv_cache_dtype(name, resolve_dtype("auto"))
-        blocks = blocks_for_memory(memory, arch, kvd, ns.block_size)
-        tokens = blocks * ns.block_size
-        base = base or tokens
-        print(f"{name:<15}{arch.kv_bytes_per_token(kvd):>12}{blocks:>10}{tokens:>11}{tokens / base:>10.2f}")
-    return 0
+        per_layer = 2 * arch.num_kv_heads * KVCodec.bytes_per_head(kvd, arch.head_dim, False)   # one token
+        seqs, seq_bytes = [], []
+        for hybrid in (False, True):
+            layout = KVCacheLayout.build(windows, hybrid=hybrid)
+            block_bytes = layout.pools[0].num_slots * per_layer * block_size
+            seq_bytes.append(block_bytes * layout.blocks_per_sequence(0, length, block_size, chunk=1))
+            seqs.append(memory // block_bytes // layout.blocks_per_sequence(0, length, block_size, chunk=1))
+        keep_all = memory // (per_layer * len(windows) * block_size) * block_size
+        base = base or seq_bytes   # bfloat16's bytes per sequence of L: keeping all, freed
+        lines.append(f"{name:<15}{per_layer * n_full:>11}{per_layer * (len(windows) - n_full):>13}{keep_all:>18}"
+                     f"{seqs[0]:>11}{seqs[1]:>18}{base[1] / seq_bytes[1]:>10.2f}{base[0] / seq_bytes[1]:>15.2f}")
+    return "\n".join(lines)
 
 
 def _version() -> str:
