@@ -29,6 +29,11 @@ TINY_CONFIGS = {
     "llama_gqa": ("llama", dict(num_attention_heads=6, num_key_value_heads=2)),
     "qwen2": ("qwen2", dict(num_attention_heads=4, num_key_value_heads=2)),
     "qwen3": ("qwen3", dict(num_attention_heads=4, num_key_value_heads=2, head_dim=32)),
+    # sliding windows smaller than the test prompts: every layer (Mistral), or layer 1 only (Qwen2's
+    # max_window_layers: layers from that index on are sliding)
+    "mistral_swa": ("mistral", dict(num_attention_heads=4, num_key_value_heads=2, sliding_window=11)),
+    "qwen2_swa": ("qwen2", dict(num_attention_heads=4, num_key_value_heads=2, use_sliding_window=True,
+                                sliding_window=7, max_window_layers=1)),
 }
 
 

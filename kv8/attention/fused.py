@@ -35,6 +35,7 @@ from typing import Any
 import torch
 
 from kv8.attention.metadata import AttentionMetadata
+from kv8.attention.reference import paged_attention_reference
 from kv8.cache.paged_cache import PagedKVCache
 from kv8.native import KernelUnavailable, build_shared_library
 
@@ -385,4 +386,6 @@ class FusedCPUBackend:
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cache: PagedKVCache,
                 layer: int, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         self.lib.store(key, value, cache, layer, meta.slot_mapping)
+        if meta.sliding_window is not None:   # the fused kernels do not window yet: the reference does
+            return paged_attention_reference(query, cache, layer, meta, scale)
         return self.lib.attention(query, cache, layer, meta, scale)

@@ -20,21 +20,26 @@ def paged_attention_reference(query: torch.Tensor, cache: PagedKVCache, layer: i
 
     Assumes the new tokens' K/V were stored already (see :func:`store_kv`).
     """
-    num_heads = query.shape[1]
+    num_heads, bs = query.shape[1], cache.shape.block_size
     out = torch.empty_like(query)
     for i in range(meta.num_seqs):
         q_start = int(meta.query_start_loc[i])
         q_len, s_len = meta.query_lens_list[i], meta.seq_lens_list[i]
         q = query[q_start:q_start + q_len].float()                    # [q, Hq, D]
-        k, v = cache.gather(layer, meta.block_tables[i], s_len, torch.float32)   # [s, Hkv, D]
+        # Keys from block `first` on: with a window, blocks before the first query's window are never read.
+        window = meta.sliding_window
+        first = 0 if window is None else max(s_len - q_len - window + 1, 0) // bs
+        k, v = cache.gather(layer, meta.block_tables[i, first:], s_len - first * bs, torch.float32)   # [s', Hkv, D]
         group = num_heads // k.shape[1]
-        k = k.repeat_interleave(group, dim=1)                          # [s, Hq, D]
+        k = k.repeat_interleave(group, dim=1)                          # [s', Hq, D]
         v = v.repeat_interleave(group, dim=1)
-        scores = torch.einsum("qhd,shd->hqs", q, k) * scale            # [Hq, q, s]
-        # Query j sits at position s_len - q_len + j and sees keys 0 .. that position.
+        scores = torch.einsum("qhd,shd->hqs", q, k) * scale            # [Hq, q, s']
+        # Query j sits at position s_len - q_len + j and sees keys 0 .. that position (the last `window` of them).
         q_pos = torch.arange(s_len - q_len, s_len).unsqueeze(1)
-        k_pos = torch.arange(s_len).unsqueeze(0)
+        k_pos = torch.arange(first * bs, s_len).unsqueeze(0)
         scores.masked_fill_(k_pos > q_pos, float("-inf"))
+        if window is not None:
+            scores.masked_fill_(k_pos <= q_pos - window, float("-inf"))
         probs = torch.softmax(scores, dim=-1)
         out[q_start:q_start + q_len] = torch.einsum("hqs,shd->qhd", probs, v).to(query.dtype)
     return out
