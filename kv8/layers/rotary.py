@@ -17,14 +17,18 @@ theta^(2i/R))`` and the same with ``long_factor``, and cos/sin multiplied by ``a
 **each token uses the long factors exactly when its own position is >= original_max_position_embeddings**
 (i.e. when the sequence up to and including it is longer than the original context). The choice depends only
 on the token's position -- not on the batch, the chunking of a prefill, or the other sequences -- so a
-token's K is rotated the same way whenever it is computed, and the cache never needs re-rotating.
+token's K is rotated the same way whenever it is computed (a prefix-cache hit or a recompute after preemption
+stores what a fresh prefill would), and the cache never needs re-rotating.
 Transformers decides once per forward from the largest position (long for every token when ``max(position) + 1
 > original_max_position_embeddings``); vLLM once per batch (long for every token when any position in the
-batch exceeds it). The rules agree whenever a forward's positions are all below the original context, and on
-every decode step (one token per sequence) -- hence with transformers' own generation from a prompt no longer
-than the original context. The remaining difference: a prompt longer than the original context, prefilled in
-one forward, gets the long factors at *all* its positions in transformers but the short factors at positions
-below ``original_max_position_embeddings`` in kv8 (its later positions and every later token agree).
+batch is beyond it, so one sequence's choice depends on the others). kv8 and transformers agree whenever a
+forward's positions are all below the original context, and on every decode step (one token per forward) --
+hence with transformers' own generation from a prompt no longer than the original context. The remaining
+difference: a prompt longer than the original context, prefilled in one forward, gets the long factors at
+*all* its positions in transformers but the short factors below ``original_max_position_embeddings`` in kv8;
+the rotations of its later positions agree, but they attend to keys rotated differently, so the logits differ
+at every position. kv8 computes what transformers computes when it prefills the first
+``original_max_position_embeddings`` tokens and then continues one token per forward.
 
 The torch path is the reference (:func:`rope_reference`); the packed_bf16 path runs
 :meth:`DenseKernels.rope_qkv`, which splits and rotates in one pass and equals the reference exactly (full
@@ -100,7 +104,8 @@ def rope_reference(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_
 @dataclass(frozen=True)
 class RopeAngles:
     """cos and sin of one forward's positions, in the layout the :class:`RotaryEmbedding` that made them
-    reads: ``[T, 1, D]`` in the model dtype (torch path) or ``[T, D/2]`` float32 (packed_bf16 path)."""
+    reads: ``[T, 1, R]`` in the model dtype (torch path) or ``[T, R/2]`` float32 (packed_bf16 path), ``R`` the
+    rotary dim (the head dim unless partial); longrope's attention factor already applied."""
 
     cos: torch.Tensor
     sin: torch.Tensor
