@@ -1,4 +1,5 @@
-"""Shared fixtures: tiny random Hugging Face models (Llama, Qwen2 with bias, GQA) with a small BPE tokenizer.
+"""Shared fixtures: tiny random Hugging Face models (Llama, Qwen2 with bias, GQA, Qwen3, Phi-3) with a small BPE
+tokenizer.
 
 Models are built with transformers configs and ``save_pretrained`` into a session temp dir; transformers is
 then the independent oracle for logits.
@@ -34,6 +35,8 @@ TINY_CONFIGS = {
     "mistral_swa": ("mistral", dict(num_attention_heads=4, num_key_value_heads=2, sliding_window=11)),
     "qwen2_swa": ("qwen2", dict(num_attention_heads=4, num_key_value_heads=2, use_sliding_window=True,
                                 sliding_window=7, max_window_layers=1)),
+    # fused qkv_proj / gate_up_proj in the checkpoint; hidden_size / heads = head_dim, as transformers' Phi-3 needs
+    "phi3": ("phi3", dict(num_attention_heads=6, num_key_value_heads=2, sliding_window=None, pad_token_id=0)),
 }
 
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import kv8.layers.dense_kernels as dense_kernels
-from kv8.config import check_dense_backend
+from kv8.config import RopeScaling, check_dense_backend
 from kv8.engine.args import EngineArgs
 from kv8.engine.engine import LLMEngine
 from kv8.layers.activation import SiluAndMul, silu_mul_reference
@@ -142,6 +142,19 @@ def test_shard_loading_rejects_bad_shards_and_shapes() -> None:
         merged.weight_loader(merged.weight, torch.zeros(4, 8), 2)
 
 
+def test_merged_layers_load_a_whole_merged_matrix() -> None:
+    """A checkpoint that stores q/k/v (or gate/up) merged, as Phi-3's does, loads with ``shard_id=None``."""
+    w = torch.randn(16, 8)
+    qkv = QKVLinear(8, 4, 2, 1, False, TORCH_BACKEND)
+    qkv.weight = torch.nn.Parameter(torch.empty(16, 8), requires_grad=False)
+    qkv.weight_loader(qkv.weight, w, None)
+    assert torch.equal(qkv.weight, w)
+    merged = MergedLinear(8, [4, 4], False, TORCH_BACKEND)
+    merged.weight = torch.nn.Parameter(torch.empty(8, 8), requires_grad=False)
+    with pytest.raises(ValueError, match=r"has shape \(4, 8\), the model expects \(8, 8\)"):
+        merged.weight_loader(merged.weight, torch.zeros(4, 8), None)
+
+
 @needs_kernel
 def test_bad_inputs(packed: DenseBackend, lib: DenseKernels) -> None:
     layer = _linear(packed, *_weights(8, 16, False, 0))
@@ -249,6 +262,84 @@ def test_rotary_module_matches_its_torch_path(packed: DenseBackend, hq: int, hkv
         assert g.shape == w.shape == (21, heads, d) and g.is_contiguous() and w.is_contiguous()
         assert int(_bf16_steps_apart(g, w).max()) <= 1
         assert float((g == w).float().mean()) >= 0.99
+
+
+def _longrope(original: int, n: int) -> RopeScaling:
+    scaling = RopeScaling.from_dict({"rope_type": "longrope", "short_factor": [1.0 + 0.1 * i for i in range(n)],
+                                     "long_factor": [2.0 + 0.5 * i for i in range(n)]},
+                                    {"original_max_position_embeddings": original,
+                                     "max_position_embeddings": 4 * original})
+    assert scaling is not None
+    return scaling
+
+
+@pytest.mark.parametrize("partial", [1.0, 0.5])
+def test_longrope_angles_match_transformers_per_position(partial: float) -> None:
+    """cos/sin equal transformers' Phi-3 rotary embedding exactly: for a forward of positions below the original
+    context (short factors), and for one position at a time beyond it (long factors, as transformers decodes);
+    kv8 applies that per token within one batch. Partial rotary: only the first dims rotate, as transformers."""
+    from transformers import Phi3Config
+    from transformers.models.phi3.modeling_phi3 import Phi3RotaryEmbedding, apply_rotary_pos_emb
+
+    d, original, r = 16, 32, int(16 * partial)
+    scaling = _longrope(original, r // 2)
+    cfg = Phi3Config(hidden_size=64, num_attention_heads=4, max_position_embeddings=4 * original,
+                     original_max_position_embeddings=original, partial_rotary_factor=partial, pad_token_id=0,
+                     eos_token_id=2, rope_scaling={"type": "longrope", "short_factor": list(scaling.short_factor),
+                                                   "long_factor": list(scaling.long_factor)})
+    hf = Phi3RotaryEmbedding(cfg)
+    ours = RotaryEmbedding(d, 4, 2, 10000.0, scaling, TORCH_BACKEND, rotary_dim=r)
+    x = torch.zeros(1, 1, dtype=torch.float32)
+
+    def hf_angles(positions: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        cos, sin = hf(x, torch.tensor([positions]))
+        return cos[0], sin[0]                                        # [T, R]
+
+    short = list(range(original))
+    cos, sin = hf_angles(short)
+    got = ours.angles(torch.tensor(short), torch.float32)
+    assert torch.equal(got.cos[:, 0], cos) and torch.equal(got.sin[:, 0], sin)
+    mixed = [0, 40, 31, 32, 5, 127, 33]
+    got = ours.angles(torch.tensor(mixed), torch.float32)
+    for i, p in enumerate(mixed):
+        cos, sin = hf_angles([p])
+        assert torch.equal(got.cos[i, 0], cos[0]) and torch.equal(got.sin[i, 0], sin[0]), p
+    assert ours.inv_freq_long is not None and bool((ours.inv_freq_long < ours.inv_freq).all())   # they differ
+    # rotation of q and k [T, H, D]: transformers takes [B, H, T, D]
+    gen = torch.Generator().manual_seed(0)
+    q, k = torch.randn(len(mixed), 4, d, generator=gen), torch.randn(len(mixed), 2, d, generator=gen)
+    got_q, got_k = ours.rotate(q, k, got)
+    for i, p in enumerate(mixed):
+        cos, sin = hf_angles([p])
+        want_q, want_k = apply_rotary_pos_emb(q[i:i + 1].transpose(0, 1)[None], k[i:i + 1].transpose(0, 1)[None],
+                                              cos[None], sin[None])
+        assert torch.equal(got_q[i], want_q[0, :, 0]) and torch.equal(got_k[i], want_k[0, :, 0])
+    assert torch.equal(got_q[..., r:], q[..., r:])
+
+
+@needs_kernel
+@pytest.mark.parametrize("partial", [1.0, 0.5])
+def test_longrope_rotary_module_matches_its_torch_path(packed: DenseBackend, partial: float) -> None:
+    """LongRoPE (attention factor, long factors from position 32) on the packed backend: the fused kernel for a
+    whole-head rotary, torch for a partial one; the same rotation as the torch backend to bf16 rounding."""
+    d, r = 32, int(32 * partial)
+    scaling = _longrope(32, r // 2)
+    gen = torch.Generator().manual_seed(5)
+    qkv = torch.randn(21, (4 + 2 * 2) * d, generator=gen).bfloat16()
+    positions = torch.cat((torch.arange(25, 40), torch.tensor([0, 127, 31, 32, 64, 3])))
+    ropes = [RotaryEmbedding(d, 4, 2, 10000.0, scaling, backend, rotary_dim=r) for backend in (TORCH_BACKEND, packed)]
+    assert (ropes[1].kernels is not None) == (partial == 1.0)
+    want, got = (rope(qkv, rope.angles(positions, torch.bfloat16)) for rope in ropes)
+    for g, w in zip(got, want):
+        assert g.shape == w.shape and g.is_contiguous()
+        assert int(_bf16_steps_apart(g, w).max()) <= 1
+
+
+def test_rotary_dim_must_be_even_and_within_the_head() -> None:
+    with pytest.raises(ValueError, match=r"rotary_dim=7 must be even and in \[2, head_dim=16\]"):
+        RotaryEmbedding(16, 2, 1, 10000.0, None, TORCH_BACKEND, rotary_dim=7)
+    with pytest.raises(ValueError, match="short_factor and long_factor have 4 entries; this model rotates 16 dims"):
+        RotaryEmbedding(16, 2, 1, 10000.0, _longrope(32, 4), TORCH_BACKEND)
 
 
 def test_backend_selection() -> None:

@@ -206,7 +206,7 @@ def test_registry_maps_configs_and_rejects_an_unknown_model_type():
     assert model_class({"model_type": "qwen3"}) is Qwen3ForCausalLM
     assert model_class({"architectures": ["Qwen2ForCausalLM"]}) is LlamaForCausalLM
     with pytest.raises(ValueError, match=r"model_type='gpt2' is not supported; kv8 supports model types: "
-                                         r"llama, mistral, qwen2, qwen3 \(architectures: LlamaForCausalLM, "):
+                                         r"llama, mistral, phi3, qwen2, qwen3 \(architectures: LlamaForCausalLM, "):
         model_class({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]})
     with pytest.raises(ValueError, match=r"a config without model_type \(architectures=\['GPT2LMHeadModel'\]\)"):
         model_class({"architectures": ["GPT2LMHeadModel"]})

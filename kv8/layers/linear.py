@@ -11,7 +11,9 @@ delegates the arithmetic to a :class:`LinearMethod`:
 Merged layers hold several projections that read the same input as one matrix, their outputs side by side:
 :class:`QKVLinear` (shards ``"q"``, ``"k"``, ``"v"``) and :class:`MergedLinear` (shards ``0, 1, ...``, e.g.
 gate and up). The loader gives each checkpoint tensor to ``param.weight_loader(param, tensor, shard_id)``,
-which copies it into its rows; a model names the shards in ``packed_modules_mapping``.
+which copies it into its rows; a model names the shards in ``packed_modules_mapping``. A checkpoint that
+stores the merged matrix itself (Phi-3's ``qkv_proj`` and ``gate_up_proj``) loads it whole (``shard_id=None``),
+its shape checked against the whole parameter.
 
 Invariants: ``layer(x)`` is ``[..., N]`` in x's dtype for any number of leading dims; each output row depends
 only on its own input row. The packed method equals :func:`linear_reference` (exact bf16 products, fp32 sums,
@@ -119,16 +121,18 @@ class LinearBase(nn.Module):
             self.bias.weight_loader = self.weight_loader  # type: ignore[attr-defined]
 
     def shard_index(self, shard_id: int | str | None) -> int:
-        """Index into ``output_sizes`` of a shard id (None: the whole matrix, for one-shard layers)."""
-        if shard_id is None and len(self.output_sizes) == 1:
-            return 0
+        """Index into ``output_sizes`` of a shard id (a plain layer has none: it loads whole)."""
         raise ValueError(f"{type(self).__name__} has no shard {shard_id!r}")
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int | str | None = None) -> None:
-        """Copy ``loaded`` (one shard's rows of ``param``, any float dtype) into ``param``."""
-        i = self.shard_index(shard_id)
-        offset, size = sum(self.output_sizes[:i]), self.output_sizes[i]
-        rows = param.data.narrow(0, offset, size)
+        """Copy ``loaded`` (any float dtype) into ``param``: one shard's rows, or with ``shard_id=None`` the whole
+        parameter (a checkpoint that stores the merged matrix, e.g. Phi-3's ``qkv_proj``)."""
+        if shard_id is None:
+            rows = param.data
+        else:
+            i = self.shard_index(shard_id)
+            offset, size = sum(self.output_sizes[:i]), self.output_sizes[i]
+            rows = param.data.narrow(0, offset, size)
         if tuple(loaded.shape) != tuple(rows.shape):
             raise ValueError(f"has shape {tuple(loaded.shape)}, the model expects {tuple(rows.shape)}")
         rows.copy_(loaded)

@@ -4,7 +4,9 @@ Steps: pick the model class from the config (:func:`kv8.models.registry.model_cl
 (:func:`kv8.layers.dense_kernels.select_dense_backend`, once); build the model on the meta device; load each
 checkpoint tensor by its Hugging Face name -- a tensor of a merged layer (``packed_modules_mapping``, e.g.
 ``q_proj`` -> shard ``"q"`` of ``qkv_proj``) is copied into its rows by ``param.weight_loader(param, tensor,
-shard_id)``, any other tensor is converted to the compute dtype and assigned as the parameter; tie weights
+shard_id)``, any other tensor -- a merged layer's whole matrix too, when the checkpoint stores it merged (Phi-3's
+``qkv_proj``, ``gate_up_proj``; no ``packed_modules_mapping`` entry) -- is checked against the parameter's
+shape, converted to the compute dtype and assigned as the parameter; tie weights
 (``tied_weights``); then let every layer convert its loaded weights (``process_weights_after_loading``: the
 packed_bf16 linear method packs them and drops the originals). Missing and unknown tensors are errors that
 name them. KV-scale tensors are collected for :mod:`kv8.quant.scale_sources` rather than loaded into the model.

@@ -16,6 +16,7 @@ from kv8.config import ModelArchConfig
 from kv8.layers.attention import AttentionContext
 from kv8.layers.dense_kernels import DenseBackend
 from kv8.models.llama import LlamaForCausalLM
+from kv8.models.phi3 import Phi3ForCausalLM
 from kv8.models.qwen3 import Qwen3ForCausalLM
 
 __all__ = ["ARCHITECTURES", "MODEL_TYPES", "CausalLM", "arch_config_class", "model_class", "resolve_model_type",
@@ -45,6 +46,7 @@ class CausalLM(Protocol):
 MODEL_TYPES: dict[str, Any] = {   # model_type -> a class following CausalLM
     "llama": LlamaForCausalLM,
     "mistral": LlamaForCausalLM,
+    "phi3": Phi3ForCausalLM,
     "qwen2": LlamaForCausalLM,
     "qwen3": Qwen3ForCausalLM,
 }
@@ -52,6 +54,7 @@ MODEL_TYPES: dict[str, Any] = {   # model_type -> a class following CausalLM
 ARCHITECTURES: dict[str, str] = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
+    "Phi3ForCausalLM": "phi3",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
 }
