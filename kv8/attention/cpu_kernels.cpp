@@ -26,6 +26,11 @@
 //   otherwise -> run_item_generic
 // All kernels clear MXCSR DAZ/FTZ in their threads (FpEnv), so FP8 subnormals survive.
 //
+// Sliding window (kv8_attention_call.sliding_window = W > 0): every item covers only the positions its rows
+// see (plan.h: from the first row's first key, rounded down to a 16-token tile), every kernel masks keys
+// outside a row's [position - W + 1, position], and nothing before the first key is read -- rows, scales or
+// block-table entries (problem.h: tile_rows, prefetch_tile; item_decode.h: its padded first tile).
+//
 // Entry points: production (kv8_has_fast_path, the code tables, kv8_abi_layout, kv8_paged_attention,
 // kv8_store_kv) and, at the end, a testing interface (kv8_test_*) that production code never calls.
 

@@ -35,7 +35,6 @@ from typing import Any
 import torch
 
 from kv8.attention.metadata import AttentionMetadata
-from kv8.attention.reference import paged_attention_reference
 from kv8.cache.paged_cache import PagedKVCache
 from kv8.native import KernelUnavailable, build_shared_library
 
@@ -81,6 +80,7 @@ class AttentionCall(ctypes.Structure):
         ("q", _P), ("out", _P), ("num_tokens", _I64), ("num_q_heads", _I32), ("q_dtype", _I32),
         ("query_start_loc", _P), ("seq_lens", _P), ("block_tables", _P), ("block_table_stride", _I64),
         ("num_seqs", _I32), ("num_threads", _I32), ("sm_scale", ctypes.c_float), ("partition_size", _I64),
+        ("sliding_window", _I64),  # AttentionMetadata.sliding_window, 0 for None (full causal attention)
     ]
 
 
@@ -185,7 +185,7 @@ class KernelLibrary:
         call = AttentionCall(query.data_ptr(), out.data_ptr(), query.shape[0], query.shape[1],
                              self.compute_codes[query.dtype], meta.query_start_loc.data_ptr(),
                              meta.seq_lens.data_ptr(), tables.data_ptr(), tables.shape[1], meta.num_seqs,
-                             torch.get_num_threads(), scale, partition_size)
+                             torch.get_num_threads(), scale, partition_size, meta.sliding_window or 0)
         rc = self._lib.kv8_paged_attention(ctypes.byref(self.layer_args(cache, layer)), ctypes.byref(call))
         if rc != 0:
             raise ValueError(f"paged attention (layer {layer}): {self.error_message(rc)}")
@@ -352,8 +352,10 @@ def paged_attention_fused(lib: KernelLibrary, query: torch.Tensor, cache: PagedK
     """query ``[T, Hq, D]`` -> output ``[T, Hq, D]`` (query's dtype) over the stored context, with every argument
     validated (``ValueError`` naming the bad one).
 
-    Same contract as :func:`kv8.attention.reference.paged_attention_reference`. ``partition_size`` (tokens,
-    rounded up to 16) forces a context split (0: automatic, negative: never).
+    Same contract as :func:`kv8.attention.reference.paged_attention_reference`, sliding window included
+    (``meta.sliding_window``: the kernels read neither the blocks wholly before a sequence's first window nor
+    their block-table entries). ``partition_size`` (tokens, rounded up to 16) forces a split of each item's
+    context range -- the window with one, else the whole causal context (0: automatic, negative: never).
     """
     _check_common(lib, "query", query, cache)
     if query.shape[1] % cache.shape.num_kv_heads != 0:
@@ -386,6 +388,4 @@ class FusedCPUBackend:
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cache: PagedKVCache,
                 layer: int, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         self.lib.store(key, value, cache, layer, meta.slot_mapping)
-        if meta.sliding_window is not None:   # the fused kernels do not window yet: the reference does
-            return paged_attention_reference(query, cache, layer, meta, scale)
         return self.lib.attention(query, cache, layer, meta, scale)

@@ -4,6 +4,11 @@ This is the oracle every fast kernel is tested against. It reads the cache exact
 K/V of the whole batch are stored first (quantized for FP8), then every query attends over the *stored*
 context, so a token reads the same bytes whether its K/V was written this step, an earlier step, or came
 from the prefix cache. Softmax and accumulation are in float32.
+
+Sliding window (``meta.sliding_window = W``): query position ``p`` sees keys ``p - W < k <= p``. Only the
+blocks from ``first_block = first_key // block_size`` on are gathered (a sliced block table: the entries
+before it may hold any value and are never looked at), and only the keys from ``first_key`` on are used, so
+nothing before the first query's window is read or multiplied (see :mod:`kv8.attention.metadata`).
 """
 
 from __future__ import annotations
@@ -20,26 +25,34 @@ def paged_attention_reference(query: torch.Tensor, cache: PagedKVCache, layer: i
 
     Assumes the new tokens' K/V were stored already (see :func:`store_kv`).
     """
-    num_heads, bs = query.shape[1], cache.shape.block_size
+    num_heads = query.shape[1]
+    bs = cache.shape.block_size
+    window = meta.sliding_window
     out = torch.empty_like(query)
     for i in range(meta.num_seqs):
         q_start = int(meta.query_start_loc[i])
         q_len, s_len = meta.query_lens_list[i], meta.seq_lens_list[i]
+        if q_len == 0:
+            continue
         q = query[q_start:q_start + q_len].float()                    # [q, Hq, D]
-        # Keys from block `first` on: with a window, blocks before the first query's window are never read.
-        window = meta.sliding_window
-        first = 0 if window is None else max(s_len - q_len - window + 1, 0) // bs
-        k, v = cache.gather(layer, meta.block_tables[i, first:], s_len - first * bs, torch.float32)   # [s', Hkv, D]
+        first = meta.first_key(i)                                      # keys before it are never used
+        first_block = first // bs
+        k, v = cache.gather(layer, meta.block_tables[i, first_block:], s_len - first_block * bs,
+                            torch.float32)                             # [s - first_block * bs, Hkv, D]
+        lead = first - first_block * bs                                # keys of first_block before `first`
+        k, v = k[lead:], v[lead:]                                      # [s - first, Hkv, D]
         group = num_heads // k.shape[1]
-        k = k.repeat_interleave(group, dim=1)                          # [s', Hq, D]
+        k = k.repeat_interleave(group, dim=1)                          # [s - first, Hq, D]
         v = v.repeat_interleave(group, dim=1)
-        scores = torch.einsum("qhd,shd->hqs", q, k) * scale            # [Hq, q, s']
-        # Query j sits at position s_len - q_len + j and sees keys 0 .. that position (the last `window` of them).
+        scores = torch.einsum("qhd,shd->hqs", q, k) * scale            # [Hq, q, s - first]
+        # Query j sits at position s_len - q_len + j and sees keys 0 .. that position (with a window W,
+        # only the W keys ending there).
         q_pos = torch.arange(s_len - q_len, s_len).unsqueeze(1)
-        k_pos = torch.arange(first * bs, s_len).unsqueeze(0)
-        scores.masked_fill_(k_pos > q_pos, float("-inf"))
+        k_pos = torch.arange(first, s_len).unsqueeze(0)
+        hidden = k_pos > q_pos
         if window is not None:
-            scores.masked_fill_(k_pos <= q_pos - window, float("-inf"))
+            hidden |= k_pos <= q_pos - window
+        scores.masked_fill_(hidden, float("-inf"))
         probs = torch.softmax(scores, dim=-1)
         out[q_start:q_start + q_len] = torch.einsum("hqs,shd->qhd", probs, v).to(query.dtype)
     return out

@@ -172,10 +172,10 @@ static inline void prep_q(const Problem& P, int64_t src, const float* kscale, __
 }
 
 // Per item: the query rows as bf16 hi / lo slots (D / 8 per row; per-channel K scales folded in, kscale
-// [D] filled then), each row's last visible position; returns the factor of the scores (softmax scale times
-// a per-tensor / per-head K scale).
+// [D] filled then), each row's first and last visible positions; returns the factor of the scores (softmax
+// scale times a per-tensor / per-head K scale).
 static float prep_rows(const Problem& P, const Item& it, const Rows& w, float* kscale, __m512i* qhi,
-                       __m512i* qlo, int64_t* lim) {
+                       __m512i* qlo, int64_t* lo, int64_t* lim) {
     const int D = P.D, nslots = D / 8;
     const bool kch = k_per_channel(P);
     if (kch)
@@ -185,6 +185,7 @@ static float prep_rows(const Problem& P, const Item& it, const Rows& w, float* k
         int64_t src = ((w.qrow0 + r / P.G) * P.Hq + h) * (int64_t)D;
         prep_q(P, src, kch ? kscale : nullptr, qhi + (size_t)r * nslots, qlo + (size_t)r * nslots);
         lim[r] = row_limit(P, it, w, r);
+        lo[r] = first_visible(P, lim[r]);
     }
     return P.sm_scale * (kch ? 1.0f : k_head_scale(P, it.kvh));
 }

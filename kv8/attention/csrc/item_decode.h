@@ -13,6 +13,9 @@
 //
 // Arithmetic as the tile kernel with bf16 compute: the same bf16 products, fp32 accumulation, accumulator
 // layout and building blocks (fast_simd.h); the softmax weights are bf16 (the output is bf16).
+//
+// Sliding window: a row's scores outside its [first, limit] positions are masked; the item's first tile
+// reads zeros (a zero-padded copy) for its rows before k0, as the last tile does past the context.
 #pragma once
 
 #include "fast_simd.h"
@@ -75,6 +78,15 @@ static inline void chunk_pv_inplace(const uint8_t* const* vb, int nt, const Lut&
     }
 }
 
+// pad = the tile at src with its rows outside [lead, n) zeroed (RBYTES bytes per row); returns pad.
+template <int RBYTES>
+static inline const uint8_t* pad_tile(uint8_t* pad, const uint8_t* src, int lead, int n) {
+    memset(pad, 0, (size_t)lead * RBYTES);
+    memcpy(pad + lead * RBYTES, src + lead * RBYTES, (size_t)(n - lead) * RBYTES);
+    memset(pad + n * RBYTES, 0, (size_t)(TILE - n) * RBYTES);
+    return pad;
+}
+
 template <int KV, int D, int R>
 static int run_item_decode(const Problem& P, const Item& it, float* ws) {
     constexpr bool fp8 = KV != KV_BF16;
@@ -84,13 +96,15 @@ static int run_item_decode(const Problem& P, const Item& it, float* ws) {
     alignas(64) __m512i qhi[R * NS], qlo[R * NS];
     alignas(64) float obuf[R * D], nat[D], kscale[D];
     alignas(64) uint32_t phi[R * CT * 8];
-    alignas(64) uint8_t pad_k[TILE * RBYTES], pad_v[TILE * RBYTES];  // the partial tile, zero-padded
+    // Zero-padded copies of partial tiles. V is read after the chunk's scores, and the first tile (rows before
+    // k0) and the last (rows past the context) can share a chunk, so each has its own V copy.
+    alignas(64) uint8_t pad_k[TILE * RBYTES], pad_v_first[TILE * RBYTES], pad_v_last[TILE * RBYTES];
     float mx[R], alpha[R];
     __m512 sum[R];
-    int64_t lim[R];
+    int64_t lo[R], lim[R];
 
     const bool kch = k_per_channel(P);
-    const float sfac = prep_rows(P, it, w, kscale, qhi, qlo, lim);
+    const float sfac = prep_rows(P, it, w, kscale, qhi, qlo, lo, lim);
     for (int r = 0; r < R; ++r) {
         mx[r] = -INFINITY;
         sum[r] = _mm512_setzero_ps();
@@ -117,26 +131,22 @@ static int run_item_decode(const Problem& P, const Item& it, float* ws) {
             const int64_t row0 = (blk * P.Hkv + it.kvh) * P.bs + block_offset(P, t0);
             const uint8_t* kb = P.kc + row0 * RBYTES;
             vb[j] = P.vc + row0 * RBYTES;
-            const __mmask16 full = n >= TILE ? (__mmask16)0xffff : (__mmask16)((1u << n) - 1u);
+            const int lead = it.k0 > t0 ? (int)(it.k0 - t0) : 0;  // rows before k0 (first tile only)
+            const __mmask16 have = lane_range(lead, n);           // rows of this tile the item reads
             __m512 kf = _mm512_set1_ps(sfac);
             if (P.kts) {
-                kf = _mm512_mul_ps(kf, _mm512_maskz_loadu_ps(full, P.kts + row0));
-                vsv[j] = _mm512_maskz_loadu_ps(full, P.vts + row0);
+                kf = _mm512_mul_ps(kf, _mm512_maskz_loadu_ps(have, P.kts + row0));
+                vsv[j] = _mm512_maskz_loadu_ps(have, P.vts + row0);
             }
-            if (n < TILE) {  // rows past the sequence may hold anything: read zeros instead
-                memcpy(pad_k, kb, (size_t)n * RBYTES);
-                memset(pad_k + n * RBYTES, 0, (size_t)(TILE - n) * RBYTES);
-                memcpy(pad_v, vb[j], (size_t)n * RBYTES);
-                memset(pad_v + n * RBYTES, 0, (size_t)(TILE - n) * RBYTES);
-                kb = pad_k;
-                vb[j] = pad_v;
+            if (n < TILE || lead > 0) {  // rows past the sequence or before the window: read zeros instead
+                kb = pad_tile<RBYTES>(pad_k, kb, lead, n);
+                vb[j] = pad_tile<RBYTES>(lead > 0 ? pad_v_first : pad_v_last, vb[j], lead, n);
             }
             __m512 sc[R];
             if (kch) tile_scores_inplace<KV, D, R, true>(kb, L, qhi, qlo, sc);
             else tile_scores_inplace<KV, D, R, false>(kb, L, qhi, qlo, sc);
-            for (int r = 0; r < R; ++r) {
-                int64_t nv = lim[r] - t0 + 1 < n ? lim[r] - t0 + 1 : n;  // visible tokens of this tile
-                valid[r][j] = nv <= 0 ? (__mmask16)0 : (nv >= TILE ? full : (__mmask16)((1u << nv) - 1u));
+            for (int r = 0; r < R; ++r) {  // visible tokens of this tile: [first - t0, limit - t0] within have
+                valid[r][j] = have & lane_range(lo[r] - t0, lim[r] - t0 + 1);
                 s[r][j] = _mm512_mask_mul_ps(_mm512_set1_ps(-INFINITY), valid[r][j], sc[r], kf);
             }
         }

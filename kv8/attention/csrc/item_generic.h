@@ -4,7 +4,8 @@
 // carries no arithmetic shared with the fast kernels (those multiply bf16 in registers).
 //
 // Per tile of 16 tokens: decode K rows to fp32, scores and an online-softmax step per row, decode V rows,
-// then acc = acc * alpha + p . V.
+// then acc = acc * alpha + p . V. Only the rows that see some token of the tile ([r0, r1): row limits and
+// first positions both ascend) take part; tokens outside a row's [first, limit] are masked.
 #pragma once
 
 #include "problem.h"
@@ -40,7 +41,7 @@ static int run_item_generic(const Problem& P, const Item& it, float* ws) {
     const int D = P.D, R = w.R;
     const size_t nq = (size_t)R * D;
     size_t bytes = up64(nq * 4) * 2 + up64((size_t)TILE * D * 4) * 2 + up64((size_t)R * 4) * 3 +
-                   up64((size_t)R * 8) + up64((size_t)R * TILE * 4);
+                   up64((size_t)R * 8) * 2 + up64((size_t)R * TILE * 4);
     char* mem = (char*)tl_scratch.get(bytes);
     if (!mem) return ERR_OOM;
     float* qf = (float*)mem; mem += up64(nq * 4);
@@ -51,6 +52,7 @@ static int run_item_generic(const Problem& P, const Item& it, float* ws) {
     float* sum = (float*)mem; mem += up64((size_t)R * 4);
     float* alpha = (float*)mem; mem += up64((size_t)R * 4);
     int64_t* lim = (int64_t*)mem; mem += up64((size_t)R * 8);
+    int64_t* lo = (int64_t*)mem; mem += up64((size_t)R * 8);
     float* prob = (float*)mem;
 
     const bool kch = k_per_channel(P);
@@ -66,6 +68,7 @@ static int run_item_generic(const Problem& P, const Item& it, float* ws) {
         mx[r] = -INFINITY;
         sum[r] = 0.0f;
         lim[r] = row_limit(P, it, w, r);
+        lo[r] = first_visible(P, lim[r]);
     }
     memset(acc, 0, nq * 4);
 
@@ -73,20 +76,21 @@ static int run_item_generic(const Problem& P, const Item& it, float* ws) {
     const uint8_t* vr[TILE];
     float ksc[TILE], vsc[TILE];
     for (int t = 0; t < TILE; ++t) ksc[t] = vsc[t] = 1.0f;
-    int r0 = 0;
+    int r0 = 0, r1 = 0;
     for (int p = 0; p < PREFETCH_TILES; ++p) prefetch_tile(P, it, it.t0 + p * TILE);
     for (int64_t t0 = it.t0; t0 < it.t1; t0 += TILE) {
         int n = (int)(it.t1 - t0 < TILE ? it.t1 - t0 : TILE);
         prefetch_tile(P, it, t0 + PREFETCH_TILES * TILE);
         if (!tile_rows(P, it, t0, n, kr, vr, ksc, vsc)) return ERR_BLOCK_ID;
         while (r0 < R && lim[r0] < t0) ++r0;  // rows before r0 see nothing of this tile (limits ascend)
+        while (r1 < R && lo[r1] < t0 + n) ++r1;  // nor do rows from r1 on (their windows start later)
         for (int t = 0; t < n; ++t) decode_row(kr[t], D, kf + (size_t)t * D);
-        for (int r = r0; r < R; ++r) {
+        for (int r = r0; r < r1; ++r) {
             const float* qr = qf + (size_t)r * D;
             float tmax = -INFINITY;
             float* s = prob + (size_t)r * TILE;
             for (int t = 0; t < TILE; ++t) {
-                if (t >= n || t0 + t > lim[r]) { s[t] = -INFINITY; continue; }
+                if (t >= n || t0 + t > lim[r] || t0 + t < lo[r]) { s[t] = -INFINITY; continue; }
                 const float* kt = kf + (size_t)t * D;
                 float dot = 0.0f;
                 for (int d = 0; d < D; ++d) dot += qr[d] * kt[d];
@@ -104,7 +108,7 @@ static int run_item_generic(const Problem& P, const Item& it, float* ws) {
             sum[r] = sum[r] * alpha[r] + ls;
         }
         for (int t = 0; t < n; ++t) decode_row(vr[t], D, vf + (size_t)t * D);
-        for (int r = r0; r < R; ++r) {
+        for (int r = r0; r < r1; ++r) {
             float* ar = acc + (size_t)r * D;
             const float* p = prob + (size_t)r * TILE;
             for (int d = 0; d < D; ++d) ar[d] *= alpha[r];

@@ -7,6 +7,8 @@
 // then P.V: a decode step (<= 4 rows left) decodes V straight into the product (tile_pv_fused), larger
 // items decode the tile once into an L1 buffer used by all rows (decode_v_tile + tile_pv). Both P.V
 // routines are kept: buffering costs a store and reload per tile that only pays off across many rows.
+// Only the rows that see some token of the tile ([r0, r1): row limits and first positions both ascend) take
+// part; tokens outside a row's [first, limit] are masked (score -inf, weight 0).
 //
 // Precision: q is split into bf16 hi + lo parts (QLO; lo skipped when q is bf16 without a per-channel K
 // scale: it is zero), so q keeps ~16 significant bits; so do the softmax weights (PLO) when the output is
@@ -165,7 +167,7 @@ static int run_item_tile(const Problem& P, const Item& it, float* ws) {
     const int nslots = D / 8, nvs = num_vslots(P.kv, D), nacc = nvs * 16;
     size_t qbytes = (size_t)R * nslots * 64;
     size_t bytes = 2 * qbytes + (size_t)nslots * 4 * 64 + (size_t)8 * nvs * 64 + (size_t)R * nacc * 4 +
-                   up64((size_t)R * 4) * 2 + (size_t)R * 64 * 3 + up64((size_t)D * 4) * 2 + up64((size_t)R * 8);
+                   up64((size_t)R * 4) * 2 + (size_t)R * 64 * 3 + up64((size_t)D * 4) * 2 + up64((size_t)R * 8) * 2;
     char* mem = (char*)tl_scratch.get(bytes);
     if (!mem) return ERR_OOM;
     __m512i* qhi = (__m512i*)mem; mem += qbytes;
@@ -180,9 +182,10 @@ static int run_item_tile(const Problem& P, const Item& it, float* ws) {
     uint32_t* plo = (uint32_t*)mem; mem += (size_t)R * 64;
     float* kscale = (float*)mem; mem += up64((size_t)D * 4);
     int64_t* lim = (int64_t*)mem; mem += up64((size_t)R * 8);
+    int64_t* lo = (int64_t*)mem; mem += up64((size_t)R * 8);
     float* nat = (float*)mem;
 
-    const float sfac = prep_rows(P, it, w, kscale, qhi, qlo, lim);
+    const float sfac = prep_rows(P, it, w, kscale, qhi, qlo, lo, lim);
     for (int r = 0; r < R; ++r) {
         mx[r] = -INFINITY;
         _mm512_store_ps(sum + (size_t)r * 16, _mm512_setzero_ps());
@@ -200,7 +203,7 @@ static int run_item_tile(const Problem& P, const Item& it, float* ws) {
     float* ob[4];
     __m512 sc[4];
     const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-    int r0 = 0;
+    int r0 = 0, r1 = 0;
     for (int p = 0; p < PREFETCH_TILES; ++p) prefetch_tile(P, it, it.t0 + p * TILE);
     for (int64_t t0 = it.t0; t0 < it.t1; t0 += TILE) {
         int n = (int)(it.t1 - t0 < TILE ? it.t1 - t0 : TILE);
@@ -209,11 +212,13 @@ static int run_item_tile(const Problem& P, const Item& it, float* ws) {
         prefetch_tile<true, false>(P, it, t0 + PREFETCH_TILES * TILE);
         if (!tile_rows(P, it, t0, n, kr, vr, ksc, vsc)) return ERR_BLOCK_ID;
         while (r0 < R && lim[r0] < t0) ++r0;  // rows before r0 see nothing of this tile (limits ascend)
+        while (r1 < R && lo[r1] < t0 + n) ++r1;  // nor do rows from r1 on (their windows start later)
+        if (r1 <= r0) continue;  // no row sees this tile (cannot happen for the items plan.h makes)
         decode_k(kr, D, kbuf);
         const __m512 sfv = _mm512_mul_ps(_mm512_set1_ps(sfac), _mm512_load_ps(ksc));
         const __m512 vsv = _mm512_load_ps(vsc);
-        for (int rb = r0; rb < R; rb += 4) {
-            int nb = R - rb < 4 ? R - rb : 4;
+        for (int rb = r0; rb < r1; rb += 4) {
+            int nb = r1 - rb < 4 ? r1 - rb : 4;
             for (int i = 0; i < nb; ++i) {
                 qh[i] = qhi + (size_t)(rb + i) * nslots;
                 ql[i] = qlo + (size_t)(rb + i) * nslots;
@@ -226,8 +231,10 @@ static int run_item_tile(const Problem& P, const Item& it, float* ws) {
             }
             for (int i = 0; i < nb; ++i) {
                 int r = rb + i;
-                int64_t nv = lim[r] - t0 + 1 < n ? lim[r] - t0 + 1 : n;  // visible tokens of this tile (>= 1)
+                // visible tokens of this tile (at least one): [first - t0, limit - t0] within [0, n)
+                int64_t nv = lim[r] - t0 + 1 < n ? lim[r] - t0 + 1 : n;
                 __mmask16 valid = (__mmask16)_mm512_cmplt_epi32_mask(lane, _mm512_set1_epi32((int)nv));
+                if (lo[r] > t0) valid &= (__mmask16)(0xffffu << (lo[r] - t0));
                 __m512 s = _mm512_mask_mul_ps(_mm512_set1_ps(-INFINITY), valid, sc[i], sfv);
                 float tmax = _mm512_reduce_max_ps(s);
                 float mnew = tmax > mx[r] ? tmax : mx[r];
@@ -247,8 +254,8 @@ static int run_item_tile(const Problem& P, const Item& it, float* ws) {
             }
         }
         prefetch_tile<false, true>(P, it, t0 + PREFETCH_TILES * TILE);
-        if (R - r0 <= 4) {  // decode step: decode V straight into the P.V product
-            int nb = R - r0;
+        if (r1 - r0 <= 4) {  // decode step: decode V straight into the P.V product
+            int nb = r1 - r0;
             for (int i = 0; i < nb; ++i) {
                 ph[i] = phi + (size_t)(r0 + i) * 16;
                 pl[i] = plo + (size_t)(r0 + i) * 16;
@@ -258,8 +265,8 @@ static int run_item_tile(const Problem& P, const Item& it, float* ws) {
             continue;
         }
         decode_v(vr, D, vbuf);
-        for (int rb = r0; rb < R; rb += 4) {
-            int nb = R - rb < 4 ? R - rb : 4;
+        for (int rb = r0; rb < r1; rb += 4) {
+            int nb = r1 - rb < 4 ? r1 - rb : 4;
             for (int i = 0; i < nb; ++i) {
                 ph[i] = phi + (size_t)(rb + i) * 16;
                 pl[i] = plo + (size_t)(rb + i) * 16;

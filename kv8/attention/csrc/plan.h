@@ -1,7 +1,11 @@
 // Attention planning: work items, their order and threads, and the log-sum-exp combine of partitions.
 //
 //   sequence i, query tokens split in blocks of qb (~48 rows with the GQA group), per KV head:
-//     context [0, end) cut into partitions of `part` tokens  ->  one item per partition
+//     context [start, end) cut into partitions of `part` tokens  ->  one item per partition
+//   end = position of the block's last query token + 1; start = 0, or with a sliding window W the first
+//   key of the block's first query token (k0 = its position - W + 1, at least 0) rounded down to a tile, so
+//   an item's work and a partitioned decode are O(W + query tokens), not O(context), and nothing before k0
+//   is read (problem.h)
 //   items run longest first on an OpenMP dynamic schedule; an item of a split context writes
 //   (max, sum, acc[D]) per row into the workspace, and the combine merges them (vLLM's paged attention v2):
 //     out = sum_p e^(m_p - M) acc_p / sum_p e^(m_p - M) l_p
@@ -16,7 +20,7 @@ static int make_problem(const kv8_layer& L, const kv8_attention_call& C, Problem
     if (Hkv <= 0 || Hq % Hkv != 0 || D <= 0 || bs <= 0 || C.num_seqs < 0 || C.num_threads <= 0 || kv < 0 ||
         kv >= KV_COUNT || C.q_dtype < 0 || C.q_dtype >= DT_COUNT ||
         (int64_t)D * esize_of(kv) > (int64_t)sizeof(ZERO_ROW) ||
-        (L.k_token_scales == nullptr) != (L.v_token_scales == nullptr))
+        (L.k_token_scales == nullptr) != (L.v_token_scales == nullptr) || C.sliding_window < 0)
         return ERR_ARGS;
     P.q = C.q; P.q_dtype = C.q_dtype; P.out = C.out;
     P.Hq = Hq; P.Hkv = Hkv; P.D = D; P.G = Hq / Hkv;
@@ -28,6 +32,7 @@ static int make_problem(const kv8_layer& L, const kv8_attention_call& C, Problem
     P.B = C.num_seqs; P.qsl = C.query_start_loc; P.seq_lens = C.seq_lens; P.bt = C.block_tables;
     P.bt_stride = C.block_table_stride;
     P.sm_scale = C.sm_scale;
+    P.window = C.sliding_window;
     // Query tokens per item: ~48 rows (tokens x GQA group) share each decoded K/V tile; measured on 4 x 512
     // prefill tokens, 48 rows took ~15% less time than 16 (32: ~9%, 64: no better than 48).
     P.qb = P.G >= ROWS_PER_ITEM ? 1 : ROWS_PER_ITEM / P.G;
@@ -48,8 +53,9 @@ static int run_attention(const Problem& P, int64_t T, int nthreads, int64_t part
         if (ql < 0 || sl < ql || (ql > 0 && sl < 1)) return ERR_LENGTHS;
         if ((sl + bs - 1) / bs > bt_stride) return ERR_TABLE_WIDTH;
         int64_t nq = (ql + P.qb - 1) / P.qb;
+        int64_t span = P.window > 0 && P.window + ql - 1 < sl ? P.window + ql - 1 : sl;  // keys the queries see
         n_base += nq * Hkv;
-        total_ctx += sl * nq * Hkv;
+        total_ctx += span * nq * Hkv;
     }
     int64_t part;
     if (partition_size > 0) part = (partition_size + TILE - 1) / TILE * TILE;
@@ -66,8 +72,8 @@ static int run_attention(const Problem& P, int64_t T, int nthreads, int64_t part
         int64_t ql = qsl[i + 1] - qsl[i], sl = seq_lens[i];
         for (int64_t j0 = 0; j0 < ql; j0 += P.qb) {
             int64_t j1 = j0 + P.qb < ql ? j0 + P.qb : ql;
-            int64_t end = sl - ql + j1;
-            n_items += Hkv * ((end + part - 1) / part);
+            int64_t end = sl - ql + j1, start = first_visible(P, sl - ql + j0) / TILE * TILE;
+            n_items += Hkv * ((end - start + part - 1) / part);
         }
     }
     Item* items = (Item*)malloc(sizeof(Item) * (size_t)(n_items ? n_items : 1));
@@ -80,16 +86,17 @@ static int run_attention(const Problem& P, int64_t T, int nthreads, int64_t part
         int64_t ql = qsl[i + 1] - qsl[i], sl = seq_lens[i];
         for (int64_t j0 = 0; j0 < ql; j0 += P.qb) {
             int64_t j1 = j0 + P.qb < ql ? j0 + P.qb : ql;
-            int64_t end = sl - ql + j1;
-            int64_t np = (end + part - 1) / part;
+            int64_t end = sl - ql + j1, k0 = first_visible(P, sl - ql + j0), start = k0 / TILE * TILE;
+            int64_t np = (end - start + part - 1) / part;
             int rows = (int)(j1 - j0) * P.G;
             for (int h = 0; h < Hkv; ++h) {
                 groups[ng] = Group{ni, np, rows};
                 for (int64_t p = 0; p < np; ++p) {
                     Item& it = items[ni++];
                     it.seq = i; it.kvh = h; it.j0 = (int)j0; it.j1 = (int)j1;
-                    it.t0 = p * part;
-                    it.t1 = (p + 1) * part < end ? (p + 1) * part : end;
+                    it.t0 = start + p * part;
+                    it.t1 = start + (p + 1) * part < end ? start + (p + 1) * part : end;
+                    it.k0 = k0;
                     it.cost = (it.t1 - it.t0) * rows;
                     if (np > 1) { it.ws = ws_floats; ws_floats += (int64_t)rows * (D + 2); }
                     else it.ws = -1;

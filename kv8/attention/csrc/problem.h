@@ -12,6 +12,16 @@
 //
 // An item is (sequence, KV head, query tokens [j0, j1), context [t0, t1)); its rows are the query heads of
 // the GQA group x its query tokens, token-major (row r = token j0 + r / G, head kvh * G + r % G).
+//
+// Row r sees context positions [row_first, row_limit] (both ascend with r): 0 .. its own position, or with a
+// sliding window W only the W positions ending there. An item reads nothing before k0 (the first position
+// its first row sees); its first tile starts at k0 rounded down to TILE, and the rows of that tile before k0
+// are pad rows (zeros), never read -- neither their bytes nor, when they lie in earlier blocks, the block
+// table entries of those blocks:
+//
+//   W = 20, bs = 8, decode at position 43: k0 = 24, tiles start at 16
+//   tile at 16: positions 16..23 pad (block 2: its entry is not looked up), 24..31 read (block 3)
+//   tile at 32: positions 32..43 read (blocks 4, 5); blocks 0..2: entries never read, may hold any value
 #pragma once
 
 #include "common.h"
@@ -45,6 +55,7 @@ struct Problem {
     const int64_t* bt;
     int64_t bt_stride;
     float sm_scale;
+    int64_t window;  // sliding window W (>= 1), or 0: full causal attention
     int qb;        // query tokens per item
     int bs_shift;  // log2(bs) when bs is a power of two, else -1 (divisions are slow in the tile loop)
 };
@@ -59,6 +70,7 @@ static inline int64_t block_offset(const Problem& P, int64_t pos) {
 struct Item {
     int seq, kvh, j0, j1;  // query tokens [j0, j1) of seq
     int64_t t0, t1;        // context tokens [t0, t1), t0 a multiple of TILE
+    int64_t k0;            // first position the item reads (t0 <= k0 < t0 + TILE in its first partition)
     int64_t ws;            // offset (floats) of this item's partial result in the workspace, -1: write output
     int64_t cost;
 };
@@ -105,15 +117,31 @@ static inline int64_t row_limit(const Problem& P, const Item& it, const Rows& w,
     return w.base + it.j0 + r / P.G;  // last visible context position (inclusive)
 }
 
+// First visible context position of a query at position `pos` (0 without a sliding window).
+static inline int64_t first_visible(const Problem& P, int64_t pos) {
+    return P.window > 0 && pos - P.window + 1 > 0 ? pos - P.window + 1 : 0;
+}
+
+// Bits [a, b) of a 16-lane mask (a, b clamped to [0, 16]; empty when b <= a).
+static inline uint16_t lane_range(int64_t a, int64_t b) {
+    a = a < 0 ? 0 : (a > 16 ? 16 : a);
+    b = b < 0 ? 0 : (b > 16 ? 16 : b);
+    return b <= a ? (uint16_t)0 : (uint16_t)(((1u << b) - 1u) & ~((1u << a) - 1u));
+}
+
 // Row pointers of one tile of K and V (pad tokens point at zeros) and, with dynamic scales, the tokens'
-// K and V scales (0 for pad tokens; without dynamic scales ksc/vsc are left alone: the caller sets them to
-// 1 once and only the last tile of an item can have pad tokens, where their score is masked and their
-// weight is 0 anyway). Returns false on a bad block id.
+// K and V scales (0 for pad tokens). Pad tokens: past the tile's n tokens (the last tile of an item) and
+// before the item's k0 (its first tile; those rows and, where they lie in earlier blocks, their block table
+// entries are never read). Without dynamic scales ksc/vsc are left alone for the leading pad tokens (the
+// caller sets them to 1 once; later tiles use them) and zeroed for the trailing ones (the last tile); pad
+// tokens are masked by every kernel (score -inf, weight 0), so their scale never matters. Returns false on a
+// bad block id.
 static inline bool tile_rows(const Problem& P, const Item& it, int64_t t0, int n, const uint8_t** kr,
                              const uint8_t** vr, float* ksc, float* vsc) {
     const int64_t* table = P.bt + (int64_t)it.seq * P.bt_stride;
     const int64_t row_bytes = (int64_t)P.D * P.esize;
-    if (P.bs % TILE == 0) {  // t0 is a multiple of TILE: the whole tile lies in one block
+    const int lead = it.k0 > t0 ? (int)(it.k0 - t0) : 0;  // < n: an item's tiles all hold a position >= k0
+    if (P.bs % TILE == 0) {  // t0 is a multiple of TILE: the whole tile lies in one block (that of k0)
         int64_t blk = table[block_index(P, t0)];
         if ((uint64_t)blk >= (uint64_t)P.num_blocks) return false;
         int64_t row0 = (blk * P.Hkv + it.kvh) * P.bs + block_offset(P, t0);
@@ -124,10 +152,14 @@ static inline bool tile_rows(const Problem& P, const Item& it, int64_t t0, int n
             vr[t] = vb + t * row_bytes;
         }
         if (P.kts)
-            for (int t = 0; t < n; ++t) {
+            for (int t = lead; t < n; ++t) {
                 ksc[t] = P.kts[row0 + t];
                 vsc[t] = P.vts[row0 + t];
             }
+        for (int t = 0; t < lead; ++t) {
+            kr[t] = vr[t] = ZERO_ROW;
+            if (P.kts) ksc[t] = vsc[t] = 0.0f;
+        }
         for (int t = n; t < TILE; ++t) {
             kr[t] = vr[t] = ZERO_ROW;
             ksc[t] = vsc[t] = 0.0f;
@@ -135,7 +167,10 @@ static inline bool tile_rows(const Problem& P, const Item& it, int64_t t0, int n
         return true;
     }
     for (int t = 0; t < TILE; ++t) {
-        if (t < n) {
+        if (t < lead) {
+            kr[t] = vr[t] = ZERO_ROW;
+            if (P.kts) ksc[t] = vsc[t] = 0.0f;
+        } else if (t < n) {
             int64_t pos = t0 + t;
             int64_t blk = table[block_index(P, pos)];
             if ((uint64_t)blk >= (uint64_t)P.num_blocks) return false;
@@ -161,15 +196,15 @@ static inline void prefetch_l1(const void* p) { asm volatile("prefetcht0 %0" : :
 static inline void prefetch_l2(const void* p) { asm volatile("prefetcht1 %0" : : "m"(*(const char*)p)); }
 
 // Software prefetch of the K and V rows (and token scales) of the tile at t0: blocks are scattered, so the
-// hardware prefetchers cannot follow. Out-of-range block ids are left to tile_rows to report. L2: into L2
-// (prefetcht1) rather than L1.
+// hardware prefetchers cannot follow. Out-of-range block ids are left to tile_rows to report; positions
+// before the item's k0 are not touched. L2: into L2 (prefetcht1) rather than L1.
 template <bool K = true, bool V = true, bool L2 = false>
 static inline void prefetch_tile(const Problem& P, const Item& it, int64_t t0) {
     if (t0 >= it.t1) return;
     const int n = (int)(it.t1 - t0 < TILE ? it.t1 - t0 : TILE);
     const int64_t* table = P.bt + (int64_t)it.seq * P.bt_stride;
     const int64_t row_bytes = (int64_t)P.D * P.esize;
-    for (int t = 0; t < n;) {
+    for (int t = it.k0 > t0 ? (int)(it.k0 - t0) : 0; t < n;) {
         int64_t pos = t0 + t;
         int64_t blk = table[block_index(P, pos)];
         if ((uint64_t)blk >= (uint64_t)P.num_blocks) return;
