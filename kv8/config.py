@@ -295,7 +295,9 @@ class ModelArchConfig:
 
     @classmethod
     def extra_fields(cls, cfg: Mapping[str, Any]) -> dict[str, Any]:
-        """The values of the fields a subclass adds, read from the Hugging Face config (none here)."""
+        """The values of the fields a subclass adds, read from the Hugging Face config (none here). A subclass
+        may also return base fields its config spells differently (Gemma 3's per-layer-type ``rope_parameters``);
+        those replace the generic reading."""
         return {}
 
     @property
@@ -324,7 +326,7 @@ class ModelArchConfig:
         if layer_types is not None and not (isinstance(layer_types, list)
                                             and all(isinstance(t, str) for t in layer_types)):
             raise ValueError(f"model config layer_types={layer_types!r} must be a list of strings")
-        return config_cls(
+        fields: dict[str, Any] = dict(
             model_type=model_type,
             vocab_size=_cfg_int(cfg, "vocab_size"),
             hidden_size=hidden,
@@ -343,8 +345,9 @@ class ModelArchConfig:
             eos_token_ids=tuple(eos_list),
             sliding_window=_cfg_int(cfg, "sliding_window") if sliding else None,
             layer_types=tuple(layer_types or ()) if sliding else (),
-            **config_cls.extra_fields(cfg),
         )
+        fields.update(config_cls.extra_fields(cfg))   # a subclass's own fields, and base fields it reads its way
+        return config_cls(**fields)
 
     def kv_bytes_per_token(self, kv_dtype: KVCacheDtype, dynamic_scales: bool = False) -> int:
         """Bytes one token occupies in the KV cache over all layers (K and V).

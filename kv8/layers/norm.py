@@ -7,6 +7,13 @@ one rounding to x's dtype before the weight multiplies, as Hugging Face computes
 The torch path is :func:`rmsnorm_reference`; the packed_bf16 path (:meth:`DenseKernels.rmsnorm`, one pass)
 rounds at the same places and differs from it only in the order of a row's sum of squares (at most one bf16
 step). ``residual=None`` (the first layer) means ``h = x``.
+
+:class:`GemmaRMSNorm` is Gemma's convention, ``norm(h) = (h / rms(h)) * (1 + weight)``: checkpoints store
+``weight`` as an offset from 1 (zeros initialise to the identity), and the normalised value is multiplied by
+``1 + weight`` in float32 and rounded to x's dtype once, after the multiply (Llama rounds before it). The +1 is
+added in the forward, not folded into the stored weight, because folding it into a bf16 parameter would round
+``1 + w`` to 8 bits where Hugging Face keeps it in float32. Reference: :func:`gemma_rmsnorm_reference`; it runs
+on every dense backend (the packed kernel implements the Llama rounding).
 """
 
 from __future__ import annotations
@@ -16,7 +23,7 @@ from torch import nn
 
 from kv8.layers.dense_kernels import DenseBackend
 
-__all__ = ["RMSNorm", "rmsnorm_reference"]
+__all__ = ["GemmaRMSNorm", "RMSNorm", "gemma_rmsnorm_reference", "rmsnorm_reference"]
 
 
 def rmsnorm_reference(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
@@ -42,3 +49,28 @@ class RMSNorm(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{self.weight.shape[0]}, eps={self.eps}, kernels={self.kernels is not None}"
+
+
+def gemma_rmsnorm_reference(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+                            eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(norm(h), h)`` with ``h = x + residual`` (or x) and Gemma's ``(1 + weight)`` scale, in plain torch."""
+    h = x if residual is None else x + residual
+    hf = h.float()
+    hf = hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + eps)
+    return (hf * (1.0 + weight.float())).to(h.dtype), h
+
+
+class GemmaRMSNorm(nn.Module):
+    """:class:`RMSNorm`'s interface with Gemma's ``(1 + weight)`` convention; ``weight [dim]`` as checkpoints
+    store it (an offset from 1)."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(dim), requires_grad=False)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        return gemma_rmsnorm_reference(x, residual, self.weight, self.eps)
+
+    def extra_repr(self) -> str:
+        return f"{self.weight.shape[0]}, eps={self.eps}, weight=1+w"

@@ -13,7 +13,10 @@ Invariants of the yielded tensors:
 * for the ``llama`` architecture, llama.cpp's converter reorders the rows of every attention head of
   ``q_proj``/``k_proj`` (weights and biases) from HF's half-split rotary layout (``[x0..x(d/2-1),
   y0..y(d/2-1)]``) to an interleaved one (``[x0, y0, x1, y1, ...]``); the rows are put back here, so the
-  tensors equal what transformers produces from the same file. ``qwen2`` files are not permuted;
+  tensors equal what transformers produces from the same file. ``qwen2`` and ``gemma3`` files are not permuted;
+* for ``gemma3``, llama.cpp's converter stores every norm weight (``*norm.weight``: the four per-layer norms,
+  QK-norm and the final norm) with Gemma's ``+1`` already added (its runtime multiplies by the weight); 1 is
+  subtracted here, as transformers does, so the tensors are the checkpoint's ``w`` of ``(1 + w)``;
 * ``lm_head.weight`` is yielded only when the file has ``output.weight``; otherwise
   ``hf_config["tie_word_embeddings"]`` is True and the embedding doubles as the output projection.
 """
@@ -32,8 +35,13 @@ import torch
 from gguf import GGMLQuantizationType as QT
 from gguf import GGUFValueType
 
-SUPPORTED_ARCHITECTURES: tuple[str, ...] = ("llama", "qwen2")
-_HF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+SUPPORTED_ARCHITECTURES: tuple[str, ...] = ("gemma3", "llama", "qwen2")
+# GGUF general.architecture -> (HF model_type, HF architecture); a gemma3 GGUF holds the text decoder only
+_HF_NAMES = {
+    "gemma3": ("gemma3_text", "Gemma3ForCausalLM"),
+    "llama": ("llama", "LlamaForCausalLM"),
+    "qwen2": ("qwen2", "Qwen2ForCausalLM"),
+}
 
 SUPPORTED_TENSOR_TYPES: frozenset[QT] = frozenset({
     QT.F32, QT.F16, QT.BF16, QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1, QT.Q8_0,
@@ -66,6 +74,18 @@ _LAYER_NAMES = {
     "attn_norm.weight": "input_layernorm.weight",
     "ffn_norm.weight": "post_attention_layernorm.weight",
 }
+# Gemma 3 has four norms per layer (ffn_norm is the pre-feedforward one) and QK-norm
+_GEMMA3_LAYER_NAMES = _LAYER_NAMES | {
+    "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
+}
+_ARCH_LAYER_NAMES = {"gemma3": _GEMMA3_LAYER_NAMES, "llama": _LAYER_NAMES, "qwen2": _LAYER_NAMES}
+# llama.cpp's default for gemma3 files that do not state it: every 6th layer global, local RoPE base 10k
+_GEMMA3_SLIDING_WINDOW_PATTERN = 6
+_GEMMA3_ROPE_LOCAL_BASE = 10_000.0
 
 
 @dataclass(frozen=True)
@@ -73,8 +93,9 @@ class GGUFModel:
     """A GGUF file's model description.
 
     ``hf_config`` is a Hugging Face ``config.json``-style dict (treat it as read-only) holding at least
-    `_REQUIRED_CONFIG_KEYS`, plus ``hidden_act`` and, when the file states one, ``rope_scaling``.
-    ``model_type`` is one of `SUPPORTED_ARCHITECTURES`.
+    `_REQUIRED_CONFIG_KEYS`, plus the activation and, when the file states one, ``rope_scaling`` (gemma3:
+    also ``sliding_window``, ``layer_types``, ``rope_local_base_freq`` and ``query_pre_attn_scalar``).
+    ``model_type`` is the HF type of one of `SUPPORTED_ARCHITECTURES` (``gemma3`` -> ``gemma3_text``).
     """
 
     hf_config: dict[str, Any]
@@ -86,9 +107,16 @@ class GGUFModel:
         missing = [key for key in _REQUIRED_CONFIG_KEYS if key not in self.hf_config]
         if missing:
             raise ValueError(f"GGUFModel.hf_config is missing {missing}")
-        if self.hf_config["model_type"] not in SUPPORTED_ARCHITECTURES:
+        model_types = [model_type for model_type, _ in _HF_NAMES.values()]
+        if self.hf_config["model_type"] not in model_types:
             raise ValueError(f"GGUFModel.hf_config['model_type'] is {self.hf_config['model_type']!r}; "
-                             f"supported: {list(SUPPORTED_ARCHITECTURES)}")
+                             f"supported: {model_types}")
+
+    @property
+    def architecture(self) -> str:
+        """The GGUF architecture name (``general.architecture``)."""
+        model_type = self.hf_config["model_type"]
+        return next(arch for arch, (hf_type, _) in _HF_NAMES.items() if hf_type == model_type)
 
 
 def _has_fast_get() -> bool:
@@ -210,8 +238,8 @@ def _hf_config(reader: gguf.GGUFReader, path: str) -> dict[str, Any]:
     rope_theta = _field_value(reader, f"{arch}.rope.freq_base")
 
     config: dict[str, Any] = {
-        "model_type": arch,
-        "architectures": [_HF_ARCHITECTURES[arch]],
+        "model_type": _HF_NAMES[arch][0],
+        "architectures": [_HF_NAMES[arch][1]],
         "vocab_size": len(tokens.data),
         "hidden_size": hidden_size,
         "intermediate_size": key("feed_forward_length"),
@@ -219,7 +247,7 @@ def _hf_config(reader: gguf.GGUFReader, path: str) -> dict[str, Any]:
         "num_attention_heads": num_heads,
         "num_key_value_heads": num_kv_heads,
         "head_dim": head_dim,
-        "hidden_act": "silu",
+        **({} if arch == "gemma3" else {"hidden_act": "silu"}),
         "rms_norm_eps": float(key("attention.layer_norm_rms_epsilon")),
         "rope_theta": 10000.0 if rope_theta is None else float(rope_theta),  # llama.cpp's default
         "max_position_embeddings": key("context_length"),
@@ -231,18 +259,69 @@ def _hf_config(reader: gguf.GGUFReader, path: str) -> dict[str, Any]:
     scaling = _rope_scaling(reader, arch, path)
     if scaling is not None:
         config["rope_scaling"] = scaling
+    if arch == "gemma3":
+        config |= _gemma3_config(reader, path, config)
     return config
 
 
-def hf_tensor_name(gguf_name: str) -> str:
-    """The Hugging Face name of a GGUF tensor (``blk.3.attn_q.weight`` -> ``model.layers.3.self_attn.q_proj.weight``).
-    Raises `ValueError` for a name with no mapping."""
+def _array_value(reader: gguf.GGUFReader, key: str) -> list[Any] | None:
+    """The array metadata value under ``key`` as a list, or None when the file lacks it."""
+    field = reader.fields.get(key)
+    if field is None:
+        return None
+    return [field.parts[i][0].item() for i in field.data]
+
+
+def _gemma3_config(reader: gguf.GGUFReader, path: str, config: dict[str, Any]) -> dict[str, Any]:
+    """Gemma 3's keys, as llama.cpp runs the file (``src/llama-model.cpp``, LLM_ARCH_GEMMA3).
+
+    * ``sliding_window`` from ``gemma3.attention.sliding_window`` (required);
+    * ``layer_types`` from ``gemma3.attention.sliding_window_pattern`` when the file has it (an int period, or
+      one bool per layer, true = sliding), else llama.cpp's fixed period 6 (layers 5, 11, ... global);
+    * ``rope_local_base_freq`` from ``gemma3.rope.freq_base_swa``, else llama.cpp's 10000;
+    * ``query_pre_attn_scalar``: llama.cpp scales queries by ``1/sqrt(key_length)``, except for the 62-layer
+      (27B) model, ``1/sqrt(embedding_length / head_count)``; GGUF has no key for it;
+    * ``hidden_activation``: gelu tanh; soft-capping keys (``gemma3.attn_logit_softcapping``,
+      ``gemma3.final_logit_softcapping``) are passed on, so that the model names them when set.
+    """
+    layers = config["num_hidden_layers"]
+    prefix = "gemma3.attention.sliding_window_pattern"
+    field = reader.fields.get(prefix)
+    if field is not None and field.types[0] == GGUFValueType.ARRAY:
+        flags = _array_value(reader, prefix) or []
+        if len(flags) != layers:
+            raise ValueError(f"GGUF file {path!r} has {prefix} with {len(flags)} entries for {layers} layers")
+        layer_types = ["sliding_attention" if flag else "full_attention" for flag in flags]
+    else:
+        period = _field_value(reader, prefix)
+        period = _GEMMA3_SLIDING_WINDOW_PATTERN if period is None else int(period)
+        if period < 1:
+            raise ValueError(f"GGUF file {path!r} has {prefix}={period}; it must be >= 1")
+        layer_types = ["sliding_attention" if (i + 1) % period else "full_attention" for i in range(layers)]
+    local_base = _field_value(reader, "gemma3.rope.freq_base_swa")
+    scalar = (config["hidden_size"] // config["num_attention_heads"] if layers == 62 else config["head_dim"])
+    extra: dict[str, Any] = {
+        "hidden_activation": "gelu_pytorch_tanh",
+        "sliding_window": _require(reader, "gemma3.attention.sliding_window", path),
+        "layer_types": layer_types,
+        "rope_local_base_freq": _GEMMA3_ROPE_LOCAL_BASE if local_base is None else float(local_base),
+        "query_pre_attn_scalar": scalar,
+    }
+    for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+        extra[key] = _field_value(reader, f"gemma3.{key}")
+    return extra
+
+
+def hf_tensor_name(gguf_name: str, arch: str = "llama") -> str:
+    """The Hugging Face name of a GGUF tensor of architecture ``arch`` (``blk.3.attn_q.weight`` ->
+    ``model.layers.3.self_attn.q_proj.weight``). Raises `ValueError` for a name with no mapping."""
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
+    names = _ARCH_LAYER_NAMES[arch]
     parts = gguf_name.split(".", 2)
-    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _LAYER_NAMES:
-        return f"model.layers.{int(parts[1])}.{_LAYER_NAMES[parts[2]]}"
-    raise ValueError(f"GGUF tensor {gguf_name!r} has no Hugging Face Llama/Qwen2 equivalent")
+    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in names:
+        return f"model.layers.{int(parts[1])}.{names[parts[2]]}"
+    raise ValueError(f"GGUF tensor {gguf_name!r} has no Hugging Face {_HF_NAMES[arch][1]} equivalent")
 
 
 def _expected_shapes(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
@@ -272,6 +351,11 @@ def _expected_shapes(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
         if config["attention_bias"]:
             shapes |= {p + "self_attn.q_proj.bias": (q_rows,), p + "self_attn.k_proj.bias": (kv_rows,),
                        p + "self_attn.v_proj.bias": (kv_rows,)}
+        if config["model_type"] == "gemma3_text":
+            shapes |= {p + "pre_feedforward_layernorm.weight": (hidden,),
+                       p + "post_feedforward_layernorm.weight": (hidden,),
+                       p + "self_attn.q_norm.weight": (config["head_dim"],),
+                       p + "self_attn.k_norm.weight": (config["head_dim"],)}
     return shapes
 
 
@@ -283,7 +367,7 @@ def _check_tensors(reader: gguf.GGUFReader, model: GGUFModel) -> None:
     expected = _expected_shapes(model.hf_config)
     found: set[str] = set()
     for tensor in reader.tensors:
-        name = hf_tensor_name(tensor.name)
+        name = hf_tensor_name(tensor.name, model.architecture)
         if name not in expected:
             raise ValueError(f"GGUF file {model.path!r} has tensor {tensor.name!r} ({name}), which its config "
                              f"does not imply (layers={model.hf_config['num_hidden_layers']}, "
@@ -340,18 +424,21 @@ def iter_gguf_tensors(reader: gguf.GGUFReader, model: GGUFModel,
     """Yield ``(hf_name, tensor)`` for every tensor of the file, in file order, dequantized to ``dtype``.
 
     ``reader`` and ``model`` must come from the same `read_gguf` call. Tensors are contiguous, own their
-    memory, and have HF shapes and (for llama) HF row order; see the module docstring.
+    memory, and have HF shapes, (for llama) HF row order and (for gemma3) HF's norm offsets; see the module
+    docstring.
     """
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise ValueError(f"dtype must be a floating-point torch.dtype, got {dtype!r}")
     config = model.hf_config
     heads = {"q_proj": config["num_attention_heads"], "k_proj": config["num_key_value_heads"]}
-    permuted = config["model_type"] == "llama"
+    arch = model.architecture
     for tensor in reader.tensors:
-        name = hf_tensor_name(tensor.name)
+        name = hf_tensor_name(tensor.name, arch)
         weight = _dequantize(tensor)
-        if permuted and ".self_attn." in name:
+        if arch == "llama" and ".self_attn." in name:
             projection = name.split(".")[-2]
             if projection in heads:
                 weight = _unpermute_rotary_rows(weight, heads[projection])
+        elif arch == "gemma3" and name.endswith("norm.weight"):
+            weight = weight - 1.0   # llama.cpp stored 1 + w
         yield name, weight.to(dtype).contiguous()

