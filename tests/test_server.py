@@ -288,6 +288,50 @@ def test_chat_completion(client: openai.OpenAI, offline: LLM, tiny_llama: str) -
     assert parts.choices[0].message.content == ref.outputs[0].text
 
 
+def test_penalties_and_logit_bias_match_offline_engine(client: openai.OpenAI, offline: LLM, tiny_llama: str) -> None:
+    """presence/frequency/repetition penalties and logit_bias through the openai client, completions and chat,
+    against the offline engine with the same SamplingParams; and they do change the greedy text."""
+    prompt = "The quick brown fox jumps over the lazy dog. The quick brown"
+    options = [dict(presence_penalty=1.5), dict(frequency_penalty=2.0), dict(repetition_penalty=1.8),
+               dict(presence_penalty=-1.0, frequency_penalty=0.5, repetition_penalty=1.2)]
+    with single_thread():
+        plain = offline.generate(prompt, SamplingParams(temperature=0.0, max_tokens=24), use_tqdm=False)[0]
+        refs = [offline.generate(prompt, SamplingParams(temperature=0.0, max_tokens=24, **o), use_tqdm=False)[0]
+                for o in options]
+    for o, ref in zip(options, refs):
+        extra = {k: v for k, v in o.items() if k == "repetition_penalty"}   # vLLM's extension: not an SDK argument
+        std = {k: v for k, v in o.items() if k != "repetition_penalty"}
+        resp = client.completions.create(model=tiny_llama, prompt=prompt, max_tokens=24, temperature=0.0,
+                                         extra_body=extra, **std)
+        assert resp.choices[0].text == ref.outputs[0].text, o
+    assert any(r.outputs[0].token_ids != plain.outputs[0].token_ids for r in refs)
+    # logit_bias: +100 on one token makes greedy decoding repeat it; -100 on the greedy token removes it
+    target = 42
+    forced = client.completions.create(model=tiny_llama, prompt=prompt, max_tokens=5, temperature=0.0,
+                                       logit_bias={str(target): 100}, logprobs=0)
+    with single_thread():
+        ref = offline.generate(prompt, SamplingParams(temperature=0.0, max_tokens=5, logit_bias={target: 100.0}),
+                               use_tqdm=False)[0].outputs[0]
+    assert ref.token_ids == [target] * 5 and forced.choices[0].text == ref.text
+    first = plain.outputs[0].token_ids[0]
+    with single_thread():
+        ref = offline.generate(prompt, SamplingParams(temperature=0.0, max_tokens=4, logit_bias={first: -100.0}),
+                               use_tqdm=False)[0].outputs[0]
+    banned = client.completions.create(model=tiny_llama, prompt=prompt, max_tokens=4, temperature=0.0,
+                                       logit_bias={str(first): -100})
+    assert ref.token_ids[0] != first and banned.choices[0].text == ref.text
+    # chat: the same options reach the engine
+    messages = [{"role": "user", "content": "Where is London? Where is London?"}]
+    with single_thread():
+        chat_ref = offline.chat(messages, SamplingParams(temperature=0.0, max_tokens=12, frequency_penalty=1.0,
+                                                         repetition_penalty=1.3, logit_bias={7: 3.0}),
+                                use_tqdm=False)[0]
+    chat = client.chat.completions.create(model=tiny_llama, messages=messages, max_tokens=12, temperature=0.0,
+                                          frequency_penalty=1.0, logit_bias={"7": 3.0},
+                                          extra_body={"repetition_penalty": 1.3})
+    assert chat.choices[0].message.content == chat_ref.outputs[0].text
+
+
 # ---- concurrency, disconnects, overload ---------------------------------------------------------------------
 def test_32_concurrent_streams_match_alone_then_cache_empty(server: Server, client: openai.OpenAI,
                                                            tiny_llama: str) -> None:
@@ -384,7 +428,6 @@ def test_client_metadata_is_accepted_and_changes_nothing(server: Server, client:
                   400, "response_format", param="response_format")
     _expect_error(_post(server, chat, {**plain, "messages": msgs, "modalities": ["audio"]}), 400, "modalities",
                   param="modalities")
-    _expect_error(_post(server, chat, {**plain, "messages": msgs, "logit_bias": {"1": 1}}), 400, "logit_bias")
 
 
 def test_tokenize_and_detokenize_endpoints(server: Server, tiny_llama: str) -> None:
@@ -473,10 +516,20 @@ def test_bad_requests_get_openai_errors_and_server_keeps_serving(server: Server,
     _expect_error(_post(server, cmpl, {**ok, "prompt": [0, 1, 999999]}), 400, "vocabulary", param="prompt")
     # unknown or unsupported fields are refused, never ignored
     _expect_error(_post(server, cmpl, {**ok, "foo": 1}), 400, "'foo'", param="foo")
-    _expect_error(_post(server, cmpl, {**ok, "logit_bias": {"1": 5}}), 400, "'logit_bias'", param="logit_bias")
-    _expect_error(_post(server, cmpl, {**ok, "presence_penalty": 0.5}), 400, "presence_penalty")
+    # penalties and logit_bias out of range: 400 naming the field
+    _expect_error(_post(server, cmpl, {**ok, "presence_penalty": 2.5}), 400, "presence_penalty",
+                  param="presence_penalty")
+    _expect_error(_post(server, cmpl, {**ok, "frequency_penalty": -3}), 400, "frequency_penalty",
+                  param="frequency_penalty")
+    _expect_error(_post(server, cmpl, {**ok, "repetition_penalty": 0}), 400, "repetition_penalty",
+                  param="repetition_penalty")
+    _expect_error(_post(server, cmpl, {**ok, "logit_bias": {"1": 101}}), 400, "[-100, 100]", param="logit_bias")
+    _expect_error(_post(server, cmpl, {**ok, "logit_bias": {"x": 1}}), 400, "token ids", param="logit_bias")
+    _expect_error(_post(server, cmpl, {**ok, "logit_bias": {"999999": 1}}), 400, "vocabulary", param="logit_bias")
+    _expect_error(_post(server, chat, {"model": tiny_llama, "messages": [{"role": "user", "content": "hi"}],
+                                       "logit_bias": {"1": "5"}}), 400, "logit_bias", param="logit_bias")
     # empty and huge prompts
-    _expect_error(_post(server, cmpl, {**ok, "prompt": ""}), 400, "empty")
+    _expect_error(_post(server, cmpl, {**ok, "prompt": ""}), 400, "empty", param="prompt")
     _expect_error(_post(server, cmpl, {**ok, "prompt": []}), 400, "empty")
     _expect_error(_post(server, cmpl, {**ok, "prompt": ["a", ""]}), 400, "prompt[1] is empty")
     long_ids = [5] * 300

@@ -152,17 +152,24 @@ class OpenAIServing:
         self.in_flight += run.num_seqs
         return run
 
-    @staticmethod
-    def _params(req: Any, n: int, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None) -> SamplingParams:
+    def _params(self, req: Any, n: int, max_tokens: int, logprobs: int | None,
+                prompt_logprobs: int | None) -> SamplingParams:
         def pick(value: Any, default: Any) -> Any:
             return default if value is None else value
+        logit_bias = req.logit_bias_ids()
+        outside = sorted(t for t in logit_bias or {} if t >= self.vocab_size)
+        if outside:
+            raise APIError(400, f"logit_bias has token ids {outside[:5]} outside the vocabulary "
+                                f"[0, {self.vocab_size})", param="logit_bias")
         try:
             return SamplingParams(
                 n=n, temperature=pick(req.temperature, 1.0), top_p=pick(req.top_p, 1.0), top_k=pick(req.top_k, 0),
                 min_p=pick(req.min_p, 0.0), seed=req.seed, max_tokens=max_tokens, min_tokens=pick(req.min_tokens, 0),
                 stop=req.stop, stop_token_ids=req.stop_token_ids, ignore_eos=pick(req.ignore_eos, False),
                 include_stop_str_in_output=pick(req.include_stop_str_in_output, False), logprobs=logprobs,
-                prompt_logprobs=prompt_logprobs, skip_special_tokens=pick(req.skip_special_tokens, True))
+                prompt_logprobs=prompt_logprobs, skip_special_tokens=pick(req.skip_special_tokens, True),
+                presence_penalty=pick(req.presence_penalty, 0.0), frequency_penalty=pick(req.frequency_penalty, 0.0),
+                repetition_penalty=pick(req.repetition_penalty, 1.0), logit_bias=logit_bias)
         except ValueError as e:
             raise APIError(400, str(e), param=str(e).split(" ", 1)[0]) from e
 
