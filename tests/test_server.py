@@ -332,6 +332,65 @@ def test_penalties_and_logit_bias_match_offline_engine(client: openai.OpenAI, of
     assert chat.choices[0].message.content == chat_ref.outputs[0].text
 
 
+TEXTS_BEYOND_ASCII = ["héllo wörld", "😀 emoji 🎉", "中文字符", "привет, мир", "naïve café — ok"]
+
+
+def test_token_bytes_rebuild_the_text_byte_level_and_sentencepiece(tiny_llama: str) -> None:
+    """Tokens holding part of a UTF-8 character give their real bytes (not U+FFFD's), for byte-level BPE (GPT-2's
+    alphabet) and SentencePiece byte fallback (<0xE2>): joined, they are the text's UTF-8."""
+    from tokenizers import Tokenizer, decoders, models, normalizers
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    from kv8.entrypoints.server_tokenizer import ServerTokenizer
+
+    byte_level = ServerTokenizer(AutoTokenizer.from_pretrained(tiny_llama))
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"<0x{b:02X}>": 3 + b for b in range(256)}}
+    for piece in ["\u2581", *"abcdefghijklmnopqrstuvwxyz,.—", "\u2581o", "\u2581ok", "ll"]:
+        vocab.setdefault(piece, len(vocab))
+    sp = Tokenizer(models.BPE(vocab=vocab, merges=[("\u2581", "o"), ("\u2581o", "k"), ("l", "l")],
+                              byte_fallback=True, unk_token="<unk>"))
+    sp.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"), normalizers.Replace(" ", "\u2581")])
+    sp.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                    decoders.Strip(" ", 1, 0)])
+    sentencepiece = ServerTokenizer(PreTrainedTokenizerFast(tokenizer_object=sp, bos_token="<s>", eos_token="</s>",
+                                                            unk_token="<unk>"))
+    for tok, lead in ((byte_level, ""), (sentencepiece, " ")):
+        for text in TEXTS_BEYOND_ASCII:
+            ids = tok.encode(text, add_special_tokens=False)
+            parts = tok.token_bytes(ids)
+            assert b"".join(parts) == (lead + text).encode("utf-8"), (text, ids, parts)
+            if len(text.encode()) > len(text):   # some token is part of a character: not U+FFFD's bytes
+                assert all(p != "\ufffd".encode() for p in parts)
+    assert sentencepiece.token_bytes([vocab["<0xE2>"], 1]) == [b"\xe2", b"<s>"]
+
+
+def test_chat_logprobs_bytes_are_the_tokens_real_bytes(client: openai.OpenAI, tiny_llama: str) -> None:
+    """An emoji, a CJK and a Cyrillic character generated one byte token at a time: each token's ``bytes`` is its
+    byte (before: U+FFFD's EF BF BD), and joining them rebuilds the message."""
+    from transformers import AutoTokenizer
+
+    from kv8.entrypoints.server_tokenizer import gpt2_byte_decoder
+
+    tok = AutoTokenizer.from_pretrained(tiny_llama)
+    byte_token = {b: tok.convert_tokens_to_ids(ch) for ch, b in gpt2_byte_decoder().items()}
+    for char in ("😀", "中", "ж"):
+        raw = char.encode("utf-8")
+        # decreasing biases and a repetition penalty of 2: byte i wins step i (biased 100 - 10 i, the bytes already
+        # generated fall to about half), so greedy decoding spells the character byte by byte
+        bias = {str(byte_token[b]): 100.0 - 10 * i for i, b in enumerate(raw)}
+        resp = client.chat.completions.create(
+            model=tiny_llama, messages=[{"role": "user", "content": "Say it"}], max_tokens=len(raw),
+            temperature=0.0, logprobs=True, top_logprobs=2, logit_bias=bias, extra_body={"repetition_penalty": 2.0})
+        choice = resp.choices[0]
+        assert choice.message.content == char
+        content = choice.logprobs.content
+        assert [item.bytes for item in content] == [[b] for b in raw]
+        assert b"".join(bytes(item.bytes) for item in content).decode("utf-8") == char
+        # the alternatives carry their real bytes too (they rank the raw logits, before the bias)
+        for alt in (t for item in content for t in item.top_logprobs):
+            assert alt.bytes == list(alt.token.encode()) if "\ufffd" not in alt.token else len(alt.bytes) == 1
+
+
 # ---- concurrency, disconnects, overload ---------------------------------------------------------------------
 def test_32_concurrent_streams_match_alone_then_cache_empty(server: Server, client: openai.OpenAI,
                                                            tiny_llama: str) -> None:

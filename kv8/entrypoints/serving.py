@@ -339,16 +339,23 @@ class OpenAIServing:
         return SubRequest(self._new_id("chatcmpl"), "", ids, params, False)
 
     def _chat_logprobs(self, sub: SubRequest, ids: list[int], lps: list[PositionLogprobs]) -> list[dict[str, Any]]:
+        """OpenAI's chat logprobs; ``bytes`` are each token's real bytes (part of a UTF-8 character included), so
+        that joining the chosen tokens' bytes rebuilds the text."""
         k = sub.params.logprobs or 0
+        n = min(len(ids), len(lps))
+        ids, lps = list(ids)[:n], list(lps)[:n]
+        tops = [[(t, v) for t, v in _sorted_entries(entry) if v.rank is not None and v.rank <= k][:k]
+                for entry in lps]
+        all_ids = ids + [t for top in tops for t, _ in top]
+        raw = iter(self.tokenizer.token_bytes(all_ids))
+        chosen_bytes = [next(raw) for _ in ids]
         out = []
-        for tid, entry in zip(ids, lps):
+        for tid, entry, top, token_bytes in zip(ids, lps, tops, chosen_bytes):
             chosen = entry[tid]
-            token = chosen.decoded_token or ""
-            top = [{"token": v.decoded_token or "", "logprob": v.logprob,
-                    "bytes": list((v.decoded_token or "").encode("utf-8"))}
-                   for _, v in _sorted_entries(entry) if v.rank is not None and v.rank <= k][:k]
-            out.append({"token": token, "logprob": chosen.logprob, "bytes": list(token.encode("utf-8")),
-                        "top_logprobs": top})
+            top_items = [{"token": v.decoded_token or "", "logprob": v.logprob, "bytes": list(next(raw))}
+                         for _, v in top]
+            out.append({"token": chosen.decoded_token or "", "logprob": chosen.logprob, "bytes": list(token_bytes),
+                        "top_logprobs": top_items})
         return out
 
     async def chat(self, req: ChatCompletionRequest, disconnect: Callable[[], Awaitable[None]]
