@@ -103,7 +103,8 @@ _LOGIT_BIAS_LIMIT = 100.0
 
 
 def _normalise_logit_bias(value: Any) -> dict[int, float] | None:
-    allowed = f"None or a dict of token id (int >= 0) -> bias (a number in [-{_LOGIT_BIAS_LIMIT:g}, {_LOGIT_BIAS_LIMIT:g}])"
+    lim = _LOGIT_BIAS_LIMIT
+    allowed = f"None or a dict of token id (int >= 0) -> bias (a number in [-{lim:g}, {lim:g}])"
     if value is None:
         return None
     if not isinstance(value, dict):
