@@ -43,12 +43,17 @@ def _free_port() -> int:
 
 
 class Server:
-    def __init__(self, args: list[str], log_path: str, env: dict[str, str] | None = None) -> None:
+    """``kv8 <args>`` in a subprocess; ``launcher`` replaces ``-m kv8.entrypoints.cli`` (e.g. ``-c CODE`` that
+    patches something, then calls ``kv8.entrypoints.cli.main(sys.argv[1:])``)."""
+
+    def __init__(self, args: list[str], log_path: str, env: dict[str, str] | None = None,
+                 launcher: list[str] | None = None) -> None:
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
         self.log = open(log_path, "wb")
-        self.proc = subprocess.Popen([sys.executable, "-m", "kv8.entrypoints.cli", *args, "--port", str(self.port)],
+        launch = launcher or ["-m", "kv8.entrypoints.cli"]
+        self.proc = subprocess.Popen([sys.executable, *launch, *args, "--port", str(self.port)],
                                      stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
         deadline = time.monotonic() + START_TIMEOUT_S
         while True:

@@ -15,6 +15,10 @@ Shutdown: on SIGTERM/SIGINT uvicorn stops accepting connections, new requests on
 in-flight requests run to completion for up to ``--shutdown-timeout`` seconds and are then aborted (a stream
 ends with an error event and ``data: [DONE]``, a non-streaming request gets a 503); the engine thread stops
 and the process exits 0 (uvicorn re-raises the signal after shutting down; kv8's handlers absorb it).
+
+Engine failure: a failure that leaves the engine unusable (an exception escaping an engine step; one request's
+failure does not) fails every open request with a 503, makes ``/health`` answer 503 with the error, prints one
+``kv8: error:`` line and exits the process with status 1, so that a supervisor restarts it.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import hmac
 import json
 import logging
 import signal
+import sys
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -202,6 +207,9 @@ def build_app(engine: AsyncEngine, limits: ServingLimits, api_key: str | None, m
 
     @app.get("/health")
     async def health() -> Response:
+        if engine.error is not None:
+            return JSONResponse({"status": f"engine failed: {type(engine.error).__name__}: {engine.error}"},
+                                status_code=503)
         if not engine.is_running:
             return JSONResponse({"status": "engine not running"}, status_code=503)
         return JSONResponse({"status": "ok"})
@@ -283,7 +291,16 @@ def run_server(ns: argparse.Namespace, engine_args: EngineArgs) -> int:
         max_in_flight=cfg.scheduler.max_num_seqs + ns.max_waiting_requests,
         kv_capacity_tokens=stats["num_blocks"] * cfg.cache.block_size, kv_block_size=cfg.cache.block_size)
 
-    async_engine = AsyncEngine(llm)
+    failures: list[BaseException] = []
+
+    def engine_failed(error: BaseException) -> None:
+        """The engine cannot serve any more: say so once and stop the server; run_server then returns 1."""
+        failures.append(error)
+        print(f"kv8: error: the engine failed and cannot serve any more requests ({type(error).__name__}: "
+              f"{error}); exiting with status 1 so that a supervisor can restart kv8", file=sys.stderr, flush=True)
+        server.should_exit = True
+
+    async_engine = AsyncEngine(llm, on_failure=engine_failed)
     app = build_app(async_engine, limits, api_key, ns.max_request_bytes, tuple(ns.allowed_origins))
 
     class Server(uvicorn.Server):
@@ -310,6 +327,8 @@ def run_server(ns: argparse.Namespace, engine_args: EngineArgs) -> int:
           f"(kv_cache_dtype={cfg.cache.kv_dtype.name}, API key {'required' if api_key else 'not required'})",
           flush=True)
     server.run()
+    if failures:
+        return 1
     if not server.started:
         raise ValueError(f"could not start the server on {ns.host}:{ns.port} (see the log above)")
     print("kv8: server stopped", flush=True)

@@ -1,0 +1,81 @@
+"""Faults around the server: an engine that breaks, signals, slow and vanishing clients.
+
+Each test starts its own ``kv8 serve`` subprocess on the tiny Llama (see :class:`tests.test_server.Server`), or
+drives the ASGI app in process where the process boundary does not matter. Every wait is bounded.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import openai
+import pytest
+
+from tests.test_server import API_KEY, ENGINE_FLAGS, SERVER_FLAGS, Server
+
+# Replaces LLMEngine.step by one that raises: a failure that is no single request's, so the engine is unusable.
+BROKEN_STEP = """
+import sys
+from kv8.engine.engine import LLMEngine
+def step(self):
+    raise RuntimeError("injected engine failure")
+LLMEngine.step = step
+from kv8.entrypoints.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def _serve(tiny_llama: str, tmp_path: Any, *extra: str, launcher: list[str] | None = None) -> Server:
+    return Server(["serve", "--model-id", tiny_llama, "--api-key", API_KEY, *ENGINE_FLAGS, *SERVER_FLAGS, *extra],
+                  str(tmp_path / "server.log"), env={"OMP_NUM_THREADS": "1"}, launcher=launcher)
+
+
+def test_a_broken_engine_exits_the_process_with_status_1(tiny_llama: str, tmp_path: Any) -> None:
+    """The in-flight client gets a JSON 503, the process says why on one line and exits 1 (a supervisor restarts
+    it) instead of lingering and answering 503 forever."""
+    srv = _serve(tiny_llama, tmp_path, launcher=["-c", BROKEN_STEP])
+    try:
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key=API_KEY, max_retries=0, timeout=60.0)
+        with pytest.raises(openai.APIStatusError) as info:
+            client.completions.create(model=tiny_llama, prompt="Hello", max_tokens=4)
+        assert info.value.status_code == 503
+        assert "injected engine failure" in info.value.response.json()["error"]["message"]
+        assert srv.proc.wait(timeout=30) == 1, srv.read_log()
+        log = srv.read_log()
+        assert "kv8: error: the engine failed and cannot serve any more requests (RuntimeError: injected engine " \
+               "failure); exiting with status 1" in log, log
+        assert "server stopped" not in log
+    finally:
+        srv.stop()
+
+
+def test_health_tells_the_truth_once_the_engine_failed(tiny_llama: str) -> None:
+    """In process: after the engine thread failed, /health is 503 with the error and on_failure ran once."""
+    from starlette.testclient import TestClient
+
+    from kv8.engine.args import EngineArgs
+    from kv8.engine.engine import LLMEngine
+    from kv8.entrypoints.async_engine import AsyncEngine
+    from kv8.entrypoints.server import build_app
+    from kv8.entrypoints.serving import ServingLimits
+
+    engine = LLMEngine(EngineArgs(model=tiny_llama, dtype="float32", num_kv_blocks=32, max_model_len=128,
+                                  max_num_seqs=2))
+
+    def step() -> list[Any]:
+        raise RuntimeError("injected engine failure")
+
+    engine.step = step  # type: ignore[method-assign]
+    failures: list[BaseException] = []
+    async_engine = AsyncEngine(engine, on_failure=failures.append)
+    limits = ServingLimits(served_model_name="tiny", max_model_len=128, max_tokens=128, max_n=2, max_in_flight=8,
+                           kv_capacity_tokens=32 * 16, kv_block_size=16)
+    with TestClient(build_app(async_engine, limits, None, 65536)) as http:
+        assert http.get("/health").json() == {"status": "ok"}
+        r = http.post("/v1/completions", json={"model": "tiny", "prompt": "Hello", "max_tokens": 2})
+        assert r.status_code == 503 and r.json()["error"]["code"] == "engine_unavailable", r.text
+        health = http.get("/health")
+        assert health.status_code == 503
+        assert health.json() == {"status": "engine failed: RuntimeError: injected engine failure"}
+        assert [str(e) for e in failures] == ["injected engine failure"]
+        assert http.post("/v1/completions", json={"model": "tiny", "prompt": "Hi"}).status_code == 503
