@@ -6,12 +6,17 @@ drives the ASGI app in process where the process boundary does not matter. Every
 
 from __future__ import annotations
 
+import json
+import signal
+import threading
+import time
 from typing import Any
 
+import httpx
 import openai
 import pytest
 
-from tests.test_server import API_KEY, ENGINE_FLAGS, SERVER_FLAGS, Server
+from tests.test_server import API_KEY, ENGINE_FLAGS, SERVER_FLAGS, Server, _drop, _open_stream
 
 # Replaces LLMEngine.step by one that raises: a failure that is no single request's, so the engine is unusable.
 BROKEN_STEP = """
@@ -79,3 +84,73 @@ def test_health_tells_the_truth_once_the_engine_failed(tiny_llama: str) -> None:
         assert health.json() == {"status": "engine failed: RuntimeError: injected engine failure"}
         assert [str(e) for e in failures] == ["injected engine failure"]
         assert http.post("/v1/completions", json={"model": "tiny", "prompt": "Hi"}).status_code == 503
+
+
+def _long_stream(srv: Server, tiny_llama: str) -> tuple[Any, Any, Any]:
+    """A stream of 16 sequences x 240 tokens (two waves of 8): seconds of work; its first line already read."""
+    stream = _open_stream(srv, dict(model=tiny_llama, prompt="Once upon", max_tokens=240, ignore_eos=True, n=16,
+                                    stream=True))
+    next(stream[2])
+    return stream
+
+
+def test_sigterm_drains_answering_503_with_retry_after(tiny_llama: str, tmp_path: Any) -> None:
+    """docs/serving.md: after SIGTERM new requests get 503 (not a refused connection) with Retry-After, /health
+    too, while the in-flight stream runs to its end; then the process exits 0."""
+    srv = _serve(tiny_llama, tmp_path, "--shutdown-timeout", "60")
+    streams = []
+    try:
+        streams.append(_long_stream(srv, tiny_llama))
+        srv.proc.send_signal(signal.SIGTERM)
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key=API_KEY, max_retries=0, timeout=30.0)
+        with pytest.raises(openai.APIStatusError) as info:
+            client.completions.create(model=tiny_llama, prompt="Hello", max_tokens=2)
+        assert info.value.status_code == 503 and info.value.response.headers["retry-after"] == "5"
+        assert info.value.response.json()["error"]["code"] == "shutting_down"
+        health = httpx.get(srv.url + "/health", timeout=10)
+        assert health.status_code == 503 and health.json() == {"status": "shutting down"}
+        lines = [line for line in streams[0][2] if line.startswith("data: ")]
+        assert lines[-1] == "data: [DONE]"
+        reasons = [c["finish_reason"] for line in lines[:-1] for c in json.loads(line[6:])["choices"]
+                   if c["finish_reason"]]
+        assert reasons == ["length"] * 16          # the drain let every sequence finish
+        assert srv.proc.wait(timeout=30) == 0, srv.read_log()
+    finally:
+        _drop(streams)
+        srv.stop()
+    log = srv.read_log()
+    assert "server stopped" in log and "Traceback" not in log, log
+
+
+def test_second_interrupt_aborts_with_json_errors_and_exits_cleanly(tiny_llama: str, tmp_path: Any) -> None:
+    """Ctrl-C twice on kv8 serve: the in-flight requests end at once with OpenAI-shaped errors (a JSON 503 for a
+    non-streaming request, an error event and [DONE] for a stream; not uvicorn's plain-text 500), and the process
+    exits 0 without a CancelledError traceback."""
+    srv = _serve(tiny_llama, tmp_path, "--shutdown-timeout", "60")
+    streams = []
+    result: dict[str, httpx.Response] = {}
+
+    def non_streaming() -> None:
+        result["r"] = httpx.post(srv.url + "/v1/completions", timeout=60, headers={
+            "Authorization": f"Bearer {API_KEY}"}, json=dict(model=tiny_llama, prompt="Hi", max_tokens=240,
+                                                                  ignore_eos=True, n=8))
+    worker = threading.Thread(target=non_streaming)
+    try:
+        streams.append(_long_stream(srv, tiny_llama))
+        worker.start()
+        srv.proc.send_signal(signal.SIGINT)
+        time.sleep(0.3)                        # two signals sent at once may be delivered as one
+        srv.proc.send_signal(signal.SIGINT)
+        lines = [line for line in streams[0][2] if line.startswith("data: ")]
+        worker.join(timeout=60)
+        assert srv.proc.wait(timeout=30) == 0, srv.read_log()
+    finally:
+        _drop(streams)
+        srv.stop()
+    assert lines[-1] == "data: [DONE]"
+    assert "second interrupt" in json.loads(lines[-2][6:])["error"]["message"]
+    r = result["r"]
+    assert r.status_code == 503 and r.headers["content-type"] == "application/json", r.text
+    assert r.json()["error"]["code"] in ("engine_unavailable", "shutting_down")
+    log = srv.read_log()
+    assert "server stopped" in log and "Traceback" not in log and "CancelledError" not in log, log

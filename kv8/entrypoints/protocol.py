@@ -22,13 +22,14 @@ class APIError(Exception):
     """An error answered to the client with ``status`` and OpenAI's error body."""
 
     def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None) -> None:
+                 param: str | None = None, code: str | None = None, headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.type = type_
         self.param = param
         self.code = code
+        self.headers = headers or {}   # extra response headers (Retry-After ...)
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}

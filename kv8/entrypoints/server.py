@@ -11,10 +11,12 @@ or wrong API key, 404 for an unknown model or route, 503 when overloaded, draini
 Security defaults: binds 127.0.0.1 unless ``--host`` says otherwise; the API key (``--api-key`` or
 ``$KV8_API_KEY``) is compared in constant time; bodies, ``n`` and ``max_tokens`` are bounded; JSON only.
 
-Shutdown: on SIGTERM/SIGINT uvicorn stops accepting connections, new requests on open connections get 503,
-in-flight requests run to completion for up to ``--shutdown-timeout`` seconds and are then aborted (a stream
-ends with an error event and ``data: [DONE]``, a non-streaming request gets a 503); the engine thread stops
-and the process exits 0 (uvicorn re-raises the signal after shutting down; kv8's handlers absorb it).
+Shutdown (:class:`_Drain`): on SIGTERM/SIGINT the server drains: it keeps accepting connections, and new requests
+get 503 ``shutting_down`` with ``Retry-After`` (``/health`` too), while in-flight requests run to completion for
+up to ``--shutdown-timeout`` seconds and are then aborted (a stream ends with an error event and ``data: [DONE]``,
+a non-streaming request gets a JSON 503). A second signal aborts them at once, the same way. Once no request is in
+flight, uvicorn stops accepting and shuts down, the engine thread stops and the process exits 0 (uvicorn
+re-raises the signal after shutting down; kv8's handlers absorb it). A third signal forces uvicorn out.
 
 Engine failure: a failure that leaves the engine unusable (an exception escaping an engine step; one request's
 failure does not) fails every open request with a 503, makes ``/health`` answer 503 with the error, prints one
@@ -58,6 +60,7 @@ from kv8.entrypoints.serving import OpenAIServing, ServingLimits
 logger = logging.getLogger("kv8.server")
 
 API_KEY_ENV = envs.API_KEY_ENV
+RETRY_AFTER_SHUTDOWN_S = 5   # the Retry-After of a 503 answered while the server drains
 
 
 class _SSEResponse(StreamingResponse):
@@ -167,8 +170,8 @@ def build_app(engine: AsyncEngine, limits: ServingLimits, api_key: str | None, m
 
     def error_response(e: APIError) -> JSONResponse:
         metrics.record_rejected(e.status)
-        headers = {"WWW-Authenticate": "Bearer"} if e.status == 401 else None
-        return JSONResponse(e.body(), status_code=e.status, headers=headers)
+        headers = {"WWW-Authenticate": "Bearer"} if e.status == 401 else {}
+        return JSONResponse(e.body(), status_code=e.status, headers={**headers, **e.headers})
 
     @app.exception_handler(APIError)
     async def _api_error(_: Request, e: APIError) -> JSONResponse:
@@ -196,7 +199,9 @@ def build_app(engine: AsyncEngine, limits: ServingLimits, api_key: str | None, m
                 raise APIError(401, "Incorrect or missing API key; send the header 'Authorization: Bearer <key>'",
                                code="invalid_api_key")
         if app.state.draining:
-            raise APIError(503, "the server is shutting down", type_="server_error", code="shutting_down")
+            raise APIError(503, "the server is shutting down; retry on another instance or once it restarted",
+                           type_="server_error", code="shutting_down",
+                           headers={"Retry-After": str(RETRY_AFTER_SHUTDOWN_S)})
         if not engine.is_running:
             raise APIError(503, "the engine is not running", type_="server_error", code="engine_unavailable")
 
@@ -212,6 +217,9 @@ def build_app(engine: AsyncEngine, limits: ServingLimits, api_key: str | None, m
                                 status_code=503)
         if not engine.is_running:
             return JSONResponse({"status": "engine not running"}, status_code=503)
+        if app.state.draining:
+            return JSONResponse({"status": "shutting down"}, status_code=503,
+                                headers={"Retry-After": str(RETRY_AFTER_SHUTDOWN_S)})
         return JSONResponse({"status": "ok"})
 
     @app.get("/metrics")
@@ -256,6 +264,56 @@ def build_app(engine: AsyncEngine, limits: ServingLimits, api_key: str | None, m
         return JSONResponse(await asyncio.to_thread(serving.detokenize, req))
 
     return app
+
+
+class _Drain:
+    """The graceful shutdown, on the event loop: wait until no request is in flight, at most ``timeout`` seconds
+    (or until :meth:`abort_now`), abort what is left (each request then ends with its error: an error event in a
+    stream, a JSON 503 otherwise) and wait for those answers to be written, then tell uvicorn to exit.
+
+    Invariant: ``server.should_exit`` is set only once no request holds capacity, or after a bounded wait, so
+    uvicorn never cancels a request mid-write (which answered a plain-text 500 and logged a CancelledError)."""
+
+    WRITE_ERRORS_S = 5.0   # how long aborted requests get to write their error answers
+
+    def __init__(self, serving: OpenAIServing, engine: AsyncEngine, server: Any, timeout: float) -> None:
+        self.serving = serving
+        self.engine = engine
+        self.server = server
+        self.timeout = timeout
+        self._abort: asyncio.Event | None = None
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        if self._task is None:
+            self._abort = asyncio.Event()
+            self._task = asyncio.get_running_loop().create_task(self._run())
+
+    def abort_now(self) -> None:
+        if self._abort is not None:
+            self._abort.set()
+
+    async def _idle(self, timeout: float) -> bool:
+        """Wait until nothing is in flight (True) or ``timeout`` passed or an abort was asked for (False)."""
+        assert self._abort is not None
+        deadline = asyncio.get_running_loop().time() + timeout
+        while self.serving.in_flight > 0:
+            left = deadline - asyncio.get_running_loop().time()
+            if left <= 0 or self._abort.is_set():
+                return False
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._abort.wait(), min(left, 0.05))
+        return True
+
+    async def _run(self) -> None:
+        if not await self._idle(self.timeout):
+            why = ("a second interrupt" if self._abort is not None and self._abort.is_set()
+                   else f"the {self.timeout:g} s shutdown timeout")
+            logger.warning("shutting down: aborting the %d sequences in flight (%s)", self.serving.in_flight, why)
+            self.engine.abort_all(f"the server is shutting down; the request was aborted after {why}")
+            self._abort = asyncio.Event()        # a further signal must not cut the error answers short
+            await self._idle(self.WRITE_ERRORS_S)
+        self.server.should_exit = True
 
 
 # ---- command line (flags are defined in kv8.entrypoints.cli.add_server_args) -----------------------------------
@@ -304,20 +362,25 @@ def run_server(ns: argparse.Namespace, engine_args: EngineArgs) -> int:
     app = build_app(async_engine, limits, api_key, ns.max_request_bytes, tuple(ns.allowed_origins))
 
     class Server(uvicorn.Server):
+        """uvicorn, whose exit signals start a drain (see the module docstring) instead of closing the listener."""
+
+        signals = 0
+
         def handle_exit(self, sig: int, frame: Any) -> None:
             loop = getattr(app.state, "loop", None)
-            if not app.state.draining and loop is not None:
-                # in-flight requests get ``shutdown_timeout`` seconds; then they end with an error event / 503
-                # (so their connections close cleanly) instead of being cancelled mid-write by uvicorn
-                loop.call_soon_threadsafe(loop.call_later, ns.shutdown_timeout, async_engine.abort_all,
-                                          f"the server is shutting down; the request was aborted after the "
-                                          f"{ns.shutdown_timeout:g} s shutdown timeout")
+            self.signals += 1
+            if loop is None or self.signals > 2:   # not started yet, or a third signal: uvicorn's own exit
+                super().handle_exit(sig, frame)
+                if self.signals > 2:
+                    self.force_exit = True
+                return
             app.state.draining = True
-            super().handle_exit(sig, frame)
+            loop.call_soon_threadsafe(drain.start if self.signals == 1 else drain.abort_now)
 
     config = uvicorn.Config(app, host=ns.host, port=ns.port, log_level=ns.log_level, access_log=False,
-                            timeout_graceful_shutdown=ns.shutdown_timeout + 5.0, lifespan="on")
+                            timeout_graceful_shutdown=5, lifespan="on")
     server = Server(config)
+    drain = _Drain(app.state.serving, async_engine, server, ns.shutdown_timeout)
     # uvicorn re-raises the signal it caught once it has shut down; these handlers turn that into a clean exit.
     received: list[int] = []
     handler: Callable[[int, Any], None] = lambda sig, frame: received.append(sig)  # noqa: E731
