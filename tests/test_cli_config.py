@@ -44,6 +44,23 @@ def test_cli_errors_are_clear(tiny_llama, capsys):
     assert "invalid choice: 'int4'" in capsys.readouterr().err
 
 
+def test_a_cache_larger_than_free_memory_or_too_few_blocks_are_clear_errors(tiny_llama, capsys):
+    """--kv-cache-memory beyond the machine: `kv8: error:` saying how much is free, exit 2, before allocating;
+    --num-kv-blocks too small names num_kv_blocks (not kv_cache_memory, which the user did not set)."""
+    from kv8.engine.args import free_memory
+
+    free = free_memory()
+    assert free is not None                      # Linux: /proc/meminfo
+    assert main(["generate", "x", "--model", tiny_llama, "--kv-cache-memory", "100TiB", "--max-tokens", "1"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("kv8: error: kv_cache_memory=100.00 TiB (--kv-cache-memory) asks for a KV cache of ")
+    assert "of memory is free on this machine" in err and "Traceback" not in err
+    assert main(["generate", "x", "--model", tiny_llama, "--num-kv-blocks", "10", "--max-model-len", "256"]) == 2
+    err = capsys.readouterr().err
+    assert "num_kv_blocks=10 (--num-kv-blocks)" in err and "raise num_kv_blocks to at least 16" in err
+    assert "kv_cache_memory" not in err
+
+
 def test_help_is_readable(capsys):
     with pytest.raises(SystemExit):
         build_parser().parse_args(["generate", "--help"])

@@ -200,23 +200,56 @@ class EngineArgs:
                             dense_backend=self.dense_backend)
 
 
+def free_memory() -> int | None:
+    """Bytes of memory this process may still take: ``MemAvailable`` (/proc/meminfo), lowered to what the cgroup
+    v2 memory limit leaves; None where neither can be read (then no check is made)."""
+    found: list[int] = []
+    try:
+        with open("/proc/meminfo") as f:
+            found += [int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:")]
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        with open("/sys/fs/cgroup/memory.max") as f:
+            limit = f.read().strip()
+        with open("/sys/fs/cgroup/memory.current") as f:
+            used = int(f.read().strip())
+        if limit != "max":
+            found.append(max(0, int(limit) - used))
+    except (OSError, ValueError):
+        pass
+    return min(found) if found else None
+
+
 def resolve_num_blocks(config: EngineConfig) -> int:
-    """Blocks for the configured budget; raises if they cannot hold one ``max_model_len`` sequence."""
+    """Blocks for the configured budget; raises ``ValueError`` naming the option that set it if they cannot hold
+    one ``max_model_len`` sequence, or if the cache needs more memory than is free (checked before allocating)."""
     cc, arch = config.cache, config.arch
+    per_token = arch.kv_bytes_per_token(cc.kv_dtype, cc.dynamic_scales)
     if cc.num_kv_blocks is not None:
         num_blocks = cc.num_kv_blocks
+        option = f"num_kv_blocks={num_blocks} (--num-kv-blocks)"
+        fix = (f"raise num_kv_blocks to at least {-(-config.scheduler.max_model_len // cc.block_size)}, "
+               "or lower max_model_len")
     else:
         memory = cc.kv_cache_memory if cc.kv_cache_memory is not None else default_kv_cache_memory()
         num_blocks = blocks_for_memory(memory, arch, cc.kv_dtype, cc.block_size, cc.dynamic_scales)
+        option = (f"kv_cache_memory={format_bytes(memory)} (--kv-cache-memory)" if cc.kv_cache_memory is not None
+                  else f"the default kv_cache_memory ({format_bytes(memory)})")
+        fix = (f"raise kv_cache_memory (needs at least {format_bytes(per_token * config.scheduler.max_model_len)})"
+               " or lower max_model_len")
     capacity = num_blocks * cc.block_size
     if capacity < config.scheduler.max_model_len:
-        per_token = arch.kv_bytes_per_token(cc.kv_dtype, cc.dynamic_scales)
         raise ValueError(
-            f"the KV cache holds {capacity} tokens ({num_blocks} blocks of {cc.block_size}, "
+            f"the KV cache of {option} holds {capacity} tokens ({num_blocks} blocks of {cc.block_size}, "
             f"{format_bytes(per_token)} per token in {cc.kv_dtype.name}), fewer than max_model_len="
-            f"{config.scheduler.max_model_len}; raise kv_cache_memory (needs at least "
-            f"{format_bytes(per_token * config.scheduler.max_model_len)}) or lower max_model_len")
+            f"{config.scheduler.max_model_len}; {fix}")
+    need, free = capacity * per_token, free_memory()
+    if free is not None and need > free:
+        raise ValueError(
+            f"{option} asks for a KV cache of {format_bytes(need)}, but only {format_bytes(free)} of memory is "
+            f"free on this machine; lower it (the model's weights need memory too)")
     return num_blocks
 
 
-__all__ = ["DEFAULT_MODEL", "EngineArgs", "option", "resolve_num_blocks"]
+__all__ = ["DEFAULT_MODEL", "EngineArgs", "free_memory", "option", "resolve_num_blocks"]
