@@ -61,6 +61,50 @@ def test_a_cache_larger_than_free_memory_or_too_few_blocks_are_clear_errors(tiny
     assert "kv_cache_memory" not in err
 
 
+def test_broken_model_files_are_errors_naming_the_file(tiny_llama, tmp_path, capsys):
+    """Truncated or corrupt safetensors, a directory without tokenizer files, a scales JSON nested 100,000 deep and
+    num_hidden_layers 0: `kv8: error: <file>: <what is wrong>`, exit 2, no traceback."""
+    import os
+    import shutil
+
+    def copy(name):
+        d = tmp_path / name
+        shutil.copytree(tiny_llama, d)
+        return d
+
+    def run(model, *extra):
+        code = main(["generate", "x", "--model", str(model), "--num-kv-blocks", "8", "--max-model-len", "64",
+                     "--max-tokens", "1", *extra])
+        err = capsys.readouterr().err
+        assert code == 2 and err.startswith("kv8: error: ") and "Traceback" not in err, err
+        return err
+
+    truncated = copy("truncated")
+    weights = truncated / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    assert f"{weights}: not a valid safetensors file" in run(truncated) and "truncated or corrupt" in run(truncated)
+    corrupt = copy("corrupt")
+    raw = bytearray((corrupt / "model.safetensors").read_bytes())
+    raw[8:40] = b"x" * 32                                   # the JSON header
+    (corrupt / "model.safetensors").write_bytes(bytes(raw))
+    assert f"{corrupt / 'model.safetensors'}: not a valid safetensors file" in run(corrupt)
+    no_tokenizer = copy("no_tokenizer")
+    for name in os.listdir(no_tokenizer):
+        if name.startswith("tokenizer"):
+            os.remove(no_tokenizer / name)
+    err = run(no_tokenizer)
+    assert f"{no_tokenizer}: no tokenizer files (looked for tokenizer.json, tokenizer.model" in err
+    deep = tmp_path / "deep.json"
+    for doc in ("[" * 100_000 + "]" * 100_000, '{"a":' * 100_000 + "1" + "}" * 100_000):
+        deep.write_text(doc)
+        err = run(tiny_llama, "--kv-cache-dtype", "fp8", "--quantization-param-path", str(deep))
+        assert f"{deep}: not a KV cache scales file: its JSON is nested too deeply" in err
+    no_layers = copy("no_layers")
+    cfg = json.loads((no_layers / "config.json").read_text())
+    (no_layers / "config.json").write_text(json.dumps({**cfg, "num_hidden_layers": 0}))
+    assert "num_hidden_layers=0 must be an int >= 1" in run(no_layers)
+
+
 def test_help_is_readable(capsys):
     with pytest.raises(SystemExit):
         build_parser().parse_args(["generate", "--help"])
