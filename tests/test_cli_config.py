@@ -105,6 +105,39 @@ def test_broken_model_files_are_errors_naming_the_file(tiny_llama, tmp_path, cap
     assert "num_hidden_layers=0 must be an int >= 1" in run(no_layers)
 
 
+def test_messages_name_what_the_user_set(tiny_llama, tmp_path, capsys, caplog):
+    """Scales with the default kv_cache_dtype name 'auto' (not the dtype it resolved to); the dtype aliases are
+    listed once; E4M3 scales on an fp8_e5m2 cache are logged; too little data names --window."""
+    import logging
+
+    import torch
+
+    from kv8 import LLM
+    from kv8.quant.formats import KV_CACHE_DTYPE_NAMES
+    from kv8.quant.scale_files import write_vllm_scales_json
+    from kv8.quant.scales import KVScales, ScaleGranularity
+
+    assert main(["generate", "x", "--model", tiny_llama, "--num-kv-blocks", "8", "--max-model-len", "64",
+                 "--quantization-param-path", "s.json"]) == 2
+    err = capsys.readouterr().err
+    assert "kv_cache_dtype='auto' (the bfloat16 compute dtype) is not an FP8 format" in err, err
+    assert len(KV_CACHE_DTYPE_NAMES) == len(set(KV_CACHE_DTYPE_NAMES))
+    with pytest.raises(SystemExit):
+        main(["generate", "x", "--kv-cache-dtype", "int4"])
+    assert capsys.readouterr().err.count("'fp8'") == 1
+    scales = tmp_path / "scales.json"
+    ones = torch.ones(2, 1, 1)
+    write_vllm_scales_json(scales, KVScales(ones, ones, ScaleGranularity.TENSOR, "test", "fp8_e4m3"), "llama")
+    with caplog.at_level(logging.WARNING, logger="kv8"):
+        LLM(tiny_llama, kv_cache_dtype="fp8_e5m2", quantization_param_path=str(scales), num_kv_blocks=8,
+            max_model_len=64)
+    assert any("calibrated for fp8_e4m3 but the cache stores fp8_e5m2" in r.getMessage() for r in caplog.records)
+    (tmp_path / "short.txt").write_text("a few words only")
+    assert main(["eval", tiny_llama, "--data", str(tmp_path / "short.txt"), "--kv-cache-dtype", "fp8",
+                 "--window", "64", "--num-windows", "1", "--gen-prompts", "0"]) == 2
+    assert "smaller --window" in capsys.readouterr().err
+
+
 def test_help_is_readable(capsys):
     with pytest.raises(SystemExit):
         build_parser().parse_args(["generate", "--help"])

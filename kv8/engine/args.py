@@ -185,6 +185,12 @@ class EngineArgs:
         arch = ModelArchConfig.from_hf_config(hf_config)
         dtype = resolve_dtype(self.dtype)
         kv_dtype = resolve_kv_cache_dtype(self.kv_cache_dtype, dtype)
+        if self.quantization_param_path is not None and not kv_dtype.is_fp8:   # name the value the user set
+            shown = repr(self.kv_cache_dtype) + (f" (the {kv_dtype.name} compute dtype)"
+                                                 if self.kv_cache_dtype == "auto" else "")
+            raise ValueError(f"quantization_param_path={self.quantization_param_path!r} gives FP8 KV scales, but "
+                             f"kv_cache_dtype={shown} is not an FP8 format; set kv_cache_dtype='fp8' (or "
+                             "fp8_e4m3 / fp8_e4m3fnuz / fp8_e5m2) or drop quantization_param_path")
         memory = None if self.kv_cache_memory is None else parse_memory(self.kv_cache_memory)
         cache = CacheConfig(kv_dtype=kv_dtype, block_size=self.block_size, kv_cache_memory=memory,
                             num_kv_blocks=self.num_kv_blocks, enable_prefix_caching=self.enable_prefix_caching,

@@ -269,7 +269,7 @@ def evaluate(model: str, data: Sequence[str], configs: Sequence[KVConfig], *, wi
         engines.append(engine)
         observers.append(obs)
     tokens = tokenize_corpus(docs, engines[0].tokenizer)
-    windows = token_windows(tokens, window, num_windows, skip_tokens)
+    windows = token_windows(tokens, window, num_windows, skip_tokens, "--window", "--skip-tokens")
     first = window // 2 - 1
     scorers = [_Scorer() for _ in all_configs]
     with tqdm(total=len(windows), desc="Scoring windows", unit="window", disable=not show_progress) as bar:
@@ -282,7 +282,8 @@ def evaluate(model: str, data: Sequence[str], configs: Sequence[KVConfig], *, wi
             bar.update(1)
     greedy: list[dict[str, list[int]]] = []
     if gen_prompts:
-        prompts = token_windows(tokens, gen_prompt_len, gen_prompts, skip_tokens)
+        prompts = token_windows(tokens, gen_prompt_len, gen_prompts, skip_tokens, "--gen-prompt-len",
+                                "--skip-tokens")
         params = SamplingParams(temperature=0.0, max_tokens=gen_tokens, ignore_eos=True)
         for engine in tqdm(engines, desc="Greedy generation", unit="config", disable=not show_progress):
             greedy.append(run_prompts(engine, prompts, params, len(prompts)))
