@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import signal
+import socket
 import threading
 import time
 from typing import Any
@@ -154,3 +155,67 @@ def test_second_interrupt_aborts_with_json_errors_and_exits_cleanly(tiny_llama: 
     assert r.json()["error"]["code"] in ("engine_unavailable", "shutting_down")
     log = srv.read_log()
     assert "server stopped" in log and "Traceback" not in log and "CancelledError" not in log, log
+
+
+def _raw(srv: Server, data: bytes) -> socket.socket:
+    sock = socket.create_connection(("127.0.0.1", srv.port), timeout=10)
+    sock.sendall(data)
+    return sock
+
+
+def _read_all(sock: socket.socket) -> bytes:
+    out = b""
+    while chunk := sock.recv(65536):
+        out += chunk
+    sock.close()
+    return out
+
+
+def _metric(srv: Server, name: str) -> float:
+    for line in httpx.get(srv.url + "/metrics", timeout=10).text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def test_slow_and_vanishing_uploads(tiny_llama: str, tmp_path: Any) -> None:
+    """A client that disconnects during the body upload is a client disconnect in /metrics and one log line (not
+    a 500 with tracebacks); a Content-Length larger than what arrives, or headers that never end, get a JSON 408
+    after --request-body-timeout / --request-header-timeout and the connection is closed."""
+    srv = _serve(tiny_llama, tmp_path, "--request-header-timeout", "1", "--request-body-timeout", "1")
+    head = (f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {API_KEY}\r\n"
+            "Content-Type: application/json\r\nContent-Length: 1000\r\n\r\n").encode()
+    try:
+        # gone during the upload
+        sock = _raw(srv, head + b'{"model": "')
+        time.sleep(0.3)
+        sock.close()
+        deadline = time.monotonic() + 10
+        while _metric(srv, 'kv8:client_disconnects_total{stage="upload"}') < 1:
+            assert time.monotonic() < deadline, srv.read_log()
+            time.sleep(0.1)
+        assert _metric(srv, 'kv8:request_rejected_total{status="500"}') == 0
+        # a body that never completes: 408 within the body timeout, then the connection closes
+        start = time.monotonic()
+        answer = _read_all(_raw(srv, head + b'{"model": "'))
+        assert answer.startswith(b"HTTP/1.1 408 "), answer
+        error = json.loads(answer.split(b"\r\n\r\n", 1)[1])["error"]
+        assert "--request-body-timeout" in error["message"] and "11 bytes received of the 1000" in error["message"]
+        assert error["code"] == "request_timeout" and time.monotonic() - start < 8
+        # headers that never end: 408 from the protocol, then the connection closes
+        answer = _read_all(_raw(srv, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"))
+        assert answer.startswith(b"HTTP/1.1 408 "), answer
+        assert "--request-header-timeout" in json.loads(answer.split(b"\r\n\r\n", 1)[1])["error"]["message"]
+        assert _metric(srv, 'kv8:request_rejected_total{status="408"}') == 2
+        # a normal request on a kept-alive connection is not cut by the header timer
+        with httpx.Client(timeout=30) as c:
+            for _ in range(2):
+                r = c.post(srv.url + "/v1/completions", headers={"Authorization": f"Bearer {API_KEY}"},
+                           json={"model": tiny_llama, "prompt": "Hello", "max_tokens": 2})
+                assert r.status_code == 200, r.text
+                time.sleep(1.5)
+    finally:
+        srv.stop()
+    log = srv.read_log()
+    assert log.count("client went away during the request body upload (POST /v1/completions, 11 bytes") == 1, log
+    assert "Traceback" not in log and "internal error" not in log, log

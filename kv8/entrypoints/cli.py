@@ -60,6 +60,10 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
                         "(default 256)")
     g.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds in-flight requests may run after SIGTERM/SIGINT before they are aborted")
+    g.add_argument("--request-header-timeout", type=float, default=30.0, metavar="SECONDS",
+                   help="a request's line and headers must arrive within this many seconds, else 408 (default 30)")
+    g.add_argument("--request-body-timeout", type=float, default=60.0, metavar="SECONDS",
+                   help="a request's whole body must arrive within this many seconds, else 408 (default 60)")
     g.add_argument("--allowed-origins", nargs="+", default=[], metavar="ORIGIN",
                    help="browser origins allowed by CORS, e.g. http://localhost:3000, or * for any "
                         "(default: none, CORS off)")

@@ -4,7 +4,9 @@ Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/model
 when one is set), ``GET /health`` and ``GET /metrics`` (Prometheus text, open).
 
 Request bodies are read by hand rather than by FastAPI, so that every failure has OpenAI's error shape and a
-precise status: 413 for a body over ``--max-request-bytes``, 400 for invalid UTF-8, malformed JSON (NaN and
+precise status: 408 for headers or a body that do not arrive within ``--request-header-timeout`` /
+``--request-body-timeout`` seconds (:mod:`kv8.entrypoints.http_protocol`), 413 for a body over
+``--max-request-bytes``, 400 for invalid UTF-8, malformed JSON (NaN and
 Infinity included), a non-object body, wrong types, out-of-range values or unknown fields; 401 for a missing
 or wrong API key, 404 for an unknown model or route, 503 when overloaded, draining or the engine is down.
 
@@ -41,6 +43,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from kv8 import envs
 from kv8.engine.args import EngineArgs
@@ -83,7 +86,32 @@ def _json_constant(name: str) -> Any:
     raise ValueError(f"{name} is not valid JSON")
 
 
-async def read_json_body(request: Request, limit: int) -> dict[str, Any]:
+async def _read_body(request: Request, limit: int, timeout: float) -> bytes:
+    """The raw body, at most ``limit`` bytes (413 beyond), all of it within ``timeout`` seconds (408 otherwise: a
+    Content-Length larger than what arrives must not hold the connection forever). A client that goes away
+    meanwhile raises :class:`ClientDisconnected` ("upload")."""
+    body = bytearray()
+    chunks = request.stream().__aiter__()
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while True:
+        try:
+            chunk = await asyncio.wait_for(chunks.__anext__(), max(0.0, deadline - loop.time()))
+        except StopAsyncIteration:
+            return bytes(body)
+        except asyncio.TimeoutError:
+            raise APIError(408, f"the request body did not arrive within {timeout:g} s (--request-body-timeout): "
+                                f"{len(body)} bytes received" + (f" of the {request.headers['content-length']} "
+                                "announced by Content-Length" if "content-length" in request.headers else ""),
+                           code="request_timeout", headers={"Connection": "close"}) from None
+        except ClientDisconnect:
+            raise ClientDisconnected("upload", f"{len(body)} bytes of the body received") from None
+        body += chunk
+        if len(body) > limit:
+            raise APIError(413, f"the request body has more than {limit} bytes, over the limit of {limit} bytes")
+
+
+async def read_json_body(request: Request, limit: int, timeout: float = 60.0) -> dict[str, Any]:
     # Only JSON bodies: a browser page can POST text/plain or a form to a server on 127.0.0.1 without a CORS
     # preflight, but not application/json.
     ctype = request.headers.get("content-type", "")
@@ -93,15 +121,11 @@ async def read_json_body(request: Request, limit: int) -> dict[str, Any]:
     length = request.headers.get("content-length")
     if length is not None and length.isdigit() and int(length) > limit:
         raise APIError(413, f"the request body has {int(length)} bytes, over the limit of {limit} bytes")
-    body = bytearray()
-    async for chunk in request.stream():
-        body += chunk
-        if len(body) > limit:
-            raise APIError(413, f"the request body has more than {limit} bytes, over the limit of {limit} bytes")
+    body = await _read_body(request, limit, timeout)
     if not body:
         raise APIError(400, "the request body is empty; send a JSON object")
     try:
-        text = bytes(body).decode("utf-8")
+        text = body.decode("utf-8")
     except UnicodeDecodeError as e:
         raise APIError(400, f"the request body is not valid UTF-8 (byte {e.start}: {e.reason})") from e
     try:
@@ -147,8 +171,9 @@ async def _wait_disconnect(request: Request) -> None:
 
 
 def build_app(engine: AsyncEngine, limits: ServingLimits, api_key: str | None, max_request_bytes: int,
-              allowed_origins: tuple[str, ...] = ()) -> FastAPI:
-    """The ASGI app. ``app.state.draining`` set to True makes new /v1 requests answer 503."""
+              allowed_origins: tuple[str, ...] = (), body_timeout: float = 60.0) -> FastAPI:
+    """The ASGI app. ``app.state.draining`` set to True makes new /v1 requests answer 503; ``app.state.metrics``
+    is its :class:`ServerMetrics`."""
     metrics = ServerMetrics()
     serving = OpenAIServing(engine, limits, metrics)
 
@@ -162,6 +187,7 @@ def build_app(engine: AsyncEngine, limits: ServingLimits, api_key: str | None, m
     app = FastAPI(title="kv8", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.draining = False
     app.state.serving = serving
+    app.state.metrics = metrics
     if allowed_origins:  # CORS is off unless origins are named: no browser page may read kv8's answers
         from fastapi.middleware.cors import CORSMiddleware
 
@@ -183,7 +209,11 @@ def build_app(engine: AsyncEngine, limits: ServingLimits, api_key: str | None, m
         return error_response(APIError(e.status_code, msg))
 
     @app.exception_handler(ClientDisconnected)
-    async def _gone(_: Request, e: ClientDisconnected) -> Response:
+    async def _gone(request: Request, e: ClientDisconnected) -> Response:
+        metrics.record_disconnect(e.stage)
+        if e.stage == "upload":   # nothing was generated yet: worth one line, not a traceback
+            logger.warning("client went away during the request body upload (%s %s, %s)", request.method,
+                           request.url.path, e.detail)
         return Response(status_code=499)
 
     @app.exception_handler(Exception)
@@ -237,7 +267,7 @@ def build_app(engine: AsyncEngine, limits: ServingLimits, api_key: str | None, m
     async def parse(request: Request, model: type[BaseModel]) -> Any:
         """Check the key, read the bounded JSON body and validate it strictly (errors become 4xx)."""
         check_access(request)
-        body = await read_json_body(request, max_request_bytes)
+        body = await read_json_body(request, max_request_bytes, body_timeout)
         try:
             return model.model_validate(body)
         except ValidationError as e:
@@ -326,8 +356,10 @@ def run_server(ns: argparse.Namespace, engine_args: EngineArgs) -> int:
     import uvicorn
 
     from kv8.engine.engine import LLMEngine
+    from kv8.entrypoints.http_protocol import header_timeout_protocol
 
-    for name in ("max_n", "max_tokens_limit", "max_request_bytes", "shutdown_timeout"):
+    for name in ("max_n", "max_tokens_limit", "max_request_bytes", "shutdown_timeout", "request_header_timeout",
+                 "request_body_timeout"):
         _positive(name, getattr(ns, name))
     if ns.max_waiting_requests < 0:
         raise ValueError(f"--max-waiting-requests={ns.max_waiting_requests} must be >= 0")
@@ -359,7 +391,8 @@ def run_server(ns: argparse.Namespace, engine_args: EngineArgs) -> int:
         server.should_exit = True
 
     async_engine = AsyncEngine(llm, on_failure=engine_failed)
-    app = build_app(async_engine, limits, api_key, ns.max_request_bytes, tuple(ns.allowed_origins))
+    app = build_app(async_engine, limits, api_key, ns.max_request_bytes, tuple(ns.allowed_origins),
+                    ns.request_body_timeout)
 
     class Server(uvicorn.Server):
         """uvicorn, whose exit signals start a drain (see the module docstring) instead of closing the listener."""
@@ -377,8 +410,9 @@ def run_server(ns: argparse.Namespace, engine_args: EngineArgs) -> int:
             app.state.draining = True
             loop.call_soon_threadsafe(drain.start if self.signals == 1 else drain.abort_now)
 
+    protocol = header_timeout_protocol(ns.request_header_timeout, lambda: app.state.metrics.record_rejected(408))
     config = uvicorn.Config(app, host=ns.host, port=ns.port, log_level=ns.log_level, access_log=False,
-                            timeout_graceful_shutdown=5, lifespan="on")
+                            timeout_graceful_shutdown=5, lifespan="on", http=protocol)
     server = Server(config)
     drain = _Drain(app.state.serving, async_engine, server, ns.shutdown_timeout)
     # uvicorn re-raises the signal it caught once it has shut down; these handlers turn that into a clean exit.
