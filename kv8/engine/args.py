@@ -227,35 +227,50 @@ def free_memory() -> int | None:
     return min(found) if found else None
 
 
+def _budget_option(config: EngineConfig, num_blocks: int) -> str:
+    cc = config.cache
+    if cc.num_kv_blocks is not None:
+        return f"num_kv_blocks={num_blocks} (--num-kv-blocks)"
+    if cc.kv_cache_memory is not None:
+        return f"kv_cache_memory={format_bytes(cc.kv_cache_memory)} (--kv-cache-memory)"
+    return f"the default kv_cache_memory ({format_bytes(default_kv_cache_memory())})"
+
+
+def check_cache_fits_memory(config: EngineConfig, num_blocks: int) -> None:
+    """Raise ``ValueError`` naming the option that sized the cache when ``num_blocks`` blocks need more memory than
+    is free now. The engine calls it once the weights are loaded (they take memory too, and a config whose sizes
+    do not match the checkpoint is reported by the loader first) and before the cache is allocated."""
+    cc, arch = config.cache, config.arch
+    need = num_blocks * cc.block_size * arch.kv_bytes_per_token(cc.kv_dtype, cc.dynamic_scales)
+    free = free_memory()
+    if free is not None and need > free:
+        raise ValueError(
+            f"{_budget_option(config, num_blocks)} asks for a KV cache of {format_bytes(need)}, but only "
+            f"{format_bytes(free)} of memory is free on this machine (the model's weights loaded); lower it")
+
+
 def resolve_num_blocks(config: EngineConfig) -> int:
     """Blocks for the configured budget; raises ``ValueError`` naming the option that set it if they cannot hold
-    one ``max_model_len`` sequence, or if the cache needs more memory than is free (checked before allocating)."""
+    one ``max_model_len`` sequence. (Whether they fit in free memory: :func:`check_cache_fits_memory`.)"""
     cc, arch = config.cache, config.arch
     per_token = arch.kv_bytes_per_token(cc.kv_dtype, cc.dynamic_scales)
     if cc.num_kv_blocks is not None:
         num_blocks = cc.num_kv_blocks
-        option = f"num_kv_blocks={num_blocks} (--num-kv-blocks)"
         fix = (f"raise num_kv_blocks to at least {-(-config.scheduler.max_model_len // cc.block_size)}, "
                "or lower max_model_len")
     else:
         memory = cc.kv_cache_memory if cc.kv_cache_memory is not None else default_kv_cache_memory()
         num_blocks = blocks_for_memory(memory, arch, cc.kv_dtype, cc.block_size, cc.dynamic_scales)
-        option = (f"kv_cache_memory={format_bytes(memory)} (--kv-cache-memory)" if cc.kv_cache_memory is not None
-                  else f"the default kv_cache_memory ({format_bytes(memory)})")
         fix = (f"raise kv_cache_memory (needs at least {format_bytes(per_token * config.scheduler.max_model_len)})"
                " or lower max_model_len")
     capacity = num_blocks * cc.block_size
     if capacity < config.scheduler.max_model_len:
         raise ValueError(
-            f"the KV cache of {option} holds {capacity} tokens ({num_blocks} blocks of {cc.block_size}, "
-            f"{format_bytes(per_token)} per token in {cc.kv_dtype.name}), fewer than max_model_len="
+            f"the KV cache of {_budget_option(config, num_blocks)} holds {capacity} tokens ({num_blocks} blocks of "
+            f"{cc.block_size}, {format_bytes(per_token)} per token in {cc.kv_dtype.name}), fewer than max_model_len="
             f"{config.scheduler.max_model_len}; {fix}")
-    need, free = capacity * per_token, free_memory()
-    if free is not None and need > free:
-        raise ValueError(
-            f"{option} asks for a KV cache of {format_bytes(need)}, but only {format_bytes(free)} of memory is "
-            f"free on this machine; lower it (the model's weights need memory too)")
     return num_blocks
 
 
-__all__ = ["DEFAULT_MODEL", "EngineArgs", "free_memory", "option", "resolve_num_blocks"]
+__all__ = ["DEFAULT_MODEL", "EngineArgs", "check_cache_fits_memory", "free_memory", "option",
+           "resolve_num_blocks"]

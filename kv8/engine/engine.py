@@ -27,7 +27,7 @@ from kv8.cache.codec import KVCodec
 from kv8.cache.kv_cache_manager import KVCacheManager
 from kv8.cache.paged_cache import CacheShape, PagedKVCache
 from kv8.config import EngineConfig, format_bytes
-from kv8.engine.args import EngineArgs, resolve_num_blocks
+from kv8.engine.args import EngineArgs, check_cache_fits_memory, resolve_num_blocks
 from kv8.engine.input_processor import InputProcessor
 from kv8.engine.output_processor import OutputProcessor
 from kv8.engine.request import RequestStatus
@@ -60,6 +60,7 @@ class LLMEngine:
         arch, cc = self.config.arch, self.config.cache
         scales = engine_kv_scales(cc, ModelScaleInfo(arch.model_type, arch.num_layers, arch.num_kv_heads,
                                                      arch.head_dim), loaded.scale_tensors, loaded.hf_config)
+        check_cache_fits_memory(self.config, num_blocks)   # before allocating it, with the weights loaded
         codec = KVCodec.build(cc.kv_dtype, arch.head_dim, scale_mode=cc.scale_mode, rotation=cc.rotation,
                               scales=scales)
         self.cache = PagedKVCache(CacheShape(arch.num_layers, num_blocks, arch.num_kv_heads, cc.block_size,
