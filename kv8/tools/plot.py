@@ -58,7 +58,8 @@ def make_figure(report: EvalReport) -> Any:
         ax.plot(r.layer_k_scale_max, color=color, marker="o", ms=3, label=f"{r.label} K")
         ax.plot(r.layer_v_scale_max, color=color, ls="--", marker="x", ms=3, label=f"{r.label} V")
     ax.set(title="KV scale per layer (largest in the layer)", xlabel="layer", ylabel="scale", yscale="log")
-    ax.legend(fontsize=7)
+    if ax.get_legend_handles_labels()[0]:   # no fp8 configuration: no scales to show
+        ax.legend(fontsize=7)
     ax = axes[0][1]
     for i, r in enumerate(configs):
         color = f"C{i}"
