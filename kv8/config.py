@@ -261,9 +261,6 @@ class ModelArchConfig:
     layer_types: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
-        if not self.layer_types:   # default: every layer is of the model's one kind
-            kind = "full_attention" if self.sliding_window is None else "sliding_attention"
-            object.__setattr__(self, "layer_types", (kind,) * self.num_layers)
         for name, value in (("vocab_size", self.vocab_size), ("hidden_size", self.hidden_size),
                             ("intermediate_size", self.intermediate_size), ("num_hidden_layers", self.num_layers),
                             ("num_attention_heads", self.num_heads), ("num_key_value_heads", self.num_kv_heads),
@@ -279,18 +276,31 @@ class ModelArchConfig:
                              f"num_key_value_heads={self.num_kv_heads}")
         if self.head_dim % 2:
             raise ValueError(f"head_dim={self.head_dim} must be even for rotary embeddings")
-        if len(self.layer_types) != self.num_layers or any(t not in LAYER_TYPES for t in self.layer_types):
+        if self.layer_types and (len(self.layer_types) != self.num_layers
+                                 or any(t not in LAYER_TYPES for t in self.layer_types)):
             raise ValueError(f"model config layer_types={list(self.layer_types)!r} must list one of "
                              f"{', '.join(LAYER_TYPES)} for each of the {self.num_layers} layers")
         if self.sliding_window is None and "sliding_attention" in self.layer_types:
             raise ValueError("model config layer_types has sliding_attention layers but no sliding_window")
 
+    def layer_type(self, layer: int) -> str:
+        """``layer_types[layer]``; an empty ``layer_types`` means every layer is of the model's one kind
+        (sliding when the model has a ``sliding_window``), without a tuple of ``num_layers`` entries."""
+        if self.layer_types:
+            return self.layer_types[layer]
+        return "full_attention" if self.sliding_window is None else "sliding_attention"
+
+    def has_layer_type(self, kind: str) -> bool:
+        return kind in self.layer_types if self.layer_types else self.layer_type(0) == kind
+
     def layer_window(self, layer: int) -> int | None:
         """The sliding window of ``layer`` (None: the layer attends to the whole context)."""
-        return self.sliding_window if self.layer_types[layer] == "sliding_attention" else None
+        return self.sliding_window if self.layer_type(layer) == "sliding_attention" else None
 
     @property
     def layer_windows(self) -> tuple[int | None, ...]:
+        """Every layer's window (a tuple of ``num_layers``: call it once the layer count is checked against the
+        checkpoint)."""
         return tuple(self.layer_window(i) for i in range(self.num_layers))
 
     @classmethod
@@ -501,8 +511,10 @@ class EngineConfig:
 
 
     def skipped_layers(self) -> tuple[bool, ...]:
-        """Per layer, whether ``kv_cache_dtype_skip_layers`` keeps it in the compute dtype."""
+        """Per layer, whether ``kv_cache_dtype_skip_layers`` keeps it in the compute dtype (empty: none is)."""
         arch = self.arch
+        if not self.cache.skip_layers:
+            return ()
         skipped = [False] * arch.num_layers
         for entry in self.cache.skip_layers:
             if isinstance(entry, int):
@@ -512,11 +524,11 @@ class EngineConfig:
                 skipped[entry] = True
                 continue
             kind = "sliding_attention" if entry == "sliding_window" else "full_attention"
-            if kind not in arch.layer_types:
+            if not arch.has_layer_type(kind):
                 raise ValueError(f"kv_cache_dtype_skip_layers has {entry!r}, but this model has no "
                                  f"{kind.replace('_', ' ')} layers")
-            for i, t in enumerate(arch.layer_types):
-                skipped[i] = skipped[i] or t == kind
+            for i in range(arch.num_layers):
+                skipped[i] = skipped[i] or arch.layer_type(i) == kind
         return tuple(skipped)
 
 

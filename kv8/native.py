@@ -9,6 +9,9 @@ relative to the including file, as the compiler finds them), so editing a header
 uses it. The cache dir is ``$KV8_CACHE_DIR`` if set, else ``~/.cache/kv8``. Each build goes to a private
 temporary file and is published with an atomic ``os.replace``, so concurrent first starts are safe (both may
 compile; either result is complete).
+
+Compiling takes about a minute, so the first build in a process says so once on stderr (the cached libraries of
+later starts load silently).
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
@@ -68,6 +72,18 @@ def _source_texts(source: Path) -> list[bytes]:
     return texts
 
 
+_announced = False
+
+
+def _announce_compiling() -> None:
+    """Say once per process that kernels are being compiled (a minute of silence otherwise looks like a hang)."""
+    global _announced
+    if not _announced:
+        _announced = True
+        print("kv8: compiling kv8's CPU kernels (first use, about a minute; cached for later runs)...",
+              file=sys.stderr, flush=True)
+
+
 def _compiler() -> str:
     cxx = envs.cxx()
     path = shutil.which(cxx)
@@ -103,6 +119,7 @@ def build_shared_library(source: Path, march: str) -> Path:
         os.close(fd)
     except OSError as exc:
         raise KernelUnavailable(f"cannot write the kernel cache directory {out_dir}: {exc}") from exc
+    _announce_compiling()
     try:
         cmd = [cxx, *flags, "-o", tmp, str(source)]
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)

@@ -9,6 +9,8 @@ Invariants after construction:
 
 * ``stop`` is a ``list[str]`` of non-empty strings (``None`` and a single string are normalised).
 * ``stop_token_ids`` is a ``list[int]`` of non-negative ids (``None`` is normalised to ``[]``).
+* ``logit_bias`` is ``None`` or a new ``dict[int, float]`` (non-negative ids, biases in [-100, 100]); an empty
+  dict is normalised to ``None``.
 * float fields hold ``float`` values, int fields hold ``int`` values.
 
 The dataclass is frozen so that the engine can share one validated object between the ``n`` samples
@@ -19,6 +21,12 @@ before the object is handed out.
 Greedy vs random: a temperature below ``GREEDY_TEMPERATURE_EPS`` (1e-5, as in vLLM) means greedy
 decoding; ``top_k``, ``top_p``, ``min_p`` and ``seed`` are then irrelevant. ``n > 1`` with greedy
 decoding is allowed (vLLM allows it) but the ``n`` samples will be identical.
+
+Penalties and logit bias (vLLM's semantics) change the logits before greedy or random selection, for greedy
+rows too: ``logit_bias`` is added first, then ``repetition_penalty`` (over prompt and output tokens) divides
+positive logits and multiplies negative ones, then ``frequency_penalty`` times each output token's count and
+``presence_penalty`` for each token present in the output are subtracted. At their defaults (0, 0, 1, None)
+the logits are untouched. Logprobs stay those of the raw logits.
 """
 
 from __future__ import annotations
@@ -91,6 +99,27 @@ def _normalise_stop(value: Any) -> list[str]:
     return list(items)
 
 
+_LOGIT_BIAS_LIMIT = 100.0
+
+
+def _normalise_logit_bias(value: Any) -> dict[int, float] | None:
+    lim = _LOGIT_BIAS_LIMIT
+    allowed = f"None or a dict of token id (int >= 0) -> bias (a number in [-{lim:g}, {lim:g}])"
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise ValueError(f"logit_bias must be {allowed}, got {value!r}")
+    out: dict[int, float] = {}
+    for key, bias in value.items():
+        if not _is_int(key) or key < 0:
+            raise ValueError(f"logit_bias must be {allowed}, got {value!r} (bad token id {key!r})")
+        if (not isinstance(bias, numbers.Real) or isinstance(bias, bool) or not math.isfinite(float(bias))
+                or abs(float(bias)) > _LOGIT_BIAS_LIMIT):
+            raise ValueError(f"logit_bias must be {allowed}, got {value!r} (bad bias {bias!r} for token {key!r})")
+        out[int(key)] = float(bias)
+    return out or None
+
+
 def _normalise_stop_token_ids(value: Any) -> list[int]:
     allowed = "None or a list of token ids (ints >= 0)"
     if value is None:
@@ -126,6 +155,14 @@ class SamplingParams:
             token's logprob), or None for no logprobs.
         prompt_logprobs: the same for prompt tokens.
         skip_special_tokens: drop special tokens when detokenizing.
+        presence_penalty: in [-2, 2]; subtracted from the logit of every token already in the output (> 0
+            favours new tokens).
+        frequency_penalty: in [-2, 2]; times the number of times a token is in the output, subtracted from
+            its logit.
+        repetition_penalty: > 0 (1 disables); tokens in the prompt or the output have positive logits
+            divided by it and negative logits multiplied by it.
+        logit_bias: token id -> bias in [-100, 100] added to that token's logit (ids must be in the
+            vocabulary; checked where the request enters the engine).
     """
 
     n: int = 1
@@ -143,6 +180,10 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
 
     def __post_init__(self) -> None:
         values: dict[str, Any] = {
@@ -174,6 +215,16 @@ class SamplingParams:
                 "prompt_logprobs", self.prompt_logprobs, 0, "an int >= 0"
             ),
             "skip_special_tokens": _check_bool("skip_special_tokens", self.skip_special_tokens),
+            "presence_penalty": _check_float(
+                "presence_penalty", self.presence_penalty, lambda v: -2.0 <= v <= 2.0, "a number in [-2, 2]"
+            ),
+            "frequency_penalty": _check_float(
+                "frequency_penalty", self.frequency_penalty, lambda v: -2.0 <= v <= 2.0, "a number in [-2, 2]"
+            ),
+            "repetition_penalty": _check_float(
+                "repetition_penalty", self.repetition_penalty, lambda v: v > 0.0, "a finite number > 0"
+            ),
+            "logit_bias": _normalise_logit_bias(self.logit_bias),
         }
         max_tokens = values["max_tokens"]
         if max_tokens is not None and values["min_tokens"] > max_tokens:
@@ -189,6 +240,12 @@ class SamplingParams:
         if not _is_int(top_k) or not (top_k in (0, -1) or top_k >= 1):
             raise ValueError(f"top_k must be an int >= 1, or 0 / -1 to disable, got {top_k!r}")
         return int(top_k)
+
+    @property
+    def uses_penalties(self) -> bool:
+        """True when presence, frequency or repetition penalty is on: the sampler then needs the request's
+        prompt and output token ids."""
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
 
     @property
     def sampling_type(self) -> SamplingType:

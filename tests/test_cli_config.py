@@ -44,6 +44,100 @@ def test_cli_errors_are_clear(tiny_llama, capsys):
     assert "invalid choice: 'int4'" in capsys.readouterr().err
 
 
+def test_a_cache_larger_than_free_memory_or_too_few_blocks_are_clear_errors(tiny_llama, capsys):
+    """--kv-cache-memory beyond the machine: `kv8: error:` saying how much is free, exit 2, before allocating;
+    --num-kv-blocks too small names num_kv_blocks (not kv_cache_memory, which the user did not set)."""
+    from kv8.engine.args import free_memory
+
+    free = free_memory()
+    assert free is not None                      # Linux: /proc/meminfo
+    assert main(["generate", "x", "--model", tiny_llama, "--kv-cache-memory", "100TiB", "--max-tokens", "1"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("kv8: error: kv_cache_memory=100.00 TiB (--kv-cache-memory) asks for a KV cache of ")
+    assert "of memory is free on this machine (the model's weights loaded); lower it" in err and "Traceback" not in err
+    assert main(["generate", "x", "--model", tiny_llama, "--num-kv-blocks", "10", "--max-model-len", "256"]) == 2
+    err = capsys.readouterr().err
+    assert "num_kv_blocks=10 (--num-kv-blocks)" in err and "raise num_kv_blocks to at least 16" in err
+    assert "kv_cache_memory" not in err
+
+
+def test_broken_model_files_are_errors_naming_the_file(tiny_llama, tmp_path, capsys):
+    """Truncated or corrupt safetensors, a directory without tokenizer files, a scales JSON nested 100,000 deep and
+    num_hidden_layers 0: `kv8: error: <file>: <what is wrong>`, exit 2, no traceback."""
+    import os
+    import shutil
+
+    def copy(name):
+        d = tmp_path / name
+        shutil.copytree(tiny_llama, d)
+        return d
+
+    def run(model, *extra):
+        code = main(["generate", "x", "--model", str(model), "--num-kv-blocks", "8", "--max-model-len", "64",
+                     "--max-tokens", "1", *extra])
+        err = capsys.readouterr().err
+        assert code == 2 and err.startswith("kv8: error: ") and "Traceback" not in err, err
+        return err
+
+    truncated = copy("truncated")
+    weights = truncated / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    assert f"{weights}: not a valid safetensors file" in run(truncated) and "truncated or corrupt" in run(truncated)
+    corrupt = copy("corrupt")
+    raw = bytearray((corrupt / "model.safetensors").read_bytes())
+    raw[8:40] = b"x" * 32                                   # the JSON header
+    (corrupt / "model.safetensors").write_bytes(bytes(raw))
+    assert f"{corrupt / 'model.safetensors'}: not a valid safetensors file" in run(corrupt)
+    no_tokenizer = copy("no_tokenizer")
+    for name in os.listdir(no_tokenizer):
+        if name.startswith("tokenizer"):
+            os.remove(no_tokenizer / name)
+    err = run(no_tokenizer)
+    assert f"{no_tokenizer}: no tokenizer files (looked for tokenizer.json, tokenizer.model" in err
+    deep = tmp_path / "deep.json"
+    for doc in ("[" * 100_000 + "]" * 100_000, '{"a":' * 100_000 + "1" + "}" * 100_000):
+        deep.write_text(doc)
+        err = run(tiny_llama, "--kv-cache-dtype", "fp8", "--quantization-param-path", str(deep))
+        assert f"{deep}: not a KV cache scales file: its JSON is nested too deeply" in err
+    no_layers = copy("no_layers")
+    cfg = json.loads((no_layers / "config.json").read_text())
+    (no_layers / "config.json").write_text(json.dumps({**cfg, "num_hidden_layers": 0}))
+    assert "num_hidden_layers=0 must be an int >= 1" in run(no_layers)
+
+
+def test_messages_name_what_the_user_set(tiny_llama, tmp_path, capsys, caplog):
+    """Scales with the default kv_cache_dtype name 'auto' (not the dtype it resolved to); the dtype aliases are
+    listed once; E4M3 scales on an fp8_e5m2 cache are logged; too little data names --window."""
+    import logging
+
+    import torch
+
+    from kv8 import LLM
+    from kv8.quant.formats import KV_CACHE_DTYPE_NAMES
+    from kv8.quant.scale_files import write_vllm_scales_json
+    from kv8.quant.scales import KVScales, ScaleGranularity
+
+    assert main(["generate", "x", "--model", tiny_llama, "--num-kv-blocks", "8", "--max-model-len", "64",
+                 "--quantization-param-path", "s.json"]) == 2
+    err = capsys.readouterr().err
+    assert "kv_cache_dtype='auto' (the bfloat16 compute dtype) is not an FP8 format" in err, err
+    assert len(KV_CACHE_DTYPE_NAMES) == len(set(KV_CACHE_DTYPE_NAMES))
+    with pytest.raises(SystemExit):
+        main(["generate", "x", "--kv-cache-dtype", "int4"])
+    assert capsys.readouterr().err.count("'fp8'") == 1
+    scales = tmp_path / "scales.json"
+    ones = torch.ones(2, 1, 1)
+    write_vllm_scales_json(scales, KVScales(ones, ones, ScaleGranularity.TENSOR, "test", "fp8_e4m3"), "llama")
+    with caplog.at_level(logging.WARNING, logger="kv8"):
+        LLM(tiny_llama, kv_cache_dtype="fp8_e5m2", quantization_param_path=str(scales), num_kv_blocks=8,
+            max_model_len=64)
+    assert any("calibrated for fp8_e4m3 but the cache stores fp8_e5m2" in r.getMessage() for r in caplog.records)
+    (tmp_path / "short.txt").write_text("a few words only")
+    assert main(["eval", tiny_llama, "--data", str(tmp_path / "short.txt"), "--kv-cache-dtype", "fp8",
+                 "--window", "64", "--num-windows", "1", "--gen-prompts", "0"]) == 2
+    assert "smaller --window" in capsys.readouterr().err
+
+
 def test_help_is_readable(capsys):
     with pytest.raises(SystemExit):
         build_parser().parse_args(["generate", "--help"])

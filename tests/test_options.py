@@ -82,7 +82,7 @@ def test_model_argument_of_each_command():
 
 def test_eval_keeps_its_repeatable_kv_cache_dtype():
     ns = build_parser().parse_args(BASE_ARGV["eval"] + ["--kv-cache-dtype", "fp8", "--kv-cache-dtype", "bfloat16"])
-    assert ns.kv_cache_dtypes == ["fp8", "bfloat16"]
+    assert ns.kv_configs == [("dtype", "fp8"), ("dtype", "bfloat16")]
     assert EngineArgs.from_cli_args(ns).kv_cache_dtype == "auto"   # not an engine option of eval
 
 

@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from kv8.engine.sampler import SamplerOutput, compute_logprobs, make_generator, sample
+from kv8.engine.sampler import SamplerOutput, TokenHistory, apply_penalties, compute_logprobs, make_generator, sample
 from kv8.sampling_params import SamplingParams, SamplingType
 
 
@@ -77,6 +77,14 @@ GOOD_VALUES: list[tuple[str, object, object]] = [
     ("prompt_logprobs", 0, 0),
     ("prompt_logprobs", 3, 3),
     ("skip_special_tokens", False, False),
+    ("presence_penalty", -2, -2.0),
+    ("presence_penalty", 1.5, 1.5),
+    ("frequency_penalty", 2, 2.0),
+    ("repetition_penalty", 1, 1.0),
+    ("repetition_penalty", 1.3, 1.3),
+    ("logit_bias", None, None),
+    ("logit_bias", {}, None),
+    ("logit_bias", {5: 100, 0: -100.0}, {5: 100.0, 0: -100.0}),
 ]
 
 
@@ -147,6 +155,20 @@ BAD_VALUES: list[tuple[str, object]] = [
     ("prompt_logprobs", "3"),
     ("prompt_logprobs", False),
     ("skip_special_tokens", 0),
+    ("presence_penalty", 2.5),
+    ("presence_penalty", float("nan")),
+    ("presence_penalty", None),
+    ("frequency_penalty", -2.01),
+    ("frequency_penalty", True),
+    ("repetition_penalty", 0),
+    ("repetition_penalty", -1.0),
+    ("repetition_penalty", float("inf")),
+    ("logit_bias", {1: 101}),
+    ("logit_bias", {-1: 1.0}),
+    ("logit_bias", {"1": 1.0}),
+    ("logit_bias", {1: float("nan")}),
+    ("logit_bias", {True: 1.0}),
+    ("logit_bias", [(1, 1.0)]),
 ]
 
 
@@ -466,3 +488,79 @@ def test_partial_selection_serves_top_k_and_peaked_top_p_without_the_full_sort(m
     monkeypatch.setattr(sampler_mod, "apply_filters_reference", no_full_sort)
     got = sampler_mod._apply_filters(scaled, params)
     assert torch.equal(torch.isfinite(got), torch.isfinite(expected))
+
+
+# --------------------------------------------------------------------------- penalties and logit bias
+
+
+def _penalties_reference(row: torch.Tensor, p: SamplingParams, prompt: list[int], output: list[int]) -> torch.Tensor:
+    """One row, token by token, as vLLM defines it: bias, then repetition (prompt + output), frequency and
+    presence (output only)."""
+    out = row.clone().tolist()
+    for t, b in (p.logit_bias or {}).items():
+        out[t] += b
+    for t in range(len(out)):
+        if t in prompt or t in output:
+            out[t] = out[t] / p.repetition_penalty if out[t] > 0 else out[t] * p.repetition_penalty
+        out[t] -= p.frequency_penalty * output.count(t) + p.presence_penalty * (t in output)
+    return torch.tensor(out, dtype=torch.float32)
+
+
+def test_penalties_and_logit_bias_match_the_reference_row_by_row() -> None:
+    vocab = 40
+    g = _gen(3)
+    logits = torch.randn(5, vocab, generator=g) * 3
+    logits[2, 7] = float("-inf")   # a masked token stays masked
+    rows = [
+        (SamplingParams(presence_penalty=0.7), [1, 2, 3], [4, 4, 5]),
+        (SamplingParams(frequency_penalty=-0.5, repetition_penalty=1.4), [6, 7, 7], [7, 8, 8, 8]),
+        (SamplingParams(repetition_penalty=0.6, logit_bias={7: 5.0, 9: -100}), [7, 9, 10], [11]),
+        (SamplingParams(), [], []),                             # nothing on: untouched
+        (SamplingParams(logit_bias={0: 2.5}, presence_penalty=-1.0, frequency_penalty=1.0), [0], [0, 0, 39]),
+    ]
+    params = [r[0] for r in rows]
+    hist = [TokenHistory(r[1], r[2]) if r[0].uses_penalties else None for r in rows]
+    got = apply_penalties(logits, params, hist)
+    for i, (p, prompt, output) in enumerate(rows):
+        torch.testing.assert_close(got[i], _penalties_reference(logits[i], p, prompt, output), rtol=0, atol=1e-6)
+    assert torch.equal(got[3], logits[3]) and got[2, 7] == float("-inf")
+    # nothing on anywhere: the very same tensor comes back
+    assert apply_penalties(logits, [SamplingParams()] * 5, None) is logits
+
+
+def test_penalties_change_greedy_and_leave_logprobs_raw() -> None:
+    logits = torch.tensor([[3.0, 2.9, 0.0, -1.0]])
+    hist = [TokenHistory([0], [])]
+    assert int(sample(logits, [SamplingParams(temperature=0)], [_gen(0)]).token_ids[0]) == 0
+    out = sample(logits, [SamplingParams(temperature=0, repetition_penalty=1.2, logprobs=1)], [_gen(0)], hist)
+    assert int(out.token_ids[0]) == 1                      # 3.0 / 1.2 = 2.5 < 2.9
+    assert out.logprobs is not None
+    assert float(out.logprobs[0]) == pytest.approx(float(torch.log_softmax(logits, -1)[0, 1]))
+    biased = sample(logits, [SamplingParams(temperature=0, logit_bias={3: 10})], [_gen(0)])
+    assert int(biased.token_ids[0]) == 3
+    # a repetition penalty near 0 cannot overflow a logit to inf (which would poison the random path)
+    tiny = SamplingParams(temperature=1.0, repetition_penalty=1e-38, seed=0)
+    assert int(sample(logits * 1e3, [tiny], [_gen(0)], hist).token_ids[0]) == 0
+
+
+def test_seeded_sampling_is_unchanged_when_penalties_are_off_and_rows_are_independent() -> None:
+    vocab = 64
+    logits = torch.randn(3, vocab, generator=_gen(11)) * 2
+    plain = SamplingParams(temperature=0.8, top_k=20, seed=5)
+    before = sample(logits, [plain] * 3, [_gen(i) for i in range(3)]).token_ids
+    # same rows, now alongside penalised rows: the unpenalised rows draw the same tokens
+    pen = SamplingParams(temperature=0.8, top_k=20, seed=5, presence_penalty=2.0, logit_bias={1: 3})
+    hist: list[TokenHistory | None] = [None, TokenHistory([1, 2], [3, 3]), None]
+    mixed = sample(logits, [plain, pen, plain], [_gen(i) for i in range(3)], hist).token_ids
+    assert mixed[0] == before[0] and mixed[2] == before[2]
+    with pytest.raises(ValueError, match="histories"):
+        sample(logits, [plain, pen, plain], [_gen(i) for i in range(3)], [None, None, None])
+
+
+def test_presence_penalty_avoids_repeats_empirically() -> None:
+    logits = torch.zeros(1, 8)
+    p = SamplingParams(temperature=1.0, presence_penalty=2.0, frequency_penalty=2.0)
+    hist = [TokenHistory([], [0, 1, 2, 3, 0, 1, 2, 3])]
+    draws = [int(sample(logits, [p], [_gen(s)], hist).token_ids[0]) for s in range(400)]
+    # weight of a repeated token: exp(-2 - 4) vs 1 for the four unseen ones: < 1% of draws
+    assert sum(d < 4 for d in draws) <= 8

@@ -43,12 +43,17 @@ def _free_port() -> int:
 
 
 class Server:
-    def __init__(self, args: list[str], log_path: str, env: dict[str, str] | None = None) -> None:
+    """``kv8 <args>`` in a subprocess; ``launcher`` replaces ``-m kv8.entrypoints.cli`` (e.g. ``-c CODE`` that
+    patches something, then calls ``kv8.entrypoints.cli.main(sys.argv[1:])``)."""
+
+    def __init__(self, args: list[str], log_path: str, env: dict[str, str] | None = None,
+                 launcher: list[str] | None = None) -> None:
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
         self.log = open(log_path, "wb")
-        self.proc = subprocess.Popen([sys.executable, "-m", "kv8.entrypoints.cli", *args, "--port", str(self.port)],
+        launch = launcher or ["-m", "kv8.entrypoints.cli"]
+        self.proc = subprocess.Popen([sys.executable, *launch, *args, "--port", str(self.port)],
                                      stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
         deadline = time.monotonic() + START_TIMEOUT_S
         while True:
@@ -288,6 +293,109 @@ def test_chat_completion(client: openai.OpenAI, offline: LLM, tiny_llama: str) -
     assert parts.choices[0].message.content == ref.outputs[0].text
 
 
+def test_penalties_and_logit_bias_match_offline_engine(client: openai.OpenAI, offline: LLM, tiny_llama: str) -> None:
+    """presence/frequency/repetition penalties and logit_bias through the openai client, completions and chat,
+    against the offline engine with the same SamplingParams; and they do change the greedy text."""
+    prompt = "The quick brown fox jumps over the lazy dog. The quick brown"
+    options = [dict(presence_penalty=1.5), dict(frequency_penalty=2.0), dict(repetition_penalty=1.8),
+               dict(presence_penalty=-1.0, frequency_penalty=0.5, repetition_penalty=1.2)]
+    with single_thread():
+        plain = offline.generate(prompt, SamplingParams(temperature=0.0, max_tokens=24), use_tqdm=False)[0]
+        refs = [offline.generate(prompt, SamplingParams(temperature=0.0, max_tokens=24, **o), use_tqdm=False)[0]
+                for o in options]
+    for o, ref in zip(options, refs):
+        extra = {k: v for k, v in o.items() if k == "repetition_penalty"}   # vLLM's extension: not an SDK argument
+        std = {k: v for k, v in o.items() if k != "repetition_penalty"}
+        resp = client.completions.create(model=tiny_llama, prompt=prompt, max_tokens=24, temperature=0.0,
+                                         extra_body=extra, **std)
+        assert resp.choices[0].text == ref.outputs[0].text, o
+    assert any(r.outputs[0].token_ids != plain.outputs[0].token_ids for r in refs)
+    # logit_bias: +100 on one token makes greedy decoding repeat it; -100 on the greedy token removes it
+    target = 42
+    forced = client.completions.create(model=tiny_llama, prompt=prompt, max_tokens=5, temperature=0.0,
+                                       logit_bias={str(target): 100}, logprobs=0)
+    with single_thread():
+        ref = offline.generate(prompt, SamplingParams(temperature=0.0, max_tokens=5, logit_bias={target: 100.0}),
+                               use_tqdm=False)[0].outputs[0]
+    assert ref.token_ids == [target] * 5 and forced.choices[0].text == ref.text
+    first = plain.outputs[0].token_ids[0]
+    with single_thread():
+        ref = offline.generate(prompt, SamplingParams(temperature=0.0, max_tokens=4, logit_bias={first: -100.0}),
+                               use_tqdm=False)[0].outputs[0]
+    banned = client.completions.create(model=tiny_llama, prompt=prompt, max_tokens=4, temperature=0.0,
+                                       logit_bias={str(first): -100})
+    assert ref.token_ids[0] != first and banned.choices[0].text == ref.text
+    # chat: the same options reach the engine
+    messages = [{"role": "user", "content": "Where is London? Where is London?"}]
+    with single_thread():
+        chat_ref = offline.chat(messages, SamplingParams(temperature=0.0, max_tokens=12, frequency_penalty=1.0,
+                                                         repetition_penalty=1.3, logit_bias={7: 3.0}),
+                                use_tqdm=False)[0]
+    chat = client.chat.completions.create(model=tiny_llama, messages=messages, max_tokens=12, temperature=0.0,
+                                          frequency_penalty=1.0, logit_bias={"7": 3.0},
+                                          extra_body={"repetition_penalty": 1.3})
+    assert chat.choices[0].message.content == chat_ref.outputs[0].text
+
+
+TEXTS_BEYOND_ASCII = ["héllo wörld", "😀 emoji 🎉", "中文字符", "привет, мир", "naïve café — ok"]
+
+
+def test_token_bytes_rebuild_the_text_byte_level_and_sentencepiece(tiny_llama: str) -> None:
+    """Tokens holding part of a UTF-8 character give their real bytes (not U+FFFD's), for byte-level BPE (GPT-2's
+    alphabet) and SentencePiece byte fallback (<0xE2>): joined, they are the text's UTF-8."""
+    from tokenizers import Tokenizer, decoders, models, normalizers
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    from kv8.entrypoints.server_tokenizer import ServerTokenizer
+
+    byte_level = ServerTokenizer(AutoTokenizer.from_pretrained(tiny_llama))
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"<0x{b:02X}>": 3 + b for b in range(256)}}
+    for piece in ["\u2581", *"abcdefghijklmnopqrstuvwxyz,.—", "\u2581o", "\u2581ok", "ll"]:
+        vocab.setdefault(piece, len(vocab))
+    sp = Tokenizer(models.BPE(vocab=vocab, merges=[("\u2581", "o"), ("\u2581o", "k"), ("l", "l")],
+                              byte_fallback=True, unk_token="<unk>"))
+    sp.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"), normalizers.Replace(" ", "\u2581")])
+    sp.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                    decoders.Strip(" ", 1, 0)])
+    sentencepiece = ServerTokenizer(PreTrainedTokenizerFast(tokenizer_object=sp, bos_token="<s>", eos_token="</s>",
+                                                            unk_token="<unk>"))
+    for tok, lead in ((byte_level, ""), (sentencepiece, " ")):
+        for text in TEXTS_BEYOND_ASCII:
+            ids = tok.encode(text, add_special_tokens=False)
+            parts = tok.token_bytes(ids)
+            assert b"".join(parts) == (lead + text).encode("utf-8"), (text, ids, parts)
+            if len(text.encode()) > len(text):   # some token is part of a character: not U+FFFD's bytes
+                assert all(p != "\ufffd".encode() for p in parts)
+    assert sentencepiece.token_bytes([vocab["<0xE2>"], 1]) == [b"\xe2", b"<s>"]
+
+
+def test_chat_logprobs_bytes_are_the_tokens_real_bytes(client: openai.OpenAI, tiny_llama: str) -> None:
+    """An emoji, a CJK and a Cyrillic character generated one byte token at a time: each token's ``bytes`` is its
+    byte (before: U+FFFD's EF BF BD), and joining them rebuilds the message."""
+    from transformers import AutoTokenizer
+
+    from kv8.entrypoints.server_tokenizer import gpt2_byte_decoder
+
+    tok = AutoTokenizer.from_pretrained(tiny_llama)
+    byte_token = {b: tok.convert_tokens_to_ids(ch) for ch, b in gpt2_byte_decoder().items()}
+    for char in ("😀", "中", "ж"):
+        raw = char.encode("utf-8")
+        # decreasing biases and a repetition penalty of 2: byte i wins step i (biased 100 - 10 i, the bytes already
+        # generated fall to about half), so greedy decoding spells the character byte by byte
+        bias = {str(byte_token[b]): 100.0 - 10 * i for i, b in enumerate(raw)}
+        resp = client.chat.completions.create(
+            model=tiny_llama, messages=[{"role": "user", "content": "Say it"}], max_tokens=len(raw),
+            temperature=0.0, logprobs=True, top_logprobs=2, logit_bias=bias, extra_body={"repetition_penalty": 2.0})
+        choice = resp.choices[0]
+        assert choice.message.content == char
+        content = choice.logprobs.content
+        assert [item.bytes for item in content] == [[b] for b in raw]
+        assert b"".join(bytes(item.bytes) for item in content).decode("utf-8") == char
+        # the alternatives carry their real bytes too (they rank the raw logits, before the bias)
+        for alt in (t for item in content for t in item.top_logprobs):
+            assert alt.bytes == list(alt.token.encode()) if "\ufffd" not in alt.token else len(alt.bytes) == 1
+
+
 # ---- concurrency, disconnects, overload ---------------------------------------------------------------------
 def test_32_concurrent_streams_match_alone_then_cache_empty(server: Server, client: openai.OpenAI,
                                                            tiny_llama: str) -> None:
@@ -384,7 +492,6 @@ def test_client_metadata_is_accepted_and_changes_nothing(server: Server, client:
                   400, "response_format", param="response_format")
     _expect_error(_post(server, chat, {**plain, "messages": msgs, "modalities": ["audio"]}), 400, "modalities",
                   param="modalities")
-    _expect_error(_post(server, chat, {**plain, "messages": msgs, "logit_bias": {"1": 1}}), 400, "logit_bias")
 
 
 def test_tokenize_and_detokenize_endpoints(server: Server, tiny_llama: str) -> None:
@@ -473,10 +580,20 @@ def test_bad_requests_get_openai_errors_and_server_keeps_serving(server: Server,
     _expect_error(_post(server, cmpl, {**ok, "prompt": [0, 1, 999999]}), 400, "vocabulary", param="prompt")
     # unknown or unsupported fields are refused, never ignored
     _expect_error(_post(server, cmpl, {**ok, "foo": 1}), 400, "'foo'", param="foo")
-    _expect_error(_post(server, cmpl, {**ok, "logit_bias": {"1": 5}}), 400, "'logit_bias'", param="logit_bias")
-    _expect_error(_post(server, cmpl, {**ok, "presence_penalty": 0.5}), 400, "presence_penalty")
+    # penalties and logit_bias out of range: 400 naming the field
+    _expect_error(_post(server, cmpl, {**ok, "presence_penalty": 2.5}), 400, "presence_penalty",
+                  param="presence_penalty")
+    _expect_error(_post(server, cmpl, {**ok, "frequency_penalty": -3}), 400, "frequency_penalty",
+                  param="frequency_penalty")
+    _expect_error(_post(server, cmpl, {**ok, "repetition_penalty": 0}), 400, "repetition_penalty",
+                  param="repetition_penalty")
+    _expect_error(_post(server, cmpl, {**ok, "logit_bias": {"1": 101}}), 400, "[-100, 100]", param="logit_bias")
+    _expect_error(_post(server, cmpl, {**ok, "logit_bias": {"x": 1}}), 400, "token ids", param="logit_bias")
+    _expect_error(_post(server, cmpl, {**ok, "logit_bias": {"999999": 1}}), 400, "vocabulary", param="logit_bias")
+    _expect_error(_post(server, chat, {"model": tiny_llama, "messages": [{"role": "user", "content": "hi"}],
+                                       "logit_bias": {"1": "5"}}), 400, "logit_bias", param="logit_bias")
     # empty and huge prompts
-    _expect_error(_post(server, cmpl, {**ok, "prompt": ""}), 400, "empty")
+    _expect_error(_post(server, cmpl, {**ok, "prompt": ""}), 400, "empty", param="prompt")
     _expect_error(_post(server, cmpl, {**ok, "prompt": []}), 400, "empty")
     _expect_error(_post(server, cmpl, {**ok, "prompt": ["a", ""]}), 400, "prompt[1] is empty")
     long_ids = [5] * 300
@@ -533,8 +650,8 @@ def test_metrics_exposition(server: Server, client: openai.OpenAI, tiny_llama: s
 
 def test_sigterm_drains_then_aborts_after_the_shutdown_timeout(server: Server, tiny_llama: str) -> None:
     """Streams of 16 + 16 + 8 sequences need 5 waves x 240 decode steps, far more than the 0.3 s shutdown
-    timeout: after SIGTERM the server refuses new connections, the stream still running at the timeout ends
-    with an error event and [DONE], and the process exits 0."""
+    timeout: after SIGTERM the stream still running at the timeout ends with an error event and [DONE], and the
+    process exits 0 (new requests during the drain: tests/test_server_faults.py)."""
     body = dict(model=tiny_llama, prompt="Once upon", max_tokens=240, ignore_eos=True, n=16, stream=True)
     streams = [_open_stream(server, dict(body, n=n)) for n in (16, 16, 8)]
     try:

@@ -19,11 +19,11 @@ flag earlier, with the same allowed values.
 from __future__ import annotations
 
 import argparse
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Any
 
-from kv8.cache.layout import KVCacheLayout, pool_block_bytes, split_budget
+from kv8.cache.layout import KVCacheLayout, layout_for, pool_block_bytes, split_budget
 from kv8.config import (
     ATTENTION_BACKENDS,
     DENSE_BACKENDS,
@@ -191,6 +191,12 @@ class EngineArgs:
         arch = ModelArchConfig.from_hf_config(hf_config)
         dtype = resolve_dtype(self.dtype)
         kv_dtype = resolve_kv_cache_dtype(self.kv_cache_dtype, dtype)
+        if self.quantization_param_path is not None and not kv_dtype.is_fp8:   # name the value the user set
+            shown = repr(self.kv_cache_dtype) + (f" (the {kv_dtype.name} compute dtype)"
+                                                 if self.kv_cache_dtype == "auto" else "")
+            raise ValueError(f"quantization_param_path={self.quantization_param_path!r} gives FP8 KV scales, but "
+                             f"kv_cache_dtype={shown} is not an FP8 format; set kv_cache_dtype='fp8' (or "
+                             "fp8_e4m3 / fp8_e4m3fnuz / fp8_e5m2) or drop quantization_param_path")
         memory = None if self.kv_cache_memory is None else parse_memory(self.kv_cache_memory)
         cache = CacheConfig(kv_dtype=kv_dtype, block_size=self.block_size, kv_cache_memory=memory,
                             num_kv_blocks=self.num_kv_blocks, enable_prefix_caching=self.enable_prefix_caching,
@@ -224,31 +230,78 @@ def _skip_layers(value: str | Iterable[int | str] | None) -> tuple[int | str, ..
     return tuple(out)
 
 
+def free_memory() -> int | None:
+    """Bytes of memory this process may still take: ``MemAvailable`` (/proc/meminfo), lowered to what the cgroup
+    v2 memory limit leaves; None where neither can be read (then no check is made)."""
+    found: list[int] = []
+    try:
+        with open("/proc/meminfo") as f:
+            found += [int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:")]
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        with open("/sys/fs/cgroup/memory.max") as f:
+            limit = f.read().strip()
+        with open("/sys/fs/cgroup/memory.current") as f:
+            used = int(f.read().strip())
+        if limit != "max":
+            found.append(max(0, int(limit) - used))
+    except (OSError, ValueError):
+        pass
+    return min(found) if found else None
+
+
+def _budget_option(config: EngineConfig, num_blocks: int) -> str:
+    cc = config.cache
+    if cc.num_kv_blocks is not None:
+        return f"num_kv_blocks={num_blocks} (--num-kv-blocks)"
+    if cc.kv_cache_memory is not None:
+        return f"kv_cache_memory={format_bytes(cc.kv_cache_memory)} (--kv-cache-memory)"
+    return f"the default kv_cache_memory ({format_bytes(default_kv_cache_memory())})"
+
+
+def check_cache_fits_memory(config: EngineConfig, num_blocks: Sequence[int]) -> None:
+    """Raise ``ValueError`` naming the option that sized the cache when its pools (``num_blocks[p]`` blocks of
+    pool ``p``) need more memory than is free now. The engine calls it once the weights are loaded (they take
+    memory too, and a config whose sizes do not match the checkpoint is reported by the loader first) and before
+    the cache is allocated."""
+    layout = layout_for(config)
+    need = sum(n * b for n, b in zip(num_blocks, pool_block_bytes(config, layout)))
+    free = free_memory()
+    if free is not None and need > free:
+        raise ValueError(
+            f"{_budget_option(config, sum(num_blocks))} asks for a KV cache of {format_bytes(need)}, but only "
+            f"{format_bytes(free)} of memory is free on this machine (the model's weights loaded); lower it")
+
+
 def resolve_num_blocks(config: EngineConfig, layout: KVCacheLayout) -> list[int]:
-    """Blocks of each pool of ``layout`` for the configured budget; raises if a pool cannot hold what one
-    ``max_model_len`` sequence needs in it (sliding-window groups counted at their window)."""
+    """Blocks of each pool of ``layout`` for the configured budget; raises ``ValueError`` naming the option that
+    set it if a pool cannot hold what one ``max_model_len`` sequence needs in it (sliding-window groups counted at
+    their window). (Whether they fit in free memory: :func:`check_cache_fits_memory`.)"""
     cc, sched = config.cache, config.scheduler
     block_bytes = pool_block_bytes(config, layout)
     chunk = min(sched.max_num_batched_tokens, sched.max_model_len)
+    needs = [layout.blocks_per_sequence(p.pool_id, sched.max_model_len, cc.block_size, chunk) for p in layout.pools]
     if cc.num_kv_blocks is not None:
         if len(layout.pools) > 1:
             raise ValueError("num_kv_blocks cannot size a cache with layers in two dtypes "
                              "(kv_cache_dtype_skip_layers); give kv_cache_memory instead")
         num_blocks = [cc.num_kv_blocks]
+        fix = f"raise num_kv_blocks to at least {needs[0]}, or lower max_model_len"
     else:
         memory = cc.kv_cache_memory if cc.kv_cache_memory is not None else default_kv_cache_memory()
         num_blocks = split_budget(memory, layout, block_bytes, sched.max_model_len, cc.block_size, chunk)
-    needs = [layout.blocks_per_sequence(p.pool_id, sched.max_model_len, cc.block_size, chunk) for p in layout.pools]
+        fix = (f"raise kv_cache_memory (needs at least {format_bytes(sum(b * k for b, k in zip(block_bytes, needs)))})"
+               " or lower max_model_len")
     for p, n, need in zip(layout.pools, num_blocks, needs):
         if n < need:
-            what = ("num_kv_blocks" if cc.num_kv_blocks is not None else "kv_cache_memory (needs at least "
-                    f"{format_bytes(sum(b * k for b, k in zip(block_bytes, needs)))})")
             stored = "the compute dtype" if p.skipped else cc.kv_dtype.name
             raise ValueError(
-                f"the KV cache has {n} blocks of {cc.block_size} tokens ({format_bytes(block_bytes[p.pool_id])} "
-                f"each in {stored}), fewer than max_model_len={sched.max_model_len} needs ({need} blocks for one "
-                f"sequence); raise {what} or lower max_model_len")
+                f"the KV cache of {_budget_option(config, sum(num_blocks))} has {n} blocks of {cc.block_size} tokens "
+                f"({format_bytes(block_bytes[p.pool_id])} each in {stored}), fewer than max_model_len="
+                f"{sched.max_model_len} needs ({need} blocks for one sequence); {fix}")
     return num_blocks
 
 
-__all__ = ["DEFAULT_MODEL", "EngineArgs", "option", "resolve_num_blocks"]
+__all__ = ["DEFAULT_MODEL", "EngineArgs", "check_cache_fits_memory", "free_memory", "option",
+           "resolve_num_blocks"]

@@ -28,13 +28,13 @@ from kv8.cache.kv_cache_manager import KVCacheManager
 from kv8.cache.layout import layout_for
 from kv8.cache.paged_cache import CacheShape, PagedKVCache
 from kv8.config import EngineConfig, format_bytes
-from kv8.engine.args import EngineArgs, resolve_num_blocks
+from kv8.engine.args import EngineArgs, check_cache_fits_memory, resolve_num_blocks
 from kv8.engine.input_processor import InputProcessor
 from kv8.engine.output_processor import OutputProcessor
 from kv8.engine.request import RequestStatus
 from kv8.engine.runner import ModelRunner
 from kv8.engine.scheduler import Scheduler, SchedulerOutput
-from kv8.model.loader import load_model, read_model_config
+from kv8.model.loader import check_checkpoint_layers, load_model, read_model_config
 from kv8.model.sources import resolve_model_path
 from kv8.model.tokenizer import load_tokenizer
 from kv8.observer import EngineObserver
@@ -54,6 +54,7 @@ class LLMEngine:
         kind, path = resolve_model_path(args.model)
         # Validate every option against the architecture before paying for the weights.
         self.config: EngineConfig = args.create_engine_config(read_model_config(kind, path), kind, path)
+        check_checkpoint_layers(kind, path, self.config.arch)   # before anything is sized by the layer count
         self.layout = layout_for(self.config)
         num_blocks = resolve_num_blocks(self.config, self.layout)   # a budget too small for max_model_len fails here
         loaded = load_model(kind, path, self.config.dtype, self.config.dense_backend)
@@ -63,6 +64,7 @@ class LLMEngine:
         arch, cc = self.config.arch, self.config.cache
         scales = engine_kv_scales(cc, ModelScaleInfo(arch.model_type, arch.num_layers, arch.num_kv_heads,
                                                      arch.head_dim), loaded.scale_tensors, loaded.hf_config)
+        check_cache_fits_memory(self.config, num_blocks)   # before allocating it, with the weights loaded
         codec = KVCodec.build(cc.kv_dtype, arch.head_dim, scale_mode=cc.scale_mode, rotation=cc.rotation,
                               scales=scales)
         # Pools: the kv_cache_dtype one first; layers of kv_cache_dtype_skip_layers in the compute dtype.

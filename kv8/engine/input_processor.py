@@ -3,7 +3,8 @@
 The input processor is where a request enters the engine, so it is where a request is checked: the prompt
 (non-empty text, or token ids inside the vocabulary), its length against ``max_model_len``, and the sampling
 options that need the model (``logprobs`` / ``prompt_logprobs`` at most the vocabulary size, ``stop_token_ids``
-inside it). ``SamplingParams`` validated everything else at construction; nothing downstream checks again.
+and ``logit_bias`` ids inside it). ``SamplingParams`` validated everything else at construction; nothing
+downstream checks again.
 
 A request with ``n`` samples becomes ``n`` :class:`Request`s sharing the prompt and the (frozen) params;
 sample ``i`` is seeded with ``seed + i``, or from the engine's generator when ``seed`` is None. Their outputs
@@ -61,9 +62,10 @@ class InputProcessor:
             k = getattr(params, name)
             if k is not None and k > self.vocab_size:
                 raise ValueError(f"{name} must be <= the vocabulary size {self.vocab_size}, got {k}")
-        outside = [t for t in params.stop_token_ids or () if t >= self.vocab_size]
-        if outside:
-            raise ValueError(f"stop_token_ids contains {outside[:5]!r}, not token ids in [0, {self.vocab_size})")
+        for name, ids in (("stop_token_ids", params.stop_token_ids or ()), ("logit_bias", params.logit_bias or {})):
+            outside = [t for t in ids if t >= self.vocab_size]
+            if outside:
+                raise ValueError(f"{name} contains {outside[:5]!r}, not token ids in [0, {self.vocab_size})")
         text, ids = self.tokenize(prompt)
         max_len = self.max_model_len
         if len(ids) >= max_len:

@@ -24,7 +24,7 @@ from kv8.attention.metadata import AttentionMetadata
 from kv8.cache.layout import KVCacheLayout
 from kv8.cache.paged_cache import PagedKVCache
 from kv8.engine.request import Request, TokenLogprobs
-from kv8.engine.sampler import compute_logprobs, sample
+from kv8.engine.sampler import TokenHistory, compute_logprobs, sample
 from kv8.engine.scheduler import SchedulerOutput
 from kv8.layers.attention import AttentionContext
 from kv8.models.registry import CausalLM
@@ -105,7 +105,10 @@ class ModelRunner:
             if not all(finite):
                 keep = [i for i, ok in enumerate(finite) if ok]
                 reqs, logits = [reqs[i] for i in keep], logits[keep]
-            result = sample(logits, [r.sampling_params for r in reqs], [r.generator for r in reqs])
+            # penalties need the request's tokens: passed (not copied) for the rows that use them only
+            histories = [TokenHistory(r.prompt_token_ids, r.output_token_ids) if r.sampling_params.uses_penalties
+                         else None for r in reqs]
+            result = sample(logits, [r.sampling_params for r in reqs], [r.generator for r in reqs], histories)
             for i, r in enumerate(reqs):
                 out.sampled[r.request_id] = int(result.token_ids[i])
                 k = r.sampling_params.logprobs

@@ -1,7 +1,11 @@
 """Turn one step's logits into next tokens, per-request reproducibly.
 
-``sample(logits, params, generators)`` handles a batch in which every row has its own
+``sample(logits, params, generators, histories)`` handles a batch in which every row has its own
 ``SamplingParams`` and its own CPU ``torch.Generator``:
+
+* First, rows that use them get ``logit_bias`` added and then the repetition, frequency and presence penalties
+  (vLLM's semantics, see :func:`apply_penalties`), computed from that row's :class:`TokenHistory`. Rows without
+  them are not touched, so with every one off the logits (and any seeded draw) are bit-identical.
 
 * Greedy rows (``temperature < 1e-5``): ``argmax`` of the raw logits; ties go to the lowest token id.
   Their generator is not touched.
@@ -37,7 +41,8 @@ import torch
 
 from kv8.sampling_params import SamplingParams, SamplingType
 
-__all__ = ["CANDIDATES", "SamplerOutput", "apply_filters_reference", "compute_logprobs", "make_generator", "sample"]
+__all__ = ["CANDIDATES", "SamplerOutput", "TokenHistory", "apply_filters_reference", "apply_penalties",
+           "compute_logprobs", "make_generator", "sample"]
 
 # Exponential draws are clamped to this so that ``log q`` is finite: a filtered token (logit -inf)
 # then stays at -inf and can never win the race.
@@ -63,6 +68,14 @@ class SamplerOutput:
     token_ids: torch.Tensor
     logprobs: torch.Tensor | None
     top_logprobs: tuple[torch.Tensor, torch.Tensor] | None
+
+
+@dataclass(frozen=True)
+class TokenHistory:
+    """The tokens a row's penalties are computed from: its prompt's and what it generated so far (read only)."""
+
+    prompt_token_ids: Sequence[int]
+    output_token_ids: Sequence[int]
 
 
 def make_generator(seed: int | None, fallback: torch.Generator) -> torch.Generator:
@@ -124,17 +137,22 @@ def sample(
     logits: torch.Tensor,
     params: Sequence[SamplingParams],
     generators: Sequence[torch.Generator],
+    histories: Sequence[TokenHistory | None] | None = None,
 ) -> SamplerOutput:
     """Choose one token per row; see the module docstring for the algorithm and invariants.
 
     Args:
         logits: [B, V] any floating dtype; computed in float32. Every row must have a finite
             maximum (no NaN, no +inf, not all -inf); -inf entries are allowed and never sampled.
-        params: B validated SamplingParams, one per row, each with ``logprobs`` None or <= V.
+        params: B validated SamplingParams, one per row, each with ``logprobs`` None or <= V and
+            ``logit_bias`` ids < V.
         generators: B CPU generators, one per row (greedy rows' generators are left untouched).
+        histories: B entries, one per row: the row's tokens where its params use penalties
+            (``SamplingParams.uses_penalties``), anything (None) elsewhere; may be None when no row uses them.
     """
     _check_inputs(logits, params, generators)
-    x = logits.detach().to(torch.float32)  # [B, V]; never modified in place
+    raw = logits.detach().to(torch.float32)  # [B, V]; never modified in place (logprobs read it)
+    x = apply_penalties(raw, params, histories)
     n_rows = x.shape[0]
     token_ids = torch.empty(n_rows, dtype=torch.int64, device=x.device)
 
@@ -151,10 +169,64 @@ def sample(
     requested = [p.logprobs for p in params if p.logprobs is not None]
     if not requested:
         return SamplerOutput(token_ids=token_ids, logprobs=None, top_logprobs=None)
-    token_logprob, top_values, top_ids = compute_logprobs(x, token_ids, max(requested))
+    token_logprob, top_values, top_ids = compute_logprobs(raw, token_ids, max(requested))
     return SamplerOutput(
         token_ids=token_ids, logprobs=token_logprob, top_logprobs=(top_values, top_ids)
     )
+
+
+def apply_penalties(x: torch.Tensor, params: Sequence[SamplingParams],
+                    histories: Sequence[TokenHistory | None] | None) -> torch.Tensor:
+    """``x [B, V]`` float32 with each row's ``logit_bias`` added, then its penalties applied (vLLM's order and
+    semantics)::
+
+        x[t] += logit_bias[t]
+        if t in prompt or output:  x[t] = x[t] / rep if x[t] > 0 else x[t] * rep
+        x[t] -= frequency_penalty * count_output(t) + presence_penalty * (count_output(t) > 0)
+
+    Batched over the rows that use them; the others are returned bit-identical (``x`` itself when no row uses
+    any). A repetition penalty close to 0 could overflow a logit to +inf: results are clamped to float32's
+    largest finite value, -inf (a masked token) stays -inf.
+    """
+    n_rows, vocab = x.shape
+    bias_rows = [i for i, p in enumerate(params) if p.logit_bias]
+    pen_rows = [i for i, p in enumerate(params) if p.uses_penalties]
+    if not bias_rows and not pen_rows:
+        return x
+    out = x.clone()
+    device = x.device
+    if bias_rows:
+        rows = [i for i in bias_rows for _ in params[i].logit_bias or {}]
+        cols = [t for i in bias_rows for t in params[i].logit_bias or {}]
+        vals = [b for i in bias_rows for b in (params[i].logit_bias or {}).values()]
+        out.index_put_((torch.tensor(rows, device=device), torch.tensor(cols, device=device)),
+                       torch.tensor(vals, dtype=torch.float32, device=device), accumulate=True)
+    if pen_rows:
+        if histories is None or any(histories[i] is None for i in pen_rows):
+            raise ValueError("histories must hold a TokenHistory for every row whose params use penalties")
+        hist = [histories[i] for i in pen_rows]
+        n_pen = len(pen_rows)
+
+        def counts(lists: list[Sequence[int]]) -> torch.Tensor:  # [P, V] float32 occurrences of each token
+            row = torch.repeat_interleave(torch.arange(n_pen), torch.tensor([len(ids) for ids in lists]))
+            ids = torch.tensor([t for ids in lists for t in ids], dtype=torch.int64)
+            c = torch.zeros(n_pen, vocab, dtype=torch.float32)
+            c.index_put_((row, ids), torch.ones(len(ids), dtype=torch.float32), accumulate=True)
+            return c.to(device)
+
+        output_counts = counts([h.output_token_ids for h in hist if h is not None])        # [P, V]
+        seen = (counts([h.prompt_token_ids for h in hist if h is not None]) > 0) | (output_counts > 0)
+        sel = torch.tensor(pen_rows, device=device)
+        sub = out[sel]                                                                        # [P, V]
+        ps = [params[i] for i in pen_rows]
+        rep = torch.tensor([p.repetition_penalty for p in ps], dtype=torch.float32, device=device).unsqueeze(1)
+        freq = torch.tensor([p.frequency_penalty for p in ps], dtype=torch.float32, device=device).unsqueeze(1)
+        pres = torch.tensor([p.presence_penalty for p in ps], dtype=torch.float32, device=device).unsqueeze(1)
+        rep = torch.where(seen, rep, torch.ones_like(sub))                                    # [P, V]
+        sub = torch.where(sub > 0, sub / rep, sub * rep)
+        sub = sub - freq * output_counts - pres * (output_counts > 0).to(torch.float32)
+        out[sel] = sub.clamp(max=torch.finfo(torch.float32).max)
+    return out
 
 
 def _check_inputs(

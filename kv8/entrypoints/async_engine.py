@@ -17,8 +17,11 @@ condition variable:
 
 While any request is unfinished the thread steps back to back, so requests that arrive meanwhile join the
 running batch at the next step (continuous batching); when idle it sleeps on the condition variable.
-If a step raises, the engine is considered broken: every open request receives an :class:`EngineDeadError`
-in its mailbox, later ``add`` calls raise it, and :attr:`error` is set (``/health`` then reports failure).
+If a step raises, the engine is considered broken (a failure of one request alone does not raise: the engine
+finishes that request with an error and goes on): every open request receives an :class:`EngineDeadError` in its
+mailbox, later ``add`` calls raise it, :attr:`error` is set (``/health`` then reports failure), and
+``on_failure(error)`` runs on the event loop: ``kv8 serve`` exits non-zero there, so that a supervisor restarts
+it, rather than lingering and answering 503.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -82,8 +86,9 @@ class _NewRequest:
 class AsyncEngine:
     """Owns the engine thread. Create it, then call :meth:`start` from inside the running event loop."""
 
-    def __init__(self, engine: LLMEngine) -> None:
+    def __init__(self, engine: LLMEngine, on_failure: Callable[[BaseException], None] | None = None) -> None:
         self.engine = engine
+        self.on_failure = on_failure   # called on the event loop once, when the engine thread failed
         self._cv = threading.Condition()
         self._new: list[_NewRequest] = []
         self._aborts: list[str] = []
@@ -224,6 +229,11 @@ class AsyncEngine:
             for item in pending:
                 self._settle(item.accepted, EngineDeadError(f"the engine failed: {e!r}"))
             self._abort_all(EngineDeadError(f"the engine failed: {e!r}"))
+            if self.on_failure is not None and self._loop is not None:
+                try:
+                    self._loop.call_soon_threadsafe(self.on_failure, e)
+                except RuntimeError:  # the loop is closed: the server is gone already
+                    pass
 
     def _abort_all(self, exc: EngineDeadError) -> None:
         for rid, mailbox in list(self._mailboxes.items()):

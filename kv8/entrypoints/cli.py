@@ -14,7 +14,10 @@ import argparse
 import json
 import logging
 import sys
+import time
 from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
 
 from kv8.config import (
     CacheConfig,
@@ -59,6 +62,10 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
                         "(default 256)")
     g.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds in-flight requests may run after SIGTERM/SIGINT before they are aborted")
+    g.add_argument("--request-header-timeout", type=float, default=30.0, metavar="SECONDS",
+                   help="a request's line and headers must arrive within this many seconds, else 408 (default 30)")
+    g.add_argument("--request-body-timeout", type=float, default=60.0, metavar="SECONDS",
+                   help="a request's whole body must arrive within this many seconds, else 408 (default 60)")
     g.add_argument("--allowed-origins", nargs="+", default=[], metavar="ORIGIN",
                    help="browser origins allowed by CORS, e.g. http://localhost:3000, or * for any "
                         "(default: none, CORS off)")
@@ -72,6 +79,71 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     return run_server(ns, EngineArgs.from_cli_args(ns))
 
 
+@dataclass
+class _Timings:
+    """Wall-clock marks of one ``kv8 generate`` run (seconds from ``time.perf_counter``)."""
+
+    start: float
+    prompt_tokens: int = 0
+    first_token: float | None = None     # the first sampled token of any sequence
+    prefilled: float | None = None       # every sequence has its first token
+    end: float = 0.0
+    generated: int = 0
+    sequences: int = 0
+
+    def summary(self) -> str:
+        """One line: time to first token, prefill and decode throughput (what ``-v`` promises)."""
+        ttft = (self.first_token or self.end) - self.start
+        prefill_s = (self.prefilled or self.end) - self.start
+        decode_s = self.end - (self.prefilled or self.end)
+        decode_tokens = self.generated - self.sequences
+        prefill = f"{self.prompt_tokens / prefill_s:.1f} tok/s" if prefill_s > 0 else "-"
+        decode = f"{decode_tokens / decode_s:.1f} tok/s" if decode_s > 0 and decode_tokens > 0 else "-"
+        return (f"kv8: {self.prompt_tokens} prompt tokens, {self.generated} generated in "
+                f"{self.end - self.start:.2f} s; time to first token {ttft * 1000:.0f} ms; prefill {prefill}; "
+                f"decode {decode}")
+
+
+def _generate(llm: Any, prompts: list[Any], params: Any, stream: bool) -> tuple[list[Any], _Timings]:
+    """Run the prompts on ``llm``'s engine step by step (as ``LLM.generate`` does), recording the timings; with
+    ``stream`` (one prompt, one sample) the new text goes to stdout as it is produced, holding back what could
+    be the start of a stop string."""
+    engine = llm.engine
+    t = _Timings(start=time.perf_counter())
+    ids = [engine.add_request(p, params, request_id=f"cli-{i}") for i, p in enumerate(prompts)]
+    holdback = max((len(x) for x in params.stop or ()), default=1) - 1
+    done: dict[str, Any] = {}
+    started: set[tuple[str, int]] = set()
+    shown = 0
+    try:
+        while len(done) < len(ids):
+            for out in engine.step():
+                for c in out.outputs:
+                    if c.token_ids and (out.request_id, c.index) not in started:
+                        started.add((out.request_id, c.index))
+                        t.first_token = t.first_token or time.perf_counter()
+                if stream:
+                    text = out.outputs[0].text
+                    visible = text if out.finished else text[:max(shown, len(text) - holdback)]
+                    sys.stdout.write(visible[shown:])
+                    sys.stdout.flush()
+                    shown = len(visible)
+                if out.finished:
+                    done[out.request_id] = out
+            if t.prefilled is None and len(started) == len(ids) * params.n:
+                t.prefilled = time.perf_counter()
+    finally:
+        for rid in ids:
+            if rid not in done:
+                engine.abort_request(rid)
+    t.end = time.perf_counter()
+    outs = [done[rid] for rid in ids]
+    t.prompt_tokens = sum(len(o.prompt_token_ids) for o in outs)
+    t.generated = sum(len(c.token_ids) for o in outs for c in o.outputs)
+    t.sequences = len(ids) * params.n
+    return outs, t
+
+
 def cmd_generate(ns: argparse.Namespace) -> int:
     from kv8 import LLM, SamplingParams
 
@@ -80,16 +152,25 @@ def cmd_generate(ns: argparse.Namespace) -> int:
                             seed=ns.sampling_seed, max_tokens=ns.max_tokens, stop=ns.stop or None,
                             ignore_eos=ns.ignore_eos)
     if ns.chat:   # each prompt is its own one-message conversation
-        outs = llm.chat([[{"role": "user", "content": p}] for p in ns.prompt], params)
+        prompts: list[Any] = [llm.chat_prompt_ids([{"role": "user", "content": p}]) for p in ns.prompt]
     else:
-        outs = llm.generate(list(ns.prompt), params)
-    for out in outs:
-        for c in out.outputs:
-            if ns.json:
-                print(json.dumps({"prompt": out.prompt, "index": c.index, "text": c.text, "token_ids": c.token_ids,
-                                  "finish_reason": c.finish_reason}))
-            else:
-                print((out.prompt or "") + c.text if not ns.chat else c.text)
+        prompts = list(ns.prompt)
+    stream = len(prompts) == 1 and ns.n == 1 and not ns.json
+    if stream and not ns.chat:
+        print(prompts[0], end="", flush=True)
+    outs, timings = _generate(llm, prompts, params, stream)
+    if stream:
+        print(flush=True)
+    else:
+        for out in outs:
+            for c in out.outputs:
+                if ns.json:
+                    print(json.dumps({"prompt": out.prompt, "index": c.index, "text": c.text,
+                                      "token_ids": c.token_ids, "finish_reason": c.finish_reason}))
+                else:
+                    print(c.text if ns.chat else (out.prompt or "") + c.text)
+    if ns.verbose:
+        print(timings.summary(), file=sys.stderr, flush=True)
     return 0
 
 
@@ -157,7 +238,9 @@ def _version() -> str:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kv8", description="LLM inference with an 8-bit floating-point KV cache.",
                                      epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("-v", "--verbose", action="store_true", help="log engine details (cache size, timings)")
+    parser.add_argument("-v", "--verbose", action="store_true",
+                        help="log engine details (cache size, load time); generate prints time to first token and "
+                             "prefill / decode throughput")
     parser.add_argument("--version", action="version", version=f"kv8 {_version()}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
@@ -209,6 +292,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_calibrate_parser(sub)   # kv8 calibrate: fp8 KV scales from calibration text
     add_eval_parser(sub)        # kv8 eval: KLD / top-1 / PPL of KV configurations vs a float32 cache
+    for command in sub.choices.values():   # -v after the command too (kv8 generate ... -v)
+        command.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS,
+                             help="log engine details; generate prints its timings")
     return parser
 
 

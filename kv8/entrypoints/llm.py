@@ -97,16 +97,18 @@ class LLM:
              use_tqdm: bool = True, add_generation_prompt: bool = True) -> list[RequestOutput]:
         """Apply the tokenizer's chat template to one conversation or a list of them, then generate."""
         convs: list[Any] = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        prompts: list[Prompt] = [self.chat_prompt_ids(conv, add_generation_prompt) for conv in convs]
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def chat_prompt_ids(self, conversation: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
+        """The token ids of one conversation through the tokenizer's chat template (what :meth:`chat` runs)."""
         tok = self.engine.tokenizer
         if not getattr(tok, "chat_template", None):
             raise ValueError("this model's tokenizer has no chat template; use generate() with a plain prompt")
-        prompts: list[Prompt] = []
-        for conv in convs:
-            ids: Any = tok.apply_chat_template(conv, tokenize=True, add_generation_prompt=add_generation_prompt)
-            if isinstance(ids, dict) or hasattr(ids, "keys"):
-                ids = ids["input_ids"]
-            prompts.append(list(ids))
-        return self.generate(prompts, sampling_params, use_tqdm)
+        ids: Any = tok.apply_chat_template(conversation, tokenize=True, add_generation_prompt=add_generation_prompt)
+        if isinstance(ids, dict) or hasattr(ids, "keys"):
+            ids = ids["input_ids"]
+        return list(ids)
 
     def _run(self, items: list[str | list[int]], params: list[SamplingParams], use_tqdm: bool) -> list[RequestOutput]:
         ids = []

@@ -50,6 +50,7 @@ class ServerMetrics:
         self.generation_tokens = 0
         self.requests_finished: dict[str, int] = {}
         self.requests_rejected: dict[int, int] = {}
+        self.client_disconnects: dict[str, int] = {}   # stage ("upload", "waiting") -> count
         self.ttft = Histogram("kv8:time_to_first_token_seconds", "Time to first token, from arrival.", TTFT_BUCKETS)
         self.tpot = Histogram("kv8:time_per_output_token_seconds", "Mean time per output token after the first.",
                               TPOT_BUCKETS)
@@ -60,6 +61,11 @@ class ServerMetrics:
 
     def record_rejected(self, status: int) -> None:
         self.requests_rejected[status] = self.requests_rejected.get(status, 0) + 1
+
+    def record_disconnect(self, stage: str) -> None:
+        """A client went away before its answer: during the body ``upload``, or ``waiting`` for a non-streamed
+        answer (streams that end early count as aborted sequences)."""
+        self.client_disconnects[stage] = self.client_disconnects.get(stage, 0) + 1
 
     def render(self, stats: dict[str, Any], in_flight: int) -> str:
         def gauge(name: str, help_: str, value: float) -> list[str]:
@@ -89,6 +95,9 @@ class ServerMetrics:
                          {f'{{finished_reason="{k}"}}': v for k, v in sorted(self.requests_finished.items())})
         lines += counter("kv8:request_rejected_total", "Requests answered with an error, by HTTP status.",
                          {f'{{status="{k}"}}': v for k, v in sorted(self.requests_rejected.items())})
+        lines += counter("kv8:client_disconnects_total", "Clients that went away before their answer, by stage "
+                         "(upload: during the request body; waiting: before a non-streamed answer).",
+                         {f'{{stage="{k}"}}': v for k, v in sorted(self.client_disconnects.items())})
         lines += self.ttft.render()
         lines += self.tpot.render()
         return "\n".join(lines) + "\n"

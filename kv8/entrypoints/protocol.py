@@ -2,8 +2,8 @@
 
 Every request model forbids unknown fields and validates in pydantic's strict mode: ``"1"`` is not an int,
 ``true`` is not a number, and a field the server does not implement is a 400, never silently ignored.
-Fields kv8 accepts but whose only honest value is the default (``frequency_penalty``, ``presence_penalty``)
-accept exactly that value. ``null`` means "the default" for optional fields, as in OpenAI's API.
+``null`` means "the default" for optional fields, as in OpenAI's API. Checks that span fields raise
+:class:`FieldError`, so that the 400 still names a ``param``.
 
 Errors leave the server as ``{"error": {"message", "type", "param", "code"}}`` (:meth:`APIError.body`).
 """
@@ -22,16 +22,29 @@ class APIError(Exception):
     """An error answered to the client with ``status`` and OpenAI's error body."""
 
     def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None) -> None:
+                 param: str | None = None, code: str | None = None, headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.type = type_
         self.param = param
         self.code = code
+        self.headers = headers or {}   # extra response headers (Retry-After ...)
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+class FieldError(ValueError):
+    """A validation error raised by a model validator that belongs to field ``param`` (reported as the 400's
+    ``param``; pydantic would otherwise report the whole body)."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+LOGIT_BIAS_LIMIT = 100.0
 
 
 class _Strict(BaseModel):
@@ -56,8 +69,10 @@ class _SamplingFields(_Strict):
     seed: int | None = Field(None, ge=-(2**63), le=2**64 - 1)
     stream: bool | None = None
     stream_options: StreamOptions | None = None
-    frequency_penalty: float | None = None
-    presence_penalty: float | None = None
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    repetition_penalty: float | None = Field(None, gt=0.0)          # vLLM's extension
+    logit_bias: dict[str, float] | None = None                        # token id (as a JSON key) -> bias
     ignore_eos: bool | None = None
     min_tokens: int | None = Field(None, ge=0)
     include_stop_str_in_output: bool | None = None
@@ -72,18 +87,25 @@ class _SamplingFields(_Strict):
 
     @model_validator(mode="after")
     def _check_common(self) -> _SamplingFields:
-        for name in ("frequency_penalty", "presence_penalty"):
-            value = getattr(self, name)
-            if value not in (None, 0, 0.0):
-                raise ValueError(f"{name}={value!r} is not supported by kv8 (only 0, no penalty, is accepted)")
         stops = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
         if len(stops) > MAX_STOP_STRINGS:
-            raise ValueError(f"stop has {len(stops)} entries; at most {MAX_STOP_STRINGS} are allowed")
+            raise FieldError("stop", f"stop has {len(stops)} entries; at most {MAX_STOP_STRINGS} are allowed")
         if any(s == "" for s in stops):
-            raise ValueError("stop must not contain empty strings")
+            raise FieldError("stop", "stop must not contain empty strings")
         if self.stream_options is not None and not self.stream:
-            raise ValueError("stream_options is only allowed when stream is true")
+            raise FieldError("stream_options", "stream_options is only allowed when stream is true")
+        for key, bias in (self.logit_bias or {}).items():
+            if not (key.isascii() and key.isdigit()):
+                raise FieldError("logit_bias", f"logit_bias keys must be token ids (decimal integers >= 0), "
+                                               f"got {key!r}")
+            if not -LOGIT_BIAS_LIMIT <= bias <= LOGIT_BIAS_LIMIT:
+                raise FieldError("logit_bias", f"logit_bias values must be in [-{LOGIT_BIAS_LIMIT:g}, "
+                                               f"{LOGIT_BIAS_LIMIT:g}], got {bias!r} for token {key}")
         return self
+
+    def logit_bias_ids(self) -> dict[int, float] | None:
+        """``logit_bias`` with integer token ids (keys were checked to be decimal integers)."""
+        return None if self.logit_bias is None else {int(k): v for k, v in self.logit_bias.items()}
 
 
 class CompletionRequest(_SamplingFields):
@@ -98,13 +120,13 @@ class CompletionRequest(_SamplingFields):
     def _check_prompt(self) -> CompletionRequest:
         p = self.prompt
         if isinstance(p, str) and p == "":
-            raise ValueError("prompt is empty")
+            raise FieldError("prompt", "prompt is empty")
         if isinstance(p, list):
             if not p:
-                raise ValueError("prompt is an empty list")
+                raise FieldError("prompt", "prompt is an empty list")
             for i, item in enumerate(p):
                 if item == "" or item == []:
-                    raise ValueError(f"prompt[{i}] is empty")
+                    raise FieldError("prompt", f"prompt[{i}] is empty")
         return self
 
     def prompts(self) -> list[str | list[int]]:
@@ -160,10 +182,10 @@ class ChatCompletionRequest(_SamplingFields):
     @model_validator(mode="after")
     def _check_chat(self) -> ChatCompletionRequest:
         if self.top_logprobs is not None and not self.logprobs:
-            raise ValueError("top_logprobs requires logprobs to be true")
+            raise FieldError("top_logprobs", "top_logprobs requires logprobs to be true")
         if (self.max_tokens is not None and self.max_completion_tokens is not None
                 and self.max_tokens != self.max_completion_tokens):
-            raise ValueError(f"max_tokens ({self.max_tokens}) and max_completion_tokens "
+            raise FieldError("max_completion_tokens", f"max_tokens ({self.max_tokens}) and max_completion_tokens "
                              f"({self.max_completion_tokens}) disagree; give one of them")
         return self
 
@@ -184,9 +206,9 @@ class TokenizeRequest(_Strict):
     @model_validator(mode="after")
     def _one_input(self) -> TokenizeRequest:
         if (self.prompt is None) == (self.messages is None):
-            raise ValueError("give exactly one of prompt and messages")
+            raise FieldError("prompt", "give exactly one of prompt and messages")
         if self.messages is not None and not self.messages:
-            raise ValueError("messages is empty")
+            raise FieldError("messages", "messages is empty")
         return self
 
 
@@ -210,4 +232,8 @@ def validation_error(e: ValidationError) -> APIError:
     text = f"{where}: {msg}" if err["type"] == "value_error" and not loc else f"{where}: {msg} (got {value}){extra}"
     if err["type"] == "extra_forbidden":
         text = f"unknown or unsupported field {where!r} (got {value})"
-    return APIError(400, text, param=loc[0] if loc else None)
+    param = loc[0] if loc else None
+    cause = (err.get("ctx") or {}).get("error")
+    if isinstance(cause, FieldError):
+        param = cause.param
+    return APIError(400, text, param=param)

@@ -25,7 +25,13 @@ from kv8.sampling_params import SamplingParams
 
 
 class ClientDisconnected(Exception):
-    """The client of a non-streaming request went away; its engine requests were aborted."""
+    """The client went away: during the body ``upload`` (nothing was started), or ``waiting`` for a non-streamed
+    answer (its engine requests were aborted)."""
+
+    def __init__(self, stage: str = "waiting", detail: str = "") -> None:
+        super().__init__(f"client disconnected ({stage}{': ' + detail if detail else ''})")
+        self.stage = stage
+        self.detail = detail
 
 
 @dataclass(frozen=True)

@@ -152,17 +152,24 @@ class OpenAIServing:
         self.in_flight += run.num_seqs
         return run
 
-    @staticmethod
-    def _params(req: Any, n: int, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None) -> SamplingParams:
+    def _params(self, req: Any, n: int, max_tokens: int, logprobs: int | None,
+                prompt_logprobs: int | None) -> SamplingParams:
         def pick(value: Any, default: Any) -> Any:
             return default if value is None else value
+        logit_bias = req.logit_bias_ids()
+        outside = sorted(t for t in logit_bias or {} if t >= self.vocab_size)
+        if outside:
+            raise APIError(400, f"logit_bias has token ids {outside[:5]} outside the vocabulary "
+                                f"[0, {self.vocab_size})", param="logit_bias")
         try:
             return SamplingParams(
                 n=n, temperature=pick(req.temperature, 1.0), top_p=pick(req.top_p, 1.0), top_k=pick(req.top_k, 0),
                 min_p=pick(req.min_p, 0.0), seed=req.seed, max_tokens=max_tokens, min_tokens=pick(req.min_tokens, 0),
                 stop=req.stop, stop_token_ids=req.stop_token_ids, ignore_eos=pick(req.ignore_eos, False),
                 include_stop_str_in_output=pick(req.include_stop_str_in_output, False), logprobs=logprobs,
-                prompt_logprobs=prompt_logprobs, skip_special_tokens=pick(req.skip_special_tokens, True))
+                prompt_logprobs=prompt_logprobs, skip_special_tokens=pick(req.skip_special_tokens, True),
+                presence_penalty=pick(req.presence_penalty, 0.0), frequency_penalty=pick(req.frequency_penalty, 0.0),
+                repetition_penalty=pick(req.repetition_penalty, 1.0), logit_bias=logit_bias)
         except ValueError as e:
             raise APIError(400, str(e), param=str(e).split(" ", 1)[0]) from e
 
@@ -332,16 +339,23 @@ class OpenAIServing:
         return SubRequest(self._new_id("chatcmpl"), "", ids, params, False)
 
     def _chat_logprobs(self, sub: SubRequest, ids: list[int], lps: list[PositionLogprobs]) -> list[dict[str, Any]]:
+        """OpenAI's chat logprobs; ``bytes`` are each token's real bytes (part of a UTF-8 character included), so
+        that joining the chosen tokens' bytes rebuilds the text."""
         k = sub.params.logprobs or 0
+        n = min(len(ids), len(lps))
+        ids, lps = list(ids)[:n], list(lps)[:n]
+        tops = [[(t, v) for t, v in _sorted_entries(entry) if v.rank is not None and v.rank <= k][:k]
+                for entry in lps]
+        all_ids = ids + [t for top in tops for t, _ in top]
+        raw = iter(self.tokenizer.token_bytes(all_ids))
+        chosen_bytes = [next(raw) for _ in ids]
         out = []
-        for tid, entry in zip(ids, lps):
+        for tid, entry, top, token_bytes in zip(ids, lps, tops, chosen_bytes):
             chosen = entry[tid]
-            token = chosen.decoded_token or ""
-            top = [{"token": v.decoded_token or "", "logprob": v.logprob,
-                    "bytes": list((v.decoded_token or "").encode("utf-8"))}
-                   for _, v in _sorted_entries(entry) if v.rank is not None and v.rank <= k][:k]
-            out.append({"token": token, "logprob": chosen.logprob, "bytes": list(token.encode("utf-8")),
-                        "top_logprobs": top})
+            top_items = [{"token": v.decoded_token or "", "logprob": v.logprob, "bytes": list(next(raw))}
+                         for _, v in top]
+            out.append({"token": chosen.decoded_token or "", "logprob": chosen.logprob, "bytes": list(token_bytes),
+                        "top_logprobs": top_items})
         return out
 
     async def chat(self, req: ChatCompletionRequest, disconnect: Callable[[], Awaitable[None]]

@@ -84,13 +84,21 @@ def _safetensors_files(path: str) -> list[str]:
     return files
 
 
+def _bad_safetensors(file: str, e: Exception) -> ValueError:
+    return ValueError(f"{file}: not a valid safetensors file ({e}); the file is truncated or corrupt: download or "
+                      "convert it again")
+
+
 def _iter_safetensors(files: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
-    from safetensors import safe_open
+    from safetensors import SafetensorError, safe_open
 
     for file in files:
-        with safe_open(file, framework="pt") as f:
-            for name in f.keys():
-                yield name, f.get_tensor(name)
+        try:
+            with safe_open(file, framework="pt") as f:
+                for name in f.keys():
+                    yield name, f.get_tensor(name)
+        except (SafetensorError, OSError) as e:
+            raise _bad_safetensors(file, e) from None
 
 
 _LAYER_NAME = re.compile(r"^model\.layers\.(\d+)\.")
@@ -99,17 +107,27 @@ _LAYER_NAME = re.compile(r"^model\.layers\.(\d+)\.")
 def _check_layer_count(files: list[str], arch: ModelArchConfig, path: str) -> None:
     """Compare the config's layer count with the layers the checkpoint holds (read from the file headers
     only), before a model of that many layers is built."""
-    from safetensors import safe_open
+    from safetensors import SafetensorError, safe_open
 
     found: set[int] = set()
     for file in files:
-        with safe_open(file, framework="pt") as f:
-            found.update(int(m.group(1)) for name in f.keys() if (m := _LAYER_NAME.match(name)))
+        try:
+            with safe_open(file, framework="pt") as f:
+                found.update(int(m.group(1)) for name in f.keys() if (m := _LAYER_NAME.match(name)))
+        except (SafetensorError, OSError) as e:
+            raise _bad_safetensors(file, e) from None
     count = max(found) + 1 if found else 0
     if count != arch.num_layers:
         held = f"layers model.layers.0 .. model.layers.{count - 1}" if count else "no model.layers.N tensors"
         raise ValueError(f"{os.path.join(path, 'config.json')} says num_hidden_layers={arch.num_layers}, but the "
                          f"checkpoint holds {held}")
+
+
+def check_checkpoint_layers(kind: str, path: str, arch: ModelArchConfig) -> None:
+    """The config's layer count against the checkpoint's (file headers only; a GGUF's config comes from the
+    file itself). The engine calls it before anything is sized by the layer count."""
+    if kind == "hf":
+        _check_layer_count(_safetensors_files(path), arch, path)
 
 
 ShardId = int | str | None

@@ -26,6 +26,9 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 from kv8 import envs
 
 TOKENIZER_KINDS: tuple[str, ...] = ("gguf", "hf")
+# Files a Hugging Face model directory holds its tokenizer in (fast, SentencePiece, GPT-2 BPE, tiktoken).
+TOKENIZER_FILES: tuple[str, ...] = ("tokenizer.json", "tokenizer.model", "vocab.json", "tiktoken.model",
+                                    "tokenizer.tiktoken")
 CACHE_DIR_ENV = envs.CACHE_DIR_ENV
 
 
@@ -70,7 +73,13 @@ def load_tokenizer(kind: str, path: str, cache_dir: str | None = None) -> PreTra
     if kind == "hf":
         if not os.path.isdir(path):
             raise ValueError(f"tokenizer path for kind 'hf' must be a model directory, got {path!r}")
-        return AutoTokenizer.from_pretrained(path)
+        if not any(os.path.isfile(os.path.join(path, name)) for name in TOKENIZER_FILES):
+            raise ValueError(f"{path}: no tokenizer files (looked for {', '.join(TOKENIZER_FILES)}); copy the "
+                             "model's tokenizer into this directory")
+        try:
+            return AutoTokenizer.from_pretrained(path)
+        except (OSError, ValueError, TypeError, KeyError) as e:
+            raise ValueError(f"{path}: cannot load the tokenizer: {e}") from None
     if not os.path.isfile(path):
         raise ValueError(f"tokenizer path for kind 'gguf' must be a .gguf file, got {path!r}")
     cached = gguf_tokenizer_cache_path(os.path.abspath(path), cache_dir)

@@ -272,7 +272,9 @@ _ALIASES: dict[str, str] = {
     "bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32", "float": "float32",
     "fp8": "fp8_e4m3", "fp8_e4m3fn": "fp8_e4m3",
 }
-KV_CACHE_DTYPE_NAMES: tuple[str, ...] = KV_CACHE_DTYPE_CHOICES + tuple(_ALIASES)  # choices plus aliases
+# choices plus the other aliases ("fp8" is both a choice and an alias: listed once)
+_OTHER_ALIASES: tuple[str, ...] = tuple(a for a in _ALIASES if a not in KV_CACHE_DTYPE_CHOICES)
+KV_CACHE_DTYPE_NAMES: tuple[str, ...] = KV_CACHE_DTYPE_CHOICES + _OTHER_ALIASES
 _FLOAT_CACHES: dict[str, torch.dtype] = {
     "bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32,
 }
@@ -327,7 +329,7 @@ def resolve_kv_cache_dtype(name: str, compute_dtype: torch.dtype) -> KVCacheDtyp
                          f"{', '.join(str(d) for d in _COMPUTE_DTYPES)}")
     if not isinstance(name, str) or (name not in KV_CACHE_DTYPE_CHOICES and name not in _ALIASES):
         raise ValueError(f"kv_cache_dtype={name!r} is not supported; choose one of: "
-                         f"{', '.join(KV_CACHE_DTYPE_CHOICES)} (aliases: {', '.join(_ALIASES)})")
+                         f"{', '.join(KV_CACHE_DTYPE_CHOICES)} (aliases: {', '.join(_OTHER_ALIASES)})")
     canonical = _COMPUTE_DTYPES[compute_dtype] if name == "auto" else _ALIASES.get(name, name)
     if canonical in _FLOAT_CACHES:
         return KVCacheDtype(name=canonical, storage_dtype=_FLOAT_CACHES[canonical], fp8=None)

@@ -75,14 +75,7 @@ def load_vllm_scales_json(
         raise ValueError(f"tp_size must be >= 1, got {tp_size}")
     if tp_rank >= tp_size:
         raise ValueError(f"tp_rank must be in [0, tp_size={tp_size}), got {tp_rank}")
-    try:
-        with open(path, encoding="utf-8") as f:
-            data = json.load(f)
-    except OSError as e:
-        raise ValueError(f"{where}: cannot read KV cache scales file: {e.strerror or e}") from e
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"{where}: not a valid JSON KV cache scales file: {e}") from e
-
+    data = _read_json(path)
     if not isinstance(data, dict):
         raise ValueError(f"{where}: top level must be a JSON object, got {type(data).__name__}")
     for key in ("model_type", "kv_cache"):
@@ -187,6 +180,8 @@ KV8_SCALES_VERSION = 1
 
 
 def _read_json(path: str | os.PathLike[str]) -> Any:
+    """The parsed JSON of a scales file; ``ValueError`` naming the file when it cannot be read or parsed (nesting
+    deeper than Python's recursion limit included: a scales file is a few levels deep)."""
     where = os.fspath(path)
     try:
         with open(path, encoding="utf-8") as f:
@@ -195,6 +190,9 @@ def _read_json(path: str | os.PathLike[str]) -> Any:
         raise ValueError(f"{where}: cannot read KV cache scales file: {e.strerror or e}") from e
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ValueError(f"{where}: not a valid JSON KV cache scales file: {e}") from e
+    except RecursionError:
+        raise ValueError(f"{where}: not a KV cache scales file: its JSON is nested too deeply to parse (a scales "
+                         "file is a few levels deep)") from None
 
 
 def write_kv8_scales_json(path: str | os.PathLike[str], scales: KVScales, model: ModelScaleInfo) -> None:

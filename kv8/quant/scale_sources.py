@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from kv8.config import CacheConfig
-from kv8.quant.formats import E4M3, KVCacheDtype
+from kv8.quant.formats import E4M3, E4M3FNUZ, E5M2, KVCacheDtype
 from kv8.quant.scale_files import load_scales_file
 from kv8.quant.scales import TORCH_DTYPE_TO_FORMAT, KVScales, ModelScaleInfo, ScaleGranularity, check_fits
 
@@ -242,6 +242,11 @@ def resolve_kv_scales(
             f"the static KV scales from {scales.source} were calibrated with rotation {scales.rotation!r}, but "
             f"kv_cache_rotation={rotation!r}; calibrate with `kv8 calibrate --kv-cache-rotation {rotation}`, use "
             "kv_cache_scale_mode='dynamic', or drop the scales (1.0)")
+    if fmt.name == E5M2.name and scales.made_for in (E4M3.name, E4M3FNUZ.name):
+        logger.warning(
+            "the KV scales from %s were calibrated for %s but the cache stores %s; they are used unchanged (E5M2 "
+            "has a wider range and fewer mantissa bits, so they fit, but are not tuned for it). For scales made "
+            "for this cache run `kv8 calibrate --kv-cache-dtype fp8_e5m2`.", scales.source, scales.made_for, fmt.name)
     return scales.for_format(fmt)
 
 

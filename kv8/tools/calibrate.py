@@ -161,7 +161,7 @@ def calibrate(model: str, data: Sequence[str], recipe: ScaleRecipe, *, num_sampl
     arch = engine.config.arch
     info = ModelScaleInfo(arch.model_type, arch.num_layers, arch.num_kv_heads, arch.head_dim)
     tokens = tokenize_corpus(docs, engine.tokenizer)
-    samples = token_windows(tokens, seq_len, num_samples, skip_tokens)
+    samples = token_windows(tokens, seq_len, num_samples, skip_tokens, "--seq-len", "--skip-tokens")
     collector = KVStatsCollector(arch.num_layers, arch.num_kv_heads, arch.head_dim,
                                  recipe.granularity if recipe.needs_histogram else None, recipe.key_bound,
                                  engine.cache.codec.rotation)
@@ -176,7 +176,9 @@ def calibrate(model: str, data: Sequence[str], recipe: ScaleRecipe, *, num_sampl
     scales = collector.scales(recipe, source, rotation)
     check = None
     if check_samples:
-        held_out = token_windows(tokens, seq_len, check_samples, skip_tokens + len(samples) * seq_len)
+        held_out = token_windows(tokens, seq_len, check_samples, skip_tokens + len(samples) * seq_len, "--seq-len",
+                                 "--skip-tokens and the --num-samples calibration samples; --check-samples needs "
+                                 "text beyond them")
         counter = ClipCounter(scales, recipe.fmt)
         watch.sink = counter
         with tqdm(total=len(held_out), desc="Checking", unit="sample", disable=not show_progress) as bar:

@@ -141,6 +141,20 @@ def cmd_calibrate(ns: argparse.Namespace) -> int:
     return 0
 
 
+class _AppendTagged(argparse.Action):
+    """Append ``(tag, value)`` to the destination list, so that several options keep their command-line order."""
+
+    def __init__(self, *args: Any, tag: str, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.tag = tag
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: str | None = None) -> None:
+        items = list(getattr(namespace, self.dest, None) or [])
+        items.append((self.tag, values))
+        setattr(namespace, self.dest, items)
+
+
 def add_eval_parser(sub: Any) -> None:
     e = sub.add_parser("eval", help="accuracy of KV-cache configurations against a float32 cache",
                        description="Teacher-forced perplexity, KL divergence and top-1 agreement against a float32 "
@@ -148,10 +162,12 @@ def add_eval_parser(sub: Any) -> None:
                        epilog=EVAL_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     EngineArgs.add_model_arg(e)
     e.add_argument("--data", nargs="+", required=True, metavar="FILE", help="evaluation text (as for calibrate)")
-    e.add_argument("--config", action="append", default=[], metavar="DTYPE[+dynamic][+hadamard][:SCALES]",
+    # both append to one list, so the report's rows follow the command line
+    e.add_argument("--config", dest="kv_configs", action=_AppendTagged, tag="config", default=[],
+                   metavar="DTYPE[+dynamic][+hadamard][:SCALES]",
                    help="a KV configuration, e.g. fp8_e4m3:kv_cache_scales.json or fp8_e4m3+dynamic+hadamard "
                         "(repeatable)")
-    e.add_argument("--kv-cache-dtype", dest="kv_cache_dtypes", action="append", default=[],
+    e.add_argument("--kv-cache-dtype", dest="kv_configs", action=_AppendTagged, tag="dtype", default=[],
                    choices=KV_CACHE_DTYPE_NAMES, help="a KV configuration without a scales file (repeatable)")
     e.add_argument("--window", type=int, default=512, help="tokens per window; the second half is scored")
     e.add_argument("--num-windows", type=int, default=16, help="windows to score (default 16)")
@@ -170,7 +186,7 @@ def add_eval_parser(sub: Any) -> None:
 def cmd_eval(ns: argparse.Namespace) -> int:
     from kv8.tools.evaluate import DEFAULT_CONFIGS, KVConfig, evaluate
 
-    specs = [KVConfig.parse(c) for c in ns.config] + [KVConfig(d) for d in ns.kv_cache_dtypes]
+    specs = [KVConfig.parse(v) if tag == "config" else KVConfig(v) for tag, v in ns.kv_configs]
     if not specs:
         specs = [KVConfig(d) for d in DEFAULT_CONFIGS]
     args = EngineArgs.from_cli_args(ns)

@@ -158,9 +158,11 @@ def tokenize_corpus(docs: Sequence[str], tokenizer: Any) -> list[int]:
     return list(tokenizer("\n\n".join(docs), add_special_tokens=False)["input_ids"])
 
 
-def token_windows(tokens: Sequence[int], length: int, count: int | None, skip: int = 0) -> list[list[int]]:
+def token_windows(tokens: Sequence[int], length: int, count: int | None, skip: int = 0,
+                  option: str = "length", skipped: str = "") -> list[list[int]]:
     """Up to ``count`` (None: all) consecutive windows of exactly ``length`` tokens, starting at token
-    ``skip``. Raises ValueError when not even one window fits."""
+    ``skip``. Raises ValueError when not even one window fits, naming ``option`` (the flag that set ``length``,
+    e.g. ``--window``) and what ``skipped`` (e.g. ``--skip-tokens``) so that the user knows what to change."""
     if isinstance(length, bool) or not isinstance(length, int) or length < 2:
         raise ValueError(f"window length={length!r} must be an int >= 2 (tokens)")
     if isinstance(skip, bool) or not isinstance(skip, int) or skip < 0:
@@ -169,7 +171,8 @@ def token_windows(tokens: Sequence[int], length: int, count: int | None, skip: i
         raise ValueError(f"count={count!r} must be an int >= 1 or None")
     available = (len(tokens) - skip) // length
     if available < 1:
-        raise ValueError(f"the data has {len(tokens)} tokens; after skipping {skip} not even one window of "
-                         f"{length} tokens fits; give more text or a smaller length")
+        why = f" ({skipped})" if skipped and skip else ""
+        raise ValueError(f"the data has {len(tokens)} tokens; after skipping {skip}{why} not even one window of "
+                         f"{option} {length} tokens fits; give more text (--data) or a smaller {option}")
     n = available if count is None else min(count, available)
     return [list(tokens[skip + i * length: skip + (i + 1) * length]) for i in range(n)]

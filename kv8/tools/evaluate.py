@@ -133,8 +133,8 @@ class ConfigResult:
     mean_kld: float                          # nats per scored token
     max_kld: float
     top1_agreement: float
-    greedy_mean_match: float                 # tokens before the first divergence, mean over prompts
-    greedy_identical: float                  # fraction of prompts with identical continuations
+    greedy_mean_match: float | None          # tokens before the first divergence, mean over prompts (None: no
+    greedy_identical: float | None           # greedy prompts); fraction of prompts with identical continuations
     layer_k_rel_err: list[float] = field(default_factory=list)
     layer_v_rel_err: list[float] = field(default_factory=list)
     layer_k_clipped: list[float] = field(default_factory=list)
@@ -180,12 +180,19 @@ class EvalReport:
             k_err = max(r.layer_k_rel_err, default=0.0)
             v_err = max(r.layer_v_rel_err, default=0.0)
             lines.append(f"{r.label:<{w}}{r.bytes_per_token:>10}{r.perplexity:>10.4f}{r.delta_ppl:>+9.4f}"
-                         f"{r.mean_kld:>10.2e}{r.top1_agreement:>8.4f}{r.greedy_mean_match:>8.1f}"
-                         f"{r.greedy_identical:>6.2f}{k_err:>8.4f}{v_err:>8.4f}")
+                         f"{r.mean_kld:>10.2e}{r.top1_agreement:>8.4f}{_cell(r.greedy_mean_match, 8, '.1f')}"
+                         f"{_cell(r.greedy_identical, 6, '.2f')}{k_err:>8.4f}{v_err:>8.4f}")
         lines.append("KLD = mean KL(reference || config) in nats; greedy = mean tokens before the first divergence; "
                      "same = fraction of identical greedy continuations; K/V err = worst layer's relative RMS "
                      "round-trip error")
         return "\n".join(lines)
+
+
+def _cell(value: float | None, width: int, spec: str) -> str:
+    """A table cell, ``-`` for a metric that was not measured (None; NaN in reports written before)."""
+    if value is None or math.isnan(value):
+        return f"{'-':>{width}}"
+    return f"{value:>{width}{spec}}"
 
 
 class _Scorer:
@@ -269,7 +276,7 @@ def evaluate(model: str, data: Sequence[str], configs: Sequence[KVConfig], *, wi
         engines.append(engine)
         observers.append(obs)
     tokens = tokenize_corpus(docs, engines[0].tokenizer)
-    windows = token_windows(tokens, window, num_windows, skip_tokens)
+    windows = token_windows(tokens, window, num_windows, skip_tokens, "--window", "--skip-tokens")
     first = window // 2 - 1
     scorers = [_Scorer() for _ in all_configs]
     with tqdm(total=len(windows), desc="Scoring windows", unit="window", disable=not show_progress) as bar:
@@ -282,7 +289,8 @@ def evaluate(model: str, data: Sequence[str], configs: Sequence[KVConfig], *, wi
             bar.update(1)
     greedy: list[dict[str, list[int]]] = []
     if gen_prompts:
-        prompts = token_windows(tokens, gen_prompt_len, gen_prompts, skip_tokens)
+        prompts = token_windows(tokens, gen_prompt_len, gen_prompts, skip_tokens, "--gen-prompt-len",
+                                "--skip-tokens")
         params = SamplingParams(temperature=0.0, max_tokens=gen_tokens, ignore_eos=True)
         for engine in tqdm(engines, desc="Greedy generation", unit="config", disable=not show_progress):
             greedy.append(run_prompts(engine, prompts, params, len(prompts)))
@@ -303,8 +311,8 @@ def evaluate(model: str, data: Sequence[str], configs: Sequence[KVConfig], *, wi
                                                                   engine.config.cache.dynamic_scales),
             perplexity=ppl, delta_ppl=ppl - ref_ppl, mean_nll=sc.nll / sc.n, mean_kld=sc.kld / sc.n,
             max_kld=sc.max_kld, top1_agreement=sc.top1 / sc.n,
-            greedy_mean_match=sum(matches) / len(matches) if matches else math.nan,
-            greedy_identical=sum(m == gen_tokens for m in matches) / len(matches) if matches else math.nan,
+            greedy_mean_match=sum(matches) / len(matches) if matches else None,
+            greedy_identical=sum(m == gen_tokens for m in matches) / len(matches) if matches else None,
             layer_k_rel_err=err[0].tolist(), layer_v_rel_err=err[1].tolist(),
             layer_k_clipped=clipped[0].tolist(), layer_v_clipped=clipped[1].tolist(),
             layer_k_scale_max=sc_k, layer_v_scale_max=sc_v))
