@@ -535,3 +535,30 @@ def test_calibration_for_a_rotated_cache(tiny_models: dict[str, str], text_file:
     assert llm.engine.cache.scales.rotation == "hadamard"
     with pytest.raises(ValueError, match="calibrated with rotation 'hadamard', but kv_cache_rotation='none'"):
         LLM(model=model, **common)
+
+
+def test_calibrate_and_eval_on_a_sliding_window_model(tiny_models: dict[str, str], text_file: str) -> None:
+    """Gemma 3 (local layers of window 16, one global layer) with windows of 40 tokens, so the tools' own caches
+    hold sliding-window groups: eval's perplexity equals transformers', calibration gives every layer scales,
+    rotated too (head_dim 32)."""
+    from transformers import AutoModelForCausalLM
+
+    model = tiny_models["gemma3"]
+    window, n = 40, 2
+    report = evaluate(model, [text_file], [KVConfig("float32"), KVConfig.parse("fp8_e4m3+hadamard")], window=window,
+                      num_windows=n, skip_tokens=7, gen_prompts=1, gen_prompt_len=20, gen_tokens=5, dtype="float32",
+                      max_num_batched_tokens=16, show_progress=False)
+    hf = AutoModelForCausalLM.from_pretrained(model, torch_dtype=torch.float32).eval()
+    nll = []
+    for w in _windows(model, text_file, window, n, skip=7):
+        with torch.no_grad():
+            logp = torch.log_softmax(hf(torch.tensor([w])).logits[0].double(), dim=-1)
+        nll.extend(-float(logp[p, w[p + 1]]) for p in range(window // 2 - 1, window - 1))
+    assert report.reference.perplexity == pytest.approx(math.exp(sum(nll) / len(nll)), rel=1e-5)
+    same, rotated = report.results
+    assert same.mean_kld == pytest.approx(0.0, abs=1e-12) and rotated.mean_kld > 0
+    for rotation in ("none", "hadamard"):
+        res = calibrate(model, [text_file], ScaleRecipe(ScaleGranularity.HEAD, "amax", E4M3), num_samples=2,
+                        seq_len=window, dtype="float32", rotation=rotation, show_progress=False)
+        assert res.scales.k.shape[0] == res.scales.v.shape[0] == 4
+        assert bool((res.scales.k > 0).all()) and bool((res.scales.v > 0).all())

@@ -156,6 +156,13 @@ def pool_block_bytes(config: EngineConfig, layout: KVCacheLayout) -> list[int]:
     return out
 
 
+def blocks_to_hold(layer_windows: Sequence[int | None], num_tokens: int, block_size: int, num_seqs: int) -> int:
+    """Blocks of a one-pool cache that hold ``num_seqs`` sequences of ``num_tokens`` tokens whole, in every group
+    (what the tools that size their own cache need; sliding-window groups counted at full length)."""
+    layout = KVCacheLayout.build(layer_windows, hybrid=False)
+    return layout.blocks_per_sequence(0, num_tokens, block_size, num_tokens) * num_seqs
+
+
 def split_budget(memory: int, layout: KVCacheLayout, block_bytes: Sequence[int], max_model_len: int,
                  block_size: int, chunk: int) -> list[int]:
     """Blocks per pool for ``memory`` bytes. ``block_bytes[p]``: bytes of one block of pool p (all its slots).
@@ -169,4 +176,5 @@ def split_budget(memory: int, layout: KVCacheLayout, block_bytes: Sequence[int],
     return [int(memory * need[p] / total) // block_bytes[p] for p in range(len(need))]
 
 
-__all__ = ["KVCacheGroup", "KVCacheLayout", "KVPoolSpec", "layout_for", "pool_block_bytes", "split_budget"]
+__all__ = ["KVCacheGroup", "KVCacheLayout", "KVPoolSpec", "blocks_to_hold", "layout_for", "pool_block_bytes",
+           "split_budget"]

@@ -18,7 +18,6 @@ with the scales as checkpoint tensors.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -26,6 +25,7 @@ import torch
 from tqdm.auto import tqdm
 
 from kv8.cache.codec import KVCodec
+from kv8.cache.layout import blocks_to_hold
 from kv8.config import ModelArchConfig
 from kv8.engine.args import EngineArgs
 from kv8.engine.engine import LLMEngine
@@ -152,10 +152,10 @@ def calibrate(model: str, data: Sequence[str], recipe: ScaleRecipe, *, num_sampl
     docs = read_corpus(data)
     check_length(model, seq_len, "seq_len")
     block_size = 16
-    per_seq = math.ceil((seq_len + 1) / block_size)
+    blocks = blocks_to_hold(model_arch(model).layer_windows, seq_len + 1, block_size, batch)
     watch = _KVWatch()
     engine = build_engine(model, watch, dtype=dtype, kv_cache_dtype="float32", enable_prefix_caching=False,
-                          max_model_len=seq_len + 1, num_kv_blocks=per_seq * batch, block_size=block_size,
+                          max_model_len=seq_len + 1, num_kv_blocks=blocks, block_size=block_size,
                           max_num_seqs=batch, max_num_batched_tokens=max(max_num_batched_tokens, seq_len),
                           attention_backend=attention_backend, kv_cache_rotation=rotation)
     arch = engine.config.arch

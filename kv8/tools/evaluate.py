@@ -41,6 +41,7 @@ import torch
 from tqdm.auto import tqdm
 
 from kv8.cache.codec import KVCodec
+from kv8.cache.layout import blocks_to_hold
 from kv8.engine.engine import LLMEngine
 from kv8.observer import EngineObserver
 from kv8.quant.formats import resolve_kv_cache_dtype
@@ -259,8 +260,9 @@ def evaluate(model: str, data: Sequence[str], configs: Sequence[KVConfig], *, wi
     check_length(model, gen_prompt_len + gen_tokens, "gen_prompt_len + gen_tokens")
     block_size = 16
     max_len = max(window, gen_prompt_len + gen_tokens) + 1
-    blocks = max(math.ceil(max_len / block_size), max(gen_prompts, 1) * math.ceil((gen_prompt_len + gen_tokens + 1)
-                                                                                 / block_size))
+    layer_windows = model_arch(model).layer_windows
+    blocks = max(blocks_to_hold(layer_windows, max_len, block_size, 1),
+                 blocks_to_hold(layer_windows, gen_prompt_len + gen_tokens + 1, block_size, max(gen_prompts, 1)))
     common = dict(dtype=dtype, enable_prefix_caching=False, max_model_len=max_len, num_kv_blocks=blocks,
                   block_size=block_size, max_num_seqs=max(gen_prompts, 1),
                   max_num_batched_tokens=max_num_batched_tokens, attention_backend=attention_backend)
