@@ -10,6 +10,12 @@ its ratio to bf16.
 
     .venv/bin/python benchmarks/bench_serving.py                  # 64 x (128 + 512 new), 68MiB (a few minutes)
     .venv/bin/python benchmarks/bench_serving.py --quick          # small smoke run
+    .venv/bin/python benchmarks/bench_serving.py --gemma          # Gemma-3-270M, sliding windows: freeing on/off
+
+A configuration is a KV dtype, ``+keepall`` to keep every block of sliding-window layers
+(``disable_hybrid_kv_cache_manager``) instead of freeing those that left the window. ``--gemma`` runs
+Gemma-3-270M (15 of its 18 layers keep a 512-token window) with prompts longer than the window, bf16 and FP8,
+each with and without freeing, at one budget.
 """
 
 from __future__ import annotations
@@ -21,10 +27,13 @@ import time
 from kv8 import LLM, SamplingParams
 
 
-def run(kv_dtype: str, prompts: list[list[int]], args: argparse.Namespace) -> dict:
+def run(config: str, prompts: list[list[int]], args: argparse.Namespace) -> dict:
+    kv_dtype, _, option = config.partition("+")
+    if option not in ("", "keepall"):
+        raise SystemExit(f"configuration {config!r}: the only option is +keepall")
     llm = LLM(model=args.model, kv_cache_dtype=kv_dtype, kv_cache_memory=args.kv_cache_memory,
               max_model_len=args.prompt_len + args.max_tokens + 16, max_num_seqs=args.max_num_seqs,
-              max_num_batched_tokens=args.max_num_batched_tokens)
+              max_num_batched_tokens=args.max_num_batched_tokens, disable_hybrid_kv_cache_manager=option == "keepall")
     eng = llm.engine
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
     for i, p in enumerate(prompts):
@@ -51,7 +60,7 @@ def run(kv_dtype: str, prompts: list[list[int]], args: argparse.Namespace) -> di
             decode_seconds += dt
     elapsed = time.perf_counter() - start
     assert eng.kv_manager.num_free_blocks == eng.kv_manager.num_blocks
-    return {"kv": kv_dtype, "seconds": elapsed, "tok_s": generated / elapsed, "peak": peak, "steps": steps,
+    return {"kv": config, "seconds": elapsed, "tok_s": generated / elapsed, "peak": peak, "steps": steps,
             "preemptions": eng.scheduler.num_preemptions, "blocks": eng.kv_manager.num_blocks,
             "capacity": eng.kv_manager.num_blocks * eng.config.cache.block_size, "generated": generated,
             "prefill_tokens": prefill_tokens, "prefill_seconds": prefill_seconds,
@@ -73,20 +82,26 @@ def main() -> None:
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
     ap.add_argument("--kv-dtypes", default="bfloat16,fp8_e4m3,fp8_e5m2")
     ap.add_argument("--quick", action="store_true", help="16 requests, 256-token prompts, 64 new tokens, 24MiB")
+    ap.add_argument("--gemma", action="store_true",
+                    help="gemma3-270m, 12 requests x 1024-token prompts + 128 new tokens, 48MiB, bf16 and fp8_e4m3 "
+                         "each with and without freeing out-of-window blocks")
     args = ap.parse_args()
     if args.quick:
         args.num_requests, args.prompt_len, args.max_tokens, args.kv_cache_memory = 16, 256, 64, "24MiB"
+    if args.gemma:
+        args.model, args.num_requests, args.prompt_len, args.max_tokens = "gemma3-270m", 12, 1024, 128
+        args.kv_cache_memory, args.kv_dtypes = "48MiB", "bfloat16+keepall,bfloat16,fp8_e4m3+keepall,fp8_e4m3"
     rng = random.Random(0)
     prompts = [[rng.randrange(100, 40000) for _ in range(args.prompt_len)] for _ in range(args.num_requests)]
     print(f"workload: {args.num_requests} requests x {args.prompt_len} prompt tokens + {args.max_tokens} new "
           f"tokens, KV budget {args.kv_cache_memory}, model {args.model}")
     results = [run(kv, prompts, args) for kv in args.kv_dtypes.split(",")]
     base, base_dec = results[0]["tok_s"], results[0]["decode_tok_s"]
-    print(f"{'kv_cache_dtype':<14}{'tokens':>8}{'peak seqs':>10}{'preempt':>8}{'seconds':>9}{'gen tok/s':>10}"
+    print(f"{'kv_cache_dtype':<17}{'blocks':>8}{'peak seqs':>10}{'preempt':>8}{'seconds':>9}{'gen tok/s':>10}"
           f"{'x ' + results[0]['kv']:>11} |{'prefill tok':>12}{'prefill s':>10}{'dec batch':>10}{'ms/step':>9}"
           f"{'dec tok/s':>10}{'dec x':>7}")
     for r in results:
-        print(f"{r['kv']:<14}{r['capacity']:>8}{r['peak']:>10}{r['preemptions']:>8}{r['seconds']:>9.1f}"
+        print(f"{r['kv']:<17}{r['blocks']:>8}{r['peak']:>10}{r['preemptions']:>8}{r['seconds']:>9.1f}"
               f"{r['tok_s']:>10.1f}{r['tok_s'] / base:>11.2f} |{r['prefill_tokens']:>12}{r['prefill_seconds']:>10.1f}"
               f"{r['decode_batch']:>10.1f}{r['decode_ms']:>9.1f}{r['decode_tok_s']:>10.1f}"
               f"{r['decode_tok_s'] / base_dec:>7.2f}")
