@@ -292,3 +292,37 @@ def test_gemma3_270m_greedy_names_paris_in_every_kv_dtype(gemma3_270m: str, kv_n
     plain, question = llm.generate([PLAIN, QUESTION], SamplingParams(temperature=0, max_tokens=8))
     assert plain.outputs[0].text == PLAIN_GREEDY
     assert "Paris" in question.outputs[0].text, question.outputs[0].text
+
+
+@pytest.mark.slow
+def test_gemma3_270m_long_prompt_slides_windows_like_transformers(gemma3_270m: str) -> None:
+    """A 700-token prompt (windows of 512 slide in 15 of the 18 layers), prefilled in chunks of 256 by the engine
+    with out-of-window blocks freed: the logits of the last 300 positions agree with transformers' forward of the
+    same GGUF."""
+    from transformers import AutoModelForCausalLM
+
+    from kv8.engine.args import EngineArgs
+    from kv8.engine.engine import LLMEngine
+    from kv8.observer import EngineObserver
+    from kv8.sampling_params import SamplingParams
+
+    prompt = [2] + [1000 + (7919 * i) % 20000 for i in range(699)]
+    rows: dict[int, torch.Tensor] = {}
+
+    class Rows(EngineObserver):
+        def on_prompt_logits(self, request_id: str, start: int, logits: torch.Tensor) -> None:
+            for i in range(logits.shape[0]):
+                rows[start + i] = logits[i].clone()
+
+    engine = LLMEngine(EngineArgs(model="gemma3-270m", dtype="float32", kv_cache_dtype="float32",
+                                  kv_cache_memory="256MiB", max_model_len=1024, max_num_batched_tokens=256), Rows())
+    engine.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0))
+    while engine.has_unfinished_requests():
+        engine.step()
+    got = torch.stack([rows[p] for p in range(400, 699)])
+    directory, file = os.path.split(gemma3_270m)
+    hf = AutoModelForCausalLM.from_pretrained(directory, gguf_file=file, dtype=torch.float32)
+    with torch.no_grad():
+        expected = hf(torch.tensor([prompt])).logits[0, 400:699].float()
+    assert (got - expected).abs().max().item() <= 1e-3 * expected.std().item()
+    assert torch.equal(got.argmax(-1), expected.argmax(-1))
