@@ -311,6 +311,11 @@ class ModelArchConfig:
         return {}
 
     @property
+    def rotary_dim(self) -> int:
+        """Dims of each head that RoPE rotates (all of them here; Phi-3's config can rotate fewer)."""
+        return self.head_dim
+
+    @property
     def gqa_ratio(self) -> int:
         return self.num_heads // self.num_kv_heads
 

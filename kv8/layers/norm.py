@@ -74,3 +74,9 @@ class GemmaRMSNorm(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{self.weight.shape[0]}, eps={self.eps}, weight=1+w"
+
+
+def norm_per_head(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """Apply a norm over ``D`` to each head of ``x [T, H, D]`` (QK-norm: Qwen3, Gemma 3)."""
+    t, h, d = x.shape
+    return norm(x.reshape(t * h, d))[0].view(t, h, d)

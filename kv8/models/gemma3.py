@@ -43,7 +43,7 @@ from kv8.layers.activation import GeluAndMul
 from kv8.layers.attention import AttentionContext, PagedAttention
 from kv8.layers.dense_kernels import TORCH_BACKEND, DenseBackend
 from kv8.layers.linear import Linear, MergedLinear, QKVLinear
-from kv8.layers.norm import GemmaRMSNorm
+from kv8.layers.norm import GemmaRMSNorm, norm_per_head
 from kv8.layers.rotary import RopeAngles, RotaryEmbedding
 
 __all__ = ["Gemma3ArchConfig", "Gemma3ForCausalLM"]
@@ -139,14 +139,9 @@ class Gemma3Attention(nn.Module):
         self.attn = PagedAttention(layer_idx, hq, hkv, d, arch.query_pre_attn_scalar ** -0.5)
         self.o_proj = Linear(hq * d, e, arch.attention_bias, backend)
 
-    @staticmethod
-    def _head_norm(norm: GemmaRMSNorm, x: torch.Tensor) -> torch.Tensor:
-        t, h, d = x.shape                                               # [T, H, D] -> norm over D per head
-        return norm(x.reshape(t * h, d))[0].view(t, h, d)
-
     def forward(self, x: torch.Tensor, rope: RopeAngles, ctx: AttentionContext) -> torch.Tensor:
         q, k, v = self.rotary_emb.split(self.qkv_proj(x))              # [T, Hq, D], [T, Hkv, D], [T, Hkv, D]
-        q, k = self._head_norm(self.q_norm, q), self._head_norm(self.k_norm, k)
+        q, k = norm_per_head(self.q_norm, q), norm_per_head(self.k_norm, k)
         q, k = self.rotary_emb.rotate(q, k, rope)
         return self.o_proj(self.attn(q, k, v.contiguous(), ctx))     # [T, Hq * D] -> [T, E]
 

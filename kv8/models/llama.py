@@ -77,7 +77,7 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
         self.rotary_emb = RotaryEmbedding(arch.head_dim, arch.num_heads, arch.num_kv_heads, arch.rope_theta,
-                                          arch.rope_scaling, backend)
+                                          arch.rope_scaling, backend, rotary_dim=arch.rotary_dim)
         self.layers = nn.ModuleList(DecoderLayer(arch, i, self.rotary_emb, backend, attention_cls)
                                     for i in range(arch.num_layers))
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, backend)
@@ -87,7 +87,7 @@ class LlamaForCausalLM(nn.Module):
     """``forward`` returns final hidden states ``[T, E]``; ``compute_logits`` projects selected rows."""
 
     # checkpoint module name -> (merged module name, shard id)
-    packed_modules_mapping = {
+    packed_modules_mapping: dict[str, tuple[str, int | str]] = {
         "q_proj": ("qkv_proj", "q"),
         "k_proj": ("qkv_proj", "k"),
         "v_proj": ("qkv_proj", "v"),

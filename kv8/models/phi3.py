@@ -15,9 +15,8 @@ SiLU(gate) * up -> down_proj, no biases), and its blocks are reused. What differ
   (:attr:`ModelArchConfig.layer_types`); the window reaches attention through the engine's attention
   metadata -- the model only names each layer by index.
 
-Phi-3 is a separate file rather than a Llama subclass because the rotary embedding is built with the partial
-rotary dim, which :class:`~kv8.models.llama.LlamaModel` does not take; ``forward`` is the Llama one, repeated.
-Shapes: ``T`` tokens, ``E`` hidden size, ``V`` vocabulary.
+The model class is the Llama one: :class:`~kv8.models.llama.LlamaModel` builds its rotary embedding over
+``arch.rotary_dim``, which :class:`Phi3ArchConfig` derives from ``partial_rotary_factor``.
 """
 
 from __future__ import annotations
@@ -27,16 +26,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-from torch import nn
-
 from kv8.config import ModelArchConfig
-from kv8.layers.attention import AttentionContext
-from kv8.layers.dense_kernels import TORCH_BACKEND, DenseBackend
-from kv8.layers.linear import Linear
-from kv8.layers.norm import RMSNorm
-from kv8.layers.rotary import RotaryEmbedding
-from kv8.models.llama import Attention, DecoderLayer
+from kv8.models.llama import LlamaForCausalLM
 
 __all__ = ["Phi3ArchConfig", "Phi3ForCausalLM"]
 
@@ -81,44 +72,10 @@ class Phi3ArchConfig(ModelArchConfig):
         return {"partial_rotary_factor": 1.0 if factor is None else factor}
 
 
-class Phi3Model(nn.Module):
-    """The Llama family's decoder stack, with the rotary embedding over ``rotary_dim``."""
-
-    def __init__(self, arch: Phi3ArchConfig, backend: DenseBackend) -> None:
-        super().__init__()
-        self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
-        self.rotary_emb = RotaryEmbedding(arch.head_dim, arch.num_heads, arch.num_kv_heads, arch.rope_theta,
-                                          arch.rope_scaling, backend, rotary_dim=arch.rotary_dim)
-        self.layers = nn.ModuleList(DecoderLayer(arch, i, self.rotary_emb, backend, Attention)
-                                    for i in range(arch.num_layers))
-        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, backend)
-
-
-class Phi3ForCausalLM(nn.Module):
-    """``forward`` returns final hidden states ``[T, E]``; ``compute_logits`` projects selected rows."""
+class Phi3ForCausalLM(LlamaForCausalLM):
+    """The Llama family's model (its rotary embedding over ``arch.rotary_dim``) with Phi-3's checkpoint names."""
 
     # the checkpoint's qkv_proj and gate_up_proj are kv8's merged layers as they are
     packed_modules_mapping: dict[str, tuple[str, int | str]] = {}
     tied_weights = {"lm_head.weight": "model.embed_tokens.weight"}   # Phi-4-mini ties them
     arch_config_cls = Phi3ArchConfig
-
-    def __init__(self, arch: Phi3ArchConfig, backend: DenseBackend = TORCH_BACKEND) -> None:
-        super().__init__()
-        self.arch = arch
-        self.model = Phi3Model(arch, backend)
-        self.lm_head = Linear(arch.hidden_size, arch.vocab_size, False, backend)
-
-    @torch.inference_mode()
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
-        """input_ids, positions ``[T]`` -> final hidden states ``[T, E]`` (normed)."""
-        x = self.model.embed_tokens(input_ids)                                 # [T, E]
-        rope = self.model.rotary_emb.angles(positions, x.dtype)
-        residual: torch.Tensor | None = None
-        for layer in self.model.layers:
-            x, residual = layer(x, residual, rope, ctx)
-        return self.model.norm(x, residual)[0]
-
-    @torch.inference_mode()
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden ``[N, E]`` -> logits ``[N, V]`` in float32."""
-        return self.lm_head(hidden).float()

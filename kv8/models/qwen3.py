@@ -15,7 +15,7 @@ from kv8.config import ModelArchConfig
 from kv8.layers.attention import AttentionContext, PagedAttention
 from kv8.layers.dense_kernels import DenseBackend
 from kv8.layers.linear import Linear, QKVLinear
-from kv8.layers.norm import RMSNorm
+from kv8.layers.norm import RMSNorm, norm_per_head
 from kv8.layers.rotary import RopeAngles, RotaryEmbedding
 from kv8.models.llama import LlamaForCausalLM
 
@@ -33,13 +33,9 @@ class Qwen3Attention(nn.Module):
         self.attn = PagedAttention(layer_idx, hq, hkv, d, d ** -0.5)
         self.o_proj = Linear(hq * d, e, False, backend)
 
-    def _head_norm(self, norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
-        t, h, d = x.shape                                               # [T, H, D] -> norm over D per head
-        return norm(x.reshape(t * h, d))[0].view(t, h, d)
-
     def forward(self, x: torch.Tensor, rope: RopeAngles, ctx: AttentionContext) -> torch.Tensor:
         q, k, v = self.rotary_emb.split(self.qkv_proj(x))              # [T, Hq, D], [T, Hkv, D], [T, Hkv, D]
-        q, k = self._head_norm(self.q_norm, q), self._head_norm(self.k_norm, k)
+        q, k = norm_per_head(self.q_norm, q), norm_per_head(self.k_norm, k)
         q, k = self.rotary_emb.rotate(q, k, rope)
         return self.o_proj(self.attn(q, k, v.contiguous(), ctx))     # [T, Hq * D] -> [T, E]
 
