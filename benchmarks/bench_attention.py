@@ -14,9 +14,17 @@ the kernels' fraction of the copy bandwidth of the same bytes, and the ratios fp
 through enough layers (distinct buffers) that every variant streams at least ``--footprint-mb`` MiB, i.e. from
 DRAM rather than a warm L3, as in a real decode step where each layer's cache is read once.
 
-    .venv/bin/python benchmarks/bench_attention.py            # batch 1, 8, 32 x context 1k, 4k, 8k
-    .venv/bin/python benchmarks/bench_attention.py --quick    # batch 1, 8 x context 1k, 4k
+Then Gemma-3 local-layer rows (4 query heads, 1 KV head, head_dim 256, blocks of 16, sliding window 512):
+for every context, a decode step (batch 1 and 8) and a prefill chunk (``--prefill-chunk`` new tokens ending at
+that context, over a cached prefix), each timed for the kernel over an fp8_e4m3 and a bf16 cache, with the
+window and without (full causal attention at the same context), all four in the same run, and the ratios
+fp8/bf16 (windowed and full) and windowed/full (fp8 and bf16). As the engine does, the windowed caches hold
+only the blocks the window needs; the other block-table entries are 0 and never read.
+
+    .venv/bin/python benchmarks/bench_attention.py            # batch 1, 8, 32 x context 1k, 4k, 8k; Gemma-3
+    .venv/bin/python benchmarks/bench_attention.py --quick    # batch 1, 8 x context 1k, 4k; Gemma-3 batch 1
     .venv/bin/python benchmarks/bench_attention.py --kv8-only --batch 1 8 32 --context 4096  # kv8 only
+    .venv/bin/python benchmarks/bench_attention.py --tables gemma3 --context 1024 4096 8192  # Gemma-3 rows only
 """
 
 from __future__ import annotations
@@ -38,6 +46,7 @@ from kv8.quant.formats import resolve_kv_cache_dtype
 from kv8.quant.scales import KVScales
 
 HQ, HKV, D, BS = 9, 3, 64, 16
+GEMMA_HQ, GEMMA_HKV, GEMMA_D, GEMMA_WINDOW = 4, 1, 256, 512  # Gemma-3 local (sliding-window) layers
 
 
 def timeit(fn: Callable[[int], object], n_layers: int, min_time: float, windows: int = 5) -> float:
@@ -80,6 +89,70 @@ def paged_cache(kv_name: str, n_layers: int, batch: int, ctx: int) -> tuple[Page
     return cache, meta
 
 
+def gemma_cache(kv_name: str, n_layers: int, batch: int, ctx: int, q_len: int,
+                window: int | None) -> tuple[PagedKVCache, AttentionMetadata]:
+    """Gemma-3-shaped caches of ``batch`` sequences of ``ctx`` tokens (the last ``q_len`` new). With a window,
+    only the blocks from the first key's on exist (as after the engine frees the others); the entries before
+    them are 0 and never read."""
+    kv = resolve_kv_cache_dtype(kv_name, torch.bfloat16)
+    n_table = -(-ctx // BS)
+    first_block = 0 if window is None else max(0, ctx - q_len + 1 - window) // BS
+    n_real = n_table - first_block
+    cache = PagedKVCache(CacheShape(n_layers, batch * n_real, GEMMA_HKV, BS, GEMMA_D),
+                         KVCodec.build(kv, GEMMA_D, scales=KVScales.default(n_layers) if kv.is_fp8 else None))
+    if kv.is_fp8:
+        codes = torch.randint(0, 126, cache.data.shape, dtype=torch.uint8)
+        codes |= torch.randint(0, 2, cache.data.shape, dtype=torch.uint8) << 7
+        cache.data.copy_(codes)
+    else:
+        cache.data.copy_(torch.randn(cache.data.shape, dtype=torch.bfloat16))
+    perm = torch.randperm(batch * n_real).view(batch, n_real).tolist()
+    tables = [[0] * first_block + row for row in perm]
+    meta = AttentionMetadata.build([q_len] * batch, [ctx] * batch, tables, BS, sliding_window=window)
+    return cache, meta
+
+
+def bench_gemma(batch: int, ctx: int, q_len: int, args: argparse.Namespace) -> dict[str, float]:
+    """Seconds per layer call of the kernel for {fp8, bf16} x {window, full}: ``batch`` sequences, ``q_len`` new
+    tokens each (1 = decode), context ``ctx``."""
+    lib = load_kernels()
+    q = torch.randn(batch * q_len, GEMMA_HQ, GEMMA_D, dtype=torch.bfloat16)
+    scale = GEMMA_D ** -0.5
+    res: dict[str, float] = {}
+    for kv_name, tag in (("fp8_e4m3", "fp8"), ("bfloat16", "bf16")):
+        for window, wtag in ((GEMMA_WINDOW, "win"), (None, "full")):
+            read = ctx if window is None else min(ctx, window + q_len - 1)  # tokens a sequence's queries see
+            nbytes = batch * read * GEMMA_HKV * GEMMA_D * 2 * (1 if tag == "fp8" else 2)
+            nl = layers_for(nbytes, args.footprint_mb << 20)
+            cache, meta = gemma_cache(kv_name, nl, batch, ctx, q_len, window)
+            res[f"{tag}_{wtag}"] = timeit(lambda i, c=cache, m=meta: lib.attention(q, c, i, m, scale), nl,
+                                          args.min_time)
+            del cache
+    return res
+
+
+def print_gemma(batches: list[int], contexts: list[int], args: argparse.Namespace) -> None:
+    print()
+    print(f"Gemma-3 local layer: Hq={GEMMA_HQ} Hkv={GEMMA_HKV} D={GEMMA_D} block={BS} window={GEMMA_WINDOW}, q bf16; "
+          f"decode = one new token per sequence, prefill = a chunk of {args.prefill_chunk} new tokens ending at ctx")
+    print("times are microseconds per layer call; win = sliding window 512, full = full causal at the same context")
+    hdr = (f"{'step':>7} {'batch':>5} {'ctx':>6} | {'fp8 win':>9} {'bf16 win':>9} {'fp8 full':>9} {'bf16 full':>9} | "
+           f"{'fp8/bf16 win':>12} {'fp8/bf16 full':>13} | {'win/full fp8':>12} {'win/full bf16':>13}")
+    print(hdr)
+    print("-" * len(hdr))
+    rows = [("decode", b, 1) for b in batches] + [("prefill", 1, args.prefill_chunk)]
+    for step, b, q_len in rows:
+        for ctx in contexts:
+            if q_len > ctx:
+                continue
+            r = bench_gemma(b, ctx, q_len, args)
+            us = lambda t: t * 1e6  # noqa: E731
+            print(f"{step:>7} {b:>5} {ctx:>6} | {us(r['fp8_win']):>9.1f} {us(r['bf16_win']):>9.1f} "
+                  f"{us(r['fp8_full']):>9.1f} {us(r['bf16_full']):>9.1f} | "
+                  f"{r['fp8_win'] / r['bf16_win']:>12.2f} {r['fp8_full'] / r['bf16_full']:>13.2f} | "
+                  f"{r['fp8_win'] / r['fp8_full']:>12.3f} {r['bf16_win'] / r['bf16_full']:>13.3f}", flush=True)
+
+
 def bench(batch: int, ctx: int, args: argparse.Namespace) -> dict[str, float]:
     lib = load_kernels()
     q = torch.randn(batch, HQ, D, dtype=torch.bfloat16)
@@ -113,24 +186,9 @@ def bench(batch: int, ctx: int, args: argparse.Namespace) -> dict[str, float]:
     return res
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="batch 1, 8 and contexts 1k, 4k only")
-    ap.add_argument("--batch", type=int, nargs="*", default=None)
-    ap.add_argument("--context", type=int, nargs="*", default=None)
-    ap.add_argument("--min-time", type=float, default=1.0, help="seconds per measurement (default 1.0)")
-    ap.add_argument("--footprint-mb", type=int, default=128, help="bytes each variant cycles through (MiB)")
-    ap.add_argument("--kv8-only", action="store_true", help="time the kv8 kernels only (no sdpa, no copies)")
-    ap.add_argument("--threads", type=int, default=None, help="torch / kernel threads (default: torch's)")
-    args = ap.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    batches = args.batch or ([1, 8] if args.quick else [1, 8, 32])
-    contexts = args.context or ([1024, 4096] if args.quick else [1024, 4096, 8192])
-    lib = load_kernels()
-    print(f"kv8 attention decode benchmark: Hq={HQ} Hkv={HKV} D={D} block={BS}, q bf16, "
-          f"{torch.get_num_threads()} threads, fast path: {lib.has_fast_path}, footprint >= {args.footprint_mb} MiB, "
-          f"load average {os.getloadavg()[0]:.2f}")
+def print_smollm2(batches: list[int], contexts: list[int], args: argparse.Namespace) -> None:
+    print()
+    print(f"SmolLM2 decode: Hq={HQ} Hkv={HKV} D={D} block={BS}, q bf16")
     hdr = (f"{'batch':>5} {'ctx':>6} | {'kv8 fp8':>9} {'kv8 bf16':>9} {'sdpa':>9} {'copy fp8':>9} {'copy bf16':>9} | "
            f"{'fp8 GB/s':>8} {'bf16 GB/s':>9} {'sdpa GB/s':>9} {'cp8 GB/s':>8} {'cp16 GB/s':>9} | "
            f"{'fp8/cp':>6} {'bf16/cp':>7} | {'fp8/bf16':>8} {'bf16/sdpa':>9}")
@@ -155,6 +213,34 @@ def main() -> None:
                   f"{us(r['copy_fp8']):>9.1f} {us(r['copy_bf16']):>9.1f} | {f8:>8.1f} {b16:>9.1f} {sd:>9.1f} "
                   f"{c8:>8.1f} {c16:>9.1f} | {f8 / c8:>6.2f} {b16 / c16:>7.2f} | "
                   f"{r['fp8'] / r['bf16']:>8.2f} {r['bf16'] / r['sdpa']:>9.2f}", flush=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="batch 1, 8 and contexts 1k, 4k only")
+    ap.add_argument("--batch", type=int, nargs="*", default=None)
+    ap.add_argument("--context", type=int, nargs="*", default=None)
+    ap.add_argument("--min-time", type=float, default=1.0, help="seconds per measurement (default 1.0)")
+    ap.add_argument("--footprint-mb", type=int, default=128, help="bytes each variant cycles through (MiB)")
+    ap.add_argument("--kv8-only", action="store_true", help="time the kv8 kernels only (no sdpa, no copies)")
+    ap.add_argument("--threads", type=int, default=None, help="torch / kernel threads (default: torch's)")
+    ap.add_argument("--tables", nargs="*", choices=["smollm2", "gemma3"], default=["smollm2", "gemma3"],
+                    help="which tables to print (default: both)")
+    ap.add_argument("--gemma-batch", type=int, nargs="*", default=None,
+                    help="decode batches of the Gemma-3 rows (default 1 8; --quick: 1)")
+    ap.add_argument("--prefill-chunk", type=int, default=512, help="new tokens of a Gemma-3 prefill row")
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    batches = args.batch or ([1, 8] if args.quick else [1, 8, 32])
+    contexts = args.context or ([1024, 4096] if args.quick else [1024, 4096, 8192])
+    lib = load_kernels()
+    print(f"kv8 attention benchmark: {torch.get_num_threads()} threads, fast path: {lib.has_fast_path}, "
+          f"footprint >= {args.footprint_mb} MiB, load average {os.getloadavg()[0]:.2f}")
+    if "smollm2" in args.tables:
+        print_smollm2(batches, contexts, args)
+    if "gemma3" in args.tables:
+        print_gemma(args.gemma_batch or ([1] if args.quick else [1, 8]), contexts, args)
 
 
 if __name__ == "__main__":
