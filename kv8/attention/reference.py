@@ -7,8 +7,9 @@ from the prefix cache. Softmax and accumulation are in float32.
 
 Sliding window (``meta.sliding_window = W``): query position ``p`` sees keys ``p - W < k <= p``. Only the
 blocks from ``first_block = first_key // block_size`` on are gathered (a sliced block table: the entries
-before it may hold any value and are never looked at), and only the keys from ``first_key`` on are used, so
-nothing before the first query's window is read or multiplied (see :mod:`kv8.attention.metadata`).
+before it may hold any value and are never looked at); the keys of that block before ``first_key`` are
+decoded with it and dropped, so no key before the first query's window enters a product (see
+:mod:`kv8.attention.metadata`).
 """
 
 from __future__ import annotations

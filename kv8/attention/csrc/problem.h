@@ -13,11 +13,11 @@
 // An item is (sequence, KV head, query tokens [j0, j1), context [t0, t1)); its rows are the query heads of
 // the GQA group x its query tokens, token-major (row r = token j0 + r / G, head kvh * G + r % G).
 //
-// Row r sees context positions [row_first, row_limit] (both ascend with r): 0 .. its own position, or with a
-// sliding window W only the W positions ending there. An item reads nothing before k0 (the first position
-// its first row sees); its first tile starts at k0 rounded down to TILE, and the rows of that tile before k0
-// are pad rows (zeros), never read -- neither their bytes nor, when they lie in earlier blocks, the block
-// table entries of those blocks:
+// Row r sees context positions [first_visible(row_limit), row_limit] (both ascend with r): 0 .. its own
+// position, or with a sliding window W only the W positions ending there. An item reads nothing before k0
+// (the first position its first row sees); its first tile starts at k0 rounded down to TILE, and the rows of
+// that tile before k0 are pad rows (zeros), never read -- neither their bytes nor, when they lie in earlier
+// blocks, the block-table entries of those blocks:
 //
 //   W = 20, bs = 8, decode at position 43: k0 = 24, tiles start at 16
 //   tile at 16: positions 16..23 pad (block 2: its entry is not looked up), 24..31 read (block 3)
