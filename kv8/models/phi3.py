@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from kv8.config import ModelArchConfig
+from kv8.distributed.shard import local_head_counts
 from kv8.layers.attention import AttentionContext
 from kv8.layers.dense_kernels import TORCH_BACKEND, DenseBackend
 from kv8.layers.linear import Linear
@@ -87,8 +88,9 @@ class Phi3Model(nn.Module):
     def __init__(self, arch: Phi3ArchConfig, backend: DenseBackend) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
-        self.rotary_emb = RotaryEmbedding(arch.head_dim, arch.num_heads, arch.num_kv_heads, arch.rope_theta,
-                                          arch.rope_scaling, backend, rotary_dim=arch.rotary_dim)
+        hq, hkv = local_head_counts(arch.num_heads, arch.num_kv_heads)   # this rank's heads
+        self.rotary_emb = RotaryEmbedding(arch.head_dim, hq, hkv, arch.rope_theta, arch.rope_scaling, backend,
+                                          rotary_dim=arch.rotary_dim)
         self.layers = nn.ModuleList(DecoderLayer(arch, i, self.rotary_emb, backend, Attention)
                                     for i in range(arch.num_layers))
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, backend)
