@@ -102,6 +102,10 @@ class LLMEngine:
         check_checkpoint_layers(kind, path, self.config.arch)   # before anything is sized by the layer count
         self.layout = layout_for(self.config)
         num_blocks = resolve_num_blocks(self.config, self.layout)   # a budget too small for max_model_len fails here
+        if observer is not None and self.config.parallel.tensor_parallel_size > 1:
+            raise ValueError(f"tensor_parallel_size={self.config.parallel.tensor_parallel_size}: an observer (kv8 "
+                             "calibrate, kv8 eval) would see rank 0's KV heads only; run these tools with "
+                             "tensor_parallel_size=1")
         # ranks 1..N-1 (a torchrun-launched one runs its worker loop here and exits)
         self.tp = start_ranks(args, self.config, num_blocks)
         self._finalizer = weakref.finalize(self, self.tp.close)   # no orphan ranks, whatever happens
