@@ -27,8 +27,9 @@ from kv8.distributed.shard import building_shard, kv_head_shard, local_head_coun
 from kv8.layers.dense_kernels import TORCH_BACKEND
 from kv8.layers.linear import MergedLinear, QKVLinear, RowParallelLinear
 from kv8.quant.formats import resolve_kv_cache_dtype
+from kv8.quant.scale_files import write_kv8_scales_json
 from kv8.quant.scale_sources import engine_kv_scales
-from kv8.quant.scales import ModelScaleInfo
+from kv8.quant.scales import KVScales, ModelScaleInfo, ScaleGranularity
 from tests.conftest import make_tiny_model
 
 PROMPTS = ["hello world how are you", "the cat sat on the mat and"]
@@ -180,6 +181,31 @@ def test_tp2_equals_tp1_fp8(gqa_6x2: str, kv: str) -> None:
 def test_tp3_splits_three_kv_heads(gqa_6x3: str) -> None:
     _compare(gqa_6x3, 3, "auto")
     _compare(gqa_6x3, 3, "fp8", kv_cache_scale_mode="dynamic", kv_cache_rotation="hadamard")
+
+
+@pytest.mark.slow
+def test_vllm_scales_reach_their_rank(gqa_6x2: str, tmp_path: Path) -> None:
+    """A vLLM file with other scales per rank (TP=2, rank r holds KV head r) stores what one rank stores with
+    kv8 per-head scales [rank 0's, rank 1's]; the file with its ranks swapped stores something else."""
+    per_rank = {0: [0.004, 0.006], 1: [0.5, 0.3]}      # layer scales of each rank: far apart, both visible
+
+    def vllm_file(name: str, ranks: dict[int, list[float]]) -> str:
+        path = tmp_path / name
+        path.write_text(json.dumps({"model_type": "qwen2", "kv_cache": {"dtype": "float8_e4m3fn", "scaling_factor": {
+            str(r): {str(i): s for i, s in enumerate(layers)} for r, layers in ranks.items()}}}))
+        return str(path)
+
+    heads = torch.tensor([[per_rank[0][i], per_rank[1][i]] for i in range(2)]).unsqueeze(-1)   # [L, H=2, 1]
+    kv8_file = tmp_path / "kv8.json"
+    write_kv8_scales_json(kv8_file, KVScales(heads, heads, ScaleGranularity.HEAD, "test", "fp8_e4m3"),
+                          ModelScaleInfo("qwen2", 2, 2, 16))
+    ref_tokens, ref_lps = _run(_llm(gqa_6x2, 1, "fp8", quantization_param_path=str(kv8_file)))
+    tokens, lps = _run(_llm(gqa_6x2, 2, "fp8", quantization_param_path=vllm_file("v.json", per_rank)))
+    assert tokens == ref_tokens
+    torch.testing.assert_close(torch.tensor(lps), torch.tensor(ref_lps), atol=1e-4, rtol=1e-4)
+    _, swapped = _run(_llm(gqa_6x2, 2, "fp8", quantization_param_path=vllm_file("s.json", {0: per_rank[1],
+                                                                                           1: per_rank[0]})))
+    assert (torch.tensor(swapped) - torch.tensor(ref_lps)).abs().max() > 1e-3
 
 
 def test_tp3_with_two_kv_heads_is_refused(gqa_6x2: str) -> None:
