@@ -156,7 +156,7 @@ def _compare(path: str, tp: int, kv: str, **kw) -> None:
     procs = list(many.engine.tp.procs)
     assert len(procs) == tp - 1 and all(p.is_alive() for p in procs)
     # the rank's cache holds its KV heads: the same budget gives more blocks per rank
-    assert many.engine.cache.shape.num_kv_heads == one.engine.cache.shape.num_kv_heads // tp
+    assert many.engine.cache.shape.num_kv_heads == max(1, one.engine.cache.shape.num_kv_heads // tp)
     tokens, lps = _run(many)
     assert tokens == ref_tokens
     torch.testing.assert_close(torch.tensor(lps), torch.tensor(ref_lps), atol=1e-4, rtol=1e-4)
@@ -208,6 +208,13 @@ def test_vllm_scales_reach_their_rank(gqa_6x2: str, tmp_path: Path) -> None:
     assert (torch.tensor(swapped) - torch.tensor(ref_lps)).abs().max() > 1e-3
 
 
+@pytest.mark.slow
+def test_tp4_replicates_two_kv_heads(tmp_path: Path) -> None:
+    """8 query heads, 2 KV heads over 4 ranks: each KV head lives on two ranks (vLLM's replication)."""
+    path = make_tiny_model(str(tmp_path), "llama", num_attention_heads=8, num_key_value_heads=2, head_dim=12)
+    _compare(path, 4, "fp8")
+
+
 def test_tp3_with_two_kv_heads_is_refused(gqa_6x2: str) -> None:
     with pytest.raises(ValueError, match=r"tensor_parallel_size=3 must divide the model's num_key_value_heads=2"):
         _llm(gqa_6x2, 3)
@@ -247,3 +254,32 @@ def test_two_torchrun_nodes_generate_like_one_rank(gqa_6x2: str) -> None:
     single = subprocess.run([sys.executable, "-m", "kv8", "generate", "hello world", *flags], capture_output=True,
                             text=True, env=env, timeout=300)
     assert single.stdout.strip() and single.stdout.strip().splitlines()[-1] in outs[0]
+
+
+@pytest.mark.slow
+def test_server_under_tp2_serves_then_dies_cleanly_with_a_rank(gqa_6x2: str, tmp_path: Path) -> None:
+    """`kv8 serve --tensor-parallel-size 2` answers as one rank does; a killed rank turns the next request into a
+    503 naming it, and the server exits with status 1 (a supervisor restarts it) leaving no worker behind."""
+    import openai
+
+    from tests.test_server import ENGINE_FLAGS, Server
+
+    single = _llm(gqa_6x2, 1).generate("hello world", SamplingParams(temperature=0, max_tokens=6))[0]
+    srv = Server(["serve", "--model-id", gqa_6x2, *ENGINE_FLAGS, "--tensor-parallel-size", "2",
+                  "--cpu-threads-per-rank", "1"], str(tmp_path / "server.log"))
+    try:
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0, timeout=60.0)
+        text = client.completions.create(model=gqa_6x2, prompt="hello world", max_tokens=6, temperature=0)
+        assert text.choices[0].text == single.outputs[0].text
+        children = subprocess.run(["ps", "--ppid", str(srv.proc.pid), "-o", "pid=,args=", "-ww"], capture_output=True,
+                                  text=True).stdout.splitlines()
+        workers = [int(line.split()[0]) for line in children if "multiprocessing.spawn" in line]
+        assert len(workers) == 1, children
+        os.kill(workers[0], signal.SIGKILL)
+        with pytest.raises(openai.APIStatusError) as info:
+            client.completions.create(model=gqa_6x2, prompt="hello", max_tokens=4)
+        assert info.value.status_code == 503
+        assert "tensor-parallel rank 1 (exit code -9) exited" in info.value.response.json()["error"]["message"]
+        assert srv.proc.wait(timeout=30) == 1, srv.read_log()
+    finally:
+        srv.stop()
