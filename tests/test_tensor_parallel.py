@@ -142,8 +142,11 @@ def _llm(path: str, tp: int, kv: str = "auto", **kw) -> LLM:
 
 
 def _run(llm: LLM) -> tuple[list[list[int]], list[float]]:
+    """Greedy tokens and prompt-token logprobs of PROMPTS, then the greedy tokens of a prompt that extends the
+    first one (its blocks come from the prefix cache)."""
     outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=6, prompt_logprobs=0))
-    tokens = [list(o.outputs[0].token_ids) for o in outs]
+    again = llm.generate(PROMPTS[0] + " again and again", SamplingParams(temperature=0, max_tokens=6))
+    tokens = [list(o.outputs[0].token_ids) for o in outs + again]
     lps = [pos[tid].logprob for o in outs if o.prompt_logprobs
            for tid, pos in zip(o.prompt_token_ids[1:], o.prompt_logprobs[1:]) if pos is not None]
     return tokens, lps   # the prompt tokens' logprobs of every prompt, one after the other
@@ -159,6 +162,8 @@ def _compare(path: str, tp: int, kv: str, **kw) -> None:
     assert many.engine.cache.shape.num_kv_heads == max(1, one.engine.cache.shape.num_kv_heads // tp)
     tokens, lps = _run(many)
     assert tokens == ref_tokens
+    if many.engine.config.cache.block_size <= 4:
+        assert many.engine.stats()["prefix_cache_hit_rate"] > 0
     torch.testing.assert_close(torch.tensor(lps), torch.tensor(ref_lps), atol=1e-4, rtol=1e-4)
     del many
     gc.collect()   # the engine's finalizer stops its ranks
@@ -168,7 +173,8 @@ def _compare(path: str, tp: int, kv: str, **kw) -> None:
 
 
 def test_tp2_equals_tp1_float32(gqa_6x2: str) -> None:
-    _compare(gqa_6x2, 2, "auto")
+    """Also with chunked prefill (8 tokens a step) and prefix-cache hits (blocks of 4 tokens)."""
+    _compare(gqa_6x2, 2, "auto", max_num_batched_tokens=8, block_size=4)
 
 
 @pytest.mark.slow

@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import multiprocessing
 import os
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -28,6 +29,9 @@ import torch.distributed as dist
 from kv8 import envs
 from kv8.config import EngineConfig
 from kv8.distributed.group import OP_TIMEOUT, SINGLE_RANK, STORE_TIMEOUT, TPGroup
+
+if TYPE_CHECKING:
+    from kv8.engine.args import EngineArgs
 
 __all__ = ["start_ranks", "torchrun_rank"]
 
@@ -45,10 +49,10 @@ def set_threads(config: EngineConfig) -> None:
         torch.set_num_threads(threads)
 
 
-def start_ranks(args: object, config: EngineConfig, num_blocks: list[int]) -> TPGroup:
+def start_ranks(args: EngineArgs, config: EngineConfig, num_blocks: list[int]) -> TPGroup:
     """Rank 0's group with ranks 1..N-1 started (the single rank when ``tensor_parallel_size`` is 1).
 
-    ``args`` are the :class:`kv8.engine.args.EngineArgs` the workers rebuild the config from; ``num_blocks``
+    ``args`` are the options the workers rebuild the config from; ``num_blocks``
     (rank 0's KV cache size) is shared so that every rank's pools have the same blocks. Under torchrun, a rank
     other than 0 runs its worker loop here and raises ``SystemExit(0)`` when rank 0 stops.
     """
@@ -79,7 +83,7 @@ def start_ranks(args: object, config: EngineConfig, num_blocks: list[int]) -> TP
     from kv8.distributed.worker import worker_main
 
     ctx = multiprocessing.get_context("spawn")
-    worker_args = dataclasses.replace(args, model=config.model)  # type: ignore[type-var]   # the resolved path
+    worker_args = dataclasses.replace(args, model=config.model)   # the resolved path
     for rank in range(1, size):
         proc = ctx.Process(target=worker_main, args=(rank, size, store.port, worker_args), daemon=True,
                            name=f"kv8-tp-rank-{rank}")

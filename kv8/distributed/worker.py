@@ -6,19 +6,22 @@ from __future__ import annotations
 
 import logging
 import traceback
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch.distributed as dist
 
 from kv8.distributed.group import STORE_TIMEOUT, TPGroup
+
+if TYPE_CHECKING:
+    from kv8.engine.args import EngineArgs
 
 __all__ = ["run_worker", "worker_main"]
 
 logger = logging.getLogger("kv8")
 
 
-def run_worker(tp: TPGroup, args: Any) -> None:
-    """Load the shard of ``tp.rank`` for ``args`` (EngineArgs) and serve steps until rank 0 stops."""
+def run_worker(tp: TPGroup, args: EngineArgs) -> None:
+    """Load the shard of ``tp.rank`` for ``args`` and serve steps until rank 0 stops."""
     from kv8.cache.layout import layout_for
     from kv8.distributed.launcher import set_threads
     from kv8.engine.engine import load_shard
@@ -40,7 +43,7 @@ def run_worker(tp: TPGroup, args: Any) -> None:
         shard.runner.forward(inputs)
 
 
-def worker_main(rank: int, size: int, port: int, args: Any) -> None:
+def worker_main(rank: int, size: int, port: int, args: EngineArgs) -> None:
     """Entry point of a spawned rank: join rank 0's store on 127.0.0.1:``port`` and run :func:`run_worker`."""
     logging.basicConfig(level=logging.WARNING)
     store = dist.TCPStore("127.0.0.1", port, size, False, timeout=STORE_TIMEOUT)
