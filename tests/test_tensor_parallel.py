@@ -226,12 +226,16 @@ def test_tp3_with_two_kv_heads_is_refused(gqa_6x2: str) -> None:
         _llm(gqa_6x2, 3)
 
 
-def test_killed_rank_fails_the_engine_within_seconds(gqa_6x2: str) -> None:
+def test_killed_rank_fails_the_engine_within_seconds(gqa_6x2: str, caplog: pytest.LogCaptureFixture) -> None:
     llm = _llm(gqa_6x2, 2)
     proc = llm.engine.tp.procs[0]
     assert proc.pid is not None
     os.kill(proc.pid, signal.SIGKILL)
     proc.join(10)
+    deadline = time.monotonic() + 5   # the idle engine's watcher logs it at once
+    while "rank 1 (exit code -9) exited; the engine fails at its next step" not in caplog.text:
+        assert time.monotonic() < deadline, caplog.text
+        time.sleep(0.05)
     start = time.monotonic()
     with pytest.raises(TensorParallelError, match=r"rank 1 \(exit code -9\) exited"):
         llm.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=4))

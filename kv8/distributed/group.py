@@ -23,9 +23,12 @@ from __future__ import annotations
 
 import datetime
 import json
+import logging
 import pickle
+import threading
 import time
 from dataclasses import dataclass, field
+from multiprocessing.connection import wait as wait_for_any
 from multiprocessing.process import BaseProcess
 from typing import Any
 
@@ -33,6 +36,8 @@ import torch
 import torch.distributed as dist
 
 __all__ = ["OP_TIMEOUT", "SINGLE_RANK", "TPGroup", "TensorParallelError"]
+
+logger = logging.getLogger("kv8")
 
 # How long one all-reduce may wait for the slowest rank before it fails (a hung rank, not a dead one).
 OP_TIMEOUT = datetime.timedelta(seconds=120)
@@ -142,6 +147,18 @@ class TPGroup:
                 time.sleep(0.05)
 
     # ---- failures and shutdown ---------------------------------------------------------------------------------
+    def watch(self) -> None:
+        """Rank 0: log at once when a started worker exits before :meth:`close` (an idle engine learns it then;
+        its next step fails naming the rank)."""
+        def run() -> None:
+            wait_for_any([p.sentinel for p in self.procs])
+            time.sleep(0.1)   # close() may be under way
+            if not self._closed:
+                logger.error("tensor-parallel %s; the engine fails at its next step",
+                             f"{self.dead_ranks()} exited" if self.dead_ranks() else "rank exited")
+
+        threading.Thread(target=run, name="kv8-tp-watch", daemon=True).start()
+
     def dead_ranks(self) -> str:
         """'rank 1 (exit code -9), ...' for the started workers that are gone; '' if none (or not known)."""
         dead = [(r, p.exitcode) for r, p in enumerate(self.procs, start=1) if p.exitcode is not None]

@@ -89,4 +89,5 @@ def start_ranks(args: EngineArgs, config: EngineConfig, num_blocks: list[int]) -
                            name=f"kv8-tp-rank-{rank}")
         proc.start()
         tp.procs.append(proc)
+    tp.watch()
     return tp
