@@ -11,6 +11,7 @@ The CLI's ``choices`` come from the same tuples (:data:`DTYPE_CHOICES`, :data:`A
   (or the equivalent dict built from GGUF metadata).
 * :class:`CacheConfig` -- KV cache dtype, block size, memory budget, prefix caching.
 * :class:`SchedulerConfig` -- per-step token budget, concurrent sequences, context length.
+* :class:`ParallelConfig` -- tensor-parallel size and threads per rank.
 * :class:`EngineConfig` -- all of the above plus the model source and the compute dtype.
 """
 
@@ -478,6 +479,52 @@ class SchedulerConfig:
 
 
 @dataclass(frozen=True)
+class ParallelConfig:
+    """Tensor parallelism (:mod:`kv8.distributed`): ``tensor_parallel_size`` ranks, each running
+    ``cpu_threads_per_rank`` torch threads (None: the machine's cores divided among the ranks; with one rank
+    the process's setting is left alone).
+
+    Invariants: both are ints >= 1 (or None for the threads); :meth:`check_model` -- called by
+    :class:`EngineConfig` -- checks that the model's heads and MLP split over the ranks.
+    """
+
+    tensor_parallel_size: int = 1
+    cpu_threads_per_rank: int | None = None
+
+    def __post_init__(self) -> None:
+        _positive_int("tensor_parallel_size", self.tensor_parallel_size)
+        if self.cpu_threads_per_rank is not None:
+            _positive_int("cpu_threads_per_rank", self.cpu_threads_per_rank)
+
+    def threads(self, cpu_count: int) -> int | None:
+        """Torch threads of each rank on a machine of ``cpu_count`` cores (None: leave the setting alone)."""
+        if self.cpu_threads_per_rank is not None:
+            return self.cpu_threads_per_rank
+        return None if self.tensor_parallel_size == 1 else max(1, cpu_count // self.tensor_parallel_size)
+
+    def check_model(self, arch: ModelArchConfig) -> None:
+        """``ValueError`` unless the model splits over ``tensor_parallel_size`` ranks: query heads and
+        ``intermediate_size`` divisible by it; KV heads divisible by it or (replicated, as vLLM does) dividing
+        it."""
+        n = self.tensor_parallel_size
+        if n == 1:
+            return
+        if arch.num_heads % n:
+            raise ValueError(f"tensor_parallel_size={n} must divide the model's num_attention_heads="
+                             f"{arch.num_heads}")
+        if arch.num_kv_heads % n and n % arch.num_kv_heads:
+            raise ValueError(f"tensor_parallel_size={n} must divide the model's num_key_value_heads="
+                             f"{arch.num_kv_heads}, or be a multiple of it (KV heads are then replicated)")
+        if arch.intermediate_size % n:
+            raise ValueError(f"tensor_parallel_size={n} must divide the model's intermediate_size="
+                             f"{arch.intermediate_size}")
+
+    def kv_heads_per_rank(self, arch: ModelArchConfig) -> int:
+        """KV heads in each rank's cache (one when they are replicated)."""
+        return max(1, arch.num_kv_heads // self.tensor_parallel_size)
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     """Everything the engine needs, validated. Built by :meth:`kv8.engine.args.EngineArgs.create_engine_config`.
 
@@ -496,6 +543,7 @@ class EngineConfig:
     seed: int = 0
     attention_backend: str = "auto"
     dense_backend: str = "auto"
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -504,6 +552,7 @@ class EngineConfig:
                              f"{', '.join(ATTENTION_BACKENDS)}")
         check_dense_backend(self.dense_backend, self.dtype)
         arch, max_len = self.arch, self.scheduler.max_model_len
+        self.parallel.check_model(arch)
         if self.cache.rotation == "hadamard" and arch.head_dim & (arch.head_dim - 1):
             raise ValueError(f"kv_cache_rotation='hadamard' needs a power-of-two head_dim; this model has "
                              f"head_dim={arch.head_dim}")
@@ -514,6 +563,10 @@ class EngineConfig:
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise ValueError(f"seed={self.seed!r} must be an int")
 
+    @property
+    def kv_heads_per_rank(self) -> int:
+        """KV heads in the cache of each tensor-parallel rank (the model's with one rank)."""
+        return self.parallel.kv_heads_per_rank(self.arch)
 
     def skipped_layers(self) -> tuple[bool, ...]:
         """Per layer, whether ``kv_cache_dtype_skip_layers`` keeps it in the compute dtype (empty: none is)."""
@@ -578,7 +631,7 @@ def default_kv_cache_memory() -> int:
 
 __all__ = [
     "ATTENTION_BACKENDS", "DENSE_BACKENDS", "DTYPE_CHOICES", "LAYER_TYPES", "ROTATIONS", "SKIP_LAYER_KINDS",
-    "SCALE_MODES", "CacheConfig",
-    "EngineConfig", "ModelArchConfig", "RopeScaling", "SchedulerConfig", "available_memory", "blocks_for_memory",
+    "SCALE_MODES", "CacheConfig", "EngineConfig", "ModelArchConfig", "ParallelConfig", "RopeScaling",
+    "SchedulerConfig", "available_memory", "blocks_for_memory",
     "ceil_div", "check_dense_backend", "default_kv_cache_memory", "format_bytes", "parse_memory", "resolve_dtype",
 ]

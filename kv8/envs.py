@@ -5,6 +5,7 @@
 | ``KV8_CACHE_DIR`` | where converted tokenizers and compiled kernels are cached (default ``~/.cache/kv8``) |
 | ``CXX`` | the C++ compiler that builds kv8's attention and dense kernels (default ``g++``) |
 | ``KV8_API_KEY`` | the server's API key when ``--api-key`` is not given |
+| ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT`` | set by torchrun: this process is one TP rank |
 """
 
 from __future__ import annotations
@@ -28,3 +29,13 @@ def cxx() -> str:
 def api_key() -> str | None:
     """``$KV8_API_KEY`` when set and non-empty."""
     return os.environ.get(API_KEY_ENV) or None
+
+
+TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def torchrun_env() -> dict[str, str] | None:
+    """torchrun's rendezvous variables (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``) when all are
+    set, else None (kv8 then starts its tensor-parallel ranks itself)."""
+    found = {name: os.environ.get(name) for name in TORCHRUN_VARS}
+    return None if any(v is None for v in found.values()) else {k: v for k, v in found.items() if v is not None}

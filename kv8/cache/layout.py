@@ -146,13 +146,14 @@ def layout_for(config: EngineConfig) -> KVCacheLayout:
 
 
 def pool_block_bytes(config: EngineConfig, layout: KVCacheLayout) -> list[int]:
-    """Bytes of one block of each pool (all its slots, K and V, per-token scales included)."""
+    """Bytes of one block of each pool (all its slots, K and V, per-token scales included) on one
+    tensor-parallel rank (which holds ``config.kv_heads_per_rank`` KV heads)."""
     arch, cc = config.arch, config.cache
     out = []
     for p in layout.pools:
         kv_dtype = resolve_kv_cache_dtype("auto", config.dtype) if p.skipped else cc.kv_dtype
         per_head = KVCodec.bytes_per_head(kv_dtype, arch.head_dim, cc.dynamic_scales and not p.skipped)
-        out.append(p.num_slots * 2 * arch.num_kv_heads * cc.block_size * per_head)
+        out.append(p.num_slots * 2 * config.kv_heads_per_rank * cc.block_size * per_head)
     return out
 
 

@@ -33,6 +33,7 @@ from kv8.config import (
     CacheConfig,
     EngineConfig,
     ModelArchConfig,
+    ParallelConfig,
     SchedulerConfig,
     default_kv_cache_memory,
     format_bytes,
@@ -105,6 +106,11 @@ class EngineArgs:
     disable_hybrid_kv_cache_manager: bool = option(
         False, "keep every block of sliding-window layers instead of freeing those that leave the window",
         type=bool)
+    tensor_parallel_size: int = option(
+        1, "ranks (processes) the model is split over, Megatron style; each rank's KV cache holds its KV heads "
+        "(kv_cache_memory is per rank). Under torchrun, the world size", type=int)
+    cpu_threads_per_rank: int | None = option(
+        None, "torch threads of each tensor-parallel rank (default: the cores divided among the ranks)", type=int)
 
     @staticmethod
     def field_names() -> list[str]:
@@ -211,7 +217,8 @@ class EngineArgs:
                                 max_model_len=max_model_len)
         return EngineConfig(model=model_path, model_kind=model_kind, arch=arch, dtype=dtype, cache=cache,
                             scheduler=sched, seed=self.seed, attention_backend=self.attention_backend,
-                            dense_backend=self.dense_backend)
+                            dense_backend=self.dense_backend,
+                            parallel=ParallelConfig(self.tensor_parallel_size, self.cpu_threads_per_rank))
 
 
 def _skip_layers(value: str | Iterable[int | str] | None) -> tuple[int | str, ...]:

@@ -13,28 +13,39 @@ Life of a request::
 ``step`` returns a cumulative :class:`RequestOutput` for every user request that got a token. Invariant: a
 user request is known to the output processor from ``add_request`` until its output is ``finished`` or it is
 aborted; its requests hold KV blocks only while the scheduler has them waiting or running.
+
+With ``tensor_parallel_size = N > 1`` this engine is rank 0: it starts ranks 1..N-1
+(:func:`kv8.distributed.launcher.start_ranks`), loads its own shard (:func:`load_shard`, which the workers run
+too), waits for theirs, and drives them: each step's inputs go to every rank, rank 0 alone samples
+(:mod:`kv8.engine.runner`). :meth:`LLMEngine.shutdown` (also run when the engine is garbage collected or the
+process exits) stops them.
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
+import weakref
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from kv8.attention.backend import get_backend
 from kv8.cache.codec import KVCodec
 from kv8.cache.kv_cache_manager import KVCacheManager
-from kv8.cache.layout import layout_for
+from kv8.cache.layout import KVCacheLayout, layout_for
 from kv8.cache.paged_cache import CacheShape, PagedKVCache
 from kv8.config import EngineConfig, format_bytes
+from kv8.distributed.group import TPGroup
+from kv8.distributed.launcher import start_ranks
+from kv8.distributed.shard import kv_head_shard
 from kv8.engine.args import EngineArgs, check_cache_fits_memory, resolve_num_blocks
 from kv8.engine.input_processor import InputProcessor
 from kv8.engine.output_processor import OutputProcessor
 from kv8.engine.request import RequestStatus
 from kv8.engine.runner import ModelRunner
 from kv8.engine.scheduler import Scheduler, SchedulerOutput
-from kv8.model.loader import check_checkpoint_layers, load_model, read_model_config
+from kv8.model.loader import LoadedModel, check_checkpoint_layers, load_model, read_model_config
 from kv8.model.sources import resolve_model_path
 from kv8.model.tokenizer import load_tokenizer
 from kv8.observer import EngineObserver
@@ -47,6 +58,40 @@ from kv8.sampling_params import SamplingParams
 logger = logging.getLogger("kv8")
 
 
+@dataclass(frozen=True)
+class Shard:
+    """What one rank runs: its part of the model, its KV cache pools, and the runner over them."""
+
+    loaded: LoadedModel
+    caches: tuple[PagedKVCache, ...]
+    codec: KVCodec
+    runner: ModelRunner
+
+
+def load_shard(config: EngineConfig, layout: KVCacheLayout, num_blocks: Sequence[int], tp: TPGroup,
+               observer: EngineObserver | None = None) -> Shard:
+    """Load rank ``tp.rank``'s shard of the model, resolve its KV scales, allocate its pools (``num_blocks[p]``
+    blocks of pool ``p``, its own KV heads only) and build its runner."""
+    loaded = load_model(config.model_kind, config.model, config.dtype, config.dense_backend, tp)
+    arch, cc = config.arch, config.cache
+    kv_heads = kv_head_shard(arch.num_kv_heads, tp)
+    scales = engine_kv_scales(cc, ModelScaleInfo(arch.model_type, arch.num_layers, arch.num_kv_heads,
+                                                 arch.head_dim), loaded.scale_tensors, loaded.hf_config,
+                              tp.rank, tp.size, kv_heads)
+    check_cache_fits_memory(config, num_blocks)   # before allocating it, with the weights loaded
+    codec = KVCodec.build(cc.kv_dtype, arch.head_dim, scale_mode=cc.scale_mode, rotation=cc.rotation,
+                          scales=scales)
+    # Pools: the kv_cache_dtype one first; layers of kv_cache_dtype_skip_layers in the compute dtype.
+    caches = []
+    for pool, n in zip(layout.pools, num_blocks):
+        pool_codec = (KVCodec.build(resolve_kv_cache_dtype("auto", config.dtype), arch.head_dim)
+                      if pool.skipped else codec)
+        shape = CacheShape(arch.num_layers, n, kv_heads[1], cc.block_size, arch.head_dim)
+        caches.append(PagedKVCache(shape, pool_codec, {i: layout.layer_slot[i] for i in pool.layers}))
+    runner = ModelRunner(loaded.model, caches, layout, get_backend(config.attention_backend), observer, tp)
+    return Shard(loaded, tuple(caches), codec, runner)
+
+
 class LLMEngine:
     """Owns the model, the KV cache and the four parts above. Not thread safe: one thread drives it."""
 
@@ -57,38 +102,45 @@ class LLMEngine:
         check_checkpoint_layers(kind, path, self.config.arch)   # before anything is sized by the layer count
         self.layout = layout_for(self.config)
         num_blocks = resolve_num_blocks(self.config, self.layout)   # a budget too small for max_model_len fails here
-        loaded = load_model(kind, path, self.config.dtype, self.config.dense_backend)
-        self.dense_backend = loaded.dense_backend
-        self.model = loaded.model
+        if observer is not None and self.config.parallel.tensor_parallel_size > 1:
+            raise ValueError(f"tensor_parallel_size={self.config.parallel.tensor_parallel_size}: an observer (kv8 "
+                             "calibrate, kv8 eval) would see rank 0's KV heads only; run these tools with "
+                             "tensor_parallel_size=1")
+        # ranks 1..N-1 (a torchrun-launched one runs its worker loop here and exits)
+        self.tp = start_ranks(args, self.config, num_blocks)
+        self._finalizer = weakref.finalize(self, self.tp.close)   # no orphan ranks, whatever happens
+        try:
+            shard = load_shard(self.config, self.layout, num_blocks, self.tp, observer)
+            self.tp.wait_ready()
+            self.tp.connect()
+        except BaseException:
+            self.shutdown()
+            raise
+        self.dense_backend = shard.loaded.dense_backend
+        self.model = shard.loaded.model
         self.tokenizer = load_tokenizer(kind, path)
-        arch, cc = self.config.arch, self.config.cache
-        scales = engine_kv_scales(cc, ModelScaleInfo(arch.model_type, arch.num_layers, arch.num_kv_heads,
-                                                     arch.head_dim), loaded.scale_tensors, loaded.hf_config)
-        check_cache_fits_memory(self.config, num_blocks)   # before allocating it, with the weights loaded
-        codec = KVCodec.build(cc.kv_dtype, arch.head_dim, scale_mode=cc.scale_mode, rotation=cc.rotation,
-                              scales=scales)
-        # Pools: the kv_cache_dtype one first; layers of kv_cache_dtype_skip_layers in the compute dtype.
-        caches = []
-        for pool, n in zip(self.layout.pools, num_blocks):
-            pool_codec = (KVCodec.build(resolve_kv_cache_dtype("auto", self.config.dtype), arch.head_dim)
-                          if pool.skipped else codec)
-            shape = CacheShape(arch.num_layers, n, arch.num_kv_heads, cc.block_size, arch.head_dim)
-            caches.append(PagedKVCache(shape, pool_codec, {i: self.layout.layer_slot[i] for i in pool.layers}))
-        self.caches = tuple(caches)
+        self.caches = shard.caches
         self.cache = self.caches[0]   # the kv_cache_dtype pool (the only one unless layers are skipped)
+        cc = self.config.cache
         self.kv_manager = KVCacheManager(self.layout, num_blocks, cc.block_size, cc.enable_prefix_caching)
         self.scheduler = Scheduler(self.config.scheduler, self.kv_manager)
-        self.backend = get_backend(self.config.attention_backend)
-        self.runner = ModelRunner(self.model, self.caches, self.layout, self.backend, observer)
+        self.runner = shard.runner
+        self.backend = self.runner.backend
         self.input_processor = InputProcessor(self.config, self.tokenizer)
         self.output_processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
         self.last_schedule: SchedulerOutput | None = None
+        per_rank = f" per rank ({self.tp.size} tensor-parallel ranks)" if self.tp.size > 1 else ""
         logger.info(
-            "KV cache: dtype %s, %s blocks of %d tokens, %s in all; %s; %s; prefix caching %s; attention backend "
+            "KV cache: dtype %s, %s blocks of %d tokens, %s in all%s; %s; %s; prefix caching %s; attention backend "
             "%s; dense backend %s", cc.kv_dtype.name, " + ".join(map(str, num_blocks)), cc.block_size,
-            format_bytes(sum(c.nbytes for c in self.caches)), self.layout.describe(), codec.describe(),
-            "on" if cc.enable_prefix_caching else "off", self.backend.name, self.dense_backend)
+            format_bytes(sum(c.nbytes for c in self.caches)), per_rank, self.layout.describe(),
+            shard.codec.describe(), "on" if cc.enable_prefix_caching else "off", self.backend.name,
+            self.dense_backend)
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel ranks this engine started (nothing to do with one rank). Idempotent."""
+        self._finalizer()
 
     # ---- requests -------------------------------------------------------------------------------------------
     def add_request(self, prompt: str | Sequence[int], params: SamplingParams, request_id: str | None = None) -> str:

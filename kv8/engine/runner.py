@@ -10,6 +10,12 @@ Batch layout (T = sum of the chunks' new tokens)::
     input_ids, positions   [T]      chunk 0's tokens, then chunk 1's, ...
     hidden                 [T, E]   row query_start_loc[i + 1] - 1 is the last token of chunk i
     logits                 [S, V]   one row per chunk that samples (S <= number of chunks)
+
+Tensor parallelism: :meth:`ModelRunner.prepare` turns the scheduler output into :class:`StepInputs` (plain
+lists, all a rank needs), rank 0 publishes them to the other ranks (:meth:`kv8.distributed.group.TPGroup.publish`)
+and every rank runs :meth:`ModelRunner.forward` on its shard. The final hidden states are the same on every
+rank (each layer ends with an all-reduce and the rest is replicated), so rank 0 alone computes logits and
+samples, with the requests' own generators: the tokens are those of one rank.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ from kv8.attention.backend import AttentionBackend
 from kv8.attention.metadata import AttentionMetadata
 from kv8.cache.layout import KVCacheLayout
 from kv8.cache.paged_cache import PagedKVCache
+from kv8.distributed.group import SINGLE_RANK, TPGroup
 from kv8.engine.request import Request, TokenLogprobs
 from kv8.engine.sampler import TokenHistory, compute_logprobs, sample
 from kv8.engine.scheduler import SchedulerOutput
@@ -41,6 +48,17 @@ class ModelRunnerOutput:
     failed: dict[str, str] = field(default_factory=dict)  # request id -> why it cannot go on (it alone fails)
 
 
+@dataclass(frozen=True)
+class StepInputs:
+    """One step's model inputs, for every rank: the batch layout of the module docstring, as plain lists."""
+
+    input_ids: list[int]                              # [T]
+    positions: list[int]                              # [T]
+    query_lens: list[int]                             # per chunk: its new tokens
+    seq_lens: list[int]                               # per chunk: tokens in its sequence after this step
+    tables: list[tuple[tuple[int, ...], ...]]         # per chunk: its block table of each KV cache group
+
+
 def _to_token_logprobs(token: torch.Tensor, lp: torch.Tensor, top_v: torch.Tensor, top_i: torch.Tensor,
                        row: int, k: int) -> TokenLogprobs:
     return TokenLogprobs(int(token[row]), float(lp[row]), top_i[row, :k].tolist(), top_v[row, :k].tolist())
@@ -50,9 +68,11 @@ class ModelRunner:
     """Owns the model, the paged cache it reads and writes, and the attention backend."""
 
     def __init__(self, model: CausalLM, caches: Sequence[PagedKVCache], layout: KVCacheLayout,
-                 backend: AttentionBackend, observer: EngineObserver | None = None) -> None:
-        """``caches[p]`` holds pool ``p`` of ``layout``."""
+                 backend: AttentionBackend, observer: EngineObserver | None = None,
+                 tp: TPGroup = SINGLE_RANK) -> None:
+        """``caches[p]`` holds pool ``p`` of ``layout``; ``tp`` is the model's group (rank 0 drives)."""
         self.model = model
+        self.tp = tp
         self.caches = tuple(caches)
         self.layout = layout
         self.block_size = self.caches[0].shape.block_size
@@ -73,20 +93,32 @@ class ModelRunner:
         per_layer = tuple((self.caches[self.layout.groups[g].pool], metas[g]) for g in self.layout.layer_group)
         return AttentionContext(per_layer[0][0], per_layer[0][1], self.backend, self.observer, per_layer)
 
-    @torch.inference_mode()
-    def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
-        input_ids: list[int] = []
-        positions: list[int] = []
-        query_lens, seq_lens, tables = [], [], []
+    @staticmethod
+    def prepare(so: SchedulerOutput) -> StepInputs:
+        """The model inputs of a scheduled step: the chunks' new tokens flattened in chunk order."""
+        inputs = StepInputs([], [], [], [], [])
         for c in so.chunks:
             end = c.start + c.num_new_tokens
-            input_ids.extend(c.request.all_token_ids[c.start:end])
-            positions.extend(range(c.start, end))
-            query_lens.append(c.num_new_tokens)
-            seq_lens.append(end)
-            tables.append(c.block_ids)
-        ctx = self._context(query_lens, seq_lens, tables)
-        hidden = self.model(torch.tensor(input_ids), torch.tensor(positions), ctx)
+            inputs.input_ids.extend(c.request.all_token_ids[c.start:end])
+            inputs.positions.extend(range(c.start, end))
+            inputs.query_lens.append(c.num_new_tokens)
+            inputs.seq_lens.append(end)
+            inputs.tables.append(c.block_ids)
+        return inputs
+
+    @torch.inference_mode()
+    def forward(self, inputs: StepInputs) -> tuple[torch.Tensor, AttentionContext]:
+        """Run this rank's shard over a step: final hidden states ``[T, E]`` and the step's context."""
+        ctx = self._context(inputs.query_lens, inputs.seq_lens, inputs.tables)
+        return self.model(torch.tensor(inputs.input_ids), torch.tensor(inputs.positions), ctx), ctx
+
+    @torch.inference_mode()
+    def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        """Rank 0 (the only rank without tensor parallelism): run the step on every rank, then sample."""
+        inputs = self.prepare(so)
+        if self.tp.size > 1:
+            self.tp.publish(inputs)
+        hidden, ctx = self.forward(inputs)
 
         ends = ctx.meta.query_start_loc[1:].tolist()
         sampling = [(c, ends[i] - 1) for i, c in enumerate(so.chunks) if c.samples]

@@ -63,6 +63,8 @@ class LLM:
 
     Keyword arguments are the fields of :class:`~kv8.engine.args.EngineArgs` (vLLM's names, the same options as
     the ``kv8`` flags); ``print(EngineArgs.describe())`` lists them with defaults, allowed values and help.
+    With ``tensor_parallel_size=N`` the engine starts N-1 worker processes: :meth:`close` stops them (so does
+    garbage collection of the LLM, or the end of the process).
     """
 
     def __init__(self, model: str = DEFAULT_MODEL, **kwargs: Any) -> None:
@@ -75,6 +77,10 @@ class LLM:
 
     def get_tokenizer(self) -> Any:
         return self.engine.tokenizer
+
+    def close(self) -> None:
+        """Stop the engine's tensor-parallel worker processes, if any (idempotent)."""
+        self.engine.shutdown()
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,

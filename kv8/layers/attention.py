@@ -5,6 +5,10 @@ A model computes q, k and v (projections, norms, RoPE: its own math) and calls
 model. The layer moves q/k/v into the basis the KV codec stores (:meth:`kv8.cache.codec.KVCodec.to_stored_basis`),
 shows the new K/V to an observer if there is one, lets the attention backend store them and attend, and moves
 the output back. Models never see how K/V are stored.
+
+Under tensor parallelism a layer sees its rank's heads only (``num_heads`` / ``num_kv_heads`` are local counts,
+:mod:`kv8.distributed.shard`) and the rank's cache holds those KV heads; attention is per head, so nothing
+else changes.
 """
 
 from __future__ import annotations
@@ -43,7 +47,8 @@ class AttentionContext:
 class PagedAttention(nn.Module):
     """Attention of one layer over the paged KV cache. No parameters.
 
-    ``forward(q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, D], ctx) -> [T, Hq * D]`` in q's dtype.
+    ``forward(q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, D], ctx) -> [T, Hq * D]`` in q's dtype (``Hq``, ``Hkv``:
+    this rank's heads).
     Invariant: the new K/V of the whole batch are stored before any query attends (the backend's contract),
     so every query reads the bytes as stored, whatever the batching, chunking or prefix caching.
     """

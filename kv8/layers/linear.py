@@ -18,6 +18,19 @@ its shape checked against the whole parameter.
 Invariants: ``layer(x)`` is ``[..., N]`` in x's dtype for any number of leading dims; each output row depends
 only on its own input row. The packed method equals :func:`linear_reference` (exact bf16 products, fp32 sums,
 one rounding to bf16) up to the order of the fp32 additions.
+
+Tensor parallelism (:mod:`kv8.distributed.shard`; the group is the one the model is built for): every layer
+keeps the checkpoint's sizes (``full_output_sizes``, ``full_in_features``) and holds its rank's part
+(``output_sizes``, ``in_features``); ``weight_loader`` takes the whole checkpoint tensor, checks it against
+the full shape and copies the rank's rows (and columns) in.
+
+* :class:`QKVLinear` and :class:`MergedLinear` are column-parallel: each projection keeps the rank's heads /
+  columns (KV heads replicated when there are fewer than ranks).
+* :class:`RowParallelLinear` (o_proj, down_proj) keeps the rank's input columns and sums the ranks' partial
+  outputs with one all-reduce; its bias is loaded on rank 0 only (zeros elsewhere), so it is added once.
+* :class:`Linear` is replicated (lm_head).
+
+With one rank every layer holds the whole matrix and nothing is reduced.
 """
 
 from __future__ import annotations
@@ -28,10 +41,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kv8.distributed.shard import kv_head_shard, shard_group, split_evenly
 from kv8.layers.dense_kernels import DenseBackend, DenseKernels
 
 __all__ = ["Linear", "LinearBase", "LinearMethod", "MergedLinear", "PackedBF16LinearMethod", "QKVLinear",
-           "TorchLinearMethod", "linear_method", "linear_reference"]
+           "RowParallelLinear", "TorchLinearMethod", "linear_method", "linear_reference"]
 
 
 def linear_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -100,20 +114,30 @@ class LinearBase(nn.Module):
 
     Parameters are created on the current default device (the meta device while a model is built for
     loading); ``weight_loader`` copies one shard into its rows (``shard_id`` is resolved by
-    :meth:`shard_index`).
+    :meth:`shard_index`). ``row_shards[i] = (start, count)``: the checkpoint rows of projection ``i`` this
+    rank holds (default: all); ``in_shard``: the input columns it holds (default: all).
     """
 
     packed: torch.Tensor              # buffers of the packed method, set by process_weights_after_loading
     bias_f32: torch.Tensor | None
 
-    def __init__(self, in_features: int, output_sizes: Sequence[int], bias: bool, backend: DenseBackend) -> None:
+    def __init__(self, in_features: int, output_sizes: Sequence[int], bias: bool, backend: DenseBackend,
+                 row_shards: Sequence[tuple[int, int]] | None = None, in_shard: tuple[int, int] | None = None
+                 ) -> None:
         super().__init__()
-        self.in_features = in_features
-        self.output_sizes = list(output_sizes)
+        self.tp = shard_group()
+        self.full_in_features = in_features
+        self.full_output_sizes = list(output_sizes)
+        self.row_shards = list(row_shards) if row_shards is not None else [(0, n) for n in output_sizes]
+        self.in_shard = in_shard if in_shard is not None else (0, in_features)
+        self.in_features = self.in_shard[1]
+        self.output_sizes = [count for _, count in self.row_shards]
         self.out_features = sum(self.output_sizes)
+        # a sharded layer loads through weight_loader (the loader cannot assign a whole checkpoint tensor)
+        self.is_sharded = (self.in_features != in_features or self.output_sizes != self.full_output_sizes)
         self.has_bias = bias
         self.method = linear_method(backend)
-        self.weight = nn.Parameter(torch.empty(self.out_features, in_features), requires_grad=False)
+        self.weight = nn.Parameter(torch.empty(self.out_features, self.in_features), requires_grad=False)
         self.weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
         self.bias: nn.Parameter | None = None
         if bias:
@@ -125,17 +149,26 @@ class LinearBase(nn.Module):
         raise ValueError(f"{type(self).__name__} has no shard {shard_id!r}")
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int | str | None = None) -> None:
-        """Copy ``loaded`` (any float dtype) into ``param``: one shard's rows, or with ``shard_id=None`` the whole
-        parameter (a checkpoint that stores the merged matrix, e.g. Phi-3's ``qkv_proj``)."""
+        """Copy this rank's part of ``loaded`` (a whole checkpoint tensor, any float dtype) into ``param``: one
+        projection's rows, or with ``shard_id=None`` every projection (a checkpoint that stores the merged
+        matrix, e.g. Phi-3's ``qkv_proj``). ``loaded`` is checked against the checkpoint's full shape."""
+        projections = range(len(self.full_output_sizes)) if shard_id is None else [self.shard_index(shard_id)]
+        full_rows = [self.full_output_sizes[i] for i in projections]
+        expected = (sum(full_rows),) + ((self.full_in_features,) if param.ndim == 2 else ())
+        if tuple(loaded.shape) != expected:
+            raise ValueError(f"has shape {tuple(loaded.shape)}, the model expects {expected}")
+        parts = [part.narrow(0, *self.row_shards[i]) for i, part in zip(projections, loaded.split(full_rows))]
+        src = parts[0] if len(parts) == 1 else torch.cat(parts)
+        if param.ndim == 2:
+            src = src.narrow(1, *self.in_shard)
+        elif self.in_features != self.full_in_features and self.tp.rank != 0:
+            src = torch.zeros_like(src)   # a row-parallel bias: added once, by rank 0, before the all-reduce
         if shard_id is None:
             rows = param.data
         else:
-            i = self.shard_index(shard_id)
-            offset, size = sum(self.output_sizes[:i]), self.output_sizes[i]
-            rows = param.data.narrow(0, offset, size)
-        if tuple(loaded.shape) != tuple(rows.shape):
-            raise ValueError(f"has shape {tuple(loaded.shape)}, the model expects {tuple(rows.shape)}")
-        rows.copy_(loaded)
+            i = projections[0]
+            rows = param.data.narrow(0, sum(self.output_sizes[:i]), self.output_sizes[i])
+        rows.copy_(src)
 
     def process_weights_after_loading(self) -> None:
         self.method.process_weights_after_loading(self)
@@ -144,9 +177,10 @@ class LinearBase(nn.Module):
         return self.method.apply(self, x)
 
     def extra_repr(self) -> str:
+        shards = "" if not self.is_sharded else f", rank={self.tp.rank}/{self.tp.size}"
         return (f"in_features={self.in_features}, output_sizes={self.output_sizes}, "
                 f"bias={self.has_bias}, "
-                f"method={self.method.name}")
+                f"method={self.method.name}{shards}")
 
 
 class Linear(LinearBase):
@@ -156,9 +190,25 @@ class Linear(LinearBase):
         super().__init__(in_features, [out_features], bias, backend)
 
 
+class RowParallelLinear(LinearBase):
+    """``[in_features] -> [out_features]`` whose input is split over the ranks (o_proj after the rank's heads,
+    down_proj after its MLP columns): each rank multiplies its columns, one all-reduce sums the parts."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, backend: DenseBackend) -> None:
+        super().__init__(in_features, [out_features], bias, backend, in_shard=split_evenly(in_features, shard_group()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.method.apply(self, x)                          # [..., out_features]: this rank's part
+        return self.tp.all_reduce(out) if self.is_sharded else out
+
+
 class MergedLinear(LinearBase):
     """Projections of one input side by side (gate and up: shards 0 and 1); split the output with
-    ``output_sizes``."""
+    ``output_sizes``. Column-parallel: each rank holds ``1 / N`` of every projection's rows."""
+
+    def __init__(self, in_features: int, output_sizes: Sequence[int], bias: bool, backend: DenseBackend) -> None:
+        tp = shard_group()
+        super().__init__(in_features, output_sizes, bias, backend, [split_evenly(n, tp) for n in output_sizes])
 
     def shard_index(self, shard_id: int | str | None) -> int:
         if isinstance(shard_id, int) and 0 <= shard_id < len(self.output_sizes):
@@ -167,15 +217,21 @@ class MergedLinear(LinearBase):
 
 
 class QKVLinear(LinearBase):
-    """q, k and v projections as one matrix: output ``[..., (Hq + 2 Hkv) * D]`` = ``[q | k | v]``."""
+    """q, k and v projections as one matrix: output ``[..., (Hq + 2 Hkv) * D]`` = ``[q | k | v]``.
+
+    ``num_heads`` / ``num_kv_heads`` are this rank's heads (the model's with one rank); ``kv_head_start`` is
+    the model's index of its first KV head."""
 
     SHARDS = ("q", "k", "v")
 
     def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool,
                  backend: DenseBackend) -> None:
-        super().__init__(hidden_size, [num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim],
-                         bias, backend)
-        self.head_dim, self.num_heads, self.num_kv_heads = head_dim, num_heads, num_kv_heads
+        tp = shard_group()
+        (q0, hq), (k0, hkv) = split_evenly(num_heads, tp), kv_head_shard(num_kv_heads, tp)
+        d = head_dim
+        super().__init__(hidden_size, [num_heads * d, num_kv_heads * d, num_kv_heads * d], bias, backend,
+                         [(q0 * d, hq * d), (k0 * d, hkv * d), (k0 * d, hkv * d)])
+        self.head_dim, self.num_heads, self.num_kv_heads, self.kv_head_start = d, hq, hkv, k0
 
     def shard_index(self, shard_id: int | str | None) -> int:
         if shard_id in self.SHARDS:

@@ -10,6 +10,11 @@ shape, converted to the compute dtype and assigned as the parameter; tie weights
 (``tied_weights``); then let every layer convert its loaded weights (``process_weights_after_loading``: the
 packed_bf16 linear method packs them and drops the originals). Missing and unknown tensors are errors that
 name them. KV-scale tensors are collected for :mod:`kv8.quant.scale_sources` rather than loaded into the model.
+
+Tensor parallelism: given a group (``tp``), the model is built for that rank (:func:`kv8.distributed.shard.
+building_shard`), and every tensor of a sharded layer -- a whole one too -- goes through its
+``weight_loader``, which keeps the rank's rows or columns. Replicated tensors (embedding, norms, lm_head) load
+as above on every rank.
 """
 
 from __future__ import annotations
@@ -29,6 +34,8 @@ import torch
 from torch import nn
 
 from kv8.config import ModelArchConfig
+from kv8.distributed.group import SINGLE_RANK, TPGroup
+from kv8.distributed.shard import building_shard
 from kv8.layers.dense_kernels import select_dense_backend
 from kv8.models.registry import CausalLM, model_class
 from kv8.quant.scale_sources import is_kv_scale_name
@@ -153,7 +160,7 @@ def _load(model: nn.Module, pname: str, tensor: torch.Tensor, shard_id: ShardId,
     module_path, _, leaf = pname.rpartition(".")
     module = model.get_submodule(module_path)
     param = getattr(module, leaf)
-    if shard_id is None:
+    if shard_id is None and not getattr(module, "is_sharded", False):
         if tuple(param.shape) != tuple(tensor.shape):
             raise ValueError(f"has shape {tuple(tensor.shape)}, the model expects {tuple(param.shape)}")
         setattr(module, leaf, nn.Parameter(tensor.to(dtype), requires_grad=False))
@@ -166,10 +173,11 @@ def _load(model: nn.Module, pname: str, tensor: torch.Tensor, shard_id: ShardId,
     param.weight_loader(param, tensor, shard_id)
 
 
-def load_model(kind: str, path: str, dtype: torch.dtype, dense_backend: str = "torch") -> LoadedModel:
+def load_model(kind: str, path: str, dtype: torch.dtype, dense_backend: str = "torch",
+               tp: TPGroup = SINGLE_RANK) -> LoadedModel:
     """Build the model for ``path`` (kind ``"hf"`` or ``"gguf"``) with weights in ``dtype`` and dense layers on
     ``dense_backend`` (a validated ``kv8.config.DENSE_BACKENDS`` name; ``LoadedModel.dense_backend`` says which
-    one ``auto`` resolved to)."""
+    one ``auto`` resolved to); with a group ``tp``, the shard of its rank."""
     start = time.perf_counter()
     if kind == "gguf":
         from kv8.model.gguf_loader import iter_gguf_tensors
@@ -188,7 +196,7 @@ def load_model(kind: str, path: str, dtype: torch.dtype, dense_backend: str = "t
     if kind == "hf":
         _check_layer_count(files, arch, path)
     backend = select_dense_backend(dense_backend, dtype)
-    with torch.device("meta"):
+    with torch.device("meta"), building_shard(tp):
         model = cls(arch, backend)
     tied = dict(getattr(model, "tied_weights", {})) if arch.tie_word_embeddings else {}
     names = _checkpoint_names(model, tied)
@@ -224,6 +232,6 @@ def load_model(kind: str, path: str, dtype: torch.dtype, dense_backend: str = "t
             process()
     model.eval()
     seconds = time.perf_counter() - start
-    logger.info("loaded %s (%s, %d layers, dense backend %s) in %.1f s", path, arch.model_type, arch.num_layers,
-                backend.name, seconds)
+    logger.info("loaded %s (%s, %d layers, dense backend %s%s) in %.1f s", path, arch.model_type, arch.num_layers,
+                backend.name, f", tensor-parallel rank {tp.rank} of {tp.size}" if tp.size > 1 else "", seconds)
     return LoadedModel(model, arch, hf_config, scale_tensors, seconds, backend.name)

@@ -39,10 +39,11 @@ import torch
 from torch import nn
 
 from kv8.config import ModelArchConfig, RopeScaling, _cfg_float, _cfg_int
+from kv8.distributed.shard import local_head_counts
 from kv8.layers.activation import GeluAndMul
 from kv8.layers.attention import AttentionContext, PagedAttention
 from kv8.layers.dense_kernels import TORCH_BACKEND, DenseBackend
-from kv8.layers.linear import Linear, MergedLinear, QKVLinear
+from kv8.layers.linear import Linear, MergedLinear, QKVLinear, RowParallelLinear
 from kv8.layers.norm import GemmaRMSNorm, norm_per_head
 from kv8.layers.rotary import RopeAngles, RotaryEmbedding
 
@@ -136,8 +137,9 @@ class Gemma3Attention(nn.Module):
         self.q_norm = GemmaRMSNorm(d, arch.rms_norm_eps)
         self.k_norm = GemmaRMSNorm(d, arch.rms_norm_eps)
         self.rotary_emb = rotary_emb   # this layer kind's, shared by the layers of that kind
-        self.attn = PagedAttention(layer_idx, hq, hkv, d, arch.query_pre_attn_scalar ** -0.5)
-        self.o_proj = Linear(hq * d, e, arch.attention_bias, backend)
+        local_hq, local_hkv = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads   # this rank's heads
+        self.attn = PagedAttention(layer_idx, local_hq, local_hkv, d, arch.query_pre_attn_scalar ** -0.5)
+        self.o_proj = RowParallelLinear(hq * d, e, arch.attention_bias, backend)
 
     def forward(self, x: torch.Tensor, rope: RopeAngles, ctx: AttentionContext) -> torch.Tensor:
         q, k, v = self.rotary_emb.split(self.qkv_proj(x))              # [T, Hq, D], [T, Hkv, D], [T, Hkv, D]
@@ -152,7 +154,7 @@ class Gemma3MLP(nn.Module):
         e, i = arch.hidden_size, arch.intermediate_size
         self.gate_up_proj = MergedLinear(e, [i, i], False, backend)
         self.act_fn = GeluAndMul()
-        self.down_proj = Linear(i, e, False, backend)
+        self.down_proj = RowParallelLinear(i, e, False, backend)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act_fn(self.gate_up_proj(x)))   # [T, E] -> [T, 2I] -> [T, I] -> [T, E]
@@ -183,7 +185,7 @@ class Gemma3DecoderLayer(nn.Module):
 class Gemma3Model(nn.Module):
     def __init__(self, arch: Gemma3ArchConfig, backend: DenseBackend) -> None:
         super().__init__()
-        d, hq, hkv = arch.head_dim, arch.num_heads, arch.num_kv_heads
+        d, (hq, hkv) = arch.head_dim, local_head_counts(arch.num_heads, arch.num_kv_heads)   # this rank's heads
         self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
         # one RoPE per layer kind: global (rope_theta, scaled) and local (rope_local_base_freq, unscaled)
         self.rotary_emb = RotaryEmbedding(d, hq, hkv, arch.rope_theta, arch.rope_scaling, backend)

@@ -18,10 +18,11 @@ import torch
 from torch import nn
 
 from kv8.config import ModelArchConfig
+from kv8.distributed.shard import local_head_counts
 from kv8.layers.activation import SiluAndMul
 from kv8.layers.attention import AttentionContext, PagedAttention
 from kv8.layers.dense_kernels import TORCH_BACKEND, DenseBackend
-from kv8.layers.linear import Linear, MergedLinear, QKVLinear
+from kv8.layers.linear import Linear, MergedLinear, QKVLinear, RowParallelLinear
 from kv8.layers.norm import RMSNorm
 from kv8.layers.rotary import RopeAngles, RotaryEmbedding
 
@@ -33,8 +34,9 @@ class Attention(nn.Module):
         e, d, hq, hkv = arch.hidden_size, arch.head_dim, arch.num_heads, arch.num_kv_heads
         self.qkv_proj = QKVLinear(e, d, hq, hkv, arch.attention_bias, backend)
         self.rotary_emb = rotary_emb   # shared by all layers
-        self.attn = PagedAttention(layer_idx, hq, hkv, d, d ** -0.5)
-        self.o_proj = Linear(hq * d, e, False, backend)
+        local_hq, local_hkv = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads   # this rank's heads
+        self.attn = PagedAttention(layer_idx, local_hq, local_hkv, d, d ** -0.5)
+        self.o_proj = RowParallelLinear(hq * d, e, False, backend)
 
     def forward(self, x: torch.Tensor, rope: RopeAngles, ctx: AttentionContext) -> torch.Tensor:
         q, k, v = self.rotary_emb(self.qkv_proj(x), rope)        # [T, Hq, D], [T, Hkv, D], [T, Hkv, D]
@@ -47,7 +49,7 @@ class MLP(nn.Module):
         e, i = arch.hidden_size, arch.intermediate_size
         self.gate_up_proj = MergedLinear(e, [i, i], False, backend)
         self.act_fn = SiluAndMul(backend)
-        self.down_proj = Linear(i, e, False, backend)
+        self.down_proj = RowParallelLinear(i, e, False, backend)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act_fn(self.gate_up_proj(x)))   # [T, E] -> [T, 2I] -> [T, I] -> [T, E]
@@ -76,8 +78,9 @@ class LlamaModel(nn.Module):
     def __init__(self, arch: ModelArchConfig, backend: DenseBackend, attention_cls: type[nn.Module]) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
-        self.rotary_emb = RotaryEmbedding(arch.head_dim, arch.num_heads, arch.num_kv_heads, arch.rope_theta,
-                                          arch.rope_scaling, backend, rotary_dim=arch.rotary_dim)
+        hq, hkv = local_head_counts(arch.num_heads, arch.num_kv_heads)   # this rank's heads
+        self.rotary_emb = RotaryEmbedding(arch.head_dim, hq, hkv, arch.rope_theta, arch.rope_scaling, backend,
+                                          rotary_dim=arch.rotary_dim)
         self.layers = nn.ModuleList(DecoderLayer(arch, i, self.rotary_emb, backend, attention_cls)
                                     for i in range(arch.num_layers))
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, backend)

@@ -14,7 +14,7 @@ from torch import nn
 from kv8.config import ModelArchConfig
 from kv8.layers.attention import AttentionContext, PagedAttention
 from kv8.layers.dense_kernels import DenseBackend
-from kv8.layers.linear import Linear, QKVLinear
+from kv8.layers.linear import QKVLinear, RowParallelLinear
 from kv8.layers.norm import RMSNorm, norm_per_head
 from kv8.layers.rotary import RopeAngles, RotaryEmbedding
 from kv8.models.llama import LlamaForCausalLM
@@ -30,8 +30,9 @@ class Qwen3Attention(nn.Module):
         self.q_norm = RMSNorm(d, arch.rms_norm_eps, backend)
         self.k_norm = RMSNorm(d, arch.rms_norm_eps, backend)
         self.rotary_emb = rotary_emb   # shared by all layers
-        self.attn = PagedAttention(layer_idx, hq, hkv, d, d ** -0.5)
-        self.o_proj = Linear(hq * d, e, False, backend)
+        local_hq, local_hkv = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads   # this rank's heads
+        self.attn = PagedAttention(layer_idx, local_hq, local_hkv, d, d ** -0.5)
+        self.o_proj = RowParallelLinear(hq * d, e, False, backend)
 
     def forward(self, x: torch.Tensor, rope: RopeAngles, ctx: AttentionContext) -> torch.Tensor:
         q, k, v = self.rotary_emb.split(self.qkv_proj(x))              # [T, Hq, D], [T, Hkv, D], [T, Hkv, D]

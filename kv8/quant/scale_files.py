@@ -266,10 +266,13 @@ def load_kv8_scales_json(path: str | os.PathLike[str], model: ModelScaleInfo) ->
     return _kv8_scales_from_doc(data, where, model)
 
 
-def load_scales_file(path: str | os.PathLike[str], model: ModelScaleInfo) -> KVScales:
+def load_scales_file(path: str | os.PathLike[str], model: ModelScaleInfo, tp_rank: int = 0,
+                     tp_size: int = 1) -> KVScales:
     """Load a ``quantization_param_path``: a kv8 scales file (``"format": "kv8-kv-scales"``) or else a
-    vLLM ``kv_cache_scales.json``, decided by the file's content."""
+    vLLM ``kv_cache_scales.json``, decided by the file's content. A vLLM file gives tensor-parallel rank
+    ``tp_rank`` its own per-layer scales (``scaling_factor[tp_rank]``; the file must hold ``tp_size`` ranks); a
+    kv8 file covers the whole model, for every rank (the caller keeps the rank's heads)."""
     data = _read_json(path)
     if isinstance(data, dict) and data.get("format") == KV8_SCALES_FORMAT:
         return _kv8_scales_from_doc(data, os.fspath(path), model)
-    return load_vllm_scales_json(path, model)
+    return load_vllm_scales_json(path, model, tp_rank, tp_size)

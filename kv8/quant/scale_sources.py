@@ -5,6 +5,10 @@ In order of precedence:
 1. ``--quantization-param-path``: a vLLM or kv8 scales file (:func:`kv8.quant.scale_files.load_scales_file`);
 2. scale tensors stored in the checkpoint (:func:`scales_from_checkpoint`);
 3. the default 1.0, with one warning per :func:`resolve_kv_scales` call (that is, one per engine built).
+
+Tensor parallelism: each rank resolves its own scales. A vLLM file's ``scaling_factor[tp_rank]`` gives the
+rank its per-layer scales; per-head or per-channel scales (kv8's file, the checkpoint) describe the whole model
+and are cut to the rank's KV heads (:func:`engine_kv_scales`'s ``kv_heads``).
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ from kv8.quant.scales import TORCH_DTYPE_TO_FORMAT, KVScales, ModelScaleInfo, Sc
 
 logger = logging.getLogger("kv8")
 
-__all__ = ["engine_kv_scales", "is_kv_scale_name", "resolve_kv_scales", "scales_from_checkpoint"]
+__all__ = ["engine_kv_scales", "is_kv_scale_name", "rank_heads", "resolve_kv_scales", "scales_from_checkpoint"]
 
 _HOW_TO_GET_SCALES = (
     "run `kv8 calibrate` to compute per-layer scales and pass the resulting file with "
@@ -203,6 +207,8 @@ def resolve_kv_scales(
     quantization_param_path: str | os.PathLike[str] | None,
     checkpoint_scales: KVScales | None,
     rotation: str = "none",
+    tp_rank: int = 0,
+    tp_size: int = 1,
 ) -> KVScales | None:
     """The KV scales an engine should use, converted for the cache's fp8 format; None if not fp8.
 
@@ -225,7 +231,7 @@ def resolve_kv_scales(
     fmt = kv_dtype.fp8
     assert fmt is not None  # is_fp8 guarantees it
     if quantization_param_path is not None:
-        scales = load_scales_file(quantization_param_path, model)
+        scales = load_scales_file(quantization_param_path, model, tp_rank, tp_size)
     elif checkpoint_scales is not None:
         scales = checkpoint_scales
     else:
@@ -251,13 +257,27 @@ def resolve_kv_scales(
 
 
 def engine_kv_scales(cache: CacheConfig, model: ModelScaleInfo, checkpoint_tensors: Mapping[str, torch.Tensor],
-                     hf_config: Mapping[str, Any]) -> KVScales | None:
+                     hf_config: Mapping[str, Any], tp_rank: int = 0, tp_size: int = 1,
+                     kv_heads: tuple[int, int] | None = None) -> KVScales | None:
     """The static scales an engine with cache settings ``cache`` uses: None with dynamic scales (the
     checkpoint's static scales are then not used, which is logged) or a 16/32-bit cache, else
-    :func:`resolve_kv_scales` over the file, the checkpoint's scale tensors and 1.0."""
+    :func:`resolve_kv_scales` over the file, the checkpoint's scale tensors and 1.0. For tensor-parallel rank
+    ``tp_rank`` of ``tp_size`` holding KV heads ``kv_heads = (first, count)`` of ``model``: that rank's scales,
+    per-head and per-channel ones cut to its heads."""
     ckpt = scales_from_checkpoint(checkpoint_tensors, hf_config, model) if checkpoint_tensors else None
     if cache.dynamic_scales:
         if ckpt is not None:
             logger.info("dynamic KV scales: the checkpoint's static scales (%s) are not used", ckpt.source)
         return None
-    return resolve_kv_scales(cache.kv_dtype, model, cache.quantization_param_path, ckpt, cache.rotation)
+    scales = resolve_kv_scales(cache.kv_dtype, model, cache.quantization_param_path, ckpt, cache.rotation,
+                               tp_rank, tp_size)
+    return scales if scales is None or kv_heads is None else rank_heads(scales, *kv_heads)
+
+
+def rank_heads(scales: KVScales, first: int, count: int) -> KVScales:
+    """``scales`` for KV heads ``first .. first + count - 1`` only (per-layer scales are returned unchanged)."""
+    if scales.k.shape[1] == 1:
+        return scales
+    return KVScales(k=scales.k[:, first:first + count], v=scales.v[:, first:first + count],
+                    granularity=scales.granularity, source=f"{scales.source}, KV heads {first}..{first + count - 1}",
+                    made_for=scales.made_for, rotation=scales.rotation)

@@ -1,0 +1,197 @@
+"""A tensor-parallel group: this process's rank, the all-reduce of the row-parallel layers, and the control
+channel that carries each step's inputs from rank 0 to the other ranks.
+
+Two channels, one per kind of traffic:
+
+* **control** -- a ``torch.distributed`` key-value store (a ``TCPStore`` served by rank 0, or torchrun's):
+  rank 0 publishes the KV cache size, each step's pickled inputs (key ``step/<n>``) and the stop message
+  (``None``); the other ranks block on the next key. A store wait has no idle timeout, so an idle server's
+  workers simply wait, and they leave with an error the moment rank 0's store goes away.
+* **data** -- a gloo process group (:data:`OP_TIMEOUT` per collective) for the one all-reduce of each
+  row-parallel layer. A rank that dies closes its sockets: the other ranks' next collective raises within
+  milliseconds ("Connection closed by peer"); a rank that hangs is reported after :data:`OP_TIMEOUT`.
+
+A worker reports a failure before the step loop (loading its shard) under ``error/<rank>`` and readiness
+under ``ready/<rank>``; rank 0 waits for all of them while watching its child processes
+(:meth:`TPGroup.wait_ready`).
+
+Invariant: every rank runs the same sequence of collectives (one forward per published step), so the
+all-reduces of rank 0 and of its workers pair up; a single-rank group (``size == 1``) runs none.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import logging
+import pickle
+import threading
+import time
+from dataclasses import dataclass, field
+from multiprocessing.connection import wait as wait_for_any
+from multiprocessing.process import BaseProcess
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["OP_TIMEOUT", "SINGLE_RANK", "TPGroup", "TensorParallelError"]
+
+logger = logging.getLogger("kv8")
+
+# How long one all-reduce may wait for the slowest rank before it fails (a hung rank, not a dead one).
+OP_TIMEOUT = datetime.timedelta(seconds=120)
+# Store operations wait for rank 0 as long as it lives (an idle server publishes nothing for hours).
+STORE_TIMEOUT = datetime.timedelta(days=365)
+
+
+class TensorParallelError(RuntimeError):
+    """A rank of the tensor-parallel group failed; the engine cannot go on."""
+
+
+@dataclass(eq=False)
+class TPGroup:
+    """One process's view of its tensor-parallel group.
+
+    ``pg`` is set by :meth:`connect` once every rank has loaded its shard (layers built before that keep the
+    group object and find ``pg`` when they first run). ``procs`` are the worker processes rank 0 started
+    itself (empty under torchrun, and on the workers).
+    """
+
+    rank: int
+    size: int
+    store: Any = None                      # torch.distributed.Store (control channel); None for one rank
+    pg: Any = None                         # torch.distributed.ProcessGroup (all-reduce); None for one rank
+    procs: list[BaseProcess] = field(default_factory=list)
+    _step: int = 0
+    _closed: bool = False
+
+    @property
+    def is_driver(self) -> bool:
+        """Rank 0: runs the scheduler, publishes the steps, samples."""
+        return self.rank == 0
+
+    # ---- data channel ------------------------------------------------------------------------------------------
+    def connect(self, devices: list[Any] | None = None) -> None:
+        """Build the gloo group over ``store`` (every rank calls it, after :meth:`wait_ready` / ``set_ready``)."""
+        if self.size == 1 or self.pg is not None:
+            return
+        opts = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
+        opts._timeout = OP_TIMEOUT
+        opts._devices = devices or [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
+        self.pg = dist.ProcessGroupGloo(dist.PrefixStore("gloo/", self.store), self.rank, self.size, opts)
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum ``x`` (contiguous) over the ranks, in place; returns it. The identity for one rank."""
+        if self.size == 1:
+            return x
+        try:
+            self.pg.allreduce([x]).wait()
+        except RuntimeError as e:
+            raise self.failure(e) from e
+        return x
+
+    # ---- control channel ---------------------------------------------------------------------------------------
+    def publish(self, obj: Any) -> None:
+        """Rank 0: make ``obj`` (a step's inputs, or None to stop) the next message of every other rank."""
+        key = f"step/{self._step}"
+        try:
+            self.store.set(key, pickle.dumps(obj))
+            if self._step >= 2:   # every rank has read it: it ran that step's all-reduces since
+                self.store.delete_key(f"step/{self._step - 2}")
+        except (RuntimeError, OSError) as e:
+            raise self.failure(e) from e
+        self._step += 1
+
+    def receive(self) -> Any:
+        """A worker: block until rank 0 publishes the next message; returns it."""
+        key = f"step/{self._step}"
+        self.store.wait([key])
+        self._step += 1
+        return pickle.loads(self.store.get(key))
+
+    def share(self, key: str, value: Any = None) -> Any:
+        """Rank 0 sets ``key`` to ``value`` (JSON); the other ranks wait for it and return it."""
+        if self.is_driver:
+            self.store.set(f"shared/{key}", json.dumps(value))
+            return value
+        return json.loads(self.store.get(f"shared/{key}"))
+
+    def set_ready(self, error: str | None = None) -> None:
+        """A worker: its shard is loaded (or loading failed with ``error``)."""
+        if error is not None:
+            self.store.set(f"error/{self.rank}", error)
+        else:
+            self.store.set(f"ready/{self.rank}", "1")
+
+    def wait_ready(self, timeout: float = 1800.0) -> None:
+        """Rank 0: wait until every worker has loaded its shard; raise :class:`TensorParallelError` with the
+        worker's own message if one failed, or if a worker process exited or never reported."""
+        deadline = time.monotonic() + timeout
+        pending = set(range(1, self.size))
+        while pending:
+            for r in sorted(pending):
+                if self.store.check([f"error/{r}"]):
+                    msg = self.store.get(f"error/{r}").decode(errors="replace")
+                    raise TensorParallelError(f"tensor-parallel rank {r} failed to start: {msg}")
+                if self.store.check([f"ready/{r}"]):
+                    pending.discard(r)
+            dead = self.dead_ranks()
+            if pending and dead:
+                raise TensorParallelError(f"tensor-parallel {dead} exited while loading its shard; see its "
+                                          "output above")
+            if pending and time.monotonic() > deadline:
+                raise TensorParallelError(f"tensor-parallel rank(s) {sorted(pending)} did not load their shard "
+                                          f"within {timeout:.0f} s")
+            if pending:
+                time.sleep(0.05)
+
+    # ---- failures and shutdown ---------------------------------------------------------------------------------
+    def watch(self) -> None:
+        """Rank 0: log at once when a started worker exits before :meth:`close` (an idle engine learns it then;
+        its next step fails naming the rank)."""
+        def run() -> None:
+            wait_for_any([p.sentinel for p in self.procs])
+            time.sleep(0.1)   # close() may be under way
+            if not self._closed:
+                logger.error("tensor-parallel %s; the engine fails at its next step",
+                             f"{self.dead_ranks()} exited" if self.dead_ranks() else "rank exited")
+
+        threading.Thread(target=run, name="kv8-tp-watch", daemon=True).start()
+
+    def dead_ranks(self) -> str:
+        """'rank 1 (exit code -9), ...' for the started workers that are gone; '' if none (or not known)."""
+        dead = [(r, p.exitcode) for r, p in enumerate(self.procs, start=1) if p.exitcode is not None]
+        return ", ".join(f"rank {r} (exit code {code})" for r, code in dead)
+
+    def failure(self, exc: BaseException) -> TensorParallelError:
+        """The error to raise when a collective or the control channel failed."""
+        time.sleep(0.2)   # let a dying worker's exit code show
+        dead = self.dead_ranks()
+        who = f"tensor-parallel {dead} exited" if dead else "a tensor-parallel rank failed or disconnected"
+        return TensorParallelError(f"{who}; the engine cannot continue and must be restarted ({exc})")
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Rank 0: tell the workers to stop, wait ``timeout`` seconds for them, then terminate (and kill) any
+        left. Idempotent; safe after a failure. No-op on other ranks."""
+        if self._closed or not self.is_driver or self.size == 1:
+            return
+        self._closed = True
+        try:
+            self.publish(None)
+        except TensorParallelError:
+            pass
+        deadline = time.monotonic() + timeout
+        for p in self.procs:
+            p.join(max(0.0, deadline - time.monotonic()))
+        for p in self.procs:
+            if p.is_alive():
+                p.terminate()
+                p.join(2.0)
+            if p.is_alive():
+                p.kill()
+                p.join(2.0)
+        self.pg = None
+
+
+SINGLE_RANK = TPGroup(0, 1)   # the group of an engine without tensor parallelism

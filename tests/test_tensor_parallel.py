@@ -1,0 +1,295 @@
+"""Tensor parallelism (kv8.distributed): sharded layers against whole ones, config errors, per-rank scales, and
+engines of 2 and 3 ranks (spawned processes, gloo on 127.0.0.1) against one rank; dead ranks and shutdown.
+
+Each engine test starts real worker processes (a few seconds each on a busy machine), with one torch thread per
+rank; the heavier cases are marked slow.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from kv8 import LLM, SamplingParams
+from kv8.config import CacheConfig, ModelArchConfig, ParallelConfig
+from kv8.distributed.group import TensorParallelError, TPGroup
+from kv8.distributed.shard import building_shard, kv_head_shard, local_head_counts
+from kv8.layers.dense_kernels import TORCH_BACKEND
+from kv8.layers.linear import MergedLinear, QKVLinear, RowParallelLinear
+from kv8.quant.formats import resolve_kv_cache_dtype
+from kv8.quant.scale_files import write_kv8_scales_json
+from kv8.quant.scale_sources import engine_kv_scales
+from kv8.quant.scales import KVScales, ModelScaleInfo, ScaleGranularity
+from tests.conftest import make_tiny_model
+
+PROMPTS = ["hello world how are you", "the cat sat on the mat and"]
+
+
+# ---- sharding without processes -------------------------------------------------------------------------------
+def test_kv_head_shards_split_or_replicate() -> None:
+    # 8 q / 2 KV heads over 4 ranks: KV head r // 2, as in vLLM; each rank's q heads use its KV head
+    assert [kv_head_shard(2, TPGroup(r, 4)) for r in range(4)] == [(0, 1), (0, 1), (1, 1), (1, 1)]
+    assert [kv_head_shard(3, TPGroup(r, 3)) for r in range(3)] == [(0, 1), (1, 1), (2, 1)]
+    assert [kv_head_shard(4, TPGroup(r, 2)) for r in range(2)] == [(0, 2), (2, 2)]
+    assert local_head_counts(8, 2, TPGroup(3, 4)) == (2, 1)
+
+
+@pytest.mark.parametrize("tp_size, hq, hkv", [(2, 6, 2), (3, 6, 3), (4, 8, 2)])
+def test_sharded_linears_reassemble_the_whole(tp_size: int, hq: int, hkv: int) -> None:
+    """Each rank's column-parallel output is its slice of the whole; row-parallel partial outputs sum to the
+    whole; biases of row-parallel layers count once."""
+    torch.manual_seed(0)
+    e, d, inter = 24, 4, 12
+    w_q, w_k, w_v = torch.randn(hq * d, e), torch.randn(hkv * d, e), torch.randn(hkv * d, e)
+    b_q, b_k, b_v = torch.randn(hq * d), torch.randn(hkv * d), torch.randn(hkv * d)
+    w_gate, w_up, w_down, b_o = torch.randn(inter, e), torch.randn(inter, e), torch.randn(e, inter), torch.randn(e)
+    x, h = torch.randn(5, e), torch.randn(5, inter)
+    whole_q, whole_k = x @ w_q.T + b_q, x @ w_k.T + b_k
+    down_sum = torch.zeros(5, e)
+    for r in range(tp_size):
+        with building_shard(TPGroup(r, tp_size)):
+            qkv = QKVLinear(e, d, hq, hkv, True, TORCH_BACKEND)
+            gate_up = MergedLinear(e, [inter, inter], False, TORCH_BACKEND)
+            down = RowParallelLinear(inter, e, True, TORCH_BACKEND)
+        for shard, w, b in (("q", w_q, b_q), ("k", w_k, b_k), ("v", w_v, b_v)):
+            qkv.weight_loader(qkv.weight, w, shard)
+            assert qkv.bias is not None
+            qkv.weight_loader(qkv.bias, b, shard)
+        gate_up.weight_loader(gate_up.weight, w_gate, 0)
+        gate_up.weight_loader(gate_up.weight, w_up, 1)
+        down.weight_loader(down.weight, w_down)
+        assert down.bias is not None
+        down.weight_loader(down.bias, b_o)
+        lq, lkv = qkv.num_heads, qkv.num_kv_heads
+        q, k, _ = qkv(x).split([lq * d, lkv * d, lkv * d], dim=-1)
+        torch.testing.assert_close(q, whole_q[:, r * lq * d:(r + 1) * lq * d])
+        k0 = qkv.kv_head_start
+        torch.testing.assert_close(k, whole_k[:, k0 * d:(k0 + lkv) * d])
+        n = inter // tp_size
+        torch.testing.assert_close(gate_up(x), torch.cat([x @ w_gate[r * n:(r + 1) * n].T,
+                                                          x @ w_up[r * n:(r + 1) * n].T], dim=-1))
+        down_sum += down.method.apply(down, h[:, r * n:(r + 1) * n])   # the all-reduce's input
+    torch.testing.assert_close(down_sum, h @ w_down.T + b_o)
+
+
+def test_parallel_config_errors_name_the_sizes() -> None:
+
+    cfg = dict(model_type="llama", vocab_size=10, hidden_size=96, intermediate_size=192, num_hidden_layers=1,
+               num_attention_heads=6, num_key_value_heads=2, head_dim=16)
+    arch6 = ModelArchConfig.from_hf_config(cfg)
+    with pytest.raises(ValueError, match=r"tensor_parallel_size=4 must divide the model's num_attention_heads=6"):
+        ParallelConfig(4).check_model(arch6)
+    with pytest.raises(ValueError, match=r"tensor_parallel_size=3 must divide the model's num_key_value_heads=2, "
+                                         r"or be a multiple of it"):
+        ParallelConfig(3).check_model(arch6)
+    with pytest.raises(ValueError, match=r"must divide the model's intermediate_size=191"):
+        ParallelConfig(2).check_model(ModelArchConfig.from_hf_config({**cfg, "intermediate_size": 191}))
+    with pytest.raises(ValueError, match=r"tensor_parallel_size=0 must be an int >= 1"):
+        ParallelConfig(0)
+    with pytest.raises(ValueError, match=r"cpu_threads_per_rank=0 must be an int >= 1"):
+        ParallelConfig(2, 0)
+    ParallelConfig(2).check_model(arch6)   # 3 q heads and 1 KV head per rank
+    assert ParallelConfig(2).kv_heads_per_rank(arch6) == 1
+    assert ParallelConfig(4, None).threads(16) == 4 and ParallelConfig(1).threads(16) is None
+
+
+def test_vllm_scales_per_rank_and_head_slices(tmp_path: Path) -> None:
+    """scaling_factor[tp_rank] goes to its rank; kv8 per-head scales are cut to the rank's KV heads."""
+    model = ModelScaleInfo("llama", 2, 4, 8)
+    path = tmp_path / "kv_cache_scales.json"
+    path.write_text(json.dumps({"model_type": "llama", "kv_cache": {"dtype": "float8_e4m3fn", "scaling_factor": {
+        "0": {"0": 0.5, "1": 0.25}, "1": {"0": 2.0, "1": 4.0}}}}))
+    cache = CacheConfig(kv_dtype=resolve_kv_cache_dtype("fp8", torch.bfloat16), quantization_param_path=str(path))
+    for rank, expected in ((0, [0.5, 0.25]), (1, [2.0, 4.0])):
+        scales = engine_kv_scales(cache, model, {}, {}, rank, 2, (2 * rank, 2))
+        assert scales is not None and scales.k.flatten().tolist() == expected
+    with pytest.raises(ValueError, match="2 TP rank"):
+        engine_kv_scales(cache, model, {}, {}, 0, 1)
+    per_head = {f"model.layers.{i}.self_attn.{r}_scale": torch.tensor([1.0, 2.0, 3.0, 4.0]) * (i + 1)
+                for i in range(2) for r in "kv"}
+    plain = CacheConfig(kv_dtype=resolve_kv_cache_dtype("fp8", torch.bfloat16))
+    scales = engine_kv_scales(plain, model, per_head, {}, 1, 2, (2, 2))
+    assert scales is not None and scales.k[:, :, 0].tolist() == [[3.0, 4.0], [6.0, 8.0]]
+
+
+# ---- engines over several processes ---------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def gqa_6x2(tmp_path_factory) -> str:
+    """6 query heads, 2 KV heads (qwen2: q/k/v biases): TP=2 splits the KV heads, TP=3 cannot."""
+    return make_tiny_model(str(tmp_path_factory.mktemp("tp6x2")), "qwen2", num_attention_heads=6,
+                           num_key_value_heads=2)
+
+
+@pytest.fixture(scope="module")
+def gqa_6x3(tmp_path_factory) -> str:
+    """6 query heads, 3 KV heads (llama): TP=3 gives each rank one KV head."""
+    return make_tiny_model(str(tmp_path_factory.mktemp("tp6x3")), "llama_gqa", num_key_value_heads=3)
+
+
+def _llm(path: str, tp: int, kv: str = "auto", **kw) -> LLM:
+    return LLM(path, dtype="float32", kv_cache_dtype=kv, tensor_parallel_size=tp, cpu_threads_per_rank=1,
+               kv_cache_memory="2MiB", max_model_len=256, **kw)
+
+
+def _run(llm: LLM) -> tuple[list[list[int]], list[float]]:
+    """Greedy tokens and prompt-token logprobs of PROMPTS, then the greedy tokens of a prompt that extends the
+    first one (its blocks come from the prefix cache)."""
+    outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=6, prompt_logprobs=0))
+    again = llm.generate(PROMPTS[0] + " again and again", SamplingParams(temperature=0, max_tokens=6))
+    tokens = [list(o.outputs[0].token_ids) for o in outs + again]
+    lps = [pos[tid].logprob for o in outs if o.prompt_logprobs
+           for tid, pos in zip(o.prompt_token_ids[1:], o.prompt_logprobs[1:]) if pos is not None]
+    return tokens, lps   # the prompt tokens' logprobs of every prompt, one after the other
+
+
+def _compare(path: str, tp: int, kv: str, **kw) -> None:
+    one = _llm(path, 1, kv, **kw)
+    ref_tokens, ref_lps = _run(one)
+    many = _llm(path, tp, kv, **kw)
+    procs = list(many.engine.tp.procs)
+    assert len(procs) == tp - 1 and all(p.is_alive() for p in procs)
+    # the rank's cache holds its KV heads: the same budget gives more blocks per rank
+    assert many.engine.cache.shape.num_kv_heads == max(1, one.engine.cache.shape.num_kv_heads // tp)
+    tokens, lps = _run(many)
+    assert tokens == ref_tokens
+    if many.engine.config.cache.block_size <= 4:
+        assert many.engine.stats()["prefix_cache_hit_rate"] > 0
+    torch.testing.assert_close(torch.tensor(lps), torch.tensor(ref_lps), atol=1e-4, rtol=1e-4)
+    del many
+    gc.collect()   # the engine's finalizer stops its ranks
+    for p in procs:
+        p.join(10)
+    assert all(p.exitcode is not None for p in procs), "a rank outlived its engine"
+
+
+def test_tp2_equals_tp1_float32(gqa_6x2: str) -> None:
+    """Also with chunked prefill (8 tokens a step) and prefix-cache hits (blocks of 4 tokens)."""
+    _compare(gqa_6x2, 2, "auto", max_num_batched_tokens=8, block_size=4)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kv", ["fp8", "fp8_e5m2"])
+def test_tp2_equals_tp1_fp8(gqa_6x2: str, kv: str) -> None:
+    _compare(gqa_6x2, 2, kv)
+
+
+@pytest.mark.slow
+def test_tp3_splits_three_kv_heads(gqa_6x3: str) -> None:
+    _compare(gqa_6x3, 3, "auto")
+    _compare(gqa_6x3, 3, "fp8", kv_cache_scale_mode="dynamic", kv_cache_rotation="hadamard")
+
+
+@pytest.mark.slow
+def test_vllm_scales_reach_their_rank(gqa_6x2: str, tmp_path: Path) -> None:
+    """A vLLM file with other scales per rank (TP=2, rank r holds KV head r) stores what one rank stores with
+    kv8 per-head scales [rank 0's, rank 1's]; the file with its ranks swapped stores something else."""
+    per_rank = {0: [0.004, 0.006], 1: [0.5, 0.3]}      # layer scales of each rank: far apart, both visible
+
+    def vllm_file(name: str, ranks: dict[int, list[float]]) -> str:
+        path = tmp_path / name
+        path.write_text(json.dumps({"model_type": "qwen2", "kv_cache": {"dtype": "float8_e4m3fn", "scaling_factor": {
+            str(r): {str(i): s for i, s in enumerate(layers)} for r, layers in ranks.items()}}}))
+        return str(path)
+
+    heads = torch.tensor([[per_rank[0][i], per_rank[1][i]] for i in range(2)]).unsqueeze(-1)   # [L, H=2, 1]
+    kv8_file = tmp_path / "kv8.json"
+    write_kv8_scales_json(kv8_file, KVScales(heads, heads, ScaleGranularity.HEAD, "test", "fp8_e4m3"),
+                          ModelScaleInfo("qwen2", 2, 2, 16))
+    ref_tokens, ref_lps = _run(_llm(gqa_6x2, 1, "fp8", quantization_param_path=str(kv8_file)))
+    tokens, lps = _run(_llm(gqa_6x2, 2, "fp8", quantization_param_path=vllm_file("v.json", per_rank)))
+    assert tokens == ref_tokens
+    torch.testing.assert_close(torch.tensor(lps), torch.tensor(ref_lps), atol=1e-4, rtol=1e-4)
+    _, swapped = _run(_llm(gqa_6x2, 2, "fp8", quantization_param_path=vllm_file("s.json", {0: per_rank[1],
+                                                                                           1: per_rank[0]})))
+    assert (torch.tensor(swapped) - torch.tensor(ref_lps)).abs().max() > 1e-3
+
+
+@pytest.mark.slow
+def test_tp4_replicates_two_kv_heads(tmp_path: Path) -> None:
+    """8 query heads, 2 KV heads over 4 ranks: each KV head lives on two ranks (vLLM's replication)."""
+    path = make_tiny_model(str(tmp_path), "llama", num_attention_heads=8, num_key_value_heads=2, head_dim=12)
+    _compare(path, 4, "fp8")
+
+
+def test_tp3_with_two_kv_heads_is_refused(gqa_6x2: str) -> None:
+    with pytest.raises(ValueError, match=r"tensor_parallel_size=3 must divide the model's num_key_value_heads=2"):
+        _llm(gqa_6x2, 3)
+
+
+def test_killed_rank_fails_the_engine_within_seconds(gqa_6x2: str, caplog: pytest.LogCaptureFixture) -> None:
+    llm = _llm(gqa_6x2, 2)
+    proc = llm.engine.tp.procs[0]
+    assert proc.pid is not None
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.join(10)
+    deadline = time.monotonic() + 5   # the idle engine's watcher logs it at once
+    while "rank 1 (exit code -9) exited; the engine fails at its next step" not in caplog.text:
+        assert time.monotonic() < deadline, caplog.text
+        time.sleep(0.05)
+    start = time.monotonic()
+    with pytest.raises(TensorParallelError, match=r"rank 1 \(exit code -9\) exited"):
+        llm.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=4))
+    assert time.monotonic() - start < 10
+    llm.engine.shutdown()
+    assert not proc.is_alive()
+
+
+@pytest.mark.slow
+def test_two_torchrun_nodes_generate_like_one_rank(gqa_6x2: str) -> None:
+    """Two torchrun launches (two "nodes" of one process each, one rendezvous on 127.0.0.1) run one request end
+    to end: rank 0 prints the text of a single-rank engine, rank 1 exits cleanly when rank 0 stops."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    flags = ["--model", gqa_6x2, "--dtype", "float32", "--kv-cache-memory", "2MiB", "--max-model-len", "256",
+             "--max-tokens", "6", "--temperature", "0", "--cpu-threads-per-rank", "1"]
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
+                "--master-addr", "127.0.0.1", "--master-port", str(port)]
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parent.parent)}
+    procs = [subprocess.Popen([*torchrun, "--node-rank", str(r), "-m", "kv8", "generate", "hello world", *flags,
+                               "--tensor-parallel-size", "2"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True, env=env) for r in (0, 1)]
+    outs = [p.communicate(timeout=300)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs
+    single = subprocess.run([sys.executable, "-m", "kv8", "generate", "hello world", *flags], capture_output=True,
+                            text=True, env=env, timeout=300)
+    assert single.stdout.strip() and single.stdout.strip().splitlines()[-1] in outs[0]
+
+
+@pytest.mark.slow
+def test_server_under_tp2_serves_then_dies_cleanly_with_a_rank(gqa_6x2: str, tmp_path: Path) -> None:
+    """`kv8 serve --tensor-parallel-size 2` answers as one rank does; a killed rank turns the next request into a
+    503 naming it, and the server exits with status 1 (a supervisor restarts it) leaving no worker behind."""
+    import openai
+
+    from tests.test_server import ENGINE_FLAGS, Server
+
+    single = _llm(gqa_6x2, 1).generate("hello world", SamplingParams(temperature=0, max_tokens=6))[0]
+    srv = Server(["serve", "--model-id", gqa_6x2, *ENGINE_FLAGS, "--tensor-parallel-size", "2",
+                  "--cpu-threads-per-rank", "1"], str(tmp_path / "server.log"))
+    try:
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0, timeout=60.0)
+        text = client.completions.create(model=gqa_6x2, prompt="hello world", max_tokens=6, temperature=0)
+        assert text.choices[0].text == single.outputs[0].text
+        children = subprocess.run(["ps", "--ppid", str(srv.proc.pid), "-o", "pid=,args=", "-ww"], capture_output=True,
+                                  text=True).stdout.splitlines()
+        workers = [int(line.split()[0]) for line in children if "multiprocessing.spawn" in line]
+        assert len(workers) == 1, children
+        os.kill(workers[0], signal.SIGKILL)
+        with pytest.raises(openai.APIStatusError) as info:
+            client.completions.create(model=gqa_6x2, prompt="hello", max_tokens=4)
+        assert info.value.status_code == 503
+        assert "tensor-parallel rank 1 (exit code -9) exited" in info.value.response.json()["error"]["message"]
+        assert srv.proc.wait(timeout=30) == 1, srv.read_log()
+    finally:
+        srv.stop()
