@@ -202,10 +202,10 @@ def test_config_errors_name_field_value_and_allowed(kw, message):
 def test_arch_dependent_checks():
     with pytest.raises(ValueError, match="kv_cache_rotation='hadamard' needs a power-of-two head_dim"):
         EngineArgs(kv_cache_rotation="hadamard").create_engine_config({**HF, "head_dim": 6}, "hf", "/m")
+    # a sliding window no longer caps the context: windowed layers attend to their window at any length
     windowed = {**HF, "sliding_window": 32}
-    assert EngineArgs().create_engine_config(windowed, "hf", "/m").scheduler.max_model_len == 32
-    with pytest.raises(ValueError, match="max_model_len=48 exceeds the model's sliding window"):
-        EngineArgs(max_model_len=48).create_engine_config(windowed, "hf", "/m")
+    assert EngineArgs().create_engine_config(windowed, "hf", "/m").scheduler.max_model_len == 64
+    assert EngineArgs(max_model_len=48).create_engine_config(windowed, "hf", "/m").arch.layer_window(0) == 32
     assert _config().scheduler.max_model_len == 64
 
 
