@@ -160,7 +160,7 @@ class LlamaCpp:
         if proc.returncode != 0:
             tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
             raise RuntimeError(f"{tool} exited with {proc.returncode}: {' / '.join(tail)}")
-        return proc.stdout
+        return proc.stdout + proc.stderr   # results are on stdout, llama-perplexity's statistics on stderr
 
     def measure(self, shape: Shape) -> Measurement:
         kv = ("-ctk", self.cache_type, "-ctv", self.cache_type)
@@ -229,7 +229,7 @@ def kv8_worker(kv: str, max_batch: int, max_len: int) -> Iterator[Callable[[Shap
 def vllm_worker(kv: str, max_batch: int, max_len: int, model_dir: str
                 ) -> Iterator[Callable[[Shape, int], Measurement]]:
     """Builds a vLLM engine and yields its measuring function (runs in the vLLM venv)."""
-    from vllm import LLM, SamplingParams  # type: ignore[import-not-found]
+    from vllm import LLM, SamplingParams
 
     llm = LLM(model=model_dir, dtype="bfloat16", kv_cache_dtype=kv, max_model_len=max_len + 16,
               max_num_seqs=max(max_batch, 1), max_num_batched_tokens=2048, enable_prefix_caching=False, seed=0)

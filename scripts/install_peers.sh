@@ -48,7 +48,7 @@ record() { # record NAME LINE: replace NAME's line in VERSIONS
 install_llama() {
     local bin=$PEERS/llama.cpp/build/bin
     if [ -x "$bin/llama-batched-bench" ] && [ -x "$bin/llama-bench" ] && [ -x "$bin/llama-perplexity" ]; then
-        say "llama.cpp: already built in $bin"; return
+        say "llama.cpp: already built in $bin"; record_llama; return
     fi
     local src=$PEERS/src
     mkdir -p "$src"
@@ -78,10 +78,19 @@ install_llama() {
     nice -n 10 cmake --build "$PEERS/llama.cpp/build" -j "$JOBS" \
         --target llama-batched-bench llama-bench llama-perplexity > "$PEERS/llama.cpp/cmake-build.log" 2>&1 \
         || fail "cmake build (log: $PEERS/llama.cpp/cmake-build.log)"
-    local build_info
-    build_info=$("$bin/llama-bench" --version 2>&1 | tr '\n' ' ' || true)
-    record llama.cpp "llama-cpp-python==$LLAMA_CPP_PYTHON sdist vendor/llama.cpp; $build_info"
-    say "llama.cpp: built ($build_info)"
+    record_llama
+    say "llama.cpp: built ($(grep '^llama.cpp ' "$PEERS/VERSIONS"))"
+}
+
+# The sdist has no .git, so llama.cpp reports "commit unknown"; the commit it vendors is in the sdist's
+# CHANGELOG ("update llama.cpp to ggml-org/llama.cpp@<commit>", the first one under its version).
+record_llama() {
+    local sdist=$PEERS/src/llama_cpp_python-$LLAMA_CPP_PYTHON.tar.gz commit=unknown
+    if [ -f "$sdist" ]; then
+        commit=$(tar -xzOf "$sdist" "llama_cpp_python-$LLAMA_CPP_PYTHON/CHANGELOG.md" 2>/dev/null \
+            | sed -n "/^## \[$LLAMA_CPP_PYTHON\]/,/^## \[/p" | grep -o -m 1 "llama.cpp@[0-9a-f]*" || echo unknown)
+    fi
+    record llama.cpp "$commit (vendored in the llama-cpp-python==$LLAMA_CPP_PYTHON sdist; GGML_NATIVE=ON, gcc $(gcc -dumpfullversion 2>/dev/null || echo '?'))"
 }
 
 install_vllm() {
@@ -213,7 +222,7 @@ with open(out, "w", encoding="utf-8") as handle:
     handle.write(text)
 print(f"install_peers: data: wrote {out} ({len(text)} characters from {len(texts)} articles)")
 PY
-    record data "gensim==4.4.0 test_data enwiki-latest-pages-articles1.xml-p000000010p000030302-shortened.bz2"
+    record data "gensim==4.4.0 wheel, gensim/test/test_data/ enwiki-latest-pages-articles1.xml-p000000010p000030302-shortened.bz2"
 }
 
 what=${1:-all}
