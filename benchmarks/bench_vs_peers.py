@@ -139,8 +139,9 @@ def parse_kld(text: str) -> float:
 class LlamaCpp:
     """llama.cpp's benchmark tools for one KV cache type (``-ctk``/``-ctv``)."""
 
-    def __init__(self, cache_type: str, gguf: str, log: IO[str]) -> None:
+    def __init__(self, cache_type: str, gguf: str, log: IO[str], poll: int | None = None) -> None:
         self.cache_type, self.gguf, self.log = cache_type, gguf, log
+        self.poll = () if poll is None else ("--poll", str(poll))   # threads' busy-wait level (default 50)
         self.bin = os.path.join(peers_dir(), "llama.cpp", "build", "bin")
 
     @staticmethod
@@ -152,7 +153,7 @@ class LlamaCpp:
         return None
 
     def _run(self, tool: str, *args: str) -> str:
-        cmd = [os.path.join(self.bin, tool), "-m", self.gguf, "-t", str(THREADS), *args]
+        cmd = [os.path.join(self.bin, tool), "-m", self.gguf, "-t", str(THREADS), *self.poll, *args]
         self.log.write("$ " + " ".join(cmd) + "\n")
         proc = subprocess.run(cmd, capture_output=True, text=True)
         self.log.write(proc.stdout + proc.stderr)
@@ -162,7 +163,8 @@ class LlamaCpp:
             raise RuntimeError(f"{tool} exited with {proc.returncode}: {' / '.join(tail)}")
         return proc.stdout + proc.stderr   # results are on stdout, llama-perplexity's statistics on stderr
 
-    def measure(self, shape: Shape) -> Measurement:
+    def measure(self, shape: Shape, seed: int) -> Measurement:
+        """One run of ``shape`` (the tools draw their own random tokens; ``seed`` is not used)."""
         kv = ("-ctk", self.cache_type, "-ctv", self.cache_type)
         if not shape.long:
             out = self._run("llama-batched-bench", "-c", str(shape.batch * (shape.prompt + shape.new)),
@@ -365,7 +367,7 @@ def start(cfg: Config, ns: argparse.Namespace, gguf: str, log: IO[str]) -> None:
     if cfg.engine == "llama.cpp":
         cfg.skipped = LlamaCpp.missing()
         if not cfg.skipped:
-            cfg.runner = LlamaCpp(cfg.kv, gguf, log)
+            cfg.runner = LlamaCpp(cfg.kv, gguf, log, poll=0 if ns.wait == "passive" else None)
         return
     here = os.path.abspath(__file__)
     common = ["--kv", cfg.kv, "--max-batch", str(ns.max_batch), "--max-len", str(ns.max_len)]
@@ -379,6 +381,8 @@ def start(cfg: Config, ns: argparse.Namespace, gguf: str, log: IO[str]) -> None:
     else:
         cmd = [sys.executable, here, "--worker", "kv8", *common]
         env = dict(os.environ, OMP_NUM_THREADS=str(THREADS), PYTHONUNBUFFERED="1")
+        if ns.wait == "passive":
+            env["OMP_WAIT_POLICY"] = "passive"
     try:
         cfg.runner = Worker(cmd, env, log)
     except Exception as e:
@@ -486,6 +490,9 @@ def main() -> None:
     ap.add_argument("--long-prompt", type=int, default=4096, help="single-stream context (0: skip that shape)")
     ap.add_argument("--rounds", type=int, default=1, help="alternating rounds; the table shows medians")
     ap.add_argument("--engines", default="kv8,llama.cpp,vllm")
+    ap.add_argument("--wait", choices=("default", "passive"), default="default",
+                    help="passive: idle threads sleep instead of spinning (kv8 OMP_WAIT_POLICY=passive, llama.cpp "
+                         "--poll 0; vLLM already sets KMP_BLOCKTIME=5ms): for a machine shared with other work")
     ap.add_argument("--kld", action="store_true", help="add the KLD column (llama-perplexity and kv8 eval)")
     ap.add_argument("--kld-window", type=int, default=512)
     ap.add_argument("--kld-chunks", type=int, default=16)
@@ -528,6 +535,9 @@ def main() -> None:
             state = f"skipped: {cfg.skipped}" if cfg.skipped else f"ready in {time.perf_counter() - t0:.0f} s"
             print(f"  {cfg.name}: {state}", flush=True)
         live = [c for c in configs if not c.skipped]
+        if ns.kld:
+            print("KLD runs (llama-perplexity, kv8 eval) ...", flush=True)
+            run_kld(live, ns, gguf, log)
         for rnd in range(ns.rounds):
             for i, shape in enumerate(shapes):
                 k = (rnd + i) % max(len(live), 1)
@@ -540,14 +550,13 @@ def main() -> None:
                     except Exception as e:
                         cfg.errors[shape] = str(e)
                         print(f"  round {rnd + 1} {shape.label:<7} {cfg.name:<24} FAILED: {e}", flush=True)
+            print(f"\nafter round {rnd + 1} of {ns.rounds} ({time.strftime('%H:%M:%S')}), load average: "
+                  + " ".join(f"{x:.2f}" for x in os.getloadavg()))
+            print_table(configs, shapes, ns)
+            print(flush=True)
         for cfg in live:
             if isinstance(cfg.runner, Worker):
                 cfg.runner.close()
-        if ns.kld:
-            run_kld(live, ns, gguf, log)
-    print("load average after: " + " ".join(f"{x:.2f}" for x in os.getloadavg()))
-    print()
-    print_table(configs, shapes, ns)
     for cfg in configs:
         if cfg.skipped:
             print(f"skipped {cfg.name}: {cfg.skipped}")
