@@ -139,9 +139,12 @@ def parse_kld(text: str) -> float:
 class LlamaCpp:
     """llama.cpp's benchmark tools for one KV cache type (``-ctk``/``-ctv``)."""
 
-    def __init__(self, cache_type: str, gguf: str, log: IO[str], poll: int | None = None) -> None:
+    def __init__(self, cache_type: str, gguf: str, log: IO[str], passive: bool = False) -> None:
         self.cache_type, self.gguf, self.log = cache_type, gguf, log
-        self.poll = () if poll is None else ("--poll", str(poll))   # threads' busy-wait level (default 50)
+        # passive: no polling for work (--poll 0, default 50), and the OpenMP barriers between graph nodes
+        # (this build uses OpenMP) sleep instead of spinning
+        self.poll = ("--poll", "0") if passive else ()
+        self.env = dict(os.environ, OMP_WAIT_POLICY="passive") if passive else None
         self.bin = os.path.join(peers_dir(), "llama.cpp", "build", "bin")
 
     @staticmethod
@@ -155,7 +158,7 @@ class LlamaCpp:
     def _run(self, tool: str, *args: str) -> str:
         cmd = [os.path.join(self.bin, tool), "-m", self.gguf, "-t", str(THREADS), *self.poll, *args]
         self.log.write("$ " + " ".join(cmd) + "\n")
-        proc = subprocess.run(cmd, capture_output=True, text=True)
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=self.env)
         self.log.write(proc.stdout + proc.stderr)
         self.log.flush()
         if proc.returncode != 0:
@@ -367,7 +370,7 @@ def start(cfg: Config, ns: argparse.Namespace, gguf: str, log: IO[str]) -> None:
     if cfg.engine == "llama.cpp":
         cfg.skipped = LlamaCpp.missing()
         if not cfg.skipped:
-            cfg.runner = LlamaCpp(cfg.kv, gguf, log, poll=0 if ns.wait == "passive" else None)
+            cfg.runner = LlamaCpp(cfg.kv, gguf, log, passive=ns.wait == "passive")
         return
     here = os.path.abspath(__file__)
     common = ["--kv", cfg.kv, "--max-batch", str(ns.max_batch), "--max-len", str(ns.max_len)]
@@ -492,7 +495,8 @@ def main() -> None:
     ap.add_argument("--engines", default="kv8,llama.cpp,vllm")
     ap.add_argument("--wait", choices=("default", "passive"), default="default",
                     help="passive: idle threads sleep instead of spinning (kv8 OMP_WAIT_POLICY=passive, llama.cpp "
-                         "--poll 0; vLLM already sets KMP_BLOCKTIME=5ms): for a machine shared with other work")
+                         "--poll 0 and OMP_WAIT_POLICY=passive; vLLM already sets KMP_BLOCKTIME=5ms): for a "
+                         "machine shared with other work")
     ap.add_argument("--kld", action="store_true", help="add the KLD column (llama-perplexity and kv8 eval)")
     ap.add_argument("--kld-window", type=int, default=512)
     ap.add_argument("--kld-chunks", type=int, default=16)
