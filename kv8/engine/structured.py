@@ -13,7 +13,7 @@ document, ``benchmarks/bench_structured.py``): mask computation 91 us/token with
 222 us/token with Gemma 3's 262k; xgrammar computed the same masks in 13 and 22 us/token, but it depends on
 triton (about 1 GB installed on Linux x86-64) and takes 3 s to import, while both masks are around 1% of a
 decode step of these models. The bitmask is applied here with plain torch ops (llguidance's own
-``apply_token_bitmask_inplace`` compiles a kernel on first use: 0.7 s).
+``llguidance.torch`` module is not used: it applies ``torch.compile`` when imported).
 
 JSON is compact (``whitespace_flexible: false``: ``,`` and ``:`` separators, no free whitespace), so a
 small model cannot loop on newlines inside a JSON value.
@@ -90,9 +90,12 @@ class GrammarMatcher:
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
         """Write the allowed next tokens into ``bitmask[row]`` (int32 ``[B, ceil(V / 32)]``, bit ``t % 32`` of
         word ``t // 32`` set when token ``t`` is allowed)."""
-        import llguidance.torch
-
-        llguidance.torch.fill_next_token_bitmask(self._m, bitmask, row)
+        # what llguidance.torch.fill_next_token_bitmask does; that module is not imported: it applies
+        # torch.compile at import time, which imports triton where it is installed (3 s)
+        if bitmask.dtype != torch.int32 or not bitmask.is_contiguous() or bitmask.device.type != "cpu":
+            raise ValueError("bitmask must be a contiguous int32 CPU tensor [B, ceil(V / 32)]")
+        words = bitmask[row]
+        self._m.unsafe_compute_mask_ptr(words.data_ptr(), words.numel() * words.element_size())
 
     def accept(self, token_id: int) -> bool:
         """Advance by one sampled token; False when the grammar does not allow it (the matcher is then in error)."""
