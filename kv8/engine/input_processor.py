@@ -3,8 +3,8 @@
 The input processor is where a request enters the engine, so it is where a request is checked: the prompt
 (non-empty text, or token ids inside the vocabulary), its length against ``max_model_len``, and the sampling
 options that need the model (``logprobs`` / ``prompt_logprobs`` at most the vocabulary size, ``stop_token_ids``
-and ``logit_bias`` ids inside it, a ``structured_outputs`` grammar that compiles). ``SamplingParams`` validated everything else at construction; nothing
-downstream checks again.
+and ``logit_bias`` ids inside it, a ``structured_outputs`` grammar that compiles). ``SamplingParams``
+validated everything else at construction; nothing downstream checks again.
 
 A request with ``n`` samples becomes ``n`` :class:`Request`s sharing the prompt and the (frozen) params;
 sample ``i`` is seeded with ``seed + i``, or from the engine's generator when ``seed`` is None. Their outputs
