@@ -37,7 +37,7 @@ __all__ = ["GrammarCompiler", "GrammarMatcher", "apply_grammar_masks", "check_gr
 
 
 # compact JSON: no free whitespace, llguidance's default separators (", " and ": ")
-_JSON_OPTIONS = {"whitespace_flexible": False}
+_JSON_OPTIONS: Any = {"whitespace_flexible": False}   # llguidance.JsonCompileOptions
 
 
 def _escape_lark(text: str) -> str:
