@@ -8,11 +8,12 @@ sequence tokens are allowed exactly when the grammar accepts what was generated.
 scheduler advances the request's matcher (:meth:`GrammarMatcher.accept`). A preempted request keeps its output
 tokens and so keeps its matcher as it is: the recomputed step samples the token that follows them.
 
-Library: llguidance (Rust, 7.6 MB wheel, no dependencies). Measured on this CPU (one thread, a 43-token JSON
-document, ``benchmarks/bench_structured.py``): mask computation 91 us/token with SmolLM2's 49k vocabulary and
-222 us/token with Gemma 3's 262k; xgrammar computed the same masks in 13 and 22 us/token, but it depends on
-triton (about 1 GB installed on Linux x86-64) and takes 3 s to import, while both masks are around 1% of a
-decode step of these models. The bitmask is applied here with plain torch ops (llguidance's own
+Library: llguidance (Rust, 7.6 MB wheel, no dependencies). Measured on this shared 2-core CPU (one thread, a
+~35-token JSON document, ``benchmarks/bench_structured.py``, numbers vary 2x with load): mask computation 15-200
+us/token with SmolLM2's 49k vocabulary (fill + apply 190-400) and 70-560 us/token with Gemma 3's 262k (fill +
+apply about 1 ms); xgrammar computed the same masks in 9-13 and 22-190 us/token, but it depends on triton (about
+1 GB installed on Linux x86-64) and takes 3 s to import. Decoding SmolLM2 (batch 4, 15 ms/token) with a schema
+cost no measurable time over unconstrained decoding. The bitmask is applied here with plain torch ops (llguidance's own
 ``llguidance.torch`` module is not used: it applies ``torch.compile`` when imported).
 
 JSON is compact (``whitespace_flexible: false``: ``,`` and ``:`` separators, no free whitespace), so a
@@ -143,11 +144,15 @@ class GrammarCompiler:
         return GrammarMatcher(m)
 
 
+# bit j of byte b, for every byte value: one lookup turns the mask's bytes into 8 bools each
+_BYTE_BITS = ((torch.arange(256).unsqueeze(1) >> torch.arange(8)) & 1).bool()   # [256, 8]
+
+
 def unpack_bitmask(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
-    """``bitmask`` int32 ``[R, W]`` -> bool ``[R, vocab]``, True where a token is allowed."""
-    shifts = torch.arange(32, dtype=torch.int32)
-    bits = (bitmask.unsqueeze(-1) >> shifts) & 1                 # [R, W, 32]
-    return bits.reshape(bitmask.shape[0], -1)[:, :vocab].bool()  # [R, V]
+    """``bitmask`` int32 ``[R, W]`` -> bool ``[R, vocab]``, True where a token is allowed. Byte ``k`` of word ``w``
+    (little-endian, as on x86-64 and ARM) holds tokens ``32 w + 8 k .. 32 w + 8 k + 7``."""
+    as_bytes = bitmask.contiguous().view(torch.uint8).long()                        # [R, 4W]
+    return _BYTE_BITS[as_bytes].reshape(bitmask.shape[0], -1)[:, :vocab]           # [R, V]
 
 
 def apply_grammar_masks(logits: torch.Tensor, matchers: Sequence[GrammarMatcher | None]) -> None:
@@ -162,6 +167,6 @@ def apply_grammar_masks(logits: torch.Tensor, matchers: Sequence[GrammarMatcher 
         matcher = matchers[i]
         assert matcher is not None
         matcher.fill_bitmask(bitmask, j)
-    allowed = unpack_bitmask(bitmask, vocab)                                    # [R, V]
-    index = torch.tensor(rows)
-    logits[index] = logits[index].masked_fill(~allowed.to(logits.device), float("-inf"))
+    banned = ~unpack_bitmask(bitmask, vocab).to(logits.device)                  # [R, V]
+    for j, i in enumerate(rows):
+        logits[i].masked_fill_(banned[j], float("-inf"))
