@@ -2,7 +2,8 @@
 
 from kv8.entrypoints.llm import LLM
 from kv8.outputs import CompletionOutput, Logprob, RequestOutput
-from kv8.sampling_params import SamplingParams
+from kv8.sampling_params import SamplingParams, StructuredOutputsParams
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "CompletionOutput", "Logprob", "RequestOutput", "SamplingParams", "__version__"]
+__all__ = ["LLM", "CompletionOutput", "Logprob", "RequestOutput", "SamplingParams", "StructuredOutputsParams",
+           "__version__"]

@@ -27,17 +27,24 @@ rows too: ``logit_bias`` is added first, then ``repetition_penalty`` (over promp
 positive logits and multiplies negative ones, then ``frequency_penalty`` times each output token's count and
 ``presence_penalty`` for each token present in the output are subtracted. At their defaults (0, 0, 1, None)
 the logits are untouched. Logprobs stay those of the raw logits.
+
+Structured output (vLLM's offline API): ``structured_outputs=StructuredOutputsParams(json=schema)`` (or
+``json_object=True``, ``regex=``, ``choice=``, ``grammar=`` a Lark grammar) restricts every generated token to
+those the grammar allows, and EOS to where the grammar accepts (see :mod:`kv8.engine.structured`). The grammar
+is compiled where the request enters the engine; an unusable one is a ``ValueError`` naming
+``structured_outputs``.
 """
 
 from __future__ import annotations
 
 import enum
+import json
 import math
 import numbers
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["GREEDY_TEMPERATURE_EPS", "SamplingParams", "SamplingType"]
+__all__ = ["GREEDY_TEMPERATURE_EPS", "SamplingParams", "SamplingType", "StructuredOutputsParams"]
 
 GREEDY_TEMPERATURE_EPS = 1e-5
 """Temperatures strictly below this value select greedy decoding (same threshold as vLLM)."""
@@ -133,6 +140,64 @@ def _normalise_stop_token_ids(value: Any) -> list[int]:
 
 
 @dataclass(frozen=True)
+class StructuredOutputsParams:
+    """What the output must match: exactly one of the fields below (vLLM's ``StructuredOutputsParams``).
+
+    Fields:
+        json: a JSON schema, as a dict or a JSON string (normalised to a string).
+        regex: a regular expression the whole output matches.
+        choice: the output is exactly one of these strings (normalised to a tuple).
+        grammar: a Lark grammar (llguidance's dialect, ``start`` is the root rule).
+        json_object: any JSON object (OpenAI's ``response_format={"type": "json_object"}``).
+
+    Frozen and hashable, so compiled grammars can be cached by it.
+    """
+
+    json: str | dict[str, Any] | None = None
+    regex: str | None = None
+    choice: tuple[str, ...] | list[str] | None = None
+    grammar: str | None = None
+    json_object: bool = False
+
+    def __post_init__(self) -> None:
+        given = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None]
+        if self.json_object is not False:
+            _check_bool("structured_outputs.json_object", self.json_object)
+            given.append("json_object")
+        if len(given) != 1:
+            raise ValueError(f"structured_outputs must set exactly one of json, regex, choice, grammar, "
+                             f"json_object; got {given or 'none'}")
+        if self.json is not None:
+            schema = self.json
+            if isinstance(schema, str):
+                try:
+                    schema = json.loads(schema)
+                except ValueError as e:
+                    raise ValueError(f"structured_outputs.json must be a JSON schema (a dict or a JSON string), "
+                                     f"got invalid JSON: {e}") from None
+            if not isinstance(schema, (dict, bool)):
+                raise ValueError(f"structured_outputs.json must be a JSON schema object, got {schema!r:.80}")
+            object.__setattr__(self, "json", json.dumps(schema))
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ValueError(f"structured_outputs.{name} must be a non-empty string, got {value!r:.80}")
+        if self.choice is not None:
+            if (not isinstance(self.choice, (list, tuple)) or not self.choice
+                    or not all(isinstance(c, str) and c for c in self.choice)):
+                raise ValueError(f"structured_outputs.choice must be a non-empty list of non-empty strings, "
+                                 f"got {self.choice!r:.80}")
+            object.__setattr__(self, "choice", tuple(self.choice))
+
+    @property
+    def kind(self) -> str:
+        """The field that is set (for messages)."""
+        if self.json_object:
+            return "json_object"
+        return next(n for n in ("json", "regex", "choice", "grammar") if getattr(self, n) is not None)
+
+
+@dataclass(frozen=True)
 class SamplingParams:
     """Sampling parameters of one request (see the module docstring for invariants).
 
@@ -163,6 +228,7 @@ class SamplingParams:
             divided by it and negative logits multiplied by it.
         logit_bias: token id -> bias in [-100, 100] added to that token's logit (ids must be in the
             vocabulary; checked where the request enters the engine).
+        structured_outputs: a :class:`StructuredOutputsParams` the output must match, or None.
     """
 
     n: int = 1
@@ -184,6 +250,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] | None = None
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         values: dict[str, Any] = {
@@ -226,6 +293,9 @@ class SamplingParams:
             ),
             "logit_bias": _normalise_logit_bias(self.logit_bias),
         }
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise ValueError(f"structured_outputs must be None or a StructuredOutputsParams, "
+                             f"got {self.structured_outputs!r:.80}")
         max_tokens = values["max_tokens"]
         if max_tokens is not None and values["min_tokens"] > max_tokens:
             raise ValueError(

@@ -475,7 +475,7 @@ def test_disconnects_free_blocks_and_overload_is_503(server: Server, tiny_llama:
 def test_client_metadata_is_accepted_and_changes_nothing(server: Server, client: openai.OpenAI,
                                                          tiny_llama: str) -> None:
     """Fields the openai SDK, LangChain and LiteLLM send by default are accepted and ignored; the developer role
-    renders as system; response_format text is a no-op while JSON formats are refused."""
+    renders as system; response_format text is a no-op while an unusable JSON schema is refused."""
     plain = dict(model=tiny_llama, temperature=0.0, max_tokens=4)
     meta = dict(user="u-1", store=False, metadata={"k": "v"}, safety_identifier="s-1", prompt_cache_key="p-1")
     msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello there"}]
@@ -488,7 +488,8 @@ def test_client_metadata_is_accepted_and_changes_nothing(server: Server, client:
     cmpl = client.completions.create(prompt="Hello there", user="u-1", extra_body={"store": False}, **plain)
     assert cmpl.choices[0].text == client.completions.create(prompt="Hello there", **plain).choices[0].text
     chat = "/v1/chat/completions"
-    _expect_error(_post(server, chat, {**plain, "messages": msgs, "response_format": {"type": "json_object"}}),
+    bad_schema = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "foo"}}}
+    _expect_error(_post(server, chat, {**plain, "messages": msgs, "response_format": bad_schema}),
                   400, "response_format", param="response_format")
     _expect_error(_post(server, chat, {**plain, "messages": msgs, "modalities": ["audio"]}), 400, "modalities",
                   param="modalities")

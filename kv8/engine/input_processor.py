@@ -3,8 +3,8 @@
 The input processor is where a request enters the engine, so it is where a request is checked: the prompt
 (non-empty text, or token ids inside the vocabulary), its length against ``max_model_len``, and the sampling
 options that need the model (``logprobs`` / ``prompt_logprobs`` at most the vocabulary size, ``stop_token_ids``
-and ``logit_bias`` ids inside it). ``SamplingParams`` validated everything else at construction; nothing
-downstream checks again.
+and ``logit_bias`` ids inside it, a ``structured_outputs`` grammar that compiles). ``SamplingParams``
+validated everything else at construction; nothing downstream checks again.
 
 A request with ``n`` samples becomes ``n`` :class:`Request`s sharing the prompt and the (frozen) params;
 sample ``i`` is seeded with ``seed + i``, or from the engine's generator when ``seed`` is None. Their outputs
@@ -23,6 +23,7 @@ import torch
 from kv8.config import EngineConfig
 from kv8.engine.request import Request
 from kv8.engine.sampler import make_generator
+from kv8.engine.structured import GrammarCompiler
 from kv8.sampling_params import SamplingParams
 
 
@@ -34,6 +35,7 @@ class InputProcessor:
         self.generator = torch.Generator().manual_seed(config.seed)   # seeds of requests without a seed
         self.eos_token_ids = frozenset(config.arch.eos_token_ids) | (
             {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set())
+        self.grammars = GrammarCompiler(tokenizer, self.vocab_size, sorted(self.eos_token_ids))
 
     def tokenize(self, prompt: str | Sequence[int]) -> tuple[str | None, list[int]]:
         """(text or None, token ids) of a prompt given as text or as token ids; ``ValueError`` if unusable."""
@@ -66,6 +68,8 @@ class InputProcessor:
             outside = [t for t in ids if t >= self.vocab_size]
             if outside:
                 raise ValueError(f"{name} contains {outside[:5]!r}, not token ids in [0, {self.vocab_size})")
+        if params.structured_outputs is not None:
+            self.grammars.check(params.structured_outputs)
         text, ids = self.tokenize(prompt)
         max_len = self.max_model_len
         if len(ids) >= max_len:
@@ -78,6 +82,7 @@ class InputProcessor:
         output of :meth:`process`."""
         room = self.max_model_len - len(prompt_token_ids)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
+        spec = params.structured_outputs
         children = []
         for i in range(params.n):
             seed = None if params.seed is None else params.seed + i
@@ -85,5 +90,6 @@ class InputProcessor:
                 request_id=f"{request_id}-{i}" if params.n > 1 else request_id,
                 prompt_token_ids=prompt_token_ids, sampling_params=params,
                 generator=make_generator(seed, self.generator), max_tokens=max_tokens,
-                eos_token_ids=self.eos_token_ids, parent_id=request_id, index=i))
+                eos_token_ids=self.eos_token_ids, parent_id=request_id, index=i,
+                grammar=None if spec is None else self.grammars.matcher(spec)))
         return children

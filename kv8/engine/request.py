@@ -17,10 +17,14 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from kv8.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from kv8.engine.structured import GrammarMatcher
 
 
 class RequestStatus(enum.Enum):
@@ -72,6 +76,8 @@ class Request:
     prompt_logprobs: list[TokenLogprobs | None] = field(default_factory=list)
     error: str | None = None   # why the request failed (status FINISHED_ERROR)
     cumulative_logprob: float = 0.0
+    # structured output: has consumed exactly output_token_ids (kept across preemption, as those tokens are)
+    grammar: GrammarMatcher | None = None
 
     def __post_init__(self) -> None:
         self.all_token_ids: list[int] = list(self.prompt_token_ids)

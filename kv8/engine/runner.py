@@ -33,6 +33,7 @@ from kv8.distributed.group import SINGLE_RANK, TPGroup
 from kv8.engine.request import Request, TokenLogprobs
 from kv8.engine.sampler import TokenHistory, compute_logprobs, sample
 from kv8.engine.scheduler import SchedulerOutput
+from kv8.engine.structured import apply_grammar_masks
 from kv8.layers.attention import AttentionContext
 from kv8.models.registry import CausalLM
 from kv8.observer import EngineObserver
@@ -127,6 +128,7 @@ class ModelRunner:
             reqs = [c.request for c, _ in sampling]
             logits = self.model.compute_logits(hidden[[row for _, row in sampling]])   # [S, V]
             self._mask_early_stop(logits, reqs)
+            apply_grammar_masks(logits, [r.grammar for r in reqs])   # structured output rows only
             # A row without a finite maximum (NaN anywhere, +inf, or nothing left) has no token to sample: that
             # request fails alone, the others sample as usual.
             finite = torch.isfinite(logits.amax(dim=-1)).tolist()

@@ -175,6 +175,11 @@ class Scheduler:
             if token is None:
                 continue
             req.append_output_token(token)
+            if req.grammar is not None and not req.grammar.accept(token):   # cannot happen: the runner masked
+                req.error = f"structured output: token {token} is not allowed by the grammar ({req.grammar.error})"
+                self.finish(req, RequestStatus.FINISHED_ERROR)
+                updated.append(req)
+                continue
             lp = result.logprobs.get(rid)
             if lp is not None:
                 req.logprobs.append(lp)

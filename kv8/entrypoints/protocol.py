@@ -10,7 +10,7 @@ Errors leave the server as ``{"error": {"message", "type", "param", "code"}}`` (
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
@@ -55,6 +55,40 @@ class StreamOptions(_Strict):
     include_usage: bool = False
 
 
+class ResponseFormatText(_Strict):
+    """``response_format`` plain text: the default, a no-op."""
+
+    type: Literal["text"]
+
+
+class ResponseFormatJSONObject(_Strict):
+    """Any JSON object (constrained decoding, :mod:`kv8.engine.structured`)."""
+
+    type: Literal["json_object"]
+
+
+class JSONSchemaSpec(_Strict):
+    """OpenAI's ``json_schema`` object. ``strict`` is accepted either way: the output always matches the schema."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True, populate_by_name=True)
+
+    name: str = Field(min_length=1, max_length=64)
+    schema_: dict[str, Any] = Field(alias="schema")
+    description: str | None = None
+    strict: bool | None = None
+
+
+class ResponseFormatJSONSchema(_Strict):
+    """Output matching a JSON schema (constrained decoding)."""
+
+    type: Literal["json_schema"]
+    json_schema: JSONSchemaSpec
+
+
+ResponseFormat = Annotated[ResponseFormatText | ResponseFormatJSONObject | ResponseFormatJSONSchema,
+                           Field(discriminator="type")]
+
+
 class _SamplingFields(_Strict):
     """Fields shared by both endpoints (vLLM's extensions included: top_k, min_p, min_tokens ...)."""
 
@@ -77,6 +111,7 @@ class _SamplingFields(_Strict):
     min_tokens: int | None = Field(None, ge=0)
     include_stop_str_in_output: bool | None = None
     skip_special_tokens: bool | None = None
+    response_format: ResponseFormat | None = None
     # Metadata that popular clients (the openai SDK, LangChain, LiteLLM) send by default. Accepted and ignored:
     # none of them changes what is generated. Everything else unknown is still a 400.
     user: str | None = None
@@ -160,18 +195,10 @@ class ChatMessage(_Strict):
         return self.content if isinstance(self.content, str) else "".join(part.text for part in self.content)
 
 
-class ResponseFormatText(_Strict):
-    """``response_format`` kv8 serves: plain text (the default, a no-op). ``json_object`` / ``json_schema`` need
-    constrained decoding, which kv8 does not implement: they are refused, never ignored."""
-
-    type: Literal["text"]
-
-
 class ChatCompletionRequest(_SamplingFields):
     """POST /v1/chat/completions."""
 
     messages: list[ChatMessage] = Field(min_length=1)
-    response_format: ResponseFormatText | None = None
     modalities: list[Literal["text"]] | None = None       # metadata: text is all kv8 produces
     parallel_tool_calls: bool | None = None               # metadata without tools (tools are refused)
     max_tokens: int | None = Field(None, ge=1)

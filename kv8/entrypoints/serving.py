@@ -29,6 +29,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from kv8.engine.structured import check_grammar
 from kv8.entrypoints.async_engine import AsyncEngine
 from kv8.entrypoints.metrics import ServerMetrics
 from kv8.entrypoints.protocol import (
@@ -36,12 +37,14 @@ from kv8.entrypoints.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    ResponseFormatJSONObject,
+    ResponseFormatJSONSchema,
     TokenizeRequest,
 )
 from kv8.entrypoints.request_run import RequestRun, Stream, SubRequest, sse, usage, visible
 from kv8.entrypoints.server_tokenizer import ServerTokenizer
 from kv8.outputs import CompletionOutput, Logprob, PositionLogprobs
-from kv8.sampling_params import SamplingParams
+from kv8.sampling_params import SamplingParams, StructuredOutputsParams
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
@@ -152,8 +155,24 @@ class OpenAIServing:
         self.in_flight += run.num_seqs
         return run
 
+    @staticmethod
+    def _response_format(req: Any) -> StructuredOutputsParams | None:
+        """The grammar ``response_format`` asks for (None for text); a 400 naming it when unusable."""
+        fmt = req.response_format
+        try:
+            if isinstance(fmt, ResponseFormatJSONObject):
+                spec = StructuredOutputsParams(json_object=True)
+            elif isinstance(fmt, ResponseFormatJSONSchema):
+                spec = StructuredOutputsParams(json=fmt.json_schema.schema_)
+            else:
+                return None
+            check_grammar(spec)
+        except ValueError as e:
+            raise APIError(400, f"response_format: {e}", param="response_format") from e
+        return spec
+
     def _params(self, req: Any, n: int, max_tokens: int, logprobs: int | None,
-                prompt_logprobs: int | None) -> SamplingParams:
+                prompt_logprobs: int | None, structured: StructuredOutputsParams | None = None) -> SamplingParams:
         def pick(value: Any, default: Any) -> Any:
             return default if value is None else value
         logit_bias = req.logit_bias_ids()
@@ -169,7 +188,8 @@ class OpenAIServing:
                 include_stop_str_in_output=pick(req.include_stop_str_in_output, False), logprobs=logprobs,
                 prompt_logprobs=prompt_logprobs, skip_special_tokens=pick(req.skip_special_tokens, True),
                 presence_penalty=pick(req.presence_penalty, 0.0), frequency_penalty=pick(req.frequency_penalty, 0.0),
-                repetition_penalty=pick(req.repetition_penalty, 1.0), logit_bias=logit_bias)
+                repetition_penalty=pick(req.repetition_penalty, 1.0), logit_bias=logit_bias,
+                structured_outputs=structured)
         except ValueError as e:
             raise APIError(400, str(e), param=str(e).split(" ", 1)[0]) from e
 
@@ -192,6 +212,7 @@ class OpenAIServing:
                                 f"server's limit of {self.limits.max_in_flight} sequences in flight; split it",
                            param="prompt")
         echo = bool(req.echo)
+        structured = self._response_format(req)
         base_id = self._new_id("cmpl")
         subs = []
         vocab = self.vocab_size
@@ -212,7 +233,7 @@ class OpenAIServing:
                 raise APIError(400, "max_tokens=0 is only allowed with echo=true (it scores the prompt)",
                                param="max_tokens")
             params = self._params(req, 1 if score_only else n, max(max_tokens, 1), req.logprobs,
-                                  req.logprobs if echo and req.logprobs is not None else None)
+                                  req.logprobs if echo and req.logprobs is not None else None, structured)
             subs.append(SubRequest(f"{base_id}-{i}", text, ids, params, score_only))
         return subs, echo
 
@@ -335,7 +356,7 @@ class OpenAIServing:
                                       "max_completion_tokens" if req.max_completion_tokens else "max_tokens",
                                       "messages")
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
-        params = self._params(req, n, max_tokens, logprobs, None)
+        params = self._params(req, n, max_tokens, logprobs, None, self._response_format(req))
         return SubRequest(self._new_id("chatcmpl"), "", ids, params, False)
 
     def _chat_logprobs(self, sub: SubRequest, ids: list[int], lps: list[PositionLogprobs]) -> list[dict[str, Any]]:
