@@ -72,18 +72,22 @@ def layers_for(bytes_per_layer: int, footprint: int, cap: int = 4096) -> int:
     return max(2, min(cap, math.ceil(footprint / bytes_per_layer)))
 
 
-def paged_cache(kv_name: str, n_layers: int, batch: int, ctx: int) -> tuple[PagedKVCache, AttentionMetadata]:
-    kv = resolve_kv_cache_dtype(kv_name, torch.bfloat16)
-    blocks_per_seq = ctx // BS
-    cache = PagedKVCache(CacheShape(n_layers, batch * blocks_per_seq, HKV, BS, D),
-                         KVCodec.build(kv, D, scales=KVScales.default(n_layers) if kv.is_fp8 else None))
-    if kv.is_fp8:
-        # Random codes without NaN (0x7F / 0xFF): uniform over the finite values.
+def fill_random(cache: PagedKVCache) -> None:
+    """Random contents: FP8 codes without NaN (0x7F / 0xFF), uniform over the finite values; else randn."""
+    if cache.kv_dtype.is_fp8:
         codes = torch.randint(0, 126, cache.data.shape, dtype=torch.uint8)
         codes |= torch.randint(0, 2, cache.data.shape, dtype=torch.uint8) << 7
         cache.data.copy_(codes)
     else:
         cache.data.copy_(torch.randn(cache.data.shape, dtype=torch.bfloat16))
+
+
+def paged_cache(kv_name: str, n_layers: int, batch: int, ctx: int) -> tuple[PagedKVCache, AttentionMetadata]:
+    kv = resolve_kv_cache_dtype(kv_name, torch.bfloat16)
+    blocks_per_seq = ctx // BS
+    cache = PagedKVCache(CacheShape(n_layers, batch * blocks_per_seq, HKV, BS, D),
+                         KVCodec.build(kv, D, scales=KVScales.default(n_layers) if kv.is_fp8 else None))
+    fill_random(cache)
     perm = torch.randperm(batch * blocks_per_seq).view(batch, blocks_per_seq).tolist()  # scattered blocks
     meta = AttentionMetadata.build([1] * batch, [ctx] * batch, perm, BS)
     return cache, meta
@@ -100,12 +104,7 @@ def gemma_cache(kv_name: str, n_layers: int, batch: int, ctx: int, q_len: int,
     n_real = n_table - first_block
     cache = PagedKVCache(CacheShape(n_layers, batch * n_real, GEMMA_HKV, BS, GEMMA_D),
                          KVCodec.build(kv, GEMMA_D, scales=KVScales.default(n_layers) if kv.is_fp8 else None))
-    if kv.is_fp8:
-        codes = torch.randint(0, 126, cache.data.shape, dtype=torch.uint8)
-        codes |= torch.randint(0, 2, cache.data.shape, dtype=torch.uint8) << 7
-        cache.data.copy_(codes)
-    else:
-        cache.data.copy_(torch.randn(cache.data.shape, dtype=torch.bfloat16))
+    fill_random(cache)
     perm = torch.randperm(batch * n_real).view(batch, n_real).tolist()
     tables = [[0] * first_block + row for row in perm]
     meta = AttentionMetadata.build([q_len] * batch, [ctx] * batch, tables, BS, sliding_window=window)
