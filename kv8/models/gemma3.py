@@ -46,6 +46,7 @@ from kv8.layers.dense_kernels import TORCH_BACKEND, DenseBackend
 from kv8.layers.linear import Linear, MergedLinear, QKVLinear, RowParallelLinear
 from kv8.layers.norm import GemmaRMSNorm, norm_per_head
 from kv8.layers.rotary import RopeAngles, RotaryEmbedding
+from kv8.models.llama import LlamaForCausalLM
 
 __all__ = ["Gemma3ArchConfig", "Gemma3ForCausalLM"]
 
@@ -200,14 +201,8 @@ class Gemma3Model(nn.Module):
 class Gemma3ForCausalLM(nn.Module):
     """``forward`` returns final hidden states ``[T, E]``; ``compute_logits`` projects selected rows."""
 
-    # checkpoint module name -> (merged module name, shard id)
-    packed_modules_mapping = {
-        "q_proj": ("qkv_proj", "q"),
-        "k_proj": ("qkv_proj", "k"),
-        "v_proj": ("qkv_proj", "v"),
-        "gate_proj": ("gate_up_proj", 0),
-        "up_proj": ("gate_up_proj", 1),
-    }
+    # checkpoint module name -> (merged module name, shard id): the same names as the Llama family's
+    packed_modules_mapping = LlamaForCausalLM.packed_modules_mapping
     tied_weights = {"lm_head.weight": "model.embed_tokens.weight"}
     arch_config_cls = Gemma3ArchConfig
 
