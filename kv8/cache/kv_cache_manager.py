@@ -192,18 +192,11 @@ class KVCacheManager:
 
     def blocks_needed(self, request: Request, num_new_tokens: int,
                       computed_blocks: list[list[int]] | None = None) -> list[int]:
-        """Per pool, the free blocks :meth:`allocate_slots` would take for this request now."""
-        computed = computed_blocks or [[] for _ in self.groups]
-        if any(computed):
-            return self._needed(request, num_new_tokens, computed)
-        # What allocate_slots would free first does not count.
-        tables = self.req_blocks.get(request.request_id)
-        per_pool = self._needed(request, num_new_tokens, computed)
-        if tables:
-            for g, table in zip(self.groups, tables):
-                first = first_needed_block(request.num_computed_tokens, g.kept_window, self.block_size)
-                per_pool[g.pool] -= sum(b != NULL_BLOCK for b in table[:first])
-        return per_pool
+        """Per pool, the free blocks :meth:`allocate_slots` would take to admit ``request`` (a waiting request:
+        it holds no blocks) with ``computed_blocks`` from :meth:`get_computed_blocks`."""
+        if self.req_blocks.get(request.request_id):
+            raise RuntimeError(f"blocks_needed is for a request without blocks; {request.request_id!r} holds some")
+        return self._needed(request, num_new_tokens, computed_blocks or [[] for _ in self.groups])
 
     def allocate_slots(self, request: Request, num_new_tokens: int,
                        computed_blocks: list[list[int]] | None = None) -> bool:
