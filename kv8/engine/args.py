@@ -23,7 +23,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Any
 
-from kv8.cache.layout import KVCacheLayout, layout_for, pool_block_bytes, split_budget
+from kv8.cache.layout import KVCacheLayout, pool_block_bytes, split_budget
 from kv8.config import (
     ATTENTION_BACKENDS,
     DENSE_BACKENDS,
@@ -267,12 +267,11 @@ def _budget_option(config: EngineConfig, num_blocks: int) -> str:
     return f"the default kv_cache_memory ({format_bytes(default_kv_cache_memory())})"
 
 
-def check_cache_fits_memory(config: EngineConfig, num_blocks: Sequence[int]) -> None:
-    """Raise ``ValueError`` naming the option that sized the cache when its pools (``num_blocks[p]`` blocks of
-    pool ``p``) need more memory than is free now. The engine calls it once the weights are loaded (they take
+def check_cache_fits_memory(config: EngineConfig, layout: KVCacheLayout, num_blocks: Sequence[int]) -> None:
+    """Raise ``ValueError`` naming the option that sized the cache when the pools of ``layout`` (``num_blocks[p]``
+    blocks of pool ``p``) need more memory than is free now. The engine calls it once the weights are loaded (they take
     memory too, and a config whose sizes do not match the checkpoint is reported by the loader first) and before
     the cache is allocated."""
-    layout = layout_for(config)
     need = sum(n * b for n, b in zip(num_blocks, pool_block_bytes(config, layout)))
     free = free_memory()
     if free is not None and need > free:

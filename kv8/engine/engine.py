@@ -78,7 +78,7 @@ def load_shard(config: EngineConfig, layout: KVCacheLayout, num_blocks: Sequence
     scales = engine_kv_scales(cc, ModelScaleInfo(arch.model_type, arch.num_layers, arch.num_kv_heads,
                                                  arch.head_dim), loaded.scale_tensors, loaded.hf_config,
                               tp.rank, tp.size, kv_heads)
-    check_cache_fits_memory(config, num_blocks)   # before allocating it, with the weights loaded
+    check_cache_fits_memory(config, layout, num_blocks)   # before allocating it, with the weights loaded
     codec = KVCodec.build(cc.kv_dtype, arch.head_dim, scale_mode=cc.scale_mode, rotation=cc.rotation,
                           scales=scales)
     # Pools: the kv_cache_dtype one first; layers of kv_cache_dtype_skip_layers in the compute dtype.
