@@ -349,22 +349,29 @@ def test_kv8_json_round_trips_finer_granularity(tiny_models: dict[str, str], tex
             write_scales(str(tmp_path / "v.json"), res.scales, res.info, "vllm")
 
 
+def _hf_scored_nll(model: str, data: str, window: int, n: int, skip: int) -> list[float]:
+    """transformers' negative log-likelihood of the tokens ``kv8 eval`` scores: the second half of each of the
+    ``n`` windows of ``window`` tokens after ``skip``."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(model, torch_dtype=torch.float32).eval()
+    nll = []
+    for w in _windows(model, data, window, n, skip=skip):
+        with torch.no_grad():
+            logp = torch.log_softmax(hf(torch.tensor([w])).logits[0].double(), dim=-1)
+        nll.extend(-float(logp[p, w[p + 1]]) for p in range(window // 2 - 1, window - 1))
+    return nll
+
+
 def test_eval_perplexity_equals_transformers_and_metrics_are_consistent(tiny_models: dict[str, str],
                                                                          text_file: str, tmp_path: Path) -> None:
-    from transformers import AutoModelForCausalLM
 
     model = tiny_models["llama"]
     window, n = 24, 3
     report = evaluate(model, [text_file], [KVConfig("float32"), KVConfig("fp8_e5m2")], window=window,
                       num_windows=n, skip_tokens=7, gen_prompts=2, gen_prompt_len=6, gen_tokens=5, dtype="float32",
                       max_num_batched_tokens=10, show_progress=False)
-    hf = AutoModelForCausalLM.from_pretrained(model, torch_dtype=torch.float32).eval()
-    nll = []
-    for w in _windows(model, text_file, window, n, skip=7):
-        with torch.no_grad():
-            logp = torch.log_softmax(hf(torch.tensor([w])).logits[0].double(), dim=-1)
-        for p in range(window // 2 - 1, window - 1):
-            nll.append(-float(logp[p, w[p + 1]]))
+    nll = _hf_scored_nll(model, text_file, window, n, skip=7)
     assert report.scored_tokens == len(nll) == n * (window - window // 2)
     assert report.reference.perplexity == pytest.approx(math.exp(sum(nll) / len(nll)), rel=1e-5)
     same, fp8 = report.results
@@ -541,19 +548,13 @@ def test_calibrate_and_eval_on_a_sliding_window_model(tiny_models: dict[str, str
     """Gemma 3 (local layers of window 16, one global layer) with windows of 40 tokens, so the tools' own caches
     hold sliding-window groups: eval's perplexity equals transformers', calibration gives every layer scales,
     rotated too (head_dim 32)."""
-    from transformers import AutoModelForCausalLM
 
     model = tiny_models["gemma3"]
     window, n = 40, 2
     report = evaluate(model, [text_file], [KVConfig("float32"), KVConfig.parse("fp8_e4m3+hadamard")], window=window,
                       num_windows=n, skip_tokens=7, gen_prompts=1, gen_prompt_len=20, gen_tokens=5, dtype="float32",
                       max_num_batched_tokens=16, show_progress=False)
-    hf = AutoModelForCausalLM.from_pretrained(model, torch_dtype=torch.float32).eval()
-    nll = []
-    for w in _windows(model, text_file, window, n, skip=7):
-        with torch.no_grad():
-            logp = torch.log_softmax(hf(torch.tensor([w])).logits[0].double(), dim=-1)
-        nll.extend(-float(logp[p, w[p + 1]]) for p in range(window // 2 - 1, window - 1))
+    nll = _hf_scored_nll(model, text_file, window, n, skip=7)
     assert report.reference.perplexity == pytest.approx(math.exp(sum(nll) / len(nll)), rel=1e-5)
     same, rotated = report.results
     assert same.mean_kld == pytest.approx(0.0, abs=1e-12) and rotated.mean_kld > 0
