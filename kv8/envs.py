@@ -6,6 +6,7 @@
 | ``CXX`` | the C++ compiler that builds kv8's attention and dense kernels (default ``g++``) |
 | ``KV8_API_KEY`` | the server's API key when ``--api-key`` is not given |
 | ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT`` | set by torchrun: this process is one TP rank |
+| ``RAY_ADDRESS`` | the Ray cluster of ``kv8 serve --data-parallel-backend ray`` when ``--ray-address`` is not given |
 """
 
 from __future__ import annotations
@@ -29,6 +30,14 @@ def cxx() -> str:
 def api_key() -> str | None:
     """``$KV8_API_KEY`` when set and non-empty."""
     return os.environ.get(API_KEY_ENV) or None
+
+
+RAY_ADDRESS_ENV = "RAY_ADDRESS"
+
+
+def ray_address() -> str | None:
+    """``$RAY_ADDRESS`` when set and non-empty (Ray's own variable: an existing cluster to join)."""
+    return os.environ.get(RAY_ADDRESS_ENV) or None
 
 
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")

@@ -189,5 +189,7 @@ class LLMEngine:
             "num_free_blocks": self.kv_manager.num_free_blocks,
             "num_blocks": self.kv_manager.num_blocks,
             "prefix_cache_hit_rate": self.kv_manager.prefix_cache_hit_rate(),
+            "prefix_cache_hits": self.kv_manager.num_hits,        # blocks served from the prefix cache
+            "prefix_cache_queries": self.kv_manager.num_queries,  # blocks looked up in it
             "num_preemptions": self.scheduler.num_preemptions,
         }

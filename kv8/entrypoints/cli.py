@@ -40,6 +40,9 @@ EPILOG = """examples:
   kv8 run smollm2-135m --kv-cache-dtype fp8 --quantization-param-path kv_cache_scales.json
 models: the alias smollm2-135m (default), a Hugging Face model directory, or a .gguf file."""
 
+REQUEST_HEADER_TIMEOUT_S = 30.0           # --request-header-timeout's default
+DATA_PARALLEL_BACKENDS = ("mp", "ray")   # vLLM's choices of --data-parallel-backend; kv8 runs replicas on ray
+
 # kv8 info loads no weights: only the options that size the cache table apply to it
 INFO_OPTIONS = ("kv_cache_memory", "block_size")
 
@@ -62,7 +65,7 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
                         "(default 256)")
     g.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds in-flight requests may run after SIGTERM/SIGINT before they are aborted")
-    g.add_argument("--request-header-timeout", type=float, default=30.0, metavar="SECONDS",
+    g.add_argument("--request-header-timeout", type=float, default=REQUEST_HEADER_TIMEOUT_S, metavar="SECONDS",
                    help="a request's line and headers must arrive within this many seconds, else 408 (default 30)")
     g.add_argument("--request-body-timeout", type=float, default=60.0, metavar="SECONDS",
                    help="a request's whole body must arrive within this many seconds, else 408 (default 60)")
@@ -71,12 +74,30 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
                         "(default: none, CORS off)")
     g.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"],
                    help="uvicorn log level (default warning)")
+    d = p.add_argument_group("data parallel (kv8.entrypoints.ray_serve)")
+    d.add_argument("--data-parallel-size", "-dp", type=int, default=1,
+                   help="engine replicas, each with its own KV cache, behind one endpoint (default 1; more needs "
+                        "--data-parallel-backend ray)")
+    d.add_argument("--data-parallel-backend", "-dpb", default="mp", choices=DATA_PARALLEL_BACKENDS,
+                   help="where the replicas run: ray = Ray Serve; kv8 has no mp data-parallel backend, so mp (the "
+                        "default, as in vLLM) serves one engine in this process")
+    d.add_argument("--ray-address", default=None, metavar="ADDR",
+                   help="the Ray cluster to run the replicas on, e.g. 10.0.0.1:6379 (default: $RAY_ADDRESS, else a "
+                        "new local cluster)")
 
 
 def cmd_serve(ns: argparse.Namespace) -> int:
+    engine_args = EngineArgs.from_cli_args(ns)
+    if ns.data_parallel_backend == "ray":
+        from kv8.entrypoints.ray_serve import run_ray_server
+
+        return run_ray_server(ns, engine_args)
+    if ns.data_parallel_size != 1:
+        raise ValueError(f"--data-parallel-size={ns.data_parallel_size} needs --data-parallel-backend ray (kv8 runs "
+                         "data-parallel replicas on Ray Serve only)")
     from kv8.entrypoints.server import run_server
 
-    return run_server(ns, EngineArgs.from_cli_args(ns))
+    return run_server(ns, engine_args)
 
 
 @dataclass

@@ -87,6 +87,10 @@ class ServerMetrics:
         lines += gauge("kv8:num_requests_in_flight", "Sequences accepted by the server and not finished.", in_flight)
         lines += gauge("kv8:prefix_cache_hit_rate", "Prefix cache hits / queries, in blocks.",
                        stats["prefix_cache_hit_rate"])
+        lines += counter("kv8:prefix_cache_queries_total", "Prompt blocks looked up in the prefix cache.",
+                         {"": stats["prefix_cache_queries"]})
+        lines += counter("kv8:prefix_cache_hits_total", "Prompt blocks served from the prefix cache.",
+                         {"": stats["prefix_cache_hits"]})
         lines += counter("kv8:num_preemptions_total", "Preemptions so far.", {"": stats["num_preemptions"]})
         lines += counter("kv8:prompt_tokens_total", "Prompt tokens of admitted requests.", {"": self.prompt_tokens})
         lines += counter("kv8:generation_tokens_total", "Tokens generated, aborted requests included.",

@@ -37,7 +37,8 @@ import signal
 import sys
 import time
 from collections.abc import AsyncIterator, Callable
-from typing import Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
@@ -59,6 +60,9 @@ from kv8.entrypoints.protocol import (
 )
 from kv8.entrypoints.request_run import ClientDisconnected, Stream
 from kv8.entrypoints.serving import OpenAIServing, ServingLimits
+
+if TYPE_CHECKING:
+    from kv8.engine.engine import LLMEngine
 
 logger = logging.getLogger("kv8.server")
 
@@ -352,12 +356,9 @@ def _positive(name: str, value: int | float | None) -> None:
         raise ValueError(f"--{name.replace('_', '-')}={value!r} must be > 0")
 
 
-def run_server(ns: argparse.Namespace, engine_args: EngineArgs) -> int:
-    import uvicorn
-
-    from kv8.engine.engine import LLMEngine
-    from kv8.entrypoints.http_protocol import header_timeout_protocol
-
+def check_server_args(ns: argparse.Namespace) -> str | None:
+    """Validate the server flags (``ValueError`` naming the flag); returns the API key (flag, else
+    ``$KV8_API_KEY``, else None)."""
     for name in ("max_n", "max_tokens_limit", "max_request_bytes", "shutdown_timeout", "request_header_timeout",
                  "request_body_timeout"):
         _positive(name, getattr(ns, name))
@@ -368,18 +369,49 @@ def run_server(ns: argparse.Namespace, engine_args: EngineArgs) -> int:
     api_key = ns.api_key if ns.api_key is not None else envs.api_key()
     if api_key is not None and not api_key.strip():
         raise ValueError("--api-key must not be empty")
+    return api_key
+
+
+@dataclass(frozen=True)
+class ServerOptions:
+    """The server flags that size an engine's :class:`ServingLimits` (a picklable value: data-parallel replicas
+    receive it)."""
+
+    served_model_name: str
+    max_tokens_limit: int | None
+    max_n: int
+    max_waiting_requests: int
+
+    @classmethod
+    def from_namespace(cls, ns: argparse.Namespace, model: str) -> ServerOptions:
+        return cls(ns.served_model_name or model, ns.max_tokens_limit, ns.max_n, ns.max_waiting_requests)
+
+
+def serving_limits(llm: LLMEngine, opts: ServerOptions) -> ServingLimits:
+    """The per-request limits of a server on ``llm`` (``ValueError`` if ``--max-tokens-limit`` exceeds the
+    context)."""
+    cfg = llm.config
+    max_model_len = cfg.scheduler.max_model_len
+    if opts.max_tokens_limit is not None and opts.max_tokens_limit > max_model_len:
+        raise ValueError(f"--max-tokens-limit={opts.max_tokens_limit} exceeds max_model_len={max_model_len}")
+    return ServingLimits(
+        served_model_name=opts.served_model_name, max_model_len=max_model_len,
+        max_tokens=opts.max_tokens_limit or max_model_len, max_n=opts.max_n,
+        max_in_flight=cfg.scheduler.max_num_seqs + opts.max_waiting_requests,
+        kv_capacity_tokens=llm.stats()["num_blocks"] * cfg.cache.block_size, kv_block_size=cfg.cache.block_size)
+
+
+def run_server(ns: argparse.Namespace, engine_args: EngineArgs) -> int:
+    import uvicorn
+
+    from kv8.engine.engine import LLMEngine
+    from kv8.entrypoints.http_protocol import header_timeout_protocol
+
+    api_key = check_server_args(ns)
 
     llm = LLMEngine(engine_args)
     cfg = llm.config
-    max_model_len = cfg.scheduler.max_model_len
-    if ns.max_tokens_limit is not None and ns.max_tokens_limit > max_model_len:
-        raise ValueError(f"--max-tokens-limit={ns.max_tokens_limit} exceeds max_model_len={max_model_len}")
-    stats = llm.stats()
-    limits = ServingLimits(
-        served_model_name=ns.served_model_name or engine_args.model, max_model_len=max_model_len,
-        max_tokens=ns.max_tokens_limit or max_model_len, max_n=ns.max_n,
-        max_in_flight=cfg.scheduler.max_num_seqs + ns.max_waiting_requests,
-        kv_capacity_tokens=stats["num_blocks"] * cfg.cache.block_size, kv_block_size=cfg.cache.block_size)
+    limits = serving_limits(llm, ServerOptions.from_namespace(ns, engine_args.model))
 
     failures: list[BaseException] = []
 

@@ -1,0 +1,184 @@
+"""One data-parallel replica: an engine with its own KV cache and the OpenAI endpoint logic, as a Ray Serve
+deployment (:mod:`kv8.entrypoints.ray_serve` runs N of them behind one ingress), and the values that travel
+between the ingress and the replicas.
+
+Protocol (:meth:`KV8Replica.handle`, called through a Serve streaming handle): ``handle(route, body)`` takes a
+route (a key of :data:`ROUTES`) and the request's JSON object, and yields either one :class:`JSONReply` (an
+answer, or an OpenAI error with its status), or :data:`SSE_START` followed by the SSE chunks (``str``). The
+request is validated and served by the same :class:`OpenAIServing` as ``kv8 serve``. Cancelling the call
+(Serve cancels it when the ingress's client goes away) closes the stream, or the wait of a non-streamed
+request, which aborts the engine requests: their KV blocks are freed before the next engine step.
+
+A replica pins its torch threads to ``ReplicaSpec.threads`` before it builds the engine. Its engine thread
+starts on the first call, inside the replica's event loop (every async call runs on that loop). Ray is not
+imported here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import socket
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from pydantic import ValidationError
+
+from kv8.engine.args import EngineArgs
+from kv8.entrypoints.protocol import (
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+    validation_error,
+)
+from kv8.entrypoints.server import ServerOptions
+
+logger = logging.getLogger("kv8.ray_serve")
+
+ROUTES = {"completions": CompletionRequest, "chat": ChatCompletionRequest, "tokenize": TokenizeRequest,
+          "detokenize": DetokenizeRequest}
+
+
+# ---- what travels between the ingress and the replicas --------------------------------------------------------
+@dataclass(frozen=True)
+class JSONReply:
+    """A whole answer: ``status`` and JSON ``body`` (an OpenAI error body when status >= 400)."""
+
+    status: int
+    body: dict[str, Any]
+    headers: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class SSEStart:
+    """The answer is a stream: the SSE chunks (``str``) follow."""
+
+
+SSE_START = SSEStart()
+
+
+@dataclass(frozen=True)
+class ReplicaInfo:
+    """What a replica tells the ingress about itself (``/health``, ``/v1/models``)."""
+
+    index: int
+    pid: int
+    node: str
+    threads: int
+    served_model_name: str
+    max_model_len: int
+
+
+@dataclass(frozen=True)
+class ReplicaSpec:
+    """Everything a replica is built from (picklable). Invariant: ``threads`` >= 1."""
+
+    index: int
+    engine_args: EngineArgs
+    server: ServerOptions
+    threads: int
+
+
+# ---- the replica ----------------------------------------------------------------------------------------------
+class KV8Replica:
+    """One engine with its own KV cache and the OpenAI endpoint logic (a Serve deployment of one replica).
+
+    The engine thread starts on the first call, inside the replica's event loop (every call runs on it)."""
+
+    def __init__(self, spec: ReplicaSpec) -> None:
+        import torch
+
+        from kv8.engine.engine import LLMEngine
+        from kv8.entrypoints.async_engine import AsyncEngine
+        from kv8.entrypoints.metrics import ServerMetrics
+        from kv8.entrypoints.server import serving_limits
+        from kv8.entrypoints.serving import OpenAIServing
+
+        torch.set_num_threads(spec.threads)
+        self.spec = spec
+        llm = LLMEngine(spec.engine_args)
+        self.limits = serving_limits(llm, spec.server)
+        self.engine = AsyncEngine(llm)
+        self.metrics = ServerMetrics()
+        self.serving = OpenAIServing(self.engine, self.limits, self.metrics)
+        self._node = _node_address()
+        self._started = False
+
+    def _start(self) -> None:
+        if not self._started:
+            self._started = True
+            self.engine.start()
+
+    def check_health(self) -> None:
+        """Serve's health check: fails once the engine failed, so that Serve replaces this replica."""
+        if self.engine.error is not None:
+            raise RuntimeError(f"the engine failed: {type(self.engine.error).__name__}: {self.engine.error}")
+
+    def info(self) -> ReplicaInfo:
+        return ReplicaInfo(self.spec.index, os.getpid(), self._node, self.spec.threads,
+                           self.limits.served_model_name, self.limits.max_model_len)
+
+    async def metrics_text(self) -> str:
+        self._start()
+        return self.metrics.render(self.engine.stats(), self.serving.in_flight)
+
+    async def handle(self, route: str, body: dict[str, Any]) -> AsyncIterator[JSONReply | SSEStart | str]:
+        """Answer one request of ``route`` (a key of :data:`ROUTES`) with its parsed JSON ``body``: one
+        :class:`JSONReply`, or :data:`SSE_START` and the SSE chunks. Cancellation aborts the engine requests."""
+        self._start()
+        try:
+            result = await self._dispatch(route, body)
+        except APIError as e:
+            self.metrics.record_rejected(e.status)
+            yield JSONReply(e.status, e.body(), dict(e.headers))
+            return
+        except Exception as e:  # noqa: BLE001 - answered as a 500, as kv8 serve does
+            logger.exception("internal error")
+            self.metrics.record_rejected(500)
+            yield JSONReply(500, APIError(500, f"internal server error: {type(e).__name__}: {e}",
+                                          type_="server_error").body())
+            return
+        if isinstance(result, dict):
+            yield JSONReply(200, result)
+            return
+        try:
+            yield SSE_START
+            async for chunk in result.chunks:
+                yield chunk
+        finally:
+            result.close()
+
+    async def _dispatch(self, route: str, body: dict[str, Any]) -> Any:
+        model: Any = ROUTES.get(route)
+        if model is None:
+            raise APIError(404, f"no route {route!r}")
+        if not self.engine.is_running:
+            raise APIError(503, "the engine is not running", type_="server_error", code="engine_unavailable")
+        try:
+            req: Any = model.model_validate(body)
+        except ValidationError as e:
+            raise validation_error(e) from e
+
+        async def never() -> None:   # a replica call ends by cancellation when its client goes away
+            await asyncio.Event().wait()
+
+        if route == "completions":
+            return await self.serving.completion(req, never)
+        if route == "chat":
+            return await self.serving.chat(req, never)
+        if route == "tokenize":
+            return await asyncio.to_thread(self.serving.tokenize, req)
+        return await asyncio.to_thread(self.serving.detokenize, req)
+
+    def __del__(self) -> None:
+        engine = getattr(self, "engine", None)
+        if engine is not None:
+            engine.shutdown(timeout=2.0)
+
+
+def _node_address() -> str:
+    return socket.gethostname()

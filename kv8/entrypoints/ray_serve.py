@@ -1,0 +1,456 @@
+"""Data-parallel kv8 on Ray Serve: N engine replicas, each with its own KV cache, behind one OpenAI endpoint.
+
+``kv8 serve MODEL --data-parallel-size N --data-parallel-backend ray [--ray-address ADDR]`` starts (or joins, with
+``--ray-address`` / ``$RAY_ADDRESS``) a Ray cluster and runs one Serve application, ``kv8``, made of:
+
+* ``kv8-replica-0`` .. ``kv8-replica-{N-1}``: N deployments of one replica each (:class:`KV8Replica`). A replica
+  is an :class:`AsyncEngine` plus the same :class:`OpenAIServing` as ``kv8 serve``, so every OpenAI feature
+  behaves as there; it pins its torch threads (``--cpu-threads-per-rank``, default: the cores divided by N) and
+  reserves as many Ray CPUs, so N replicas share the cores without oversubscription.
+* ``kv8-ingress``: a FastAPI app (:class:`KV8Ingress`, behind Serve's HTTP proxy) with the routes of ``kv8
+  serve``. It checks the API key, reads the bounded JSON body, picks a replica with
+  :class:`kv8.entrypoints.dp_router.PrefixRouter` (prefix-cache affinity, balanced by load, else least loaded)
+  and relays the answer: JSON, or SSE chunks as the replica streams them.
+
+Why N one-replica deployments routed by the ingress, rather than one N-replica deployment with a custom Serve
+``RequestRouter``: the ingress then knows exactly which replica holds which prefix and how many requests each
+has in flight (the routing table is plain Python, tested without Ray), can address one replica to scrape its
+metrics or probe it, and stops routing to a replica the moment a call to it fails, instead of queueing behind
+Serve's view of the replica set. Serve still health-checks and restarts each replica.
+
+Replica protocol (:meth:`KV8Replica.handle`, a Serve streaming call): ``handle(route, body)`` yields either one
+:class:`JSONReply` (an answer or an OpenAI error, with its status), or :data:`SSE_START` followed by the SSE
+chunks. Cancelling the call (the client went away; Serve's proxy cancels the ingress request, which cancels its
+replica call) closes the replica's stream or non-streamed wait, which aborts the engine requests.
+
+Faults: a call that fails because its replica is gone (the process was killed, or Ray reports it unavailable)
+answers a 503 ``replica_failed`` (a stream: an error event, then ``data: [DONE]``); the ingress marks the
+replica down and forgets its prefixes, routes new requests to the others, and probes it every
+:data:`PROBE_PERIOD_S` seconds until Serve's replacement answers, which rejoins with an empty cache. A replica
+whose engine failed answers 503 and fails its health check, so Serve replaces it. Replicas that are up are
+pinged as well, so a replica that died idle is noticed within :data:`PING_TIMEOUT_S` seconds.
+
+``/health`` answers 200 while at least one replica is up (503 otherwise), with each replica's state and process id;
+``/metrics`` merges the replicas' metrics (:mod:`kv8.entrypoints.dp_metrics`) and adds the router's.
+
+Differences from ``kv8 serve``: Serve's proxy owns the HTTP connection, so ``--request-header-timeout`` and
+``--allowed-origins`` are not supported (an error names them); ``--shutdown-timeout`` is the replicas' graceful
+shutdown timeout. On SIGINT/SIGTERM the application is deleted and, if kv8 started the Ray cluster, Ray is shut
+down; a cluster given by address keeps running.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hmac
+import logging
+import os
+import signal
+import threading
+import time
+from collections.abc import AsyncIterator, Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from kv8 import envs
+from kv8.engine.args import EngineArgs
+from kv8.entrypoints.cli import REQUEST_HEADER_TIMEOUT_S
+from kv8.entrypoints.dp_metrics import merge_replica_metrics, render_router_metrics
+from kv8.entrypoints.dp_replica import JSONReply, KV8Replica, ReplicaInfo, ReplicaSpec
+from kv8.entrypoints.dp_router import PrefixRouter, RouterConfig, routing_text
+from kv8.entrypoints.protocol import APIError
+from kv8.entrypoints.request_run import ClientDisconnected, sse
+from kv8.entrypoints.server import ServerOptions, check_server_args, read_json_body
+
+logger = logging.getLogger("kv8.ray_serve")
+
+APP_NAME = "kv8"
+PROBE_PERIOD_S = 1.0      # how often the ingress pings its replicas
+PING_TIMEOUT_S = 10.0     # a replica that does not answer a ping within this is marked down
+CONTROL_MARGIN = 16       # Serve calls a replica takes beyond its request limit (pings, metrics)
+HEALTH_CHECK_PERIOD_S = 2.0
+HEALTH_CHECK_TIMEOUT_S = 10.0
+QUIET = {"log_level": "WARNING", "enable_access_log": False}   # Serve's logging: warnings and errors only
+
+
+# ---- the ingress ----------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class IngressSpec:
+    """The ingress's settings (picklable)."""
+
+    num_replicas: int
+    served_model_name: str
+    api_key: str | None
+    max_request_bytes: int
+    body_timeout: float
+    router: RouterConfig = RouterConfig()
+
+
+def _is_replica_failure(e: BaseException) -> bool:
+    """Whether ``e`` (raised by a call to a replica) means the replica is gone or unreachable."""
+    from ray.exceptions import RayActorError
+    from ray.serve.exceptions import DeploymentUnavailableError, ReplicaUnavailableError
+
+    return isinstance(e, (RayActorError, ReplicaUnavailableError, DeploymentUnavailableError, TimeoutError))
+
+
+class KV8Ingress:
+    """Routes OpenAI requests over the replicas (see the module docstring). State lives on its event loop."""
+
+    def __init__(self, spec: IngressSpec, *replicas: Any) -> None:
+        if len(replicas) != spec.num_replicas:
+            raise ValueError(f"{len(replicas)} replica handles for num_replicas={spec.num_replicas}")
+        self.spec = spec
+        self.streams = [h.options(stream=True, method_name="handle") for h in replicas]
+        self.handles = list(replicas)
+        self.router = PrefixRouter(spec.router)
+        n = spec.num_replicas
+        self.up = dict.fromkeys(range(n), True)    # serve.run returned: every replica is running
+        self.in_flight = dict.fromkeys(range(n), 0)
+        self.failures = dict.fromkeys(range(n), 0)
+        self.routed: dict[tuple[int, str], int] = {}
+        self.rejected: dict[int, int] = {}
+        self.info: dict[int, ReplicaInfo] = {}
+        self._prober: asyncio.Task[None] | None = None
+
+    def __serve_build_asgi_app__(self) -> FastAPI:
+        return build_ingress_app(self)
+
+    # ---- replica state ----------------------------------------------------------------------------------------
+    def ensure_prober(self) -> None:
+        if self._prober is None or self._prober.done():
+            self._prober = asyncio.get_running_loop().create_task(self._probe_forever())
+
+    def mark_down(self, replica: int, why: BaseException | str) -> None:
+        if self.up[replica]:
+            reason = why if isinstance(why, str) else f"{type(why).__name__}: {str(why).splitlines()[0]}"
+            logger.warning("replica %d is down (%s); routing to the others until it answers again", replica, reason)
+            self.up[replica] = False
+            self.failures[replica] += 1
+        self.router.forget(replica)
+
+    async def _probe(self, replica: int) -> None:
+        try:
+            info = await asyncio.wait_for(self.handles[replica].info.remote(), PING_TIMEOUT_S)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # noqa: BLE001 - any failure means down
+            self.mark_down(replica, e if not isinstance(e, asyncio.TimeoutError) else
+                           f"no answer to a ping within {PING_TIMEOUT_S:g} s")
+            return
+        old = self.info.get(replica)
+        self.info[replica] = info
+        if not self.up[replica] or (old is not None and old.pid != info.pid):
+            logger.warning("replica %d is up (pid %d)", replica, info.pid)
+            self.router.forget(replica)   # a new process: its cache is empty
+            self.up[replica] = True
+
+    async def _probe_forever(self) -> None:
+        while True:
+            await asyncio.gather(*(self._probe(r) for r in self.up))
+            await asyncio.sleep(PROBE_PERIOD_S)
+
+    # ---- requests ---------------------------------------------------------------------------------------------
+    async def forward(self, route: str, body: dict[str, Any]) -> Response:
+        """Route one request and relay its answer."""
+        self.ensure_prober()
+        loads = {r: self.in_flight[r] for r, ok in self.up.items() if ok}
+        if not loads:
+            raise APIError(503, "no replica is up; retry once Ray has restarted one", type_="server_error",
+                           code="no_replica_available", headers={"Retry-After": "5"})
+        decision = self.router.choose(routing_text(route, body), loads)
+        replica = decision.replica
+        key = (replica, decision.reason)
+        self.routed[key] = self.routed.get(key, 0) + 1
+        self.in_flight[replica] += 1
+        gen = self.streams[replica].remote(route, body)
+        try:
+            first = await gen.__anext__()
+        except BaseException as e:
+            self.in_flight[replica] -= 1
+            gen.cancel()
+            if isinstance(e, asyncio.CancelledError):
+                raise
+            raise self._failure(replica, e) from e
+        if isinstance(first, JSONReply):
+            self.in_flight[replica] -= 1
+            return JSONResponse(first.body, status_code=first.status, headers=first.headers)
+        return StreamingResponse(self._relay(replica, gen), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    def _failure(self, replica: int, e: BaseException) -> APIError:
+        if isinstance(e, StopAsyncIteration):
+            return APIError(500, f"replica {replica} ended the request without an answer", type_="server_error")
+        if _is_replica_failure(e):
+            self.mark_down(replica, e)
+            return APIError(503, f"replica {replica} failed while serving the request ({type(e).__name__}); "
+                                 "retry: new requests go to the replicas that are up", type_="server_error",
+                            code="replica_failed", headers={"Retry-After": "1"})
+        logger.error("replica %d: %s: %s", replica, type(e).__name__, e)
+        return APIError(500, f"internal server error: {type(e).__name__}: {e}", type_="server_error")
+
+    async def _relay(self, replica: int, gen: Any) -> AsyncIterator[str]:
+        try:
+            async for chunk in gen:
+                yield chunk
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # noqa: BLE001 - the stream ends with an error event, never a hang
+            err = self._failure(replica, e)
+            yield sse(err.body())
+            yield "data: [DONE]\n\n"
+        finally:
+            gen.cancel()
+            self.in_flight[replica] -= 1
+
+    async def replica_info(self) -> ReplicaInfo:
+        for r, ok in self.up.items():
+            if ok and r in self.info:
+                return self.info[r]
+        for r, ok in self.up.items():
+            if ok:
+                try:
+                    self.info[r] = await asyncio.wait_for(self.handles[r].info.remote(), PING_TIMEOUT_S)
+                    return self.info[r]
+                except Exception as e:  # noqa: BLE001
+                    self.mark_down(r, e)
+        raise APIError(503, "no replica is up", type_="server_error", code="no_replica_available")
+
+    async def metrics_text(self) -> str:
+        async def one(r: int) -> str | None:
+            try:
+                text: str = await asyncio.wait_for(self.handles[r].metrics_text.remote(), PING_TIMEOUT_S)
+                return text
+            except Exception as e:  # noqa: BLE001 - a replica that cannot answer is left out and marked down
+                self.mark_down(r, e)
+                return None
+        up = [r for r, ok in self.up.items() if ok]
+        texts = dict(zip(up, await asyncio.gather(*(one(r) for r in up))))
+        merged = merge_replica_metrics({r: t for r, t in texts.items() if t is not None})
+        return merged + render_router_metrics(self.up, self.in_flight, self.routed, self.failures, self.rejected)
+
+
+def build_ingress_app(ingress: KV8Ingress) -> FastAPI:
+    """The ingress's routes: those of ``kv8 serve``, each forwarded to a replica (the engine-free ones too)."""
+    spec = ingress.spec
+    app = FastAPI(title="kv8 (data parallel)", docs_url=None, redoc_url=None, openapi_url=None)
+
+    def error_response(e: APIError) -> JSONResponse:
+        ingress.rejected[e.status] = ingress.rejected.get(e.status, 0) + 1
+        headers = {"WWW-Authenticate": "Bearer"} if e.status == 401 else {}
+        return JSONResponse(e.body(), status_code=e.status, headers={**headers, **e.headers})
+
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, e: APIError) -> JSONResponse:
+        return error_response(e)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
+        msg = f"no route {request.method} {request.url.path}" if e.status_code in (404, 405) else str(e.detail)
+        return error_response(APIError(e.status_code, msg))
+
+    @app.exception_handler(ClientDisconnected)
+    async def _gone(_: Request, e: ClientDisconnected) -> Response:
+        return Response(status_code=499)
+
+    def check_key(request: Request) -> None:
+        if spec.api_key is None:
+            return
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), spec.api_key.encode()):
+            raise APIError(401, "Incorrect or missing API key; send the header 'Authorization: Bearer <key>'",
+                           code="invalid_api_key")
+
+    async def forward(request: Request, route: str) -> Response:
+        check_key(request)
+        body = await read_json_body(request, spec.max_request_bytes, spec.body_timeout)
+        return await ingress.forward(route, body)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await forward(request, "completions")
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request) -> Response:
+        return await forward(request, "chat")
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> Response:
+        return await forward(request, "tokenize")
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> Response:
+        return await forward(request, "detokenize")
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> Response:
+        check_key(request)
+        info = await ingress.replica_info()
+        return JSONResponse({"object": "list", "data": [{
+            "id": spec.served_model_name, "object": "model", "created": int(time.time()), "owned_by": "kv8",
+            "max_model_len": info.max_model_len}]})
+
+    @app.get("/health")
+    async def health() -> Response:
+        ingress.ensure_prober()
+        replicas = [{"replica": r, "up": ok, "pid": ingress.info[r].pid if r in ingress.info else None,
+                     "node": ingress.info[r].node if r in ingress.info else None}
+                    for r, ok in ingress.up.items()]
+        up = sum(ingress.up.values())
+        status = "ok" if up == len(replicas) else f"{up} of {len(replicas)} replicas up"
+        return JSONResponse({"status": status, "replicas": replicas}, status_code=200 if up else 503)
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        ingress.ensure_prober()
+        return PlainTextResponse(await ingress.metrics_text(), media_type="text/plain; version=0.0.4")
+
+    return app
+
+
+# ---- the application ------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class DataParallelPlan:
+    """A validated data-parallel server: the replicas' and the ingress's specs, the HTTP address and the Ray
+    cluster. Built by :meth:`from_args` (``ValueError`` naming the flag for what is not supported)."""
+
+    replicas: tuple[ReplicaSpec, ...]
+    ingress: IngressSpec
+    host: str
+    port: int
+    ray_address: str | None
+    shutdown_timeout: float
+    max_ongoing_requests: int
+
+    @classmethod
+    def from_args(cls, ns: argparse.Namespace, engine_args: EngineArgs) -> DataParallelPlan:
+        size = ns.data_parallel_size
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            raise ValueError(f"--data-parallel-size={size!r} must be an int >= 1")
+        if ns.data_parallel_backend != "ray":
+            raise ValueError(f"--data-parallel-backend={ns.data_parallel_backend!r} is not supported; kv8 runs data "
+                             "parallel replicas on Ray only: add --data-parallel-backend ray")
+        if engine_args.tensor_parallel_size != 1:
+            raise ValueError(f"--tensor-parallel-size={engine_args.tensor_parallel_size} with --data-parallel-backend "
+                             "ray is not supported: each replica is one process; use --tensor-parallel-size 1")
+        if ns.allowed_origins:
+            raise ValueError("--allowed-origins is not supported with --data-parallel-backend ray (Serve's proxy "
+                             "serves HTTP)")
+        if ns.request_header_timeout != REQUEST_HEADER_TIMEOUT_S:
+            raise ValueError("--request-header-timeout is not supported with --data-parallel-backend ray (Serve's "
+                             "proxy reads the headers)")
+        api_key = check_server_args(ns)
+        threads = engine_args.cpu_threads_per_rank or max(1, (os.cpu_count() or 1) // size)
+        server = ServerOptions.from_namespace(ns, engine_args.model)
+        replicas = tuple(ReplicaSpec(i, engine_args, server, threads) for i in range(size))
+        ingress = IngressSpec(size, server.served_model_name, api_key, ns.max_request_bytes, ns.request_body_timeout)
+        max_num_seqs = engine_args.max_num_seqs
+        return cls(replicas, ingress, ns.host, ns.port, ns.ray_address or envs.ray_address(), ns.shutdown_timeout,
+                   max_num_seqs + ns.max_waiting_requests + CONTROL_MARGIN)
+
+    def application(self) -> Any:
+        """The Serve application (``serve.run`` it)."""
+        from ray import serve
+
+        handles = []
+        for spec in self.replicas:
+            deployment: Any = serve.deployment(KV8Replica)
+            deployment = deployment.options(
+                name=f"kv8-replica-{spec.index}", num_replicas=1,
+                ray_actor_options={"num_cpus": spec.threads,
+                                   "runtime_env": {"env_vars": {"OMP_NUM_THREADS": str(spec.threads),
+                                                                "TOKENIZERS_PARALLELISM": "false"}}},
+                max_ongoing_requests=self.max_ongoing_requests, health_check_period_s=HEALTH_CHECK_PERIOD_S,
+                health_check_timeout_s=HEALTH_CHECK_TIMEOUT_S, graceful_shutdown_timeout_s=self.shutdown_timeout)
+            handles.append(deployment.bind(spec))
+        ingress: Any = serve.deployment(serve.ingress()(KV8Ingress))
+        ingress = ingress.options(
+            name="kv8-ingress", num_replicas=1, ray_actor_options={"num_cpus": 0},
+            max_ongoing_requests=len(self.replicas) * self.max_ongoing_requests)
+        return ingress.bind(self.ingress, *handles)
+
+
+def app_builder(args: Mapping[str, Any]) -> Any:
+    """The application for ``serve run kv8.entrypoints.ray_serve:app_builder key=value ...`` or a Serve config
+    file: ``args`` are ``kv8 serve`` flags by their names (``model``, ``data_parallel_size``, ``kv_cache_dtype``,
+    ``max_num_seqs`` ...; booleans as true/false), validated as the command line validates them. The HTTP
+    address is Serve's (``serve run``'s / the config's ``http_options``)."""
+    from kv8.entrypoints.cli import build_parser
+
+    argv = ["serve", "--data-parallel-backend", "ray"]
+    for key, value in args.items():
+        flag = "--" + key.replace("_", "-")
+        if isinstance(value, str) and value.lower() in ("true", "false"):
+            value = value.lower() == "true"
+        if isinstance(value, bool):   # a --x / --no-x flag
+            argv.append(flag if value else "--no-" + flag[2:])
+        elif isinstance(value, (list, tuple)):
+            argv += [flag, *map(str, value)]
+        else:
+            argv += [flag, str(value)]
+    parser = build_parser()
+    ns = parser.parse_args(argv)
+    return DataParallelPlan.from_args(ns, EngineArgs.from_cli_args(ns)).application()
+
+
+# ---- kv8 serve --data-parallel-backend ray -----------------------------------------------------------------------
+def run_ray_server(ns: argparse.Namespace, engine_args: EngineArgs) -> int:
+    """Start the cluster (or join it), run the application, wait for SIGINT/SIGTERM, then tear down."""
+    plan = DataParallelPlan.from_args(ns, engine_args)
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")   # a local cluster reports nothing home
+    try:
+        import ray
+        from ray import serve
+    except ImportError as e:
+        raise ValueError(f"--data-parallel-backend ray needs Ray Serve ({e}); install it with "
+                         "pip install 'kv8[ray]'") from e
+
+    stop = threading.Event()
+    received: list[int] = []
+
+    def on_signal(sig: int, frame: Any) -> None:
+        received.append(sig)
+        stop.set()
+
+    previous: dict[int, Callable[..., Any] | int | None] = {
+        s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    own_cluster = plan.ray_address is None
+    cores = sum(s.threads for s in plan.replicas)
+    try:
+        if own_cluster:
+            ray.init(num_cpus=max(os.cpu_count() or 1, cores), include_dashboard=False, logging_level=logging.WARNING)
+        else:
+            ray.init(address=plan.ray_address, logging_level=logging.WARNING)
+        for sig in previous:   # ray.init installs its own SIGTERM handler, which exits without tearing down
+            signal.signal(sig, on_signal)
+        logging.getLogger("ray.serve").setLevel(logging.WARNING)
+        serve.start(http_options={"host": plan.host, "port": plan.port}, logging_config=QUIET)
+        print(f"kv8: starting {len(plan.replicas)} replicas of {plan.ingress.served_model_name!r} on Ray "
+              f"({'a new local cluster' if own_cluster else plan.ray_address}), {plan.replicas[0].threads} "
+              "threads each", flush=True)
+        serve.run(plan.application(), name=APP_NAME, route_prefix="/", logging_config=QUIET)
+        print(f"kv8: serving {plan.ingress.served_model_name!r} on http://{plan.host}:{plan.port}/v1 "
+              f"({len(plan.replicas)} data-parallel replicas on Ray, API key "
+              f"{'required' if plan.ingress.api_key else 'not required'})", flush=True)
+        while not stop.wait(0.5):
+            pass
+        print("kv8: stopping the replicas", flush=True)
+    finally:
+        try:
+            if ray.is_initialized():
+                if own_cluster:
+                    serve.shutdown()
+                else:
+                    serve.delete(APP_NAME)
+        finally:
+            if ray.is_initialized():
+                ray.shutdown()
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+    print("kv8: server stopped", flush=True)
+    return 0

@@ -1,0 +1,375 @@
+"""Data-parallel replicas on Ray Serve (``kv8 serve --data-parallel-size 2 --data-parallel-backend ray``).
+
+Fast tests: the routing policy (:class:`PrefixRouter`, pure Python), the routing text, the merged ``/metrics``
+text and the flag checks. Slow tests: one real ``kv8 serve`` subprocess per module with 2 replicas on a new
+local Ray cluster (loopback HTTP), driven by the ``openai`` client and ``httpx``. Oracles: the offline
+:class:`LLM` on the same tiny model with one thread (each replica runs one), and the per-replica series of
+``/metrics``. Every wait is bounded.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from kv8 import LLM, SamplingParams
+from kv8.entrypoints.dp_metrics import merge_replica_metrics
+from kv8.entrypoints.dp_router import PrefixRouter, RouterConfig, chunk_hashes, routing_text
+from tests.test_server import ENGINE_FLAGS, _free_port, single_thread
+
+API_KEY = "dp-key"
+START_TIMEOUT_S = 150.0
+
+
+# ---- the routing policy (no Ray) ----------------------------------------------------------------------------
+def test_chunk_hashes_are_a_chain_of_full_chunks() -> None:
+    a = chunk_hashes("x" * 10 + "y" * 10 + "z" * 5, 10)
+    b = chunk_hashes("x" * 10 + "y" * 10 + "w" * 9, 10)
+    assert len(a) == 2 and a == b                     # the partial tail is not remembered
+    assert chunk_hashes("y" * 10 + "x" * 10, 10)[1] != a[1]   # a chunk's hash depends on what precedes it
+    assert chunk_hashes("short", 10) == []
+
+
+def test_router_prefers_the_replica_holding_the_prefix_within_the_imbalance() -> None:
+    router = PrefixRouter(RouterConfig(chunk_chars=4, imbalance_threshold=2))
+    first = router.choose("abcdefgh-one", {0: 0, 1: 0})
+    assert (first.replica, first.reason) == (0, "least_loaded")
+    # same 8-character prefix: replica 0 holds 2 chunks, and wins while its load is <= the other's + 2
+    d = router.choose("abcdefgh-two", {0: 2, 1: 0})
+    assert (d.replica, d.reason, d.matched_chunks) == (0, "prefix", 2)
+    d = router.choose("abcdefgh-three", {0: 3, 1: 0})
+    assert (d.replica, d.reason) == (1, "least_loaded")   # too loaded: the prefix is now on both
+    assert router.matched_chunks("abcdefgh", 1) == 2
+    d = router.choose("abcdefgh-four", {0: 0, 1: 1})      # both match 2 chunks (tail "-fou" too on none)
+    assert (d.replica, d.reason) == (0, "prefix")
+
+
+def test_router_spreads_distinct_prompts_and_forgets_a_dead_replica() -> None:
+    router = PrefixRouter(RouterConfig(chunk_chars=4))
+    picks = [router.choose(f"{i:04d} distinct", {0: 0, 1: 0, 2: 0}).replica for i in range(6)]
+    assert sorted(picks) == [0, 0, 1, 1, 2, 2]            # equal loads: the replica sent the fewest requests
+    assert router.choose("0000 again", {0: 0, 1: 0, 2: 0}).replica == picks[0]
+    router.forget(picks[0])
+    assert router.matched_chunks("0000 distinct", picks[0]) == 0
+    assert router.choose("only one", {2: 5}).replica == 2  # only the replicas that are up are candidates
+    with pytest.raises(ValueError, match="no replica is up"):
+        router.choose("x", {})
+
+
+def test_router_table_is_bounded_lru() -> None:
+    router = PrefixRouter(RouterConfig(chunk_chars=2, max_entries=3))
+    router.choose("aabbcc", {0: 0})
+    router.choose("ddee", {0: 0})
+    assert len(router) == 3
+    assert router.matched_chunks("ddee", 0) == 2 and router.matched_chunks("aabbcc", 0) == 0
+
+
+def test_router_config_is_validated() -> None:
+    with pytest.raises(ValueError, match="chunk_chars=0 must be an int >= 1"):
+        RouterConfig(chunk_chars=0)
+    with pytest.raises(ValueError, match="imbalance_threshold"):
+        RouterConfig(imbalance_threshold=-1)
+
+
+def test_routing_text_of_completions_and_chats() -> None:
+    assert routing_text("completions", {"prompt": "abc"}) == "abc"
+    assert routing_text("completions", {"prompt": ["abc", "def"]}) == "abc"
+    assert routing_text("completions", {"prompt": [1, 2, 3]}) == "1,2,3"
+    assert routing_text("completions", {"prompt": [[1, 2], [3]]}) == "1,2"
+    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": [{"type": "text", "text": "Hi"}]}]
+    longer = chat + [{"role": "assistant", "content": "Hello"}]
+    assert routing_text("chat", {"messages": longer}).startswith(routing_text("chat", {"messages": chat}))
+    assert routing_text("tokenize", {"prompt": "abc"}) == ""
+
+
+def test_merged_metrics_label_each_replica_and_sum_counters() -> None:
+    one = ("# HELP kv8:prompt_tokens_total P.\n# TYPE kv8:prompt_tokens_total counter\nkv8:prompt_tokens_total 5\n"
+           "# HELP kv8:kv_cache_usage_perc U.\n# TYPE kv8:kv_cache_usage_perc gauge\nkv8:kv_cache_usage_perc 0.5\n"
+           "# HELP kv8:request_success_total S.\n# TYPE kv8:request_success_total counter\n"
+           'kv8:request_success_total{finished_reason="stop"} 2\n')
+    two = one.replace(" 5\n", " 7\n").replace("0.5", "0.25").replace(" 2\n", " 1.5\n")
+    text = merge_replica_metrics({0: one, 1: two})
+    lines = text.splitlines()
+    assert lines.count("# TYPE kv8:prompt_tokens_total counter") == 1
+    assert 'kv8:prompt_tokens_total{replica="0"} 5' in lines and 'kv8:prompt_tokens_total{replica="1"} 7' in lines
+    assert 'kv8:prompt_tokens_total{replica="all"} 12' in lines
+    assert 'kv8:request_success_total{replica="all",finished_reason="stop"} 3.5' in lines
+    assert 'kv8:kv_cache_usage_perc{replica="1"} 0.25' in lines
+    assert not any(line.startswith('kv8:kv_cache_usage_perc{replica="all"') for line in lines)   # a ratio
+    # each family's samples follow its TYPE line
+    starts = [i for i, line in enumerate(lines) if line.startswith("# TYPE")]
+    assert all(lines[i + 1].startswith(lines[i].split()[2]) for i in starts)
+
+
+def test_data_parallel_flag_errors(tiny_llama: str, capsys: pytest.CaptureFixture[str]) -> None:
+    from kv8.entrypoints.cli import main
+
+    base = ["serve", "--model", tiny_llama]
+    assert main([*base, "--data-parallel-size", "2"]) == 2
+    assert "--data-parallel-size=2 needs --data-parallel-backend ray" in capsys.readouterr().err
+    assert main([*base, "-dp", "2", "-dpb", "ray", "--tensor-parallel-size", "2"]) == 2
+    assert "--tensor-parallel-size=2 with --data-parallel-backend ray is not supported" in capsys.readouterr().err
+    assert main([*base, "-dp", "0", "-dpb", "ray"]) == 2
+    assert "--data-parallel-size=0 must be an int >= 1" in capsys.readouterr().err
+    assert main([*base, "-dp", "2", "-dpb", "ray", "--allowed-origins", "*"]) == 2
+    assert "--allowed-origins is not supported" in capsys.readouterr().err
+
+
+# ---- 2 replicas on a local Ray cluster -------------------------------------------------------------------------
+class DPServer:
+    """``kv8 serve ... --data-parallel-size 2 --data-parallel-backend ray`` in a subprocess (its own session, so
+    that teardown can reach every process it started)."""
+
+    def __init__(self, model: str, log_path: str) -> None:
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_path
+        self.log = open(log_path, "wb")
+        args = ["serve", "--model", model, "--api-key", API_KEY, *ENGINE_FLAGS, "--data-parallel-size", "2",
+                "--data-parallel-backend", "ray", "--cpu-threads-per-rank", "1", "--shutdown-timeout", "2",
+                "--port", str(self.port)]
+        env = {**os.environ, "RAY_ADDRESS": "", "RAY_USAGE_STATS_ENABLED": "0"}
+        self.proc = subprocess.Popen([sys.executable, "-m", "kv8.entrypoints.cli", *args], stdout=self.log,
+                                     stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while "kv8: serving" not in self.read_log():
+            assert self.proc.poll() is None, f"server exited early:\n{self.read_log()}"
+            assert time.monotonic() < deadline, f"not serving after {START_TIMEOUT_S}s:\n{self.read_log()}"
+            time.sleep(0.3)
+        self.wait_all_up()
+
+    def read_log(self) -> str:
+        with open(self.log_path, "rb") as f:
+            return f.read().decode(errors="replace")
+
+    def health(self) -> dict[str, Any]:
+        r = httpx.get(self.url + "/health", timeout=10)
+        body: dict[str, Any] = r.json()
+        return body
+
+    def wait_all_up(self, timeout: float = 60.0, not_pid: int | None = None) -> dict[str, Any]:
+        """Until /health reports every replica up with a known pid (none equal to ``not_pid``)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            h = self.health()
+            if all(r["up"] and r["pid"] not in (None, not_pid) for r in h["replicas"]):
+                return h
+            assert time.monotonic() < deadline, f"replicas not all up after {timeout}s: {h}\n{self.read_log()}"
+            time.sleep(0.3)
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(timeout=10)
+        self.log.close()
+        return self.proc.returncode
+
+
+@pytest.fixture(scope="module")
+def dp_server(tiny_llama: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[DPServer]:
+    srv = DPServer(tiny_llama, str(tmp_path_factory.mktemp("dp") / "server.log"))
+    pids = [r["pid"] for r in srv.health()["replicas"]]
+    try:
+        yield srv
+    finally:
+        pids += [r["pid"] for r in srv.health()["replicas"]] if srv.proc.poll() is None else []
+        code = srv.stop()
+        with contextlib.suppress(ProcessLookupError):   # nothing of the session may outlive it
+            os.killpg(srv.proc.pid, signal.SIGKILL)
+    assert code == 0, srv.read_log()
+    assert "kv8: server stopped" in srv.read_log()
+    deadline = time.monotonic() + 30
+    for pid in pids:   # the replica processes are gone
+        while _alive(pid):
+            assert time.monotonic() < deadline, f"replica process {pid} outlived the server"
+            time.sleep(0.2)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with contextlib.suppress(OSError), open(f"/proc/{pid}/stat") as f:
+        return f.read().split(")")[-1].split()[0] != "Z"   # a zombie is gone
+    return True
+
+
+@pytest.fixture(scope="module")
+def dp_client(dp_server: DPServer) -> openai.OpenAI:
+    return openai.OpenAI(base_url=dp_server.url + "/v1", api_key=API_KEY, max_retries=0, timeout=60.0)
+
+
+def _metrics(server: DPServer) -> dict[str, float]:
+    out = {}
+    for line in httpx.get(server.url + "/metrics", timeout=10).text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            out[name] = float(value)
+    return out
+
+
+def _per_replica(m: dict[str, float], name: str) -> list[float]:
+    return [m.get(f'{name}{{replica="{r}"}}', 0.0) for r in (0, 1)]
+
+
+def _wait_idle(server: DPServer, timeout: float = 20.0) -> dict[str, float]:
+    deadline = time.monotonic() + timeout
+    while True:
+        m = _metrics(server)
+        if (all(v == 0 for v in _per_replica(m, "kv8:kv_cache_usage_perc"))
+                and all(v == 0 for v in _per_replica(m, "kv8:num_requests_in_flight"))
+                and all(v == 0 for v in _per_replica(m, "kv8:dp_replica_requests_in_flight"))):
+            return m
+        assert time.monotonic() < deadline, f"still busy after {timeout}s: {m}"
+        time.sleep(0.1)
+
+
+@pytest.mark.slow
+def test_concurrent_streams_get_their_solo_greedy_text_over_both_replicas(
+        dp_server: DPServer, dp_client: openai.OpenAI, tiny_llama: str) -> None:
+    prompts = [f"{i} request: the quick brown fox" for i in range(16)]
+    with single_thread():   # each replica runs one thread: the same kernels, the same float32 results
+        llm = LLM(tiny_llama, dtype="float32", num_kv_blocks=128, block_size=16, max_model_len=256, max_num_seqs=8)
+        offline = [o.outputs[0].text for o in llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=16))]
+    before = _metrics(dp_server)
+    solo = [dp_client.completions.create(model=tiny_llama, prompt=p, max_tokens=16, temperature=0.0).choices[0].text
+            for p in prompts]
+    assert solo == offline
+
+    def stream_one(p: str) -> str:
+        c = openai.OpenAI(base_url=dp_server.url + "/v1", api_key=API_KEY, max_retries=0, timeout=120.0)
+        text = ""
+        for chunk in c.completions.create(model=tiny_llama, prompt=p, max_tokens=16, temperature=0.0, stream=True):
+            text += "".join(ch.text for ch in chunk.choices)
+        return text
+
+    with ThreadPoolExecutor(max_workers=16) as pool:
+        together = list(pool.map(stream_one, prompts))
+    assert together == offline
+    after = _wait_idle(dp_server)
+    # distinct prompts are spread: each replica served some of them
+    served = [a - b for a, b in zip(_per_replica(after, "kv8:prompt_tokens_total"),
+                                    _per_replica(before, "kv8:prompt_tokens_total"))]
+    assert all(s > 0 for s in served), served
+    chat = dp_client.chat.completions.create(model=tiny_llama, messages=[{"role": "user", "content": "Hi"}],
+                                             max_tokens=4, temperature=0.0)
+    assert chat.choices[0].message.content is not None
+    models = dp_client.models.list()
+    assert [m.id for m in models.data] == [tiny_llama]
+
+
+@pytest.mark.slow
+def test_shared_prefix_requests_land_on_one_replica(dp_server: DPServer, dp_client: openai.OpenAI,
+                                                   tiny_llama: str) -> None:
+    shared = ("Paris is the capital of France, and Berlin is the capital of Germany. London is the capital of "
+              "England. Once upon a time there was a little model that stored its cache in eight bits. ")
+    before = _wait_idle(dp_server)
+    for i in range(6):
+        dp_client.completions.create(model=tiny_llama, prompt=f"{shared}Question {i}?", max_tokens=2,
+                                     temperature=0.0)
+    after = _wait_idle(dp_server)
+    hits = [a - b for a, b in zip(_per_replica(after, "kv8:prefix_cache_hits_total"),
+                                  _per_replica(before, "kv8:prefix_cache_hits_total"))]
+    prompts = [a - b for a, b in zip(_per_replica(after, "kv8:prompt_tokens_total"),
+                                     _per_replica(before, "kv8:prompt_tokens_total"))]
+    owner = max((0, 1), key=lambda r: prompts[r])
+    assert prompts[1 - owner] == 0, prompts            # every request went to one replica ...
+    assert hits[owner] >= 5 and hits[1 - owner] == 0, hits   # ... whose cache served the shared blocks
+    routed = f'kv8:dp_requests_routed_total{{replica="{owner}",reason="prefix"}}'
+    assert after.get(routed, 0) - before.get(routed, 0) == 5
+    assert 'kv8:prefix_cache_hits_total{replica="all"}' in after
+
+
+@pytest.mark.slow
+def test_client_disconnect_aborts_on_the_replica(dp_server: DPServer, tiny_llama: str) -> None:
+    """n=16 with max_num_seqs=8: the second wave of 8 sequences cannot start for 240 decode steps, longer than
+    these clients wait before they go away, so at least 8 sequences of each request are aborted."""
+    key = 'kv8:request_success_total{replica="all",finished_reason="abort"}'
+    aborted = _wait_idle(dp_server).get(key, 0.0)
+    body = dict(model=tiny_llama, prompt="Drop me", max_tokens=240, ignore_eos=True, temperature=0.0, n=16)
+    auth = {"Authorization": f"Bearer {API_KEY}"}
+    with httpx.Client(timeout=60) as c, c.stream("POST", dp_server.url + "/v1/completions",
+                                                json=dict(body, stream=True), headers=auth) as r:
+        assert r.status_code == 200
+        first = next(line for line in r.iter_lines() if line.startswith("data: "))
+        assert json.loads(first[6:])["choices"]
+    deadline = time.monotonic() + 10
+    while (m := _metrics(dp_server)).get(key, 0.0) - aborted < 8:
+        assert time.monotonic() < deadline, m
+        time.sleep(0.05)
+    aborted = _wait_idle(dp_server, timeout=10.0).get(key, 0.0)
+    with pytest.raises(httpx.ReadTimeout):   # a non-streamed request whose client gives up
+        httpx.post(dp_server.url + "/v1/completions", json=dict(body, prompt="Drop me too"), headers=auth,
+                   timeout=httpx.Timeout(60, read=0.3))
+    deadline = time.monotonic() + 10
+    while (m := _metrics(dp_server)).get(key, 0.0) - aborted < 8:
+        assert time.monotonic() < deadline, m
+        time.sleep(0.05)
+    _wait_idle(dp_server, timeout=10.0)
+
+
+@pytest.mark.slow
+def test_errors_keep_openai_shape(dp_server: DPServer, tiny_llama: str) -> None:
+    url = dp_server.url + "/v1/completions"
+    r = httpx.post(url, json={"model": tiny_llama, "prompt": "x"}, timeout=10)
+    assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+    auth = {"Authorization": f"Bearer {API_KEY}"}
+    r = httpx.post(url, json={"model": tiny_llama, "prompt": "x", "max_tokens": -1}, headers=auth, timeout=10)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
+    r = httpx.post(url, json={"model": "other", "prompt": "x"}, headers=auth, timeout=10)
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+    r = httpx.post(url, content=b"{", headers={**auth, "Content-Type": "application/json"}, timeout=10)
+    assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"]
+    r = httpx.post(dp_server.url + "/tokenize", json={"prompt": "Hello"}, headers=auth, timeout=10)
+    assert r.status_code == 200 and r.json()["count"] == len(r.json()["tokens"]) > 0
+
+
+@pytest.mark.slow
+def test_killed_replica_fails_its_requests_cleanly_and_comes_back(dp_server: DPServer, tiny_llama: str) -> None:
+    health = dp_server.wait_all_up()
+    auth = {"Authorization": f"Bearer {API_KEY}"}
+    body = dict(model=tiny_llama, prompt="Kill me softly", max_tokens=240, ignore_eos=True, temperature=0.0,
+                n=16, stream=True)   # two waves of 8 sequences: still running when the replica is killed
+    with httpx.Client(timeout=30) as c, c.stream("POST", dp_server.url + "/v1/completions", json=body,
+                                                headers=auth) as r:
+        lines = r.iter_lines()
+        next(line for line in lines if line.startswith("data: "))
+        busy = _per_replica(_metrics(dp_server), "kv8:dp_replica_requests_in_flight")
+        victim = busy.index(1)
+        pid = health["replicas"][victim]["pid"]
+        os.kill(pid, signal.SIGKILL)
+        killed = time.monotonic()
+        rest = [line for line in lines if line]
+        assert time.monotonic() - killed < 10
+    assert rest[-1] == "data: [DONE]"
+    error = json.loads(rest[-2][6:])["error"]
+    assert error["code"] == "replica_failed" and error["type"] == "server_error"
+    # the endpoint keeps serving, on the other replica
+    for i in range(4):
+        r = httpx.post(dp_server.url + "/v1/completions", headers=auth, timeout=30,
+                       json=dict(model=tiny_llama, prompt=f"after {i}", max_tokens=2))
+        assert r.status_code == 200, r.text
+    h = dp_server.health()
+    assert not h["replicas"][victim]["up"] and h["replicas"][1 - victim]["up"]
+    # Ray restarts it and it rejoins
+    dp_server.wait_all_up(timeout=90.0, not_pid=pid)
+    m = _metrics(dp_server)
+    assert m[f'kv8:dp_replica_failures_total{{replica="{victim}"}}'] >= 1
+    assert m[f'kv8:dp_replica_up{{replica="{victim}"}}'] == 1
