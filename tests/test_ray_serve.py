@@ -127,6 +127,20 @@ def test_data_parallel_flag_errors(tiny_llama: str, capsys: pytest.CaptureFixtur
     assert "--allowed-origins is not supported" in capsys.readouterr().err
 
 
+def test_serve_run_builder_takes_kv8_serve_flags(tiny_llama: str) -> None:
+    """``serve run kv8.entrypoints.ray_serve:app_builder key=value``: values arrive as strings; no cluster is
+    needed to build the application."""
+    from ray.serve import Application
+
+    from kv8.entrypoints.ray_serve import app_builder
+
+    app = app_builder({"model": tiny_llama, "data_parallel_size": "2", "enable_prefix_caching": "true",
+                       "max_num_seqs": 8, "cpu_threads_per_rank": "1"})
+    assert isinstance(app, Application)
+    with pytest.raises(ValueError, match="--tensor-parallel-size=2 with --data-parallel-backend ray"):
+        app_builder({"model": tiny_llama, "tensor_parallel_size": 2})
+
+
 # ---- 2 replicas on a local Ray cluster -------------------------------------------------------------------------
 class DPServer:
     """``kv8 serve ... --data-parallel-size 2 --data-parallel-backend ray`` in a subprocess (its own session, so

@@ -18,10 +18,9 @@ has in flight (the routing table is plain Python, tested without Ray), can addre
 metrics or probe it, and stops routing to a replica the moment a call to it fails, instead of queueing behind
 Serve's view of the replica set. Serve still health-checks and restarts each replica.
 
-Replica protocol (:meth:`KV8Replica.handle`, a Serve streaming call): ``handle(route, body)`` yields either one
-:class:`JSONReply` (an answer or an OpenAI error, with its status), or :data:`SSE_START` followed by the SSE
-chunks. Cancelling the call (the client went away; Serve's proxy cancels the ingress request, which cancels its
-replica call) closes the replica's stream or non-streamed wait, which aborts the engine requests.
+Each request is one streaming call of :meth:`KV8Replica.handle` (:mod:`kv8.entrypoints.dp_replica` states the
+protocol). A client that goes away makes Serve's proxy cancel the ingress request, whose replica call is then
+cancelled, which aborts the engine requests.
 
 Faults: a call that fails because its replica is gone (the process was killed, or Ray reports it unavailable)
 answers a 503 ``replica_failed`` (a stream: an error event, then ``data: [DONE]``); the ingress marks the
@@ -54,7 +53,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kv8 import envs
@@ -64,8 +63,8 @@ from kv8.entrypoints.dp_metrics import merge_replica_metrics, render_router_metr
 from kv8.entrypoints.dp_replica import JSONReply, KV8Replica, ReplicaInfo, ReplicaSpec
 from kv8.entrypoints.dp_router import PrefixRouter, RouterConfig, routing_text
 from kv8.entrypoints.protocol import APIError
-from kv8.entrypoints.request_run import ClientDisconnected, sse
-from kv8.entrypoints.server import ServerOptions, check_server_args, read_json_body
+from kv8.entrypoints.request_run import ClientDisconnected, Stream, sse
+from kv8.entrypoints.server import ServerOptions, SSEResponse, check_server_args, read_json_body
 
 logger = logging.getLogger("kv8.ray_serve")
 
@@ -180,8 +179,16 @@ class KV8Ingress:
         if isinstance(first, JSONReply):
             self.in_flight[replica] -= 1
             return JSONResponse(first.body, status_code=first.status, headers=first.headers)
-        return StreamingResponse(self._relay(replica, gen), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        closed = False
+
+        def close() -> None:   # however the response ends, even before its first chunk: once
+            nonlocal closed
+            if not closed:
+                closed = True
+                gen.cancel()
+                self.in_flight[replica] -= 1
+
+        return SSEResponse(Stream(self._relay(replica, gen), close))
 
     def _failure(self, replica: int, e: BaseException) -> APIError:
         if isinstance(e, StopAsyncIteration):
@@ -204,9 +211,6 @@ class KV8Ingress:
             err = self._failure(replica, e)
             yield sse(err.body())
             yield "data: [DONE]\n\n"
-        finally:
-            gen.cancel()
-            self.in_flight[replica] -= 1
 
     async def replica_info(self) -> ReplicaInfo:
         for r, ok in self.up.items():

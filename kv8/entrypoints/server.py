@@ -70,7 +70,7 @@ API_KEY_ENV = envs.API_KEY_ENV
 RETRY_AFTER_SHUTDOWN_S = 5   # the Retry-After of a 503 answered while the server drains
 
 
-class _SSEResponse(StreamingResponse):
+class SSEResponse(StreamingResponse):
     """A streaming response whose ``on_close`` runs however the response ends (finished, client gone,
     cancelled before the first chunk)."""
 
@@ -241,7 +241,7 @@ def build_app(engine: AsyncEngine, limits: ServingLimits, api_key: str | None, m
 
     def respond(result: dict[str, Any] | Stream) -> Response:
         if isinstance(result, Stream):
-            return _SSEResponse(result)
+            return SSEResponse(result)
         return JSONResponse(result)
 
     @app.get("/health")
