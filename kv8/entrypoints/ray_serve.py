@@ -429,7 +429,12 @@ def run_ray_server(ns: argparse.Namespace, engine_args: EngineArgs) -> int:
         if own_cluster:
             ray.init(num_cpus=max(os.cpu_count() or 1, cores), include_dashboard=False, logging_level=logging.WARNING)
         else:
-            ray.init(address=plan.ray_address, logging_level=logging.WARNING)
+            try:
+                ray.init(address=plan.ray_address, logging_level=logging.WARNING)
+            except ConnectionError as e:
+                raise ValueError(f"could not connect to the Ray cluster at {plan.ray_address} (--ray-address or "
+                                 f"$RAY_ADDRESS): {e}; a cluster with token authentication also needs "
+                                 "RAY_AUTH_MODE=token and its token (~/.ray/auth_token or $RAY_AUTH_TOKEN)") from e
         for sig in previous:   # ray.init installs its own SIGTERM handler, which exits without tearing down
             signal.signal(sig, on_signal)
         logging.getLogger("ray.serve").setLevel(logging.WARNING)
