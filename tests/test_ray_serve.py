@@ -76,6 +76,12 @@ def test_router_table_is_bounded_lru() -> None:
     assert router.matched_chunks("ddee", 0) == 2 and router.matched_chunks("aabbcc", 0) == 0
 
 
+def test_router_counts_only_the_leading_chunks_of_a_long_prompt() -> None:
+    router = PrefixRouter(RouterConfig(chunk_chars=2, max_chunks=3))
+    router.choose("aabbccdd", {0: 0, 1: 0})
+    assert router.matched_chunks("aabbccxx", 0) == 3 and len(router) == 3
+
+
 def test_router_config_is_validated() -> None:
     with pytest.raises(ValueError, match="chunk_chars=0 must be an int >= 1"):
         RouterConfig(chunk_chars=0)
@@ -123,6 +129,8 @@ def test_data_parallel_flag_errors(tiny_llama: str, capsys: pytest.CaptureFixtur
     assert "--tensor-parallel-size=2 with --data-parallel-backend ray is not supported" in capsys.readouterr().err
     assert main([*base, "-dp", "0", "-dpb", "ray"]) == 2
     assert "--data-parallel-size=0 must be an int >= 1" in capsys.readouterr().err
+    assert main([*base, "-dp", "0"]) == 2
+    assert "--data-parallel-size=0 must be >= 1" in capsys.readouterr().err
     assert main([*base, "-dp", "2", "-dpb", "ray", "--allowed-origins", "*"]) == 2
     assert "--allowed-origins is not supported" in capsys.readouterr().err
 

@@ -93,8 +93,9 @@ def cmd_serve(ns: argparse.Namespace) -> int:
 
         return run_ray_server(ns, engine_args)
     if ns.data_parallel_size != 1:
-        raise ValueError(f"--data-parallel-size={ns.data_parallel_size} needs --data-parallel-backend ray (kv8 runs "
-                         "data-parallel replicas on Ray Serve only)")
+        raise ValueError(f"--data-parallel-size={ns.data_parallel_size} " + (
+            "must be >= 1" if ns.data_parallel_size < 1 else
+            "needs --data-parallel-backend ray (kv8 runs data-parallel replicas on Ray Serve only)"))
     from kv8.entrypoints.server import run_server
 
     return run_server(ns, engine_args)

@@ -37,15 +37,18 @@ from dataclasses import dataclass
 class RouterConfig:
     """``chunk_chars``: characters per remembered chunk (about one KV block of 16 tokens of English text);
     ``imbalance_threshold``: how many more in-flight requests than the least-loaded replica a prefix match may
-    have and still win; ``max_entries``: hashes remembered in all. Invariant: ints, ``chunk_chars`` and
+    have and still win; ``max_chunks``: the leading chunks of a prompt that count (a longer prompt is routed by
+    its first ``max_chunks * chunk_chars`` characters, so routing costs no more for a huge prompt);
+    ``max_entries``: hashes remembered in all. Invariant: ints, ``chunk_chars``, ``max_chunks`` and
     ``max_entries`` >= 1, ``imbalance_threshold`` >= 0."""
 
     chunk_chars: int = 64
     imbalance_threshold: int = 4
+    max_chunks: int = 256
     max_entries: int = 100_000
 
     def __post_init__(self) -> None:
-        for name, low in (("chunk_chars", 1), ("imbalance_threshold", 0), ("max_entries", 1)):
+        for name, low in (("chunk_chars", 1), ("imbalance_threshold", 0), ("max_chunks", 1), ("max_entries", 1)):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < low:
                 raise ValueError(f"RouterConfig.{name}={value!r} must be an int >= {low}")
@@ -86,7 +89,7 @@ class PrefixRouter:
         is empty."""
         if not loads:
             raise ValueError("no replica is up to route to")
-        hashes = chunk_hashes(prefix, self.config.chunk_chars)
+        hashes = self._hashes(prefix)
         matched = {r: self._match(hashes, r) for r in loads}
         least = min(loads, key=lambda r: (loads[r], self._sent.get(r, 0), r))
         best = min(loads, key=lambda r: (-matched[r], loads[r], r))
@@ -107,10 +110,14 @@ class PrefixRouter:
 
     def matched_chunks(self, prefix: str, replica: int) -> int:
         """How many leading chunks of ``prefix`` ``replica`` holds (for inspection and tests)."""
-        return self._match(chunk_hashes(prefix, self.config.chunk_chars), replica)
+        return self._match(self._hashes(prefix), replica)
 
     def __len__(self) -> int:
         return len(self._table)
+
+    def _hashes(self, prefix: str) -> list[bytes]:
+        cfg = self.config
+        return chunk_hashes(prefix[:cfg.chunk_chars * cfg.max_chunks], cfg.chunk_chars)
 
     def _match(self, hashes: list[bytes], replica: int) -> int:
         n = 0
