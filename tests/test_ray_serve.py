@@ -212,25 +212,41 @@ def dp_server(tiny_llama: str, tmp_path_factory: pytest.TempPathFactory) -> Iter
     finally:
         pids += [r["pid"] for r in srv.health()["replicas"]] if srv.proc.poll() is None else []
         code = srv.stop()
-        with contextlib.suppress(ProcessLookupError):   # nothing of the session may outlive it
-            os.killpg(srv.proc.pid, signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        # nothing it started outlives it: the replica processes, and every process of its session (Ray's too)
+        while left := [p for p in pids if _alive(p)] + _session_members(srv.proc.pid):
+            if time.monotonic() > deadline:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(srv.proc.pid, signal.SIGKILL)
+                pytest.fail(f"processes {left} outlived the server")
+            time.sleep(0.2)
     assert code == 0, srv.read_log()
     assert "kv8: server stopped" in srv.read_log()
-    deadline = time.monotonic() + 30
-    for pid in pids:   # the replica processes are gone
-        while _alive(pid):
-            assert time.monotonic() < deadline, f"replica process {pid} outlived the server"
-            time.sleep(0.2)
+
+
+def _proc_stat(pid: int) -> list[str] | None:
+    """Fields of /proc/PID/stat after the command name (state first), None if the process is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[-1].split()
+    except OSError:
+        return None
 
 
 def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    with contextlib.suppress(OSError), open(f"/proc/{pid}/stat") as f:
-        return f.read().split(")")[-1].split()[0] != "Z"   # a zombie is gone
-    return True
+    stat = _proc_stat(pid)
+    return stat is not None and stat[0] != "Z"   # a zombie is gone
+
+
+def _session_members(sid: int) -> list[int]:
+    """Live processes whose session id is ``sid``."""
+    out = []
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            stat = _proc_stat(int(name))
+            if stat is not None and stat[0] != "Z" and int(stat[3]) == sid:
+                out.append(int(name))
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -365,24 +381,41 @@ def test_errors_keep_openai_shape(dp_server: DPServer, tiny_llama: str) -> None:
 
 @pytest.mark.slow
 def test_killed_replica_fails_its_requests_cleanly_and_comes_back(dp_server: DPServer, tiny_llama: str) -> None:
+    """A stream and a non-streamed request on one replica (the second follows the first's prompt prefix); the
+    replica's process is killed: both end with a 503 ``replica_failed`` within seconds, the endpoint serves on the
+    other replica, and Ray's replacement rejoins."""
     health = dp_server.wait_all_up()
     auth = {"Authorization": f"Bearer {API_KEY}"}
-    body = dict(model=tiny_llama, prompt="Kill me softly", max_tokens=240, ignore_eos=True, temperature=0.0,
-                n=16, stream=True)   # two waves of 8 sequences: still running when the replica is killed
-    with httpx.Client(timeout=30) as c, c.stream("POST", dp_server.url + "/v1/completions", json=body,
-                                                headers=auth) as r:
+    prefix = "Kill me softly, " * 5   # longer than a routing chunk: the second request follows the first
+    body = dict(model=tiny_llama, max_tokens=150, ignore_eos=True, temperature=0.0,
+                n=16)   # two waves of 8 sequences: still running when the replica is killed
+
+    def non_streamed() -> httpx.Response:
+        return httpx.post(dp_server.url + "/v1/completions", headers=auth, timeout=30,
+                          json=dict(body, prompt=prefix + "second"))
+
+    with ThreadPoolExecutor(1) as pool, httpx.Client(timeout=30) as c, \
+            c.stream("POST", dp_server.url + "/v1/completions", json=dict(body, prompt=prefix + "first", stream=True),
+                     headers=auth) as r:
+        assert r.status_code == 200, r.read()
         lines = r.iter_lines()
         next(line for line in lines if line.startswith("data: "))
-        busy = _per_replica(_metrics(dp_server), "kv8:dp_replica_requests_in_flight")
-        victim = busy.index(1)
+        victim = _per_replica(_metrics(dp_server), "kv8:dp_replica_requests_in_flight").index(1)
+        second = pool.submit(non_streamed)
+        deadline = time.monotonic() + 10
+        while _per_replica(_metrics(dp_server), "kv8:dp_replica_requests_in_flight")[victim] < 2:
+            assert time.monotonic() < deadline and not second.done(), "the second request did not follow the prefix"
+            time.sleep(0.02)
         pid = health["replicas"][victim]["pid"]
         os.kill(pid, signal.SIGKILL)
         killed = time.monotonic()
         rest = [line for line in lines if line]
         assert time.monotonic() - killed < 10
+        answer = second.result(timeout=10)
     assert rest[-1] == "data: [DONE]"
     error = json.loads(rest[-2][6:])["error"]
     assert error["code"] == "replica_failed" and error["type"] == "server_error"
+    assert answer.status_code == 503 and answer.json()["error"]["code"] == "replica_failed"
     # the endpoint keeps serving, on the other replica
     for i in range(4):
         r = httpx.post(dp_server.url + "/v1/completions", headers=auth, timeout=30,
