@@ -27,6 +27,7 @@ import logging
 import pickle
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from multiprocessing.connection import wait as wait_for_any
 from multiprocessing.process import BaseProcess
@@ -63,6 +64,8 @@ class TPGroup:
     store: Any = None                      # torch.distributed.Store (control channel); None for one rank
     pg: Any = None                         # torch.distributed.ProcessGroup (all-reduce); None for one rank
     procs: list[BaseProcess] = field(default_factory=list)
+    # Rank 0: called (from the watch thread) with "rank R (exit code C)" when a started worker exits before close()
+    on_rank_exit: list[Callable[[str], None]] = field(default_factory=list)
     _step: int = 0
     _closed: bool = False
 
@@ -148,14 +151,18 @@ class TPGroup:
 
     # ---- failures and shutdown ---------------------------------------------------------------------------------
     def watch(self) -> None:
-        """Rank 0: log at once when a started worker exits before :meth:`close` (an idle engine learns it then;
-        its next step fails naming the rank)."""
+        """Rank 0: when a started worker exits before :meth:`close`, log it at once and call each of
+        :attr:`on_rank_exit` (a served engine fails then, idle or not); without them the next step fails naming
+        the rank."""
         def run() -> None:
             wait_for_any([p.sentinel for p in self.procs])
             time.sleep(0.1)   # close() may be under way
             if not self._closed:
-                logger.error("tensor-parallel %s; the engine fails at its next step",
-                             f"{self.dead_ranks()} exited" if self.dead_ranks() else "rank exited")
+                what = f"{self.dead_ranks()} exited" if self.dead_ranks() else "rank exited"
+                logger.error("tensor-parallel %s; the engine fails%s", what,
+                             "" if self.on_rank_exit else " at its next step")
+                for hook in list(self.on_rank_exit):
+                    hook(what)
 
         threading.Thread(target=run, name="kv8-tp-watch", daemon=True).start()
 
