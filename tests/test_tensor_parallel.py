@@ -158,6 +158,7 @@ def _compare(path: str, tp: int, kv: str, **kw) -> None:
     many = _llm(path, tp, kv, **kw)
     procs = list(many.engine.tp.procs)
     assert len(procs) == tp - 1 and all(p.is_alive() for p in procs)
+    assert many.engine.tp.shm is not None   # ranks kv8 started sum through shared memory (torchrun's use gloo)
     # the rank's cache holds its KV heads: the same budget gives more blocks per rank
     assert many.engine.cache.shape.num_kv_heads == max(1, one.engine.cache.shape.num_kv_heads // tp)
     tokens, lps = _run(many)

@@ -33,7 +33,7 @@ from kv8.distributed.group import OP_TIMEOUT, SINGLE_RANK, STORE_TIMEOUT, TPGrou
 if TYPE_CHECKING:
     from kv8.engine.args import EngineArgs
 
-__all__ = ["start_ranks", "torchrun_rank"]
+__all__ = ["allreduce_slot_bytes", "start_ranks", "torchrun_rank"]
 
 def torchrun_rank() -> tuple[int, int] | None:
     """``(rank, world size)`` when this process was launched by torchrun (its variables are set), else None."""
@@ -47,6 +47,12 @@ def set_threads(config: EngineConfig) -> None:
     threads = config.parallel.threads(os.cpu_count() or 1)
     if threads is not None:
         torch.set_num_threads(threads)
+
+
+def allreduce_slot_bytes(config: EngineConfig) -> int:
+    """The largest tensor a step all-reduces: ``[max_num_batched_tokens, hidden_size]`` in the compute dtype."""
+    return (config.scheduler.max_num_batched_tokens * config.arch.hidden_size
+            * torch.empty((), dtype=config.dtype).element_size())
 
 
 def start_ranks(args: EngineArgs, config: EngineConfig, num_blocks: list[int]) -> TPGroup:
@@ -78,7 +84,7 @@ def start_ranks(args: EngineArgs, config: EngineConfig, num_blocks: list[int]) -
         tp.share("num_blocks", num_blocks)
         return tp
     store = dist.TCPStore("127.0.0.1", 0, size, True, timeout=STORE_TIMEOUT, wait_for_workers=False)
-    tp = TPGroup(0, size, store=store)
+    tp = TPGroup(0, size, store=store, local=True)
     tp.share("num_blocks", num_blocks)
     from kv8.distributed.worker import worker_main
 
