@@ -126,7 +126,9 @@ class ModelRunner:
         out = ModelRunnerOutput({}, {}, {})
         if sampling:
             reqs = [c.request for c, _ in sampling]
-            logits = self.model.compute_logits(hidden[[row for _, row in sampling]])   # [S, V]
+            rows = [row for _, row in sampling]
+            # decode steps sample every row: no gather
+            logits = self.model.compute_logits(hidden if rows == list(range(hidden.shape[0])) else hidden[rows])
             self._mask_early_stop(logits, reqs)
             apply_grammar_masks(logits, [r.grammar for r in reqs])   # structured output rows only
             # A row without a finite maximum (NaN anywhere, +inf, or nothing left) has no token to sample: that
@@ -142,7 +144,8 @@ class ModelRunner:
             # penalties need the request's tokens: passed (not copied) for the rows that use them only
             histories = [TokenHistory(r.prompt_token_ids, r.output_token_ids) if r.sampling_params.uses_penalties
                          else None for r in reqs]
-            result = sample(logits, [r.sampling_params for r in reqs], [r.generator for r in reqs], histories)
+            result = sample(logits, [r.sampling_params for r in reqs], [r.generator for r in reqs], histories,
+                            finite_checked=True)
             for i, r in enumerate(reqs):
                 out.sampled[r.request_id] = int(result.token_ids[i])
                 k = r.sampling_params.logprobs
