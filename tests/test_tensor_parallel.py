@@ -137,8 +137,9 @@ def gqa_6x3(tmp_path_factory) -> str:
 
 
 def _llm(path: str, tp: int, kv: str = "auto", **kw) -> LLM:
-    return LLM(path, dtype="float32", kv_cache_dtype=kv, tensor_parallel_size=tp, cpu_threads_per_rank=1,
-               kv_cache_memory="2MiB", max_model_len=256, **kw)
+    kw.setdefault("kv_cache_memory", None if "num_kv_blocks" in kw else "2MiB")
+    kw.setdefault("max_model_len", 256)
+    return LLM(path, dtype="float32", kv_cache_dtype=kv, tensor_parallel_size=tp, cpu_threads_per_rank=1, **kw)
 
 
 def _run(llm: LLM) -> tuple[list[list[int]], list[float]]:
@@ -182,6 +183,27 @@ def test_tp2_equals_tp1_float32(gqa_6x2: str) -> None:
 @pytest.mark.parametrize("kv", ["fp8", "fp8_e5m2"])
 def test_tp2_equals_tp1_fp8(gqa_6x2: str, kv: str) -> None:
     _compare(gqa_6x2, 2, kv)
+
+
+def _seeded_under_pressure(llm: LLM) -> tuple[list[str], int]:
+    """Seeded random sampling of many prompts at once in a cache too small for them (preemption, recompute)."""
+    prompts = [f"{PROMPTS[i % len(PROMPTS)]} number {i}" for i in range(8)]
+    params = [SamplingParams(temperature=0.8, top_p=0.9, seed=100 + i, max_tokens=24, ignore_eos=True)
+              for i in range(len(prompts))]
+    outs = llm.generate(prompts, params)
+    return [o.outputs[0].text for o in outs], llm.engine.stats()["num_preemptions"]
+
+
+def test_tp2_seeded_sampling_and_preemption_equal_tp1(gqa_6x2: str) -> None:
+    """Per-request seeds give the same texts as one rank, also when the cache is too small for the batch and
+    requests are preempted and recomputed (float32: logits agree to ~1e-6, far below what moves a sample)."""
+    kw = dict(num_kv_blocks=20, block_size=4, max_num_batched_tokens=16, max_model_len=64)
+    ref, ref_preempted = _seeded_under_pressure(_llm(gqa_6x2, 1, **kw))
+    two = _llm(gqa_6x2, 2, **kw)
+    got, preempted = _seeded_under_pressure(two)
+    two.close()
+    assert ref_preempted > 0 and preempted == ref_preempted
+    assert got == ref
 
 
 @pytest.mark.slow
