@@ -82,6 +82,35 @@ def test_sharded_linears_reassemble_the_whole(tp_size: int, hq: int, hkv: int) -
     torch.testing.assert_close(down_sum, h @ w_down.T + b_o)
 
 
+@pytest.mark.parametrize("tp_size", [2, 3])
+def test_vocab_parallel_layers_reassemble_the_whole(tp_size: int) -> None:
+    """Each rank holds ceil(V / N) rows (zeros past V); the ranks' embedding rows sum to the lookup and their
+    logits, side by side, are the whole LM head's (what rank 0's gather concatenates)."""
+    from kv8.layers.vocab_parallel import ParallelLMHead, VocabParallelEmbedding
+
+    torch.manual_seed(0)
+    vocab, e = 385, 16                                      # not a multiple of 2 or 3: the last rank pads
+    table, x = torch.randn(vocab, e), torch.randn(4, e)
+    ids = torch.tensor([0, 1, 128, 129, 192, 193, 257, 384])
+    emb_sum, parts = torch.zeros(len(ids), e), []
+    for r in range(tp_size):
+        tp = TPGroup(r, tp_size)
+        tp.all_reduce = lambda t: t                         # type: ignore[method-assign]  # summed below
+        with building_shard(tp):
+            emb, head = VocabParallelEmbedding(vocab, e), ParallelLMHead(e, vocab, TORCH_BACKEND)
+        emb.weight_loader(emb.weight, table)
+        head.weight_loader(head.weight, table)
+        assert emb.weight.shape == head.weight.shape == (-(-vocab // tp_size), e)
+        emb_sum += emb(ids)
+        parts.append(head.method.apply(head, x))
+    assert torch.equal(emb_sum, table[ids])
+    logits = torch.cat(parts, dim=-1)
+    torch.testing.assert_close(logits[:, :vocab], x @ table.T)
+    assert not logits[:, vocab:].any()
+    with pytest.raises(ValueError, match=r"has shape \(384, 16\), the model expects \(385, 16\)"):
+        emb.weight_loader(emb.weight, table[:384])
+
+
 def test_parallel_config_errors_name_the_sizes() -> None:
 
     cfg = dict(model_type="llama", vocab_size=10, hidden_size=96, intermediate_size=192, num_hidden_layers=1,
@@ -160,6 +189,8 @@ def _compare(path: str, tp: int, kv: str, **kw) -> None:
     procs = list(many.engine.tp.procs)
     assert len(procs) == tp - 1 and all(p.is_alive() for p in procs)
     assert many.engine.tp.shm is not None   # ranks kv8 started sum through shared memory (torchrun's use gloo)
+    vocab = one.engine.model.model.embed_tokens.weight.shape[0]   # each rank holds its share of the vocabulary
+    assert many.engine.model.model.embed_tokens.weight.shape[0] == -(-vocab // tp)
     # the rank's cache holds its KV heads: the same budget gives more blocks per rank
     assert many.engine.cache.shape.num_kv_heads == max(1, one.engine.cache.shape.num_kv_heads // tp)
     tokens, lps = _run(many)

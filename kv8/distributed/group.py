@@ -124,6 +124,21 @@ class TPGroup:
             raise self.failure(e) from e
         return x
 
+    def gather_to_driver(self, x: torch.Tensor) -> list[torch.Tensor] | None:
+        """Every rank's contiguous ``x`` (equal shapes) in rank order on rank 0; None on the other ranks. Like
+        :meth:`all_reduce`, every rank must call it, and the path (shared memory or gloo) depends on ``x``'s size
+        only."""
+        if self.size == 1:
+            return [x]
+        try:
+            if self.shm is not None and self.shm.fits(x):
+                return self.shm.gather(x)
+            parts = [torch.empty_like(x) for _ in range(self.size)]
+            self.pg.allgather([parts], [x]).wait()
+        except RuntimeError as e:
+            raise self.failure(e) from e
+        return parts if self.is_driver else None
+
     # ---- control channel ---------------------------------------------------------------------------------------
     def publish(self, obj: Any) -> None:
         """Rank 0: make ``obj`` (a step's inputs, or None to stop) the next message of every other rank."""

@@ -50,9 +50,12 @@ def set_threads(config: EngineConfig) -> None:
 
 
 def allreduce_slot_bytes(config: EngineConfig) -> int:
-    """The largest tensor a step all-reduces: ``[max_num_batched_tokens, hidden_size]`` in the compute dtype."""
-    return (config.scheduler.max_num_batched_tokens * config.arch.hidden_size
-            * torch.empty((), dtype=config.dtype).element_size())
+    """The largest tensor a decode or prefill step sends through a collective, in the compute dtype: an
+    all-reduce of ``[max_num_batched_tokens, hidden_size]`` or the LM head's gather of ``[max_num_seqs,
+    ceil(vocab / ranks)]`` (prompt-logprob batches may be larger and go through gloo)."""
+    sched, arch, n = config.scheduler, config.arch, config.parallel.tensor_parallel_size
+    elements = max(sched.max_num_batched_tokens * arch.hidden_size, sched.max_num_seqs * -(-arch.vocab_size // n))
+    return elements * torch.empty((), dtype=config.dtype).element_size()
 
 
 def start_ranks(args: EngineArgs, config: EngineConfig, num_blocks: list[int]) -> TPGroup:

@@ -1,4 +1,4 @@
-"""All-reduce through shared memory, for tensor-parallel ranks on one machine.
+"""All-reduce (and gather) through shared memory, for tensor-parallel ranks on one machine.
 
 A gloo all-reduce goes through loopback TCP: on some machines (sandboxes, VMs) that costs about a millisecond
 however small the tensor, and a decode step runs two per layer. Ranks that share a machine instead sum through
@@ -71,20 +71,35 @@ class ShmAllReduce:
     def fits(self, x: torch.Tensor) -> bool:
         return x.numel() * x.element_size() <= self.slot_bytes
 
-    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        """Sum contiguous ``x`` over the ranks, in place (``fits(x)`` must hold); returns it."""
+    def _exchange(self, x: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """Publish ``x`` as this rank's part of the next call and wait for every rank's: ``(the call's slots
+        [size, slot_bytes], bytes of x)``."""
         self._calls += 1
         n, nbytes = self._calls, x.numel() * x.element_size()
         slots = self._slots[n % 2]
         slots[self.rank, :nbytes].copy_(x.reshape(-1).view(torch.uint8))
         self._flags[self.rank] = n
         self._wait(n)
+        return slots, nbytes
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum contiguous ``x`` over the ranks, in place (``fits(x)`` must hold); returns it."""
+        slots, nbytes = self._exchange(x)
         acc_dtype = torch.float32 if x.element_size() < 4 else x.dtype
         total = slots[0, :nbytes].view(x.dtype).to(acc_dtype, copy=True)   # never add into the shared slot
         for r in range(1, self.size):
             total += slots[r, :nbytes].view(x.dtype)
         x.copy_(total.view(x.shape))
         return x
+
+    def gather(self, x: torch.Tensor) -> list[torch.Tensor] | None:
+        """Every rank's contiguous ``x`` (equal shapes and dtypes; ``fits(x)`` must hold), in rank order, on
+        rank 0 (copies); None on the other ranks. Uses the same slots and flags as :meth:`all_reduce` (every
+        rank waits for every flag, so the two-slot argument holds for both)."""
+        slots, nbytes = self._exchange(x)
+        if self.rank != 0:
+            return None
+        return [slots[r, :nbytes].view(x.dtype).view(x.shape).clone() for r in range(self.size)]
 
     def _wait(self, n: int) -> None:
         flags = self._flags

@@ -40,7 +40,7 @@ def run_worker(tp: TPGroup, args: EngineArgs) -> None:
     tp.set_ready()
     tp.connect(slot_bytes=allreduce_slot_bytes(config))
     while (inputs := tp.receive()) is not None:
-        shard.runner.forward(inputs)
+        shard.runner.worker_step(inputs)
 
 
 def worker_main(rank: int, size: int, port: int, args: EngineArgs) -> None:
