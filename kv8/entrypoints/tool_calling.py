@@ -117,26 +117,22 @@ def required_schema(tools: list[ChatTool], parallel: bool) -> dict[str, Any]:
     return schema
 
 
+# a JSON string (an unterminated one runs to the end of the text), or a bracket
+_JSON_PIECE = re.compile(r'"(?:[^"\\]|\\.)*"?|[{}\[\]]')
+
+
 def _object_end(text: str, start: int) -> int | None:
-    """The index just past the JSON object or array that starts at ``text[start]``, None if it is not complete."""
-    depth, in_string, escaped = 0, False, False
-    for i in range(start, len(text)):
-        ch = text[i]
-        if in_string:
-            if escaped:
-                escaped = False
-            elif ch == "\\":
-                escaped = True
-            elif ch == '"':
-                in_string = False
-        elif ch == '"':
-            in_string = True
-        elif ch in "{[":
+    """The index just past the JSON object or array that starts at ``text[start]``, None if it is not complete.
+    Strings are skipped by a regular expression, so a streamed answer's repeated scans stay cheap."""
+    depth = 0
+    for m in _JSON_PIECE.finditer(text, start):
+        ch = m.group()
+        if ch in "{[":
             depth += 1
         elif ch in "}]":
             depth -= 1
             if depth == 0:
-                return i + 1
+                return m.end()
     return None
 
 
