@@ -339,6 +339,9 @@ def test_bad_tool_requests_are_400s_naming_the_field(tool_serving: OpenAIServing
             {"id": "c", "type": "function", "function": {"name": "f", "arguments": "[1]"}}]}]),
          "messages", "must be a JSON object"),
         (dict(messages=[*user, {"role": "assistant", "tool_calls": [
+            {"id": "c", "type": "function", "function": {"name": "f", "arguments": '{"a": NaN}'}}]}]),
+         "messages", "NaN is not valid JSON"),
+        (dict(messages=[*user, {"role": "assistant", "tool_calls": [
             {"id": "c", "type": "function", "function": {"name": "f", "arguments": {"a": 1}}}]}]),
          "messages", "string"),
         (dict(messages=[*user, {"role": "assistant", "tool_calls": [

@@ -233,6 +233,10 @@ class NamedToolChoice(_Strict):
 ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
 
 
+def _refuse_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not valid JSON")
+
+
 class ToolCallFunction(_Strict):
     name: str = Field(min_length=1)
     arguments: str   # a JSON object, encoded as a string (OpenAI's shape)
@@ -240,7 +244,7 @@ class ToolCallFunction(_Strict):
     @model_validator(mode="after")
     def _check_arguments(self) -> ToolCallFunction:
         try:
-            value = json.loads(self.arguments)
+            value = json.loads(self.arguments, parse_constant=_refuse_constant)
         except ValueError as e:
             raise ValueError(f"function.arguments of a call to {self.name!r} is not valid JSON ({e}); it must be "
                              "a JSON object encoded as a string") from None

@@ -359,8 +359,8 @@ class OpenAIServing:
         self._check_model(req.model)
         n = req.n or 1
         self._check_n(n)
-        plan = plan_tools(req, self.tool_options)
-        ids = self.tokenizer.chat_ids(req.messages, tools=req.tool_dicts())
+        ids = self.tokenizer.chat_ids(req.messages, tools=req.tool_dicts())   # first: a template without tools
+        plan = plan_tools(req, self.tool_options)                             # support is the first thing to fix
         max_tokens = self._max_tokens(req.token_limit, len(ids), None,
                                       "max_completion_tokens" if req.max_completion_tokens else "max_tokens",
                                       "messages")
