@@ -9,9 +9,12 @@ fixture template (tools supported) or keeps conftest's plain one (no tool suppor
 
 from __future__ import annotations
 
+import asyncio
 import json
+import math
 import shutil
 from collections.abc import Iterator
+from types import SimpleNamespace
 from typing import Any
 
 import jsonschema
@@ -26,6 +29,8 @@ from kv8.entrypoints.async_engine import AsyncEngine
 from kv8.entrypoints.cli import main as cli_main
 from kv8.entrypoints.metrics import ServerMetrics
 from kv8.entrypoints.protocol import APIError, ChatCompletionRequest, validation_error
+from kv8.entrypoints.request_run import Stream
+from kv8.entrypoints.server_tokenizer import ServerTokenizer
 from kv8.entrypoints.serving import OpenAIServing, ServingLimits
 from kv8.entrypoints.tool_calling import (
     HermesParser,
@@ -37,6 +42,8 @@ from kv8.entrypoints.tool_calling import (
     ToolPlan,
     required_schema,
 )
+from kv8.model.tokenizer import load_tokenizer
+from kv8.outputs import CompletionOutput, RequestOutput
 from tests.conftest import make_tiny_model
 from tests.test_server import API_KEY, SERVER_FLAGS, Server, _expect_error, _post
 
@@ -166,7 +173,7 @@ def test_hermes_parser_cases() -> None:
         return out.content, [(c.name, json.loads(c.arguments)) for c in out.calls]
 
     one = 'Let me look.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}\n</tool_call>'
-    assert parse(one) == ("Let me look.\n", [("get_weather", {"city": "Paris", "days": 2})])
+    assert parse(one) == ("Let me look.", [("get_weather", {"city": "Paris", "days": 2})])
     two = ('<tool_call>{"name": "get_time", "arguments": {}}</tool_call>\n'
            '<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo", "days": 1}}</tool_call>\n')
     assert parse(two) == ("", [("get_time", {}), ("get_weather", {"city": "Oslo", "days": 1})])
@@ -181,7 +188,7 @@ def test_hermes_parser_cases() -> None:
     assert parse(nested) == ("", [("get_weather", {"city": "{x}", "days": 3, "extra": {"a": [{"b": "}"}]}})])
     uni = 'Voilà 🌤 <tool_call>{"name": "get_weather", "arguments": {"city": "Zürich 東京", "days": 1}}</tool_call>'
     content, calls = parse(uni)
-    assert content == "Voilà 🌤 " and calls == [("get_weather", {"city": "Zürich 東京", "days": 1})]
+    assert content == "Voilà 🌤" and calls == [("get_weather", {"city": "Zürich 東京", "days": 1})]
     assert "Zürich 東京" in parser.parse(uni, final=True).calls[0].arguments   # not \\u-escaped
     # an unterminated block at the end: a call when its JSON is whole, content otherwise
     assert parse('<tool_call>{"name": "get_time", "arguments": {}}') == ("", [("get_time", {})])
@@ -191,7 +198,7 @@ def test_hermes_parser_cases() -> None:
     # parallel_tool_calls false: only the first call; the next block stays text
     single = HermesParser(NAMES, max_calls=1).parse(two, final=True)
     assert [c.name for c in single.calls] == ["get_time"]
-    assert single.content == "\n" + two.splitlines(keepends=True)[1]
+    assert single.content == "\n" + two.splitlines()[1]
 
 
 def test_required_and_named_parsers() -> None:
@@ -449,3 +456,77 @@ def test_tool_errors_over_http_have_openai_shape(server: Server, tool_model: str
                   400, "needs content or tool_calls", param="messages")
     ok = _post(server, chat, {"model": tool_model, "messages": HISTORY, "max_tokens": 2})   # history, no tools
     assert ok.status_code == 200, ok.text
+
+
+# ---- auto mode through the real serving code, with a scripted engine -----------------------------------------------
+class _ScriptedEngine:
+    """Stands in for :class:`AsyncEngine`: choice ``i`` of every request "generates" ``texts[i]``, ``step``
+    characters (one token) per engine step, then finishes with ``stop``. A random model writes no ``<tool_call>``
+    blocks; this one does, so auto mode's parsing runs through ``OpenAIServing`` end to end."""
+
+    def __init__(self, vocab_size: int, texts: list[str], step: int = 3) -> None:
+        self.engine = SimpleNamespace(config=SimpleNamespace(arch=SimpleNamespace(vocab_size=vocab_size)))
+        self.texts, self.step = texts, step
+
+    async def add(self, request_id: str, prompt_ids: list[int], params: Any, mailbox: Any) -> None:
+        asyncio.get_running_loop().create_task(self._play(request_id, prompt_ids, params.n, mailbox))
+
+    async def _play(self, request_id: str, prompt_ids: list[int], n: int, mailbox: Any) -> None:
+        steps = max(math.ceil(len(t) / self.step) for t in self.texts[:n])
+        for k in range(1, steps + 1):
+            outs = []
+            for i, text in enumerate(self.texts[:n]):
+                cut = min(len(text), k * self.step)
+                outs.append(CompletionOutput(i, text[:cut], list(range(math.ceil(cut / self.step))), None, None,
+                                             "stop" if cut == len(text) else None))
+            mailbox.put_nowait((request_id, RequestOutput(request_id, None, prompt_ids, None, outs,
+                                                          all(o.finish_reason for o in outs))))
+            await asyncio.sleep(0)
+
+    def abort(self, request_id: str) -> None:
+        pass
+
+
+AUTO_TEXTS = ['Checking. <tool_call>\n{"name": "get_weather", "arguments": {"city": "Zürich", "days": 2}}\n'
+              '</tool_call>\n<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>',
+              "No tools needed: it is <b>sunny</b>."]
+
+
+def test_auto_mode_parses_hermes_calls_in_answers_and_streams(tool_model: str) -> None:
+    tokenizer = ServerTokenizer(load_tokenizer("hf", tool_model))
+    limits = ServingLimits(served_model_name="m", max_model_len=1024, max_tokens=1024, max_n=4, max_in_flight=8,
+                           kv_capacity_tokens=64 * 16, kv_block_size=16)
+    engine = _ScriptedEngine(len(tokenizer.tokenizer), AUTO_TEXTS)
+    serving = OpenAIServing(engine, limits, ServerMetrics(), tokenizer, ToolOptions(True, "hermes"))  # type: ignore[arg-type]
+    body = dict(messages=[{"role": "user", "content": "Weather in Zürich?"}], tools=TOOLS, n=2)
+
+    async def never() -> None:
+        await asyncio.Event().wait()
+
+    async def scenario() -> tuple[dict[str, Any], Any, Any]:
+        plain = await serving.chat(_request(**body), never)
+        stream = await serving.chat(_request(**body, stream=True, stream_options={"include_usage": True}), never)
+        assert isinstance(plain, dict) and isinstance(stream, Stream)
+        state, usage = ChatCompletionStreamState(), None
+        async for event in stream.chunks:
+            payload = event.removeprefix("data: ").strip()
+            if payload == "[DONE]":
+                break
+            chunk = openai.types.chat.ChatCompletionChunk.model_validate(json.loads(payload))
+            usage = chunk.usage or usage
+            if chunk.choices:
+                state.handle_chunk(chunk)
+        return plain, state.current_completion_snapshot, usage
+
+    plain, streamed, usage = asyncio.run(scenario())
+    calls, text_only = plain["choices"]
+    assert calls["finish_reason"] == "tool_calls"
+    assert calls["message"]["content"] == "Checking."
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls["message"]["tool_calls"]] \
+        == [("get_weather", {"city": "Zürich", "days": 2}), ("get_time", {})]
+    assert text_only == {"index": 1, "message": {"role": "assistant", "content": AUTO_TEXTS[1]}, "logprobs": None,
+                         "finish_reason": "stop"}
+    _same_answer(streamed, openai.types.chat.ChatCompletion.model_validate(plain))
+    assert usage is not None and usage.model_dump(exclude_none=True) == plain["usage"]
+    tokens = sum(math.ceil(len(t) / engine.step) for t in AUTO_TEXTS)
+    assert plain["usage"]["completion_tokens"] == tokens

@@ -27,9 +27,10 @@ decided (a ``<tool_call>`` block without its end, a suffix that may start one, c
 far) is held back until it is.
 
 A call cut short by ``max_tokens`` (``finish_reason`` ``length``) keeps the arguments generated so far, as
-OpenAI's does; in ``required`` mode an element whose name was not complete is dropped. In ``auto`` mode a block
-that is not a JSON object with a known function ``name`` and an object ``arguments`` stays in the content as
-text, and so do blocks beyond the first with ``parallel_tool_calls: false``.
+OpenAI's does; in ``required`` mode an element whose name was not complete is dropped. In ``auto`` mode the
+content of an answer with calls is the text outside the blocks without its trailing whitespace (an answer without
+calls keeps its text as it is); a block that is not a JSON object with a known function ``name`` and an object
+``arguments`` stays in the content as text, and so do blocks beyond the first with ``parallel_tool_calls: false``.
 """
 
 from __future__ import annotations
@@ -233,8 +234,8 @@ class HermesParser:
                 calls.append(call)
             pos = end + len(TOOL_CALL_END)
         content = "".join(pieces)
-        if (not final or calls) and not content.strip():
-            content = ""   # whitespace around calls is no content; mid-stream it is undecided
+        if not final or calls:   # trailing whitespace before calls is no content; mid-stream it is undecided
+            content = content.rstrip()
         return ParsedOutput(content, tuple(calls))
 
 
