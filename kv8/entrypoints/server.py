@@ -59,6 +59,7 @@ from kv8.entrypoints.protocol import (
 )
 from kv8.entrypoints.request_run import ClientDisconnected, Stream
 from kv8.entrypoints.serving import OpenAIServing, ServingLimits
+from kv8.entrypoints.tool_calling import ToolOptions
 
 logger = logging.getLogger("kv8.server")
 
@@ -171,11 +172,12 @@ async def _wait_disconnect(request: Request) -> None:
 
 
 def build_app(engine: AsyncEngine, limits: ServingLimits, api_key: str | None, max_request_bytes: int,
-              allowed_origins: tuple[str, ...] = (), body_timeout: float = 60.0) -> FastAPI:
+              allowed_origins: tuple[str, ...] = (), body_timeout: float = 60.0,
+              tool_options: ToolOptions | None = None) -> FastAPI:
     """The ASGI app. ``app.state.draining`` set to True makes new /v1 requests answer 503; ``app.state.metrics``
     is its :class:`ServerMetrics`."""
     metrics = ServerMetrics()
-    serving = OpenAIServing(engine, limits, metrics)
+    serving = OpenAIServing(engine, limits, metrics, tool_options=tool_options)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -368,6 +370,7 @@ def run_server(ns: argparse.Namespace, engine_args: EngineArgs) -> int:
     api_key = ns.api_key if ns.api_key is not None else envs.api_key()
     if api_key is not None and not api_key.strip():
         raise ValueError("--api-key must not be empty")
+    tool_options = ToolOptions(ns.enable_auto_tool_choice, ns.tool_call_parser)
 
     llm = LLMEngine(engine_args)
     cfg = llm.config
@@ -392,7 +395,7 @@ def run_server(ns: argparse.Namespace, engine_args: EngineArgs) -> int:
 
     async_engine = AsyncEngine(llm, on_failure=engine_failed)
     app = build_app(async_engine, limits, api_key, ns.max_request_bytes, tuple(ns.allowed_origins),
-                    ns.request_body_timeout)
+                    ns.request_body_timeout, tool_options)
 
     class Server(uvicorn.Server):
         """uvicorn, whose exit signals start a drain (see the module docstring) instead of closing the listener."""
