@@ -176,8 +176,7 @@ class ModelRunner:
             finite = torch.isfinite(logits.amax(dim=-1)).tolist()
             for r, ok in zip(reqs, finite):
                 if not ok:
-                    out.failed[r.request_id] = ("the model produced non-finite logits (NaN or inf) for this request; "
-                                                "the model's weights or config are broken")
+                    out.failed[r.request_id] = self._no_token_reason(r)
             if not all(finite):
                 keep = [i for i, ok in enumerate(finite) if ok]
                 reqs, logits = [reqs[i] for i in keep], logits[keep]
@@ -201,6 +200,17 @@ class ModelRunner:
         if next(logit_rows, None) is not None:
             raise RuntimeError("the step computed fewer logits than StepInputs.logit_rows lists")
         return out
+
+    @staticmethod
+    def _no_token_reason(r: Request) -> str:
+        """Why a request's logits row had no token to sample: its grammar was complete while ``min_tokens`` still
+        forbade stopping, or else the model produced NaN / inf."""
+        if r.grammar is not None and r.grammar.is_accepting and r.num_output_tokens < r.sampling_params.min_tokens:
+            return (f"structured output: the output matches the whole grammar after {r.num_output_tokens} tokens, "
+                    f"so only end of sequence may follow, but min_tokens={r.sampling_params.min_tokens} forbids "
+                    "stopping yet; lower min_tokens or drop it")
+        return ("the model produced non-finite logits (NaN or inf) for this request; the model's weights or config "
+                "are broken")
 
     @staticmethod
     def _mask_early_stop(logits: torch.Tensor, reqs: list[Request]) -> None:
