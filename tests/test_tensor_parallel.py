@@ -238,6 +238,27 @@ def test_tp2_seeded_sampling_and_preemption_equal_tp1(gqa_6x2: str) -> None:
 
 
 @pytest.mark.slow
+def test_tp2_gemma3_tied_vocab_parallel_and_sliding_windows(tmp_path: Path) -> None:
+    """Gemma 3 (tied embedding and LM head, both vocab-parallel; one KV head replicated on both ranks; sliding-
+    window layers whose blocks are freed) equals one rank, in float32 and FP8."""
+    path = make_tiny_model(str(tmp_path / "gemma"), "gemma3")
+    _compare(path, 2, "auto", block_size=4)
+    _compare(path, 2, "fp8")
+
+
+@pytest.mark.slow
+def test_tp3_smollm2_gguf_equals_one_rank() -> None:
+    """The real model from its GGUF (Q4_1 dequantized; 9 query / 3 KV heads, tied 49,152-token vocabulary split in
+    three) gives one rank's greedy text under TP=3."""
+    prompt, params = "The capital of France is", SamplingParams(temperature=0, max_tokens=12)
+    kw = dict(dtype="float32", kv_cache_memory="64MiB", max_model_len=512, cpu_threads_per_rank=1)
+    one = LLM("smollm2-135m", **kw).generate(prompt, params)[0].outputs[0].text
+    three = LLM("smollm2-135m", tensor_parallel_size=3, **kw)
+    assert three.generate(prompt, params)[0].outputs[0].text == one
+    three.close()
+
+
+@pytest.mark.slow
 def test_tp3_splits_three_kv_heads(gqa_6x3: str) -> None:
     _compare(gqa_6x3, 3, "auto")
     _compare(gqa_6x3, 3, "fp8", kv_cache_scale_mode="dynamic", kv_cache_rotation="hadamard")
