@@ -296,6 +296,9 @@ class SamplingParams:
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
             raise ValueError(f"structured_outputs must be None or a StructuredOutputsParams, "
                              f"got {self.structured_outputs!r:.80}")
+        if self.structured_outputs is not None and values["ignore_eos"]:
+            raise ValueError("ignore_eos=True cannot be combined with structured_outputs: a complete match of the "
+                             "grammar allows only end of sequence, so there is nothing to generate after it")
         max_tokens = values["max_tokens"]
         if max_tokens is not None and values["min_tokens"] > max_tokens:
             raise ValueError(

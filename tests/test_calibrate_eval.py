@@ -563,3 +563,65 @@ def test_calibrate_and_eval_on_a_sliding_window_model(tiny_models: dict[str, str
                         seq_len=window, dtype="float32", rotation=rotation, show_progress=False)
         assert res.scales.k.shape[0] == res.scales.v.shape[0] == 4
         assert bool((res.scales.k > 0).all()) and bool((res.scales.v > 0).all())
+
+
+@pytest.mark.parametrize("statistic", ["amax", "percentile", "mse"])
+def test_per_rank_scales_come_from_each_ranks_heads(tiny_models: dict[str, str], text_file: str, tmp_path: Path,
+                                                    statistic: str) -> None:
+    """--tensor-parallel-size N: rank r's per-layer scale is the recipe's statistic over the KV heads rank r holds
+    (a collector fed only those heads is the oracle), the all-heads scales equal a one-rank calibration, and a
+    vLLM file with ``scaling_factor[tp_rank]`` gives each rank its own."""
+    from kv8.tools.kv_stats import KVStatsCollector
+
+    model = tiny_models["llama_gqa"]                                       # 6 query heads, 2 KV heads
+    recipe = ScaleRecipe(ScaleGranularity.TENSOR, statistic, E4M3, percentile=90.0, **RAW)
+    kw = dict(num_samples=SAMPLES, seq_len=SEQ, dtype="float32", show_progress=False)
+    one = calibrate(model, [text_file], recipe, **kw)
+    two = calibrate(model, [text_file], recipe, tensor_parallel_size=2, **kw)
+    assert one.rank_scales is None and two.rank_scales is not None and len(two.rank_scales) == 2
+    torch.testing.assert_close(two.scales.k, one.scales.k, rtol=0, atol=0)
+    torch.testing.assert_close(two.scales.v, one.scales.v, rtol=0, atol=0)
+    kv = _hf_kv(model, _windows(model, text_file, SEQ, SAMPLES))
+    for rank in range(2):
+        oracle = KVStatsCollector(len(kv), 1, kv[0][0].shape[2], None if statistic == "amax" else
+                                  ScaleGranularity.TENSOR, "observed")
+        for i, (k, v) in enumerate(kv):
+            oracle.observe(i, k[:, rank:rank + 1], v[:, rank:rank + 1])
+        want = oracle.scales(recipe, "oracle")
+        got = two.rank_scales[rank]
+        assert got.granularity is ScaleGranularity.TENSOR and f"rank {rank} of 2" in got.source
+        torch.testing.assert_close(got.k, want.k, rtol=1e-5, atol=0)
+        torch.testing.assert_close(got.v, want.v, rtol=1e-5, atol=0)
+    assert not torch.equal(two.rank_scales[0].k, two.rank_scales[1].k)      # the ranks' heads differ
+    path = tmp_path / "ranks.json"
+    write_scales(str(path), two.scales, two.info, "vllm", two.rank_scales)
+    assert sorted(json.loads(path.read_text())["kv_cache"]["scaling_factor"]) == ["0", "1"]
+    for rank, rs in enumerate(two.rank_scales):
+        loaded = load_scales_file(path, two.info, tp_rank=rank, tp_size=2)
+        torch.testing.assert_close(loaded.k, torch.maximum(rs.k, rs.v), rtol=1e-6, atol=0)
+    with pytest.raises(ValueError, match="holds 2 tensor-parallel ranks|tensor-parallel size 1"):
+        load_scales_file(path, two.info)
+    with pytest.raises(ValueError, match="no per-rank scales"):
+        write_scales(str(tmp_path / "k.json"), two.scales, two.info, "kv8", two.rank_scales)
+
+
+def test_per_rank_calibration_with_replicated_kv_heads_and_bad_sizes(tiny_models: dict[str, str], text_file: str,
+                                                                    tmp_path: Path, capsys) -> None:
+    """With fewer KV heads than ranks each head's scales go to the ranks that replicate it (vLLM's rule), from the
+    command line; sizes that do not split the model and kv8 JSON output are refused before any work."""
+    model = tiny_models["llama_gqa"]                                       # 6 query heads, 2 KV heads
+    out = tmp_path / "six.json"
+    base = ["calibrate", model, "--data", text_file, "--num-samples", "2", "--seq-len", str(SEQ), "--dtype",
+            "float32", "--scale-rounding", "none", "--no-progress"]
+    assert main(base + ["--tensor-parallel-size", "6", "--output", str(out)]) == 0
+    assert "for 6 tensor-parallel ranks" in capsys.readouterr().out
+    factors = json.loads(out.read_text())["kv_cache"]["scaling_factor"]
+    assert sorted(factors) == [str(r) for r in range(6)]
+    assert factors["0"] == factors["1"] == factors["2"] and factors["3"] == factors["4"] == factors["5"]
+    assert factors["0"] != factors["3"]
+    assert main(base + ["--tensor-parallel-size", "4", "--output", str(tmp_path / "x.json")]) == 2
+    assert "tensor_parallel_size=4 must divide the model's num_attention_heads=6" in capsys.readouterr().err
+    assert main(base + ["--tensor-parallel-size", "2", "--output-format", "kv8", "--output",
+                        str(tmp_path / "y.json")]) == 2
+    assert "no per-rank scales" in capsys.readouterr().err
+    assert not (tmp_path / "x.json").exists() and not (tmp_path / "y.json").exists()

@@ -142,8 +142,8 @@ def test_serve_run_builder_takes_kv8_serve_flags(tiny_llama: str) -> None:
 
     from kv8.entrypoints.ray_serve import app_builder
 
-    app = app_builder({"model": tiny_llama, "data_parallel_size": "2", "enable_prefix_caching": "true",
-                       "max_num_seqs": 8, "cpu_threads_per_rank": "1"})
+    app = app_builder({"model": tiny_llama, "data_parallel_size": "2", "enable_prefix_caching": "false",
+                       "max_num_seqs": 8, "cpu_threads_per_rank": "1", "enable_auto_tool_choice": False})
     assert isinstance(app, Application)
     with pytest.raises(ValueError, match="--tensor-parallel-size=2 with --data-parallel-backend ray"):
         app_builder({"model": tiny_llama, "tensor_parallel_size": 2})

@@ -611,7 +611,7 @@ def test_bad_requests_get_openai_errors_and_server_keeps_serving(server: Server,
     _expect_error(_post(server, chat, {"model": tiny_llama, "messages": [{"role": "user", "content": "hi"}],
                                        "top_logprobs": 2}), 400, "requires logprobs")
     _expect_error(_post(server, chat, {"model": tiny_llama, "messages": [{"role": "user", "content": "hi"}],
-                                       "tools": []}), 400, "'tools'", param="tools")
+                                       "tools": []}), 400, "tools", "at least 1", param="tools")
     # auth, model, route
     _expect_error(_post(server, cmpl, ok, key="wrong"), 401, "API key")
     _expect_error(_post(server, cmpl, ok, key=None), 401, "API key")

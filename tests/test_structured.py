@@ -237,3 +237,18 @@ def test_bad_schema_is_a_400_naming_response_format(client: openai.OpenAI, tiny_
         client.completions.create(model=tiny_llama, prompt="Hi", max_tokens=8,
                                   extra_body={"response_format": bad[0]})
     assert e.value.body["param"] == "response_format"  # type: ignore[index]
+
+
+def test_grammar_complete_before_min_tokens_fails_the_request_saying_so(llm: LLM) -> None:
+    """A grammar that is complete (only end of sequence may follow) while min_tokens forbids stopping leaves no
+    token: the request fails alone with that reason, not as broken logits; ignore_eos is refused up front."""
+    spec = StructuredOutputsParams(choice=["yes"])
+    params = [SamplingParams(temperature=0.0, max_tokens=8, min_tokens=6, structured_outputs=spec),
+              SamplingParams(temperature=0.0, max_tokens=8, structured_outputs=spec)]
+    outs = llm.generate(["a", "b"], params, use_tqdm=False)
+    failed, fine = outs[0].outputs[0], outs[1].outputs[0]
+    assert failed.finish_reason == "error" and "matches the whole grammar" in (failed.error or "")
+    assert "min_tokens=6" in (failed.error or "") and "non-finite" not in (failed.error or "")
+    assert fine.text == "yes" and fine.finish_reason == "stop"
+    with pytest.raises(ValueError, match="ignore_eos=True cannot be combined with structured_outputs"):
+        SamplingParams(ignore_eos=True, structured_outputs=spec)

@@ -7,9 +7,12 @@ Two channels, one per kind of traffic:
   rank 0 publishes the KV cache size, each step's pickled inputs (key ``step/<n>``) and the stop message
   (``None``); the other ranks block on the next key. A store wait has no idle timeout, so an idle server's
   workers simply wait, and they leave with an error the moment rank 0's store goes away.
-* **data** -- a gloo process group (:data:`OP_TIMEOUT` per collective) for the one all-reduce of each
-  row-parallel layer. A rank that dies closes its sockets: the other ranks' next collective raises within
-  milliseconds ("Connection closed by peer"); a rank that hangs is reported after :data:`OP_TIMEOUT`.
+* **data** -- the one all-reduce of each row-parallel layer: through shared memory when kv8 started the ranks
+  itself on this machine (:mod:`kv8.distributed.shm_allreduce`: microseconds where loopback TCP costs about a
+  millisecond; a waiting rank notices a dead one within 0.2 s), else (torchrun, or a tensor larger than the
+  shared slots) a gloo process group (:data:`OP_TIMEOUT` per collective). A rank that dies closes its sockets:
+  the other ranks' next gloo collective raises within milliseconds ("Connection closed by peer"); a rank that
+  hangs is reported after :data:`OP_TIMEOUT`.
 
 A worker reports a failure before the step loop (loading its shard) under ``error/<rank>`` and readiness
 under ``ready/<rank>``; rank 0 waits for all of them while watching its child processes
@@ -24,9 +27,11 @@ from __future__ import annotations
 import datetime
 import json
 import logging
+import os
 import pickle
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from multiprocessing.connection import wait as wait_for_any
 from multiprocessing.process import BaseProcess
@@ -34,6 +39,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from kv8.distributed.shm_allreduce import ShmAllReduce, create_shm_file
 
 __all__ = ["OP_TIMEOUT", "SINGLE_RANK", "TPGroup", "TensorParallelError"]
 
@@ -63,6 +70,11 @@ class TPGroup:
     store: Any = None                      # torch.distributed.Store (control channel); None for one rank
     pg: Any = None                         # torch.distributed.ProcessGroup (all-reduce); None for one rank
     procs: list[BaseProcess] = field(default_factory=list)
+    # Rank 0: called (from the watch thread) with "rank R (exit code C)" when a started worker exits before close()
+    on_rank_exit: list[Callable[[str], None]] = field(default_factory=list)
+    local: bool = False                    # every rank was started by kv8 on this machine: shared-memory all-reduce
+    shm: ShmAllReduce | None = None
+    _parent: int = field(default_factory=os.getppid)
     _step: int = 0
     _closed: bool = False
 
@@ -72,24 +84,60 @@ class TPGroup:
         return self.rank == 0
 
     # ---- data channel ------------------------------------------------------------------------------------------
-    def connect(self, devices: list[Any] | None = None) -> None:
-        """Build the gloo group over ``store`` (every rank calls it, after :meth:`wait_ready` / ``set_ready``)."""
+    def connect(self, devices: list[Any] | None = None, slot_bytes: int = 0) -> None:
+        """Build the gloo group over ``store`` and, for :attr:`local` ranks with ``slot_bytes > 0``, map the
+        shared-memory all-reduce with slots of that size (every rank calls it, with the same ``slot_bytes``, after
+        :meth:`wait_ready` / ``set_ready``)."""
         if self.size == 1 or self.pg is not None:
             return
         opts = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
         opts._timeout = OP_TIMEOUT
         opts._devices = devices or [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
         self.pg = dist.ProcessGroupGloo(dist.PrefixStore("gloo/", self.store), self.rank, self.size, opts)
+        if self.local and slot_bytes > 0:
+            slot_bytes = -(-slot_bytes // 8) * 8
+            path = self.share("shm_allreduce", create_shm_file(self.size, slot_bytes) if self.is_driver else None)
+            self.shm = ShmAllReduce(path, self.rank, self.size, slot_bytes, OP_TIMEOUT.total_seconds(),
+                                    self._gone)
+            self.pg.barrier().wait()   # every rank has mapped the file: its name is no longer needed
+            if self.is_driver:
+                os.unlink(path)
+
+    def _gone(self) -> str | None:
+        """What a waiting rank reports as gone: on rank 0 the workers that exited, on a worker rank 0 (its
+        parent) when it exited; None while they live."""
+        if self.is_driver:
+            dead = self.dead_ranks()
+            return f"tensor-parallel {dead} exited" if dead else None
+        return None if os.getppid() == self._parent else "tensor-parallel rank 0 exited"
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        """Sum ``x`` (contiguous) over the ranks, in place; returns it. The identity for one rank."""
+        """Sum ``x`` (contiguous) over the ranks, in place; returns it. The identity for one rank. Every rank
+        takes the same path (shared memory or gloo) for a call: it depends only on ``x``'s size."""
         if self.size == 1:
             return x
         try:
+            if self.shm is not None and self.shm.fits(x):
+                return self.shm.all_reduce(x)
             self.pg.allreduce([x]).wait()
         except RuntimeError as e:
             raise self.failure(e) from e
         return x
+
+    def gather_to_driver(self, x: torch.Tensor) -> list[torch.Tensor] | None:
+        """Every rank's contiguous ``x`` (equal shapes) in rank order on rank 0; None on the other ranks. Like
+        :meth:`all_reduce`, every rank must call it, and the path (shared memory or gloo) depends on ``x``'s size
+        only."""
+        if self.size == 1:
+            return [x]
+        try:
+            if self.shm is not None and self.shm.fits(x):
+                return self.shm.gather(x)
+            parts = [torch.empty_like(x) for _ in range(self.size)]
+            self.pg.allgather([parts], [x]).wait()
+        except RuntimeError as e:
+            raise self.failure(e) from e
+        return parts if self.is_driver else None
 
     # ---- control channel ---------------------------------------------------------------------------------------
     def publish(self, obj: Any) -> None:
@@ -148,14 +196,18 @@ class TPGroup:
 
     # ---- failures and shutdown ---------------------------------------------------------------------------------
     def watch(self) -> None:
-        """Rank 0: log at once when a started worker exits before :meth:`close` (an idle engine learns it then;
-        its next step fails naming the rank)."""
+        """Rank 0: when a started worker exits before :meth:`close`, log it at once and call each of
+        :attr:`on_rank_exit` (a served engine fails then, idle or not); without them the next step fails naming
+        the rank."""
         def run() -> None:
             wait_for_any([p.sentinel for p in self.procs])
             time.sleep(0.1)   # close() may be under way
             if not self._closed:
-                logger.error("tensor-parallel %s; the engine fails at its next step",
-                             f"{self.dead_ranks()} exited" if self.dead_ranks() else "rank exited")
+                what = f"{self.dead_ranks()} exited" if self.dead_ranks() else "rank exited"
+                logger.error("tensor-parallel %s; the engine fails%s", what,
+                             "" if self.on_rank_exit else " at its next step")
+                for hook in list(self.on_rank_exit):
+                    hook(what)
 
         threading.Thread(target=run, name="kv8-tp-watch", daemon=True).start()
 

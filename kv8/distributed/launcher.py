@@ -33,7 +33,7 @@ from kv8.distributed.group import OP_TIMEOUT, SINGLE_RANK, STORE_TIMEOUT, TPGrou
 if TYPE_CHECKING:
     from kv8.engine.args import EngineArgs
 
-__all__ = ["start_ranks", "torchrun_rank"]
+__all__ = ["allreduce_slot_bytes", "start_ranks", "torchrun_rank"]
 
 def torchrun_rank() -> tuple[int, int] | None:
     """``(rank, world size)`` when this process was launched by torchrun (its variables are set), else None."""
@@ -47,6 +47,15 @@ def set_threads(config: EngineConfig) -> None:
     threads = config.parallel.threads(os.cpu_count() or 1)
     if threads is not None:
         torch.set_num_threads(threads)
+
+
+def allreduce_slot_bytes(config: EngineConfig) -> int:
+    """The largest tensor a decode or prefill step sends through a collective, in the compute dtype: an
+    all-reduce of ``[max_num_batched_tokens, hidden_size]`` or the LM head's gather of ``[max_num_seqs,
+    ceil(vocab / ranks)]`` (prompt-logprob batches may be larger and go through gloo)."""
+    sched, arch, n = config.scheduler, config.arch, config.parallel.tensor_parallel_size
+    elements = max(sched.max_num_batched_tokens * arch.hidden_size, sched.max_num_seqs * -(-arch.vocab_size // n))
+    return elements * torch.empty((), dtype=config.dtype).element_size()
 
 
 def start_ranks(args: EngineArgs, config: EngineConfig, num_blocks: list[int]) -> TPGroup:
@@ -78,7 +87,7 @@ def start_ranks(args: EngineArgs, config: EngineConfig, num_blocks: list[int]) -
         tp.share("num_blocks", num_blocks)
         return tp
     store = dist.TCPStore("127.0.0.1", 0, size, True, timeout=STORE_TIMEOUT, wait_for_workers=False)
-    tp = TPGroup(0, size, store=store)
+    tp = TPGroup(0, size, store=store, local=True)
     tp.share("num_blocks", num_blocks)
     from kv8.distributed.worker import worker_main
 

@@ -23,7 +23,7 @@ logger = logging.getLogger("kv8")
 def run_worker(tp: TPGroup, args: EngineArgs) -> None:
     """Load the shard of ``tp.rank`` for ``args`` and serve steps until rank 0 stops."""
     from kv8.cache.layout import layout_for
-    from kv8.distributed.launcher import set_threads
+    from kv8.distributed.launcher import allreduce_slot_bytes, set_threads
     from kv8.engine.engine import load_shard
     from kv8.model.loader import read_model_config
     from kv8.model.sources import resolve_model_path
@@ -38,16 +38,16 @@ def run_worker(tp: TPGroup, args: EngineArgs) -> None:
         tp.set_ready(error=f"{type(e).__name__}: {e}")
         raise
     tp.set_ready()
-    tp.connect()
+    tp.connect(slot_bytes=allreduce_slot_bytes(config))
     while (inputs := tp.receive()) is not None:
-        shard.runner.forward(inputs)
+        shard.runner.worker_step(inputs)
 
 
 def worker_main(rank: int, size: int, port: int, args: EngineArgs) -> None:
     """Entry point of a spawned rank: join rank 0's store on 127.0.0.1:``port`` and run :func:`run_worker`."""
     logging.basicConfig(level=logging.WARNING)
     store = dist.TCPStore("127.0.0.1", port, size, False, timeout=STORE_TIMEOUT)
-    tp = TPGroup(rank, size, store=store)
+    tp = TPGroup(rank, size, store=store, local=True)
     try:
         run_worker(tp, args)
     except Exception:

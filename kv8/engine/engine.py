@@ -37,7 +37,7 @@ from kv8.cache.layout import KVCacheLayout, layout_for
 from kv8.cache.paged_cache import CacheShape, PagedKVCache
 from kv8.config import EngineConfig, format_bytes
 from kv8.distributed.group import TPGroup
-from kv8.distributed.launcher import start_ranks
+from kv8.distributed.launcher import allreduce_slot_bytes, start_ranks
 from kv8.distributed.shard import kv_head_shard
 from kv8.engine.args import EngineArgs, check_cache_fits_memory, resolve_num_blocks
 from kv8.engine.input_processor import InputProcessor
@@ -112,7 +112,7 @@ class LLMEngine:
         try:
             shard = load_shard(self.config, self.layout, num_blocks, self.tp, observer)
             self.tp.wait_ready()
-            self.tp.connect()
+            self.tp.connect(slot_bytes=allreduce_slot_bytes(self.config))
         except BaseException:
             self.shutdown()
             raise

@@ -14,13 +14,16 @@ Batch layout (T = sum of the chunks' new tokens)::
 Tensor parallelism: :meth:`ModelRunner.prepare` turns the scheduler output into :class:`StepInputs` (plain
 lists, all a rank needs), rank 0 publishes them to the other ranks (:meth:`kv8.distributed.group.TPGroup.publish`)
 and every rank runs :meth:`ModelRunner.forward` on its shard. The final hidden states are the same on every
-rank (each layer ends with an all-reduce and the rest is replicated), so rank 0 alone computes logits and
-samples, with the requests' own generators: the tokens are those of one rank.
+rank (each layer ends with an all-reduce and the rest is replicated). The LM head is vocab-parallel: every rank
+computes the logits of its vocabulary rows for the rows ``StepInputs.logit_rows`` lists, in that order, and rank
+0 gathers them (:mod:`kv8.layers.vocab_parallel`); rank 0 alone samples, with the requests' own generators, so
+the tokens are those of one rank.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import itertools
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -58,6 +61,28 @@ class StepInputs:
     query_lens: list[int]                             # per chunk: its new tokens
     seq_lens: list[int]                               # per chunk: tokens in its sequence after this step
     tables: list[tuple[tuple[int, ...], ...]]         # per chunk: its block table of each KV cache group
+    # rows of the final hidden states whose logits rank 0 computes, one list per compute_logits call, in call
+    # order: first the sampling rows (the last token of each chunk that samples), then the prompt-logprob rows
+    # in batches of at most PROMPT_LOGITS_ROWS. Every rank makes the same calls (the LM head is vocab-parallel).
+    logit_rows: list[list[int]] = field(default_factory=list)
+
+
+PROMPT_LOGITS_ROWS = 256   # prompt positions scored per compute_logits call (bounds the [rows, V] float32 buffer)
+
+
+def prompt_logprob_span(req: Request, start: int, n: int) -> tuple[int, int] | None:
+    """Positions ``[first, last)`` whose logits score prompt tokens ``first+1 .. last`` in a chunk of ``n`` new
+    tokens from ``start``: those that predict a prompt token not scored yet (``req.prompt_logprobs`` holds one
+    entry per scored prompt token, None for the first, so after a preemption nothing is scored twice)."""
+    next_token = max(len(req.prompt_logprobs), 1)          # first prompt token not scored yet
+    first = max(start, next_token - 1)
+    last = min(start + n, req.num_prompt_tokens - 1)       # exclusive bound on predicting positions
+    return (first, last) if first < last else None
+
+
+def _rows(hidden: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """``hidden[rows]``, without a copy when the rows are all of them in order (a decode step)."""
+    return hidden if rows == list(range(hidden.shape[0])) else hidden[rows]
 
 
 def _to_token_logprobs(token: torch.Tensor, lp: torch.Tensor, top_v: torch.Tensor, top_i: torch.Tensor,
@@ -105,6 +130,17 @@ class ModelRunner:
             inputs.query_lens.append(c.num_new_tokens)
             inputs.seq_lens.append(end)
             inputs.tables.append(c.block_ids)
+        row_end = list(itertools.accumulate(inputs.query_lens))
+        sampling = [row_end[i] - 1 for i, c in enumerate(so.chunks) if c.samples]
+        if sampling:
+            inputs.logit_rows.append(sampling)
+        for i, c in enumerate(so.chunks):
+            span = prompt_logprob_span(c.request, c.start, c.num_new_tokens) if c.request.wants_prompt_logprobs \
+                else None
+            if span is not None:
+                offset = row_end[i] - c.num_new_tokens - c.start   # hidden row of position p: offset + p
+                for s in range(span[0], span[1], PROMPT_LOGITS_ROWS):
+                    inputs.logit_rows.append(list(range(offset + s, offset + min(s + PROMPT_LOGITS_ROWS, span[1]))))
         return inputs
 
     @torch.inference_mode()
@@ -114,19 +150,25 @@ class ModelRunner:
         return self.model(torch.tensor(inputs.input_ids), torch.tensor(inputs.positions), ctx), ctx
 
     @torch.inference_mode()
+    def worker_step(self, inputs: StepInputs) -> None:
+        """A rank other than 0: its part of a step (the forward, and the LM head calls rank 0 makes)."""
+        hidden, _ = self.forward(inputs)
+        for rows in inputs.logit_rows:
+            self.model.compute_logits(_rows(hidden, rows))
+
+    @torch.inference_mode()
     def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
         """Rank 0 (the only rank without tensor parallelism): run the step on every rank, then sample."""
         inputs = self.prepare(so)
         if self.tp.size > 1:
             self.tp.publish(inputs)
-        hidden, ctx = self.forward(inputs)
+        hidden, _ = self.forward(inputs)
+        logit_rows = iter(inputs.logit_rows)   # consumed in the order prepare() listed them
 
-        ends = ctx.meta.query_start_loc[1:].tolist()
-        sampling = [(c, ends[i] - 1) for i, c in enumerate(so.chunks) if c.samples]
         out = ModelRunnerOutput({}, {}, {})
-        if sampling:
-            reqs = [c.request for c, _ in sampling]
-            logits = self.model.compute_logits(hidden[[row for _, row in sampling]])   # [S, V]
+        reqs = [c.request for c in so.chunks if c.samples]
+        if reqs:
+            logits = self.model.compute_logits(_rows(hidden, next(logit_rows)))
             self._mask_early_stop(logits, reqs)
             apply_grammar_masks(logits, [r.grammar for r in reqs])   # structured output rows only
             # A row without a finite maximum (NaN anywhere, +inf, or nothing left) has no token to sample: that
@@ -134,15 +176,15 @@ class ModelRunner:
             finite = torch.isfinite(logits.amax(dim=-1)).tolist()
             for r, ok in zip(reqs, finite):
                 if not ok:
-                    out.failed[r.request_id] = ("the model produced non-finite logits (NaN or inf) for this request; "
-                                                "the model's weights or config are broken")
+                    out.failed[r.request_id] = self._no_token_reason(r)
             if not all(finite):
                 keep = [i for i, ok in enumerate(finite) if ok]
                 reqs, logits = [reqs[i] for i in keep], logits[keep]
             # penalties need the request's tokens: passed (not copied) for the rows that use them only
             histories = [TokenHistory(r.prompt_token_ids, r.output_token_ids) if r.sampling_params.uses_penalties
                          else None for r in reqs]
-            result = sample(logits, [r.sampling_params for r in reqs], [r.generator for r in reqs], histories)
+            result = sample(logits, [r.sampling_params for r in reqs], [r.generator for r in reqs], histories,
+                            finite_checked=True)
             for i, r in enumerate(reqs):
                 out.sampled[r.request_id] = int(result.token_ids[i])
                 k = r.sampling_params.logprobs
@@ -150,11 +192,25 @@ class ModelRunner:
                     top_v, top_i = result.top_logprobs
                     out.logprobs[r.request_id] = _to_token_logprobs(result.token_ids, result.logprobs, top_v,
                                                                     top_i, i, k)
-        for i, c in enumerate(so.chunks):
-            if c.request.wants_prompt_logprobs:
-                start_row = ends[i] - c.num_new_tokens
-                self._prompt_logprobs(c.request, c.start, c.num_new_tokens, hidden[start_row:ends[i]], out)
+        for c in so.chunks:
+            span = prompt_logprob_span(c.request, c.start, c.num_new_tokens) if c.request.wants_prompt_logprobs \
+                else None
+            if span is not None:
+                self._prompt_logprobs(c.request, span, hidden, logit_rows, out)
+        if next(logit_rows, None) is not None:
+            raise RuntimeError("the step computed fewer logits than StepInputs.logit_rows lists")
         return out
+
+    @staticmethod
+    def _no_token_reason(r: Request) -> str:
+        """Why a request's logits row had no token to sample: its grammar was complete while ``min_tokens`` still
+        forbade stopping, or else the model produced NaN / inf."""
+        if r.grammar is not None and r.grammar.is_accepting and r.num_output_tokens < r.sampling_params.min_tokens:
+            return (f"structured output: the output matches the whole grammar after {r.num_output_tokens} tokens, "
+                    f"so only end of sequence may follow, but min_tokens={r.sampling_params.min_tokens} forbids "
+                    "stopping yet; lower min_tokens or drop it")
+        return ("the model produced non-finite logits (NaN or inf) for this request; the model's weights or config "
+                "are broken")
 
     @staticmethod
     def _mask_early_stop(logits: torch.Tensor, reqs: list[Request]) -> None:
@@ -164,27 +220,19 @@ class ModelRunner:
             if r.num_output_tokens < r.sampling_params.min_tokens and r.stop_tokens:
                 logits[i, sorted(r.stop_tokens)] = float("-inf")
 
-    def _prompt_logprobs(self, req: Request, start: int, n: int, hidden: torch.Tensor,
-                         out: ModelRunnerOutput) -> None:
-        """Score prompt tokens ``start+1 .. start+n`` (those that are prompt tokens and not scored yet).
-
-        Position ``p``'s logits predict token ``p + 1``. ``req.prompt_logprobs`` holds one entry per prompt
-        token (None for the first), so after a preemption nothing is scored twice.
-        """
-        next_token = max(len(req.prompt_logprobs), 1)          # first prompt token not scored yet
-        first = max(start, next_token - 1)
-        last = min(start + n, req.num_prompt_tokens - 1)       # exclusive bound on predicting positions
-        if first >= last:
-            return
+    def _prompt_logprobs(self, req: Request, span: tuple[int, int], hidden: torch.Tensor,
+                         logit_rows: Iterator[list[int]], out: ModelRunnerOutput) -> None:
+        """Score prompt tokens ``first+1 .. last`` (``span``, from :func:`prompt_logprob_span`): position ``p``'s
+        logits predict token ``p + 1``; the hidden rows come from ``logit_rows``, a batch at a time."""
+        first, last = span
         k = req.sampling_params.prompt_logprobs or 0
-        rows = hidden[first - start:last - start]
         targets = torch.tensor(req.prompt_token_ids[first + 1:last + 1])
         chunk: list[TokenLogprobs] = []
-        for s in range(0, rows.shape[0], 256):  # bound the [rows, V] float32 buffer
-            logits = self.model.compute_logits(rows[s:s + 256])
+        for s in range(0, last - first, PROMPT_LOGITS_ROWS):
+            logits = self.model.compute_logits(_rows(hidden, next(logit_rows)))
             if self.observer is not None:
                 self.observer.on_prompt_logits(req.request_id, first + s, logits)
-            lp, top_v, top_i = compute_logprobs(logits, targets[s:s + 256], k)
-            chunk.extend(_to_token_logprobs(targets[s:s + 256], lp, top_v, top_i, j, k)
+            lp, top_v, top_i = compute_logprobs(logits, targets[s:s + PROMPT_LOGITS_ROWS], k)
+            chunk.extend(_to_token_logprobs(targets[s:s + PROMPT_LOGITS_ROWS], lp, top_v, top_i, j, k)
                          for j in range(logits.shape[0]))
         out.prompt_logprobs[req.request_id] = chunk

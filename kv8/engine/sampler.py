@@ -138,6 +138,8 @@ def sample(
     params: Sequence[SamplingParams],
     generators: Sequence[torch.Generator],
     histories: Sequence[TokenHistory | None] | None = None,
+    *,
+    finite_checked: bool = False,
 ) -> SamplerOutput:
     """Choose one token per row; see the module docstring for the algorithm and invariants.
 
@@ -149,16 +151,21 @@ def sample(
         generators: B CPU generators, one per row (greedy rows' generators are left untouched).
         histories: B entries, one per row: the row's tokens where its params use penalties
             (``SamplingParams.uses_penalties``), anything (None) elsewhere; may be None when no row uses them.
+        finite_checked: the caller has already checked that every row has a finite maximum (the engine's runner
+            does, to fail such a request alone), so that ``[B, V]`` reduction is not run twice.
     """
-    _check_inputs(logits, params, generators)
+    _check_inputs(logits, params, generators, finite_checked)
     raw = logits.detach().to(torch.float32)  # [B, V]; never modified in place (logprobs read it)
     x = apply_penalties(raw, params, histories)
     n_rows = x.shape[0]
-    token_ids = torch.empty(n_rows, dtype=torch.int64, device=x.device)
 
     greedy = [i for i, p in enumerate(params) if p.sampling_type is SamplingType.GREEDY]
     random_rows = [i for i, p in enumerate(params) if p.sampling_type is SamplingType.RANDOM]
-    if greedy:
+    if len(greedy) == n_rows:   # the common batch: no row gather, no copy
+        token_ids = torch.argmax(x, dim=-1)
+    else:
+        token_ids = torch.empty(n_rows, dtype=torch.int64, device=x.device)
+    if greedy and len(greedy) < n_rows:
         # torch.argmax returns the first maximal index: ties go to the lowest id.
         token_ids[greedy] = torch.argmax(x[greedy], dim=-1)
     if random_rows:
@@ -230,7 +237,8 @@ def apply_penalties(x: torch.Tensor, params: Sequence[SamplingParams],
 
 
 def _check_inputs(
-    logits: torch.Tensor, params: Sequence[SamplingParams], generators: Sequence[torch.Generator]
+    logits: torch.Tensor, params: Sequence[SamplingParams], generators: Sequence[torch.Generator],
+    finite_checked: bool = False,
 ) -> None:
     if not isinstance(logits, torch.Tensor) or logits.dim() != 2 or not logits.is_floating_point():
         raise ValueError(
@@ -246,7 +254,7 @@ def _check_inputs(
         raise ValueError(
             f"generators must have one entry per logits row ({n_rows}), got {len(generators)}"
         )
-    if n_rows:
+    if n_rows and not finite_checked:
         row_max = logits.detach().amax(dim=-1)  # [B]; amax propagates NaN
         bad = (~torch.isfinite(row_max)).nonzero().flatten().tolist()
         if bad:

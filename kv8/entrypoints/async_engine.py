@@ -21,7 +21,9 @@ If a step raises, the engine is considered broken (a failure of one request alon
 finishes that request with an error and goes on): every open request receives an :class:`EngineDeadError` in its
 mailbox, later ``add`` calls raise it, :attr:`error` is set (``/health`` then reports failure), and
 ``on_failure(error)`` runs on the event loop: ``kv8 serve`` exits non-zero there, so that a supervisor restarts
-it, rather than lingering and answering 503.
+it, rather than lingering and answering 503. The same happens at once, without waiting for a step, when
+something outside the engine reports it broken (:meth:`AsyncEngine.fail`): a tensor-parallel worker process
+that exits calls it from the group's watch thread, so an idle server goes down too.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from kv8.distributed.group import TensorParallelError
 from kv8.engine.engine import LLMEngine
 from kv8.outputs import RequestOutput
 from kv8.sampling_params import SamplingParams
@@ -95,6 +98,7 @@ class AsyncEngine:
         self._mailboxes: dict[str, OutputMailbox] = {}   # engine thread only
         self._stopping = False
         self._abort_all_reason: str | None = None
+        self._failure: BaseException | None = None   # set by fail(); raised by the engine thread
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self.error: BaseException | None = None
@@ -105,6 +109,10 @@ class AsyncEngine:
         if self._thread is not None:
             raise RuntimeError("AsyncEngine.start() called twice")
         self._loop = asyncio.get_running_loop()
+        tp = self.engine.tp
+        if tp.size > 1 and tp.is_driver:
+            tp.on_rank_exit.append(lambda what: self.fail(TensorParallelError(
+                f"tensor-parallel {what}; the engine cannot continue and must be restarted")))
         self._thread = threading.Thread(target=self._run, name="kv8-engine", daemon=True)
         self._thread.start()
 
@@ -181,13 +189,23 @@ class AsyncEngine:
         except RuntimeError:
             pass
 
+    def fail(self, error: BaseException) -> None:
+        """Report the engine broken from any thread: the engine thread raises ``error`` before its next step (or
+        as soon as it is idle), which fails every open request and calls ``on_failure`` as a failed step does."""
+        with self._cv:
+            if self._failure is None:
+                self._failure = error
+            self._cv.notify_all()
+
     def _take_inbox(self) -> tuple[list[_NewRequest], list[str], str | None, bool]:
         with self._cv:
             while not (self._new or self._aborts or self._stopping or self._abort_all_reason is not None
-                       or self.engine.has_unfinished_requests()):
+                       or self._failure is not None or self.engine.has_unfinished_requests()):
                 self._cv.wait()
             new, aborts, self._new, self._aborts = self._new, self._aborts, [], []
             abort_all, self._abort_all_reason = self._abort_all_reason, None
+            if self._failure is not None:
+                raise self._failure
             return new, aborts, abort_all, self._stopping
 
     def _run(self) -> None:

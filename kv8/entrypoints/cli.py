@@ -28,6 +28,7 @@ from kv8.config import (
     resolve_dtype,
 )
 from kv8.engine.args import EngineArgs
+from kv8.entrypoints.tool_calling import TOOL_CALL_PARSERS
 from kv8.native import KernelUnavailable
 from kv8.quant.formats import resolve_kv_cache_dtype
 
@@ -72,6 +73,12 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--allowed-origins", nargs="+", default=[], metavar="ORIGIN",
                    help="browser origins allowed by CORS, e.g. http://localhost:3000, or * for any "
                         "(default: none, CORS off)")
+    g.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help='allow tool_choice "auto" (the default when a request gives tools): the model decides '
+                        "whether to call tools, and --tool-call-parser reads the calls out of its text (vLLM's flag)")
+    g.add_argument("--tool-call-parser", default=None, choices=list(TOOL_CALL_PARSERS),
+                   help="the format of the model's tool calls for tool_choice auto: hermes = <tool_call>{...}"
+                        "</tool_call> blocks (Hermes 2 Pro / 3, Qwen 2.5 / 3)")
     g.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"],
                    help="uvicorn log level (default warning)")
     d = p.add_argument_group("data parallel (kv8.entrypoints.ray_serve)")

@@ -104,7 +104,7 @@ class KV8Replica:
         self.limits = serving_limits(llm, spec.server)
         self.engine = AsyncEngine(llm)
         self.metrics = ServerMetrics()
-        self.serving = OpenAIServing(self.engine, self.limits, self.metrics)
+        self.serving = OpenAIServing(self.engine, self.limits, self.metrics, tool_options=spec.server.tool_options)
         self._node = _node_address()
         self._started = False
 

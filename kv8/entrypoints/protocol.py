@@ -10,6 +10,7 @@ Errors leave the server as ``{"error": {"message", "type", "param", "code"}}`` (
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -179,28 +180,173 @@ class TextPart(_Strict):
     text: str
 
 
+TOOL_NAME_PATTERN = r"^[A-Za-z0-9_-]{1,64}$"   # OpenAI's rule for function names
+
+
+class FunctionDefinition(_Strict):
+    """A function the model may call. ``parameters`` is a JSON schema of the arguments object (``type`` must be
+    ``"object"`` where given, as OpenAI requires); omitted, the function takes no arguments. ``strict`` is accepted
+    either way: constrained tool calls always match the schema."""
+
+    name: str = Field(pattern=TOOL_NAME_PATTERN)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+    @model_validator(mode="after")
+    def _check_parameters(self) -> FunctionDefinition:
+        kind = (self.parameters or {}).get("type", "object")
+        if kind != "object":
+            raise ValueError(f"the parameters of function {self.name!r} must be a JSON schema of type 'object' "
+                             f"(the arguments object), got type {kind!r}")
+        return self
+
+
+class ChatTool(_Strict):
+    """An entry of ``tools``: OpenAI's function tool."""
+
+    type: Literal["function"]
+    function: FunctionDefinition
+
+    def template_dict(self) -> dict[str, Any]:
+        """The tool as chat templates read it (OpenAI's shape, unset optional fields left out)."""
+        f = self.function
+        fn: dict[str, Any] = {"name": f.name}
+        if f.description is not None:
+            fn["description"] = f.description
+        if f.parameters is not None:
+            fn["parameters"] = f.parameters
+        return {"type": "function", "function": fn}
+
+
+class NamedFunction(_Strict):
+    name: str = Field(min_length=1)
+
+
+class NamedToolChoice(_Strict):
+    """``tool_choice`` naming one function: the model must call it (arguments constrained to its schema)."""
+
+    type: Literal["function"]
+    function: NamedFunction
+
+
+ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
+
+
+def _refuse_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not valid JSON")
+
+
+class ToolCallFunction(_Strict):
+    name: str = Field(min_length=1)
+    arguments: str   # a JSON object, encoded as a string (OpenAI's shape)
+
+    @model_validator(mode="after")
+    def _check_arguments(self) -> ToolCallFunction:
+        try:
+            value = json.loads(self.arguments, parse_constant=_refuse_constant)
+        except ValueError as e:
+            raise ValueError(f"function.arguments of a call to {self.name!r} is not valid JSON ({e}); it must be "
+                             "a JSON object encoded as a string") from None
+        if not isinstance(value, dict):
+            raise ValueError(f"function.arguments of a call to {self.name!r} must be a JSON object encoded as a "
+                             f"string, got a JSON {type(value).__name__}")
+        return self
+
+    def arguments_dict(self) -> dict[str, Any]:
+        """The arguments parsed (a dict: checked at validation), as chat templates expect them."""
+        value: dict[str, Any] = json.loads(self.arguments)
+        return value
+
+
+class ToolCall(_Strict):
+    """A call made by an earlier assistant turn (in the history)."""
+
+    id: str = Field(min_length=1)
+    type: Literal["function"]
+    function: ToolCallFunction
+
+
 class ChatMessage(_Strict):
     """A message; ``developer`` is OpenAI's newer name for ``system`` and is rendered as ``system``; ``name``
-    (a participant name) is accepted and not rendered, as chat templates do not read it."""
+    (a participant name) is accepted and not rendered, as chat templates do not read it.
 
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart]
+    Invariants (checked here): system, developer, user and tool messages have ``content``; an assistant message
+    has ``content`` or ``tool_calls`` (or both; ``tool_calls`` non-empty, with distinct ids); a tool message has a
+    ``tool_call_id`` and no other message does; only assistant messages carry ``tool_calls``."""
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+
+    @model_validator(mode="after")
+    def _check_shape(self) -> ChatMessage:
+        role = self.role
+        if self.tool_calls is not None and role != "assistant":
+            raise ValueError(f"a {role} message cannot have tool_calls; only assistant messages do")
+        if self.tool_calls is not None:
+            if not self.tool_calls:
+                raise ValueError("tool_calls is an empty list; omit it for an assistant message without calls")
+            ids = [c.id for c in self.tool_calls]
+            if len(set(ids)) != len(ids):
+                raise ValueError(f"tool_calls ids must be distinct within a message, got {ids}")
+        if (self.tool_call_id is not None) != (role == "tool"):
+            raise ValueError("a tool message needs tool_call_id (the id of the call it answers)" if role == "tool"
+                             else f"a {role} message cannot have tool_call_id; only tool messages do")
+        if self.content is None and not (role == "assistant" and self.tool_calls):
+            raise ValueError(f"a {role} message needs content" + (" or tool_calls" if role == "assistant" else ""))
+        return self
 
     @property
     def template_role(self) -> str:
         return "system" if self.role == "developer" else self.role
 
     def text(self) -> str:
+        if self.content is None:
+            return ""
         return self.content if isinstance(self.content, str) else "".join(part.text for part in self.content)
+
+    def template_dict(self) -> dict[str, Any]:
+        """The message as Hugging Face chat templates read it: ``content`` as text (None for an assistant turn that
+        only calls tools), tool calls with their arguments as dicts, and a tool reply's ``tool_call_id``."""
+        out: dict[str, Any] = {"role": self.template_role,
+                               "content": None if self.content is None else self.text()}
+        if self.tool_calls is not None:
+            out["tool_calls"] = [{"id": c.id, "type": "function",
+                                  "function": {"name": c.function.name, "arguments": c.function.arguments_dict()}}
+                                 for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        return out
+
+
+def check_tool_replies(messages: list[ChatMessage]) -> None:
+    """Every tool message answers a call made by an earlier assistant message (OpenAI's rule); FieldError else."""
+    called: set[str] = set()
+    for i, m in enumerate(messages):
+        if m.tool_calls:
+            called.update(c.id for c in m.tool_calls)
+        if m.role == "tool" and m.tool_call_id not in called:
+            raise FieldError("messages", f"messages[{i}] is a tool message answering tool_call_id "
+                                         f"{m.tool_call_id!r}, which no earlier assistant message called "
+                                         f"(called: {sorted(called) or 'none'})")
 
 
 class ChatCompletionRequest(_SamplingFields):
-    """POST /v1/chat/completions."""
+    """POST /v1/chat/completions.
+
+    Tools: ``tools`` (at least one, distinct names) and ``tool_choice``: ``"none"``, ``"auto"`` (the default when
+    tools are given, as in OpenAI's API), ``"required"`` or a named function (which must be in ``tools``). A
+    ``tool_choice`` other than ``"none"`` needs ``tools``, and cannot be combined with a JSON ``response_format``
+    (both would constrain the same output). ``parallel_tool_calls`` false allows at most one call."""
 
     messages: list[ChatMessage] = Field(min_length=1)
     modalities: list[Literal["text"]] | None = None       # metadata: text is all kv8 produces
-    parallel_tool_calls: bool | None = None               # metadata without tools (tools are refused)
+    tools: list[ChatTool] | None = Field(None, min_length=1)
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool | None = None
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool | None = None
@@ -214,11 +360,43 @@ class ChatCompletionRequest(_SamplingFields):
                 and self.max_tokens != self.max_completion_tokens):
             raise FieldError("max_completion_tokens", f"max_tokens ({self.max_tokens}) and max_completion_tokens "
                              f"({self.max_completion_tokens}) disagree; give one of them")
+        check_tool_replies(self.messages)
+        names = [t.function.name for t in self.tools or ()]
+        twice = sorted({n for n in names if names.count(n) > 1})
+        if twice:
+            raise FieldError("tools", f"tools has more than one function named {', '.join(map(repr, twice))}; "
+                                      "function names must be distinct")
+        choice = self.tool_choice
+        if choice is not None and choice != "none" and not self.tools:
+            shown = choice if isinstance(choice, str) else choice.model_dump()
+            raise FieldError("tool_choice", f"tool_choice {shown!r} requires tools; give the functions in tools")
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+            raise FieldError("tool_choice", f"tool_choice names function {choice.function.name!r}, which is not "
+                                            f"in tools (functions: {', '.join(map(repr, names))})")
+        fmt = self.response_format
+        if self.tool_mode != "none" and fmt is not None and fmt.type != "text":
+            raise FieldError("response_format", f"response_format {fmt.type!r} cannot be combined with tools and "
+                                                f"tool_choice {self.tool_mode!r}: both would constrain the same "
+                                                "output; drop one, or set tool_choice to 'none'")
         return self
 
     @property
     def token_limit(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    @property
+    def tool_mode(self) -> Literal["none", "auto", "required", "named"]:
+        """How tools are used: ``tool_choice`` with OpenAI's default (``auto`` with tools, ``none`` without)."""
+        choice = self.tool_choice
+        if not self.tools or choice == "none":
+            return "none"
+        if choice is None or choice == "auto":
+            return "auto"
+        return "required" if choice == "required" else "named"
+
+    def tool_dicts(self) -> list[dict[str, Any]] | None:
+        """``tools`` as plain dicts (what chat templates read), None without tools."""
+        return None if self.tools is None else [t.template_dict() for t in self.tools]
 
 
 class TokenizeRequest(_Strict):
@@ -227,6 +405,7 @@ class TokenizeRequest(_Strict):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
+    tools: list[ChatTool] | None = Field(None, min_length=1)   # rendered by the chat template with messages
     add_special_tokens: bool = True          # prompt: the tokenizer's special tokens (BOS ...), as generation adds
     add_generation_prompt: bool = True       # messages: end with the assistant's turn, as chat completions do
 
@@ -236,7 +415,13 @@ class TokenizeRequest(_Strict):
             raise FieldError("prompt", "give exactly one of prompt and messages")
         if self.messages is not None and not self.messages:
             raise FieldError("messages", "messages is empty")
+        if self.tools is not None and self.messages is None:
+            raise FieldError("tools", "tools is only allowed with messages")
+        check_tool_replies(self.messages or [])
         return self
+
+    def tool_dicts(self) -> list[dict[str, Any]] | None:
+        return None if self.tools is None else [t.template_dict() for t in self.tools]
 
 
 class DetokenizeRequest(_Strict):

@@ -386,18 +386,21 @@ def app_builder(args: Mapping[str, Any]) -> Any:
     address is Serve's (``serve run``'s / the config's ``http_options``)."""
     from kv8.entrypoints.cli import build_parser
 
+    parser = build_parser()
+    subparsers = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    flags = {f for a in subparsers.choices["serve"]._actions for f in a.option_strings}
     argv = ["serve", "--data-parallel-backend", "ray"]
     for key, value in args.items():
         flag = "--" + key.replace("_", "-")
         if isinstance(value, str) and value.lower() in ("true", "false"):
             value = value.lower() == "true"
-        if isinstance(value, bool):   # a --x / --no-x flag
-            argv.append(flag if value else "--no-" + flag[2:])
+        if isinstance(value, bool):   # --x / --no-x, or a --x that is off unless given
+            negative = "--no-" + flag[2:]
+            argv += [flag] if value else [negative] if negative in flags else []
         elif isinstance(value, (list, tuple)):
             argv += [flag, *map(str, value)]
         else:
             argv += [flag, str(value)]
-    parser = build_parser()
     ns = parser.parse_args(argv)
     return DataParallelPlan.from_args(ns, EngineArgs.from_cli_args(ns)).application()
 

@@ -60,6 +60,7 @@ from kv8.entrypoints.protocol import (
 )
 from kv8.entrypoints.request_run import ClientDisconnected, Stream
 from kv8.entrypoints.serving import OpenAIServing, ServingLimits
+from kv8.entrypoints.tool_calling import ToolOptions
 
 if TYPE_CHECKING:
     from kv8.engine.engine import LLMEngine
@@ -175,11 +176,12 @@ async def _wait_disconnect(request: Request) -> None:
 
 
 def build_app(engine: AsyncEngine, limits: ServingLimits, api_key: str | None, max_request_bytes: int,
-              allowed_origins: tuple[str, ...] = (), body_timeout: float = 60.0) -> FastAPI:
+              allowed_origins: tuple[str, ...] = (), body_timeout: float = 60.0,
+              tool_options: ToolOptions | None = None) -> FastAPI:
     """The ASGI app. ``app.state.draining`` set to True makes new /v1 requests answer 503; ``app.state.metrics``
     is its :class:`ServerMetrics`."""
     metrics = ServerMetrics()
-    serving = OpenAIServing(engine, limits, metrics)
+    serving = OpenAIServing(engine, limits, metrics, tool_options=tool_options)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -374,17 +376,20 @@ def check_server_args(ns: argparse.Namespace) -> str | None:
 
 @dataclass(frozen=True)
 class ServerOptions:
-    """The server flags that size an engine's :class:`ServingLimits` (a picklable value: data-parallel replicas
-    receive it)."""
+    """The server flags that shape an engine's endpoint: its :class:`ServingLimits` and tool options (a picklable
+    value: data-parallel replicas receive it)."""
 
     served_model_name: str
     max_tokens_limit: int | None
     max_n: int
     max_waiting_requests: int
+    tool_options: ToolOptions
 
     @classmethod
     def from_namespace(cls, ns: argparse.Namespace, model: str) -> ServerOptions:
-        return cls(ns.served_model_name or model, ns.max_tokens_limit, ns.max_n, ns.max_waiting_requests)
+        """``ValueError`` for tool flags that do not go together (:class:`ToolOptions`)."""
+        return cls(ns.served_model_name or model, ns.max_tokens_limit, ns.max_n, ns.max_waiting_requests,
+                   ToolOptions(ns.enable_auto_tool_choice, ns.tool_call_parser))
 
 
 def serving_limits(llm: LLMEngine, opts: ServerOptions) -> ServingLimits:
@@ -408,10 +413,11 @@ def run_server(ns: argparse.Namespace, engine_args: EngineArgs) -> int:
     from kv8.entrypoints.http_protocol import header_timeout_protocol
 
     api_key = check_server_args(ns)
+    opts = ServerOptions.from_namespace(ns, engine_args.model)
 
     llm = LLMEngine(engine_args)
     cfg = llm.config
-    limits = serving_limits(llm, ServerOptions.from_namespace(ns, engine_args.model))
+    limits = serving_limits(llm, opts)
 
     failures: list[BaseException] = []
 
@@ -424,7 +430,7 @@ def run_server(ns: argparse.Namespace, engine_args: EngineArgs) -> int:
 
     async_engine = AsyncEngine(llm, on_failure=engine_failed)
     app = build_app(async_engine, limits, api_key, ns.max_request_bytes, tuple(ns.allowed_origins),
-                    ns.request_body_timeout)
+                    ns.request_body_timeout, opts.tool_options)
 
     class Server(uvicorn.Server):
         """uvicorn, whose exit signals start a drain (see the module docstring) instead of closing the listener."""

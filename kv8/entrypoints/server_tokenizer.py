@@ -15,6 +15,12 @@ real bytes instead, so that joining them rebuilds the text: byte-level BPE vocab
 Llama 3's, Qwen's) spell bytes with GPT-2's printable byte alphabet, mapped back here; SentencePiece vocabularies
 spell a byte ``<0xE2>`` (byte fallback) and a space ``▁``. Tokens that are neither (added special tokens) fall
 back to the UTF-8 of their decoded text.
+
+Tools: a chat template supports tools when it reads the ``tools`` variable; it renders a history's assistant tool
+calls when it reads ``tool_calls``, and tool replies when it compares a role with ``"tool"``
+(:func:`template_tool_support`, from the template's jinja syntax tree). A request with tools or tool messages
+that its template would drop is a 400 saying that the chat template has no tool support, rather than a prompt
+without them. Messages reach the template as Hugging Face templates expect them (tool call arguments as dicts).
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ import json
 import re
 import threading
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from kv8.config import EngineConfig
@@ -66,6 +73,35 @@ def _decoder_types(tokenizer: Any) -> set[str]:
             found.add(str(d.get("type")))
             stack.extend(d.get("decoders") or [])
     return found
+
+
+@dataclass(frozen=True)
+class TemplateToolSupport:
+    """What a chat template does with tools: reads ``tools``, renders assistant ``tool_calls``, renders tool
+    replies (role ``"tool"``)."""
+
+    reads_tools: bool
+    renders_tool_calls: bool
+    renders_tool_role: bool
+
+
+@functools.lru_cache(maxsize=16)
+def template_tool_support(source: str) -> TemplateToolSupport:
+    """:class:`TemplateToolSupport` of a jinja chat template: from its syntax tree (undeclared variables, attribute
+    names and string constants); from its text when jinja cannot parse it (a tag of an extension jinja lacks)."""
+    import jinja2
+    from jinja2 import meta, nodes
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    try:
+        tree = ImmutableSandboxedEnvironment(extensions=["jinja2.ext.loopcontrols"]).parse(source)
+    except jinja2.TemplateSyntaxError:
+        return TemplateToolSupport(bool(re.search(r"\btools\b", source)), "tool_calls" in source,
+                                   bool(re.search(r"[\'\"]tool[\'\"]", source)))
+    names = {n.attr for n in tree.find_all(nodes.Getattr)}
+    names |= {n.value for n in tree.find_all(nodes.Const) if isinstance(n.value, str)}
+    return TemplateToolSupport("tools" in meta.find_undeclared_variables(tree), "tool_calls" in names,
+                               "tool" in names)
 
 
 class ServerTokenizer:
@@ -119,23 +155,48 @@ class ServerTokenizer:
             return token.replace("\u2581", " ").encode("utf-8")
         return None
 
-    def apply_chat_template(self, conversation: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
+    def template_source(self, with_tools: bool) -> str:
+        """The chat template's text (of a set of named templates: ``tool_use`` with tools where there is one, else
+        ``default``, as transformers picks them)."""
+        template = self.tokenizer.chat_template
+        if isinstance(template, dict):
+            if with_tools and "tool_use" in template:
+                return str(template["tool_use"])
+            return str(template.get("default", next(iter(template.values()))))
+        return str(template)
+
+    def apply_chat_template(self, conversation: list[dict[str, Any]], add_generation_prompt: bool = True,
+                            tools: list[dict[str, Any]] | None = None) -> list[int]:
         """Token ids of a conversation followed (by default) by the assistant's generation prompt. Raises what
         the template raises (jinja ``TemplateError`` and friends) for a conversation it does not accept."""
         with self._lock:
-            ids = self.tokenizer.apply_chat_template(conversation, tokenize=True,
+            ids = self.tokenizer.apply_chat_template(conversation, tools=tools, tokenize=True,
                                                      add_generation_prompt=add_generation_prompt)
         if hasattr(ids, "keys"):
             ids = ids["input_ids"]
         return list(ids)
 
-    def chat_ids(self, messages: Sequence[ChatMessage], add_generation_prompt: bool = True) -> list[int]:
-        """Token ids of validated chat ``messages`` through the chat template; a 400 naming ``messages`` when the
-        tokenizer has no template or the template rejects them."""
+    def chat_ids(self, messages: Sequence[ChatMessage], add_generation_prompt: bool = True,
+                 tools: list[dict[str, Any]] | None = None) -> list[int]:
+        """Token ids of validated chat ``messages`` (and ``tools``) through the chat template; a 400 when the
+        tokenizer has no template, when tools or tool messages meet a template without tool support, or when the
+        template rejects the messages."""
         if not self.has_chat_template:
             raise APIError(400, "this model's tokenizer has no chat template; use /v1/completions", param="messages")
-        conv = [{"role": m.template_role, "content": m.text()} for m in messages]
+        support = template_tool_support(self.template_source(bool(tools)))
+        if tools and not support.reads_tools:
+            raise APIError(400, "this model's chat template has no tool support (it does not read `tools`), so the "
+                                "model would never see them; send the request without tools, or serve a model "
+                                "whose chat template supports tools", param="tools")
+        for i, m in enumerate(messages):
+            if m.tool_calls and not support.renders_tool_calls:
+                raise APIError(400, f"messages[{i}] is an assistant message with tool_calls, but this model's chat "
+                                    "template has no tool support (it does not render tool_calls)", param="messages")
+            if m.role == "tool" and not support.renders_tool_role:
+                raise APIError(400, f"messages[{i}] has role 'tool', but this model's chat template has no tool "
+                                    "support (it does not render tool messages)", param="messages")
+        conv = [m.template_dict() for m in messages]
         try:
-            return self.apply_chat_template(conv, add_generation_prompt)
+            return self.apply_chat_template(conv, add_generation_prompt, tools)
         except Exception as e:  # jinja TemplateError and friends: the conversation does not fit the template
             raise APIError(400, f"the chat template rejected the messages: {e}", param="messages") from e

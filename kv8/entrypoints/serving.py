@@ -43,6 +43,7 @@ from kv8.entrypoints.protocol import (
 )
 from kv8.entrypoints.request_run import RequestRun, Stream, SubRequest, sse, usage, visible
 from kv8.entrypoints.server_tokenizer import ServerTokenizer
+from kv8.entrypoints.tool_calling import ToolCallStream, ToolOptions, ToolPlan, plan_tools
 from kv8.outputs import CompletionOutput, Logprob, PositionLogprobs
 from kv8.sampling_params import SamplingParams, StructuredOutputsParams
 
@@ -81,9 +82,10 @@ class OpenAIServing:
     """The endpoints' logic. ``tokenizer`` defaults to a new :class:`ServerTokenizer` for the engine's model."""
 
     def __init__(self, engine: AsyncEngine, limits: ServingLimits, metrics: ServerMetrics,
-                 tokenizer: ServerTokenizer | None = None) -> None:
+                 tokenizer: ServerTokenizer | None = None, tool_options: ToolOptions | None = None) -> None:
         self.engine = engine
         self.limits = limits
+        self.tool_options = tool_options if tool_options is not None else ToolOptions()
         self.metrics = metrics
         self.tokenizer = tokenizer if tokenizer is not None else ServerTokenizer.load(engine.engine.config)
         self.vocab_size = engine.engine.config.arch.vocab_size
@@ -99,7 +101,7 @@ class OpenAIServing:
         if req.prompt is not None:
             ids = self.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
         else:
-            ids = self.tokenizer.chat_ids(req.messages or [], req.add_generation_prompt)
+            ids = self.tokenizer.chat_ids(req.messages or [], req.add_generation_prompt, req.tool_dicts())
         return {"tokens": ids, "count": len(ids), "max_model_len": self.limits.max_model_len}
 
     def detokenize(self, req: DetokenizeRequest) -> dict[str, Any]:
@@ -172,7 +174,8 @@ class OpenAIServing:
         return spec
 
     def _params(self, req: Any, n: int, max_tokens: int, logprobs: int | None,
-                prompt_logprobs: int | None, structured: StructuredOutputsParams | None = None) -> SamplingParams:
+                prompt_logprobs: int | None, structured: StructuredOutputsParams | None = None,
+                skip_special_tokens: bool | None = None) -> SamplingParams:
         def pick(value: Any, default: Any) -> Any:
             return default if value is None else value
         logit_bias = req.logit_bias_ids()
@@ -186,7 +189,8 @@ class OpenAIServing:
                 min_p=pick(req.min_p, 0.0), seed=req.seed, max_tokens=max_tokens, min_tokens=pick(req.min_tokens, 0),
                 stop=req.stop, stop_token_ids=req.stop_token_ids, ignore_eos=pick(req.ignore_eos, False),
                 include_stop_str_in_output=pick(req.include_stop_str_in_output, False), logprobs=logprobs,
-                prompt_logprobs=prompt_logprobs, skip_special_tokens=pick(req.skip_special_tokens, True),
+                prompt_logprobs=prompt_logprobs,
+                skip_special_tokens=pick(skip_special_tokens, pick(req.skip_special_tokens, True)),
                 presence_penalty=pick(req.presence_penalty, 0.0), frequency_penalty=pick(req.frequency_penalty, 0.0),
                 repetition_penalty=pick(req.repetition_penalty, 1.0), logit_bias=logit_bias,
                 structured_outputs=structured)
@@ -348,16 +352,24 @@ class OpenAIServing:
 
     # ---- /v1/chat/completions -------------------------------------------------------------------------------
     def _chat_sub(self, req: ChatCompletionRequest) -> SubRequest:
+        return self._chat_prepare(req)[0]
+
+    def _chat_prepare(self, req: ChatCompletionRequest) -> tuple[SubRequest, ToolPlan]:
+        """The engine request of a chat request and its :class:`ToolPlan` (run in a worker thread)."""
         self._check_model(req.model)
         n = req.n or 1
         self._check_n(n)
-        ids = self.tokenizer.chat_ids(req.messages)
+        ids = self.tokenizer.chat_ids(req.messages, tools=req.tool_dicts())   # first: a template without tools
+        plan = plan_tools(req, self.tool_options)                             # support is the first thing to fix
         max_tokens = self._max_tokens(req.token_limit, len(ids), None,
                                       "max_completion_tokens" if req.max_completion_tokens else "max_tokens",
                                       "messages")
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
-        params = self._params(req, n, max_tokens, logprobs, None, self._response_format(req))
-        return SubRequest(self._new_id("chatcmpl"), "", ids, params, False)
+        structured = plan.structured if plan.structured is not None else self._response_format(req)
+        # a tool-call parser reads the markers (<tool_call>), which some tokenizers mark special (as vLLM does)
+        params = self._params(req, n, max_tokens, logprobs, None, structured,
+                              skip_special_tokens=False if plan.mode == "auto" else None)
+        return SubRequest(self._new_id("chatcmpl"), "", ids, params, False), plan
 
     def _chat_logprobs(self, sub: SubRequest, ids: list[int], lps: list[PositionLogprobs]) -> list[dict[str, Any]]:
         """OpenAI's chat logprobs; ``bytes`` are each token's real bytes (part of a UTF-8 character included), so
@@ -381,31 +393,35 @@ class OpenAIServing:
 
     async def chat(self, req: ChatCompletionRequest, disconnect: Callable[[], Awaitable[None]]
                    ) -> dict[str, Any] | Stream:
-        sub = await asyncio.to_thread(self._chat_sub, req)
+        sub, plan = await asyncio.to_thread(self._chat_prepare, req)
         run = self._admit([sub])
         await run.start()
         created, model = int(time.time()), self.limits.served_model_name
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return Stream(self._chat_stream(run, sub, created, model, include_usage), run.close)
+            return Stream(self._chat_stream(run, sub, plan, created, model, include_usage), run.close)
         await _run_to_completion(run, disconnect)
         assert sub.latest is not None
         choices = []
         for c in sub.latest.outputs:
             lps = {"content": self._chat_logprobs(sub, c.token_ids, c.logprobs)} if c.logprobs is not None else None
-            choices.append({"index": c.index, "message": {"role": "assistant", "content": c.text},
-                            "logprobs": lps, "finish_reason": c.finish_reason})
+            message, reason = plan.message(c.text, c.finish_reason)
+            choices.append({"index": c.index, "message": message, "logprobs": lps, "finish_reason": reason})
         return {"id": sub.request_id, "object": "chat.completion", "created": created, "model": model,
                 "choices": choices, "usage": usage(run)}
 
-    async def _chat_stream(self, run: RequestRun, sub: SubRequest, created: int, model: str,
+    async def _chat_stream(self, run: RequestRun, sub: SubRequest, plan: ToolPlan, created: int, model: str,
                            include_usage: bool) -> AsyncIterator[str]:
+        """SSE chunks of a chat request. With a tool parser, each update's text is parsed again and the difference
+        to what was sent goes out as ``content`` and ``tool_calls`` deltas (:class:`ToolCallStream`)."""
         base = {"id": sub.request_id, "object": "chat.completion.chunk", "created": created, "model": model}
         if include_usage:
             base["usage"] = None
         marks: dict[int, tuple[int, int, bool]] = {}
+        tool_streams = {i: ToolCallStream() for i in range(sub.params.n)}
+        first_content = None if plan.mode in ("required", "named") else ""   # those answers have no content
         try:
-            yield sse(dict(base, choices=[{"index": i, "delta": {"role": "assistant", "content": ""},
+            yield sse(dict(base, choices=[{"index": i, "delta": {"role": "assistant", "content": first_content},
                                             "logprobs": None, "finish_reason": None}
                                            for i in range(sub.params.n)]))
             async for _ in run.updates():
@@ -416,17 +432,28 @@ class OpenAIServing:
                     if done:
                         continue
                     text = c.text if c.finish_reason else c.text[:max(st, len(c.text) - self._holdback(sub.params))]
-                    delta, new_ids = text[st:], c.token_ids[tk:]
+                    new_ids = c.token_ids[tk:]
                     lps = None
                     if c.logprobs is not None and new_ids:
                         lps = {"content": self._chat_logprobs(sub, new_ids, c.logprobs[tk:])}
                     marks[c.index] = (len(text), len(c.token_ids), c.finish_reason is not None)
+                    reason = c.finish_reason
+                    delta: dict[str, Any] = {}
+                    if plan.parser is None:
+                        if text[st:] or lps:
+                            delta["content"] = text[st:]
+                    else:
+                        parsed = plan.parser.parse(text, final=reason is not None)
+                        content, calls = tool_streams[c.index].step(parsed)
+                        if content:
+                            delta["content"] = content
+                        if calls:
+                            delta["tool_calls"] = calls
+                        reason = plan.finish_reason(parsed, reason)
                     if delta or lps:
-                        choices.append({"index": c.index, "delta": {"content": delta}, "logprobs": lps,
-                                        "finish_reason": None})
-                    if c.finish_reason is not None:
-                        choices.append({"index": c.index, "delta": {}, "logprobs": None,
-                                        "finish_reason": c.finish_reason})
+                        choices.append({"index": c.index, "delta": delta, "logprobs": lps, "finish_reason": None})
+                    if reason is not None:
+                        choices.append({"index": c.index, "delta": {}, "logprobs": None, "finish_reason": reason})
                 if choices:
                     yield sse(dict(base, choices=choices))
             if include_usage:

@@ -43,9 +43,10 @@ from kv8.distributed.shard import local_head_counts
 from kv8.layers.activation import GeluAndMul
 from kv8.layers.attention import AttentionContext, PagedAttention
 from kv8.layers.dense_kernels import TORCH_BACKEND, DenseBackend
-from kv8.layers.linear import Linear, MergedLinear, QKVLinear, RowParallelLinear
+from kv8.layers.linear import MergedLinear, QKVLinear, RowParallelLinear
 from kv8.layers.norm import GemmaRMSNorm, norm_per_head
 from kv8.layers.rotary import RopeAngles, RotaryEmbedding
+from kv8.layers.vocab_parallel import ParallelLMHead, VocabParallelEmbedding
 from kv8.models.llama import LlamaForCausalLM
 
 __all__ = ["Gemma3ArchConfig", "Gemma3ForCausalLM"]
@@ -187,7 +188,7 @@ class Gemma3Model(nn.Module):
     def __init__(self, arch: Gemma3ArchConfig, backend: DenseBackend) -> None:
         super().__init__()
         d, (hq, hkv) = arch.head_dim, local_head_counts(arch.num_heads, arch.num_kv_heads)   # this rank's heads
-        self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(arch.vocab_size, arch.hidden_size)
         # one RoPE per layer kind: global (rope_theta, scaled) and local (rope_local_base_freq, unscaled)
         self.rotary_emb = RotaryEmbedding(d, hq, hkv, arch.rope_theta, arch.rope_scaling, backend)
         self.rotary_emb_local = RotaryEmbedding(d, hq, hkv, arch.rope_local_theta, None, backend)
@@ -212,7 +213,7 @@ class Gemma3ForCausalLM(nn.Module):
             raise ValueError(f"Gemma3ForCausalLM needs a Gemma3ArchConfig, got {type(arch).__name__}")
         self.arch = arch
         self.model = Gemma3Model(arch, backend)
-        self.lm_head = Linear(arch.hidden_size, arch.vocab_size, False, backend)
+        self.lm_head = ParallelLMHead(arch.hidden_size, arch.vocab_size, backend)
         self.layer_is_local = [kind == "sliding_attention" for kind in arch.layer_types]
 
     @torch.inference_mode()
@@ -229,5 +230,5 @@ class Gemma3ForCausalLM(nn.Module):
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden ``[N, E]`` -> logits ``[N, V]`` in float32."""
+        """hidden ``[N, E]`` -> logits ``[N, V]`` in float32 (on rank 0; every rank calls it on the same rows)."""
         return self.lm_head(hidden).float()

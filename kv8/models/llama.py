@@ -22,9 +22,10 @@ from kv8.distributed.shard import local_head_counts
 from kv8.layers.activation import SiluAndMul
 from kv8.layers.attention import AttentionContext, PagedAttention
 from kv8.layers.dense_kernels import TORCH_BACKEND, DenseBackend
-from kv8.layers.linear import Linear, MergedLinear, QKVLinear, RowParallelLinear
+from kv8.layers.linear import MergedLinear, QKVLinear, RowParallelLinear
 from kv8.layers.norm import RMSNorm
 from kv8.layers.rotary import RopeAngles, RotaryEmbedding
+from kv8.layers.vocab_parallel import ParallelLMHead, VocabParallelEmbedding
 
 
 class Attention(nn.Module):
@@ -77,7 +78,7 @@ class DecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     def __init__(self, arch: ModelArchConfig, backend: DenseBackend, attention_cls: type[nn.Module]) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(arch.vocab_size, arch.hidden_size)
         hq, hkv = local_head_counts(arch.num_heads, arch.num_kv_heads)   # this rank's heads
         self.rotary_emb = RotaryEmbedding(arch.head_dim, hq, hkv, arch.rope_theta, arch.rope_scaling, backend,
                                           rotary_dim=arch.rotary_dim)
@@ -107,7 +108,7 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.arch = arch
         self.model = LlamaModel(arch, backend, self.attention_cls)
-        self.lm_head = Linear(arch.hidden_size, arch.vocab_size, False, backend)
+        self.lm_head = ParallelLMHead(arch.hidden_size, arch.vocab_size, backend)
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
@@ -121,5 +122,5 @@ class LlamaForCausalLM(nn.Module):
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden ``[N, E]`` -> logits ``[N, V]`` in float32."""
+        """hidden ``[N, E]`` -> logits ``[N, V]`` in float32 (on rank 0; every rank calls it on the same rows)."""
         return self.lm_head(hidden).float()

@@ -11,7 +11,7 @@ import json
 import math
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -142,29 +142,43 @@ def load_vllm_scales_json(
     )
 
 
-def write_vllm_scales_json(path: str | os.PathLike[str], scales: KVScales, model_type: str) -> None:
-    """Write tensor-granularity scales with K == V as a single-rank vLLM ``kv_cache_scales.json``.
+def write_vllm_scales_json(path: str | os.PathLike[str], scales: KVScales | Sequence[KVScales],
+                           model_type: str) -> None:
+    """Write tensor-granularity scales with K == V as a vLLM ``kv_cache_scales.json``.
 
-    The vLLM format holds one scale per layer for both K and V and is defined only for E4M3FN/E4M3FNUZ,
-    so ``scales`` must have tensor granularity, identical K and V, and ``made_for`` fp8_e4m3(fnuz).
+    ``scales`` is one :class:`KVScales` (a single-rank file) or one per tensor-parallel rank, in rank order
+    (``scaling_factor[tp_rank]``, which an engine with that many ranks reads). The vLLM format holds one scale
+    per layer for both K and V and is defined only for E4M3FN/E4M3FNUZ, so every entry must have tensor
+    granularity, identical K and V, no rotation, and the same ``made_for`` (fp8_e4m3[fnuz]) and layer count.
     """
-    if scales.granularity is not ScaleGranularity.TENSOR:
-        raise ValueError(f"vLLM scale files hold one scale per layer; got {scales.granularity.value} granularity")
-    if scales.rotation != "none":
-        raise ValueError(f"vLLM scale files cannot say that scales were calibrated on {scales.rotation}-rotated "
-                         "K/V; write kv8's JSON schema instead")
-    if not torch.equal(scales.k, scales.v):
-        raise ValueError("vLLM scale files hold one scale per layer for both K and V; k and v differ")
-    if scales.made_for not in FORMAT_TO_TORCH_DTYPE:
-        raise ValueError(
-            f"vLLM scale files are only defined for {sorted(FORMAT_TO_TORCH_DTYPE)}; made_for is {scales.made_for!r}"
-        )
+    ranks = [scales] if isinstance(scales, KVScales) else list(scales)
+    if not ranks:
+        raise ValueError("no scales to write: give one KVScales per tensor-parallel rank")
+    for r, s in enumerate(ranks):
+        at = f" (rank {r})" if len(ranks) > 1 else ""
+        if s.granularity is not ScaleGranularity.TENSOR:
+            raise ValueError(f"vLLM scale files hold one scale per layer; got {s.granularity.value} granularity{at}")
+        if s.rotation != "none":
+            raise ValueError(f"vLLM scale files cannot say that scales were calibrated on {s.rotation}-rotated "
+                             f"K/V{at}; write kv8's JSON schema instead")
+        if not torch.equal(s.k, s.v):
+            raise ValueError(f"vLLM scale files hold one scale per layer for both K and V; k and v differ{at}")
+        if s.made_for not in FORMAT_TO_TORCH_DTYPE:
+            raise ValueError(f"vLLM scale files are only defined for {sorted(FORMAT_TO_TORCH_DTYPE)}; made_for is "
+                             f"{s.made_for!r}{at}")
+        if (s.made_for, s.num_layers) != (ranks[0].made_for, ranks[0].num_layers):
+            raise ValueError(f"every rank's scales must be for the same format and layer count: rank 0 has "
+                             f"{ranks[0].made_for} x {ranks[0].num_layers} layers, rank {r} {s.made_for} x "
+                             f"{s.num_layers}")
     if not isinstance(model_type, str) or not model_type:
         raise ValueError(f"model_type must be a non-empty string, got {model_type!r}")
-    per_layer = {str(i): float(scales.k[i, 0, 0]) for i in range(scales.num_layers)}
     doc = {
         "model_type": model_type,
-        "kv_cache": {"dtype": FORMAT_TO_TORCH_DTYPE[scales.made_for], "scaling_factor": {"0": per_layer}},
+        "kv_cache": {
+            "dtype": FORMAT_TO_TORCH_DTYPE[str(ranks[0].made_for)],
+            "scaling_factor": {str(r): {str(i): float(s.k[i, 0, 0]) for i in range(s.num_layers)}
+                               for r, s in enumerate(ranks)},
+        },
     }
     with open(path, "w", encoding="utf-8") as f:
         json.dump(doc, f, indent=4)

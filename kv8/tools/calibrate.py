@@ -26,13 +26,15 @@ from tqdm.auto import tqdm
 
 from kv8.cache.codec import KVCodec
 from kv8.cache.layout import blocks_to_hold
-from kv8.config import ModelArchConfig
+from kv8.config import ModelArchConfig, ParallelConfig
+from kv8.distributed.group import TPGroup
+from kv8.distributed.shard import kv_head_shard
 from kv8.engine.args import EngineArgs
 from kv8.engine.engine import LLMEngine
 from kv8.model.loader import read_model_config
 from kv8.model.sources import resolve_model_path
 from kv8.observer import EngineObserver
-from kv8.quant.scales import KVScales, ModelScaleInfo
+from kv8.quant.scales import KVScales, ModelScaleInfo, ScaleGranularity
 from kv8.sampling_params import SamplingParams
 from kv8.tools.data import read_corpus, token_windows, tokenize_corpus
 from kv8.tools.kv_stats import ClipCounter, KVStatsCollector, ScaleRecipe
@@ -82,6 +84,9 @@ class CalibrationResult:
     num_tokens: int
     collector: KVStatsCollector
     check: ClipCheck | None = None
+    # Tensor-granularity scales of each tensor-parallel rank, over the KV heads that rank holds (calibrated with
+    # tensor_parallel_size > 1); ``scales`` are then those of all heads, what one rank would use.
+    rank_scales: tuple[KVScales, ...] | None = None
 
 
 class _KVWatch(EngineObserver):
@@ -138,19 +143,27 @@ def run_prompts(engine: LLMEngine, prompts: Sequence[list[int]], params: Samplin
 def calibrate(model: str, data: Sequence[str], recipe: ScaleRecipe, *, num_samples: int = 64,
               seq_len: int = 512, skip_tokens: int = 0, dtype: str = "auto", batch: int = 4,
               max_num_batched_tokens: int = 2048, attention_backend: str = "auto", rotation: str = "none",
-              check_samples: int = 0, show_progress: bool = True) -> CalibrationResult:
+              check_samples: int = 0, tensor_parallel_size: int = 1,
+              show_progress: bool = True) -> CalibrationResult:
     """Observe ``num_samples`` windows of ``seq_len`` tokens from ``data`` (after ``skip_tokens``) and
     compute scales by ``recipe``. With ``check_samples > 0`` the next ``check_samples`` windows of the data,
     which calibration did not see, are run too and :class:`ClipCheck` reports which values the scales would
     clip (``result.check``). With ``rotation="hadamard"`` the engine rotates K/V as a cache with
     ``kv_cache_rotation="hadamard"`` stores them, so the scales describe the rotated values (and say so).
+    With ``tensor_parallel_size = N > 1`` and tensor granularity, ``result.rank_scales`` holds each rank's
+    scales over the KV heads it holds (:func:`kv8.distributed.shard.kv_head_shard`), from the statistics of
+    those heads alone (per-head histograms summed), for a vLLM file's ``scaling_factor[tp_rank]``; finer
+    granularities need no per-rank scales (an engine cuts them to its heads). The model runs in one process
+    either way: it sees every head.
     Raises ValueError for unusable data, options or models."""
     for name, value, low in (("num_samples", num_samples, 1), ("seq_len", seq_len, 2), ("batch", batch, 1),
-                             ("check_samples", check_samples, 0)):
+                             ("check_samples", check_samples, 0), ("tensor_parallel_size", tensor_parallel_size, 1)):
         if isinstance(value, bool) or not isinstance(value, int) or value < low:
             raise ValueError(f"{name}={value!r} must be an int >= {low}")
     docs = read_corpus(data)
     check_length(model, seq_len, "seq_len")
+    ParallelConfig(tensor_parallel_size).check_model(model_arch(model))
+    per_rank = tensor_parallel_size > 1 and recipe.granularity is ScaleGranularity.TENSOR
     block_size = 16
     blocks = blocks_to_hold(model_arch(model).layer_windows, seq_len + 1, block_size, batch)
     watch = _KVWatch()
@@ -162,8 +175,9 @@ def calibrate(model: str, data: Sequence[str], recipe: ScaleRecipe, *, num_sampl
     info = ModelScaleInfo(arch.model_type, arch.num_layers, arch.num_kv_heads, arch.head_dim)
     tokens = tokenize_corpus(docs, engine.tokenizer)
     samples = token_windows(tokens, seq_len, num_samples, skip_tokens, "--seq-len", "--skip-tokens")
+    histograms = ScaleGranularity.HEAD if per_rank else recipe.granularity
     collector = KVStatsCollector(arch.num_layers, arch.num_kv_heads, arch.head_dim,
-                                 recipe.granularity if recipe.needs_histogram else None, recipe.key_bound,
+                                 histograms if recipe.needs_histogram else None, recipe.key_bound,
                                  engine.cache.codec.rotation)
     watch.sink = collector
     with tqdm(total=len(samples), desc="Calibrating", unit="sample", disable=not show_progress) as bar:
@@ -173,7 +187,15 @@ def calibrate(model: str, data: Sequence[str], recipe: ScaleRecipe, *, num_sampl
               f"{recipe.headroom:g} (V x{recipe.v_headroom:g}), {recipe.key_bound} key bound, "
               f"{'power-of-two' if recipe.power_of_two else 'exact'} scales, {len(samples)} x {seq_len} tokens"
               + (f", {rotation} rotation)" if rotation != "none" else ")"))
-    scales = collector.scales(recipe, source, rotation)
+    rank_scales = None
+    if per_rank:
+        scales = collector.heads(0, arch.num_kv_heads).scales(recipe, source, rotation)
+        rank_scales = tuple(
+            collector.heads(*kv_head_shard(arch.num_kv_heads, TPGroup(r, tensor_parallel_size))).scales(
+                recipe, f"{source}, tensor-parallel rank {r} of {tensor_parallel_size}", rotation)
+            for r in range(tensor_parallel_size))
+    else:
+        scales = collector.scales(recipe, source, rotation)
     check = None
     if check_samples:
         held_out = token_windows(tokens, seq_len, check_samples, skip_tokens + len(samples) * seq_len, "--seq-len",
@@ -188,4 +210,5 @@ def calibrate(model: str, data: Sequence[str], recipe: ScaleRecipe, *, num_sampl
         check = ClipCheck(len(held_out) * seq_len, frac[0], frac[1], counter.worst[0].tolist(),
                           counter.worst[1].tolist())
     return CalibrationResult(scales=scales, recipe=recipe, info=info, num_samples=len(samples),
-                             num_tokens=len(samples) * seq_len, collector=collector, check=check)
+                             num_tokens=len(samples) * seq_len, collector=collector, check=check,
+                             rank_scales=rank_scales)

@@ -25,11 +25,15 @@ SIZED_BY_TOOL = ("kv_cache_memory", "num_kv_blocks", "block_size", "enable_prefi
 # Engine options calibrate() and evaluate() do not take: greedy runs do not use the seed; the dense backend is
 # the engine's default (auto).
 NOT_PASSED = ("seed", "dense_backend")
+# The tools run the model in one process with one cache pool (every layer's K/V observed or compared alike).
+ONE_PROCESS_ONE_POOL = ("cpu_threads_per_rank", "kv_cache_dtype_skip_layers", "disable_hybrid_kv_cache_manager")
 # calibrate observes K/V before any rounding: an unquantized float32 cache, so no scales of its own.
-CALIBRATE_EXCLUDED = SIZED_BY_TOOL + NOT_PASSED + ("kv_cache_dtype", "quantization_param_path", "kv_cache_scale_mode")
+# --tensor-parallel-size N makes per-rank scales (the model still runs in one process and sees every head).
+CALIBRATE_EXCLUDED = SIZED_BY_TOOL + NOT_PASSED + ONE_PROCESS_ONE_POOL + ("kv_cache_dtype", "quantization_param_path",
+                                                                          "kv_cache_scale_mode")
 # eval builds one engine per configuration; --config / --kv-cache-dtype (repeatable) name the configurations.
-EVAL_EXCLUDED = SIZED_BY_TOOL + NOT_PASSED + ("kv_cache_dtype", "quantization_param_path", "kv_cache_scale_mode",
-                                              "kv_cache_rotation")
+EVAL_EXCLUDED = SIZED_BY_TOOL + NOT_PASSED + ONE_PROCESS_ONE_POOL + (
+    "kv_cache_dtype", "quantization_param_path", "kv_cache_scale_mode", "kv_cache_rotation", "tensor_parallel_size")
 # eval compares caches: by default every engine reads its cache through the same reference attention, so only
 # what the cache stores differs (--attention-backend auto puts the fused kernels' numerics in the comparison).
 EVAL_DEFAULTS = {"attention_backend": "reference"}
@@ -38,9 +42,12 @@ CALIBRATE_EPILOG = """examples:
   kv8 calibrate smollm2-135m --data wiki.xml.bz2 --output kv_cache_scales.json          # vLLM JSON
   kv8 calibrate smollm2-135m --data text.jsonl --granularity head --output scales.json  # kv8 JSON
   kv8 calibrate ./my-model --data a.txt b.txt --statistic percentile --percentile 99.9 --save-model ./my-model-fp8kv
+  kv8 calibrate ./my-70b --data wiki.xml.bz2 --tensor-parallel-size 4 --output kv_cache_scales.json  # per-rank scales
 outputs: --output-format vllm (one scale per layer, the larger of K and V; tensor granularity, fp8_e4m3[fnuz])
   or kv8 ({"format": "kv8-kv-scales", ...}: any granularity, K and V separate); both are accepted by
   --quantization-param-path. --save-model writes a model directory with k_scale/v_scale/kv_scale tensors.
+--tensor-parallel-size N (tensor granularity, vLLM output) writes scaling_factor[tp_rank] for N ranks, each from the
+  statistics of the KV heads that rank holds; the model runs in one process.
 --kv-cache-rotation hadamard calibrates for a cache that rotates K/V (kv8 JSON output only); serve with the
   same --kv-cache-rotation."""
 
@@ -102,7 +109,7 @@ def add_calibrate_parser(sub: Any) -> None:
 
 def cmd_calibrate(ns: argparse.Namespace) -> int:
     from kv8.tools.calibrate import calibrate
-    from kv8.tools.export import save_model_with_scales, write_scales
+    from kv8.tools.export import RANKS_NEED_VLLM, save_model_with_scales, write_scales
     from kv8.tools.kv_stats import ScaleRecipe
 
     if ns.output is None and ns.save_model is None:
@@ -116,28 +123,36 @@ def cmd_calibrate(ns: argparse.Namespace) -> int:
     if output_format == "vllm" and granularity is not ScaleGranularity.TENSOR:
         raise ValueError(f"--output-format vllm holds one scale per layer; --granularity {ns.granularity} needs "
                          "--output-format kv8")
+    args = EngineArgs.from_cli_args(ns)
+    per_rank = args.tensor_parallel_size > 1 and granularity is ScaleGranularity.TENSOR
+    if per_rank and output_format == "kv8" and ns.output is not None:
+        raise ValueError(RANKS_NEED_VLLM)
     recipe = ScaleRecipe(granularity=granularity, statistic=ns.statistic, fmt=fp8_format(ns.format),
                          percentile=ns.percentile, headroom=ns.headroom, v_headroom=ns.v_headroom,
                          key_bound=ns.key_bound, power_of_two=ns.scale_rounding == "pow2")
-    args = EngineArgs.from_cli_args(ns)
     result = calibrate(args.model, ns.data, recipe, num_samples=ns.num_samples, seq_len=ns.seq_len,
                        skip_tokens=ns.skip_tokens, dtype=args.dtype, batch=ns.batch,
                        max_num_batched_tokens=args.max_num_batched_tokens, attention_backend=args.attention_backend,
                        rotation=args.kv_cache_rotation, check_samples=ns.check_samples,
-                       show_progress=not ns.no_progress)
+                       tensor_parallel_size=args.tensor_parallel_size, show_progress=not ns.no_progress)
     s = result.scales
     print(f"calibrated {result.info.num_layers} layers on {result.num_samples} samples x {ns.seq_len} tokens: "
           f"{s.source}")
     print(f"  K scales: min {float(s.k.min()):.4g}, max {float(s.k.max()):.4g}; "
           f"V scales: min {float(s.v.min()):.4g}, max {float(s.v.max()):.4g}")
+    for r, rs in enumerate(result.rank_scales or ()):
+        print(f"  rank {r}: K scales {float(rs.k.min()):.4g}..{float(rs.k.max()):.4g}, "
+              f"V scales {float(rs.v.min()):.4g}..{float(rs.v.max()):.4g}")
     if result.check is not None:
         print(result.check.summary())
     if ns.output is not None:
-        write_scales(ns.output, s, result.info, output_format)
-        print(f"wrote {output_format} scales to {ns.output}")
+        write_scales(ns.output, s, result.info, output_format, result.rank_scales)
+        ranks = f" for {len(result.rank_scales)} tensor-parallel ranks" if result.rank_scales else ""
+        print(f"wrote {output_format} scales{ranks} to {ns.output}")
     if ns.save_model is not None:
         save_model_with_scales(ns.model, ns.save_model, s)
-        print(f"wrote model with KV scales to {ns.save_model}")
+        note = " (one scale per layer for every rank: checkpoint tensors have no ranks)" if per_rank else ""
+        print(f"wrote model with KV scales to {ns.save_model}{note}")
     return 0
 
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -30,12 +31,15 @@ from kv8.quant.scale_files import write_kv8_scales_json, write_vllm_scales_json
 from kv8.quant.scale_sources import is_kv_scale_name
 from kv8.quant.scales import KVScales, ModelScaleInfo, ScaleGranularity
 
-__all__ = ["OUTPUT_FORMATS", "scale_tensors", "save_model_with_scales", "write_scales"]
+__all__ = ["OUTPUT_FORMATS", "RANKS_NEED_VLLM", "scale_tensors", "save_model_with_scales", "write_scales"]
 
 OUTPUT_FORMATS = ("vllm", "kv8")
 _CONFIG_DTYPE = {"fp8_e4m3": "float8_e4m3fn", "fp8_e4m3fnuz": "float8_e4m3fnuz"}
 _INDEX = "model.safetensors.index.json"
 _SCALES_SHARD = "kv_cache_scales.safetensors"
+RANKS_NEED_VLLM = ("kv8's scales JSON holds no per-rank scales: with --tensor-parallel-size > 1 and tensor granularity "
+                   "write --output-format vllm (scaling_factor[tp_rank]), or use --granularity head (an engine cuts "
+                   "per-head scales to the heads of its rank)")
 
 
 def vllm_view(scales: KVScales) -> KVScales:
@@ -48,14 +52,20 @@ def vllm_view(scales: KVScales) -> KVScales:
                     rotation=scales.rotation)
 
 
-def write_scales(path: str, scales: KVScales, info: ModelScaleInfo, output_format: str) -> None:
-    """Write ``scales`` to ``path`` as ``output_format`` ("vllm" or "kv8")."""
+def write_scales(path: str, scales: KVScales, info: ModelScaleInfo, output_format: str,
+                 rank_scales: Sequence[KVScales] | None = None) -> None:
+    """Write ``scales`` to ``path`` as ``output_format`` ("vllm" or "kv8"). ``rank_scales`` (one per
+    tensor-parallel rank, tensor granularity) go into a vLLM file's ``scaling_factor[tp_rank]`` instead; kv8's
+    schema has no ranks and refuses them."""
     if output_format == "vllm":
         if scales.made_for not in _CONFIG_DTYPE:
             raise ValueError(f"a vLLM scales file is only defined for {sorted(_CONFIG_DTYPE)}; these scales are for "
                              f"{scales.made_for} (use --output-format kv8)")
-        write_vllm_scales_json(path, vllm_view(scales), info.model_type)
+        write_vllm_scales_json(path, [vllm_view(s) for s in rank_scales] if rank_scales else vllm_view(scales),
+                               info.model_type)
     elif output_format == "kv8":
+        if rank_scales:
+            raise ValueError(RANKS_NEED_VLLM)
         write_kv8_scales_json(path, scales, info)
     else:
         raise ValueError(f"output format {output_format!r} is not known; choose one of: {', '.join(OUTPUT_FORMATS)}")

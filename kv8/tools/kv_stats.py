@@ -198,6 +198,27 @@ class KVStatsCollector:
                 self.hist[i, layer] += torch.bincount(flat, minlength=self.hist.shape[2] * NUM_BINS).view(
                     self.hist.shape[2], NUM_BINS)
 
+    def heads(self, first: int, count: int) -> KVStatsCollector:
+        """The statistics of KV heads ``first .. first + count - 1`` pooled into one group per layer: a collector
+        for tensor-granularity scales over those heads only (what one tensor-parallel rank holds). Exact for
+        every statistic: the maxima are sliced and, when this collector keeps per-head histograms, the heads'
+        histograms are summed (with tensor histograms, or none, only ``amax`` can be pooled this way)."""
+        if not (0 <= first and count >= 1 and first + count <= self.num_kv_heads):
+            raise ValueError(f"KV heads {first}..{first + count - 1} are not within the {self.num_kv_heads} heads")
+        g = self.histogram_granularity
+        if g is ScaleGranularity.CHANNEL:
+            raise ValueError("pooling heads needs head or tensor histograms, not channel ones")
+        if g is ScaleGranularity.TENSOR and count != self.num_kv_heads:
+            raise ValueError("a tensor-granularity histogram cannot be cut to some heads; collect head histograms")
+        sub = KVStatsCollector(self.num_layers, count, self.head_dim, None, self.key_bound, self.rotation)
+        sub.amax = self.amax[:, :, first:first + count].clone()
+        sub.num_tokens = self.num_tokens.clone()
+        if self.hist is not None:
+            sub.histogram_granularity = ScaleGranularity.TENSOR
+            sub.hist = self.hist[:, :, first:first + count].sum(dim=2, keepdim=True) if g is ScaleGranularity.HEAD \
+                else self.hist.clone()
+        return sub
+
     def amax_at(self, granularity: ScaleGranularity) -> torch.Tensor:
         """[2, L, H or 1, D or 1] exact absolute maxima reduced to ``granularity``."""
         if granularity is ScaleGranularity.TENSOR:
