@@ -402,8 +402,10 @@ def test_killed_replica_fails_its_requests_cleanly_and_comes_back(dp_server: DPS
         next(line for line in lines if line.startswith("data: "))
         victim = _per_replica(_metrics(dp_server), "kv8:dp_replica_requests_in_flight").index(1)
         second = pool.submit(non_streamed)
+        # wait until the replica has admitted both (a call Serve has not delivered yet when the replica dies is
+        # sent again to its replacement, and then succeeds)
         deadline = time.monotonic() + 10
-        while _per_replica(_metrics(dp_server), "kv8:dp_replica_requests_in_flight")[victim] < 2:
+        while _per_replica(_metrics(dp_server), "kv8:num_requests_in_flight")[victim] < 32:
             assert time.monotonic() < deadline and not second.done(), "the second request did not follow the prefix"
             time.sleep(0.02)
         pid = health["replicas"][victim]["pid"]
