@@ -173,7 +173,7 @@ class KV8Ingress:
         except BaseException as e:
             self.in_flight[replica] -= 1
             gen.cancel()
-            if isinstance(e, asyncio.CancelledError):
+            if not isinstance(e, Exception):   # cancelled (the client went away), or the process is exiting
                 raise
             raise self._failure(replica, e) from e
         if isinstance(first, JSONReply):
