@@ -9,8 +9,10 @@ the same weights per token) runs as ``tensor_parallel_size=1`` with ``--threads`
 * the KV blocks and tokens each rank's cache holds (a rank holds half the KV heads: twice the tokens);
 * the median time of a prefill step (4 prompts x 512 tokens) and of decode steps at ``--batch`` sequences of
   ``--context`` tokens, and the TP=2 / TP=1 ratio;
-* for TP=2, what rank 0 spends per decode step in its all-reduces (2 per layer, ``[batch, 512]`` in the compute
-  dtype, gloo over loopback), which includes waiting for the slower rank, and the share of the step.
+* for TP=2, what rank 0 spends per decode step in its all-reduces (2 per layer and one for the embedding,
+  ``[batch, 512]`` in the compute dtype, through shared memory), which includes waiting for the slower rank, and
+  the share of the step;
+* the cost of one such all-reduce between two idle processes, gloo over loopback TCP vs shared memory.
 
 On one machine TP trades compute spread over processes for an all-reduce per row-parallel layer: it shows
 correctness and capacity here; the all-reduce column is the fixed cost per step that larger machines (more
@@ -137,6 +139,56 @@ def measure(model: str, tp_size: int, args: argparse.Namespace) -> dict[str, Any
     return row
 
 
+def _collective_rank(rank: int, port: int, path: str, shape: tuple[int, int], calls: int, out: Any) -> None:
+    import torch.distributed as dist
+
+    from kv8.distributed.shm_allreduce import ShmAllReduce
+
+    torch.set_num_threads(1)
+    store = dist.TCPStore("127.0.0.1", port, 2, rank == 0)
+    pg = dist.ProcessGroupGloo(store, rank, 2)
+    shm = ShmAllReduce(path, rank, 2, 1 << 20, 60.0, lambda: None)
+    x = torch.randn(shape).to(torch.bfloat16)
+    result = {}
+    for name, reduce in (("gloo", lambda t: pg.allreduce([t]).wait()), ("shared memory", shm.all_reduce)):
+        for _ in range(50):
+            reduce(x.clone())
+        pg.barrier().wait()
+        start = time.perf_counter()
+        for _ in range(calls):
+            reduce(x.clone())
+        result[name] = 1e6 * (time.perf_counter() - start) / calls
+    if rank == 0:
+        out.put(result)
+    pg.barrier().wait()
+
+
+def collectives(batch: int, calls: int = 300) -> dict[str, float]:
+    """Microseconds per all-reduce of ``[batch, 512]`` bf16 between two idle processes: gloo over loopback TCP
+    vs kv8's shared-memory all-reduce (what one decode step's 2 x 30 all-reduces cost without compute)."""
+    import multiprocessing
+    import socket
+
+    from kv8.distributed.shm_allreduce import create_shm_file
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    path = create_shm_file(2, 1 << 20)
+    ctx = multiprocessing.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_collective_rank, args=(r, port, path, (batch, SHAPE["hidden_size"]), calls, out))
+             for r in range(2)]
+    try:
+        for p in procs:
+            p.start()
+        return out.get(timeout=300)
+    finally:
+        for p in procs:
+            p.join(30)
+        os.unlink(path)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 2, help="cores for all ranks together")
@@ -172,6 +224,11 @@ def main() -> None:
         print(f"B={b}: rank 0 runs {calls:.0f} all-reduces per decode step, {reduce_ms:.2f} ms = "
               f"{100 * reduce_ms / two[f'decode_ms_{b}']:.0f}% of the step ({1e3 * reduce_ms / calls:.0f} us each, "
               "waiting for rank 1 included)")
+    for b in args.batches:
+        us = collectives(b)
+        print(f"all-reduce of [{b}, {SHAPE['hidden_size']}] bf16 between two idle processes: "
+              + ", ".join(f"{name} {v:.0f} us" for name, v in us.items())
+              + f" (x {two[f'reduces_{b}']:.0f} per decode step: gloo {us['gloo'] * two[f'reduces_{b}'] / 1e3:.1f} ms)")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=2)
