@@ -404,7 +404,7 @@ def test_killed_replica_fails_its_requests_cleanly_and_comes_back(dp_server: DPS
         second = pool.submit(non_streamed)
         # wait until the replica has admitted both (a call Serve has not delivered yet when the replica dies is
         # sent again to its replacement, and then succeeds)
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + 30   # generous: a loaded machine (the suite beside other jobs) is slow
         while _per_replica(_metrics(dp_server), "kv8:num_requests_in_flight")[victim] < 32:
             assert time.monotonic() < deadline and not second.done(), "the second request did not follow the prefix"
             time.sleep(0.02)
@@ -412,8 +412,8 @@ def test_killed_replica_fails_its_requests_cleanly_and_comes_back(dp_server: DPS
         os.kill(pid, signal.SIGKILL)
         killed = time.monotonic()
         rest = [line for line in lines if line]
-        assert time.monotonic() - killed < 10
-        answer = second.result(timeout=10)
+        assert time.monotonic() - killed < 20
+        answer = second.result(timeout=20)
     assert rest[-1] == "data: [DONE]"
     error = json.loads(rest[-2][6:])["error"]
     assert error["code"] == "replica_failed" and error["type"] == "server_error"
@@ -424,7 +424,7 @@ def test_killed_replica_fails_its_requests_cleanly_and_comes_back(dp_server: DPS
                        json=dict(model=tiny_llama, prompt=f"after {i}", max_tokens=2))
         assert r.status_code == 200, r.text
     h = dp_server.health()
-    assert not h["replicas"][victim]["up"] and h["replicas"][1 - victim]["up"]
+    assert h["replicas"][1 - victim]["up"]   # (the victim may already be back: Ray restarts it meanwhile)
     # Ray restarts it and it rejoins
     dp_server.wait_all_up(timeout=90.0, not_pid=pid)
     m = _metrics(dp_server)

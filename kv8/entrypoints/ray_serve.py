@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import hmac
 import logging
 import os
 import signal
@@ -54,7 +53,6 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
-from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kv8 import envs
 from kv8.engine.args import EngineArgs
@@ -63,8 +61,15 @@ from kv8.entrypoints.dp_metrics import merge_replica_metrics, render_router_metr
 from kv8.entrypoints.dp_replica import JSONReply, KV8Replica, ReplicaInfo, ReplicaSpec
 from kv8.entrypoints.dp_router import PrefixRouter, RouterConfig, routing_text
 from kv8.entrypoints.protocol import APIError
-from kv8.entrypoints.request_run import ClientDisconnected, Stream, sse
-from kv8.entrypoints.server import ServerOptions, SSEResponse, check_server_args, read_json_body
+from kv8.entrypoints.request_run import Stream, sse
+from kv8.entrypoints.server import (
+    ServerOptions,
+    SSEResponse,
+    check_api_key,
+    check_server_args,
+    install_error_handlers,
+    read_json_body,
+)
 
 logger = logging.getLogger("kv8.ray_serve")
 
@@ -244,31 +249,13 @@ def build_ingress_app(ingress: KV8Ingress) -> FastAPI:
     spec = ingress.spec
     app = FastAPI(title="kv8 (data parallel)", docs_url=None, redoc_url=None, openapi_url=None)
 
-    def error_response(e: APIError) -> JSONResponse:
-        ingress.rejected[e.status] = ingress.rejected.get(e.status, 0) + 1
-        headers = {"WWW-Authenticate": "Bearer"} if e.status == 401 else {}
-        return JSONResponse(e.body(), status_code=e.status, headers={**headers, **e.headers})
+    def rejected(status: int) -> None:
+        ingress.rejected[status] = ingress.rejected.get(status, 0) + 1
 
-    @app.exception_handler(APIError)
-    async def _api_error(_: Request, e: APIError) -> JSONResponse:
-        return error_response(e)
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
-        msg = f"no route {request.method} {request.url.path}" if e.status_code in (404, 405) else str(e.detail)
-        return error_response(APIError(e.status_code, msg))
-
-    @app.exception_handler(ClientDisconnected)
-    async def _gone(_: Request, e: ClientDisconnected) -> Response:
-        return Response(status_code=499)
+    install_error_handlers(app, rejected, lambda request, e: None)
 
     def check_key(request: Request) -> None:
-        if spec.api_key is None:
-            return
-        scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), spec.api_key.encode()):
-            raise APIError(401, "Incorrect or missing API key; send the header 'Authorization: Bearer <key>'",
-                           code="invalid_api_key")
+        check_api_key(request, spec.api_key)
 
     async def forward(request: Request, route: str) -> Response:
         check_key(request)

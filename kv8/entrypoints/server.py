@@ -175,6 +175,45 @@ async def _wait_disconnect(request: Request) -> None:
             return
 
 
+def check_api_key(request: Request, api_key: str | None) -> None:
+    """``APIError`` 401 unless the request carries ``Authorization: Bearer <api_key>`` (nothing to check without a
+    key); compared in constant time."""
+    if api_key is None:
+        return
+    scheme, _, token = request.headers.get("authorization", "").partition(" ")
+    if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), api_key.encode()):
+        raise APIError(401, "Incorrect or missing API key; send the header 'Authorization: Bearer <key>'",
+                       code="invalid_api_key")
+
+
+def install_error_handlers(app: FastAPI, on_rejected: Callable[[int], None],
+                           on_disconnect: Callable[[Request, ClientDisconnected], None]) -> Callable[[APIError],
+                                                                                                     JSONResponse]:
+    """OpenAI-shaped errors for ``app``: an :class:`APIError` and starlette's own (404/405 naming the route) answer
+    with their status (``on_rejected(status)`` counts them; a 401 carries ``WWW-Authenticate``); a client that went
+    away gets 499 after ``on_disconnect``. Returns the function that turns an ``APIError`` into that response."""
+    def error_response(e: APIError) -> JSONResponse:
+        on_rejected(e.status)
+        headers = {"WWW-Authenticate": "Bearer"} if e.status == 401 else {}
+        return JSONResponse(e.body(), status_code=e.status, headers={**headers, **e.headers})
+
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, e: APIError) -> JSONResponse:
+        return error_response(e)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
+        msg = f"no route {request.method} {request.url.path}" if e.status_code in (404, 405) else str(e.detail)
+        return error_response(APIError(e.status_code, msg))
+
+    @app.exception_handler(ClientDisconnected)
+    async def _gone(request: Request, e: ClientDisconnected) -> Response:
+        on_disconnect(request, e)
+        return Response(status_code=499)
+
+    return error_response
+
+
 def build_app(engine: AsyncEngine, limits: ServingLimits, api_key: str | None, max_request_bytes: int,
               allowed_origins: tuple[str, ...] = (), body_timeout: float = 60.0,
               tool_options: ToolOptions | None = None) -> FastAPI:
@@ -200,27 +239,13 @@ def build_app(engine: AsyncEngine, limits: ServingLimits, api_key: str | None, m
         app.add_middleware(CORSMiddleware, allow_origins=list(allowed_origins), allow_methods=["GET", "POST"],
                            allow_headers=["Authorization", "Content-Type"])
 
-    def error_response(e: APIError) -> JSONResponse:
-        metrics.record_rejected(e.status)
-        headers = {"WWW-Authenticate": "Bearer"} if e.status == 401 else {}
-        return JSONResponse(e.body(), status_code=e.status, headers={**headers, **e.headers})
-
-    @app.exception_handler(APIError)
-    async def _api_error(_: Request, e: APIError) -> JSONResponse:
-        return error_response(e)
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
-        msg = f"no route {request.method} {request.url.path}" if e.status_code in (404, 405) else str(e.detail)
-        return error_response(APIError(e.status_code, msg))
-
-    @app.exception_handler(ClientDisconnected)
-    async def _gone(request: Request, e: ClientDisconnected) -> Response:
+    def gone(request: Request, e: ClientDisconnected) -> None:
         metrics.record_disconnect(e.stage)
         if e.stage == "upload":   # nothing was generated yet: worth one line, not a traceback
             logger.warning("client went away during the request body upload (%s %s, %s)", request.method,
                            request.url.path, e.detail)
-        return Response(status_code=499)
+
+    error_response = install_error_handlers(app, metrics.record_rejected, gone)
 
     @app.exception_handler(Exception)
     async def _internal(_: Request, e: Exception) -> JSONResponse:
@@ -228,12 +253,7 @@ def build_app(engine: AsyncEngine, limits: ServingLimits, api_key: str | None, m
         return error_response(APIError(500, f"internal server error: {type(e).__name__}: {e}", type_="server_error"))
 
     def check_access(request: Request) -> None:
-        if api_key is not None:
-            auth = request.headers.get("authorization", "")
-            scheme, _, token = auth.partition(" ")
-            if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), api_key.encode()):
-                raise APIError(401, "Incorrect or missing API key; send the header 'Authorization: Bearer <key>'",
-                               code="invalid_api_key")
+        check_api_key(request, api_key)
         if app.state.draining:
             raise APIError(503, "the server is shutting down; retry on another instance or once it restarted",
                            type_="server_error", code="shutting_down",
