@@ -83,7 +83,6 @@ class ParallelLMHead(LinearBase):
         first, rows, _ = vocab_shard(vocab_size, tp)
         self.vocab_size = vocab_size
         super().__init__(hidden_size, [rows * tp.size], False, backend, row_shards=[(first, rows)])
-        self.is_sharded = tp.size > 1
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int | str | None = None) -> None:
         _load_rows(param, loaded, self.vocab_size, self.full_in_features, self.tp)
