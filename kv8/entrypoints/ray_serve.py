@@ -46,8 +46,7 @@ import logging
 import os
 import signal
 import threading
-import time
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -68,6 +67,7 @@ from kv8.entrypoints.server import (
     check_api_key,
     check_server_args,
     install_error_handlers,
+    models_response,
     read_json_body,
 )
 
@@ -257,34 +257,22 @@ def build_ingress_app(ingress: KV8Ingress) -> FastAPI:
     def check_key(request: Request) -> None:
         check_api_key(request, spec.api_key)
 
-    async def forward(request: Request, route: str) -> Response:
-        check_key(request)
-        body = await read_json_body(request, spec.max_request_bytes, spec.body_timeout)
-        return await ingress.forward(route, body)
+    def forwarder(route: str) -> Callable[[Request], Awaitable[Response]]:
+        async def forward(request: Request) -> Response:
+            check_key(request)
+            body = await read_json_body(request, spec.max_request_bytes, spec.body_timeout)
+            return await ingress.forward(route, body)
+        return forward
 
-    @app.post("/v1/completions")
-    async def completions(request: Request) -> Response:
-        return await forward(request, "completions")
-
-    @app.post("/v1/chat/completions")
-    async def chat(request: Request) -> Response:
-        return await forward(request, "chat")
-
-    @app.post("/tokenize")
-    async def tokenize(request: Request) -> Response:
-        return await forward(request, "tokenize")
-
-    @app.post("/detokenize")
-    async def detokenize(request: Request) -> Response:
-        return await forward(request, "detokenize")
+    for path, route in (("/v1/completions", "completions"), ("/v1/chat/completions", "chat"),
+                        ("/tokenize", "tokenize"), ("/detokenize", "detokenize")):
+        app.add_api_route(path, forwarder(route), methods=["POST"])
 
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
         check_key(request)
         info = await ingress.replica_info()
-        return JSONResponse({"object": "list", "data": [{
-            "id": spec.served_model_name, "object": "model", "created": int(time.time()), "owned_by": "kv8",
-            "max_model_len": info.max_model_len}]})
+        return models_response(spec.served_model_name, info.max_model_len)
 
     @app.get("/health")
     async def health() -> Response:

@@ -186,6 +186,13 @@ def check_api_key(request: Request, api_key: str | None) -> None:
                        code="invalid_api_key")
 
 
+def models_response(served_model_name: str, max_model_len: int) -> JSONResponse:
+    """``GET /v1/models``: the one model an endpoint serves, in OpenAI's list shape."""
+    return JSONResponse({"object": "list", "data": [{
+        "id": served_model_name, "object": "model", "created": int(time.time()), "owned_by": "kv8",
+        "max_model_len": max_model_len}]})
+
+
 def install_error_handlers(app: FastAPI, on_rejected: Callable[[int], None],
                            on_disconnect: Callable[[Request, ClientDisconnected], None]) -> Callable[[APIError],
                                                                                                      JSONResponse]:
@@ -286,9 +293,7 @@ def build_app(engine: AsyncEngine, limits: ServingLimits, api_key: str | None, m
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
         check_access(request)
-        return JSONResponse({"object": "list", "data": [{
-            "id": limits.served_model_name, "object": "model", "created": int(time.time()), "owned_by": "kv8",
-            "max_model_len": limits.max_model_len}]})
+        return models_response(limits.served_model_name, limits.max_model_len)
 
     async def parse(request: Request, model: type[BaseModel]) -> Any:
         """Check the key, read the bounded JSON body and validate it strictly (errors become 4xx)."""
