@@ -100,6 +100,35 @@ def test_packed_linear_matches_the_reference(packed: DenseBackend, n: int, k: in
 
 
 @needs_kernel
+@pytest.mark.parametrize("v", [1, 5, 16, 17, 100, 4099, 49152])
+@pytest.mark.parametrize("b", [1, 3, 8, 33])
+def test_argmax_kernel_matches_torch(lib: DenseKernels, b: int, v: int) -> None:
+    """The first index of each row's maximum, as torch.argmax: ties within and across the 16 lanes and in the
+    tail, -inf entries, rows of -inf only (index 0), +inf; rows split over threads (b * v large) or not."""
+    x = torch.randn(b, v, generator=torch.Generator().manual_seed(b * 100_000 + v))
+    if v > 3:
+        for col in (v - 1, v // 2, v // 3 + 1):   # the same maximum in three places: the lowest wins
+            x[:, col] = 50.0
+    x[0, : (v + 1) // 2] = float("-inf")
+    if b > 1:
+        x[1] = float("-inf")
+    if b > 2:
+        x[2, -1] = float("inf")
+    assert torch.equal(lib.argmax(x), torch.argmax(x, dim=-1))
+    assert torch.equal(lib.argmax(x[:, : max(v - 1, 1)]), torch.argmax(x[:, : max(v - 1, 1)], dim=-1))  # strided
+
+
+@needs_kernel
+def test_argmax_kernel_rejects_bad_input(lib: DenseKernels) -> None:
+    with pytest.raises(ValueError, match="float32"):
+        lib.argmax(torch.zeros(2, 3, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="2-D"):
+        lib.argmax(torch.zeros(3))
+    with pytest.raises(ValueError, match="columns"):
+        lib.argmax(torch.zeros(2, 0))
+
+
+@needs_kernel
 def test_rows_do_not_depend_on_the_batch(packed: DenseBackend) -> None:
     layer = _linear(packed, *_weights(100, 96, True, seed=1))
     x = torch.randn(37, 96).bfloat16()

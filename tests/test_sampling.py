@@ -8,7 +8,16 @@ import math
 import pytest
 import torch
 
-from kv8.engine.sampler import SamplerOutput, TokenHistory, apply_penalties, compute_logprobs, make_generator, sample
+from kv8.engine.sampler import (
+    SamplerOutput,
+    TokenHistory,
+    apply_penalties,
+    argmax_reference,
+    compute_logprobs,
+    make_generator,
+    sample,
+    select_argmax,
+)
 from kv8.sampling_params import SamplingParams, SamplingType
 
 
@@ -258,6 +267,24 @@ def test_greedy_matches_argmax_on_random_bf16_logits() -> None:
     logits = torch.randn(6, 300, generator=_gen(1)).to(torch.bfloat16)
     out = sample(logits, [SamplingParams(temperature=0.0)] * 6, [_gen(0)] * 6)
     assert torch.equal(out.token_ids, torch.argmax(logits.float(), dim=-1))
+
+
+def test_the_engine_argmax_gives_the_same_tokens_as_torch() -> None:
+    """The argmax the engine passes (kv8's kernel where it loads) against torch.argmax, through ``sample``: greedy
+    rows with ties and masked tokens, and seeded random rows (the exponential race is an argmax too)."""
+    argmax = select_argmax()
+    vocab = 49152 + 7   # a real vocabulary size plus a tail that is not a multiple of 16 lanes
+    logits = torch.randn(9, vocab, generator=_gen(3)) * 4
+    logits[1, 5] = logits[1, 100::37] = 30.0   # ties: the lowest id wins
+    logits[2, :vocab - 3] = float("-inf")   # masked tokens: only the last three are candidates
+    logits[3, -1] = 1e4                     # the maximum in the tail
+    params = [SamplingParams(temperature=0.0)] * 5 + [SamplingParams(temperature=0.8, top_p=0.9, seed=s)
+                                                      for s in range(4)]
+    ours = sample(logits, params, [make_generator(p.seed, _gen(0)) for p in params], argmax=argmax)
+    ref = sample(logits, params, [make_generator(p.seed, _gen(0)) for p in params], argmax=argmax_reference)
+    assert torch.equal(ours.token_ids, ref.token_ids)
+    assert ours.token_ids[:5].tolist() == torch.argmax(logits[:5], dim=-1).tolist()
+    assert ours.token_ids[1] == 5 and ours.token_ids[3] == vocab - 1
 
 
 # --------------------------------------------------------------------------- reproducibility

@@ -34,7 +34,7 @@ from kv8.cache.layout import KVCacheLayout
 from kv8.cache.paged_cache import PagedKVCache
 from kv8.distributed.group import SINGLE_RANK, TPGroup
 from kv8.engine.request import Request, TokenLogprobs
-from kv8.engine.sampler import TokenHistory, compute_logprobs, sample
+from kv8.engine.sampler import TokenHistory, compute_logprobs, sample, select_argmax
 from kv8.engine.scheduler import SchedulerOutput
 from kv8.engine.structured import apply_grammar_masks
 from kv8.layers.attention import AttentionContext
@@ -104,6 +104,7 @@ class ModelRunner:
         self.block_size = self.caches[0].shape.block_size
         self.backend = backend
         self.observer = observer
+        self.argmax = select_argmax()   # the sampler's row argmax, chosen once
 
     def _context(self, query_lens: list[int], seq_lens: list[int],
                  tables: list[tuple[tuple[int, ...], ...]]) -> AttentionContext:
@@ -184,7 +185,7 @@ class ModelRunner:
             histories = [TokenHistory(r.prompt_token_ids, r.output_token_ids) if r.sampling_params.uses_penalties
                          else None for r in reqs]
             result = sample(logits, [r.sampling_params for r in reqs], [r.generator for r in reqs], histories,
-                            finite_checked=True)
+                            finite_checked=True, argmax=self.argmax)
             for i, r in enumerate(reqs):
                 out.sampled[r.request_id] = int(result.token_ids[i])
                 k = r.sampling_params.logprobs

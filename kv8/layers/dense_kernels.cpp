@@ -3,6 +3,8 @@
 // with v copied out (csrc/dense_elementwise.h). This file is the one translation unit; the parts are
 // headers so that the build stays one g++ call (kv8/native.py hashes every included file).
 //
+// Also the row argmax of float32 logits that the sampler uses (csrc/dense_argmax.h).
+//
 // Plain C ABI (extern "C"), loaded with ctypes by kv8/layers/dense_kernels.py, compiled there with
 // `g++ -O3 -march=native -fopenmp -shared -fPIC` (the build is kv8/native.py's). No torch headers.
 //
@@ -39,3 +41,4 @@
 
 #include "csrc/dense_linear.h"
 #include "csrc/dense_elementwise.h"
+#include "csrc/dense_argmax.h"

@@ -4,10 +4,11 @@ of the dense backend.
 :class:`DenseKernels` wraps the C ABI: ``pack`` / ``linear`` (a bf16 matrix in a packed layout that the
 kernel streams while prefetching the next panels), ``rmsnorm`` (residual add + RMSNorm in one pass),
 ``silu_mul`` (SiLU(gate) * up) and ``rope_qkv`` (RoPE of q and k read straight from a packed q/k/v
-projection, v copied out beside them). Every method checks dtypes and shapes and raises ``ValueError``;
-every kernel takes bf16 and returns new contiguous bf16 tensors. The layers that use them, each beside its
-plain torch reference, are in :mod:`kv8.layers.linear`, :mod:`~kv8.layers.norm`,
-:mod:`~kv8.layers.activation` and :mod:`~kv8.layers.rotary`.
+projection, v copied out beside them); and ``argmax`` (rows of float32 logits, for the sampler). Every method
+checks dtypes and shapes and raises ``ValueError``; every dense kernel takes bf16 and returns new contiguous bf16
+tensors. The layers that use them, each beside its plain torch reference, are in :mod:`kv8.layers.linear`,
+:mod:`~kv8.layers.norm`, :mod:`~kv8.layers.activation` and :mod:`~kv8.layers.rotary`; the sampler's choice of
+argmax is :func:`kv8.engine.sampler.select_argmax`.
 
 :func:`select_dense_backend` turns the engine option ``dense_backend`` (checked by
 :func:`kv8.config.check_dense_backend`) into a :class:`DenseBackend`, once, when the model loads:
@@ -58,6 +59,8 @@ class DenseKernels:
         lib.kv8_silu_mul.restype = _I
         lib.kv8_rope_qkv.argtypes = [_P, _L, _L, _I, _I, _I, _P, _P, _P, _P, _P, _I]
         lib.kv8_rope_qkv.restype = _I
+        lib.kv8_argmax_rows.argtypes = [_P, _L, _L, _P, _I]
+        lib.kv8_argmax_rows.restype = _I
         if not lib.kv8_linear_available():
             raise KernelUnavailable("this CPU (or compiler) has no AVX-512 BF16, which kv8's dense kernels need")
         self.path = path
@@ -144,6 +147,19 @@ class DenseKernels:
         if rc != 0:
             raise ValueError(f"rope kernel failed (error {rc}) for qkv {list(qkv.shape)}")
         return q, k, v
+
+
+    def argmax(self, x: torch.Tensor) -> torch.Tensor:
+        """``torch.argmax(x, dim=-1)`` of ``x [B, V]`` float32 (int64 ``[B]``: the lowest index of each row's
+        maximum) for rows without NaN; a NaN entry is never chosen (see ``csrc/dense_argmax.h``)."""
+        if x.dtype != torch.float32 or x.ndim != 2 or x.shape[1] == 0:
+            raise ValueError(f"x must be a 2-D float32 tensor with columns, got {x.dtype} {list(x.shape)}")
+        x = x.contiguous()
+        out = torch.empty(x.shape[0], dtype=torch.int64)
+        rc = self._lib.kv8_argmax_rows(x.data_ptr(), x.shape[0], x.shape[1], out.data_ptr(), torch.get_num_threads())
+        if rc != 0:
+            raise ValueError(f"argmax kernel failed (error {rc}) for x {list(x.shape)}")
+        return out
 
 
 def _check_bf16(name: str, x: torch.Tensor, ndim: int) -> None:
