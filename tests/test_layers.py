@@ -13,9 +13,9 @@ import kv8.layers.dense_kernels as dense_kernels
 from kv8.config import RopeScaling, check_dense_backend
 from kv8.engine.args import EngineArgs
 from kv8.engine.engine import LLMEngine
-from kv8.layers.activation import SiluAndMul, silu_mul_reference
+from kv8.layers.activation import GeluAndMul, SiluAndMul, gelu_tanh_mul_reference, silu_mul_reference
 from kv8.layers.dense_kernels import TORCH_BACKEND, DenseBackend, DenseKernels, load_dense_kernels, select_dense_backend
-from kv8.layers.linear import Linear, LinearBase, MergedLinear, QKVLinear, linear_reference
+from kv8.layers.linear import GateUpLinear, Linear, LinearBase, MergedLinear, QKVLinear, linear_reference
 from kv8.layers.norm import RMSNorm, rmsnorm_reference
 from kv8.layers.rotary import RotaryEmbedding, rope_reference
 from kv8.native import KernelUnavailable, cpu_flags
@@ -157,6 +157,43 @@ def test_merged_layers_equal_separate_ones(backend_name: str) -> None:
     gate_up = _loaded(MergedLinear(64, [48, 48], False, backend), [(1, wu, None), (0, wg, None)])
     for part, w in zip(gate_up(x).split(48, dim=-1), (wg, wu)):
         assert torch.equal(part, _linear(backend, w, None)(x))
+
+
+@needs_kernel
+@pytest.mark.parametrize("inter", [1, 17, 48, 64, 1536])
+@pytest.mark.parametrize("m", [1, 7, 13, 200])
+@pytest.mark.parametrize("bias", [False, True])
+def test_gate_up_with_fused_silu_equals_projection_then_silu(packed: DenseBackend, inter: int, m: int,
+                                                              bias: bool) -> None:
+    """GateUpLinear fuses SiLU * up into the packed kernel (gate/up rows interleaved by 16, padded halves when
+    I is not a multiple of 16, rows beyond one 192-row chunk): bit for bit the unfused projection followed by
+    the silu_mul kernel; its plain apply still gives [gate | up]."""
+    k = 96
+    (wg, bg), (wu, bu) = _weights(inter, k, bias, 6), _weights(inter, k, bias, 7)
+    fused = _loaded(GateUpLinear(k, inter, bias, packed, SiluAndMul(packed)), [(0, wg, bg), (1, wu, bu)])
+    assert fused.fuses_silu
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).bfloat16()
+    projection = torch.cat([_linear(packed, wg, bg)(x), _linear(packed, wu, bu)(x)], dim=-1)
+    assert torch.equal(fused.method.apply(fused, x), projection)
+    got = fused(x)
+    assert got.shape == (m, inter)
+    assert torch.equal(got, SiluAndMul(packed)(projection))
+    assert torch.equal(fused(x.view(1, m, k)), got.view(1, m, inter))   # leading dims kept
+
+
+@pytest.mark.parametrize("backend_name", ["torch", "packed_bf16"])
+def test_gate_up_with_other_activations_or_torch_runs_the_activation_after(backend_name: str) -> None:
+    if backend_name == "packed_bf16" and _KERNELS is None:
+        pytest.skip(f"kv8's dense kernels are unavailable: {_WHY}")
+    backend = TORCH_BACKEND if backend_name == "torch" else DenseBackend("packed_bf16", _KERNELS)
+    (wg, _), (wu, _) = _weights(40, 64, False, 8), _weights(40, 64, False, 9)
+    x = torch.randn(5, 64).bfloat16()
+    gelu = _loaded(GateUpLinear(64, 40, False, backend, GeluAndMul()), [(0, wg, None), (1, wu, None)])
+    silu = _loaded(GateUpLinear(64, 40, False, backend, SiluAndMul(backend)), [(0, wg, None), (1, wu, None)])
+    assert not gelu.fuses_silu and silu.fuses_silu == (backend_name == "packed_bf16")
+    projection = torch.cat([_linear(backend, wg, None)(x), _linear(backend, wu, None)(x)], dim=-1)
+    assert torch.equal(gelu(x), gelu_tanh_mul_reference(projection))
+    assert torch.equal(silu(x), SiluAndMul(backend)(projection))
 
 
 def test_shard_loading_rejects_bad_shards_and_shapes() -> None:

@@ -39,6 +39,6 @@
 #define KV8_LINEAR_FAST 0
 #endif
 
-#include "csrc/dense_linear.h"
 #include "csrc/dense_elementwise.h"
+#include "csrc/dense_linear.h"
 #include "csrc/dense_argmax.h"

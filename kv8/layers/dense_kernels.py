@@ -51,7 +51,7 @@ class DenseKernels:
         lib.kv8_linear_packed_size.restype = _L
         lib.kv8_linear_pack.argtypes = [_P, _L, _L, _P]
         lib.kv8_linear_pack.restype = _I
-        lib.kv8_linear.argtypes = [_P, _L, _L, _P, _L, _P, _P, _I]
+        lib.kv8_linear.argtypes = [_P, _L, _L, _P, _L, _P, _P, _I, _I]
         lib.kv8_linear.restype = _I
         lib.kv8_rmsnorm.argtypes = [_P, _P, _P, _P, _F, _L, _L, _P, _I]
         lib.kv8_rmsnorm.restype = _I
@@ -78,17 +78,38 @@ class DenseKernels:
         return out
 
     def linear(self, x: torch.Tensor, packed: torch.Tensor, out_features: int,
-               bias: torch.Tensor | None) -> torch.Tensor:
-        """``x [M, K]`` bf16 contiguous -> ``[M, out_features]`` bf16."""
+               bias: torch.Tensor | None, gated: bool = False) -> torch.Tensor:
+        """``x [M, K]`` bf16 contiguous -> ``[M, out_features]`` bf16. ``gated``: ``packed`` holds gate and up
+        rows interleaved by 16 (:meth:`pack_gated`) and the result is ``silu(gate) * up``, ``out_features`` wide
+        (bias, if any, interleaved alike, float32)."""
         m, k = x.shape
         out = torch.empty(m, out_features, dtype=torch.bfloat16)
         if m == 0:
             return out
         rc = self._lib.kv8_linear(x.data_ptr(), m, k, packed.data_ptr(), out_features,
-                                  0 if bias is None else bias.data_ptr(), out.data_ptr(), torch.get_num_threads())
+                                  0 if bias is None else bias.data_ptr(), out.data_ptr(), torch.get_num_threads(),
+                                  int(gated))
         if rc != 0:
             raise ValueError(f"packed linear failed (error {rc}) for x {list(x.shape)}, N={out_features}")
         return out
+
+    @staticmethod
+    def interleave_gate_up(t: torch.Tensor) -> torch.Tensor:
+        """``[gate | up]`` rows (a weight ``[2I, K]`` or a bias ``[2I]``) -> groups of 16 gate rows then the 16
+        matching up rows, each half zero-padded to ``ceil(I / 16) * 16`` rows: the gated kernel's order."""
+        gate, up = t.chunk(2, dim=0)
+        i = gate.shape[0]
+        ip = -(-i // 16) * 16
+        pad = (0, 0) * (t.ndim - 1) + (0, ip - i)
+        halves = [torch.nn.functional.pad(h, pad) for h in (gate, up)]
+        return torch.stack([h.reshape(ip // 16, 16, *t.shape[1:]) for h in halves], dim=1).reshape(2 * ip,
+                                                                                                 *t.shape[1:])
+
+    def pack_gated(self, weight: torch.Tensor) -> torch.Tensor:
+        """A gate/up weight ``[2I, K]`` bf16 (gate rows, then up rows) -> the gated kernel's packed layout."""
+        if weight.ndim != 2 or weight.shape[0] % 2:
+            raise ValueError(f"a gate/up weight has an even number of rows, got {list(weight.shape)}")
+        return self.pack(self.interleave_gate_up(weight))
 
     def rmsnorm(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:

@@ -42,10 +42,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from kv8.distributed.shard import kv_head_shard, shard_group, split_evenly
+from kv8.layers.activation import SiluAndMul
 from kv8.layers.dense_kernels import DenseBackend, DenseKernels
 
-__all__ = ["Linear", "LinearBase", "LinearMethod", "MergedLinear", "PackedBF16LinearMethod", "QKVLinear",
-           "RowParallelLinear", "TorchLinearMethod", "linear_method", "linear_reference"]
+__all__ = ["GateUpLinear", "Linear", "LinearBase", "LinearMethod", "MergedLinear", "PackedBF16LinearMethod",
+           "QKVLinear", "RowParallelLinear", "TorchLinearMethod", "linear_method", "linear_reference"]
 
 
 def linear_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -67,6 +68,10 @@ class LinearMethod:
     def apply(self, layer: LinearBase, x: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
+    def apply_gated(self, layer: GateUpLinear, x: torch.Tensor) -> torch.Tensor:
+        """``layer.act_fn(x @ W.T + b)`` for a :class:`GateUpLinear`: the projection, then its activation."""
+        return layer.act_fn(self.apply(layer, x))
+
 
 class TorchLinearMethod(LinearMethod):
     name = "torch"
@@ -77,7 +82,8 @@ class TorchLinearMethod(LinearMethod):
 
 class PackedBF16LinearMethod(LinearMethod):
     """bf16 only. After loading the layer holds ``packed`` (1-D bf16) and ``bias_f32`` (``[N]`` float32 or
-    None) as non-persistent buffers, and no ``weight`` / ``bias`` parameters."""
+    None) as non-persistent buffers, and no ``weight`` / ``bias`` parameters. A :class:`GateUpLinear` that fuses
+    SiLU holds both with its gate and up rows interleaved by 16 (:meth:`DenseKernels.pack_gated`)."""
 
     name = "packed_bf16"
 
@@ -86,20 +92,42 @@ class PackedBF16LinearMethod(LinearMethod):
 
     def process_weights_after_loading(self, layer: LinearBase) -> None:
         weight = layer.weight.detach()
-        layer.register_buffer("packed", self.kernels.pack(weight), persistent=False)
         bias = None if layer.bias is None else layer.bias.detach().float().contiguous()
+        if isinstance(layer, GateUpLinear) and layer.fuses_silu:   # gate and up rows interleaved by 16
+            packed = self.kernels.pack_gated(weight)
+            bias = None if bias is None else self.kernels.interleave_gate_up(bias).contiguous()
+        else:
+            packed = self.kernels.pack(weight)
+        layer.register_buffer("packed", packed, persistent=False)
         layer.register_buffer("bias_f32", bias, persistent=False)
         del layer.weight, layer.bias   # the packed layout is the only copy kept
 
-    def apply(self, layer: LinearBase, x: torch.Tensor) -> torch.Tensor:
+    def _rows(self, layer: LinearBase, x: torch.Tensor) -> torch.Tensor:
         if x.dtype != torch.bfloat16:
             raise ValueError(f"the packed bf16 linear method takes bfloat16 input, got {x.dtype}")
         if x.shape[-1] != layer.in_features:
             raise ValueError(f"input has {x.shape[-1]} features, the layer {layer.in_features}")
+        return x.reshape(-1, layer.in_features).contiguous()
+
+    def apply(self, layer: LinearBase, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
-        out = self.kernels.linear(x.reshape(-1, layer.in_features).contiguous(), layer.packed, layer.out_features,
-                                  layer.bias_f32)
+        rows = self._rows(layer, x)
+        if isinstance(layer, GateUpLinear) and layer.fuses_silu:
+            # the interleaved layout's [gate_0..15 | up_0..15 | gate_16..31 | ...] back to [gate | up]
+            i, ip = layer.output_sizes[0], layer.packed_half
+            out = self.kernels.linear(rows, layer.packed, 2 * ip, layer.bias_f32)
+            out = out.view(-1, ip // 16, 2, 16).transpose(1, 2).reshape(-1, 2, ip)[:, :, :i].reshape(-1, 2 * i)
+            return out.view(*lead, 2 * i)
+        out = self.kernels.linear(rows, layer.packed, layer.out_features, layer.bias_f32)
         return out.view(*lead, layer.out_features)
+
+    def apply_gated(self, layer: GateUpLinear, x: torch.Tensor) -> torch.Tensor:
+        if not layer.fuses_silu:
+            return super().apply_gated(layer, x)
+        lead = x.shape[:-1]
+        i = layer.output_sizes[0]
+        out = self.kernels.linear(self._rows(layer, x), layer.packed, i, layer.bias_f32, gated=True)
+        return out.view(*lead, i)
 
 
 def linear_method(backend: DenseBackend) -> LinearMethod:
@@ -214,6 +242,30 @@ class MergedLinear(LinearBase):
         if isinstance(shard_id, int) and 0 <= shard_id < len(self.output_sizes):
             return shard_id
         raise ValueError(f"MergedLinear has shards 0..{len(self.output_sizes) - 1}, not {shard_id!r}")
+
+
+class GateUpLinear(MergedLinear):
+    """The gate and up projections of a gated MLP and the activation that joins them: ``forward(x)`` is
+    ``act_fn([gate | up])``, ``[..., intermediate_size]`` (this rank's columns), e.g. ``silu(gate) * up``.
+
+    The packed method fuses :class:`~kv8.layers.activation.SiluAndMul` into the projection (``fuses_silu``): the
+    weights are packed with gate and up rows interleaved by 16 and the kernel's epilogue applies the activation,
+    with the roundings of the unfused pair, so the result is bit-identical to ``act_fn(projection)``; calling
+    the method's plain ``apply`` still gives ``[gate | up]``. Other activations and the torch method run the
+    projection, then ``act_fn``. Shards 0 (gate) and 1 (up), as :class:`MergedLinear`.
+    """
+
+    packed_half: int   # rows of each half of the interleaved packed matrix (I rounded up to 16), packed method
+
+    def __init__(self, in_features: int, intermediate_size: int, bias: bool, backend: DenseBackend,
+                 act_fn: nn.Module) -> None:
+        super().__init__(in_features, [intermediate_size, intermediate_size], bias, backend)
+        self.act_fn = act_fn
+        self.fuses_silu = isinstance(act_fn, SiluAndMul) and isinstance(self.method, PackedBF16LinearMethod)
+        self.packed_half = -(-self.output_sizes[0] // 16) * 16
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.method.apply_gated(self, x)
 
 
 class QKVLinear(LinearBase):

@@ -43,7 +43,7 @@ from kv8.distributed.shard import local_head_counts
 from kv8.layers.activation import GeluAndMul
 from kv8.layers.attention import AttentionContext, PagedAttention
 from kv8.layers.dense_kernels import TORCH_BACKEND, DenseBackend
-from kv8.layers.linear import MergedLinear, QKVLinear, RowParallelLinear
+from kv8.layers.linear import GateUpLinear, QKVLinear, RowParallelLinear
 from kv8.layers.norm import GemmaRMSNorm, norm_per_head
 from kv8.layers.rotary import RopeAngles, RotaryEmbedding
 from kv8.layers.vocab_parallel import ParallelLMHead, VocabParallelEmbedding
@@ -154,12 +154,11 @@ class Gemma3MLP(nn.Module):
     def __init__(self, arch: ModelArchConfig, backend: DenseBackend) -> None:
         super().__init__()
         e, i = arch.hidden_size, arch.intermediate_size
-        self.gate_up_proj = MergedLinear(e, [i, i], False, backend)
-        self.act_fn = GeluAndMul()
+        self.gate_up_proj = GateUpLinear(e, i, False, backend, GeluAndMul())   # gelu_tanh(gate) * up
         self.down_proj = RowParallelLinear(i, e, False, backend)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_fn(self.gate_up_proj(x)))   # [T, E] -> [T, 2I] -> [T, I] -> [T, E]
+        return self.down_proj(self.gate_up_proj(x))   # [T, E] -> gelu_tanh(gate) * up [T, I] -> [T, E]
 
 
 class Gemma3DecoderLayer(nn.Module):

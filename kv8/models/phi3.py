@@ -6,7 +6,7 @@ SiLU(gate) * up -> down_proj, no biases), and its blocks are reused. What differ
 
 * The checkpoint already stores the merged matrices ``self_attn.qkv_proj.weight`` (rows ``[q | k | v]``) and
   ``mlp.gate_up_proj.weight`` (rows ``[gate | up]``), in kv8's layout: they load whole into
-  :class:`~kv8.layers.linear.QKVLinear` / :class:`~kv8.layers.linear.MergedLinear` (no
+  :class:`~kv8.layers.linear.QKVLinear` / :class:`~kv8.layers.linear.GateUpLinear` (no
   ``packed_modules_mapping``; the loader checks each shape).
 * RoPE scaling ``longrope`` (``short_factor`` / ``long_factor``, see :mod:`kv8.layers.rotary` for kv8's rule of
   which positions use which) and ``partial_rotary_factor`` (rotary over the first

@@ -1,4 +1,5 @@
-// Elementwise parts of a decoder layer. Included once, by dense_kernels.cpp, after dense_linear.h.
+// Elementwise parts of a decoder layer. Included once, by dense_kernels.cpp, before dense_linear.h (whose gated
+// epilogue uses the bf16 helpers below).
 #pragma once
 
 // ------------------------------------------------------------------------------------------------

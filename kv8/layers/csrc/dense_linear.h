@@ -1,5 +1,11 @@
 // Packed bf16 linear layer (see dense_kernels.cpp for the layout, numerics and invariants). Included once,
-// by dense_kernels.cpp, after the includes and the KV8_LINEAR_FAST switch.
+// by dense_kernels.cpp, after dense_elementwise.h (its bf16 helpers serve the gated epilogue).
+//
+// Gated (SiLU(gate) * up fused into the gate/up projection): the packed matrix holds the gate and up rows
+// interleaved in groups of 16 -- panel p = gate outputs 16p..16p+15, then up outputs 16p..16p+15 -- so the
+// two accumulators of a panel hold matching gate and up columns, and the epilogue writes
+// bf16(bf16(silu(g)) * u) with g and u first rounded to bf16 -- exactly what the unfused linear followed by
+// kv8_silu_mul computes, without writing and re-reading the [M, 2I] projection.
 #pragma once
 
 static const int PANEL = 32;  // output columns per panel (two zmm registers of fp32 accumulators)
@@ -41,8 +47,9 @@ static inline __mmask16 lane_mask(int n) {  // the first n (clamped to 0..16) of
 }
 
 // MR rows of x (stride K) times NP adjacent panels (NP = 1 or 2, i.e. 32 or 64 columns starting at n0) ->
-// MR x 32*NP outputs; only columns below N are stored.
-template <int MR, int NP>
+// MR x 32*NP outputs; only columns below N are stored. GATED: N is the output width I, each panel gives 16
+// outputs from n0 / 2 on (see the top of this file), and out rows have stride I.
+template <int MR, int NP, bool GATED>
 static inline void micro(const uint16_t* x, int64_t K, const uint16_t* panel, int64_t kp, const float* bias,
                          int64_t n0, int64_t N, uint16_t* out, const uint16_t* pf, int pf_first, int pf_step) {
     constexpr int NV = 2 * NP;  // zmm accumulators per row
@@ -82,6 +89,24 @@ static inline void micro(const uint16_t* x, int64_t K, const uint16_t* panel, in
             }
         }
     }
+    if (GATED) {
+        for (int q = 0; q < NP; ++q) {
+            const int64_t c0 = n0 / 2 + 16 * q;   // output column of the panel's first gate/up pair
+            const __mmask16 m = lane_mask((int)(N - c0 < 16 ? N - c0 : 16));
+            if (!m) break;
+            const int64_t b0 = n0 + (int64_t)PANEL * q;   // the panel's bias: 16 gate values, then 16 up values
+            const __m512 bg = bias ? _mm512_loadu_ps(bias + b0) : _mm512_setzero_ps();
+            const __m512 bu = bias ? _mm512_loadu_ps(bias + b0 + 16) : _mm512_setzero_ps();
+            for (int r = 0; r < MR; ++r) {
+                const __m512 g = round_bf16(_mm512_add_ps(acc[r][2 * q], bg));
+                const __m512 u = round_bf16(_mm512_add_ps(acc[r][2 * q + 1], bu));
+                const __m512 sg = round_bf16(_mm512_div_ps(
+                    g, _mm512_add_ps(_mm512_set1_ps(1.0f), exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), g)))));
+                store_bf16(out + r * N + c0, _mm512_mul_ps(sg, u), m);
+            }
+        }
+        return;
+    }
     for (int v = 0; v < NV; ++v) {
         const int64_t c0 = n0 + 16 * v;
         const __mmask16 m = lane_mask((int)(N - c0 < 16 ? N - c0 : 16));
@@ -98,14 +123,17 @@ typedef void (*MicroFn)(const uint16_t*, int64_t, const uint16_t*, int64_t, cons
                         uint16_t*, const uint16_t*, int, int);
 static const int MAX_MR1 = 12;  // one panel: 24 accumulators + 2 weights + 1 broadcast registers
 static const int MAX_MR2 = 6;   // two panels: 24 accumulators + 4 weights + 1 broadcast
-static const MicroFn MICRO1[MAX_MR1 + 1] = {nullptr, micro<1, 1>, micro<2, 1>, micro<3, 1>, micro<4, 1>,
-                                            micro<5, 1>, micro<6, 1>, micro<7, 1>, micro<8, 1>, micro<9, 1>,
-                                            micro<10, 1>, micro<11, 1>, micro<12, 1>};
-static const MicroFn MICRO2[MAX_MR2 + 1] = {nullptr, micro<1, 2>, micro<2, 2>, micro<3, 2>, micro<4, 2>,
-                                            micro<5, 2>, micro<6, 2>};
+template <bool G>
+static const MicroFn MICRO1[MAX_MR1 + 1] = {nullptr, micro<1, 1, G>, micro<2, 1, G>, micro<3, 1, G>, micro<4, 1, G>,
+                                            micro<5, 1, G>, micro<6, 1, G>, micro<7, 1, G>, micro<8, 1, G>,
+                                            micro<9, 1, G>, micro<10, 1, G>, micro<11, 1, G>, micro<12, 1, G>};
+template <bool G>
+static const MicroFn MICRO2[MAX_MR2 + 1] = {nullptr, micro<1, 2, G>, micro<2, 2, G>, micro<3, 2, G>, micro<4, 2, G>,
+                                            micro<5, 2, G>, micro<6, 2, G>};
 
 // Rows [0, M) in nearly equal blocks of at most max_mr rows, each through table[rows]; the blocks share the
-// prefetch of the panels at `next` (NULL: none) into L2, block b taking the pairs kk = b mod blocks.
+// prefetch of the panels at `next` (NULL: none) into L2, block b taking the pairs kk = b mod blocks. out rows
+// have stride N.
 static inline void row_blocks(const MicroFn* table, int max_mr, const uint16_t* x, int64_t M, int64_t K,
                               const uint16_t* panel, int64_t kp, const float* bias, int64_t n0, int64_t N,
                               uint16_t* out, const uint16_t* next) {
@@ -120,13 +148,17 @@ static inline void row_blocks(const MicroFn* table, int max_mr, const uint16_t* 
 }
 #endif
 
-// out[M, N] = x[M, K] @ W^T (+ bias), W pre-packed by kv8_linear_pack.
+// out[M, N] = x[M, K] @ W^T (+ bias), W pre-packed by kv8_linear_pack. gated != 0: out[M, N] = the gated
+// activation of a gate/up matrix packed interleaved (see the top of this file; N = I, the packed matrix has
+// 2 * ceil(I / 16) * 16 rows and the bias, if any, as many values in the same order).
 extern "C" int kv8_linear(const uint16_t* x, int64_t M, int64_t K, const uint16_t* packed, int64_t N,
-                          const float* bias, uint16_t* out, int nthreads) {
+                          const float* bias, uint16_t* out, int nthreads, int gated) {
 #if KV8_LINEAR_FAST
     if (!x || !packed || !out || M <= 0 || K <= 0 || N <= 0 || nthreads <= 0) return 5;
     const int64_t kp = (K + 1) & ~(int64_t)1;
-    const int64_t panels = (N + PANEL - 1) / PANEL;
+    const int64_t panels = gated ? (N + 15) / 16 : (N + PANEL - 1) / PANEL;
+    const MicroFn* micro1 = gated ? MICRO1<true> : MICRO1<false>;
+    const MicroFn* micro2 = gated ? MICRO2<true> : MICRO2<false>;
     const int threads = (int)(panels < nthreads ? panels : nthreads);
     // Rows go in chunks of ROW_CHUNK so that a chunk of x stays in L2 while every panel passes over it.
     // Within a chunk each thread takes a contiguous run of panels and walks it two panels (64 columns) at
@@ -145,16 +177,16 @@ extern "C" int kv8_linear(const uint16_t* x, int64_t M, int64_t K, const uint16_
                 // several row blocks per panel the compute no longer waits for DRAM.
                 const uint16_t* next = p + 3 < p1 ? panel + 2 * PANEL * kp : nullptr;
                 if (p + 1 < p1) {
-                    row_blocks(MICRO2, MAX_MR2, xc, rows, K, panel, kp, bias, p * PANEL, N, oc, next);
+                    row_blocks(micro2, MAX_MR2, xc, rows, K, panel, kp, bias, p * PANEL, N, oc, next);
                 } else {
-                    row_blocks(MICRO1, MAX_MR1, xc, rows, K, panel, kp, bias, p * PANEL, N, oc, nullptr);
+                    row_blocks(micro1, MAX_MR1, xc, rows, K, panel, kp, bias, p * PANEL, N, oc, nullptr);
                 }
             }
         }
     }
     return 0;
 #else
-    (void)x; (void)M; (void)K; (void)packed; (void)N; (void)bias; (void)out; (void)nthreads;
+    (void)x; (void)M; (void)K; (void)packed; (void)N; (void)bias; (void)out; (void)nthreads; (void)gated;
     return 7;
 #endif
 }
