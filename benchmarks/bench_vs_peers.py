@@ -55,6 +55,7 @@ import math
 import os
 import random
 import re
+import shutil
 import statistics
 import subprocess
 import sys
@@ -639,6 +640,7 @@ def main() -> None:
             print(f"failed {cfg.name} {shape.label}: {err}")
     if before_tree:
         subprocess.run(["git", "-C", REPO, "worktree", "remove", "--force", before_tree], capture_output=True)
+        shutil.rmtree(os.path.dirname(before_tree), ignore_errors=True)
     if ns.json:
         with open(ns.json, "w") as handle:
             json.dump([{"engine": c.engine, "rev": c.rev, "kv": c.kv, "skipped": c.skipped, "kld": c.kld, "errors":
