@@ -129,8 +129,30 @@ static inline int acc_channel(int kv, int a) {
     return 32 * (v >> 1) + 8 * k + 4 * (v & 1) + j;
 }
 
-// The nacc accumulators of one row (accumulator layout) -> channels 0..D-1 in natural order.
+// The nacc accumulators of one row (accumulator layout) -> channels 0..D-1 in natural order. With whole
+// 64-byte chunks (D a multiple of 64 for FP8, of 32 for bf16) this is a shuffle of 128-bit blocks: FP8's
+// natural register n of chunk z holds block n of accumulators 4z..4z+3 (a 4x4 block transpose); bf16's
+// natural registers of chunk z interleave blocks of accumulators 2z and 2z+1. Otherwise element by element.
 static inline void natural_order(int kv, const float* acc, int nacc, int D, float* nat) {
+    if (is_fp8(kv) && D % 64 == 0) {
+        for (int z = 0; z < D / 64; ++z) {
+            __m512i in[4], out[4];
+            for (int m = 0; m < 4; ++m) in[m] = _mm512_loadu_si512(acc + (4 * z + m) * 16);
+            transpose4x128(in, out);
+            for (int n = 0; n < 4; ++n) _mm512_storeu_si512(nat + 64 * z + 16 * n, out[n]);
+        }
+        return;
+    }
+    if (!is_fp8(kv) && D % 32 == 0) {
+        const __m512i lo = _mm512_setr_epi64(0, 1, 8, 9, 2, 3, 10, 11);
+        const __m512i hi = _mm512_setr_epi64(4, 5, 12, 13, 6, 7, 14, 15);
+        for (int z = 0; z < D / 32; ++z) {
+            const __m512i a = _mm512_loadu_si512(acc + (2 * z) * 16), b = _mm512_loadu_si512(acc + (2 * z + 1) * 16);
+            _mm512_storeu_si512(nat + 32 * z, _mm512_permutex2var_epi64(a, lo, b));
+            _mm512_storeu_si512(nat + 32 * z + 16, _mm512_permutex2var_epi64(a, hi, b));
+        }
+        return;
+    }
     for (int i = 0; i < nacc; ++i) {
         const int d = acc_channel(kv, i);
         if (d < D) nat[d] = acc[i];
