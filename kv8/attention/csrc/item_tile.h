@@ -79,11 +79,12 @@ static inline void tile_scores(const __m512i* kbuf, int nslots, const __m512i* c
     for (int r = 0; r < RB; ++r) out[r] = reduce_scores(acc[r]);
 }
 
-// out[r] (RB rows x nvs accumulators, in memory) = out * alpha + P . V for one decoded V tile (P as bf16
-// hi + lo), 4 accumulators at a time.
+// out[r] (RB rows x nvs accumulators, in memory) = out * alpha + P . V over the nt decoded V tiles of a chunk
+// (tile j at vbuf + j * vstride; P of row r, tile j as bf16 hi + lo dwords at phi[r] + 16 j), 4 accumulators
+// at a time: the accumulators are loaded, rescaled and stored once per chunk.
 template <int RB, bool PLO>
-static inline void tile_pv(const __m512i* vbuf, int nvs, const uint32_t* const* phi, const uint32_t* const* plo,
-                           float* const* obuf, const float* alpha) {
+static inline void tile_pv(const __m512i* vbuf, size_t vstride, int nt, int nvs, const uint32_t* const* phi,
+                           const uint32_t* const* plo, float* const* obuf, const float* alpha) {
     int v0 = 0;
     for (; v0 + 4 <= nvs; v0 += 4) {
         __m512 acc[RB][4];
@@ -91,10 +92,14 @@ static inline void tile_pv(const __m512i* vbuf, int nvs, const uint32_t* const* 
             __m512 a = _mm512_set1_ps(alpha[r]);
             for (int m = 0; m < 4; ++m) acc[r][m] = _mm512_mul_ps(_mm512_load_ps(obuf[r] + (v0 + m) * 16), a);
         }
-        for (int u = 0; u < 8; ++u) {
-            __m512i v[4];
-            for (int m = 0; m < 4; ++m) v[m] = _mm512_load_si512(vbuf + u * nvs + v0 + m);
-            for (int r = 0; r < RB; ++r) pv_accumulate<4, PLO>(acc[r], v, phi[r][u], PLO ? plo[r][u] : 0);
+        for (int j = 0; j < nt; ++j) {
+            const __m512i* vb = vbuf + j * vstride;
+            for (int u = 0; u < 8; ++u) {
+                __m512i v[4];
+                for (int m = 0; m < 4; ++m) v[m] = _mm512_load_si512(vb + u * nvs + v0 + m);
+                for (int r = 0; r < RB; ++r)
+                    pv_accumulate<4, PLO>(acc[r], v, phi[r][16 * j + u], PLO ? plo[r][16 * j + u] : 0);
+            }
         }
         for (int r = 0; r < RB; ++r)
             for (int m = 0; m < 4; ++m) _mm512_store_ps(obuf[r] + (v0 + m) * 16, acc[r][m]);
@@ -102,10 +107,11 @@ static inline void tile_pv(const __m512i* vbuf, int nvs, const uint32_t* const* 
     for (; v0 < nvs; ++v0) {
         for (int r = 0; r < RB; ++r) {
             __m512 acc = _mm512_mul_ps(_mm512_load_ps(obuf[r] + v0 * 16), _mm512_set1_ps(alpha[r]));
-            for (int u = 0; u < 8; ++u) {
-                const __m512i v = _mm512_load_si512(vbuf + u * nvs + v0);
-                pv_accumulate<1, PLO>(&acc, &v, phi[r][u], PLO ? plo[r][u] : 0);
-            }
+            for (int j = 0; j < nt; ++j)
+                for (int u = 0; u < 8; ++u) {
+                    const __m512i v = _mm512_load_si512(vbuf + j * vstride + u * nvs + v0);
+                    pv_accumulate<1, PLO>(&acc, &v, phi[r][16 * j + u], PLO ? plo[r][16 * j + u] : 0);
+                }
             _mm512_store_ps(obuf[r] + v0 * 16, acc);
         }
     }
@@ -148,6 +154,8 @@ static inline void pick_pv_fused(PvFused* f) {
 
 typedef void (*TileDecoder)(const uint8_t* const*, int, __m512i*);
 
+static const int CHUNK = 4;  // tiles per online-softmax step of a prefill item
+
 template <bool QLO, bool PLO>
 static int run_item_tile(const Problem& P, const Item& it, float* ws) {
     TileDecoder decode_k, decode_v;
@@ -164,22 +172,26 @@ static int run_item_tile(const Problem& P, const Item& it, float* ws) {
     }
     const Rows w = rows_of(P, it);
     const int D = P.D, R = w.R;
+    // Tiles per online-softmax step: prefill items take CHUNK tiles at once (one max, one rescale of the
+    // output per row and chunk); items of decode shape keep one tile (and the fused V decode below).
+    const int CT = R > 4 ? CHUNK : 1;
     const int nslots = D / 8, nvs = num_vslots(P.kv, D), nacc = nvs * 16;
+    const size_t kstride = (size_t)nslots * 4, vstride = (size_t)8 * nvs;   // registers per decoded tile
     size_t qbytes = (size_t)R * nslots * 64;
-    size_t bytes = 2 * qbytes + (size_t)nslots * 4 * 64 + (size_t)8 * nvs * 64 + (size_t)R * nacc * 4 +
-                   up64((size_t)R * 4) * 2 + (size_t)R * 64 * 3 + up64((size_t)D * 4) * 2 + up64((size_t)R * 8) * 2;
+    size_t bytes = 2 * qbytes + CT * (kstride + vstride) * 64 + (size_t)R * nacc * 4 + up64((size_t)R * 4) * 2 +
+                   (size_t)R * 64 * (1 + 2 * CT) + up64((size_t)D * 4) * 2 + up64((size_t)R * 8) * 2;
     char* mem = (char*)tl_scratch.get(bytes);
     if (!mem) return ERR_OOM;
     __m512i* qhi = (__m512i*)mem; mem += qbytes;
     __m512i* qlo = (__m512i*)mem; mem += qbytes;
-    __m512i* kbuf = (__m512i*)mem; mem += (size_t)nslots * 4 * 64;
-    __m512i* vbuf = (__m512i*)mem; mem += (size_t)8 * nvs * 64;
+    __m512i* kbuf = (__m512i*)mem; mem += CT * kstride * 64;
+    __m512i* vbuf = (__m512i*)mem; mem += CT * vstride * 64;
     float* obuf = (float*)mem; mem += (size_t)R * nacc * 4;
     float* mx = (float*)mem; mem += up64((size_t)R * 4);
     float* sum = (float*)mem; mem += (size_t)R * 64;  // per row: 16 lane-wise partial sums
     float* alpha = (float*)mem; mem += up64((size_t)R * 4);
-    uint32_t* phi = (uint32_t*)mem; mem += (size_t)R * 64;  // 8 used dwords per row, 64-byte stride
-    uint32_t* plo = (uint32_t*)mem; mem += (size_t)R * 64;
+    uint32_t* phi = (uint32_t*)mem; mem += (size_t)R * 64 * CT;  // per row and tile: 8 used dwords of 16
+    uint32_t* plo = (uint32_t*)mem; mem += (size_t)R * 64 * CT;
     float* kscale = (float*)mem; mem += up64((size_t)D * 4);
     int64_t* lim = (int64_t*)mem; mem += up64((size_t)R * 8);
     int64_t* lo = (int64_t*)mem; mem += up64((size_t)R * 8);
@@ -192,91 +204,115 @@ static int run_item_tile(const Problem& P, const Item& it, float* ws) {
     }
     memset(obuf, 0, (size_t)R * nacc * 4);
 
-    const uint8_t* kr[TILE];
-    const uint8_t* vr[TILE];
-    alignas(64) float ksc[TILE], vsc[TILE];
-    for (int t = 0; t < TILE; ++t) ksc[t] = vsc[t] = 1.0f;
+    const uint8_t* kr[CHUNK][TILE];
+    const uint8_t* vr[CHUNK][TILE];
+    alignas(64) float ksc[CHUNK][TILE], vsc[CHUNK][TILE];
+    for (int j = 0; j < CHUNK; ++j)
+        for (int t = 0; t < TILE; ++t) ksc[j][t] = vsc[j][t] = 1.0f;
+    int tn[CHUNK];
     const __m512i* qh[4];
     const __m512i* ql[4];
     const uint32_t* ph[4];
     const uint32_t* pl[4];
     float* ob[4];
-    __m512 sc[4];
+    __m512 sc[4][CHUNK];
     const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const int64_t ahead = (int64_t)(CT > PREFETCH_TILES ? CT : PREFETCH_TILES) * TILE;  // prefetch distance
     int r0 = 0, r1 = 0;
-    for (int p = 0; p < PREFETCH_TILES; ++p) prefetch_tile(P, it, it.t0 + p * TILE);
-    for (int64_t t0 = it.t0; t0 < it.t1; t0 += TILE) {
-        int n = (int)(it.t1 - t0 < TILE ? it.t1 - t0 : TILE);
-        // K lines now, V lines before the V decode: bursts that fit the L1 miss buffers (one burst of both
-        // measures 2x slower for bf16).
-        prefetch_tile<true, false>(P, it, t0 + PREFETCH_TILES * TILE);
-        if (!tile_rows(P, it, t0, n, kr, vr, ksc, vsc)) return ERR_BLOCK_ID;
-        while (r0 < R && lim[r0] < t0) ++r0;  // rows before r0 see nothing of this tile (limits ascend)
-        while (r1 < R && lo[r1] < t0 + n) ++r1;  // nor do rows from r1 on (their windows start later)
-        if (r1 <= r0) continue;  // no row sees this tile (cannot happen for the items plan.h makes)
-        decode_k(kr, D, kbuf);
-        const __m512 sfv = _mm512_mul_ps(_mm512_set1_ps(sfac), _mm512_load_ps(ksc));
-        const __m512 vsv = _mm512_load_ps(vsc);
+    for (int64_t p = 0; p < ahead; p += TILE) prefetch_tile(P, it, it.t0 + p);
+    for (int64_t c0 = it.t0; c0 < it.t1; c0 += (int64_t)CT * TILE) {
+        int nt = 0;
+        for (int64_t t0 = c0; nt < CT && t0 < it.t1; t0 += TILE, ++nt) {
+            tn[nt] = (int)(it.t1 - t0 < TILE ? it.t1 - t0 : TILE);
+            // K lines now, V lines before the V decode: bursts that fit the L1 miss buffers (one burst of both
+            // measures 2x slower for bf16).
+            prefetch_tile<true, false>(P, it, t0 + ahead);
+            if (!tile_rows(P, it, t0, tn[nt], kr[nt], vr[nt], ksc[nt], vsc[nt])) return ERR_BLOCK_ID;
+        }
+        const int64_t cend = c0 + (int64_t)(nt - 1) * TILE + tn[nt - 1];
+        while (r0 < R && lim[r0] < c0) ++r0;  // rows before r0 see nothing of this chunk (limits ascend)
+        while (r1 < R && lo[r1] < cend) ++r1;  // nor do rows from r1 on (their windows start later)
+        if (r1 <= r0) continue;  // no row sees this chunk (cannot happen for the items plan.h makes)
+        for (int j = 0; j < nt; ++j) decode_k(kr[j], D, kbuf + j * kstride);
+        __m512 sfv[CHUNK];
+        for (int j = 0; j < nt; ++j) sfv[j] = _mm512_mul_ps(_mm512_set1_ps(sfac), _mm512_load_ps(ksc[j]));
         for (int rb = r0; rb < r1; rb += 4) {
             int nb = r1 - rb < 4 ? r1 - rb : 4;
             for (int i = 0; i < nb; ++i) {
                 qh[i] = qhi + (size_t)(rb + i) * nslots;
                 ql[i] = qlo + (size_t)(rb + i) * nslots;
             }
-            switch (nb) {
-                case 4: tile_scores<4, QLO>(kbuf, nslots, qh, ql, sc); break;
-                case 3: tile_scores<3, QLO>(kbuf, nslots, qh, ql, sc); break;
-                case 2: tile_scores<2, QLO>(kbuf, nslots, qh, ql, sc); break;
-                default: tile_scores<1, QLO>(kbuf, nslots, qh, ql, sc); break;
+            for (int j = 0; j < nt; ++j) {
+                __m512 tsc[4];
+                switch (nb) {
+                    case 4: tile_scores<4, QLO>(kbuf + j * kstride, nslots, qh, ql, tsc); break;
+                    case 3: tile_scores<3, QLO>(kbuf + j * kstride, nslots, qh, ql, tsc); break;
+                    case 2: tile_scores<2, QLO>(kbuf + j * kstride, nslots, qh, ql, tsc); break;
+                    default: tile_scores<1, QLO>(kbuf + j * kstride, nslots, qh, ql, tsc); break;
+                }
+                for (int i = 0; i < nb; ++i) sc[i][j] = tsc[i];
             }
             for (int i = 0; i < nb; ++i) {
-                int r = rb + i;
-                // visible tokens of this tile (at least one): [first - t0, limit - t0] within [0, n)
-                int64_t nv = lim[r] - t0 + 1 < n ? lim[r] - t0 + 1 : n;
-                __mmask16 valid = (__mmask16)_mm512_cmplt_epi32_mask(lane, _mm512_set1_epi32((int)nv));
-                if (lo[r] > t0) valid &= (__mmask16)(0xffffu << (lo[r] - t0));
-                __m512 s = _mm512_mask_mul_ps(_mm512_set1_ps(-INFINITY), valid, sc[i], sfv);
-                float tmax = _mm512_reduce_max_ps(s);
-                float mnew = tmax > mx[r] ? tmax : mx[r];
+                const int r = rb + i;
+                // visible tokens of each tile (the row sees at least one of the chunk): [first - t0, limit - t0]
+                // within [0, n)
+                __m512 s[CHUNK];
+                __mmask16 valid[CHUNK];
+                __m512 m = _mm512_set1_ps(-INFINITY);
+                for (int j = 0; j < nt; ++j) {
+                    const int64_t t0 = c0 + (int64_t)j * TILE;
+                    const int64_t nv = lim[r] - t0 + 1 < tn[j] ? lim[r] - t0 + 1 : tn[j];
+                    valid[j] = nv <= 0 ? 0 : (__mmask16)_mm512_cmplt_epi32_mask(lane, _mm512_set1_epi32((int)nv));
+                    if (lo[r] > t0) valid[j] &= lo[r] - t0 >= TILE ? 0 : (__mmask16)(0xffffu << (lo[r] - t0));
+                    s[j] = _mm512_mask_mul_ps(_mm512_set1_ps(-INFINITY), valid[j], sc[i][j], sfv[j]);
+                    m = _mm512_max_ps(m, s[j]);
+                }
+                const float cmax = _mm512_reduce_max_ps(m);
+                const float mnew = cmax > mx[r] ? cmax : mx[r];
                 alpha[r] = mnew == mx[r] ? 1.0f : expf(mx[r] - mnew);
                 mx[r] = mnew;
-                __m512 p = _mm512_maskz_mov_ps(valid, exp_ps(_mm512_sub_ps(s, _mm512_set1_ps(mnew))));
-                float* sr = sum + (size_t)r * 16;
-                _mm512_store_ps(sr, _mm512_fmadd_ps(_mm512_load_ps(sr), _mm512_set1_ps(alpha[r]), p));
-                if (P.vts) p = _mm512_mul_ps(p, vsv);  // per-token V scale rides on the weight
-                __m256i h = (__m256i)_mm512_cvtneps_pbh(p);
-                _mm256_store_si256((__m256i*)(phi + (size_t)r * 16), h);
-                if (PLO) {
-                    __m512 hf = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-                    _mm256_store_si256((__m256i*)(plo + (size_t)r * 16),
-                                       (__m256i)_mm512_cvtneps_pbh(_mm512_sub_ps(p, hf)));
+                const __m512 mv = _mm512_set1_ps(mnew);
+                __m512 psum = _mm512_setzero_ps();
+                for (int j = 0; j < nt; ++j) {
+                    __m512 pj = _mm512_maskz_mov_ps(valid[j], exp_ps(_mm512_sub_ps(s[j], mv)));
+                    psum = _mm512_add_ps(psum, pj);
+                    if (P.vts) pj = _mm512_mul_ps(pj, _mm512_load_ps(vsc[j]));  // per-token V scale on the weight
+                    __m256i h = (__m256i)_mm512_cvtneps_pbh(pj);
+                    _mm256_store_si256((__m256i*)(phi + ((size_t)r * CT + j) * 16), h);
+                    if (PLO) {
+                        __m512 hf = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+                        _mm256_store_si256((__m256i*)(plo + ((size_t)r * CT + j) * 16),
+                                           (__m256i)_mm512_cvtneps_pbh(_mm512_sub_ps(pj, hf)));
+                    }
                 }
+                float* sr = sum + (size_t)r * 16;
+                _mm512_store_ps(sr, _mm512_fmadd_ps(_mm512_load_ps(sr), _mm512_set1_ps(alpha[r]), psum));
             }
         }
-        prefetch_tile<false, true>(P, it, t0 + PREFETCH_TILES * TILE);
-        if (r1 - r0 <= 4) {  // decode step: decode V straight into the P.V product
+        for (int j = 0; j < nt; ++j) prefetch_tile<false, true>(P, it, c0 + (int64_t)j * TILE + ahead);
+        if (CT == 1 && r1 - r0 <= 4) {  // decode step: decode V straight into the P.V product
             int nb = r1 - r0;
             for (int i = 0; i < nb; ++i) {
                 ph[i] = phi + (size_t)(r0 + i) * 16;
                 pl[i] = plo + (size_t)(r0 + i) * 16;
                 ob[i] = obuf + (size_t)(r0 + i) * nacc;
             }
-            pv_fused[nb](vr, D, ph, pl, ob, alpha + r0);
+            pv_fused[nb](vr[0], D, ph, pl, ob, alpha + r0);
             continue;
         }
-        decode_v(vr, D, vbuf);
+        for (int j = 0; j < nt; ++j) decode_v(vr[j], D, vbuf + j * vstride);
         for (int rb = r0; rb < r1; rb += 4) {
             int nb = r1 - rb < 4 ? r1 - rb : 4;
             for (int i = 0; i < nb; ++i) {
-                ph[i] = phi + (size_t)(rb + i) * 16;
-                pl[i] = plo + (size_t)(rb + i) * 16;
+                ph[i] = phi + (size_t)(rb + i) * CT * 16;
+                pl[i] = plo + (size_t)(rb + i) * CT * 16;
                 ob[i] = obuf + (size_t)(rb + i) * nacc;
             }
             switch (nb) {
-                case 4: tile_pv<4, PLO>(vbuf, nvs, ph, pl, ob, alpha + rb); break;
-                case 3: tile_pv<3, PLO>(vbuf, nvs, ph, pl, ob, alpha + rb); break;
-                case 2: tile_pv<2, PLO>(vbuf, nvs, ph, pl, ob, alpha + rb); break;
-                default: tile_pv<1, PLO>(vbuf, nvs, ph, pl, ob, alpha + rb); break;
+                case 4: tile_pv<4, PLO>(vbuf, vstride, nt, nvs, ph, pl, ob, alpha + rb); break;
+                case 3: tile_pv<3, PLO>(vbuf, vstride, nt, nvs, ph, pl, ob, alpha + rb); break;
+                case 2: tile_pv<2, PLO>(vbuf, vstride, nt, nvs, ph, pl, ob, alpha + rb); break;
+                default: tile_pv<1, PLO>(vbuf, vstride, nt, nvs, ph, pl, ob, alpha + rb); break;
             }
         }
     }
