@@ -2,13 +2,17 @@
 // rows, fp16 / fp32 compute, head dims that are a multiple of 16 up to 1024, any block size. Items of
 // decode shape with bf16 compute go to item_decode.h instead (see pick_item_fn).
 //
-// Per tile of 16 tokens: gather the 16 row pointers (tile_rows: pad rows read zeros), decode K once into a
-// transposed buffer shared by all rows, scores for blocks of 4 rows, an online-softmax step per row and tile,
-// then P.V: a decode step (<= 4 rows left) decodes V straight into the product (tile_pv_fused), larger
-// items decode the tile once into an L1 buffer used by all rows (decode_v_tile + tile_pv). Both P.V
+// Per chunk of CT tiles of 16 tokens (CT = CHUNK = 4 for items of more than 4 rows, 1 for decode-shaped
+// items): gather each tile's 16 row pointers (tile_rows: pad rows read zeros) and decode its K once into a
+// transposed buffer shared by all rows; then, per block of 4 rows, the scores of every tile of the chunk and
+// one online-softmax step per row (one max, one rescale factor, and in tile_pv one load / rescale / store of
+// the row's output accumulators per chunk, where a tile-at-a-time loop pays them per 16 tokens). P.V: a
+// decode step (CT = 1, <= 4 rows left) decodes V straight into the product (tile_pv_fused); otherwise each
+// tile of the chunk is decoded once into an L1 buffer used by all rows (decode_v_tile + tile_pv). Both P.V
 // routines are kept: buffering costs a store and reload per tile that only pays off across many rows.
-// Only the rows that see some token of the tile ([r0, r1): row limits and first positions both ascend) take
-// part; tokens outside a row's [first, limit] are masked (score -inf, weight 0).
+// Only the rows that see some token of the chunk ([r0, r1): row limits and first positions both ascend)
+// take part, so each of them sees at least one token of the chunk, not necessarily of every tile; tokens
+// outside a row's [first, limit] are masked (score -inf, weight 0).
 //
 // Precision: q is split into bf16 hi + lo parts (QLO; lo skipped when q is bf16 without a per-channel K
 // scale: it is zero), so q keeps ~16 significant bits; so do the softmax weights (PLO) when the output is
@@ -16,7 +20,7 @@
 // The softmax scale and per-tensor / per-head K scales multiply the 16 scores of a tile once; per-channel K
 // scales fold into q; V scales of any granularity multiply the output once; dynamic per-token scales
 // multiply the scores (K) and the softmax weights (V). Blocks are scattered, so K and V rows are
-// software-prefetched two tiles ahead.
+// software-prefetched max(CT, 2) tiles ahead.
 #pragma once
 
 #include "fast_simd.h"
