@@ -21,10 +21,16 @@ window and without (full causal attention at the same context), all four in the 
 fp8/bf16 (windowed and full) and windowed/full (fp8 and bf16). As the engine does, the windowed caches hold
 only the blocks the window needs; the other block-table entries are 0 and never read.
 
+``--tables smollm2-prefill``: SmolLM2 prefill shapes (9 query heads, 3 KV heads, head_dim 64, blocks of 16, q
+bf16): 2 sequences x 1024 new tokens (causal prefill from an empty cache) and 1 sequence of 512 new tokens over
+1,536 cached ones (a chunked-prefill step), each over an fp8_e4m3 and a bf16 cache, in microseconds per layer
+call and GFLOP/s (4 * D flops per query head and visible key: q.k and p.v).
+
     .venv/bin/python benchmarks/bench_attention.py            # batch 1, 8, 32 x context 1k, 4k, 8k; Gemma-3
     .venv/bin/python benchmarks/bench_attention.py --quick    # batch 1, 8 x context 1k, 4k; Gemma-3 batch 1
     .venv/bin/python benchmarks/bench_attention.py --kv8-only --batch 1 8 32 --context 4096  # kv8 only
     .venv/bin/python benchmarks/bench_attention.py --tables gemma3 --context 1024 4096 8192  # Gemma-3 rows only
+    .venv/bin/python benchmarks/bench_attention.py --tables smollm2-prefill --threads 2  # SmolLM2 prefill rows
 """
 
 from __future__ import annotations
@@ -152,6 +158,58 @@ def print_gemma(batches: list[int], contexts: list[int], args: argparse.Namespac
                   f"{r['fp8_win'] / r['fp8_full']:>12.3f} {r['bf16_win'] / r['bf16_full']:>13.3f}", flush=True)
 
 
+PREFILL_SHAPES = [(2, 1024, 1024), (1, 512, 2048)]  # (sequences, new tokens, context) of the prefill rows
+
+
+def prefill_cache(kv_name: str, n_layers: int, batch: int, q_len: int,
+                  ctx: int) -> tuple[PagedKVCache, AttentionMetadata]:
+    """SmolLM2-shaped caches of ``batch`` sequences of ``ctx`` tokens, the last ``q_len`` of them new. K and V
+    are N(0, 1) values stored through the codec (scale 1), so the scores spread as a model's do; uniform FP8
+    codes (fill_random) would make every softmax row one-hot and most exponentials underflow."""
+    kv = resolve_kv_cache_dtype(kv_name, torch.bfloat16)
+    blocks_per_seq = -(-ctx // BS)
+    cache = PagedKVCache(CacheShape(n_layers, batch * blocks_per_seq, HKV, BS, D),
+                         KVCodec.build(kv, D, scales=KVScales.default(n_layers) if kv.is_fp8 else None))
+    for layer in range(n_layers):
+        for which in range(2):
+            x = torch.randn(batch * blocks_per_seq * BS, HKV, D)
+            stored, _ = cache.codec.encode(x, layer, which)
+            cache.data[layer, which].copy_(stored.view(-1, BS, HKV, D).transpose(1, 2))
+    perm = torch.randperm(batch * blocks_per_seq).view(batch, blocks_per_seq).tolist()
+    meta = AttentionMetadata.build([q_len] * batch, [ctx] * batch, perm, BS)
+    return cache, meta
+
+
+def prefill_flops(batch: int, q_len: int, ctx: int) -> float:
+    """Flops of one call: 4 * D per (query head, visible key) pair (2 D for q.k, 2 D for p.v)."""
+    pairs = sum(ctx - q_len + i + 1 for i in range(q_len))  # causal: new token i sees ctx - q_len + i + 1 keys
+    return 4.0 * D * HQ * batch * pairs
+
+
+def print_smollm2_prefill(args: argparse.Namespace) -> None:
+    lib = load_kernels()
+    scale = D ** -0.5
+    print()
+    print(f"SmolLM2 prefill: Hq={HQ} Hkv={HKV} D={D} block={BS}, q bf16, causal")
+    print("times are microseconds per layer call; GFLOP/s counts 4 * D flops per query head and visible key")
+    hdr = (f"{'batch':>5} {'new':>5} {'ctx':>6} | {'kv8 fp8':>9} {'kv8 bf16':>9} | {'fp8 GF/s':>8} {'bf16 GF/s':>9} | "
+           f"{'fp8/bf16':>8}")
+    print(hdr)
+    print("-" * len(hdr))
+    for batch, q_len, ctx in PREFILL_SHAPES:
+        q = torch.randn(batch * q_len, HQ, D, dtype=torch.bfloat16)
+        res: dict[str, float] = {}
+        for kv_name, tag in (("fp8_e4m3", "fp8"), ("bfloat16", "bf16")):
+            nbytes = batch * ctx * HKV * D * 2 * (1 if tag == "fp8" else 2)
+            nl = layers_for(nbytes, args.footprint_mb << 20, cap=16)  # each call re-reads its cache many times
+            cache, meta = prefill_cache(kv_name, nl, batch, q_len, ctx)
+            res[tag] = timeit(lambda i, c=cache, m=meta, x=q: lib.attention(x, c, i, m, scale), nl, args.min_time)
+            del cache
+        gf = prefill_flops(batch, q_len, ctx) / 1e9
+        print(f"{batch:>5} {q_len:>5} {ctx:>6} | {res['fp8'] * 1e6:>9.1f} {res['bf16'] * 1e6:>9.1f} | "
+              f"{gf / res['fp8']:>8.1f} {gf / res['bf16']:>9.1f} | {res['fp8'] / res['bf16']:>8.2f}", flush=True)
+
+
 def bench(batch: int, ctx: int, args: argparse.Namespace) -> dict[str, float]:
     lib = load_kernels()
     q = torch.randn(batch, HQ, D, dtype=torch.bfloat16)
@@ -223,8 +281,9 @@ def main() -> None:
     ap.add_argument("--footprint-mb", type=int, default=128, help="bytes each variant cycles through (MiB)")
     ap.add_argument("--kv8-only", action="store_true", help="time the kv8 kernels only (no sdpa, no copies)")
     ap.add_argument("--threads", type=int, default=None, help="torch / kernel threads (default: torch's)")
-    ap.add_argument("--tables", nargs="*", choices=["smollm2", "gemma3"], default=["smollm2", "gemma3"],
-                    help="which tables to print (default: both)")
+    ap.add_argument("--tables", nargs="*", choices=["smollm2", "gemma3", "smollm2-prefill"],
+                    default=["smollm2", "gemma3"],
+                    help="which tables to print (default: smollm2 and gemma3, the decode tables)")
     ap.add_argument("--gemma-batch", type=int, nargs="*", default=None,
                     help="decode batches of the Gemma-3 rows (default 1 8; --quick: 1)")
     ap.add_argument("--prefill-chunk", type=int, default=512, help="new tokens of a Gemma-3 prefill row")
@@ -240,6 +299,8 @@ def main() -> None:
         print_smollm2(batches, contexts, args)
     if "gemma3" in args.tables:
         print_gemma(args.gemma_batch or ([1] if args.quick else [1, 8]), contexts, args)
+    if "smollm2-prefill" in args.tables:
+        print_smollm2_prefill(args)
 
 
 if __name__ == "__main__":
