@@ -229,7 +229,21 @@ static const int PREFETCH_TILES = 2;  // prefetch distance (measured: 1..4 are w
 static inline float k_head_scale(const Problem& P, int kvh) { return P.ks ? P.ks[kvh * P.ks_hs] : 1.0f; }
 static inline bool k_per_channel(const Problem& P) { return P.ks && P.ks_ds != 0; }
 
-// Finish one row: acc (natural channel order), running max m and sum l -> output row or partial.
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+// 16 lanes of f_bf16: round to nearest even on the bits, NaN -> 0x7FC0 (vcvtneps2bf16 would flush subnormals
+// and keep NaN payloads), as 16-bit integers in the low half of each 32-bit lane.
+static inline __m512i bf16_bits16(__m512 x) {
+    const __m512i b = _mm512_castps_si512(x);
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
+    const __m512i r = _mm512_srli_epi32(_mm512_add_epi32(b, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), odd)), 16);
+    return _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), _mm512_set1_epi32(0x7fc0));
+}
+#endif
+
+// Finish one row: acc (natural channel order), running max m and sum l -> output row or partial. The output
+// is acc[d] * (1 / l), times the channel's V scale when there is one, rounded once to the output dtype (bf16:
+// f_bf16, fp16: f_f16, round to nearest even); with AVX-512 16 channels at a time, the same products and
+// roundings as the scalar loop.
 static void finish_row(const Problem& P, const Item& it, const Rows& w, int r, const float* acc, float m,
                        float l, float* ws) {
     const int D = P.D;
@@ -245,6 +259,29 @@ static void finish_row(const Problem& P, const Item& it, const Rows& w, int r, c
     int64_t o = (qi * P.Hq + h) * (int64_t)D;
     float inv = 1.0f / l;
     const float* vs = P.vs ? P.vs + it.kvh * P.vs_hs : nullptr;
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+    const __m512 iv = _mm512_set1_ps(inv);
+    const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    for (int d = 0; d < D; d += 16) {
+        const __mmask16 mk = D - d >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (D - d)) - 1u);
+        __m512 x = _mm512_mul_ps(_mm512_maskz_loadu_ps(mk, acc + d), iv);
+        if (vs) {
+            __m512 s;
+            if (P.vs_ds == 0) s = _mm512_set1_ps(vs[0]);
+            else if (P.vs_ds == 1) s = _mm512_maskz_loadu_ps(mk, vs + d);
+            else s = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), mk,
+                                              _mm512_mullo_epi32(_mm512_add_epi32(lane, _mm512_set1_epi32(d)),
+                                                                 _mm512_set1_epi32((int)P.vs_ds)), vs, 4);
+            x = _mm512_mul_ps(x, s);
+        }
+        if (P.q_dtype == DT_BF16)
+            _mm512_mask_cvtepi32_storeu_epi16((uint16_t*)P.out + o + d, mk, bf16_bits16(x));
+        else if (P.q_dtype == DT_F16)
+            _mm256_mask_storeu_epi16((uint16_t*)P.out + o + d, mk,
+                                     _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+        else _mm512_mask_storeu_ps((float*)P.out + o + d, mk, x);
+    }
+#else
     for (int d = 0; d < D; ++d) {
         float x = acc[d] * inv;
         if (vs) x *= vs[d * P.vs_ds];
@@ -252,4 +289,5 @@ static void finish_row(const Problem& P, const Item& it, const Rows& w, int r, c
         else if (P.q_dtype == DT_F16) ((uint16_t*)P.out)[o + d] = f_f16(x);
         else ((float*)P.out)[o + d] = x;
     }
+#endif
 }
