@@ -8,7 +8,8 @@
   (and larger than the context): every KV dtype and scale mode (static per tensor / head / channel, dynamic),
   q in bf16 and fp32, head_dim 64 / 128 / 256 x GQA 1 / 4 / 8, blocks of 8 / 16 / 32, forced and automatic
   context partitions (the split is over the window: a long decode's items cover O(W) tokens), the decode-item
-  kernel (asserted to serve), the tile kernel, and the generic (non-AVX-512) build.
+  kernel (asserted to serve), the tile kernel and its prefill loop (long prefills, asserted to serve), and the
+  generic (non-AVX-512) build.
 * Never read: in every case above the cache is poisoned -- every position before a sequence's first key
   (whole blocks and the leading rows of the first needed block) holds NaN (FP8: the format's NaN code; dynamic
   scales NaN too, except those of the leading rows, which the reference decodes before dropping them) -- and
@@ -304,6 +305,24 @@ def test_window_gemma3_shape(lib: fused.KernelLibrary, kv_name: str, gran: str, 
         case = window_case(kv_name, gran, q_dtype, 512, group=group, dim=256, heads=1,
                            query_lens=[1, 1, 40, 1], seq_lens=[600, 1100, 560, 100], seed=group)
         check(lib, case)
+
+
+@pytest.mark.parametrize("kv_name,gran,q_dtype", [("fp8_e4m3", "tensor", torch.bfloat16),
+                                                  ("fp8_e5m2", "dynamic", torch.float32),
+                                                  ("fp8_e4m3fnuz", "channel", torch.bfloat16),
+                                                  ("bfloat16", "none", torch.bfloat16),
+                                                  ("bfloat16", "none", torch.float32)])
+@pytest.mark.parametrize("group,dim,bs", [(3, 64, 16), (4, 128, 8), (1, 64, 32)])
+def test_window_long_prefill(lib: fused.KernelLibrary, kv_name: str, gran: str, q_dtype: torch.dtype, group: int,
+                             dim: int, bs: int) -> None:
+    """Long prefills in the tile kernel's prefill loop (asserted to serve) with windows of 37, 100 and 512: the
+    window's edge crosses the chunks of every item at every offset, items start mid-tile (k0), chunked prefills
+    over cached prefixes end mid-tile; poisoned before each first key; automatic and forced partitions."""
+    assert item_kernel(lib, kv_name, q_dtype, dim, bs, 48) == ("prefill" if lib.has_fast_path else "generic")
+    for window in (37, 100, 512):
+        check(lib, window_case(kv_name, gran, q_dtype, window, group=group, dim=dim, bs=bs, heads=2,
+                               query_lens=[600, 150, 1, 91], seq_lens=[600, 700, 650, 333], seed=window + dim),
+              partitions=(0, 96))
 
 
 # ------------------------------------------------------------------------------------------------

@@ -11,7 +11,8 @@
   granularities, q in bf16 and fp32 (fp16 once), ragged batches mixing decode and chunked prefill over a
   cached prefix, lengths at and across block boundaries (block sizes 16, 8, 32), GQA 1/3/8, head_dim
   64/128/256 (and 80 / 72: tail handling and the generic path), forced context partitions, dynamic scales,
-  and the generic (non-AVX-512) build.
+  and the generic (non-AVX-512) build; long prefills in the tile kernel's prefill loop, and scores that move
+  its lazy softmax reference over and over.
 
 Tolerances (the kernels accumulate in fp32; the fast path carries q and the softmax weights as bf16 hi+lo,
 ~16 significant bits, except the weights of a bf16 output, which are bf16): with M = 1 + max|ref|,
@@ -384,6 +385,64 @@ def test_decode_item_kernel_conditions(lib: fused.KernelLibrary) -> None:
     assert not uses_decode_kernel(lib, "fp8_e4m3", torch.float16, 64, 16, 3)     # fp16 compute
     assert not uses_decode_kernel(lib, "float16", torch.bfloat16, 64, 16, 3)     # fp16 cache: generic path
     assert not uses_decode_kernel(lib, "fp8_e4m3", torch.bfloat16, 64, 16, 16)   # prefill-sized items
+
+
+# ------------------------------------------------------------------------------------------------
+# The tile kernel's prefill loop (items of more than 4 rows, head_dim <= 128)
+# ------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("kv_name,gran,q_dtype", [
+    ("fp8_e4m3", "tensor", torch.bfloat16), ("fp8_e4m3", "channel", torch.bfloat16),
+    ("fp8_e5m2", "dynamic", torch.bfloat16), ("fp8_e4m3fnuz", "head", torch.float32),
+    ("fp8_e4m3", "head", torch.float16), ("bfloat16", "none", torch.bfloat16), ("bfloat16", "none", torch.float32)])
+@pytest.mark.parametrize("group,dim,bs", [(3, 64, 16), (1, 128, 8), (4, 80, 32), (8, 32, 16)])
+def test_attention_long_prefill(lib: fused.KernelLibrary, kv_name: str, gran: str, q_dtype: torch.dtype,
+                                group: int, dim: int, bs: int) -> None:
+    """Long causal prefill in the prefill loop (asserted to serve): a 300-token prompt from an empty cache and
+    chunked prefills of 77 and 200 tokens over cached prefixes (hundreds of tiles, diagonal chunks at every
+    offset, lengths that end mid-tile), next to a decode and a 5-token prompt; GQA 1 / 3 / 4 / 8; head_dim 32 /
+    80 (partial 64-byte chunks) / 64 / 128; blocks of 8 (tiles across blocks), 16, 32; NaN past every context;
+    automatic and forced partitions."""
+    expected = "prefill" if lib.has_fast_path else "generic"
+    assert fused.KernelTesting(lib).item_kernel(kv_name, q_dtype, dim, bs, 48) == expected
+    cache, meta, q = make_case(kv_name, gran, q_dtype, group=group, dim=dim, bs=bs, heads=2,
+                               query_lens=[300, 77, 1, 200, 5], seq_lens=[300, 500, 37, 1000, 5],
+                               seed=group + dim + bs, poison=True)
+    for partition in (0, 112):
+        check_attention(lib, cache, meta, q, partition_size=partition)
+
+
+@pytest.mark.parametrize("kv_name", ["fp8_e4m3", "bfloat16"])
+@pytest.mark.parametrize("q_dtype", [torch.bfloat16, torch.float32])
+def test_prefill_softmax_reference_moves(lib: fused.KernelLibrary, kv_name: str, q_dtype: torch.dtype) -> None:
+    """Scores that climb by ~10 per 64 tokens, then by ~100, zigzag by 40 and fall along a 700-token prefill,
+    so the prefill loop's softmax reference moves over and over (small steps past its slack, large jumps), in
+    rows whose maximum comes late (query head 0) or early (head 1, the negated scores): equal to the reference
+    and finite (a reference that lagged the scores by more than ~88 would overflow e^(score - reference))."""
+    gen = torch.Generator().manual_seed(11)
+    n, dim, bs = 700, 64, 16
+    kv = resolve_kv_cache_dtype(kv_name, torch.bfloat16)
+    blocks = math.ceil(n / bs)
+    cache = make_cache(CacheShape(2, blocks + 2, 1, bs, dim), kv, KVScales.default(2) if kv.is_fp8 else None)
+    t = torch.arange(n, dtype=torch.float32)
+    a = torch.where(t < 120, 0.15 * t, torch.where(t < 200, 18.0 + 1.5 * (t - 120),
+                    torch.where(t < 260, 138.0 + 40.0 * (t % 2), 178.0 - 0.5 * (t - 260))))
+    # score of head h, key t: (+-1 * 8 / sqrt(dim)) * sum_d k_t,d = +-a_t, plus noise
+    k = (a / 8.0)[:, None, None] + 0.3 * torch.randn(n, 1, dim, generator=gen)
+    v = torch.randn(n, 1, dim, generator=gen)
+    table = (torch.randperm(blocks + 2, generator=gen)[:blocks]).tolist()
+    dtype = q_dtype if kv.is_fp8 else kv.storage_dtype
+    cache.store(1, k.to(dtype), v.to(dtype), AttentionMetadata.build([n], [n], [table], bs).slot_mapping)
+    meta = AttentionMetadata.build([n], [n], [table], bs)
+    sign = torch.tensor([1.0, -1.0])[None, :, None]
+    q = (sign + 0.3 * torch.randn(n, 2, dim, generator=gen)).to(q_dtype)
+    ref = paged_attention_reference(q, cache, 1, meta, dim ** -0.5).float()
+    for partition in (0, 192):
+        got = paged_attention_fused(lib, q, cache, 1, meta, dim ** -0.5, partition).float()
+        assert torch.isfinite(got).all()
+        err = (got - ref).abs().max().item()
+        bound = TOL[q_dtype] * (1.0 + ref.abs().max().item())
+        assert err <= bound, f"max |fused - reference| = {err:.3g} > {bound:.3g} (partition_size={partition})"
 
 
 # ------------------------------------------------------------------------------------------------

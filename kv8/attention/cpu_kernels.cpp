@@ -11,7 +11,8 @@
 //   csrc/plan.h          work items, threads, partition combine (log-sum-exp)
 //   csrc/item_generic.h  item kernel: fp32, any KV dtype / head dim / ISA
 //   csrc/fast_simd.h     AVX-512 BF16 building blocks: FP8 -> bf16 tables, K / V register layouts, P.V step
-//   csrc/item_tile.h     item kernel: AVX-512 BF16, any item shape (prefill, fp16 / fp32 compute)
+//   csrc/item_tile.h     item kernel: AVX-512 BF16, any item shape (prefill, fp16 / fp32 compute; a prefill loop
+//                        for items of more than 4 rows with D <= 128)
 //   csrc/item_decode.h   item kernel: AVX-512 BF16, decode-shaped items (<= 4 rows, bf16 compute)
 //   csrc/store.h         quantize-on-store
 //
@@ -22,7 +23,8 @@
 //
 // Item kernels (one per item; pick_item_fn):
 //   FAST (AVX-512 F/BW/VL + VBMI + BF16 compiled in; KV dtype fp8 x3 or bf16; D % 16 == 0, D <= 1024):
-//     decode-shaped items with bf16 compute -> run_item_decode, every other item -> run_item_tile
+//     decode-shaped items with bf16 compute -> run_item_decode, every other item -> run_item_tile (items of
+//     more than 4 rows with D <= 128 -> its prefill loop, run_item_prefill)
 //   otherwise -> run_item_generic
 // All kernels clear MXCSR DAZ/FTZ in their threads (FpEnv), so FP8 subnormals survive.
 //
@@ -43,7 +45,7 @@
 #include "csrc/item_decode.h"
 #include "csrc/store.h"
 
-enum { KERNEL_GENERIC = 0, KERNEL_TILE = 1, KERNEL_DECODE = 2 };
+enum { KERNEL_GENERIC = 0, KERNEL_TILE = 1, KERNEL_DECODE = 2, KERNEL_PREFILL = 3 };
 
 #if KV8_FAST
 // A fast item: the decode kernel where it applies to the item's rows, else the tile kernel.
@@ -109,7 +111,7 @@ int kv8_store_kv(const kv8_layer* layer, const kv8_store_call* call) { return ru
 // ------------------------------------------------------------------------------------------------
 
 // Which item kernel serves items of `rows` rows (query heads per KV head x query tokens of one sequence):
-// KERNEL_GENERIC, KERNEL_TILE or KERNEL_DECODE.
+// KERNEL_GENERIC, KERNEL_TILE, KERNEL_DECODE or KERNEL_PREFILL (the tile kernel's prefill loop).
 int kv8_test_item_kernel(int kv, int q_dtype, int D, int bs, int rows) {
     Problem P;
     memset(&P, 0, sizeof(P));
@@ -122,6 +124,7 @@ int kv8_test_item_kernel(int kv, int q_dtype, int D, int bs, int rows) {
     if (!fast) return KERNEL_GENERIC;
 #if KV8_FAST
     if (bs > 0 && decode_fn(P, rows) != nullptr) return KERNEL_DECODE;
+    if (uses_prefill_loop(D, rows)) return KERNEL_PREFILL;
 #endif
     (void)rows;
     return KERNEL_TILE;

@@ -256,7 +256,7 @@ class KernelLibrary:
 class KernelTesting:
     """The library's testing interface (``kv8_test_*`` exports): what only kv8's tests use, never production."""
 
-    ITEM_KERNELS = ("generic", "tile", "decode")
+    ITEM_KERNELS = ("generic", "tile", "decode", "prefill")
 
     def __init__(self, lib: KernelLibrary) -> None:
         self.lib = lib
@@ -270,9 +270,9 @@ class KernelTesting:
     def item_kernel(self, kv_dtype: str, compute_dtype: torch.dtype, head_dim: int, block_size: int = 16,
                     rows: int = 48) -> str:
         """The item kernel that serves items of ``rows`` rows (query heads per KV head x query tokens of one
-        sequence): "generic" (fp32), "tile" (AVX-512 BF16, any item) or "decode" (AVX-512 BF16, decode-sized
+        sequence): "generic" (fp32), "tile" (AVX-512 BF16, any item), "decode" (AVX-512 BF16, decode-sized
         items: bf16 compute, an FP8 or bf16 cache, head_dim 64 / 128 / 256, blocks of a multiple of 16 tokens,
-        at most 4 rows)."""
+        at most 4 rows) or "prefill" (the tile kernel's loop for items of more than 4 rows and head_dim <= 128)."""
         code = self._c.kv8_test_item_kernel(self.lib.kv_dtype_codes[kv_dtype], self.lib.compute_codes[compute_dtype],
                                             head_dim, block_size, rows)
         return self.ITEM_KERNELS[code]

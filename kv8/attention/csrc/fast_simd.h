@@ -170,21 +170,27 @@ static inline __m512 reduce_scores(const __m512* acc) {
     return _mm512_permutexvar_ps(nat, y);  // lane 4k + j held token 4j + k
 }
 
+// Channels d..d+15 of the query at element src (per-channel K scales kscale[d..] folded in when given) as
+// bf16 hi and lo parts (lo = bf16 of what hi leaves over).
+static inline void q_parts16(const Problem& P, int64_t src, int d, const float* kscale, __m256i& h, __m256i& l) {
+    __m512 x;
+    if (P.q_dtype == DT_BF16)
+        x = _mm512_castsi512_ps(_mm512_slli_epi32(
+            _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)((const uint16_t*)P.q + src + d))), 16));
+    else if (P.q_dtype == DT_F16)
+        x = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)((const uint16_t*)P.q + src + d)));
+    else
+        x = _mm512_loadu_ps((const float*)P.q + src + d);
+    if (kscale) x = _mm512_mul_ps(x, _mm512_loadu_ps(kscale + d));
+    h = (__m256i)_mm512_cvtneps_pbh(x);
+    __m512 hf = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    l = (__m256i)_mm512_cvtneps_pbh(_mm512_sub_ps(x, hf));
+}
+
 static inline void prep_q(const Problem& P, int64_t src, const float* kscale, __m512i* hi, __m512i* lo) {
-    const int D = P.D;
-    for (int d = 0; d < D; d += 16) {
-        __m512 x;
-        if (P.q_dtype == DT_BF16)
-            x = _mm512_castsi512_ps(_mm512_slli_epi32(
-                _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)((const uint16_t*)P.q + src + d))), 16));
-        else if (P.q_dtype == DT_F16)
-            x = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)((const uint16_t*)P.q + src + d)));
-        else
-            x = _mm512_loadu_ps((const float*)P.q + src + d);
-        if (kscale) x = _mm512_mul_ps(x, _mm512_loadu_ps(kscale + d));
-        __m256i h = (__m256i)_mm512_cvtneps_pbh(x);
-        __m512 hf = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-        __m256i l = (__m256i)_mm512_cvtneps_pbh(_mm512_sub_ps(x, hf));
+    for (int d = 0; d < P.D; d += 16) {
+        __m256i h, l;
+        q_parts16(P, src, d, kscale, h, l);
         int s = d / 8;
         hi[s] = _mm512_broadcast_i32x4(_mm256_castsi256_si128(h));
         hi[s + 1] = _mm512_broadcast_i32x4(_mm256_extracti128_si256(h, 1));

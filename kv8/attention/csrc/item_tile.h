@@ -1,18 +1,39 @@
-// The tile item kernel: the fast path (AVX-512 BF16) for every item shape -- prefill blocks of up to 48
-// rows, fp16 / fp32 compute, head dims that are a multiple of 16 up to 1024, any block size. Items of
-// decode shape with bf16 compute go to item_decode.h instead (see pick_item_fn).
+// The tile item kernel: the fast path (AVX-512 BF16) for every item shape -- prefill blocks of up to
+// ROWS_PER_ITEM rows, fp16 / fp32 compute, head dims that are a multiple of 16 up to 1024, any block size.
+// Items of decode shape with bf16 compute go to item_decode.h instead (see pick_item_fn). Two loops:
 //
-// Per chunk of CT tiles of 16 tokens (CT = CHUNK = 4 for items of more than 4 rows, 1 for decode-shaped
-// items): gather each tile's 16 row pointers (tile_rows: pad rows read zeros) and decode its K once into a
-// transposed buffer shared by all rows; then, per block of 4 rows, the scores of every tile of the chunk and
-// one online-softmax step per row (one max, one rescale factor, and in tile_pv one load / rescale / store of
-// the row's output accumulators per chunk, where a tile-at-a-time loop pays them per 16 tokens). P.V: a
-// decode step (CT = 1, <= 4 rows left) decodes V straight into the product (tile_pv_fused); otherwise each
-// tile of the chunk is decoded once into an L1 buffer used by all rows (decode_v_tile + tile_pv). Both P.V
-// routines are kept: buffering costs a store and reload per tile that only pays off across many rows.
-// Only the rows that see some token of the chunk ([r0, r1): row limits and first positions both ascend)
-// take part, so each of them sees at least one token of the chunk, not necessarily of every tile; tokens
-// outside a row's [first, limit] are masked (score -inf, weight 0).
+// The prefill loop (run_item_prefill: items of more than 4 rows, D <= 128). Per chunk of CHUNK = 4 tiles of
+// 16 tokens: gather each tile's 16 row pointers (tile_rows: pad rows read zeros), decode its K once into the
+// pair layout (one register = a channel pair x the 16 tokens, so vdpbf16ps against a broadcast q pair gives
+// 16 scores in token order, no reduction) and its V once into the P.V layout, both shared by all rows; then
+// per block of 4 rows (prefill_block): the 4 x 4 tile scores as 16 independent accumulators, the
+// online-softmax step on them in registers, and tile_pv. Masks are applied only in blocks that need them:
+// some row's causal limit inside the chunk (the diagonal), a window's first position after the chunk's start,
+// or an item's last tile ending before 16 tokens; elsewhere every token is visible to every row of the block.
+//
+// Lazy softmax reference (prefill loop): each row keeps a reference ref (its running max when it last
+// moved) and weights p = e^(s - ref). ref moves only when a chunk holds a score s > ref + REF_SLACK (8); it
+// then becomes the chunk's max and the row's sum and output accumulators are rescaled by e^(old - new) (one
+// expf per move, where a per-chunk max costs a reduction, an expf and a rescale every chunk). Contract: ref is
+// always a score the row has seen and max - REF_SLACK <= ref <= max, so p <= e^8 ~ 2981 and a row's sum is at
+// most e^8 x its tokens: no fp32 overflow, and the output sum(p v) / sum(p) is the softmax with the same
+// relative rounding (bf16 weights keep 8 significant bits at any magnitude; a weight below e^-87 is 0, as
+// exp_ps gives, next to the row's largest weight, which is >= 1). The partition combine takes
+// (ref, sum, acc) as it takes (max, sum, acc): any common reference gives the same quotient. The tests'
+// tolerances against reference.py are unchanged (tests/test_fused_attention.py).
+//
+// The chunked tile loop (D = 256 and decode-shaped items): per chunk of CT tiles (CT = CHUNK for items of more
+// than 4 rows, 1 for decode-shaped items): gather the row pointers and decode K once into a transposed buffer
+// (one register = 4 tokens x 8 channels; reduce_scores sums the partials); then, per block of 4 rows, the
+// scores of every tile of the chunk and one online-softmax step per row (one max, one rescale factor, and in
+// tile_pv one load / rescale / store of the row's output accumulators per chunk, where a tile-at-a-time loop
+// pays them per 16 tokens). P.V: a decode step (CT = 1, <= 4 rows left) decodes V straight into the product
+// (tile_pv_fused); otherwise each tile of the chunk is decoded once into an L1 buffer used by all rows
+// (decode_v_tile + tile_pv). Both P.V routines are kept: buffering costs a store and reload per tile that only
+// pays off across many rows.
+//
+// Both loops: only the rows that see some token of the chunk ([r0, r1): row limits and first positions both
+// ascend) take part; tokens outside a row's [first, limit] are masked (score -inf, weight 0).
 //
 // Precision: q is split into bf16 hi + lo parts (QLO; lo skipped when q is bf16 without a per-channel K
 // scale: it is zero), so q keeps ~16 significant bits; so do the softmax weights (PLO) when the output is
@@ -20,7 +41,7 @@
 // The softmax scale and per-tensor / per-head K scales multiply the 16 scores of a tile once; per-channel K
 // scales fold into q; V scales of any granularity multiply the output once; dynamic per-token scales
 // multiply the scores (K) and the softmax weights (V). Blocks are scattered, so K and V rows are
-// software-prefetched max(CT, 2) tiles ahead.
+// software-prefetched (the prefill loop: one chunk ahead, V apart from K; the chunked loop: max(CT, 2) tiles).
 #pragma once
 
 #include "fast_simd.h"
@@ -85,17 +106,18 @@ static inline void tile_scores(const __m512i* kbuf, int nslots, const __m512i* c
 
 // out[r] (RB rows x nvs accumulators, in memory) = out * alpha + P . V over the nt decoded V tiles of a chunk
 // (tile j at vbuf + j * vstride; P of row r, tile j as bf16 hi + lo dwords at phi[r] + 16 j), 4 accumulators
-// at a time: the accumulators are loaded, rescaled and stored once per chunk.
+// at a time: the accumulators are loaded, rescaled and stored once per chunk. alpha == nullptr: no rescale.
 template <int RB, bool PLO>
 static inline void tile_pv(const __m512i* vbuf, size_t vstride, int nt, int nvs, const uint32_t* const* phi,
                            const uint32_t* const* plo, float* const* obuf, const float* alpha) {
     int v0 = 0;
     for (; v0 + 4 <= nvs; v0 += 4) {
         __m512 acc[RB][4];
-        for (int r = 0; r < RB; ++r) {
-            __m512 a = _mm512_set1_ps(alpha[r]);
-            for (int m = 0; m < 4; ++m) acc[r][m] = _mm512_mul_ps(_mm512_load_ps(obuf[r] + (v0 + m) * 16), a);
-        }
+        for (int r = 0; r < RB; ++r)
+            for (int m = 0; m < 4; ++m) acc[r][m] = _mm512_load_ps(obuf[r] + (v0 + m) * 16);
+        if (alpha)
+            for (int r = 0; r < RB; ++r)
+                for (int m = 0; m < 4; ++m) acc[r][m] = _mm512_mul_ps(acc[r][m], _mm512_set1_ps(alpha[r]));
         for (int j = 0; j < nt; ++j) {
             const __m512i* vb = vbuf + j * vstride;
             for (int u = 0; u < 8; ++u) {
@@ -110,7 +132,8 @@ static inline void tile_pv(const __m512i* vbuf, size_t vstride, int nt, int nvs,
     }
     for (; v0 < nvs; ++v0) {
         for (int r = 0; r < RB; ++r) {
-            __m512 acc = _mm512_mul_ps(_mm512_load_ps(obuf[r] + v0 * 16), _mm512_set1_ps(alpha[r]));
+            __m512 acc = _mm512_load_ps(obuf[r] + v0 * 16);
+            if (alpha) acc = _mm512_mul_ps(acc, _mm512_set1_ps(alpha[r]));
             for (int j = 0; j < nt; ++j)
                 for (int u = 0; u < 8; ++u) {
                     const __m512i v = _mm512_load_si512(vbuf + j * vstride + u * nvs + v0);
@@ -160,22 +183,289 @@ typedef void (*TileDecoder)(const uint8_t* const*, int, __m512i*);
 
 static const int CHUNK = 4;  // tiles per online-softmax step of a prefill item
 
+// ------------------------------------------------------------------------------------------------
+// The prefill loop: items of more than 4 rows with D <= 128
+// ------------------------------------------------------------------------------------------------
+
+// Items of more than 4 rows with D <= 128 take the prefill loop; D = 256 keeps the chunked tile loop (its K
+// tile in the pair layout would be 128 registers per 16 tokens).
+static inline bool uses_prefill_loop(int D, int R) { return R > 4 && D <= 128; }
+
+static const float REF_SLACK = 8.0f;   // the lazy reference moves when a score exceeds it by more than this
+
+// Registers of one K tile in the pair layout: whole 64-byte chunks of a row, two channels per register.
+static inline int num_kpairs(int kv, int D) { return is_fp8(kv) ? 32 * ((D + 63) / 64) : 16 * ((D + 31) / 32); }
+
+// K tile -> kp[p]: channel pair p (channels 2p, 2p + 1 as a bf16 pair) of the 16 tokens, token t in dword
+// lane t; pairs past D / 2 (to the end of the last 64-byte chunk) are zeros. Per chunk: a 4x4 transpose of
+// 128-bit blocks per token residue k (y[k][c] lane L = block c of token 4L + k), then within each lane a
+// transpose of 4 tokens x 4 pairs (bf16) or x 8 pairs (FP8: the 16-bit code pairs, then the table decode,
+// whose byte interleave puts token 4L + i's pair in dword 4L + i).
+template <int KV>
+static void decode_k_pairs(const uint8_t* const* rows, int D, __m512i* kp) {
+    const Lut& L = lut_for(KV == KV_BF16 ? KV_E4M3 : KV);
+    constexpr int CH = chunk_channels<KV>(), ES = KV == KV_BF16 ? 2 : 1;
+    for (int z = 0; z * CH < D; ++z) {
+        const __mmask64 mk = chunk_mask((D - z * CH) * ES);
+        __m512i y[4][4];
+        for (int k = 0; k < 4; ++k) {
+            __m512i in[4];
+            for (int g = 0; g < 4; ++g) in[g] = load_bytes(rows[4 * g + k] + z * 64, mk);
+            transpose4x128(in, y[k]);
+        }
+        __m512i* out = kp + z * (CH / 2);
+        for (int c = 0; c < 4; ++c) {
+            if (KV == KV_BF16) {  // block c holds pairs 4c..4c+3, one dword each
+                const __m512i a = _mm512_unpacklo_epi32(y[0][c], y[1][c]), b = _mm512_unpackhi_epi32(y[0][c], y[1][c]);
+                const __m512i d = _mm512_unpacklo_epi32(y[2][c], y[3][c]), e = _mm512_unpackhi_epi32(y[2][c], y[3][c]);
+                out[4 * c + 0] = _mm512_unpacklo_epi64(a, d);
+                out[4 * c + 1] = _mm512_unpackhi_epi64(a, d);
+                out[4 * c + 2] = _mm512_unpacklo_epi64(b, e);
+                out[4 * c + 3] = _mm512_unpackhi_epi64(b, e);
+            } else {  // block c holds pairs 8c..8c+7, one 16-bit word (two codes) each
+                const __m512i a = _mm512_unpacklo_epi16(y[0][c], y[1][c]), b = _mm512_unpackhi_epi16(y[0][c], y[1][c]);
+                const __m512i d = _mm512_unpacklo_epi16(y[2][c], y[3][c]), e = _mm512_unpackhi_epi16(y[2][c], y[3][c]);
+                // lane L: pair 8c + 2m of tokens 4L..4L+3 (8 bytes), then pair 8c + 2m + 1
+                fp8_to_bf16<KV>(_mm512_unpacklo_epi32(a, d), L, out[8 * c + 0], out[8 * c + 1]);
+                fp8_to_bf16<KV>(_mm512_unpackhi_epi32(a, d), L, out[8 * c + 2], out[8 * c + 3]);
+                fp8_to_bf16<KV>(_mm512_unpacklo_epi32(b, e), L, out[8 * c + 4], out[8 * c + 5]);
+                fp8_to_bf16<KV>(_mm512_unpackhi_epi32(b, e), L, out[8 * c + 6], out[8 * c + 7]);
+            }
+        }
+    }
+}
+
+typedef void (*KPairDecoder)(const uint8_t* const*, int, __m512i*);
+
+// What the row blocks of one chunk share.
+struct PrefillChunk {
+    const __m512i* kbuf;   // K tiles in the pair layout, tile j at kbuf + j * kstride
+    int kstride, npairs;   // registers per tile, channel pairs D / 2
+    int64_t c0;            // position of the chunk's first token
+    int tn[CHUNK];         // tokens of each tile (16 but in the item's last tile)
+    __m512 sfv[CHUNK];     // score factor of each token (softmax scale x K scale)
+    const float* vsc;      // dynamic V scales, TILE per tile, or NULL
+    bool masked;           // some token of the chunk is hidden from some row of the block
+};
+
+// One block of 4 rows x the NT tiles of a chunk: the scores (16 independent vdpbf16ps chains, q pairs
+// broadcast from memory), then per row the online-softmax step on them in registers: scale, mask (only in
+// blocks that need it), the lazy reference check, exp, the bf16 weights into phi / plo (row i, tile j at
+// dword (i * CHUNK + j) * 16) and the row's sum. alpha[i]: the factor of row i's accumulators (1 unless its
+// reference moved). Returns whether some reference moved.
+template <int NT, bool QLO, bool PLO>
+static inline bool prefill_block(const PrefillChunk& C, const uint32_t* const* qh, const uint32_t* const* ql,
+                                 const int64_t* lo, const int64_t* lim, float* ref, float* sum, uint32_t* phi,
+                                 uint32_t* plo, float* alpha) {
+    __m512 acc[4][NT];
+    for (int i = 0; i < 4; ++i)
+        for (int j = 0; j < NT; ++j) acc[i][j] = _mm512_setzero_ps();
+    for (int p = 0; p < C.npairs; ++p) {
+        __m512i k[NT];
+        for (int j = 0; j < NT; ++j) k[j] = _mm512_load_si512(C.kbuf + (size_t)j * C.kstride + p);
+        for (int i = 0; i < 4; ++i) {
+            const __m512i q = _mm512_set1_epi32((int)qh[i][p]);
+            for (int j = 0; j < NT; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], as_bh(k[j]), as_bh(q));
+        }
+        if (QLO)
+            for (int i = 0; i < 4; ++i) {
+                const __m512i q = _mm512_set1_epi32((int)ql[i][p]);
+                for (int j = 0; j < NT; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], as_bh(k[j]), as_bh(q));
+            }
+    }
+    bool moved = false;
+    for (int i = 0; i < 4; ++i) {
+        __m512 s[NT];
+        __mmask16 valid[NT];
+        for (int j = 0; j < NT; ++j) {
+            if (C.masked) {  // visible: [first, limit] within the tile's tokens
+                const int64_t t0 = C.c0 + (int64_t)j * TILE;
+                const int64_t end = lim[i] - t0 + 1 < C.tn[j] ? lim[i] - t0 + 1 : C.tn[j];
+                valid[j] = lane_range(lo[i] - t0, end);
+                s[j] = _mm512_mask_mul_ps(_mm512_set1_ps(-INFINITY), valid[j], acc[i][j], C.sfv[j]);
+            } else {
+                s[j] = _mm512_mul_ps(acc[i][j], C.sfv[j]);
+            }
+        }
+        __m512 m = s[0];
+        for (int j = 1; j < NT; ++j) m = _mm512_max_ps(m, s[j]);
+        alpha[i] = 1.0f;
+        if (_mm512_cmp_ps_mask(m, _mm512_set1_ps(ref[i] + REF_SLACK), _CMP_GT_OQ)) {
+            const float cmax = _mm512_reduce_max_ps(m);
+            alpha[i] = expf(ref[i] - cmax);  // 0 at the row's first visible chunk (ref = -inf)
+            ref[i] = cmax;
+            moved = true;
+        }
+        // exp(s - ref) <= e^REF_SLACK. Masked lanes (s = -inf; NaN where ref is still -inf, which only a row
+        // with no visible token of the chunk can have) are zeroed.
+        const __m512 rv = _mm512_set1_ps(ref[i]);
+        __m512 psum = _mm512_setzero_ps();
+        for (int j = 0; j < NT; ++j) {
+            __m512 pj = exp_ps(_mm512_sub_ps(s[j], rv));
+            if (C.masked) pj = _mm512_maskz_mov_ps(valid[j], pj);
+            psum = _mm512_add_ps(psum, pj);
+            if (C.vsc) pj = _mm512_mul_ps(pj, _mm512_load_ps(C.vsc + j * TILE));  // per-token V scale
+            const __m256i h = (__m256i)_mm512_cvtneps_pbh(pj);
+            _mm256_store_si256((__m256i*)(phi + (size_t)(i * CHUNK + j) * 16), h);
+            if (PLO) {
+                const __m512 hf = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+                _mm256_store_si256((__m256i*)(plo + (size_t)(i * CHUNK + j) * 16),
+                                   (__m256i)_mm512_cvtneps_pbh(_mm512_sub_ps(pj, hf)));
+            }
+        }
+        float* sr = sum + (size_t)i * 16;
+        const __m512 old = _mm512_load_ps(sr);
+        _mm512_store_ps(sr, alpha[i] == 1.0f ? _mm512_add_ps(old, psum)
+                                             : _mm512_fmadd_ps(old, _mm512_set1_ps(alpha[i]), psum));
+    }
+    return moved;
+}
+
+// The prefill item loop (R > 4, D <= 128). Per chunk of CHUNK tiles: gather the row pointers, decode K into
+// the pair layout and V into the P.V layout once for all rows, then per block of 4 rows (blocks aligned to
+// 4; rows R..R4-1 are pad rows, q = 0, limits of row R - 1, never finished) prefill_block and tile_pv.
+template <bool QLO, bool PLO>
+static int run_item_prefill(const Problem& P, const Item& it, float* ws, KPairDecoder decode_k, TileDecoder decode_v) {
+    const Rows w = rows_of(P, it);
+    const int D = P.D, R = w.R, R4 = (R + 3) & ~3;
+    const int kstride = num_kpairs(P.kv, D), npairs = D / 2;
+    const int nvs = num_vslots(P.kv, D), nacc = nvs * 16;
+    const size_t vstride = (size_t)8 * nvs;
+    const size_t qbytes = up64((size_t)R4 * kstride * 4);
+    const size_t bytes = 2 * qbytes + CHUNK * ((size_t)kstride + vstride) * 64 + (size_t)R4 * nacc * 4 +
+                         up64((size_t)R4 * 4) + (size_t)R4 * 64 + up64((size_t)D * 4) * 2 + up64((size_t)R4 * 8) * 2;
+    char* mem = (char*)tl_scratch.get(bytes);
+    if (!mem) return ERR_OOM;
+    uint32_t* qhi = (uint32_t*)mem; mem += qbytes;  // row r: its bf16 channel pairs at r * kstride
+    uint32_t* qlo = (uint32_t*)mem; mem += qbytes;
+    __m512i* kbuf = (__m512i*)mem; mem += CHUNK * (size_t)kstride * 64;
+    __m512i* vbuf = (__m512i*)mem; mem += CHUNK * vstride * 64;
+    float* obuf = (float*)mem; mem += (size_t)R4 * nacc * 4;
+    float* ref = (float*)mem; mem += up64((size_t)R4 * 4);
+    float* sum = (float*)mem; mem += (size_t)R4 * 64;  // per row: 16 lane-wise partial sums
+    float* kscale = (float*)mem; mem += up64((size_t)D * 4);
+    float* nat = (float*)mem; mem += up64((size_t)D * 4);
+    int64_t* lim = (int64_t*)mem; mem += up64((size_t)R4 * 8);
+    int64_t* lo = (int64_t*)mem;
+
+    const bool kch = k_per_channel(P);
+    if (kch)
+        for (int d = 0; d < D; ++d) kscale[d] = P.ks[it.kvh * P.ks_hs + d * P.ks_ds];
+    for (int r = 0; r < R4; ++r) {
+        uint32_t* h = qhi + (size_t)r * kstride;
+        uint32_t* l = qlo + (size_t)r * kstride;
+        if (r >= R) {
+            memset(h, 0, (size_t)npairs * 4);
+            memset(l, 0, (size_t)npairs * 4);
+            lim[r] = lim[R - 1];
+            lo[r] = lo[R - 1];
+            continue;
+        }
+        const int64_t src = ((w.qrow0 + r / P.G) * P.Hq + it.kvh * P.G + r % P.G) * (int64_t)D;
+        for (int d = 0; d < D; d += 16) {
+            __m256i hv, lv;
+            q_parts16(P, src, d, kch ? kscale : nullptr, hv, lv);
+            _mm256_storeu_si256((__m256i*)(h + d / 2), hv);
+            _mm256_storeu_si256((__m256i*)(l + d / 2), lv);
+        }
+        lim[r] = row_limit(P, it, w, r);
+        lo[r] = first_visible(P, lim[r]);
+    }
+    const float sfac = P.sm_scale * (kch ? 1.0f : k_head_scale(P, it.kvh));
+    for (int r = 0; r < R4; ++r) {
+        ref[r] = -INFINITY;
+        _mm512_store_ps(sum + (size_t)r * 16, _mm512_setzero_ps());
+    }
+    memset(obuf, 0, (size_t)R4 * nacc * 4);
+
+    const uint8_t* kr[CHUNK][TILE];
+    const uint8_t* vr[CHUNK][TILE];
+    alignas(64) float ksc[CHUNK][TILE], vsc[CHUNK][TILE];
+    for (int j = 0; j < CHUNK; ++j)
+        for (int t = 0; t < TILE; ++t) ksc[j][t] = vsc[j][t] = 1.0f;
+    alignas(64) uint32_t phi[4 * CHUNK * 16], plo[4 * CHUNK * 16];
+    alignas(64) float alpha[4];
+    const uint32_t* qh[4];
+    const uint32_t* ql[4];
+    const uint32_t* ph[4];
+    const uint32_t* pl[4];
+    float* ob[4];
+    for (int i = 0; i < 4; ++i) {
+        ph[i] = phi + i * CHUNK * 16;
+        pl[i] = plo + i * CHUNK * 16;
+    }
+    PrefillChunk C;
+    C.kbuf = kbuf;
+    C.kstride = kstride;
+    C.npairs = npairs;
+    C.vsc = P.vts ? &vsc[0][0] : nullptr;
+    const int64_t ahead = (int64_t)CHUNK * TILE;  // prefetch distance: one chunk
+    int r0 = 0, r1 = 0;
+    for (int64_t p = 0; p < ahead; p += TILE) prefetch_tile(P, it, it.t0 + p);
+    for (int64_t c0 = it.t0; c0 < it.t1; c0 += ahead) {
+        int nt = 0;
+        for (int64_t t0 = c0; nt < CHUNK && t0 < it.t1; t0 += TILE, ++nt) {
+            C.tn[nt] = (int)(it.t1 - t0 < TILE ? it.t1 - t0 : TILE);
+            prefetch_tile<true, false>(P, it, t0 + ahead);
+            if (!tile_rows(P, it, t0, C.tn[nt], kr[nt], vr[nt], ksc[nt], vsc[nt])) return ERR_BLOCK_ID;
+        }
+        const int64_t cend = c0 + (int64_t)(nt - 1) * TILE + C.tn[nt - 1];
+        while (r0 < R && lim[r0] < c0) ++r0;  // rows before r0 see nothing of this chunk (limits ascend)
+        while (r1 < R && lo[r1] < cend) ++r1;  // nor do rows from r1 on (their windows start later)
+        if (r1 <= r0) continue;  // no row sees this chunk (cannot happen for the items plan.h makes)
+        for (int j = 0; j < nt; ++j) decode_k(kr[j], D, kbuf + (size_t)j * kstride);
+        // V lines of the next chunk now, apart from its K lines (bursts that fit the L1 miss buffers).
+        for (int j = 0; j < nt; ++j) prefetch_tile<false, true>(P, it, c0 + (int64_t)j * TILE + ahead);
+        for (int j = 0; j < nt; ++j) decode_v(vr[j], D, vbuf + j * vstride);
+        for (int j = 0; j < nt; ++j) C.sfv[j] = _mm512_mul_ps(_mm512_set1_ps(sfac), _mm512_load_ps(ksc[j]));
+        C.c0 = c0;
+        const bool whole = cend == c0 + (int64_t)nt * TILE;  // no tile ends early
+        for (int rb = r0 & ~3; rb < r1; rb += 4) {
+            // Unmasked: every row of the block sees every token of the chunk (first rows' limits reach the
+            // chunk's end, last rows' windows start at or before its start).
+            C.masked = !whole || lim[rb] < cend - 1 || lo[rb + 3] > c0;
+            for (int i = 0; i < 4; ++i) {
+                qh[i] = qhi + (size_t)(rb + i) * kstride;
+                ql[i] = qlo + (size_t)(rb + i) * kstride;
+                ob[i] = obuf + (size_t)(rb + i) * nacc;
+            }
+            float* rf = ref + rb;
+            float* sm = sum + (size_t)rb * 16;
+            bool moved;
+            switch (nt) {
+                case 4: moved = prefill_block<4, QLO, PLO>(C, qh, ql, lo + rb, lim + rb, rf, sm, phi, plo, alpha); break;
+                case 3: moved = prefill_block<3, QLO, PLO>(C, qh, ql, lo + rb, lim + rb, rf, sm, phi, plo, alpha); break;
+                case 2: moved = prefill_block<2, QLO, PLO>(C, qh, ql, lo + rb, lim + rb, rf, sm, phi, plo, alpha); break;
+                default: moved = prefill_block<1, QLO, PLO>(C, qh, ql, lo + rb, lim + rb, rf, sm, phi, plo, alpha); break;
+            }
+            tile_pv<4, PLO>(vbuf, vstride, nt, nvs, ph, pl, ob, moved ? alpha : nullptr);
+        }
+    }
+    for (int r = 0; r < R; ++r) {
+        natural_order(P.kv, obuf + (size_t)r * nacc, nacc, D, nat);
+        finish_row(P, it, w, r, nat, ref[r], _mm512_reduce_add_ps(_mm512_load_ps(sum + (size_t)r * 16)), ws);
+    }
+    return OK;
+}
+
 template <bool QLO, bool PLO>
 static int run_item_tile(const Problem& P, const Item& it, float* ws) {
     TileDecoder decode_k, decode_v;
+    KPairDecoder decode_kp;
     PvFused pv_fused[5];
     switch (P.kv) {
         case KV_E4M3: decode_k = decode_k_tile<KV_E4M3>; decode_v = decode_v_tile<KV_E4M3>;
-            pick_pv_fused<KV_E4M3, PLO>(pv_fused); break;
+            decode_kp = decode_k_pairs<KV_E4M3>; pick_pv_fused<KV_E4M3, PLO>(pv_fused); break;
         case KV_E4M3FNUZ: decode_k = decode_k_tile<KV_E4M3FNUZ>; decode_v = decode_v_tile<KV_E4M3FNUZ>;
-            pick_pv_fused<KV_E4M3FNUZ, PLO>(pv_fused); break;
+            decode_kp = decode_k_pairs<KV_E4M3FNUZ>; pick_pv_fused<KV_E4M3FNUZ, PLO>(pv_fused); break;
         case KV_E5M2: decode_k = decode_k_tile<KV_E5M2>; decode_v = decode_v_tile<KV_E5M2>;
-            pick_pv_fused<KV_E5M2, PLO>(pv_fused); break;
+            decode_kp = decode_k_pairs<KV_E5M2>; pick_pv_fused<KV_E5M2, PLO>(pv_fused); break;
         default: decode_k = decode_k_tile<KV_BF16>; decode_v = decode_v_tile<KV_BF16>;
-            pick_pv_fused<KV_BF16, PLO>(pv_fused); break;
+            decode_kp = decode_k_pairs<KV_BF16>; pick_pv_fused<KV_BF16, PLO>(pv_fused); break;
     }
     const Rows w = rows_of(P, it);
     const int D = P.D, R = w.R;
+    if (uses_prefill_loop(D, R)) return run_item_prefill<QLO, PLO>(P, it, ws, decode_kp, decode_v);
     // Tiles per online-softmax step: prefill items take CHUNK tiles at once (one max, one rescale of the
     // output per row and chunk); items of decode shape keep one tile (and the fused V decode below).
     const int CT = R > 4 ? CHUNK : 1;
