@@ -1,6 +1,6 @@
 // Attention planning: work items, their order and threads, and the log-sum-exp combine of partitions.
 //
-//   sequence i, query tokens split in blocks of qb (~48 rows with the GQA group), per KV head:
+//   sequence i, query tokens split in blocks of qb (~96 rows with the GQA group), per KV head:
 //     context [start, end) cut into partitions of `part` tokens  ->  one item per partition
 //   end = position of the block's last query token + 1; start = 0, or with a sliding window W the first
 //   key of the block's first query token (k0 = its position - W + 1, at least 0) rounded down to a tile, so
@@ -33,8 +33,10 @@ static int make_problem(const kv8_layer& L, const kv8_attention_call& C, Problem
     P.bt_stride = C.block_table_stride;
     P.sm_scale = C.sm_scale;
     P.window = C.sliding_window;
-    // Query tokens per item: ~48 rows (tokens x GQA group) share each decoded K/V tile; measured on 4 x 512
-    // prefill tokens, 48 rows took ~15% less time than 16 (32: ~9%, 64: no better than 48).
+    // Query tokens per item: ~ROWS_PER_ITEM rows (tokens x GQA group) share each decoded K/V tile. Measured
+    // on 4 x 512 prefill tokens, 48 rows took ~15% less time than 16 (32: ~9%); with the prefill loop
+    // (item_tile.h) 96 rows take ~2% less than 48 on SmolLM2 prefill (2 x 1024, 512 over 1,536 cached) and
+    // on Gemma-3's 512-token chunks, decode unchanged.
     P.qb = P.G >= ROWS_PER_ITEM ? 1 : ROWS_PER_ITEM / P.G;
     P.bs_shift = (bs & (bs - 1)) == 0 ? __builtin_ctz((unsigned)bs) : -1;
     return OK;
