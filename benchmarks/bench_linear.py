@@ -3,7 +3,9 @@
 The weights of 30 SmolLM2-shaped layers (q/k/v packed 960 x 576, o 576 x 576, gate/up packed 3072 x 576,
 down 576 x 1536: ~200 MB of bf16, as in a decode step) are multiplied with M rows, every layer in turn, so
 the weights stream from DRAM as they do in the engine; torch multiplies the same matrices unpacked. Prints
-the time per pass, the weight bandwidth (bytes of weights / time) and the speed-up, best of 5 passes.
+the time per pass, the weight bandwidth (bytes of weights / time) and the speed-up, best of 5 passes. On a CPU
+with AMX-BF16 kv8 multiplies with AMX tiles (what the engine uses there); the ``vdpbf16ps`` columns time the
+AVX-512 path that other CPUs use, on the same packed weights in the same run.
 
     .venv/bin/python benchmarks/bench_linear.py
 """
@@ -50,8 +52,13 @@ def main() -> None:
             mods.append(lin)
         packed.append(mods)
     nbytes = sum(w.numel() * 2 for layer in weights for w in layer)
-    print(f"{args.layers} layers, {nbytes / 1e6:.0f} MB of bf16 weights, {torch.get_num_threads()} threads")
-    print(f"{'M':>6} {'torch ms':>10} {'kv8 ms':>10} {'torch GB/s':>11} {'kv8 GB/s':>10} {'speed-up':>9}")
+    kernels = backend.kernels
+    assert kernels is not None
+    amx = kernels.amx
+    print(f"{args.layers} layers, {nbytes / 1e6:.0f} MB of bf16 weights, {torch.get_num_threads()} threads, "
+          f"kv8 path: {'AMX tiles' if amx else 'vdpbf16ps'}")
+    extra = f" {'vdpbf16ps ms':>13} {'AMX/vdpbf16ps':>14}" if amx else ""
+    print(f"{'M':>6} {'torch ms':>10} {'kv8 ms':>10} {'torch GB/s':>11} {'kv8 GB/s':>10} {'speed-up':>9}{extra}")
     with torch.inference_mode():
         for m in (int(v) for v in args.rows.split(",")):
             xs = {k: torch.randn(m, k).bfloat16() for k in {k for _, k in SHAPES}}
@@ -68,8 +75,16 @@ def main() -> None:
                         p(xs[p.in_features])
 
             t_torch, t_kv8 = best_of(run_torch, reps), best_of(run_kv8, reps)
-            print(f"{m:>6} {t_torch * 1e3:>10.2f} {t_kv8 * 1e3:>10.2f} {nbytes / t_torch / 1e9:>11.1f} "
-                  f"{nbytes / t_kv8 / 1e9:>10.1f} {t_torch / t_kv8:>9.2f}")
+            row = (f"{m:>6} {t_torch * 1e3:>10.2f} {t_kv8 * 1e3:>10.2f} {nbytes / t_torch / 1e9:>11.1f} "
+                   f"{nbytes / t_kv8 / 1e9:>10.1f} {t_torch / t_kv8:>9.2f}")
+            if amx:
+                kernels.amx = False
+                try:
+                    t_avx = best_of(run_kv8, reps)
+                finally:
+                    kernels.amx = True
+                row += f" {t_avx * 1e3:>13.2f} {t_avx / t_kv8:>14.2f}"
+            print(row)
 
 
 if __name__ == "__main__":

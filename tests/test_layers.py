@@ -46,6 +46,22 @@ def packed(lib: DenseKernels) -> DenseBackend:
     return DenseBackend("packed_bf16", lib)
 
 
+_AMX_CPU = "amx_bf16" in cpu_flags().split()
+
+
+@pytest.fixture(params=["vdpbf16ps", "amx"])
+def linear_path(request: pytest.FixtureRequest, lib: DenseKernels):
+    """Each of the packed linear's two paths in turn (AMX tiles only where this CPU has them)."""
+    if request.param == "amx" and not lib.amx:
+        pytest.skip("this CPU, build or OS gives no AMX-BF16 tiles")
+    chosen = lib.amx
+    lib.amx = request.param == "amx"
+    try:
+        yield request.param
+    finally:
+        lib.amx = chosen
+
+
 def _weights(out_features: int, in_features: int, bias: bool, seed: int) -> tuple[torch.Tensor, torch.Tensor | None]:
     gen = torch.Generator().manual_seed(seed)
     w = torch.randn(out_features, in_features, generator=gen).bfloat16()
@@ -77,11 +93,21 @@ def test_the_kernels_load_where_the_cpu_has_avx512_bf16() -> None:
     assert select_dense_backend("auto", torch.bfloat16).name == "packed_bf16"
 
 
+def test_the_linear_takes_amx_where_the_cpu_has_it() -> None:
+    """On a CPU with AMX-BF16 (Linux grants the tiles on request) the packed linear uses them by default."""
+    if _KERNELS is None or not _AMX_CPU:
+        pytest.skip("no AMX-BF16 on this CPU (or no kernels)")
+    assert _KERNELS.amx
+
+
 @needs_kernel
 @pytest.mark.parametrize("n,k", [(576, 576), (192, 576), (50, 33), (33, 64), (1, 2), (7, 5), (960, 1536)])
-@pytest.mark.parametrize("m", [1, 3, 12, 13, 25, 64])
+@pytest.mark.parametrize("m", [1, 3, 12, 13, 17, 25, 33, 64, 200])
 @pytest.mark.parametrize("bias", [False, True])
-def test_packed_linear_matches_the_reference(packed: DenseBackend, n: int, k: int, m: int, bias: bool) -> None:
+def test_packed_linear_matches_the_reference(packed: DenseBackend, linear_path: str, n: int, k: int, m: int,
+                                             bias: bool) -> None:
+    """Both paths (AMX where K % 32 == 0; K = 33, 2, 5 take vdpbf16ps either way), row counts around the AMX
+    tile (16), block (32) and row chunk (192) edges."""
     w, b = _weights(n, k, bias, seed=n * 1000 + k)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).bfloat16()
     layer = _linear(packed, w, b)
@@ -129,7 +155,7 @@ def test_argmax_kernel_rejects_bad_input(lib: DenseKernels) -> None:
 
 
 @needs_kernel
-def test_rows_do_not_depend_on_the_batch(packed: DenseBackend) -> None:
+def test_rows_do_not_depend_on_the_batch(packed: DenseBackend, linear_path: str) -> None:
     layer = _linear(packed, *_weights(100, 96, True, seed=1))
     x = torch.randn(37, 96).bfloat16()
     whole = layer(x)
@@ -163,8 +189,8 @@ def test_merged_layers_equal_separate_ones(backend_name: str) -> None:
 @pytest.mark.parametrize("inter", [1, 17, 48, 64, 1536])
 @pytest.mark.parametrize("m", [1, 7, 13, 200])
 @pytest.mark.parametrize("bias", [False, True])
-def test_gate_up_with_fused_silu_equals_projection_then_silu(packed: DenseBackend, inter: int, m: int,
-                                                              bias: bool) -> None:
+def test_gate_up_with_fused_silu_equals_projection_then_silu(packed: DenseBackend, linear_path: str, inter: int,
+                                                              m: int, bias: bool) -> None:
     """GateUpLinear fuses SiLU * up into the packed kernel (gate/up rows interleaved by 16, padded halves when
     I is not a multiple of 16, rows beyond one 192-row chunk): bit for bit the unfused projection followed by
     the silu_mul kernel; its plain apply still gives [gate | up]."""

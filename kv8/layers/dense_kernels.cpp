@@ -24,7 +24,8 @@
 // nearest-even -- what torch's bf16 linear does, up to the order of the fp32 additions.
 //
 // Invariants: x rows are contiguous with stride K (K even); out rows are contiguous with stride N.
-// Returns 0, or 5 for invalid arguments, 7 when this build has no AVX-512 BF16 path.
+// Returns 0, or 5 for invalid arguments, 7 when this build has no AVX-512 BF16 path, 8 when a buffer cannot be
+// allocated.
 
 #include <cstdint>
 #include <cmath>
@@ -37,6 +38,14 @@
 #define KV8_LINEAR_FAST 1
 #else
 #define KV8_LINEAR_FAST 0
+#endif
+#if KV8_LINEAR_FAST && defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
+#include <cstdlib>
+#include <sys/syscall.h>
+#include <unistd.h>
+#define KV8_LINEAR_AMX 1   // AMX-BF16 tiles for the linear layers (csrc/dense_linear.h)
+#else
+#define KV8_LINEAR_AMX 0
 #endif
 
 #include "csrc/dense_elementwise.h"

@@ -2,7 +2,8 @@
 of the dense backend.
 
 :class:`DenseKernels` wraps the C ABI: ``pack`` / ``linear`` (a bf16 matrix in a packed layout that the
-kernel streams while prefetching the next panels), ``rmsnorm`` (residual add + RMSNorm in one pass),
+kernel streams while prefetching the next panels; multiplied with AMX tiles where the CPU has AMX-BF16, else
+with AVX-512 ``vdpbf16ps``: :attr:`DenseKernels.amx`), ``rmsnorm`` (residual add + RMSNorm in one pass),
 ``silu_mul`` (SiLU(gate) * up) and ``rope_qkv`` (RoPE of q and k read straight from a packed q/k/v
 projection, v copied out beside them); and ``argmax`` (rows of float32 logits, for the sampler). Every method
 checks dtypes and shapes and raises ``ValueError``; every dense kernel takes bf16 and returns new contiguous bf16
@@ -51,8 +52,10 @@ class DenseKernels:
         lib.kv8_linear_packed_size.restype = _L
         lib.kv8_linear_pack.argtypes = [_P, _L, _L, _P]
         lib.kv8_linear_pack.restype = _I
-        lib.kv8_linear.argtypes = [_P, _L, _L, _P, _L, _P, _P, _I, _I]
+        lib.kv8_linear.argtypes = [_P, _L, _L, _P, _L, _P, _P, _I, _I, _I]
         lib.kv8_linear.restype = _I
+        lib.kv8_linear_amx_available.argtypes = []
+        lib.kv8_linear_amx_available.restype = _I
         lib.kv8_rmsnorm.argtypes = [_P, _P, _P, _P, _F, _L, _L, _P, _I]
         lib.kv8_rmsnorm.restype = _I
         lib.kv8_silu_mul.argtypes = [_P, _L, _L, _P, _I]
@@ -65,6 +68,10 @@ class DenseKernels:
             raise KernelUnavailable("this CPU (or compiler) has no AVX-512 BF16, which kv8's dense kernels need")
         self.path = path
         self._lib = lib
+        # The linear layers' path, fixed for the life of this instance so that every row of a layer is computed
+        # the same way at every batch size: AMX tiles where the CPU, the build and the OS allow them (K a
+        # multiple of 32), else vdpbf16ps. The two sum in different orders, so they may differ in the last bit.
+        self.amx = bool(lib.kv8_linear_amx_available())
 
     def pack(self, weight: torch.Tensor) -> torch.Tensor:
         """``weight [N, K]`` bf16 -> its packed layout (1-D bf16; see ``dense_kernels.cpp``)."""
@@ -88,7 +95,7 @@ class DenseKernels:
             return out
         rc = self._lib.kv8_linear(x.data_ptr(), m, k, packed.data_ptr(), out_features,
                                   0 if bias is None else bias.data_ptr(), out.data_ptr(), torch.get_num_threads(),
-                                  int(gated))
+                                  int(gated), int(self.amx))
         if rc != 0:
             raise ValueError(f"packed linear failed (error {rc}) for x {list(x.shape)}, N={out_features}")
         return out

@@ -46,6 +46,37 @@ static inline __mmask16 lane_mask(int n) {  // the first n (clamped to 0..16) of
     return n >= 16 ? (__mmask16)0xFFFF : n <= 0 ? (__mmask16)0 : (__mmask16)((1u << n) - 1);
 }
 
+// The epilogue of one output row: the 32 * NP fp32 sums acc[v] (columns n0 + 16 v on) -> bf16 in out_row,
+// only columns below N. GATED: each panel's two accumulators are 16 gate and the matching 16 up columns (see
+// the top of this file), giving 16 outputs from column n0 / 2 + 16 q on.
+template <int NP, bool GATED>
+static inline void store_row(const __m512* acc, const float* bias, int64_t n0, int64_t N, uint16_t* out_row) {
+    if (GATED) {
+        for (int q = 0; q < NP; ++q) {
+            const int64_t c0 = n0 / 2 + 16 * q;   // output column of the panel's first gate/up pair
+            const __mmask16 m = lane_mask((int)(N - c0 < 16 ? N - c0 : 16));
+            if (!m) break;
+            const int64_t b0 = n0 + (int64_t)PANEL * q;   // the panel's bias: 16 gate values, then 16 up values
+            const __m512 bg = bias ? _mm512_loadu_ps(bias + b0) : _mm512_setzero_ps();
+            const __m512 bu = bias ? _mm512_loadu_ps(bias + b0 + 16) : _mm512_setzero_ps();
+            const __m512 g = round_bf16(_mm512_add_ps(acc[2 * q], bg));
+            const __m512 u = round_bf16(_mm512_add_ps(acc[2 * q + 1], bu));
+            const __m512 sg = round_bf16(_mm512_div_ps(
+                g, _mm512_add_ps(_mm512_set1_ps(1.0f), exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), g)))));
+            store_bf16(out_row + c0, _mm512_mul_ps(sg, u), m);
+        }
+        return;
+    }
+    for (int v = 0; v < 2 * NP; ++v) {
+        const int64_t c0 = n0 + 16 * v;
+        const __mmask16 m = lane_mask((int)(N - c0 < 16 ? N - c0 : 16));
+        if (!m) break;
+        const __m512 bv = bias ? _mm512_maskz_loadu_ps(m, bias + c0) : _mm512_setzero_ps();
+        const __m256i y = (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(acc[v], bv));
+        _mm256_mask_storeu_epi16(out_row + c0, m, y);
+    }
+}
+
 // MR rows of x (stride K) times NP adjacent panels (NP = 1 or 2, i.e. 32 or 64 columns starting at n0) ->
 // MR x 32*NP outputs; only columns below N are stored. GATED: N is the output width I, each panel gives 16
 // outputs from n0 / 2 on (see the top of this file), and out rows have stride I.
@@ -89,34 +120,7 @@ static inline void micro(const uint16_t* x, int64_t K, const uint16_t* panel, in
             }
         }
     }
-    if (GATED) {
-        for (int q = 0; q < NP; ++q) {
-            const int64_t c0 = n0 / 2 + 16 * q;   // output column of the panel's first gate/up pair
-            const __mmask16 m = lane_mask((int)(N - c0 < 16 ? N - c0 : 16));
-            if (!m) break;
-            const int64_t b0 = n0 + (int64_t)PANEL * q;   // the panel's bias: 16 gate values, then 16 up values
-            const __m512 bg = bias ? _mm512_loadu_ps(bias + b0) : _mm512_setzero_ps();
-            const __m512 bu = bias ? _mm512_loadu_ps(bias + b0 + 16) : _mm512_setzero_ps();
-            for (int r = 0; r < MR; ++r) {
-                const __m512 g = round_bf16(_mm512_add_ps(acc[r][2 * q], bg));
-                const __m512 u = round_bf16(_mm512_add_ps(acc[r][2 * q + 1], bu));
-                const __m512 sg = round_bf16(_mm512_div_ps(
-                    g, _mm512_add_ps(_mm512_set1_ps(1.0f), exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), g)))));
-                store_bf16(out + r * N + c0, _mm512_mul_ps(sg, u), m);
-            }
-        }
-        return;
-    }
-    for (int v = 0; v < NV; ++v) {
-        const int64_t c0 = n0 + 16 * v;
-        const __mmask16 m = lane_mask((int)(N - c0 < 16 ? N - c0 : 16));
-        if (!m) break;
-        const __m512 bv = bias ? _mm512_maskz_loadu_ps(m, bias + c0) : _mm512_setzero_ps();
-        for (int r = 0; r < MR; ++r) {
-            const __m256i y = (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(acc[r][v], bv));
-            _mm256_mask_storeu_epi16(out + r * N + c0, m, y);
-        }
-    }
+    for (int r = 0; r < MR; ++r) store_row<NP, GATED>(acc[r], bias, n0, N, out + r * N);
 }
 
 typedef void (*MicroFn)(const uint16_t*, int64_t, const uint16_t*, int64_t, const float*, int64_t, int64_t,
@@ -148,13 +152,140 @@ static inline void row_blocks(const MicroFn* table, int max_mr, const uint16_t* 
 }
 #endif
 
+#if KV8_LINEAR_AMX
+// AMX (Intel AMX-BF16): the same packed layout is the tile operand. For a pair-row kk, columns 0..15 of a panel
+// are its first 64 bytes and columns 16..31 the next 64, so a B tile (16 pair-rows x 16 columns, the pair order
+// tdpbf16ps wants) is read in place with a row stride of 128 bytes; an A tile is 16 rows x 32 values of x read
+// in place (stride 2K bytes, hence K % 32 == 0). Tiles 0..3: C (fp32 16 x 16; A tile a times B half b -> tile
+// 2a + b), 4..5: A, 6..7: B. Products of bf16 are exact; the fp32 sums run in k order, 16 pairs per
+// instruction, so a row's result does not depend on M (rows past M are zero rows of a padded copy) -- but it
+// is not bit-identical to the vdpbf16ps path (another order of fp32 additions): a DenseKernels instance picks
+// one path for good (kv8_linear's use_amx), so each layer computes every row the same way at every batch size.
+
+// Whether this process may use AMX tiles: Linux grants them on request, once per process.
+static int amx_permitted() {
+    static const int ok = [] {
+        const long ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
+        return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0 ? 1 : 0;
+    }();
+    return ok;
+}
+
+struct alignas(64) AmxConfig {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+};
+
+static void amx_load_config() {  // every tile 16 rows x 64 bytes (per thread; released with _tile_release)
+    AmxConfig c;
+    memset(&c, 0, sizeof(c));
+    c.palette = 1;
+    for (int t = 0; t < 8; ++t) {
+        c.rows[t] = 16;
+        c.colsb[t] = 64;
+    }
+    _tile_loadconfig(&c);
+}
+
+// cbuf (16 MB rows x 32 fp32, row stride 32) = 16 MB rows of x (stride K) x one panel. (Software prefetch of
+// the panel stream, 4-16 KiB ahead into L1 or L2, measured no faster: the hardware prefetchers follow it.)
+template <int MB>
+static inline void amx_panel(const uint16_t* x, int64_t K, const uint16_t* panel, float* cbuf) {
+    _tile_zero(0);
+    _tile_zero(1);
+    if (MB == 2) {
+        _tile_zero(2);
+        _tile_zero(3);
+    }
+    const size_t xs = (size_t)K * 2;
+    for (int64_t k0 = 0; k0 < K; k0 += 32) {
+        const uint16_t* b = panel + k0 * 32;  // pair-row k0 / 2
+        _tile_loadd(6, b, 128);
+        _tile_loadd(7, b + 32, 128);
+        _tile_loadd(4, x + k0, xs);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(1, 4, 7);
+        if (MB == 2) {
+            _tile_loadd(5, x + 16 * K + k0, xs);
+            _tile_dpbf16ps(2, 5, 6);
+            _tile_dpbf16ps(3, 5, 7);
+        }
+    }
+    _tile_stored(0, cbuf, 128);
+    _tile_stored(1, cbuf + 16, 128);
+    if (MB == 2) {
+        _tile_stored(2, cbuf + 16 * 32, 128);
+        _tile_stored(3, cbuf + 16 * 32 + 16, 128);
+    }
+}
+
+// kv8_linear with AMX tiles (K % 32 == 0). Threads take contiguous runs of panels as the vdpbf16ps path does;
+// per chunk of ROW_CHUNK rows each panel meets every block of 32 rows while it is in L1/L2. The last partial
+// block reads a zero-padded copy of its rows.
+template <bool GATED>
+static int linear_amx(const uint16_t* x, int64_t M, int64_t K, const uint16_t* packed, int64_t N,
+                      const float* bias, uint16_t* out, int nthreads) {
+    const int64_t panels = GATED ? (N + 15) / 16 : (N + PANEL - 1) / PANEL;
+    const int64_t full = M / 32 * 32, rem = M - full;
+    uint16_t* pad = nullptr;
+    if (rem) {
+        pad = (uint16_t*)aligned_alloc(64, (size_t)32 * K * 2);
+        if (!pad) return 8;
+        memcpy(pad, x + full * K, (size_t)rem * K * 2);
+        memset(pad + rem * K, 0, (size_t)(32 - rem) * K * 2);
+    }
+    const int threads = (int)(panels < nthreads ? panels : nthreads);
+#pragma omp parallel num_threads(threads)
+    {
+        amx_load_config();
+        alignas(64) float cbuf[32 * 32];
+        const int t = omp_get_thread_num(), nt = omp_get_num_threads();
+        const int64_t p0 = panels * t / nt, p1 = panels * (t + 1) / nt;
+        for (int64_t m0 = 0; m0 < M; m0 += ROW_CHUNK) {
+            const int64_t m1 = M - m0 < ROW_CHUNK ? M : m0 + ROW_CHUNK;
+            for (int64_t p = p0; p < p1; ++p) {
+                const uint16_t* panel = packed + p * PANEL * K;
+                for (int64_t r0 = m0; r0 < m1; r0 += 32) {
+                    const int n = (int)(M - r0 < 32 ? M - r0 : 32);
+                    const uint16_t* src = r0 < full ? x + r0 * K : pad;
+                    if (n > 16) amx_panel<2>(src, K, panel, cbuf);
+                    else amx_panel<1>(src, K, panel, cbuf);
+                    for (int r = 0; r < n; ++r) {
+                        const __m512 acc[2] = {_mm512_load_ps(cbuf + r * 32), _mm512_load_ps(cbuf + r * 32 + 16)};
+                        store_row<1, GATED>(acc, bias, p * PANEL, N, out + (r0 + r) * N);
+                    }
+                }
+            }
+        }
+        _tile_release();
+    }
+    free(pad);
+    return 0;
+}
+#endif
+
+extern "C" int kv8_linear_amx_available() {
+#if KV8_LINEAR_AMX
+    return amx_permitted();
+#else
+    return 0;
+#endif
+}
+
 // out[M, N] = x[M, K] @ W^T (+ bias), W pre-packed by kv8_linear_pack. gated != 0: out[M, N] = the gated
 // activation of a gate/up matrix packed interleaved (see the top of this file; N = I, the packed matrix has
-// 2 * ceil(I / 16) * 16 rows and the bias, if any, as many values in the same order).
+// 2 * ceil(I / 16) * 16 rows and the bias, if any, as many values in the same order). use_amx != 0: the AMX
+// path where this build and process have it and K % 32 == 0 (see above), else the vdpbf16ps path.
 extern "C" int kv8_linear(const uint16_t* x, int64_t M, int64_t K, const uint16_t* packed, int64_t N,
-                          const float* bias, uint16_t* out, int nthreads, int gated) {
+                          const float* bias, uint16_t* out, int nthreads, int gated, int use_amx) {
 #if KV8_LINEAR_FAST
     if (!x || !packed || !out || M <= 0 || K <= 0 || N <= 0 || nthreads <= 0) return 5;
+#if KV8_LINEAR_AMX
+    if (use_amx && K % 32 == 0 && amx_permitted())
+        return gated ? linear_amx<true>(x, M, K, packed, N, bias, out, nthreads)
+                     : linear_amx<false>(x, M, K, packed, N, bias, out, nthreads);
+#endif
     const int64_t kp = (K + 1) & ~(int64_t)1;
     const int64_t panels = gated ? (N + 15) / 16 : (N + PANEL - 1) / PANEL;
     const MicroFn* micro1 = gated ? MICRO1<true> : MICRO1<false>;
@@ -187,6 +318,7 @@ extern "C" int kv8_linear(const uint16_t* x, int64_t M, int64_t K, const uint16_
     return 0;
 #else
     (void)x; (void)M; (void)K; (void)packed; (void)N; (void)bias; (void)out; (void)nthreads; (void)gated;
+    (void)use_amx;
     return 7;
 #endif
 }
