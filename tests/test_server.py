@@ -670,6 +670,11 @@ def test_sigterm_drains_then_aborts_after_the_shutdown_timeout(server: Server, t
 
 
 # ---- the real model, and shutdown ---------------------------------------------------------------------------
+# Greedy SmolLM2 with an FP8 cache at scale 1.0 answers this with a margin of > 1 nat at every token; "What is
+# the capital of France?" starts with a tie ("The" / "L", equal bf16 logits with AMX) that rounding decides.
+CAPITAL_QUESTION = "Name the capital city of France."
+
+
 @pytest.mark.slow
 def test_smollm2_greedy_chat_and_sigterm_exits_0(tmp_path: Any) -> None:
     srv = Server(["run", "smollm2-135m", "--kv-cache-dtype", "fp8", "--max-model-len", "512",
@@ -677,7 +682,7 @@ def test_smollm2_greedy_chat_and_sigterm_exits_0(tmp_path: Any) -> None:
     try:
         c = openai.OpenAI(base_url=srv.url + "/v1", api_key="k", max_retries=0, timeout=120.0)
         resp = c.chat.completions.create(model="smollm2-135m", temperature=0.0, max_tokens=8, messages=[
-            {"role": "user", "content": "What is the capital of France?"}])
+            {"role": "user", "content": CAPITAL_QUESTION}])
         assert "Paris" in resp.choices[0].message.content
         # SIGTERM while a request streams: it is finished (or aborted) and the process exits 0
         stream = c.chat.completions.create(model="smollm2-135m", temperature=0.0, max_tokens=6, stream=True,
