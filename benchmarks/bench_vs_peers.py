@@ -154,11 +154,16 @@ def parse_kld(text: str) -> float:
 class LlamaCpp:
     """llama.cpp's benchmark tools for one KV cache type (``-ctk``/``-ctv``)."""
 
-    def __init__(self, cache_type: str, gguf: str, log: IO[str], passive: bool = False) -> None:
+    def __init__(self, cache_type: str, gguf: str, log: IO[str], passive: bool = False,
+                 no_repack: bool = False) -> None:
         self.cache_type, self.gguf, self.log = cache_type, gguf, log
         # passive: no polling for work (--poll 0, default 50), and the OpenMP barriers between graph nodes
         # (this build uses OpenMP) sleep instead of spinning
         self.poll = ("--poll", "0") if passive else ()
+        # no_repack: weights stay in the plain CPU buffer (llama.cpp's -nr / llama-bench --repack 0), which also
+        # keeps them off its AMX buffer type
+        self.repack = ("-nr",) if no_repack else ()
+        self.bench_repack = ("--repack", "0") if no_repack else ()
         self.env = dict(os.environ, OMP_WAIT_POLICY="passive") if passive else None
         self.bin = os.path.join(peers_dir(), "llama.cpp", "build", "bin")
 
@@ -185,12 +190,12 @@ class LlamaCpp:
         """One run of ``shape`` (the tools draw their own random tokens; ``seed`` is not used)."""
         kv = ("-ctk", self.cache_type, "-ctv", self.cache_type)
         if not shape.long:
-            out = self._run("llama-batched-bench", "-c", str(shape.batch * (shape.prompt + shape.new)),
+            out = self._run("llama-batched-bench", *self.repack, "-c", str(shape.batch * (shape.prompt + shape.new)),
                             "-b", "2048", "-ub", "512", "-fa", "on", *kv, "-npp", str(shape.prompt),
                             "-ntg", str(shape.new), "-npl", str(shape.batch), "--output-format", "jsonl")
             row = parse_batched_bench(out)[0]
             return Measurement(row["speed_pp"], row["speed_tg"], row["t_pp"])
-        fa = ("-fa", "1", "-r", "1", "-o", "jsonl")
+        fa = ("-fa", "1", "-r", "1", "-o", "jsonl", *self.bench_repack)
         pp = parse_llama_bench(self._run("llama-bench", *kv, *fa, "-p", str(shape.prompt), "-n", "0"))[0]
         tg = parse_llama_bench(self._run("llama-bench", *kv, *fa, "-p", "0", "-n", str(shape.new),
                                          "-d", str(shape.prompt)))[0]
@@ -198,14 +203,14 @@ class LlamaCpp:
 
     def kld(self, data: str, base: str, chunks: int, window: int) -> float:
         """Mean KLD of this cache type against the logits saved in ``base`` (an f32-cache run)."""
-        out = self._run("llama-perplexity", "-f", data, "-c", str(window), "--chunks", str(chunks), "-fa", "on",
-                        "-ctk", self.cache_type, "-ctv", self.cache_type, "--kl-divergence-base", base,
+        out = self._run("llama-perplexity", *self.repack, "-f", data, "-c", str(window), "--chunks", str(chunks),
+                        "-fa", "on", "-ctk", self.cache_type, "-ctv", self.cache_type, "--kl-divergence-base", base,
                         "--kl-divergence")
         return parse_kld(out)
 
     def kld_base(self, data: str, base: str, chunks: int, window: int) -> None:
-        self._run("llama-perplexity", "-f", data, "-c", str(window), "--chunks", str(chunks), "-fa", "on",
-                  "-ctk", "f32", "-ctv", "f32", "--kl-divergence-base", base)
+        self._run("llama-perplexity", *self.repack, "-f", data, "-c", str(window), "--chunks", str(chunks),
+                  "-fa", "on", "-ctk", "f32", "-ctv", "f32", "--kl-divergence-base", base)
 
 
 # ---- workers (kv8 and vLLM), one process per configuration --------------------------------------------------------
@@ -417,7 +422,7 @@ def start(cfg: Config, ns: argparse.Namespace, gguf: str, log: IO[str]) -> None:
     if cfg.engine == "llama.cpp":
         cfg.skipped = LlamaCpp.missing()
         if not cfg.skipped:
-            cfg.runner = LlamaCpp(cfg.kv, gguf, log, passive=ns.wait == "passive")
+            cfg.runner = LlamaCpp(cfg.kv, gguf, log, passive=ns.wait == "passive", no_repack=ns.llama_no_repack)
         return
     here = os.path.abspath(__file__)
     common = ["--kv", cfg.kv, "--max-batch", str(ns.max_batch), "--max-len", str(ns.max_len)]
@@ -558,6 +563,9 @@ def main() -> None:
                          "--poll 0 and OMP_WAIT_POLICY=passive; vLLM already sets KMP_BLOCKTIME=5ms): for a "
                          "machine shared with other work")
     ap.add_argument("--kld", action="store_true", help="add the KLD column (llama-perplexity and kv8 eval)")
+    ap.add_argument("--llama-no-repack", action="store_true",
+                    help="run llama.cpp with -nr (no weight repacking, so no AMX buffer type): on an AMX CPU the "
+                         "pinned llama.cpp's AMX Q4_1 kernel dies with SIGILL in a worker thread")
     ap.add_argument("--kld-window", type=int, default=512)
     ap.add_argument("--kld-chunks", type=int, default=16)
     ap.add_argument("--log", default=None, help="where the engines' own output goes (default: in KV8_PEERS_DIR)")
