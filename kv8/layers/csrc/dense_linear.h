@@ -177,12 +177,13 @@ struct alignas(64) AmxConfig {
     uint8_t rows[16];
 };
 
-static void amx_load_config() {  // every tile 16 rows x 64 bytes (per thread; released with _tile_release)
+// Per thread (released with _tile_release): A and C tiles of `rows` rows, B tiles of 16; 64 bytes per row.
+static void amx_load_config(int rows) {
     AmxConfig c;
     memset(&c, 0, sizeof(c));
     c.palette = 1;
     for (int t = 0; t < 8; ++t) {
-        c.rows[t] = 16;
+        c.rows[t] = (uint8_t)(t >= 6 ? 16 : rows);
         c.colsb[t] = 64;
     }
     _tile_loadconfig(&c);
@@ -221,15 +222,17 @@ static inline void amx_panel(const uint16_t* x, int64_t K, const uint16_t* panel
 }
 
 // kv8_linear with AMX tiles (K % 32 == 0). Threads take contiguous runs of panels as the vdpbf16ps path does;
-// per chunk of ROW_CHUNK rows each panel meets every block of 32 rows while it is in L1/L2. The last partial
-// block reads a zero-padded copy of its rows.
+// per chunk of ROW_CHUNK rows each panel meets every block of 32 rows while it is in L1/L2. M < 16: the A and
+// C tiles have M rows and read x in place (decode batches; no 16-row tile work per panel); otherwise tiles
+// have 16 rows and the last partial block reads a zero-padded copy of its rows.
 template <bool GATED>
 static int linear_amx(const uint16_t* x, int64_t M, int64_t K, const uint16_t* packed, int64_t N,
                       const float* bias, uint16_t* out, int nthreads) {
     const int64_t panels = GATED ? (N + 15) / 16 : (N + PANEL - 1) / PANEL;
     const int64_t full = M / 32 * 32, rem = M - full;
     uint16_t* pad = nullptr;
-    if (rem) {
+    const int arows = M < 16 ? (int)M : 16;
+    if (rem && M >= 16) {
         pad = (uint16_t*)aligned_alloc(64, (size_t)32 * K * 2);
         if (!pad) return 8;
         memcpy(pad, x + full * K, (size_t)rem * K * 2);
@@ -238,7 +241,7 @@ static int linear_amx(const uint16_t* x, int64_t M, int64_t K, const uint16_t* p
     const int threads = (int)(panels < nthreads ? panels : nthreads);
 #pragma omp parallel num_threads(threads)
     {
-        amx_load_config();
+        amx_load_config(arows);
         alignas(64) float cbuf[32 * 32];
         const int t = omp_get_thread_num(), nt = omp_get_num_threads();
         const int64_t p0 = panels * t / nt, p1 = panels * (t + 1) / nt;
@@ -248,7 +251,7 @@ static int linear_amx(const uint16_t* x, int64_t M, int64_t K, const uint16_t* p
                 const uint16_t* panel = packed + p * PANEL * K;
                 for (int64_t r0 = m0; r0 < m1; r0 += 32) {
                     const int n = (int)(M - r0 < 32 ? M - r0 : 32);
-                    const uint16_t* src = r0 < full ? x + r0 * K : pad;
+                    const uint16_t* src = r0 < full || !pad ? x + r0 * K : pad;
                     if (n > 16) amx_panel<2>(src, K, panel, cbuf);
                     else amx_panel<1>(src, K, panel, cbuf);
                     for (int r = 0; r < n; ++r) {
