@@ -3,7 +3,9 @@
 Two engines on the default model (bf16, FP8 cache) that differ only in ``dense_backend``: ``torch``
 (``F.linear`` / oneDNN and torch elementwise ops) and ``packed_bf16`` (packed-weight linear, fused add+RMSNorm,
 SiLU*up and RoPE). Prints the median time of a prefill step (4 prompts x 512 tokens = 2,048 tokens) and of a
-decode step (``--batch`` sequences at ~``--context`` tokens), and the speed-up.
+decode step (``--batch`` sequences at ~``--context`` tokens), and the speed-up. On a CPU with AMX-BF16, where
+``packed_bf16`` multiplies with AMX tiles, a third row times it with its ``vdpbf16ps`` path (the kernels'
+``amx`` flag off), as other CPUs run it.
 
     .venv/bin/python benchmarks/bench_engine_step.py
 """
@@ -16,6 +18,7 @@ import statistics
 import time
 
 from kv8 import LLM, SamplingParams
+from kv8.layers.dense_kernels import load_dense_kernels
 
 
 def measure(backend: str, args: argparse.Namespace) -> tuple[float, float]:
@@ -59,12 +62,23 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=10)
     args = ap.parse_args()
     rows = {b: measure(b, args) for b in ("torch", "packed_bf16")}
-    print(f"SmolLM2-135M, bf16, fp8_e4m3 cache; decode batch {args.batch} at ~{args.context} tokens; medians")
-    print(f"{'dense_backend':<14}{'prefill 2048 tok ms':>21}{'decode step ms':>16}")
+    kernels = load_dense_kernels()
+    if kernels.amx:   # the same backend on the vdpbf16ps path
+        kernels.amx = False
+        try:
+            rows["packed_bf16 (vdpbf16ps)"] = measure("packed_bf16", args)
+        finally:
+            kernels.amx = True
+    print(f"SmolLM2-135M, bf16, fp8_e4m3 cache; decode batch {args.batch} at ~{args.context} tokens; medians; "
+          f"packed_bf16 path: {'AMX tiles' if kernels.amx else 'vdpbf16ps'}")
+    print(f"{'dense_backend':<24}{'prefill 2048 tok ms':>21}{'decode step ms':>16}")
     for name, (p, d) in rows.items():
-        print(f"{name:<14}{p * 1e3:>21.1f}{d * 1e3:>16.1f}")
+        print(f"{name:<24}{p * 1e3:>21.1f}{d * 1e3:>16.1f}")
     (tp, td), (cp, cd) = rows["torch"], rows["packed_bf16"]
-    print(f"{'speed-up':<14}{tp / cp:>21.2f}{td / cd:>16.2f}")
+    print(f"{'speed-up vs torch':<24}{tp / cp:>21.2f}{td / cd:>16.2f}")
+    if "packed_bf16 (vdpbf16ps)" in rows:
+        vp, vd = rows["packed_bf16 (vdpbf16ps)"]
+        print(f"{'AMX vs vdpbf16ps':<24}{vp / cp:>21.2f}{vd / cd:>16.2f}")
 
 
 if __name__ == "__main__":
