@@ -158,7 +158,7 @@ static inline void row_blocks(const MicroFn* table, int max_mr, const uint16_t* 
 // tdpbf16ps wants) is read in place with a row stride of 128 bytes; an A tile is 16 rows x 32 values of x read
 // in place (stride 2K bytes, hence K % 32 == 0). Tiles 0..3: C (fp32 16 x 16; A tile a times B half b -> tile
 // 2a + b), 4..5: A, 6..7: B. Products of bf16 are exact; the fp32 sums run in k order, 16 pairs per
-// instruction, so a row's result does not depend on M (rows past M are zero rows of a padded copy) -- but it
+// instruction, so a row's result does not depend on M (a tile's other rows are other rows of x or zeros) -- but it
 // is not bit-identical to the vdpbf16ps path (another order of fp32 additions): a DenseKernels instance picks
 // one path for good (kv8_linear's use_amx), so each layer computes every row the same way at every batch size.
 
