@@ -24,7 +24,9 @@ only the blocks the window needs; the other block-table entries are 0 and never 
 ``--tables smollm2-prefill``: SmolLM2 prefill shapes (9 query heads, 3 KV heads, head_dim 64, blocks of 16, q
 bf16): 2 sequences x 1024 new tokens (causal prefill from an empty cache) and 1 sequence of 512 new tokens over
 1,536 cached ones (a chunked-prefill step), each over an fp8_e4m3 and a bf16 cache, in microseconds per layer
-call and GFLOP/s (4 * D flops per query head and visible key: q.k and p.v).
+call and GFLOP/s (4 * D flops per query head and visible key: q.k and p.v). On a CPU with AMX-BF16 each is
+timed on both paths of the prefill loop (AMX tiles, and AVX-512 with the library's ``amx`` flag off), with
+the speed-up of AMX.
 
     .venv/bin/python benchmarks/bench_attention.py            # batch 1, 8, 32 x context 1k, 4k, 8k; Gemma-3
     .venv/bin/python benchmarks/bench_attention.py --quick    # batch 1, 8 x context 1k, 4k; Gemma-3 batch 1
@@ -189,25 +191,41 @@ def prefill_flops(batch: int, q_len: int, ctx: int) -> float:
 def print_smollm2_prefill(args: argparse.Namespace) -> None:
     lib = load_kernels()
     scale = D ** -0.5
+    paths = ("amx", "avx512") if lib.amx else ("avx512",)  # where the CPU has AMX, both paths side by side
     print()
-    print(f"SmolLM2 prefill: Hq={HQ} Hkv={HKV} D={D} block={BS}, q bf16, causal")
+    print(f"SmolLM2 prefill: Hq={HQ} Hkv={HKV} D={D} block={BS}, q bf16, causal; prefill loop on "
+          f"{' and '.join(paths)}")
     print("times are microseconds per layer call; GFLOP/s counts 4 * D flops per query head and visible key")
-    hdr = (f"{'batch':>5} {'new':>5} {'ctx':>6} | {'kv8 fp8':>9} {'kv8 bf16':>9} | {'fp8 GF/s':>8} {'bf16 GF/s':>9} | "
-           f"{'fp8/bf16':>8}")
+    cols = [(kv, path) for kv in ("fp8", "bf16") for path in paths]
+    hdr = (f"{'batch':>5} {'new':>5} {'ctx':>6} | " + " ".join(f"{kv + ' ' + p:>11}" for kv, p in cols) + " | " +
+           " ".join(f"{kv + ' ' + p + ' GF/s':>16}" for kv, p in cols) + f" | {'fp8/bf16':>8}" +
+           (f" {'amx/avx512 fp8':>14} {'amx/avx512 bf16':>15}" if lib.amx else ""))
     print(hdr)
     print("-" * len(hdr))
+    chosen = lib.amx
     for batch, q_len, ctx in PREFILL_SHAPES:
         q = torch.randn(batch * q_len, HQ, D, dtype=torch.bfloat16)
-        res: dict[str, float] = {}
+        res: dict[tuple[str, str], float] = {}
         for kv_name, tag in (("fp8_e4m3", "fp8"), ("bfloat16", "bf16")):
             nbytes = batch * ctx * HKV * D * 2 * (1 if tag == "fp8" else 2)
             nl = layers_for(nbytes, args.footprint_mb << 20, cap=16)  # each call re-reads its cache many times
             cache, meta = prefill_cache(kv_name, nl, batch, q_len, ctx)
-            res[tag] = timeit(lambda i, c=cache, m=meta, x=q: lib.attention(x, c, i, m, scale), nl, args.min_time)
+            try:
+                for path in paths:
+                    lib.amx = path == "amx"
+                    res[tag, path] = timeit(lambda i, c=cache, m=meta, x=q: lib.attention(x, c, i, m, scale), nl,
+                                            args.min_time)
+            finally:
+                lib.amx = chosen
             del cache
         gf = prefill_flops(batch, q_len, ctx) / 1e9
-        print(f"{batch:>5} {q_len:>5} {ctx:>6} | {res['fp8'] * 1e6:>9.1f} {res['bf16'] * 1e6:>9.1f} | "
-              f"{gf / res['fp8']:>8.1f} {gf / res['bf16']:>9.1f} | {res['fp8'] / res['bf16']:>8.2f}", flush=True)
+        ratio = res["fp8", paths[0]] / res["bf16", paths[0]]
+        line = (f"{batch:>5} {q_len:>5} {ctx:>6} | " + " ".join(f"{res[c] * 1e6:>11.1f}" for c in cols) + " | " +
+                " ".join(f"{gf / res[c]:>16.1f}" for c in cols) + f" | {ratio:>8.2f}")
+        if lib.amx:
+            line += (f" {res['fp8', 'avx512'] / res['fp8', 'amx']:>14.2f}"
+                     f" {res['bf16', 'avx512'] / res['bf16', 'amx']:>15.2f}")
+        print(line, flush=True)
 
 
 def bench(batch: int, ctx: int, args: argparse.Namespace) -> dict[str, float]:

@@ -37,6 +37,7 @@ from kv8.cache.codec import KVCodec
 from kv8.cache.paged_cache import CacheShape, PagedKVCache
 from kv8.quant.formats import resolve_kv_cache_dtype
 from kv8.quant.scales import KVScales, ScaleGranularity
+from tests.test_fused_attention import prefill_kernel, prefill_path  # noqa: F401 (prefill_path: a fixture)
 
 FP8 = ["fp8_e4m3", "fp8_e4m3fnuz", "fp8_e5m2"]
 NAN_CODE = {"fp8_e4m3": 0x7F, "fp8_e4m3fnuz": 0x80, "fp8_e5m2": 0x7F}
@@ -297,6 +298,7 @@ def test_window_generic_build(generic_lib: fused.KernelLibrary, kv_name: str, gr
 @pytest.mark.parametrize("kv_name,gran", [(k, g) for k in FP8 for g in ("tensor", "dynamic")]
                          + [("bfloat16", "none"), ("float32", "none")])
 @pytest.mark.parametrize("group", [4, 8])
+@pytest.mark.usefixtures("prefill_path")
 def test_window_gemma3_shape(lib: fused.KernelLibrary, kv_name: str, gran: str, group: int) -> None:
     """Gemma-3 local layers: head_dim 256, one KV head, 4 (and 8) query heads, window 512, blocks of 16:
     decode at 100 / 600 / 1100 tokens and a prefill chunk of 40 over a cached prefix; bf16 and fp32 compute
@@ -313,12 +315,14 @@ def test_window_gemma3_shape(lib: fused.KernelLibrary, kv_name: str, gran: str, 
                                                   ("bfloat16", "none", torch.bfloat16),
                                                   ("bfloat16", "none", torch.float32)])
 @pytest.mark.parametrize("group,dim,bs", [(3, 64, 16), (4, 128, 8), (1, 64, 32)])
+@pytest.mark.usefixtures("prefill_path")
 def test_window_long_prefill(lib: fused.KernelLibrary, kv_name: str, gran: str, q_dtype: torch.dtype, group: int,
                              dim: int, bs: int) -> None:
-    """Long prefills in the tile kernel's prefill loop (asserted to serve) with windows of 37, 100 and 512: the
-    window's edge crosses the chunks of every item at every offset, items start mid-tile (k0), chunked prefills
-    over cached prefixes end mid-tile; poisoned before each first key; automatic and forced partitions."""
-    assert item_kernel(lib, kv_name, q_dtype, dim, bs, 48) == ("prefill" if lib.has_fast_path else "generic")
+    """Long prefills in the tile kernel's prefill loop (asserted to serve; on AMX tiles and on AVX-512 where
+    both exist) with windows of 37, 100 and 512: the window's edge crosses the chunks of every item at every
+    offset, items start mid-tile (k0), chunked prefills over cached prefixes end mid-tile; poisoned before each
+    first key; automatic and forced partitions."""
+    prefill_kernel(lib, kv_name, gran, q_dtype, dim, bs)
     for window in (37, 100, 512):
         check(lib, window_case(kv_name, gran, q_dtype, window, group=group, dim=dim, bs=bs, heads=2,
                                query_lens=[600, 150, 1, 91], seq_lens=[600, 700, 650, 333], seed=window + dim),

@@ -86,6 +86,36 @@ def generic_lib() -> fused.KernelLibrary:
     return load_or_skip("x86-64-v3")
 
 
+@pytest.fixture(params=["amx", "avx512"])
+def prefill_path(request: pytest.FixtureRequest, lib: fused.KernelLibrary):
+    """Each path of the prefill loop in turn: AMX tiles (only where this CPU, build and OS give them) and
+    AVX-512 (vdpbf16ps), set on the library (KernelLibrary.amx) for the test."""
+    if request.param == "amx" and not lib.amx:
+        pytest.skip("this CPU, build or OS gives no AMX-BF16 tiles")
+    chosen = lib.amx
+    lib.amx = request.param == "amx"
+    try:
+        yield request.param
+    finally:
+        lib.amx = chosen
+
+
+def prefill_kernel(lib: fused.KernelLibrary, kv_name: str, gran: str, q_dtype: torch.dtype, dim: int,
+                   bs: int = 16) -> str:
+    """The item kernel of a 48-row prefill item, asserted to be the expected one: "generic" without the fast
+    path; "amx" where the library multiplies with AMX tiles and the item qualifies (bf16 compute, K scales not
+    per channel, head_dim a multiple of 64 up to 256); else "prefill" (head_dim <= 128) or "tile"."""
+    got = fused.KernelTesting(lib).item_kernel(kv_name, q_dtype, dim, bs, 48, k_per_channel=gran == "channel")
+    if not lib.has_fast_path:
+        expected = "generic"
+    elif lib.amx and q_dtype == torch.bfloat16 and gran != "channel" and dim % 64 == 0 and dim <= 256:
+        expected = "amx"
+    else:
+        expected = "prefill" if dim <= 128 else "tile"
+    assert got == expected, (got, expected)
+    return got
+
+
 def attention_path(lib: fused.KernelLibrary, kv_name: str, q_dtype: torch.dtype, dim: int) -> str:
     """"fast" (an AVX-512 BF16 item kernel serves prefill-sized items) or "generic"."""
     kernel = fused.KernelTesting(lib).item_kernel(kv_name, q_dtype, dim)
@@ -396,15 +426,14 @@ def test_decode_item_kernel_conditions(lib: fused.KernelLibrary) -> None:
     ("fp8_e5m2", "dynamic", torch.bfloat16), ("fp8_e4m3fnuz", "head", torch.float32),
     ("fp8_e4m3", "head", torch.float16), ("bfloat16", "none", torch.bfloat16), ("bfloat16", "none", torch.float32)])
 @pytest.mark.parametrize("group,dim,bs", [(3, 64, 16), (1, 128, 8), (4, 80, 32), (8, 32, 16)])
-def test_attention_long_prefill(lib: fused.KernelLibrary, kv_name: str, gran: str, q_dtype: torch.dtype,
-                                group: int, dim: int, bs: int) -> None:
-    """Long causal prefill in the prefill loop (asserted to serve): a 300-token prompt from an empty cache and
-    chunked prefills of 77 and 200 tokens over cached prefixes (hundreds of tiles, diagonal chunks at every
-    offset, lengths that end mid-tile), next to a decode and a 5-token prompt; GQA 1 / 3 / 4 / 8; head_dim 32 /
-    80 (partial 64-byte chunks) / 64 / 128; blocks of 8 (tiles across blocks), 16, 32; NaN past every context;
-    automatic and forced partitions."""
-    expected = "prefill" if lib.has_fast_path else "generic"
-    assert fused.KernelTesting(lib).item_kernel(kv_name, q_dtype, dim, bs, 48) == expected
+def test_attention_long_prefill(lib: fused.KernelLibrary, prefill_path: str, kv_name: str, gran: str,
+                                q_dtype: torch.dtype, group: int, dim: int, bs: int) -> None:
+    """Long causal prefill in the prefill loop (asserted to serve; on AMX tiles and on AVX-512 where both
+    exist): a 300-token prompt from an empty cache and chunked prefills of 77 and 200 tokens over cached
+    prefixes (hundreds of tiles, diagonal chunks at every offset, lengths that end mid-tile), next to a decode
+    and a 5-token prompt; GQA 1 / 3 / 4 / 8; head_dim 32 / 80 (partial 64-byte chunks) / 64 / 128; blocks of 8
+    (tiles across blocks), 16, 32; NaN past every context; automatic and forced partitions."""
+    prefill_kernel(lib, kv_name, gran, q_dtype, dim, bs)
     cache, meta, q = make_case(kv_name, gran, q_dtype, group=group, dim=dim, bs=bs, heads=2,
                                query_lens=[300, 77, 1, 200, 5], seq_lens=[300, 500, 37, 1000, 5],
                                seed=group + dim + bs, poison=True)
@@ -414,13 +443,15 @@ def test_attention_long_prefill(lib: fused.KernelLibrary, kv_name: str, gran: st
 
 @pytest.mark.parametrize("kv_name", ["fp8_e4m3", "bfloat16"])
 @pytest.mark.parametrize("q_dtype", [torch.bfloat16, torch.float32])
-def test_prefill_softmax_reference_moves(lib: fused.KernelLibrary, kv_name: str, q_dtype: torch.dtype) -> None:
+def test_prefill_softmax_reference_moves(lib: fused.KernelLibrary, prefill_path: str, kv_name: str,
+                                        q_dtype: torch.dtype) -> None:
     """Scores that climb by ~10 per 64 tokens, then by ~100, zigzag by 40 and fall along a 700-token prefill,
     so the prefill loop's softmax reference moves over and over (small steps past its slack, large jumps), in
     rows whose maximum comes late (query head 0) or early (head 1, the negated scores): equal to the reference
     and finite (a reference that lagged the scores by more than ~88 would overflow e^(score - reference))."""
     gen = torch.Generator().manual_seed(11)
     n, dim, bs = 700, 64, 16
+    prefill_kernel(lib, kv_name, "tensor", q_dtype, dim)
     kv = resolve_kv_cache_dtype(kv_name, torch.bfloat16)
     blocks = math.ceil(n / bs)
     cache = make_cache(CacheShape(2, blocks + 2, 1, bs, dim), kv, KVScales.default(2) if kv.is_fp8 else None)

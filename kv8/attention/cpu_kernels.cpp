@@ -14,6 +14,7 @@
 //   csrc/item_tile.h     item kernel: AVX-512 BF16, any item shape (prefill, fp16 / fp32 compute; a prefill loop
 //                        for items of more than 4 rows with D <= 128)
 //   csrc/item_decode.h   item kernel: AVX-512 BF16, decode-shaped items (<= 4 rows, bf16 compute)
+//   ../amx_tiles.h       AMX permission and tile configuration (shared with the dense library)
 //   csrc/store.h         quantize-on-store
 //
 // Cache layer layout: k_cache / v_cache are [num_blocks, H_kv, block_size, D] contiguous (uint8 FP8 codes,
@@ -24,7 +25,9 @@
 // Item kernels (one per item; pick_item_fn):
 //   FAST (AVX-512 F/BW/VL + VBMI + BF16 compiled in; KV dtype fp8 x3 or bf16; D % 16 == 0, D <= 1024):
 //     decode-shaped items with bf16 compute -> run_item_decode, every other item -> run_item_tile (items of
-//     more than 4 rows with D <= 128 -> its prefill loop, run_item_prefill)
+//     more than 4 rows with D <= 128 -> its prefill loop, run_item_prefill; with AMX tiles (the call's use_amx,
+//     an AMX build, CPU and OS), bf16 compute without per-channel K scales and D % 64 == 0, D <= 256 -> the
+//     same loop on AMX tiles, 16 rows per block)
 //   otherwise -> run_item_generic
 // All kernels clear MXCSR DAZ/FTZ in their threads (FpEnv), so FP8 subnormals survive.
 //
@@ -45,7 +48,7 @@
 #include "csrc/item_decode.h"
 #include "csrc/store.h"
 
-enum { KERNEL_GENERIC = 0, KERNEL_TILE = 1, KERNEL_DECODE = 2, KERNEL_PREFILL = 3 };
+enum { KERNEL_GENERIC = 0, KERNEL_TILE = 1, KERNEL_DECODE = 2, KERNEL_PREFILL = 3, KERNEL_AMX = 4 };
 
 #if KV8_FAST
 // A fast item: the decode kernel where it applies to the item's rows, else the tile kernel.
@@ -80,6 +83,15 @@ extern "C" {
 // 1 when the AVX-512 BF16 fast path is compiled in.
 int kv8_has_fast_path(void) { return KV8_FAST; }
 
+// 1 when prefill items can multiply with AMX tiles: compiled in, and the OS grants the tiles to this process.
+int kv8_attention_amx_available(void) {
+#if KV8_ATTN_AMX
+    return amx_permitted();
+#else
+    return 0;
+#endif
+}
+
 // Name of KV dtype / compute dtype `code`, NULL past the last one: Python builds its code tables from these.
 const char* kv8_kv_dtype_name(int code) { return code >= 0 && code < KV_COUNT ? KV_DTYPE_NAMES[code] : nullptr; }
 const char* kv8_compute_dtype_name(int code) {
@@ -110,20 +122,33 @@ int kv8_store_kv(const kv8_layer* layer, const kv8_store_call* call) { return ru
 // Testing interface: entry points for kv8's tests only (kv8.attention.fused.KernelTesting)
 // ------------------------------------------------------------------------------------------------
 
-// Which item kernel serves items of `rows` rows (query heads per KV head x query tokens of one sequence):
-// KERNEL_GENERIC, KERNEL_TILE, KERNEL_DECODE or KERNEL_PREFILL (the tile kernel's prefill loop).
-int kv8_test_item_kernel(int kv, int q_dtype, int D, int bs, int rows) {
+// Which item kernel serves items of `rows` rows (query heads per KV head x query tokens of one sequence) in a
+// call with use_amx: KERNEL_GENERIC, KERNEL_TILE, KERNEL_DECODE, KERNEL_PREFILL (the tile kernel's prefill
+// loop) or KERNEL_AMX (that loop on AMX tiles); k_per_channel: the K scales are per channel.
+int kv8_test_item_kernel(int kv, int q_dtype, int D, int bs, int rows, int use_amx, int k_per_channel) {
+    static const float one = 1.0f;
     Problem P;
     memset(&P, 0, sizeof(P));
     P.kv = kv;
     P.q_dtype = q_dtype;
     P.D = D;
     P.bs = bs;
+    if (k_per_channel) {
+        P.ks = &one;
+        P.ks_ds = 1;
+    }
+#if KV8_ATTN_AMX
+    P.amx = use_amx != 0 && amx_permitted();
+#endif
+    (void)use_amx;
     int fast;
     pick_item_fn(P, &fast);
     if (!fast) return KERNEL_GENERIC;
 #if KV8_FAST
     if (bs > 0 && decode_fn(P, rows) != nullptr) return KERNEL_DECODE;
+#if KV8_ATTN_AMX
+    if (uses_amx_loop(P, rows)) return KERNEL_AMX;
+#endif
     if (uses_prefill_loop(D, rows)) return KERNEL_PREFILL;
 #endif
     (void)rows;

@@ -81,6 +81,7 @@ class AttentionCall(ctypes.Structure):
         ("query_start_loc", _P), ("seq_lens", _P), ("block_tables", _P), ("block_table_stride", _I64),
         ("num_seqs", _I32), ("num_threads", _I32), ("sm_scale", ctypes.c_float), ("partition_size", _I64),
         ("sliding_window", _I64),  # AttentionMetadata.sliding_window, 0 for None (full causal attention)
+        ("use_amx", _I32),  # KernelLibrary.amx
     ]
 
 
@@ -162,6 +163,12 @@ class KernelLibrary:
         lib.kv8_store_kv.restype = ctypes.c_int
         self._lib = lib
         self.has_fast_path = bool(lib.kv8_has_fast_path())
+        lib.kv8_attention_amx_available.argtypes, lib.kv8_attention_amx_available.restype = [], ctypes.c_int
+        #: Whether prefill items multiply with AMX tiles (bf16 compute, head_dim a multiple of 64 up to 256, no
+        #: per-channel K scales). True where the build, the CPU and the OS allow it; setting it False takes the
+        #: AVX-512 path (tests do, to run both). The two paths sum in different orders: keep one choice for the
+        #: life of an engine, so a row's result never depends on when it is computed.
+        self.amx = bool(lib.kv8_attention_amx_available())
         #: KV dtype name (``KVCacheDtype.name``) -> the library's code, and torch dtype -> compute code.
         self.kv_dtype_codes: dict[str, int] = _names(lib.kv8_kv_dtype_name)
         self.compute_codes: dict[torch.dtype, int] = {
@@ -185,7 +192,8 @@ class KernelLibrary:
         call = AttentionCall(query.data_ptr(), out.data_ptr(), query.shape[0], query.shape[1],
                              self.compute_codes[query.dtype], meta.query_start_loc.data_ptr(),
                              meta.seq_lens.data_ptr(), tables.data_ptr(), tables.shape[1], meta.num_seqs,
-                             torch.get_num_threads(), scale, partition_size, meta.sliding_window or 0)
+                             torch.get_num_threads(), scale, partition_size, meta.sliding_window or 0,
+                             int(self.amx))
         rc = self._lib.kv8_paged_attention(ctypes.byref(self.layer_args(cache, layer)), ctypes.byref(call))
         if rc != 0:
             raise ValueError(f"paged attention (layer {layer}): {self.error_message(rc)}")
@@ -256,25 +264,27 @@ class KernelLibrary:
 class KernelTesting:
     """The library's testing interface (``kv8_test_*`` exports): what only kv8's tests use, never production."""
 
-    ITEM_KERNELS = ("generic", "tile", "decode", "prefill")
+    ITEM_KERNELS = ("generic", "tile", "decode", "prefill", "amx")
 
     def __init__(self, lib: KernelLibrary) -> None:
         self.lib = lib
         c = lib._lib
-        c.kv8_test_item_kernel.argtypes = [ctypes.c_int] * 5
+        c.kv8_test_item_kernel.argtypes = [ctypes.c_int] * 7
         c.kv8_test_item_kernel.restype = ctypes.c_int
         c.kv8_test_decode_fp8.argtypes = [ctypes.c_int, ctypes.c_int, _P, _I64, _P]
         c.kv8_test_decode_fp8.restype = ctypes.c_int
         self._c = c
 
     def item_kernel(self, kv_dtype: str, compute_dtype: torch.dtype, head_dim: int, block_size: int = 16,
-                    rows: int = 48) -> str:
+                    rows: int = 48, k_per_channel: bool = False) -> str:
         """The item kernel that serves items of ``rows`` rows (query heads per KV head x query tokens of one
         sequence): "generic" (fp32), "tile" (AVX-512 BF16, any item), "decode" (AVX-512 BF16, decode-sized
         items: bf16 compute, an FP8 or bf16 cache, head_dim 64 / 128 / 256, blocks of a multiple of 16 tokens,
-        at most 4 rows) or "prefill" (the tile kernel's loop for items of more than 4 rows and head_dim <= 128)."""
+        at most 4 rows), "prefill" (the tile kernel's loop for items of more than 4 rows and head_dim <= 128) or
+        "amx" (that loop on AMX tiles, where :attr:`KernelLibrary.amx`: bf16 compute, head_dim a multiple of 64
+        up to 256, K scales not per channel -- ``k_per_channel``)."""
         code = self._c.kv8_test_item_kernel(self.lib.kv_dtype_codes[kv_dtype], self.lib.compute_codes[compute_dtype],
-                                            head_dim, block_size, rows)
+                                            head_dim, block_size, rows, int(self.lib.amx), int(k_per_channel))
         return self.ITEM_KERNELS[code]
 
     def decode_fp8(self, fmt: str, codes: torch.Tensor, path: str) -> torch.Tensor:

@@ -39,10 +39,9 @@
 #else
 #define KV8_LINEAR_FAST 0
 #endif
-#if KV8_LINEAR_FAST && defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
+#include "../amx_tiles.h"
+#if KV8_LINEAR_FAST && KV8_AMX
 #include <cstdlib>
-#include <sys/syscall.h>
-#include <unistd.h>
 #define KV8_LINEAR_AMX 1   // AMX-BF16 tiles for the linear layers (csrc/dense_linear.h)
 #else
 #define KV8_LINEAR_AMX 0

@@ -37,6 +37,8 @@
 // query_start_loc [num_seqs + 1], seq_lens [num_seqs], block_tables [num_seqs, block_table_stride], int64.
 // partition_size: context tokens per partition (rounded up to 16), 0 = automatic, < 0 = never split.
 // sliding_window: W >= 1 = the query at position p sees keys p - W < k <= p only; 0 = full causal attention.
+// use_amx: 1 = prefill items may multiply with AMX tiles where the build, the CPU and the OS allow it (item_tile.h);
+// 0 = never (the AVX-512 path; the two sum in different orders, so a caller keeps one choice for good).
 // With a window, block-table entries of blocks wholly before the first query's window hold anything and are
 // never read (kv8.attention.metadata).
 #define KV8_ATTENTION_CALL_FIELDS(X)      \
@@ -53,7 +55,8 @@
     X(int32_t, num_threads)               \
     X(float, sm_scale)                    \
     X(int64_t, partition_size)            \
-    X(int64_t, sliding_window)
+    X(int64_t, sliding_window)            \
+    X(int32_t, use_amx)
 
 // key / value: [num_tokens, num_kv_heads, head_dim] contiguous in in_dtype; slot_mapping [num_tokens] int64
 // (slot = block * block_size + offset).

@@ -19,6 +19,10 @@
 #define KV8_FAST 0
 #endif
 
+// AMX-BF16 tiles for the prefill loop (item_tile.h) where the build targets them, on top of the fast path.
+#include "../../amx_tiles.h"
+#define KV8_ATTN_AMX (KV8_FAST && KV8_AMX)
+
 // KV cache element types; the names are kv8.quant.formats.KVCacheDtype.name. FP8 codes come first
 // (is_fp8 relies on it).
 enum { KV_E4M3 = 0, KV_E4M3FNUZ = 1, KV_E5M2 = 2, KV_BF16 = 3, KV_F16 = 4, KV_F32 = 5, KV_COUNT = 6 };

@@ -248,11 +248,60 @@ struct PrefillChunk {
     bool masked;           // some token of the chunk is hidden from some row of the block
 };
 
+// The online-softmax step of one row on its NT raw tile scores (acc[j]: q . k of tile j's 16 tokens, before
+// the score factor): scale, mask (only in blocks that need it), the lazy reference check, exp, the weights as
+// bf16 (tile j's 16 at ph + j * pstride bytes, and their lo parts at pl + j * pstride when PLO) and the row's
+// 16 lane-wise partial sums. alpha: the factor of the row's accumulators (1 unless its reference moved).
+// Returns whether the reference moved.
+template <int NT, bool PLO>
+static inline bool prefill_row(const PrefillChunk& C, const __m512* acc, int64_t lo, int64_t lim, float& ref,
+                               float* sum, char* ph, char* pl, size_t pstride, float& alpha) {
+    __m512 s[NT];
+    __mmask16 valid[NT];
+    for (int j = 0; j < NT; ++j) {
+        if (C.masked) {  // visible: [first, limit] within the tile's tokens
+            const int64_t t0 = C.c0 + (int64_t)j * TILE;
+            const int64_t end = lim - t0 + 1 < C.tn[j] ? lim - t0 + 1 : C.tn[j];
+            valid[j] = lane_range(lo - t0, end);
+            s[j] = _mm512_mask_mul_ps(_mm512_set1_ps(-INFINITY), valid[j], acc[j], C.sfv[j]);
+        } else {
+            s[j] = _mm512_mul_ps(acc[j], C.sfv[j]);
+        }
+    }
+    __m512 m = s[0];
+    for (int j = 1; j < NT; ++j) m = _mm512_max_ps(m, s[j]);
+    alpha = 1.0f;
+    bool moved = false;
+    if (_mm512_cmp_ps_mask(m, _mm512_set1_ps(ref + REF_SLACK), _CMP_GT_OQ)) {
+        const float cmax = _mm512_reduce_max_ps(m);
+        alpha = expf(ref - cmax);  // 0 at the row's first visible chunk (ref = -inf)
+        ref = cmax;
+        moved = true;
+    }
+    // exp(s - ref) <= e^REF_SLACK. Masked lanes (s = -inf; NaN where ref is still -inf, which only a row
+    // with no visible token of the chunk can have) are zeroed.
+    const __m512 rv = _mm512_set1_ps(ref);
+    __m512 psum = _mm512_setzero_ps();
+    for (int j = 0; j < NT; ++j) {
+        __m512 pj = exp_ps(_mm512_sub_ps(s[j], rv));
+        if (C.masked) pj = _mm512_maskz_mov_ps(valid[j], pj);
+        psum = _mm512_add_ps(psum, pj);
+        if (C.vsc) pj = _mm512_mul_ps(pj, _mm512_load_ps(C.vsc + j * TILE));  // per-token V scale
+        const __m256i h = (__m256i)_mm512_cvtneps_pbh(pj);
+        _mm256_storeu_si256((__m256i*)(ph + j * pstride), h);
+        if (PLO) {
+            const __m512 hf = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+            _mm256_storeu_si256((__m256i*)(pl + j * pstride), (__m256i)_mm512_cvtneps_pbh(_mm512_sub_ps(pj, hf)));
+        }
+    }
+    const __m512 old = _mm512_load_ps(sum);
+    _mm512_store_ps(sum, alpha == 1.0f ? _mm512_add_ps(old, psum) : _mm512_fmadd_ps(old, _mm512_set1_ps(alpha), psum));
+    return moved;
+}
+
 // One block of 4 rows x the NT tiles of a chunk: the scores (16 independent vdpbf16ps chains, q pairs
-// broadcast from memory), then per row the online-softmax step on them in registers: scale, mask (only in
-// blocks that need it), the lazy reference check, exp, the bf16 weights into phi / plo (row i, tile j at
-// dword (i * CHUNK + j) * 16) and the row's sum. alpha[i]: the factor of row i's accumulators (1 unless its
-// reference moved). Returns whether some reference moved.
+// broadcast from memory), then prefill_row on each row, its weights into phi / plo (row i, tile j at dword
+// (i * CHUNK + j) * 16). Returns whether some reference moved.
 template <int NT, bool QLO, bool PLO>
 static inline bool prefill_block(const PrefillChunk& C, const uint32_t* const* qh, const uint32_t* const* ql,
                                  const int64_t* lo, const int64_t* lim, float* ref, float* sum, uint32_t* phi,
@@ -274,60 +323,129 @@ static inline bool prefill_block(const PrefillChunk& C, const uint32_t* const* q
             }
     }
     bool moved = false;
-    for (int i = 0; i < 4; ++i) {
-        __m512 s[NT];
-        __mmask16 valid[NT];
-        for (int j = 0; j < NT; ++j) {
-            if (C.masked) {  // visible: [first, limit] within the tile's tokens
-                const int64_t t0 = C.c0 + (int64_t)j * TILE;
-                const int64_t end = lim[i] - t0 + 1 < C.tn[j] ? lim[i] - t0 + 1 : C.tn[j];
-                valid[j] = lane_range(lo[i] - t0, end);
-                s[j] = _mm512_mask_mul_ps(_mm512_set1_ps(-INFINITY), valid[j], acc[i][j], C.sfv[j]);
-            } else {
-                s[j] = _mm512_mul_ps(acc[i][j], C.sfv[j]);
-            }
-        }
-        __m512 m = s[0];
-        for (int j = 1; j < NT; ++j) m = _mm512_max_ps(m, s[j]);
-        alpha[i] = 1.0f;
-        if (_mm512_cmp_ps_mask(m, _mm512_set1_ps(ref[i] + REF_SLACK), _CMP_GT_OQ)) {
-            const float cmax = _mm512_reduce_max_ps(m);
-            alpha[i] = expf(ref[i] - cmax);  // 0 at the row's first visible chunk (ref = -inf)
-            ref[i] = cmax;
-            moved = true;
-        }
-        // exp(s - ref) <= e^REF_SLACK. Masked lanes (s = -inf; NaN where ref is still -inf, which only a row
-        // with no visible token of the chunk can have) are zeroed.
-        const __m512 rv = _mm512_set1_ps(ref[i]);
-        __m512 psum = _mm512_setzero_ps();
-        for (int j = 0; j < NT; ++j) {
-            __m512 pj = exp_ps(_mm512_sub_ps(s[j], rv));
-            if (C.masked) pj = _mm512_maskz_mov_ps(valid[j], pj);
-            psum = _mm512_add_ps(psum, pj);
-            if (C.vsc) pj = _mm512_mul_ps(pj, _mm512_load_ps(C.vsc + j * TILE));  // per-token V scale
-            const __m256i h = (__m256i)_mm512_cvtneps_pbh(pj);
-            _mm256_store_si256((__m256i*)(phi + (size_t)(i * CHUNK + j) * 16), h);
-            if (PLO) {
-                const __m512 hf = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-                _mm256_store_si256((__m256i*)(plo + (size_t)(i * CHUNK + j) * 16),
-                                   (__m256i)_mm512_cvtneps_pbh(_mm512_sub_ps(pj, hf)));
-            }
-        }
-        float* sr = sum + (size_t)i * 16;
-        const __m512 old = _mm512_load_ps(sr);
-        _mm512_store_ps(sr, alpha[i] == 1.0f ? _mm512_add_ps(old, psum)
-                                             : _mm512_fmadd_ps(old, _mm512_set1_ps(alpha[i]), psum));
-    }
+    for (int i = 0; i < 4; ++i)
+        moved |= prefill_row<NT, PLO>(C, acc[i], lo[i], lim[i], ref[i], sum + (size_t)i * 16,
+                                      (char*)(phi + (size_t)i * CHUNK * 16), (char*)(plo + (size_t)i * CHUNK * 16),
+                                      64, alpha[i]);
     return moved;
 }
 
-// The prefill item loop (R > 4, D <= 128). Per chunk of CHUNK tiles: gather the row pointers, decode K into
-// the pair layout and V into the P.V layout once for all rows, then per block of 4 rows (blocks aligned to
-// 4; rows R..R4-1 are pad rows, q = 0, limits of row R - 1, never finished) prefill_block and tile_pv.
-template <bool QLO, bool PLO>
+#if KV8_ATTN_AMX
+// The AMX form of the prefill loop's blocks (bf16 compute, no per-channel K scale, D % 64 == 0, D <= 256):
+// blocks of 16 rows. Tiles (all 16 rows x 64 bytes): 0..3 C (the scores of tile j, then four output
+// accumulators), 4 A (32 channels of 16 q rows, or 32 weights of 16 rows), 5 and 6 B (alternating).
+// tdpbf16ps sums 16 exact bf16 products per row and column in fp32 per instruction, in k order: the same
+// products as the vdpbf16ps blocks, summed in another order.
+static inline bool uses_amx_loop(const Problem& P, int R) {
+    return P.amx && R > 4 && P.D % 64 == 0 && P.D <= 256 && P.q_dtype == DT_BF16 && !k_per_channel(P);
+}
+
+// The calling thread's tiles for the AMX blocks, released when the item ends (the dense library configures
+// its own; the two share the OpenMP threads).
+struct AmxTiles {
+    const bool on;
+    explicit AmxTiles(bool use) : on(use) {
+        if (on) amx_load_config(16, 0);
+    }
+    ~AmxTiles() {
+        if (on) _tile_release();
+    }
+};
+
+// BODY(j, b) for tile j < NT of the chunk and its B tile b (5 or 6, alternating), as literals: the tile
+// intrinsics take tile numbers as immediates, spelled into the instruction.
+#define KV8_AMX_TILES(NT, BODY)    \
+    {                              \
+        BODY(0, 5)                 \
+        if (NT > 1) { BODY(1, 6) } \
+        if (NT > 2) { BODY(2, 5) } \
+        if (NT > 3) { BODY(3, 6) } \
+    }
+
+// One block of 16 rows x the NT tiles of a chunk with AMX tiles:
+// * scores S = Q K^T: A = 32 channels of the 16 q rows (qhi, row stride qstride dwords), B = 16 channel pairs
+//   of a K tile in the pair layout (decode_k_pairs: pair p of the 16 tokens in one 64-byte row -- the pair order
+//   tdpbf16ps wants) -> C tile j = the 16 x 16 scores of tile j, stored to sbuf (row i: 64 scores);
+// * prefill_row on each row, its bf16 weights into pbuf (row i: 64 tokens, 128 bytes; an absent 4th tile's
+//   weights are zeros, so they meet the zeroed V tile the caller leaves there);
+// * O += P V, four accumulators at a time: C tiles loaded from obuf (accumulator layout, row stride nacc;
+//   rows whose reference moved are rescaled in memory first), A = 32 weights of each row, B = the decoded V of
+//   those 32 tokens for one accumulator (decode_v_tile: token pair u of the two tiles in row u, stride nvs
+//   registers), stored back.
+template <int NT>
+static inline void amx_block(const PrefillChunk& C, const uint32_t* q, int qstride, const int64_t* lo,
+                             const int64_t* lim, float* ref, float* sum, const __m512i* vbuf, size_t vstride,
+                             int nvs, float* obuf) {
+    alignas(64) float sbuf[16 * 64];
+    alignas(64) uint16_t pbuf[16 * 64];
+    alignas(64) float alpha[16];
+    const int nacc = nvs * 16;
+#define KV8_ZERO(J, B) _tile_zero(J);
+    KV8_AMX_TILES(NT, KV8_ZERO)
+#undef KV8_ZERO
+    for (int c = 0; c < C.npairs / 16; ++c) {
+        _tile_loadd(4, q + 16 * c, qstride * 4);
+        const __m512i* kb = C.kbuf + 16 * c;
+#define KV8_SCORES(J, B)                                \
+        _tile_loadd(B, kb + (size_t)J * C.kstride, 64); \
+        _tile_dpbf16ps(J, 4, B);
+        KV8_AMX_TILES(NT, KV8_SCORES)
+#undef KV8_SCORES
+    }
+#define KV8_STORE(J, B) _tile_stored(J, sbuf + 16 * J, 256);
+    KV8_AMX_TILES(NT, KV8_STORE)
+#undef KV8_STORE
+    bool moved = false;
+    for (int i = 0; i < 16; ++i) {
+        __m512 acc[NT];
+        for (int j = 0; j < NT; ++j) acc[j] = _mm512_load_ps(sbuf + i * 64 + 16 * j);
+        moved |= prefill_row<NT, false>(C, acc, lo[i], lim[i], ref[i], sum + (size_t)i * 16, (char*)(pbuf + i * 64),
+                                        nullptr, 32, alpha[i]);
+        if (NT % 2) _mm256_store_si256((__m256i*)(pbuf + i * 64 + 16 * NT), _mm256_setzero_si256());
+    }
+    if (moved)
+        for (int i = 0; i < 16; ++i)
+            if (alpha[i] != 1.0f) {
+                const __m512 a = _mm512_set1_ps(alpha[i]);
+                for (int v = 0; v < nacc; v += 16)
+                    _mm512_store_ps(obuf + i * nacc + v, _mm512_mul_ps(_mm512_load_ps(obuf + i * nacc + v), a));
+            }
+    for (int g = 0; g < nvs; g += 4) {
+        float* o = obuf + 16 * g;
+        _tile_loadd(0, o, nacc * 4);
+        _tile_loadd(1, o + 16, nacc * 4);
+        _tile_loadd(2, o + 32, nacc * 4);
+        _tile_loadd(3, o + 48, nacc * 4);
+        for (int h = 0; h < (NT + 1) / 2; ++h) {
+            _tile_loadd(4, pbuf + 32 * h, 128);
+            const __m512i* vb = vbuf + 2 * h * vstride + g;
+            _tile_loadd(5, vb, nvs * 64);
+            _tile_dpbf16ps(0, 4, 5);
+            _tile_loadd(6, vb + 1, nvs * 64);
+            _tile_dpbf16ps(1, 4, 6);
+            _tile_loadd(5, vb + 2, nvs * 64);
+            _tile_dpbf16ps(2, 4, 5);
+            _tile_loadd(6, vb + 3, nvs * 64);
+            _tile_dpbf16ps(3, 4, 6);
+        }
+        _tile_stored(0, o, nacc * 4);
+        _tile_stored(1, o + 16, nacc * 4);
+        _tile_stored(2, o + 32, nacc * 4);
+        _tile_stored(3, o + 48, nacc * 4);
+    }
+}
+#undef KV8_AMX_TILES
+#endif
+
+// The prefill item loop (R > 4, D <= 128; with AMX D % 64 == 0, D <= 256). Per chunk of CHUNK tiles: gather
+// the row pointers, decode K into the pair layout and V into the P.V layout once for all rows, then per block
+// of RB rows (blocks aligned to RB; rows R..R4-1 are pad rows, q = 0, limits of row R - 1, never finished):
+// prefill_block and tile_pv (RB = 4), or amx_block (AMX: RB = 16).
+template <bool QLO, bool PLO, bool AMX = false>
 static int run_item_prefill(const Problem& P, const Item& it, float* ws, KPairDecoder decode_k, TileDecoder decode_v) {
+    constexpr int RB = AMX ? 16 : 4;
     const Rows w = rows_of(P, it);
-    const int D = P.D, R = w.R, R4 = (R + 3) & ~3;
+    const int D = P.D, R = w.R, R4 = (R + RB - 1) / RB * RB;
     const int kstride = num_kpairs(P.kv, D), npairs = D / 2;
     const int nvs = num_vslots(P.kv, D), nacc = nvs * 16;
     const size_t vstride = (size_t)8 * nvs;
@@ -401,6 +519,9 @@ static int run_item_prefill(const Problem& P, const Item& it, float* ws, KPairDe
     C.vsc = P.vts ? &vsc[0][0] : nullptr;
     const int64_t ahead = (int64_t)CHUNK * TILE;  // prefetch distance: one chunk
     int r0 = 0, r1 = 0;
+#if KV8_ATTN_AMX
+    const AmxTiles tiles(AMX);  // configured for this item, released when it returns
+#endif
     for (int64_t p = 0; p < ahead; p += TILE) prefetch_tile(P, it, it.t0 + p);
     for (int64_t c0 = it.t0; c0 < it.t1; c0 += ahead) {
         int nt = 0;
@@ -417,13 +538,30 @@ static int run_item_prefill(const Problem& P, const Item& it, float* ws, KPairDe
         // V lines of the next chunk now, apart from its K lines (bursts that fit the L1 miss buffers).
         for (int j = 0; j < nt; ++j) prefetch_tile<false, true>(P, it, c0 + (int64_t)j * TILE + ahead);
         for (int j = 0; j < nt; ++j) decode_v(vr[j], D, vbuf + j * vstride);
+        // AMX multiplies V 32 tokens at a time: the tile after an odd last one is zeros (no stale NaN meets
+        // its zero weights).
+        if (AMX && nt % 2) memset(vbuf + nt * vstride, 0, vstride * 64);
         for (int j = 0; j < nt; ++j) C.sfv[j] = _mm512_mul_ps(_mm512_set1_ps(sfac), _mm512_load_ps(ksc[j]));
         C.c0 = c0;
         const bool whole = cend == c0 + (int64_t)nt * TILE;  // no tile ends early
-        for (int rb = r0 & ~3; rb < r1; rb += 4) {
+        for (int rb = r0 / RB * RB; rb < r1; rb += RB) {
             // Unmasked: every row of the block sees every token of the chunk (first rows' limits reach the
             // chunk's end, last rows' windows start at or before its start).
-            C.masked = !whole || lim[rb] < cend - 1 || lo[rb + 3] > c0;
+            C.masked = !whole || lim[rb] < cend - 1 || lo[rb + RB - 1] > c0;
+#if KV8_ATTN_AMX
+            if constexpr (AMX) {
+                const uint32_t* q = qhi + (size_t)rb * kstride;
+                float* o = obuf + (size_t)rb * nacc;
+                float* sm = sum + (size_t)rb * 16;
+                switch (nt) {
+                    case 4: amx_block<4>(C, q, kstride, lo + rb, lim + rb, ref + rb, sm, vbuf, vstride, nvs, o); break;
+                    case 3: amx_block<3>(C, q, kstride, lo + rb, lim + rb, ref + rb, sm, vbuf, vstride, nvs, o); break;
+                    case 2: amx_block<2>(C, q, kstride, lo + rb, lim + rb, ref + rb, sm, vbuf, vstride, nvs, o); break;
+                    default: amx_block<1>(C, q, kstride, lo + rb, lim + rb, ref + rb, sm, vbuf, vstride, nvs, o); break;
+                }
+                continue;
+            }
+#endif
             for (int i = 0; i < 4; ++i) {
                 qh[i] = qhi + (size_t)(rb + i) * kstride;
                 ql[i] = qlo + (size_t)(rb + i) * kstride;
@@ -465,6 +603,9 @@ static int run_item_tile(const Problem& P, const Item& it, float* ws) {
     }
     const Rows w = rows_of(P, it);
     const int D = P.D, R = w.R;
+#if KV8_ATTN_AMX
+    if (!QLO && !PLO && uses_amx_loop(P, R)) return run_item_prefill<false, false, true>(P, it, ws, decode_kp, decode_v);
+#endif
     if (uses_prefill_loop(D, R)) return run_item_prefill<QLO, PLO>(P, it, ws, decode_kp, decode_v);
     // Tiles per online-softmax step: prefill items take CHUNK tiles at once (one max, one rescale of the
     // output per row and chunk); items of decode shape keep one tile (and the fused V decode below).

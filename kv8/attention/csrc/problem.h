@@ -58,6 +58,7 @@ struct Problem {
     int64_t window;  // sliding window W (>= 1), or 0: full causal attention
     int qb;        // query tokens per item
     int bs_shift;  // log2(bs) when bs is a power of two, else -1 (divisions are slow in the tile loop)
+    bool amx;      // AMX tiles may serve prefill items (the call asked, and the build, CPU and OS allow it)
 };
 
 static inline int64_t block_index(const Problem& P, int64_t pos) {

@@ -162,33 +162,6 @@ static inline void row_blocks(const MicroFn* table, int max_mr, const uint16_t* 
 // is not bit-identical to the vdpbf16ps path (another order of fp32 additions): a DenseKernels instance picks
 // one path for good (kv8_linear's use_amx), so each layer computes every row the same way at every batch size.
 
-// Whether this process may use AMX tiles: Linux grants them on request, once per process.
-static int amx_permitted() {
-    static const int ok = [] {
-        const long ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
-        return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0 ? 1 : 0;
-    }();
-    return ok;
-}
-
-struct alignas(64) AmxConfig {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-};
-
-// Per thread (released with _tile_release): A and C tiles of `rows` rows, B tiles of 16; 64 bytes per row.
-static void amx_load_config(int rows) {
-    AmxConfig c;
-    memset(&c, 0, sizeof(c));
-    c.palette = 1;
-    for (int t = 0; t < 8; ++t) {
-        c.rows[t] = (uint8_t)(t >= 6 ? 16 : rows);
-        c.colsb[t] = 64;
-    }
-    _tile_loadconfig(&c);
-}
-
 // cbuf (16 MB rows x 32 fp32, row stride 32) = 16 MB rows of x (stride K) x one panel. (Software prefetch of
 // the panel stream, 4-16 KiB ahead into L1 or L2, measured no faster: the hardware prefetchers follow it.)
 template <int MB>
@@ -241,7 +214,7 @@ static int linear_amx(const uint16_t* x, int64_t M, int64_t K, const uint16_t* p
     const int threads = (int)(panels < nthreads ? panels : nthreads);
 #pragma omp parallel num_threads(threads)
     {
-        amx_load_config(arows);
+        amx_load_config(arows, 6);  // A and C tiles (0..5) of arows rows, B tiles of 16
         alignas(64) float cbuf[32 * 32];
         const int t = omp_get_thread_num(), nt = omp_get_num_threads();
         const int64_t p0 = panels * t / nt, p1 = panels * (t + 1) / nt;

@@ -1,0 +1,48 @@
+// AMX (Intel AMX-BF16) set-up shared by kv8/layers/dense_kernels.cpp (the packed linear) and
+// kv8/attention/cpu_kernels.cpp (the prefill attention loop). kv8/native.py hashes the files a source includes
+// with #include "...", so an edit here rebuilds both libraries.
+//
+// KV8_AMX is 1 where the compiler targets AMX-TILE and AMX-BF16 (-march=native on such a CPU) on Linux; the
+// tiles are then used only where amx_permitted() (the OS grants them to this process). Every user loads its own
+// tile configuration before its first tile instruction in a thread and releases the tiles (_tile_release)
+// when done, so the two libraries, which share the OpenMP threads, never see each other's configuration.
+#pragma once
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
+#define KV8_AMX 1
+#include <immintrin.h>
+#include <stdint.h>
+#include <string.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+// Whether this process may use AMX tiles: Linux grants them on request (arch_prctl), once per process.
+static int amx_permitted() {
+    static const int ok = [] {
+        const long ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
+        return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0 ? 1 : 0;
+    }();
+    return ok;
+}
+
+struct alignas(64) AmxConfig {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+};
+
+// Loads (for the calling thread) a configuration of the 8 tiles of palette 1, 64 bytes per row: tiles
+// 0 .. split-1 have `rows` rows, the others 16.
+static inline void amx_load_config(int rows, int split) {
+    AmxConfig c;
+    memset(&c, 0, sizeof(c));
+    c.palette = 1;
+    for (int t = 0; t < 8; ++t) {
+        c.rows[t] = (uint8_t)(t >= split ? 16 : rows);
+        c.colsb[t] = 64;
+    }
+    _tile_loadconfig(&c);
+}
+#else
+#define KV8_AMX 0
+#endif
