@@ -43,6 +43,30 @@ static const Lut& lut_for(int fmt) {
     return luts[fmt];
 }
 
+// Softmax weights e^(s - ref) of the prefill loop, as 2^t with t = s * log2(e) - ref2 (ref2 = ref * log2(e), one
+// fused multiply-subtract): t = n + f with n an integer and f in [-0.5, 0.5], 2^f by a degree-5 polynomial
+// (fitted for relative error: < 2e-7 in fp32), times 2^n by vscalefps -- 10 instructions where exp_ps of
+// s - ref takes 17. Precision: t carries the rounding of the product, |t| x 2^-24 absolute, so a weight is
+// within ~1e-5 relative of e^(s - ref) (weights down to e^-87; ~2e-7 near the row's maximum), against the bf16
+// rounding (2^-9) the weights then get and that fp32 row sums never notice; ref2's own rounding scales every
+// weight of a row alike, so it cancels in sum(p v) / sum(p). Zero where t < -125 (exp_ps gives 0 below e^-87 for
+// the same reason: no subnormal results, each costs a microcode assist with subnormals on) and where t is NaN
+// (-inf - -inf, lanes the caller masks).
+static const float LOG2E = 1.44269504088896341f;
+static inline __m512 exp2_weights(__m512 s, __m512 log2e, __m512 ref2) {
+    const __m512 t = _mm512_fmsub_ps(s, log2e, ref2);
+    const __mmask16 keep = _mm512_cmp_ps_mask(t, _mm512_set1_ps(-125.0f), _CMP_GE_OQ);
+    const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 f = _mm512_sub_ps(t, n);
+    __m512 p = _mm512_set1_ps(1.3266970636e-3f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6754599362e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5507425219e-2f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022121727e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314694404e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0000001192e+0f));
+    return _mm512_maskz_scalef_ps(keep, p, n);
+}
+
 // 64 FP8 codes -> 64 bf16: w0 = codes 0..7 of each 128-bit lane, w1 = codes 8..15 (lane order kept).
 template <int KV>
 static inline void fp8_to_bf16(__m512i c, const Lut& L, __m512i& w0, __m512i& w1) {

@@ -12,7 +12,8 @@
 // * K/V are prefetched into L2 L2_PREFETCH_TILES tiles ahead as well as into L1.
 //
 // Arithmetic as the tile kernel with bf16 compute: the same bf16 products, fp32 accumulation, accumulator
-// layout and building blocks (fast_simd.h); the softmax weights are bf16 (the output is bf16).
+// layout and building blocks (fast_simd.h); the softmax weights are bf16 (the output is bf16), computed by
+// exp2_weights as the prefill loop's are.
 //
 // Sliding window: a row's scores outside its [first, limit] positions are masked; the item's first tile
 // reads zeros (a zero-padded copy) for its rows before k0, as the last tile does past the context.
@@ -163,10 +164,10 @@ static int run_item_decode(const Problem& P, const Item& it, float* ws) {
             const float mnew = cm > mx[r] ? cm : mx[r];
             alpha[r] = mnew == mx[r] ? 1.0f : expf(mx[r] - mnew);
             mx[r] = mnew;
-            const __m512 mv = _mm512_set1_ps(mnew);
+            const __m512 log2e = _mm512_set1_ps(LOG2E), m2 = _mm512_set1_ps(mnew * LOG2E);
             __m512 psum = _mm512_setzero_ps();
             for (int j = 0; j < nt; ++j) {
-                __m512 p = _mm512_maskz_mov_ps(valid[r][j], exp_ps(_mm512_sub_ps(s[r][j], mv)));
+                __m512 p = _mm512_maskz_mov_ps(valid[r][j], exp2_weights(s[r][j], log2e, m2));
                 psum = _mm512_add_ps(psum, p);
                 if (P.vts) p = _mm512_mul_ps(p, vsv[j]);  // per-token V scale rides on the weight
                 _mm256_store_si256((__m256i*)(ph + j * 8), (__m256i)_mm512_cvtneps_pbh(p));

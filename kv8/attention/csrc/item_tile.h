@@ -17,8 +17,9 @@
 // expf per move, where a per-chunk max costs a reduction, an expf and a rescale every chunk). Contract: ref is
 // always a score the row has seen and max - REF_SLACK <= ref <= max, so p <= e^8 ~ 2981 and a row's sum is at
 // most e^8 x its tokens: no fp32 overflow, and the output sum(p v) / sum(p) is the softmax with the same
-// relative rounding (bf16 weights keep 8 significant bits at any magnitude; a weight below e^-87 is 0, as
-// exp_ps gives, next to the row's largest weight, which is >= 1). The partition combine takes
+// relative rounding (bf16 weights keep 8 significant bits at any magnitude; weights are e^(s - ref) within ~1e-5
+// relative, exp2_weights in fast_simd.h, and a weight below e^-87 is 0, next to the row's largest weight, which
+// is >= 1). The partition combine takes
 // (ref, sum, acc) as it takes (max, sum, acc): any common reference gives the same quotient. The tests'
 // tolerances against reference.py are unchanged (tests/test_fused_attention.py).
 //
@@ -278,12 +279,12 @@ static inline bool prefill_row(const PrefillChunk& C, const __m512* acc, int64_t
         ref = cmax;
         moved = true;
     }
-    // exp(s - ref) <= e^REF_SLACK. Masked lanes (s = -inf; NaN where ref is still -inf, which only a row
-    // with no visible token of the chunk can have) are zeroed.
-    const __m512 rv = _mm512_set1_ps(ref);
+    // exp(s - ref) <= e^REF_SLACK (exp2_weights). Masked lanes (s = -inf; NaN where ref is still -inf, which
+    // only a row with no visible token of the chunk can have) are zeroed.
+    const __m512 log2e = _mm512_set1_ps(LOG2E), ref2 = _mm512_set1_ps(ref * LOG2E);
     __m512 psum = _mm512_setzero_ps();
     for (int j = 0; j < NT; ++j) {
-        __m512 pj = exp_ps(_mm512_sub_ps(s[j], rv));
+        __m512 pj = exp2_weights(s[j], log2e, ref2);
         if (C.masked) pj = _mm512_maskz_mov_ps(valid[j], pj);
         psum = _mm512_add_ps(psum, pj);
         if (C.vsc) pj = _mm512_mul_ps(pj, _mm512_load_ps(C.vsc + j * TILE));  // per-token V scale
@@ -604,7 +605,8 @@ static int run_item_tile(const Problem& P, const Item& it, float* ws) {
     const Rows w = rows_of(P, it);
     const int D = P.D, R = w.R;
 #if KV8_ATTN_AMX
-    if (!QLO && !PLO && uses_amx_loop(P, R)) return run_item_prefill<false, false, true>(P, it, ws, decode_kp, decode_v);
+    if (!QLO && !PLO && uses_amx_loop(P, R))
+        return run_item_prefill<false, false, true>(P, it, ws, decode_kp, decode_v);
 #endif
     if (uses_prefill_loop(D, R)) return run_item_prefill<QLO, PLO>(P, it, ws, decode_kp, decode_v);
     // Tiles per online-softmax step: prefill items take CHUNK tiles at once (one max, one rescale of the
