@@ -7,7 +7,10 @@ then the independent oracle for logits.
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -103,3 +106,18 @@ def tiny_models(tmp_path_factory) -> dict[str, str]:
 @pytest.fixture(scope="session")
 def tiny_llama(tiny_models) -> str:
     return tiny_models["llama"]
+
+
+@contextlib.contextmanager
+def amx_path(lib: Any, path: str) -> Iterator[str]:
+    """Runs the body with a kernel library's ``amx`` flag set for ``path`` ("amx": AMX tiles; any other name: the
+    AVX-512 path), restored afterwards; an "amx" path is skipped where the library has no AMX tiles (this CPU,
+    build or OS). For the fixtures that run a test on each of a library's two paths."""
+    if path == "amx" and not lib.amx:
+        pytest.skip("this CPU, build or OS gives no AMX-BF16 tiles")
+    chosen = lib.amx
+    lib.amx = path == "amx"
+    try:
+        yield path
+    finally:
+        lib.amx = chosen

@@ -42,6 +42,7 @@ from kv8.cache.paged_cache import CacheShape, PagedKVCache
 from kv8.native import cpu_flags
 from kv8.quant.formats import FP8_FORMATS, KVCacheDtype, resolve_kv_cache_dtype
 from kv8.quant.scales import KVScales, ScaleGranularity
+from tests.conftest import amx_path
 
 KV_DTYPES = ["fp8_e4m3", "fp8_e4m3fnuz", "fp8_e5m2", "bfloat16", "float16", "float32"]
 FP8 = ["fp8_e4m3", "fp8_e4m3fnuz", "fp8_e5m2"]
@@ -90,14 +91,8 @@ def generic_lib() -> fused.KernelLibrary:
 def prefill_path(request: pytest.FixtureRequest, lib: fused.KernelLibrary):
     """Each path of the prefill loop in turn: AMX tiles (only where this CPU, build and OS give them) and
     AVX-512 (vdpbf16ps), set on the library (KernelLibrary.amx) for the test."""
-    if request.param == "amx" and not lib.amx:
-        pytest.skip("this CPU, build or OS gives no AMX-BF16 tiles")
-    chosen = lib.amx
-    lib.amx = request.param == "amx"
-    try:
-        yield request.param
-    finally:
-        lib.amx = chosen
+    with amx_path(lib, request.param) as path:
+        yield path
 
 
 def prefill_kernel(lib: fused.KernelLibrary, kv_name: str, gran: str, q_dtype: torch.dtype, dim: int,

@@ -21,6 +21,7 @@ from kv8.layers.rotary import RotaryEmbedding, rope_reference
 from kv8.native import KernelUnavailable, cpu_flags
 from kv8.observer import EngineObserver
 from kv8.sampling_params import SamplingParams
+from tests.conftest import amx_path
 
 
 def _kernels_or_reason() -> tuple[DenseKernels | None, str]:
@@ -52,14 +53,8 @@ _AMX_CPU = "amx_bf16" in cpu_flags().split()
 @pytest.fixture(params=["vdpbf16ps", "amx"])
 def linear_path(request: pytest.FixtureRequest, lib: DenseKernels):
     """Each of the packed linear's two paths in turn (AMX tiles only where this CPU has them)."""
-    if request.param == "amx" and not lib.amx:
-        pytest.skip("this CPU, build or OS gives no AMX-BF16 tiles")
-    chosen = lib.amx
-    lib.amx = request.param == "amx"
-    try:
-        yield request.param
-    finally:
-        lib.amx = chosen
+    with amx_path(lib, request.param) as path:
+        yield path
 
 
 def _weights(out_features: int, in_features: int, bias: bool, seed: int) -> tuple[torch.Tensor, torch.Tensor | None]:
