@@ -4,6 +4,8 @@
 #pragma once
 #include <immintrin.h>
 
+static const float LOG2E = 1.44269504088896341f;  // log2(e), as float
+
 #if defined(__AVX512F__)
 // exp(x) for any float32 x, ~1 ulp (Cephes polynomial, 2^n applied with vscalefps); overflow to +inf above
 // ~88.7; exp(-inf) = 0; NaN stays NaN.
@@ -16,7 +18,7 @@
 // to a row sum >= 1 (the max's weight is 1), and 1 + exp(-g) in SiLU is 1 either way.
 static inline __m512 exp_ps(__m512 x) {
     x = _mm512_min_ps(_mm512_set1_ps(89.0f), _mm512_max_ps(_mm512_set1_ps(-104.0f), x));  // NaN: 2nd operand
-    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(LOG2E)),
                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
     r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);

@@ -84,13 +84,7 @@ extern "C" {
 int kv8_has_fast_path(void) { return KV8_FAST; }
 
 // 1 when prefill items can multiply with AMX tiles: compiled in, and the OS grants the tiles to this process.
-int kv8_attention_amx_available(void) {
-#if KV8_ATTN_AMX
-    return amx_permitted();
-#else
-    return 0;
-#endif
-}
+int kv8_attention_amx_available(void) { return amx_granted(1) ? 1 : 0; }
 
 // Name of KV dtype / compute dtype `code`, NULL past the last one: Python builds its code tables from these.
 const char* kv8_kv_dtype_name(int code) { return code >= 0 && code < KV_COUNT ? KV_DTYPE_NAMES[code] : nullptr; }
@@ -137,10 +131,7 @@ int kv8_test_item_kernel(int kv, int q_dtype, int D, int bs, int rows, int use_a
         P.ks = &one;
         P.ks_ds = 1;
     }
-#if KV8_ATTN_AMX
-    P.amx = use_amx != 0 && amx_permitted();
-#endif
-    (void)use_amx;
+    P.amx = amx_granted(use_amx);
     int fast;
     pick_item_fn(P, &fast);
     if (!fast) return KERNEL_GENERIC;

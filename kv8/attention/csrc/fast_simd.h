@@ -52,7 +52,6 @@ static const Lut& lut_for(int fmt) {
 // weight of a row alike, so it cancels in sum(p v) / sum(p). Zero where t < -125 (exp_ps gives 0 below e^-87 for
 // the same reason: no subnormal results, each costs a microcode assist with subnormals on) and where t is NaN
 // (-inf - -inf, lanes the caller masks).
-static const float LOG2E = 1.44269504088896341f;
 static inline __m512 exp2_weights(__m512 s, __m512 log2e, __m512 ref2) {
     const __m512 t = _mm512_fmsub_ps(s, log2e, ref2);
     const __mmask16 keep = _mm512_cmp_ps_mask(t, _mm512_set1_ps(-125.0f), _CMP_GE_OQ);

@@ -39,11 +39,7 @@ static int make_problem(const kv8_layer& L, const kv8_attention_call& C, Problem
     // on Gemma-3's 512-token chunks, decode unchanged.
     P.qb = P.G >= ROWS_PER_ITEM ? 1 : ROWS_PER_ITEM / P.G;
     P.bs_shift = (bs & (bs - 1)) == 0 ? __builtin_ctz((unsigned)bs) : -1;
-#if KV8_ATTN_AMX
-    P.amx = C.use_amx != 0 && amx_permitted();
-#else
-    P.amx = false;
-#endif
+    P.amx = amx_granted(C.use_amx);
     return OK;
 }
 

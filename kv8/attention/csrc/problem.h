@@ -61,6 +61,16 @@ struct Problem {
     bool amx;      // AMX tiles may serve prefill items (the call asked, and the build, CPU and OS allow it)
 };
 
+// Whether a call with use_amx may multiply with AMX tiles: it asks, the build targets them and the OS grants them.
+static inline bool amx_granted(int use_amx) {
+#if KV8_ATTN_AMX
+    return use_amx != 0 && amx_permitted();
+#else
+    (void)use_amx;
+    return false;
+#endif
+}
+
 static inline int64_t block_index(const Problem& P, int64_t pos) {
     return P.bs_shift >= 0 ? pos >> P.bs_shift : pos / P.bs;
 }
