@@ -1,6 +1,6 @@
 // AMX (Intel AMX-BF16) set-up shared by kv8/layers/dense_kernels.cpp (the packed linear) and
-// kv8/attention/cpu_kernels.cpp (the prefill attention loop). kv8/native.py hashes the files a source includes
-// with #include "...", so an edit here rebuilds both libraries.
+// kv8/attention/cpu_kernels.cpp (the attention's prefill loop and decode items). kv8/native.py hashes the files
+// a source includes with #include "...", so an edit here rebuilds both libraries.
 //
 // KV8_AMX is 1 where the compiler targets AMX-TILE and AMX-BF16 (-march=native on such a CPU) on Linux; the
 // tiles are then used only where amx_permitted() (the OS grants them to this process). Every user loads its own
@@ -31,6 +31,11 @@ struct alignas(64) AmxConfig {
     uint8_t rows[16];
 };
 
+// Loads tile configuration c for the calling thread. Not _tile_loadconfig: GCC's declares a read of only the
+// first 8 bytes of the configuration, so the compiler may drop the stores of the rest as dead (it does, once
+// a caller's rows are constants).
+static inline void amx_load(const AmxConfig& c) { __asm__ volatile("ldtilecfg %0" : : "m"(c)); }
+
 // Loads (for the calling thread) a configuration of the 8 tiles of palette 1, 64 bytes per row: tiles
 // 0 .. split-1 have `rows` rows, the others 16.
 static inline void amx_load_config(int rows, int split) {
@@ -41,7 +46,7 @@ static inline void amx_load_config(int rows, int split) {
         c.rows[t] = (uint8_t)(t >= split ? 16 : rows);
         c.colsb[t] = 64;
     }
-    _tile_loadconfig(&c);
+    amx_load(c);
 }
 #else
 #define KV8_AMX 0
