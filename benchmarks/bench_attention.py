@@ -10,9 +10,12 @@ sequence. For every (batch, context) it prints the time of one layer's decode at
 * ``copy fp8`` / ``copy bf16`` -- ``dst.copy_(src)`` of as many bytes as the fp8 / bf16 cache holds,
 
 (best of 5 timing windows) with effective bandwidth (cache bytes read / time; for a copy, bytes copied / time),
-the kernels' fraction of the copy bandwidth of the same bytes, and the ratios fp8/bf16 and bf16/sdpa. Calls cycle
-through enough layers (distinct buffers) that every variant streams at least ``--footprint-mb`` MiB, i.e. from
-DRAM rather than a warm L3, as in a real decode step where each layer's cache is read once.
+the kernels' fraction of the copy bandwidth of the same bytes, and the ratios fp8/bf16 and bf16/sdpa. On a CPU
+with AMX-BF16 the kv8 columns are the decode-item kernel on AMX tiles (what the library picks there), and each
+line ends with the same two calls on the AVX-512 path (the library's ``amx`` flag off) and the speed-up of AMX.
+Calls cycle through enough layers (distinct buffers) that every variant streams at least ``--footprint-mb`` MiB,
+i.e. from DRAM rather than a warm L3, as in a real decode step where each layer's cache is read once (a small
+``--footprint-mb``, e.g. 4, times caches that stay in the CPU's caches instead).
 
 Then Gemma-3 local-layer rows (4 query heads, 1 KV head, head_dim 256, blocks of 16, sliding window 512):
 for every context, a decode step (batch 1 and 8) and a prefill chunk (``--prefill-chunk`` new tokens ending at
@@ -41,12 +44,13 @@ import argparse
 import math
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
 
-from kv8.attention.fused import load_kernels
+from kv8.attention.fused import KernelLibrary, load_kernels
 from kv8.attention.metadata import AttentionMetadata
 from kv8.cache.codec import KVCodec
 from kv8.cache.paged_cache import CacheShape, PagedKVCache
@@ -188,6 +192,18 @@ def prefill_flops(batch: int, q_len: int, ctx: int) -> float:
     return 4.0 * D * HQ * batch * pairs
 
 
+@contextmanager
+def on_path(lib: KernelLibrary, path: str) -> Iterator[None]:
+    """The library's item kernels on ``path`` ("amx": AMX tiles; "avx512": vdpbf16ps) inside the block, its own
+    choice restored afterwards."""
+    chosen = lib.amx
+    lib.amx = path == "amx"
+    try:
+        yield
+    finally:
+        lib.amx = chosen
+
+
 def print_smollm2_prefill(args: argparse.Namespace) -> None:
     lib = load_kernels()
     scale = D ** -0.5
@@ -202,7 +218,6 @@ def print_smollm2_prefill(args: argparse.Namespace) -> None:
            (f" {'amx/avx512 fp8':>14} {'amx/avx512 bf16':>15}" if lib.amx else ""))
     print(hdr)
     print("-" * len(hdr))
-    chosen = lib.amx
     for batch, q_len, ctx in PREFILL_SHAPES:
         q = torch.randn(batch * q_len, HQ, D, dtype=torch.bfloat16)
         res: dict[tuple[str, str], float] = {}
@@ -210,13 +225,10 @@ def print_smollm2_prefill(args: argparse.Namespace) -> None:
             nbytes = batch * ctx * HKV * D * 2 * (1 if tag == "fp8" else 2)
             nl = layers_for(nbytes, args.footprint_mb << 20, cap=16)  # each call re-reads its cache many times
             cache, meta = prefill_cache(kv_name, nl, batch, q_len, ctx)
-            try:
-                for path in paths:
-                    lib.amx = path == "amx"
+            for path in paths:
+                with on_path(lib, path):
                     res[tag, path] = timeit(lambda i, c=cache, m=meta, x=q: lib.attention(x, c, i, m, scale), nl,
                                             args.min_time)
-            finally:
-                lib.amx = chosen
             del cache
         gf = prefill_flops(batch, q_len, ctx) / 1e9
         ratio = res["fp8", paths[0]] / res["bf16", paths[0]]
@@ -240,7 +252,10 @@ def bench(batch: int, ctx: int, args: argparse.Namespace) -> dict[str, float]:
     for name, nbytes in (("fp8", fp8_bytes), ("bf16", bf16_bytes)):
         nl = layers_for(nbytes, args.footprint_mb << 20)
         cache, meta = paged_cache("fp8_e4m3" if name == "fp8" else "bfloat16", nl, batch, ctx)
-        res[name] = timeit(lambda i, c=cache, m=meta: lib.attention(q, c, i, m, scale), nl, args.min_time)
+        # the library's path (AMX tiles where it has them), and with AMX the AVX-512 path beside it
+        for path, key in (("amx", name), ("avx512", name + "_avx512")) if lib.amx else (("avx512", name),):
+            with on_path(lib, path):
+                res[key] = timeit(lambda i, c=cache, m=meta: lib.attention(q, c, i, m, scale), nl, args.min_time)
         del cache
     if args.kv8_only:
         return res
@@ -262,22 +277,30 @@ def bench(batch: int, ctx: int, args: argparse.Namespace) -> dict[str, float]:
 
 
 def print_smollm2(batches: list[int], contexts: list[int], args: argparse.Namespace) -> None:
+    amx = load_kernels().amx
     print()
-    print(f"SmolLM2 decode: Hq={HQ} Hkv={HKV} D={D} block={BS}, q bf16")
+    print(f"SmolLM2 decode: Hq={HQ} Hkv={HKV} D={D} block={BS}, q bf16; kv8 on "
+          f"{'AMX tiles (the AVX-512 path at the end of each line)' if amx else 'AVX-512'}")
     hdr = (f"{'batch':>5} {'ctx':>6} | {'kv8 fp8':>9} {'kv8 bf16':>9} {'sdpa':>9} {'copy fp8':>9} {'copy bf16':>9} | "
            f"{'fp8 GB/s':>8} {'bf16 GB/s':>9} {'sdpa GB/s':>9} {'cp8 GB/s':>8} {'cp16 GB/s':>9} | "
            f"{'fp8/cp':>6} {'bf16/cp':>7} | {'fp8/bf16':>8} {'bf16/sdpa':>9}")
     print("times are microseconds per layer call; fp8/cp = fp8 kernel bandwidth / copy bandwidth of the same bytes")
     if args.kv8_only:
         hdr = f"{'batch':>5} {'ctx':>6} | {'kv8 fp8':>9} {'kv8 bf16':>9} | {'fp8/bf16':>8}"
+    if amx:
+        hdr += f" | {'fp8 avx512':>10} {'bf16 avx512':>11} {'avx512/amx fp8':>14} {'avx512/amx bf16':>15}"
     print(hdr)
     print("-" * len(hdr))
     for b in batches:
         for ctx in contexts:
             r = bench(b, ctx, args)
+            tail = ""
+            if amx:
+                tail = (f" | {r['fp8_avx512'] * 1e6:>10.1f} {r['bf16_avx512'] * 1e6:>11.1f} "
+                        f"{r['fp8_avx512'] / r['fp8']:>14.2f} {r['bf16_avx512'] / r['bf16']:>15.2f}")
             if args.kv8_only:
                 print(f"{b:>5} {ctx:>6} | {r['fp8'] * 1e6:>9.1f} {r['bf16'] * 1e6:>9.1f} | "
-                      f"{r['fp8'] / r['bf16']:>8.2f}", flush=True)
+                      f"{r['fp8'] / r['bf16']:>8.2f}{tail}", flush=True)
                 continue
             gb = lambda nbytes, t: nbytes / t / 1e9  # noqa: E731
             f8, b16 = gb(r["fp8_bytes"], r["fp8"]), gb(r["bf16_bytes"], r["bf16"])
@@ -287,7 +310,7 @@ def print_smollm2(batches: list[int], contexts: list[int], args: argparse.Namesp
             print(f"{b:>5} {ctx:>6} | {us(r['fp8']):>9.1f} {us(r['bf16']):>9.1f} {us(r['sdpa']):>9.1f} "
                   f"{us(r['copy_fp8']):>9.1f} {us(r['copy_bf16']):>9.1f} | {f8:>8.1f} {b16:>9.1f} {sd:>9.1f} "
                   f"{c8:>8.1f} {c16:>9.1f} | {f8 / c8:>6.2f} {b16 / c16:>7.2f} | "
-                  f"{r['fp8'] / r['bf16']:>8.2f} {r['bf16'] / r['sdpa']:>9.2f}", flush=True)
+                  f"{r['fp8'] / r['bf16']:>8.2f} {r['bf16'] / r['sdpa']:>9.2f}{tail}", flush=True)
 
 
 def main() -> None:

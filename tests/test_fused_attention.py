@@ -88,9 +88,9 @@ def generic_lib() -> fused.KernelLibrary:
 
 
 @pytest.fixture(params=["amx", "avx512"])
-def prefill_path(request: pytest.FixtureRequest, lib: fused.KernelLibrary):
-    """Each path of the prefill loop in turn: AMX tiles (only where this CPU, build and OS give them) and
-    AVX-512 (vdpbf16ps), set on the library (KernelLibrary.amx) for the test."""
+def kernel_path(request: pytest.FixtureRequest, lib: fused.KernelLibrary):
+    """Each path of the prefill loop and the decode-item kernel in turn: AMX tiles (only where this CPU, build
+    and OS give them) and AVX-512 (vdpbf16ps), set on the library (KernelLibrary.amx) for the test."""
     with amx_path(lib, request.param) as path:
         yield path
 
@@ -117,9 +117,23 @@ def attention_path(lib: fused.KernelLibrary, kv_name: str, q_dtype: torch.dtype,
     return "generic" if kernel == "generic" else "fast"
 
 
+def decode_kernel(lib: fused.KernelLibrary, kv_name: str, gran: str, dim: int, bs: int, rows: int) -> str:
+    """The item kernel of a decode-sized item (bf16 compute, <= 4 rows, head_dim 64 / 128 / 256, blocks of a
+    multiple of 16 tokens), asserted to be the expected one: "generic" without the fast path; "amx_decode" where
+    the library multiplies with AMX tiles and the K scales are not per channel; else "decode"."""
+    got = fused.KernelTesting(lib).item_kernel(kv_name, torch.bfloat16, dim, bs, rows, k_per_channel=gran == "channel")
+    if not lib.has_fast_path:
+        expected = "generic"
+    else:
+        expected = "amx_decode" if lib.amx and gran != "channel" else "decode"
+    assert got == expected, (got, expected)
+    return got
+
+
 def uses_decode_kernel(lib: fused.KernelLibrary, kv_name: str, q_dtype: torch.dtype, dim: int, bs: int,
                        rows: int) -> bool:
-    return fused.KernelTesting(lib).item_kernel(kv_name, q_dtype, dim, bs, rows) == "decode"
+    """Whether a decode-item kernel (AMX or AVX-512) serves items of ``rows`` rows."""
+    return fused.KernelTesting(lib).item_kernel(kv_name, q_dtype, dim, bs, rows) in ("decode", "amx_decode")
 
 
 def make_scales(kv_name: str, gran: str, layers: int, heads: int, dim: int,
@@ -380,8 +394,8 @@ def test_attention_with_flush_denormal(lib: fused.KernelLibrary) -> None:
                          + [("bfloat16", "none")])
 @pytest.mark.parametrize("group,dim", [(1, 64), (2, 128), (3, 64), (4, 256)])
 @pytest.mark.parametrize("bs", [16, 32])
-def test_decode_item_kernel(lib: fused.KernelLibrary, kv_name: str, gran: str, group: int, dim: int,
-                            bs: int) -> None:
+def test_decode_item_kernel(lib: fused.KernelLibrary, kernel_path: str, kv_name: str, gran: str, group: int,
+                            dim: int, bs: int) -> None:
     """The fast path's decode-item kernel (bf16 compute, blocks of a multiple of 16 tokens, items of <= 4 rows
     = query heads per KV head x query tokens) serves every item of these batches (asserted), and equals the
     reference: ragged lengths at and across the 16-token tiles and 64-token softmax chunks, up to 4 query tokens
@@ -390,7 +404,7 @@ def test_decode_item_kernel(lib: fused.KernelLibrary, kv_name: str, gran: str, g
     per_seq = 4 // group  # query tokens per sequence that keep items at <= 4 rows
     seq_lens = [1, 15, 16, 17, 63, 64, 65, 129, 300]
     query_lens = [min(1 + i % per_seq, n) for i, n in enumerate(seq_lens)]
-    assert uses_decode_kernel(lib, kv_name, torch.bfloat16, dim, bs, group * per_seq) == lib.has_fast_path
+    decode_kernel(lib, kv_name, gran, dim, bs, group * per_seq)
     assert not uses_decode_kernel(lib, kv_name, torch.bfloat16, dim, bs, 5)
     assert not uses_decode_kernel(lib, kv_name, torch.float32, dim, bs, group)
     cache, meta, q = make_case(kv_name, gran, torch.bfloat16, group=group, dim=dim, bs=bs, heads=2,
@@ -421,7 +435,7 @@ def test_decode_item_kernel_conditions(lib: fused.KernelLibrary) -> None:
     ("fp8_e5m2", "dynamic", torch.bfloat16), ("fp8_e4m3fnuz", "head", torch.float32),
     ("fp8_e4m3", "head", torch.float16), ("bfloat16", "none", torch.bfloat16), ("bfloat16", "none", torch.float32)])
 @pytest.mark.parametrize("group,dim,bs", [(3, 64, 16), (1, 128, 8), (4, 80, 32), (8, 32, 16)])
-def test_attention_long_prefill(lib: fused.KernelLibrary, prefill_path: str, kv_name: str, gran: str,
+def test_attention_long_prefill(lib: fused.KernelLibrary, kernel_path: str, kv_name: str, gran: str,
                                 q_dtype: torch.dtype, group: int, dim: int, bs: int) -> None:
     """Long causal prefill in the prefill loop (asserted to serve; on AMX tiles and on AVX-512 where both
     exist): a 300-token prompt from an empty cache and chunked prefills of 77 and 200 tokens over cached
@@ -438,7 +452,7 @@ def test_attention_long_prefill(lib: fused.KernelLibrary, prefill_path: str, kv_
 
 @pytest.mark.parametrize("kv_name", ["fp8_e4m3", "bfloat16"])
 @pytest.mark.parametrize("q_dtype", [torch.bfloat16, torch.float32])
-def test_prefill_softmax_reference_moves(lib: fused.KernelLibrary, prefill_path: str, kv_name: str,
+def test_prefill_softmax_reference_moves(lib: fused.KernelLibrary, kernel_path: str, kv_name: str,
                                         q_dtype: torch.dtype) -> None:
     """Scores that climb by ~10 per 64 tokens, then by ~100, zigzag by 40 and fall along a 700-token prefill,
     so the prefill loop's softmax reference moves over and over (small steps past its slack, large jumps), in

@@ -24,10 +24,11 @@
 //
 // Item kernels (one per item; pick_item_fn):
 //   FAST (AVX-512 F/BW/VL + VBMI + BF16 compiled in; KV dtype fp8 x3 or bf16; D % 16 == 0, D <= 1024):
-//     decode-shaped items with bf16 compute -> run_item_decode, every other item -> run_item_tile (items of
-//     more than 4 rows with D <= 128 -> its prefill loop, run_item_prefill; with AMX tiles (the call's use_amx,
-//     an AMX build, CPU and OS), bf16 compute without per-channel K scales and D % 64 == 0, D <= 256 -> the
-//     same loop on AMX tiles, 16 rows per block)
+//     decode-shaped items with bf16 compute -> run_item_decode (with AMX tiles -- the call's use_amx, an AMX
+//     build, CPU and OS -- and K scales not per channel: run_item_decode_amx), every other item ->
+//     run_item_tile (items of more than 4 rows with D <= 128 -> its prefill loop, run_item_prefill; with AMX
+//     tiles, bf16 compute without per-channel K scales and D % 64 == 0, D <= 256 -> the same loop on AMX
+//     tiles, 16 rows per block)
 //   otherwise -> run_item_generic
 // All kernels clear MXCSR DAZ/FTZ in their threads (FpEnv), so FP8 subnormals survive.
 //
@@ -46,14 +47,19 @@
 #include "csrc/item_generic.h"
 #include "csrc/item_tile.h"
 #include "csrc/item_decode.h"
+#include "csrc/item_decode_amx.h"
 #include "csrc/store.h"
 
-enum { KERNEL_GENERIC = 0, KERNEL_TILE = 1, KERNEL_DECODE = 2, KERNEL_PREFILL = 3, KERNEL_AMX = 4 };
+enum { KERNEL_GENERIC = 0, KERNEL_TILE = 1, KERNEL_DECODE = 2, KERNEL_PREFILL = 3, KERNEL_AMX = 4,
+       KERNEL_AMX_DECODE = 5 };
 
 #if KV8_FAST
-// A fast item: the decode kernel where it applies to the item's rows, else the tile kernel.
+// A fast item: a decode kernel where one applies to the item's rows (AMX tiles first), else the tile kernel.
 template <bool QLO, bool PLO>
 static int run_item_fast(const Problem& P, const Item& it, float* ws) {
+#if KV8_ATTN_AMX
+    if (ItemFn f = decode_amx_fn(P, (it.j1 - it.j0) * P.G)) return f(P, it, ws);
+#endif
     if (ItemFn f = decode_fn(P, (it.j1 - it.j0) * P.G)) return f(P, it, ws);
     return run_item_tile<QLO, PLO>(P, it, ws);
 }
@@ -83,7 +89,7 @@ extern "C" {
 // 1 when the AVX-512 BF16 fast path is compiled in.
 int kv8_has_fast_path(void) { return KV8_FAST; }
 
-// 1 when prefill items can multiply with AMX tiles: compiled in, and the OS grants the tiles to this process.
+// 1 when prefill and decode items can multiply with AMX tiles: compiled in, and the OS grants the tiles.
 int kv8_attention_amx_available(void) { return amx_granted(1) ? 1 : 0; }
 
 // Name of KV dtype / compute dtype `code`, NULL past the last one: Python builds its code tables from these.
@@ -118,7 +124,8 @@ int kv8_store_kv(const kv8_layer* layer, const kv8_store_call* call) { return ru
 
 // Which item kernel serves items of `rows` rows (query heads per KV head x query tokens of one sequence) in a
 // call with use_amx: KERNEL_GENERIC, KERNEL_TILE, KERNEL_DECODE, KERNEL_PREFILL (the tile kernel's prefill
-// loop) or KERNEL_AMX (that loop on AMX tiles); k_per_channel: the K scales are per channel.
+// loop), KERNEL_AMX (that loop on AMX tiles) or KERNEL_AMX_DECODE (the decode kernel on AMX tiles);
+// k_per_channel: the K scales are per channel.
 int kv8_test_item_kernel(int kv, int q_dtype, int D, int bs, int rows, int use_amx, int k_per_channel) {
     static const float one = 1.0f;
     Problem P;
@@ -136,6 +143,9 @@ int kv8_test_item_kernel(int kv, int q_dtype, int D, int bs, int rows, int use_a
     pick_item_fn(P, &fast);
     if (!fast) return KERNEL_GENERIC;
 #if KV8_FAST
+#if KV8_ATTN_AMX
+    if (bs > 0 && decode_amx_fn(P, rows) != nullptr) return KERNEL_AMX_DECODE;
+#endif
     if (bs > 0 && decode_fn(P, rows) != nullptr) return KERNEL_DECODE;
 #if KV8_ATTN_AMX
     if (uses_amx_loop(P, rows)) return KERNEL_AMX;

@@ -164,10 +164,11 @@ class KernelLibrary:
         self._lib = lib
         self.has_fast_path = bool(lib.kv8_has_fast_path())
         lib.kv8_attention_amx_available.argtypes, lib.kv8_attention_amx_available.restype = [], ctypes.c_int
-        #: Whether prefill items multiply with AMX tiles (bf16 compute, head_dim a multiple of 64 up to 256, no
-        #: per-channel K scales). True where the build, the CPU and the OS allow it; setting it False takes the
-        #: AVX-512 path (tests do, to run both). The two paths sum in different orders: keep one choice for the
-        #: life of an engine, so a row's result never depends on when it is computed.
+        #: Whether prefill items (head_dim a multiple of 64 up to 256) and decode items (the decode kernel's)
+        #: multiply with AMX tiles, both with bf16 compute and no per-channel K scales. True where the build, the
+        #: CPU and the OS allow it; setting it False takes the AVX-512 paths (tests do, to run both). The two
+        #: paths sum in different orders: keep one choice for the life of an engine, so a row's result never
+        #: depends on when it is computed.
         self.amx = bool(lib.kv8_attention_amx_available())
         #: KV dtype name (``KVCacheDtype.name``) -> the library's code, and torch dtype -> compute code.
         self.kv_dtype_codes: dict[str, int] = _names(lib.kv8_kv_dtype_name)
@@ -264,7 +265,7 @@ class KernelLibrary:
 class KernelTesting:
     """The library's testing interface (``kv8_test_*`` exports): what only kv8's tests use, never production."""
 
-    ITEM_KERNELS = ("generic", "tile", "decode", "prefill", "amx")
+    ITEM_KERNELS = ("generic", "tile", "decode", "prefill", "amx", "amx_decode")
 
     def __init__(self, lib: KernelLibrary) -> None:
         self.lib = lib
@@ -280,9 +281,10 @@ class KernelTesting:
         """The item kernel that serves items of ``rows`` rows (query heads per KV head x query tokens of one
         sequence): "generic" (fp32), "tile" (AVX-512 BF16, any item), "decode" (AVX-512 BF16, decode-sized
         items: bf16 compute, an FP8 or bf16 cache, head_dim 64 / 128 / 256, blocks of a multiple of 16 tokens,
-        at most 4 rows), "prefill" (the tile kernel's loop for items of more than 4 rows and head_dim <= 128) or
-        "amx" (that loop on AMX tiles, where :attr:`KernelLibrary.amx`: bf16 compute, head_dim a multiple of 64
-        up to 256, K scales not per channel -- ``k_per_channel``)."""
+        at most 4 rows), "amx_decode" (those items on AMX tiles, where :attr:`KernelLibrary.amx` and the K scales
+        are not per channel -- ``k_per_channel``), "prefill" (the tile kernel's loop for items of more than 4
+        rows and head_dim <= 128) or "amx" (that loop on AMX tiles, where :attr:`KernelLibrary.amx`: bf16
+        compute, head_dim a multiple of 64 up to 256, K scales not per channel)."""
         code = self._c.kv8_test_item_kernel(self.lib.kv_dtype_codes[kv_dtype], self.lib.compute_codes[compute_dtype],
                                             head_dim, block_size, rows, int(self.lib.amx), int(k_per_channel))
         return self.ITEM_KERNELS[code]

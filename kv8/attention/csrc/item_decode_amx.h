@@ -1,0 +1,264 @@
+// The decode item kernel on AMX tiles: decode_fn's items (<= 4 rows, bf16 compute, blocks of a multiple of 16
+// tokens, D = 64 / 128 / 256) where the call grants AMX (Problem::amx) and the K scales are not per channel. The
+// loop of run_item_decode (item_decode.h): chunks of CHUNK_TILES tiles of 16 tokens, one online-softmax step per
+// chunk with the same arithmetic (exp2_weights, bf16 weights), the same prefetches; the two products move to
+// tdpbf16ps. Why: vdpbf16ps retires ~1.8 G/s per core on the Xeon kv8 is measured on (a microbenchmark of 12
+// independent chains), and the AVX-512 kernel issues ~190 per tile of 16 tokens (R = 3, D = 64).
+//
+// * Scores, transposed: S^T (16 tokens x R rows) = K (A: 16 decoded K rows x 32 channels) x Q^T (B: 16 channel
+//   pairs x R rows), over D / 32 steps. K needs only the row-wise table decode (no transposes): its lane order
+//   (fp8_to_bf16: w0 = channels 16L..16L+7 of each 128-bit lane L, w1 = 16L+8..16L+15) is applied to q instead
+//   when Q^T is built. A bf16 cache's K rows are the A tiles in place. Row r's 16 scores are gathered from the
+//   stored S^T (column r).
+// * P.V: O (R rows x 16 channels) = P (A: R rows x 32 tokens of bf16 weights) x V (B: 16 token pairs x 16
+//   channels: v_chunk_pairs' registers are the pair layout tdpbf16ps wants), per chunk and channel group into a
+//   zeroed C tile, then obuf = obuf x alpha + O (the accumulator layout: natural_order as the AVX-512 kernel).
+// * Order within a chunk, so that memory round trips overlap other work: K of every tile decoded, then the
+//   S^T tiles stored, then V decoded while those stores complete, then the gathers and the softmax, then P.V.
+// * Rows outside the item's [k0, t1) are zeros in the decoded K and V (pad_tile for a bf16 cache), masked in
+//   the scores, and weigh 0.
+// Tiles (configured per item, released when it returns): 0 = K (A) or V (B), 16 x 64 bytes; 1 = Q^T (B) and
+// 2 = S^T (C), 16 x 4R bytes; 3, 4 = P (A) of the chunk's two 32-token halves and 5, 6, 7 = O (C), R x 64 bytes.
+// The sums run in another order than the AVX-512 kernel's: KernelLibrary.amx is fixed for an engine's life.
+#pragma once
+
+#include "item_decode.h"
+
+#if KV8_ATTN_AMX
+
+struct DecodeTiles {
+    explicit DecodeTiles(int R) {
+        AmxConfig c;
+        memset(&c, 0, sizeof(c));
+        c.palette = 1;
+        const int rows[8] = {16, 16, 16, R, R, R, R, R};
+        const int colsb[8] = {64, 4 * R, 4 * R, 64, 64, 64, 64, 64};
+        for (int t = 0; t < 8; ++t) {
+            c.rows[t] = (uint8_t)rows[t];
+            c.colsb[t] = (uint16_t)colsb[t];
+        }
+        amx_load(c);
+    }
+    ~DecodeTiles() { _tile_release(); }
+};
+
+// One channel group g of the chunk's P.V into O tile OT: zeroed, the np 32-token halves multiplied, stored as
+// R rows of 16 fp32 at cbuf + 16 g (row stride D floats). A macro: the tile intrinsics take literal tile numbers.
+#define KV8_PV_GROUP(OT, g)                                                   \
+    do {                                                                      \
+        _tile_zero(OT);                                                       \
+        _tile_loadd(0, vbuf + (size_t)(g) * 16, 64);                          \
+        _tile_dpbf16ps(OT, 3, 0);                                             \
+        if (np > 1) {                                                         \
+            _tile_loadd(0, vbuf + (size_t)(NG + (g)) * 16, 64);               \
+            _tile_dpbf16ps(OT, 4, 0);                                         \
+        }                                                                     \
+        _tile_stored(OT, cbuf + 16 * (g), D * 4);                             \
+    } while (0)
+
+template <int KV, int D, int R>
+static int run_item_decode_amx(const Problem& P, const Item& it, float* ws) {
+    constexpr bool fp8 = KV != KV_BF16;
+    constexpr int RBYTES = D * (fp8 ? 1 : 2), CT = CHUNK_TILES, STEPS = D / 32, NG = D / 16;
+    constexpr int NV = chunk_accs<KV>();  // V accumulators (channel groups) per 64-byte chunk of a row
+    static_assert(CT == 4, "P tiles hold two 32-token halves of a chunk");
+    const Lut& L = lut_for(fp8 ? P.kv : KV_E4M3);
+    const Rows w = rows_of(P, it);
+    alignas(64) __m512i kbuf[CT][fp8 ? STEPS * 16 : 1];  // decoded K (fp8): tile j, step s, row t at [j][s 16 + t]
+    alignas(64) __m512i vbuf[2 * NG * 16];         // decoded V: half h, group g, token pair u at (h NG + g) 16 + u
+    alignas(64) uint32_t qt[STEPS * 16 * R];       // Q^T: step s, channel pair k, row r at (s * 16 + k) R + r
+    alignas(64) float sbuf[CT * 16 * 4];           // S^T of tile j: token t, row r at (j * 16 + t) * 4 + r
+    alignas(64) uint16_t pbuf[2 * R * 32];         // weights: half h, row r, token i at (h R + r) 32 + i
+    alignas(64) float obuf[R * D], cbuf[R * D], nat[D];
+    alignas(64) uint8_t pad_k_first[fp8 ? 1 : TILE * RBYTES], pad_k_last[fp8 ? 1 : TILE * RBYTES];
+    alignas(64) uint8_t pad_v_first[TILE * RBYTES], pad_v_last[TILE * RBYTES];
+    float mx[R], alpha[R];
+    __m512 sum[R];
+    int64_t lo[R], lim[R];
+
+    for (int r = 0; r < R; ++r) {
+        const int64_t src = ((w.qrow0 + r / P.G) * P.Hq + it.kvh * P.G + r % P.G) * (int64_t)D;
+        const uint16_t* q = (const uint16_t*)P.q + src;
+        for (int s = 0; s < STEPS; ++s)
+            for (int k = 0; k < 16; ++k) {
+                // the channel pair at position k of step s's A rows: fp8_to_bf16's lane order, or natural
+                const int c = fp8 ? 64 * (s / 2) + 16 * (k / 4) + 8 * (s % 2) + 2 * (k % 4) : 32 * s + 2 * k;
+                memcpy(qt + (s * 16 + k) * R + r, q + c, 4);  // bf16 channels c, c + 1
+            }
+        lim[r] = row_limit(P, it, w, r);
+        lo[r] = first_visible(P, lim[r]);
+        mx[r] = -INFINITY;
+        sum[r] = _mm512_setzero_ps();
+    }
+    const float sfac = P.sm_scale * k_head_scale(P, it.kvh);
+    memset(obuf, 0, sizeof(obuf));
+    const __m512i gather_rows = _mm512_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28, 32, 36, 40, 44, 48, 52, 56, 60);
+
+    const DecodeTiles tiles(R);
+    const int64_t* table = P.bt + (int64_t)it.seq * P.bt_stride;
+    for (int p = 0; p < PREFETCH_TILES; ++p)
+        prefetch_block_tile<RBYTES, true, false, false>(P, it, table, it.t0 + p * TILE);
+    for (int64_t c0 = it.t0; c0 < it.t1; c0 += CT * TILE) {
+        const int nt = (int)((it.t1 - c0 + TILE - 1) / TILE < CT ? (it.t1 - c0 + TILE - 1) / TILE : CT);
+        const uint8_t* vb[CT];
+        __m512 s[R][CT], vsv[CT];
+        __mmask16 valid[R][CT], have[CT];
+        // Per tile: prefetches, the block, K decoded for the A tiles (a bf16 cache's rows are read in place).
+        const void* ka[CT];
+        __m512 kf[CT];
+        for (int j = 0; j < nt; ++j) {
+            const int64_t t0 = c0 + j * TILE;
+            const int n = (int)(it.t1 - t0 < TILE ? it.t1 - t0 : TILE);
+            prefetch_block_tile<RBYTES, true, true, true>(P, it, table, t0 + L2_PREFETCH_TILES * TILE);
+            prefetch_block_tile<RBYTES, true, false, false>(P, it, table, t0 + PREFETCH_TILES * TILE);
+            prefetch_block_tile<RBYTES, false, true, false>(P, it, table, t0);
+            const int64_t blk = table[block_index(P, t0)];
+            if ((uint64_t)blk >= (uint64_t)P.num_blocks) return ERR_BLOCK_ID;
+            const int64_t row0 = (blk * P.Hkv + it.kvh) * P.bs + block_offset(P, t0);
+            const uint8_t* kb = P.kc + row0 * RBYTES;
+            vb[j] = P.vc + row0 * RBYTES;
+            const int lead = it.k0 > t0 ? (int)(it.k0 - t0) : 0;  // rows before k0 (first tile only)
+            have[j] = lane_range(lead, n);
+            kf[j] = _mm512_set1_ps(sfac);
+            if (P.kts) {
+                kf[j] = _mm512_mul_ps(kf[j], _mm512_maskz_loadu_ps(have[j], P.kts + row0));
+                vsv[j] = _mm512_maskz_loadu_ps(have[j], P.vts + row0);
+            }
+            const bool partial = n < TILE || lead > 0;
+            if (partial) vb[j] = pad_tile<RBYTES>(lead > 0 ? pad_v_first : pad_v_last, vb[j], lead, n);
+            if (fp8) {
+                __m512i* kd = kbuf[j];
+                for (int t = 0; t < TILE; ++t) {
+                    const bool in = t >= lead && t < n;
+                    for (int z = 0; z < D / 64; ++z) {
+                        __m512i w0 = _mm512_setzero_si512(), w1 = _mm512_setzero_si512();
+                        if (in) fp8_to_bf16<KV>(_mm512_loadu_si512(kb + t * RBYTES + z * 64), L, w0, w1);
+                        _mm512_store_si512(kd + (2 * z) * 16 + t, w0);
+                        _mm512_store_si512(kd + (2 * z + 1) * 16 + t, w1);
+                    }
+                }
+                ka[j] = kd;
+            } else {
+                ka[j] = partial ? pad_tile<RBYTES>(lead > 0 ? pad_k_first : pad_k_last, kb, lead, n) : kb;
+            }
+        }
+        // S^T of each tile (A steps 64 bytes apart in a row of RA bytes), stored for the gathers below.
+        constexpr int RA = fp8 ? 64 : RBYTES;
+        for (int j = 0; j < nt; ++j) {
+            const char* a = (const char*)ka[j];
+            _tile_zero(2);
+            for (int st = 0; st < STEPS; ++st) {
+                _tile_loadd(0, a + (fp8 ? st * 16 * 64 : st * 64), RA);
+                _tile_loadd(1, qt + st * 16 * R, 4 * R);
+                _tile_dpbf16ps(2, 0, 1);
+            }
+            _tile_stored(2, sbuf + j * 64, 16);
+        }
+        const int np = (nt + 1) / 2;
+        // V of the chunk in the pair layout: half h, group g = z NV + m, pair u = tokens 2u, 2u + 1 of the half.
+        for (int h = 0; h < np; ++h)
+            for (int u = 0; u < 16; ++u) {
+                const int j = 2 * h + u / 8;
+                __m512i* dst = vbuf + (size_t)h * NG * 16 + u;
+                if (j >= nt) {
+                    for (int g = 0; g < NG; ++g) _mm512_store_si512(dst + g * 16, _mm512_setzero_si512());
+                    continue;
+                }
+                const uint8_t* a = vb[j] + (2 * (u % 8)) * RBYTES;
+                for (int z = 0; z < RBYTES / 64; ++z) {
+                    __m512i v[4];
+                    v_chunk_pairs<KV>(_mm512_loadu_si512(a + z * 64), _mm512_loadu_si512(a + RBYTES + z * 64), L, v);
+                    for (int m = 0; m < NV; ++m) _mm512_store_si512(dst + (z * NV + m) * 16, v[m]);
+                }
+            }
+        for (int j = 0; j < nt; ++j) {
+            const int64_t t0 = c0 + j * TILE;
+            for (int r = 0; r < R; ++r) {  // visible tokens of this tile: [first - t0, limit - t0] within have
+                valid[r][j] = have[j] & lane_range(lo[r] - t0, lim[r] - t0 + 1);
+                const __m512 sc = _mm512_i32gather_ps(_mm512_add_epi32(gather_rows, _mm512_set1_epi32(r)),
+                                                      sbuf + j * 64, 4);
+                s[r][j] = _mm512_mask_mul_ps(_mm512_set1_ps(-INFINITY), valid[r][j], sc, kf[j]);
+            }
+        }
+        // Weights (bf16) of each row into its P rows; tokens past the chunk's last tile weigh 0.
+        for (int r = 0; r < R; ++r) {
+            __m512 m = s[r][0];
+            for (int j = 1; j < nt; ++j) m = _mm512_max_ps(m, s[r][j]);
+            const float cm = _mm512_reduce_max_ps(m);
+            if (cm == -INFINITY) {  // the row sees nothing of this chunk (a multi-token item's early rows)
+                alpha[r] = 1.0f;
+                for (int h = 0; h < np; ++h) memset(pbuf + (h * R + r) * 32, 0, 64);
+                continue;
+            }
+            const float mnew = cm > mx[r] ? cm : mx[r];
+            alpha[r] = mnew == mx[r] ? 1.0f : expf(mx[r] - mnew);
+            mx[r] = mnew;
+            const __m512 log2e = _mm512_set1_ps(LOG2E), m2 = _mm512_set1_ps(mnew * LOG2E);
+            __m512 psum = _mm512_setzero_ps();
+            for (int j = 0; j < 2 * np; ++j) {
+                uint16_t* dst = pbuf + ((j / 2) * R + r) * 32 + (j % 2) * 16;
+                if (j >= nt) {
+                    _mm256_store_si256((__m256i*)dst, _mm256_setzero_si256());
+                    continue;
+                }
+                __m512 p = _mm512_maskz_mov_ps(valid[r][j], exp2_weights(s[r][j], log2e, m2));
+                psum = _mm512_add_ps(psum, p);
+                if (P.vts) p = _mm512_mul_ps(p, vsv[j]);  // per-token V scale rides on the weight
+                _mm256_store_si256((__m256i*)dst, (__m256i)_mm512_cvtneps_pbh(p));
+            }
+            sum[r] = _mm512_fmadd_ps(sum[r], _mm512_set1_ps(alpha[r]), psum);
+        }
+        _tile_loadd(3, pbuf, 64);
+        if (np > 1) _tile_loadd(4, pbuf + R * 32, 64);
+        for (int g = 0; g < NG; g += 3) {
+            KV8_PV_GROUP(5, g);
+            if (g + 1 < NG) KV8_PV_GROUP(6, g + 1);
+            if (g + 2 < NG) KV8_PV_GROUP(7, g + 2);
+        }
+        for (int r = 0; r < R; ++r) {
+            const __m512 a = _mm512_set1_ps(alpha[r]);
+            for (int d = 0; d < D; d += 16)
+                _mm512_store_ps(obuf + r * D + d, _mm512_fmadd_ps(_mm512_load_ps(obuf + r * D + d), a,
+                                                                  _mm512_load_ps(cbuf + r * D + d)));
+        }
+    }
+    for (int r = 0; r < R; ++r) {
+        natural_order(KV, obuf + r * D, D, D, nat);
+        finish_row(P, it, w, r, nat, mx[r], _mm512_reduce_add_ps(sum[r]), ws);
+    }
+    return OK;
+}
+#undef KV8_PV_GROUP
+
+// The AMX decode item kernel for this problem and item rows, or NULL where it does not serve (decode_fn's
+// items, P.amx, K scales not per channel).
+template <int KV>
+static ItemFn decode_amx_fn_kv(int D, int R) {
+#define KV8_ROWS(DD)                                        \
+    switch (R) {                                            \
+        case 1: return run_item_decode_amx<KV, DD, 1>;      \
+        case 2: return run_item_decode_amx<KV, DD, 2>;      \
+        case 3: return run_item_decode_amx<KV, DD, 3>;      \
+        case 4: return run_item_decode_amx<KV, DD, 4>;      \
+        default: return nullptr;                            \
+    }
+    switch (D) {
+        case 64: KV8_ROWS(64)
+        case 128: KV8_ROWS(128)
+        case 256: KV8_ROWS(256)
+        default: return nullptr;
+    }
+#undef KV8_ROWS
+}
+
+static ItemFn decode_amx_fn(const Problem& P, int R) {
+    if (!P.amx || k_per_channel(P) || P.bs % TILE != 0 || P.q_dtype != DT_BF16) return nullptr;
+    switch (P.kv) {
+        case KV_E4M3: case KV_E5M2: return decode_amx_fn_kv<KV_E4M3>(P.D, R);  // tables per format
+        case KV_E4M3FNUZ: return decode_amx_fn_kv<KV_E4M3FNUZ>(P.D, R);
+        case KV_BF16: return decode_amx_fn_kv<KV_BF16>(P.D, R);
+        default: return nullptr;
+    }
+}
+
+#endif  // KV8_ATTN_AMX
