@@ -111,6 +111,89 @@ static inline void prefetch_block_tile(const Problem& P, const Item& it, const i
     }
 }
 
+// Tiles of the chunk at c0: CHUNK_TILES but at the item's end.
+static inline int chunk_tiles(const Item& it, int64_t c0) {
+    const int64_t left = (it.t1 - c0 + TILE - 1) / TILE;
+    return left < CHUNK_TILES ? (int)left : CHUNK_TILES;
+}
+
+// The item's row of block table, once the K of its first PREFETCH_TILES tiles is on its way into L1
+// (decode_tile keeps the stream going from there).
+template <int RBYTES>
+static inline const int64_t* item_table(const Problem& P, const Item& it) {
+    const int64_t* table = P.bt + (int64_t)it.seq * P.bt_stride;
+    for (int p = 0; p < PREFETCH_TILES; ++p)
+        prefetch_block_tile<RBYTES, true, false, false>(P, it, table, it.t0 + p * TILE);
+    return table;
+}
+
+// One tile of a decode item (16 rows of one block): where its K and V rows start, the rows the item reads
+// (have = [lead, n)), the factor of its scores (the score factor, times the per-token K scales where the cache
+// has them: kf) and the per-token V scales (vs, only then).
+struct DecodeTile {
+    const uint8_t* k;
+    const uint8_t* v;
+    int lead, n;
+    __mmask16 have;
+    __m512 kf, vs;
+};
+
+// The tile at t0, after its prefetches: from DRAM, K and V into L2 L2_PREFETCH_TILES ahead, K into L1
+// PREFETCH_TILES ahead, V of this tile into L1 now (its P.V comes after the chunk's scores; measured ~1.25x
+// over L1 prefetch alone). ERR_BLOCK_ID for a block id outside the cache.
+template <int RBYTES>
+static inline int decode_tile(const Problem& P, const Item& it, const int64_t* table, int64_t t0, float sfac,
+                              DecodeTile& T) {
+    prefetch_block_tile<RBYTES, true, true, true>(P, it, table, t0 + L2_PREFETCH_TILES * TILE);
+    prefetch_block_tile<RBYTES, true, false, false>(P, it, table, t0 + PREFETCH_TILES * TILE);
+    prefetch_block_tile<RBYTES, false, true, false>(P, it, table, t0);
+    const int64_t blk = table[block_index(P, t0)];
+    if ((uint64_t)blk >= (uint64_t)P.num_blocks) return ERR_BLOCK_ID;
+    const int64_t row0 = (blk * P.Hkv + it.kvh) * P.bs + block_offset(P, t0);
+    T.k = P.kc + row0 * RBYTES;
+    T.v = P.vc + row0 * RBYTES;
+    T.n = (int)(it.t1 - t0 < TILE ? it.t1 - t0 : TILE);
+    T.lead = it.k0 > t0 ? (int)(it.k0 - t0) : 0;  // rows before k0 (first tile only)
+    T.have = lane_range(T.lead, T.n);
+    T.kf = _mm512_set1_ps(sfac);
+    T.vs = _mm512_set1_ps(1.0f);
+    if (P.kts) {
+        T.kf = _mm512_mul_ps(T.kf, _mm512_maskz_loadu_ps(T.have, P.kts + row0));
+        T.vs = _mm512_maskz_loadu_ps(T.have, P.vts + row0);
+    }
+    return OK;
+}
+
+// The online-softmax step of one row on the scores s[j] of a chunk's nt tiles (-inf where masked: valid[j]):
+// the chunk's max moves the row's max mx (alpha: the factor of its output accumulators and of sum), the weights
+// e^(s - mx) (exp2_weights) add to sum and are written as bf16 -- times the per-token V scales vs[j] when
+// vscale -- tile j's 16 at dst + (j / 2) * pair_stride + (j % 2) * 16. A row that sees nothing of the chunk
+// keeps its max and gets zero weights. Returns alpha.
+static inline float decode_weights(const __m512* s, const __mmask16* valid, const __m512* vs, bool vscale, int nt,
+                                   float& mx, __m512& sum, uint16_t* dst, int pair_stride) {
+    __m512 m = s[0];
+    for (int j = 1; j < nt; ++j) m = _mm512_max_ps(m, s[j]);
+    const float cm = _mm512_reduce_max_ps(m);
+    if (cm == -INFINITY) {  // the row sees nothing of this chunk (a multi-token item's early rows)
+        for (int j = 0; j < nt; ++j) _mm256_store_si256((__m256i*)(dst + (j / 2) * pair_stride + (j % 2) * 16),
+                                                        _mm256_setzero_si256());
+        return 1.0f;
+    }
+    const float mnew = cm > mx ? cm : mx;
+    const float alpha = mnew == mx ? 1.0f : expf(mx - mnew);
+    mx = mnew;
+    const __m512 log2e = _mm512_set1_ps(LOG2E), m2 = _mm512_set1_ps(mnew * LOG2E);
+    __m512 psum = _mm512_setzero_ps();
+    for (int j = 0; j < nt; ++j) {
+        __m512 p = _mm512_maskz_mov_ps(valid[j], exp2_weights(s[j], log2e, m2));
+        psum = _mm512_add_ps(psum, p);
+        if (vscale) p = _mm512_mul_ps(p, vs[j]);  // per-token V scale rides on the weight
+        _mm256_store_si256((__m256i*)(dst + (j / 2) * pair_stride + (j % 2) * 16), (__m256i)_mm512_cvtneps_pbh(p));
+    }
+    sum = _mm512_fmadd_ps(sum, _mm512_set1_ps(alpha), psum);
+    return alpha;
+}
+
 template <int KV, int D, int R>
 static int run_item_decode(const Problem& P, const Item& it, float* ws) {
     constexpr bool fp8 = KV != KV_BF16;
@@ -135,69 +218,34 @@ static int run_item_decode(const Problem& P, const Item& it, float* ws) {
     }
     memset(obuf, 0, sizeof(obuf));
 
-    const int64_t* table = P.bt + (int64_t)it.seq * P.bt_stride;
-    for (int p = 0; p < PREFETCH_TILES; ++p)
-        prefetch_block_tile<RBYTES, true, false, false>(P, it, table, it.t0 + p * TILE);
+    const int64_t* table = item_table<RBYTES>(P, it);
     for (int64_t c0 = it.t0; c0 < it.t1; c0 += CT * TILE) {
-        const int nt = (int)((it.t1 - c0 + TILE - 1) / TILE < CT ? (it.t1 - c0 + TILE - 1) / TILE : CT);
+        const int nt = chunk_tiles(it, c0);
         const uint8_t* vb[CT];
         __m512 s[R][CT], vsv[CT];
         __mmask16 valid[R][CT];
         for (int j = 0; j < nt; ++j) {
             const int64_t t0 = c0 + j * TILE;
-            const int n = (int)(it.t1 - t0 < TILE ? it.t1 - t0 : TILE);
-            // From DRAM: K and V into L2 L2_PREFETCH_TILES ahead, K into L1 two tiles ahead, V of this tile
-            // into L1 now (its P.V comes after the chunk's scores). Measured ~1.25x over L1 prefetch alone.
-            prefetch_block_tile<RBYTES, true, true, true>(P, it, table, t0 + L2_PREFETCH_TILES * TILE);
-            prefetch_block_tile<RBYTES, true, false, false>(P, it, table, t0 + PREFETCH_TILES * TILE);
-            prefetch_block_tile<RBYTES, false, true, false>(P, it, table, t0);
-            const int64_t blk = table[block_index(P, t0)];
-            if ((uint64_t)blk >= (uint64_t)P.num_blocks) return ERR_BLOCK_ID;
-            const int64_t row0 = (blk * P.Hkv + it.kvh) * P.bs + block_offset(P, t0);
-            const uint8_t* kb = P.kc + row0 * RBYTES;
-            vb[j] = P.vc + row0 * RBYTES;
-            const int lead = it.k0 > t0 ? (int)(it.k0 - t0) : 0;  // rows before k0 (first tile only)
-            const __mmask16 have = lane_range(lead, n);           // rows of this tile the item reads
-            __m512 kf = _mm512_set1_ps(sfac);
-            if (P.kts) {
-                kf = _mm512_mul_ps(kf, _mm512_maskz_loadu_ps(have, P.kts + row0));
-                vsv[j] = _mm512_maskz_loadu_ps(have, P.vts + row0);
-            }
-            if (n < TILE || lead > 0) {  // rows past the sequence or before the window: read zeros instead
-                kb = pad_tile<RBYTES>(pad_k, kb, lead, n);
-                vb[j] = pad_tile<RBYTES>(lead > 0 ? pad_v_first : pad_v_last, vb[j], lead, n);
+            DecodeTile T;
+            if (decode_tile<RBYTES>(P, it, table, t0, sfac, T) != OK) return ERR_BLOCK_ID;
+            const uint8_t* kb = T.k;
+            vb[j] = T.v;
+            vsv[j] = T.vs;
+            if (T.n < TILE || T.lead > 0) {  // rows past the sequence or before the window: read zeros instead
+                kb = pad_tile<RBYTES>(pad_k, kb, T.lead, T.n);
+                vb[j] = pad_tile<RBYTES>(T.lead > 0 ? pad_v_first : pad_v_last, vb[j], T.lead, T.n);
             }
             __m512 sc[R];
             if (kch) tile_scores_inplace<KV, D, R, true>(kb, L, qhi, qlo, sc);
             else tile_scores_inplace<KV, D, R, false>(kb, L, qhi, qlo, sc);
             for (int r = 0; r < R; ++r) {  // visible tokens of this tile: [first - t0, limit - t0] within have
-                valid[r][j] = have & lane_range(lo[r] - t0, lim[r] - t0 + 1);
-                s[r][j] = _mm512_mask_mul_ps(_mm512_set1_ps(-INFINITY), valid[r][j], sc[r], kf);
+                valid[r][j] = T.have & lane_range(lo[r] - t0, lim[r] - t0 + 1);
+                s[r][j] = _mm512_mask_mul_ps(_mm512_set1_ps(-INFINITY), valid[r][j], sc[r], T.kf);
             }
         }
-        for (int r = 0; r < R; ++r) {
-            __m512 m = s[r][0];
-            for (int j = 1; j < nt; ++j) m = _mm512_max_ps(m, s[r][j]);
-            const float cm = _mm512_reduce_max_ps(m);
-            uint32_t* ph = phi + r * CT * 8;
-            if (cm == -INFINITY) {  // the row sees nothing of this chunk (a multi-token item's early rows)
-                alpha[r] = 1.0f;
-                memset(ph, 0, CT * 32);
-                continue;
-            }
-            const float mnew = cm > mx[r] ? cm : mx[r];
-            alpha[r] = mnew == mx[r] ? 1.0f : expf(mx[r] - mnew);
-            mx[r] = mnew;
-            const __m512 log2e = _mm512_set1_ps(LOG2E), m2 = _mm512_set1_ps(mnew * LOG2E);
-            __m512 psum = _mm512_setzero_ps();
-            for (int j = 0; j < nt; ++j) {
-                __m512 p = _mm512_maskz_mov_ps(valid[r][j], exp2_weights(s[r][j], log2e, m2));
-                psum = _mm512_add_ps(psum, p);
-                if (P.vts) p = _mm512_mul_ps(p, vsv[j]);  // per-token V scale rides on the weight
-                _mm256_store_si256((__m256i*)(ph + j * 8), (__m256i)_mm512_cvtneps_pbh(p));
-            }
-            sum[r] = _mm512_fmadd_ps(sum[r], _mm512_set1_ps(alpha[r]), psum);
-        }
+        for (int r = 0; r < R; ++r)  // row r's weights: tile j's at dwords (r * CT + j) * 8 of phi
+            alpha[r] = decode_weights(s[r], valid[r], vsv, P.vts != nullptr, nt, mx[r], sum[r],
+                                      (uint16_t*)(phi + r * CT * 8), 32);
         chunk_pv_inplace<KV, D, R>(vb, nt, L, phi, obuf, alpha);
     }
     for (int r = 0; r < R; ++r) {
@@ -207,16 +255,24 @@ static int run_item_decode(const Problem& P, const Item& it, float* ws) {
     return OK;
 }
 
-// The decode item kernel for this problem and item rows, or NULL where the tile kernel serves.
-template <int KV>
-static ItemFn decode_fn_kv(int D, int R) {
-#define KV8_ROWS(DD)                                    \
-    switch (R) {                                        \
-        case 1: return run_item_decode<KV, DD, 1>;      \
-        case 2: return run_item_decode<KV, DD, 2>;      \
-        case 3: return run_item_decode<KV, DD, 3>;      \
-        case 4: return run_item_decode<KV, DD, 4>;      \
-        default: return nullptr;                        \
+// A decode kernel family (AvxDecode here, AmxDecode in item_decode_amx.h): Family::fn<KV, D, R>() is its
+// instance for those parameters.
+struct AvxDecode {
+    template <int KV, int D, int R>
+    static ItemFn fn() { return run_item_decode<KV, D, R>; }
+};
+
+// The family's instance for the problem's cache format, D and item rows R, or NULL where it has none (D other
+// than 64 / 128 / 256, more than 4 rows, blocks not a multiple of 16 tokens, compute other than bf16).
+template <class Family, int KV>
+static ItemFn decode_instance(int D, int R) {
+#define KV8_ROWS(DD)                                                   \
+    switch (R) {                                                       \
+        case 1: return Family::template fn<KV, DD, 1>();               \
+        case 2: return Family::template fn<KV, DD, 2>();               \
+        case 3: return Family::template fn<KV, DD, 3>();               \
+        case 4: return Family::template fn<KV, DD, 4>();               \
+        default: return nullptr;                                       \
     }
     switch (D) {
         case 64: KV8_ROWS(64)
@@ -227,14 +283,18 @@ static ItemFn decode_fn_kv(int D, int R) {
 #undef KV8_ROWS
 }
 
-static ItemFn decode_fn(const Problem& P, int R) {
+template <class Family>
+static ItemFn decode_family_fn(const Problem& P, int R) {
     if (P.bs % TILE != 0 || P.q_dtype != DT_BF16) return nullptr;
     switch (P.kv) {
-        case KV_E4M3: case KV_E5M2: return decode_fn_kv<KV_E4M3>(P.D, R);  // table decode, tables per format
-        case KV_E4M3FNUZ: return decode_fn_kv<KV_E4M3FNUZ>(P.D, R);
-        case KV_BF16: return decode_fn_kv<KV_BF16>(P.D, R);
+        case KV_E4M3: case KV_E5M2: return decode_instance<Family, KV_E4M3>(P.D, R);  // tables per format
+        case KV_E4M3FNUZ: return decode_instance<Family, KV_E4M3FNUZ>(P.D, R);
+        case KV_BF16: return decode_instance<Family, KV_BF16>(P.D, R);
         default: return nullptr;
     }
 }
+
+// The decode item kernel (AVX-512) for this problem and item rows, or NULL where the tile kernel serves.
+static ItemFn decode_fn(const Problem& P, int R) { return decode_family_fn<AvxDecode>(P, R); }
 
 #endif  // KV8_FAST

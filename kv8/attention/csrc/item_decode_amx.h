@@ -95,11 +95,9 @@ static int run_item_decode_amx(const Problem& P, const Item& it, float* ws) {
     const __m512i gather_rows = _mm512_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28, 32, 36, 40, 44, 48, 52, 56, 60);
 
     const DecodeTiles tiles(R);
-    const int64_t* table = P.bt + (int64_t)it.seq * P.bt_stride;
-    for (int p = 0; p < PREFETCH_TILES; ++p)
-        prefetch_block_tile<RBYTES, true, false, false>(P, it, table, it.t0 + p * TILE);
+    const int64_t* table = item_table<RBYTES>(P, it);
     for (int64_t c0 = it.t0; c0 < it.t1; c0 += CT * TILE) {
-        const int nt = (int)((it.t1 - c0 + TILE - 1) / TILE < CT ? (it.t1 - c0 + TILE - 1) / TILE : CT);
+        const int nt = chunk_tiles(it, c0);
         const uint8_t* vb[CT];
         __m512 s[R][CT], vsv[CT];
         __mmask16 valid[R][CT], have[CT];
@@ -107,25 +105,15 @@ static int run_item_decode_amx(const Problem& P, const Item& it, float* ws) {
         const void* ka[CT];
         __m512 kf[CT];
         for (int j = 0; j < nt; ++j) {
-            const int64_t t0 = c0 + j * TILE;
-            const int n = (int)(it.t1 - t0 < TILE ? it.t1 - t0 : TILE);
-            prefetch_block_tile<RBYTES, true, true, true>(P, it, table, t0 + L2_PREFETCH_TILES * TILE);
-            prefetch_block_tile<RBYTES, true, false, false>(P, it, table, t0 + PREFETCH_TILES * TILE);
-            prefetch_block_tile<RBYTES, false, true, false>(P, it, table, t0);
-            const int64_t blk = table[block_index(P, t0)];
-            if ((uint64_t)blk >= (uint64_t)P.num_blocks) return ERR_BLOCK_ID;
-            const int64_t row0 = (blk * P.Hkv + it.kvh) * P.bs + block_offset(P, t0);
-            const uint8_t* kb = P.kc + row0 * RBYTES;
-            vb[j] = P.vc + row0 * RBYTES;
-            const int lead = it.k0 > t0 ? (int)(it.k0 - t0) : 0;  // rows before k0 (first tile only)
-            have[j] = lane_range(lead, n);
-            kf[j] = _mm512_set1_ps(sfac);
-            if (P.kts) {
-                kf[j] = _mm512_mul_ps(kf[j], _mm512_maskz_loadu_ps(have[j], P.kts + row0));
-                vsv[j] = _mm512_maskz_loadu_ps(have[j], P.vts + row0);
-            }
+            DecodeTile T;
+            if (decode_tile<RBYTES>(P, it, table, c0 + j * TILE, sfac, T) != OK) return ERR_BLOCK_ID;
+            const uint8_t* kb = T.k;
+            const int lead = T.lead, n = T.n;
+            have[j] = T.have;
+            kf[j] = T.kf;
+            vsv[j] = T.vs;
             const bool partial = n < TILE || lead > 0;
-            if (partial) vb[j] = pad_tile<RBYTES>(lead > 0 ? pad_v_first : pad_v_last, vb[j], lead, n);
+            vb[j] = partial ? pad_tile<RBYTES>(lead > 0 ? pad_v_first : pad_v_last, T.v, lead, n) : T.v;
             if (fp8) {
                 __m512i* kd = kbuf[j];
                 for (int t = 0; t < TILE; ++t) {
@@ -181,32 +169,10 @@ static int run_item_decode_amx(const Problem& P, const Item& it, float* ws) {
             }
         }
         // Weights (bf16) of each row into its P rows; tokens past the chunk's last tile weigh 0.
-        for (int r = 0; r < R; ++r) {
-            __m512 m = s[r][0];
-            for (int j = 1; j < nt; ++j) m = _mm512_max_ps(m, s[r][j]);
-            const float cm = _mm512_reduce_max_ps(m);
-            if (cm == -INFINITY) {  // the row sees nothing of this chunk (a multi-token item's early rows)
-                alpha[r] = 1.0f;
-                for (int h = 0; h < np; ++h) memset(pbuf + (h * R + r) * 32, 0, 64);
-                continue;
-            }
-            const float mnew = cm > mx[r] ? cm : mx[r];
-            alpha[r] = mnew == mx[r] ? 1.0f : expf(mx[r] - mnew);
-            mx[r] = mnew;
-            const __m512 log2e = _mm512_set1_ps(LOG2E), m2 = _mm512_set1_ps(mnew * LOG2E);
-            __m512 psum = _mm512_setzero_ps();
-            for (int j = 0; j < 2 * np; ++j) {
-                uint16_t* dst = pbuf + ((j / 2) * R + r) * 32 + (j % 2) * 16;
-                if (j >= nt) {
-                    _mm256_store_si256((__m256i*)dst, _mm256_setzero_si256());
-                    continue;
-                }
-                __m512 p = _mm512_maskz_mov_ps(valid[r][j], exp2_weights(s[r][j], log2e, m2));
-                psum = _mm512_add_ps(psum, p);
-                if (P.vts) p = _mm512_mul_ps(p, vsv[j]);  // per-token V scale rides on the weight
-                _mm256_store_si256((__m256i*)dst, (__m256i)_mm512_cvtneps_pbh(p));
-            }
-            sum[r] = _mm512_fmadd_ps(sum[r], _mm512_set1_ps(alpha[r]), psum);
+        for (int r = 0; r < R; ++r) {  // row r's weights: half h at pbuf + (h R + r) 32
+            alpha[r] = decode_weights(s[r], valid[r], vsv, P.vts != nullptr, nt, mx[r], sum[r], pbuf + r * 32,
+                                      R * 32);
+            if (nt % 2) _mm256_store_si256((__m256i*)(pbuf + ((nt / 2) * R + r) * 32 + 16), _mm256_setzero_si256());
         }
         _tile_loadd(3, pbuf, 64);
         if (np > 1) _tile_loadd(4, pbuf + R * 32, 64);
@@ -230,35 +196,15 @@ static int run_item_decode_amx(const Problem& P, const Item& it, float* ws) {
 }
 #undef KV8_PV_GROUP
 
+struct AmxDecode {
+    template <int KV, int D, int R>
+    static ItemFn fn() { return run_item_decode_amx<KV, D, R>; }
+};
+
 // The AMX decode item kernel for this problem and item rows, or NULL where it does not serve (decode_fn's
 // items, P.amx, K scales not per channel).
-template <int KV>
-static ItemFn decode_amx_fn_kv(int D, int R) {
-#define KV8_ROWS(DD)                                        \
-    switch (R) {                                            \
-        case 1: return run_item_decode_amx<KV, DD, 1>;      \
-        case 2: return run_item_decode_amx<KV, DD, 2>;      \
-        case 3: return run_item_decode_amx<KV, DD, 3>;      \
-        case 4: return run_item_decode_amx<KV, DD, 4>;      \
-        default: return nullptr;                            \
-    }
-    switch (D) {
-        case 64: KV8_ROWS(64)
-        case 128: KV8_ROWS(128)
-        case 256: KV8_ROWS(256)
-        default: return nullptr;
-    }
-#undef KV8_ROWS
-}
-
 static ItemFn decode_amx_fn(const Problem& P, int R) {
-    if (!P.amx || k_per_channel(P) || P.bs % TILE != 0 || P.q_dtype != DT_BF16) return nullptr;
-    switch (P.kv) {
-        case KV_E4M3: case KV_E5M2: return decode_amx_fn_kv<KV_E4M3>(P.D, R);  // tables per format
-        case KV_E4M3FNUZ: return decode_amx_fn_kv<KV_E4M3FNUZ>(P.D, R);
-        case KV_BF16: return decode_amx_fn_kv<KV_BF16>(P.D, R);
-        default: return nullptr;
-    }
+    return P.amx && !k_per_channel(P) ? decode_family_fn<AmxDecode>(P, R) : nullptr;
 }
 
 #endif  // KV8_ATTN_AMX
