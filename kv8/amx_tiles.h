@@ -36,17 +36,27 @@ struct alignas(64) AmxConfig {
 // a caller's rows are constants).
 static inline void amx_load(const AmxConfig& c) { __asm__ volatile("ldtilecfg %0" : : "m"(c)); }
 
-// Loads (for the calling thread) a configuration of the 8 tiles of palette 1, 64 bytes per row: tiles
-// 0 .. split-1 have `rows` rows, the others 16.
-static inline void amx_load_config(int rows, int split) {
+// Loads (for the calling thread) the 8 tiles of palette 1, tile t with rows[t] rows of colsb[t] bytes.
+static inline void amx_configure(const int rows[8], const int colsb[8]) {
     AmxConfig c;
     memset(&c, 0, sizeof(c));
     c.palette = 1;
     for (int t = 0; t < 8; ++t) {
-        c.rows[t] = (uint8_t)(t >= split ? 16 : rows);
-        c.colsb[t] = 64;
+        c.rows[t] = (uint8_t)rows[t];
+        c.colsb[t] = (uint16_t)colsb[t];
     }
     amx_load(c);
+}
+
+// Loads (for the calling thread) a configuration of the 8 tiles of palette 1, 64 bytes per row: tiles
+// 0 .. split-1 have `rows` rows, the others 16.
+static inline void amx_load_config(int rows, int split) {
+    int r[8], colsb[8];
+    for (int t = 0; t < 8; ++t) {
+        r[t] = t >= split ? 16 : rows;
+        colsb[t] = 64;
+    }
+    amx_configure(r, colsb);
 }
 #else
 #define KV8_AMX 0

@@ -37,8 +37,9 @@
 // query_start_loc [num_seqs + 1], seq_lens [num_seqs], block_tables [num_seqs, block_table_stride], int64.
 // partition_size: context tokens per partition (rounded up to 16), 0 = automatic, < 0 = never split.
 // sliding_window: W >= 1 = the query at position p sees keys p - W < k <= p only; 0 = full causal attention.
-// use_amx: 1 = prefill items may multiply with AMX tiles where the build, the CPU and the OS allow it (item_tile.h);
-// 0 = never (the AVX-512 path; the two sum in different orders, so a caller keeps one choice for good).
+// use_amx: 1 = prefill and decode items may multiply with AMX tiles where the build, the CPU and the OS allow it
+// (item_tile.h, item_decode_amx.h); 0 = never (the AVX-512 paths; the two sum in different orders, so a caller
+// keeps one choice for good).
 // With a window, block-table entries of blocks wholly before the first query's window hold anything and are
 // never read (kv8.attention.metadata).
 #define KV8_ATTENTION_CALL_FIELDS(X)      \

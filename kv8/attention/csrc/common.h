@@ -19,7 +19,8 @@
 #define KV8_FAST 0
 #endif
 
-// AMX-BF16 tiles for the prefill loop (item_tile.h) where the build targets them, on top of the fast path.
+// AMX-BF16 tiles for the prefill loop (item_tile.h) and decode items (item_decode_amx.h) where the build targets
+// them, on top of the fast path.
 #include "../../amx_tiles.h"
 #define KV8_ATTN_AMX (KV8_FAST && KV8_AMX)
 

@@ -28,16 +28,9 @@
 
 struct DecodeTiles {
     explicit DecodeTiles(int R) {
-        AmxConfig c;
-        memset(&c, 0, sizeof(c));
-        c.palette = 1;
         const int rows[8] = {16, 16, 16, R, R, R, R, R};
         const int colsb[8] = {64, 4 * R, 4 * R, 64, 64, 64, 64, 64};
-        for (int t = 0; t < 8; ++t) {
-            c.rows[t] = (uint8_t)rows[t];
-            c.colsb[t] = (uint16_t)colsb[t];
-        }
-        amx_load(c);
+        amx_configure(rows, colsb);
     }
     ~DecodeTiles() { _tile_release(); }
 };

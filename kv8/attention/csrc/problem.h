@@ -58,7 +58,7 @@ struct Problem {
     int64_t window;  // sliding window W (>= 1), or 0: full causal attention
     int qb;        // query tokens per item
     int bs_shift;  // log2(bs) when bs is a power of two, else -1 (divisions are slow in the tile loop)
-    bool amx;      // AMX tiles may serve prefill items (the call asked, and the build, CPU and OS allow it)
+    bool amx;      // AMX tiles may serve prefill and decode items (the call asked; the build, CPU and OS allow it)
 };
 
 // Whether a call with use_amx may multiply with AMX tiles: it asks, the build targets them and the OS grants them.
