@@ -88,21 +88,6 @@ static inline const uint8_t* pad_tile(uint8_t* pad, const uint8_t* src, int lead
     return pad;
 }
 
-// The K and/or V lines (and per-token scales) of `rows` consecutive cache rows from row `row`, into L2 or L1.
-template <int RBYTES, bool K, bool V, bool L2>
-static inline void prefetch_rows(const Problem& P, int64_t row, int rows) {
-    const char* k = (const char*)(P.kc + row * RBYTES);
-    const char* v = (const char*)(P.vc + row * RBYTES);
-    for (int b = 0; b < rows * RBYTES; b += 64) {
-        if (K) L2 ? prefetch_l2(k + b) : prefetch_l1(k + b);
-        if (V) L2 ? prefetch_l2(v + b) : prefetch_l1(v + b);
-    }
-    if (P.kts) {
-        if (K) L2 ? prefetch_l2(P.kts + row) : prefetch_l1(P.kts + row);
-        if (V) L2 ? prefetch_l2(P.vts + row) : prefetch_l1(P.vts + row);
-    }
-}
-
 // prefetch_tile for this kernel's tiles, which never cross a block (blocks of a multiple of TILE tokens): one
 // block-table read, then the tile's rows from the item's k0 on -- a few instructions where the general loop
 // walks the table per run of rows.
@@ -113,7 +98,7 @@ static inline void prefetch_block_tile(const Problem& P, const Item& it, const i
     if ((uint64_t)blk >= (uint64_t)P.num_blocks) return;
     const int lead = it.k0 > t0 ? (int)(it.k0 - t0) : 0;
     const int n = (int)(it.t1 - t0 < TILE ? it.t1 - t0 : TILE);
-    prefetch_rows<RBYTES, K, V, L2>(P, (blk * P.Hkv + it.kvh) * P.bs + block_offset(P, t0) + lead, n - lead);
+    prefetch_rows<K, V, L2>(P, (blk * P.Hkv + it.kvh) * P.bs + block_offset(P, t0) + lead, n - lead, RBYTES);
 }
 
 // Tiles of the chunk at c0: CHUNK_TILES but at the item's end.
@@ -158,7 +143,7 @@ static inline int decode_tile(const Problem& P, const Item& it, const int64_t* t
     T.v = P.vc + row0 * RBYTES;
     T.n = (int)(it.t1 - t0 < TILE ? it.t1 - t0 : TILE);
     T.lead = it.k0 > t0 ? (int)(it.k0 - t0) : 0;  // rows before k0 (first tile only)
-    prefetch_rows<RBYTES, false, true, false>(P, row0 + T.lead, T.n - T.lead);
+    prefetch_rows<false, true, false>(P, row0 + T.lead, T.n - T.lead, RBYTES);
     T.have = lane_range(T.lead, T.n);
     T.kf = _mm512_set1_ps(sfac);
     T.vs = _mm512_set1_ps(1.0f);

@@ -206,6 +206,22 @@ static inline bool tile_rows(const Problem& P, const Item& it, int64_t t0, int n
 static inline void prefetch_l1(const void* p) { asm volatile("prefetcht0 %0" : : "m"(*(const char*)p)); }
 static inline void prefetch_l2(const void* p) { asm volatile("prefetcht1 %0" : : "m"(*(const char*)p)); }
 
+// The K and/or V lines (and per-token scales) of `rows` consecutive cache rows of row_bytes from row `row`, into
+// L2 (prefetcht1) or L1.
+template <bool K, bool V, bool L2>
+static inline void prefetch_rows(const Problem& P, int64_t row, int rows, int64_t row_bytes) {
+    const char* k = (const char*)(P.kc + row * row_bytes);
+    const char* v = (const char*)(P.vc + row * row_bytes);
+    for (int64_t b = 0; b < rows * row_bytes; b += 64) {
+        if (K) L2 ? prefetch_l2(k + b) : prefetch_l1(k + b);
+        if (V) L2 ? prefetch_l2(v + b) : prefetch_l1(v + b);
+    }
+    if (P.kts) {
+        if (K) L2 ? prefetch_l2(P.kts + row) : prefetch_l1(P.kts + row);
+        if (V) L2 ? prefetch_l2(P.vts + row) : prefetch_l1(P.vts + row);
+    }
+}
+
 // Software prefetch of the K and V rows (and token scales) of the tile at t0: blocks are scattered, so the
 // hardware prefetchers cannot follow. Out-of-range block ids are left to tile_rows to report; positions
 // before the item's k0 are not touched. L2: into L2 (prefetcht1) rather than L1.
@@ -221,17 +237,7 @@ static inline void prefetch_tile(const Problem& P, const Item& it, int64_t t0) {
         if ((uint64_t)blk >= (uint64_t)P.num_blocks) return;
         int64_t off = block_offset(P, pos);
         int run = (int)(P.bs - off < n - t ? P.bs - off : n - t);  // rows of this tile in this block
-        int64_t row = (blk * P.Hkv + it.kvh) * P.bs + off;
-        const char* k = (const char*)(P.kc + row * row_bytes);
-        const char* v = (const char*)(P.vc + row * row_bytes);
-        for (int64_t b = 0; b < run * row_bytes; b += 64) {
-            if (K) L2 ? prefetch_l2(k + b) : prefetch_l1(k + b);
-            if (V) L2 ? prefetch_l2(v + b) : prefetch_l1(v + b);
-        }
-        if (P.kts) {
-            if (K) L2 ? prefetch_l2(P.kts + row) : prefetch_l1(P.kts + row);
-            if (V) L2 ? prefetch_l2(P.vts + row) : prefetch_l1(P.vts + row);
-        }
+        prefetch_rows<K, V, L2>(P, (blk * P.Hkv + it.kvh) * P.bs + off, run, row_bytes);
         t += run;
     }
 }
