@@ -45,6 +45,7 @@ from kv8.engine.output_processor import OutputProcessor
 from kv8.engine.request import RequestStatus
 from kv8.engine.runner import ModelRunner
 from kv8.engine.scheduler import Scheduler, SchedulerOutput
+from kv8.host_memory import tune_malloc
 from kv8.model.loader import LoadedModel, check_checkpoint_layers, load_model, read_model_config
 from kv8.model.sources import resolve_model_path
 from kv8.model.tokenizer import load_tokenizer
@@ -71,7 +72,9 @@ class Shard:
 def load_shard(config: EngineConfig, layout: KVCacheLayout, num_blocks: Sequence[int], tp: TPGroup,
                observer: EngineObserver | None = None) -> Shard:
     """Load rank ``tp.rank``'s shard of the model, resolve its KV scales, allocate its pools (``num_blocks[p]``
-    blocks of pool ``p``, its own KV heads only) and build its runner."""
+    blocks of pool ``p``, its own KV heads only) and build its runner. Sets this process's malloc up for
+    activations first (:func:`kv8.host_memory.tune_malloc`)."""
+    tune_malloc()
     loaded = load_model(config.model_kind, config.model, config.dtype, config.dense_backend, tp)
     arch, cc = config.arch, config.cache
     kv_heads = kv_head_shard(arch.num_kv_heads, tp)
