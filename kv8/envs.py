@@ -7,6 +7,7 @@
 | ``KV8_API_KEY`` | the server's API key when ``--api-key`` is not given |
 | ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT`` | set by torchrun: this process is one TP rank |
 | ``RAY_ADDRESS`` | the Ray cluster of ``kv8 serve --data-parallel-backend ray`` when ``--ray-address`` is not given |
+| ``GLIBC_TUNABLES``, ``MALLOC_*_`` | glibc's malloc settings: where set, kv8 keeps them (:mod:`kv8.host_memory`) |
 """
 
 from __future__ import annotations
@@ -48,3 +49,11 @@ def torchrun_env() -> dict[str, str] | None:
     set, else None (kv8 then starts its tensor-parallel ranks itself)."""
     found = {name: os.environ.get(name) for name in TORCHRUN_VARS}
     return None if any(v is None for v in found.values()) else {k: v for k, v in found.items() if v is not None}
+
+
+def user_malloc_setting() -> str | None:
+    """The variable through which the user set glibc's malloc parameters, if any: ``GLIBC_TUNABLES`` naming a
+    ``glibc.malloc`` tunable, or one of glibc's ``MALLOC_*_`` variables (``MALLOC_MMAP_THRESHOLD_``, ...)."""
+    if "glibc.malloc" in os.environ.get("GLIBC_TUNABLES", ""):
+        return "GLIBC_TUNABLES"
+    return next((name for name in os.environ if name.startswith("MALLOC_") and name.endswith("_")), None)

@@ -3,10 +3,11 @@
 Why: a prefill step allocates and frees activations of several MiB per layer (a 2,048-token gate/up projection
 is 12 MiB). glibc serves an allocation above its mmap threshold (128 KiB at start, raised on each free of an
 mmapped block up to 32 MiB) with new pages from ``mmap`` and returns them on free, and it gives the top of its
-heap back to the kernel once more than 128 KiB is free there (``M_TRIM_THRESHOLD``). Each step then faults in
-zeroed pages again: about 128,000 minor faults in a prefill of 8 x 1,024 tokens of SmolLM2-135M, and about 12%
-of its time (docs/benchmarks.md, "Host memory allocator"). vLLM's CPU guide gets the same effect by preloading
-tcmalloc.
+heap back to the kernel once more than ``M_TRIM_THRESHOLD`` is free there (128 KiB at start, then twice the
+raised mmap threshold). Each step then faults in zeroed pages again. Measured with SmolLM2-135M (docs/benchmarks.md, "Host memory: glibc's malloc
+settings", ``benchmarks/bench_host_memory.py``): prefill of 8 x 1,024 tokens 1.07-1.15x and of 32 x 1,024
+tokens 1.08-1.10x faster with the settings below; of 1 x 1,024 tokens, whose activations glibc's adaptive
+threshold already keeps, within 3-4%. vLLM's CPU guide gets the same effect by preloading tcmalloc.
 
 What :func:`tune_malloc` sets, through ``mallopt``: ``M_MMAP_THRESHOLD`` 32 MiB (the most it takes on 64-bit
 glibc; larger blocks, such as the KV cache, are still mmapped) and ``M_TRIM_THRESHOLD`` 1 GiB (free memory on
@@ -23,8 +24,9 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
-import os
 import platform
+
+from kv8 import envs
 
 logger = logging.getLogger("kv8")
 
@@ -36,19 +38,12 @@ MMAP_THRESHOLD = 32 << 20   # bytes; the largest glibc accepts on 64-bit
 TRIM_THRESHOLD = 1 << 30
 
 
-def _user_choice(environ: os._Environ[str] | dict[str, str]) -> str | None:
-    """The variable through which the user set glibc's malloc parameters, if any."""
-    if "glibc.malloc" in environ.get("GLIBC_TUNABLES", ""):
-        return "GLIBC_TUNABLES"
-    return next((name for name in environ if name.startswith("MALLOC_") and name.endswith("_")), None)
-
-
 @functools.cache
 def tune_malloc() -> str:
     """Apply the settings above to this process once; returns what was done (``"set"`` or why not)."""
     if platform.libc_ver()[0] != "glibc":
         return "not glibc"
-    if (name := _user_choice(os.environ)) is not None:
+    if (name := envs.user_malloc_setting()) is not None:
         return f"left to {name}"
     try:
         mallopt = ctypes.CDLL(None).mallopt

@@ -69,3 +69,12 @@ def test_engine_process_is_tuned(tiny_llama):
     out = subprocess.run([sys.executable, "-c", code], env=clean, capture_output=True, text=True, check=True,
                          timeout=300)
     assert out.stdout.split()[-2:] == ["1", "set"], out.stdout + out.stderr
+
+
+@pytest.mark.parametrize("args, needle", [(["--batches", "8,x"], "--batches"), (["--batches", "0"], "--batches"),
+                                          (["--rounds", "0"], "--rounds")])
+def test_bench_host_memory_rejects_bad_arguments(args, needle):
+    bench = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks",
+                         "bench_host_memory.py")
+    out = subprocess.run([sys.executable, bench, *args], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and needle in out.stderr, out.stderr
