@@ -1,13 +1,13 @@
 """glibc malloc settings for an engine process: activations reuse freed memory instead of faulting in fresh pages.
 
-Why: a prefill step allocates and frees activations of several MiB per layer (a 2,048-token gate/up projection
-is 12 MiB). glibc serves an allocation above its mmap threshold (128 KiB at start, raised on each free of an
-mmapped block up to 32 MiB) with new pages from ``mmap`` and returns them on free, and it gives the top of its
-heap back to the kernel once more than ``M_TRIM_THRESHOLD`` is free there (128 KiB at start, then twice the
-raised mmap threshold). Each step then faults in zeroed pages again. Measured with SmolLM2-135M (docs/benchmarks.md, "Host memory: glibc's malloc
-settings", ``benchmarks/bench_host_memory.py``): prefill of 8 x 1,024 tokens 1.07-1.15x and of 32 x 1,024
-tokens 1.08-1.10x faster with the settings below; of 1 x 1,024 tokens, whose activations glibc's adaptive
-threshold already keeps, within 3-4%. vLLM's CPU guide gets the same effect by preloading tcmalloc.
+Why: a prefill step allocates and frees activations of several MiB per layer (a 2,048-token gate/up projection is
+12 MiB). glibc serves an allocation above its mmap threshold (128 KiB at start, raised on each free of an mmapped
+block up to 32 MiB) with new pages from ``mmap`` and returns them on free, and it gives the top of its heap back to
+the kernel once more than ``M_TRIM_THRESHOLD`` is free there (128 KiB at start, then twice the raised mmap
+threshold). Each step then faults in zeroed pages again. Measured with SmolLM2-135M (docs/benchmarks.md, "Host
+memory: glibc's malloc settings", ``benchmarks/bench_host_memory.py``): prefill of 8 x 1,024 tokens 1.07-1.15x and
+of 32 x 1,024 tokens 1.08-1.10x faster with the settings below; of 1 x 1,024 tokens, whose activations glibc's
+adaptive threshold already keeps, within 3-4%. vLLM's CPU guide gets the same effect by preloading tcmalloc.
 
 What :func:`tune_malloc` sets, through ``mallopt``: ``M_MMAP_THRESHOLD`` 32 MiB (the most it takes on 64-bit
 glibc; larger blocks, such as the KV cache, are still mmapped) and ``M_TRIM_THRESHOLD`` 1 GiB (free memory on
