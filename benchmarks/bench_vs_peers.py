@@ -32,10 +32,13 @@ kv8 and vLLM run in long-lived worker processes (this file with ``--worker``, th
 venv's python), one per configuration, so that each starts once; llama.cpp's tools start per measurement
 (under a second for this model). Measurements alternate: each round measures every shape on every
 configuration, the configurations in a rotated order, and the table shows medians over the rounds, so slow
-phases of a shared machine spread over all engines. ``--kld`` adds an accuracy column: the mean KL divergence
-of each configuration's next-token distributions from its own engine with a 32-bit cache (llama.cpp:
-``llama-perplexity --kl-divergence`` against an f32 cache; kv8: ``kv8 eval`` against a float32 cache; vLLM
-returns only top-k logprobs, so it has none).
+phases of a shared machine spread over all engines. While one configuration is measured, the other kv8 and vLLM
+workers are stopped (SIGSTOP to their process groups, SIGCONT after; ``--no-pause`` leaves them running): an
+idle vLLM worker kept ~6% of a core busy (``top``), and beside the idle workers kv8's and vLLM fp8's prefill of
+one 1,024-token prompt ran at about a third of its rate (docs/benchmarks.md). ``--kld`` adds an accuracy column:
+the mean KL divergence of each configuration's next-token distributions from its own engine with a 32-bit
+cache (llama.cpp: ``llama-perplexity --kl-divergence`` against an f32 cache; kv8: ``kv8 eval`` against a float32
+cache; vLLM returns only top-k logprobs, so it has none).
 
     .venv/bin/python benchmarks/bench_vs_peers.py --quick      # small shapes, one round (a few minutes)
     .venv/bin/python benchmarks/bench_vs_peers.py --rounds 2 --kld
@@ -56,6 +59,7 @@ import os
 import random
 import re
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -309,9 +313,23 @@ class Worker:
         self.log = log
         log.write("$ " + " ".join(cmd) + "\n")
         log.flush()
+        # its own session, so that pause() reaches the engine's child processes too (vLLM's engine core)
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                     text=True, env=env, bufsize=1)
+                                     text=True, env=env, bufsize=1, start_new_session=True)
+        self.paused = False
         self._reply()
+
+    def pause(self) -> None:
+        """SIGSTOP the worker's process group: an idle engine's background threads (vLLM's wake up every few
+        milliseconds) then take no CPU from the engine being measured."""
+        if not self.paused and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGSTOP)
+            self.paused = True
+
+    def resume(self) -> None:
+        if self.paused:
+            os.killpg(self.proc.pid, signal.SIGCONT)
+            self.paused = False
 
     def _reply(self) -> dict[str, Any]:
         assert self.proc.stdout is not None
@@ -336,6 +354,7 @@ class Worker:
         return Measurement(**reply["result"])
 
     def close(self) -> None:
+        self.resume()
         if self.proc.stdin is not None:
             self.proc.stdin.close()
         try:
@@ -558,6 +577,9 @@ def main() -> None:
     ap.add_argument("--kv8-before", default=None, metavar="REV",
                     help="also measure kv8 as of this git revision (checked out in a temporary worktree), beside "
                          "the current tree, and print the after/before ratios")
+    ap.add_argument("--no-pause", action="store_true",
+                    help="leave the other engines' idle workers running during a measurement (by default they are "
+                         "stopped with SIGSTOP until it ends, so each engine has the cores to itself)")
     ap.add_argument("--wait", choices=("default", "passive"), default="default",
                     help="passive: idle threads sleep instead of spinning (kv8 OMP_WAIT_POLICY=passive, llama.cpp "
                          "--poll 0 and OMP_WAIT_POLICY=passive; vLLM already sets KMP_BLOCKTIME=5ms): for a "
@@ -626,7 +648,11 @@ def main() -> None:
             for i, shape in enumerate(shapes):
                 k = (rnd + i) % max(len(live), 1)
                 for cfg in live[k:] + live[:k]:   # a rotated order per shape and round
+                    others = [c.runner for c in live if c is not cfg and isinstance(c.runner, Worker)]
                     try:
+                        if not ns.no_pause:
+                            for w in others:
+                                w.pause()
                         m = cfg.runner.measure(shape, seed=1000 * rnd + i)
                         cfg.results.setdefault(shape, []).append(m)
                         print(f"  round {rnd + 1} {shape.label:<7} {cfg.name:<24} prefill {m.prefill_tok_s:8.1f} "
@@ -634,6 +660,9 @@ def main() -> None:
                     except Exception as e:
                         cfg.errors[shape] = str(e)
                         print(f"  round {rnd + 1} {shape.label:<7} {cfg.name:<24} FAILED: {e}", flush=True)
+                    finally:
+                        for w in others:
+                            w.resume()
             print(f"\nafter round {rnd + 1} of {ns.rounds} ({time.strftime('%H:%M:%S')}), load average: "
                   + " ".join(f"{x:.2f}" for x in os.getloadavg()))
             print_table(configs, shapes, ns)

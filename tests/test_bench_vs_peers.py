@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib.util
 import sys
+import time
 from pathlib import Path
 from types import ModuleType
 
@@ -69,3 +70,35 @@ def test_kv8_before_revision_is_checked() -> None:
     assert len(bench.short_rev("HEAD")) >= 7
     with pytest.raises(ValueError, match="is not a commit"):
         bench.short_rev("no-such-revision-xyz")
+
+
+def test_worker_pause_stops_its_process_group(tmp_path) -> None:
+    """pause() stops the worker and the children it started (state T), resume() lets them run again."""
+    child = "import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']);"
+    code = (child + f"print({bench.RESULT_MARK!r} + '{{}}', flush=True); sys.stdin.readline()")
+    with open(tmp_path / "log", "w") as log:
+        worker = bench.Worker([sys.executable, "-c", code], {}, log)
+
+        def states() -> list[str]:
+            pids = [worker.proc.pid] + [int(p) for p in Path(f"/proc/{worker.proc.pid}/task/{worker.proc.pid}/children")
+                                        .read_text().split()]
+            return [Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0] for pid in pids]
+
+        for _ in range(500):   # the child starts after the worker's handshake line
+            if len(states()) == 2:
+                break
+            time.sleep(0.01)
+        def settled(want_stopped: bool) -> list[str]:   # signals are delivered asynchronously
+            for _ in range(500):
+                now = states()
+                if all((s == "T") == want_stopped for s in now):
+                    break
+                time.sleep(0.01)
+            return now
+
+        assert len(states()) == 2 and "T" not in settled(False)
+        worker.pause()
+        assert settled(True) == ["T", "T"]
+        worker.resume()
+        assert "T" not in settled(False)
+        worker.close()
