@@ -5,9 +5,13 @@ No peer engine runs here: the fixtures are the tools' real output, recorded once
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
+import os
+import signal
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 
@@ -84,21 +88,19 @@ def test_worker_pause_stops_its_process_group(tmp_path) -> None:
                                         .read_text().split()]
             return [Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0] for pid in pids]
 
-        for _ in range(500):   # the child starts after the worker's handshake line
-            if len(states()) == 2:
-                break
-            time.sleep(0.01)
-        def settled(want_stopped: bool) -> list[str]:   # signals are delivered asynchronously
-            for _ in range(500):
+        def wait_for(ok: Callable[[list[str]], bool]) -> list[str]:   # the child starts after the handshake, and
+            for _ in range(500):                                       # signals are delivered asynchronously
                 now = states()
-                if all((s == "T") == want_stopped for s in now):
+                if ok(now):
                     break
                 time.sleep(0.01)
             return now
 
-        assert len(states()) == 2 and "T" not in settled(False)
+        assert len(wait_for(lambda s: len(s) == 2)) == 2 and "T" not in wait_for(lambda s: "T" not in s)
         worker.pause()
-        assert settled(True) == ["T", "T"]
+        assert wait_for(lambda s: s == ["T", "T"]) == ["T", "T"]
         worker.resume()
-        assert "T" not in settled(False)
+        assert "T" not in wait_for(lambda s: "T" not in s)
         worker.close()
+        with contextlib.suppress(ProcessLookupError):   # the sleeping child, left in the worker's group
+            os.killpg(worker.proc.pid, signal.SIGKILL)

@@ -26,7 +26,8 @@ if sys.argv[1] == "tune":
     said = tune_malloc()
 else:
     import ctypes
-    said = "default" if ctypes.CDLL(None).mallopt(-3, 128 * 1024) == 1 else "mallopt failed"
+    from kv8.host_memory import M_MMAP_THRESHOLD
+    said = "default" if ctypes.CDLL(None).mallopt(M_MMAP_THRESHOLD, 128 * 1024) == 1 else "mallopt failed"
 def rounds(n):
     for _ in range(n):
         held = [torch.empty(2048, 2048, dtype=torch.bfloat16).fill_(1.0) for _ in range(5)]
@@ -38,9 +39,14 @@ print(json.dumps({"said": said, "faults": resource.getrusage(resource.RUSAGE_SEL
 """
 
 
+def clean_env(**extra: str) -> dict[str, str]:
+    """This process's environment without glibc's malloc variables, plus ``extra``."""
+    env = {k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES" and not k.startswith("MALLOC_")}
+    return {**env, **extra}
+
+
 def probe(mode: str, **env: str) -> dict:
-    clean = {k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES" and not k.startswith("MALLOC_")}
-    out = subprocess.run([sys.executable, "-c", PROBE, mode], env={**clean, **env}, capture_output=True, text=True,
+    out = subprocess.run([sys.executable, "-c", PROBE, mode], env=clean_env(**env), capture_output=True, text=True,
                          check=True, timeout=120)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -65,8 +71,7 @@ def test_engine_process_is_tuned(tiny_llama):
     code = (f"from kv8 import LLM\nfrom kv8.host_memory import tune_malloc\n"
             f"LLM(model={tiny_llama!r}, kv_cache_dtype='fp8', num_kv_blocks=64)\n"
             f"print(tune_malloc.cache_info().currsize, tune_malloc())")
-    clean = {k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES" and not k.startswith("MALLOC_")}
-    out = subprocess.run([sys.executable, "-c", code], env=clean, capture_output=True, text=True, check=True,
+    out = subprocess.run([sys.executable, "-c", code], env=clean_env(), capture_output=True, text=True, check=True,
                          timeout=300)
     assert out.stdout.split()[-2:] == ["1", "set"], out.stdout + out.stderr
 
