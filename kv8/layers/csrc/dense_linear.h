@@ -162,10 +162,32 @@ static inline void row_blocks(const MicroFn* table, int max_mr, const uint16_t* 
 // is not bit-identical to the vdpbf16ps path (another order of fp32 additions): a DenseKernels instance picks
 // one path for good (kv8_linear's use_amx), so each layer computes every row the same way at every batch size.
 
-// cbuf (16 MB rows x 32 fp32, row stride 32) = 16 MB rows of x (stride K) x one panel. (Software prefetch of
-// the panel stream, 4-16 KiB ahead into L1 or L2, measured no faster: the hardware prefetchers follow it.)
-template <int MB>
-static inline void amx_panel(const uint16_t* x, int64_t K, const uint16_t* panel, float* cbuf) {
+// A block of at most 32 rows x one panel whose fp32 sums wait in a buffer (row stride 32) for their epilogue:
+// rows r0 .. r0 + rows - 1 of the output, columns from n0 (rows = 0: none).
+struct PendingBlock {
+    const float* c;
+    int rows;
+    int64_t r0, n0;
+};
+
+// The epilogue (store_row) of rows [from, to) of a pending block.
+template <bool GATED>
+static inline void finish_rows(const PendingBlock& b, int from, int to, const float* bias, int64_t N,
+                               uint16_t* out) {
+    for (int r = from; r < to; ++r) {
+        const __m512 acc[2] = {_mm512_load_ps(b.c + r * 32), _mm512_load_ps(b.c + r * 32 + 16)};
+        store_row<1, GATED>(acc, bias, b.n0, N, out + (b.r0 + r) * N);
+    }
+}
+
+// cbuf (16 MB rows x 32 fp32, row stride 32) = 16 MB rows of x (stride K) x one panel, while the epilogue of
+// the previous block (`prev`) runs a few rows after each k step: its vector work (bf16 conversion, the gated
+// SiLU) overlaps the tile multiplies instead of following them while the tiles idle. Every row of prev is
+// finished when this returns. (Software prefetch of the panel stream, 4-16 KiB ahead into L1 or L2, measured no
+// faster: the hardware prefetchers follow it.)
+template <int MB, bool GATED>
+static inline void amx_panel(const uint16_t* x, int64_t K, const uint16_t* panel, float* cbuf,
+                             const PendingBlock& prev, const float* bias, int64_t N, uint16_t* out) {
     _tile_zero(0);
     _tile_zero(1);
     if (MB == 2) {
@@ -173,6 +195,8 @@ static inline void amx_panel(const uint16_t* x, int64_t K, const uint16_t* panel
         _tile_zero(3);
     }
     const size_t xs = (size_t)K * 2;
+    const int per_step = (int)((prev.rows + K / 32 - 1) / (K / 32));   // rows of prev finished per k step
+    int done = 0;
     for (int64_t k0 = 0; k0 < K; k0 += 32) {
         const uint16_t* b = panel + k0 * 32;  // pair-row k0 / 2
         _tile_loadd(6, b, 128);
@@ -185,6 +209,11 @@ static inline void amx_panel(const uint16_t* x, int64_t K, const uint16_t* panel
             _tile_dpbf16ps(2, 5, 6);
             _tile_dpbf16ps(3, 5, 7);
         }
+        if (done < prev.rows) {
+            const int to = done + per_step < prev.rows ? done + per_step : prev.rows;
+            finish_rows<GATED>(prev, done, to, bias, N, out);
+            done = to;
+        }
     }
     _tile_stored(0, cbuf, 128);
     _tile_stored(1, cbuf + 16, 128);
@@ -195,7 +224,8 @@ static inline void amx_panel(const uint16_t* x, int64_t K, const uint16_t* panel
 }
 
 // kv8_linear with AMX tiles (K % 32 == 0). Threads take contiguous runs of panels as the vdpbf16ps path does;
-// per chunk of ROW_CHUNK rows each panel meets every block of 32 rows while it is in L1/L2. M < 16: the A and
+// per chunk of ROW_CHUNK rows each panel meets every block of 32 rows while it is in L1/L2. A block's epilogue
+// runs during the next block's k steps (amx_panel; the thread's last block after its loop). M < 16: the A and
 // C tiles have M rows and read x in place (decode batches; no 16-row tile work per panel); otherwise tiles
 // have 16 rows and the last partial block reads a zero-padded copy of its rows.
 template <bool GATED>
@@ -215,7 +245,9 @@ static int linear_amx(const uint16_t* x, int64_t M, int64_t K, const uint16_t* p
 #pragma omp parallel num_threads(threads)
     {
         amx_load_config(arows, 6);  // A and C tiles (0..5) of arows rows, B tiles of 16
-        alignas(64) float cbuf[32 * 32];
+        alignas(64) float cbuf[2][32 * 32];   // a block's sums, and the previous block's awaiting its epilogue
+        PendingBlock prev = {nullptr, 0, 0, 0};
+        int cur = 0;
         const int t = omp_get_thread_num(), nt = omp_get_num_threads();
         const int64_t p0 = panels * t / nt, p1 = panels * (t + 1) / nt;
         for (int64_t m0 = 0; m0 < M; m0 += ROW_CHUNK) {
@@ -225,15 +257,14 @@ static int linear_amx(const uint16_t* x, int64_t M, int64_t K, const uint16_t* p
                 for (int64_t r0 = m0; r0 < m1; r0 += 32) {
                     const int n = (int)(M - r0 < 32 ? M - r0 : 32);
                     const uint16_t* src = r0 < full || !pad ? x + r0 * K : pad;
-                    if (n > 16) amx_panel<2>(src, K, panel, cbuf);
-                    else amx_panel<1>(src, K, panel, cbuf);
-                    for (int r = 0; r < n; ++r) {
-                        const __m512 acc[2] = {_mm512_load_ps(cbuf + r * 32), _mm512_load_ps(cbuf + r * 32 + 16)};
-                        store_row<1, GATED>(acc, bias, p * PANEL, N, out + (r0 + r) * N);
-                    }
+                    if (n > 16) amx_panel<2, GATED>(src, K, panel, cbuf[cur], prev, bias, N, out);
+                    else amx_panel<1, GATED>(src, K, panel, cbuf[cur], prev, bias, N, out);
+                    prev = {cbuf[cur], n, r0, p * PANEL};
+                    cur ^= 1;
                 }
             }
         }
+        finish_rows<GATED>(prev, 0, prev.rows, bias, N, out);
         _tile_release();
     }
     free(pad);
