@@ -28,7 +28,7 @@
 #include "abi.h"
 
 static const int TILE = 16;  // context tokens per tile
-static const int ROWS_PER_ITEM = 96;  // query rows (tokens x heads of a GQA group) per work item, at most
+static const int ROWS_PER_ITEM = 192;  // query rows (tokens x heads of a GQA group) per work item, at most
 static const int64_t SMALL_WORK = 8192;  // (context tokens x query rows) below which one thread is used
 
 // One attention call in the kernels' short names: built by make_problem (plan.h) from kv8_layer and
