@@ -3,61 +3,103 @@
 The weights of 30 SmolLM2-shaped layers (q/k/v packed 960 x 576, o 576 x 576, gate/up packed 3072 x 576,
 down 576 x 1536: ~200 MB of bf16, as in a decode step) are multiplied with M rows, every layer in turn, so
 the weights stream from DRAM as they do in the engine; torch multiplies the same matrices unpacked. Prints
-the time per pass, the weight bandwidth (bytes of weights / time) and the speed-up, best of 5 passes. On a CPU
-with AMX-BF16 kv8 multiplies with AMX tiles (what the engine uses there); the ``vdpbf16ps`` columns time the
-AVX-512 path that other CPUs use, on the same packed weights in the same run.
+the time per pass, the weight bandwidth (bytes of weights / time) and the speed-up: the best of 5 passes (2
+above M = 256), the variants taking turns within each pass. On a CPU with AMX-BF16 kv8 multiplies with AMX
+tiles (what the engine uses there); the ``vdpbf16ps`` columns time the AVX-512 path that other CPUs use, on
+the same packed weights in the same run.
+
+``--before REV`` also builds the dense kernel library as of git revision REV (a temporary ``git worktree``;
+REV's ``kv8_linear`` / ``kv8_linear_pack`` must take the arguments the current wrapper passes), packs the same
+weights with it and times it in the same passes: columns ``before ms`` and ``speed-up`` (before / now), a
+kernel change's effect under the same machine conditions.
 
     .venv/bin/python benchmarks/bench_linear.py
+    .venv/bin/python benchmarks/bench_linear.py --rows 8,32,2048 --before HEAD~1
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import math
 import time
+from collections.abc import Callable
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from revisions import worktree
 
-from kv8.layers.dense_kernels import select_dense_backend
+from kv8.layers.dense_kernels import SOURCE, DenseBackend, DenseKernels, select_dense_backend
 from kv8.layers.linear import Linear
+from kv8.native import build_shared_library
 
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # (out, in) per layer, SmolLM2-135M
 
 
-def best_of(fn, reps: int) -> float:
-    fn()
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
+def best_of(fns: dict[str, Callable[[], None]], reps: int) -> dict[str, float]:
+    """Best time of each function over ``reps`` passes, the functions taking turns within each pass (so a
+    change in the machine's speed during the run touches them alike); one untimed call of each first."""
+    for fn in fns.values():
         fn()
-        times.append(time.perf_counter() - start)
-    return min(times)
+    best = dict.fromkeys(fns, math.inf)
+    for _ in range(reps):
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            fn()
+            best[name] = min(best[name], time.perf_counter() - start)
+    return best
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rows", default="1,4,8,16,32,64,256,2048", help="comma-separated M values")
     ap.add_argument("--layers", type=int, default=30)
+    ap.add_argument("--before", metavar="REV", help="also time the kernels as of this git revision")
     args = ap.parse_args()
-    backend = select_dense_backend("packed_bf16", torch.bfloat16)
-    torch.manual_seed(0)
-    weights = [[torch.randn(n, k).bfloat16() for n, k in SHAPES] for _ in range(args.layers)]
-    packed = []
+    with contextlib.ExitStack() as stack:
+        before = None
+        if args.before:
+            try:
+                tree = stack.enter_context(worktree(args.before, "--before"))
+            except (ValueError, RuntimeError) as e:
+                ap.error(str(e))
+            before = DenseKernels(build_shared_library(Path(tree) / SOURCE.relative_to(SOURCE.parents[2]), "native"))
+        run(args, before)
+
+
+def packed_layers(weights: list[list[torch.Tensor]], backend: DenseBackend) -> list[list[Linear]]:
+    """One kv8 ``Linear`` per weight on ``backend``, each packing a copy (the weights stay for torch)."""
+    layers = []
     for layer in weights:
         mods = []
         for w in layer:
             lin = Linear(w.shape[1], w.shape[0], False, backend)
             lin.weight.data = w
-            lin.process_weights_after_loading()   # packs a copy; ``w`` stays for torch
+            lin.process_weights_after_loading()
             mods.append(lin)
-        packed.append(mods)
+        layers.append(mods)
+    return layers
+
+
+def run(args: argparse.Namespace, before: DenseKernels | None) -> None:
+    backend = select_dense_backend("packed_bf16", torch.bfloat16)
+    torch.manual_seed(0)
+    weights = [[torch.randn(n, k).bfloat16() for n, k in SHAPES] for _ in range(args.layers)]
+    packed = packed_layers(weights, backend)
     nbytes = sum(w.numel() * 2 for layer in weights for w in layer)
     kernels = backend.kernels
     assert kernels is not None
     amx = kernels.amx
+    # the same layers on the library of --before (the same Python path, AMX tiles where the current one uses them)
+    packed_before = packed_layers(weights, DenseBackend("packed_bf16", before)) if before is not None else []
+    if before is not None:
+        before.amx = amx
     print(f"{args.layers} layers, {nbytes / 1e6:.0f} MB of bf16 weights, {torch.get_num_threads()} threads, "
-          f"kv8 path: {'AMX tiles' if amx else 'vdpbf16ps'}")
+          f"kv8 path: {'AMX tiles' if amx else 'vdpbf16ps'}"
+          + (f"; before = kv8's kernels as of {args.before}" if before is not None else ""))
     extra = f" {'vdpbf16ps ms':>13} {'AMX/vdpbf16ps':>14}" if amx else ""
+    extra += f" {'before ms':>10} {'speed-up':>9}" if before is not None else ""
     print(f"{'M':>6} {'torch ms':>10} {'kv8 ms':>10} {'torch GB/s':>11} {'kv8 GB/s':>10} {'speed-up':>9}{extra}")
     with torch.inference_mode():
         for m in (int(v) for v in args.rows.split(",")):
@@ -69,21 +111,34 @@ def main() -> None:
                     for w in layer:
                         F.linear(xs[w.shape[1]], w)
 
-            def run_kv8(xs: dict[int, torch.Tensor] = xs) -> None:
-                for layer in packed:
+            def run_kv8(xs: dict[int, torch.Tensor] = xs, layers: list[list[Linear]] = packed) -> None:
+                for layer in layers:
                     for p in layer:
                         p(xs[p.in_features])
 
-            t_torch, t_kv8 = best_of(run_torch, reps), best_of(run_kv8, reps)
+            def run_before(xs: dict[int, torch.Tensor] = xs) -> None:
+                run_kv8(xs, packed_before)
+
+            def run_avx512(xs: dict[int, torch.Tensor] = xs) -> None:
+                kernels.amx = False
+                try:
+                    run_kv8(xs)
+                finally:
+                    kernels.amx = True
+
+            fns = {"torch": run_torch, "kv8": run_kv8}
+            if amx:
+                fns["vdpbf16ps"] = run_avx512
+            if before is not None:
+                fns["before"] = run_before
+            t = best_of(fns, reps)
+            t_torch, t_kv8 = t["torch"], t["kv8"]
             row = (f"{m:>6} {t_torch * 1e3:>10.2f} {t_kv8 * 1e3:>10.2f} {nbytes / t_torch / 1e9:>11.1f} "
                    f"{nbytes / t_kv8 / 1e9:>10.1f} {t_torch / t_kv8:>9.2f}")
             if amx:
-                kernels.amx = False
-                try:
-                    t_avx = best_of(run_kv8, reps)
-                finally:
-                    kernels.amx = True
-                row += f" {t_avx * 1e3:>13.2f} {t_avx / t_kv8:>14.2f}"
+                row += f" {t['vdpbf16ps'] * 1e3:>13.2f} {t['vdpbf16ps'] / t_kv8:>14.2f}"
+            if before is not None:
+                row += f" {t['before'] * 1e3:>10.2f} {t['before'] / t_kv8:>9.2f}"
             print(row)
 
 

@@ -53,12 +53,12 @@ the same machine conditions as the peers.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
 import random
 import re
-import shutil
 import signal
 import statistics
 import subprocess
@@ -69,13 +69,14 @@ from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from typing import IO, Any
 
+from revisions import short_rev, worktree
+
 PEERS_DIR_ENV = "KV8_PEERS_DIR"
 RESULT_MARK = "@@RESULT "
 THREADS = 2
 VLLM_TCMALLOC = "/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4"
 VOCAB_LOW, VOCAB_HIGH = 100, 40000   # random prompt tokens: ordinary ids of SmolLM2's 49,152-token vocabulary
 KV8_CONFIGS = ("bfloat16", "fp8_e4m3", "fp8_e4m3+hadamard")   # kv_cache_dtype[+kv_cache_rotation]
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def peers_dir() -> str:
@@ -363,28 +364,6 @@ class Worker:
             self.proc.kill()
 
 
-# ---- kv8 at an older revision (--kv8-before) -------------------------------------------------------------------
-
-def short_rev(rev: str) -> str:
-    """``rev``'s abbreviated commit hash (raises `ValueError` when git does not know it)."""
-    proc = subprocess.run(["git", "-C", REPO, "rev-parse", "--short", "--verify", rev + "^{commit}"],
-                          capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise ValueError(f"--kv8-before: {rev!r} is not a commit of {REPO}: {proc.stderr.strip()}")
-    return proc.stdout.strip()
-
-
-def checkout(rev: str) -> str:
-    """A detached worktree of ``rev`` in a new temporary directory (removed by the caller)."""
-    short_rev(rev)
-    tree = os.path.join(tempfile.mkdtemp(prefix="kv8-before-"), "kv8")
-    proc = subprocess.run(["git", "-C", REPO, "worktree", "add", "--detach", tree, rev], capture_output=True,
-                          text=True)
-    if proc.returncode != 0:
-        raise RuntimeError(f"git worktree add {tree} {rev} failed: {proc.stderr.strip()}")
-    return tree
-
-
 # ---- the driver -----------------------------------------------------------------------------------------------------
 
 @dataclass
@@ -616,11 +595,12 @@ def main() -> None:
     configs = [Config(e, kv) for e, kvs in (("kv8", kv8_kv), ("llama.cpp", ("f16", "q8_0")), ("vllm", ("auto", "fp8")))
                if e in engines for kv in kvs]
     before_tree = None
+    cleanup = contextlib.ExitStack()   # the worktree of --kv8-before, removed at the end
     if ns.kv8_before:
         if "kv8" not in engines:
             ap.error("--kv8-before needs kv8 among --engines")
         try:
-            before_tree = checkout(ns.kv8_before)
+            before_tree = cleanup.enter_context(worktree(ns.kv8_before))
         except (ValueError, RuntimeError) as e:
             ap.error(str(e))
         rev = short_rev(ns.kv8_before)
@@ -675,9 +655,7 @@ def main() -> None:
             print(f"skipped {cfg.name}: {cfg.skipped}")
         for shape, err in cfg.errors.items():
             print(f"failed {cfg.name} {shape.label}: {err}")
-    if before_tree:
-        subprocess.run(["git", "-C", REPO, "worktree", "remove", "--force", before_tree], capture_output=True)
-        shutil.rmtree(os.path.dirname(before_tree), ignore_errors=True)
+    cleanup.close()
     if ns.json:
         with open(ns.json, "w") as handle:
             json.dump([{"engine": c.engine, "rev": c.rev, "kv": c.kv, "skipped": c.skipped, "kld": c.kld, "errors":

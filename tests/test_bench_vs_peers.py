@@ -22,6 +22,8 @@ FIXTURES = ROOT / "tests" / "fixtures" / "peers"
 
 
 def load_bench() -> ModuleType:
+    if str(ROOT / "benchmarks") not in sys.path:   # as when it runs as a script: it imports benchmarks/revisions.py
+        sys.path.insert(0, str(ROOT / "benchmarks"))
     spec = importlib.util.spec_from_file_location("bench_vs_peers", ROOT / "benchmarks" / "bench_vs_peers.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
