@@ -183,9 +183,11 @@ static inline void finish_rows(const PendingBlock& b, int from, int to, const fl
 // cbuf (16 MB rows x 32 fp32, row stride 32) = 16 MB rows of x (stride K) x one panel, while the epilogue of
 // the previous block (`prev`) runs a few rows after each k step: its vector work (bf16 conversion, the gated
 // SiLU) overlaps the tile multiplies instead of following them while the tiles idle. Every row of prev is
-// finished when this returns. (Software prefetch of the panel stream, 4-16 KiB ahead into L1 or L2, measured no
-// faster: the hardware prefetchers follow it.)
-template <int MB, bool GATED>
+// finished when this returns. x's tiles are loaded with the streaming hint (tileloaddt1): they come from L2 and
+// leave L1 to the panel, which the chunk's other row blocks read again. ONCE (M <= 32: this block is the only
+// one that reads the panel): the panel's tiles are streamed too. (Software prefetch of the panel stream, 4-16 KiB
+// ahead into L1 or L2, measured no faster: the hardware prefetchers follow it.)
+template <int MB, bool GATED, bool ONCE>
 static inline void amx_panel(const uint16_t* x, int64_t K, const uint16_t* panel, float* cbuf,
                              const PendingBlock& prev, const float* bias, int64_t N, uint16_t* out) {
     _tile_zero(0);
@@ -199,13 +201,18 @@ static inline void amx_panel(const uint16_t* x, int64_t K, const uint16_t* panel
     int done = 0;
     for (int64_t k0 = 0; k0 < K; k0 += 32) {
         const uint16_t* b = panel + k0 * 32;  // pair-row k0 / 2
-        _tile_loadd(6, b, 128);
-        _tile_loadd(7, b + 32, 128);
-        _tile_loadd(4, x + k0, xs);
+        if (ONCE) {
+            _tile_stream_loadd(6, b, 128);
+            _tile_stream_loadd(7, b + 32, 128);
+        } else {
+            _tile_loadd(6, b, 128);
+            _tile_loadd(7, b + 32, 128);
+        }
+        _tile_stream_loadd(4, x + k0, xs);
         _tile_dpbf16ps(0, 4, 6);
         _tile_dpbf16ps(1, 4, 7);
         if (MB == 2) {
-            _tile_loadd(5, x + 16 * K + k0, xs);
+            _tile_stream_loadd(5, x + 16 * K + k0, xs);
             _tile_dpbf16ps(2, 5, 6);
             _tile_dpbf16ps(3, 5, 7);
         }
@@ -242,6 +249,7 @@ static int linear_amx(const uint16_t* x, int64_t M, int64_t K, const uint16_t* p
         memset(pad + rem * K, 0, (size_t)(32 - rem) * K * 2);
     }
     const int threads = (int)(panels < nthreads ? panels : nthreads);
+    const bool once = M <= 32;  // one row block per panel: the panel is read once (amx_panel's ONCE)
 #pragma omp parallel num_threads(threads)
     {
         amx_load_config(arows, 6);  // A and C tiles (0..5) of arows rows, B tiles of 16
@@ -257,8 +265,10 @@ static int linear_amx(const uint16_t* x, int64_t M, int64_t K, const uint16_t* p
                 for (int64_t r0 = m0; r0 < m1; r0 += 32) {
                     const int n = (int)(M - r0 < 32 ? M - r0 : 32);
                     const uint16_t* src = r0 < full || !pad ? x + r0 * K : pad;
-                    if (n > 16) amx_panel<2, GATED>(src, K, panel, cbuf[cur], prev, bias, N, out);
-                    else amx_panel<1, GATED>(src, K, panel, cbuf[cur], prev, bias, N, out);
+                    if (n > 16 && once) amx_panel<2, GATED, true>(src, K, panel, cbuf[cur], prev, bias, N, out);
+                    else if (n > 16) amx_panel<2, GATED, false>(src, K, panel, cbuf[cur], prev, bias, N, out);
+                    else if (once) amx_panel<1, GATED, true>(src, K, panel, cbuf[cur], prev, bias, N, out);
+                    else amx_panel<1, GATED, false>(src, K, panel, cbuf[cur], prev, bias, N, out);
                     prev = {cbuf[cur], n, r0, p * PANEL};
                     cur ^= 1;
                 }
