@@ -14,12 +14,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import resource
 import subprocess
 import sys
 import time
+
+from kv8.envs import without_malloc_settings
 
 SETTINGS = {"tuned": {}, "default": {"GLIBC_TUNABLES": "glibc.malloc.tcache_count=7"}}
 
@@ -70,7 +71,7 @@ def main() -> None:
         ap.error(f"--batches takes comma-separated positive integers, got {ns.batches!r}")
     if ns.prompt <= 0 or ns.rounds <= 0:
         ap.error(f"--prompt and --rounds must be positive, got {ns.prompt} and {ns.rounds}")
-    clean = {k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES" and not k.startswith("MALLOC_")}
+    clean = without_malloc_settings()
     procs = {}
     for name, extra in SETTINGS.items():
         procs[name] = subprocess.Popen([sys.executable, __file__, "--worker", str(max(batches)), str(ns.prompt)],

@@ -57,3 +57,9 @@ def user_malloc_setting() -> str | None:
     if "glibc.malloc" in os.environ.get("GLIBC_TUNABLES", ""):
         return "GLIBC_TUNABLES"
     return next((name for name in os.environ if name.startswith("MALLOC_") and name.endswith("_")), None)
+
+
+def without_malloc_settings() -> dict[str, str]:
+    """This process's environment without glibc's malloc variables (``GLIBC_TUNABLES``, ``MALLOC_*``): a process
+    started with it gets kv8's own malloc settings (:func:`user_malloc_setting` finds none there)."""
+    return {k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES" and not k.startswith("MALLOC_")}

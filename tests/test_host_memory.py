@@ -12,6 +12,8 @@ import sys
 
 import pytest
 
+from kv8 import envs
+
 pytestmark = pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="the settings are glibc's")
 
 # A step's pattern: five activations of 8 MiB allocated and written, then all freed (40 MiB free at the top of
@@ -41,8 +43,7 @@ print(json.dumps({"said": said, "faults": resource.getrusage(resource.RUSAGE_SEL
 
 def clean_env(**extra: str) -> dict[str, str]:
     """This process's environment without glibc's malloc variables, plus ``extra``."""
-    env = {k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES" and not k.startswith("MALLOC_")}
-    return {**env, **extra}
+    return {**envs.without_malloc_settings(), **extra}
 
 
 def probe(mode: str, **env: str) -> dict:
