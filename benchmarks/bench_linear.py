@@ -61,7 +61,7 @@ def main() -> None:
         before = None
         if args.before:
             try:
-                tree = stack.enter_context(worktree(args.before, "--before"))
+                tree = stack.enter_context(worktree(args.before, "--before")).path
             except (ValueError, RuntimeError) as e:
                 ap.error(str(e))
             before = DenseKernels(build_shared_library(Path(tree) / SOURCE.relative_to(SOURCE.parents[2]), "native"))

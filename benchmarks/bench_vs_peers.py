@@ -69,7 +69,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from typing import IO, Any
 
-from revisions import short_rev, worktree
+from revisions import worktree
 
 PEERS_DIR_ENV = "KV8_PEERS_DIR"
 RESULT_MARK = "@@RESULT "
@@ -594,17 +594,15 @@ def main() -> None:
         ap.error(f"--kv8-kv: {','.join(bad)} not among {','.join(KV8_CONFIGS)}")
     configs = [Config(e, kv) for e, kvs in (("kv8", kv8_kv), ("llama.cpp", ("f16", "q8_0")), ("vllm", ("auto", "fp8")))
                if e in engines for kv in kvs]
-    before_tree = None
     cleanup = contextlib.ExitStack()   # the worktree of --kv8-before, removed at the end
     if ns.kv8_before:
         if "kv8" not in engines:
             ap.error("--kv8-before needs kv8 among --engines")
         try:
-            before_tree = cleanup.enter_context(worktree(ns.kv8_before))
+            before = cleanup.enter_context(worktree(ns.kv8_before))
         except (ValueError, RuntimeError) as e:
             ap.error(str(e))
-        rev = short_rev(ns.kv8_before)
-        configs[len(kv8_kv):len(kv8_kv)] = [Config("kv8", kv, rev=rev, tree=before_tree) for kv in kv8_kv]
+        configs[len(kv8_kv):len(kv8_kv)] = [Config("kv8", kv, rev=before.rev, tree=before.path) for kv in kv8_kv]
 
     from kv8.model.sources import default_model_path
     gguf = default_model_path()

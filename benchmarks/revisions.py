@@ -13,6 +13,7 @@ import subprocess
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -26,10 +27,18 @@ def short_rev(rev: str, option: str = "--kv8-before") -> str:
     return proc.stdout.strip()
 
 
+@dataclass(frozen=True)
+class Checkout:
+    """A temporary worktree: its ``path`` and the abbreviated hash of the commit checked out there."""
+
+    path: str
+    rev: str
+
+
 @contextmanager
-def worktree(rev: str, option: str = "--kv8-before") -> Iterator[str]:
-    """A detached worktree of ``rev`` (checked first by :func:`short_rev`): its path, removed on exit."""
-    short_rev(rev, option)
+def worktree(rev: str, option: str = "--kv8-before") -> Iterator[Checkout]:
+    """A detached worktree of ``rev`` (checked first by :func:`short_rev`), removed on exit."""
+    short = short_rev(rev, option)
     tree = os.path.join(tempfile.mkdtemp(prefix="kv8-before-"), "kv8")
     proc = subprocess.run(["git", "-C", REPO, "worktree", "add", "--detach", tree, rev], capture_output=True,
                           text=True)
@@ -37,7 +46,7 @@ def worktree(rev: str, option: str = "--kv8-before") -> Iterator[str]:
         shutil.rmtree(os.path.dirname(tree), ignore_errors=True)
         raise RuntimeError(f"git worktree add {tree} {rev} failed: {proc.stderr.strip()}")
     try:
-        yield tree
+        yield Checkout(tree, short)
     finally:
         subprocess.run(["git", "-C", REPO, "worktree", "remove", "--force", tree], capture_output=True)
         shutil.rmtree(os.path.dirname(tree), ignore_errors=True)

@@ -19,7 +19,9 @@ import revisions  # noqa: E402
 def test_worktree_checks_out_the_revision_and_removes_it() -> None:
     head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True,
                           check=True).stdout.strip()
-    with revisions.worktree("HEAD") as tree:
+    with revisions.worktree("HEAD") as checkout:
+        tree = checkout.path
+        assert head.startswith(checkout.rev) and len(checkout.rev) >= 7
         assert (Path(tree) / "kv8" / "layers" / "dense_kernels.cpp").is_file()
         got = subprocess.run(["git", "-C", tree, "rev-parse", "HEAD"], capture_output=True, text=True,
                              check=True).stdout.strip()

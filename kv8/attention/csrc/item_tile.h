@@ -571,11 +571,12 @@ static int run_item_prefill(const Problem& P, const Item& it, float* ws, KPairDe
             float* rf = ref + rb;
             float* sm = sum + (size_t)rb * 16;
             bool moved;
+            const int64_t *blo = lo + rb, *blim = lim + rb;
             switch (nt) {
-                case 4: moved = prefill_block<4, QLO, PLO>(C, qh, ql, lo + rb, lim + rb, rf, sm, phi, plo, alpha); break;
-                case 3: moved = prefill_block<3, QLO, PLO>(C, qh, ql, lo + rb, lim + rb, rf, sm, phi, plo, alpha); break;
-                case 2: moved = prefill_block<2, QLO, PLO>(C, qh, ql, lo + rb, lim + rb, rf, sm, phi, plo, alpha); break;
-                default: moved = prefill_block<1, QLO, PLO>(C, qh, ql, lo + rb, lim + rb, rf, sm, phi, plo, alpha); break;
+                case 4: moved = prefill_block<4, QLO, PLO>(C, qh, ql, blo, blim, rf, sm, phi, plo, alpha); break;
+                case 3: moved = prefill_block<3, QLO, PLO>(C, qh, ql, blo, blim, rf, sm, phi, plo, alpha); break;
+                case 2: moved = prefill_block<2, QLO, PLO>(C, qh, ql, blo, blim, rf, sm, phi, plo, alpha); break;
+                default: moved = prefill_block<1, QLO, PLO>(C, qh, ql, blo, blim, rf, sm, phi, plo, alpha); break;
             }
             tile_pv<4, PLO>(vbuf, vstride, nt, nvs, ph, pl, ob, moved ? alpha : nullptr);
         }
