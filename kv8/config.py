@@ -32,6 +32,8 @@ from kv8.quant.formats import KVCacheDtype
 ATTENTION_BACKENDS = ("auto", "cpu_fused", "reference")
 # kv8.layers.dense_kernels: torch ops, or kv8's packed AVX-512 BF16 linear layers with fused norm/SiLU/RoPE
 DENSE_BACKENDS = ("auto", "torch", "packed_bf16")
+# weight quantization at load (vLLM's --quantization): fp8 = E4M3 weights with one float32 scale per output row
+QUANTIZATION_METHODS = ("fp8",)
 
 _DTYPES: dict[str, torch.dtype] = {
     "auto": torch.bfloat16,
@@ -529,7 +531,8 @@ class EngineConfig:
     """Everything the engine needs, validated. Built by :meth:`kv8.engine.args.EngineArgs.create_engine_config`.
 
     Invariants beyond those of its parts: ``attention_backend`` is in :data:`ATTENTION_BACKENDS`;
-    ``dense_backend`` is in :data:`DENSE_BACKENDS` and usable with ``dtype``; ``max_model_len`` fits the
+    ``dense_backend`` is in :data:`DENSE_BACKENDS` and usable with ``dtype``; ``quantization`` is None or in
+    :data:`QUANTIZATION_METHODS`; ``max_model_len`` fits the
     model's context; ``kv_cache_dtype_skip_layers`` names layers the model has; a Hadamard rotation has a
     power-of-two ``head_dim``; ``seed`` is an int.
     """
@@ -543,6 +546,7 @@ class EngineConfig:
     seed: int = 0
     attention_backend: str = "auto"
     dense_backend: str = "auto"
+    quantization: str | None = None
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -551,6 +555,7 @@ class EngineConfig:
             raise ValueError(f"attention_backend={self.attention_backend!r} is not known; choose one of: "
                              f"{', '.join(ATTENTION_BACKENDS)}")
         check_dense_backend(self.dense_backend, self.dtype)
+        check_quantization(self.quantization)
         arch, max_len = self.arch, self.scheduler.max_model_len
         self.parallel.check_model(arch)
         if self.cache.rotation == "hadamard" and arch.head_dim & (arch.head_dim - 1):
@@ -602,6 +607,14 @@ def check_dense_backend(name: str, dtype: torch.dtype) -> None:
                          f"or 'torch'")
 
 
+def check_quantization(name: str | None) -> None:
+    """Raise ValueError unless ``name`` is None (weights as the checkpoint has them) or one of
+    :data:`QUANTIZATION_METHODS`."""
+    if name is not None and name not in QUANTIZATION_METHODS:
+        raise ValueError(f"quantization={name!r} is not known; choose one of: {', '.join(QUANTIZATION_METHODS)} "
+                         f"(or leave it unset for the checkpoint's weights)")
+
+
 def blocks_for_memory(memory: int, arch: ModelArchConfig, kv_dtype: KVCacheDtype, block_size: int,
                       dynamic_scales: bool = False) -> int:
     """How many whole blocks fit in ``memory`` bytes."""
@@ -630,8 +643,8 @@ def default_kv_cache_memory() -> int:
 
 
 __all__ = [
-    "ATTENTION_BACKENDS", "DENSE_BACKENDS", "DTYPE_CHOICES", "LAYER_TYPES", "ROTATIONS", "SKIP_LAYER_KINDS",
-    "SCALE_MODES", "CacheConfig", "EngineConfig", "ModelArchConfig", "ParallelConfig", "RopeScaling",
-    "SchedulerConfig", "available_memory", "blocks_for_memory",
-    "ceil_div", "check_dense_backend", "default_kv_cache_memory", "format_bytes", "parse_memory", "resolve_dtype",
+    "ATTENTION_BACKENDS", "DENSE_BACKENDS", "DTYPE_CHOICES", "LAYER_TYPES", "QUANTIZATION_METHODS", "ROTATIONS",
+    "SKIP_LAYER_KINDS", "SCALE_MODES", "CacheConfig", "EngineConfig", "ModelArchConfig", "ParallelConfig",
+    "RopeScaling", "SchedulerConfig", "available_memory", "blocks_for_memory", "ceil_div", "check_dense_backend",
+    "check_quantization", "default_kv_cache_memory", "format_bytes", "parse_memory", "resolve_dtype",
 ]

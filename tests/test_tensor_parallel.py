@@ -216,6 +216,13 @@ def test_tp2_equals_tp1_fp8(gqa_6x2: str, kv: str) -> None:
     _compare(gqa_6x2, 2, kv)
 
 
+@pytest.mark.slow
+def test_tp2_equals_tp1_with_fp8_weights(gqa_6x2: str) -> None:
+    """quantization="fp8": o_proj and down_proj ranks hold half of each row, quantized with the whole rows'
+    scales, so both rank counts multiply by the same weights."""
+    _compare(gqa_6x2, 2, "fp8", quantization="fp8")
+
+
 def _seeded_under_pressure(llm: LLM) -> tuple[list[str], int]:
     """Seeded random sampling of many prompts at once in a cache too small for them (preemption, recompute)."""
     prompts = [f"{PROMPTS[i % len(PROMPTS)]} number {i}" for i in range(8)]

@@ -28,6 +28,7 @@ from kv8.config import (
     ATTENTION_BACKENDS,
     DENSE_BACKENDS,
     DTYPE_CHOICES,
+    QUANTIZATION_METHODS,
     ROTATIONS,
     SCALE_MODES,
     CacheConfig,
@@ -95,6 +96,10 @@ class EngineArgs:
     dense_backend: str = option(
         "auto", "linear layers, norms, activation, RoPE: auto = packed_bf16 (kv8's packed AVX-512 BF16 kernels) "
         "for bfloat16 models if they build, else torch", choices=DENSE_BACKENDS)
+    quantization: str | None = option(
+        None, "quantize the weights of the decoder's linear layers at load: fp8 = E4M3 codes with one float32 "
+        "scale per output row (half the bytes a decode step reads; the LM head and embedding stay as loaded)",
+        choices=QUANTIZATION_METHODS)
     kv_cache_scale_mode: str = option(
         "static", "FP8 scales: static per layer (file, checkpoint or 1.0) or dynamic per token and head "
         "(no calibration; +4 bytes per token, head and K/V)", choices=SCALE_MODES)
@@ -217,7 +222,7 @@ class EngineArgs:
                                 max_model_len=max_model_len)
         return EngineConfig(model=model_path, model_kind=model_kind, arch=arch, dtype=dtype, cache=cache,
                             scheduler=sched, seed=self.seed, attention_backend=self.attention_backend,
-                            dense_backend=self.dense_backend,
+                            dense_backend=self.dense_backend, quantization=self.quantization,
                             parallel=ParallelConfig(self.tensor_parallel_size, self.cpu_threads_per_rank))
 
 

@@ -75,7 +75,8 @@ def load_shard(config: EngineConfig, layout: KVCacheLayout, num_blocks: Sequence
     blocks of pool ``p``, its own KV heads only) and build its runner. Sets this process's malloc up for
     activations first (:func:`kv8.host_memory.tune_malloc`)."""
     tune_malloc()
-    loaded = load_model(config.model_kind, config.model, config.dtype, config.dense_backend, tp)
+    loaded = load_model(config.model_kind, config.model, config.dtype, config.dense_backend, tp,
+                        config.quantization)
     arch, cc = config.arch, config.cache
     kv_heads = kv_head_shard(arch.num_kv_heads, tp)
     scales = engine_kv_scales(cc, ModelScaleInfo(arch.model_type, arch.num_layers, arch.num_kv_heads,

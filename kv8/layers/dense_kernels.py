@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from kv8.config import check_dense_backend
+from kv8.config import check_dense_backend, check_quantization
 from kv8.native import KernelUnavailable, build_shared_library
 
 logger = logging.getLogger("kv8")
@@ -54,6 +54,8 @@ class DenseKernels:
         lib.kv8_linear_pack.restype = _I
         lib.kv8_linear.argtypes = [_P, _L, _L, _P, _L, _P, _P, _I, _I, _I]
         lib.kv8_linear.restype = _I
+        lib.kv8_linear_fp8.argtypes = [_P, _L, _L, _P, _L, _P, _P, _P, _I, _I, _I]
+        lib.kv8_linear_fp8.restype = _I
         lib.kv8_linear_amx_available.argtypes = []
         lib.kv8_linear_amx_available.restype = _I
         lib.kv8_rmsnorm.argtypes = [_P, _P, _P, _P, _F, _L, _L, _P, _I]
@@ -84,18 +86,37 @@ class DenseKernels:
             raise ValueError(f"cannot pack a weight of shape {list(w.shape)}")
         return out
 
+    def pack_fp8(self, codes: torch.Tensor) -> torch.Tensor:
+        """E4M3 codes ``[N, K]`` (uint8) -> the FP8 packed layout (1-D uint8, ``kv8_linear_packed_size(N, K)``
+        codes): the bf16 packed layout's order of values with each pair-row's 64 codes in the order the kernel's
+        table decode turns into that layout (``decode_panels_fp8`` in ``csrc/dense_linear.h``)."""
+        if codes.dtype != torch.uint8 or codes.ndim != 2:
+            raise ValueError(f"codes must be a 2-D uint8 tensor, got {codes.dtype} {list(codes.shape)}")
+        n, k = codes.shape
+        np_, kp = -(-n // 32) * 32, k + (k % 2)
+        padded = torch.nn.functional.pad(codes, (0, kp - k, 0, np_ - n))
+        # [panel, column, pair-row, j] -> [panel, pair-row, 2 column + j]: the bf16 packed order
+        rows = padded.view(np_ // 32, 32, kp // 2, 2).permute(0, 2, 1, 3).reshape(-1, 64)
+        return rows[:, _FP8_BYTE_ORDER].reshape(-1).contiguous()
+
     def linear(self, x: torch.Tensor, packed: torch.Tensor, out_features: int,
-               bias: torch.Tensor | None, gated: bool = False) -> torch.Tensor:
+               bias: torch.Tensor | None, gated: bool = False, scale: torch.Tensor | None = None) -> torch.Tensor:
         """``x [M, K]`` bf16 contiguous -> ``[M, out_features]`` bf16. ``gated``: ``packed`` holds gate and up
         rows interleaved by 16 (:meth:`pack_gated`) and the result is ``silu(gate) * up``, ``out_features`` wide
-        (bias, if any, interleaved alike, float32)."""
+        (bias, if any, interleaved alike, float32). ``scale`` (float32, one value per packed row): ``packed``
+        holds FP8 codes (:meth:`pack_fp8`) of ``W / scale``, and each sum is multiplied by its row's scale
+        before the bias."""
         m, k = x.shape
         out = torch.empty(m, out_features, dtype=torch.bfloat16)
         if m == 0:
             return out
-        rc = self._lib.kv8_linear(x.data_ptr(), m, k, packed.data_ptr(), out_features,
-                                  0 if bias is None else bias.data_ptr(), out.data_ptr(), torch.get_num_threads(),
-                                  int(gated), int(self.amx))
+        b = 0 if bias is None else bias.data_ptr()
+        if scale is not None:
+            rc = self._lib.kv8_linear_fp8(x.data_ptr(), m, k, packed.data_ptr(), out_features, scale.data_ptr(), b,
+                                          out.data_ptr(), torch.get_num_threads(), int(gated), int(self.amx))
+        else:
+            rc = self._lib.kv8_linear(x.data_ptr(), m, k, packed.data_ptr(), out_features, b, out.data_ptr(),
+                                      torch.get_num_threads(), int(gated), int(self.amx))
         if rc != 0:
             raise ValueError(f"packed linear failed (error {rc}) for x {list(x.shape)}, N={out_features}")
         return out
@@ -190,6 +211,10 @@ class DenseKernels:
         return out
 
 
+# Byte b of an FP8 pair-row holds bf16 value _FP8_BYTE_ORDER[b] of the bf16 pair-row (the decode's lane order).
+_FP8_BYTE_ORDER = torch.tensor([8 * (b // 16) + b % 8 + (0 if b % 16 < 8 else 32) for b in range(64)])
+
+
 def _check_bf16(name: str, x: torch.Tensor, ndim: int) -> None:
     if x.dtype != torch.bfloat16 or x.ndim != ndim:
         raise ValueError(f"{name} must be a {ndim}-D bfloat16 tensor, got {x.dtype} {list(x.shape)}")
@@ -224,8 +249,10 @@ class DenseBackend:
 
     name: str
     kernels: DenseKernels | None = None
+    quantization: str | None = None   # the decoder's linear layers: None (as loaded) or "fp8"
 
     def __post_init__(self) -> None:
+        check_quantization(self.quantization)
         if (self.name == "packed_bf16") != (self.kernels is not None):
             raise ValueError(f"dense backend {self.name!r} must come with kernels exactly when it is 'packed_bf16'")
 
@@ -233,14 +260,20 @@ class DenseBackend:
 TORCH_BACKEND = DenseBackend("torch")
 
 
-def select_dense_backend(name: str, dtype: torch.dtype) -> DenseBackend:
+def _torch_backend(quantization: str | None) -> DenseBackend:
+    return TORCH_BACKEND if quantization is None else DenseBackend("torch", None, quantization)
+
+
+def select_dense_backend(name: str, dtype: torch.dtype, quantization: str | None = None) -> DenseBackend:
     """The backend for option ``name`` (one of ``kv8.config.DENSE_BACKENDS``, already validated against
-    ``dtype``). ``packed_bf16`` raises :class:`KernelUnavailable` if the kernels cannot be built or loaded;
-    ``auto`` then says why once per process and uses torch; models in other dtypes than bf16 use torch."""
+    ``dtype``) with the weight ``quantization`` (None or ``"fp8"``). ``packed_bf16`` raises
+    :class:`KernelUnavailable` if the kernels cannot be built or loaded; ``auto`` then says why once per process
+    and uses torch; models in other dtypes than bf16 use torch."""
     global _auto_fallback_logged
     check_dense_backend(name, dtype)   # once per model load; callers other than the engine reach here too
+    check_quantization(quantization)
     if name == "torch" or dtype != torch.bfloat16:
-        return TORCH_BACKEND
+        return _torch_backend(quantization)
     try:
         kernels = load_dense_kernels()
     except KernelUnavailable as exc:
@@ -249,5 +282,5 @@ def select_dense_backend(name: str, dtype: torch.dtype) -> DenseBackend:
         if not _auto_fallback_logged:
             _auto_fallback_logged = True
             logger.warning("dense layers: using torch because kv8's CPU kernels are unavailable: %s", exc)
-        return TORCH_BACKEND
-    return DenseBackend("packed_bf16", kernels)
+        return _torch_backend(quantization)
+    return DenseBackend("packed_bf16", kernels, quantization)

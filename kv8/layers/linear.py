@@ -8,6 +8,15 @@ delegates the arithmetic to a :class:`LinearMethod`:
   loading, :meth:`~LinearMethod.process_weights_after_loading` replaces ``weight`` by its packed layout
   (buffer ``packed``) and the bias by a float32 copy, so the weights stay in memory once.
 
+With ``quantization="fp8"`` (:attr:`DenseBackend.quantization`) the decoder's layers (every one but the
+replicated :class:`Linear`, i.e. the LM head) keep their weights as E4M3 codes with a float32 scale per output
+row (:mod:`kv8.quant.weights`), quantized after loading (each rank its own shard):
+
+* :class:`PackedFP8LinearMethod`: the packed kernel reading the codes (``packed`` uint8, ``scale_f32``): half
+  the bytes of the bf16 layout; each panel is decoded to bf16 on the fly and the scale applied in the epilogue.
+* :class:`TorchFP8LinearMethod`: ``F.linear`` on the dequantized weight (``decode(codes) * scale`` in the
+  layer's dtype), for the torch backend: the same quantized weights, without the kernel.
+
 Merged layers hold several projections that read the same input as one matrix, their outputs side by side:
 :class:`QKVLinear` (shards ``"q"``, ``"k"``, ``"v"``) and :class:`MergedLinear` (shards ``0, 1, ...``, e.g.
 gate and up). The loader gives each checkpoint tensor to ``param.weight_loader(param, tensor, shard_id)``,
@@ -28,7 +37,7 @@ the full shape and copies the rank's rows (and columns) in.
   columns (KV heads replicated when there are fewer than ranks).
 * :class:`RowParallelLinear` (o_proj, down_proj) keeps the rank's input columns and sums the ranks' partial
   outputs with one all-reduce; its bias is loaded on rank 0 only (zeros elsewhere), so it is added once.
-* :class:`Linear` is replicated (lm_head).
+* :class:`Linear` is replicated, and keeps its weights as loaded under ``quantization="fp8"``.
 
 With one rank every layer holds the whole matrix and nothing is reduced.
 """
@@ -44,9 +53,11 @@ from torch import nn
 from kv8.distributed.shard import kv_head_shard, shard_group, split_evenly
 from kv8.layers.activation import SiluAndMul
 from kv8.layers.dense_kernels import DenseBackend, DenseKernels
+from kv8.quant.weights import dequantize_fp8_rows, quantize_fp8_rows
 
 __all__ = ["GateUpLinear", "Linear", "LinearBase", "LinearMethod", "MergedLinear", "PackedBF16LinearMethod",
-           "QKVLinear", "RowParallelLinear", "TorchLinearMethod", "linear_method", "linear_reference"]
+           "PackedFP8LinearMethod", "QKVLinear", "RowParallelLinear", "TorchFP8LinearMethod", "TorchLinearMethod",
+           "linear_method", "linear_reference"]
 
 
 def linear_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -109,16 +120,19 @@ class PackedBF16LinearMethod(LinearMethod):
             raise ValueError(f"input has {x.shape[-1]} features, the layer {layer.in_features}")
         return x.reshape(-1, layer.in_features).contiguous()
 
+    def _linear(self, layer: LinearBase, rows: torch.Tensor, out_features: int, gated: bool = False) -> torch.Tensor:
+        return self.kernels.linear(rows, layer.packed, out_features, layer.bias_f32, gated=gated)
+
     def apply(self, layer: LinearBase, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
         rows = self._rows(layer, x)
         if isinstance(layer, GateUpLinear) and layer.fuses_silu:
             # the interleaved layout's [gate_0..15 | up_0..15 | gate_16..31 | ...] back to [gate | up]
             i, ip = layer.output_sizes[0], layer.packed_half
-            out = self.kernels.linear(rows, layer.packed, 2 * ip, layer.bias_f32)
+            out = self._linear(layer, rows, 2 * ip)
             out = out.view(-1, ip // 16, 2, 16).transpose(1, 2).reshape(-1, 2, ip)[:, :, :i].reshape(-1, 2 * i)
             return out.view(*lead, 2 * i)
-        out = self.kernels.linear(rows, layer.packed, layer.out_features, layer.bias_f32)
+        out = self._linear(layer, rows, layer.out_features)
         return out.view(*lead, layer.out_features)
 
     def apply_gated(self, layer: GateUpLinear, x: torch.Tensor) -> torch.Tensor:
@@ -126,15 +140,53 @@ class PackedBF16LinearMethod(LinearMethod):
             return super().apply_gated(layer, x)
         lead = x.shape[:-1]
         i = layer.output_sizes[0]
-        out = self.kernels.linear(self._rows(layer, x), layer.packed, i, layer.bias_f32, gated=True)
+        out = self._linear(layer, self._rows(layer, x), i, gated=True)
         return out.view(*lead, i)
 
 
-def linear_method(backend: DenseBackend) -> LinearMethod:
-    """The linear method of a dense backend."""
+class PackedFP8LinearMethod(PackedBF16LinearMethod):
+    """FP8 weights on the packed kernel. After loading the layer holds ``packed`` (1-D uint8: E4M3 codes in
+    :meth:`DenseKernels.pack_fp8`'s order), ``scale_f32`` (``[rows]`` float32, one per packed row) and
+    ``bias_f32``; a fused :class:`GateUpLinear` has all three in the interleaved order. Input and output are
+    bf16, as for the bf16 method; each output is ``bf16(sum_k x_k decode(code_nk) * scale_n + bias_n)``."""
+
+    name = "packed_fp8"
+
+    def process_weights_after_loading(self, layer: LinearBase) -> None:
+        weight = layer.weight.detach()
+        bias = None if layer.bias is None else layer.bias.detach().float().contiguous()
+        if isinstance(layer, GateUpLinear) and layer.fuses_silu:   # gate and up rows interleaved by 16
+            weight = self.kernels.interleave_gate_up(weight)
+            bias = None if bias is None else self.kernels.interleave_gate_up(bias).contiguous()
+        codes, scale = quantize_fp8_rows(weight, layer.row_amax)
+        layer.register_buffer("packed", self.kernels.pack_fp8(codes), persistent=False)
+        layer.register_buffer("scale_f32", scale, persistent=False)
+        layer.register_buffer("bias_f32", bias, persistent=False)
+        del layer.weight, layer.bias
+
+    def _linear(self, layer: LinearBase, rows: torch.Tensor, out_features: int, gated: bool = False) -> torch.Tensor:
+        return self.kernels.linear(rows, layer.packed, out_features, layer.bias_f32, gated=gated,
+                                   scale=layer.scale_f32)
+
+
+class TorchFP8LinearMethod(TorchLinearMethod):
+    """FP8 weights with torch ops: after loading ``weight`` holds ``decode(codes) * scale`` in its dtype (the
+    quantized weight, dequantized once), and ``F.linear`` multiplies by it."""
+
+    name = "torch_fp8"
+
+    def process_weights_after_loading(self, layer: LinearBase) -> None:
+        codes, scale = quantize_fp8_rows(layer.weight.detach(), layer.row_amax)
+        layer.weight.data = dequantize_fp8_rows(codes, scale, layer.weight.dtype)
+
+
+def linear_method(backend: DenseBackend, quantize: bool = True) -> LinearMethod:
+    """The linear method of a dense backend; ``quantize=False`` keeps the weights as loaded whatever the
+    backend's quantization (the LM head)."""
+    fp8 = quantize and backend.quantization == "fp8"
     if backend.kernels is None:
-        return TorchLinearMethod()
-    return PackedBF16LinearMethod(backend.kernels)
+        return TorchFP8LinearMethod() if fp8 else TorchLinearMethod()
+    return PackedFP8LinearMethod(backend.kernels) if fp8 else PackedBF16LinearMethod(backend.kernels)
 
 
 class LinearBase(nn.Module):
@@ -146,12 +198,13 @@ class LinearBase(nn.Module):
     rank holds (default: all); ``in_shard``: the input columns it holds (default: all).
     """
 
-    packed: torch.Tensor              # buffers of the packed method, set by process_weights_after_loading
+    packed: torch.Tensor              # buffers of the packed methods, set by process_weights_after_loading
     bias_f32: torch.Tensor | None
+    scale_f32: torch.Tensor           # the FP8 method's scale per packed row
 
     def __init__(self, in_features: int, output_sizes: Sequence[int], bias: bool, backend: DenseBackend,
-                 row_shards: Sequence[tuple[int, int]] | None = None, in_shard: tuple[int, int] | None = None
-                 ) -> None:
+                 row_shards: Sequence[tuple[int, int]] | None = None, in_shard: tuple[int, int] | None = None,
+                 quantize: bool = True) -> None:
         super().__init__()
         self.tp = shard_group()
         self.full_in_features = in_features
@@ -164,7 +217,8 @@ class LinearBase(nn.Module):
         # a sharded layer loads through weight_loader (the loader cannot assign a whole checkpoint tensor)
         self.is_sharded = (self.in_features != in_features or self.output_sizes != self.full_output_sizes)
         self.has_bias = bias
-        self.method = linear_method(backend)
+        self.row_amax: torch.Tensor | None = None   # input-sharded layers: each whole checkpoint row's max |w|
+        self.method = linear_method(backend, quantize)
         self.weight = nn.Parameter(torch.empty(self.out_features, self.in_features), requires_grad=False)
         self.weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
         self.bias: nn.Parameter | None = None
@@ -187,16 +241,20 @@ class LinearBase(nn.Module):
             raise ValueError(f"has shape {tuple(loaded.shape)}, the model expects {expected}")
         parts = [part.narrow(0, *self.row_shards[i]) for i, part in zip(projections, loaded.split(full_rows))]
         src = parts[0] if len(parts) == 1 else torch.cat(parts)
+        if param.ndim == 2 and self.in_features != self.full_in_features:
+            # the whole checkpoint rows' largest magnitudes: FP8 scales that do not depend on the rank count
+            amax = src.to(param.dtype).float().abs().amax(dim=1)
         if param.ndim == 2:
             src = src.narrow(1, *self.in_shard)
         elif self.in_features != self.full_in_features and self.tp.rank != 0:
             src = torch.zeros_like(src)   # a row-parallel bias: added once, by rank 0, before the all-reduce
-        if shard_id is None:
-            rows = param.data
-        else:
-            i = projections[0]
-            rows = param.data.narrow(0, sum(self.output_sizes[:i]), self.output_sizes[i])
-        rows.copy_(src)
+        start, count = (0, self.out_features) if shard_id is None else \
+            (sum(self.output_sizes[:projections[0]]), self.output_sizes[projections[0]])
+        param.data.narrow(0, start, count).copy_(src)
+        if param.ndim == 2 and self.in_features != self.full_in_features:
+            if self.row_amax is None:
+                self.row_amax = torch.zeros(self.out_features)
+            self.row_amax.narrow(0, start, count).copy_(amax)
 
     def process_weights_after_loading(self) -> None:
         self.method.process_weights_after_loading(self)
@@ -212,10 +270,10 @@ class LinearBase(nn.Module):
 
 
 class Linear(LinearBase):
-    """One projection ``[in_features] -> [out_features]``."""
+    """One projection ``[in_features] -> [out_features]``, replicated, its weights as loaded."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, backend: DenseBackend) -> None:
-        super().__init__(in_features, [out_features], bias, backend)
+        super().__init__(in_features, [out_features], bias, backend, quantize=False)
 
 
 class RowParallelLinear(LinearBase):

@@ -76,13 +76,15 @@ class VocabParallelEmbedding(nn.Module):
 
 class ParallelLMHead(LinearBase):
     """``hidden [N, E] -> logits [N, V]`` on rank 0, from every rank's ``[P, E]`` rows (see the module
-    docstring). The linear method (torch or packed bf16) multiplies the rank's rows as for any linear layer."""
+    docstring). The linear method (torch or packed bf16) multiplies the rank's rows as for any linear layer; the
+    weights stay as loaded under ``quantization="fp8"`` (as vLLM keeps its LM head; a tied head is the
+    embedding's matrix)."""
 
     def __init__(self, hidden_size: int, vocab_size: int, backend: DenseBackend) -> None:
         tp = shard_group()
         first, rows, _ = vocab_shard(vocab_size, tp)
         self.vocab_size = vocab_size
-        super().__init__(hidden_size, [rows * tp.size], False, backend, row_shards=[(first, rows)])
+        super().__init__(hidden_size, [rows * tp.size], False, backend, row_shards=[(first, rows)], quantize=False)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int | str | None = None) -> None:
         _load_rows(param, loaded, self.vocab_size, self.full_in_features, self.tp)

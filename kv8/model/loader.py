@@ -174,10 +174,11 @@ def _load(model: nn.Module, pname: str, tensor: torch.Tensor, shard_id: ShardId,
 
 
 def load_model(kind: str, path: str, dtype: torch.dtype, dense_backend: str = "torch",
-               tp: TPGroup = SINGLE_RANK) -> LoadedModel:
+               tp: TPGroup = SINGLE_RANK, quantization: str | None = None) -> LoadedModel:
     """Build the model for ``path`` (kind ``"hf"`` or ``"gguf"``) with weights in ``dtype`` and dense layers on
     ``dense_backend`` (a validated ``kv8.config.DENSE_BACKENDS`` name; ``LoadedModel.dense_backend`` says which
-    one ``auto`` resolved to); with a group ``tp``, the shard of its rank."""
+    one ``auto`` resolved to); with a group ``tp``, the shard of its rank. ``quantization`` (None or a
+    ``kv8.config.QUANTIZATION_METHODS`` name): how the decoder's linear layers store their weights."""
     start = time.perf_counter()
     if kind == "gguf":
         from kv8.model.gguf_loader import iter_gguf_tensors
@@ -195,7 +196,7 @@ def load_model(kind: str, path: str, dtype: torch.dtype, dense_backend: str = "t
     arch = ModelArchConfig.from_hf_config(hf_config)
     if kind == "hf":
         _check_layer_count(files, arch, path)
-    backend = select_dense_backend(dense_backend, dtype)
+    backend = select_dense_backend(dense_backend, dtype, quantization)
     with torch.device("meta"), building_shard(tp):
         model = cls(arch, backend)
     tied = dict(getattr(model, "tied_weights", {})) if arch.tie_word_embeddings else {}
@@ -232,6 +233,7 @@ def load_model(kind: str, path: str, dtype: torch.dtype, dense_backend: str = "t
             process()
     model.eval()
     seconds = time.perf_counter() - start
-    logger.info("loaded %s (%s, %d layers, dense backend %s%s) in %.1f s", path, arch.model_type, arch.num_layers,
-                backend.name, f", tensor-parallel rank {tp.rank} of {tp.size}" if tp.size > 1 else "", seconds)
+    logger.info("loaded %s (%s, %d layers, dense backend %s%s%s) in %.1f s", path, arch.model_type, arch.num_layers,
+                backend.name, f", {backend.quantization} weights" if backend.quantization else "",
+                f", tensor-parallel rank {tp.rank} of {tp.size}" if tp.size > 1 else "", seconds)
     return LoadedModel(model, arch, hf_config, scale_tensors, seconds, backend.name)

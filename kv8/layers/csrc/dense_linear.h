@@ -10,6 +10,7 @@
 
 static const int PANEL = 32;  // output columns per panel (two zmm registers of fp32 accumulators)
 static const int64_t ROW_CHUNK = 192;  // rows of x per pass over the weights (x chunk stays in L2)
+static const int FP8_PREFETCH_STEPS = 8;  // FP8 panels read once: k steps of codes prefetched (4..16 measured)
 
 extern "C" int kv8_linear_available() { return KV8_LINEAR_FAST; }
 
@@ -50,7 +51,8 @@ static inline __mmask16 lane_mask(int n) {  // the first n (clamped to 0..16) of
 // only columns below N. GATED: each panel's two accumulators are 16 gate and the matching 16 up columns (see
 // the top of this file), giving 16 outputs from column n0 / 2 + 16 q on.
 template <int NP, bool GATED>
-static inline void store_row(const __m512* acc, const float* bias, int64_t n0, int64_t N, uint16_t* out_row) {
+static inline void store_row(const __m512* acc, const float* bias, const float* scale, int64_t n0, int64_t N,
+                             uint16_t* out_row) {
     if (GATED) {
         for (int q = 0; q < NP; ++q) {
             const int64_t c0 = n0 / 2 + 16 * q;   // output column of the panel's first gate/up pair
@@ -59,11 +61,13 @@ static inline void store_row(const __m512* acc, const float* bias, int64_t n0, i
             const int64_t b0 = n0 + (int64_t)PANEL * q;   // the panel's bias: 16 gate values, then 16 up values
             const __m512 bg = bias ? _mm512_loadu_ps(bias + b0) : _mm512_setzero_ps();
             const __m512 bu = bias ? _mm512_loadu_ps(bias + b0 + 16) : _mm512_setzero_ps();
-            const __m512 g = round_bf16(_mm512_add_ps(acc[2 * q], bg));
-            const __m512 u = round_bf16(_mm512_add_ps(acc[2 * q + 1], bu));
-            const __m512 sg = round_bf16(_mm512_div_ps(
+            const __m512 sg = scale ? _mm512_loadu_ps(scale + b0) : _mm512_set1_ps(1.0f);
+            const __m512 su = scale ? _mm512_loadu_ps(scale + b0 + 16) : _mm512_set1_ps(1.0f);
+            const __m512 g = round_bf16(_mm512_fmadd_ps(acc[2 * q], sg, bg));
+            const __m512 u = round_bf16(_mm512_fmadd_ps(acc[2 * q + 1], su, bu));
+            const __m512 act = round_bf16(_mm512_div_ps(
                 g, _mm512_add_ps(_mm512_set1_ps(1.0f), exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), g)))));
-            store_bf16(out_row + c0, _mm512_mul_ps(sg, u), m);
+            store_bf16(out_row + c0, _mm512_mul_ps(act, u), m);
         }
         return;
     }
@@ -72,7 +76,8 @@ static inline void store_row(const __m512* acc, const float* bias, int64_t n0, i
         const __mmask16 m = lane_mask((int)(N - c0 < 16 ? N - c0 : 16));
         if (!m) break;
         const __m512 bv = bias ? _mm512_maskz_loadu_ps(m, bias + c0) : _mm512_setzero_ps();
-        const __m256i y = (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(acc[v], bv));
+        const __m512 sv = scale ? _mm512_maskz_loadu_ps(m, scale + c0) : _mm512_set1_ps(1.0f);
+        const __m256i y = (__m256i)_mm512_cvtneps_pbh(_mm512_fmadd_ps(acc[v], sv, bv));
         _mm256_mask_storeu_epi16(out_row + c0, m, y);
     }
 }
@@ -82,7 +87,8 @@ static inline void store_row(const __m512* acc, const float* bias, int64_t n0, i
 // outputs from n0 / 2 on (see the top of this file), and out rows have stride I.
 template <int MR, int NP, bool GATED>
 static inline void micro(const uint16_t* x, int64_t K, const uint16_t* panel, int64_t kp, const float* bias,
-                         int64_t n0, int64_t N, uint16_t* out, const uint16_t* pf, int pf_first, int pf_step) {
+                         const float* scale, int64_t n0, int64_t N, uint16_t* out, const uint16_t* pf, int pf_first,
+                         int pf_step) {
     constexpr int NV = 2 * NP;  // zmm accumulators per row
     __m512 acc[MR][NV];
     for (int r = 0; r < MR; ++r)
@@ -120,11 +126,11 @@ static inline void micro(const uint16_t* x, int64_t K, const uint16_t* panel, in
             }
         }
     }
-    for (int r = 0; r < MR; ++r) store_row<NP, GATED>(acc[r], bias, n0, N, out + r * N);
+    for (int r = 0; r < MR; ++r) store_row<NP, GATED>(acc[r], bias, scale, n0, N, out + r * N);
 }
 
-typedef void (*MicroFn)(const uint16_t*, int64_t, const uint16_t*, int64_t, const float*, int64_t, int64_t,
-                        uint16_t*, const uint16_t*, int, int);
+typedef void (*MicroFn)(const uint16_t*, int64_t, const uint16_t*, int64_t, const float*, const float*, int64_t,
+                        int64_t, uint16_t*, const uint16_t*, int, int);
 static const int MAX_MR1 = 12;  // one panel: 24 accumulators + 2 weights + 1 broadcast registers
 static const int MAX_MR2 = 6;   // two panels: 24 accumulators + 4 weights + 1 broadcast
 template <bool G>
@@ -139,15 +145,67 @@ static const MicroFn MICRO2[MAX_MR2 + 1] = {nullptr, micro<1, 2, G>, micro<2, 2,
 // prefetch of the panels at `next` (NULL: none) into L2, block b taking the pairs kk = b mod blocks. out rows
 // have stride N.
 static inline void row_blocks(const MicroFn* table, int max_mr, const uint16_t* x, int64_t M, int64_t K,
-                              const uint16_t* panel, int64_t kp, const float* bias, int64_t n0, int64_t N,
-                              uint16_t* out, const uint16_t* next) {
+                              const uint16_t* panel, int64_t kp, const float* bias, const float* scale, int64_t n0,
+                              int64_t N, uint16_t* out, const uint16_t* next) {
     const int64_t nblk = (M + max_mr - 1) / max_mr;
     const int64_t base = M / nblk, extra = M % nblk;
     int64_t r0 = 0;
     for (int64_t b = 0; b < nblk; ++b) {
         const int mr = (int)(base + (b < extra ? 1 : 0));
-        table[mr](x + r0 * K, K, panel, kp, bias, n0, N, out + r0 * N, next, (int)b, (int)nblk);
+        table[mr](x + r0 * K, K, panel, kp, bias, scale, n0, N, out + r0 * N, next, (int)b, (int)nblk);
         r0 += mr;
+    }
+}
+#endif
+
+#if KV8_LINEAR_FAST
+// FP8 (E4M3) weights: the codes of the packed layout, one byte per value, in the order fp8_to_bf16 below turns
+// into the bf16 packed layout (kv8_linear_fp8). Byte b of a pair-row's 64 codes holds bf16 value
+// v(b) = 8 (b / 16) + b % 8 for b % 16 < 8, else 32 + 8 (b / 16) + b % 8 -- the decode's lane order -- so one
+// 64-byte load decodes into the pair-row's 32 + 32 bf16 values (columns 0..15, then 16..31).
+struct E4M3Lut {
+    __m512i lo0, lo1, hi0, hi1;  // low / high byte of the bf16 value of codes 0..127 (exact: <= 3 mantissa bits)
+};
+
+static E4M3Lut make_e4m3_lut() {
+    alignas(64) uint8_t lo[128], hi[128];
+    for (int c = 0; c < 128; ++c) {
+        const int e = c >> 3, m = c & 7;
+        // E4M3 (fn): bias 7, subnormals at e = 0, 0x7F NaN (never produced by the quantizer: it saturates)
+        const float v = c == 0x7F ? NAN : e == 0 ? ldexpf((float)m, -9) : ldexpf(1.0f + m / 8.0f, e - 7);
+        uint32_t bits;
+        memcpy(&bits, &v, 4);
+        const uint16_t b = c == 0x7F ? 0x7FC0 : (uint16_t)(bits >> 16);
+        lo[c] = (uint8_t)(b & 0xFF);
+        hi[c] = (uint8_t)(b >> 8);
+    }
+    E4M3Lut L;
+    L.lo0 = _mm512_load_si512(lo);
+    L.lo1 = _mm512_load_si512(lo + 64);
+    L.hi0 = _mm512_load_si512(hi);
+    L.hi1 = _mm512_load_si512(hi + 64);
+    return L;
+}
+
+// 64 E4M3 codes -> 64 bf16: w0 = codes 0..7 of each 128-bit lane, w1 = codes 8..15 (two byte tables, sign ORed).
+static inline void e4m3_to_bf16(__m512i c, const E4M3Lut& L, __m512i& w0, __m512i& w1) {
+    const __m512i lo = _mm512_permutex2var_epi8(L.lo0, c, L.lo1);
+    __m512i hi = _mm512_permutex2var_epi8(L.hi0, c, L.hi1);
+    hi = _mm512_ternarylogic_epi32(hi, c, _mm512_set1_epi8((char)0x80), 0xF8);  // hi | (c & 0x80)
+    w0 = _mm512_unpacklo_epi8(lo, hi);
+    w1 = _mm512_unpackhi_epi8(lo, hi);
+}
+
+// `panels` adjacent packed FP8 panels at src (each kp / 2 pair-rows of 64 codes) -> the bf16 packed layout
+// at dst (the same panels, 64 bf16 per pair-row).
+static inline void decode_panels_fp8(const uint8_t* src, int64_t panels, int64_t kp, uint16_t* dst) {
+    static const E4M3Lut L = make_e4m3_lut();
+    const int64_t rows = panels * kp / 2;
+    for (int64_t i = 0; i < rows; ++i) {
+        __m512i w0, w1;
+        e4m3_to_bf16(_mm512_loadu_si512(src + i * 64), L, w0, w1);
+        _mm512_store_si512(dst + i * 64, w0);
+        _mm512_store_si512(dst + i * 64 + 32, w1);
     }
 }
 #endif
@@ -172,11 +230,11 @@ struct PendingBlock {
 
 // The epilogue (store_row) of rows [from, to) of a pending block.
 template <bool GATED>
-static inline void finish_rows(const PendingBlock& b, int from, int to, const float* bias, int64_t N,
-                               uint16_t* out) {
+static inline void finish_rows(const PendingBlock& b, int from, int to, const float* bias, const float* scale,
+                               int64_t N, uint16_t* out) {
     for (int r = from; r < to; ++r) {
         const __m512 acc[2] = {_mm512_load_ps(b.c + r * 32), _mm512_load_ps(b.c + r * 32 + 16)};
-        store_row<1, GATED>(acc, bias, b.n0, N, out + (b.r0 + r) * N);
+        store_row<1, GATED>(acc, bias, scale, b.n0, N, out + (b.r0 + r) * N);
     }
 }
 
@@ -186,10 +244,15 @@ static inline void finish_rows(const PendingBlock& b, int from, int to, const fl
 // finished when this returns. x's tiles are loaded with the streaming hint (tileloaddt1): they come from L2 and
 // leave L1 to the panel, which the chunk's other row blocks read again. ONCE (M <= 32: this block is the only
 // one that reads the panel): the panel's tiles are streamed too. (Software prefetch of the panel stream, 4-16 KiB
-// ahead into L1 or L2, measured no faster: the hardware prefetchers follow it.)
+// ahead into L1 or L2, measured no faster: the hardware prefetchers follow it.) codes (FP8 weights, a panel read
+// once): the panel's E4M3 codes, decoded one k step ahead into two 2 KiB buffers that the B tiles load from
+// (`panel` unused), so the decode overlaps the tile multiplies and its output stays in L1.
 template <int MB, bool GATED, bool ONCE>
 static inline void amx_panel(const uint16_t* x, int64_t K, const uint16_t* panel, float* cbuf,
-                             const PendingBlock& prev, const float* bias, int64_t N, uint16_t* out) {
+                             const PendingBlock& prev, const float* bias, const float* scale, int64_t N,
+                             uint16_t* out, const uint8_t* codes = nullptr) {
+    alignas(64) uint16_t steps[2][16 * 64];   // codes: the decoded pair-rows of a k step (16 of 64 bf16)
+    if (codes) decode_panels_fp8(codes, 1, 32, steps[0]);
     _tile_zero(0);
     _tile_zero(1);
     if (MB == 2) {
@@ -200,8 +263,11 @@ static inline void amx_panel(const uint16_t* x, int64_t K, const uint16_t* panel
     const int per_step = (int)((prev.rows + K / 32 - 1) / (K / 32));   // rows of prev finished per k step
     int done = 0;
     for (int64_t k0 = 0; k0 < K; k0 += 32) {
-        const uint16_t* b = panel + k0 * 32;  // pair-row k0 / 2
-        if (ONCE) {
+        const uint16_t* b = codes ? steps[(k0 / 32) & 1] : panel + k0 * 32;  // pair-row k0 / 2
+        if (codes) {
+            _tile_loadd(6, b, 128);
+            _tile_loadd(7, b + 32, 128);
+        } else if (ONCE) {
             _tile_stream_loadd(6, b, 128);
             _tile_stream_loadd(7, b + 32, 128);
         } else {
@@ -216,9 +282,14 @@ static inline void amx_panel(const uint16_t* x, int64_t K, const uint16_t* panel
             _tile_dpbf16ps(2, 5, 6);
             _tile_dpbf16ps(3, 5, 7);
         }
+        if (codes && k0 + 32 < K) {   // the codes FP8_PREFETCH_STEPS k steps ahead into L1 (past the panel: the next)
+            const char* ahead = (const char*)codes + (k0 + 32 * FP8_PREFETCH_STEPS) * 32;
+            for (int l = 0; l < 16; ++l) _mm_prefetch(ahead + 64 * l, _MM_HINT_T0);
+            decode_panels_fp8(codes + (k0 + 32) * 32, 1, 32, steps[((k0 / 32) + 1) & 1]);
+        }
         if (done < prev.rows) {
             const int to = done + per_step < prev.rows ? done + per_step : prev.rows;
-            finish_rows<GATED>(prev, done, to, bias, N, out);
+            finish_rows<GATED>(prev, done, to, bias, scale, N, out);
             done = to;
         }
     }
@@ -235,9 +306,9 @@ static inline void amx_panel(const uint16_t* x, int64_t K, const uint16_t* panel
 // runs during the next block's k steps (amx_panel; the thread's last block after its loop). M < 16: the A and
 // C tiles have M rows and read x in place (decode batches; no 16-row tile work per panel); otherwise tiles
 // have 16 rows and the last partial block reads a zero-padded copy of its rows.
-template <bool GATED>
-static int linear_amx(const uint16_t* x, int64_t M, int64_t K, const uint16_t* packed, int64_t N,
-                      const float* bias, uint16_t* out, int nthreads) {
+template <bool GATED, bool FP8>
+static int linear_amx(const uint16_t* x, int64_t M, int64_t K, const void* packed, int64_t N, const float* bias,
+                      const float* scale, uint16_t* out, int nthreads) {
     const int64_t panels = GATED ? (N + 15) / 16 : (N + PANEL - 1) / PANEL;
     const int64_t full = M / 32 * 32, rem = M - full;
     uint16_t* pad = nullptr;
@@ -249,11 +320,17 @@ static int linear_amx(const uint16_t* x, int64_t M, int64_t K, const uint16_t* p
         memset(pad + rem * K, 0, (size_t)(32 - rem) * K * 2);
     }
     const int threads = (int)(panels < nthreads ? panels : nthreads);
+    uint16_t* decoded = nullptr;   // FP8: each thread's decoded panel
+    if (FP8 && !(decoded = (uint16_t*)aligned_alloc(64, (size_t)threads * PANEL * K * 2))) {
+        free(pad);
+        return 8;
+    }
     const bool once = M <= 32;  // one row block per panel: the panel is read once (amx_panel's ONCE)
 #pragma omp parallel num_threads(threads)
     {
         amx_load_config(arows, 6);  // A and C tiles (0..5) of arows rows, B tiles of 16
         alignas(64) float cbuf[2][32 * 32];   // a block's sums, and the previous block's awaiting its epilogue
+        uint16_t* dec = FP8 ? decoded + (size_t)omp_get_thread_num() * PANEL * K : nullptr;  // a decoded panel
         PendingBlock prev = {nullptr, 0, 0, 0};
         int cur = 0;
         const int t = omp_get_thread_num(), nt = omp_get_num_threads();
@@ -261,23 +338,30 @@ static int linear_amx(const uint16_t* x, int64_t M, int64_t K, const uint16_t* p
         for (int64_t m0 = 0; m0 < M; m0 += ROW_CHUNK) {
             const int64_t m1 = M - m0 < ROW_CHUNK ? M : m0 + ROW_CHUNK;
             for (int64_t p = p0; p < p1; ++p) {
-                const uint16_t* panel = packed + p * PANEL * K;
+                const uint16_t* panel = (const uint16_t*)packed + p * PANEL * K;
+                const uint8_t* codes = FP8 && once ? (const uint8_t*)packed + p * PANEL * K : nullptr;
+                if (FP8 && !once) {   // once per chunk: its row blocks read the decoded panel from L1/L2
+                    decode_panels_fp8((const uint8_t*)packed + p * PANEL * K, 1, K, dec);
+                    panel = dec;
+                }
                 for (int64_t r0 = m0; r0 < m1; r0 += 32) {
                     const int n = (int)(M - r0 < 32 ? M - r0 : 32);
                     const uint16_t* src = r0 < full || !pad ? x + r0 * K : pad;
-                    if (n > 16 && once) amx_panel<2, GATED, true>(src, K, panel, cbuf[cur], prev, bias, N, out);
-                    else if (n > 16) amx_panel<2, GATED, false>(src, K, panel, cbuf[cur], prev, bias, N, out);
-                    else if (once) amx_panel<1, GATED, true>(src, K, panel, cbuf[cur], prev, bias, N, out);
-                    else amx_panel<1, GATED, false>(src, K, panel, cbuf[cur], prev, bias, N, out);
+                    float* c = cbuf[cur];
+                    if (n > 16 && once) amx_panel<2, GATED, true>(src, K, panel, c, prev, bias, scale, N, out, codes);
+                    else if (n > 16) amx_panel<2, GATED, false>(src, K, panel, c, prev, bias, scale, N, out);
+                    else if (once) amx_panel<1, GATED, true>(src, K, panel, c, prev, bias, scale, N, out, codes);
+                    else amx_panel<1, GATED, false>(src, K, panel, c, prev, bias, scale, N, out);
                     prev = {cbuf[cur], n, r0, p * PANEL};
                     cur ^= 1;
                 }
             }
         }
-        finish_rows<GATED>(prev, 0, prev.rows, bias, N, out);
+        finish_rows<GATED>(prev, 0, prev.rows, bias, scale, N, out);
         _tile_release();
     }
     free(pad);
+    free(decoded);
     return 0;
 }
 #endif
@@ -290,6 +374,53 @@ extern "C" int kv8_linear_amx_available() {
 #endif
 }
 
+#if KV8_LINEAR_FAST
+// The vdpbf16ps path of kv8_linear / kv8_linear_fp8 (see there).
+template <bool FP8>
+static int linear_avx512(const uint16_t* x, int64_t M, int64_t K, const void* packed, int64_t N, const float* bias,
+                         const float* scale, uint16_t* out, int nthreads, bool gated) {
+    const int64_t kp = (K + 1) & ~(int64_t)1;
+    const int64_t panels = gated ? (N + 15) / 16 : (N + PANEL - 1) / PANEL;
+    const MicroFn* micro1 = gated ? MICRO1<true> : MICRO1<false>;
+    const MicroFn* micro2 = gated ? MICRO2<true> : MICRO2<false>;
+    const int threads = (int)(panels < nthreads ? panels : nthreads);
+    uint16_t* decoded = nullptr;   // FP8: each thread's two decoded panels
+    if (FP8 && !(decoded = (uint16_t*)aligned_alloc(64, (size_t)threads * 2 * PANEL * kp * 2))) return 8;
+    // Rows go in chunks of ROW_CHUNK so that a chunk of x stays in L2 while every panel passes over it.
+    // Within a chunk each thread takes a contiguous run of panels and walks it two panels (64 columns) at
+    // a time, one panel for an odd one left over.
+#pragma omp parallel num_threads(threads)
+    {
+        const int t = omp_get_thread_num(), nt = omp_get_num_threads();
+        const int64_t p0 = panels * t / nt, p1 = panels * (t + 1) / nt;
+        uint16_t* dec = FP8 ? decoded + (size_t)t * 2 * PANEL * kp : nullptr;
+        for (int64_t m0 = 0; m0 < M; m0 += ROW_CHUNK) {
+            const int64_t rows = M - m0 < ROW_CHUNK ? M - m0 : ROW_CHUNK;
+            const uint16_t* xc = x + m0 * K;
+            uint16_t* oc = out + m0 * N;
+            for (int64_t p = p0; p < p1; p += 2) {
+                const uint16_t* panel = (const uint16_t*)packed + p * PANEL * kp;
+                // Prefetch the next two panels while this pair computes (within the thread's run): with
+                // several row blocks per panel the compute no longer waits for DRAM. FP8: the pair is decoded
+                // first (a sequential read the hardware prefetchers follow).
+                const uint16_t* next = !FP8 && p + 3 < p1 ? panel + 2 * PANEL * kp : nullptr;
+                if (FP8) {
+                    decode_panels_fp8((const uint8_t*)packed + p * PANEL * kp, p + 1 < p1 ? 2 : 1, kp, dec);
+                    panel = dec;
+                }
+                if (p + 1 < p1) {
+                    row_blocks(micro2, MAX_MR2, xc, rows, K, panel, kp, bias, scale, p * PANEL, N, oc, next);
+                } else {
+                    row_blocks(micro1, MAX_MR1, xc, rows, K, panel, kp, bias, scale, p * PANEL, N, oc, nullptr);
+                }
+            }
+        }
+    }
+    free(decoded);
+    return 0;
+}
+#endif
+
 // out[M, N] = x[M, K] @ W^T (+ bias), W pre-packed by kv8_linear_pack. gated != 0: out[M, N] = the gated
 // activation of a gate/up matrix packed interleaved (see the top of this file; N = I, the packed matrix has
 // 2 * ceil(I / 16) * 16 rows and the bias, if any, as many values in the same order). use_amx != 0: the AMX
@@ -300,42 +431,36 @@ extern "C" int kv8_linear(const uint16_t* x, int64_t M, int64_t K, const uint16_
     if (!x || !packed || !out || M <= 0 || K <= 0 || N <= 0 || nthreads <= 0) return 5;
 #if KV8_LINEAR_AMX
     if (use_amx && K % 32 == 0 && amx_permitted())
-        return gated ? linear_amx<true>(x, M, K, packed, N, bias, out, nthreads)
-                     : linear_amx<false>(x, M, K, packed, N, bias, out, nthreads);
+        return gated ? linear_amx<true, false>(x, M, K, packed, N, bias, nullptr, out, nthreads)
+                     : linear_amx<false, false>(x, M, K, packed, N, bias, nullptr, out, nthreads);
 #endif
-    const int64_t kp = (K + 1) & ~(int64_t)1;
-    const int64_t panels = gated ? (N + 15) / 16 : (N + PANEL - 1) / PANEL;
-    const MicroFn* micro1 = gated ? MICRO1<true> : MICRO1<false>;
-    const MicroFn* micro2 = gated ? MICRO2<true> : MICRO2<false>;
-    const int threads = (int)(panels < nthreads ? panels : nthreads);
-    // Rows go in chunks of ROW_CHUNK so that a chunk of x stays in L2 while every panel passes over it.
-    // Within a chunk each thread takes a contiguous run of panels and walks it two panels (64 columns) at
-    // a time, one panel for an odd one left over.
-#pragma omp parallel num_threads(threads)
-    {
-        const int t = omp_get_thread_num(), nt = omp_get_num_threads();
-        const int64_t p0 = panels * t / nt, p1 = panels * (t + 1) / nt;
-        for (int64_t m0 = 0; m0 < M; m0 += ROW_CHUNK) {
-            const int64_t rows = M - m0 < ROW_CHUNK ? M - m0 : ROW_CHUNK;
-            const uint16_t* xc = x + m0 * K;
-            uint16_t* oc = out + m0 * N;
-            for (int64_t p = p0; p < p1; p += 2) {
-                const uint16_t* panel = packed + p * PANEL * kp;
-                // Prefetch the next two panels while this pair computes (within the thread's run): with
-                // several row blocks per panel the compute no longer waits for DRAM.
-                const uint16_t* next = p + 3 < p1 ? panel + 2 * PANEL * kp : nullptr;
-                if (p + 1 < p1) {
-                    row_blocks(micro2, MAX_MR2, xc, rows, K, panel, kp, bias, p * PANEL, N, oc, next);
-                } else {
-                    row_blocks(micro1, MAX_MR1, xc, rows, K, panel, kp, bias, p * PANEL, N, oc, nullptr);
-                }
-            }
-        }
-    }
-    return 0;
+    return linear_avx512<false>(x, M, K, packed, N, bias, nullptr, out, nthreads, gated != 0);
 #else
     (void)x; (void)M; (void)K; (void)packed; (void)N; (void)bias; (void)out; (void)nthreads; (void)gated;
     (void)use_amx;
+    return 7;
+#endif
+}
+
+// kv8_linear with FP8 (E4M3) weights: packed holds kv8_linear_packed_size(N, K) codes in the FP8 order (see
+// decode_panels_fp8) of W_q, where W = W_q * scale per output row; scale [N] float32 (for a gated matrix: one
+// value per packed row, in the interleaved order of its bias). Each panel is decoded to bf16 (exactly: every
+// E4M3 value is a bf16) once per chunk of rows, then multiplied as kv8_linear multiplies a bf16 panel; the
+// epilogue computes acc * scale + bias before the rounding to bf16.
+extern "C" int kv8_linear_fp8(const uint16_t* x, int64_t M, int64_t K, const uint8_t* packed, int64_t N,
+                              const float* scale, const float* bias, uint16_t* out, int nthreads, int gated,
+                              int use_amx) {
+#if KV8_LINEAR_FAST
+    if (!x || !packed || !scale || !out || M <= 0 || K <= 0 || N <= 0 || nthreads <= 0) return 5;
+#if KV8_LINEAR_AMX
+    if (use_amx && K % 32 == 0 && amx_permitted())
+        return gated ? linear_amx<true, true>(x, M, K, packed, N, bias, scale, out, nthreads)
+                     : linear_amx<false, true>(x, M, K, packed, N, bias, scale, out, nthreads);
+#endif
+    return linear_avx512<true>(x, M, K, packed, N, bias, scale, out, nthreads, gated != 0);
+#else
+    (void)x; (void)M; (void)K; (void)packed; (void)N; (void)scale; (void)bias; (void)out; (void)nthreads;
+    (void)gated; (void)use_amx;
     return 7;
 #endif
 }

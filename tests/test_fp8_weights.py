@@ -1,0 +1,228 @@
+"""``quantization="fp8"``: E4M3 weights with a scale per output row (kv8.quant.weights), the packed kernel that
+reads them (``kv8_linear_fp8``) on both of its paths against a float64 reference, the layers' methods, the
+option at the engine's boundary, and the real SmolLM2 with FP8 weights against its bf16 weights."""
+
+from __future__ import annotations
+
+import argparse
+
+import ml_dtypes
+import numpy as np
+import pytest
+import torch
+
+from kv8 import LLM, SamplingParams
+from kv8.engine.args import EngineArgs
+from kv8.layers.activation import SiluAndMul
+from kv8.layers.dense_kernels import DenseBackend, DenseKernels, load_dense_kernels, select_dense_backend
+from kv8.layers.linear import (
+    GateUpLinear,
+    Linear,
+    LinearBase,
+    PackedFP8LinearMethod,
+    QKVLinear,
+    RowParallelLinear,
+    TorchFP8LinearMethod,
+)
+from kv8.layers.vocab_parallel import ParallelLMHead
+from kv8.native import KernelUnavailable
+from kv8.quant.formats import E4M3
+from kv8.quant.weights import dequantize_fp8_rows, quantize_fp8_rows
+from tests.conftest import amx_path
+
+
+def _kernels() -> DenseKernels | None:
+    try:
+        return load_dense_kernels()
+    except KernelUnavailable:
+        return None
+
+
+_KERNELS = _kernels()
+
+
+@pytest.fixture(scope="module")
+def lib() -> DenseKernels:
+    if _KERNELS is None:
+        pytest.skip("kv8's dense kernels are unavailable on this CPU")
+    return _KERNELS
+
+
+@pytest.fixture(params=["vdpbf16ps", "amx"])
+def path(request: pytest.FixtureRequest, lib: DenseKernels):
+    with amx_path(lib, request.param) as p:
+        yield p
+
+
+def _weight(n: int, k: int, seed: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    # rows of different magnitudes, so that each row's own scale matters
+    return (torch.randn(n, k, generator=gen) * torch.exp2(torch.randint(-6, 3, (n, 1), generator=gen))).bfloat16()
+
+
+# ---- quantizer ----------------------------------------------------------------------------------------------------
+
+def test_rows_are_quantized_to_e4m3_with_their_own_scale() -> None:
+    w = _weight(40, 72, seed=1)
+    w[7] = 0.0
+    codes, scale = quantize_fp8_rows(w)
+    assert codes.dtype == torch.uint8 and codes.shape == w.shape and scale.dtype == torch.float32
+    amax = w.float().abs().amax(dim=1)
+    assert scale[7] == 1.0 and bool((codes[7] == 0).all())
+    live = amax > 0
+    assert torch.equal(scale[live], amax[live] / 448.0)
+    # the codes are ml_dtypes' float8_e4m3fn rounding of w / scale (an independent encoder)
+    want = (w.float() / scale[:, None]).numpy().astype(ml_dtypes.float8_e4m3fn).view(np.uint8)
+    assert np.array_equal(codes.numpy(), want)
+    # each row's largest magnitude is the format's largest finite value, so nothing saturates
+    assert bool((E4M3.decode(codes).abs().amax(dim=1)[live] == 448.0).all())
+    back = dequantize_fp8_rows(codes, scale)
+    assert bool(((back - w.float()).abs() <= w.float().abs() * 2.0 ** -4 + scale[:, None] * 2.0 ** -9).all())
+
+
+def test_whole_row_maxima_set_the_scales_of_a_shard() -> None:
+    w = _weight(8, 64, seed=2)
+    full = w.float().abs().amax(dim=1)
+    codes, scale = quantize_fp8_rows(w[:, :32], full)   # a rank's half of each row, the whole rows' maxima
+    assert torch.equal(scale, full / 448.0)
+    assert torch.equal(codes, quantize_fp8_rows(w, full)[0][:, :32])
+    with pytest.raises(ValueError, match="at least the row's largest magnitude"):
+        quantize_fp8_rows(w, full / 2)
+
+
+def test_the_quantizer_rejects_what_it_cannot_quantize() -> None:
+    with pytest.raises(ValueError, match="2-D float"):
+        quantize_fp8_rows(torch.zeros(4, dtype=torch.int32).view(2, 2))
+    with pytest.raises(ValueError, match="non-finite"):
+        quantize_fp8_rows(torch.tensor([[1.0, float("inf")]]))
+
+
+# ---- kernel -------------------------------------------------------------------------------------------------------
+
+def _reference(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """float64: sum_k x * decode(code), times the row's scale, plus the bias (unrounded)."""
+    y = (x.double() @ E4M3.decode(codes).double().T) * scale.double()
+    return y + bias.double() if bias is not None else y
+
+
+@pytest.mark.parametrize("n,k", [(96, 64), (100, 576), (33, 1536), (7, 30), (50, 33)])
+@pytest.mark.parametrize("m", [1, 5, 33, 200])
+@pytest.mark.parametrize("bias", [False, True])
+def test_fp8_kernel_matches_the_float64_reference(lib: DenseKernels, path: str, n: int, k: int, m: int,
+                                                  bias: bool) -> None:
+    """Both paths (AMX where K % 32 == 0: M <= 32 decodes each k step ahead of the tiles, larger M a whole panel
+    per chunk of rows), odd N and K, one rounding to bf16 of an fp32 sum."""
+    codes, scale = quantize_fp8_rows(_weight(n, k, seed=n + k))
+    b = torch.randn(n, generator=torch.Generator().manual_seed(3)) if bias else None
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).bfloat16()
+    got = lib.linear(x, lib.pack_fp8(codes), n, b, scale=scale)
+    exact = _reference(x, codes, scale, b)
+    abs_sum = (x.double().abs() @ E4M3.decode(codes).double().abs().T) * scale.double()
+    assert got.dtype == torch.bfloat16 and got.shape == (m, n)
+    assert bool(((got.double() - exact).abs() <= exact.abs() * 2.0 ** -8 + abs_sum * 2.0 ** -16).all())
+
+
+def test_fp8_packing_holds_each_code_once(lib: DenseKernels) -> None:
+    codes = torch.arange(70 * 10, dtype=torch.int64).remainder(255).to(torch.uint8).view(70, 10)
+    packed = lib.pack_fp8(codes)
+    assert packed.dtype == torch.uint8 and packed.numel() == 96 * 10   # N padded to 96, K even
+    assert torch.equal(torch.sort(packed).values[-700:], torch.sort(codes.flatten()).values[-700:])
+    with pytest.raises(ValueError, match="2-D uint8"):
+        lib.pack_fp8(codes.float())
+
+
+def test_fp8_rows_do_not_depend_on_the_batch(lib: DenseKernels, path: str) -> None:
+    """M <= 32 (decoded per k step) and M = 40 (a panel decoded per chunk) give every row the same bits."""
+    codes, scale = quantize_fp8_rows(_weight(100, 96, seed=5))
+    packed = lib.pack_fp8(codes)
+    x = torch.randn(40, 96).bfloat16()
+    whole = lib.linear(x, packed, 100, None, scale=scale)
+    for i in (0, 17, 39):
+        assert torch.equal(whole[i:i + 1], lib.linear(x[i:i + 1], packed, 100, None, scale=scale))
+    assert torch.equal(whole[3:30], lib.linear(x[3:30], packed, 100, None, scale=scale))
+
+
+# ---- layers -------------------------------------------------------------------------------------------------------
+
+def _loaded(layer: LinearBase, shards: list[tuple[object, torch.Tensor]]) -> LinearBase:
+    layer.weight = torch.nn.Parameter(torch.empty_like(layer.weight, dtype=torch.bfloat16), requires_grad=False)
+    for shard_id, w in shards:
+        layer.weight_loader(layer.weight, w, shard_id)  # type: ignore[arg-type]
+    layer.process_weights_after_loading()
+    return layer
+
+
+def test_fp8_layers_on_the_kernel_match_the_torch_method(lib: DenseKernels, path: str) -> None:
+    """QKV, o_proj-style and gate/up (SiLU fused into the FP8 kernel) layers: the kernel against torch on the
+    same quantized weights; the LM head and a plain Linear keep their bf16 weights."""
+    fp8 = DenseBackend("packed_bf16", lib, "fp8")
+    torch_fp8 = DenseBackend("torch", None, "fp8")
+    wq, wk, wv = _weight(96, 64, 1), _weight(32, 64, 2), _weight(32, 64, 3)
+    wg, wu, wo = _weight(80, 64, 4), _weight(80, 64, 5), _weight(64, 96, 6)
+    x = torch.randn(3, 64).bfloat16()
+    for make, shards, inp in (
+        (lambda b: QKVLinear(64, 16, 6, 2, False, b), [("q", wq), ("k", wk), ("v", wv)], x),
+        (lambda b: GateUpLinear(64, 80, False, b, SiluAndMul(b)), [(0, wg), (1, wu)], x),
+        (lambda b: RowParallelLinear(96, 64, False, b), [(None, wo)], torch.randn(3, 96).bfloat16()),
+    ):
+        fast, ref = _loaded(make(fp8), shards), _loaded(make(torch_fp8), shards)
+        assert isinstance(fast.method, PackedFP8LinearMethod) and isinstance(ref.method, TorchFP8LinearMethod)
+        assert fast.packed.dtype == torch.uint8 and not hasattr(fast, "weight")
+        got, want = fast(inp).float(), ref(inp).float()
+        assert got.shape == want.shape
+        # torch multiplies by decode * scale rounded to bf16, the kernel by the exact decode, scaled after the sum
+        row_max = want.abs().amax(dim=-1, keepdim=True)
+        assert bool(((got - want).abs() <= row_max * 2.0 ** -6 + 1e-3).all()), (got - want).abs().max()
+    gate_up = _loaded(GateUpLinear(64, 80, False, fp8, SiluAndMul(fp8)), [(0, wg), (1, wu)])
+    assert gate_up.fuses_silu
+    assert torch.equal(gate_up(x), SiluAndMul(fp8)(gate_up.method.apply(gate_up, x)))
+    for kept in (Linear(64, 32, False, fp8), ParallelLMHead(64, 32, fp8)):
+        assert kept.method.name == "packed_bf16"
+
+
+def test_the_option_is_validated_at_the_boundary() -> None:
+    hf = dict(model_type="llama", vocab_size=10, hidden_size=8, intermediate_size=16, num_hidden_layers=1,
+              num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64)
+    assert EngineArgs(quantization="fp8").create_engine_config(hf, "hf", "/m").quantization == "fp8"
+    with pytest.raises(ValueError, match=r"quantization='int4' is not known; choose one of: fp8"):
+        EngineArgs(quantization="int4").create_engine_config(hf, "hf", "/m")
+    with pytest.raises(ValueError, match="quantization='awq'"):
+        select_dense_backend("torch", torch.bfloat16, "awq")
+    parser = argparse.ArgumentParser()
+    EngineArgs.add_cli_args(parser, include=["quantization"])
+    assert parser.parse_args(["--quantization", "fp8"]).quantization == "fp8"
+    assert parser.parse_args([]).quantization is None
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--quantization", "int8"])
+
+
+# ---- the real model -----------------------------------------------------------------------------------------------
+
+TEXT = ("The river rises in the northern hills and flows south through a wide valley of farms and small towns. "
+        "In the nineteenth century a canal was built beside it, and the towns grew as boats carried grain, coal "
+        "and timber to the coast. Today the canal is used mostly by visitors, and the old warehouses along its "
+        "banks have become museums, shops and homes.")
+
+
+@pytest.mark.slow
+def test_smollm2_with_fp8_weights_stays_close_to_its_bf16_weights() -> None:
+    """Over an English paragraph: the mean log-likelihood of its tokens moves by < 0.05 nats, the top token
+    agrees at >= 90% of positions, and greedy decoding still answers the capital question."""
+    params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1)
+    runs = {}
+    for q in (None, "fp8"):
+        llm = LLM(model="smollm2-135m", quantization=q, kv_cache_memory="64MiB", max_model_len=512)
+        out = llm.generate(TEXT, params)[0]
+        runs[q] = out
+        if q == "fp8":
+            text = llm.generate("The capital of France is", SamplingParams(temperature=0, max_tokens=8))[0]
+            assert "Paris" in text.outputs[0].text, text.outputs[0].text
+            names = {m.method.name for m in llm.engine.runner.model.modules() if isinstance(m, LinearBase)}
+            assert names & {"packed_fp8", "torch_fp8"} and len(names) == 2, names   # the decoder's, and the head
+    ids = runs[None].prompt_token_ids
+    nll = {q: -sum(p[t].logprob for t, p in zip(ids[1:], r.prompt_logprobs[1:])) / (len(ids) - 1)
+           for q, r in runs.items()}
+    assert abs(nll["fp8"] - nll[None]) < 0.05, nll
+    top = {q: [max(p.items(), key=lambda kv: kv[1].logprob)[0] for p in r.prompt_logprobs[1:]] for q, r in runs.items()}
+    agree = sum(a == b for a, b in zip(top[None], top["fp8"])) / len(top[None])
+    assert agree >= 0.9, agree
