@@ -6,7 +6,9 @@ the weights stream from DRAM as they do in the engine; torch multiplies the same
 the time per pass, the weight bandwidth (bytes of weights / time) and the speed-up: the best of 5 passes (2
 above M = 256), the variants taking turns within each pass. On a CPU with AMX-BF16 kv8 multiplies with AMX
 tiles (what the engine uses there); the ``vdpbf16ps`` columns time the AVX-512 path that other CPUs use, on
-the same packed weights in the same run.
+the same packed weights in the same run. The ``fp8 ms`` and ``bf16/fp8`` columns time the same matrices quantized as
+``quantization="fp8"`` quantizes them (E4M3 codes and a scale per output row, half the bytes; the kernel decodes
+them to bf16 on the fly), on the same path.
 
 ``--before REV`` also builds the dense kernel library as of git revision REV (a temporary ``git worktree``;
 REV's ``kv8_linear`` / ``kv8_linear_pack`` must take the arguments the current wrapper passes), packs the same
@@ -31,7 +33,7 @@ import torch.nn.functional as F
 from revisions import worktree
 
 from kv8.layers.dense_kernels import SOURCE, DenseBackend, DenseKernels, select_dense_backend
-from kv8.layers.linear import Linear
+from kv8.layers.linear import LinearBase
 from kv8.native import build_shared_library
 
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # (out, in) per layer, SmolLM2-135M
@@ -68,13 +70,13 @@ def main() -> None:
         run(args, before)
 
 
-def packed_layers(weights: list[list[torch.Tensor]], backend: DenseBackend) -> list[list[Linear]]:
+def packed_layers(weights: list[list[torch.Tensor]], backend: DenseBackend) -> list[list[LinearBase]]:
     """One kv8 ``Linear`` per weight on ``backend``, each packing a copy (the weights stay for torch)."""
     layers = []
     for layer in weights:
         mods = []
         for w in layer:
-            lin = Linear(w.shape[1], w.shape[0], False, backend)
+            lin = LinearBase(w.shape[1], [w.shape[0]], False, backend)   # quantized when the backend says so
             lin.weight.data = w
             lin.process_weights_after_loading()
             mods.append(lin)
@@ -90,6 +92,7 @@ def run(args: argparse.Namespace, before: DenseKernels | None) -> None:
     nbytes = sum(w.numel() * 2 for layer in weights for w in layer)
     kernels = backend.kernels
     assert kernels is not None
+    fp8 = packed_layers(weights, DenseBackend("packed_bf16", kernels, "fp8"))
     amx = kernels.amx
     # the same layers on the library of --before (the same Python path, AMX tiles where the current one uses them)
     packed_before = packed_layers(weights, DenseBackend("packed_bf16", before)) if before is not None else []
@@ -98,7 +101,8 @@ def run(args: argparse.Namespace, before: DenseKernels | None) -> None:
     print(f"{args.layers} layers, {nbytes / 1e6:.0f} MB of bf16 weights, {torch.get_num_threads()} threads, "
           f"kv8 path: {'AMX tiles' if amx else 'vdpbf16ps'}"
           + (f"; before = kv8's kernels as of {args.before}" if before is not None else ""))
-    extra = f" {'vdpbf16ps ms':>13} {'AMX/vdpbf16ps':>14}" if amx else ""
+    extra = f" {'fp8 ms':>8} {'bf16/fp8':>9}"
+    extra += f" {'vdpbf16ps ms':>13} {'AMX/vdpbf16ps':>14}" if amx else ""
     extra += f" {'before ms':>10} {'speed-up':>9}" if before is not None else ""
     print(f"{'M':>6} {'torch ms':>10} {'kv8 ms':>10} {'torch GB/s':>11} {'kv8 GB/s':>10} {'speed-up':>9}{extra}")
     with torch.inference_mode():
@@ -111,10 +115,13 @@ def run(args: argparse.Namespace, before: DenseKernels | None) -> None:
                     for w in layer:
                         F.linear(xs[w.shape[1]], w)
 
-            def run_kv8(xs: dict[int, torch.Tensor] = xs, layers: list[list[Linear]] = packed) -> None:
+            def run_kv8(xs: dict[int, torch.Tensor] = xs, layers: list[list[LinearBase]] = packed) -> None:
                 for layer in layers:
                     for p in layer:
                         p(xs[p.in_features])
+
+            def run_fp8(xs: dict[int, torch.Tensor] = xs) -> None:
+                run_kv8(xs, fp8)
 
             def run_before(xs: dict[int, torch.Tensor] = xs) -> None:
                 run_kv8(xs, packed_before)
@@ -126,7 +133,7 @@ def run(args: argparse.Namespace, before: DenseKernels | None) -> None:
                 finally:
                     kernels.amx = True
 
-            fns = {"torch": run_torch, "kv8": run_kv8}
+            fns = {"torch": run_torch, "kv8": run_kv8, "fp8": run_fp8}
             if amx:
                 fns["vdpbf16ps"] = run_avx512
             if before is not None:
@@ -134,7 +141,8 @@ def run(args: argparse.Namespace, before: DenseKernels | None) -> None:
             t = best_of(fns, reps)
             t_torch, t_kv8 = t["torch"], t["kv8"]
             row = (f"{m:>6} {t_torch * 1e3:>10.2f} {t_kv8 * 1e3:>10.2f} {nbytes / t_torch / 1e9:>11.1f} "
-                   f"{nbytes / t_kv8 / 1e9:>10.1f} {t_torch / t_kv8:>9.2f}")
+                   f"{nbytes / t_kv8 / 1e9:>10.1f} {t_torch / t_kv8:>9.2f} {t['fp8'] * 1e3:>8.2f} "
+                   f"{t_kv8 / t['fp8']:>9.2f}")
             if amx:
                 row += f" {t['vdpbf16ps'] * 1e3:>13.2f} {t['vdpbf16ps'] / t_kv8:>14.2f}"
             if before is not None:

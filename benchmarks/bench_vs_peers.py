@@ -24,7 +24,9 @@ before it generates): no engine's prefill rate includes the decode of sequences 
 earlier.
 
 KV configurations: llama.cpp ``f16`` and ``q8_0``; vLLM ``auto`` (bf16) and ``fp8``; kv8 ``bfloat16``,
-``fp8_e4m3`` and ``fp8_e4m3`` with ``kv_cache_rotation="hadamard"``. Peers are found in ``$KV8_PEERS_DIR``
+``fp8_e4m3``, ``fp8_e4m3`` with ``kv_cache_rotation="hadamard"``, and ``fp8_e4m3`` with FP8 weights
+(``quantization="fp8"``: the decoder's weights in half the bytes; llama.cpp reads the GGUF's Q4_1 weights, vLLM
+bf16 weights made from them). Peers are found in ``$KV8_PEERS_DIR``
 (default ``~/.cache/kv8-peers``, filled by ``scripts/install_peers.sh``); a peer that is not installed, or
 whose engine does not start, is skipped with the reason printed.
 
@@ -76,7 +78,8 @@ RESULT_MARK = "@@RESULT "
 THREADS = 2
 VLLM_TCMALLOC = "/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4"
 VOCAB_LOW, VOCAB_HIGH = 100, 40000   # random prompt tokens: ordinary ids of SmolLM2's 49,152-token vocabulary
-KV8_CONFIGS = ("bfloat16", "fp8_e4m3", "fp8_e4m3+hadamard")   # kv_cache_dtype[+kv_cache_rotation]
+# kv_cache_dtype[+hadamard: kv_cache_rotation][+fp8-weights: quantization="fp8"], as kv8 eval's --config
+KV8_CONFIGS = ("bfloat16", "fp8_e4m3", "fp8_e4m3+hadamard", "fp8_e4m3+fp8-weights")
 
 
 def peers_dir() -> str:
@@ -227,8 +230,9 @@ def kv8_worker(kv: str, max_batch: int, max_len: int) -> Iterator[Callable[[Shap
     from kv8 import LLM, SamplingParams
 
     torch.set_num_threads(THREADS)
-    dtype, _, rotation = kv.partition("+")
-    llm = LLM(kv_cache_dtype=dtype, kv_cache_rotation=rotation or "none", max_model_len=max_len + 16,
+    dtype, *options = kv.split("+")
+    llm = LLM(kv_cache_dtype=dtype, kv_cache_rotation="hadamard" if "hadamard" in options else "none",
+              quantization="fp8" if "fp8-weights" in options else None, max_model_len=max_len + 16,
               num_kv_blocks=math.ceil(max_batch * (max_len + 16) / 16) + 4, max_num_seqs=max(max_batch, 1),
               max_num_batched_tokens=2048, enable_prefix_caching=False)
     eng = llm.engine

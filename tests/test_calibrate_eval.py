@@ -500,10 +500,14 @@ def test_eval_dynamic_and_rotation_configs(tiny_models: dict[str, str], text_fil
     assert KVConfig.parse("fp8_e5m2+hadamard:s.json").quantization_param_path == "s.json"
     with pytest.raises(ValueError, match="unknown option.*rotate"):
         KVConfig.parse("fp8_e4m3+rotate")
-    report = evaluate(tiny_models["llama"], [text_file], [cfg, KVConfig("fp8_e4m3")], window=24, num_windows=2,
-                      skip_tokens=7, gen_prompts=1, gen_prompt_len=6, gen_tokens=3, dtype="float32",
+    weights = KVConfig.parse("fp8_e4m3+fp8-weights")
+    assert (weights.quantization, weights.label) == ("fp8", "fp8_e4m3+fp8-weights")
+    report = evaluate(tiny_models["llama"], [text_file], [cfg, KVConfig("fp8_e4m3"), weights], window=24,
+                      num_windows=2, skip_tokens=7, gen_prompts=1, gen_prompt_len=6, gen_tokens=3, dtype="float32",
                       show_progress=False)
-    dyn, static = report.results
+    dyn, static, fp8_weights = report.results
+    # the same cache with FP8 weights: the weights' error on top of the cache's
+    assert fp8_weights.mean_kld > static.mean_kld > 0
     # Per-token scales add 4 bytes per (token, head, K|V) to 16 one-byte values: 20 / 16 of the static size.
     assert dyn.bytes_per_token * 16 == static.bytes_per_token * 20
     assert dyn.mean_kld > 0 and max(dyn.layer_k_rel_err) > 0 and dyn.layer_k_scale_max is None

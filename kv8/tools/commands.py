@@ -25,14 +25,17 @@ SIZED_BY_TOOL = ("kv_cache_memory", "num_kv_blocks", "block_size", "enable_prefi
 # Engine options calibrate() and evaluate() do not take: greedy runs do not use the seed; the dense backend is
 # the engine's default (auto).
 NOT_PASSED = ("seed", "dense_backend")
+# calibrate observes the K/V of the checkpoint's weights; eval sets the weights' quantization per configuration
+# (--config DTYPE+fp8-weights), beside a reference with the checkpoint's weights.
+WEIGHTS_AS_LOADED = ("quantization",)
 # The tools run the model in one process with one cache pool (every layer's K/V observed or compared alike).
 ONE_PROCESS_ONE_POOL = ("cpu_threads_per_rank", "kv_cache_dtype_skip_layers", "disable_hybrid_kv_cache_manager")
 # calibrate observes K/V before any rounding: an unquantized float32 cache, so no scales of its own.
 # --tensor-parallel-size N makes per-rank scales (the model still runs in one process and sees every head).
-CALIBRATE_EXCLUDED = SIZED_BY_TOOL + NOT_PASSED + ONE_PROCESS_ONE_POOL + ("kv_cache_dtype", "quantization_param_path",
-                                                                          "kv_cache_scale_mode")
+CALIBRATE_EXCLUDED = SIZED_BY_TOOL + NOT_PASSED + WEIGHTS_AS_LOADED + ONE_PROCESS_ONE_POOL + (
+    "kv_cache_dtype", "quantization_param_path", "kv_cache_scale_mode")
 # eval builds one engine per configuration; --config / --kv-cache-dtype (repeatable) name the configurations.
-EVAL_EXCLUDED = SIZED_BY_TOOL + NOT_PASSED + ONE_PROCESS_ONE_POOL + (
+EVAL_EXCLUDED = SIZED_BY_TOOL + NOT_PASSED + WEIGHTS_AS_LOADED + ONE_PROCESS_ONE_POOL + (
     "kv_cache_dtype", "quantization_param_path", "kv_cache_scale_mode", "kv_cache_rotation", "tensor_parallel_size")
 # eval compares caches: by default every engine reads its cache through the same reference attention, so only
 # what the cache stores differs (--attention-backend auto puts the fused kernels' numerics in the comparison).
@@ -179,9 +182,9 @@ def add_eval_parser(sub: Any) -> None:
     e.add_argument("--data", nargs="+", required=True, metavar="FILE", help="evaluation text (as for calibrate)")
     # both append to one list, so the report's rows follow the command line
     e.add_argument("--config", dest="kv_configs", action=_AppendTagged, tag="config", default=[],
-                   metavar="DTYPE[+dynamic][+hadamard][:SCALES]",
-                   help="a KV configuration, e.g. fp8_e4m3:kv_cache_scales.json or fp8_e4m3+dynamic+hadamard "
-                        "(repeatable)")
+                   metavar="DTYPE[+dynamic][+hadamard][+fp8-weights][:SCALES]",
+                   help="a configuration, e.g. fp8_e4m3:kv_cache_scales.json, fp8_e4m3+dynamic+hadamard or "
+                        "fp8_e4m3+fp8-weights (FP8 weights too) (repeatable)")
     e.add_argument("--kv-cache-dtype", dest="kv_configs", action=_AppendTagged, tag="dtype", default=[],
                    choices=KV_CACHE_DTYPE_NAMES, help="a KV configuration without a scales file (repeatable)")
     e.add_argument("--window", type=int, default=512, help="tokens per window; the second half is scored")

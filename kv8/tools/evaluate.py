@@ -56,13 +56,15 @@ DEFAULT_CONFIGS = ("bfloat16", "fp8_e4m3", "fp8_e5m2")
 
 @dataclass(frozen=True)
 class KVConfig:
-    """One KV-cache configuration to evaluate: a ``kv_cache_dtype``, its scale mode and rotation, and
-    optionally a scales file."""
+    """One configuration to evaluate: a ``kv_cache_dtype``, its scale mode and rotation, optionally a scales file,
+    and the weights' ``quantization`` (None: as loaded; the float32-cache reference always has the loaded
+    weights, so a configuration with FP8 weights measures both errors together)."""
 
     kv_cache_dtype: str
     quantization_param_path: str | None = None
     scale_mode: str = "static"
     rotation: str = "none"
+    quantization: str | None = None
 
     def __post_init__(self) -> None:
         # Checked here, before any engine loads weights; the names (aliases included) are the engine's.
@@ -70,23 +72,27 @@ class KVConfig:
 
     @staticmethod
     def parse(spec: str) -> KVConfig:
-        """``DTYPE[+dynamic][+hadamard][:SCALES_PATH]``, e.g. ``fp8_e4m3:scales.json`` or
+        """``DTYPE[+dynamic][+hadamard][+fp8-weights][:SCALES_PATH]``, e.g. ``fp8_e4m3:scales.json`` or
         ``fp8_e4m3+dynamic+hadamard``. Other combinations are checked when the engine is built."""
         head, sep, path = spec.partition(":")
         if sep and not path:
-            raise ValueError(f"config {spec!r}: nothing after ':'; write DTYPE[+dynamic][+hadamard][:SCALES_PATH]")
+            raise ValueError(f"config {spec!r}: nothing after ':'; write "
+                             "DTYPE[+dynamic][+hadamard][+fp8-weights][:SCALES_PATH]")
         dtype, *options = head.split("+")
-        unknown = [o for o in options if o not in ("dynamic", "hadamard")]
+        unknown = [o for o in options if o not in ("dynamic", "hadamard", "fp8-weights")]
         if unknown:
             raise ValueError(f"config {spec!r}: unknown option(s) {', '.join(unknown)}; after the dtype, "
-                             "+dynamic (per-token scales) and +hadamard (rotation) are allowed")
+                             "+dynamic (per-token scales), +hadamard (rotation) and +fp8-weights "
+                             "(quantization='fp8') are allowed")
         return KVConfig(dtype, path or None, "dynamic" if "dynamic" in options else "static",
-                        "hadamard" if "hadamard" in options else "none")
+                        "hadamard" if "hadamard" in options else "none",
+                        "fp8" if "fp8-weights" in options else None)
 
     @property
     def label(self) -> str:
         return (self.kv_cache_dtype + ("+dynamic" if self.scale_mode == "dynamic" else "")
                 + ("+hadamard" if self.rotation == "hadamard" else "")
+                + ("+fp8-weights" if self.quantization == "fp8" else "")
                 + (f":{self.quantization_param_path}" if self.quantization_param_path else ""))
 
 
@@ -274,7 +280,8 @@ def evaluate(model: str, data: Sequence[str], configs: Sequence[KVConfig], *, wi
         obs = QuantErrorObserver(num_layers)
         engine = build_engine(model, observer=obs, kv_cache_dtype=cfg.kv_cache_dtype,
                               quantization_param_path=cfg.quantization_param_path,
-                              kv_cache_scale_mode=cfg.scale_mode, kv_cache_rotation=cfg.rotation, **common)
+                              kv_cache_scale_mode=cfg.scale_mode, kv_cache_rotation=cfg.rotation,
+                              quantization=cfg.quantization, **common)
         engines.append(engine)
         observers.append(obs)
     tokens = tokenize_corpus(docs, engines[0].tokenizer)
