@@ -122,6 +122,17 @@ def test_fp8_kernel_matches_the_float64_reference(lib: DenseKernels, path: str, 
     assert bool(((got.double() - exact).abs() <= exact.abs() * 2.0 ** -8 + abs_sum * 2.0 ** -16).all())
 
 
+def test_the_kernel_decodes_every_code_exactly(lib: DenseKernels, path: str) -> None:
+    """All 254 non-NaN E4M3 codes (subnormals, both zeros, the largest) times one-hot rows of x with scale 1:
+    each output is one decoded weight, which bf16 holds exactly."""
+    codes = torch.arange(256, dtype=torch.int64).to(torch.uint8)
+    codes[(codes == 0x7F) | (codes == 0xFF)] = 0
+    codes = codes.view(8, 32)                       # N = 8 rows of K = 32 codes
+    x = torch.eye(32).bfloat16()                    # M = 32 one-hot rows
+    got = lib.linear(x, lib.pack_fp8(codes), 8, None, scale=torch.ones(8))
+    assert torch.equal(got.float(), E4M3.decode(codes).T)
+
+
 def test_fp8_packing_holds_each_code_once(lib: DenseKernels) -> None:
     codes = torch.arange(70 * 10, dtype=torch.int64).remainder(255).to(torch.uint8).view(70, 10)
     packed = lib.pack_fp8(codes)

@@ -81,9 +81,9 @@ def _linear(backend: DenseBackend, w: torch.Tensor, b: torch.Tensor | None) -> L
 
 
 def test_the_kernels_load_where_the_cpu_has_avx512_bf16() -> None:
-    """This project's machine has AVX-512 BF16; there the kernels must build and load."""
-    if not {"avx512f", "avx512bw", "avx512_bf16"} <= set(cpu_flags().split()):
-        pytest.skip("this CPU has no AVX-512 BF16, which kv8's dense kernels need")
+    """This project's machine has AVX-512 BF16 and VBMI; there the kernels must build and load."""
+    if not {"avx512f", "avx512bw", "avx512_bf16", "avx512vbmi"} <= set(cpu_flags().split()):
+        pytest.skip("this CPU lacks AVX-512 BF16 or VBMI, which kv8's dense kernels need")
     assert _KERNELS is not None, _WHY
     assert select_dense_backend("auto", torch.bfloat16).name == "packed_bf16"
 

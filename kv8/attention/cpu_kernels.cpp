@@ -15,6 +15,7 @@
 //                        for items of more than 4 rows with D <= 128)
 //   csrc/item_decode.h   item kernel: AVX-512 BF16, decode-shaped items (<= 4 rows, bf16 compute)
 //   ../amx_tiles.h       AMX permission and tile configuration (shared with the dense library)
+//   ../fp8_bf16.h        FP8 -> bf16 table decode in registers (shared with the dense library's FP8 weights)
 //   csrc/store.h         quantize-on-store
 //
 // Cache layer layout: k_cache / v_cache are [num_blocks, H_kv, block_size, D] contiguous (uint8 FP8 codes,

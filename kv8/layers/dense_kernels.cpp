@@ -24,7 +24,7 @@
 // nearest-even -- what torch's bf16 linear does, up to the order of the fp32 additions.
 //
 // Invariants: x rows are contiguous with stride K (K even); out rows are contiguous with stride N.
-// Returns 0, or 5 for invalid arguments, 7 when this build has no AVX-512 BF16 path, 8 when a buffer cannot be
+// Returns 0, or 5 for invalid arguments, 7 when this build has no AVX-512 BF16 + VBMI path, 8 when a buffer cannot be
 // allocated.
 
 #include <cstdint>
@@ -32,9 +32,12 @@
 #include <cstring>
 #include <omp.h>
 
-#if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512BW__)
+// The fast path needs AVX-512 F/BW, BF16 (vdpbf16ps) and VBMI (vpermt2b: the FP8 weights' table decode) -- the
+// set the attention library's fast path needs too.
+#if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VBMI__)
 #include <immintrin.h>
 #include "../simd_exp.h"
+#include "../fp8_bf16.h"
 #define KV8_LINEAR_FAST 1
 #else
 #define KV8_LINEAR_FAST 0

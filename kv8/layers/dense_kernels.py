@@ -67,7 +67,7 @@ class DenseKernels:
         lib.kv8_argmax_rows.argtypes = [_P, _L, _L, _P, _I]
         lib.kv8_argmax_rows.restype = _I
         if not lib.kv8_linear_available():
-            raise KernelUnavailable("this CPU (or compiler) has no AVX-512 BF16, which kv8's dense kernels need")
+            raise KernelUnavailable("this CPU (or compiler) lacks AVX-512 BF16 or VBMI, which kv8's dense kernels need")
         self.path = path
         self._lib = lib
         # The linear layers' path, fixed for the life of this instance so that every row of a layer is computed

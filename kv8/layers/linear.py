@@ -105,13 +105,15 @@ class PackedBF16LinearMethod(LinearMethod):
         weight = layer.weight.detach()
         bias = None if layer.bias is None else layer.bias.detach().float().contiguous()
         if isinstance(layer, GateUpLinear) and layer.fuses_silu:   # gate and up rows interleaved by 16
-            packed = self.kernels.pack_gated(weight)
+            weight = self.kernels.interleave_gate_up(weight)
             bias = None if bias is None else self.kernels.interleave_gate_up(bias).contiguous()
-        else:
-            packed = self.kernels.pack(weight)
-        layer.register_buffer("packed", packed, persistent=False)
+        self._pack(layer, weight)
         layer.register_buffer("bias_f32", bias, persistent=False)
         del layer.weight, layer.bias   # the packed layout is the only copy kept
+
+    def _pack(self, layer: LinearBase, weight: torch.Tensor) -> None:
+        """The layer's buffers of ``weight`` (its rows in the kernel's order)."""
+        layer.register_buffer("packed", self.kernels.pack(weight), persistent=False)
 
     def _rows(self, layer: LinearBase, x: torch.Tensor) -> torch.Tensor:
         if x.dtype != torch.bfloat16:
@@ -152,17 +154,10 @@ class PackedFP8LinearMethod(PackedBF16LinearMethod):
 
     name = "packed_fp8"
 
-    def process_weights_after_loading(self, layer: LinearBase) -> None:
-        weight = layer.weight.detach()
-        bias = None if layer.bias is None else layer.bias.detach().float().contiguous()
-        if isinstance(layer, GateUpLinear) and layer.fuses_silu:   # gate and up rows interleaved by 16
-            weight = self.kernels.interleave_gate_up(weight)
-            bias = None if bias is None else self.kernels.interleave_gate_up(bias).contiguous()
+    def _pack(self, layer: LinearBase, weight: torch.Tensor) -> None:
         codes, scale = quantize_fp8_rows(weight, layer.row_amax)
         layer.register_buffer("packed", self.kernels.pack_fp8(codes), persistent=False)
         layer.register_buffer("scale_f32", scale, persistent=False)
-        layer.register_buffer("bias_f32", bias, persistent=False)
-        del layer.weight, layer.bias
 
     def _linear(self, layer: LinearBase, rows: torch.Tensor, out_features: int, gated: bool = False) -> torch.Tensor:
         return self.kernels.linear(rows, layer.packed, out_features, layer.bias_f32, gated=gated,

@@ -14,28 +14,20 @@
 #pragma once
 
 #include "problem.h"
+#include "../../fp8_bf16.h"
 #include "../../simd_exp.h"
 
 #if KV8_FAST
 
-struct Lut {
-    __m512i lo0, lo1, hi0, hi1;  // low / high byte of the bf16 value of codes 0..127
-};
+using Lut = Fp8Tables;   // ../../fp8_bf16.h
 
 static Lut make_lut(int fmt) {
-    alignas(64) uint8_t lo[128], hi[128];
+    uint16_t b[128];
     for (int c = 0; c < 128; ++c) {
         float v = fp8_exact(fmt, c);
-        uint16_t b = isnan(v) ? 0x7fc0 : (uint16_t)(f_bits(v) >> 16);  // exact: <= 3 mantissa bits
-        lo[c] = (uint8_t)(b & 0xff);
-        hi[c] = (uint8_t)(b >> 8);
+        b[c] = isnan(v) ? 0x7fc0 : (uint16_t)(f_bits(v) >> 16);  // exact: <= 3 mantissa bits
     }
-    Lut L;
-    L.lo0 = _mm512_load_si512(lo);
-    L.lo1 = _mm512_load_si512(lo + 64);
-    L.hi0 = _mm512_load_si512(hi);
-    L.hi1 = _mm512_load_si512(hi + 64);
-    return L;
+    return fp8_tables(b);
 }
 
 static const Lut& lut_for(int fmt) {
@@ -69,16 +61,7 @@ static inline __m512 exp2_weights(__m512 s, __m512 log2e, __m512 ref2) {
 // 64 FP8 codes -> 64 bf16: w0 = codes 0..7 of each 128-bit lane, w1 = codes 8..15 (lane order kept).
 template <int KV>
 static inline void fp8_to_bf16(__m512i c, const Lut& L, __m512i& w0, __m512i& w1) {
-    __m512i lo = _mm512_permutex2var_epi8(L.lo0, c, L.lo1);
-    __m512i hi = _mm512_permutex2var_epi8(L.hi0, c, L.hi1);
-    hi = _mm512_ternarylogic_epi32(hi, c, _mm512_set1_epi8((char)0x80), 0xF8);  // hi | (c & 0x80)
-    if (KV == KV_E4M3FNUZ) {  // 0x80 is NaN, not -0
-        __mmask64 nan = _mm512_cmpeq_epi8_mask(c, _mm512_set1_epi8((char)0x80));
-        hi = _mm512_mask_mov_epi8(hi, nan, _mm512_set1_epi8(0x7f));
-        lo = _mm512_mask_mov_epi8(lo, nan, _mm512_set1_epi8((char)0xc0));
-    }
-    w0 = _mm512_unpacklo_epi8(lo, hi);
-    w1 = _mm512_unpackhi_epi8(lo, hi);
+    fp8_table_decode<KV == KV_E4M3FNUZ>(c, L, w0, w1);   // E4M3FNUZ: 0x80 is NaN, not -0
 }
 
 // 4x4 transpose of 128-bit blocks: out[c] lane k = in[k] lane c.

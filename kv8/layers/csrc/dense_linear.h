@@ -159,51 +159,31 @@ static inline void row_blocks(const MicroFn* table, int max_mr, const uint16_t* 
 #endif
 
 #if KV8_LINEAR_FAST
-// FP8 (E4M3) weights: the codes of the packed layout, one byte per value, in the order fp8_to_bf16 below turns
-// into the bf16 packed layout (kv8_linear_fp8). Byte b of a pair-row's 64 codes holds bf16 value
+// FP8 (E4M3) weights: the codes of the packed layout, one byte per value, in the order fp8_table_decode
+// (../../fp8_bf16.h) turns into the bf16 packed layout (kv8_linear_fp8). Byte b of a pair-row's 64 codes holds bf16 value
 // v(b) = 8 (b / 16) + b % 8 for b % 16 < 8, else 32 + 8 (b / 16) + b % 8 -- the decode's lane order -- so one
 // 64-byte load decodes into the pair-row's 32 + 32 bf16 values (columns 0..15, then 16..31).
-struct E4M3Lut {
-    __m512i lo0, lo1, hi0, hi1;  // low / high byte of the bf16 value of codes 0..127 (exact: <= 3 mantissa bits)
-};
-
-static E4M3Lut make_e4m3_lut() {
-    alignas(64) uint8_t lo[128], hi[128];
+// The E4M3 (fn) tables: bias 7, subnormals at e = 0, 0x7F NaN (never produced by the quantizer: it saturates).
+static Fp8Tables make_e4m3_tables() {
+    uint16_t b[128];
     for (int c = 0; c < 128; ++c) {
         const int e = c >> 3, m = c & 7;
-        // E4M3 (fn): bias 7, subnormals at e = 0, 0x7F NaN (never produced by the quantizer: it saturates)
-        const float v = c == 0x7F ? NAN : e == 0 ? ldexpf((float)m, -9) : ldexpf(1.0f + m / 8.0f, e - 7);
+        const float v = e == 0 ? ldexpf((float)m, -9) : ldexpf(1.0f + m / 8.0f, e - 7);
         uint32_t bits;
         memcpy(&bits, &v, 4);
-        const uint16_t b = c == 0x7F ? 0x7FC0 : (uint16_t)(bits >> 16);
-        lo[c] = (uint8_t)(b & 0xFF);
-        hi[c] = (uint8_t)(b >> 8);
+        b[c] = c == 0x7F ? 0x7FC0 : (uint16_t)(bits >> 16);   // exact: <= 3 mantissa bits
     }
-    E4M3Lut L;
-    L.lo0 = _mm512_load_si512(lo);
-    L.lo1 = _mm512_load_si512(lo + 64);
-    L.hi0 = _mm512_load_si512(hi);
-    L.hi1 = _mm512_load_si512(hi + 64);
-    return L;
-}
-
-// 64 E4M3 codes -> 64 bf16: w0 = codes 0..7 of each 128-bit lane, w1 = codes 8..15 (two byte tables, sign ORed).
-static inline void e4m3_to_bf16(__m512i c, const E4M3Lut& L, __m512i& w0, __m512i& w1) {
-    const __m512i lo = _mm512_permutex2var_epi8(L.lo0, c, L.lo1);
-    __m512i hi = _mm512_permutex2var_epi8(L.hi0, c, L.hi1);
-    hi = _mm512_ternarylogic_epi32(hi, c, _mm512_set1_epi8((char)0x80), 0xF8);  // hi | (c & 0x80)
-    w0 = _mm512_unpacklo_epi8(lo, hi);
-    w1 = _mm512_unpackhi_epi8(lo, hi);
+    return fp8_tables(b);
 }
 
 // `panels` adjacent packed FP8 panels at src (each kp / 2 pair-rows of 64 codes) -> the bf16 packed layout
 // at dst (the same panels, 64 bf16 per pair-row).
 static inline void decode_panels_fp8(const uint8_t* src, int64_t panels, int64_t kp, uint16_t* dst) {
-    static const E4M3Lut L = make_e4m3_lut();
+    static const Fp8Tables L = make_e4m3_tables();
     const int64_t rows = panels * kp / 2;
     for (int64_t i = 0; i < rows; ++i) {
         __m512i w0, w1;
-        e4m3_to_bf16(_mm512_loadu_si512(src + i * 64), L, w0, w1);
+        fp8_table_decode<false>(_mm512_loadu_si512(src + i * 64), L, w0, w1);
         _mm512_store_si512(dst + i * 64, w0);
         _mm512_store_si512(dst + i * 64 + 32, w1);
     }
