@@ -1,9 +1,10 @@
-"""kv8's dense CPU kernels (``kv8/layers/dense_kernels.cpp``, AVX-512 BF16) through ctypes, and the choice
+"""kv8's dense CPU kernels (``kv8/layers/dense_kernels.cpp``, AVX-512 BF16 and VBMI) through ctypes, and the choice
 of the dense backend.
 
 :class:`DenseKernels` wraps the C ABI: ``pack`` / ``linear`` (a bf16 matrix in a packed layout that the
 kernel streams while prefetching the next panels; multiplied with AMX tiles where the CPU has AMX-BF16, else
-with AVX-512 ``vdpbf16ps``: :attr:`DenseKernels.amx`), ``rmsnorm`` (residual add + RMSNorm in one pass),
+with AVX-512 ``vdpbf16ps``: :attr:`DenseKernels.amx`; ``pack_fp8`` and ``linear(..., scale=)``: the same for
+E4M3 codes with a scale per row, decoded to bf16 on the fly), ``rmsnorm`` (residual add + RMSNorm in one pass),
 ``silu_mul`` (SiLU(gate) * up) and ``rope_qkv`` (RoPE of q and k read straight from a packed q/k/v
 projection, v copied out beside them); and ``argmax`` (rows of float32 logits, for the sampler). Every method
 checks dtypes and shapes and raises ``ValueError``; every dense kernel takes bf16 and returns new contiguous bf16
