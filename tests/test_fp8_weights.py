@@ -28,7 +28,7 @@ from kv8.layers.vocab_parallel import ParallelLMHead
 from kv8.native import KernelUnavailable
 from kv8.quant.formats import E4M3
 from kv8.quant.weights import dequantize_fp8_rows, quantize_fp8_rows
-from tests.conftest import amx_path
+from tests.conftest import TINY_CONFIGS, amx_path
 
 
 def _kernels() -> DenseKernels | None:
@@ -205,6 +205,25 @@ def test_the_option_is_validated_at_the_boundary() -> None:
     assert parser.parse_args([]).quantization is None
     with pytest.raises(SystemExit):
         parser.parse_args(["--quantization", "int8"])
+
+
+@pytest.mark.parametrize("family", sorted(TINY_CONFIGS))
+def test_every_family_runs_with_fp8_weights(tiny_models: dict[str, str], family: str) -> None:
+    """Each tiny model family (merged q/k/v and gate/up, Phi-3's whole-tensor checkpoint, Gemma's GeGLU,
+    sliding windows) in bf16 with FP8 weights: the decoder's layers take the FP8 method, the LM head keeps bf16,
+    and the prompt's log-probabilities stay near the bf16 weights' (random weights: a few percent per weight)."""
+    params = SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=0, ignore_eos=True)
+    logprobs, methods = {}, {}
+    for q in (None, "fp8"):
+        llm = LLM(tiny_models[family], quantization=q, kv_cache_memory="8MiB", max_model_len=256)
+        out = llm.generate("hello world this is a test of the model", params)[0]
+        logprobs[q] = torch.tensor([p[t].logprob for t, p in zip(out.prompt_token_ids[1:], out.prompt_logprobs[1:])])
+        methods[q] = {m.method.name for m in llm.engine.model.modules() if isinstance(m, LinearBase)}
+    fast = _KERNELS is not None
+    assert methods[None] == {"packed_bf16" if fast else "torch"}
+    assert methods["fp8"] == ({"packed_fp8", "packed_bf16"} if fast else {"torch_fp8", "torch"})
+    diff = (logprobs["fp8"] - logprobs[None]).abs().max().item()
+    assert 0 < diff < 0.5, diff
 
 
 # ---- the real model -----------------------------------------------------------------------------------------------
