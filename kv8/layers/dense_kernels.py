@@ -103,10 +103,10 @@ class DenseKernels:
     def linear(self, x: torch.Tensor, packed: torch.Tensor, out_features: int,
                bias: torch.Tensor | None, gated: bool = False, scale: torch.Tensor | None = None) -> torch.Tensor:
         """``x [M, K]`` bf16 contiguous -> ``[M, out_features]`` bf16. ``gated``: ``packed`` holds gate and up
-        rows interleaved by 16 (:meth:`pack_gated`) and the result is ``silu(gate) * up``, ``out_features`` wide
-        (bias, if any, interleaved alike, float32). ``scale`` (float32, one value per packed row): ``packed``
-        holds FP8 codes (:meth:`pack_fp8`) of ``W / scale``, and each sum is multiplied by its row's scale
-        before the bias."""
+        rows interleaved by 16 (:meth:`interleave_gate_up`, then :meth:`pack`) and the result is
+        ``silu(gate) * up``, ``out_features`` wide (bias, if any, interleaved alike, float32). ``scale`` (float32,
+        one value per packed row): ``packed`` holds FP8 codes (:meth:`pack_fp8`) of ``W / scale``, and each sum is
+        multiplied by its row's scale before the bias."""
         m, k = x.shape
         out = torch.empty(m, out_features, dtype=torch.bfloat16)
         if m == 0:
@@ -126,6 +126,8 @@ class DenseKernels:
     def interleave_gate_up(t: torch.Tensor) -> torch.Tensor:
         """``[gate | up]`` rows (a weight ``[2I, K]`` or a bias ``[2I]``) -> groups of 16 gate rows then the 16
         matching up rows, each half zero-padded to ``ceil(I / 16) * 16`` rows: the gated kernel's order."""
+        if t.ndim not in (1, 2) or t.shape[0] % 2:
+            raise ValueError(f"a gate/up weight or bias has an even number of rows, got {list(t.shape)}")
         gate, up = t.chunk(2, dim=0)
         i = gate.shape[0]
         ip = -(-i // 16) * 16
@@ -133,12 +135,6 @@ class DenseKernels:
         halves = [torch.nn.functional.pad(h, pad) for h in (gate, up)]
         return torch.stack([h.reshape(ip // 16, 16, *t.shape[1:]) for h in halves], dim=1).reshape(2 * ip,
                                                                                                  *t.shape[1:])
-
-    def pack_gated(self, weight: torch.Tensor) -> torch.Tensor:
-        """A gate/up weight ``[2I, K]`` bf16 (gate rows, then up rows) -> the gated kernel's packed layout."""
-        if weight.ndim != 2 or weight.shape[0] % 2:
-            raise ValueError(f"a gate/up weight has an even number of rows, got {list(weight.shape)}")
-        return self.pack(self.interleave_gate_up(weight))
 
     def rmsnorm(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:

@@ -94,7 +94,7 @@ class TorchLinearMethod(LinearMethod):
 class PackedBF16LinearMethod(LinearMethod):
     """bf16 only. After loading the layer holds ``packed`` (1-D bf16) and ``bias_f32`` (``[N]`` float32 or
     None) as non-persistent buffers, and no ``weight`` / ``bias`` parameters. A :class:`GateUpLinear` that fuses
-    SiLU holds both with its gate and up rows interleaved by 16 (:meth:`DenseKernels.pack_gated`)."""
+    SiLU holds both with its gate and up rows interleaved by 16 (:meth:`DenseKernels.interleave_gate_up`)."""
 
     name = "packed_bf16"
 
@@ -236,20 +236,18 @@ class LinearBase(nn.Module):
             raise ValueError(f"has shape {tuple(loaded.shape)}, the model expects {expected}")
         parts = [part.narrow(0, *self.row_shards[i]) for i, part in zip(projections, loaded.split(full_rows))]
         src = parts[0] if len(parts) == 1 else torch.cat(parts)
-        if param.ndim == 2 and self.in_features != self.full_in_features:
-            # the whole checkpoint rows' largest magnitudes: FP8 scales that do not depend on the rank count
-            amax = src.to(param.dtype).float().abs().amax(dim=1)
+        start, count = (0, self.out_features) if shard_id is None else \
+            (sum(self.output_sizes[:projections[0]]), self.output_sizes[projections[0]])
         if param.ndim == 2:
+            if self.in_features != self.full_in_features:
+                # the whole checkpoint rows' largest magnitudes: FP8 scales that do not depend on the rank count
+                if self.row_amax is None:
+                    self.row_amax = torch.zeros(self.out_features)
+                self.row_amax.narrow(0, start, count).copy_(src.to(param.dtype).float().abs().amax(dim=1))
             src = src.narrow(1, *self.in_shard)
         elif self.in_features != self.full_in_features and self.tp.rank != 0:
             src = torch.zeros_like(src)   # a row-parallel bias: added once, by rank 0, before the all-reduce
-        start, count = (0, self.out_features) if shard_id is None else \
-            (sum(self.output_sizes[:projections[0]]), self.output_sizes[projections[0]])
         param.data.narrow(0, start, count).copy_(src)
-        if param.ndim == 2 and self.in_features != self.full_in_features:
-            if self.row_amax is None:
-                self.row_amax = torch.zeros(self.out_features)
-            self.row_amax.narrow(0, start, count).copy_(amax)
 
     def process_weights_after_loading(self) -> None:
         self.method.process_weights_after_loading(self)

@@ -244,10 +244,7 @@ static inline void amx_panel(const uint16_t* x, int64_t K, const uint16_t* panel
     int done = 0;
     for (int64_t k0 = 0; k0 < K; k0 += 32) {
         const uint16_t* b = codes ? steps[(k0 / 32) & 1] : panel + k0 * 32;  // pair-row k0 / 2
-        if (codes) {
-            _tile_loadd(6, b, 128);
-            _tile_loadd(7, b + 32, 128);
-        } else if (ONCE) {
+        if (ONCE && !codes) {   // (decoded codes stay in L1 for the next step's decode: no streaming hint)
             _tile_stream_loadd(6, b, 128);
             _tile_stream_loadd(7, b + 32, 128);
         } else {
@@ -300,17 +297,17 @@ static int linear_amx(const uint16_t* x, int64_t M, int64_t K, const void* packe
         memset(pad + rem * K, 0, (size_t)(32 - rem) * K * 2);
     }
     const int threads = (int)(panels < nthreads ? panels : nthreads);
-    uint16_t* decoded = nullptr;   // FP8: each thread's decoded panel
-    if (FP8 && !(decoded = (uint16_t*)aligned_alloc(64, (size_t)threads * PANEL * K * 2))) {
+    const bool once = M <= 32;  // one row block per panel: the panel is read once (amx_panel's ONCE)
+    uint16_t* decoded = nullptr;   // FP8 with several row blocks per panel: each thread's decoded panel
+    if (FP8 && !once && !(decoded = (uint16_t*)aligned_alloc(64, (size_t)threads * PANEL * K * 2))) {
         free(pad);
         return 8;
     }
-    const bool once = M <= 32;  // one row block per panel: the panel is read once (amx_panel's ONCE)
 #pragma omp parallel num_threads(threads)
     {
         amx_load_config(arows, 6);  // A and C tiles (0..5) of arows rows, B tiles of 16
         alignas(64) float cbuf[2][32 * 32];   // a block's sums, and the previous block's awaiting its epilogue
-        uint16_t* dec = FP8 ? decoded + (size_t)omp_get_thread_num() * PANEL * K : nullptr;  // a decoded panel
+        uint16_t* dec = decoded ? decoded + (size_t)omp_get_thread_num() * PANEL * K : nullptr;
         PendingBlock prev = {nullptr, 0, 0, 0};
         int cur = 0;
         const int t = omp_get_thread_num(), nt = omp_get_num_threads();
@@ -401,25 +398,33 @@ static int linear_avx512(const uint16_t* x, int64_t M, int64_t K, const void* pa
 }
 #endif
 
+// Both entries: arguments checked, then the AMX path where this build and process have it, use_amx asks for it
+// and K % 32 == 0, else the vdpbf16ps path.
+template <bool FP8>
+static int linear_entry(const uint16_t* x, int64_t M, int64_t K, const void* packed, int64_t N, const float* bias,
+                        const float* scale, uint16_t* out, int nthreads, int gated, int use_amx) {
+#if KV8_LINEAR_FAST
+    if (!x || !packed || (FP8 && !scale) || !out || M <= 0 || K <= 0 || N <= 0 || nthreads <= 0) return 5;
+#if KV8_LINEAR_AMX
+    if (use_amx && K % 32 == 0 && amx_permitted())
+        return gated ? linear_amx<true, FP8>(x, M, K, packed, N, bias, scale, out, nthreads)
+                     : linear_amx<false, FP8>(x, M, K, packed, N, bias, scale, out, nthreads);
+#endif
+    return linear_avx512<FP8>(x, M, K, packed, N, bias, scale, out, nthreads, gated != 0);
+#else
+    (void)x; (void)M; (void)K; (void)packed; (void)N; (void)bias; (void)scale; (void)out; (void)nthreads;
+    (void)gated; (void)use_amx;
+    return 7;
+#endif
+}
+
 // out[M, N] = x[M, K] @ W^T (+ bias), W pre-packed by kv8_linear_pack. gated != 0: out[M, N] = the gated
 // activation of a gate/up matrix packed interleaved (see the top of this file; N = I, the packed matrix has
 // 2 * ceil(I / 16) * 16 rows and the bias, if any, as many values in the same order). use_amx != 0: the AMX
 // path where this build and process have it and K % 32 == 0 (see above), else the vdpbf16ps path.
 extern "C" int kv8_linear(const uint16_t* x, int64_t M, int64_t K, const uint16_t* packed, int64_t N,
                           const float* bias, uint16_t* out, int nthreads, int gated, int use_amx) {
-#if KV8_LINEAR_FAST
-    if (!x || !packed || !out || M <= 0 || K <= 0 || N <= 0 || nthreads <= 0) return 5;
-#if KV8_LINEAR_AMX
-    if (use_amx && K % 32 == 0 && amx_permitted())
-        return gated ? linear_amx<true, false>(x, M, K, packed, N, bias, nullptr, out, nthreads)
-                     : linear_amx<false, false>(x, M, K, packed, N, bias, nullptr, out, nthreads);
-#endif
-    return linear_avx512<false>(x, M, K, packed, N, bias, nullptr, out, nthreads, gated != 0);
-#else
-    (void)x; (void)M; (void)K; (void)packed; (void)N; (void)bias; (void)out; (void)nthreads; (void)gated;
-    (void)use_amx;
-    return 7;
-#endif
+    return linear_entry<false>(x, M, K, packed, N, bias, nullptr, out, nthreads, gated, use_amx);
 }
 
 // kv8_linear with FP8 (E4M3) weights: packed holds kv8_linear_packed_size(N, K) codes in the FP8 order (see
@@ -430,17 +435,5 @@ extern "C" int kv8_linear(const uint16_t* x, int64_t M, int64_t K, const uint16_
 extern "C" int kv8_linear_fp8(const uint16_t* x, int64_t M, int64_t K, const uint8_t* packed, int64_t N,
                               const float* scale, const float* bias, uint16_t* out, int nthreads, int gated,
                               int use_amx) {
-#if KV8_LINEAR_FAST
-    if (!x || !packed || !scale || !out || M <= 0 || K <= 0 || N <= 0 || nthreads <= 0) return 5;
-#if KV8_LINEAR_AMX
-    if (use_amx && K % 32 == 0 && amx_permitted())
-        return gated ? linear_amx<true, true>(x, M, K, packed, N, bias, scale, out, nthreads)
-                     : linear_amx<false, true>(x, M, K, packed, N, bias, scale, out, nthreads);
-#endif
-    return linear_avx512<true>(x, M, K, packed, N, bias, scale, out, nthreads, gated != 0);
-#else
-    (void)x; (void)M; (void)K; (void)packed; (void)N; (void)scale; (void)bias; (void)out; (void)nthreads;
-    (void)gated; (void)use_amx;
-    return 7;
-#endif
+    return linear_entry<true>(x, M, K, packed, N, bias, scale, out, nthreads, gated, use_amx);
 }
