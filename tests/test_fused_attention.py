@@ -413,6 +413,24 @@ def test_decode_item_kernel(lib: fused.KernelLibrary, kernel_path: str, kv_name:
         check_attention(lib, cache, meta, q, partition_size=partition)
 
 
+@pytest.mark.parametrize("heads,group", [(1, 3), (4, 1), (5, 2), (6, 3), (9, 4)])
+@pytest.mark.parametrize("kv_name,gran", [("fp8_e4m3", "head"), ("fp8_e5m2", "dynamic"), ("bfloat16", "none")])
+def test_decode_items_of_several_heads(lib: fused.KernelLibrary, kernel_path: str, heads: int, group: int,
+                                       kv_name: str, gran: str) -> None:
+    """The AMX decode kernel's items read up to 4 KV heads of a sequence together (6 heads: items of 4 and
+    2, 9: 4, 4 and 1), each head with its own K/V scales, queries and output rows, unsplit and split into
+    partitions (each head's partial result in its own workspace rows); the AVX-512 kernel's items one head.
+    Every head equals the reference (a head mixed up with another, or a partial written over another head's,
+    differs by far more than the bound). NaN in every slot past the context."""
+    seq_lens = [1, 17, 64, 200, 333]
+    cache, meta, q = make_case(kv_name, gran, torch.bfloat16, group=group, heads=heads, query_lens=[1] * 5,
+                               seq_lens=seq_lens, seed=heads * 10 + group, poison=True)
+    assert decode_kernel(lib, kv_name, gran, 64, 16, group) in ("amx_decode" if kernel_path == "amx" else "decode",
+                                                                 "generic")
+    for partition in (0, 16, 96):
+        check_attention(lib, cache, meta, q, partition_size=partition)
+
+
 def test_decode_item_kernel_conditions(lib: fused.KernelLibrary) -> None:
     """Where the decode-item kernel does not apply, the general fast path serves (tested above)."""
     fast = lib.has_fast_path

@@ -66,6 +66,19 @@ static int run_item_fast(const Problem& P, const Item& it, float* ws) {
 }
 #endif
 
+// KV heads per item (ItemHeads): every head of a sequence where the AMX decode kernel serves the rows -- a
+// block's rows of all heads lie together, so one item reads them in address order (the hardware prefetchers
+// follow it: SmolLM2's decode attention at B = 32 x 1k, 2 threads, 1.10 -> 0.93 ms per layer call in the
+// engine); else one.
+static int item_heads_of(const Problem& P, int rows) {
+#if KV8_FAST && KV8_ATTN_AMX
+    if (decode_amx_fn(P, rows) != nullptr) return MAX_ITEM_HEADS;
+#endif
+    (void)P;
+    (void)rows;
+    return 1;
+}
+
 // The item function of a problem; *fast = 1 when it is a fast one.
 static ItemFn pick_item_fn(const Problem& P, int* fast) {
     *fast = 0;
@@ -113,7 +126,8 @@ int kv8_paged_attention(const kv8_layer* layer, const kv8_attention_call* call) 
     if (err != OK) return err;
     int fast;
     ItemFn fn = pick_item_fn(P, &fast);
-    return run_attention(P, call->num_tokens, call->num_threads, call->partition_size, fn);
+    return run_attention(P, call->num_tokens, call->num_threads, call->partition_size, fn,
+                         fast ? item_heads_of : nullptr);
 }
 
 // Quantize-on-store of one layer (see kv8_store_call); ERR_SLOT when a slot lies outside the cache.

@@ -17,8 +17,13 @@
 //   S^T tiles stored, then V decoded while those stores complete, then the gathers and the softmax, then P.V.
 // * Rows outside the item's [k0, t1) are zeros in the decoded K and V (pad_tile for a bf16 cache), masked in
 //   the scores, and weigh 0.
+// * An item may hold several KV heads of its sequence (Item::nh, item_heads_of in cpu_kernels.cpp): chunk by
+//   chunk, each head's tiles in turn with its own Q^T, scale, softmax state and output (DecodeHead), so the
+//   item reads each block's rows of those heads -- adjacent in the cache -- in address order.
+// * D = 64: both Q^T steps stay in tiles 1 and 7 for a head's whole chunk (QT_RESIDENT), O uses tiles 5, 6.
 // Tiles (configured per item, released when it returns): 0 = K (A) or V (B), 16 x 64 bytes; 1 = Q^T (B) and
-// 2 = S^T (C), 16 x 4R bytes; 3, 4 = P (A) of the chunk's two 32-token halves and 5, 6, 7 = O (C), R x 64 bytes.
+// 2 = S^T (C), 16 x 4R bytes; 3, 4 = P (A) of the chunk's two 32-token halves and 5, 6, 7 = O (C), R x 64 bytes
+// (7: Q^T's second step where QT_RESIDENT).
 // The sums run in another order than the AVX-512 kernel's: KernelLibrary.amx is fixed for an engine's life.
 #pragma once
 
@@ -27,9 +32,9 @@
 #if KV8_ATTN_AMX
 
 struct DecodeTiles {
-    explicit DecodeTiles(int R) {
-        const int rows[8] = {16, 16, 16, R, R, R, R, R};
-        const int colsb[8] = {64, 4 * R, 4 * R, 64, 64, 64, 64, 64};
+    DecodeTiles(int R, bool qt_resident) {
+        const int rows[8] = {16, 16, 16, R, R, R, R, qt_resident ? 16 : R};
+        const int colsb[8] = {64, 4 * R, 4 * R, 64, 64, 64, 64, qt_resident ? 4 * R : 64};
         amx_configure(rows, colsb);
     }
     ~DecodeTiles() { _tile_release(); }
@@ -49,141 +54,187 @@ struct DecodeTiles {
         _tile_stored(OT, cbuf + 16 * (g), D * 4);                             \
     } while (0)
 
+// What one KV head of an item carries from chunk to chunk: its one-head item, Q^T, score factor, the rows'
+// running max and sum, and the output accumulators.
+template <int D, int R>
+struct DecodeHead {
+    static constexpr int STEPS = D / 32;
+    Item it;
+    alignas(64) uint32_t qt[STEPS * 16 * R];  // Q^T: step s, channel pair k, row r at (s * 16 + k) R + r
+    alignas(64) float obuf[R * D];
+    float sfac, mx[R];
+    __m512 sum[R];
+};
+
 template <int KV, int D, int R>
-static int run_item_decode_amx(const Problem& P, const Item& it, float* ws) {
+static int run_item_decode_amx(const Problem& P, const Item& item, float* ws) {
     constexpr bool fp8 = KV != KV_BF16;
     constexpr int RBYTES = D * (fp8 ? 1 : 2), CT = CHUNK_TILES, STEPS = D / 32, NG = D / 16;
     constexpr int NV = chunk_accs<KV>();  // V accumulators (channel groups) per 64-byte chunk of a row
+    constexpr bool QT_RESIDENT = STEPS == 2;  // D = 64: both Q^T steps stay in tiles 1 and 7 (O in 5, 6)
     static_assert(CT == 4, "P tiles hold two 32-token halves of a chunk");
+    if (item.nh < 1 || item.nh > MAX_ITEM_HEADS) return ERR_ARGS;
     const Lut& L = lut_for(fp8 ? P.kv : KV_E4M3);
-    const Rows w = rows_of(P, it);
+    const Rows w = rows_of(P, item);
     alignas(64) __m512i kbuf[CT][fp8 ? STEPS * 16 : 1];  // decoded K (fp8): tile j, step s, row t at [j][s 16 + t]
     alignas(64) __m512i vbuf[2 * NG * 16];         // decoded V: half h, group g, token pair u at (h NG + g) 16 + u
-    alignas(64) uint32_t qt[STEPS * 16 * R];       // Q^T: step s, channel pair k, row r at (s * 16 + k) R + r
     alignas(64) float sbuf[CT * 16 * 4];           // S^T of tile j: token t, row r at (j * 16 + t) * 4 + r
     alignas(64) uint16_t pbuf[2 * R * 32];         // weights: half h, row r, token i at (h R + r) 32 + i
-    alignas(64) float obuf[R * D], cbuf[R * D], nat[D];
+    alignas(64) float cbuf[R * D], nat[D];
     alignas(64) uint8_t pad_k_first[fp8 ? 1 : TILE * RBYTES], pad_k_last[fp8 ? 1 : TILE * RBYTES];
     alignas(64) uint8_t pad_v_first[TILE * RBYTES], pad_v_last[TILE * RBYTES];
-    float mx[R], alpha[R];
-    __m512 sum[R];
-    int64_t lo[R], lim[R];
+    DecodeHead<D, R> heads[MAX_ITEM_HEADS];
+    float alpha[R];
+    int64_t lo[R], lim[R];  // the same for every head (positions)
 
     for (int r = 0; r < R; ++r) {
-        const int64_t src = ((w.qrow0 + r / P.G) * P.Hq + it.kvh * P.G + r % P.G) * (int64_t)D;
-        const uint16_t* q = (const uint16_t*)P.q + src;
-        for (int s = 0; s < STEPS; ++s)
-            for (int k = 0; k < 16; ++k) {
-                // the channel pair at position k of step s's A rows: fp8_to_bf16's lane order, or natural
-                const int c = fp8 ? 64 * (s / 2) + 16 * (k / 4) + 8 * (s % 2) + 2 * (k % 4) : 32 * s + 2 * k;
-                memcpy(qt + (s * 16 + k) * R + r, q + c, 4);  // bf16 channels c, c + 1
-            }
-        lim[r] = row_limit(P, it, w, r);
+        lim[r] = row_limit(P, item, w, r);
         lo[r] = first_visible(P, lim[r]);
-        mx[r] = -INFINITY;
-        sum[r] = _mm512_setzero_ps();
     }
-    const float sfac = P.sm_scale * k_head_scale(P, it.kvh);
-    memset(obuf, 0, sizeof(obuf));
+    for (int hd = 0; hd < item.nh; ++hd) {
+        DecodeHead<D, R>& H = heads[hd];
+        H.it = head_item(item, hd, R, D);
+        for (int r = 0; r < R; ++r) {
+            const int64_t src = ((w.qrow0 + r / P.G) * P.Hq + H.it.kvh * P.G + r % P.G) * (int64_t)D;
+            const uint16_t* q = (const uint16_t*)P.q + src;
+            for (int s = 0; s < STEPS; ++s)
+                for (int k = 0; k < 16; ++k) {
+                    // the channel pair at position k of step s's A rows: fp8_to_bf16's lane order, or natural
+                    const int c = fp8 ? 64 * (s / 2) + 16 * (k / 4) + 8 * (s % 2) + 2 * (k % 4) : 32 * s + 2 * k;
+                    memcpy(H.qt + (s * 16 + k) * R + r, q + c, 4);  // bf16 channels c, c + 1
+                }
+            H.mx[r] = -INFINITY;
+            H.sum[r] = _mm512_setzero_ps();
+        }
+        H.sfac = P.sm_scale * k_head_scale(P, H.it.kvh);
+        memset(H.obuf, 0, sizeof(H.obuf));
+    }
     const __m512i gather_rows = _mm512_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28, 32, 36, 40, 44, 48, 52, 56, 60);
 
-    const DecodeTiles tiles(R);
-    const int64_t* table = item_table<RBYTES>(P, it);
-    for (int64_t c0 = it.t0; c0 < it.t1; c0 += CT * TILE) {
-        const int nt = chunk_tiles(it, c0);
-        const uint8_t* vb[CT];
-        __m512 s[R][CT], vsv[CT];
-        __mmask16 valid[R][CT], have[CT];
-        // Per tile: prefetches, the block, K decoded for the A tiles (a bf16 cache's rows are read in place).
-        const void* ka[CT];
-        __m512 kf[CT];
-        for (int j = 0; j < nt; ++j) {
-            DecodeTile T;
-            if (decode_tile<RBYTES>(P, it, table, c0 + j * TILE, sfac, T) != OK) return ERR_BLOCK_ID;
-            const uint8_t* kb = T.k;
-            const int lead = T.lead, n = T.n;
-            have[j] = T.have;
-            kf[j] = T.kf;
-            vsv[j] = T.vs;
-            const bool partial = n < TILE || lead > 0;
-            vb[j] = partial ? pad_tile<RBYTES>(lead > 0 ? pad_v_first : pad_v_last, T.v, lead, n) : T.v;
-            if (fp8) {
-                __m512i* kd = kbuf[j];
-                for (int t = 0; t < TILE; ++t) {
-                    const bool in = t >= lead && t < n;
-                    for (int z = 0; z < D / 64; ++z) {
-                        __m512i w0 = _mm512_setzero_si512(), w1 = _mm512_setzero_si512();
-                        if (in) fp8_to_bf16<KV>(_mm512_loadu_si512(kb + t * RBYTES + z * 64), L, w0, w1);
-                        _mm512_store_si512(kd + (2 * z) * 16 + t, w0);
-                        _mm512_store_si512(kd + (2 * z + 1) * 16 + t, w1);
+    const DecodeTiles tiles(R, QT_RESIDENT);
+    const int64_t* table = item_table<RBYTES>(P, item);
+    for (int64_t c0 = item.t0; c0 < item.t1; c0 += CT * TILE) {
+        const int nt = chunk_tiles(item, c0);
+        for (int hd = 0; hd < item.nh; ++hd) {  // the heads' rows of a block lie together: read in order
+            DecodeHead<D, R>& H = heads[hd];
+            const Item& it = H.it;
+            const uint8_t* vb[CT];
+            __m512 s[R][CT], vsv[CT];
+            __mmask16 valid[R][CT], have[CT];
+            // Per tile: prefetches, the block, K decoded for the A tiles (a bf16 cache's rows are read in place).
+            const void* ka[CT];
+            __m512 kf[CT];
+            for (int j = 0; j < nt; ++j) {
+                DecodeTile T;
+                if (decode_tile<RBYTES>(P, it, table, c0 + j * TILE, H.sfac, T) != OK) return ERR_BLOCK_ID;
+                const uint8_t* kb = T.k;
+                const int lead = T.lead, n = T.n;
+                have[j] = T.have;
+                kf[j] = T.kf;
+                vsv[j] = T.vs;
+                const bool partial = n < TILE || lead > 0;
+                vb[j] = partial ? pad_tile<RBYTES>(lead > 0 ? pad_v_first : pad_v_last, T.v, lead, n) : T.v;
+                if (fp8) {
+                    __m512i* kd = kbuf[j];
+                    for (int t = 0; t < TILE; ++t) {
+                        const bool in = t >= lead && t < n;
+                        for (int z = 0; z < D / 64; ++z) {
+                            __m512i w0 = _mm512_setzero_si512(), w1 = _mm512_setzero_si512();
+                            if (in) fp8_to_bf16<KV>(_mm512_loadu_si512(kb + t * RBYTES + z * 64), L, w0, w1);
+                            _mm512_store_si512(kd + (2 * z) * 16 + t, w0);
+                            _mm512_store_si512(kd + (2 * z + 1) * 16 + t, w1);
+                        }
+                    }
+                    ka[j] = kd;
+                } else {
+                    ka[j] = partial ? pad_tile<RBYTES>(lead > 0 ? pad_k_first : pad_k_last, kb, lead, n) : kb;
+                }
+            }
+            // S^T of each tile (A steps 64 bytes apart in a row of RA bytes), stored for the gathers below.
+            constexpr int RA = fp8 ? 64 : RBYTES;
+            if (QT_RESIDENT) {
+                _tile_loadd(1, H.qt, 4 * R);
+                _tile_loadd(7, H.qt + 16 * R, 4 * R);
+            }
+            for (int j = 0; j < nt; ++j) {
+                const char* a = (const char*)ka[j];
+                _tile_zero(2);
+                if (QT_RESIDENT) {
+                    _tile_loadd(0, a, RA);
+                    _tile_dpbf16ps(2, 0, 1);
+                    _tile_loadd(0, a + (fp8 ? 16 * 64 : 64), RA);
+                    _tile_dpbf16ps(2, 0, 7);
+                } else {
+                    for (int st = 0; st < STEPS; ++st) {
+                        _tile_loadd(0, a + (fp8 ? st * 16 * 64 : st * 64), RA);
+                        _tile_loadd(1, H.qt + st * 16 * R, 4 * R);
+                        _tile_dpbf16ps(2, 0, 1);
                     }
                 }
-                ka[j] = kd;
+                _tile_stored(2, sbuf + j * 64, 16);
+            }
+            const int np = (nt + 1) / 2;
+            // V of the chunk in the pair layout: half h, group g = z NV + m, pair u = tokens 2u, 2u + 1 of the half.
+            for (int h = 0; h < np; ++h)
+                for (int u = 0; u < 16; ++u) {
+                    const int j = 2 * h + u / 8;
+                    __m512i* dst = vbuf + (size_t)h * NG * 16 + u;
+                    if (j >= nt) {
+                        for (int g = 0; g < NG; ++g) _mm512_store_si512(dst + g * 16, _mm512_setzero_si512());
+                        continue;
+                    }
+                    const uint8_t* a = vb[j] + (2 * (u % 8)) * RBYTES;
+                    for (int z = 0; z < RBYTES / 64; ++z) {
+                        __m512i v[4];
+                        v_chunk_pairs<KV>(_mm512_loadu_si512(a + z * 64), _mm512_loadu_si512(a + RBYTES + z * 64),
+                                          L, v);
+                        for (int m = 0; m < NV; ++m) _mm512_store_si512(dst + (z * NV + m) * 16, v[m]);
+                    }
+                }
+            for (int j = 0; j < nt; ++j) {
+                const int64_t t0 = c0 + j * TILE;
+                for (int r = 0; r < R; ++r) {  // visible tokens of this tile: [first - t0, limit - t0] within have
+                    valid[r][j] = have[j] & lane_range(lo[r] - t0, lim[r] - t0 + 1);
+                    const __m512 sc = _mm512_i32gather_ps(_mm512_add_epi32(gather_rows, _mm512_set1_epi32(r)),
+                                                          sbuf + j * 64, 4);
+                    s[r][j] = _mm512_mask_mul_ps(_mm512_set1_ps(-INFINITY), valid[r][j], sc, kf[j]);
+                }
+            }
+            // Weights (bf16) of each row into its P rows; tokens past the chunk's last tile weigh 0.
+            for (int r = 0; r < R; ++r) {  // row r's weights: half h at pbuf + (h R + r) 32
+                alpha[r] = decode_weights(s[r], valid[r], vsv, P.vts != nullptr, nt, H.mx[r], H.sum[r],
+                                          pbuf + r * 32, R * 32);
+                if (nt % 2)
+                    _mm256_store_si256((__m256i*)(pbuf + ((nt / 2) * R + r) * 32 + 16), _mm256_setzero_si256());
+            }
+            _tile_loadd(3, pbuf, 64);
+            if (np > 1) _tile_loadd(4, pbuf + R * 32, 64);
+            if (QT_RESIDENT) {
+                for (int g = 0; g < NG; g += 2) {
+                    KV8_PV_GROUP(5, g);
+                    KV8_PV_GROUP(6, g + 1);
+                }
             } else {
-                ka[j] = partial ? pad_tile<RBYTES>(lead > 0 ? pad_k_first : pad_k_last, kb, lead, n) : kb;
-            }
-        }
-        // S^T of each tile (A steps 64 bytes apart in a row of RA bytes), stored for the gathers below.
-        constexpr int RA = fp8 ? 64 : RBYTES;
-        for (int j = 0; j < nt; ++j) {
-            const char* a = (const char*)ka[j];
-            _tile_zero(2);
-            for (int st = 0; st < STEPS; ++st) {
-                _tile_loadd(0, a + (fp8 ? st * 16 * 64 : st * 64), RA);
-                _tile_loadd(1, qt + st * 16 * R, 4 * R);
-                _tile_dpbf16ps(2, 0, 1);
-            }
-            _tile_stored(2, sbuf + j * 64, 16);
-        }
-        const int np = (nt + 1) / 2;
-        // V of the chunk in the pair layout: half h, group g = z NV + m, pair u = tokens 2u, 2u + 1 of the half.
-        for (int h = 0; h < np; ++h)
-            for (int u = 0; u < 16; ++u) {
-                const int j = 2 * h + u / 8;
-                __m512i* dst = vbuf + (size_t)h * NG * 16 + u;
-                if (j >= nt) {
-                    for (int g = 0; g < NG; ++g) _mm512_store_si512(dst + g * 16, _mm512_setzero_si512());
-                    continue;
-                }
-                const uint8_t* a = vb[j] + (2 * (u % 8)) * RBYTES;
-                for (int z = 0; z < RBYTES / 64; ++z) {
-                    __m512i v[4];
-                    v_chunk_pairs<KV>(_mm512_loadu_si512(a + z * 64), _mm512_loadu_si512(a + RBYTES + z * 64), L, v);
-                    for (int m = 0; m < NV; ++m) _mm512_store_si512(dst + (z * NV + m) * 16, v[m]);
+                for (int g = 0; g < NG; g += 3) {
+                    KV8_PV_GROUP(5, g);
+                    if (g + 1 < NG) KV8_PV_GROUP(6, g + 1);
+                    if (g + 2 < NG) KV8_PV_GROUP(7, g + 2);
                 }
             }
-        for (int j = 0; j < nt; ++j) {
-            const int64_t t0 = c0 + j * TILE;
-            for (int r = 0; r < R; ++r) {  // visible tokens of this tile: [first - t0, limit - t0] within have
-                valid[r][j] = have[j] & lane_range(lo[r] - t0, lim[r] - t0 + 1);
-                const __m512 sc = _mm512_i32gather_ps(_mm512_add_epi32(gather_rows, _mm512_set1_epi32(r)),
-                                                      sbuf + j * 64, 4);
-                s[r][j] = _mm512_mask_mul_ps(_mm512_set1_ps(-INFINITY), valid[r][j], sc, kf[j]);
+            for (int r = 0; r < R; ++r) {
+                const __m512 a = _mm512_set1_ps(alpha[r]);
+                float* o = H.obuf + r * D;
+                for (int d = 0; d < D; d += 16)
+                    _mm512_store_ps(o + d, _mm512_fmadd_ps(_mm512_load_ps(o + d), a, _mm512_load_ps(cbuf + r * D + d)));
             }
-        }
-        // Weights (bf16) of each row into its P rows; tokens past the chunk's last tile weigh 0.
-        for (int r = 0; r < R; ++r) {  // row r's weights: half h at pbuf + (h R + r) 32
-            alpha[r] = decode_weights(s[r], valid[r], vsv, P.vts != nullptr, nt, mx[r], sum[r], pbuf + r * 32,
-                                      R * 32);
-            if (nt % 2) _mm256_store_si256((__m256i*)(pbuf + ((nt / 2) * R + r) * 32 + 16), _mm256_setzero_si256());
-        }
-        _tile_loadd(3, pbuf, 64);
-        if (np > 1) _tile_loadd(4, pbuf + R * 32, 64);
-        for (int g = 0; g < NG; g += 3) {
-            KV8_PV_GROUP(5, g);
-            if (g + 1 < NG) KV8_PV_GROUP(6, g + 1);
-            if (g + 2 < NG) KV8_PV_GROUP(7, g + 2);
-        }
-        for (int r = 0; r < R; ++r) {
-            const __m512 a = _mm512_set1_ps(alpha[r]);
-            for (int d = 0; d < D; d += 16)
-                _mm512_store_ps(obuf + r * D + d, _mm512_fmadd_ps(_mm512_load_ps(obuf + r * D + d), a,
-                                                                  _mm512_load_ps(cbuf + r * D + d)));
         }
     }
-    for (int r = 0; r < R; ++r) {
-        natural_order(KV, obuf + r * D, D, D, nat);
-        finish_row(P, it, w, r, nat, mx[r], _mm512_reduce_add_ps(sum[r]), ws);
+    for (int hd = 0; hd < item.nh; ++hd) {
+        DecodeHead<D, R>& H = heads[hd];
+        for (int r = 0; r < R; ++r) {
+            natural_order(KV, H.obuf + r * D, D, D, nat);
+            finish_row(P, H.it, w, r, nat, H.mx[r], _mm512_reduce_add_ps(H.sum[r]), ws);
+        }
     }
     return OK;
 }

@@ -1,6 +1,7 @@
 // Attention planning: work items, their order and threads, and the log-sum-exp combine of partitions.
 //
-//   sequence i, query tokens split in blocks of qb (~96 rows with the GQA group), per KV head:
+//   sequence i, query tokens split in blocks of qb (~96 rows with the GQA group), per group of nh KV heads
+//   (nh = 1, or up to MAX_ITEM_HEADS where the item kernel reads several heads -- see ItemHeads):
 //     context [start, end) cut into partitions of `part` tokens  ->  one item per partition
 //   end = position of the block's last query token + 1; start = 0, or with a sliding window W the first
 //   key of the block's first query token (k0 = its position - W + 1, at least 0) rounded down to a tile, so
@@ -44,22 +45,35 @@ static int make_problem(const kv8_layer& L, const kv8_attention_call& C, Problem
     return OK;
 }
 
+// KV heads per item for items of `rows` rows: heads_of's answer within [1, min(Hkv, MAX_ITEM_HEADS)].
+static inline int item_heads(const Problem& P, ItemHeads heads_of, int rows) {
+    int nh = heads_of ? heads_of(P, rows) : 1;
+    nh = nh < P.Hkv ? nh : P.Hkv;
+    nh = nh < MAX_ITEM_HEADS ? nh : MAX_ITEM_HEADS;
+    return nh > 1 ? nh : 1;
+}
+
 // Runs `fn` over every item of P (T query tokens in all), then combines split contexts. The batch layout
 // is checked first (lengths, table width; block ids are checked by the tile walk). partition_size: see
-// kv8_attention_call.
-static int run_attention(const Problem& P, int64_t T, int nthreads, int64_t partition_size, ItemFn fn) {
+// kv8_attention_call. heads_of: KV heads per item (NULL: one).
+static int run_attention(const Problem& P, int64_t T, int nthreads, int64_t partition_size, ItemFn fn,
+                         ItemHeads heads_of) {
     const int B = P.B, Hkv = P.Hkv, D = P.D, bs = P.bs;
     const int64_t *qsl = P.qsl, *seq_lens = P.seq_lens, bt_stride = P.bt_stride;
     if (qsl[0] != 0 || qsl[B] != T) return ERR_LENGTHS;
-    int64_t n_base = 0, total_ctx = 0;
+    int64_t n_base = 0, n_heads = 0, total_ctx = 0;  // unsplit items, (query block, head) pairs, their keys
     for (int i = 0; i < B; ++i) {
         int64_t ql = qsl[i + 1] - qsl[i], sl = seq_lens[i];
         if (ql < 0 || sl < ql || (ql > 0 && sl < 1)) return ERR_LENGTHS;
         if ((sl + bs - 1) / bs > bt_stride) return ERR_TABLE_WIDTH;
-        int64_t nq = (ql + P.qb - 1) / P.qb;
         int64_t span = P.window > 0 && P.window + ql - 1 < sl ? P.window + ql - 1 : sl;  // keys the queries see
-        n_base += nq * Hkv;
-        total_ctx += span * nq * Hkv;
+        for (int64_t j0 = 0; j0 < ql; j0 += P.qb) {
+            int64_t j1 = j0 + P.qb < ql ? j0 + P.qb : ql;
+            int nh = item_heads(P, heads_of, (int)(j1 - j0) * P.G), groups = (Hkv + nh - 1) / nh;
+            n_base += groups;
+            n_heads += Hkv;
+            total_ctx += span * groups;
+        }
     }
     int64_t part;
     if (partition_size > 0) part = (partition_size + TILE - 1) / TILE * TILE;
@@ -77,13 +91,15 @@ static int run_attention(const Problem& P, int64_t T, int nthreads, int64_t part
         for (int64_t j0 = 0; j0 < ql; j0 += P.qb) {
             int64_t j1 = j0 + P.qb < ql ? j0 + P.qb : ql;
             int64_t end = sl - ql + j1, start = first_visible(P, sl - ql + j0) / TILE * TILE;
-            n_items += Hkv * ((end - start + part - 1) / part);
+            int nh = item_heads(P, heads_of, (int)(j1 - j0) * P.G);
+            n_items += (Hkv + nh - 1) / nh * ((end - start + part - 1) / part);
         }
     }
     Item* items = (Item*)malloc(sizeof(Item) * (size_t)(n_items ? n_items : 1));
     if (!items) return ERR_OOM;
-    struct Group { int64_t first, nparts; int rows; };
-    Group* groups = (Group*)malloc(sizeof(Group) * (size_t)(n_base ? n_base : 1));
+    // One group per (query block, KV head): its partitions are items first .. first + nparts - 1, head h of each.
+    struct Group { int64_t first, nparts; int rows, h; };
+    Group* groups = (Group*)malloc(sizeof(Group) * (size_t)(n_heads ? n_heads : 1));
     if (!groups) { free(items); return ERR_OOM; }
     int64_t ni = 0, ng = 0, ws_floats = 0;
     for (int i = 0; i < B; ++i) {
@@ -92,20 +108,20 @@ static int run_attention(const Problem& P, int64_t T, int nthreads, int64_t part
             int64_t j1 = j0 + P.qb < ql ? j0 + P.qb : ql;
             int64_t end = sl - ql + j1, k0 = first_visible(P, sl - ql + j0), start = k0 / TILE * TILE;
             int64_t np = (end - start + part - 1) / part;
-            int rows = (int)(j1 - j0) * P.G;
-            for (int h = 0; h < Hkv; ++h) {
-                groups[ng] = Group{ni, np, rows};
+            int rows = (int)(j1 - j0) * P.G, nh = item_heads(P, heads_of, rows);
+            for (int h0 = 0; h0 < Hkv; h0 += nh) {
+                const int n = Hkv - h0 < nh ? Hkv - h0 : nh;
+                for (int h = 0; h < n; ++h) groups[ng++] = Group{ni, np, rows, h};
                 for (int64_t p = 0; p < np; ++p) {
                     Item& it = items[ni++];
-                    it.seq = i; it.kvh = h; it.j0 = (int)j0; it.j1 = (int)j1;
+                    it.seq = i; it.kvh = h0; it.nh = n; it.j0 = (int)j0; it.j1 = (int)j1;
                     it.t0 = start + p * part;
                     it.t1 = start + (p + 1) * part < end ? start + (p + 1) * part : end;
                     it.k0 = k0;
-                    it.cost = (it.t1 - it.t0) * rows;
-                    if (np > 1) { it.ws = ws_floats; ws_floats += (int64_t)rows * (D + 2); }
+                    it.cost = (it.t1 - it.t0) * rows * n;
+                    if (np > 1) { it.ws = ws_floats; ws_floats += (int64_t)rows * (D + 2) * n; }
                     else it.ws = -1;
                 }
-                ++ng;
             }
         }
     }
@@ -149,21 +165,21 @@ static int run_attention(const Problem& P, int64_t T, int nthreads, int64_t part
             for (int64_t g = 0; g < ng; ++g) {
                 const Group& gr = groups[g];
                 if (gr.nparts < 2) continue;
-                const Item& first = items[gr.first];
-                Item direct = first;
+                Item direct = head_item(items[gr.first], gr.h, gr.rows, D);
                 direct.ws = -1;
                 Rows w = rows_of(P, direct);
                 float* acc = (float*)tl_scratch.get((size_t)D * 4);
                 for (int r = 0; r < gr.rows; ++r) {
                     float M = -INFINITY;
                     for (int64_t p = 0; p < gr.nparts; ++p) {
-                        float m = ws[items[gr.first + p].ws + (int64_t)r * (D + 2)];
+                        float m = ws[head_item(items[gr.first + p], gr.h, gr.rows, D).ws + (int64_t)r * (D + 2)];
                         M = m > M ? m : M;
                     }
                     float L = 0.0f;
                     for (int d = 0; d < D; ++d) acc[d] = 0.0f;
                     for (int64_t p = 0; p < gr.nparts; ++p) {
-                        const float* src = ws + items[gr.first + p].ws + (int64_t)r * (D + 2);
+                        const float* src = ws + head_item(items[gr.first + p], gr.h, gr.rows, D).ws +
+                                           (int64_t)r * (D + 2);
                         if (src[1] == 0.0f) continue;  // the row saw nothing of this partition
                         float f = expf(src[0] - M);
                         L += f * src[1];

@@ -80,13 +80,29 @@ static inline int64_t block_offset(const Problem& P, int64_t pos) {
 
 struct Item {
     int seq, kvh, j0, j1;  // query tokens [j0, j1) of seq
+    int nh;                // KV heads kvh .. kvh + nh - 1 (nh > 1 only for a kernel that says so: ItemHeads)
     int64_t t0, t1;        // context tokens [t0, t1), t0 a multiple of TILE
     int64_t k0;            // first position the item reads (t0 <= k0 < t0 + TILE in its first partition)
-    int64_t ws;            // offset (floats) of this item's partial result in the workspace, -1: write output
+    int64_t ws;            // offset (floats) of this item's partial result in the workspace, -1: write output;
+                           // head kvh + h's rows at ws + h * rows * (D + 2)
     int64_t cost;
 };
 
+static const int MAX_ITEM_HEADS = 4;  // KV heads of one item, at most
+
+// The one-head item of head it.kvh + h of a several-head item (its rows' partial results where they go).
+static inline Item head_item(const Item& it, int h, int rows, int D) {
+    Item one = it;
+    one.kvh = it.kvh + h;
+    one.nh = 1;
+    if (it.ws >= 0) one.ws = it.ws + (int64_t)h * rows * (D + 2);
+    return one;
+}
+
 typedef int (*ItemFn)(const Problem&, const Item&, float*);  // runs one item; 0 or an error code
+// How many KV heads (1 .. MAX_ITEM_HEADS) one item of `rows` rows may take: more than 1 only where the kernel
+// that serves such items reads several heads (the AMX decode kernel).
+typedef int (*ItemHeads)(const Problem&, int rows);
 
 struct Scratch {  // per thread, grows, never shrinks
     void* mem = nullptr;
