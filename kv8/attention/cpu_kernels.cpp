@@ -66,13 +66,16 @@ static int run_item_fast(const Problem& P, const Item& it, float* ws) {
 }
 #endif
 
-// KV heads per item (ItemHeads): every head of a sequence where the AMX decode kernel serves the rows -- a
-// block's rows of all heads lie together, so one item reads them in address order (the hardware prefetchers
-// follow it: SmolLM2's decode attention at B = 32 x 1k, 2 threads, 1.10 -> 0.93 ms per layer call in the
-// engine); else one.
+// KV heads per item (ItemHeads): every head of a sequence (up to MAX_ITEM_HEADS) where a decode kernel serves
+// the rows -- a block's rows of all heads lie together, so one item reads them in address order and the
+// hardware prefetchers follow it (SmolLM2's decode attention at B = 32 x 1k on AMX, 2 threads: 1.10 -> 0.93 ms
+// per layer call in the engine); else one.
 static int item_heads_of(const Problem& P, int rows) {
-#if KV8_FAST && KV8_ATTN_AMX
+#if KV8_FAST
+#if KV8_ATTN_AMX
     if (decode_amx_fn(P, rows) != nullptr) return MAX_ITEM_HEADS;
+#endif
+    if (decode_fn(P, rows) != nullptr) return MAX_ITEM_HEADS;
 #endif
     (void)P;
     (void)rows;

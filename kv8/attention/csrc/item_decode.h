@@ -9,7 +9,10 @@
 // * the online softmax steps once per chunk of CHUNK_TILES tiles: the scores of the whole chunk come
 //   first, so the max, the exponentials and the P.V products of its tiles are independent work (one serial
 //   max/rescale step per 64 tokens, not per 16);
-// * K/V are prefetched into L2 L2_PREFETCH_TILES tiles ahead as well as into L1.
+// * K/V are prefetched into L2 L2_PREFETCH_TILES tiles ahead as well as into L1;
+// * an item may hold several KV heads of its sequence (Item::nh): chunk by chunk, each head's tiles in turn
+//   with its own q, softmax state and output (AvxDecodeHead), so each block's rows of those heads, adjacent in
+//   the cache, are read in address order.
 //
 // Arithmetic as the tile kernel with bf16 compute: the same bf16 products, fp32 accumulation, accumulator
 // layout and building blocks (fast_simd.h); the softmax weights are bf16 (the output is bf16), computed by
@@ -184,63 +187,85 @@ static inline float decode_weights(const __m512* s, const __mmask16* valid, cons
     return alpha;
 }
 
-template <int KV, int D, int R>
-static int run_item_decode(const Problem& P, const Item& it, float* ws) {
-    constexpr bool fp8 = KV != KV_BF16;
-    constexpr int RBYTES = D * (fp8 ? 1 : 2), NS = D / 8, CT = CHUNK_TILES;
-    const Lut& L = lut_for(fp8 ? P.kv : KV_E4M3);  // E4M3 and E5M2 share the code, their tables differ
-    const Rows w = rows_of(P, it);
+// What one KV head of a decode item carries from chunk to chunk: its one-head item, q (prep_rows' slots, the
+// per-channel K scales folded in), score factor, the rows' running max and sum, and the output accumulators.
+template <int D, int R>
+struct AvxDecodeHead {
+    static constexpr int NS = D / 8;
+    Item it;
     alignas(64) __m512i qhi[R * NS], qlo[R * NS];
-    alignas(64) float obuf[R * D], nat[D], kscale[D];
+    alignas(64) float obuf[R * D];
+    float sfac, mx[R];
+    __m512 sum[R];
+};
+
+template <int KV, int D, int R>
+static int run_item_decode(const Problem& P, const Item& item, float* ws) {
+    constexpr bool fp8 = KV != KV_BF16;
+    constexpr int RBYTES = D * (fp8 ? 1 : 2), CT = CHUNK_TILES;
+    if (item.nh < 1 || item.nh > MAX_ITEM_HEADS) return ERR_ARGS;
+    const Lut& L = lut_for(fp8 ? P.kv : KV_E4M3);  // E4M3 and E5M2 share the code, their tables differ
+    const Rows w = rows_of(P, item);
+    alignas(64) float nat[D], kscale[D];
     alignas(64) uint32_t phi[R * CT * 8];
     // Zero-padded copies of partial tiles. V is read after the chunk's scores, and the first tile (rows before
     // k0) and the last (rows past the context) can share a chunk, so each has its own V copy.
     alignas(64) uint8_t pad_k[TILE * RBYTES], pad_v_first[TILE * RBYTES], pad_v_last[TILE * RBYTES];
-    float mx[R], alpha[R];
-    __m512 sum[R];
-    int64_t lo[R], lim[R];
+    AvxDecodeHead<D, R> heads[MAX_ITEM_HEADS];
+    float alpha[R];
+    int64_t lo[R], lim[R];  // the same for every head (positions)
 
     const bool kch = k_per_channel(P);
-    const float sfac = prep_rows(P, it, w, kscale, qhi, qlo, lo, lim);
-    for (int r = 0; r < R; ++r) {
-        mx[r] = -INFINITY;
-        sum[r] = _mm512_setzero_ps();
-    }
-    memset(obuf, 0, sizeof(obuf));
-
-    const int64_t* table = item_table<RBYTES>(P, it);
-    for (int64_t c0 = it.t0; c0 < it.t1; c0 += CT * TILE) {
-        const int nt = chunk_tiles(it, c0);
-        const uint8_t* vb[CT];
-        __m512 s[R][CT], vsv[CT];
-        __mmask16 valid[R][CT];
-        for (int j = 0; j < nt; ++j) {
-            const int64_t t0 = c0 + j * TILE;
-            DecodeTile T;
-            if (decode_tile<RBYTES>(P, it, table, t0, sfac, T) != OK) return ERR_BLOCK_ID;
-            const uint8_t* kb = T.k;
-            vb[j] = T.v;
-            vsv[j] = T.vs;
-            if (T.n < TILE || T.lead > 0) {  // rows past the sequence or before the window: read zeros instead
-                kb = pad_tile<RBYTES>(pad_k, kb, T.lead, T.n);
-                vb[j] = pad_tile<RBYTES>(T.lead > 0 ? pad_v_first : pad_v_last, vb[j], T.lead, T.n);
-            }
-            __m512 sc[R];
-            if (kch) tile_scores_inplace<KV, D, R, true>(kb, L, qhi, qlo, sc);
-            else tile_scores_inplace<KV, D, R, false>(kb, L, qhi, qlo, sc);
-            for (int r = 0; r < R; ++r) {  // visible tokens of this tile: [first - t0, limit - t0] within have
-                valid[r][j] = T.have & lane_range(lo[r] - t0, lim[r] - t0 + 1);
-                s[r][j] = _mm512_mask_mul_ps(_mm512_set1_ps(-INFINITY), valid[r][j], sc[r], T.kf);
-            }
+    for (int hd = 0; hd < item.nh; ++hd) {
+        AvxDecodeHead<D, R>& H = heads[hd];
+        H.it = head_item(item, hd, R, D);
+        H.sfac = prep_rows(P, H.it, w, kscale, H.qhi, H.qlo, lo, lim);
+        for (int r = 0; r < R; ++r) {
+            H.mx[r] = -INFINITY;
+            H.sum[r] = _mm512_setzero_ps();
         }
-        for (int r = 0; r < R; ++r)  // row r's weights: tile j's at dwords (r * CT + j) * 8 of phi
-            alpha[r] = decode_weights(s[r], valid[r], vsv, P.vts != nullptr, nt, mx[r], sum[r],
-                                      (uint16_t*)(phi + r * CT * 8), 32);
-        chunk_pv_inplace<KV, D, R>(vb, nt, L, phi, obuf, alpha);
+        memset(H.obuf, 0, sizeof(H.obuf));
     }
-    for (int r = 0; r < R; ++r) {
-        natural_order(KV, obuf + r * D, D, D, nat);
-        finish_row(P, it, w, r, nat, mx[r], _mm512_reduce_add_ps(sum[r]), ws);
+
+    const int64_t* table = item_table<RBYTES>(P, item);
+    for (int64_t c0 = item.t0; c0 < item.t1; c0 += CT * TILE) {
+        const int nt = chunk_tiles(item, c0);
+        for (int hd = 0; hd < item.nh; ++hd) {  // the heads' rows of a block lie together: read in order
+            AvxDecodeHead<D, R>& H = heads[hd];
+            const uint8_t* vb[CT];
+            __m512 s[R][CT], vsv[CT];
+            __mmask16 valid[R][CT];
+            for (int j = 0; j < nt; ++j) {
+                const int64_t t0 = c0 + j * TILE;
+                DecodeTile T;
+                if (decode_tile<RBYTES>(P, H.it, table, t0, H.sfac, T) != OK) return ERR_BLOCK_ID;
+                const uint8_t* kb = T.k;
+                vb[j] = T.v;
+                vsv[j] = T.vs;
+                if (T.n < TILE || T.lead > 0) {  // rows past the sequence or before the window: read zeros instead
+                    kb = pad_tile<RBYTES>(pad_k, kb, T.lead, T.n);
+                    vb[j] = pad_tile<RBYTES>(T.lead > 0 ? pad_v_first : pad_v_last, vb[j], T.lead, T.n);
+                }
+                __m512 sc[R];
+                if (kch) tile_scores_inplace<KV, D, R, true>(kb, L, H.qhi, H.qlo, sc);
+                else tile_scores_inplace<KV, D, R, false>(kb, L, H.qhi, H.qlo, sc);
+                for (int r = 0; r < R; ++r) {  // visible tokens of this tile: [first - t0, limit - t0] within have
+                    valid[r][j] = T.have & lane_range(lo[r] - t0, lim[r] - t0 + 1);
+                    s[r][j] = _mm512_mask_mul_ps(_mm512_set1_ps(-INFINITY), valid[r][j], sc[r], T.kf);
+                }
+            }
+            for (int r = 0; r < R; ++r)  // row r's weights: tile j's at dwords (r * CT + j) * 8 of phi
+                alpha[r] = decode_weights(s[r], valid[r], vsv, P.vts != nullptr, nt, H.mx[r], H.sum[r],
+                                          (uint16_t*)(phi + r * CT * 8), 32);
+            chunk_pv_inplace<KV, D, R>(vb, nt, L, phi, H.obuf, alpha);
+        }
+    }
+    for (int hd = 0; hd < item.nh; ++hd) {
+        AvxDecodeHead<D, R>& H = heads[hd];
+        for (int r = 0; r < R; ++r) {
+            natural_order(KV, H.obuf + r * D, D, D, nat);
+            finish_row(P, H.it, w, r, nat, H.mx[r], _mm512_reduce_add_ps(H.sum[r]), ws);
+        }
     }
     return OK;
 }
