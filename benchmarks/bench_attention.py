@@ -36,6 +36,7 @@ the speed-up of AMX.
     .venv/bin/python benchmarks/bench_attention.py --kv8-only --batch 1 8 32 --context 4096  # kv8 only
     .venv/bin/python benchmarks/bench_attention.py --tables gemma3 --context 1024 4096 8192  # Gemma-3 rows only
     .venv/bin/python benchmarks/bench_attention.py --tables smollm2-prefill --threads 2  # SmolLM2 prefill rows
+    .venv/bin/python benchmarks/bench_attention.py --tables smollm2 --blocks contiguous  # each sequence's blocks in order
 """
 
 from __future__ import annotations
@@ -94,14 +95,18 @@ def fill_random(cache: PagedKVCache) -> None:
         cache.data.copy_(torch.randn(cache.data.shape, dtype=torch.bfloat16))
 
 
-def paged_cache(kv_name: str, n_layers: int, batch: int, ctx: int) -> tuple[PagedKVCache, AttentionMetadata]:
+def paged_cache(kv_name: str, n_layers: int, batch: int, ctx: int,
+                contiguous: bool = False) -> tuple[PagedKVCache, AttentionMetadata]:
+    """``batch`` sequences of ``ctx`` tokens; their blocks scattered over the cache (a random permutation), or
+    ``contiguous``: each sequence's blocks at ascending addresses, as the engine gives a prompt's blocks taken
+    in one step."""
     kv = resolve_kv_cache_dtype(kv_name, torch.bfloat16)
     blocks_per_seq = ctx // BS
     cache = PagedKVCache(CacheShape(n_layers, batch * blocks_per_seq, HKV, BS, D),
                          KVCodec.build(kv, D, scales=KVScales.default(n_layers) if kv.is_fp8 else None))
     fill_random(cache)
-    perm = torch.randperm(batch * blocks_per_seq).view(batch, blocks_per_seq).tolist()  # scattered blocks
-    meta = AttentionMetadata.build([1] * batch, [ctx] * batch, perm, BS)
+    ids = torch.arange(batch * blocks_per_seq) if contiguous else torch.randperm(batch * blocks_per_seq)
+    meta = AttentionMetadata.build([1] * batch, [ctx] * batch, ids.view(batch, blocks_per_seq).tolist(), BS)
     return cache, meta
 
 
@@ -251,7 +256,8 @@ def bench(batch: int, ctx: int, args: argparse.Namespace) -> dict[str, float]:
     res["fp8_bytes"], res["bf16_bytes"] = fp8_bytes, bf16_bytes
     for name, nbytes in (("fp8", fp8_bytes), ("bf16", bf16_bytes)):
         nl = layers_for(nbytes, args.footprint_mb << 20)
-        cache, meta = paged_cache("fp8_e4m3" if name == "fp8" else "bfloat16", nl, batch, ctx)
+        cache, meta = paged_cache("fp8_e4m3" if name == "fp8" else "bfloat16", nl, batch, ctx,
+                                  args.blocks == "contiguous")
         # the library's path (AMX tiles where it has them), and with AMX the AVX-512 path beside it
         for path, key in (("amx", name), ("avx512", name + "_avx512")) if lib.amx else (("avx512", name),):
             with on_path(lib, path):
@@ -322,6 +328,9 @@ def main() -> None:
     ap.add_argument("--footprint-mb", type=int, default=128, help="bytes each variant cycles through (MiB)")
     ap.add_argument("--kv8-only", action="store_true", help="time the kv8 kernels only (no sdpa, no copies)")
     ap.add_argument("--threads", type=int, default=None, help="torch / kernel threads (default: torch's)")
+    ap.add_argument("--blocks", choices=["scattered", "contiguous"], default="scattered",
+                    help="SmolLM2 decode rows: each sequence's blocks scattered over the cache (default) or at "
+                         "ascending addresses (a prompt's blocks in the engine)")
     ap.add_argument("--tables", nargs="*", choices=["smollm2", "gemma3", "smollm2-prefill"],
                     default=["smollm2", "gemma3"],
                     help="which tables to print (default: smollm2 and gemma3, the decode tables)")
@@ -335,7 +344,7 @@ def main() -> None:
     contexts = args.context or ([1024, 4096] if args.quick else [1024, 4096, 8192])
     lib = load_kernels()
     print(f"kv8 attention benchmark: {torch.get_num_threads()} threads, fast path: {lib.has_fast_path}, "
-          f"footprint >= {args.footprint_mb} MiB, load average {os.getloadavg()[0]:.2f}")
+          f"footprint >= {args.footprint_mb} MiB, {args.blocks} blocks, load average {os.getloadavg()[0]:.2f}")
     if "smollm2" in args.tables:
         print_smollm2(batches, contexts, args)
     if "gemma3" in args.tables:
