@@ -61,19 +61,32 @@ static int run_attention(const Problem& P, int64_t T, int nthreads, int64_t part
     const int B = P.B, Hkv = P.Hkv, D = P.D, bs = P.bs;
     const int64_t *qsl = P.qsl, *seq_lens = P.seq_lens, bt_stride = P.bt_stride;
     if (qsl[0] != 0 || qsl[B] != T) return ERR_LENGTHS;
-    int64_t n_base = 0, n_heads = 0, total_ctx = 0;  // unsplit items, (query block, head) pairs, their keys
-    for (int i = 0; i < B; ++i) {
-        int64_t ql = qsl[i + 1] - qsl[i], sl = seq_lens[i];
-        if (ql < 0 || sl < ql || (ql > 0 && sl < 1)) return ERR_LENGTHS;
-        if ((sl + bs - 1) / bs > bt_stride) return ERR_TABLE_WIDTH;
-        int64_t span = P.window > 0 && P.window + ql - 1 < sl ? P.window + ql - 1 : sl;  // keys the queries see
-        for (int64_t j0 = 0; j0 < ql; j0 += P.qb) {
-            int64_t j1 = j0 + P.qb < ql ? j0 + P.qb : ql;
-            int nh = item_heads(P, heads_of, (int)(j1 - j0) * P.G), groups = (Hkv + nh - 1) / nh;
-            n_base += groups;
-            n_heads += Hkv;
-            total_ctx += span * groups;
+    int64_t n_base = 0, n_heads = 0, total_ctx = 0;  // unsplit items, (query block, head) pairs, keys they read
+    auto count = [&](ItemHeads heads) -> int {
+        n_base = n_heads = total_ctx = 0;
+        for (int i = 0; i < B; ++i) {
+            int64_t ql = qsl[i + 1] - qsl[i], sl = seq_lens[i];
+            if (ql < 0 || sl < ql || (ql > 0 && sl < 1)) return ERR_LENGTHS;
+            if ((sl + bs - 1) / bs > bt_stride) return ERR_TABLE_WIDTH;
+            int64_t span = P.window > 0 && P.window + ql - 1 < sl ? P.window + ql - 1 : sl;  // keys the queries see
+            for (int64_t j0 = 0; j0 < ql; j0 += P.qb) {
+                int64_t j1 = j0 + P.qb < ql ? j0 + P.qb : ql;
+                int nh = item_heads(P, heads, (int)(j1 - j0) * P.G), groups = (Hkv + nh - 1) / nh;
+                n_base += groups;
+                n_heads += Hkv;
+                total_ctx += span * groups;
+            }
         }
+        return OK;
+    };
+    int err = count(heads_of);
+    if (err != OK) return err;
+    // Items of several heads only where they alone keep every thread busy: a context split into partitions
+    // of several heads leaves fewer, longer items than one head per item (B = 1 x 1k, SmolLM2, 2 threads: 5
+    // against 15), and the threads finish unevenly.
+    if (heads_of && partition_size == 0 && n_base < 4 * (int64_t)nthreads) {
+        heads_of = nullptr;
+        count(heads_of);
     }
     int64_t part;
     if (partition_size > 0) part = (partition_size + TILE - 1) / TILE * TILE;
@@ -142,7 +155,7 @@ static int run_attention(const Problem& P, int64_t T, int nthreads, int64_t part
             },
             items);
 
-    int err = OK;
+    err = OK;
     int64_t total_cost = 0;
     for (int64_t k = 0; k < n_items; ++k) total_cost += items[k].cost;
     // Waking the other threads costs ~10 us (much more on a busy machine): small calls run on one thread.
