@@ -9,8 +9,8 @@
 // * the online softmax steps once per chunk of CHUNK_TILES tiles: the scores of the whole chunk come
 //   first, so the max, the exponentials and the P.V products of its tiles are independent work (one serial
 //   max/rescale step per 64 tokens, not per 16);
-// * K is prefetched into L1 PREFETCH_TILES tiles ahead, V as its tile's scores start; nothing into L2
-//   (see decode_tile);
+// * K is prefetched into L1 PREFETCH_TILES tiles ahead, V as its tile's scores start, and for an item of one
+//   KV head K and V into L2 L2_PREFETCH_TILES tiles ahead (see decode_tile);
 // * an item may hold several KV heads of its sequence (Item::nh): chunk by chunk, each head's tiles in turn
 //   with its own q, softmax state and output (AvxDecodeHead), so each block's rows of those heads, adjacent in
 //   the cache, are read in address order.
@@ -28,6 +28,7 @@
 #if KV8_FAST
 
 static const int CHUNK_TILES = 4;
+static const int L2_PREFETCH_TILES = 6;  // one-head items: measured 4..8 within noise, 0 slower by ~1.25x
 
 // Scores of R rows against the 16 rows of one tile starting at kb (row stride D * esize).
 template <int KV, int D, int R, bool QLO>
@@ -131,14 +132,16 @@ struct DecodeTile {
     __m512 kf, vs;
 };
 
-// The tile at t0, after its prefetches: K into L1 PREFETCH_TILES ahead, V of this tile into L1 now (its P.V
-// comes after the chunk's scores). No L2 prefetches further ahead: with an item reading its heads' rows of each
-// block in address order (Item::nh) the hardware prefetchers stream them, and software prefetches to L2 hold
-// the core's line-fill buffers too -- without them a decode call takes ~0.9 of the time (SmolLM2 B = 8 and 32 x
-// 1k, B = 1 x 4k, fp8 and bf16, both kernels; docs/benchmarks.md). ERR_BLOCK_ID for a block id outside the cache.
+// The tile at t0 of one head's item `it`, after its prefetches: K into L1 PREFETCH_TILES ahead, V of this tile
+// into L1 now (its P.V comes after the chunk's scores), and with l2 (the item reads one head) K and V into L2
+// L2_PREFETCH_TILES ahead. An item of several heads reads their rows of each block in address order, which
+// the hardware prefetchers stream; software prefetches to L2 would hold the core's line-fill buffers too
+// (without them such a call takes ~0.9 of the time: docs/benchmarks.md). ERR_BLOCK_ID for a block id outside
+// the cache.
 template <int RBYTES>
 static inline int decode_tile(const Problem& P, const Item& it, const int64_t* table, int64_t t0, float sfac,
-                              DecodeTile& T) {
+                              bool l2, DecodeTile& T) {
+    if (l2) prefetch_block_tile<RBYTES, true, true, true>(P, it, table, t0 + L2_PREFETCH_TILES * TILE);
     prefetch_block_tile<RBYTES, true, false, false>(P, it, table, t0 + PREFETCH_TILES * TILE);
     const int64_t blk = table[block_index(P, t0)];
     if ((uint64_t)blk >= (uint64_t)P.num_blocks) return ERR_BLOCK_ID;
@@ -239,7 +242,7 @@ static int run_item_decode(const Problem& P, const Item& item, float* ws) {
             for (int j = 0; j < nt; ++j) {
                 const int64_t t0 = c0 + j * TILE;
                 DecodeTile T;
-                if (decode_tile<RBYTES>(P, H.it, table, t0, H.sfac, T) != OK) return ERR_BLOCK_ID;
+                if (decode_tile<RBYTES>(P, H.it, table, t0, H.sfac, item.nh == 1, T) != OK) return ERR_BLOCK_ID;
                 const uint8_t* kb = T.k;
                 vb[j] = T.v;
                 vsv[j] = T.vs;

@@ -126,7 +126,8 @@ static int run_item_decode_amx(const Problem& P, const Item& item, float* ws) {
             __m512 kf[CT];
             for (int j = 0; j < nt; ++j) {
                 DecodeTile T;
-                if (decode_tile<RBYTES>(P, it, table, c0 + j * TILE, H.sfac, T) != OK) return ERR_BLOCK_ID;
+                if (decode_tile<RBYTES>(P, it, table, c0 + j * TILE, H.sfac, item.nh == 1, T) != OK)
+                    return ERR_BLOCK_ID;
                 const uint8_t* kb = T.k;
                 const int lead = T.lead, n = T.n;
                 have[j] = T.have;
