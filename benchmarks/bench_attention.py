@@ -36,7 +36,7 @@ the speed-up of AMX.
     .venv/bin/python benchmarks/bench_attention.py --kv8-only --batch 1 8 32 --context 4096  # kv8 only
     .venv/bin/python benchmarks/bench_attention.py --tables gemma3 --context 1024 4096 8192  # Gemma-3 rows only
     .venv/bin/python benchmarks/bench_attention.py --tables smollm2-prefill --threads 2  # SmolLM2 prefill rows
-    .venv/bin/python benchmarks/bench_attention.py --tables smollm2 --blocks contiguous  # each sequence's blocks in order
+    .venv/bin/python benchmarks/bench_attention.py --tables smollm2 --blocks contiguous  # blocks in address order
 """
 
 from __future__ import annotations
