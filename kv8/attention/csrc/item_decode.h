@@ -191,16 +191,40 @@ static inline float decode_weights(const __m512* s, const __mmask16* valid, cons
     return alpha;
 }
 
-// What one KV head of a decode item carries from chunk to chunk: its one-head item, q (prep_rows' slots, the
-// per-channel K scales folded in), score factor, the rows' running max and sum, and the output accumulators.
+// What one KV head of a decode item carries from chunk to chunk, in both decode kernels: its one-head item,
+// score factor, the rows' running max and sum, and the output accumulators (each kernel adds its form of q).
 template <int D, int R>
-struct AvxDecodeHead {
-    static constexpr int NS = D / 8;
+struct DecodeHeadState {
     Item it;
-    alignas(64) __m512i qhi[R * NS], qlo[R * NS];
     alignas(64) float obuf[R * D];
     float sfac, mx[R];
     __m512 sum[R];
+
+    // Head hd of `item`, nothing seen yet (sfac is the kernel's to set).
+    void start(const Item& item, int hd) {
+        it = head_item(item, hd, R, D);
+        for (int r = 0; r < R; ++r) {
+            mx[r] = -INFINITY;
+            sum[r] = _mm512_setzero_ps();
+        }
+        memset(obuf, 0, sizeof(obuf));
+    }
+
+    // The head's rows, finished (nat: D floats of scratch).
+    template <int KV>
+    void finish(const Problem& P, const Rows& w, float* nat, float* ws) const {
+        for (int r = 0; r < R; ++r) {
+            natural_order(KV, obuf + r * D, D, D, nat);
+            finish_row(P, it, w, r, nat, mx[r], _mm512_reduce_add_ps(sum[r]), ws);
+        }
+    }
+};
+
+// The AVX-512 kernel's head: q as prep_rows' slots (the per-channel K scales folded in).
+template <int D, int R>
+struct AvxDecodeHead : DecodeHeadState<D, R> {
+    static constexpr int NS = D / 8;
+    alignas(64) __m512i qhi[R * NS], qlo[R * NS];
 };
 
 template <int KV, int D, int R>
@@ -222,13 +246,8 @@ static int run_item_decode(const Problem& P, const Item& item, float* ws) {
     const bool kch = k_per_channel(P);
     for (int hd = 0; hd < item.nh; ++hd) {
         AvxDecodeHead<D, R>& H = heads[hd];
-        H.it = head_item(item, hd, R, D);
+        H.start(item, hd);
         H.sfac = prep_rows(P, H.it, w, kscale, H.qhi, H.qlo, lo, lim);
-        for (int r = 0; r < R; ++r) {
-            H.mx[r] = -INFINITY;
-            H.sum[r] = _mm512_setzero_ps();
-        }
-        memset(H.obuf, 0, sizeof(H.obuf));
     }
 
     const int64_t* table = item_table<RBYTES>(P, item);
@@ -264,13 +283,7 @@ static int run_item_decode(const Problem& P, const Item& item, float* ws) {
             chunk_pv_inplace<KV, D, R>(vb, nt, L, phi, H.obuf, alpha);
         }
     }
-    for (int hd = 0; hd < item.nh; ++hd) {
-        AvxDecodeHead<D, R>& H = heads[hd];
-        for (int r = 0; r < R; ++r) {
-            natural_order(KV, H.obuf + r * D, D, D, nat);
-            finish_row(P, H.it, w, r, nat, H.mx[r], _mm512_reduce_add_ps(H.sum[r]), ws);
-        }
-    }
+    for (int hd = 0; hd < item.nh; ++hd) heads[hd].template finish<KV>(P, w, nat, ws);
     return OK;
 }
 

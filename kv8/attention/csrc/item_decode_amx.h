@@ -54,16 +54,11 @@ struct DecodeTiles {
         _tile_stored(OT, cbuf + 16 * (g), D * 4);                             \
     } while (0)
 
-// What one KV head of an item carries from chunk to chunk: its one-head item, Q^T, score factor, the rows'
-// running max and sum, and the output accumulators.
+// The AMX kernel's head (DecodeHeadState, item_decode.h): q as Q^T.
 template <int D, int R>
-struct DecodeHead {
+struct DecodeHead : DecodeHeadState<D, R> {
     static constexpr int STEPS = D / 32;
-    Item it;
     alignas(64) uint32_t qt[STEPS * 16 * R];  // Q^T: step s, channel pair k, row r at (s * 16 + k) R + r
-    alignas(64) float obuf[R * D];
-    float sfac, mx[R];
-    __m512 sum[R];
 };
 
 template <int KV, int D, int R>
@@ -93,7 +88,7 @@ static int run_item_decode_amx(const Problem& P, const Item& item, float* ws) {
     }
     for (int hd = 0; hd < item.nh; ++hd) {
         DecodeHead<D, R>& H = heads[hd];
-        H.it = head_item(item, hd, R, D);
+        H.start(item, hd);
         for (int r = 0; r < R; ++r) {
             const int64_t src = ((w.qrow0 + r / P.G) * P.Hq + H.it.kvh * P.G + r % P.G) * (int64_t)D;
             const uint16_t* q = (const uint16_t*)P.q + src;
@@ -103,11 +98,8 @@ static int run_item_decode_amx(const Problem& P, const Item& item, float* ws) {
                     const int c = fp8 ? 64 * (s / 2) + 16 * (k / 4) + 8 * (s % 2) + 2 * (k % 4) : 32 * s + 2 * k;
                     memcpy(H.qt + (s * 16 + k) * R + r, q + c, 4);  // bf16 channels c, c + 1
                 }
-            H.mx[r] = -INFINITY;
-            H.sum[r] = _mm512_setzero_ps();
         }
         H.sfac = P.sm_scale * k_head_scale(P, H.it.kvh);
-        memset(H.obuf, 0, sizeof(H.obuf));
     }
     const __m512i gather_rows = _mm512_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28, 32, 36, 40, 44, 48, 52, 56, 60);
 
@@ -230,13 +222,7 @@ static int run_item_decode_amx(const Problem& P, const Item& item, float* ws) {
             }
         }
     }
-    for (int hd = 0; hd < item.nh; ++hd) {
-        DecodeHead<D, R>& H = heads[hd];
-        for (int r = 0; r < R; ++r) {
-            natural_order(KV, H.obuf + r * D, D, D, nat);
-            finish_row(P, H.it, w, r, nat, H.mx[r], _mm512_reduce_add_ps(H.sum[r]), ws);
-        }
-    }
+    for (int hd = 0; hd < item.nh; ++hd) heads[hd].template finish<KV>(P, w, nat, ws);
     return OK;
 }
 #undef KV8_PV_GROUP

@@ -101,7 +101,7 @@ static inline Item head_item(const Item& it, int h, int rows, int D) {
 
 typedef int (*ItemFn)(const Problem&, const Item&, float*);  // runs one item; 0 or an error code
 // How many KV heads (1 .. MAX_ITEM_HEADS) one item of `rows` rows may take: more than 1 only where the kernel
-// that serves such items reads several heads (the AMX decode kernel).
+// that serves such items reads several heads (the decode kernels).
 typedef int (*ItemHeads)(const Problem&, int rows);
 
 struct Scratch {  // per thread, grows, never shrinks
