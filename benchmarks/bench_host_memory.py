@@ -1,13 +1,23 @@
-"""kv8's prefill with its glibc malloc settings (:mod:`kv8.host_memory`) against glibc's defaults, side by side.
+"""kv8's host-memory settings (:mod:`kv8.host_memory`) against their absence, side by side in one run.
 
-Each setting runs in its own worker process (the settings are process-wide): ``tuned`` as kv8 starts, and
-``default`` with ``GLIBC_TUNABLES=glibc.malloc.tcache_count=7`` (glibc's default value: a user's glibc setting,
-so kv8 leaves malloc alone). Each worker builds SmolLM2-135M with an FP8 cache, then prefills B prompts of P
-random tokens (``max_tokens=1``) as often as asked; the workers alternate, and the table gives each one's best
-time, its minor page faults (``getrusage``) in that prefill, and the ratio.
+``--compare malloc`` (default): kv8's glibc malloc settings against glibc's defaults, on prefill. Each setting runs
+in its own worker process (the settings are process-wide): ``tuned`` as kv8 starts, and ``default`` with
+``GLIBC_TUNABLES=glibc.malloc.tcache_count=7`` (glibc's default value: a user's glibc setting, so kv8 leaves malloc
+alone). Each worker builds SmolLM2-135M with an FP8 cache, then prefills B prompts of P random tokens
+(``max_tokens=1``) as often as asked; the workers alternate, and the table gives each one's best time, its minor
+page faults (``getrusage``) in that prefill, and the ratio.
+
+``--compare pages``: the weights and the KV cache in memory advised for 2 MiB pages (as kv8 allocates them)
+against copies of them on ordinary pages, on decode steps of one engine in this process: B prompts of P random
+tokens are prefilled, then groups of ``--steps`` decode steps alternate between the two (every parameter, buffer
+and cache tensor swapped with ``.data``, the cache's contents carried over; two untimed steps after each swap),
+``--rounds`` groups each. Prints the median step time of each, their ratio, and how many bytes of each the
+kernel backs with huge pages (the copies must have none: with transparent huge pages ``always`` the comparison
+says nothing). ``--quantization fp8``: FP8 weights.
 
     .venv/bin/python benchmarks/bench_host_memory.py                      # B = 1, 8, 32 x 1,024, 3 rounds
     .venv/bin/python benchmarks/bench_host_memory.py --batches 8 --rounds 5
+    .venv/bin/python benchmarks/bench_host_memory.py --compare pages --batches 1,8,32 --rounds 12
 """
 
 from __future__ import annotations
@@ -16,6 +26,7 @@ import argparse
 import json
 import random
 import resource
+import statistics
 import subprocess
 import sys
 import time
@@ -53,11 +64,77 @@ def worker(max_batch: int, prompt: int) -> None:
               flush=True)
 
 
+def compare_pages(batches: list[int], prompt: int, steps: int, rounds: int, quantization: str | None) -> None:
+    """The ``--compare pages`` run (see the module docstring)."""
+    import torch
+
+    from kv8 import LLM, SamplingParams
+    from kv8.host_memory import huge_page_bytes
+
+    torch.set_num_threads(2)
+    new = 2 + rounds * 2 * (steps + 2)   # every sequence decodes through all the groups
+    llm = LLM(kv_cache_dtype="fp8_e4m3", max_model_len=prompt + new + 16, max_num_seqs=max(batches),
+              num_kv_blocks=max(batches) * -(-(prompt + new + 16) // 16) + 4, max_num_batched_tokens=2048,
+              enable_prefix_caching=False, quantization=quantization)
+    eng = llm.engine
+    model, caches = eng.runner.model, eng.runner.caches
+    tensors = [t for t in [*model.parameters(), *model.buffers()] if t.numel()]
+
+    def plain_copy(t: torch.Tensor) -> torch.Tensor:
+        return torch.empty(t.shape, dtype=t.dtype).copy_(t)
+
+    sets = {"2MiB": ([t.data for t in tensors], [c.data for c in caches]),
+            "4KiB": ([plain_copy(t.data) for t in tensors], [plain_copy(c.data) for c in caches])}
+    def use(name: str) -> None:
+        ts, cs = sets[name]
+        for t, data in zip(tensors, ts):
+            t.data = data
+        for cache, data in zip(caches, cs):
+            if cache.data.data_ptr() != data.data_ptr():
+                data.copy_(cache.data)
+                cache.data = data
+
+    print(f"\n{'decode':>14} {'2MiB ms':>9} {'4KiB ms':>9} {'4KiB/2MiB':>10}   ({rounds} groups of {steps} steps each, "
+          "medians)")
+    params = SamplingParams(temperature=0, max_tokens=new, ignore_eos=True)
+    for batch in batches:
+        rng = random.Random(batch)
+        for i in range(batch):
+            eng.add_request([rng.randrange(100, 40000) for _ in range(prompt)], params, request_id=f"{batch}-{i}")
+        requests = list(eng.scheduler.waiting)
+        while not all(r.output_token_ids for r in requests):
+            eng.step()
+        times: dict[str, list[float]] = {name: [] for name in sets}
+        for r in range(rounds):
+            for name in (list(sets) if r % 2 == 0 else list(reversed(sets))):
+                use(name)
+                eng.step()
+                eng.step()
+                start = time.perf_counter()
+                for _ in range(steps):
+                    eng.step()
+                times[name].append((time.perf_counter() - start) / steps)
+        for rid in [r.request_id for r in requests]:
+            eng.abort_request(rid)
+        use("2MiB")
+        huge, small = (statistics.median(times[n]) * 1e3 for n in ("2MiB", "4KiB"))
+        print(f"{batch:>3} x {prompt:<8} {huge:>9.2f} {small:>9.2f} {small / huge:>10.3f}")
+    for name, (ts, cs) in sets.items():
+        weights, cache = (sum(huge_page_bytes(t.data_ptr()) or 0 for t in group) / 2**20 for group in (ts[:1], cs))
+        print(f"{name}: huge pages backing the weights' mapping {weights:.0f} MiB, the KV cache's {cache:.0f} MiB")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--compare", choices=["malloc", "pages"], default="malloc",
+                    help="malloc: glibc settings on prefill (default); pages: 2 MiB vs 4 KiB pages on decode")
     ap.add_argument("--batches", default="1,8,32", help="comma-separated batch sizes (default 1,8,32)")
     ap.add_argument("--prompt", type=int, default=1024, help="prompt tokens per sequence (default 1024)")
-    ap.add_argument("--rounds", type=int, default=3, help="prefills per batch size and setting (default 3)")
+    ap.add_argument("--rounds", type=int, default=3,
+                    help="prefills (malloc) or groups of decode steps (pages) per batch size and setting (default 3)")
+    ap.add_argument("--steps", type=int, default=12, help="decode steps per group with --compare pages (default 12)")
+    ap.add_argument("--quantization", choices=["fp8"], help="--compare pages: the weights' quantization (default: as "
+                    "loaded)")
     ap.add_argument("--worker", nargs=2, type=int, metavar=("MAX_BATCH", "PROMPT"), help=argparse.SUPPRESS)
     ns = ap.parse_args()
     if ns.worker:
@@ -69,8 +146,11 @@ def main() -> None:
         ap.error(f"--batches takes comma-separated positive integers, got {ns.batches!r}")
     if not batches or min(batches) <= 0:
         ap.error(f"--batches takes comma-separated positive integers, got {ns.batches!r}")
-    if ns.prompt <= 0 or ns.rounds <= 0:
-        ap.error(f"--prompt and --rounds must be positive, got {ns.prompt} and {ns.rounds}")
+    if ns.prompt <= 0 or ns.rounds <= 0 or ns.steps <= 0:
+        ap.error(f"--prompt, --rounds and --steps must be positive, got {ns.prompt}, {ns.rounds} and {ns.steps}")
+    if ns.compare == "pages":
+        compare_pages(batches, ns.prompt, ns.steps, ns.rounds, ns.quantization)
+        return
     clean = without_malloc_settings()
     procs = {}
     for name, extra in SETTINGS.items():

@@ -8,6 +8,7 @@
 | ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT`` | set by torchrun: this process is one TP rank |
 | ``RAY_ADDRESS`` | the Ray cluster of ``kv8 serve --data-parallel-backend ray`` when ``--ray-address`` is not given |
 | ``GLIBC_TUNABLES``, ``MALLOC_*_`` | glibc's malloc settings: where set, kv8 keeps them (:mod:`kv8.host_memory`) |
+| ``KV8_HUGE_PAGES`` | ``1`` (default): the weights and the KV cache ask for 2 MiB pages; ``0``: ordinary pages |
 """
 
 from __future__ import annotations
@@ -63,3 +64,14 @@ def without_malloc_settings() -> dict[str, str]:
     """This process's environment without glibc's malloc variables (``GLIBC_TUNABLES``, ``MALLOC_*``): a process
     started with it gets kv8's own malloc settings (:func:`user_malloc_setting` finds none there)."""
     return {k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES" and not k.startswith("MALLOC_")}
+
+
+HUGE_PAGES_ENV = "KV8_HUGE_PAGES"
+
+
+def huge_pages() -> bool:
+    """``$KV8_HUGE_PAGES``: ``1`` or unset/empty (True), ``0`` (False); any other value is a ValueError."""
+    value = os.environ.get(HUGE_PAGES_ENV, "").strip()
+    if value not in ("", "0", "1"):
+        raise ValueError(f"{HUGE_PAGES_ENV}={value!r} is not one of: 0 (ordinary pages), 1 (2 MiB pages, the default)")
+    return value != "0"

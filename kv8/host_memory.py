@@ -17,6 +17,17 @@ memory, which ``max_num_batched_tokens`` bounds.
 Invariants: it changes nothing where the C library is not glibc, nor where the user chose glibc's malloc
 settings (``GLIBC_TUNABLES`` naming ``glibc.malloc``, or any ``MALLOC_*_`` variable): an explicit setting wins.
 It runs at most once per process and never raises; :func:`tune_malloc` says what it did.
+
+Huge pages for the weights and the KV cache. Why: a decode step streams every weight and, per layer, the KV cache
+of every running sequence -- hundreds of MB on 4 KiB pages, i.e. a TLB miss and a page walk (two-dimensional in
+a virtual machine) every 4 KiB, which the kernels' software prefetches wait on. :func:`huge_page_empty` maps
+such memory itself (anonymous ``mmap``, 2 MiB aligned) and asks the kernel to back it with transparent huge
+pages (``madvise(MADV_HUGEPAGE)``, which Linux honours where ``/sys/kernel/mm/transparent_hugepage/enabled`` is
+``always`` or ``madvise``); :func:`place_on_huge_pages` moves a loaded model's parameters and buffers into one
+such region. Measured with SmolLM2-135M and an FP8 cache (docs/benchmarks.md, "Host memory: 2 MiB pages"): decode
+steps of 1, 8 and 32 sequences x 1,024 tokens 1.02-1.09x faster than with the same tensors on 4 KiB pages.
+``KV8_HUGE_PAGES=0`` keeps ordinary allocations. Pages are still faulted in on first touch, so an unused
+cache budget costs no resident memory; the content and the layout of every tensor are unchanged.
 """
 
 from __future__ import annotations
@@ -24,13 +35,20 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
+import math
+import mmap
 import platform
+from collections.abc import Sequence
+
+import torch
+from torch import nn
 
 from kv8 import envs
 
 logger = logging.getLogger("kv8")
 
-__all__ = ["MMAP_THRESHOLD", "TRIM_THRESHOLD", "tune_malloc"]
+__all__ = ["HUGE_PAGE", "MMAP_THRESHOLD", "TRIM_THRESHOLD", "huge_page_bytes", "huge_page_empty", "place_on_huge_pages",
+           "tune_malloc"]
 
 M_TRIM_THRESHOLD = -1   # glibc's mallopt parameter numbers (malloc.h)
 M_MMAP_THRESHOLD = -3
@@ -56,3 +74,70 @@ def tune_malloc() -> str:
         logger.warning("kv8: glibc's mallopt refused the allocator settings; activations are allocated as before")
         return "refused"
     return "set"
+
+
+HUGE_PAGE = 2 << 20   # bytes: x86-64's transparent huge page
+_ALIGN = 64           # bytes: each tensor's start within a region placed by place_on_huge_pages
+
+
+def huge_page_empty(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+    """``torch.empty(shape, dtype=dtype)`` (contiguous, contents undefined), starting on a 2 MiB boundary of an
+    anonymous mapping advised ``MADV_HUGEPAGE`` when it is at least one huge page and ``KV8_HUGE_PAGES`` allows;
+    otherwise a plain ``torch.empty``. The mapping lives as long as the tensor or any view of it."""
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    if nbytes < HUGE_PAGE or not envs.huge_pages() or not hasattr(mmap, "MADV_HUGEPAGE"):
+        return torch.empty(tuple(shape), dtype=dtype)
+    region = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    raw = torch.frombuffer(region, dtype=torch.uint8)   # keeps `region` alive
+    start = -raw.data_ptr() % HUGE_PAGE
+    try:
+        region.madvise(mmap.MADV_HUGEPAGE, start, nbytes)
+    except OSError as exc:   # a kernel without transparent huge pages: the mapping still serves, on 4 KiB pages
+        logger.debug("kv8: madvise(MADV_HUGEPAGE) refused (%s); ordinary pages", exc)
+    return raw[start:start + nbytes].view(dtype).view(tuple(shape))
+
+
+def place_on_huge_pages(module: nn.Module) -> int:
+    """Move ``module``'s parameters and buffers into one :func:`huge_page_empty` region (each at a 64-byte
+    boundary, contents and shapes unchanged, the same tensor objects: ``.data`` is swapped, so tied parameters stay
+    tied); returns the bytes moved (0 when ``KV8_HUGE_PAGES=0`` or they are less than one huge page). Tensors that
+    share storage with another tensor, or are views into a larger one, stay where they are."""
+    if not envs.huge_pages():
+        return 0
+    owners: dict[int, list[torch.Tensor]] = {}
+    for t in list(module.parameters()) + list(module.buffers()):
+        if t.device.type == "cpu" and not t.is_meta and t.numel():
+            owners.setdefault(t.untyped_storage().data_ptr(), []).append(t)
+    movable = [ts[0] for ts in owners.values()
+               if len(ts) == 1 and ts[0].is_contiguous() and ts[0].storage_offset() == 0
+               and ts[0].untyped_storage().nbytes() == ts[0].numel() * ts[0].element_size()]
+    sizes = [-(-t.numel() * t.element_size() // _ALIGN) * _ALIGN for t in movable]
+    if sum(sizes) < HUGE_PAGE:
+        return 0
+    region = huge_page_empty((sum(sizes),), torch.uint8)
+    offset = 0
+    for t, size in zip(movable, sizes):
+        view = region[offset:offset + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
+        view.copy_(t)
+        t.data = view
+        offset += size
+    return offset
+
+
+def huge_page_bytes(address: int) -> int | None:
+    """Bytes of the mapping that holds ``address`` that the kernel backs with transparent huge pages now
+    (``AnonHugePages`` of ``/proc/self/smaps``); None where that file is unreadable or no mapping holds it. Pages
+    are granted as they are first touched."""
+    try:
+        with open("/proc/self/smaps") as f:
+            inside = False
+            for line in f:
+                head = line.split(None, 1)[0]
+                if "-" in head and not head.endswith(":"):   # a mapping's first line: "start-end perms ..."
+                    lo, hi = (int(x, 16) for x in head.split("-"))
+                    inside = lo <= address < hi
+                elif inside and head == "AnonHugePages:":
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError):
+        return None
+    return None

@@ -1,18 +1,28 @@
 """kv8.host_memory: freed activations are reused (no fresh page faults per step) once an engine process tunes glibc's
-malloc, and an explicit user setting is left alone. Each case runs in its own interpreter: the settings are
-process-wide."""
+malloc, and an explicit user setting is left alone (each case in its own interpreter: the settings are
+process-wide). The weights and the KV cache sit in memory advised for 2 MiB pages, which the kernel grants where
+transparent huge pages are enabled, with contents, shapes and tied parameters unchanged."""
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import platform
+import re
 import subprocess
 import sys
 
 import pytest
+import torch
+from torch import nn
 
 from kv8 import envs
+from kv8.cache.codec import KVCodec
+from kv8.cache.paged_cache import CacheShape, PagedKVCache
+from kv8.host_memory import HUGE_PAGE, huge_page_bytes, huge_page_empty, place_on_huge_pages
+from kv8.quant.formats import resolve_kv_cache_dtype
+from kv8.quant.scales import KVScales
 
 pytestmark = pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="the settings are glibc's")
 
@@ -78,9 +88,117 @@ def test_engine_process_is_tuned(tiny_llama):
 
 
 @pytest.mark.parametrize("args, needle", [(["--batches", "8,x"], "--batches"), (["--batches", "0"], "--batches"),
-                                          (["--rounds", "0"], "--rounds")])
+                                          (["--rounds", "0"], "--rounds"),
+                                          (["--compare", "pages", "--steps", "0"], "--steps"),
+                                          (["--compare", "swap"], "--compare")])
 def test_bench_host_memory_rejects_bad_arguments(args, needle):
     bench = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks",
                          "bench_host_memory.py")
     out = subprocess.run([sys.executable, bench, *args], capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and needle in out.stderr, out.stderr
+
+
+def thp_mode() -> str | None:
+    """The kernel's transparent-huge-page mode (always / madvise / never), None where it has none."""
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            found = re.search(r"\[(\w+)\]", f.read())
+    except OSError:
+        return None
+    return found.group(1) if found else None
+
+
+@pytest.fixture
+def huge_pages_on(monkeypatch):
+    monkeypatch.delenv(envs.HUGE_PAGES_ENV, raising=False)
+
+
+def test_huge_page_empty_is_aligned_and_granted_huge_pages(huge_pages_on):
+    t = huge_page_empty((3, 1 << 20), torch.bfloat16)
+    assert (t.shape, t.dtype, t.is_contiguous()) == ((3, 1 << 20), torch.bfloat16, True)
+    assert t.data_ptr() % HUGE_PAGE == 0
+    assert huge_page_bytes(t.data_ptr()) == 0   # nothing touched yet: no resident memory
+    t.fill_(2.0)
+    granted = huge_page_bytes(t.data_ptr())
+    if thp_mode() in ("always", "madvise"):
+        assert granted is not None and granted >= HUGE_PAGE, granted
+    else:
+        assert not granted
+    row = t[2]
+    del t
+    gc.collect()
+    assert row.float().sum().item() == 2.0 * (1 << 20)   # a view keeps the mapping alive
+
+
+def test_huge_pages_off_and_small_tensors_are_plain(monkeypatch):
+    monkeypatch.setenv(envs.HUGE_PAGES_ENV, "0")
+    off = huge_page_empty((4 << 20,), torch.uint8).fill_(1)
+    if thp_mode() == "madvise":   # nothing else asks for huge pages in this mode
+        assert huge_page_bytes(off.data_ptr()) == 0
+    monkeypatch.delenv(envs.HUGE_PAGES_ENV)
+    small = huge_page_empty((1000, 3), torch.float32)
+    assert (small.shape, small.dtype, small.is_contiguous()) == ((1000, 3), torch.float32, True)
+    assert huge_page_empty((0, 5), torch.bfloat16).shape == (0, 5)
+
+
+@pytest.mark.parametrize("value", ["yes", "2", "true"])
+def test_bad_huge_pages_value_is_refused(monkeypatch, value):
+    monkeypatch.setenv(envs.HUGE_PAGES_ENV, value)
+    with pytest.raises(ValueError, match=rf"KV8_HUGE_PAGES='{value}' is not one of: 0 .*, 1 "):
+        huge_page_empty((4 << 20,), torch.uint8)
+
+
+class _Tied(nn.Module):
+    """Parameters over one huge page, a tied pair, a buffer, and two buffers that are views of one storage."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = nn.Linear(512, 1024)            # 2 MiB of float32 weight
+        self.down = nn.Linear(1024, 512, bias=False)
+        self.head = nn.Linear(1024, 512, bias=False)
+        self.head.weight = self.down.weight       # tied: one Parameter in two modules
+        self.register_buffer("steps", torch.arange(1000, dtype=torch.float64))
+        shared = torch.arange(200.0)
+        self.register_buffer("lo", shared[:100])
+        self.register_buffer("hi", shared[100:])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.up(x)) + self.down(self.up(x))
+
+
+def test_place_on_huge_pages_moves_tensors_and_keeps_ties(huge_pages_on):
+    torch.manual_seed(0)
+    m = _Tied()
+    x = torch.randn(3, 512)
+    want = m(x)
+    before = {name: t.clone() for name, t in [*m.named_parameters(), *m.named_buffers()]}
+    views = (m.lo.data_ptr(), m.hi.data_ptr())
+    moved = place_on_huge_pages(m)
+    sizes = [-(-t.numel() * t.element_size() // 64) * 64 for t in (m.up.weight, m.up.bias, m.down.weight, m.steps)]
+    assert moved == sum(sizes)
+    starts = [t.data_ptr() for t in (m.up.weight, m.up.bias, m.down.weight, m.steps)]
+    base = min(starts)
+    assert base % HUGE_PAGE == 0 and all(base <= p < base + moved for p in starts)
+    assert m.head.weight is m.down.weight
+    assert (m.lo.data_ptr(), m.hi.data_ptr()) == views   # views of a larger storage stay where they are
+    for name, t in [*m.named_parameters(), *m.named_buffers()]:
+        assert torch.equal(t, before[name]), name
+    assert torch.equal(m(x), want)
+
+
+def test_place_on_huge_pages_leaves_small_modules_and_off(monkeypatch):
+    monkeypatch.delenv(envs.HUGE_PAGES_ENV, raising=False)
+    assert place_on_huge_pages(nn.Linear(64, 64)) == 0   # under one huge page: not worth a mapping
+    monkeypatch.setenv(envs.HUGE_PAGES_ENV, "0")
+    m = _Tied()
+    ptr = m.up.weight.data_ptr()
+    assert place_on_huge_pages(m) == 0 and m.up.weight.data_ptr() == ptr
+
+
+@pytest.mark.parametrize("kv", ["fp8_e4m3", "bfloat16"])
+def test_kv_cache_starts_on_a_huge_page(huge_pages_on, kv):
+    dtype = resolve_kv_cache_dtype(kv, torch.bfloat16)
+    codec = KVCodec.build(dtype, 64, scales=KVScales.default(2) if dtype.is_fp8 else None)
+    cache = PagedKVCache(CacheShape(2, 512, 4, 16, 64), codec)   # 8 or 16 MiB
+    assert cache.data.data_ptr() % HUGE_PAGE == 0 and cache.data.is_contiguous()
+    assert cache.data.shape == (2, 2, 512, 4, 16, 64)

@@ -6,7 +6,9 @@ import os
 
 import pytest
 
-from kv8 import LLM, SamplingParams
+from kv8 import LLM, SamplingParams, envs
+from kv8.host_memory import HUGE_PAGE, huge_page_bytes
+from tests.test_host_memory import thp_mode
 
 pytestmark = pytest.mark.slow  # every test here runs the real SmolLM2-135M
 
@@ -22,6 +24,23 @@ def test_capital_of_france_is_paris(kv):
     assert "Paris" in text, text
     kv_mgr = llm.engine.kv_manager
     assert kv_mgr.num_free_blocks == kv_mgr.num_blocks
+
+
+def test_weights_and_kv_cache_on_huge_pages(monkeypatch):
+    monkeypatch.delenv(envs.HUGE_PAGES_ENV, raising=False)
+    llm = LLM(model="smollm2-135m", kv_cache_dtype="fp8", kv_cache_memory="64MiB", max_model_len=1024)
+    assert "Paris" in llm.generate("The capital of France is", GREEDY)[0].outputs[0].text
+    model = llm.engine.runner.model
+    tensors = [t for t in [*model.parameters(), *model.buffers()] if t.numel()]
+    base = min(t.data_ptr() for t in tensors)
+    end = max(t.data_ptr() + t.numel() * t.element_size() for t in tensors)
+    nbytes = sum(t.numel() * t.element_size() for t in tensors)
+    assert base % HUGE_PAGE == 0 and end - base < nbytes + 64 * len(tensors)   # one region, packed
+    cache = llm.engine.runner.caches[0].data
+    assert cache.data_ptr() % HUGE_PAGE == 0
+    if thp_mode() in ("always", "madvise"):
+        assert huge_page_bytes(base) >= nbytes // 2   # granted as the weights were copied in
+        assert huge_page_bytes(cache.data_ptr()) >= HUGE_PAGE   # the prompt's blocks were written
 
 
 def test_chat_and_issue_example():

@@ -36,6 +36,7 @@ from torch import nn
 from kv8.config import ModelArchConfig
 from kv8.distributed.group import SINGLE_RANK, TPGroup
 from kv8.distributed.shard import building_shard
+from kv8.host_memory import place_on_huge_pages
 from kv8.layers.dense_kernels import select_dense_backend
 from kv8.models.registry import CausalLM, model_class
 from kv8.quant.scale_sources import is_kv_scale_name
@@ -232,8 +233,10 @@ def load_model(kind: str, path: str, dtype: torch.dtype, dense_backend: str = "t
         if process is not None:
             process()
     model.eval()
+    huge = place_on_huge_pages(model)   # a decode step streams every weight: 2 MiB pages (kv8.host_memory)
     seconds = time.perf_counter() - start
-    logger.info("loaded %s (%s, %d layers, dense backend %s%s%s) in %.1f s", path, arch.model_type, arch.num_layers,
-                backend.name, f", {backend.quantization} weights" if backend.quantization else "",
-                f", tensor-parallel rank {tp.rank} of {tp.size}" if tp.size > 1 else "", seconds)
+    logger.info("loaded %s (%s, %d layers, dense backend %s%s%s%s) in %.1f s", path, arch.model_type,
+                arch.num_layers, backend.name, f", {backend.quantization} weights" if backend.quantization else "",
+                f", tensor-parallel rank {tp.rank} of {tp.size}" if tp.size > 1 else "",
+                f", {huge / 2**20:.0f} MiB of weights in memory advised for 2 MiB pages" if huge else "", seconds)
     return LoadedModel(model, arch, hf_config, scale_tensors, seconds, backend.name)
