@@ -6,10 +6,95 @@
 // channel). FP8 with dynamic scales: each (token, head) gets scale amax|x| / max_finite (1.0 when that is 0
 // or not finite), written beside its codes. 16/32-bit caches store the value converted (round to nearest
 // even). Bit-exact with kv8.cache.paged_cache.PagedKVCache.store, NaN rule included (common.h).
+//
+// Where the fast path is compiled, FP8 rows (D a multiple of 16; dynamic scales, or static ones with a channel
+// stride of 0 or 1) are encoded 16 values at a time by fp8_encode16, which gives fp8_encode's bits (the tests
+// sweep every float32 sign/exponent/high-mantissa pattern against the reference). A step's rows land one per
+// block, scattered over the cache: each row's lines are prefetched for writing STORE_PREFETCH_ROWS rows ahead, so
+// their misses overlap instead of stalling the stores one row at a time.
 #pragma once
 
 #include "common.h"
 #include "abi.h"
+
+#if KV8_FAST
+// fp8_encode<FMT> of 16 values at once, bit for bit (round to nearest even -- the subnormal range by the default
+// rounding of the conversion, as nearbyintf -- saturation, the NaN codes and the sign rules).
+template <int FMT>
+static inline __m128i fp8_encode16(__m512 x) {
+    constexpr int MB = FMT == KV_E5M2 ? 2 : 3, BIAS = FMT == KV_E4M3 ? 7 : (FMT == KV_E4M3FNUZ ? 8 : 15);
+    constexpr int SHIFT = 23 - MB;
+    const float maxf = FMT == KV_E4M3 ? 448.0f : (FMT == KV_E4M3FNUZ ? 240.0f : 57344.0f);
+    const __m512i b = _mm512_castps_si512(x);
+    const __m512i absb = _mm512_and_si512(b, _mm512_set1_epi32(0x7fffffff));
+    const __mmask16 nan = _mm512_cmpgt_epi32_mask(absb, _mm512_set1_epi32(0x7f800000));
+    const __mmask16 neg = _mm512_cmplt_epi32_mask(b, _mm512_setzero_si512());
+    const __m512 a = _mm512_min_ps(_mm512_castsi512_ps(absb), _mm512_set1_ps(maxf));   // NaN lanes: replaced below
+    const __mmask16 sub = _mm512_cmp_ps_mask(a, _mm512_set1_ps(ldexpf(1.0f, 1 - BIAS)), _CMP_LT_OQ);
+    const __m512i code_sub = _mm512_cvt_roundps_epi32(_mm512_mul_ps(a, _mm512_set1_ps(ldexpf(1.0f, BIAS - 1 + MB))),
+                                                      _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512i ab = _mm512_castps_si512(a);
+    ab = _mm512_add_epi32(ab, _mm512_add_epi32(_mm512_set1_epi32((1 << (SHIFT - 1)) - 1),
+                                               _mm512_and_si512(_mm512_srli_epi32(ab, SHIFT), _mm512_set1_epi32(1))));
+    const __m512i e = _mm512_sub_epi32(_mm512_srli_epi32(ab, 23), _mm512_set1_epi32(127 - BIAS));
+    __m512i code = _mm512_or_si512(_mm512_slli_epi32(e, MB),
+                                   _mm512_and_si512(_mm512_srli_epi32(ab, SHIFT), _mm512_set1_epi32((1 << MB) - 1)));
+    code = _mm512_mask_mov_epi32(code, sub, code_sub);
+    const __mmask16 signed_ = FMT == KV_E4M3FNUZ ? (__mmask16)(neg & _mm512_test_epi32_mask(code, code)) : neg;
+    code = _mm512_mask_or_epi32(code, signed_, code, _mm512_set1_epi32(0x80));
+    const __m512i nan_code = FMT == KV_E4M3FNUZ ? _mm512_set1_epi32(0x80)
+        : _mm512_mask_blend_epi32(neg, _mm512_set1_epi32(FMT == KV_E4M3 ? 0x7f : 0x7e),
+                                  _mm512_set1_epi32(FMT == KV_E4M3 ? 0xff : 0xfe));
+    return _mm512_cvtepi32_epi8(_mm512_mask_mov_epi32(code, nan, nan_code));
+}
+
+// 16 values of src (in_dtype) from element i, as float (exact).
+static inline __m512 load16_f(const void* src, int in_dtype, int64_t i) {
+    if (in_dtype == DT_BF16)
+        return _mm512_castsi512_ps(_mm512_slli_epi32(
+            _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)((const uint16_t*)src + i))), 16));
+    if (in_dtype == DT_F16) return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)((const uint16_t*)src + i)));
+    return _mm512_loadu_ps((const float*)src + i);
+}
+
+// One (token, head) row of D values (D % 16 == 0) into FP8 codes at dst: divided by its scales sc[d * ds] (ds 0
+// or 1), or by a dynamic scale it gets from its amax (written to *token_scale); the scalar loop's arithmetic.
+template <int FMT>
+static inline void store_row_fp8(const void* src, int in_dtype, int64_t s0, int D, const float* sc, int64_t ds,
+                                 float* token_scale, float maxf, uint8_t* dst) {
+    if (token_scale) {
+        __m512 amax = _mm512_setzero_ps();
+        __mmask16 nan = 0;
+        for (int d = 0; d < D; d += 16) {
+            const __m512 a = _mm512_abs_ps(load16_f(src, in_dtype, s0 + d));
+            nan |= _mm512_cmp_ps_mask(a, a, _CMP_UNORD_Q);
+            amax = _mm512_max_ps(a, amax);   // a NaN lane keeps amax (and sets nan)
+        }
+        float sc1 = _mm512_reduce_max_ps(amax) / maxf;
+        if (nan || !(sc1 > 0.0f) || sc1 == INFINITY) sc1 = 1.0f;
+        *token_scale = sc1;
+        const __m512 s = _mm512_set1_ps(sc1);
+        for (int d = 0; d < D; d += 16)
+            _mm_storeu_si128((__m128i*)(dst + d), fp8_encode16<FMT>(_mm512_div_ps(load16_f(src, in_dtype, s0 + d), s)));
+        return;
+    }
+    for (int d = 0; d < D; d += 16) {
+        const __m512 s = ds ? _mm512_loadu_ps(sc + d) : _mm512_set1_ps(sc[0]);
+        _mm_storeu_si128((__m128i*)(dst + d), fp8_encode16<FMT>(_mm512_div_ps(load16_f(src, in_dtype, s0 + d), s)));
+    }
+}
+#endif
+
+static const int STORE_PREFETCH_ROWS = 8;  // rows ahead whose cache lines are prefetched for writing
+
+// A prefetch for writing (prefetchw where the target has it, else into L1) that the optimizer cannot delete.
+static inline void prefetch_for_write(const void* p) {
+#if defined(__PRFCHW__)
+    asm volatile("prefetchw %0" : : "m"(*(const char*)p));
+#else
+    asm volatile("prefetcht0 %0" : : "m"(*(const char*)p));
+#endif
+}
 
 static int run_store(const kv8_layer& L, const kv8_store_call& C) {
     const int64_t T = C.num_tokens, num_blocks = L.num_blocks;
@@ -33,12 +118,22 @@ static int run_store(const kv8_layer& L, const kv8_store_call& C) {
     const int es = esize_of(kv);
     const int64_t work = T * H * D;
     int nt = work >= 65536 ? nthreads : 1;
+    auto row_dst = [&](int64_t th) {   // row th (K rows, then V rows; token-major, head-minor): its first byte
+        const int which = (int)(th / (T * H));
+        const int64_t slot = slots[(th % (T * H)) / H];
+        return (uint8_t*)(which ? v_cache : k_cache) +
+               (((slot / bs * H + th % H) * bs + slot % bs) * D) * (int64_t)es;
+    };
 #pragma omp parallel num_threads(nt)
     {
         FpEnv env;
         float* buf = (float*)tl_scratch.get((size_t)D * 4);
 #pragma omp for schedule(static)
         for (int64_t th = 0; th < 2 * T * H; ++th) {
+            if (th + STORE_PREFETCH_ROWS < 2 * T * H) {   // the rows' cache lines are scattered (one per block):
+                const uint8_t* ahead = row_dst(th + STORE_PREFETCH_ROWS);   // their misses overlap this way
+                for (int64_t b = 0; b < (int64_t)D * es; b += 64) prefetch_for_write(ahead + b);
+            }
             int which = (int)(th / (T * H));  // 0 = K, 1 = V
             int64_t t = (th % (T * H)) / H;
             int h = (int)(th % H);
@@ -47,13 +142,24 @@ static int run_store(const kv8_layer& L, const kv8_store_call& C) {
             int64_t hs = which ? vs_hs : ks_hs, ds = which ? vs_ds : ks_ds;
             int64_t slot = slots[t];
             int64_t blk = slot / bs, off = slot % bs;
-            uint8_t* dst = (uint8_t*)(which ? v_cache : k_cache) + (((blk * H + h) * bs + off) * D) * (int64_t)es;
+            uint8_t* dst = row_dst(th);
             int64_t s0 = (t * H + h) * (int64_t)D;
             if ((kv == KV_BF16 && in_dtype == DT_BF16) || (kv == KV_F16 && in_dtype == DT_F16) ||
                 (kv == KV_F32 && in_dtype == DT_F32)) {
                 memcpy(dst, (const uint8_t*)src + s0 * es, (size_t)D * es);
                 continue;
             }
+#if KV8_FAST
+            if (is_fp8(kv) && D % 16 == 0 && (k_token_scales || ds <= 1)) {
+                float* ts = k_token_scales ? (which ? v_token_scales : k_token_scales) + (blk * H + h) * bs + off
+                                           : nullptr;
+                const float* hsc = k_token_scales ? nullptr : sc + h * hs;
+                if (kv == KV_E4M3) store_row_fp8<KV_E4M3>(src, in_dtype, s0, D, hsc, ds, ts, maxf, dst);
+                else if (kv == KV_E4M3FNUZ) store_row_fp8<KV_E4M3FNUZ>(src, in_dtype, s0, D, hsc, ds, ts, maxf, dst);
+                else store_row_fp8<KV_E5M2>(src, in_dtype, s0, D, hsc, ds, ts, maxf, dst);
+                continue;
+            }
+#endif
             for (int d = 0; d < D; ++d) buf[d] = load_f(src, in_dtype, s0 + d);
             if (kv <= KV_E5M2) {
                 if (k_token_scales) {
