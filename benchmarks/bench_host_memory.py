@@ -7,13 +7,14 @@ alone). Each worker builds SmolLM2-135M with an FP8 cache, then prefills B promp
 (``max_tokens=1``) as often as asked; the workers alternate, and the table gives each one's best time, its minor
 page faults (``getrusage``) in that prefill, and the ratio.
 
-``--compare pages``: the weights and the KV cache in memory advised for 2 MiB pages (as kv8 allocates them)
-against copies of them on ordinary pages, on decode steps of one engine in this process: B prompts of P random
-tokens are prefilled, then groups of ``--steps`` decode steps alternate between the two (every parameter, buffer
-and cache tensor swapped with ``.data``, the cache's contents carried over; two untimed steps after each swap),
-``--rounds`` groups each. Prints the median step time of each, their ratio, and how many bytes of each the
-kernel backs with huge pages (the copies must have none: with transparent huge pages ``always`` the comparison
-says nothing). ``--quantization fp8``: FP8 weights.
+``--compare pages``: the weights in memory advised for 2 MiB pages (as kv8 places them) against copies of them on
+ordinary pages, on decode steps of one engine in this process: B prompts of P random tokens are prefilled, then
+groups of ``--steps`` decode steps alternate between the two (every parameter and buffer swapped with ``.data``;
+two untimed steps after each swap), ``--rounds`` groups each. Prints the median step time of each, their ratio,
+and how many bytes of each the kernel backs with huge pages (the copies must have none: with transparent huge
+pages ``always`` the comparison says nothing). Then the first touch of fresh memory, which is why the KV cache
+stays on ordinary pages: 256 MiB from :func:`huge_page_empty` and from ``torch.empty``, each filled twice (first
+touch, then touched), three times. ``--quantization fp8``: FP8 weights.
 
     .venv/bin/python benchmarks/bench_host_memory.py                      # B = 1, 8, 32 x 1,024, 3 rounds
     .venv/bin/python benchmarks/bench_host_memory.py --batches 8 --rounds 5
@@ -69,7 +70,7 @@ def compare_pages(batches: list[int], prompt: int, steps: int, rounds: int, quan
     import torch
 
     from kv8 import LLM, SamplingParams
-    from kv8.host_memory import huge_page_bytes
+    from kv8.host_memory import huge_page_bytes, huge_page_empty
 
     torch.set_num_threads(2)
     new = 2 + rounds * 2 * (steps + 2)   # every sequence decodes through all the groups
@@ -77,22 +78,15 @@ def compare_pages(batches: list[int], prompt: int, steps: int, rounds: int, quan
               num_kv_blocks=max(batches) * -(-(prompt + new + 16) // 16) + 4, max_num_batched_tokens=2048,
               enable_prefix_caching=False, quantization=quantization)
     eng = llm.engine
-    model, caches = eng.runner.model, eng.runner.caches
+    model = eng.runner.model
+    assert isinstance(model, torch.nn.Module)
     tensors = [t for t in [*model.parameters(), *model.buffers()] if t.numel()]
+    sets = {"2MiB": [t.data for t in tensors],
+            "4KiB": [torch.empty(t.shape, dtype=t.dtype).copy_(t.data) for t in tensors]}
 
-    def plain_copy(t: torch.Tensor) -> torch.Tensor:
-        return torch.empty(t.shape, dtype=t.dtype).copy_(t)
-
-    sets = {"2MiB": ([t.data for t in tensors], [c.data for c in caches]),
-            "4KiB": ([plain_copy(t.data) for t in tensors], [plain_copy(c.data) for c in caches])}
     def use(name: str) -> None:
-        ts, cs = sets[name]
-        for t, data in zip(tensors, ts):
+        for t, data in zip(tensors, sets[name]):
             t.data = data
-        for cache, data in zip(caches, cs):
-            if cache.data.data_ptr() != data.data_ptr():
-                data.copy_(cache.data)
-                cache.data = data
 
     print(f"\n{'decode':>14} {'2MiB ms':>9} {'4KiB ms':>9} {'4KiB/2MiB':>10}   ({rounds} groups of {steps} steps each, "
           "medians)")
@@ -119,9 +113,22 @@ def compare_pages(batches: list[int], prompt: int, steps: int, rounds: int, quan
         use("2MiB")
         huge, small = (statistics.median(times[n]) * 1e3 for n in ("2MiB", "4KiB"))
         print(f"{batch:>3} x {prompt:<8} {huge:>9.2f} {small:>9.2f} {small / huge:>10.3f}")
-    for name, (ts, cs) in sets.items():
-        weights, cache = (sum(huge_page_bytes(t.data_ptr()) or 0 for t in group) / 2**20 for group in (ts[:1], cs))
-        print(f"{name}: huge pages backing the weights' mapping {weights:.0f} MiB, the KV cache's {cache:.0f} MiB")
+    for name, ts in sets.items():
+        backed = (huge_page_bytes(ts[0].data_ptr()) or 0) / 2**20
+        print(f"{name}: huge pages backing the first weight's mapping: {backed:.0f} MiB")
+    print(f"\n{'first touch of 256 MiB':>24} {'2MiB ms':>9} {'4KiB ms':>9}   (then touched again)")
+    for r in range(3):
+        row = []
+        for on_huge in (True, False):
+            fresh = huge_page_empty((256 << 20,), torch.uint8) if on_huge else torch.empty(256 << 20, dtype=torch.uint8)
+            touch = []
+            for value in (1, 2):
+                start = time.perf_counter()
+                fresh.fill_(value)
+                touch.append((time.perf_counter() - start) * 1e3)
+            row.append(touch)
+            del fresh
+        print(f"{'round ' + str(r + 1):>24} {row[0][0]:>9.1f} {row[1][0]:>9.1f}   ({row[0][1]:.1f}, {row[1][1]:.1f})")
 
 
 def main() -> None:

@@ -8,7 +8,7 @@
 | ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT`` | set by torchrun: this process is one TP rank |
 | ``RAY_ADDRESS`` | the Ray cluster of ``kv8 serve --data-parallel-backend ray`` when ``--ray-address`` is not given |
 | ``GLIBC_TUNABLES``, ``MALLOC_*_`` | glibc's malloc settings: where set, kv8 keeps them (:mod:`kv8.host_memory`) |
-| ``KV8_HUGE_PAGES`` | ``1`` (default): the weights and the KV cache ask for 2 MiB pages; ``0``: ordinary pages |
+| ``KV8_HUGE_PAGES`` | ``1`` (default): the loaded weights ask for 2 MiB pages; ``0``: ordinary pages |
 """
 
 from __future__ import annotations

@@ -18,16 +18,17 @@ Invariants: it changes nothing where the C library is not glibc, nor where the u
 settings (``GLIBC_TUNABLES`` naming ``glibc.malloc``, or any ``MALLOC_*_`` variable): an explicit setting wins.
 It runs at most once per process and never raises; :func:`tune_malloc` says what it did.
 
-Huge pages for the weights and the KV cache. Why: a decode step streams every weight and, per layer, the KV cache
-of every running sequence -- hundreds of MB on 4 KiB pages, i.e. a TLB miss and a page walk (two-dimensional in
-a virtual machine) every 4 KiB, which the kernels' software prefetches wait on. :func:`huge_page_empty` maps
-such memory itself (anonymous ``mmap``, 2 MiB aligned) and asks the kernel to back it with transparent huge
-pages (``madvise(MADV_HUGEPAGE)``, which Linux honours where ``/sys/kernel/mm/transparent_hugepage/enabled`` is
-``always`` or ``madvise``); :func:`place_on_huge_pages` moves a loaded model's parameters and buffers into one
-such region. Measured with SmolLM2-135M and an FP8 cache (docs/benchmarks.md, "Host memory: 2 MiB pages"): decode
-steps of 1, 8 and 32 sequences x 1,024 tokens 1.02-1.09x faster than with the same tensors on 4 KiB pages.
-``KV8_HUGE_PAGES=0`` keeps ordinary allocations. Pages are still faulted in on first touch, so an unused
-cache budget costs no resident memory; the content and the layout of every tensor are unchanged.
+Huge pages for the weights. Why: a decode step streams every weight (hundreds of MB) -- on 4 KiB pages a TLB miss
+and a page walk (two-dimensional in a virtual machine) every 4 KiB, which the kernels' software prefetches wait
+on. :func:`huge_page_empty` maps memory itself (anonymous ``mmap``, 2 MiB aligned) and asks the kernel to back it
+with transparent huge pages (``madvise(MADV_HUGEPAGE)``, which Linux honours where
+``/sys/kernel/mm/transparent_hugepage/enabled`` is ``always`` or ``madvise``); :func:`place_on_huge_pages` moves a
+loaded model's parameters and buffers into one such region, so their pages are faulted in at load. Measured with
+SmolLM2-135M (docs/benchmarks.md, "Host memory: 2 MiB pages"): decode steps 1.02-1.05x faster than with the same
+weights on 4 KiB pages. The KV cache stays on ordinary, lazily faulted pages: it is first touched while serving,
+and a 2 MiB page that the machine has not used before costs several times more to fault in than its 512 small
+pages (on the virtual machine measured there) -- prefill onto fresh cache blocks got slower. ``KV8_HUGE_PAGES=0``
+keeps ordinary allocations for the weights too. Contents and layout of every tensor are unchanged.
 """
 
 from __future__ import annotations

@@ -30,7 +30,6 @@ from dataclasses import dataclass
 import torch
 
 from kv8.cache.codec import K, KVCodec, V
-from kv8.host_memory import huge_page_empty
 from kv8.quant.formats import KVCacheDtype
 from kv8.quant.scales import KVScales
 
@@ -58,14 +57,14 @@ class PagedKVCache:
         num_slots = max(self.slots.values()) + 1
         # empty, not zeros: pages are mapped lazily, so an unused budget costs neither time nor resident
         # memory. Slots are always written before they are read (a slot beyond a sequence's length is never
-        # used in its attention), so the initial contents do not matter. 2 MiB pages where the OS grants them
-        # (kv8.host_memory): every decode step streams this tensor.
-        self.data = huge_page_empty((num_slots, 2, shape.num_blocks, shape.num_kv_heads, shape.block_size,
-                                     shape.head_dim), codec.kv_dtype.storage_dtype)
+        # used in its attention), so the initial contents do not matter. Ordinary pages, unlike the weights
+        # (kv8.host_memory): the cache is first touched while serving, where a fresh 2 MiB page costs more.
+        self.data = torch.empty(num_slots, 2, shape.num_blocks, shape.num_kv_heads, shape.block_size,
+                                shape.head_dim, dtype=codec.kv_dtype.storage_dtype)
         self.token_scales: torch.Tensor | None = None
         if codec.dynamic:
-            self.token_scales = huge_page_empty((num_slots, 2, shape.num_blocks, shape.num_kv_heads,
-                                                 shape.block_size), torch.float32)
+            self.token_scales = torch.empty(num_slots, 2, shape.num_blocks, shape.num_kv_heads,
+                                            shape.block_size, dtype=torch.float32)
 
     @property
     def kv_dtype(self) -> KVCacheDtype:
