@@ -7,7 +7,8 @@ alone). Each worker builds SmolLM2-135M with an FP8 cache, then prefills B promp
 (``max_tokens=1``) as often as asked; the workers alternate, and the table gives each one's best time, its minor
 page faults (``getrusage``) in that prefill, and the ratio.
 
-``--compare pages``: the weights in memory advised for 2 MiB pages (as kv8 places them) against copies of them on
+``--compare pages``: the weights in memory advised for 2 MiB pages (as kv8 places them with ``KV8_HUGE_PAGES=1``,
+which this run sets) against copies of them on
 ordinary pages, on decode steps of one engine in this process: B prompts of P random tokens are prefilled, then
 groups of ``--steps`` decode steps alternate between the two (every parameter and buffer swapped with ``.data``;
 two untimed steps after each swap), ``--rounds`` groups each. Prints the median step time of each, their ratio,
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import resource
 import statistics
@@ -32,7 +34,7 @@ import subprocess
 import sys
 import time
 
-from kv8.envs import without_malloc_settings
+from kv8.envs import HUGE_PAGES_ENV, without_malloc_settings
 
 SETTINGS = {"tuned": {}, "default": {"GLIBC_TUNABLES": "glibc.malloc.tcache_count=7"}}
 
@@ -73,6 +75,7 @@ def compare_pages(batches: list[int], prompt: int, steps: int, rounds: int, quan
     from kv8.host_memory import huge_page_bytes, huge_page_empty
 
     torch.set_num_threads(2)
+    os.environ[HUGE_PAGES_ENV] = "1"   # the engine's weights on 2 MiB pages (off by default)
     new = 2 + rounds * 2 * (steps + 2)   # every sequence decodes through all the groups
     llm = LLM(kv_cache_dtype="fp8_e4m3", max_model_len=prompt + new + 16, max_num_seqs=max(batches),
               num_kv_blocks=max(batches) * -(-(prompt + new + 16) // 16) + 4, max_num_batched_tokens=2048,

@@ -8,7 +8,7 @@
 | ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT`` | set by torchrun: this process is one TP rank |
 | ``RAY_ADDRESS`` | the Ray cluster of ``kv8 serve --data-parallel-backend ray`` when ``--ray-address`` is not given |
 | ``GLIBC_TUNABLES``, ``MALLOC_*_`` | glibc's malloc settings: where set, kv8 keeps them (:mod:`kv8.host_memory`) |
-| ``KV8_HUGE_PAGES`` | ``1`` (default): the loaded weights ask for 2 MiB pages; ``0``: ordinary pages |
+| ``KV8_HUGE_PAGES`` | ``1``: the loaded weights ask for 2 MiB pages; ``0`` or unset (default): ordinary pages |
 """
 
 from __future__ import annotations
@@ -70,8 +70,9 @@ HUGE_PAGES_ENV = "KV8_HUGE_PAGES"
 
 
 def huge_pages() -> bool:
-    """``$KV8_HUGE_PAGES``: ``1`` or unset/empty (True), ``0`` (False); any other value is a ValueError."""
+    """``$KV8_HUGE_PAGES``: ``1`` (True), ``0`` or unset/empty (False); any other value is a ValueError."""
     value = os.environ.get(HUGE_PAGES_ENV, "").strip()
     if value not in ("", "0", "1"):
-        raise ValueError(f"{HUGE_PAGES_ENV}={value!r} is not one of: 0 (ordinary pages), 1 (2 MiB pages, the default)")
-    return value != "0"
+        raise ValueError(f"{HUGE_PAGES_ENV}={value!r} is not one of: 0 (ordinary pages, the default), 1 (2 MiB pages "
+                         "for the weights)")
+    return value == "1"

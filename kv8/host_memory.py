@@ -18,17 +18,19 @@ Invariants: it changes nothing where the C library is not glibc, nor where the u
 settings (``GLIBC_TUNABLES`` naming ``glibc.malloc``, or any ``MALLOC_*_`` variable): an explicit setting wins.
 It runs at most once per process and never raises; :func:`tune_malloc` says what it did.
 
-Huge pages for the weights. Why: a decode step streams every weight (hundreds of MB) -- on 4 KiB pages a TLB miss
-and a page walk (two-dimensional in a virtual machine) every 4 KiB, which the kernels' software prefetches wait
-on. :func:`huge_page_empty` maps memory itself (anonymous ``mmap``, 2 MiB aligned) and asks the kernel to back it
-with transparent huge pages (``madvise(MADV_HUGEPAGE)``, which Linux honours where
+Huge pages for the weights, with ``KV8_HUGE_PAGES=1`` (off by default). Why: a decode step streams every weight
+(hundreds of MB) -- on 4 KiB pages a TLB miss and a page walk (two-dimensional in a virtual machine) every 4 KiB.
+:func:`huge_page_empty` maps memory itself (anonymous ``mmap``, 2 MiB aligned) and asks the kernel to back it with
+transparent huge pages (``madvise(MADV_HUGEPAGE)``, which Linux honours where
 ``/sys/kernel/mm/transparent_hugepage/enabled`` is ``always`` or ``madvise``); :func:`place_on_huge_pages` moves a
 loaded model's parameters and buffers into one such region, so their pages are faulted in at load. Measured with
-SmolLM2-135M (docs/benchmarks.md, "Host memory: 2 MiB pages"): decode steps 1.02-1.05x faster than with the same
-weights on 4 KiB pages. The KV cache stays on ordinary, lazily faulted pages: it is first touched while serving,
-and a 2 MiB page that the machine has not used before costs several times more to fault in than its 512 small
-pages (on the virtual machine measured there) -- prefill onto fresh cache blocks got slower. ``KV8_HUGE_PAGES=0``
-keeps ordinary allocations for the weights too. Contents and layout of every tensor are unchanged.
+SmolLM2-135M (docs/benchmarks.md, "Host memory: 2 MiB pages"): decode steps of one engine 1.05-1.08x faster (bf16
+weights) and 1.01-1.02x (FP8 weights) than with the same weights on 4 KiB pages; but loading takes ~0.7 s longer
+(a 2 MiB page the machine has not used before costs several times its 512 small pages to fault in, on the
+virtual machine measured), and in the peers benchmark's worker processes prefill with bf16 weights came out
+0.87-0.92x at B = 1 and 32 with no decode gain beyond that run's noise -- not settled, hence opt-in. The KV cache
+stays on ordinary, lazily faulted pages: it is first touched while serving. Contents and layout of every tensor
+are unchanged.
 """
 
 from __future__ import annotations
@@ -83,7 +85,7 @@ _ALIGN = 64           # bytes: each tensor's start within a region placed by pla
 
 def huge_page_empty(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
     """``torch.empty(shape, dtype=dtype)`` (contiguous, contents undefined), starting on a 2 MiB boundary of an
-    anonymous mapping advised ``MADV_HUGEPAGE`` when it is at least one huge page and ``KV8_HUGE_PAGES`` allows;
+    anonymous mapping advised ``MADV_HUGEPAGE`` when it is at least one huge page and ``KV8_HUGE_PAGES=1``;
     otherwise a plain ``torch.empty``. The mapping lives as long as the tensor or any view of it."""
     nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
     if nbytes < HUGE_PAGE or not envs.huge_pages() or not hasattr(mmap, "MADV_HUGEPAGE"):
@@ -101,8 +103,8 @@ def huge_page_empty(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
 def place_on_huge_pages(module: nn.Module) -> int:
     """Move ``module``'s parameters and buffers into one :func:`huge_page_empty` region (each at a 64-byte
     boundary, contents and shapes unchanged, the same tensor objects: ``.data`` is swapped, so tied parameters stay
-    tied); returns the bytes moved (0 when ``KV8_HUGE_PAGES=0`` or they are less than one huge page). Tensors that
-    share storage with another tensor, or are views into a larger one, stay where they are."""
+    tied); returns the bytes moved (0 unless ``KV8_HUGE_PAGES=1``, or when they are less than one huge page).
+    Tensors that share storage with another tensor, or are views into a larger one, stay where they are."""
     if not envs.huge_pages():
         return 0
     owners: dict[int, list[torch.Tensor]] = {}

@@ -1,7 +1,8 @@
 """kv8.host_memory: freed activations are reused (no fresh page faults per step) once an engine process tunes glibc's
 malloc, and an explicit user setting is left alone (each case in its own interpreter: the settings are
-process-wide). The loaded weights sit in memory advised for 2 MiB pages, which the kernel grants where transparent
-huge pages are enabled, with contents, shapes and tied parameters unchanged; the KV cache stays on ordinary pages."""
+process-wide). With KV8_HUGE_PAGES=1 the loaded weights sit in memory advised for 2 MiB pages, which the kernel
+grants where transparent huge pages are enabled, with contents, shapes and tied parameters unchanged; off by
+default; the KV cache stays on ordinary pages."""
 
 from __future__ import annotations
 
@@ -110,7 +111,7 @@ def thp_mode() -> str | None:
 
 @pytest.fixture
 def huge_pages_on(monkeypatch):
-    monkeypatch.delenv(envs.HUGE_PAGES_ENV, raising=False)
+    monkeypatch.setenv(envs.HUGE_PAGES_ENV, "1")
 
 
 def test_huge_page_empty_is_aligned_and_granted_huge_pages(huge_pages_on):
@@ -130,12 +131,17 @@ def test_huge_page_empty_is_aligned_and_granted_huge_pages(huge_pages_on):
     assert row.float().sum().item() == 2.0 * (1 << 20)   # a view keeps the mapping alive
 
 
-def test_huge_pages_off_and_small_tensors_are_plain(monkeypatch):
-    monkeypatch.setenv(envs.HUGE_PAGES_ENV, "0")
+@pytest.mark.parametrize("value", [None, "", "0"])
+def test_huge_pages_off_by_default_and_small_tensors_are_plain(monkeypatch, value):
+    if value is None:
+        monkeypatch.delenv(envs.HUGE_PAGES_ENV, raising=False)
+    else:
+        monkeypatch.setenv(envs.HUGE_PAGES_ENV, value)
     off = huge_page_empty((4 << 20,), torch.uint8).fill_(1)
     if thp_mode() == "madvise":   # nothing else asks for huge pages in this mode
         assert huge_page_bytes(off.data_ptr()) == 0
-    monkeypatch.delenv(envs.HUGE_PAGES_ENV)
+    assert place_on_huge_pages(_Tied()) == 0
+    monkeypatch.setenv(envs.HUGE_PAGES_ENV, "1")
     small = huge_page_empty((1000, 3), torch.float32)
     assert (small.shape, small.dtype, small.is_contiguous()) == ((1000, 3), torch.float32, True)
     assert huge_page_empty((0, 5), torch.bfloat16).shape == (0, 5)
@@ -187,7 +193,7 @@ def test_place_on_huge_pages_moves_tensors_and_keeps_ties(huge_pages_on):
 
 
 def test_place_on_huge_pages_leaves_small_modules_and_off(monkeypatch):
-    monkeypatch.delenv(envs.HUGE_PAGES_ENV, raising=False)
+    monkeypatch.setenv(envs.HUGE_PAGES_ENV, "1")
     assert place_on_huge_pages(nn.Linear(64, 64)) == 0   # under one huge page: not worth a mapping
     monkeypatch.setenv(envs.HUGE_PAGES_ENV, "0")
     m = _Tied()

@@ -26,8 +26,8 @@ def test_capital_of_france_is_paris(kv):
     assert kv_mgr.num_free_blocks == kv_mgr.num_blocks
 
 
-def test_weights_on_huge_pages(monkeypatch):
-    monkeypatch.delenv(envs.HUGE_PAGES_ENV, raising=False)
+def test_weights_on_huge_pages_when_asked(monkeypatch):
+    monkeypatch.setenv(envs.HUGE_PAGES_ENV, "1")
     llm = LLM(model="smollm2-135m", kv_cache_dtype="fp8", kv_cache_memory="64MiB", max_model_len=1024)
     assert "Paris" in llm.generate("The capital of France is", GREEDY)[0].outputs[0].text
     model = llm.engine.runner.model
