@@ -8,14 +8,13 @@ alone). Each worker builds SmolLM2-135M with an FP8 cache, then prefills B promp
 page faults (``getrusage``) in that prefill, and the ratio.
 
 ``--compare pages``: the weights in memory advised for 2 MiB pages (as kv8 places them with ``KV8_HUGE_PAGES=1``,
-which this run sets) against copies of them on
-ordinary pages, on decode steps of one engine in this process: B prompts of P random tokens are prefilled, then
-groups of ``--steps`` decode steps alternate between the two (every parameter and buffer swapped with ``.data``;
-two untimed steps after each swap), ``--rounds`` groups each. Prints the median step time of each, their ratio,
-and how many bytes of each the kernel backs with huge pages (the copies must have none: with transparent huge
-pages ``always`` the comparison says nothing). Then the first touch of fresh memory, which is why the KV cache
-stays on ordinary pages: 256 MiB from :func:`huge_page_empty` and from ``torch.empty``, each filled twice (first
-touch, then touched), three times. ``--quantization fp8``: FP8 weights.
+which this run sets) against copies of them on ordinary pages, on decode steps of one engine in this process: B
+prompts of P random tokens are prefilled, then groups of ``--steps`` decode steps alternate between the two (every
+parameter and buffer swapped with ``.data``; two untimed steps after each swap), ``--rounds`` groups each. Prints
+the median step time of each, their ratio, and how many bytes of each the kernel backs with huge pages (the copies
+must have none: with transparent huge pages ``always`` the comparison says nothing). Then the first touch of fresh
+memory, which is why the KV cache stays on ordinary pages: 256 MiB from :func:`huge_page_empty` and from
+``torch.empty``, each filled twice (first touch, then touched), three times. ``--quantization fp8``: FP8 weights.
 
     .venv/bin/python benchmarks/bench_host_memory.py                      # B = 1, 8, 32 x 1,024, 3 rounds
     .venv/bin/python benchmarks/bench_host_memory.py --batches 8 --rounds 5

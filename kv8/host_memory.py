@@ -28,7 +28,7 @@ SmolLM2-135M (docs/benchmarks.md, "Host memory: 2 MiB pages"): decode steps of o
 weights) and 1.01-1.02x (FP8 weights) than with the same weights on 4 KiB pages; but loading takes ~0.7 s longer
 (a 2 MiB page the machine has not used before costs several times its 512 small pages to fault in, on the
 virtual machine measured), and in the peers benchmark's worker processes prefill with bf16 weights came out
-0.87-0.92x at B = 1 and 32 with no decode gain beyond that run's noise -- not settled, hence opt-in. The KV cache
+0.87-0.91x at B = 1 and 32 with no decode gain beyond that run's noise -- not settled, hence opt-in. The KV cache
 stays on ordinary, lazily faulted pages: it is first touched while serving. Contents and layout of every tensor
 are unchanged.
 """
@@ -87,7 +87,7 @@ def huge_page_empty(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
     """``torch.empty(shape, dtype=dtype)`` (contiguous, contents undefined), starting on a 2 MiB boundary of an
     anonymous mapping advised ``MADV_HUGEPAGE`` when it is at least one huge page and ``KV8_HUGE_PAGES=1``;
     otherwise a plain ``torch.empty``. The mapping lives as long as the tensor or any view of it."""
-    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    nbytes = math.prod(shape) * dtype.itemsize
     if nbytes < HUGE_PAGE or not envs.huge_pages() or not hasattr(mmap, "MADV_HUGEPAGE"):
         return torch.empty(tuple(shape), dtype=dtype)
     region = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)

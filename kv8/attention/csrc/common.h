@@ -50,8 +50,16 @@ static const char* const ERROR_MESSAGES[ERR_COUNT] = {
 
 static inline bool is_fp8(int kv) { return kv <= KV_E5M2; }
 static inline int esize_of(int kv) { return is_fp8(kv) ? 1 : (kv == KV_F32 ? 4 : 2); }  // bytes per element
+// An FP8 format's mantissa bits, exponent bias and largest finite value (the encoders', scalar and AVX-512).
+template <int FMT>
+struct Fp8Format {
+    static constexpr int MB = FMT == KV_E5M2 ? 2 : 3;
+    static constexpr int BIAS = FMT == KV_E4M3 ? 7 : (FMT == KV_E4M3FNUZ ? 8 : 15);
+    static constexpr float MAXF = FMT == KV_E4M3 ? 448.0f : (FMT == KV_E4M3FNUZ ? 240.0f : 57344.0f);
+};
 static inline float fp8_max_finite(int kv) {
-    return kv == KV_E4M3 ? 448.0f : (kv == KV_E4M3FNUZ ? 240.0f : 57344.0f);
+    return kv == KV_E4M3 ? Fp8Format<KV_E4M3>::MAXF
+                         : (kv == KV_E4M3FNUZ ? Fp8Format<KV_E4M3FNUZ>::MAXF : Fp8Format<KV_E5M2>::MAXF);
 }
 
 // ------------------------------------------------------------------------------------------------
@@ -123,9 +131,8 @@ static inline float fp8_bits(uint32_t c) {
 // negative NaN); -0 and negative values rounding to zero keep the sign where there is a negative zero.
 template <int FMT>
 static inline uint8_t fp8_encode(float x) {
-    const int MB = FMT == KV_E5M2 ? 2 : 3;                                   // mantissa bits
-    const int BIAS = FMT == KV_E4M3 ? 7 : (FMT == KV_E4M3FNUZ ? 8 : 15);
-    const float MAXF = FMT == KV_E4M3 ? 448.0f : (FMT == KV_E4M3FNUZ ? 240.0f : 57344.0f);
+    constexpr int MB = Fp8Format<FMT>::MB, BIAS = Fp8Format<FMT>::BIAS;
+    constexpr float MAXF = Fp8Format<FMT>::MAXF;
     uint32_t b = f_bits(x);
     uint32_t sign = b >> 31;
     if ((b & 0x7fffffffu) > 0x7f800000u) {  // NaN

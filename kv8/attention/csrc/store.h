@@ -22,14 +22,12 @@
 // rounding of the conversion, as nearbyintf -- saturation, the NaN codes and the sign rules).
 template <int FMT>
 static inline __m128i fp8_encode16(__m512 x) {
-    constexpr int MB = FMT == KV_E5M2 ? 2 : 3, BIAS = FMT == KV_E4M3 ? 7 : (FMT == KV_E4M3FNUZ ? 8 : 15);
-    constexpr int SHIFT = 23 - MB;
-    const float maxf = FMT == KV_E4M3 ? 448.0f : (FMT == KV_E4M3FNUZ ? 240.0f : 57344.0f);
+    constexpr int MB = Fp8Format<FMT>::MB, BIAS = Fp8Format<FMT>::BIAS, SHIFT = 23 - MB;
     const __m512i b = _mm512_castps_si512(x);
     const __m512i absb = _mm512_and_si512(b, _mm512_set1_epi32(0x7fffffff));
     const __mmask16 nan = _mm512_cmpgt_epi32_mask(absb, _mm512_set1_epi32(0x7f800000));
     const __mmask16 neg = _mm512_cmplt_epi32_mask(b, _mm512_setzero_si512());
-    const __m512 a = _mm512_min_ps(_mm512_castsi512_ps(absb), _mm512_set1_ps(maxf));   // NaN lanes: replaced below
+    const __m512 a = _mm512_min_ps(_mm512_castsi512_ps(absb), _mm512_set1_ps(Fp8Format<FMT>::MAXF));   // NaN lanes: replaced below
     const __mmask16 sub = _mm512_cmp_ps_mask(a, _mm512_set1_ps(ldexpf(1.0f, 1 - BIAS)), _CMP_LT_OQ);
     const __m512i code_sub = _mm512_cvt_roundps_epi32(_mm512_mul_ps(a, _mm512_set1_ps(ldexpf(1.0f, BIAS - 1 + MB))),
                                                       _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
@@ -118,11 +116,14 @@ static int run_store(const kv8_layer& L, const kv8_store_call& C) {
     const int es = esize_of(kv);
     const int64_t work = T * H * D;
     int nt = work >= 65536 ? nthreads : 1;
-    auto row_dst = [&](int64_t th) {   // row th (K rows, then V rows; token-major, head-minor): its first byte
-        const int which = (int)(th / (T * H));
+    // Work row th (K rows, then V rows; token-major, head-minor): its row of the cache, (block, head, offset)
+    // flattened -- its codes start at row * D elements, its dynamic scale (if any) is entry row -- and that start.
+    auto cache_row = [&](int64_t th) {
         const int64_t slot = slots[(th % (T * H)) / H];
-        return (uint8_t*)(which ? v_cache : k_cache) +
-               (((slot / bs * H + th % H) * bs + slot % bs) * D) * (int64_t)es;
+        return (slot / bs * H + th % H) * bs + slot % bs;
+    };
+    auto row_dst = [&](int64_t th) {
+        return (uint8_t*)(th / (T * H) ? v_cache : k_cache) + cache_row(th) * D * (int64_t)es;
     };
 #pragma omp parallel num_threads(nt)
     {
@@ -140,9 +141,8 @@ static int run_store(const kv8_layer& L, const kv8_store_call& C) {
             const void* src = which ? value : key;
             const float* sc = which ? v_scale : k_scale;
             int64_t hs = which ? vs_hs : ks_hs, ds = which ? vs_ds : ks_ds;
-            int64_t slot = slots[t];
-            int64_t blk = slot / bs, off = slot % bs;
             uint8_t* dst = row_dst(th);
+            float* ts = k_token_scales ? (which ? v_token_scales : k_token_scales) + cache_row(th) : nullptr;
             int64_t s0 = (t * H + h) * (int64_t)D;
             if ((kv == KV_BF16 && in_dtype == DT_BF16) || (kv == KV_F16 && in_dtype == DT_F16) ||
                 (kv == KV_F32 && in_dtype == DT_F32)) {
@@ -151,8 +151,6 @@ static int run_store(const kv8_layer& L, const kv8_store_call& C) {
             }
 #if KV8_FAST
             if (is_fp8(kv) && D % 16 == 0 && (k_token_scales || ds <= 1)) {
-                float* ts = k_token_scales ? (which ? v_token_scales : k_token_scales) + (blk * H + h) * bs + off
-                                           : nullptr;
                 const float* hsc = k_token_scales ? nullptr : sc + h * hs;
                 if (kv == KV_E4M3) store_row_fp8<KV_E4M3>(src, in_dtype, s0, D, hsc, ds, ts, maxf, dst);
                 else if (kv == KV_E4M3FNUZ) store_row_fp8<KV_E4M3FNUZ>(src, in_dtype, s0, D, hsc, ds, ts, maxf, dst);
@@ -162,7 +160,7 @@ static int run_store(const kv8_layer& L, const kv8_store_call& C) {
 #endif
             for (int d = 0; d < D; ++d) buf[d] = load_f(src, in_dtype, s0 + d);
             if (kv <= KV_E5M2) {
-                if (k_token_scales) {
+                if (ts) {
                     float amax = 0.0f;
                     bool nan = false;
                     for (int d = 0; d < D; ++d) {
@@ -172,7 +170,7 @@ static int run_store(const kv8_layer& L, const kv8_store_call& C) {
                     }
                     float sc1 = amax / maxf;
                     if (nan || !(sc1 > 0.0f) || sc1 == INFINITY) sc1 = 1.0f;
-                    (which ? v_token_scales : k_token_scales)[(blk * H + h) * bs + off] = sc1;
+                    *ts = sc1;
                     for (int d = 0; d < D; ++d) buf[d] = buf[d] / sc1;
                 } else {
                     for (int d = 0; d < D; ++d) buf[d] = buf[d] / sc[h * hs + d * ds];
