@@ -9,8 +9,7 @@
 // * the online softmax steps once per chunk of CHUNK_TILES tiles: the scores of the whole chunk come
 //   first, so the max, the exponentials and the P.V products of its tiles are independent work (one serial
 //   max/rescale step per 64 tokens, not per 16);
-// * K is prefetched into L1 PREFETCH_TILES tiles ahead, V as its tile's scores start, and for an item of one
-//   KV head K and V into L2 L2_PREFETCH_TILES tiles ahead (see decode_tile);
+// * K and V stream into L2 STREAM_TILES tiles ahead, one row's prefetch beside each row read (see decode_tile);
 // * an item may hold several KV heads of its sequence (Item::nh): chunk by chunk, each head's tiles in turn
 //   with its own q, softmax state and output (AvxDecodeHead), so each block's rows of those heads, adjacent in
 //   the cache, are read in address order.
@@ -28,12 +27,25 @@
 #if KV8_FAST
 
 static const int CHUNK_TILES = 4;
-static const int L2_PREFETCH_TILES = 6;  // one-head items: measured 4..8 within noise, 0 slower by ~1.25x
+// How far ahead (tiles of the same head) the decode kernels stream K and V into L2. Measured on the Xeon with
+// AMX (B = 32 x 1,088 tokens, SmolLM2's heads, 30 layers): 3 is ~1.2x the bursts it replaced, 2 / 4 / 6 a
+// few % slower than 3, prefetcht0 instead of prefetcht1 ~10% slower (see stream_row).
+static const int STREAM_TILES = 3;
+
+// Row t's lines of the tile whose rows start at `ahead` (a head's tile STREAM_TILES ahead; NULL: none) into L2.
+// Issued one row at a time beside the rows being read: a burst of a tile's 16-32 prefetches stalls the core
+// until line-fill buffers free, while prefetches spread over the compute overlap it (a streaming read with the
+// work of a decode tile per 2 KB: ~1.1x the work alone this way, ~2x with bursts).
+template <int RBYTES>
+static inline void stream_row(const uint8_t* ahead, int t) {
+    if (ahead)
+        for (int b = 0; b < RBYTES; b += 64) prefetch_l2(ahead + t * RBYTES + b);
+}
 
 // Scores of R rows against the 16 rows of one tile starting at kb (row stride D * esize).
 template <int KV, int D, int R, bool QLO>
-static inline void tile_scores_inplace(const uint8_t* kb, const Lut& L, const __m512i* qhi, const __m512i* qlo,
-                                       __m512* out) {
+static inline void tile_scores_inplace(const uint8_t* kb, const uint8_t* kahead, const Lut& L, const __m512i* qhi,
+                                       const __m512i* qlo, __m512* out) {
     constexpr bool fp8 = KV != KV_BF16;
     constexpr int RBYTES = D * (fp8 ? 1 : 2), NS = D / 8;
     __m512 acc[R][4];
@@ -43,7 +55,10 @@ static inline void tile_scores_inplace(const uint8_t* kb, const Lut& L, const __
     for (int z = 0; z < RBYTES / 64; ++z) {
         for (int g = 0; g < 4; ++g) {
             __m512i in[4], slots[8];
-            for (int k = 0; k < 4; ++k) in[k] = _mm512_loadu_si512(kb + (4 * g + k) * RBYTES + z * 64);
+            for (int k = 0; k < 4; ++k) {
+                if (z == 0) stream_row<RBYTES>(kahead, 4 * g + k);
+                in[k] = _mm512_loadu_si512(kb + (4 * g + k) * RBYTES + z * 64);
+            }
             k_chunk_slots<KV>(in, L, slots);
             for (int l = 0; l < SPC; ++l)
                 for (int r = 0; r < R; ++r) {
@@ -56,11 +71,12 @@ static inline void tile_scores_inplace(const uint8_t* kb, const Lut& L, const __
     for (int r = 0; r < R; ++r) out[r] = reduce_scores(acc[r]);
 }
 
-// obuf (R rows x D accumulators) = obuf * alpha + P . V over the nt tiles of a chunk (V tile j at vb[j];
-// weights of row r, tile j: dwords (r * CHUNK_TILES + j) * 8 of phi, bf16 pairs of tokens 2u, 2u + 1).
+// obuf (R rows x D accumulators) = obuf * alpha + P . V over the nt tiles of a chunk (V tile j at vb[j], its
+// stream ahead at vahead[j]; weights of row r, tile j: dwords (r * CHUNK_TILES + j) * 8 of phi, bf16 pairs of
+// tokens 2u, 2u + 1).
 template <int KV, int D, int R>
-static inline void chunk_pv_inplace(const uint8_t* const* vb, int nt, const Lut& L, const uint32_t* phi,
-                                    float* obuf, const float* alpha) {
+static inline void chunk_pv_inplace(const uint8_t* const* vb, const uint8_t* const* vahead, int nt, const Lut& L,
+                                    const uint32_t* phi, float* obuf, const float* alpha) {
     constexpr bool fp8 = KV != KV_BF16;
     constexpr int RBYTES = D * (fp8 ? 1 : 2), NV = fp8 ? 4 : 2;  // accumulators per 64-byte chunk of a row
     for (int z = 0; z < RBYTES / 64; ++z) {
@@ -72,6 +88,10 @@ static inline void chunk_pv_inplace(const uint8_t* const* vb, int nt, const Lut&
         for (int j = 0; j < nt; ++j) {
             const uint8_t* v0 = vb[j] + z * 64;
             for (int u = 0; u < 8; ++u) {
+                if (z == 0) {
+                    stream_row<RBYTES>(vahead[j], 2 * u);
+                    stream_row<RBYTES>(vahead[j], 2 * u + 1);
+                }
                 __m512i v[4];
                 v_chunk_pairs<KV>(_mm512_loadu_si512(v0 + 2 * u * RBYTES),
                                   _mm512_loadu_si512(v0 + (2 * u + 1) * RBYTES), L, v);
@@ -111,38 +131,55 @@ static inline int chunk_tiles(const Item& it, int64_t c0) {
     return left < CHUNK_TILES ? (int)left : CHUNK_TILES;
 }
 
-// The item's row of block table, once the K of its first PREFETCH_TILES tiles is on its way into L1
-// (decode_tile keeps the stream going from there).
+// The item's row of block table, once the K and V of its heads' first STREAM_TILES tiles are on their way into
+// L1 (decode_tile's stream goes on from there).
 template <int RBYTES>
 static inline const int64_t* item_table(const Problem& P, const Item& it) {
     const int64_t* table = P.bt + (int64_t)it.seq * P.bt_stride;
-    for (int p = 0; p < PREFETCH_TILES; ++p)
-        prefetch_block_tile<RBYTES, true, false, false>(P, it, table, it.t0 + p * TILE);
+    for (int p = 0; p < STREAM_TILES; ++p)
+        for (int h = 0; h < it.nh; ++h) {
+            Item one = it;
+            one.kvh += h;
+            prefetch_block_tile<RBYTES, true, true, false>(P, one, table, it.t0 + p * TILE);
+        }
     return table;
 }
 
 // One tile of a decode item (16 rows of one block): where its K and V rows start, the rows the item reads
 // (have = [lead, n)), the factor of its scores (the score factor, times the per-token K scales where the cache
-// has them: kf) and the per-token V scales (vs, only then).
+// has them: kf) and the per-token V scales (vs, only then); ka / va: the rows of the same head's tile
+// STREAM_TILES ahead, for the kernel to stream (stream_row) as it reads this tile (NULL past the item, or where
+// that block id is outside the cache: decode_tile reports it when the kernel gets there).
 struct DecodeTile {
     const uint8_t* k;
     const uint8_t* v;
+    const uint8_t* ka;
+    const uint8_t* va;
     int lead, n;
     __mmask16 have;
     __m512 kf, vs;
 };
 
-// The tile at t0 of one head's item `it`, after its prefetches: K into L1 PREFETCH_TILES ahead, V of this tile
-// into L1 now (its P.V comes after the chunk's scores), and with l2 (the item reads one head) K and V into L2
-// L2_PREFETCH_TILES ahead. An item of several heads reads their rows of each block in address order, which
-// the hardware prefetchers stream; software prefetches to L2 would hold the core's line-fill buffers too
-// (without them such a call takes ~0.9 of the time: docs/benchmarks.md). ERR_BLOCK_ID for a block id outside
-// the cache.
+// The tile at t0 of one head's item `it`. ERR_BLOCK_ID for a block id outside the cache. The kernels' only
+// prefetches past item_table's are the stream: each block's rows of one head are adjacent, and an item of several
+// heads reads their rows of a block in address order.
 template <int RBYTES>
 static inline int decode_tile(const Problem& P, const Item& it, const int64_t* table, int64_t t0, float sfac,
-                              bool l2, DecodeTile& T) {
-    if (l2) prefetch_block_tile<RBYTES, true, true, true>(P, it, table, t0 + L2_PREFETCH_TILES * TILE);
-    prefetch_block_tile<RBYTES, true, false, false>(P, it, table, t0 + PREFETCH_TILES * TILE);
+                              DecodeTile& T) {
+    T.ka = T.va = nullptr;
+    const int64_t ta = t0 + STREAM_TILES * TILE;
+    if (ta < it.t1) {
+        const int64_t b = table[block_index(P, ta)];
+        if ((uint64_t)b < (uint64_t)P.num_blocks) {
+            const int64_t ra = (b * P.Hkv + it.kvh) * P.bs + block_offset(P, ta);
+            T.ka = P.kc + ra * RBYTES;
+            T.va = P.vc + ra * RBYTES;
+            if (P.kts) {  // the tile's per-token scales: one line each
+                prefetch_l2(P.kts + ra);
+                prefetch_l2(P.vts + ra);
+            }
+        }
+    }
     const int64_t blk = table[block_index(P, t0)];
     if ((uint64_t)blk >= (uint64_t)P.num_blocks) return ERR_BLOCK_ID;
     const int64_t row0 = (blk * P.Hkv + it.kvh) * P.bs + block_offset(P, t0);
@@ -150,7 +187,6 @@ static inline int decode_tile(const Problem& P, const Item& it, const int64_t* t
     T.v = P.vc + row0 * RBYTES;
     T.n = (int)(it.t1 - t0 < TILE ? it.t1 - t0 : TILE);
     T.lead = it.k0 > t0 ? (int)(it.k0 - t0) : 0;  // rows before k0 (first tile only)
-    prefetch_rows<false, true, false>(P, row0 + T.lead, T.n - T.lead, RBYTES);
     T.have = lane_range(T.lead, T.n);
     T.kf = _mm512_set1_ps(sfac);
     T.vs = _mm512_set1_ps(1.0f);
@@ -255,23 +291,24 @@ static int run_item_decode(const Problem& P, const Item& item, float* ws) {
         const int nt = chunk_tiles(item, c0);
         for (int hd = 0; hd < item.nh; ++hd) {  // the heads' rows of a block lie together: read in order
             AvxDecodeHead<D, R>& H = heads[hd];
-            const uint8_t* vb[CT];
+            const uint8_t *vb[CT], *vahead[CT];
             __m512 s[R][CT], vsv[CT];
             __mmask16 valid[R][CT];
             for (int j = 0; j < nt; ++j) {
                 const int64_t t0 = c0 + j * TILE;
                 DecodeTile T;
-                if (decode_tile<RBYTES>(P, H.it, table, t0, H.sfac, item.nh == 1, T) != OK) return ERR_BLOCK_ID;
+                if (decode_tile<RBYTES>(P, H.it, table, t0, H.sfac, T) != OK) return ERR_BLOCK_ID;
                 const uint8_t* kb = T.k;
                 vb[j] = T.v;
+                vahead[j] = T.va;
                 vsv[j] = T.vs;
                 if (T.n < TILE || T.lead > 0) {  // rows past the sequence or before the window: read zeros instead
                     kb = pad_tile<RBYTES>(pad_k, kb, T.lead, T.n);
                     vb[j] = pad_tile<RBYTES>(T.lead > 0 ? pad_v_first : pad_v_last, vb[j], T.lead, T.n);
                 }
                 __m512 sc[R];
-                if (kch) tile_scores_inplace<KV, D, R, true>(kb, L, H.qhi, H.qlo, sc);
-                else tile_scores_inplace<KV, D, R, false>(kb, L, H.qhi, H.qlo, sc);
+                if (kch) tile_scores_inplace<KV, D, R, true>(kb, T.ka, L, H.qhi, H.qlo, sc);
+                else tile_scores_inplace<KV, D, R, false>(kb, T.ka, L, H.qhi, H.qlo, sc);
                 for (int r = 0; r < R; ++r) {  // visible tokens of this tile: [first - t0, limit - t0] within have
                     valid[r][j] = T.have & lane_range(lo[r] - t0, lim[r] - t0 + 1);
                     s[r][j] = _mm512_mask_mul_ps(_mm512_set1_ps(-INFINITY), valid[r][j], sc[r], T.kf);
@@ -280,7 +317,7 @@ static int run_item_decode(const Problem& P, const Item& item, float* ws) {
             for (int r = 0; r < R; ++r)  // row r's weights: tile j's at dwords (r * CT + j) * 8 of phi
                 alpha[r] = decode_weights(s[r], valid[r], vsv, P.vts != nullptr, nt, H.mx[r], H.sum[r],
                                           (uint16_t*)(phi + r * CT * 8), 32);
-            chunk_pv_inplace<KV, D, R>(vb, nt, L, phi, H.obuf, alpha);
+            chunk_pv_inplace<KV, D, R>(vb, vahead, nt, L, phi, H.obuf, alpha);
         }
     }
     for (int hd = 0; hd < item.nh; ++hd) heads[hd].template finish<KV>(P, w, nat, ws);

@@ -1,7 +1,8 @@
 // The decode item kernel on AMX tiles: decode_fn's items (<= 4 rows, bf16 compute, blocks of a multiple of 16
 // tokens, D = 64 / 128 / 256) where the call grants AMX (Problem::amx) and the K scales are not per channel. The
 // loop of run_item_decode (item_decode.h): chunks of CHUNK_TILES tiles of 16 tokens, one online-softmax step per
-// chunk with the same arithmetic (exp2_weights, bf16 weights), the same prefetches; the two products move to
+// chunk with the same arithmetic (exp2_weights, bf16 weights), the same stream of prefetches (stream_row: fp8 K as
+// it is decoded, a bf16 cache's K beside its S^T tiles, V as its pairs are built); the two products move to
 // tdpbf16ps. Why: vdpbf16ps retires ~1.8 G/s per core on the Xeon kv8 is measured on (a microbenchmark of 12
 // independent chains), and the AVX-512 kernel issues ~190 per tile of 16 tokens (R = 3, D = 64).
 //
@@ -113,13 +114,15 @@ static int run_item_decode_amx(const Problem& P, const Item& item, float* ws) {
             const uint8_t* vb[CT];
             __m512 s[R][CT], vsv[CT];
             __mmask16 valid[R][CT], have[CT];
-            // Per tile: prefetches, the block, K decoded for the A tiles (a bf16 cache's rows are read in place).
+            // Per tile: the block, K decoded for the A tiles (a bf16 cache's rows are read in place).
             const void* ka[CT];
+            const uint8_t *kahead[CT], *vahead[CT];
             __m512 kf[CT];
             for (int j = 0; j < nt; ++j) {
                 DecodeTile T;
-                if (decode_tile<RBYTES>(P, it, table, c0 + j * TILE, H.sfac, item.nh == 1, T) != OK)
-                    return ERR_BLOCK_ID;
+                if (decode_tile<RBYTES>(P, it, table, c0 + j * TILE, H.sfac, T) != OK) return ERR_BLOCK_ID;
+                kahead[j] = fp8 ? nullptr : T.ka;  // fp8: streamed as K is decoded; bf16: beside its S^T tiles
+                vahead[j] = T.va;
                 const uint8_t* kb = T.k;
                 const int lead = T.lead, n = T.n;
                 have[j] = T.have;
@@ -130,6 +133,7 @@ static int run_item_decode_amx(const Problem& P, const Item& item, float* ws) {
                 if (fp8) {
                     __m512i* kd = kbuf[j];
                     for (int t = 0; t < TILE; ++t) {
+                        stream_row<RBYTES>(T.ka, t);
                         const bool in = t >= lead && t < n;
                         for (int z = 0; z < D / 64; ++z) {
                             __m512i w0 = _mm512_setzero_si512(), w1 = _mm512_setzero_si512();
@@ -151,6 +155,7 @@ static int run_item_decode_amx(const Problem& P, const Item& item, float* ws) {
             }
             for (int j = 0; j < nt; ++j) {
                 const char* a = (const char*)ka[j];
+                for (int i = 0; i < TILE; ++i) stream_row<RBYTES>(kahead[j], i);
                 _tile_zero(2);
                 if (QT_RESIDENT) {
                     _tile_loadd(0, a, RA);
@@ -176,7 +181,9 @@ static int run_item_decode_amx(const Problem& P, const Item& item, float* ws) {
                         for (int g = 0; g < NG; ++g) _mm512_store_si512(dst + g * 16, _mm512_setzero_si512());
                         continue;
                     }
-                    const uint8_t* a = vb[j] + (2 * (u % 8)) * RBYTES;
+                    const int row = 2 * (u % 8);
+                    const uint8_t* a = vb[j] + row * RBYTES;
+                    for (int i = row; i < row + 2; ++i) stream_row<RBYTES>(vahead[j], i);
                     for (int z = 0; z < RBYTES / 64; ++z) {
                         __m512i v[4];
                         v_chunk_pairs<KV>(_mm512_loadu_si512(a + z * 64), _mm512_loadu_si512(a + RBYTES + z * 64),
