@@ -10,7 +10,7 @@
 
 static const int PANEL = 32;  // output columns per panel (two zmm registers of fp32 accumulators)
 static const int64_t ROW_CHUNK = 192;  // rows of x per pass over the weights (x chunk stays in L2)
-static const int FP8_PREFETCH_STEPS = 8;  // FP8 panels read once: k steps of codes prefetched (4..16 measured)
+static const int FP8_PREFETCH_STEPS = 8;  // FP8 panels read once: k steps of codes prefetched (4..24 measured)
 
 extern "C" int kv8_linear_available() { return KV8_LINEAR_FAST; }
 
@@ -177,11 +177,15 @@ static Fp8Tables make_e4m3_tables() {
 }
 
 // `panels` adjacent packed FP8 panels at src (each kp / 2 pair-rows of 64 codes) -> the bf16 packed layout
-// at dst (the same panels, 64 bf16 per pair-row).
-static inline void decode_panels_fp8(const uint8_t* src, int64_t panels, int64_t kp, uint16_t* dst) {
+// at dst (the same panels, 64 bf16 per pair-row). ahead (or NULL): as many 64-byte lines from there are
+// prefetched into L2, one beside each pair-row decoded (spread over the decode, they overlap it; a burst of them
+// stalls the core until line-fill buffers free).
+static inline void decode_panels_fp8(const uint8_t* src, int64_t panels, int64_t kp, uint16_t* dst,
+                                     const char* ahead = nullptr) {
     static const Fp8Tables L = make_e4m3_tables();
     const int64_t rows = panels * kp / 2;
     for (int64_t i = 0; i < rows; ++i) {
+        if (ahead) _mm_prefetch(ahead + i * 64, _MM_HINT_T1);
         __m512i w0, w1;
         fp8_table_decode<false>(_mm512_loadu_si512(src + i * 64), L, w0, w1);
         _mm512_store_si512(dst + i * 64, w0);
@@ -259,10 +263,9 @@ static inline void amx_panel(const uint16_t* x, int64_t K, const uint16_t* panel
             _tile_dpbf16ps(2, 5, 6);
             _tile_dpbf16ps(3, 5, 7);
         }
-        if (codes && k0 + 32 < K) {   // the codes FP8_PREFETCH_STEPS k steps ahead into L1 (past the panel: the next)
+        if (codes && k0 + 32 < K) {   // and the codes FP8_PREFETCH_STEPS k steps ahead into L2 (past a panel: the next)
             const char* ahead = (const char*)codes + (k0 + 32 * FP8_PREFETCH_STEPS) * 32;
-            for (int l = 0; l < 16; ++l) _mm_prefetch(ahead + 64 * l, _MM_HINT_T0);
-            decode_panels_fp8(codes + (k0 + 32) * 32, 1, 32, steps[((k0 / 32) + 1) & 1]);
+            decode_panels_fp8(codes + (k0 + 32) * 32, 1, 32, steps[((k0 / 32) + 1) & 1], ahead);
         }
         if (done < prev.rows) {
             const int to = done + per_step < prev.rows ? done + per_step : prev.rows;
