@@ -12,8 +12,8 @@ them to bf16 on the fly), on the same path.
 
 ``--before REV`` also builds the dense kernel library as of git revision REV (a temporary ``git worktree``;
 REV's ``kv8_linear`` / ``kv8_linear_pack`` must take the arguments the current wrapper passes), packs the same
-weights with it and times it in the same passes: columns ``before ms`` and ``speed-up`` (before / now), a
-kernel change's effect under the same machine conditions.
+weights with it and times it in the same passes: columns ``before ms`` and ``speed-up`` (before / now), and
+the same for the FP8 weights (``fp8 before``), a kernel change's effect under the same machine conditions.
 
     .venv/bin/python benchmarks/bench_linear.py
     .venv/bin/python benchmarks/bench_linear.py --rows 8,32,2048 --before HEAD~1
@@ -96,6 +96,7 @@ def run(args: argparse.Namespace, before: DenseKernels | None) -> None:
     amx = kernels.amx
     # the same layers on the library of --before (the same Python path, AMX tiles where the current one uses them)
     packed_before = packed_layers(weights, DenseBackend("packed_bf16", before)) if before is not None else []
+    fp8_before = packed_layers(weights, DenseBackend("packed_bf16", before, "fp8")) if before is not None else []
     if before is not None:
         before.amx = amx
     print(f"{args.layers} layers, {nbytes / 1e6:.0f} MB of bf16 weights, {torch.get_num_threads()} threads, "
@@ -103,7 +104,7 @@ def run(args: argparse.Namespace, before: DenseKernels | None) -> None:
           + (f"; before = kv8's kernels as of {args.before}" if before is not None else ""))
     extra = f" {'fp8 ms':>8} {'bf16/fp8':>9}"
     extra += f" {'vdpbf16ps ms':>13} {'AMX/vdpbf16ps':>14}" if amx else ""
-    extra += f" {'before ms':>10} {'speed-up':>9}" if before is not None else ""
+    extra += f" {'before ms':>10} {'speed-up':>9} {'fp8 before':>11} {'speed-up':>9}" if before is not None else ""
     print(f"{'M':>6} {'torch ms':>10} {'kv8 ms':>10} {'torch GB/s':>11} {'kv8 GB/s':>10} {'speed-up':>9}{extra}")
     with torch.inference_mode():
         for m in (int(v) for v in args.rows.split(",")):
@@ -126,6 +127,9 @@ def run(args: argparse.Namespace, before: DenseKernels | None) -> None:
             def run_before(xs: dict[int, torch.Tensor] = xs) -> None:
                 run_kv8(xs, packed_before)
 
+            def run_fp8_before(xs: dict[int, torch.Tensor] = xs) -> None:
+                run_kv8(xs, fp8_before)
+
             def run_avx512(xs: dict[int, torch.Tensor] = xs) -> None:
                 kernels.amx = False
                 try:
@@ -138,6 +142,7 @@ def run(args: argparse.Namespace, before: DenseKernels | None) -> None:
                 fns["vdpbf16ps"] = run_avx512
             if before is not None:
                 fns["before"] = run_before
+                fns["fp8 before"] = run_fp8_before
             t = best_of(fns, reps)
             t_torch, t_kv8 = t["torch"], t["kv8"]
             row = (f"{m:>6} {t_torch * 1e3:>10.2f} {t_kv8 * 1e3:>10.2f} {nbytes / t_torch / 1e9:>11.1f} "
@@ -146,7 +151,8 @@ def run(args: argparse.Namespace, before: DenseKernels | None) -> None:
             if amx:
                 row += f" {t['vdpbf16ps'] * 1e3:>13.2f} {t['vdpbf16ps'] / t_kv8:>14.2f}"
             if before is not None:
-                row += f" {t['before'] * 1e3:>10.2f} {t['before'] / t_kv8:>9.2f}"
+                row += (f" {t['before'] * 1e3:>10.2f} {t['before'] / t_kv8:>9.2f} {t['fp8 before'] * 1e3:>11.2f} "
+                        f"{t['fp8 before'] / t['fp8']:>9.2f}")
             print(row)
 
 
