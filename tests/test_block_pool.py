@@ -21,7 +21,7 @@ def test_pool_hands_out_blocks_in_order_and_frees_to_the_tail():
     assert pool.get_new_blocks(3) == [0, 1, 2]
     assert pool.get_new_blocks(2) == [3, 4]
     pool.free_blocks([4, 1])          # 4 then 1 join the tail of the free queue (after 5)
-    assert pool.get_new_blocks(3) == [5, 4, 1]
+    assert pool.get_new_blocks(3) == [1, 4, 5]   # the queue's first three, in ascending (address) order
     with pytest.raises(RuntimeError):
         pool.get_new_blocks(1)
     with pytest.raises(RuntimeError):
@@ -84,10 +84,13 @@ def test_lru_eviction_order_and_reuse_of_free_cached_blocks():
     assert kv.allocate_slots(b, 1, hits) and kv.block_ids("b") == ((0, 1, 3),)
     assert list(kv.pools[0]._free) == [2]
     kv.free(b)
-    # New blocks evict from the front: 2 (uncached), then 3, then 1 (cached: its hash is dropped), then 0.
-    c = req("c", [7] * 7)
-    assert kv.allocate_slots(c, 7) and kv.block_ids("c") == ((2, 3, 1, 0),)
-    assert kv.pools[0].cached == {}
+    assert list(kv.pools[0]._free) == [2, 3, 1, 0]
+    # New blocks evict from the front: 2 (uncached), then 3, then 1 (cached: its hash is dropped); 0 stays cached.
+    # The blocks taken in one call come back in ascending id (address) order.
+    c = req("c", [7] * 5)
+    assert kv.allocate_slots(c, 5) and kv.block_ids("c") == ((1, 2, 3),)
+    assert set(kv.pools[0].cached.values()) == {0}
+    assert list(kv.pools[0]._free) == [0]
     kv.free(c)
     kv.check_integrity()
 

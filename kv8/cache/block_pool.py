@@ -52,8 +52,13 @@ class BlockPool:
         return 1.0 - len(self._free) / self.num_blocks
 
     def get_new_blocks(self, n: int) -> list[int]:
-        """Take ``n`` blocks from the front of the free queue, evicting their cached contents.
+        """Take ``n`` blocks from the front of the free queue, evicting their cached contents; returned in
+        ascending id order.
 
+        Which blocks are taken is the queue's (eviction) order; the order they are returned in is the order of
+        addresses, so a request's blocks taken in one call lie at ascending addresses in every layer's cache even
+        when they were freed in reverse. The decode attention kernels read a sequence's blocks in table order,
+        and the hardware prefetchers stream ascending runs (docs/benchmarks.md, "Blocks in ascending order").
         The caller checks ``num_free_blocks`` first; asking for more raises ``RuntimeError`` (a bug).
         """
         if n > len(self._free):
@@ -67,6 +72,7 @@ class BlockPool:
                 block.block_hash = None
             block.ref_cnt = 1
             out.append(block_id)
+        out.sort()
         return out
 
     def lookup(self, block_hash: bytes) -> int | None:
