@@ -118,11 +118,11 @@ static inline const uint8_t* pad_tile(uint8_t* pad, const uint8_t* src, int lead
 template <int RBYTES, bool K, bool V, bool L2>
 static inline void prefetch_block_tile(const Problem& P, const Item& it, const int64_t* table, int64_t t0) {
     if (t0 >= it.t1) return;
-    const int64_t blk = table[block_index(P, t0)];
-    if ((uint64_t)blk >= (uint64_t)P.num_blocks) return;
+    const int64_t row0 = head_row(P, it, table, t0);
+    if (row0 < 0) return;
     const int lead = it.k0 > t0 ? (int)(it.k0 - t0) : 0;
     const int n = (int)(it.t1 - t0 < TILE ? it.t1 - t0 : TILE);
-    prefetch_rows<K, V, L2>(P, (blk * P.Hkv + it.kvh) * P.bs + block_offset(P, t0) + lead, n - lead, RBYTES);
+    prefetch_rows<K, V, L2>(P, row0 + lead, n - lead, RBYTES);
 }
 
 // Tiles of the chunk at c0: CHUNK_TILES but at the item's end.
@@ -168,21 +168,17 @@ static inline int decode_tile(const Problem& P, const Item& it, const int64_t* t
                               DecodeTile& T) {
     T.ka = T.va = nullptr;
     const int64_t ta = t0 + STREAM_TILES * TILE;
-    if (ta < it.t1) {
-        const int64_t b = table[block_index(P, ta)];
-        if ((uint64_t)b < (uint64_t)P.num_blocks) {
-            const int64_t ra = (b * P.Hkv + it.kvh) * P.bs + block_offset(P, ta);
-            T.ka = P.kc + ra * RBYTES;
-            T.va = P.vc + ra * RBYTES;
-            if (P.kts) {  // the tile's per-token scales: one line each
-                prefetch_l2(P.kts + ra);
-                prefetch_l2(P.vts + ra);
-            }
+    const int64_t ra = ta < it.t1 ? head_row(P, it, table, ta) : -1;
+    if (ra >= 0) {
+        T.ka = P.kc + ra * RBYTES;
+        T.va = P.vc + ra * RBYTES;
+        if (P.kts) {  // the tile's per-token scales: one line each
+            prefetch_l2(P.kts + ra);
+            prefetch_l2(P.vts + ra);
         }
     }
-    const int64_t blk = table[block_index(P, t0)];
-    if ((uint64_t)blk >= (uint64_t)P.num_blocks) return ERR_BLOCK_ID;
-    const int64_t row0 = (blk * P.Hkv + it.kvh) * P.bs + block_offset(P, t0);
+    const int64_t row0 = head_row(P, it, table, t0);
+    if (row0 < 0) return ERR_BLOCK_ID;
     T.k = P.kc + row0 * RBYTES;
     T.v = P.vc + row0 * RBYTES;
     T.n = (int)(it.t1 - t0 < TILE ? it.t1 - t0 : TILE);

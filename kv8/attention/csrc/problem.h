@@ -99,6 +99,14 @@ static inline Item head_item(const Item& it, int h, int rows, int D) {
     return one;
 }
 
+// The cache row of position pos of item it's KV head (block, head and offset flattened: its K / V codes start at
+// row * row bytes, its per-token scale is entry row), or -1 where the block table (the item's row) gives a block
+// id outside the cache.
+static inline int64_t head_row(const Problem& P, const Item& it, const int64_t* table, int64_t pos) {
+    const int64_t blk = table[block_index(P, pos)];
+    return (uint64_t)blk < (uint64_t)P.num_blocks ? (blk * P.Hkv + it.kvh) * P.bs + block_offset(P, pos) : -1;
+}
+
 typedef int (*ItemFn)(const Problem&, const Item&, float*);  // runs one item; 0 or an error code
 // How many KV heads (1 .. MAX_ITEM_HEADS) one item of `rows` rows may take: more than 1 only where the kernel
 // that serves such items reads several heads (the decode kernels).
@@ -169,9 +177,8 @@ static inline bool tile_rows(const Problem& P, const Item& it, int64_t t0, int n
     const int64_t row_bytes = (int64_t)P.D * P.esize;
     const int lead = it.k0 > t0 ? (int)(it.k0 - t0) : 0;  // < n: an item's tiles all hold a position >= k0
     if (P.bs % TILE == 0) {  // t0 is a multiple of TILE: the whole tile lies in one block (that of k0)
-        int64_t blk = table[block_index(P, t0)];
-        if ((uint64_t)blk >= (uint64_t)P.num_blocks) return false;
-        int64_t row0 = (blk * P.Hkv + it.kvh) * P.bs + block_offset(P, t0);
+        const int64_t row0 = head_row(P, it, table, t0);
+        if (row0 < 0) return false;
         const uint8_t* kb = P.kc + row0 * row_bytes;
         const uint8_t* vb = P.vc + row0 * row_bytes;
         for (int t = 0; t < TILE; ++t) {
@@ -198,10 +205,8 @@ static inline bool tile_rows(const Problem& P, const Item& it, int64_t t0, int n
             kr[t] = vr[t] = ZERO_ROW;
             if (P.kts) ksc[t] = vsc[t] = 0.0f;
         } else if (t < n) {
-            int64_t pos = t0 + t;
-            int64_t blk = table[block_index(P, pos)];
-            if ((uint64_t)blk >= (uint64_t)P.num_blocks) return false;
-            int64_t row = (blk * P.Hkv + it.kvh) * P.bs + block_offset(P, pos);
+            const int64_t row = head_row(P, it, table, t0 + t);
+            if (row < 0) return false;
             kr[t] = P.kc + row * row_bytes;
             vr[t] = P.vc + row * row_bytes;
             if (P.kts) {
@@ -248,12 +253,11 @@ static inline void prefetch_tile(const Problem& P, const Item& it, int64_t t0) {
     const int64_t* table = P.bt + (int64_t)it.seq * P.bt_stride;
     const int64_t row_bytes = (int64_t)P.D * P.esize;
     for (int t = it.k0 > t0 ? (int)(it.k0 - t0) : 0; t < n;) {
-        int64_t pos = t0 + t;
-        int64_t blk = table[block_index(P, pos)];
-        if ((uint64_t)blk >= (uint64_t)P.num_blocks) return;
-        int64_t off = block_offset(P, pos);
-        int run = (int)(P.bs - off < n - t ? P.bs - off : n - t);  // rows of this tile in this block
-        prefetch_rows<K, V, L2>(P, (blk * P.Hkv + it.kvh) * P.bs + off, run, row_bytes);
+        const int64_t row = head_row(P, it, table, t0 + t);
+        if (row < 0) return;
+        const int64_t off = block_offset(P, t0 + t);
+        const int run = (int)(P.bs - off < n - t ? P.bs - off : n - t);  // rows of this tile in this block
+        prefetch_rows<K, V, L2>(P, row, run, row_bytes);
         t += run;
     }
 }

@@ -27,7 +27,8 @@ static inline __m128i fp8_encode16(__m512 x) {
     const __m512i absb = _mm512_and_si512(b, _mm512_set1_epi32(0x7fffffff));
     const __mmask16 nan = _mm512_cmpgt_epi32_mask(absb, _mm512_set1_epi32(0x7f800000));
     const __mmask16 neg = _mm512_cmplt_epi32_mask(b, _mm512_setzero_si512());
-    const __m512 a = _mm512_min_ps(_mm512_castsi512_ps(absb), _mm512_set1_ps(Fp8Format<FMT>::MAXF));   // NaN lanes: replaced below
+    // NaN lanes: replaced below
+    const __m512 a = _mm512_min_ps(_mm512_castsi512_ps(absb), _mm512_set1_ps(Fp8Format<FMT>::MAXF));
     const __mmask16 sub = _mm512_cmp_ps_mask(a, _mm512_set1_ps(ldexpf(1.0f, 1 - BIAS)), _CMP_LT_OQ);
     const __m512i code_sub = _mm512_cvt_roundps_epi32(_mm512_mul_ps(a, _mm512_set1_ps(ldexpf(1.0f, BIAS - 1 + MB))),
                                                       _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
@@ -117,13 +118,14 @@ static int run_store(const kv8_layer& L, const kv8_store_call& C) {
     const int64_t work = T * H * D;
     int nt = work >= 65536 ? nthreads : 1;
     // Work row th (K rows, then V rows; token-major, head-minor): its row of the cache, (block, head, offset)
-    // flattened -- its codes start at row * D elements, its dynamic scale (if any) is entry row -- and that start.
+    // flattened -- its codes start at row * D elements, its dynamic scale (if any) is entry row -- and that start
+    // in the K (which = 0) or V cache.
     auto cache_row = [&](int64_t th) {
         const int64_t slot = slots[(th % (T * H)) / H];
         return (slot / bs * H + th % H) * bs + slot % bs;
     };
-    auto row_dst = [&](int64_t th) {
-        return (uint8_t*)(th / (T * H) ? v_cache : k_cache) + cache_row(th) * D * (int64_t)es;
+    auto row_dst = [&](int which, int64_t row) {
+        return (uint8_t*)(which ? v_cache : k_cache) + row * D * (int64_t)es;
     };
 #pragma omp parallel num_threads(nt)
     {
@@ -132,7 +134,8 @@ static int run_store(const kv8_layer& L, const kv8_store_call& C) {
 #pragma omp for schedule(static)
         for (int64_t th = 0; th < 2 * T * H; ++th) {
             if (th + STORE_PREFETCH_ROWS < 2 * T * H) {   // the rows' cache lines are scattered (one per block):
-                const uint8_t* ahead = row_dst(th + STORE_PREFETCH_ROWS);   // their misses overlap this way
+                const int64_t ta = th + STORE_PREFETCH_ROWS;   // their misses overlap this way
+                const uint8_t* ahead = row_dst((int)(ta / (T * H)), cache_row(ta));
                 for (int64_t b = 0; b < (int64_t)D * es; b += 64) prefetch_for_write(ahead + b);
             }
             int which = (int)(th / (T * H));  // 0 = K, 1 = V
@@ -141,8 +144,9 @@ static int run_store(const kv8_layer& L, const kv8_store_call& C) {
             const void* src = which ? value : key;
             const float* sc = which ? v_scale : k_scale;
             int64_t hs = which ? vs_hs : ks_hs, ds = which ? vs_ds : ks_ds;
-            uint8_t* dst = row_dst(th);
-            float* ts = k_token_scales ? (which ? v_token_scales : k_token_scales) + cache_row(th) : nullptr;
+            const int64_t row = cache_row(th);
+            uint8_t* dst = row_dst(which, row);
+            float* ts = k_token_scales ? (which ? v_token_scales : k_token_scales) + row : nullptr;
             int64_t s0 = (t * H + h) * (int64_t)D;
             if ((kv == KV_BF16 && in_dtype == DT_BF16) || (kv == KV_F16 && in_dtype == DT_F16) ||
                 (kv == KV_F32 && in_dtype == DT_F32)) {
