@@ -110,8 +110,8 @@ def _reference(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, bias: 
 @pytest.mark.parametrize("bias", [False, True])
 def test_fp8_kernel_matches_the_float64_reference(lib: DenseKernels, path: str, n: int, k: int, m: int,
                                                   bias: bool) -> None:
-    """Both paths (AMX where K % 32 == 0: M <= 32 decodes each k step ahead of the tiles, larger M a whole panel
-    per chunk of rows), odd N and K, one rounding to bf16 of an fp32 sum."""
+    """Both paths (AMX where K % 32 == 0: M <= 32 decodes each k step ahead of the tiles, larger M whole panels
+    once per call), odd N and K, one rounding to bf16 of an fp32 sum."""
     codes, scale = quantize_fp8_rows(_weight(n, k, seed=n + k))
     b = torch.randn(n, generator=torch.Generator().manual_seed(3)) if bias else None
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).bfloat16()
@@ -143,7 +143,7 @@ def test_fp8_packing_holds_each_code_once(lib: DenseKernels) -> None:
 
 
 def test_fp8_rows_do_not_depend_on_the_batch(lib: DenseKernels, path: str) -> None:
-    """M <= 32 (decoded per k step) and M = 40 (a panel decoded per chunk) give every row the same bits."""
+    """M <= 32 (decoded per k step) and M = 40 (whole panels decoded first) give every row the same bits."""
     codes, scale = quantize_fp8_rows(_weight(100, 96, seed=5))
     packed = lib.pack_fp8(codes)
     x = torch.randn(40, 96).bfloat16()
@@ -151,6 +151,22 @@ def test_fp8_rows_do_not_depend_on_the_batch(lib: DenseKernels, path: str) -> No
     for i in (0, 17, 39):
         assert torch.equal(whole[i:i + 1], lib.linear(x[i:i + 1], packed, 100, None, scale=scale))
     assert torch.equal(whole[3:30], lib.linear(x[3:30], packed, 100, None, scale=scale))
+
+
+def test_fp8_panels_decoded_in_groups_give_the_rows_of_one_row_calls(lib: DenseKernels, path: str) -> None:
+    """M = 200 rows (two chunks of 192) and 32 panels of K = 1,536 codes: each thread decodes its panels a group
+    at a time (1 MiB of bf16: 10 panels) and both chunks pass over every group. Every row has the bits of a
+    one-row call (which decodes each k step ahead instead) and the float64 reference's value."""
+    codes, scale = quantize_fp8_rows(_weight(1000, 1536, seed=11))
+    packed = lib.pack_fp8(codes)
+    b = torch.randn(1000, generator=torch.Generator().manual_seed(4))
+    x = torch.randn(200, 1536, generator=torch.Generator().manual_seed(6)).bfloat16()
+    whole = lib.linear(x, packed, 1000, b, scale=scale)
+    for i in (0, 150, 191, 192, 199):
+        assert torch.equal(whole[i:i + 1], lib.linear(x[i:i + 1], packed, 1000, b, scale=scale))
+    exact = _reference(x, codes, scale, b)
+    abs_sum = (x.double().abs() @ E4M3.decode(codes).double().abs().T) * scale.double()
+    assert bool(((whole.double() - exact).abs() <= exact.abs() * 2.0 ** -8 + abs_sum * 2.0 ** -16).all())
 
 
 # ---- layers -------------------------------------------------------------------------------------------------------

@@ -11,6 +11,18 @@
 static const int PANEL = 32;  // output columns per panel (two zmm registers of fp32 accumulators)
 static const int64_t ROW_CHUNK = 192;  // rows of x per pass over the weights (x chunk stays in L2)
 static const int FP8_PREFETCH_STEPS = 8;  // FP8 panels read once: k steps of codes prefetched (4..24 measured)
+// FP8 weights with several chunks of rows (prefill): a thread decodes this many bytes of its panels (bf16) at a
+// time and passes every chunk over them, so each panel is decoded once per call, not once per chunk.
+static const int64_t FP8_GROUP_BYTES = 1 << 20;
+
+// Panels decoded at a time by a thread (FP8; see FP8_GROUP_BYTES): one where the call has one chunk of rows (the
+// panel is decoded once anyway and its bf16 stays in L1), else as many as FP8_GROUP_BYTES holds, rounded down to
+// a multiple of `align` (the vdpbf16ps path walks panels in pairs), at least `align`.
+static inline int64_t fp8_group(int64_t M, int64_t kp, int64_t align) {
+    if (M <= ROW_CHUNK) return align;
+    const int64_t fit = FP8_GROUP_BYTES / (PANEL * kp * 2) / align * align;
+    return fit > align ? fit : align;
+}
 
 extern "C" int kv8_linear_available() { return KV8_LINEAR_FAST; }
 
@@ -160,8 +172,8 @@ static inline void row_blocks(const MicroFn* table, int max_mr, const uint16_t* 
 
 #if KV8_LINEAR_FAST
 // FP8 (E4M3) weights: the codes of the packed layout, one byte per value, in the order fp8_table_decode
-// (../../fp8_bf16.h) turns into the bf16 packed layout (kv8_linear_fp8). Byte b of a pair-row's 64 codes holds bf16 value
-// v(b) = 8 (b / 16) + b % 8 for b % 16 < 8, else 32 + 8 (b / 16) + b % 8 -- the decode's lane order -- so one
+// (../../fp8_bf16.h) turns into the bf16 packed layout (kv8_linear_fp8). Byte b of a pair-row's 64 codes holds
+// bf16 value v(b) = 8 (b / 16) + b % 8 for b % 16 < 8, else 32 + 8 (b / 16) + b % 8 -- the decode's lane order -- so one
 // 64-byte load decodes into the pair-row's 32 + 32 bf16 values (columns 0..15, then 16..31).
 // The E4M3 (fn) tables: bias 7, subnormals at e = 0, 0x7F NaN (never produced by the quantizer: it saturates).
 static Fp8Tables make_e4m3_tables() {
@@ -301,8 +313,11 @@ static int linear_amx(const uint16_t* x, int64_t M, int64_t K, const void* packe
     }
     const int threads = (int)(panels < nthreads ? panels : nthreads);
     const bool once = M <= 32;  // one row block per panel: the panel is read once (amx_panel's ONCE)
-    uint16_t* decoded = nullptr;   // FP8 with several row blocks per panel: each thread's decoded panel
-    if (FP8 && !once && !(decoded = (uint16_t*)aligned_alloc(64, (size_t)threads * PANEL * K * 2))) {
+    // FP8 with several row blocks per panel: each thread decodes `group` panels at a time into its buffer, and
+    // every chunk of rows passes over them (one group: the order of the bf16 path, chunks outside panels).
+    const int64_t group = FP8 && !once ? fp8_group(M, K, 1) : panels;
+    uint16_t* decoded = nullptr;
+    if (FP8 && !once && !(decoded = (uint16_t*)aligned_alloc(64, (size_t)threads * group * PANEL * K * 2))) {
         free(pad);
         return 8;
     }
@@ -310,30 +325,31 @@ static int linear_amx(const uint16_t* x, int64_t M, int64_t K, const void* packe
     {
         amx_load_config(arows, 6);  // A and C tiles (0..5) of arows rows, B tiles of 16
         alignas(64) float cbuf[2][32 * 32];   // a block's sums, and the previous block's awaiting its epilogue
-        uint16_t* dec = decoded ? decoded + (size_t)omp_get_thread_num() * PANEL * K : nullptr;
+        const int t = omp_get_thread_num(), nt = omp_get_num_threads();
+        uint16_t* dec = decoded ? decoded + (size_t)t * group * PANEL * K : nullptr;
         PendingBlock prev = {nullptr, 0, 0, 0};
         int cur = 0;
-        const int t = omp_get_thread_num(), nt = omp_get_num_threads();
         const int64_t p0 = panels * t / nt, p1 = panels * (t + 1) / nt;
-        for (int64_t m0 = 0; m0 < M; m0 += ROW_CHUNK) {
-            const int64_t m1 = M - m0 < ROW_CHUNK ? M : m0 + ROW_CHUNK;
-            for (int64_t p = p0; p < p1; ++p) {
-                const uint16_t* panel = (const uint16_t*)packed + p * PANEL * K;
-                const uint8_t* codes = FP8 && once ? (const uint8_t*)packed + p * PANEL * K : nullptr;
-                if (FP8 && !once) {   // once per chunk: its row blocks read the decoded panel from L1/L2
-                    decode_panels_fp8((const uint8_t*)packed + p * PANEL * K, 1, K, dec);
-                    panel = dec;
-                }
-                for (int64_t r0 = m0; r0 < m1; r0 += 32) {
-                    const int n = (int)(M - r0 < 32 ? M - r0 : 32);
-                    const uint16_t* src = r0 < full || !pad ? x + r0 * K : pad;
-                    float* c = cbuf[cur];
-                    if (n > 16 && once) amx_panel<2, GATED, true>(src, K, panel, c, prev, bias, scale, N, out, codes);
-                    else if (n > 16) amx_panel<2, GATED, false>(src, K, panel, c, prev, bias, scale, N, out);
-                    else if (once) amx_panel<1, GATED, true>(src, K, panel, c, prev, bias, scale, N, out, codes);
-                    else amx_panel<1, GATED, false>(src, K, panel, c, prev, bias, scale, N, out);
-                    prev = {cbuf[cur], n, r0, p * PANEL};
-                    cur ^= 1;
+        for (int64_t g0 = p0; g0 < p1; g0 += group) {
+            const int64_t g1 = p1 - g0 < group ? p1 : g0 + group;
+            if (dec) decode_panels_fp8((const uint8_t*)packed + g0 * PANEL * K, g1 - g0, K, dec);
+            for (int64_t m0 = 0; m0 < M; m0 += ROW_CHUNK) {
+                const int64_t m1 = M - m0 < ROW_CHUNK ? M : m0 + ROW_CHUNK;
+                for (int64_t p = g0; p < g1; ++p) {
+                    const uint16_t* panel = dec ? dec + (p - g0) * PANEL * K : (const uint16_t*)packed + p * PANEL * K;
+                    const uint8_t* codes = FP8 && once ? (const uint8_t*)packed + p * PANEL * K : nullptr;
+                    for (int64_t r0 = m0; r0 < m1; r0 += 32) {
+                        const int n = (int)(M - r0 < 32 ? M - r0 : 32);
+                        const uint16_t* src = r0 < full || !pad ? x + r0 * K : pad;
+                        float* c = cbuf[cur];
+                        if (n > 16 && once)
+                            amx_panel<2, GATED, true>(src, K, panel, c, prev, bias, scale, N, out, codes);
+                        else if (n > 16) amx_panel<2, GATED, false>(src, K, panel, c, prev, bias, scale, N, out);
+                        else if (once) amx_panel<1, GATED, true>(src, K, panel, c, prev, bias, scale, N, out, codes);
+                        else amx_panel<1, GATED, false>(src, K, panel, c, prev, bias, scale, N, out);
+                        prev = {cbuf[cur], n, r0, p * PANEL};
+                        cur ^= 1;
+                    }
                 }
             }
         }
@@ -364,8 +380,11 @@ static int linear_avx512(const uint16_t* x, int64_t M, int64_t K, const void* pa
     const MicroFn* micro1 = gated ? MICRO1<true> : MICRO1<false>;
     const MicroFn* micro2 = gated ? MICRO2<true> : MICRO2<false>;
     const int threads = (int)(panels < nthreads ? panels : nthreads);
-    uint16_t* decoded = nullptr;   // FP8: each thread's two decoded panels
-    if (FP8 && !(decoded = (uint16_t*)aligned_alloc(64, (size_t)threads * 2 * PANEL * kp * 2))) return 8;
+    // FP8: each thread decodes `group` panels at a time (fp8_group: a pair where the call has one chunk of rows)
+    // into its buffer, and every chunk passes over them.
+    const int64_t group = FP8 ? fp8_group(M, kp, 2) : panels;
+    uint16_t* decoded = nullptr;
+    if (FP8 && !(decoded = (uint16_t*)aligned_alloc(64, (size_t)threads * group * PANEL * kp * 2))) return 8;
     // Rows go in chunks of ROW_CHUNK so that a chunk of x stays in L2 while every panel passes over it.
     // Within a chunk each thread takes a contiguous run of panels and walks it two panels (64 columns) at
     // a time, one panel for an odd one left over.
@@ -373,25 +392,26 @@ static int linear_avx512(const uint16_t* x, int64_t M, int64_t K, const void* pa
     {
         const int t = omp_get_thread_num(), nt = omp_get_num_threads();
         const int64_t p0 = panels * t / nt, p1 = panels * (t + 1) / nt;
-        uint16_t* dec = FP8 ? decoded + (size_t)t * 2 * PANEL * kp : nullptr;
-        for (int64_t m0 = 0; m0 < M; m0 += ROW_CHUNK) {
-            const int64_t rows = M - m0 < ROW_CHUNK ? M - m0 : ROW_CHUNK;
-            const uint16_t* xc = x + m0 * K;
-            uint16_t* oc = out + m0 * N;
-            for (int64_t p = p0; p < p1; p += 2) {
-                const uint16_t* panel = (const uint16_t*)packed + p * PANEL * kp;
-                // Prefetch the next two panels while this pair computes (within the thread's run): with
-                // several row blocks per panel the compute no longer waits for DRAM. FP8: the pair is decoded
-                // first (a sequential read the hardware prefetchers follow).
-                const uint16_t* next = !FP8 && p + 3 < p1 ? panel + 2 * PANEL * kp : nullptr;
-                if (FP8) {
-                    decode_panels_fp8((const uint8_t*)packed + p * PANEL * kp, p + 1 < p1 ? 2 : 1, kp, dec);
-                    panel = dec;
-                }
-                if (p + 1 < p1) {
-                    row_blocks(micro2, MAX_MR2, xc, rows, K, panel, kp, bias, scale, p * PANEL, N, oc, next);
-                } else {
-                    row_blocks(micro1, MAX_MR1, xc, rows, K, panel, kp, bias, scale, p * PANEL, N, oc, nullptr);
+        uint16_t* dec = FP8 ? decoded + (size_t)t * group * PANEL * kp : nullptr;
+        for (int64_t g0 = p0; g0 < p1; g0 += group) {
+            const int64_t g1 = p1 - g0 < group ? p1 : g0 + group;
+            if (FP8) decode_panels_fp8((const uint8_t*)packed + g0 * PANEL * kp, g1 - g0, kp, dec);
+            for (int64_t m0 = 0; m0 < M; m0 += ROW_CHUNK) {
+                const int64_t rows = M - m0 < ROW_CHUNK ? M - m0 : ROW_CHUNK;
+                const uint16_t* xc = x + m0 * K;
+                uint16_t* oc = out + m0 * N;
+                for (int64_t p = g0; p < g1; p += 2) {
+                    const uint16_t* panel = FP8 ? dec + (p - g0) * PANEL * kp
+                                                : (const uint16_t*)packed + p * PANEL * kp;
+                    // Prefetch the next two panels while this pair computes (within the thread's run): with
+                    // several row blocks per panel the compute no longer waits for DRAM. FP8: the group was
+                    // decoded first (a sequential read the hardware prefetchers follow).
+                    const uint16_t* next = !FP8 && p + 3 < p1 ? panel + 2 * PANEL * kp : nullptr;
+                    if (p + 1 < g1) {
+                        row_blocks(micro2, MAX_MR2, xc, rows, K, panel, kp, bias, scale, p * PANEL, N, oc, next);
+                    } else {
+                        row_blocks(micro1, MAX_MR1, xc, rows, K, panel, kp, bias, scale, p * PANEL, N, oc, nullptr);
+                    }
                 }
             }
         }
@@ -433,7 +453,7 @@ extern "C" int kv8_linear(const uint16_t* x, int64_t M, int64_t K, const uint16_
 // kv8_linear with FP8 (E4M3) weights: packed holds kv8_linear_packed_size(N, K) codes in the FP8 order (see
 // decode_panels_fp8) of W_q, where W = W_q * scale per output row; scale [N] float32 (for a gated matrix: one
 // value per packed row, in the interleaved order of its bias). Each panel is decoded to bf16 (exactly: every
-// E4M3 value is a bf16) once per chunk of rows, then multiplied as kv8_linear multiplies a bf16 panel; the
+// E4M3 value is a bf16) once per call (fp8_group), then multiplied as kv8_linear multiplies a bf16 panel; the
 // epilogue computes acc * scale + bias before the rounding to bf16.
 extern "C" int kv8_linear_fp8(const uint16_t* x, int64_t M, int64_t K, const uint8_t* packed, int64_t N,
                               const float* scale, const float* bias, uint16_t* out, int nthreads, int gated,
