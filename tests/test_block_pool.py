@@ -1,4 +1,5 @@
-"""Block pool and KV cache manager: exact block ids, reference counts, prefix hits and LRU eviction order."""
+"""Block pool and KV cache manager: exact block ids, reference counts, prefix hits, empty blocks before
+evictions and LRU eviction order."""
 
 from __future__ import annotations
 
@@ -16,17 +17,60 @@ def req(rid: str, tokens: list[int], **params) -> Request:
                    generator=torch.Generator(), max_tokens=16, eos_token_ids=frozenset())
 
 
-def test_pool_hands_out_blocks_in_order_and_frees_to_the_tail():
+def test_pool_hands_out_empty_blocks_lowest_first():
     pool = BlockPool(6, enable_prefix_caching=True)
     assert pool.get_new_blocks(3) == [0, 1, 2]
     assert pool.get_new_blocks(2) == [3, 4]
-    pool.free_blocks([4, 1])          # 4 then 1 join the tail of the free queue (after 5)
-    assert pool.get_new_blocks(3) == [1, 4, 5]   # the queue's first three, in ascending (address) order
+    pool.free_blocks([4, 1])          # empty blocks: they join the heap, whatever the order they are freed in
+    assert pool.get_new_blocks(2) == [1, 4]      # the lowest free ids (not 5, which was free all along)
+    pool.free_blocks([4, 1])
+    assert pool.get_new_blocks(3) == [1, 4, 5]   # in ascending (address) order
     with pytest.raises(RuntimeError):
         pool.get_new_blocks(1)
     with pytest.raises(RuntimeError):
         pool.free_blocks([5, 5])      # double free
     pool.check_integrity()
+
+
+def test_blocks_freed_in_reverse_come_back_as_one_ascending_run():
+    """Without prefix caching every freed block is empty: after a batch of requests frees its blocks (each
+    request tail first), the next request's blocks are the lowest ids, a contiguous ascending run."""
+    kv = KVCacheManager.full_attention(num_blocks=16, block_size=4, enable_prefix_caching=False)
+    reqs = [req(r, list(range(20))) for r in "abc"]
+    for r in reqs:
+        assert kv.allocate_slots(r, 20)
+    assert [kv.block_ids(r.request_id)[0] for r in reqs] == [(0, 1, 2, 3, 4), (5, 6, 7, 8, 9), (10, 11, 12, 13, 14)]
+    for r in (reqs[1], reqs[0], reqs[2]):
+        kv.free(r)
+    d = req("d", list(range(28)))
+    assert kv.allocate_slots(d, 28) and kv.block_ids("d") == ((0, 1, 2, 3, 4, 5, 6),)
+    kv.check_integrity()
+
+
+def test_empty_blocks_are_used_before_a_cached_block_is_evicted():
+    """A cached prefix freed before some empty blocks stays cached while empty blocks are left (an LRU over all
+    free blocks would evict it first, being least recently freed)."""
+    kv = KVCacheManager.full_attention(num_blocks=5, block_size=2, enable_prefix_caching=True)
+    pool = kv.pools[0]
+    a = req("a", [1, 2, 3, 4])
+    assert kv.allocate_slots(a, 4) and kv.block_ids("a") == ((0, 1),)
+    a.num_computed_tokens = 4
+    kv.cache_computed_blocks(a)                                   # blocks 0, 1 full -> cached
+    kv.free(a)
+    e = req("e", [9] * 5)
+    assert kv.allocate_slots(e, 5) and kv.block_ids("e") == ((2, 3, 4),)
+    kv.free(e)                                                    # never computed: its blocks are empty
+    assert sorted(pool._empty) == [2, 3, 4] and list(pool._evictable) == [1, 0]
+    f = req("f", [8] * 3)
+    assert kv.allocate_slots(f, 3) and kv.block_ids("f") == ((2, 3),)
+    assert set(pool.cached.values()) == {0, 1}                    # nothing evicted while empty blocks were left
+    assert kv.get_computed_blocks(req("g", [1, 2, 3, 4, 5])) == ([[0, 1]], 4)
+    h = req("h", [7] * 5)
+    assert kv.allocate_slots(h, 5) and kv.block_ids("h") == ((0, 1, 4),)   # then the cached ones, LRU first
+    assert pool.cached == {}
+    kv.free(f)
+    kv.free(h)
+    kv.check_integrity()
 
 
 def test_manager_allocates_all_or_nothing():
@@ -75,22 +119,23 @@ def test_lru_eviction_order_and_reuse_of_free_cached_blocks():
     a.num_computed_tokens = 5
     kv.cache_computed_blocks(a)                                   # blocks 0, 1 full -> cached
     assert set(kv.pools[0].cached.values()) == {0, 1}
-    kv.free(a)                                                    # freed tail first: queue 3, 2, 1, 0
-    assert list(kv.pools[0]._free) == [3, 2, 1, 0]
-    # A hit on a free cached block takes it out of the free queue (it counts against the free blocks).
+    kv.free(a)                                      # freed tail first: 2 is empty (heap), LRU queue 1, 0
+    pool = kv.pools[0]
+    assert sorted(pool._empty) == [2, 3] and list(pool._evictable) == [1, 0]
+    # A hit on a free cached block takes it out of the LRU queue (it counts against the free blocks).
     b = req("b", [1, 2, 3, 4, 9])
     hits, n = kv.get_computed_blocks(b)
     assert (hits, n) == ([[0, 1]], 4)
-    assert kv.allocate_slots(b, 1, hits) and kv.block_ids("b") == ((0, 1, 3),)
-    assert list(kv.pools[0]._free) == [2]
+    assert kv.allocate_slots(b, 1, hits) and kv.block_ids("b") == ((0, 1, 2),)   # the lowest empty block
+    assert sorted(pool._empty) == [3] and list(pool._evictable) == []
     kv.free(b)
-    assert list(kv.pools[0]._free) == [2, 3, 1, 0]
-    # New blocks evict from the front: 2 (uncached), then 3, then 1 (cached: its hash is dropped); 0 stays cached.
+    assert sorted(pool._empty) == [2, 3] and list(pool._evictable) == [1, 0]
+    # New blocks: the empty 2 and 3 first, then the LRU queue's front, 1 (its hash is dropped); 0 stays cached.
     # The blocks taken in one call come back in ascending id (address) order.
     c = req("c", [7] * 5)
     assert kv.allocate_slots(c, 5) and kv.block_ids("c") == ((1, 2, 3),)
-    assert set(kv.pools[0].cached.values()) == {0}
-    assert list(kv.pools[0]._free) == [0]
+    assert set(pool.cached.values()) == {0}
+    assert list(pool._evictable) == [0] and pool._empty == []
     kv.free(c)
     kv.check_integrity()
 
