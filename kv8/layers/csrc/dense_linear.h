@@ -173,8 +173,8 @@ static inline void row_blocks(const MicroFn* table, int max_mr, const uint16_t* 
 #if KV8_LINEAR_FAST
 // FP8 (E4M3) weights: the codes of the packed layout, one byte per value, in the order fp8_table_decode
 // (../../fp8_bf16.h) turns into the bf16 packed layout (kv8_linear_fp8). Byte b of a pair-row's 64 codes holds
-// bf16 value v(b) = 8 (b / 16) + b % 8 for b % 16 < 8, else 32 + 8 (b / 16) + b % 8 -- the decode's lane order -- so one
-// 64-byte load decodes into the pair-row's 32 + 32 bf16 values (columns 0..15, then 16..31).
+// bf16 value v(b) = 8 (b / 16) + b % 8 for b % 16 < 8, else 32 + 8 (b / 16) + b % 8 -- the decode's lane order --
+// so one 64-byte load decodes into the pair-row's 32 + 32 bf16 values (columns 0..15, then 16..31).
 // The E4M3 (fn) tables: bias 7, subnormals at e = 0, 0x7F NaN (never produced by the quantizer: it saturates).
 static Fp8Tables make_e4m3_tables() {
     uint16_t b[128];
