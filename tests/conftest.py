@@ -108,6 +108,27 @@ def tiny_llama(tiny_models) -> str:
     return tiny_models["llama"]
 
 
+#: the token whose embedding row :func:`nan_llama` sets to NaN: every prompt holding it has NaN logits
+POISONED_TOKEN = 7
+
+
+@pytest.fixture(scope="session")
+def nan_llama(tiny_llama, tmp_path_factory) -> str:
+    """The tiny Llama with a NaN in the embedding of :data:`POISONED_TOKEN`: a request whose prompt holds that
+    token gets NaN logits (a broken checkpoint as users meet it), the others are unaffected."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    bad = tmp_path_factory.mktemp("nan_llama") / "model"
+    shutil.copytree(tiny_llama, bad)
+    weights_file = next(bad.glob("*.safetensors"))
+    weights = load_file(str(weights_file))
+    weights["model.embed_tokens.weight"][POISONED_TOKEN] = float("nan")
+    save_file(weights, str(weights_file), metadata={"format": "pt"})
+    return str(bad)
+
+
 @contextlib.contextmanager
 def amx_path(lib: Any, path: str) -> Iterator[str]:
     """Runs the body with a kernel library's ``amx`` flag set for ``path`` ("amx": AMX tiles; any other name: the

@@ -14,6 +14,7 @@ import pytest
 
 from kv8 import LLM, SamplingParams, envs
 from kv8.entrypoints.cli import main
+from tests.conftest import POISONED_TOKEN
 
 TEXT = ("The quick brown fox jumps over the lazy dog. London is the capital of England. Paris is the capital of "
         "France, and Berlin is the capital of Germany. Once upon a time there was a little model. ") * 6
@@ -71,6 +72,27 @@ def test_generate_streams_one_prompt_and_verbose_prints_timings(tiny_llama: str,
     captured = capsys.readouterr()
     assert captured.out.splitlines()[0] == "Paris is" + ref.outputs[0].text
     assert "24 generated" in captured.err
+
+
+def test_generate_says_when_the_model_gives_non_finite_logits(nan_llama: str,
+                                                              capsys: pytest.CaptureFixture[str]) -> None:
+    """A prompt whose logits are NaN: ``kv8 generate`` names the cause (not a kernel's error code) and exits 1;
+    ``--json`` carries the error beside finish_reason "error"; the other prompt of the batch is printed as usual."""
+    from transformers import AutoTokenizer
+
+    poisoned = AutoTokenizer.from_pretrained(nan_llama).decode([POISONED_TOKEN])
+    flags = ["--model", nan_llama, "--max-tokens", "3", "--num-kv-blocks", "16", "--max-model-len", "128",
+             "--dtype", "float32"]
+    assert main(["generate", poisoned, *flags]) == 1
+    err = capsys.readouterr().err
+    assert "kv8: error: generation failed for prompt 0: the model produced non-finite logits (NaN or inf)" in err
+    assert "weights or config are broken" in err and "kernel" not in err
+    assert main(["generate", "Paris is", poisoned, "--json", *flags]) == 1
+    captured = capsys.readouterr()
+    records = [json.loads(line) for line in captured.out.splitlines()]
+    assert records[0]["finish_reason"] == "length" and "error" not in records[0]
+    assert records[1]["finish_reason"] == "error" and "non-finite logits" in records[1]["error"]
+    assert "generation failed for prompt 1:" in captured.err
 
 
 def test_eval_rows_follow_the_command_line_and_unmeasured_greedy_is_a_dash(tiny_llama: str, tmp_path: Path,

@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 
 from kv8 import LLM, SamplingParams
+from tests.conftest import POISONED_TOKEN
 
 KV_CONFIGS = {
     "float32": dict(kv_cache_dtype="float32"),
@@ -187,31 +188,37 @@ def test_min_tokens_bans_stop_tokens_end_to_end(tiny_llama):
     check_all_blocks_free(llm)
 
 
-def test_non_finite_logits_fail_that_request_alone(tiny_llama, tmp_path):
+def test_non_finite_logits_fail_that_request_alone(tiny_llama, nan_llama):
     """A NaN in one token's embedding makes the logits of every prompt holding that token NaN: those requests
     finish with finish_reason "error" and a message, the others in the same batch are unchanged, every block
     returns to the pool and the engine goes on serving."""
-    import shutil
-
-    from safetensors.torch import load_file, save_file
-
-    bad = tmp_path / "nan"
-    shutil.copytree(tiny_llama, bad)
-    weights_file = next(bad.glob("*.safetensors"))
-    weights = load_file(str(weights_file))
-    poisoned = 7
-    weights["model.embed_tokens.weight"][poisoned] = float("nan")
-    save_file(weights, str(weights_file), metadata={"format": "pt"})
-    clean_prompt, nan_prompt = [3, 4, 5, 6, 8, 9], [3, 4, poisoned, 6, 8, 9]
+    clean_prompt, nan_prompt = [3, 4, 5, 6, 8, 9], [3, 4, POISONED_TOKEN, 6, 8, 9]
     params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
     expected = make_llm(tiny_llama).generate([clean_prompt], params)[0].outputs[0].token_ids
-    llm = make_llm(str(bad))
+    llm = make_llm(nan_llama)
     failed, ok = llm.generate([nan_prompt, clean_prompt], params)
     assert failed.finished and failed.outputs[0].finish_reason == "error"
     assert "non-finite logits" in failed.outputs[0].error and failed.outputs[0].token_ids == []
     assert ok.outputs[0].finish_reason == "length" and ok.outputs[0].token_ids == expected
     check_all_blocks_free(llm)
     assert llm.generate([clean_prompt], params)[0].outputs[0].token_ids == expected
+
+
+@pytest.mark.parametrize("params", [SamplingParams(temperature=0, max_tokens=5),
+                                    SamplingParams(temperature=0.8, seed=1, max_tokens=5, logprobs=2,
+                                                   prompt_logprobs=1)],
+                         ids=["greedy", "random+logprobs"])
+def test_a_lone_request_with_non_finite_logits_fails_and_the_engine_goes_on(tiny_llama, nan_llama, params):
+    """The same request alone in its step: every sampling row fails, so the sampler gets an empty batch. It must
+    fail that request only (finish_reason "error"), and the engine must serve the next request as usual."""
+    clean_prompt, nan_prompt = [3, 4, 5, 6, 8, 9], [3, 4, POISONED_TOKEN, 6, 8, 9]
+    expected = make_llm(tiny_llama).generate([clean_prompt], params)[0].outputs[0].token_ids
+    llm = make_llm(nan_llama)
+    failed = llm.generate([nan_prompt], params)[0].outputs[0]
+    assert failed.finish_reason == "error" and "non-finite logits" in failed.error and failed.token_ids == []
+    check_all_blocks_free(llm)
+    assert llm.generate([clean_prompt], params)[0].outputs[0].token_ids == expected
+    check_all_blocks_free(llm)
 
 
 def test_logprobs_and_prompt_logprobs(tiny_llama):

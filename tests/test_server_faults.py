@@ -17,6 +17,7 @@ import httpx
 import openai
 import pytest
 
+from tests.conftest import POISONED_TOKEN
 from tests.test_server import API_KEY, ENGINE_FLAGS, SERVER_FLAGS, Server, _drop, _open_stream
 
 # Replaces LLMEngine.step by one that raises: a failure that is no single request's, so the engine is unusable.
@@ -219,3 +220,51 @@ def test_slow_and_vanishing_uploads(tiny_llama: str, tmp_path: Any) -> None:
     log = srv.read_log()
     assert log.count("client went away during the request body upload (POST /v1/completions, 11 bytes") == 1, log
     assert "Traceback" not in log and "internal error" not in log, log
+
+
+def test_requests_with_non_finite_logits_fail_alone_and_the_server_goes_on(nan_llama: str, tmp_path: Any) -> None:
+    """A model whose logits are NaN for prompts holding one token: such a request fails alone (a 500
+    ``generation_failed`` naming the cause; an error event in a stream), whether it is alone in its step or
+    beside a stream; the stream and the next requests are served, /health stays 200 and the process stays up."""
+    srv = _serve(nan_llama, tmp_path)
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    poisoned = dict(model=nan_llama, prompt=[3, 4, POISONED_TOKEN, 6], max_tokens=4)
+    clean = dict(model=nan_llama, prompt=[3, 4, 5, 6], max_tokens=4, ignore_eos=True, temperature=0)
+    streams = []
+
+    def check_failed(r: httpx.Response) -> None:
+        assert r.status_code == 500, r.text
+        error = r.json()["error"]
+        assert error["code"] == "generation_failed" and "non-finite logits" in error["message"], error
+
+    try:
+        with httpx.Client(base_url=srv.url, headers=headers, timeout=60) as http:
+            for _ in range(2):                                     # alone in its step, twice
+                check_failed(http.post("/v1/completions", json=poisoned))
+                assert http.get("/health").status_code == 200
+            ok = http.post("/v1/completions", json=clean)
+            assert ok.status_code == 200 and ok.json()["choices"][0]["finish_reason"] == "length", ok.text
+            # streamed, alone: an error event naming the cause, then [DONE]
+            with http.stream("POST", "/v1/completions", json={**poisoned, "stream": True}) as resp:
+                lines = [line for line in resp.iter_lines() if line.startswith("data: ")]
+            assert lines[-1] == "data: [DONE]"
+            assert "non-finite logits" in json.loads(lines[-2][6:])["error"]["message"], lines
+            # beside a long stream: each poisoned request fails alone, the stream runs to its end
+            streams.append(_open_stream(srv, dict(model=nan_llama, prompt=[3, 4, 5], max_tokens=120,
+                                                  ignore_eos=True, stream=True)))
+            for _ in range(3):
+                check_failed(http.post("/v1/completions", json=poisoned))
+            lines = [line for line in streams[0][2] if line.startswith("data: ")]
+            assert lines[-1] == "data: [DONE]"
+            assert [c["finish_reason"] for line in lines[:-1] for c in json.loads(line[6:])["choices"]
+                    if c["finish_reason"]] == ["length"]
+            again = http.post("/v1/completions", json=clean).json()
+            assert again["choices"][0]["text"] == ok.json()["choices"][0]["text"]
+            assert http.get("/health").status_code == 200
+        assert srv.proc.poll() is None
+        assert _metric(srv, 'kv8:request_rejected_total{status="503"}') == 0
+    finally:
+        _drop(streams)
+        srv.stop()
+    log = srv.read_log()
+    assert "Traceback" not in log and "engine failed" not in log, log

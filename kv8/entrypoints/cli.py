@@ -194,13 +194,18 @@ def cmd_generate(ns: argparse.Namespace) -> int:
         for out in outs:
             for c in out.outputs:
                 if ns.json:
-                    print(json.dumps({"prompt": out.prompt, "index": c.index, "text": c.text,
-                                      "token_ids": c.token_ids, "finish_reason": c.finish_reason}))
+                    record = {"prompt": out.prompt, "index": c.index, "text": c.text, "token_ids": c.token_ids,
+                              "finish_reason": c.finish_reason}
+                    print(json.dumps(record | ({"error": c.error} if c.error else {})))
                 else:
                     print(c.text if ns.chat else (out.prompt or "") + c.text)
     if ns.verbose:
         print(timings.summary(), file=sys.stderr, flush=True)
-    return 0
+    failed = [(i, c) for i, out in enumerate(outs) for c in out.outputs if c.finish_reason == "error"]
+    for i, c in failed:   # a request the engine could not finish (e.g. NaN logits): say why, exit 1
+        print(f"kv8: error: generation failed for prompt {i}" + (f", sample {c.index}" if ns.n > 1 else "")
+              + f": {c.error}", file=sys.stderr)
+    return 1 if failed else 0
 
 
 def cmd_info(ns: argparse.Namespace) -> int:

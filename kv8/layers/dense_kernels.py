@@ -109,8 +109,6 @@ class DenseKernels:
         multiplied by its row's scale before the bias."""
         m, k = x.shape
         out = torch.empty(m, out_features, dtype=torch.bfloat16)
-        if m == 0:
-            return out
         b = 0 if bias is None else bias.data_ptr()
         if scale is not None:
             rc = self._lib.kv8_linear_fp8(x.data_ptr(), m, k, packed.data_ptr(), out_features, scale.data_ptr(), b,

@@ -14,7 +14,9 @@
 
 extern "C" int kv8_argmax_rows(const float* x, int64_t B, int64_t V, int64_t* out, int nthreads) {
 #if KV8_LINEAR_FAST
-    if (!x || !out || B < 0 || V <= 0 || V > INT32_MAX || nthreads <= 0) return 5;
+    if (B < 0 || V <= 0 || V > INT32_MAX || nthreads <= 0) return 5;
+    if (B == 0) return 0;   // an empty batch (every row of a step failed): nothing to do, pointers may be null
+    if (!x || !out) return 5;
     const int threads = B * V < PARALLEL_MIN ? 1 : nthreads;
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t b = 0; b < B; ++b) {

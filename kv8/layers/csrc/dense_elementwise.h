@@ -31,7 +31,9 @@ static inline __mmask16 tail_mask(int64_t n) { return n >= 16 ? (__mmask16)0xFFF
 extern "C" int kv8_rmsnorm(const uint16_t* x, const uint16_t* residual, uint16_t* residual_out, const uint16_t* w,
                            float eps, int64_t T, int64_t E, uint16_t* out, int nthreads) {
 #if KV8_LINEAR_FAST
-    if (!x || !w || !out || T < 0 || E <= 0 || nthreads <= 0) return 5;
+    if (T < 0 || E <= 0 || nthreads <= 0) return 5;
+    if (T == 0) return 0;   // no rows: pointers may be null
+    if (!x || !w || !out) return 5;
     const int threads = T * E < PARALLEL_MIN ? 1 : nthreads;
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t t = 0; t < T; ++t) {
@@ -68,7 +70,9 @@ extern "C" int kv8_rmsnorm(const uint16_t* x, const uint16_t* residual, uint16_t
 // gu: [T, 2I] (gate | up); out[T, I] = bf16(bf16(silu(gate)) * up).
 extern "C" int kv8_silu_mul(const uint16_t* gu, int64_t T, int64_t I, uint16_t* out, int nthreads) {
 #if KV8_LINEAR_FAST
-    if (!gu || !out || T < 0 || I <= 0 || nthreads <= 0) return 5;
+    if (T < 0 || I <= 0 || nthreads <= 0) return 5;
+    if (T == 0) return 0;   // no rows: pointers may be null
+    if (!gu || !out) return 5;
     const int threads = T * I < PARALLEL_MIN ? 1 : nthreads;
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t t = 0; t < T; ++t) {
@@ -97,9 +101,10 @@ extern "C" int kv8_rope_qkv(const uint16_t* qkv, int64_t T, int64_t row_stride, 
                             const float* cos, const float* sin, uint16_t* q_out, uint16_t* k_out, uint16_t* v_out,
                             int nthreads) {
 #if KV8_LINEAR_FAST
-    if (!qkv || !cos || !sin || !q_out || !k_out || !v_out || T < 0 || Hq <= 0 || Hkv <= 0 || D <= 0 || D % 2 ||
-        row_stride < (int64_t)(Hq + 2 * Hkv) * D || nthreads <= 0)
+    if (T < 0 || Hq <= 0 || Hkv <= 0 || D <= 0 || D % 2 || row_stride < (int64_t)(Hq + 2 * Hkv) * D || nthreads <= 0)
         return 5;
+    if (T == 0) return 0;   // no rows: pointers may be null
+    if (!qkv || !cos || !sin || !q_out || !k_out || !v_out) return 5;
     const int half = D / 2;
     const int threads = T * (Hq + 2 * Hkv) * D < PARALLEL_MIN ? 1 : nthreads;
 #pragma omp parallel for schedule(static) num_threads(threads)

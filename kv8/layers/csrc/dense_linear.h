@@ -427,7 +427,9 @@ template <bool FP8>
 static int linear_entry(const uint16_t* x, int64_t M, int64_t K, const void* packed, int64_t N, const float* bias,
                         const float* scale, uint16_t* out, int nthreads, int gated, int use_amx) {
 #if KV8_LINEAR_FAST
-    if (!x || !packed || (FP8 && !scale) || !out || M <= 0 || K <= 0 || N <= 0 || nthreads <= 0) return 5;
+    if (M < 0 || K <= 0 || N <= 0 || nthreads <= 0) return 5;
+    if (M == 0) return 0;   // no rows: pointers may be null
+    if (!x || !packed || (FP8 && !scale) || !out) return 5;
 #if KV8_LINEAR_AMX
     if (use_amx && K % 32 == 0 && amx_permitted())
         return gated ? linear_amx<true, FP8>(x, M, K, packed, N, bias, scale, out, nthreads)
