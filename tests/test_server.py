@@ -528,6 +528,24 @@ def _expect_error(resp: httpx.Response, status: int, *fragments: str, param: str
         assert err["param"] == param, err
 
 
+def with_surrogate(body: Any, path: str = "") -> Iterator[tuple[Any, str]]:
+    """Copies of a JSON value with one key or one string replaced by a lone surrogate, each with the path a 400
+    names (a key's surrogate escaped as text)."""
+    if isinstance(body, dict):
+        for key, item in body.items():
+            where = f"{path}.{key}" if path else key
+            bad_key = key + "\udc00"
+            yield {bad_key if k == key else k: v for k, v in body.items()}, where + "\\udc00"
+            for inner, inner_where in with_surrogate(item, where):
+                yield {**body, key: inner}, inner_where
+    elif isinstance(body, list):
+        for i, item in enumerate(body):
+            for inner, inner_where in with_surrogate(item, f"{path}[{i}]"):
+                yield [*body[:i], inner, *body[i + 1:]], inner_where
+    elif isinstance(body, str):
+        yield "\ud800" + body, path
+
+
 def test_bad_requests_get_openai_errors_and_server_keeps_serving(server: Server, client: openai.OpenAI,
                                                                  tiny_llama: str) -> None:
     ok = dict(model=tiny_llama, prompt="Hello there", max_tokens=2, temperature=0.0)
@@ -545,7 +563,7 @@ def test_bad_requests_get_openai_errors_and_server_keeps_serving(server: Server,
                                                    "POST"}, timeout=60)
     assert "access-control-allow-origin" not in pre.headers
     # lone UTF-16 surrogates are valid JSON escapes but not characters: 400 naming where, never a 500
-    def raw(body: dict) -> bytes:
+    def raw(body: Any) -> bytes:
         return json.dumps(body).encode()   # ensure_ascii: a lone surrogate is written as its \\u escape
 
     _expect_error(_post(server, cmpl, None, raw=raw({**ok, "prompt": "a\ud800b"})), 400, "surrogate",
@@ -555,6 +573,17 @@ def test_bad_requests_get_openai_errors_and_server_keeps_serving(server: Server,
     _expect_error(_post(server, cmpl, None, raw=raw({**ok, "model": "\ud800"})), 400, "surrogate", param="model")
     _expect_error(_post(server, chat, None, raw=raw({"model": tiny_llama, "max_tokens": 2, "messages": [
         {"role": "user", "content": "\ud83d"}]})), 400, "surrogate", param="messages[0].content")
+    # ... in object keys too, at any depth, on every route that reads a JSON body: every key and every string of
+    # valid bodies replaced in turn (tools: test_tool_calling). The path names the key with its surrogate escaped
+    # (the error itself must be encodable).
+    bodies = [(cmpl, {**ok, "logit_bias": {"5": 1}, "stream": True, "stream_options": {"include_usage": True}}),
+              (chat, {"model": tiny_llama, "max_tokens": 2, "messages": [
+                  {"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi", "name": "ann"}]}),
+              ("/tokenize", {"model": tiny_llama, "prompt": "a"}), ("/detokenize", {"tokens": [1, 2]})]
+    for route, body in bodies:
+        assert _post(server, route, body).status_code == 200, (route, body)
+        for bad, where in with_surrogate(body):
+            _expect_error(_post(server, route, None, raw=raw(bad)), 400, "surrogate", param=where)
     _expect_error(_post(server, cmpl, [1, 2]), 400, "JSON object")
     _expect_error(_post(server, cmpl, None, raw=json.dumps(ok).replace("0.0", "NaN").encode()), 400, "NaN")
     # wrong types (strict: no coercion)

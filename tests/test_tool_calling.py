@@ -45,7 +45,7 @@ from kv8.entrypoints.tool_calling import (
 from kv8.model.tokenizer import load_tokenizer
 from kv8.outputs import CompletionOutput, RequestOutput
 from tests.conftest import make_tiny_model
-from tests.test_server import API_KEY, SERVER_FLAGS, Server, _expect_error, _post
+from tests.test_server import API_KEY, SERVER_FLAGS, Server, _expect_error, _post, with_surrogate
 
 FIXTURE_TEMPLATE = "tests/fixtures/tool_chat_template.jinja"
 FLAGS = ["--dtype", "float32", "--num-kv-blocks", "256", "--block-size", "16", "--max-model-len", "1024",
@@ -456,6 +456,16 @@ def test_tool_errors_over_http_have_openai_shape(server: Server, tool_model: str
                   400, "needs content or tool_calls", param="messages")
     ok = _post(server, chat, {"model": tool_model, "messages": HISTORY, "max_tokens": 2})   # history, no tools
     assert ok.status_code == 200, ok.text
+    # a lone surrogate in any key or string of a request with tools and a tool-call history, or inside a call's
+    # arguments (JSON in a string): 400 naming where, never a 500
+    body = {"model": tool_model, "messages": HISTORY, "max_tokens": 2, "tools": TOOLS, "tool_choice": "none"}
+    assert _post(server, chat, body).status_code == 200
+    for bad, where in with_surrogate(body):
+        _expect_error(_post(server, chat, None, raw=json.dumps(bad).encode()), 400, "surrogate", param=where)
+    call = next(m for m in HISTORY if m.get("tool_calls"))["tool_calls"][0]
+    bad_call = {**call, "function": {**call["function"], "arguments": '{"city": "\\ud800"}'}}
+    resp = _post(server, chat, {**body, "messages": [*HISTORY, {"role": "assistant", "tool_calls": [bad_call]}]})
+    _expect_error(resp, 400, "function.arguments", "surrogate")
 
 
 # ---- auto mode through the real serving code, with a scripted engine -----------------------------------------------

@@ -233,6 +233,31 @@ class NamedToolChoice(_Strict):
 ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
 
 
+def lone_surrogate_path(obj: Any) -> str | None:
+    """The path (``prompt[1]``, ``messages[0].content``) of a string in a JSON value that holds a lone surrogate
+    (``"\\ud800"`` is valid JSON but no character; no tokenizer or UTF-8 encoder takes it), in a value or in an
+    object key, else None. The path itself is valid UTF-8 (a key's surrogates written as ``\\udXXX``).
+    Iterative, so nesting depth is no limit."""
+    stack: list[tuple[Any, str]] = [(obj, "")]
+    while stack:
+        value, path = stack.pop()
+        if isinstance(value, str):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError:
+                return path
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                # the path goes into the error (JSON, UTF-8): a key's own lone surrogate is written as \udXXX
+                name = key.encode("utf-8", "backslashreplace").decode("utf-8")
+                where = f"{path}.{name}" if path else name
+                stack.append((key, where))
+                stack.append((item, where))
+        elif isinstance(value, list):
+            stack.extend((item, f"{path}[{i}]") for i, item in enumerate(value))
+    return None
+
+
 def _refuse_constant(name: str) -> Any:
     raise ValueError(f"{name} is not valid JSON")
 
@@ -251,6 +276,10 @@ class ToolCallFunction(_Strict):
         if not isinstance(value, dict):
             raise ValueError(f"function.arguments of a call to {self.name!r} must be a JSON object encoded as a "
                              f"string, got a JSON {type(value).__name__}")
+        bad = lone_surrogate_path(value)
+        if bad is not None:
+            raise ValueError(f"function.arguments of a call to {self.name!r} holds a lone UTF-16 surrogate escape "
+                             f"(in {bad or 'the object'}), which is not a character; send text as valid Unicode")
         return self
 
     def arguments_dict(self) -> dict[str, Any]:

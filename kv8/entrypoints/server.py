@@ -56,6 +56,7 @@ from kv8.entrypoints.protocol import (
     CompletionRequest,
     DetokenizeRequest,
     TokenizeRequest,
+    lone_surrogate_path,
     validation_error,
 )
 from kv8.entrypoints.request_run import ClientDisconnected, Stream
@@ -139,33 +140,11 @@ async def read_json_body(request: Request, limit: int, timeout: float = 60.0) ->
         raise APIError(400, f"the request body is not valid JSON: {e}") from e
     if not isinstance(obj, dict):
         raise APIError(400, f"the request body must be a JSON object, got {type(obj).__name__}")
-    bad = _lone_surrogate(obj)
+    bad = lone_surrogate_path(obj)
     if bad is not None:
         raise APIError(400, f"the request holds a lone UTF-16 surrogate escape (in {bad}), which is not a "
                             "character; send text as valid Unicode", param=bad or None)
     return obj
-
-
-def _lone_surrogate(obj: Any) -> str | None:
-    """The path (``prompt[1]``, ``messages[0].content``) of a string in a JSON value that holds a lone surrogate
-    (``"\\ud800"`` is valid JSON but no character; no tokenizer or UTF-8 encoder takes it), else None.
-    Iterative, so nesting depth is no limit."""
-    stack: list[tuple[Any, str]] = [(obj, "")]
-    while stack:
-        value, path = stack.pop()
-        if isinstance(value, str):
-            try:
-                value.encode("utf-8")
-            except UnicodeEncodeError:
-                return path
-        elif isinstance(value, dict):
-            for key, item in value.items():
-                where = f"{path}.{key}" if path else str(key)
-                stack.append((key, where))
-                stack.append((item, where))
-        elif isinstance(value, list):
-            stack.extend((item, f"{path}[{i}]") for i, item in enumerate(value))
-    return None
 
 
 async def _wait_disconnect(request: Request) -> None:
