@@ -293,6 +293,49 @@ def test_chat_completion(client: openai.OpenAI, offline: LLM, tiny_llama: str) -
     assert parts.choices[0].message.content == ref.outputs[0].text
 
 
+def _sse_chunks(server: Server, route: str, body: dict[str, Any]) -> list[dict[str, Any]]:
+    with httpx.Client(timeout=60) as c, c.stream("POST", server.url + route, json=body,
+                                                 headers={"Authorization": f"Bearer {API_KEY}"}) as resp:
+        assert resp.status_code == 200, resp.read()
+        lines = [line for line in resp.iter_lines() if line.startswith("data: ")]
+    assert lines[-1] == "data: [DONE]"
+    return [json.loads(line[6:]) for line in lines[:-1]]
+
+
+@pytest.mark.parametrize("route", ["/v1/chat/completions", "/v1/completions"])
+@pytest.mark.parametrize("n", [1, 3])
+@pytest.mark.parametrize("include_usage", [False, True])
+def test_stream_chunks_have_openai_shape(server: Server, tiny_llama: str, route: str, n: int,
+                                         include_usage: bool) -> None:
+    """OpenAI's stream shape, which clients reading ``choices[0]`` of each chunk (LangChain, LiteLLM) rely on: one
+    choice per chunk; each choice's finish reason in its last chunk, once; with include_usage every chunk has
+    ``usage: null`` and a last chunk holds ``choices: []`` and the usage; a chat choice opens with the role."""
+    body: dict[str, Any] = dict(model=tiny_llama, max_tokens=6, temperature=1.0, seed=5, n=n, stream=True,
+                                ignore_eos=True)
+    if route.endswith("chat/completions"):
+        body["messages"] = [{"role": "user", "content": "Where is London?"}]
+    else:
+        body["prompt"] = "Once upon a time"
+    if include_usage:
+        body["stream_options"] = {"include_usage": True}
+    chunks = _sse_chunks(server, route, body)
+    if include_usage:
+        assert all(chunk["usage"] is None for chunk in chunks[:-1])
+        last = chunks.pop()
+        assert last["choices"] == [] and last["usage"]["completion_tokens"] == 6 * n, last
+    else:
+        assert all("usage" not in chunk for chunk in chunks)
+    assert all(len(chunk["choices"]) == 1 for chunk in chunks), [c["choices"] for c in chunks]
+    by_index: dict[int, list[dict[str, Any]]] = {}
+    for chunk in chunks:
+        by_index.setdefault(chunk["choices"][0]["index"], []).append(chunk["choices"][0])
+    assert sorted(by_index) == list(range(n))
+    for choices in by_index.values():
+        assert [c["finish_reason"] for c in choices] == [None] * (len(choices) - 1) + ["length"]
+        if "delta" in choices[0]:
+            assert choices[0]["delta"]["role"] == "assistant"
+
+
 def test_penalties_and_logit_bias_match_offline_engine(client: openai.OpenAI, offline: LLM, tiny_llama: str) -> None:
     """presence/frequency/repetition penalties and logit_bias through the openai client, completions and chat,
     against the offline engine with the same SamplingParams; and they do change the greedy text."""

@@ -315,6 +315,8 @@ class OpenAIServing:
 
     async def _completion_stream(self, run: RequestRun, echo: bool, n: int, rid: str, created: int, model: str,
                                  include_usage: bool) -> AsyncIterator[str]:
+        """SSE chunks of a completion request: one choice per chunk, a choice's finish reason with its last text;
+        with ``include_usage``, ``usage: null`` on each chunk and a last chunk of ``choices: []`` with the usage."""
         marks: dict[tuple[int, int], tuple[int, int, int, bool]] = {}  # (sub, choice) -> text, tokens, offset, done
         try:
             async for changed in run.updates():
@@ -335,9 +337,9 @@ class OpenAIServing:
                             for k in range(n if sub.score_only else 1):
                                 choices.append({"index": i * n + c.index + k, "text": text, "logprobs": lps,
                                                 "finish_reason": reason})
-                if choices:
+                for choice in choices:   # one choice per chunk, as OpenAI and vLLM send them
                     chunk = {"id": rid, "object": "text_completion", "created": created, "model": model,
-                             "choices": choices}
+                             "choices": [choice]}
                     if include_usage:
                         chunk["usage"] = None
                     yield sse(chunk)
@@ -413,7 +415,12 @@ class OpenAIServing:
     async def _chat_stream(self, run: RequestRun, sub: SubRequest, plan: ToolPlan, created: int, model: str,
                            include_usage: bool) -> AsyncIterator[str]:
         """SSE chunks of a chat request. With a tool parser, each update's text is parsed again and the difference
-        to what was sent goes out as ``content`` and ``tool_calls`` deltas (:class:`ToolCallStream`)."""
+        to what was sent goes out as ``content`` and ``tool_calls`` deltas (:class:`ToolCallStream`).
+
+        Shape (OpenAI's, which clients that read ``choices[0]`` of each chunk rely on): every chunk holds exactly
+        one choice; a choice's first chunk carries the role, its last one its finish reason (with the last delta,
+        if any); with ``include_usage`` every chunk has ``usage: null`` and one more chunk after the choices holds
+        ``choices: []`` and the usage."""
         base = {"id": sub.request_id, "object": "chat.completion.chunk", "created": created, "model": model}
         if include_usage:
             base["usage"] = None
@@ -421,9 +428,9 @@ class OpenAIServing:
         tool_streams = {i: ToolCallStream() for i in range(sub.params.n)}
         first_content = None if plan.mode in ("required", "named") else ""   # those answers have no content
         try:
-            yield sse(dict(base, choices=[{"index": i, "delta": {"role": "assistant", "content": first_content},
-                                            "logprobs": None, "finish_reason": None}
-                                           for i in range(sub.params.n)]))
+            for i in range(sub.params.n):
+                yield sse(dict(base, choices=[{"index": i, "delta": {"role": "assistant", "content": first_content},
+                                               "logprobs": None, "finish_reason": None}]))
             async for _ in run.updates():
                 assert sub.latest is not None
                 choices = []
@@ -450,12 +457,10 @@ class OpenAIServing:
                         if calls:
                             delta["tool_calls"] = calls
                         reason = plan.finish_reason(parsed, reason)
-                    if delta or lps:
-                        choices.append({"index": c.index, "delta": delta, "logprobs": lps, "finish_reason": None})
-                    if reason is not None:
-                        choices.append({"index": c.index, "delta": {}, "logprobs": None, "finish_reason": reason})
-                if choices:
-                    yield sse(dict(base, choices=choices))
+                    if delta or lps or reason is not None:   # the last text and the finish reason together
+                        choices.append({"index": c.index, "delta": delta, "logprobs": lps, "finish_reason": reason})
+                for choice in choices:   # one choice per chunk, as OpenAI and vLLM send them
+                    yield sse(dict(base, choices=[choice]))
             if include_usage:
                 yield sse(dict(base, choices=[], usage=usage(run)))
         except APIError as e:
