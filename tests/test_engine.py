@@ -162,6 +162,20 @@ def test_n_samples_stop_and_lengths(tiny_llama):
                                                       stop_token_ids=[first.token_ids[2]]))[0].outputs[0]
     assert stopped.finish_reason == "stop" and stopped.stop_reason == first.token_ids[2]
     assert stopped.token_ids == first.token_ids[:first.token_ids.index(first.token_ids[2]) + 1]
+    # the stop token is in token_ids but adds no text, unless include_stop_str_in_output (vLLM's rule)
+    tok = llm.get_tokenizer()
+    assert stopped.text == tok.decode(stopped.token_ids[:-1])
+    kept = llm.generate(PROMPTS[1], SamplingParams(temperature=0, max_tokens=12, include_stop_str_in_output=True,
+                                                   stop_token_ids=[first.token_ids[2]]))[0].outputs[0]
+    assert kept.token_ids == stopped.token_ids and kept.text == tok.decode(kept.token_ids)
+    # EOS (forced by logit_bias after min_tokens) with skip_special_tokens=False: not in the text either
+    eos = tok.eos_token_id
+    for skip in (True, False):
+        ended = llm.generate(PROMPTS[1], SamplingParams(temperature=0, max_tokens=12, min_tokens=2,
+                                                        logit_bias={eos: 100.0}, skip_special_tokens=skip))[0]
+        c = ended.outputs[0]
+        assert c.finish_reason == "stop" and c.stop_reason is None and c.token_ids[-1] == eos
+        assert len(c.token_ids) == 3 and c.text == tok.decode(c.token_ids[:-1]) and tok.eos_token not in c.text
     # stop string: text is cut before it, finish_reason stop.
     full = first.text
     stop = full[len(full) // 2:len(full) // 2 + 2]

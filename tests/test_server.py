@@ -440,6 +440,45 @@ def test_chat_logprobs_bytes_are_the_tokens_real_bytes(client: openai.OpenAI, ti
 
 
 # ---- concurrency, disconnects, overload ---------------------------------------------------------------------
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_chat_logprobs_bytes_join_to_the_content_when_the_answer_ends_with_eos(client: openai.OpenAI,
+                                                                               tiny_llama: str, stream: bool) -> None:
+    """An emoji spelled byte by byte, then EOS: the end token adds no text and has no logprobs entry (OpenAI's
+    shape), so the entries' ``bytes`` join to exactly the content's UTF-8, streamed or not; usage still counts the
+    end token (as vLLM does)."""
+    from transformers import AutoTokenizer
+
+    from kv8.entrypoints.server_tokenizer import gpt2_byte_decoder
+
+    tok = AutoTokenizer.from_pretrained(tiny_llama)
+    byte_token = {b: tok.convert_tokens_to_ids(ch) for ch, b in gpt2_byte_decoder().items()}
+    raw = "😀".encode()
+    bias = {str(byte_token[b]): 90.0 - 10 * i for i, b in enumerate(raw)}
+    # EOS is in the prompt (the template's </s>), so the penalty halves it from the start: 100 -> 50, below every
+    # byte's turn (90 .. 60) and above the bytes already spelled (45 .. 30)
+    bias[str(tok.eos_token_id)] = 100.0
+    for skip in (True, False):   # EOS's text is left out either way
+        kw: dict[str, Any] = dict(model=tiny_llama, messages=[{"role": "user", "content": "Say it"}], max_tokens=8,
+                                  temperature=0.0, logprobs=True, top_logprobs=1, logit_bias=bias,
+                                  extra_body={"repetition_penalty": 2.0, "skip_special_tokens": skip})
+        if stream:
+            content, items, reason, usage = "", [], None, None
+            for chunk in client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kw):
+                usage = chunk.usage or usage
+                for ch in chunk.choices:
+                    content += ch.delta.content or ""
+                    items += ch.logprobs.content if ch.logprobs and ch.logprobs.content else []
+                    reason = ch.finish_reason or reason
+        else:
+            resp = client.chat.completions.create(**kw)
+            content, items = resp.choices[0].message.content, resp.choices[0].logprobs.content
+            reason, usage = resp.choices[0].finish_reason, resp.usage
+        assert content == "😀" and reason == "stop"
+        assert b"".join(bytes(item.bytes) for item in items) == content.encode("utf-8")
+        assert len(items) == len(raw) and usage.completion_tokens == len(raw) + 1
+
+
 def test_32_concurrent_streams_match_alone_then_cache_empty(server: Server, client: openai.OpenAI,
                                                            tiny_llama: str) -> None:
     prompts = [f"Request {i}: the quick brown fox" for i in range(32)]

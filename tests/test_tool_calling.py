@@ -14,6 +14,7 @@ import json
 import math
 import shutil
 from collections.abc import Iterator
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -444,6 +445,69 @@ def test_auto_content_is_the_text_the_parser_leaves(client: openai.OpenAI, tool_
     assert auto.choices[0].message.content == message["content"]
     assert auto.choices[0].finish_reason == reason
     assert auto.usage == none.usage
+
+
+CALL_PIECES = ["<tool_call>", '{"name": "get_time", "arguments": {}}', "</tool_call>"]
+
+
+@pytest.fixture(scope="module")
+def calling_model(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A tiny Llama that answers every chat with one hermes call and then EOS, by construction: the call's three
+    pieces are added tokens, every layer's output projections are zero (so the logits depend on the current token
+    alone), and the LM head maps the prompt's last token ("\\n") -> ``<tool_call>`` -> the call -> ``</tool_call>``
+    -> EOS through one-hot embeddings. The real engine, detokenizer and tool parser run on its text."""
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoTokenizer
+
+    path = str(tmp_path_factory.mktemp("calling"))
+    tok = make_tiny_model(path, "llama", max_position_embeddings=2048)   # to learn its vocabulary size
+    vocab = len(AutoTokenizer.from_pretrained(tok))
+    make_tiny_model(path, "llama", max_position_embeddings=2048, vocab_size=vocab + len(CALL_PIECES))
+    tok = AutoTokenizer.from_pretrained(path)
+    tok.add_tokens(CALL_PIECES)
+    with open(FIXTURE_TEMPLATE) as f:
+        tok.chat_template = f.read()
+    tok.save_pretrained(path)
+    chain = [tok.convert_tokens_to_ids("\u010a"), *tok.convert_tokens_to_ids(CALL_PIECES), tok.eos_token_id]
+    assert max(chain) < vocab + len(CALL_PIECES) and len(set(chain)) == len(chain), chain
+    weights_file = next(Path(path).glob("*.safetensors"))
+    w = load_file(str(weights_file))
+    for name in w:
+        if name.endswith(("o_proj.weight", "down_proj.weight")):
+            w[name].zero_()
+    embed, head = w["model.embed_tokens.weight"], w["lm_head.weight"]
+    for k, (token, successor) in enumerate(zip(chain, chain[1:])):
+        embed[token] = 0.0
+        embed[token, k] = 1.0                # a direction of its own
+        head[successor] = 0.0
+        head[successor, k] = 1.0             # its logit: sqrt(hidden) ~ 9.8, far above the others' (~1)
+    save_file(w, str(weights_file), metadata={"format": "pt"})
+    return path
+
+
+def test_a_tool_call_answer_has_no_content_and_no_end_token_text(calling_model: str, tmp_path: Path) -> None:
+    """auto mode keeps special tokens for the parser; the EOS that ends the answer must still add no text, so a
+    reply that is one call has ``content: null`` (streamed: no content), as vLLM answers (issue 33, item 1)."""
+    srv = Server(["serve", "--model-id", calling_model, "--api-key", API_KEY, *FLAGS, *SERVER_FLAGS,
+                  "--enable-auto-tool-choice", "--tool-call-parser", "hermes"], str(tmp_path / "server.log"),
+                 env={"OMP_NUM_THREADS": "1"})
+    try:
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key=API_KEY, max_retries=0, timeout=120.0)
+        kw = dict(model=calling_model, messages=[{"role": "user", "content": "What time is it?"}], tools=TOOLS,
+                  max_tokens=16, temperature=0.0)
+        plain = client.chat.completions.create(**kw)
+        choice = plain.choices[0]
+        assert choice.finish_reason == "tool_calls" and choice.message.content is None, choice
+        assert [(c.function.name, c.function.arguments) for c in choice.message.tool_calls] == [("get_time", "{}")]
+        assert plain.usage.completion_tokens == len(CALL_PIECES) + 1     # the EOS is counted, not shown
+        streamed, _ = _stream(client, **kw)
+        _same_answer(streamed, plain)
+        # tool_choice none: the same text is the content, still without the end token's text
+        none = client.chat.completions.create(**{**kw, "tool_choice": "none"},
+                                              extra_body={"skip_special_tokens": False})
+        assert none.choices[0].message.content == "".join(CALL_PIECES)
+    finally:
+        assert srv.stop() == 0, srv.read_log()
 
 
 def test_tool_errors_over_http_have_openai_shape(server: Server, tool_model: str) -> None:

@@ -4,7 +4,10 @@ The scheduler appends tokens and applies the token-level stop rules; this module
 the tokenizer, once per new token:
 
 * incremental detokenization (:class:`IncrementalDetokenizer`); when a request finishes, text held back for
-  an incomplete character is flushed (except after a stop string, where the text ends at the stop);
+  an incomplete character is flushed (except after a stop string, where the text ends at the stop). The token
+  that stops a request (EOS or one of ``stop_token_ids``) stays in ``token_ids`` but adds no text, unless
+  ``include_stop_str_in_output`` (vLLM's rule: with ``skip_special_tokens=False`` an EOS would otherwise
+  write ``<|im_end|>`` into the answer);
 * stop strings: searched in the new text once the request has ``min_tokens`` outputs and did not stop on a
   token; a hit cuts the text (keeping the stop string if ``include_stop_str_in_output``), sets
   ``stop_reason`` and is reported back so that the engine finishes the request with ``stop`` (this also turns
@@ -80,9 +83,14 @@ class OutputProcessor:
             if req.status is RequestStatus.FINISHED_ERROR:
                 continue
             state = self._state(req)
+            p = req.sampling_params
+            if req.status is RequestStatus.FINISHED_STOPPED and not p.include_stop_str_in_output:
+                # stopped on a token (EOS or stop_token_ids; a stop string is found below, never here): its text
+                # is not part of the output, whether it is special or not (vLLM's rule)
+                state.text += state.detokenizer.flush()
+                continue
             delta = state.detokenizer.add(req.output_token_ids[-1])
             state.text += delta
-            p = req.sampling_params
             if (p.stop and delta and req.status != RequestStatus.FINISHED_STOPPED
                     and req.num_output_tokens >= p.min_tokens):
                 hit = find_stop(state.text, len(delta), [p.stop] if isinstance(p.stop, str) else p.stop)

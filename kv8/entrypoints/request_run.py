@@ -160,12 +160,20 @@ def sse(obj: Any) -> str:
 
 def usage(run: RequestRun) -> dict[str, int]:
     prompt = sum(len(s.prompt_ids) for s in run.subs)
-    completion = sum(len(visible(s, c)[1]) for s in run.subs if s.latest for c in s.latest.outputs)
+    # every generated token counts, a stop token that added no text included (as vLLM counts them)
+    completion = sum(0 if s.score_only else len(c.token_ids) for s in run.subs if s.latest for c in s.latest.outputs)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
 def visible(sub: SubRequest, c: CompletionOutput) -> tuple[str, list[int], list[PositionLogprobs] | None, str | None]:
-    """text, token ids, logprobs and finish reason the client sees (nothing generated for max_tokens=0)."""
+    """text, token ids, logprobs and finish reason the client sees (nothing generated for max_tokens=0).
+
+    The ids (and their logprobs) are those whose text the answer holds: a token that stopped the request (EOS or
+    one of ``stop_token_ids``) added no text (:mod:`kv8.engine.output_processor`), so it has no logprobs entry
+    either, and the ``bytes`` of the chat logprobs join to the answer's UTF-8 (OpenAI's shape: no end token)."""
     if sub.score_only:
         return "", [], [] if c.logprobs is not None else None, ("length" if c.finish_reason else None)
-    return c.text, c.token_ids, c.logprobs, c.finish_reason
+    n = len(c.token_ids)
+    if c.finish_reason == "stop" and not isinstance(c.stop_reason, str) and not sub.params.include_stop_str_in_output:
+        n -= 1
+    return c.text, c.token_ids[:n], None if c.logprobs is None else c.logprobs[:n], c.finish_reason

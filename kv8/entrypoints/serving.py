@@ -406,7 +406,8 @@ class OpenAIServing:
         assert sub.latest is not None
         choices = []
         for c in sub.latest.outputs:
-            lps = {"content": self._chat_logprobs(sub, c.token_ids, c.logprobs)} if c.logprobs is not None else None
+            _, ids, content_lps, _ = visible(sub, c)
+            lps = {"content": self._chat_logprobs(sub, ids, content_lps)} if content_lps is not None else None
             message, reason = plan.message(c.text, c.finish_reason)
             choices.append({"index": c.index, "message": message, "logprobs": lps, "finish_reason": reason})
         return {"id": sub.request_id, "object": "chat.completion", "created": created, "model": model,
@@ -439,11 +440,12 @@ class OpenAIServing:
                     if done:
                         continue
                     text = c.text if c.finish_reason else c.text[:max(st, len(c.text) - self._holdback(sub.params))]
-                    new_ids = c.token_ids[tk:]
+                    _, ids, content_lps, _ = visible(sub, c)
+                    new_ids = ids[tk:]
                     lps = None
-                    if c.logprobs is not None and new_ids:
-                        lps = {"content": self._chat_logprobs(sub, new_ids, c.logprobs[tk:])}
-                    marks[c.index] = (len(text), len(c.token_ids), c.finish_reason is not None)
+                    if content_lps is not None and new_ids:
+                        lps = {"content": self._chat_logprobs(sub, new_ids, content_lps[tk:])}
+                    marks[c.index] = (len(text), len(ids), c.finish_reason is not None)
                     reason = c.finish_reason
                     delta: dict[str, Any] = {}
                     if plan.parser is None:
