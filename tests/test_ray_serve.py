@@ -377,6 +377,9 @@ def test_errors_keep_openai_shape(dp_server: DPServer, tiny_llama: str) -> None:
     assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"]
     r = httpx.post(dp_server.url + "/tokenize", json={"prompt": "Hello"}, headers=auth, timeout=10)
     assert r.status_code == 200 and r.json()["count"] == len(r.json()["tokens"]) > 0
+    r = httpx.get(dp_server.url + "/tokenizer_info", headers=auth, timeout=10)
+    assert r.status_code == 200 and r.json()["eos_token"] == "</s>" and r.json()["chat_template"], r.text
+    assert httpx.get(dp_server.url + "/tokenizer_info", timeout=10).status_code == 401
 
 
 @pytest.mark.slow

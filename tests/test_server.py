@@ -600,6 +600,29 @@ def test_tokenize_and_detokenize_endpoints(server: Server, tiny_llama: str) -> N
     _expect_error(_post(server, "/tokenize", {"prompt": "a"}, key=None), 401, "API key")
 
 
+def test_tokenizer_info_serves_lm_eval_remote_tokenizer(server: Server, tiny_llama: str) -> None:
+    """vLLM's GET /tokenizer_info, used the way lm-evaluation-harness's ``tokenizer_backend=remote`` uses it: the
+    special tokens' text, whose /tokenize (no special tokens added) gives their ids, and the chat template, which
+    its own jinja renders to the text the model's tokenizer makes; behind the API key like every other route."""
+    import jinja2
+    from transformers import AutoTokenizer
+
+    oracle = AutoTokenizer.from_pretrained(tiny_llama)
+    assert httpx.get(server.url + "/tokenizer_info", timeout=10).status_code == 401
+    resp = httpx.get(server.url + "/tokenizer_info", headers={"Authorization": f"Bearer {API_KEY}"}, timeout=10)
+    assert resp.status_code == 200, resp.text
+    info = resp.json()
+    assert info["tokenizer_class"] == type(oracle).__name__
+    assert (info["eos_token"], info["bos_token"]) == (oracle.eos_token, oracle.bos_token)
+    assert "vocab_file" not in info and "merges_file" not in info
+    eos_ids = _post(server, "/tokenize", {"prompt": info["eos_token"], "add_special_tokens": False}).json()["tokens"]
+    assert eos_ids == [oracle.eos_token_id]
+    msgs = [{"role": "user", "content": "Hello there"}]
+    rendered = jinja2.Environment().from_string(info["chat_template"]).render(messages=msgs,
+                                                                              add_generation_prompt=True)
+    assert rendered == oracle.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+
+
 def _expect_error(resp: httpx.Response, status: int, *fragments: str, param: str | None = None) -> None:
     assert resp.status_code == status, resp.text
     err = resp.json()["error"]

@@ -154,10 +154,12 @@ class KV8Replica:
 
     async def _dispatch(self, route: str, body: dict[str, Any]) -> Any:
         model: Any = ROUTES.get(route)
-        if model is None:
+        if model is None and route != "tokenizer_info":
             raise APIError(404, f"no route {route!r}")
         if not self.engine.is_running:
             raise APIError(503, "the engine is not running", type_="server_error", code="engine_unavailable")
+        if route == "tokenizer_info":   # a GET: no body
+            return await asyncio.to_thread(self.serving.tokenizer_info)
         try:
             req: Any = model.model_validate(body)
         except ValidationError as e:

@@ -268,6 +268,11 @@ def build_ingress_app(ingress: KV8Ingress) -> FastAPI:
                         ("/tokenize", "tokenize"), ("/detokenize", "detokenize")):
         app.add_api_route(path, forwarder(route), methods=["POST"])
 
+    @app.get("/tokenizer_info")
+    async def tokenizer_info(request: Request) -> Response:
+        check_key(request)
+        return await ingress.forward("tokenizer_info", {})
+
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
         check_key(request)

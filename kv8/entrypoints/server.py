@@ -303,6 +303,11 @@ def build_app(engine: AsyncEngine, limits: ServingLimits, api_key: str | None, m
         req = await parse(request, DetokenizeRequest)
         return JSONResponse(await asyncio.to_thread(serving.detokenize, req))
 
+    @app.get("/tokenizer_info")
+    async def tokenizer_info(request: Request) -> Response:
+        check_access(request)
+        return JSONResponse(await asyncio.to_thread(serving.tokenizer_info))
+
     return app
 
 

@@ -104,6 +104,19 @@ def template_tool_support(source: str) -> TemplateToolSupport:
                                "tool" in names)
 
 
+def _json_value(value: Any) -> Any:
+    """A tokenizer-config value as JSON: special tokens (``AddedToken``) as their text, containers item by item,
+    anything else that JSON has no type for as its ``str``."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, dict):
+        return {str(k): _json_value(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_value(v) for v in value]
+    content = getattr(value, "content", None)   # tokenizers.AddedToken
+    return content if isinstance(content, str) else str(value)
+
+
 class ServerTokenizer:
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
@@ -154,6 +167,21 @@ class ServerTokenizer:
                 return None
             return token.replace("\u2581", " ").encode("utf-8")
         return None
+
+    def info(self) -> dict[str, Any]:
+        """vLLM's ``GET /tokenizer_info``: the tokenizer's configuration (``tokenizer_config.json``'s fields as the
+        tokenizer was built, file paths left out, special tokens as their text), ``tokenizer_class``, and the
+        special tokens and ``chat_template`` that lm-evaluation-harness's remote tokenizer reads."""
+        tok = self.tokenizer
+        config = {k: _json_value(v) for k, v in (getattr(tok, "init_kwargs", None) or {}).items()
+                  if k not in ("vocab_file", "merges_file", "tokenizer_file")}
+        for name in ("bos_token", "eos_token", "pad_token", "unk_token"):
+            if config.get(name) is None:
+                config[name] = getattr(tok, name, None)
+        config["tokenizer_class"] = type(tok).__name__
+        if self.has_chat_template:
+            config["chat_template"] = self.template_source(with_tools=False)
+        return config
 
     def template_source(self, with_tools: bool) -> str:
         """The chat template's text (of a set of named templates: ``tool_use`` with tools where there is one, else

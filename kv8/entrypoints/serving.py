@@ -93,7 +93,7 @@ class OpenAIServing:
         self._counter = itertools.count()
 
     # ---- shared checks --------------------------------------------------------------------------------------
-    # ---- /tokenize and /detokenize (vLLM's) ---------------------------------------------------------------
+    # ---- /tokenize, /detokenize and /tokenizer_info (vLLM's) ---------------------------------------------
     def tokenize(self, req: TokenizeRequest) -> dict[str, Any]:
         """Token ids of a prompt or a chat, as generation would see them (run in a worker thread)."""
         if req.model is not None:
@@ -103,6 +103,10 @@ class OpenAIServing:
         else:
             ids = self.tokenizer.chat_ids(req.messages or [], req.add_generation_prompt, req.tool_dicts())
         return {"tokens": ids, "count": len(ids), "max_model_len": self.limits.max_model_len}
+
+    def tokenizer_info(self) -> dict[str, Any]:
+        """``GET /tokenizer_info`` (vLLM's; lm-evaluation-harness's ``tokenizer_backend=remote`` reads it)."""
+        return self.tokenizer.info()
 
     def detokenize(self, req: DetokenizeRequest) -> dict[str, Any]:
         if req.model is not None:
