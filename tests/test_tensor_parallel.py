@@ -326,6 +326,36 @@ def test_killed_rank_fails_the_engine_within_seconds(gqa_6x2: str, caplog: pytes
     assert not proc.is_alive()
 
 
+SCRIPT_WITHOUT_GUARD = """
+import sys
+from kv8 import LLM, SamplingParams
+llm = LLM({model!r}, tensor_parallel_size=2, dtype="float32", kv_cache_memory="2MiB", max_model_len=256,
+          cpu_threads_per_rank=1)
+print("TEXT=" + repr(llm.generate("hello world", SamplingParams(temperature=0, max_tokens=6))[0].outputs[0].text))
+llm.close()
+"""
+
+
+@pytest.mark.parametrize("how", ["file", "stdin"])
+def test_tp2_from_a_script_without_main_guard(gqa_6x2: str, tmp_path: Path, how: str) -> None:
+    """A script that builds a tensor-parallel LLM at module level (no ``if __name__ == "__main__":``), run as a
+    file or fed on stdin: the ranks start without importing it (a spawn start re-ran it, or looked for
+    ``<stdin>``) and the text equals one rank's."""
+    single = _llm(gqa_6x2, 1).generate("hello world", SamplingParams(temperature=0, max_tokens=6))[0].outputs[0].text
+    script = SCRIPT_WITHOUT_GUARD.format(model=gqa_6x2)
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parent.parent)}
+    if how == "file":
+        path = tmp_path / "no_guard.py"
+        path.write_text(script)
+        run = subprocess.run([sys.executable, str(path)], capture_output=True, text=True, env=env, timeout=300,
+                             cwd=tmp_path)
+    else:
+        run = subprocess.run([sys.executable, "-"], input=script, capture_output=True, text=True, env=env,
+                             timeout=300, cwd=tmp_path)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert f"TEXT={single!r}" in run.stdout.splitlines(), run.stdout + run.stderr
+
+
 @pytest.mark.slow
 def test_two_torchrun_nodes_generate_like_one_rank(gqa_6x2: str) -> None:
     """Two torchrun launches (two "nodes" of one process each, one rendezvous on 127.0.0.1) run one request end
@@ -366,7 +396,7 @@ def test_server_under_tp2_serves_then_dies_cleanly_with_a_rank(gqa_6x2: str, tmp
         assert text.choices[0].text == single.outputs[0].text
         children = subprocess.run(["ps", "--ppid", str(srv.proc.pid), "-o", "pid=,args=", "-ww"], capture_output=True,
                                   text=True).stdout.splitlines()
-        workers = [int(line.split()[0]) for line in children if "multiprocessing.spawn" in line]
+        workers = [int(line.split()[0]) for line in children if "kv8.distributed.worker" in line]
         assert len(workers) == 1, children
         os.kill(workers[0], signal.SIGKILL)
         assert srv.proc.wait(timeout=30) == 1, srv.read_log()

@@ -34,13 +34,15 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from multiprocessing.connection import wait as wait_for_any
-from multiprocessing.process import BaseProcess
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
 from kv8.distributed.shm_allreduce import ShmAllReduce, create_shm_file
+
+if TYPE_CHECKING:
+    from kv8.distributed.launcher import RankProcess
 
 __all__ = ["OP_TIMEOUT", "SINGLE_RANK", "TPGroup", "TensorParallelError"]
 
@@ -69,7 +71,7 @@ class TPGroup:
     size: int
     store: Any = None                      # torch.distributed.Store (control channel); None for one rank
     pg: Any = None                         # torch.distributed.ProcessGroup (all-reduce); None for one rank
-    procs: list[BaseProcess] = field(default_factory=list)
+    procs: list[RankProcess] = field(default_factory=list)
     # Rank 0: called (from the watch thread) with "rank R (exit code C)" when a started worker exits before close()
     on_rank_exit: list[Callable[[str], None]] = field(default_factory=list)
     local: bool = False                    # every rank was started by kv8 on this machine: shared-memory all-reduce

@@ -4,7 +4,9 @@ publishes ``None`` (stop) or goes away. The worker never samples and never sched
 
 from __future__ import annotations
 
+import argparse
 import logging
+import pickle
 import traceback
 from typing import TYPE_CHECKING
 
@@ -15,7 +17,7 @@ from kv8.distributed.group import STORE_TIMEOUT, TPGroup
 if TYPE_CHECKING:
     from kv8.engine.args import EngineArgs
 
-__all__ = ["run_worker", "worker_main"]
+__all__ = ["main", "run_worker", "worker_main"]
 
 logger = logging.getLogger("kv8")
 
@@ -43,13 +45,30 @@ def run_worker(tp: TPGroup, args: EngineArgs) -> None:
         shard.runner.worker_step(inputs)
 
 
-def worker_main(rank: int, size: int, port: int, args: EngineArgs) -> None:
-    """Entry point of a spawned rank: join rank 0's store on 127.0.0.1:``port`` and run :func:`run_worker`."""
+def worker_main(rank: int, size: int, port: int) -> None:
+    """A rank kv8 started (:class:`kv8.distributed.launcher.RankProcess`): join rank 0's store on
+    127.0.0.1:``port``, read the engine options rank 0 put there and run :func:`run_worker`."""
+    from kv8.distributed.launcher import WORKER_ARGS_KEY
+
     logging.basicConfig(level=logging.WARNING)
     store = dist.TCPStore("127.0.0.1", port, size, False, timeout=STORE_TIMEOUT)
     tp = TPGroup(rank, size, store=store, local=True)
     try:
-        run_worker(tp, args)
+        run_worker(tp, pickle.loads(store.get(WORKER_ARGS_KEY)))
     except Exception:
         logger.error("tensor-parallel rank %d failed:\n%s", rank, traceback.format_exc())
         raise SystemExit(1) from None
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m kv8.distributed.worker --rank R --world-size N --port P`` (what rank 0 runs; not for users)."""
+    parser = argparse.ArgumentParser(prog="python -m kv8.distributed.worker")
+    parser.add_argument("--rank", type=int, required=True)
+    parser.add_argument("--world-size", type=int, required=True)
+    parser.add_argument("--port", type=int, required=True)
+    ns = parser.parse_args(argv)
+    worker_main(ns.rank, ns.world_size, ns.port)
+
+
+if __name__ == "__main__":
+    main()
