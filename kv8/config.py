@@ -484,7 +484,8 @@ class SchedulerConfig:
 class ParallelConfig:
     """Tensor parallelism (:mod:`kv8.distributed`): ``tensor_parallel_size`` ranks, each running
     ``cpu_threads_per_rank`` torch threads (None: the machine's cores divided among the ranks; with one rank
-    the process's setting is left alone).
+    the process's setting is left alone). ``adaptive_cpu_threads``: a one-rank engine gives its parallel regions
+    only the cores other processes leave free (:mod:`kv8.engine.threads`); ranks keep their threads.
 
     Invariants: both are ints >= 1 (or None for the threads); :meth:`check_model` -- called by
     :class:`EngineConfig` -- checks that the model's heads and MLP split over the ranks.
@@ -492,11 +493,14 @@ class ParallelConfig:
 
     tensor_parallel_size: int = 1
     cpu_threads_per_rank: int | None = None
+    adaptive_cpu_threads: bool = True
 
     def __post_init__(self) -> None:
         _positive_int("tensor_parallel_size", self.tensor_parallel_size)
         if self.cpu_threads_per_rank is not None:
             _positive_int("cpu_threads_per_rank", self.cpu_threads_per_rank)
+        if not isinstance(self.adaptive_cpu_threads, bool):
+            raise ValueError(f"adaptive_cpu_threads={self.adaptive_cpu_threads!r} must be True or False")
 
     def threads(self, cpu_count: int) -> int | None:
         """Torch threads of each rank on a machine of ``cpu_count`` cores (None: leave the setting alone)."""

@@ -108,6 +108,18 @@ def tiny_llama(tiny_models) -> str:
     return tiny_models["llama"]
 
 
+@pytest.fixture(autouse=True)
+def _engines_keep_their_threads(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Engines built in a test keep their thread count: the governor (:mod:`kv8.engine.threads`) would follow
+    whatever else runs on the test machine, and with the torch dense backend (float32 models) a thread count
+    changes the last bits of some matmuls, so two runs a test compares bit for bit could differ. Tests marked
+    ``adaptive_threads`` (the governor's own) run it as it is."""
+    if request.node.get_closest_marker("adaptive_threads") is None:
+        from kv8.engine.threads import ThreadGovernor
+
+        monkeypatch.setattr(ThreadGovernor, "target", lambda self, others: self.threads)
+
+
 #: the token whose embedding row :func:`nan_llama` sets to NaN: every prompt holding it has NaN logits
 POISONED_TOKEN = 7
 

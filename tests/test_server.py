@@ -29,8 +29,10 @@ import torch
 from kv8 import LLM, SamplingParams
 
 API_KEY = "test-key-123"
+# --no-adaptive-cpu-threads: the server keeps its threads whatever else the test machine runs (tests compare its
+# float32 answers with the offline engine's bit for bit; see conftest._engines_keep_their_threads)
 ENGINE_FLAGS = ["--dtype", "float32", "--num-kv-blocks", "128", "--block-size", "16", "--max-model-len", "256",
-                "--max-num-seqs", "8"]
+                "--max-num-seqs", "8", "--no-adaptive-cpu-threads"]
 SERVER_FLAGS = ["--max-waiting-requests", "32", "--max-n", "16", "--max-request-bytes", "65536",
                 "--shutdown-timeout", "0.3"]
 START_TIMEOUT_S = 120.0

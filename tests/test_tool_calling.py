@@ -50,7 +50,7 @@ from tests.test_server import API_KEY, SERVER_FLAGS, Server, _expect_error, _pos
 
 FIXTURE_TEMPLATE = "tests/fixtures/tool_chat_template.jinja"
 FLAGS = ["--dtype", "float32", "--num-kv-blocks", "256", "--block-size", "16", "--max-model-len", "1024",
-         "--max-num-seqs", "8"]
+         "--max-num-seqs", "8", "--no-adaptive-cpu-threads"]
 WEATHER = {"type": "object", "additionalProperties": False, "required": ["city", "days"],
            "properties": {"city": {"type": "string", "maxLength": 10},
                           "days": {"type": "integer", "minimum": 1, "maximum": 7},

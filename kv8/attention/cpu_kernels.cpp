@@ -128,7 +128,8 @@ int kv8_paged_attention(const kv8_layer* layer, const kv8_attention_call* call) 
     if (err != OK) return err;
     int fast;
     ItemFn fn = pick_item_fn(P, &fast);
-    return run_attention(P, call->num_tokens, call->num_threads, call->partition_size, fn,
+    if (call->plan_threads <= 0) return ERR_ARGS;
+    return run_attention(P, call->num_tokens, call->num_threads, call->plan_threads, call->partition_size, fn,
                          fast ? item_heads_of : nullptr);
 }
 

@@ -79,7 +79,8 @@ class AttentionCall(ctypes.Structure):
     _fields_ = [
         ("q", _P), ("out", _P), ("num_tokens", _I64), ("num_q_heads", _I32), ("q_dtype", _I32),
         ("query_start_loc", _P), ("seq_lens", _P), ("block_tables", _P), ("block_table_stride", _I64),
-        ("num_seqs", _I32), ("num_threads", _I32), ("sm_scale", ctypes.c_float), ("partition_size", _I64),
+        ("num_seqs", _I32), ("num_threads", _I32), ("plan_threads", _I32), ("sm_scale", ctypes.c_float),
+        ("partition_size", _I64),
         ("sliding_window", _I64),  # AttentionMetadata.sliding_window, 0 for None (full causal attention)
         ("use_amx", _I32),  # KernelLibrary.amx
     ]
@@ -184,16 +185,19 @@ class KernelLibrary:
         return msg.decode() if msg is not None else f"error {code}"
 
     def attention(self, query: torch.Tensor, cache: PagedKVCache, layer: int, meta: AttentionMetadata,
-                  scale: float, partition_size: int = 0) -> torch.Tensor:
+                  scale: float, partition_size: int = 0, plan_threads: int | None = None) -> torch.Tensor:
         """query ``[T, Hq, D]`` -> output ``[T, Hq, D]`` (query's dtype) over the stored context; trusted
-        arguments (see the class docstring). ``partition_size``: see :func:`paged_attention_fused`."""
+        arguments (see the class docstring). ``partition_size``: see :func:`paged_attention_fused`;
+        ``plan_threads``: the thread count the work is split for (default: the threads it runs on), the only
+        thread count the result depends on."""
         query = query.contiguous()
         out = torch.empty_like(query)
         tables = meta.block_tables
+        threads = torch.get_num_threads()
         call = AttentionCall(query.data_ptr(), out.data_ptr(), query.shape[0], query.shape[1],
                              self.compute_codes[query.dtype], meta.query_start_loc.data_ptr(),
                              meta.seq_lens.data_ptr(), tables.data_ptr(), tables.shape[1], meta.num_seqs,
-                             torch.get_num_threads(), scale, partition_size, meta.sliding_window or 0,
+                             threads, plan_threads or threads, scale, partition_size, meta.sliding_window or 0,
                              int(self.amx))
         rc = self._lib.kv8_paged_attention(ctypes.byref(self.layer_args(cache, layer)), ctypes.byref(call))
         if rc != 0:
@@ -360,7 +364,8 @@ def store_kv_fused(lib: KernelLibrary, cache: PagedKVCache, layer: int, key: tor
 
 
 def paged_attention_fused(lib: KernelLibrary, query: torch.Tensor, cache: PagedKVCache, layer: int,
-                          meta: AttentionMetadata, scale: float, partition_size: int = 0) -> torch.Tensor:
+                          meta: AttentionMetadata, scale: float, partition_size: int = 0,
+                          plan_threads: int | None = None) -> torch.Tensor:
     """query ``[T, Hq, D]`` -> output ``[T, Hq, D]`` (query's dtype) over the stored context, with every argument
     validated (``ValueError`` naming the bad one).
 
@@ -368,7 +373,12 @@ def paged_attention_fused(lib: KernelLibrary, query: torch.Tensor, cache: PagedK
     (``meta.sliding_window``: the kernels read neither the blocks wholly before a sequence's first window nor
     their block-table entries). ``partition_size`` (tokens, rounded up to 16) forces a split of each item's
     context range -- the window with one, else the whole causal context (0: automatic, negative: never).
+    ``plan_threads`` (>= 1; default: the threads it runs on) is the thread count the work is split for: the
+    result depends on it, not on how many threads run the call.
     """
+    if plan_threads is not None and (isinstance(plan_threads, bool) or not isinstance(plan_threads, int)
+                                     or plan_threads < 1):
+        raise ValueError(f"plan_threads={plan_threads!r} must be None or an int >= 1")
     _check_common(lib, "query", query, cache)
     if query.shape[1] % cache.shape.num_kv_heads != 0:
         raise ValueError(f"query heads {query.shape[1]} must be a multiple of KV heads {cache.shape.num_kv_heads}")
@@ -381,7 +391,7 @@ def paged_attention_fused(lib: KernelLibrary, query: torch.Tensor, cache: PagedK
     if meta.query_start_loc.shape[0] != meta.num_seqs + 1 or meta.block_tables.shape[0] != meta.num_seqs:
         raise ValueError(f"meta has {meta.num_seqs} sequences but query_start_loc {list(meta.query_start_loc.shape)}"
                          f" and block_tables {list(meta.block_tables.shape)}")
-    return lib.attention(query, cache, layer, meta, float(scale), partition_size)
+    return lib.attention(query, cache, layer, meta, float(scale), partition_size, plan_threads)
 
 
 class FusedCPUBackend:
@@ -396,8 +406,11 @@ class FusedCPUBackend:
 
     def __init__(self) -> None:
         self.lib = load_kernels()
+        # the work is always split for the threads the engine started with, so that an engine whose thread
+        # count kv8.engine.threads lowers under load computes the same bits
+        self.plan_threads = torch.get_num_threads()
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cache: PagedKVCache,
                 layer: int, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         self.lib.store(key, value, cache, layer, meta.slot_mapping)
-        return self.lib.attention(query, cache, layer, meta, scale)
+        return self.lib.attention(query, cache, layer, meta, scale, plan_threads=self.plan_threads)

@@ -116,6 +116,10 @@ class EngineArgs:
         "(kv_cache_memory is per rank). Under torchrun, the world size", type=int)
     cpu_threads_per_rank: int | None = option(
         None, "torch threads of each tensor-parallel rank (default: the cores divided among the ranks)", type=int)
+    adaptive_cpu_threads: bool = option(
+        True, "give parallel regions only the cores other processes leave free (measured twice a second), so that "
+        "kv8's spinning OpenMP threads do not collapse beside other busy work; off: always all threads (one-rank "
+        "engines; tensor-parallel ranks keep theirs)", type=bool)
 
     @staticmethod
     def field_names() -> list[str]:
@@ -223,7 +227,8 @@ class EngineArgs:
         return EngineConfig(model=model_path, model_kind=model_kind, arch=arch, dtype=dtype, cache=cache,
                             scheduler=sched, seed=self.seed, attention_backend=self.attention_backend,
                             dense_backend=self.dense_backend, quantization=self.quantization,
-                            parallel=ParallelConfig(self.tensor_parallel_size, self.cpu_threads_per_rank))
+                            parallel=ParallelConfig(self.tensor_parallel_size, self.cpu_threads_per_rank,
+                                                            self.adaptive_cpu_threads))
 
 
 def _skip_layers(value: str | Iterable[int | str] | None) -> tuple[int | str, ...]:

@@ -30,6 +30,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from kv8.attention.backend import get_backend
 from kv8.cache.codec import KVCodec
 from kv8.cache.kv_cache_manager import KVCacheManager
@@ -45,6 +47,7 @@ from kv8.engine.output_processor import OutputProcessor
 from kv8.engine.request import RequestStatus
 from kv8.engine.runner import ModelRunner
 from kv8.engine.scheduler import Scheduler, SchedulerOutput
+from kv8.engine.threads import ThreadGovernor
 from kv8.host_memory import tune_malloc
 from kv8.model.loader import LoadedModel, check_checkpoint_layers, load_model, read_model_config
 from kv8.model.sources import resolve_model_path
@@ -134,6 +137,11 @@ class LLMEngine:
         self.output_processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
         self.last_schedule: SchedulerOutput | None = None
+        # one rank: follow the cores other processes leave free (the first reading now, the next at a step)
+        self.governor = ThreadGovernor(torch.get_num_threads()) \
+            if self.tp.size == 1 and self.config.parallel.adaptive_cpu_threads else None
+        if self.governor is not None:
+            self.governor.observe()
         per_rank = f" per rank ({self.tp.size} tensor-parallel ranks)" if self.tp.size > 1 else ""
         logger.info(
             "KV cache: dtype %s, %s blocks of %d tokens, %s in all%s; %s; %s; prefix caching %s; attention backend "
@@ -175,6 +183,8 @@ class LLMEngine:
     # ---- stepping -------------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """schedule -> run -> update; then the requests' new text and their outputs."""
+        if self.governor is not None:
+            self.governor.observe()
         so = self.scheduler.schedule()
         self.last_schedule = so  # what the step computed (read by benchmarks and tools)
         if so.is_empty:

@@ -36,6 +36,9 @@
 // q / out: [num_tokens, num_q_heads, head_dim] contiguous in q_dtype. The batch (kv8.attention.metadata):
 // query_start_loc [num_seqs + 1], seq_lens [num_seqs], block_tables [num_seqs, block_table_stride], int64.
 // partition_size: context tokens per partition (rounded up to 16), 0 = automatic, < 0 = never split.
+// num_threads: the threads that run the call; plan_threads: the thread count the work is split for (items of
+// several heads or one, automatic partitions). Results depend on the plan, never on num_threads, so a caller
+// that keeps plan_threads fixed gets the same bits at any num_threads (kv8.engine.threads changes it).
 // sliding_window: W >= 1 = the query at position p sees keys p - W < k <= p only; 0 = full causal attention.
 // use_amx: 1 = prefill and decode items may multiply with AMX tiles where the build, the CPU and the OS allow it
 // (item_tile.h, item_decode_amx.h); 0 = never (the AVX-512 paths; the two sum in different orders, so a caller
@@ -54,6 +57,7 @@
     X(int64_t, block_table_stride)        \
     X(int32_t, num_seqs)                  \
     X(int32_t, num_threads)               \
+    X(int32_t, plan_threads)              \
     X(float, sm_scale)                    \
     X(int64_t, partition_size)            \
     X(int64_t, sliding_window)            \

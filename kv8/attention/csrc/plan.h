@@ -53,11 +53,12 @@ static inline int item_heads(const Problem& P, ItemHeads heads_of, int rows) {
     return nh > 1 ? nh : 1;
 }
 
-// Runs `fn` over every item of P (T query tokens in all), then combines split contexts. The batch layout
-// is checked first (lengths, table width; block ids are checked by the tile walk). partition_size: see
-// kv8_attention_call. heads_of: KV heads per item (NULL: one).
-static int run_attention(const Problem& P, int64_t T, int nthreads, int64_t partition_size, ItemFn fn,
-                         ItemHeads heads_of) {
+// Runs `fn` over every item of P (T query tokens in all) on nthreads threads, then combines split contexts.
+// The batch layout is checked first (lengths, table width; block ids are checked by the tile walk).
+// plan_threads and partition_size: see kv8_attention_call (the items, hence the bits of the result, depend on
+// them, not on nthreads). heads_of: KV heads per item (NULL: one).
+static int run_attention(const Problem& P, int64_t T, int nthreads, int plan_threads, int64_t partition_size,
+                         ItemFn fn, ItemHeads heads_of) {
     const int B = P.B, Hkv = P.Hkv, D = P.D, bs = P.bs;
     const int64_t *qsl = P.qsl, *seq_lens = P.seq_lens, bt_stride = P.bt_stride;
     if (qsl[0] != 0 || qsl[B] != T) return ERR_LENGTHS;
@@ -84,16 +85,16 @@ static int run_attention(const Problem& P, int64_t T, int nthreads, int64_t part
     // Items of several heads only where they alone keep every thread busy: a context split into partitions
     // of several heads leaves fewer, longer items than one head per item (B = 1 x 1k, SmolLM2, 2 threads: 5
     // against 15), and the threads finish unevenly.
-    if (heads_of && partition_size == 0 && n_base < 4 * (int64_t)nthreads) {
+    if (heads_of && partition_size == 0 && n_base < 4 * (int64_t)plan_threads) {
         heads_of = nullptr;
         count(heads_of);
     }
     int64_t part;
     if (partition_size > 0) part = (partition_size + TILE - 1) / TILE * TILE;
-    else if (partition_size < 0 || n_base >= 4 * (int64_t)nthreads)
+    else if (partition_size < 0 || n_base >= 4 * (int64_t)plan_threads)
         part = (int64_t)1 << 40;  // no split (and no overflow in the ceil-divisions below)
     else {
-        int64_t want = (total_ctx + 8 * nthreads - 1) / (8 * nthreads);
+        int64_t want = (total_ctx + 8 * plan_threads - 1) / (8 * plan_threads);
         part = want < 256 ? 256 : (want + TILE - 1) / TILE * TILE;
     }
 

@@ -1,0 +1,118 @@
+"""How many threads kv8's parallel regions use: all its cores while the machine is otherwise idle, fewer while
+other processes keep some of them busy.
+
+Why: kv8's kernels and torch's run on OpenMP (libgomp), whose threads spin after each parallel region so that
+the next one starts without a wake-up. On an idle machine that spinning is what makes a decode step fast (a
+sleeping worker costs ~40 us to wake on a VM, ~180 regions per step). Beside another busy process it is what
+makes kv8 collapse: the spinning threads burn the time slices they share with the other process, and a region
+waits for a worker the scheduler has parked (``benchmarks/bench_contention.py``: 0.15-0.25 of the idle speed with
+every core busy elsewhere, single runs down to 0.01). The wait policy is read once, when libgomp loads, so it
+cannot follow the load; the number of threads a region asks for can.
+
+:class:`ThreadGovernor` samples, at most every :attr:`ThreadGovernor.window` seconds and only from the engine's
+step, how much CPU time *other* processes took on this process's CPUs (``/proc/stat`` busy time, steal time
+included -- on a VM that is other guests' -- minus this process's own CPU time) and sets the threads to the
+cores they left free, between 1 and the configured count: fewer at once, more after the same answer twice in a
+row (so a single quiet window does not bring the spinning back). With one thread no region has a worker to wait
+for or to spin, and the pool's idle workers sleep after their spin; when the other load goes, the next windows
+see the cores free again and the threads come back.
+
+Invariants: the governor changes only the thread count (``torch.set_num_threads``, read by every kv8 kernel call
+and by torch's ops on the engine's thread), never the results: every kernel's rows are independent of the thread
+count. It never raises above the count the engine was configured with. Where ``/proc/stat`` cannot be read it
+does nothing.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+__all__ = ["CpuClock", "ThreadGovernor", "read_cpu_clock"]
+
+
+@dataclass(frozen=True)
+class CpuClock:
+    """One reading: wall seconds, busy seconds summed over a set of CPUs (``/proc/stat``: user, nice, system,
+    irq, softirq, steal), and this process's own CPU seconds (all its threads)."""
+
+    wall: float
+    busy: float
+    own: float
+
+
+def read_cpu_clock(cpus: frozenset[int], stat_path: str = "/proc/stat") -> CpuClock | None:
+    """A :class:`CpuClock` for ``cpus``; None where ``stat_path`` cannot be read or lacks those CPUs."""
+    hz = os.sysconf("SC_CLK_TCK")
+    busy = 0
+    seen = 0
+    try:
+        with open(stat_path) as f:
+            for line in f:
+                if not line.startswith("cpu") or line.startswith("cpu "):
+                    continue
+                name, *fields = line.split()
+                if not name[3:].isdigit() or int(name[3:]) not in cpus:
+                    continue
+                user, nice, system, _idle, _iowait, irq, softirq, steal = (int(x) for x in fields[:8])
+                busy += user + nice + system + irq + softirq + steal
+                seen += 1
+    except (OSError, ValueError):
+        return None
+    if seen != len(cpus):
+        return None
+    return CpuClock(time.monotonic(), busy / hz, time.process_time())
+
+
+@dataclass
+class ThreadGovernor:
+    """Follows the cores other processes leave free (module docstring). Call :meth:`observe` once per engine
+    step; it returns the thread count in force."""
+
+    max_threads: int
+    window: float = 0.25                      # seconds between two readings
+    cpus: frozenset[int] = field(default_factory=lambda: frozenset(os.sched_getaffinity(0)))
+    clock: Callable[[frozenset[int]], CpuClock | None] = read_cpu_clock
+    set_threads: Callable[[int], None] = torch.set_num_threads
+    now: Callable[[], float] = time.monotonic
+    threads: int = 0                          # the count in force (max_threads until a change)
+    _last: CpuClock | None = None
+    _pending: int | None = None               # the previous window's answer, applied when this one agrees
+
+    def __post_init__(self) -> None:
+        if self.max_threads < 1:
+            raise ValueError(f"max_threads={self.max_threads} must be >= 1")
+        self.threads = self.threads or self.max_threads
+
+    def others(self, before: CpuClock, after: CpuClock) -> float:
+        """Cores' worth of CPU time other processes took on :attr:`cpus` between two readings."""
+        wall = after.wall - before.wall
+        if wall <= 0:
+            return 0.0
+        return max(0.0, (after.busy - before.busy) - (after.own - before.own)) / wall
+
+    def target(self, others: float) -> int:
+        """The threads for a window in which others took ``others`` cores: the cores left, rounded, in
+        ``[1, max_threads]``."""
+        return max(1, min(self.max_threads, round(len(self.cpus) - others)))
+
+    def observe(self) -> int:
+        if self._last is not None and self.now() - self._last.wall < self.window:
+            return self.threads
+        reading = self.clock(self.cpus)
+        if reading is None:
+            return self.threads
+        if self._last is not None:
+            want = self.target(self.others(self._last, reading))
+            # fewer threads at once (spinning beside a busy process costs a lot), more only when two windows
+            # in a row agree (a single quiet window does not bring the spinning back)
+            if want < self.threads or (want > self.threads and want == self._pending):
+                self.threads = want
+                self.set_threads(want)
+            self._pending = want
+        self._last = reading
+        return self.threads
