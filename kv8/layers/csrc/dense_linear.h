@@ -11,6 +11,11 @@
 static const int PANEL = 32;  // output columns per panel (two zmm registers of fp32 accumulators)
 static const int64_t ROW_CHUNK = 192;  // rows of x per pass over the weights (x chunk stays in L2)
 static const int FP8_PREFETCH_STEPS = 8;  // FP8 panels read once: k steps of codes prefetched (4..24 measured)
+static const int FP8_AHEAD_PANELS = 1;  // vdpbf16ps path, FP8_FUSED_ROWS: the panel whose codes stream into L2
+// vdpbf16ps path: up to this many rows, FP8 pair-rows are decoded in registers for every block of rows (micro_fp8),
+// beyond it a group of panels at a time into a buffer (measured on the AMD EPYC, SmolLM2's 30 layers, 2 threads:
+// in registers 1.9x the buffer at M = 1-10, 1.3x at 32, 1.06x at 192; the buffer wins for prefill chunks).
+static const int64_t FP8_FUSED_ROWS = ROW_CHUNK;
 // FP8 weights with several chunks of rows (prefill): a thread decodes this many bytes of its panels (bf16) at a
 // time and passes every chunk over them, so each panel is decoded once per call, not once per chunk.
 static const int64_t FP8_GROUP_BYTES = 1 << 20;
@@ -206,6 +211,42 @@ static inline void decode_panels_fp8(const uint8_t* src, int64_t panels, int64_t
 }
 #endif
 
+#if KV8_LINEAR_FAST
+// FP8 weights for at most MAX_MR_FP8 rows (decode batches) on the vdpbf16ps path: MR rows of x times one packed
+// FP8 panel (32 columns from n0), each pair-row's 64 codes decoded in registers right before its vdpbf16ps, so the
+// decoded bf16 never goes to memory (a decoded panel is used once here: writing it to a buffer and reading it back
+// cost more than the bytes FP8 saves). `ahead`: the codes of a later panel, prefetched into L2 one line per pair-row.
+// The sums are those of micro<MR, 1, GATED> on the decoded panel, in the same order: the same bits.
+static const int MAX_MR_FP8 = 10;  // 20 accumulators + 2 weights + 4 tables + 1 broadcast + decode temporaries
+template <int MR, bool GATED>
+static inline void micro_fp8(const uint16_t* x, int64_t K, const uint8_t* codes, int64_t kp, const float* bias,
+                             const float* scale, int64_t n0, int64_t N, uint16_t* out, const uint8_t* ahead) {
+    static const Fp8Tables L = make_e4m3_tables();
+    __m512 acc[MR][2];
+    for (int r = 0; r < MR; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+    const int64_t pairs = kp / 2, full = K / 2;
+    for (int64_t kk = 0; kk < pairs; ++kk) {
+        if (ahead) _mm_prefetch((const char*)ahead + kk * 64, _MM_HINT_T1);
+        __m512i w0, w1;
+        fp8_table_decode<false>(_mm512_loadu_si512(codes + kk * 64), L, w0, w1);
+        for (int r = 0; r < MR; ++r) {
+            const __m512bh b = kk < full ? (__m512bh)_mm512_broadcastd_epi32(_mm_loadu_si32(x + r * K + 2 * kk))
+                                         : (__m512bh)_mm512_set1_epi32((int32_t)x[r * K + 2 * kk]);
+            acc[r][0] = _mm512_dpbf16_ps(acc[r][0], (__m512bh)w0, b);
+            acc[r][1] = _mm512_dpbf16_ps(acc[r][1], (__m512bh)w1, b);
+        }
+    }
+    for (int r = 0; r < MR; ++r) store_row<1, GATED>(acc[r], bias, scale, n0, N, out + r * N);
+}
+
+typedef void (*MicroFp8Fn)(const uint16_t*, int64_t, const uint8_t*, int64_t, const float*, const float*, int64_t,
+                           int64_t, uint16_t*, const uint8_t*);
+template <bool G>
+static const MicroFp8Fn MICRO_FP8[MAX_MR_FP8 + 1] = {
+    nullptr, micro_fp8<1, G>, micro_fp8<2, G>, micro_fp8<3, G>, micro_fp8<4, G>, micro_fp8<5, G>, micro_fp8<6, G>,
+    micro_fp8<7, G>, micro_fp8<8, G>, micro_fp8<9, G>, micro_fp8<10, G>};
+#endif
+
 #if KV8_LINEAR_AMX
 // AMX (Intel AMX-BF16): the same packed layout is the tile operand. For a pair-row kk, columns 0..15 of a panel
 // are its first 64 bytes and columns 16..31 the next 64, so a B tile (16 pair-rows x 16 columns, the pair order
@@ -380,6 +421,30 @@ static int linear_avx512(const uint16_t* x, int64_t M, int64_t K, const void* pa
     const MicroFn* micro1 = gated ? MICRO1<true> : MICRO1<false>;
     const MicroFn* micro2 = gated ? MICRO2<true> : MICRO2<false>;
     const int threads = (int)(panels < nthreads ? panels : nthreads);
+    if (FP8 && M <= FP8_FUSED_ROWS) {
+        // A decode batch: each thread walks its run of panels one at a time, decoding in registers (micro_fp8),
+        // the panel FP8_AHEAD_PANELS on prefetched beside.
+        const MicroFp8Fn* table = gated ? MICRO_FP8<true> : MICRO_FP8<false>;
+        const uint8_t* codes = (const uint8_t*)packed;
+        const int64_t nblk = (M + MAX_MR_FP8 - 1) / MAX_MR_FP8, base = M / nblk, extra = M % nblk;
+#pragma omp parallel num_threads(threads)
+        {
+            const int t = omp_get_thread_num(), nt = omp_get_num_threads();
+            const int64_t p0 = panels * t / nt, p1 = panels * (t + 1) / nt;
+            for (int64_t p = p0; p < p1; ++p) {
+                const uint8_t* ahead = p + FP8_AHEAD_PANELS < p1 ? codes + (p + FP8_AHEAD_PANELS) * PANEL * kp
+                                                                 : nullptr;
+                int64_t r0 = 0;
+                for (int64_t b = 0; b < nblk; ++b) {
+                    const int mr = (int)(base + (b < extra ? 1 : 0));
+                    table[mr](x + r0 * K, K, codes + p * PANEL * kp, kp, bias, scale, p * PANEL, N, out + r0 * N,
+                              b == 0 ? ahead : nullptr);
+                    r0 += mr;
+                }
+            }
+        }
+        return 0;
+    }
     // FP8: each thread decodes `group` panels at a time (fp8_group: a pair where the call has one chunk of rows)
     // into its buffer, and every chunk passes over them.
     const int64_t group = FP8 ? fp8_group(M, kp, 2) : panels;
@@ -395,7 +460,11 @@ static int linear_avx512(const uint16_t* x, int64_t M, int64_t K, const void* pa
         uint16_t* dec = FP8 ? decoded + (size_t)t * group * PANEL * kp : nullptr;
         for (int64_t g0 = p0; g0 < p1; g0 += group) {
             const int64_t g1 = p1 - g0 < group ? p1 : g0 + group;
-            if (FP8) decode_panels_fp8((const uint8_t*)packed + g0 * PANEL * kp, g1 - g0, kp, dec);
+            if (FP8) {   // the next group's codes stream into L2 beside the decode, and arrive during the compute
+                const int64_t n1 = p1 - g1 < group ? p1 : g1 + group;
+                const char* ahead = g1 < p1 && n1 - g1 == g1 - g0 ? (const char*)packed + g1 * PANEL * kp : nullptr;
+                decode_panels_fp8((const uint8_t*)packed + g0 * PANEL * kp, g1 - g0, kp, dec, ahead);
+            }
             for (int64_t m0 = 0; m0 < M; m0 += ROW_CHUNK) {
                 const int64_t rows = M - m0 < ROW_CHUNK ? M - m0 : ROW_CHUNK;
                 const uint16_t* xc = x + m0 * K;
@@ -454,9 +523,11 @@ extern "C" int kv8_linear(const uint16_t* x, int64_t M, int64_t K, const uint16_
 
 // kv8_linear with FP8 (E4M3) weights: packed holds kv8_linear_packed_size(N, K) codes in the FP8 order (see
 // decode_panels_fp8) of W_q, where W = W_q * scale per output row; scale [N] float32 (for a gated matrix: one
-// value per packed row, in the interleaved order of its bias). Each panel is decoded to bf16 (exactly: every
-// E4M3 value is a bf16) once per call (fp8_group), then multiplied as kv8_linear multiplies a bf16 panel; the
-// epilogue computes acc * scale + bias before the rounding to bf16.
+// value per packed row, in the interleaved order of its bias). Each pair-row is decoded to bf16 (exactly: every
+// E4M3 value is a bf16) and multiplied as kv8_linear multiplies a bf16 panel: on the vdpbf16ps path in registers,
+// once per block of up to MAX_MR_FP8 rows, for M <= FP8_FUSED_ROWS (micro_fp8), else a group of panels at a time
+// into a buffer, once per call (fp8_group); on AMX one k step ahead of the tiles (M <= 32) or once per call. The
+// epilogue computes acc * scale + bias before the rounding to bf16; every path sums in the same order.
 extern "C" int kv8_linear_fp8(const uint16_t* x, int64_t M, int64_t K, const uint8_t* packed, int64_t N,
                               const float* scale, const float* bias, uint16_t* out, int nthreads, int gated,
                               int use_amx) {
