@@ -1,9 +1,10 @@
 """What tools may watch while the engine runs, through one explicit interface.
 
 ``kv8 calibrate`` needs every K/V the cache stores, ``kv8 eval`` needs the round-trip error of those values and
-the full next-token distribution of every prompt position. An :class:`EngineObserver` passed to the engine
-(``LLMEngine(args, observer=...)``) is called at exactly those two points; the default methods do nothing.
-Observers must not modify the tensors they are shown.
+the full next-token distribution of every prompt position, and ``scripts/attention_error.py`` every layer's
+queries beside its K/V. An :class:`EngineObserver` passed to the engine (``LLMEngine(args, observer=...)``) is
+called at exactly those points; the default methods do nothing. Observers must not modify the tensors they are
+shown.
 """
 
 from __future__ import annotations
@@ -19,6 +20,11 @@ class EngineObserver:
     def on_kv_store(self, layer: int, key: torch.Tensor, value: torch.Tensor, codec: KVCodec) -> None:
         """Called once per layer and step, just before new K/V ``[T, H_kv, D]`` (in the codec's stored basis,
         in the compute dtype) are encoded into the cache by ``codec``."""
+
+    def on_attention_inputs(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                            codec: KVCodec) -> None:
+        """Called with :meth:`on_kv_store`, before it: the step's queries ``[T, H_q, D]`` and new K/V ``[T, H_kv, D]``
+        of ``layer`` in the model's basis (before the codec's rotation), in the compute dtype."""
 
     def on_prompt_logits(self, request_id: str, start: int, logits: torch.Tensor) -> None:
         """Called for requests that asked for prompt logprobs: float32 ``logits [rows, V]`` whose row ``i``

@@ -25,7 +25,7 @@ from kv8.quant.scales import KVScales, ModelScaleInfo, ScaleGranularity
 from kv8.sampling_params import SamplingParams
 from kv8.tools.calibrate import calibrate
 from kv8.tools.data import read_documents, token_windows
-from kv8.tools.evaluate import EvalReport, KVConfig, evaluate
+from kv8.tools.evaluate import ConfigResult, EvalReport, KVConfig, evaluate
 from kv8.tools.export import save_model_with_scales, write_scales
 from kv8.tools.kv_stats import BINS_PER_OCTAVE, ScaleRecipe
 
@@ -511,6 +511,33 @@ def test_eval_dynamic_and_rotation_configs(tiny_models: dict[str, str], text_fil
     # Per-token scales add 4 bytes per (token, head, K|V) to 16 one-byte values: 20 / 16 of the static size.
     assert dyn.bytes_per_token * 16 == static.bytes_per_token * 20
     assert dyn.mean_kld > 0 and max(dyn.layer_k_rel_err) > 0 and dyn.layer_k_scale_max is None
+    # equal windows: the mean KLD is the mean of the windows' means
+    assert all(len(r.window_kld) == 2 for r in report.results)
+    assert static.mean_kld == pytest.approx(sum(static.window_kld) / 2)
+    assert "recommendation: " in report.table()
+
+
+def _kld_result(label: str, window_kld: list[float], kv: str = "fp8_e4m3") -> ConfigResult:
+    return ConfigResult(label=label, kv_cache_dtype=kv, scales_source=None, bytes_per_token=1, perplexity=1.0,
+                        delta_ppl=0.0, mean_nll=0.0, mean_kld=sum(window_kld) / len(window_kld), max_kld=1.0,
+                        top1_agreement=1.0, greedy_mean_match=None, greedy_identical=None, window_kld=window_kld)
+
+
+def test_the_recommendation_names_the_lowest_kld_and_what_the_windows_can_tell_apart() -> None:
+    def report(*results: ConfigResult) -> EvalReport:
+        return EvalReport(model="m", dtype="float32", attention_backend="reference", window=16, num_windows=4,
+                          scored_tokens=32, gen_prompts=0, gen_prompt_len=4, gen_tokens=4,
+                          reference=_kld_result("float32 (reference)", [0.0] * 4, "float32"), results=list(results))
+
+    best = _kld_result("fp8_e4m3+dynamic", [1.0e-2, 1.2e-2, 0.9e-2, 1.1e-2])
+    worse = _kld_result("fp8_e4m3+hadamard", [2.0e-2, 2.3e-2, 1.9e-2, 2.2e-2])      # every window clearly higher
+    noisy = _kld_result("fp8_e4m3", [0.5e-2, 2.0e-2, 0.6e-2, 1.9e-2])                # higher on average only
+    line = report(_kld_result("bfloat16", [1e-5] * 4, "bfloat16"), best, worse, noisy).recommendation()
+    assert line == ("recommendation: fp8_e4m3+dynamic has the lowest KLD of the 3 FP8 configurations (1.05e-02); it "
+                    "beats fp8_e4m3+hadamard (2.10e-02) by more than twice the spread between windows; fp8_e4m3 "
+                    "(1.25e-02) cannot be told apart from it on these 4 windows (more --num-windows would)")
+    assert report(best, _kld_result("bfloat16", [1e-5] * 4, "bfloat16")).recommendation() is None
+    assert "recommendation:" not in report(best).table()
 
 
 def test_calibration_for_a_rotated_cache(tiny_models: dict[str, str], text_file: str, tmp_path: Path) -> None:

@@ -62,6 +62,8 @@ class PagedAttention(nn.Module):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
         cache, meta = ctx.for_layer(self.layer_idx)
         codec = cache.codec
+        if ctx.observer is not None:
+            ctx.observer.on_attention_inputs(self.layer_idx, q, k, v, codec)
         q, k, v = codec.to_stored_basis(q), codec.to_stored_basis(k), codec.to_stored_basis(v)
         if ctx.observer is not None:
             ctx.observer.on_kv_store(self.layer_idx, k, v, codec)

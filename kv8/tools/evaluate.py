@@ -17,7 +17,10 @@ least ``window//2`` tokens of context. Per configuration, over all scored tokens
   are continued greedily for ``gen_tokens`` tokens; reported are the mean number of tokens generated before
   the first divergence from the reference and the fraction of continuations identical to it;
 * per layer, the relative RMS error of the cache round trip ``decode(encode(x))`` of everything stored
-  (K and V separately) and the fraction of values clipped by the fp8 range.
+  (K and V separately) and the fraction of values clipped by the fp8 range;
+* a recommendation (:meth:`EvalReport.recommendation`): the FP8 configuration with the lowest KLD, and which
+  of the others it beats by more than the spread between windows (which configuration is best depends on the
+  model: docs/accuracy.md).
 
 Attention backend: by default every engine uses the ``reference`` backend, which dequantizes any cache to
 float32 and attends identically, so the differences measured come only from what the cache stores. With
@@ -148,6 +151,7 @@ class ConfigResult:
     layer_v_clipped: list[float] = field(default_factory=list)
     layer_k_scale_max: list[float] | None = None   # largest K/V scale of each layer (fp8 only)
     layer_v_scale_max: list[float] | None = None
+    window_kld: list[float] = field(default_factory=list)   # mean KLD of each window's scored tokens, in order
 
 
 @dataclass(frozen=True)
@@ -192,7 +196,37 @@ class EvalReport:
         lines.append("KLD = mean KL(reference || config) in nats; greedy = mean tokens before the first divergence; "
                      "same = fraction of identical greedy continuations; K/V err = worst layer's relative RMS "
                      "round-trip error")
+        advice = self.recommendation()
+        if advice is not None:
+            lines.append(advice)
         return "\n".join(lines)
+
+    def recommendation(self) -> str | None:
+        """One line naming the FP8 configuration with the lowest KLD, and which others it beats by more than the
+        windows' spread: for each, the per-window KLD differences (paired: the same windows) must average more
+        than twice their standard error. None with fewer than two FP8 configurations."""
+        fp8 = [r for r in self.results if r.kv_cache_dtype.startswith("fp8")]
+        if len(fp8) < 2:
+            return None
+        best = min(fp8, key=lambda r: r.mean_kld)
+        ahead: list[str] = []
+        tied: list[str] = []
+        for r in fp8:
+            if r is best:
+                continue
+            diffs = [a - b for a, b in zip(r.window_kld, best.window_kld)]
+            n = len(diffs)
+            mean = sum(diffs) / n if n else 0.0
+            se = math.sqrt(sum((d - mean) ** 2 for d in diffs) / (n - 1) / n) if n > 1 else math.inf
+            (ahead if mean > 2 * se else tied).append(f"{r.label} ({r.mean_kld:.2e})")
+        line = (f"recommendation: {best.label} has the lowest KLD of the {len(fp8)} FP8 configurations "
+                f"({best.mean_kld:.2e})")
+        if ahead:
+            line += f"; it beats {', '.join(ahead)} by more than twice the spread between windows"
+        if tied:
+            line += (f"; {', '.join(tied)} cannot be told apart from it on these {self.num_windows} windows (more "
+                     "--num-windows would)")
+        return line
 
 
 def _cell(value: float | None, width: int, spec: str) -> str:
@@ -211,11 +245,14 @@ class _Scorer:
         self.max_kld = 0.0
         self.top1 = 0
         self.n = 0
+        self.window_kld: list[float] = []
 
     def add(self, logp: torch.Tensor, ref_logp: torch.Tensor, targets: torch.Tensor) -> None:
+        """One window's scored positions."""
         self.nll -= float(logp.gather(1, targets.unsqueeze(1)).sum())
         kld = (ref_logp.exp() * (ref_logp - logp)).sum(-1)
         self.kld += float(kld.sum())
+        self.window_kld.append(float(kld.mean()))
         self.max_kld = max(self.max_kld, float(kld.max()))
         self.top1 += int((logp.argmax(-1) == ref_logp.argmax(-1)).sum())
         self.n += targets.numel()
@@ -324,7 +361,7 @@ def evaluate(model: str, data: Sequence[str], configs: Sequence[KVConfig], *, wi
             greedy_identical=sum(m == gen_tokens for m in matches) / len(matches) if matches else None,
             layer_k_rel_err=err[0].tolist(), layer_v_rel_err=err[1].tolist(),
             layer_k_clipped=clipped[0].tolist(), layer_v_clipped=clipped[1].tolist(),
-            layer_k_scale_max=sc_k, layer_v_scale_max=sc_v))
+            layer_k_scale_max=sc_k, layer_v_scale_max=sc_v, window_kld=sc.window_kld))
     return EvalReport(model=model, dtype=str(engines[0].config.dtype).replace("torch.", ""),
                       attention_backend=engines[0].runner.backend.name, window=window,
                       num_windows=len(windows), scored_tokens=scorers[0].n, gen_prompts=gen_prompts if greedy else 0,
