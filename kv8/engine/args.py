@@ -170,19 +170,38 @@ class EngineArgs:
     @classmethod
     def add_model_arg(cls, parser: argparse.ArgumentParser, *flags: str, optional: bool = False) -> None:
         """The ``model`` argument with the field's help: positional (no ``flags``; required unless
-        ``optional``, which gives it the default model) or a flag such as ``--model``."""
+        ``optional``, which gives it the default model), a flag such as ``--model``, or both (``flags`` and
+        ``optional``: ``kv8 serve MODEL`` as vLLM's ``vllm serve MODEL``, or ``kv8 serve --model-id MODEL`` as
+        TGI's; giving two different models is an error, read by :meth:`resolve_model_arg`)."""
         help_text = cls.__dataclass_fields__["model"].metadata["help"]
         with_default = f"{help_text} (default: {DEFAULT_MODEL})"
-        if flags:
+        if flags and optional:
+            parser.add_argument("model_positional", nargs="?", default=None, metavar="MODEL", help=with_default)
+            parser.add_argument(*flags, dest="model_flag", default=None, metavar="MODEL",
+                                help="the model, as a flag (instead of the positional MODEL)")
+        elif flags:
             parser.add_argument(*flags, dest="model", default=DEFAULT_MODEL, help=with_default)
         elif optional:
             parser.add_argument("model", nargs="?", default=DEFAULT_MODEL, help=with_default)
         else:
             parser.add_argument("model", help=help_text)
 
+    @staticmethod
+    def resolve_model_arg(ns: argparse.Namespace) -> None:
+        """Set ``ns.model`` from a positional-or-flag model argument (:meth:`add_model_arg` with flags and
+        ``optional``): the one given, the default model if neither, ``ValueError`` if both differ."""
+        if not hasattr(ns, "model_positional"):
+            return
+        given = {m for m in (ns.model_positional, ns.model_flag) if m is not None}
+        if len(given) > 1:
+            raise ValueError(f"two models given: {ns.model_positional!r} (positional) and {ns.model_flag!r} "
+                             "(--model-id / --model); give one")
+        ns.model = given.pop() if given else DEFAULT_MODEL
+
     @classmethod
     def from_cli_args(cls, ns: argparse.Namespace) -> EngineArgs:
         """The fields the namespace has (flags from :meth:`add_cli_args`, and ``model``); others keep defaults."""
+        cls.resolve_model_arg(ns)
         return cls(**{name: getattr(ns, name) for name in cls.field_names() if hasattr(ns, name)})
 
     @classmethod

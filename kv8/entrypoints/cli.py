@@ -37,7 +37,7 @@ EPILOG = """examples:
   kv8 generate "London is the capital of" --kv-cache-dtype fp8  # FP8 (E4M3) cache, scale 1.0
   kv8 generate "Hi" --kv-cache-dtype fp8 --quantization-param-path kv_cache_scales.json
   kv8 info smollm2-135m --kv-cache-memory 1GiB
-  kv8 serve --model-id smollm2-135m --kv-cache-dtype fp8_e5m2 --port 8000  # OpenAI-compatible server
+  kv8 serve smollm2-135m --kv-cache-dtype fp8_e5m2 --port 8000  # OpenAI-compatible server (--model-id too)
   kv8 run smollm2-135m --kv-cache-dtype fp8 --quantization-param-path kv_cache_scales.json
 models: the alias smollm2-135m (default), a Hugging Face model directory, or a .gguf file."""
 
@@ -309,7 +309,7 @@ def build_parser() -> argparse.ArgumentParser:
                         description="Serve /v1/completions, /v1/chat/completions, /v1/models, /health and "
                                     "/metrics on 127.0.0.1 (see --host).",
                         epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
-    EngineArgs.add_model_arg(sv, "--model-id", "--model", "-m")
+    EngineArgs.add_model_arg(sv, "--model-id", "--model", "-m", optional=True)
     add_server_args(sv)
     EngineArgs.add_cli_args(sv)
     sv.set_defaults(func=cmd_serve)
