@@ -149,12 +149,86 @@ def test_serve_run_builder_takes_kv8_serve_flags(tiny_llama: str) -> None:
         app_builder({"model": tiny_llama, "tensor_parallel_size": 2})
 
 
+def test_own_cluster_settings_keep_the_users_and_write_no_token() -> None:
+    from kv8.entrypoints.ray_serve import own_cluster_environment
+
+    env: dict[str, str] = {}
+    own_cluster_environment(env)
+    assert env["RAY_memory_monitor_refresh_ms"] == "0" and env["RAY_AUTH_MODE"] == "token"
+    assert len(env["RAY_AUTH_TOKEN"]) == 64
+    other: dict[str, str] = {}
+    own_cluster_environment(other)
+    assert other["RAY_AUTH_TOKEN"] != env["RAY_AUTH_TOKEN"]            # a fresh token per cluster
+    mine = {"RAY_memory_monitor_refresh_ms": "250", "RAY_AUTH_MODE": "disabled"}
+    own_cluster_environment(mine)
+    assert mine == {"RAY_memory_monitor_refresh_ms": "250", "RAY_AUTH_MODE": "disabled"}
+    with_path = {"RAY_AUTH_TOKEN_PATH": "/run/secret"}
+    own_cluster_environment(with_path)
+    assert "RAY_AUTH_TOKEN" not in with_path and with_path["RAY_AUTH_MODE"] == "token"
+
+
+class _FailingCall:
+    """A replica call (the stream of ``KV8Replica.handle``) that raises ``error``; cancelling it raises too, as
+    Ray's does for a call whose replica is gone."""
+
+    def __init__(self, error: BaseException) -> None:
+        self.error = error
+
+    def __aiter__(self) -> _FailingCall:
+        return self
+
+    async def __anext__(self) -> Any:
+        raise self.error
+
+    def cancel(self) -> None:
+        raise RuntimeError("the call's replica is gone")
+
+
+class _Handle:
+    def __init__(self, error: BaseException) -> None:
+        self.error = error
+
+    def options(self, **kw: Any) -> _Handle:
+        return self
+
+    def remote(self, *args: Any) -> _FailingCall:
+        return _FailingCall(self.error)
+
+
+def test_every_replica_failure_is_a_503_and_a_bug_in_the_replica_a_500() -> None:
+    """Whatever Ray raises for a call (the actor died, Ray's memory monitor killed it, no answer at all, a
+    cancel that raises too) is a 503 replica_failed and marks the replica down; only an exception kv8's own code
+    raised inside the replica (RayTaskError) is a 500."""
+    import asyncio
+
+    from ray.exceptions import OutOfMemoryError, RayActorError, RayTaskError
+
+    from kv8.entrypoints.protocol import APIError
+    from kv8.entrypoints.ray_serve import IngressSpec, KV8Ingress
+
+    async def forward(error: BaseException) -> tuple[APIError, bool]:
+        ingress = KV8Ingress(IngressSpec(1, "m", None, 1 << 20, 60.0), _Handle(error))
+        ingress.ensure_prober = lambda: None   # type: ignore[method-assign]
+        with pytest.raises(APIError) as info:
+            await ingress.forward("completions", {"prompt": "x"})
+        assert ingress.in_flight == {0: 0}
+        return info.value, ingress.up[0]
+
+    for error in (OutOfMemoryError("killed by the memory monitor"), RayActorError(), StopAsyncIteration(),
+                  TimeoutError("no answer"), ConnectionError("reset")):
+        err, up = asyncio.run(forward(error))
+        assert (err.status, err.body()["error"]["code"], up) == (503, "replica_failed", False), error
+    bug = RayTaskError("handle", "Traceback ...", ValueError("kv8 bug"))
+    err, up = asyncio.run(forward(bug))
+    assert err.status == 500 and up
+
+
 # ---- 2 replicas on a local Ray cluster -------------------------------------------------------------------------
 class DPServer:
     """``kv8 serve ... --data-parallel-size 2 --data-parallel-backend ray`` in a subprocess (its own session, so
     that teardown can reach every process it started)."""
 
-    def __init__(self, model: str, log_path: str) -> None:
+    def __init__(self, model: str, log_path: str, env: dict[str, str] | None = None) -> None:
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
@@ -162,9 +236,9 @@ class DPServer:
         args = ["serve", "--model", model, "--api-key", API_KEY, *ENGINE_FLAGS, "--data-parallel-size", "2",
                 "--data-parallel-backend", "ray", "--cpu-threads-per-rank", "1", "--shutdown-timeout", "2",
                 "--port", str(self.port)]
-        env = {**os.environ, "RAY_ADDRESS": "", "RAY_USAGE_STATS_ENABLED": "0"}
+        full_env = {**os.environ, "RAY_ADDRESS": "", "RAY_USAGE_STATS_ENABLED": "0", **(env or {})}
         self.proc = subprocess.Popen([sys.executable, "-m", "kv8.entrypoints.cli", *args], stdout=self.log,
-                                     stderr=subprocess.STDOUT, env=env, start_new_session=True)
+                                     stderr=subprocess.STDOUT, env=full_env, start_new_session=True)
         deadline = time.monotonic() + START_TIMEOUT_S
         while "kv8: serving" not in self.read_log():
             assert self.proc.poll() is None, f"server exited early:\n{self.read_log()}"
@@ -433,3 +507,56 @@ def test_killed_replica_fails_its_requests_cleanly_and_comes_back(dp_server: DPS
     m = _metrics(dp_server)
     assert m[f'kv8:dp_replica_failures_total{{replica="{victim}"}}'] >= 1
     assert m[f'kv8:dp_replica_up{{replica="{victim}"}}'] == 1
+
+
+def _environ(pid: int) -> dict[str, str]:
+    with open(f"/proc/{pid}/environ", "rb") as f:
+        return dict(item.split("=", 1) for item in f.read().decode(errors="replace").split("\0") if "=" in item)
+
+
+def _cmdline(pid: int) -> str:
+    with open(f"/proc/{pid}/cmdline", "rb") as f:
+        return f.read().replace(b"\0", b" ").decode(errors="replace")
+
+
+@pytest.mark.slow
+def test_kv8s_own_cluster_beside_a_cluster_already_on_the_host(tiny_llama: str, tmp_path: Any) -> None:
+    """A Ray cluster started on the host (``ray start --head``) is not joined: without --ray-address kv8 starts its
+    own (ray.init used to join that one, then refuse num_cpus). That cluster keeps its token in its processes'
+    environment (no ~/.ray/auth_token), its raylet runs without Ray's memory monitor, and its session files lie
+    in a directory only this user can enter."""
+    head_home, kv8_home = tmp_path / "head_home", tmp_path / "kv8_home"
+    head_home.mkdir()
+    kv8_home.mkdir()
+    ray_cli = os.path.join(os.path.dirname(sys.executable), "ray")
+    head = subprocess.Popen([ray_cli, "start", "--head", "--block", "--port", str(_free_port()), "--num-cpus", "1",
+                             "--include-dashboard=false", "--disable-usage-stats"],
+                            env={**os.environ, "HOME": str(head_home), "RAY_ADDRESS": ""}, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, start_new_session=True)
+    srv = None
+    try:
+        deadline = time.monotonic() + 60
+        while not os.path.exists("/tmp/ray/ray_current_cluster"):   # what ray.init would find and join
+            assert head.poll() is None and time.monotonic() < deadline, "ray start --head did not come up"
+            time.sleep(0.3)
+        from kv8 import envs
+
+        srv = DPServer(tiny_llama, str(tmp_path / "server.log"),
+                       env={"HOME": str(kv8_home), "KV8_CACHE_DIR": envs.cache_dir()})   # the built kernels
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key=API_KEY, max_retries=0, timeout=60.0)
+        assert client.completions.create(model=tiny_llama, prompt="Hello", max_tokens=2).choices[0].text
+        assert "a new local cluster" in srv.read_log()
+        raylets = [p for p in _session_members(srv.proc.pid) if "raylet" in _cmdline(p).split()[0]]
+        assert len(raylets) == 1, [_cmdline(p) for p in _session_members(srv.proc.pid)]
+        env = _environ(raylets[0])
+        assert env["RAY_memory_monitor_refresh_ms"] == "0" and env["RAY_AUTH_MODE"] == "token"
+        assert len(env["RAY_AUTH_TOKEN"]) == 64 and not (kv8_home / ".ray" / "auth_token").exists()
+        temp_dir = next(a.split("=", 1)[1] for a in _cmdline(raylets[0]).split() if a.startswith("--temp_dir="))
+        private = os.path.dirname(temp_dir.rstrip("/"))
+        assert os.path.basename(private).startswith("kv8-ray-") and os.stat(private).st_mode & 0o777 == 0o700
+    finally:
+        if srv is not None:
+            assert srv.stop() == 0, srv.read_log()
+            assert not os.path.exists(private)
+        os.killpg(head.pid, signal.SIGTERM)
+        head.wait(timeout=60)

@@ -22,7 +22,8 @@ Each request is one streaming call of :meth:`KV8Replica.handle` (:mod:`kv8.entry
 protocol). A client that goes away makes Serve's proxy cancel the ingress request, whose replica call is then
 cancelled, which aborts the engine requests.
 
-Faults: a call that fails because its replica is gone (the process was killed, or Ray reports it unavailable)
+Faults: a call that fails because its replica failed (the process was killed, Ray's memory monitor killed it, Ray
+reports it unavailable, no answer; anything but an exception of kv8's code in it: :func:`_is_replica_failure`)
 answers a 503 ``replica_failed`` (a stream: an error event, then ``data: [DONE]``); the ingress marks the
 replica down and forgets its prefixes, routes new requests to the others, and probes it every
 :data:`PROBE_PERIOD_S` seconds until Serve's replacement answers, which rejoins with an empty cache. A replica
@@ -35,18 +36,24 @@ pinged as well, so a replica that died idle is noticed within :data:`PING_TIMEOU
 Differences from ``kv8 serve``: Serve's proxy owns the HTTP connection, so ``--request-header-timeout`` and
 ``--allowed-origins`` are not supported (an error names them); ``--shutdown-timeout`` is the replicas' graceful
 shutdown timeout. On SIGINT/SIGTERM the application is deleted and, if kv8 started the Ray cluster, Ray is shut
-down; a cluster given by address keeps running.
+down; a cluster given by address keeps running. A cluster kv8 starts is a new one even beside another on the host,
+with the settings of :func:`own_cluster_environment` (token in the environment only, Ray's memory killer off), its
+node on the loopback and its files in a private directory.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
 import os
+import secrets
+import shutil
 import signal
+import tempfile
 import threading
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, MutableMapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -96,11 +103,14 @@ class IngressSpec:
 
 
 def _is_replica_failure(e: BaseException) -> bool:
-    """Whether ``e`` (raised by a call to a replica) means the replica is gone or unreachable."""
-    from ray.exceptions import RayActorError
-    from ray.serve.exceptions import DeploymentUnavailableError, ReplicaUnavailableError
+    """Whether ``e`` (raised by a call to a replica) means the replica failed, not kv8's code in it. A replica
+    answers every request error itself (:meth:`KV8Replica.handle`: a JSON error or an error event), so what a
+    call raises is the replica's process or Ray's transport failing -- an actor that died, was killed by Ray's
+    memory monitor (``OutOfMemoryError``), is unreachable or timed out -- except a ``RayTaskError``, which
+    wraps an exception kv8's code raised inside the replica."""
+    from ray.exceptions import RayTaskError
 
-    return isinstance(e, (RayActorError, ReplicaUnavailableError, DeploymentUnavailableError, TimeoutError))
+    return not isinstance(e, RayTaskError)
 
 
 class KV8Ingress:
@@ -132,7 +142,8 @@ class KV8Ingress:
 
     def mark_down(self, replica: int, why: BaseException | str) -> None:
         if self.up[replica]:
-            reason = why if isinstance(why, str) else f"{type(why).__name__}: {str(why).splitlines()[0]}"
+            first_line = next(iter(str(why).splitlines()), "") if not isinstance(why, str) else why
+            reason = why if isinstance(why, str) else f"{type(why).__name__}: {first_line or 'no message'}"
             logger.warning("replica %d is down (%s); routing to the others until it answers again", replica, reason)
             self.up[replica] = False
             self.failures[replica] += 1
@@ -177,7 +188,8 @@ class KV8Ingress:
             first = await gen.__anext__()
         except BaseException as e:
             self.in_flight[replica] -= 1
-            gen.cancel()
+            with contextlib.suppress(Exception):   # cancelling a call whose replica is gone raises too
+                gen.cancel()
             if not isinstance(e, Exception):   # cancelled (the client went away), or the process is exiting
                 raise
             raise self._failure(replica, e) from e
@@ -190,15 +202,14 @@ class KV8Ingress:
             nonlocal closed
             if not closed:
                 closed = True
-                gen.cancel()
                 self.in_flight[replica] -= 1
+                with contextlib.suppress(Exception):
+                    gen.cancel()
 
         return SSEResponse(Stream(self._relay(replica, gen), close))
 
     def _failure(self, replica: int, e: BaseException) -> APIError:
-        if isinstance(e, StopAsyncIteration):
-            return APIError(500, f"replica {replica} ended the request without an answer", type_="server_error")
-        if _is_replica_failure(e):
+        if _is_replica_failure(e):   # StopAsyncIteration (no answer at all) included
             self.mark_down(replica, e)
             return APIError(503, f"replica {replica} failed while serving the request ({type(e).__name__}); "
                                  "retry: new requests go to the replicas that are up", type_="server_error",
@@ -390,6 +401,9 @@ def run_ray_server(ns: argparse.Namespace, engine_args: EngineArgs) -> int:
     """Start the cluster (or join it), run the application, wait for SIGINT/SIGTERM, then tear down."""
     plan = DataParallelPlan.from_args(ns, engine_args)
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")   # a local cluster reports nothing home
+    own_cluster = plan.ray_address is None
+    if own_cluster:   # before Ray loads: its C++ side reads the authentication settings once
+        own_cluster_environment(os.environ)
     try:
         import ray
         from ray import serve
@@ -406,11 +420,16 @@ def run_ray_server(ns: argparse.Namespace, engine_args: EngineArgs) -> int:
 
     previous: dict[int, Callable[..., Any] | int | None] = {
         s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
-    own_cluster = plan.ray_address is None
     cores = sum(s.threads for s in plan.replicas)
+    private_dir = None
     try:
         if own_cluster:
-            ray.init(num_cpus=max(os.cpu_count() or 1, cores), include_dashboard=False, logging_level=logging.WARNING)
+            private_dir = tempfile.mkdtemp(prefix="kv8-ray-")   # 0700: Ray makes its own temp dir 0777 inside
+            # address="local": always a new cluster, even when one was started on this host (ray.init would join
+            # it and then refuse num_cpus); its node address is the loopback
+            ray.init(address="local", num_cpus=max(os.cpu_count() or 1, cores), include_dashboard=False,
+                     _node_ip_address="127.0.0.1", _temp_dir=os.path.join(private_dir, "ray"),
+                     logging_level=logging.WARNING)
         else:
             try:
                 ray.init(address=plan.ray_address, logging_level=logging.WARNING)
@@ -442,7 +461,29 @@ def run_ray_server(ns: argparse.Namespace, engine_args: EngineArgs) -> int:
         finally:
             if ray.is_initialized():
                 ray.shutdown()
+            if private_dir is not None:
+                shutil.rmtree(private_dir, ignore_errors=True)
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
     print("kv8: server stopped", flush=True)
     return 0
+
+
+def own_cluster_environment(env: MutableMapping[str, str]) -> None:
+    """The settings of the Ray cluster kv8 starts itself, set in ``env`` (the environment Ray's processes inherit)
+    unless the user set them:
+
+    * token authentication with a fresh random token kept in the environment only (``RAY_AUTH_TOKEN``): Ray's
+      gRPC servers listen on every interface (Ray 2.60 has no option to bind them to the loopback), so calls
+      without the token are refused; left to itself Ray would write the token to ``~/.ray/auth_token`` with the
+      umask's mode (world-readable under the usual 022);
+    * Ray's out-of-memory killer off (``RAY_memory_monitor_refresh_ms=0``): above 95% of the node's memory it
+      kills Ray workers -- the controller, the ingress and the replicas, whose memory is fixed at start (weights
+      and the KV cache budget) -- whatever process is using the memory, which took the whole application down
+      twice a minute on a busy host while freeing nothing of the culprit's. The kernel's OOM killer remains for
+      a machine truly out of memory.
+    """
+    env.setdefault("RAY_memory_monitor_refresh_ms", "0")
+    if env.setdefault("RAY_AUTH_MODE", "token").lower() == "token" and not (
+            env.get("RAY_AUTH_TOKEN") or env.get("RAY_AUTH_TOKEN_PATH")):
+        env["RAY_AUTH_TOKEN"] = secrets.token_hex(32)
