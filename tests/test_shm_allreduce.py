@@ -87,3 +87,11 @@ def test_slots_and_sizes() -> None:
             ShmAllReduce(path, 0, 2, 12, 1.0, lambda: None)
     finally:
         os.unlink(path)
+
+
+def test_the_shared_memory_path_is_for_x86_64_only() -> None:
+    """Its flags rely on x86-64's total store order (no fences): other machines sum through gloo."""
+    from kv8.distributed.shm_allreduce import supported
+
+    assert supported("x86_64") and supported("AMD64")
+    assert not supported("aarch64") and not supported("ppc64le") and not supported("riscv64")

@@ -356,6 +356,95 @@ def test_tp2_from_a_script_without_main_guard(gqa_6x2: str, tmp_path: Path, how:
     assert f"TEXT={single!r}" in run.stdout.splitlines(), run.stdout + run.stderr
 
 
+class _CutStore:
+    """A store shared by a test's ranks; ``cut`` ranks' heartbeats fail, as a dead process's would stop."""
+
+    def __init__(self) -> None:
+        import torch.distributed as dist
+
+        self.inner = dist.HashStore()
+        self.cut: set[int] = set()
+
+    def add(self, key: str, value: int) -> int:
+        if value and int(key.rsplit("/", 1)[1]) in self.cut:
+            raise RuntimeError("connection reset")
+        return int(self.inner.add(key, value))
+
+
+def test_heartbeats_tell_rank_0_which_torchrun_rank_went_silent() -> None:
+    from kv8.distributed.group import TPGroup
+
+    store = _CutStore()
+    for rank in (1, 2):
+        TPGroup(rank, 3).start_heartbeat(store, period=0.02)
+    driver = TPGroup(0, 3)
+    reports: list[str] = []
+    driver.on_rank_exit.append(reports.append)
+    driver.watch_heartbeats(store, period=0.02, dead_after=0.3)
+    time.sleep(0.6)
+    assert reports == []                              # both beat: nothing to report, however long it waits
+    store.cut.add(2)
+    deadline = time.monotonic() + 5
+    while not reports:
+        assert time.monotonic() < deadline, "rank 2's silence was not reported"
+        time.sleep(0.02)
+    assert len(reports) == 1 and reports[0].startswith("rank 2 (no heartbeat for 0 s) stopped"), reports
+    assert driver.dead_ranks().startswith("rank 2 (no heartbeat") and "rank 1" not in driver.dead_ranks()
+
+
+@pytest.mark.slow
+def test_a_torchrun_rank_that_dies_while_the_server_is_idle_takes_it_down(gqa_6x2: str, tmp_path: Path) -> None:
+    """``kv8 serve`` over two torchrun "nodes": rank 1 killed while no request runs; rank 0's server notices
+    from the heartbeats (no child process to watch), logs the rank and exits with status 1 within seconds."""
+    import httpx
+
+    from tests.test_server import ENGINE_FLAGS, _free_port
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        master = s.getsockname()[1]
+    http = _free_port()
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
+                "--master-addr", "127.0.0.1", "--master-port", str(master)]
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parent.parent)}
+    logs = [open(tmp_path / f"node{r}.log", "wb") for r in (0, 1)]
+    procs = [subprocess.Popen([*torchrun, "--node-rank", str(r), "-m", "kv8", "serve", gqa_6x2, *ENGINE_FLAGS,
+                               "--tensor-parallel-size", "2", "--cpu-threads-per-rank", "1", "--port", str(http)],
+                              stdout=logs[r], stderr=subprocess.STDOUT, env=env, start_new_session=True)
+             for r in (0, 1)]
+
+    def log(r: int) -> str:
+        return (tmp_path / f"node{r}.log").read_text(errors="replace")
+
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            assert procs[0].poll() is None, log(0)
+            assert time.monotonic() < deadline, log(0)
+            try:
+                if httpx.get(f"http://127.0.0.1:{http}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            time.sleep(0.3)
+        agent = procs[1].pid
+        children = subprocess.run(["ps", "--ppid", str(agent), "-o", "pid="], capture_output=True,
+                                  text=True).stdout.split()
+        assert len(children) == 1, children
+        os.kill(int(children[0]), signal.SIGKILL)    # rank 1's worker process, while the server is idle
+        start = time.monotonic()
+        assert procs[0].wait(timeout=60) == 1, log(0)
+        assert time.monotonic() - start < 30
+        assert "tensor-parallel rank 1 (no heartbeat for" in log(0), log(0)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait(timeout=10)
+        for f in logs:
+            f.close()
+
+
 @pytest.mark.slow
 def test_two_torchrun_nodes_generate_like_one_rank(gqa_6x2: str) -> None:
     """Two torchrun launches (two "nodes" of one process each, one rendezvous on 127.0.0.1) run one request end

@@ -18,6 +18,13 @@ A worker reports a failure before the step loop (loading its shard) under ``erro
 under ``ready/<rank>``; rank 0 waits for all of them while watching its child processes
 (:meth:`TPGroup.wait_ready`).
 
+Liveness while idle: rank 0 watches the ranks it started through their process sentinels (:meth:`TPGroup.watch`).
+Ranks torchrun started are no children of rank 0, so each of them counts up ``alive/<rank>`` every
+:data:`HEARTBEAT_S` from a thread with its own store connection (:meth:`TPGroup.start_heartbeat`, from the first
+moment, loading included), and rank 0 declares a rank gone when its count has not moved for :data:`DEAD_AFTER_S`
+(:meth:`TPGroup.watch_heartbeats`): a rank that dies while a server is idle fails it within seconds instead of at
+the next request. A hung rank (its heartbeat thread alive) is still caught by the collectives' timeout.
+
 Invariant: every rank runs the same sequence of collectives (one forward per published step), so the
 all-reduces of rank 0 and of its workers pair up; a single-rank group (``size == 1``) runs none.
 """
@@ -40,6 +47,7 @@ import torch
 import torch.distributed as dist
 
 from kv8.distributed.shm_allreduce import ShmAllReduce, create_shm_file
+from kv8.distributed.shm_allreduce import supported as shm_allreduce_supported
 
 if TYPE_CHECKING:
     from kv8.distributed.launcher import RankProcess
@@ -52,6 +60,8 @@ logger = logging.getLogger("kv8")
 OP_TIMEOUT = datetime.timedelta(seconds=120)
 # Store operations wait for rank 0 as long as it lives (an idle server publishes nothing for hours).
 STORE_TIMEOUT = datetime.timedelta(days=365)
+HEARTBEAT_S = 1.0      # how often a torchrun-started rank counts up its heartbeat
+DEAD_AFTER_S = 10.0    # a torchrun-started rank whose heartbeat has not moved this long is gone
 
 
 class TensorParallelError(RuntimeError):
@@ -79,6 +89,7 @@ class TPGroup:
     _parent: int = field(default_factory=os.getppid)
     _step: int = 0
     _closed: bool = False
+    _silent: dict[int, float] = field(default_factory=dict)   # torchrun ranks without a heartbeat: rank -> seconds
 
     @property
     def is_driver(self) -> bool:
@@ -87,16 +98,16 @@ class TPGroup:
 
     # ---- data channel ------------------------------------------------------------------------------------------
     def connect(self, devices: list[Any] | None = None, slot_bytes: int = 0) -> None:
-        """Build the gloo group over ``store`` and, for :attr:`local` ranks with ``slot_bytes > 0``, map the
-        shared-memory all-reduce with slots of that size (every rank calls it, with the same ``slot_bytes``, after
-        :meth:`wait_ready` / ``set_ready``)."""
+        """Build the gloo group over ``store`` and, for :attr:`local` ranks with ``slot_bytes > 0`` on x86-64
+        (:func:`kv8.distributed.shm_allreduce.supported`), map the shared-memory all-reduce with slots of that
+        size (every rank calls it, with the same ``slot_bytes``, after :meth:`wait_ready` / ``set_ready``)."""
         if self.size == 1 or self.pg is not None:
             return
         opts = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
         opts._timeout = OP_TIMEOUT
         opts._devices = devices or [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
         self.pg = dist.ProcessGroupGloo(dist.PrefixStore("gloo/", self.store), self.rank, self.size, opts)
-        if self.local and slot_bytes > 0:
+        if self.local and slot_bytes > 0 and shm_allreduce_supported():
             slot_bytes = -(-slot_bytes // 8) * 8
             path = self.share("shm_allreduce", create_shm_file(self.size, slot_bytes) if self.is_driver else None)
             self.shm = ShmAllReduce(path, self.rank, self.size, slot_bytes, OP_TIMEOUT.total_seconds(),
@@ -213,10 +224,55 @@ class TPGroup:
 
         threading.Thread(target=run, name="kv8-tp-watch", daemon=True).start()
 
+    def start_heartbeat(self, store: Any, period: float = HEARTBEAT_S) -> None:
+        """A torchrun-started worker: count up ``alive/<rank>`` in ``store`` (a connection of this thread's own)
+        every ``period`` seconds, until the store is gone (rank 0 stopped)."""
+        def run() -> None:
+            while True:
+                try:
+                    store.add(f"alive/{self.rank}", 1)
+                except Exception:   # noqa: BLE001 - rank 0's store went away: nothing left to tell
+                    return
+                time.sleep(period)
+
+        threading.Thread(target=run, name="kv8-tp-heartbeat", daemon=True).start()
+
+    def watch_heartbeats(self, store: Any, period: float = HEARTBEAT_S, dead_after: float = DEAD_AFTER_S) -> None:
+        """Rank 0 under torchrun: read every rank's heartbeat count in ``store`` (a connection of this thread's own)
+        every ``period`` seconds; a rank whose count has not moved for ``dead_after`` seconds is gone -- logged and
+        reported to :attr:`on_rank_exit` once, as :meth:`watch` reports a started rank's exit. Stops at
+        :meth:`close`."""
+        def run() -> None:
+            seen = {r: (-1, time.monotonic()) for r in range(1, self.size)}
+            while not self._closed:
+                now = time.monotonic()
+                try:
+                    counts = {r: int(store.add(f"alive/{r}", 0)) for r in seen}
+                except Exception:   # noqa: BLE001 - the store is gone: the engine is shutting down
+                    return
+                for r, n in counts.items():
+                    if n != seen[r][0]:
+                        seen[r] = (n, now)
+                silent = {r: now - t for r, (_, t) in seen.items() if now - t > dead_after}
+                if silent and not self._closed:
+                    self._silent = silent
+                    what = f"{self.dead_ranks()} stopped"
+                    logger.error("tensor-parallel %s; the engine fails%s", what,
+                                 "" if self.on_rank_exit else " at its next step")
+                    for hook in list(self.on_rank_exit):
+                        hook(what)
+                    return
+                time.sleep(period)
+
+        threading.Thread(target=run, name="kv8-tp-heartbeats", daemon=True).start()
+
     def dead_ranks(self) -> str:
-        """'rank 1 (exit code -9), ...' for the started workers that are gone; '' if none (or not known)."""
-        dead = [(r, p.exitcode) for r, p in enumerate(self.procs, start=1) if p.exitcode is not None]
-        return ", ".join(f"rank {r} (exit code {code})" for r, code in dead)
+        """'rank 1 (exit code -9), ...' for the started workers that are gone, or 'rank 1 (no heartbeat for 10 s)'
+        for torchrun ranks that went silent; '' if none (or not known)."""
+        dead = [f"rank {r} (exit code {p.exitcode})" for r, p in enumerate(self.procs, start=1)
+                if p.exitcode is not None]
+        dead += [f"rank {r} (no heartbeat for {s:.0f} s)" for r, s in sorted(self._silent.items())]
+        return ", ".join(dead)
 
     def failure(self, exc: BaseException) -> TensorParallelError:
         """The error to raise when a collective or the control channel failed."""

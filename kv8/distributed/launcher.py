@@ -90,9 +90,11 @@ def start_ranks(args: EngineArgs, config: EngineConfig, num_blocks: list[int]) -
         if rank != 0:
             from kv8.distributed.worker import run_worker
 
+            tp.start_heartbeat(_torchrun_store())
             run_worker(tp, args)
             raise SystemExit(0)
         tp.share("num_blocks", num_blocks)
+        tp.watch_heartbeats(_torchrun_store())
         return tp
     store = dist.TCPStore("127.0.0.1", 0, size, True, timeout=STORE_TIMEOUT, wait_for_workers=False)
     tp = TPGroup(0, size, store=store, local=True)
@@ -102,6 +104,16 @@ def start_ranks(args: EngineArgs, config: EngineConfig, num_blocks: list[int]) -
         tp.procs.append(RankProcess.start(rank, size, store.port))
     tp.watch()
     return tp
+
+
+def _torchrun_store() -> dist.Store:
+    """A new connection to torchrun's store (``MASTER_ADDR:MASTER_PORT``), for a thread of its own: the
+    heartbeats must not wait behind the step loop's blocking reads on the default one."""
+    env = envs.torchrun_env()
+    assert env is not None
+    client = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), None, False, timeout=STORE_TIMEOUT,
+                           wait_for_workers=False)
+    return dist.PrefixStore("kv8/", client)
 
 
 WORKER_ARGS_KEY = "worker_args"   # the store key of the pickled EngineArgs the started ranks build their shard from

@@ -12,8 +12,11 @@ one shared file mapped by every rank (the same idea as vLLM's CPU shared-memory 
 * Why two slots suffice: a rank writes slot ``n % 2`` again at call ``n + 2`` only after it saw every flag
   reach ``n + 1``, i.e. after every rank finished call ``n`` (ranks run the calls in program order, and read
   call ``n``'s slots before publishing call ``n + 1``).
-* Ordering: the data copy completes before the flag store, and x86 keeps stores (and loads) in program order,
-  so a reader that sees the flag sees the data.
+* Ordering: the data copy completes before the flag store, and x86-64 keeps stores (and loads) in program order
+  and makes every core see stores in one order (total store order), so a reader that sees the flag sees the
+  data, the copy's worker threads' stores included (they finish before the copy returns). Weaker memory models
+  (ARM, POWER) would need fences that Python cannot issue, so :func:`supported` allows this path on x86-64 only;
+  elsewhere the group sums through gloo.
 
 Waiting spins briefly, then yields the core each poll (``os.sched_yield``), so more ranks than cores still make
 progress. A wait fails with :class:`~kv8.distributed.group.TensorParallelError` when ``alive()`` says a rank is
@@ -26,16 +29,23 @@ left behind even if every process is killed. Tensors larger than a slot go throu
 from __future__ import annotations
 
 import os
+import platform
 import tempfile
 import time
 from collections.abc import Callable
 
 import torch
 
-__all__ = ["ShmAllReduce", "create_shm_file"]
+__all__ = ["ShmAllReduce", "create_shm_file", "supported"]
 
 CHECK_S = 0.2        # how often a waiting rank asks whether the others are alive
 SPINS = 200          # polls before a waiting rank starts yielding its core
+
+
+def supported(machine: str | None = None) -> bool:
+    """Whether this machine (``platform.machine()``, or ``machine``) keeps the store order the flags rely on
+    (module docstring): x86-64."""
+    return (machine if machine is not None else platform.machine()).lower() in ("x86_64", "amd64")
 
 
 def create_shm_file(size: int, slot_bytes: int) -> str:
