@@ -55,6 +55,20 @@ def _memory_size(text: str) -> str:
     return text
 
 
+class _ModelArg(argparse.Action):
+    """The model of a command that takes it positionally or as a flag (:meth:`EngineArgs.add_model_arg`): the one
+    given, or an error naming both when two different ones are."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: str | None = None) -> None:
+        given = getattr(namespace, "_model_given", None)
+        if given is not None and given != values:
+            parser.error(f"two models given: {given!r} and {values!r}; give one (positionally, or with "
+                         f"{'/'.join(self.option_strings) or 'MODEL'})")
+        namespace._model_given = values
+        namespace.model = values
+
+
 def option(default: Any, help: str, *, choices: tuple[str, ...] | None = None,
            type: Callable[[str], Any] | None = str, metavar: str | None = None, cli: bool = True) -> Any:
     """A field of :class:`EngineArgs`: its default plus what the CLI and :meth:`EngineArgs.describe` need.
@@ -176,8 +190,9 @@ class EngineArgs:
         help_text = cls.__dataclass_fields__["model"].metadata["help"]
         with_default = f"{help_text} (default: {DEFAULT_MODEL})"
         if flags and optional:
-            parser.add_argument("model_positional", nargs="?", default=None, metavar="MODEL", help=with_default)
-            parser.add_argument(*flags, dest="model_flag", default=None, metavar="MODEL",
+            parser.add_argument("model", nargs="?", default=argparse.SUPPRESS, action=_ModelArg, metavar="MODEL",
+                                help=with_default)
+            parser.add_argument(*flags, dest="model", default=DEFAULT_MODEL, action=_ModelArg, metavar="MODEL",
                                 help="the model, as a flag (instead of the positional MODEL)")
         elif flags:
             parser.add_argument(*flags, dest="model", default=DEFAULT_MODEL, help=with_default)
@@ -186,22 +201,9 @@ class EngineArgs:
         else:
             parser.add_argument("model", help=help_text)
 
-    @staticmethod
-    def resolve_model_arg(ns: argparse.Namespace) -> None:
-        """Set ``ns.model`` from a positional-or-flag model argument (:meth:`add_model_arg` with flags and
-        ``optional``): the one given, the default model if neither, ``ValueError`` if both differ."""
-        if not hasattr(ns, "model_positional"):
-            return
-        given = {m for m in (ns.model_positional, ns.model_flag) if m is not None}
-        if len(given) > 1:
-            raise ValueError(f"two models given: {ns.model_positional!r} (positional) and {ns.model_flag!r} "
-                             "(--model-id / --model); give one")
-        ns.model = given.pop() if given else DEFAULT_MODEL
-
     @classmethod
     def from_cli_args(cls, ns: argparse.Namespace) -> EngineArgs:
         """The fields the namespace has (flags from :meth:`add_cli_args`, and ``model``); others keep defaults."""
-        cls.resolve_model_arg(ns)
         return cls(**{name: getattr(ns, name) for name in cls.field_names() if hasattr(ns, name)})
 
     @classmethod
