@@ -40,9 +40,10 @@ from __future__ import annotations
 import enum
 import json
 import math
-import numbers
 from dataclasses import dataclass
 from typing import Any
+
+from kv8.validators import is_int, is_number
 
 __all__ = ["GREEDY_TEMPERATURE_EPS", "SamplingParams", "SamplingType", "StructuredOutputsParams"]
 
@@ -61,12 +62,8 @@ class SamplingType(enum.Enum):
     RANDOM = "random"
 
 
-def _is_int(value: Any) -> bool:
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
-
-
 def _check_int(name: str, value: Any, lo: int | None, hi: int | None, allowed: str) -> int:
-    if not _is_int(value) or (lo is not None and value < lo) or (hi is not None and value > hi):
+    if not is_int(value) or (lo is not None and value < lo) or (hi is not None and value > hi):
         raise ValueError(f"{name} must be {allowed}, got {value!r}")
     return int(value)
 
@@ -79,7 +76,7 @@ def _check_optional_int(name: str, value: Any, lo: int, allowed: str) -> int | N
 
 def _check_float(name: str, value: Any, ok: Any, allowed: str) -> float:
     """Return ``float(value)`` if it is a finite real (not bool) and ``ok(float(value))``."""
-    if not isinstance(value, numbers.Real) or isinstance(value, bool):
+    if not is_number(value):
         raise ValueError(f"{name} must be {allowed}, got {value!r}")
     as_float = float(value)
     if not math.isfinite(as_float) or not ok(as_float):
@@ -118,10 +115,9 @@ def _normalise_logit_bias(value: Any) -> dict[int, float] | None:
         raise ValueError(f"logit_bias must be {allowed}, got {value!r}")
     out: dict[int, float] = {}
     for key, bias in value.items():
-        if not _is_int(key) or key < 0:
+        if not is_int(key) or key < 0:
             raise ValueError(f"logit_bias must be {allowed}, got {value!r} (bad token id {key!r})")
-        if (not isinstance(bias, numbers.Real) or isinstance(bias, bool) or not math.isfinite(float(bias))
-                or abs(float(bias)) > _LOGIT_BIAS_LIMIT):
+        if not is_number(bias) or not math.isfinite(float(bias)) or abs(float(bias)) > _LOGIT_BIAS_LIMIT:
             raise ValueError(f"logit_bias must be {allowed}, got {value!r} (bad bias {bias!r} for token {key!r})")
         out[int(key)] = float(bias)
     return out or None
@@ -134,7 +130,7 @@ def _normalise_stop_token_ids(value: Any) -> list[int]:
     if not isinstance(value, (list, tuple)):
         raise ValueError(f"stop_token_ids must be {allowed}, got {value!r}")
     for item in value:
-        if not _is_int(item) or item < 0:
+        if not is_int(item) or item < 0:
             raise ValueError(f"stop_token_ids must be {allowed}, got {value!r} (bad entry {item!r})")
     return [int(item) for item in value]
 
@@ -310,7 +306,7 @@ class SamplingParams:
 
     def _checked_top_k(self) -> int:
         top_k = self.top_k
-        if not _is_int(top_k) or not (top_k in (0, -1) or top_k >= 1):
+        if not is_int(top_k) or not (top_k in (0, -1) or top_k >= 1):
             raise ValueError(f"top_k must be an int >= 1, or 0 / -1 to disable, got {top_k!r}")
         return int(top_k)
 

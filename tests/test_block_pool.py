@@ -147,7 +147,7 @@ def test_chain_hash_names_the_whole_prefix():
 
 
 def test_scheduler_keeps_a_free_block_per_running_request_before_admitting():
-    from kv8.config import SchedulerConfig
+    from kv8.engine.config import SchedulerConfig
     from kv8.engine.scheduler import Scheduler
 
     kv = KVCacheManager.full_attention(num_blocks=5, block_size=4, enable_prefix_caching=False)

@@ -7,8 +7,11 @@ import json
 import pytest
 import torch
 
-from kv8.config import ModelArchConfig, RopeScaling, parse_memory, resolve_dtype
+from kv8.engine.config import resolve_dtype
 from kv8.entrypoints.cli import build_parser, main
+from kv8.models.config import RopeScaling
+from kv8.models.registry import arch_config
+from kv8.validators import parse_memory
 
 
 def test_generate_and_info_on_a_tiny_model(tiny_llama, capsys):
@@ -47,7 +50,7 @@ def test_cli_errors_are_clear(tiny_llama, capsys):
 def test_a_cache_larger_than_free_memory_or_too_few_blocks_are_clear_errors(tiny_llama, capsys):
     """--kv-cache-memory beyond the machine: `kv8: error:` saying how much is free, exit 2, before allocating;
     --num-kv-blocks too small names num_kv_blocks (not kv_cache_memory, which the user did not set)."""
-    from kv8.engine.args import free_memory
+    from kv8.validators import memory_available as free_memory
 
     free = free_memory()
     assert free is not None                      # Linux: /proc/meminfo
@@ -167,15 +170,15 @@ def test_dtype_names():
 def test_arch_config_validation():
     base = dict(model_type="llama", vocab_size=10, hidden_size=8, intermediate_size=16, num_hidden_layers=1,
                 num_attention_heads=2, num_key_value_heads=2)
-    arch = ModelArchConfig.from_hf_config(base)
+    arch = arch_config(base)
     assert arch.head_dim == 4 and arch.gqa_ratio == 1 and not arch.attention_bias
-    assert ModelArchConfig.from_hf_config({**base, "model_type": "qwen2"}).attention_bias
+    assert arch_config({**base, "model_type": "qwen2"}).attention_bias
     with pytest.raises(ValueError, match="model_type='gpt2'"):
-        ModelArchConfig.from_hf_config({**base, "model_type": "gpt2"})
+        arch_config({**base, "model_type": "gpt2"})
     with pytest.raises(ValueError, match="num_key_value_heads=3"):
-        ModelArchConfig.from_hf_config({**base, "num_key_value_heads": 3})
+        arch_config({**base, "num_key_value_heads": 3})
     with pytest.raises(ValueError, match="missing the key 'vocab_size'"):
-        ModelArchConfig.from_hf_config({k: v for k, v in base.items() if k != "vocab_size"})
+        arch_config({k: v for k, v in base.items() if k != "vocab_size"})
     with pytest.raises(ValueError, match="rope_scaling type 'yarn'"):
         RopeScaling.from_dict({"rope_type": "yarn", "factor": 2.0})
 
@@ -194,15 +197,15 @@ def test_arch_config_rejects_bad_values(change, message):
     base = dict(model_type="llama", vocab_size=10, hidden_size=8, intermediate_size=16, num_hidden_layers=1,
                 num_attention_heads=2, num_key_value_heads=2)
     with pytest.raises(ValueError, match=message):
-        ModelArchConfig.from_hf_config({**base, **change})
+        arch_config({**base, **change})
     with pytest.raises(ValueError, match="must be a JSON object, got list"):
-        ModelArchConfig.from_hf_config([base])  # type: ignore[arg-type]
+        arch_config([base])  # type: ignore[arg-type]
 
 
 def test_model_type_from_architectures_and_cli_dtype_aliases(tiny_models, capsys):
     base = dict(vocab_size=10, hidden_size=8, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2,
                 num_key_value_heads=2, architectures=["Qwen2ForCausalLM"])
-    arch = ModelArchConfig.from_hf_config(base)   # no model_type: taken from architectures
+    arch = arch_config(base)   # no model_type: taken from architectures
     assert arch.model_type == "qwen2" and arch.attention_bias
     assert main(["generate", "x", "--model", tiny_models["llama"], "--num-kv-blocks", "8", "--max-model-len", "64",
                  "--max-tokens", "2", "--dtype", "float32", "--kv-cache-dtype", "fp8_e4m3fn"]) == 0
@@ -234,7 +237,7 @@ def test_llama3_rope_scaling_matches_transformers(tmp_path):
         cfg = LlamaConfig(hidden_size=64, num_attention_heads=2, max_position_embeddings=512,
                           rope_scaling=dict(rs, rope_theta=10000.0), rope_theta=10000.0)
         expected, _ = ROPE_INIT_FUNCTIONS[rs["rope_type"]](cfg, "cpu")
-        arch = ModelArchConfig.from_hf_config({**cfg.to_dict(), "rope_scaling": rs, "rope_theta": 10000.0})
+        arch = arch_config({**cfg.to_dict(), "rope_scaling": rs, "rope_theta": 10000.0})
         got = rope_inv_freq(arch.head_dim, arch.rope_theta, arch.rope_scaling)
         torch.testing.assert_close(got, expected.float(), rtol=1e-6, atol=0)
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from kv8.cache.kv_cache_manager import KVCacheManager
-from kv8.config import SchedulerConfig
+from kv8.engine.config import SchedulerConfig
 from kv8.engine.output_processor import OutputProcessor
 from kv8.engine.request import Request, RequestStatus, TokenLogprobs
 from kv8.engine.runner import ModelRunnerOutput

@@ -27,13 +27,12 @@ from kv8.attention.backend import ReferenceBackend
 from kv8.attention.metadata import AttentionMetadata
 from kv8.cache.codec import KVCodec
 from kv8.cache.paged_cache import CacheShape, PagedKVCache
-from kv8.config import ModelArchConfig
 from kv8.layers.activation import GeluAndMul, gelu_tanh_mul_reference
 from kv8.layers.attention import AttentionContext
 from kv8.layers.norm import GemmaRMSNorm, gemma_rmsnorm_reference
 from kv8.model.loader import load_model
 from kv8.models.gemma3 import Gemma3ArchConfig, Gemma3ForCausalLM
-from kv8.models.registry import model_class
+from kv8.models.registry import arch_config, model_class
 from kv8.native import KernelUnavailable
 from kv8.quant.formats import resolve_kv_cache_dtype
 from tests.test_model_vs_hf import FP8_NP, hf_logits, run_paged
@@ -103,21 +102,21 @@ def test_registry_and_transformers_4_style_config() -> None:
     ``rope_local_base_freq`` and ``sliding_window_pattern`` instead of ``rope_parameters`` and ``layer_types``."""
     assert model_class({"model_type": "gemma3_text"}) is Gemma3ForCausalLM
     assert model_class({"architectures": ["Gemma3ForCausalLM"]}) is Gemma3ForCausalLM
-    arch = ModelArchConfig.from_hf_config(_config(sliding_window_pattern=3,
+    arch = arch_config(_config(sliding_window_pattern=3,
                                                   rope_scaling={"rope_type": "linear", "factor": 8.0}))
     assert isinstance(arch, Gemma3ArchConfig)
     assert arch.layer_windows == (512, 512, None, 512, 512, None, 512)
     assert (arch.rope_theta, arch.rope_local_theta, arch.query_pre_attn_scalar) == (1e6, 1e4, 256.0)
     assert arch.rope_scaling is not None and arch.rope_scaling.factor == 8.0
     # transformers' default pattern: every 6th layer global
-    assert ModelArchConfig.from_hf_config(_config()).layer_windows == (512,) * 5 + (None, 512)
+    assert arch_config(_config()).layer_windows == (512,) * 5 + (None, 512)
 
 
 def test_transformers_5_config_from_save_pretrained(gemma_path: str) -> None:
     with open(os.path.join(gemma_path, "config.json")) as f:
         cfg = json.load(f)
     assert "rope_theta" not in cfg and "full_attention" in cfg["rope_parameters"]   # the format read here
-    arch = ModelArchConfig.from_hf_config(cfg)
+    arch = arch_config(cfg)
     assert isinstance(arch, Gemma3ArchConfig)
     assert arch.layer_windows == (WINDOW, WINDOW, None, WINDOW)
     assert (arch.rope_theta, arch.rope_local_theta, arch.query_pre_attn_scalar) == (1e6, 1e4, 24.0)
@@ -144,7 +143,7 @@ def test_transformers_5_config_from_save_pretrained(gemma_path: str) -> None:
 ])
 def test_unsupported_config_features_are_named(changes: dict[str, Any], message: str) -> None:
     with pytest.raises(ValueError, match=message):
-        ModelArchConfig.from_hf_config(_config(**changes))
+        arch_config(_config(**changes))
 
 
 def test_multimodal_gemma3_config_is_rejected_with_the_text_type_named() -> None:

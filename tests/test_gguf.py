@@ -586,10 +586,10 @@ def test_gemma3_round_trip_subtracts_the_norm_offset_and_reads_the_config(tmp_pa
     assert config["layer_types"] == ["sliding_attention"] * 2   # llama.cpp's period 6: layer 5 is the first global
     assert (config["rope_theta"], config["rope_local_base_freq"], config["query_pre_attn_scalar"]) == (1e6, 1e4, 32)
     assert config["hidden_activation"] == "gelu_pytorch_tanh" and config["tie_word_embeddings"] is True
-    from kv8.config import ModelArchConfig
     from kv8.models.gemma3 import Gemma3ArchConfig
+    from kv8.models.registry import arch_config
 
-    arch = ModelArchConfig.from_hf_config(config)
+    arch = arch_config(config)
     assert isinstance(arch, Gemma3ArchConfig) and arch.layer_windows == (16, 16)
 
 

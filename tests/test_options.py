@@ -6,18 +6,10 @@ import argparse
 from dataclasses import fields
 
 import pytest
-import torch
 
-from kv8.config import (
-    ATTENTION_BACKENDS,
-    DENSE_BACKENDS,
-    DTYPE_CHOICES,
-    QUANTIZATION_METHODS,
-    ROTATIONS,
-    SCALE_MODES,
-    check_dense_backend,
-)
+from kv8.cache.codec import ROTATIONS, SCALE_MODES
 from kv8.engine.args import EngineArgs
+from kv8.engine.config import ATTENTION_BACKENDS, DENSE_BACKENDS, DTYPE_CHOICES, QUANTIZATION_METHODS
 from kv8.entrypoints.cli import INFO_OPTIONS, build_parser
 from kv8.quant.formats import KV_CACHE_DTYPE_NAMES
 from kv8.tools.commands import CALIBRATE_EXCLUDED, EVAL_DEFAULTS, EVAL_EXCLUDED
@@ -181,9 +173,12 @@ def _config(**kw):
 
 def test_dense_backend_names():
     assert DENSE_BACKENDS == ("auto", "torch", "packed_bf16")
-    with pytest.raises(ValueError, match="^dense_backend='x' is not known; choose one of: auto, torch, packed_bf16$"):
-        check_dense_backend("x", torch.bfloat16)
-    with pytest.raises(ValueError, match="dense_backend='cpu' is not known"):
+    with pytest.raises(ValueError, match="^dense_backend='x' is not supported; choose one of: auto, torch, "
+                                         "packed_bf16$"):
+        _config(dense_backend="x")
+    with pytest.raises(ValueError, match="dense_backend='packed_bf16' needs dtype bfloat16"):
+        _config(dense_backend="packed_bf16", dtype="float32")
+    with pytest.raises(ValueError, match="dense_backend='cpu' is not supported"):
         _config(dense_backend="cpu")
     with pytest.raises(ValueError, match="^dense_backend='packed_bf16' needs dtype bfloat16, got torch.float32"):
         _config(dense_backend="packed_bf16", dtype="float32")
@@ -191,7 +186,7 @@ def test_dense_backend_names():
 
 
 @pytest.mark.parametrize("kw,message", [
-    (dict(attention_backend="fast"), "attention_backend='fast' is not known; choose one of: auto, cpu_fused, "
+    (dict(attention_backend="fast"), "attention_backend='fast' is not supported; choose one of: auto, cpu_fused, "
                                      "reference"),
     (dict(enable_prefix_caching="yes"), "enable_prefix_caching='yes' must be True or False"),
     (dict(kv_cache_memory="lots"), "kv_cache_memory='lots' is not a memory size"),
@@ -223,3 +218,40 @@ def test_info_checks_block_size(tiny_llama, capsys):
 
     assert main(["info", tiny_llama, "--block-size", "0"]) == 2
     assert "block_size=0 must be a power of two" in capsys.readouterr().err
+
+
+def test_every_option_is_declared_once() -> None:
+    """An engine option that a config holds as given is taken from that config (its default, help and allowed
+    values, by ``from_config``); no option's default is written in two places, and no two configs declare one."""
+    from kv8.cache.config import CacheConfig
+    from kv8.distributed.config import ParallelConfig
+    from kv8.engine.config import EngineConfig, SchedulerConfig
+
+    declared: dict[str, str] = {}
+    for config in (CacheConfig, SchedulerConfig, ParallelConfig, EngineConfig):
+        for f in fields(config):
+            if "help" in f.metadata:
+                assert f.name not in declared, f"{f.name} is declared by {declared[f.name]} and {config.__name__}"
+                declared[f.name] = config.__name__
+    sourced = 0
+    for f in fields(EngineArgs):
+        if f.name in declared:
+            assert f.metadata["source"] == f"{declared[f.name]}.{f.name}", f"EngineArgs.{f.name} redeclares it"
+            owner = {"CacheConfig": CacheConfig, "SchedulerConfig": SchedulerConfig, "ParallelConfig": ParallelConfig,
+                     "EngineConfig": EngineConfig}[declared[f.name]]
+            assert f.default == owner.__dataclass_fields__[f.name].default   # type: ignore[attr-defined]
+            sourced += 1
+        else:
+            assert f.metadata["source"] is None
+    assert sourced == len(declared)   # every config option is an engine option
+
+
+def test_shared_checks_are_written_once() -> None:
+    """The int / number checks that exclude bools live in kv8.validators; no module writes them out again."""
+    import re
+    from pathlib import Path
+
+    pattern = re.compile(r"isinstance\([^)]*,\s*bool\)\s*or\s*not\s*isinstance")
+    root = Path(__file__).parent.parent / "kv8"
+    offenders = [str(p.relative_to(root)) for p in root.rglob("*.py") if pattern.search(p.read_text())]
+    assert offenders == []

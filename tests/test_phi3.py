@@ -25,12 +25,11 @@ import torch
 from safetensors.torch import load_file
 
 from kv8 import LLM, SamplingParams
-from kv8.config import ModelArchConfig
 from kv8.engine.args import EngineArgs
 from kv8.engine.engine import LLMEngine
 from kv8.model.loader import load_model
 from kv8.models.phi3 import Phi3ArchConfig, Phi3ForCausalLM
-from kv8.models.registry import model_class
+from kv8.models.registry import arch_config, model_class
 from kv8.observer import EngineObserver
 from tests.conftest import make_tiny_model
 from tests.test_layers import _KERNELS, _WHY, _prefill_logits
@@ -229,26 +228,26 @@ def _config(**kw) -> dict:
 
 def test_config_reads_phi3_spellings():
     su = {"type": "su", "short_factor": LONGROPE["short_factor"], "long_factor": LONGROPE["long_factor"]}
-    arch = ModelArchConfig.from_hf_config(_config(rope_scaling=su))   # early Phi-3-mini-128k configs
+    arch = arch_config(_config(rope_scaling=su))   # early Phi-3-mini-128k configs
     assert arch.rope_scaling is not None and arch.rope_scaling.rope_type == "longrope"
     # transformers 5 writes rope_parameters (with partial_rotary_factor) instead of rope_scaling
     params = dict(LONGROPE, short_factor=[1.0] * 4, long_factor=[2.0] * 4, partial_rotary_factor=0.5,
                   original_max_position_embeddings=ORIGINAL, rope_theta=500.0)
-    arch = ModelArchConfig.from_hf_config(_config(rope_scaling=None, rope_parameters=params,
+    arch = arch_config(_config(rope_scaling=None, rope_parameters=params,
                                                   original_max_position_embeddings=None))
     assert isinstance(arch, Phi3ArchConfig) and arch.rotary_dim == 8 and arch.rope_theta == 500.0
     assert arch.rope_scaling is not None and arch.rope_scaling.long_factor == (2.0,) * 4
-    arch = ModelArchConfig.from_hf_config(_config(rope_scaling=dict(LONGROPE, attention_factor=1.25, factor=2.0)))
+    arch = arch_config(_config(rope_scaling=dict(LONGROPE, attention_factor=1.25, factor=2.0)))
     rs = arch.rope_scaling
     assert rs is not None and (rs.attention_factor, rs.factor) == (1.25, 2.0)
     # Phi-3-mini-4k: no scaling, a sliding window on every layer
-    arch = ModelArchConfig.from_hf_config(_config(rope_scaling=None, sliding_window=2047))
+    arch = arch_config(_config(rope_scaling=None, sliding_window=2047))
     assert arch.rope_scaling is None and arch.layer_windows == (2047, 2047)
 
 
 @pytest.mark.parametrize("change,message", [
     (dict(hidden_act="gelu"), r"hidden_act='gelu' is not supported for phi3; kv8 implements silu"),
-    (dict(partial_rotary_factor=1.5), r"partial_rotary_factor=1\.5 must be a number in \(0, 1\]"),
+    (dict(partial_rotary_factor=1.5), r"partial_rotary_factor=1\.5 must be a finite number in \(0, 1\]"),
     (dict(partial_rotary_factor=0.1875, rope_scaling=None),
      r"partial_rotary_factor=0\.1875 rotates int\(head_dim \* factor\) = 3 dims of head_dim=16; kv8 needs an even"),
     (dict(partial_rotary_factor=0.5),
@@ -271,4 +270,4 @@ def test_config_reads_phi3_spellings():
 ])
 def test_unsupported_config_features_are_named(change, message):
     with pytest.raises(ValueError, match=message):
-        ModelArchConfig.from_hf_config(_config(**change))
+        arch_config(_config(**change))

@@ -241,7 +241,7 @@ def test_make_generator_without_seed_is_deterministic_from_fallback() -> None:
 
 
 def test_make_generator_rejects_bad_arguments() -> None:
-    with pytest.raises(ValueError, match="seed must be"):
+    with pytest.raises(ValueError, match="seed=.* must be an int"):
         make_generator(1.5, _gen(0))  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="fallback must be"):
         make_generator(None, 3)  # type: ignore[arg-type]
@@ -430,7 +430,7 @@ def test_compute_logprobs_for_prompt_positions() -> None:
 
 def test_compute_logprobs_rejects_bad_arguments() -> None:
     logits = torch.zeros(2, 5)
-    with pytest.raises(ValueError, match="k must be"):
+    with pytest.raises(ValueError, match="k=.* must be an int"):
         compute_logprobs(logits, torch.tensor([0, 1]), 6)
     with pytest.raises(ValueError, match="token_ids must"):
         compute_logprobs(logits, torch.tensor([0, 5]), 1)

@@ -100,7 +100,7 @@ def test_skip_layers_keep_named_layers_in_the_compute_dtype(tiny_models):
         make_llm(tiny_models["llama"], kv_cache_dtype="fp8", kv_cache_dtype_skip_layers="sliding_window")
     with pytest.raises(ValueError, match="kv_cache_dtype_skip_layers entry 'everything' must be"):
         make_llm(path, kv_cache_dtype="fp8", kv_cache_dtype_skip_layers="everything")
-    with pytest.raises(ValueError, match="kv_cache_dtype='float32' is not FP8"):
+    with pytest.raises(ValueError, match="kv_cache_dtype='auto' .the float32 compute dtype. is not an FP8 format"):
         make_llm(path, kv_cache_dtype_skip_layers="0")
 
 

@@ -21,11 +21,13 @@ import pytest
 import torch
 
 from kv8 import LLM, SamplingParams
-from kv8.config import CacheConfig, ModelArchConfig, ParallelConfig
+from kv8.cache.config import CacheConfig
+from kv8.distributed.config import ParallelConfig
 from kv8.distributed.group import TensorParallelError, TPGroup
 from kv8.distributed.shard import building_shard, kv_head_shard, local_head_counts
 from kv8.layers.dense_kernels import TORCH_BACKEND
 from kv8.layers.linear import MergedLinear, QKVLinear, RowParallelLinear
+from kv8.models.registry import arch_config
 from kv8.quant.formats import resolve_kv_cache_dtype
 from kv8.quant.scale_files import write_kv8_scales_json
 from kv8.quant.scale_sources import engine_kv_scales
@@ -115,14 +117,14 @@ def test_parallel_config_errors_name_the_sizes() -> None:
 
     cfg = dict(model_type="llama", vocab_size=10, hidden_size=96, intermediate_size=192, num_hidden_layers=1,
                num_attention_heads=6, num_key_value_heads=2, head_dim=16)
-    arch6 = ModelArchConfig.from_hf_config(cfg)
+    arch6 = arch_config(cfg)
     with pytest.raises(ValueError, match=r"tensor_parallel_size=4 must divide the model's num_attention_heads=6"):
         ParallelConfig(4).check_model(arch6)
     with pytest.raises(ValueError, match=r"tensor_parallel_size=3 must divide the model's num_key_value_heads=2, "
                                          r"or be a multiple of it"):
         ParallelConfig(3).check_model(arch6)
     with pytest.raises(ValueError, match=r"must divide the model's intermediate_size=191"):
-        ParallelConfig(2).check_model(ModelArchConfig.from_hf_config({**cfg, "intermediate_size": 191}))
+        ParallelConfig(2).check_model(arch_config({**cfg, "intermediate_size": 191}))
     with pytest.raises(ValueError, match=r"tensor_parallel_size=0 must be an int >= 1"):
         ParallelConfig(0)
     with pytest.raises(ValueError, match=r"cpu_threads_per_rank=0 must be an int >= 1"):

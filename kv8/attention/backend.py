@@ -41,7 +41,7 @@ class ReferenceBackend:
         return paged_attention_reference(query, cache, layer, meta, scale)
 
 
-BACKENDS: dict[str, type] = {"reference": ReferenceBackend, "cpu_fused": FusedCPUBackend}
+BACKENDS: dict[str, type] = {"cpu_fused": FusedCPUBackend, "reference": ReferenceBackend}
 
 _auto_fallback_warned = False
 

@@ -37,6 +37,7 @@ import torch
 from kv8.attention.metadata import AttentionMetadata
 from kv8.cache.paged_cache import PagedKVCache
 from kv8.native import KernelUnavailable, build_shared_library
+from kv8.validators import check_int
 
 logger = logging.getLogger("kv8")
 
@@ -376,9 +377,7 @@ def paged_attention_fused(lib: KernelLibrary, query: torch.Tensor, cache: PagedK
     ``plan_threads`` (>= 1; default: the threads it runs on) is the thread count the work is split for: the
     result depends on it, not on how many threads run the call.
     """
-    if plan_threads is not None and (isinstance(plan_threads, bool) or not isinstance(plan_threads, int)
-                                     or plan_threads < 1):
-        raise ValueError(f"plan_threads={plan_threads!r} must be None or an int >= 1")
+    check_int("plan_threads", plan_threads, 1, optional=True)
     _check_common(lib, "query", query, cache)
     if query.shape[1] % cache.shape.num_kv_heads != 0:
         raise ValueError(f"query heads {query.shape[1]} must be a multiple of KV heads {cache.shape.num_kv_heads}")

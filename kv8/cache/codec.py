@@ -21,10 +21,10 @@ Everything that writes, reads or measures stored K/V goes through a codec: the r
 layer (:meth:`KVCodec.to_stored_basis`), calibration statistics (:attr:`KVCodec.rotation` for the key envelope)
 and ``kv8 eval``'s round-trip error (:meth:`KVCodec.round_trip`).
 
-Invariants (the options are checked by :mod:`kv8.config` when the engine is built, the scales' fit and basis
-by :func:`kv8.quant.scale_sources.resolve_kv_scales`, and that scales are present or absent as the mode needs
-by :meth:`KVCodec.build`): dynamic scales and static scales exclude each other and both need an FP8 format; an
-FP8 codec in static mode always has scales (1.0 when none were given); a rotation needs a power-of-two
+Invariants (the options are checked by :class:`kv8.cache.config.CacheConfig` when the engine is built, the scales'
+fit and basis by :func:`kv8.quant.scale_sources.resolve_kv_scales`, and that scales are present or absent as the
+mode needs by :meth:`KVCodec.build`): dynamic scales and static scales exclude each other and both need an FP8
+format; an FP8 codec in static mode always has scales (1.0 when none were given); a rotation needs a power-of-two
 ``head_dim``; static scales describe the codec's basis (1.0 fits every basis).
 """
 
@@ -58,7 +58,7 @@ class KVCodec:
     @staticmethod
     def build(kv_dtype: KVCacheDtype, head_dim: int, *, scale_mode: str = "static", rotation: str = "none",
               scales: KVScales | None = None) -> KVCodec:
-        """A codec for options already validated by :mod:`kv8.config` (``scale_mode`` in
+        """A codec for options already validated by :class:`kv8.cache.config.CacheConfig` (``scale_mode`` in
         :data:`SCALE_MODES`, ``rotation`` in :data:`ROTATIONS`, dynamic scales only with FP8, a power-of-two
         ``head_dim`` for a rotation). ``scales`` are the static scales (dropped for a 16/32-bit format: there is
         nothing to scale); an FP8 format in static mode needs them -- 1.0 comes from :meth:`KVScales.default`,

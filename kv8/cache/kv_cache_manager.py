@@ -30,8 +30,7 @@ from array import array
 from collections.abc import Sequence
 
 from kv8.cache.block_pool import BlockPool
-from kv8.cache.layout import KVCacheGroup, KVCacheLayout
-from kv8.config import ceil_div
+from kv8.cache.layout import KVCacheGroup, KVCacheLayout, ceil_div
 from kv8.engine.request import Request
 
 _ROOT_HASH = b"kv8-root"

@@ -35,12 +35,16 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from kv8.cache.codec import KVCodec
-from kv8.config import ceil_div
 from kv8.quant.formats import resolve_kv_cache_dtype
 
 if TYPE_CHECKING:
-    from kv8.config import EngineConfig
+    from kv8.engine.config import EngineConfig
 
+
+
+def ceil_div(a: int, b: int) -> int:
+    """``ceil(a / b)`` for ints (blocks that hold ``a`` tokens of ``b`` per block)."""
+    return -(-a // b)
 
 @dataclass(frozen=True)
 class KVCacheGroup:

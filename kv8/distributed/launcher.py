@@ -35,8 +35,8 @@ import torch.distributed as dist
 
 import kv8
 from kv8 import envs
-from kv8.config import EngineConfig
 from kv8.distributed.group import OP_TIMEOUT, SINGLE_RANK, STORE_TIMEOUT, TPGroup
+from kv8.engine.config import EngineConfig
 
 if TYPE_CHECKING:
     from kv8.engine.args import EngineArgs

@@ -37,11 +37,11 @@ from kv8.cache.codec import KVCodec
 from kv8.cache.kv_cache_manager import KVCacheManager
 from kv8.cache.layout import KVCacheLayout, layout_for
 from kv8.cache.paged_cache import CacheShape, PagedKVCache
-from kv8.config import EngineConfig, format_bytes
 from kv8.distributed.group import TPGroup
 from kv8.distributed.launcher import allreduce_slot_bytes, start_ranks
 from kv8.distributed.shard import kv_head_shard
 from kv8.engine.args import EngineArgs, check_cache_fits_memory, resolve_num_blocks
+from kv8.engine.config import EngineConfig
 from kv8.engine.input_processor import InputProcessor
 from kv8.engine.output_processor import OutputProcessor
 from kv8.engine.request import RequestStatus
@@ -58,6 +58,7 @@ from kv8.quant.formats import resolve_kv_cache_dtype
 from kv8.quant.scale_sources import engine_kv_scales
 from kv8.quant.scales import ModelScaleInfo
 from kv8.sampling_params import SamplingParams
+from kv8.validators import format_bytes
 
 logger = logging.getLogger("kv8")
 
@@ -86,7 +87,7 @@ def load_shard(config: EngineConfig, layout: KVCacheLayout, num_blocks: Sequence
                                                  arch.head_dim), loaded.scale_tensors, loaded.hf_config,
                               tp.rank, tp.size, kv_heads)
     check_cache_fits_memory(config, layout, num_blocks)   # before allocating it, with the weights loaded
-    codec = KVCodec.build(cc.kv_dtype, arch.head_dim, scale_mode=cc.scale_mode, rotation=cc.rotation,
+    codec = KVCodec.build(cc.kv_dtype, arch.head_dim, scale_mode=cc.kv_cache_scale_mode, rotation=cc.kv_cache_rotation,
                           scales=scales)
     # Pools: the kv_cache_dtype one first; layers of kv_cache_dtype_skip_layers in the compute dtype.
     caches = []

@@ -20,11 +20,12 @@ from typing import Any
 
 import torch
 
-from kv8.config import EngineConfig
+from kv8.engine.config import EngineConfig
 from kv8.engine.request import Request
 from kv8.engine.sampler import make_generator
 from kv8.engine.structured import GrammarCompiler
 from kv8.sampling_params import SamplingParams
+from kv8.validators import is_int
 
 
 class InputProcessor:
@@ -47,7 +48,7 @@ class InputProcessor:
         vocab = self.vocab_size
         if not ids:
             raise ValueError("prompt_token_ids is empty")
-        bad = [t for t in ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab]
+        bad = [t for t in ids if not is_int(t) or not 0 <= t < vocab]
         if bad:
             raise ValueError(f"prompt_token_ids contains {bad[:5]!r}, not token ids in [0, {vocab})")
         return None, ids

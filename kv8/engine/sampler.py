@@ -45,6 +45,7 @@ import torch
 from kv8.layers.dense_kernels import load_dense_kernels
 from kv8.native import KernelUnavailable
 from kv8.sampling_params import SamplingParams, SamplingType
+from kv8.validators import check_int
 
 __all__ = ["CANDIDATES", "Argmax", "SamplerOutput", "TokenHistory", "apply_filters_reference", "apply_penalties",
            "argmax_reference", "compute_logprobs", "make_generator", "sample", "select_argmax"]
@@ -114,8 +115,8 @@ def make_generator(seed: int | None, fallback: torch.Generator) -> torch.Generat
         raise ValueError(f"fallback must be a CPU torch.Generator, got {fallback!r}")
     if seed is None:
         seed = int(torch.randint(0, 2**62, (1,), generator=fallback).item())
-    elif isinstance(seed, bool) or not isinstance(seed, int) or not -(2**63) <= seed < 2**64:
-        raise ValueError(f"seed must be None or an int in [-2**63, 2**64 - 1], got {seed!r}")
+    else:
+        check_int("seed", seed, -(2**63), 2**64 - 1)
     generator = torch.Generator(device="cpu")
     generator.manual_seed(seed)
     return generator
@@ -146,8 +147,7 @@ def compute_logprobs(
             f"token_ids must be an integer tensor of shape ({n_rows},), got shape "
             f"{tuple(token_ids.shape)} dtype {token_ids.dtype}"
         )
-    if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= vocab:
-        raise ValueError(f"k must be an int in [0, {vocab}] (the vocabulary size), got {k!r}")
+    check_int("k", k, 0, vocab)
     ids = token_ids.to(device=logits.device, dtype=torch.int64)
     if n_rows and (int(ids.min()) < 0 or int(ids.max()) >= vocab):
         raise ValueError(f"token_ids must lie in [0, {vocab}), got values in "

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from kv8.cache.kv_cache_manager import KVCacheManager
-from kv8.config import SchedulerConfig
+from kv8.engine.config import SchedulerConfig
 from kv8.engine.request import Request, RequestStatus
 
 if TYPE_CHECKING:

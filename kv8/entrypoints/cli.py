@@ -19,18 +19,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kv8.config import (
-    CacheConfig,
-    ModelArchConfig,
-    default_kv_cache_memory,
-    format_bytes,
-    parse_memory,
-    resolve_dtype,
-)
+from kv8.cache.config import CacheConfig, default_kv_cache_memory
 from kv8.engine.args import EngineArgs
+from kv8.engine.config import resolve_dtype
 from kv8.entrypoints.tool_calling import TOOL_CALL_PARSERS
+from kv8.models.config import ModelArchConfig
+from kv8.models.registry import arch_config
 from kv8.native import KernelUnavailable
 from kv8.quant.formats import resolve_kv_cache_dtype
+from kv8.validators import format_bytes, parse_memory
 
 EPILOG = """examples:
   kv8 generate "London is the capital of"                       # default model, 16-bit cache
@@ -213,7 +210,7 @@ def cmd_info(ns: argparse.Namespace) -> int:
     from kv8.model.sources import resolve_model_path
 
     kind, path = resolve_model_path(ns.model)
-    arch = ModelArchConfig.from_hf_config(read_model_config(kind, path))
+    arch = arch_config(read_model_config(kind, path))
     memory = parse_memory(ns.kv_cache_memory) if ns.kv_cache_memory else default_kv_cache_memory()
     # the same checks as an engine's cache (block_size a power of two, memory > 0), for any dtype
     CacheConfig(kv_dtype=resolve_kv_cache_dtype("auto", resolve_dtype("auto")), block_size=ns.block_size,

@@ -77,6 +77,7 @@ from kv8.entrypoints.server import (
     models_response,
     read_json_body,
 )
+from kv8.validators import check_int
 
 logger = logging.getLogger("kv8.ray_serve")
 
@@ -325,8 +326,7 @@ class DataParallelPlan:
     @classmethod
     def from_args(cls, ns: argparse.Namespace, engine_args: EngineArgs) -> DataParallelPlan:
         size = ns.data_parallel_size
-        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
-            raise ValueError(f"--data-parallel-size={size!r} must be an int >= 1")
+        check_int("--data-parallel-size", size, 1)
         if ns.data_parallel_backend != "ray":
             raise ValueError(f"--data-parallel-backend={ns.data_parallel_backend!r} is not supported; kv8 runs data "
                              "parallel replicas on Ray only: add --data-parallel-backend ray")

@@ -33,7 +33,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kv8.config import EngineConfig
+from kv8.engine.config import EngineConfig
 from kv8.entrypoints.protocol import APIError, ChatMessage
 from kv8.model.tokenizer import load_tokenizer
 

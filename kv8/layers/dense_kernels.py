@@ -13,7 +13,7 @@ tensors. The layers that use them, each beside its plain torch reference, are in
 argmax is :func:`kv8.engine.sampler.select_argmax`.
 
 :func:`select_dense_backend` turns the engine option ``dense_backend`` (checked by
-:func:`kv8.config.check_dense_backend`) into a :class:`DenseBackend`, once, when the model loads:
+:class:`kv8.engine.config.EngineConfig`) into a :class:`DenseBackend`, once, when the model loads:
 ``torch`` runs torch ops; ``packed_bf16`` runs these kernels and needs a bf16 model; ``auto`` is
 ``packed_bf16`` for bf16 models when the kernels build and load, else torch (with one warning per process).
 """
@@ -27,7 +27,6 @@ from pathlib import Path
 
 import torch
 
-from kv8.config import check_dense_backend, check_quantization
 from kv8.native import KernelUnavailable, build_shared_library
 
 logger = logging.getLogger("kv8")
@@ -247,7 +246,6 @@ class DenseBackend:
     quantization: str | None = None   # the decoder's linear layers: None (as loaded) or "fp8"
 
     def __post_init__(self) -> None:
-        check_quantization(self.quantization)
         if (self.name == "packed_bf16") != (self.kernels is not None):
             raise ValueError(f"dense backend {self.name!r} must come with kernels exactly when it is 'packed_bf16'")
 
@@ -260,13 +258,12 @@ def _torch_backend(quantization: str | None) -> DenseBackend:
 
 
 def select_dense_backend(name: str, dtype: torch.dtype, quantization: str | None = None) -> DenseBackend:
-    """The backend for option ``name`` (one of ``kv8.config.DENSE_BACKENDS``, already validated against
-    ``dtype``) with the weight ``quantization`` (None or ``"fp8"``). ``packed_bf16`` raises
+    """The backend for option ``name`` with the weight ``quantization``, both validated by the engine's config
+    (:class:`kv8.engine.config.EngineConfig`: ``name`` usable with ``dtype``, ``quantization`` None or ``"fp8"``).
+    ``packed_bf16`` raises
     :class:`KernelUnavailable` if the kernels cannot be built or loaded; ``auto`` then says why once per process
     and uses torch; models in other dtypes than bf16 use torch."""
     global _auto_fallback_logged
-    check_dense_backend(name, dtype)   # once per model load; callers other than the engine reach here too
-    check_quantization(quantization)
     if name == "torch" or dtype != torch.bfloat16:
         return _torch_backend(quantization)
     try:

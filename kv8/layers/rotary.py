@@ -8,9 +8,9 @@ One :class:`RotaryEmbedding` per model, shared by its attention layers. Per forw
 ``qkv [T, (Hq + 2 Hkv) * D]`` is ``[q | k | v]`` (:class:`kv8.layers.linear.QKVLinear`); the outputs are
 ``q [T, Hq, D]``, ``k [T, Hkv, D]`` (rotated) and ``v [T, Hkv, D]``, all contiguous. Angles are computed in
 float32 as Hugging Face computes them (inverse frequencies with linear, llama3 or longrope scaling from
-:class:`kv8.config.RopeScaling`), so positions rotate identically. Partial rotary (``rotary_dim < D``, Phi-4-mini's
-``partial_rotary_factor``): only the first ``rotary_dim`` dims of each head rotate (rotate-half within them), the
-rest pass through.
+:class:`kv8.models.config.RopeScaling`), so positions rotate identically. Partial rotary (``rotary_dim < D``,
+Phi-4-mini's ``partial_rotary_factor``): only the first ``rotary_dim`` dims of each head rotate (rotate-half within
+them), the rest pass through.
 
 LongRoPE (``longrope``, Phi-3's "SuRoPE"): two sets of inverse frequencies, ``1 / (short_factor[i] *
 theta^(2i/R))`` and the same with ``long_factor``, and cos/sin multiplied by ``attention_factor``. kv8's rule:
@@ -44,8 +44,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from kv8.config import RopeScaling
 from kv8.layers.dense_kernels import DenseBackend
+from kv8.models.config import RopeScaling
 
 __all__ = ["RopeAngles", "RotaryEmbedding", "apply_rope", "rope_inv_freq", "rope_reference"]
 

@@ -33,12 +33,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from kv8.config import ModelArchConfig
 from kv8.distributed.group import SINGLE_RANK, TPGroup
 from kv8.distributed.shard import building_shard
 from kv8.host_memory import place_on_huge_pages
 from kv8.layers.dense_kernels import select_dense_backend
-from kv8.models.registry import CausalLM, model_class
+from kv8.models.config import ModelArchConfig
+from kv8.models.registry import CausalLM, arch_config, model_class
 from kv8.quant.scale_sources import is_kv_scale_name
 
 logger = logging.getLogger("kv8")
@@ -177,9 +177,9 @@ def _load(model: nn.Module, pname: str, tensor: torch.Tensor, shard_id: ShardId,
 def load_model(kind: str, path: str, dtype: torch.dtype, dense_backend: str = "torch",
                tp: TPGroup = SINGLE_RANK, quantization: str | None = None) -> LoadedModel:
     """Build the model for ``path`` (kind ``"hf"`` or ``"gguf"``) with weights in ``dtype`` and dense layers on
-    ``dense_backend`` (a validated ``kv8.config.DENSE_BACKENDS`` name; ``LoadedModel.dense_backend`` says which
+    ``dense_backend`` (a validated ``kv8.engine.config.DENSE_BACKENDS`` name; ``LoadedModel.dense_backend`` says which
     one ``auto`` resolved to); with a group ``tp``, the shard of its rank. ``quantization`` (None or a
-    ``kv8.config.QUANTIZATION_METHODS`` name): how the decoder's linear layers store their weights."""
+    ``kv8.engine.config.QUANTIZATION_METHODS`` name): how the decoder's linear layers store their weights."""
     start = time.perf_counter()
     if kind == "gguf":
         from kv8.model.gguf_loader import iter_gguf_tensors
@@ -194,7 +194,7 @@ def load_model(kind: str, path: str, dtype: torch.dtype, dense_backend: str = "t
     else:
         raise ValueError(f"model kind {kind!r} is not one of: hf, gguf")
     cls = model_class(hf_config)
-    arch = ModelArchConfig.from_hf_config(hf_config)
+    arch = arch_config(hf_config)
     if kind == "hf":
         _check_layer_count(files, arch, path)
     backend = select_dense_backend(dense_backend, dtype, quantization)

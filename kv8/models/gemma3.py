@@ -18,7 +18,7 @@ What differs from :mod:`kv8.models.llama`:
   output projection is tied to the (unscaled) embedding.
 
 Config features kv8 does not implement (logit soft-capping, bidirectional attention, another activation, RoPE
-scaling on local layers, scaling types :class:`kv8.config.RopeScaling` lacks) raise ``ValueError`` naming them
+scaling on local layers, scaling types :class:`kv8.models.config.RopeScaling` lacks) raise ``ValueError`` naming them
 when the config is read (:meth:`Gemma3ArchConfig.extra_fields`).
 
 Dense backends: the linear layers use the backend given (packed bf16 kernels or torch); the norms, GeGLU and
@@ -38,7 +38,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from kv8.config import ModelArchConfig, RopeScaling, _cfg_float, _cfg_int
 from kv8.distributed.shard import local_head_counts
 from kv8.layers.activation import GeluAndMul
 from kv8.layers.attention import AttentionContext, PagedAttention
@@ -47,6 +46,7 @@ from kv8.layers.linear import GateUpLinear, QKVLinear, RowParallelLinear
 from kv8.layers.norm import GemmaRMSNorm, norm_per_head
 from kv8.layers.rotary import RopeAngles, RotaryEmbedding
 from kv8.layers.vocab_parallel import ParallelLMHead, VocabParallelEmbedding
+from kv8.models.config import ModelArchConfig, RopeScaling, cfg_float, cfg_int
 from kv8.models.llama import LlamaForCausalLM
 
 __all__ = ["Gemma3ArchConfig", "Gemma3ForCausalLM"]
@@ -111,19 +111,19 @@ class Gemma3ArchConfig(ModelArchConfig):
             raise ValueError(f"model config rope_parameters['sliding_attention'] has rope_type={local_type!r}; "
                              f"kv8's Gemma 3 supports only unscaled RoPE ('default') on sliding layers")
         fields: dict[str, Any] = {
-            "rope_theta": _cfg_float(full, "rope_theta", 1_000_000.0),
+            "rope_theta": cfg_float(full, "rope_theta", 1_000_000.0),
             "rope_scaling": RopeScaling.from_dict(full),
-            "rope_local_theta": _cfg_float(local, "rope_theta", 10_000.0),
-            "query_pre_attn_scalar": _cfg_float(cfg, "query_pre_attn_scalar", 256.0),
+            "rope_local_theta": cfg_float(local, "rope_theta", 10_000.0),
+            "query_pre_attn_scalar": cfg_float(cfg, "query_pre_attn_scalar", 256.0),
         }
         layer_types = cfg.get("layer_types")
         if layer_types is None:
             key = "sliding_window_pattern" if "sliding_window_pattern" in cfg else "_sliding_window_pattern"
-            pattern = _cfg_int(cfg, key, 6)
+            pattern = cfg_int(cfg, key, 6)
             if pattern < 1:
                 raise ValueError(f"model config {key}={pattern!r} must be an int >= 1")
             layer_types = ["sliding_attention" if (i + 1) % pattern else "full_attention"
-                           for i in range(_cfg_int(cfg, "num_hidden_layers"))]
+                           for i in range(cfg_int(cfg, "num_hidden_layers"))]
         if not isinstance(layer_types, list) or not all(isinstance(t, str) for t in layer_types):
             raise ValueError(f"model config layer_types={layer_types!r} must be a list of strings")
         fields["layer_types"] = tuple(layer_types)   # kept without a sliding_window: the base check names it

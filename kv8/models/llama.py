@@ -17,7 +17,6 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kv8.config import ModelArchConfig
 from kv8.distributed.shard import local_head_counts
 from kv8.layers.activation import SiluAndMul
 from kv8.layers.attention import AttentionContext, PagedAttention
@@ -26,6 +25,7 @@ from kv8.layers.linear import GateUpLinear, QKVLinear, RowParallelLinear
 from kv8.layers.norm import RMSNorm
 from kv8.layers.rotary import RopeAngles, RotaryEmbedding
 from kv8.layers.vocab_parallel import ParallelLMHead, VocabParallelEmbedding
+from kv8.models.config import ModelArchConfig
 
 
 class Attention(nn.Module):

@@ -21,13 +21,13 @@ The model class is the Llama one: :class:`~kv8.models.llama.LlamaModel` builds i
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from kv8.config import ModelArchConfig
+from kv8.models.config import ModelArchConfig
 from kv8.models.llama import LlamaForCausalLM
+from kv8.validators import check_number
 
 __all__ = ["Phi3ArchConfig", "Phi3ForCausalLM"]
 
@@ -49,8 +49,7 @@ class Phi3ArchConfig(ModelArchConfig):
     def __post_init__(self) -> None:
         super().__post_init__()
         f = self.partial_rotary_factor
-        if isinstance(f, bool) or not isinstance(f, (int, float)) or not math.isfinite(f) or not 0 < f <= 1:
-            raise ValueError(f"model config partial_rotary_factor={f!r} must be a number in (0, 1]")
+        check_number("model config partial_rotary_factor", f, 0, 1, exclusive_minimum=True)
         if self.rotary_dim < 2 or self.rotary_dim % 2:
             raise ValueError(f"model config partial_rotary_factor={f!r} rotates int(head_dim * factor) = "
                              f"{self.rotary_dim} dims of head_dim={self.head_dim}; kv8 needs an even number >= 2")

@@ -12,16 +12,16 @@ from typing import Any, ClassVar, Protocol
 
 import torch
 
-from kv8.config import ModelArchConfig
 from kv8.layers.attention import AttentionContext
 from kv8.layers.dense_kernels import DenseBackend
+from kv8.models.config import ModelArchConfig
 from kv8.models.gemma3 import Gemma3ForCausalLM
 from kv8.models.llama import LlamaForCausalLM
 from kv8.models.phi3 import Phi3ForCausalLM
 from kv8.models.qwen3 import Qwen3ForCausalLM
 
-__all__ = ["ARCHITECTURES", "MODEL_TYPES", "CausalLM", "arch_config_class", "model_class", "resolve_model_type",
-           "supported_model_types"]
+__all__ = ["ARCHITECTURES", "MODEL_TYPES", "CausalLM", "arch_config", "arch_config_class", "model_class",
+           "resolve_model_type", "supported_model_types"]
 
 
 class CausalLM(Protocol):
@@ -31,7 +31,7 @@ class CausalLM(Protocol):
     packed_modules_mapping: ClassVar[dict[str, tuple[str, int | str]]]
     # parameter name -> name of the parameter it shares when ``arch.tie_word_embeddings``
     tied_weights: ClassVar[dict[str, str]]
-    # the config class :meth:`ModelArchConfig.from_hf_config` builds for this model (a subclass adds fields)
+    # the config class :func:`arch_config` builds for this model (a subclass adds fields)
     arch_config_cls: ClassVar[type[ModelArchConfig]]
 
     def __init__(self, arch: ModelArchConfig, backend: DenseBackend) -> None:
@@ -88,6 +88,15 @@ def arch_config_class(model_type: str) -> type[ModelArchConfig]:
     """The config class of a registered ``model_type`` (its model's ``arch_config_cls``)."""
     cls: type[ModelArchConfig] = MODEL_TYPES[model_type].arch_config_cls
     return cls
+
+
+def arch_config(hf_config: Mapping[str, Any]) -> ModelArchConfig:
+    """The architecture of a Hugging Face config dict, in its model's config class; ``ValueError`` naming the
+    model type, a missing key or a bad value."""
+    if not isinstance(hf_config, Mapping):
+        raise ValueError(f"the model config must be a JSON object, got {type(hf_config).__name__}")
+    model_type = resolve_model_type(hf_config)
+    return arch_config_class(model_type).from_hf_config(hf_config, model_type)
 
 
 def model_class(hf_config: Mapping[str, Any]) -> type:

@@ -23,6 +23,8 @@ from functools import lru_cache
 
 import torch
 
+from kv8.validators import is_number
+
 __all__ = [
     "FP8Format",
     "E4M3",
@@ -231,7 +233,7 @@ def _checked_scale(scale: torch.Tensor | float, shape: torch.Size, where: str) -
         if not bool(torch.all(torch.isfinite(scale32) & (scale32 > 0))):
             raise ValueError(f"{where}: scale must be finite and > 0 everywhere, got {scale}")
         return scale32
-    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
+    if not is_number(scale):
         raise ValueError(f"{where}: scale={scale!r} must be a float or a floating-point tensor")
     if not (math.isfinite(scale) and scale > 0):
         raise ValueError(f"{where}: scale={scale!r} must be finite and > 0")

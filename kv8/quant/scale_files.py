@@ -24,6 +24,7 @@ from kv8.quant.scales import (
     ScaleGranularity,
     check_fits,
 )
+from kv8.validators import is_number
 
 __all__ = ["load_kv8_scales_json", "load_scales_file", "load_vllm_scales_json", "write_kv8_scales_json",
            "write_vllm_scales_json"]
@@ -124,7 +125,7 @@ def load_vllm_scales_json(
     values: list[float] = []
     for i in range(model.num_layers):
         raw = layers[i]
-        if isinstance(raw, bool) or not isinstance(raw, (int, float)):
+        if not is_number(raw):
             raise ValueError(f"{where}: scale for layer {i} is {raw!r}; expected a number")
         if not math.isfinite(raw) or raw <= 0:
             raise ValueError(f"{where}: scale for layer {i} is {raw!r}; scales must be finite and > 0")

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from kv8.config import CacheConfig
+from kv8.cache.config import CacheConfig
 from kv8.quant.formats import E4M3, E4M3FNUZ, E5M2, KVCacheDtype
 from kv8.quant.scale_files import load_scales_file
 from kv8.quant.scales import TORCH_DTYPE_TO_FORMAT, KVScales, ModelScaleInfo, ScaleGranularity, check_fits
@@ -269,7 +269,7 @@ def engine_kv_scales(cache: CacheConfig, model: ModelScaleInfo, checkpoint_tenso
         if ckpt is not None:
             logger.info("dynamic KV scales: the checkpoint's static scales (%s) are not used", ckpt.source)
         return None
-    scales = resolve_kv_scales(cache.kv_dtype, model, cache.quantization_param_path, ckpt, cache.rotation,
+    scales = resolve_kv_scales(cache.kv_dtype, model, cache.quantization_param_path, ckpt, cache.kv_cache_rotation,
                                tp_rank, tp_size)
     return scales if scales is None or kv_heads is None else rank_heads(scales, *kv_heads)
 

@@ -26,18 +26,21 @@ from tqdm.auto import tqdm
 
 from kv8.cache.codec import KVCodec
 from kv8.cache.layout import blocks_to_hold
-from kv8.config import ModelArchConfig, ParallelConfig
+from kv8.distributed.config import ParallelConfig
 from kv8.distributed.group import TPGroup
 from kv8.distributed.shard import kv_head_shard
 from kv8.engine.args import EngineArgs
 from kv8.engine.engine import LLMEngine
 from kv8.model.loader import read_model_config
 from kv8.model.sources import resolve_model_path
+from kv8.models.config import ModelArchConfig
+from kv8.models.registry import arch_config
 from kv8.observer import EngineObserver
 from kv8.quant.scales import KVScales, ModelScaleInfo, ScaleGranularity
 from kv8.sampling_params import SamplingParams
 from kv8.tools.data import read_corpus, token_windows, tokenize_corpus
 from kv8.tools.kv_stats import ClipCounter, KVStatsCollector, ScaleRecipe
+from kv8.validators import check_int
 
 __all__ = ["CalibrationResult", "ClipCheck", "build_engine", "calibrate", "check_length", "run_prompts"]
 
@@ -113,7 +116,7 @@ def build_engine(model: str, observer: EngineObserver | None = None, **kwargs: o
 
 def model_arch(model: str) -> ModelArchConfig:
     """The architecture of ``model`` from its config alone (no weights are read)."""
-    return ModelArchConfig.from_hf_config(read_model_config(*resolve_model_path(model)))
+    return arch_config(read_model_config(*resolve_model_path(model)))
 
 
 def check_length(model: str, length: int, what: str) -> None:
@@ -158,8 +161,7 @@ def calibrate(model: str, data: Sequence[str], recipe: ScaleRecipe, *, num_sampl
     Raises ValueError for unusable data, options or models."""
     for name, value, low in (("num_samples", num_samples, 1), ("seq_len", seq_len, 2), ("batch", batch, 1),
                              ("check_samples", check_samples, 0), ("tensor_parallel_size", tensor_parallel_size, 1)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < low:
-            raise ValueError(f"{name}={value!r} must be an int >= {low}")
+        check_int(name, value, low)
     docs = read_corpus(data)
     check_length(model, seq_len, "seq_len")
     ParallelConfig(tensor_parallel_size).check_model(model_arch(model))

@@ -23,6 +23,8 @@ import xml.etree.ElementTree as ET
 from collections.abc import Sequence
 from typing import Any
 
+from kv8.validators import check_int
+
 __all__ = ["read_corpus", "read_documents", "tokenize_corpus", "token_windows", "wiki_to_text"]
 
 
@@ -163,12 +165,9 @@ def token_windows(tokens: Sequence[int], length: int, count: int | None, skip: i
     """Up to ``count`` (None: all) consecutive windows of exactly ``length`` tokens, starting at token
     ``skip``. Raises ValueError when not even one window fits, naming ``option`` (the flag that set ``length``,
     e.g. ``--window``) and what ``skipped`` (e.g. ``--skip-tokens``) so that the user knows what to change."""
-    if isinstance(length, bool) or not isinstance(length, int) or length < 2:
-        raise ValueError(f"window length={length!r} must be an int >= 2 (tokens)")
-    if isinstance(skip, bool) or not isinstance(skip, int) or skip < 0:
-        raise ValueError(f"skip={skip!r} must be an int >= 0 (tokens)")
-    if count is not None and (isinstance(count, bool) or not isinstance(count, int) or count < 1):
-        raise ValueError(f"count={count!r} must be an int >= 1 or None")
+    check_int("window length", length, 2)
+    check_int("skip", skip, 0)
+    check_int("count", count, 1, optional=True)
     available = (len(tokens) - skip) // length
     if available < 1:
         why = f" ({skipped})" if skipped and skip else ""

@@ -51,6 +51,7 @@ from kv8.quant.formats import resolve_kv_cache_dtype
 from kv8.sampling_params import SamplingParams
 from kv8.tools.calibrate import build_engine, check_length, model_arch, run_prompts
 from kv8.tools.data import read_corpus, token_windows, tokenize_corpus
+from kv8.validators import check_int
 
 __all__ = ["ConfigResult", "EvalReport", "KVConfig", "QuantErrorObserver", "evaluate"]
 
@@ -296,8 +297,7 @@ def evaluate(model: str, data: Sequence[str], configs: Sequence[KVConfig], *, wi
         raise ValueError("no KV cache configurations to evaluate; give --config or --kv-cache-dtype")
     for name, value, low in (("window", window, 4), ("num_windows", num_windows, 1), ("gen_prompts", gen_prompts, 0),
                              ("gen_prompt_len", gen_prompt_len, 1), ("gen_tokens", gen_tokens, 1)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < low:
-            raise ValueError(f"{name}={value!r} must be an int >= {low}")
+        check_int(name, value, low)
     docs = read_corpus(data)
     check_length(model, window, "window")
     check_length(model, gen_prompt_len + gen_tokens, "gen_prompt_len + gen_tokens")

@@ -50,6 +50,7 @@ import torch
 
 from kv8.quant.formats import FP8Format
 from kv8.quant.scales import KVScales, ScaleGranularity
+from kv8.validators import check_number
 
 LOG2_LO, LOG2_HI, BINS_PER_OCTAVE = -24, 24, 32
 NUM_BINS = (LOG2_HI - LOG2_LO) * BINS_PER_OCTAVE + 2
@@ -84,14 +85,9 @@ class ScaleRecipe:
             raise ValueError(f"statistic={self.statistic!r} is not known; choose one of: {', '.join(STATISTICS)}")
         if not isinstance(self.fmt, FP8Format):
             raise ValueError(f"fmt={self.fmt!r} must be an FP8Format")
-        if isinstance(self.percentile, bool) or not isinstance(self.percentile, (int, float)) \
-                or not 0 < self.percentile <= 100:
-            raise ValueError(f"percentile={self.percentile!r} must be a number in (0, 100]")
-        for name in ("headroom", "v_headroom"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
-                    or value <= 0:
-                raise ValueError(f"{name}={value!r} must be a finite number > 0 (1.0 = none)")
+        check_number("percentile", self.percentile, 0, 100, exclusive_minimum=True)
+        for name in ("headroom", "v_headroom"):   # 1.0 = none
+            check_number(name, getattr(self, name), 0, exclusive_minimum=True)
         check_key_bound(self.key_bound)
         if not isinstance(self.power_of_two, bool):
             raise ValueError(f"power_of_two={self.power_of_two!r} must be a bool")

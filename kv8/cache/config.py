@@ -1,0 +1,118 @@
+"""The KV cache's options, declared and validated once: :class:`CacheConfig`, and the default budget.
+
+Each field is declared with :func:`kv8.options.option` (default, help, allowed values); the engine's arguments
+take them from here (:func:`kv8.options.from_config`), so an option's default and help live in one place.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kv8.cache.codec import ROTATIONS, SCALE_MODES
+from kv8.options import option
+from kv8.quant.formats import KV_CACHE_DTYPE_NAMES, KVCacheDtype
+from kv8.validators import check_bool, check_choice, check_int, is_int, memory_available
+
+__all__ = ["SKIP_LAYER_KINDS", "CacheConfig", "default_kv_cache_memory"]
+
+# kv_cache_dtype_skip_layers entries besides layer indices: every layer of that kind stays in the compute dtype
+SKIP_LAYER_KINDS = ("sliding_window", "full_attention")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """KV cache settings: the options of the same names, once converted (``kv_cache_memory`` in bytes,
+    ``kv_cache_dtype_skip_layers`` a tuple), and ``kv_dtype``, the format ``kv_cache_dtype`` names (``auto``: the
+    compute dtype's).
+
+    ``kv_cache_memory`` (bytes) or ``num_kv_blocks`` fixes the budget; with neither, the engine derives one
+    from the machine's free memory (see :func:`default_kv_cache_memory`).
+
+    ``kv_cache_scale_mode``: ``static`` -- per-layer scales (file, checkpoint, or 1.0); ``dynamic`` -- a scale per
+    token and KV head, computed when the token is stored (``amax / format max``) and kept beside it (FP8 only).
+    ``kv_cache_rotation``: ``hadamard`` -- K and V are multiplied by an orthonormal per-head Hadamard matrix before
+    they are stored; the same matrix is folded into q and undone on the attention output, so attention is unchanged
+    in exact arithmetic while outliers are spread across channels before rounding. Needs a power-of-two head_dim
+    (checked by :class:`kv8.engine.config.EngineConfig`, which knows the model).
+
+    ``kv_cache_dtype_skip_layers``: layer indices and :data:`SKIP_LAYER_KINDS` whose layers stay in the compute
+    dtype while the rest are FP8. ``disable_hybrid_kv_cache_manager``: sliding-window layers keep every block
+    instead of only those inside their window (:attr:`hybrid` is its negation; attention is windowed either way).
+
+    Invariants: ``block_size`` is a power of two; at most one of ``kv_cache_memory`` (bytes) and
+    ``num_kv_blocks`` is set, and it is an int >= 1; the scale mode in :data:`SCALE_MODES`, the rotation in
+    :data:`ROTATIONS`; dynamic scales, ``quantization_param_path`` and skipped layers need an FP8 ``kv_dtype``,
+    and dynamic scales exclude a scales file.
+    """
+
+    kv_dtype: KVCacheDtype   # kv_cache_dtype resolved against the compute dtype
+    kv_cache_dtype: str = option("auto", "KV cache storage: auto = the compute dtype; fp8 = fp8_e4m3 (1 byte per "
+                                 "value)", choices=KV_CACHE_DTYPE_NAMES)
+    block_size: int = option(16, "tokens per KV block (a power of two)", type=int)
+    kv_cache_memory: int | None = option(
+        None, "KV cache budget: bytes or a size such as 2GiB (default: 25% of free memory, at most 4GiB)",
+        type=int, metavar="SIZE")
+    num_kv_blocks: int | None = option(None, "KV cache budget in blocks instead of bytes", type=int)
+    enable_prefix_caching: bool = option(True, "reuse cached KV blocks of shared prompt prefixes", type=bool)
+    quantization_param_path: str | None = option(
+        None, "KV scales file: vLLM's kv_cache_scales.json or kv8's JSON from kv8 calibrate (FP8 caches only)",
+        metavar="JSON")
+    kv_cache_scale_mode: str = option(
+        "static", "FP8 scales: static per layer (file, checkpoint or 1.0) or dynamic per token and head "
+        "(no calibration; +4 bytes per token, head and K/V)", choices=SCALE_MODES)
+    kv_cache_rotation: str = option(
+        "none", "rotate K/V by a per-head Hadamard matrix before storing (more accurate FP8 on most models; see "
+        "kv8 eval)", choices=ROTATIONS)
+    kv_cache_dtype_skip_layers: tuple[int | str, ...] = option(
+        (), "layers kept in the compute dtype in an FP8 cache: comma-separated layer indices and/or "
+        "'sliding_window' (every sliding-window layer) or 'full_attention'", metavar="LAYERS")
+    disable_hybrid_kv_cache_manager: bool = option(
+        False, "keep every block of sliding-window layers instead of freeing those that leave the window",
+        type=bool)
+
+    @property
+    def dynamic_scales(self) -> bool:
+        return self.kv_cache_scale_mode == "dynamic"
+
+    @property
+    def hybrid(self) -> bool:
+        """Sliding-window layers free the blocks that left their window (vLLM's hybrid KV cache manager)."""
+        return not self.disable_hybrid_kv_cache_manager
+
+    def __post_init__(self) -> None:
+        check_choice("kv_cache_scale_mode", self.kv_cache_scale_mode, SCALE_MODES)
+        check_choice("kv_cache_rotation", self.kv_cache_rotation, ROTATIONS)
+        if not is_int(self.block_size) or self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size={self.block_size!r} must be a power of two >= 1 (e.g. 16)")
+        if self.kv_cache_memory is not None and self.num_kv_blocks is not None:
+            raise ValueError("give either kv_cache_memory or num_kv_blocks, not both")
+        check_int("kv_cache_memory", self.kv_cache_memory, 1, optional=True)
+        check_int("num_kv_blocks", self.num_kv_blocks, 1, optional=True)
+        check_bool("enable_prefix_caching", self.enable_prefix_caching)
+        check_bool("disable_hybrid_kv_cache_manager", self.disable_hybrid_kv_cache_manager)
+        for entry in self.kv_cache_dtype_skip_layers:
+            if entry not in SKIP_LAYER_KINDS and not (is_int(entry) and int(entry) >= 0):
+                raise ValueError(f"kv_cache_dtype_skip_layers entry {entry!r} must be a layer index >= 0 or one of: "
+                                 f"{', '.join(SKIP_LAYER_KINDS)}")
+        if self.kv_dtype.is_fp8:
+            if self.dynamic_scales and self.quantization_param_path is not None:
+                raise ValueError("kv_cache_scale_mode='dynamic' computes scales per token; it cannot be combined with "
+                                 f"quantization_param_path={self.quantization_param_path!r} (drop one of them)")
+            return
+        auto = f" (the {self.kv_dtype.name} compute dtype)" if self.kv_cache_dtype == "auto" else ""
+        not_fp8 = (f"kv_cache_dtype={self.kv_cache_dtype!r}{auto} is not an FP8 format; set kv_cache_dtype='fp8' "
+                   "(or fp8_e4m3 / fp8_e4m3fnuz / fp8_e5m2)")
+        if self.dynamic_scales:
+            raise ValueError(f"kv_cache_scale_mode='dynamic' needs an FP8 cache, but {not_fp8}")
+        if self.quantization_param_path is not None:
+            raise ValueError(f"quantization_param_path={self.quantization_param_path!r} gives FP8 KV scales, but "
+                             f"{not_fp8} or drop quantization_param_path")
+        if self.kv_cache_dtype_skip_layers:
+            raise ValueError(f"kv_cache_dtype_skip_layers keeps layers out of an FP8 cache, but {not_fp8}")
+
+
+def default_kv_cache_memory() -> int:
+    """Default KV budget: 25% of the memory this process may still take (:func:`kv8.validators.memory_available`;
+    8 GiB where it cannot be read), at most 4 GiB (vLLM's CPU default)."""
+    available = memory_available()
+    return int(min(4 * 1024**3, 0.25 * (available if available is not None else 8 * 1024**3)))

@@ -1,0 +1,152 @@
+"""The engine's own options and the validated whole: :class:`SchedulerConfig`, :class:`EngineConfig`, the compute
+dtype names, and the allowed values of the attention and dense backends and of weight quantization.
+
+:class:`EngineConfig` composes the configs of each part (the model's architecture, :class:`kv8.cache.config.
+CacheConfig`, :class:`SchedulerConfig`, :class:`kv8.distributed.config.ParallelConfig`) and checks what needs
+several of them (a rotation against the model's head_dim, the context against the model's). An
+:class:`EngineConfig` that exists is a valid configuration: code below the engine does not check it again.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from kv8.attention.backend import BACKENDS
+from kv8.cache.config import CacheConfig
+from kv8.distributed.config import ParallelConfig
+from kv8.models.config import ModelArchConfig
+from kv8.options import option
+from kv8.validators import check_choice, check_int
+
+__all__ = ["ATTENTION_BACKENDS", "DENSE_BACKENDS", "DTYPE_CHOICES", "QUANTIZATION_METHODS", "EngineConfig",
+           "SchedulerConfig", "resolve_dtype"]
+
+# auto, then the backends registered in kv8.attention.backend
+ATTENTION_BACKENDS: tuple[str, ...] = ("auto", *BACKENDS)
+# torch ops, or kv8's packed AVX-512 BF16 linear layers with fused norm/SiLU/RoPE (kv8.layers.dense_kernels)
+DENSE_BACKENDS = ("auto", "torch", "packed_bf16")
+# weight quantization at load (vLLM's --quantization): fp8 = E4M3 weights with one float32 scale per output row
+QUANTIZATION_METHODS = ("fp8",)
+
+_DTYPES: dict[str, torch.dtype] = {
+    "auto": torch.bfloat16,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float": torch.float32,
+}
+DTYPE_CHOICES: tuple[str, ...] = tuple(_DTYPES)  # matched case-insensitively by resolve_dtype
+
+
+def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    """Compute dtype from a vLLM-style name; ``auto`` is bfloat16 (the CPU has native bf16)."""
+    if isinstance(dtype, torch.dtype):
+        if dtype in (torch.bfloat16, torch.float16, torch.float32):
+            return dtype
+        raise ValueError(f"dtype={dtype} is not supported; choose one of: bfloat16, float16, float32")
+    if not isinstance(dtype, str) or dtype.lower() not in _DTYPES:
+        raise ValueError(f"dtype={dtype!r} is not supported; choose one of: {', '.join(_DTYPES)}")
+    return _DTYPES[dtype.lower()]
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Per-step limits.
+
+    Invariant: ``max_num_batched_tokens >= 1``; a prompt longer than the per-step budget is prefilled in
+    chunks (chunked prefill), so the budget never limits prompt length -- ``max_model_len`` does.
+    """
+
+    max_model_len: int   # resolved from the option (None: the model's context, at most 8192)
+    max_num_seqs: int = option(64, "max sequences per step", type=int)
+    max_num_batched_tokens: int = option(2048, "max tokens per step (longer prompts are prefilled in chunks)",
+                                         type=int)
+
+    def __post_init__(self) -> None:
+        check_int("max_num_seqs", self.max_num_seqs, 1)
+        check_int("max_num_batched_tokens", self.max_num_batched_tokens, 1)
+        check_int("max_model_len", self.max_model_len, 2)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything the engine needs, validated. Built by :meth:`kv8.engine.args.EngineArgs.create_engine_config`.
+
+    Invariants beyond those of its parts: ``attention_backend`` is in :data:`ATTENTION_BACKENDS`;
+    ``dense_backend`` is in :data:`DENSE_BACKENDS` and usable with ``dtype``; ``quantization`` is None or in
+    :data:`QUANTIZATION_METHODS`; ``max_model_len`` fits the model's context; ``kv_cache_dtype_skip_layers``
+    names layers the model has; a Hadamard rotation has a power-of-two ``head_dim``; the model splits over the
+    tensor-parallel ranks; ``seed`` is an int.
+    """
+
+    model: str
+    model_kind: str  # "hf" or "gguf"
+    arch: ModelArchConfig
+    dtype: torch.dtype
+    cache: CacheConfig
+    scheduler: SchedulerConfig
+    seed: int = option(0, "engine seed for requests without their own", type=int)
+    attention_backend: str = option(
+        "auto", "attention: auto = cpu_fused (kv8's fused CPU kernels) if they build, else reference (plain torch)",
+        choices=ATTENTION_BACKENDS)
+    dense_backend: str = option(
+        "auto", "linear layers, norms, activation, RoPE: auto = packed_bf16 (kv8's packed AVX-512 BF16 kernels) "
+        "for bfloat16 models if they build, else torch", choices=DENSE_BACKENDS)
+    quantization: str | None = option(
+        None, "quantize the weights of the decoder's linear layers at load: fp8 = E4M3 codes with one float32 "
+        "scale per output row (half the bytes a decode step reads; the LM head and embedding stay as loaded)",
+        choices=QUANTIZATION_METHODS)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        check_choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
+        check_choice("dense_backend", self.dense_backend, DENSE_BACKENDS)
+        if self.dense_backend == "packed_bf16" and self.dtype != torch.bfloat16:
+            raise ValueError(f"dense_backend='packed_bf16' needs dtype bfloat16, got {self.dtype}; use "
+                             "dense_backend='auto' or 'torch'")
+        check_choice("quantization", self.quantization, QUANTIZATION_METHODS, optional=True,
+                     hint="(or leave it unset for the checkpoint's weights)")
+        check_int("seed", self.seed)
+        arch, max_len = self.arch, self.scheduler.max_model_len
+        self.parallel.check_model(arch)
+        if self.cache.kv_cache_rotation == "hadamard" and arch.head_dim & (arch.head_dim - 1):
+            raise ValueError(f"kv_cache_rotation='hadamard' needs a power-of-two head_dim; this model has "
+                             f"head_dim={arch.head_dim}")
+        self.skipped_layers()   # validates kv_cache_dtype_skip_layers against the model
+        if max_len > arch.max_position_embeddings:
+            raise ValueError(f"max_model_len={max_len} exceeds the model's context "
+                             f"(max_position_embeddings={arch.max_position_embeddings})")
+
+    @property
+    def kv_heads_per_rank(self) -> int:
+        """KV heads in the cache of each tensor-parallel rank (the model's with one rank)."""
+        return self.parallel.kv_heads_per_rank(self.arch)
+
+    def skipped_layers(self) -> tuple[bool, ...]:
+        """Per layer, whether ``kv_cache_dtype_skip_layers`` keeps it in the compute dtype (empty: none is)."""
+        arch = self.arch
+        if not self.cache.kv_cache_dtype_skip_layers:
+            return ()
+        skipped = [False] * arch.num_layers
+        for entry in self.cache.kv_cache_dtype_skip_layers:
+            if isinstance(entry, int):
+                if entry >= arch.num_layers:
+                    raise ValueError(f"kv_cache_dtype_skip_layers has layer {entry}, but the model has "
+                                     f"{arch.num_layers} layers (0..{arch.num_layers - 1})")
+                skipped[entry] = True
+                continue
+            kind = "sliding_attention" if entry == "sliding_window" else "full_attention"
+            if not arch.has_layer_type(kind):
+                raise ValueError(f"kv_cache_dtype_skip_layers has {entry!r}, but this model has no "
+                                 f"{kind.replace('_', ' ')} layers")
+            for i in range(arch.num_layers):
+                skipped[i] = skipped[i] or arch.layer_type(i) == kind
+        return tuple(skipped)

@@ -1,0 +1,299 @@
+"""A decoder's architecture, normalised from a Hugging Face ``config.json`` (or the same dict built from GGUF
+metadata): :class:`ModelArchConfig` (and the subclasses model files declare for their own settings) and
+:class:`RopeScaling`.
+
+Which class a config dict becomes is decided by model type in :func:`kv8.models.registry.arch_config`;
+:meth:`ModelArchConfig.from_hf_config` reads a dict into one given class. Missing keys and values of the wrong
+type or range raise ``ValueError`` naming the key.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from kv8.cache.codec import KVCodec
+from kv8.quant.formats import KVCacheDtype
+from kv8.validators import is_int, is_number
+
+__all__ = ["LAYER_TYPES", "ModelArchConfig", "RopeScaling", "cfg_float", "cfg_int"]
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """RoPE scaling from the config's ``rope_scaling`` (or transformers 5's ``rope_parameters``).
+
+    Supported: ``linear`` and ``llama3`` (scaled inverse frequencies), and ``longrope`` (Phi-3's LongRoPE, also
+    spelled ``su``): ``short_factor`` and ``long_factor`` divide the inverse frequencies, one factor per
+    rotary frequency, and cos/sin are multiplied by ``attention_factor``. Which positions use the long factors
+    is :class:`kv8.layers.rotary.RotaryEmbedding`'s rule (positions ``>= original_max_position_embeddings``).
+
+    Invariants for ``longrope``: ``short_factor`` and ``long_factor`` are non-empty, of equal length, positive
+    and finite (their length is checked against the rotary dim by :meth:`check_rotary_dim`, which needs the
+    model); ``attention_factor`` is finite and > 0.
+    """
+
+    rope_type: str
+    factor: float
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+    short_factor: tuple[float, ...] = ()
+    long_factor: tuple[float, ...] = ()
+    attention_factor: float = 1.0
+
+    @staticmethod
+    def from_hf_config(cfg: Mapping[str, Any]) -> RopeScaling | None:
+        """The scaling of a whole Hugging Face config: its ``rope_scaling``, else its ``rope_parameters``
+        (transformers 5 writes the scaling there, with ``rope_type`` ``default`` when there is none). For
+        ``longrope`` the top-level ``original_max_position_embeddings`` and ``max_position_embeddings`` (Phi-3
+        keeps them there) fill in what the dict lacks."""
+        d = cfg.get("rope_scaling") or cfg.get("rope_parameters")
+        if d is not None and not isinstance(d, Mapping):
+            raise ValueError(f"model config rope_scaling={d!r} must be a JSON object")
+        return RopeScaling.from_dict(d, cfg)
+
+    @staticmethod
+    def from_dict(d: Mapping[str, Any] | None, cfg: Mapping[str, Any] | None = None) -> RopeScaling | None:
+        """``d`` is the ``rope_scaling`` dict; ``cfg`` the whole config (read by ``longrope`` only)."""
+        if not d:
+            return None
+        rope_type = d.get("rope_type", d.get("type"))
+        if rope_type in (None, "default"):
+            return None
+        if rope_type == "su":   # Phi-3's early name for longrope (transformers renames it too)
+            rope_type = "longrope"
+        if rope_type == "longrope":
+            return RopeScaling._longrope(d, cfg or {})
+        if rope_type not in ("linear", "llama3"):
+            raise ValueError(f"rope_scaling type {rope_type!r} is not supported; kv8 supports: linear, llama3, "
+                             "longrope")
+        if d.get("factor") is None:
+            raise ValueError(f"model config rope_scaling ({rope_type}) is missing the key 'factor'")
+        factor = cfg_float(d, "factor", 1.0)
+        if not math.isfinite(factor) or factor <= 0:
+            raise ValueError(f"model config rope_scaling factor={factor!r} must be a finite number > 0")
+        return RopeScaling(
+            rope_type=rope_type,
+            factor=factor,
+            low_freq_factor=cfg_float(d, "low_freq_factor", 1.0),
+            high_freq_factor=cfg_float(d, "high_freq_factor", 4.0),
+            original_max_position_embeddings=cfg_int(d, "original_max_position_embeddings", 8192),
+        )
+
+    @staticmethod
+    def _longrope(d: Mapping[str, Any], cfg: Mapping[str, Any]) -> RopeScaling:
+        lists: dict[str, tuple[float, ...]] = {}
+        for key in ("short_factor", "long_factor"):
+            value = d.get(key)
+            if not isinstance(value, (list, tuple)) or not value or not all(is_number(x) for x in value):
+                raise ValueError(f"model config rope_scaling (longrope) {key}={value!r} must be a non-empty list "
+                                 "of numbers")
+            bad = [x for x in value if not math.isfinite(x) or x <= 0]
+            if bad:
+                raise ValueError(f"model config rope_scaling (longrope) {key} has {bad[0]!r}; every factor must be "
+                                 "a finite number > 0")
+            lists[key] = tuple(float(x) for x in value)
+        if len(lists["short_factor"]) != len(lists["long_factor"]):
+            raise ValueError(f"model config rope_scaling (longrope) has {len(lists['short_factor'])} short_factor "
+                             f"and {len(lists['long_factor'])} long_factor entries; they must be equally long")
+        original_key = "original_max_position_embeddings"
+        source = d if d.get(original_key) is not None else cfg
+        if source.get(original_key) is None:
+            raise ValueError(f"model config rope_scaling (longrope) needs {original_key} (in rope_scaling or at the "
+                             "top level of the config)")
+        original = cfg_int(source, original_key)
+        if original < 2:
+            raise ValueError(f"model config {original_key}={original} must be an int >= 2")
+        if d.get("factor") is not None:
+            factor = cfg_float(d, "factor", 1.0)
+        else:   # Phi-3: the ratio of the extended to the original context
+            factor = cfg_int(cfg, "max_position_embeddings", original) / original
+        if not math.isfinite(factor) or factor <= 0:
+            raise ValueError(f"model config rope_scaling (longrope) factor={factor!r} must be a finite number > 0")
+        if d.get("attention_factor") is not None:
+            attention_factor = cfg_float(d, "attention_factor", 1.0)
+        else:   # LongRoPE's default: sqrt(1 + ln(factor) / ln(original)), 1.0 without extension
+            attention_factor = math.sqrt(1 + math.log(factor) / math.log(original)) if factor > 1 else 1.0
+        if not math.isfinite(attention_factor) or attention_factor <= 0:
+            raise ValueError(f"model config rope_scaling (longrope) attention_factor={attention_factor!r} must be a "
+                             "finite number > 0")
+        return RopeScaling(rope_type="longrope", factor=factor, original_max_position_embeddings=original,
+                           short_factor=lists["short_factor"], long_factor=lists["long_factor"],
+                           attention_factor=attention_factor)
+
+    def check_rotary_dim(self, rotary_dim: int) -> None:
+        """``ValueError`` unless the per-frequency factors (longrope) fit ``rotary_dim`` (rotary_dim / 2 each)."""
+        if self.rope_type == "longrope" and len(self.short_factor) != rotary_dim // 2:
+            raise ValueError(f"model config rope_scaling (longrope) short_factor and long_factor have "
+                             f"{len(self.short_factor)} entries; this model rotates {rotary_dim} dims per head and "
+                             f"needs {rotary_dim // 2} (rotary dim / 2)")
+
+
+def cfg_int(cfg: Mapping[str, Any], key: str, default: int | None = None) -> int:
+    """``cfg[key]`` as an int (a JSON null takes ``default``); ``ValueError`` naming the key otherwise."""
+    value = cfg.get(key)
+    if value is None:
+        if default is None:
+            raise ValueError(f"model config is missing the key {key!r}")
+        return default
+    if not is_int(value):
+        raise ValueError(f"model config {key}={value!r} must be an integer")
+    return value
+
+
+def cfg_float(cfg: Mapping[str, Any], key: str, default: float) -> float:
+    value = cfg.get(key)
+    if value is None:
+        return default
+    if not is_number(value):
+        raise ValueError(f"model config {key}={value!r} must be a number")
+    return float(value)
+
+
+LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+@dataclass(frozen=True)
+class ModelArchConfig:
+    """Architecture of a decoder, the fields every model and the engine use.
+
+    A model file whose architecture has more settings (Gemma 3's ``query_pre_attn_scalar``, ...) declares a
+    subclass with those fields and names it in its class's ``arch_config_cls``; :meth:`from_hf_config` builds
+    that subclass, adding the fields its :meth:`extra_fields` reads.
+
+    Attention kinds per layer: ``layer_types[i]`` is ``"sliding_attention"`` (the layer attends to its last
+    ``sliding_window`` tokens) or ``"full_attention"``. Invariants: ``num_heads % num_kv_heads == 0``;
+    ``head_dim`` even; ``layer_types`` has ``num_layers`` entries from :data:`LAYER_TYPES`, and a sliding one
+    only with ``sliding_window`` set.
+    """
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: RopeScaling | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool
+    bos_token_id: int | None
+    eos_token_ids: tuple[int, ...]
+    sliding_window: int | None = None
+    layer_types: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        for name, value in (("vocab_size", self.vocab_size), ("hidden_size", self.hidden_size),
+                            ("intermediate_size", self.intermediate_size), ("num_hidden_layers", self.num_layers),
+                            ("num_attention_heads", self.num_heads), ("num_key_value_heads", self.num_kv_heads),
+                            ("head_dim", self.head_dim), ("max_position_embeddings", self.max_position_embeddings),
+                            *((("sliding_window", self.sliding_window),) if self.sliding_window is not None else ())):
+            if not is_int(value) or value < 1:
+                raise ValueError(f"model config {name}={value!r} must be an int >= 1")
+        for name, fvalue in (("rms_norm_eps", self.rms_norm_eps), ("rope_theta", self.rope_theta)):
+            if not math.isfinite(fvalue) or fvalue <= 0:
+                raise ValueError(f"model config {name}={fvalue!r} must be a finite number > 0")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_attention_heads={self.num_heads} is not a multiple of "
+                             f"num_key_value_heads={self.num_kv_heads}")
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim={self.head_dim} must be even for rotary embeddings")
+        if self.layer_types and (len(self.layer_types) != self.num_layers
+                                 or any(t not in LAYER_TYPES for t in self.layer_types)):
+            raise ValueError(f"model config layer_types={list(self.layer_types)!r} must list one of "
+                             f"{', '.join(LAYER_TYPES)} for each of the {self.num_layers} layers")
+        if self.sliding_window is None and "sliding_attention" in self.layer_types:
+            raise ValueError("model config layer_types has sliding_attention layers but no sliding_window")
+
+    def layer_type(self, layer: int) -> str:
+        """``layer_types[layer]``; an empty ``layer_types`` means every layer is of the model's one kind
+        (sliding when the model has a ``sliding_window``), without a tuple of ``num_layers`` entries."""
+        if self.layer_types:
+            return self.layer_types[layer]
+        return "full_attention" if self.sliding_window is None else "sliding_attention"
+
+    def has_layer_type(self, kind: str) -> bool:
+        return kind in self.layer_types if self.layer_types else self.layer_type(0) == kind
+
+    def layer_window(self, layer: int) -> int | None:
+        """The sliding window of ``layer`` (None: the layer attends to the whole context)."""
+        return self.sliding_window if self.layer_type(layer) == "sliding_attention" else None
+
+    @property
+    def layer_windows(self) -> tuple[int | None, ...]:
+        """Every layer's window (a tuple of ``num_layers``: call it once the layer count is checked against the
+        checkpoint)."""
+        return tuple(self.layer_window(i) for i in range(self.num_layers))
+
+    @classmethod
+    def extra_fields(cls, cfg: Mapping[str, Any]) -> dict[str, Any]:
+        """The values of the fields a subclass adds, read from the Hugging Face config (none here). A subclass
+        may also return base fields its config spells differently (Gemma 3's per-layer-type ``rope_parameters``);
+        those replace the generic reading."""
+        return {}
+
+    @property
+    def rotary_dim(self) -> int:
+        """Dims of each head that RoPE rotates (all of them here; Phi-3's config can rotate fewer)."""
+        return self.head_dim
+
+    @property
+    def gqa_ratio(self) -> int:
+        return self.num_heads // self.num_kv_heads
+
+    @classmethod
+    def from_hf_config(cls, cfg: Mapping[str, Any], model_type: str) -> ModelArchConfig:
+        """Read a Hugging Face config.json dict of ``model_type`` into this class (a model's own subclass adds
+        the fields :meth:`extra_fields` reads). A missing key, or a value of the wrong type or range, raises
+        ``ValueError`` naming the key."""
+        if not isinstance(cfg, Mapping):
+            raise ValueError(f"the model config must be a JSON object, got {type(cfg).__name__}")
+        hidden, heads = cfg_int(cfg, "hidden_size"), cfg_int(cfg, "num_attention_heads")
+        eos = cfg.get("eos_token_id")
+        eos_list = eos if isinstance(eos, (list, tuple)) else ([] if eos is None else [eos])
+        if not all(is_int(e) for e in eos_list):
+            raise ValueError(f"model config eos_token_id={eos!r} must be an int or a list of ints")
+        sliding = cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None
+        rope_default = (cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0)
+        layer_types = cfg.get("layer_types")
+        if layer_types is not None and not (isinstance(layer_types, list)
+                                            and all(isinstance(t, str) for t in layer_types)):
+            raise ValueError(f"model config layer_types={layer_types!r} must be a list of strings")
+        fields: dict[str, Any] = dict(
+            model_type=model_type,
+            vocab_size=cfg_int(cfg, "vocab_size"),
+            hidden_size=hidden,
+            intermediate_size=cfg_int(cfg, "intermediate_size"),
+            num_layers=cfg_int(cfg, "num_hidden_layers"),
+            num_heads=heads,
+            num_kv_heads=cfg_int(cfg, "num_key_value_heads", heads),
+            head_dim=cfg_int(cfg, "head_dim", hidden // heads if heads > 0 else 0),
+            rms_norm_eps=cfg_float(cfg, "rms_norm_eps", 1e-6),
+            rope_theta=cfg_float(cfg, "rope_theta", rope_default),
+            rope_scaling=RopeScaling.from_hf_config(cfg),
+            max_position_embeddings=cfg_int(cfg, "max_position_embeddings", 2048),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            attention_bias=bool(cfg.get("attention_bias", model_type == "qwen2")),
+            bos_token_id=cfg.get("bos_token_id"),
+            eos_token_ids=tuple(eos_list),
+            sliding_window=cfg_int(cfg, "sliding_window") if sliding else None,
+            layer_types=tuple(layer_types or ()) if sliding else (),
+        )
+        fields.update(cls.extra_fields(cfg))   # a subclass's own fields, and base fields it reads its way
+        return cls(**fields)
+
+    def kv_bytes_per_token(self, kv_dtype: KVCacheDtype, dynamic_scales: bool = False) -> int:
+        """Bytes one token occupies in the KV cache over all layers (K and V).
+
+        With dynamic scales, each token also keeps one float32 scale per KV head for K and for V
+        (``4 / head_dim`` overhead: 6.25% at head_dim 64).
+        """
+        per_head = KVCodec.bytes_per_head(kv_dtype, self.head_dim, dynamic_scales)
+        return 2 * self.num_layers * self.num_kv_heads * per_head
