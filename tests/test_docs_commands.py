@@ -87,7 +87,7 @@ def test_a_documented_command_parses_and_validates(doc: str, command: str) -> No
     engine_args = EngineArgs.from_cli_args(ns)
     assert engine_args.model
     if getattr(ns, "data_parallel_backend", None) == "ray":
-        from kv8.entrypoints.ray_serve import DataParallelPlan
+        from kv8.entrypoints.dp.app import DataParallelPlan
 
         plan = DataParallelPlan.from_args(ns, engine_args)
         assert len(plan.replicas) == ns.data_parallel_size

@@ -25,8 +25,8 @@ import openai
 import pytest
 
 from kv8 import LLM, SamplingParams
-from kv8.entrypoints.dp_metrics import merge_replica_metrics
-from kv8.entrypoints.dp_router import PrefixRouter, RouterConfig, chunk_hashes, routing_text
+from kv8.entrypoints.dp.metrics import merge_replica_metrics
+from kv8.entrypoints.dp.router import PrefixRouter, RouterConfig, chunk_hashes, routing_text
 from tests.test_server import ENGINE_FLAGS, _free_port, single_thread
 
 API_KEY = "dp-key"
@@ -136,11 +136,11 @@ def test_data_parallel_flag_errors(tiny_llama: str, capsys: pytest.CaptureFixtur
 
 
 def test_serve_run_builder_takes_kv8_serve_flags(tiny_llama: str) -> None:
-    """``serve run kv8.entrypoints.ray_serve:app_builder key=value``: values arrive as strings; no cluster is
+    """``serve run kv8.entrypoints.dp.app:app_builder key=value``: values arrive as strings; no cluster is
     needed to build the application."""
     from ray.serve import Application
 
-    from kv8.entrypoints.ray_serve import app_builder
+    from kv8.entrypoints.dp.app import app_builder
 
     app = app_builder({"model": tiny_llama, "data_parallel_size": "2", "enable_prefix_caching": "false",
                        "max_num_seqs": 8, "cpu_threads_per_rank": "1", "enable_auto_tool_choice": False})
@@ -150,7 +150,7 @@ def test_serve_run_builder_takes_kv8_serve_flags(tiny_llama: str) -> None:
 
 
 def test_own_cluster_settings_keep_the_users_and_write_no_token() -> None:
-    from kv8.entrypoints.ray_serve import own_cluster_environment
+    from kv8.entrypoints.dp.app import own_cluster_environment
 
     env: dict[str, str] = {}
     own_cluster_environment(env)
@@ -203,8 +203,8 @@ def test_every_replica_failure_is_a_503_and_a_bug_in_the_replica_a_500() -> None
 
     from ray.exceptions import OutOfMemoryError, RayActorError, RayTaskError
 
-    from kv8.entrypoints.protocol import APIError
-    from kv8.entrypoints.ray_serve import IngressSpec, KV8Ingress
+    from kv8.entrypoints.dp.app import IngressSpec, KV8Ingress
+    from kv8.entrypoints.openai.protocol import APIError
 
     async def forward(error: BaseException) -> tuple[APIError, bool]:
         ingress = KV8Ingress(IngressSpec(1, "m", None, 1 << 20, 60.0), _Handle(error))

@@ -391,7 +391,7 @@ def test_token_bytes_rebuild_the_text_byte_level_and_sentencepiece(tiny_llama: s
     from tokenizers import Tokenizer, decoders, models, normalizers
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-    from kv8.entrypoints.server_tokenizer import ServerTokenizer
+    from kv8.entrypoints.openai.tokenizer import ServerTokenizer
 
     byte_level = ServerTokenizer(AutoTokenizer.from_pretrained(tiny_llama))
     vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"<0x{b:02X}>": 3 + b for b in range(256)}}
@@ -419,7 +419,7 @@ def test_chat_logprobs_bytes_are_the_tokens_real_bytes(client: openai.OpenAI, ti
     byte (before: U+FFFD's EF BF BD), and joining them rebuilds the message."""
     from transformers import AutoTokenizer
 
-    from kv8.entrypoints.server_tokenizer import gpt2_byte_decoder
+    from kv8.entrypoints.openai.tokenizer import gpt2_byte_decoder
 
     tok = AutoTokenizer.from_pretrained(tiny_llama)
     byte_token = {b: tok.convert_tokens_to_ids(ch) for ch, b in gpt2_byte_decoder().items()}
@@ -451,7 +451,7 @@ def test_chat_logprobs_bytes_join_to_the_content_when_the_answer_ends_with_eos(c
     end token (as vLLM does)."""
     from transformers import AutoTokenizer
 
-    from kv8.entrypoints.server_tokenizer import gpt2_byte_decoder
+    from kv8.entrypoints.openai.tokenizer import gpt2_byte_decoder
 
     tok = AutoTokenizer.from_pretrained(tiny_llama)
     byte_token = {b: tok.convert_tokens_to_ids(ch) for ch, b in gpt2_byte_decoder().items()}
@@ -854,7 +854,7 @@ def test_cli_defaults_and_bad_flags(tiny_llama: str, capsys: pytest.CaptureFixtu
 def test_output_mailbox_keeps_latest_and_errors() -> None:
     import asyncio
 
-    from kv8.entrypoints.async_engine import OutputMailbox
+    from kv8.engine.async_engine import OutputMailbox
 
     async def scenario() -> list[Any]:
         box = OutputMailbox()
@@ -878,7 +878,7 @@ def test_output_mailbox_keeps_latest_and_errors() -> None:
 
 
 def test_histogram_exposition() -> None:
-    from kv8.entrypoints.metrics import Histogram
+    from kv8.entrypoints.openai.metrics import Histogram
 
     h = Histogram("x_seconds", "help", (0.1, 1.0))
     for v in (0.05, 0.1, 0.5, 3.0):
@@ -894,10 +894,10 @@ def test_allowed_origins_turn_cors_on_for_those_origins_only(tiny_llama: str) ->
     import asyncio
 
     from kv8.engine.args import EngineArgs
+    from kv8.engine.async_engine import AsyncEngine
     from kv8.engine.engine import LLMEngine
-    from kv8.entrypoints.async_engine import AsyncEngine
-    from kv8.entrypoints.server import build_app
-    from kv8.entrypoints.serving import ServingLimits
+    from kv8.entrypoints.openai.api_server import build_app
+    from kv8.entrypoints.openai.serving import ServingLimits
 
     engine = LLMEngine(EngineArgs(model=tiny_llama, dtype="float32", num_kv_blocks=16, max_model_len=64))
     limits = ServingLimits(served_model_name="tiny", max_model_len=64, max_tokens=64, max_n=2, max_in_flight=4,

@@ -61,10 +61,10 @@ def test_health_tells_the_truth_once_the_engine_failed(tiny_llama: str) -> None:
     from starlette.testclient import TestClient
 
     from kv8.engine.args import EngineArgs
+    from kv8.engine.async_engine import AsyncEngine
     from kv8.engine.engine import LLMEngine
-    from kv8.entrypoints.async_engine import AsyncEngine
-    from kv8.entrypoints.server import build_app
-    from kv8.entrypoints.serving import ServingLimits
+    from kv8.entrypoints.openai.api_server import build_app
+    from kv8.entrypoints.openai.serving import ServingLimits
 
     engine = LLMEngine(EngineArgs(model=tiny_llama, dtype="float32", num_kv_blocks=32, max_model_len=128,
                                   max_num_seqs=2))

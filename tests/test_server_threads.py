@@ -13,11 +13,11 @@ from typing import Any
 
 from kv8 import SamplingParams
 from kv8.engine.args import EngineArgs
+from kv8.engine.async_engine import AsyncEngine, OutputMailbox
 from kv8.engine.engine import LLMEngine
-from kv8.entrypoints.async_engine import AsyncEngine, OutputMailbox
-from kv8.entrypoints.metrics import ServerMetrics
-from kv8.entrypoints.protocol import ChatCompletionRequest, CompletionRequest
-from kv8.entrypoints.serving import OpenAIServing, ServingLimits
+from kv8.entrypoints.openai.metrics import ServerMetrics
+from kv8.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
+from kv8.entrypoints.openai.serving import OpenAIServing, ServingLimits
 from kv8.model.tokenizer import load_tokenizer
 
 NUM_THREADS, ITERATIONS, DEADLINE_S = 4, 20, 120.0

@@ -1,4 +1,4 @@
-"""OpenAI tool calling in /v1/chat/completions (:mod:`kv8.entrypoints.tool_calling`).
+"""OpenAI tool calling in /v1/chat/completions (:mod:`kv8.entrypoints.openai.tool_calling`).
 
 Oracles: transformers' ``apply_chat_template`` on the same OpenAI-shaped history (arguments as dicts) and the
 literal blocks the fixture template (``tests/fixtures/tool_chat_template.jinja``) writes; ``jsonschema`` for
@@ -25,15 +25,15 @@ from openai.lib.streaming.chat import ChatCompletionStreamState
 from pydantic import ValidationError
 
 from kv8.engine.args import EngineArgs
+from kv8.engine.async_engine import AsyncEngine
 from kv8.engine.engine import LLMEngine
-from kv8.entrypoints.async_engine import AsyncEngine
 from kv8.entrypoints.cli import main as cli_main
-from kv8.entrypoints.metrics import ServerMetrics
-from kv8.entrypoints.protocol import APIError, ChatCompletionRequest, validation_error
-from kv8.entrypoints.request_run import Stream
-from kv8.entrypoints.server_tokenizer import ServerTokenizer
-from kv8.entrypoints.serving import OpenAIServing, ServingLimits
-from kv8.entrypoints.tool_calling import (
+from kv8.entrypoints.openai.metrics import ServerMetrics
+from kv8.entrypoints.openai.protocol import APIError, ChatCompletionRequest, validation_error
+from kv8.entrypoints.openai.request_run import Stream
+from kv8.entrypoints.openai.serving import OpenAIServing, ServingLimits
+from kv8.entrypoints.openai.tokenizer import ServerTokenizer
+from kv8.entrypoints.openai.tool_calling import (
     HermesParser,
     NamedCallParser,
     ParsedCall,
@@ -291,7 +291,7 @@ def test_history_renders_through_the_template(tool_serving: OpenAIServing, tool_
 
 
 def _tokenize_request(messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> Any:
-    from kv8.entrypoints.protocol import TokenizeRequest
+    from kv8.entrypoints.openai.protocol import TokenizeRequest
 
     return TokenizeRequest.model_validate({"messages": messages, "tools": tools})
 

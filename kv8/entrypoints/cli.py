@@ -22,7 +22,7 @@ from typing import Any
 from kv8.cache.config import CacheConfig, default_kv_cache_memory
 from kv8.engine.args import EngineArgs
 from kv8.engine.config import resolve_dtype
-from kv8.entrypoints.tool_calling import TOOL_CALL_PARSERS
+from kv8.entrypoints.openai.tool_calling import TOOL_CALL_PARSERS
 from kv8.models.config import ModelArchConfig
 from kv8.models.registry import arch_config
 from kv8.native import KernelUnavailable
@@ -46,7 +46,7 @@ INFO_OPTIONS = ("kv_cache_memory", "block_size")
 
 
 def add_server_args(p: argparse.ArgumentParser) -> None:
-    """Flags of ``serve`` / ``run`` (the server itself lives in kv8.entrypoints.server, imported on use)."""
+    """Flags of ``serve`` / ``run`` (the server itself lives in kv8.entrypoints.openai.api_server, imported on use)."""
     g = p.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: loopback only)")
     g.add_argument("--port", type=int, default=8000, help="port (default 8000)")
@@ -78,7 +78,7 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
                         "</tool_call> blocks (Hermes 2 Pro / 3, Qwen 2.5 / 3)")
     g.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"],
                    help="uvicorn log level (default warning)")
-    d = p.add_argument_group("data parallel (kv8.entrypoints.ray_serve)")
+    d = p.add_argument_group("data parallel (kv8.entrypoints.dp.app)")
     d.add_argument("--data-parallel-size", "-dp", type=int, default=1,
                    help="engine replicas, each with its own KV cache, behind one endpoint (default 1; more needs "
                         "--data-parallel-backend ray)")
@@ -93,14 +93,14 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
 def cmd_serve(ns: argparse.Namespace) -> int:
     engine_args = EngineArgs.from_cli_args(ns)
     if ns.data_parallel_backend == "ray":
-        from kv8.entrypoints.ray_serve import run_ray_server
+        from kv8.entrypoints.dp.app import run_ray_server
 
         return run_ray_server(ns, engine_args)
     if ns.data_parallel_size != 1:
         raise ValueError(f"--data-parallel-size={ns.data_parallel_size} " + (
             "must be >= 1" if ns.data_parallel_size < 1 else
             "needs --data-parallel-backend ray (kv8 runs data-parallel replicas on Ray Serve only)"))
-    from kv8.entrypoints.server import run_server
+    from kv8.entrypoints.openai.api_server import run_server
 
     return run_server(ns, engine_args)
 

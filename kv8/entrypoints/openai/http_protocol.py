@@ -4,7 +4,7 @@ seconds gets a ``408`` in OpenAI's error shape and the connection is closed.
 
 uvicorn has no such timeout (``--timeout-keep-alive`` only covers a connection that sends nothing at all), so a
 client sending headers one byte at a time would hold a connection forever. The request *body* timeout lives in
-the app (:func:`kv8.entrypoints.server.read_json_body`), where the 408 can go through the normal error path.
+the app (:func:`kv8.entrypoints.openai.api_server.read_json_body`), where the 408 can go through the normal error path.
 
 Invariant: the timer is armed exactly while the connection waits for the headers of a request (from the first
 byte after the previous response, or from the connection's start) and is cancelled once uvicorn has parsed them

@@ -5,7 +5,7 @@ when one is set), ``GET /health`` and ``GET /metrics`` (Prometheus text, open).
 
 Request bodies are read by hand rather than by FastAPI, so that every failure has OpenAI's error shape and a
 precise status: 408 for headers or a body that do not arrive within ``--request-header-timeout`` /
-``--request-body-timeout`` seconds (:mod:`kv8.entrypoints.http_protocol`), 413 for a body over
+``--request-body-timeout`` seconds (:mod:`kv8.entrypoints.openai.http_protocol`), 413 for a body over
 ``--max-request-bytes``, 400 for invalid UTF-8, malformed JSON (NaN and
 Infinity included), a non-object body, wrong types, out-of-range values or unknown fields; 401 for a missing
 or wrong API key, 404 for an unknown model or route, 503 when overloaded, draining or the engine is down.
@@ -48,9 +48,9 @@ from starlette.requests import ClientDisconnect
 
 from kv8 import envs
 from kv8.engine.args import EngineArgs
-from kv8.entrypoints.async_engine import AsyncEngine
-from kv8.entrypoints.metrics import ServerMetrics
-from kv8.entrypoints.protocol import (
+from kv8.engine.async_engine import AsyncEngine
+from kv8.entrypoints.openai.metrics import ServerMetrics
+from kv8.entrypoints.openai.protocol import (
     APIError,
     ChatCompletionRequest,
     CompletionRequest,
@@ -59,9 +59,9 @@ from kv8.entrypoints.protocol import (
     lone_surrogate_path,
     validation_error,
 )
-from kv8.entrypoints.request_run import ClientDisconnected, Stream
-from kv8.entrypoints.serving import OpenAIServing, ServingLimits
-from kv8.entrypoints.tool_calling import ToolOptions
+from kv8.entrypoints.openai.request_run import ClientDisconnected, Stream
+from kv8.entrypoints.openai.serving import OpenAIServing, ServingLimits
+from kv8.entrypoints.openai.tool_calling import ToolOptions
 
 if TYPE_CHECKING:
     from kv8.engine.engine import LLMEngine
@@ -419,7 +419,7 @@ def run_server(ns: argparse.Namespace, engine_args: EngineArgs) -> int:
     import uvicorn
 
     from kv8.engine.engine import LLMEngine
-    from kv8.entrypoints.http_protocol import header_timeout_protocol
+    from kv8.entrypoints.openai.http_protocol import header_timeout_protocol
 
     api_key = check_server_args(ns)
     opts = ServerOptions.from_namespace(ns, engine_args.model)

@@ -17,9 +17,9 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from kv8.entrypoints.async_engine import AsyncEngine, EngineDeadError, OutputMailbox
-from kv8.entrypoints.metrics import ServerMetrics
-from kv8.entrypoints.protocol import APIError
+from kv8.engine.async_engine import AsyncEngine, EngineDeadError, OutputMailbox
+from kv8.entrypoints.openai.metrics import ServerMetrics
+from kv8.entrypoints.openai.protocol import APIError
 from kv8.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from kv8.sampling_params import SamplingParams
 

@@ -29,10 +29,10 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from kv8.engine.async_engine import AsyncEngine
 from kv8.engine.structured import check_grammar
-from kv8.entrypoints.async_engine import AsyncEngine
-from kv8.entrypoints.metrics import ServerMetrics
-from kv8.entrypoints.protocol import (
+from kv8.entrypoints.openai.metrics import ServerMetrics
+from kv8.entrypoints.openai.protocol import (
     APIError,
     ChatCompletionRequest,
     CompletionRequest,
@@ -41,9 +41,9 @@ from kv8.entrypoints.protocol import (
     ResponseFormatJSONSchema,
     TokenizeRequest,
 )
-from kv8.entrypoints.request_run import RequestRun, Stream, SubRequest, sse, usage, visible
-from kv8.entrypoints.server_tokenizer import ServerTokenizer
-from kv8.entrypoints.tool_calling import ToolCallStream, ToolOptions, ToolPlan, plan_tools
+from kv8.entrypoints.openai.request_run import RequestRun, Stream, SubRequest, sse, usage, visible
+from kv8.entrypoints.openai.tokenizer import ServerTokenizer
+from kv8.entrypoints.openai.tool_calling import ToolCallStream, ToolOptions, ToolPlan, plan_tools
 from kv8.outputs import CompletionOutput, Logprob, PositionLogprobs
 from kv8.sampling_params import SamplingParams, StructuredOutputsParams
 

@@ -9,7 +9,7 @@
   reserves as many Ray CPUs, so N replicas share the cores without oversubscription.
 * ``kv8-ingress``: a FastAPI app (:class:`KV8Ingress`, behind Serve's HTTP proxy) with the routes of ``kv8
   serve``. It checks the API key, reads the bounded JSON body, picks a replica with
-  :class:`kv8.entrypoints.dp_router.PrefixRouter` (prefix-cache affinity, balanced by load, else least loaded)
+  :class:`kv8.entrypoints.dp.router.PrefixRouter` (prefix-cache affinity, balanced by load, else least loaded)
   and relays the answer: JSON, or SSE chunks as the replica streams them.
 
 Why N one-replica deployments routed by the ingress, rather than one N-replica deployment with a custom Serve
@@ -18,7 +18,7 @@ has in flight (the routing table is plain Python, tested without Ray), can addre
 metrics or probe it, and stops routing to a replica the moment a call to it fails, instead of queueing behind
 Serve's view of the replica set. Serve still health-checks and restarts each replica.
 
-Each request is one streaming call of :meth:`KV8Replica.handle` (:mod:`kv8.entrypoints.dp_replica` states the
+Each request is one streaming call of :meth:`KV8Replica.handle` (:mod:`kv8.entrypoints.dp.replica` states the
 protocol). A client that goes away makes Serve's proxy cancel the ingress request, whose replica call is then
 cancelled, which aborts the engine requests.
 
@@ -31,7 +31,7 @@ whose engine failed answers 503 and fails its health check, so Serve replaces it
 pinged as well, so a replica that died idle is noticed within :data:`PING_TIMEOUT_S` seconds.
 
 ``/health`` answers 200 while at least one replica is up (503 otherwise), with each replica's state and process id;
-``/metrics`` merges the replicas' metrics (:mod:`kv8.entrypoints.dp_metrics`) and adds the router's.
+``/metrics`` merges the replicas' metrics (:mod:`kv8.entrypoints.dp.metrics`) and adds the router's.
 
 Differences from ``kv8 serve``: Serve's proxy owns the HTTP connection, so ``--request-header-timeout`` and
 ``--allowed-origins`` are not supported (an error names them); ``--shutdown-timeout`` is the replicas' graceful
@@ -63,12 +63,10 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from kv8 import envs
 from kv8.engine.args import EngineArgs
 from kv8.entrypoints.cli import REQUEST_HEADER_TIMEOUT_S
-from kv8.entrypoints.dp_metrics import merge_replica_metrics, render_router_metrics
-from kv8.entrypoints.dp_replica import JSONReply, KV8Replica, ReplicaInfo, ReplicaSpec
-from kv8.entrypoints.dp_router import PrefixRouter, RouterConfig, routing_text
-from kv8.entrypoints.protocol import APIError
-from kv8.entrypoints.request_run import Stream, sse
-from kv8.entrypoints.server import (
+from kv8.entrypoints.dp.metrics import merge_replica_metrics, render_router_metrics
+from kv8.entrypoints.dp.replica import JSONReply, KV8Replica, ReplicaInfo, ReplicaSpec
+from kv8.entrypoints.dp.router import PrefixRouter, RouterConfig, routing_text
+from kv8.entrypoints.openai.api_server import (
     ServerOptions,
     SSEResponse,
     check_api_key,
@@ -77,6 +75,8 @@ from kv8.entrypoints.server import (
     models_response,
     read_json_body,
 )
+from kv8.entrypoints.openai.protocol import APIError
+from kv8.entrypoints.openai.request_run import Stream, sse
 from kv8.validators import check_int
 
 logger = logging.getLogger("kv8.ray_serve")
@@ -371,7 +371,7 @@ class DataParallelPlan:
 
 
 def app_builder(args: Mapping[str, Any]) -> Any:
-    """The application for ``serve run kv8.entrypoints.ray_serve:app_builder key=value ...`` or a Serve config
+    """The application for ``serve run kv8.entrypoints.dp.app:app_builder key=value ...`` or a Serve config
     file: ``args`` are ``kv8 serve`` flags by their names (``model``, ``data_parallel_size``, ``kv_cache_dtype``,
     ``max_num_seqs`` ...; booleans as true/false), validated as the command line validates them. The HTTP
     address is Serve's (``serve run``'s / the config's ``http_options``)."""

@@ -3,7 +3,7 @@
 Threading model (the invariant everything else relies on): **only the engine thread touches the engine's
 mutable state** (``add_request``, ``abort_request``, ``step``, ``stats``) **and the engine's tokenizer**
 (requests arrive as token ids; the server tokenizes with its own instance, see
-:mod:`kv8.entrypoints.server_tokenizer`). The event loop talks to the thread through an inbox guarded by a
+:mod:`kv8.entrypoints.openai.tokenizer`). The event loop talks to the thread through an inbox guarded by a
 condition variable:
 
 * :meth:`AsyncEngine.add` puts ``(request_id, prompt token ids, params, mailbox)`` in the inbox and awaits a

@@ -1,5 +1,5 @@
 """One data-parallel replica: an engine with its own KV cache and the OpenAI endpoint logic, as a Ray Serve
-deployment (:mod:`kv8.entrypoints.ray_serve` runs N of them behind one ingress), and the values that travel
+deployment (:mod:`kv8.entrypoints.dp.app` runs N of them behind one ingress), and the values that travel
 between the ingress and the replicas.
 
 Protocol (:meth:`KV8Replica.handle`, called through a Serve streaming handle): ``handle(route, body)`` takes a
@@ -27,7 +27,8 @@ from typing import Any
 from pydantic import ValidationError
 
 from kv8.engine.args import EngineArgs
-from kv8.entrypoints.protocol import (
+from kv8.entrypoints.openai.api_server import ServerOptions
+from kv8.entrypoints.openai.protocol import (
     APIError,
     ChatCompletionRequest,
     CompletionRequest,
@@ -35,7 +36,6 @@ from kv8.entrypoints.protocol import (
     TokenizeRequest,
     validation_error,
 )
-from kv8.entrypoints.server import ServerOptions
 
 logger = logging.getLogger("kv8.ray_serve")
 
@@ -92,11 +92,11 @@ class KV8Replica:
     def __init__(self, spec: ReplicaSpec) -> None:
         import torch
 
+        from kv8.engine.async_engine import AsyncEngine
         from kv8.engine.engine import LLMEngine
-        from kv8.entrypoints.async_engine import AsyncEngine
-        from kv8.entrypoints.metrics import ServerMetrics
-        from kv8.entrypoints.server import serving_limits
-        from kv8.entrypoints.serving import OpenAIServing
+        from kv8.entrypoints.openai.api_server import serving_limits
+        from kv8.entrypoints.openai.metrics import ServerMetrics
+        from kv8.entrypoints.openai.serving import OpenAIServing
 
         torch.set_num_threads(spec.threads)
         self.spec = spec

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kv8.engine.config import EngineConfig
-from kv8.entrypoints.protocol import APIError, ChatMessage
+from kv8.entrypoints.openai.protocol import APIError, ChatMessage
 from kv8.model.tokenizer import load_tokenizer
 
 

@@ -1,6 +1,6 @@
 """``/metrics`` of a data-parallel endpoint: every replica's Prometheus text, relabelled and merged.
 
-Each replica renders its own :class:`kv8.entrypoints.metrics.ServerMetrics` text. :func:`merge_replica_metrics`
+Each replica renders its own :class:`kv8.entrypoints.openai.metrics.ServerMetrics` text. :func:`merge_replica_metrics`
 parses them into families (a ``# TYPE`` line starts one; its samples follow) and writes each family once: its
 ``# HELP`` / ``# TYPE`` lines, then every replica's samples with a ``replica="<index>"`` label, then, for the
 families where a sum means something, the sum over replicas with ``replica="all"`` (so a query that sums itself

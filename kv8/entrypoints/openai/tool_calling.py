@@ -42,7 +42,13 @@ from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
 from kv8.engine.structured import check_grammar
-from kv8.entrypoints.protocol import APIError, ChatCompletionRequest, ChatTool, FunctionDefinition, NamedToolChoice
+from kv8.entrypoints.openai.protocol import (
+    APIError,
+    ChatCompletionRequest,
+    ChatTool,
+    FunctionDefinition,
+    NamedToolChoice,
+)
 from kv8.sampling_params import StructuredOutputsParams
 
 TOOL_CALL_PARSERS: tuple[str, ...] = ("hermes",)   # values of --tool-call-parser
