@@ -27,13 +27,15 @@ __all__ = ["OptionGroup", "from_config", "option"]
 
 
 def option(default: Any, help: str, *, choices: tuple[Any, ...] | None = None,
-           type: Callable[[str], Any] | None = str, metavar: str | None = None, cli: bool = True) -> Any:
+           type: Callable[[str], Any] | None = str, metavar: str | None = None, nargs: str | None = None,
+           cli: bool = True) -> Any:
     """A field declaring one option: its default plus what the command line and :meth:`OptionGroup.describe`
-    need. ``type`` converts a flag's text (``bool`` makes a ``--x`` / ``--no-x`` pair); ``choices`` is the tuple
-    the value is checked against; ``cli=False`` marks a field each command declares itself (the model, which is
-    positional for some commands)."""
+    need. ``type`` converts a flag's text (``bool`` makes a ``--x`` / ``--no-x`` pair; ``nargs="+"`` takes one or
+    more values, the field's default then being a tuple); ``choices`` is the tuple the value is checked against;
+    ``cli=False`` marks a field each command declares itself (the model, which is positional for some
+    commands)."""
     return field(default=default, metadata={"help": help, "choices": choices, "type": type, "metavar": metavar,
-                                            "cli": cli, "source": None})
+                                            "nargs": nargs, "cli": cli, "source": None})
 
 
 def from_config(config: type, name: str, *, type: Callable[[str], Any] | None = None) -> Any:
@@ -93,12 +95,15 @@ class OptionGroup:
             choices, kind = f.metadata["choices"], f.metadata["type"]
             if choices is not None and default is not None and default not in choices:
                 raise ValueError(f"default {name}={default!r} is not one of: {', '.join(map(str, choices))}")
-            help_text = f.metadata["help"].replace("%", "%%") + ("" if default is None else " (default: %(default)s)")
+            shown = "" if default in (None, ()) else " (default: %(default)s)"
+            help_text = f.metadata["help"].replace("%", "%%") + shown
             kwargs: dict[str, Any] = dict(dest=name, default=default, help=help_text)
             if kind is bool:
                 kwargs["action"] = argparse.BooleanOptionalAction
             else:
                 kwargs.update(type=kind, choices=choices, metavar=f.metadata["metavar"])
+                if f.metadata["nargs"] is not None:
+                    kwargs["nargs"] = f.metadata["nargs"]
             group.add_argument(cls.flag(name), *aliases.get(name, ()), **kwargs)
         return group
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import re
 from dataclasses import fields
 
 import pytest
@@ -221,29 +222,88 @@ def test_info_checks_block_size(tiny_llama, capsys):
 
 
 def test_every_option_is_declared_once() -> None:
-    """An engine option that a config holds as given is taken from that config (its default, help and allowed
-    values, by ``from_config``); no option's default is written in two places, and no two configs declare one."""
+    """An option that a config holds as given is taken from that config (its default, help and allowed values, by
+    ``from_config``); no option's default is written in two places, no two configs declare one and no two argument
+    groups offer one."""
     from kv8.cache.config import CacheConfig
     from kv8.distributed.config import ParallelConfig
     from kv8.engine.config import EngineConfig, SchedulerConfig
+    from kv8.entrypoints.openai.tool_calling import ToolOptions
+    from kv8.entrypoints.server_args import ServerArgs
 
+    configs = {c.__name__: c for c in (CacheConfig, SchedulerConfig, ParallelConfig, EngineConfig, ToolOptions)}
     declared: dict[str, str] = {}
-    for config in (CacheConfig, SchedulerConfig, ParallelConfig, EngineConfig):
+    for config in configs.values():
         for f in fields(config):
             if "help" in f.metadata:
                 assert f.name not in declared, f"{f.name} is declared by {declared[f.name]} and {config.__name__}"
                 declared[f.name] = config.__name__
+    groups = (EngineArgs, ServerArgs)
+    assert not set(EngineArgs.field_names()) & set(ServerArgs.field_names())
     sourced = 0
-    for f in fields(EngineArgs):
-        if f.name in declared:
-            assert f.metadata["source"] == f"{declared[f.name]}.{f.name}", f"EngineArgs.{f.name} redeclares it"
-            owner = {"CacheConfig": CacheConfig, "SchedulerConfig": SchedulerConfig, "ParallelConfig": ParallelConfig,
-                     "EngineConfig": EngineConfig}[declared[f.name]]
-            assert f.default == owner.__dataclass_fields__[f.name].default   # type: ignore[attr-defined]
-            sourced += 1
-        else:
-            assert f.metadata["source"] is None
-    assert sourced == len(declared)   # every config option is an engine option
+    for group in groups:
+        for f in fields(group):
+            if f.name in declared:
+                source = f"{declared[f.name]}.{f.name}"
+                assert f.metadata["source"] == source, f"{group.__name__}.{f.name} redeclares {source}"
+                owner = configs[declared[f.name]]
+                assert f.default == owner.__dataclass_fields__[f.name].default   # type: ignore[attr-defined]
+                sourced += 1
+            else:
+                assert f.metadata["source"] is None
+    assert sourced == len(declared)   # every config option is offered by one group
+
+
+def test_server_args_are_the_flags_of_serve_and_run() -> None:
+    """Every ServerArgs field is a flag of serve and run (vLLM's -dp / -dpb too), and the namespace reads back
+    into the same value; other commands have none of them."""
+    from kv8.entrypoints.server_args import ServerArgs
+
+    names = set(ServerArgs.field_names())
+    for command in ("serve", "run"):
+        assert {a.dest for a in _subparser(command)._actions} >= names
+    for command in ("generate", "info", "calibrate", "eval"):
+        assert not {a.dest for a in _subparser(command)._actions} & names
+    ns = build_parser().parse_args(["serve", "m", "-dp", "2", "-dpb", "ray", "--port", "0", "--api-key", "k",
+                                    "--max-n", "3", "--no-enable-tokenizer-info-endpoint", "--tool-call-parser",
+                                    "hermes", "--enable-auto-tool-choice"])
+    args = ServerArgs.from_cli_args(ns)
+    assert (args.data_parallel_size, args.data_parallel_backend, args.port, args.api_key, args.max_n) == \
+        (2, "ray", 0, "k", 3)
+    assert not args.enable_tokenizer_info_endpoint and args.tool_options.enable_auto_tool_choice
+    assert ServerArgs.from_cli_args(build_parser().parse_args(["run", "m"])) == ServerArgs()
+
+
+@pytest.mark.parametrize(("kw", "message"), [
+    (dict(max_n=0), "--max-n=0 must be an int >= 1"),
+    (dict(max_tokens_limit=0), "--max-tokens-limit=0 must be an int >= 1"),
+    (dict(max_waiting_requests=-1), "--max-waiting-requests=-1 must be an int >= 0"),
+    (dict(port=70000), "--port=70000 must be an int in [0, 65535]"),
+    (dict(shutdown_timeout=0.0), "--shutdown-timeout=0.0 must be a finite number > 0"),
+    (dict(request_body_timeout=float("nan")), "--request-body-timeout=nan must be a finite number > 0"),
+    (dict(api_key=" "), "--api-key must not be empty"),
+    (dict(log_level="loud"), "--log-level='loud' is not supported"),
+    (dict(enable_auto_tool_choice=True), "--enable-auto-tool-choice requires --tool-call-parser"),
+    (dict(data_parallel_size=2), "--data-parallel-size=2 needs --data-parallel-backend ray"),
+    (dict(data_parallel_size=0, data_parallel_backend="ray"), "--data-parallel-size=0 must be an int >= 1"),
+    (dict(data_parallel_backend="ray", allowed_origins=("*",)), "--allowed-origins is not supported"),
+    (dict(data_parallel_backend="ray", request_header_timeout=5.0), "--request-header-timeout is not supported"),
+])
+def test_server_args_errors_name_the_flag(kw, message) -> None:
+    from kv8.entrypoints.server_args import ServerArgs
+
+    with pytest.raises(ValueError, match=re.escape(message)):
+        ServerArgs(**kw)
+
+
+def test_blank_api_key_variable_is_an_error(monkeypatch) -> None:
+    from kv8.entrypoints.server_args import ServerArgs
+
+    monkeypatch.setenv("KV8_API_KEY", "  ")
+    with pytest.raises(ValueError, match="KV8_API_KEY must not be blank"):
+        ServerArgs().resolved_api_key()
+    monkeypatch.setenv("KV8_API_KEY", "secret")
+    assert ServerArgs().resolved_api_key() == "secret" and ServerArgs(api_key="k").resolved_api_key() == "k"
 
 
 def test_shared_checks_are_written_once() -> None:

@@ -130,7 +130,7 @@ def test_data_parallel_flag_errors(tiny_llama: str, capsys: pytest.CaptureFixtur
     assert main([*base, "-dp", "0", "-dpb", "ray"]) == 2
     assert "--data-parallel-size=0 must be an int >= 1" in capsys.readouterr().err
     assert main([*base, "-dp", "0"]) == 2
-    assert "--data-parallel-size=0 must be >= 1" in capsys.readouterr().err
+    assert "--data-parallel-size=0 must be an int >= 1" in capsys.readouterr().err
     assert main([*base, "-dp", "2", "-dpb", "ray", "--allowed-origins", "*"]) == 2
     assert "--allowed-origins is not supported" in capsys.readouterr().err
 
@@ -203,11 +203,11 @@ def test_every_replica_failure_is_a_503_and_a_bug_in_the_replica_a_500() -> None
 
     from ray.exceptions import OutOfMemoryError, RayActorError, RayTaskError
 
-    from kv8.entrypoints.dp.app import IngressSpec, KV8Ingress
+    from kv8.entrypoints.dp.ingress import IngressSpec, KV8Ingress
     from kv8.entrypoints.openai.protocol import APIError
 
     async def forward(error: BaseException) -> tuple[APIError, bool]:
-        ingress = KV8Ingress(IngressSpec(1, "m", None, 1 << 20, 60.0), _Handle(error))
+        ingress = KV8Ingress(IngressSpec(1, "m", None), _Handle(error))
         ingress.ensure_prober = lambda: None   # type: ignore[method-assign]
         with pytest.raises(APIError) as info:
             await ingress.forward("completions", {"prompt": "x"})

@@ -846,7 +846,7 @@ def test_cli_defaults_and_bad_flags(tiny_llama: str, capsys: pytest.CaptureFixtu
         assert (serve.model, serve.host, serve.kv_cache_dtype) == ("x", "127.0.0.1", "fp8_e5m2")
     # option errors are reported before any weights are loaded
     assert main(["serve", "--model-id", tiny_llama, "--max-n", "0"]) == 2
-    assert "--max-n=0 must be > 0" in capsys.readouterr().err
+    assert "--max-n=0 must be an int >= 1" in capsys.readouterr().err
     assert main(["serve", "--model-id", tiny_llama, "--api-key", " "]) == 2
     assert "--api-key must not be empty" in capsys.readouterr().err
 
@@ -898,11 +898,12 @@ def test_allowed_origins_turn_cors_on_for_those_origins_only(tiny_llama: str) ->
     from kv8.engine.engine import LLMEngine
     from kv8.entrypoints.openai.api_server import build_app
     from kv8.entrypoints.openai.serving import ServingLimits
+    from kv8.entrypoints.server_args import ServerArgs
 
     engine = LLMEngine(EngineArgs(model=tiny_llama, dtype="float32", num_kv_blocks=16, max_model_len=64))
     limits = ServingLimits(served_model_name="tiny", max_model_len=64, max_tokens=64, max_n=2, max_in_flight=4,
                            kv_capacity_tokens=16 * 16, kv_block_size=16)
-    app = build_app(AsyncEngine(engine), limits, None, 1 << 20, ("http://localhost:3000",))
+    app = build_app(AsyncEngine(engine), limits, ServerArgs(allowed_origins=("http://localhost:3000",)))
 
     async def preflight(origin: str) -> httpx.Response:
         transport = httpx.ASGITransport(app=app)
@@ -914,3 +915,49 @@ def test_allowed_origins_turn_cors_on_for_those_origins_only(tiny_llama: str) ->
     assert allowed.headers.get("access-control-allow-origin") == "http://localhost:3000"
     other = asyncio.run(preflight("http://evil.example"))
     assert "access-control-allow-origin" not in other.headers
+
+
+@pytest.mark.parametrize("tokenizer_info", [True, False])
+def test_server_and_ingress_serve_the_same_routes(tiny_llama: str, tokenizer_info: bool) -> None:
+    """kv8 serve's app and the data-parallel ingress register their engine routes from one table, so they offer
+    the same methods and paths; --no-enable-tokenizer-info-endpoint takes /tokenizer_info off both (a 404)."""
+    import asyncio
+
+    from fastapi.routing import APIRoute
+
+    from kv8.engine.args import EngineArgs
+    from kv8.engine.async_engine import AsyncEngine
+    from kv8.engine.engine import LLMEngine
+    from kv8.entrypoints.dp.ingress import IngressSpec, KV8Ingress, build_ingress_app
+    from kv8.entrypoints.openai.api_server import build_app
+    from kv8.entrypoints.openai.serving import ServingLimits
+    from kv8.entrypoints.server_args import ServerArgs
+
+    engine = LLMEngine(EngineArgs(model=tiny_llama, dtype="float32", num_kv_blocks=16, max_model_len=64))
+    limits = ServingLimits(served_model_name="tiny", max_model_len=64, max_tokens=64, max_n=2, max_in_flight=4,
+                           kv_capacity_tokens=16 * 16, kv_block_size=16)
+    args = ServerArgs(enable_tokenizer_info_endpoint=tokenizer_info)
+
+    class Handle:   # a replica handle that is never called
+        def options(self, **_: Any) -> Handle:
+            return self
+
+    apps = [build_app(AsyncEngine(engine), limits, args),
+            build_ingress_app(KV8Ingress(IngressSpec(1, "tiny", None, args), Handle()))]
+
+    def routes(app: Any) -> set[tuple[str, str]]:
+        return {(m, r.path) for r in app.routes if isinstance(r, APIRoute) for m in r.methods}
+
+    assert routes(apps[0]) == routes(apps[1])
+    assert {("POST", "/v1/completions"), ("POST", "/v1/chat/completions"), ("POST", "/tokenize"),
+            ("POST", "/detokenize"), ("GET", "/v1/models")} <= routes(apps[0])
+    assert (("GET", "/tokenizer_info") in routes(apps[0])) is tokenizer_info
+
+    async def get(app: Any) -> httpx.Response:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://kv8") as c:
+            return await c.get("/tokenizer_info")
+
+    if not tokenizer_info:
+        for app in apps:
+            r = asyncio.run(get(app))
+            assert r.status_code == 404 and r.json()["error"]["message"] == "no route GET /tokenizer_info"

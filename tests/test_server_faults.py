@@ -77,7 +77,7 @@ def test_health_tells_the_truth_once_the_engine_failed(tiny_llama: str) -> None:
     async_engine = AsyncEngine(engine, on_failure=failures.append)
     limits = ServingLimits(served_model_name="tiny", max_model_len=128, max_tokens=128, max_n=2, max_in_flight=8,
                            kv_capacity_tokens=32 * 16, kv_block_size=16)
-    with TestClient(build_app(async_engine, limits, None, 65536)) as http:
+    with TestClient(build_app(async_engine, limits)) as http:
         assert http.get("/health").json() == {"status": "ok"}
         r = http.post("/v1/completions", json={"model": "tiny", "prompt": "Hello", "max_tokens": 2})
         assert r.status_code == 503 and r.json()["error"]["code"] == "engine_unavailable", r.text

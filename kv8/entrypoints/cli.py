@@ -5,7 +5,7 @@ Subcommands: ``generate`` (text from a prompt), ``info`` (architecture and KV-ca
 ``calibrate`` / ``eval`` (fp8 KV-scale calibration and accuracy evaluation, :mod:`kv8.tools.commands`).
 Engine flags use vLLM's names (``--kv-cache-dtype``, ``--quantization-param-path``, ``--max-model-len`` ...) and
 are generated from the fields of :class:`EngineArgs` (``EngineArgs.add_cli_args`` / ``from_cli_args``); the
-flags declared here are the ones that are not engine options (sampling, server, output).
+server and data-parallel flags from :class:`ServerArgs`; the flags declared here are sampling and output ones.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from typing import Any
 from kv8.cache.config import CacheConfig, default_kv_cache_memory
 from kv8.engine.args import EngineArgs
 from kv8.engine.config import resolve_dtype
-from kv8.entrypoints.openai.tool_calling import TOOL_CALL_PARSERS
+from kv8.entrypoints.server_args import SERVER_FLAG_ALIASES, ServerArgs
 from kv8.models.config import ModelArchConfig
 from kv8.models.registry import arch_config
 from kv8.native import KernelUnavailable
@@ -38,71 +38,20 @@ EPILOG = """examples:
   kv8 run smollm2-135m --kv-cache-dtype fp8 --quantization-param-path kv_cache_scales.json
 models: the alias smollm2-135m (default), a Hugging Face model directory, or a .gguf file."""
 
-REQUEST_HEADER_TIMEOUT_S = 30.0           # --request-header-timeout's default
-DATA_PARALLEL_BACKENDS = ("mp", "ray")   # vLLM's choices of --data-parallel-backend; kv8 runs replicas on ray
-
 # kv8 info loads no weights: only the options that size the cache table apply to it
 INFO_OPTIONS = ("kv_cache_memory", "block_size")
 
 
-def add_server_args(p: argparse.ArgumentParser) -> None:
-    """Flags of ``serve`` / ``run`` (the server itself lives in kv8.entrypoints.openai.api_server, imported on use)."""
-    g = p.add_argument_group("server")
-    g.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: loopback only)")
-    g.add_argument("--port", type=int, default=8000, help="port (default 8000)")
-    g.add_argument("--api-key", default=None,
-                   help="require 'Authorization: Bearer KEY' on /v1 routes (default: $KV8_API_KEY if set)")
-    g.add_argument("--served-model-name", default=None, help="model name clients use (default: the model argument)")
-    g.add_argument("--max-n", type=int, default=16, help="largest n per request (default 16)")
-    g.add_argument("--max-tokens-limit", type=int, default=None,
-                   help="largest max_tokens per request (default: max_model_len)")
-    g.add_argument("--max-request-bytes", type=int, default=4 * 1024 * 1024,
-                   help="largest request body in bytes (default 4 MiB)")
-    g.add_argument("--max-waiting-requests", type=int, default=256,
-                   help="sequences that may wait beyond --max-num-seqs before new requests get 503 "
-                        "(default 256)")
-    g.add_argument("--shutdown-timeout", type=float, default=30.0,
-                   help="seconds in-flight requests may run after SIGTERM/SIGINT before they are aborted")
-    g.add_argument("--request-header-timeout", type=float, default=REQUEST_HEADER_TIMEOUT_S, metavar="SECONDS",
-                   help="a request's line and headers must arrive within this many seconds, else 408 (default 30)")
-    g.add_argument("--request-body-timeout", type=float, default=60.0, metavar="SECONDS",
-                   help="a request's whole body must arrive within this many seconds, else 408 (default 60)")
-    g.add_argument("--allowed-origins", nargs="+", default=[], metavar="ORIGIN",
-                   help="browser origins allowed by CORS, e.g. http://localhost:3000, or * for any "
-                        "(default: none, CORS off)")
-    g.add_argument("--enable-auto-tool-choice", action="store_true",
-                   help='allow tool_choice "auto" (the default when a request gives tools): the model decides '
-                        "whether to call tools, and --tool-call-parser reads the calls out of its text (vLLM's flag)")
-    g.add_argument("--tool-call-parser", default=None, choices=list(TOOL_CALL_PARSERS),
-                   help="the format of the model's tool calls for tool_choice auto: hermes = <tool_call>{...}"
-                        "</tool_call> blocks (Hermes 2 Pro / 3, Qwen 2.5 / 3)")
-    g.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"],
-                   help="uvicorn log level (default warning)")
-    d = p.add_argument_group("data parallel (kv8.entrypoints.dp.app)")
-    d.add_argument("--data-parallel-size", "-dp", type=int, default=1,
-                   help="engine replicas, each with its own KV cache, behind one endpoint (default 1; more needs "
-                        "--data-parallel-backend ray)")
-    d.add_argument("--data-parallel-backend", "-dpb", default="mp", choices=DATA_PARALLEL_BACKENDS,
-                   help="where the replicas run: ray = Ray Serve; kv8 has no mp data-parallel backend, so mp (the "
-                        "default, as in vLLM) serves one engine in this process")
-    d.add_argument("--ray-address", default=None, metavar="ADDR",
-                   help="the Ray cluster to run the replicas on, e.g. 10.0.0.1:6379 (default: $RAY_ADDRESS, else a "
-                        "new local cluster)")
-
-
 def cmd_serve(ns: argparse.Namespace) -> int:
     engine_args = EngineArgs.from_cli_args(ns)
-    if ns.data_parallel_backend == "ray":
+    server = ServerArgs.from_cli_args(ns)
+    if server.data_parallel_backend == "ray":
         from kv8.entrypoints.dp.app import run_ray_server
 
-        return run_ray_server(ns, engine_args)
-    if ns.data_parallel_size != 1:
-        raise ValueError(f"--data-parallel-size={ns.data_parallel_size} " + (
-            "must be >= 1" if ns.data_parallel_size < 1 else
-            "needs --data-parallel-backend ray (kv8 runs data-parallel replicas on Ray Serve only)"))
+        return run_ray_server(server, engine_args)
     from kv8.entrypoints.openai.api_server import run_server
 
-    return run_server(ns, engine_args)
+    return run_server(server, engine_args)
 
 
 @dataclass
@@ -307,7 +256,7 @@ def build_parser() -> argparse.ArgumentParser:
                                     "/metrics on 127.0.0.1 (see --host).",
                         epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     EngineArgs.add_model_arg(sv, "--model-id", "--model", "-m", optional=True)
-    add_server_args(sv)
+    ServerArgs.add_cli_args(sv, aliases=SERVER_FLAG_ALIASES)
     EngineArgs.add_cli_args(sv)
     sv.set_defaults(func=cmd_serve)
 
@@ -315,7 +264,7 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Same as 'serve', with the model as the first argument.",
                        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     EngineArgs.add_model_arg(r)
-    add_server_args(r)
+    ServerArgs.add_cli_args(r, aliases=SERVER_FLAG_ALIASES)
     EngineArgs.add_cli_args(r)
     r.set_defaults(func=cmd_serve)
 

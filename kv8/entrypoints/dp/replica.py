@@ -3,9 +3,10 @@ deployment (:mod:`kv8.entrypoints.dp.app` runs N of them behind one ingress), an
 between the ingress and the replicas.
 
 Protocol (:meth:`KV8Replica.handle`, called through a Serve streaming handle): ``handle(route, body)`` takes a
-route (a key of :data:`ROUTES`) and the request's JSON object, and yields either one :class:`JSONReply` (an
-answer, or an OpenAI error with its status), or :data:`SSE_START` followed by the SSE chunks (``str``). The
-request is validated and served by the same :class:`OpenAIServing` as ``kv8 serve``. Cancelling the call
+route's name (one of :data:`kv8.entrypoints.openai.routes.ROUTES`) and the request's JSON object, and yields
+either one :class:`JSONReply` (an answer, or an OpenAI error with its status), or :data:`SSE_START` followed by
+the SSE chunks (``str``). The request is validated and served by the same route and :class:`OpenAIServing` as
+``kv8 serve``. Cancelling the call
 (Serve cancels it when the ingress's client goes away) closes the stream, or the wait of a non-streamed
 request, which aborts the engine requests: their KV blocks are freed before the next engine step.
 
@@ -24,23 +25,12 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from pydantic import ValidationError
-
 from kv8.engine.args import EngineArgs
-from kv8.entrypoints.openai.api_server import ServerOptions
-from kv8.entrypoints.openai.protocol import (
-    APIError,
-    ChatCompletionRequest,
-    CompletionRequest,
-    DetokenizeRequest,
-    TokenizeRequest,
-    validation_error,
-)
+from kv8.entrypoints.openai.protocol import APIError
+from kv8.entrypoints.openai.routes import route_named
+from kv8.entrypoints.server_args import ServerArgs
 
 logger = logging.getLogger("kv8.ray_serve")
-
-ROUTES = {"completions": CompletionRequest, "chat": ChatCompletionRequest, "tokenize": TokenizeRequest,
-          "detokenize": DetokenizeRequest}
 
 
 # ---- what travels between the ingress and the replicas --------------------------------------------------------
@@ -79,7 +69,7 @@ class ReplicaSpec:
 
     index: int
     engine_args: EngineArgs
-    server: ServerOptions
+    server: ServerArgs
     threads: int
 
 
@@ -101,7 +91,7 @@ class KV8Replica:
         torch.set_num_threads(spec.threads)
         self.spec = spec
         llm = LLMEngine(spec.engine_args)
-        self.limits = serving_limits(llm, spec.server)
+        self.limits = serving_limits(llm, spec.server, spec.engine_args.model)
         self.engine = AsyncEngine(llm)
         self.metrics = ServerMetrics()
         self.serving = OpenAIServing(self.engine, self.limits, self.metrics, tool_options=spec.server.tool_options)
@@ -127,7 +117,7 @@ class KV8Replica:
         return self.metrics.render(self.engine.stats(), self.serving.in_flight)
 
     async def handle(self, route: str, body: dict[str, Any]) -> AsyncIterator[JSONReply | SSEStart | str]:
-        """Answer one request of ``route`` (a key of :data:`ROUTES`) with its parsed JSON ``body``: one
+        """Answer one request of ``route`` (a route's name) with its parsed JSON ``body``: one
         :class:`JSONReply`, or :data:`SSE_START` and the SSE chunks. Cancellation aborts the engine requests."""
         self._start()
         try:
@@ -152,29 +142,16 @@ class KV8Replica:
         finally:
             result.close()
 
-    async def _dispatch(self, route: str, body: dict[str, Any]) -> Any:
-        model: Any = ROUTES.get(route)
-        if model is None and route != "tokenizer_info":
-            raise APIError(404, f"no route {route!r}")
+    async def _dispatch(self, name: str, body: dict[str, Any]) -> Any:
+        route = route_named(name, self.spec.server)
         if not self.engine.is_running:
             raise APIError(503, "the engine is not running", type_="server_error", code="engine_unavailable")
-        if route == "tokenizer_info":   # a GET: no body
-            return await asyncio.to_thread(self.serving.tokenizer_info)
-        try:
-            req: Any = model.model_validate(body)
-        except ValidationError as e:
-            raise validation_error(e) from e
+        req = route.parse(body)
 
         async def never() -> None:   # a replica call ends by cancellation when its client goes away
             await asyncio.Event().wait()
 
-        if route == "completions":
-            return await self.serving.completion(req, never)
-        if route == "chat":
-            return await self.serving.chat(req, never)
-        if route == "tokenize":
-            return await asyncio.to_thread(self.serving.tokenize, req)
-        return await asyncio.to_thread(self.serving.detokenize, req)
+        return await route.answer(self.serving, req, never)
 
     def __del__(self) -> None:
         engine = getattr(self, "engine", None)

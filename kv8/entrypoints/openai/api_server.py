@@ -1,14 +1,14 @@
 """``kv8 serve`` / ``kv8 run``: an OpenAI-compatible HTTP server (FastAPI on uvicorn).
 
-Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models`` (all behind the API key
-when one is set), ``GET /health`` and ``GET /metrics`` (Prometheus text, open).
+Routes: those of :data:`kv8.entrypoints.openai.routes.ROUTES` (``POST /v1/completions``, ``POST
+/v1/chat/completions``, ``POST /tokenize``, ``POST /detokenize``, ``GET /tokenizer_info``) and ``GET /v1/models``,
+all behind the API key when one is set; ``GET /health`` and ``GET /metrics`` (Prometheus text) are open.
 
-Request bodies are read by hand rather than by FastAPI, so that every failure has OpenAI's error shape and a
-precise status: 408 for headers or a body that do not arrive within ``--request-header-timeout`` /
-``--request-body-timeout`` seconds (:mod:`kv8.entrypoints.openai.http_protocol`), 413 for a body over
-``--max-request-bytes``, 400 for invalid UTF-8, malformed JSON (NaN and
-Infinity included), a non-object body, wrong types, out-of-range values or unknown fields; 401 for a missing
-or wrong API key, 404 for an unknown model or route, 503 when overloaded, draining or the engine is down.
+Every failure has OpenAI's error shape and a precise status: 408 for headers or a body that do not arrive within
+``--request-header-timeout`` / ``--request-body-timeout`` seconds (:mod:`kv8.entrypoints.openai.http_protocol`,
+:func:`kv8.entrypoints.openai.http.read_json_body`), 413 for a body over ``--max-request-bytes``, 400 for a body
+that is not a JSON object or has wrong types, out-of-range values or unknown fields; 401 for a missing or wrong
+API key, 404 for an unknown model or route, 503 when overloaded, draining or the engine is down.
 
 Security defaults: binds 127.0.0.1 unless ``--host`` says otherwise; the API key (``--api-key`` or
 ``$KV8_API_KEY``) is compared in constant time; bodies, ``n`` and ``max_tokens`` are bounded; JSON only.
@@ -27,186 +27,50 @@ failure does not) fails every open request with a 503, makes ``/health`` answer 
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
-import hmac
-import json
 import logging
 import signal
 import sys
-import time
-from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
-from pydantic import BaseModel, ValidationError
-from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.requests import ClientDisconnect
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
-from kv8 import envs
 from kv8.engine.args import EngineArgs
 from kv8.engine.async_engine import AsyncEngine
-from kv8.entrypoints.openai.metrics import ServerMetrics
-from kv8.entrypoints.openai.protocol import (
-    APIError,
-    ChatCompletionRequest,
-    CompletionRequest,
-    DetokenizeRequest,
-    TokenizeRequest,
-    lone_surrogate_path,
-    validation_error,
+from kv8.entrypoints.openai.http import (
+    SSEResponse,
+    check_api_key,
+    install_error_handlers,
+    models_response,
+    read_json_body,
+    wait_disconnect,
 )
+from kv8.entrypoints.openai.metrics import ServerMetrics
+from kv8.entrypoints.openai.protocol import APIError
 from kv8.entrypoints.openai.request_run import ClientDisconnected, Stream
+from kv8.entrypoints.openai.routes import Route, enabled_routes
 from kv8.entrypoints.openai.serving import OpenAIServing, ServingLimits
-from kv8.entrypoints.openai.tool_calling import ToolOptions
+from kv8.entrypoints.server_args import ServerArgs
 
 if TYPE_CHECKING:
     from kv8.engine.engine import LLMEngine
 
 logger = logging.getLogger("kv8.server")
 
-API_KEY_ENV = envs.API_KEY_ENV
 RETRY_AFTER_SHUTDOWN_S = 5   # the Retry-After of a 503 answered while the server drains
 
 
-class SSEResponse(StreamingResponse):
-    """A streaming response whose ``on_close`` runs however the response ends (finished, client gone,
-    cancelled before the first chunk)."""
-
-    def __init__(self, stream: Stream) -> None:
-        super().__init__(stream.chunks, media_type="text/event-stream",
-                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        self._on_close = stream.close
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            self._on_close()
-
-
-def _json_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not valid JSON")
-
-
-async def _read_body(request: Request, limit: int, timeout: float) -> bytes:
-    """The raw body, at most ``limit`` bytes (413 beyond), all of it within ``timeout`` seconds (408 otherwise: a
-    Content-Length larger than what arrives must not hold the connection forever). A client that goes away
-    meanwhile raises :class:`ClientDisconnected` ("upload")."""
-    body = bytearray()
-    chunks = request.stream().__aiter__()
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    while True:
-        try:
-            chunk = await asyncio.wait_for(chunks.__anext__(), max(0.0, deadline - loop.time()))
-        except StopAsyncIteration:
-            return bytes(body)
-        except asyncio.TimeoutError:
-            raise APIError(408, f"the request body did not arrive within {timeout:g} s (--request-body-timeout): "
-                                f"{len(body)} bytes received" + (f" of the {request.headers['content-length']} "
-                                "announced by Content-Length" if "content-length" in request.headers else ""),
-                           code="request_timeout", headers={"Connection": "close"}) from None
-        except ClientDisconnect:
-            raise ClientDisconnected("upload", f"{len(body)} bytes of the body received") from None
-        body += chunk
-        if len(body) > limit:
-            raise APIError(413, f"the request body has more than {limit} bytes, over the limit of {limit} bytes")
-
-
-async def read_json_body(request: Request, limit: int, timeout: float = 60.0) -> dict[str, Any]:
-    # Only JSON bodies: a browser page can POST text/plain or a form to a server on 127.0.0.1 without a CORS
-    # preflight, but not application/json.
-    ctype = request.headers.get("content-type", "")
-    if ctype.split(";", 1)[0].strip().lower() != "application/json":
-        raise APIError(415, f"Content-Type {ctype or '(none)'!r} is not supported; send the request body as "
-                            "application/json")
-    length = request.headers.get("content-length")
-    if length is not None and length.isdigit() and int(length) > limit:
-        raise APIError(413, f"the request body has {int(length)} bytes, over the limit of {limit} bytes")
-    body = await _read_body(request, limit, timeout)
-    if not body:
-        raise APIError(400, "the request body is empty; send a JSON object")
-    try:
-        text = body.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise APIError(400, f"the request body is not valid UTF-8 (byte {e.start}: {e.reason})") from e
-    try:
-        obj = json.loads(text, parse_constant=_json_constant)
-    except (ValueError, RecursionError) as e:
-        raise APIError(400, f"the request body is not valid JSON: {e}") from e
-    if not isinstance(obj, dict):
-        raise APIError(400, f"the request body must be a JSON object, got {type(obj).__name__}")
-    bad = lone_surrogate_path(obj)
-    if bad is not None:
-        raise APIError(400, f"the request holds a lone UTF-16 surrogate escape (in {bad}), which is not a "
-                            "character; send text as valid Unicode", param=bad or None)
-    return obj
-
-
-async def _wait_disconnect(request: Request) -> None:
-    while True:
-        message = await request.receive()
-        if message["type"] == "http.disconnect":
-            return
-
-
-def check_api_key(request: Request, api_key: str | None) -> None:
-    """``APIError`` 401 unless the request carries ``Authorization: Bearer <api_key>`` (nothing to check without a
-    key); compared in constant time."""
-    if api_key is None:
-        return
-    scheme, _, token = request.headers.get("authorization", "").partition(" ")
-    if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), api_key.encode()):
-        raise APIError(401, "Incorrect or missing API key; send the header 'Authorization: Bearer <key>'",
-                       code="invalid_api_key")
-
-
-def models_response(served_model_name: str, max_model_len: int) -> JSONResponse:
-    """``GET /v1/models``: the one model an endpoint serves, in OpenAI's list shape."""
-    return JSONResponse({"object": "list", "data": [{
-        "id": served_model_name, "object": "model", "created": int(time.time()), "owned_by": "kv8",
-        "max_model_len": max_model_len}]})
-
-
-def install_error_handlers(app: FastAPI, on_rejected: Callable[[int], None],
-                           on_disconnect: Callable[[Request, ClientDisconnected], None]) -> Callable[[APIError],
-                                                                                                     JSONResponse]:
-    """OpenAI-shaped errors for ``app``: an :class:`APIError` and starlette's own (404/405 naming the route) answer
-    with their status (``on_rejected(status)`` counts them; a 401 carries ``WWW-Authenticate``); a client that went
-    away gets 499 after ``on_disconnect``. Returns the function that turns an ``APIError`` into that response."""
-    def error_response(e: APIError) -> JSONResponse:
-        on_rejected(e.status)
-        headers = {"WWW-Authenticate": "Bearer"} if e.status == 401 else {}
-        return JSONResponse(e.body(), status_code=e.status, headers={**headers, **e.headers})
-
-    @app.exception_handler(APIError)
-    async def _api_error(_: Request, e: APIError) -> JSONResponse:
-        return error_response(e)
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
-        msg = f"no route {request.method} {request.url.path}" if e.status_code in (404, 405) else str(e.detail)
-        return error_response(APIError(e.status_code, msg))
-
-    @app.exception_handler(ClientDisconnected)
-    async def _gone(request: Request, e: ClientDisconnected) -> Response:
-        on_disconnect(request, e)
-        return Response(status_code=499)
-
-    return error_response
-
-
-def build_app(engine: AsyncEngine, limits: ServingLimits, api_key: str | None, max_request_bytes: int,
-              allowed_origins: tuple[str, ...] = (), body_timeout: float = 60.0,
-              tool_options: ToolOptions | None = None) -> FastAPI:
-    """The ASGI app. ``app.state.draining`` set to True makes new /v1 requests answer 503; ``app.state.metrics``
-    is its :class:`ServerMetrics`."""
+def build_app(engine: AsyncEngine, limits: ServingLimits, args: ServerArgs | None = None,
+              api_key: str | None = None) -> FastAPI:
+    """The ASGI app of ``engine`` with the server options ``args`` (defaults if None) and the resolved
+    ``api_key`` (None: no key). ``app.state.draining`` set to True makes new /v1 requests answer 503;
+    ``app.state.metrics`` is its :class:`ServerMetrics`."""
+    args = args if args is not None else ServerArgs()
     metrics = ServerMetrics()
-    serving = OpenAIServing(engine, limits, metrics, tool_options=tool_options)
+    serving = OpenAIServing(engine, limits, metrics, tool_options=args.tool_options)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -219,10 +83,10 @@ def build_app(engine: AsyncEngine, limits: ServingLimits, api_key: str | None, m
     app.state.draining = False
     app.state.serving = serving
     app.state.metrics = metrics
-    if allowed_origins:  # CORS is off unless origins are named: no browser page may read kv8's answers
+    if args.allowed_origins:  # CORS is off unless origins are named: no browser page may read kv8's answers
         from fastapi.middleware.cors import CORSMiddleware
 
-        app.add_middleware(CORSMiddleware, allow_origins=list(allowed_origins), allow_methods=["GET", "POST"],
+        app.add_middleware(CORSMiddleware, allow_origins=list(args.allowed_origins), allow_methods=["GET", "POST"],
                            allow_headers=["Authorization", "Content-Type"])
 
     def gone(request: Request, e: ClientDisconnected) -> None:
@@ -247,11 +111,6 @@ def build_app(engine: AsyncEngine, limits: ServingLimits, api_key: str | None, m
         if not engine.is_running:
             raise APIError(503, "the engine is not running", type_="server_error", code="engine_unavailable")
 
-    def respond(result: dict[str, Any] | Stream) -> Response:
-        if isinstance(result, Stream):
-            return SSEResponse(result)
-        return JSONResponse(result)
-
     @app.get("/health")
     async def health() -> Response:
         if engine.error is not None:
@@ -274,40 +133,18 @@ def build_app(engine: AsyncEngine, limits: ServingLimits, api_key: str | None, m
         check_access(request)
         return models_response(limits.served_model_name, limits.max_model_len)
 
-    async def parse(request: Request, model: type[BaseModel]) -> Any:
-        """Check the key, read the bounded JSON body and validate it strictly (errors become 4xx)."""
-        check_access(request)
-        body = await read_json_body(request, max_request_bytes, body_timeout)
-        try:
-            return model.model_validate(body)
-        except ValidationError as e:
-            raise validation_error(e) from e
+    def endpoint(route: Route) -> Callable[[Request], Awaitable[Response]]:
+        async def answer(request: Request) -> Response:
+            """Check the key, read the bounded JSON body, validate it strictly (errors become 4xx), answer."""
+            check_access(request)
+            body = {} if route.request is None else await read_json_body(request, args.max_request_bytes,
+                                                                          args.request_body_timeout)
+            result = await route.answer(serving, route.parse(body), lambda: wait_disconnect(request))
+            return SSEResponse(result) if isinstance(result, Stream) else JSONResponse(result)
+        return answer
 
-    @app.post("/v1/completions")
-    async def completions(request: Request) -> Response:
-        req = await parse(request, CompletionRequest)
-        return respond(await serving.completion(req, lambda: _wait_disconnect(request)))
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request) -> Response:
-        req = await parse(request, ChatCompletionRequest)
-        return respond(await serving.chat(req, lambda: _wait_disconnect(request)))
-
-    @app.post("/tokenize")
-    async def tokenize(request: Request) -> Response:
-        req = await parse(request, TokenizeRequest)
-        return JSONResponse(await asyncio.to_thread(serving.tokenize, req))
-
-    @app.post("/detokenize")
-    async def detokenize(request: Request) -> Response:
-        req = await parse(request, DetokenizeRequest)
-        return JSONResponse(await asyncio.to_thread(serving.detokenize, req))
-
-    @app.get("/tokenizer_info")
-    async def tokenizer_info(request: Request) -> Response:
-        check_access(request)
-        return JSONResponse(await asyncio.to_thread(serving.tokenizer_info))
-
+    for route in enabled_routes(args):
+        app.add_api_route(route.path, endpoint(route), methods=[route.method])
     return app
 
 
@@ -361,72 +198,30 @@ class _Drain:
         self.server.should_exit = True
 
 
-# ---- command line (flags are defined in kv8.entrypoints.cli.add_server_args) -----------------------------------
-def _positive(name: str, value: int | float | None) -> None:
-    if value is not None and (isinstance(value, bool) or value <= 0):
-        raise ValueError(f"--{name.replace('_', '-')}={value!r} must be > 0")
-
-
-def check_server_args(ns: argparse.Namespace) -> str | None:
-    """Validate the server flags (``ValueError`` naming the flag); returns the API key (flag, else
-    ``$KV8_API_KEY``, else None)."""
-    for name in ("max_n", "max_tokens_limit", "max_request_bytes", "shutdown_timeout", "request_header_timeout",
-                 "request_body_timeout"):
-        _positive(name, getattr(ns, name))
-    if ns.max_waiting_requests < 0:
-        raise ValueError(f"--max-waiting-requests={ns.max_waiting_requests} must be >= 0")
-    if not 0 <= ns.port <= 65535:
-        raise ValueError(f"--port={ns.port} must be in [0, 65535]")
-    api_key = ns.api_key if ns.api_key is not None else envs.api_key()
-    if api_key is not None and not api_key.strip():
-        raise ValueError("--api-key must not be empty")
-    return api_key
-
-
-@dataclass(frozen=True)
-class ServerOptions:
-    """The server flags that shape an engine's endpoint: its :class:`ServingLimits` and tool options (a picklable
-    value: data-parallel replicas receive it)."""
-
-    served_model_name: str
-    max_tokens_limit: int | None
-    max_n: int
-    max_waiting_requests: int
-    tool_options: ToolOptions
-
-    @classmethod
-    def from_namespace(cls, ns: argparse.Namespace, model: str) -> ServerOptions:
-        """``ValueError`` for tool flags that do not go together (:class:`ToolOptions`)."""
-        return cls(ns.served_model_name or model, ns.max_tokens_limit, ns.max_n, ns.max_waiting_requests,
-                   ToolOptions(ns.enable_auto_tool_choice, ns.tool_call_parser))
-
-
-def serving_limits(llm: LLMEngine, opts: ServerOptions) -> ServingLimits:
+def serving_limits(llm: LLMEngine, args: ServerArgs, model: str) -> ServingLimits:
     """The per-request limits of a server on ``llm`` (``ValueError`` if ``--max-tokens-limit`` exceeds the
-    context)."""
+    context); ``model`` is the model argument, the name clients use unless ``--served-model-name`` says."""
     cfg = llm.config
     max_model_len = cfg.scheduler.max_model_len
-    if opts.max_tokens_limit is not None and opts.max_tokens_limit > max_model_len:
-        raise ValueError(f"--max-tokens-limit={opts.max_tokens_limit} exceeds max_model_len={max_model_len}")
+    if args.max_tokens_limit is not None and args.max_tokens_limit > max_model_len:
+        raise ValueError(f"--max-tokens-limit={args.max_tokens_limit} exceeds max_model_len={max_model_len}")
     return ServingLimits(
-        served_model_name=opts.served_model_name, max_model_len=max_model_len,
-        max_tokens=opts.max_tokens_limit or max_model_len, max_n=opts.max_n,
-        max_in_flight=cfg.scheduler.max_num_seqs + opts.max_waiting_requests,
+        served_model_name=args.model_name(model), max_model_len=max_model_len,
+        max_tokens=args.max_tokens_limit or max_model_len, max_n=args.max_n,
+        max_in_flight=cfg.scheduler.max_num_seqs + args.max_waiting_requests,
         kv_capacity_tokens=llm.stats()["num_blocks"] * cfg.cache.block_size, kv_block_size=cfg.cache.block_size)
 
 
-def run_server(ns: argparse.Namespace, engine_args: EngineArgs) -> int:
+def run_server(args: ServerArgs, engine_args: EngineArgs) -> int:
     import uvicorn
 
     from kv8.engine.engine import LLMEngine
     from kv8.entrypoints.openai.http_protocol import header_timeout_protocol
 
-    api_key = check_server_args(ns)
-    opts = ServerOptions.from_namespace(ns, engine_args.model)
-
+    api_key = args.resolved_api_key()
     llm = LLMEngine(engine_args)
     cfg = llm.config
-    limits = serving_limits(llm, opts)
+    limits = serving_limits(llm, args, engine_args.model)
 
     failures: list[BaseException] = []
 
@@ -438,8 +233,7 @@ def run_server(ns: argparse.Namespace, engine_args: EngineArgs) -> int:
         server.should_exit = True
 
     async_engine = AsyncEngine(llm, on_failure=engine_failed)
-    app = build_app(async_engine, limits, api_key, ns.max_request_bytes, tuple(ns.allowed_origins),
-                    ns.request_body_timeout, opts.tool_options)
+    app = build_app(async_engine, limits, args, api_key)
 
     class Server(uvicorn.Server):
         """uvicorn, whose exit signals start a drain (see the module docstring) instead of closing the listener."""
@@ -457,24 +251,24 @@ def run_server(ns: argparse.Namespace, engine_args: EngineArgs) -> int:
             app.state.draining = True
             loop.call_soon_threadsafe(drain.start if self.signals == 1 else drain.abort_now)
 
-    protocol = header_timeout_protocol(ns.request_header_timeout, lambda: app.state.metrics.record_rejected(408))
-    config = uvicorn.Config(app, host=ns.host, port=ns.port, log_level=ns.log_level, access_log=False,
+    protocol = header_timeout_protocol(args.request_header_timeout, lambda: app.state.metrics.record_rejected(408))
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False,
                             timeout_graceful_shutdown=5, lifespan="on", http=protocol)
     server = Server(config)
-    drain = _Drain(app.state.serving, async_engine, server, ns.shutdown_timeout)
+    drain = _Drain(app.state.serving, async_engine, server, args.shutdown_timeout)
     # uvicorn re-raises the signal it caught once it has shut down; these handlers turn that into a clean exit.
     received: list[int] = []
     handler: Callable[[int, Any], None] = lambda sig, frame: received.append(sig)  # noqa: E731
     signal.signal(signal.SIGTERM, handler)
     signal.signal(signal.SIGINT, handler)
-    print(f"kv8: serving {limits.served_model_name!r} on http://{ns.host}:{ns.port}/v1 "
+    print(f"kv8: serving {limits.served_model_name!r} on http://{args.host}:{args.port}/v1 "
           f"(kv_cache_dtype={cfg.cache.kv_dtype.name}, API key {'required' if api_key else 'not required'})",
           flush=True)
     server.run()
     if failures:
         return 1
     if not server.started:
-        raise ValueError(f"could not start the server on {ns.host}:{ns.port} (see the log above)")
+        raise ValueError(f"could not start the server on {args.host}:{args.port} (see the log above)")
     print("kv8: server stopped", flush=True)
     return 0
 

@@ -49,6 +49,7 @@ from kv8.entrypoints.openai.protocol import (
     FunctionDefinition,
     NamedToolChoice,
 )
+from kv8.options import option
 from kv8.sampling_params import StructuredOutputsParams
 
 TOOL_CALL_PARSERS: tuple[str, ...] = ("hermes",)   # values of --tool-call-parser
@@ -59,8 +60,12 @@ class ToolOptions:
     """The server's tool options (vLLM's flags). Invariant: ``enable_auto_tool_choice`` implies a parser, and the
     parser is one of :data:`TOOL_CALL_PARSERS`."""
 
-    enable_auto_tool_choice: bool = False
-    tool_call_parser: str | None = None
+    enable_auto_tool_choice: bool = option(
+        False, 'allow tool_choice "auto" (the default when a request gives tools): the model decides whether to '
+        "call tools, and --tool-call-parser reads the calls out of its text (vLLM's flag)", type=bool)
+    tool_call_parser: str | None = option(
+        None, "the format of the model's tool calls for tool_choice auto: hermes = <tool_call>{...}</tool_call> "
+        "blocks (Hermes 2 Pro / 3, Qwen 2.5 / 3)", choices=TOOL_CALL_PARSERS)
 
     def __post_init__(self) -> None:
         if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_CALL_PARSERS:
