@@ -44,7 +44,7 @@ cache; vLLM returns only top-k logprobs, so it has none).
 
     .venv/bin/python benchmarks/bench_vs_peers.py --quick      # small shapes, one round (a few minutes)
     .venv/bin/python benchmarks/bench_vs_peers.py --rounds 2 --kld
-    .venv/bin/python benchmarks/bench_vs_peers.py --kv8-before v0 --kv8-kv fp8_e4m3   # + kv8 at git rev v0
+    .venv/bin/python benchmarks/bench_vs_peers.py --kv8-before v0 --kv8-config "--kv-cache-dtype fp8_e4m3"
 
 ``--kv8-before REV`` measures kv8 as of git revision REV beside the current tree in the same run (a detached
 ``git worktree`` of REV in a temporary directory, its workers importing kv8 from there; the measuring code is
@@ -78,8 +78,9 @@ RESULT_MARK = "@@RESULT "
 THREADS = 2
 VLLM_TCMALLOC = "/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4"
 VOCAB_LOW, VOCAB_HIGH = 100, 40000   # random prompt tokens: ordinary ids of SmolLM2's 49,152-token vocabulary
-# kv_cache_dtype[+hadamard: kv_cache_rotation][+fp8-weights: quantization="fp8"], as kv8 eval's --config
-KV8_CONFIGS = ("bfloat16", "fp8_e4m3", "fp8_e4m3+hadamard", "fp8_e4m3+fp8-weights")
+# kv8's configurations: engine flags, as kv8 eval's --config (kv8.tools.evaluate.KVConfig); tables name them by label
+KV8_CONFIGS = ("--kv-cache-dtype bfloat16", "--kv-cache-dtype fp8_e4m3",
+               "--kv-cache-dtype fp8_e4m3 --kv-cache-rotation hadamard", "--kv-cache-dtype fp8_e4m3 --quantization fp8")
 
 
 def peers_dir() -> str:
@@ -223,18 +224,18 @@ class LlamaCpp:
 
 # ---- workers (kv8 and vLLM), one process per configuration --------------------------------------------------------
 
-def kv8_worker(kv: str, max_batch: int, max_len: int) -> Iterator[Callable[[Shape, int], Measurement]]:
-    """Builds a kv8 engine and yields its measuring function (runs in the worker process)."""
+def kv8_worker(options: dict[str, Any], max_batch: int, max_len: int
+               ) -> Iterator[Callable[[Shape, int], Measurement]]:
+    """Builds a kv8 engine with the configuration's engine ``options`` and yields its measuring function (runs in
+    the worker process). It drives the engine through ``add_request`` / ``step`` / ``has_unfinished_requests``
+    only, which every revision has, so that ``--kv8-before`` can measure older ones with the same code."""
     import torch
 
     from kv8 import LLM, SamplingParams
 
     torch.set_num_threads(THREADS)
-    dtype, *options = kv.split("+")
-    llm = LLM(kv_cache_dtype=dtype, kv_cache_rotation="hadamard" if "hadamard" in options else "none",
-              quantization="fp8" if "fp8-weights" in options else None, max_model_len=max_len + 16,
-              num_kv_blocks=math.ceil(max_batch * (max_len + 16) / 16) + 4, max_num_seqs=max(max_batch, 1),
-              max_num_batched_tokens=2048, enable_prefix_caching=False)
+    llm = LLM(**options, max_model_len=max_len + 16, num_kv_blocks=math.ceil(max_batch * (max_len + 16) / 16) + 4,
+              max_num_seqs=max(max_batch, 1), max_num_batched_tokens=2048, enable_prefix_caching=False)
     eng = llm.engine
 
     def run(prompts: list[list[int]], new: int, seed: int) -> tuple[float, float]:
@@ -242,19 +243,19 @@ def kv8_worker(kv: str, max_batch: int, max_len: int) -> Iterator[Callable[[Shap
         tok/s after that: 0.0 when ``new`` is 1)."""
         params = SamplingParams(temperature=0, max_tokens=new, ignore_eos=True)
         assert not eng.has_unfinished_requests()
-        for i, prompt in enumerate(prompts):
-            eng.add_request(prompt, params, request_id=f"{seed}-{new}-{i}")
-        requests = list(eng.scheduler.waiting)
+        ids = [eng.add_request(prompt, params, request_id=f"{seed}-{new}-{i}") for i, prompt in enumerate(prompts)]
+        tokens = dict.fromkeys(ids, 0)   # each request's tokens so far (its cumulative output's)
         start = time.perf_counter()
         first = 0.0
         generated_at_first = 0
         while eng.has_unfinished_requests():
-            eng.step()
-            if not first and all(r.output_token_ids for r in requests):
+            for out in eng.step():
+                tokens[out.request_id] = len(out.outputs[0].token_ids)
+            if not first and all(tokens.values()):
                 first = time.perf_counter() - start
-                generated_at_first = sum(len(r.output_token_ids) for r in requests)
+                generated_at_first = sum(tokens.values())
         total = time.perf_counter() - start
-        generated = sum(len(r.output_token_ids) for r in requests)
+        generated = sum(tokens.values())
         assert generated == len(prompts) * new, generated
         return first, (generated - generated_at_first) / (total - first) if total > first else 0.0
 
@@ -293,7 +294,7 @@ def vllm_worker(kv: str, max_batch: int, max_len: int, model_dir: str
 def worker_main(ns: argparse.Namespace) -> None:
     """``--worker kv8|vllm``: build the engine, print READY, then answer one JSON shape per stdin line."""
     if ns.worker == "kv8":
-        measure = next(kv8_worker(ns.kv, ns.max_batch, ns.max_len))
+        measure = next(kv8_worker(json.loads(ns.kv8_options), ns.max_batch, ns.max_len))
         import kv8
         print(f"kv8 imported from {os.path.dirname(os.path.dirname(os.path.abspath(kv8.__file__)))}", flush=True)
     else:
@@ -373,7 +374,9 @@ class Worker:
 @dataclass
 class Config:
     engine: str          # kv8, llama.cpp, vllm
-    kv: str
+    kv: str              # the cache configuration (kv8: its label)
+    options: dict[str, Any] | None = None   # kv8 only: the engine options of the configuration
+    flags: str | None = None                # ... and the engine flags they were given as (kv8 eval --config)
     rev: str | None = None    # kv8 only: the git revision measured (--kv8-before), None for the current tree
     tree: str | None = None   # ... and the worktree it is checked out in
     runner: Any = None   # LlamaCpp or Worker once started
@@ -428,6 +431,8 @@ def start(cfg: Config, ns: argparse.Namespace, gguf: str, log: IO[str]) -> None:
         return
     here = os.path.abspath(__file__)
     common = ["--kv", cfg.kv, "--max-batch", str(ns.max_batch), "--max-len", str(ns.max_len)]
+    if cfg.options is not None:
+        common += ["--kv8-options", json.dumps(cfg.options)]
     if cfg.engine == "vllm":
         cfg.skipped = vllm_missing()
         if cfg.skipped:
@@ -469,7 +474,7 @@ def run_kld(configs: list[Config], ns: argparse.Namespace, gguf: str, log: IO[st
         cmd = [sys.executable, "-m", "kv8", "eval", "smollm2-135m", "--data", data, "--window", str(ns.kld_window),
                "--num-windows", str(ns.kld_chunks), "--gen-prompts", "0", "--no-progress", "--json", out]
         for c in kv8_cfgs:
-            cmd += ["--config", c.kv]
+            cmd += ["--config", str(c.flags)]
         log.write("$ " + " ".join(cmd) + "\n")
         proc = subprocess.run(cmd, capture_output=True, text=True)
         log.write(proc.stdout + proc.stderr)
@@ -555,8 +560,9 @@ def main() -> None:
     ap.add_argument("--long-prompt", type=int, default=4096, help="single-stream context (0: skip that shape)")
     ap.add_argument("--rounds", type=int, default=1, help="alternating rounds; the table shows medians")
     ap.add_argument("--engines", default="kv8,llama.cpp,vllm")
-    ap.add_argument("--kv8-kv", default=",".join(KV8_CONFIGS),
-                    help=f"kv8's cache configurations (default: {','.join(KV8_CONFIGS)})")
+    ap.add_argument("--kv8-config", action="append", default=None, metavar='"ENGINE FLAGS"',
+                    help="a kv8 configuration as engine flags, e.g. \"--kv-cache-dtype fp8_e4m3 --quantization fp8\" "
+                         "(repeatable; the flags of kv8 eval --config; default: " + "; ".join(KV8_CONFIGS) + ")")
     ap.add_argument("--kv8-before", default=None, metavar="REV",
                     help="also measure kv8 as of this git revision (checked out in a temporary worktree), beside "
                          "the current tree, and print the after/before ratios")
@@ -578,6 +584,7 @@ def main() -> None:
     # worker mode (internal)
     ap.add_argument("--worker", choices=("kv8", "vllm"), help=argparse.SUPPRESS)
     ap.add_argument("--kv", help=argparse.SUPPRESS)
+    ap.add_argument("--kv8-options", help=argparse.SUPPRESS)
     ap.add_argument("--max-batch", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--max-len", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--model-dir", help=argparse.SUPPRESS)
@@ -593,11 +600,16 @@ def main() -> None:
     ns.max_batch = max(s.batch for s in shapes)
     ns.max_len = max(s.prompt + s.new for s in shapes)
     engines = ns.engines.split(",")
-    kv8_kv = ns.kv8_kv.split(",")
-    if bad := [kv for kv in kv8_kv if kv not in KV8_CONFIGS]:
-        ap.error(f"--kv8-kv: {','.join(bad)} not among {','.join(KV8_CONFIGS)}")
-    configs = [Config(e, kv) for e, kvs in (("kv8", kv8_kv), ("llama.cpp", ("f16", "q8_0")), ("vllm", ("auto", "fp8")))
-               if e in engines for kv in kvs]
+    from kv8.tools.evaluate import KVConfig
+
+    try:
+        kv8_specs = {flags: KVConfig.from_flags(flags) for flags in ns.kv8_config or KV8_CONFIGS}
+    except ValueError as e:
+        ap.error(str(e).replace("--config", "--kv8-config", 1))
+    kv8_configs = [Config("kv8", spec.label, spec.engine_options(), flags) for flags, spec in kv8_specs.items()]
+    configs = kv8_configs if "kv8" in engines else []
+    configs += [Config(e, kv) for e, kvs in (("llama.cpp", ("f16", "q8_0")), ("vllm", ("auto", "fp8")))
+                if e in engines for kv in kvs]
     cleanup = contextlib.ExitStack()   # the worktree of --kv8-before, removed at the end
     if ns.kv8_before:
         if "kv8" not in engines:
@@ -606,7 +618,8 @@ def main() -> None:
             before = cleanup.enter_context(worktree(ns.kv8_before))
         except (ValueError, RuntimeError) as e:
             ap.error(str(e))
-        configs[len(kv8_kv):len(kv8_kv)] = [Config("kv8", kv, rev=before.rev, tree=before.path) for kv in kv8_kv]
+        configs[len(kv8_configs):len(kv8_configs)] = [Config("kv8", c.kv, c.options, c.flags, rev=before.rev,
+                                                             tree=before.path) for c in kv8_configs]
 
     from kv8.model.sources import default_model_path
     gguf = default_model_path()

@@ -19,9 +19,10 @@ earlier, with the same list.
 from __future__ import annotations
 
 import argparse
+import shlex
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import MISSING, Field, field, fields
-from typing import Any, ClassVar
+from typing import Any, ClassVar, NoReturn
 
 __all__ = ["OptionGroup", "from_config", "option"]
 
@@ -108,6 +109,23 @@ class OptionGroup:
         return group
 
     @classmethod
+    def parse_flags(cls, text: str, *, include: Iterable[str] | None = None, what: str = "flags") -> dict[str, Any]:
+        """The options given in ``text``, one string of this group's flags (``"--kv-cache-dtype fp8
+        --kv-cache-rotation hadamard"``, shell-quoted as on a command line), as ``{field: value}`` with only the
+        fields it names: a configuration that overrides some options. Only the fields in ``include`` (default:
+        all) may appear; ``ValueError`` names ``what`` was given, the flag and the allowed ones."""
+        parser = _RaisingParser(prog=what, add_help=False)
+        group = cls.add_cli_args(parser, include=include)
+        for action in group._group_actions:
+            action.default = argparse.SUPPRESS   # the namespace then holds only the flags given
+        try:
+            ns = parser.parse_args(shlex.split(text))
+        except ValueError as e:
+            allowed = ", ".join(a.option_strings[0] for a in group._group_actions)
+            raise ValueError(f"{what} {text!r}: {e} (allowed: {allowed})") from None
+        return vars(ns)
+
+    @classmethod
     def from_cli_args(cls, ns: argparse.Namespace) -> Any:
         """The fields the namespace has (flags from :meth:`add_cli_args`, and those a command declares itself);
         the others keep their defaults."""
@@ -128,3 +146,10 @@ class OptionGroup:
             if f.metadata["choices"]:
                 lines.append(f"      one of: {', '.join(map(str, f.metadata['choices']))}")
         return "\n".join(lines)
+
+
+class _RaisingParser(argparse.ArgumentParser):
+    """argparse that raises ``ValueError`` instead of printing usage and exiting."""
+
+    def error(self, message: str) -> NoReturn:
+        raise ValueError(message)

@@ -11,6 +11,7 @@ import json
 import math
 import os
 import random
+import re
 from pathlib import Path
 
 import pytest
@@ -390,7 +391,8 @@ def test_cli_calibrate_and_eval(tiny_models: dict[str, str], text_file: str, tmp
                  "--output", str(out), "--no-progress"]) == 0
     assert json.loads(out.read_text())["kv_cache"]["dtype"] == "float8_e4m3fn"   # vLLM schema by default
     report, plot = tmp_path / "r.json", tmp_path / "r.png"
-    assert main(["eval", model, "--data", text_file, "--config", f"fp8_e4m3:{out}", "--kv-cache-dtype", "fp8_e5m2",
+    assert main(["eval", model, "--data", text_file, "--config",
+                 f"--kv-cache-dtype fp8_e4m3 --quantization-param-path {out}", "--kv-cache-dtype", "fp8_e5m2",
                  "--window", "16", "--num-windows", "1", "--gen-prompts", "1", "--gen-prompt-len", "4",
                  "--gen-tokens", "3", "--json", str(report), "--plot", str(plot), "--no-progress"]) == 0
     assert "fp8_e4m3:" in capsys.readouterr().out
@@ -449,7 +451,7 @@ def test_bad_inputs_give_clear_errors(tiny_models: dict[str, str], text_file: st
     with pytest.raises(ValueError, match="power_of_two=1"):
         ScaleRecipe(ScaleGranularity.TENSOR, "amax", E4M3, power_of_two=1)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="kv_cache_dtype='fp9'"):
-        KVConfig.parse("fp9:x.json")
+        KVConfig("fp9", "x.json")
     assert main(["calibrate", model, "--data", str(tmp_path / "empty.txt"), "--output", "x.json"]) == 2
     assert "holds no text" in capsys.readouterr().err
     assert main(["calibrate", str(tmp_path / "nope"), "--data", text_file, "--output", "x.json"]) == 2
@@ -494,13 +496,21 @@ def _kv8_file(res, tmp_path: Path) -> str:  # type: ignore[no-untyped-def]
 
 
 def test_eval_dynamic_and_rotation_configs(tiny_models: dict[str, str], text_file: str) -> None:
-    cfg = KVConfig.parse("fp8_e4m3+dynamic+hadamard")
-    assert (cfg.kv_cache_dtype, cfg.scale_mode, cfg.rotation) == ("fp8_e4m3", "dynamic", "hadamard")
+    cfg = KVConfig.from_flags("--kv-cache-dtype fp8_e4m3 --kv-cache-scale-mode dynamic --kv-cache-rotation hadamard")
+    assert cfg == KVConfig("fp8_e4m3", kv_cache_scale_mode="dynamic", kv_cache_rotation="hadamard")
     assert cfg.label == "fp8_e4m3+dynamic+hadamard"
-    assert KVConfig.parse("fp8_e5m2+hadamard:s.json").quantization_param_path == "s.json"
-    with pytest.raises(ValueError, match="unknown option.*rotate"):
-        KVConfig.parse("fp8_e4m3+rotate")
-    weights = KVConfig.parse("fp8_e4m3+fp8-weights")
+    assert cfg.engine_options() == dict(kv_cache_dtype="fp8_e4m3", quantization_param_path=None,
+                                        kv_cache_scale_mode="dynamic", kv_cache_rotation="hadamard", quantization=None)
+    scaled = KVConfig.from_flags("--kv-cache-rotation hadamard --kv-cache-dtype=fp8_e5m2 --quantization-param-path "
+                                 "'my scales.json'")
+    assert (scaled.quantization_param_path, scaled.label) == ("my scales.json", "fp8_e5m2+hadamard:my scales.json")
+    for bad, message in (("--kv-cache-dtype fp8_e4m3 --kv-cache-rotation rotate", "invalid choice: 'rotate'"),
+                         ("--kv-cache-dtype fp8_e4m3 --block-size 32", "unrecognized arguments: --block-size 32"),
+                         ("fp8_e4m3+dynamic", "unrecognized arguments: fp8_e4m3"),
+                         ("--kv-cache-scale-mode dynamic", "names no --kv-cache-dtype")):
+        with pytest.raises(ValueError, match=re.escape(message)):
+            KVConfig.from_flags(bad)
+    weights = KVConfig.from_flags("--kv-cache-dtype fp8_e4m3 --quantization fp8")
     assert (weights.quantization, weights.label) == ("fp8", "fp8_e4m3+fp8-weights")
     report = evaluate(tiny_models["llama"], [text_file], [cfg, KVConfig("fp8_e4m3"), weights], window=24,
                       num_windows=2, skip_tokens=7, gen_prompts=1, gen_prompt_len=6, gen_tokens=3, dtype="float32",
@@ -582,7 +592,8 @@ def test_calibrate_and_eval_on_a_sliding_window_model(tiny_models: dict[str, str
 
     model = tiny_models["gemma3"]
     window, n = 40, 2
-    report = evaluate(model, [text_file], [KVConfig("float32"), KVConfig.parse("fp8_e4m3+hadamard")], window=window,
+    report = evaluate(model, [text_file], [KVConfig("float32"), KVConfig("fp8_e4m3", kv_cache_rotation="hadamard")],
+                      window=window,
                       num_windows=n, skip_tokens=7, gen_prompts=1, gen_prompt_len=20, gen_tokens=5, dtype="float32",
                       max_num_batched_tokens=16, show_progress=False)
     nll = _hf_scored_nll(model, text_file, window, n, skip=7)

@@ -100,8 +100,9 @@ def test_eval_rows_follow_the_command_line_and_unmeasured_greedy_is_a_dash(tiny_
     data = tmp_path / "data.txt"
     data.write_text(TEXT)
     report_path = tmp_path / "r.json"
-    assert main(["eval", tiny_llama, "--data", str(data), "--kv-cache-dtype", "fp8_e5m2", "--config", "fp8_e4m3",
-                 "--kv-cache-dtype", "bfloat16", "--window", "16", "--num-windows", "1", "--gen-prompts", "0",
+    assert main(["eval", tiny_llama, "--data", str(data), "--kv-cache-dtype", "fp8_e5m2",
+                 "--config", "--kv-cache-dtype fp8_e4m3", "--kv-cache-dtype", "bfloat16", "--window", "16",
+                 "--num-windows", "1", "--gen-prompts", "0",
                  "--json", str(report_path), "--no-progress"]) == 0
     table = capsys.readouterr().out
     assert "nan" not in table.lower()

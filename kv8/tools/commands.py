@@ -26,7 +26,7 @@ SIZED_BY_TOOL = ("kv_cache_memory", "num_kv_blocks", "block_size", "enable_prefi
 # the engine's default (auto).
 NOT_PASSED = ("seed", "dense_backend")
 # calibrate observes the K/V of the checkpoint's weights; eval sets the weights' quantization per configuration
-# (--config DTYPE+fp8-weights), beside a reference with the checkpoint's weights.
+# (--config "--kv-cache-dtype ... --quantization fp8"), beside a reference with the checkpoint's weights.
 WEIGHTS_AS_LOADED = ("quantization",)
 # The tools run the model in one process with one cache pool (every layer's K/V observed or compared alike).
 ONE_PROCESS_ONE_POOL = ("cpu_threads_per_rank", "kv_cache_dtype_skip_layers", "disable_hybrid_kv_cache_manager")
@@ -55,8 +55,12 @@ outputs: --output-format vllm (one scale per layer, the larger of K and V; tenso
   same --kv-cache-rotation."""
 
 EVAL_EPILOG = """examples:
-  kv8 eval smollm2-135m --data wiki.xml.bz2 --kv-cache-dtype fp8_e4m3 --config fp8_e4m3:kv_cache_scales.json
-  kv8 eval smollm2-135m --data held_out.txt --config fp8_e5m2 --json report.json --plot report.png
+  kv8 eval smollm2-135m --data wiki.xml.bz2 --kv-cache-dtype fp8_e4m3 \\
+      --config "--kv-cache-dtype fp8_e4m3 --quantization-param-path kv_cache_scales.json"
+  kv8 eval smollm2-135m --data held_out.txt --kv-cache-dtype fp8_e5m2 --json report.json --plot report.png
+  kv8 eval smollm2-135m --data wiki.xml.bz2 --config "--kv-cache-dtype fp8_e4m3 --kv-cache-rotation hadamard"
+--kv-cache-dtype X (repeatable) is the configuration "--kv-cache-dtype X"; reports name each configuration by its
+  dtype, then +dynamic, +hadamard, +fp8-weights and :SCALES for the options it sets.
 every configuration is compared with the same engine using a float32 KV cache; by default all of them attend
 through the reference backend, so only what the caches store differs (--attention-backend auto: fused kernels)."""
 
@@ -174,6 +178,8 @@ class _AppendTagged(argparse.Action):
 
 
 def add_eval_parser(sub: Any) -> None:
+    from kv8.tools.evaluate import CONFIG_OPTIONS
+
     e = sub.add_parser("eval", help="accuracy of KV-cache configurations against a float32 cache",
                        description="Teacher-forced perplexity, KL divergence and top-1 agreement against a float32 "
                                    "KV cache, plus greedy-generation agreement, for each KV configuration.",
@@ -182,9 +188,11 @@ def add_eval_parser(sub: Any) -> None:
     e.add_argument("--data", nargs="+", required=True, metavar="FILE", help="evaluation text (as for calibrate)")
     # both append to one list, so the report's rows follow the command line
     e.add_argument("--config", dest="kv_configs", action=_AppendTagged, tag="config", default=[],
-                   metavar="DTYPE[+dynamic][+hadamard][+fp8-weights][:SCALES]",
-                   help="a configuration, e.g. fp8_e4m3:kv_cache_scales.json, fp8_e4m3+dynamic+hadamard or "
-                        "fp8_e4m3+fp8-weights (FP8 weights too) (repeatable)")
+                   metavar='"ENGINE FLAGS"',
+                   help='a configuration as engine flags in one argument, e.g. "--kv-cache-dtype fp8_e4m3 '
+                        '--quantization-param-path kv_cache_scales.json" or "--kv-cache-dtype fp8_e4m3 '
+                        '--kv-cache-scale-mode dynamic --kv-cache-rotation hadamard --quantization fp8"; the flags '
+                        "allowed: " + ", ".join(map(EngineArgs.flag, CONFIG_OPTIONS)) + " (repeatable)")
     e.add_argument("--kv-cache-dtype", dest="kv_configs", action=_AppendTagged, tag="dtype", default=[],
                    choices=KV_CACHE_DTYPE_NAMES, help="a KV configuration without a scales file (repeatable)")
     e.add_argument("--window", type=int, default=512, help="tokens per window; the second half is scored")
@@ -204,7 +212,7 @@ def add_eval_parser(sub: Any) -> None:
 def cmd_eval(ns: argparse.Namespace) -> int:
     from kv8.tools.evaluate import DEFAULT_CONFIGS, KVConfig, evaluate
 
-    specs = [KVConfig.parse(v) if tag == "config" else KVConfig(v) for tag, v in ns.kv_configs]
+    specs = [KVConfig.from_flags(v) if tag == "config" else KVConfig(v) for tag, v in ns.kv_configs]
     if not specs:
         specs = [KVConfig(d) for d in DEFAULT_CONFIGS]
     args = EngineArgs.from_cli_args(ns)

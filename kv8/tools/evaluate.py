@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 import torch
@@ -45,6 +45,7 @@ from tqdm.auto import tqdm
 
 from kv8.cache.codec import KVCodec
 from kv8.cache.layout import blocks_to_hold
+from kv8.engine.args import EngineArgs
 from kv8.engine.engine import LLMEngine
 from kv8.observer import EngineObserver
 from kv8.quant.formats import resolve_kv_cache_dtype
@@ -60,44 +61,51 @@ DEFAULT_CONFIGS = ("bfloat16", "fp8_e4m3", "fp8_e5m2")
 
 @dataclass(frozen=True)
 class KVConfig:
-    """One configuration to evaluate: a ``kv_cache_dtype``, its scale mode and rotation, optionally a scales file,
-    and the weights' ``quantization`` (None: as loaded; the float32-cache reference always has the loaded
-    weights, so a configuration with FP8 weights measures both errors together)."""
+    """One configuration to evaluate: engine options (:class:`EngineArgs` fields, by their names) that set what
+    the cache stores -- ``kv_cache_dtype``, optionally a scales file, the scale mode and rotation -- and the
+    weights' ``quantization`` (None: as loaded; the float32-cache reference always has the loaded weights, so a
+    configuration with FP8 weights measures both errors together).
+
+    ``kv8 eval --config "--kv-cache-dtype fp8 --kv-cache-rotation hadamard"`` gives them as the engine's own flags
+    (:meth:`from_flags`). The :attr:`label` that names a configuration in reports is short: the dtype, then
+    ``+dynamic``, ``+hadamard``, ``+fp8-weights`` and ``:SCALES`` for the options that differ from the default."""
 
     kv_cache_dtype: str
     quantization_param_path: str | None = None
-    scale_mode: str = "static"
-    rotation: str = "none"
+    kv_cache_scale_mode: str = "static"
+    kv_cache_rotation: str = "none"
     quantization: str | None = None
 
     def __post_init__(self) -> None:
-        # Checked here, before any engine loads weights; the names (aliases included) are the engine's.
+        # Checked here, before any engine loads weights; the names (aliases included) are the engine's. The other
+        # options are checked by the engine's configs when its engine is built.
         resolve_kv_cache_dtype(self.kv_cache_dtype, torch.float32)
 
     @staticmethod
-    def parse(spec: str) -> KVConfig:
-        """``DTYPE[+dynamic][+hadamard][+fp8-weights][:SCALES_PATH]``, e.g. ``fp8_e4m3:scales.json`` or
-        ``fp8_e4m3+dynamic+hadamard``. Other combinations are checked when the engine is built."""
-        head, sep, path = spec.partition(":")
-        if sep and not path:
-            raise ValueError(f"config {spec!r}: nothing after ':'; write "
-                             "DTYPE[+dynamic][+hadamard][+fp8-weights][:SCALES_PATH]")
-        dtype, *options = head.split("+")
-        unknown = [o for o in options if o not in ("dynamic", "hadamard", "fp8-weights")]
-        if unknown:
-            raise ValueError(f"config {spec!r}: unknown option(s) {', '.join(unknown)}; after the dtype, "
-                             "+dynamic (per-token scales), +hadamard (rotation) and +fp8-weights "
-                             "(quantization='fp8') are allowed")
-        return KVConfig(dtype, path or None, "dynamic" if "dynamic" in options else "static",
-                        "hadamard" if "hadamard" in options else "none",
-                        "fp8" if "fp8-weights" in options else None)
+    def from_flags(text: str) -> KVConfig:
+        """A configuration from engine flags, e.g. ``--kv-cache-dtype fp8_e4m3 --quantization-param-path s.json``
+        (the flags of :data:`CONFIG_OPTIONS`; ``--kv-cache-dtype`` is required). ``ValueError`` names what is
+        wrong."""
+        given = EngineArgs.parse_flags(text, include=CONFIG_OPTIONS, what="--config")
+        if "kv_cache_dtype" not in given:
+            raise ValueError(f"--config {text!r} names no --kv-cache-dtype; every configuration needs one, e.g. "
+                             '"--kv-cache-dtype fp8_e4m3 --kv-cache-rotation hadamard"')
+        return KVConfig(**given)
+
+    def engine_options(self) -> dict[str, Any]:
+        """The configuration as :class:`EngineArgs` overrides."""
+        return {name: getattr(self, name) for name in CONFIG_OPTIONS}
 
     @property
     def label(self) -> str:
-        return (self.kv_cache_dtype + ("+dynamic" if self.scale_mode == "dynamic" else "")
-                + ("+hadamard" if self.rotation == "hadamard" else "")
+        return (self.kv_cache_dtype + ("+dynamic" if self.kv_cache_scale_mode == "dynamic" else "")
+                + ("+hadamard" if self.kv_cache_rotation == "hadamard" else "")
                 + ("+fp8-weights" if self.quantization == "fp8" else "")
                 + (f":{self.quantization_param_path}" if self.quantization_param_path else ""))
+
+
+#: the engine options a configuration sets (every other engine option is common to all configurations)
+CONFIG_OPTIONS = tuple(f.name for f in fields(KVConfig))
 
 
 class QuantErrorObserver(EngineObserver):
@@ -315,10 +323,7 @@ def evaluate(model: str, data: Sequence[str], configs: Sequence[KVConfig], *, wi
     observers: list[QuantErrorObserver] = []
     for cfg in all_configs:
         obs = QuantErrorObserver(num_layers)
-        engine = build_engine(model, observer=obs, kv_cache_dtype=cfg.kv_cache_dtype,
-                              quantization_param_path=cfg.quantization_param_path,
-                              kv_cache_scale_mode=cfg.scale_mode, kv_cache_rotation=cfg.rotation,
-                              quantization=cfg.quantization, **common)
+        engine = build_engine(model, observer=obs, **cfg.engine_options(), **common)
         engines.append(engine)
         observers.append(obs)
     tokens = tokenize_corpus(docs, engines[0].tokenizer)
