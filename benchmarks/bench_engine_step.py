@@ -8,17 +8,30 @@ decode step (``--batch`` sequences at ~``--context`` tokens), and the speed-up. 
 ``amx`` flag off), as other CPUs run it.
 
     .venv/bin/python benchmarks/bench_engine_step.py
+    .venv/bin/python benchmarks/bench_engine_step.py --before HEAD~3   # packed_bf16 now vs at that revision
+
+``--before REV`` measures the ``packed_bf16`` engine as of git revision REV (a temporary worktree, imported in a
+subprocess) and now, alternating ``--rounds`` times, and prints now / before: a change's effect on the whole step
+under the same machine conditions. The measuring code is this file's and drives the engine through
+``add_request`` / ``step`` / ``has_unfinished_requests`` only, which every revision has.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import random
 import statistics
+import subprocess
+import sys
 import time
 
+from revisions import worktree
+
 from kv8 import LLM, SamplingParams
-from kv8.layers.dense_kernels import load_dense_kernels
+
+RESULT_MARK = "@@RESULT "
 
 
 def measure(backend: str, args: argparse.Namespace) -> tuple[float, float]:
@@ -41,10 +54,11 @@ def measure(backend: str, args: argparse.Namespace) -> tuple[float, float]:
     prefill_step()
     prefill = statistics.median(prefill_step() for _ in range(args.repeats))
     params = SamplingParams(temperature=0, max_tokens=args.repeats * 2 + 20, ignore_eos=True)
-    for i in range(args.batch):
-        eng.add_request([rng.randrange(100, 40000) for _ in range(args.context)], params, request_id=f"d{i}")
-    while eng.scheduler.waiting or any(r.num_computed_tokens < args.context for r in eng.scheduler.running):
-        eng.step()
+    ids = {eng.add_request([rng.randrange(100, 40000) for _ in range(args.context)], params, request_id=f"d{i}")
+           for i in range(args.batch)}
+    decoding: set[str] = set()
+    while decoding != ids:   # until every prompt is in the cache (each request has its first token)
+        decoding.update(out.request_id for out in eng.step() if out.outputs[0].token_ids)
     for _ in range(5):
         eng.step()
     times = []
@@ -55,12 +69,55 @@ def measure(backend: str, args: argparse.Namespace) -> tuple[float, float]:
     return prefill, statistics.median(times)
 
 
+def measure_at(tree: str, args: argparse.Namespace) -> tuple[float, float]:
+    """:func:`measure` of ``packed_bf16`` with kv8 imported from ``tree`` (another revision), in a subprocess."""
+    cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--batch", str(args.batch), "--context",
+           str(args.context), "--repeats", str(args.repeats)]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (tree, os.environ.get("PYTHONPATH")) if p))
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    marked = [line for line in proc.stdout.splitlines() if line.startswith(RESULT_MARK)]
+    if proc.returncode != 0 or not marked:
+        raise SystemExit(f"the measurement at {tree} failed:\n{proc.stderr[-2000:]}")
+    prefill, decode = json.loads(marked[-1][len(RESULT_MARK):])
+    return prefill, decode
+
+
+def compare_with(rev: str, args: argparse.Namespace) -> None:
+    """packed_bf16 now and at ``rev``, alternating ``args.rounds`` times; medians and now / before."""
+    with worktree(rev, "--before") as before:
+        rows: dict[str, list[tuple[float, float]]] = {"now": [], f"at {before.rev}": []}
+        for r in range(args.rounds):
+            order = ["now", f"at {before.rev}"] if r % 2 == 0 else [f"at {before.rev}", "now"]
+            for name in order:
+                rows[name].append(measure("packed_bf16", args) if name == "now" else measure_at(before.path, args))
+    med = {name: (statistics.median(p for p, _ in v), statistics.median(d for _, d in v)) for name, v in rows.items()}
+    print(f"SmolLM2-135M, bf16, fp8_e4m3 cache, packed_bf16; decode batch {args.batch} at ~{args.context} tokens; "
+          f"medians of {args.rounds} alternating rounds")
+    print(f"{'kv8':<24}{'prefill 2048 tok ms':>21}{'decode step ms':>16}")
+    for name, (p, d) in med.items():
+        print(f"{name:<24}{p * 1e3:>21.1f}{d * 1e3:>16.1f}")
+    (np_, nd), (bp, bd) = med["now"], med[f"at {before.rev}"]
+    print(f"{'speed-up now / before':<24}{bp / np_:>21.2f}{bd / nd:>16.2f}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--repeats", type=int, default=10)
+    ap.add_argument("--before", default=None, metavar="REV",
+                    help="compare packed_bf16 now with kv8 at this git revision instead of the backends")
+    ap.add_argument("--rounds", type=int, default=3, help="alternating rounds of --before (default 3)")
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.worker:   # --before's subprocess: packed_bf16 with the kv8 on PYTHONPATH
+        print(RESULT_MARK + json.dumps(measure("packed_bf16", args)), flush=True)
+        return
+    if args.before is not None:
+        compare_with(args.before, args)
+        return
+    from kv8.layers.dense_kernels import load_dense_kernels  # this tree's (a --before worker imports another)
+
     rows = {b: measure(b, args) for b in ("torch", "packed_bf16")}
     kernels = load_dense_kernels()
     if kernels.amx:   # the same backend on the vdpbf16ps path

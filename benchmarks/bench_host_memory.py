@@ -80,7 +80,7 @@ def compare_pages(batches: list[int], prompt: int, steps: int, rounds: int, quan
               num_kv_blocks=max(batches) * -(-(prompt + new + 16) // 16) + 4, max_num_batched_tokens=2048,
               enable_prefix_caching=False, quantization=quantization)
     eng = llm.engine
-    model = eng.runner.model
+    model = eng.model
     assert isinstance(model, torch.nn.Module)
     tensors = [t for t in [*model.parameters(), *model.buffers()] if t.numel()]
     sets = {"2MiB": [t.data for t in tensors],
@@ -95,10 +95,9 @@ def compare_pages(batches: list[int], prompt: int, steps: int, rounds: int, quan
     params = SamplingParams(temperature=0, max_tokens=new, ignore_eos=True)
     for batch in batches:
         rng = random.Random(batch)
-        for i in range(batch):
-            eng.add_request([rng.randrange(100, 40000) for _ in range(prompt)], params, request_id=f"{batch}-{i}")
-        requests = list(eng.scheduler.waiting)
-        while not all(r.output_token_ids for r in requests):
+        ids = [eng.add_request([rng.randrange(100, 40000) for _ in range(prompt)], params, request_id=f"{batch}-{i}")
+               for i in range(batch)]
+        while (s := eng.stats()).num_waiting or s.num_prefilling:   # until every prompt is in the cache
             eng.step()
         times: dict[str, list[float]] = {name: [] for name in sets}
         for r in range(rounds):
@@ -110,7 +109,7 @@ def compare_pages(batches: list[int], prompt: int, steps: int, rounds: int, quan
                 for _ in range(steps):
                     eng.step()
                 times[name].append((time.perf_counter() - start) / steps)
-        for rid in [r.request_id for r in requests]:
+        for rid in ids:
             eng.abort_request(rid)
         use("2MiB")
         huge, small = (statistics.median(times[n]) * 1e3 for n in ("2MiB", "4KiB"))

@@ -95,8 +95,9 @@ def measure(model: str, tp_size: int, args: argparse.Namespace) -> dict[str, Any
     timer = AllReduceTimer(eng.tp) if tp_size > 1 else None
     rng = random.Random(0)
     ids = iter(range(10**9))
-    row: dict[str, Any] = {"tp": tp_size, "threads": threads, "blocks": eng.kv_manager.num_blocks,
-                           "tokens": eng.kv_manager.num_blocks * eng.config.cache.block_size}
+    stats = eng.stats()
+    row: dict[str, Any] = {"tp": tp_size, "threads": threads, "blocks": stats.num_blocks,
+                           "tokens": stats.kv_capacity_tokens}
 
     def prompt(n: int) -> list[int]:
         return [rng.randrange(100, 40000) for _ in range(n)]
@@ -117,7 +118,7 @@ def measure(model: str, tp_size: int, args: argparse.Namespace) -> dict[str, Any
         params = SamplingParams(temperature=0, max_tokens=args.repeats + 10, ignore_eos=True)
         for _ in range(batch):
             eng.add_request(prompt(args.context), params, request_id=f"d{next(ids)}")
-        while eng.scheduler.waiting or any(r.num_computed_tokens < args.context for r in eng.scheduler.running):
+        while (s := eng.stats()).num_waiting or s.num_prefilling:   # until every prompt is in the cache
             eng.step()
         for _ in range(3):
             eng.step()

@@ -346,3 +346,65 @@ def test_abort_frees_blocks(tiny_llama):
     assert eng.abort_request("a") and eng.abort_request("b")
     assert not eng.abort_request("a")
     check_all_blocks_free(llm)
+
+
+def test_run_to_completion_returns_in_order_and_aborts_what_it_leaves(tiny_llama):
+    """run_to_completion: the final outputs in the order asked, every output to the callback as it comes; a
+    callback that raises (or an unknown id) leaves no request of the call in the engine."""
+    llm = make_llm(tiny_llama)
+    eng = llm.engine
+    ids = [eng.add_request(PROMPTS[i], SamplingParams(max_tokens=3 + 2 * i, ignore_eos=True), request_id=f"r{i}")
+           for i in range(3)]
+    seen: list[tuple[str, int, bool]] = []
+    outs = eng.run_to_completion(list(reversed(ids)),
+                                 lambda o: seen.append((o.request_id, len(o.outputs[0].token_ids), o.finished)))
+    assert [o.request_id for o in outs] == ["r2", "r1", "r0"]
+    assert [len(o.outputs[0].token_ids) for o in outs] == [7, 5, 3]
+    assert all(o.finished for o in outs) and seen[-1] == ("r2", 7, True)
+    assert [n for rid, n, _ in seen if rid == "r0"] == [1, 2, 3]   # each step's output, in order
+    with pytest.raises(ValueError, match="request ids not in flight: 'nope'"):
+        eng.run_to_completion(["nope"])
+
+    eng.add_request(PROMPTS[0], SamplingParams(max_tokens=50, ignore_eos=True), request_id="long")
+
+    def fail(out):   # the callback raises at the first output
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        eng.run_to_completion(["long"], fail)
+    assert not eng.has_unfinished_requests()
+    check_all_blocks_free(llm)
+
+
+def test_stats_report_the_steps_and_the_cache(tiny_llama):
+    """EngineStats: prefilling until a prompt's first token, then decoding; the last step's prefill tokens and
+    decode rows; the blocks in use and free."""
+    llm = make_llm(tiny_llama)
+    eng = llm.engine
+    idle = eng.stats()
+    assert (idle.num_running, idle.num_waiting, idle.num_prefilling, idle.last_step_prefill_tokens) == (0, 0, 0, 0)
+    assert idle.num_free_blocks == idle.num_blocks and idle.kv_capacity_tokens == idle.num_blocks * idle.block_size
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    prompt = list(range(100, 130))   # 30 tokens
+    eng.add_request(prompt, params, request_id="a")
+    eng.add_request(prompt[:10], params, request_id="b")
+    assert eng.stats().num_waiting == 2
+    eng.step()
+    s = eng.stats()
+    assert s.num_running == 2 and s.num_prefilling == 0 and s.last_step_prefill_tokens == 40
+    assert s.last_step_decode_tokens == 0 and s.num_free_blocks < s.num_blocks
+    eng.step()
+    s = eng.stats()
+    assert (s.last_step_prefill_tokens, s.last_step_decode_tokens) == (0, 2)
+    while eng.has_unfinished_requests():
+        eng.step()
+    assert eng.stats().num_free_blocks == eng.stats().num_blocks and eng.stats().num_running == 0
+    # a prompt longer than the step's token budget is prefilled in chunks: prefilling until its last chunk
+    chunked = make_llm(tiny_llama, max_num_batched_tokens=16).engine
+    chunked.add_request(prompt, params, request_id="c")
+    chunked.step()
+    s = chunked.stats()
+    assert (s.num_running, s.num_prefilling, s.last_step_prefill_tokens) == (1, 1, 16)
+    chunked.step()   # the last 14 prompt tokens, then its first token
+    s = chunked.stats()
+    assert (s.num_prefilling, s.last_step_prefill_tokens, s.last_step_decode_tokens) == (0, 14, 0)

@@ -150,7 +150,7 @@ def test_structured_output_survives_preemption(tiny_llama: str) -> None:
     long_prompt = " ".join(PROMPTS * 6)
     params = SamplingParams(n=4, temperature=1.0, seed=1, max_tokens=96, structured_outputs=spec)
     outs = llm.generate([long_prompt, long_prompt + " again"], params, use_tqdm=False)
-    assert llm.engine.stats()["num_preemptions"] > 0
+    assert llm.engine.stats().num_preemptions > 0
     for o in outs:
         for c in o.outputs:
             check_schema(c.text)

@@ -198,7 +198,7 @@ def _compare(path: str, tp: int, kv: str, **kw) -> None:
     tokens, lps = _run(many)
     assert tokens == ref_tokens
     if many.engine.config.cache.block_size <= 4:
-        assert many.engine.stats()["prefix_cache_hit_rate"] > 0
+        assert many.engine.stats().prefix_cache_hit_rate > 0
     torch.testing.assert_close(torch.tensor(lps), torch.tensor(ref_lps), atol=1e-4, rtol=1e-4)
     del many
     gc.collect()   # the engine's finalizer stops its ranks
@@ -231,7 +231,7 @@ def _seeded_under_pressure(llm: LLM) -> tuple[list[str], int]:
     params = [SamplingParams(temperature=0.8, top_p=0.9, seed=100 + i, max_tokens=24, ignore_eos=True)
               for i in range(len(prompts))]
     outs = llm.generate(prompts, params)
-    return [o.outputs[0].text for o in outs], llm.engine.stats()["num_preemptions"]
+    return [o.outputs[0].text for o in outs], llm.engine.stats().num_preemptions
 
 
 def test_tp2_seeded_sampling_and_preemption_equal_tp1(gqa_6x2: str) -> None:

@@ -33,10 +33,10 @@ import logging
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 from kv8.distributed.group import TensorParallelError
 from kv8.engine.engine import LLMEngine
+from kv8.engine.stats import EngineStats
 from kv8.outputs import RequestOutput
 from kv8.sampling_params import SamplingParams
 
@@ -102,7 +102,7 @@ class AsyncEngine:
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self.error: BaseException | None = None
-        self._stats: dict[str, Any] = engine.stats()
+        self._stats: EngineStats = engine.stats()
 
     # ---- event-loop side ------------------------------------------------------------------------------------
     def start(self) -> None:
@@ -120,10 +120,10 @@ class AsyncEngine:
     def is_running(self) -> bool:
         return self._thread is not None and self._thread.is_alive() and self.error is None
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> EngineStats:
         """The engine's ``stats()`` as of the end of the engine thread's last iteration."""
         with self._cv:
-            return dict(self._stats)
+            return self._stats
 
     async def add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                   mailbox: OutputMailbox) -> None:

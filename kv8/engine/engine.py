@@ -26,9 +26,8 @@ from __future__ import annotations
 import itertools
 import logging
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
@@ -47,6 +46,7 @@ from kv8.engine.output_processor import OutputProcessor
 from kv8.engine.request import RequestStatus
 from kv8.engine.runner import ModelRunner
 from kv8.engine.scheduler import Scheduler, SchedulerOutput
+from kv8.engine.stats import EngineStats
 from kv8.engine.threads import ThreadGovernor
 from kv8.host_memory import tune_malloc
 from kv8.model.loader import LoadedModel, check_checkpoint_layers, load_model, read_model_config
@@ -137,7 +137,7 @@ class LLMEngine:
         self.input_processor = InputProcessor(self.config, self.tokenizer)
         self.output_processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
-        self.last_schedule: SchedulerOutput | None = None
+        self._last_schedule: SchedulerOutput | None = None   # what the last step computed (stats())
         # one rank: follow the cores other processes leave free (the first reading now, the next at a step)
         self.governor = ThreadGovernor(torch.get_num_threads()) \
             if self.tp.size == 1 and self.config.parallel.adaptive_cpu_threads else None
@@ -187,7 +187,7 @@ class LLMEngine:
         if self.governor is not None:
             self.governor.observe()
         so = self.scheduler.schedule()
-        self.last_schedule = so  # what the step computed (read by benchmarks and tools)
+        self._last_schedule = so
         if so.is_empty:
             return []
         updated = self.scheduler.update(so, self.runner.execute(so))
@@ -195,16 +195,42 @@ class LLMEngine:
             self.scheduler.finish(req, RequestStatus.FINISHED_STOPPED)
         return self.output_processor.make_outputs(updated)
 
+    def run_to_completion(self, request_ids: Sequence[str],
+                          on_output: Callable[[RequestOutput], None] | None = None) -> list[RequestOutput]:
+        """Step until every request of ``request_ids`` (added with :meth:`add_request`) has finished, and return
+        their final outputs in that order. ``on_output`` sees every output of every step as it comes (streaming,
+        progress, timing), other requests' too. Whatever ends the loop early -- an exception in a step or in
+        ``on_output``, a KeyboardInterrupt -- aborts the requests of ``request_ids`` that have not finished, so
+        the engine holds none of them afterwards. ``ValueError`` for an id that is not in flight."""
+        unknown = [rid for rid in request_ids if rid not in self.output_processor.groups]
+        if unknown:
+            raise ValueError(f"request ids not in flight: {', '.join(map(repr, unknown))}")
+        done: dict[str, RequestOutput] = {}
+        wanted = set(request_ids)
+        try:
+            while len(done) < len(wanted):
+                for out in self.step():
+                    if out.finished and out.request_id in wanted:
+                        done[out.request_id] = out
+                    if on_output is not None:
+                        on_output(out)
+        finally:
+            for rid in request_ids:
+                if rid not in done:
+                    self.abort_request(rid)
+        return [done[rid] for rid in request_ids]
+
     # ---- introspection --------------------------------------------------------------------------------------
-    def stats(self) -> dict[str, Any]:
-        return {
-            "num_running": len(self.scheduler.running),
-            "num_waiting": len(self.scheduler.waiting),
-            "kv_cache_usage": self.kv_manager.usage,
-            "num_free_blocks": self.kv_manager.num_free_blocks,
-            "num_blocks": self.kv_manager.num_blocks,
-            "prefix_cache_hit_rate": self.kv_manager.prefix_cache_hit_rate(),
-            "prefix_cache_hits": self.kv_manager.num_hits,        # blocks served from the prefix cache
-            "prefix_cache_queries": self.kv_manager.num_queries,  # blocks looked up in it
-            "num_preemptions": self.scheduler.num_preemptions,
-        }
+    def stats(self) -> EngineStats:
+        """A snapshot of the engine's state (:class:`EngineStats`)."""
+        so = self._last_schedule
+        chunks = so.chunks if so is not None else ()
+        return EngineStats(
+            num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
+            num_prefilling=sum(r.num_tokens - r.num_computed_tokens > 1 for r in self.scheduler.running),
+            kv_cache_usage=self.kv_manager.usage, num_free_blocks=self.kv_manager.num_free_blocks,
+            num_blocks=self.kv_manager.num_blocks, block_size=self.config.cache.block_size,
+            prefix_cache_hit_rate=self.kv_manager.prefix_cache_hit_rate(), prefix_cache_hits=self.kv_manager.num_hits,
+            prefix_cache_queries=self.kv_manager.num_queries, num_preemptions=self.scheduler.num_preemptions,
+            last_step_prefill_tokens=sum(c.num_new_tokens for c in chunks if c.num_new_tokens > 1),
+            last_step_decode_tokens=sum(c.num_new_tokens == 1 for c in chunks))

@@ -87,32 +87,26 @@ def _generate(llm: Any, prompts: list[Any], params: Any, stream: bool) -> tuple[
     t = _Timings(start=time.perf_counter())
     ids = [engine.add_request(p, params, request_id=f"cli-{i}") for i, p in enumerate(prompts)]
     holdback = max((len(x) for x in params.stop or ()), default=1) - 1
-    done: dict[str, Any] = {}
     started: set[tuple[str, int]] = set()
     shown = 0
-    try:
-        while len(done) < len(ids):
-            for out in engine.step():
-                for c in out.outputs:
-                    if c.token_ids and (out.request_id, c.index) not in started:
-                        started.add((out.request_id, c.index))
-                        t.first_token = t.first_token or time.perf_counter()
-                if stream:
-                    text = out.outputs[0].text
-                    visible = text if out.finished else text[:max(shown, len(text) - holdback)]
-                    sys.stdout.write(visible[shown:])
-                    sys.stdout.flush()
-                    shown = len(visible)
-                if out.finished:
-                    done[out.request_id] = out
-            if t.prefilled is None and len(started) == len(ids) * params.n:
-                t.prefilled = time.perf_counter()
-    finally:
-        for rid in ids:
-            if rid not in done:
-                engine.abort_request(rid)
+
+    def on_output(out: Any) -> None:
+        nonlocal shown
+        for c in out.outputs:
+            if c.token_ids and (out.request_id, c.index) not in started:
+                started.add((out.request_id, c.index))
+                t.first_token = t.first_token or time.perf_counter()
+                if len(started) == len(ids) * params.n:
+                    t.prefilled = time.perf_counter()
+        if stream:
+            text = out.outputs[0].text
+            visible = text if out.finished else text[:max(shown, len(text) - holdback)]
+            sys.stdout.write(visible[shown:])
+            sys.stdout.flush()
+            shown = len(visible)
+
+    outs = engine.run_to_completion(ids, on_output)
     t.end = time.perf_counter()
-    outs = [done[rid] for rid in ids]
     t.prompt_tokens = sum(len(o.prompt_token_ids) for o in outs)
     t.generated = sum(len(c.token_ids) for o in outs for c in o.outputs)
     t.sequences = len(ids) * params.n

@@ -126,17 +126,8 @@ class LLM:
             for rid in ids:
                 self.engine.abort_request(rid)
             raise
-        done: dict[str, RequestOutput] = {}
         bar = tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm or len(ids) < 2)
         try:
-            while len(done) < len(ids):
-                for out in self.engine.step():
-                    if out.finished:
-                        done[out.request_id] = out
-                        bar.update(1)
+            return self.engine.run_to_completion(ids, lambda out: bar.update(1) if out.finished else None)
         finally:
             bar.close()
-            for rid in ids:
-                if rid not in done:
-                    self.engine.abort_request(rid)
-        return [done[rid] for rid in ids]

@@ -36,6 +36,7 @@ from kv8.model.sources import resolve_model_path
 from kv8.models.config import ModelArchConfig
 from kv8.models.registry import arch_config
 from kv8.observer import EngineObserver
+from kv8.outputs import RequestOutput
 from kv8.quant.scales import KVScales, ModelScaleInfo, ScaleGranularity
 from kv8.sampling_params import SamplingParams
 from kv8.tools.data import read_corpus, token_windows, tokenize_corpus
@@ -131,15 +132,16 @@ def run_prompts(engine: LLMEngine, prompts: Sequence[list[int]], params: Samplin
                 batch: int, progress: tqdm | None = None) -> dict[str, list[int]]:
     """Run ``prompts`` ``batch`` at a time (request ids ``"p<i>"``); returns generated token ids per id."""
     out: dict[str, list[int]] = {}
+
+    def on_output(o: RequestOutput) -> None:
+        if o.finished and progress is not None:
+            progress.update(1)
+
     for start in range(0, len(prompts), batch):
-        for i in range(start, min(start + batch, len(prompts))):
-            engine.add_request(prompts[i], params, request_id=f"p{i}")
-        while engine.has_unfinished_requests():
-            for o in engine.step():
-                if o.finished:
-                    out[o.request_id] = list(o.outputs[0].token_ids)
-                    if progress is not None:
-                        progress.update(1)
+        ids = [engine.add_request(prompts[i], params, request_id=f"p{i}")
+               for i in range(start, min(start + batch, len(prompts)))]
+        for o in engine.run_to_completion(ids, on_output):
+            out[o.request_id] = list(o.outputs[0].token_ids)
     return out
 
 

@@ -209,7 +209,7 @@ def serving_limits(llm: LLMEngine, args: ServerArgs, model: str) -> ServingLimit
         served_model_name=args.model_name(model), max_model_len=max_model_len,
         max_tokens=args.max_tokens_limit or max_model_len, max_n=args.max_n,
         max_in_flight=cfg.scheduler.max_num_seqs + args.max_waiting_requests,
-        kv_capacity_tokens=llm.stats()["num_blocks"] * cfg.cache.block_size, kv_block_size=cfg.cache.block_size)
+        kv_capacity_tokens=llm.stats().kv_capacity_tokens, kv_block_size=cfg.cache.block_size)
 
 
 def run_server(args: ServerArgs, engine_args: EngineArgs) -> int:

@@ -8,7 +8,8 @@ tokens are produced (prompt tokens when a request is admitted), aborted requests
 from __future__ import annotations
 
 import bisect
-from typing import Any
+
+from kv8.engine.stats import EngineStats
 
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
                 40.0, 80.0)
@@ -67,7 +68,7 @@ class ServerMetrics:
         answer (streams that end early count as aborted sequences)."""
         self.client_disconnects[stage] = self.client_disconnects.get(stage, 0) + 1
 
-    def render(self, stats: dict[str, Any], in_flight: int) -> str:
+    def render(self, stats: EngineStats, in_flight: int) -> str:
         def gauge(name: str, help_: str, value: float) -> list[str]:
             return [f"# HELP {name} {help_}", f"# TYPE {name} gauge", f"{name} {value}"]
 
@@ -78,20 +79,20 @@ class ServerMetrics:
 
         lines: list[str] = []
         lines += gauge("kv8:kv_cache_usage_perc", "Fraction of KV cache blocks held by requests (0 to 1).",
-                       stats["kv_cache_usage"])
+                       stats.kv_cache_usage)
         lines += gauge("kv8:kv_cache_free_blocks", "Free KV cache blocks (cached prefix blocks count as free).",
-                       stats["num_free_blocks"])
-        lines += gauge("kv8:kv_cache_total_blocks", "KV cache blocks in all.", stats["num_blocks"])
-        lines += gauge("kv8:num_requests_running", "Sequences in the running batch.", stats["num_running"])
-        lines += gauge("kv8:num_requests_waiting", "Sequences waiting to be scheduled.", stats["num_waiting"])
+                       stats.num_free_blocks)
+        lines += gauge("kv8:kv_cache_total_blocks", "KV cache blocks in all.", stats.num_blocks)
+        lines += gauge("kv8:num_requests_running", "Sequences in the running batch.", stats.num_running)
+        lines += gauge("kv8:num_requests_waiting", "Sequences waiting to be scheduled.", stats.num_waiting)
         lines += gauge("kv8:num_requests_in_flight", "Sequences accepted by the server and not finished.", in_flight)
         lines += gauge("kv8:prefix_cache_hit_rate", "Prefix cache hits / queries, in blocks.",
-                       stats["prefix_cache_hit_rate"])
+                       stats.prefix_cache_hit_rate)
         lines += counter("kv8:prefix_cache_queries_total", "Prompt blocks looked up in the prefix cache.",
-                         {"": stats["prefix_cache_queries"]})
+                         {"": stats.prefix_cache_queries})
         lines += counter("kv8:prefix_cache_hits_total", "Prompt blocks served from the prefix cache.",
-                         {"": stats["prefix_cache_hits"]})
-        lines += counter("kv8:num_preemptions_total", "Preemptions so far.", {"": stats["num_preemptions"]})
+                         {"": stats.prefix_cache_hits})
+        lines += counter("kv8:num_preemptions_total", "Preemptions so far.", {"": stats.num_preemptions})
         lines += counter("kv8:prompt_tokens_total", "Prompt tokens of admitted requests.", {"": self.prompt_tokens})
         lines += counter("kv8:generation_tokens_total", "Tokens generated, aborted requests included.",
                          {"": self.generation_tokens})
