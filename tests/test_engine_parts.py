@@ -10,7 +10,7 @@ from kv8.cache.kv_cache_manager import KVCacheManager
 from kv8.engine.config import SchedulerConfig
 from kv8.engine.output_processor import OutputProcessor
 from kv8.engine.request import Request, RequestStatus, TokenLogprobs
-from kv8.engine.runner import ModelRunnerOutput
+from kv8.engine.runner_output import ModelRunnerOutput
 from kv8.engine.scheduler import Scheduler, check_stop
 from kv8.sampling_params import SamplingParams
 

@@ -487,7 +487,7 @@ def test_server_under_tp2_serves_then_dies_cleanly_with_a_rank(gqa_6x2: str, tmp
         assert text.choices[0].text == single.outputs[0].text
         children = subprocess.run(["ps", "--ppid", str(srv.proc.pid), "-o", "pid=,args=", "-ww"], capture_output=True,
                                   text=True).stdout.splitlines()
-        workers = [int(line.split()[0]) for line in children if "kv8.distributed.worker" in line]
+        workers = [int(line.split()[0]) for line in children if "kv8.engine.worker" in line]
         assert len(workers) == 1, children
         os.kill(workers[0], signal.SIGKILL)
         assert srv.proc.wait(timeout=30) == 1, srv.read_log()

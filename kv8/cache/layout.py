@@ -32,14 +32,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
-
-from kv8.cache.codec import KVCodec
-from kv8.quant.formats import resolve_kv_cache_dtype
-
-if TYPE_CHECKING:
-    from kv8.engine.config import EngineConfig
-
 
 
 def ceil_div(a: int, b: int) -> int:
@@ -144,23 +136,6 @@ class KVCacheLayout:
         return "; ".join(parts)
 
 
-def layout_for(config: EngineConfig) -> KVCacheLayout:
-    """The layout of an engine's KV cache: its model's layer windows, skipped layers and hybrid setting."""
-    return KVCacheLayout.build(config.arch.layer_windows, config.skipped_layers(), config.cache.hybrid)
-
-
-def pool_block_bytes(config: EngineConfig, layout: KVCacheLayout) -> list[int]:
-    """Bytes of one block of each pool (all its slots, K and V, per-token scales included) on one
-    tensor-parallel rank (which holds ``config.kv_heads_per_rank`` KV heads)."""
-    arch, cc = config.arch, config.cache
-    out = []
-    for p in layout.pools:
-        kv_dtype = resolve_kv_cache_dtype("auto", config.dtype) if p.skipped else cc.kv_dtype
-        per_head = KVCodec.bytes_per_head(kv_dtype, arch.head_dim, cc.dynamic_scales and not p.skipped)
-        out.append(p.num_slots * 2 * config.kv_heads_per_rank * cc.block_size * per_head)
-    return out
-
-
 def blocks_to_hold(layer_windows: Sequence[int | None], num_tokens: int, block_size: int, num_seqs: int) -> int:
     """Blocks of a one-pool cache that hold ``num_seqs`` sequences of ``num_tokens`` tokens whole, in every group
     (what the tools that size their own cache need; sliding-window groups counted at full length)."""
@@ -181,5 +156,4 @@ def split_budget(memory: int, layout: KVCacheLayout, block_bytes: Sequence[int],
     return [int(memory * need[p] / total) // block_bytes[p] for p in range(len(need))]
 
 
-__all__ = ["KVCacheGroup", "KVCacheLayout", "KVPoolSpec", "blocks_to_hold", "layout_for", "pool_block_bytes",
-           "split_budget"]
+__all__ = ["KVCacheGroup", "KVCacheLayout", "KVPoolSpec", "blocks_to_hold", "split_budget"]

@@ -3,12 +3,23 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
-from kv8.models.config import ModelArchConfig
 from kv8.options import option
 from kv8.validators import check_bool, check_int
 
-__all__ = ["ParallelConfig"]
+__all__ = ["ParallelConfig", "SplitShape"]
+
+
+class SplitShape(Protocol):
+    """What tensor parallelism splits of a model (a :class:`kv8.models.config.ModelArchConfig` has it)."""
+
+    @property
+    def num_heads(self) -> int: ...
+    @property
+    def num_kv_heads(self) -> int: ...
+    @property
+    def intermediate_size(self) -> int: ...
 
 
 @dataclass(frozen=True)
@@ -43,7 +54,7 @@ class ParallelConfig:
             return self.cpu_threads_per_rank
         return None if self.tensor_parallel_size == 1 else max(1, cpu_count // self.tensor_parallel_size)
 
-    def check_model(self, arch: ModelArchConfig) -> None:
+    def check_model(self, arch: SplitShape) -> None:
         """``ValueError`` unless the model splits over ``tensor_parallel_size`` ranks: query heads and
         ``intermediate_size`` divisible by it; KV heads divisible by it or (replicated, as vLLM does) dividing
         it."""
@@ -60,6 +71,6 @@ class ParallelConfig:
             raise ValueError(f"tensor_parallel_size={n} must divide the model's intermediate_size="
                              f"{arch.intermediate_size}")
 
-    def kv_heads_per_rank(self, arch: ModelArchConfig) -> int:
+    def kv_heads_per_rank(self, arch: SplitShape) -> int:
         """KV heads in each rank's cache (one when they are replicated)."""
         return max(1, arch.num_kv_heads // self.tensor_parallel_size)

@@ -20,9 +20,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from kv8.cache.config import CacheConfig, default_kv_cache_memory
-from kv8.cache.layout import KVCacheLayout, pool_block_bytes, split_budget
+from kv8.cache.layout import KVCacheLayout, split_budget
 from kv8.distributed.config import ParallelConfig
-from kv8.engine.config import DTYPE_CHOICES, EngineConfig, SchedulerConfig, resolve_dtype
+from kv8.engine.config import DTYPE_CHOICES, EngineConfig, SchedulerConfig, pool_block_bytes, resolve_dtype
 from kv8.models.registry import arch_config
 from kv8.options import OptionGroup, from_config, option
 from kv8.quant.formats import resolve_kv_cache_dtype

@@ -15,10 +15,13 @@ from typing import Any
 import torch
 
 from kv8.attention.backend import BACKENDS
+from kv8.cache.codec import KVCodec
 from kv8.cache.config import CacheConfig
+from kv8.cache.layout import KVCacheLayout
 from kv8.distributed.config import ParallelConfig
 from kv8.models.config import ModelArchConfig
 from kv8.options import option
+from kv8.quant.formats import resolve_kv_cache_dtype
 from kv8.validators import check_choice, check_int
 
 __all__ = ["ATTENTION_BACKENDS", "DENSE_BACKENDS", "DTYPE_CHOICES", "QUANTIZATION_METHODS", "EngineConfig",
@@ -150,3 +153,20 @@ class EngineConfig:
             for i in range(arch.num_layers):
                 skipped[i] = skipped[i] or arch.layer_type(i) == kind
         return tuple(skipped)
+
+
+def layout_for(config: EngineConfig) -> KVCacheLayout:
+    """The layout of an engine's KV cache: its model's layer windows, skipped layers and hybrid setting."""
+    return KVCacheLayout.build(config.arch.layer_windows, config.skipped_layers(), config.cache.hybrid)
+
+
+def pool_block_bytes(config: EngineConfig, layout: KVCacheLayout) -> list[int]:
+    """Bytes of one block of each pool (all its slots, K and V, per-token scales included) on one
+    tensor-parallel rank (which holds ``config.kv_heads_per_rank`` KV heads)."""
+    arch, cc = config.arch, config.cache
+    out = []
+    for p in layout.pools:
+        kv_dtype = resolve_kv_cache_dtype("auto", config.dtype) if p.skipped else cc.kv_dtype
+        per_head = KVCodec.bytes_per_head(kv_dtype, arch.head_dim, cc.dynamic_scales and not p.skipped)
+        out.append(p.num_slots * 2 * config.kv_heads_per_rank * cc.block_size * per_head)
+    return out

@@ -15,8 +15,8 @@ user request is known to the output processor from ``add_request`` until its out
 aborted; its requests hold KV blocks only while the scheduler has them waiting or running.
 
 With ``tensor_parallel_size = N > 1`` this engine is rank 0: it starts ranks 1..N-1
-(:func:`kv8.distributed.launcher.start_ranks`), loads its own shard (:func:`load_shard`, which the workers run
-too), waits for theirs, and drives them: each step's inputs go to every rank, rank 0 alone samples
+(:func:`kv8.engine.worker.start_ranks`), loads its own shard (:func:`kv8.engine.worker.load_shard`, which the
+workers run too), waits for theirs, and drives them: each step's inputs go to every rank, rank 0 alone samples
 (:mod:`kv8.engine.runner`). :meth:`LLMEngine.shutdown` (also run when the engine is garbage collected or the
 process exits) stops them.
 """
@@ -27,77 +27,28 @@ import itertools
 import logging
 import weakref
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
 import torch
 
-from kv8.attention.backend import get_backend
-from kv8.cache.codec import KVCodec
 from kv8.cache.kv_cache_manager import KVCacheManager
-from kv8.cache.layout import KVCacheLayout, layout_for
-from kv8.cache.paged_cache import CacheShape, PagedKVCache
-from kv8.distributed.group import TPGroup
-from kv8.distributed.launcher import allreduce_slot_bytes, start_ranks
-from kv8.distributed.shard import kv_head_shard
-from kv8.engine.args import EngineArgs, check_cache_fits_memory, resolve_num_blocks
-from kv8.engine.config import EngineConfig
+from kv8.engine.args import EngineArgs, resolve_num_blocks
+from kv8.engine.config import EngineConfig, layout_for
 from kv8.engine.input_processor import InputProcessor
 from kv8.engine.output_processor import OutputProcessor
 from kv8.engine.request import RequestStatus
-from kv8.engine.runner import ModelRunner
 from kv8.engine.scheduler import Scheduler, SchedulerOutput
 from kv8.engine.stats import EngineStats
 from kv8.engine.threads import ThreadGovernor
-from kv8.host_memory import tune_malloc
-from kv8.model.loader import LoadedModel, check_checkpoint_layers, load_model, read_model_config
+from kv8.engine.worker import allreduce_slot_bytes, load_shard, start_ranks
+from kv8.model.loader import check_checkpoint_layers, read_model_config
 from kv8.model.sources import resolve_model_path
 from kv8.model.tokenizer import load_tokenizer
 from kv8.observer import EngineObserver
 from kv8.outputs import RequestOutput
-from kv8.quant.formats import resolve_kv_cache_dtype
-from kv8.quant.scale_sources import engine_kv_scales
-from kv8.quant.scales import ModelScaleInfo
 from kv8.sampling_params import SamplingParams
 from kv8.validators import format_bytes
 
 logger = logging.getLogger("kv8")
-
-
-@dataclass(frozen=True)
-class Shard:
-    """What one rank runs: its part of the model, its KV cache pools, and the runner over them."""
-
-    loaded: LoadedModel
-    caches: tuple[PagedKVCache, ...]
-    codec: KVCodec
-    runner: ModelRunner
-
-
-def load_shard(config: EngineConfig, layout: KVCacheLayout, num_blocks: Sequence[int], tp: TPGroup,
-               observer: EngineObserver | None = None) -> Shard:
-    """Load rank ``tp.rank``'s shard of the model, resolve its KV scales, allocate its pools (``num_blocks[p]``
-    blocks of pool ``p``, its own KV heads only) and build its runner. Sets this process's malloc up for
-    activations first (:func:`kv8.host_memory.tune_malloc`)."""
-    tune_malloc()
-    loaded = load_model(config.model_kind, config.model, config.dtype, config.dense_backend, tp,
-                        config.quantization)
-    arch, cc = config.arch, config.cache
-    kv_heads = kv_head_shard(arch.num_kv_heads, tp)
-    scales = engine_kv_scales(cc, ModelScaleInfo(arch.model_type, arch.num_layers, arch.num_kv_heads,
-                                                 arch.head_dim), loaded.scale_tensors, loaded.hf_config,
-                              tp.rank, tp.size, kv_heads)
-    check_cache_fits_memory(config, layout, num_blocks)   # before allocating it, with the weights loaded
-    codec = KVCodec.build(cc.kv_dtype, arch.head_dim, scale_mode=cc.kv_cache_scale_mode, rotation=cc.kv_cache_rotation,
-                          scales=scales)
-    # Pools: the kv_cache_dtype one first; layers of kv_cache_dtype_skip_layers in the compute dtype.
-    caches = []
-    for pool, n in zip(layout.pools, num_blocks):
-        pool_codec = (KVCodec.build(resolve_kv_cache_dtype("auto", config.dtype), arch.head_dim)
-                      if pool.skipped else codec)
-        shape = CacheShape(arch.num_layers, n, kv_heads[1], cc.block_size, arch.head_dim)
-        caches.append(PagedKVCache(shape, pool_codec, {i: layout.layer_slot[i] for i in pool.layers}))
-    runner = ModelRunner(loaded.model, caches, layout, get_backend(config.attention_backend), observer, tp)
-    return Shard(loaded, tuple(caches), codec, runner)
 
 
 class LLMEngine:
@@ -114,7 +65,7 @@ class LLMEngine:
             raise ValueError(f"tensor_parallel_size={self.config.parallel.tensor_parallel_size}: an observer (kv8 "
                              "calibrate, kv8 eval) would see rank 0's KV heads only; run these tools with "
                              "tensor_parallel_size=1")
-        # ranks 1..N-1 (a torchrun-launched one runs its worker loop here and exits)
+        # ranks 1..N-1 (started now, or joined under torchrun)
         self.tp = start_ranks(args, self.config, num_blocks)
         self._finalizer = weakref.finalize(self, self.tp.close)   # no orphan ranks, whatever happens
         try:

@@ -34,22 +34,13 @@ from kv8.cache.layout import KVCacheLayout
 from kv8.cache.paged_cache import PagedKVCache
 from kv8.distributed.group import SINGLE_RANK, TPGroup
 from kv8.engine.request import Request, TokenLogprobs
+from kv8.engine.runner_output import ModelRunnerOutput
 from kv8.engine.sampler import TokenHistory, compute_logprobs, sample, select_argmax
 from kv8.engine.scheduler import SchedulerOutput
 from kv8.engine.structured import apply_grammar_masks
 from kv8.layers.attention import AttentionContext
 from kv8.models.registry import CausalLM
 from kv8.observer import EngineObserver
-
-
-@dataclass(frozen=True)
-class ModelRunnerOutput:
-    """One step's results, keyed by request id (only the requests that produced something appear)."""
-
-    sampled: dict[str, int]                              # request id -> new token id
-    logprobs: dict[str, TokenLogprobs]                   # request id -> logprobs of the new token (if asked)
-    prompt_logprobs: dict[str, list[TokenLogprobs]]      # request id -> logprobs of prompt tokens scored this step
-    failed: dict[str, str] = field(default_factory=dict)  # request id -> why it cannot go on (it alone fails)
 
 
 @dataclass(frozen=True)

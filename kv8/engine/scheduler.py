@@ -27,14 +27,11 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from kv8.cache.kv_cache_manager import KVCacheManager
 from kv8.engine.config import SchedulerConfig
 from kv8.engine.request import Request, RequestStatus
-
-if TYPE_CHECKING:
-    from kv8.engine.runner import ModelRunnerOutput
+from kv8.engine.runner_output import ModelRunnerOutput
 
 GROWTH_RESERVE_TOKENS = 64  # per running request, kept free when admitting (rounded up to whole blocks)
 

@@ -45,6 +45,10 @@ INFO_OPTIONS = ("kv_cache_memory", "block_size")
 def cmd_serve(ns: argparse.Namespace) -> int:
     engine_args = EngineArgs.from_cli_args(ns)
     server = ServerArgs.from_cli_args(ns)
+    from kv8.engine.worker import run_torchrun_worker
+
+    if run_torchrun_worker(engine_args):   # a torchrun rank other than 0: it served rank 0 until it stopped
+        return 0
     if server.data_parallel_backend == "ray":
         from kv8.entrypoints.dp.app import run_ray_server
 

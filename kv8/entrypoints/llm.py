@@ -13,6 +13,7 @@ from tqdm.auto import tqdm
 
 from kv8.engine.args import DEFAULT_MODEL, EngineArgs
 from kv8.engine.engine import LLMEngine
+from kv8.engine.worker import run_torchrun_worker
 from kv8.outputs import RequestOutput
 from kv8.sampling_params import SamplingParams
 
@@ -64,7 +65,9 @@ class LLM:
     Keyword arguments are the fields of :class:`~kv8.engine.args.EngineArgs` (vLLM's names, the same options as
     the ``kv8`` flags); ``print(EngineArgs.describe())`` lists them with defaults, allowed values and help.
     With ``tensor_parallel_size=N`` the engine starts N-1 worker processes: :meth:`close` stops them (so does
-    garbage collection of the LLM, or the end of the process).
+    garbage collection of the LLM, or the end of the process). Under torchrun every process runs the same script:
+    on ranks 1..N-1 ``LLM(...)`` serves rank 0's steps and then ends the process (``SystemExit(0)``) once rank 0
+    stops, so the script's code after it runs on rank 0 alone (:func:`kv8.engine.worker.run_torchrun_worker`).
     """
 
     def __init__(self, model: str = DEFAULT_MODEL, **kwargs: Any) -> None:
@@ -72,7 +75,10 @@ class LLM:
         if unknown:
             raise TypeError(f"LLM() got unknown option(s) {', '.join(unknown)}; known: "
                             f"{', '.join(EngineArgs.field_names())}")
-        self.engine = LLMEngine(EngineArgs(model=model, **kwargs))
+        args = EngineArgs(model=model, **kwargs)
+        if run_torchrun_worker(args):   # a torchrun rank other than 0: it served rank 0 until it stopped
+            raise SystemExit(0)
+        self.engine = LLMEngine(args)
         self._counter = 0
 
     def get_tokenizer(self) -> Any:
