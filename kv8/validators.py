@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 import numbers
 import re
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 from typing import Any
 
 __all__ = ["check_bool", "check_choice", "check_int", "check_number", "format_bytes", "is_int", "is_number",
@@ -131,3 +131,24 @@ def memory_available(meminfo: str = "/proc/meminfo", cgroup: str = "/sys/fs/cgro
     except (OSError, ValueError):
         pass
     return min(found) if found else None
+
+
+def cfg_int(cfg: Mapping[str, Any], key: str, default: int | None = None) -> int:
+    """``cfg[key]`` as an int (a JSON null takes ``default``); ``ValueError`` naming the key otherwise."""
+    value = cfg.get(key)
+    if value is None:
+        if default is None:
+            raise ValueError(f"model config is missing the key {key!r}")
+        return default
+    if not is_int(value):
+        raise ValueError(f"model config {key}={value!r} must be an integer")
+    return value
+
+
+def cfg_float(cfg: Mapping[str, Any], key: str, default: float) -> float:
+    value = cfg.get(key)
+    if value is None:
+        return default
+    if not is_number(value):
+        raise ValueError(f"model config {key}={value!r} must be a number")
+    return float(value)

@@ -9,7 +9,7 @@ import torch
 
 from kv8.engine.config import resolve_dtype
 from kv8.entrypoints.cli import build_parser, main
-from kv8.models.config import RopeScaling
+from kv8.layers.rotary import RopeScaling
 from kv8.models.registry import arch_config
 from kv8.validators import parse_memory
 

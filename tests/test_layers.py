@@ -16,8 +16,7 @@ from kv8.layers.activation import GeluAndMul, SiluAndMul, gelu_tanh_mul_referenc
 from kv8.layers.dense_kernels import TORCH_BACKEND, DenseBackend, DenseKernels, load_dense_kernels, select_dense_backend
 from kv8.layers.linear import GateUpLinear, Linear, LinearBase, MergedLinear, QKVLinear, linear_reference
 from kv8.layers.norm import RMSNorm, rmsnorm_reference
-from kv8.layers.rotary import RotaryEmbedding, rope_reference
-from kv8.models.config import RopeScaling
+from kv8.layers.rotary import RopeScaling, RotaryEmbedding, rope_reference
 from kv8.native import KernelUnavailable, cpu_flags
 from kv8.observer import EngineObserver
 from kv8.sampling_params import SamplingParams

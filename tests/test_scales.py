@@ -11,9 +11,9 @@ from typing import Any
 import pytest
 import torch
 
+from kv8.cache.scale_sources import is_kv_scale_name, resolve_kv_scales, scales_from_checkpoint
 from kv8.quant.formats import E4M3, E4M3FNUZ, E5M2, resolve_kv_cache_dtype
 from kv8.quant.scale_files import load_vllm_scales_json, write_vllm_scales_json
-from kv8.quant.scale_sources import is_kv_scale_name, resolve_kv_scales, scales_from_checkpoint
 from kv8.quant.scales import KVScales, ModelScaleInfo, ScaleGranularity
 
 FIXTURE = Path(__file__).parent / "fixtures" / "vllm-llama2-7b-kv_cache_scales.json"

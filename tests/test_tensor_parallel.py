@@ -22,6 +22,7 @@ import torch
 
 from kv8 import LLM, SamplingParams
 from kv8.cache.config import CacheConfig
+from kv8.cache.scale_sources import engine_kv_scales
 from kv8.distributed.config import ParallelConfig
 from kv8.distributed.group import TensorParallelError, TPGroup
 from kv8.distributed.shard import building_shard, kv_head_shard, local_head_counts
@@ -30,7 +31,6 @@ from kv8.layers.linear import MergedLinear, QKVLinear, RowParallelLinear
 from kv8.models.registry import arch_config
 from kv8.quant.formats import resolve_kv_cache_dtype
 from kv8.quant.scale_files import write_kv8_scales_json
-from kv8.quant.scale_sources import engine_kv_scales
 from kv8.quant.scales import KVScales, ModelScaleInfo, ScaleGranularity
 from tests.conftest import make_tiny_model
 

@@ -22,7 +22,7 @@ layer (:meth:`KVCodec.to_stored_basis`), calibration statistics (:attr:`KVCodec.
 and ``kv8 eval``'s round-trip error (:meth:`KVCodec.round_trip`).
 
 Invariants (the options are checked by :class:`kv8.cache.config.CacheConfig` when the engine is built, the scales'
-fit and basis by :func:`kv8.quant.scale_sources.resolve_kv_scales`, and that scales are present or absent as the
+fit and basis by :func:`kv8.cache.scale_sources.resolve_kv_scales`, and that scales are present or absent as the
 mode needs by :meth:`KVCodec.build`): dynamic scales and static scales exclude each other and both need an FP8
 format; an FP8 codec in static mode always has scales (1.0 when none were given); a rotation needs a power-of-two
 ``head_dim``; static scales describe the codec's basis (1.0 fits every basis).

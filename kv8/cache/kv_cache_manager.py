@@ -28,13 +28,32 @@ from __future__ import annotations
 import hashlib
 from array import array
 from collections.abc import Sequence
+from typing import Protocol
 
 from kv8.cache.block_pool import BlockPool
 from kv8.cache.layout import KVCacheGroup, KVCacheLayout, ceil_div
-from kv8.engine.request import Request
 
 _ROOT_HASH = b"kv8-root"
 NULL_BLOCK = -1   # a table entry whose block was freed (out of the window) or never needed (prefix hit)
+
+
+class CachedSequence(Protocol):
+    """What the manager reads of a request (:class:`kv8.engine.request.Request` is one): its id, tokens, how
+    many of them are computed, whether it scores its prompt, and the chain hashes of its full blocks, which the
+    manager extends."""
+
+    block_hashes: list[bytes]
+
+    @property
+    def request_id(self) -> str: ...
+    @property
+    def all_token_ids(self) -> list[int]: ...
+    @property
+    def num_tokens(self) -> int: ...
+    @property
+    def num_computed_tokens(self) -> int: ...
+    @property
+    def wants_prompt_logprobs(self) -> bool: ...
 
 
 def hash_block(parent: bytes | None, token_ids: list[int]) -> bytes:
@@ -105,7 +124,7 @@ class KVCacheManager:
         return sum(b != NULL_BLOCK for b in self.req_blocks.get(request_id, [[]] * len(self.groups))[group])
 
     # ---- prefix caching ---------------------------------------------------------------------------------------
-    def _update_hashes(self, request: Request, num_tokens: int) -> None:
+    def _update_hashes(self, request: CachedSequence, num_tokens: int) -> None:
         """Extend ``request.block_hashes`` to cover the full blocks among its first ``num_tokens`` tokens."""
         bs = self.block_size
         hashes = request.block_hashes
@@ -116,7 +135,7 @@ class KVCacheManager:
     def _key(group: int, block_hash: bytes) -> bytes:
         return group.to_bytes(2, "little") + block_hash
 
-    def get_computed_blocks(self, request: Request) -> tuple[list[list[int]], int]:
+    def get_computed_blocks(self, request: CachedSequence) -> tuple[list[list[int]], int]:
         """Cached blocks that hold a prefix of ``request`` (no reference taken), per group, and how many tokens
         they cover. Entries a sliding-window group does not need are :data:`NULL_BLOCK`."""
         empty: list[list[int]] = [[] for _ in self.groups]
@@ -163,7 +182,7 @@ class KVCacheManager:
         return out, n * bs
 
     # ---- allocation -------------------------------------------------------------------------------------------
-    def _free_out_of_window(self, request: Request, num_computed: int) -> None:
+    def _free_out_of_window(self, request: CachedSequence, num_computed: int) -> None:
         tables = self.req_blocks.get(request.request_id)
         if not tables:
             return
@@ -174,7 +193,7 @@ class KVCacheManager:
                 table[:first] = [NULL_BLOCK] * first
                 self.pools[g.pool].free_blocks(dropped[::-1])
 
-    def _needed(self, request: Request, num_new_tokens: int, computed: list[list[int]]) -> list[int]:
+    def _needed(self, request: CachedSequence, num_new_tokens: int, computed: list[list[int]]) -> list[int]:
         """Free blocks each pool must supply: new blocks, plus hits on free cached blocks (they leave the free
         queue). Assumes out-of-window blocks were freed."""
         tables = self.req_blocks.get(request.request_id)
@@ -189,7 +208,7 @@ class KVCacheManager:
                 b != NULL_BLOCK and pool.blocks[b].ref_cnt == 0 for b in hits)
         return per_pool
 
-    def blocks_needed(self, request: Request, num_new_tokens: int,
+    def blocks_needed(self, request: CachedSequence, num_new_tokens: int,
                       computed_blocks: list[list[int]] | None = None) -> list[int]:
         """Per pool, the free blocks :meth:`allocate_slots` would take to admit ``request`` (a waiting request:
         it holds no blocks) with ``computed_blocks`` from :meth:`get_computed_blocks`."""
@@ -197,7 +216,7 @@ class KVCacheManager:
             raise RuntimeError(f"blocks_needed is for a request without blocks; {request.request_id!r} holds some")
         return self._needed(request, num_new_tokens, computed_blocks or [[] for _ in self.groups])
 
-    def allocate_slots(self, request: Request, num_new_tokens: int,
+    def allocate_slots(self, request: CachedSequence, num_new_tokens: int,
                        computed_blocks: list[list[int]] | None = None) -> bool:
         """Make room for ``num_new_tokens`` more tokens after the computed ones; all or nothing.
 
@@ -227,7 +246,7 @@ class KVCacheManager:
                 table.extend(self.pools[g.pool].get_new_blocks(total - len(table)))
         return True
 
-    def cache_computed_blocks(self, request: Request) -> None:
+    def cache_computed_blocks(self, request: CachedSequence) -> None:
         """Publish the request's full blocks whose K/V is now written (call after a step)."""
         if not self.enable_prefix_caching:
             return
@@ -244,7 +263,7 @@ class KVCacheManager:
                     pool.cache_block(table[i], self._key(g.group_id, request.block_hashes[i]))
             done[g.group_id] = max(done[g.group_id], min(num_full, len(table)))
 
-    def free(self, request: Request) -> None:
+    def free(self, request: CachedSequence) -> None:
         """Release every block of ``request`` (tail first, so the tail is evicted first)."""
         tables = self.req_blocks.pop(request.request_id, None)
         self._num_cached.pop(request.request_id, None)

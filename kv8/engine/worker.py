@@ -42,6 +42,7 @@ from kv8.attention.backend import get_backend
 from kv8.cache.codec import KVCodec
 from kv8.cache.layout import KVCacheLayout
 from kv8.cache.paged_cache import CacheShape, PagedKVCache
+from kv8.cache.scale_sources import engine_kv_scales
 from kv8.distributed.group import SINGLE_RANK, STORE_TIMEOUT, TPGroup
 from kv8.distributed.launcher import RankProcess, set_threads, torchrun_group, torchrun_rank, torchrun_store
 from kv8.distributed.shard import kv_head_shard
@@ -53,7 +54,6 @@ from kv8.model.loader import LoadedModel, load_model, read_model_config
 from kv8.model.sources import resolve_model_path
 from kv8.observer import EngineObserver
 from kv8.quant.formats import resolve_kv_cache_dtype
-from kv8.quant.scale_sources import engine_kv_scales
 from kv8.quant.scales import ModelScaleInfo
 
 if TYPE_CHECKING:

@@ -39,15 +39,128 @@ rotary only: a partial-rotary model rotates in torch on either backend).
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
 
 from kv8.layers.dense_kernels import DenseBackend
-from kv8.models.config import RopeScaling
+from kv8.validators import cfg_float, cfg_int, is_number
 
 __all__ = ["RopeAngles", "RotaryEmbedding", "apply_rope", "rope_inv_freq", "rope_reference"]
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """RoPE scaling from the config's ``rope_scaling`` (or transformers 5's ``rope_parameters``).
+
+    Supported: ``linear`` and ``llama3`` (scaled inverse frequencies), and ``longrope`` (Phi-3's LongRoPE, also
+    spelled ``su``): ``short_factor`` and ``long_factor`` divide the inverse frequencies, one factor per
+    rotary frequency, and cos/sin are multiplied by ``attention_factor``. Which positions use the long factors
+    is :class:`kv8.layers.rotary.RotaryEmbedding`'s rule (positions ``>= original_max_position_embeddings``).
+
+    Invariants for ``longrope``: ``short_factor`` and ``long_factor`` are non-empty, of equal length, positive
+    and finite (their length is checked against the rotary dim by :meth:`check_rotary_dim`, which needs the
+    model); ``attention_factor`` is finite and > 0.
+    """
+
+    rope_type: str
+    factor: float
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+    short_factor: tuple[float, ...] = ()
+    long_factor: tuple[float, ...] = ()
+    attention_factor: float = 1.0
+
+    @staticmethod
+    def from_hf_config(cfg: Mapping[str, Any]) -> RopeScaling | None:
+        """The scaling of a whole Hugging Face config: its ``rope_scaling``, else its ``rope_parameters``
+        (transformers 5 writes the scaling there, with ``rope_type`` ``default`` when there is none). For
+        ``longrope`` the top-level ``original_max_position_embeddings`` and ``max_position_embeddings`` (Phi-3
+        keeps them there) fill in what the dict lacks."""
+        d = cfg.get("rope_scaling") or cfg.get("rope_parameters")
+        if d is not None and not isinstance(d, Mapping):
+            raise ValueError(f"model config rope_scaling={d!r} must be a JSON object")
+        return RopeScaling.from_dict(d, cfg)
+
+    @staticmethod
+    def from_dict(d: Mapping[str, Any] | None, cfg: Mapping[str, Any] | None = None) -> RopeScaling | None:
+        """``d`` is the ``rope_scaling`` dict; ``cfg`` the whole config (read by ``longrope`` only)."""
+        if not d:
+            return None
+        rope_type = d.get("rope_type", d.get("type"))
+        if rope_type in (None, "default"):
+            return None
+        if rope_type == "su":   # Phi-3's early name for longrope (transformers renames it too)
+            rope_type = "longrope"
+        if rope_type == "longrope":
+            return RopeScaling._longrope(d, cfg or {})
+        if rope_type not in ("linear", "llama3"):
+            raise ValueError(f"rope_scaling type {rope_type!r} is not supported; kv8 supports: linear, llama3, "
+                             "longrope")
+        if d.get("factor") is None:
+            raise ValueError(f"model config rope_scaling ({rope_type}) is missing the key 'factor'")
+        factor = cfg_float(d, "factor", 1.0)
+        if not math.isfinite(factor) or factor <= 0:
+            raise ValueError(f"model config rope_scaling factor={factor!r} must be a finite number > 0")
+        return RopeScaling(
+            rope_type=rope_type,
+            factor=factor,
+            low_freq_factor=cfg_float(d, "low_freq_factor", 1.0),
+            high_freq_factor=cfg_float(d, "high_freq_factor", 4.0),
+            original_max_position_embeddings=cfg_int(d, "original_max_position_embeddings", 8192),
+        )
+
+    @staticmethod
+    def _longrope(d: Mapping[str, Any], cfg: Mapping[str, Any]) -> RopeScaling:
+        lists: dict[str, tuple[float, ...]] = {}
+        for key in ("short_factor", "long_factor"):
+            value = d.get(key)
+            if not isinstance(value, (list, tuple)) or not value or not all(is_number(x) for x in value):
+                raise ValueError(f"model config rope_scaling (longrope) {key}={value!r} must be a non-empty list "
+                                 "of numbers")
+            bad = [x for x in value if not math.isfinite(x) or x <= 0]
+            if bad:
+                raise ValueError(f"model config rope_scaling (longrope) {key} has {bad[0]!r}; every factor must be "
+                                 "a finite number > 0")
+            lists[key] = tuple(float(x) for x in value)
+        if len(lists["short_factor"]) != len(lists["long_factor"]):
+            raise ValueError(f"model config rope_scaling (longrope) has {len(lists['short_factor'])} short_factor "
+                             f"and {len(lists['long_factor'])} long_factor entries; they must be equally long")
+        original_key = "original_max_position_embeddings"
+        source = d if d.get(original_key) is not None else cfg
+        if source.get(original_key) is None:
+            raise ValueError(f"model config rope_scaling (longrope) needs {original_key} (in rope_scaling or at the "
+                             "top level of the config)")
+        original = cfg_int(source, original_key)
+        if original < 2:
+            raise ValueError(f"model config {original_key}={original} must be an int >= 2")
+        if d.get("factor") is not None:
+            factor = cfg_float(d, "factor", 1.0)
+        else:   # Phi-3: the ratio of the extended to the original context
+            factor = cfg_int(cfg, "max_position_embeddings", original) / original
+        if not math.isfinite(factor) or factor <= 0:
+            raise ValueError(f"model config rope_scaling (longrope) factor={factor!r} must be a finite number > 0")
+        if d.get("attention_factor") is not None:
+            attention_factor = cfg_float(d, "attention_factor", 1.0)
+        else:   # LongRoPE's default: sqrt(1 + ln(factor) / ln(original)), 1.0 without extension
+            attention_factor = math.sqrt(1 + math.log(factor) / math.log(original)) if factor > 1 else 1.0
+        if not math.isfinite(attention_factor) or attention_factor <= 0:
+            raise ValueError(f"model config rope_scaling (longrope) attention_factor={attention_factor!r} must be a "
+                             "finite number > 0")
+        return RopeScaling(rope_type="longrope", factor=factor, original_max_position_embeddings=original,
+                           short_factor=lists["short_factor"], long_factor=lists["long_factor"],
+                           attention_factor=attention_factor)
+
+    def check_rotary_dim(self, rotary_dim: int) -> None:
+        """``ValueError`` unless the per-frequency factors (longrope) fit ``rotary_dim`` (rotary_dim / 2 each)."""
+        if self.rope_type == "longrope" and len(self.short_factor) != rotary_dim // 2:
+            raise ValueError(f"model config rope_scaling (longrope) short_factor and long_factor have "
+                             f"{len(self.short_factor)} entries; this model rotates {rotary_dim} dims per head and "
+                             f"needs {rotary_dim // 2} (rotary dim / 2)")
 
 
 def rope_inv_freq(rotary_dim: int, rope_theta: float, rope_scaling: RopeScaling | None,

@@ -9,7 +9,7 @@ shard_id)``, any other tensor -- a merged layer's whole matrix too, when the che
 shape, converted to the compute dtype and assigned as the parameter; tie weights
 (``tied_weights``); then let every layer convert its loaded weights (``process_weights_after_loading``: the
 packed_bf16 linear method packs them and drops the originals). Missing and unknown tensors are errors that
-name them. KV-scale tensors are collected for :mod:`kv8.quant.scale_sources` rather than loaded into the model.
+name them. KV-scale tensors are collected for :mod:`kv8.cache.scale_sources` rather than loaded into the model.
 
 Tensor parallelism: given a group (``tp``), the model is built for that rank (:func:`kv8.distributed.shard.
 building_shard`), and every tensor of a sharded layer -- a whole one too -- goes through its
@@ -33,13 +33,13 @@ from typing import Any
 import torch
 from torch import nn
 
+from kv8.cache.scale_sources import is_kv_scale_name
 from kv8.distributed.group import SINGLE_RANK, TPGroup
 from kv8.distributed.shard import building_shard
 from kv8.host_memory import place_on_huge_pages
 from kv8.layers.dense_kernels import select_dense_backend
 from kv8.models.config import ModelArchConfig
 from kv8.models.registry import CausalLM, arch_config, model_class
-from kv8.quant.scale_sources import is_kv_scale_name
 
 logger = logging.getLogger("kv8")
 

@@ -44,10 +44,11 @@ from kv8.layers.attention import AttentionContext, PagedAttention
 from kv8.layers.dense_kernels import TORCH_BACKEND, DenseBackend
 from kv8.layers.linear import GateUpLinear, QKVLinear, RowParallelLinear
 from kv8.layers.norm import GemmaRMSNorm, norm_per_head
-from kv8.layers.rotary import RopeAngles, RotaryEmbedding
+from kv8.layers.rotary import RopeAngles, RopeScaling, RotaryEmbedding
 from kv8.layers.vocab_parallel import ParallelLMHead, VocabParallelEmbedding
-from kv8.models.config import ModelArchConfig, RopeScaling, cfg_float, cfg_int
+from kv8.models.config import ModelArchConfig
 from kv8.models.llama import LlamaForCausalLM
+from kv8.validators import cfg_float, cfg_int
 
 __all__ = ["Gemma3ArchConfig", "Gemma3ForCausalLM"]
 

@@ -2,7 +2,7 @@
 
 An fp8 KV cache stores ``saturate(rne(x / scale))`` and reads back ``stored * scale``. One scale per
 layer (or per layer and KV head, or per channel) for K and one for V. Where scales come from and which one
-wins: :mod:`kv8.quant.scale_sources`; the file formats that carry them: :mod:`kv8.quant.scale_files`.
+wins: :mod:`kv8.cache.scale_sources`; the file formats that carry them: :mod:`kv8.quant.scale_files`.
 
 Scales are computed for a specific fp8 format. E4M3FNUZ (ROCm) has the same bit patterns as E4M3FN but
 an exponent bias one higher, so every value is half as large: scales made for one are converted for the

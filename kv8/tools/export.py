@@ -27,8 +27,8 @@ from typing import Any
 
 import torch
 
+from kv8.cache.scale_sources import is_kv_scale_name
 from kv8.quant.scale_files import write_kv8_scales_json, write_vllm_scales_json
-from kv8.quant.scale_sources import is_kv_scale_name
 from kv8.quant.scales import KVScales, ModelScaleInfo, ScaleGranularity
 
 __all__ = ["OUTPUT_FORMATS", "RANKS_NEED_VLLM", "scale_tensors", "save_model_with_scales", "write_scales"]
