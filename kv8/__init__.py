@@ -3,7 +3,7 @@
 from kv8.entrypoints.llm import LLM
 from kv8.outputs import CompletionOutput, Logprob, RequestOutput
 from kv8.sampling_params import SamplingParams, StructuredOutputsParams
+from kv8.version import __version__
 
-__version__ = "0.1.0"
 __all__ = ["LLM", "CompletionOutput", "Logprob", "RequestOutput", "SamplingParams", "StructuredOutputsParams",
            "__version__"]

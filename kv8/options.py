@@ -2,7 +2,7 @@
 
 * :func:`option` declares an option where it lives: in the config class whose field it is
   (``CacheConfig.block_size``), or in an argument group (:class:`kv8.engine.args.EngineArgs`,
-  :class:`kv8.entrypoints.server_args.ServerArgs`) when no config holds it as given (``EngineArgs.dtype`` is a name
+  :class:`kv8.entrypoints.openai.cli_args.ServerArgs`) when no config holds it as given (``EngineArgs.dtype`` is a name
   the engine turns into a torch dtype).
 * :func:`from_config` declares an argument-group field *as* a config field: its default, help, allowed values and
   flag type are the config field's, so the two cannot drift apart, and the config's ``__post_init__`` is the

@@ -88,7 +88,7 @@ def test_a_documented_command_parses_and_validates(doc: str, command: str) -> No
     assert engine_args.model
     if getattr(ns, "data_parallel_backend", None) == "ray":
         from kv8.entrypoints.dp.app import DataParallelPlan
-        from kv8.entrypoints.server_args import ServerArgs
+        from kv8.entrypoints.openai.cli_args import ServerArgs
 
         plan = DataParallelPlan.from_args(ServerArgs.from_cli_args(ns), engine_args)
         assert len(plan.replicas) == ns.data_parallel_size

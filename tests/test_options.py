@@ -228,8 +228,8 @@ def test_every_option_is_declared_once() -> None:
     from kv8.cache.config import CacheConfig
     from kv8.distributed.config import ParallelConfig
     from kv8.engine.config import EngineConfig, SchedulerConfig
+    from kv8.entrypoints.openai.cli_args import ServerArgs
     from kv8.entrypoints.openai.tool_calling import ToolOptions
-    from kv8.entrypoints.server_args import ServerArgs
 
     configs = {c.__name__: c for c in (CacheConfig, SchedulerConfig, ParallelConfig, EngineConfig, ToolOptions)}
     declared: dict[str, str] = {}
@@ -257,7 +257,7 @@ def test_every_option_is_declared_once() -> None:
 def test_server_args_are_the_flags_of_serve_and_run() -> None:
     """Every ServerArgs field is a flag of serve and run (vLLM's -dp / -dpb too), and the namespace reads back
     into the same value; other commands have none of them."""
-    from kv8.entrypoints.server_args import ServerArgs
+    from kv8.entrypoints.openai.cli_args import ServerArgs
 
     names = set(ServerArgs.field_names())
     for command in ("serve", "run"):
@@ -290,14 +290,14 @@ def test_server_args_are_the_flags_of_serve_and_run() -> None:
     (dict(data_parallel_backend="ray", request_header_timeout=5.0), "--request-header-timeout is not supported"),
 ])
 def test_server_args_errors_name_the_flag(kw, message) -> None:
-    from kv8.entrypoints.server_args import ServerArgs
+    from kv8.entrypoints.openai.cli_args import ServerArgs
 
     with pytest.raises(ValueError, match=re.escape(message)):
         ServerArgs(**kw)
 
 
 def test_blank_api_key_variable_is_an_error(monkeypatch) -> None:
-    from kv8.entrypoints.server_args import ServerArgs
+    from kv8.entrypoints.openai.cli_args import ServerArgs
 
     monkeypatch.setenv("KV8_API_KEY", "  ")
     with pytest.raises(ValueError, match="KV8_API_KEY must not be blank"):

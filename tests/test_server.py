@@ -897,8 +897,8 @@ def test_allowed_origins_turn_cors_on_for_those_origins_only(tiny_llama: str) ->
     from kv8.engine.async_engine import AsyncEngine
     from kv8.engine.engine import LLMEngine
     from kv8.entrypoints.openai.api_server import build_app
+    from kv8.entrypoints.openai.cli_args import ServerArgs
     from kv8.entrypoints.openai.serving import ServingLimits
-    from kv8.entrypoints.server_args import ServerArgs
 
     engine = LLMEngine(EngineArgs(model=tiny_llama, dtype="float32", num_kv_blocks=16, max_model_len=64))
     limits = ServingLimits(served_model_name="tiny", max_model_len=64, max_tokens=64, max_n=2, max_in_flight=4,
@@ -930,8 +930,8 @@ def test_server_and_ingress_serve_the_same_routes(tiny_llama: str, tokenizer_inf
     from kv8.engine.engine import LLMEngine
     from kv8.entrypoints.dp.ingress import IngressSpec, KV8Ingress, build_ingress_app
     from kv8.entrypoints.openai.api_server import build_app
+    from kv8.entrypoints.openai.cli_args import ServerArgs
     from kv8.entrypoints.openai.serving import ServingLimits
-    from kv8.entrypoints.server_args import ServerArgs
 
     engine = LLMEngine(EngineArgs(model=tiny_llama, dtype="float32", num_kv_blocks=16, max_model_len=64))
     limits = ServingLimits(served_model_name="tiny", max_model_len=64, max_tokens=64, max_n=2, max_in_flight=4,

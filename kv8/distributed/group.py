@@ -41,7 +41,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from multiprocessing.connection import wait as wait_for_any
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -49,10 +49,22 @@ import torch.distributed as dist
 from kv8.distributed.shm_allreduce import ShmAllReduce, create_shm_file
 from kv8.distributed.shm_allreduce import supported as shm_allreduce_supported
 
-if TYPE_CHECKING:
-    from kv8.distributed.launcher import RankProcess
+__all__ = ["OP_TIMEOUT", "SINGLE_RANK", "RankHandle", "TPGroup", "TensorParallelError"]
 
-__all__ = ["OP_TIMEOUT", "SINGLE_RANK", "TPGroup", "TensorParallelError"]
+
+class RankHandle(Protocol):
+    """What the group needs of a rank process rank 0 started (:class:`kv8.distributed.launcher.RankProcess`
+    is one): a sentinel that becomes readable when it exits, its exit code, and the means to wait for and stop
+    it."""
+
+    @property
+    def sentinel(self) -> int: ...
+    @property
+    def exitcode(self) -> int | None: ...
+    def is_alive(self) -> bool: ...
+    def join(self, timeout: float | None = None) -> None: ...
+    def terminate(self) -> None: ...
+    def kill(self) -> None: ...
 
 logger = logging.getLogger("kv8")
 
@@ -81,7 +93,7 @@ class TPGroup:
     size: int
     store: Any = None                      # torch.distributed.Store (control channel); None for one rank
     pg: Any = None                         # torch.distributed.ProcessGroup (all-reduce); None for one rank
-    procs: list[RankProcess] = field(default_factory=list)
+    procs: list[RankHandle] = field(default_factory=list)
     # Rank 0: called (from the watch thread) with "rank R (exit code C)" when a started worker exits before close()
     on_rank_exit: list[Callable[[str], None]] = field(default_factory=list)
     local: bool = False                    # every rank was started by kv8 on this machine: shared-memory all-reduce

@@ -22,7 +22,7 @@ from typing import Any
 from kv8.cache.config import CacheConfig, default_kv_cache_memory
 from kv8.engine.args import EngineArgs
 from kv8.engine.config import resolve_dtype
-from kv8.entrypoints.server_args import SERVER_FLAG_ALIASES, ServerArgs
+from kv8.entrypoints.openai.cli_args import ServerArgs, add_serve_args
 from kv8.models.config import ModelArchConfig
 from kv8.models.registry import arch_config
 from kv8.native import KernelUnavailable
@@ -118,7 +118,8 @@ def _generate(llm: Any, prompts: list[Any], params: Any, stream: bool) -> tuple[
 
 
 def cmd_generate(ns: argparse.Namespace) -> int:
-    from kv8 import LLM, SamplingParams
+    from kv8.entrypoints.llm import LLM
+    from kv8.sampling_params import SamplingParams
 
     llm = LLM(**vars(EngineArgs.from_cli_args(ns)))
     params = SamplingParams(n=ns.n, temperature=ns.temperature, top_p=ns.top_p, top_k=ns.top_k, min_p=ns.min_p,
@@ -208,7 +209,7 @@ def capacity_table(arch: ModelArchConfig, memory: int, block_size: int) -> str:
 
 
 def _version() -> str:
-    from kv8 import __version__
+    from kv8.version import __version__
 
     return __version__
 
@@ -253,17 +254,13 @@ def build_parser() -> argparse.ArgumentParser:
                         description="Serve /v1/completions, /v1/chat/completions, /v1/models, /health and "
                                     "/metrics on 127.0.0.1 (see --host).",
                         epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
-    EngineArgs.add_model_arg(sv, "--model-id", "--model", "-m", optional=True)
-    ServerArgs.add_cli_args(sv, aliases=SERVER_FLAG_ALIASES)
-    EngineArgs.add_cli_args(sv)
+    add_serve_args(sv, "--model-id", "--model", "-m", model_optional=True)
     sv.set_defaults(func=cmd_serve)
 
     r = sub.add_parser("run", help="OpenAI-compatible HTTP server, model given positionally",
                        description="Same as 'serve', with the model as the first argument.",
                        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
-    EngineArgs.add_model_arg(r)
-    ServerArgs.add_cli_args(r, aliases=SERVER_FLAG_ALIASES)
-    EngineArgs.add_cli_args(r)
+    add_serve_args(r)
     r.set_defaults(func=cmd_serve)
 
     from kv8.tools.commands import add_calibrate_parser, add_eval_parser

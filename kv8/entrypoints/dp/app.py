@@ -38,12 +38,12 @@ import tempfile
 import threading
 from collections.abc import Callable, Mapping, MutableMapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 from kv8.engine.args import EngineArgs
 from kv8.entrypoints.dp.ingress import IngressSpec, KV8Ingress
 from kv8.entrypoints.dp.replica import KV8Replica, ReplicaSpec
-from kv8.entrypoints.server_args import ServerArgs
+from kv8.entrypoints.openai.cli_args import ServerArgs, add_serve_args
 
 APP_NAME = "kv8"
 CONTROL_MARGIN = 16       # Serve calls a replica takes beyond its request limit (pings, metrics)
@@ -103,17 +103,22 @@ class DataParallelPlan:
         return ingress.bind(self.ingress, *handles)
 
 
+class _BuilderParser(argparse.ArgumentParser):
+    """argparse that raises ``ValueError`` (Serve shows it) instead of exiting the controller."""
+
+    def error(self, message: str) -> NoReturn:
+        raise ValueError(f"serve run kv8.entrypoints.dp.app:app_builder: {message}")
+
+
 def app_builder(args: Mapping[str, Any]) -> Any:
     """The application for ``serve run kv8.entrypoints.dp.app:app_builder key=value ...`` or a Serve config
     file: ``args`` are ``kv8 serve`` flags by their names (``model``, ``data_parallel_size``, ``kv_cache_dtype``,
     ``max_num_seqs`` ...; booleans as true/false), validated as the command line validates them. The HTTP
     address is Serve's (``serve run``'s / the config's ``http_options``)."""
-    from kv8.entrypoints.cli import build_parser
-
-    parser = build_parser()
-    subparsers = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
-    flags = {f for a in subparsers.choices["serve"]._actions for f in a.option_strings}
-    argv = ["serve", "--data-parallel-backend", "ray"]
+    parser = _BuilderParser(prog="kv8.entrypoints.dp.app:app_builder")
+    add_serve_args(parser, "--model", model_optional=True)
+    flags = {f for a in parser._actions for f in a.option_strings}
+    argv = ["--data-parallel-backend", "ray"]
     for key, value in args.items():
         flag = "--" + key.replace("_", "-")
         if isinstance(value, str) and value.lower() in ("true", "false"):

@@ -35,6 +35,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from kv8.entrypoints.dp.metrics import merge_replica_metrics, render_router_metrics
 from kv8.entrypoints.dp.replica import JSONReply, ReplicaInfo
 from kv8.entrypoints.dp.router import PrefixRouter, RouterConfig, routing_text
+from kv8.entrypoints.openai.cli_args import ServerArgs
 from kv8.entrypoints.openai.http import (
     SSEResponse,
     check_api_key,
@@ -45,7 +46,6 @@ from kv8.entrypoints.openai.http import (
 from kv8.entrypoints.openai.protocol import APIError
 from kv8.entrypoints.openai.request_run import Stream, sse
 from kv8.entrypoints.openai.routes import Route, enabled_routes
-from kv8.entrypoints.server_args import ServerArgs
 
 logger = logging.getLogger("kv8.ray_serve")
 

@@ -26,9 +26,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kv8.engine.args import EngineArgs
+from kv8.entrypoints.openai.cli_args import ServerArgs
 from kv8.entrypoints.openai.protocol import APIError
 from kv8.entrypoints.openai.routes import route_named
-from kv8.entrypoints.server_args import ServerArgs
 
 logger = logging.getLogger("kv8.ray_serve")
 

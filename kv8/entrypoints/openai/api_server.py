@@ -40,6 +40,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from kv8.engine.args import EngineArgs
 from kv8.engine.async_engine import AsyncEngine
+from kv8.entrypoints.openai.cli_args import ServerArgs
 from kv8.entrypoints.openai.http import (
     SSEResponse,
     check_api_key,
@@ -53,7 +54,6 @@ from kv8.entrypoints.openai.protocol import APIError
 from kv8.entrypoints.openai.request_run import ClientDisconnected, Stream
 from kv8.entrypoints.openai.routes import Route, enabled_routes
 from kv8.entrypoints.openai.serving import OpenAIServing, ServingLimits
-from kv8.entrypoints.server_args import ServerArgs
 
 if TYPE_CHECKING:
     from kv8.engine.engine import LLMEngine

@@ -28,8 +28,8 @@ from kv8.entrypoints.openai.protocol import (
 from kv8.entrypoints.openai.request_run import Stream
 
 if TYPE_CHECKING:
+    from kv8.entrypoints.openai.cli_args import ServerArgs
     from kv8.entrypoints.openai.serving import OpenAIServing
-    from kv8.entrypoints.server_args import ServerArgs
 
 #: waits until the client went away (returns then); a request's generation is aborted when it returns
 Disconnected = Callable[[], Awaitable[None]]

@@ -10,9 +10,11 @@ is frozen and picklable).
 
 from __future__ import annotations
 
+import argparse
 from dataclasses import dataclass
 
 from kv8 import envs
+from kv8.engine.args import EngineArgs
 from kv8.entrypoints.openai.tool_calling import ToolOptions
 from kv8.options import OptionGroup, from_config, option
 from kv8.validators import check_choice, check_int, check_number
@@ -109,3 +111,12 @@ class ServerArgs(OptionGroup):
     def resolved_ray_address(self) -> str | None:
         """The Ray cluster to join: ``--ray-address``, else ``$RAY_ADDRESS``; None = a new local cluster."""
         return self.ray_address or envs.ray_address()
+
+
+def add_serve_args(parser: argparse.ArgumentParser, *model_flags: str, model_optional: bool = False) -> None:
+    """The arguments of ``kv8 serve`` / ``kv8 run`` on ``parser``: the model (positional, and as ``model_flags``),
+    the server and data-parallel options and the engine options. ``serve run``'s builder parses its arguments with
+    the same set (:func:`kv8.entrypoints.dp.app.app_builder`)."""
+    EngineArgs.add_model_arg(parser, *model_flags, optional=model_optional)
+    ServerArgs.add_cli_args(parser, aliases=SERVER_FLAG_ALIASES)
+    EngineArgs.add_cli_args(parser)
