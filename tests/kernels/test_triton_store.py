@@ -12,8 +12,11 @@ Each test fills both caches with the same sentinel bytes first, so a byte writte
 from __future__ import annotations
 
 import importlib
+import json
 import math
 import os
+import subprocess
+import sys
 from types import SimpleNamespace
 
 import numpy as np
@@ -415,6 +418,24 @@ def test_shapes_scattered_slots_and_skipped_tokens(device: str, heads: int, dim:
 
 
 @device_param
+@pytest.mark.parametrize(("heads", "dim"), [(3, 96), (24, 256)])
+def test_padded_heads_and_heads_split_over_programs(device: str, heads: int, dim: int) -> None:
+    """H not a power of two (masked head lanes), and H * D over one tile (24 x 256: two programs per token, the
+    second half masked), with dynamic scales and with channel scales."""
+    assert triton.next_power_of_2(heads) * dim > 4096 or heads & (heads - 1)
+    g = torch.Generator().manual_seed(heads)
+    t = 5
+    key = torch.randn(t, heads, dim, generator=g) * 40
+    value = torch.randn(t, heads, dim, generator=g)
+    slots = torch.tensor([17, 2, -1, 31, 16])
+    assert_stores_like_reference(make_cache("fp8_e4m3", heads=heads, dim=dim, blocks=2, dynamic=True),
+                                 key, value, slots, device)
+    scales = layer_scales(ScaleGranularity.CHANNEL, heads, dim, seed=heads)
+    assert_stores_like_reference(make_cache("fp8_e5m2", heads=heads, dim=dim, blocks=2, scales=scales),
+                                 key, value, slots, device)
+
+
+@device_param
 def test_negative_slots_leave_every_byte_untouched(device: str) -> None:
     cache = make_cache("fp8_e4m3", heads=2, dim=64, blocks=2, dynamic=True)
     before = clone_cache(cache)
@@ -442,6 +463,72 @@ def test_strided_inputs_block_size_and_empty_batch(device: str) -> None:
     before = clone_cache(cache)
     kernel_store(cache, key[:0], value[:0], torch.zeros(0, dtype=torch.int64), device)
     assert torch.equal(cache.data, before.data)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the compiled kernel (no GPU needed: Triton compiles for sm_90 with its bundled ptxas)
+# ----------------------------------------------------------------------------------------------------------------
+
+_COMPILE_SCRIPT = r"""
+import json, os, re, sys
+os.environ.pop("TRITON_INTERPRET", None)
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+import kv8.kernels.triton.store as store
+fn = store._store_kv_kernel
+float_ptr = {0: "*fp32", 1: "*fp16", 2: "*bf16"}
+out = []
+for mode, fmt, kind_in, kind_out in json.loads(sys.argv[1]):
+    consts = dict(MODE=mode, FMT=fmt, IN=kind_in, OUT=kind_out, BLOCK_H=4, BLOCK_D=128)
+    sig = {}
+    for name in fn.arg_names:
+        if name in consts:
+            sig[name] = "constexpr"
+        elif name in ("key_ptr", "value_ptr"):
+            sig[name] = float_ptr[kind_in]
+        elif name in ("k_cache_ptr", "v_cache_ptr"):
+            sig[name] = "*u8" if mode else float_ptr[kind_out]
+        elif name == "slot_ptr":
+            sig[name] = "*i64"
+        elif name.endswith("_ptr"):
+            sig[name] = "*fp32"
+        elif name == "max_finite":
+            sig[name] = "fp32"
+        else:
+            sig[name] = "i64" if name.endswith("cb") else "i32"
+    kernel = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),
+                            options={"num_warps": 4})
+    ptx = kernel.asm["ptx"]
+    out.append(dict(ops=sorted(set(re.findall(r"\b(?:div|rcp|cvt|fma|mul)\.[a-z0-9.]+", ptx))), ftz=".ftz" in ptx,
+                    cubin=len(kernel.asm["cubin"])))
+print(json.dumps(out))
+"""
+
+
+def test_compiles_for_sm90_with_exact_float_ops(tmp_path) -> None:
+    """Compiled (not interpreted) for an H100: the only float division is div.rn.f32 (IEEE, subnormals kept; never
+    div.full/approx), nothing flushes to zero, no hardware fp8 conversion, the 16-bit casts are cvt.rn."""
+    pytest.importorskip("triton.backends.nvidia")
+    variants = [(1, 0, 2, 0), (2, 1, 1, 0), (2, 2, 0, 0), (0, 0, 0, 2), (0, 0, 2, 1)]   # MODE, FMT, IN, OUT
+    env = {**os.environ, "TRITON_CACHE_DIR": str(tmp_path), "PYTHONPATH": os.pathsep.join(sys.path)}
+    env.pop("TRITON_INTERPRET", None)
+    run = subprocess.run([sys.executable, "-c", _COMPILE_SCRIPT, json.dumps(variants)], env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    results = json.loads(run.stdout.strip().splitlines()[-1])
+    for (mode, _, kind_in, kind_out), result in zip(variants, results):
+        ops = set(result["ops"])
+        assert result["cubin"] > 0 and not result["ftz"], result
+        inexact = {op for op in ops if op.startswith(("div.full", "div.approx", "rcp"))
+                   or op.startswith(("fma", "mul")) and op.endswith(("f32", "f16"))}
+        assert not inexact, ops
+        assert not {op for op in ops if "e4m3" in op or "e5m2" in op or "satfinite" in op}, ops
+        assert ("div.rn.f32" in ops) == (mode != 0), ops
+        assert ("cvt.f32.f16" in ops) == (kind_in == 1), ops                 # fp16 widens exactly; bf16 by its bits
+        assert not {op for op in ops if "bf16" in op}, ops
+        if mode == 0 and kind_out == 1:
+            assert "cvt.rn.f16.f32" in ops, ops
 
 
 # ----------------------------------------------------------------------------------------------------------------
