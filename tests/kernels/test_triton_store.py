@@ -6,7 +6,9 @@ on CPU tensors (``TRITON_INTERPRET=1``, set here before kv8's kernels are decora
 ``TRITON_INTERPRET`` they run compiled on CUDA tensors. The device parameter is the one this process can run.
 
 Each test fills both caches with the same sentinel bytes first, so a byte written where the reference writes none
-(a skipped slot, a padded head or channel) fails too.
+(a skipped slot, a padded head or channel) fails too. What the interpreter cannot show (numpy divides exactly where
+Triton's ``/`` would be an approximate ``div.full.f32`` on a GPU) is checked on the PTX of the kernel compiled for
+sm_90, which needs no GPU.
 """
 
 from __future__ import annotations

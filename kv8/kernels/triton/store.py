@@ -19,11 +19,15 @@ communication between programs. ``BLOCK_D`` is ``D`` rounded up to a power of tw
 keep the interpreter fast).
 
 Bit-exactness (interpreter and compiled): the only float operations are IEEE ``div.rn`` divisions
-(:func:`kv8.kernels.triton.quant.scaled_rn`) and exact widenings; the FP8 encode, bf16 conversions, ``|x|``,
-``amax`` and the NaN/inf tests are integer operations on the bit patterns. A dynamic scale is
-``div_rn(amax, max_finite)`` with ``amax`` the largest ``|x|`` bit pattern (NaN and inf sort above every finite
-value): 1.0 where that pattern is not finite or the quotient is 0 -- the float32 arithmetic of
-:meth:`KVCodec.token_scales` on the CPU, where ``tensor / float`` is a true division.
+(:func:`kv8.kernels.triton.quant.scaled_rn`) and fp16 <-> float32 conversions (``cvt``: exact widening, RNE
+narrowing); the FP8 encode, bf16 conversions, ``|x|``, ``amax`` and the NaN/inf tests are integer operations on the
+bit patterns. A dynamic scale is ``div_rn(amax, max_finite)`` with ``amax`` the largest ``|x|`` bit pattern (NaN
+and inf sort above every finite value): 1.0 where that pattern is not finite or the quotient is 0 -- the float32
+arithmetic of :meth:`KVCodec.token_scales` on the CPU, where ``tensor / float`` is a true division. (On CUDA torch
+turns a division by a Python float into a multiplication by its rounded reciprocal, so the reference run on CUDA
+tensors can differ from this kernel in the last bit of a scale; the tests compute the reference on the CPU.) NaN
+written to a 16/32-bit cache is a NaN, but its payload bits are not part of the contract (torch's own differ by
+device and code path).
 
 Not checked (the launch never synchronizes with the device, so it can be captured in a CUDA graph): slots lie in
 ``[0, num_blocks * bs)`` or are negative and are distinct; static scales are finite and > 0
@@ -35,11 +39,11 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.runtime.interpreter import InterpretedFunction
+from triton.runtime.jit import JITFunction
 
 from kv8.kernels.triton.quant import FP8Layout, bf16_bits_to_f32, encode_fp8, f32_to_bf16_bits, fp8_format_id, scaled_rn
 
-__all__ = ["INPUT_DTYPES", "CACHE_DTYPES", "store_kv"]
+__all__ = ["CACHE_DTYPES", "INPUT_DTYPES", "interpreted", "store_kv"]
 
 INPUT_DTYPES: tuple[torch.dtype, ...] = (torch.bfloat16, torch.float16, torch.float32)
 CACHE_DTYPES: tuple[torch.dtype, ...] = (torch.bfloat16, torch.float16, torch.float32)  # 16/32-bit caches
@@ -125,7 +129,7 @@ def _store_kv_kernel(key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
 def interpreted() -> bool:
     """True when the kernels were built for Triton's interpreter (``TRITON_INTERPRET=1`` when this module was
     imported): CPU tensors work then, and only then."""
-    return isinstance(_store_kv_kernel, InterpretedFunction)
+    return not isinstance(_store_kv_kernel, JITFunction)
 
 
 def _describe(t: object) -> str:
