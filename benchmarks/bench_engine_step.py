@@ -18,7 +18,7 @@ import statistics
 import time
 
 from kv8 import LLM, SamplingParams
-from kv8.layers.dense_kernels import load_dense_kernels
+from kv8.kernels.dense import load_dense_kernels
 
 
 def measure(backend: str, args: argparse.Namespace) -> tuple[float, float]:

@@ -32,9 +32,10 @@ import torch
 import torch.nn.functional as F
 from revisions import worktree
 
-from kv8.layers.dense_kernels import SOURCE, DenseBackend, DenseKernels, select_dense_backend
+import kv8
+from kv8.kernels.build import build_shared_library
+from kv8.kernels.dense import SOURCE, DenseBackend, DenseKernels, select_dense_backend
 from kv8.layers.linear import LinearBase
-from kv8.native import build_shared_library
 
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # (out, in) per layer, SmolLM2-135M
 
@@ -66,7 +67,8 @@ def main() -> None:
                 tree = stack.enter_context(worktree(args.before, "--before")).path
             except (ValueError, RuntimeError) as e:
                 ap.error(str(e))
-            before = DenseKernels(build_shared_library(Path(tree) / SOURCE.relative_to(SOURCE.parents[2]), "native"))
+            before = DenseKernels(build_shared_library(Path(tree) / SOURCE.relative_to(Path(kv8.__file__).parents[1]),
+                                                        "native"))
         run(args, before)
 
 

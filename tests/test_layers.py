@@ -9,16 +9,16 @@ import logging
 import pytest
 import torch
 
-import kv8.layers.dense_kernels as dense_kernels
+import kv8.kernels.dense as dense_kernels
 from kv8.config import RopeScaling, check_dense_backend
 from kv8.engine.args import EngineArgs
 from kv8.engine.engine import LLMEngine
+from kv8.kernels.build import KernelUnavailable, cpu_flags
+from kv8.kernels.dense import TORCH_BACKEND, DenseBackend, DenseKernels, load_dense_kernels, select_dense_backend
 from kv8.layers.activation import GeluAndMul, SiluAndMul, gelu_tanh_mul_reference, silu_mul_reference
-from kv8.layers.dense_kernels import TORCH_BACKEND, DenseBackend, DenseKernels, load_dense_kernels, select_dense_backend
 from kv8.layers.linear import GateUpLinear, Linear, LinearBase, MergedLinear, QKVLinear, linear_reference
 from kv8.layers.norm import RMSNorm, rmsnorm_reference
 from kv8.layers.rotary import RotaryEmbedding, rope_reference
-from kv8.native import KernelUnavailable, cpu_flags
 from kv8.observer import EngineObserver
 from kv8.sampling_params import SamplingParams
 from tests.conftest import amx_path

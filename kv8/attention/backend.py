@@ -13,10 +13,10 @@ from typing import Protocol
 
 import torch
 
-from kv8.attention.fused import FusedCPUBackend, KernelUnavailable
 from kv8.attention.metadata import AttentionMetadata
 from kv8.attention.reference import paged_attention_reference
 from kv8.cache.paged_cache import PagedKVCache
+from kv8.kernels.attention import FusedCPUBackend, KernelUnavailable
 
 logger = logging.getLogger("kv8")
 

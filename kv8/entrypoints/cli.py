@@ -29,7 +29,7 @@ from kv8.config import (
 )
 from kv8.engine.args import EngineArgs
 from kv8.entrypoints.tool_calling import TOOL_CALL_PARSERS
-from kv8.native import KernelUnavailable
+from kv8.kernels.build import KernelUnavailable
 from kv8.quant.formats import resolve_kv_cache_dtype
 
 EPILOG = """examples:

@@ -14,12 +14,12 @@
 #pragma once
 
 #include "problem.h"
-#include "../../fp8_bf16.h"
-#include "../../simd_exp.h"
+#include "../common/fp8_bf16.h"
+#include "../common/simd_exp.h"
 
 #if KV8_FAST
 
-using Lut = Fp8Tables;   // ../../fp8_bf16.h
+using Lut = Fp8Tables;   // ../common/fp8_bf16.h
 
 static Lut make_lut(int fmt) {
     uint16_t b[128];

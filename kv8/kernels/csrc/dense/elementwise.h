@@ -1,4 +1,4 @@
-// Elementwise parts of a decoder layer. Included once, by dense_kernels.cpp, before dense_linear.h (whose gated
+// Elementwise parts of a decoder layer. Included once, by dense.cpp, before linear.h (whose gated
 // epilogue uses the bf16 helpers below).
 #pragma once
 

@@ -1,5 +1,5 @@
-// Packed bf16 linear layer (see dense_kernels.cpp for the layout, numerics and invariants). Included once,
-// by dense_kernels.cpp, after dense_elementwise.h (its bf16 helpers serve the gated epilogue).
+// Packed bf16 linear layer (see dense.cpp for the layout, numerics and invariants). Included once,
+// by dense.cpp, after elementwise.h (its bf16 helpers serve the gated epilogue).
 //
 // Gated (SiLU(gate) * up fused into the gate/up projection): the packed matrix holds the gate and up rows
 // interleaved in groups of 16 -- panel p = gate outputs 16p..16p+15, then up outputs 16p..16p+15 -- so the
@@ -177,7 +177,7 @@ static inline void row_blocks(const MicroFn* table, int max_mr, const uint16_t* 
 
 #if KV8_LINEAR_FAST
 // FP8 (E4M3) weights: the codes of the packed layout, one byte per value, in the order fp8_table_decode
-// (../../fp8_bf16.h) turns into the bf16 packed layout (kv8_linear_fp8). Byte b of a pair-row's 64 codes holds
+// (../common/fp8_bf16.h) turns into the bf16 packed layout (kv8_linear_fp8). Byte b of a pair-row's 64 codes holds
 // bf16 value v(b) = 8 (b / 16) + b % 8 for b % 16 < 8, else 32 + 8 (b / 16) + b % 8 -- the decode's lane order --
 // so one 64-byte load decodes into the pair-row's 32 + 32 bf16 values (columns 0..15, then 16..31).
 // The E4M3 (fn) tables: bias 7, subnormals at e = 0, 0x7F NaN (never produced by the quantizer: it saturates).

@@ -1,5 +1,5 @@
 // Row argmax of float32 logits, for greedy decoding and the sampler's exponential race. Included once, by
-// dense_kernels.cpp, after dense_elementwise.h (tail_mask, PARALLEL_MIN).
+// dense.cpp, after elementwise.h (tail_mask, PARALLEL_MIN).
 //
 // Why: torch.argmax(dim=-1) on CPU reads a [B, 49152] float32 row at ~1.6 GB/s on this project's machine
 // (1.3-1.6 ms at B = 32, ~2% of a decode step); this kernel streams it with AVX-512 compares.

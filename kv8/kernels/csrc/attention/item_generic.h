@@ -1,5 +1,5 @@
 // The generic item kernel: fp32 arithmetic, any KV dtype, any head dim, any ISA. FP8 is decoded on bits
-// (common.h; exact for subnormals because every kernel thread clears DAZ/FTZ). It is the path of fp16 /
+// (base.h; exact for subnormals because every kernel thread clears DAZ/FTZ). It is the path of fp16 /
 // fp32 caches, of head dims that are not a multiple of 16, and of builds without AVX-512 BF16; it
 // carries no arithmetic shared with the fast kernels (those multiply bf16 in registers).
 //

@@ -18,7 +18,7 @@
 //   S^T tiles stored, then V decoded while those stores complete, then the gathers and the softmax, then P.V.
 // * Rows outside the item's [k0, t1) are zeros in the decoded K and V (pad_tile for a bf16 cache), masked in
 //   the scores, and weigh 0.
-// * An item may hold several KV heads of its sequence (Item::nh, item_heads_of in cpu_kernels.cpp): chunk by
+// * An item may hold several KV heads of its sequence (Item::nh, item_heads_of in attention.cpp): chunk by
 //   chunk, each head's tiles in turn with its own Q^T, scale, softmax state and output (DecodeHead), so the
 //   item reads each block's rows of those heads -- adjacent in the cache -- in address order.
 // * D = 64: both Q^T steps stay in tiles 1 and 7 for a head's whole chunk (QT_RESIDENT), O uses tiles 5, 6.

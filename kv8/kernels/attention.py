@@ -3,19 +3,19 @@
 Why this shape: PyTorch's float8 conversions run at ~1 GB/s on this CPU, so dequantize-then-attend is slower
 than a bf16 cache; the dequant has to live inside the attention loop. numba is not installed and
 ``torch.compile`` takes tens of seconds to start and cannot express the bit-level decode, so the kernels are
-plain C++ (``cpu_kernels.cpp`` and the parts it includes from ``csrc/``; intrinsics, OpenMP, a C ABI, no torch
+plain C++ (``csrc/attention/attention.cpp`` and the parts it includes; intrinsics, OpenMP, a C ABI, no torch
 headers), compiled with the system ``g++`` once (about 11 s; ``scripts/setup.sh`` does it) and cached
-(:mod:`kv8.native`: one build per source and included headers, compiler and CPU, atomic publication). The
+(:mod:`kv8.kernels.build`: one build per source and included headers, compiler and CPU, atomic publication). The
 library links ``libgomp.so.1`` by soname, so in a torch process it shares torch's OpenMP runtime and thread pool.
 
-Interface: each entry point takes pointers to argument structs (``csrc/abi.h``) mirrored here with
+Interface: each entry point takes pointers to argument structs (``csrc/attention/abi.h``) mirrored here with
 ``ctypes.Structure``; the library exports their layout, its dtype codes and its error messages, and
 :class:`KernelLibrary` reads them at load (a layout mismatch is :class:`KernelUnavailable`), so no number of the
 C side is copied here. A layer's struct (cache pointers, scales) is built once per (cache, layer) and reused.
 
 On a CPU with AVX-512 BF16 + VBMI the kernel decodes FP8 straight to bf16 with in-register byte tables and
 multiplies with ``vdpbf16ps`` (exact products, fp32 accumulation); elsewhere, and for fp16/fp32 caches, it
-runs an fp32 path that decodes FP8 on bits. Details and precision: see ``cpu_kernels.cpp``. Numerics versus
+runs an fp32 path that decodes FP8 on bits. Details and precision: see ``attention.cpp``. Numerics versus
 :func:`kv8.attention.reference.paged_attention_reference`: q and the softmax weights are carried as bf16
 hi + lo (about 16 significant bits; q exactly when it is bf16; the weights in bf16 alone when the output is
 bf16), products are exact and accumulated in fp32.
@@ -36,7 +36,7 @@ import torch
 
 from kv8.attention.metadata import AttentionMetadata
 from kv8.cache.paged_cache import PagedKVCache
-from kv8.native import KernelUnavailable, build_shared_library
+from kv8.kernels.build import KernelUnavailable, build_shared_library
 
 logger = logging.getLogger("kv8")
 
@@ -50,10 +50,10 @@ __all__ = [
     "store_kv_fused",
 ]
 
-SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
+SOURCE = Path(__file__).parent / "csrc" / "attention" / "attention.cpp"
 
 # ------------------------------------------------------------------------------------------------
-# The argument structs (csrc/abi.h); KernelLibrary checks them against the library's kv8_abi_layout().
+# The argument structs (csrc/attention/abi.h); KernelLibrary checks them against the library's kv8_abi_layout().
 # ------------------------------------------------------------------------------------------------
 
 _P = ctypes.c_void_p
@@ -113,7 +113,7 @@ def check_abi(c_layout: str, structs: tuple[tuple[str, type[ctypes.Structure]], 
     """Raise :class:`KernelUnavailable` unless the library's struct layout equals the ctypes mirror's."""
     mine = abi_layout(structs)
     if c_layout != mine:
-        raise KernelUnavailable("the kernel library's argument structs differ from kv8/attention/fused.py's mirror "
+        raise KernelUnavailable("the kernel library's argument structs differ from kv8/kernels/attention.py's mirror "
                                 f"(edit both together):\n  C:      {c_layout}\n  Python: {mine}")
 
 

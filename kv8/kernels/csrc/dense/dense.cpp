@@ -1,12 +1,12 @@
 // kv8 CPU kernels for the dense part of a decoder layer, bf16 in and out: linear layers on pre-packed
-// weights (csrc/dense_linear.h), and RMSNorm with the residual add fused in, SiLU(gate) * up, and RoPE of q/k
-// with v copied out (csrc/dense_elementwise.h). This file is the one translation unit; the parts are
-// headers so that the build stays one g++ call (kv8/native.py hashes every included file).
+// weights (linear.h), and RMSNorm with the residual add fused in, SiLU(gate) * up, and RoPE of q/k
+// with v copied out (elementwise.h). This file is the one translation unit; the parts are
+// headers so that the build stays one g++ call (kv8/kernels/build.py hashes every included file).
 //
-// Also the row argmax of float32 logits that the sampler uses (csrc/dense_argmax.h).
+// Also the row argmax of float32 logits that the sampler uses (argmax.h).
 //
-// Plain C ABI (extern "C"), loaded with ctypes by kv8/layers/dense_kernels.py, compiled there with
-// `g++ -O3 -march=native -fopenmp -shared -fPIC` (the build is kv8/native.py's). No torch headers.
+// Plain C ABI (extern "C"), loaded with ctypes by kv8/kernels/dense.py, compiled there with
+// `g++ -O3 -march=native -fopenmp -shared -fPIC` (the build is kv8/kernels/build.py's). No torch headers.
 //
 // Linear. Why: a decode step multiplies a few rows (one per running sequence) with every weight matrix, so its
 // cost is reading the weights. oneDNN's bf16 GEMM reaches ~10 GB/s of weights inside the model on this
@@ -36,20 +36,20 @@
 // set the attention library's fast path needs too.
 #if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VBMI__)
 #include <immintrin.h>
-#include "../simd_exp.h"
-#include "../fp8_bf16.h"
+#include "../common/simd_exp.h"
+#include "../common/fp8_bf16.h"
 #define KV8_LINEAR_FAST 1
 #else
 #define KV8_LINEAR_FAST 0
 #endif
-#include "../amx_tiles.h"
+#include "../common/amx_tiles.h"
 #if KV8_LINEAR_FAST && KV8_AMX
 #include <cstdlib>
-#define KV8_LINEAR_AMX 1   // AMX-BF16 tiles for the linear layers (csrc/dense_linear.h)
+#define KV8_LINEAR_AMX 1   // AMX-BF16 tiles for the linear layers (linear.h)
 #else
 #define KV8_LINEAR_AMX 0
 #endif
 
-#include "csrc/dense_elementwise.h"
-#include "csrc/dense_linear.h"
-#include "csrc/dense_argmax.h"
+#include "elementwise.h"
+#include "linear.h"
+#include "argmax.h"

@@ -1,5 +1,5 @@
-"""kv8's dense CPU kernels (``kv8/layers/dense_kernels.cpp``, AVX-512 BF16 and VBMI) through ctypes, and the choice
-of the dense backend.
+"""kv8's dense CPU kernels (``csrc/dense/dense.cpp``, AVX-512 BF16 and VBMI) through ctypes, and the choice of
+the dense backend.
 
 :class:`DenseKernels` wraps the C ABI: ``pack`` / ``linear`` (a bf16 matrix in a packed layout that the
 kernel streams while prefetching the next panels; multiplied with AMX tiles where the CPU has AMX-BF16, else
@@ -28,13 +28,13 @@ from pathlib import Path
 import torch
 
 from kv8.config import check_dense_backend, check_quantization
-from kv8.native import KernelUnavailable, build_shared_library
+from kv8.kernels.build import KernelUnavailable, build_shared_library
 
 logger = logging.getLogger("kv8")
 
 __all__ = ["DenseBackend", "DenseKernels", "TORCH_BACKEND", "load_dense_kernels", "select_dense_backend"]
 
-SOURCE = Path(__file__).with_name("dense_kernels.cpp")
+SOURCE = Path(__file__).parent / "csrc" / "dense" / "dense.cpp"
 
 _P, _L, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 
@@ -77,7 +77,7 @@ class DenseKernels:
         self.amx = bool(lib.kv8_linear_amx_available())
 
     def pack(self, weight: torch.Tensor) -> torch.Tensor:
-        """``weight [N, K]`` bf16 -> its packed layout (1-D bf16; see ``dense_kernels.cpp``)."""
+        """``weight [N, K]`` bf16 -> its packed layout (1-D bf16; see ``csrc/dense/dense.cpp``)."""
         if weight.dtype != torch.bfloat16 or weight.ndim != 2:
             raise ValueError(f"weight must be a 2-D bfloat16 tensor, got {weight.dtype} {list(weight.shape)}")
         w = weight.contiguous()
@@ -90,7 +90,7 @@ class DenseKernels:
     def pack_fp8(self, codes: torch.Tensor) -> torch.Tensor:
         """E4M3 codes ``[N, K]`` (uint8) -> the FP8 packed layout (1-D uint8, ``kv8_linear_packed_size(N, K)``
         codes): the bf16 packed layout's order of values with each pair-row's 64 codes in the order the kernel's
-        table decode turns into that layout (``decode_panels_fp8`` in ``csrc/dense_linear.h``)."""
+        table decode turns into that layout (``decode_panels_fp8`` in ``csrc/dense/linear.h``)."""
         if codes.dtype != torch.uint8 or codes.ndim != 2:
             raise ValueError(f"codes must be a 2-D uint8 tensor, got {codes.dtype} {list(codes.shape)}")
         n, k = codes.shape
@@ -195,7 +195,7 @@ class DenseKernels:
 
     def argmax(self, x: torch.Tensor) -> torch.Tensor:
         """``torch.argmax(x, dim=-1)`` of ``x [B, V]`` float32 (int64 ``[B]``: the lowest index of each row's
-        maximum) for rows without NaN; a NaN entry is never chosen (see ``csrc/dense_argmax.h``)."""
+        maximum) for rows without NaN; a NaN entry is never chosen (see ``csrc/dense/argmax.h``)."""
         if x.dtype != torch.float32 or x.ndim != 2 or x.shape[1] == 0:
             raise ValueError(f"x must be a 2-D float32 tensor with columns, got {x.dtype} {list(x.shape)}")
         x = x.contiguous()

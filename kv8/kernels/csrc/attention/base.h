@@ -21,7 +21,7 @@
 
 // AMX-BF16 tiles for the prefill loop (item_tile.h) and decode items (item_decode_amx.h) where the build targets
 // them, on top of the fast path.
-#include "../../amx_tiles.h"
+#include "../common/amx_tiles.h"
 #define KV8_ATTN_AMX (KV8_FAST && KV8_AMX)
 
 // KV cache element types; the names are kv8.quant.formats.KVCacheDtype.name. FP8 codes come first

@@ -5,7 +5,7 @@
 // FP8 with static scales: code = saturate(rne(x / scale)) with the layer's K/V scales (strides over head and
 // channel). FP8 with dynamic scales: each (token, head) gets scale amax|x| / max_finite (1.0 when that is 0
 // or not finite), written beside its codes. 16/32-bit caches store the value converted (round to nearest
-// even). Bit-exact with kv8.cache.paged_cache.PagedKVCache.store, NaN rule included (common.h).
+// even). Bit-exact with kv8.cache.paged_cache.PagedKVCache.store, NaN rule included (base.h).
 //
 // Where the fast path is compiled, FP8 rows (D a multiple of 16; dynamic scales, or static ones with a channel
 // stride of 0 or 1) are encoded 16 values at a time by fp8_encode16, which gives fp8_encode's bits (the tests
@@ -14,7 +14,7 @@
 // their misses overlap instead of stalling the stores one row at a time.
 #pragma once
 
-#include "common.h"
+#include "base.h"
 #include "abi.h"
 
 #if KV8_FAST

@@ -1,5 +1,5 @@
-// The argument structures of the C entry points (kv8/attention/cpu_kernels.cpp), mirrored by
-// ctypes.Structure classes in kv8/attention/fused.py. Each struct is declared once, as a field list; the
+// The argument structures of the C entry points (attention.cpp), mirrored by ctypes.Structure classes
+// in kv8/kernels/attention.py. Each struct is declared once, as a field list; the
 // same list generates the struct and kv8_abi_layout(), a text that names every field with its offset and
 // size. Python builds the same text from its mirror at load and refuses a library whose text differs.
 //

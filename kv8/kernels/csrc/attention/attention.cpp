@@ -1,22 +1,22 @@
 // kv8 CPU kernels: fused paged attention over an 8/16/32-bit paged KV cache, and quantize-on-store.
 //
 // The one translation unit of the library: it includes the parts below and defines the C ABI (extern "C",
-// argument structs in csrc/abi.h), loaded with ctypes by kv8/attention/fused.py and compiled by
-// kv8/native.py (`g++ -O3 -march=<march> -fopenmp -shared -fPIC`; the build hash covers every file included
-// here, recursively). No torch headers: pointers and sizes only.
+// argument structs in abi.h), loaded with ctypes by kv8/kernels/attention.py and compiled by kv8/kernels/build.py
+// (`g++ -O3 -march=<march> -fopenmp -shared -fPIC`; the build hash covers every file included here, recursively).
+// No torch headers: pointers and sizes only.
 //
-//   csrc/common.h        dtype and error codes (their one definition), scalar conversions, FP8 codecs on bits
-//   csrc/abi.h           kv8_layer / kv8_attention_call / kv8_store_call, and their layout text
-//   csrc/problem.h       Problem, items, row geometry, tile walk (block ids checked), prefetch, row finish
-//   csrc/plan.h          work items, threads, partition combine (log-sum-exp)
-//   csrc/item_generic.h  item kernel: fp32, any KV dtype / head dim / ISA
-//   csrc/fast_simd.h     AVX-512 BF16 building blocks: FP8 -> bf16 tables, K / V register layouts, P.V step
-//   csrc/item_tile.h     item kernel: AVX-512 BF16, any item shape (prefill, fp16 / fp32 compute; a prefill loop
-//                        for items of more than 4 rows with D <= 128)
-//   csrc/item_decode.h   item kernel: AVX-512 BF16, decode-shaped items (<= 4 rows, bf16 compute)
-//   ../amx_tiles.h       AMX permission and tile configuration (shared with the dense library)
-//   ../fp8_bf16.h        FP8 -> bf16 table decode in registers (shared with the dense library's FP8 weights)
-//   csrc/store.h         quantize-on-store
+//   base.h                 dtype and error codes (their one definition), scalar conversions, FP8 codecs on bits
+//   abi.h                  kv8_layer / kv8_attention_call / kv8_store_call, and their layout text
+//   problem.h              Problem, items, row geometry, tile walk (block ids checked), prefetch, row finish
+//   plan.h                 work items, threads, partition combine (log-sum-exp)
+//   item_generic.h         item kernel: fp32, any KV dtype / head dim / ISA
+//   fast_simd.h            AVX-512 BF16 building blocks: FP8 -> bf16 tables, K / V register layouts, P.V step
+//   item_tile.h            item kernel: AVX-512 BF16, any item shape (prefill, fp16 / fp32 compute; a prefill loop
+//                          for items of more than 4 rows with D <= 128)
+//   item_decode.h          item kernel: AVX-512 BF16, decode-shaped items (<= 4 rows, bf16 compute)
+//   ../common/amx_tiles.h  AMX permission and tile configuration (shared with the dense library)
+//   ../common/fp8_bf16.h   FP8 -> bf16 table decode in registers (shared with the dense library's FP8 weights)
+//   store.h                quantize-on-store
 //
 // Cache layer layout: k_cache / v_cache are [num_blocks, H_kv, block_size, D] contiguous (uint8 FP8 codes,
 // or bf16 / fp16 / fp32). read = decode(code) * scale, with static scales (float32, element strides over
@@ -41,15 +41,15 @@
 // Entry points: production (kv8_has_fast_path, the code tables, kv8_abi_layout, kv8_paged_attention,
 // kv8_store_kv) and, at the end, a testing interface (kv8_test_*) that production code never calls.
 
-#include "csrc/common.h"
-#include "csrc/abi.h"
-#include "csrc/problem.h"
-#include "csrc/plan.h"
-#include "csrc/item_generic.h"
-#include "csrc/item_tile.h"
-#include "csrc/item_decode.h"
-#include "csrc/item_decode_amx.h"
-#include "csrc/store.h"
+#include "base.h"
+#include "abi.h"
+#include "problem.h"
+#include "plan.h"
+#include "item_generic.h"
+#include "item_tile.h"
+#include "item_decode.h"
+#include "item_decode_amx.h"
+#include "store.h"
 
 enum { KERNEL_GENERIC = 0, KERNEL_TILE = 1, KERNEL_DECODE = 2, KERNEL_PREFILL = 3, KERNEL_AMX = 4,
        KERNEL_AMX_DECODE = 5 };
@@ -117,7 +117,7 @@ const char* kv8_compute_dtype_name(int code) {
 // Message of return code `code` (0 = "ok"), NULL past the last one.
 const char* kv8_error_message(int code) { return code >= 0 && code < ERR_COUNT ? ERROR_MESSAGES[code] : nullptr; }
 
-// Names, offsets and sizes of the argument structs' fields (csrc/abi.h), checked by Python at load.
+// Names, offsets and sizes of the argument structs' fields (abi.h), checked by Python at load.
 const char* kv8_abi_layout(void) { return abi_layout_text(); }
 
 // Paged attention of one layer over the stored context (see kv8_attention_call). Checks what memory safety
@@ -137,7 +137,7 @@ int kv8_paged_attention(const kv8_layer* layer, const kv8_attention_call* call) 
 int kv8_store_kv(const kv8_layer* layer, const kv8_store_call* call) { return run_store(*layer, *call); }
 
 // ------------------------------------------------------------------------------------------------
-// Testing interface: entry points for kv8's tests only (kv8.attention.fused.KernelTesting)
+// Testing interface: entry points for kv8's tests only (kv8.kernels.attention.KernelTesting)
 // ------------------------------------------------------------------------------------------------
 
 // Which item kernel serves items of `rows` rows (query heads per KV head x query tokens of one sequence) in a
