@@ -34,7 +34,8 @@ from revisions import worktree
 
 import kv8
 from kv8.kernels.build import build_shared_library
-from kv8.kernels.dense import SOURCE, DenseBackend, DenseKernels, select_dense_backend
+from kv8.kernels.dense import SOURCE, DenseKernels
+from kv8.layers.dense_backend import DenseBackend, select_dense_backend
 from kv8.layers.linear import LinearBase
 
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # (out, in) per layer, SmolLM2-135M

@@ -30,7 +30,7 @@ from kv8.quant.formats import KVCacheDtype
 
 # auto, then the names registered in kv8.attention.backend.BACKENDS (tests check that the two agree)
 ATTENTION_BACKENDS = ("auto", "cpu_fused", "reference")
-# kv8.kernels.dense: torch ops, or kv8's packed AVX-512 BF16 linear layers with fused norm/SiLU/RoPE
+# kv8.layers.dense_backend: torch ops, or kv8's packed AVX-512 BF16 linear layers with fused norm/SiLU/RoPE
 DENSE_BACKENDS = ("auto", "torch", "packed_bf16")
 # weight quantization at load (vLLM's --quantization): fp8 = E4M3 weights with one float32 scale per output row
 QUANTIZATION_METHODS = ("fp8",)

@@ -14,8 +14,9 @@ import torch
 from kv8 import LLM, SamplingParams
 from kv8.engine.args import EngineArgs
 from kv8.kernels.build import KernelUnavailable
-from kv8.kernels.dense import DenseBackend, DenseKernels, load_dense_kernels, select_dense_backend
+from kv8.kernels.dense import DenseKernels, load_dense_kernels
 from kv8.layers.activation import SiluAndMul
+from kv8.layers.dense_backend import DenseBackend, select_dense_backend
 from kv8.layers.linear import (
     GateUpLinear,
     Linear,

@@ -32,6 +32,7 @@ import pytest
 import torch
 
 import kv8.attention.backend as backend_mod
+import kv8.attention.fused as fused_backend
 from kv8.attention.backend import FusedCPUBackend, ReferenceBackend, get_backend
 from kv8.attention.metadata import AttentionMetadata
 from kv8.attention.reference import paged_attention_reference
@@ -536,7 +537,7 @@ def test_auto_falls_back_with_one_warning(monkeypatch: pytest.MonkeyPatch, caplo
     def unavailable() -> kernels.KernelLibrary:
         raise KernelUnavailable("no C++ compiler: 'g++' is not on PATH")
 
-    monkeypatch.setattr(kernels, "load_kernels", unavailable)
+    monkeypatch.setattr(fused_backend, "load_kernels", unavailable)
     monkeypatch.setattr(backend_mod, "_auto_fallback_warned", False)
     with caplog.at_level(logging.WARNING, logger="kv8"):
         first, second = get_backend("auto"), get_backend("auto")

@@ -10,12 +10,14 @@ import pytest
 import torch
 
 import kv8.kernels.dense as dense_kernels
+import kv8.layers.dense_backend as dense_backend
 from kv8.config import RopeScaling, check_dense_backend
 from kv8.engine.args import EngineArgs
 from kv8.engine.engine import LLMEngine
 from kv8.kernels.build import KernelUnavailable, cpu_flags
-from kv8.kernels.dense import TORCH_BACKEND, DenseBackend, DenseKernels, load_dense_kernels, select_dense_backend
+from kv8.kernels.dense import DenseKernels, load_dense_kernels
 from kv8.layers.activation import GeluAndMul, SiluAndMul, gelu_tanh_mul_reference, silu_mul_reference
+from kv8.layers.dense_backend import TORCH_BACKEND, DenseBackend, select_dense_backend
 from kv8.layers.linear import GateUpLinear, Linear, LinearBase, MergedLinear, QKVLinear, linear_reference
 from kv8.layers.norm import RMSNorm, rmsnorm_reference
 from kv8.layers.rotary import RotaryEmbedding, rope_reference
@@ -446,7 +448,7 @@ def test_missing_compiler_falls_back_once_or_raises(monkeypatch: pytest.MonkeyPa
     monkeypatch.setenv("KV8_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(dense_kernels, "_LOADED", [])
     monkeypatch.setattr(dense_kernels, "_FAILED", [])
-    monkeypatch.setattr(dense_kernels, "_auto_fallback_logged", False)
+    monkeypatch.setattr(dense_backend, "_auto_fallback_logged", False)
     with caplog.at_level(logging.WARNING, logger="kv8"):
         assert select_dense_backend("auto", torch.bfloat16) is TORCH_BACKEND
         assert select_dense_backend("auto", torch.bfloat16) is TORCH_BACKEND

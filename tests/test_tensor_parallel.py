@@ -24,7 +24,7 @@ from kv8 import LLM, SamplingParams
 from kv8.config import CacheConfig, ModelArchConfig, ParallelConfig
 from kv8.distributed.group import TensorParallelError, TPGroup
 from kv8.distributed.shard import building_shard, kv_head_shard, local_head_counts
-from kv8.kernels.dense import TORCH_BACKEND
+from kv8.layers.dense_backend import TORCH_BACKEND
 from kv8.layers.linear import MergedLinear, QKVLinear, RowParallelLinear
 from kv8.quant.formats import resolve_kv_cache_dtype
 from kv8.quant.scale_files import write_kv8_scales_json

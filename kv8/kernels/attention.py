@@ -1,4 +1,5 @@
-"""Fused CPU paged attention and quantize-on-store: a C++ kernel built on first use, called through ctypes.
+"""The attention library: fused CPU paged attention and quantize-on-store, a C++ kernel built on first use,
+called through ctypes (the ``cpu_fused`` backend, :class:`kv8.attention.fused.FusedCPUBackend`, calls it).
 
 Why this shape: PyTorch's float8 conversions run at ~1 GB/s on this CPU, so dequantize-then-attend is slower
 than a bf16 cache; the dequant has to live inside the attention loop. numba is not installed and
@@ -27,7 +28,6 @@ input (FP8: ``saturate(rne(x / scale))``, the NaN rule of :meth:`kv8.quant.forma
 from __future__ import annotations
 
 import ctypes
-import logging
 import weakref
 from pathlib import Path
 from typing import Any
@@ -38,10 +38,7 @@ from kv8.attention.metadata import AttentionMetadata
 from kv8.cache.paged_cache import PagedKVCache
 from kv8.kernels.build import KernelUnavailable, build_shared_library
 
-logger = logging.getLogger("kv8")
-
 __all__ = [
-    "FusedCPUBackend",
     "KernelLibrary",
     "KernelTesting",
     "KernelUnavailable",
@@ -139,12 +136,12 @@ def _names(fn: Any) -> dict[str, int]:
 class KernelLibrary:
     """The loaded kernels (build with :func:`load_kernels`).
 
-    Production interface, used by :class:`FusedCPUBackend`: :meth:`store` and :meth:`attention`. They trust
-    their arguments (the engine validated options and shapes at its boundary): tensors on the CPU, contiguous
-    int64 metadata, shapes matching the cache. The C side still checks what memory safety needs (block ids,
-    slots, lengths, table width) and a failure raises ``ValueError`` naming it. :func:`store_kv_fused` and
-    :func:`paged_attention_fused` are the validated entries for direct use; :class:`KernelTesting` holds
-    what only tests use.
+    Production interface, used by :class:`kv8.attention.fused.FusedCPUBackend`: :meth:`store` and
+    :meth:`attention`. They trust their arguments (the engine validated options and shapes at its boundary): tensors
+    on the CPU, contiguous int64 metadata, shapes matching the cache. The C side still checks what memory safety
+    needs (block ids, slots, lengths, table width) and a failure raises ``ValueError`` naming it.
+    :func:`store_kv_fused` and :func:`paged_attention_fused` are the validated entries for direct use;
+    :class:`KernelTesting` holds what only tests use.
     """
 
     def __init__(self, path: Path, march: str) -> None:
@@ -393,24 +390,3 @@ def paged_attention_fused(lib: KernelLibrary, query: torch.Tensor, cache: PagedK
                          f" and block_tables {list(meta.block_tables.shape)}")
     return lib.attention(query, cache, layer, meta, float(scale), partition_size, plan_threads)
 
-
-class FusedCPUBackend:
-    """Store with the C++ quantize-on-store kernel, then attend with the fused paged-attention kernel.
-
-    Construction builds/loads the kernels and raises :class:`KernelUnavailable` (with the reason) if it can't.
-    ``forward`` calls the library's trusted entries: the engine validated shapes and dtypes at its boundary,
-    and the per-layer checks run once, when a layer's arguments are built.
-    """
-
-    name = "cpu_fused"
-
-    def __init__(self) -> None:
-        self.lib = load_kernels()
-        # the work is always split for the threads the engine started with, so that an engine whose thread
-        # count kv8.engine.threads lowers under load computes the same bits
-        self.plan_threads = torch.get_num_threads()
-
-    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cache: PagedKVCache,
-                layer: int, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        self.lib.store(key, value, cache, layer, meta.slot_mapping)
-        return self.lib.attention(query, cache, layer, meta, scale, plan_threads=self.plan_threads)

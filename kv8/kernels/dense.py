@@ -1,5 +1,4 @@
-"""kv8's dense CPU kernels (``csrc/dense/dense.cpp``, AVX-512 BF16 and VBMI) through ctypes, and the choice of
-the dense backend.
+"""kv8's dense CPU kernels (``csrc/dense/dense.cpp``, AVX-512 BF16 and VBMI) through ctypes.
 
 :class:`DenseKernels` wraps the C ABI: ``pack`` / ``linear`` (a bf16 matrix in a packed layout that the
 kernel streams while prefetching the next panels; multiplied with AMX tiles where the CPU has AMX-BF16, else
@@ -10,29 +9,20 @@ projection, v copied out beside them); and ``argmax`` (rows of float32 logits, f
 checks dtypes and shapes and raises ``ValueError``; every dense kernel takes bf16 and returns new contiguous bf16
 tensors. The layers that use them, each beside its plain torch reference, are in :mod:`kv8.layers.linear`,
 :mod:`~kv8.layers.norm`, :mod:`~kv8.layers.activation` and :mod:`~kv8.layers.rotary`; the sampler's choice of
-argmax is :func:`kv8.engine.sampler.select_argmax`.
-
-:func:`select_dense_backend` turns the engine option ``dense_backend`` (checked by
-:func:`kv8.config.check_dense_backend`) into a :class:`DenseBackend`, once, when the model loads:
-``torch`` runs torch ops; ``packed_bf16`` runs these kernels and needs a bf16 model; ``auto`` is
-``packed_bf16`` for bf16 models when the kernels build and load, else torch (with one warning per process).
+argmax is :func:`kv8.engine.sampler.select_argmax`; whether a model's layers use them is its
+:class:`kv8.layers.dense_backend.DenseBackend`.
 """
 
 from __future__ import annotations
 
 import ctypes
-import logging
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from kv8.config import check_dense_backend, check_quantization
 from kv8.kernels.build import KernelUnavailable, build_shared_library
 
-logger = logging.getLogger("kv8")
-
-__all__ = ["DenseBackend", "DenseKernels", "TORCH_BACKEND", "load_dense_kernels", "select_dense_backend"]
+__all__ = ["DenseKernels", "load_dense_kernels"]
 
 SOURCE = Path(__file__).parent / "csrc" / "dense" / "dense.cpp"
 
@@ -232,50 +222,3 @@ def load_dense_kernels() -> DenseKernels:
             raise
     return _LOADED[0]
 
-
-_auto_fallback_logged = False
-
-
-@dataclass(frozen=True)
-class DenseBackend:
-    """How the dense layers of a model compute: ``name`` is ``"torch"`` (``kernels`` is None) or
-    ``"packed_bf16"`` (``kernels`` is the loaded library). Each layer picks its implementation from it when it
-    is constructed; nothing switches afterwards."""
-
-    name: str
-    kernels: DenseKernels | None = None
-    quantization: str | None = None   # the decoder's linear layers: None (as loaded) or "fp8"
-
-    def __post_init__(self) -> None:
-        check_quantization(self.quantization)
-        if (self.name == "packed_bf16") != (self.kernels is not None):
-            raise ValueError(f"dense backend {self.name!r} must come with kernels exactly when it is 'packed_bf16'")
-
-
-TORCH_BACKEND = DenseBackend("torch")
-
-
-def _torch_backend(quantization: str | None) -> DenseBackend:
-    return TORCH_BACKEND if quantization is None else DenseBackend("torch", None, quantization)
-
-
-def select_dense_backend(name: str, dtype: torch.dtype, quantization: str | None = None) -> DenseBackend:
-    """The backend for option ``name`` (one of ``kv8.config.DENSE_BACKENDS``, already validated against
-    ``dtype``) with the weight ``quantization`` (None or ``"fp8"``). ``packed_bf16`` raises
-    :class:`KernelUnavailable` if the kernels cannot be built or loaded; ``auto`` then says why once per process
-    and uses torch; models in other dtypes than bf16 use torch."""
-    global _auto_fallback_logged
-    check_dense_backend(name, dtype)   # once per model load; callers other than the engine reach here too
-    check_quantization(quantization)
-    if name == "torch" or dtype != torch.bfloat16:
-        return _torch_backend(quantization)
-    try:
-        kernels = load_dense_kernels()
-    except KernelUnavailable as exc:
-        if name == "packed_bf16":
-            raise
-        if not _auto_fallback_logged:
-            _auto_fallback_logged = True
-            logger.warning("dense layers: using torch because kv8's CPU kernels are unavailable: %s", exc)
-        return _torch_backend(quantization)
-    return DenseBackend("packed_bf16", kernels, quantization)

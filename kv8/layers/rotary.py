@@ -45,7 +45,7 @@ import torch
 from torch import nn
 
 from kv8.config import RopeScaling
-from kv8.kernels.dense import DenseBackend
+from kv8.layers.dense_backend import DenseBackend
 
 __all__ = ["RopeAngles", "RotaryEmbedding", "apply_rope", "rope_inv_freq", "rope_reference"]
 

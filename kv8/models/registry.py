@@ -13,8 +13,8 @@ from typing import Any, ClassVar, Protocol
 import torch
 
 from kv8.config import ModelArchConfig
-from kv8.kernels.dense import DenseBackend
 from kv8.layers.attention import AttentionContext
+from kv8.layers.dense_backend import DenseBackend
 from kv8.models.gemma3 import Gemma3ForCausalLM
 from kv8.models.llama import LlamaForCausalLM
 from kv8.models.phi3 import Phi3ForCausalLM
