@@ -39,6 +39,7 @@ from kv8.attention.reference import paged_attention_reference
 from kv8.cache.codec import KVCodec
 from kv8.cache.paged_cache import CacheShape, PagedKVCache
 from kv8.kernels import attention as kernels
+from kv8.kernels.abi import check_abi
 from kv8.kernels.attention import KernelUnavailable, load_kernels, paged_attention_fused, store_kv_fused
 from kv8.kernels.build import cpu_flags
 from kv8.quant.formats import FP8_FORMATS, KVCacheDtype, resolve_kv_cache_dtype
@@ -589,16 +590,15 @@ def test_codes_and_messages_come_from_the_library(lib: kernels.KernelLibrary) ->
 
 def test_struct_mirror_mismatch_is_refused(lib: kernels.KernelLibrary) -> None:
     """A library whose argument structs differ from the ctypes mirror is KernelUnavailable, with both layouts."""
-    lib._lib.kv8_abi_layout.restype = ctypes.c_char_p
-    c_layout = lib._lib.kv8_abi_layout().decode()
-    kernels.check_abi(c_layout)  # the real mirror matches
+    c_layout = lib.abi_layout()
+    check_abi(c_layout, lib.STRUCTS, "kv8.kernels.attention")  # the real mirror matches
 
     class Swapped(ctypes.Structure):
         _fields_ = [(n, t) for n, t in reversed(kernels.StoreCall._fields_)]
 
-    structs = tuple((name, Swapped if struct is kernels.StoreCall else struct) for name, struct in kernels._STRUCTS)
-    with pytest.raises(KernelUnavailable, match="mirror"):
-        kernels.check_abi(c_layout, structs)
+    structs = tuple((name, Swapped if struct is kernels.StoreCall else struct) for name, struct in lib.STRUCTS)
+    with pytest.raises(KernelUnavailable, match="mirror in kv8.kernels.attention"):
+        check_abi(c_layout, structs, "kv8.kernels.attention")
 
 
 def test_layer_args_follow_replaced_scales(lib: kernels.KernelLibrary) -> None:

@@ -30,12 +30,12 @@ from __future__ import annotations
 import ctypes
 import weakref
 from pathlib import Path
-from typing import Any
 
 import torch
 
 from kv8.attention.metadata import AttentionMetadata
 from kv8.cache.paged_cache import PagedKVCache
+from kv8.kernels.abi import NativeLibrary, code_table
 from kv8.kernels.build import KernelUnavailable, build_shared_library
 
 __all__ = [
@@ -50,7 +50,7 @@ __all__ = [
 SOURCE = Path(__file__).parent / "csrc" / "attention" / "attention.cpp"
 
 # ------------------------------------------------------------------------------------------------
-# The argument structs (csrc/attention/abi.h); KernelLibrary checks them against the library's kv8_abi_layout().
+# The argument structs (csrc/attention/abi.h), checked against the library's layout at load (kv8.kernels.abi).
 # ------------------------------------------------------------------------------------------------
 
 _P = ctypes.c_void_p
@@ -92,48 +92,16 @@ class StoreCall(ctypes.Structure):
     ]
 
 
-_STRUCTS: tuple[tuple[str, type[ctypes.Structure]], ...] = (
-    ("kv8_layer", LayerArgs), ("kv8_attention_call", AttentionCall), ("kv8_store_call", StoreCall))
-
-
-def abi_layout(structs: tuple[tuple[str, type[ctypes.Structure]], ...] = _STRUCTS) -> str:
-    """The layout text of ``structs`` in the format of the C side's ``kv8_abi_layout()``."""
-    parts = []
-    for name, struct in structs:
-        fields = " ".join(f"{f[0]}@{getattr(struct, f[0]).offset}+{getattr(struct, f[0]).size}"
-                          for f in struct._fields_)
-        parts.append(f"{name} {ctypes.sizeof(struct)}: {fields};")
-    return " ".join(parts)
-
-
-def check_abi(c_layout: str, structs: tuple[tuple[str, type[ctypes.Structure]], ...] = _STRUCTS) -> None:
-    """Raise :class:`KernelUnavailable` unless the library's struct layout equals the ctypes mirror's."""
-    mine = abi_layout(structs)
-    if c_layout != mine:
-        raise KernelUnavailable("the kernel library's argument structs differ from kv8/kernels/attention.py's mirror "
-                                f"(edit both together):\n  C:      {c_layout}\n  Python: {mine}")
-
-
 def _build(march: str) -> Path:
     """Compile (or find the cached) attention library for ``-march=march``; returns its path."""
     return build_shared_library(SOURCE, march)
-
-
-def _names(fn: Any) -> dict[str, int]:
-    """{name: code} of a ``kv8_*_name(int)`` table function (NULL ends the table)."""
-    fn.argtypes, fn.restype = [ctypes.c_int], ctypes.c_char_p
-    table, code = {}, 0
-    while (name := fn(code)) is not None:
-        table[name.decode()] = code
-        code += 1
-    return table
 
 
 # ------------------------------------------------------------------------------------------------
 # The library
 # ------------------------------------------------------------------------------------------------
 
-class KernelLibrary:
+class KernelLibrary(NativeLibrary):
     """The loaded kernels (build with :func:`load_kernels`).
 
     Production interface, used by :class:`kv8.attention.fused.FusedCPUBackend`: :meth:`store` and
@@ -144,42 +112,27 @@ class KernelLibrary:
     :class:`KernelTesting` holds what only tests use.
     """
 
+    STRUCTS = (("kv8_layer", LayerArgs), ("kv8_attention_call", AttentionCall), ("kv8_store_call", StoreCall))
+
     def __init__(self, path: Path, march: str) -> None:
-        try:
-            lib = ctypes.CDLL(str(path))
-        except OSError as exc:
-            raise KernelUnavailable(f"cannot load {path}: {exc}") from exc
-        self.path = path
+        super().__init__(path)
         self.march = march
-        lib.kv8_abi_layout.argtypes, lib.kv8_abi_layout.restype = [], ctypes.c_char_p
-        check_abi(lib.kv8_abi_layout().decode())
-        lib.kv8_has_fast_path.argtypes, lib.kv8_has_fast_path.restype = [], ctypes.c_int
-        lib.kv8_error_message.argtypes, lib.kv8_error_message.restype = [ctypes.c_int], ctypes.c_char_p
-        lib.kv8_paged_attention.argtypes = [ctypes.POINTER(LayerArgs), ctypes.POINTER(AttentionCall)]
-        lib.kv8_paged_attention.restype = ctypes.c_int
-        lib.kv8_store_kv.argtypes = [ctypes.POINTER(LayerArgs), ctypes.POINTER(StoreCall)]
-        lib.kv8_store_kv.restype = ctypes.c_int
-        self._lib = lib
-        self.has_fast_path = bool(lib.kv8_has_fast_path())
-        lib.kv8_attention_amx_available.argtypes, lib.kv8_attention_amx_available.restype = [], ctypes.c_int
+        self._bind_structs("kv8_paged_attention", LayerArgs, AttentionCall)
+        self._bind_structs("kv8_store_kv", LayerArgs, StoreCall)
+        self.has_fast_path = bool(self._bind("kv8_has_fast_path", [])())
         #: Whether prefill items (head_dim a multiple of 64 up to 256) and decode items (the decode kernel's)
         #: multiply with AMX tiles, both with bf16 compute and no per-channel K scales. True where the build, the
         #: CPU and the OS allow it; setting it False takes the AVX-512 paths (tests do, to run both). The two
         #: paths sum in different orders: keep one choice for the life of an engine, so a row's result never
         #: depends on when it is computed.
-        self.amx = bool(lib.kv8_attention_amx_available())
+        self.amx = bool(self._bind("kv8_attention_amx_available", [])())
         #: KV dtype name (``KVCacheDtype.name``) -> the library's code, and torch dtype -> compute code.
-        self.kv_dtype_codes: dict[str, int] = _names(lib.kv8_kv_dtype_name)
+        self.kv_dtype_codes: dict[str, int] = code_table(self._lib.kv8_kv_dtype_name)
         self.compute_codes: dict[torch.dtype, int] = {
-            getattr(torch, name): code for name, code in _names(lib.kv8_compute_dtype_name).items()}
+            getattr(torch, name): code for name, code in code_table(self._lib.kv8_compute_dtype_name).items()}
         # Per cache: (key, {layer: (LayerArgs, tensors it points into)}); see layer_args.
         self._layers: weakref.WeakKeyDictionary[PagedKVCache, tuple[tuple, dict[int, tuple]]] = \
             weakref.WeakKeyDictionary()
-
-    def error_message(self, code: int) -> str:
-        """The library's message for return code ``code``."""
-        msg = self._lib.kv8_error_message(code)
-        return msg.decode() if msg is not None else f"error {code}"
 
     def attention(self, query: torch.Tensor, cache: PagedKVCache, layer: int, meta: AttentionMetadata,
                   scale: float, partition_size: int = 0, plan_threads: int | None = None) -> torch.Tensor:
@@ -198,7 +151,7 @@ class KernelLibrary:
                              int(self.amx))
         rc = self._lib.kv8_paged_attention(ctypes.byref(self.layer_args(cache, layer)), ctypes.byref(call))
         if rc != 0:
-            raise ValueError(f"paged attention (layer {layer}): {self.error_message(rc)}")
+            raise self.error(rc, f"paged attention (layer {layer})")
         return out
 
     def store(self, key: torch.Tensor, value: torch.Tensor, cache: PagedKVCache, layer: int,
@@ -210,7 +163,7 @@ class KernelLibrary:
                          self.compute_codes[key.dtype], torch.get_num_threads())
         rc = self._lib.kv8_store_kv(ctypes.byref(self.layer_args(cache, layer)), ctypes.byref(call))
         if rc != 0:
-            raise ValueError(f"store (layer {layer}): {self.error_message(rc)}")
+            raise self.error(rc, f"store (layer {layer})")
 
     def layer_args(self, cache: PagedKVCache, layer: int) -> LayerArgs:
         """The ``kv8_layer`` of ``cache``'s layer ``layer``, built on first use and reused.

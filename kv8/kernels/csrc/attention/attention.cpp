@@ -5,8 +5,10 @@
 // (`g++ -O3 -march=<march> -fopenmp -shared -fPIC`; the build hash covers every file included here, recursively).
 // No torch headers: pointers and sizes only.
 //
-//   base.h                 dtype and error codes (their one definition), scalar conversions, FP8 codecs on bits
-//   abi.h                  kv8_layer / kv8_attention_call / kv8_store_call, and their layout text
+//   ../common/kv8_abi.h    dtype and error codes with their names and messages (their one definition, shared
+//                          with the dense library), the argument-struct declaration and layout text
+//   base.h                 which fast paths the build has, scalar conversions, FP8 codecs on bits
+//   abi.h                  kv8_layer / kv8_attention_call / kv8_store_call
 //   problem.h              Problem, items, row geometry, tile walk (block ids checked), prefetch, row finish
 //   plan.h                 work items, threads, partition combine (log-sum-exp)
 //   item_generic.h         item kernel: fp32, any KV dtype / head dim / ISA

@@ -1,8 +1,9 @@
-// Shared by every part of the attention library: the dtype and error codes (their one definition; Python
-// reads names and messages from the library at load, see kv8_kv_dtype_name / kv8_error_message), the
-// scalar float conversions, and the FP8 codecs on bits (exact decode, saturating round-to-nearest-even
-// encode). Pure scalar C++, no ISA requirement.
+// Shared by every part of the attention library: the dtype and error codes (../common/kv8_abi.h), which fast
+// paths the build has, the scalar float conversions, and the FP8 codecs on bits (exact decode, saturating
+// round-to-nearest-even encode). Pure scalar C++, no ISA requirement.
 #pragma once
+
+#include "../common/kv8_abi.h"
 
 #include <immintrin.h>
 #include <math.h>
@@ -23,30 +24,6 @@
 // them, on top of the fast path.
 #include "../common/amx_tiles.h"
 #define KV8_ATTN_AMX (KV8_FAST && KV8_AMX)
-
-// KV cache element types; the names are kv8.quant.formats.KVCacheDtype.name. FP8 codes come first
-// (is_fp8 relies on it).
-enum { KV_E4M3 = 0, KV_E4M3FNUZ = 1, KV_E5M2 = 2, KV_BF16 = 3, KV_F16 = 4, KV_F32 = 5, KV_COUNT = 6 };
-static const char* const KV_DTYPE_NAMES[KV_COUNT] = {
-    "fp8_e4m3", "fp8_e4m3fnuz", "fp8_e5m2", "bfloat16", "float16", "float32",
-};
-
-// Query / output / store input types ("compute dtype"); the names are torch dtype names.
-enum { DT_BF16 = 0, DT_F16 = 1, DT_F32 = 2, DT_COUNT = 3 };
-static const char* const COMPUTE_DTYPE_NAMES[DT_COUNT] = {"bfloat16", "float16", "float32"};
-
-// Return codes of the entry points (0 = success); the messages are what Python raises.
-enum { OK = 0, ERR_BLOCK_ID = 1, ERR_TABLE_WIDTH = 2, ERR_LENGTHS = 3, ERR_SLOT = 4, ERR_ARGS = 5, ERR_OOM = 6,
-       ERR_COUNT = 7 };
-static const char* const ERROR_MESSAGES[ERR_COUNT] = {
-    "ok",
-    "a block table entry is not a valid block id (>= num_blocks or negative)",
-    "block_tables is too narrow for seq_lens",
-    "query_start_loc / seq_lens are inconsistent (need 0 <= query_len <= seq_len, query_start_loc[-1] == T)",
-    "slot_mapping holds a slot outside the cache",
-    "invalid kernel arguments",
-    "out of memory in the kernel",
-};
 
 static inline bool is_fp8(int kv) { return kv <= KV_E5M2; }
 static inline int esize_of(int kv) { return is_fp8(kv) ? 1 : (kv == KV_F32 ? 4 : 2); }  // bytes per element

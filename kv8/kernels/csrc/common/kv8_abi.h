@@ -1,0 +1,77 @@
+// What kv8's two kernel libraries (../attention, ../dense) share at their C boundary, defined once: the dtype codes,
+// the error codes and their messages, and the machinery that declares argument structs and spells their layout.
+// Python (kv8/kernels/abi.py) reads the names, the messages and the layout from each library at load, so no number
+// defined here is copied on the Python side.
+//
+// Argument structs: a library lists its structs once, STRUCTS(Y) calling Y(S, FIELDS) for each struct S whose
+// fields FIELDS(X) lists as X(type, name). KV8_ABI_STRUCTS(STRUCTS) declares the structs from the lists and
+// abi_layout_text(), which spells their layout as "S <size>: <field>@<offset>+<size> ...; S2 ...;" (structs and
+// fields in list order): the text kv8.kernels.abi.abi_layout builds from the ctypes mirror. The library exports
+// it as kv8_abi_layout(), and Python refuses a library whose text differs from its mirror's.
+#pragma once
+
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+
+// KV cache element types; the names are kv8.quant.formats.KVCacheDtype.name. FP8 codes come first
+// (is_fp8 relies on it).
+enum { KV_E4M3 = 0, KV_E4M3FNUZ = 1, KV_E5M2 = 2, KV_BF16 = 3, KV_F16 = 4, KV_F32 = 5, KV_COUNT = 6 };
+static const char* const KV_DTYPE_NAMES[KV_COUNT] = {
+    "fp8_e4m3", "fp8_e4m3fnuz", "fp8_e5m2", "bfloat16", "float16", "float32",
+};
+
+// Query / output / store input types ("compute dtype"); the names are torch dtype names.
+enum { DT_BF16 = 0, DT_F16 = 1, DT_F32 = 2, DT_COUNT = 3 };
+static const char* const COMPUTE_DTYPE_NAMES[DT_COUNT] = {"bfloat16", "float16", "float32"};
+
+// Return codes of the entry points (0 = success); the messages are what Python raises (ValueError).
+enum { OK = 0, ERR_BLOCK_ID = 1, ERR_TABLE_WIDTH = 2, ERR_LENGTHS = 3, ERR_SLOT = 4, ERR_ARGS = 5, ERR_OOM = 6,
+       ERR_COUNT = 7 };
+static const char* const ERROR_MESSAGES[ERR_COUNT] = {
+    "ok",
+    "a block table entry is not a valid block id (>= num_blocks or negative)",
+    "block_tables is too narrow for seq_lens",
+    "query_start_loc / seq_lens are inconsistent (need 0 <= query_len <= seq_len, query_start_loc[-1] == T)",
+    "slot_mapping holds a slot outside the cache",
+    "invalid kernel arguments",
+    "out of memory in the kernel",
+};
+
+// A layout text being written (see the top of this file). A text that would overflow is cut short, so it matches
+// no mirror and the library is refused.
+struct AbiLayout {
+    char text[4096] = "";
+    size_t n = 0;
+
+    __attribute__((format(printf, 2, 3))) void put(const char* fmt, ...) {
+        if (n >= sizeof(text)) return;
+        va_list ap;
+        va_start(ap, fmt);
+        n += (size_t)vsnprintf(text + n, sizeof(text) - n, fmt, ap);
+        va_end(ap);
+    }
+};
+
+#define KV8_ABI_MEMBER(type, name) type name;
+#define KV8_ABI_DECLARE(S, FIELDS) struct S { FIELDS(KV8_ABI_MEMBER) };
+#define KV8_ABI_FIELD(type, name) \
+    kv8_abi_text.put(" %s@%zu+%zu", #name, offsetof(kv8_abi_struct, name), sizeof(kv8_abi_struct::name));
+#define KV8_ABI_APPEND(S, FIELDS)                                                    \
+    {                                                                                \
+        using kv8_abi_struct = S;                                                    \
+        kv8_abi_text.put("%s%s %zu:", kv8_abi_text.n ? " " : "", #S, sizeof(S));     \
+        FIELDS(KV8_ABI_FIELD)                                                        \
+        kv8_abi_text.put(";");                                                       \
+    }
+#define KV8_ABI_STRUCTS(STRUCTS)                                                     \
+    STRUCTS(KV8_ABI_DECLARE)                                                         \
+    static const char* abi_layout_text(void) {                                       \
+        static const AbiLayout layout = [] { /* once, thread-safe */                 \
+            AbiLayout kv8_abi_text;                                                  \
+            STRUCTS(KV8_ABI_APPEND)                                                  \
+            return kv8_abi_text;                                                     \
+        }();                                                                         \
+        return layout.text;                                                          \
+    }
