@@ -69,8 +69,12 @@ class NativeLibrary:
         check_abi(self.abi_layout(), self.STRUCTS, type(self).__module__)
 
     def _bind(self, name: str, argtypes: list[Any], restype: Any = ctypes.c_int) -> Any:
-        """The library's function ``name``, declared with ``argtypes`` and ``restype``."""
-        fn = getattr(self._lib, name)
+        """The library's function ``name``, declared with ``argtypes`` and ``restype``; :class:`KernelUnavailable`
+        where the library lacks it (one of another kv8 version)."""
+        try:
+            fn = getattr(self._lib, name)
+        except AttributeError as exc:
+            raise KernelUnavailable(f"{self.path} has no {name}: not a library of this kv8 version") from exc
         fn.argtypes, fn.restype = argtypes, restype
         return fn
 

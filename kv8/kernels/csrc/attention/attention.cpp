@@ -117,7 +117,7 @@ const char* kv8_compute_dtype_name(int code) {
 }
 
 // Message of return code `code` (0 = "ok"), NULL past the last one.
-const char* kv8_error_message(int code) { return code >= 0 && code < ERR_COUNT ? ERROR_MESSAGES[code] : nullptr; }
+const char* kv8_error_message(int code) { return error_message(code); }
 
 // Names, offsets and sizes of the argument structs' fields (abi.h), checked by Python at load.
 const char* kv8_abi_layout(void) { return abi_layout_text(); }

@@ -28,7 +28,7 @@ static const char* const COMPUTE_DTYPE_NAMES[DT_COUNT] = {"bfloat16", "float16",
 
 // Return codes of the entry points (0 = success); the messages are what Python raises (ValueError).
 enum { OK = 0, ERR_BLOCK_ID = 1, ERR_TABLE_WIDTH = 2, ERR_LENGTHS = 3, ERR_SLOT = 4, ERR_ARGS = 5, ERR_OOM = 6,
-       ERR_COUNT = 7 };
+       ERR_NO_FAST_PATH = 7, ERR_COUNT = 8 };
 static const char* const ERROR_MESSAGES[ERR_COUNT] = {
     "ok",
     "a block table entry is not a valid block id (>= num_blocks or negative)",
@@ -37,7 +37,12 @@ static const char* const ERROR_MESSAGES[ERR_COUNT] = {
     "slot_mapping holds a slot outside the cache",
     "invalid kernel arguments",
     "out of memory in the kernel",
+    "this build has no AVX-512 BF16 + VBMI path (the CPU or the compiler lacks it)",
 };
+// The message of return code `code`, NULL past the last one (each library's kv8_error_message).
+static inline const char* error_message(int code) {
+    return code >= 0 && code < ERR_COUNT ? ERROR_MESSAGES[code] : nullptr;
+}
 
 // A layout text being written (see the top of this file). A text that would overflow is cut short, so it matches
 // no mirror and the library is refused.

@@ -6,7 +6,9 @@
 // Also the row argmax of float32 logits that the sampler uses (argmax.h).
 //
 // Plain C ABI (extern "C"), loaded with ctypes by kv8/kernels/dense.py, compiled there with
-// `g++ -O3 -march=native -fopenmp -shared -fPIC` (the build is kv8/kernels/build.py's). No torch headers.
+// `g++ -O3 -march=native -fopenmp -shared -fPIC` (the build is kv8/kernels/build.py's). No torch headers. Each entry
+// point takes a pointer to its argument struct (abi.h: declared once, its layout checked by Python at load) and
+// returns OK or an error code whose message Python raises (../common/kv8_abi.h).
 //
 // Linear. Why: a decode step multiplies a few rows (one per running sequence) with every weight matrix, so its
 // cost is reading the weights. oneDNN's bf16 GEMM reaches ~10 GB/s of weights inside the model on this
@@ -24,8 +26,10 @@
 // nearest-even -- what torch's bf16 linear does, up to the order of the fp32 additions.
 //
 // Invariants: x rows are contiguous with stride K (K even); out rows are contiguous with stride N.
-// Returns 0, or 5 for invalid arguments, 7 when this build has no AVX-512 BF16 + VBMI path, 8 when a buffer cannot be
-// allocated.
+// Returns OK, or ERR_ARGS for invalid arguments, ERR_NO_FAST_PATH when this build has no AVX-512 BF16 + VBMI path,
+// ERR_OOM when a buffer cannot be allocated.
+
+#include "abi.h"
 
 #include <cstdint>
 #include <cmath>
@@ -53,3 +57,45 @@
 #include "elementwise.h"
 #include "linear.h"
 #include "argmax.h"
+
+// ------------------------------------------------------------------------------------------------
+// The C ABI
+// ------------------------------------------------------------------------------------------------
+
+extern "C" {
+
+// The layout text of the argument structs (abi.h), checked by Python at load, and the message of return code `code`
+// (NULL past the last one).
+const char* kv8_abi_layout(void) { return abi_layout_text(); }
+const char* kv8_error_message(int code) { return error_message(code); }
+
+// 1 where this build has the fast path (AVX-512 BF16 + VBMI) that every kernel below but the packing needs; 1 where
+// the linear layers can multiply with AMX tiles (compiled in, and the OS grants them).
+int kv8_linear_available(void) { return KV8_LINEAR_FAST; }
+int kv8_linear_amx_available(void) {
+#if KV8_LINEAR_AMX
+    return amx_permitted();
+#else
+    return 0;
+#endif
+}
+
+int64_t kv8_linear_packed_size(const kv8_pack_call* call) { return packed_size(*call); }
+int kv8_linear_pack(const kv8_pack_call* call) { return pack(*call); }
+
+}  // extern "C"
+
+// The entry point `name` of a fast-path kernel (linear.h, elementwise.h, argmax.h): the kernel on *call, or
+// ERR_NO_FAST_PATH in a build without the fast path.
+#if KV8_LINEAR_FAST
+#define KV8_ENTRY(name, Call, kernel) extern "C" int name(const Call* call) { return kernel(*call); }
+#else
+#define KV8_ENTRY(name, Call, kernel) extern "C" int name(const Call*) { return ERR_NO_FAST_PATH; }
+#endif
+KV8_ENTRY(kv8_linear, kv8_linear_call, linear<false>)
+KV8_ENTRY(kv8_linear_fp8, kv8_linear_call, linear<true>)
+KV8_ENTRY(kv8_rmsnorm, kv8_rmsnorm_call, rmsnorm)
+KV8_ENTRY(kv8_silu_mul, kv8_silu_mul_call, silu_mul)
+KV8_ENTRY(kv8_rope_qkv, kv8_rope_call, rope_qkv)
+KV8_ENTRY(kv8_argmax_rows, kv8_argmax_call, argmax_rows)
+#undef KV8_ENTRY

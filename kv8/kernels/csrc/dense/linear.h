@@ -29,18 +29,22 @@ static inline int64_t fp8_group(int64_t M, int64_t kp, int64_t align) {
     return fit > align ? fit : align;
 }
 
-extern "C" int kv8_linear_available() { return KV8_LINEAR_FAST; }
-
-extern "C" int64_t kv8_linear_packed_size(int64_t N, int64_t K) {
+// kv8_linear_packed_size: the number of values of the packed layout of call's matrix (only its shape is read), or -1
+// for an empty shape.
+static int64_t packed_size(const kv8_pack_call& call) {
+    const int64_t N = call.out_features, K = call.in_features;
     if (N <= 0 || K <= 0) return -1;
     int64_t kp = (K + 1) & ~(int64_t)1;
     int64_t np = (N + PANEL - 1) / PANEL * PANEL;
     return np * kp;
 }
 
-// packed[p][kk][c][j] = W[p*32 + c, 2*kk + j] (zero outside W).
-extern "C" int kv8_linear_pack(const uint16_t* w, int64_t N, int64_t K, uint16_t* packed) {
-    if (!w || !packed || N <= 0 || K <= 0) return 5;
+// kv8_linear_pack: packed[p][kk][c][j] = W[p*32 + c, 2*kk + j] (zero outside W), for W = call's weight [N, K].
+static int pack(const kv8_pack_call& call) {
+    const uint16_t* w = call.weight;
+    uint16_t* packed = call.packed;
+    const int64_t N = call.out_features, K = call.in_features;
+    if (!w || !packed || N <= 0 || K <= 0) return ERR_ARGS;
     const int64_t kp = (K + 1) & ~(int64_t)1;
     const int64_t panels = (N + PANEL - 1) / PANEL;
 #pragma omp parallel for schedule(static)
@@ -56,7 +60,7 @@ extern "C" int kv8_linear_pack(const uint16_t* w, int64_t N, int64_t K, uint16_t
             }
         }
     }
-    return 0;
+    return OK;
 }
 
 #if KV8_LINEAR_FAST
@@ -348,7 +352,7 @@ static int linear_amx(const uint16_t* x, int64_t M, int64_t K, const void* packe
     const int arows = M < 16 ? (int)M : 16;
     if (rem && M >= 16) {
         pad = (uint16_t*)aligned_alloc(64, (size_t)32 * K * 2);
-        if (!pad) return 8;
+        if (!pad) return ERR_OOM;
         memcpy(pad, x + full * K, (size_t)rem * K * 2);
         memset(pad + rem * K, 0, (size_t)(32 - rem) * K * 2);
     }
@@ -360,7 +364,7 @@ static int linear_amx(const uint16_t* x, int64_t M, int64_t K, const void* packe
     uint16_t* decoded = nullptr;
     if (FP8 && !once && !(decoded = (uint16_t*)aligned_alloc(64, (size_t)threads * group * PANEL * K * 2))) {
         free(pad);
-        return 8;
+        return ERR_OOM;
     }
 #pragma omp parallel num_threads(threads)
     {
@@ -399,17 +403,9 @@ static int linear_amx(const uint16_t* x, int64_t M, int64_t K, const void* packe
     }
     free(pad);
     free(decoded);
-    return 0;
+    return OK;
 }
 #endif
-
-extern "C" int kv8_linear_amx_available() {
-#if KV8_LINEAR_AMX
-    return amx_permitted();
-#else
-    return 0;
-#endif
-}
 
 #if KV8_LINEAR_FAST
 // The vdpbf16ps path of kv8_linear / kv8_linear_fp8 (see there).
@@ -443,13 +439,13 @@ static int linear_avx512(const uint16_t* x, int64_t M, int64_t K, const void* pa
                 }
             }
         }
-        return 0;
+        return OK;
     }
     // FP8: each thread decodes `group` panels at a time (fp8_group: a pair where the call has one chunk of rows)
     // into its buffer, and every chunk passes over them.
     const int64_t group = FP8 ? fp8_group(M, kp, 2) : panels;
     uint16_t* decoded = nullptr;
-    if (FP8 && !(decoded = (uint16_t*)aligned_alloc(64, (size_t)threads * group * PANEL * kp * 2))) return 8;
+    if (FP8 && !(decoded = (uint16_t*)aligned_alloc(64, (size_t)threads * group * PANEL * kp * 2))) return ERR_OOM;
     // Rows go in chunks of ROW_CHUNK so that a chunk of x stays in L2 while every panel passes over it.
     // Within a chunk each thread takes a contiguous run of panels and walks it two panels (64 columns) at
     // a time, one panel for an odd one left over.
@@ -486,50 +482,43 @@ static int linear_avx512(const uint16_t* x, int64_t M, int64_t K, const void* pa
         }
     }
     free(decoded);
-    return 0;
+    return OK;
 }
 #endif
 
-// Both entries: arguments checked, then the AMX path where this build and process have it, use_amx asks for it
-// and K % 32 == 0, else the vdpbf16ps path.
-template <bool FP8>
-static int linear_entry(const uint16_t* x, int64_t M, int64_t K, const void* packed, int64_t N, const float* bias,
-                        const float* scale, uint16_t* out, int nthreads, int gated, int use_amx) {
 #if KV8_LINEAR_FAST
-    if (M < 0 || K <= 0 || N <= 0 || nthreads <= 0) return 5;
-    if (M == 0) return 0;   // no rows: pointers may be null
-    if (!x || !packed || (FP8 && !scale) || !out) return 5;
-#if KV8_LINEAR_AMX
-    if (use_amx && K % 32 == 0 && amx_permitted())
-        return gated ? linear_amx<true, FP8>(x, M, K, packed, N, bias, scale, out, nthreads)
-                     : linear_amx<false, FP8>(x, M, K, packed, N, bias, scale, out, nthreads);
-#endif
-    return linear_avx512<FP8>(x, M, K, packed, N, bias, scale, out, nthreads, gated != 0);
-#else
-    (void)x; (void)M; (void)K; (void)packed; (void)N; (void)bias; (void)scale; (void)out; (void)nthreads;
-    (void)gated; (void)use_amx;
-    return 7;
-#endif
-}
-
-// out[M, N] = x[M, K] @ W^T (+ bias), W pre-packed by kv8_linear_pack. gated != 0: out[M, N] = the gated
-// activation of a gate/up matrix packed interleaved (see the top of this file; N = I, the packed matrix has
-// 2 * ceil(I / 16) * 16 rows and the bias, if any, as many values in the same order). use_amx != 0: the AMX
-// path where this build and process have it and K % 32 == 0 (see above), else the vdpbf16ps path.
-extern "C" int kv8_linear(const uint16_t* x, int64_t M, int64_t K, const uint16_t* packed, int64_t N,
-                          const float* bias, uint16_t* out, int nthreads, int gated, int use_amx) {
-    return linear_entry<false>(x, M, K, packed, N, bias, nullptr, out, nthreads, gated, use_amx);
-}
-
-// kv8_linear with FP8 (E4M3) weights: packed holds kv8_linear_packed_size(N, K) codes in the FP8 order (see
-// decode_panels_fp8) of W_q, where W = W_q * scale per output row; scale [N] float32 (for a gated matrix: one
+// kv8_linear (FP8 false) and kv8_linear_fp8 (see kv8_linear_call): arguments checked, then the AMX path where this
+// build and process have it, use_amx asks for it and K % 32 == 0, else the vdpbf16ps path.
+//
+// kv8_linear: out[M, N] = x[M, K] @ W^T (+ bias), W pre-packed by kv8_linear_pack (call.scale NULL). gated != 0:
+// out[M, N] = the gated activation of a gate/up matrix packed interleaved (see the top of this file; N = I, the packed
+// matrix has 2 * ceil(I / 16) * 16 rows and the bias, if any, as many values in the same order).
+//
+// kv8_linear_fp8: the same with FP8 (E4M3) weights: packed holds kv8_linear_packed_size(N, K) codes in the FP8 order
+// (see decode_panels_fp8) of W_q, where W = W_q * scale per output row; scale [N] float32 (for a gated matrix: one
 // value per packed row, in the interleaved order of its bias). Each pair-row is decoded to bf16 (exactly: every
 // E4M3 value is a bf16) and multiplied as kv8_linear multiplies a bf16 panel: on the vdpbf16ps path in registers,
 // once per block of up to MAX_MR_FP8 rows, for M <= FP8_FUSED_ROWS (micro_fp8), else a group of panels at a time
 // into a buffer, once per call (fp8_group); on AMX one k step ahead of the tiles (M <= 32) or once per call. The
 // epilogue computes acc * scale + bias before the rounding to bf16; every path sums in the same order.
-extern "C" int kv8_linear_fp8(const uint16_t* x, int64_t M, int64_t K, const uint8_t* packed, int64_t N,
-                              const float* scale, const float* bias, uint16_t* out, int nthreads, int gated,
-                              int use_amx) {
-    return linear_entry<true>(x, M, K, packed, N, bias, scale, out, nthreads, gated, use_amx);
+template <bool FP8>
+static int linear(const kv8_linear_call& call) {
+    const uint16_t* x = call.x;
+    const void* packed = call.packed;
+    const float *scale = call.scale, *bias = call.bias;
+    uint16_t* out = call.out;
+    const int64_t M = call.rows, K = call.in_features, N = call.out_features;
+    const int nthreads = call.num_threads, gated = call.gated, use_amx = call.use_amx;
+    if (M < 0 || K <= 0 || N <= 0 || nthreads <= 0 || (!FP8 && scale)) return ERR_ARGS;
+    if (M == 0) return OK;   // no rows: pointers may be null
+    if (!x || !packed || (FP8 && !scale) || !out) return ERR_ARGS;
+#if KV8_LINEAR_AMX
+    if (use_amx && K % 32 == 0 && amx_permitted())
+        return gated ? linear_amx<true, FP8>(x, M, K, packed, N, bias, scale, out, nthreads)
+                     : linear_amx<false, FP8>(x, M, K, packed, N, bias, scale, out, nthreads);
+#else
+    (void)use_amx;
+#endif
+    return linear_avx512<FP8>(x, M, K, packed, N, bias, scale, out, nthreads, gated != 0);
 }
+#endif
