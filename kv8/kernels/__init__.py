@@ -9,6 +9,7 @@
 * :mod:`kv8.kernels.dense`: the dense library (``csrc/dense/``): packed bf16 / FP8 linear layers, fused RMSNorm,
   SiLU * up and RoPE, and the sampler's row argmax.
 
-``csrc/common/`` holds what both libraries include: ``kv8_abi.h`` (the dtype codes, the
-error codes and messages, the argument-struct machinery), AMX tile set-up, the FP8 -> bf16 table decode and exp.
+``csrc/common/`` holds what both libraries include: ``kv8_abi.h`` (the dtype codes and ``KV_FORMATS``, the table of
+KV cache formats; the error codes and messages; the argument-struct machinery), AMX tile set-up, the FP8 -> bf16
+table decode and exp.
 """

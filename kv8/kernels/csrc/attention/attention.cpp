@@ -87,7 +87,7 @@ static int item_heads_of(const Problem& P, int rows) {
 static ItemFn pick_item_fn(const Problem& P, int* fast) {
     *fast = 0;
 #if KV8_FAST
-    if (P.D % 16 == 0 && P.D <= 1024 && (is_fp8(P.kv) || P.kv == KV_BF16)) {
+    if (P.D % 16 == 0 && P.D <= 1024 && kv_bf16_exact(P.kv)) {
         *fast = 1;
         bool qlo = !(P.q_dtype == DT_BF16 && !k_per_channel(P));
         bool plo = P.q_dtype != DT_BF16;  // bf16 compute: weights in bf16, as precise as the output
@@ -111,7 +111,7 @@ int kv8_has_fast_path(void) { return KV8_FAST; }
 int kv8_attention_amx_available(void) { return amx_granted(1) ? 1 : 0; }
 
 // Name of KV dtype / compute dtype `code`, NULL past the last one: Python builds its code tables from these.
-const char* kv8_kv_dtype_name(int code) { return code >= 0 && code < KV_COUNT ? KV_DTYPE_NAMES[code] : nullptr; }
+const char* kv8_kv_dtype_name(int code) { return code >= 0 && code < KV_COUNT ? KV_FORMATS[code].name : nullptr; }
 const char* kv8_compute_dtype_name(int code) {
     return code >= 0 && code < DT_COUNT ? COMPUTE_DTYPE_NAMES[code] : nullptr;
 }
@@ -177,12 +177,13 @@ int kv8_test_item_kernel(int kv, int q_dtype, int D, int bs, int rows, int use_a
 }
 
 int kv8_test_decode_fp8(int fmt, int path, const uint8_t* codes, int64_t n, float* out) {
-    if (fmt < 0 || !is_fp8(fmt)) return ERR_ARGS;
+    if (fmt < 0 || fmt >= KV_COUNT || !KV_FORMATS[fmt].fp8) return ERR_ARGS;
     FpEnv env;
     if (path == 0) {
-        for (int64_t i = 0; i < n; ++i)
-            out[i] = fmt == KV_E4M3 ? fp8_bits<KV_E4M3>(codes[i])
-                   : fmt == KV_E4M3FNUZ ? fp8_bits<KV_E4M3FNUZ>(codes[i]) : fp8_bits<KV_E5M2>(codes[i]);
+        with_kv_format(fmt, [&](auto K) {
+            if constexpr (KV_FORMATS[decltype(K)::value].fp8)
+                for (int64_t i = 0; i < n; ++i) out[i] = fp8_bits<decltype(K)::value>(codes[i]);
+        });
         return OK;
     }
 #if KV8_FAST
@@ -192,9 +193,7 @@ int kv8_test_decode_fp8(int fmt, int path, const uint8_t* codes, int64_t n, floa
         __mmask64 mk = m == 64 ? ~(__mmask64)0 : (((__mmask64)1 << m) - 1);
         __m512i c = _mm512_maskz_loadu_epi8(mk, codes + i);
         __m512i w0, w1;
-        if (fmt == KV_E4M3) fp8_to_bf16<KV_E4M3>(c, L, w0, w1);
-        else if (fmt == KV_E4M3FNUZ) fp8_to_bf16<KV_E4M3FNUZ>(c, L, w0, w1);
-        else fp8_to_bf16<KV_E5M2>(c, L, w0, w1);
+        with_kv_format(fmt, [&](auto K) { fp8_to_bf16<decltype(K)::value>(c, L, w0, w1); });
         alignas(64) uint16_t wb[64];
         _mm512_store_si512(wb, w0);
         _mm512_store_si512(wb + 32, w1);

@@ -1,6 +1,7 @@
-// Shared by every part of the attention library: the dtype and error codes (../common/kv8_abi.h), which fast
-// paths the build has, the scalar float conversions, and the FP8 codecs on bits (exact decode, saturating
-// round-to-nearest-even encode). Pure scalar C++, no ISA requirement.
+// Shared by every part of the attention library: the dtype and error codes and the KV format table
+// (../common/kv8_abi.h) with the dispatch from a format code to its kernel instances, which fast paths the build has,
+// the scalar float conversions, and the FP8 codecs on bits (exact decode, saturating round-to-nearest-even encode).
+// Pure scalar C++, no ISA requirement.
 #pragma once
 
 #include "../common/kv8_abi.h"
@@ -11,6 +12,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include <type_traits>
 
 // The AVX-512 BF16 path (item_tile.h, item_decode.h) is compiled when the target has all of these.
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VBMI__) && \
@@ -25,18 +28,42 @@
 #include "../common/amx_tiles.h"
 #define KV8_ATTN_AMX (KV8_FAST && KV8_AMX)
 
-static inline bool is_fp8(int kv) { return kv <= KV_E5M2; }
-static inline int esize_of(int kv) { return is_fp8(kv) ? 1 : (kv == KV_F32 ? 4 : 2); }  // bytes per element
-// An FP8 format's mantissa bits, exponent bias and largest finite value (the encoders', scalar and AVX-512).
-template <int FMT>
-struct Fp8Format {
-    static constexpr int MB = FMT == KV_E5M2 ? 2 : 3;
-    static constexpr int BIAS = FMT == KV_E4M3 ? 7 : (FMT == KV_E4M3FNUZ ? 8 : 15);
-    static constexpr float MAXF = FMT == KV_E4M3 ? 448.0f : (FMT == KV_E4M3FNUZ ? 240.0f : 57344.0f);
-};
-static inline float fp8_max_finite(int kv) {
-    return kv == KV_E4M3 ? Fp8Format<KV_E4M3>::MAXF
-                         : (kv == KV_E4M3FNUZ ? Fp8Format<KV_E4M3FNUZ>::MAXF : Fp8Format<KV_E5M2>::MAXF);
+// Calls f(std::integral_constant<int, KV>{}) for the KV format code kv (a valid one): the one place where a code
+// known at run time picks a compile-time instance. f reads KV_FORMATS[KV] as constants, and instantiates what it
+// serves for the formats that need it only (if constexpr); every call of f returns the same type.
+template <class F>
+static inline decltype(auto) with_kv_format(int kv, F&& f) {
+    switch (kv) {
+        case KV_E4M3: return f(std::integral_constant<int, KV_E4M3>{});
+        case KV_E4M3FNUZ: return f(std::integral_constant<int, KV_E4M3FNUZ>{});
+        case KV_E5M2: return f(std::integral_constant<int, KV_E5M2>{});
+        case KV_BF16: return f(std::integral_constant<int, KV_BF16>{});
+        case KV_F16: return f(std::integral_constant<int, KV_F16>{});
+        default: return f(std::integral_constant<int, KV_F32>{});
+    }
+}
+static_assert(KV_COUNT == 6, "with_kv_format has a case per format");
+
+// Whether the AVX-512 BF16 kernels read format kv: every value of it is a bf16 (FP8 through the byte tables).
+static constexpr bool kv_bf16_exact(int kv) { return KV_FORMATS[kv].fp8 || KV_FORMATS[kv].elem == DT_BF16; }
+
+// The first format whose kernel instances serve kv as well: the same element size, and the same decode to bf16
+// (FP8 or not, the same 0x80 rule). The decode kernels are instantiated once per such class and read the FP8
+// tables of the call's format at run time (E5M2 runs E4M3's instances).
+static constexpr int kv_decode_class(int kv) {
+    for (int k = 0; k < kv; ++k) {
+        const KvFormat &a = KV_FORMATS[k], &b = KV_FORMATS[kv];
+        if (a.esize == b.esize && a.elem == b.elem && a.fp8 == b.fp8 && a.nan_0x80 == b.nan_0x80) return k;
+    }
+    return kv;
+}
+
+// 2^n as a float, at compile time.
+static constexpr float pow2f(int n) {
+    float v = 1.0f;
+    for (; n > 0; --n) v *= 2.0f;
+    for (; n < 0; ++n) v *= 0.5f;
+    return v;
 }
 
 // ------------------------------------------------------------------------------------------------
@@ -68,55 +95,34 @@ struct FpEnv {
     ~FpEnv() { _mm_setcsr(saved); }
 };
 
-// Exact value of an FP8 code (for the tables and tests).
-static inline float fp8_exact(int fmt, int c) {
-    int mag = c & 0x7f;
-    float v;
-    if (fmt == KV_E4M3) {
-        if (mag == 0x7f) return NAN;
-        int e = mag >> 3, m = mag & 7;
-        v = e ? ldexpf((float)(8 + m), e - 10) : ldexpf((float)m, -9);
-    } else if (fmt == KV_E4M3FNUZ) {
-        if (c == 0x80) return NAN;
-        int e = mag >> 3, m = mag & 7;
-        v = e ? ldexpf((float)(8 + m), e - 11) : ldexpf((float)m, -10);
-    } else {
-        int e = mag >> 2, m = mag & 3;
-        if (e == 31) {
-            if (m) return NAN;
-            v = INFINITY;
-        } else {
-            v = e ? ldexpf((float)(4 + m), e - 17) : ldexpf((float)m, -16);
-        }
-    }
-    return (c & 0x80) ? -v : v;
-}
-
 // FP8 decode on bits (generic path).
 template <int FMT>
 static inline float fp8_bits(uint32_t c) {
-    if (FMT == KV_E5M2) {  // an E5M2 code is the high byte of the fp16 with the same value
+    constexpr KvFormat F = KV_FORMATS[FMT];
+    static_assert(!F.has_inf || (F.mbits == 2 && F.bias == 15), "an IEEE-style FP8 code is an fp16's high byte");
+    if constexpr (F.has_inf) {  // an E5M2 code is the high byte of the fp16 with the same value
         return f16_f((uint16_t)(c << 8));
+    } else {
+        // the magnitude's bits where a float's go, times 2^(127 - bias): the float exponent's bias becomes the format's
+        constexpr float REBIAS = pow2f(127 - F.bias);
+        uint32_t mag = c & 0x7fu, sign = (c & 0x80u) << 24;
+        float v = bits_f(mag << (23 - F.mbits)) * REBIAS;
+        if (F.nan_0x80 ? c == 0x80 : mag == 0x7f) v = NAN;
+        return bits_f(f_bits(v) | sign);
     }
-    uint32_t mag = c & 0x7fu, sign = (c & 0x80u) << 24;
-    float v = bits_f(mag << 20) * (FMT == KV_E4M3 ? 0x1p120f : 0x1p119f);  // exponent bias 127 -> 7 or 8
-    if (FMT == KV_E4M3 ? mag == 0x7f : c == 0x80) v = NAN;
-    return bits_f(f_bits(v) | sign);
 }
 
 // FP8 encode: saturate(round_to_nearest_even(x)), NaN -> nan code (sign kept where the format has a
 // negative NaN); -0 and negative values rounding to zero keep the sign where there is a negative zero.
 template <int FMT>
 static inline uint8_t fp8_encode(float x) {
-    constexpr int MB = Fp8Format<FMT>::MB, BIAS = Fp8Format<FMT>::BIAS;
-    constexpr float MAXF = Fp8Format<FMT>::MAXF;
+    constexpr KvFormat F = KV_FORMATS[FMT];
+    constexpr int MB = F.mbits, BIAS = F.bias;
+    constexpr float MAXF = F.max_finite;
     uint32_t b = f_bits(x);
     uint32_t sign = b >> 31;
-    if ((b & 0x7fffffffu) > 0x7f800000u) {  // NaN
-        if (FMT == KV_E4M3) return sign ? 0xff : 0x7f;
-        if (FMT == KV_E4M3FNUZ) return 0x80;
-        return sign ? 0xfe : 0x7e;
-    }
+    if ((b & 0x7fffffffu) > 0x7f800000u)  // NaN
+        return F.nan_0x80 ? F.nan_code : (uint8_t)(F.nan_code | sign << 7);
     float a = bits_f(b & 0x7fffffffu);
     a = a < MAXF ? a : MAXF;
     uint32_t code;
@@ -130,6 +136,6 @@ static inline uint8_t fp8_encode(float x) {
         int e = (int)(ab >> 23) - 127 + BIAS;
         code = ((uint32_t)e << MB) | ((ab >> shift) & ((1u << MB) - 1u));
     }
-    if (sign && (code != 0 || FMT != KV_E4M3FNUZ)) code |= 0x80u;
+    if (sign && (code != 0 || !F.nan_0x80)) code |= 0x80u;
     return (uint8_t)code;
 }

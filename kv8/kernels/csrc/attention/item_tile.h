@@ -52,8 +52,8 @@
 // K tile -> kbuf[s * 4 + g]: slot s (channels 8s..8s+7) of tokens 4g..4g+3 (one per 128-bit lane).
 template <int KV>
 static void decode_k_tile(const uint8_t* const* rows, int D, __m512i* kbuf) {
-    const Lut& L = lut_for(KV == KV_BF16 ? KV_E4M3 : KV);
-    constexpr int CH = chunk_channels<KV>(), ES = KV == KV_BF16 ? 2 : 1;
+    const Lut& L = lut_for(KV);
+    constexpr int CH = chunk_channels<KV>(), ES = KV_FORMATS[KV].esize;
     for (int z = 0; z * CH < D; ++z) {
         const int rem = D - z * CH, nslots = (rem >= CH ? CH : rem) / 8;
         for (int g = 0; g < 4; ++g) {
@@ -68,8 +68,8 @@ static void decode_k_tile(const uint8_t* const* rows, int D, __m512i* kbuf) {
 // V tile -> vbuf[u * nvs + v]: bf16 pairs (token 2u, token 2u+1) for the 16 channels of accumulator v.
 template <int KV>
 static void decode_v_tile(const uint8_t* const* rows, int D, __m512i* vbuf) {
-    const Lut& L = lut_for(KV == KV_BF16 ? KV_E4M3 : KV);
-    constexpr int CH = chunk_channels<KV>(), NV = chunk_accs<KV>(), ES = KV == KV_BF16 ? 2 : 1;
+    const Lut& L = lut_for(KV);
+    constexpr int CH = chunk_channels<KV>(), NV = chunk_accs<KV>(), ES = KV_FORMATS[KV].esize;
     const int nvs = num_vslots(KV, D);
     for (int u = 0; u < 8; ++u) {
         for (int z = 0; z * CH < D; ++z) {
@@ -150,8 +150,8 @@ static inline void tile_pv(const __m512i* vbuf, size_t vstride, int nt, int nvs,
 template <int KV, int RB, bool PLO>
 static void tile_pv_fused(const uint8_t* const* rows, int D, const uint32_t* const* phi, const uint32_t* const* plo,
                           float* const* obuf, const float* alpha) {
-    const Lut& L = lut_for(KV == KV_BF16 ? KV_E4M3 : KV);
-    constexpr int CH = chunk_channels<KV>(), NV = chunk_accs<KV>(), ES = KV == KV_BF16 ? 2 : 1;
+    const Lut& L = lut_for(KV);
+    constexpr int CH = chunk_channels<KV>(), NV = chunk_accs<KV>(), ES = KV_FORMATS[KV].esize;
     for (int z = 0; z * CH < D; ++z) {
         const __mmask64 mk = chunk_mask((D - z * CH) * ES);
         __m512 acc[RB][NV];
@@ -195,7 +195,7 @@ static inline bool uses_prefill_loop(int D, int R) { return R > 4 && D <= 128; }
 static const float REF_SLACK = 8.0f;   // the lazy reference moves when a score exceeds it by more than this
 
 // Registers of one K tile in the pair layout: whole 64-byte chunks of a row, two channels per register.
-static inline int num_kpairs(int kv, int D) { return is_fp8(kv) ? 32 * ((D + 63) / 64) : 16 * ((D + 31) / 32); }
+static inline int num_kpairs(int kv, int D) { return KV_FORMATS[kv].fp8 ? 32 * ((D + 63) / 64) : 16 * ((D + 31) / 32); }
 
 // K tile -> kp[p]: channel pair p (channels 2p, 2p + 1 as a bf16 pair) of the 16 tokens, token t in dword
 // lane t; pairs past D / 2 (to the end of the last 64-byte chunk) are zeros. Per chunk: a 4x4 transpose of
@@ -204,8 +204,8 @@ static inline int num_kpairs(int kv, int D) { return is_fp8(kv) ? 32 * ((D + 63)
 // whose byte interleave puts token 4L + i's pair in dword 4L + i).
 template <int KV>
 static void decode_k_pairs(const uint8_t* const* rows, int D, __m512i* kp) {
-    const Lut& L = lut_for(KV == KV_BF16 ? KV_E4M3 : KV);
-    constexpr int CH = chunk_channels<KV>(), ES = KV == KV_BF16 ? 2 : 1;
+    const Lut& L = lut_for(KV);
+    constexpr int CH = chunk_channels<KV>(), ES = KV_FORMATS[KV].esize;
     for (int z = 0; z * CH < D; ++z) {
         const __mmask64 mk = chunk_mask((D - z * CH) * ES);
         __m512i y[4][4];
@@ -216,7 +216,7 @@ static void decode_k_pairs(const uint8_t* const* rows, int D, __m512i* kp) {
         }
         __m512i* out = kp + z * (CH / 2);
         for (int c = 0; c < 4; ++c) {
-            if (KV == KV_BF16) {  // block c holds pairs 4c..4c+3, one dword each
+            if constexpr (!KV_FORMATS[KV].fp8) {  // bf16: block c holds pairs 4c..4c+3, one dword each
                 const __m512i a = _mm512_unpacklo_epi32(y[0][c], y[1][c]), b = _mm512_unpackhi_epi32(y[0][c], y[1][c]);
                 const __m512i d = _mm512_unpacklo_epi32(y[2][c], y[3][c]), e = _mm512_unpackhi_epi32(y[2][c], y[3][c]);
                 out[4 * c + 0] = _mm512_unpacklo_epi64(a, d);
@@ -590,19 +590,18 @@ static int run_item_prefill(const Problem& P, const Item& it, float* ws, KPairDe
 
 template <bool QLO, bool PLO>
 static int run_item_tile(const Problem& P, const Item& it, float* ws) {
-    TileDecoder decode_k, decode_v;
-    KPairDecoder decode_kp;
-    PvFused pv_fused[5];
-    switch (P.kv) {
-        case KV_E4M3: decode_k = decode_k_tile<KV_E4M3>; decode_v = decode_v_tile<KV_E4M3>;
-            decode_kp = decode_k_pairs<KV_E4M3>; pick_pv_fused<KV_E4M3, PLO>(pv_fused); break;
-        case KV_E4M3FNUZ: decode_k = decode_k_tile<KV_E4M3FNUZ>; decode_v = decode_v_tile<KV_E4M3FNUZ>;
-            decode_kp = decode_k_pairs<KV_E4M3FNUZ>; pick_pv_fused<KV_E4M3FNUZ, PLO>(pv_fused); break;
-        case KV_E5M2: decode_k = decode_k_tile<KV_E5M2>; decode_v = decode_v_tile<KV_E5M2>;
-            decode_kp = decode_k_pairs<KV_E5M2>; pick_pv_fused<KV_E5M2, PLO>(pv_fused); break;
-        default: decode_k = decode_k_tile<KV_BF16>; decode_v = decode_v_tile<KV_BF16>;
-            decode_kp = decode_k_pairs<KV_BF16>; pick_pv_fused<KV_BF16, PLO>(pv_fused); break;
-    }
+    TileDecoder decode_k = nullptr, decode_v = nullptr;
+    KPairDecoder decode_kp = nullptr;
+    PvFused pv_fused[5] = {};
+    with_kv_format(P.kv, [&](auto K) {
+        constexpr int KV = decltype(K)::value;
+        if constexpr (kv_bf16_exact(KV)) {  // the formats pick_item_fn gives this kernel
+            decode_k = decode_k_tile<KV>;
+            decode_v = decode_v_tile<KV>;
+            decode_kp = decode_k_pairs<KV>;
+            pick_pv_fused<KV, PLO>(pv_fused);
+        }
+    });
     const Rows w = rows_of(P, it);
     const int D = P.D, R = w.R;
 #if KV8_ATTN_AMX

@@ -1,7 +1,7 @@
-// What kv8's two kernel libraries (../attention, ../dense) share at their C boundary, defined once: the dtype codes,
-// the error codes and their messages, and the machinery that declares argument structs and spells their layout.
-// Python (kv8/kernels/abi.py) reads the names, the messages and the layout from each library at load, so no number
-// defined here is copied on the Python side.
+// What kv8's two kernel libraries (../attention, ../dense) share at their C boundary, defined once: the dtype codes
+// and the table of KV cache formats, the error codes and their messages, and the machinery that declares argument
+// structs and spells their layout. Python (kv8/kernels/abi.py) reads the names, the messages and the layout from each
+// library at load, so no number defined here is copied on the Python side.
 //
 // Argument structs: a library lists its structs once, STRUCTS(Y) calling Y(S, FIELDS) for each struct S whose
 // fields FIELDS(X) lists as X(type, name). KV8_ABI_STRUCTS(STRUCTS) declares the structs from the lists and
@@ -10,21 +10,52 @@
 // it as kv8_abi_layout(), and Python refuses a library whose text differs from its mirror's.
 #pragma once
 
+#include <math.h>
 #include <stdarg.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <stdio.h>
 
-// KV cache element types; the names are kv8.quant.formats.KVCacheDtype.name. FP8 codes come first
-// (is_fp8 relies on it).
-enum { KV_E4M3 = 0, KV_E4M3FNUZ = 1, KV_E5M2 = 2, KV_BF16 = 3, KV_F16 = 4, KV_F32 = 5, KV_COUNT = 6 };
-static const char* const KV_DTYPE_NAMES[KV_COUNT] = {
-    "fp8_e4m3", "fp8_e4m3fnuz", "fp8_e5m2", "bfloat16", "float16", "float32",
-};
-
 // Query / output / store input types ("compute dtype"); the names are torch dtype names.
 enum { DT_BF16 = 0, DT_F16 = 1, DT_F32 = 2, DT_COUNT = 3 };
 static const char* const COMPUTE_DTYPE_NAMES[DT_COUNT] = {"bfloat16", "float16", "float32"};
+
+// KV cache element types (and the FP8 weights' E4M3): KV_FORMATS[code] says everything the kernels need to know of
+// a format -- the store, every decode path and the FP8 -> bf16 tables read it rather than compare codes; template
+// parameters that pick code paths at compile time are codes whose traits are read from this table as constants.
+enum { KV_E4M3 = 0, KV_E4M3FNUZ = 1, KV_E5M2 = 2, KV_BF16 = 3, KV_F16 = 4, KV_F32 = 5, KV_COUNT = 6 };
+struct KvFormat {
+    const char* name;   // kv8.quant.formats.KVCacheDtype.name
+    int esize;          // bytes per element
+    int elem;           // a 16/32-bit format: the compute dtype (DT_*) of the same element type; FP8: -1
+    bool fp8;           // the fields below describe an FP8 format (and are 0 for the others)
+    int mbits;          // mantissa bits
+    int bias;           // exponent bias
+    float max_finite;   // the largest finite value (the store saturates to it)
+    bool nan_0x80;      // code 0x80 is the one NaN, and there is no -0 (the "fnuz" formats)
+    bool has_inf;       // IEEE-style: the top exponent holds inf and NaNs; else only magnitude 0x7f is NaN ("fn")
+    uint8_t nan_code;   // what the encoders write for NaN (with its sign bit where the format has a -NaN)
+};
+static constexpr KvFormat KV_FORMATS[KV_COUNT] = {
+    // name          esize  elem     fp8    mbits  bias  max_finite  nan_0x80  has_inf  nan_code
+    {"fp8_e4m3",     1,     -1,      true,  3,     7,    448.0f,     false,    false,   0x7f},  // KV_E4M3
+    {"fp8_e4m3fnuz", 1,     -1,      true,  3,     8,    240.0f,     true,     false,   0x80},  // KV_E4M3FNUZ
+    {"fp8_e5m2",     1,     -1,      true,  2,     15,   57344.0f,   false,    true,    0x7e},  // KV_E5M2
+    {"bfloat16",     2,     DT_BF16, false, 0,     0,    0.0f,       false,    false,   0},     // KV_BF16
+    {"float16",      2,     DT_F16,  false, 0,     0,    0.0f,       false,    false,   0},     // KV_F16
+    {"float32",      4,     DT_F32,  false, 0,     0,    0.0f,       false,    false,   0},     // KV_F32
+};
+
+// The exact value of code c (0..255) of FP8 format kv (NaN where the format has NaN; subnormals included).
+static inline float fp8_value(int kv, int c) {
+    const KvFormat& F = KV_FORMATS[kv];
+    const int mag = c & 0x7f, e = mag >> F.mbits, m = mag & ((1 << F.mbits) - 1), top = 0x7f >> F.mbits;
+    if (F.nan_0x80 ? c == 0x80 : (F.has_inf ? e == top && m != 0 : mag == 0x7f)) return NAN;
+    const float v = F.has_inf && e == top ? INFINITY
+                  : e ? ldexpf((float)((1 << F.mbits) + m), e - F.bias - F.mbits)
+                      : ldexpf((float)m, 1 - F.bias - F.mbits);
+    return (c & 0x80) ? -v : v;
+}
 
 // Return codes of the entry points (0 = success); the messages are what Python raises (ValueError).
 enum { OK = 0, ERR_BLOCK_ID = 1, ERR_TABLE_WIDTH = 2, ERR_LENGTHS = 3, ERR_SLOT = 4, ERR_ARGS = 5, ERR_OOM = 6,

@@ -183,19 +183,9 @@ static inline void row_blocks(const MicroFn* table, int max_mr, const uint16_t* 
 // FP8 (E4M3) weights: the codes of the packed layout, one byte per value, in the order fp8_table_decode
 // (../common/fp8_bf16.h) turns into the bf16 packed layout (kv8_linear_fp8). Byte b of a pair-row's 64 codes holds
 // bf16 value v(b) = 8 (b / 16) + b % 8 for b % 16 < 8, else 32 + 8 (b / 16) + b % 8 -- the decode's lane order --
-// so one 64-byte load decodes into the pair-row's 32 + 32 bf16 values (columns 0..15, then 16..31).
-// The E4M3 (fn) tables: bias 7, subnormals at e = 0, 0x7F NaN (never produced by the quantizer: it saturates).
-static Fp8Tables make_e4m3_tables() {
-    uint16_t b[128];
-    for (int c = 0; c < 128; ++c) {
-        const int e = c >> 3, m = c & 7;
-        const float v = e == 0 ? ldexpf((float)m, -9) : ldexpf(1.0f + m / 8.0f, e - 7);
-        uint32_t bits;
-        memcpy(&bits, &v, 4);
-        b[c] = c == 0x7F ? 0x7FC0 : (uint16_t)(bits >> 16);   // exact: <= 3 mantissa bits
-    }
-    return fp8_tables(b);
-}
+// so one 64-byte load decodes into the pair-row's 32 + 32 bf16 values (columns 0..15, then 16..31). The tables are
+// the E4M3 (fn) row's of the format table (../common/kv8_abi.h); its NaN, 0x7F, is never produced by the quantizer
+// (it saturates).
 
 // `panels` adjacent packed FP8 panels at src (each kp / 2 pair-rows of 64 codes) -> the bf16 packed layout
 // at dst (the same panels, 64 bf16 per pair-row). ahead (or NULL): as many 64-byte lines from there are
@@ -203,12 +193,12 @@ static Fp8Tables make_e4m3_tables() {
 // stalls the core until line-fill buffers free).
 static inline void decode_panels_fp8(const uint8_t* src, int64_t panels, int64_t kp, uint16_t* dst,
                                      const char* ahead = nullptr) {
-    static const Fp8Tables L = make_e4m3_tables();
+    static const Fp8Tables L = fp8_tables(KV_E4M3);
     const int64_t rows = panels * kp / 2;
     for (int64_t i = 0; i < rows; ++i) {
         if (ahead) _mm_prefetch(ahead + i * 64, _MM_HINT_T1);
         __m512i w0, w1;
-        fp8_table_decode<false>(_mm512_loadu_si512(src + i * 64), L, w0, w1);
+        fp8_table_decode<KV_FORMATS[KV_E4M3].nan_0x80>(_mm512_loadu_si512(src + i * 64), L, w0, w1);
         _mm512_store_si512(dst + i * 64, w0);
         _mm512_store_si512(dst + i * 64 + 32, w1);
     }
@@ -225,14 +215,14 @@ static const int MAX_MR_FP8 = 10;  // 20 accumulators + 2 weights + 4 tables + 1
 template <int MR, bool GATED>
 static inline void micro_fp8(const uint16_t* x, int64_t K, const uint8_t* codes, int64_t kp, const float* bias,
                              const float* scale, int64_t n0, int64_t N, uint16_t* out, const uint8_t* ahead) {
-    static const Fp8Tables L = make_e4m3_tables();
+    static const Fp8Tables L = fp8_tables(KV_E4M3);
     __m512 acc[MR][2];
     for (int r = 0; r < MR; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
     const int64_t pairs = kp / 2, full = K / 2;
     for (int64_t kk = 0; kk < pairs; ++kk) {
         if (ahead) _mm_prefetch((const char*)ahead + kk * 64, _MM_HINT_T1);
         __m512i w0, w1;
-        fp8_table_decode<false>(_mm512_loadu_si512(codes + kk * 64), L, w0, w1);
+        fp8_table_decode<KV_FORMATS[KV_E4M3].nan_0x80>(_mm512_loadu_si512(codes + kk * 64), L, w0, w1);
         for (int r = 0; r < MR; ++r) {
             const __m512bh b = kk < full ? (__m512bh)_mm512_broadcastd_epi32(_mm_loadu_si32(x + r * K + 2 * kk))
                                          : (__m512bh)_mm512_set1_epi32((int32_t)x[r * K + 2 * kk]);
