@@ -9,6 +9,7 @@
 | ``RAY_ADDRESS`` | the Ray cluster of ``kv8 serve --data-parallel-backend ray`` when ``--ray-address`` is not given |
 | ``GLIBC_TUNABLES``, ``MALLOC_*_`` | glibc's malloc settings: where set, kv8 keeps them (:mod:`kv8.host_memory`) |
 | ``KV8_HUGE_PAGES`` | ``1``: the loaded weights ask for 2 MiB pages; ``0`` or unset (default): ordinary pages |
+| ``TRITON_INTERPRET`` | ``1``: Triton runs its kernels in its interpreter, on CPU tensors (tests of the GPU path) |
 """
 
 from __future__ import annotations
@@ -76,3 +77,11 @@ def huge_pages() -> bool:
         raise ValueError(f"{HUGE_PAGES_ENV}={value!r} is not one of: 0 (ordinary pages, the default), 1 (2 MiB pages "
                          "for the weights)")
     return value == "1"
+
+
+TRITON_INTERPRET_ENV = "TRITON_INTERPRET"
+
+
+def triton_interpret() -> bool:
+    """``$TRITON_INTERPRET`` is set to a true value (Triton's own reading: ``1``, ``true``, ``on``, ``yes``)."""
+    return os.environ.get(TRITON_INTERPRET_ENV, "0").strip().lower() in ("1", "true", "on", "yes")

@@ -10,7 +10,14 @@ import pytest
 
 from kv8.cache.codec import ROTATIONS, SCALE_MODES
 from kv8.engine.args import EngineArgs
-from kv8.engine.config import ATTENTION_BACKENDS, DENSE_BACKENDS, DTYPE_CHOICES, QUANTIZATION_METHODS
+from kv8.engine.config import (
+    ATTENTION_BACKENDS,
+    DENSE_BACKENDS,
+    DEVICE_CHOICES,
+    DTYPE_CHOICES,
+    LOAD_FORMATS,
+    QUANTIZATION_METHODS,
+)
 from kv8.entrypoints.cli import INFO_OPTIONS, build_parser
 from kv8.quant.formats import KV_CACHE_DTYPE_NAMES
 from kv8.tools.commands import CALIBRATE_EXCLUDED, EVAL_DEFAULTS, EVAL_EXCLUDED
@@ -27,7 +34,8 @@ OTHER = dict(model="some-model", dtype="float32", kv_cache_dtype="fp8_e5m2", qua
              max_num_batched_tokens=99, max_model_len=77, seed=5, attention_backend="reference",
              dense_backend="packed_bf16", kv_cache_scale_mode="dynamic", kv_cache_rotation="hadamard",
              kv_cache_dtype_skip_layers="1", disable_hybrid_kv_cache_manager=True, tensor_parallel_size=2,
-             cpu_threads_per_rank=3, quantization="fp8", adaptive_cpu_threads=False)
+             cpu_threads_per_rank=3, quantization="fp8", adaptive_cpu_threads=False, device="cpu",
+             load_format="dummy")
 
 
 def _subparser(command: str) -> argparse.ArgumentParser:
@@ -92,7 +100,7 @@ def test_eval_keeps_its_repeatable_kv_cache_dtype():
 CHOICE_FIELDS = {"dtype": DTYPE_CHOICES, "kv_cache_dtype": KV_CACHE_DTYPE_NAMES,
                  "attention_backend": ATTENTION_BACKENDS, "dense_backend": DENSE_BACKENDS,
                  "kv_cache_scale_mode": SCALE_MODES, "kv_cache_rotation": ROTATIONS,
-                 "quantization": QUANTIZATION_METHODS}
+                 "quantization": QUANTIZATION_METHODS, "device": DEVICE_CHOICES, "load_format": LOAD_FORMATS}
 
 
 def test_choices_come_from_the_declaring_tuples():

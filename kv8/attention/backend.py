@@ -9,6 +9,7 @@ context. Step (1) before (2) is what makes a block written by one sequence in th
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Protocol
 
 import torch
@@ -42,15 +43,26 @@ class ReferenceBackend:
         return paged_attention_reference(query, cache, layer, meta, scale)
 
 
-BACKENDS: dict[str, type] = {"cpu_fused": FusedCPUBackend, "reference": ReferenceBackend}
+def _triton_backend() -> AttentionBackend:
+    from kv8.attention.triton import TritonBackend  # imports Triton: only when the backend is chosen
+
+    return TritonBackend()
+
+
+BACKENDS: dict[str, Callable[[], AttentionBackend]] = {
+    "cpu_fused": FusedCPUBackend, "reference": ReferenceBackend, "triton": _triton_backend}
+CPU_ONLY_BACKENDS = ("cpu_fused",)   # the others run on every device (triton: CUDA, or the CPU in its interpreter)
 
 _auto_fallback_warned = False
 
 
-def get_backend(name: str) -> AttentionBackend:
-    """``auto`` is ``cpu_fused`` when its kernels build and load, else ``reference`` (with one warning per
-    process saying why). Naming ``cpu_fused`` explicitly raises :class:`KernelUnavailable` instead."""
+def get_backend(name: str, device: str = "cpu") -> AttentionBackend:
+    """The backend named ``name`` for ``device``. ``auto`` is ``triton`` on CUDA; on the CPU ``cpu_fused`` when
+    its kernels build and load, else ``reference`` (with one warning per process saying why). Naming ``cpu_fused``
+    explicitly raises :class:`KernelUnavailable` instead."""
     global _auto_fallback_warned
+    if name == "auto" and device != "cpu":
+        return _triton_backend()
     if name == "auto":
         try:
             return FusedCPUBackend()

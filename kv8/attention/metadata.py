@@ -68,10 +68,12 @@ class AttentionMetadata:
 
     @staticmethod
     def build(query_lens: list[int], seq_lens: list[int], block_tables: list[list[int]],
-              block_size: int, *, sliding_window: int | None = None) -> AttentionMetadata:
+              block_size: int, *, sliding_window: int | None = None,
+              device: torch.device | str = "cpu") -> AttentionMetadata:
         """Build from per-sequence host lists. ``block_tables[i]`` must cover ``seq_lens[i]`` tokens (with a
-        window, entries before it may be anything: see the module docstring). ``ValueError`` for a
-        ``sliding_window`` that is neither None nor an int >= 1."""
+        window, entries before it may be anything: see the module docstring). The tensors are made on
+        ``device`` (the lists stay on the host). ``ValueError`` for a ``sliding_window`` that is neither None nor
+        an int >= 1."""
         _check_sliding_window(sliding_window)
         slots: list[int] = []
         for q_len, s_len, table in zip(query_lens, seq_lens, block_tables):
@@ -81,15 +83,15 @@ class AttentionMetadata:
                 slots.append(table[pos // block_size] * block_size + pos % block_size)
         width = max(max((len(t) for t in block_tables), default=0), 1)
         # one tensor from zero-padded rows (a tensor per row costs ~10 us each, per step)
-        tables = torch.tensor([list(t) + [0] * (width - len(t)) for t in block_tables], dtype=torch.int64) \
-            if block_tables else torch.zeros(0, 1, dtype=torch.int64)
+        tables = torch.tensor([list(t) + [0] * (width - len(t)) for t in block_tables], dtype=torch.int64,
+                              device=device) if block_tables else torch.zeros(0, 1, dtype=torch.int64, device=device)
         qsl = [0]
         for q in query_lens:
             qsl.append(qsl[-1] + q)
         return AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.int64),
-            query_start_loc=torch.tensor(qsl, dtype=torch.int64),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int64),
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+            query_start_loc=torch.tensor(qsl, dtype=torch.int64, device=device),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int64, device=device),
             block_tables=tables,
             query_lens_list=tuple(query_lens),
             seq_lens_list=tuple(seq_lens),

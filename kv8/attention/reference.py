@@ -48,8 +48,8 @@ def paged_attention_reference(query: torch.Tensor, cache: PagedKVCache, layer: i
         scores = torch.einsum("qhd,shd->hqs", q, k) * scale            # [Hq, q, s - first]
         # Query j sits at position s_len - q_len + j and sees keys 0 .. that position (with a window W,
         # only the W keys ending there).
-        q_pos = torch.arange(s_len - q_len, s_len).unsqueeze(1)
-        k_pos = torch.arange(first, s_len).unsqueeze(0)
+        q_pos = torch.arange(s_len - q_len, s_len, device=query.device).unsqueeze(1)
+        k_pos = torch.arange(first, s_len, device=query.device).unsqueeze(0)
         hidden = k_pos > q_pos
         if window is not None:
             hidden |= k_pos <= q_pos - window

@@ -30,7 +30,7 @@ format; an FP8 codec in static mode always has scales (1.0 when none were given)
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -54,6 +54,8 @@ class KVCodec:
     dynamic: bool = False                   # per-token, per-head scales stored beside the codes
     rotation_name: str = "none"
     rotation: torch.Tensor | None = None    # [D, D] orthonormal, float32; None = identity
+    # the static scales' (k [L, H|1, D|1], v) on the codec's device (scales stay on the CPU: KVScales)
+    device_scales: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @staticmethod
     def build(kv_dtype: KVCacheDtype, head_dim: int, *, scale_mode: str = "static", rotation: str = "none",
@@ -75,7 +77,17 @@ class KVCodec:
         if kv_dtype.is_fp8 and not dynamic and scales is None:
             raise ValueError("an FP8 KV cache in static scale mode needs scales (KVScales.default gives 1.0)")
         matrix = hadamard(head_dim) if rotation == "hadamard" else None
-        return KVCodec(kv_dtype, head_dim, scales if kv_dtype.is_fp8 else None, dynamic, rotation, matrix)
+        scales = scales if kv_dtype.is_fp8 else None
+        return KVCodec(kv_dtype, head_dim, scales, dynamic, rotation, matrix,
+                       None if scales is None else (scales.k, scales.v))
+
+    def to(self, device: torch.device | str) -> KVCodec:
+        """The same codec with its tensors (static scales, rotation) on ``device``: what encodes and decodes
+        tensors there. ``scales`` (:class:`KVScales`) stays on the CPU."""
+        moved = None if self.device_scales is None else (self.device_scales[0].to(device),
+                                                          self.device_scales[1].to(device))
+        rotation = None if self.rotation is None else self.rotation.to(device)
+        return replace(self, rotation=rotation, device_scales=moved)
 
     # ---- sizes ----------------------------------------------------------------------------------------------
     @staticmethod
@@ -91,8 +103,12 @@ class KVCodec:
 
     # ---- scales ---------------------------------------------------------------------------------------------
     def layer_scales(self, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """Static ``(k_scale, v_scale)`` of one layer, float32 broadcastable to ``[H, D]``; None without."""
-        return None if self.scales is None else self.scales.layer(layer)
+        """Static ``(k_scale, v_scale)`` of one layer, float32 broadcastable to ``[H, D]``, on the codec's device;
+        None without."""
+        if self.scales is None or self.device_scales is None:
+            return None
+        self.scales.layer(layer)   # validates the index
+        return self.device_scales[0][layer], self.device_scales[1][layer]
 
     def token_scales(self, x: torch.Tensor) -> torch.Tensor:
         """Dynamic scales ``[T, H]`` float32 of values ``[T, H, D]``: ``amax / format max``, 1.0 where that is
@@ -115,8 +131,9 @@ class KVCodec:
         if self.dynamic:
             ts = self.token_scales(x)
             return quantize(x, ts.unsqueeze(-1), fmt), ts
-        assert self.scales is not None
-        return quantize(x, self.scales.layer(layer)[which], fmt), None
+        scales = self.layer_scales(layer)
+        assert scales is not None
+        return quantize(x, scales[which], fmt), None
 
     def decode(self, stored: torch.Tensor, layer: int, which: int, dtype: torch.dtype,
                token_scales: torch.Tensor | None = None) -> torch.Tensor:
@@ -128,8 +145,9 @@ class KVCodec:
         if self.dynamic:
             assert token_scales is not None, "a dynamic codec decodes with the stored token scales"
             return dequantize(stored, token_scales.unsqueeze(-1), fmt, dtype=dtype)
-        assert self.scales is not None
-        return dequantize(stored, self.scales.layer(layer)[which], fmt, dtype=dtype)
+        scales = self.layer_scales(layer)
+        assert scales is not None
+        return dequantize(stored, scales[which], fmt, dtype=dtype)
 
     def round_trip(self, x: torch.Tensor, layer: int, which: int) -> tuple[torch.Tensor, int]:
         """``(read-back float32 [T, H, D], number of values clipped)`` for values ``[T, H, D]`` in the stored
@@ -140,7 +158,7 @@ class KVCodec:
         fmt = self.kv_dtype.fp8
         if fmt is None:
             return back, 0
-        scale = ts.unsqueeze(-1) if ts is not None else self.scales.layer(layer)[which]  # type: ignore[union-attr]
+        scale = ts.unsqueeze(-1) if ts is not None else self.layer_scales(layer)[which]  # type: ignore[index]
         return back, int(((x.float() / scale).abs() > fmt.max_finite).sum())
 
     def describe(self) -> str:

@@ -8,12 +8,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from kv8.cache.codec import ROTATIONS, SCALE_MODES
 from kv8.options import option
 from kv8.quant.formats import KV_CACHE_DTYPE_NAMES, KVCacheDtype
 from kv8.validators import check_bool, check_choice, check_int, is_int, memory_available
 
-__all__ = ["SKIP_LAYER_KINDS", "CacheConfig", "default_kv_cache_memory"]
+__all__ = ["SKIP_LAYER_KINDS", "CacheConfig", "default_kv_cache_memory", "device_memory_available"]
 
 # kv_cache_dtype_skip_layers entries besides layer indices: every layer of that kind stays in the compute dtype
 SKIP_LAYER_KINDS = ("sliding_window", "full_attention")
@@ -111,8 +113,16 @@ class CacheConfig:
             raise ValueError(f"kv_cache_dtype_skip_layers keeps layers out of an FP8 cache, but {not_fp8}")
 
 
-def default_kv_cache_memory() -> int:
-    """Default KV budget: 25% of the memory this process may still take (:func:`kv8.validators.memory_available`;
-    8 GiB where it cannot be read), at most 4 GiB (vLLM's CPU default)."""
-    available = memory_available()
+def device_memory_available(device: str = "cpu") -> int | None:
+    """Bytes free for the KV cache on ``device``: the host's (:func:`kv8.validators.memory_available`, None where it
+    cannot be read) or the current CUDA GPU's."""
+    if device == "cuda":
+        return int(torch.cuda.mem_get_info()[0])
+    return memory_available()
+
+
+def default_kv_cache_memory(device: str = "cpu") -> int:
+    """Default KV budget: 25% of the memory still free on ``device`` (:func:`device_memory_available`; 8 GiB where
+    it cannot be read), at most 4 GiB (vLLM's CPU default)."""
+    available = device_memory_available(device)
     return int(min(4 * 1024**3, 0.25 * (available if available is not None else 8 * 1024**3)))

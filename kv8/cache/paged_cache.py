@@ -46,11 +46,14 @@ class CacheShape:
 class PagedKVCache:
     """Owns the cache tensors; stores new K/V into slots and reads blocks back, both through its codec."""
 
-    def __init__(self, shape: CacheShape, codec: KVCodec, slots: Mapping[int, int] | None = None) -> None:
+    def __init__(self, shape: CacheShape, codec: KVCodec, slots: Mapping[int, int] | None = None,
+                 device: torch.device | str = "cpu") -> None:
         """``shape.num_layers`` is the model's layer count; ``slots`` maps each layer this cache holds to its
-        slot (None: every layer, slot = layer). Static scales are indexed by model layer."""
+        slot (None: every layer, slot = layer). Static scales are indexed by model layer. The tensors, and the
+        codec's (:meth:`KVCodec.to`), live on ``device``."""
         self.shape = shape
-        self.codec = codec
+        self.device = torch.device(device)
+        self.codec = codec.to(self.device)
         self.slots: dict[int, int] = dict(slots) if slots is not None else {i: i for i in range(shape.num_layers)}
         if not self.slots or any(not 0 <= layer < shape.num_layers or s < 0 for layer, s in self.slots.items()):
             raise ValueError(f"slots {self.slots} must map layers in [0, {shape.num_layers}) to slots >= 0")
@@ -60,11 +63,11 @@ class PagedKVCache:
         # used in its attention), so the initial contents do not matter. Ordinary pages, unlike the weights
         # (kv8.host_memory): the cache is first touched while serving, where a fresh 2 MiB page costs more.
         self.data = torch.empty(num_slots, 2, shape.num_blocks, shape.num_kv_heads, shape.block_size,
-                                shape.head_dim, dtype=codec.kv_dtype.storage_dtype)
+                                shape.head_dim, dtype=codec.kv_dtype.storage_dtype, device=self.device)
         self.token_scales: torch.Tensor | None = None
         if codec.dynamic:
             self.token_scales = torch.empty(num_slots, 2, shape.num_blocks, shape.num_kv_heads,
-                                            shape.block_size, dtype=torch.float32)
+                                            shape.block_size, dtype=torch.float32, device=self.device)
 
     @property
     def kv_dtype(self) -> KVCacheDtype:

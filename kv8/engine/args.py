@@ -19,14 +19,22 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kv8.cache.config import CacheConfig, default_kv_cache_memory
+from kv8.cache.config import CacheConfig, default_kv_cache_memory, device_memory_available
 from kv8.cache.layout import KVCacheLayout, split_budget
 from kv8.distributed.config import ParallelConfig
-from kv8.engine.config import DTYPE_CHOICES, EngineConfig, SchedulerConfig, pool_block_bytes, resolve_dtype
+from kv8.engine.config import (
+    DEVICE_CHOICES,
+    DTYPE_CHOICES,
+    EngineConfig,
+    SchedulerConfig,
+    pool_block_bytes,
+    resolve_device,
+    resolve_dtype,
+)
 from kv8.models.registry import arch_config
 from kv8.options import OptionGroup, from_config, option
 from kv8.quant.formats import resolve_kv_cache_dtype
-from kv8.validators import format_bytes, memory_available, parse_memory
+from kv8.validators import format_bytes, parse_memory
 
 DEFAULT_MODEL = "smollm2-135m"
 
@@ -63,6 +71,9 @@ class EngineArgs(OptionGroup):
     model: str = option(DEFAULT_MODEL, "model: an alias (smollm2-135m), a Hugging Face model directory or a "
                         ".gguf file", cli=False)
     dtype: str = option("auto", "compute dtype; auto = bfloat16", choices=DTYPE_CHOICES, type=str.lower)
+    device: str = option("auto", "where the weights, activations and KV cache live: auto = cuda when torch sees a "
+                         "GPU, else cpu", choices=DEVICE_CHOICES, type=str.lower)
+    load_format: str = from_config(EngineConfig, "load_format")
     kv_cache_dtype: str = from_config(CacheConfig, "kv_cache_dtype")
     quantization_param_path: str | None = from_config(CacheConfig, "quantization_param_path")
     kv_cache_memory: int | str | None = from_config(CacheConfig, "kv_cache_memory", type=_memory_size)
@@ -128,7 +139,8 @@ class EngineArgs(OptionGroup):
                             scheduler=sched, seed=self.seed, attention_backend=self.attention_backend,
                             dense_backend=self.dense_backend, quantization=self.quantization,
                             parallel=ParallelConfig(self.tensor_parallel_size, self.cpu_threads_per_rank,
-                                                    self.adaptive_cpu_threads))
+                                                    self.adaptive_cpu_threads),
+                            device=resolve_device(self.device), load_format=self.load_format)
 
 
 def _skip_layers(value: str | Iterable[int | str] | None) -> tuple[int | str, ...]:
@@ -153,7 +165,7 @@ def _budget_option(config: EngineConfig, num_blocks: int) -> str:
         return f"num_kv_blocks={num_blocks} (--num-kv-blocks)"
     if cc.kv_cache_memory is not None:
         return f"kv_cache_memory={format_bytes(cc.kv_cache_memory)} (--kv-cache-memory)"
-    return f"the default kv_cache_memory ({format_bytes(default_kv_cache_memory())})"
+    return f"the default kv_cache_memory ({format_bytes(default_kv_cache_memory(config.device))})"
 
 
 def check_cache_fits_memory(config: EngineConfig, layout: KVCacheLayout, num_blocks: Sequence[int]) -> None:
@@ -162,11 +174,12 @@ def check_cache_fits_memory(config: EngineConfig, layout: KVCacheLayout, num_blo
     memory too, and a config whose sizes do not match the checkpoint is reported by the loader first) and before
     the cache is allocated."""
     need = sum(n * b for n, b in zip(num_blocks, pool_block_bytes(config, layout)))
-    free = memory_available()
+    free = device_memory_available(config.device)
+    where = "this machine" if config.device == "cpu" else f"the {config.device} device"
     if free is not None and need > free:
         raise ValueError(
             f"{_budget_option(config, sum(num_blocks))} asks for a KV cache of {format_bytes(need)}, but only "
-            f"{format_bytes(free)} of memory is free on this machine (the model's weights loaded); lower it")
+            f"{format_bytes(free)} of memory is free on {where} (the model's weights loaded); lower it")
 
 
 def resolve_num_blocks(config: EngineConfig, layout: KVCacheLayout) -> list[int]:
@@ -184,7 +197,7 @@ def resolve_num_blocks(config: EngineConfig, layout: KVCacheLayout) -> list[int]
         num_blocks = [cc.num_kv_blocks]
         fix = f"raise num_kv_blocks to at least {needs[0]}, or lower max_model_len"
     else:
-        memory = cc.kv_cache_memory if cc.kv_cache_memory is not None else default_kv_cache_memory()
+        memory = cc.kv_cache_memory if cc.kv_cache_memory is not None else default_kv_cache_memory(config.device)
         num_blocks = split_budget(memory, layout, block_bytes, sched.max_model_len, cc.block_size, chunk)
         fix = (f"raise kv_cache_memory (needs at least {format_bytes(sum(b * k for b, k in zip(block_bytes, needs)))})"
                " or lower max_model_len")

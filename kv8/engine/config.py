@@ -14,18 +14,20 @@ from typing import Any
 
 import torch
 
-from kv8.attention.backend import BACKENDS
+from kv8.attention.backend import BACKENDS, CPU_ONLY_BACKENDS
 from kv8.cache.codec import KVCodec
 from kv8.cache.config import CacheConfig
 from kv8.cache.layout import KVCacheLayout
 from kv8.distributed.config import ParallelConfig
+from kv8.envs import triton_interpret
 from kv8.models.config import ModelArchConfig
 from kv8.options import option
 from kv8.quant.formats import resolve_kv_cache_dtype
 from kv8.validators import check_choice, check_int
 
-__all__ = ["ATTENTION_BACKENDS", "DENSE_BACKENDS", "DTYPE_CHOICES", "QUANTIZATION_METHODS", "EngineConfig",
-           "SchedulerConfig", "resolve_dtype"]
+__all__ = ["ATTENTION_BACKENDS", "DENSE_BACKENDS", "DEVICE_CHOICES", "DEVICES", "DTYPE_CHOICES", "LOAD_FORMATS",
+           "QUANTIZATION_METHODS",
+           "EngineConfig", "SchedulerConfig", "resolve_device", "resolve_dtype"]
 
 # auto, then the backends registered in kv8.attention.backend
 ATTENTION_BACKENDS: tuple[str, ...] = ("auto", *BACKENDS)
@@ -46,6 +48,33 @@ _DTYPES: dict[str, torch.dtype] = {
     "float": torch.float32,
 }
 DTYPE_CHOICES: tuple[str, ...] = tuple(_DTYPES)  # matched case-insensitively by resolve_dtype
+
+# where the model's weights and activations and the KV cache live (vLLM's --device); the scheduler, the block
+# pool and the requests' state are always on the host
+DEVICES = ("cpu", "cuda")
+DEVICE_CHOICES = ("auto", *DEVICES)
+# vLLM's --load-format: auto = the checkpoint's weights; dummy = random weights of its shapes (speed measurements)
+LOAD_FORMATS = ("auto", "dummy")
+# what each dense backend runs on
+_DENSE_DEVICES = {"auto": DEVICES, "torch": DEVICES, "packed_bf16": ("cpu",)}
+
+
+def resolve_device(device: str) -> str:
+    """``auto`` -> ``cuda`` when torch sees a CUDA GPU, else ``cpu``; ``cpu`` and ``cuda`` as given (any case).
+    Whether ``cuda`` is usable is checked by :class:`EngineConfig`."""
+    name = device.lower() if isinstance(device, str) else device
+    check_choice("device", name, DEVICE_CHOICES)
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return name
+
+
+def _check_device(device: str) -> None:
+    check_choice("device", device, DEVICES, hint="(EngineArgs resolves 'auto')")
+    if device == "cuda" and not torch.cuda.is_available():
+        build = f"CUDA {torch.version.cuda}" if torch.version.cuda else "a CPU-only build"
+        raise ValueError(f"device='cuda' but torch sees no CUDA GPU (torch {torch.__version__}, {build}); install "
+                         "torch with CUDA (README: the GPU path) on a machine with an NVIDIA GPU, or use device='cpu'")
 
 
 def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
@@ -97,7 +126,8 @@ class EngineConfig:
     scheduler: SchedulerConfig
     seed: int = option(0, "engine seed for requests without their own", type=int)
     attention_backend: str = option(
-        "auto", "attention: auto = cpu_fused (kv8's fused CPU kernels) if they build, else reference (plain torch)",
+        "auto", "attention: auto = triton on CUDA; on the CPU cpu_fused (kv8's fused CPU kernels) if they build, "
+        "else reference (plain torch)",
         choices=ATTENTION_BACKENDS)
     dense_backend: str = option(
         "auto", "linear layers, norms, activation, RoPE: auto = packed_bf16 (kv8's packed AVX-512 BF16 kernels) "
@@ -107,11 +137,17 @@ class EngineConfig:
         "scale per output row (half the bytes a decode step reads; the LM head and embedding stay as loaded)",
         choices=QUANTIZATION_METHODS)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    device: str = "cpu"   # resolved: "cpu" or "cuda" (EngineArgs.device turns "auto" into one of them)
+    load_format: str = option("auto", "how weights are loaded: auto = from the model's checkpoint; dummy = random "
+                              "weights of the model's shapes (no checkpoint read: for speed measurements)",
+                              choices=LOAD_FORMATS)
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         check_choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
         check_choice("dense_backend", self.dense_backend, DENSE_BACKENDS)
+        check_choice("load_format", self.load_format, LOAD_FORMATS)
+        self._check_device_support()
         if self.dense_backend == "packed_bf16" and self.dtype != torch.bfloat16:
             raise ValueError(f"dense_backend='packed_bf16' needs dtype bfloat16, got {self.dtype}; use "
                              "dense_backend='auto' or 'torch'")
@@ -127,6 +163,32 @@ class EngineConfig:
         if max_len > arch.max_position_embeddings:
             raise ValueError(f"max_model_len={max_len} exceeds the model's context "
                              f"(max_position_embeddings={arch.max_position_embeddings})")
+
+    def _check_device_support(self) -> None:
+        """The device is usable and every option runs on it."""
+        _check_device(self.device)
+        if self.device not in _DENSE_DEVICES[self.dense_backend]:
+            raise ValueError(f"dense_backend={self.dense_backend!r} runs on the CPU only (AVX-512 kernels), not on "
+                             f"device={self.device!r}; use dense_backend='auto' or 'torch'")
+        if self.device != "cpu" and self.attention_backend in CPU_ONLY_BACKENDS:
+            raise ValueError(f"attention_backend={self.attention_backend!r} runs on the CPU only, not on "
+                             f"device={self.device!r}; use attention_backend='auto' (triton on CUDA) or 'triton'")
+        if self.attention_backend == "triton":
+            try:
+                import triton  # noqa: F401  (the backend's only extra need)
+            except ImportError:
+                raise ValueError("attention_backend='triton' needs the triton package (pip install triton; CUDA "
+                                 "builds of torch bring it)") from None
+            if self.device == "cpu" and not triton_interpret():
+                raise ValueError("attention_backend='triton' runs on device='cuda'; on the CPU only in Triton's "
+                                 "interpreter (TRITON_INTERPRET=1, slow: for tests); use attention_backend='auto' "
+                                 "or 'cpu_fused' on the CPU")
+
+    @property
+    def torch_device(self) -> torch.device:
+        """The device of the weights, activations and KV cache (the first GPU for ``cuda``; each tensor-parallel
+        rank uses its own: :func:`kv8.engine.worker.load_shard`)."""
+        return torch.device(self.device)
 
     @property
     def kv_heads_per_rank(self) -> int:

@@ -58,7 +58,8 @@ class LLMEngine:
         kind, path = resolve_model_path(args.model)
         # Validate every option against the architecture before paying for the weights.
         self.config: EngineConfig = args.create_engine_config(read_model_config(kind, path), kind, path)
-        check_checkpoint_layers(kind, path, self.config.arch)   # before anything is sized by the layer count
+        if self.config.load_format != "dummy":   # before anything is sized by the layer count
+            check_checkpoint_layers(kind, path, self.config.arch)
         self.layout = layout_for(self.config)
         num_blocks = resolve_num_blocks(self.config, self.layout)   # a budget too small for max_model_len fails here
         if observer is not None and self.config.parallel.tensor_parallel_size > 1:
@@ -71,7 +72,7 @@ class LLMEngine:
         try:
             shard = load_shard(self.config, self.layout, num_blocks, self.tp, observer)
             self.tp.wait_ready()
-            self.tp.connect(slot_bytes=allreduce_slot_bytes(self.config))
+            self.tp.connect(slot_bytes=allreduce_slot_bytes(self.config), device=self.config.device)
         except BaseException:
             self.shutdown()
             raise
@@ -96,8 +97,9 @@ class LLMEngine:
             self.governor.observe()
         per_rank = f" per rank ({self.tp.size} tensor-parallel ranks)" if self.tp.size > 1 else ""
         logger.info(
-            "KV cache: dtype %s, %s blocks of %d tokens, %s in all%s; %s; %s; prefix caching %s; attention backend "
-            "%s; dense backend %s", cc.kv_dtype.name, " + ".join(map(str, num_blocks)), cc.block_size,
+            "KV cache on %s: dtype %s, %s blocks of %d tokens, %s in all%s; %s; %s; prefix caching %s; attention "
+            "backend %s; dense backend %s", self.runner.device, cc.kv_dtype.name, " + ".join(map(str, num_blocks)),
+            cc.block_size,
             format_bytes(sum(c.nbytes for c in self.caches)), per_rank, self.layout.describe(),
             shard.codec.describe(), "on" if cc.enable_prefix_caching else "off", self.backend.name,
             self.dense_backend)

@@ -86,16 +86,18 @@ class ModelRunner:
 
     def __init__(self, model: CausalLM, caches: Sequence[PagedKVCache], layout: KVCacheLayout,
                  backend: AttentionBackend, observer: EngineObserver | None = None,
-                 tp: TPGroup = SINGLE_RANK) -> None:
-        """``caches[p]`` holds pool ``p`` of ``layout``; ``tp`` is the model's group (rank 0 drives)."""
+                 tp: TPGroup = SINGLE_RANK, device: torch.device | str = "cpu") -> None:
+        """``caches[p]`` holds pool ``p`` of ``layout``; ``tp`` is the model's group (rank 0 drives); ``device``
+        holds the model, the caches and every tensor of a step (the inputs are built on the host, then copied)."""
         self.model = model
+        self.device = torch.device(device)
         self.tp = tp
         self.caches = tuple(caches)
         self.layout = layout
         self.block_size = self.caches[0].shape.block_size
         self.backend = backend
         self.observer = observer
-        self.argmax = select_argmax()   # the sampler's row argmax, chosen once
+        self.argmax = select_argmax(self.device)   # the sampler's row argmax, chosen once
 
     def _context(self, query_lens: list[int], seq_lens: list[int],
                  tables: list[tuple[tuple[int, ...], ...]]) -> AttentionContext:
@@ -105,7 +107,7 @@ class ModelRunner:
         for g in self.layout.groups:
             group_tables = [[max(b, 0) for b in t[g.group_id]] for t in tables]
             metas.append(AttentionMetadata.build(query_lens, seq_lens, group_tables, self.block_size,
-                                                 sliding_window=g.sliding_window))
+                                                 sliding_window=g.sliding_window, device=self.device))
         if len(metas) == 1:
             return AttentionContext(self.caches[0], metas[0], self.backend, self.observer)
         per_layer = tuple((self.caches[self.layout.groups[g].pool], metas[g]) for g in self.layout.layer_group)
@@ -139,7 +141,8 @@ class ModelRunner:
     def forward(self, inputs: StepInputs) -> tuple[torch.Tensor, AttentionContext]:
         """Run this rank's shard over a step: final hidden states ``[T, E]`` and the step's context."""
         ctx = self._context(inputs.query_lens, inputs.seq_lens, inputs.tables)
-        return self.model(torch.tensor(inputs.input_ids), torch.tensor(inputs.positions), ctx), ctx
+        ids = torch.tensor(inputs.input_ids, device=self.device)
+        return self.model(ids, torch.tensor(inputs.positions, device=self.device), ctx), ctx
 
     @torch.inference_mode()
     def worker_step(self, inputs: StepInputs) -> None:
@@ -218,7 +221,7 @@ class ModelRunner:
         logits predict token ``p + 1``; the hidden rows come from ``logit_rows``, a batch at a time."""
         first, last = span
         k = req.sampling_params.prompt_logprobs or 0
-        targets = torch.tensor(req.prompt_token_ids[first + 1:last + 1])
+        targets = torch.tensor(req.prompt_token_ids[first + 1:last + 1], device=self.device)
         chunk: list[TokenLogprobs] = []
         for s in range(0, last - first, PROMPT_LOGITS_ROWS):
             logits = self.model.compute_logits(_rows(hidden, next(logit_rows)))

@@ -61,8 +61,11 @@ def argmax_reference(x: torch.Tensor) -> torch.Tensor:
     return torch.argmax(x, dim=-1)
 
 
-def select_argmax() -> Argmax:
-    """kv8's argmax kernel where the dense kernels build and load (AVX-512 BF16), else :func:`argmax_reference`."""
+def select_argmax(device: torch.device | str = "cpu") -> Argmax:
+    """On the CPU kv8's argmax kernel where the dense kernels build and load (AVX-512 BF16), else (and on every
+    other device) :func:`argmax_reference`."""
+    if torch.device(device).type != "cpu":
+        return argmax_reference
     try:
         return load_dense_kernels().argmax
     except KernelUnavailable as exc:

@@ -59,7 +59,8 @@ from kv8.quant.scales import ModelScaleInfo
 if TYPE_CHECKING:
     from kv8.engine.args import EngineArgs
 
-__all__ = ["Shard", "allreduce_slot_bytes", "load_shard", "main", "run_torchrun_worker", "run_worker", "start_ranks",
+__all__ = ["Shard", "allreduce_slot_bytes", "load_shard", "main", "rank_device", "run_torchrun_worker", "run_worker",
+           "start_ranks",
            "worker_main"]
 
 logger = logging.getLogger("kv8")
@@ -84,8 +85,9 @@ def load_shard(config: EngineConfig, layout: KVCacheLayout, num_blocks: Sequence
     blocks of pool ``p``, its own KV heads only) and build its runner. Sets this process's malloc up for
     activations first (:func:`kv8.host_memory.tune_malloc`)."""
     tune_malloc()
+    device = rank_device(config.device, tp.rank)
     loaded = load_model(config.model_kind, config.model, config.dtype, config.dense_backend, tp,
-                        config.quantization)
+                        config.quantization, device=str(device), load_format=config.load_format, seed=config.seed)
     arch, cc = config.arch, config.cache
     kv_heads = kv_head_shard(arch.num_kv_heads, tp)
     scales = engine_kv_scales(cc, ModelScaleInfo(arch.model_type, arch.num_layers, arch.num_kv_heads,
@@ -100,9 +102,20 @@ def load_shard(config: EngineConfig, layout: KVCacheLayout, num_blocks: Sequence
         pool_codec = (KVCodec.build(resolve_kv_cache_dtype("auto", config.dtype), arch.head_dim)
                       if pool.skipped else codec)
         shape = CacheShape(arch.num_layers, n, kv_heads[1], cc.block_size, arch.head_dim)
-        caches.append(PagedKVCache(shape, pool_codec, {i: layout.layer_slot[i] for i in pool.layers}))
-    runner = ModelRunner(loaded.model, caches, layout, get_backend(config.attention_backend), observer, tp)
+        caches.append(PagedKVCache(shape, pool_codec, {i: layout.layer_slot[i] for i in pool.layers}, device))
+    runner = ModelRunner(loaded.model, caches, layout, get_backend(config.attention_backend, config.device), observer,
+                         tp, device)
     return Shard(loaded, tuple(caches), codec, runner)
+
+
+def rank_device(device: str, rank: int) -> torch.device:
+    """The device of tensor-parallel rank ``rank``: the CPU, or GPU ``rank`` modulo the GPUs this process sees
+    (made the current one)."""
+    if device == "cpu":
+        return torch.device("cpu")
+    gpu = torch.device(device, rank % torch.cuda.device_count())
+    torch.cuda.set_device(gpu)
+    return gpu
 
 
 def allreduce_slot_bytes(config: EngineConfig) -> int:
@@ -153,7 +166,7 @@ def run_worker(tp: TPGroup, args: EngineArgs) -> None:
         tp.set_ready(error=f"{type(e).__name__}: {e}")
         raise
     tp.set_ready()
-    tp.connect(slot_bytes=allreduce_slot_bytes(config))
+    tp.connect(slot_bytes=allreduce_slot_bytes(config), device=config.device)
     while (inputs := tp.receive()) is not None:
         shard.runner.worker_step(inputs)
 

@@ -19,7 +19,7 @@ from kv8.kernels.dense import DenseKernels, load_dense_kernels
 
 logger = logging.getLogger("kv8")
 
-__all__ = ["DenseBackend", "TORCH_BACKEND", "select_dense_backend"]
+__all__ = ["DenseBackend", "TORCH_BACKEND", "fp8_tensor_cores", "select_dense_backend"]
 
 _auto_fallback_logged = False
 
@@ -33,10 +33,15 @@ class DenseBackend:
     name: str
     kernels: DenseKernels | None = None
     quantization: str | None = None   # the decoder's linear layers: None (as loaded) or "fp8"
+    # FP8 weights multiplied by torch._scaled_mm with FP8 activations (a GPU with FP8 tensor cores), instead of
+    # dequantized once to the compute dtype
+    fp8_scaled_mm: bool = False
 
     def __post_init__(self) -> None:
         if (self.name == "packed_bf16") != (self.kernels is not None):
             raise ValueError(f"dense backend {self.name!r} must come with kernels exactly when it is 'packed_bf16'")
+        if self.fp8_scaled_mm and (self.name != "torch" or self.quantization != "fp8"):
+            raise ValueError("fp8_scaled_mm needs the torch dense backend with quantization='fp8'")
 
 
 TORCH_BACKEND = DenseBackend("torch")
@@ -46,13 +51,23 @@ def _torch_backend(quantization: str | None) -> DenseBackend:
     return TORCH_BACKEND if quantization is None else DenseBackend("torch", None, quantization)
 
 
-def select_dense_backend(name: str, dtype: torch.dtype, quantization: str | None = None) -> DenseBackend:
-    """The backend for option ``name`` with the weight ``quantization``, both validated by the engine's config
-    (:class:`kv8.engine.config.EngineConfig`: ``name`` usable with ``dtype``, ``quantization`` None or ``"fp8"``).
-    ``packed_bf16`` raises
-    :class:`KernelUnavailable` if the kernels cannot be built or loaded; ``auto`` then says why once per process
-    and uses torch; models in other dtypes than bf16 use torch."""
+def fp8_tensor_cores() -> bool:
+    """Whether this process's CUDA GPU multiplies FP8 with per-row scales (``torch._scaled_mm``: Hopper, sm_90, and
+    newer)."""
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() >= (9, 0)
+
+
+def select_dense_backend(name: str, dtype: torch.dtype, quantization: str | None = None,
+                         device: str = "cpu") -> DenseBackend:
+    """The backend for option ``name`` with the weight ``quantization`` on ``device``, all validated by the
+    engine's config (:class:`kv8.engine.config.EngineConfig`: ``name`` usable with ``dtype`` and ``device``,
+    ``quantization`` None or ``"fp8"``). On CUDA: torch, with FP8 weights through ``torch._scaled_mm`` where the
+    GPU has FP8 tensor cores. ``packed_bf16`` raises :class:`KernelUnavailable` if the kernels cannot be built or
+    loaded; ``auto`` then says why once per process and uses torch; models in other dtypes than bf16 use torch."""
     global _auto_fallback_logged
+    if device != "cpu":
+        scaled_mm = quantization == "fp8" and fp8_tensor_cores()
+        return DenseBackend("torch", None, quantization, fp8_scaled_mm=scaled_mm)
     if name == "torch" or dtype != torch.bfloat16:
         return _torch_backend(quantization)
     try:

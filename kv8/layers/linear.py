@@ -16,6 +16,10 @@ row (:mod:`kv8.quant.weights`), quantized after loading (each rank its own shard
   the bytes of the bf16 layout; each panel is decoded to bf16 on the fly and the scale applied in the epilogue.
 * :class:`TorchFP8LinearMethod`: ``F.linear`` on the dequantized weight (``decode(codes) * scale`` in the
   layer's dtype), for the torch backend: the same quantized weights, without the kernel.
+* :class:`ScaledMMFP8LinearMethod` (CUDA GPUs with FP8 tensor cores, :attr:`DenseBackend.fp8_scaled_mm`): the same
+  codes and scales multiplied by ``torch._scaled_mm`` against the activations quantized to E4M3 per row
+  (``amax / 448``), as vLLM's FP8 layers do on Hopper: W8A8, so its outputs differ from the weight-only methods by
+  the activations' rounding (:func:`scaled_mm_fp8_reference` is its plain torch definition).
 
 Merged layers hold several projections that read the same input as one matrix, their outputs side by side:
 :class:`QKVLinear` (shards ``"q"``, ``"k"``, ``"v"``) and :class:`MergedLinear` (shards ``0, 1, ...``, e.g.
@@ -54,11 +58,15 @@ from kv8.distributed.shard import kv_head_shard, shard_group, split_evenly
 from kv8.kernels.dense import DenseKernels
 from kv8.layers.activation import SiluAndMul
 from kv8.layers.dense_backend import DenseBackend
+from kv8.quant.formats import E4M3
 from kv8.quant.weights import dequantize_fp8_rows, quantize_fp8_rows
 
+_E4M3_MAX = E4M3.max_finite
+
 __all__ = ["GateUpLinear", "Linear", "LinearBase", "LinearMethod", "MergedLinear", "PackedBF16LinearMethod",
-           "PackedFP8LinearMethod", "QKVLinear", "RowParallelLinear", "TorchFP8LinearMethod", "TorchLinearMethod",
-           "linear_method", "linear_reference"]
+           "PackedFP8LinearMethod", "QKVLinear", "RowParallelLinear", "ScaledMMFP8LinearMethod", "TorchFP8LinearMethod",
+           "TorchLinearMethod", "linear_method", "linear_reference", "quantize_fp8_activations",
+           "scaled_mm_fp8_reference"]
 
 
 def linear_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -176,10 +184,62 @@ class TorchFP8LinearMethod(TorchLinearMethod):
         layer.weight.data = dequantize_fp8_rows(codes, scale, layer.weight.dtype)
 
 
+def quantize_fp8_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows ``x [M, K]`` -> ``(float8_e4m3fn [M, K], scale [M, 1] float32)``, ``x ~ codes * scale`` with
+    ``scale = amax(|row|) / 448`` (a row of zeros: the smallest normal float32, so it stays zeros)."""
+    xf = x.float()
+    scale = (xf.abs().amax(dim=-1, keepdim=True) / _E4M3_MAX).clamp(min=torch.finfo(torch.float32).tiny)
+    return (xf / scale).clamp(-_E4M3_MAX, _E4M3_MAX).to(torch.float8_e4m3fn), scale
+
+
+def scaled_mm_fp8_reference(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor,
+                            bias: torch.Tensor | None) -> torch.Tensor:
+    """What :class:`ScaledMMFP8LinearMethod` computes, in plain torch: ``x [M, K]`` quantized per row, times the
+    weight's E4M3 ``codes [N, K]`` (uint8) with ``scale [N]``, float32 sums, plus ``bias``, in x's dtype."""
+    a, a_scale = quantize_fp8_activations(x)
+    y = (a.float() * a_scale) @ (E4M3.decode(codes) * scale[:, None]).T
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype)
+
+
+class ScaledMMFP8LinearMethod(LinearMethod):
+    """FP8 weights times FP8 activations on tensor cores. After loading the layer holds ``weight_fp8`` (``[N, K]``
+    float8_e4m3fn, the codes of :func:`kv8.quant.weights.quantize_fp8_rows`), ``scale_row`` (``[1, N]`` float32)
+    and its ``bias`` as loaded. ``torch._scaled_mm`` needs ``K`` and ``N`` multiples of 16: a layer whose are not
+    keeps the dequantized weight and uses ``F.linear`` (as :class:`TorchFP8LinearMethod`)."""
+
+    name = "scaled_mm_fp8"
+
+    def process_weights_after_loading(self, layer: LinearBase) -> None:
+        codes, scale = quantize_fp8_rows(layer.weight.detach(), layer.row_amax)
+        if layer.in_features % 16 or layer.out_features % 16:
+            layer.weight.data = dequantize_fp8_rows(codes, scale, layer.weight.dtype)
+            return
+        layer.register_buffer("weight_fp8", codes.view(torch.float8_e4m3fn), persistent=False)
+        layer.register_buffer("scale_row", scale.view(1, -1), persistent=False)
+        del layer.weight
+
+    def apply(self, layer: LinearBase, x: torch.Tensor) -> torch.Tensor:
+        if not hasattr(layer, "weight_fp8"):
+            return F.linear(x, layer.weight, layer.bias)
+        lead = x.shape[:-1]
+        rows = x.reshape(-1, layer.in_features)
+        if rows.shape[0] == 0:
+            return x.new_empty(*lead, layer.out_features)
+        a, a_scale = quantize_fp8_activations(rows)
+        y = torch._scaled_mm(a, layer.weight_fp8.t(), scale_a=a_scale, scale_b=layer.scale_row, out_dtype=x.dtype)
+        if layer.bias is not None:
+            y = y + layer.bias
+        return y.view(*lead, layer.out_features)
+
+
 def linear_method(backend: DenseBackend, quantize: bool = True) -> LinearMethod:
     """The linear method of a dense backend; ``quantize=False`` keeps the weights as loaded whatever the
     backend's quantization (the LM head)."""
     fp8 = quantize and backend.quantization == "fp8"
+    if fp8 and backend.fp8_scaled_mm:
+        return ScaledMMFP8LinearMethod()
     if backend.kernels is None:
         return TorchFP8LinearMethod() if fp8 else TorchLinearMethod()
     return PackedFP8LinearMethod(backend.kernels) if fp8 else PackedBF16LinearMethod(backend.kernels)
@@ -197,6 +257,8 @@ class LinearBase(nn.Module):
     packed: torch.Tensor              # buffers of the packed methods, set by process_weights_after_loading
     bias_f32: torch.Tensor | None
     scale_f32: torch.Tensor           # the FP8 method's scale per packed row
+    weight_fp8: torch.Tensor          # ScaledMMFP8LinearMethod's codes [N, K] and scales [1, N]
+    scale_row: torch.Tensor
 
     def __init__(self, in_features: int, output_sizes: Sequence[int], bias: bool, backend: DenseBackend,
                  row_shards: Sequence[tuple[int, int]] | None = None, in_shard: tuple[int, int] | None = None,

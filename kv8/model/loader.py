@@ -174,30 +174,52 @@ def _load(model: nn.Module, pname: str, tensor: torch.Tensor, shard_id: ShardId,
     param.weight_loader(param, tensor, shard_id)
 
 
+def _init_dummy(model: nn.Module, dtype: torch.dtype, device: torch.device, seed: int) -> None:
+    """Every parameter still on the meta device (none was loaded) -> random values on ``device``: 2-D normal with
+    std 0.02, 1-D ones (norm weights) or zeros (biases)."""
+    generator = torch.Generator(device=device).manual_seed(seed)
+    for module in model.modules():
+        for leaf, param in list(module._parameters.items()):
+            if param is None or not param.is_meta:
+                continue
+            value = torch.empty(param.shape, dtype=dtype, device=device)
+            if value.ndim >= 2:
+                value.normal_(0.0, 0.02, generator=generator)
+            else:
+                value.fill_(0.0 if leaf == "bias" else 1.0)
+            setattr(module, leaf, nn.Parameter(value, requires_grad=False))
+
+
 def load_model(kind: str, path: str, dtype: torch.dtype, dense_backend: str = "torch",
-               tp: TPGroup = SINGLE_RANK, quantization: str | None = None) -> LoadedModel:
+               tp: TPGroup = SINGLE_RANK, quantization: str | None = None, device: str = "cpu",
+               load_format: str = "auto", seed: int = 0) -> LoadedModel:
     """Build the model for ``path`` (kind ``"hf"`` or ``"gguf"``) with weights in ``dtype`` and dense layers on
     ``dense_backend`` (a validated ``kv8.engine.config.DENSE_BACKENDS`` name; ``LoadedModel.dense_backend`` says which
     one ``auto`` resolved to); with a group ``tp``, the shard of its rank. ``quantization`` (None or a
-    ``kv8.engine.config.QUANTIZATION_METHODS`` name): how the decoder's linear layers store their weights."""
+    ``kv8.engine.config.QUANTIZATION_METHODS`` name): how the decoder's linear layers store their weights. The
+    model ends on ``device`` (``"cpu"`` or ``"cuda"``: the checkpoint is read and processed on the host, then
+    moved). ``load_format="dummy"`` reads no tensor of the checkpoint: every parameter gets random values of its
+    shape (normal, std 0.02, from ``seed``; 1-D ones, biases zeros), made on ``device`` directly -- the model's
+    speed without its weights (vLLM's ``--load-format dummy``)."""
     start = time.perf_counter()
     if kind == "gguf":
         from kv8.model.gguf_loader import iter_gguf_tensors
 
         gguf_model, reader = _read_gguf(path, os.path.getmtime(path))
         hf_config = dict(gguf_model.hf_config)
-        tensors: Iterator[tuple[str, torch.Tensor]] = iter_gguf_tensors(reader, gguf_model, dtype)
+        tensors: Iterator[tuple[str, torch.Tensor]] = iter(()) if load_format == "dummy" else \
+            iter_gguf_tensors(reader, gguf_model, dtype)
     elif kind == "hf":
         hf_config = read_hf_config(path)
-        files = _safetensors_files(path)
+        files = [] if load_format == "dummy" else _safetensors_files(path)
         tensors = _iter_safetensors(files)
     else:
         raise ValueError(f"model kind {kind!r} is not one of: hf, gguf")
     cls = model_class(hf_config)
     arch = arch_config(hf_config)
-    if kind == "hf":
+    if kind == "hf" and files:
         _check_layer_count(files, arch, path)
-    backend = select_dense_backend(dense_backend, dtype, quantization)
+    backend = select_dense_backend(dense_backend, dtype, quantization, device)
     with torch.device("meta"), building_shard(tp):
         model = cls(arch, backend)
     tied = dict(getattr(model, "tied_weights", {})) if arch.tie_word_embeddings else {}
@@ -222,6 +244,9 @@ def load_model(kind: str, path: str, dtype: torch.dtype, dense_backend: str = "t
     if unexpected:
         raise ValueError(f"checkpoint {path} has tensors kv8 does not know ({len(unexpected)}, e.g. "
                          f"{', '.join(unexpected[:4])}); quantized weights other than GGUF are not supported")
+    if load_format == "dummy":
+        _init_dummy(model, dtype, torch.device(device), seed)
+        loaded = set(names)
     missing = sorted(set(names) - loaded)
     if missing:
         raise ValueError(f"checkpoint {path} lacks {len(missing)} tensors, e.g. {', '.join(missing[:4])}")
@@ -233,10 +258,14 @@ def load_model(kind: str, path: str, dtype: torch.dtype, dense_backend: str = "t
         if process is not None:
             process()
     model.eval()
-    huge = place_on_huge_pages(model)   # a decode step streams every weight: 2 MiB pages (kv8.host_memory)
+    if device != "cpu":
+        model.to(device)
+    # a decode step streams every weight: 2 MiB pages on the host (kv8.host_memory)
+    huge = place_on_huge_pages(model) if device == "cpu" else 0
     seconds = time.perf_counter() - start
-    logger.info("loaded %s (%s, %d layers, dense backend %s%s%s%s) in %.1f s", path, arch.model_type,
-                arch.num_layers, backend.name, f", {backend.quantization} weights" if backend.quantization else "",
+    logger.info("loaded %s (%s, %d layers, %s, dense backend %s%s%s%s) in %.1f s", path, arch.model_type,
+                arch.num_layers, "random weights (load_format=dummy) on " + device if load_format == "dummy"
+                else "on " + device, backend.name, f", {backend.quantization} weights" if backend.quantization else "",
                 f", tensor-parallel rank {tp.rank} of {tp.size}" if tp.size > 1 else "",
                 f", {huge / 2**20:.0f} MiB of weights in memory advised for 2 MiB pages" if huge else "", seconds)
     return LoadedModel(model, arch, hf_config, scale_tensors, seconds, backend.name)

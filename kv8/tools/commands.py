@@ -25,9 +25,10 @@ SIZED_BY_TOOL = ("kv_cache_memory", "num_kv_blocks", "block_size", "enable_prefi
 # Engine options calibrate() and evaluate() do not take: greedy runs do not use the seed; the dense backend is
 # the engine's default (auto).
 NOT_PASSED = ("seed", "dense_backend")
-# calibrate observes the K/V of the checkpoint's weights; eval sets the weights' quantization per configuration
-# (--config "--kv-cache-dtype ... --quantization fp8"), beside a reference with the checkpoint's weights.
-WEIGHTS_AS_LOADED = ("quantization",)
+# calibrate observes the K/V of the checkpoint's weights (never random ones: no load_format); eval sets the weights'
+# quantization per configuration (--config "--kv-cache-dtype ... --quantization fp8"), beside a reference with the
+# checkpoint's weights.
+WEIGHTS_AS_LOADED = ("quantization", "load_format")
 # The tools run the model in one process with one cache pool (every layer's K/V observed or compared alike).
 ONE_PROCESS_ONE_POOL = ("cpu_threads_per_rank", "kv_cache_dtype_skip_layers", "disable_hybrid_kv_cache_manager")
 # calibrate observes K/V before any rounding: an unquantized float32 cache, so no scales of its own.

@@ -1,0 +1,54 @@
+"""The ``triton`` attention backend, the GPU path: quantize-on-store and one paged-attention kernel family for the
+whole mixed batch (:mod:`kv8.kernels.triton`), reading FP8 codes in place.
+
+It runs on CUDA tensors, and on CPU tensors in Triton's interpreter (``TRITON_INTERPRET=1`` before
+:mod:`kv8.kernels.triton` is imported), where the tests check it against the reference backend. Triton is
+imported when the backend is built, never by the CPU path.
+
+Per layer the arguments come from the cache: its K/V views (:meth:`PagedKVCache.layer`), the codec's FP8 format
+(None for a 16/32-bit pool: a plain cast), its static scales on the cache's device
+(:meth:`PagedKVCache.layer_scales`) or the dynamic per-token scales (:meth:`PagedKVCache.layer_token_scales`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kv8.attention.metadata import AttentionMetadata
+from kv8.cache.paged_cache import PagedKVCache
+
+__all__ = ["TritonBackend"]
+
+
+class TritonBackend:
+    """Store with :func:`kv8.kernels.triton.store.store_kv`, then attend with
+    :func:`kv8.kernels.triton.attention.unified_attention`. Construction imports Triton (``ImportError`` if it is
+    missing: :class:`kv8.engine.config.EngineConfig` says so first)."""
+
+    name = "triton"
+
+    def __init__(self) -> None:
+        from kv8.kernels.triton.attention import unified_attention
+        from kv8.kernels.triton.store import store_kv
+
+        self._store = store_kv
+        self._attend = unified_attention
+
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cache: PagedKVCache,
+                layer: int, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        k_cache, v_cache = cache.layer(layer)
+        fp8 = cache.kv_dtype.fp8
+        static = cache.layer_scales(layer)
+        dynamic = cache.layer_token_scales(layer)
+        k_scale, v_scale = static if static is not None else (None, None)
+        k_ts, v_ts = dynamic if dynamic is not None else (None, None)
+        self._store(key, value, k_cache, v_cache, meta.slot_mapping, fp8=fp8, k_scale=k_scale, v_scale=v_scale,
+                    k_token_scales=k_ts, v_token_scales=v_ts)
+        out = torch.empty_like(query)
+        if meta.num_seqs == 0:
+            return out
+        return self._attend(query, k_cache, v_cache, out, query_start_loc=meta.query_start_loc,
+                            seq_lens=meta.seq_lens, block_tables=meta.block_tables,
+                            max_query_len=max(meta.query_lens_list), max_seq_len=max(meta.seq_lens_list),
+                            scale=scale, sliding_window=meta.sliding_window, fp8=fp8, k_scale=k_scale,
+                            v_scale=v_scale, k_token_scales=k_ts, v_token_scales=v_ts)
