@@ -228,9 +228,9 @@ class ScaledMMFP8LinearMethod(LinearMethod):
         if rows.shape[0] == 0:
             return x.new_empty(*lead, layer.out_features)
         a, a_scale = quantize_fp8_activations(rows)
-        y = torch._scaled_mm(a, layer.weight_fp8.t(), scale_a=a_scale, scale_b=layer.scale_row, out_dtype=x.dtype)
-        if layer.bias is not None:
-            y = y + layer.bias
+        # the bias is added in the epilogue, before the one rounding to x's dtype
+        y = torch._scaled_mm(a, layer.weight_fp8.t(), scale_a=a_scale, scale_b=layer.scale_row, bias=layer.bias,
+                             out_dtype=x.dtype)
         return y.view(*lead, layer.out_features)
 
 
