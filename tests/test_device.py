@@ -189,3 +189,13 @@ def test_engine_info_line_names_the_device(tiny_llama, caplog):
     llm.engine.shutdown()
     assert any("KV cache on cpu:" in r.getMessage() for r in caplog.records)
     assert any("on cpu, dense backend" in r.getMessage() for r in caplog.records)
+
+
+def test_info_names_the_device(tiny_llama, capsys, monkeypatch):
+    from kv8.entrypoints.cli import main
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert main(["info", tiny_llama, "--device", "auto"]) == 0
+    assert "\ndevice       cpu (" in capsys.readouterr().out
+    assert main(["info", tiny_llama, "--device", "cuda"]) == 2
+    assert "kv8: error: device='cuda' but torch sees no CUDA GPU" in capsys.readouterr().err

@@ -27,7 +27,7 @@ from kv8.validators import check_choice, check_int
 
 __all__ = ["ATTENTION_BACKENDS", "DENSE_BACKENDS", "DEVICE_CHOICES", "DEVICES", "DTYPE_CHOICES", "LOAD_FORMATS",
            "QUANTIZATION_METHODS",
-           "EngineConfig", "SchedulerConfig", "resolve_device", "resolve_dtype"]
+           "EngineConfig", "SchedulerConfig", "check_device", "describe_device", "resolve_device", "resolve_dtype"]
 
 # auto, then the backends registered in kv8.attention.backend
 ATTENTION_BACKENDS: tuple[str, ...] = ("auto", *BACKENDS)
@@ -69,7 +69,8 @@ def resolve_device(device: str) -> str:
     return name
 
 
-def _check_device(device: str) -> None:
+def check_device(device: str) -> None:
+    """``device`` is ``cpu``, or ``cuda`` with a GPU torch can use (``ValueError`` saying what to do otherwise)."""
     check_choice("device", device, DEVICES, hint="(EngineArgs resolves 'auto')")
     if device == "cuda" and not torch.cuda.is_available():
         build = f"CUDA {torch.version.cuda}" if torch.version.cuda else "a CPU-only build"
@@ -86,6 +87,24 @@ def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
     if not isinstance(dtype, str) or dtype.lower() not in _DTYPES:
         raise ValueError(f"dtype={dtype!r} is not supported; choose one of: {', '.join(_DTYPES)}")
     return _DTYPES[dtype.lower()]
+
+
+def describe_device(device: str) -> str:
+    """The device in words, for ``kv8 info`` and logs: the GPU's name and memory, or the CPU's name."""
+    if device == "cuda":
+        props = torch.cuda.get_device_properties(torch.cuda.current_device())
+        return (f"cuda ({props.name}, {props.total_memory / 2**30:.0f} GiB, compute capability "
+                f"{props.major}.{props.minor})")
+    name = next((line.split(":", 1)[1].strip() for line in _cpuinfo() if line.startswith("model name")), "")
+    return f"cpu ({name}, {torch.get_num_threads()} threads)" if name else f"cpu ({torch.get_num_threads()} threads)"
+
+
+def _cpuinfo() -> list[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return f.read().splitlines()
+    except OSError:
+        return []
 
 
 @dataclass(frozen=True)
@@ -166,7 +185,7 @@ class EngineConfig:
 
     def _check_device_support(self) -> None:
         """The device is usable and every option runs on it."""
-        _check_device(self.device)
+        check_device(self.device)
         if self.device not in _DENSE_DEVICES[self.dense_backend]:
             raise ValueError(f"dense_backend={self.dense_backend!r} runs on the CPU only (AVX-512 kernels), not on "
                              f"device={self.device!r}; use dense_backend='auto' or 'torch'")

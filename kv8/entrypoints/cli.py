@@ -21,7 +21,7 @@ from typing import Any
 
 from kv8.cache.config import CacheConfig, default_kv_cache_memory
 from kv8.engine.args import EngineArgs
-from kv8.engine.config import resolve_dtype
+from kv8.engine.config import check_device, describe_device, resolve_device, resolve_dtype
 from kv8.entrypoints.openai.cli_args import ServerArgs, add_serve_args
 from kv8.kernels.build import KernelUnavailable
 from kv8.models.config import ModelArchConfig
@@ -39,7 +39,7 @@ EPILOG = """examples:
 models: the alias smollm2-135m (default), a Hugging Face model directory, or a .gguf file."""
 
 # kv8 info loads no weights: only the options that size the cache table apply to it
-INFO_OPTIONS = ("kv_cache_memory", "block_size")
+INFO_OPTIONS = ("kv_cache_memory", "block_size", "device")
 
 
 def cmd_serve(ns: argparse.Namespace) -> int:
@@ -159,11 +159,14 @@ def cmd_info(ns: argparse.Namespace) -> int:
 
     kind, path = resolve_model_path(ns.model)
     arch = arch_config(read_model_config(kind, path))
-    memory = parse_memory(ns.kv_cache_memory) if ns.kv_cache_memory else default_kv_cache_memory()
+    device = resolve_device(ns.device)
+    check_device(device)
+    memory = parse_memory(ns.kv_cache_memory) if ns.kv_cache_memory else default_kv_cache_memory(device)
     # the same checks as an engine's cache (block_size a power of two, memory > 0), for any dtype
     CacheConfig(kv_dtype=resolve_kv_cache_dtype("auto", resolve_dtype("auto")), block_size=ns.block_size,
                 kv_cache_memory=memory)
     print(f"model        {ns.model} ({kind}: {path})")
+    print(f"device       {describe_device(device)}")
     print(f"architecture {arch.model_type}: {arch.num_layers} layers, hidden {arch.hidden_size}, "
           f"{arch.num_heads} query / {arch.num_kv_heads} KV heads, head_dim {arch.head_dim}, "
           f"vocab {arch.vocab_size}, context {arch.max_position_embeddings}, rope_theta {arch.rope_theta:g}")
