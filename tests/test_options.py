@@ -35,7 +35,7 @@ OTHER = dict(model="some-model", dtype="float32", kv_cache_dtype="fp8_e5m2", qua
              dense_backend="packed_bf16", kv_cache_scale_mode="dynamic", kv_cache_rotation="hadamard",
              kv_cache_dtype_skip_layers="1", disable_hybrid_kv_cache_manager=True, tensor_parallel_size=2,
              cpu_threads_per_rank=3, quantization="fp8", adaptive_cpu_threads=False, device="cpu",
-             load_format="dummy")
+             load_format="dummy", enforce_eager=True)
 
 
 def _subparser(command: str) -> argparse.ArgumentParser:

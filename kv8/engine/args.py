@@ -74,6 +74,7 @@ class EngineArgs(OptionGroup):
     device: str = option("auto", "where the weights, activations and KV cache live: auto = cuda when torch sees a "
                          "GPU, else cpu", choices=DEVICE_CHOICES, type=str.lower)
     load_format: str = from_config(EngineConfig, "load_format")
+    enforce_eager: bool = from_config(EngineConfig, "enforce_eager")
     kv_cache_dtype: str = from_config(CacheConfig, "kv_cache_dtype")
     quantization_param_path: str | None = from_config(CacheConfig, "quantization_param_path")
     kv_cache_memory: int | str | None = from_config(CacheConfig, "kv_cache_memory", type=_memory_size)
@@ -140,7 +141,8 @@ class EngineArgs(OptionGroup):
                             dense_backend=self.dense_backend, quantization=self.quantization,
                             parallel=ParallelConfig(self.tensor_parallel_size, self.cpu_threads_per_rank,
                                                     self.adaptive_cpu_threads),
-                            device=resolve_device(self.device), load_format=self.load_format)
+                            device=resolve_device(self.device), load_format=self.load_format,
+                            enforce_eager=self.enforce_eager)
 
 
 def _skip_layers(value: str | Iterable[int | str] | None) -> tuple[int | str, ...]:

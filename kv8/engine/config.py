@@ -23,7 +23,7 @@ from kv8.envs import triton_interpret
 from kv8.models.config import ModelArchConfig
 from kv8.options import option
 from kv8.quant.formats import resolve_kv_cache_dtype
-from kv8.validators import check_choice, check_int
+from kv8.validators import check_bool, check_choice, check_int
 
 __all__ = ["ATTENTION_BACKENDS", "DENSE_BACKENDS", "DEVICE_CHOICES", "DEVICES", "DTYPE_CHOICES", "LOAD_FORMATS",
            "QUANTIZATION_METHODS",
@@ -160,12 +160,16 @@ class EngineConfig:
     load_format: str = option("auto", "how weights are loaded: auto = from the model's checkpoint; dummy = random "
                               "weights of the model's shapes (no checkpoint read: for speed measurements)",
                               choices=LOAD_FORMATS)
+    enforce_eager: bool = option(False, "never capture CUDA graphs: every step launches its kernels (on CUDA, decode "
+                                 "steps of up to max_num_seqs sequences are otherwise replayed from graphs captured "
+                                 "at start-up)", type=bool)
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         check_choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
         check_choice("dense_backend", self.dense_backend, DENSE_BACKENDS)
         check_choice("load_format", self.load_format, LOAD_FORMATS)
+        check_bool("enforce_eager", self.enforce_eager)
         self._check_device_support()
         if self.dense_backend == "packed_bf16" and self.dtype != torch.bfloat16:
             raise ValueError(f"dense_backend='packed_bf16' needs dtype bfloat16, got {self.dtype}; use "
@@ -202,6 +206,12 @@ class EngineConfig:
                 raise ValueError("attention_backend='triton' runs on device='cuda'; on the CPU only in Triton's "
                                  "interpreter (TRITON_INTERPRET=1, slow: for tests); use attention_backend='auto' "
                                  "or 'cpu_fused' on the CPU")
+
+    @property
+    def uses_cuda_graphs(self) -> bool:
+        """Decode steps replay CUDA graphs: on CUDA with the triton backend, one rank, unless ``enforce_eager``."""
+        return (self.device == "cuda" and not self.enforce_eager and self.parallel.tensor_parallel_size == 1
+                and self.attention_backend in ("auto", "triton"))
 
     @property
     def torch_device(self) -> torch.device:

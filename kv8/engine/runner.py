@@ -33,6 +33,7 @@ from kv8.attention.metadata import AttentionMetadata
 from kv8.cache.layout import KVCacheLayout
 from kv8.cache.paged_cache import PagedKVCache
 from kv8.distributed.group import SINGLE_RANK, TPGroup
+from kv8.engine.cuda_graphs import DecodeGraphs
 from kv8.engine.request import Request, TokenLogprobs
 from kv8.engine.runner_output import ModelRunnerOutput
 from kv8.engine.sampler import TokenHistory, compute_logprobs, sample, select_argmax
@@ -98,16 +99,22 @@ class ModelRunner:
         self.backend = backend
         self.observer = observer
         self.argmax = select_argmax(self.device)   # the sampler's row argmax, chosen once
+        self.graphs: DecodeGraphs | None = None    # enable_decode_graphs
+
+    def _group_tables(self, tables: list[tuple[tuple[int, ...], ...]]) -> list[list[list[int]]]:
+        """Per KV cache group, each chunk's block table with freed entries read as block 0 (they lie before the
+        window and are never read)."""
+        return [[[max(b, 0) for b in t[g.group_id]] for t in tables] for g in self.layout.groups]
 
     def _context(self, query_lens: list[int], seq_lens: list[int],
                  tables: list[tuple[tuple[int, ...], ...]]) -> AttentionContext:
-        """One :class:`AttentionMetadata` per KV cache group (its tables, with freed entries read as block 0:
-        they lie before the window and are never read), and each layer's (cache, metadata)."""
-        metas = []
-        for g in self.layout.groups:
-            group_tables = [[max(b, 0) for b in t[g.group_id]] for t in tables]
-            metas.append(AttentionMetadata.build(query_lens, seq_lens, group_tables, self.block_size,
-                                                 sliding_window=g.sliding_window, device=self.device))
+        """One :class:`AttentionMetadata` per KV cache group, and each layer's (cache, metadata)."""
+        metas = [AttentionMetadata.build(query_lens, seq_lens, group_tables, self.block_size,
+                                         sliding_window=g.sliding_window, device=self.device)
+                 for g, group_tables in zip(self.layout.groups, self._group_tables(tables))]
+        return self._context_of(metas)
+
+    def _context_of(self, metas: list[AttentionMetadata]) -> AttentionContext:
         if len(metas) == 1:
             return AttentionContext(self.caches[0], metas[0], self.backend, self.observer)
         per_layer = tuple((self.caches[self.layout.groups[g].pool], metas[g]) for g in self.layout.layer_group)
@@ -137,17 +144,37 @@ class ModelRunner:
                     inputs.logit_rows.append(list(range(offset + s, offset + min(s + PROMPT_LOGITS_ROWS, span[1]))))
         return inputs
 
+    def enable_decode_graphs(self, max_num_seqs: int, max_model_len: int, capture: bool = True) -> None:
+        """Serve pure decode steps of up to ``max_num_seqs`` sequences from :class:`DecodeGraphs` (captured now
+        with ``capture``; without, the same static-buffer path runs eagerly: the CPU tests)."""
+        self.graphs = DecodeGraphs(self._forward_metas, self.layout, self.block_size, max_num_seqs, max_model_len,
+                                   self.device, capture)
+        with torch.inference_mode():
+            self.graphs.capture_all()
+
+    def _forward_metas(self, ids: torch.Tensor, positions: torch.Tensor,
+                       metas: list[AttentionMetadata]) -> torch.Tensor:
+        return self.model(ids, positions, self._context_of(metas))
+
     @torch.inference_mode()
-    def forward(self, inputs: StepInputs) -> tuple[torch.Tensor, AttentionContext]:
-        """Run this rank's shard over a step: final hidden states ``[T, E]`` and the step's context."""
+    def forward(self, inputs: StepInputs) -> torch.Tensor:
+        """Run this rank's shard over a step: final hidden states ``[T, E]`` (a pure decode step that a captured
+        batch size holds replays its graph)."""
+        if self.graphs is not None and all(q == 1 for q in inputs.query_lens) \
+                and self.graphs.bucket_for(len(inputs.query_lens)) is not None:
+            group_tables = self._group_tables(inputs.tables)
+            bs = self.block_size
+            slots = [[t[(s - 1) // bs] * bs + (s - 1) % bs for t, s in zip(tables, inputs.seq_lens)]
+                     for tables in group_tables]
+            return self.graphs.run(inputs.input_ids, inputs.positions, inputs.seq_lens, group_tables, slots)
         ctx = self._context(inputs.query_lens, inputs.seq_lens, inputs.tables)
         ids = torch.tensor(inputs.input_ids, device=self.device)
-        return self.model(ids, torch.tensor(inputs.positions, device=self.device), ctx), ctx
+        return self.model(ids, torch.tensor(inputs.positions, device=self.device), ctx)
 
     @torch.inference_mode()
     def worker_step(self, inputs: StepInputs) -> None:
         """A rank other than 0: its part of a step (the forward, and the LM head calls rank 0 makes)."""
-        hidden, _ = self.forward(inputs)
+        hidden = self.forward(inputs)
         for rows in inputs.logit_rows:
             self.model.compute_logits(_rows(hidden, rows))
 
@@ -157,7 +184,7 @@ class ModelRunner:
         inputs = self.prepare(so)
         if self.tp.size > 1:
             self.tp.publish(inputs)
-        hidden, _ = self.forward(inputs)
+        hidden = self.forward(inputs)
         logit_rows = iter(inputs.logit_rows)   # consumed in the order prepare() listed them
 
         out = ModelRunnerOutput({}, {}, {})

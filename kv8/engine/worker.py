@@ -105,6 +105,8 @@ def load_shard(config: EngineConfig, layout: KVCacheLayout, num_blocks: Sequence
         caches.append(PagedKVCache(shape, pool_codec, {i: layout.layer_slot[i] for i in pool.layers}, device))
     runner = ModelRunner(loaded.model, caches, layout, get_backend(config.attention_backend, config.device), observer,
                          tp, device)
+    if config.uses_cuda_graphs and observer is None:   # an observer sees every step's tensors: eager
+        runner.enable_decode_graphs(config.scheduler.max_num_seqs, config.scheduler.max_model_len)
     return Shard(loaded, tuple(caches), codec, runner)
 
 

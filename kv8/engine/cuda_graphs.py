@@ -1,0 +1,141 @@
+"""Decode steps replayed from CUDA graphs (vLLM's scheme; ``enforce_eager=True`` turns it off).
+
+A small model's decode step on a GPU is launch-bound: a few hundred kernels of a few microseconds each, every
+one launched from Python. :class:`DecodeGraphs` captures the model's forward for a pure decode batch (one new
+token per sequence) once per batch-size bucket, over static buffers, and replays it: one launch per step.
+
+Static buffers of bucket ``b`` (filled by :meth:`DecodeGraphs.run` before each replay)::
+
+    input_ids, positions          [b]                 rows n..b-1: 0
+    per KV cache group g:
+      slot_mapping                [b]                 rows n..b-1: -1 (the store skips them)
+      query_start_loc             [b + 1]             0, 1, ..., b  (constant)
+      seq_lens                    [b]                 rows n..b-1: 1
+      block_tables                [b, max_blocks]     rows n..b-1: 0; columns past a row's table: 0
+    hidden (the graph's output)   [b, E]              rows 0..n-1 are the step's
+
+The captured metadata's host lists say every row has one query token and ``max_model_len`` keys: kernels size
+their grid from them (never from the tensors), so one graph serves every context length. Padded rows attend
+over one key of block 0 and are never read. Capture writes no KV (every slot is -1).
+
+Invariants: a batch is replayed only when every chunk has one new token and the batch fits the largest bucket;
+anything else (prefill, mixed steps, a larger batch) runs eagerly. The output rows equal an eager forward's up
+to the kernels' batch-size dependence (none for the Triton kernels: a row's result does not depend on the
+others). ``capture=False`` runs the same static-buffer path eagerly: how the CPU tests check the buffers, the
+padding and the bucket choice without a GPU.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from kv8.attention.metadata import AttentionMetadata
+from kv8.cache.layout import KVCacheLayout
+
+__all__ = ["DecodeGraphs", "decode_buckets"]
+
+logger = logging.getLogger("kv8")
+
+
+def decode_buckets(max_num_seqs: int) -> tuple[int, ...]:
+    """Batch sizes captured: 1, 2, 4, 8, then every multiple of 8 up to ``max_num_seqs`` (vLLM's pattern), the
+    last one ``max_num_seqs`` itself."""
+    sizes = [b for b in (1, 2, 4) if b < max_num_seqs] + list(range(8, max_num_seqs, 8)) + [max_num_seqs]
+    return tuple(sorted(set(sizes)))
+
+
+@dataclass
+class _Bucket:
+    size: int
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    metas: list[AttentionMetadata]
+    hidden: torch.Tensor | None = None
+    graph: torch.cuda.CUDAGraph | None = None
+
+
+class DecodeGraphs:
+    """The captured decode forwards of one runner. ``forward(input_ids, positions, metas) -> hidden`` is the
+    eager forward over given tensors (the runner's model with its caches and backend)."""
+
+    def __init__(self, forward: Callable[[torch.Tensor, torch.Tensor, list[AttentionMetadata]], torch.Tensor],
+                 layout: KVCacheLayout, block_size: int, max_num_seqs: int, max_model_len: int,
+                 device: torch.device, capture: bool = True) -> None:
+        self.forward = forward
+        self.layout = layout
+        self.block_size = block_size
+        self.max_model_len = max_model_len
+        self.device = device
+        self.capture = capture
+        self.max_blocks = -(-max_model_len // block_size)
+        self.buckets = {b: self._buffers(b) for b in decode_buckets(max_num_seqs)}
+        self._pool: object = None   # the graphs' shared memory pool (torch.cuda.graph_pool_handle())
+        self.replays = 0   # decode steps served from the buffers (tests, logs)
+
+    def _buffers(self, b: int) -> _Bucket:
+        dev = self.device
+        metas = []
+        for g in self.layout.groups:
+            metas.append(AttentionMetadata(
+                slot_mapping=torch.full((b,), -1, dtype=torch.int64, device=dev),
+                query_start_loc=torch.arange(b + 1, dtype=torch.int64, device=dev),
+                seq_lens=torch.ones(b, dtype=torch.int64, device=dev),
+                block_tables=torch.zeros(b, self.max_blocks, dtype=torch.int64, device=dev),
+                query_lens_list=(1,) * b, seq_lens_list=(self.max_model_len,) * b,
+                sliding_window=g.sliding_window))
+        return _Bucket(b, torch.zeros(b, dtype=torch.int64, device=dev), torch.zeros(b, dtype=torch.int64, device=dev),
+                       metas)
+
+    def bucket_for(self, n: int) -> int | None:
+        """The smallest bucket holding ``n`` sequences, or None when none does."""
+        return next((b for b in self.buckets if b >= n), None)
+
+    def capture_all(self) -> None:
+        """Capture every bucket, largest first (they share one memory pool). Each is run eagerly once first
+        (Triton compiles, allocations settle)."""
+        if not self.capture:
+            return
+        self._pool = torch.cuda.graph_pool_handle()
+        for b in sorted(self.buckets, reverse=True):
+            bucket = self.buckets[b]
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                self.forward(bucket.input_ids, bucket.positions, bucket.metas)
+            torch.cuda.current_stream().wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self._pool):
+                bucket.hidden = self.forward(bucket.input_ids, bucket.positions, bucket.metas)
+            bucket.graph = graph
+        torch.cuda.synchronize()
+        logger.info("captured CUDA graphs of decode steps for batch sizes %s", ", ".join(map(str, self.buckets)))
+
+    def run(self, input_ids: Sequence[int], positions: Sequence[int], seq_lens: Sequence[int],
+            group_tables: Sequence[Sequence[Sequence[int]]], slot_mappings: Sequence[Sequence[int]]) -> torch.Tensor:
+        """Hidden states ``[n, E]`` of a decode step of ``n = len(input_ids)`` sequences (one token each):
+        ``group_tables[g][i]`` is sequence ``i``'s block table in group ``g`` (freed entries already 0),
+        ``slot_mappings[g][i]`` the slot of its new token there. The caller checked :meth:`bucket_for`."""
+        n = len(input_ids)
+        b = self.bucket_for(n)
+        assert b is not None, f"no bucket holds {n} sequences"
+        bucket = self.buckets[b]
+        pad = b - n
+        bucket.input_ids.copy_(torch.tensor(list(input_ids) + [0] * pad, dtype=torch.int64))
+        bucket.positions.copy_(torch.tensor(list(positions) + [0] * pad, dtype=torch.int64))
+        lens = torch.tensor(list(seq_lens) + [1] * pad, dtype=torch.int64)
+        width, zeros = self.max_blocks, [0] * self.max_blocks
+        for meta, tables, slots in zip(bucket.metas, group_tables, slot_mappings):
+            meta.slot_mapping.copy_(torch.tensor(list(slots) + [-1] * pad, dtype=torch.int64))
+            meta.seq_lens.copy_(lens)
+            rows = [list(t) + zeros[:width - len(t)] for t in tables] + [zeros] * pad
+            meta.block_tables.copy_(torch.tensor(rows, dtype=torch.int64))
+        self.replays += 1
+        if bucket.graph is not None:
+            bucket.graph.replay()
+            assert bucket.hidden is not None
+            return bucket.hidden[:n]
+        return self.forward(bucket.input_ids, bucket.positions, bucket.metas)[:n]
