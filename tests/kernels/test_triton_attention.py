@@ -17,8 +17,14 @@ the probabilities to the query's dtype for the tensor-core product.
 
 from __future__ import annotations
 
+import importlib
+import itertools
+import json
 import os
+import subprocess
+import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -29,21 +35,27 @@ import pytest  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
+import kv8  # noqa: E402
+import kv8.kernels.triton.attention as triton_attention  # noqa: E402
+import kv8.kernels.triton.dequant as triton_dequant  # noqa: E402
 from kv8.attention.metadata import AttentionMetadata  # noqa: E402
 from kv8.attention.reference import paged_attention_reference  # noqa: E402
 from kv8.cache.codec import KVCodec  # noqa: E402
 from kv8.cache.paged_cache import CacheShape, PagedKVCache  # noqa: E402
-from kv8.kernels.triton.attention import (  # noqa: E402
-    MAX_KV_SPLITS,
-    choose_num_kv_splits,
-    launch_config,
-    unified_attention,
-)
-from kv8.kernels.triton.dequant import decode_fp8, fp8_format_code  # noqa: E402
 from kv8.quant.formats import E4M3, E4M3FNUZ, E5M2, FP8Format, resolve_kv_cache_dtype  # noqa: E402
 from kv8.quant.scales import KVScales, ScaleGranularity  # noqa: E402
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+if INTERPRETED and not triton_attention._is_interpreted():
+    # another module imported kv8's kernels before TRITON_INTERPRET was set: define them again, interpreted
+    triton_dequant = importlib.reload(triton_dequant)
+    triton_attention = importlib.reload(triton_attention)
+MAX_KV_SPLITS = triton_attention.MAX_KV_SPLITS
+choose_num_kv_splits = triton_attention.choose_num_kv_splits
+launch_config = triton_attention.launch_config
+unified_attention = triton_attention.unified_attention
+decode_fp8 = triton_dequant.decode_fp8
+fp8_format_code = triton_dequant.fp8_format_code
 DEVICES = [
     pytest.param("cpu", marks=pytest.mark.skipif(not INTERPRETED, reason="CPU tensors need TRITON_INTERPRET=1")),
     pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")),
@@ -175,23 +187,27 @@ def _reference(p: Problem) -> torch.Tensor:
     return paged_attention_reference(p.query, p.cache, 0, p.meta, p.scale)[:p.num_tokens]
 
 
-def _tolerance(q_dtype: torch.dtype, v_max: float) -> dict[str, float]:
+def _tolerance(p: Problem) -> dict[str, float]:
     """float32 query: both sides compute in float32 and differ only in summation order and exp2-vs-exp, a few
     float32 ulps of an output bounded by v_max (1e-5 relative leaves room for ~D-term sums). 16-bit query: each side
-    rounds a float32 value (equal to ~1e-6) to the dtype, so the outputs may sit one ulp apart (rtol = eps); the
-    kernel also rounds each probability to the dtype for the PV product, an error <= eps/2 * sum_j p_j |v_j|
-    <= eps/2 * v_max, doubled as the atol."""
+    rounds a float32 value (equal to ~1e-6) to the dtype, so the outputs may sit one ulp apart (rtol = eps). Where
+    the kernel multiplies 16-bit operands (an FP8 cache, or one of the query's dtype) it also rounds each probability
+    to the dtype for the PV product, an error <= eps/2 * sum_j p_j |v_j| <= eps/2 * v_max, doubled as the atol;
+    elsewhere its products are float32 and the atol stays at float32 level."""
+    q_dtype = p.query.dtype
     if q_dtype == torch.float32:
-        return {"rtol": 1e-5, "atol": 1e-5 * v_max}
+        return {"rtol": 1e-5, "atol": 1e-5 * p.v_max}
     eps = torch.finfo(q_dtype).eps
-    return {"rtol": eps, "atol": eps * v_max}
+    kv = p.cache.kv_dtype
+    rounds_p = kv.is_fp8 or kv.storage_dtype == q_dtype
+    return {"rtol": eps, "atol": (eps if rounds_p else 1e-5) * p.v_max}
 
 
 def _check(p: Problem, out: torch.Tensor, sentinel: float = 7.0) -> None:
     ref = _reference(p)
     got = out[:p.num_tokens]
     assert not got.isnan().any(), "NaN in the output: the kernel read a poisoned slot"
-    torch.testing.assert_close(got.float(), ref.float(), **_tolerance(p.query.dtype, p.v_max))
+    torch.testing.assert_close(got.float(), ref.float(), **_tolerance(p))
     assert got.dtype == p.query.dtype
     assert bool((out[p.num_tokens:] == sentinel).all()), "rows past query_start_loc[B] were written"
 
@@ -199,23 +215,25 @@ def _check(p: Problem, out: torch.Tensor, sentinel: float = 7.0) -> None:
 # ---- FP8 decode -----------------------------------------------------------------------------------------------
 
 @triton.jit
-def _decode_all_kernel(codes_ptr, out_ptr, FMT: tl.constexpr, NATIVE: tl.constexpr):
+def _decode_all_kernel(codes_ptr, out_ptr, FMT: tl.constexpr, NATIVE: tl.constexpr, OUT: tl.constexpr):
     offs = tl.arange(0, 256)
-    tl.store(out_ptr + offs, decode_fp8(tl.load(codes_ptr + offs), FMT, NATIVE))
+    tl.store(out_ptr + offs, decode_fp8(tl.load(codes_ptr + offs), FMT, NATIVE, OUT).to(tl.float32))
 
 
-def _decode_all(fmt: FP8Format, native: bool, device: str) -> torch.Tensor:
+def _decode_all(fmt: FP8Format, native: bool, device: str, out_dtype: tl.dtype = tl.float32) -> torch.Tensor:
     codes = torch.arange(256, dtype=torch.uint8, device=device)
     out = torch.empty(256, dtype=torch.float32, device=device)
-    _decode_all_kernel[(1,)](codes, out, FMT=fp8_format_code(fmt), NATIVE=native)
+    _decode_all_kernel[(1,)](codes, out, FMT=fp8_format_code(fmt), NATIVE=native, OUT=out_dtype)
     return out.cpu()
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("out_dtype", [tl.float32, tl.float16, tl.bfloat16], ids=str)
 @pytest.mark.parametrize("name", FP8_CACHES)
-def test_bit_decode_is_exact_for_every_code(name: str, device: str) -> None:
+def test_bit_decode_is_exact_for_every_code(name: str, out_dtype: tl.dtype, device: str) -> None:
+    """Every code decodes to its exact value (NaN to NaN, -0.0 to -0.0) straight into each dot dtype."""
     fmt = FORMATS[name]
-    got = _decode_all(fmt, False, device)
+    got = _decode_all(fmt, False, device, out_dtype)
     want = fmt.decode(torch.arange(256, dtype=torch.uint8))
     assert torch.equal(got.isnan(), want.isnan())
     finite = ~want.isnan()
@@ -289,6 +307,8 @@ def test_hadamard_rotated_codec(kv: str, scales: str, device: str) -> None:
     ("float32", torch.float32, 96, 1, 32),
     ("fp8_e4m3", torch.bfloat16, 256, 2, 32),     # 16-key tiles inside 32-token blocks
     ("bfloat16", torch.bfloat16, 256, 8, 16),
+    ("fp8_e4m3", torch.float16, 64, 2, 8),        # blocks smaller than a key tile: per-key table gather
+    ("fp8_e4m3", torch.float32, 64, 2, 48),       # a block of three 16-key tiles
 ], ids=lambda v: str(v).replace("torch.", ""))
 def test_gqa_head_dims_block_sizes(kv: str, q_dtype: torch.dtype, head_dim: int, group: int, block_size: int,
                                    device: str) -> None:
@@ -362,16 +382,18 @@ def test_empty_batches_leave_out_alone(device: str) -> None:
 # ---- host-side logic ---------------------------------------------------------------------------------------------
 
 def test_launch_config_invariants() -> None:
-    for group in (1, 2, 3, 4, 6, 8, 16, 32):
-        for head_dim in (1, 64, 80, 96, 128, 256):
-            for max_q in (0, 1, 2, 7, 64, 4096):
-                c = launch_config(group, head_dim, max_q)
-                assert c.block_m >= max(16, c.block_q * group) and c.block_q >= 1
-                for v in (c.block_m, c.tile_n, c.d_pad):
-                    assert v >= 16 and v & (v - 1) == 0
-                assert c.d_pad >= head_dim
-    assert launch_config(8, 128, 1).block_q == 2          # decode: 16 rows = 2 tokens x 8 heads
-    assert launch_config(1, 128, 512).block_q == 64       # prefill: 64 tokens per tile
+    for group, head_dim, max_q, bs, f32 in itertools.product((1, 2, 3, 4, 6, 8, 16, 32), (1, 64, 80, 96, 128, 256),
+                                                             (0, 1, 2, 7, 64, 4096), (8, 16, 32, 48), (False, True)):
+        c = launch_config(group, head_dim, max_q, bs, f32)
+        assert c.block_m >= max(16, c.block_q * group) and c.block_q >= 1
+        for v in (c.block_m, c.tile_n, c.d_pad):
+            assert v >= 16 and v & (v - 1) == 0
+        assert c.d_pad >= head_dim
+        assert c.tile_in_block == (bs % c.tile_n == 0)
+    assert launch_config(8, 128, 1, 16, False).block_q == 2       # decode: 16 rows = 2 tokens x 8 heads
+    assert launch_config(1, 128, 512, 16, False).block_q == 64    # prefill: 64 tokens per tile
+    assert launch_config(1, 128, 512, 32, False).tile_n == 32
+    assert not launch_config(1, 128, 1, 8, False).tile_in_block
 
 
 def test_split_heuristic() -> None:
@@ -448,6 +470,110 @@ def test_valid_kwargs_run() -> None:
     query, k_cache, v_cache, out = (kwargs.pop(n) for n in ("query", "k_cache", "v_cache", "out"))
     unified_attention(query, k_cache, v_cache, out, **kwargs)
     assert not out[:3].isnan().any()
+
+
+# ---- compiled for an H100 without one ------------------------------------------------------------------------------
+
+# Run in a fresh interpreter without TRITON_INTERPRET (this module's kernels are interpreted): compile kernel variants
+# for sm_90 with Triton's own compiler and ptxas, and report registers and spills. argv[1]: JSON list of variants.
+_COMPILE_SCRIPT = r"""
+import json, os, re, subprocess, sys, tempfile
+import torch, triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from kv8.kernels.triton import attention as A
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "u8": torch.uint8}
+PTR = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32", torch.uint8: "*u8"}
+ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+results = []
+for v in json.loads(sys.argv[1]):
+    splits = v.pop("splits")
+    v["query_dtype"], v["cache_dtype"] = DTYPES[v["query_dtype"]], DTYPES[v["cache_dtype"]]
+    variant = A.KernelVariant(**v, interpreted=False)
+    const = variant.constexprs(splits)
+    fn = A._paged_attention_kernel
+    sig = {}
+    for name in fn.arg_names:
+        if name in const:
+            sig[name] = "constexpr"
+        elif name in ("out_ptr", "q_ptr"):
+            sig[name] = PTR[variant.query_dtype]
+        elif name in ("k_ptr", "v_ptr"):
+            sig[name] = PTR[variant.cache_dtype]
+        elif name in ("qsl_ptr", "seq_lens_ptr", "table_ptr"):
+            sig[name] = "*i64"
+        elif name.endswith("_ptr"):
+            sig[name] = "*fp32"
+        else:
+            sig[name] = "fp32" if name == "qk_scale" else "i32"
+    k = triton.compile(ASTSource(fn, sig, const), target=GPUTarget("cuda", 90, 32),
+                       options={"num_warps": variant.config.num_warps})
+    info = {"compiled": True}
+    if os.path.exists(ptxas):
+        with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
+            f.write(k.asm["ptx"])
+        log = subprocess.run([ptxas, "-arch=sm_90a", "-v", f.name, "-o", os.devnull], capture_output=True,
+                             text=True).stderr
+        os.unlink(f.name)
+        info["registers"] = int(re.search(r"Used (\d+) registers", log).group(1))
+        info["spill_bytes"] = sum(int(x) for x in re.findall(r"(\d+) bytes spill", log))
+    results.append(info)
+print(json.dumps(results))
+"""
+
+
+def _compile_for_sm90(variants: list[dict]) -> list[dict]:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = str(Path(kv8.__file__).resolve().parents[1])          # the kv8 this test imported, not an installed one
+    env["PYTHONPATH"] = os.pathsep.join([root] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+    res = subprocess.run([sys.executable, "-c", _COMPILE_SCRIPT, json.dumps(variants)], env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+def _variant(query: str = "bf16", cache: str = "u8", fp8: int = 1, native: bool = True, scales: int = 1,
+             k_channel: bool = False, window: bool = False, group: int = 4, head_dim: int = 128, block_size: int = 16,
+             max_query_len: int = 1, splits: int = 1) -> dict:
+    return dict(query_dtype=query, cache_dtype=cache, fp8_code=fp8, native_fp8=native, scales=scales,
+                k_channel_scale=k_channel, sliding_window=window, group=group, head_dim=head_dim,
+                block_size=block_size, max_query_len=max_query_len, splits=splits)
+
+
+_SM90_VARIANTS = {
+    "decode-bf16-e4m3-native": _variant(),
+    "prefill-fp16-e5m2-dynamic-window-d96": _variant(query="fp16", fp8=3, scales=2, window=True, head_dim=96,
+                                                      max_query_len=512),
+    "split-bf16-fnuz-bits-d256": _variant(fp8=2, native=False, group=8, head_dim=256, splits=8),
+}
+_SM90_SLOW_VARIANTS = {
+    "prefill-bf16-e4m3-channel": _variant(k_channel=True, max_query_len=512),
+    "prefill-bf16-d256": _variant(group=1, head_dim=256, max_query_len=512, block_size=32),
+    "prefill-bf16-cache-bf16": _variant(cache="bf16", fp8=0, scales=0, native=False, max_query_len=512),
+    "prefill-fp32": _variant(query="fp32", cache="fp32", fp8=0, scales=0, native=False, max_query_len=512),
+    "decode-bs8-gather": _variant(block_size=8),
+    "prefill-gqa8-d64": _variant(group=8, head_dim=64, max_query_len=512, splits=3),
+}
+
+
+def _check_compiled(names: dict[str, dict]) -> None:
+    pytest.importorskip("triton.backends.nvidia")
+    for name, info in zip(names, _compile_for_sm90(list(names.values()))):
+        assert info["compiled"], name
+        # every variant the wrapper can launch fits sm_90's 255 registers without spilling (launch_config)
+        assert info.get("spill_bytes", 0) == 0, (name, info)
+
+
+def test_kernels_compile_for_sm90_without_spills() -> None:
+    """The kernels as compiled for an H100 (Triton's compiler, the wheel's ptxas; no GPU needed): what the
+    interpreter cannot check -- constexpr branches, tl.dot shapes and dtypes, the native FP8 conversions."""
+    _check_compiled(_SM90_VARIANTS)
+
+
+@pytest.mark.slow
+def test_more_kernels_compile_for_sm90_without_spills() -> None:
+    _check_compiled(_SM90_SLOW_VARIANTS)
 
 
 # ---- heavier sweeps ------------------------------------------------------------------------------------------------

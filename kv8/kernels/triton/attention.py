@@ -58,14 +58,15 @@ import triton.language as tl
 
 from kv8.kernels.triton.dequant import FP8_NONE, FP8Layout, decode_fp8, fp8_format_code, native_fp8_supported
 
-__all__ = ["MAX_KV_SPLITS", "LaunchConfig", "choose_num_kv_splits", "launch_config", "unified_attention"]
+__all__ = ["MAX_KV_SPLITS", "SCALES_DYNAMIC", "SCALES_NONE", "SCALES_STATIC", "KernelVariant", "LaunchConfig",
+           "choose_num_kv_splits", "launch_config", "unified_attention"]
 
 MAX_KV_SPLITS = 64
 _QUERY_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _INDEX_DTYPES = (torch.int32, torch.int64)
 _TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 _LOG2E = math.log2(math.e)
-_SCALES_NONE, _SCALES_STATIC, _SCALES_DYNAMIC = 0, 1, 2
+SCALES_NONE, SCALES_STATIC, SCALES_DYNAMIC = 0, 1, 2  # the kernel's SCALES constexpr
 
 # split-K heuristic (see choose_num_kv_splits)
 _SPLIT_MAX_QUERY_LEN = 16      # split only decode-like batches (decode rows, short speculative chunks)
@@ -73,67 +74,94 @@ _SPLIT_MIN_KEYS = 256          # keys a split should at least get
 _WAVES = 2                     # programs to aim for, per compute unit
 
 
+# Reductions and fills use tl.reduce with these combiners and tl.full instead of tl.max / tl.sum / tl.zeros: those
+# are @triton.jit helpers of Triton's own, which the interpreter can run only if triton itself was imported with
+# TRITON_INTERPRET=1; with builtins only, these kernels interpret whichever module imported triton first.
 @triton.jit
-def _dot(a, b, DOT_DTYPE: tl.constexpr, DOT_IN_F32: tl.constexpr):
-    """``a @ b`` (float32 inputs) with both operands rounded to ``DOT_DTYPE``, float32 accumulation. ``DOT_IN_F32``
-    (the interpreter) multiplies the rounded values as float32; float32 operands always use IEEE precision."""
-    if DOT_DTYPE == tl.float32:
+def _max_combine(a, b):
+    return tl.maximum(a, b)
+
+
+@triton.jit
+def _add_combine(a, b):
+    return a + b
+
+
+@triton.jit
+def _dot(a, b, INTERPRETER: tl.constexpr):
+    """``a @ b`` with float32 accumulation; ``a`` and ``b`` share one dtype (float32: IEEE precision, no TF32). The
+    interpreter cannot multiply bfloat16, so there 16-bit operands (exact in float32) are multiplied as float32."""
+    if a.dtype == tl.float32:
         res = tl.dot(a, b, input_precision="ieee")
-    elif DOT_IN_F32:
-        res = tl.dot(a.to(DOT_DTYPE).to(tl.float32), b.to(DOT_DTYPE).to(tl.float32), input_precision="ieee")
+    elif INTERPRETER:
+        res = tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
     else:
-        res = tl.dot(a.to(DOT_DTYPE), b.to(DOT_DTYPE))
+        res = tl.dot(a, b)
     return res
 
 
 @triton.jit
 def _attend_key_tile(
-    j, q, m_i, l_i, acc, q_pos, row_ok, s_mult, key_lo, key_hi, window, table_row, kv_head,
+    j, q_hi, q_lo, m_i, l_i, acc, q_pos, row_ok, s_mult, key_lo, key_hi, window, table_row, kv_head,
     k_ptr, v_ptr, k_tok_ptr, v_tok_ptr, stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt,
     stride_ksb, stride_ksh, stride_kst, stride_vsb, stride_vsh, stride_vst,
     D_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
-    FP8_FMT: tl.constexpr, NATIVE_FP8: tl.constexpr, SCALES: tl.constexpr, USE_WINDOW: tl.constexpr,
-    QK_DTYPE: tl.constexpr, PV_DTYPE: tl.constexpr, INTERPRETER: tl.constexpr,
+    TILE_IN_BLOCK: tl.constexpr, FP8_FMT: tl.constexpr, NATIVE_FP8: tl.constexpr, SCALES: tl.constexpr,
+    USE_WINDOW: tl.constexpr, DOT_DTYPE: tl.constexpr, Q_SPLIT: tl.constexpr, INTERPRETER: tl.constexpr,
 ):
     """One online-softmax step over key tile ``j`` (keys ``j * TILE_N ..``) -> the updated ``(m_i, l_i, acc)``."""
     offs_n = tl.arange(0, TILE_N)
     offs_d = tl.arange(0, D_PAD)
     d_ok = offs_d < HEAD_DIM
-    pos = j * TILE_N + offs_n                                  # [TILE_N] key positions
-    ld = (pos >= key_lo) & (pos < key_hi)                      # what may be read at all
-    block = tl.load(table_row + pos // BLOCK_SIZE, mask=ld, other=0).to(tl.int64)
-    slot = pos % BLOCK_SIZE
-    # K^T tile [D_PAD, TILE_N] and V tile [TILE_N, D_PAD]: rows of contiguous (block, head) bs x D tiles
-    k_raw = tl.load(k_ptr + block[None, :] * stride_kb + kv_head * stride_kh + slot[None, :] * stride_kt
-                    + offs_d[:, None], mask=d_ok[:, None] & ld[None, :], other=0)
-    k = decode_fp8(k_raw, FP8_FMT, NATIVE_FP8)
-    s = _dot(q, k, QK_DTYPE, INTERPRETER)                      # [BLOCK_M, TILE_N]
+    pos = j * TILE_N + offs_n                                      # [TILE_N] key positions
+    ld = (pos >= key_lo) & (pos < key_hi)                          # the keys that may be read at all
+    # K^T [D_PAD, TILE_N] and V [TILE_N, D_PAD]: each key one row of a contiguous (block, head) bs x D tile
+    if TILE_IN_BLOCK:
+        # the tile lies inside one block (TILE_N divides bs, tiles start at multiples of TILE_N): one table
+        # entry, at index >= first_block since j >= key_lo // TILE_N; a scalar base and small offsets
+        block = tl.load(table_row + (j * TILE_N) // BLOCK_SIZE).to(tl.int64)
+        slot = ((j * TILE_N) % BLOCK_SIZE).to(tl.int32) + offs_n
+        k_tile = k_ptr + block * stride_kb + kv_head * stride_kh
+        v_tile = v_ptr + block * stride_vb + kv_head * stride_vh
+        k_raw = tl.load(k_tile + slot[None, :] * stride_kt + offs_d[:, None], mask=d_ok[:, None] & ld[None, :],
+                        other=0)
+        v_raw = tl.load(v_tile + slot[:, None] * stride_vt + offs_d[None, :], mask=ld[:, None] & d_ok[None, :],
+                        other=0)
+        k_ts_ptr = k_tok_ptr + block * stride_ksb + kv_head * stride_ksh + slot * stride_kst
+        v_ts_ptr = v_tok_ptr + block * stride_vsb + kv_head * stride_vsh + slot * stride_vst
+    else:
+        # keys of several blocks (or blocks smaller than a tile): one table entry per key, masked like the key
+        blocks = tl.load(table_row + pos // BLOCK_SIZE, mask=ld, other=0).to(tl.int64)
+        slots = pos % BLOCK_SIZE
+        k_raw = tl.load(k_ptr + blocks[None, :] * stride_kb + kv_head * stride_kh + slots[None, :] * stride_kt
+                        + offs_d[:, None], mask=d_ok[:, None] & ld[None, :], other=0)
+        v_raw = tl.load(v_ptr + blocks[:, None] * stride_vb + kv_head * stride_vh + slots[:, None] * stride_vt
+                        + offs_d[None, :], mask=ld[:, None] & d_ok[None, :], other=0)
+        k_ts_ptr = k_tok_ptr + blocks * stride_ksb + kv_head * stride_ksh + slots * stride_kst
+        v_ts_ptr = v_tok_ptr + blocks * stride_vsb + kv_head * stride_vsh + slots * stride_vst
+    k = decode_fp8(k_raw, FP8_FMT, NATIVE_FP8, DOT_DTYPE)
+    s = _dot(q_hi, k, INTERPRETER)                                 # [BLOCK_M, TILE_N]
+    if Q_SPLIT:
+        s += _dot(q_lo, k, INTERPRETER)
     if SCALES == 2:
-        k_ts = tl.load(k_tok_ptr + block * stride_ksb + kv_head * stride_ksh + slot * stride_kst,
-                       mask=ld, other=0.0)
-        s = s * k_ts[None, :]
+        s = s * tl.load(k_ts_ptr, mask=ld, other=0.0)[None, :]
     s = s * s_mult
     visible = row_ok[:, None] & (pos[None, :] <= q_pos[:, None])
     if USE_WINDOW:
         visible = visible & (pos[None, :] > q_pos[:, None] - window)
     s = tl.where(visible, s, float("-inf"))
 
-    m_new = tl.maximum(m_i, tl.max(s, axis=1))
-    m_base = tl.where(m_new == float("-inf"), 0.0, m_new)      # a row that saw nothing yet stays (-inf, 0)
+    m_new = tl.maximum(m_i, tl.reduce(s, 1, _max_combine))
+    m_base = tl.where(m_new == float("-inf"), 0.0, m_new)          # a row that saw nothing yet stays (-inf, 0)
     alpha = tl.exp2(m_i - m_base)
     p = tl.exp2(s - m_base[:, None])
-    l_i = l_i * alpha + tl.sum(p, axis=1)
-    m_i = m_new
+    l_i = l_i * alpha + tl.reduce(p, 1, _add_combine)
 
-    v_raw = tl.load(v_ptr + block[:, None] * stride_vb + kv_head * stride_vh + slot[:, None] * stride_vt
-                    + offs_d[None, :], mask=ld[:, None] & d_ok[None, :], other=0)
-    v = decode_fp8(v_raw, FP8_FMT, NATIVE_FP8)
+    v = decode_fp8(v_raw, FP8_FMT, NATIVE_FP8, DOT_DTYPE)
     if SCALES == 2:
-        v_ts = tl.load(v_tok_ptr + block * stride_vsb + kv_head * stride_vsh + slot * stride_vst,
-                       mask=ld, other=0.0)
-        p = p * v_ts[None, :]
-    acc = acc * alpha[:, None] + _dot(p, v, PV_DTYPE, INTERPRETER)
-    return m_i, l_i, acc
+        p = p * tl.load(v_ts_ptr, mask=ld, other=0.0)[None, :]
+    acc = acc * alpha[:, None] + _dot(p.to(DOT_DTYPE), v, INTERPRETER)
+    return m_new, l_i, acc
 
 
 @triton.jit
@@ -149,9 +177,10 @@ def _paged_attention_kernel(
     stride_ksb, stride_ksh, stride_kst, stride_vsb, stride_vsh, stride_vst,
     stride_table,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr,
-    BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, TILE_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    FP8_FMT: tl.constexpr, NATIVE_FP8: tl.constexpr, SCALES: tl.constexpr, K_CHANNEL_SCALE: tl.constexpr,
-    USE_WINDOW: tl.constexpr, QK_DTYPE: tl.constexpr, PV_DTYPE: tl.constexpr, INTERPRETER: tl.constexpr,
+    BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, TILE_N: tl.constexpr, TILE_IN_BLOCK: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, FP8_FMT: tl.constexpr, NATIVE_FP8: tl.constexpr, SCALES: tl.constexpr,
+    K_CHANNEL_SCALE: tl.constexpr, USE_WINDOW: tl.constexpr, DOT_DTYPE: tl.constexpr, Q_SPLIT: tl.constexpr,
+    INTERPRETER: tl.constexpr,
 ):
     pid_q = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -169,7 +198,7 @@ def _paged_attention_kernel(
     seq = lo - 1
     q_start = tl.load(qsl_ptr + seq).to(tl.int64)
     q_len = tl.load(qsl_ptr + seq + 1).to(tl.int64) - q_start
-    q0 = (pid_q - (q_start // BLOCK_Q + seq)) * BLOCK_Q          # first new token of this tile
+    q0 = (pid_q - (q_start // BLOCK_Q + seq)) * BLOCK_Q            # first new token of this tile
     if q0 >= q_len:
         return
     seq_len = tl.load(seq_lens_ptr + seq).to(tl.int64)
@@ -190,10 +219,15 @@ def _paged_attention_kernel(
     s_mult = qk_scale                                              # scale * log2(e), times a scalar K scale
     if SCALES == 1:
         if K_CHANNEL_SCALE:
-            k_ch = tl.load(k_scale_ptr + kv_head * HEAD_DIM + offs_d, mask=d_ok, other=0.0)
-            q = q * k_ch[None, :]
+            q = q * tl.load(k_scale_ptr + kv_head * HEAD_DIM + offs_d, mask=d_ok, other=0.0)[None, :]
         else:
             s_mult = qk_scale * tl.load(k_scale_ptr + kv_head * HEAD_DIM)
+    # q in the dot's dtype; q * (channel K scale) is not exact in 16 bits, so it goes in as hi + lo parts
+    # (|q - hi - lo| <= 2^-16 |q| for bfloat16, 2^-22 for float16), two products of exact 16-bit operands
+    q_hi = q.to(DOT_DTYPE)
+    q_lo = q_hi
+    if Q_SPLIT:
+        q_lo = (q - q_hi.to(tl.float32)).to(DOT_DTYPE)
 
     # ---- the keys this tile needs, and this split's share of their tiles ----
     p_lo = context + q0
@@ -210,8 +244,8 @@ def _paged_attention_kernel(
         j_hi = tl.minimum(j_lo + per_split, j_hi)
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)      # running max, log2 units
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, D_PAD], dtype=tl.float32)
+    l_i = tl.full([BLOCK_M], 0.0, dtype=tl.float32)
+    acc = tl.full([BLOCK_M, D_PAD], 0.0, dtype=tl.float32)
     table_row = table_ptr + seq * stride_table
     # Triton's interpreter cannot take loaded scalars as range() bounds (numpy >= 2.4 refuses int() of its
     # 1-element arrays); compiled, a for loop is what the software pipeliner overlaps with the loads.
@@ -219,20 +253,20 @@ def _paged_attention_kernel(
         j = j_lo
         while j < j_hi:
             m_i, l_i, acc = _attend_key_tile(
-                j, q, m_i, l_i, acc, q_pos, row_ok, s_mult, key_lo, key_hi, window, table_row, kv_head,
+                j, q_hi, q_lo, m_i, l_i, acc, q_pos, row_ok, s_mult, key_lo, key_hi, window, table_row, kv_head,
                 k_ptr, v_ptr, k_tok_ptr, v_tok_ptr, stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt,
                 stride_ksb, stride_ksh, stride_kst, stride_vsb, stride_vsh, stride_vst,
-                D_PAD, HEAD_DIM, BLOCK_SIZE, TILE_N, FP8_FMT, NATIVE_FP8, SCALES, USE_WINDOW, QK_DTYPE, PV_DTYPE,
-                INTERPRETER)
+                D_PAD, HEAD_DIM, BLOCK_SIZE, TILE_N, TILE_IN_BLOCK, FP8_FMT, NATIVE_FP8, SCALES, USE_WINDOW,
+                DOT_DTYPE, Q_SPLIT, INTERPRETER)
             j += 1
     else:
         for j in range(j_lo, j_hi):
             m_i, l_i, acc = _attend_key_tile(
-                j, q, m_i, l_i, acc, q_pos, row_ok, s_mult, key_lo, key_hi, window, table_row, kv_head,
+                j, q_hi, q_lo, m_i, l_i, acc, q_pos, row_ok, s_mult, key_lo, key_hi, window, table_row, kv_head,
                 k_ptr, v_ptr, k_tok_ptr, v_tok_ptr, stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt,
                 stride_ksb, stride_ksh, stride_kst, stride_vsb, stride_vsh, stride_vst,
-                D_PAD, HEAD_DIM, BLOCK_SIZE, TILE_N, FP8_FMT, NATIVE_FP8, SCALES, USE_WINDOW, QK_DTYPE, PV_DTYPE,
-                INTERPRETER)
+                D_PAD, HEAD_DIM, BLOCK_SIZE, TILE_N, TILE_IN_BLOCK, FP8_FMT, NATIVE_FP8, SCALES, USE_WINDOW,
+                DOT_DTYPE, Q_SPLIT, INTERPRETER)
 
     if SCALES == 1:
         acc = acc * tl.load(v_scale_ptr + kv_head * HEAD_DIM + offs_d, mask=d_ok, other=0.0)[None, :]
@@ -242,7 +276,7 @@ def _paged_attention_kernel(
         tl.store(out_ptr + q_rows[:, None] * stride_ot + q_head[:, None] * stride_oh + offs_d[None, :],
                  o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
     else:
-        part = (q_rows * num_q_heads + q_head) * NUM_SPLITS + split  # [BLOCK_M]
+        part = (q_rows * num_q_heads + q_head) * NUM_SPLITS + split    # [BLOCK_M]
         tl.store(part_m_ptr + part, m_i, mask=row_ok)
         tl.store(part_l_ptr + part, l_i, mask=row_ok)
         tl.store(part_acc_ptr + part[:, None] * D_PAD + offs_d[None, :], acc, mask=row_ok[:, None])
@@ -266,43 +300,93 @@ def _merge_splits_kernel(
     part = (t.to(tl.int64) * num_q_heads + h) * NUM_SPLITS + offs_s
     m = tl.load(part_m_ptr + part, mask=s_ok, other=float("-inf"))
     l_s = tl.load(part_l_ptr + part, mask=s_ok, other=0.0)
-    m_max = tl.max(m, axis=0)
+    m_max = tl.reduce(m, 0, _max_combine)
     w = tl.exp2(m - tl.where(m_max == float("-inf"), 0.0, m_max))  # empty splits (m = -inf) weigh 0
     acc = tl.load(part_acc_ptr + part[:, None] * D_PAD + offs_d[None, :], mask=s_ok[:, None] & d_ok[None, :],
                   other=0.0)
-    o = tl.sum(acc * w[:, None], axis=0) / tl.sum(l_s * w, axis=0)
+    o = tl.reduce(acc * w[:, None], 0, _add_combine) / tl.reduce(l_s * w, 0, _add_combine)
     tl.store(out_ptr + t.to(tl.int64) * stride_ot + h * stride_oh + offs_d, o.to(out_ptr.dtype.element_ty),
              mask=d_ok)
 
 
 @dataclass(frozen=True)
 class LaunchConfig:
-    """Tile sizes of one launch (all powers of two except ``block_q``; ``block_m >= block_q * group``)."""
+    """Tile sizes of one launch (powers of two except ``block_q``; ``block_m >= block_q * group``)."""
 
-    block_q: int       # new tokens per query tile
-    block_m: int       # rows of the tile matrix: block_q * group, padded to a power of two >= 16 (tl.dot's M)
-    tile_n: int        # keys per inner iteration (tl.dot's N and K, >= 16)
-    d_pad: int         # head_dim padded to a power of two >= 16
+    block_q: int          # new tokens per query tile
+    block_m: int          # rows of the tile matrix: block_q * group, padded to a power of two >= 16 (tl.dot's M)
+    tile_n: int           # keys per inner iteration (tl.dot's N for QK and K for PV, >= 16)
+    tile_in_block: bool   # tile_n divides block_size: each key tile lies in one block (one table entry per tile)
+    d_pad: int            # head_dim padded to a power of two >= 16
     num_warps: int
 
 
-def launch_config(group: int, head_dim: int, max_query_len: int) -> LaunchConfig:
-    """Tile sizes for a batch whose longest new-token run is ``max_query_len`` with ``group`` query heads per KV head.
+def launch_config(group: int, head_dim: int, max_query_len: int, block_size: int, dot_f32: bool) -> LaunchConfig:
+    """Tile sizes for a batch whose longest new-token run is ``max_query_len``, ``group`` query heads per KV head.
 
     Rows: 16 when ``max_query_len * group <= 16`` (decode batches: little waste on single-token rows), else 32 or 64
-    (prefill: more rows share each K/V tile); at ``head_dim > 128`` at most 32 rows and 16 keys per tile, to bound
-    the registers of the [rows, D] accumulator and the [D, keys] K tile.
+    (prefill: more rows share each K/V tile). Keys per tile: 16 with 16 rows, else 32. At ``head_dim > 128`` at
+    most 32 rows and 16 keys, and with float32 products (``dot_f32``: CUDA cores, not tensor cores) 16 and 16. A
+    tile of keys is the largest allowed power of two dividing ``block_size`` (it then reads one table entry), else
+    it gathers its keys' blocks one by one. Warps: 8 from a 64 x 128 (or 32 x 256) accumulator on, else 4. These
+    keep every variant free of register spills when compiled for sm_90 (ptxas -v; measured without a GPU, not
+    timed on one).
     """
     d_pad = max(16, triton.next_power_of_2(head_dim))
     need = max(1, max_query_len) * group
     rows = 16 if need <= 16 else 32 if need <= 32 else 64
+    keys = 16 if rows == 16 else 32
     if d_pad > 128:
-        rows = min(rows, 32)
+        rows, keys = min(rows, 32), 16
+    if dot_f32:
+        rows, keys = 16, 16
     block_q = max(1, rows // group)
     block_m = max(16, triton.next_power_of_2(block_q * group))
-    tile_n = 32 if d_pad <= 128 else 16
-    num_warps = 4 if block_m * d_pad <= 64 * 128 else 8
-    return LaunchConfig(block_q, block_m, tile_n, d_pad, num_warps)
+    tile_n = keys if block_size % keys == 0 else 16 if block_size % 16 == 0 else keys
+    num_warps = 8 if block_m * d_pad >= 64 * 128 else 4
+    return LaunchConfig(block_q, block_m, tile_n, block_size % tile_n == 0, d_pad, num_warps)
+
+
+@dataclass(frozen=True)
+class KernelVariant:
+    """What selects one compiled specialisation of the attention kernel: its constexprs follow from these fields
+    (:meth:`constexprs`) and nothing else, so the wrapper and a compile check build the same kernels."""
+
+    query_dtype: torch.dtype
+    cache_dtype: torch.dtype        # torch.uint8 for FP8 codes
+    fp8_code: int                   # kv8.kernels.triton.dequant.FP8_* (FP8_NONE for a 16/32-bit cache)
+    native_fp8: bool                # decode with the GPU's FP8 conversion (else the exact bit path)
+    scales: int                     # SCALES_NONE, SCALES_STATIC or SCALES_DYNAMIC
+    k_channel_scale: bool           # static K scales vary along head_dim
+    sliding_window: bool
+    group: int                      # query heads per KV head
+    head_dim: int
+    block_size: int
+    max_query_len: int
+    interpreted: bool               # built by Triton's interpreter
+
+    @property
+    def dot_dtype(self) -> tl.dtype:
+        """The operand dtype of both products: the query's 16-bit dtype where the cache's values are exact in it
+        (FP8, or the same dtype), else float32 (module docstring)."""
+        exact_16 = self.query_dtype != torch.float32 and (self.fp8_code != FP8_NONE
+                                                          or self.cache_dtype == self.query_dtype)
+        return _TL_DTYPES[self.query_dtype] if exact_16 else tl.float32
+
+    @property
+    def config(self) -> LaunchConfig:
+        return launch_config(self.group, self.head_dim, self.max_query_len, self.block_size,
+                             self.dot_dtype == tl.float32)
+
+    def constexprs(self, num_kv_splits: int) -> dict[str, object]:
+        cfg = self.config
+        return dict(
+            HEAD_DIM=self.head_dim, D_PAD=cfg.d_pad, BLOCK_SIZE=self.block_size, GROUP=self.group,
+            BLOCK_Q=cfg.block_q, BLOCK_M=cfg.block_m, TILE_N=cfg.tile_n, TILE_IN_BLOCK=cfg.tile_in_block,
+            NUM_SPLITS=num_kv_splits, FP8_FMT=self.fp8_code, NATIVE_FP8=self.native_fp8, SCALES=self.scales,
+            K_CHANNEL_SCALE=self.k_channel_scale, USE_WINDOW=self.sliding_window, DOT_DTYPE=self.dot_dtype,
+            Q_SPLIT=self.k_channel_scale and self.dot_dtype != tl.float32, INTERPRETER=self.interpreted,
+        )
 
 
 def choose_num_kv_splits(num_programs: int, max_query_len: int, max_keys: int, compute_units: int) -> int:
@@ -466,32 +550,29 @@ def unified_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
                     "kv8.kernels.triton is imported (compiled kernels run on CUDA/ROCm devices)")
 
     dummy = torch.empty(1, dtype=torch.float32, device=device)
-    scales_mode, k_channel = _SCALES_NONE, False
+    scales_mode, k_channel = SCALES_NONE, False
     ks = vs = kts = vts = dummy
     if static:
         ks, k_channel = _static_scale("k_scale", k_scale, num_kv_heads, head_dim, device)
         vs, _ = _static_scale("v_scale", v_scale, num_kv_heads, head_dim, device)
-        scales_mode = _SCALES_STATIC
+        scales_mode = SCALES_STATIC
     elif dynamic:
         kts = _check_token_scales("k_token_scales", k_token_scales, k_cache.shape, device)
         vts = _check_token_scales("v_token_scales", v_token_scales, v_cache.shape, device)
-        scales_mode = _SCALES_DYNAMIC
+        scales_mode = SCALES_DYNAMIC
 
-    # ---- launch configuration ----
-    group = num_q_heads // num_kv_heads
-    cfg = launch_config(group, head_dim, max_query_len)
-    num_q_tiles = num_tokens // cfg.block_q + num_seqs
+    # ---- launch ----
     if num_tokens == 0 or num_seqs == 0:
         return out
+    variant = KernelVariant(query.dtype, k_cache.dtype, fmt, native_fp8_supported(device, fmt, interpreted),
+                            scales_mode, k_channel, sliding_window is not None, num_q_heads // num_kv_heads,
+                            head_dim, block_size, max_query_len, interpreted)
+    cfg = variant.config
+    num_q_tiles = num_tokens // cfg.block_q + num_seqs
     if num_kv_splits is None:
         max_keys = max_seq_len if sliding_window is None else min(max_seq_len, sliding_window + max_query_len)
         num_kv_splits = choose_num_kv_splits(num_q_tiles * num_kv_heads, max_query_len, max_keys,
                                              _compute_units(device))
-    # 16-bit dot operands only where they are exact (module docstring)
-    exact_16 = query.dtype != torch.float32 and (fmt != FP8_NONE or k_cache.dtype == query.dtype)
-    pv_dtype = _TL_DTYPES[query.dtype] if exact_16 else tl.float32
-    qk_dtype = tl.float32 if k_channel else pv_dtype
-
     if num_kv_splits > 1:
         part_acc = torch.empty(num_tokens, num_q_heads, num_kv_splits, cfg.d_pad, dtype=torch.float32, device=device)
         part_m = torch.empty(num_tokens, num_q_heads, num_kv_splits, dtype=torch.float32, device=device)
@@ -511,12 +592,7 @@ def unified_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
         kts.stride(0) if dynamic else 0, kts.stride(1) if dynamic else 0, kts.stride(2) if dynamic else 0,
         vts.stride(0) if dynamic else 0, vts.stride(1) if dynamic else 0, vts.stride(2) if dynamic else 0,
         block_tables.stride(0),
-        HEAD_DIM=head_dim, D_PAD=cfg.d_pad, BLOCK_SIZE=block_size, GROUP=group,
-        BLOCK_Q=cfg.block_q, BLOCK_M=cfg.block_m, TILE_N=cfg.tile_n, NUM_SPLITS=num_kv_splits,
-        FP8_FMT=fmt, NATIVE_FP8=native_fp8_supported(device, fmt, interpreted), SCALES=scales_mode,
-        K_CHANNEL_SCALE=k_channel, USE_WINDOW=sliding_window is not None,
-        QK_DTYPE=qk_dtype, PV_DTYPE=pv_dtype, INTERPRETER=interpreted,
-        num_warps=cfg.num_warps,
+        **variant.constexprs(num_kv_splits), num_warps=cfg.num_warps,
     )
     if num_kv_splits > 1:
         _merge_splits_kernel[(num_tokens, num_q_heads)](

@@ -1,18 +1,20 @@
-"""FP8 KV codes -> float32 inside a Triton kernel: an exact bit decode and the GPU's native conversion.
+"""FP8 KV codes -> values inside a Triton kernel: an exact bit decode and the GPU's native conversion.
 
 The KV cache stores FP8 values as raw ``uint8`` codes (:mod:`kv8.quant.formats` owns the three layouts). A kernel
-loads the codes and decodes them in registers with :func:`decode_fp8`, choosing the path with constexprs that the
+loads the codes and decodes them in registers with :func:`decode_fp8`, straight into the dtype its ``tl.dot`` takes
+(float32, float16 or bfloat16: every FP8 value is exact in all three), choosing the path with constexprs that the
 host wrapper sets:
 
 * the **bit path** (:func:`decode_fp8_bits`) builds the value from the code's bits and is exact for all 256 codes
   of every format, NaN and infinities included. It works in Triton's interpreter and on any GPU. The trick: an
   FP8 code's sign, exponent and mantissa fields, moved into the matching fields of an IEEE half, give a half
   whose value is the FP8 value times a power of two (subnormals included, since a half's exponent range covers
-  all three formats' subnormals), and the half -> float32 conversion is exact::
+  all three formats' subnormals), the power-of-two factor is exact in half, and so is the conversion to the
+  output dtype::
 
-      E5M2      S EEEEE MM           -> half bits  S EEEEE MM000000 00        same bias (15): no factor
-      E4M3(FN)  S EEEE MMM  (bias 7) -> half bits  S 0EEEE MMM0000000         half bias 15: value * 2^8
-      E4M3FNUZ  S EEEE MMM  (bias 8) -> half bits  S 0EEEE MMM0000000         half bias 15: value * 2^7
+      E5M2      S EEEEE MM  (bias 15) -> half bits  S EEEEE MM00000000        same bias: no factor
+      E4M3(FN)  S EEEE MMM  (bias 7)  -> half bits  S 0EEEE MMM0000000        half bias 15: value * 2^8
+      E4M3FNUZ  S EEEE MMM  (bias 8)  -> half bits  S 0EEEE MMM0000000        half bias 15: value * 2^7
 
   then the format's NaN codes are patched in (E4M3FN: ``S.1111.111``; E4M3FNUZ: ``0x80``, which would otherwise
   read as -0.0); E5M2's infinities and NaNs are half's own.
@@ -104,41 +106,42 @@ def native_fp8_supported(device: torch.device, code: int, interpreted: bool) -> 
 
 
 @triton.jit
-def decode_fp8_bits(code, FMT: tl.constexpr):
-    """uint8 codes (any shape) -> float32 values of format ``FMT``, exact for all 256 codes (module docstring)."""
+def decode_fp8_bits(code, FMT: tl.constexpr, OUT: tl.constexpr):
+    """uint8 codes (any shape) -> values of format ``FMT`` in dtype ``OUT`` (float32, float16 or bfloat16: every
+    FP8 value is exact in each), exact for all 256 codes (module docstring). The arithmetic is in float16."""
     c = code.to(tl.uint16)
     if FMT == 3:  # E5M2: the top byte of an IEEE half, same bias; inf and NaN come with it
-        value = (c << 8).to(tl.float16, bitcast=True).to(tl.float32)
-    else:  # E4M3FN / E4M3FNUZ: exponent and mantissa into the half's low exponent bits
-        half = ((c & 0x80) << 8) | ((c & 0x7F) << 7)
-        value = half.to(tl.float16, bitcast=True).to(tl.float32)
+        half = (c << 8).to(tl.float16, bitcast=True)
+    else:  # E4M3FN / E4M3FNUZ: exponent and mantissa into the half's low exponent bits, then a power-of-two factor
+        half = (((c & 0x80) << 8) | ((c & 0x7F) << 7)).to(tl.float16, bitcast=True)
         if FMT == 1:
-            value = tl.where((c & 0x7F) == 0x7F, float("nan"), value * 256.0)       # 2^(15 - 7)
+            half = tl.where((c & 0x7F) == 0x7F, float("nan"), half * 256.0)       # 2^(15 - 7)
         else:
-            value = tl.where(c == 0x80, float("nan"), value * 128.0)                # 2^(15 - 8)
-    return value
+            half = tl.where(c == 0x80, float("nan"), half * 128.0)                # 2^(15 - 8)
+    return half.to(OUT)
 
 
 @triton.jit
-def decode_fp8_native(code, FMT: tl.constexpr):
-    """uint8 codes -> float32 via Triton's FP8 types (only where :func:`native_fp8_supported` says so)."""
+def decode_fp8_native(code, FMT: tl.constexpr, OUT: tl.constexpr):
+    """uint8 codes -> values in dtype ``OUT`` via Triton's FP8 types (only where :func:`native_fp8_supported`
+    says so)."""
     if FMT == 1:
-        value = code.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        value = code.to(tl.float8e4nv, bitcast=True).to(OUT)
     elif FMT == 3:
-        value = code.to(tl.float8e5, bitcast=True).to(tl.float32)
+        value = code.to(tl.float8e5, bitcast=True).to(OUT)
     else:
-        value = code.to(tl.float8e4b8, bitcast=True).to(tl.float32)
+        value = code.to(tl.float8e4b8, bitcast=True).to(OUT)
     return value
 
 
 @triton.jit
-def decode_fp8(raw, FMT: tl.constexpr, NATIVE: tl.constexpr):
-    """Loaded cache elements -> float32: FP8 codes decoded (``FMT`` != 0) by the native or the bit path, a 16/32-bit
-    cache's values converted (exact)."""
+def decode_fp8(raw, FMT: tl.constexpr, NATIVE: tl.constexpr, OUT: tl.constexpr):
+    """Loaded cache elements -> dtype ``OUT``: FP8 codes decoded (``FMT`` != 0) by the native or the bit path
+    (exact), a 16/32-bit cache's values converted (exact when ``OUT`` holds the cache dtype: the caller's duty)."""
     if FMT == 0:
-        value = raw.to(tl.float32)
+        value = raw.to(OUT)
     elif NATIVE:
-        value = decode_fp8_native(raw, FMT)
+        value = decode_fp8_native(raw, FMT, OUT)
     else:
-        value = decode_fp8_bits(raw, FMT)
+        value = decode_fp8_bits(raw, FMT, OUT)
     return value
