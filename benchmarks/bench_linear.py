@@ -11,7 +11,7 @@ the same packed weights in the same run. The ``fp8 ms`` and ``bf16/fp8`` columns
 them to bf16 on the fly), on the same path.
 
 ``--before REV`` also builds the dense kernel library as of git revision REV (a temporary ``git worktree``;
-REV's ``kv8_linear`` / ``kv8_linear_pack`` must take the arguments the current wrapper passes), packs the same
+REV's dense library must have the current wrapper's argument structs: its layout is checked at load), packs the same
 weights with it and times it in the same passes: columns ``before ms`` and ``speed-up`` (before / now), and
 the same for the FP8 weights (``fp8 before``), a kernel change's effect under the same machine conditions.
 
@@ -32,9 +32,11 @@ import torch
 import torch.nn.functional as F
 from revisions import worktree
 
-from kv8.layers.dense_kernels import SOURCE, DenseBackend, DenseKernels, select_dense_backend
+import kv8
+from kv8.kernels.build import KernelUnavailable, build_shared_library
+from kv8.kernels.dense import SOURCE, DenseKernels
+from kv8.layers.dense_backend import DenseBackend, select_dense_backend
 from kv8.layers.linear import LinearBase
-from kv8.native import build_shared_library
 
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # (out, in) per layer, SmolLM2-135M
 
@@ -66,7 +68,11 @@ def main() -> None:
                 tree = stack.enter_context(worktree(args.before, "--before")).path
             except (ValueError, RuntimeError) as e:
                 ap.error(str(e))
-            before = DenseKernels(build_shared_library(Path(tree) / SOURCE.relative_to(SOURCE.parents[2]), "native"))
+            source = Path(tree) / SOURCE.relative_to(Path(kv8.__file__).parents[1])
+            try:
+                before = DenseKernels(build_shared_library(source, "native"))
+            except KernelUnavailable as e:   # e.g. a revision with other argument structs
+                ap.error(f"--before {args.before}: {e}")
         run(args, before)
 
 

@@ -55,9 +55,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from kv8.attention.fused import load_kernels
-from kv8.layers.dense_kernels import load_dense_kernels
-from kv8.native import KernelUnavailable
+from kv8.kernels.attention import load_kernels
+from kv8.kernels.dense import load_dense_kernels
+from kv8.kernels.build import KernelUnavailable
 
 
 def build(name, load):

@@ -29,12 +29,12 @@ import math
 import pytest
 import torch
 
-from kv8.attention import fused
-from kv8.attention.fused import KernelUnavailable, load_kernels, paged_attention_fused
 from kv8.attention.metadata import AttentionMetadata
 from kv8.attention.reference import paged_attention_reference
 from kv8.cache.codec import KVCodec
 from kv8.cache.paged_cache import CacheShape, PagedKVCache
+from kv8.kernels import attention as kernels
+from kv8.kernels.attention import KernelUnavailable, load_kernels, paged_attention_fused
 from kv8.quant.formats import resolve_kv_cache_dtype
 from kv8.quant.scales import KVScales, ScaleGranularity
 from tests.test_fused_attention import decode_kernel, kernel_path, prefill_kernel  # noqa: F401 (kernel_path: a fixture)
@@ -50,7 +50,7 @@ SEQ_LENS = [1, 16, 33, 21, 48, 17, 130, 77]
 
 
 @pytest.fixture(scope="module")
-def lib() -> fused.KernelLibrary:
+def lib() -> kernels.KernelLibrary:
     try:
         return load_kernels()
     except KernelUnavailable as exc:
@@ -58,7 +58,7 @@ def lib() -> fused.KernelLibrary:
 
 
 @pytest.fixture(scope="module")
-def generic_lib() -> fused.KernelLibrary:
+def generic_lib() -> kernels.KernelLibrary:
     try:
         return load_kernels("x86-64-v3")
     except KernelUnavailable as exc:
@@ -139,7 +139,7 @@ def window_case(kv_name: str, gran: str, q_dtype: torch.dtype, window: int | Non
     return Case(cache, meta, full_tables, q)
 
 
-def check(lib: fused.KernelLibrary, case: Case, partitions: tuple[int, ...] = (0,)) -> None:
+def check(lib: kernels.KernelLibrary, case: Case, partitions: tuple[int, ...] = (0,)) -> None:
     """Fused (with each forced ``partition_size``; 0 = automatic) == reference within TOL, both finite."""
     scale = case.q.shape[-1] ** -0.5
     ref = paged_attention_reference(case.q, case.cache, 1, case.meta, scale).float()
@@ -152,8 +152,8 @@ def check(lib: fused.KernelLibrary, case: Case, partitions: tuple[int, ...] = (0
         assert err <= bound, f"max |fused - reference| = {err:.3g} > {bound:.3g} (partition_size={partition_size})"
 
 
-def item_kernel(lib: fused.KernelLibrary, kv_name: str, q_dtype: torch.dtype, dim: int, bs: int, rows: int) -> str:
-    return fused.KernelTesting(lib).item_kernel(kv_name, q_dtype, dim, bs, rows)
+def item_kernel(lib: kernels.KernelLibrary, kv_name: str, q_dtype: torch.dtype, dim: int, bs: int, rows: int) -> str:
+    return kernels.KernelTesting(lib).item_kernel(kv_name, q_dtype, dim, bs, rows)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -238,7 +238,7 @@ def test_reference_ignores_stale_entries() -> None:
 @pytest.mark.parametrize("kv_name,gran", [(k, g) for k in FP8 for g in ("tensor", "head", "channel", "dynamic")]
                          + [(k, "none") for k in ("bfloat16", "float16", "float32")])
 @pytest.mark.parametrize("q_dtype", [torch.bfloat16, torch.float32])
-def test_window_kv_dtypes_and_scales(lib: fused.KernelLibrary, kv_name: str, gran: str, q_dtype: torch.dtype) -> None:
+def test_window_kv_dtypes_and_scales(lib: kernels.KernelLibrary, kv_name: str, gran: str, q_dtype: torch.dtype) -> None:
     """Every KV dtype and scale mode; windows smaller than, equal to, not a multiple of and larger than the
     block size (16), and beyond every context (200)."""
     for window in ((3, 24) if q_dtype == torch.bfloat16 else (16, 200)):
@@ -248,7 +248,7 @@ def test_window_kv_dtypes_and_scales(lib: fused.KernelLibrary, kv_name: str, gra
 @pytest.mark.parametrize("group,dim,bs", [(1, 64, 16), (4, 64, 8), (8, 64, 32), (1, 128, 8), (4, 128, 32),
                                           (8, 128, 16), (1, 256, 32), (4, 256, 16), (8, 256, 8)])
 @pytest.mark.parametrize("kv_name,q_dtype", [("fp8_e4m3", torch.bfloat16), ("bfloat16", torch.float32)])
-def test_window_shapes(lib: fused.KernelLibrary, group: int, dim: int, bs: int, kv_name: str,
+def test_window_shapes(lib: kernels.KernelLibrary, group: int, dim: int, bs: int, kv_name: str,
                        q_dtype: torch.dtype) -> None:
     """head_dim 64 / 128 / 256 x GQA 1 / 4 / 8, blocks of 8 / 16 / 32 (of 8: tiles span two blocks, the first
     tile's leading rows may lie in a block before the window); windows below, at, off and above the block size."""
@@ -260,7 +260,7 @@ def test_window_shapes(lib: fused.KernelLibrary, group: int, dim: int, bs: int, 
 
 @pytest.mark.parametrize("kv_name,q_dtype", [("fp8_e4m3", torch.bfloat16), ("fp8_e5m2", torch.float32),
                                              ("bfloat16", torch.bfloat16), ("float32", torch.float32)])
-def test_window_partitions(lib: fused.KernelLibrary, kv_name: str, q_dtype: torch.dtype) -> None:
+def test_window_partitions(lib: kernels.KernelLibrary, kv_name: str, q_dtype: torch.dtype) -> None:
     """Context splits over the window (forced, and automatic for the long decodes), combined by log-sum-exp,
     including partitions some rows of a chunk do not reach."""
     for window in (37, 160):
@@ -272,7 +272,7 @@ def test_window_partitions(lib: fused.KernelLibrary, kv_name: str, q_dtype: torc
                                           ("fp8_e4m3fnuz", "dynamic"), ("bfloat16", "none")])
 @pytest.mark.parametrize("group", [1, 2, 4])
 @pytest.mark.usefixtures("kernel_path")
-def test_window_decode_item_kernel(lib: fused.KernelLibrary, kv_name: str, gran: str, group: int) -> None:
+def test_window_decode_item_kernel(lib: kernels.KernelLibrary, kv_name: str, gran: str, group: int) -> None:
     """The decode-item kernel (bf16 compute, <= 4 rows: up to 4 / group query tokens per sequence, each row with
     its own window) serves these items (asserted) and equals the reference; windows that put the first and last
     tile of an item in one 64-token chunk, and first tiles with leading rows before the window."""
@@ -289,7 +289,7 @@ def test_window_decode_item_kernel(lib: fused.KernelLibrary, kv_name: str, gran:
 
 @pytest.mark.parametrize("kv_name,gran", [("fp8_e4m3", "channel"), ("fp8_e5m2", "dynamic"),
                                           ("fp8_e4m3fnuz", "head"), ("bfloat16", "none"), ("float16", "none")])
-def test_window_generic_build(generic_lib: fused.KernelLibrary, kv_name: str, gran: str) -> None:
+def test_window_generic_build(generic_lib: kernels.KernelLibrary, kv_name: str, gran: str) -> None:
     assert item_kernel(generic_lib, kv_name, torch.bfloat16, 64, 16, 48) == "generic"
     for q_dtype, bs in ((torch.bfloat16, 16), (torch.float32, 8)):
         for window in (5, 24):
@@ -300,7 +300,7 @@ def test_window_generic_build(generic_lib: fused.KernelLibrary, kv_name: str, gr
                          + [("bfloat16", "none"), ("float32", "none")])
 @pytest.mark.parametrize("group", [4, 8])
 @pytest.mark.usefixtures("kernel_path")
-def test_window_gemma3_shape(lib: fused.KernelLibrary, kv_name: str, gran: str, group: int) -> None:
+def test_window_gemma3_shape(lib: kernels.KernelLibrary, kv_name: str, gran: str, group: int) -> None:
     """Gemma-3 local layers: head_dim 256, one KV head, 4 (and 8) query heads, window 512, blocks of 16:
     decode at 100 / 600 / 1100 tokens and a prefill chunk of 40 over a cached prefix; bf16 and fp32 compute
     (8 query heads: bf16, whose decode items take the tile kernel)."""
@@ -317,7 +317,7 @@ def test_window_gemma3_shape(lib: fused.KernelLibrary, kv_name: str, gran: str, 
                                                   ("bfloat16", "none", torch.float32)])
 @pytest.mark.parametrize("group,dim,bs", [(3, 64, 16), (4, 128, 8), (1, 64, 32)])
 @pytest.mark.usefixtures("kernel_path")
-def test_window_long_prefill(lib: fused.KernelLibrary, kv_name: str, gran: str, q_dtype: torch.dtype, group: int,
+def test_window_long_prefill(lib: kernels.KernelLibrary, kv_name: str, gran: str, q_dtype: torch.dtype, group: int,
                              dim: int, bs: int) -> None:
     """Long prefills in the tile kernel's prefill loop (asserted to serve; on AMX tiles and on AVX-512 where
     both exist) with windows of 37, 100 and 512: the window's edge crosses the chunks of every item at every
@@ -334,7 +334,7 @@ def test_window_long_prefill(lib: fused.KernelLibrary, kv_name: str, gran: str, 
 # Never read, and O(W)
 # ------------------------------------------------------------------------------------------------
 
-def test_stale_entries_would_be_caught(lib: fused.KernelLibrary) -> None:
+def test_stale_entries_would_be_caught(lib: kernels.KernelLibrary) -> None:
     """The poisoned cases' stale entries are refused (a bad block id) by a call without the window, and give
     NaN where they point at block 0: a kernel reading them could not pass the tests above."""
     case = window_case("fp8_e4m3", "tensor", torch.bfloat16, 16, query_lens=[1], seq_lens=[130])
@@ -350,7 +350,7 @@ def test_stale_entries_would_be_caught(lib: fused.KernelLibrary) -> None:
     check(lib, only_zero)
 
 
-def test_window_decode_cost_is_window_sized(lib: fused.KernelLibrary) -> None:
+def test_window_decode_cost_is_window_sized(lib: kernels.KernelLibrary) -> None:
     """A decode at 64k tokens with a window of 64 over a 6-block cache: every entry before the window is an
     out-of-range id, so any O(context) walk of the table would fail; the result equals that of the same keys
     at the start of a short sequence."""

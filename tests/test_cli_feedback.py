@@ -23,18 +23,18 @@ TEXT = ("The quick brown fox jumps over the lazy dog. London is the capital of E
 @pytest.mark.skipif(shutil.which(envs.cxx()) is None, reason="no C++ compiler")
 def test_compiling_kernels_says_so_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                          capsys: pytest.CaptureFixture[str]) -> None:
-    import kv8.native as native
+    from kv8.kernels import build
 
     monkeypatch.setenv("KV8_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.setattr(native, "_announced", False)
+    monkeypatch.setattr(build, "_announced", False)
     for value in (1, 2):   # two different libraries compiled in one process: one message
         src = tmp_path / f"lib{value}.cpp"
         src.write_text(f'extern "C" int value(void) {{ return {value}; }}\n')
-        native.build_shared_library(src, "x86-64")
+        build.build_shared_library(src, "x86-64")
     err = capsys.readouterr().err
     assert err.count("kv8: compiling kv8's CPU kernels (first use, about a minute") == 1
-    monkeypatch.setattr(native, "_announced", False)
-    native.build_shared_library(tmp_path / "lib1.cpp", "x86-64")   # cached: silent
+    monkeypatch.setattr(build, "_announced", False)
+    build.build_shared_library(tmp_path / "lib1.cpp", "x86-64")   # cached: silent
     assert capsys.readouterr().err == ""
 
 

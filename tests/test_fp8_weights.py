@@ -13,8 +13,10 @@ import torch
 
 from kv8 import LLM, SamplingParams
 from kv8.engine.args import EngineArgs
+from kv8.kernels.build import KernelUnavailable
+from kv8.kernels.dense import DenseKernels, load_dense_kernels
 from kv8.layers.activation import SiluAndMul
-from kv8.layers.dense_kernels import DenseBackend, DenseKernels, load_dense_kernels
+from kv8.layers.dense_backend import DenseBackend
 from kv8.layers.linear import (
     GateUpLinear,
     Linear,
@@ -25,7 +27,6 @@ from kv8.layers.linear import (
     TorchFP8LinearMethod,
 )
 from kv8.layers.vocab_parallel import ParallelLMHead
-from kv8.native import KernelUnavailable
 from kv8.quant.formats import E4M3
 from kv8.quant.weights import dequantize_fp8_rows, quantize_fp8_rows
 from tests.conftest import TINY_CONFIGS, amx_path

@@ -1,4 +1,4 @@
-"""The fused CPU kernels (kv8.attention.fused / cpu_kernels.cpp) against the torch reference.
+"""The fused CPU kernels (kv8.kernels.attention / csrc/attention/attention.cpp) against the torch reference.
 
 * FP8 decode: both decoders (bits: generic path; bf16 tables: AVX-512 path) equal the format's value table
   for all 256 codes of all three formats, bit for bit (NaN where the table has NaN), also with the calling
@@ -32,14 +32,16 @@ import pytest
 import torch
 
 import kv8.attention.backend as backend_mod
-from kv8.attention import fused
+import kv8.attention.fused as fused_backend
 from kv8.attention.backend import FusedCPUBackend, ReferenceBackend, get_backend
-from kv8.attention.fused import KernelUnavailable, load_kernels, paged_attention_fused, store_kv_fused
 from kv8.attention.metadata import AttentionMetadata
 from kv8.attention.reference import paged_attention_reference
 from kv8.cache.codec import KVCodec
 from kv8.cache.paged_cache import CacheShape, PagedKVCache
-from kv8.native import cpu_flags
+from kv8.kernels import attention as kernels
+from kv8.kernels.abi import check_abi
+from kv8.kernels.attention import KernelUnavailable, load_kernels, paged_attention_fused, store_kv_fused
+from kv8.kernels.build import cpu_flags
 from kv8.quant.formats import FP8_FORMATS, KVCacheDtype, resolve_kv_cache_dtype
 from kv8.quant.scales import KVScales, ScaleGranularity
 from tests.conftest import amx_path
@@ -66,7 +68,7 @@ def cpu_has_fast_path() -> bool:
     return {"avx512f", "avx512bw", "avx512vl", "avx512vbmi", "avx512_bf16"} <= flags
 
 
-def load_or_skip(march: str = "native") -> fused.KernelLibrary:
+def load_or_skip(march: str = "native") -> kernels.KernelLibrary:
     """The kernels for ``march``; the test is skipped (with the reason) where they cannot be built."""
     try:
         return load_kernels(march)
@@ -75,32 +77,32 @@ def load_or_skip(march: str = "native") -> fused.KernelLibrary:
 
 
 @pytest.fixture(scope="module")
-def lib() -> fused.KernelLibrary:
+def lib() -> kernels.KernelLibrary:
     lib = load_or_skip()
     assert lib.has_fast_path == cpu_has_fast_path(), "-march=native must enable the fast path exactly when the CPU can"
     return lib
 
 
 @pytest.fixture(scope="module")
-def generic_lib() -> fused.KernelLibrary:
+def generic_lib() -> kernels.KernelLibrary:
     """A build without AVX-512 (x86-64-v3 = AVX2): exercises the generic fp32 path everywhere."""
     return load_or_skip("x86-64-v3")
 
 
 @pytest.fixture(params=["amx", "avx512"])
-def kernel_path(request: pytest.FixtureRequest, lib: fused.KernelLibrary):
+def kernel_path(request: pytest.FixtureRequest, lib: kernels.KernelLibrary):
     """Each path of the prefill loop and the decode-item kernel in turn: AMX tiles (only where this CPU, build
     and OS give them) and AVX-512 (vdpbf16ps), set on the library (KernelLibrary.amx) for the test."""
     with amx_path(lib, request.param) as path:
         yield path
 
 
-def prefill_kernel(lib: fused.KernelLibrary, kv_name: str, gran: str, q_dtype: torch.dtype, dim: int,
+def prefill_kernel(lib: kernels.KernelLibrary, kv_name: str, gran: str, q_dtype: torch.dtype, dim: int,
                    bs: int = 16) -> str:
     """The item kernel of a 48-row prefill item, asserted to be the expected one: "generic" without the fast
     path; "amx" where the library multiplies with AMX tiles and the item qualifies (bf16 compute, K scales not
     per channel, head_dim a multiple of 64 up to 256); else "prefill" (head_dim <= 128) or "tile"."""
-    got = fused.KernelTesting(lib).item_kernel(kv_name, q_dtype, dim, bs, 48, k_per_channel=gran == "channel")
+    got = kernels.KernelTesting(lib).item_kernel(kv_name, q_dtype, dim, bs, 48, k_per_channel=gran == "channel")
     if not lib.has_fast_path:
         expected = "generic"
     elif lib.amx and q_dtype == torch.bfloat16 and gran != "channel" and dim % 64 == 0 and dim <= 256:
@@ -111,17 +113,18 @@ def prefill_kernel(lib: fused.KernelLibrary, kv_name: str, gran: str, q_dtype: t
     return got
 
 
-def attention_path(lib: fused.KernelLibrary, kv_name: str, q_dtype: torch.dtype, dim: int) -> str:
+def attention_path(lib: kernels.KernelLibrary, kv_name: str, q_dtype: torch.dtype, dim: int) -> str:
     """"fast" (an AVX-512 BF16 item kernel serves prefill-sized items) or "generic"."""
-    kernel = fused.KernelTesting(lib).item_kernel(kv_name, q_dtype, dim)
+    kernel = kernels.KernelTesting(lib).item_kernel(kv_name, q_dtype, dim)
     return "generic" if kernel == "generic" else "fast"
 
 
-def decode_kernel(lib: fused.KernelLibrary, kv_name: str, gran: str, dim: int, bs: int, rows: int) -> str:
+def decode_kernel(lib: kernels.KernelLibrary, kv_name: str, gran: str, dim: int, bs: int, rows: int) -> str:
     """The item kernel of a decode-sized item (bf16 compute, <= 4 rows, head_dim 64 / 128 / 256, blocks of a
     multiple of 16 tokens), asserted to be the expected one: "generic" without the fast path; "amx_decode" where
     the library multiplies with AMX tiles and the K scales are not per channel; else "decode"."""
-    got = fused.KernelTesting(lib).item_kernel(kv_name, torch.bfloat16, dim, bs, rows, k_per_channel=gran == "channel")
+    got = kernels.KernelTesting(lib).item_kernel(kv_name, torch.bfloat16, dim, bs, rows,
+                                                 k_per_channel=gran == "channel")
     if not lib.has_fast_path:
         expected = "generic"
     else:
@@ -130,10 +133,10 @@ def decode_kernel(lib: fused.KernelLibrary, kv_name: str, gran: str, dim: int, b
     return got
 
 
-def uses_decode_kernel(lib: fused.KernelLibrary, kv_name: str, q_dtype: torch.dtype, dim: int, bs: int,
+def uses_decode_kernel(lib: kernels.KernelLibrary, kv_name: str, q_dtype: torch.dtype, dim: int, bs: int,
                        rows: int) -> bool:
     """Whether a decode-item kernel (AMX or AVX-512) serves items of ``rows`` rows."""
-    return fused.KernelTesting(lib).item_kernel(kv_name, q_dtype, dim, bs, rows) in ("decode", "amx_decode")
+    return kernels.KernelTesting(lib).item_kernel(kv_name, q_dtype, dim, bs, rows) in ("decode", "amx_decode")
 
 
 def make_scales(kv_name: str, gran: str, layers: int, heads: int, dim: int,
@@ -188,7 +191,7 @@ def make_case(kv_name: str, gran: str, q_dtype: torch.dtype, *, group: int = 3, 
     return cache, meta, q
 
 
-def check_attention(lib: fused.KernelLibrary, cache: PagedKVCache, meta: AttentionMetadata, q: torch.Tensor,
+def check_attention(lib: kernels.KernelLibrary, cache: PagedKVCache, meta: AttentionMetadata, q: torch.Tensor,
                     partition_size: int = 0) -> None:
     scale = q.shape[-1] ** -0.5
     ref = paged_attention_reference(q, cache, 1, meta, scale).float()
@@ -206,16 +209,16 @@ def check_attention(lib: fused.KernelLibrary, cache: PagedKVCache, meta: Attenti
 @pytest.mark.parametrize("fmt", FP8)
 @pytest.mark.parametrize("path", ["bits", "tables"])
 @pytest.mark.parametrize("flush_denormal", [False, True])
-def test_fp8_decode_all_codes(lib: fused.KernelLibrary, fmt: str, path: str, flush_denormal: bool) -> None:
+def test_fp8_decode_all_codes(lib: kernels.KernelLibrary, fmt: str, path: str, flush_denormal: bool) -> None:
     codes = torch.arange(256, dtype=torch.uint8)
     if path == "tables" and not lib.has_fast_path:
         with pytest.raises(ValueError, match="not available"):
-            fused.KernelTesting(lib).decode_fp8(fmt, codes, path)
+            kernels.KernelTesting(lib).decode_fp8(fmt, codes, path)
         return
     want = torch.tensor(FP8_FORMATS[fmt].values(), dtype=torch.float32)
     torch.set_flush_denormal(flush_denormal)
     try:
-        got = fused.KernelTesting(lib).decode_fp8(fmt, codes, path)
+        got = kernels.KernelTesting(lib).decode_fp8(fmt, codes, path)
     finally:
         torch.set_flush_denormal(False)
     nan = torch.isnan(want)
@@ -223,16 +226,16 @@ def test_fp8_decode_all_codes(lib: fused.KernelLibrary, fmt: str, path: str, flu
     assert torch.equal(got[~nan].view(torch.int32), want[~nan].view(torch.int32))  # bitwise: -0.0, subnormals
 
 
-def test_generic_build_decodes_on_bits(generic_lib: fused.KernelLibrary) -> None:
+def test_generic_build_decodes_on_bits(generic_lib: kernels.KernelLibrary) -> None:
     assert not generic_lib.has_fast_path
     for fmt in FP8:
         want = torch.tensor(FP8_FORMATS[fmt].values(), dtype=torch.float32)
-        got = fused.KernelTesting(generic_lib).decode_fp8(fmt, torch.arange(256, dtype=torch.uint8), "bits")
+        got = kernels.KernelTesting(generic_lib).decode_fp8(fmt, torch.arange(256, dtype=torch.uint8), "bits")
         nan = torch.isnan(want)
         assert torch.equal(torch.isnan(got), nan)
         assert torch.equal(got[~nan].view(torch.int32), want[~nan].view(torch.int32))
     with pytest.raises(ValueError, match="not available"):
-        fused.KernelTesting(generic_lib).decode_fp8("fp8_e4m3", torch.arange(256, dtype=torch.uint8), "tables")
+        kernels.KernelTesting(generic_lib).decode_fp8("fp8_e4m3", torch.arange(256, dtype=torch.uint8), "tables")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -261,7 +264,7 @@ def special_values(n: int, fmt_max: float) -> torch.Tensor:
 @pytest.mark.parametrize("kv_name,gran", [(k, g) for k in FP8 for g in ("tensor", "head", "channel", "dynamic")]
                          + [(k, "none") for k in ("bfloat16", "float16", "float32")])
 @pytest.mark.parametrize("in_dtype", [torch.bfloat16, torch.float16, torch.float32])
-def test_store_bit_exact(lib: fused.KernelLibrary, kv_name: str, gran: str, in_dtype: torch.dtype) -> None:
+def test_store_bit_exact(lib: kernels.KernelLibrary, kv_name: str, gran: str, in_dtype: torch.dtype) -> None:
     gen = torch.Generator().manual_seed(1)
     heads, dim, bs, tokens = 3, 64, 16, 50
     kv = resolve_kv_cache_dtype(kv_name, torch.bfloat16)
@@ -286,7 +289,7 @@ def test_store_bit_exact(lib: fused.KernelLibrary, kv_name: str, gran: str, in_d
 
 
 @pytest.mark.parametrize("fmt", FP8)
-def test_store_dense_fp32_sweep(lib: fused.KernelLibrary, fmt: str) -> None:
+def test_store_dense_fp32_sweep(lib: kernels.KernelLibrary, fmt: str) -> None:
     """Every float32 sign/exponent/7-bit-mantissa prefix with several low parts, plus every midpoint between
     adjacent FP8 values and its float32 neighbours: the kernel's encoder equals the reference's."""
     hi = torch.arange(1 << 16, dtype=torch.int64) << 16
@@ -319,7 +322,7 @@ def test_store_dense_fp32_sweep(lib: fused.KernelLibrary, fmt: str) -> None:
 @pytest.mark.parametrize("kv_name,gran", [(k, g) for k in FP8 for g in ("tensor", "head", "channel")]
                          + [(k, "none") for k in ("bfloat16", "float16", "float32")])
 @pytest.mark.parametrize("q_dtype", [torch.bfloat16, torch.float32])
-def test_attention_dtypes_and_scales(lib: fused.KernelLibrary, kv_name: str, gran: str,
+def test_attention_dtypes_and_scales(lib: kernels.KernelLibrary, kv_name: str, gran: str,
                                      q_dtype: torch.dtype) -> None:
     cache, meta, q = make_case(kv_name, gran, q_dtype)
     expected = "fast" if kv_name in FP8 + ["bfloat16"] and lib.has_fast_path else "generic"
@@ -331,7 +334,7 @@ def test_attention_dtypes_and_scales(lib: fused.KernelLibrary, kv_name: str, gra
                                           (8, 128, 16), (1, 256, 8), (3, 256, 16), (8, 256, 16)])
 @pytest.mark.parametrize("kv_name", ["fp8_e4m3", "bfloat16"])
 @pytest.mark.parametrize("q_dtype", [torch.bfloat16, torch.float32])
-def test_attention_shapes(lib: fused.KernelLibrary, group: int, dim: int, bs: int, kv_name: str,
+def test_attention_shapes(lib: kernels.KernelLibrary, group: int, dim: int, bs: int, kv_name: str,
                           q_dtype: torch.dtype) -> None:
     cache, meta, q = make_case(kv_name, "head", q_dtype, group=group, dim=dim, bs=bs, heads=2,
                                query_lens=[1, 9, 1, 3], seq_lens=[bs, 2 * bs + 3, 5 * bs + 1, 40], seed=group + dim)
@@ -340,7 +343,7 @@ def test_attention_shapes(lib: fused.KernelLibrary, group: int, dim: int, bs: in
 
 @pytest.mark.parametrize("kv_name", ["fp8_e5m2", "bfloat16", "float16"])
 @pytest.mark.parametrize("dim", [80, 72])
-def test_attention_odd_head_dim(lib: fused.KernelLibrary, kv_name: str, dim: int) -> None:
+def test_attention_odd_head_dim(lib: kernels.KernelLibrary, kv_name: str, dim: int) -> None:
     """D = 80 takes the fast path with a partial 64-channel chunk; D = 72 (not a multiple of 16) the generic."""
     cache, meta, q = make_case(kv_name, "channel", torch.float32, dim=dim, heads=2)
     fast = dim == 80 and kv_name != "float16" and lib.has_fast_path
@@ -351,13 +354,13 @@ def test_attention_odd_head_dim(lib: fused.KernelLibrary, kv_name: str, dim: int
 @pytest.mark.parametrize("partition", [16, 48, 256])
 @pytest.mark.parametrize("kv_name,q_dtype", [("fp8_e4m3", torch.bfloat16), ("fp8_e4m3fnuz", torch.float32),
                                              ("bfloat16", torch.float32), ("float32", torch.bfloat16)])
-def test_attention_partitions(lib: fused.KernelLibrary, partition: int, kv_name: str, q_dtype: torch.dtype) -> None:
+def test_attention_partitions(lib: kernels.KernelLibrary, partition: int, kv_name: str, q_dtype: torch.dtype) -> None:
     """Forced context splits (combined by log-sum-exp), including partitions a causal row does not reach."""
     cache, meta, q = make_case(kv_name, "head", q_dtype, query_lens=[1, 20, 1], seq_lens=[700, 300, 33])
     check_attention(lib, cache, meta, q, partition_size=partition)
 
 
-def test_attention_auto_partition_single_sequence(lib: fused.KernelLibrary) -> None:
+def test_attention_auto_partition_single_sequence(lib: kernels.KernelLibrary) -> None:
     """One long decode sequence: the automatic split across threads gives the reference result."""
     cache, meta, q = make_case("fp8_e4m3", "tensor", torch.bfloat16, query_lens=[1], seq_lens=[3000])
     check_attention(lib, cache, meta, q)
@@ -365,21 +368,21 @@ def test_attention_auto_partition_single_sequence(lib: fused.KernelLibrary) -> N
 
 @pytest.mark.parametrize("kv_name", FP8)
 @pytest.mark.parametrize("q_dtype", [torch.bfloat16, torch.float16, torch.float32])
-def test_attention_dynamic_scales(lib: fused.KernelLibrary, kv_name: str, q_dtype: torch.dtype) -> None:
+def test_attention_dynamic_scales(lib: kernels.KernelLibrary, kv_name: str, q_dtype: torch.dtype) -> None:
     cache, meta, q = make_case(kv_name, "dynamic", q_dtype)
     check_attention(lib, cache, meta, q)
 
 
 @pytest.mark.parametrize("kv_name,gran", [("fp8_e4m3", "channel"), ("fp8_e5m2", "dynamic"),
                                           ("fp8_e4m3fnuz", "head"), ("bfloat16", "none")])
-def test_attention_generic_build(generic_lib: fused.KernelLibrary, kv_name: str, gran: str) -> None:
+def test_attention_generic_build(generic_lib: kernels.KernelLibrary, kv_name: str, gran: str) -> None:
     assert attention_path(generic_lib, kv_name, torch.bfloat16, 64) == "generic"
     for q_dtype in (torch.bfloat16, torch.float32):
         cache, meta, q = make_case(kv_name, gran, q_dtype)
         check_attention(generic_lib, cache, meta, q, partition_size=32)
 
 
-def test_attention_with_flush_denormal(lib: fused.KernelLibrary) -> None:
+def test_attention_with_flush_denormal(lib: kernels.KernelLibrary) -> None:
     """DAZ/FTZ set by the caller (torch.set_flush_denormal) must not zero FP8 subnormals inside the kernel."""
     cache, meta, q = make_case("fp8_e4m3", "tensor", torch.float32)
     torch.set_flush_denormal(True)
@@ -394,7 +397,7 @@ def test_attention_with_flush_denormal(lib: fused.KernelLibrary) -> None:
                          + [("bfloat16", "none")])
 @pytest.mark.parametrize("group,dim", [(1, 64), (2, 128), (3, 64), (4, 256)])
 @pytest.mark.parametrize("bs", [16, 32])
-def test_decode_item_kernel(lib: fused.KernelLibrary, kernel_path: str, kv_name: str, gran: str, group: int,
+def test_decode_item_kernel(lib: kernels.KernelLibrary, kernel_path: str, kv_name: str, gran: str, group: int,
                             dim: int, bs: int) -> None:
     """The fast path's decode-item kernel (bf16 compute, blocks of a multiple of 16 tokens, items of <= 4 rows
     = query heads per KV head x query tokens) serves every item of these batches (asserted), and equals the
@@ -415,7 +418,7 @@ def test_decode_item_kernel(lib: fused.KernelLibrary, kernel_path: str, kv_name:
 
 @pytest.mark.parametrize("heads,group", [(1, 3), (4, 1), (5, 2), (6, 3), (9, 4)])
 @pytest.mark.parametrize("kv_name,gran", [("fp8_e4m3", "head"), ("fp8_e5m2", "dynamic"), ("bfloat16", "none")])
-def test_decode_items_of_several_heads(lib: fused.KernelLibrary, kernel_path: str, heads: int, group: int,
+def test_decode_items_of_several_heads(lib: kernels.KernelLibrary, kernel_path: str, heads: int, group: int,
                                        kv_name: str, gran: str) -> None:
     """The AMX decode kernel's items read up to 4 KV heads of a sequence together (6 heads: items of 4 and
     2, 9: 4, 4 and 1), each head with its own K/V scales, queries and output rows, unsplit and split into
@@ -431,7 +434,7 @@ def test_decode_items_of_several_heads(lib: fused.KernelLibrary, kernel_path: st
         check_attention(lib, cache, meta, q, partition_size=partition)
 
 
-def test_decode_item_kernel_conditions(lib: fused.KernelLibrary) -> None:
+def test_decode_item_kernel_conditions(lib: kernels.KernelLibrary) -> None:
     """Where the decode-item kernel does not apply, the general fast path serves (tested above)."""
     fast = lib.has_fast_path
     assert uses_decode_kernel(lib, "fp8_e4m3", torch.bfloat16, 64, 16, 3) == fast
@@ -453,7 +456,7 @@ def test_decode_item_kernel_conditions(lib: fused.KernelLibrary) -> None:
     ("fp8_e5m2", "dynamic", torch.bfloat16), ("fp8_e4m3fnuz", "head", torch.float32),
     ("fp8_e4m3", "head", torch.float16), ("bfloat16", "none", torch.bfloat16), ("bfloat16", "none", torch.float32)])
 @pytest.mark.parametrize("group,dim,bs", [(3, 64, 16), (1, 128, 8), (4, 80, 32), (8, 32, 16)])
-def test_attention_long_prefill(lib: fused.KernelLibrary, kernel_path: str, kv_name: str, gran: str,
+def test_attention_long_prefill(lib: kernels.KernelLibrary, kernel_path: str, kv_name: str, gran: str,
                                 q_dtype: torch.dtype, group: int, dim: int, bs: int) -> None:
     """Long causal prefill in the prefill loop (asserted to serve; on AMX tiles and on AVX-512 where both
     exist): a 300-token prompt from an empty cache and chunked prefills of 77 and 200 tokens over cached
@@ -470,7 +473,7 @@ def test_attention_long_prefill(lib: fused.KernelLibrary, kernel_path: str, kv_n
 
 @pytest.mark.parametrize("kv_name", ["fp8_e4m3", "bfloat16"])
 @pytest.mark.parametrize("q_dtype", [torch.bfloat16, torch.float32])
-def test_prefill_softmax_reference_moves(lib: fused.KernelLibrary, kernel_path: str, kv_name: str,
+def test_prefill_softmax_reference_moves(lib: kernels.KernelLibrary, kernel_path: str, kv_name: str,
                                         q_dtype: torch.dtype) -> None:
     """Scores that climb by ~10 per 64 tokens, then by ~100, zigzag by 40 and fall along a 700-token prefill,
     so the prefill loop's softmax reference moves over and over (small steps past its slack, large jumps), in
@@ -507,7 +510,7 @@ def test_prefill_softmax_reference_moves(lib: fused.KernelLibrary, kernel_path: 
 # Backend and errors
 # ------------------------------------------------------------------------------------------------
 
-def test_backend_forward_matches_reference_backend(lib: fused.KernelLibrary) -> None:
+def test_backend_forward_matches_reference_backend(lib: kernels.KernelLibrary) -> None:
     gen = torch.Generator().manual_seed(5)
     heads, group, dim, bs = 2, 3, 64, 16
     kv = resolve_kv_cache_dtype("fp8_e4m3", torch.bfloat16)
@@ -532,10 +535,10 @@ def test_backend_forward_matches_reference_backend(lib: fused.KernelLibrary) -> 
 
 
 def test_auto_falls_back_with_one_warning(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
-    def unavailable() -> fused.KernelLibrary:
+    def unavailable() -> kernels.KernelLibrary:
         raise KernelUnavailable("no C++ compiler: 'g++' is not on PATH")
 
-    monkeypatch.setattr(fused, "load_kernels", unavailable)
+    monkeypatch.setattr(fused_backend, "load_kernels", unavailable)
     monkeypatch.setattr(backend_mod, "_auto_fallback_warned", False)
     with caplog.at_level(logging.WARNING, logger="kv8"):
         first, second = get_backend("auto"), get_backend("auto")
@@ -550,10 +553,10 @@ def test_missing_compiler_is_reported(monkeypatch: pytest.MonkeyPatch, tmp_path)
     monkeypatch.setenv("CXX", "kv8-no-such-compiler")
     monkeypatch.setenv("KV8_CACHE_DIR", str(tmp_path))
     with pytest.raises(KernelUnavailable, match="kv8-no-such-compiler"):
-        fused._build("native")
+        kernels._build("native")
 
 
-def test_bad_inputs_raise(lib: fused.KernelLibrary) -> None:
+def test_bad_inputs_raise(lib: kernels.KernelLibrary) -> None:
     cache, meta, q = make_case("fp8_e4m3", "tensor", torch.bfloat16, query_lens=[1, 2], seq_lens=[5, 20])
     with pytest.raises(ValueError, match="dtype"):
         paged_attention_fused(lib, q.to(torch.float64), cache, 1, meta, 0.1)
@@ -567,7 +570,7 @@ def test_bad_inputs_raise(lib: fused.KernelLibrary) -> None:
         store_kv_fused(lib, cache, 1, k, k, torch.tensor([cache.shape.num_blocks * cache.shape.block_size]))
 
 
-def test_backend_bad_block_id_is_a_value_error(lib: fused.KernelLibrary) -> None:
+def test_backend_bad_block_id_is_a_value_error(lib: kernels.KernelLibrary) -> None:
     """The trusted hot path (no Python validation) still reports a bad block id or slot as a ValueError."""
     cache, _, q = make_case("fp8_e4m3", "tensor", torch.bfloat16, query_lens=[1, 2], seq_lens=[5, 20])
     backend = FusedCPUBackend()
@@ -579,27 +582,26 @@ def test_backend_bad_block_id_is_a_value_error(lib: fused.KernelLibrary) -> None
         backend.forward(q, k, k, cache, 1, bad, 0.1)
 
 
-def test_codes_and_messages_come_from_the_library(lib: fused.KernelLibrary) -> None:
+def test_codes_and_messages_come_from_the_library(lib: kernels.KernelLibrary) -> None:
     assert set(lib.kv_dtype_codes) == set(KV_DTYPES)
     assert set(lib.compute_codes) == {torch.bfloat16, torch.float16, torch.float32}
     assert "block id" in lib.error_message(1) and lib.error_message(999) == "error 999"
 
 
-def test_struct_mirror_mismatch_is_refused(lib: fused.KernelLibrary) -> None:
+def test_struct_mirror_mismatch_is_refused(lib: kernels.KernelLibrary) -> None:
     """A library whose argument structs differ from the ctypes mirror is KernelUnavailable, with both layouts."""
-    lib._lib.kv8_abi_layout.restype = ctypes.c_char_p
-    c_layout = lib._lib.kv8_abi_layout().decode()
-    fused.check_abi(c_layout)  # the real mirror matches
+    c_layout = lib.abi_layout()
+    check_abi(c_layout, lib.STRUCTS, "kv8.kernels.attention")  # the real mirror matches
 
     class Swapped(ctypes.Structure):
-        _fields_ = [(n, t) for n, t in reversed(fused.StoreCall._fields_)]
+        _fields_ = [(n, t) for n, t in reversed(kernels.StoreCall._fields_)]
 
-    structs = tuple((name, Swapped if struct is fused.StoreCall else struct) for name, struct in fused._STRUCTS)
-    with pytest.raises(KernelUnavailable, match="mirror"):
-        fused.check_abi(c_layout, structs)
+    structs = tuple((name, Swapped if struct is kernels.StoreCall else struct) for name, struct in lib.STRUCTS)
+    with pytest.raises(KernelUnavailable, match="mirror in kv8.kernels.attention"):
+        check_abi(c_layout, structs, "kv8.kernels.attention")
 
 
-def test_layer_args_follow_replaced_scales(lib: fused.KernelLibrary) -> None:
+def test_layer_args_follow_replaced_scales(lib: kernels.KernelLibrary) -> None:
     """The per-layer argument struct is rebuilt when the cache's codec (here: its scales) is replaced."""
     cache, meta, q = make_case("fp8_e4m3", "head", torch.float32)
     check_attention(lib, cache, meta, q)

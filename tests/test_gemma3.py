@@ -27,13 +27,13 @@ from kv8.attention.backend import ReferenceBackend
 from kv8.attention.metadata import AttentionMetadata
 from kv8.cache.codec import KVCodec
 from kv8.cache.paged_cache import CacheShape, PagedKVCache
+from kv8.kernels.build import KernelUnavailable
 from kv8.layers.activation import GeluAndMul, gelu_tanh_mul_reference
 from kv8.layers.attention import AttentionContext
 from kv8.layers.norm import GemmaRMSNorm, gemma_rmsnorm_reference
 from kv8.model.loader import load_model
 from kv8.models.gemma3 import Gemma3ArchConfig, Gemma3ForCausalLM
 from kv8.models.registry import arch_config, model_class
-from kv8.native import KernelUnavailable
 from kv8.quant.formats import resolve_kv_cache_dtype
 from tests.test_model_vs_hf import FP8_NP, hf_logits, run_paged
 

@@ -14,9 +14,9 @@ import shutil
 
 import pytest
 
-from kv8.attention.fused import load_kernels
-from kv8.layers.dense_kernels import load_dense_kernels
-from kv8.native import cpu_flags
+from kv8.kernels.attention import load_kernels
+from kv8.kernels.build import cpu_flags
+from kv8.kernels.dense import load_dense_kernels
 
 
 def test_kernels_build_where_the_machine_can() -> None:

@@ -4,20 +4,24 @@ engine, the model on the packed kernels against the model on torch."""
 
 from __future__ import annotations
 
+import ctypes
 import logging
 
 import pytest
 import torch
 
-import kv8.layers.dense_kernels as dense_kernels
+import kv8.kernels.dense as dense_kernels
+import kv8.layers.dense_backend as dense_backend
 from kv8.engine.args import EngineArgs
 from kv8.engine.engine import LLMEngine
+from kv8.kernels.abi import check_abi
+from kv8.kernels.build import KernelUnavailable, cpu_flags
+from kv8.kernels.dense import DenseKernels, load_dense_kernels
 from kv8.layers.activation import GeluAndMul, SiluAndMul, gelu_tanh_mul_reference, silu_mul_reference
-from kv8.layers.dense_kernels import TORCH_BACKEND, DenseBackend, DenseKernels, load_dense_kernels, select_dense_backend
+from kv8.layers.dense_backend import TORCH_BACKEND, DenseBackend, select_dense_backend
 from kv8.layers.linear import GateUpLinear, Linear, LinearBase, MergedLinear, QKVLinear, linear_reference
 from kv8.layers.norm import RMSNorm, rmsnorm_reference
 from kv8.layers.rotary import RopeScaling, RotaryEmbedding, rope_reference
-from kv8.native import KernelUnavailable, cpu_flags
 from kv8.observer import EngineObserver
 from kv8.sampling_params import SamplingParams
 from tests.conftest import amx_path
@@ -320,6 +324,31 @@ def test_elementwise_kernels_reject_bad_inputs(lib: DenseKernels) -> None:
 
 
 @needs_kernel
+def test_what_the_library_refuses_raises_its_message(lib: DenseKernels) -> None:
+    """Arguments the Python checks let through and the C side refuses: a ValueError with the library's message."""
+    x = torch.randn(2, 16).bfloat16()
+    packed = lib.pack(torch.randn(8, 16).bfloat16())
+    with pytest.raises(ValueError, match=r"packed linear for x \[2, 16\], N=0: invalid kernel arguments"):
+        lib.linear(x, packed, 0, None)
+    with pytest.raises(ValueError, match=r"cannot pack a weight of shape \[0, 16\]"):
+        lib.pack(torch.empty(0, 16, dtype=torch.bfloat16))
+    assert lib.error_message(999) == "error 999"
+
+
+@needs_kernel
+def test_dense_struct_mirror_mismatch_is_refused(lib: DenseKernels) -> None:
+    """A dense library whose argument structs differ from the ctypes mirror is KernelUnavailable."""
+    check_abi(lib.abi_layout(), lib.STRUCTS, "kv8.kernels.dense")  # the real mirror matches
+
+    class Narrow(ctypes.Structure):   # LinearCall with 32-bit row counts
+        _fields_ = [(n, ctypes.c_int32 if t is ctypes.c_int64 else t) for n, t in dense_kernels.LinearCall._fields_]
+
+    structs = tuple((name, Narrow if struct is dense_kernels.LinearCall else struct) for name, struct in lib.STRUCTS)
+    with pytest.raises(KernelUnavailable, match="mirror in kv8.kernels.dense"):
+        check_abi(lib.abi_layout(), structs, "kv8.kernels.dense")
+
+
+@needs_kernel
 @pytest.mark.parametrize("with_residual", [False, True])
 def test_norm_and_activation_modules_match_their_torch_path(packed: DenseBackend, with_residual: bool) -> None:
     gen = torch.Generator().manual_seed(3)
@@ -441,7 +470,7 @@ def test_missing_compiler_falls_back_once_or_raises(monkeypatch: pytest.MonkeyPa
     monkeypatch.setenv("KV8_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(dense_kernels, "_LOADED", [])
     monkeypatch.setattr(dense_kernels, "_FAILED", [])
-    monkeypatch.setattr(dense_kernels, "_auto_fallback_logged", False)
+    monkeypatch.setattr(dense_backend, "_auto_fallback_logged", False)
     with caplog.at_level(logging.WARNING, logger="kv8"):
         assert select_dense_backend("auto", torch.bfloat16) is TORCH_BACKEND
         assert select_dense_backend("auto", torch.bfloat16) is TORCH_BACKEND

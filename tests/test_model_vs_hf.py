@@ -26,13 +26,13 @@ from kv8.attention.metadata import AttentionMetadata
 from kv8.cache.codec import KVCodec
 from kv8.cache.layout import KVCacheLayout
 from kv8.cache.paged_cache import CacheShape, PagedKVCache
+from kv8.kernels.build import KernelUnavailable
 from kv8.layers.attention import AttentionContext
 from kv8.layers.linear import LinearBase
 from kv8.model.loader import load_model
 from kv8.models.llama import LlamaForCausalLM
 from kv8.models.qwen3 import Qwen3ForCausalLM
 from kv8.models.registry import model_class, supported_model_types
-from kv8.native import KernelUnavailable
 from kv8.quant.formats import resolve_kv_cache_dtype
 from kv8.quant.rotation import hadamard
 from kv8.quant.scales import KVScales

@@ -26,7 +26,7 @@ from kv8.cache.scale_sources import engine_kv_scales
 from kv8.distributed.config import ParallelConfig
 from kv8.distributed.group import TensorParallelError, TPGroup
 from kv8.distributed.shard import building_shard, kv_head_shard, local_head_counts
-from kv8.layers.dense_kernels import TORCH_BACKEND
+from kv8.layers.dense_backend import TORCH_BACKEND
 from kv8.layers.linear import MergedLinear, QKVLinear, RowParallelLinear
 from kv8.models.registry import arch_config
 from kv8.quant.formats import resolve_kv_cache_dtype

@@ -99,7 +99,10 @@ class KVCodec:
         zero or not finite."""
         fmt = self.kv_dtype.fp8
         assert fmt is not None, "dynamic scales exist only for FP8 codecs"
-        s = x.float().abs().amax(dim=-1) / fmt.max_finite
+        amax = x.float().abs().amax(dim=-1)
+        # a tensor divisor: a true float32 division on every device (CUDA turns `/ python_float` into a multiply
+        # by the rounded reciprocal, which differs in the last bit for about half the values)
+        s = amax / torch.tensor(fmt.max_finite, dtype=torch.float32, device=amax.device)
         return torch.where(torch.isfinite(s) & (s > 0), s, torch.ones_like(s))
 
     # ---- bytes ----------------------------------------------------------------------------------------------

@@ -29,7 +29,7 @@ __all__ = ["ATTENTION_BACKENDS", "DENSE_BACKENDS", "DTYPE_CHOICES", "QUANTIZATIO
 
 # auto, then the backends registered in kv8.attention.backend
 ATTENTION_BACKENDS: tuple[str, ...] = ("auto", *BACKENDS)
-# torch ops, or kv8's packed AVX-512 BF16 linear layers with fused norm/SiLU/RoPE (kv8.layers.dense_kernels)
+# torch ops, or kv8's packed AVX-512 BF16 linear layers with fused norm/SiLU/RoPE (kv8.kernels.dense)
 DENSE_BACKENDS = ("auto", "torch", "packed_bf16")
 # weight quantization at load (vLLM's --quantization): fp8 = E4M3 weights with one float32 scale per output row
 QUANTIZATION_METHODS = ("fp8",)

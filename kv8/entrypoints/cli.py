@@ -23,9 +23,9 @@ from kv8.cache.config import CacheConfig, default_kv_cache_memory
 from kv8.engine.args import EngineArgs
 from kv8.engine.config import resolve_dtype
 from kv8.entrypoints.openai.cli_args import ServerArgs, add_serve_args
+from kv8.kernels.build import KernelUnavailable
 from kv8.models.config import ModelArchConfig
 from kv8.models.registry import arch_config
-from kv8.native import KernelUnavailable
 from kv8.quant.formats import resolve_kv_cache_dtype
 from kv8.validators import format_bytes, parse_memory
 

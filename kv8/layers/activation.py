@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kv8.layers.dense_kernels import DenseBackend
+from kv8.layers.dense_backend import DenseBackend
 
 __all__ = ["GeluAndMul", "SiluAndMul", "gelu_tanh_mul_reference", "silu_mul_reference"]
 

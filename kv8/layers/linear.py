@@ -51,8 +51,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from kv8.distributed.shard import kv_head_shard, shard_group, split_evenly
+from kv8.kernels.dense import DenseKernels
 from kv8.layers.activation import SiluAndMul
-from kv8.layers.dense_kernels import DenseBackend, DenseKernels
+from kv8.layers.dense_backend import DenseBackend
 from kv8.quant.weights import dequantize_fp8_rows, quantize_fp8_rows
 
 __all__ = ["GateUpLinear", "Linear", "LinearBase", "LinearMethod", "MergedLinear", "PackedBF16LinearMethod",

@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kv8.layers.dense_kernels import DenseBackend
+from kv8.layers.dense_backend import DenseBackend
 
 __all__ = ["GemmaRMSNorm", "RMSNorm", "gemma_rmsnorm_reference", "rmsnorm_reference"]
 

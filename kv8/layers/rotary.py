@@ -46,7 +46,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from kv8.layers.dense_kernels import DenseBackend
+from kv8.layers.dense_backend import DenseBackend
 from kv8.validators import cfg_float, cfg_int, is_number
 
 __all__ = ["RopeAngles", "RotaryEmbedding", "apply_rope", "rope_inv_freq", "rope_reference"]

@@ -24,7 +24,7 @@ from torch import nn
 
 from kv8.distributed.group import TPGroup
 from kv8.distributed.shard import shard_group
-from kv8.layers.dense_kernels import DenseBackend
+from kv8.layers.dense_backend import DenseBackend
 from kv8.layers.linear import LinearBase
 
 __all__ = ["ParallelLMHead", "VocabParallelEmbedding", "vocab_shard"]

@@ -1,7 +1,7 @@
 """Load a model from a Hugging Face directory or a GGUF file, without a second copy of the weights.
 
 Steps: pick the model class from the config (:func:`kv8.models.registry.model_class`) and the dense backend
-(:func:`kv8.layers.dense_kernels.select_dense_backend`, once); build the model on the meta device; load each
+(:func:`kv8.layers.dense_backend.select_dense_backend`, once); build the model on the meta device; load each
 checkpoint tensor by its Hugging Face name -- a tensor of a merged layer (``packed_modules_mapping``, e.g.
 ``q_proj`` -> shard ``"q"`` of ``qkv_proj``) is copied into its rows by ``param.weight_loader(param, tensor,
 shard_id)``, any other tensor -- a merged layer's whole matrix too, when the checkpoint stores it merged (Phi-3's
@@ -37,7 +37,7 @@ from kv8.cache.scale_sources import is_kv_scale_name
 from kv8.distributed.group import SINGLE_RANK, TPGroup
 from kv8.distributed.shard import building_shard
 from kv8.host_memory import place_on_huge_pages
-from kv8.layers.dense_kernels import select_dense_backend
+from kv8.layers.dense_backend import select_dense_backend
 from kv8.models.config import ModelArchConfig
 from kv8.models.registry import CausalLM, arch_config, model_class
 

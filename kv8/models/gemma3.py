@@ -41,7 +41,7 @@ from torch import nn
 from kv8.distributed.shard import local_head_counts
 from kv8.layers.activation import GeluAndMul
 from kv8.layers.attention import AttentionContext, PagedAttention
-from kv8.layers.dense_kernels import TORCH_BACKEND, DenseBackend
+from kv8.layers.dense_backend import TORCH_BACKEND, DenseBackend
 from kv8.layers.linear import GateUpLinear, QKVLinear, RowParallelLinear
 from kv8.layers.norm import GemmaRMSNorm, norm_per_head
 from kv8.layers.rotary import RopeAngles, RopeScaling, RotaryEmbedding

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from kv8.layers.attention import AttentionContext, PagedAttention
-from kv8.layers.dense_kernels import DenseBackend
+from kv8.layers.dense_backend import DenseBackend
 from kv8.layers.linear import QKVLinear, RowParallelLinear
 from kv8.layers.norm import RMSNorm, norm_per_head
 from kv8.layers.rotary import RopeAngles, RotaryEmbedding

@@ -13,7 +13,7 @@ from typing import Any, ClassVar, Protocol
 import torch
 
 from kv8.layers.attention import AttentionContext
-from kv8.layers.dense_kernels import DenseBackend
+from kv8.layers.dense_backend import DenseBackend
 from kv8.models.config import ModelArchConfig
 from kv8.models.gemma3 import Gemma3ForCausalLM
 from kv8.models.llama import LlamaForCausalLM

@@ -1,22 +1,24 @@
 // kv8 CPU kernels: fused paged attention over an 8/16/32-bit paged KV cache, and quantize-on-store.
 //
 // The one translation unit of the library: it includes the parts below and defines the C ABI (extern "C",
-// argument structs in csrc/abi.h), loaded with ctypes by kv8/attention/fused.py and compiled by
-// kv8/native.py (`g++ -O3 -march=<march> -fopenmp -shared -fPIC`; the build hash covers every file included
-// here, recursively). No torch headers: pointers and sizes only.
+// argument structs in abi.h), loaded with ctypes by kv8/kernels/attention.py and compiled by kv8/kernels/build.py
+// (`g++ -O3 -march=<march> -fopenmp -shared -fPIC`; the build hash covers every file included here, recursively).
+// No torch headers: pointers and sizes only.
 //
-//   csrc/common.h        dtype and error codes (their one definition), scalar conversions, FP8 codecs on bits
-//   csrc/abi.h           kv8_layer / kv8_attention_call / kv8_store_call, and their layout text
-//   csrc/problem.h       Problem, items, row geometry, tile walk (block ids checked), prefetch, row finish
-//   csrc/plan.h          work items, threads, partition combine (log-sum-exp)
-//   csrc/item_generic.h  item kernel: fp32, any KV dtype / head dim / ISA
-//   csrc/fast_simd.h     AVX-512 BF16 building blocks: FP8 -> bf16 tables, K / V register layouts, P.V step
-//   csrc/item_tile.h     item kernel: AVX-512 BF16, any item shape (prefill, fp16 / fp32 compute; a prefill loop
-//                        for items of more than 4 rows with D <= 128)
-//   csrc/item_decode.h   item kernel: AVX-512 BF16, decode-shaped items (<= 4 rows, bf16 compute)
-//   ../amx_tiles.h       AMX permission and tile configuration (shared with the dense library)
-//   ../fp8_bf16.h        FP8 -> bf16 table decode in registers (shared with the dense library's FP8 weights)
-//   csrc/store.h         quantize-on-store
+//   ../common/kv8_abi.h    dtype and error codes with their names and messages (their one definition, shared
+//                          with the dense library), the argument-struct declaration and layout text
+//   base.h                 which fast paths the build has, scalar conversions, FP8 codecs on bits
+//   abi.h                  kv8_layer / kv8_attention_call / kv8_store_call
+//   problem.h              Problem, items, row geometry, tile walk (block ids checked), prefetch, row finish
+//   plan.h                 work items, threads, partition combine (log-sum-exp)
+//   item_generic.h         item kernel: fp32, any KV dtype / head dim / ISA
+//   fast_simd.h            AVX-512 BF16 building blocks: FP8 -> bf16 tables, K / V register layouts, P.V step
+//   item_tile.h            item kernel: AVX-512 BF16, any item shape (prefill, fp16 / fp32 compute; a prefill loop
+//                          for items of more than 4 rows with D <= 128)
+//   item_decode.h          item kernel: AVX-512 BF16, decode-shaped items (<= 4 rows, bf16 compute)
+//   ../common/amx_tiles.h  AMX permission and tile configuration (shared with the dense library)
+//   ../common/fp8_bf16.h   FP8 -> bf16 table decode in registers (shared with the dense library's FP8 weights)
+//   store.h                quantize-on-store
 //
 // Cache layer layout: k_cache / v_cache are [num_blocks, H_kv, block_size, D] contiguous (uint8 FP8 codes,
 // or bf16 / fp16 / fp32). read = decode(code) * scale, with static scales (float32, element strides over
@@ -41,15 +43,15 @@
 // Entry points: production (kv8_has_fast_path, the code tables, kv8_abi_layout, kv8_paged_attention,
 // kv8_store_kv) and, at the end, a testing interface (kv8_test_*) that production code never calls.
 
-#include "csrc/common.h"
-#include "csrc/abi.h"
-#include "csrc/problem.h"
-#include "csrc/plan.h"
-#include "csrc/item_generic.h"
-#include "csrc/item_tile.h"
-#include "csrc/item_decode.h"
-#include "csrc/item_decode_amx.h"
-#include "csrc/store.h"
+#include "base.h"
+#include "abi.h"
+#include "problem.h"
+#include "plan.h"
+#include "item_generic.h"
+#include "item_tile.h"
+#include "item_decode.h"
+#include "item_decode_amx.h"
+#include "store.h"
 
 enum { KERNEL_GENERIC = 0, KERNEL_TILE = 1, KERNEL_DECODE = 2, KERNEL_PREFILL = 3, KERNEL_AMX = 4,
        KERNEL_AMX_DECODE = 5 };
@@ -85,7 +87,7 @@ static int item_heads_of(const Problem& P, int rows) {
 static ItemFn pick_item_fn(const Problem& P, int* fast) {
     *fast = 0;
 #if KV8_FAST
-    if (P.D % 16 == 0 && P.D <= 1024 && (is_fp8(P.kv) || P.kv == KV_BF16)) {
+    if (P.D % 16 == 0 && P.D <= 1024 && kv_bf16_exact(P.kv)) {
         *fast = 1;
         bool qlo = !(P.q_dtype == DT_BF16 && !k_per_channel(P));
         bool plo = P.q_dtype != DT_BF16;  // bf16 compute: weights in bf16, as precise as the output
@@ -109,15 +111,15 @@ int kv8_has_fast_path(void) { return KV8_FAST; }
 int kv8_attention_amx_available(void) { return amx_granted(1) ? 1 : 0; }
 
 // Name of KV dtype / compute dtype `code`, NULL past the last one: Python builds its code tables from these.
-const char* kv8_kv_dtype_name(int code) { return code >= 0 && code < KV_COUNT ? KV_DTYPE_NAMES[code] : nullptr; }
+const char* kv8_kv_dtype_name(int code) { return code >= 0 && code < KV_COUNT ? KV_FORMATS[code].name : nullptr; }
 const char* kv8_compute_dtype_name(int code) {
     return code >= 0 && code < DT_COUNT ? COMPUTE_DTYPE_NAMES[code] : nullptr;
 }
 
 // Message of return code `code` (0 = "ok"), NULL past the last one.
-const char* kv8_error_message(int code) { return code >= 0 && code < ERR_COUNT ? ERROR_MESSAGES[code] : nullptr; }
+const char* kv8_error_message(int code) { return error_message(code); }
 
-// Names, offsets and sizes of the argument structs' fields (csrc/abi.h), checked by Python at load.
+// Names, offsets and sizes of the argument structs' fields (abi.h), checked by Python at load.
 const char* kv8_abi_layout(void) { return abi_layout_text(); }
 
 // Paged attention of one layer over the stored context (see kv8_attention_call). Checks what memory safety
@@ -137,7 +139,7 @@ int kv8_paged_attention(const kv8_layer* layer, const kv8_attention_call* call) 
 int kv8_store_kv(const kv8_layer* layer, const kv8_store_call* call) { return run_store(*layer, *call); }
 
 // ------------------------------------------------------------------------------------------------
-// Testing interface: entry points for kv8's tests only (kv8.attention.fused.KernelTesting)
+// Testing interface: entry points for kv8's tests only (kv8.kernels.attention.KernelTesting)
 // ------------------------------------------------------------------------------------------------
 
 // Which item kernel serves items of `rows` rows (query heads per KV head x query tokens of one sequence) in a
@@ -175,12 +177,13 @@ int kv8_test_item_kernel(int kv, int q_dtype, int D, int bs, int rows, int use_a
 }
 
 int kv8_test_decode_fp8(int fmt, int path, const uint8_t* codes, int64_t n, float* out) {
-    if (fmt < 0 || !is_fp8(fmt)) return ERR_ARGS;
+    if (fmt < 0 || fmt >= KV_COUNT || !KV_FORMATS[fmt].fp8) return ERR_ARGS;
     FpEnv env;
     if (path == 0) {
-        for (int64_t i = 0; i < n; ++i)
-            out[i] = fmt == KV_E4M3 ? fp8_bits<KV_E4M3>(codes[i])
-                   : fmt == KV_E4M3FNUZ ? fp8_bits<KV_E4M3FNUZ>(codes[i]) : fp8_bits<KV_E5M2>(codes[i]);
+        with_kv_format(fmt, [&](auto K) {
+            if constexpr (KV_FORMATS[decltype(K)::value].fp8)
+                for (int64_t i = 0; i < n; ++i) out[i] = fp8_bits<decltype(K)::value>(codes[i]);
+        });
         return OK;
     }
 #if KV8_FAST
@@ -190,9 +193,7 @@ int kv8_test_decode_fp8(int fmt, int path, const uint8_t* codes, int64_t n, floa
         __mmask64 mk = m == 64 ? ~(__mmask64)0 : (((__mmask64)1 << m) - 1);
         __m512i c = _mm512_maskz_loadu_epi8(mk, codes + i);
         __m512i w0, w1;
-        if (fmt == KV_E4M3) fp8_to_bf16<KV_E4M3>(c, L, w0, w1);
-        else if (fmt == KV_E4M3FNUZ) fp8_to_bf16<KV_E4M3FNUZ>(c, L, w0, w1);
-        else fp8_to_bf16<KV_E5M2>(c, L, w0, w1);
+        with_kv_format(fmt, [&](auto K) { fp8_to_bf16<decltype(K)::value>(c, L, w0, w1); });
         alignas(64) uint16_t wb[64];
         _mm512_store_si512(wb, w0);
         _mm512_store_si512(wb + 32, w1);

@@ -14,25 +14,22 @@
 #pragma once
 
 #include "problem.h"
-#include "../../fp8_bf16.h"
-#include "../../simd_exp.h"
+#include "../common/fp8_bf16.h"
+#include "../common/simd_exp.h"
 
 #if KV8_FAST
 
-using Lut = Fp8Tables;   // ../../fp8_bf16.h
+using Lut = Fp8Tables;   // ../common/fp8_bf16.h
 
-static Lut make_lut(int fmt) {
-    uint16_t b[128];
-    for (int c = 0; c < 128; ++c) {
-        float v = fp8_exact(fmt, c);
-        b[c] = isnan(v) ? 0x7fc0 : (uint16_t)(f_bits(v) >> 16);  // exact: <= 3 mantissa bits
-    }
-    return fp8_tables(b);
-}
-
-static const Lut& lut_for(int fmt) {
-    static const Lut luts[3] = {make_lut(KV_E4M3), make_lut(KV_E4M3FNUZ), make_lut(KV_E5M2)};
-    return luts[fmt];
+// The FP8 -> bf16 tables of KV format kv, built once (a 16/32-bit format's are zeros, never read).
+static const Lut& lut_for(int kv) {
+    static const struct Luts {
+        Lut of[KV_COUNT];
+        Luts() {
+            for (int k = 0; k < KV_COUNT; ++k) of[k] = fp8_tables(k);
+        }
+    } luts;
+    return luts.of[kv];
 }
 
 // Softmax weights e^(s - ref) of the prefill loop, as 2^t with t = s * log2(e) - ref2 (ref2 = ref * log2(e), one
@@ -61,7 +58,7 @@ static inline __m512 exp2_weights(__m512 s, __m512 log2e, __m512 ref2) {
 // 64 FP8 codes -> 64 bf16: w0 = codes 0..7 of each 128-bit lane, w1 = codes 8..15 (lane order kept).
 template <int KV>
 static inline void fp8_to_bf16(__m512i c, const Lut& L, __m512i& w0, __m512i& w1) {
-    fp8_table_decode<KV == KV_E4M3FNUZ>(c, L, w0, w1);   // E4M3FNUZ: 0x80 is NaN, not -0
+    fp8_table_decode<KV_FORMATS[KV].nan_0x80>(c, L, w0, w1);   // E4M3FNUZ: 0x80 is NaN, not -0
 }
 
 // 4x4 transpose of 128-bit blocks: out[c] lane k = in[k] lane c.
@@ -86,8 +83,8 @@ static inline __mmask64 chunk_mask(int rem) { return rem >= 64 ? ~(__mmask64)0 :
 static inline __m512bh as_bh(__m512i x) { return (__m512bh)x; }
 
 // Channels of one 64-byte chunk of a cache row: 64 (FP8) or 32 (bf16); accumulators (16 channels) per chunk.
-template <int KV> constexpr int chunk_channels() { return KV == KV_BF16 ? 32 : 64; }
-template <int KV> constexpr int chunk_accs() { return KV == KV_BF16 ? 2 : 4; }
+template <int KV> constexpr int chunk_channels() { return 64 / KV_FORMATS[KV].esize; }
+template <int KV> constexpr int chunk_accs() { return chunk_channels<KV>() / 16; }
 
 // K: one 64-byte chunk of 4 token rows (in[k] = row of token k) -> the chunk's slots, each holding the
 // slot's 8 channels of the 4 tokens (token k in lane k): 8 slots (FP8) or 4 (bf16).
@@ -96,8 +93,8 @@ static inline void k_chunk_slots(const __m512i in[4], const Lut& L, __m512i* slo
     __m512i t[4];
     transpose4x128(in, t);
     for (int c = 0; c < 4; ++c) {
-        if (KV == KV_BF16) slots[c] = t[c];
-        else fp8_to_bf16<KV>(t[c], L, slots[2 * c], slots[2 * c + 1]);
+        if constexpr (KV_FORMATS[KV].fp8) fp8_to_bf16<KV>(t[c], L, slots[2 * c], slots[2 * c + 1]);
+        else slots[c] = t[c];
     }
 }
 
@@ -105,12 +102,12 @@ static inline void k_chunk_slots(const __m512i in[4], const Lut& L, __m512i* slo
 // token pairs, register m holding accumulator m of the chunk.
 template <int KV>
 static inline void v_chunk_pairs(__m512i a, __m512i b, const Lut& L, __m512i* v) {
-    if (KV == KV_BF16) {
-        v[0] = _mm512_unpacklo_epi16(a, b);
-        v[1] = _mm512_unpackhi_epi16(a, b);
-    } else {
+    if constexpr (KV_FORMATS[KV].fp8) {
         fp8_to_bf16<KV>(_mm512_unpacklo_epi8(a, b), L, v[0], v[1]);
         fp8_to_bf16<KV>(_mm512_unpackhi_epi8(a, b), L, v[2], v[3]);
+    } else {
+        v[0] = _mm512_unpacklo_epi16(a, b);
+        v[1] = _mm512_unpackhi_epi16(a, b);
     }
 }
 
@@ -127,11 +124,11 @@ static inline void pv_accumulate(__m512* acc, const __m512i* v, uint32_t phi, ui
 
 // V accumulators per row. Channel maps: fp8: v = 4z + m, lane 4k + j -> d = 64z + 16k + 4m + j;
 //                                       bf16: v = 2z + h, lane 4k + j -> d = 32z + 8k + 4h + j.
-static inline int num_vslots(int kv, int D) { return is_fp8(kv) ? 4 * ((D + 63) / 64) : 2 * ((D + 31) / 32); }
+static inline int num_vslots(int kv, int D) { return KV_FORMATS[kv].fp8 ? 4 * ((D + 63) / 64) : 2 * ((D + 31) / 32); }
 
 static inline int acc_channel(int kv, int a) {
     int v = a >> 4, k = (a >> 2) & 3, j = a & 3;
-    if (is_fp8(kv)) return 64 * (v >> 2) + 16 * k + 4 * (v & 3) + j;
+    if (KV_FORMATS[kv].fp8) return 64 * (v >> 2) + 16 * k + 4 * (v & 3) + j;
     return 32 * (v >> 1) + 8 * k + 4 * (v & 1) + j;
 }
 
@@ -140,7 +137,7 @@ static inline int acc_channel(int kv, int a) {
 // natural register n of chunk z holds block n of accumulators 4z..4z+3 (a 4x4 block transpose); bf16's
 // natural registers of chunk z interleave blocks of accumulators 2z and 2z+1. Otherwise element by element.
 static inline void natural_order(int kv, const float* acc, int nacc, int D, float* nat) {
-    if (is_fp8(kv) && D % 64 == 0) {
+    if (KV_FORMATS[kv].fp8 && D % 64 == 0) {
         for (int z = 0; z < D / 64; ++z) {
             __m512i in[4], out[4];
             for (int m = 0; m < 4; ++m) in[m] = _mm512_loadu_si512(acc + (4 * z + m) * 16);
@@ -149,7 +146,7 @@ static inline void natural_order(int kv, const float* acc, int nacc, int D, floa
         }
         return;
     }
-    if (!is_fp8(kv) && D % 32 == 0) {
+    if (!KV_FORMATS[kv].fp8 && D % 32 == 0) {
         const __m512i lo = _mm512_setr_epi64(0, 1, 8, 9, 2, 3, 10, 11);
         const __m512i hi = _mm512_setr_epi64(4, 5, 12, 13, 6, 7, 14, 15);
         for (int z = 0; z < D / 32; ++z) {

@@ -5,7 +5,7 @@
 // FP8 with static scales: code = saturate(rne(x / scale)) with the layer's K/V scales (strides over head and
 // channel). FP8 with dynamic scales: each (token, head) gets scale amax|x| / max_finite (1.0 when that is 0
 // or not finite), written beside its codes. 16/32-bit caches store the value converted (round to nearest
-// even). Bit-exact with kv8.cache.paged_cache.PagedKVCache.store, NaN rule included (common.h).
+// even). Bit-exact with kv8.cache.paged_cache.PagedKVCache.store, NaN rule included (base.h).
 //
 // Where the fast path is compiled, FP8 rows (D a multiple of 16; dynamic scales, or static ones with a channel
 // stride of 0 or 1) are encoded 16 values at a time by fp8_encode16, which gives fp8_encode's bits (the tests
@@ -14,7 +14,7 @@
 // their misses overlap instead of stalling the stores one row at a time.
 #pragma once
 
-#include "common.h"
+#include "base.h"
 #include "abi.h"
 
 #if KV8_FAST
@@ -22,13 +22,14 @@
 // rounding of the conversion, as nearbyintf -- saturation, the NaN codes and the sign rules).
 template <int FMT>
 static inline __m128i fp8_encode16(__m512 x) {
-    constexpr int MB = Fp8Format<FMT>::MB, BIAS = Fp8Format<FMT>::BIAS, SHIFT = 23 - MB;
+    constexpr KvFormat F = KV_FORMATS[FMT];
+    constexpr int MB = F.mbits, BIAS = F.bias, SHIFT = 23 - MB;
     const __m512i b = _mm512_castps_si512(x);
     const __m512i absb = _mm512_and_si512(b, _mm512_set1_epi32(0x7fffffff));
     const __mmask16 nan = _mm512_cmpgt_epi32_mask(absb, _mm512_set1_epi32(0x7f800000));
     const __mmask16 neg = _mm512_cmplt_epi32_mask(b, _mm512_setzero_si512());
     // NaN lanes: replaced below
-    const __m512 a = _mm512_min_ps(_mm512_castsi512_ps(absb), _mm512_set1_ps(Fp8Format<FMT>::MAXF));
+    const __m512 a = _mm512_min_ps(_mm512_castsi512_ps(absb), _mm512_set1_ps(F.max_finite));
     const __mmask16 sub = _mm512_cmp_ps_mask(a, _mm512_set1_ps(ldexpf(1.0f, 1 - BIAS)), _CMP_LT_OQ);
     const __m512i code_sub = _mm512_cvt_roundps_epi32(_mm512_mul_ps(a, _mm512_set1_ps(ldexpf(1.0f, BIAS - 1 + MB))),
                                                       _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
@@ -39,11 +40,10 @@ static inline __m128i fp8_encode16(__m512 x) {
     __m512i code = _mm512_or_si512(_mm512_slli_epi32(e, MB),
                                    _mm512_and_si512(_mm512_srli_epi32(ab, SHIFT), _mm512_set1_epi32((1 << MB) - 1)));
     code = _mm512_mask_mov_epi32(code, sub, code_sub);
-    const __mmask16 signed_ = FMT == KV_E4M3FNUZ ? (__mmask16)(neg & _mm512_test_epi32_mask(code, code)) : neg;
+    const __mmask16 signed_ = F.nan_0x80 ? (__mmask16)(neg & _mm512_test_epi32_mask(code, code)) : neg;
     code = _mm512_mask_or_epi32(code, signed_, code, _mm512_set1_epi32(0x80));
-    const __m512i nan_code = FMT == KV_E4M3FNUZ ? _mm512_set1_epi32(0x80)
-        : _mm512_mask_blend_epi32(neg, _mm512_set1_epi32(FMT == KV_E4M3 ? 0x7f : 0x7e),
-                                  _mm512_set1_epi32(FMT == KV_E4M3 ? 0xff : 0xfe));
+    const __m512i nan_code = F.nan_0x80 ? _mm512_set1_epi32(F.nan_code)
+        : _mm512_mask_blend_epi32(neg, _mm512_set1_epi32(F.nan_code), _mm512_set1_epi32(F.nan_code | 0x80));
     return _mm512_cvtepi32_epi8(_mm512_mask_mov_epi32(code, nan, nan_code));
 }
 
@@ -108,13 +108,14 @@ static int run_store(const kv8_layer& L, const kv8_store_call& C) {
     float *k_token_scales = L.k_token_scales, *v_token_scales = L.v_token_scales;
     if (H <= 0 || D <= 0 || bs <= 0 || T < 0 || kv < 0 || kv >= KV_COUNT || in_dtype < 0 || in_dtype >= DT_COUNT ||
         nthreads <= 0 || (k_token_scales == nullptr) != (v_token_scales == nullptr) ||
-        (k_token_scales && !is_fp8(kv)) || (is_fp8(kv) && !k_token_scales && (!k_scale || !v_scale)))
+        (k_token_scales && !KV_FORMATS[kv].fp8) || (KV_FORMATS[kv].fp8 && !k_token_scales && (!k_scale || !v_scale)))
         return ERR_ARGS;
-    const float maxf = fp8_max_finite(kv);
+    const KvFormat& fmt = KV_FORMATS[kv];
+    const float maxf = fmt.max_finite;
     const int64_t nslots = num_blocks * bs;
     for (int64_t t = 0; t < T; ++t)
         if ((uint64_t)slots[t] >= (uint64_t)nslots) return ERR_SLOT;
-    const int es = esize_of(kv);
+    const int es = fmt.esize;
     const int64_t work = T * H * D;
     int nt = work >= 65536 ? nthreads : 1;
     // Work row th (K rows, then V rows; token-major, head-minor): its row of the cache, (block, head, offset)
@@ -148,22 +149,22 @@ static int run_store(const kv8_layer& L, const kv8_store_call& C) {
             uint8_t* dst = row_dst(which, row);
             float* ts = k_token_scales ? (which ? v_token_scales : k_token_scales) + row : nullptr;
             int64_t s0 = (t * H + h) * (int64_t)D;
-            if ((kv == KV_BF16 && in_dtype == DT_BF16) || (kv == KV_F16 && in_dtype == DT_F16) ||
-                (kv == KV_F32 && in_dtype == DT_F32)) {
+            if (fmt.elem == in_dtype) {  // a 16/32-bit cache of the input's type: a copy
                 memcpy(dst, (const uint8_t*)src + s0 * es, (size_t)D * es);
                 continue;
             }
 #if KV8_FAST
-            if (is_fp8(kv) && D % 16 == 0 && (k_token_scales || ds <= 1)) {
+            if (fmt.fp8 && D % 16 == 0 && (k_token_scales || ds <= 1)) {
                 const float* hsc = k_token_scales ? nullptr : sc + h * hs;
-                if (kv == KV_E4M3) store_row_fp8<KV_E4M3>(src, in_dtype, s0, D, hsc, ds, ts, maxf, dst);
-                else if (kv == KV_E4M3FNUZ) store_row_fp8<KV_E4M3FNUZ>(src, in_dtype, s0, D, hsc, ds, ts, maxf, dst);
-                else store_row_fp8<KV_E5M2>(src, in_dtype, s0, D, hsc, ds, ts, maxf, dst);
+                with_kv_format(kv, [&](auto K) {
+                    if constexpr (KV_FORMATS[decltype(K)::value].fp8)
+                        store_row_fp8<decltype(K)::value>(src, in_dtype, s0, D, hsc, ds, ts, maxf, dst);
+                });
                 continue;
             }
 #endif
             for (int d = 0; d < D; ++d) buf[d] = load_f(src, in_dtype, s0 + d);
-            if (kv <= KV_E5M2) {
+            if (fmt.fp8) {
                 if (ts) {
                     float amax = 0.0f;
                     bool nan = false;
@@ -179,12 +180,13 @@ static int run_store(const kv8_layer& L, const kv8_store_call& C) {
                 } else {
                     for (int d = 0; d < D; ++d) buf[d] = buf[d] / sc[h * hs + d * ds];
                 }
-                if (kv == KV_E4M3) for (int d = 0; d < D; ++d) dst[d] = fp8_encode<KV_E4M3>(buf[d]);
-                else if (kv == KV_E4M3FNUZ) for (int d = 0; d < D; ++d) dst[d] = fp8_encode<KV_E4M3FNUZ>(buf[d]);
-                else for (int d = 0; d < D; ++d) dst[d] = fp8_encode<KV_E5M2>(buf[d]);
-            } else if (kv == KV_BF16) {
+                with_kv_format(kv, [&](auto K) {
+                    if constexpr (KV_FORMATS[decltype(K)::value].fp8)
+                        for (int d = 0; d < D; ++d) dst[d] = fp8_encode<decltype(K)::value>(buf[d]);
+                });
+            } else if (fmt.elem == DT_BF16) {
                 for (int d = 0; d < D; ++d) ((uint16_t*)dst)[d] = f_bf16(buf[d]);
-            } else if (kv == KV_F16) {
+            } else if (fmt.elem == DT_F16) {
                 for (int d = 0; d < D; ++d) ((uint16_t*)dst)[d] = f_f16(buf[d]);
             } else {
                 memcpy(dst, buf, (size_t)D * 4);

@@ -1,5 +1,5 @@
-// Packed bf16 linear layer (see dense_kernels.cpp for the layout, numerics and invariants). Included once,
-// by dense_kernels.cpp, after dense_elementwise.h (its bf16 helpers serve the gated epilogue).
+// Packed bf16 linear layer (see dense.cpp for the layout, numerics and invariants). Included once,
+// by dense.cpp, after elementwise.h (its bf16 helpers serve the gated epilogue).
 //
 // Gated (SiLU(gate) * up fused into the gate/up projection): the packed matrix holds the gate and up rows
 // interleaved in groups of 16 -- panel p = gate outputs 16p..16p+15, then up outputs 16p..16p+15 -- so the
@@ -29,18 +29,22 @@ static inline int64_t fp8_group(int64_t M, int64_t kp, int64_t align) {
     return fit > align ? fit : align;
 }
 
-extern "C" int kv8_linear_available() { return KV8_LINEAR_FAST; }
-
-extern "C" int64_t kv8_linear_packed_size(int64_t N, int64_t K) {
+// kv8_linear_packed_size: the number of values of the packed layout of call's matrix (only its shape is read), or -1
+// for an empty shape.
+static int64_t packed_size(const kv8_pack_call& call) {
+    const int64_t N = call.out_features, K = call.in_features;
     if (N <= 0 || K <= 0) return -1;
     int64_t kp = (K + 1) & ~(int64_t)1;
     int64_t np = (N + PANEL - 1) / PANEL * PANEL;
     return np * kp;
 }
 
-// packed[p][kk][c][j] = W[p*32 + c, 2*kk + j] (zero outside W).
-extern "C" int kv8_linear_pack(const uint16_t* w, int64_t N, int64_t K, uint16_t* packed) {
-    if (!w || !packed || N <= 0 || K <= 0) return 5;
+// kv8_linear_pack: packed[p][kk][c][j] = W[p*32 + c, 2*kk + j] (zero outside W), for W = call's weight [N, K].
+static int pack(const kv8_pack_call& call) {
+    const uint16_t* w = call.weight;
+    uint16_t* packed = call.packed;
+    const int64_t N = call.out_features, K = call.in_features;
+    if (!w || !packed || N <= 0 || K <= 0) return ERR_ARGS;
     const int64_t kp = (K + 1) & ~(int64_t)1;
     const int64_t panels = (N + PANEL - 1) / PANEL;
 #pragma omp parallel for schedule(static)
@@ -56,7 +60,7 @@ extern "C" int kv8_linear_pack(const uint16_t* w, int64_t N, int64_t K, uint16_t
             }
         }
     }
-    return 0;
+    return OK;
 }
 
 #if KV8_LINEAR_FAST
@@ -177,21 +181,11 @@ static inline void row_blocks(const MicroFn* table, int max_mr, const uint16_t* 
 
 #if KV8_LINEAR_FAST
 // FP8 (E4M3) weights: the codes of the packed layout, one byte per value, in the order fp8_table_decode
-// (../../fp8_bf16.h) turns into the bf16 packed layout (kv8_linear_fp8). Byte b of a pair-row's 64 codes holds
+// (../common/fp8_bf16.h) turns into the bf16 packed layout (kv8_linear_fp8). Byte b of a pair-row's 64 codes holds
 // bf16 value v(b) = 8 (b / 16) + b % 8 for b % 16 < 8, else 32 + 8 (b / 16) + b % 8 -- the decode's lane order --
-// so one 64-byte load decodes into the pair-row's 32 + 32 bf16 values (columns 0..15, then 16..31).
-// The E4M3 (fn) tables: bias 7, subnormals at e = 0, 0x7F NaN (never produced by the quantizer: it saturates).
-static Fp8Tables make_e4m3_tables() {
-    uint16_t b[128];
-    for (int c = 0; c < 128; ++c) {
-        const int e = c >> 3, m = c & 7;
-        const float v = e == 0 ? ldexpf((float)m, -9) : ldexpf(1.0f + m / 8.0f, e - 7);
-        uint32_t bits;
-        memcpy(&bits, &v, 4);
-        b[c] = c == 0x7F ? 0x7FC0 : (uint16_t)(bits >> 16);   // exact: <= 3 mantissa bits
-    }
-    return fp8_tables(b);
-}
+// so one 64-byte load decodes into the pair-row's 32 + 32 bf16 values (columns 0..15, then 16..31). The tables are
+// the E4M3 (fn) row's of the format table (../common/kv8_abi.h); its NaN, 0x7F, is never produced by the quantizer
+// (it saturates).
 
 // `panels` adjacent packed FP8 panels at src (each kp / 2 pair-rows of 64 codes) -> the bf16 packed layout
 // at dst (the same panels, 64 bf16 per pair-row). ahead (or NULL): as many 64-byte lines from there are
@@ -199,12 +193,12 @@ static Fp8Tables make_e4m3_tables() {
 // stalls the core until line-fill buffers free).
 static inline void decode_panels_fp8(const uint8_t* src, int64_t panels, int64_t kp, uint16_t* dst,
                                      const char* ahead = nullptr) {
-    static const Fp8Tables L = make_e4m3_tables();
+    static const Fp8Tables L = fp8_tables(KV_E4M3);
     const int64_t rows = panels * kp / 2;
     for (int64_t i = 0; i < rows; ++i) {
         if (ahead) _mm_prefetch(ahead + i * 64, _MM_HINT_T1);
         __m512i w0, w1;
-        fp8_table_decode<false>(_mm512_loadu_si512(src + i * 64), L, w0, w1);
+        fp8_table_decode<KV_FORMATS[KV_E4M3].nan_0x80>(_mm512_loadu_si512(src + i * 64), L, w0, w1);
         _mm512_store_si512(dst + i * 64, w0);
         _mm512_store_si512(dst + i * 64 + 32, w1);
     }
@@ -221,14 +215,14 @@ static const int MAX_MR_FP8 = 10;  // 20 accumulators + 2 weights + 4 tables + 1
 template <int MR, bool GATED>
 static inline void micro_fp8(const uint16_t* x, int64_t K, const uint8_t* codes, int64_t kp, const float* bias,
                              const float* scale, int64_t n0, int64_t N, uint16_t* out, const uint8_t* ahead) {
-    static const Fp8Tables L = make_e4m3_tables();
+    static const Fp8Tables L = fp8_tables(KV_E4M3);
     __m512 acc[MR][2];
     for (int r = 0; r < MR; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
     const int64_t pairs = kp / 2, full = K / 2;
     for (int64_t kk = 0; kk < pairs; ++kk) {
         if (ahead) _mm_prefetch((const char*)ahead + kk * 64, _MM_HINT_T1);
         __m512i w0, w1;
-        fp8_table_decode<false>(_mm512_loadu_si512(codes + kk * 64), L, w0, w1);
+        fp8_table_decode<KV_FORMATS[KV_E4M3].nan_0x80>(_mm512_loadu_si512(codes + kk * 64), L, w0, w1);
         for (int r = 0; r < MR; ++r) {
             const __m512bh b = kk < full ? (__m512bh)_mm512_broadcastd_epi32(_mm_loadu_si32(x + r * K + 2 * kk))
                                          : (__m512bh)_mm512_set1_epi32((int32_t)x[r * K + 2 * kk]);
@@ -348,7 +342,7 @@ static int linear_amx(const uint16_t* x, int64_t M, int64_t K, const void* packe
     const int arows = M < 16 ? (int)M : 16;
     if (rem && M >= 16) {
         pad = (uint16_t*)aligned_alloc(64, (size_t)32 * K * 2);
-        if (!pad) return 8;
+        if (!pad) return ERR_OOM;
         memcpy(pad, x + full * K, (size_t)rem * K * 2);
         memset(pad + rem * K, 0, (size_t)(32 - rem) * K * 2);
     }
@@ -360,7 +354,7 @@ static int linear_amx(const uint16_t* x, int64_t M, int64_t K, const void* packe
     uint16_t* decoded = nullptr;
     if (FP8 && !once && !(decoded = (uint16_t*)aligned_alloc(64, (size_t)threads * group * PANEL * K * 2))) {
         free(pad);
-        return 8;
+        return ERR_OOM;
     }
 #pragma omp parallel num_threads(threads)
     {
@@ -399,17 +393,9 @@ static int linear_amx(const uint16_t* x, int64_t M, int64_t K, const void* packe
     }
     free(pad);
     free(decoded);
-    return 0;
+    return OK;
 }
 #endif
-
-extern "C" int kv8_linear_amx_available() {
-#if KV8_LINEAR_AMX
-    return amx_permitted();
-#else
-    return 0;
-#endif
-}
 
 #if KV8_LINEAR_FAST
 // The vdpbf16ps path of kv8_linear / kv8_linear_fp8 (see there).
@@ -443,13 +429,13 @@ static int linear_avx512(const uint16_t* x, int64_t M, int64_t K, const void* pa
                 }
             }
         }
-        return 0;
+        return OK;
     }
     // FP8: each thread decodes `group` panels at a time (fp8_group: a pair where the call has one chunk of rows)
     // into its buffer, and every chunk passes over them.
     const int64_t group = FP8 ? fp8_group(M, kp, 2) : panels;
     uint16_t* decoded = nullptr;
-    if (FP8 && !(decoded = (uint16_t*)aligned_alloc(64, (size_t)threads * group * PANEL * kp * 2))) return 8;
+    if (FP8 && !(decoded = (uint16_t*)aligned_alloc(64, (size_t)threads * group * PANEL * kp * 2))) return ERR_OOM;
     // Rows go in chunks of ROW_CHUNK so that a chunk of x stays in L2 while every panel passes over it.
     // Within a chunk each thread takes a contiguous run of panels and walks it two panels (64 columns) at
     // a time, one panel for an odd one left over.
@@ -486,50 +472,43 @@ static int linear_avx512(const uint16_t* x, int64_t M, int64_t K, const void* pa
         }
     }
     free(decoded);
-    return 0;
+    return OK;
 }
 #endif
 
-// Both entries: arguments checked, then the AMX path where this build and process have it, use_amx asks for it
-// and K % 32 == 0, else the vdpbf16ps path.
-template <bool FP8>
-static int linear_entry(const uint16_t* x, int64_t M, int64_t K, const void* packed, int64_t N, const float* bias,
-                        const float* scale, uint16_t* out, int nthreads, int gated, int use_amx) {
 #if KV8_LINEAR_FAST
-    if (M < 0 || K <= 0 || N <= 0 || nthreads <= 0) return 5;
-    if (M == 0) return 0;   // no rows: pointers may be null
-    if (!x || !packed || (FP8 && !scale) || !out) return 5;
-#if KV8_LINEAR_AMX
-    if (use_amx && K % 32 == 0 && amx_permitted())
-        return gated ? linear_amx<true, FP8>(x, M, K, packed, N, bias, scale, out, nthreads)
-                     : linear_amx<false, FP8>(x, M, K, packed, N, bias, scale, out, nthreads);
-#endif
-    return linear_avx512<FP8>(x, M, K, packed, N, bias, scale, out, nthreads, gated != 0);
-#else
-    (void)x; (void)M; (void)K; (void)packed; (void)N; (void)bias; (void)scale; (void)out; (void)nthreads;
-    (void)gated; (void)use_amx;
-    return 7;
-#endif
-}
-
-// out[M, N] = x[M, K] @ W^T (+ bias), W pre-packed by kv8_linear_pack. gated != 0: out[M, N] = the gated
-// activation of a gate/up matrix packed interleaved (see the top of this file; N = I, the packed matrix has
-// 2 * ceil(I / 16) * 16 rows and the bias, if any, as many values in the same order). use_amx != 0: the AMX
-// path where this build and process have it and K % 32 == 0 (see above), else the vdpbf16ps path.
-extern "C" int kv8_linear(const uint16_t* x, int64_t M, int64_t K, const uint16_t* packed, int64_t N,
-                          const float* bias, uint16_t* out, int nthreads, int gated, int use_amx) {
-    return linear_entry<false>(x, M, K, packed, N, bias, nullptr, out, nthreads, gated, use_amx);
-}
-
-// kv8_linear with FP8 (E4M3) weights: packed holds kv8_linear_packed_size(N, K) codes in the FP8 order (see
-// decode_panels_fp8) of W_q, where W = W_q * scale per output row; scale [N] float32 (for a gated matrix: one
+// kv8_linear (FP8 false) and kv8_linear_fp8 (see kv8_linear_call): arguments checked, then the AMX path where this
+// build and process have it, use_amx asks for it and K % 32 == 0, else the vdpbf16ps path.
+//
+// kv8_linear: out[M, N] = x[M, K] @ W^T (+ bias), W pre-packed by kv8_linear_pack (call.scale NULL). gated != 0:
+// out[M, N] = the gated activation of a gate/up matrix packed interleaved (see the top of this file; N = I, the packed
+// matrix has 2 * ceil(I / 16) * 16 rows and the bias, if any, as many values in the same order).
+//
+// kv8_linear_fp8: the same with FP8 (E4M3) weights: packed holds kv8_linear_packed_size(N, K) codes in the FP8 order
+// (see decode_panels_fp8) of W_q, where W = W_q * scale per output row; scale [N] float32 (for a gated matrix: one
 // value per packed row, in the interleaved order of its bias). Each pair-row is decoded to bf16 (exactly: every
 // E4M3 value is a bf16) and multiplied as kv8_linear multiplies a bf16 panel: on the vdpbf16ps path in registers,
 // once per block of up to MAX_MR_FP8 rows, for M <= FP8_FUSED_ROWS (micro_fp8), else a group of panels at a time
 // into a buffer, once per call (fp8_group); on AMX one k step ahead of the tiles (M <= 32) or once per call. The
 // epilogue computes acc * scale + bias before the rounding to bf16; every path sums in the same order.
-extern "C" int kv8_linear_fp8(const uint16_t* x, int64_t M, int64_t K, const uint8_t* packed, int64_t N,
-                              const float* scale, const float* bias, uint16_t* out, int nthreads, int gated,
-                              int use_amx) {
-    return linear_entry<true>(x, M, K, packed, N, bias, scale, out, nthreads, gated, use_amx);
+template <bool FP8>
+static int linear(const kv8_linear_call& call) {
+    const uint16_t* x = call.x;
+    const void* packed = call.packed;
+    const float *scale = call.scale, *bias = call.bias;
+    uint16_t* out = call.out;
+    const int64_t M = call.rows, K = call.in_features, N = call.out_features;
+    const int nthreads = call.num_threads, gated = call.gated, use_amx = call.use_amx;
+    if (M < 0 || K <= 0 || N <= 0 || nthreads <= 0 || (!FP8 && scale)) return ERR_ARGS;
+    if (M == 0) return OK;   // no rows: pointers may be null
+    if (!x || !packed || (FP8 && !scale) || !out) return ERR_ARGS;
+#if KV8_LINEAR_AMX
+    if (use_amx && K % 32 == 0 && amx_permitted())
+        return gated ? linear_amx<true, FP8>(x, M, K, packed, N, bias, scale, out, nthreads)
+                     : linear_amx<false, FP8>(x, M, K, packed, N, bias, scale, out, nthreads);
+#else
+    (void)use_amx;
+#endif
+    return linear_avx512<FP8>(x, M, K, packed, N, bias, scale, out, nthreads, gated != 0);
 }
+#endif

@@ -1,5 +1,4 @@
-"""kv8's dense CPU kernels (``kv8/layers/dense_kernels.cpp``, AVX-512 BF16 and VBMI) through ctypes, and the choice
-of the dense backend.
+"""kv8's dense CPU kernels (``csrc/dense/dense.cpp``, AVX-512 BF16 and VBMI) through ctypes.
 
 :class:`DenseKernels` wraps the C ABI: ``pack`` / ``linear`` (a bf16 matrix in a packed layout that the
 kernel streams while prefetching the next panels; multiplied with AMX tiles where the CPU has AMX-BF16, else
@@ -10,86 +9,120 @@ projection, v copied out beside them); and ``argmax`` (rows of float32 logits, f
 checks dtypes and shapes and raises ``ValueError``; every dense kernel takes bf16 and returns new contiguous bf16
 tensors. The layers that use them, each beside its plain torch reference, are in :mod:`kv8.layers.linear`,
 :mod:`~kv8.layers.norm`, :mod:`~kv8.layers.activation` and :mod:`~kv8.layers.rotary`; the sampler's choice of
-argmax is :func:`kv8.engine.sampler.select_argmax`.
-
-:func:`select_dense_backend` turns the engine option ``dense_backend`` (checked by
-:class:`kv8.engine.config.EngineConfig`) into a :class:`DenseBackend`, once, when the model loads:
-``torch`` runs torch ops; ``packed_bf16`` runs these kernels and needs a bf16 model; ``auto`` is
-``packed_bf16`` for bf16 models when the kernels build and load, else torch (with one warning per process).
+argmax is :func:`kv8.engine.sampler.select_argmax`; whether a model's layers use them is its
+:class:`kv8.layers.dense_backend.DenseBackend`.
 """
 
 from __future__ import annotations
 
 import ctypes
-import logging
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from kv8.native import KernelUnavailable, build_shared_library
+from kv8.kernels.abi import NativeLibrary
+from kv8.kernels.build import KernelUnavailable, build_shared_library
 
-logger = logging.getLogger("kv8")
+__all__ = ["DenseKernels", "load_dense_kernels"]
 
-__all__ = ["DenseBackend", "DenseKernels", "TORCH_BACKEND", "load_dense_kernels", "select_dense_backend"]
+SOURCE = Path(__file__).parent / "csrc" / "dense" / "dense.cpp"
 
-SOURCE = Path(__file__).with_name("dense_kernels.cpp")
+# ------------------------------------------------------------------------------------------------
+# The argument structs (csrc/dense/abi.h), checked against the library's layout at load (kv8.kernels.abi).
+# ------------------------------------------------------------------------------------------------
 
-_P, _L, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
+_P, _I32, _I64 = ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64
 
 
-class DenseKernels:
-    """The loaded library. Build with :func:`load_dense_kernels`."""
+class PackCall(ctypes.Structure):
+    """``kv8_pack_call``: one bf16 weight matrix into the packed layout."""
+
+    _fields_ = [("weight", _P), ("packed", _P), ("out_features", _I64), ("in_features", _I64)]
+
+
+class LinearCall(ctypes.Structure):
+    """``kv8_linear_call``: one linear layer on packed weights (bf16, or E4M3 codes with ``scale``)."""
+
+    _fields_ = [
+        ("x", _P), ("packed", _P), ("scale", _P), ("bias", _P), ("out", _P), ("rows", _I64), ("in_features", _I64),
+        ("out_features", _I64), ("num_threads", _I32), ("gated", _I32), ("use_amx", _I32),
+    ]
+
+
+class RmsNormCall(ctypes.Structure):
+    """``kv8_rmsnorm_call``: residual add + RMSNorm of ``rows`` rows."""
+
+    _fields_ = [
+        ("x", _P), ("residual", _P), ("residual_out", _P), ("weight", _P), ("out", _P), ("rows", _I64),
+        ("hidden", _I64), ("eps", ctypes.c_float), ("num_threads", _I32),
+    ]
+
+
+class SiluMulCall(ctypes.Structure):
+    """``kv8_silu_mul_call``: SiLU(gate) * up of ``rows`` rows."""
+
+    _fields_ = [("gate_up", _P), ("out", _P), ("rows", _I64), ("intermediate", _I64), ("num_threads", _I32)]
+
+
+class RopeCall(ctypes.Structure):
+    """``kv8_rope_call``: RoPE of q and k read from packed q/k/v rows, v copied out."""
+
+    _fields_ = [
+        ("qkv", _P), ("cos", _P), ("sin", _P), ("q_out", _P), ("k_out", _P), ("v_out", _P), ("rows", _I64),
+        ("row_stride", _I64), ("num_heads", _I32), ("num_kv_heads", _I32), ("head_dim", _I32), ("num_threads", _I32),
+    ]
+
+
+class ArgmaxCall(ctypes.Structure):
+    """``kv8_argmax_call``: the argmax of each row of float32 logits."""
+
+    _fields_ = [("x", _P), ("out", _P), ("rows", _I64), ("cols", _I64), ("num_threads", _I32)]
+
+
+class DenseKernels(NativeLibrary):
+    """The loaded library. Build with :func:`load_dense_kernels`. Every method checks dtypes and shapes; what the
+    C side still refuses raises ``ValueError`` with the library's message."""
+
+    STRUCTS = (("kv8_pack_call", PackCall), ("kv8_linear_call", LinearCall), ("kv8_rmsnorm_call", RmsNormCall),
+               ("kv8_silu_mul_call", SiluMulCall), ("kv8_rope_call", RopeCall), ("kv8_argmax_call", ArgmaxCall))
 
     def __init__(self, path: Path) -> None:
-        try:
-            lib = ctypes.CDLL(str(path))
-        except OSError as exc:
-            raise KernelUnavailable(f"cannot load {path}: {exc}") from exc
-        lib.kv8_linear_available.argtypes = []
-        lib.kv8_linear_available.restype = _I
-        lib.kv8_linear_packed_size.argtypes = [_L, _L]
-        lib.kv8_linear_packed_size.restype = _L
-        lib.kv8_linear_pack.argtypes = [_P, _L, _L, _P]
-        lib.kv8_linear_pack.restype = _I
-        lib.kv8_linear.argtypes = [_P, _L, _L, _P, _L, _P, _P, _I, _I, _I]
-        lib.kv8_linear.restype = _I
-        lib.kv8_linear_fp8.argtypes = [_P, _L, _L, _P, _L, _P, _P, _P, _I, _I, _I]
-        lib.kv8_linear_fp8.restype = _I
-        lib.kv8_linear_amx_available.argtypes = []
-        lib.kv8_linear_amx_available.restype = _I
-        lib.kv8_rmsnorm.argtypes = [_P, _P, _P, _P, _F, _L, _L, _P, _I]
-        lib.kv8_rmsnorm.restype = _I
-        lib.kv8_silu_mul.argtypes = [_P, _L, _L, _P, _I]
-        lib.kv8_silu_mul.restype = _I
-        lib.kv8_rope_qkv.argtypes = [_P, _L, _L, _I, _I, _I, _P, _P, _P, _P, _P, _I]
-        lib.kv8_rope_qkv.restype = _I
-        lib.kv8_argmax_rows.argtypes = [_P, _L, _L, _P, _I]
-        lib.kv8_argmax_rows.restype = _I
-        if not lib.kv8_linear_available():
+        super().__init__(path)
+        if not self._bind("kv8_linear_available", [])():
             raise KernelUnavailable("this CPU (or compiler) lacks AVX-512 BF16 or VBMI, which kv8's dense kernels need")
-        self.path = path
-        self._lib = lib
+        self._bind("kv8_linear_packed_size", [ctypes.POINTER(PackCall)], _I64)
+        self._bind_structs("kv8_linear_pack", PackCall)
+        self._bind_structs("kv8_linear", LinearCall)
+        self._bind_structs("kv8_linear_fp8", LinearCall)
+        self._bind_structs("kv8_rmsnorm", RmsNormCall)
+        self._bind_structs("kv8_silu_mul", SiluMulCall)
+        self._bind_structs("kv8_rope_qkv", RopeCall)
+        self._bind_structs("kv8_argmax_rows", ArgmaxCall)
         # The linear layers' path, fixed for the life of this instance so that every row of a layer is computed
         # the same way at every batch size: AMX tiles where the CPU, the build and the OS allow them (K a
         # multiple of 32), else vdpbf16ps. The two sum in different orders, so they may differ in the last bit.
-        self.amx = bool(lib.kv8_linear_amx_available())
+        self.amx = bool(self._bind("kv8_linear_amx_available", [])())
 
     def pack(self, weight: torch.Tensor) -> torch.Tensor:
-        """``weight [N, K]`` bf16 -> its packed layout (1-D bf16; see ``dense_kernels.cpp``)."""
+        """``weight [N, K]`` bf16 -> its packed layout (1-D bf16; see ``csrc/dense/dense.cpp``)."""
         if weight.dtype != torch.bfloat16 or weight.ndim != 2:
             raise ValueError(f"weight must be a 2-D bfloat16 tensor, got {weight.dtype} {list(weight.shape)}")
         w = weight.contiguous()
-        n, k = w.shape
-        out = torch.empty(int(self._lib.kv8_linear_packed_size(n, k)), dtype=torch.bfloat16)
-        if self._lib.kv8_linear_pack(w.data_ptr(), n, k, out.data_ptr()) != 0:
+        call = PackCall(w.data_ptr(), None, w.shape[0], w.shape[1])
+        size = self._lib.kv8_linear_packed_size(ctypes.byref(call))
+        if size < 0:
             raise ValueError(f"cannot pack a weight of shape {list(w.shape)}")
+        out = torch.empty(size, dtype=torch.bfloat16)
+        call.packed = out.data_ptr()
+        rc = self._lib.kv8_linear_pack(ctypes.byref(call))
+        if rc != 0:
+            raise self.error(rc, f"packing a weight of shape {list(w.shape)}")
         return out
 
     def pack_fp8(self, codes: torch.Tensor) -> torch.Tensor:
         """E4M3 codes ``[N, K]`` (uint8) -> the FP8 packed layout (1-D uint8, ``kv8_linear_packed_size(N, K)``
         codes): the bf16 packed layout's order of values with each pair-row's 64 codes in the order the kernel's
-        table decode turns into that layout (``decode_panels_fp8`` in ``csrc/dense_linear.h``)."""
+        table decode turns into that layout (``decode_panels_fp8`` in ``csrc/dense/linear.h``)."""
         if codes.dtype != torch.uint8 or codes.ndim != 2:
             raise ValueError(f"codes must be a 2-D uint8 tensor, got {codes.dtype} {list(codes.shape)}")
         n, k = codes.shape
@@ -108,15 +141,13 @@ class DenseKernels:
         multiplied by its row's scale before the bias."""
         m, k = x.shape
         out = torch.empty(m, out_features, dtype=torch.bfloat16)
-        b = 0 if bias is None else bias.data_ptr()
-        if scale is not None:
-            rc = self._lib.kv8_linear_fp8(x.data_ptr(), m, k, packed.data_ptr(), out_features, scale.data_ptr(), b,
-                                          out.data_ptr(), torch.get_num_threads(), int(gated), int(self.amx))
-        else:
-            rc = self._lib.kv8_linear(x.data_ptr(), m, k, packed.data_ptr(), out_features, b, out.data_ptr(),
-                                      torch.get_num_threads(), int(gated), int(self.amx))
+        call = LinearCall(x.data_ptr(), packed.data_ptr(), None if scale is None else scale.data_ptr(),
+                          None if bias is None else bias.data_ptr(), out.data_ptr(), m, k, out_features,
+                          torch.get_num_threads(), int(gated), int(self.amx))
+        entry = self._lib.kv8_linear if scale is None else self._lib.kv8_linear_fp8
+        rc = entry(ctypes.byref(call))
         if rc != 0:
-            raise ValueError(f"packed linear failed (error {rc}) for x {list(x.shape)}, N={out_features}")
+            raise self.error(rc, f"packed linear for x {list(x.shape)}, N={out_features}")
         return out
 
     @staticmethod
@@ -149,11 +180,12 @@ class DenseKernels:
             residual = residual.contiguous()
             h = torch.empty_like(x)
         out = torch.empty_like(x)
-        rc = self._lib.kv8_rmsnorm(x.data_ptr(), 0 if residual is None else residual.data_ptr(),
-                                   0 if residual is None else h.data_ptr(), weight.contiguous().data_ptr(),
-                                   float(eps), t, e, out.data_ptr(), torch.get_num_threads())
+        call = RmsNormCall(x.data_ptr(), None if residual is None else residual.data_ptr(),
+                           None if residual is None else h.data_ptr(), weight.contiguous().data_ptr(), out.data_ptr(),
+                           t, e, float(eps), torch.get_num_threads())
+        rc = self._lib.kv8_rmsnorm(ctypes.byref(call))
         if rc != 0:
-            raise ValueError(f"rmsnorm kernel failed (error {rc}) for x {list(x.shape)}")
+            raise self.error(rc, f"rmsnorm of x {list(x.shape)}")
         return out, h
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
@@ -164,9 +196,10 @@ class DenseKernels:
             raise ValueError(f"gate_up has {two_i} columns; it must be [gate | up] of equal widths")
         gate_up = gate_up.contiguous()
         out = torch.empty(t, two_i // 2, dtype=torch.bfloat16)
-        rc = self._lib.kv8_silu_mul(gate_up.data_ptr(), t, two_i // 2, out.data_ptr(), torch.get_num_threads())
+        call = SiluMulCall(gate_up.data_ptr(), out.data_ptr(), t, two_i // 2, torch.get_num_threads())
+        rc = self._lib.kv8_silu_mul(ctypes.byref(call))
         if rc != 0:
-            raise ValueError(f"silu_mul kernel failed (error {rc}) for {list(gate_up.shape)}")
+            raise self.error(rc, f"silu_mul of {list(gate_up.shape)}")
         return out
 
     def rope_qkv(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int, num_kv_heads: int,
@@ -185,23 +218,24 @@ class DenseKernels:
         q = torch.empty(t, num_heads, head_dim, dtype=torch.bfloat16)
         k = torch.empty(t, num_kv_heads, head_dim, dtype=torch.bfloat16)
         v = torch.empty(t, num_kv_heads, head_dim, dtype=torch.bfloat16)
-        rc = self._lib.kv8_rope_qkv(qkv.data_ptr(), t, width, num_heads, num_kv_heads, head_dim, cos.data_ptr(),
-                                    sin.data_ptr(), q.data_ptr(), k.data_ptr(), v.data_ptr(), torch.get_num_threads())
+        call = RopeCall(qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), q.data_ptr(), k.data_ptr(), v.data_ptr(), t,
+                        width, num_heads, num_kv_heads, head_dim, torch.get_num_threads())
+        rc = self._lib.kv8_rope_qkv(ctypes.byref(call))
         if rc != 0:
-            raise ValueError(f"rope kernel failed (error {rc}) for qkv {list(qkv.shape)}")
+            raise self.error(rc, f"rope of qkv {list(qkv.shape)}")
         return q, k, v
-
 
     def argmax(self, x: torch.Tensor) -> torch.Tensor:
         """``torch.argmax(x, dim=-1)`` of ``x [B, V]`` float32 (int64 ``[B]``: the lowest index of each row's
-        maximum) for rows without NaN; a NaN entry is never chosen (see ``csrc/dense_argmax.h``)."""
+        maximum) for rows without NaN; a NaN entry is never chosen (see ``csrc/dense/argmax.h``)."""
         if x.dtype != torch.float32 or x.ndim != 2 or x.shape[1] == 0:
             raise ValueError(f"x must be a 2-D float32 tensor with columns, got {x.dtype} {list(x.shape)}")
         x = x.contiguous()
         out = torch.empty(x.shape[0], dtype=torch.int64)
-        rc = self._lib.kv8_argmax_rows(x.data_ptr(), x.shape[0], x.shape[1], out.data_ptr(), torch.get_num_threads())
+        call = ArgmaxCall(x.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1], torch.get_num_threads())
+        rc = self._lib.kv8_argmax_rows(ctypes.byref(call))
         if rc != 0:
-            raise ValueError(f"argmax kernel failed (error {rc}) for x {list(x.shape)}")
+            raise self.error(rc, f"argmax of x {list(x.shape)}")
         return out
 
 
@@ -231,48 +265,3 @@ def load_dense_kernels() -> DenseKernels:
             raise
     return _LOADED[0]
 
-
-_auto_fallback_logged = False
-
-
-@dataclass(frozen=True)
-class DenseBackend:
-    """How the dense layers of a model compute: ``name`` is ``"torch"`` (``kernels`` is None) or
-    ``"packed_bf16"`` (``kernels`` is the loaded library). Each layer picks its implementation from it when it
-    is constructed; nothing switches afterwards."""
-
-    name: str
-    kernels: DenseKernels | None = None
-    quantization: str | None = None   # the decoder's linear layers: None (as loaded) or "fp8"
-
-    def __post_init__(self) -> None:
-        if (self.name == "packed_bf16") != (self.kernels is not None):
-            raise ValueError(f"dense backend {self.name!r} must come with kernels exactly when it is 'packed_bf16'")
-
-
-TORCH_BACKEND = DenseBackend("torch")
-
-
-def _torch_backend(quantization: str | None) -> DenseBackend:
-    return TORCH_BACKEND if quantization is None else DenseBackend("torch", None, quantization)
-
-
-def select_dense_backend(name: str, dtype: torch.dtype, quantization: str | None = None) -> DenseBackend:
-    """The backend for option ``name`` with the weight ``quantization``, both validated by the engine's config
-    (:class:`kv8.engine.config.EngineConfig`: ``name`` usable with ``dtype``, ``quantization`` None or ``"fp8"``).
-    ``packed_bf16`` raises
-    :class:`KernelUnavailable` if the kernels cannot be built or loaded; ``auto`` then says why once per process
-    and uses torch; models in other dtypes than bf16 use torch."""
-    global _auto_fallback_logged
-    if name == "torch" or dtype != torch.bfloat16:
-        return _torch_backend(quantization)
-    try:
-        kernels = load_dense_kernels()
-    except KernelUnavailable as exc:
-        if name == "packed_bf16":
-            raise
-        if not _auto_fallback_logged:
-            _auto_fallback_logged = True
-            logger.warning("dense layers: using torch because kv8's CPU kernels are unavailable: %s", exc)
-        return _torch_backend(quantization)
-    return DenseBackend("packed_bf16", kernels, quantization)

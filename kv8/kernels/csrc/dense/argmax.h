@@ -1,5 +1,5 @@
 // Row argmax of float32 logits, for greedy decoding and the sampler's exponential race. Included once, by
-// dense_kernels.cpp, after dense_elementwise.h (tail_mask, PARALLEL_MIN).
+// dense.cpp, after elementwise.h (tail_mask, PARALLEL_MIN).
 //
 // Why: torch.argmax(dim=-1) on CPU reads a [B, 49152] float32 row at ~1.6 GB/s on this project's machine
 // (1.3-1.6 ms at B = 32, ~2% of a decode step); this kernel streams it with AVX-512 compares.
@@ -12,11 +12,16 @@
 // of equal values within a lane); the row's result is the lowest index among the lanes holding the maximum.
 #pragma once
 
-extern "C" int kv8_argmax_rows(const float* x, int64_t B, int64_t V, int64_t* out, int nthreads) {
 #if KV8_LINEAR_FAST
-    if (B < 0 || V <= 0 || V > INT32_MAX || nthreads <= 0) return 5;
-    if (B == 0) return 0;   // an empty batch (every row of a step failed): nothing to do, pointers may be null
-    if (!x || !out) return 5;
+// kv8_argmax_rows: the argmax of each of B rows of V values (see kv8_argmax_call).
+static int argmax_rows(const kv8_argmax_call& call) {
+    const float* x = call.x;
+    int64_t* out = call.out;
+    const int64_t B = call.rows, V = call.cols;
+    const int nthreads = call.num_threads;
+    if (B < 0 || V <= 0 || V > INT32_MAX || nthreads <= 0) return ERR_ARGS;
+    if (B == 0) return OK;   // an empty batch (every row of a step failed): nothing to do, pointers may be null
+    if (!x || !out) return ERR_ARGS;
     const int threads = B * V < PARALLEL_MIN ? 1 : nthreads;
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t b = 0; b < B; ++b) {
@@ -36,9 +41,6 @@ extern "C" int kv8_argmax_rows(const float* x, int64_t B, int64_t V, int64_t* ou
         const __mmask16 at = _mm512_cmp_ps_mask(best, _mm512_set1_ps(m), _CMP_EQ_OQ);
         out[b] = at ? (int64_t)_mm512_mask_reduce_min_epi32(at, where) : 0;   // (at is never empty: no NaN)
     }
-    return 0;
-#else
-    (void)x; (void)B; (void)V; (void)out; (void)nthreads;
-    return 7;
-#endif
+    return OK;
 }
+#endif

@@ -46,8 +46,7 @@ static inline void stream_row(const uint8_t* ahead, int t) {
 template <int KV, int D, int R, bool QLO>
 static inline void tile_scores_inplace(const uint8_t* kb, const uint8_t* kahead, const Lut& L, const __m512i* qhi,
                                        const __m512i* qlo, __m512* out) {
-    constexpr bool fp8 = KV != KV_BF16;
-    constexpr int RBYTES = D * (fp8 ? 1 : 2), NS = D / 8;
+    constexpr int RBYTES = D * KV_FORMATS[KV].esize, NS = D / 8;
     __m512 acc[R][4];
     for (int r = 0; r < R; ++r)
         for (int g = 0; g < 4; ++g) acc[r][g] = _mm512_setzero_ps();
@@ -77,8 +76,7 @@ static inline void tile_scores_inplace(const uint8_t* kb, const uint8_t* kahead,
 template <int KV, int D, int R>
 static inline void chunk_pv_inplace(const uint8_t* const* vb, const uint8_t* const* vahead, int nt, const Lut& L,
                                     const uint32_t* phi, float* obuf, const float* alpha) {
-    constexpr bool fp8 = KV != KV_BF16;
-    constexpr int RBYTES = D * (fp8 ? 1 : 2), NV = fp8 ? 4 : 2;  // accumulators per 64-byte chunk of a row
+    constexpr int RBYTES = D * KV_FORMATS[KV].esize, NV = chunk_accs<KV>();  // accumulators per 64-byte chunk of a row
     for (int z = 0; z < RBYTES / 64; ++z) {
         __m512 acc[R][NV];
         for (int r = 0; r < R; ++r) {
@@ -261,10 +259,9 @@ struct AvxDecodeHead : DecodeHeadState<D, R> {
 
 template <int KV, int D, int R>
 static int run_item_decode(const Problem& P, const Item& item, float* ws) {
-    constexpr bool fp8 = KV != KV_BF16;
-    constexpr int RBYTES = D * (fp8 ? 1 : 2), CT = CHUNK_TILES;
+    constexpr int RBYTES = D * KV_FORMATS[KV].esize, CT = CHUNK_TILES;
     if (item.nh < 1 || item.nh > MAX_ITEM_HEADS) return ERR_ARGS;
-    const Lut& L = lut_for(fp8 ? P.kv : KV_E4M3);  // E4M3 and E5M2 share the code, their tables differ
+    const Lut& L = lut_for(P.kv);  // the call's format: formats of one decode class share the code (kv_decode_class)
     const Rows w = rows_of(P, item);
     alignas(64) float nat[D], kscale[D];
     alignas(64) uint32_t phi[R * CT * 8];
@@ -351,12 +348,11 @@ static ItemFn decode_instance(int D, int R) {
 template <class Family>
 static ItemFn decode_family_fn(const Problem& P, int R) {
     if (P.bs % TILE != 0 || P.q_dtype != DT_BF16) return nullptr;
-    switch (P.kv) {
-        case KV_E4M3: case KV_E5M2: return decode_instance<Family, KV_E4M3>(P.D, R);  // tables per format
-        case KV_E4M3FNUZ: return decode_instance<Family, KV_E4M3FNUZ>(P.D, R);
-        case KV_BF16: return decode_instance<Family, KV_BF16>(P.D, R);
-        default: return nullptr;
-    }
+    return with_kv_format(P.kv, [&](auto K) -> ItemFn {
+        constexpr int KV = kv_decode_class(decltype(K)::value);  // an instance per class, the tables per format
+        if constexpr (kv_bf16_exact(KV)) return decode_instance<Family, KV>(P.D, R);
+        else return nullptr;
+    });
 }
 
 // The decode item kernel (AVX-512) for this problem and item rows, or NULL where the tile kernel serves.

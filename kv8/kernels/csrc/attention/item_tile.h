@@ -33,8 +33,9 @@
 // (decode_v_tile + tile_pv). Both P.V routines are kept: buffering costs a store and reload per tile that only
 // pays off across many rows.
 //
-// Both loops: only the rows that see some token of the chunk ([r0, r1): row limits and first positions both
-// ascend) take part; tokens outside a row's [first, limit] are masked (score -inf, weight 0).
+// Both loops walk the item's context with ChunkWalk (the set-up they share: row pointers, scales, prefetch): only
+// the rows that see some token of the chunk ([r0, r1): row limits and first positions both ascend) take part;
+// tokens outside a row's [first, limit] are masked (score -inf, weight 0).
 //
 // Precision: q is split into bf16 hi + lo parts (QLO; lo skipped when q is bf16 without a per-channel K
 // scale: it is zero), so q keeps ~16 significant bits; so do the softmax weights (PLO) when the output is
@@ -52,8 +53,8 @@
 // K tile -> kbuf[s * 4 + g]: slot s (channels 8s..8s+7) of tokens 4g..4g+3 (one per 128-bit lane).
 template <int KV>
 static void decode_k_tile(const uint8_t* const* rows, int D, __m512i* kbuf) {
-    const Lut& L = lut_for(KV == KV_BF16 ? KV_E4M3 : KV);
-    constexpr int CH = chunk_channels<KV>(), ES = KV == KV_BF16 ? 2 : 1;
+    const Lut& L = lut_for(KV);
+    constexpr int CH = chunk_channels<KV>(), ES = KV_FORMATS[KV].esize;
     for (int z = 0; z * CH < D; ++z) {
         const int rem = D - z * CH, nslots = (rem >= CH ? CH : rem) / 8;
         for (int g = 0; g < 4; ++g) {
@@ -68,8 +69,8 @@ static void decode_k_tile(const uint8_t* const* rows, int D, __m512i* kbuf) {
 // V tile -> vbuf[u * nvs + v]: bf16 pairs (token 2u, token 2u+1) for the 16 channels of accumulator v.
 template <int KV>
 static void decode_v_tile(const uint8_t* const* rows, int D, __m512i* vbuf) {
-    const Lut& L = lut_for(KV == KV_BF16 ? KV_E4M3 : KV);
-    constexpr int CH = chunk_channels<KV>(), NV = chunk_accs<KV>(), ES = KV == KV_BF16 ? 2 : 1;
+    const Lut& L = lut_for(KV);
+    constexpr int CH = chunk_channels<KV>(), NV = chunk_accs<KV>(), ES = KV_FORMATS[KV].esize;
     const int nvs = num_vslots(KV, D);
     for (int u = 0; u < 8; ++u) {
         for (int z = 0; z * CH < D; ++z) {
@@ -150,8 +151,8 @@ static inline void tile_pv(const __m512i* vbuf, size_t vstride, int nt, int nvs,
 template <int KV, int RB, bool PLO>
 static void tile_pv_fused(const uint8_t* const* rows, int D, const uint32_t* const* phi, const uint32_t* const* plo,
                           float* const* obuf, const float* alpha) {
-    const Lut& L = lut_for(KV == KV_BF16 ? KV_E4M3 : KV);
-    constexpr int CH = chunk_channels<KV>(), NV = chunk_accs<KV>(), ES = KV == KV_BF16 ? 2 : 1;
+    const Lut& L = lut_for(KV);
+    constexpr int CH = chunk_channels<KV>(), NV = chunk_accs<KV>(), ES = KV_FORMATS[KV].esize;
     for (int z = 0; z * CH < D; ++z) {
         const __mmask64 mk = chunk_mask((D - z * CH) * ES);
         __m512 acc[RB][NV];
@@ -185,6 +186,84 @@ typedef void (*TileDecoder)(const uint8_t* const*, int, __m512i*);
 static const int CHUNK = 4;  // tiles per online-softmax step of a prefill item
 
 // ------------------------------------------------------------------------------------------------
+// What both loops share: the walk over an item's context, and the start and the end of its rows
+// ------------------------------------------------------------------------------------------------
+
+// The walk over an item's context in chunks of up to CHUNK tiles, the set-up both loops share. Constructing it sets
+// every per-token scale to 1 (what pad tokens and caches without dynamic scales keep) and starts the prefetch of the
+// item's first `ahead` tokens; gather() then reads the block table for one chunk. Per chunk: the tiles' K and V row
+// pointers and per-token scales (tile_rows: pad rows read zeros), their token counts, the K lines `ahead` tokens on
+// prefetched (the V lines are prefetch_v()'s, which the loops call before their V decode: bursts that fit the L1 miss
+// buffers; one burst of both measures 2x slower for bf16), and the rows [r0, r1) that see some token of the chunk.
+struct ChunkWalk {
+    const Problem& P;
+    const Item& it;
+    const int64_t ahead;                                    // prefetch distance, tokens
+    const uint8_t* kr[CHUNK][TILE];                         // row pointers of tile j's tokens
+    const uint8_t* vr[CHUNK][TILE];
+    alignas(64) float ksc[CHUNK][TILE], vsc[CHUNK][TILE];   // their per-token K and V scales
+    int tn[CHUNK];                                          // tokens of each tile (16 but in the item's last tile)
+    __m512 sfv[CHUNK];                                      // score factor of each token (softmax scale x K scale)
+    int nt = 0;                                             // tiles of the chunk
+    int64_t c0 = 0, cend = 0;                               // its first position, one past its last
+    int r0 = 0, r1 = 0;                                     // the rows that see some token of it
+
+    ChunkWalk(const Problem& problem, const Item& item, int64_t prefetch_tokens)
+        : P(problem), it(item), ahead(prefetch_tokens) {
+        for (int j = 0; j < CHUNK; ++j)
+            for (int t = 0; t < TILE; ++t) ksc[j][t] = vsc[j][t] = 1.0f;
+        for (int64_t p = 0; p < ahead; p += TILE) prefetch_tile(P, it, it.t0 + p);
+    }
+
+    // The chunk of up to ct tiles at `at`, for the item's rows (R of them, limits lim and first positions lo, both
+    // ascending): ERR_BLOCK_ID for a block id outside the cache, else OK with r1 <= r0 where no row sees the chunk
+    // (which the items plan.h makes never have).
+    int gather(int64_t at, int ct, const int64_t* lo, const int64_t* lim, int R) {
+        c0 = at;
+        nt = 0;
+        for (int64_t t0 = c0; nt < ct && t0 < it.t1; t0 += TILE, ++nt) {
+            tn[nt] = (int)(it.t1 - t0 < TILE ? it.t1 - t0 : TILE);
+            prefetch_tile<true, false>(P, it, t0 + ahead);
+            if (!tile_rows(P, it, t0, tn[nt], kr[nt], vr[nt], ksc[nt], vsc[nt])) return ERR_BLOCK_ID;
+        }
+        cend = c0 + (int64_t)(nt - 1) * TILE + tn[nt - 1];
+        while (r0 < R && lim[r0] < c0) ++r0;  // rows before r0 see nothing of this chunk (limits ascend)
+        while (r1 < R && lo[r1] < cend) ++r1;  // nor do rows from r1 on (their windows start later)
+        return OK;
+    }
+
+    // The V lines of the chunk `ahead` tokens on.
+    void prefetch_v() const {
+        for (int j = 0; j < nt; ++j) prefetch_tile<false, true>(P, it, c0 + (int64_t)j * TILE + ahead);
+    }
+
+    // The score factors of the chunk's tiles: sfac times their tokens' K scales.
+    void score_factors(float sfac) {
+        for (int j = 0; j < nt; ++j) sfv[j] = _mm512_mul_ps(_mm512_set1_ps(sfac), _mm512_load_ps(ksc[j]));
+    }
+};
+
+// R rows that have seen nothing: reference (running max) -inf, their 16 lane-wise partial sums and their nacc
+// output accumulators 0.
+static inline void start_rows(int R, int nacc, float* ref, float* sum, float* obuf) {
+    for (int r = 0; r < R; ++r) {
+        ref[r] = -INFINITY;
+        _mm512_store_ps(sum + (size_t)r * 16, _mm512_setzero_ps());
+    }
+    memset(obuf, 0, (size_t)R * nacc * 4);
+}
+
+// The end of an item: each of its rows' output accumulators in natural channel order (nat: D floats of scratch),
+// finished with the row's reference and the sum of its partial sums.
+static inline void finish_rows(const Problem& P, const Item& it, const Rows& w, const float* obuf, int nacc,
+                               const float* ref, const float* sum, float* nat, float* ws) {
+    for (int r = 0; r < w.R; ++r) {
+        natural_order(P.kv, obuf + (size_t)r * nacc, nacc, P.D, nat);
+        finish_row(P, it, w, r, nat, ref[r], _mm512_reduce_add_ps(_mm512_load_ps(sum + (size_t)r * 16)), ws);
+    }
+}
+
+// ------------------------------------------------------------------------------------------------
 // The prefill loop: items of more than 4 rows with D <= 128
 // ------------------------------------------------------------------------------------------------
 
@@ -195,7 +274,7 @@ static inline bool uses_prefill_loop(int D, int R) { return R > 4 && D <= 128; }
 static const float REF_SLACK = 8.0f;   // the lazy reference moves when a score exceeds it by more than this
 
 // Registers of one K tile in the pair layout: whole 64-byte chunks of a row, two channels per register.
-static inline int num_kpairs(int kv, int D) { return is_fp8(kv) ? 32 * ((D + 63) / 64) : 16 * ((D + 31) / 32); }
+static inline int num_kpairs(int kv, int D) { return KV_FORMATS[kv].fp8 ? 32 * ((D + 63) / 64) : 16 * ((D + 31) / 32); }
 
 // K tile -> kp[p]: channel pair p (channels 2p, 2p + 1 as a bf16 pair) of the 16 tokens, token t in dword
 // lane t; pairs past D / 2 (to the end of the last 64-byte chunk) are zeros. Per chunk: a 4x4 transpose of
@@ -204,8 +283,8 @@ static inline int num_kpairs(int kv, int D) { return is_fp8(kv) ? 32 * ((D + 63)
 // whose byte interleave puts token 4L + i's pair in dword 4L + i).
 template <int KV>
 static void decode_k_pairs(const uint8_t* const* rows, int D, __m512i* kp) {
-    const Lut& L = lut_for(KV == KV_BF16 ? KV_E4M3 : KV);
-    constexpr int CH = chunk_channels<KV>(), ES = KV == KV_BF16 ? 2 : 1;
+    const Lut& L = lut_for(KV);
+    constexpr int CH = chunk_channels<KV>(), ES = KV_FORMATS[KV].esize;
     for (int z = 0; z * CH < D; ++z) {
         const __mmask64 mk = chunk_mask((D - z * CH) * ES);
         __m512i y[4][4];
@@ -216,7 +295,7 @@ static void decode_k_pairs(const uint8_t* const* rows, int D, __m512i* kp) {
         }
         __m512i* out = kp + z * (CH / 2);
         for (int c = 0; c < 4; ++c) {
-            if (KV == KV_BF16) {  // block c holds pairs 4c..4c+3, one dword each
+            if constexpr (!KV_FORMATS[KV].fp8) {  // bf16: block c holds pairs 4c..4c+3, one dword each
                 const __m512i a = _mm512_unpacklo_epi32(y[0][c], y[1][c]), b = _mm512_unpackhi_epi32(y[0][c], y[1][c]);
                 const __m512i d = _mm512_unpacklo_epi32(y[2][c], y[3][c]), e = _mm512_unpackhi_epi32(y[2][c], y[3][c]);
                 out[4 * c + 0] = _mm512_unpacklo_epi64(a, d);
@@ -238,15 +317,13 @@ static void decode_k_pairs(const uint8_t* const* rows, int D, __m512i* kp) {
 
 typedef void (*KPairDecoder)(const uint8_t* const*, int, __m512i*);
 
-// What the row blocks of one chunk share.
-struct PrefillChunk {
-    const __m512i* kbuf;   // K tiles in the pair layout, tile j at kbuf + j * kstride
-    int kstride, npairs;   // registers per tile, channel pairs D / 2
-    int64_t c0;            // position of the chunk's first token
-    int tn[CHUNK];         // tokens of each tile (16 but in the item's last tile)
-    __m512 sfv[CHUNK];     // score factor of each token (softmax scale x K scale)
-    const float* vsc;      // dynamic V scales, TILE per tile, or NULL
-    bool masked;           // some token of the chunk is hidden from some row of the block
+// What the row blocks of one chunk share: the walk's chunk, and its K tiles decoded.
+struct PrefillChunk : ChunkWalk {
+    using ChunkWalk::ChunkWalk;
+    const __m512i* kbuf = nullptr;   // K tiles in the pair layout, tile j at kbuf + j * kstride
+    int kstride = 0, npairs = 0;     // registers per tile, channel pairs D / 2
+    const float* vscale = nullptr;   // dynamic V scales (vsc), TILE per tile, or NULL
+    bool masked = false;             // some token of the chunk is hidden from some row of the block
 };
 
 // The online-softmax step of one row on its NT raw tile scores (acc[j]: q . k of tile j's 16 tokens, before
@@ -287,7 +364,7 @@ static inline bool prefill_row(const PrefillChunk& C, const __m512* acc, int64_t
         __m512 pj = exp2_weights(s[j], log2e, ref2);
         if (C.masked) pj = _mm512_maskz_mov_ps(valid[j], pj);
         psum = _mm512_add_ps(psum, pj);
-        if (C.vsc) pj = _mm512_mul_ps(pj, _mm512_load_ps(C.vsc + j * TILE));  // per-token V scale
+        if (C.vscale) pj = _mm512_mul_ps(pj, _mm512_load_ps(C.vscale + j * TILE));  // per-token V scale
         const __m256i h = (__m256i)_mm512_cvtneps_pbh(pj);
         _mm256_storeu_si256((__m256i*)(ph + j * pstride), h);
         if (PLO) {
@@ -491,17 +568,8 @@ static int run_item_prefill(const Problem& P, const Item& it, float* ws, KPairDe
         lo[r] = first_visible(P, lim[r]);
     }
     const float sfac = P.sm_scale * (kch ? 1.0f : k_head_scale(P, it.kvh));
-    for (int r = 0; r < R4; ++r) {
-        ref[r] = -INFINITY;
-        _mm512_store_ps(sum + (size_t)r * 16, _mm512_setzero_ps());
-    }
-    memset(obuf, 0, (size_t)R4 * nacc * 4);
+    start_rows(R4, nacc, ref, sum, obuf);
 
-    const uint8_t* kr[CHUNK][TILE];
-    const uint8_t* vr[CHUNK][TILE];
-    alignas(64) float ksc[CHUNK][TILE], vsc[CHUNK][TILE];
-    for (int j = 0; j < CHUNK; ++j)
-        for (int t = 0; t < TILE; ++t) ksc[j][t] = vsc[j][t] = 1.0f;
     alignas(64) uint32_t phi[4 * CHUNK * 16], plo[4 * CHUNK * 16];
     alignas(64) float alpha[4];
     const uint32_t* qh[4];
@@ -513,42 +581,30 @@ static int run_item_prefill(const Problem& P, const Item& it, float* ws, KPairDe
         ph[i] = phi + i * CHUNK * 16;
         pl[i] = plo + i * CHUNK * 16;
     }
-    PrefillChunk C;
-    C.kbuf = kbuf;
-    C.kstride = kstride;
-    C.npairs = npairs;
-    C.vsc = P.vts ? &vsc[0][0] : nullptr;
-    const int64_t ahead = (int64_t)CHUNK * TILE;  // prefetch distance: one chunk
-    int r0 = 0, r1 = 0;
 #if KV8_ATTN_AMX
     const AmxTiles tiles(AMX);  // configured for this item, released when it returns
 #endif
-    for (int64_t p = 0; p < ahead; p += TILE) prefetch_tile(P, it, it.t0 + p);
-    for (int64_t c0 = it.t0; c0 < it.t1; c0 += ahead) {
-        int nt = 0;
-        for (int64_t t0 = c0; nt < CHUNK && t0 < it.t1; t0 += TILE, ++nt) {
-            C.tn[nt] = (int)(it.t1 - t0 < TILE ? it.t1 - t0 : TILE);
-            prefetch_tile<true, false>(P, it, t0 + ahead);
-            if (!tile_rows(P, it, t0, C.tn[nt], kr[nt], vr[nt], ksc[nt], vsc[nt])) return ERR_BLOCK_ID;
-        }
-        const int64_t cend = c0 + (int64_t)(nt - 1) * TILE + C.tn[nt - 1];
-        while (r0 < R && lim[r0] < c0) ++r0;  // rows before r0 see nothing of this chunk (limits ascend)
-        while (r1 < R && lo[r1] < cend) ++r1;  // nor do rows from r1 on (their windows start later)
-        if (r1 <= r0) continue;  // no row sees this chunk (cannot happen for the items plan.h makes)
-        for (int j = 0; j < nt; ++j) decode_k(kr[j], D, kbuf + (size_t)j * kstride);
-        // V lines of the next chunk now, apart from its K lines (bursts that fit the L1 miss buffers).
-        for (int j = 0; j < nt; ++j) prefetch_tile<false, true>(P, it, c0 + (int64_t)j * TILE + ahead);
-        for (int j = 0; j < nt; ++j) decode_v(vr[j], D, vbuf + j * vstride);
+    PrefillChunk C(P, it, (int64_t)CHUNK * TILE);  // prefetch distance: one chunk
+    C.kbuf = kbuf;
+    C.kstride = kstride;
+    C.npairs = npairs;
+    C.vscale = P.vts ? &C.vsc[0][0] : nullptr;
+    for (int64_t c0 = it.t0; c0 < it.t1; c0 += C.ahead) {
+        if (C.gather(c0, CHUNK, lo, lim, R) != OK) return ERR_BLOCK_ID;
+        const int nt = C.nt, r1 = C.r1;
+        if (r1 <= C.r0) continue;
+        for (int j = 0; j < nt; ++j) decode_k(C.kr[j], D, kbuf + (size_t)j * kstride);
+        C.prefetch_v();
+        for (int j = 0; j < nt; ++j) decode_v(C.vr[j], D, vbuf + j * vstride);
         // AMX multiplies V 32 tokens at a time: the tile after an odd last one is zeros (no stale NaN meets
         // its zero weights).
         if (AMX && nt % 2) memset(vbuf + nt * vstride, 0, vstride * 64);
-        for (int j = 0; j < nt; ++j) C.sfv[j] = _mm512_mul_ps(_mm512_set1_ps(sfac), _mm512_load_ps(ksc[j]));
-        C.c0 = c0;
-        const bool whole = cend == c0 + (int64_t)nt * TILE;  // no tile ends early
-        for (int rb = r0 / RB * RB; rb < r1; rb += RB) {
+        C.score_factors(sfac);
+        const bool whole = C.cend == c0 + (int64_t)nt * TILE;  // no tile ends early
+        for (int rb = C.r0 / RB * RB; rb < r1; rb += RB) {
             // Unmasked: every row of the block sees every token of the chunk (first rows' limits reach the
             // chunk's end, last rows' windows start at or before its start).
-            C.masked = !whole || lim[rb] < cend - 1 || lo[rb + RB - 1] > c0;
+            C.masked = !whole || lim[rb] < C.cend - 1 || lo[rb + RB - 1] > c0;
 #if KV8_ATTN_AMX
             if constexpr (AMX) {
                 const uint32_t* q = qhi + (size_t)rb * kstride;
@@ -581,28 +637,24 @@ static int run_item_prefill(const Problem& P, const Item& it, float* ws, KPairDe
             tile_pv<4, PLO>(vbuf, vstride, nt, nvs, ph, pl, ob, moved ? alpha : nullptr);
         }
     }
-    for (int r = 0; r < R; ++r) {
-        natural_order(P.kv, obuf + (size_t)r * nacc, nacc, D, nat);
-        finish_row(P, it, w, r, nat, ref[r], _mm512_reduce_add_ps(_mm512_load_ps(sum + (size_t)r * 16)), ws);
-    }
+    finish_rows(P, it, w, obuf, nacc, ref, sum, nat, ws);
     return OK;
 }
 
 template <bool QLO, bool PLO>
 static int run_item_tile(const Problem& P, const Item& it, float* ws) {
-    TileDecoder decode_k, decode_v;
-    KPairDecoder decode_kp;
-    PvFused pv_fused[5];
-    switch (P.kv) {
-        case KV_E4M3: decode_k = decode_k_tile<KV_E4M3>; decode_v = decode_v_tile<KV_E4M3>;
-            decode_kp = decode_k_pairs<KV_E4M3>; pick_pv_fused<KV_E4M3, PLO>(pv_fused); break;
-        case KV_E4M3FNUZ: decode_k = decode_k_tile<KV_E4M3FNUZ>; decode_v = decode_v_tile<KV_E4M3FNUZ>;
-            decode_kp = decode_k_pairs<KV_E4M3FNUZ>; pick_pv_fused<KV_E4M3FNUZ, PLO>(pv_fused); break;
-        case KV_E5M2: decode_k = decode_k_tile<KV_E5M2>; decode_v = decode_v_tile<KV_E5M2>;
-            decode_kp = decode_k_pairs<KV_E5M2>; pick_pv_fused<KV_E5M2, PLO>(pv_fused); break;
-        default: decode_k = decode_k_tile<KV_BF16>; decode_v = decode_v_tile<KV_BF16>;
-            decode_kp = decode_k_pairs<KV_BF16>; pick_pv_fused<KV_BF16, PLO>(pv_fused); break;
-    }
+    TileDecoder decode_k = nullptr, decode_v = nullptr;
+    KPairDecoder decode_kp = nullptr;
+    PvFused pv_fused[5] = {};
+    with_kv_format(P.kv, [&](auto K) {
+        constexpr int KV = decltype(K)::value;
+        if constexpr (kv_bf16_exact(KV)) {  // the formats pick_item_fn gives this kernel
+            decode_k = decode_k_tile<KV>;
+            decode_v = decode_v_tile<KV>;
+            decode_kp = decode_k_pairs<KV>;
+            pick_pv_fused<KV, PLO>(pv_fused);
+        }
+    });
     const Rows w = rows_of(P, it);
     const int D = P.D, R = w.R;
 #if KV8_ATTN_AMX
@@ -636,18 +688,8 @@ static int run_item_tile(const Problem& P, const Item& it, float* ws) {
     float* nat = (float*)mem;
 
     const float sfac = prep_rows(P, it, w, kscale, qhi, qlo, lo, lim);
-    for (int r = 0; r < R; ++r) {
-        mx[r] = -INFINITY;
-        _mm512_store_ps(sum + (size_t)r * 16, _mm512_setzero_ps());
-    }
-    memset(obuf, 0, (size_t)R * nacc * 4);
+    start_rows(R, nacc, mx, sum, obuf);
 
-    const uint8_t* kr[CHUNK][TILE];
-    const uint8_t* vr[CHUNK][TILE];
-    alignas(64) float ksc[CHUNK][TILE], vsc[CHUNK][TILE];
-    for (int j = 0; j < CHUNK; ++j)
-        for (int t = 0; t < TILE; ++t) ksc[j][t] = vsc[j][t] = 1.0f;
-    int tn[CHUNK];
     const __m512i* qh[4];
     const __m512i* ql[4];
     const uint32_t* ph[4];
@@ -655,25 +697,13 @@ static int run_item_tile(const Problem& P, const Item& it, float* ws) {
     float* ob[4];
     __m512 sc[4][CHUNK];
     const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-    const int64_t ahead = (int64_t)(CT > PREFETCH_TILES ? CT : PREFETCH_TILES) * TILE;  // prefetch distance
-    int r0 = 0, r1 = 0;
-    for (int64_t p = 0; p < ahead; p += TILE) prefetch_tile(P, it, it.t0 + p);
+    ChunkWalk W(P, it, (int64_t)(CT > PREFETCH_TILES ? CT : PREFETCH_TILES) * TILE);  // prefetch distance
     for (int64_t c0 = it.t0; c0 < it.t1; c0 += (int64_t)CT * TILE) {
-        int nt = 0;
-        for (int64_t t0 = c0; nt < CT && t0 < it.t1; t0 += TILE, ++nt) {
-            tn[nt] = (int)(it.t1 - t0 < TILE ? it.t1 - t0 : TILE);
-            // K lines now, V lines before the V decode: bursts that fit the L1 miss buffers (one burst of both
-            // measures 2x slower for bf16).
-            prefetch_tile<true, false>(P, it, t0 + ahead);
-            if (!tile_rows(P, it, t0, tn[nt], kr[nt], vr[nt], ksc[nt], vsc[nt])) return ERR_BLOCK_ID;
-        }
-        const int64_t cend = c0 + (int64_t)(nt - 1) * TILE + tn[nt - 1];
-        while (r0 < R && lim[r0] < c0) ++r0;  // rows before r0 see nothing of this chunk (limits ascend)
-        while (r1 < R && lo[r1] < cend) ++r1;  // nor do rows from r1 on (their windows start later)
-        if (r1 <= r0) continue;  // no row sees this chunk (cannot happen for the items plan.h makes)
-        for (int j = 0; j < nt; ++j) decode_k(kr[j], D, kbuf + j * kstride);
-        __m512 sfv[CHUNK];
-        for (int j = 0; j < nt; ++j) sfv[j] = _mm512_mul_ps(_mm512_set1_ps(sfac), _mm512_load_ps(ksc[j]));
+        if (W.gather(c0, CT, lo, lim, R) != OK) return ERR_BLOCK_ID;
+        const int nt = W.nt, r0 = W.r0, r1 = W.r1;
+        if (r1 <= r0) continue;
+        for (int j = 0; j < nt; ++j) decode_k(W.kr[j], D, kbuf + j * kstride);
+        W.score_factors(sfac);
         for (int rb = r0; rb < r1; rb += 4) {
             int nb = r1 - rb < 4 ? r1 - rb : 4;
             for (int i = 0; i < nb; ++i) {
@@ -699,10 +729,10 @@ static int run_item_tile(const Problem& P, const Item& it, float* ws) {
                 __m512 m = _mm512_set1_ps(-INFINITY);
                 for (int j = 0; j < nt; ++j) {
                     const int64_t t0 = c0 + (int64_t)j * TILE;
-                    const int64_t nv = lim[r] - t0 + 1 < tn[j] ? lim[r] - t0 + 1 : tn[j];
+                    const int64_t nv = lim[r] - t0 + 1 < W.tn[j] ? lim[r] - t0 + 1 : W.tn[j];
                     valid[j] = nv <= 0 ? 0 : (__mmask16)_mm512_cmplt_epi32_mask(lane, _mm512_set1_epi32((int)nv));
                     if (lo[r] > t0) valid[j] &= lo[r] - t0 >= TILE ? 0 : (__mmask16)(0xffffu << (lo[r] - t0));
-                    s[j] = _mm512_mask_mul_ps(_mm512_set1_ps(-INFINITY), valid[j], sc[i][j], sfv[j]);
+                    s[j] = _mm512_mask_mul_ps(_mm512_set1_ps(-INFINITY), valid[j], sc[i][j], W.sfv[j]);
                     m = _mm512_max_ps(m, s[j]);
                 }
                 const float cmax = _mm512_reduce_max_ps(m);
@@ -714,7 +744,7 @@ static int run_item_tile(const Problem& P, const Item& it, float* ws) {
                 for (int j = 0; j < nt; ++j) {
                     __m512 pj = _mm512_maskz_mov_ps(valid[j], exp_ps(_mm512_sub_ps(s[j], mv)));
                     psum = _mm512_add_ps(psum, pj);
-                    if (P.vts) pj = _mm512_mul_ps(pj, _mm512_load_ps(vsc[j]));  // per-token V scale on the weight
+                    if (P.vts) pj = _mm512_mul_ps(pj, _mm512_load_ps(W.vsc[j]));  // per-token V scale on the weight
                     __m256i h = (__m256i)_mm512_cvtneps_pbh(pj);
                     _mm256_store_si256((__m256i*)(phi + ((size_t)r * CT + j) * 16), h);
                     if (PLO) {
@@ -727,7 +757,7 @@ static int run_item_tile(const Problem& P, const Item& it, float* ws) {
                 _mm512_store_ps(sr, _mm512_fmadd_ps(_mm512_load_ps(sr), _mm512_set1_ps(alpha[r]), psum));
             }
         }
-        for (int j = 0; j < nt; ++j) prefetch_tile<false, true>(P, it, c0 + (int64_t)j * TILE + ahead);
+        W.prefetch_v();
         if (CT == 1 && r1 - r0 <= 4) {  // decode step: decode V straight into the P.V product
             int nb = r1 - r0;
             for (int i = 0; i < nb; ++i) {
@@ -735,10 +765,10 @@ static int run_item_tile(const Problem& P, const Item& it, float* ws) {
                 pl[i] = plo + (size_t)(r0 + i) * 16;
                 ob[i] = obuf + (size_t)(r0 + i) * nacc;
             }
-            pv_fused[nb](vr[0], D, ph, pl, ob, alpha + r0);
+            pv_fused[nb](W.vr[0], D, ph, pl, ob, alpha + r0);
             continue;
         }
-        for (int j = 0; j < nt; ++j) decode_v(vr[j], D, vbuf + j * vstride);
+        for (int j = 0; j < nt; ++j) decode_v(W.vr[j], D, vbuf + j * vstride);
         for (int rb = r0; rb < r1; rb += 4) {
             int nb = r1 - rb < 4 ? r1 - rb : 4;
             for (int i = 0; i < nb; ++i) {
@@ -754,10 +784,7 @@ static int run_item_tile(const Problem& P, const Item& it, float* ws) {
             }
         }
     }
-    for (int r = 0; r < R; ++r) {
-        natural_order(P.kv, obuf + (size_t)r * nacc, nacc, D, nat);
-        finish_row(P, it, w, r, nat, mx[r], _mm512_reduce_add_ps(_mm512_load_ps(sum + (size_t)r * 16)), ws);
-    }
+    finish_rows(P, it, w, obuf, nacc, mx, sum, nat, ws);
     return OK;
 }
 

@@ -18,7 +18,7 @@
 //   S^T tiles stored, then V decoded while those stores complete, then the gathers and the softmax, then P.V.
 // * Rows outside the item's [k0, t1) are zeros in the decoded K and V (pad_tile for a bf16 cache), masked in
 //   the scores, and weigh 0.
-// * An item may hold several KV heads of its sequence (Item::nh, item_heads_of in cpu_kernels.cpp): chunk by
+// * An item may hold several KV heads of its sequence (Item::nh, item_heads_of in attention.cpp): chunk by
 //   chunk, each head's tiles in turn with its own Q^T, scale, softmax state and output (DecodeHead), so the
 //   item reads each block's rows of those heads -- adjacent in the cache -- in address order.
 // * D = 64: both Q^T steps stay in tiles 1 and 7 for a head's whole chunk (QT_RESIDENT), O uses tiles 5, 6.
@@ -64,13 +64,13 @@ struct DecodeHead : DecodeHeadState<D, R> {
 
 template <int KV, int D, int R>
 static int run_item_decode_amx(const Problem& P, const Item& item, float* ws) {
-    constexpr bool fp8 = KV != KV_BF16;
-    constexpr int RBYTES = D * (fp8 ? 1 : 2), CT = CHUNK_TILES, STEPS = D / 32, NG = D / 16;
+    constexpr bool fp8 = KV_FORMATS[KV].fp8;
+    constexpr int RBYTES = D * KV_FORMATS[KV].esize, CT = CHUNK_TILES, STEPS = D / 32, NG = D / 16;
     constexpr int NV = chunk_accs<KV>();  // V accumulators (channel groups) per 64-byte chunk of a row
     constexpr bool QT_RESIDENT = STEPS == 2;  // D = 64: both Q^T steps stay in tiles 1 and 7 (O in 5, 6)
     static_assert(CT == 4, "P tiles hold two 32-token halves of a chunk");
     if (item.nh < 1 || item.nh > MAX_ITEM_HEADS) return ERR_ARGS;
-    const Lut& L = lut_for(fp8 ? P.kv : KV_E4M3);
+    const Lut& L = lut_for(P.kv);
     const Rows w = rows_of(P, item);
     alignas(64) __m512i kbuf[CT][fp8 ? STEPS * 16 : 1];  // decoded K (fp8): tile j, step s, row t at [j][s 16 + t]
     alignas(64) __m512i vbuf[2 * NG * 16];         // decoded V: half h, group g, token pair u at (h NG + g) 16 + u

@@ -1,6 +1,6 @@
-// exp of 16 float32 lanes for kv8's C++ kernels (AVX-512), shared by kv8/attention/cpu_kernels.cpp and
-// kv8/layers/dense_kernels.cpp. kv8/native.py hashes the files a source includes with #include "...", so an
-// edit here rebuilds both libraries.
+// exp of 16 float32 lanes for kv8's C++ kernels (AVX-512), shared by the attention library (../attention) and the
+// dense library (../dense). kv8/kernels/build.py hashes the files a source includes with #include "...", so an edit
+// here rebuilds both libraries.
 #pragma once
 #include <immintrin.h>
 

@@ -1,4 +1,4 @@
-// Elementwise parts of a decoder layer. Included once, by dense_kernels.cpp, before dense_linear.h (whose gated
+// Elementwise parts of a decoder layer. Included once, by dense.cpp, before linear.h (whose gated
 // epilogue uses the bf16 helpers below).
 #pragma once
 
@@ -24,16 +24,17 @@ static inline void store_bf16(uint16_t* p, __m512 x, __mmask16 m) {
     _mm256_mask_storeu_epi16(p, m, (__m256i)_mm512_cvtneps_pbh(x));
 }
 static inline __mmask16 tail_mask(int64_t n) { return n >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << n) - 1); }
-#endif
 
-// h = x (+ residual, rounded to bf16); residual_out = h (if given); out = bf16(w * bf16(h * rsqrt(mean(h^2) + eps))).
-// x, residual, residual_out, out: [T, E] contiguous; w: [E]. residual_out may alias residual or x.
-extern "C" int kv8_rmsnorm(const uint16_t* x, const uint16_t* residual, uint16_t* residual_out, const uint16_t* w,
-                           float eps, int64_t T, int64_t E, uint16_t* out, int nthreads) {
-#if KV8_LINEAR_FAST
-    if (T < 0 || E <= 0 || nthreads <= 0) return 5;
-    if (T == 0) return 0;   // no rows: pointers may be null
-    if (!x || !w || !out) return 5;
+// kv8_rmsnorm: residual add + RMSNorm (see kv8_rmsnorm_call), T rows of E values.
+static int rmsnorm(const kv8_rmsnorm_call& call) {
+    const uint16_t *x = call.x, *residual = call.residual, *w = call.weight;
+    uint16_t *residual_out = call.residual_out, *out = call.out;
+    const int64_t T = call.rows, E = call.hidden;
+    const float eps = call.eps;
+    const int nthreads = call.num_threads;
+    if (T < 0 || E <= 0 || nthreads <= 0) return ERR_ARGS;
+    if (T == 0) return OK;   // no rows: pointers may be null
+    if (!x || !w || !out) return ERR_ARGS;
     const int threads = T * E < PARALLEL_MIN ? 1 : nthreads;
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t t = 0; t < T; ++t) {
@@ -60,19 +61,18 @@ extern "C" int kv8_rmsnorm(const uint16_t* x, const uint16_t* residual, uint16_t
             store_bf16(out + t * E + e, _mm512_mul_ps(bf16x16_to_f32_mask(w + e, m), n), m);
         }
     }
-    return 0;
-#else
-    (void)x; (void)residual; (void)residual_out; (void)w; (void)eps; (void)T; (void)E; (void)out; (void)nthreads;
-    return 7;
-#endif
+    return OK;
 }
 
-// gu: [T, 2I] (gate | up); out[T, I] = bf16(bf16(silu(gate)) * up).
-extern "C" int kv8_silu_mul(const uint16_t* gu, int64_t T, int64_t I, uint16_t* out, int nthreads) {
-#if KV8_LINEAR_FAST
-    if (T < 0 || I <= 0 || nthreads <= 0) return 5;
-    if (T == 0) return 0;   // no rows: pointers may be null
-    if (!gu || !out) return 5;
+// kv8_silu_mul: SiLU(gate) * up (see kv8_silu_mul_call), gu [T, 2I] -> out [T, I].
+static int silu_mul(const kv8_silu_mul_call& call) {
+    const uint16_t* gu = call.gate_up;
+    uint16_t* out = call.out;
+    const int64_t T = call.rows, I = call.intermediate;
+    const int nthreads = call.num_threads;
+    if (T < 0 || I <= 0 || nthreads <= 0) return ERR_ARGS;
+    if (T == 0) return OK;   // no rows: pointers may be null
+    if (!gu || !out) return ERR_ARGS;
     const int threads = T * I < PARALLEL_MIN ? 1 : nthreads;
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t t = 0; t < T; ++t) {
@@ -86,25 +86,22 @@ extern "C" int kv8_silu_mul(const uint16_t* gu, int64_t T, int64_t I, uint16_t* 
             store_bf16(out + t * I + i, _mm512_mul_ps(s, bf16x16_to_f32_mask(u + i, m)), m);
         }
     }
-    return 0;
-#else
-    (void)gu; (void)T; (void)I; (void)out; (void)nthreads;
-    return 7;
-#endif
+    return OK;
 }
 
-// Rotate-half RoPE of q and k read from packed projection rows, plus a copy of v, into contiguous outputs.
-// qkv: [T, row_stride] with q at column 0 (Hq*D), k after it (Hkv*D), v after k (Hkv*D).
-// cos, sin: [T, D/2] float32 angles' cos/sin; like torch they are first rounded to bf16, then
-// out = bf16(bf16(x * c) + bf16(rot(x) * s)) with rot(x) = (-x2, x1).
-extern "C" int kv8_rope_qkv(const uint16_t* qkv, int64_t T, int64_t row_stride, int Hq, int Hkv, int D,
-                            const float* cos, const float* sin, uint16_t* q_out, uint16_t* k_out, uint16_t* v_out,
-                            int nthreads) {
-#if KV8_LINEAR_FAST
+// kv8_rope_qkv: rotate-half RoPE of q and k read from packed projection rows, plus a copy of v, into contiguous
+// outputs (see kv8_rope_call), T rows, Hq query and Hkv KV heads of D channels. The angles' cos/sin are, like torch's,
+// first rounded to bf16, then out = bf16(bf16(x * c) + bf16(rot(x) * s)) with rot(x) = (-x2, x1).
+static int rope_qkv(const kv8_rope_call& call) {
+    const uint16_t* qkv = call.qkv;
+    const float *cos = call.cos, *sin = call.sin;
+    uint16_t *q_out = call.q_out, *k_out = call.k_out, *v_out = call.v_out;
+    const int64_t T = call.rows, row_stride = call.row_stride;
+    const int Hq = call.num_heads, Hkv = call.num_kv_heads, D = call.head_dim, nthreads = call.num_threads;
     if (T < 0 || Hq <= 0 || Hkv <= 0 || D <= 0 || D % 2 || row_stride < (int64_t)(Hq + 2 * Hkv) * D || nthreads <= 0)
-        return 5;
-    if (T == 0) return 0;   // no rows: pointers may be null
-    if (!qkv || !cos || !sin || !q_out || !k_out || !v_out) return 5;
+        return ERR_ARGS;
+    if (T == 0) return OK;   // no rows: pointers may be null
+    if (!qkv || !cos || !sin || !q_out || !k_out || !v_out) return ERR_ARGS;
     const int half = D / 2;
     const int threads = T * (Hq + 2 * Hkv) * D < PARALLEL_MIN ? 1 : nthreads;
 #pragma omp parallel for schedule(static) num_threads(threads)
@@ -131,10 +128,6 @@ extern "C" int kv8_rope_qkv(const uint16_t* qkv, int64_t T, int64_t row_stride, 
         }
         memcpy(v_out + t * Hkv * (int64_t)D, row + (int64_t)(Hq + Hkv) * D, (size_t)Hkv * D * 2);
     }
-    return 0;
-#else
-    (void)qkv; (void)T; (void)row_stride; (void)Hq; (void)Hkv; (void)D; (void)cos; (void)sin; (void)q_out;
-    (void)k_out; (void)v_out; (void)nthreads;
-    return 7;
-#endif
+    return OK;
 }
+#endif

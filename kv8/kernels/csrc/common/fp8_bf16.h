@@ -5,19 +5,27 @@
 // included, so the decode is exact. Included where AVX-512 VBMI is compiled in (both libraries' fast paths).
 #pragma once
 
+#include "kv8_abi.h"
+
 #include <immintrin.h>
 #include <stdint.h>
+#include <string.h>
 
 struct Fp8Tables {
     __m512i lo0, lo1, hi0, hi1;  // low / high byte of the bf16 value of codes 0..127
 };
 
-// The tables of a format from the bf16 bits of its codes 0..127 (the positive half).
-static inline Fp8Tables fp8_tables(const uint16_t* bf16_of_code) {
-    alignas(64) uint8_t lo[128], hi[128];
-    for (int c = 0; c < 128; ++c) {
-        lo[c] = (uint8_t)(bf16_of_code[c] & 0xFF);
-        hi[c] = (uint8_t)(bf16_of_code[c] >> 8);
+// The tables of KV format kv (KV_FORMATS; zeros for a 16/32-bit format): the bf16 bits of its codes 0..127 (the
+// positive half), NaN as 0x7FC0.
+static inline Fp8Tables fp8_tables(int kv) {
+    alignas(64) uint8_t lo[128] = {0}, hi[128] = {0};
+    for (int c = 0; KV_FORMATS[kv].fp8 && c < 128; ++c) {
+        const float v = fp8_value(kv, c);
+        uint32_t bits;
+        memcpy(&bits, &v, 4);
+        const uint16_t h = isnan(v) ? 0x7FC0 : (uint16_t)(bits >> 16);   // exact: at most 3 mantissa bits
+        lo[c] = (uint8_t)(h & 0xFF);
+        hi[c] = (uint8_t)(h >> 8);
     }
     Fp8Tables t;
     t.lo0 = _mm512_load_si512(lo);

@@ -1,5 +1,5 @@
 // The generic item kernel: fp32 arithmetic, any KV dtype, any head dim, any ISA. FP8 is decoded on bits
-// (common.h; exact for subnormals because every kernel thread clears DAZ/FTZ). It is the path of fp16 /
+// (base.h; exact for subnormals because every kernel thread clears DAZ/FTZ). It is the path of fp16 /
 // fp32 caches, of head dims that are not a multiple of 16, and of builds without AVX-512 BF16; it
 // carries no arithmetic shared with the fast kernels (those multiply bf16 in registers).
 //
@@ -12,12 +12,13 @@
 
 template <int KV>
 static void decode_row_f32(const uint8_t* row, int D, float* out) {
-    if (KV == KV_E4M3 || KV == KV_E4M3FNUZ || KV == KV_E5M2) {
+    constexpr KvFormat F = KV_FORMATS[KV];
+    if constexpr (F.fp8) {
         for (int d = 0; d < D; ++d) out[d] = fp8_bits<KV>(row[d]);
-    } else if (KV == KV_BF16) {
+    } else if constexpr (F.elem == DT_BF16) {
         const uint16_t* r = (const uint16_t*)row;
         for (int d = 0; d < D; ++d) out[d] = bf16_f(r[d]);
-    } else if (KV == KV_F16) {
+    } else if constexpr (F.elem == DT_F16) {
         const uint16_t* r = (const uint16_t*)row;
         for (int d = 0; d < D; ++d) out[d] = f16_f(r[d]);
     } else {
@@ -28,15 +29,8 @@ static void decode_row_f32(const uint8_t* row, int D, float* out) {
 typedef void (*RowDecoder)(const uint8_t*, int, float*);
 
 static int run_item_generic(const Problem& P, const Item& it, float* ws) {
-    RowDecoder decode_row;
-    switch (P.kv) {
-        case KV_E4M3: decode_row = decode_row_f32<KV_E4M3>; break;
-        case KV_E4M3FNUZ: decode_row = decode_row_f32<KV_E4M3FNUZ>; break;
-        case KV_E5M2: decode_row = decode_row_f32<KV_E5M2>; break;
-        case KV_BF16: decode_row = decode_row_f32<KV_BF16>; break;
-        case KV_F16: decode_row = decode_row_f32<KV_F16>; break;
-        default: decode_row = decode_row_f32<KV_F32>; break;
-    }
+    const RowDecoder decode_row =
+        with_kv_format(P.kv, [](auto K) -> RowDecoder { return decode_row_f32<decltype(K)::value>; });
     const Rows w = rows_of(P, it);
     const int D = P.D, R = w.R;
     const size_t nq = (size_t)R * D;

@@ -1,16 +1,13 @@
-// The argument structures of the C entry points (kv8/attention/cpu_kernels.cpp), mirrored by
-// ctypes.Structure classes in kv8/attention/fused.py. Each struct is declared once, as a field list; the
-// same list generates the struct and kv8_abi_layout(), a text that names every field with its offset and
-// size. Python builds the same text from its mirror at load and refuses a library whose text differs.
+// The argument structures of the C entry points (attention.cpp), mirrored by ctypes.Structure classes in
+// kv8/kernels/attention.py. Each struct is declared once, as a field list; the same list generates the struct and
+// the layout text kv8_abi_layout() returns (../common/kv8_abi.h), which Python checks against its mirror at load.
 //
 //   kv8_layer           one (cache, layer): constant across steps, built once per layer and reused
 //   kv8_attention_call  one attention call: the query batch and its layout
 //   kv8_store_call      one quantize-on-store call: the new K/V and their slots
 #pragma once
 
-#include <stddef.h>
-#include <stdint.h>
-#include <stdio.h>
+#include "../common/kv8_abi.h"
 
 // k_cache / v_cache: [num_blocks, num_kv_heads, block_size, head_dim] elements of kv_dtype. Static scales
 // (FP8): float32 with element strides over (kv head, channel), 0 = broadcast; NULL for a 16/32-bit cache
@@ -73,41 +70,9 @@
     X(int32_t, in_dtype)                  \
     X(int32_t, num_threads)
 
-#define KV8_DECLARE_FIELD(type, name) type name;
-struct kv8_layer { KV8_LAYER_FIELDS(KV8_DECLARE_FIELD) };
-struct kv8_attention_call { KV8_ATTENTION_CALL_FIELDS(KV8_DECLARE_FIELD) };
-struct kv8_store_call { KV8_STORE_CALL_FIELDS(KV8_DECLARE_FIELD) };
-#undef KV8_DECLARE_FIELD
-
-// "kv8_layer 104: k_cache@0+8 v_cache@8+8 ...; kv8_attention_call ...; kv8_store_call ...;" -- struct
-// name and size, then each field's name, offset and size, in declaration order.
-static const char* abi_layout_text(void) {
-    static char text[2048];
-    static const bool built = [] {  // once, thread-safe (a C++ static initializer)
-        size_t n = 0;
-    #define KV8_PUT(...) n += (size_t)snprintf(text + n, n < sizeof(text) ? sizeof(text) - n : 0, __VA_ARGS__)
-    #define KV8_STRUCT(S, FIELDS)                                                                         \
-        KV8_PUT("%s %zu:", #S, sizeof(S));                                                                \
-        FIELDS(KV8_FIELD_OF_##S)                                                                          \
-        KV8_PUT(";");
-    #define KV8_FIELD_OF_kv8_layer(type, name) KV8_PUT(" %s@%zu+%zu", #name, offsetof(kv8_layer, name), \
-                                                      sizeof(((kv8_layer*)0)->name));
-    #define KV8_FIELD_OF_kv8_attention_call(type, name) KV8_PUT(" %s@%zu+%zu", #name,                     \
-        offsetof(kv8_attention_call, name), sizeof(((kv8_attention_call*)0)->name));
-    #define KV8_FIELD_OF_kv8_store_call(type, name) KV8_PUT(" %s@%zu+%zu", #name,                         \
-        offsetof(kv8_store_call, name), sizeof(((kv8_store_call*)0)->name));
-        KV8_STRUCT(kv8_layer, KV8_LAYER_FIELDS)
-        KV8_PUT(" ");
-        KV8_STRUCT(kv8_attention_call, KV8_ATTENTION_CALL_FIELDS)
-        KV8_PUT(" ");
-        KV8_STRUCT(kv8_store_call, KV8_STORE_CALL_FIELDS)
-    #undef KV8_FIELD_OF_kv8_store_call
-    #undef KV8_FIELD_OF_kv8_attention_call
-    #undef KV8_FIELD_OF_kv8_layer
-    #undef KV8_STRUCT
-    #undef KV8_PUT
-        return true;
-    }();
-    (void)built;
-    return text;
-}
+// The structs, in the order of the layout text (and of kv8/kernels/attention.py's STRUCTS).
+#define KV8_ATTENTION_STRUCTS(Y)                         \
+    Y(kv8_layer, KV8_LAYER_FIELDS)                       \
+    Y(kv8_attention_call, KV8_ATTENTION_CALL_FIELDS)     \
+    Y(kv8_store_call, KV8_STORE_CALL_FIELDS)
+KV8_ABI_STRUCTS(KV8_ATTENTION_STRUCTS)

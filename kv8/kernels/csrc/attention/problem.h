@@ -24,7 +24,7 @@
 //   tile at 32: positions 32..43 read (blocks 4, 5); blocks 0..2: entries never read, may hold any value
 #pragma once
 
-#include "common.h"
+#include "base.h"
 #include "abi.h"
 
 static const int TILE = 16;  // context tokens per tile

@@ -1,6 +1,6 @@
-// AMX (Intel AMX-BF16) set-up shared by kv8/layers/dense_kernels.cpp (the packed linear) and
-// kv8/attention/cpu_kernels.cpp (the attention's prefill loop and decode items). kv8/native.py hashes the files
-// a source includes with #include "...", so an edit here rebuilds both libraries.
+// AMX (Intel AMX-BF16) set-up shared by the dense library (../dense: the packed linear) and the attention library
+// (../attention: the prefill loop and decode items). kv8/kernels/build.py hashes the files a source includes with
+// #include "...", so an edit here rebuilds both libraries.
 //
 // KV8_AMX is 1 where the compiler targets AMX-TILE and AMX-BF16 (-march=native on such a CPU) on Linux; the
 // tiles are then used only where amx_permitted() (the OS grants them to this process). Every user loads its own

@@ -1,0 +1,141 @@
+// Shared by every part of the attention library: the dtype and error codes and the KV format table
+// (../common/kv8_abi.h) with the dispatch from a format code to its kernel instances, which fast paths the build has,
+// the scalar float conversions, and the FP8 codecs on bits (exact decode, saturating round-to-nearest-even encode).
+// Pure scalar C++, no ISA requirement.
+#pragma once
+
+#include "../common/kv8_abi.h"
+
+#include <immintrin.h>
+#include <math.h>
+#include <omp.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <type_traits>
+
+// The AVX-512 BF16 path (item_tile.h, item_decode.h) is compiled when the target has all of these.
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VBMI__) && \
+    defined(__AVX512BF16__)
+#define KV8_FAST 1
+#else
+#define KV8_FAST 0
+#endif
+
+// AMX-BF16 tiles for the prefill loop (item_tile.h) and decode items (item_decode_amx.h) where the build targets
+// them, on top of the fast path.
+#include "../common/amx_tiles.h"
+#define KV8_ATTN_AMX (KV8_FAST && KV8_AMX)
+
+// Calls f(std::integral_constant<int, KV>{}) for the KV format code kv (a valid one): the one place where a code
+// known at run time picks a compile-time instance. f reads KV_FORMATS[KV] as constants, and instantiates what it
+// serves for the formats that need it only (if constexpr); every call of f returns the same type.
+template <class F>
+static inline decltype(auto) with_kv_format(int kv, F&& f) {
+    switch (kv) {
+        case KV_E4M3: return f(std::integral_constant<int, KV_E4M3>{});
+        case KV_E4M3FNUZ: return f(std::integral_constant<int, KV_E4M3FNUZ>{});
+        case KV_E5M2: return f(std::integral_constant<int, KV_E5M2>{});
+        case KV_BF16: return f(std::integral_constant<int, KV_BF16>{});
+        case KV_F16: return f(std::integral_constant<int, KV_F16>{});
+        default: return f(std::integral_constant<int, KV_F32>{});
+    }
+}
+static_assert(KV_COUNT == 6, "with_kv_format has a case per format");
+
+// Whether the AVX-512 BF16 kernels read format kv: every value of it is a bf16 (FP8 through the byte tables).
+static constexpr bool kv_bf16_exact(int kv) { return KV_FORMATS[kv].fp8 || KV_FORMATS[kv].elem == DT_BF16; }
+
+// The first format whose kernel instances serve kv as well: the same element size, and the same decode to bf16
+// (FP8 or not, the same 0x80 rule). The decode kernels are instantiated once per such class and read the FP8
+// tables of the call's format at run time (E5M2 runs E4M3's instances).
+static constexpr int kv_decode_class(int kv) {
+    for (int k = 0; k < kv; ++k) {
+        const KvFormat &a = KV_FORMATS[k], &b = KV_FORMATS[kv];
+        if (a.esize == b.esize && a.elem == b.elem && a.fp8 == b.fp8 && a.nan_0x80 == b.nan_0x80) return k;
+    }
+    return kv;
+}
+
+// 2^n as a float, at compile time.
+static constexpr float pow2f(int n) {
+    float v = 1.0f;
+    for (; n > 0; --n) v *= 2.0f;
+    for (; n < 0; ++n) v *= 0.5f;
+    return v;
+}
+
+// ------------------------------------------------------------------------------------------------
+// Scalar conversions
+// ------------------------------------------------------------------------------------------------
+
+static inline float bits_f(uint32_t b) { float f; memcpy(&f, &b, 4); return f; }
+static inline uint32_t f_bits(float f) { uint32_t b; memcpy(&b, &f, 4); return b; }
+static inline float bf16_f(uint16_t h) { return bits_f((uint32_t)h << 16); }
+static inline uint16_t f_bf16(float f) {  // round to nearest even; NaN -> 0x7FC0 (as c10::BFloat16)
+    uint32_t b = f_bits(f);
+    if ((b & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
+    b += 0x7fffu + ((b >> 16) & 1u);
+    return (uint16_t)(b >> 16);
+}
+static inline float f16_f(uint16_t h) { _Float16 x; memcpy(&x, &h, 2); return (float)x; }
+static inline uint16_t f_f16(float f) { _Float16 x = (_Float16)f; uint16_t h; memcpy(&h, &x, 2); return h; }
+
+static inline float load_f(const void* p, int dtype, int64_t i) {
+    if (dtype == DT_BF16) return bf16_f(((const uint16_t*)p)[i]);
+    if (dtype == DT_F16) return f16_f(((const uint16_t*)p)[i]);
+    return ((const float*)p)[i];
+}
+
+// Clears DAZ and FTZ for the lifetime of the object (subnormal FP8 values must survive), restores after.
+struct FpEnv {
+    unsigned saved;
+    FpEnv() : saved(_mm_getcsr()) { _mm_setcsr(saved & ~0x8040u); }
+    ~FpEnv() { _mm_setcsr(saved); }
+};
+
+// FP8 decode on bits (generic path).
+template <int FMT>
+static inline float fp8_bits(uint32_t c) {
+    constexpr KvFormat F = KV_FORMATS[FMT];
+    static_assert(!F.has_inf || (F.mbits == 2 && F.bias == 15), "an IEEE-style FP8 code is an fp16's high byte");
+    if constexpr (F.has_inf) {  // an E5M2 code is the high byte of the fp16 with the same value
+        return f16_f((uint16_t)(c << 8));
+    } else {
+        // the magnitude's bits where a float's go, times 2^(127 - bias): the float exponent's bias becomes the format's
+        constexpr float REBIAS = pow2f(127 - F.bias);
+        uint32_t mag = c & 0x7fu, sign = (c & 0x80u) << 24;
+        float v = bits_f(mag << (23 - F.mbits)) * REBIAS;
+        if (F.nan_0x80 ? c == 0x80 : mag == 0x7f) v = NAN;
+        return bits_f(f_bits(v) | sign);
+    }
+}
+
+// FP8 encode: saturate(round_to_nearest_even(x)), NaN -> nan code (sign kept where the format has a
+// negative NaN); -0 and negative values rounding to zero keep the sign where there is a negative zero.
+template <int FMT>
+static inline uint8_t fp8_encode(float x) {
+    constexpr KvFormat F = KV_FORMATS[FMT];
+    constexpr int MB = F.mbits, BIAS = F.bias;
+    constexpr float MAXF = F.max_finite;
+    uint32_t b = f_bits(x);
+    uint32_t sign = b >> 31;
+    if ((b & 0x7fffffffu) > 0x7f800000u)  // NaN
+        return F.nan_0x80 ? F.nan_code : (uint8_t)(F.nan_code | sign << 7);
+    float a = bits_f(b & 0x7fffffffu);
+    a = a < MAXF ? a : MAXF;
+    uint32_t code;
+    const float min_normal = ldexpf(1.0f, 1 - BIAS);
+    if (a < min_normal) {  // subnormal range: multiple of 2^(1 - BIAS - MB), rounded to nearest even
+        code = (uint32_t)nearbyintf(a * ldexpf(1.0f, BIAS - 1 + MB));
+    } else {
+        uint32_t ab = f_bits(a);
+        const int shift = 23 - MB;
+        ab += ((1u << (shift - 1)) - 1u) + ((ab >> shift) & 1u);
+        int e = (int)(ab >> 23) - 127 + BIAS;
+        code = ((uint32_t)e << MB) | ((ab >> shift) & ((1u << MB) - 1u));
+    }
+    if (sign && (code != 0 || !F.nan_0x80)) code |= 0x80u;
+    return (uint8_t)code;
+}

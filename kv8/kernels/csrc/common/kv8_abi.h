@@ -1,0 +1,113 @@
+// What kv8's two kernel libraries (../attention, ../dense) share at their C boundary, defined once: the dtype codes
+// and the table of KV cache formats, the error codes and their messages, and the machinery that declares argument
+// structs and spells their layout. Python (kv8/kernels/abi.py) reads the names, the messages and the layout from each
+// library at load, so no number defined here is copied on the Python side.
+//
+// Argument structs: a library lists its structs once, STRUCTS(Y) calling Y(S, FIELDS) for each struct S whose
+// fields FIELDS(X) lists as X(type, name). KV8_ABI_STRUCTS(STRUCTS) declares the structs from the lists and
+// abi_layout_text(), which spells their layout as "S <size>: <field>@<offset>+<size> ...; S2 ...;" (structs and
+// fields in list order): the text kv8.kernels.abi.abi_layout builds from the ctypes mirror. The library exports
+// it as kv8_abi_layout(), and Python refuses a library whose text differs from its mirror's.
+#pragma once
+
+#include <math.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+
+// Query / output / store input types ("compute dtype"); the names are torch dtype names.
+enum { DT_BF16 = 0, DT_F16 = 1, DT_F32 = 2, DT_COUNT = 3 };
+static const char* const COMPUTE_DTYPE_NAMES[DT_COUNT] = {"bfloat16", "float16", "float32"};
+
+// KV cache element types (and the FP8 weights' E4M3): KV_FORMATS[code] says everything the kernels need to know of
+// a format -- the store, every decode path and the FP8 -> bf16 tables read it rather than compare codes; template
+// parameters that pick code paths at compile time are codes whose traits are read from this table as constants.
+enum { KV_E4M3 = 0, KV_E4M3FNUZ = 1, KV_E5M2 = 2, KV_BF16 = 3, KV_F16 = 4, KV_F32 = 5, KV_COUNT = 6 };
+struct KvFormat {
+    const char* name;   // kv8.quant.formats.KVCacheDtype.name
+    int esize;          // bytes per element
+    int elem;           // a 16/32-bit format: the compute dtype (DT_*) of the same element type; FP8: -1
+    bool fp8;           // the fields below describe an FP8 format (and are 0 for the others)
+    int mbits;          // mantissa bits
+    int bias;           // exponent bias
+    float max_finite;   // the largest finite value (the store saturates to it)
+    bool nan_0x80;      // code 0x80 is the one NaN, and there is no -0 (the "fnuz" formats)
+    bool has_inf;       // IEEE-style: the top exponent holds inf and NaNs; else only magnitude 0x7f is NaN ("fn")
+    uint8_t nan_code;   // what the encoders write for NaN (with its sign bit where the format has a -NaN)
+};
+static constexpr KvFormat KV_FORMATS[KV_COUNT] = {
+    // name          esize  elem     fp8    mbits  bias  max_finite  nan_0x80  has_inf  nan_code
+    {"fp8_e4m3",     1,     -1,      true,  3,     7,    448.0f,     false,    false,   0x7f},  // KV_E4M3
+    {"fp8_e4m3fnuz", 1,     -1,      true,  3,     8,    240.0f,     true,     false,   0x80},  // KV_E4M3FNUZ
+    {"fp8_e5m2",     1,     -1,      true,  2,     15,   57344.0f,   false,    true,    0x7e},  // KV_E5M2
+    {"bfloat16",     2,     DT_BF16, false, 0,     0,    0.0f,       false,    false,   0},     // KV_BF16
+    {"float16",      2,     DT_F16,  false, 0,     0,    0.0f,       false,    false,   0},     // KV_F16
+    {"float32",      4,     DT_F32,  false, 0,     0,    0.0f,       false,    false,   0},     // KV_F32
+};
+
+// The exact value of code c (0..255) of FP8 format kv (NaN where the format has NaN; subnormals included).
+static inline float fp8_value(int kv, int c) {
+    const KvFormat& F = KV_FORMATS[kv];
+    const int mag = c & 0x7f, e = mag >> F.mbits, m = mag & ((1 << F.mbits) - 1), top = 0x7f >> F.mbits;
+    if (F.nan_0x80 ? c == 0x80 : (F.has_inf ? e == top && m != 0 : mag == 0x7f)) return NAN;
+    const float v = F.has_inf && e == top ? INFINITY
+                  : e ? ldexpf((float)((1 << F.mbits) + m), e - F.bias - F.mbits)
+                      : ldexpf((float)m, 1 - F.bias - F.mbits);
+    return (c & 0x80) ? -v : v;
+}
+
+// Return codes of the entry points (0 = success); the messages are what Python raises (ValueError).
+enum { OK = 0, ERR_BLOCK_ID = 1, ERR_TABLE_WIDTH = 2, ERR_LENGTHS = 3, ERR_SLOT = 4, ERR_ARGS = 5, ERR_OOM = 6,
+       ERR_NO_FAST_PATH = 7, ERR_COUNT = 8 };
+static const char* const ERROR_MESSAGES[ERR_COUNT] = {
+    "ok",
+    "a block table entry is not a valid block id (>= num_blocks or negative)",
+    "block_tables is too narrow for seq_lens",
+    "query_start_loc / seq_lens are inconsistent (need 0 <= query_len <= seq_len, query_start_loc[-1] == T)",
+    "slot_mapping holds a slot outside the cache",
+    "invalid kernel arguments",
+    "out of memory in the kernel",
+    "this build has no AVX-512 BF16 + VBMI path (the CPU or the compiler lacks it)",
+};
+// The message of return code `code`, NULL past the last one (each library's kv8_error_message).
+static inline const char* error_message(int code) {
+    return code >= 0 && code < ERR_COUNT ? ERROR_MESSAGES[code] : nullptr;
+}
+
+// A layout text being written (see the top of this file). A text that would overflow is cut short, so it matches
+// no mirror and the library is refused.
+struct AbiLayout {
+    char text[4096] = "";
+    size_t n = 0;
+
+    __attribute__((format(printf, 2, 3))) void put(const char* fmt, ...) {
+        if (n >= sizeof(text)) return;
+        va_list ap;
+        va_start(ap, fmt);
+        n += (size_t)vsnprintf(text + n, sizeof(text) - n, fmt, ap);
+        va_end(ap);
+    }
+};
+
+#define KV8_ABI_MEMBER(type, name) type name;
+#define KV8_ABI_DECLARE(S, FIELDS) struct S { FIELDS(KV8_ABI_MEMBER) };
+#define KV8_ABI_FIELD(type, name) \
+    kv8_abi_text.put(" %s@%zu+%zu", #name, offsetof(kv8_abi_struct, name), sizeof(kv8_abi_struct::name));
+#define KV8_ABI_APPEND(S, FIELDS)                                                    \
+    {                                                                                \
+        using kv8_abi_struct = S;                                                    \
+        kv8_abi_text.put("%s%s %zu:", kv8_abi_text.n ? " " : "", #S, sizeof(S));     \
+        FIELDS(KV8_ABI_FIELD)                                                        \
+        kv8_abi_text.put(";");                                                       \
+    }
+#define KV8_ABI_STRUCTS(STRUCTS)                                                     \
+    STRUCTS(KV8_ABI_DECLARE)                                                         \
+    static const char* abi_layout_text(void) {                                       \
+        static const AbiLayout layout = [] { /* once, thread-safe */                 \
+            AbiLayout kv8_abi_text;                                                  \
+            STRUCTS(KV8_ABI_APPEND)                                                  \
+            return kv8_abi_text;                                                     \
+        }();                                                                         \
+        return layout.text;                                                          \
+    }

@@ -1,0 +1,101 @@
+// kv8 CPU kernels for the dense part of a decoder layer, bf16 in and out: linear layers on pre-packed
+// weights (linear.h), and RMSNorm with the residual add fused in, SiLU(gate) * up, and RoPE of q/k
+// with v copied out (elementwise.h). This file is the one translation unit; the parts are
+// headers so that the build stays one g++ call (kv8/kernels/build.py hashes every included file).
+//
+// Also the row argmax of float32 logits that the sampler uses (argmax.h).
+//
+// Plain C ABI (extern "C"), loaded with ctypes by kv8/kernels/dense.py, compiled there with
+// `g++ -O3 -march=native -fopenmp -shared -fPIC` (the build is kv8/kernels/build.py's). No torch headers. Each entry
+// point takes a pointer to its argument struct (abi.h: declared once, its layout checked by Python at load) and
+// returns OK or an error code whose message Python raises (../common/kv8_abi.h).
+//
+// Linear. Why: a decode step multiplies a few rows (one per running sequence) with every weight matrix, so its
+// cost is reading the weights. oneDNN's bf16 GEMM reaches ~10 GB/s of weights inside the model on this
+// machine (a call per matrix, weights streamed from DRAM); this kernel reads each weight exactly once
+// per call from a layout that is one sequential stream per thread, and does the arithmetic with AVX-512
+// BF16 `vdpbf16ps`.
+//
+// Packed layout of W [N, K] (row-major bf16, y = x W^T): K is padded to Kp (even), N to a multiple of 32.
+// Panel p (columns 32p .. 32p+31) is Kp/2 consecutive groups of 64 bf16 values: group kk holds, for each
+// of the 32 columns c, the pair (W[32p+c, 2kk], W[32p+c, 2kk+1]) -- exactly the operand order vdpbf16ps
+// wants, with the matching pair of x broadcast as one 32-bit value. Padding is zero.
+//
+// Numerics: each product of two bf16 values is exact in fp32; sums are accumulated in fp32 (two products
+// per instruction, then in k order), the bias (fp32) is added, and the result is rounded to bf16 to
+// nearest-even -- what torch's bf16 linear does, up to the order of the fp32 additions.
+//
+// Invariants: x rows are contiguous with stride K (K even); out rows are contiguous with stride N.
+// Returns OK, or ERR_ARGS for invalid arguments, ERR_NO_FAST_PATH when this build has no AVX-512 BF16 + VBMI path,
+// ERR_OOM when a buffer cannot be allocated.
+
+#include "abi.h"
+
+#include <cstdint>
+#include <cmath>
+#include <cstring>
+#include <omp.h>
+
+// The fast path needs AVX-512 F/BW, BF16 (vdpbf16ps) and VBMI (vpermt2b: the FP8 weights' table decode) -- the
+// set the attention library's fast path needs too.
+#if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VBMI__)
+#include <immintrin.h>
+#include "../common/simd_exp.h"
+#include "../common/fp8_bf16.h"
+#define KV8_LINEAR_FAST 1
+#else
+#define KV8_LINEAR_FAST 0
+#endif
+#include "../common/amx_tiles.h"
+#if KV8_LINEAR_FAST && KV8_AMX
+#include <cstdlib>
+#define KV8_LINEAR_AMX 1   // AMX-BF16 tiles for the linear layers (linear.h)
+#else
+#define KV8_LINEAR_AMX 0
+#endif
+
+#include "elementwise.h"
+#include "linear.h"
+#include "argmax.h"
+
+// ------------------------------------------------------------------------------------------------
+// The C ABI
+// ------------------------------------------------------------------------------------------------
+
+extern "C" {
+
+// The layout text of the argument structs (abi.h), checked by Python at load, and the message of return code `code`
+// (NULL past the last one).
+const char* kv8_abi_layout(void) { return abi_layout_text(); }
+const char* kv8_error_message(int code) { return error_message(code); }
+
+// 1 where this build has the fast path (AVX-512 BF16 + VBMI) that every kernel below but the packing needs; 1 where
+// the linear layers can multiply with AMX tiles (compiled in, and the OS grants them).
+int kv8_linear_available(void) { return KV8_LINEAR_FAST; }
+int kv8_linear_amx_available(void) {
+#if KV8_LINEAR_AMX
+    return amx_permitted();
+#else
+    return 0;
+#endif
+}
+
+int64_t kv8_linear_packed_size(const kv8_pack_call* call) { return packed_size(*call); }
+int kv8_linear_pack(const kv8_pack_call* call) { return pack(*call); }
+
+}  // extern "C"
+
+// The entry point `name` of a fast-path kernel (linear.h, elementwise.h, argmax.h): the kernel on *call, or
+// ERR_NO_FAST_PATH in a build without the fast path.
+#if KV8_LINEAR_FAST
+#define KV8_ENTRY(name, Call, kernel) extern "C" int name(const Call* call) { return kernel(*call); }
+#else
+#define KV8_ENTRY(name, Call, kernel) extern "C" int name(const Call*) { return ERR_NO_FAST_PATH; }
+#endif
+KV8_ENTRY(kv8_linear, kv8_linear_call, linear<false>)
+KV8_ENTRY(kv8_linear_fp8, kv8_linear_call, linear<true>)
+KV8_ENTRY(kv8_rmsnorm, kv8_rmsnorm_call, rmsnorm)
+KV8_ENTRY(kv8_silu_mul, kv8_silu_mul_call, silu_mul)
+KV8_ENTRY(kv8_rope_qkv, kv8_rope_call, rope_qkv)
+KV8_ENTRY(kv8_argmax_rows, kv8_argmax_call, argmax_rows)
+#undef KV8_ENTRY

@@ -1,0 +1,243 @@
+"""FP8 encode helpers for Triton kernels: float32 -> ``uint8`` codes with integer and bit operations only.
+
+Contract (the one :meth:`kv8.quant.formats.FP8Format.encode` defines; these helpers are tested bit-exact against
+it): for a float32 value ``y`` (already divided by its scale)::
+
+    code = saturate(round_to_nearest_even(y))     in the format's bit layout S | E | M
+
+* finite ``|y| > max_finite`` and ``±inf`` saturate to ``±max_finite`` (never inf, never NaN);
+* values below the format's normal range become subnormals (``m * 2^(1 - bias - M)``), rounded to nearest even;
+  a subnormal that rounds up to ``2^M`` units is the smallest normal code, as it should be;
+* NaN becomes the format's NaN code, ``nan_code | 0x80`` for a NaN with its sign bit set where that is a NaN
+  code (e4m3fn 0x7F/0xFF, e5m2 0x7E/0xFE), else the one NaN (fnuz 0x80);
+* ``±0`` and anything that rounds to zero keeps its sign (0x80) where the format has a negative zero; fnuz has none
+  (0x80 is its NaN), so there it is 0x00.
+
+Why bits and not ``tl.float8*`` casts: Triton's fp8 types cover only some formats (no fnuz on NVIDIA), saturate
+differently per backend, and the interpreter maps some of them wrongly (``tl.float8e4nv`` 0x7F decodes to 480, not
+NaN). Integer shifts, adds and compares give the same codes in the interpreter and compiled on any GPU; the only
+float operation here is :func:`scaled_rn`'s IEEE division (``div.rn.f32``: correctly rounded, subnormals kept,
+unlike Triton's ``/``, which is ``div.full.f32``, an approximation).
+
+The kernel package sits below :mod:`kv8.quant` in the package layers (pyproject.toml's import-linter contract), so
+it cannot import :class:`~kv8.quant.formats.FP8Format`: :class:`FP8Layout` is the structural type of what it reads,
+and :func:`fp8_format_id` checks a format's fields against the constants the helpers are specialized on.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+from typing import Protocol
+
+import triton
+import triton.language as tl
+
+__all__ = [
+    "E4M3FN_ID",
+    "E4M3FNUZ_ID",
+    "E5M2_ID",
+    "FP8_ENCODINGS",
+    "FP8Encoding",
+    "FP8Layout",
+    "bf16_bits_to_f32",
+    "encode_e4m3fn",
+    "encode_e4m3fnuz",
+    "encode_e5m2",
+    "encode_fp8",
+    "f32_to_bf16_bits",
+    "fp8_format_id",
+    "scaled_rn",
+]
+
+# The ``FMT`` constexpr of :func:`encode_fp8`.
+E4M3FN_ID = 0
+E4M3FNUZ_ID = 1
+E5M2_ID = 2
+
+
+class FP8Layout(Protocol):
+    """What the kernels read of an FP8 format (:class:`kv8.quant.formats.FP8Format` has all of it)."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def exponent_bits(self) -> int: ...
+    @property
+    def mantissa_bits(self) -> int: ...
+    @property
+    def exponent_bias(self) -> int: ...
+    @property
+    def max_finite(self) -> float: ...
+    @property
+    def has_negative_zero(self) -> bool: ...
+    @property
+    def nan_code(self) -> int: ...
+    @property
+    def negative_nan_code(self) -> int: ...
+
+
+def _f32_bits(x: float) -> int:
+    return int(struct.unpack("<I", struct.pack("<f", x))[0])
+
+
+@dataclass(frozen=True)
+class FP8Encoding:
+    """The constants one ``encode_*`` helper is specialized on (literals in its body; this is their record).
+
+    Invariant (checked by the tests against :data:`kv8.quant.formats.FP8_FORMATS`): each entry of
+    :data:`FP8_ENCODINGS` equals the fields of the kv8 format of the same name.
+    """
+
+    format_id: int
+    exponent_bits: int
+    mantissa_bits: int
+    exponent_bias: int
+    max_finite: float
+    has_negative_zero: bool
+    nan_code: int
+    negative_nan_code: int
+
+    @property
+    def max_finite_bits(self) -> int:
+        """float32 bit pattern of ``max_finite`` (the saturation bound on ``|y|``'s bits)."""
+        return _f32_bits(self.max_finite)
+
+
+FP8_ENCODINGS: dict[str, FP8Encoding] = {
+    "fp8_e4m3": FP8Encoding(E4M3FN_ID, 4, 3, 7, 448.0, True, 0x7F, 0xFF),
+    "fp8_e4m3fnuz": FP8Encoding(E4M3FNUZ_ID, 4, 3, 8, 240.0, False, 0x80, 0x80),
+    "fp8_e5m2": FP8Encoding(E5M2_ID, 5, 2, 15, 57344.0, True, 0x7E, 0xFE),
+}
+
+
+def fp8_format_id(fmt: FP8Layout) -> int:
+    """The ``FMT`` constexpr for ``fmt``; ``ValueError`` unless its name and every field the encode reads match."""
+    enc = FP8_ENCODINGS.get(getattr(fmt, "name", None))  # type: ignore[arg-type]
+    if enc is None:
+        raise ValueError(f"fp8={fmt!r}: the Triton kernels encode only the formats named "
+                         f"{', '.join(FP8_ENCODINGS)}")
+    fields = ("exponent_bits", "mantissa_bits", "exponent_bias", "max_finite", "has_negative_zero", "nan_code",
+              "negative_nan_code")
+    for field in fields:
+        if getattr(fmt, field) != getattr(enc, field):
+            raise ValueError(f"fp8 format {fmt.name!r}: {field}={getattr(fmt, field)!r}, but the Triton encode of "
+                             f"{fmt.name!r} is specialized on {field}={getattr(enc, field)!r}")
+    return enc.format_id
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# float32 <-> 16-bit patterns, exact everywhere
+# ----------------------------------------------------------------------------------------------------------------
+
+@triton.jit
+def bf16_bits_to_f32(x):
+    """bf16 tensor -> float32, exact for every pattern (subnormals, NaN payloads): the bits shifted up by 16.
+
+    Not ``x.to(tl.float32)``: the interpreter flushes bf16 subnormals to zero there.
+    """
+    b = x.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+    return (b << 16).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def f32_to_bf16_bits(y):
+    """float32 -> bf16 (round to nearest even, overflow to ±inf, subnormals kept), as int32 in [0, 0xFFFF].
+
+    NaN keeps its sign and upper payload with the quiet bit set (``bits >> 16 | 0x40``); torch's own NaN payloads
+    differ by device and code path, so only NaN-ness is part of the contract. Not ``y.to(tl.bfloat16)``: the
+    interpreter truncates there.
+    """
+    bits = y.to(tl.int32, bitcast=True)
+    mag = bits & 0x7FFFFFFF
+    # Two's complement add on the signed pattern = add on the magnitude: a finite magnitude plus < 2^16 never
+    # carries into the sign bit (at most 0x7F7FFFFF + 0x8000 -> 0x7F807FFF: +-inf).
+    rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) & 0xFFFF
+    quiet_nan = ((bits >> 16) & 0xFFFF) | 0x40
+    return tl.where(mag > 0x7F800000, quiet_nan, rounded)
+
+
+@triton.jit
+def scaled_rn(x, s):
+    """``x / s`` in float32, correctly rounded (IEEE ``div.rn``, subnormals kept), for finite ``s > 0``.
+
+    A NaN ``x`` comes back bit for bit (so its sign survives: a GPU division returns the canonical, positive NaN,
+    while the reference on the CPU keeps the sign); every other result has the sign of ``x``, as division by
+    ``s > 0`` gives it.
+    """
+    is_nan = (x.to(tl.int32, bitcast=True) & 0x7FFFFFFF) > 0x7F800000
+    return tl.where(is_nan, x, tl.math.div_rn(x, s))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# float32 -> fp8 codes
+# ----------------------------------------------------------------------------------------------------------------
+
+@triton.jit
+def _encode_bits(y, MAN: tl.constexpr, BIAS: tl.constexpr, MAX_BITS: tl.constexpr, NAN_POS: tl.constexpr,
+                 NAN_NEG: tl.constexpr, NEG_ZERO: tl.constexpr):
+    """float32 ``y`` -> int32 codes in [0, 255] for the layout ``S | (7 - MAN) exponent bits | MAN``.
+
+    ``MAX_BITS`` is the float32 pattern of the format's max finite value, ``BIAS`` its exponent bias.
+    """
+    SHIFT: tl.constexpr = 23 - MAN                       # float32 mantissa bits dropped in the normal range
+    REBIAS: tl.constexpr = (127 - BIAS) << MAN           # float32 exponent bias -> the format's, in code units
+    MIN_NORMAL_BITS: tl.constexpr = (128 - BIAS) << 23   # float32 pattern of 2^(1 - BIAS), the smallest normal
+    SUB_SHIFT0: tl.constexpr = 151 - BIAS - MAN          # m >> (SUB_SHIFT0 - e): |y| in subnormal units
+
+    bits = y.to(tl.int32, bitcast=True)
+    negative = bits < 0
+    mag = bits & 0x7FFFFFFF
+    is_nan = mag > 0x7F800000
+    mag = tl.minimum(mag, MAX_BITS)                      # saturate (inf included); max_finite is exact
+
+    # normal range: round the 23-bit mantissa to MAN bits, nearest even; a carry moves into the exponent
+    normal = ((mag + ((1 << (SHIFT - 1)) - 1) + ((mag >> SHIFT) & 1)) >> SHIFT) - REBIAS
+
+    # below it: |y| = m * 2^(e - 150) with the implicit bit, in units of 2^(1 - BIAS - MAN) = m >> (SUB_SHIFT0 - e);
+    # shifts clamped to [1, 30] (a shift >= 25 already leaves 0 with a remainder below half: rounds to 0)
+    e = mag >> 23
+    m = (mag & 0x7FFFFF) | 0x800000
+    sh = tl.minimum(tl.maximum(SUB_SHIFT0 - e, 1), 30)
+    q = m >> sh
+    rem = m & ((1 << sh) - 1)
+    half = 1 << (sh - 1)
+    q = q + ((rem > half) | ((rem == half) & ((q & 1) == 1))).to(tl.int32)
+
+    code = tl.where(mag >= MIN_NORMAL_BITS, normal, q)
+    if NEG_ZERO:
+        code = tl.where(negative, code | 0x80, code)
+    else:
+        code = tl.where(negative & (code != 0), code | 0x80, code)   # no -0: it would be the NaN code
+    return tl.where(is_nan, tl.where(negative, NAN_NEG, NAN_POS), code)
+
+
+@triton.jit
+def encode_e4m3fn(y):
+    """float32 -> OCP E4M3FN codes (uint8): bias 7, max 448, NaN 0x7F/0xFF, -0 is 0x80, no inf."""
+    return _encode_bits(y, 3, 7, 0x43E00000, 0x7F, 0xFF, True).to(tl.uint8)
+
+
+@triton.jit
+def encode_e4m3fnuz(y):
+    """float32 -> E4M3FNUZ codes (uint8): bias 8, max 240, 0x80 the only NaN, no -0 (encodes to 0x00), no inf."""
+    return _encode_bits(y, 3, 8, 0x43700000, 0x80, 0x80, False).to(tl.uint8)
+
+
+@triton.jit
+def encode_e5m2(y):
+    """float32 -> OCP E5M2 codes (uint8): bias 15, max 57344, NaN 0x7E/0xFE, -0 is 0x80; inf saturates."""
+    return _encode_bits(y, 2, 15, 0x47600000, 0x7E, 0xFE, True).to(tl.uint8)
+
+
+@triton.jit
+def encode_fp8(y, FMT: tl.constexpr):
+    """float32 -> uint8 codes of the format ``FMT`` (:data:`E4M3FN_ID`, :data:`E4M3FNUZ_ID`, :data:`E5M2_ID`)."""
+    if FMT == 0:
+        code = encode_e4m3fn(y)
+    elif FMT == 1:
+        code = encode_e4m3fnuz(y)
+    else:
+        tl.static_assert(FMT == 2, "FMT must be E4M3FN_ID, E4M3FNUZ_ID or E5M2_ID")
+        code = encode_e5m2(y)
+    return code

@@ -1,0 +1,271 @@
+"""Quantize-on-store: new K/V of a batch -> their slots in the paged KV cache, in one Triton launch.
+
+The reference is :meth:`kv8.cache.paged_cache.PagedKVCache.store` (through :meth:`kv8.cache.codec.KVCodec.encode`);
+:func:`store_kv` writes the same bytes (and, with dynamic scales, the same float32 token scales)::
+
+    key/value  [T, H, D]                      token t, KV head h
+    slot_mapping[t] = s  (s < 0: skip t)      block b = s // bs, offset o = s % bs
+    k_cache/v_cache [num_blocks, H, bs, D]    row [b, h, o, :] <- encode(key[t, h, :])
+    k/v_token_scales [num_blocks, H, bs]      [b, h, o] <- scale of (t, h)      (dynamic scales only)
+
+    |<--------- block b: H tiles of bs x D --------->|
+    | head 0: o=0 [D] o=1 [D] ... | head 1: ... | ... |
+
+Program grid: ``(T, cdiv(H, BLOCK_H))``, one program per token and block of heads, K and V both. A token's
+``[H, D]`` row is contiguous in ``key``/``value`` (coalesced loads), its slot is read once, each head's destination
+is a contiguous ``D`` row of the cache, and a dynamic scale is a reduction over ``D`` inside one tile row -- no
+communication between programs. ``BLOCK_D`` is ``D`` rounded up to a power of two (masked: D = 96 works),
+``BLOCK_H`` covers all heads up to 4096 elements per tile, so usually one program per token (few programs also
+keep the interpreter fast).
+
+Bit-exactness (interpreter and compiled): the only float operations are IEEE ``div.rn`` divisions
+(:func:`kv8.kernels.triton.quant.scaled_rn`) and fp16 <-> float32 conversions (``cvt``: exact widening, RNE
+narrowing); the FP8 encode, bf16 conversions, ``|x|``, ``amax`` and the NaN/inf tests are integer operations on the
+bit patterns. A dynamic scale is ``div_rn(amax, max_finite)`` with ``amax`` the largest ``|x|`` bit pattern (NaN
+and inf sort above every finite value): 1.0 where that pattern is not finite or the quotient is 0 -- the float32
+arithmetic of :meth:`KVCodec.token_scales` on the CPU, where ``tensor / float`` is a true division. (On CUDA torch
+turns a division by a Python float into a multiplication by its rounded reciprocal, so the reference run on CUDA
+tensors can differ from this kernel in the last bit of a scale; the tests compute the reference on the CPU.) NaN
+written to a 16/32-bit cache is a NaN, but its payload bits are not part of the contract (torch's own differ by
+device and code path).
+
+Not checked (the launch never synchronizes with the device, so it can be captured in a CUDA graph): slots lie in
+``[0, num_blocks * bs)`` or are negative and are distinct; static scales are finite and > 0
+(:class:`kv8.quant.scales.KVScales` guarantees it).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from triton.runtime.jit import JITFunction
+
+from kv8.kernels.triton.quant import FP8Layout, bf16_bits_to_f32, encode_fp8, f32_to_bf16_bits, fp8_format_id, scaled_rn
+
+__all__ = ["CACHE_DTYPES", "INPUT_DTYPES", "interpreted", "store_kv"]
+
+INPUT_DTYPES: tuple[torch.dtype, ...] = (torch.bfloat16, torch.float16, torch.float32)
+CACHE_DTYPES: tuple[torch.dtype, ...] = (torch.bfloat16, torch.float16, torch.float32)  # 16/32-bit caches
+_KIND = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}   # the IN/OUT constexprs
+_MODE_CAST, _MODE_STATIC, _MODE_DYNAMIC = 0, 1, 2
+_MAX_TILE = 4096   # elements of one [BLOCK_H, BLOCK_D] tile
+
+
+@triton.jit
+def _load_f32(ptrs, mask, IN: tl.constexpr):
+    """Values at ``ptrs`` widened to float32 exactly (bf16 through its bits)."""
+    if IN == 2:
+        x = bf16_bits_to_f32(tl.load(ptrs, mask=mask, other=0.0))
+    else:
+        x = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+    return x
+
+
+@triton.jit
+def _store_one(x_ptr, stride_xt, stride_xh, c_ptr, stride_cb, stride_ch, stride_cs,
+               scale_ptr, stride_sh, stride_sd, ts_ptr, stride_tb, stride_th, stride_ts,
+               t, block, off, heads, dims, valid, H, D, max_finite,
+               MODE: tl.constexpr, FMT: tl.constexpr, IN: tl.constexpr, OUT: tl.constexpr):
+    """Store token ``t``'s rows ``heads`` x ``dims`` of one of K/V into cache row ``[block, heads, off, dims]``."""
+    hmask = (heads < H) & valid
+    mask = hmask[:, None] & (dims < D)[None, :]
+    src = x_ptr + t * stride_xt + heads[:, None] * stride_xh + dims[None, :]
+    dst = c_ptr + block * stride_cb + heads[:, None] * stride_ch + off * stride_cs + dims[None, :]
+    if MODE == 0:   # 16/32-bit cache: a plain cast (round to nearest even), or a copy of the bits
+        if IN == OUT:
+            tl.store(dst, tl.load(src, mask=mask), mask=mask)
+        elif OUT == 2:
+            bits = f32_to_bf16_bits(_load_f32(src, mask, IN))
+            tl.store(dst, bits.to(tl.uint16).to(tl.bfloat16, bitcast=True), mask=mask)
+        elif OUT == 1:
+            tl.store(dst, _load_f32(src, mask, IN).to(tl.float16), mask=mask)
+        else:
+            tl.store(dst, _load_f32(src, mask, IN), mask=mask)
+    else:
+        x = _load_f32(src, mask, IN)                                  # [BLOCK_H, BLOCK_D], 0 where masked
+        if MODE == 1:   # static scales, [H, D] through (maybe zero) strides
+            s = tl.load(scale_ptr + heads[:, None] * stride_sh + dims[None, :] * stride_sd, mask=mask, other=1.0)
+            y = scaled_rn(x, s)
+        else:           # dynamic: one scale per (token, head), = KVCodec.token_scales
+            # [BLOCK_H] largest |x| bit pattern. tl.reduce with triton's own max combine rather than tl.max: tl.max
+            # is a @jit library function, fixed when triton is imported, so an interpreted kernel cannot call it if
+            # triton was imported before TRITON_INTERPRET was set; the interpreter reduces this combine with numpy.
+            amax = tl.reduce(x.to(tl.int32, bitcast=True) & 0x7FFFFFFF, 1, tl.standard._elementwise_max)
+            ts = tl.math.div_rn(amax.to(tl.float32, bitcast=True), max_finite)
+            ts = tl.where((amax < 0x7F800000) & (ts > 0.0), ts, 1.0)
+            tl.store(ts_ptr + block * stride_tb + heads * stride_th + off * stride_ts, ts, mask=hmask)
+            y = scaled_rn(x, ts[:, None])
+        tl.store(dst, encode_fp8(y, FMT), mask=mask)
+
+
+@triton.jit
+def _store_kv_kernel(key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
+                     k_scale_ptr, v_scale_ptr, k_ts_ptr, v_ts_ptr,
+                     stride_kt, stride_kh, stride_vt, stride_vh,
+                     stride_kcb, stride_kch, stride_kcs, stride_vcb, stride_vch, stride_vcs,
+                     stride_ksh, stride_ksd, stride_vsh, stride_vsd,
+                     stride_ktb, stride_kth, stride_kts, stride_vtb, stride_vth, stride_vts,
+                     H, D, block_size, max_finite,
+                     MODE: tl.constexpr, FMT: tl.constexpr, IN: tl.constexpr, OUT: tl.constexpr,
+                     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Program (t, hb): token t, heads [hb * BLOCK_H, (hb + 1) * BLOCK_H), K then V."""
+    t = tl.program_id(0).to(tl.int64)
+    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    dims = tl.arange(0, BLOCK_D)
+    slot = tl.load(slot_ptr + t)
+    valid = slot >= 0                        # negative slot: a padding row, nothing is written
+    slot = tl.maximum(slot, 0)
+    block = slot // block_size
+    off = slot % block_size
+    _store_one(key_ptr, stride_kt, stride_kh, k_cache_ptr, stride_kcb, stride_kch, stride_kcs,
+               k_scale_ptr, stride_ksh, stride_ksd, k_ts_ptr, stride_ktb, stride_kth, stride_kts,
+               t, block, off, heads, dims, valid, H, D, max_finite, MODE, FMT, IN, OUT)
+    _store_one(value_ptr, stride_vt, stride_vh, v_cache_ptr, stride_vcb, stride_vch, stride_vcs,
+               v_scale_ptr, stride_vsh, stride_vsd, v_ts_ptr, stride_vtb, stride_vth, stride_vts,
+               t, block, off, heads, dims, valid, H, D, max_finite, MODE, FMT, IN, OUT)
+
+
+def interpreted() -> bool:
+    """True when the kernels were built for Triton's interpreter (``TRITON_INTERPRET=1`` when this module was
+    imported): CPU tensors work then, and only then."""
+    return not isinstance(_store_kv_kernel, JITFunction)
+
+
+def _describe(t: object) -> str:
+    if isinstance(t, torch.Tensor):
+        return f"a {t.dtype} tensor of shape {list(t.shape)} on {t.device}"
+    return f"a {type(t).__name__}"
+
+
+def _check_tensor(name: str, t: object, ndim: int, dtypes: tuple[torch.dtype, ...], device: torch.device) -> None:
+    if not isinstance(t, torch.Tensor) or t.ndim != ndim or t.dtype not in dtypes or t.device != device:
+        raise ValueError(f"store_kv: {name} must be a {ndim}-D tensor of dtype {' or '.join(map(str, dtypes))} on "
+                         f"{device}; got {_describe(t)}")
+
+
+def _check_last_contiguous(name: str, t: torch.Tensor) -> None:
+    if t.shape[-1] > 1 and t.stride(-1) != 1:
+        raise ValueError(f"store_kv: {name}'s last dim must be contiguous (stride 1), got strides {t.stride()}; "
+                         "pass a .contiguous() tensor")
+
+
+def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor, *, fp8: FP8Layout | None,
+             k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+             k_token_scales: torch.Tensor | None = None, v_token_scales: torch.Tensor | None = None) -> None:
+    """Write ``key``/``value`` ``[T, H, D]`` (stored basis) into their slots of ``k_cache``/``v_cache``.
+
+    * ``key``, ``value``: bf16/fp16/fp32, one dtype, any strides with a contiguous last dim.
+    * ``k_cache``, ``v_cache``: ``[num_blocks, H, bs, D]`` (views as :meth:`PagedKVCache.layer` returns), one dtype:
+      ``uint8`` codes when ``fp8`` is a format (a :class:`kv8.quant.formats.FP8Format`), else bf16/fp16/fp32
+      (``fp8=None``: a plain cast, round to nearest even).
+    * ``slot_mapping``: ``[T]`` int64; token ``t`` goes to block ``s // bs``, offset ``s % bs``; ``s < 0`` skips it
+      (its bytes and scales stay as they were).
+    * FP8, static scales: ``k_scale``, ``v_scale`` float32, broadcastable to ``[H, D]`` (``[1, 1]``, ``[H, 1]``,
+      ``[1, D]``, ``[H, D]``); codes equal ``quantize(x, scale, fmt)``.
+    * FP8, dynamic scales: ``k_token_scales``, ``v_token_scales`` ``[num_blocks, H, bs]`` float32 (views as
+      :meth:`PagedKVCache.layer_token_scales` returns) receive each (token, head)'s scale, as
+      :meth:`KVCodec.token_scales` computes it, and the codes are ``quantize(x, scale, fmt)``.
+
+    All tensors on one device: CUDA, or the CPU when the kernels run in Triton's interpreter. ``ValueError`` names
+    the argument, what it was and what is allowed.
+    """
+    # ---- validate (no device synchronization) ------------------------------------------------------------------
+    if not isinstance(key, torch.Tensor):
+        raise ValueError(f"store_kv: key must be a [T, H, D] tensor, got {_describe(key)}")
+    device = key.device
+    if device.type == "cpu" and not interpreted():
+        raise ValueError("store_kv: CPU tensors need Triton's interpreter: set TRITON_INTERPRET=1 before "
+                         "kv8.kernels.triton is imported (or pass CUDA tensors)")
+    _check_tensor("key", key, 3, INPUT_DTYPES, device)
+    _check_tensor("value", value, 3, (key.dtype,), device)
+    if value.shape != key.shape:
+        raise ValueError(f"store_kv: value has shape {list(value.shape)}, key {list(key.shape)}: they must be equal")
+    num_tokens, num_heads, head_dim = key.shape
+    cache_dtypes = (torch.uint8,) if fp8 is not None else CACHE_DTYPES
+    _check_tensor("k_cache", k_cache, 4, cache_dtypes, device)
+    _check_tensor("v_cache", v_cache, 4, (k_cache.dtype,), device)
+    num_blocks, cache_heads, block_size, cache_dim = k_cache.shape
+    if (cache_heads, cache_dim) != (num_heads, head_dim) or v_cache.shape != k_cache.shape:
+        raise ValueError(f"store_kv: k_cache {list(k_cache.shape)} and v_cache {list(v_cache.shape)} must both be "
+                         f"[num_blocks, H={num_heads}, block_size, D={head_dim}] for key/value {list(key.shape)}")
+    for name, t in (("key", key), ("value", value), ("k_cache", k_cache), ("v_cache", v_cache)):
+        _check_last_contiguous(name, t)
+    _check_tensor("slot_mapping", slot_mapping, 1, (torch.int64,), device)
+    if slot_mapping.shape[0] != num_tokens:
+        raise ValueError(f"store_kv: slot_mapping has {slot_mapping.shape[0]} entries for {num_tokens} tokens")
+
+    static = (k_scale, v_scale)
+    dynamic = (k_token_scales, v_token_scales)
+    given = [n for n, t in zip(("k_scale", "v_scale", "k_token_scales", "v_token_scales"), static + dynamic)
+             if t is not None]
+    if fp8 is None:
+        if given:
+            raise ValueError(f"store_kv: {', '.join(given)} given for a {k_cache.dtype} cache (fp8=None); "
+                             "scales exist only for FP8 caches")
+        mode, fmt_id, max_finite = _MODE_CAST, 0, 1.0
+    else:
+        fmt_id = fp8_format_id(fp8)
+        max_finite = float(fp8.max_finite)
+        if sorted(given) == ["k_scale", "v_scale"]:
+            mode = _MODE_STATIC
+        elif sorted(given) == ["k_token_scales", "v_token_scales"]:
+            mode = _MODE_DYNAMIC
+        else:
+            raise ValueError(f"store_kv: an FP8 cache needs either k_scale and v_scale (static scales) or "
+                             f"k_token_scales and v_token_scales (dynamic scales); got {given or 'none'}")
+
+    k_sc = v_sc = k_ts = v_ts = slot_mapping   # placeholders for pointers the mode does not read
+    ks_strides: tuple[int, ...] = (0, 0)
+    vs_strides: tuple[int, ...] = (0, 0)
+    kt_strides: tuple[int, ...] = (0, 0, 0)
+    vt_strides: tuple[int, ...] = (0, 0, 0)
+    if mode == _MODE_STATIC:
+        k_sc, ks_strides = _scale_view("k_scale", k_scale, num_heads, head_dim, device)
+        v_sc, vs_strides = _scale_view("v_scale", v_scale, num_heads, head_dim, device)
+    elif mode == _MODE_DYNAMIC:
+        want = (num_blocks, num_heads, block_size)
+        k_ts = _token_scales("k_token_scales", k_token_scales, want, device)
+        v_ts = _token_scales("v_token_scales", v_token_scales, want, device)
+        kt_strides, vt_strides = k_ts.stride(), v_ts.stride()
+
+    if num_tokens == 0:
+        return
+    block_d = triton.next_power_of_2(head_dim)
+    block_h = min(triton.next_power_of_2(num_heads), max(1, _MAX_TILE // block_d))
+    grid = (num_tokens, triton.cdiv(num_heads, block_h))
+    _store_kv_kernel[grid](
+        key, value, k_cache, v_cache, slot_mapping, k_sc, v_sc, k_ts, v_ts,
+        key.stride(0), key.stride(1), value.stride(0), value.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        *ks_strides, *vs_strides, *kt_strides, *vt_strides,
+        num_heads, head_dim, block_size, max_finite,
+        MODE=mode, FMT=fmt_id, IN=_KIND[key.dtype], OUT=_KIND.get(k_cache.dtype, 0),
+        BLOCK_H=block_h, BLOCK_D=block_d, num_warps=4 if block_h * block_d >= 1024 else 2,
+    )
+
+
+def _scale_view(name: str, scale: torch.Tensor | None, num_heads: int, head_dim: int,
+                device: torch.device) -> tuple[torch.Tensor, tuple[int, ...]]:
+    """A static scale as an ``[H, D]`` view (zero strides where it broadcasts; no copy) and its strides."""
+    if not isinstance(scale, torch.Tensor) or scale.dtype != torch.float32 or scale.device != device:
+        raise ValueError(f"store_kv: {name} must be a float32 tensor on {device} broadcastable to [H, D] = "
+                         f"{[num_heads, head_dim]}; got {_describe(scale)}")
+    if scale.ndim > 2 or any(n not in (1, want) for n, want in zip(scale.shape[::-1], (head_dim, num_heads))):
+        raise ValueError(f"store_kv: {name} of shape {list(scale.shape)} does not broadcast to [H, D] = "
+                         f"{[num_heads, head_dim]}; allowed: [1, 1], [H, 1], [1, D], [H, D]")
+    view = scale.expand(num_heads, head_dim)
+    return view, (view.stride(0), view.stride(1))
+
+
+def _token_scales(name: str, ts: torch.Tensor | None, shape: tuple[int, int, int],
+                  device: torch.device) -> torch.Tensor:
+    """A dynamic-scales tensor, checked: float32 ``[num_blocks, H, block_size]`` (any strides) on ``device``."""
+    _check_tensor(name, ts, 3, (torch.float32,), device)
+    assert isinstance(ts, torch.Tensor)
+    if tuple(ts.shape) != shape:
+        raise ValueError(f"store_kv: {name} has shape {list(ts.shape)}, must be [num_blocks, H, block_size] = "
+                         f"{list(shape)}")
+    return ts

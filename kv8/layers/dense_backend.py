@@ -1,0 +1,67 @@
+"""The dense backend of a model: whether its dense layers (linear, norm, activation, RoPE) run torch ops or kv8's
+packed kernels (:mod:`kv8.kernels.dense`), chosen once, when the model loads.
+
+:func:`select_dense_backend` turns the engine option ``dense_backend`` (checked by
+:class:`kv8.engine.config.EngineConfig`) into a :class:`DenseBackend`: ``torch`` runs torch ops; ``packed_bf16`` runs
+the kernels and needs a bf16 model; ``auto`` is ``packed_bf16`` for bf16 models when the kernels build and load,
+else torch (with one warning per process).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from kv8.kernels.build import KernelUnavailable
+from kv8.kernels.dense import DenseKernels, load_dense_kernels
+
+logger = logging.getLogger("kv8")
+
+__all__ = ["DenseBackend", "TORCH_BACKEND", "select_dense_backend"]
+
+_auto_fallback_logged = False
+
+
+@dataclass(frozen=True)
+class DenseBackend:
+    """How the dense layers of a model compute: ``name`` is ``"torch"`` (``kernels`` is None) or
+    ``"packed_bf16"`` (``kernels`` is the loaded library). Each layer picks its implementation from it when it
+    is constructed; nothing switches afterwards."""
+
+    name: str
+    kernels: DenseKernels | None = None
+    quantization: str | None = None   # the decoder's linear layers: None (as loaded) or "fp8"
+
+    def __post_init__(self) -> None:
+        if (self.name == "packed_bf16") != (self.kernels is not None):
+            raise ValueError(f"dense backend {self.name!r} must come with kernels exactly when it is 'packed_bf16'")
+
+
+TORCH_BACKEND = DenseBackend("torch")
+
+
+def _torch_backend(quantization: str | None) -> DenseBackend:
+    return TORCH_BACKEND if quantization is None else DenseBackend("torch", None, quantization)
+
+
+def select_dense_backend(name: str, dtype: torch.dtype, quantization: str | None = None) -> DenseBackend:
+    """The backend for option ``name`` with the weight ``quantization``, both validated by the engine's config
+    (:class:`kv8.engine.config.EngineConfig`: ``name`` usable with ``dtype``, ``quantization`` None or ``"fp8"``).
+    ``packed_bf16`` raises
+    :class:`KernelUnavailable` if the kernels cannot be built or loaded; ``auto`` then says why once per process
+    and uses torch; models in other dtypes than bf16 use torch."""
+    global _auto_fallback_logged
+    if name == "torch" or dtype != torch.bfloat16:
+        return _torch_backend(quantization)
+    try:
+        kernels = load_dense_kernels()
+    except KernelUnavailable as exc:
+        if name == "packed_bf16":
+            raise
+        if not _auto_fallback_logged:
+            _auto_fallback_logged = True
+            logger.warning("dense layers: using torch because kv8's CPU kernels are unavailable: %s", exc)
+        return _torch_backend(quantization)
+    return DenseBackend("packed_bf16", kernels, quantization)

@@ -1,0 +1,629 @@
+"""kv8.kernels.triton.store (quantize-on-store) against the reference store, byte for byte.
+
+The oracle is :meth:`kv8.cache.paged_cache.PagedKVCache.store` (through :meth:`KVCodec.encode` and
+:func:`kv8.quant.formats.quantize`), always computed on the CPU. Without CUDA the kernels run in Triton's interpreter
+on CPU tensors (``TRITON_INTERPRET=1``, set here before kv8's kernels are decorated); with CUDA and no
+``TRITON_INTERPRET`` they run compiled on CUDA tensors. The device parameter is the one this process can run.
+
+Each test fills both caches with the same sentinel bytes first, so a byte written where the reference writes none
+(a skipped slot, a padded head or channel) fails too. What the interpreter cannot show (numpy divides exactly where
+Triton's ``/`` would be an approximate ``div.full.f32`` on a GPU) is checked on the PTX of the kernel compiled for
+sm_90, which needs no GPU.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import math
+import os
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"   # read when a @triton.jit function is decorated, i.e. at import
+
+import triton  # noqa: E402
+
+import kv8.kernels.triton.quant as triton_quant  # noqa: E402
+import kv8.kernels.triton.store as triton_store  # noqa: E402
+from kv8.cache.codec import KVCodec  # noqa: E402
+from kv8.cache.paged_cache import CacheShape, PagedKVCache  # noqa: E402
+from kv8.quant.formats import E4M3, E4M3FNUZ, E5M2, FP8_FORMATS, FP8Format, quantize, resolve_kv_cache_dtype  # noqa: E402
+from kv8.quant.scales import KVScales, ScaleGranularity  # noqa: E402
+
+INTERPRET = bool(triton.knobs.runtime.interpret)
+if triton_store.interpreted() != INTERPRET:
+    # kv8.kernels.triton was imported earlier in this process under the other setting (another test module):
+    # decorate its kernels again under this one.
+    importlib.reload(triton_quant)
+    importlib.reload(triton_store)
+store_kv = triton_store.store_kv
+
+DEVICES = ["cpu"] if INTERPRET else ["cuda"]
+device_param = pytest.mark.parametrize("device", DEVICES)
+FORMATS = [E4M3, E4M3FNUZ, E5M2]
+fmt_param = pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
+INPUT_DTYPES = [torch.bfloat16, torch.float16, torch.float32]
+in_dtype_param = pytest.mark.parametrize("in_dtype", INPUT_DTYPES, ids=lambda d: str(d).removeprefix("torch."))
+
+# numpy's warnings from the interpreter's float32 ops (inf/NaN lanes, later saturated or selected away)
+pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning:triton.runtime.interpreter")
+
+
+def test_kernels_run_where_this_process_can_run_them() -> None:
+    assert triton_store.interpreted() == INTERPRET
+    assert INTERPRET or torch.cuda.is_available()
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# helpers
+# ----------------------------------------------------------------------------------------------------------------
+
+def make_cache(kv_name: str, *, heads: int, dim: int, blocks: int, block_size: int = 16, dynamic: bool = False,
+               scales: KVScales | None = None) -> PagedKVCache:
+    """A one-layer cache whose bytes (and token scales) are a sentinel pattern."""
+    kv_dtype = resolve_kv_cache_dtype(kv_name, torch.bfloat16)
+    if kv_dtype.is_fp8 and not dynamic and scales is None:
+        scales = KVScales.default(1)
+    codec = KVCodec.build(kv_dtype, dim, scale_mode="dynamic" if dynamic else "static", scales=scales)
+    cache = PagedKVCache(CacheShape(1, blocks, heads, block_size, dim), codec)
+    cache.data.view(torch.uint8).fill_(0xA5)
+    if cache.token_scales is not None:
+        cache.token_scales.view(torch.int32).fill_(0x7FA5A5A5)   # a NaN pattern no scale can be
+    return cache
+
+
+def clone_cache(cache: PagedKVCache) -> PagedKVCache:
+    other = PagedKVCache(cache.shape, cache.codec)
+    other.data.copy_(cache.data)
+    if cache.token_scales is not None:
+        assert other.token_scales is not None
+        other.token_scales.copy_(cache.token_scales)
+    return other
+
+
+def kernel_store(cache: PagedKVCache, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor,
+                 device: str) -> None:
+    """store_kv into ``cache`` (layer 0), run on ``device`` with copies of the cache tensors."""
+    data = cache.data.to(device)
+    token_scales = None if cache.token_scales is None else cache.token_scales.to(device)
+    kwargs: dict[str, torch.Tensor] = {}
+    if token_scales is not None:
+        kwargs = dict(k_token_scales=token_scales[0, 0], v_token_scales=token_scales[0, 1])
+    elif cache.scales is not None:
+        k_scale, v_scale = cache.layer_scales(0)  # type: ignore[misc]
+        kwargs = dict(k_scale=k_scale.to(device), v_scale=v_scale.to(device))
+    store_kv(key.to(device), value.to(device), data[0, 0], data[0, 1], slots.to(device), fp8=cache.kv_dtype.fp8,
+             **kwargs)
+    cache.data.copy_(data.cpu())
+    if token_scales is not None:
+        assert cache.token_scales is not None
+        cache.token_scales.copy_(token_scales.cpu())
+
+
+def reference_store(cache: PagedKVCache, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor) -> None:
+    keep = slots >= 0
+    cache.store(0, key[keep], value[keep], slots[keep])
+
+
+def assert_same_bits(want: torch.Tensor, got: torch.Tensor, what: str, nan_payloads: bool = True) -> None:
+    """Bit patterns equal; with ``nan_payloads=False`` two NaNs match whatever their bits (16/32-bit casts)."""
+    assert want.shape == got.shape and want.dtype == got.dtype
+    int_dtype = {1: torch.uint8, 2: torch.int16, 4: torch.int32}[want.element_size()]
+    same = want.view(int_dtype) == got.view(int_dtype)
+    if not nan_payloads and want.dtype.is_floating_point:
+        same |= torch.isnan(want) & torch.isnan(got)
+    bad = (~same).nonzero()
+    assert bad.shape[0] == 0, (f"{what}: {bad.shape[0]} of {same.numel()} differ, first at {bad[:4].tolist()}: "
+                               f"want {[want[tuple(i)].item() for i in bad[:4]]} got "
+                               f"{[got[tuple(i)].item() for i in bad[:4]]}")
+
+
+def assert_stores_like_reference(cache: PagedKVCache, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor,
+                                 device: str) -> None:
+    want, got = clone_cache(cache), clone_cache(cache)
+    reference_store(want, key, value, slots)
+    kernel_store(got, key, value, slots, device)
+    float_cache = not cache.kv_dtype.is_fp8
+    assert_same_bits(want.data, got.data, f"{cache.kv_dtype.name} cache bytes", nan_payloads=not float_cache)
+    if cache.token_scales is not None:
+        assert want.token_scales is not None and got.token_scales is not None
+        assert_same_bits(want.token_scales, got.token_scales, "token scales")
+
+
+def f32(bits: list[int] | np.ndarray) -> np.ndarray:
+    return np.asarray(bits, dtype=np.uint32).view(np.float32)
+
+
+def as_tokens(x: np.ndarray | torch.Tensor, heads: int, dim: int, dtype: torch.dtype) -> torch.Tensor:
+    """A flat sweep as ``[T, heads, dim]`` in ``dtype``, padded with copies of its first values."""
+    flat = torch.as_tensor(np.asarray(x, dtype=np.float32)) if isinstance(x, np.ndarray) else x
+    per_token = heads * dim
+    tokens = -(-flat.numel() // per_token)
+    flat = torch.cat([flat, flat[: tokens * per_token - flat.numel()]]) if tokens * per_token > flat.numel() else flat
+    return flat.reshape(tokens, heads, dim).to(dtype)
+
+
+def sweep_values() -> np.ndarray:
+    """Every value of the three FP8 formats and every midpoint between neighbours, each with its float32
+    neighbours, both signs; the subnormal/underflow edge, saturation (max + half an ulp, huge, float32 max, inf),
+    float32 subnormals, ±0 and NaNs of both signs with several payloads."""
+    parts = []
+    for fmt in FORMATS:
+        vals = np.unique(np.abs(np.nan_to_num(np.array(fmt.values()), nan=0.0, posinf=0.0, neginf=0.0)))
+        mids = (vals[:-1] + vals[1:]) / 2                    # exact in float32: one more significant bit
+        top = vals[-1] - vals[-2]
+        edge = [fmt.max_finite + top / 2, fmt.max_finite + top, 2 * fmt.max_finite, fmt.min_subnormal / 2,
+                fmt.min_subnormal / 4, fmt.min_subnormal * 0.75, fmt.min_subnormal * 1.5]
+        parts += [vals, mids, np.array(edge)]
+    base = np.concatenate(parts).astype(np.float32)
+    big = np.array([1e30, np.finfo(np.float32).max, np.finfo(np.float32).tiny, 1e-40, 1e-45], dtype=np.float32)
+    base = np.concatenate([base, big])
+    with np.errstate(over="ignore"):
+        near = np.concatenate([base, np.nextafter(base, np.float32(np.inf)), np.nextafter(base, np.float32(-np.inf))])
+    specials = np.concatenate([np.array([np.inf, -np.inf, 0.0, -0.0], dtype=np.float32),
+                               f32([0x7FC00000, 0xFFC00000, 0x7F800001, 0xFF800001, 0x7FFFFFFF, 0xFFFFFFFF])])
+    return np.concatenate([near, -near, specials])
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the encode constants
+# ----------------------------------------------------------------------------------------------------------------
+
+@fmt_param
+def test_encode_constants_are_kv8s_formats(fmt: FP8Format) -> None:
+    enc = triton_quant.FP8_ENCODINGS[fmt.name]
+    assert triton_quant.fp8_format_id(fmt) == enc.format_id
+    for field in ("exponent_bits", "mantissa_bits", "exponent_bias", "max_finite", "has_negative_zero", "nan_code",
+                  "negative_nan_code"):
+        assert getattr(enc, field) == getattr(fmt, field), field
+    assert np.float32(fmt.max_finite).view(np.uint32) == enc.max_finite_bits
+    # the literals in encode_*'s bodies
+    literal = {"fp8_e4m3": 0x43E00000, "fp8_e4m3fnuz": 0x43700000, "fp8_e5m2": 0x47600000}
+    assert literal[fmt.name] == enc.max_finite_bits
+    assert set(triton_quant.FP8_ENCODINGS) == set(FP8_FORMATS)
+    assert sorted(e.format_id for e in triton_quant.FP8_ENCODINGS.values()) == [0, 1, 2]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# FP8 codes: every rounding boundary
+# ----------------------------------------------------------------------------------------------------------------
+
+@device_param
+@fmt_param
+@in_dtype_param
+def test_boundary_sweep_is_bit_exact(device: str, fmt: FP8Format, in_dtype: torch.dtype) -> None:
+    """Scale 1: the codes are encode(x) itself, at and around every value and tie of all three formats."""
+    x = sweep_values()
+    assert x.size > 4000
+    key = as_tokens(x, 8, 128, in_dtype)
+    value = as_tokens(x[::-1].copy(), 8, 128, in_dtype)
+    t = key.shape[0]
+    cache = make_cache(fmt.name, heads=8, dim=128, blocks=1, block_size=t)
+    assert_stores_like_reference(cache, key, value, torch.arange(t), device)
+    # and independently of the store: the codes at their slots are quantize(x, 1.0)
+    got = clone_cache(cache)
+    kernel_store(got, key, value, torch.arange(t), device)
+    codes = got.layer(0)[0][0].transpose(0, 1)                              # [T, H, D]
+    assert torch.equal(codes, quantize(key, 1.0, fmt))
+
+
+@device_param
+@fmt_param
+def test_random_float32_bits_are_bit_exact(device: str, fmt: FP8Format) -> None:
+    """Random bit patterns over the whole float32 range and log-uniform values over the format's range."""
+    rng = np.random.default_rng(7)
+    bits = rng.integers(0, 2 ** 32, size=16384, dtype=np.uint64).astype(np.uint32)
+    exps = rng.uniform(math.log2(fmt.min_subnormal) - 3, math.log2(fmt.max_finite) + 2, size=16384)
+    dense = (rng.choice(np.array([-1.0, 1.0]), size=exps.size) * np.exp2(exps)).astype(np.float32)
+    key, value = as_tokens(f32(bits), 8, 128, torch.float32), as_tokens(dense, 8, 128, torch.float32)
+    cache = make_cache(fmt.name, heads=8, dim=128, blocks=1, block_size=key.shape[0])
+    assert_stores_like_reference(cache, key, value, torch.arange(key.shape[0]), device)
+
+
+@device_param
+@fmt_param
+def test_every_16_bit_input_is_bit_exact(device: str, fmt: FP8Format) -> None:
+    """Every bf16 pattern, then every fp16 pattern, as keys and values (reversed), with non-trivial scales per head."""
+    patterns = torch.arange(-(2 ** 15), 2 ** 15, dtype=torch.int32).to(torch.int16)
+    bf16 = patterns.view(torch.bfloat16).reshape(64, 8, 128)
+    fp16 = patterns.view(torch.float16).reshape(64, 8, 128)
+    per_head = torch.tensor([1.0, 0.37, 3.0, 1e-3, 2.0 ** -20, 5e3, 0.1, 7.0]).reshape(1, 8, 1)
+    scales = KVScales(k=per_head, v=per_head.flip(1), granularity=ScaleGranularity.HEAD, source="test", made_for=None)
+    cache = make_cache(fmt.name, heads=8, dim=128, blocks=4, scales=scales)
+    slots = torch.randperm(64, generator=torch.Generator().manual_seed(0))
+    assert_stores_like_reference(cache, bf16, bf16.flip(0), slots, device)
+    assert_stores_like_reference(cache, fp16, fp16.flip(0), slots, device)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# static scales
+# ----------------------------------------------------------------------------------------------------------------
+
+def layer_scales(granularity: ScaleGranularity, heads: int, dim: int, seed: int) -> KVScales:
+    """Scales spread over four decades (and one subnormal-producing extreme value for channel scales)."""
+    g = torch.Generator().manual_seed(seed)
+    shape = {ScaleGranularity.TENSOR: (1, 1, 1), ScaleGranularity.HEAD: (1, heads, 1),
+             ScaleGranularity.CHANNEL: (1, heads, dim)}[granularity]
+    k = torch.exp(torch.empty(shape).uniform_(-5, 4, generator=g))
+    v = torch.exp(torch.empty(shape).uniform_(-5, 4, generator=g))
+    if granularity is ScaleGranularity.CHANNEL:
+        k[0, 0, 0] = 3e38
+        v[0, -1, -1] = 1e-30
+    return KVScales(k=k, v=v, granularity=granularity, source="test", made_for=None)
+
+
+@device_param
+@fmt_param
+@pytest.mark.parametrize("granularity", list(ScaleGranularity), ids=lambda g: g.value)
+@in_dtype_param
+def test_static_scales_of_each_granularity(device: str, fmt: FP8Format, granularity: ScaleGranularity,
+                                           in_dtype: torch.dtype) -> None:
+    heads, dim, blocks = 2, 96, 6
+    seed = 10 * FORMATS.index(fmt) + list(ScaleGranularity).index(granularity)
+    scales = layer_scales(granularity, heads, dim, seed)
+    cache = make_cache(fmt.name, heads=heads, dim=dim, blocks=blocks, scales=scales)
+    g = torch.Generator().manual_seed(3)
+    t = 13
+    key = (torch.randn(t, heads, dim, generator=g) * torch.exp(torch.randn(t, heads, 1, generator=g) * 3))
+    value = torch.randn(t, heads, dim, generator=g) * 1e-3
+    key[0, 0, :8] = torch.tensor([0.0, -0.0, math.inf, -math.inf, math.nan, -math.nan, 1e38, -1e-39])
+    slots = torch.randperm(blocks * 16, generator=g)[:t]
+    assert_stores_like_reference(cache, key.to(in_dtype), value.to(in_dtype), slots, device)
+
+
+@device_param
+def test_static_scale_of_shape_1_by_d(device: str) -> None:
+    """[1, D] broadcasts too (KVScales has no such granularity; the kernel takes any [H, D]-broadcastable scale)."""
+    heads, dim = 2, 64
+    g = torch.Generator().manual_seed(5)
+    key, value = torch.randn(5, heads, dim, generator=g) * 50, torch.randn(5, heads, dim, generator=g)
+    k_scale = torch.exp(torch.randn(1, dim, generator=g))
+    v_scale = torch.exp(torch.randn(dim, generator=g))                         # 1-D: [D]
+    k_cache = torch.zeros(2, heads, 16, dim, dtype=torch.uint8)
+    v_cache = torch.zeros_like(k_cache)
+    slots = torch.tensor([3, 17, 0, 31, 8])
+    k_cache_d, v_cache_d = k_cache.to(device), v_cache.to(device)
+    store_kv(key.to(device), value.to(device), k_cache_d, v_cache_d, slots.to(device), fp8=E4M3,
+             k_scale=k_scale.to(device), v_scale=v_scale.to(device))
+    got_k, got_v = k_cache_d.cpu(), v_cache_d.cpu()
+    blocks, offsets = slots // 16, slots % 16
+    assert torch.equal(got_k[blocks, :, offsets], quantize(key, k_scale, E4M3))
+    assert torch.equal(got_v[blocks, :, offsets], quantize(value, v_scale, E4M3))
+    assert int(got_k.count_nonzero()) == int(quantize(key, k_scale, E4M3).count_nonzero())
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# dynamic scales
+# ----------------------------------------------------------------------------------------------------------------
+
+def dynamic_rows(fmt: FP8Format, dim: int, seed: int) -> torch.Tensor:
+    """Rows [N, dim] float32 whose amax hits every case of token_scales: zero (±0), float32 subnormal, amax just
+    below / at / above max_finite * 2^-126 (a subnormal or the smallest normal scale), ordinary values, float32
+    max, ±inf, NaN (with a larger finite value beside it), and random rows."""
+    g = torch.Generator().manual_seed(seed)
+    edge = fmt.max_finite * 2.0 ** -126
+    amaxes = [0.0, 1e-45, 1e-40, 2.0 ** -126, edge, 1e-36, 1.0, 3.14159, fmt.max_finite, 1e4, 3.4028234663852886e38]
+    near = np.array(amaxes + [fmt.max_finite * 2.0 ** -127], dtype=np.float32)
+    with np.errstate(over="ignore"):
+        near = np.unique(np.concatenate([near, np.nextafter(near, np.float32(np.inf)),
+                                         np.nextafter(near, np.float32(0))]))
+    rows = []
+    for a in near.tolist():
+        row = torch.rand(dim, generator=g) * a * (torch.randint(0, 2, (dim,), generator=g) * 2 - 1)
+        row[int(torch.randint(0, dim, (1,), generator=g))] = -a if len(rows) % 2 else a
+        rows.append(row)
+    zero = torch.zeros(dim)
+    zero[::3] = -0.0
+    rows.append(zero)
+    for special in (math.inf, -math.inf, math.nan, -math.nan):
+        row = torch.randn(dim, generator=g)
+        row[1], row[2] = special, 1e30
+        rows.append(row)
+    rows.append(torch.randn(dim, generator=g) * 1e-20)
+    rows += list(torch.randn(12, dim, generator=g) * torch.exp(torch.randn(12, 1, generator=g) * 8))
+    return torch.stack(rows)
+
+
+@device_param
+@fmt_param
+@in_dtype_param
+def test_dynamic_scales_codes_and_token_scales(device: str, fmt: FP8Format, in_dtype: torch.dtype) -> None:
+    heads, dim = 8, 96
+    rows = dynamic_rows(fmt, dim, seed=11)
+    t = -(-rows.shape[0] // heads)
+    rows = torch.cat([rows, rows[: t * heads - rows.shape[0]]]).reshape(t, heads, dim)
+    cache = make_cache(fmt.name, heads=heads, dim=dim, blocks=4, dynamic=True)
+    slots = torch.randperm(4 * 16, generator=torch.Generator().manual_seed(2))[:t]
+    slots[1] = -1
+    assert_stores_like_reference(cache, rows.to(in_dtype), rows.flip(0).to(in_dtype) * 3, slots, device)
+
+
+@device_param
+@fmt_param
+def test_dynamic_scale_values_are_codec_token_scales(device: str, fmt: FP8Format) -> None:
+    """The stored scales are KVCodec.token_scales of each (token, head), at the token's slot, exactly."""
+    heads, dim = 2, 64
+    rows = dynamic_rows(fmt, dim, seed=4)[: 2 * 12].reshape(12, heads, dim)
+    cache = make_cache(fmt.name, heads=heads, dim=dim, blocks=2, dynamic=True)
+    slots = torch.tensor([5, 16, 0, 31, 7, 9, 30, 1, 2, 17, 18, 4])
+    kernel_store(cache, rows, rows * 0.5, slots, device)
+    ts = cache.codec.token_scales(rows)                                       # [T, H]
+    k_ts, v_ts = cache.layer_token_scales(0)  # type: ignore[misc]
+    assert torch.equal(k_ts[slots // 16, :, slots % 16].view(torch.int32), ts.view(torch.int32))
+    assert torch.equal(v_ts[slots // 16, :, slots % 16].view(torch.int32),
+                       cache.codec.token_scales(rows * 0.5).view(torch.int32))
+    assert bool((ts[~torch.isfinite(rows).all(-1)] == 1.0).all())
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# 16/32-bit caches
+# ----------------------------------------------------------------------------------------------------------------
+
+def cast_sweep() -> np.ndarray:
+    """float32 values at and around every rounding boundary of bf16 and fp16: exact ties (RNE), their float32
+    neighbours, subnormals, the fp16 overflow edge (65520 rounds to inf), random bit patterns, ±0, ±inf, NaN."""
+    rng = np.random.default_rng(3)
+    hi = rng.integers(0, 2 ** 16, size=4096, dtype=np.uint64).astype(np.uint32) << 16
+    bf16_ties = np.concatenate([hi | 0x8000, hi | 0x8001, hi | 0x7FFF, hi | 0x18000]).astype(np.uint32)
+    fp16 = np.arange(0, 0x7C00, dtype=np.uint16).view(np.float16).astype(np.float64)
+    fp16_ties = ((fp16[:-1] + fp16[1:]) / 2).astype(np.float32)
+    fp16_ties = np.concatenate([fp16_ties[:1024], fp16_ties[1024::5]])     # all subnormal ties, a fifth of the rest
+    edge = np.array([65504.0, 65519.996, 65520.0, 65536.0, 2.0 ** -25, 2.0 ** -24, 3 * 2.0 ** -26], dtype=np.float32)
+    base = np.concatenate([f32(bf16_ties), fp16_ties, edge,
+                           f32(rng.integers(0, 2 ** 32, size=8192, dtype=np.uint64).astype(np.uint32))])
+    base = base[~np.isnan(base)]
+    with np.errstate(over="ignore"):
+        near = np.concatenate([base, np.nextafter(base, np.float32(np.inf)), np.nextafter(base, np.float32(-np.inf))])
+    specials = np.concatenate([np.array([0.0, -0.0, np.inf, -np.inf, 1e-45, -1e-40], dtype=np.float32),
+                               f32([0x7FC00000, 0xFFC00000, 0x7F800001])])
+    return np.concatenate([near, -near[::7], specials])
+
+
+@device_param
+@pytest.mark.parametrize("kv_name", ["bfloat16", "float16", "float32"])
+@in_dtype_param
+def test_float_caches_are_a_round_to_nearest_even_cast(device: str, kv_name: str, in_dtype: torch.dtype) -> None:
+    x = cast_sweep()
+    key = as_tokens(x, 8, 128, in_dtype)
+    value = as_tokens(np.roll(x, 12345), 8, 128, in_dtype)
+    t = key.shape[0]
+    cache = make_cache(kv_name, heads=8, dim=128, blocks=-(-t // 16))
+    slots = torch.randperm(cache.shape.num_blocks * 16, generator=torch.Generator().manual_seed(1))[:t]
+    assert_stores_like_reference(cache, key, value, slots, device)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# layout: slots, shapes, strides
+# ----------------------------------------------------------------------------------------------------------------
+
+@device_param
+@pytest.mark.parametrize("heads", [1, 2, 8])
+@pytest.mark.parametrize("dim", [64, 96, 128, 256])
+def test_shapes_scattered_slots_and_skipped_tokens(device: str, heads: int, dim: int) -> None:
+    """21 tokens (not a multiple of block_size 16) scattered over 5 blocks, 3 of them skipped (slot -1)."""
+    g = torch.Generator().manual_seed(heads * 1000 + dim)
+    t, blocks = 21, 5
+    key = torch.randn(t, heads, dim, generator=g).to(torch.bfloat16) * 30
+    value = torch.randn(t, heads, dim, generator=g).to(torch.bfloat16)
+    slots = torch.randperm(blocks * 16, generator=g)[:t]
+    slots[torch.tensor([0, 7, 20])] = -1
+    kv_name, dynamic = [("fp8_e4m3", True), ("fp8_e5m2", False), ("fp8_e4m3fnuz", True)][(heads + dim) % 3]
+    assert_stores_like_reference(make_cache(kv_name, heads=heads, dim=dim, blocks=blocks, dynamic=dynamic),
+                                 key, value, slots, device)
+
+
+@device_param
+@pytest.mark.parametrize(("heads", "dim"), [(3, 96), (24, 256)])
+def test_padded_heads_and_heads_split_over_programs(device: str, heads: int, dim: int) -> None:
+    """H not a power of two (masked head lanes), and H * D over one tile (24 x 256: two programs per token, the
+    second half masked), with dynamic scales and with channel scales."""
+    assert triton.next_power_of_2(heads) * dim > 4096 or heads & (heads - 1)
+    g = torch.Generator().manual_seed(heads)
+    t = 5
+    key = torch.randn(t, heads, dim, generator=g) * 40
+    value = torch.randn(t, heads, dim, generator=g)
+    slots = torch.tensor([17, 2, -1, 31, 16])
+    assert_stores_like_reference(make_cache("fp8_e4m3", heads=heads, dim=dim, blocks=2, dynamic=True),
+                                 key, value, slots, device)
+    scales = layer_scales(ScaleGranularity.CHANNEL, heads, dim, seed=heads)
+    assert_stores_like_reference(make_cache("fp8_e5m2", heads=heads, dim=dim, blocks=2, scales=scales),
+                                 key, value, slots, device)
+
+
+@device_param
+def test_negative_slots_leave_every_byte_untouched(device: str) -> None:
+    cache = make_cache("fp8_e4m3", heads=2, dim=64, blocks=2, dynamic=True)
+    before = clone_cache(cache)
+    key = torch.randn(6, 2, 64)
+    kernel_store(cache, key, key, torch.full((6,), -1), device)
+    assert torch.equal(cache.data, before.data)
+    assert torch.equal(cache.token_scales.view(torch.int32), before.token_scales.view(torch.int32))  # type: ignore
+    bf16 = make_cache("bfloat16", heads=2, dim=64, blocks=2)
+    snapshot = bf16.data.clone()
+    kernel_store(bf16, key, key, torch.tensor([-1, -5, 3, -1, -1, -2]), device)
+    changed = (bf16.data.view(torch.int16) != snapshot.view(torch.int16)).nonzero()
+    assert {tuple(r[[1, 2, 4]].tolist()) for r in changed} <= {(k, 0, 3) for k in (0, 1)}     # only slot 3's rows
+    assert torch.equal(bf16.data[0, 0, 0, :, 3], key[2].to(torch.bfloat16))
+
+
+@device_param
+def test_strided_inputs_block_size_and_empty_batch(device: str) -> None:
+    """key/value as column slices of a fused qkv tensor (row stride 3 * H * D), block_size 8, then T = 0."""
+    heads, dim, t = 2, 96, 11
+    qkv = torch.randn(t, heads, 3 * dim, generator=torch.Generator().manual_seed(9)) * 20
+    key, value = qkv[:, :, dim:2 * dim], qkv[:, :, 2 * dim:]
+    assert not key.is_contiguous() and key.stride(-1) == 1
+    cache = make_cache("fp8_e5m2", heads=heads, dim=dim, blocks=3, block_size=8, dynamic=True)
+    assert_stores_like_reference(cache, key, value, torch.tensor([23, 0, 8, 7, 15, 16, 1, 9, 22, 2, 3]), device)
+    before = clone_cache(cache)
+    kernel_store(cache, key[:0], value[:0], torch.zeros(0, dtype=torch.int64), device)
+    assert torch.equal(cache.data, before.data)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the compiled kernel (no GPU needed: Triton compiles for sm_90 with its bundled ptxas)
+# ----------------------------------------------------------------------------------------------------------------
+
+_COMPILE_SCRIPT = r"""
+import json, os, re, sys
+os.environ.pop("TRITON_INTERPRET", None)
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+import kv8.kernels.triton.store as store
+fn = store._store_kv_kernel
+float_ptr = {0: "*fp32", 1: "*fp16", 2: "*bf16"}
+out = []
+for mode, fmt, kind_in, kind_out in json.loads(sys.argv[1]):
+    consts = dict(MODE=mode, FMT=fmt, IN=kind_in, OUT=kind_out, BLOCK_H=4, BLOCK_D=128)
+    sig = {}
+    for name in fn.arg_names:
+        if name in consts:
+            sig[name] = "constexpr"
+        elif name in ("key_ptr", "value_ptr"):
+            sig[name] = float_ptr[kind_in]
+        elif name in ("k_cache_ptr", "v_cache_ptr"):
+            sig[name] = "*u8" if mode else float_ptr[kind_out]
+        elif name == "slot_ptr":
+            sig[name] = "*i64"
+        elif name.endswith("_ptr"):
+            sig[name] = "*fp32"
+        elif name == "max_finite":
+            sig[name] = "fp32"
+        else:
+            sig[name] = "i64" if name.endswith("cb") else "i32"
+    kernel = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),
+                            options={"num_warps": 4})
+    ptx = kernel.asm["ptx"]
+    out.append(dict(ops=sorted(set(re.findall(r"\b(?:div|rcp|cvt|fma|mul)\.[a-z0-9.]+", ptx))), ftz=".ftz" in ptx,
+                    cubin=len(kernel.asm["cubin"])))
+print(json.dumps(out))
+"""
+
+
+def test_compiles_for_sm90_with_exact_float_ops(tmp_path) -> None:
+    """Compiled (not interpreted) for an H100: the only float division is div.rn.f32 (IEEE, subnormals kept; never
+    div.full/approx), nothing flushes to zero, no hardware fp8 conversion, the 16-bit casts are cvt.rn."""
+    pytest.importorskip("triton.backends.nvidia")
+    variants = [(1, 0, 2, 0), (2, 1, 1, 0), (2, 2, 0, 0), (0, 0, 0, 2), (0, 0, 2, 1)]   # MODE, FMT, IN, OUT
+    env = {**os.environ, "TRITON_CACHE_DIR": str(tmp_path), "PYTHONPATH": os.pathsep.join(sys.path)}
+    env.pop("TRITON_INTERPRET", None)
+    run = subprocess.run([sys.executable, "-c", _COMPILE_SCRIPT, json.dumps(variants)], env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    results = json.loads(run.stdout.strip().splitlines()[-1])
+    for (mode, _, kind_in, kind_out), result in zip(variants, results):
+        ops = set(result["ops"])
+        assert result["cubin"] > 0 and not result["ftz"], result
+        inexact = {op for op in ops if op.startswith(("div.full", "div.approx", "rcp"))
+                   or op.startswith(("fma", "mul")) and op.endswith(("f32", "f16"))}
+        assert not inexact, ops
+        assert not {op for op in ops if "e4m3" in op or "e5m2" in op or "satfinite" in op}, ops
+        assert ("div.rn.f32" in ops) == (mode != 0), ops
+        assert ("cvt.f32.f16" in ops) == (kind_in == 1), ops                 # fp16 widens exactly; bf16 by its bits
+        assert not {op for op in ops if "bf16" in op}, ops
+        if mode == 0 and kind_out == 1:
+            assert "cvt.rn.f16.f32" in ops, ops
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# errors
+# ----------------------------------------------------------------------------------------------------------------
+
+def good_args(device: str, fp8: bool = True) -> dict:
+    key = torch.zeros(3, 2, 64, device=device)
+    cache = torch.zeros(4, 2, 16, 64, dtype=torch.uint8 if fp8 else torch.bfloat16, device=device)
+    args = dict(key=key, value=key.clone(), k_cache=cache, v_cache=cache.clone(),
+                slot_mapping=torch.arange(3, device=device), fp8=E4M3 if fp8 else None)
+    if fp8:
+        args.update(k_scale=torch.ones(1, 1, device=device), v_scale=torch.ones(2, 1, device=device))
+    return args
+
+
+def _bad_cases(device: str) -> list[tuple[str, dict, str]]:
+    ts = torch.ones(4, 2, 16, device=device)
+    meta_key = torch.zeros(3, 2, 64, device="meta")
+    return [
+        ("key 2-D", dict(key=torch.zeros(3, 64, device=device)), r"key must be a 3-D tensor .* got a .*\[3, 64\]"),
+        ("key int", dict(key=torch.zeros(3, 2, 64, dtype=torch.int32, device=device)), r"key must .*bfloat16"),
+        ("value shape", dict(value=torch.zeros(3, 2, 32, device=device)), r"value has shape \[3, 2, 32\], key"),
+        ("value dtype", dict(value=torch.zeros(3, 2, 64, dtype=torch.float16, device=device)),
+         r"value must be a 3-D tensor of dtype torch.float32"),
+        ("key strided", dict(key=torch.zeros(3, 2, 128, device=device)[:, :, ::2]), r"key's last dim must be contig"),
+        ("cache heads", dict(k_cache=torch.zeros(4, 3, 16, 64, dtype=torch.uint8, device=device)),
+         r"\[num_blocks, H=2, block_size, D=64\]"),
+        ("v_cache shape", dict(v_cache=torch.zeros(5, 2, 16, 64, dtype=torch.uint8, device=device)),
+         r"v_cache \[5, 2, 16, 64\]"),
+        ("fp8 cache float", dict(k_cache=torch.zeros(4, 2, 16, 64, device=device)),
+         r"k_cache must be a 4-D tensor of dtype torch.uint8"),
+        ("v_cache dtype", dict(v_cache=torch.zeros(4, 2, 16, 64, dtype=torch.int8, device=device)),
+         r"v_cache must be .*torch.uint8"),
+        ("uint8 cache, fp8=None", dict(fp8=None, k_scale=None, v_scale=None),
+         r"k_cache must be a 4-D tensor of dtype torch.bfloat16 or torch.float16 or torch.float32"),
+        ("slots int32", dict(slot_mapping=torch.arange(3, dtype=torch.int32, device=device)),
+         r"slot_mapping must be a 1-D tensor of dtype torch.int64"),
+        ("slots length", dict(slot_mapping=torch.arange(4, device=device)), r"slot_mapping has 4 entries for 3 tok"),
+        ("no scales", dict(k_scale=None, v_scale=None), r"needs either k_scale and v_scale .* got none"),
+        ("one scale", dict(v_scale=None), r"got \['k_scale'\]"),
+        ("mixed", dict(k_token_scales=ts), r"got \['k_scale', 'v_scale', 'k_token_scales'\]"),
+        ("scale float64", dict(k_scale=torch.ones(1, 1, dtype=torch.float64, device=device)),
+         r"k_scale must be a float32 tensor .* got a torch.float64"),
+        ("scale shape", dict(v_scale=torch.ones(3, 1, device=device)), r"v_scale of shape \[3, 1\] does not broadcast"),
+        ("scale 3-D", dict(k_scale=torch.ones(1, 2, 1, device=device)), r"k_scale of shape \[1, 2, 1\] does not"),
+        ("token scales shape", dict(k_scale=None, v_scale=None, k_token_scales=ts,
+                                    v_token_scales=torch.ones(4, 2, 8, device=device)),
+         r"v_token_scales has shape \[4, 2, 8\], must be \[num_blocks, H, block_size\] = \[4, 2, 16\]"),
+        ("token scales dtype", dict(k_scale=None, v_scale=None, k_token_scales=ts.half(), v_token_scales=ts),
+         r"k_token_scales must be a 3-D tensor of dtype torch.float32"),
+        ("unknown format", dict(fp8=SimpleNamespace(name="fp8_e3m4")), r"encode only the formats named fp8_e4m3"),
+        ("format fields", dict(fp8=SimpleNamespace(**{**vars_of(E4M3), "exponent_bias": 8})),
+         r"'fp8_e4m3': exponent_bias=8, but .* specialized on exponent_bias=7"),
+        ("device", dict(k_cache=torch.zeros(4, 2, 16, 64, dtype=torch.uint8, device="meta")),
+         rf"k_cache must be .* on {device}; got .* on meta"),
+        ("value device", dict(value=meta_key), rf"value must be .* on {device}"),
+    ]
+
+
+def vars_of(fmt: FP8Format) -> dict:
+    fields = ("name", "exponent_bits", "mantissa_bits", "exponent_bias", "max_finite", "has_negative_zero",
+              "nan_code", "negative_nan_code")
+    return {f: getattr(fmt, f) for f in fields}
+
+
+BAD_CASES = [name for name, _, _ in _bad_cases("cpu")]
+
+
+@device_param
+def test_good_inputs_pass_validation(device: str) -> None:
+    store_kv(**good_args(device))
+    store_kv(**good_args(device, fp8=False))
+
+
+@device_param
+@pytest.mark.parametrize("case", BAD_CASES)
+def test_bad_inputs_raise_value_errors_that_name_them(device: str, case: str) -> None:
+    _, change, message = next(c for c in _bad_cases(device) if c[0] == case)
+    with pytest.raises(ValueError, match=message):
+        store_kv(**{**good_args(device), **change})
+
+
+@device_param
+def test_scales_for_a_float_cache_and_a_non_tensor_key_are_refused(device: str) -> None:
+    with pytest.raises(ValueError, match=r"k_scale, v_scale given for a torch.bfloat16 cache \(fp8=None\)"):
+        store_kv(**{**good_args(device, fp8=False), "k_scale": torch.ones(1, 1, device=device),
+                    "v_scale": torch.ones(1, 1, device=device)})
+    with pytest.raises(ValueError, match=r"key must be a \[T, H, D\] tensor, got a list"):
+        store_kv(**{**good_args(device), "key": [1.0]})
+
+
+def test_cpu_tensors_without_the_interpreter_are_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(triton_store, "interpreted", lambda: False)
+    with pytest.raises(ValueError, match="CPU tensors need Triton's interpreter: set TRITON_INTERPRET=1"):
+        store_kv(**good_args("cpu"))
