@@ -55,11 +55,13 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+from triton.runtime.jit import JITFunction
 
-from kv8.kernels.triton.dequant import FP8_NONE, FP8Layout, decode_fp8, fp8_format_code, native_fp8_supported
+from kv8.kernels.triton.dequant import FP8_NONE, decode_fp8, native_fp8_supported
+from kv8.kernels.triton.quant import FP8Layout, fp8_format_id
 
 __all__ = ["MAX_KV_SPLITS", "SCALES_DYNAMIC", "SCALES_NONE", "SCALES_STATIC", "KernelVariant", "LaunchConfig",
-           "choose_num_kv_splits", "launch_config", "unified_attention"]
+           "choose_num_kv_splits", "interpreted", "launch_config", "unified_attention"]
 
 MAX_KV_SPLITS = 64
 _QUERY_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -354,7 +356,7 @@ class KernelVariant:
 
     query_dtype: torch.dtype
     cache_dtype: torch.dtype        # torch.uint8 for FP8 codes
-    fp8_code: int                   # kv8.kernels.triton.dequant.FP8_* (FP8_NONE for a 16/32-bit cache)
+    fp8_code: int                   # kv8.kernels.triton.quant's format id (dequant.FP8_NONE: a 16/32-bit cache)
     native_fp8: bool                # decode with the GPU's FP8 conversion (else the exact bit path)
     scales: int                     # SCALES_NONE, SCALES_STATIC or SCALES_DYNAMIC
     k_channel_scale: bool           # static K scales vary along head_dim
@@ -412,9 +414,10 @@ def _compute_units(device: torch.device) -> int:
     return 1
 
 
-def _is_interpreted() -> bool:
-    """Whether this module's kernels were built by Triton's interpreter (``TRITON_INTERPRET=1`` at import)."""
-    return type(_paged_attention_kernel).__name__ == "InterpretedFunction"
+def interpreted() -> bool:
+    """True when this module's kernels were built for Triton's interpreter (``TRITON_INTERPRET=1`` when it was
+    imported): CPU tensors work then, and only then."""
+    return not isinstance(_paged_attention_kernel, JITFunction)
 
 
 def _fail(msg: str) -> ValueError:
@@ -489,7 +492,10 @@ def unified_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
         raise _fail(f"query and out need a contiguous last dim, got strides {query.stride()} / {out.stride()}")
     if not 1 <= head_dim <= 256:
         raise _fail(f"head_dim={head_dim} is not supported; allowed 1 .. 256")
-    fmt = fp8_format_code(fp8)
+    try:
+        fmt = FP8_NONE if fp8 is None else fp8_format_id(fp8)
+    except ValueError as exc:
+        raise _fail(str(exc)) from None
     for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
         if not isinstance(c, torch.Tensor) or c.ndim != 4:
             raise _fail(f"{name} must be a [num_blocks, Hkv, bs, D] tensor, got "
@@ -544,8 +550,8 @@ def unified_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
                                                                        or v_token_scales is None):
         raise _fail("scales come in pairs: give both k_scale and v_scale, or both k_token_scales and v_token_scales")
 
-    interpreted = _is_interpreted()
-    if device.type != "cuda" and not interpreted:
+    in_interpreter = interpreted()
+    if device.type != "cuda" and not in_interpreter:
         raise _fail(f"tensors on {device} need Triton's interpreter: set TRITON_INTERPRET=1 before "
                     "kv8.kernels.triton is imported (compiled kernels run on CUDA/ROCm devices)")
 
@@ -564,9 +570,9 @@ def unified_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     # ---- launch ----
     if num_tokens == 0 or num_seqs == 0:
         return out
-    variant = KernelVariant(query.dtype, k_cache.dtype, fmt, native_fp8_supported(device, fmt, interpreted),
+    variant = KernelVariant(query.dtype, k_cache.dtype, fmt, native_fp8_supported(device, fmt, in_interpreter),
                             scales_mode, k_channel, sliding_window is not None, num_q_heads // num_kv_heads,
-                            head_dim, block_size, max_query_len, interpreted)
+                            head_dim, block_size, max_query_len, in_interpreter)
     cfg = variant.config
     num_q_tiles = num_tokens // cfg.block_q + num_seqs
     if num_kv_splits is None:
