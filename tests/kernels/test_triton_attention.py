@@ -371,6 +371,21 @@ def test_poison_is_detected(device: str) -> None:
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("q_dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("splits", [1, 2])
+def test_output_rounds_to_nearest_even(q_dtype: torch.dtype, splits: int, device: str) -> None:
+    """One-token sequences see only their own key: out = V exactly in float32 (a float32 cache), so the output is
+    V rounded to the query's dtype, bit for bit -- by the attention kernel and by the split merge (the
+    interpreter's own bfloat16 cast would truncate)."""
+    p = _build("float32", q_dtype, batch=Batch((1, 1, 1), (1, 1, 1)), kv_heads=2, group=2, seed=14)
+    out = _run(p, device, num_kv_splits=splits)
+    _, v_cache = p.cache.layer(0)
+    want = torch.stack([v_cache[int(p.meta.block_tables[i, 0]), :, 0] for i in range(3)])      # [3, Hkv, D]
+    want = want.repeat_interleave(2, dim=1).to(q_dtype)                                         # [3, Hq, D]
+    assert torch.equal(out[:3].view(torch.int16), want.view(torch.int16))
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_empty_batches_leave_out_alone(device: str) -> None:
     p = _build("float32", torch.float32, batch=Batch((0, 0), (5, 17)), seed=11)
     out = _run(p, device)

@@ -58,7 +58,7 @@ import triton.language as tl
 from triton.runtime.jit import JITFunction
 
 from kv8.kernels.triton.dequant import FP8_NONE, decode_fp8, native_fp8_supported
-from kv8.kernels.triton.quant import FP8Layout, fp8_format_id
+from kv8.kernels.triton.quant import FP8Layout, bf16_bits_to_f32, f32_to_bf16_bits, fp8_format_id
 
 __all__ = ["MAX_KV_SPLITS", "SCALES_DYNAMIC", "SCALES_NONE", "SCALES_STATIC", "KernelVariant", "LaunchConfig",
            "choose_num_kv_splits", "interpreted", "launch_config", "unified_attention"]
@@ -90,13 +90,34 @@ def _add_combine(a, b):
 
 
 @triton.jit
+def _round(x, DTYPE: tl.constexpr, INTERPRETER: tl.constexpr):
+    """float32 ``x`` -> ``DTYPE``, rounded to nearest even as compiled code does. The interpreter's own bfloat16
+    cast truncates, so there the bits are rounded by :func:`~kv8.kernels.triton.quant.f32_to_bf16_bits`."""
+    if INTERPRETER and DTYPE == tl.bfloat16:
+        res = f32_to_bf16_bits(x).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    else:
+        res = x.to(DTYPE)
+    return res
+
+
+@triton.jit
+def _widen(x):
+    """A dot operand -> float32, exactly (in the interpreter too, whose bfloat16 cast flushes subnormals)."""
+    if x.dtype == tl.bfloat16:
+        res = bf16_bits_to_f32(x)
+    else:
+        res = x.to(tl.float32)
+    return res
+
+
+@triton.jit
 def _dot(a, b, INTERPRETER: tl.constexpr):
     """``a @ b`` with float32 accumulation; ``a`` and ``b`` share one dtype (float32: IEEE precision, no TF32). The
     interpreter cannot multiply bfloat16, so there 16-bit operands (exact in float32) are multiplied as float32."""
     if a.dtype == tl.float32:
         res = tl.dot(a, b, input_precision="ieee")
     elif INTERPRETER:
-        res = tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+        res = tl.dot(_widen(a), _widen(b), input_precision="ieee")
     else:
         res = tl.dot(a, b)
     return res
@@ -162,7 +183,7 @@ def _attend_key_tile(
     v = decode_fp8(v_raw, FP8_FMT, NATIVE_FP8, DOT_DTYPE)
     if SCALES == 2:
         p = p * tl.load(v_ts_ptr, mask=ld, other=0.0)[None, :]
-    acc = acc * alpha[:, None] + _dot(p.to(DOT_DTYPE), v, INTERPRETER)
+    acc = acc * alpha[:, None] + _dot(_round(p, DOT_DTYPE, INTERPRETER), v, INTERPRETER)
     return m_new, l_i, acc
 
 
@@ -215,8 +236,8 @@ def _paged_attention_kernel(
     offs_d = tl.arange(0, D_PAD)
     d_ok = offs_d < HEAD_DIM
     q_rows = q_start + tok
-    q = tl.load(q_ptr + q_rows[:, None] * stride_qt + q_head[:, None] * stride_qh + offs_d[None, :],
-                mask=row_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)    # [BLOCK_M, D_PAD]
+    q = _widen(tl.load(q_ptr + q_rows[:, None] * stride_qt + q_head[:, None] * stride_qh + offs_d[None, :],
+                       mask=row_ok[:, None] & d_ok[None, :], other=0.0))           # [BLOCK_M, D_PAD] float32
 
     s_mult = qk_scale                                              # scale * log2(e), times a scalar K scale
     if SCALES == 1:
@@ -226,10 +247,10 @@ def _paged_attention_kernel(
             s_mult = qk_scale * tl.load(k_scale_ptr + kv_head * HEAD_DIM)
     # q in the dot's dtype; q * (channel K scale) is not exact in 16 bits, so it goes in as hi + lo parts
     # (|q - hi - lo| <= 2^-16 |q| for bfloat16, 2^-22 for float16), two products of exact 16-bit operands
-    q_hi = q.to(DOT_DTYPE)
+    q_hi = _round(q, DOT_DTYPE, INTERPRETER)
     q_lo = q_hi
     if Q_SPLIT:
-        q_lo = (q - q_hi.to(tl.float32)).to(DOT_DTYPE)
+        q_lo = _round(q - _widen(q_hi), DOT_DTYPE, INTERPRETER)
 
     # ---- the keys this tile needs, and this split's share of their tiles ----
     p_lo = context + q0
@@ -276,7 +297,7 @@ def _paged_attention_kernel(
         # l > 0 in every real row (a query always sees its own key); masked rows divide by 1, not 0
         o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
         tl.store(out_ptr + q_rows[:, None] * stride_ot + q_head[:, None] * stride_oh + offs_d[None, :],
-                 o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+                 _round(o, out_ptr.dtype.element_ty, INTERPRETER), mask=row_ok[:, None] & d_ok[None, :])
     else:
         part = (q_rows * num_q_heads + q_head) * NUM_SPLITS + split    # [BLOCK_M]
         tl.store(part_m_ptr + part, m_i, mask=row_ok)
@@ -289,6 +310,7 @@ def _merge_splits_kernel(
     out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr, qsl_ptr,
     num_seqs, num_q_heads, stride_ot, stride_oh,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr,
+    INTERPRETER: tl.constexpr,
 ):
     """One (token, query head): combine the splits' (m, l, acc) by a log-sum-exp merge (base 2)."""
     t = tl.program_id(0)
@@ -307,8 +329,8 @@ def _merge_splits_kernel(
     acc = tl.load(part_acc_ptr + part[:, None] * D_PAD + offs_d[None, :], mask=s_ok[:, None] & d_ok[None, :],
                   other=0.0)
     o = tl.reduce(acc * w[:, None], 0, _add_combine) / tl.reduce(l_s * w, 0, _add_combine)
-    tl.store(out_ptr + t.to(tl.int64) * stride_ot + h * stride_oh + offs_d, o.to(out_ptr.dtype.element_ty),
-             mask=d_ok)
+    tl.store(out_ptr + t.to(tl.int64) * stride_ot + h * stride_oh + offs_d,
+             _round(o, out_ptr.dtype.element_ty, INTERPRETER), mask=d_ok)
 
 
 @dataclass(frozen=True)
@@ -605,6 +627,6 @@ def unified_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
             out, part_acc, part_m, part_l, query_start_loc,
             num_seqs, num_q_heads, out.stride(0), out.stride(1),
             HEAD_DIM=head_dim, D_PAD=cfg.d_pad, NUM_SPLITS=num_kv_splits,
-            SPLITS_PAD=max(2, triton.next_power_of_2(num_kv_splits)),
+            SPLITS_PAD=max(2, triton.next_power_of_2(num_kv_splits)), INTERPRETER=in_interpreter,
         )
     return out

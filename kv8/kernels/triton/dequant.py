@@ -36,7 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kv8.kernels.triton.quant import E4M3FN_ID, E4M3FNUZ_ID, E5M2_ID
+from kv8.kernels.triton.quant import E4M3FN_ID, E4M3FNUZ_ID, E5M2_ID, bf16_bits_to_f32
 
 __all__ = ["FP8_NONE", "decode_fp8", "decode_fp8_bits", "decode_fp8_native", "native_fp8_supported"]
 
@@ -91,7 +91,10 @@ def decode_fp8(raw, FMT: tl.constexpr, NATIVE: tl.constexpr, OUT: tl.constexpr):
     """Loaded cache elements -> dtype ``OUT``: FP8 codes of format id ``FMT`` decoded by the native or the bit path
     (exact), a 16/32-bit cache's values converted (exact when ``OUT`` holds the cache dtype: the caller's duty)."""
     if FMT == -1:  # FP8_NONE
-        value = raw.to(OUT)
+        if raw.dtype == tl.bfloat16 and OUT == tl.float32:
+            value = bf16_bits_to_f32(raw)        # exact in the interpreter too (its cast flushes subnormals)
+        else:
+            value = raw.to(OUT)
     elif NATIVE:
         value = decode_fp8_native(raw, FMT, OUT)
     else:
