@@ -469,6 +469,7 @@ def _bad_cases() -> list[tuple[str, dict, str]]:
         ("query strided", {"query": torch.zeros(5, 4, 128)[:, :, ::2]}, "contiguous last dim"),
         ("table device", {"block_tables": torch.zeros(2, 2, dtype=torch.int64, device="meta")}, "block_tables is on"),
         ("window bool", {"sliding_window": True}, "sliding_window=True"),
+        ("seq_lens strided", {"seq_lens": torch.tensor([3, 0, 20, 0])[::2]}, "seq_lens must be contiguous"),
         ("fp32 scale for 16-bit cache", {"k_cache": cache16.to(f32), "v_cache": cache16.to(f32), "fp8": None},
          "16/32-bit cache"),
     ]

@@ -5,7 +5,7 @@ Semantics are exactly :func:`kv8.attention.reference.paged_attention_reference`:
 at position ``p = seq_lens[i] - query_len_i + j`` and sees keys ``k <= p`` (with a sliding window ``W`` only
 ``p - W < k <= p``); softmax and accumulation are float32; the output is in the query's dtype.
 
-Work decomposition (grid ``(query tiles, KV heads, splits)``)::
+Work decomposition (grid ``(T // BLOCK_Q + B, Hkv, NUM_SPLITS)``; T = query rows, B = sequences)::
 
     one program = (one query tile of one sequence) x (one KV head) x (one key segment)
 
@@ -23,28 +23,51 @@ Work decomposition (grid ``(query tiles, KV heads, splits)``)::
   (L = 1) is one tile; a prefill chunk is ``ceil(L / BLOCK_Q)`` tiles -- the same code, only the causal mask
   differs. Rows with ``L = 0`` own no tile.
 * **Keys a tile reads.** Tile rows cover positions ``p_lo .. p_hi``; keys ``key_lo .. p_hi`` with ``key_lo =
-  max(0, p_lo - W + 1)`` (0 without a window), walked in TILE_N-key tiles. A key's block comes from the block
-  table entry ``pos // block_size``, loaded per key and masked to ``key_lo <= pos <= p_hi``: the entries before
-  the window's first block (which may hold any value) and the slots past ``seq_len`` (poison) are never read; a
-  masked key reads as 0 and its score is -inf.
+  max(0, p_lo - W + 1)`` (0 without a window), walked in TILE_N-key tiles ``j = key_lo // TILE_N ..``; every load
+  is masked to ``key_lo <= pos <= p_hi``, so the table entries before the window's first block (which may hold any
+  value, -1 included) and the slots past ``seq_len`` (poison) are never read; a masked key reads as 0 and its
+  score is -inf. Where TILE_N divides ``block_size`` (``TILE_IN_BLOCK``) a key tile lies inside one block and reads
+  one table entry, ``(j * TILE_N) // block_size``, unmasked: it is >= the window's first block (``j * TILE_N >=
+  key_lo`` rounded down to a tile, hence to the same block) and < ``ceil(seq_len / block_size)``. Otherwise (blocks
+  of 8, or 48 with 16-key tiles) each key loads its own entry ``pos // block_size``, masked like the key.
 * **Split-K (flash-decoding).** With ``NUM_SPLITS > 1`` the tile's key range is cut into ``NUM_SPLITS`` equal runs
   of key tiles, one per program along grid axis 2; each writes its unnormalised float32 state (running max ``m``
   in log2 units, sum ``l``, accumulator ``acc``) to a workspace, an empty run writing ``(-inf, 0, 0)``, and
-  :func:`_merge_splits_kernel` combines them: ``M = max m_s``, ``out = sum 2^(m_s - M) acc_s / sum 2^(m_s - M)
-  l_s``. With one split the attention kernel normalises and writes ``out`` itself (no workspace, no second
-  launch).
-* **Scales** (multiplied in float32, never rounded to 16 bits): static K scales of a per-tensor/per-head layout
-  multiply the scores (one scalar per KV head, with ``scale * log2(e)``); per-channel K scales multiply q's
-  channels (``q . (k s) = (q s) . k``), which makes the QK product a float32 one; static V scales multiply the
-  accumulator's channels at the end (``sum p (v s) = (sum p v) s``). Dynamic per-token scales multiply the
-  score columns (K) and the probability columns before the PV product (V).
-* **Dot precision.** Decoded FP8 values are exact in bfloat16 and float16, and so are 16-bit query values, so for a
-  16-bit query over an FP8 cache or a cache of the query's own dtype both products take 16-bit operands with
-  float32 accumulation: QK is then exact products summed in float32, and PV rounds the probabilities to the
-  query's dtype (relative error <= eps/2 per probability). Every other combination (float32 query, a cache
-  dtype that is not exact in the query's, per-channel K scales for QK) multiplies float32 operands with
-  ``input_precision="ieee"`` (no TF32). Under the interpreter, which cannot multiply bfloat16, operands are
-  rounded to the 16-bit dtype and multiplied as float32: the same values, the same rounding of P.
+  :func:`_merge_splits_kernel` (grid ``(T, Hq)``) combines them: ``M = max m_s``, ``out = sum 2^(m_s - M) acc_s /
+  sum 2^(m_s - M) l_s``. With one split the attention kernel normalises and writes ``out`` itself (no workspace,
+  no second launch). Every real row sees at least its own key, so ``l > 0``.
+* **Scales** (float32 multiplications): static K scales of a per-tensor/per-head layout multiply the scores (one
+  scalar per KV head, with ``scale * log2(e)``); per-channel K scales multiply q's channels (``q . (k s) = (q s) .
+  k``); static V scales multiply the accumulator's channels at the end (``sum p (v s) = (sum p v) s``). Dynamic
+  per-token scales multiply the score columns (K) and the probability columns before the PV product (V).
+* **Dot precision** (``DOT_DTYPE``, one for both products). Decoded FP8 values are exact in bfloat16 and float16,
+  and so are 16-bit query values, so for a 16-bit query over an FP8 cache or a cache of the query's own dtype both
+  products take 16-bit operands with float32 accumulation: QK is exact products summed in float32, and PV rounds
+  the probabilities (times the dynamic V scales) to the query's dtype, relative error <= eps/2 each. q times
+  per-channel K scales is not exact in 16 bits: it goes in as ``hi + lo`` (``Q_SPLIT``, two products; ``|q s - hi -
+  lo| <= 2^-16 |q s|`` in bfloat16). Every other combination (float32 query, a 16/32-bit cache not of the query's
+  dtype) multiplies float32 operands with ``input_precision="ieee"`` (no TF32), in 16 x 16 tiles.
+* **In Triton's interpreter** (``TRITON_INTERPRET=1``, CPU tensors; how the tests run without a GPU) the same
+  values come out: 16-bit operands are multiplied as float32 (it cannot multiply bfloat16; the products are exact
+  either way), and bfloat16 conversions go through the bits (:func:`_round`, :func:`_widen`) because its own
+  casts truncate and flush subnormals. The native FP8 conversions are never used there. Reductions are
+  ``tl.reduce`` with this module's combiners, so the kernels interpret whichever of triton and kv8 was imported
+  first.
+
+What a caller must provide (checked, ``ValueError`` before any launch, unless marked unchecked):
+
+* ``query``/``out`` ``[T, Hq, D]``, one dtype (bfloat16, float16 or float32), last dim contiguous (other strides
+  free); ``1 <= D <= 256`` (any D: padded to a power of two and masked); ``Hq`` a multiple of ``Hkv``.
+* ``k_cache``/``v_cache`` ``[num_blocks, Hkv, block_size, D]`` (:class:`kv8.cache.paged_cache.PagedKVCache`'s
+  per-layer views), last dim contiguous: ``uint8`` codes with ``fp8`` a format of
+  :mod:`kv8.kernels.triton.quant` (E4M3FN, E4M3FNUZ, E5M2), or bfloat16/float16/float32 values with ``fp8=None``.
+* ``query_start_loc [B + 1]`` and ``seq_lens [B]`` contiguous, ``block_tables [B, max_blocks]`` with a contiguous
+  last dim; int32 or int64, each independently. Unchecked (the launch reads no tensor on the host, so it can be
+  captured in a CUDA graph): ``query_start_loc`` nondecreasing from 0 with ``query_start_loc[B] <= T``, ``0 <=
+  query_len_i <= seq_lens[i]``, the table entries a sequence needs are valid block ids and hold its keys.
+* FP8: static ``k_scale``/``v_scale`` broadcastable to ``[Hkv, D]`` (any float dtype; copied to float32) or
+  dynamic ``k_token_scales``/``v_token_scales`` float32 ``[num_blocks, Hkv, block_size]`` (any strides).
+* The split workspace (``num_kv_splits > 1``) is ``T * Hq * splits * (D_PAD + 2)`` float32, allocated per call.
 """
 
 from __future__ import annotations
@@ -452,6 +475,8 @@ def _check_index(name: str, t: object, ndim: int, device: torch.device) -> torch
         raise _fail(f"{name} must be a {ndim}-d int32 or int64 tensor, got {got}")
     if t.device != device:
         raise _fail(f"{name} is on {t.device}, query on {device}; all tensors must share one device")
+    if t.ndim == 1 and t.numel() > 1 and t.stride(0) != 1:
+        raise _fail(f"{name} must be contiguous, got stride {t.stride(0)}")
     return t
 
 
