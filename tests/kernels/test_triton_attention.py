@@ -1,8 +1,14 @@
 """The Triton paged attention (:mod:`kv8.kernels.triton.attention`) against the reference attention.
 
 Without a CUDA device the kernels run in Triton's interpreter on CPU tensors: ``TRITON_INTERPRET=1`` is set below
-before kv8's kernels are imported (Triton reads it when a ``@triton.jit`` function is defined, so it works even
-when other test modules imported triton first). With a CUDA device the same tests run compiled on it.
+before kv8's kernels are imported (Triton reads it when a ``@triton.jit`` function is decorated), and if another
+test module imported them earlier under the other setting they are decorated again. With a CUDA device (and no
+``TRITON_INTERPRET``) the same tests run compiled on it. What the interpreter cannot show -- the compiled
+constexpr branches, tl.dot shapes, the native FP8 conversions, register pressure -- is checked on the kernels
+compiled for sm_90, which needs no GPU (Triton's compiler and its bundled ptxas, in a subprocess).
+
+The (cache dtype x head_dim/GQA x window/split x query dtype) sweep runs a fixed sample of 12 of its 288 cases;
+``KV8_TRITON_FULL_SWEEP=1`` runs them all (slow in the interpreter: 24x the sample).
 
 Every case builds a :class:`PagedKVCache` through kv8's own codec and reference store, with the cache and the
 token scales first filled with poison (NaN values, the format's NaN code): the kernel reading any slot it must not
@@ -616,7 +622,7 @@ _SWEEP_KV = FLOAT_CACHES + FP8_CACHES
 _SWEEP_SHAPES = ((64, 4), (128, 8), (96, 2), (256, 1))                   # (head_dim, group)
 _SWEEP_WINDOWS = ((None, 1), (None, 5), (13, 1), (29, 3))               # (sliding_window, num_kv_splits)
 _SWEEP_QUERIES = (torch.float32, torch.bfloat16, torch.float16)
-if os.environ.get("KV8_TRITON_FULL_SWEEP") == "1":                      # every combination (~10 min interpreted)
+if os.environ.get("KV8_TRITON_FULL_SWEEP") == "1":                      # every combination
     _SWEEP = list(itertools.product(_SWEEP_KV, _SWEEP_SHAPES, _SWEEP_WINDOWS, _SWEEP_QUERIES))
 else:
     # two cases per cache dtype: the twelve (shape, window) pairs off the diagonal, so each shape and each window /
