@@ -1,0 +1,657 @@
+"""Paged attention over kv8's KV cache for a whole mixed batch, in Triton: prefill chunks over cached context,
+fresh prefills and decode rows in one launch, reading FP8 (or 16/32-bit) codes in place.
+
+Semantics are exactly :func:`kv8.attention.reference.paged_attention_reference`: query ``j`` of sequence ``i`` sits
+at position ``p = seq_lens[i] - query_len_i + j`` and sees keys ``k <= p`` (with a sliding window ``W`` only
+``p - W < k <= p``); softmax and accumulation are float32; the output is in the query's dtype.
+
+Work decomposition (grid ``(T // BLOCK_Q + B, Hkv, NUM_SPLITS)``; T = query rows, B = sequences)::
+
+    one program = (one query tile of one sequence) x (one KV head) x (one key segment)
+
+    query tile: BLOCK_Q consecutive new tokens of a sequence, times the GROUP = Hq / Hkv query heads that share
+    the KV head (GQA), packed into the BLOCK_M >= BLOCK_Q * GROUP rows of one matrix:
+
+        row r  ->  token q0 + r // GROUP,  query head kv_head * GROUP + r % GROUP      (rows past the tile masked)
+
+    so every K/V tile is loaded once for the whole group and both products are tl.dot's of BLOCK_M rows.
+
+* **Finding the sequence.** A sequence with ``L`` new tokens starting at ``query_start_loc[i]`` owns the programs
+  ``start_i = query_start_loc[i] // BLOCK_Q + i`` onwards (``start_{i+1} - start_i >= ceil(L / BLOCK_Q)``); a
+  program binary-searches the last ``i`` with ``start_i <= pid``. The grid needs no host copy of the lengths:
+  ``T // BLOCK_Q + B`` programs cover every batch (vLLM's bound), the surplus ones return at once. A decode row
+  (L = 1) is one tile; a prefill chunk is ``ceil(L / BLOCK_Q)`` tiles -- the same code, only the causal mask
+  differs. Rows with ``L = 0`` own no tile.
+* **Keys a tile reads.** Tile rows cover positions ``p_lo .. p_hi``; keys ``key_lo .. p_hi`` with ``key_lo =
+  max(0, p_lo - W + 1)`` (0 without a window), walked in TILE_N-key tiles ``j = key_lo // TILE_N ..``; every load
+  is masked to ``key_lo <= pos <= p_hi``, so the table entries before the window's first block (which may hold any
+  value, -1 included) and the slots past ``seq_len`` (poison) are never read; a masked key reads as 0 and its
+  score is -inf. Where TILE_N divides ``block_size`` (``TILE_IN_BLOCK``) a key tile lies inside one block and reads
+  one table entry, ``(j * TILE_N) // block_size``, unmasked: it is >= the window's first block (``j * TILE_N >=
+  key_lo`` rounded down to a tile, hence to the same block) and < ``ceil(seq_len / block_size)``. Otherwise (blocks
+  of 8, or 48 with 16-key tiles) each key loads its own entry ``pos // block_size``, masked like the key.
+* **Split-K (flash-decoding).** With ``NUM_SPLITS > 1`` the tile's key range is cut into ``NUM_SPLITS`` equal runs
+  of key tiles, one per program along grid axis 2; each writes its unnormalised float32 state (running max ``m``
+  in log2 units, sum ``l``, accumulator ``acc``) to a workspace, an empty run writing ``(-inf, 0, 0)``, and
+  :func:`_merge_splits_kernel` (grid ``(T, Hq)``) combines them: ``M = max m_s``, ``out = sum 2^(m_s - M) acc_s /
+  sum 2^(m_s - M) l_s``. With one split the attention kernel normalises and writes ``out`` itself (no workspace,
+  no second launch). Every real row sees at least its own key, so ``l > 0``.
+* **Scales** (float32 multiplications): static K scales of a per-tensor/per-head layout multiply the scores (one
+  scalar per KV head, with ``scale * log2(e)``); per-channel K scales multiply q's channels (``q . (k s) = (q s) .
+  k``); static V scales multiply the accumulator's channels at the end (``sum p (v s) = (sum p v) s``). Dynamic
+  per-token scales multiply the score columns (K) and the probability columns before the PV product (V).
+* **Dot precision** (``DOT_DTYPE``, one for both products). Decoded FP8 values are exact in bfloat16 and float16,
+  and so are 16-bit query values, so for a 16-bit query over an FP8 cache or a cache of the query's own dtype both
+  products take 16-bit operands with float32 accumulation: QK is exact products summed in float32, and PV rounds
+  the probabilities (times the dynamic V scales) to the query's dtype, relative error <= eps/2 each. q times
+  per-channel K scales is not exact in 16 bits: it goes in as ``hi + lo`` (``Q_SPLIT``, two products; ``|q s - hi -
+  lo| <= 2^-16 |q s|`` in bfloat16). Every other combination (float32 query, a 16/32-bit cache not of the query's
+  dtype) multiplies float32 operands with ``input_precision="ieee"`` (no TF32), in 16 x 16 tiles.
+* **In Triton's interpreter** (``TRITON_INTERPRET=1``, CPU tensors; how the tests run without a GPU) the same
+  values come out: 16-bit operands are multiplied as float32 (it cannot multiply bfloat16; the products are exact
+  either way), and bfloat16 conversions go through the bits (:func:`_round`, :func:`_widen`) because its own
+  casts truncate and flush subnormals. The native FP8 conversions are never used there. Reductions are
+  ``tl.reduce`` with this module's combiners, so the kernels interpret whichever of triton and kv8 was imported
+  first.
+
+What a caller must provide (checked, ``ValueError`` before any launch, unless marked unchecked):
+
+* ``query``/``out`` ``[T, Hq, D]``, one dtype (bfloat16, float16 or float32), last dim contiguous (other strides
+  free); ``1 <= D <= 256`` (any D: padded to a power of two and masked); ``Hq`` a multiple of ``Hkv``.
+* ``k_cache``/``v_cache`` ``[num_blocks, Hkv, block_size, D]`` (:class:`kv8.cache.paged_cache.PagedKVCache`'s
+  per-layer views), last dim contiguous: ``uint8`` codes with ``fp8`` a format of
+  :mod:`kv8.kernels.triton.quant` (E4M3FN, E4M3FNUZ, E5M2), or bfloat16/float16/float32 values with ``fp8=None``.
+* ``query_start_loc [B + 1]`` and ``seq_lens [B]`` contiguous, ``block_tables [B, max_blocks]`` with a contiguous
+  last dim; int32 or int64, each independently. Unchecked (the launch reads no tensor on the host, so it can be
+  captured in a CUDA graph): ``query_start_loc`` nondecreasing from 0 with ``query_start_loc[B] <= T``, ``0 <=
+  query_len_i <= seq_lens[i]``, the table entries a sequence needs are valid block ids and hold its keys.
+* FP8: static ``k_scale``/``v_scale`` broadcastable to ``[Hkv, D]`` (any float dtype; copied to float32) or
+  dynamic ``k_token_scales``/``v_token_scales`` float32 ``[num_blocks, Hkv, block_size]`` (any strides).
+* The split workspace (``num_kv_splits > 1``) is ``T * Hq * splits * (D_PAD + 2)`` float32, allocated per call.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+from triton.runtime.jit import JITFunction
+
+from kv8.kernels.triton.dequant import FP8_NONE, decode_fp8, native_fp8_supported
+from kv8.kernels.triton.quant import FP8Layout, bf16_bits_to_f32, f32_to_bf16_bits, fp8_format_id
+
+__all__ = ["MAX_KV_SPLITS", "SCALES_DYNAMIC", "SCALES_NONE", "SCALES_STATIC", "KernelVariant", "LaunchConfig",
+           "choose_num_kv_splits", "interpreted", "launch_config", "unified_attention"]
+
+MAX_KV_SPLITS = 64
+_QUERY_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+_INDEX_DTYPES = (torch.int32, torch.int64)
+_TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
+_LOG2E = math.log2(math.e)
+SCALES_NONE, SCALES_STATIC, SCALES_DYNAMIC = 0, 1, 2  # the kernel's SCALES constexpr
+
+# split-K heuristic (see choose_num_kv_splits)
+_SPLIT_MAX_QUERY_LEN = 16      # split only decode-like batches (decode rows, short speculative chunks)
+_SPLIT_MIN_KEYS = 256          # keys a split should at least get
+_WAVES = 2                     # programs to aim for, per compute unit
+
+
+# Reductions and fills use tl.reduce with these combiners and tl.full instead of tl.max / tl.sum / tl.zeros: those
+# are @triton.jit helpers of Triton's own, which the interpreter can run only if triton itself was imported with
+# TRITON_INTERPRET=1; with builtins only, these kernels interpret whichever module imported triton first.
+@triton.jit
+def _max_combine(a, b):
+    return tl.maximum(a, b)
+
+
+@triton.jit
+def _add_combine(a, b):
+    return a + b
+
+
+@triton.jit
+def _round(x, DTYPE: tl.constexpr, INTERPRETER: tl.constexpr):
+    """float32 ``x`` -> ``DTYPE``, rounded to nearest even as compiled code does. The interpreter's own bfloat16
+    cast truncates, so there the bits are rounded by :func:`~kv8.kernels.triton.quant.f32_to_bf16_bits`."""
+    if INTERPRETER and DTYPE == tl.bfloat16:
+        res = f32_to_bf16_bits(x).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    else:
+        res = x.to(DTYPE)
+    return res
+
+
+@triton.jit
+def _widen(x):
+    """A dot operand -> float32, exactly (in the interpreter too, whose bfloat16 cast flushes subnormals)."""
+    if x.dtype == tl.bfloat16:
+        res = bf16_bits_to_f32(x)
+    else:
+        res = x.to(tl.float32)
+    return res
+
+
+@triton.jit
+def _dot(a, b, INTERPRETER: tl.constexpr):
+    """``a @ b`` with float32 accumulation; ``a`` and ``b`` share one dtype (float32: IEEE precision, no TF32). The
+    interpreter cannot multiply bfloat16, so there 16-bit operands (exact in float32) are multiplied as float32."""
+    if a.dtype == tl.float32:
+        res = tl.dot(a, b, input_precision="ieee")
+    elif INTERPRETER:
+        res = tl.dot(_widen(a), _widen(b), input_precision="ieee")
+    else:
+        res = tl.dot(a, b)
+    return res
+
+
+@triton.jit
+def _attend_key_tile(
+    j, q_hi, q_lo, m_i, l_i, acc, q_pos, row_ok, s_mult, key_lo, key_hi, window, table_row, kv_head,
+    k_ptr, v_ptr, k_tok_ptr, v_tok_ptr, stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt,
+    stride_ksb, stride_ksh, stride_kst, stride_vsb, stride_vsh, stride_vst,
+    D_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
+    TILE_IN_BLOCK: tl.constexpr, FP8_FMT: tl.constexpr, NATIVE_FP8: tl.constexpr, SCALES: tl.constexpr,
+    USE_WINDOW: tl.constexpr, DOT_DTYPE: tl.constexpr, Q_SPLIT: tl.constexpr, INTERPRETER: tl.constexpr,
+):
+    """One online-softmax step over key tile ``j`` (keys ``j * TILE_N ..``) -> the updated ``(m_i, l_i, acc)``."""
+    offs_n = tl.arange(0, TILE_N)
+    offs_d = tl.arange(0, D_PAD)
+    d_ok = offs_d < HEAD_DIM
+    pos = j * TILE_N + offs_n                                      # [TILE_N] key positions
+    ld = (pos >= key_lo) & (pos < key_hi)                          # the keys that may be read at all
+    # K^T [D_PAD, TILE_N] and V [TILE_N, D_PAD]: each key one row of a contiguous (block, head) bs x D tile
+    if TILE_IN_BLOCK:
+        # the tile lies inside one block (TILE_N divides bs, tiles start at multiples of TILE_N): one table
+        # entry, at index >= first_block since j >= key_lo // TILE_N; a scalar base and small offsets
+        block = tl.load(table_row + (j * TILE_N) // BLOCK_SIZE).to(tl.int64)
+        slot = ((j * TILE_N) % BLOCK_SIZE).to(tl.int32) + offs_n
+        k_tile = k_ptr + block * stride_kb + kv_head * stride_kh
+        v_tile = v_ptr + block * stride_vb + kv_head * stride_vh
+        k_raw = tl.load(k_tile + slot[None, :] * stride_kt + offs_d[:, None], mask=d_ok[:, None] & ld[None, :],
+                        other=0)
+        v_raw = tl.load(v_tile + slot[:, None] * stride_vt + offs_d[None, :], mask=ld[:, None] & d_ok[None, :],
+                        other=0)
+        k_ts_ptr = k_tok_ptr + block * stride_ksb + kv_head * stride_ksh + slot * stride_kst
+        v_ts_ptr = v_tok_ptr + block * stride_vsb + kv_head * stride_vsh + slot * stride_vst
+    else:
+        # keys of several blocks (or blocks smaller than a tile): one table entry per key, masked like the key
+        blocks = tl.load(table_row + pos // BLOCK_SIZE, mask=ld, other=0).to(tl.int64)
+        slots = pos % BLOCK_SIZE
+        k_raw = tl.load(k_ptr + blocks[None, :] * stride_kb + kv_head * stride_kh + slots[None, :] * stride_kt
+                        + offs_d[:, None], mask=d_ok[:, None] & ld[None, :], other=0)
+        v_raw = tl.load(v_ptr + blocks[:, None] * stride_vb + kv_head * stride_vh + slots[:, None] * stride_vt
+                        + offs_d[None, :], mask=ld[:, None] & d_ok[None, :], other=0)
+        k_ts_ptr = k_tok_ptr + blocks * stride_ksb + kv_head * stride_ksh + slots * stride_kst
+        v_ts_ptr = v_tok_ptr + blocks * stride_vsb + kv_head * stride_vsh + slots * stride_vst
+    k = decode_fp8(k_raw, FP8_FMT, NATIVE_FP8, DOT_DTYPE)
+    s = _dot(q_hi, k, INTERPRETER)                                 # [BLOCK_M, TILE_N]
+    if Q_SPLIT:
+        s += _dot(q_lo, k, INTERPRETER)
+    if SCALES == 2:
+        s = s * tl.load(k_ts_ptr, mask=ld, other=0.0)[None, :]
+    s = s * s_mult
+    visible = row_ok[:, None] & (pos[None, :] <= q_pos[:, None])
+    if USE_WINDOW:
+        visible = visible & (pos[None, :] > q_pos[:, None] - window)
+    s = tl.where(visible, s, float("-inf"))
+
+    m_new = tl.maximum(m_i, tl.reduce(s, 1, _max_combine))
+    m_base = tl.where(m_new == float("-inf"), 0.0, m_new)          # a row that saw nothing yet stays (-inf, 0)
+    alpha = tl.exp2(m_i - m_base)
+    p = tl.exp2(s - m_base[:, None])
+    l_i = l_i * alpha + tl.reduce(p, 1, _add_combine)
+
+    v = decode_fp8(v_raw, FP8_FMT, NATIVE_FP8, DOT_DTYPE)
+    if SCALES == 2:
+        p = p * tl.load(v_ts_ptr, mask=ld, other=0.0)[None, :]
+    acc = acc * alpha[:, None] + _dot(_round(p, DOT_DTYPE, INTERPRETER), v, INTERPRETER)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _paged_attention_kernel(
+    out_ptr, q_ptr, k_ptr, v_ptr,
+    qsl_ptr, seq_lens_ptr, table_ptr,
+    k_scale_ptr, v_scale_ptr,              # static [Hkv, D] float32 (unused otherwise)
+    k_tok_ptr, v_tok_ptr,                  # dynamic [num_blocks, Hkv, bs] float32 (unused otherwise)
+    part_acc_ptr, part_m_ptr, part_l_ptr,  # split-K workspace [T, Hq, S, D_PAD], [T, Hq, S], [T, Hq, S]
+    num_seqs, num_q_heads, qk_scale, window,
+    stride_qt, stride_qh, stride_ot, stride_oh,
+    stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt,
+    stride_ksb, stride_ksh, stride_kst, stride_vsb, stride_vsh, stride_vst,
+    stride_table,
+    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr,
+    BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, TILE_N: tl.constexpr, TILE_IN_BLOCK: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, FP8_FMT: tl.constexpr, NATIVE_FP8: tl.constexpr, SCALES: tl.constexpr,
+    K_CHANNEL_SCALE: tl.constexpr, USE_WINDOW: tl.constexpr, DOT_DTYPE: tl.constexpr, Q_SPLIT: tl.constexpr,
+    INTERPRETER: tl.constexpr,
+):
+    pid_q = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+
+    # ---- which sequence and which of its query tiles (module docstring) ----
+    lo = 0
+    hi = num_seqs
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if tl.load(qsl_ptr + mid) // BLOCK_Q + mid <= pid_q:
+            lo = mid + 1
+        else:
+            hi = mid
+    seq = lo - 1
+    q_start = tl.load(qsl_ptr + seq).to(tl.int64)
+    q_len = tl.load(qsl_ptr + seq + 1).to(tl.int64) - q_start
+    q0 = (pid_q - (q_start // BLOCK_Q + seq)) * BLOCK_Q            # first new token of this tile
+    if q0 >= q_len:
+        return
+    seq_len = tl.load(seq_lens_ptr + seq).to(tl.int64)
+    context = seq_len - q_len                                      # position of new token 0
+
+    # ---- the tile's rows: (token, query head) pairs of this KV head's group ----
+    offs_m = tl.arange(0, BLOCK_M)
+    tok = q0 + offs_m // GROUP                                     # [BLOCK_M] token within the sequence
+    q_head = kv_head * GROUP + offs_m % GROUP                      # [BLOCK_M]
+    row_ok = (offs_m < BLOCK_Q * GROUP) & (tok < q_len)
+    q_pos = context + tok                                          # [BLOCK_M] absolute positions
+    offs_d = tl.arange(0, D_PAD)
+    d_ok = offs_d < HEAD_DIM
+    q_rows = q_start + tok
+    q = _widen(tl.load(q_ptr + q_rows[:, None] * stride_qt + q_head[:, None] * stride_qh + offs_d[None, :],
+                       mask=row_ok[:, None] & d_ok[None, :], other=0.0))           # [BLOCK_M, D_PAD] float32
+
+    s_mult = qk_scale                                              # scale * log2(e), times a scalar K scale
+    if SCALES == 1:
+        if K_CHANNEL_SCALE:
+            q = q * tl.load(k_scale_ptr + kv_head * HEAD_DIM + offs_d, mask=d_ok, other=0.0)[None, :]
+        else:
+            s_mult = qk_scale * tl.load(k_scale_ptr + kv_head * HEAD_DIM)
+    # q in the dot's dtype; q * (channel K scale) is not exact in 16 bits, so it goes in as hi + lo parts
+    # (|q - hi - lo| <= 2^-16 |q| for bfloat16, 2^-22 for float16), two products of exact 16-bit operands
+    q_hi = _round(q, DOT_DTYPE, INTERPRETER)
+    q_lo = q_hi
+    if Q_SPLIT:
+        q_lo = _round(q - _widen(q_hi), DOT_DTYPE, INTERPRETER)
+
+    # ---- the keys this tile needs, and this split's share of their tiles ----
+    p_lo = context + q0
+    p_hi = context + tl.minimum(q0 + BLOCK_Q, q_len) - 1
+    key_hi = p_hi + 1                                              # exclusive; <= seq_len
+    key_lo = p_lo * 0
+    if USE_WINDOW:
+        key_lo = tl.maximum(p_lo - window + 1, 0)
+    j_lo = key_lo // TILE_N
+    j_hi = (key_hi + TILE_N - 1) // TILE_N
+    if NUM_SPLITS > 1:
+        per_split = (j_hi - j_lo + NUM_SPLITS - 1) // NUM_SPLITS
+        j_lo = j_lo + split * per_split
+        j_hi = tl.minimum(j_lo + per_split, j_hi)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)      # running max, log2 units
+    l_i = tl.full([BLOCK_M], 0.0, dtype=tl.float32)
+    acc = tl.full([BLOCK_M, D_PAD], 0.0, dtype=tl.float32)
+    table_row = table_ptr + seq * stride_table
+    # Triton's interpreter cannot take loaded scalars as range() bounds (numpy >= 2.4 refuses int() of its
+    # 1-element arrays); compiled, a for loop is what the software pipeliner overlaps with the loads.
+    if INTERPRETER:
+        j = j_lo
+        while j < j_hi:
+            m_i, l_i, acc = _attend_key_tile(
+                j, q_hi, q_lo, m_i, l_i, acc, q_pos, row_ok, s_mult, key_lo, key_hi, window, table_row, kv_head,
+                k_ptr, v_ptr, k_tok_ptr, v_tok_ptr, stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt,
+                stride_ksb, stride_ksh, stride_kst, stride_vsb, stride_vsh, stride_vst,
+                D_PAD, HEAD_DIM, BLOCK_SIZE, TILE_N, TILE_IN_BLOCK, FP8_FMT, NATIVE_FP8, SCALES, USE_WINDOW,
+                DOT_DTYPE, Q_SPLIT, INTERPRETER)
+            j += 1
+    else:
+        for j in range(j_lo, j_hi):
+            m_i, l_i, acc = _attend_key_tile(
+                j, q_hi, q_lo, m_i, l_i, acc, q_pos, row_ok, s_mult, key_lo, key_hi, window, table_row, kv_head,
+                k_ptr, v_ptr, k_tok_ptr, v_tok_ptr, stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt,
+                stride_ksb, stride_ksh, stride_kst, stride_vsb, stride_vsh, stride_vst,
+                D_PAD, HEAD_DIM, BLOCK_SIZE, TILE_N, TILE_IN_BLOCK, FP8_FMT, NATIVE_FP8, SCALES, USE_WINDOW,
+                DOT_DTYPE, Q_SPLIT, INTERPRETER)
+
+    if SCALES == 1:
+        acc = acc * tl.load(v_scale_ptr + kv_head * HEAD_DIM + offs_d, mask=d_ok, other=0.0)[None, :]
+    if NUM_SPLITS == 1:
+        # l > 0 in every real row (a query always sees its own key); masked rows divide by 1, not 0
+        o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+        tl.store(out_ptr + q_rows[:, None] * stride_ot + q_head[:, None] * stride_oh + offs_d[None, :],
+                 _round(o, out_ptr.dtype.element_ty, INTERPRETER), mask=row_ok[:, None] & d_ok[None, :])
+    else:
+        part = (q_rows * num_q_heads + q_head) * NUM_SPLITS + split    # [BLOCK_M]
+        tl.store(part_m_ptr + part, m_i, mask=row_ok)
+        tl.store(part_l_ptr + part, l_i, mask=row_ok)
+        tl.store(part_acc_ptr + part[:, None] * D_PAD + offs_d[None, :], acc, mask=row_ok[:, None])
+
+
+@triton.jit
+def _merge_splits_kernel(
+    out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr, qsl_ptr,
+    num_seqs, num_q_heads, stride_ot, stride_oh,
+    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr,
+    INTERPRETER: tl.constexpr,
+):
+    """One (token, query head): combine the splits' (m, l, acc) by a log-sum-exp merge (base 2)."""
+    t = tl.program_id(0)
+    h = tl.program_id(1)
+    if t >= tl.load(qsl_ptr + num_seqs):                           # padding rows past the batch: left alone
+        return
+    offs_s = tl.arange(0, SPLITS_PAD)
+    s_ok = offs_s < NUM_SPLITS
+    offs_d = tl.arange(0, D_PAD)
+    d_ok = offs_d < HEAD_DIM
+    part = (t.to(tl.int64) * num_q_heads + h) * NUM_SPLITS + offs_s
+    m = tl.load(part_m_ptr + part, mask=s_ok, other=float("-inf"))
+    l_s = tl.load(part_l_ptr + part, mask=s_ok, other=0.0)
+    m_max = tl.reduce(m, 0, _max_combine)
+    w = tl.exp2(m - tl.where(m_max == float("-inf"), 0.0, m_max))  # empty splits (m = -inf) weigh 0
+    acc = tl.load(part_acc_ptr + part[:, None] * D_PAD + offs_d[None, :], mask=s_ok[:, None] & d_ok[None, :],
+                  other=0.0)
+    o = tl.reduce(acc * w[:, None], 0, _add_combine) / tl.reduce(l_s * w, 0, _add_combine)
+    tl.store(out_ptr + t.to(tl.int64) * stride_ot + h * stride_oh + offs_d,
+             _round(o, out_ptr.dtype.element_ty, INTERPRETER), mask=d_ok)
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    """Tile sizes of one launch (powers of two except ``block_q``; ``block_m >= block_q * group``)."""
+
+    block_q: int          # new tokens per query tile
+    block_m: int          # rows of the tile matrix: block_q * group, padded to a power of two >= 16 (tl.dot's M)
+    tile_n: int           # keys per inner iteration (tl.dot's N for QK and K for PV, >= 16)
+    tile_in_block: bool   # tile_n divides block_size: each key tile lies in one block (one table entry per tile)
+    d_pad: int            # head_dim padded to a power of two >= 16
+    num_warps: int
+
+
+def launch_config(group: int, head_dim: int, max_query_len: int, block_size: int, dot_f32: bool) -> LaunchConfig:
+    """Tile sizes for a batch whose longest new-token run is ``max_query_len``, ``group`` query heads per KV head.
+
+    Rows: 16 when ``max_query_len * group <= 16`` (decode batches: little waste on single-token rows), else 32 or 64
+    (prefill: more rows share each K/V tile). Keys per tile: 16 with 16 rows, else 32. At ``head_dim > 128`` at
+    most 32 rows and 16 keys, and with float32 products (``dot_f32``: CUDA cores, not tensor cores) 16 and 16. A
+    tile of keys is the largest allowed power of two dividing ``block_size`` (it then reads one table entry), else
+    it gathers its keys' blocks one by one. Warps: 8 from a 64 x 128 (or 32 x 256) accumulator on, else 4. These
+    keep every variant free of register spills when compiled for sm_90 (ptxas -v; measured without a GPU, not
+    timed on one).
+    """
+    d_pad = max(16, triton.next_power_of_2(head_dim))
+    need = max(1, max_query_len) * group
+    rows = 16 if need <= 16 else 32 if need <= 32 else 64
+    keys = 16 if rows == 16 else 32
+    if d_pad > 128:
+        rows, keys = min(rows, 32), 16
+    if dot_f32:
+        rows, keys = 16, 16
+    block_q = max(1, rows // group)
+    block_m = max(16, triton.next_power_of_2(block_q * group))
+    tile_n = keys if block_size % keys == 0 else 16 if block_size % 16 == 0 else keys
+    num_warps = 8 if block_m * d_pad >= 64 * 128 else 4
+    return LaunchConfig(block_q, block_m, tile_n, block_size % tile_n == 0, d_pad, num_warps)
+
+
+@dataclass(frozen=True)
+class KernelVariant:
+    """What selects one compiled specialisation of the attention kernel: its constexprs follow from these fields
+    (:meth:`constexprs`) and nothing else, so the wrapper and a compile check build the same kernels."""
+
+    query_dtype: torch.dtype
+    cache_dtype: torch.dtype        # torch.uint8 for FP8 codes
+    fp8_code: int                   # kv8.kernels.triton.quant's format id (dequant.FP8_NONE: a 16/32-bit cache)
+    native_fp8: bool                # decode with the GPU's FP8 conversion (else the exact bit path)
+    scales: int                     # SCALES_NONE, SCALES_STATIC or SCALES_DYNAMIC
+    k_channel_scale: bool           # static K scales vary along head_dim
+    sliding_window: bool
+    group: int                      # query heads per KV head
+    head_dim: int
+    block_size: int
+    max_query_len: int
+    interpreted: bool               # built by Triton's interpreter
+
+    @property
+    def dot_dtype(self) -> tl.dtype:
+        """The operand dtype of both products: the query's 16-bit dtype where the cache's values are exact in it
+        (FP8, or the same dtype), else float32 (module docstring)."""
+        exact_16 = self.query_dtype != torch.float32 and (self.fp8_code != FP8_NONE
+                                                          or self.cache_dtype == self.query_dtype)
+        return _TL_DTYPES[self.query_dtype] if exact_16 else tl.float32
+
+    @property
+    def config(self) -> LaunchConfig:
+        return launch_config(self.group, self.head_dim, self.max_query_len, self.block_size,
+                             self.dot_dtype == tl.float32)
+
+    def constexprs(self, num_kv_splits: int) -> dict[str, object]:
+        cfg = self.config
+        return dict(
+            HEAD_DIM=self.head_dim, D_PAD=cfg.d_pad, BLOCK_SIZE=self.block_size, GROUP=self.group,
+            BLOCK_Q=cfg.block_q, BLOCK_M=cfg.block_m, TILE_N=cfg.tile_n, TILE_IN_BLOCK=cfg.tile_in_block,
+            NUM_SPLITS=num_kv_splits, FP8_FMT=self.fp8_code, NATIVE_FP8=self.native_fp8, SCALES=self.scales,
+            K_CHANNEL_SCALE=self.k_channel_scale, USE_WINDOW=self.sliding_window, DOT_DTYPE=self.dot_dtype,
+            Q_SPLIT=self.k_channel_scale and self.dot_dtype != tl.float32, INTERPRETER=self.interpreted,
+        )
+
+
+def choose_num_kv_splits(num_programs: int, max_query_len: int, max_keys: int, compute_units: int) -> int:
+    """The split-K heuristic used when ``num_kv_splits`` is None.
+
+    Split only batches of short query runs (``max_query_len <= 16``: decode rows, speculative chunks) whose grid
+    of ``num_programs`` (query tiles x KV heads) would leave the device idle: aim for ``2 * compute_units``
+    programs, but give each split at least 256 keys of the longest context ``max_keys`` and never more than
+    :data:`MAX_KV_SPLITS`. Prefill-sized batches have the parallelism already (and their workspace would be large).
+    """
+    if max_query_len > _SPLIT_MAX_QUERY_LEN or num_programs >= _WAVES * compute_units:
+        return 1
+    by_device = -(-(_WAVES * compute_units) // max(1, num_programs))
+    by_length = max(1, max_keys // _SPLIT_MIN_KEYS)
+    return max(1, min(by_device, by_length, MAX_KV_SPLITS))
+
+
+def _compute_units(device: torch.device) -> int:
+    """Streaming multiprocessors of a GPU; 1 elsewhere (the interpreter runs programs one after another, so
+    splitting only adds work there)."""
+    if device.type == "cuda":
+        return int(torch.cuda.get_device_properties(device).multi_processor_count)
+    return 1
+
+
+def interpreted() -> bool:
+    """True when this module's kernels were built for Triton's interpreter (``TRITON_INTERPRET=1`` when it was
+    imported): CPU tensors work then, and only then."""
+    return not isinstance(_paged_attention_kernel, JITFunction)
+
+
+def _fail(msg: str) -> ValueError:
+    return ValueError(f"unified_attention: {msg}")
+
+
+def _check_index(name: str, t: object, ndim: int, device: torch.device) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor) or t.dtype not in _INDEX_DTYPES or t.ndim != ndim:
+        got = f"{t.dtype} tensor of shape {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
+        raise _fail(f"{name} must be a {ndim}-d int32 or int64 tensor, got {got}")
+    if t.device != device:
+        raise _fail(f"{name} is on {t.device}, query on {device}; all tensors must share one device")
+    if t.ndim == 1 and t.numel() > 1 and t.stride(0) != 1:
+        raise _fail(f"{name} must be contiguous, got stride {t.stride(0)}")
+    return t
+
+
+def _static_scale(name: str, s: object, num_kv_heads: int, head_dim: int, device: torch.device
+                  ) -> tuple[torch.Tensor, bool]:
+    """A static scale -> (contiguous float32 [Hkv, D] on ``device``, whether it varies along D)."""
+    if not isinstance(s, torch.Tensor) or not s.dtype.is_floating_point:
+        raise _fail(f"{name} must be a floating-point tensor broadcastable to [Hkv={num_kv_heads}, D={head_dim}], "
+                    f"got {s.dtype if isinstance(s, torch.Tensor) else type(s).__name__}")
+    try:
+        full = torch.broadcast_to(s.to(device=device, dtype=torch.float32), (num_kv_heads, head_dim))
+    except RuntimeError as exc:
+        raise _fail(f"{name} of shape {tuple(s.shape)} does not broadcast to [Hkv={num_kv_heads}, D={head_dim}] "
+                    f"(allowed: [1, 1], [Hkv, 1], [1, D], [Hkv, D])") from exc
+    return full.contiguous(), s.ndim >= 1 and s.shape[-1] != 1
+
+
+def _check_token_scales(name: str, s: object, cache_shape: torch.Size, device: torch.device) -> torch.Tensor:
+    want = tuple(cache_shape[:3])
+    if not isinstance(s, torch.Tensor) or s.dtype != torch.float32 or tuple(s.shape) != want:
+        got = f"{s.dtype} tensor of shape {tuple(s.shape)}" if isinstance(s, torch.Tensor) else type(s).__name__
+        raise _fail(f"{name} must be a float32 tensor of shape [num_blocks, Hkv, bs] = {list(want)}, got {got}")
+    if s.device != device:
+        raise _fail(f"{name} is on {s.device}, query on {device}; all tensors must share one device")
+    return s
+
+
+def unified_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor, *,
+                      query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
+                      max_query_len: int, max_seq_len: int, scale: float, sliding_window: int | None,
+                      fp8: FP8Layout | None, k_scale: torch.Tensor | None = None,
+                      v_scale: torch.Tensor | None = None, k_token_scales: torch.Tensor | None = None,
+                      v_token_scales: torch.Tensor | None = None, num_kv_splits: int | None = None) -> torch.Tensor:
+    """Paged attention of a mixed batch into ``out``; returns ``out``.
+
+    query/out ``[T, Hq, D]`` (bfloat16, float16 or float32, same dtype; already in the stored basis); k_cache/v_cache
+    ``[num_blocks, Hkv, bs, D]``: uint8 FP8 codes of format ``fp8`` (a :class:`kv8.quant.formats.FP8Format`), or
+    bfloat16/float16/float32 values with ``fp8=None``; ``query_start_loc [B + 1]``, ``seq_lens [B]``, ``block_tables
+    [B, max_blocks]`` int32/int64 as :class:`kv8.attention.metadata.AttentionMetadata` describes them (with a
+    window, table entries before a sequence's first needed block are never read). ``max_query_len`` /
+    ``max_seq_len`` size the tiles and the split heuristic only (results do not depend on them). FP8 needs either
+    static ``k_scale``/``v_scale`` (broadcastable to ``[Hkv, D]``) or dynamic ``k_token_scales``/``v_token_scales``
+    ``[num_blocks, Hkv, bs]`` float32; a 16/32-bit cache takes none. ``num_kv_splits``: key segments per query tile
+    (1 = no split-K; None = :func:`choose_num_kv_splits`). Output rows of tokens past ``query_start_loc[B]`` are
+    left untouched. ``ValueError`` (before any launch) for a bad argument.
+    """
+    # ---- validation: shapes, dtypes, devices; nothing here reads a tensor's values (no host sync) ----
+    if not isinstance(query, torch.Tensor) or query.dtype not in _QUERY_DTYPES or query.ndim != 3:
+        raise _fail(f"query must be a [T, Hq, D] bfloat16/float16/float32 tensor, got "
+                    f"{query.dtype if isinstance(query, torch.Tensor) else type(query).__name__}"
+                    f"{' of shape ' + str(tuple(query.shape)) if isinstance(query, torch.Tensor) else ''}")
+    device = query.device
+    num_tokens, num_q_heads, head_dim = query.shape
+    if not isinstance(out, torch.Tensor) or out.shape != query.shape or out.dtype != query.dtype \
+            or out.device != device:
+        raise _fail(f"out must match query ({tuple(query.shape)}, {query.dtype}, {device}), got "
+                    + (f"({tuple(out.shape)}, {out.dtype}, {out.device})" if isinstance(out, torch.Tensor)
+                       else type(out).__name__))
+    if query.stride(-1) != 1 or out.stride(-1) != 1:
+        raise _fail(f"query and out need a contiguous last dim, got strides {query.stride()} / {out.stride()}")
+    if not 1 <= head_dim <= 256:
+        raise _fail(f"head_dim={head_dim} is not supported; allowed 1 .. 256")
+    try:
+        fmt = FP8_NONE if fp8 is None else fp8_format_id(fp8)
+    except ValueError as exc:
+        raise _fail(str(exc)) from None
+    for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if not isinstance(c, torch.Tensor) or c.ndim != 4:
+            raise _fail(f"{name} must be a [num_blocks, Hkv, bs, D] tensor, got "
+                        f"{tuple(c.shape) if isinstance(c, torch.Tensor) else type(c).__name__}")
+        want = "torch.uint8 (FP8 codes)" if fmt != FP8_NONE else "bfloat16/float16/float32"
+        ok = c.dtype == torch.uint8 if fmt != FP8_NONE else c.dtype in _QUERY_DTYPES
+        if not ok:
+            raise _fail(f"{name}.dtype={c.dtype} but fp8={getattr(fp8, 'name', None)!r} needs {want}")
+        if c.device != device:
+            raise _fail(f"{name} is on {c.device}, query on {device}; all tensors must share one device")
+        if c.stride(-1) != 1:
+            raise _fail(f"{name} needs a contiguous last dim, got strides {c.stride()}")
+    if k_cache.shape != v_cache.shape or k_cache.dtype != v_cache.dtype:
+        raise _fail(f"k_cache {tuple(k_cache.shape)} {k_cache.dtype} and v_cache {tuple(v_cache.shape)} "
+                    f"{v_cache.dtype} must match")
+    num_blocks, num_kv_heads, block_size, cache_dim = k_cache.shape
+    if cache_dim != head_dim:
+        raise _fail(f"cache head_dim={cache_dim} != query head_dim={head_dim}")
+    if num_kv_heads < 1 or num_q_heads % num_kv_heads:
+        raise _fail(f"query heads Hq={num_q_heads} must be a multiple of the cache's KV heads Hkv={num_kv_heads}")
+    if block_size < 1:
+        raise _fail(f"block_size={block_size} must be >= 1")
+    _check_index("query_start_loc", query_start_loc, 1, device)
+    _check_index("seq_lens", seq_lens, 1, device)
+    _check_index("block_tables", block_tables, 2, device)
+    num_seqs = seq_lens.shape[0]
+    if query_start_loc.shape[0] != num_seqs + 1 or block_tables.shape[0] != num_seqs:
+        raise _fail(f"query_start_loc has {query_start_loc.shape[0]} entries and block_tables "
+                    f"{block_tables.shape[0]} rows, seq_lens {num_seqs}: need B + 1 and B")
+    if block_tables.stride(-1) != 1:
+        raise _fail(f"block_tables needs a contiguous last dim, got strides {block_tables.stride()}")
+    for name, val in (("max_query_len", max_query_len), ("max_seq_len", max_seq_len)):
+        if not isinstance(val, int) or isinstance(val, bool) or val < 0:
+            raise _fail(f"{name}={val!r} must be an int >= 0")
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
+        raise _fail(f"scale={scale!r} must be a finite float")
+    if sliding_window is not None and (not isinstance(sliding_window, int) or isinstance(sliding_window, bool)
+                                       or sliding_window < 1):
+        raise _fail(f"sliding_window={sliding_window!r} must be None (full causal attention) or an int >= 1")
+    if num_kv_splits is not None and (not isinstance(num_kv_splits, int) or isinstance(num_kv_splits, bool)
+                                      or not 1 <= num_kv_splits <= MAX_KV_SPLITS):
+        raise _fail(f"num_kv_splits={num_kv_splits!r} must be None (heuristic) or an int in 1 .. {MAX_KV_SPLITS}")
+
+    static = k_scale is not None or v_scale is not None
+    dynamic = k_token_scales is not None or v_token_scales is not None
+    if fmt == FP8_NONE and (static or dynamic):
+        raise _fail("scales were given for a 16/32-bit cache (fp8=None); such a cache stores plain values")
+    if fmt != FP8_NONE and static == dynamic:
+        raise _fail("an FP8 cache needs exactly one kind of scales: static k_scale and v_scale, or dynamic "
+                    "k_token_scales and v_token_scales" + (" (got both)" if static else " (got none)"))
+    if static and (k_scale is None or v_scale is None) or dynamic and (k_token_scales is None
+                                                                       or v_token_scales is None):
+        raise _fail("scales come in pairs: give both k_scale and v_scale, or both k_token_scales and v_token_scales")
+
+    in_interpreter = interpreted()
+    if device.type != "cuda" and not in_interpreter:
+        raise _fail(f"tensors on {device} need Triton's interpreter: set TRITON_INTERPRET=1 before "
+                    "kv8.kernels.triton is imported (compiled kernels run on CUDA/ROCm devices)")
+
+    dummy = torch.empty(1, dtype=torch.float32, device=device)
+    scales_mode, k_channel = SCALES_NONE, False
+    ks = vs = kts = vts = dummy
+    if static:
+        ks, k_channel = _static_scale("k_scale", k_scale, num_kv_heads, head_dim, device)
+        vs, _ = _static_scale("v_scale", v_scale, num_kv_heads, head_dim, device)
+        scales_mode = SCALES_STATIC
+    elif dynamic:
+        kts = _check_token_scales("k_token_scales", k_token_scales, k_cache.shape, device)
+        vts = _check_token_scales("v_token_scales", v_token_scales, v_cache.shape, device)
+        scales_mode = SCALES_DYNAMIC
+
+    # ---- launch ----
+    if num_tokens == 0 or num_seqs == 0:
+        return out
+    variant = KernelVariant(query.dtype, k_cache.dtype, fmt, native_fp8_supported(device, fmt, in_interpreter),
+                            scales_mode, k_channel, sliding_window is not None, num_q_heads // num_kv_heads,
+                            head_dim, block_size, max_query_len, in_interpreter)
+    cfg = variant.config
+    num_q_tiles = num_tokens // cfg.block_q + num_seqs
+    if num_kv_splits is None:
+        max_keys = max_seq_len if sliding_window is None else min(max_seq_len, sliding_window + max_query_len)
+        num_kv_splits = choose_num_kv_splits(num_q_tiles * num_kv_heads, max_query_len, max_keys,
+                                             _compute_units(device))
+    if num_kv_splits > 1:
+        part_acc = torch.empty(num_tokens, num_q_heads, num_kv_splits, cfg.d_pad, dtype=torch.float32, device=device)
+        part_m = torch.empty(num_tokens, num_q_heads, num_kv_splits, dtype=torch.float32, device=device)
+        part_l = torch.empty_like(part_m)
+    else:
+        part_acc = part_m = part_l = dummy
+
+    _paged_attention_kernel[(num_q_tiles, num_kv_heads, num_kv_splits)](
+        out, query, k_cache, v_cache,
+        query_start_loc, seq_lens, block_tables,
+        ks, vs, kts, vts,
+        part_acc, part_m, part_l,
+        num_seqs, num_q_heads, float(scale) * _LOG2E, sliding_window or 0,
+        query.stride(0), query.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        kts.stride(0) if dynamic else 0, kts.stride(1) if dynamic else 0, kts.stride(2) if dynamic else 0,
+        vts.stride(0) if dynamic else 0, vts.stride(1) if dynamic else 0, vts.stride(2) if dynamic else 0,
+        block_tables.stride(0),
+        **variant.constexprs(num_kv_splits), num_warps=cfg.num_warps,
+    )
+    if num_kv_splits > 1:
+        _merge_splits_kernel[(num_tokens, num_q_heads)](
+            out, part_acc, part_m, part_l, query_start_loc,
+            num_seqs, num_q_heads, out.stride(0), out.stride(1),
+            HEAD_DIM=head_dim, D_PAD=cfg.d_pad, NUM_SPLITS=num_kv_splits,
+            SPLITS_PAD=max(2, triton.next_power_of_2(num_kv_splits)), INTERPRETER=in_interpreter,
+        )
+    return out

@@ -1,0 +1,651 @@
+"""The Triton paged attention (:mod:`kv8.kernels.triton.attention`) against the reference attention.
+
+Without a CUDA device the kernels run in Triton's interpreter on CPU tensors: ``TRITON_INTERPRET=1`` is set below
+before kv8's kernels are imported (Triton reads it when a ``@triton.jit`` function is decorated), and if another
+test module imported them earlier under the other setting they are decorated again. With a CUDA device (and no
+``TRITON_INTERPRET``) the same tests run compiled on it. What the interpreter cannot show -- the compiled
+constexpr branches, tl.dot shapes, the native FP8 conversions, register pressure -- is checked on the kernels
+compiled for sm_90, which needs no GPU (Triton's compiler and its bundled ptxas, in a subprocess).
+
+The (cache dtype x head_dim/GQA x window/split x query dtype) sweep runs a fixed sample of 12 of its 288 cases;
+``KV8_TRITON_FULL_SWEEP=1`` runs them all (slow in the interpreter: 24x the sample).
+
+Every case builds a :class:`PagedKVCache` through kv8's own codec and reference store, with the cache and the
+token scales first filled with poison (NaN values, the format's NaN code): the kernel reading any slot it must not
+(a slot past a sequence, a block before a sliding window, an unused block) turns its output into NaN. Block ids are
+shuffled, last blocks partial, batches mixed (decode rows, prefill chunks over cached context, fresh prefills, an
+empty row) and padded with rows past ``query_start_loc[B]`` that must stay untouched.
+
+Tolerances (see :func:`_tolerance`): float32 queries are compared at float32 level, 16-bit queries at the dtype's
+rounding -- the reference and the kernel differ in the order of their float32 sums and in the kernel's rounding of
+the probabilities to the query's dtype for the tensor-core product.
+"""
+
+from __future__ import annotations
+
+import importlib
+import itertools
+import json
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"   # read when a @triton.jit function is decorated, i.e. at import
+
+import pytest  # noqa: E402
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+import kv8.kernels.triton.attention as triton_attention  # noqa: E402
+import kv8.kernels.triton.dequant as triton_dequant  # noqa: E402
+from kv8.attention.metadata import AttentionMetadata  # noqa: E402
+from kv8.attention.reference import paged_attention_reference  # noqa: E402
+from kv8.cache.codec import KVCodec  # noqa: E402
+from kv8.cache.paged_cache import CacheShape, PagedKVCache  # noqa: E402
+from kv8.kernels.triton.quant import FP8_ENCODINGS, fp8_format_id  # noqa: E402
+from kv8.quant.formats import E4M3, E4M3FNUZ, E5M2, FP8Format, resolve_kv_cache_dtype  # noqa: E402
+from kv8.quant.scales import KVScales, ScaleGranularity  # noqa: E402
+
+INTERPRETED = bool(triton.knobs.runtime.interpret)
+if triton_attention.interpreted() != INTERPRETED:
+    # kv8.kernels.triton was imported earlier in this process under the other setting (another test module):
+    # decorate its kernels again under this one (dequant first: attention imports its functions)
+    triton_dequant = importlib.reload(triton_dequant)
+    triton_attention = importlib.reload(triton_attention)
+MAX_KV_SPLITS = triton_attention.MAX_KV_SPLITS
+choose_num_kv_splits = triton_attention.choose_num_kv_splits
+launch_config = triton_attention.launch_config
+unified_attention = triton_attention.unified_attention
+decode_fp8 = triton_dequant.decode_fp8
+DEVICES = ["cpu"] if INTERPRETED else ["cuda"]   # the one this process can run the kernels on
+FLOAT_CACHES = ("bfloat16", "float16", "float32")
+FP8_CACHES = ("fp8_e4m3", "fp8_e4m3fnuz", "fp8_e5m2")
+FORMATS = {f.name: f for f in (E4M3, E4M3FNUZ, E5M2)}
+
+
+@dataclass(frozen=True)
+class Batch:
+    query_lens: tuple[int, ...]
+    seq_lens: tuple[int, ...]
+
+
+# decode over 36 cached tokens; a prefill chunk of 6 over 34 cached; a fresh prefill; an empty row; a decode
+# at a block boundary (bs 16)
+MIXED = Batch((1, 6, 19, 0, 1), (37, 40, 19, 5, 16))
+PAD_ROWS = 2  # query rows past query_start_loc[B]: out must keep them as they were
+
+
+@dataclass
+class Problem:
+    query: torch.Tensor            # [T + PAD_ROWS, Hq, D] on the CPU
+    cache: PagedKVCache            # on the CPU
+    meta: AttentionMetadata
+    scale: float
+    v_max: float                   # bound on |V| as read back (for the 16-bit tolerance)
+    num_tokens: int                # T
+
+
+def _poison(cache: PagedKVCache) -> None:
+    fmt = cache.kv_dtype.fp8
+    if fmt is None:
+        cache.data.fill_(float("nan"))
+    else:
+        cache.data.fill_(fmt.nan_code)
+    if cache.token_scales is not None:
+        cache.token_scales.fill_(float("nan"))
+
+
+def _static_scales(x_k: torch.Tensor, x_v: torch.Tensor, fmt: FP8Format, granularity: str,
+                   g: torch.Generator) -> KVScales:
+    """Calibration-like scales: amax / format max over the granularity's groups, times U(0.8, 1.6) (so some
+    values saturate, as with real calibrated scales)."""
+    dims = {"tensor": (0, 1, 2), "head": (0, 2), "channel": (0,)}[granularity]
+    out = []
+    for x in (x_k, x_v):
+        amax = x.abs().amax(dim=dims, keepdim=True)                     # keepdim on [N, H, D]
+        s = amax / fmt.max_finite * (0.8 + 0.8 * torch.rand(amax.shape, generator=g))
+        out.append(s.reshape(1, s.shape[1], s.shape[2]).float())
+    return KVScales(k=out[0], v=out[1], granularity=ScaleGranularity(granularity), source="test", made_for=None)
+
+
+def _build(kv: str, q_dtype: torch.dtype, *, head_dim: int = 64, kv_heads: int = 2, group: int = 2,
+           block_size: int = 16, batch: Batch = MIXED, window: int | None = None, scales: str = "tensor",
+           rotation: str = "none", garbage: tuple[int, ...] | None = None, seed: int = 0) -> Problem:
+    """A poisoned cache holding the batch's context, its metadata and queries (module docstring). ``scales``:
+    "tensor" / "head" / "channel" static scales or "dynamic" (FP8 only). ``garbage``: block ids written into the
+    table entries before each window's first block (default: ids of poisoned, never-stored blocks)."""
+    g = torch.Generator().manual_seed(seed)
+    kv_dtype = resolve_kv_cache_dtype(kv, torch.float32)
+    bs, d = block_size, head_dim
+    nblocks = [-(-s // bs) for s in batch.seq_lens]
+    spare = 3
+    num_blocks = sum(nblocks) + spare
+    perm = torch.randperm(num_blocks, generator=g).tolist()
+    spares, free = perm[:spare], perm[spare:]
+
+    tables: list[list[int]] = []
+    slots: list[int] = []
+    for q_len, s_len, n in zip(batch.query_lens, batch.seq_lens, nblocks):
+        table = [free.pop() for _ in range(n)]
+        if q_len == 0:                     # never read: point it at poison
+            tables.append([spares[b % spare] for b in range(n)])
+            continue
+        first_key = max(0, s_len - q_len + 1 - window) if window is not None else 0
+        first_block = first_key // bs
+        for b in range(first_block):
+            table[b] = garbage[b % len(garbage)] if garbage else spares[b % spare]
+        slots += [table[p // bs] * bs + p % bs for p in range(first_block * bs, s_len)]
+        tables.append(table)
+
+    amp = 1.0 + 3.0 * torch.rand(d, generator=g)                      # uneven key channels, like real keys
+    key = torch.randn(len(slots), kv_heads, d, generator=g) * amp
+    value = torch.randn(len(slots), kv_heads, d, generator=g)
+    fmt = kv_dtype.fp8
+    static = None
+    if fmt is not None and scales != "dynamic":
+        static = _static_scales(key, value, fmt, scales, g)
+    codec = KVCodec.build(kv_dtype, d, scale_mode="dynamic" if scales == "dynamic" and fmt else "static",
+                          rotation=rotation, scales=static)
+    cache = PagedKVCache(CacheShape(1, num_blocks, kv_heads, bs, d), codec)
+    _poison(cache)
+    key, value = codec.to_stored_basis(key), codec.to_stored_basis(value)
+    cache.store(0, key, value, torch.tensor(slots, dtype=torch.int64))
+
+    meta = AttentionMetadata.build(list(batch.query_lens), list(batch.seq_lens), tables, bs, sliding_window=window)
+    num_tokens = sum(batch.query_lens)
+    query = codec.to_stored_basis(1.5 * torch.randn(num_tokens + PAD_ROWS, kv_heads * group, d, generator=g))
+    v_max = 1.25 * float(value.abs().max()) if value.numel() else 1.0
+    return Problem(query.to(q_dtype), cache, meta, d ** -0.5, v_max, num_tokens)
+
+
+def _run(p: Problem, device: str, *, num_kv_splits: int | None = 1, table_dtype: torch.dtype = torch.int64,
+         sentinel: float = 7.0) -> torch.Tensor:
+    """The kernel's output ``[T + PAD_ROWS, Hq, D]`` (on the CPU) for problem ``p``; out starts as ``sentinel``."""
+    k_cache, v_cache = (c.to(device) for c in p.cache.layer(0))
+    static = p.cache.layer_scales(0)
+    dynamic = p.cache.layer_token_scales(0)
+    query = p.query.to(device)
+    out = torch.full_like(query, sentinel)
+    m = p.meta
+    res = unified_attention(
+        query, k_cache, v_cache, out,
+        query_start_loc=m.query_start_loc.to(device), seq_lens=m.seq_lens.to(device),
+        block_tables=m.block_tables.to(device=device, dtype=table_dtype),
+        max_query_len=max(m.query_lens_list), max_seq_len=max(m.seq_lens_list), scale=p.scale,
+        sliding_window=m.sliding_window, fp8=p.cache.kv_dtype.fp8,
+        k_scale=static[0].to(device) if static else None, v_scale=static[1].to(device) if static else None,
+        k_token_scales=dynamic[0].to(device) if dynamic else None,
+        v_token_scales=dynamic[1].to(device) if dynamic else None,
+        num_kv_splits=num_kv_splits)
+    assert res is out
+    return out.cpu()
+
+
+def _reference(p: Problem) -> torch.Tensor:
+    return paged_attention_reference(p.query, p.cache, 0, p.meta, p.scale)[:p.num_tokens]
+
+
+def _tolerance(p: Problem) -> dict[str, float]:
+    """float32 query: both sides compute in float32 and differ only in summation order and exp2-vs-exp, a few
+    float32 ulps of an output bounded by v_max (1e-5 relative leaves room for ~D-term sums). 16-bit query: each side
+    rounds a float32 value (equal to ~1e-6) to the dtype, so the outputs may sit one ulp apart (rtol = eps). Where
+    the kernel multiplies 16-bit operands (an FP8 cache, or one of the query's dtype) it also rounds each probability
+    to the dtype for the PV product, an error <= eps/2 * sum_j p_j |v_j| <= eps/2 * v_max, doubled as the atol;
+    elsewhere its products are float32 and the atol stays at float32 level."""
+    q_dtype = p.query.dtype
+    if q_dtype == torch.float32:
+        return {"rtol": 1e-5, "atol": 1e-5 * p.v_max}
+    eps = torch.finfo(q_dtype).eps
+    kv = p.cache.kv_dtype
+    rounds_p = kv.is_fp8 or kv.storage_dtype == q_dtype
+    return {"rtol": eps, "atol": (eps if rounds_p else 1e-5) * p.v_max}
+
+
+def _check(p: Problem, out: torch.Tensor, sentinel: float = 7.0) -> None:
+    ref = _reference(p)
+    got = out[:p.num_tokens]
+    assert not got.isnan().any(), "NaN in the output: the kernel read a poisoned slot"
+    torch.testing.assert_close(got.float(), ref.float(), **_tolerance(p))
+    assert got.dtype == p.query.dtype
+    assert bool((out[p.num_tokens:] == sentinel).all()), "rows past query_start_loc[B] were written"
+
+
+# ---- FP8 decode -----------------------------------------------------------------------------------------------
+
+@triton.jit
+def _decode_all_kernel(codes_ptr, out_ptr, FMT: tl.constexpr, NATIVE: tl.constexpr, OUT: tl.constexpr):
+    offs = tl.arange(0, 256)
+    tl.store(out_ptr + offs, decode_fp8(tl.load(codes_ptr + offs), FMT, NATIVE, OUT).to(tl.float32))
+
+
+def _decode_all(fmt: FP8Format, native: bool, device: str, out_dtype: tl.dtype = tl.float32) -> torch.Tensor:
+    codes = torch.arange(256, dtype=torch.uint8, device=device)
+    out = torch.empty(256, dtype=torch.float32, device=device)
+    _decode_all_kernel[(1,)](codes, out, FMT=fp8_format_id(fmt), NATIVE=native, OUT=out_dtype)
+    return out.cpu()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("out_dtype", [tl.float32, tl.float16, tl.bfloat16], ids=str)
+@pytest.mark.parametrize("name", FP8_CACHES)
+def test_bit_decode_is_exact_for_every_code(name: str, out_dtype: tl.dtype, device: str) -> None:
+    """Every code decodes to its exact value (NaN to NaN, -0.0 to -0.0) straight into each dot dtype."""
+    fmt = FORMATS[name]
+    got = _decode_all(fmt, False, device, out_dtype)
+    want = fmt.decode(torch.arange(256, dtype=torch.uint8))
+    assert torch.equal(got.isnan(), want.isnan())
+    finite = ~want.isnan()
+    assert torch.equal(got[finite], want[finite])
+    assert torch.equal(got[finite].signbit(), want[finite].signbit())     # -0.0 stays -0.0
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("name", ["fp8_e4m3", "fp8_e5m2"])
+def test_native_decode_matches_bits_on_finite_codes(name: str, device: str) -> None:
+    """The native conversion agrees with the exact decode on every finite code (the interpreter's own FP8
+    conversion gets NaN/inf codes wrong, so those are compared only when compiled; E4M3FNUZ's float8e4b8 exists
+    only on AMD gfx94x and is not exercised here)."""
+    fmt = FORMATS[name]
+    if device == "cuda" and not INTERPRETED and torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("native FP8 conversion needs compute capability >= 8.9")
+    got = _decode_all(fmt, True, device)
+    want = fmt.decode(torch.arange(256, dtype=torch.uint8))
+    finite = want.isfinite() if INTERPRETED else ~want.isnan()
+    assert torch.equal(got[finite], want[finite])
+    if not INTERPRETED:
+        assert torch.equal(got.isnan(), want.isnan())
+
+
+# ---- attention against the reference ----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("q_dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("kv", FLOAT_CACHES + FP8_CACHES)
+def test_every_cache_dtype_mixed_batch(kv: str, q_dtype: torch.dtype, device: str) -> None:
+    p = _build(kv, q_dtype, seed=1)
+    _check(p, _run(p, device))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("q_dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("scales", ["tensor", "head", "channel", "dynamic"])
+def test_scales(scales: str, q_dtype: torch.dtype, device: str) -> None:
+    """Static scales of every granularity (channel K scales take the float32 QK product) and dynamic ones."""
+    p = _build("fp8_e4m3", q_dtype, kv_heads=2, group=2, scales=scales, seed=2)
+    _check(p, _run(p, device))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("kv", ["fp8_e5m2", "fp8_e4m3fnuz"])
+def test_dynamic_scales_other_formats(kv: str, device: str) -> None:
+    p = _build(kv, torch.float32, scales="dynamic", seed=3)
+    _check(p, _run(p, device, num_kv_splits=2))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("kv,scales", [("fp8_e4m3", "dynamic"), ("fp8_e4m3", "head"), ("float32", "tensor")])
+def test_hadamard_rotated_codec(kv: str, scales: str, device: str) -> None:
+    """q, K and V in the rotated (stored) basis: the same call. For a float32 cache, rotating the output back also
+    gives attention over the unrotated q, K, V (the rotation is orthonormal)."""
+    p = _build(kv, torch.float32, scales=scales, rotation="hadamard", seed=4)
+    out = _run(p, device)
+    _check(p, out)
+    if kv == "float32":
+        plain = _build(kv, torch.float32, scales=scales, rotation="none", seed=4)
+        back = p.cache.codec.to_stored_basis(out[:p.num_tokens])
+        torch.testing.assert_close(back, _reference(plain), rtol=1e-5, atol=1e-5 * p.v_max)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("kv,q_dtype,head_dim,group,block_size", [
+    ("fp8_e4m3", torch.float32, 64, 1, 16),
+    ("fp8_e4m3", torch.float32, 128, 4, 16),
+    ("fp8_e5m2", torch.float16, 64, 8, 32),
+    ("fp8_e4m3", torch.bfloat16, 96, 4, 16),      # not a power of two: D padded to 128 and masked
+    ("float32", torch.float32, 96, 1, 32),
+    ("fp8_e4m3", torch.bfloat16, 256, 2, 32),     # 16-key tiles inside 32-token blocks
+    ("bfloat16", torch.bfloat16, 256, 8, 16),
+    ("fp8_e4m3", torch.float16, 64, 2, 8),        # blocks smaller than a key tile: per-key table gather
+    ("fp8_e4m3", torch.float32, 64, 2, 48),       # a block of three 16-key tiles
+], ids=lambda v: str(v).replace("torch.", ""))
+def test_gqa_head_dims_block_sizes(kv: str, q_dtype: torch.dtype, head_dim: int, group: int, block_size: int,
+                                   device: str) -> None:
+    p = _build(kv, q_dtype, head_dim=head_dim, kv_heads=1 if head_dim == 256 else 2, group=group,
+               block_size=block_size, seed=5)
+    _check(p, _run(p, device))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("window,splits", [(1, 1), (5, 1), (5, 3), (16, 2), (23, 1), (100, 2)])
+def test_sliding_window(window: int, splits: int, device: str) -> None:
+    """Windows smaller than a block, equal to it, spanning blocks, and wider than every sequence; the table entries
+    before each window's first block point at poisoned blocks."""
+    batch = Batch((1, 6, 19, 0, 1, 3), (37, 40, 19, 5, 16, 50))
+    p = _build("fp8_e4m3", torch.float32, batch=batch, window=window, seed=6)
+    _check(p, _run(p, device, num_kv_splits=splits))
+    if window < 19:  # the case exercises the window: attention without it differs
+        full = _build("fp8_e4m3", torch.float32, batch=batch, window=None, seed=6)
+        assert not torch.allclose(_reference(p), _reference(full), atol=1e-3)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_window_never_reads_skipped_table_entries(device: str) -> None:
+    """Table entries before the window hold -1 and an id far past the cache: any read of them (or of their blocks)
+    would fault or read garbage."""
+    batch = Batch((1, 4, 2), (70, 64, 45))
+    p = _build("fp8_e4m3", torch.bfloat16, batch=batch, window=10, garbage=(-1, 1 << 40), seed=7)
+    _check(p, _run(p, device, num_kv_splits=1))
+    _check(p, _run(p, device, num_kv_splits=2, table_dtype=torch.int64))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("splits", [1, 2, 3, 8, None])
+def test_split_k_long_decode_rows(splits: int | None, device: str) -> None:
+    """Long decode rows (and one short prefill) with split-K off, on (more splits than some rows have key tiles:
+    empty splits), and by the heuristic; split results equal the unsplit ones to float32 rounding."""
+    batch = Batch((1, 1, 3, 1), (150, 33, 70, 1))
+    p = _build("fp8_e4m3", torch.float32, batch=batch, kv_heads=2, group=4, seed=8)
+    out = _run(p, device, num_kv_splits=splits, table_dtype=torch.int32)
+    _check(p, out)
+    if splits != 1:
+        torch.testing.assert_close(out, _run(p, device, num_kv_splits=1), rtol=1e-5, atol=1e-5 * p.v_max)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_split_k_bf16_mixed_batch(device: str) -> None:
+    p = _build("fp8_e5m2", torch.bfloat16, scales="dynamic", seed=9)
+    _check(p, _run(p, device, num_kv_splits=4))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_poison_is_detected(device: str) -> None:
+    """The harness can fail: poisoning a slot the batch does read (the decode row's newest key) shows up as NaN
+    in exactly the rows that see it."""
+    p = _build("fp8_e4m3", torch.float32, seed=10)
+    block = int(p.meta.block_tables[0, 36 // 16])
+    k_cache, _ = p.cache.layer(0)
+    k_cache[block, :, 36 % 16] = E4M3.nan_code
+    out = _run(p, device)
+    assert out[0].isnan().all()                        # the decode row (token 0) sees position 36
+    assert not out[1:p.num_tokens].isnan().any()       # nobody else does
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("q_dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("splits", [1, 2])
+def test_output_rounds_to_nearest_even(q_dtype: torch.dtype, splits: int, device: str) -> None:
+    """One-token sequences see only their own key: out = V exactly in float32 (a float32 cache), so the output is
+    V rounded to the query's dtype, bit for bit -- by the attention kernel and by the split merge (the
+    interpreter's own bfloat16 cast would truncate)."""
+    p = _build("float32", q_dtype, batch=Batch((1, 1, 1), (1, 1, 1)), kv_heads=2, group=2, seed=14)
+    out = _run(p, device, num_kv_splits=splits)
+    _, v_cache = p.cache.layer(0)
+    want = torch.stack([v_cache[int(p.meta.block_tables[i, 0]), :, 0] for i in range(3)])      # [3, Hkv, D]
+    want = want.repeat_interleave(2, dim=1).to(q_dtype)                                         # [3, Hq, D]
+    assert torch.equal(out[:3].view(torch.int16), want.view(torch.int16))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_empty_batches_leave_out_alone(device: str) -> None:
+    p = _build("float32", torch.float32, batch=Batch((0, 0), (5, 17)), seed=11)
+    out = _run(p, device)
+    assert bool((out == 7.0).all())
+
+
+# ---- host-side logic ---------------------------------------------------------------------------------------------
+
+def test_launch_config_invariants() -> None:
+    for group, head_dim, max_q, bs, f32 in itertools.product((1, 2, 3, 4, 6, 8, 16, 32), (1, 64, 80, 96, 128, 256),
+                                                             (0, 1, 2, 7, 64, 4096), (8, 16, 32, 48), (False, True)):
+        c = launch_config(group, head_dim, max_q, bs, f32)
+        assert c.block_m >= max(16, c.block_q * group) and c.block_q >= 1
+        for v in (c.block_m, c.tile_n, c.d_pad):
+            assert v >= 16 and v & (v - 1) == 0
+        assert c.d_pad >= head_dim
+        assert c.tile_in_block == (bs % c.tile_n == 0)
+    assert launch_config(8, 128, 1, 16, False).block_q == 2       # decode: 16 rows = 2 tokens x 8 heads
+    assert launch_config(1, 128, 512, 16, False).block_q == 64    # prefill: 64 tokens per tile
+    assert launch_config(1, 128, 512, 32, False).tile_n == 32
+    assert not launch_config(1, 128, 1, 8, False).tile_in_block
+
+
+def test_split_heuristic() -> None:
+    # few programs, long context: split up to 2 programs per SM, >= 256 keys per split
+    assert choose_num_kv_splits(num_programs=16, max_query_len=1, max_keys=8192, compute_units=132) == 17
+    assert choose_num_kv_splits(num_programs=16, max_query_len=1, max_keys=1024, compute_units=132) == 4
+    assert choose_num_kv_splits(num_programs=1, max_query_len=1, max_keys=10 ** 6, compute_units=132) \
+        == MAX_KV_SPLITS
+    # enough programs already, a prefill-sized batch, a short context, a CPU: no split
+    assert choose_num_kv_splits(num_programs=400, max_query_len=1, max_keys=8192, compute_units=132) == 1
+    assert choose_num_kv_splits(num_programs=16, max_query_len=512, max_keys=8192, compute_units=132) == 1
+    assert choose_num_kv_splits(num_programs=16, max_query_len=1, max_keys=200, compute_units=132) == 1
+    assert choose_num_kv_splits(num_programs=16, max_query_len=1, max_keys=8192, compute_units=1) == 1
+
+
+def _valid_kwargs() -> dict:
+    p = _build("fp8_e4m3", torch.float32, batch=Batch((1, 2), (3, 20)), seed=12)
+    k_cache, v_cache = p.cache.layer(0)
+    ks, vs = p.cache.layer_scales(0)  # type: ignore[misc]
+    m = p.meta
+    return dict(query=p.query, k_cache=k_cache, v_cache=v_cache, out=torch.empty_like(p.query),
+                query_start_loc=m.query_start_loc, seq_lens=m.seq_lens, block_tables=m.block_tables,
+                max_query_len=2, max_seq_len=20, scale=0.125, sliding_window=None, fp8=E4M3, k_scale=ks, v_scale=vs)
+
+
+def _bad_cases() -> list[tuple[str, dict, str]]:
+    f32 = torch.float32
+    q = torch.zeros(3 + PAD_ROWS, 4, 64)
+    cache16 = torch.zeros(8, 2, 16, 64, dtype=torch.bfloat16)
+    return [
+        ("query dtype", {"query": q.to(torch.int32)}, "query must be"),
+        ("out dtype", {"out": q.to(torch.bfloat16)}, "out must match"),
+        ("float cache with fp8", {"k_cache": cache16, "v_cache": cache16}, "k_cache.dtype"),
+        ("fp8 cache without fp8", {"fp8": None, "k_scale": None, "v_scale": None}, "k_cache.dtype"),
+        ("GQA ratio", {"query": torch.zeros(5, 3, 64), "out": torch.zeros(5, 3, 64)}, "multiple of"),
+        ("head_dim mismatch", {"query": torch.zeros(5, 4, 32), "out": torch.zeros(5, 4, 32)}, "head_dim"),
+        ("query_start_loc length", {"query_start_loc": torch.tensor([0, 1])}, "B \\+ 1"),
+        ("index dtype", {"seq_lens": torch.tensor([3.0, 20.0])}, "seq_lens must be"),
+        ("table ndim", {"block_tables": torch.zeros(2, dtype=torch.int64)}, "block_tables must be"),
+        ("no scales", {"k_scale": None, "v_scale": None}, "exactly one kind"),
+        ("one scale", {"v_scale": None}, "pairs"),
+        ("both kinds", {"k_token_scales": torch.ones(8, 2, 16)}, "exactly one kind"),
+        ("scale shape", {"k_scale": torch.ones(3, 1)}, "does not broadcast"),
+        ("token scale shape", {"k_scale": None, "v_scale": None, "k_token_scales": torch.ones(2, 2, 16),
+                               "v_token_scales": torch.ones(2, 2, 16)}, "k_token_scales must be"),
+        ("splits", {"num_kv_splits": 0}, "num_kv_splits"),
+        ("too many splits", {"num_kv_splits": MAX_KV_SPLITS + 1}, "num_kv_splits"),
+        ("window", {"sliding_window": 0}, "sliding_window"),
+        ("max_query_len", {"max_query_len": -1}, "max_query_len"),
+        ("scale", {"scale": float("nan")}, "scale="),
+        ("unknown format", {"fp8": FP8Format(
+            name="fp8_e4m3", exponent_bits=4, mantissa_bits=3, exponent_bias=8, max_finite=240.0,
+            min_subnormal=2.0 ** -10, torch_dtype=torch.float8_e4m3fnuz, has_negative_zero=False, has_inf=False,
+            nan_codes=(0x80,), nan_code=0x80)}, r"fp8 format 'fp8_e4m3': exponent_bias=8, .*exponent_bias=7"),
+        ("format name", {"fp8": SimpleNamespace(name="fp8_e3m4")}, r"fp8=.*fp8_e4m3, fp8_e4m3fnuz, fp8_e5m2"),
+        ("head_dim too large", {"query": torch.zeros(5, 4, 320), "out": torch.zeros(5, 4, 320),
+                                "k_cache": torch.zeros(8, 2, 16, 320, dtype=torch.uint8),
+                                "v_cache": torch.zeros(8, 2, 16, 320, dtype=torch.uint8)},
+         r"head_dim=320 .*1 \.\. 256"),
+        ("query strided", {"query": torch.zeros(5, 4, 128)[:, :, ::2]}, "contiguous last dim"),
+        ("table device", {"block_tables": torch.zeros(2, 2, dtype=torch.int64, device="meta")}, "block_tables is on"),
+        ("window bool", {"sliding_window": True}, "sliding_window=True"),
+        ("seq_lens strided", {"seq_lens": torch.tensor([3, 0, 20, 0])[::2]}, "seq_lens must be contiguous"),
+        ("fp32 scale for 16-bit cache", {"k_cache": cache16.to(f32), "v_cache": cache16.to(f32), "fp8": None},
+         "16/32-bit cache"),
+    ]
+
+
+@pytest.mark.parametrize("what,change,message", _bad_cases(), ids=[c[0] for c in _bad_cases()])
+def test_bad_arguments_raise_value_error(what: str, change: dict, message: str) -> None:
+    kwargs = _valid_kwargs()
+    kwargs.update(change)
+    query, k_cache, v_cache, out = (kwargs.pop(n) for n in ("query", "k_cache", "v_cache", "out"))
+    with pytest.raises(ValueError, match=message):
+        unified_attention(query, k_cache, v_cache, out, **kwargs)
+
+
+def test_valid_kwargs_run() -> None:
+    """The base of the bad-argument cases is itself valid (so each case fails for its own reason)."""
+    if not INTERPRETED:
+        pytest.skip("CPU tensors need the interpreter")
+    kwargs = _valid_kwargs()
+    query, k_cache, v_cache, out = (kwargs.pop(n) for n in ("query", "k_cache", "v_cache", "out"))
+    unified_attention(query, k_cache, v_cache, out, **kwargs)
+    assert not out[:3].isnan().any()
+
+
+# ---- compiled for an H100 without one ------------------------------------------------------------------------------
+
+# Run in a fresh interpreter without TRITON_INTERPRET (this module's kernels are interpreted): compile the attention
+# kernel's variants and the split merge for sm_90 with Triton's own compiler, assemble the PTX with the wheel's
+# ptxas, and report registers, spills and the FP8 conversions used. argv[1]: JSON list of variants.
+_COMPILE_SCRIPT = r"""
+import json, os, re, subprocess, sys, tempfile
+os.environ.pop("TRITON_INTERPRET", None)
+import torch, triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from kv8.kernels.triton import attention as A
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "u8": torch.uint8}
+PTR = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32", torch.uint8: "*u8"}
+ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+target = GPUTarget("cuda", 90, 32)
+
+
+def signature(fn, const, ptr_types):
+    sig = {}
+    for name in fn.arg_names:
+        if name in const:
+            sig[name] = "constexpr"
+        elif name.endswith("_ptr"):
+            sig[name] = ptr_types.get(name, "*fp32")
+        else:
+            sig[name] = "fp32" if name == "qk_scale" else "i32"
+    return sig
+
+
+def assemble(kernel):
+    info = {"cvt_fp8": sorted(set(re.findall(r"cvt\.[a-z0-9.]*e[45]m[23][a-z0-9.]*", kernel.asm["ptx"])))}
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
+        f.write(kernel.asm["ptx"])
+    log = subprocess.run([ptxas, "-arch=sm_90a", "-v", f.name, "-o", os.devnull], capture_output=True, text=True)
+    os.unlink(f.name)
+    assert log.returncode == 0, log.stderr
+    info["registers"] = int(re.search(r"Used (\d+) registers", log.stderr).group(1))
+    info["spill_bytes"] = sum(int(x) for x in re.findall(r"(\d+) bytes spill", log.stderr))
+    return info
+
+
+results = []
+for v in json.loads(sys.argv[1]):
+    splits = v.pop("splits")
+    v["query_dtype"], v["cache_dtype"] = DTYPES[v["query_dtype"]], DTYPES[v["cache_dtype"]]
+    variant = A.KernelVariant(**v, interpreted=False)
+    const = variant.constexprs(splits)
+    q_ptr = PTR[variant.query_dtype]
+    ptrs = {"out_ptr": q_ptr, "q_ptr": q_ptr, "k_ptr": PTR[variant.cache_dtype], "v_ptr": PTR[variant.cache_dtype],
+            "qsl_ptr": "*i32", "seq_lens_ptr": "*i32", "table_ptr": "*i32"}
+    fn = A._paged_attention_kernel
+    kernel = triton.compile(ASTSource(fn, signature(fn, const, ptrs), const), target=target,
+                            options={"num_warps": variant.config.num_warps})
+    info = assemble(kernel)
+    if splits > 1:
+        merge = A._merge_splits_kernel
+        mconst = dict(HEAD_DIM=variant.head_dim, D_PAD=variant.config.d_pad, NUM_SPLITS=splits,
+                      SPLITS_PAD=max(2, triton.next_power_of_2(splits)))
+        mk = triton.compile(ASTSource(merge, signature(merge, mconst, {"out_ptr": q_ptr, "qsl_ptr": "*i32"}), mconst),
+                            target=target, options={"num_warps": 4})
+        info["merge"] = assemble(mk)
+    results.append(info)
+print(json.dumps(results))
+"""
+
+
+def _variant(query: str = "bf16", kv: str = "fp8_e4m3", native: bool = True, scales: int = 1,
+             k_channel: bool = False, window: bool = False, group: int = 4, head_dim: int = 128, block_size: int = 16,
+             max_query_len: int = 1, splits: int = 1) -> dict:
+    """A KernelVariant's fields (JSON: dtypes by short name); ``kv`` an FP8 format's name or a cache dtype."""
+    fp8 = kv in FP8_ENCODINGS
+    return dict(query_dtype=query, cache_dtype="u8" if fp8 else kv,
+                fp8_code=FP8_ENCODINGS[kv].format_id if fp8 else triton_dequant.FP8_NONE,
+                native_fp8=native and fp8, scales=scales if fp8 else triton_attention.SCALES_NONE,
+                k_channel_scale=k_channel, sliding_window=window, group=group, head_dim=head_dim,
+                block_size=block_size, max_query_len=max_query_len, splits=splits)
+
+
+# what the engine launches on an H100 most (decode and prefill over E4M3 with bf16 queries), and the corners: the
+# largest tiles, head_dim 256 and 96, float32 products, per-key table gathers, the exact bit decode, split-K
+_SM90_VARIANTS = {
+    "decode-bf16-e4m3-native": _variant(),
+    "prefill-bf16-e4m3-native-channel": _variant(k_channel=True, max_query_len=512),
+    "prefill-fp16-e5m2-dynamic-window-d96": _variant(query="fp16", kv="fp8_e5m2", scales=2, window=True,
+                                                      head_dim=96, max_query_len=512),
+    "split-bf16-fnuz-bits-d256": _variant(kv="fp8_e4m3fnuz", native=False, group=8, head_dim=256, splits=8),
+    "prefill-bf16-e4m3-d256-bs32": _variant(group=1, head_dim=256, max_query_len=512, block_size=32),
+    "prefill-bf16-cache-bf16": _variant(kv="bf16", max_query_len=512),
+    "prefill-fp32-cache-fp32": _variant(query="fp32", kv="fp32", max_query_len=512),
+    "decode-bs8-gather": _variant(block_size=8),
+    "prefill-gqa8-d64-split3": _variant(group=8, head_dim=64, max_query_len=512, splits=3),
+}
+
+
+def test_kernels_compile_for_sm90_without_spills(tmp_path: Path) -> None:
+    """The kernels as compiled for an H100 (Triton's compiler, the wheel's ptxas; no GPU needed): what the
+    interpreter cannot check -- the compiled constexpr branches, tl.dot shapes and dtypes, the native FP8
+    conversions (used exactly where asked for), and registers: every variant fits sm_90's 255 per thread without
+    spilling (launch_config's tile sizes)."""
+    pytest.importorskip("triton.backends.nvidia")
+    env = {**os.environ, "TRITON_CACHE_DIR": str(tmp_path), "PYTHONPATH": os.pathsep.join(sys.path)}
+    env.pop("TRITON_INTERPRET", None)
+    variants = list(_SM90_VARIANTS.values())
+    run = subprocess.run([sys.executable, "-c", _COMPILE_SCRIPT, json.dumps(variants)], env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    results = json.loads(run.stdout.strip().splitlines()[-1])
+    for (name, v), info in zip(_SM90_VARIANTS.items(), results):
+        assert info["spill_bytes"] == 0 and info["registers"] <= 255, (name, info)
+        assert bool(info["cvt_fp8"]) == v["native_fp8"], (name, info)      # the bit path converts no FP8
+        if v["splits"] > 1:
+            assert info["merge"]["spill_bytes"] == 0, (name, info)
+
+
+# ---- a sample of the full sweep ----------------------------------------------------------------------------------
+
+_SWEEP_KV = FLOAT_CACHES + FP8_CACHES
+_SWEEP_SHAPES = ((64, 4), (128, 8), (96, 2), (256, 1))                   # (head_dim, group)
+_SWEEP_WINDOWS = ((None, 1), (None, 5), (13, 1), (29, 3))               # (sliding_window, num_kv_splits)
+_SWEEP_QUERIES = (torch.float32, torch.bfloat16, torch.float16)
+if os.environ.get("KV8_TRITON_FULL_SWEEP") == "1":                      # every combination
+    _SWEEP = list(itertools.product(_SWEEP_KV, _SWEEP_SHAPES, _SWEEP_WINDOWS, _SWEEP_QUERIES))
+else:
+    # two cases per cache dtype: the twelve (shape, window) pairs off the diagonal, so each shape and each window /
+    # split pair comes up three times, each query dtype four
+    _f32, _bf16, _f16 = _SWEEP_QUERIES
+    _SWEEP = [(kv, _SWEEP_SHAPES[s], _SWEEP_WINDOWS[w], q) for kv, s, w, q in (
+        ("bfloat16", 0, 1, _bf16), ("bfloat16", 2, 3, _f32),
+        ("float16", 1, 0, _f16), ("float16", 3, 2, _bf16),
+        ("float32", 0, 2, _f32), ("float32", 1, 3, _f16),
+        ("fp8_e4m3", 2, 0, _bf16), ("fp8_e4m3", 3, 1, _f16),
+        ("fp8_e4m3fnuz", 0, 3, _f32), ("fp8_e4m3fnuz", 2, 1, _bf16),
+        ("fp8_e5m2", 1, 2, _f16), ("fp8_e5m2", 3, 0, _f32),
+    )]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("kv,shape,window_splits,q_dtype", _SWEEP,
+                         ids=lambda v: str(v).replace("torch.", "").replace(" ", ""))
+def test_sweep(kv: str, shape: tuple[int, int], window_splits: tuple[int | None, int], q_dtype: torch.dtype,
+               device: str) -> None:
+    (head_dim, group), (window, splits) = shape, window_splits
+    batch = Batch((1, 7, 21, 0, 1, 2, 1), (130, 40, 21, 7, 1, 90, 48))
+    scales = "dynamic" if kv == "fp8_e5m2" else "channel" if kv == "fp8_e4m3fnuz" else "head"
+    p = _build(kv, q_dtype, head_dim=head_dim, kv_heads=2, group=group, batch=batch, window=window,
+               scales=scales, seed=13 + head_dim + group)
+    _check(p, _run(p, device, num_kv_splits=splits))
