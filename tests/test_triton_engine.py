@@ -1,0 +1,84 @@
+"""The engine end to end on the GPU path's attention backend (``attention_backend="triton"``), run here on CPU
+tensors in Triton's interpreter: greedy tokens equal to the reference backend's (both read the same stored bytes),
+with every block returned, over FP8 formats, scale modes, a rotation, GQA, sliding windows and the hybrid layout,
+prefix caching, chunked prefill and preemption; and decode steps served from the CUDA-graph buffers
+(:class:`kv8.engine.cuda_graphs.DecodeGraphs` without capture) equal to eager steps."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"   # before kv8's Triton kernels are decorated (imported by the backend)
+
+from kv8 import LLM, SamplingParams  # noqa: E402
+from kv8.engine.cuda_graphs import decode_buckets  # noqa: E402
+
+PROMPTS = ["The quick brown fox jumps over", "Paris is the capital of France, and Berlin is",
+           "Paris is the capital of France, and Berlin is the capital of", "Once upon"]
+PARAMS = SamplingParams(max_tokens=5, temperature=0.0, logprobs=2)
+
+pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning:triton.runtime.interpreter")
+
+
+def _run(path: str, backend: str, **kw) -> tuple[list[list[int]], LLM]:
+    if "num_kv_blocks" not in kw:
+        kw.setdefault("kv_cache_memory", "4MiB")
+    kw.setdefault("max_model_len", 128)
+    llm = LLM(model=path, dtype="float32", attention_backend=backend, **kw)
+    tokens = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, PARAMS, use_tqdm=False)]
+    kv = llm.engine.kv_manager
+    kv.check_integrity()
+    assert kv.num_free_blocks == kv.num_blocks, "blocks were not returned"
+    return tokens, llm
+
+
+CASES = [
+    ("llama_gqa", dict(kv_cache_dtype="fp8_e4m3")),
+    ("llama_gqa", dict(kv_cache_dtype="fp8_e5m2", kv_cache_scale_mode="dynamic")),
+    ("llama_gqa", dict(kv_cache_dtype="fp8_e4m3fnuz", kv_cache_rotation="hadamard")),
+    ("llama_gqa", dict(kv_cache_dtype="bfloat16")),
+    # chunked prefill (chunks of 8 tokens over the cached ones) and preemption (7 blocks of 4 tokens for 4
+    # sequences of up to 21)
+    ("llama", dict(kv_cache_dtype="fp8_e4m3", max_num_batched_tokens=8, num_kv_blocks=7, block_size=4,
+                   max_model_len=24)),
+    ("mistral_swa", dict(kv_cache_dtype="fp8_e4m3")),
+    ("gemma3", dict(kv_cache_dtype="fp8_e4m3", kv_cache_dtype_skip_layers="full_attention")),
+]
+
+
+@pytest.mark.parametrize(("model", "options"), CASES, ids=lambda c: c if isinstance(c, str) else
+                         "-".join(f"{v}" for v in c.values()))
+def test_triton_backend_matches_the_reference(tiny_models, model, options):
+    expected, _ = _run(tiny_models[model], "reference", **options)
+    got, llm = _run(tiny_models[model], "triton", **options)
+    assert llm.engine.backend.name == "triton"
+    assert got == expected
+    if "num_kv_blocks" in options:
+        assert llm.engine.stats().num_preemptions > 0
+
+
+def test_decode_graph_buffers_match_eager_steps(tiny_models):
+    """The static-buffer path of CUDA graphs (padded to a bucket, slots -1, tables padded with 0), run eagerly
+    here: the same tokens as eager steps, most decode steps served from it."""
+    path = tiny_models["mistral_swa"]   # two KV cache groups' buffers: full attention and the window
+    eager, _ = _run(path, "triton", kv_cache_dtype="fp8_e4m3")
+    llm = LLM(model=path, dtype="float32", attention_backend="triton", max_model_len=128, kv_cache_memory="4MiB",
+              kv_cache_dtype="fp8_e4m3", max_num_seqs=6)
+    runner = llm.engine.runner
+    runner.enable_decode_graphs(max_num_seqs=6, max_model_len=128, capture=False)
+    assert tuple(runner.graphs.buckets) == decode_buckets(6) == (1, 2, 4, 6)
+    got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, PARAMS, use_tqdm=False)]
+    assert got == eager
+    assert runner.graphs.replays >= PARAMS.max_tokens - 2   # every pure decode step of the batch
+    kv = llm.engine.kv_manager
+    assert kv.num_free_blocks == kv.num_blocks
+
+
+def test_decode_buckets():
+    assert decode_buckets(1) == (1,)
+    assert decode_buckets(64) == (1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64)
+    assert decode_buckets(20) == (1, 2, 4, 8, 16, 20)
