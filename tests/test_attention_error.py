@@ -13,8 +13,9 @@ import torch
 from kv8.cache.codec import KVCodec
 from kv8.quant.formats import resolve_kv_cache_dtype
 from kv8.quant.scales import KVScales
+from tests.helpers.paths import ROOT
 
-SCRIPT = Path(__file__).parent.parent / "scripts" / "attention_error.py"
+SCRIPT = ROOT / "scripts" / "attention_error.py"
 
 
 def _script():

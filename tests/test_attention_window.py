@@ -34,10 +34,10 @@ from kv8.attention.reference import paged_attention_reference
 from kv8.cache.codec import KVCodec
 from kv8.cache.paged_cache import CacheShape, PagedKVCache
 from kv8.kernels import attention as kernels
-from kv8.kernels.attention import KernelUnavailable, load_kernels, paged_attention_fused
+from kv8.kernels.attention import paged_attention_fused
 from kv8.quant.formats import resolve_kv_cache_dtype
 from kv8.quant.scales import KVScales, ScaleGranularity
-from tests.test_fused_attention import decode_kernel, kernel_path, prefill_kernel  # noqa: F401 (kernel_path: a fixture)
+from tests.helpers.kernels import decode_kernel, load_or_skip, prefill_kernel
 
 FP8 = ["fp8_e4m3", "fp8_e4m3fnuz", "fp8_e5m2"]
 NAN_CODE = {"fp8_e4m3": 0x7F, "fp8_e4m3fnuz": 0x80, "fp8_e5m2": 0x7F}
@@ -51,18 +51,12 @@ SEQ_LENS = [1, 16, 33, 21, 48, 17, 130, 77]
 
 @pytest.fixture(scope="module")
 def lib() -> kernels.KernelLibrary:
-    try:
-        return load_kernels()
-    except KernelUnavailable as exc:
-        pytest.skip(f"fused CPU kernels unavailable: {exc}")
+    return load_or_skip()
 
 
 @pytest.fixture(scope="module")
 def generic_lib() -> kernels.KernelLibrary:
-    try:
-        return load_kernels("x86-64-v3")
-    except KernelUnavailable as exc:
-        pytest.skip(f"fused CPU kernels unavailable: {exc}")
+    return load_or_skip("x86-64-v3")
 
 
 @dataclasses.dataclass

@@ -6,11 +6,11 @@ from __future__ import annotations
 import importlib.util
 import subprocess
 import sys
-from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
+from tests.helpers.paths import ROOT
+
 spec = importlib.util.spec_from_file_location("bench_bandwidth", ROOT / "benchmarks" / "bench_bandwidth.py")
 assert spec is not None and spec.loader is not None
 bench = importlib.util.module_from_spec(spec)

@@ -18,8 +18,9 @@ from types import ModuleType
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
-FIXTURES = ROOT / "tests" / "fixtures" / "peers"
+from tests.helpers.paths import FIXTURES, ROOT
+
+PEERS = FIXTURES / "peers"
 
 
 def load_bench() -> ModuleType:
@@ -37,7 +38,7 @@ bench = load_bench()
 
 
 def test_batched_bench_jsonl() -> None:
-    rows = bench.parse_batched_bench((FIXTURES / "llama-batched-bench.jsonl").read_text())
+    rows = bench.parse_batched_bench((PEERS / "llama-batched-bench.jsonl").read_text())
     assert [(r["pp"], r["tg"], r["pl"]) for r in rows] == [(64, 8, 1), (64, 8, 2)]
     assert rows[1]["speed_pp"] == pytest.approx(26.692768)
     assert rows[1]["speed_tg"] == pytest.approx(1.487364)
@@ -48,26 +49,26 @@ def test_batched_bench_jsonl() -> None:
 
 
 def test_batched_bench_markdown_table() -> None:
-    rows = bench.parse_batched_bench((FIXTURES / "llama-batched-bench.md").read_text())
+    rows = bench.parse_batched_bench((PEERS / "llama-batched-bench.md").read_text())
     assert [(r["pp"], r["tg"], r["pl"], r["n_kv"]) for r in rows] == [(256, 32, 1, 288), (256, 32, 4, 1152)]
     assert (rows[0]["speed_pp"], rows[0]["speed_tg"]) == (38.74, 4.06)
 
 
 def test_batched_bench_without_rows_is_an_error() -> None:
     # llama-batched-bench skips a shape silently when the context is too small: only the header is printed
-    header = "\n".join((FIXTURES / "llama-batched-bench.md").read_text().splitlines()[:5])
+    header = "\n".join((PEERS / "llama-batched-bench.md").read_text().splitlines()[:5])
     with pytest.raises(ValueError, match="no result rows"):
         bench.parse_batched_bench(header)
 
 
 def test_llama_bench_jsonl() -> None:
-    (row,) = bench.parse_llama_bench((FIXTURES / "llama-bench.jsonl").read_text())
+    (row,) = bench.parse_llama_bench((PEERS / "llama-bench.jsonl").read_text())
     assert (row["n_prompt"], row["n_gen"], row["n_depth"]) == (0, 8, 128)
     assert row["avg_ts"] == pytest.approx(14.606931)
 
 
 def test_perplexity_kld() -> None:
-    assert bench.parse_kld((FIXTURES / "llama-perplexity-kld.txt").read_text()) == pytest.approx(0.005378)
+    assert bench.parse_kld((PEERS / "llama-perplexity-kld.txt").read_text()) == pytest.approx(0.005378)
     with pytest.raises(ValueError, match="Mean KLD"):
         bench.parse_kld("Final estimate: PPL = 16.9110 +/- 4.35706")
 

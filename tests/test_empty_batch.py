@@ -16,7 +16,7 @@ from kv8.engine.sampler import argmax_reference, compute_logprobs, sample, selec
 from kv8.engine.structured import apply_grammar_masks
 from kv8.kernels.build import KernelUnavailable
 from kv8.kernels.dense import DenseKernels, load_dense_kernels
-from tests.test_fused_attention import make_case
+from tests.helpers.kernels import make_case
 
 VOCAB = 400
 

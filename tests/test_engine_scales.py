@@ -11,8 +11,9 @@ from safetensors.torch import load_file, save_file
 
 from kv8 import LLM, SamplingParams
 from tests.conftest import make_tiny_model
+from tests.helpers.paths import FIXTURES
 
-VLLM_SCALES = os.path.join(os.path.dirname(__file__), "fixtures", "vllm-llama2-7b-kv_cache_scales.json")
+VLLM_SCALES = str(FIXTURES / "vllm-llama2-7b-kv_cache_scales.json")
 
 
 def make_llm(path, **kw):

@@ -3,7 +3,7 @@
 Tiny model (``TINY_CONFIGS["gemma3"]``): MQA, head_dim 32, three local layers (window 16, RoPE base 10k) and one
 global layer (base 1M, linear scaling x2), ``query_pre_attn_scalar`` 24, random ``(1 + w)`` norm weights, tied
 embeddings. Cases prefill in chunks and then decode one token at a time, and compare every position's logits with
-transformers' full forward (helpers of :mod:`tests.test_model_vs_hf`):
+transformers' full forward (helpers of :mod:`tests.helpers.hf`):
 
 * sequences shorter than the window (16 tokens): float32 cache tightly; each FP8 format tightly against
   transformers reading K/V rounded by ``ml_dtypes``;
@@ -35,7 +35,7 @@ from kv8.model.loader import load_model
 from kv8.models.gemma3 import Gemma3ArchConfig, Gemma3ForCausalLM
 from kv8.models.registry import arch_config, model_class
 from kv8.quant.formats import resolve_kv_cache_dtype
-from tests.test_model_vs_hf import FP8_NP, hf_logits, run_paged
+from tests.helpers.hf import FP8_NP, hf_logits, run_paged
 
 WINDOW = 16          # TINY_CONFIGS["gemma3"] sliding_window
 SHORT = 16           # tokens (prompt + decoded) that fit the window

@@ -16,25 +16,16 @@ from kv8.engine.args import EngineArgs
 from kv8.engine.engine import LLMEngine
 from kv8.kernels.abi import check_abi
 from kv8.kernels.build import KernelUnavailable, cpu_flags
-from kv8.kernels.dense import DenseKernels, load_dense_kernels
+from kv8.kernels.dense import DenseKernels
 from kv8.layers.activation import GeluAndMul, SiluAndMul, gelu_tanh_mul_reference, silu_mul_reference
 from kv8.layers.dense_backend import TORCH_BACKEND, DenseBackend, select_dense_backend
 from kv8.layers.linear import GateUpLinear, Linear, LinearBase, MergedLinear, QKVLinear, linear_reference
 from kv8.layers.norm import RMSNorm, rmsnorm_reference
 from kv8.layers.rotary import RopeScaling, RotaryEmbedding, rope_reference
-from kv8.observer import EngineObserver
-from kv8.sampling_params import SamplingParams
 from tests.conftest import amx_path
+from tests.helpers.kernels import dense_kernels_or_reason, prefill_logits
 
-
-def _kernels_or_reason() -> tuple[DenseKernels | None, str]:
-    try:
-        return load_dense_kernels(), ""
-    except KernelUnavailable as exc:
-        return None, str(exc)
-
-
-_KERNELS, _WHY = _kernels_or_reason()
+_KERNELS, _WHY = dense_kernels_or_reason()
 needs_kernel = pytest.mark.skipif(_KERNELS is None, reason=f"kv8's dense kernels are unavailable: {_WHY}")
 
 
@@ -480,25 +471,6 @@ def test_missing_compiler_falls_back_once_or_raises(monkeypatch: pytest.MonkeyPa
         select_dense_backend("packed_bf16", torch.bfloat16)
 
 
-def _prefill_logits(model: str, dense_backend: str, prompt: list[int], **kw: object) -> tuple[torch.Tensor, list[int]]:
-    rows: list[torch.Tensor] = []
-
-    class Rows(EngineObserver):
-        def on_prompt_logits(self, request_id: str, start: int, logits: torch.Tensor) -> None:
-            rows.append(logits)
-
-    engine = LLMEngine(EngineArgs(model=model, dtype="bfloat16", dense_backend=dense_backend, num_kv_blocks=16,
-                                  max_model_len=128, kv_cache_dtype="fp8_e4m3", **kw), Rows())  # type: ignore[arg-type]
-    assert engine.dense_backend == dense_backend
-    engine.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=4, prompt_logprobs=0))
-    tokens: list[int] = []
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                tokens = list(out.outputs[0].token_ids)
-    return torch.cat(rows), tokens
-
-
 @needs_kernel
 @pytest.mark.parametrize("name,kw", [("llama_gqa", {}), ("qwen2", {}), ("qwen3", {}),
                                      ("llama_gqa", {"kv_cache_rotation": "hadamard"})])
@@ -506,8 +478,8 @@ def test_engine_with_packed_kernels_matches_torch(tiny_models: dict[str, str], n
     """Same model in bf16 with torch's dense layers and with kv8's kernels (Qwen2: q/k/v biases; Qwen3: QK-norm; with a
     rotated cache): the logits of every prompt position agree to bf16 rounding noise."""
     prompt = [3 + (7 * i) % 40 for i in range(40)]
-    ref, _ = _prefill_logits(tiny_models[name], "torch", prompt, **kw)
-    got, tokens = _prefill_logits(tiny_models[name], "packed_bf16", prompt, **kw)
+    ref, _ = prefill_logits(tiny_models[name], "torch", prompt, **kw)
+    got, tokens = prefill_logits(tiny_models[name], "packed_bf16", prompt, **kw)
     assert got.shape == ref.shape and len(tokens) == 4
     assert float((got - ref).abs().max()) <= 0.05 * float(ref.std())
     assert float((got.argmax(-1) == ref.argmax(-1)).float().mean()) >= 0.95

@@ -13,121 +13,21 @@ forward of the same sequence.
 
 from __future__ import annotations
 
-import glob
-import os
 import re
-import shutil
 
 import pytest
 import torch
 
-from kv8.attention.backend import ReferenceBackend
-from kv8.attention.metadata import AttentionMetadata
-from kv8.cache.codec import KVCodec
-from kv8.cache.layout import KVCacheLayout
-from kv8.cache.paged_cache import CacheShape, PagedKVCache
 from kv8.kernels.build import KernelUnavailable
-from kv8.layers.attention import AttentionContext
 from kv8.layers.linear import LinearBase
 from kv8.model.loader import load_model
 from kv8.models.llama import LlamaForCausalLM
 from kv8.models.qwen3 import Qwen3ForCausalLM
 from kv8.models.registry import model_class, supported_model_types
-from kv8.quant.formats import resolve_kv_cache_dtype
-from kv8.quant.rotation import hadamard
-from kv8.quant.scales import KVScales
+from tests.helpers.hf import FP8_NP, edited_checkpoint, hf_logits, run_paged
 
-BLOCK = 8
 # Max |logit difference| allowed vs the float32 oracle, relative to the oracle's logit standard deviation.
 TOLERANCE = {"float32": 1e-4, "bfloat16": 0.03, "fp8_e4m3": 0.35, "fp8_e4m3fnuz": 0.35, "fp8_e5m2": 0.75}
-
-
-def run_paged(path: str, kv_name: str, tokens: list[int], chunks: list[int], dynamic: bool = False,
-              rotation: bool = False) -> torch.Tensor:
-    """Logits [len(tokens), V] from kv8, computing the tokens in the given chunk sizes.
-
-    The cache is laid out as the engine lays it out (:class:`KVCacheLayout`: one block table per group of
-    layers, each group's metadata with its sliding window), so sliding-window layers attend to their window.
-    """
-    loaded = load_model("hf", path, torch.float32)
-    arch = loaded.arch
-    kv_dtype = resolve_kv_cache_dtype(kv_name, torch.float32)
-    scales = KVScales.default(arch.num_layers) if kv_dtype.is_fp8 and not dynamic else None
-    codec = KVCodec.build(kv_dtype, arch.head_dim, scale_mode="dynamic" if dynamic else "static",
-                          rotation="hadamard" if rotation else "none", scales=scales)
-    layout = KVCacheLayout.build(arch.layer_windows)
-    nblocks = -(-len(tokens) // BLOCK)
-    total = nblocks * len(layout.groups) + 2
-    cache = PagedKVCache(CacheShape(arch.num_layers, total, arch.num_kv_heads, BLOCK, arch.head_dim), codec,
-                         dict(enumerate(layout.layer_slot)))
-    # out-of-order block ids, disjoint between groups; blocks 0 and 1 unused
-    tables = [[total - 1 - g * nblocks - i for i in range(nblocks)] for g in range(len(layout.groups))]
-    out, start = [], 0
-    for n in chunks:
-        end = start + n
-        metas = [AttentionMetadata.build([n], [end], [tables[g.group_id]], BLOCK, sliding_window=g.sliding_window)
-                 for g in layout.groups]
-        per_layer = tuple((cache, metas[g]) for g in layout.layer_group)
-        ctx = AttentionContext(cache, metas[0], ReferenceBackend(), per_layer=per_layer)
-        hidden = loaded.model(torch.tensor(tokens[start:end]), torch.arange(start, end), ctx)
-        out.append(loaded.model.compute_logits(hidden))
-        start = end
-    return torch.cat(out)
-
-
-FP8_NP = {"fp8_e4m3": "float8_e4m3fn", "fp8_e4m3fnuz": "float8_e4m3fnuz", "fp8_e5m2": "float8_e5m2"}
-
-
-def _register_fp8_attention(kv_name: str, dynamic: bool = False, rotation: bool = False) -> str:
-    """Register with transformers an eager attention that reads K/V rounded to FP8 by ml_dtypes.
-
-    Scale 1.0, or (``dynamic``) a scale per token and head of amax / format max. With ``rotation`` the values
-    are rounded in the Hadamard basis and rotated back: ``fq(k R) R``, which is what scoring ``q R`` against
-    stored ``fq(k R)`` computes.
-    """
-    import ml_dtypes
-    import numpy as np
-    from transformers import AttentionInterface
-    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
-    from transformers.models.llama.modeling_llama import eager_attention_forward
-
-    np_dtype = getattr(ml_dtypes, FP8_NP[kv_name])
-    fmax = float(ml_dtypes.finfo(np_dtype).max)
-
-    rot = hadamard(16).double() if rotation else None   # the tiny models' head_dim
-
-    def round_fp8(x: torch.Tensor) -> torch.Tensor:
-        a = x.detach().float().numpy().clip(-fmax, fmax)
-        return torch.from_numpy(a.astype(np_dtype).astype(np.float32))
-
-    def fake_quant(x: torch.Tensor) -> torch.Tensor:   # x [B, H, S, D]
-        if rot is not None:
-            x = (x.double() @ rot).float()
-        if dynamic:
-            s = x.abs().amax(-1, keepdim=True) / fmax
-            s = torch.where(s > 0, s, torch.ones_like(s))
-            y = round_fp8(x / s) * s
-        else:
-            y = round_fp8(x)
-        return (y.double() @ rot).float() if rot is not None else y
-
-    def attention(module, query, key, value, attention_mask, **kwargs):
-        return eager_attention_forward(module, query, fake_quant(key), fake_quant(value), attention_mask, **kwargs)
-
-    name = f"kv8_test_{kv_name}_{dynamic}_{rotation}"
-    AttentionInterface.register(name, attention)
-    AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS["eager"])  # the same causal mask as eager
-    return name
-
-
-def hf_logits(path: str, tokens: list[int], kv_name: str = "float32", dynamic: bool = False,
-              rotation: bool = False) -> torch.Tensor:
-    from transformers import AutoModelForCausalLM
-
-    attn = _register_fp8_attention(kv_name, dynamic, rotation) if kv_name in FP8_NP else "eager"
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation=attn)
-    with torch.no_grad():
-        return model(torch.tensor([tokens])).logits[0].float()
 
 
 @pytest.fixture(scope="module")
@@ -214,30 +114,19 @@ def test_registry_maps_configs_and_rejects_an_unknown_model_type():
         model_class({"architectures": ["GPT2LMHeadModel"]})
 
 
-def _edited_checkpoint(src: str, dst: str, edit) -> str:
-    from safetensors.torch import load_file, save_file
-
-    shutil.copytree(src, dst)
-    (file,) = glob.glob(os.path.join(dst, "*.safetensors"))
-    tensors = load_file(file)
-    edit(tensors)
-    save_file(tensors, file, metadata={"format": "pt"})
-    return dst
-
-
 def test_loader_names_missing_unknown_and_misshapen_tensors(tiny_models, tmp_path):
     src = tiny_models["qwen2"]
-    path = _edited_checkpoint(src, str(tmp_path / "missing"),
-                              lambda t: t.pop("model.layers.1.self_attn.k_proj.bias"))
+    path = edited_checkpoint(src, str(tmp_path / "missing"),
+                             lambda t: t.pop("model.layers.1.self_attn.k_proj.bias"))
     with pytest.raises(ValueError, match=r"lacks 1 tensors, e\.g\. model\.layers\.1\.self_attn\.k_proj\.bias"):
         load_model("hf", path, torch.float32)
-    path = _edited_checkpoint(src, str(tmp_path / "unknown"),
-                              lambda t: t.update({"model.layers.0.mlp.gate_proj.qweight": torch.zeros(2)}))
+    path = edited_checkpoint(src, str(tmp_path / "unknown"),
+                             lambda t: t.update({"model.layers.0.mlp.gate_proj.qweight": torch.zeros(2)}))
     with pytest.raises(ValueError, match=r"tensors kv8 does not know \(1, e\.g\. model\.layers\.0\.mlp\.gate_proj"
                                          r"\.qweight\)"):
         load_model("hf", path, torch.float32)
-    path = _edited_checkpoint(src, str(tmp_path / "shape"),
-                              lambda t: t.update({"model.layers.0.mlp.up_proj.weight": torch.zeros(3, 96)}))
+    path = edited_checkpoint(src, str(tmp_path / "shape"),
+                             lambda t: t.update({"model.layers.0.mlp.up_proj.weight": torch.zeros(3, 96)}))
     with pytest.raises(ValueError, match=r"checkpoint tensor model\.layers\.0\.mlp\.up_proj\.weight has shape "
                                          r"\(3, 96\), the model expects \(192, 96\)"):
         load_model("hf", path, torch.float32)

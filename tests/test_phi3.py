@@ -11,7 +11,7 @@ kv8 picks the long factors per token by its own position (:mod:`kv8.layers.rotar
 forward, from the largest position; the two agree when transformers prefills the first 32 tokens and then
 decodes one token at a time, which is the oracle here (:func:`hf_incremental_logits`), while kv8 prefills in
 chunks that cross position 32 ([20, 17] then 6 decode steps). FP8 caches are held against transformers reading
-K/V rounded by ml_dtypes (``tests/test_model_vs_hf.py``'s attention).
+K/V rounded by ml_dtypes (:func:`tests.helpers.hf.register_fp8_attention`).
 """
 
 from __future__ import annotations
@@ -32,9 +32,10 @@ from kv8.models.phi3 import Phi3ArchConfig, Phi3ForCausalLM
 from kv8.models.registry import arch_config, model_class
 from kv8.observer import EngineObserver
 from tests.conftest import make_tiny_model
-from tests.test_layers import _KERNELS, _WHY, _prefill_logits
-from tests.test_model_vs_hf import FP8_NP, _edited_checkpoint, _register_fp8_attention, hf_logits, run_paged
+from tests.helpers.hf import FP8_NP, edited_checkpoint, hf_logits, register_fp8_attention, run_paged
+from tests.helpers.kernels import dense_kernels_or_reason, prefill_logits
 
+DENSE_KERNELS, DENSE_WHY = dense_kernels_or_reason()
 ORIGINAL = 32   # original_max_position_embeddings of the longrope models
 CHUNKS = [20, 17] + [1] * 6
 # copied wherever used: transformers adds keys to the rope_scaling dict it is given
@@ -68,7 +69,7 @@ def tokens() -> list[int]:
 def _hf_model(path: str, kv_name: str = "float32"):
     from transformers import AutoModelForCausalLM
 
-    attn = _register_fp8_attention(kv_name) if kv_name in FP8_NP else "eager"
+    attn = register_fp8_attention(kv_name) if kv_name in FP8_NP else "eager"
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation=attn).eval()
 
 
@@ -121,12 +122,12 @@ def test_registry_and_config(phi3_models):
 
 
 def test_loader_checks_the_fused_tensors_shape(phi3_models, tmp_path):
-    path = _edited_checkpoint(phi3_models["phi3"], str(tmp_path / "shape"), lambda t: t.update(
+    path = edited_checkpoint(phi3_models["phi3"], str(tmp_path / "shape"), lambda t: t.update(
         {"model.layers.0.self_attn.qkv_proj.weight": torch.zeros(96, 96)}))
     with pytest.raises(ValueError, match=r"checkpoint tensor model\.layers\.0\.self_attn\.qkv_proj\.weight has shape "
                                          r"\(96, 96\), the model expects \(160, 96\)"):
         load_model("hf", path, torch.float32)
-    path = _edited_checkpoint(phi3_models["phi3"], str(tmp_path / "split"), lambda t: t.update(
+    path = edited_checkpoint(phi3_models["phi3"], str(tmp_path / "split"), lambda t: t.update(
         {"model.layers.0.mlp.gate_proj.weight": t.pop("model.layers.0.mlp.gate_up_proj.weight")[:192]}))
     with pytest.raises(ValueError, match=r"tensors kv8 does not know \(1, e\.g\. model\.layers\.0\.mlp\.gate_proj"):
         load_model("hf", path, torch.float32)
@@ -179,14 +180,14 @@ def test_engine_greedy_tokens_equal_transformers(phi3_models, name, kv_name):
     assert list(out[0].outputs[0].token_ids) == hf_greedy(phi3_models[name], prompt, 24, kv_name)
 
 
-@pytest.mark.skipif(_KERNELS is None, reason=f"kv8's dense kernels are unavailable: {_WHY}")
+@pytest.mark.skipif(DENSE_KERNELS is None, reason=f"kv8's dense kernels are unavailable: {DENSE_WHY}")
 @pytest.mark.parametrize("name", ["phi3", "longrope", "partial"])
 def test_engine_with_packed_kernels_matches_torch(phi3_models, name):
     """bf16 with torch's dense layers and with kv8's packed kernels (fused RoPE kernel for full rotary, torch
     RoPE for partial): the logits of a 40-token prompt (crossing position 32) agree to bf16 noise."""
     prompt = [3 + (7 * i) % 40 for i in range(40)]
-    ref, _ = _prefill_logits(phi3_models[name], "torch", prompt)
-    got, tokens = _prefill_logits(phi3_models[name], "packed_bf16", prompt)
+    ref, _ = prefill_logits(phi3_models[name], "torch", prompt)
+    got, tokens = prefill_logits(phi3_models[name], "packed_bf16", prompt)
     assert got.shape == ref.shape and len(tokens) == 4
     assert float((got - ref).abs().max()) <= 0.05 * float(ref.std())
     assert float((got.argmax(-1) == ref.argmax(-1)).float().mean()) >= 0.95

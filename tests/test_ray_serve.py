@@ -27,7 +27,7 @@ import pytest
 from kv8 import LLM, SamplingParams
 from kv8.entrypoints.dp.metrics import merge_replica_metrics
 from kv8.entrypoints.dp.router import PrefixRouter, RouterConfig, chunk_hashes, routing_text
-from tests.test_server import ENGINE_FLAGS, _free_port, single_thread
+from tests.helpers.server import ENGINE_FLAGS, free_port, metrics, single_thread
 
 API_KEY = "dp-key"
 START_TIMEOUT_S = 150.0
@@ -229,7 +229,7 @@ class DPServer:
     that teardown can reach every process it started)."""
 
     def __init__(self, model: str, log_path: str, env: dict[str, str] | None = None) -> None:
-        self.port = _free_port()
+        self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
         self.log = open(log_path, "wb")
@@ -328,15 +328,6 @@ def dp_client(dp_server: DPServer) -> openai.OpenAI:
     return openai.OpenAI(base_url=dp_server.url + "/v1", api_key=API_KEY, max_retries=0, timeout=60.0)
 
 
-def _metrics(server: DPServer) -> dict[str, float]:
-    out = {}
-    for line in httpx.get(server.url + "/metrics", timeout=10).text.splitlines():
-        if line and not line.startswith("#"):
-            name, value = line.rsplit(" ", 1)
-            out[name] = float(value)
-    return out
-
-
 def _per_replica(m: dict[str, float], name: str) -> list[float]:
     return [m.get(f'{name}{{replica="{r}"}}', 0.0) for r in (0, 1)]
 
@@ -344,7 +335,7 @@ def _per_replica(m: dict[str, float], name: str) -> list[float]:
 def _wait_idle(server: DPServer, timeout: float = 20.0) -> dict[str, float]:
     deadline = time.monotonic() + timeout
     while True:
-        m = _metrics(server)
+        m = metrics(server)
         if (all(v == 0 for v in _per_replica(m, "kv8:kv_cache_usage_perc"))
                 and all(v == 0 for v in _per_replica(m, "kv8:num_requests_in_flight"))
                 and all(v == 0 for v in _per_replica(m, "kv8:dp_replica_requests_in_flight"))):
@@ -360,7 +351,7 @@ def test_concurrent_streams_get_their_solo_greedy_text_over_both_replicas(
     with single_thread():   # each replica runs one thread: the same kernels, the same float32 results
         llm = LLM(tiny_llama, dtype="float32", num_kv_blocks=128, block_size=16, max_model_len=256, max_num_seqs=8)
         offline = [o.outputs[0].text for o in llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=16))]
-    before = _metrics(dp_server)
+    before = metrics(dp_server)
     solo = [dp_client.completions.create(model=tiny_llama, prompt=p, max_tokens=16, temperature=0.0).choices[0].text
             for p in prompts]
     assert solo == offline
@@ -423,7 +414,7 @@ def test_client_disconnect_aborts_on_the_replica(dp_server: DPServer, tiny_llama
         first = next(line for line in r.iter_lines() if line.startswith("data: "))
         assert json.loads(first[6:])["choices"]
     deadline = time.monotonic() + 10
-    while (m := _metrics(dp_server)).get(key, 0.0) - aborted < 8:
+    while (m := metrics(dp_server)).get(key, 0.0) - aborted < 8:
         assert time.monotonic() < deadline, m
         time.sleep(0.05)
     aborted = _wait_idle(dp_server, timeout=10.0).get(key, 0.0)
@@ -431,7 +422,7 @@ def test_client_disconnect_aborts_on_the_replica(dp_server: DPServer, tiny_llama
         httpx.post(dp_server.url + "/v1/completions", json=dict(body, prompt="Drop me too"), headers=auth,
                    timeout=httpx.Timeout(60, read=0.3))
     deadline = time.monotonic() + 10
-    while (m := _metrics(dp_server)).get(key, 0.0) - aborted < 8:
+    while (m := metrics(dp_server)).get(key, 0.0) - aborted < 8:
         assert time.monotonic() < deadline, m
         time.sleep(0.05)
     _wait_idle(dp_server, timeout=10.0)
@@ -477,12 +468,12 @@ def test_killed_replica_fails_its_requests_cleanly_and_comes_back(dp_server: DPS
         assert r.status_code == 200, r.read()
         lines = r.iter_lines()
         next(line for line in lines if line.startswith("data: "))
-        victim = _per_replica(_metrics(dp_server), "kv8:dp_replica_requests_in_flight").index(1)
+        victim = _per_replica(metrics(dp_server), "kv8:dp_replica_requests_in_flight").index(1)
         second = pool.submit(non_streamed)
         # wait until the replica has admitted both (a call Serve has not delivered yet when the replica dies is
         # sent again to its replacement, and then succeeds)
         deadline = time.monotonic() + 30   # generous: a loaded machine (the suite beside other jobs) is slow
-        while _per_replica(_metrics(dp_server), "kv8:num_requests_in_flight")[victim] < 32:
+        while _per_replica(metrics(dp_server), "kv8:num_requests_in_flight")[victim] < 32:
             assert time.monotonic() < deadline and not second.done(), "the second request did not follow the prefix"
             time.sleep(0.02)
         pid = health["replicas"][victim]["pid"]
@@ -504,7 +495,7 @@ def test_killed_replica_fails_its_requests_cleanly_and_comes_back(dp_server: DPS
     assert h["replicas"][1 - victim]["up"]   # (the victim may already be back: Ray restarts it meanwhile)
     # Ray restarts it and it rejoins
     dp_server.wait_all_up(timeout=90.0, not_pid=pid)
-    m = _metrics(dp_server)
+    m = metrics(dp_server)
     assert m[f'kv8:dp_replica_failures_total{{replica="{victim}"}}'] >= 1
     assert m[f'kv8:dp_replica_up{{replica="{victim}"}}'] == 1
 
@@ -529,7 +520,7 @@ def test_kv8s_own_cluster_beside_a_cluster_already_on_the_host(tiny_llama: str, 
     head_home.mkdir()
     kv8_home.mkdir()
     ray_cli = os.path.join(os.path.dirname(sys.executable), "ray")
-    head = subprocess.Popen([ray_cli, "start", "--head", "--block", "--port", str(_free_port()), "--num-cpus", "1",
+    head = subprocess.Popen([ray_cli, "start", "--head", "--block", "--port", str(free_port()), "--num-cpus", "1",
                              "--include-dashboard=false", "--disable-usage-stats"],
                             env={**os.environ, "HOME": str(head_home), "RAY_ADDRESS": ""}, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL, start_new_session=True)

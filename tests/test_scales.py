@@ -15,8 +15,9 @@ from kv8.cache.scale_sources import is_kv_scale_name, resolve_kv_scales, scales_
 from kv8.quant.formats import E4M3, E4M3FNUZ, E5M2, resolve_kv_cache_dtype
 from kv8.quant.scale_files import load_vllm_scales_json, write_vllm_scales_json
 from kv8.quant.scales import KVScales, ModelScaleInfo, ScaleGranularity
+from tests.helpers.paths import FIXTURES
 
-FIXTURE = Path(__file__).parent / "fixtures" / "vllm-llama2-7b-kv_cache_scales.json"
+FIXTURE = FIXTURES / "vllm-llama2-7b-kv_cache_scales.json"
 LLAMA2_7B = ModelScaleInfo(model_type="llama", num_layers=32, num_kv_heads=32, head_dim=128)
 SMOLLM2 = ModelScaleInfo(model_type="llama", num_layers=30, num_kv_heads=3, head_dim=64)
 QWEN2 = ModelScaleInfo(model_type="qwen2", num_layers=32, num_kv_heads=32, head_dim=128)

@@ -8,14 +8,9 @@ KV-cache state is read from ``/metrics``. Every wait is bounded.
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
 import re
 import signal
-import socket
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -24,64 +19,22 @@ from typing import Any
 import httpx
 import openai
 import pytest
-import torch
 
 from kv8 import LLM, SamplingParams
-
-API_KEY = "test-key-123"
-# --no-adaptive-cpu-threads: the server keeps its threads whatever else the test machine runs (tests compare its
-# float32 answers with the offline engine's bit for bit; see conftest._engines_keep_their_threads)
-ENGINE_FLAGS = ["--dtype", "float32", "--num-kv-blocks", "128", "--block-size", "16", "--max-model-len", "256",
-                "--max-num-seqs", "8", "--no-adaptive-cpu-threads"]
-SERVER_FLAGS = ["--max-waiting-requests", "32", "--max-n", "16", "--max-request-bytes", "65536",
-                "--shutdown-timeout", "0.3"]
-START_TIMEOUT_S = 120.0
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Server:
-    """``kv8 <args>`` in a subprocess; ``launcher`` replaces ``-m kv8.entrypoints.cli`` (e.g. ``-c CODE`` that
-    patches something, then calls ``kv8.entrypoints.cli.main(sys.argv[1:])``)."""
-
-    def __init__(self, args: list[str], log_path: str, env: dict[str, str] | None = None,
-                 launcher: list[str] | None = None) -> None:
-        self.port = _free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log_path = log_path
-        self.log = open(log_path, "wb")
-        launch = launcher or ["-m", "kv8.entrypoints.cli"]
-        self.proc = subprocess.Popen([sys.executable, *launch, *args, "--port", str(self.port)],
-                                     stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while True:
-            assert self.proc.poll() is None, f"server exited early:\n{self.read_log()}"
-            assert time.monotonic() < deadline, f"server not healthy after {START_TIMEOUT_S}s:\n{self.read_log()}"
-            try:
-                if httpx.get(self.url + "/health", timeout=1.0).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            time.sleep(0.2)
-
-    def read_log(self) -> str:
-        with open(self.log_path, "rb") as f:
-            return f.read().decode(errors="replace")
-
-    def stop(self) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=10)
-        self.log.close()
-        return self.proc.returncode
+from tests.helpers.server import (
+    API_KEY,
+    ENGINE_FLAGS,
+    SERVER_FLAGS,
+    Server,
+    drop,
+    expect_error,
+    metrics,
+    open_stream,
+    post,
+    single_thread,
+    wait_idle,
+    with_surrogate,
+)
 
 
 @pytest.fixture(scope="module")
@@ -102,47 +55,6 @@ def client(server: Server) -> openai.OpenAI:
 @pytest.fixture(scope="module")
 def offline(tiny_llama: str) -> LLM:
     return LLM(tiny_llama, dtype="float32", num_kv_blocks=128, block_size=16, max_model_len=256, max_num_seqs=8)
-
-
-@contextlib.contextmanager
-def single_thread() -> Iterator[None]:
-    """Run the offline oracle with one intra-op thread, like the test server (OMP_NUM_THREADS=1), so both use
-    the same kernels and float32 results match bit for bit."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
-
-
-def _metrics(server: Server) -> dict[str, float]:
-    text = httpx.get(server.url + "/metrics", timeout=10).text
-    out = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            name, value = line.rsplit(" ", 1)
-            out[name] = float(value)
-    return out
-
-
-def _wait_idle(server: Server, timeout: float = 20.0) -> dict[str, float]:
-    deadline = time.monotonic() + timeout
-    while True:
-        m = _metrics(server)
-        if (m["kv8:kv_cache_usage_perc"] == 0.0 and m["kv8:num_requests_running"] == 0
-                and m["kv8:num_requests_waiting"] == 0 and m["kv8:num_requests_in_flight"] == 0):
-            return m
-        assert time.monotonic() < deadline, f"server still busy after {timeout}s: {m}"
-        time.sleep(0.1)
-
-
-def _post(server: Server, path: str, body: Any, key: str | None = API_KEY, raw: bytes | None = None) -> httpx.Response:
-    headers = {"Content-Type": "application/json"}
-    if key is not None:
-        headers["Authorization"] = f"Bearer {key}"
-    content = raw if raw is not None else json.dumps(body).encode()
-    return httpx.post(server.url + path, content=content, headers=headers, timeout=60)
 
 
 def _collect_completion_stream(stream: Any) -> tuple[dict[int, str], dict[int, str | None], Any]:
@@ -497,23 +409,7 @@ def test_32_concurrent_streams_match_alone_then_cache_empty(server: Server, clie
     with ThreadPoolExecutor(max_workers=32) as pool:
         together = list(pool.map(stream_one, prompts))
     assert together == alone
-    _wait_idle(server)
-
-
-def _open_stream(server: Server, body: dict[str, Any]) -> tuple[httpx.Client, Any, Iterator[str]]:
-    c = httpx.Client(timeout=60)
-    cm = c.stream("POST", server.url + "/v1/completions", json=body,
-                  headers={"Authorization": f"Bearer {API_KEY}"})
-    resp = cm.__enter__()
-    assert resp.status_code == 200, resp.read()
-    lines = resp.iter_lines()
-    return c, cm, lines
-
-
-def _drop(streams: list[tuple[httpx.Client, Any, Iterator[str]]]) -> None:
-    for c, cm, _ in streams:
-        cm.__exit__(None, None, None)
-        c.close()
+    wait_idle(server)
 
 
 def test_disconnects_free_blocks_and_overload_is_503(server: Server, tiny_llama: str) -> None:
@@ -523,11 +419,11 @@ def test_disconnects_free_blocks_and_overload_is_503(server: Server, tiny_llama:
     abort_key = 'kv8:request_success_total{finished_reason="abort"}'
     long_body = dict(model=tiny_llama, prompt="Paris is the capital", max_tokens=240, temperature=0.0,
                      ignore_eos=True, stream=True, n=16)
-    aborted = _wait_idle(server).get(abort_key, 0.0)
+    aborted = wait_idle(server).get(abort_key, 0.0)
     streams = []
     try:
-        streams += [_open_stream(server, long_body) for _ in range(2)]  # 32 sequences; the limit is 8 + 32 = 40
-        over = _post(server, "/v1/completions", dict(model=tiny_llama, prompt="x y", max_tokens=2, n=9))
+        streams += [open_stream(server, long_body) for _ in range(2)]  # 32 sequences; the limit is 8 + 32 = 40
+        over = post(server, "/v1/completions", dict(model=tiny_llama, prompt="x y", max_tokens=2, n=9))
         assert over.status_code == 503 and over.json()["error"]["code"] == "overloaded"
         # exactly at the limit: admitted, queued behind the streams; its non-streaming client gives up
         with pytest.raises(httpx.ReadTimeout):
@@ -535,23 +431,23 @@ def test_disconnects_free_blocks_and_overload_is_503(server: Server, tiny_llama:
                        headers={"Authorization": f"Bearer {API_KEY}"},
                        json=dict(model=tiny_llama, prompt="a b c", max_tokens=2, n=8))
         deadline = time.monotonic() + 10
-        while (m := _metrics(server)).get(abort_key, 0.0) - aborted < 8:
+        while (m := metrics(server)).get(abort_key, 0.0) - aborted < 8:
             assert time.monotonic() < deadline, m
             time.sleep(0.02)
         assert m[abort_key] - aborted == 8
     finally:
-        _drop(streams)
-    aborted = _wait_idle(server, timeout=10.0)[abort_key]
+        drop(streams)
+    aborted = wait_idle(server, timeout=10.0)[abort_key]
     # streaming clients that drop mid-stream: 16 + 16 + 8 = 40 sequences (at the limit), dropped after one chunk
     streams = []
     try:
-        streams += [_open_stream(server, dict(long_body, n=n)) for n in (16, 16, 8)]
+        streams += [open_stream(server, dict(long_body, n=n)) for n in (16, 16, 8)]
         first = next(line for line in streams[0][2] if line.startswith("data: "))
         assert json.loads(first[6:])["choices"]
-        assert _metrics(server)["kv8:kv_cache_usage_perc"] > 0
+        assert metrics(server)["kv8:kv_cache_usage_perc"] > 0
     finally:
-        _drop(streams)
-    m = _wait_idle(server, timeout=10.0)
+        drop(streams)
+    m = wait_idle(server, timeout=10.0)
     assert 8 <= m[abort_key] - aborted <= 40
 
 
@@ -573,10 +469,10 @@ def test_client_metadata_is_accepted_and_changes_nothing(server: Server, client:
     assert cmpl.choices[0].text == client.completions.create(prompt="Hello there", **plain).choices[0].text
     chat = "/v1/chat/completions"
     bad_schema = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "foo"}}}
-    _expect_error(_post(server, chat, {**plain, "messages": msgs, "response_format": bad_schema}),
-                  400, "response_format", param="response_format")
-    _expect_error(_post(server, chat, {**plain, "messages": msgs, "modalities": ["audio"]}), 400, "modalities",
-                  param="modalities")
+    expect_error(post(server, chat, {**plain, "messages": msgs, "response_format": bad_schema}),
+                 400, "response_format", param="response_format")
+    expect_error(post(server, chat, {**plain, "messages": msgs, "modalities": ["audio"]}), 400, "modalities",
+                 param="modalities")
 
 
 def test_tokenize_and_detokenize_endpoints(server: Server, tiny_llama: str) -> None:
@@ -584,22 +480,22 @@ def test_tokenize_and_detokenize_endpoints(server: Server, tiny_llama: str) -> N
     from kv8.model.tokenizer import load_tokenizer
 
     oracle = load_tokenizer("hf", tiny_llama)
-    resp = _post(server, "/tokenize", {"model": tiny_llama, "prompt": "Hello there"})
+    resp = post(server, "/tokenize", {"model": tiny_llama, "prompt": "Hello there"})
     assert resp.status_code == 200, resp.text
     body = resp.json()
     assert body["tokens"] == oracle.encode("Hello there") and body["count"] == len(body["tokens"])
     assert body["max_model_len"] == 256
-    plain = _post(server, "/tokenize", {"prompt": "Hello there", "add_special_tokens": False}).json()["tokens"]
+    plain = post(server, "/tokenize", {"prompt": "Hello there", "add_special_tokens": False}).json()["tokens"]
     assert plain == oracle.encode("Hello there", add_special_tokens=False)
     msgs = [{"role": "user", "content": "Hello there"}]
-    chat = _post(server, "/tokenize", {"messages": msgs}).json()["tokens"]
+    chat = post(server, "/tokenize", {"messages": msgs}).json()["tokens"]
     assert chat == list(oracle.apply_chat_template(msgs, tokenize=True, add_generation_prompt=True)["input_ids"])
-    back = _post(server, "/detokenize", {"model": tiny_llama, "tokens": plain})
+    back = post(server, "/detokenize", {"model": tiny_llama, "tokens": plain})
     assert back.status_code == 200 and back.json()["prompt"] == oracle.decode(plain)
-    _expect_error(_post(server, "/detokenize", {"tokens": [0, 999999]}), 400, "vocabulary", param="tokens")
-    _expect_error(_post(server, "/tokenize", {"prompt": "a", "messages": msgs}), 400, "exactly one")
-    _expect_error(_post(server, "/tokenize", {"prompt": "a", "model": "other"}), 404, "does not exist")
-    _expect_error(_post(server, "/tokenize", {"prompt": "a"}, key=None), 401, "API key")
+    expect_error(post(server, "/detokenize", {"tokens": [0, 999999]}), 400, "vocabulary", param="tokens")
+    expect_error(post(server, "/tokenize", {"prompt": "a", "messages": msgs}), 400, "exactly one")
+    expect_error(post(server, "/tokenize", {"prompt": "a", "model": "other"}), 404, "does not exist")
+    expect_error(post(server, "/tokenize", {"prompt": "a"}, key=None), 401, "API key")
 
 
 def test_tokenizer_info_serves_lm_eval_remote_tokenizer(server: Server, tiny_llama: str) -> None:
@@ -617,7 +513,7 @@ def test_tokenizer_info_serves_lm_eval_remote_tokenizer(server: Server, tiny_lla
     assert info["tokenizer_class"] == type(oracle).__name__
     assert (info["eos_token"], info["bos_token"]) == (oracle.eos_token, oracle.bos_token)
     assert "vocab_file" not in info and "merges_file" not in info
-    eos_ids = _post(server, "/tokenize", {"prompt": info["eos_token"], "add_special_tokens": False}).json()["tokens"]
+    eos_ids = post(server, "/tokenize", {"prompt": info["eos_token"], "add_special_tokens": False}).json()["tokens"]
     assert eos_ids == [oracle.eos_token_id]
     msgs = [{"role": "user", "content": "Hello there"}]
     rendered = jinja2.Environment().from_string(info["chat_template"]).render(messages=msgs,
@@ -625,41 +521,13 @@ def test_tokenizer_info_serves_lm_eval_remote_tokenizer(server: Server, tiny_lla
     assert rendered == oracle.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
 
 
-def _expect_error(resp: httpx.Response, status: int, *fragments: str, param: str | None = None) -> None:
-    assert resp.status_code == status, resp.text
-    err = resp.json()["error"]
-    assert set(err) == {"message", "type", "param", "code"}
-    for f in fragments:
-        assert f in err["message"], err["message"]
-    if param is not None:
-        assert err["param"] == param, err
-
-
-def with_surrogate(body: Any, path: str = "") -> Iterator[tuple[Any, str]]:
-    """Copies of a JSON value with one key or one string replaced by a lone surrogate, each with the path a 400
-    names (a key's surrogate escaped as text)."""
-    if isinstance(body, dict):
-        for key, item in body.items():
-            where = f"{path}.{key}" if path else key
-            bad_key = key + "\udc00"
-            yield {bad_key if k == key else k: v for k, v in body.items()}, where + "\\udc00"
-            for inner, inner_where in with_surrogate(item, where):
-                yield {**body, key: inner}, inner_where
-    elif isinstance(body, list):
-        for i, item in enumerate(body):
-            for inner, inner_where in with_surrogate(item, f"{path}[{i}]"):
-                yield [*body[:i], inner, *body[i + 1:]], inner_where
-    elif isinstance(body, str):
-        yield "\ud800" + body, path
-
-
 def test_bad_requests_get_openai_errors_and_server_keeps_serving(server: Server, client: openai.OpenAI,
                                                                  tiny_llama: str) -> None:
     ok = dict(model=tiny_llama, prompt="Hello there", max_tokens=2, temperature=0.0)
     cmpl, chat = "/v1/completions", "/v1/chat/completions"
-    _expect_error(_post(server, cmpl, None, raw=b'{"model": "x", "prompt": '), 400, "not valid JSON")
-    _expect_error(_post(server, cmpl, None, raw=b'{"model": "\xff\xfe", "prompt": "a"}'), 400, "UTF-8")
-    _expect_error(_post(server, cmpl, None, raw=b""), 400, "empty")
+    expect_error(post(server, cmpl, None, raw=b'{"model": "x", "prompt": '), 400, "not valid JSON")
+    expect_error(post(server, cmpl, None, raw=b'{"model": "\xff\xfe", "prompt": "a"}'), 400, "UTF-8")
+    expect_error(post(server, cmpl, None, raw=b""), 400, "empty")
     # only JSON bodies: a form or text/plain POST (which browsers send without a CORS preflight) is a 415
     for ctype in ("text/plain", "application/x-www-form-urlencoded", None):
         headers = {"Authorization": f"Bearer {API_KEY}", **({"Content-Type": ctype} if ctype else {})}
@@ -673,12 +541,12 @@ def test_bad_requests_get_openai_errors_and_server_keeps_serving(server: Server,
     def raw(body: Any) -> bytes:
         return json.dumps(body).encode()   # ensure_ascii: a lone surrogate is written as its \\u escape
 
-    _expect_error(_post(server, cmpl, None, raw=raw({**ok, "prompt": "a\ud800b"})), 400, "surrogate",
-                  param="prompt")
-    _expect_error(_post(server, cmpl, None, raw=raw({**ok, "prompt": ["ok", "\udfff"]})), 400, "surrogate",
-                  param="prompt[1]")
-    _expect_error(_post(server, cmpl, None, raw=raw({**ok, "model": "\ud800"})), 400, "surrogate", param="model")
-    _expect_error(_post(server, chat, None, raw=raw({"model": tiny_llama, "max_tokens": 2, "messages": [
+    expect_error(post(server, cmpl, None, raw=raw({**ok, "prompt": "a\ud800b"})), 400, "surrogate",
+                 param="prompt")
+    expect_error(post(server, cmpl, None, raw=raw({**ok, "prompt": ["ok", "\udfff"]})), 400, "surrogate",
+                 param="prompt[1]")
+    expect_error(post(server, cmpl, None, raw=raw({**ok, "model": "\ud800"})), 400, "surrogate", param="model")
+    expect_error(post(server, chat, None, raw=raw({"model": tiny_llama, "max_tokens": 2, "messages": [
         {"role": "user", "content": "\ud83d"}]})), 400, "surrogate", param="messages[0].content")
     # ... in object keys too, at any depth, on every route that reads a JSON body: every key and every string of
     # valid bodies replaced in turn (tools: test_tool_calling). The path names the key with its surrogate escaped
@@ -688,87 +556,87 @@ def test_bad_requests_get_openai_errors_and_server_keeps_serving(server: Server,
                   {"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi", "name": "ann"}]}),
               ("/tokenize", {"model": tiny_llama, "prompt": "a"}), ("/detokenize", {"tokens": [1, 2]})]
     for route, body in bodies:
-        assert _post(server, route, body).status_code == 200, (route, body)
+        assert post(server, route, body).status_code == 200, (route, body)
         for bad, where in with_surrogate(body):
-            _expect_error(_post(server, route, None, raw=raw(bad)), 400, "surrogate", param=where)
-    _expect_error(_post(server, cmpl, [1, 2]), 400, "JSON object")
-    _expect_error(_post(server, cmpl, None, raw=json.dumps(ok).replace("0.0", "NaN").encode()), 400, "NaN")
+            expect_error(post(server, route, None, raw=raw(bad)), 400, "surrogate", param=where)
+    expect_error(post(server, cmpl, [1, 2]), 400, "JSON object")
+    expect_error(post(server, cmpl, None, raw=json.dumps(ok).replace("0.0", "NaN").encode()), 400, "NaN")
     # wrong types (strict: no coercion)
-    _expect_error(_post(server, cmpl, {**ok, "temperature": "0.5"}), 400, "temperature", param="temperature")
-    _expect_error(_post(server, cmpl, {**ok, "max_tokens": True}), 400, "max_tokens", param="max_tokens")
-    _expect_error(_post(server, cmpl, {**ok, "prompt": 5}), 400, "prompt", param="prompt")
-    _expect_error(_post(server, cmpl, {**ok, "stream": "yes"}), 400, "stream", param="stream")
+    expect_error(post(server, cmpl, {**ok, "temperature": "0.5"}), 400, "temperature", param="temperature")
+    expect_error(post(server, cmpl, {**ok, "max_tokens": True}), 400, "max_tokens", param="max_tokens")
+    expect_error(post(server, cmpl, {**ok, "prompt": 5}), 400, "prompt", param="prompt")
+    expect_error(post(server, cmpl, {**ok, "stream": "yes"}), 400, "stream", param="stream")
     # out-of-range values and server limits
-    _expect_error(_post(server, cmpl, {**ok, "temperature": 3}), 400, "temperature", param="temperature")
-    _expect_error(_post(server, cmpl, {**ok, "top_p": 0}), 400, "top_p", param="top_p")
-    _expect_error(_post(server, cmpl, {**ok, "n": 0}), 400, "n", param="n")
-    _expect_error(_post(server, cmpl, {**ok, "n": 17}), 400, "limit of 16", param="n")
+    expect_error(post(server, cmpl, {**ok, "temperature": 3}), 400, "temperature", param="temperature")
+    expect_error(post(server, cmpl, {**ok, "top_p": 0}), 400, "top_p", param="top_p")
+    expect_error(post(server, cmpl, {**ok, "n": 0}), 400, "n", param="n")
+    expect_error(post(server, cmpl, {**ok, "n": 17}), 400, "limit of 16", param="n")
     # more sequences than can ever be in flight (8 running + 32 waiting): 400 with the limit, not 503 "retry"
-    _expect_error(_post(server, cmpl, {**ok, "prompt": ["Hello"] * 41}), 400, "41 sequences", "limit of 40",
-                  param="prompt")
-    _expect_error(_post(server, cmpl, {**ok, "prompt": ["a", "b", "c"], "n": 16}), 400, "48 sequences")
-    _expect_error(_post(server, cmpl, {**ok, "logprobs": 21}), 400, "logprobs", param="logprobs")
-    _expect_error(_post(server, cmpl, {**ok, "max_tokens": -1}), 400, "max_tokens", param="max_tokens")
-    _expect_error(_post(server, cmpl, {**ok, "max_tokens": 100000}), 400, "limit of 256", param="max_tokens")
-    _expect_error(_post(server, cmpl, {**ok, "max_tokens": 0}), 400, "echo", param="max_tokens")
-    _expect_error(_post(server, cmpl, {**ok, "top_k": -2}), 400, "top_k", param="top_k")
-    _expect_error(_post(server, cmpl, {**ok, "stop": [""]}), 400, "empty")
-    _expect_error(_post(server, cmpl, {**ok, "stream_options": {"include_usage": True}}), 400, "stream")
-    _expect_error(_post(server, cmpl, {**ok, "prompt": [0, 1, 999999]}), 400, "vocabulary", param="prompt")
+    expect_error(post(server, cmpl, {**ok, "prompt": ["Hello"] * 41}), 400, "41 sequences", "limit of 40",
+                 param="prompt")
+    expect_error(post(server, cmpl, {**ok, "prompt": ["a", "b", "c"], "n": 16}), 400, "48 sequences")
+    expect_error(post(server, cmpl, {**ok, "logprobs": 21}), 400, "logprobs", param="logprobs")
+    expect_error(post(server, cmpl, {**ok, "max_tokens": -1}), 400, "max_tokens", param="max_tokens")
+    expect_error(post(server, cmpl, {**ok, "max_tokens": 100000}), 400, "limit of 256", param="max_tokens")
+    expect_error(post(server, cmpl, {**ok, "max_tokens": 0}), 400, "echo", param="max_tokens")
+    expect_error(post(server, cmpl, {**ok, "top_k": -2}), 400, "top_k", param="top_k")
+    expect_error(post(server, cmpl, {**ok, "stop": [""]}), 400, "empty")
+    expect_error(post(server, cmpl, {**ok, "stream_options": {"include_usage": True}}), 400, "stream")
+    expect_error(post(server, cmpl, {**ok, "prompt": [0, 1, 999999]}), 400, "vocabulary", param="prompt")
     # unknown or unsupported fields are refused, never ignored
-    _expect_error(_post(server, cmpl, {**ok, "foo": 1}), 400, "'foo'", param="foo")
+    expect_error(post(server, cmpl, {**ok, "foo": 1}), 400, "'foo'", param="foo")
     # penalties and logit_bias out of range: 400 naming the field
-    _expect_error(_post(server, cmpl, {**ok, "presence_penalty": 2.5}), 400, "presence_penalty",
-                  param="presence_penalty")
-    _expect_error(_post(server, cmpl, {**ok, "frequency_penalty": -3}), 400, "frequency_penalty",
-                  param="frequency_penalty")
-    _expect_error(_post(server, cmpl, {**ok, "repetition_penalty": 0}), 400, "repetition_penalty",
-                  param="repetition_penalty")
-    _expect_error(_post(server, cmpl, {**ok, "logit_bias": {"1": 101}}), 400, "[-100, 100]", param="logit_bias")
-    _expect_error(_post(server, cmpl, {**ok, "logit_bias": {"x": 1}}), 400, "token ids", param="logit_bias")
-    _expect_error(_post(server, cmpl, {**ok, "logit_bias": {"999999": 1}}), 400, "vocabulary", param="logit_bias")
-    _expect_error(_post(server, chat, {"model": tiny_llama, "messages": [{"role": "user", "content": "hi"}],
-                                       "logit_bias": {"1": "5"}}), 400, "logit_bias", param="logit_bias")
+    expect_error(post(server, cmpl, {**ok, "presence_penalty": 2.5}), 400, "presence_penalty",
+                 param="presence_penalty")
+    expect_error(post(server, cmpl, {**ok, "frequency_penalty": -3}), 400, "frequency_penalty",
+                 param="frequency_penalty")
+    expect_error(post(server, cmpl, {**ok, "repetition_penalty": 0}), 400, "repetition_penalty",
+                 param="repetition_penalty")
+    expect_error(post(server, cmpl, {**ok, "logit_bias": {"1": 101}}), 400, "[-100, 100]", param="logit_bias")
+    expect_error(post(server, cmpl, {**ok, "logit_bias": {"x": 1}}), 400, "token ids", param="logit_bias")
+    expect_error(post(server, cmpl, {**ok, "logit_bias": {"999999": 1}}), 400, "vocabulary", param="logit_bias")
+    expect_error(post(server, chat, {"model": tiny_llama, "messages": [{"role": "user", "content": "hi"}],
+                                     "logit_bias": {"1": "5"}}), 400, "logit_bias", param="logit_bias")
     # empty and huge prompts
-    _expect_error(_post(server, cmpl, {**ok, "prompt": ""}), 400, "empty", param="prompt")
-    _expect_error(_post(server, cmpl, {**ok, "prompt": []}), 400, "empty")
-    _expect_error(_post(server, cmpl, {**ok, "prompt": ["a", ""]}), 400, "prompt[1] is empty")
+    expect_error(post(server, cmpl, {**ok, "prompt": ""}), 400, "empty", param="prompt")
+    expect_error(post(server, cmpl, {**ok, "prompt": []}), 400, "empty")
+    expect_error(post(server, cmpl, {**ok, "prompt": ["a", ""]}), 400, "prompt[1] is empty")
     long_ids = [5] * 300
-    r = _post(server, cmpl, {**ok, "prompt": long_ids})
-    _expect_error(r, 400, "300 tokens", "256", "KV cache holds 2048 tokens", param="prompt")
+    r = post(server, cmpl, {**ok, "prompt": long_ids})
+    expect_error(r, 400, "300 tokens", "256", "KV cache holds 2048 tokens", param="prompt")
     assert r.json()["error"]["code"] == "context_length_exceeded"
-    _expect_error(_post(server, cmpl, {**ok, "prompt": [5] * 250, "max_tokens": 10}), 400, "260",
-                  param="max_tokens")
-    _expect_error(_post(server, cmpl, {**ok, "prompt": "word " * 20000}), 413, "limit of 65536")
+    expect_error(post(server, cmpl, {**ok, "prompt": [5] * 250, "max_tokens": 10}), 400, "260",
+                 param="max_tokens")
+    expect_error(post(server, cmpl, {**ok, "prompt": "word " * 20000}), 413, "limit of 65536")
     # chat-specific
-    _expect_error(_post(server, chat, {"model": tiny_llama, "messages": []}), 400, "messages", param="messages")
-    _expect_error(_post(server, chat, {"model": tiny_llama, "messages": [{"role": "robot", "content": "hi"}]}),
-                  400, "role", param="messages")
-    _expect_error(_post(server, chat, {"model": tiny_llama, "messages": [{"role": "user", "content": "hi"}],
-                                       "top_logprobs": 2}), 400, "requires logprobs")
-    _expect_error(_post(server, chat, {"model": tiny_llama, "messages": [{"role": "user", "content": "hi"}],
-                                       "tools": []}), 400, "tools", "at least 1", param="tools")
+    expect_error(post(server, chat, {"model": tiny_llama, "messages": []}), 400, "messages", param="messages")
+    expect_error(post(server, chat, {"model": tiny_llama, "messages": [{"role": "robot", "content": "hi"}]}),
+                 400, "role", param="messages")
+    expect_error(post(server, chat, {"model": tiny_llama, "messages": [{"role": "user", "content": "hi"}],
+                                     "top_logprobs": 2}), 400, "requires logprobs")
+    expect_error(post(server, chat, {"model": tiny_llama, "messages": [{"role": "user", "content": "hi"}],
+                                     "tools": []}), 400, "tools", "at least 1", param="tools")
     # auth, model, route
-    _expect_error(_post(server, cmpl, ok, key="wrong"), 401, "API key")
-    _expect_error(_post(server, cmpl, ok, key=None), 401, "API key")
-    _expect_error(httpx.get(server.url + "/v1/models", timeout=10), 401, "API key")
-    _expect_error(_post(server, cmpl, {**ok, "model": "gpt-4"}), 404, "gpt-4", param="model")
-    _expect_error(_post(server, "/v1/embeddings", ok), 404, "no route")
+    expect_error(post(server, cmpl, ok, key="wrong"), 401, "API key")
+    expect_error(post(server, cmpl, ok, key=None), 401, "API key")
+    expect_error(httpx.get(server.url + "/v1/models", timeout=10), 401, "API key")
+    expect_error(post(server, cmpl, {**ok, "model": "gpt-4"}), 404, "gpt-4", param="model")
+    expect_error(post(server, "/v1/embeddings", ok), 404, "no route")
     with pytest.raises(openai.BadRequestError):
         client.completions.create(model=tiny_llama, prompt="hi", max_tokens=2, temperature=-1)
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=server.url + "/v1", api_key="nope", max_retries=0).models.list()
     # still serving, and nothing leaked
-    assert _post(server, cmpl, ok).status_code == 200
-    m = _wait_idle(server)
+    assert post(server, cmpl, ok).status_code == 200
+    m = wait_idle(server)
     assert m['kv8:request_rejected_total{status="400"}'] >= 30
 
 
 def test_metrics_exposition(server: Server, client: openai.OpenAI, tiny_llama: str) -> None:
-    before = _wait_idle(server)
+    before = wait_idle(server)
     for _ in range(2):  # 40 prompt tokens = 2 full blocks: the second request hits the prefix cache
         r = client.completions.create(model=tiny_llama, prompt=list(range(10, 50)), max_tokens=4, temperature=0.0)
-    after = _metrics(server)
+    after = metrics(server)
     assert after["kv8:generation_tokens_total"] - before["kv8:generation_tokens_total"] == 2 * r.usage.completion_tokens
     assert after["kv8:prompt_tokens_total"] - before["kv8:prompt_tokens_total"] == 80
     text = httpx.get(server.url + "/metrics", timeout=10).text
@@ -777,7 +645,7 @@ def test_metrics_exposition(server: Server, client: openai.OpenAI, tiny_llama: s
                        ("kv8:generation_tokens_total", "counter"), ("kv8:time_to_first_token_seconds", "histogram"),
                        ("kv8:time_per_output_token_seconds", "histogram")]:
         assert f"# TYPE {name} {kind}" in text
-    m = _metrics(server)
+    m = metrics(server)
     assert m["kv8:time_to_first_token_seconds_count"] >= 1
     assert m['kv8:time_to_first_token_seconds_bucket{le="+Inf"}'] == m["kv8:time_to_first_token_seconds_count"]
     assert m["kv8:time_per_output_token_seconds_count"] >= 1
@@ -790,12 +658,12 @@ def test_sigterm_drains_then_aborts_after_the_shutdown_timeout(server: Server, t
     timeout: after SIGTERM the stream still running at the timeout ends with an error event and [DONE], and the
     process exits 0 (new requests during the drain: tests/test_server_faults.py)."""
     body = dict(model=tiny_llama, prompt="Once upon", max_tokens=240, ignore_eos=True, n=16, stream=True)
-    streams = [_open_stream(server, dict(body, n=n)) for n in (16, 16, 8)]
+    streams = [open_stream(server, dict(body, n=n)) for n in (16, 16, 8)]
     try:
         server.proc.send_signal(signal.SIGTERM)
         tails = [[line for line in lines if line.startswith("data: ")][-2:] for _, _, lines in streams]
     finally:
-        _drop(streams)
+        drop(streams)
     assert all(tail[-1] == "data: [DONE]" for tail in tails)
     err = json.loads(tails[-1][0][6:])["error"]
     assert "shutdown timeout" in err["message"] and err["code"] == "engine_unavailable"

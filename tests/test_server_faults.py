@@ -1,6 +1,6 @@
 """Faults around the server: an engine that breaks, signals, slow and vanishing clients.
 
-Each test starts its own ``kv8 serve`` subprocess on the tiny Llama (see :class:`tests.test_server.Server`), or
+Each test starts its own ``kv8 serve`` subprocess on the tiny Llama (see :class:`tests.helpers.server.Server`), or
 drives the ASGI app in process where the process boundary does not matter. Every wait is bounded.
 """
 
@@ -18,7 +18,7 @@ import openai
 import pytest
 
 from tests.conftest import POISONED_TOKEN
-from tests.test_server import API_KEY, ENGINE_FLAGS, SERVER_FLAGS, Server, _drop, _open_stream
+from tests.helpers.server import API_KEY, ENGINE_FLAGS, SERVER_FLAGS, Server, drop, open_stream
 
 # Replaces LLMEngine.step by one that raises: a failure that is no single request's, so the engine is unusable.
 BROKEN_STEP = """
@@ -90,8 +90,8 @@ def test_health_tells_the_truth_once_the_engine_failed(tiny_llama: str) -> None:
 
 def _long_stream(srv: Server, tiny_llama: str) -> tuple[Any, Any, Any]:
     """A stream of 16 sequences x 240 tokens (two waves of 8): seconds of work; its first line already read."""
-    stream = _open_stream(srv, dict(model=tiny_llama, prompt="Once upon", max_tokens=240, ignore_eos=True, n=16,
-                                    stream=True))
+    stream = open_stream(srv, dict(model=tiny_llama, prompt="Once upon", max_tokens=240, ignore_eos=True, n=16,
+                                   stream=True))
     next(stream[2])
     return stream
 
@@ -118,7 +118,7 @@ def test_sigterm_drains_answering_503_with_retry_after(tiny_llama: str, tmp_path
         assert reasons == ["length"] * 16          # the drain let every sequence finish
         assert srv.proc.wait(timeout=30) == 0, srv.read_log()
     finally:
-        _drop(streams)
+        drop(streams)
         srv.stop()
     log = srv.read_log()
     assert "server stopped" in log and "Traceback" not in log, log
@@ -147,7 +147,7 @@ def test_second_interrupt_aborts_with_json_errors_and_exits_cleanly(tiny_llama: 
         worker.join(timeout=60)
         assert srv.proc.wait(timeout=30) == 0, srv.read_log()
     finally:
-        _drop(streams)
+        drop(streams)
         srv.stop()
     assert lines[-1] == "data: [DONE]"
     assert "second interrupt" in json.loads(lines[-2][6:])["error"]["message"]
@@ -250,8 +250,8 @@ def test_requests_with_non_finite_logits_fail_alone_and_the_server_goes_on(nan_l
             assert lines[-1] == "data: [DONE]"
             assert "non-finite logits" in json.loads(lines[-2][6:])["error"]["message"], lines
             # beside a long stream: each poisoned request fails alone, the stream runs to its end
-            streams.append(_open_stream(srv, dict(model=nan_llama, prompt=[3, 4, 5], max_tokens=120,
-                                                  ignore_eos=True, stream=True)))
+            streams.append(open_stream(srv, dict(model=nan_llama, prompt=[3, 4, 5], max_tokens=120,
+                                                 ignore_eos=True, stream=True)))
             for _ in range(3):
                 check_failed(http.post("/v1/completions", json=poisoned))
             lines = [line for line in streams[0][2] if line.startswith("data: ")]
@@ -264,7 +264,7 @@ def test_requests_with_non_finite_logits_fail_alone_and_the_server_goes_on(nan_l
         assert srv.proc.poll() is None
         assert _metric(srv, 'kv8:request_rejected_total{status="503"}') == 0
     finally:
-        _drop(streams)
+        drop(streams)
         srv.stop()
     log = srv.read_log()
     assert "Traceback" not in log and "engine failed" not in log, log

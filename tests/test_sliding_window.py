@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 
 from kv8 import SamplingParams
-from tests.test_engine import KV_CONFIGS, PROMPTS, assert_greedy_match, check_all_blocks_free, make_llm, tokens_of
+from tests.helpers.engine import KV_CONFIGS, PROMPTS, assert_greedy_match, check_all_blocks_free, make_llm, tokens_of
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
 GREEDY_LP = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, logprobs=2)  # for near-ties

@@ -2,18 +2,16 @@
 
 from __future__ import annotations
 
-import os
-
 import pytest
 
 from kv8 import LLM, SamplingParams, envs
 from kv8.host_memory import HUGE_PAGE, huge_page_bytes
-from tests.test_host_memory import thp_mode
+from tests.helpers.host_memory import thp_mode
+from tests.helpers.paths import FIXTURES
 
 pytestmark = pytest.mark.slow  # every test here runs the real SmolLM2-135M
 
-FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures")
-VLLM_SCALES = os.path.join(FIXTURES, "vllm-llama2-7b-kv_cache_scales.json")
+VLLM_SCALES = str(FIXTURES / "vllm-llama2-7b-kv_cache_scales.json")
 GREEDY = SamplingParams(temperature=0, max_tokens=8)
 
 

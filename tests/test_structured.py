@@ -19,7 +19,7 @@ import torch
 
 from kv8 import LLM, SamplingParams, StructuredOutputsParams
 from kv8.engine.structured import apply_grammar_masks, check_grammar, unpack_bitmask
-from tests.test_server import API_KEY, ENGINE_FLAGS, SERVER_FLAGS, Server
+from tests.helpers.server import API_KEY, ENGINE_FLAGS, SERVER_FLAGS, Server
 
 SCHEMA: dict[str, Any] = {
     "type": "object",

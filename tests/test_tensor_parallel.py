@@ -33,6 +33,7 @@ from kv8.quant.formats import resolve_kv_cache_dtype
 from kv8.quant.scale_files import write_kv8_scales_json
 from kv8.quant.scales import KVScales, ModelScaleInfo, ScaleGranularity
 from tests.conftest import make_tiny_model
+from tests.helpers.paths import ROOT
 
 PROMPTS = ["hello world how are you", "the cat sat on the mat and"]
 
@@ -345,7 +346,7 @@ def test_tp2_from_a_script_without_main_guard(gqa_6x2: str, tmp_path: Path, how:
     ``<stdin>``) and the text equals one rank's."""
     single = _llm(gqa_6x2, 1).generate("hello world", SamplingParams(temperature=0, max_tokens=6))[0].outputs[0].text
     script = SCRIPT_WITHOUT_GUARD.format(model=gqa_6x2)
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parent.parent)}
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
     if how == "file":
         path = tmp_path / "no_guard.py"
         path.write_text(script)
@@ -400,15 +401,15 @@ def test_a_torchrun_rank_that_dies_while_the_server_is_idle_takes_it_down(gqa_6x
     from the heartbeats (no child process to watch), logs the rank and exits with status 1 within seconds."""
     import httpx
 
-    from tests.test_server import ENGINE_FLAGS, _free_port
+    from tests.helpers.server import ENGINE_FLAGS, free_port
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         master = s.getsockname()[1]
-    http = _free_port()
+    http = free_port()
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
                 "--master-addr", "127.0.0.1", "--master-port", str(master)]
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parent.parent)}
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
     logs = [open(tmp_path / f"node{r}.log", "wb") for r in (0, 1)]
     procs = [subprocess.Popen([*torchrun, "--node-rank", str(r), "-m", "kv8", "serve", gqa_6x2, *ENGINE_FLAGS,
                                "--tensor-parallel-size", "2", "--cpu-threads-per-rank", "1", "--port", str(http)],
@@ -458,7 +459,7 @@ def test_two_torchrun_nodes_generate_like_one_rank(gqa_6x2: str) -> None:
              "--max-tokens", "6", "--temperature", "0", "--cpu-threads-per-rank", "1"]
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
                 "--master-addr", "127.0.0.1", "--master-port", str(port)]
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parent.parent)}
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
     procs = [subprocess.Popen([*torchrun, "--node-rank", str(r), "-m", "kv8", "generate", "hello world", *flags,
                                "--tensor-parallel-size", "2"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                               text=True, env=env) for r in (0, 1)]
@@ -476,7 +477,7 @@ def test_server_under_tp2_serves_then_dies_cleanly_with_a_rank(gqa_6x2: str, tmp
     leaving no worker behind."""
     import openai
 
-    from tests.test_server import ENGINE_FLAGS, Server
+    from tests.helpers.server import ENGINE_FLAGS, Server
 
     single = _llm(gqa_6x2, 1).generate("hello world", SamplingParams(temperature=0, max_tokens=6))[0]
     srv = Server(["serve", "--model-id", gqa_6x2, *ENGINE_FLAGS, "--tensor-parallel-size", "2",

@@ -136,7 +136,7 @@ def test_attention_bits_depend_on_the_plan_not_on_the_running_threads(kv_name: s
     import torch
 
     from kv8.kernels.attention import paged_attention_fused
-    from tests.test_fused_attention import load_or_skip, make_case
+    from tests.helpers.kernels import load_or_skip, make_case
 
     lib = load_or_skip()
     cache, meta, q = make_case(kv_name, "tensor", torch.bfloat16, query_lens=[1, 1], seq_lens=[1500, 1700])

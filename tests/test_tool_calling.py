@@ -46,9 +46,10 @@ from kv8.entrypoints.openai.tool_calling import (
 from kv8.model.tokenizer import load_tokenizer
 from kv8.outputs import CompletionOutput, RequestOutput
 from tests.conftest import make_tiny_model
-from tests.test_server import API_KEY, SERVER_FLAGS, Server, _expect_error, _post, with_surrogate
+from tests.helpers.paths import FIXTURES
+from tests.helpers.server import API_KEY, SERVER_FLAGS, Server, expect_error, post, with_surrogate
 
-FIXTURE_TEMPLATE = "tests/fixtures/tool_chat_template.jinja"
+FIXTURE_TEMPLATE = FIXTURES / "tool_chat_template.jinja"
 FLAGS = ["--dtype", "float32", "--num-kv-blocks", "256", "--block-size", "16", "--max-model-len", "1024",
          "--max-num-seqs", "8", "--no-adaptive-cpu-threads"]
 WEATHER = {"type": "object", "additionalProperties": False, "required": ["city", "days"],
@@ -407,7 +408,7 @@ def test_required_and_named_calls_match_their_schemas(client: openai.OpenAI, ser
         assert [c.function.name for c in choice.message.tool_calls] == ["get_weather"]
         _check_calls(choice.message, {"get_weather"})
     # usage: the prompt as /tokenize renders it (messages + tools), and every generated token
-    prompt = _post(server, "/tokenize", {"messages": msgs, "tools": TOOLS}).json()["count"]
+    prompt = post(server, "/tokenize", {"messages": msgs, "tools": TOOLS}).json()["count"]
     assert named.usage.prompt_tokens == prompt
     assert named.usage.total_tokens == prompt + named.usage.completion_tokens > prompt
     # cut by max_tokens: finish_reason length, the arguments generated so far
@@ -513,23 +514,23 @@ def test_a_tool_call_answer_has_no_content_and_no_end_token_text(calling_model: 
 def test_tool_errors_over_http_have_openai_shape(server: Server, tool_model: str) -> None:
     chat = "/v1/chat/completions"
     user = [{"role": "user", "content": "hi"}]
-    _expect_error(_post(server, chat, {"model": tool_model, "messages": user, "tools": TOOLS,
-                                       "tool_choice": {"type": "function", "function": {"name": "nope"}}}),
-                  400, "'nope', which is not in tools", param="tool_choice")
-    _expect_error(_post(server, chat, {"model": tool_model, "messages": [{"role": "assistant", "content": None}]}),
-                  400, "needs content or tool_calls", param="messages")
-    ok = _post(server, chat, {"model": tool_model, "messages": HISTORY, "max_tokens": 2})   # history, no tools
+    expect_error(post(server, chat, {"model": tool_model, "messages": user, "tools": TOOLS,
+                                     "tool_choice": {"type": "function", "function": {"name": "nope"}}}),
+                 400, "'nope', which is not in tools", param="tool_choice")
+    expect_error(post(server, chat, {"model": tool_model, "messages": [{"role": "assistant", "content": None}]}),
+                 400, "needs content or tool_calls", param="messages")
+    ok = post(server, chat, {"model": tool_model, "messages": HISTORY, "max_tokens": 2})   # history, no tools
     assert ok.status_code == 200, ok.text
     # a lone surrogate in any key or string of a request with tools and a tool-call history, or inside a call's
     # arguments (JSON in a string): 400 naming where, never a 500
     body = {"model": tool_model, "messages": HISTORY, "max_tokens": 2, "tools": TOOLS, "tool_choice": "none"}
-    assert _post(server, chat, body).status_code == 200
+    assert post(server, chat, body).status_code == 200
     for bad, where in with_surrogate(body):
-        _expect_error(_post(server, chat, None, raw=json.dumps(bad).encode()), 400, "surrogate", param=where)
+        expect_error(post(server, chat, None, raw=json.dumps(bad).encode()), 400, "surrogate", param=where)
     call = next(m for m in HISTORY if m.get("tool_calls"))["tool_calls"][0]
     bad_call = {**call, "function": {**call["function"], "arguments": '{"city": "\\ud800"}'}}
-    resp = _post(server, chat, {**body, "messages": [*HISTORY, {"role": "assistant", "tool_calls": [bad_call]}]})
-    _expect_error(resp, 400, "function.arguments", "surrogate")
+    resp = post(server, chat, {**body, "messages": [*HISTORY, {"role": "assistant", "tool_calls": [bad_call]}]})
+    expect_error(resp, 400, "function.arguments", "surrogate")
 
 
 # ---- auto mode through the real serving code, with a scripted engine -----------------------------------------------
