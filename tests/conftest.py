@@ -154,12 +154,3 @@ def amx_path(lib: Any, path: str) -> Iterator[str]:
         yield path
     finally:
         lib.amx = chosen
-
-
-@pytest.fixture(params=["amx", "avx512"])
-def kernel_path(request: pytest.FixtureRequest, lib: Any) -> Iterator[str]:
-    """Each path of the prefill loop and the decode-item kernel in turn: AMX tiles (only where this CPU, build
-    and OS give them) and AVX-512 (vdpbf16ps), set on the library (KernelLibrary.amx) for the test. ``lib`` is the
-    requesting module's fixture: the attention library it tests."""
-    with amx_path(lib, request.param) as path:
-        yield path

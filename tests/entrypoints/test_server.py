@@ -656,7 +656,7 @@ def test_metrics_exposition(server: Server, client: openai.OpenAI, tiny_llama: s
 def test_sigterm_drains_then_aborts_after_the_shutdown_timeout(server: Server, tiny_llama: str) -> None:
     """Streams of 16 + 16 + 8 sequences need 5 waves x 240 decode steps, far more than the 0.3 s shutdown
     timeout: after SIGTERM the stream still running at the timeout ends with an error event and [DONE], and the
-    process exits 0 (new requests during the drain: tests/test_server_faults.py)."""
+    process exits 0 (new requests during the drain: tests/entrypoints/test_server_faults.py)."""
     body = dict(model=tiny_llama, prompt="Once upon", max_tokens=240, ignore_eos=True, n=16, stream=True)
     streams = [open_stream(server, dict(body, n=n)) for n in (16, 16, 8)]
     try:

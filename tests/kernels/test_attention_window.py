@@ -17,7 +17,7 @@
   past the cache, negative ids. The outputs are finite and equal the reference; the same metadata without a
   window is refused (a bad block id), so the entries would be caught if they were read.
 
-Tolerances as in tests/test_fused_attention.py: |fused - ref| <= tol * (1 + max|ref|), tol = 2^-7 (bf16 output)
+Tolerances as in tests/kernels/test_fused_attention.py: |fused - ref| <= tol * (1 + max|ref|), tol = 2^-7 (bf16 output)
 or 5e-5 (fp32 output).
 """
 

@@ -3,7 +3,7 @@ batching, prefix caching, preemption or the freeing itself, in every KV dtype; k
 
 Models: ``mistral_swa`` (every layer windowed, window 11) and ``qwen2_swa`` (layer 0 full, layer 1 window 7)
 from tests/conftest.py; prompts of 20-40 tokens and 20 new tokens, so windows slide during prefill and decode.
-Logits of both against transformers are checked in tests/test_model_vs_hf.py.
+Logits of both against transformers are checked in tests/models/test_model_vs_hf.py.
 """
 
 from __future__ import annotations
