@@ -34,8 +34,8 @@ else
     pip_install torch==2.13.0
 fi
 "$VPY" -c "import torch; print('setup: torch', torch.__version__, '(CUDA build)' if torch.version.cuda else '(CPU build)')"
-# The test extra, and Ray Serve for the data-parallel server (tests/test_ray_serve.py); the constraint keeps
-# pip from replacing the torch installed above while it resolves ray's dependencies.
+# The test extra, and Ray Serve for the data-parallel server (tests/entrypoints/test_ray_serve.py); the
+# constraint keeps pip from replacing the torch installed above while it resolves ray's dependencies.
 TORCH_PIN=$(mktemp)
 echo "torch==2.13.0" > "$TORCH_PIN"
 pip_install -c "$TORCH_PIN" -e ".[test,ray]"

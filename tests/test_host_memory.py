@@ -10,7 +10,6 @@ import gc
 import json
 import os
 import platform
-import re
 import subprocess
 import sys
 
@@ -24,6 +23,7 @@ from kv8.cache.paged_cache import CacheShape, PagedKVCache
 from kv8.host_memory import HUGE_PAGE, huge_page_bytes, huge_page_empty, place_on_huge_pages
 from kv8.quant.formats import resolve_kv_cache_dtype
 from kv8.quant.scales import KVScales
+from tests.helpers.host_memory import thp_mode
 
 pytestmark = pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="the settings are glibc's")
 
@@ -97,16 +97,6 @@ def test_bench_host_memory_rejects_bad_arguments(args, needle):
                          "bench_host_memory.py")
     out = subprocess.run([sys.executable, bench, *args], capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and needle in out.stderr, out.stderr
-
-
-def thp_mode() -> str | None:
-    """The kernel's transparent-huge-page mode (always / madvise / never), None where it has none."""
-    try:
-        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
-            found = re.search(r"\[(\w+)\]", f.read())
-    except OSError:
-        return None
-    return found.group(1) if found else None
 
 
 @pytest.fixture

@@ -21,7 +21,7 @@
 // relative, exp2_weights in fast_simd.h, and a weight below e^-87 is 0, next to the row's largest weight, which
 // is >= 1). The partition combine takes
 // (ref, sum, acc) as it takes (max, sum, acc): any common reference gives the same quotient. The tests'
-// tolerances against reference.py are unchanged (tests/test_fused_attention.py).
+// tolerances against reference.py are unchanged (tests/kernels/test_fused_attention.py).
 //
 // The chunked tile loop (D = 256 and decode-shaped items): per chunk of CT tiles (CT = CHUNK for items of more
 // than 4 rows, 1 for decode-shaped items): gather the row pointers and decode K once into a transposed buffer

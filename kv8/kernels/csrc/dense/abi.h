@@ -11,7 +11,8 @@
 //
 // Every entry point returns OK or an error code of ../common/kv8_abi.h (ERR_ARGS, ERR_OOM, ERR_NO_FAST_PATH) whose
 // message Python raises. bf16 tensors are uint16_t bits; rows are contiguous. Empty batches: an entry with rows == 0
-// returns OK without reading its pointers, which may be NULL (a step whose rows all failed; tests/test_empty_batch.py).
+// returns OK without reading its pointers, which may be NULL (a step whose rows all failed;
+// tests/engine/test_empty_batch.py).
 #pragma once
 
 #include "../common/kv8_abi.h"

@@ -1,0 +1,112 @@
+"""The parsers of ``benchmarks/bench_vs_peers.py`` against recorded llama.cpp output (tests/fixtures/peers).
+
+No peer engine runs here: the fixtures are the tools' real output, recorded once (see their README).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+from tests.helpers.paths import FIXTURES, ROOT
+
+PEERS = FIXTURES / "peers"
+
+
+def load_bench() -> ModuleType:
+    if str(ROOT / "benchmarks") not in sys.path:   # as when it runs as a script: it imports benchmarks/revisions.py
+        sys.path.insert(0, str(ROOT / "benchmarks"))
+    spec = importlib.util.spec_from_file_location("bench_vs_peers", ROOT / "benchmarks" / "bench_vs_peers.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module   # dataclasses look their module up while the file executes
+    spec.loader.exec_module(module)
+    return module
+
+
+bench = load_bench()
+
+
+def test_batched_bench_jsonl() -> None:
+    rows = bench.parse_batched_bench((PEERS / "llama-batched-bench.jsonl").read_text())
+    assert [(r["pp"], r["tg"], r["pl"]) for r in rows] == [(64, 8, 1), (64, 8, 2)]
+    assert rows[1]["speed_pp"] == pytest.approx(26.692768)
+    assert rows[1]["speed_tg"] == pytest.approx(1.487364)
+    # the tool's own definitions: all pl*pp prompt tokens over t_pp, all pl*tg new tokens over t_tg
+    for r in rows:
+        assert r["speed_pp"] == pytest.approx(r["pl"] * r["pp"] / r["t_pp"], rel=1e-5)
+        assert r["speed_tg"] == pytest.approx(r["pl"] * r["tg"] / r["t_tg"], rel=1e-5)
+
+
+def test_batched_bench_markdown_table() -> None:
+    rows = bench.parse_batched_bench((PEERS / "llama-batched-bench.md").read_text())
+    assert [(r["pp"], r["tg"], r["pl"], r["n_kv"]) for r in rows] == [(256, 32, 1, 288), (256, 32, 4, 1152)]
+    assert (rows[0]["speed_pp"], rows[0]["speed_tg"]) == (38.74, 4.06)
+
+
+def test_batched_bench_without_rows_is_an_error() -> None:
+    # llama-batched-bench skips a shape silently when the context is too small: only the header is printed
+    header = "\n".join((PEERS / "llama-batched-bench.md").read_text().splitlines()[:5])
+    with pytest.raises(ValueError, match="no result rows"):
+        bench.parse_batched_bench(header)
+
+
+def test_llama_bench_jsonl() -> None:
+    (row,) = bench.parse_llama_bench((PEERS / "llama-bench.jsonl").read_text())
+    assert (row["n_prompt"], row["n_gen"], row["n_depth"]) == (0, 8, 128)
+    assert row["avg_ts"] == pytest.approx(14.606931)
+
+
+def test_perplexity_kld() -> None:
+    assert bench.parse_kld((PEERS / "llama-perplexity-kld.txt").read_text()) == pytest.approx(0.005378)
+    with pytest.raises(ValueError, match="Mean KLD"):
+        bench.parse_kld("Final estimate: PPL = 16.9110 +/- 4.35706")
+
+
+def test_kv8_before_revision_is_checked() -> None:
+    # --kv8-before names a commit of this repository; anything else is refused before any engine starts
+    proc = subprocess.run([sys.executable, str(Path(bench.__file__)), "--engines", "kv8", "--kv8-before",
+                           "no-such-revision-xyz"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert "--kv8-before: 'no-such-revision-xyz' is not a commit" in proc.stderr
+    assert "ready in" not in proc.stdout
+
+
+def test_worker_pause_stops_its_process_group(tmp_path) -> None:
+    """pause() stops the worker and the children it started (state T), resume() lets them run again."""
+    child = "import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']);"
+    code = (child + f"print({bench.RESULT_MARK!r} + '{{}}', flush=True); sys.stdin.readline()")
+    with open(tmp_path / "log", "w") as log:
+        worker = bench.Worker([sys.executable, "-c", code], {}, log)
+
+        def states() -> list[str]:
+            pids = [worker.proc.pid] + [int(p) for p in Path(f"/proc/{worker.proc.pid}/task/{worker.proc.pid}/children")
+                                        .read_text().split()]
+            return [Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0] for pid in pids]
+
+        def wait_for(ok: Callable[[list[str]], bool]) -> list[str]:   # the child starts after the handshake, and
+            for _ in range(500):                                       # signals are delivered asynchronously
+                now = states()
+                if ok(now):
+                    break
+                time.sleep(0.01)
+            return now
+
+        assert len(wait_for(lambda s: len(s) == 2)) == 2 and "T" not in wait_for(lambda s: "T" not in s)
+        worker.pause()
+        assert wait_for(lambda s: s == ["T", "T"]) == ["T", "T"]
+        worker.resume()
+        assert "T" not in wait_for(lambda s: "T" not in s)
+        worker.close()
+        with contextlib.suppress(ProcessLookupError):   # the sleeping child, left in the worker's group
+            os.killpg(worker.proc.pid, signal.SIGKILL)

@@ -1,0 +1,160 @@
+"""kv8's native kernels in tests: the attention library's test cases and item-kernel checks (the fused attention
+and sliding-window tests, the empty-batch and thread tests), and the dense library loaded once, with an engine run
+on a chosen dense backend (the layers and the model tests)."""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import pytest
+import torch
+
+from kv8.attention.metadata import AttentionMetadata
+from kv8.cache.codec import KVCodec
+from kv8.cache.paged_cache import CacheShape, PagedKVCache
+from kv8.engine.args import EngineArgs
+from kv8.engine.engine import LLMEngine
+from kv8.kernels import attention as kernels
+from kv8.kernels.attention import load_kernels
+from kv8.kernels.build import KernelUnavailable
+from kv8.kernels.dense import DenseKernels, load_dense_kernels
+from kv8.observer import EngineObserver
+from kv8.quant.formats import KVCacheDtype, resolve_kv_cache_dtype
+from kv8.quant.scales import KVScales, ScaleGranularity
+from kv8.sampling_params import SamplingParams
+
+FP8 = ["fp8_e4m3", "fp8_e4m3fnuz", "fp8_e5m2"]
+
+# A ragged batch mixing decode and chunked prefill over cached prefixes; lengths at / across block edges.
+QUERY_LENS = [1, 1, 1, 5, 16, 17, 1]
+SEQ_LENS = [1, 16, 33, 21, 48, 17, 130]
+
+
+# ---- the attention library --------------------------------------------------------------------------------------
+def make_cache(shape: CacheShape, kv: KVCacheDtype, scales: KVScales | None, dynamic: bool = False) -> PagedKVCache:
+    """A cache whose codec stores ``kv`` with static ``scales`` (or dynamic scales)."""
+    codec = KVCodec.build(kv, shape.head_dim, scale_mode="dynamic" if dynamic else "static",
+                          scales=scales if kv.is_fp8 else None)
+    return PagedKVCache(shape, codec)
+
+
+def make_scales(kv_name: str, gran: str, layers: int, heads: int, dim: int,
+                gen: torch.Generator) -> KVScales | None:
+    """Random static scales of granularity ``gran`` for an FP8 ``kv_name``; None for other dtypes or dynamic."""
+    if kv_name not in FP8 or gran == "dynamic":
+        return None
+    shape = {"tensor": (layers, 1, 1), "head": (layers, heads, 1), "channel": (layers, heads, dim)}[gran]
+    k = 0.004 + 0.03 * torch.rand(shape, generator=gen)
+    v = 0.004 + 0.03 * torch.rand(shape, generator=gen)
+    return KVScales(k=k, v=v, granularity=ScaleGranularity(gran), source="test", made_for=None)
+
+
+def random_kv(n: int, heads: int, dim: int, gen: torch.Generator) -> torch.Tensor:
+    """Values over a wide dynamic range, so FP8 codes include subnormals, saturation and both signs."""
+    mag = torch.exp2(torch.empty(n, heads, dim).uniform_(-14.0, 4.0, generator=gen))
+    return torch.randn(n, heads, dim, generator=gen) * mag * 0.5 + torch.randn(n, heads, dim, generator=gen)
+
+
+def make_case(kv_name: str, gran: str, q_dtype: torch.dtype, *, group: int = 3, dim: int = 64, bs: int = 16,
+              heads: int = 2, query_lens: list[int] | None = None, seq_lens: list[int] | None = None,
+              seed: int = 0, poison: bool = False) -> tuple[PagedKVCache, AttentionMetadata, torch.Tensor]:
+    """A 2-layer cache whose layer 1 holds every context token (stored by the reference), metadata for the
+    new tokens, and queries [T, heads * group, dim]. ``poison``: every slot (and dynamic scale) that holds no
+    context token is NaN, so a kernel that reads past a sequence's last token returns NaN."""
+    query_lens = QUERY_LENS if query_lens is None else query_lens
+    seq_lens = SEQ_LENS if seq_lens is None else seq_lens
+    gen = torch.Generator().manual_seed(seed)
+    kv = resolve_kv_cache_dtype(kv_name, torch.bfloat16)
+    blocks = [math.ceil(s / bs) for s in seq_lens]
+    num_blocks = sum(blocks) + 3
+    perm = torch.randperm(num_blocks, generator=gen).tolist()
+    tables, i = [], 0
+    for n in blocks:
+        tables.append(perm[i:i + n])
+        i += n
+    cache = make_cache(CacheShape(2, num_blocks, heads, bs, dim), kv, make_scales(kv_name, gran, 2, heads, dim, gen),
+                       gran == "dynamic")
+    everything = AttentionMetadata.build(list(seq_lens), list(seq_lens), tables, bs)
+    if poison:
+        if kv_name in FP8:
+            cache.data.fill_(0x80 if kv_name == "fp8_e4m3fnuz" else 0x7F)  # the formats' NaN codes
+        else:
+            cache.data.fill_(float("nan"))
+        if cache.token_scales is not None:
+            cache.token_scales.fill_(float("nan"))
+    total = sum(seq_lens)
+    dtype = q_dtype if kv_name in FP8 else kv.storage_dtype
+    cache.store(1, random_kv(total, heads, dim, gen).to(dtype), random_kv(total, heads, dim, gen).to(dtype),
+                everything.slot_mapping)
+    meta = AttentionMetadata.build(list(query_lens), list(seq_lens), tables, bs)
+    q = torch.randn(sum(query_lens), heads * group, dim, generator=gen).to(q_dtype)
+    return cache, meta, q
+
+
+def load_or_skip(march: str = "native") -> kernels.KernelLibrary:
+    """The kernels for ``march``; the test is skipped (with the reason) where they cannot be built."""
+    try:
+        return load_kernels(march)
+    except KernelUnavailable as exc:
+        pytest.skip(f"fused CPU kernels unavailable: {exc}")
+
+
+def prefill_kernel(lib: kernels.KernelLibrary, kv_name: str, gran: str, q_dtype: torch.dtype, dim: int,
+                   bs: int = 16) -> str:
+    """The item kernel of a 48-row prefill item, asserted to be the expected one: "generic" without the fast
+    path; "amx" where the library multiplies with AMX tiles and the item qualifies (bf16 compute, K scales not
+    per channel, head_dim a multiple of 64 up to 256); else "prefill" (head_dim <= 128) or "tile"."""
+    got = kernels.KernelTesting(lib).item_kernel(kv_name, q_dtype, dim, bs, 48, k_per_channel=gran == "channel")
+    if not lib.has_fast_path:
+        expected = "generic"
+    elif lib.amx and q_dtype == torch.bfloat16 and gran != "channel" and dim % 64 == 0 and dim <= 256:
+        expected = "amx"
+    else:
+        expected = "prefill" if dim <= 128 else "tile"
+    assert got == expected, (got, expected)
+    return got
+
+
+def decode_kernel(lib: kernels.KernelLibrary, kv_name: str, gran: str, dim: int, bs: int, rows: int) -> str:
+    """The item kernel of a decode-sized item (bf16 compute, <= 4 rows, head_dim 64 / 128 / 256, blocks of a
+    multiple of 16 tokens), asserted to be the expected one: "generic" without the fast path; "amx_decode" where
+    the library multiplies with AMX tiles and the K scales are not per channel; else "decode"."""
+    got = kernels.KernelTesting(lib).item_kernel(kv_name, torch.bfloat16, dim, bs, rows,
+                                                 k_per_channel=gran == "channel")
+    if not lib.has_fast_path:
+        expected = "generic"
+    else:
+        expected = "amx_decode" if lib.amx and gran != "channel" else "decode"
+    assert got == expected, (got, expected)
+    return got
+
+
+# ---- the dense library ------------------------------------------------------------------------------------------
+@functools.cache
+def dense_kernels_or_reason() -> tuple[DenseKernels | None, str]:
+    """kv8's dense kernels and "", or None and why they cannot be loaded here (tried once per process)."""
+    try:
+        return load_dense_kernels(), ""
+    except KernelUnavailable as exc:
+        return None, str(exc)
+
+
+def prefill_logits(model: str, dense_backend: str, prompt: list[int], **kw: object) -> tuple[torch.Tensor, list[int]]:
+    """The logits of every prompt position and 4 greedy tokens of an engine in bf16 on ``dense_backend``."""
+    rows: list[torch.Tensor] = []
+
+    class Rows(EngineObserver):
+        def on_prompt_logits(self, request_id: str, start: int, logits: torch.Tensor) -> None:
+            rows.append(logits)
+
+    engine = LLMEngine(EngineArgs(model=model, dtype="bfloat16", dense_backend=dense_backend, num_kv_blocks=16,
+                                  max_model_len=128, kv_cache_dtype="fp8_e4m3", **kw), Rows())  # type: ignore[arg-type]
+    assert engine.dense_backend == dense_backend
+    engine.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=4, prompt_logprobs=0))
+    tokens: list[int] = []
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                tokens = list(out.outputs[0].token_ids)
+    return torch.cat(rows), tokens

@@ -1,0 +1,361 @@
+"""Sliding-window attention (``AttentionMetadata.sliding_window``): the reference and the fused CPU kernels.
+
+* Metadata: the field is validated (None or an int >= 1, ``ValueError`` naming it, also through
+  ``dataclasses.replace``); ``first_key`` is the lowest position any new token of a sequence sees.
+* Reference vs a dense torch computation (every K/V gathered, one mask with causal + window), over ragged
+  batches of decode and chunked prefill, windows of 1 .. beyond the context, blocks of 8 and 16.
+* Fused vs reference, with windows smaller than, equal to, not a multiple of and larger than the block size
+  (and larger than the context): every KV dtype and scale mode (static per tensor / head / channel, dynamic),
+  q in bf16 and fp32, head_dim 64 / 128 / 256 x GQA 1 / 4 / 8, blocks of 8 / 16 / 32, forced and automatic
+  context partitions (the split is over the window: a long decode's items cover O(W) tokens), the decode-item
+  kernel (asserted to serve), the tile kernel and its prefill loop (long prefills, asserted to serve), and the
+  generic (non-AVX-512) build.
+* Never read: in every case above the cache is poisoned -- every position before a sequence's first key
+  (whole blocks and the leading rows of the first needed block) holds NaN (FP8: the format's NaN code; dynamic
+  scales NaN too, except those of the leading rows, which the reference decodes before dropping them) -- and
+  the block-table entries of blocks wholly before the window are stale: 0 (a block that is all NaN), ids
+  past the cache, negative ids. The outputs are finite and equal the reference; the same metadata without a
+  window is refused (a bad block id), so the entries would be caught if they were read.
+
+Tolerances as in tests/kernels/test_fused_attention.py: |fused - ref| <= tol * (1 + max|ref|), tol = 2^-7 (bf16 output)
+or 5e-5 (fp32 output).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+import torch
+
+from kv8.attention.metadata import AttentionMetadata
+from kv8.attention.reference import paged_attention_reference
+from kv8.cache.codec import KVCodec
+from kv8.cache.paged_cache import CacheShape, PagedKVCache
+from kv8.kernels import attention as kernels
+from kv8.kernels.attention import paged_attention_fused
+from kv8.quant.formats import resolve_kv_cache_dtype
+from kv8.quant.scales import KVScales, ScaleGranularity
+from tests.helpers.kernels import decode_kernel, load_or_skip, prefill_kernel
+
+FP8 = ["fp8_e4m3", "fp8_e4m3fnuz", "fp8_e5m2"]
+NAN_CODE = {"fp8_e4m3": 0x7F, "fp8_e4m3fnuz": 0x80, "fp8_e5m2": 0x7F}
+TOL = {torch.float32: 5e-5, torch.bfloat16: 2.0 ** -7}
+STALE = [0, 10 ** 6, -3, 1 << 40]  # what a freed block's table entry may hold; block 0 is all NaN
+
+# A ragged batch: decode steps and chunked prefill over cached prefixes, lengths at / across block edges.
+QUERY_LENS = [1, 1, 1, 5, 16, 17, 1, 3]
+SEQ_LENS = [1, 16, 33, 21, 48, 17, 130, 77]
+
+
+@pytest.fixture(scope="module")
+def lib() -> kernels.KernelLibrary:
+    return load_or_skip()
+
+
+@pytest.fixture(scope="module")
+def generic_lib() -> kernels.KernelLibrary:
+    return load_or_skip("x86-64-v3")
+
+
+@dataclasses.dataclass
+class Case:
+    cache: PagedKVCache
+    meta: AttentionMetadata      # with the window and stale entries before it
+    full_tables: list[list[int]]  # the real block ids of every context position
+    q: torch.Tensor
+
+
+def first_key(q_len: int, s_len: int, window: int | None) -> int:
+    return 0 if window is None else max(0, s_len - q_len + 1 - window)
+
+
+def random_kv(n: int, heads: int, dim: int, gen: torch.Generator) -> torch.Tensor:
+    mag = torch.exp2(torch.empty(n, heads, dim).uniform_(-8.0, 3.0, generator=gen))
+    return torch.randn(n, heads, dim, generator=gen) * mag + torch.randn(n, heads, dim, generator=gen)
+
+
+def window_case(kv_name: str, gran: str, q_dtype: torch.dtype, window: int | None, *, group: int = 2,
+                dim: int = 64, bs: int = 16, heads: int = 2, query_lens: list[int] | None = None,
+                seq_lens: list[int] | None = None, seed: int = 0, poison: bool = True) -> Case:
+    """A 2-layer cache whose layer 1 holds the context tokens, metadata with ``window`` and queries
+    ``[T, heads * group, dim]``. ``poison``: every position before a sequence's first key (and every slot
+    that holds no context token) is NaN, block 0 is all NaN and in no table, and the entries of blocks wholly
+    before the first key are stale (STALE, cycled); else every context token is stored and tables are real."""
+    query_lens = QUERY_LENS if query_lens is None else query_lens
+    seq_lens = SEQ_LENS if seq_lens is None else seq_lens
+    gen = torch.Generator().manual_seed(seed)
+    kv = resolve_kv_cache_dtype(kv_name, torch.bfloat16)
+    nblocks = [math.ceil(s / bs) for s in seq_lens]
+    num_blocks = sum(nblocks) + 3
+    perm = (torch.randperm(num_blocks - 1, generator=gen) + 1).tolist()  # block 0 is in no table
+    full_tables, i = [], 0
+    for n in nblocks:
+        full_tables.append(perm[i:i + n])
+        i += n
+    scales = None
+    if kv_name in FP8 and gran != "dynamic":
+        shape = {"tensor": (2, 1, 1), "head": (2, heads, 1), "channel": (2, heads, dim)}[gran]
+        scales = KVScales(k=0.004 + 0.03 * torch.rand(shape, generator=gen),
+                          v=0.004 + 0.03 * torch.rand(shape, generator=gen),
+                          granularity=ScaleGranularity(gran), source="test", made_for=None)
+    codec = KVCodec.build(kv, dim, scale_mode="dynamic" if gran == "dynamic" else "static", scales=scales)
+    cache = PagedKVCache(CacheShape(2, num_blocks, heads, bs, dim), codec)
+    if kv_name in FP8:
+        cache.data.fill_(NAN_CODE[kv_name])
+    else:
+        cache.data.fill_(float("nan"))
+    if cache.token_scales is not None:
+        cache.token_scales.fill_(float("nan"))
+    slots = []
+    for q_len, s_len, table in zip(query_lens, seq_lens, full_tables):
+        first = first_key(q_len, s_len, window) if poison else 0
+        slots += [table[p // bs] * bs + p % bs for p in range(first, s_len)]
+        if cache.token_scales is not None:
+            # The reference decodes whole blocks (PagedKVCache.gather) and drops the first needed block's
+            # leading rows after decoding them, so their dynamic scales must be valid; their codes stay NaN.
+            for p in range(first // bs * bs, first):
+                cache.token_scales[1, :, table[p // bs], :, p % bs] = 1.0
+    dtype = q_dtype if kv.is_fp8 else kv.storage_dtype
+    n = len(slots)
+    cache.store(1, random_kv(n, heads, dim, gen).to(dtype), random_kv(n, heads, dim, gen).to(dtype),
+                torch.tensor(slots, dtype=torch.int64))
+    tables = [list(t) for t in full_tables]
+    if poison:
+        k = 0
+        for q_len, s_len, table in zip(query_lens, seq_lens, tables):
+            for b in range(first_key(q_len, s_len, window) // bs):
+                table[b] = STALE[k % len(STALE)]
+                k += 1
+    meta = AttentionMetadata.build(list(query_lens), list(seq_lens), tables, bs, sliding_window=window)
+    q = torch.randn(sum(query_lens), heads * group, dim, generator=gen).to(q_dtype)
+    return Case(cache, meta, full_tables, q)
+
+
+def check(lib: kernels.KernelLibrary, case: Case, partitions: tuple[int, ...] = (0,)) -> None:
+    """Fused (with each forced ``partition_size``; 0 = automatic) == reference within TOL, both finite."""
+    scale = case.q.shape[-1] ** -0.5
+    ref = paged_attention_reference(case.q, case.cache, 1, case.meta, scale).float()
+    assert torch.isfinite(ref).all(), "the reference read a poisoned position"
+    bound = TOL[case.q.dtype] * (1.0 + ref.abs().max().item())
+    for partition_size in partitions:
+        got = paged_attention_fused(lib, case.q, case.cache, 1, case.meta, scale, partition_size).float()
+        assert torch.isfinite(got).all(), f"the kernel read a poisoned position (partition_size={partition_size})"
+        err = (got - ref).abs().max().item()
+        assert err <= bound, f"max |fused - reference| = {err:.3g} > {bound:.3g} (partition_size={partition_size})"
+
+
+def item_kernel(lib: kernels.KernelLibrary, kv_name: str, q_dtype: torch.dtype, dim: int, bs: int, rows: int) -> str:
+    return kernels.KernelTesting(lib).item_kernel(kv_name, q_dtype, dim, bs, rows)
+
+
+# ------------------------------------------------------------------------------------------------
+# Metadata
+# ------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("bad", [0, -1, 2.5, True, "4"])
+def test_metadata_rejects_bad_window(bad: object) -> None:
+    with pytest.raises(ValueError, match="sliding_window"):
+        AttentionMetadata.build([1], [5], [[0]], 16, sliding_window=bad)  # type: ignore[arg-type]
+    meta = AttentionMetadata.build([1], [5], [[0]], 16)
+    assert meta.sliding_window is None
+    with pytest.raises(ValueError, match="sliding_window"):
+        dataclasses.replace(meta, sliding_window=bad)
+
+
+def test_metadata_first_key_and_slots() -> None:
+    """first_key = max(0, seq_len - query_len + 1 - W); blocks before first_key // bs are never needed, and
+    slot_mapping uses only the new tokens' blocks (stale entries before the window do not matter)."""
+    meta = AttentionMetadata.build([2, 1, 3, 1], [40, 40, 3, 20], [[9, 9, 2, 5, 7], [9] * 5, [4], [9, 9, 3]], 8,
+                                   sliding_window=20)
+    assert [meta.first_key(i) for i in range(4)] == [19, 20, 0, 0]
+    assert meta.slot_mapping.tolist() == [7 * 8 + 6, 7 * 8 + 7, 9 * 8 + 7, 4 * 8, 4 * 8 + 1, 4 * 8 + 2, 3 * 8 + 3]
+    # The lowest key of query position p is p - W + 1: position 38 (first query of seq 0) sees 19 .. 38.
+    assert AttentionMetadata.build([1], [39], [[0] * 5], 8, sliding_window=20).first_key(0) == 19
+    assert AttentionMetadata.build([1], [40], [[0] * 5], 8).first_key(0) == 0
+
+
+# ------------------------------------------------------------------------------------------------
+# Reference vs dense
+# ------------------------------------------------------------------------------------------------
+
+def dense_attention(q: torch.Tensor, cache: PagedKVCache, layer: int, case: Case, window: int | None,
+                    scale: float) -> torch.Tensor:
+    """Every context K/V gathered through the real tables, one [T, S] mask: causal and inside the window."""
+    meta = case.meta
+    out = torch.empty(q.shape, dtype=torch.float32)
+    for i in range(meta.num_seqs):
+        q_len, s_len = meta.query_lens_list[i], meta.seq_lens_list[i]
+        start = int(meta.query_start_loc[i])
+        k, v = cache.gather(layer, torch.tensor(case.full_tables[i]), s_len, torch.float32)  # [S, Hkv, D]
+        group = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)                 # [S, Hq, D]
+        qp = torch.arange(s_len - q_len, s_len)[:, None]
+        kp = torch.arange(s_len)[None, :]
+        allowed = kp <= qp
+        if window is not None:
+            allowed &= kp > qp - window
+        scores = torch.einsum("thd,shd->hts", q[start:start + q_len].float(), k) * scale
+        probs = torch.softmax(scores.masked_fill(~allowed, -math.inf), dim=-1)
+        out[start:start + q_len] = torch.einsum("hts,shd->thd", probs, v)
+    return out
+
+
+@pytest.mark.parametrize("window", [None, 1, 5, 8, 16, 21, 40, 1000])
+@pytest.mark.parametrize("kv_name,bs", [("float32", 16), ("fp8_e4m3", 8)])
+def test_reference_matches_dense(kv_name: str, bs: int, window: int | None) -> None:
+    case = window_case(kv_name, "head", torch.float32, window, bs=bs, poison=False, seed=3)
+    scale = 0.125
+    want = dense_attention(case.q, case.cache, 1, case, window, scale)
+    got = paged_attention_reference(case.q, case.cache, 1, case.meta, scale)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_reference_ignores_stale_entries() -> None:
+    """With a poisoned cache (NaN before every first key) and stale entries (ids past the cache: an index
+    error if gathered), the reference is finite and equals itself over the real tables."""
+    case = window_case("bfloat16", "none", torch.float32, 12, bs=8, seed=4)
+    stale = case.meta.block_tables
+    assert bool(((stale < 0) | (stale >= case.cache.shape.num_blocks)).any())
+    real = AttentionMetadata.build(list(case.meta.query_lens_list), list(case.meta.seq_lens_list), case.full_tables,
+                                   8, sliding_window=12)
+    got = paged_attention_reference(case.q, case.cache, 1, case.meta, 0.125)
+    assert torch.isfinite(got).all()
+    assert torch.equal(got, paged_attention_reference(case.q, case.cache, 1, real, 0.125))
+
+
+# ------------------------------------------------------------------------------------------------
+# Fused vs reference
+# ------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("kv_name,gran", [(k, g) for k in FP8 for g in ("tensor", "head", "channel", "dynamic")]
+                         + [(k, "none") for k in ("bfloat16", "float16", "float32")])
+@pytest.mark.parametrize("q_dtype", [torch.bfloat16, torch.float32])
+def test_window_kv_dtypes_and_scales(lib: kernels.KernelLibrary, kv_name: str, gran: str, q_dtype: torch.dtype) -> None:
+    """Every KV dtype and scale mode; windows smaller than, equal to, not a multiple of and larger than the
+    block size (16), and beyond every context (200)."""
+    for window in ((3, 24) if q_dtype == torch.bfloat16 else (16, 200)):
+        check(lib, window_case(kv_name, gran, q_dtype, window, seed=window))
+
+
+@pytest.mark.parametrize("group,dim,bs", [(1, 64, 16), (4, 64, 8), (8, 64, 32), (1, 128, 8), (4, 128, 32),
+                                          (8, 128, 16), (1, 256, 32), (4, 256, 16), (8, 256, 8)])
+@pytest.mark.parametrize("kv_name,q_dtype", [("fp8_e4m3", torch.bfloat16), ("bfloat16", torch.float32)])
+def test_window_shapes(lib: kernels.KernelLibrary, group: int, dim: int, bs: int, kv_name: str,
+                       q_dtype: torch.dtype) -> None:
+    """head_dim 64 / 128 / 256 x GQA 1 / 4 / 8, blocks of 8 / 16 / 32 (of 8: tiles span two blocks, the first
+    tile's leading rows may lie in a block before the window); windows below, at, off and above the block size."""
+    for window in ((bs // 2 + 1, bs + 5) if kv_name == "fp8_e4m3" else (bs, 3 * bs)):
+        check(lib, window_case(kv_name, "head", q_dtype, window, group=group, dim=dim, bs=bs, heads=1,
+                               query_lens=[1, 9, 1, 3, 20], seq_lens=[bs, 2 * bs + 3, 5 * bs + 1, 40, 90],
+                               seed=group + dim + window))
+
+
+@pytest.mark.parametrize("kv_name,q_dtype", [("fp8_e4m3", torch.bfloat16), ("fp8_e5m2", torch.float32),
+                                             ("bfloat16", torch.bfloat16), ("float32", torch.float32)])
+def test_window_partitions(lib: kernels.KernelLibrary, kv_name: str, q_dtype: torch.dtype) -> None:
+    """Context splits over the window (forced, and automatic for the long decodes), combined by log-sum-exp,
+    including partitions some rows of a chunk do not reach."""
+    for window in (37, 160):
+        check(lib, window_case(kv_name, "head", q_dtype, window, query_lens=[1, 20, 0, 7],
+                               seq_lens=[700, 300, 33, 2000], seed=window), partitions=(0, 16, 48, 256))
+
+
+@pytest.mark.parametrize("kv_name,gran", [("fp8_e4m3", "tensor"), ("fp8_e5m2", "channel"),
+                                          ("fp8_e4m3fnuz", "dynamic"), ("bfloat16", "none")])
+@pytest.mark.parametrize("group", [1, 2, 4])
+@pytest.mark.usefixtures("kernel_path")
+def test_window_decode_item_kernel(lib: kernels.KernelLibrary, kv_name: str, gran: str, group: int) -> None:
+    """The decode-item kernel (bf16 compute, <= 4 rows: up to 4 / group query tokens per sequence, each row with
+    its own window) serves these items (asserted) and equals the reference; windows that put the first and last
+    tile of an item in one 64-token chunk, and first tiles with leading rows before the window."""
+    bs, dim = 16, 128 if group == 2 else 256
+    per_seq = 4 // group
+    seq_lens = [1, 15, 16, 17, 63, 64, 65, 129, 300]
+    query_lens = [min(1 + i % per_seq, n) for i, n in enumerate(seq_lens)]
+    decode_kernel(lib, kv_name, gran, dim, bs, group * per_seq)
+    for window in (1, 7, 40, 100):
+        case = window_case(kv_name, gran, torch.bfloat16, window, group=group, dim=dim, bs=bs, heads=1,
+                           query_lens=query_lens, seq_lens=seq_lens, seed=window + group)
+        check(lib, case, partitions=(0, 32))
+
+
+@pytest.mark.parametrize("kv_name,gran", [("fp8_e4m3", "channel"), ("fp8_e5m2", "dynamic"),
+                                          ("fp8_e4m3fnuz", "head"), ("bfloat16", "none"), ("float16", "none")])
+def test_window_generic_build(generic_lib: kernels.KernelLibrary, kv_name: str, gran: str) -> None:
+    assert item_kernel(generic_lib, kv_name, torch.bfloat16, 64, 16, 48) == "generic"
+    for q_dtype, bs in ((torch.bfloat16, 16), (torch.float32, 8)):
+        for window in (5, 24):
+            check(generic_lib, window_case(kv_name, gran, q_dtype, window, bs=bs, seed=window), partitions=(0, 32))
+
+
+@pytest.mark.parametrize("kv_name,gran", [(k, g) for k in FP8 for g in ("tensor", "dynamic")]
+                         + [("bfloat16", "none"), ("float32", "none")])
+@pytest.mark.parametrize("group", [4, 8])
+@pytest.mark.usefixtures("kernel_path")
+def test_window_gemma3_shape(lib: kernels.KernelLibrary, kv_name: str, gran: str, group: int) -> None:
+    """Gemma-3 local layers: head_dim 256, one KV head, 4 (and 8) query heads, window 512, blocks of 16:
+    decode at 100 / 600 / 1100 tokens and a prefill chunk of 40 over a cached prefix; bf16 and fp32 compute
+    (8 query heads: bf16, whose decode items take the tile kernel)."""
+    for q_dtype in (torch.bfloat16, torch.float32) if group == 4 else (torch.bfloat16,):
+        case = window_case(kv_name, gran, q_dtype, 512, group=group, dim=256, heads=1,
+                           query_lens=[1, 1, 40, 1], seq_lens=[600, 1100, 560, 100], seed=group)
+        check(lib, case)
+
+
+@pytest.mark.parametrize("kv_name,gran,q_dtype", [("fp8_e4m3", "tensor", torch.bfloat16),
+                                                  ("fp8_e5m2", "dynamic", torch.float32),
+                                                  ("fp8_e4m3fnuz", "channel", torch.bfloat16),
+                                                  ("bfloat16", "none", torch.bfloat16),
+                                                  ("bfloat16", "none", torch.float32)])
+@pytest.mark.parametrize("group,dim,bs", [(3, 64, 16), (4, 128, 8), (1, 64, 32)])
+@pytest.mark.usefixtures("kernel_path")
+def test_window_long_prefill(lib: kernels.KernelLibrary, kv_name: str, gran: str, q_dtype: torch.dtype, group: int,
+                             dim: int, bs: int) -> None:
+    """Long prefills in the tile kernel's prefill loop (asserted to serve; on AMX tiles and on AVX-512 where
+    both exist) with windows of 37, 100 and 512: the window's edge crosses the chunks of every item at every
+    offset, items start mid-tile (k0), chunked prefills over cached prefixes end mid-tile; poisoned before each
+    first key; automatic and forced partitions."""
+    prefill_kernel(lib, kv_name, gran, q_dtype, dim, bs)
+    for window in (37, 100, 512):
+        check(lib, window_case(kv_name, gran, q_dtype, window, group=group, dim=dim, bs=bs, heads=2,
+                               query_lens=[600, 150, 1, 91], seq_lens=[600, 700, 650, 333], seed=window + dim),
+              partitions=(0, 96))
+
+
+# ------------------------------------------------------------------------------------------------
+# Never read, and O(W)
+# ------------------------------------------------------------------------------------------------
+
+def test_stale_entries_would_be_caught(lib: kernels.KernelLibrary) -> None:
+    """The poisoned cases' stale entries are refused (a bad block id) by a call without the window, and give
+    NaN where they point at block 0: a kernel reading them could not pass the tests above."""
+    case = window_case("fp8_e4m3", "tensor", torch.bfloat16, 16, query_lens=[1], seq_lens=[130])
+    assert case.meta.block_tables[0, :7].tolist() == [STALE[i % 4] for i in range(7)]
+    check(lib, case)
+    with pytest.raises(ValueError, match="block id"):
+        paged_attention_fused(lib, case.q, case.cache, 1, dataclasses.replace(case.meta, sliding_window=None), 0.1)
+    only_zero = window_case("fp8_e4m3", "tensor", torch.bfloat16, 16, query_lens=[1], seq_lens=[40])
+    assert only_zero.meta.block_tables[0, 0].item() == 0  # block 0 holds NaN codes only
+    full = paged_attention_fused(lib, only_zero.q, only_zero.cache, 1,
+                                 dataclasses.replace(only_zero.meta, sliding_window=None), 0.1)
+    assert torch.isnan(full.float()).all()
+    check(lib, only_zero)
+
+
+def test_window_decode_cost_is_window_sized(lib: kernels.KernelLibrary) -> None:
+    """A decode at 64k tokens with a window of 64 over a 6-block cache: every entry before the window is an
+    out-of-range id, so any O(context) walk of the table would fail; the result equals that of the same keys
+    at the start of a short sequence."""
+    bs, dim, window, ctx = 16, 256, 64, 1 << 16
+    case = window_case("fp8_e4m3", "tensor", torch.bfloat16, window, group=4, dim=dim, bs=bs, heads=1,
+                       query_lens=[1], seq_lens=[window + 16], seed=9)
+    real = case.full_tables[0]
+    table = [10 ** 6] * (ctx // bs - len(real)) + real
+    meta = AttentionMetadata.build([1], [ctx], [table], bs, sliding_window=window)
+    short = AttentionMetadata.build([1], [window + 16], [real], bs, sliding_window=window)
+    scale = dim ** -0.5
+    got = paged_attention_fused(lib, case.q, case.cache, 1, meta, scale)
+    want = paged_attention_fused(lib, case.q, case.cache, 1, short, scale)
+    assert torch.equal(got, want)  # same keys (positions shifted by a multiple of the block size), same result

@@ -1,0 +1,513 @@
+"""The fused CPU kernels (kv8.kernels.attention / csrc/attention/attention.cpp) against the torch reference.
+
+* FP8 decode: both decoders (bits: generic path; bf16 tables: AVX-512 path) equal the format's value table
+  for all 256 codes of all three formats, bit for bit (NaN where the table has NaN), also with the calling
+  thread's DAZ/FTZ set.
+* Store: bit-exact with :meth:`PagedKVCache.store` for every KV dtype, scale granularity (tensor, head,
+  channel, dynamic per-token) and input dtype, on random data with special values, and on a dense sweep of
+  float32 inputs (every sign/exponent/top-mantissa pattern, every midpoint between FP8 neighbours and its
+  float32 neighbours).
+* Attention: equals :func:`paged_attention_reference` over the same stored cache for all 6 KV dtypes x
+  granularities, q in bf16 and fp32 (fp16 once), ragged batches mixing decode and chunked prefill over a
+  cached prefix, lengths at and across block boundaries (block sizes 16, 8, 32), GQA 1/3/8, head_dim
+  64/128/256 (and 80 / 72: tail handling and the generic path), forced context partitions, dynamic scales,
+  and the generic (non-AVX-512) build; long prefills in the tile kernel's prefill loop, and scores that move
+  its lazy softmax reference over and over.
+
+Tolerances (the kernels accumulate in fp32; the fast path carries q and the softmax weights as bf16 hi+lo,
+~16 significant bits, except the weights of a bf16 output, which are bf16): with M = 1 + max|ref|,
+  fp32 output: |out - ref| <= 5e-5 * M    (observed <= ~1e-5 * M)
+  fp16 output: |out - ref| <= 2^-10 * M   (one fp16 ulp at the top of the range)
+  bf16 output: |out - ref| <= 2^-7 * M    (one bf16 ulp at the top of the range: both sides round to bf16)
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import logging
+import math
+
+import pytest
+import torch
+
+import kv8.attention.backend as backend_mod
+import kv8.attention.fused as fused_backend
+from kv8.attention.backend import FusedCPUBackend, ReferenceBackend, get_backend
+from kv8.attention.metadata import AttentionMetadata
+from kv8.attention.reference import paged_attention_reference
+from kv8.cache.paged_cache import CacheShape, PagedKVCache
+from kv8.kernels import attention as kernels
+from kv8.kernels.abi import check_abi
+from kv8.kernels.attention import KernelUnavailable, paged_attention_fused, store_kv_fused
+from kv8.kernels.build import cpu_flags
+from kv8.quant.formats import FP8_FORMATS, resolve_kv_cache_dtype
+from kv8.quant.scales import KVScales
+from tests.helpers.kernels import (
+    FP8,
+    decode_kernel,
+    load_or_skip,
+    make_cache,
+    make_case,
+    make_scales,
+    prefill_kernel,
+    random_kv,
+)
+
+KV_DTYPES = ["fp8_e4m3", "fp8_e4m3fnuz", "fp8_e5m2", "bfloat16", "float16", "float32"]
+TOL = {torch.float32: 5e-5, torch.float16: 2.0 ** -10, torch.bfloat16: 2.0 ** -7}
+
+
+def cpu_has_fast_path() -> bool:
+    """AVX-512 F/BW/VL + VBMI + BF16: what the fast path needs (this project's machine has them)."""
+    flags = set(cpu_flags().split())
+    return {"avx512f", "avx512bw", "avx512vl", "avx512vbmi", "avx512_bf16"} <= flags
+
+
+@pytest.fixture(scope="module")
+def lib() -> kernels.KernelLibrary:
+    lib = load_or_skip()
+    assert lib.has_fast_path == cpu_has_fast_path(), "-march=native must enable the fast path exactly when the CPU can"
+    return lib
+
+
+@pytest.fixture(scope="module")
+def generic_lib() -> kernels.KernelLibrary:
+    """A build without AVX-512 (x86-64-v3 = AVX2): exercises the generic fp32 path everywhere."""
+    return load_or_skip("x86-64-v3")
+
+
+def attention_path(lib: kernels.KernelLibrary, kv_name: str, q_dtype: torch.dtype, dim: int) -> str:
+    """"fast" (an AVX-512 BF16 item kernel serves prefill-sized items) or "generic"."""
+    kernel = kernels.KernelTesting(lib).item_kernel(kv_name, q_dtype, dim)
+    return "generic" if kernel == "generic" else "fast"
+
+
+def uses_decode_kernel(lib: kernels.KernelLibrary, kv_name: str, q_dtype: torch.dtype, dim: int, bs: int,
+                       rows: int) -> bool:
+    """Whether a decode-item kernel (AMX or AVX-512) serves items of ``rows`` rows."""
+    return kernels.KernelTesting(lib).item_kernel(kv_name, q_dtype, dim, bs, rows) in ("decode", "amx_decode")
+
+
+def check_attention(lib: kernels.KernelLibrary, cache: PagedKVCache, meta: AttentionMetadata, q: torch.Tensor,
+                    partition_size: int = 0) -> None:
+    scale = q.shape[-1] ** -0.5
+    ref = paged_attention_reference(q, cache, 1, meta, scale).float()
+    got = paged_attention_fused(lib, q, cache, 1, meta, scale, partition_size)
+    assert got.dtype == q.dtype and got.shape == q.shape
+    err = (got.float() - ref).abs().max().item()
+    bound = TOL[q.dtype] * (1.0 + ref.abs().max().item())
+    assert err <= bound, f"max |fused - reference| = {err:.3g} > {bound:.3g}"
+
+
+# ------------------------------------------------------------------------------------------------
+# FP8 decode
+# ------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("fmt", FP8)
+@pytest.mark.parametrize("path", ["bits", "tables"])
+@pytest.mark.parametrize("flush_denormal", [False, True])
+def test_fp8_decode_all_codes(lib: kernels.KernelLibrary, fmt: str, path: str, flush_denormal: bool) -> None:
+    codes = torch.arange(256, dtype=torch.uint8)
+    if path == "tables" and not lib.has_fast_path:
+        with pytest.raises(ValueError, match="not available"):
+            kernels.KernelTesting(lib).decode_fp8(fmt, codes, path)
+        return
+    want = torch.tensor(FP8_FORMATS[fmt].values(), dtype=torch.float32)
+    torch.set_flush_denormal(flush_denormal)
+    try:
+        got = kernels.KernelTesting(lib).decode_fp8(fmt, codes, path)
+    finally:
+        torch.set_flush_denormal(False)
+    nan = torch.isnan(want)
+    assert torch.equal(torch.isnan(got), nan)
+    assert torch.equal(got[~nan].view(torch.int32), want[~nan].view(torch.int32))  # bitwise: -0.0, subnormals
+
+
+def test_generic_build_decodes_on_bits(generic_lib: kernels.KernelLibrary) -> None:
+    assert not generic_lib.has_fast_path
+    for fmt in FP8:
+        want = torch.tensor(FP8_FORMATS[fmt].values(), dtype=torch.float32)
+        got = kernels.KernelTesting(generic_lib).decode_fp8(fmt, torch.arange(256, dtype=torch.uint8), "bits")
+        nan = torch.isnan(want)
+        assert torch.equal(torch.isnan(got), nan)
+        assert torch.equal(got[~nan].view(torch.int32), want[~nan].view(torch.int32))
+    with pytest.raises(ValueError, match="not available"):
+        kernels.KernelTesting(generic_lib).decode_fp8("fp8_e4m3", torch.arange(256, dtype=torch.uint8), "tables")
+
+
+# ------------------------------------------------------------------------------------------------
+# Store
+# ------------------------------------------------------------------------------------------------
+
+def stored(cache: PagedKVCache, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Raw K and V contents (and dynamic token scales) at ``slots``, as integers for bitwise comparison."""
+    bs = cache.shape.block_size
+    blocks, offsets = slots // bs, slots % bs
+    raw = cache.data.view(torch.uint8) if cache.kv_dtype.is_fp8 else cache.data.view(torch.int16) \
+        if cache.data.element_size() == 2 else cache.data.view(torch.int32)
+    out = [raw[layer, 0][blocks, :, offsets], raw[layer, 1][blocks, :, offsets]]
+    if cache.token_scales is not None:
+        out += [cache.token_scales[layer, 0][blocks, :, offsets].view(torch.int32),
+                cache.token_scales[layer, 1][blocks, :, offsets].view(torch.int32)]
+    return tuple(out)
+
+
+def special_values(n: int, fmt_max: float) -> torch.Tensor:
+    base = torch.tensor([0.0, -0.0, math.inf, -math.inf, fmt_max, -fmt_max, fmt_max * 1.0001, fmt_max * 2,
+                         -fmt_max * 3, 2.0 ** -9, -(2.0 ** -9), 2.0 ** -10, 3 * 2.0 ** -11, 2.0 ** -17, 1.0625, 1e30])
+    return base.repeat(n // base.numel() + 1)[:n]
+
+
+@pytest.mark.parametrize("kv_name,gran", [(k, g) for k in FP8 for g in ("tensor", "head", "channel", "dynamic")]
+                         + [(k, "none") for k in ("bfloat16", "float16", "float32")])
+@pytest.mark.parametrize("in_dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_store_bit_exact(lib: kernels.KernelLibrary, kv_name: str, gran: str, in_dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(1)
+    heads, dim, bs, tokens = 3, 64, 16, 50
+    kv = resolve_kv_cache_dtype(kv_name, torch.bfloat16)
+    scales = make_scales(kv_name, gran, 2, heads, dim, gen)
+    shape = CacheShape(2, 8, heads, bs, dim)
+    ref = make_cache(shape, kv, scales, gran == "dynamic")
+    mine = make_cache(shape, kv, scales, gran == "dynamic")
+    key, value = random_kv(tokens, heads, dim, gen), random_kv(tokens, heads, dim, gen)
+    if kv.is_fp8:  # special values (NaN and inf included) in a few heads of a few tokens
+        fmax = kv.fp8.max_finite
+        key[::7, 0] = special_values(dim, fmax) * (0.01 if gran != "dynamic" else 1.0)
+        value[3::5, 1] = special_values(dim, fmax).flip(0) * 0.02
+        key[4, 2, 5] = math.nan
+        value[9, 0, 0] = -math.nan
+        key[11, 1] = 0.0  # an all-zero vector: dynamic scale 1.0
+    key, value = key.to(in_dtype), value.to(in_dtype)
+    slots = torch.randperm(shape.num_blocks * bs, generator=gen)[:tokens]
+    ref.store(1, key, value, slots)
+    store_kv_fused(lib, mine, 1, key, value, slots)
+    for a, b in zip(stored(ref, 1, slots), stored(mine, 1, slots)):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("fmt", FP8)
+def test_store_dense_fp32_sweep(lib: kernels.KernelLibrary, fmt: str) -> None:
+    """Every float32 sign/exponent/7-bit-mantissa prefix with several low parts, plus every midpoint between
+    adjacent FP8 values and its float32 neighbours: the kernel's encoder equals the reference's."""
+    hi = torch.arange(1 << 16, dtype=torch.int64) << 16
+    lows = torch.tensor([0x0000, 0x0001, 0x7FFF, 0x8000, 0x8001, 0xFFFF, 0x4321], dtype=torch.int64)
+    pats = (hi.unsqueeze(1) | lows.unsqueeze(0)).reshape(-1)
+    x = pats.to(torch.int32).view(torch.float32)
+    vals = torch.tensor(FP8_FORMATS[fmt].values(), dtype=torch.float32)
+    pos = vals[torch.isfinite(vals) & (vals >= 0)].unique().sort().values
+    mid = (pos[1:] + pos[:-1]) / 2
+    near = torch.cat([mid, torch.nextafter(mid, torch.tensor(0.0)), torch.nextafter(mid, torch.tensor(math.inf)),
+                      pos, pos[-1:] * 1.0625])
+    x = torch.cat([x, near, -near])
+    dim, heads, bs = 64, 1, 16
+    x = torch.cat([x, torch.zeros((-x.numel()) % dim)]).view(-1, heads, dim)
+    tokens = x.shape[0]
+    kv = resolve_kv_cache_dtype(fmt, torch.float32)
+    shape = CacheShape(1, tokens // bs + 1, heads, bs, dim)
+    ref, mine = make_cache(shape, kv, KVScales.default(1)), make_cache(shape, kv, KVScales.default(1))
+    slots = torch.arange(tokens)
+    ref.store(0, x, x, slots)
+    store_kv_fused(lib, mine, 0, x, x, slots)
+    for a, b in zip(stored(ref, 0, slots), stored(mine, 0, slots)):
+        assert torch.equal(a, b)
+
+
+# ------------------------------------------------------------------------------------------------
+# Attention
+# ------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("kv_name,gran", [(k, g) for k in FP8 for g in ("tensor", "head", "channel")]
+                         + [(k, "none") for k in ("bfloat16", "float16", "float32")])
+@pytest.mark.parametrize("q_dtype", [torch.bfloat16, torch.float32])
+def test_attention_dtypes_and_scales(lib: kernels.KernelLibrary, kv_name: str, gran: str,
+                                     q_dtype: torch.dtype) -> None:
+    cache, meta, q = make_case(kv_name, gran, q_dtype)
+    expected = "fast" if kv_name in FP8 + ["bfloat16"] and lib.has_fast_path else "generic"
+    assert attention_path(lib, kv_name, q_dtype, 64) == expected
+    check_attention(lib, cache, meta, q)
+
+
+@pytest.mark.parametrize("group,dim,bs", [(1, 64, 16), (3, 64, 8), (8, 64, 32), (1, 128, 16), (3, 128, 32),
+                                          (8, 128, 16), (1, 256, 8), (3, 256, 16), (8, 256, 16)])
+@pytest.mark.parametrize("kv_name", ["fp8_e4m3", "bfloat16"])
+@pytest.mark.parametrize("q_dtype", [torch.bfloat16, torch.float32])
+def test_attention_shapes(lib: kernels.KernelLibrary, group: int, dim: int, bs: int, kv_name: str,
+                          q_dtype: torch.dtype) -> None:
+    cache, meta, q = make_case(kv_name, "head", q_dtype, group=group, dim=dim, bs=bs, heads=2,
+                               query_lens=[1, 9, 1, 3], seq_lens=[bs, 2 * bs + 3, 5 * bs + 1, 40], seed=group + dim)
+    check_attention(lib, cache, meta, q)
+
+
+@pytest.mark.parametrize("kv_name", ["fp8_e5m2", "bfloat16", "float16"])
+@pytest.mark.parametrize("dim", [80, 72])
+def test_attention_odd_head_dim(lib: kernels.KernelLibrary, kv_name: str, dim: int) -> None:
+    """D = 80 takes the fast path with a partial 64-channel chunk; D = 72 (not a multiple of 16) the generic."""
+    cache, meta, q = make_case(kv_name, "channel", torch.float32, dim=dim, heads=2)
+    fast = dim == 80 and kv_name != "float16" and lib.has_fast_path
+    assert attention_path(lib, kv_name, torch.float32, dim) == ("fast" if fast else "generic")
+    check_attention(lib, cache, meta, q)
+
+
+@pytest.mark.parametrize("partition", [16, 48, 256])
+@pytest.mark.parametrize("kv_name,q_dtype", [("fp8_e4m3", torch.bfloat16), ("fp8_e4m3fnuz", torch.float32),
+                                             ("bfloat16", torch.float32), ("float32", torch.bfloat16)])
+def test_attention_partitions(lib: kernels.KernelLibrary, partition: int, kv_name: str, q_dtype: torch.dtype) -> None:
+    """Forced context splits (combined by log-sum-exp), including partitions a causal row does not reach."""
+    cache, meta, q = make_case(kv_name, "head", q_dtype, query_lens=[1, 20, 1], seq_lens=[700, 300, 33])
+    check_attention(lib, cache, meta, q, partition_size=partition)
+
+
+def test_attention_auto_partition_single_sequence(lib: kernels.KernelLibrary) -> None:
+    """One long decode sequence: the automatic split across threads gives the reference result."""
+    cache, meta, q = make_case("fp8_e4m3", "tensor", torch.bfloat16, query_lens=[1], seq_lens=[3000])
+    check_attention(lib, cache, meta, q)
+
+
+@pytest.mark.parametrize("kv_name", FP8)
+@pytest.mark.parametrize("q_dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_attention_dynamic_scales(lib: kernels.KernelLibrary, kv_name: str, q_dtype: torch.dtype) -> None:
+    cache, meta, q = make_case(kv_name, "dynamic", q_dtype)
+    check_attention(lib, cache, meta, q)
+
+
+@pytest.mark.parametrize("kv_name,gran", [("fp8_e4m3", "channel"), ("fp8_e5m2", "dynamic"),
+                                          ("fp8_e4m3fnuz", "head"), ("bfloat16", "none")])
+def test_attention_generic_build(generic_lib: kernels.KernelLibrary, kv_name: str, gran: str) -> None:
+    assert attention_path(generic_lib, kv_name, torch.bfloat16, 64) == "generic"
+    for q_dtype in (torch.bfloat16, torch.float32):
+        cache, meta, q = make_case(kv_name, gran, q_dtype)
+        check_attention(generic_lib, cache, meta, q, partition_size=32)
+
+
+def test_attention_with_flush_denormal(lib: kernels.KernelLibrary) -> None:
+    """DAZ/FTZ set by the caller (torch.set_flush_denormal) must not zero FP8 subnormals inside the kernel."""
+    cache, meta, q = make_case("fp8_e4m3", "tensor", torch.float32)
+    torch.set_flush_denormal(True)
+    try:
+        check_attention(lib, cache, meta, q)
+    finally:
+        torch.set_flush_denormal(False)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kv_name,gran", [(k, g) for k in FP8 for g in ("tensor", "head", "channel", "dynamic")]
+                         + [("bfloat16", "none")])
+@pytest.mark.parametrize("group,dim", [(1, 64), (2, 128), (3, 64), (4, 256)])
+@pytest.mark.parametrize("bs", [16, 32])
+def test_decode_item_kernel(lib: kernels.KernelLibrary, kernel_path: str, kv_name: str, gran: str, group: int,
+                            dim: int, bs: int) -> None:
+    """The fast path's decode-item kernel (bf16 compute, blocks of a multiple of 16 tokens, items of <= 4 rows
+    = query heads per KV head x query tokens) serves every item of these batches (asserted), and equals the
+    reference: ragged lengths at and across the 16-token tiles and 64-token softmax chunks, up to 4 query tokens
+    per sequence with causal limits, NaN in every slot past the context (never read), automatic and forced
+    partitions, including partitions the early query rows of a sequence do not reach."""
+    per_seq = 4 // group  # query tokens per sequence that keep items at <= 4 rows
+    seq_lens = [1, 15, 16, 17, 63, 64, 65, 129, 300]
+    query_lens = [min(1 + i % per_seq, n) for i, n in enumerate(seq_lens)]
+    decode_kernel(lib, kv_name, gran, dim, bs, group * per_seq)
+    assert not uses_decode_kernel(lib, kv_name, torch.bfloat16, dim, bs, 5)
+    assert not uses_decode_kernel(lib, kv_name, torch.float32, dim, bs, group)
+    cache, meta, q = make_case(kv_name, gran, torch.bfloat16, group=group, dim=dim, bs=bs, heads=2,
+                               query_lens=query_lens, seq_lens=seq_lens, seed=group * dim + bs, poison=True)
+    for partition in (0, 16, 48):
+        check_attention(lib, cache, meta, q, partition_size=partition)
+
+
+@pytest.mark.parametrize("heads,group", [(1, 3), (4, 1), (5, 2), (6, 3), (9, 4)])
+@pytest.mark.parametrize("kv_name,gran", [("fp8_e4m3", "head"), ("fp8_e5m2", "dynamic"), ("bfloat16", "none")])
+def test_decode_items_of_several_heads(lib: kernels.KernelLibrary, kernel_path: str, heads: int, group: int,
+                                       kv_name: str, gran: str) -> None:
+    """The AMX decode kernel's items read up to 4 KV heads of a sequence together (6 heads: items of 4 and
+    2, 9: 4, 4 and 1), each head with its own K/V scales, queries and output rows, unsplit and split into
+    partitions (each head's partial result in its own workspace rows); the AVX-512 kernel's items one head.
+    Every head equals the reference (a head mixed up with another, or a partial written over another head's,
+    differs by far more than the bound). NaN in every slot past the context."""
+    seq_lens = [1, 17, 64, 200, 333]
+    cache, meta, q = make_case(kv_name, gran, torch.bfloat16, group=group, heads=heads, query_lens=[1] * 5,
+                               seq_lens=seq_lens, seed=heads * 10 + group, poison=True)
+    assert decode_kernel(lib, kv_name, gran, 64, 16, group) in ("amx_decode" if kernel_path == "amx" else "decode",
+                                                                 "generic")
+    for partition in (0, 16, 96):
+        check_attention(lib, cache, meta, q, partition_size=partition)
+
+
+def test_decode_item_kernel_conditions(lib: kernels.KernelLibrary) -> None:
+    """Where the decode-item kernel does not apply, the general fast path serves (tested above)."""
+    fast = lib.has_fast_path
+    assert uses_decode_kernel(lib, "fp8_e4m3", torch.bfloat16, 64, 16, 3) == fast
+    assert uses_decode_kernel(lib, "fp8_e5m2", torch.bfloat16, 128, 48, 4) == fast
+    assert uses_decode_kernel(lib, "fp8_e4m3fnuz", torch.bfloat16, 256, 16, 1) == fast
+    assert not uses_decode_kernel(lib, "fp8_e4m3", torch.bfloat16, 64, 8, 3)     # blocks of 8 tokens
+    assert not uses_decode_kernel(lib, "fp8_e4m3", torch.bfloat16, 80, 16, 3)    # head_dim 80
+    assert not uses_decode_kernel(lib, "fp8_e4m3", torch.float16, 64, 16, 3)     # fp16 compute
+    assert not uses_decode_kernel(lib, "float16", torch.bfloat16, 64, 16, 3)     # fp16 cache: generic path
+    assert not uses_decode_kernel(lib, "fp8_e4m3", torch.bfloat16, 64, 16, 16)   # prefill-sized items
+
+
+# ------------------------------------------------------------------------------------------------
+# The tile kernel's prefill loop (items of more than 4 rows, head_dim <= 128)
+# ------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("kv_name,gran,q_dtype", [
+    ("fp8_e4m3", "tensor", torch.bfloat16), ("fp8_e4m3", "channel", torch.bfloat16),
+    ("fp8_e5m2", "dynamic", torch.bfloat16), ("fp8_e4m3fnuz", "head", torch.float32),
+    ("fp8_e4m3", "head", torch.float16), ("bfloat16", "none", torch.bfloat16), ("bfloat16", "none", torch.float32)])
+@pytest.mark.parametrize("group,dim,bs", [(3, 64, 16), (1, 128, 8), (4, 80, 32), (8, 32, 16)])
+def test_attention_long_prefill(lib: kernels.KernelLibrary, kernel_path: str, kv_name: str, gran: str,
+                                q_dtype: torch.dtype, group: int, dim: int, bs: int) -> None:
+    """Long causal prefill in the prefill loop (asserted to serve; on AMX tiles and on AVX-512 where both
+    exist): a 300-token prompt from an empty cache and chunked prefills of 77 and 200 tokens over cached
+    prefixes (hundreds of tiles, diagonal chunks at every offset, lengths that end mid-tile), next to a decode
+    and a 5-token prompt; GQA 1 / 3 / 4 / 8; head_dim 32 / 80 (partial 64-byte chunks) / 64 / 128; blocks of 8
+    (tiles across blocks), 16, 32; NaN past every context; automatic and forced partitions."""
+    prefill_kernel(lib, kv_name, gran, q_dtype, dim, bs)
+    cache, meta, q = make_case(kv_name, gran, q_dtype, group=group, dim=dim, bs=bs, heads=2,
+                               query_lens=[300, 77, 1, 200, 5], seq_lens=[300, 500, 37, 1000, 5],
+                               seed=group + dim + bs, poison=True)
+    for partition in (0, 112):
+        check_attention(lib, cache, meta, q, partition_size=partition)
+
+
+@pytest.mark.parametrize("kv_name", ["fp8_e4m3", "bfloat16"])
+@pytest.mark.parametrize("q_dtype", [torch.bfloat16, torch.float32])
+def test_prefill_softmax_reference_moves(lib: kernels.KernelLibrary, kernel_path: str, kv_name: str,
+                                        q_dtype: torch.dtype) -> None:
+    """Scores that climb by ~10 per 64 tokens, then by ~100, zigzag by 40 and fall along a 700-token prefill,
+    so the prefill loop's softmax reference moves over and over (small steps past its slack, large jumps), in
+    rows whose maximum comes late (query head 0) or early (head 1, the negated scores): equal to the reference
+    and finite (a reference that lagged the scores by more than ~88 would overflow e^(score - reference))."""
+    gen = torch.Generator().manual_seed(11)
+    n, dim, bs = 700, 64, 16
+    prefill_kernel(lib, kv_name, "tensor", q_dtype, dim)
+    kv = resolve_kv_cache_dtype(kv_name, torch.bfloat16)
+    blocks = math.ceil(n / bs)
+    cache = make_cache(CacheShape(2, blocks + 2, 1, bs, dim), kv, KVScales.default(2) if kv.is_fp8 else None)
+    t = torch.arange(n, dtype=torch.float32)
+    a = torch.where(t < 120, 0.15 * t, torch.where(t < 200, 18.0 + 1.5 * (t - 120),
+                    torch.where(t < 260, 138.0 + 40.0 * (t % 2), 178.0 - 0.5 * (t - 260))))
+    # score of head h, key t: (+-1 * 8 / sqrt(dim)) * sum_d k_t,d = +-a_t, plus noise
+    k = (a / 8.0)[:, None, None] + 0.3 * torch.randn(n, 1, dim, generator=gen)
+    v = torch.randn(n, 1, dim, generator=gen)
+    table = (torch.randperm(blocks + 2, generator=gen)[:blocks]).tolist()
+    dtype = q_dtype if kv.is_fp8 else kv.storage_dtype
+    cache.store(1, k.to(dtype), v.to(dtype), AttentionMetadata.build([n], [n], [table], bs).slot_mapping)
+    meta = AttentionMetadata.build([n], [n], [table], bs)
+    sign = torch.tensor([1.0, -1.0])[None, :, None]
+    q = (sign + 0.3 * torch.randn(n, 2, dim, generator=gen)).to(q_dtype)
+    ref = paged_attention_reference(q, cache, 1, meta, dim ** -0.5).float()
+    for partition in (0, 192):
+        got = paged_attention_fused(lib, q, cache, 1, meta, dim ** -0.5, partition).float()
+        assert torch.isfinite(got).all()
+        err = (got - ref).abs().max().item()
+        bound = TOL[q_dtype] * (1.0 + ref.abs().max().item())
+        assert err <= bound, f"max |fused - reference| = {err:.3g} > {bound:.3g} (partition_size={partition})"
+
+
+# ------------------------------------------------------------------------------------------------
+# Backend and errors
+# ------------------------------------------------------------------------------------------------
+
+def test_backend_forward_matches_reference_backend(lib: kernels.KernelLibrary) -> None:
+    gen = torch.Generator().manual_seed(5)
+    heads, group, dim, bs = 2, 3, 64, 16
+    kv = resolve_kv_cache_dtype("fp8_e4m3", torch.bfloat16)
+    scales = make_scales("fp8_e4m3", "head", 1, heads, dim, gen)
+    shape = CacheShape(1, 12, heads, bs, dim)
+    caches = [make_cache(shape, kv, scales) for _ in range(2)]
+    tables = [[3, 7, 1], [0, 2]]
+    fused_backend, reference = get_backend("auto"), ReferenceBackend()
+    assert isinstance(fused_backend, FusedCPUBackend) and fused_backend.name == "cpu_fused"
+    # Prefill both sequences in one step, then one decode step each: outputs and cache bytes agree.
+    for query_lens, seq_lens in (([40, 20], [40, 20]), ([1, 1], [41, 21])):
+        meta = AttentionMetadata.build(query_lens, seq_lens, tables, bs)
+        t = sum(query_lens)
+        q = torch.randn(t, heads * group, dim, generator=gen).to(torch.bfloat16)
+        k = random_kv(t, heads, dim, gen).to(torch.bfloat16)
+        v = random_kv(t, heads, dim, gen).to(torch.bfloat16)
+        want = reference.forward(q, k, v, caches[0], 0, meta, dim ** -0.5).float()
+        got = fused_backend.forward(q, k, v, caches[1], 0, meta, dim ** -0.5).float()
+        assert (got - want).abs().max().item() <= TOL[torch.bfloat16] * (1 + want.abs().max().item())
+        for a, b in zip(stored(caches[0], 0, meta.slot_mapping), stored(caches[1], 0, meta.slot_mapping)):
+            assert torch.equal(a, b)
+
+
+def test_auto_falls_back_with_one_warning(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    def unavailable() -> kernels.KernelLibrary:
+        raise KernelUnavailable("no C++ compiler: 'g++' is not on PATH")
+
+    monkeypatch.setattr(fused_backend, "load_kernels", unavailable)
+    monkeypatch.setattr(backend_mod, "_auto_fallback_warned", False)
+    with caplog.at_level(logging.WARNING, logger="kv8"):
+        first, second = get_backend("auto"), get_backend("auto")
+    assert first.name == second.name == "reference"
+    warnings = [r for r in caplog.records if "reference" in r.getMessage()]
+    assert len(warnings) == 1 and "not on PATH" in warnings[0].getMessage()
+    with pytest.raises(KernelUnavailable, match="not on PATH"):
+        get_backend("cpu_fused")
+
+
+def test_missing_compiler_is_reported(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    monkeypatch.setenv("CXX", "kv8-no-such-compiler")
+    monkeypatch.setenv("KV8_CACHE_DIR", str(tmp_path))
+    with pytest.raises(KernelUnavailable, match="kv8-no-such-compiler"):
+        kernels._build("native")
+
+
+def test_bad_inputs_raise(lib: kernels.KernelLibrary) -> None:
+    cache, meta, q = make_case("fp8_e4m3", "tensor", torch.bfloat16, query_lens=[1, 2], seq_lens=[5, 20])
+    with pytest.raises(ValueError, match="dtype"):
+        paged_attention_fused(lib, q.to(torch.float64), cache, 1, meta, 0.1)
+    with pytest.raises(ValueError, match="head_dim"):
+        paged_attention_fused(lib, q[..., :32], cache, 1, meta, 0.1)
+    bad = AttentionMetadata.build([1, 2], [5, 20], [[cache.shape.num_blocks + 5], [0, 1]], cache.shape.block_size)
+    with pytest.raises(ValueError, match="block id"):
+        paged_attention_fused(lib, q, cache, 1, bad, 0.1)
+    k = torch.zeros(1, cache.shape.num_kv_heads, cache.shape.head_dim)
+    with pytest.raises(ValueError, match="slot"):
+        store_kv_fused(lib, cache, 1, k, k, torch.tensor([cache.shape.num_blocks * cache.shape.block_size]))
+
+
+def test_backend_bad_block_id_is_a_value_error(lib: kernels.KernelLibrary) -> None:
+    """The trusted hot path (no Python validation) still reports a bad block id or slot as a ValueError."""
+    cache, _, q = make_case("fp8_e4m3", "tensor", torch.bfloat16, query_lens=[1, 2], seq_lens=[5, 20])
+    backend = FusedCPUBackend()
+    bad = AttentionMetadata.build([1, 2], [5, 20], [[cache.shape.num_blocks + 5], [0, 1]], cache.shape.block_size)
+    k = torch.zeros(3, cache.shape.num_kv_heads, cache.shape.head_dim, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="block id"):
+        backend.lib.attention(q, cache, 1, bad, 0.1)
+    with pytest.raises(ValueError, match="slot"):  # the store comes first and finds the slot outside the cache
+        backend.forward(q, k, k, cache, 1, bad, 0.1)
+
+
+def test_codes_and_messages_come_from_the_library(lib: kernels.KernelLibrary) -> None:
+    assert set(lib.kv_dtype_codes) == set(KV_DTYPES)
+    assert set(lib.compute_codes) == {torch.bfloat16, torch.float16, torch.float32}
+    assert "block id" in lib.error_message(1) and lib.error_message(999) == "error 999"
+
+
+def test_struct_mirror_mismatch_is_refused(lib: kernels.KernelLibrary) -> None:
+    """A library whose argument structs differ from the ctypes mirror is KernelUnavailable, with both layouts."""
+    c_layout = lib.abi_layout()
+    check_abi(c_layout, lib.STRUCTS, "kv8.kernels.attention")  # the real mirror matches
+
+    class Swapped(ctypes.Structure):
+        _fields_ = [(n, t) for n, t in reversed(kernels.StoreCall._fields_)]
+
+    structs = tuple((name, Swapped if struct is kernels.StoreCall else struct) for name, struct in lib.STRUCTS)
+    with pytest.raises(KernelUnavailable, match="mirror in kv8.kernels.attention"):
+        check_abi(c_layout, structs, "kv8.kernels.attention")
+
+
+def test_layer_args_follow_replaced_scales(lib: kernels.KernelLibrary) -> None:
+    """The per-layer argument struct is rebuilt when the cache's codec (here: its scales) is replaced."""
+    cache, meta, q = make_case("fp8_e4m3", "head", torch.float32)
+    check_attention(lib, cache, meta, q)
+    first = lib.layer_args(cache, 1)
+    assert lib.layer_args(cache, 1) is first  # reused
+    old = cache.codec.scales
+    cache.codec = dataclasses.replace(cache.codec, scales=KVScales(k=old.k * 2, v=old.v * 2,
+                                                                   granularity=old.granularity, source="test",
+                                                                   made_for=None))
+    assert lib.layer_args(cache, 1) is not first
+    check_attention(lib, cache, meta, q)
