@@ -1,7 +1,8 @@
 """kv8's GPU check: everything the GPU path owes a real GPU, in one run of at most ~8 minutes, compile included.
 
 1. **tests**: the Triton kernel tests and the device tests, compiled for the GPU (pytest without
-   ``TRITON_INTERPRET``): ``tests/kernels``, ``tests/test_device.py``; passed / failed / skipped counts.
+   ``TRITON_INTERPRET``): the store and attention kernel tests, the device tests and the engine on the triton
+   backend (``tests/engine/test_triton_engine.py``, on the GPU there); passed / failed / skipped counts.
 2. **attention**: one layer's decode attention at Llama-3.1-8B shapes (32 query heads, 8 KV heads, head_dim 128,
    blocks of 16 in shuffled order) for B x context in {1 x 32k, 32 x 4k, 128 x 2k}: kv8's Triton kernel over an
    fp8_e4m3 and a bf16 paged cache, and torch SDPA over a contiguous bf16 cache of the same tokens; each with the
@@ -87,7 +88,8 @@ def run_tests(timeout: float) -> dict:
     """pytest over the GPU path's tests in a subprocess (compiled: TRITON_INTERPRET removed)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/kernels", "tests/test_device.py"]
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/kernels/test_triton_store.py",
+           "tests/kernels/test_triton_attention.py", "tests/engine/test_device.py", "tests/engine/test_triton_engine.py"]
     start = time.perf_counter()
     try:
         proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
@@ -277,7 +279,7 @@ def main() -> None:
     ap.add_argument("--json", type=Path, help="write the results here")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes (the test suite's run; CPU + interpreter)")
     ap.add_argument("--skip", nargs="*", default=[], choices=("tests", "attention", "engine"))
-    ap.add_argument("--tests-timeout", type=float, default=180.0, help="seconds for section 1")
+    ap.add_argument("--tests-timeout", type=float, default=240.0, help="seconds for section 1")
     ap.add_argument("--kv-budget-gib", type=float, default=17.0, help="section 3's KV budget")
     args = ap.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")

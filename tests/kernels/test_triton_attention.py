@@ -1,8 +1,7 @@
 """The Triton paged attention (:mod:`kv8.kernels.triton.attention`) against the reference attention.
 
-Without a CUDA device the kernels run in Triton's interpreter on CPU tensors: ``TRITON_INTERPRET=1`` is set below
-before kv8's kernels are imported (Triton reads it when a ``@triton.jit`` function is decorated), and if another
-test module imported them earlier under the other setting they are decorated again. With a CUDA device (and no
+Without a CUDA device the kernels run in Triton's interpreter on CPU tensors (``tests/conftest.py`` sets
+``TRITON_INTERPRET=1`` before any kernel is decorated: :mod:`tests.helpers.triton`). With a CUDA device (and no
 ``TRITON_INTERPRET``) the same tests run compiled on it. What the interpreter cannot show -- the compiled
 constexpr branches, tl.dot shapes, the native FP8 conversions, register pressure -- is checked on the kernels
 compiled for sm_90, which needs no GPU (Triton's compiler and its bundled ptxas, in a subprocess).
@@ -23,7 +22,6 @@ the probabilities to the query's dtype for the tensor-core product.
 
 from __future__ import annotations
 
-import importlib
 import itertools
 import json
 import os
@@ -33,40 +31,35 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
 
+import pytest
 import torch
+import triton
+import triton.language as tl
 
-if not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"   # read when a @triton.jit function is decorated, i.e. at import
+import kv8.kernels.triton.attention as triton_attention
+import kv8.kernels.triton.dequant as triton_dequant
+from kv8.attention.metadata import AttentionMetadata
+from kv8.attention.reference import paged_attention_reference
+from kv8.cache.codec import KVCodec
+from kv8.cache.paged_cache import CacheShape, PagedKVCache
+from kv8.kernels.triton.quant import FP8_ENCODINGS, fp8_format_id
+from kv8.quant.formats import E4M3, E4M3FNUZ, E5M2, FP8Format, resolve_kv_cache_dtype
+from kv8.quant.scales import KVScales, ScaleGranularity
+from tests.helpers.triton import DEVICES, INTERPRETED
 
-import pytest  # noqa: E402
-import triton  # noqa: E402
-import triton.language as tl  # noqa: E402
-
-import kv8.kernels.triton.attention as triton_attention  # noqa: E402
-import kv8.kernels.triton.dequant as triton_dequant  # noqa: E402
-from kv8.attention.metadata import AttentionMetadata  # noqa: E402
-from kv8.attention.reference import paged_attention_reference  # noqa: E402
-from kv8.cache.codec import KVCodec  # noqa: E402
-from kv8.cache.paged_cache import CacheShape, PagedKVCache  # noqa: E402
-from kv8.kernels.triton.quant import FP8_ENCODINGS, fp8_format_id  # noqa: E402
-from kv8.quant.formats import E4M3, E4M3FNUZ, E5M2, FP8Format, resolve_kv_cache_dtype  # noqa: E402
-from kv8.quant.scales import KVScales, ScaleGranularity  # noqa: E402
-
-INTERPRETED = bool(triton.knobs.runtime.interpret)
-if triton_attention.interpreted() != INTERPRETED:
-    # kv8.kernels.triton was imported earlier in this process under the other setting (another test module):
-    # decorate its kernels again under this one (dequant first: attention imports its functions)
-    triton_dequant = importlib.reload(triton_dequant)
-    triton_attention = importlib.reload(triton_attention)
 MAX_KV_SPLITS = triton_attention.MAX_KV_SPLITS
 choose_num_kv_splits = triton_attention.choose_num_kv_splits
 launch_config = triton_attention.launch_config
 unified_attention = triton_attention.unified_attention
 decode_fp8 = triton_dequant.decode_fp8
-DEVICES = ["cpu"] if INTERPRETED else ["cuda"]   # the one this process can run the kernels on
 FLOAT_CACHES = ("bfloat16", "float16", "float32")
 FP8_CACHES = ("fp8_e4m3", "fp8_e4m3fnuz", "fp8_e5m2")
 FORMATS = {f.name: f for f in (E4M3, E4M3FNUZ, E5M2)}
+
+
+def test_kernels_run_where_this_process_can_run_them() -> None:
+    assert triton_attention.interpreted() == INTERPRETED
+    assert INTERPRETED or torch.cuda.is_available()
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,7 @@
 
 The oracle is :meth:`kv8.cache.paged_cache.PagedKVCache.store` (through :meth:`KVCodec.encode` and
 :func:`kv8.quant.formats.quantize`), always computed on the CPU. Without CUDA the kernels run in Triton's interpreter
-on CPU tensors (``TRITON_INTERPRET=1``, set here before kv8's kernels are decorated); with CUDA and no
+on CPU tensors (``TRITON_INTERPRET=1``, set by ``tests/conftest.py`` before any kernel is decorated); with CUDA and no
 ``TRITON_INTERPRET`` they run compiled on CUDA tensors. The device parameter is the one this process can run.
 
 Each test fills both caches with the same sentinel bytes first, so a byte written where the reference writes none
@@ -13,7 +13,6 @@ sm_90, which needs no GPU.
 
 from __future__ import annotations
 
-import importlib
 import json
 import math
 import os
@@ -24,28 +23,18 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
+import triton
 
-if not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"   # read when a @triton.jit function is decorated, i.e. at import
+import kv8.kernels.triton.quant as triton_quant
+import kv8.kernels.triton.store as triton_store
+from kv8.cache.codec import KVCodec
+from kv8.cache.paged_cache import CacheShape, PagedKVCache
+from kv8.quant.formats import E4M3, E4M3FNUZ, E5M2, FP8_FORMATS, FP8Format, quantize, resolve_kv_cache_dtype
+from kv8.quant.scales import KVScales, ScaleGranularity
+from tests.helpers.triton import DEVICES
+from tests.helpers.triton import INTERPRETED as INTERPRET
 
-import triton  # noqa: E402
-
-import kv8.kernels.triton.quant as triton_quant  # noqa: E402
-import kv8.kernels.triton.store as triton_store  # noqa: E402
-from kv8.cache.codec import KVCodec  # noqa: E402
-from kv8.cache.paged_cache import CacheShape, PagedKVCache  # noqa: E402
-from kv8.quant.formats import E4M3, E4M3FNUZ, E5M2, FP8_FORMATS, FP8Format, quantize, resolve_kv_cache_dtype  # noqa: E402
-from kv8.quant.scales import KVScales, ScaleGranularity  # noqa: E402
-
-INTERPRET = bool(triton.knobs.runtime.interpret)
-if triton_store.interpreted() != INTERPRET:
-    # kv8.kernels.triton was imported earlier in this process under the other setting (another test module):
-    # decorate its kernels again under this one.
-    importlib.reload(triton_quant)
-    importlib.reload(triton_store)
 store_kv = triton_store.store_kv
-
-DEVICES = ["cpu"] if INTERPRET else ["cuda"]
 device_param = pytest.mark.parametrize("device", DEVICES)
 FORMATS = [E4M3, E4M3FNUZ, E5M2]
 fmt_param = pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)

@@ -1,21 +1,16 @@
 """The engine end to end on the GPU path's attention backend (``attention_backend="triton"``), run here on CPU
-tensors in Triton's interpreter: greedy tokens equal to the reference backend's (both read the same stored bytes),
-with every block returned, over FP8 formats, scale modes, a rotation, GQA, sliding windows and the hybrid layout,
-prefix caching, chunked prefill and preemption; and decode steps served from the CUDA-graph buffers
-(:class:`kv8.engine.cuda_graphs.DecodeGraphs` without capture) equal to eager steps."""
+tensors in Triton's interpreter (``tests/conftest.py`` sets ``TRITON_INTERPRET=1`` without a GPU): greedy tokens
+equal to the reference backend's (both read the same stored bytes), with every block returned, over FP8 formats,
+scale modes, a rotation, GQA, sliding windows and the hybrid layout, prefix caching, chunked prefill and
+preemption; and decode steps served from the CUDA-graph buffers (:class:`kv8.engine.cuda_graphs.DecodeGraphs`
+without capture) equal to eager steps."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
-import torch
 
-if not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"   # before kv8's Triton kernels are decorated (imported by the backend)
-
-from kv8 import LLM, SamplingParams  # noqa: E402
-from kv8.engine.cuda_graphs import decode_buckets  # noqa: E402
+from kv8 import LLM, SamplingParams
+from kv8.engine.cuda_graphs import decode_buckets
 
 PROMPTS = ["The quick brown fox jumps over", "Paris is the capital of France, and Berlin is",
            "Paris is the capital of France, and Berlin is the capital of", "Once upon"]
