@@ -10,8 +10,8 @@
    by ``dst.copy_(src)`` of 1 GiB per second, measured in the same run).
 3. **engine**: decode tokens/s of the engine (``LLM``, ``load_format="dummy"``: random bf16 weights of
    Llama-3.1-8B's shapes, no checkpoint) at 2k context, bf16 KV vs fp8_e4m3 KV: at batch 64, and at the largest
-   batch each cache holds in one KV budget (``--kv-budget-gib``, default 17 GiB: bf16 holds 66 sequences of 2k
-   prompt + 36 tokens, fp8 twice as many).
+   batch each cache runs at once in one KV budget (``--kv-budget-gib``, default 17 GiB: 65 sequences of 2k prompt +
+   36 tokens in bf16, 131 in fp8; :func:`admissible_batch` counts the scheduler's admission reserve).
 
 It prints a table per section and writes everything to ``--json PATH``. Timings are medians of CUDA-event-timed
 calls after warm-up. ``--smoke`` runs the same code at tiny shapes (a tiny Llama, contexts of a few blocks, on the
@@ -56,12 +56,15 @@ TINY_LLAMA = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, n
 
 
 # ---- timing ----------------------------------------------------------------------------------------------------
-def median_seconds(fn: Callable[[], object], device: torch.device, warmup: int = 3, iters: int = 10) -> float:
-    """Median wall time of ``fn`` (CUDA events on a GPU, perf_counter elsewhere), after ``warmup`` calls."""
-    for _ in range(warmup):
+TIMING = {"warmup": 3, "iters": 10}   # calls per timing (--smoke: 1 and 2)
+
+
+def median_seconds(fn: Callable[[], object], device: torch.device) -> float:
+    """Median wall time of ``fn`` (CUDA events on a GPU, perf_counter elsewhere), after warm-up calls."""
+    for _ in range(TIMING["warmup"]):
         fn()
     times = []
-    for _ in range(iters):
+    for _ in range(TIMING["iters"]):
         if device.type == "cuda":
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
@@ -89,7 +92,8 @@ def run_tests(timeout: float) -> dict:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/kernels/test_triton_store.py",
-           "tests/kernels/test_triton_attention.py", "tests/engine/test_device.py", "tests/engine/test_triton_engine.py"]
+           "tests/kernels/test_triton_attention.py", "tests/engine/test_device.py",
+           "tests/engine/test_triton_engine.py"]
     start = time.perf_counter()
     try:
         proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
@@ -206,6 +210,20 @@ def make_model_dir(path: Path, config: dict) -> str:
     return str(path)
 
 
+def admissible_batch(num_blocks: int, block_size: int, prompt: int, total: int) -> int:
+    """The most sequences of ``prompt`` tokens growing to ``total`` that run at once in ``num_blocks`` blocks: each
+    holds its blocks at the end, and the scheduler admits the last one only with every running sequence's growth
+    reserve free (:data:`kv8.engine.scheduler.GROWTH_RESERVE_TOKENS` each, at most a quarter of the pool)."""
+    from kv8.engine.scheduler import GROWTH_RESERVE_TOKENS
+
+    final, first = -(-total // block_size), -(-prompt // block_size)
+    reserve = -(-GROWTH_RESERVE_TOKENS // block_size)
+    n = num_blocks // final
+    while n > 0 and n * first + min((n - 1) * reserve, num_blocks // 4) > num_blocks:
+        n -= 1
+    return n
+
+
 def engine_decode(model: str, kv_name: str, batch: int, context: int, decode_steps: int, kv_budget: int,
                   device: str, attention_backend: str) -> dict:
     """Decode tokens/s of ``batch`` sequences of ``context`` prompt tokens: prefill them all, then time
@@ -245,10 +263,10 @@ def engine_decode(model: str, kv_name: str, batch: int, context: int, decode_ste
     gc.collect()
     if device == "cuda":
         torch.cuda.empty_cache()
-    blocks_per_seq = -(-(context + decode_steps + 4) // free.block_size)
     row = {"kv": kv_name, "batch": batch, "context": context, "decode_steps": steps, "decode_tokens": tokens,
            "tok_s": tokens / seconds, "ms_per_step": 1e3 * seconds / max(steps, 1), "prefill_s": prefill_s,
-           "kv_capacity_tokens": capacity, "max_batch_in_budget": free.num_blocks // blocks_per_seq}
+           "kv_capacity_tokens": capacity,
+           "max_batch_in_budget": admissible_batch(free.num_blocks, free.block_size, context, context + steps + 4)}
     print(f"engine {kv_name:9s} B {batch:4d} x {context}: {row['tok_s']:9.1f} tok/s ({row['ms_per_step']:.2f} ms "
           f"per step; prefill {prefill_s:.1f} s; the budget holds {row['max_batch_in_budget']} such sequences)",
           flush=True)
@@ -283,6 +301,8 @@ def main() -> None:
     ap.add_argument("--kv-budget-gib", type=float, default=17.0, help="section 3's KV budget")
     args = ap.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if args.smoke:
+        TIMING.update(warmup=1, iters=2)
     if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
         ap.error("no CUDA GPU: run with TRITON_INTERPRET=1 (and --smoke) to check the script on the CPU")
     result: dict = {"device": torch.cuda.get_device_name() if device.type == "cuda" else platform.processor() or "cpu",
@@ -307,8 +327,9 @@ def main() -> None:
         with tempfile.TemporaryDirectory() as tmp:
             model = make_model_dir(Path(tmp) / "model", TINY_LLAMA if args.smoke else LLAMA_8B)
             if args.smoke:
-                # 9 bf16 blocks of 16 tokens: 3 sequences of 40 + 3 tokens in bf16, 6 in fp8
-                result["engine"] = engine_rows(model, batch=2, context=40, decode_steps=3, kv_budget=72 * 1024,
+                # 8 bf16 blocks of 16 tokens: 3 sequences of 20 + 6 tokens at once in bf16 (2 blocks each and the
+                # admission reserve), 6 in fp8
+                result["engine"] = engine_rows(model, batch=2, context=20, decode_steps=2, kv_budget=64 * 1024,
                                                device=device.type, attention_backend="triton")
             else:
                 result["engine"] = engine_rows(model, batch=64, context=2048, decode_steps=32,
