@@ -27,6 +27,7 @@ import subprocess
 import sys
 import time
 
+from engine_steps import time_prefill_step
 from revisions import worktree
 
 from kv8 import LLM, SamplingParams
@@ -41,15 +42,7 @@ def measure(backend: str, args: argparse.Namespace) -> tuple[float, float]:
     counter = iter(range(10**9))
 
     def prefill_step() -> float:
-        for _ in range(4):
-            eng.add_request([rng.randrange(100, 40000) for _ in range(512)],
-                            SamplingParams(temperature=0, max_tokens=1), request_id=f"p{next(counter)}")
-        start = time.perf_counter()
-        eng.step()
-        elapsed = time.perf_counter() - start
-        while eng.has_unfinished_requests():
-            eng.step()
-        return elapsed
+        return time_prefill_step(eng, lambda: [rng.randrange(100, 40000) for _ in range(512)], counter)
 
     prefill_step()
     prefill = statistics.median(prefill_step() for _ in range(args.repeats))

@@ -34,6 +34,7 @@ import time
 from typing import Any
 
 import torch
+from engine_steps import time_prefill_step
 
 from kv8 import LLM, SamplingParams
 
@@ -103,14 +104,7 @@ def measure(model: str, tp_size: int, args: argparse.Namespace) -> dict[str, Any
         return [rng.randrange(100, 40000) for _ in range(n)]
 
     def prefill_step() -> float:
-        for _ in range(4):
-            eng.add_request(prompt(512), SamplingParams(temperature=0, max_tokens=1), request_id=f"p{next(ids)}")
-        start = time.perf_counter()
-        eng.step()
-        elapsed = time.perf_counter() - start
-        while eng.has_unfinished_requests():
-            eng.step()
-        return elapsed
+        return time_prefill_step(eng, lambda: prompt(512), ids)
 
     prefill_step()
     row["prefill_ms"] = 1e3 * statistics.median(prefill_step() for _ in range(args.repeats))

@@ -63,6 +63,30 @@ def _stored(array: np.ndarray, qtype: QT) -> tuple[np.ndarray, np.ndarray]:
     return blocks, gguf.quants.dequantize(blocks, qtype).reshape(array.shape)
 
 
+def _writer(path: Path, arch: str, layers: int, hidden: int, inter: int, heads: int, kv_heads: int,
+            metadata: dict[str, Any] | None) -> Any:
+    """A GGUF writer with the shape keys every tiny model has (context 256, RMS eps 1e-6) and ``metadata`` (str,
+    list, int or float values, each written with its own GGUF type)."""
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_block_count(layers)
+    writer.add_context_length(256)
+    writer.add_embedding_length(hidden)
+    writer.add_feed_forward_length(inter)
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_layer_norm_rms_eps(1e-6)
+    for key, value in (metadata or {}).items():
+        if isinstance(value, str):
+            writer.add_string(key, value)
+        elif isinstance(value, list):
+            writer.add_array(key, value)
+        elif isinstance(value, int):
+            writer.add_uint32(key, value)
+        else:
+            writer.add_float32(key, value)
+    return writer
+
+
 def write_tiny_gguf(
     path: Path,
     arch: str = "llama",
@@ -93,25 +117,13 @@ def write_tiny_gguf(
         "ffn_down.weight": QT.F32,
     }
     default_types |= types or {}
-    writer = gguf.GGUFWriter(str(path), arch)
-    writer.add_block_count(layers)
-    writer.add_context_length(256)
-    writer.add_embedding_length(hidden)
-    writer.add_feed_forward_length(inter)
-    writer.add_head_count(heads)
-    writer.add_head_count_kv(kv_heads)
+    writer = _writer(path, arch, layers, hidden, inter, heads, kv_heads, metadata)
     writer.add_rope_freq_base(50000.0)
-    writer.add_layer_norm_rms_eps(1e-6)
     writer.add_rope_dimension_count(head_dim)
     writer.add_tokenizer_model("gpt2")
     writer.add_token_list([f"t{i}" for i in range(vocab)])
     writer.add_bos_token_id(1)
     writer.add_eos_token_id(2)
-    for key, value in (metadata or {}).items():
-        if isinstance(value, str):
-            writer.add_string(key, value)
-        else:
-            writer.add_float32(key, value)
 
     expected: dict[str, torch.Tensor] = {}
 
@@ -521,29 +533,15 @@ def write_tiny_gemma3_gguf(path: Path, hf_tensors: dict[str, torch.Tensor], *, l
             "attn_q_norm.weight", "attn_k_norm.weight", "post_attention_norm.weight", "ffn_norm.weight",
             "ffn_gate.weight", "ffn_up.weight", "ffn_down.weight", "post_ffw_norm.weight"))}
     gemma_names |= {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight"}
-    writer = gguf.GGUFWriter(str(path), "gemma3")
-    writer.add_block_count(layers)
-    writer.add_context_length(256)
-    writer.add_embedding_length(hidden)
-    writer.add_feed_forward_length(inter)
-    writer.add_head_count(heads)
-    writer.add_head_count_kv(kv_heads)
+    writer = _writer(path, "gemma3", layers, hidden, inter, heads, kv_heads, metadata)
     writer.add_key_length(head_dim)
     writer.add_value_length(head_dim)
     writer.add_rope_freq_base(1_000_000.0)
-    writer.add_layer_norm_rms_eps(1e-6)
     writer.add_sliding_window(16)
     writer.add_tokenizer_model("llama")
     writer.add_token_list([f"t{i}" for i in range(hf_tensors["model.embed_tokens.weight"].shape[0])])
     writer.add_bos_token_id(2)
     writer.add_eos_token_id(1)
-    for key, value in (metadata or {}).items():
-        if isinstance(value, list):
-            writer.add_array(key, value)
-        elif isinstance(value, int):
-            writer.add_uint32(key, value)
-        else:
-            writer.add_float32(key, value)
     for name, tensor in hf_tensors.items():
         array = tensor.float().numpy()
         writer.add_tensor(gemma_names[name], array + 1.0 if name.endswith("norm.weight") else array)

@@ -82,6 +82,7 @@ from triton.runtime.jit import JITFunction
 
 from kv8.kernels.triton.dequant import FP8_NONE, decode_fp8, native_fp8_supported
 from kv8.kernels.triton.quant import FP8Layout, bf16_bits_to_f32, f32_to_bf16_bits, fp8_format_id
+from kv8.validators import check_int, check_number
 
 __all__ = ["MAX_KV_SPLITS", "SCALES_DYNAMIC", "SCALES_NONE", "SCALES_STATIC", "KernelVariant", "LaunchConfig",
            "choose_num_kv_splits", "interpreted", "launch_config", "unified_attention"]
@@ -574,17 +575,14 @@ def unified_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
                     f"{block_tables.shape[0]} rows, seq_lens {num_seqs}: need B + 1 and B")
     if block_tables.stride(-1) != 1:
         raise _fail(f"block_tables needs a contiguous last dim, got strides {block_tables.stride()}")
-    for name, val in (("max_query_len", max_query_len), ("max_seq_len", max_seq_len)):
-        if not isinstance(val, int) or isinstance(val, bool) or val < 0:
-            raise _fail(f"{name}={val!r} must be an int >= 0")
-    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
-        raise _fail(f"scale={scale!r} must be a finite float")
-    if sliding_window is not None and (not isinstance(sliding_window, int) or isinstance(sliding_window, bool)
-                                       or sliding_window < 1):
-        raise _fail(f"sliding_window={sliding_window!r} must be None (full causal attention) or an int >= 1")
-    if num_kv_splits is not None and (not isinstance(num_kv_splits, int) or isinstance(num_kv_splits, bool)
-                                      or not 1 <= num_kv_splits <= MAX_KV_SPLITS):
-        raise _fail(f"num_kv_splits={num_kv_splits!r} must be None (heuristic) or an int in 1 .. {MAX_KV_SPLITS}")
+    try:   # the shared checks (kv8.validators), with this function's name in front
+        check_int("max_query_len", max_query_len, 0)
+        check_int("max_seq_len", max_seq_len, 0)
+        check_number("scale", scale)
+        check_int("sliding_window", sliding_window, 1, optional=True)   # None: full causal attention
+        check_int("num_kv_splits", num_kv_splits, 1, MAX_KV_SPLITS, optional=True)   # None: the heuristic
+    except ValueError as e:
+        raise _fail(str(e)) from None
 
     static = k_scale is not None or v_scale is not None
     dynamic = k_token_scales is not None or v_token_scales is not None
