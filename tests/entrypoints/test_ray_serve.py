@@ -27,7 +27,7 @@ import pytest
 from kv8 import LLM, SamplingParams
 from kv8.entrypoints.dp.metrics import merge_replica_metrics
 from kv8.entrypoints.dp.router import PrefixRouter, RouterConfig, chunk_hashes, routing_text
-from tests.helpers.server import ENGINE_FLAGS, free_port, metrics, single_thread
+from tests.helpers.server import ENGINE_FLAGS, free_port, metrics, single_thread, terminate
 
 API_KEY = "dp-key"
 START_TIMEOUT_S = 150.0
@@ -266,15 +266,9 @@ class DPServer:
             time.sleep(0.3)
 
     def stop(self) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(timeout=10)
+        code = terminate(self.proc, timeout=60, kill=lambda: os.killpg(self.proc.pid, signal.SIGKILL))
         self.log.close()
-        return self.proc.returncode
+        return code
 
 
 @pytest.fixture(scope="module")

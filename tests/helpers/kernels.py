@@ -56,6 +56,21 @@ def random_kv(n: int, heads: int, dim: int, gen: torch.Generator) -> torch.Tenso
     return torch.randn(n, heads, dim, generator=gen) * mag * 0.5 + torch.randn(n, heads, dim, generator=gen)
 
 
+def scattered_tables(seq_lens: list[int], bs: int, gen: torch.Generator, *,
+                     block0_unused: bool = False) -> tuple[list[list[int]], int]:
+    """Block tables for sequences of ``seq_lens`` tokens in a random order of ``num_blocks`` (3 more than they
+    need; with ``block0_unused`` block 0 is in no table) -> ``(tables, num_blocks)``."""
+    counts = [math.ceil(s / bs) for s in seq_lens]
+    num_blocks = sum(counts) + 3
+    perm = ((torch.randperm(num_blocks - 1, generator=gen) + 1) if block0_unused else
+            torch.randperm(num_blocks, generator=gen)).tolist()
+    tables, i = [], 0
+    for n in counts:
+        tables.append(perm[i:i + n])
+        i += n
+    return tables, num_blocks
+
+
 def make_case(kv_name: str, gran: str, q_dtype: torch.dtype, *, group: int = 3, dim: int = 64, bs: int = 16,
               heads: int = 2, query_lens: list[int] | None = None, seq_lens: list[int] | None = None,
               seed: int = 0, poison: bool = False) -> tuple[PagedKVCache, AttentionMetadata, torch.Tensor]:
@@ -66,13 +81,7 @@ def make_case(kv_name: str, gran: str, q_dtype: torch.dtype, *, group: int = 3, 
     seq_lens = SEQ_LENS if seq_lens is None else seq_lens
     gen = torch.Generator().manual_seed(seed)
     kv = resolve_kv_cache_dtype(kv_name, torch.bfloat16)
-    blocks = [math.ceil(s / bs) for s in seq_lens]
-    num_blocks = sum(blocks) + 3
-    perm = torch.randperm(num_blocks, generator=gen).tolist()
-    tables, i = [], 0
-    for n in blocks:
-        tables.append(perm[i:i + n])
-        i += n
+    tables, num_blocks = scattered_tables(seq_lens, bs, gen)
     cache = make_cache(CacheShape(2, num_blocks, heads, bs, dim), kv, make_scales(kv_name, gran, 2, heads, dim, gen),
                        gran == "dynamic")
     everything = AttentionMetadata.build(list(seq_lens), list(seq_lens), tables, bs)

@@ -11,7 +11,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
 import httpx
@@ -35,6 +35,19 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def terminate(proc: subprocess.Popen, timeout: float, kill: Callable[[], None] | None = None) -> int:
+    """SIGTERM ``proc`` (if it runs), wait ``timeout`` seconds for it, then ``kill()`` (default: SIGKILL to it) and
+    wait again; its exit code."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            (kill or proc.kill)()
+            proc.wait(timeout=10)
+    return proc.returncode
 
 
 class Server:
@@ -66,15 +79,9 @@ class Server:
             return f.read().decode(errors="replace")
 
     def stop(self) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=10)
+        code = terminate(self.proc, timeout=30)
         self.log.close()
-        return self.proc.returncode
+        return code
 
 
 class Served(Protocol):

@@ -37,7 +37,7 @@ from kv8.kernels import attention as kernels
 from kv8.kernels.attention import paged_attention_fused
 from kv8.quant.formats import resolve_kv_cache_dtype
 from kv8.quant.scales import KVScales, ScaleGranularity
-from tests.helpers.kernels import decode_kernel, load_or_skip, prefill_kernel
+from tests.helpers.kernels import decode_kernel, load_or_skip, prefill_kernel, scattered_tables
 
 FP8 = ["fp8_e4m3", "fp8_e4m3fnuz", "fp8_e5m2"]
 NAN_CODE = {"fp8_e4m3": 0x7F, "fp8_e4m3fnuz": 0x80, "fp8_e5m2": 0x7F}
@@ -87,13 +87,7 @@ def window_case(kv_name: str, gran: str, q_dtype: torch.dtype, window: int | Non
     seq_lens = SEQ_LENS if seq_lens is None else seq_lens
     gen = torch.Generator().manual_seed(seed)
     kv = resolve_kv_cache_dtype(kv_name, torch.bfloat16)
-    nblocks = [math.ceil(s / bs) for s in seq_lens]
-    num_blocks = sum(nblocks) + 3
-    perm = (torch.randperm(num_blocks - 1, generator=gen) + 1).tolist()  # block 0 is in no table
-    full_tables, i = [], 0
-    for n in nblocks:
-        full_tables.append(perm[i:i + n])
-        i += n
+    full_tables, num_blocks = scattered_tables(seq_lens, bs, gen, block0_unused=True)
     scales = None
     if kv_name in FP8 and gran != "dynamic":
         shape = {"tensor": (2, 1, 1), "head": (2, heads, 1), "channel": (2, heads, dim)}[gran]
