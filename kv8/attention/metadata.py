@@ -33,9 +33,15 @@ block ``first_block`` are real tokens of the sequence; the kernels mask them (an
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+
+
+def token_slot(table: Sequence[int], pos: int, block_size: int) -> int:
+    """The cache slot of position ``pos`` of a sequence with block table ``table``."""
+    return table[pos // block_size] * block_size + pos % block_size
 
 
 def _check_sliding_window(w: object) -> None:
@@ -79,8 +85,7 @@ class AttentionMetadata:
         for q_len, s_len, table in zip(query_lens, seq_lens, block_tables):
             if len(table) * block_size < s_len:
                 raise ValueError(f"block table of {len(table)} blocks cannot hold {s_len} tokens")
-            for pos in range(s_len - q_len, s_len):
-                slots.append(table[pos // block_size] * block_size + pos % block_size)
+            slots.extend(token_slot(table, pos, block_size) for pos in range(s_len - q_len, s_len))
         width = max(max((len(t) for t in block_tables), default=0), 1)
         # one tensor from zero-padded rows (a tensor per row costs ~10 us each, per step)
         tables = torch.tensor([list(t) + [0] * (width - len(t)) for t in block_tables], dtype=torch.int64,

@@ -214,12 +214,6 @@ class EngineConfig:
                 and self.attention_backend in ("auto", "triton"))
 
     @property
-    def torch_device(self) -> torch.device:
-        """The device of the weights, activations and KV cache (the first GPU for ``cuda``; each tensor-parallel
-        rank uses its own: :func:`kv8.engine.worker.load_shard`)."""
-        return torch.device(self.device)
-
-    @property
     def kv_heads_per_rank(self) -> int:
         """KV heads in the cache of each tensor-parallel rank (the model's with one rank)."""
         return self.parallel.kv_heads_per_rank(self.arch)

@@ -11,12 +11,13 @@ Static buffers of bucket ``b`` (filled by :meth:`DecodeGraphs.run` before each r
       slot_mapping                [b]                 rows n..b-1: -1 (the store skips them)
       query_start_loc             [b + 1]             0, 1, ..., b  (constant)
       seq_lens                    [b]                 rows n..b-1: 1
-      block_tables                [b, max_blocks]     rows n..b-1: 0; columns past a row's table: 0
+      block_tables                [b, max_blocks]     rows 0..n-1: the tables; past a row's table and rows
+                                                      n..b-1: block ids of earlier steps (0 at first)
     hidden (the graph's output)   [b, E]              rows 0..n-1 are the step's
 
 The captured metadata's host lists say every row has one query token and ``max_model_len`` keys: kernels size
 their grid from them (never from the tensors), so one graph serves every context length. Padded rows attend
-over one key of block 0 and are never read. Capture writes no KV (every slot is -1).
+over one key of a valid block and are never read. Capture writes no KV (every slot is -1).
 
 Invariants: a batch is replayed only when every chunk has one new token and the batch fits the largest bucket;
 anything else (prefill, mixed steps, a larger batch) runs eagerly. The output rows equal an eager forward's up
@@ -33,7 +34,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kv8.attention.metadata import AttentionMetadata
+from kv8.attention.metadata import AttentionMetadata, token_slot
 from kv8.cache.layout import KVCacheLayout
 
 __all__ = ["DecodeGraphs", "decode_buckets"]
@@ -115,10 +116,10 @@ class DecodeGraphs:
         logger.info("captured CUDA graphs of decode steps for batch sizes %s", ", ".join(map(str, self.buckets)))
 
     def run(self, input_ids: Sequence[int], positions: Sequence[int], seq_lens: Sequence[int],
-            group_tables: Sequence[Sequence[Sequence[int]]], slot_mappings: Sequence[Sequence[int]]) -> torch.Tensor:
-        """Hidden states ``[n, E]`` of a decode step of ``n = len(input_ids)`` sequences (one token each):
-        ``group_tables[g][i]`` is sequence ``i``'s block table in group ``g`` (freed entries already 0),
-        ``slot_mappings[g][i]`` the slot of its new token there. The caller checked :meth:`bucket_for`."""
+            group_tables: Sequence[Sequence[Sequence[int]]]) -> torch.Tensor:
+        """Hidden states ``[n, E]`` of a decode step of ``n = len(input_ids)`` sequences (one token each, at
+        position ``seq_lens[i] - 1``): ``group_tables[g][i]`` is sequence ``i``'s block table in group ``g``
+        (freed entries already 0). The caller checked :meth:`bucket_for`."""
         n = len(input_ids)
         b = self.bucket_for(n)
         assert b is not None, f"no bucket holds {n} sequences"
@@ -127,12 +128,16 @@ class DecodeGraphs:
         bucket.input_ids.copy_(torch.tensor(list(input_ids) + [0] * pad, dtype=torch.int64))
         bucket.positions.copy_(torch.tensor(list(positions) + [0] * pad, dtype=torch.int64))
         lens = torch.tensor(list(seq_lens) + [1] * pad, dtype=torch.int64)
-        width, zeros = self.max_blocks, [0] * self.max_blocks
-        for meta, tables, slots in zip(bucket.metas, group_tables, slot_mappings):
-            meta.slot_mapping.copy_(torch.tensor(list(slots) + [-1] * pad, dtype=torch.int64))
+        bs = self.block_size
+        for meta, tables in zip(bucket.metas, group_tables):
+            slots = [token_slot(t, s - 1, bs) for t, s in zip(tables, seq_lens)]
+            meta.slot_mapping.copy_(torch.tensor(slots + [-1] * pad, dtype=torch.int64))
             meta.seq_lens.copy_(lens)
-            rows = [list(t) + zeros[:width - len(t)] for t in tables] + [zeros] * pad
-            meta.block_tables.copy_(torch.tensor(rows, dtype=torch.int64))
+            # only the columns this step's tables fill: the columns past a row's table and the padded rows keep
+            # block ids of earlier steps (or 0), which are never read past a row's length
+            width = max(len(t) for t in tables)
+            rows = [list(t) + [0] * (width - len(t)) for t in tables]
+            meta.block_tables[:n, :width].copy_(torch.tensor(rows, dtype=torch.int64))
         self.replays += 1
         if bucket.graph is not None:
             bucket.graph.replay()

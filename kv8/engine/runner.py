@@ -162,11 +162,8 @@ class ModelRunner:
         batch size holds replays its graph)."""
         if self.graphs is not None and all(q == 1 for q in inputs.query_lens) \
                 and self.graphs.bucket_for(len(inputs.query_lens)) is not None:
-            group_tables = self._group_tables(inputs.tables)
-            bs = self.block_size
-            slots = [[t[(s - 1) // bs] * bs + (s - 1) % bs for t, s in zip(tables, inputs.seq_lens)]
-                     for tables in group_tables]
-            return self.graphs.run(inputs.input_ids, inputs.positions, inputs.seq_lens, group_tables, slots)
+            return self.graphs.run(inputs.input_ids, inputs.positions, inputs.seq_lens,
+                                   self._group_tables(inputs.tables))
         ctx = self._context(inputs.query_lens, inputs.seq_lens, inputs.tables)
         ids = torch.tensor(inputs.input_ids, device=self.device)
         return self.model(ids, torch.tensor(inputs.positions, device=self.device), ctx)
