@@ -111,6 +111,10 @@ class TPGroup:
     _step: int = 0
     _closed: bool = False
     _silent: dict[int, float] = field(default_factory=dict)   # torchrun ranks without a heartbeat: rank -> seconds
+    # the heartbeat threads (their own store connections), stopped and joined by stop_heartbeats(): one left in a
+    # store call when the interpreter exits can abort the process ("terminate called without an active exception")
+    _beat_stop: threading.Event = field(default_factory=threading.Event)
+    _beat_threads: list[threading.Thread] = field(default_factory=list)
 
     @property
     def is_driver(self) -> bool:
@@ -254,25 +258,25 @@ class TPGroup:
 
     def start_heartbeat(self, store: Any, period: float = HEARTBEAT_S) -> None:
         """A torchrun-started worker: count up ``alive/<rank>`` in ``store`` (a connection of this thread's own)
-        every ``period`` seconds, until the store is gone (rank 0 stopped)."""
+        every ``period`` seconds, until the store is gone (rank 0 stopped) or :meth:`stop_heartbeats`."""
         def run() -> None:
-            while True:
+            while not self._beat_stop.is_set():
                 try:
                     store.add(f"alive/{self.rank}", 1)
                 except Exception:   # noqa: BLE001 - rank 0's store went away: nothing left to tell
                     return
-                time.sleep(period)
+                self._beat_stop.wait(period)
 
-        threading.Thread(target=run, name="kv8-tp-heartbeat", daemon=True).start()
+        self._start_beat_thread(run, "kv8-tp-heartbeat")
 
     def watch_heartbeats(self, store: Any, period: float = HEARTBEAT_S, dead_after: float = DEAD_AFTER_S) -> None:
         """Rank 0 under torchrun: read every rank's heartbeat count in ``store`` (a connection of this thread's own)
         every ``period`` seconds; a rank whose count has not moved for ``dead_after`` seconds is gone -- logged and
         reported to :attr:`on_rank_exit` once, as :meth:`watch` reports a started rank's exit. Stops at
-        :meth:`close`."""
+        :meth:`close` (or :meth:`stop_heartbeats`)."""
         def run() -> None:
             seen = {r: (-1, time.monotonic()) for r in range(1, self.size)}
-            while not self._closed:
+            while not self._closed and not self._beat_stop.is_set():
                 now = time.monotonic()
                 try:
                     counts = {r: int(store.add(f"alive/{r}", 0)) for r in seen}
@@ -290,9 +294,23 @@ class TPGroup:
                     for hook in list(self.on_rank_exit):
                         hook(what)
                     return
-                time.sleep(period)
+                self._beat_stop.wait(period)
 
-        threading.Thread(target=run, name="kv8-tp-heartbeats", daemon=True).start()
+        self._start_beat_thread(run, "kv8-tp-heartbeats")
+
+    def _start_beat_thread(self, run: Callable[[], None], name: str) -> None:
+        thread = threading.Thread(target=run, name=name, daemon=True)
+        self._beat_threads.append(thread)
+        thread.start()
+
+    def stop_heartbeats(self, timeout: float = 5.0) -> None:
+        """Stop this rank's heartbeat threads (:meth:`start_heartbeat`, :meth:`watch_heartbeats`) and wait up to
+        ``timeout`` seconds for them to leave their store calls. Idempotent."""
+        self._beat_stop.set()
+        deadline = time.monotonic() + timeout
+        for thread in self._beat_threads:
+            if thread is not threading.current_thread():   # a hook of the watch thread may close the group
+                thread.join(max(0.0, deadline - time.monotonic()))
 
     def dead_ranks(self) -> str:
         """'rank 1 (exit code -9), ...' for the started workers that are gone, or 'rank 1 (no heartbeat for 10 s)'
@@ -315,6 +333,7 @@ class TPGroup:
         if self._closed or not self.is_driver or self.size == 1:
             return
         self._closed = True
+        self.stop_heartbeats()
         try:
             self.publish(None)
         except TensorParallelError:
@@ -329,6 +348,13 @@ class TPGroup:
             if p.is_alive():
                 p.kill()
                 p.join(2.0)
+        self.release()
+
+    def release(self) -> None:
+        """Drop this rank's collective group; torchrun's default group is destroyed here (left to the interpreter's
+        exit, its gloo threads could abort the process: "terminate called without an active exception")."""
+        if self.pg is not None and self.pg is dist.group.WORLD and dist.is_initialized():
+            dist.destroy_process_group()
         self.pg = None
 
 

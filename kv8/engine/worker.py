@@ -182,7 +182,11 @@ def run_torchrun_worker(args: EngineArgs) -> bool:
         return False
     tp = torchrun_group(args.tensor_parallel_size)
     tp.start_heartbeat(torchrun_store())
-    run_worker(tp, args)
+    try:
+        run_worker(tp, args)
+    finally:
+        tp.stop_heartbeats()
+        tp.release()
     return True
 
 
