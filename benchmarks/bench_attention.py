@@ -3,7 +3,7 @@
 SmolLM2 shapes (9 query heads, 3 KV heads, head_dim 64, blocks of 16), bf16 queries, one new token per
 sequence. For every (batch, context) it prints the time of one layer's decode attention for
 
-* ``kv8 fp8``  -- :meth:`kv8.kernels.attention.KernelLibrary.attention` (what the ``cpu_fused`` backend calls)
+* ``kv8 fp8``  -- :meth:`kv8.kernels.cpu.attention.KernelLibrary.attention` (what the ``cpu_fused`` backend calls)
   over an fp8_e4m3 paged cache,
 * ``kv8 bf16`` -- the same kernel over a bf16 paged cache,
 * ``sdpa``     -- ``F.scaled_dot_product_attention(..., enable_gqa=True)`` over a contiguous bf16 cache,
@@ -54,7 +54,7 @@ import torch.nn.functional as F
 from kv8.attention.metadata import AttentionMetadata
 from kv8.cache.codec import KVCodec
 from kv8.cache.paged_cache import CacheShape, PagedKVCache
-from kv8.kernels.attention import KernelLibrary, load_kernels
+from kv8.kernels.cpu.attention import KernelLibrary, load_kernels
 from kv8.quant.formats import resolve_kv_cache_dtype
 from kv8.quant.scales import KVScales
 

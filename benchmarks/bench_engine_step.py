@@ -109,7 +109,7 @@ def main() -> None:
     if args.before is not None:
         compare_with(args.before, args)
         return
-    from kv8.kernels.dense import load_dense_kernels  # this tree's (a --before worker imports another)
+    from kv8.kernels.cpu.dense import load_dense_kernels  # this tree's (a --before worker imports another)
 
     rows = {b: measure(b, args) for b in ("torch", "packed_bf16")}
     kernels = load_dense_kernels()

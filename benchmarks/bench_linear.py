@@ -33,8 +33,8 @@ import torch.nn.functional as F
 from revisions import worktree
 
 import kv8
-from kv8.kernels.build import KernelUnavailable, build_shared_library
-from kv8.kernels.dense import SOURCE, DenseKernels
+from kv8.kernels.cpu.build import KernelUnavailable, build_shared_library
+from kv8.kernels.cpu.dense import SOURCE, DenseKernels
 from kv8.layers.dense_backend import DenseBackend, select_dense_backend
 from kv8.layers.linear import LinearBase
 

@@ -26,8 +26,8 @@ import torch
 
 from kv8 import LLM, SamplingParams, StructuredOutputsParams
 from kv8.engine.structured import GrammarCompiler, apply_grammar_masks
-from kv8.model.sources import resolve_model_path
-from kv8.model.tokenizer import load_tokenizer
+from kv8.loader.sources import resolve_model_path
+from kv8.loader.tokenizer import load_tokenizer
 
 SCHEMA: dict[str, Any] = {
     "type": "object",

@@ -47,8 +47,8 @@ def make_model(out_dir: str) -> str:
     """Write the random model (bf16 safetensors) with SmolLM2's tokenizer into ``out_dir``."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from kv8.model.sources import resolve_model_path
-    from kv8.model.tokenizer import load_tokenizer
+    from kv8.loader.sources import resolve_model_path
+    from kv8.loader.tokenizer import load_tokenizer
 
     tok = load_tokenizer(*resolve_model_path("smollm2-135m"))
     tok.save_pretrained(out_dir)

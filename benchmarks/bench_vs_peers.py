@@ -621,7 +621,7 @@ def main() -> None:
         configs[len(kv8_configs):len(kv8_configs)] = [Config("kv8", c.kv, c.options, c.flags, rev=before.rev,
                                                              tree=before.path) for c in kv8_configs]
 
-    from kv8.model.sources import default_model_path
+    from kv8.loader.sources import default_model_path
     gguf = default_model_path()
     log_path = ns.log or os.path.join(peers_dir(), "logs", time.strftime("bench_vs_peers-%Y%m%d-%H%M%S.log"))
     os.makedirs(os.path.dirname(os.path.abspath(log_path)), exist_ok=True)

@@ -18,7 +18,7 @@ import time
 import torch
 
 from kv8 import LLM, SamplingParams
-from kv8.model.sources import default_model_path
+from kv8.loader.sources import default_model_path
 
 
 def bench_transformers(prompts: list[list[int]], max_tokens: int, batch: int) -> float:

@@ -165,7 +165,7 @@ import sys
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from kv8.model.sources import default_model_path
+from kv8.loader.sources import default_model_path
 
 out = sys.argv[1]
 gguf = default_model_path()

@@ -55,9 +55,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from kv8.kernels.attention import load_kernels
-from kv8.kernels.dense import load_dense_kernels
-from kv8.kernels.build import KernelUnavailable
+from kv8.kernels.cpu.attention import load_kernels
+from kv8.kernels.cpu.dense import load_dense_kernels
+from kv8.kernels.cpu.build import KernelUnavailable
 
 
 def build(name, load):

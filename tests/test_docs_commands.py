@@ -70,7 +70,7 @@ def test_the_docs_show_the_commands_this_test_checks() -> None:
     shown = {cmd for _, cmd in COMMANDS}
     for expected in ("kv8 serve MODEL --data-parallel-size 2 --data-parallel-backend ray",
                      "kv8 serve MODEL --tensor-parallel-size 2 --cpu-threads-per-rank 8",
-                     "kv8 run smollm2-135m --kv-cache-dtype fp8 --port 8000"):
+                     "kv8 serve smollm2-135m --kv-cache-dtype fp8 --port 8000"):
         assert any(expected in cmd for cmd in shown), expected
     assert any("-m kv8 serve" in cmd for cmd in shown)   # the torchrun line
 

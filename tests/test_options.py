@@ -91,10 +91,12 @@ def test_model_argument_of_each_command():
         assert EngineArgs.from_cli_args(parser.parse_args(argv)).model == "A", argv
 
 
-def test_eval_keeps_its_repeatable_kv_cache_dtype():
-    ns = build_parser().parse_args(BASE_ARGV["eval"] + ["--kv-cache-dtype", "fp8", "--kv-cache-dtype", "bfloat16"])
-    assert ns.kv_configs == [("dtype", "fp8"), ("dtype", "bfloat16")]
+def test_eval_configurations_have_one_flag_that_shadows_no_engine_option():
+    ns = build_parser().parse_args(BASE_ARGV["eval"] + ["--config", "fp8", "--config", "--kv-cache-dtype bfloat16"])
+    assert ns.kv_configs == ["fp8", "--kv-cache-dtype bfloat16"]
     assert EngineArgs.from_cli_args(ns).kv_cache_dtype == "auto"   # not an engine option of eval
+    with pytest.raises(SystemExit):   # the engine flag is not offered: a configuration is --config
+        build_parser().parse_args(BASE_ARGV["eval"] + ["--kv-cache-dtype", "fp8"])
 
 
 CHOICE_FIELDS = {"dtype": DTYPE_CHOICES, "kv_cache_dtype": KV_CACHE_DTYPE_NAMES,

@@ -14,11 +14,11 @@ from typing import Protocol
 
 import torch
 
-from kv8.attention.fused import FusedCPUBackend
+from kv8.attention.cpu_fused import FusedCPUBackend
 from kv8.attention.metadata import AttentionMetadata
 from kv8.attention.reference import paged_attention_reference
 from kv8.cache.paged_cache import PagedKVCache
-from kv8.kernels.build import KernelUnavailable
+from kv8.kernels.cpu.build import KernelUnavailable
 
 logger = logging.getLogger("kv8")
 

@@ -1,4 +1,4 @@
-"""The KV cache's options, declared and validated once: :class:`CacheConfig`, and the default budget.
+"""The KV cache's options, declared and validated once: :class:`CacheConfig` (its sizes: :mod:`kv8.cache.budget`).
 
 Each field is declared with :func:`kv8.options.option` (default, help, allowed values); the engine's arguments
 take them from here (:func:`kv8.options.from_config`), so an option's default and help live in one place.
@@ -8,14 +8,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
 from kv8.cache.codec import ROTATIONS, SCALE_MODES
 from kv8.options import option
 from kv8.quant.formats import KV_CACHE_DTYPE_NAMES, KVCacheDtype
-from kv8.validators import check_bool, check_choice, check_int, is_int, memory_available
+from kv8.validators import check_bool, check_choice, check_int, is_int
 
-__all__ = ["SKIP_LAYER_KINDS", "CacheConfig", "default_kv_cache_memory", "device_memory_available"]
+__all__ = ["SKIP_LAYER_KINDS", "CacheConfig"]
 
 # kv_cache_dtype_skip_layers entries besides layer indices: every layer of that kind stays in the compute dtype
 SKIP_LAYER_KINDS = ("sliding_window", "full_attention")
@@ -28,7 +26,7 @@ class CacheConfig:
     compute dtype's).
 
     ``kv_cache_memory`` (bytes) or ``num_kv_blocks`` fixes the budget; with neither, the engine derives one
-    from the machine's free memory (see :func:`default_kv_cache_memory`).
+    from the machine's free memory (:func:`kv8.cache.budget.default_kv_cache_memory`).
 
     ``kv_cache_scale_mode``: ``static`` -- per-layer scales (file, checkpoint, or 1.0); ``dynamic`` -- a scale per
     token and KV head, computed when the token is stored (``amax / format max``) and kept beside it (FP8 only).
@@ -111,18 +109,3 @@ class CacheConfig:
                              f"{not_fp8} or drop quantization_param_path")
         if self.kv_cache_dtype_skip_layers:
             raise ValueError(f"kv_cache_dtype_skip_layers keeps layers out of an FP8 cache, but {not_fp8}")
-
-
-def device_memory_available(device: str = "cpu") -> int | None:
-    """Bytes free for the KV cache on ``device``: the host's (:func:`kv8.validators.memory_available`, None where it
-    cannot be read) or the current CUDA GPU's."""
-    if device == "cuda":
-        return int(torch.cuda.mem_get_info()[0])
-    return memory_available()
-
-
-def default_kv_cache_memory(device: str = "cpu") -> int:
-    """Default KV budget: 25% of the memory still free on ``device`` (:func:`device_memory_available`; 8 GiB where
-    it cannot be read), at most 4 GiB (vLLM's CPU default)."""
-    available = device_memory_available(device)
-    return int(min(4 * 1024**3, 0.25 * (available if available is not None else 8 * 1024**3)))

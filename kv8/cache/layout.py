@@ -22,7 +22,7 @@ holds 512 blocks of the full group and at most ``ceil(512 / 16) + 1 = 33`` of ea
 
 Pools: layers of one storage dtype share a pool. With skipped layers there are two pools (FP8 first), each
 with its own blocks; the memory budget is split in proportion to what one ``max_model_len`` sequence needs in
-each (:func:`split_budget`).
+each (:meth:`kv8.cache.budget.KVBudget.split`).
 
 Invariants: every model layer is in exactly one group; the groups of a pool have ``len(layers) <=
 pool.num_slots``; a layer's (pool, slot) is unique.
@@ -136,24 +136,4 @@ class KVCacheLayout:
         return "; ".join(parts)
 
 
-def blocks_to_hold(layer_windows: Sequence[int | None], num_tokens: int, block_size: int, num_seqs: int) -> int:
-    """Blocks of a one-pool cache that hold ``num_seqs`` sequences of ``num_tokens`` tokens whole, in every group
-    (what the tools that size their own cache need; sliding-window groups counted at full length)."""
-    layout = KVCacheLayout.build(layer_windows, hybrid=False)
-    return layout.blocks_per_sequence(0, num_tokens, block_size, num_tokens) * num_seqs
-
-
-def split_budget(memory: int, layout: KVCacheLayout, block_bytes: Sequence[int], max_model_len: int,
-                 block_size: int, chunk: int) -> list[int]:
-    """Blocks per pool for ``memory`` bytes. ``block_bytes[p]``: bytes of one block of pool p (all its slots).
-
-    One pool takes everything; with two, each gets memory in proportion to what one ``max_model_len``
-    sequence needs in it (with out-of-window blocks freed), so both run out at about the same load.
-    """
-    need = [layout.blocks_per_sequence(p.pool_id, max_model_len, block_size, chunk) * block_bytes[p.pool_id]
-            for p in layout.pools]
-    total = sum(need)
-    return [int(memory * need[p] / total) // block_bytes[p] for p in range(len(need))]
-
-
-__all__ = ["KVCacheGroup", "KVCacheLayout", "KVPoolSpec", "blocks_to_hold", "split_budget"]
+__all__ = ["KVCacheGroup", "KVCacheLayout", "KVPoolSpec", "ceil_div"]

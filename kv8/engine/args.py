@@ -19,22 +19,21 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kv8.cache.config import CacheConfig, default_kv_cache_memory, device_memory_available
-from kv8.cache.layout import KVCacheLayout, split_budget
+from kv8.cache.budget import DEFAULT_MAX_MODEL_LEN, default_max_model_len
+from kv8.cache.config import CacheConfig
 from kv8.distributed.config import ParallelConfig
 from kv8.engine.config import (
     DEVICE_CHOICES,
     DTYPE_CHOICES,
     EngineConfig,
     SchedulerConfig,
-    pool_block_bytes,
     resolve_device,
     resolve_dtype,
 )
 from kv8.models.registry import arch_config
 from kv8.options import OptionGroup, from_config, option
 from kv8.quant.formats import resolve_kv_cache_dtype
-from kv8.validators import format_bytes, parse_memory
+from kv8.validators import parse_memory
 
 DEFAULT_MODEL = "smollm2-135m"
 
@@ -83,7 +82,8 @@ class EngineArgs(OptionGroup):
     enable_prefix_caching: bool = from_config(CacheConfig, "enable_prefix_caching")
     max_num_seqs: int = from_config(SchedulerConfig, "max_num_seqs")
     max_num_batched_tokens: int = from_config(SchedulerConfig, "max_num_batched_tokens")
-    max_model_len: int | None = option(None, "context length (default: the model's, at most 8192)", type=int)
+    max_model_len: int | None = option(
+        None, f"context length (default: the model's, at most {DEFAULT_MAX_MODEL_LEN})", type=int)
     seed: int = from_config(EngineConfig, "seed")
     attention_backend: str = from_config(EngineConfig, "attention_backend")
     dense_backend: str = from_config(EngineConfig, "dense_backend")
@@ -133,7 +133,7 @@ class EngineArgs(OptionGroup):
             disable_hybrid_kv_cache_manager=self.disable_hybrid_kv_cache_manager)
         max_model_len = self.max_model_len
         if max_model_len is None:
-            max_model_len = min(arch.max_position_embeddings, 8192)
+            max_model_len = default_max_model_len(arch.max_position_embeddings)
         sched = SchedulerConfig(max_model_len=max_model_len, max_num_seqs=self.max_num_seqs,
                                 max_num_batched_tokens=self.max_num_batched_tokens)
         return EngineConfig(model=model_path, model_kind=model_kind, arch=arch, dtype=dtype, cache=cache,
@@ -161,56 +161,4 @@ def _skip_layers(value: str | Iterable[int | str] | None) -> tuple[int | str, ..
     return tuple(out)
 
 
-def _budget_option(config: EngineConfig, num_blocks: int) -> str:
-    cc = config.cache
-    if cc.num_kv_blocks is not None:
-        return f"num_kv_blocks={num_blocks} (--num-kv-blocks)"
-    if cc.kv_cache_memory is not None:
-        return f"kv_cache_memory={format_bytes(cc.kv_cache_memory)} (--kv-cache-memory)"
-    return f"the default kv_cache_memory ({format_bytes(default_kv_cache_memory(config.device))})"
-
-
-def check_cache_fits_memory(config: EngineConfig, layout: KVCacheLayout, num_blocks: Sequence[int]) -> None:
-    """Raise ``ValueError`` naming the option that sized the cache when the pools of ``layout`` (``num_blocks[p]``
-    blocks of pool ``p``) need more memory than is free now. The engine calls it once the weights are loaded (they take
-    memory too, and a config whose sizes do not match the checkpoint is reported by the loader first) and before
-    the cache is allocated."""
-    need = sum(n * b for n, b in zip(num_blocks, pool_block_bytes(config, layout)))
-    free = device_memory_available(config.device)
-    where = "this machine" if config.device == "cpu" else f"the {config.device} device"
-    if free is not None and need > free:
-        raise ValueError(
-            f"{_budget_option(config, sum(num_blocks))} asks for a KV cache of {format_bytes(need)}, but only "
-            f"{format_bytes(free)} of memory is free on {where} (the model's weights loaded); lower it")
-
-
-def resolve_num_blocks(config: EngineConfig, layout: KVCacheLayout) -> list[int]:
-    """Blocks of each pool of ``layout`` for the configured budget; raises ``ValueError`` naming the option that
-    set it if a pool cannot hold what one ``max_model_len`` sequence needs in it (sliding-window groups counted at
-    their window). (Whether they fit in free memory: :func:`check_cache_fits_memory`.)"""
-    cc, sched = config.cache, config.scheduler
-    block_bytes = pool_block_bytes(config, layout)
-    chunk = min(sched.max_num_batched_tokens, sched.max_model_len)
-    needs = [layout.blocks_per_sequence(p.pool_id, sched.max_model_len, cc.block_size, chunk) for p in layout.pools]
-    if cc.num_kv_blocks is not None:
-        if len(layout.pools) > 1:
-            raise ValueError("num_kv_blocks cannot size a cache with layers in two dtypes "
-                             "(kv_cache_dtype_skip_layers); give kv_cache_memory instead")
-        num_blocks = [cc.num_kv_blocks]
-        fix = f"raise num_kv_blocks to at least {needs[0]}, or lower max_model_len"
-    else:
-        memory = cc.kv_cache_memory if cc.kv_cache_memory is not None else default_kv_cache_memory(config.device)
-        num_blocks = split_budget(memory, layout, block_bytes, sched.max_model_len, cc.block_size, chunk)
-        fix = (f"raise kv_cache_memory (needs at least {format_bytes(sum(b * k for b, k in zip(block_bytes, needs)))})"
-               " or lower max_model_len")
-    for p, n, need in zip(layout.pools, num_blocks, needs):
-        if n < need:
-            stored = "the compute dtype" if p.skipped else cc.kv_dtype.name
-            raise ValueError(
-                f"the KV cache of {_budget_option(config, sum(num_blocks))} has {n} blocks of {cc.block_size} tokens "
-                f"({format_bytes(block_bytes[p.pool_id])} each in {stored}), fewer than max_model_len="
-                f"{sched.max_model_len} needs ({need} blocks for one sequence); {fix}")
-    return num_blocks
-
-
-__all__ = ["DEFAULT_MODEL", "EngineArgs", "check_cache_fits_memory", "resolve_num_blocks"]
+__all__ = ["DEFAULT_MODEL", "EngineArgs"]

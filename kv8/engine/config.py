@@ -15,9 +15,8 @@ from typing import Any
 import torch
 
 from kv8.attention.backend import BACKENDS, CPU_ONLY_BACKENDS
-from kv8.cache.codec import KVCodec
+from kv8.cache.budget import KVBudget
 from kv8.cache.config import CacheConfig
-from kv8.cache.layout import KVCacheLayout
 from kv8.distributed.config import ParallelConfig
 from kv8.envs import triton_interpret
 from kv8.models.config import ModelArchConfig
@@ -31,7 +30,7 @@ __all__ = ["ATTENTION_BACKENDS", "DENSE_BACKENDS", "DEVICE_CHOICES", "DEVICES", 
 
 # auto, then the backends registered in kv8.attention.backend
 ATTENTION_BACKENDS: tuple[str, ...] = ("auto", *BACKENDS)
-# torch ops, or kv8's packed AVX-512 BF16 linear layers with fused norm/SiLU/RoPE (kv8.kernels.dense)
+# torch ops, or kv8's packed AVX-512 BF16 linear layers with fused norm/SiLU/RoPE (kv8.kernels.cpu.dense)
 DENSE_BACKENDS = ("auto", "torch", "packed_bf16")
 # weight quantization at load (vLLM's --quantization): fp8 = E4M3 weights with one float32 scale per output row
 QUANTIZATION_METHODS = ("fp8",)
@@ -115,7 +114,7 @@ class SchedulerConfig:
     chunks (chunked prefill), so the budget never limits prompt length -- ``max_model_len`` does.
     """
 
-    max_model_len: int   # resolved from the option (None: the model's context, at most 8192)
+    max_model_len: int   # resolved from the option (None: the model's context, at most DEFAULT_MAX_MODEL_LEN)
     max_num_seqs: int = option(64, "max sequences per step", type=int)
     max_num_batched_tokens: int = option(2048, "max tokens per step (longer prompts are prefilled in chunks)",
                                          type=int)
@@ -218,6 +217,14 @@ class EngineConfig:
         """KV heads in the cache of each tensor-parallel rank (the model's with one rank)."""
         return self.parallel.kv_heads_per_rank(self.arch)
 
+    def kv_budget(self) -> KVBudget:
+        """This engine's KV-cache sizes on one tensor-parallel rank (its layout, bytes per block, blocks)."""
+        return KVBudget.build(self.cache, self.arch.layer_windows, skipped=self.skipped_layers(),
+                              head_dim=self.arch.head_dim, kv_heads=self.kv_heads_per_rank,
+                              compute_kv_dtype=resolve_kv_cache_dtype("auto", self.dtype),
+                              max_model_len=self.scheduler.max_model_len,
+                              max_num_batched_tokens=self.scheduler.max_num_batched_tokens, device=self.device)
+
     def skipped_layers(self) -> tuple[bool, ...]:
         """Per layer, whether ``kv_cache_dtype_skip_layers`` keeps it in the compute dtype (empty: none is)."""
         arch = self.arch
@@ -238,20 +245,3 @@ class EngineConfig:
             for i in range(arch.num_layers):
                 skipped[i] = skipped[i] or arch.layer_type(i) == kind
         return tuple(skipped)
-
-
-def layout_for(config: EngineConfig) -> KVCacheLayout:
-    """The layout of an engine's KV cache: its model's layer windows, skipped layers and hybrid setting."""
-    return KVCacheLayout.build(config.arch.layer_windows, config.skipped_layers(), config.cache.hybrid)
-
-
-def pool_block_bytes(config: EngineConfig, layout: KVCacheLayout) -> list[int]:
-    """Bytes of one block of each pool (all its slots, K and V, per-token scales included) on one
-    tensor-parallel rank (which holds ``config.kv_heads_per_rank`` KV heads)."""
-    arch, cc = config.arch, config.cache
-    out = []
-    for p in layout.pools:
-        kv_dtype = resolve_kv_cache_dtype("auto", config.dtype) if p.skipped else cc.kv_dtype
-        per_head = KVCodec.bytes_per_head(kv_dtype, arch.head_dim, cc.dynamic_scales and not p.skipped)
-        out.append(p.num_slots * 2 * config.kv_heads_per_rank * cc.block_size * per_head)
-    return out

@@ -31,8 +31,8 @@ from collections.abc import Callable, Sequence
 import torch
 
 from kv8.cache.kv_cache_manager import KVCacheManager
-from kv8.engine.args import EngineArgs, resolve_num_blocks
-from kv8.engine.config import EngineConfig, layout_for
+from kv8.engine.args import EngineArgs
+from kv8.engine.config import EngineConfig
 from kv8.engine.input_processor import InputProcessor
 from kv8.engine.output_processor import OutputProcessor
 from kv8.engine.request import RequestStatus
@@ -40,9 +40,9 @@ from kv8.engine.scheduler import Scheduler, SchedulerOutput
 from kv8.engine.stats import EngineStats
 from kv8.engine.threads import ThreadGovernor
 from kv8.engine.worker import allreduce_slot_bytes, load_shard, start_ranks
-from kv8.model.loader import check_checkpoint_layers, read_model_config
-from kv8.model.sources import resolve_model_path
-from kv8.model.tokenizer import load_tokenizer
+from kv8.loader.model import check_checkpoint_layers, read_model_config
+from kv8.loader.sources import resolve_model_path
+from kv8.loader.tokenizer import load_tokenizer
 from kv8.observer import EngineObserver
 from kv8.outputs import RequestOutput
 from kv8.sampling_params import SamplingParams
@@ -60,8 +60,9 @@ class LLMEngine:
         self.config: EngineConfig = args.create_engine_config(read_model_config(kind, path), kind, path)
         if self.config.load_format != "dummy":   # before anything is sized by the layer count
             check_checkpoint_layers(kind, path, self.config.arch)
-        self.layout = layout_for(self.config)
-        num_blocks = resolve_num_blocks(self.config, self.layout)   # a budget too small for max_model_len fails here
+        budget = self.config.kv_budget()
+        self.layout = budget.layout
+        num_blocks = budget.num_blocks()   # a budget too small for max_model_len fails here
         if observer is not None and self.config.parallel.tensor_parallel_size > 1:
             raise ValueError(f"tensor_parallel_size={self.config.parallel.tensor_parallel_size}: an observer (kv8 "
                              "calibrate, kv8 eval) would see rank 0's KV heads only; run these tools with "
@@ -70,7 +71,7 @@ class LLMEngine:
         self.tp = start_ranks(args, self.config, num_blocks)
         self._finalizer = weakref.finalize(self, self.tp.close)   # no orphan ranks, whatever happens
         try:
-            shard = load_shard(self.config, self.layout, num_blocks, self.tp, observer)
+            shard = load_shard(self.config, budget, num_blocks, self.tp, observer)
             self.tp.wait_ready()
             self.tp.connect(slot_bytes=allreduce_slot_bytes(self.config), device=self.config.device)
         except BaseException:

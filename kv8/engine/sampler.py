@@ -9,7 +9,7 @@
 
 * Greedy rows (``temperature < 1e-5``): ``argmax`` of the raw logits; ties go to the lowest token id.
   Their generator is not touched. The argmax is ``torch.argmax`` (:func:`argmax_reference`) or kv8's AVX-512
-  kernel with the same result on rows without NaN (:meth:`kv8.kernels.dense.DenseKernels.argmax`, ~8x
+  kernel with the same result on rows without NaN (:meth:`kv8.kernels.cpu.dense.DenseKernels.argmax`, ~8x
   faster on a 49k vocabulary), chosen once by :func:`select_argmax` and passed to :func:`sample`.
 * Random rows, in this order: divide by the temperature, keep the ``top_k`` most likely tokens, keep
   the smallest prefix (by probability) whose mass is >= ``top_p`` (the top token is always kept),
@@ -42,8 +42,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kv8.kernels.build import KernelUnavailable
-from kv8.kernels.dense import load_dense_kernels
+from kv8.kernels.cpu.build import KernelUnavailable
+from kv8.kernels.cpu.dense import load_dense_kernels
 from kv8.sampling_params import SamplingParams, SamplingType
 from kv8.validators import check_int
 

@@ -39,19 +39,18 @@ import torch
 import torch.distributed as dist
 
 from kv8.attention.backend import get_backend
+from kv8.cache.budget import KVBudget
 from kv8.cache.codec import KVCodec
-from kv8.cache.layout import KVCacheLayout
 from kv8.cache.paged_cache import CacheShape, PagedKVCache
 from kv8.cache.scale_sources import engine_kv_scales
 from kv8.distributed.group import SINGLE_RANK, STORE_TIMEOUT, TPGroup
 from kv8.distributed.launcher import RankProcess, set_threads, torchrun_group, torchrun_rank, torchrun_store
 from kv8.distributed.shard import kv_head_shard
-from kv8.engine.args import check_cache_fits_memory
-from kv8.engine.config import EngineConfig, layout_for
+from kv8.engine.config import EngineConfig
 from kv8.engine.runner import ModelRunner
 from kv8.host_memory import tune_malloc
-from kv8.model.loader import LoadedModel, load_model, read_model_config
-from kv8.model.sources import resolve_model_path
+from kv8.loader.model import LoadedModel, load_model, read_model_config
+from kv8.loader.sources import resolve_model_path
 from kv8.observer import EngineObserver
 from kv8.quant.formats import resolve_kv_cache_dtype
 from kv8.quant.scales import ModelScaleInfo
@@ -79,7 +78,7 @@ class Shard:
     runner: ModelRunner
 
 
-def load_shard(config: EngineConfig, layout: KVCacheLayout, num_blocks: Sequence[int], tp: TPGroup,
+def load_shard(config: EngineConfig, budget: KVBudget, num_blocks: Sequence[int], tp: TPGroup,
                observer: EngineObserver | None = None) -> Shard:
     """Load rank ``tp.rank``'s shard of the model, resolve its KV scales, allocate its pools (``num_blocks[p]``
     blocks of pool ``p``, its own KV heads only) and build its runner. Sets this process's malloc up for
@@ -93,7 +92,8 @@ def load_shard(config: EngineConfig, layout: KVCacheLayout, num_blocks: Sequence
     scales = engine_kv_scales(cc, ModelScaleInfo(arch.model_type, arch.num_layers, arch.num_kv_heads,
                                                  arch.head_dim), loaded.scale_tensors, loaded.hf_config,
                               tp.rank, tp.size, kv_heads)
-    check_cache_fits_memory(config, layout, num_blocks)   # before allocating it, with the weights loaded
+    budget.check_fits_memory(num_blocks)   # before allocating the cache, with the weights loaded
+    layout = budget.layout
     codec = KVCodec.build(cc.kv_dtype, arch.head_dim, scale_mode=cc.kv_cache_scale_mode, rotation=cc.kv_cache_rotation,
                           scales=scales)
     # Pools: the kv_cache_dtype one first; layers of kv_cache_dtype_skip_layers in the compute dtype.
@@ -163,7 +163,7 @@ def run_worker(tp: TPGroup, args: EngineArgs) -> None:
         config = args.create_engine_config(read_model_config(kind, path), kind, path)
         set_threads(config.parallel)
         num_blocks = tp.share("num_blocks")
-        shard = load_shard(config, layout_for(config), num_blocks, tp)
+        shard = load_shard(config, config.kv_budget(), num_blocks, tp)
     except BaseException as e:
         tp.set_ready(error=f"{type(e).__name__}: {e}")
         raise

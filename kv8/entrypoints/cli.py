@@ -1,7 +1,7 @@
 """The ``kv8`` command line: a thin layer that turns flags into :class:`EngineArgs` and ``SamplingParams``.
 
 Subcommands: ``generate`` (text from a prompt), ``info`` (architecture and KV-cache capacity per dtype),
-``serve`` / ``run`` (the OpenAI-compatible HTTP server; ``run`` takes the model as a positional argument).
+``serve`` (the OpenAI-compatible HTTP server; ``run`` is its alias).
 ``calibrate`` / ``eval`` (fp8 KV-scale calibration and accuracy evaluation, :mod:`kv8.tools.commands`).
 Engine flags use vLLM's names (``--kv-cache-dtype``, ``--quantization-param-path``, ``--max-model-len`` ...) and
 are generated from the fields of :class:`EngineArgs` (``EngineArgs.add_cli_args`` / ``from_cli_args``); the
@@ -19,11 +19,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kv8.cache.config import CacheConfig, default_kv_cache_memory
+from kv8.cache.budget import KVBudget, default_kv_cache_memory, default_max_model_len
+from kv8.cache.config import CacheConfig
 from kv8.engine.args import EngineArgs
 from kv8.engine.config import check_device, describe_device, resolve_device, resolve_dtype
 from kv8.entrypoints.openai.cli_args import ServerArgs, add_serve_args
-from kv8.kernels.build import KernelUnavailable
+from kv8.kernels.cpu.build import KernelUnavailable
 from kv8.models.config import ModelArchConfig
 from kv8.models.registry import arch_config
 from kv8.quant.formats import resolve_kv_cache_dtype
@@ -35,7 +36,7 @@ EPILOG = """examples:
   kv8 generate "Hi" --kv-cache-dtype fp8 --quantization-param-path kv_cache_scales.json
   kv8 info smollm2-135m --kv-cache-memory 1GiB
   kv8 serve smollm2-135m --kv-cache-dtype fp8_e5m2 --port 8000  # OpenAI-compatible server (--model-id too)
-  kv8 run smollm2-135m --kv-cache-dtype fp8 --quantization-param-path kv_cache_scales.json
+  kv8 serve smollm2-135m --kv-cache-dtype fp8 --quantization-param-path kv_cache_scales.json
 models: the alias smollm2-135m (default), a Hugging Face model directory, or a .gguf file."""
 
 # kv8 info loads no weights: only the options that size the cache table apply to it
@@ -154,8 +155,8 @@ def cmd_generate(ns: argparse.Namespace) -> int:
 
 
 def cmd_info(ns: argparse.Namespace) -> int:
-    from kv8.model.loader import read_model_config
-    from kv8.model.sources import resolve_model_path
+    from kv8.loader.model import read_model_config
+    from kv8.loader.sources import resolve_model_path
 
     kind, path = resolve_model_path(ns.model)
     arch = arch_config(read_model_config(kind, path))
@@ -180,10 +181,7 @@ def capacity_table(arch: ModelArchConfig, memory: int, block_size: int) -> str:
     default; vLLM's hybrid KV cache manager), counted for sequences of the model's default context ``L``.
     ``x bf16``: sequences of L that fit, freed, relative to a bfloat16 cache freed; ``x bf16 all``: relative to a
     bfloat16 cache that keeps every block."""
-    from kv8.cache.codec import KVCodec
-    from kv8.cache.layout import KVCacheLayout
-
-    length = min(arch.max_position_embeddings, 8192)
+    length = default_max_model_len(arch.max_position_embeddings)
     windows = arch.layer_windows
     n_full = sum(w is None for w in windows)
     kinds = [f"{n_full} full attention"] if n_full else []
@@ -194,17 +192,22 @@ def capacity_table(arch: ModelArchConfig, memory: int, block_size: int) -> str:
              "",
              f"{'kv_cache_dtype':<15}{'B/tok full':>11}{'B/tok window':>13}{'tokens, keep all':>18}"
              f"{'seqs of L':>11}{'seqs of L, freed':>18}{'x bf16':>10}{'x bf16 all':>15}"]
+    compute_dtype = resolve_dtype("auto")
+    compute = resolve_kv_cache_dtype("auto", compute_dtype)
     base = None
     for name in ("bfloat16", "float32", "fp8_e4m3", "fp8_e5m2", "fp8_e4m3fnuz"):
-        kvd = resolve_kv_cache_dtype(name, resolve_dtype("auto"))
-        per_layer = 2 * arch.num_kv_heads * KVCodec.bytes_per_head(kvd, arch.head_dim, False)   # one token
         seqs, seq_bytes = [], []
         for hybrid in (False, True):
-            layout = KVCacheLayout.build(windows, hybrid=hybrid)
-            block_bytes = layout.pools[0].num_slots * per_layer * block_size
-            seq_bytes.append(block_bytes * layout.blocks_per_sequence(0, length, block_size, chunk=1))
-            seqs.append(memory // block_bytes // layout.blocks_per_sequence(0, length, block_size, chunk=1))
-        keep_all = memory // (per_layer * len(windows) * block_size) * block_size
+            cache = CacheConfig(kv_dtype=resolve_kv_cache_dtype(name, compute_dtype), kv_cache_dtype=name,
+                                block_size=block_size, kv_cache_memory=memory,
+                                disable_hybrid_kv_cache_manager=not hybrid)
+            budget = KVBudget.build(cache, windows, head_dim=arch.head_dim, kv_heads=arch.num_kv_heads,
+                                    compute_kv_dtype=compute, max_model_len=length, max_num_batched_tokens=1)
+            per_seq = budget.blocks_per_sequence()[0]
+            seq_bytes.append(budget.block_bytes[0] * per_seq)
+            seqs.append(memory // budget.block_bytes[0] // per_seq)
+        per_layer = budget.token_bytes[0]
+        keep_all = memory // (budget.bytes_per_token * block_size) * block_size
         base = base or seq_bytes   # bfloat16's bytes per sequence of L: keeping all, freed
         lines.append(f"{name:<15}{per_layer * n_full:>11}{per_layer * (len(windows) - n_full):>13}{keep_all:>18}"
                      f"{seqs[0]:>11}{seqs[1]:>18}{base[1] / seq_bytes[1]:>10.2f}{base[0] / seq_bytes[1]:>15.2f}")
@@ -253,24 +256,18 @@ def build_parser() -> argparse.ArgumentParser:
     EngineArgs.add_cli_args(i, include=INFO_OPTIONS)
     i.set_defaults(func=cmd_info)
 
-    sv = sub.add_parser("serve", help="OpenAI-compatible HTTP server",
+    sv = sub.add_parser("serve", aliases=["run"], help="OpenAI-compatible HTTP server ('run' is an alias)",
                         description="Serve /v1/completions, /v1/chat/completions, /v1/models, /health and "
-                                    "/metrics on 127.0.0.1 (see --host).",
+                                    "/metrics on 127.0.0.1 (see --host). 'kv8 run' is the same command.",
                         epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_serve_args(sv, "--model-id", "--model", "-m", model_optional=True)
     sv.set_defaults(func=cmd_serve)
-
-    r = sub.add_parser("run", help="OpenAI-compatible HTTP server, model given positionally",
-                       description="Same as 'serve', with the model as the first argument.",
-                       epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_serve_args(r)
-    r.set_defaults(func=cmd_serve)
 
     from kv8.tools.commands import add_calibrate_parser, add_eval_parser
 
     add_calibrate_parser(sub)   # kv8 calibrate: fp8 KV scales from calibration text
     add_eval_parser(sub)        # kv8 eval: KLD / top-1 / PPL of KV configurations vs a float32 cache
-    for command in sub.choices.values():   # -v after the command too (kv8 generate ... -v)
+    for command in {id(p): p for p in sub.choices.values()}.values():   # -v after the command too (an alias once)
         command.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS,
                              help="log engine details; generate prints its timings")
     return parser

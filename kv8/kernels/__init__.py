@@ -1,15 +1,10 @@
-"""kv8's native code: two C++ kernel libraries, built on first use and loaded with ctypes.
+"""kv8's native kernels, one subpackage per platform.
 
-* :mod:`kv8.kernels.build`: compiles a source once per source (and the headers it includes), compiler and CPU,
-  and caches the shared library.
-* :mod:`kv8.kernels.abi`: what both wrappers share: the library loaded, its argument structs checked against their
-  ctypes mirror, its error codes raised with its own messages.
-* :mod:`kv8.kernels.attention`: the attention library (``csrc/attention/``): fused paged attention over the FP8
-  (or 16/32-bit) KV cache and quantize-on-store.
-* :mod:`kv8.kernels.dense`: the dense library (``csrc/dense/``): packed bf16 / FP8 linear layers, fused RMSNorm,
-  SiLU * up and RoPE, and the sampler's row argmax.
+* :mod:`kv8.kernels.cpu`: two C++ libraries (attention; dense linear layers and elementwise ops), built on first
+  use with the machine's compiler and loaded with ctypes; their sources in ``cpu/csrc/``.
+* :mod:`kv8.kernels.triton`: the GPU path's Triton kernels (quantize-on-store, unified paged attention), also run
+  on CPU tensors by Triton's interpreter in the tests.
 
-``csrc/common/`` holds what both libraries include: ``kv8_abi.h`` (the dtype codes and ``KV_FORMATS``, the table of
-KV cache formats; the error codes and messages; the argument-struct machinery), AMX tile set-up, the FP8 -> bf16
-table decode and exp.
+This package sits below every other kv8 layer but the options and validators: the kernels take plain tensors,
+ints and small protocols, never kv8's configs.
 """

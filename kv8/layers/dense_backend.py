@@ -1,5 +1,5 @@
 """The dense backend of a model: whether its dense layers (linear, norm, activation, RoPE) run torch ops or kv8's
-packed kernels (:mod:`kv8.kernels.dense`), chosen once, when the model loads.
+packed kernels (:mod:`kv8.kernels.cpu.dense`), chosen once, when the model loads.
 
 :func:`select_dense_backend` turns the engine option ``dense_backend`` (checked by
 :class:`kv8.engine.config.EngineConfig`) into a :class:`DenseBackend`: ``torch`` runs torch ops; ``packed_bf16`` runs
@@ -14,8 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kv8.kernels.build import KernelUnavailable
-from kv8.kernels.dense import DenseKernels, load_dense_kernels
+from kv8.kernels.cpu.build import KernelUnavailable
+from kv8.kernels.cpu.dense import DenseKernels, load_dense_kernels
 
 logger = logging.getLogger("kv8")
 

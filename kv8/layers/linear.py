@@ -55,7 +55,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kv8.distributed.shard import kv_head_shard, shard_group, split_evenly
-from kv8.kernels.dense import DenseKernels
+from kv8.kernels.cpu.dense import DenseKernels
 from kv8.layers.activation import SiluAndMul
 from kv8.layers.dense_backend import DenseBackend
 from kv8.quant.formats import E4M3

@@ -14,9 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from kv8.cache.codec import KVCodec
 from kv8.layers.rotary import RopeScaling
-from kv8.quant.formats import KVCacheDtype
 from kv8.validators import cfg_float, cfg_int, is_int
 
 __all__ = ["LAYER_TYPES", "ModelArchConfig"]
@@ -157,12 +155,3 @@ class ModelArchConfig:
         )
         fields.update(cls.extra_fields(cfg))   # a subclass's own fields, and base fields it reads its way
         return cls(**fields)
-
-    def kv_bytes_per_token(self, kv_dtype: KVCacheDtype, dynamic_scales: bool = False) -> int:
-        """Bytes one token occupies in the KV cache over all layers (K and V).
-
-        With dynamic scales, each token also keeps one float32 scale per KV head for K and for V
-        (``4 / head_dim`` overhead: 6.25% at head_dim 64).
-        """
-        per_head = KVCodec.bytes_per_head(kv_dtype, self.head_dim, dynamic_scales)
-        return 2 * self.num_layers * self.num_kv_heads * per_head

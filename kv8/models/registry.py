@@ -45,7 +45,7 @@ class CausalLM(Protocol):
 
 
 MODEL_TYPES: dict[str, Any] = {   # model_type -> a class following CausalLM
-    "gemma3_text": Gemma3ForCausalLM,   # GGUF architecture "gemma3" is read as this type (kv8.model.gguf_loader)
+    "gemma3_text": Gemma3ForCausalLM,   # GGUF architecture "gemma3" is read as this type (kv8.loader.gguf)
     "llama": LlamaForCausalLM,
     "mistral": LlamaForCausalLM,
     "phi3": Phi3ForCausalLM,

@@ -24,15 +24,15 @@ from dataclasses import dataclass
 import torch
 from tqdm.auto import tqdm
 
+from kv8.cache.budget import blocks_to_hold
 from kv8.cache.codec import KVCodec
-from kv8.cache.layout import blocks_to_hold
 from kv8.distributed.config import ParallelConfig
 from kv8.distributed.group import TPGroup
 from kv8.distributed.shard import kv_head_shard
 from kv8.engine.args import EngineArgs
 from kv8.engine.engine import LLMEngine
-from kv8.model.loader import read_model_config
-from kv8.model.sources import resolve_model_path
+from kv8.loader.model import read_model_config
+from kv8.loader.sources import resolve_model_path
 from kv8.models.config import ModelArchConfig
 from kv8.models.registry import arch_config
 from kv8.observer import EngineObserver

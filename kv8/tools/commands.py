@@ -15,7 +15,7 @@ import sys
 from typing import Any
 
 from kv8.engine.args import EngineArgs
-from kv8.quant.formats import FP8_FORMATS, KV_CACHE_DTYPE_NAMES, fp8_format
+from kv8.quant.formats import FP8_FORMATS, fp8_format
 from kv8.quant.scales import ScaleGranularity
 
 # Engine options the tools set themselves: the cache holds exactly the windows of one batch (--seq-len /
@@ -35,7 +35,7 @@ ONE_PROCESS_ONE_POOL = ("cpu_threads_per_rank", "kv_cache_dtype_skip_layers", "d
 # --tensor-parallel-size N makes per-rank scales (the model still runs in one process and sees every head).
 CALIBRATE_EXCLUDED = SIZED_BY_TOOL + NOT_PASSED + WEIGHTS_AS_LOADED + ONE_PROCESS_ONE_POOL + (
     "kv_cache_dtype", "quantization_param_path", "kv_cache_scale_mode")
-# eval builds one engine per configuration; --config / --kv-cache-dtype (repeatable) name the configurations.
+# eval builds one engine per configuration; --config (repeatable) names the configurations.
 EVAL_EXCLUDED = SIZED_BY_TOOL + NOT_PASSED + WEIGHTS_AS_LOADED + ONE_PROCESS_ONE_POOL + (
     "kv_cache_dtype", "quantization_param_path", "kv_cache_scale_mode", "kv_cache_rotation", "tensor_parallel_size")
 # eval compares caches: by default every engine reads its cache through the same reference attention, so only
@@ -56,12 +56,12 @@ outputs: --output-format vllm (one scale per layer, the larger of K and V; tenso
   same --kv-cache-rotation."""
 
 EVAL_EPILOG = """examples:
-  kv8 eval smollm2-135m --data wiki.xml.bz2 --kv-cache-dtype fp8_e4m3 \\
+  kv8 eval smollm2-135m --data wiki.xml.bz2 --config fp8_e4m3 \\
       --config "--kv-cache-dtype fp8_e4m3 --quantization-param-path kv_cache_scales.json"
-  kv8 eval smollm2-135m --data held_out.txt --kv-cache-dtype fp8_e5m2 --json report.json --plot report.png
+  kv8 eval smollm2-135m --data held_out.txt --config fp8_e5m2 --json report.json --plot report.png
   kv8 eval smollm2-135m --data wiki.xml.bz2 --config "--kv-cache-dtype fp8_e4m3 --kv-cache-rotation hadamard"
---kv-cache-dtype X (repeatable) is the configuration "--kv-cache-dtype X"; reports name each configuration by its
-  dtype, then +dynamic, +hadamard, +fp8-weights and :SCALES for the options it sets.
+--config X with a KV cache dtype alone is the configuration "--kv-cache-dtype X"; reports name each configuration by
+  its dtype, then +dynamic, +hadamard, +fp8-weights and :SCALES for the options it sets.
 every configuration is compared with the same engine using a float32 KV cache; by default all of them attend
 through the reference backend, so only what the caches store differs (--attention-backend auto: fused kernels)."""
 
@@ -164,22 +164,8 @@ def cmd_calibrate(ns: argparse.Namespace) -> int:
     return 0
 
 
-class _AppendTagged(argparse.Action):
-    """Append ``(tag, value)`` to the destination list, so that several options keep their command-line order."""
-
-    def __init__(self, *args: Any, tag: str, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.tag = tag
-
-    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
-                 option_string: str | None = None) -> None:
-        items = list(getattr(namespace, self.dest, None) or [])
-        items.append((self.tag, values))
-        setattr(namespace, self.dest, items)
-
-
 def add_eval_parser(sub: Any) -> None:
-    from kv8.tools.evaluate import CONFIG_OPTIONS
+    from kv8.tools.evaluate import CONFIG_OPTIONS, DEFAULT_CONFIGS
 
     e = sub.add_parser("eval", help="accuracy of KV-cache configurations against a float32 cache",
                        description="Teacher-forced perplexity, KL divergence and top-1 agreement against a float32 "
@@ -187,15 +173,13 @@ def add_eval_parser(sub: Any) -> None:
                        epilog=EVAL_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     EngineArgs.add_model_arg(e)
     e.add_argument("--data", nargs="+", required=True, metavar="FILE", help="evaluation text (as for calibrate)")
-    # both append to one list, so the report's rows follow the command line
-    e.add_argument("--config", dest="kv_configs", action=_AppendTagged, tag="config", default=[],
-                   metavar='"ENGINE FLAGS"',
-                   help='a configuration as engine flags in one argument, e.g. "--kv-cache-dtype fp8_e4m3 '
-                        '--quantization-param-path kv_cache_scales.json" or "--kv-cache-dtype fp8_e4m3 '
-                        '--kv-cache-scale-mode dynamic --kv-cache-rotation hadamard --quantization fp8"; the flags '
-                        "allowed: " + ", ".join(map(EngineArgs.flag, CONFIG_OPTIONS)) + " (repeatable)")
-    e.add_argument("--kv-cache-dtype", dest="kv_configs", action=_AppendTagged, tag="dtype", default=[],
-                   choices=KV_CACHE_DTYPE_NAMES, help="a KV configuration without a scales file (repeatable)")
+    e.add_argument("--config", dest="kv_configs", action="append", default=[], metavar='"ENGINE FLAGS"',
+                   help='a configuration to evaluate, as engine flags in one argument, e.g. "--kv-cache-dtype '
+                        'fp8_e4m3 --quantization-param-path kv_cache_scales.json" or "--kv-cache-dtype fp8_e4m3 '
+                        '--kv-cache-scale-mode dynamic --kv-cache-rotation hadamard --quantization fp8", or a KV '
+                        "cache dtype alone (fp8_e5m2); the flags allowed: "
+                        + ", ".join(map(EngineArgs.flag, CONFIG_OPTIONS)) + " (repeatable; default: "
+                        + ", ".join(DEFAULT_CONFIGS) + ")")
     e.add_argument("--window", type=int, default=512, help="tokens per window; the second half is scored")
     e.add_argument("--num-windows", type=int, default=16, help="windows to score (default 16)")
     e.add_argument("--skip-tokens", type=int, default=0, help="skip this many data tokens first (held-out data)")
@@ -213,7 +197,7 @@ def add_eval_parser(sub: Any) -> None:
 def cmd_eval(ns: argparse.Namespace) -> int:
     from kv8.tools.evaluate import DEFAULT_CONFIGS, KVConfig, evaluate
 
-    specs = [KVConfig.from_flags(v) if tag == "config" else KVConfig(v) for tag, v in ns.kv_configs]
+    specs = [KVConfig.from_flags(v) for v in ns.kv_configs]
     if not specs:
         specs = [KVConfig(d) for d in DEFAULT_CONFIGS]
     args = EngineArgs.from_cli_args(ns)

@@ -43,8 +43,8 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
+from kv8.cache.budget import blocks_to_hold
 from kv8.cache.codec import KVCodec
-from kv8.cache.layout import blocks_to_hold
 from kv8.engine.args import EngineArgs
 from kv8.engine.engine import LLMEngine
 from kv8.observer import EngineObserver
@@ -84,8 +84,10 @@ class KVConfig:
     @staticmethod
     def from_flags(text: str) -> KVConfig:
         """A configuration from engine flags, e.g. ``--kv-cache-dtype fp8_e4m3 --quantization-param-path s.json``
-        (the flags of :data:`CONFIG_OPTIONS`; ``--kv-cache-dtype`` is required). ``ValueError`` names what is
-        wrong."""
+        (the flags of :data:`CONFIG_OPTIONS`; ``--kv-cache-dtype`` is required), or a KV cache dtype alone
+        (``fp8_e5m2``: ``--kv-cache-dtype fp8_e5m2``). ``ValueError`` names what is wrong."""
+        if text.strip() and not text.strip().startswith("-"):
+            return KVConfig(text.strip())
         given = EngineArgs.parse_flags(text, include=CONFIG_OPTIONS, what="--config")
         if "kv_cache_dtype" not in given:
             raise ValueError(f"--config {text!r} names no --kv-cache-dtype; every configuration needs one, e.g. "
@@ -358,8 +360,7 @@ def evaluate(model: str, data: Sequence[str], configs: Sequence[KVConfig], *, wi
         results.append(ConfigResult(
             label=cfg.label if i else "float32 (reference)", kv_cache_dtype=engine.config.cache.kv_dtype.name,
             scales_source=engine.cache.scales.source if engine.cache.scales is not None else None,
-            bytes_per_token=engine.config.arch.kv_bytes_per_token(engine.config.cache.kv_dtype,
-                                                                  engine.config.cache.dynamic_scales),
+            bytes_per_token=engine.config.kv_budget().bytes_per_token,
             perplexity=ppl, delta_ppl=ppl - ref_ppl, mean_nll=sc.nll / sc.n, mean_kld=sc.kld / sc.n,
             max_kld=sc.max_kld, top1_agreement=sc.top1 / sc.n,
             greedy_mean_match=sum(matches) / len(matches) if matches else None,

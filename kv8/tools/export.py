@@ -144,8 +144,8 @@ def _save_from_hf(source: str, out_dir: str, new: dict[str, torch.Tensor]) -> No
 def _save_from_gguf(path: str, out_dir: str, new: dict[str, torch.Tensor], hf_config: dict[str, Any]) -> None:
     from safetensors.torch import save_file
 
-    from kv8.model.gguf_loader import iter_gguf_tensors, read_gguf
-    from kv8.model.tokenizer import load_tokenizer
+    from kv8.loader.gguf import iter_gguf_tensors, read_gguf
+    from kv8.loader.tokenizer import load_tokenizer
 
     gguf_model, reader = read_gguf(path)
     tensors = dict(iter_gguf_tensors(reader, gguf_model, torch.float32))
@@ -159,8 +159,8 @@ def _save_from_gguf(path: str, out_dir: str, new: dict[str, torch.Tensor], hf_co
 def save_model_with_scales(model: str, out_dir: str, scales: KVScales) -> str:
     """Write a Hugging Face directory for ``model`` (alias, HF directory or GGUF file) carrying ``scales``;
     returns the directory. See the module docstring for what is written."""
-    from kv8.model.loader import read_model_config
-    from kv8.model.sources import resolve_model_path
+    from kv8.loader.model import read_model_config
+    from kv8.loader.sources import resolve_model_path
 
     if scales.rotation != "none":
         raise ValueError(f"--save-model writes checkpoint scales, which cannot say they were calibrated on "

@@ -25,7 +25,7 @@ from kv8.layers.linear import (
     quantize_fp8_activations,
     scaled_mm_fp8_reference,
 )
-from kv8.model.loader import read_hf_config
+from kv8.loader.model import read_hf_config
 from kv8.quant.formats import E4M3, resolve_kv_cache_dtype
 from kv8.quant.scales import KVScales, ScaleGranularity
 from kv8.quant.weights import quantize_fp8_rows

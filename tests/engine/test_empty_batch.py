@@ -14,8 +14,8 @@ from kv8.attention.backend import FusedCPUBackend, ReferenceBackend
 from kv8.attention.metadata import AttentionMetadata
 from kv8.engine.sampler import argmax_reference, compute_logprobs, sample, select_argmax
 from kv8.engine.structured import apply_grammar_masks
-from kv8.kernels.build import KernelUnavailable
-from kv8.kernels.dense import DenseKernels, load_dense_kernels
+from kv8.kernels.cpu.build import KernelUnavailable
+from kv8.kernels.cpu.dense import DenseKernels, load_dense_kernels
 from tests.helpers.kernels import make_case
 
 VOCAB = 400

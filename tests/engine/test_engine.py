@@ -227,7 +227,7 @@ def test_fp8_cache_holds_twice_the_tokens_of_bf16(tiny_llama):
     assert caps["fp8_e4m3"] == caps["fp8_e5m2"] == caps["fp8_e4m3fnuz"] == 2 * caps["bfloat16"]
     # Dynamic scales cost one float32 per token, head and K/V: 4 / head_dim (16 here) = 25% on this tiny model.
     dyn = make_llm(tiny_llama, kv_cache_dtype="fp8", kv_cache_scale_mode="dynamic", kv_cache_memory="4MiB")
-    per_token = dyn.engine.config.arch.kv_bytes_per_token(dyn.engine.config.cache.kv_dtype, True)
+    per_token = dyn.engine.config.kv_budget().bytes_per_token
     assert per_token == 2 * 2 * 4 * (16 + 4)
     assert dyn.engine.kv_manager.num_blocks == (4 * 1024 * 1024) // (per_token * 16)
     assert dyn.engine.cache.nbytes <= 4 * 1024 * 1024

@@ -135,7 +135,7 @@ def test_attention_bits_depend_on_the_plan_not_on_the_running_threads(kv_name: s
     long contexts, where the plan splits contexts into partitions."""
     import torch
 
-    from kv8.kernels.attention import paged_attention_fused
+    from kv8.kernels.cpu.attention import paged_attention_fused
     from tests.helpers.kernels import load_or_skip, make_case
 
     lib = load_or_skip()
@@ -155,8 +155,8 @@ def test_attention_bits_depend_on_the_plan_not_on_the_running_threads(kv_name: s
 def test_dense_kernel_bits_do_not_depend_on_the_threads(two_threads: None) -> None:
     import torch
 
-    from kv8.kernels.build import KernelUnavailable
-    from kv8.kernels.dense import load_dense_kernels
+    from kv8.kernels.cpu.build import KernelUnavailable
+    from kv8.kernels.cpu.dense import load_dense_kernels
 
     try:
         dense = load_dense_kernels()

@@ -136,7 +136,7 @@ def test_messages_name_what_the_user_set(tiny_llama, tmp_path, capsys, caplog):
             max_model_len=64)
     assert any("calibrated for fp8_e4m3 but the cache stores fp8_e5m2" in r.getMessage() for r in caplog.records)
     (tmp_path / "short.txt").write_text("a few words only")
-    assert main(["eval", tiny_llama, "--data", str(tmp_path / "short.txt"), "--kv-cache-dtype", "fp8",
+    assert main(["eval", tiny_llama, "--data", str(tmp_path / "short.txt"), "--config", "fp8",
                  "--window", "64", "--num-windows", "1", "--gen-prompts", "0"]) == 2
     assert "smaller --window" in capsys.readouterr().err
 

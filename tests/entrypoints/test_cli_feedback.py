@@ -23,7 +23,7 @@ TEXT = ("The quick brown fox jumps over the lazy dog. London is the capital of E
 @pytest.mark.skipif(shutil.which(envs.cxx()) is None, reason="no C++ compiler")
 def test_compiling_kernels_says_so_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                          capsys: pytest.CaptureFixture[str]) -> None:
-    from kv8.kernels import build
+    from kv8.kernels.cpu import build
 
     monkeypatch.setenv("KV8_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setattr(build, "_announced", False)
@@ -100,8 +100,8 @@ def test_eval_rows_follow_the_command_line_and_unmeasured_greedy_is_a_dash(tiny_
     data = tmp_path / "data.txt"
     data.write_text(TEXT)
     report_path = tmp_path / "r.json"
-    assert main(["eval", tiny_llama, "--data", str(data), "--kv-cache-dtype", "fp8_e5m2",
-                 "--config", "--kv-cache-dtype fp8_e4m3", "--kv-cache-dtype", "bfloat16", "--window", "16",
+    assert main(["eval", tiny_llama, "--data", str(data), "--config", "fp8_e5m2",
+                 "--config", "--kv-cache-dtype fp8_e4m3", "--config", "bfloat16", "--window", "16",
                  "--num-windows", "1", "--gen-prompts", "0",
                  "--json", str(report_path), "--no-progress"]) == 0
     table = capsys.readouterr().out

@@ -477,7 +477,7 @@ def test_client_metadata_is_accepted_and_changes_nothing(server: Server, client:
 
 def test_tokenize_and_detokenize_endpoints(server: Server, tiny_llama: str) -> None:
     """vLLM's /tokenize and /detokenize: the ids generation sees for a prompt or a chat, and text back."""
-    from kv8.model.tokenizer import load_tokenizer
+    from kv8.loader.tokenizer import load_tokenizer
 
     oracle = load_tokenizer("hf", tiny_llama)
     resp = post(server, "/tokenize", {"model": tiny_llama, "prompt": "Hello there"})

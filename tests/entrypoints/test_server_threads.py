@@ -18,7 +18,7 @@ from kv8.engine.engine import LLMEngine
 from kv8.entrypoints.openai.metrics import ServerMetrics
 from kv8.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
 from kv8.entrypoints.openai.serving import OpenAIServing, ServingLimits
-from kv8.model.tokenizer import load_tokenizer
+from kv8.loader.tokenizer import load_tokenizer
 
 NUM_THREADS, ITERATIONS, DEADLINE_S = 4, 20, 120.0
 PROMPTS = ["The quick brown fox jumps over the lazy dog.", "Paris is the capital of France,",

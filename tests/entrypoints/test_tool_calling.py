@@ -43,7 +43,7 @@ from kv8.entrypoints.openai.tool_calling import (
     ToolPlan,
     required_schema,
 )
-from kv8.model.tokenizer import load_tokenizer
+from kv8.loader.tokenizer import load_tokenizer
 from kv8.outputs import CompletionOutput, RequestOutput
 from tests.conftest import make_tiny_model
 from tests.helpers.paths import FIXTURES

@@ -16,7 +16,7 @@ from kv8.cache.codec import KVCodec
 from kv8.cache.layout import KVCacheLayout
 from kv8.cache.paged_cache import CacheShape, PagedKVCache
 from kv8.layers.attention import AttentionContext
-from kv8.model.loader import load_model
+from kv8.loader.model import load_model
 from kv8.quant.formats import resolve_kv_cache_dtype
 from kv8.quant.rotation import hadamard
 from kv8.quant.scales import KVScales

@@ -15,10 +15,10 @@ from kv8.cache.codec import KVCodec
 from kv8.cache.paged_cache import CacheShape, PagedKVCache
 from kv8.engine.args import EngineArgs
 from kv8.engine.engine import LLMEngine
-from kv8.kernels import attention as kernels
-from kv8.kernels.attention import load_kernels
-from kv8.kernels.build import KernelUnavailable
-from kv8.kernels.dense import DenseKernels, load_dense_kernels
+from kv8.kernels.cpu import attention as kernels
+from kv8.kernels.cpu.attention import load_kernels
+from kv8.kernels.cpu.build import KernelUnavailable
+from kv8.kernels.cpu.dense import DenseKernels, load_dense_kernels
 from kv8.observer import EngineObserver
 from kv8.quant.formats import KVCacheDtype, resolve_kv_cache_dtype
 from kv8.quant.scales import KVScales, ScaleGranularity

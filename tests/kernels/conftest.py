@@ -6,7 +6,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from kv8.kernels.attention import KernelLibrary
+from kv8.kernels.cpu.attention import KernelLibrary
 from tests.conftest import amx_path
 
 

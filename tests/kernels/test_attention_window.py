@@ -33,8 +33,8 @@ from kv8.attention.metadata import AttentionMetadata
 from kv8.attention.reference import paged_attention_reference
 from kv8.cache.codec import KVCodec
 from kv8.cache.paged_cache import CacheShape, PagedKVCache
-from kv8.kernels import attention as kernels
-from kv8.kernels.attention import paged_attention_fused
+from kv8.kernels.cpu import attention as kernels
+from kv8.kernels.cpu.attention import paged_attention_fused
 from kv8.quant.formats import resolve_kv_cache_dtype
 from kv8.quant.scales import KVScales, ScaleGranularity
 from tests.helpers.kernels import decode_kernel, load_or_skip, prefill_kernel, scattered_tables

@@ -1,4 +1,4 @@
-"""The fused CPU kernels (kv8.kernels.attention / csrc/attention/attention.cpp) against the torch reference.
+"""The fused CPU kernels (kv8.kernels.cpu.attention / csrc/attention/attention.cpp) against the torch reference.
 
 * FP8 decode: both decoders (bits: generic path; bf16 tables: AVX-512 path) equal the format's value table
   for all 256 codes of all three formats, bit for bit (NaN where the table has NaN), also with the calling
@@ -32,15 +32,15 @@ import pytest
 import torch
 
 import kv8.attention.backend as backend_mod
-import kv8.attention.fused as fused_backend
+import kv8.attention.cpu_fused as fused_backend
 from kv8.attention.backend import FusedCPUBackend, ReferenceBackend, get_backend
 from kv8.attention.metadata import AttentionMetadata
 from kv8.attention.reference import paged_attention_reference
 from kv8.cache.paged_cache import CacheShape, PagedKVCache
-from kv8.kernels import attention as kernels
-from kv8.kernels.abi import check_abi
-from kv8.kernels.attention import KernelUnavailable, paged_attention_fused, store_kv_fused
-from kv8.kernels.build import cpu_flags
+from kv8.kernels.cpu import attention as kernels
+from kv8.kernels.cpu.abi import check_abi
+from kv8.kernels.cpu.attention import KernelUnavailable, paged_attention_fused, store_kv_fused
+from kv8.kernels.cpu.build import cpu_flags
 from kv8.quant.formats import FP8_FORMATS, resolve_kv_cache_dtype
 from kv8.quant.scales import KVScales
 from tests.helpers.kernels import (
@@ -489,14 +489,14 @@ def test_codes_and_messages_come_from_the_library(lib: kernels.KernelLibrary) ->
 def test_struct_mirror_mismatch_is_refused(lib: kernels.KernelLibrary) -> None:
     """A library whose argument structs differ from the ctypes mirror is KernelUnavailable, with both layouts."""
     c_layout = lib.abi_layout()
-    check_abi(c_layout, lib.STRUCTS, "kv8.kernels.attention")  # the real mirror matches
+    check_abi(c_layout, lib.STRUCTS, "kv8.kernels.cpu.attention")  # the real mirror matches
 
     class Swapped(ctypes.Structure):
         _fields_ = [(n, t) for n, t in reversed(kernels.StoreCall._fields_)]
 
     structs = tuple((name, Swapped if struct is kernels.StoreCall else struct) for name, struct in lib.STRUCTS)
-    with pytest.raises(KernelUnavailable, match="mirror in kv8.kernels.attention"):
-        check_abi(c_layout, structs, "kv8.kernels.attention")
+    with pytest.raises(KernelUnavailable, match="mirror in kv8.kernels.cpu.attention"):
+        check_abi(c_layout, structs, "kv8.kernels.cpu.attention")
 
 
 def test_layer_args_follow_replaced_scales(lib: kernels.KernelLibrary) -> None:

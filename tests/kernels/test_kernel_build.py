@@ -14,9 +14,9 @@ import shutil
 
 import pytest
 
-from kv8.kernels.attention import load_kernels
-from kv8.kernels.build import cpu_flags
-from kv8.kernels.dense import load_dense_kernels
+from kv8.kernels.cpu.attention import load_kernels
+from kv8.kernels.cpu.build import cpu_flags
+from kv8.kernels.cpu.dense import load_dense_kernels
 
 
 def test_kernels_build_where_the_machine_can() -> None:

@@ -1,5 +1,5 @@
-"""kv8.kernels.build: the build cache covers the headers a source includes (nested ones too), so editing one rebuilds
-the library. Skipped where there is no C++ compiler."""
+"""kv8.kernels.cpu.build: the build cache covers the headers a source includes (nested ones too), so editing one
+rebuilds the library. Skipped where there is no C++ compiler."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from kv8 import envs
-from kv8.kernels.build import KernelUnavailable, build_shared_library
+from kv8.kernels.cpu.build import KernelUnavailable, build_shared_library
 
 pytestmark = pytest.mark.skipif(shutil.which(envs.cxx()) is None, reason=f"no C++ compiler ({envs.cxx()!r})")
 

@@ -10,13 +10,13 @@ import logging
 import pytest
 import torch
 
-import kv8.kernels.dense as dense_kernels
+import kv8.kernels.cpu.dense as dense_kernels
 import kv8.layers.dense_backend as dense_backend
 from kv8.engine.args import EngineArgs
 from kv8.engine.engine import LLMEngine
-from kv8.kernels.abi import check_abi
-from kv8.kernels.build import KernelUnavailable, cpu_flags
-from kv8.kernels.dense import DenseKernels
+from kv8.kernels.cpu.abi import check_abi
+from kv8.kernels.cpu.build import KernelUnavailable, cpu_flags
+from kv8.kernels.cpu.dense import DenseKernels
 from kv8.layers.activation import GeluAndMul, SiluAndMul, gelu_tanh_mul_reference, silu_mul_reference
 from kv8.layers.dense_backend import TORCH_BACKEND, DenseBackend, select_dense_backend
 from kv8.layers.linear import GateUpLinear, Linear, LinearBase, MergedLinear, QKVLinear, linear_reference
@@ -329,14 +329,14 @@ def test_what_the_library_refuses_raises_its_message(lib: DenseKernels) -> None:
 @needs_kernel
 def test_dense_struct_mirror_mismatch_is_refused(lib: DenseKernels) -> None:
     """A dense library whose argument structs differ from the ctypes mirror is KernelUnavailable."""
-    check_abi(lib.abi_layout(), lib.STRUCTS, "kv8.kernels.dense")  # the real mirror matches
+    check_abi(lib.abi_layout(), lib.STRUCTS, "kv8.kernels.cpu.dense")  # the real mirror matches
 
     class Narrow(ctypes.Structure):   # LinearCall with 32-bit row counts
         _fields_ = [(n, ctypes.c_int32 if t is ctypes.c_int64 else t) for n, t in dense_kernels.LinearCall._fields_]
 
     structs = tuple((name, Narrow if struct is dense_kernels.LinearCall else struct) for name, struct in lib.STRUCTS)
-    with pytest.raises(KernelUnavailable, match="mirror in kv8.kernels.dense"):
-        check_abi(lib.abi_layout(), structs, "kv8.kernels.dense")
+    with pytest.raises(KernelUnavailable, match="mirror in kv8.kernels.cpu.dense"):
+        check_abi(lib.abi_layout(), structs, "kv8.kernels.cpu.dense")
 
 
 @needs_kernel

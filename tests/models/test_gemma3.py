@@ -27,11 +27,11 @@ from kv8.attention.backend import ReferenceBackend
 from kv8.attention.metadata import AttentionMetadata
 from kv8.cache.codec import KVCodec
 from kv8.cache.paged_cache import CacheShape, PagedKVCache
-from kv8.kernels.build import KernelUnavailable
+from kv8.kernels.cpu.build import KernelUnavailable
 from kv8.layers.activation import GeluAndMul, gelu_tanh_mul_reference
 from kv8.layers.attention import AttentionContext
 from kv8.layers.norm import GemmaRMSNorm, gemma_rmsnorm_reference
-from kv8.model.loader import load_model
+from kv8.loader.model import load_model
 from kv8.models.gemma3 import Gemma3ArchConfig, Gemma3ForCausalLM
 from kv8.models.registry import arch_config, model_class
 from kv8.quant.formats import resolve_kv_cache_dtype
@@ -234,7 +234,7 @@ def test_long_prompt_fp8_cache_matches_transformers_with_fp8_rounded_kv(gemma_pa
 
 @pytest.fixture(scope="module")
 def gemma3_270m() -> str:
-    from kv8.model.sources import gemma3_270m_path
+    from kv8.loader.sources import gemma3_270m_path
 
     try:
         return gemma3_270m_path()
@@ -248,7 +248,7 @@ def test_gemma3_270m_logits_match_transformers_on_the_same_gguf(gemma3_270m: str
     position against transformers' forward of the whole sequence (measured: max |diff| 2.5e-5, logit std 4.7)."""
     from transformers import AutoModelForCausalLM
 
-    from kv8.model.tokenizer import load_tokenizer
+    from kv8.loader.tokenizer import load_tokenizer
 
     directory, file = os.path.split(gemma3_270m)
     prompt = load_tokenizer("gguf", gemma3_270m)("The capital of France is").input_ids

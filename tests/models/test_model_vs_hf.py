@@ -18,9 +18,9 @@ import re
 import pytest
 import torch
 
-from kv8.kernels.build import KernelUnavailable
+from kv8.kernels.cpu.build import KernelUnavailable
 from kv8.layers.linear import LinearBase
-from kv8.model.loader import load_model
+from kv8.loader.model import load_model
 from kv8.models.llama import LlamaForCausalLM
 from kv8.models.qwen3 import Qwen3ForCausalLM
 from kv8.models.registry import model_class, supported_model_types

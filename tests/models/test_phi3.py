@@ -27,7 +27,7 @@ from safetensors.torch import load_file
 from kv8 import LLM, SamplingParams
 from kv8.engine.args import EngineArgs
 from kv8.engine.engine import LLMEngine
-from kv8.model.loader import load_model
+from kv8.loader.model import load_model
 from kv8.models.phi3 import Phi3ArchConfig, Phi3ForCausalLM
 from kv8.models.registry import arch_config, model_class
 from kv8.observer import EngineObserver

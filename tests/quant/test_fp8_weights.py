@@ -13,8 +13,8 @@ import torch
 
 from kv8 import LLM, SamplingParams
 from kv8.engine.args import EngineArgs
-from kv8.kernels.build import KernelUnavailable
-from kv8.kernels.dense import DenseKernels, load_dense_kernels
+from kv8.kernels.cpu.build import KernelUnavailable
+from kv8.kernels.cpu.dense import DenseKernels, load_dense_kernels
 from kv8.layers.activation import SiluAndMul
 from kv8.layers.dense_backend import DenseBackend
 from kv8.layers.linear import (

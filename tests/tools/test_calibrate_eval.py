@@ -392,7 +392,7 @@ def test_cli_calibrate_and_eval(tiny_models: dict[str, str], text_file: str, tmp
     assert json.loads(out.read_text())["kv_cache"]["dtype"] == "float8_e4m3fn"   # vLLM schema by default
     report, plot = tmp_path / "r.json", tmp_path / "r.png"
     assert main(["eval", model, "--data", text_file, "--config",
-                 f"--kv-cache-dtype fp8_e4m3 --quantization-param-path {out}", "--kv-cache-dtype", "fp8_e5m2",
+                 f"--kv-cache-dtype fp8_e4m3 --quantization-param-path {out}", "--config", "fp8_e5m2",
                  "--window", "16", "--num-windows", "1", "--gen-prompts", "1", "--gen-prompt-len", "4",
                  "--gen-tokens", "3", "--json", str(report), "--plot", str(plot), "--no-progress"]) == 0
     assert "fp8_e4m3:" in capsys.readouterr().out
@@ -506,10 +506,11 @@ def test_eval_dynamic_and_rotation_configs(tiny_models: dict[str, str], text_fil
     assert (scaled.quantization_param_path, scaled.label) == ("my scales.json", "fp8_e5m2+hadamard:my scales.json")
     for bad, message in (("--kv-cache-dtype fp8_e4m3 --kv-cache-rotation rotate", "invalid choice: 'rotate'"),
                          ("--kv-cache-dtype fp8_e4m3 --block-size 32", "unrecognized arguments: --block-size 32"),
-                         ("fp8_e4m3+dynamic", "unrecognized arguments: fp8_e4m3"),
+                         ("fp8_e4m3+dynamic", "kv_cache_dtype='fp8_e4m3+dynamic' is not supported"),
                          ("--kv-cache-scale-mode dynamic", "names no --kv-cache-dtype")):
         with pytest.raises(ValueError, match=re.escape(message)):
             KVConfig.from_flags(bad)
+    assert KVConfig.from_flags(" fp8_e5m2 ") == KVConfig("fp8_e5m2")   # a dtype alone: --kv-cache-dtype X
     weights = KVConfig.from_flags("--kv-cache-dtype fp8_e4m3 --quantization fp8")
     assert (weights.quantization, weights.label) == ("fp8", "fp8_e4m3+fp8-weights")
     report = evaluate(tiny_models["llama"], [text_file], [cfg, KVConfig("fp8_e4m3"), weights], window=24,

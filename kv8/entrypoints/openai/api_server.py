@@ -1,4 +1,4 @@
-"""``kv8 serve`` / ``kv8 run``: an OpenAI-compatible HTTP server (FastAPI on uvicorn).
+"""``kv8 serve`` (alias ``kv8 run``): an OpenAI-compatible HTTP server (FastAPI on uvicorn).
 
 Routes: those of :data:`kv8.entrypoints.openai.routes.ROUTES` (``POST /v1/completions``, ``POST
 /v1/chat/completions``, ``POST /tokenize``, ``POST /detokenize``, ``GET /tokenizer_info``) and ``GET /v1/models``,

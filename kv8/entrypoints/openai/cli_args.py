@@ -1,4 +1,4 @@
-"""The options of ``kv8 serve`` / ``kv8 run`` that are not engine options: the HTTP server's and the data-parallel
+"""The options of ``kv8 serve`` (alias ``kv8 run``) that are not engine options: the HTTP server's and the data-parallel
 ones (vLLM's names), each declared once as a field of :class:`ServerArgs`.
 
 The flags are generated from the fields (:class:`kv8.options.OptionGroup`), ``serve run`` / a Serve config file
@@ -114,7 +114,7 @@ class ServerArgs(OptionGroup):
 
 
 def add_serve_args(parser: argparse.ArgumentParser, *model_flags: str, model_optional: bool = False) -> None:
-    """The arguments of ``kv8 serve`` / ``kv8 run`` on ``parser``: the model (positional, and as ``model_flags``),
+    """The arguments of ``kv8 serve`` (alias ``kv8 run``) on ``parser``: the model (positional, and as ``model_flags``),
     the server and data-parallel options and the engine options. ``serve run``'s builder parses its arguments with
     the same set (:func:`kv8.entrypoints.dp.app.app_builder`)."""
     EngineArgs.add_model_arg(parser, *model_flags, optional=model_optional)

@@ -35,7 +35,7 @@ from typing import Any
 
 from kv8.engine.config import EngineConfig
 from kv8.entrypoints.openai.protocol import APIError, ChatMessage
-from kv8.model.tokenizer import load_tokenizer
+from kv8.loader.tokenizer import load_tokenizer
 
 
 @functools.cache

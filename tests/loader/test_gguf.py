@@ -1,4 +1,4 @@
-"""Tests for kv8.model.gguf_loader, kv8.model.tokenizer and kv8.model.sources.
+"""Tests for kv8.loader.gguf, kv8.loader.tokenizer and kv8.loader.sources.
 
 Oracles: transformers' own GGUF loading of SmolLM2-135M-Instruct (weights and tokenizer), and tiny
 synthetic GGUF files written here with `gguf.GGUFWriter`, whose original Hugging Face tensors are known.
@@ -17,8 +17,8 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as QT
 
-from kv8.model import sources
-from kv8.model.gguf_loader import (
+from kv8.loader import sources
+from kv8.loader.gguf import (
     SUPPORTED_TENSOR_TYPES,
     GGUFModel,
     _FastGGUFReader,
@@ -27,8 +27,8 @@ from kv8.model.gguf_loader import (
     iter_gguf_tensors,
     read_gguf,
 )
-from kv8.model.sources import MODEL_ALIASES, default_model_path, resolve_model_path
-from kv8.model.tokenizer import gguf_tokenizer_cache_path, load_tokenizer
+from kv8.loader.sources import MODEL_ALIASES, default_model_path, resolve_model_path
+from kv8.loader.tokenizer import gguf_tokenizer_cache_path, load_tokenizer
 
 SMOLLM2 = default_model_path()
 SMOLLM2_DIR, SMOLLM2_FILE = os.path.split(SMOLLM2)
@@ -607,7 +607,7 @@ def test_gemma3_layer_pattern_and_softcapping_keys(tmp_path: Path) -> None:
                                                                 "sliding_attention"]
     path = tmp_path / "softcap.gguf"
     write_tiny_gemma3_gguf(path, hf, **shape, metadata={"gemma3.final_logit_softcapping": 30.0})
-    from kv8.model.loader import load_model
+    from kv8.loader.model import load_model
 
     with pytest.raises(ValueError, match=r"final_logit_softcapping=30\.0 is not supported"):
         load_model("gguf", str(path), torch.float32)

@@ -20,15 +20,15 @@ from pathlib import Path
 
 import torch
 
-from kv8.kernels.abi import NativeLibrary
-from kv8.kernels.build import KernelUnavailable, build_shared_library
+from kv8.kernels.cpu.abi import NativeLibrary
+from kv8.kernels.cpu.build import KernelUnavailable, build_shared_library
 
 __all__ = ["DenseKernels", "load_dense_kernels"]
 
 SOURCE = Path(__file__).parent / "csrc" / "dense" / "dense.cpp"
 
 # ------------------------------------------------------------------------------------------------
-# The argument structs (csrc/dense/abi.h), checked against the library's layout at load (kv8.kernels.abi).
+# The argument structs (csrc/dense/abi.h), checked against the library's layout at load (kv8.kernels.cpu.abi).
 # ------------------------------------------------------------------------------------------------
 
 _P, _I32, _I64 = ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64

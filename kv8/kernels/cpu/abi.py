@@ -14,7 +14,7 @@ import ctypes
 from pathlib import Path
 from typing import Any, ClassVar
 
-from kv8.kernels.build import KernelUnavailable
+from kv8.kernels.cpu.build import KernelUnavailable
 
 __all__ = ["NativeLibrary", "Structs", "abi_layout", "check_abi", "code_table"]
 

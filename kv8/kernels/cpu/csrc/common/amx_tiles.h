@@ -1,5 +1,5 @@
 // AMX (Intel AMX-BF16) set-up shared by the dense library (../dense: the packed linear) and the attention library
-// (../attention: the prefill loop and decode items). kv8/kernels/build.py hashes the files a source includes with
+// (../attention: the prefill loop and decode items). kv8/kernels/cpu/build.py hashes the files a source includes with
 // #include "...", so an edit here rebuilds both libraries.
 //
 // KV8_AMX is 1 where the compiler targets AMX-TILE and AMX-BF16 (-march=native on such a CPU) on Linux; the

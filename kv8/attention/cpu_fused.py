@@ -1,4 +1,4 @@
-"""The ``cpu_fused`` attention backend: kv8's C++ attention library (:mod:`kv8.kernels.attention`) stores the new
+"""The ``cpu_fused`` attention backend: kv8's C++ attention library (:mod:`kv8.kernels.cpu.attention`) stores the new
 K/V (quantize-on-store) and attends over the paged cache."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import torch
 
 from kv8.attention.metadata import AttentionMetadata
 from kv8.cache.paged_cache import PagedKVCache
-from kv8.kernels.attention import load_kernels
+from kv8.kernels.cpu.attention import load_kernels
 
 __all__ = ["FusedCPUBackend"]
 
@@ -15,7 +15,7 @@ __all__ = ["FusedCPUBackend"]
 class FusedCPUBackend:
     """Store with the C++ quantize-on-store kernel, then attend with the fused paged-attention kernel.
 
-    Construction builds/loads the kernels and raises :class:`kv8.kernels.build.KernelUnavailable` (with the reason)
+    Construction builds/loads the kernels and raises :class:`kv8.kernels.cpu.build.KernelUnavailable` (with the reason)
     if it can't. ``forward`` calls the library's trusted entries: the engine validated shapes and dtypes at its
     boundary, and the per-layer checks run once, when a layer's arguments are built.
     """

@@ -1,12 +1,12 @@
 // kv8 CPU kernels for the dense part of a decoder layer, bf16 in and out: linear layers on pre-packed
 // weights (linear.h), and RMSNorm with the residual add fused in, SiLU(gate) * up, and RoPE of q/k
 // with v copied out (elementwise.h). This file is the one translation unit; the parts are
-// headers so that the build stays one g++ call (kv8/kernels/build.py hashes every included file).
+// headers so that the build stays one g++ call (kv8/kernels/cpu/build.py hashes every included file).
 //
 // Also the row argmax of float32 logits that the sampler uses (argmax.h).
 //
-// Plain C ABI (extern "C"), loaded with ctypes by kv8/kernels/dense.py, compiled there with
-// `g++ -O3 -march=native -fopenmp -shared -fPIC` (the build is kv8/kernels/build.py's). No torch headers. Each entry
+// Plain C ABI (extern "C"), loaded with ctypes by kv8/kernels/cpu/dense.py, compiled there with
+// `g++ -O3 -march=native -fopenmp -shared -fPIC` (the build is kv8/kernels/cpu/build.py's). No torch headers. Each entry
 // point takes a pointer to its argument struct (abi.h: declared once, its layout checked by Python at load) and
 // returns OK or an error code whose message Python raises (../common/kv8_abi.h).
 //

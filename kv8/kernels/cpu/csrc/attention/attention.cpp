@@ -1,7 +1,7 @@
 // kv8 CPU kernels: fused paged attention over an 8/16/32-bit paged KV cache, and quantize-on-store.
 //
 // The one translation unit of the library: it includes the parts below and defines the C ABI (extern "C",
-// argument structs in abi.h), loaded with ctypes by kv8/kernels/attention.py and compiled by kv8/kernels/build.py
+// argument structs in abi.h), loaded with ctypes by kv8/kernels/cpu/attention.py and compiled by kv8/kernels/cpu/build.py
 // (`g++ -O3 -march=<march> -fopenmp -shared -fPIC`; the build hash covers every file included here, recursively).
 // No torch headers: pointers and sizes only.
 //
@@ -139,7 +139,7 @@ int kv8_paged_attention(const kv8_layer* layer, const kv8_attention_call* call) 
 int kv8_store_kv(const kv8_layer* layer, const kv8_store_call* call) { return run_store(*layer, *call); }
 
 // ------------------------------------------------------------------------------------------------
-// Testing interface: entry points for kv8's tests only (kv8.kernels.attention.KernelTesting)
+// Testing interface: entry points for kv8's tests only (kv8.kernels.cpu.attention.KernelTesting)
 // ------------------------------------------------------------------------------------------------
 
 // Which item kernel serves items of `rows` rows (query heads per KV head x query tokens of one sequence) in a

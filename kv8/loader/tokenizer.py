@@ -62,7 +62,7 @@ def _convert_gguf_tokenizer(path: str, target: str) -> None:
 
 
 def load_tokenizer(kind: str, path: str, cache_dir: str | None = None) -> PreTrainedTokenizerBase:
-    """The fast tokenizer of a model resolved by `kv8.model.sources.resolve_model_path`.
+    """The fast tokenizer of a model resolved by `kv8.loader.sources.resolve_model_path`.
 
     ``kind`` is ``"hf"`` (``path`` a model directory: `AutoTokenizer.from_pretrained`) or ``"gguf"``
     (``path`` a .gguf file: converted once, then read from the cache; see the module docstring). The

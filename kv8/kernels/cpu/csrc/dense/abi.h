@@ -1,5 +1,5 @@
 // The argument structures of the dense library's entry points (dense.cpp), mirrored by ctypes.Structure classes in
-// kv8/kernels/dense.py. Each struct is declared once, as a field list; the same list generates the struct and the
+// kv8/kernels/cpu/dense.py. Each struct is declared once, as a field list; the same list generates the struct and the
 // layout text kv8_abi_layout() returns (../common/kv8_abi.h), which Python checks against its mirror at load.
 //
 //   kv8_pack_call      one weight matrix into the packed layout (kv8_linear_packed_size, kv8_linear_pack)
@@ -90,7 +90,7 @@
     X(int64_t, cols)                      \
     X(int32_t, num_threads)
 
-// The structs, in the order of the layout text (and of kv8/kernels/dense.py's STRUCTS).
+// The structs, in the order of the layout text (and of kv8/kernels/cpu/dense.py's STRUCTS).
 #define KV8_DENSE_STRUCTS(Y)                             \
     Y(kv8_pack_call, KV8_PACK_CALL_FIELDS)               \
     Y(kv8_linear_call, KV8_LINEAR_CALL_FIELDS)           \

@@ -1,5 +1,5 @@
 // exp of 16 float32 lanes for kv8's C++ kernels (AVX-512), shared by the attention library (../attention) and the
-// dense library (../dense). kv8/kernels/build.py hashes the files a source includes with #include "...", so an edit
+// dense library (../dense). kv8/kernels/cpu/build.py hashes the files a source includes with #include "...", so an edit
 // here rebuilds both libraries.
 #pragma once
 #include <immintrin.h>

@@ -69,7 +69,7 @@ def read_hf_config(path: str) -> dict[str, Any]:
 @functools.lru_cache(maxsize=2)
 def _read_gguf(path: str, mtime: float) -> tuple[Any, Any]:
     """Parse a GGUF file once per (path, mtime): the config read and the weight load share the parse."""
-    from kv8.model.gguf_loader import read_gguf
+    from kv8.loader.gguf import read_gguf
 
     return read_gguf(path)
 
@@ -203,7 +203,7 @@ def load_model(kind: str, path: str, dtype: torch.dtype, dense_backend: str = "t
     speed without its weights (vLLM's ``--load-format dummy``)."""
     start = time.perf_counter()
     if kind == "gguf":
-        from kv8.model.gguf_loader import iter_gguf_tensors
+        from kv8.loader.gguf import iter_gguf_tensors
 
         gguf_model, reader = _read_gguf(path, os.path.getmtime(path))
         hf_config = dict(gguf_model.hf_config)

@@ -1,12 +1,12 @@
 """The attention library: fused CPU paged attention and quantize-on-store, a C++ kernel built on first use,
-called through ctypes (the ``cpu_fused`` backend, :class:`kv8.attention.fused.FusedCPUBackend`, calls it).
+called through ctypes (the ``cpu_fused`` backend, :class:`kv8.attention.cpu_fused.FusedCPUBackend`, calls it).
 
 Why this shape: PyTorch's float8 conversions run at ~1 GB/s on this CPU, so dequantize-then-attend is slower
 than a bf16 cache; the dequant has to live inside the attention loop. numba is not installed and
 ``torch.compile`` takes tens of seconds to start and cannot express the bit-level decode, so the kernels are
 plain C++ (``csrc/attention/attention.cpp`` and the parts it includes; intrinsics, OpenMP, a C ABI, no torch
 headers), compiled with the system ``g++`` once (about 11 s; ``scripts/setup.sh`` does it) and cached
-(:mod:`kv8.kernels.build`: one build per source and included headers, compiler and CPU, atomic publication). The
+(:mod:`kv8.kernels.cpu.build`: one build per source and included headers, compiler and CPU, atomic publication). The
 library links ``libgomp.so.1`` by soname, so in a torch process it shares torch's OpenMP runtime and thread pool.
 
 Interface: each entry point takes pointers to argument structs (``csrc/attention/abi.h``) mirrored here with
@@ -34,8 +34,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kv8.kernels.abi import NativeLibrary, code_table
-from kv8.kernels.build import KernelUnavailable, build_shared_library
+from kv8.kernels.cpu.abi import NativeLibrary, code_table
+from kv8.kernels.cpu.build import KernelUnavailable, build_shared_library
 from kv8.validators import check_int
 
 if TYPE_CHECKING:   # annotations only: kv8.kernels sits below the attention and cache packages
@@ -54,7 +54,7 @@ __all__ = [
 SOURCE = Path(__file__).parent / "csrc" / "attention" / "attention.cpp"
 
 # ------------------------------------------------------------------------------------------------
-# The argument structs (csrc/attention/abi.h), checked against the library's layout at load (kv8.kernels.abi).
+# The argument structs (csrc/attention/abi.h), checked against the library's layout at load (kv8.kernels.cpu.abi).
 # ------------------------------------------------------------------------------------------------
 
 _P = ctypes.c_void_p
@@ -108,7 +108,7 @@ def _build(march: str) -> Path:
 class KernelLibrary(NativeLibrary):
     """The loaded kernels (build with :func:`load_kernels`).
 
-    Production interface, used by :class:`kv8.attention.fused.FusedCPUBackend`: :meth:`store` and
+    Production interface, used by :class:`kv8.attention.cpu_fused.FusedCPUBackend`: :meth:`store` and
     :meth:`attention`. They trust their arguments (the engine validated options and shapes at its boundary): tensors
     on the CPU, contiguous int64 metadata, shapes matching the cache. The C side still checks what memory safety
     needs (block ids, slots, lengths, table width) and a failure raises ``ValueError`` naming it.

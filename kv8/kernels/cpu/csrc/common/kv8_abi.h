@@ -1,12 +1,12 @@
 // What kv8's two kernel libraries (../attention, ../dense) share at their C boundary, defined once: the dtype codes
 // and the table of KV cache formats, the error codes and their messages, and the machinery that declares argument
-// structs and spells their layout. Python (kv8/kernels/abi.py) reads the names, the messages and the layout from each
+// structs and spells their layout. Python (kv8/kernels/cpu/abi.py) reads the names, the messages and the layout from each
 // library at load, so no number defined here is copied on the Python side.
 //
 // Argument structs: a library lists its structs once, STRUCTS(Y) calling Y(S, FIELDS) for each struct S whose
 // fields FIELDS(X) lists as X(type, name). KV8_ABI_STRUCTS(STRUCTS) declares the structs from the lists and
 // abi_layout_text(), which spells their layout as "S <size>: <field>@<offset>+<size> ...; S2 ...;" (structs and
-// fields in list order): the text kv8.kernels.abi.abi_layout builds from the ctypes mirror. The library exports
+// fields in list order): the text kv8.kernels.cpu.abi.abi_layout builds from the ctypes mirror. The library exports
 // it as kv8_abi_layout(), and Python refuses a library whose text differs from its mirror's.
 #pragma once
 

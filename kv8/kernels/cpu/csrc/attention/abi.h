@@ -1,5 +1,5 @@
 // The argument structures of the C entry points (attention.cpp), mirrored by ctypes.Structure classes in
-// kv8/kernels/attention.py. Each struct is declared once, as a field list; the same list generates the struct and
+// kv8/kernels/cpu/attention.py. Each struct is declared once, as a field list; the same list generates the struct and
 // the layout text kv8_abi_layout() returns (../common/kv8_abi.h), which Python checks against its mirror at load.
 //
 //   kv8_layer           one (cache, layer): constant across steps, built once per layer and reused
@@ -70,7 +70,7 @@
     X(int32_t, in_dtype)                  \
     X(int32_t, num_threads)
 
-// The structs, in the order of the layout text (and of kv8/kernels/attention.py's STRUCTS).
+// The structs, in the order of the layout text (and of kv8/kernels/cpu/attention.py's STRUCTS).
 #define KV8_ATTENTION_STRUCTS(Y)                         \
     Y(kv8_layer, KV8_LAYER_FIELDS)                       \
     Y(kv8_attention_call, KV8_ATTENTION_CALL_FIELDS)     \

@@ -1,0 +1,162 @@
+"""KV-cache sizing in one place: bytes per token and per block, blocks for a budget, what fits.
+
+:class:`KVBudget` answers every sizing question for one tensor-parallel rank: the engine and its workers (blocks
+per pool, the free-memory check), ``kv8 info`` (the capacity table), and the tools that size their own cache
+(:func:`blocks_to_hold`). Nothing else computes bytes per token.
+
+Units::
+
+    token bytes   one token of one layer: K and V of the rank's KV heads, codes plus per-token scales
+    block bytes   one block of a pool: num_slots layers x block_size tokens x token bytes
+    budget        bytes (kv_cache_memory, or the default) or blocks (num_kv_blocks)
+
+Invariant: ``num_blocks()`` gives each pool at least the blocks one ``max_model_len`` sequence needs in it, or
+raises ``ValueError`` naming the option that set the budget.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from kv8.cache.codec import KVCodec
+from kv8.cache.config import CacheConfig
+from kv8.cache.layout import KVCacheLayout
+from kv8.quant.formats import KVCacheDtype
+from kv8.validators import format_bytes, memory_available
+
+__all__ = ["DEFAULT_MAX_MODEL_LEN", "KVBudget", "blocks_to_hold", "default_kv_cache_memory",
+           "default_max_model_len", "device_memory_available"]
+
+#: the context length an engine gets when ``max_model_len`` is not given: the model's, at most this
+DEFAULT_MAX_MODEL_LEN = 8192
+
+
+def default_max_model_len(max_position_embeddings: int) -> int:
+    """The context length of an engine without ``max_model_len``: the model's, at most :data:`DEFAULT_MAX_MODEL_LEN`."""
+    return min(max_position_embeddings, DEFAULT_MAX_MODEL_LEN)
+
+
+def device_memory_available(device: str = "cpu") -> int | None:
+    """Bytes free for the KV cache on ``device``: the host's (None where it cannot be read) or the CUDA GPU's."""
+    if device == "cuda":
+        return int(torch.cuda.mem_get_info()[0])
+    return memory_available()
+
+
+def default_kv_cache_memory(device: str = "cpu") -> int:
+    """The default budget: 25% of the memory free on ``device`` (8 GiB assumed where it cannot be read), at most
+    4 GiB (vLLM's CPU default)."""
+    available = device_memory_available(device)
+    return int(min(4 * 1024**3, 0.25 * (available if available is not None else 8 * 1024**3)))
+
+
+def blocks_to_hold(layer_windows: Sequence[int | None], num_tokens: int, block_size: int, num_seqs: int) -> int:
+    """Blocks of a one-pool cache that hold ``num_seqs`` sequences of ``num_tokens`` tokens whole in every group
+    (sliding-window groups at full length): what ``kv8 calibrate`` and ``kv8 eval`` give their engines."""
+    layout = KVCacheLayout.build(layer_windows, hybrid=False)
+    return layout.blocks_per_sequence(0, num_tokens, block_size, num_tokens) * num_seqs
+
+
+@dataclass(frozen=True)
+class KVBudget:
+    """The sizes of one rank's KV cache. Build it with :meth:`build`; the engine's comes from
+    :meth:`kv8.engine.config.EngineConfig.kv_budget`.
+
+    ``token_bytes[p]``: bytes of one token of one layer in pool ``p``; ``chunk``: the most tokens one prefill
+    step stores for a sequence (sliding-window groups free blocks before the window of a chunk's first token).
+    """
+
+    cache: CacheConfig
+    layout: KVCacheLayout
+    token_bytes: tuple[int, ...]
+    max_model_len: int
+    chunk: int
+    device: str = "cpu"
+
+    @classmethod
+    def build(cls, cache: CacheConfig, layer_windows: Sequence[int | None], *, head_dim: int, kv_heads: int,
+              compute_kv_dtype: KVCacheDtype, max_model_len: int, max_num_batched_tokens: int,
+              skipped: Sequence[bool] = (), device: str = "cpu") -> KVBudget:
+        """The budget of a cache with these options for a model of these layers (``skipped[i]``: layer ``i`` is
+        stored in ``compute_kv_dtype``), ``kv_heads`` KV heads of ``head_dim`` on this rank."""
+        layout = KVCacheLayout.build(layer_windows, skipped, cache.hybrid)
+        token_bytes = []
+        for pool in layout.pools:
+            kv_dtype = compute_kv_dtype if pool.skipped else cache.kv_dtype
+            per_head = KVCodec.bytes_per_head(kv_dtype, head_dim, cache.dynamic_scales and not pool.skipped)
+            token_bytes.append(2 * kv_heads * per_head)
+        return cls(cache, layout, tuple(token_bytes), max_model_len, min(max_num_batched_tokens, max_model_len),
+                   device)
+
+    @property
+    def block_bytes(self) -> tuple[int, ...]:
+        """Bytes of one block of each pool (all its slots, K and V, per-token scales included)."""
+        return tuple(p.num_slots * self.token_bytes[p.pool_id] * self.cache.block_size for p in self.layout.pools)
+
+    @property
+    def bytes_per_token(self) -> int:
+        """Bytes one token takes in every layer together (sliding-window layers counted as if they kept it)."""
+        pool_of = {layer: p.pool_id for p in self.layout.pools for layer in p.layers}
+        return sum(self.token_bytes[pool_of[layer]] for layer in range(self.layout.num_layers))
+
+    def blocks_per_sequence(self) -> list[int]:
+        """Blocks of each pool one ``max_model_len`` sequence holds at most (out-of-window blocks freed unless the
+        cache keeps them)."""
+        return [self.layout.blocks_per_sequence(p.pool_id, self.max_model_len, self.cache.block_size, self.chunk)
+                for p in self.layout.pools]
+
+    def memory(self) -> int:
+        """The budget in bytes: ``kv_cache_memory``, else :func:`default_kv_cache_memory` of the device."""
+        cc = self.cache
+        return cc.kv_cache_memory if cc.kv_cache_memory is not None else default_kv_cache_memory(self.device)
+
+    def split(self, memory: int) -> list[int]:
+        """Blocks per pool for ``memory`` bytes: one pool takes everything; two share it in proportion to what one
+        ``max_model_len`` sequence needs in each, so both run out at about the same load."""
+        need = [n * b for n, b in zip(self.blocks_per_sequence(), self.block_bytes)]
+        return [int(memory * need[p] / sum(need)) // self.block_bytes[p] for p in range(len(need))]
+
+    def num_blocks(self) -> list[int]:
+        """Blocks of each pool for the configured budget. ``ValueError`` naming the option that set it when a pool
+        cannot hold one ``max_model_len`` sequence. (Whether they fit in free memory: :meth:`check_fits_memory`.)"""
+        cc, block_bytes, needs = self.cache, self.block_bytes, self.blocks_per_sequence()
+        if cc.num_kv_blocks is not None:
+            if len(self.layout.pools) > 1:
+                raise ValueError("num_kv_blocks cannot size a cache with layers in two dtypes "
+                                 "(kv_cache_dtype_skip_layers); give kv_cache_memory instead")
+            num_blocks = [cc.num_kv_blocks]
+            fix = f"raise num_kv_blocks to at least {needs[0]}, or lower max_model_len"
+        else:
+            num_blocks = self.split(self.memory())
+            least = format_bytes(sum(b * k for b, k in zip(block_bytes, needs)))
+            fix = f"raise kv_cache_memory (needs at least {least}) or lower max_model_len"
+        for p, n, need in zip(self.layout.pools, num_blocks, needs):
+            if n < need:
+                stored = "the compute dtype" if p.skipped else cc.kv_dtype.name
+                raise ValueError(
+                    f"the KV cache of {self._budget_option(sum(num_blocks))} has {n} blocks of {cc.block_size} "
+                    f"tokens ({format_bytes(block_bytes[p.pool_id])} each in {stored}), fewer than max_model_len="
+                    f"{self.max_model_len} needs ({need} blocks for one sequence); {fix}")
+        return num_blocks
+
+    def check_fits_memory(self, num_blocks: Sequence[int]) -> None:
+        """``ValueError`` naming the option that sized the cache when ``num_blocks[p]`` blocks of each pool need
+        more memory than is free now. The engine calls it with the weights loaded, before allocating the cache."""
+        need = sum(n * b for n, b in zip(num_blocks, self.block_bytes))
+        free = device_memory_available(self.device)
+        where = "this machine" if self.device == "cpu" else f"the {self.device} device"
+        if free is not None and need > free:
+            raise ValueError(
+                f"{self._budget_option(sum(num_blocks))} asks for a KV cache of {format_bytes(need)}, but only "
+                f"{format_bytes(free)} of memory is free on {where} (the model's weights loaded); lower it")
+
+    def _budget_option(self, num_blocks: int) -> str:
+        cc = self.cache
+        if cc.num_kv_blocks is not None:
+            return f"num_kv_blocks={num_blocks} (--num-kv-blocks)"
+        if cc.kv_cache_memory is not None:
+            return f"kv_cache_memory={format_bytes(cc.kv_cache_memory)} (--kv-cache-memory)"
+        return f"the default kv_cache_memory ({format_bytes(default_kv_cache_memory(self.device))})"

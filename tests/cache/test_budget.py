@@ -1,0 +1,114 @@
+"""kv8.cache.budget: bytes per token and block for every storage, blocks for a budget, the errors naming the option
+that set it, and the engine's sizes coming from it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kv8.cache.budget import (
+    DEFAULT_MAX_MODEL_LEN,
+    KVBudget,
+    blocks_to_hold,
+    default_kv_cache_memory,
+    default_max_model_len,
+)
+from kv8.cache.config import CacheConfig
+from kv8.quant.formats import resolve_kv_cache_dtype
+from tests.helpers.engine import make_llm
+
+BF16 = resolve_kv_cache_dtype("auto", torch.bfloat16)
+GEMMA_270M_WINDOWS = [None if (i + 1) % 6 == 0 else 512 for i in range(18)]
+
+
+def _cache(kv: str = "fp8", **kw) -> CacheConfig:
+    return CacheConfig(kv_dtype=resolve_kv_cache_dtype(kv, torch.bfloat16), kv_cache_dtype=kv, **kw)
+
+
+def _budget(cache: CacheConfig, windows=(None,) * 4, *, head_dim=64, kv_heads=2, max_model_len=256,
+            max_num_batched_tokens=2048, skipped=()) -> KVBudget:
+    return KVBudget.build(cache, list(windows), head_dim=head_dim, kv_heads=kv_heads, compute_kv_dtype=BF16,
+                          max_model_len=max_model_len, max_num_batched_tokens=max_num_batched_tokens,
+                          skipped=skipped)
+
+
+@pytest.mark.parametrize("kv,per_value", [("bfloat16", 2), ("float32", 4), ("fp8_e4m3", 1), ("fp8_e5m2", 1),
+                                          ("fp8_e4m3fnuz", 1)])
+def test_token_and_block_bytes_per_storage(kv: str, per_value: int) -> None:
+    b = _budget(_cache(kv, block_size=16))
+    assert b.token_bytes == (2 * 2 * 64 * per_value,)        # K and V, 2 KV heads of 64 values
+    assert b.bytes_per_token == 4 * 2 * 2 * 64 * per_value   # 4 layers
+    assert b.block_bytes == (4 * 16 * 2 * 2 * 64 * per_value,)
+
+
+def test_dynamic_scales_add_one_float32_per_token_head_and_kv() -> None:
+    b = _budget(_cache("fp8", kv_cache_scale_mode="dynamic"), head_dim=16)
+    assert b.token_bytes == (2 * 2 * (16 + 4),)
+
+
+def test_skipped_layers_form_a_compute_dtype_pool_and_share_the_budget_by_need() -> None:
+    b = _budget(_cache("fp8", kv_cache_memory=1 << 20, kv_cache_dtype_skip_layers=(0,)),
+                skipped=(True, False, False, False))
+    assert [p.skipped for p in b.layout.pools] == [False, True]
+    assert b.token_bytes == (2 * 2 * 64, 2 * 2 * 64 * 2)      # FP8 pool first, then bf16
+    assert b.bytes_per_token == 3 * 256 + 512
+    blocks = b.num_blocks()
+    need = [n * bb for n, bb in zip(b.blocks_per_sequence(), b.block_bytes)]
+    # each pool's share of the memory is its share of one max_model_len sequence
+    for p in range(2):
+        assert blocks[p] == int((1 << 20) * need[p] / sum(need)) // b.block_bytes[p]
+    assert sum(n * bb for n, bb in zip(blocks, b.block_bytes)) <= 1 << 20
+
+
+def test_sliding_window_groups_count_their_window_only() -> None:
+    full = _budget(_cache("fp8", disable_hybrid_kv_cache_manager=True), GEMMA_270M_WINDOWS, max_model_len=8192,
+                   max_num_batched_tokens=1)
+    freed = _budget(_cache("fp8"), GEMMA_270M_WINDOWS, max_model_len=8192, max_num_batched_tokens=1)
+    assert full.blocks_per_sequence() == [6 * 512]
+    assert freed.blocks_per_sequence() == [512 + 5 * 33]
+    # the chunk a prefill step stores widens what a sliding group holds
+    chunked = _budget(_cache("fp8"), GEMMA_270M_WINDOWS, max_model_len=8192, max_num_batched_tokens=2048)
+    assert chunked.chunk == 2048 and chunked.blocks_per_sequence() == [512 + 5 * (-(-(511 + 2048) // 16) + 1)]
+
+
+def test_num_blocks_from_memory_and_from_blocks() -> None:
+    assert _budget(_cache("fp8", kv_cache_memory=1 << 20)).num_blocks() == [(1 << 20) // (4 * 16 * 256)]
+    assert _budget(_cache("fp8", num_kv_blocks=64)).num_blocks() == [64]
+
+
+def test_too_small_a_budget_names_the_option_that_set_it() -> None:
+    with pytest.raises(ValueError, match=r"num_kv_blocks=3 \(--num-kv-blocks\).*raise num_kv_blocks to at least 16"):
+        _budget(_cache("fp8", num_kv_blocks=3)).num_blocks()
+    with pytest.raises(ValueError, match=r"kv_cache_memory=64.00 KiB \(--kv-cache-memory\).*fewer than max_model_len"
+                                         r"=256 needs \(16 blocks"):
+        _budget(_cache("fp8", kv_cache_memory=64 * 1024)).num_blocks()
+    with pytest.raises(ValueError, match="num_kv_blocks cannot size a cache with layers in two dtypes"):
+        _budget(_cache("fp8", num_kv_blocks=64, kv_cache_dtype_skip_layers=(0,)),
+                skipped=(True, False, False, False)).num_blocks()
+
+
+def test_a_cache_beyond_free_memory_is_refused_before_it_is_allocated() -> None:
+    b = _budget(_cache("fp8", kv_cache_memory=1 << 50))
+    with pytest.raises(ValueError, match=r"kv_cache_memory=1024.00 TiB \(--kv-cache-memory\) asks for a KV cache of "
+                                         r".* is free on this machine"):
+        b.check_fits_memory(b.num_blocks())
+    b.check_fits_memory([1])   # one block fits
+
+
+def test_defaults() -> None:
+    assert default_max_model_len(131072) == DEFAULT_MAX_MODEL_LEN == 8192
+    assert default_max_model_len(2048) == 2048
+    assert 0 < default_kv_cache_memory() <= 4 * 1024**3
+    assert _budget(_cache("fp8")).memory() == default_kv_cache_memory()
+
+
+def test_blocks_to_hold_counts_sliding_groups_at_full_length() -> None:
+    assert blocks_to_hold(GEMMA_270M_WINDOWS, 100, 16, 3) == 6 * 7 * 3
+
+
+def test_the_engine_sizes_its_cache_with_its_budget(tiny_llama: str) -> None:
+    llm = make_llm(tiny_llama, kv_cache_dtype="fp8", kv_cache_memory="1MiB")
+    budget = llm.engine.config.kv_budget()
+    assert llm.engine.kv_manager.num_blocks == budget.num_blocks()[0]
+    assert llm.engine.cache.nbytes == budget.num_blocks()[0] * budget.block_bytes[0]
+    assert llm.engine.layout == budget.layout
