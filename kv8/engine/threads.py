@@ -17,6 +17,13 @@ row (so a single quiet window does not bring the spinning back). With one thread
 for or to spin, and the pool's idle workers sleep after their spin; when the other load goes, the next windows
 see the cores free again and the threads come back.
 
+Only windows in which the engine was stepping decide. A reading older than :attr:`ThreadGovernor.idle_gap`
+seconds spans time the engine sat idle; what other processes did then says nothing about the load the next steps
+meet (a benchmark pauses its other engines before it measures this one; a server idles while a batch job runs,
+then gets a burst after the job ended). Such a reading only starts a new window: without this, the first step
+after an idle minute beside a finished job dropped to one thread and needed two more windows (~0.5 s, a whole
+1k-token prefill) to come back.
+
 Invariants: the governor changes only the thread count (``torch.set_num_threads``, read by every kv8 kernel call
 and by torch's ops on the engine's thread), never the results: every kernel's rows are independent of the thread
 count. It never raises above the count the engine was configured with. Where ``/proc/stat`` cannot be read it
@@ -75,6 +82,7 @@ class ThreadGovernor:
 
     max_threads: int
     window: float = 0.25                      # seconds between two readings
+    idle_gap: float = 1.0                     # a reading older than this spans an idle engine: a new window only
     cpus: frozenset[int] = field(default_factory=lambda: frozenset(os.sched_getaffinity(0)))
     clock: Callable[[frozenset[int]], CpuClock | None] = read_cpu_clock
     set_threads: Callable[[int], None] = torch.set_num_threads
@@ -106,7 +114,7 @@ class ThreadGovernor:
         reading = self.clock(self.cpus)
         if reading is None:
             return self.threads
-        if self._last is not None:
+        if self._last is not None and reading.wall - self._last.wall <= self.idle_gap:
             want = self.target(self.others(self._last, reading))
             # fewer threads at once (spinning beside a busy process costs a lot), more only when two windows
             # in a row agree (a single quiet window does not bring the spinning back)

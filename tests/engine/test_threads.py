@@ -59,6 +59,24 @@ def test_fewer_threads_at_once_more_after_two_quiet_windows() -> None:
     assert calls == [1, 2]
 
 
+def test_a_window_that_spans_an_idle_engine_decides_nothing() -> None:
+    """Other processes busy while the engine idles (between requests, or paused by a benchmark) and gone when it
+    steps again: the first step keeps its threads; only windows in which the engine stepped count."""
+    m = FakeMachine()
+    gov, calls = governor(m)
+    gov.observe()
+    m.others, m.own_rate = 2.0, 0.0                       # the engine idles for a minute beside a busy job
+    m.advance(60.0)
+    m.others, m.own_rate = 0.0, 2.0                       # the job ended; a burst arrives
+    assert gov.observe() == 2 and calls == []             # not a window: a new start
+    m.advance(0.3)
+    assert gov.observe() == 2 and calls == []
+    # a load that is really there is still seen within one window of stepping
+    m.others, m.own_rate = 2.0, 0.5
+    m.advance(0.3)
+    assert gov.observe() == 1 and calls == [1]
+
+
 def test_bounds_and_what_is_counted() -> None:
     m = FakeMachine()
     gov, calls = governor(m, max_threads=1)
