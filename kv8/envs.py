@@ -10,6 +10,7 @@
 | ``GLIBC_TUNABLES``, ``MALLOC_*_`` | glibc's malloc settings: where set, kv8 keeps them (:mod:`kv8.host_memory`) |
 | ``KV8_HUGE_PAGES`` | ``1``: the loaded weights ask for 2 MiB pages; ``0`` or unset (default): ordinary pages |
 | ``TRITON_INTERPRET`` | ``1``: Triton runs its kernels in its interpreter, on CPU tensors (tests of the GPU path) |
+| ``KV8_TUNING`` | ``auto``/unset: ``dense_backend=auto`` timed per machine (:mod:`kv8.layers.tuning`); ``off``: fixed |
 """
 
 from __future__ import annotations
@@ -85,3 +86,16 @@ TRITON_INTERPRET_ENV = "TRITON_INTERPRET"
 def triton_interpret() -> bool:
     """``$TRITON_INTERPRET`` is set to a true value (Triton's own reading: ``1``, ``true``, ``on``, ``yes``)."""
     return os.environ.get(TRITON_INTERPRET_ENV, "0").strip().lower() in ("1", "true", "on", "yes")
+
+
+TUNING_ENV = "KV8_TUNING"
+
+
+def tuning() -> bool:
+    """``$KV8_TUNING``: ``auto`` or unset/empty (True: per-machine plans), ``off`` (False); any other value is a
+    ValueError."""
+    value = os.environ.get(TUNING_ENV, "").strip().lower()
+    if value not in ("", "auto", "off"):
+        raise ValueError(f"{TUNING_ENV}={value!r} is not one of: auto (time the dense layers' candidates on a "
+                         "machine's first run, the default), off (a fixed rule)")
+    return value != "off"

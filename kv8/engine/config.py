@@ -31,7 +31,7 @@ __all__ = ["ATTENTION_BACKENDS", "DENSE_BACKENDS", "DEVICE_CHOICES", "DEVICES", 
 # auto, then the backends registered in kv8.attention.backend
 ATTENTION_BACKENDS: tuple[str, ...] = ("auto", *BACKENDS)
 # torch ops, or kv8's packed AVX-512 BF16 linear layers with fused norm/SiLU/RoPE (kv8.kernels.cpu.dense)
-DENSE_BACKENDS = ("auto", "torch", "packed_bf16")
+DENSE_BACKENDS = ("auto", "torch", "torch_fp32", "packed_bf16")
 # weight quantization at load (vLLM's --quantization): fp8 = E4M3 weights with one float32 scale per output row
 QUANTIZATION_METHODS = ("fp8",)
 
@@ -55,7 +55,7 @@ DEVICE_CHOICES = ("auto", *DEVICES)
 # vLLM's --load-format: auto = the checkpoint's weights; dummy = random weights of its shapes (speed measurements)
 LOAD_FORMATS = ("auto", "dummy")
 # what each dense backend runs on
-_DENSE_DEVICES = {"auto": DEVICES, "torch": DEVICES, "packed_bf16": ("cpu",)}
+_DENSE_DEVICES = {"auto": DEVICES, "torch": DEVICES, "torch_fp32": ("cpu",), "packed_bf16": ("cpu",)}
 
 
 def resolve_device(device: str) -> str:
@@ -148,8 +148,10 @@ class EngineConfig:
         "else reference (plain torch)",
         choices=ATTENTION_BACKENDS)
     dense_backend: str = option(
-        "auto", "linear layers, norms, activation, RoPE: auto = packed_bf16 (kv8's packed AVX-512 BF16 kernels) "
-        "for bfloat16 models if they build, else torch", choices=DENSE_BACKENDS)
+        "auto", "linear layers, norms, activation, RoPE: torch; torch_fp32 (torch, the linear weights held in "
+        "float32: fast where the CPU has no native bf16); packed_bf16 (kv8's AVX-512 BF16 / AMX kernels); auto = "
+        "the fastest on this machine, timed on the model's shapes at its first run and kept (kv8 tune)",
+        choices=DENSE_BACKENDS)
     quantization: str | None = option(
         None, "quantize the weights of the decoder's linear layers at load: fp8 = E4M3 codes with one float32 "
         "scale per output row (half the bytes a decode step reads; the LM head and embedding stay as loaded)",
@@ -190,7 +192,7 @@ class EngineConfig:
         """The device is usable and every option runs on it."""
         check_device(self.device)
         if self.device not in _DENSE_DEVICES[self.dense_backend]:
-            raise ValueError(f"dense_backend={self.dense_backend!r} runs on the CPU only (AVX-512 kernels), not on "
+            raise ValueError(f"dense_backend={self.dense_backend!r} runs on the CPU only, not on "
                              f"device={self.device!r}; use dense_backend='auto' or 'torch'")
         if self.device != "cpu" and self.attention_backend in CPU_ONLY_BACKENDS:
             raise ValueError(f"attention_backend={self.attention_backend!r} runs on the CPU only, not on "

@@ -19,6 +19,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from kv8.cache.budget import KVBudget, default_kv_cache_memory, default_max_model_len
 from kv8.cache.config import CacheConfig
 from kv8.engine.args import EngineArgs
@@ -39,8 +41,10 @@ EPILOG = """examples:
   kv8 serve smollm2-135m --kv-cache-dtype fp8 --quantization-param-path kv_cache_scales.json
 models: the alias smollm2-135m (default), a Hugging Face model directory, or a .gguf file."""
 
-# kv8 info loads no weights: only the options that size the cache table apply to it
-INFO_OPTIONS = ("kv_cache_memory", "block_size", "device")
+# kv8 info loads no weights: only the options that size the cache table and name the dense plan apply to it
+INFO_OPTIONS = ("kv_cache_memory", "block_size", "device", "dtype", "quantization")
+# kv8 tune times the dense layers of a model in one dtype and quantization
+TUNE_OPTIONS = ("dtype", "quantization")
 
 
 def cmd_serve(ns: argparse.Namespace) -> int:
@@ -159,7 +163,8 @@ def cmd_info(ns: argparse.Namespace) -> int:
     from kv8.loader.sources import resolve_model_path
 
     kind, path = resolve_model_path(ns.model)
-    arch = arch_config(read_model_config(kind, path))
+    hf_config = read_model_config(kind, path)
+    arch = arch_config(hf_config)
     device = resolve_device(ns.device)
     check_device(device)
     memory = parse_memory(ns.kv_cache_memory) if ns.kv_cache_memory else default_kv_cache_memory(device)
@@ -171,7 +176,52 @@ def cmd_info(ns: argparse.Namespace) -> int:
     print(f"architecture {arch.model_type}: {arch.num_layers} layers, hidden {arch.hidden_size}, "
           f"{arch.num_heads} query / {arch.num_kv_heads} KV heads, head_dim {arch.head_dim}, "
           f"vocab {arch.vocab_size}, context {arch.max_position_embeddings}, rope_theta {arch.rope_theta:g}")
+    plan = _dense_plan(hf_config, resolve_dtype(ns.dtype), ns.quantization) if device == "cpu" else "torch"
+    print(f"dense layers {plan}")
     print(capacity_table(arch, memory, ns.block_size))
+    return 0
+
+
+def _dense_plan(hf_config: dict, dtype: torch.dtype, quantization: str | None) -> str:
+    """What ``dense_backend=auto`` runs for this model on this machine, and why."""
+    from kv8 import envs
+    from kv8.layers.tuning import PREFILL_ROWS, PlanStore, candidates, plan_key, static_dense_backend
+    from kv8.loader.model import linear_shapes
+
+    shapes = linear_shapes(hf_config)
+    found = candidates(shapes, dtype, quantization)
+    if len(found) == 1 or not envs.tuning():
+        why = "the only candidate" if len(found) == 1 else "KV8_TUNING=off: the fixed rule"
+        return f"{static_dense_backend(dtype, quantization).name if len(found) > 1 else next(iter(found))} ({why})"
+    plan = PlanStore().get(plan_key(shapes, dtype, quantization))
+    if plan is None:
+        return (f"not timed on this machine yet: the first engine times {', '.join(found)} on this model's shapes "
+                "(or run kv8 tune)")
+    return (f"{plan.choice} (this machine's plan, timed {plan.measured}: {plan.speedup('torch', 1):.2f}x torch at 1 "
+            f"row, {plan.speedup('torch', PREFILL_ROWS):.2f}x at {PREFILL_ROWS})")
+
+
+def cmd_tune(ns: argparse.Namespace) -> int:
+    from kv8.layers.tuning import PREFILL_ROWS, PlanStore, tuned_dense_backend
+    from kv8.loader.model import linear_shapes, read_model_config
+    from kv8.loader.sources import resolve_model_path
+
+    args = EngineArgs.from_cli_args(ns)
+    kind, path = resolve_model_path(args.model)
+    hf_config = read_model_config(kind, path)
+    dtype = args.create_engine_config(hf_config, kind, path).dtype   # dtype and quantization validated
+    store = PlanStore()
+    backend, result = tuned_dense_backend(linear_shapes(hf_config), dtype, args.quantization, store, retune=True)
+    print(f"model        {args.model} ({kind}: {path}), {str(dtype).removeprefix('torch.')}"
+          + (f", {args.quantization} weights" if args.quantization else ""))
+    print(f"device       {describe_device('cpu')}")
+    if result is None:
+        print(f"dense layers {backend.name}: the only candidate on this machine, nothing to time")
+        return 0
+    print("one pass of the model's linear layers, fastest of several calls:")
+    print(result.table())
+    print(f"chosen       {result.choice}: {result.speedup('torch', 1):.2f}x torch at 1 row, "
+          f"{result.speedup('torch', PREFILL_ROWS):.2f}x at {PREFILL_ROWS} rows; kept in {store.path}")
     return 0
 
 
@@ -255,6 +305,15 @@ def build_parser() -> argparse.ArgumentParser:
     EngineArgs.add_model_arg(i, optional=True)
     EngineArgs.add_cli_args(i, include=INFO_OPTIONS)
     i.set_defaults(func=cmd_info)
+
+    t = sub.add_parser("tune", help="time the dense layers' methods on a model's shapes; keep this machine's choice",
+                       description="Time every dense backend this CPU can run (packed_bf16, torch, torch_fp32) on "
+                                   "the model's linear shapes at 1 row and at a prefill chunk, print the table and "
+                                   "keep the winner as this machine's plan for dense_backend=auto (an engine does "
+                                   "the same on its first run). Random weights: loads none.")
+    EngineArgs.add_model_arg(t, optional=True)
+    EngineArgs.add_cli_args(t, include=TUNE_OPTIONS)
+    t.set_defaults(func=cmd_tune)
 
     sv = sub.add_parser("serve", aliases=["run"], help="OpenAI-compatible HTTP server ('run' is an alias)",
                         description="Serve /v1/completions, /v1/chat/completions, /v1/models, /health and "

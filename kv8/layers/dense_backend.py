@@ -2,9 +2,10 @@
 packed kernels (:mod:`kv8.kernels.cpu.dense`), chosen once, when the model loads.
 
 :func:`select_dense_backend` turns the engine option ``dense_backend`` (checked by
-:class:`kv8.engine.config.EngineConfig`) into a :class:`DenseBackend`: ``torch`` runs torch ops; ``packed_bf16`` runs
-the kernels and needs a bf16 model; ``auto`` is ``packed_bf16`` for bf16 models when the kernels build and load,
-else torch (with one warning per process).
+:class:`kv8.engine.config.EngineConfig`) into a :class:`DenseBackend`: ``torch`` runs torch ops; ``torch_fp32`` too,
+with the linear layers' weights widened to float32 at load; ``packed_bf16`` runs the kernels and needs a bf16
+model. Here ``auto`` is the fixed rule: ``packed_bf16`` for bf16 models when the kernels build and load, else torch
+(with one warning per process); the loader first asks :mod:`kv8.layers.tuning` for this machine's measured choice.
 """
 
 from __future__ import annotations
@@ -26,16 +27,22 @@ _auto_fallback_logged = False
 
 @dataclass(frozen=True)
 class DenseBackend:
-    """How the dense layers of a model compute: ``name`` is ``"torch"`` (``kernels`` is None) or
-    ``"packed_bf16"`` (``kernels`` is the loaded library). Each layer picks its implementation from it when it
+    """How the dense layers of a model compute: ``name`` is ``"torch"`` or ``"torch_fp32"`` (``kernels`` is None;
+    the second holds the linear layers' weights in float32) or ``"packed_bf16"`` (``kernels`` is the loaded
+    library). Each layer picks its implementation from it when it
     is constructed; nothing switches afterwards."""
 
-    name: str
+    name: str    # "torch", "torch_fp32" or "packed_bf16"
     kernels: DenseKernels | None = None
     quantization: str | None = None   # the decoder's linear layers: None (as loaded) or "fp8"
     # FP8 weights multiplied by torch._scaled_mm with FP8 activations (a GPU with FP8 tensor cores), instead of
     # dequantized once to the compute dtype
     fp8_scaled_mm: bool = False
+
+    @property
+    def linear_fp32(self) -> bool:
+        """The linear layers hold float32 weights and multiply in float32 (``torch_fp32``)."""
+        return self.name == "torch_fp32"
 
     def __post_init__(self) -> None:
         if (self.name == "packed_bf16") != (self.kernels is not None):
@@ -68,6 +75,8 @@ def select_dense_backend(name: str, dtype: torch.dtype, quantization: str | None
     if device != "cpu":
         scaled_mm = quantization == "fp8" and fp8_tensor_cores()
         return DenseBackend("torch", None, quantization, fp8_scaled_mm=scaled_mm)
+    if name == "torch_fp32":
+        return DenseBackend("torch_fp32", None, quantization)
     if name == "torch" or dtype != torch.bfloat16:
         return _torch_backend(quantization)
     try:

@@ -26,6 +26,7 @@ import logging
 import os
 import re
 import time
+from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -33,11 +34,14 @@ from typing import Any
 import torch
 from torch import nn
 
+from kv8 import envs
 from kv8.cache.scale_sources import is_kv_scale_name
 from kv8.distributed.group import SINGLE_RANK, TPGroup
 from kv8.distributed.shard import building_shard
 from kv8.host_memory import place_on_huge_pages
-from kv8.layers.dense_backend import select_dense_backend
+from kv8.layers.dense_backend import TORCH_BACKEND, DenseBackend, select_dense_backend
+from kv8.layers.linear import LinearBase
+from kv8.layers.tuning import LinearShape, tuned_dense_backend
 from kv8.models.config import ModelArchConfig
 from kv8.models.registry import CausalLM, arch_config, model_class
 
@@ -54,7 +58,7 @@ class LoadedModel:
     hf_config: dict[str, Any]
     scale_tensors: dict[str, torch.Tensor]   # checkpoint KV-scale tensors by name (possibly empty)
     load_seconds: float
-    dense_backend: str                       # the resolved dense backend: "torch" or "packed_bf16"
+    dense_backend: str                       # the resolved dense backend: "torch", "torch_fp32" or "packed_bf16"
 
 
 def read_hf_config(path: str) -> dict[str, Any]:
@@ -190,6 +194,26 @@ def _init_dummy(model: nn.Module, dtype: torch.dtype, device: torch.device, seed
             setattr(module, leaf, nn.Parameter(value, requires_grad=False))
 
 
+def linear_shapes(hf_config: dict[str, Any], tp: TPGroup = SINGLE_RANK) -> list[LinearShape]:
+    """The distinct shapes of the model's linear layers on rank ``tp.rank``, with how many layers have each (the
+    model built on the meta device: no memory, no weights)."""
+    with torch.device("meta"), building_shard(tp):
+        model = model_class(hf_config)(arch_config(hf_config), TORCH_BACKEND)
+    counts = Counter((m.out_features, m.in_features, m.quantize) for m in model.modules() if isinstance(m, LinearBase))
+    return [LinearShape(n, k, c, q) for (n, k, q), c in sorted(counts.items())]
+
+
+def resolve_dense_backend(name: str, hf_config: dict[str, Any], dtype: torch.dtype, quantization: str | None,
+                          device: str = "cpu", tp: TPGroup = SINGLE_RANK) -> DenseBackend:
+    """The dense backend of option ``name``: ``auto`` on the CPU with one rank is this machine's measured choice
+    for the model (:func:`kv8.layers.tuning.tuned_dense_backend`, unless ``KV8_TUNING=off``); everything else
+    :func:`kv8.layers.dense_backend.select_dense_backend`'s fixed rule (tensor-parallel ranks too: each rank would
+    time beside the others)."""
+    if name == "auto" and device == "cpu" and tp.size == 1 and envs.tuning():
+        return tuned_dense_backend(linear_shapes(hf_config), dtype, quantization)[0]
+    return select_dense_backend(name, dtype, quantization, device)
+
+
 def load_model(kind: str, path: str, dtype: torch.dtype, dense_backend: str = "torch",
                tp: TPGroup = SINGLE_RANK, quantization: str | None = None, device: str = "cpu",
                load_format: str = "auto", seed: int = 0) -> LoadedModel:
@@ -219,7 +243,7 @@ def load_model(kind: str, path: str, dtype: torch.dtype, dense_backend: str = "t
     arch = arch_config(hf_config)
     if kind == "hf" and files:
         _check_layer_count(files, arch, path)
-    backend = select_dense_backend(dense_backend, dtype, quantization, device)
+    backend = resolve_dense_backend(dense_backend, hf_config, dtype, quantization, device, tp)
     with torch.device("meta"), building_shard(tp):
         model = cls(arch, backend)
     tied = dict(getattr(model, "tied_weights", {})) if arch.tie_word_embeddings else {}

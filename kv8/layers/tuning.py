@@ -1,0 +1,250 @@
+"""Per-machine choice of the dense layers' method, made by timing the candidates on the model's own shapes.
+
+Which linear method is fastest depends on the CPU: kv8's packed AVX-512 BF16 / AMX kernels where they build,
+torch's bf16 GEMM (oneDNN) where the CPU has native bf16, float32 GEMMs on weights widened at load where it does
+not (AVX2 without AVX-512 BF16: torch's bf16 GEMM there runs 5-20x slower than its float32 one). So
+``dense_backend="auto"`` measures instead of guessing:
+
+1. the candidates (:func:`candidates`) each build one layer of every distinct linear shape of the model, and
+   multiply 1 row (a decode step) and :data:`PREFILL_ROWS` rows (a prefill chunk) through it;
+2. each candidate's time over the model (shape time x layers of that shape) is divided by the best candidate's
+   at the same rows; the lowest sum of the two ratios wins (decode and prefill count alike);
+3. the winner and the timings go into a plan file, ``<KV8_CACHE_DIR>/tuning/<machine>.json``, keyed by the model's
+   shapes, dtype and quantization, and are used from then on. The file names the CPU model, its ISA flags, kv8's
+   and torch's versions: a plan from another machine or version is ignored, a corrupt or unwritable file falls
+   back to timing (and then to the fixed rule of :func:`kv8.layers.dense_backend.select_dense_backend`).
+
+Invariant: the choice changes only speed. Every candidate computes ``x @ W.T + b`` with float32 sums and one
+rounding to the compute dtype (bf16 products are exact in float32), so outputs differ by the order of the float32
+additions, as the packed kernel's already do.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kv8 import envs
+from kv8.kernels.cpu.build import KernelUnavailable
+from kv8.kernels.cpu.dense import load_dense_kernels
+from kv8.layers.dense_backend import DenseBackend, select_dense_backend
+from kv8.layers.linear import Linear, linear_method
+from kv8.validators import memory_available
+from kv8.version import __version__
+
+logger = logging.getLogger("kv8")
+
+__all__ = ["PREFILL_ROWS", "LinearShape", "PlanStore", "TuneResult", "candidates", "choose", "fastest_call",
+           "machine_key", "plan_key", "static_dense_backend", "time_layer", "tuned_dense_backend"]
+
+PREFILL_ROWS = 64            # rows of the prefill timing (a chunk's rows pass the same weights; kept short)
+PLAN_VERSION = 1
+# the ISA flags that decide which kernels a machine runs (a plan is reused only where they are the same)
+_ISA_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_vbmi",
+              "avx512_bf16", "avx512_fp16", "avx_vnni", "amx_bf16", "amx_int8", "amx_fp16")
+
+#: ``measure(backend, shape, rows)``: seconds of one call of a layer of ``shape`` on ``backend`` at ``rows`` rows
+Measure = Callable[[DenseBackend, "LinearShape", int], float]
+
+
+@dataclass(frozen=True)
+class LinearShape:
+    """One shape of the model's linear layers on this rank, and how many layers have it."""
+
+    out_features: int
+    in_features: int
+    count: int
+    quantize: bool = True    # the layer follows the weights' quantization (False: the LM head)
+
+
+@dataclass(frozen=True)
+class TuneResult:
+    """``seconds[candidate][rows]``: one pass of the model's linear layers at that many rows."""
+
+    choice: str
+    seconds: dict[str, dict[int, float]]
+    measured: str = ""       # when (UTC, ISO 8601)
+
+    def speedup(self, over: str, rows: int) -> float:
+        """How many times faster the choice is than ``over`` at ``rows`` rows."""
+        return self.seconds[over][rows] / self.seconds[self.choice][rows]
+
+    def table(self) -> str:
+        rows = sorted({r for per in self.seconds.values() for r in per})
+        head = f"{'dense backend':<14}" + "".join(f"{f'{r} row' + ('s' if r > 1 else '') + ' (ms)':>16}" for r in rows)
+        lines = [head]
+        for name, per in self.seconds.items():
+            mark = "  <- chosen" if name == self.choice else ""
+            lines.append(f"{name:<14}" + "".join(f"{per[r] * 1e3:>16.3f}" for r in rows) + mark)
+        return "\n".join(lines)
+
+
+def machine_key() -> dict[str, str]:
+    """What a plan depends on besides the model: the CPU model, its kernel-relevant ISA flags, kv8's and torch's
+    versions."""
+    name, flags = "", set[str]()
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("model name") and not name:
+                    name = line.split(":", 1)[1].strip()
+                elif line.startswith("flags") and not flags:
+                    flags = set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return {"cpu": name, "isa": " ".join(f for f in _ISA_FLAGS if f in flags), "kv8": __version__,
+            "torch": torch.__version__, "threads": str(torch.get_num_threads())}
+
+
+def plan_key(shapes: Sequence[LinearShape], dtype: torch.dtype, quantization: str | None) -> str:
+    """The model's part of a plan's key: its linear shapes, compute dtype and weight quantization."""
+    text = json.dumps([[asdict(s) for s in shapes], str(dtype), quantization])
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def fastest_call(fn: Callable[[], Any], clock: Callable[[], float] = time.perf_counter, min_time: float = 0.02,
+                 max_calls: int = 50) -> float:
+    """The fastest of several calls of ``fn`` (after one warm-up call): at least 2, more until ``min_time``."""
+    fn()
+    best, spent, calls = float("inf"), 0.0, 0
+    while calls < 2 or (spent < min_time and calls < max_calls):
+        start = clock()
+        fn()
+        took = clock() - start
+        best, spent, calls = min(best, took), spent + took, calls + 1
+    return best
+
+
+def time_layer(shape: LinearShape, backend: DenseBackend, dtype: torch.dtype, rows: int) -> float:
+    """Seconds of one call of a layer of ``shape`` on ``backend`` with ``rows`` input rows (random weights: the
+    speed does not depend on the values)."""
+    generator = torch.Generator().manual_seed(0)
+    layer = Linear(shape.in_features, shape.out_features, bias=False, backend=backend)
+    layer.method = linear_method(backend, shape.quantize)
+    layer.weight.data = torch.randn(shape.out_features, shape.in_features, generator=generator).to(dtype) * 0.02
+    layer.process_weights_after_loading()
+    x = torch.randn(rows, shape.in_features, generator=generator).to(dtype)
+    with torch.inference_mode():
+        return fastest_call(lambda: layer(x))
+
+
+def choose(candidates: dict[str, DenseBackend], shapes: Sequence[LinearShape], dtype: torch.dtype,
+           measure: Measure | None = None, rows: Sequence[int] = (1, PREFILL_ROWS)) -> TuneResult:
+    """Time every candidate on ``shapes`` at each of ``rows`` (``measure``, default :func:`time_layer`) and choose
+    (module docstring, step 2)."""
+    if not candidates:
+        raise ValueError("no dense backend to choose from")
+    if measure is None:
+        def measure(backend: DenseBackend, shape: LinearShape, r: int) -> float:
+            return time_layer(shape, backend, dtype, r)
+    seconds = {name: {r: sum(s.count * measure(backend, s, r) for s in shapes) for r in rows}
+               for name, backend in candidates.items()}
+    best = {r: min(per[r] for per in seconds.values()) for r in rows}
+    score = {name: sum(per[r] / best[r] if best[r] > 0 else 1.0 for r in rows) for name, per in seconds.items()}
+    choice = min(candidates, key=lambda name: score[name])   # ties: the first listed
+    return TuneResult(choice, seconds, time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
+
+
+class PlanStore:
+    """The plan file of this machine: ``{"version", "machine", "plans": {plan_key: {"dense_backend", "seconds",
+    "measured"}}}``. Reading never raises: a missing, corrupt or foreign file is an empty store (a foreign one:
+    another CPU, ISA, kv8 or torch version). Writing is atomic; a failure is logged and ignored."""
+
+    def __init__(self, directory: str | os.PathLike[str] | None = None, machine: dict[str, str] | None = None) -> None:
+        self.machine = machine if machine is not None else machine_key()
+        digest = hashlib.sha256(json.dumps(self.machine, sort_keys=True).encode()).hexdigest()[:16]
+        self.path = Path(directory if directory is not None else Path(envs.cache_dir()) / "tuning") / f"{digest}.json"
+
+    def _read(self) -> dict[str, Any]:
+        try:
+            data = json.loads(self.path.read_text(encoding="utf-8"))
+        except FileNotFoundError:
+            return {}
+        except (OSError, ValueError) as exc:
+            logger.warning("tuning plans %s unreadable (%s); timing again", self.path, exc)
+            return {}
+        if not isinstance(data, dict) or data.get("version") != PLAN_VERSION or data.get("machine") != self.machine \
+                or not isinstance(data.get("plans"), dict):
+            return {}
+        return data["plans"]
+
+    def get(self, key: str) -> TuneResult | None:
+        entry: Any = self._read().get(key)
+        try:
+            seconds = {name: {int(r): float(t) for r, t in per.items()} for name, per in entry["seconds"].items()}
+            return TuneResult(str(entry["dense_backend"]), seconds, str(entry.get("measured", "")))
+        except (TypeError, KeyError, ValueError, AttributeError):
+            return None
+
+    def put(self, key: str, result: TuneResult) -> bool:
+        plans = self._read()
+        plans[key] = {"dense_backend": result.choice, "measured": result.measured,
+                      "seconds": {name: {str(r): t for r, t in per.items()} for name, per in result.seconds.items()}}
+        data = {"version": PLAN_VERSION, "machine": self.machine, "plans": plans}
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=".plan-")
+            with os.fdopen(fd, "w", encoding="utf-8") as f:
+                json.dump(data, f, indent=1)
+            os.replace(tmp, self.path)
+        except OSError as exc:
+            logger.warning("could not write the tuning plan %s (%s); the next run times again", self.path, exc)
+            return False
+        return True
+
+
+def candidates(shapes: Sequence[LinearShape], dtype: torch.dtype, quantization: str | None) -> dict[str, DenseBackend]:
+    """The CPU dense backends that can run a model of ``shapes`` in ``dtype``: ``packed_bf16`` where kv8's kernels
+    load (bf16 models), ``torch``, and ``torch_fp32`` for 16-bit models while its float32 weights take at most half
+    of the free memory."""
+    out: dict[str, DenseBackend] = {}
+    if dtype == torch.bfloat16:
+        try:
+            out["packed_bf16"] = DenseBackend("packed_bf16", load_dense_kernels(), quantization)
+        except KernelUnavailable:
+            pass
+    out["torch"] = DenseBackend("torch", None, quantization)
+    if dtype in (torch.bfloat16, torch.float16):
+        fp32_bytes = sum(4 * s.out_features * s.in_features * s.count for s in shapes)
+        free = memory_available()
+        if free is None or 2 * fp32_bytes <= free:
+            out["torch_fp32"] = DenseBackend("torch_fp32", None, quantization)
+    return out
+
+
+def tuned_dense_backend(shapes: Sequence[LinearShape], dtype: torch.dtype, quantization: str | None,
+                        store: PlanStore | None = None, measure: Measure | None = None, retune: bool = False
+                        ) -> tuple[DenseBackend, TuneResult | None]:
+    """``dense_backend="auto"`` on the CPU: the plan's choice for this model on this machine, timed now (and kept)
+    when there is none or ``retune``. Returns the backend and the plan (None when only one candidate exists)."""
+    found = candidates(shapes, dtype, quantization)
+    if len(found) == 1:
+        return next(iter(found.values())), None
+    store = store if store is not None else PlanStore()
+    key = plan_key(shapes, dtype, quantization)
+    result = None if retune else store.get(key)
+    if result is None or result.choice not in found:
+        start = time.perf_counter()
+        logger.warning("timing the dense layers' methods on this model's shapes (%s) on this machine: once, "
+                       "then kept in %s", ", ".join(found), store.path)
+        result = choose(found, shapes, dtype, measure)
+        store.put(key, result)
+        logger.warning("dense backend %s: %.1fx torch at 1 row, %.1fx at %d rows (timed in %.1f s)", result.choice,
+                       result.speedup("torch", 1), result.speedup("torch", PREFILL_ROWS), PREFILL_ROWS,
+                       time.perf_counter() - start)
+    return found[result.choice], result
+
+
+def static_dense_backend(dtype: torch.dtype, quantization: str | None) -> DenseBackend:
+    """``dense_backend="auto"`` without timing (``KV8_TUNING=off``, tensor-parallel ranks): the fixed rule."""
+    return select_dense_backend("auto", dtype, quantization)

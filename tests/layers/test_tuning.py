@@ -1,0 +1,183 @@
+"""kv8.layers.tuning: the per-machine choice of the dense backend. Timing is faked (timing stays in benchmarks):
+the tuner picks the faster candidate, writes and reads its plan file, ignores a plan of another machine or version,
+and falls back when the file is corrupt or cannot be written. The float32 linear method it may pick computes what
+the reference does."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from kv8.layers.dense_backend import DenseBackend
+from kv8.layers.linear import Linear, TorchF32LinearMethod, linear_method, linear_reference
+from kv8.layers.tuning import (
+    PREFILL_ROWS,
+    LinearShape,
+    PlanStore,
+    TuneResult,
+    candidates,
+    choose,
+    fastest_call,
+    plan_key,
+    tuned_dense_backend,
+)
+from kv8.quant.weights import dequantize_fp8_rows, quantize_fp8_rows
+
+SHAPES = [LinearShape(96, 64, 4), LinearShape(64, 160, 4), LinearShape(1000, 64, 1, quantize=False)]
+MACHINE = {"cpu": "Test CPU", "isa": "avx2 fma", "kv8": "0.1.0", "torch": "2.13.0", "threads": "2"}
+
+
+class FakeMeasure:
+    """Seconds per layer call from a table ``{(backend name, rows): seconds}``; counts the calls."""
+
+    def __init__(self, table: dict[tuple[str, int], float]) -> None:
+        self.table, self.calls = table, 0
+
+    def __call__(self, backend: DenseBackend, shape: LinearShape, rows: int) -> float:
+        self.calls += 1
+        return self.table[(backend.name, rows)] * shape.out_features * shape.in_features / 1e4
+
+
+TWO = {"torch": DenseBackend("torch"), "torch_fp32": DenseBackend("torch_fp32")}
+
+
+def test_the_faster_candidate_wins_counting_decode_and_prefill_alike() -> None:
+    fp32_wins = FakeMeasure({("torch", 1): 9.0, ("torch", PREFILL_ROWS): 3.0,
+                             ("torch_fp32", 1): 1.0, ("torch_fp32", PREFILL_ROWS): 2.0})
+    result = choose(TWO, SHAPES, torch.bfloat16, fp32_wins)
+    assert result.choice == "torch_fp32" and result.speedup("torch", 1) == pytest.approx(9.0)
+    assert fp32_wins.calls == 2 * 2 * len(SHAPES)   # every candidate, shape and row count once
+    # each row count weighs alike: 1.1x slower at one row but 2x faster at the other loses overall
+    torch_wins = FakeMeasure({("torch", 1): 1.0, ("torch", PREFILL_ROWS): 1.0,
+                              ("torch_fp32", 1): 1.1, ("torch_fp32", PREFILL_ROWS): 0.5})
+    assert choose(TWO, SHAPES, torch.bfloat16, torch_wins).choice == "torch_fp32"
+    torch_wins.table[("torch_fp32", PREFILL_ROWS)] = 0.95
+    assert choose(TWO, SHAPES, torch.bfloat16, torch_wins).choice == "torch"
+    # the seconds are a pass over the model: shape time x its layer count
+    assert result.seconds["torch"][1] == pytest.approx(sum(9.0 * s.out_features * s.in_features / 1e4 * s.count
+                                                           for s in SHAPES))
+    assert "<- chosen" in result.table().splitlines()[2] and result.table().splitlines()[2].startswith("torch_fp32")
+    with pytest.raises(ValueError, match="no dense backend"):
+        choose({}, SHAPES, torch.bfloat16, fp32_wins)
+
+
+def test_fastest_call_takes_the_fastest_of_several_on_its_clock() -> None:
+    ticks = iter([0.0, 5.0, 5.0, 6.0, 6.0, 9.0] + [9.0] * 200)
+    calls = []
+    assert fastest_call(lambda: calls.append(1), clock=lambda: next(ticks), min_time=8.0) == 1.0
+    assert len(calls) == 4   # a warm-up, then until 8 s were spent (5 + 1 + 3)
+
+
+def test_the_plan_is_written_then_read_and_not_timed_again(tmp_path: Path) -> None:
+    store = PlanStore(tmp_path, MACHINE)
+    measure = FakeMeasure({("torch", 1): 4.0, ("torch", PREFILL_ROWS): 4.0,
+                           ("torch_fp32", 1): 1.0, ("torch_fp32", PREFILL_ROWS): 1.0})
+    backend, result = tuned_dense_backend(SHAPES, torch.bfloat16, None, store, measure)
+    calls = measure.calls
+    assert result is not None and backend.name == result.choice
+    assert store.path.parent == tmp_path and store.path.exists()
+    data = json.loads(store.path.read_text())
+    assert data["machine"] == MACHINE and list(data["plans"]) == [plan_key(SHAPES, torch.bfloat16, None)]
+    again, plan = tuned_dense_backend(SHAPES, torch.bfloat16, None, PlanStore(tmp_path, MACHINE), measure)
+    assert measure.calls == calls and again.name == backend.name   # read, not timed
+    assert plan is not None and plan.seconds == result.seconds and plan.measured == result.measured
+    # another model (or dtype, or quantization) is another plan in the same file
+    tuned_dense_backend(SHAPES[:1], torch.bfloat16, None, PlanStore(tmp_path, MACHINE), measure)
+    tuned_dense_backend(SHAPES, torch.bfloat16, "fp8", PlanStore(tmp_path, MACHINE), measure)
+    assert len(json.loads(store.path.read_text())["plans"]) == 3
+    tuned_dense_backend(SHAPES, torch.bfloat16, None, PlanStore(tmp_path, MACHINE), measure, retune=True)
+    assert measure.calls > calls + 2 * 2 * 3   # retune times again
+
+
+@pytest.mark.parametrize("other", [{"cpu": "Another CPU"}, {"isa": "avx2 fma avx512f"}, {"kv8": "0.2.0"},
+                                   {"torch": "2.14.0"}])
+def test_a_plan_of_another_machine_or_version_is_ignored(tmp_path: Path, other: dict[str, str]) -> None:
+    theirs = PlanStore(tmp_path, MACHINE | other)
+    key = plan_key(SHAPES, torch.bfloat16, None)
+    theirs.put(key, TuneResult("torch", {"torch": {1: 1.0}}))
+    mine = PlanStore(tmp_path, MACHINE)
+    assert mine.path != theirs.path and mine.get(key) is None
+    theirs.path.rename(mine.path)            # even under this machine's file name
+    assert mine.get(key) is None
+
+
+def test_a_corrupt_file_is_timed_again_and_an_unwritable_one_still_chooses(tmp_path: Path,
+                                                                          caplog: pytest.LogCaptureFixture) -> None:
+    store = PlanStore(tmp_path, MACHINE)
+    store.path.write_text("{not json")
+    measure = FakeMeasure({("torch", 1): 1.0, ("torch", PREFILL_ROWS): 1.0,
+                           ("torch_fp32", 1): 2.0, ("torch_fp32", PREFILL_ROWS): 2.0})
+    with caplog.at_level(logging.WARNING, logger="kv8"):
+        backend, _ = tuned_dense_backend(SHAPES, torch.bfloat16, None, store, measure)
+    assert backend.name == "torch" and "unreadable" in caplog.text
+    assert json.loads(store.path.read_text())["plans"]   # rewritten whole
+    # a well-formed file whose entry is damaged: timed again
+    data = json.loads(store.path.read_text())
+    data["plans"][plan_key(SHAPES, torch.bfloat16, None)] = {"dense_backend": "torch", "seconds": "?"}
+    store.path.write_text(json.dumps(data))
+    calls = measure.calls
+    tuned_dense_backend(SHAPES, torch.bfloat16, None, store, measure)
+    assert measure.calls > calls
+    blocked = tmp_path / "file-not-dir"
+    blocked.write_text("")
+    unwritable = PlanStore(blocked / "tuning", MACHINE)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="kv8"):
+        backend, result = tuned_dense_backend(SHAPES, torch.bfloat16, None, unwritable, measure)
+    assert backend.name == "torch" and result is not None and "could not write the tuning plan" in caplog.text
+
+
+def test_candidates_by_dtype_and_memory(monkeypatch: pytest.MonkeyPatch) -> None:
+    names = set(candidates(SHAPES, torch.bfloat16, None))
+    assert {"torch", "torch_fp32"} <= names <= {"torch", "torch_fp32", "packed_bf16"}
+    assert set(candidates(SHAPES, torch.float32, None)) == {"torch"}    # nothing to widen, no bf16 kernels
+    assert "packed_bf16" not in candidates(SHAPES, torch.float16, None)
+    monkeypatch.setattr("kv8.layers.tuning.memory_available", lambda: 1000)   # float32 weights would not fit
+    assert "torch_fp32" not in candidates(SHAPES, torch.bfloat16, None)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("fp8", [False, True])
+def test_the_float32_method_computes_the_reference(dtype: torch.dtype, fp8: bool) -> None:
+    """Odd shapes, a bias, leading dims: equal to linear_reference on the same (for FP8: dequantized) weights up
+    to the order of float32 additions, and the layer keeps no 16-bit copy of its weights."""
+    g = torch.Generator().manual_seed(1)
+    backend = DenseBackend("torch_fp32", None, "fp8" if fp8 else None)
+    layer = Linear(37, 19, bias=True, backend=backend)
+    layer.method = linear_method(backend, quantize=True)
+    assert isinstance(layer.method, TorchF32LinearMethod)
+    weight = (torch.randn(19, 37, generator=g) * 0.1).to(dtype)
+    bias = torch.randn(19, generator=g).to(dtype)
+    layer.weight.data, layer.bias.data = weight.clone(), bias.clone()   # type: ignore[union-attr]
+    layer.process_weights_after_loading()
+    assert not hasattr(layer, "weight") and layer.weight_f32.dtype == torch.float32
+    x = torch.randn(2, 3, 37, generator=g).to(dtype)
+    if fp8:   # the packed FP8 kernel's arithmetic: the 16-bit weight's E4M3 codes, decode(code) * scale in float32
+        weight = dequantize_fp8_rows(*quantize_fp8_rows(weight), torch.float32)
+    ref = linear_reference(x, weight, bias)
+    out = layer(x)
+    assert out.dtype == dtype and out.shape == (2, 3, 19)
+    torch.testing.assert_close(out.float(), ref.float(), rtol=0, atol=float(torch.finfo(dtype).eps) * 4)
+
+
+def test_an_engine_uses_and_keeps_this_machines_plan(tiny_llama: str, tmp_path: Path,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """dense_backend=auto with tuning on: the first engine times and writes the plan, the second reads it."""
+    from tests.helpers.engine import make_llm
+
+    monkeypatch.setenv("KV8_TUNING", "auto")
+    monkeypatch.setenv("KV8_CACHE_DIR", os.fspath(tmp_path))
+    monkeypatch.setattr("kv8.layers.tuning.machine_key", lambda: MACHINE)
+    first = make_llm(tiny_llama, kv_cache_dtype="fp8", dtype="bfloat16")   # float32 models have one candidate
+    plans = list((tmp_path / "tuning").glob("*.json"))
+    assert len(plans) == 1
+    (entry,) = json.loads(plans[0].read_text())["plans"].values()
+    assert first.engine.dense_backend == entry["dense_backend"]
+    entry_time = plans[0].stat().st_mtime_ns
+    second = make_llm(tiny_llama, kv_cache_dtype="fp8", dtype="bfloat16")
+    assert second.engine.dense_backend == first.engine.dense_backend and plans[0].stat().st_mtime_ns == entry_time
