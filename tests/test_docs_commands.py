@@ -22,7 +22,7 @@ ROOT = Path(__file__).parent.parent
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 PLACEHOLDERS = {"MODEL": "smollm2-135m", "FILE": "data.txt", "DIR": "out_dir", "HOST:6379": "10.0.0.1:6379",
                 "N": "2", "R": "0", "HOST": "127.0.0.1"}
-SUBCOMMANDS = ("generate", "info", "serve", "run", "calibrate", "eval")
+SUBCOMMANDS = ("generate", "info", "tune", "serve", "run", "calibrate", "eval")
 
 
 def _block_commands(text: str) -> list[str]:

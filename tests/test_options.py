@@ -18,15 +18,16 @@ from kv8.engine.config import (
     LOAD_FORMATS,
     QUANTIZATION_METHODS,
 )
-from kv8.entrypoints.cli import INFO_OPTIONS, build_parser
+from kv8.entrypoints.cli import INFO_OPTIONS, TUNE_OPTIONS, build_parser
 from kv8.quant.formats import KV_CACHE_DTYPE_NAMES
 from kv8.tools.commands import CALIBRATE_EXCLUDED, EVAL_DEFAULTS, EVAL_EXCLUDED
 
 FIELDS = EngineArgs.field_names()
 # the command line each subcommand needs besides engine flags
 BASE_ARGV = {"generate": ["generate", "hi"], "serve": ["serve"], "run": ["run", "m"], "info": ["info", "m"],
-             "calibrate": ["calibrate", "m", "--data", "d.txt"], "eval": ["eval", "m", "--data", "d.txt"]}
+             "tune": ["tune", "m"], "calibrate": ["calibrate", "m", "--data", "d.txt"], "eval": ["eval", "m", "--data", "d.txt"]}
 OFFERED = {"generate": set(FIELDS), "serve": set(FIELDS), "run": set(FIELDS), "info": {"model", *INFO_OPTIONS},
+           "tune": {"model", *TUNE_OPTIONS},
            "calibrate": set(FIELDS) - set(CALIBRATE_EXCLUDED), "eval": set(FIELDS) - set(EVAL_EXCLUDED)}
 # a value other than the default for every field, and its flags
 OTHER = dict(model="some-model", dtype="float32", kv_cache_dtype="fp8_e5m2", quantization_param_path="s.json",
@@ -135,7 +136,7 @@ def test_bad_values_are_argparse_errors(capsys):
                                                           "not a memory size"),
                           (["--block-size", "x"], "argument --block-size: invalid int value: 'x'"),
                           (["--dense-backend", "cpu"], "invalid choice: 'cpu' (choose from 'auto', 'torch', "
-                                                       "'packed_bf16')")):
+                                                       "'torch_fp32', 'packed_bf16')")):
         with pytest.raises(SystemExit):
             parser.parse_args(["generate", "x", *argv])
         assert message in capsys.readouterr().err
@@ -183,9 +184,9 @@ def _config(**kw):
 
 
 def test_dense_backend_names():
-    assert DENSE_BACKENDS == ("auto", "torch", "packed_bf16")
+    assert DENSE_BACKENDS == ("auto", "torch", "torch_fp32", "packed_bf16")
     with pytest.raises(ValueError, match="^dense_backend='x' is not supported; choose one of: auto, torch, "
-                                         "packed_bf16$"):
+                                         "torch_fp32, packed_bf16$"):
         _config(dense_backend="x")
     with pytest.raises(ValueError, match="dense_backend='packed_bf16' needs dtype bfloat16"):
         _config(dense_backend="packed_bf16", dtype="float32")
@@ -194,6 +195,7 @@ def test_dense_backend_names():
     with pytest.raises(ValueError, match="^dense_backend='packed_bf16' needs dtype bfloat16, got torch.float32"):
         _config(dense_backend="packed_bf16", dtype="float32")
     assert _config(dense_backend="packed_bf16").dense_backend == "packed_bf16"
+    assert _config(dense_backend="torch_fp32").dense_backend == "torch_fp32"
 
 
 @pytest.mark.parametrize("kw,message", [

@@ -52,7 +52,8 @@ def test_cuda_without_a_gpu_says_what_to_do(tiny_llama, monkeypatch):
 
 
 @pytest.mark.parametrize(("option", "message"), [
-    (dict(dense_backend="packed_bf16"), r"dense_backend='packed_bf16' runs on the CPU only .*not on device='cuda'"),
+    (dict(dense_backend="packed_bf16"), r"dense_backend='packed_bf16' runs on the CPU only, not on device='cuda'"),
+    (dict(dense_backend="torch_fp32"), r"dense_backend='torch_fp32' runs on the CPU only, not on device='cuda'"),
     (dict(attention_backend="cpu_fused"), r"attention_backend='cpu_fused' runs on the CPU only, not on "
                                           r"device='cuda'; use attention_backend='auto'"),
 ])
