@@ -70,7 +70,7 @@ def get_backend(name: str, device: str = "cpu") -> AttentionBackend:
             if not _auto_fallback_warned:
                 _auto_fallback_warned = True
                 logger.warning("attention backend: using the slow reference path because the fused CPU kernels "
-                               "are unavailable: %s", exc)
+                               "are unavailable: %s", str(exc))
             return ReferenceBackend()
     if name not in BACKENDS:
         raise ValueError(f"attention_backend={name!r} is not known; choose one of: auto, {', '.join(BACKENDS)}")

@@ -69,7 +69,7 @@ def select_argmax(device: torch.device | str = "cpu") -> Argmax:
     try:
         return load_dense_kernels().argmax
     except KernelUnavailable as exc:
-        logger.debug("sampler: torch.argmax, kv8's kernels are unavailable: %s", exc)
+        logger.debug("sampler: torch.argmax, kv8's kernels are unavailable: %s", str(exc))
         return argmax_reference
 
 

@@ -86,6 +86,7 @@ def select_dense_backend(name: str, dtype: torch.dtype, quantization: str | None
             raise
         if not _auto_fallback_logged:
             _auto_fallback_logged = True
-            logger.warning("dense layers: using torch because kv8's CPU kernels are unavailable: %s", exc)
+            # the text, not the exception: a log record that keeps it keeps its frames (and the engine) alive
+            logger.warning("dense layers: using torch because kv8's CPU kernels are unavailable: %s", str(exc))
         return _torch_backend(quantization)
     return DenseBackend("packed_bf16", kernels, quantization)

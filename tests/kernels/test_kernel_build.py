@@ -29,3 +29,41 @@ def test_kernels_build_where_the_machine_can() -> None:
     if {"avx512f", "avx512bw", "avx512_bf16"} <= flags:
         dense = load_dense_kernels()
         assert not dense.amx or "amx_bf16" in flags
+
+
+@pytest.mark.parametrize("which", ["dense", "attention"])
+def test_a_remembered_failure_keeps_no_callers_frames_alive(which: str, monkeypatch: pytest.MonkeyPatch,
+                                                            tmp_path) -> None:
+    """A library that failed to build is remembered, and every later call raises: a new exception each time. Raising
+    the remembered exception object again grew its traceback with each caller's frames, so on a CPU without the
+    dense kernels (AVX2) every engine built with dense_backend=auto stayed alive (its cache, its tensor-parallel
+    ranks: 'a rank outlived its engine')."""
+    import gc
+    import weakref
+
+    from kv8.kernels.cpu import attention, dense
+    from kv8.kernels.cpu.build import KernelUnavailable
+
+    monkeypatch.setenv("CXX", "kv8-no-such-compiler")
+    monkeypatch.setenv("KV8_CACHE_DIR", str(tmp_path))
+    if which == "dense":
+        monkeypatch.setattr(dense, "_LOADED", [])
+        monkeypatch.setattr(dense, "_FAILED", [])
+        load = dense.load_dense_kernels
+    else:
+        monkeypatch.setattr(attention, "_LOADED", {})
+        monkeypatch.setattr(attention, "_FAILED", {})
+        load = attention.load_kernels
+
+    class Engine:
+        pass
+
+    def build_engine() -> weakref.ref:
+        engine = Engine()   # a caller's local, as LLMEngine.__init__'s self is
+        with pytest.raises(KernelUnavailable, match="kv8-no-such-compiler"):
+            load()
+        return weakref.ref(engine)
+
+    refs = [build_engine() for _ in range(3)]   # the first call fails to build, the next ones remember it
+    gc.collect()
+    assert all(r() is None for r in refs)

@@ -265,7 +265,7 @@ class KernelTesting:
 
 
 _LOADED: dict[str, KernelLibrary] = {}
-_FAILED: dict[str, KernelUnavailable] = {}
+_FAILED: dict[str, str] = {}   # march -> the failure's message
 
 
 def load_kernels(march: str = "native") -> KernelLibrary:
@@ -276,13 +276,13 @@ def load_kernels(march: str = "native") -> KernelLibrary:
     """
     if not isinstance(march, str) or not march or any(c.isspace() for c in march):
         raise ValueError(f"march={march!r} must be a non-empty -march value without spaces")
-    if march in _FAILED:
-        raise _FAILED[march]
+    if march in _FAILED:   # a new exception each time: the remembered message keeps no caller's frames alive
+        raise KernelUnavailable(_FAILED[march])
     if march not in _LOADED:
         try:
             _LOADED[march] = KernelLibrary(_build(march), march)
         except KernelUnavailable as exc:
-            _FAILED[march] = exc
+            _FAILED[march] = str(exc)
             raise
     return _LOADED[march]
 

@@ -249,19 +249,20 @@ def _check_bf16(name: str, x: torch.Tensor, ndim: int) -> None:
 
 
 _LOADED: list[DenseKernels] = []
-_FAILED: list[KernelUnavailable] = []
+_FAILED: list[str] = []   # the failure's message, once
 
 
 def load_dense_kernels() -> DenseKernels:
     """Build (first use) and load the kernels; raises :class:`KernelUnavailable`. Success or failure is
-    remembered for the life of the process."""
+    remembered for the life of the process (a failure as its message: each call raises a new exception, so no
+    caller's frames stay reachable from the remembered one)."""
     if _FAILED:
-        raise _FAILED[0]
+        raise KernelUnavailable(_FAILED[0])
     if not _LOADED:
         try:
             _LOADED.append(DenseKernels(build_shared_library(SOURCE, "native")))
         except KernelUnavailable as exc:
-            _FAILED.append(exc)
+            _FAILED.append(str(exc))
             raise
     return _LOADED[0]
 
