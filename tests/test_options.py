@@ -25,7 +25,8 @@ from kv8.tools.commands import CALIBRATE_EXCLUDED, EVAL_DEFAULTS, EVAL_EXCLUDED
 FIELDS = EngineArgs.field_names()
 # the command line each subcommand needs besides engine flags
 BASE_ARGV = {"generate": ["generate", "hi"], "serve": ["serve"], "run": ["run", "m"], "info": ["info", "m"],
-             "tune": ["tune", "m"], "calibrate": ["calibrate", "m", "--data", "d.txt"], "eval": ["eval", "m", "--data", "d.txt"]}
+             "tune": ["tune", "m"], "calibrate": ["calibrate", "m", "--data", "d.txt"],
+             "eval": ["eval", "m", "--data", "d.txt"]}
 OFFERED = {"generate": set(FIELDS), "serve": set(FIELDS), "run": set(FIELDS), "info": {"model", *INFO_OPTIONS},
            "tune": {"model", *TUNE_OPTIONS},
            "calibrate": set(FIELDS) - set(CALIBRATE_EXCLUDED), "eval": set(FIELDS) - set(EVAL_EXCLUDED)}
