@@ -389,6 +389,13 @@ class Config:
     def name(self) -> str:
         return f"{self.engine}{'@' + self.rev if self.rev else ''} {self.kv}"
 
+    def spread(self, shape: Shape, value: Callable[[Measurement], float]) -> float | None:
+        """(max - min) / median of one column's value over the rounds; None with fewer than two rounds."""
+        vals = [value(m) for m in self.results.get(shape, [])]
+        if len(vals) < 2 or statistics.median(vals) <= 0:
+            return None
+        return (max(vals) - min(vals)) / statistics.median(vals)
+
     def median(self, shape: Shape) -> Measurement | None:
         ms = self.results.get(shape)
         if not ms:
@@ -514,6 +521,13 @@ def print_table(configs: list[Config], shapes: list[Shape], ns: argparse.Namespa
             continue
         kld = "" if cfg.kld is None else f"{cfg.kld:.5f}"
         print(f"{cfg.name:<{width}}" + "".join(cell(cfg, c) for c in cols) + f"{kld:>10}")
+    if any(cfg.spread(c[2], c[1]) is not None for cfg in configs if not cfg.skipped for c in cols):
+        print(f"{'spread':<{width}}" + "".join(f"{h:>11}" for h, *_ in cols))
+        for cfg in configs:
+            if not cfg.skipped:
+                print(f"{cfg.name:<{width}}" + "".join(
+                    f"{'-':>11}" if (sp := cfg.spread(c[2], c[1])) is None else f"{f'{sp * 100:.0f}%':>11}"
+                    for c in cols))
     peers = [c for c in configs if c.engine != "kv8" and not c.skipped]
 
     def best(cands: list[Config], col: tuple[str, Callable[[Measurement], float], Shape, bool]
@@ -546,7 +560,9 @@ def print_table(configs: list[Config], shapes: list[Shape], ns: argparse.Namespa
             print(f"{'x ' + after.kv + ' /@' + str(before.rev):<{width}}" + "".join(
                 ratio(after.median(c[2]), None if (m := before.median(c[2])) is None else (c[1](m), ""), c)
                 for c in cols))
-    print("pp = prefill tok/s, tg = decode tok/s, TTFT in s; medians over the rounds. Ratio rows: kv8 over the best "
+    print("pp = prefill tok/s, tg = decode tok/s, TTFT in s; medians over the rounds; spread = (max - min) / median "
+          "over the rounds (a ratio smaller than its cells' spread is within the machine's drift). Ratio rows: kv8 "
+          "over the best "
           "peer configuration of that column (named above), and kv8 now over kv8 at an older revision "
           "(--kv8-before); for TTFT the inverse, so > 1 always means the first is better.")
 

@@ -110,3 +110,21 @@ def test_worker_pause_stops_its_process_group(tmp_path) -> None:
         worker.close()
         with contextlib.suppress(ProcessLookupError):   # the sleeping child, left in the worker's group
             os.killpg(worker.proc.pid, signal.SIGKILL)
+
+
+def test_the_table_prints_each_cells_spread_over_the_rounds(capsys: pytest.CaptureFixture[str]) -> None:
+    """Medians per cell, then (max - min) / median per cell, so a ratio can be read against the machine's drift."""
+    shape = bench.Shape(8, 1024, 128)
+    cfg = bench.Config("kv8", "fp8_e4m3")
+    cfg.results[shape] = [bench.Measurement(1000.0, 100.0, 1.0), bench.Measurement(1200.0, 110.0, 1.2),
+                          bench.Measurement(800.0, 90.0, 0.8)]
+    bench.print_table([cfg], [shape], None)
+    out = capsys.readouterr().out.splitlines()
+    row = next(line for line in out if line.startswith("kv8 fp8_e4m3") and "1000.0" in line)
+    assert row.split()[2:4] == ["1000.0", "100.0"]                    # the medians
+    spread = out[out.index(next(line for line in out if line.startswith("spread"))) + 1].split()
+    assert spread[2:4] == ["40%", "20%"]                              # (1200 - 800) / 1000, (110 - 90) / 100
+    one_round = bench.Config("kv8", "bfloat16")
+    one_round.results[shape] = [bench.Measurement(1.0, 1.0, 1.0)]
+    bench.print_table([one_round], [shape], None)
+    assert not any(line.startswith("spread") for line in capsys.readouterr().out.splitlines())
