@@ -1,19 +1,22 @@
-"""One engine step of SmolLM2 with torch's dense layers vs kv8's CPU kernels, side by side in one run.
+"""One engine step of SmolLM2 on each dense backend this CPU runs, side by side in one run.
 
-Two engines on the default model (bf16, FP8 cache) that differ only in ``dense_backend``: ``torch``
-(``F.linear`` / oneDNN and torch elementwise ops) and ``packed_bf16`` (packed-weight linear, fused add+RMSNorm,
-SiLU*up and RoPE). Prints the median time of a prefill step (4 prompts x 512 tokens = 2,048 tokens) and of a
-decode step (``--batch`` sequences at ~``--context`` tokens), and the speed-up. On a CPU with AMX-BF16, where
-``packed_bf16`` multiplies with AMX tiles, a third row times it with its ``vdpbf16ps`` path (the kernels'
-``amx`` flag off), as other CPUs run it.
+Engines on the default model (bf16, FP8 cache) that differ only in ``dense_backend``: ``torch`` (``F.linear`` /
+oneDNN and torch elementwise ops), ``torch_fp32`` (the same on float32 copies of the linear weights) and, where
+kv8's dense kernels build, ``packed_bf16`` (packed-weight linear, fused add+RMSNorm, SiLU*up and RoPE). Prints
+the median time of a prefill step (4 prompts x 512 tokens = 2,048 tokens) and of a decode step (``--batch``
+sequences at ~``--context`` tokens) over ``--rounds`` rounds that alternate the backends (the order rotated each
+round), and each one's speed-up over torch. On a CPU with AMX-BF16, where ``packed_bf16`` multiplies with AMX
+tiles, another row times it with its ``vdpbf16ps`` path (the kernels' ``amx`` flag off), as other CPUs run it.
 
     .venv/bin/python benchmarks/bench_engine_step.py
-    .venv/bin/python benchmarks/bench_engine_step.py --before HEAD~3   # packed_bf16 now vs at that revision
+    .venv/bin/python benchmarks/bench_engine_step.py --backends torch,torch_fp32 --rounds 5
+    .venv/bin/python benchmarks/bench_engine_step.py --before HEAD~3   # now vs that revision
 
-``--before REV`` measures the ``packed_bf16`` engine as of git revision REV (a temporary worktree, imported in a
-subprocess) and now, alternating ``--rounds`` times, and prints now / before: a change's effect on the whole step
-under the same machine conditions. The measuring code is this file's and drives the engine through
-``add_request`` / ``step`` / ``has_unfinished_requests`` only, which every revision has.
+``--before REV`` measures one backend (``--backend``; default ``packed_bf16`` where the kernels build, else
+``torch``) as of git revision REV (a temporary worktree, imported in a subprocess) and now, alternating
+``--rounds`` times, and prints now / before: a change's effect on the whole step under the same machine
+conditions. The measuring code is this file's and drives the engine through ``add_request`` / ``step`` /
+``has_unfinished_requests`` only, which every revision has.
 """
 
 from __future__ import annotations
@@ -63,9 +66,9 @@ def measure(backend: str, args: argparse.Namespace) -> tuple[float, float]:
 
 
 def measure_at(tree: str, args: argparse.Namespace) -> tuple[float, float]:
-    """:func:`measure` of ``packed_bf16`` with kv8 imported from ``tree`` (another revision), in a subprocess."""
+    """:func:`measure` of ``args.backend`` with kv8 imported from ``tree`` (another revision), in a subprocess."""
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--batch", str(args.batch), "--context",
-           str(args.context), "--repeats", str(args.repeats)]
+           str(args.context), "--repeats", str(args.repeats), "--backend", args.backend]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (tree, os.environ.get("PYTHONPATH")) if p))
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
     marked = [line for line in proc.stdout.splitlines() if line.startswith(RESULT_MARK)]
@@ -76,16 +79,16 @@ def measure_at(tree: str, args: argparse.Namespace) -> tuple[float, float]:
 
 
 def compare_with(rev: str, args: argparse.Namespace) -> None:
-    """packed_bf16 now and at ``rev``, alternating ``args.rounds`` times; medians and now / before."""
+    """``args.backend`` now and at ``rev``, alternating ``args.rounds`` times; medians and now / before."""
     with worktree(rev, "--before") as before:
         rows: dict[str, list[tuple[float, float]]] = {"now": [], f"at {before.rev}": []}
         for r in range(args.rounds):
             order = ["now", f"at {before.rev}"] if r % 2 == 0 else [f"at {before.rev}", "now"]
             for name in order:
-                rows[name].append(measure("packed_bf16", args) if name == "now" else measure_at(before.path, args))
+                rows[name].append(measure(args.backend, args) if name == "now" else measure_at(before.path, args))
     med = {name: (statistics.median(p for p, _ in v), statistics.median(d for _, d in v)) for name, v in rows.items()}
-    print(f"SmolLM2-135M, bf16, fp8_e4m3 cache, packed_bf16; decode batch {args.batch} at ~{args.context} tokens; "
-          f"medians of {args.rounds} alternating rounds")
+    print(f"SmolLM2-135M, bf16, fp8_e4m3 cache, {args.backend}; decode batch {args.batch} at ~{args.context} "
+          f"tokens; medians of {args.rounds} alternating rounds; {cpu_name()}, {os.cpu_count()} CPUs")
     print(f"{'kv8':<24}{'prefill 2048 tok ms':>21}{'decode step ms':>16}")
     for name, (p, d) in med.items():
         print(f"{name:<24}{p * 1e3:>21.1f}{d * 1e3:>16.1f}")
@@ -93,42 +96,78 @@ def compare_with(rev: str, args: argparse.Namespace) -> None:
     print(f"{'speed-up now / before':<24}{bp / np_:>21.2f}{bd / nd:>16.2f}")
 
 
+def cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "CPU")
+    except OSError:
+        return "CPU"
+
+
+def available_backends() -> list[str]:
+    """The dense backends this tree runs on this CPU."""
+    from kv8.kernels.cpu.build import KernelUnavailable
+    from kv8.kernels.cpu.dense import load_dense_kernels
+
+    try:
+        load_dense_kernels()
+        return ["torch", "torch_fp32", "packed_bf16"]
+    except KernelUnavailable:
+        return ["torch", "torch_fp32"]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--repeats", type=int, default=10)
+    ap.add_argument("--backends", default=None, help="comma-separated dense backends (default: all this CPU runs)")
     ap.add_argument("--before", default=None, metavar="REV",
-                    help="compare packed_bf16 now with kv8 at this git revision instead of the backends")
-    ap.add_argument("--rounds", type=int, default=3, help="alternating rounds of --before (default 3)")
+                    help="compare one backend (--backend) now with kv8 at this git revision instead of the backends")
+    ap.add_argument("--backend", default=None, help="the backend --before compares (default: packed_bf16 where "
+                    "the kernels build, else torch)")
+    ap.add_argument("--rounds", type=int, default=3, help="alternating rounds (default 3)")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
-    if args.worker:   # --before's subprocess: packed_bf16 with the kv8 on PYTHONPATH
-        print(RESULT_MARK + json.dumps(measure("packed_bf16", args)), flush=True)
+    if args.worker:   # --before's subprocess: one backend with the kv8 on PYTHONPATH
+        print(RESULT_MARK + json.dumps(measure(args.backend, args)), flush=True)
         return
+    available = available_backends()
     if args.before is not None:
+        args.backend = args.backend or ("packed_bf16" if "packed_bf16" in available else "torch")
         compare_with(args.before, args)
         return
-    from kv8.kernels.cpu.dense import load_dense_kernels  # this tree's (a --before worker imports another)
+    backends = args.backends.split(",") if args.backends else available
+    runs: dict[str, list[tuple[float, float]]] = {b: [] for b in backends}
+    amx_row = "packed_bf16 (vdpbf16ps)"
+    kernels = None
+    if "packed_bf16" in backends:
+        from kv8.kernels.cpu.dense import load_dense_kernels
 
-    rows = {b: measure(b, args) for b in ("torch", "packed_bf16")}
-    kernels = load_dense_kernels()
-    if kernels.amx:   # the same backend on the vdpbf16ps path
-        kernels.amx = False
-        try:
-            rows["packed_bf16 (vdpbf16ps)"] = measure("packed_bf16", args)
-        finally:
-            kernels.amx = True
-    print(f"SmolLM2-135M, bf16, fp8_e4m3 cache; decode batch {args.batch} at ~{args.context} tokens; medians; "
-          f"packed_bf16 path: {'AMX tiles' if kernels.amx else 'vdpbf16ps'}")
-    print(f"{'dense_backend':<24}{'prefill 2048 tok ms':>21}{'decode step ms':>16}")
-    for name, (p, d) in rows.items():
-        print(f"{name:<24}{p * 1e3:>21.1f}{d * 1e3:>16.1f}")
-    (tp, td), (cp, cd) = rows["torch"], rows["packed_bf16"]
-    print(f"{'speed-up vs torch':<24}{tp / cp:>21.2f}{td / cd:>16.2f}")
-    if "packed_bf16 (vdpbf16ps)" in rows:
-        vp, vd = rows["packed_bf16 (vdpbf16ps)"]
-        print(f"{'AMX vs vdpbf16ps':<24}{vp / cp:>21.2f}{vd / cd:>16.2f}")
+        kernels = load_dense_kernels()
+        if kernels.amx:
+            runs[amx_row] = []
+    names = list(runs)
+    for r in range(args.rounds):
+        for name in names[r % len(names):] + names[:r % len(names)]:   # a rotated order each round
+            if name == amx_row and kernels is not None:   # the same backend on the vdpbf16ps path
+                kernels.amx = False
+                try:
+                    runs[name].append(measure("packed_bf16", args))
+                finally:
+                    kernels.amx = True
+            else:
+                runs[name].append(measure(name, args))
+    print(f"SmolLM2-135M, bf16, fp8_e4m3 cache; decode batch {args.batch} at ~{args.context} tokens; medians of "
+          f"{args.rounds} alternating rounds (min-max); {cpu_name()}, {os.cpu_count()} CPUs")
+    print(f"{'dense_backend':<24}{'prefill 2048 tok ms':>28}{'decode step ms':>26}{'speed-up vs torch':>22}")
+    med = {n: (statistics.median(p for p, _ in v), statistics.median(d for _, d in v)) for n, v in runs.items()}
+    for name, v in runs.items():
+        p, d = med[name]
+        pre = f"{p * 1e3:.1f} ({min(x for x, _ in v) * 1e3:.0f}-{max(x for x, _ in v) * 1e3:.0f})"
+        dec = f"{d * 1e3:.1f} ({min(y for _, y in v) * 1e3:.0f}-{max(y for _, y in v) * 1e3:.0f})"
+        speed = "" if "torch" not in med else f"{med['torch'][0] / p:.2f} / {med['torch'][1] / d:.2f}"
+        print(f"{name:<24}{pre:>28}{dec:>26}{speed:>22}")
 
 
 if __name__ == "__main__":
