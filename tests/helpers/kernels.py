@@ -1,11 +1,15 @@
-"""kv8's native kernels in tests: the attention library's test cases and item-kernel checks (the fused attention
-and sliding-window tests, the empty-batch and thread tests), and the dense library loaded once, with an engine run
-on a chosen dense backend (the layers and the model tests)."""
+"""kv8's native kernels in tests: a library's AMX or AVX-512 path chosen for a test (the kernel, layer and FP8
+weight tests' fixtures), the attention library's test cases and item-kernel checks (the fused attention and
+sliding-window tests, the empty-batch and thread tests), and the dense library loaded once, with an engine run on a
+chosen dense backend (the layers and the model tests)."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
+from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -29,6 +33,22 @@ FP8 = ["fp8_e4m3", "fp8_e4m3fnuz", "fp8_e5m2"]
 # A ragged batch mixing decode and chunked prefill over cached prefixes; lengths at / across block edges.
 QUERY_LENS = [1, 1, 1, 5, 16, 17, 1]
 SEQ_LENS = [1, 16, 33, 21, 48, 17, 130]
+
+
+# ---- either library's two paths (AMX tiles, AVX-512) ------------------------------------------------------------
+@contextlib.contextmanager
+def amx_path(lib: Any, path: str) -> Iterator[str]:
+    """Runs the body with a kernel library's ``amx`` flag set for ``path`` ("amx": AMX tiles; any other name: the
+    AVX-512 path), restored afterwards; an "amx" path is skipped where the library has no AMX tiles (this CPU,
+    build or OS). For the fixtures that run a test on each of a library's two paths."""
+    if path == "amx" and not lib.amx:
+        pytest.skip("this CPU, build or OS gives no AMX-BF16 tiles")
+    chosen = lib.amx
+    lib.amx = path == "amx"
+    try:
+        yield path
+    finally:
+        lib.amx = chosen
 
 
 # ---- the attention library --------------------------------------------------------------------------------------
