@@ -144,23 +144,3 @@ def test_chain_hash_names_the_whole_prefix():
     h1 = hash_block(None, [1, 2])
     assert hash_block(h1, [3, 4]) != hash_block(hash_block(None, [9, 9]), [3, 4])
     assert hash_block(None, [1, 2]) == h1 and len(h1) == 16
-
-
-def test_scheduler_keeps_a_free_block_per_running_request_before_admitting():
-    from kv8.engine.config import SchedulerConfig
-    from kv8.engine.scheduler import Scheduler
-
-    kv = KVCacheManager.full_attention(num_blocks=5, block_size=4, enable_prefix_caching=False)
-    sched = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=20), kv)
-    a, b = req("a", list(range(8))), req("b", list(range(50, 62)))
-    assert kv.blocks_needed(a, 8) == [2] and kv.blocks_needed(b, 12) == [3]
-    sched.add(a)
-    sched.add(b)
-    out = sched.schedule()
-    # a takes 2 blocks; b needs 3 and 3 free blocks remain, but one is kept for a's growth: b waits.
-    assert [c.request.request_id for c in out.chunks] == ["a"] and list(sched.waiting) == [b]
-    assert kv.num_free_blocks == 3
-    sched.finish(a, a.status)
-    assert [c.request.request_id for c in sched.schedule().chunks] == ["b"]
-    sched.finish(b, b.status)
-    kv.check_integrity()

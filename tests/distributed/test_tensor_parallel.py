@@ -32,8 +32,8 @@ from kv8.models.registry import arch_config
 from kv8.quant.formats import resolve_kv_cache_dtype
 from kv8.quant.scale_files import write_kv8_scales_json
 from kv8.quant.scales import KVScales, ModelScaleInfo, ScaleGranularity
-from tests.conftest import make_tiny_model
 from tests.helpers.paths import ROOT
+from tests.helpers.tiny_models import make_tiny_model
 
 PROMPTS = ["hello world how are you", "the cat sat on the mat and"]
 

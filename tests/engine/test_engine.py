@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 
 from kv8 import SamplingParams
-from tests.conftest import POISONED_TOKEN
 from tests.helpers.engine import KV_CONFIGS, PROMPTS, assert_greedy_match, check_all_blocks_free, make_llm, tokens_of
+from tests.helpers.tiny_models import POISONED_TOKEN
 
 KV_DTYPES = list(KV_CONFIGS)
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)

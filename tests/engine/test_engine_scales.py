@@ -10,8 +10,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from kv8 import LLM, SamplingParams
-from tests.conftest import make_tiny_model
 from tests.helpers.paths import FIXTURES
+from tests.helpers.tiny_models import make_tiny_model
 
 VLLM_SCALES = str(FIXTURES / "vllm-llama2-7b-kv_cache_scales.json")
 

@@ -1,8 +1,8 @@
 """Sliding-window models end to end: out-of-window blocks are freed, and greedy output does not depend on
 batching, prefix caching, preemption or the freeing itself, in every KV dtype; kv_cache_dtype_skip_layers.
 
-Models: ``mistral_swa`` (every layer windowed, window 11) and ``qwen2_swa`` (layer 0 full, layer 1 window 7)
-from tests/conftest.py; prompts of 20-40 tokens and 20 new tokens, so windows slide during prefill and decode.
+Models: ``mistral_swa`` (every layer windowed, window 11) and ``qwen2_swa`` (layer 0 full, layer 1 window 7) from
+tests/helpers/tiny_models.py; prompts of 20-40 tokens and 20 new tokens, so windows slide during prefill and decode.
 Logits of both against transformers are checked in tests/models/test_model_vs_hf.py.
 """
 

@@ -14,7 +14,7 @@ import pytest
 
 from kv8 import LLM, SamplingParams, envs
 from kv8.entrypoints.cli import main
-from tests.conftest import POISONED_TOKEN
+from tests.helpers.tiny_models import POISONED_TOKEN
 
 TEXT = ("The quick brown fox jumps over the lazy dog. London is the capital of England. Paris is the capital of "
         "France, and Berlin is the capital of Germany. Once upon a time there was a little model. ") * 6

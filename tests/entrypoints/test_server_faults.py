@@ -17,8 +17,8 @@ import httpx
 import openai
 import pytest
 
-from tests.conftest import POISONED_TOKEN
 from tests.helpers.server import API_KEY, ENGINE_FLAGS, SERVER_FLAGS, Server, drop, open_stream
+from tests.helpers.tiny_models import POISONED_TOKEN
 
 # Replaces LLMEngine.step by one that raises: a failure that is no single request's, so the engine is unusable.
 BROKEN_STEP = """

@@ -4,7 +4,7 @@ Oracles: transformers' ``apply_chat_template`` on the same OpenAI-shaped history
 literal blocks the fixture template (``tests/fixtures/tool_chat_template.jinja``) writes; ``jsonschema`` for
 constrained arguments; the openai SDK's own stream accumulator (``ChatCompletionStreamState``) for streamed
 deltas, against the non-streamed answer of the same greedy / seeded request. A tiny random Llama is given the
-fixture template (tools supported) or keeps conftest's plain one (no tool support).
+fixture template (tools supported) or keeps the tiny models' plain one (no tool support).
 """
 
 from __future__ import annotations
@@ -45,9 +45,9 @@ from kv8.entrypoints.openai.tool_calling import (
 )
 from kv8.loader.tokenizer import load_tokenizer
 from kv8.outputs import CompletionOutput, RequestOutput
-from tests.conftest import make_tiny_model
 from tests.helpers.paths import FIXTURES
 from tests.helpers.server import API_KEY, SERVER_FLAGS, Server, expect_error, post, with_surrogate
+from tests.helpers.tiny_models import make_tiny_model
 
 FIXTURE_TEMPLATE = FIXTURES / "tool_chat_template.jinja"
 FLAGS = ["--dtype", "float32", "--num-kv-blocks", "256", "--block-size", "16", "--max-model-len", "1024",
@@ -73,7 +73,7 @@ HISTORY = [{"role": "system", "content": "Be brief."},
 # ---- models, servings, server ---------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def plain_model(tmp_path_factory: pytest.TempPathFactory) -> str:
-    """A tiny Llama with conftest's chat template (no tool support); context 2048 for tool prompts."""
+    """A tiny Llama with the tiny models' chat template (no tool support); context 2048 for tool prompts."""
     return make_tiny_model(str(tmp_path_factory.mktemp("plain")), "llama", max_position_embeddings=2048)
 
 

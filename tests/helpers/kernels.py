@@ -1,11 +1,15 @@
-"""kv8's native kernels in tests: the attention library's test cases and item-kernel checks (the fused attention
-and sliding-window tests, the empty-batch and thread tests), and the dense library loaded once, with an engine run
-on a chosen dense backend (the layers and the model tests)."""
+"""kv8's native kernels in tests: a library's AMX or AVX-512 path chosen for a test (the kernel, layer and FP8
+weight tests' fixtures), the attention library's test cases and item-kernel checks (the fused attention and
+sliding-window tests, the empty-batch and thread tests), and the dense library loaded once, with an engine run on a
+chosen dense backend (the layers and the model tests)."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
+from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -17,7 +21,7 @@ from kv8.engine.args import EngineArgs
 from kv8.engine.engine import LLMEngine
 from kv8.kernels.cpu import attention as kernels
 from kv8.kernels.cpu.attention import load_kernels
-from kv8.kernels.cpu.build import KernelUnavailable
+from kv8.kernels.cpu.build import KernelUnavailable, cpu_flags
 from kv8.kernels.cpu.dense import DenseKernels, load_dense_kernels
 from kv8.observer import EngineObserver
 from kv8.quant.formats import KVCacheDtype, resolve_kv_cache_dtype
@@ -29,9 +33,34 @@ FP8 = ["fp8_e4m3", "fp8_e4m3fnuz", "fp8_e5m2"]
 # A ragged batch mixing decode and chunked prefill over cached prefixes; lengths at / across block edges.
 QUERY_LENS = [1, 1, 1, 5, 16, 17, 1]
 SEQ_LENS = [1, 16, 33, 21, 48, 17, 130]
+#: the fused attention's tolerance against the reference, by output dtype: |out - ref| <= TOL * (1 + max|ref|)
+#: (tests/kernels/test_fused_attention.py says why)
+TOL = {torch.float32: 5e-5, torch.float16: 2.0 ** -10, torch.bfloat16: 2.0 ** -7}
+
+
+# ---- either library's two paths (AMX tiles, AVX-512) ------------------------------------------------------------
+@contextlib.contextmanager
+def amx_path(lib: Any, path: str) -> Iterator[str]:
+    """Runs the body with a kernel library's ``amx`` flag set for ``path`` ("amx": AMX tiles; any other name: the
+    AVX-512 path), restored afterwards; an "amx" path is skipped where the library has no AMX tiles (this CPU,
+    build or OS). For the fixtures that run a test on each of a library's two paths."""
+    if path == "amx" and not lib.amx:
+        pytest.skip("this CPU, build or OS gives no AMX-BF16 tiles")
+    chosen = lib.amx
+    lib.amx = path == "amx"
+    try:
+        yield path
+    finally:
+        lib.amx = chosen
 
 
 # ---- the attention library --------------------------------------------------------------------------------------
+def cpu_has_fast_path() -> bool:
+    """AVX-512 F/BW/VL + VBMI + BF16: what the fast path needs (this project's machine has them)."""
+    flags = set(cpu_flags().split())
+    return {"avx512f", "avx512bw", "avx512vl", "avx512vbmi", "avx512_bf16"} <= flags
+
+
 def make_cache(shape: CacheShape, kv: KVCacheDtype, scales: KVScales | None, dynamic: bool = False) -> PagedKVCache:
     """A cache whose codec stores ``kv`` with static ``scales`` (or dynamic scales)."""
     codec = KVCodec.build(kv, shape.head_dim, scale_mode="dynamic" if dynamic else "static",
@@ -54,6 +83,19 @@ def random_kv(n: int, heads: int, dim: int, gen: torch.Generator) -> torch.Tenso
     """Values over a wide dynamic range, so FP8 codes include subnormals, saturation and both signs."""
     mag = torch.exp2(torch.empty(n, heads, dim).uniform_(-14.0, 4.0, generator=gen))
     return torch.randn(n, heads, dim, generator=gen) * mag * 0.5 + torch.randn(n, heads, dim, generator=gen)
+
+
+def stored(cache: PagedKVCache, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Raw K and V contents (and dynamic token scales) at ``slots``, as integers for bitwise comparison."""
+    bs = cache.shape.block_size
+    blocks, offsets = slots // bs, slots % bs
+    raw = cache.data.view(torch.uint8) if cache.kv_dtype.is_fp8 else cache.data.view(torch.int16) \
+        if cache.data.element_size() == 2 else cache.data.view(torch.int32)
+    out = [raw[layer, 0][blocks, :, offsets], raw[layer, 1][blocks, :, offsets]]
+    if cache.token_scales is not None:
+        out += [cache.token_scales[layer, 0][blocks, :, offsets].view(torch.int32),
+                cache.token_scales[layer, 1][blocks, :, offsets].view(torch.int32)]
+    return tuple(out)
 
 
 def scattered_tables(seq_lens: list[int], bs: int, gen: torch.Generator, *,

@@ -7,7 +7,7 @@ from collections.abc import Iterator
 import pytest
 
 from kv8.kernels.cpu.attention import KernelLibrary
-from tests.conftest import amx_path
+from tests.helpers.kernels import amx_path
 
 
 @pytest.fixture(params=["amx", "avx512"])

@@ -1,9 +1,6 @@
-"""Sliding-window attention (``AttentionMetadata.sliding_window``): the reference and the fused CPU kernels.
+"""Sliding-window attention (``AttentionMetadata.sliding_window``) in the fused CPU kernels. The window's metadata
+and the reference against a dense computation are tested in tests/attention/; the cases are tests/helpers/windows.py.
 
-* Metadata: the field is validated (None or an int >= 1, ``ValueError`` naming it, also through
-  ``dataclasses.replace``); ``first_key`` is the lowest position any new token of a sequence sees.
-* Reference vs a dense torch computation (every K/V gathered, one mask with causal + window), over ragged
-  batches of decode and chunked prefill, windows of 1 .. beyond the context, blocks of 8 and 16.
 * Fused vs reference, with windows smaller than, equal to, not a multiple of and larger than the block size
   (and larger than the context): every KV dtype and scale mode (static per tensor / head / channel, dynamic),
   q in bf16 and fp32, head_dim 64 / 128 / 256 x GQA 1 / 4 / 8, blocks of 8 / 16 / 32, forced and automatic
@@ -24,29 +21,19 @@ or 5e-5 (fp32 output).
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import pytest
 import torch
 
 from kv8.attention.metadata import AttentionMetadata
 from kv8.attention.reference import paged_attention_reference
-from kv8.cache.codec import KVCodec
-from kv8.cache.paged_cache import CacheShape, PagedKVCache
 from kv8.kernels.cpu import attention as kernels
 from kv8.kernels.cpu.attention import paged_attention_fused
-from kv8.quant.formats import resolve_kv_cache_dtype
-from kv8.quant.scales import KVScales, ScaleGranularity
-from tests.helpers.kernels import decode_kernel, load_or_skip, prefill_kernel, scattered_tables
+from tests.helpers.kernels import decode_kernel, load_or_skip, prefill_kernel
+from tests.helpers.windows import STALE, Case, window_case
 
 FP8 = ["fp8_e4m3", "fp8_e4m3fnuz", "fp8_e5m2"]
-NAN_CODE = {"fp8_e4m3": 0x7F, "fp8_e4m3fnuz": 0x80, "fp8_e5m2": 0x7F}
 TOL = {torch.float32: 5e-5, torch.bfloat16: 2.0 ** -7}
-STALE = [0, 10 ** 6, -3, 1 << 40]  # what a freed block's table entry may hold; block 0 is all NaN
-
-# A ragged batch: decode steps and chunked prefill over cached prefixes, lengths at / across block edges.
-QUERY_LENS = [1, 1, 1, 5, 16, 17, 1, 3]
-SEQ_LENS = [1, 16, 33, 21, 48, 17, 130, 77]
 
 
 @pytest.fixture(scope="module")
@@ -57,74 +44,6 @@ def lib() -> kernels.KernelLibrary:
 @pytest.fixture(scope="module")
 def generic_lib() -> kernels.KernelLibrary:
     return load_or_skip("x86-64-v3")
-
-
-@dataclasses.dataclass
-class Case:
-    cache: PagedKVCache
-    meta: AttentionMetadata      # with the window and stale entries before it
-    full_tables: list[list[int]]  # the real block ids of every context position
-    q: torch.Tensor
-
-
-def first_key(q_len: int, s_len: int, window: int | None) -> int:
-    return 0 if window is None else max(0, s_len - q_len + 1 - window)
-
-
-def random_kv(n: int, heads: int, dim: int, gen: torch.Generator) -> torch.Tensor:
-    mag = torch.exp2(torch.empty(n, heads, dim).uniform_(-8.0, 3.0, generator=gen))
-    return torch.randn(n, heads, dim, generator=gen) * mag + torch.randn(n, heads, dim, generator=gen)
-
-
-def window_case(kv_name: str, gran: str, q_dtype: torch.dtype, window: int | None, *, group: int = 2,
-                dim: int = 64, bs: int = 16, heads: int = 2, query_lens: list[int] | None = None,
-                seq_lens: list[int] | None = None, seed: int = 0, poison: bool = True) -> Case:
-    """A 2-layer cache whose layer 1 holds the context tokens, metadata with ``window`` and queries
-    ``[T, heads * group, dim]``. ``poison``: every position before a sequence's first key (and every slot
-    that holds no context token) is NaN, block 0 is all NaN and in no table, and the entries of blocks wholly
-    before the first key are stale (STALE, cycled); else every context token is stored and tables are real."""
-    query_lens = QUERY_LENS if query_lens is None else query_lens
-    seq_lens = SEQ_LENS if seq_lens is None else seq_lens
-    gen = torch.Generator().manual_seed(seed)
-    kv = resolve_kv_cache_dtype(kv_name, torch.bfloat16)
-    full_tables, num_blocks = scattered_tables(seq_lens, bs, gen, block0_unused=True)
-    scales = None
-    if kv_name in FP8 and gran != "dynamic":
-        shape = {"tensor": (2, 1, 1), "head": (2, heads, 1), "channel": (2, heads, dim)}[gran]
-        scales = KVScales(k=0.004 + 0.03 * torch.rand(shape, generator=gen),
-                          v=0.004 + 0.03 * torch.rand(shape, generator=gen),
-                          granularity=ScaleGranularity(gran), source="test", made_for=None)
-    codec = KVCodec.build(kv, dim, scale_mode="dynamic" if gran == "dynamic" else "static", scales=scales)
-    cache = PagedKVCache(CacheShape(2, num_blocks, heads, bs, dim), codec)
-    if kv_name in FP8:
-        cache.data.fill_(NAN_CODE[kv_name])
-    else:
-        cache.data.fill_(float("nan"))
-    if cache.token_scales is not None:
-        cache.token_scales.fill_(float("nan"))
-    slots = []
-    for q_len, s_len, table in zip(query_lens, seq_lens, full_tables):
-        first = first_key(q_len, s_len, window) if poison else 0
-        slots += [table[p // bs] * bs + p % bs for p in range(first, s_len)]
-        if cache.token_scales is not None:
-            # The reference decodes whole blocks (PagedKVCache.gather) and drops the first needed block's
-            # leading rows after decoding them, so their dynamic scales must be valid; their codes stay NaN.
-            for p in range(first // bs * bs, first):
-                cache.token_scales[1, :, table[p // bs], :, p % bs] = 1.0
-    dtype = q_dtype if kv.is_fp8 else kv.storage_dtype
-    n = len(slots)
-    cache.store(1, random_kv(n, heads, dim, gen).to(dtype), random_kv(n, heads, dim, gen).to(dtype),
-                torch.tensor(slots, dtype=torch.int64))
-    tables = [list(t) for t in full_tables]
-    if poison:
-        k = 0
-        for q_len, s_len, table in zip(query_lens, seq_lens, tables):
-            for b in range(first_key(q_len, s_len, window) // bs):
-                table[b] = STALE[k % len(STALE)]
-                k += 1
-    meta = AttentionMetadata.build(list(query_lens), list(seq_lens), tables, bs, sliding_window=window)
-    q = torch.randn(sum(query_lens), heads * group, dim, generator=gen).to(q_dtype)
-    return Case(cache, meta, full_tables, q)
 
 
 def check(lib: kernels.KernelLibrary, case: Case, partitions: tuple[int, ...] = (0,)) -> None:
@@ -142,81 +61,6 @@ def check(lib: kernels.KernelLibrary, case: Case, partitions: tuple[int, ...] = 
 
 def item_kernel(lib: kernels.KernelLibrary, kv_name: str, q_dtype: torch.dtype, dim: int, bs: int, rows: int) -> str:
     return kernels.KernelTesting(lib).item_kernel(kv_name, q_dtype, dim, bs, rows)
-
-
-# ------------------------------------------------------------------------------------------------
-# Metadata
-# ------------------------------------------------------------------------------------------------
-
-@pytest.mark.parametrize("bad", [0, -1, 2.5, True, "4"])
-def test_metadata_rejects_bad_window(bad: object) -> None:
-    with pytest.raises(ValueError, match="sliding_window"):
-        AttentionMetadata.build([1], [5], [[0]], 16, sliding_window=bad)  # type: ignore[arg-type]
-    meta = AttentionMetadata.build([1], [5], [[0]], 16)
-    assert meta.sliding_window is None
-    with pytest.raises(ValueError, match="sliding_window"):
-        dataclasses.replace(meta, sliding_window=bad)
-
-
-def test_metadata_first_key_and_slots() -> None:
-    """first_key = max(0, seq_len - query_len + 1 - W); blocks before first_key // bs are never needed, and
-    slot_mapping uses only the new tokens' blocks (stale entries before the window do not matter)."""
-    meta = AttentionMetadata.build([2, 1, 3, 1], [40, 40, 3, 20], [[9, 9, 2, 5, 7], [9] * 5, [4], [9, 9, 3]], 8,
-                                   sliding_window=20)
-    assert [meta.first_key(i) for i in range(4)] == [19, 20, 0, 0]
-    assert meta.slot_mapping.tolist() == [7 * 8 + 6, 7 * 8 + 7, 9 * 8 + 7, 4 * 8, 4 * 8 + 1, 4 * 8 + 2, 3 * 8 + 3]
-    # The lowest key of query position p is p - W + 1: position 38 (first query of seq 0) sees 19 .. 38.
-    assert AttentionMetadata.build([1], [39], [[0] * 5], 8, sliding_window=20).first_key(0) == 19
-    assert AttentionMetadata.build([1], [40], [[0] * 5], 8).first_key(0) == 0
-
-
-# ------------------------------------------------------------------------------------------------
-# Reference vs dense
-# ------------------------------------------------------------------------------------------------
-
-def dense_attention(q: torch.Tensor, cache: PagedKVCache, layer: int, case: Case, window: int | None,
-                    scale: float) -> torch.Tensor:
-    """Every context K/V gathered through the real tables, one [T, S] mask: causal and inside the window."""
-    meta = case.meta
-    out = torch.empty(q.shape, dtype=torch.float32)
-    for i in range(meta.num_seqs):
-        q_len, s_len = meta.query_lens_list[i], meta.seq_lens_list[i]
-        start = int(meta.query_start_loc[i])
-        k, v = cache.gather(layer, torch.tensor(case.full_tables[i]), s_len, torch.float32)  # [S, Hkv, D]
-        group = q.shape[1] // k.shape[1]
-        k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)                 # [S, Hq, D]
-        qp = torch.arange(s_len - q_len, s_len)[:, None]
-        kp = torch.arange(s_len)[None, :]
-        allowed = kp <= qp
-        if window is not None:
-            allowed &= kp > qp - window
-        scores = torch.einsum("thd,shd->hts", q[start:start + q_len].float(), k) * scale
-        probs = torch.softmax(scores.masked_fill(~allowed, -math.inf), dim=-1)
-        out[start:start + q_len] = torch.einsum("hts,shd->thd", probs, v)
-    return out
-
-
-@pytest.mark.parametrize("window", [None, 1, 5, 8, 16, 21, 40, 1000])
-@pytest.mark.parametrize("kv_name,bs", [("float32", 16), ("fp8_e4m3", 8)])
-def test_reference_matches_dense(kv_name: str, bs: int, window: int | None) -> None:
-    case = window_case(kv_name, "head", torch.float32, window, bs=bs, poison=False, seed=3)
-    scale = 0.125
-    want = dense_attention(case.q, case.cache, 1, case, window, scale)
-    got = paged_attention_reference(case.q, case.cache, 1, case.meta, scale)
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-
-
-def test_reference_ignores_stale_entries() -> None:
-    """With a poisoned cache (NaN before every first key) and stale entries (ids past the cache: an index
-    error if gathered), the reference is finite and equals itself over the real tables."""
-    case = window_case("bfloat16", "none", torch.float32, 12, bs=8, seed=4)
-    stale = case.meta.block_tables
-    assert bool(((stale < 0) | (stale >= case.cache.shape.num_blocks)).any())
-    real = AttentionMetadata.build(list(case.meta.query_lens_list), list(case.meta.seq_lens_list), case.full_tables,
-                                   8, sliding_window=12)
-    got = paged_attention_reference(case.q, case.cache, 1, case.meta, 0.125)
-    assert torch.isfinite(got).all()
-    assert torch.equal(got, paged_attention_reference(case.q, case.cache, 1, real, 0.125))
 
 
 # ------------------------------------------------------------------------------------------------

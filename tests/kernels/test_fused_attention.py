@@ -25,26 +25,23 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
-import logging
 import math
 
 import pytest
 import torch
 
-import kv8.attention.backend as backend_mod
-import kv8.attention.cpu_fused as fused_backend
-from kv8.attention.backend import FusedCPUBackend, ReferenceBackend, get_backend
 from kv8.attention.metadata import AttentionMetadata
 from kv8.attention.reference import paged_attention_reference
 from kv8.cache.paged_cache import CacheShape, PagedKVCache
 from kv8.kernels.cpu import attention as kernels
 from kv8.kernels.cpu.abi import check_abi
 from kv8.kernels.cpu.attention import KernelUnavailable, paged_attention_fused, store_kv_fused
-from kv8.kernels.cpu.build import cpu_flags
 from kv8.quant.formats import FP8_FORMATS, resolve_kv_cache_dtype
 from kv8.quant.scales import KVScales
 from tests.helpers.kernels import (
     FP8,
+    TOL,
+    cpu_has_fast_path,
     decode_kernel,
     load_or_skip,
     make_cache,
@@ -52,16 +49,11 @@ from tests.helpers.kernels import (
     make_scales,
     prefill_kernel,
     random_kv,
+    stored,
 )
 
 KV_DTYPES = ["fp8_e4m3", "fp8_e4m3fnuz", "fp8_e5m2", "bfloat16", "float16", "float32"]
-TOL = {torch.float32: 5e-5, torch.float16: 2.0 ** -10, torch.bfloat16: 2.0 ** -7}
 
-
-def cpu_has_fast_path() -> bool:
-    """AVX-512 F/BW/VL + VBMI + BF16: what the fast path needs (this project's machine has them)."""
-    flags = set(cpu_flags().split())
-    return {"avx512f", "avx512bw", "avx512vl", "avx512vbmi", "avx512_bf16"} <= flags
 
 
 @pytest.fixture(scope="module")
@@ -139,19 +131,6 @@ def test_generic_build_decodes_on_bits(generic_lib: kernels.KernelLibrary) -> No
 # ------------------------------------------------------------------------------------------------
 # Store
 # ------------------------------------------------------------------------------------------------
-
-def stored(cache: PagedKVCache, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """Raw K and V contents (and dynamic token scales) at ``slots``, as integers for bitwise comparison."""
-    bs = cache.shape.block_size
-    blocks, offsets = slots // bs, slots % bs
-    raw = cache.data.view(torch.uint8) if cache.kv_dtype.is_fp8 else cache.data.view(torch.int16) \
-        if cache.data.element_size() == 2 else cache.data.view(torch.int32)
-    out = [raw[layer, 0][blocks, :, offsets], raw[layer, 1][blocks, :, offsets]]
-    if cache.token_scales is not None:
-        out += [cache.token_scales[layer, 0][blocks, :, offsets].view(torch.int32),
-                cache.token_scales[layer, 1][blocks, :, offsets].view(torch.int32)]
-    return tuple(out)
-
 
 def special_values(n: int, fmt_max: float) -> torch.Tensor:
     base = torch.tensor([0.0, -0.0, math.inf, -math.inf, fmt_max, -fmt_max, fmt_max * 1.0001, fmt_max * 2,
@@ -405,47 +384,8 @@ def test_prefill_softmax_reference_moves(lib: kernels.KernelLibrary, kernel_path
 
 
 # ------------------------------------------------------------------------------------------------
-# Backend and errors
+# Errors
 # ------------------------------------------------------------------------------------------------
-
-def test_backend_forward_matches_reference_backend(lib: kernels.KernelLibrary) -> None:
-    gen = torch.Generator().manual_seed(5)
-    heads, group, dim, bs = 2, 3, 64, 16
-    kv = resolve_kv_cache_dtype("fp8_e4m3", torch.bfloat16)
-    scales = make_scales("fp8_e4m3", "head", 1, heads, dim, gen)
-    shape = CacheShape(1, 12, heads, bs, dim)
-    caches = [make_cache(shape, kv, scales) for _ in range(2)]
-    tables = [[3, 7, 1], [0, 2]]
-    fused_backend, reference = get_backend("auto"), ReferenceBackend()
-    assert isinstance(fused_backend, FusedCPUBackend) and fused_backend.name == "cpu_fused"
-    # Prefill both sequences in one step, then one decode step each: outputs and cache bytes agree.
-    for query_lens, seq_lens in (([40, 20], [40, 20]), ([1, 1], [41, 21])):
-        meta = AttentionMetadata.build(query_lens, seq_lens, tables, bs)
-        t = sum(query_lens)
-        q = torch.randn(t, heads * group, dim, generator=gen).to(torch.bfloat16)
-        k = random_kv(t, heads, dim, gen).to(torch.bfloat16)
-        v = random_kv(t, heads, dim, gen).to(torch.bfloat16)
-        want = reference.forward(q, k, v, caches[0], 0, meta, dim ** -0.5).float()
-        got = fused_backend.forward(q, k, v, caches[1], 0, meta, dim ** -0.5).float()
-        assert (got - want).abs().max().item() <= TOL[torch.bfloat16] * (1 + want.abs().max().item())
-        for a, b in zip(stored(caches[0], 0, meta.slot_mapping), stored(caches[1], 0, meta.slot_mapping)):
-            assert torch.equal(a, b)
-
-
-def test_auto_falls_back_with_one_warning(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
-    def unavailable() -> kernels.KernelLibrary:
-        raise KernelUnavailable("no C++ compiler: 'g++' is not on PATH")
-
-    monkeypatch.setattr(fused_backend, "load_kernels", unavailable)
-    monkeypatch.setattr(backend_mod, "_auto_fallback_warned", False)
-    with caplog.at_level(logging.WARNING, logger="kv8"):
-        first, second = get_backend("auto"), get_backend("auto")
-    assert first.name == second.name == "reference"
-    warnings = [r for r in caplog.records if "reference" in r.getMessage()]
-    assert len(warnings) == 1 and "not on PATH" in warnings[0].getMessage()
-    with pytest.raises(KernelUnavailable, match="not on PATH"):
-        get_backend("cpu_fused")
-
 
 def test_missing_compiler_is_reported(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
     monkeypatch.setenv("CXX", "kv8-no-such-compiler")
@@ -466,18 +406,6 @@ def test_bad_inputs_raise(lib: kernels.KernelLibrary) -> None:
     k = torch.zeros(1, cache.shape.num_kv_heads, cache.shape.head_dim)
     with pytest.raises(ValueError, match="slot"):
         store_kv_fused(lib, cache, 1, k, k, torch.tensor([cache.shape.num_blocks * cache.shape.block_size]))
-
-
-def test_backend_bad_block_id_is_a_value_error(lib: kernels.KernelLibrary) -> None:
-    """The trusted hot path (no Python validation) still reports a bad block id or slot as a ValueError."""
-    cache, _, q = make_case("fp8_e4m3", "tensor", torch.bfloat16, query_lens=[1, 2], seq_lens=[5, 20])
-    backend = FusedCPUBackend()
-    bad = AttentionMetadata.build([1, 2], [5, 20], [[cache.shape.num_blocks + 5], [0, 1]], cache.shape.block_size)
-    k = torch.zeros(3, cache.shape.num_kv_heads, cache.shape.head_dim, dtype=torch.bfloat16)
-    with pytest.raises(ValueError, match="block id"):
-        backend.lib.attention(q, cache, 1, bad, 0.1)
-    with pytest.raises(ValueError, match="slot"):  # the store comes first and finds the slot outside the cache
-        backend.forward(q, k, k, cache, 1, bad, 0.1)
 
 
 def test_codes_and_messages_come_from_the_library(lib: kernels.KernelLibrary) -> None:

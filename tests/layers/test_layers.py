@@ -22,8 +22,7 @@ from kv8.layers.dense_backend import TORCH_BACKEND, DenseBackend, select_dense_b
 from kv8.layers.linear import GateUpLinear, Linear, LinearBase, MergedLinear, QKVLinear, linear_reference
 from kv8.layers.norm import RMSNorm, rmsnorm_reference
 from kv8.layers.rotary import RopeScaling, RotaryEmbedding, rope_reference
-from tests.conftest import amx_path
-from tests.helpers.kernels import dense_kernels_or_reason, prefill_logits
+from tests.helpers.kernels import amx_path, dense_kernels_or_reason, prefill_logits
 
 _KERNELS, _WHY = dense_kernels_or_reason()
 needs_kernel = pytest.mark.skipif(_KERNELS is None, reason=f"kv8's dense kernels are unavailable: {_WHY}")

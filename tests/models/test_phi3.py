@@ -2,7 +2,7 @@
 
 Models (all with ``sliding_window=None`` except the one sliding-window test):
 
-* ``phi3`` -- conftest's tiny Phi-3 (no rope scaling);
+* ``phi3`` -- the tiny Phi-3 of tests/helpers/tiny_models.py (no rope scaling);
 * ``longrope`` -- LongRoPE with distinct short and long factors, ``original_max_position_embeddings=32`` and
   ``max_position_embeddings=128``, so the 43-token sequences here cross into the long factors;
 * ``partial`` -- the same plus ``partial_rotary_factor=0.5`` (Phi-4-mini style) and tied embeddings.
@@ -31,9 +31,9 @@ from kv8.loader.model import load_model
 from kv8.models.phi3 import Phi3ArchConfig, Phi3ForCausalLM
 from kv8.models.registry import arch_config, model_class
 from kv8.observer import EngineObserver
-from tests.conftest import make_tiny_model
 from tests.helpers.hf import FP8_NP, edited_checkpoint, hf_logits, register_fp8_attention, run_paged
 from tests.helpers.kernels import dense_kernels_or_reason, prefill_logits
+from tests.helpers.tiny_models import make_tiny_model
 
 DENSE_KERNELS, DENSE_WHY = dense_kernels_or_reason()
 ORIGINAL = 32   # original_max_position_embeddings of the longrope models

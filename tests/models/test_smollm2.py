@@ -43,7 +43,7 @@ def test_chat_and_issue_example():
     out = llm.generate("London is the capital of", SamplingParams(temperature=1.3, top_p=0.8, seed=0))
     assert out[0].outputs[0].text and len(out[0].outputs[0].token_ids) == 16
     # (not "What is the capital of France?": its first token is a near-tie that rounding decides, see
-    # tests/entrypoints/test_server.py CAPITAL_QUESTION)
+    # tests/entrypoints/test_server_lifecycle.py CAPITAL_QUESTION)
     chat = llm.chat([{"role": "user", "content": "Name the capital city of France."}],
                     SamplingParams(temperature=0, max_tokens=24))[0].outputs[0]
     assert "Paris" in chat.text, chat.text

@@ -29,7 +29,8 @@ from kv8.layers.linear import (
 from kv8.layers.vocab_parallel import ParallelLMHead
 from kv8.quant.formats import E4M3
 from kv8.quant.weights import dequantize_fp8_rows, quantize_fp8_rows
-from tests.conftest import TINY_CONFIGS, amx_path
+from tests.helpers.kernels import amx_path
+from tests.helpers.tiny_models import TINY_CONFIGS
 
 
 def _kernels() -> DenseKernels | None:
