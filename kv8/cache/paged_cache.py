@@ -105,7 +105,11 @@ class PagedKVCache:
 
     def store(self, layer: int, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         """Write new tokens (the reference store). key/value: ``[T, H, D]`` in the stored basis; slot_mapping:
-        ``[T]`` int64 slots."""
+        ``[T]`` int64 slots; a negative slot skips its token (the padding rows of :mod:`kv8.engine.cuda_graphs`),
+        as in :func:`kv8.kernels.triton.store.store_kv`."""
+        keep = slot_mapping >= 0
+        if not bool(keep.all()):   # (-1 would index the cache's last slot)
+            key, value, slot_mapping = key[keep], value[keep], slot_mapping[keep]
         bs, slot = self.shape.block_size, self.slots[layer]
         blocks, offsets = slot_mapping // bs, slot_mapping % bs
         for which, x in enumerate((key, value)):
