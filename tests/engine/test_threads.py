@@ -163,9 +163,11 @@ def test_attention_bits_depend_on_the_plan_not_on_the_running_threads(kv_name: s
     torch.set_num_threads(1)
     with_one = paged_attention_fused(lib, q, cache, 1, meta, scale, plan_threads=2)
     assert torch.equal(with_one, with_two)
-    # the plan itself does move bits here (other partitions, another log-sum-exp combine): planning for the
-    # running threads would have changed the output when the governor lowered them
-    assert not torch.equal(paged_attention_fused(lib, q, cache, 1, meta, scale, plan_threads=1), with_two)
+    # on the fast path the plan itself moves bits here (other partitions, another log-sum-exp combine): planning for
+    # the running threads would have changed the output when the governor lowered them (the generic path of CPUs
+    # without AVX-512 splits no context, so its plans agree bit for bit)
+    if lib.has_fast_path:
+        assert not torch.equal(paged_attention_fused(lib, q, cache, 1, meta, scale, plan_threads=1), with_two)
     with pytest.raises(ValueError, match="plan_threads=0 must be an int >= 1 \\(or None\\)"):
         paged_attention_fused(lib, q, cache, 1, meta, scale, plan_threads=0)
 

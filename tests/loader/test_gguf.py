@@ -7,7 +7,6 @@ synthetic GGUF files written here with `gguf.GGUFWriter`, whose original Hugging
 from __future__ import annotations
 
 import os
-import time
 from pathlib import Path
 from typing import Any
 
@@ -337,11 +336,9 @@ def test_bad_inputs_are_rejected(tmp_path: Path) -> None:
 
 
 @pytest.fixture(scope="module")
-def smollm2_ours() -> tuple[GGUFModel, dict[str, torch.Tensor], float]:
-    start = time.perf_counter()
+def smollm2_ours() -> tuple[GGUFModel, dict[str, torch.Tensor]]:
     model, reader = read_gguf(SMOLLM2)
-    tensors = dict(iter_gguf_tensors(reader, model, torch.float32))
-    return model, tensors, time.perf_counter() - start
+    return model, dict(iter_gguf_tensors(reader, model, torch.float32))
 
 
 @pytest.fixture(scope="module")
@@ -353,7 +350,7 @@ def smollm2_transformers() -> Any:
 
 @pytest.mark.slow
 def test_smollm2_weights_equal_transformers(smollm2_ours: Any, smollm2_transformers: Any) -> None:
-    _, ours, _ = smollm2_ours
+    _, ours = smollm2_ours
     reference = smollm2_transformers.state_dict()
     assert set(reference) - set(ours) == {"lm_head.weight"}  # tied: transformers lists the shared tensor twice
     assert torch.equal(reference["lm_head.weight"], ours["model.embed_tokens.weight"])
@@ -379,12 +376,6 @@ def test_smollm2_config(smollm2_ours: Any, smollm2_transformers: Any) -> None:
         assert config[key] == getattr(reference, key), key
 
 
-@pytest.mark.slow
-def test_smollm2_loads_in_a_few_seconds(smollm2_ours: Any) -> None:
-    # measured ~1.7 s (0.55 s parse + 1.1 s dequantize) on the 2-core dev machine; generous bound for CI
-    assert smollm2_ours[2] < 10.0
-
-
 # ---------------------------------------------------------------------------------------------------------------
 # tokenizer
 
@@ -399,13 +390,9 @@ def reference_tokenizer() -> Any:
 @pytest.fixture(scope="module")
 def cached_tokenizers(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     cache = str(tmp_path_factory.mktemp("kv8-cache"))
-    start = time.perf_counter()
     first = load_tokenizer("gguf", SMOLLM2, cache_dir=cache)
-    cold = time.perf_counter() - start
-    start = time.perf_counter()
     second = load_tokenizer("gguf", SMOLLM2, cache_dir=cache)
-    warm = time.perf_counter() - start
-    return {"first": first, "second": second, "cold": cold, "warm": warm, "cache": cache}
+    return {"first": first, "second": second, "cache": cache}
 
 
 @pytest.mark.slow
@@ -434,12 +421,22 @@ def test_tokenizer_special_tokens_and_chat_template(cached_tokenizers: dict[str,
 
 
 @pytest.mark.slow
-def test_tokenizer_second_load_is_fast(cached_tokenizers: dict[str, Any]) -> None:
-    # measured: cold ~4 s (transformers' conversion), warm ~0.1 s
-    assert cached_tokenizers["warm"] < 1.5
-    assert cached_tokenizers["warm"] < cached_tokenizers["cold"] / 3
+def test_tokenizer_second_load_reads_the_cache(cached_tokenizers: dict[str, Any],
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """The GGUF tokenizer is converted once (transformers' conversion: seconds), then read from the cache: a later
+    load does not convert again. (How long each takes is a benchmark's business, not a test's.)"""
+    import kv8.loader.tokenizer as tokenizer_module
+
     cache_dir = gguf_tokenizer_cache_path(SMOLLM2, cached_tokenizers["cache"])
     assert os.path.isfile(os.path.join(cache_dir, "tokenizer.json"))
+
+    def no_conversion(path: str, target: str) -> None:
+        raise AssertionError(f"converted {path} again")
+
+    monkeypatch.setattr(tokenizer_module, "_convert_gguf_tokenizer", no_conversion)
+    third = load_tokenizer("gguf", SMOLLM2, cache_dir=cached_tokenizers["cache"])
+    text = "London is the capital of"
+    assert third(text).input_ids == cached_tokenizers["first"](text).input_ids
 
 
 def test_tokenizer_cache_key_follows_the_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
