@@ -55,12 +55,11 @@ def worker(max_batch: int, prompt: int) -> None:
     for line in sys.stdin:
         batch, seed = map(int, line.split())
         rng = random.Random(seed)
-        for i in range(batch):
-            eng.add_request([rng.randrange(100, 40000) for _ in range(prompt)], params, request_id=f"{seed}-{i}")
+        ids = [eng.add_request([rng.randrange(100, 40000) for _ in range(prompt)], params, request_id=f"{seed}-{i}")
+               for i in range(batch)]
         faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         start = time.perf_counter()
-        while eng.has_unfinished_requests():
-            eng.step()
+        eng.run_to_completion(ids)
         seconds = time.perf_counter() - start
         print(json.dumps({"seconds": seconds, "faults": resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults}),
               flush=True)

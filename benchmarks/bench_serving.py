@@ -53,6 +53,7 @@ def run(flags: str, prompts: list[list[int]], args: argparse.Namespace) -> dict:
     peak, generated, steps = 0, 0, 0
     prefill_tokens, prefill_seconds, decode_steps, decode_tokens, decode_seconds = 0, 0.0, 0, 0, 0.0
     start = time.perf_counter()
+    # a hand loop, not run_to_completion: each step is timed and read with eng.stats() after it
     while eng.has_unfinished_requests():
         t0 = time.perf_counter()
         outs = eng.step()

@@ -110,8 +110,7 @@ def measure(model: str, tp_size: int, args: argparse.Namespace) -> dict[str, Any
     row["prefill_ms"] = 1e3 * statistics.median(prefill_step() for _ in range(args.repeats))
     for batch in args.batches:
         params = SamplingParams(temperature=0, max_tokens=args.repeats + 10, ignore_eos=True)
-        for _ in range(batch):
-            eng.add_request(prompt(args.context), params, request_id=f"d{next(ids)}")
+        batch_ids = [eng.add_request(prompt(args.context), params, request_id=f"d{next(ids)}") for _ in range(batch)]
         while (s := eng.stats()).num_waiting or s.num_prefilling:   # until every prompt is in the cache
             eng.step()
         for _ in range(3):
@@ -125,8 +124,7 @@ def measure(model: str, tp_size: int, args: argparse.Namespace) -> dict[str, Any
             times.append(time.perf_counter() - start)
         if timer is not None:
             calls, reduce_s = timer.take()
-        while eng.has_unfinished_requests():
-            eng.step()
+        eng.run_to_completion(batch_ids)
         row[f"decode_ms_{batch}"] = 1e3 * statistics.median(times)
         row[f"reduce_ms_{batch}"] = 1e3 * reduce_s / args.repeats
         row[f"reduces_{batch}"] = calls / args.repeats

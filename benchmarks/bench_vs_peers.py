@@ -248,6 +248,7 @@ def kv8_worker(options: dict[str, Any], max_batch: int, max_len: int
         start = time.perf_counter()
         first = 0.0
         generated_at_first = 0
+        # a hand loop, not run_to_completion: --kv8-before runs it on revisions that predate run_to_completion
         while eng.has_unfinished_requests():
             for out in eng.step():
                 tokens[out.request_id] = len(out.outputs[0].token_ids)

@@ -18,6 +18,7 @@ def time_prefill_step(eng: LLMEngine, prompt: Callable[[], list[int]], request_i
     start = time.perf_counter()
     eng.step()
     elapsed = time.perf_counter() - start
+    # a hand loop, not run_to_completion: bench_engine_step.py --before runs this against revisions older than it
     while eng.has_unfinished_requests():
         eng.step()
     return elapsed

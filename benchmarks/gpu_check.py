@@ -247,6 +247,7 @@ def engine_decode(model: str, kv_name: str, batch: int, context: int, decode_ste
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     sync()
     steps, tokens, start = 0, 0, time.perf_counter()
+    # a hand loop, not run_to_completion: it times decode_steps steps of the full batch, then aborts the requests
     while steps < decode_steps and eng.has_unfinished_requests():
         eng.step()
         stats = eng.stats()

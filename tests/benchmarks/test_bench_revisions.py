@@ -23,7 +23,7 @@ def test_worktree_checks_out_the_revision_and_removes_it() -> None:
     with revisions.worktree("HEAD") as checkout:
         tree = checkout.path
         assert head.startswith(checkout.rev) and len(checkout.rev) >= 7
-        assert (Path(tree) / "kv8" / "kernels" / "csrc" / "dense" / "dense.cpp").is_file()
+        assert (Path(tree) / "kv8" / "kernels" / "cpu" / "csrc" / "dense" / "dense.cpp").is_file()
         got = subprocess.run(["git", "-C", tree, "rev-parse", "HEAD"], capture_output=True, text=True,
                              check=True).stdout.strip()
         assert got == head

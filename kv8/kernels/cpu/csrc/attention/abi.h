@@ -38,7 +38,7 @@
 // that keeps plan_threads fixed gets the same bits at any num_threads (kv8.engine.threads changes it).
 // sliding_window: W >= 1 = the query at position p sees keys p - W < k <= p only; 0 = full causal attention.
 // use_amx: 1 = prefill and decode items may multiply with AMX tiles where the build, the CPU and the OS allow it
-// (item_tile.h, item_decode_amx.h); 0 = never (the AVX-512 paths; the two sum in different orders, so a caller
+// (item_prefill_amx.h, item_decode_amx.h); 0 = never (the AVX-512 paths; the two sum in different orders, so a caller
 // keeps one choice for good).
 // With a window, block-table entries of blocks wholly before the first query's window hold anything and are
 // never read (kv8.attention.metadata).

@@ -15,7 +15,7 @@
 
 #include <type_traits>
 
-// The AVX-512 BF16 path (item_tile.h, item_decode.h) is compiled when the target has all of these.
+// The AVX-512 BF16 path (item_tile.h, item_prefill.h, item_decode.h) is compiled when the target has all of these.
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VBMI__) && \
     defined(__AVX512BF16__)
 #define KV8_FAST 1
@@ -23,8 +23,8 @@
 #define KV8_FAST 0
 #endif
 
-// AMX-BF16 tiles for the prefill loop (item_tile.h) and decode items (item_decode_amx.h) where the build targets
-// them, on top of the fast path.
+// AMX-BF16 tiles for the prefill loop (item_prefill_amx.h) and decode items (item_decode_amx.h) where the build
+// targets them, on top of the fast path.
 #include "../common/amx_tiles.h"
 #define KV8_ATTN_AMX (KV8_FAST && KV8_AMX)
 

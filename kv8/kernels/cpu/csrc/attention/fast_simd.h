@@ -1,5 +1,5 @@
-// AVX-512 BF16 building blocks shared by the two fast item kernels (item_tile.h: any tile shape;
-// item_decode.h: decode-sized items). Compiled only when KV8_FAST.
+// AVX-512 BF16 building blocks shared by the two fast item kernels (item_tile.h with item_prefill.h: any tile
+// shape; item_decode.h: decode-sized items). Compiled only when KV8_FAST.
 //
 // FP8 -> bf16: two in-register 128-entry byte tables (vpermt2b gives the low and the high byte of the bf16
 // value, the sign bit is ORed in); every FP8 value is an exact bf16, subnormals and NaN included.

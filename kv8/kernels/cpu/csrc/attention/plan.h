@@ -36,7 +36,7 @@ static int make_problem(const kv8_layer& L, const kv8_attention_call& C, Problem
     P.window = C.sliding_window;
     // Query tokens per item: ~ROWS_PER_ITEM rows (tokens x GQA group) share each decoded K/V tile. Measured
     // on 4 x 512 prefill tokens, 48 rows took ~15% less time than 16 (32: ~9%); with the prefill loop
-    // (item_tile.h) 96 rows take ~2% less than 48 on SmolLM2 prefill (2 x 1024, 512 over 1,536 cached) and
+    // (item_prefill.h) 96 rows take ~2% less than 48 on SmolLM2 prefill (2 x 1024, 512 over 1,536 cached) and
     // on Gemma-3's 512-token chunks, decode unchanged; on its AMX form 192 rows take 0-6% less than 96 on 2 x
     // 1024 and 3-15% less on 512 over 1,536 (bench_attention.py --tables smollm2-prefill, alternating builds).
     P.qb = P.G >= ROWS_PER_ITEM ? 1 : ROWS_PER_ITEM / P.G;
