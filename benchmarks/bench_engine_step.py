@@ -3,8 +3,8 @@
 Engines on the default model (bf16, FP8 cache) that differ only in ``dense_backend``: ``torch`` (``F.linear`` /
 oneDNN and torch elementwise ops), ``torch_fp32`` (the same on float32 copies of the linear weights) and, where
 kv8's dense kernels build, ``packed_bf16`` (packed-weight linear, fused add+RMSNorm, SiLU*up and RoPE). Prints
-the median time of a prefill step (4 prompts x 512 tokens = 2,048 tokens) and of a decode step (``--batch``
-sequences at ~``--context`` tokens) over ``--rounds`` rounds that alternate the backends (the order rotated each
+the median time of a prefill step (4 prompts x ``--prompt`` tokens, default 512: 2,048 tokens) and of a decode
+step (``--batch`` sequences at ~``--context`` tokens) over ``--rounds`` rounds that alternate the backends (the order rotated each
 round), and each one's speed-up over torch. On a CPU with AMX-BF16, where ``packed_bf16`` multiplies with AMX
 tiles, another row times it with its ``vdpbf16ps`` path (the kernels' ``amx`` flag off), as other CPUs run it.
 
@@ -45,7 +45,7 @@ def measure(backend: str, args: argparse.Namespace) -> tuple[float, float]:
     counter = iter(range(10**9))
 
     def prefill_step() -> float:
-        return time_prefill_step(eng, lambda: [rng.randrange(100, 40000) for _ in range(512)], counter)
+        return time_prefill_step(eng, lambda: [rng.randrange(100, 40000) for _ in range(args.prompt)], counter)
 
     prefill_step()
     prefill = statistics.median(prefill_step() for _ in range(args.repeats))
@@ -68,7 +68,7 @@ def measure(backend: str, args: argparse.Namespace) -> tuple[float, float]:
 def measure_at(tree: str, args: argparse.Namespace) -> tuple[float, float]:
     """:func:`measure` of ``args.backend`` with kv8 imported from ``tree`` (another revision), in a subprocess."""
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--batch", str(args.batch), "--context",
-           str(args.context), "--repeats", str(args.repeats), "--backend", args.backend]
+           str(args.context), "--repeats", str(args.repeats), "--backend", args.backend, "--prompt", str(args.prompt)]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (tree, os.environ.get("PYTHONPATH")) if p))
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
     marked = [line for line in proc.stdout.splitlines() if line.startswith(RESULT_MARK)]
@@ -89,7 +89,7 @@ def compare_with(rev: str, args: argparse.Namespace) -> None:
     med = {name: (statistics.median(p for p, _ in v), statistics.median(d for _, d in v)) for name, v in rows.items()}
     print(f"SmolLM2-135M, bf16, fp8_e4m3 cache, {args.backend}; decode batch {args.batch} at ~{args.context} "
           f"tokens; medians of {args.rounds} alternating rounds; {cpu_name()}, {os.cpu_count()} CPUs")
-    print(f"{'kv8':<24}{'prefill 2048 tok ms':>21}{'decode step ms':>16}")
+    print(f"{'kv8':<24}{f'prefill {4 * args.prompt} tok ms':>21}{'decode step ms':>16}")
     for name, (p, d) in med.items():
         print(f"{name:<24}{p * 1e3:>21.1f}{d * 1e3:>16.1f}")
     (np_, nd), (bp, bd) = med["now"], med[f"at {before.rev}"]
@@ -120,6 +120,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--context", type=int, default=512)
+    ap.add_argument("--prompt", type=int, default=512, help="tokens of each of the prefill step's 4 prompts")
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--backends", default=None, help="comma-separated dense backends (default: all this CPU runs)")
     ap.add_argument("--before", default=None, metavar="REV",
@@ -160,7 +161,8 @@ def main() -> None:
                 runs[name].append(measure(name, args))
     print(f"SmolLM2-135M, bf16, fp8_e4m3 cache; decode batch {args.batch} at ~{args.context} tokens; medians of "
           f"{args.rounds} alternating rounds (min-max); {cpu_name()}, {os.cpu_count()} CPUs")
-    print(f"{'dense_backend':<24}{'prefill 2048 tok ms':>28}{'decode step ms':>26}{'speed-up vs torch':>22}")
+    print(f"{'dense_backend':<24}{f'prefill {4 * args.prompt} tok ms':>28}{'decode step ms':>26}"
+          f"{'speed-up vs torch':>22}")
     med = {n: (statistics.median(p for p, _ in v), statistics.median(d for _, d in v)) for n, v in runs.items()}
     for name, v in runs.items():
         p, d = med[name]
