@@ -5,8 +5,9 @@ oneDNN and torch elementwise ops), ``torch_fp32`` (the same on float32 copies of
 kv8's dense kernels build, ``packed_bf16`` (packed-weight linear, fused add+RMSNorm, SiLU*up and RoPE). Prints
 the median time of a prefill step (4 prompts x ``--prompt`` tokens, default 512: 2,048 tokens) and of a decode
 step (``--batch`` sequences at ~``--context`` tokens) over ``--rounds`` rounds that alternate the backends (the
-order rotated each round), and each one's speed-up over torch. On a CPU with AMX-BF16, where ``packed_bf16`` multiplies with AMX
-tiles, another row times it with its ``vdpbf16ps`` path (the kernels' ``amx`` flag off), as other CPUs run it.
+order rotated each round), and each one's speed-up over torch. On a CPU with AMX-BF16, where ``packed_bf16``
+multiplies with AMX tiles, another row times it with its ``vdpbf16ps`` path (the kernels' ``amx`` flag off), as
+other CPUs run it.
 
     .venv/bin/python benchmarks/bench_engine_step.py
     .venv/bin/python benchmarks/bench_engine_step.py --backends torch,torch_fp32 --rounds 5
