@@ -20,6 +20,9 @@ a non-streaming request gets a JSON 503). A second signal aborts them at once, t
 flight, uvicorn stops accepting and shuts down, the engine thread stops and the process exits 0 (uvicorn
 re-raises the signal after shutting down; kv8's handlers absorb it). A third signal forces uvicorn out.
 
+A request that ends in a 5xx (a 500 ``generation_failed``: ``finish_reason="error"``; a 503) leaves one log line
+with its id, route and reason; its error answer carries the id as ``X-Request-Id``.
+
 Engine failure: a failure that leaves the engine unusable (an exception escaping an engine step; one request's
 failure does not) fails every open request with a 503, makes ``/health`` answer 503 with the error, prints one
 ``kv8: error:`` line and exits the process with status 1, so that a supervisor restarts it.
@@ -98,8 +101,8 @@ def build_app(engine: AsyncEngine, limits: ServingLimits, args: ServerArgs | Non
     error_response = install_error_handlers(app, metrics.record_rejected, gone)
 
     @app.exception_handler(Exception)
-    async def _internal(_: Request, e: Exception) -> JSONResponse:
-        logger.exception("internal error")
+    async def _internal(request: Request, e: Exception) -> JSONResponse:
+        logger.exception("request - (%s) failed: 500 internal error", request.url.path)
         return error_response(APIError(500, f"internal server error: {type(e).__name__}: {e}", type_="server_error"))
 
     def check_access(request: Request) -> None:

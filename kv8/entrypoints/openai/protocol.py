@@ -23,7 +23,8 @@ class APIError(Exception):
     """An error answered to the client with ``status`` and OpenAI's error body."""
 
     def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None, headers: dict[str, str] | None = None) -> None:
+                 param: str | None = None, code: str | None = None, headers: dict[str, str] | None = None,
+                 request_id: str | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
@@ -31,6 +32,12 @@ class APIError(Exception):
         self.param = param
         self.code = code
         self.headers = headers or {}   # extra response headers (Retry-After ...)
+        self.request_id = request_id   # the id of the request it ends, once it has one (the X-Request-Id header)
+
+    def response_headers(self) -> dict[str, str]:
+        """The headers of the error's response: ``headers``, and ``X-Request-Id`` (the openai client's
+        ``error.request_id``) once the request had an id."""
+        return {**self.headers, **({"X-Request-Id": self.request_id} if self.request_id else {})}
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}

@@ -151,13 +151,15 @@ class OpenAIServing:
     def _release(self, num_seqs: int) -> None:
         self.in_flight -= num_seqs
 
-    def _admit(self, subs: list[SubRequest]) -> RequestRun:
+    def _admit(self, subs: list[SubRequest], request_id: str, route: str) -> RequestRun:
+        """The run of ``subs``, the engine requests of the HTTP request ``request_id`` to ``route`` (a path);
+        a 503 when the server holds too many sequences to take them."""
         num_seqs = sum(s.params.n for s in subs)
-        run = RequestRun(self.engine, self.metrics, subs, lambda: self._release(num_seqs))
+        run = RequestRun(self.engine, self.metrics, subs, lambda: self._release(num_seqs), request_id, route)
         if self.in_flight + run.num_seqs > self.limits.max_in_flight:
             raise APIError(503, f"The server is overloaded: {self.in_flight} sequences in flight, this request "
                                 f"adds {run.num_seqs}, the limit is {self.limits.max_in_flight}; retry later",
-                           type_="server_error", code="overloaded")
+                           type_="server_error", code="overloaded", request_id=request_id)
         self.in_flight += run.num_seqs
         return run
 
@@ -297,10 +299,10 @@ class OpenAIServing:
     async def completion(self, req: CompletionRequest, disconnect: Callable[[], Awaitable[None]]
                          ) -> dict[str, Any] | Stream:
         subs, echo = await asyncio.to_thread(self._completion_subs, req)
-        run = self._admit(subs)
+        rid = subs[0].request_id.rsplit("-", 1)[0]
+        run = self._admit(subs, rid, "/v1/completions")
         await run.start()
         created, model, n = int(time.time()), self.limits.served_model_name, req.n or 1
-        rid = subs[0].request_id.rsplit("-", 1)[0]
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return Stream(self._completion_stream(run, echo, n, rid, created, model, include_usage), run.close)
@@ -351,6 +353,7 @@ class OpenAIServing:
                 yield sse({"id": rid, "object": "text_completion", "created": created, "model": model,
                             "choices": [], "usage": usage(run)})
         except APIError as e:
+            run.failed(e)
             yield sse(e.body())
         finally:
             run.close()
@@ -400,7 +403,7 @@ class OpenAIServing:
     async def chat(self, req: ChatCompletionRequest, disconnect: Callable[[], Awaitable[None]]
                    ) -> dict[str, Any] | Stream:
         sub, plan = await asyncio.to_thread(self._chat_prepare, req)
-        run = self._admit([sub])
+        run = self._admit([sub], sub.request_id, "/v1/chat/completions")
         await run.start()
         created, model = int(time.time()), self.limits.served_model_name
         if req.stream:
@@ -470,6 +473,7 @@ class OpenAIServing:
             if include_usage:
                 yield sse(dict(base, choices=[], usage=usage(run)))
         except APIError as e:
+            run.failed(e)
             yield sse(e.body())
         finally:
             run.close()
