@@ -434,7 +434,9 @@ class OpenAIServing:
             base["usage"] = None
         marks: dict[int, tuple[int, int, bool]] = {}
         tool_streams = {i: ToolCallStream() for i in range(sub.params.n)}
-        first_content = None if plan.mode in ("required", "named") else ""   # those answers have no content
+        # the role chunk's content: null whenever the answer may be tool calls (OpenAI's), "" for plain text; the
+        # content deltas that follow then add up to the non-streamed content (None for an answer of calls only)
+        first_content = None if plan.parser is not None else ""
         try:
             for i in range(sub.params.n):
                 yield sse(dict(base, choices=[{"index": i, "delta": {"role": "assistant", "content": first_content},
