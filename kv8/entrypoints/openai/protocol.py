@@ -358,6 +358,26 @@ class ChatMessage(_Strict):
         return out
 
 
+def refuse_non_text_parts(items: Any, field: str, text_types: tuple[str, ...] = ("text",)) -> None:
+    """A :class:`FieldError` naming the first content part of the raw ``items`` (a request's ``field``, before
+    validation) whose ``type`` is not text (``image_url``, ``input_audio``, ``file`` ...): kv8 serves text-only
+    models, and the 400 says so instead of listing why the part matches no text shape. ``param`` points at the
+    part (``messages.0.content.1``)."""
+    if not isinstance(items, list):
+        return
+    for i, item in enumerate(items):
+        content = item.get("content") if isinstance(item, dict) else None
+        if not isinstance(content, list):
+            continue
+        for j, part in enumerate(content):
+            kind = part.get("type") if isinstance(part, dict) else None
+            if isinstance(kind, str) and kind not in text_types:
+                raise FieldError(f"{field}.{i}.content.{j}", f"this server serves a text-only model: content part "
+                                                              f"type {kind!r} is not supported (at {field}.{i}."
+                                                              f"content.{j}); send text parts "
+                                                              f"({' or '.join(map(repr, text_types))}) or a string")
+
+
 def check_tool_replies(messages: list[ChatMessage]) -> None:
     """Every tool message answers a call made by an earlier assistant message (OpenAI's rule); FieldError else."""
     called: set[str] = set()
@@ -380,6 +400,12 @@ class ChatCompletionRequest(_SamplingFields):
 
     messages: list[ChatMessage] = Field(min_length=1)
     modalities: list[Literal["text"]] | None = None       # metadata: text is all kv8 produces
+
+    @model_validator(mode="before")
+    @classmethod
+    def _text_only(cls, data: Any) -> Any:
+        refuse_non_text_parts(data.get("messages") if isinstance(data, dict) else None, "messages")
+        return data
     tools: list[ChatTool] | None = Field(None, min_length=1)
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool | None = None
@@ -445,6 +471,12 @@ class TokenizeRequest(_Strict):
     add_special_tokens: bool = True          # prompt: the tokenizer's special tokens (BOS ...), as generation adds
     add_generation_prompt: bool = True       # messages: end with the assistant's turn, as chat completions do
 
+    @model_validator(mode="before")
+    @classmethod
+    def _text_only(cls, data: Any) -> Any:
+        refuse_non_text_parts(data.get("messages") if isinstance(data, dict) else None, "messages")
+        return data
+
     @model_validator(mode="after")
     def _one_input(self) -> TokenizeRequest:
         if (self.prompt is None) == (self.messages is None):
@@ -484,4 +516,6 @@ def validation_error(e: ValidationError) -> APIError:
     cause = (err.get("ctx") or {}).get("error")
     if isinstance(cause, FieldError):
         param = cause.param
+        if not loc:   # a check of the whole body: its message and param name the field
+            text = msg
     return APIError(400, text, param=param)
