@@ -275,7 +275,8 @@ def test_every_failed_request_leaves_one_log_line_naming_its_id_route_and_reason
     """Issue 42, item 2: a request that fails (non-finite logits: ``finish_reason="error"``, a 500
     ``generation_failed``) leaves exactly one ERROR line in the server's log with the id the client saw (the error's
     ``X-Request-Id``, which the openai client reads as ``request_id``, or the stream's chunk id), its route and the
-    reason; streamed or not, completions and chat. A request that succeeds leaves none."""
+    reason; streamed or not, completions, chat and responses (whose stream ends with ``error`` and
+    ``response.failed``). A request that succeeds leaves none."""
     srv = _serve(nan_llama, tmp_path)
     poisoned_text = "100%"   # "%" is POISONED_TOKEN in the tiny tokenizer
     failed: list[tuple[str, str]] = []   # (id, route)
@@ -303,17 +304,28 @@ def test_every_failed_request_leaves_one_log_line_naming_its_id_route_and_reason
                                                                   max_tokens=4, stream=True)) as resp:
                 lines = [line for line in resp.iter_lines() if line.startswith("data: ")]
         assert "non-finite logits" in json.loads(lines[-2][6:])["error"]["message"], lines
+        # the Responses API: a 500 naming the response id; streamed, the events end with error and response.failed
+        with pytest.raises(openai.InternalServerError) as info:
+            client.responses.create(model=nan_llama, input=poisoned_text, max_output_tokens=4)
+        assert info.value.code == "generation_failed" and (info.value.request_id or "").startswith("resp_")
+        failed.append((info.value.request_id, "/v1/responses"))
+        events = list(client.responses.create(model=nan_llama, input=poisoned_text, max_output_tokens=4,
+                                              stream=True))
+        assert [e.type for e in events] == ["response.created", "response.in_progress", "error", "response.failed"]
+        assert events[2].code == "generation_failed" and "non-finite logits" in events[2].message
+        assert events[3].response.status == "failed" and events[3].response.error.code == "server_error"
+        failed.append((events[0].response.id, "/v1/responses"))
         ok = client.completions.create(model=nan_llama, prompt=[3, 4, 5], max_tokens=2)   # no line for it
         assert ok.choices[0].finish_reason is not None
     finally:
         srv.stop()
     log = srv.read_log()
     errors = [line for line in log.splitlines() if line.startswith("ERROR kv8")]
-    assert len(errors) == 4, log
+    assert len(errors) == 6, log
+    streamed_completion = errors.pop(3)
+    assert "(/v1/completions) failed: 500 generation_failed" in streamed_completion
+    assert streamed_completion.split()[3].startswith("cmpl-") and streamed_completion.split()[3] != failed[0][0]
     for line, (rid, route) in zip(errors, failed):
         assert line.startswith(f"ERROR kv8.server: request {rid} ({route}) failed: 500 generation_failed: "
                                "generation failed: ") and "non-finite logits" in line, line
-    streamed_completion = errors[3]
-    assert "(/v1/completions) failed: 500 generation_failed" in streamed_completion
-    assert streamed_completion.split()[3].startswith("cmpl-") and streamed_completion.split()[3] != failed[0][0]
     assert ok.id not in log and "Traceback" not in log, log

@@ -47,7 +47,7 @@ from kv8.loader.tokenizer import load_tokenizer
 from kv8.outputs import CompletionOutput, RequestOutput
 from tests.helpers.paths import FIXTURES
 from tests.helpers.server import API_KEY, SERVER_FLAGS, Server, expect_error, post, with_surrogate
-from tests.helpers.tiny_models import make_tiny_model
+from tests.helpers.tiny_models import CALL_PIECES, make_calling_model, make_tiny_model
 
 FIXTURE_TEMPLATE = FIXTURES / "tool_chat_template.jinja"
 FLAGS = ["--dtype", "float32", "--num-kv-blocks", "256", "--block-size", "16", "--max-model-len", "1024",
@@ -448,42 +448,10 @@ def test_auto_content_is_the_text_the_parser_leaves(client: openai.OpenAI, tool_
     assert auto.usage == none.usage
 
 
-CALL_PIECES = ["<tool_call>", '{"name": "get_time", "arguments": {}}', "</tool_call>"]
-
-
 @pytest.fixture(scope="module")
 def calling_model(tmp_path_factory: pytest.TempPathFactory) -> str:
-    """A tiny Llama that answers every chat with one hermes call and then EOS, by construction: the call's three
-    pieces are added tokens, every layer's output projections are zero (so the logits depend on the current token
-    alone), and the LM head maps the prompt's last token ("\\n") -> ``<tool_call>`` -> the call -> ``</tool_call>``
-    -> EOS through one-hot embeddings. The real engine, detokenizer and tool parser run on its text."""
-    from safetensors.torch import load_file, save_file
-    from transformers import AutoTokenizer
-
-    path = str(tmp_path_factory.mktemp("calling"))
-    tok = make_tiny_model(path, "llama", max_position_embeddings=2048)   # to learn its vocabulary size
-    vocab = len(AutoTokenizer.from_pretrained(tok))
-    make_tiny_model(path, "llama", max_position_embeddings=2048, vocab_size=vocab + len(CALL_PIECES))
-    tok = AutoTokenizer.from_pretrained(path)
-    tok.add_tokens(CALL_PIECES)
-    with open(FIXTURE_TEMPLATE) as f:
-        tok.chat_template = f.read()
-    tok.save_pretrained(path)
-    chain = [tok.convert_tokens_to_ids("\u010a"), *tok.convert_tokens_to_ids(CALL_PIECES), tok.eos_token_id]
-    assert max(chain) < vocab + len(CALL_PIECES) and len(set(chain)) == len(chain), chain
-    weights_file = next(Path(path).glob("*.safetensors"))
-    w = load_file(str(weights_file))
-    for name in w:
-        if name.endswith(("o_proj.weight", "down_proj.weight")):
-            w[name].zero_()
-    embed, head = w["model.embed_tokens.weight"], w["lm_head.weight"]
-    for k, (token, successor) in enumerate(zip(chain, chain[1:])):
-        embed[token] = 0.0
-        embed[token, k] = 1.0                # a direction of its own
-        head[successor] = 0.0
-        head[successor, k] = 1.0             # its logit: sqrt(hidden) ~ 9.8, far above the others' (~1)
-    save_file(w, str(weights_file), metadata={"format": "pt"})
-    return path
+    """A tiny Llama that answers every chat with one hermes call and then EOS (:func:`make_calling_model`)."""
+    return make_calling_model(str(tmp_path_factory.mktemp("calling")))
 
 
 def test_a_tool_call_answer_has_no_content_and_no_end_token_text(calling_model: str, tmp_path: Path) -> None:

@@ -1,8 +1,9 @@
 """``kv8 serve`` (alias ``kv8 run``): an OpenAI-compatible HTTP server (FastAPI on uvicorn).
 
 Routes: those of :data:`kv8.entrypoints.openai.routes.ROUTES` (``POST /v1/completions``, ``POST
-/v1/chat/completions``, ``POST /tokenize``, ``POST /detokenize``, ``GET /tokenizer_info``) and ``GET /v1/models``,
-all behind the API key when one is set; ``GET /health`` and ``GET /metrics`` (Prometheus text) are open.
+/v1/chat/completions``, ``POST /v1/responses``, ``POST /tokenize``, ``POST /detokenize``, ``GET /tokenizer_info``)
+and ``GET /v1/models``, all behind the API key when one is set; ``GET /health`` and ``GET /metrics`` (Prometheus
+text) are open.
 
 Every failure has OpenAI's error shape and a precise status: 408 for headers or a body that do not arrive within
 ``--request-header-timeout`` / ``--request-body-timeout`` seconds (:mod:`kv8.entrypoints.openai.http_protocol`,

@@ -59,6 +59,9 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
 
 
+StrictModel = _Strict   # the base of every request model (other routes' modules build theirs on it)
+
+
 class StreamOptions(_Strict):
     include_usage: bool = False
 
@@ -269,24 +272,30 @@ def _refuse_constant(name: str) -> Any:
     raise ValueError(f"{name} is not valid JSON")
 
 
+def check_call_arguments(name: str, arguments: str, field: str = "function.arguments") -> None:
+    """A ``ValueError`` unless a call's ``arguments`` (``field``) are a JSON object encoded as a string, without
+    lone surrogates (OpenAI's shape of an earlier call's arguments)."""
+    try:
+        value = json.loads(arguments, parse_constant=_refuse_constant)
+    except ValueError as e:
+        raise ValueError(f"{field} of a call to {name!r} is not valid JSON ({e}); it must be a JSON object encoded "
+                         "as a string") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{field} of a call to {name!r} must be a JSON object encoded as a string, got a JSON "
+                         f"{type(value).__name__}")
+    bad = lone_surrogate_path(value)
+    if bad is not None:
+        raise ValueError(f"{field} of a call to {name!r} holds a lone UTF-16 surrogate escape (in "
+                         f"{bad or 'the object'}), which is not a character; send text as valid Unicode")
+
+
 class ToolCallFunction(_Strict):
     name: str = Field(min_length=1)
     arguments: str   # a JSON object, encoded as a string (OpenAI's shape)
 
     @model_validator(mode="after")
     def _check_arguments(self) -> ToolCallFunction:
-        try:
-            value = json.loads(self.arguments, parse_constant=_refuse_constant)
-        except ValueError as e:
-            raise ValueError(f"function.arguments of a call to {self.name!r} is not valid JSON ({e}); it must be "
-                             "a JSON object encoded as a string") from None
-        if not isinstance(value, dict):
-            raise ValueError(f"function.arguments of a call to {self.name!r} must be a JSON object encoded as a "
-                             f"string, got a JSON {type(value).__name__}")
-        bad = lone_surrogate_path(value)
-        if bad is not None:
-            raise ValueError(f"function.arguments of a call to {self.name!r} holds a lone UTF-16 surrogate escape "
-                             f"(in {bad or 'the object'}), which is not a character; send text as valid Unicode")
+        check_call_arguments(self.name, self.arguments)
         return self
 
     def arguments_dict(self) -> dict[str, Any]:
@@ -358,24 +367,25 @@ class ChatMessage(_Strict):
         return out
 
 
-def refuse_non_text_parts(items: Any, field: str, text_types: tuple[str, ...] = ("text",)) -> None:
+def refuse_non_text_parts(items: Any, field: str, text_types: tuple[str, ...] = ("text",),
+                          key: str = "content") -> None:
     """A :class:`FieldError` naming the first content part of the raw ``items`` (a request's ``field``, before
-    validation) whose ``type`` is not text (``image_url``, ``input_audio``, ``file`` ...): kv8 serves text-only
-    models, and the 400 says so instead of listing why the part matches no text shape. ``param`` points at the
-    part (``messages.0.content.1``)."""
+    validation; each item's parts under ``key``) whose ``type`` is not text (``image_url``, ``input_audio``,
+    ``file`` ...): kv8 serves text-only models, and the 400 says so instead of listing why the part matches no
+    text shape. ``param`` points at the part (``messages.0.content.1``)."""
     if not isinstance(items, list):
         return
     for i, item in enumerate(items):
-        content = item.get("content") if isinstance(item, dict) else None
+        content = item.get(key) if isinstance(item, dict) else None
         if not isinstance(content, list):
             continue
         for j, part in enumerate(content):
             kind = part.get("type") if isinstance(part, dict) else None
             if isinstance(kind, str) and kind not in text_types:
-                raise FieldError(f"{field}.{i}.content.{j}", f"this server serves a text-only model: content part "
-                                                              f"type {kind!r} is not supported (at {field}.{i}."
-                                                              f"content.{j}); send text parts "
-                                                              f"({' or '.join(map(repr, text_types))}) or a string")
+                where = f"{field}.{i}.{key}.{j}"
+                raise FieldError(where, f"this server serves a text-only model: content part type {kind!r} is not "
+                                        f"supported (at {where}); send text parts "
+                                        f"({' or '.join(map(repr, text_types))}) or a string")
 
 
 def check_tool_replies(messages: list[ChatMessage]) -> None:
