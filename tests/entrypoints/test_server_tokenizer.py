@@ -5,7 +5,13 @@ token bytes (:class:`kv8.entrypoints.openai.tokenizer.ServerTokenizer`), byte-le
 
 from __future__ import annotations
 
+import json
+import os
+import re
+from pathlib import Path
+
 import httpx
+import pytest
 
 from tests.helpers.server import API_KEY, Server, expect_error, post
 
@@ -85,3 +91,43 @@ def test_tokenizer_info_serves_lm_eval_remote_tokenizer(server: Server, tiny_lla
     rendered = jinja2.Environment().from_string(info["chat_template"]).render(messages=msgs,
                                                                               add_generation_prompt=True)
     assert rendered == oracle.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+
+
+def _paths_in(text: str, paths: list[str]) -> list[str]:
+    """The ``paths`` (as written, resolved, and JSON-escaped) that occur in ``text``, and any JSON string in it that
+    starts like an absolute path (``"/``, ``"~``, ``"C:\\``)."""
+    found = []
+    for path in paths:
+        for form in {path, os.path.realpath(path)}:
+            if form in text or json.dumps(form)[1:-1] in text:
+                found.append(form)
+    found += re.findall(r'"(?:/|~|[A-Za-z]:\\\\)[^"]*"', text)
+    return found
+
+
+def test_tokenizer_info_names_no_path_of_the_server(server: Server, tiny_llama: str) -> None:
+    """Issue 42, item 3: /tokenizer_info's whole text holds neither the model's directory, nor kv8's cache
+    directory, nor the home directory, nor any other absolute path (transformers records ``name_or_path``)."""
+    resp = httpx.get(server.url + "/tokenizer_info", headers={"Authorization": f"Bearer {API_KEY}"}, timeout=10)
+    assert resp.status_code == 200, resp.text
+    assert "name_or_path" not in resp.json()
+    cache = os.environ.get("KV8_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "kv8")
+    assert _paths_in(resp.text, [tiny_llama, os.path.dirname(tiny_llama), cache, os.path.expanduser("~")]) == []
+
+
+def test_tokenizer_info_of_a_gguf_model_names_no_cache_entry(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A GGUF model's tokenizer is read from kv8's cache (``<cache>/tokenizers/<entry>``): its info names neither
+    that entry nor the GGUF file."""
+    from kv8.entrypoints.openai.tokenizer import ServerTokenizer
+    from kv8.loader.sources import default_model_path
+    from kv8.loader.tokenizer import load_tokenizer
+
+    cache = tmp_path / "kv8-cache"
+    monkeypatch.setenv("KV8_CACHE_DIR", str(cache))
+    gguf = default_model_path()
+    tokenizer = ServerTokenizer(load_tokenizer("gguf", gguf))
+    assert str(cache) in str(tokenizer.tokenizer.init_kwargs.get("name_or_path"))   # what transformers records
+    info = tokenizer.info()
+    text = json.dumps(info)
+    assert info["eos_token"] and info["chat_template"]
+    assert _paths_in(text, [str(cache), gguf, os.path.dirname(gguf), os.path.expanduser("~")]) == []

@@ -47,7 +47,7 @@ from kv8.loader.tokenizer import load_tokenizer
 from kv8.outputs import CompletionOutput, RequestOutput
 from tests.helpers.paths import FIXTURES
 from tests.helpers.server import API_KEY, SERVER_FLAGS, Server, expect_error, post, with_surrogate
-from tests.helpers.tiny_models import make_tiny_model
+from tests.helpers.tiny_models import CALL_PIECES, make_calling_model, make_tiny_model
 
 FIXTURE_TEMPLATE = FIXTURES / "tool_chat_template.jinja"
 FLAGS = ["--dtype", "float32", "--num-kv-blocks", "256", "--block-size", "16", "--max-model-len", "1024",
@@ -154,10 +154,10 @@ def _stream(client: openai.OpenAI, **kw: Any) -> tuple[Any, Any]:
 
 
 def _same_answer(streamed: Any, plain: Any) -> None:
-    """Choice by choice: content (None and "" alike), calls (name, arguments), finish reason."""
+    """Choice by choice: content (exactly: None is not ""), calls (name, arguments), finish reason."""
     assert len(streamed.choices) == len(plain.choices)
     for s, p in zip(sorted(streamed.choices, key=lambda c: c.index), plain.choices):
-        assert (s.message.content or None) == (p.message.content or None)
+        assert s.message.content == p.message.content
         assert [(c.function.name, c.function.arguments) for c in s.message.tool_calls or []] == \
                [(c.function.name, c.function.arguments) for c in p.message.tool_calls or []]
         assert s.finish_reason == p.finish_reason
@@ -448,42 +448,10 @@ def test_auto_content_is_the_text_the_parser_leaves(client: openai.OpenAI, tool_
     assert auto.usage == none.usage
 
 
-CALL_PIECES = ["<tool_call>", '{"name": "get_time", "arguments": {}}', "</tool_call>"]
-
-
 @pytest.fixture(scope="module")
 def calling_model(tmp_path_factory: pytest.TempPathFactory) -> str:
-    """A tiny Llama that answers every chat with one hermes call and then EOS, by construction: the call's three
-    pieces are added tokens, every layer's output projections are zero (so the logits depend on the current token
-    alone), and the LM head maps the prompt's last token ("\\n") -> ``<tool_call>`` -> the call -> ``</tool_call>``
-    -> EOS through one-hot embeddings. The real engine, detokenizer and tool parser run on its text."""
-    from safetensors.torch import load_file, save_file
-    from transformers import AutoTokenizer
-
-    path = str(tmp_path_factory.mktemp("calling"))
-    tok = make_tiny_model(path, "llama", max_position_embeddings=2048)   # to learn its vocabulary size
-    vocab = len(AutoTokenizer.from_pretrained(tok))
-    make_tiny_model(path, "llama", max_position_embeddings=2048, vocab_size=vocab + len(CALL_PIECES))
-    tok = AutoTokenizer.from_pretrained(path)
-    tok.add_tokens(CALL_PIECES)
-    with open(FIXTURE_TEMPLATE) as f:
-        tok.chat_template = f.read()
-    tok.save_pretrained(path)
-    chain = [tok.convert_tokens_to_ids("\u010a"), *tok.convert_tokens_to_ids(CALL_PIECES), tok.eos_token_id]
-    assert max(chain) < vocab + len(CALL_PIECES) and len(set(chain)) == len(chain), chain
-    weights_file = next(Path(path).glob("*.safetensors"))
-    w = load_file(str(weights_file))
-    for name in w:
-        if name.endswith(("o_proj.weight", "down_proj.weight")):
-            w[name].zero_()
-    embed, head = w["model.embed_tokens.weight"], w["lm_head.weight"]
-    for k, (token, successor) in enumerate(zip(chain, chain[1:])):
-        embed[token] = 0.0
-        embed[token, k] = 1.0                # a direction of its own
-        head[successor] = 0.0
-        head[successor, k] = 1.0             # its logit: sqrt(hidden) ~ 9.8, far above the others' (~1)
-    save_file(w, str(weights_file), metadata={"format": "pt"})
-    return path
+    """A tiny Llama that answers every chat with one hermes call and then EOS (:func:`make_calling_model`)."""
+    return make_calling_model(str(tmp_path_factory.mktemp("calling")))
 
 
 def test_a_tool_call_answer_has_no_content_and_no_end_token_text(calling_model: str, tmp_path: Path) -> None:
@@ -567,33 +535,45 @@ AUTO_TEXTS = ['Checking. <tool_call>\n{"name": "get_weather", "arguments": {"cit
               "No tools needed: it is <b>sunny</b>."]
 
 
-def test_auto_mode_parses_hermes_calls_in_answers_and_streams(tool_model: str) -> None:
+def _scripted_serving(tool_model: str, texts: list[str]) -> tuple[OpenAIServing, _ScriptedEngine]:
+    """An OpenAIServing (auto tool choice on, hermes) whose engine "generates" ``texts``."""
     tokenizer = ServerTokenizer(load_tokenizer("hf", tool_model))
     limits = ServingLimits(served_model_name="m", max_model_len=1024, max_tokens=1024, max_n=4, max_in_flight=8,
                            kv_capacity_tokens=64 * 16, kv_block_size=16)
-    engine = _ScriptedEngine(len(tokenizer.tokenizer), AUTO_TEXTS)
+    engine = _ScriptedEngine(len(tokenizer.tokenizer), texts)
     serving = OpenAIServing(engine, limits, ServerMetrics(), tokenizer, ToolOptions(True, "hermes"))  # type: ignore[arg-type]
-    body = dict(messages=[{"role": "user", "content": "Weather in Zürich?"}], tools=TOOLS, n=2)
+    return serving, engine
 
+
+def _answer_both_ways(serving: OpenAIServing, body: dict[str, Any]) -> tuple[dict[str, Any], Any, Any, list[Any]]:
+    """The non-streamed answer to ``body``; the streamed one as the openai SDK accumulates it, its usage, and its
+    chunks."""
     async def never() -> None:
         await asyncio.Event().wait()
 
-    async def scenario() -> tuple[dict[str, Any], Any, Any]:
+    async def scenario() -> tuple[dict[str, Any], Any, Any, list[Any]]:
         plain = await serving.chat(_request(**body), never)
         stream = await serving.chat(_request(**body, stream=True, stream_options={"include_usage": True}), never)
         assert isinstance(plain, dict) and isinstance(stream, Stream)
-        state, usage = ChatCompletionStreamState(), None
+        state, usage, chunks = ChatCompletionStreamState(), None, []
         async for event in stream.chunks:
             payload = event.removeprefix("data: ").strip()
             if payload == "[DONE]":
                 break
             chunk = openai.types.chat.ChatCompletionChunk.model_validate(json.loads(payload))
+            chunks.append(chunk)
             usage = chunk.usage or usage
             if chunk.choices:
                 state.handle_chunk(chunk)
-        return plain, state.current_completion_snapshot, usage
+        return plain, state.current_completion_snapshot, usage, chunks
 
-    plain, streamed, usage = asyncio.run(scenario())
+    return asyncio.run(scenario())
+
+
+def test_auto_mode_parses_hermes_calls_in_answers_and_streams(tool_model: str) -> None:
+    serving, engine = _scripted_serving(tool_model, AUTO_TEXTS)
+    body = dict(messages=[{"role": "user", "content": "Weather in Zürich?"}], tools=TOOLS, n=2)
+    plain, streamed, usage, _ = _answer_both_ways(serving, body)
     calls, text_only = plain["choices"]
     assert calls["finish_reason"] == "tool_calls"
     assert calls["message"]["content"] == "Checking."
@@ -605,3 +585,30 @@ def test_auto_mode_parses_hermes_calls_in_answers_and_streams(tool_model: str) -
     assert usage is not None and usage.model_dump(exclude_none=True) == plain["usage"]
     tokens = sum(math.ceil(len(t) / engine.step) for t in AUTO_TEXTS)
     assert plain["usage"]["completion_tokens"] == tokens
+
+
+# tool_choice -> what the model "writes" (its grammar's shape) and the content OpenAI answers: none for a call
+CONTENT_CASES = [
+    ("auto", '<tool_call>{"name": "get_time", "arguments": {}}</tool_call>', None),
+    ("auto", "No call: it is sunny.", "No call: it is sunny."),
+    ("required", '[{"name": "get_time", "parameters": {}}]', None),
+    ({"type": "function", "function": {"name": "get_weather"}}, '{"city": "Oslo", "days": 1}', None),
+    ("none", "Plain text.", "Plain text."),
+]
+
+
+@pytest.mark.parametrize("choice,text,content", CONTENT_CASES)
+def test_the_role_chunk_content_and_the_streamed_content_match_the_answer_in_every_tool_mode(
+        tool_model: str, choice: Any, text: str, content: str | None) -> None:
+    """Issue 42, item 4: a stream's first chunk (the role) carries ``content: null`` whenever tools may be called
+    (auto, required, named; OpenAI sends null with tool calls) and ``""`` without tools' parsing (none), so the
+    openai SDK's accumulated streamed message has exactly the non-streamed answer's content: None for an answer
+    that is only calls (auto used to stream ``''``), the text otherwise."""
+    serving, _ = _scripted_serving(tool_model, [text])
+    body = dict(messages=[{"role": "user", "content": "Weather?"}], tools=TOOLS, tool_choice=choice)
+    plain, streamed, _, chunks = _answer_both_ways(serving, body)
+    assert plain["choices"][0]["message"]["content"] == content
+    assert streamed.choices[0].message.content == content      # exactly: None is not ""
+    role = chunks[0].choices[0].delta
+    assert role.role == "assistant" and role.content == (None if choice != "none" else "")
+    assert bool(plain["choices"][0]["message"].get("tool_calls")) == (content is None)

@@ -88,3 +88,45 @@ def make_tiny_model(path: str, name: str, seed: int = 0, **overrides) -> str:
 #: the token whose embedding row the ``nan_llama`` fixture (tests/conftest.py) sets to NaN: every prompt holding it
 #: has NaN logits
 POISONED_TOKEN = 7
+
+
+#: the three added tokens of :func:`make_calling_model`'s answer, a hermes tool call (joined: its whole text)
+CALL_PIECES = ["<tool_call>", '{"name": "get_time", "arguments": {}}', "</tool_call>"]
+
+
+def make_calling_model(path: str) -> str:
+    """Save into ``path`` a tiny Llama that answers every chat with one hermes call (:data:`CALL_PIECES`) and then
+    EOS, by construction: the call's three pieces are added tokens, every layer's output projections are zero (so
+    the logits depend on the current token alone), and the LM head maps the prompt's last token ("\\n", where the
+    tool-capable template of tests/fixtures/tool_chat_template.jinja, which it gets, ends the generation prompt)
+    -> ``<tool_call>`` -> the call -> ``</tool_call>`` -> EOS through one-hot embeddings. The real engine,
+    detokenizer and tool parser run on its text; its context is 2048 tokens."""
+    from pathlib import Path
+
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoTokenizer
+
+    from tests.helpers.paths import FIXTURES
+
+    tok = make_tiny_model(path, "llama", max_position_embeddings=2048)   # to learn its vocabulary size
+    vocab = len(AutoTokenizer.from_pretrained(tok))
+    make_tiny_model(path, "llama", max_position_embeddings=2048, vocab_size=vocab + len(CALL_PIECES))
+    tok = AutoTokenizer.from_pretrained(path)
+    tok.add_tokens(CALL_PIECES)
+    tok.chat_template = (FIXTURES / "tool_chat_template.jinja").read_text()
+    tok.save_pretrained(path)
+    chain = [tok.convert_tokens_to_ids("\u010a"), *tok.convert_tokens_to_ids(CALL_PIECES), tok.eos_token_id]
+    assert max(chain) < vocab + len(CALL_PIECES) and len(set(chain)) == len(chain), chain
+    weights_file = next(Path(path).glob("*.safetensors"))
+    w = load_file(str(weights_file))
+    for name in w:
+        if name.endswith(("o_proj.weight", "down_proj.weight")):
+            w[name].zero_()
+    embed, head = w["model.embed_tokens.weight"], w["lm_head.weight"]
+    for k, (token, successor) in enumerate(zip(chain, chain[1:])):
+        embed[token] = 0.0
+        embed[token, k] = 1.0                # a direction of its own
+        head[successor] = 0.0
+        head[successor, k] = 1.0             # its logit: sqrt(hidden) ~ 9.8, far above the others' (~1)
+    save_file(w, str(weights_file), metadata={"format": "pt"})
+    return path

@@ -44,8 +44,8 @@ from kv8.entrypoints.openai.http import (
     read_json_body,
 )
 from kv8.entrypoints.openai.protocol import APIError
-from kv8.entrypoints.openai.request_run import Stream, sse
-from kv8.entrypoints.openai.routes import Route, enabled_routes
+from kv8.entrypoints.openai.request_run import Stream, log_failure, sse
+from kv8.entrypoints.openai.routes import ROUTE_BY_NAME, Route, enabled_routes
 
 logger = logging.getLogger("kv8.ray_serve")
 
@@ -169,7 +169,7 @@ class KV8Ingress:
                 with contextlib.suppress(Exception):
                     gen.cancel()
 
-        return SSEResponse(Stream(self._relay(replica, gen), close))
+        return SSEResponse(Stream(self._relay(route, replica, gen), close))
 
     def _failure(self, replica: int, e: BaseException) -> APIError:
         if _is_replica_failure(e):   # StopAsyncIteration (no answer at all) included
@@ -177,10 +177,10 @@ class KV8Ingress:
             return APIError(503, f"replica {replica} failed while serving the request ({type(e).__name__}); "
                                  "retry: new requests go to the replicas that are up", type_="server_error",
                             code="replica_failed", headers={"Retry-After": "1"})
-        logger.error("replica %d: %s: %s", replica, type(e).__name__, e)
-        return APIError(500, f"internal server error: {type(e).__name__}: {e}", type_="server_error")
+        return APIError(500, f"internal server error in replica {replica}: {type(e).__name__}: {e}",
+                        type_="server_error")
 
-    async def _relay(self, replica: int, gen: Any) -> AsyncIterator[str]:
+    async def _relay(self, route: str, replica: int, gen: Any) -> AsyncIterator[str]:
         try:
             async for chunk in gen:
                 yield chunk
@@ -188,6 +188,7 @@ class KV8Ingress:
             raise
         except Exception as e:  # noqa: BLE001 - the stream ends with an error event, never a hang
             err = self._failure(replica, e)
+            log_failure(ROUTE_BY_NAME[route].path, err)   # (errors that are not streamed: the error handler's)
             yield sse(err.body())
             yield "data: [DONE]\n\n"
 

@@ -28,7 +28,8 @@ from typing import Any
 from kv8.engine.args import EngineArgs
 from kv8.entrypoints.openai.cli_args import ServerArgs
 from kv8.entrypoints.openai.protocol import APIError
-from kv8.entrypoints.openai.routes import route_named
+from kv8.entrypoints.openai.request_run import log_failure
+from kv8.entrypoints.openai.routes import ROUTE_BY_NAME, route_named
 
 logger = logging.getLogger("kv8.ray_serve")
 
@@ -120,14 +121,16 @@ class KV8Replica:
         """Answer one request of ``route`` (a route's name) with its parsed JSON ``body``: one
         :class:`JSONReply`, or :data:`SSE_START` and the SSE chunks. Cancellation aborts the engine requests."""
         self._start()
+        path = ROUTE_BY_NAME[route].path if route in ROUTE_BY_NAME else route
         try:
             result = await self._dispatch(route, body)
         except APIError as e:
+            log_failure(path, e)
             self.metrics.record_rejected(e.status)
-            yield JSONReply(e.status, e.body(), dict(e.headers))
+            yield JSONReply(e.status, e.body(), e.response_headers())
             return
         except Exception as e:  # noqa: BLE001 - answered as a 500, as kv8 serve does
-            logger.exception("internal error")
+            logger.exception("request - (%s) failed: 500 internal error", path)
             self.metrics.record_rejected(500)
             yield JSONReply(500, APIError(500, f"internal server error: {type(e).__name__}: {e}",
                                           type_="server_error").body())

@@ -141,11 +141,31 @@ class PrefixRouter:
             self._table.popitem(last=False)
 
 
+def _responses_messages(body: Mapping[str, object]) -> list[object]:
+    """A Responses request's conversation as chat messages, for routing: ``instructions`` as a system message, a
+    string ``input`` as a user message, the message items of a list as they are (other items as messages of
+    their type, without text)."""
+    messages: list[object] = []
+    if isinstance(body.get("instructions"), str):
+        messages.append({"role": "system", "content": body["instructions"]})
+    items = body.get("input")
+    if isinstance(items, str):
+        messages.append({"role": "user", "content": items})
+    for item in items if isinstance(items, list) else []:
+        if isinstance(item, dict) and "role" not in item:
+            item = {"role": item.get("type"), "content": item.get("output")}
+        messages.append(item)
+    return messages
+
+
 def routing_text(route: str, body: Mapping[str, object]) -> str:
     """The text whose prefix decides routing: a completion's first prompt (token ids as comma-separated
     numbers), or a chat's messages, each as ``role`` then its text, in order (equal leading messages give
-    equal leading text, and so do equal rendered chat-template prefixes). Anything else: the empty string
+    equal leading text, and so do equal rendered chat-template prefixes); a Responses request's conversation as
+    the chat messages it stands for (so that it shares a chat's affinity). Anything else: the empty string
     (no affinity)."""
+    if route == "responses":
+        return routing_text("chat", {"messages": _responses_messages(body)})
     if route == "completions":
         prompt = body.get("prompt")
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):

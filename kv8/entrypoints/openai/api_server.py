@@ -1,8 +1,9 @@
 """``kv8 serve`` (alias ``kv8 run``): an OpenAI-compatible HTTP server (FastAPI on uvicorn).
 
 Routes: those of :data:`kv8.entrypoints.openai.routes.ROUTES` (``POST /v1/completions``, ``POST
-/v1/chat/completions``, ``POST /tokenize``, ``POST /detokenize``, ``GET /tokenizer_info``) and ``GET /v1/models``,
-all behind the API key when one is set; ``GET /health`` and ``GET /metrics`` (Prometheus text) are open.
+/v1/chat/completions``, ``POST /v1/responses``, ``POST /tokenize``, ``POST /detokenize``, ``GET /tokenizer_info``)
+and ``GET /v1/models``, all behind the API key when one is set; ``GET /health`` and ``GET /metrics`` (Prometheus
+text) are open.
 
 Every failure has OpenAI's error shape and a precise status: 408 for headers or a body that do not arrive within
 ``--request-header-timeout`` / ``--request-body-timeout`` seconds (:mod:`kv8.entrypoints.openai.http_protocol`,
@@ -19,6 +20,9 @@ up to ``--shutdown-timeout`` seconds and are then aborted (a stream ends with an
 a non-streaming request gets a JSON 503). A second signal aborts them at once, the same way. Once no request is in
 flight, uvicorn stops accepting and shuts down, the engine thread stops and the process exits 0 (uvicorn
 re-raises the signal after shutting down; kv8's handlers absorb it). A third signal forces uvicorn out.
+
+A request that ends in a 5xx (a 500 ``generation_failed``: ``finish_reason="error"``; a 503) leaves one log line
+with its id, route and reason; its error answer carries the id as ``X-Request-Id``.
 
 Engine failure: a failure that leaves the engine unusable (an exception escaping an engine step; one request's
 failure does not) fails every open request with a 503, makes ``/health`` answer 503 with the error, prints one
@@ -98,8 +102,8 @@ def build_app(engine: AsyncEngine, limits: ServingLimits, args: ServerArgs | Non
     error_response = install_error_handlers(app, metrics.record_rejected, gone)
 
     @app.exception_handler(Exception)
-    async def _internal(_: Request, e: Exception) -> JSONResponse:
-        logger.exception("internal error")
+    async def _internal(request: Request, e: Exception) -> JSONResponse:
+        logger.exception("request - (%s) failed: 500 internal error", request.url.path)
         return error_response(APIError(500, f"internal server error: {type(e).__name__}: {e}", type_="server_error"))
 
     def check_access(request: Request) -> None:

@@ -24,7 +24,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from kv8.entrypoints.openai.protocol import APIError, lone_surrogate_path
-from kv8.entrypoints.openai.request_run import ClientDisconnected, Stream
+from kv8.entrypoints.openai.request_run import ClientDisconnected, Stream, log_failure
 
 
 class SSEResponse(StreamingResponse):
@@ -131,15 +131,17 @@ def install_error_handlers(app: FastAPI, on_rejected: Callable[[int], None],
                            on_disconnect: Callable[[Request, ClientDisconnected], None]) -> Callable[[APIError],
                                                                                                      JSONResponse]:
     """OpenAI-shaped errors for ``app``: an :class:`APIError` and starlette's own (404/405 naming the route) answer
-    with their status (``on_rejected(status)`` counts them; a 401 carries ``WWW-Authenticate``); a client that went
+    with their status (``on_rejected(status)`` counts them; a 5xx is logged in one line; a 401 carries
+    ``WWW-Authenticate``; an error of a request that has an id carries ``X-Request-Id``); a client that went
     away gets 499 after ``on_disconnect``. Returns the function that turns an ``APIError`` into that response."""
     def error_response(e: APIError) -> JSONResponse:
         on_rejected(e.status)
         headers = {"WWW-Authenticate": "Bearer"} if e.status == 401 else {}
-        return JSONResponse(e.body(), status_code=e.status, headers={**headers, **e.headers})
+        return JSONResponse(e.body(), status_code=e.status, headers={**headers, **e.response_headers()})
 
     @app.exception_handler(APIError)
-    async def _api_error(_: Request, e: APIError) -> JSONResponse:
+    async def _api_error(request: Request, e: APIError) -> JSONResponse:
+        log_failure(request.url.path, e)   # a 5xx's one log line (a stream logs the error it ends with itself)
         return error_response(e)
 
     @app.exception_handler(StarletteHTTPException)

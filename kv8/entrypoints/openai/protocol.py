@@ -23,7 +23,8 @@ class APIError(Exception):
     """An error answered to the client with ``status`` and OpenAI's error body."""
 
     def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None, headers: dict[str, str] | None = None) -> None:
+                 param: str | None = None, code: str | None = None, headers: dict[str, str] | None = None,
+                 request_id: str | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
@@ -31,6 +32,12 @@ class APIError(Exception):
         self.param = param
         self.code = code
         self.headers = headers or {}   # extra response headers (Retry-After ...)
+        self.request_id = request_id   # the id of the request it ends, once it has one (the X-Request-Id header)
+
+    def response_headers(self) -> dict[str, str]:
+        """The headers of the error's response: ``headers``, and ``X-Request-Id`` (the openai client's
+        ``error.request_id``) once the request had an id."""
+        return {**self.headers, **({"X-Request-Id": self.request_id} if self.request_id else {})}
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
@@ -50,6 +57,9 @@ LOGIT_BIAS_LIMIT = 100.0
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+
+StrictModel = _Strict   # the base of every request model (other routes' modules build theirs on it)
 
 
 class StreamOptions(_Strict):
@@ -262,24 +272,30 @@ def _refuse_constant(name: str) -> Any:
     raise ValueError(f"{name} is not valid JSON")
 
 
+def check_call_arguments(name: str, arguments: str, field: str = "function.arguments") -> None:
+    """A ``ValueError`` unless a call's ``arguments`` (``field``) are a JSON object encoded as a string, without
+    lone surrogates (OpenAI's shape of an earlier call's arguments)."""
+    try:
+        value = json.loads(arguments, parse_constant=_refuse_constant)
+    except ValueError as e:
+        raise ValueError(f"{field} of a call to {name!r} is not valid JSON ({e}); it must be a JSON object encoded "
+                         "as a string") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{field} of a call to {name!r} must be a JSON object encoded as a string, got a JSON "
+                         f"{type(value).__name__}")
+    bad = lone_surrogate_path(value)
+    if bad is not None:
+        raise ValueError(f"{field} of a call to {name!r} holds a lone UTF-16 surrogate escape (in "
+                         f"{bad or 'the object'}), which is not a character; send text as valid Unicode")
+
+
 class ToolCallFunction(_Strict):
     name: str = Field(min_length=1)
     arguments: str   # a JSON object, encoded as a string (OpenAI's shape)
 
     @model_validator(mode="after")
     def _check_arguments(self) -> ToolCallFunction:
-        try:
-            value = json.loads(self.arguments, parse_constant=_refuse_constant)
-        except ValueError as e:
-            raise ValueError(f"function.arguments of a call to {self.name!r} is not valid JSON ({e}); it must be "
-                             "a JSON object encoded as a string") from None
-        if not isinstance(value, dict):
-            raise ValueError(f"function.arguments of a call to {self.name!r} must be a JSON object encoded as a "
-                             f"string, got a JSON {type(value).__name__}")
-        bad = lone_surrogate_path(value)
-        if bad is not None:
-            raise ValueError(f"function.arguments of a call to {self.name!r} holds a lone UTF-16 surrogate escape "
-                             f"(in {bad or 'the object'}), which is not a character; send text as valid Unicode")
+        check_call_arguments(self.name, self.arguments)
         return self
 
     def arguments_dict(self) -> dict[str, Any]:
@@ -351,6 +367,27 @@ class ChatMessage(_Strict):
         return out
 
 
+def refuse_non_text_parts(items: Any, field: str, text_types: tuple[str, ...] = ("text",),
+                          key: str = "content") -> None:
+    """A :class:`FieldError` naming the first content part of the raw ``items`` (a request's ``field``, before
+    validation; each item's parts under ``key``) whose ``type`` is not text (``image_url``, ``input_audio``,
+    ``file`` ...): kv8 serves text-only models, and the 400 says so instead of listing why the part matches no
+    text shape. ``param`` points at the part (``messages.0.content.1``)."""
+    if not isinstance(items, list):
+        return
+    for i, item in enumerate(items):
+        content = item.get(key) if isinstance(item, dict) else None
+        if not isinstance(content, list):
+            continue
+        for j, part in enumerate(content):
+            kind = part.get("type") if isinstance(part, dict) else None
+            if isinstance(kind, str) and kind not in text_types:
+                where = f"{field}.{i}.{key}.{j}"
+                raise FieldError(where, f"this server serves a text-only model: content part type {kind!r} is not "
+                                        f"supported (at {where}); send text parts "
+                                        f"({' or '.join(map(repr, text_types))}) or a string")
+
+
 def check_tool_replies(messages: list[ChatMessage]) -> None:
     """Every tool message answers a call made by an earlier assistant message (OpenAI's rule); FieldError else."""
     called: set[str] = set()
@@ -373,6 +410,12 @@ class ChatCompletionRequest(_SamplingFields):
 
     messages: list[ChatMessage] = Field(min_length=1)
     modalities: list[Literal["text"]] | None = None       # metadata: text is all kv8 produces
+
+    @model_validator(mode="before")
+    @classmethod
+    def _text_only(cls, data: Any) -> Any:
+        refuse_non_text_parts(data.get("messages") if isinstance(data, dict) else None, "messages")
+        return data
     tools: list[ChatTool] | None = Field(None, min_length=1)
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool | None = None
@@ -438,6 +481,12 @@ class TokenizeRequest(_Strict):
     add_special_tokens: bool = True          # prompt: the tokenizer's special tokens (BOS ...), as generation adds
     add_generation_prompt: bool = True       # messages: end with the assistant's turn, as chat completions do
 
+    @model_validator(mode="before")
+    @classmethod
+    def _text_only(cls, data: Any) -> Any:
+        refuse_non_text_parts(data.get("messages") if isinstance(data, dict) else None, "messages")
+        return data
+
     @model_validator(mode="after")
     def _one_input(self) -> TokenizeRequest:
         if (self.prompt is None) == (self.messages is None):
@@ -477,4 +526,6 @@ def validation_error(e: ValidationError) -> APIError:
     cause = (err.get("ctx") or {}).get("error")
     if isinstance(cause, FieldError):
         param = cause.param
+        if not loc:   # a check of the whole body: its message and param name the field
+            text = msg
     return APIError(400, text, param=param)

@@ -6,12 +6,17 @@ whose outputs changed, coalescing everything that arrived since the last call, u
 ``close`` aborts whatever is unfinished (freeing its KV blocks before the engine's next step), counts the
 aborted sequences, and gives the run's capacity back. ``close`` is idempotent and must run however the
 HTTP request ends: normally, on an error, or when the client goes away.
+
+A request that ends in a 5xx (a failed generation: ``finish_reason="error"`` as a 500 ``generation_failed``; an
+engine that went away; overload) leaves one log line naming its id, route and reason (:func:`log_failure`): the
+route's wrapper logs the errors a non-streamed request raises, a stream logs the error event it ends with.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
@@ -22,6 +27,20 @@ from kv8.entrypoints.openai.metrics import ServerMetrics
 from kv8.entrypoints.openai.protocol import APIError
 from kv8.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from kv8.sampling_params import SamplingParams
+
+logger = logging.getLogger("kv8.server")
+
+
+def log_failure(route: str, error: APIError, request_id: str | None = None) -> None:
+    """The one log line of a request that ends with ``error`` when it is a 5xx (ERROR for a 500, WARNING for the
+    503s of an overloaded, draining or stopped server); nothing for a 4xx, which is the client's. ``request_id``:
+    the request's id (the answer's ``id`` and the error's ``X-Request-Id``), else the error's, else ``-`` (refused
+    before it got one)."""
+    if error.status < 500:
+        return
+    rid = request_id or error.request_id or "-"
+    logger.log(logging.ERROR if error.status == 500 else logging.WARNING, "request %s (%s) failed: %d %s: %s",
+               rid, route, error.status, error.code or error.type, error.message)
 
 
 class ClientDisconnected(Exception):
@@ -65,8 +84,10 @@ class RequestRun:
     """
 
     def __init__(self, engine: AsyncEngine, metrics: ServerMetrics, subs: list[SubRequest],
-                 release: Callable[[], None]) -> None:
+                 release: Callable[[], None], request_id: str, route: str) -> None:
         self.engine = engine
+        self.request_id = request_id   # the HTTP request's id (its answer's ``id``); its errors carry it
+        self.route = route             # its route's path, for the log
         self.metrics = metrics
         self.release = release
         self.subs = subs
@@ -86,13 +107,18 @@ class RequestRun:
                 self.metrics.prompt_tokens += len(sub.prompt_ids)
         except ValueError as e:
             self.close()
-            raise APIError(400, str(e), param="prompt") from e
+            raise APIError(400, str(e), param="prompt", request_id=self.request_id) from e
         except EngineDeadError as e:
             self.close()
-            raise APIError(503, str(e), type_="server_error", code="engine_unavailable") from e
+            raise APIError(503, str(e), type_="server_error", code="engine_unavailable",
+                           request_id=self.request_id) from e
         except BaseException:
             self.close()
             raise
+
+    def failed(self, error: APIError) -> None:
+        """Log ``error``, which ends the run's stream (:func:`log_failure`)."""
+        log_failure(self.route, error, self.request_id)
 
     def finished(self) -> bool:
         return all(s.latest is not None and s.latest.finished for s in self.subs)
@@ -114,7 +140,8 @@ class RequestRun:
             changed: dict[str, SubRequest] = {}
             for rid, out in items:
                 if isinstance(out, BaseException):
-                    raise APIError(503, str(out), type_="server_error", code="engine_unavailable")
+                    raise APIError(503, str(out), type_="server_error", code="engine_unavailable",
+                                   request_id=self.request_id)
                 sub = self.by_id[rid]
                 sub.latest = out
                 changed[rid] = sub
@@ -122,7 +149,7 @@ class RequestRun:
                 failed = next((c for c in out.outputs if c.finish_reason == "error"), None)
                 if failed is not None:   # this request alone failed; the engine goes on serving the others
                     raise APIError(500, f"generation failed: {failed.error}", type_="server_error",
-                                   code="generation_failed")
+                                   code="generation_failed", request_id=self.request_id)
             yield list(changed.values())
 
     def _observe(self, sub: SubRequest, out: RequestOutput) -> None:

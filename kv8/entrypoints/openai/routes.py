@@ -26,6 +26,7 @@ from kv8.entrypoints.openai.protocol import (
     validation_error,
 )
 from kv8.entrypoints.openai.request_run import Stream
+from kv8.entrypoints.openai.responses import ResponsesRequest
 
 if TYPE_CHECKING:
     from kv8.entrypoints.openai.cli_args import ServerArgs
@@ -69,6 +70,10 @@ async def _chat(serving: OpenAIServing, req: Any, disconnected: Disconnected) ->
     return await serving.chat(req, disconnected)
 
 
+async def _responses(serving: OpenAIServing, req: Any, disconnected: Disconnected) -> dict[str, Any] | Stream:
+    return await serving.responses(req, disconnected)
+
+
 # the tokenizer routes run off the event loop: a long text takes a while to (de)tokenize
 async def _tokenize(serving: OpenAIServing, req: Any, _: Disconnected) -> dict[str, Any]:
     return await asyncio.to_thread(serving.tokenize, req)
@@ -85,6 +90,7 @@ async def _tokenizer_info(serving: OpenAIServing, _: Any, __: Disconnected) -> d
 ROUTES: tuple[Route, ...] = (
     Route("completions", "POST", "/v1/completions", CompletionRequest, _completion),
     Route("chat", "POST", "/v1/chat/completions", ChatCompletionRequest, _chat),
+    Route("responses", "POST", "/v1/responses", ResponsesRequest, _responses),
     Route("tokenize", "POST", "/tokenize", TokenizeRequest, _tokenize),
     Route("detokenize", "POST", "/detokenize", DetokenizeRequest, _detokenize),
     Route("tokenizer_info", "GET", "/tokenizer_info", None, _tokenizer_info,

@@ -1,4 +1,4 @@
-"""The OpenAI completion and chat-completion endpoints on top of :class:`AsyncEngine`.
+"""The OpenAI completion, chat-completion and Responses endpoints on top of :class:`AsyncEngine`.
 
 One HTTP request becomes one engine request per prompt (``n`` samples each, fanned out by the engine). Its
 outputs are read from a single :class:`OutputMailbox` and turned into OpenAI JSON, either at the end or as
@@ -42,6 +42,15 @@ from kv8.entrypoints.openai.protocol import (
     TokenizeRequest,
 )
 from kv8.entrypoints.openai.request_run import RequestRun, Stream, SubRequest, sse, usage, visible
+from kv8.entrypoints.openai.responses import (
+    ResponseEvents,
+    ResponsesRequest,
+    finish,
+    output_items,
+    renamed,
+    response_object,
+)
+from kv8.entrypoints.openai.responses import usage as responses_usage
 from kv8.entrypoints.openai.tokenizer import ServerTokenizer
 from kv8.entrypoints.openai.tool_calling import ToolCallStream, ToolOptions, ToolPlan, plan_tools
 from kv8.outputs import CompletionOutput, Logprob, PositionLogprobs
@@ -151,13 +160,15 @@ class OpenAIServing:
     def _release(self, num_seqs: int) -> None:
         self.in_flight -= num_seqs
 
-    def _admit(self, subs: list[SubRequest]) -> RequestRun:
+    def _admit(self, subs: list[SubRequest], request_id: str, route: str) -> RequestRun:
+        """The run of ``subs``, the engine requests of the HTTP request ``request_id`` to ``route`` (a path);
+        a 503 when the server holds too many sequences to take them."""
         num_seqs = sum(s.params.n for s in subs)
-        run = RequestRun(self.engine, self.metrics, subs, lambda: self._release(num_seqs))
+        run = RequestRun(self.engine, self.metrics, subs, lambda: self._release(num_seqs), request_id, route)
         if self.in_flight + run.num_seqs > self.limits.max_in_flight:
             raise APIError(503, f"The server is overloaded: {self.in_flight} sequences in flight, this request "
                                 f"adds {run.num_seqs}, the limit is {self.limits.max_in_flight}; retry later",
-                           type_="server_error", code="overloaded")
+                           type_="server_error", code="overloaded", request_id=request_id)
         self.in_flight += run.num_seqs
         return run
 
@@ -297,10 +308,10 @@ class OpenAIServing:
     async def completion(self, req: CompletionRequest, disconnect: Callable[[], Awaitable[None]]
                          ) -> dict[str, Any] | Stream:
         subs, echo = await asyncio.to_thread(self._completion_subs, req)
-        run = self._admit(subs)
+        rid = subs[0].request_id.rsplit("-", 1)[0]
+        run = self._admit(subs, rid, "/v1/completions")
         await run.start()
         created, model, n = int(time.time()), self.limits.served_model_name, req.n or 1
-        rid = subs[0].request_id.rsplit("-", 1)[0]
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return Stream(self._completion_stream(run, echo, n, rid, created, model, include_usage), run.close)
@@ -351,6 +362,7 @@ class OpenAIServing:
                 yield sse({"id": rid, "object": "text_completion", "created": created, "model": model,
                             "choices": [], "usage": usage(run)})
         except APIError as e:
+            run.failed(e)
             yield sse(e.body())
         finally:
             run.close()
@@ -400,7 +412,7 @@ class OpenAIServing:
     async def chat(self, req: ChatCompletionRequest, disconnect: Callable[[], Awaitable[None]]
                    ) -> dict[str, Any] | Stream:
         sub, plan = await asyncio.to_thread(self._chat_prepare, req)
-        run = self._admit([sub])
+        run = self._admit([sub], sub.request_id, "/v1/chat/completions")
         await run.start()
         created, model = int(time.time()), self.limits.served_model_name
         if req.stream:
@@ -431,7 +443,9 @@ class OpenAIServing:
             base["usage"] = None
         marks: dict[int, tuple[int, int, bool]] = {}
         tool_streams = {i: ToolCallStream() for i in range(sub.params.n)}
-        first_content = None if plan.mode in ("required", "named") else ""   # those answers have no content
+        # the role chunk's content: null whenever the answer may be tool calls (OpenAI's), "" for plain text; the
+        # content deltas that follow then add up to the non-streamed content (None for an answer of calls only)
+        first_content = None if plan.parser is not None else ""
         try:
             for i in range(sub.params.n):
                 yield sse(dict(base, choices=[{"index": i, "delta": {"role": "assistant", "content": first_content},
@@ -470,7 +484,79 @@ class OpenAIServing:
             if include_usage:
                 yield sse(dict(base, choices=[], usage=usage(run)))
         except APIError as e:
+            run.failed(e)
             yield sse(e.body())
         finally:
             run.close()
         yield "data: [DONE]\n\n"
+
+    # ---- /v1/responses (stateless; :mod:`kv8.entrypoints.openai.responses`) -------------------------------------
+    def _responses_prepare(self, req: ResponsesRequest) -> tuple[SubRequest, ToolPlan]:
+        """The engine request of a Responses request, through its chat equivalent (run in a worker thread); the
+        chat machinery's 400s name the Responses fields."""
+        self._check_model(req.model)
+        try:
+            chat = req.chat_request()
+            ids = self.tokenizer.chat_ids(chat.messages, tools=chat.tool_dicts())
+            plan = plan_tools(chat, self.tool_options)
+            max_tokens = self._max_tokens(req.max_output_tokens, len(ids), None, "max_output_tokens", "input")
+            structured = plan.structured if plan.structured is not None else self._response_format(chat)
+            params = self._params(chat, 1, max_tokens, None, None, structured,
+                                  skip_special_tokens=False if plan.mode == "auto" else None)
+        except APIError as e:
+            raise renamed(e) from e
+        return SubRequest(f"resp_{uuid.uuid4().hex}", "", ids, params, False), plan
+
+    @staticmethod
+    def _responses_usage(run: RequestRun, sub: SubRequest) -> dict[str, Any]:
+        counts = usage(run)
+        cached = sub.latest.num_cached_tokens if sub.latest is not None else 0
+        return responses_usage(counts["prompt_tokens"], counts["completion_tokens"], cached)
+
+    async def responses(self, req: ResponsesRequest, disconnect: Callable[[], Awaitable[None]]
+                        ) -> dict[str, Any] | Stream:
+        sub, plan = await asyncio.to_thread(self._responses_prepare, req)
+        run = self._admit([sub], sub.request_id, "/v1/responses")
+        await run.start()
+        response = response_object(req, sub.request_id, int(time.time()), self.limits.served_model_name)
+        if req.stream:
+            return Stream(self._responses_stream(run, sub, plan, response), run.close)
+        await _run_to_completion(run, disconnect)
+        assert sub.latest is not None
+        c = sub.latest.outputs[0]
+        message, reason = plan.message(c.text, c.finish_reason)
+        response["output"] = output_items(message, reason == "length")
+        return finish(response, reason == "length", self._responses_usage(run, sub))
+
+    async def _responses_stream(self, run: RequestRun, sub: SubRequest, plan: ToolPlan, response: dict[str, Any]
+                                ) -> AsyncIterator[str]:
+        """The Responses events of a streamed request (:class:`ResponseEvents`): text as it is generated (a stop
+        string's possible beginning held back, as on chat), calls as the tool parser reads them."""
+        events = ResponseEvents(response, defer_calls=plan.mode == "auto")
+        calls = ToolCallStream()
+        sent = 0
+        reason = None
+        try:
+            for event in events.start():
+                yield event
+            async for _ in run.updates():
+                assert sub.latest is not None
+                c = sub.latest.outputs[0]
+                reason = c.finish_reason
+                text = c.text if reason else c.text[:max(sent, len(c.text) - self._holdback(sub.params))]
+                deltas: list[dict[str, Any]] = []
+                if plan.parser is None:
+                    new_text = text[sent:]
+                    sent = len(text)
+                else:
+                    new_text, deltas = calls.step(plan.parser.parse(text, final=reason is not None))
+                for event in events.step(new_text, deltas):
+                    yield event
+            for event in events.finish(reason == "length", self._responses_usage(run, sub)):
+                yield event
+        except APIError as e:
+            run.failed(e)
+            for event in events.fail(e):
+                yield event
+        finally:
+            run.close()

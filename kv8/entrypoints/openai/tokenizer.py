@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import re
 import threading
 from collections.abc import Sequence
@@ -117,6 +118,22 @@ def _json_value(value: Any) -> Any:
     return content if isinstance(content, str) else str(value)
 
 
+# init_kwargs that name a file or directory of the server (transformers records where it loaded from)
+_PATH_KEYS = frozenset({"name_or_path", "pretrained_model_name_or_path", "cache_dir", "gguf_file"})
+_PATH_SUFFIXES = ("_file", "_files", "_dir", "_path")
+
+
+def _names_a_path(key: str, value: Any) -> bool:
+    """Whether a tokenizer-config entry names a file or directory of the server: by its key (``name_or_path``,
+    ``*_file``, ``*_dir`` ...), or, under any other key but a special token's (whose text may be anything), a
+    string value that is an absolute path (POSIX or Windows) or starts with ``~``."""
+    if key in _PATH_KEYS or key.endswith(_PATH_SUFFIXES):
+        return True
+    if not isinstance(value, str) or key.endswith(("_token", "_tokens")) or key == "chat_template":
+        return False
+    return value.startswith("~") or os.path.isabs(value) or bool(re.match(r"[A-Za-z]:[\\/]", value))
+
+
 class ServerTokenizer:
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
@@ -170,11 +187,13 @@ class ServerTokenizer:
 
     def info(self) -> dict[str, Any]:
         """vLLM's ``GET /tokenizer_info``: the tokenizer's configuration (``tokenizer_config.json``'s fields as the
-        tokenizer was built, file paths left out, special tokens as their text), ``tokenizer_class``, and the
-        special tokens and ``chat_template`` that lm-evaluation-harness's remote tokenizer reads."""
+        tokenizer was built, special tokens as their text), ``tokenizer_class``, and the special tokens and
+        ``chat_template`` that lm-evaluation-harness's remote tokenizer reads. Nothing that names a file or a
+        directory of the server (:func:`_names_a_path`: ``name_or_path``, ``vocab_file``, a GGUF tokenizer's cache
+        entry ...) is in it."""
         tok = self.tokenizer
         config = {k: _json_value(v) for k, v in (getattr(tok, "init_kwargs", None) or {}).items()
-                  if k not in ("vocab_file", "merges_file", "tokenizer_file")}
+                  if not _names_a_path(k, v)}
         for name in ("bos_token", "eos_token", "pad_token", "unk_token"):
             if config.get(name) is None:
                 config[name] = getattr(tok, name, None)
