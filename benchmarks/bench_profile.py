@@ -321,7 +321,15 @@ def measure_prefill(e: Engine, shapes: Shapes, rng: random.Random, ids: Iterator
             timed = timer.snapshot()
         else:
             plain = time_prefill_step(e.eng, prompt, ids, prompts=1)
+        # the prompt must be prefilled (and its token sampled) in the one step timed: no later step ran
+        check_step(e, "a prefill", e.eng.stats().last_step_prefill_tokens, shapes.prefill)
     return Sample(timed, step, plain, cost, torch.get_num_threads())
+
+
+def check_step(e: Engine, what: str, tokens: int, expected: int) -> None:
+    if tokens != expected:
+        raise SystemExit(f"{e.label}: {what} step ran {tokens} tokens, not {expected}: the configuration's scheduler "
+                         "limits (--max-num-batched-tokens, --max-num-seqs) split it; raise them")
 
 
 def measure_decode(e: Engine, batch: int, shapes: Shapes, ids: Iterator[int], hooked_first: bool,
@@ -348,6 +356,7 @@ def measure_decode(e: Engine, batch: int, shapes: Shapes, ids: Iterator[int], ho
                 start = time.perf_counter()
                 eng.step()
                 plain.append(time.perf_counter() - start)
+            check_step(e, f"a B={batch} decode", eng.stats().last_step_decode_tokens, batch)
         threads = torch.get_num_threads()
     finally:
         for rid in rids:
@@ -482,6 +491,7 @@ def main(argv: list[str] | None = None) -> int:
     start = time.perf_counter()
     for r in range(args.rounds):
         measure_round(engines, shapes, r, rng, ids)
+        print(f"round {r + 1}/{args.rounds} done at {time.perf_counter() - start:.0f} s", file=sys.stderr, flush=True)
     seen = sorted({s.threads for e in engines for v in e.samples.values() for s in v})
     print(f"measured {args.rounds} round(s) in {time.perf_counter() - start:.0f} s; torch threads after the steps: "
           + ", ".join(map(str, seen)))
