@@ -93,6 +93,9 @@ MODULE_FAMILIES: tuple[tuple[type | tuple[type, ...], str], ...] = (
 )
 VOCAB_LOW, VOCAB_HIGH = 100, 40000   # random prompt tokens: ordinary ids of SmolLM2's vocabulary
 WARMUP_DECODE_STEPS = 2
+# decode tokens a sequence may generate beyond the measured steps: its first tokens while the other prompts of its
+# batch are still being prefilled, when they are not in the prefix cache
+DECODE_SLACK = 64
 
 
 def family_of(module: torch.nn.Module) -> str | None:
@@ -294,9 +297,10 @@ def random_prompt(rng: random.Random, n: int) -> list[int]:
 
 
 def build(flags: str, options: dict[str, Any], shapes: Shapes, rounds: int, seed: int) -> Engine:
-    """The configuration's engine, warmed up by one prefill of the measured length."""
+    """The configuration's engine, warmed up by one prefill of the measured length, its decode prompts prefilled
+    once (so that each round finds them in the prefix cache and its decode batch starts in one step)."""
     rng = random.Random(seed)
-    max_len = max(shapes.prefill, shapes.context + WARMUP_DECODE_STEPS + 2 * shapes.decode_steps + 2) + 16
+    max_len = max(shapes.prefill, shapes.context + DECODE_SLACK + WARMUP_DECODE_STEPS + 2 * shapes.decode_steps) + 16
     blocks_per_seq = -(-max_len // 16) + 1
     # room for every decode prompt to stay in the prefix cache beside each round's fresh prefill prompts
     num_blocks = blocks_per_seq * (sum(shapes.batches) + 2 * rounds + 4)
@@ -305,6 +309,12 @@ def build(flags: str, options: dict[str, Any], shapes: Shapes, rounds: int, seed
     eng = LLM(**engine_options).engine
     time_prefill_step(eng, lambda: random_prompt(rng, shapes.prefill), iter([-1]), prompts=1)   # request p-1
     prompts = {b: [random_prompt(rng, shapes.context) for _ in range(b)] for b in shapes.batches}
+    once = SamplingParams(temperature=0, max_tokens=1)
+    for b, batch in prompts.items():
+        for i, p in enumerate(batch):
+            eng.add_request(p, once, request_id=f"w{b}-{i}")
+    while eng.has_unfinished_requests():
+        eng.step()
     return Engine(flags, label_of(flags), eng, prompts, str(eng.dense_backend), eng.backend.name)
 
 
@@ -328,14 +338,14 @@ def measure_prefill(e: Engine, shapes: Shapes, rng: random.Random, ids: Iterator
 
 def check_step(e: Engine, what: str, tokens: int, expected: int) -> None:
     if tokens != expected:
-        raise SystemExit(f"{e.label}: {what} step ran {tokens} tokens, not {expected}: the configuration's scheduler "
-                         "limits (--max-num-batched-tokens, --max-num-seqs) split it; raise them")
+        raise SystemExit(f"{e.label}: {what} step ran {tokens} tokens, not {expected}: the configuration's limits "
+                         "(--max-num-batched-tokens, --max-num-seqs, --no-enable-prefix-caching) split the batch")
 
 
 def measure_decode(e: Engine, batch: int, shapes: Shapes, ids: Iterator[int], hooked_first: bool,
                    cost: HookCost) -> Sample:
     eng, timer = e.eng, FamilyTimer()
-    params = SamplingParams(temperature=0, max_tokens=WARMUP_DECODE_STEPS + 2 * shapes.decode_steps + 2,
+    params = SamplingParams(temperature=0, max_tokens=eng.config.scheduler.max_model_len - shapes.context,
                             ignore_eos=True)
     rids = [eng.add_request(p, params, request_id=f"d{next(ids)}") for p in e.decode_prompts[batch]]
     try:
