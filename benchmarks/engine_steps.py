@@ -22,3 +22,11 @@ def time_prefill_step(eng: LLMEngine, prompt: Callable[[], list[int]], request_i
     while eng.has_unfinished_requests():
         eng.step()
     return elapsed
+
+
+def until_first_tokens(eng: LLMEngine, request_ids: list[str]) -> None:
+    """Step the engine until every request of ``request_ids`` has its first token (its prompt is in the cache), so
+    that the next steps decode them."""
+    waiting = set(request_ids)
+    while waiting:
+        waiting.difference_update(out.request_id for out in eng.step() if out.outputs[0].token_ids)
