@@ -29,7 +29,7 @@ from kv8.attention.metadata import AttentionMetadata
 from kv8.attention.reference import paged_attention_reference
 from kv8.kernels.cpu import attention as kernels
 from kv8.kernels.cpu.attention import paged_attention_fused
-from tests.helpers.kernels import decode_kernel, load_or_skip, prefill_kernel
+from tests.helpers.kernels import decode_kernel, load_or_skip, portable_path, prefill_kernel
 from tests.helpers.windows import STALE, Case, window_case
 
 FP8 = ["fp8_e4m3", "fp8_e4m3fnuz", "fp8_e5m2"]
@@ -41,9 +41,10 @@ def lib() -> kernels.KernelLibrary:
     return load_or_skip()
 
 
-@pytest.fixture(scope="module")
-def generic_lib() -> kernels.KernelLibrary:
-    return load_or_skip("x86-64-v3")
+@pytest.fixture(scope="module", params=["x86-64-v2", "x86-64-v3"])
+def portable_lib(request: pytest.FixtureRequest) -> kernels.KernelLibrary:
+    """Builds without AVX-512: the scalar generic kernel (x86-64-v2) and the AVX2 kernel (x86-64-v3)."""
+    return load_or_skip(request.param)
 
 
 def check(lib: kernels.KernelLibrary, case: Case, partitions: tuple[int, ...] = (0,)) -> None:
@@ -121,11 +122,11 @@ def test_window_decode_item_kernel(lib: kernels.KernelLibrary, kv_name: str, gra
 
 @pytest.mark.parametrize("kv_name,gran", [("fp8_e4m3", "channel"), ("fp8_e5m2", "dynamic"),
                                           ("fp8_e4m3fnuz", "head"), ("bfloat16", "none"), ("float16", "none")])
-def test_window_generic_build(generic_lib: kernels.KernelLibrary, kv_name: str, gran: str) -> None:
-    assert item_kernel(generic_lib, kv_name, torch.bfloat16, 64, 16, 48) == "generic"
+def test_window_portable_builds(portable_lib: kernels.KernelLibrary, kv_name: str, gran: str) -> None:
+    assert item_kernel(portable_lib, kv_name, torch.bfloat16, 64, 16, 48) == portable_path(portable_lib, 64)
     for q_dtype, bs in ((torch.bfloat16, 16), (torch.float32, 8)):
         for window in (5, 24):
-            check(generic_lib, window_case(kv_name, gran, q_dtype, window, bs=bs, seed=window), partitions=(0, 32))
+            check(portable_lib, window_case(kv_name, gran, q_dtype, window, bs=bs, seed=window), partitions=(0, 32))
 
 
 @pytest.mark.parametrize("kv_name,gran", [(k, g) for k in FP8 for g in ("tensor", "dynamic")]

@@ -47,6 +47,7 @@ from tests.helpers.kernels import (
     make_cache,
     make_case,
     make_scales,
+    portable_path,
     prefill_kernel,
     random_kv,
     stored,
@@ -63,16 +64,17 @@ def lib() -> kernels.KernelLibrary:
     return lib
 
 
-@pytest.fixture(scope="module")
-def generic_lib() -> kernels.KernelLibrary:
-    """A build without AVX-512 (x86-64-v3 = AVX2): exercises the generic fp32 path everywhere."""
-    return load_or_skip("x86-64-v3")
+@pytest.fixture(scope="module", params=["x86-64-v2", "x86-64-v3"])
+def portable_lib(request: pytest.FixtureRequest) -> kernels.KernelLibrary:
+    """A build without AVX-512: x86-64-v2 (SSE4.2) runs the scalar generic kernel everywhere, x86-64-v3 (AVX2 +
+    FMA + F16C) the AVX2 kernel."""
+    return load_or_skip(request.param)
 
 
 def attention_path(lib: kernels.KernelLibrary, kv_name: str, q_dtype: torch.dtype, dim: int) -> str:
-    """"fast" (an AVX-512 BF16 item kernel serves prefill-sized items) or "generic"."""
+    """"fast" (an AVX-512 BF16 item kernel serves prefill-sized items), "avx2" or "generic"."""
     kernel = kernels.KernelTesting(lib).item_kernel(kv_name, q_dtype, dim)
-    return "generic" if kernel == "generic" else "fast"
+    return kernel if kernel in ("generic", "avx2") else "fast"
 
 
 def uses_decode_kernel(lib: kernels.KernelLibrary, kv_name: str, q_dtype: torch.dtype, dim: int, bs: int,
@@ -116,16 +118,27 @@ def test_fp8_decode_all_codes(lib: kernels.KernelLibrary, fmt: str, path: str, f
     assert torch.equal(got[~nan].view(torch.int32), want[~nan].view(torch.int32))  # bitwise: -0.0, subnormals
 
 
-def test_generic_build_decodes_on_bits(generic_lib: kernels.KernelLibrary) -> None:
-    assert not generic_lib.has_fast_path
+def test_portable_builds_decode_on_bits(portable_lib: kernels.KernelLibrary) -> None:
+    """Without AVX-512: the scalar bit decoder, and the AVX2 kernel's 8-lane one where the build has it, give every
+    code's value bit for bit (subnormals, -0, NaN) -- with torch's flush-denormal mode on as well."""
+    assert not portable_lib.has_fast_path
+    paths = ["bits", "avx2"] if portable_lib.has_avx2_path else ["bits"]
     for fmt in FP8:
         want = torch.tensor(FP8_FORMATS[fmt].values(), dtype=torch.float32)
-        got = kernels.KernelTesting(generic_lib).decode_fp8(fmt, torch.arange(256, dtype=torch.uint8), "bits")
         nan = torch.isnan(want)
-        assert torch.equal(torch.isnan(got), nan)
-        assert torch.equal(got[~nan].view(torch.int32), want[~nan].view(torch.int32))
-    with pytest.raises(ValueError, match="not available"):
-        kernels.KernelTesting(generic_lib).decode_fp8("fp8_e4m3", torch.arange(256, dtype=torch.uint8), "tables")
+        for path in paths:
+            for flush in (False, True):
+                torch.set_flush_denormal(flush)
+                try:
+                    got = kernels.KernelTesting(portable_lib).decode_fp8(fmt, torch.arange(256, dtype=torch.uint8),
+                                                                         path)
+                finally:
+                    torch.set_flush_denormal(False)
+                assert torch.equal(torch.isnan(got), nan), (fmt, path)
+                assert torch.equal(got[~nan].view(torch.int32), want[~nan].view(torch.int32)), (fmt, path)
+    for path in [p for p in ("tables", "avx2") if p not in paths]:
+        with pytest.raises(ValueError, match="not available"):
+            kernels.KernelTesting(portable_lib).decode_fp8("fp8_e4m3", torch.arange(256, dtype=torch.uint8), path)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -202,7 +215,7 @@ def test_store_dense_fp32_sweep(lib: kernels.KernelLibrary, fmt: str) -> None:
 def test_attention_dtypes_and_scales(lib: kernels.KernelLibrary, kv_name: str, gran: str,
                                      q_dtype: torch.dtype) -> None:
     cache, meta, q = make_case(kv_name, gran, q_dtype)
-    expected = "fast" if kv_name in FP8 + ["bfloat16"] and lib.has_fast_path else "generic"
+    expected = "fast" if kv_name in FP8 + ["bfloat16"] and lib.has_fast_path else portable_path(lib, 64)
     assert attention_path(lib, kv_name, q_dtype, 64) == expected
     check_attention(lib, cache, meta, q)
 
@@ -219,12 +232,13 @@ def test_attention_shapes(lib: kernels.KernelLibrary, group: int, dim: int, bs: 
 
 
 @pytest.mark.parametrize("kv_name", ["fp8_e5m2", "bfloat16", "float16"])
-@pytest.mark.parametrize("dim", [80, 72])
+@pytest.mark.parametrize("dim", [80, 72, 20])
 def test_attention_odd_head_dim(lib: kernels.KernelLibrary, kv_name: str, dim: int) -> None:
-    """D = 80 takes the fast path with a partial 64-channel chunk; D = 72 (not a multiple of 16) the generic."""
+    """D = 80 takes the fast path with a partial 64-channel chunk; D = 72 (not a multiple of 16) the AVX2 kernel
+    with a last 8-channel chunk, D = 20 (not a multiple of 8) the generic."""
     cache, meta, q = make_case(kv_name, "channel", torch.float32, dim=dim, heads=2)
     fast = dim == 80 and kv_name != "float16" and lib.has_fast_path
-    assert attention_path(lib, kv_name, torch.float32, dim) == ("fast" if fast else "generic")
+    assert attention_path(lib, kv_name, torch.float32, dim) == ("fast" if fast else portable_path(lib, dim))
     check_attention(lib, cache, meta, q)
 
 
@@ -252,11 +266,11 @@ def test_attention_dynamic_scales(lib: kernels.KernelLibrary, kv_name: str, q_dt
 
 @pytest.mark.parametrize("kv_name,gran", [("fp8_e4m3", "channel"), ("fp8_e5m2", "dynamic"),
                                           ("fp8_e4m3fnuz", "head"), ("bfloat16", "none")])
-def test_attention_generic_build(generic_lib: kernels.KernelLibrary, kv_name: str, gran: str) -> None:
-    assert attention_path(generic_lib, kv_name, torch.bfloat16, 64) == "generic"
+def test_attention_portable_builds(portable_lib: kernels.KernelLibrary, kv_name: str, gran: str) -> None:
+    assert attention_path(portable_lib, kv_name, torch.bfloat16, 64) == portable_path(portable_lib, 64)
     for q_dtype in (torch.bfloat16, torch.float32):
         cache, meta, q = make_case(kv_name, gran, q_dtype)
-        check_attention(generic_lib, cache, meta, q, partition_size=32)
+        check_attention(portable_lib, cache, meta, q, partition_size=32)
 
 
 def test_attention_with_flush_denormal(lib: kernels.KernelLibrary) -> None:
@@ -306,7 +320,7 @@ def test_decode_items_of_several_heads(lib: kernels.KernelLibrary, kernel_path: 
     cache, meta, q = make_case(kv_name, gran, torch.bfloat16, group=group, heads=heads, query_lens=[1] * 5,
                                seq_lens=seq_lens, seed=heads * 10 + group, poison=True)
     assert decode_kernel(lib, kv_name, gran, 64, 16, group) in ("amx_decode" if kernel_path == "amx" else "decode",
-                                                                 "generic")
+                                                                 portable_path(lib, 64))
     for partition in (0, 16, 96):
         check_attention(lib, cache, meta, q, partition_size=partition)
 
@@ -320,7 +334,7 @@ def test_decode_item_kernel_conditions(lib: kernels.KernelLibrary) -> None:
     assert not uses_decode_kernel(lib, "fp8_e4m3", torch.bfloat16, 64, 8, 3)     # blocks of 8 tokens
     assert not uses_decode_kernel(lib, "fp8_e4m3", torch.bfloat16, 80, 16, 3)    # head_dim 80
     assert not uses_decode_kernel(lib, "fp8_e4m3", torch.float16, 64, 16, 3)     # fp16 compute
-    assert not uses_decode_kernel(lib, "float16", torch.bfloat16, 64, 16, 3)     # fp16 cache: generic path
+    assert not uses_decode_kernel(lib, "float16", torch.bfloat16, 64, 16, 3)     # fp16 cache: AVX2 / generic
     assert not uses_decode_kernel(lib, "fp8_e4m3", torch.bfloat16, 64, 16, 16)   # prefill-sized items
 
 

@@ -124,6 +124,8 @@ class KernelLibrary(NativeLibrary):
         self._bind_structs("kv8_paged_attention", LayerArgs, AttentionCall)
         self._bind_structs("kv8_store_kv", LayerArgs, StoreCall)
         self.has_fast_path = bool(self._bind("kv8_has_fast_path", [])())
+        #: Whether the AVX2 item kernel is compiled in (AVX2 + FMA + F16C targets: x86-64-v3 and later).
+        self.has_avx2_path = bool(self._bind("kv8_has_avx2_path", [])())
         #: Whether prefill items (head_dim a multiple of 64 up to 256) and decode items (the decode kernel's)
         #: multiply with AMX tiles, both with bf16 compute and no per-channel K scales. True where the build, the
         #: CPU and the OS allow it; setting it False takes the AVX-512 paths (tests do, to run both). The two
@@ -223,7 +225,7 @@ class KernelLibrary(NativeLibrary):
 class KernelTesting:
     """The library's testing interface (``kv8_test_*`` exports): what only kv8's tests use, never production."""
 
-    ITEM_KERNELS = ("generic", "tile", "decode", "prefill", "amx", "amx_decode")
+    ITEM_KERNELS = ("generic", "tile", "decode", "prefill", "amx", "amx_decode", "avx2")
 
     def __init__(self, lib: KernelLibrary) -> None:
         self.lib = lib
@@ -237,7 +239,8 @@ class KernelTesting:
     def item_kernel(self, kv_dtype: str, compute_dtype: torch.dtype, head_dim: int, block_size: int = 16,
                     rows: int = 48, k_per_channel: bool = False) -> str:
         """The item kernel that serves items of ``rows`` rows (query heads per KV head x query tokens of one
-        sequence): "generic" (fp32), "tile" (AVX-512 BF16, any item), "decode" (AVX-512 BF16, decode-sized
+        sequence): "generic" (fp32, scalar), "avx2" (fp32 on AVX2 + FMA: every item without the AVX-512 BF16
+        path, and fp16 / fp32 caches or head dims not a multiple of 16 with it; head_dim a multiple of 8), "tile" (AVX-512 BF16, any item), "decode" (AVX-512 BF16, decode-sized
         items: bf16 compute, an FP8 or bf16 cache, head_dim 64 / 128 / 256, blocks of a multiple of 16 tokens,
         at most 4 rows), "amx_decode" (those items on AMX tiles, where :attr:`KernelLibrary.amx` and the K scales
         are not per channel -- ``k_per_channel``), "prefill" (the tile kernel's loop for items of more than 4
@@ -248,16 +251,18 @@ class KernelTesting:
         return self.ITEM_KERNELS[code]
 
     def decode_fp8(self, fmt: str, codes: torch.Tensor, path: str) -> torch.Tensor:
-        """Decode uint8 ``codes`` with the kernel's bit decoder (``path="bits"``) or bf16 tables (``"tables"``)."""
+        """Decode uint8 ``codes`` with the kernel's bit decoder (``path="bits"``), bf16 tables (``"tables"``, the
+        AVX-512 path) or the AVX2 kernel's 8-lane decoder (``"avx2"``)."""
         if fmt not in ("fp8_e4m3", "fp8_e4m3fnuz", "fp8_e5m2"):
             raise ValueError(f"fmt={fmt!r} is not an FP8 format; choose fp8_e4m3, fp8_e4m3fnuz or fp8_e5m2")
-        if path not in ("bits", "tables"):
-            raise ValueError(f"path={path!r}; choose 'bits' or 'tables'")
+        paths = ("bits", "tables", "avx2")
+        if path not in paths:
+            raise ValueError(f"path={path!r}; choose one of {', '.join(map(repr, paths))}")
         codes = codes.contiguous()
         if codes.dtype != torch.uint8:
             raise ValueError(f"codes must be uint8, got {codes.dtype}")
         out = torch.empty(codes.shape, dtype=torch.float32)
-        rc = self._c.kv8_test_decode_fp8(self.lib.kv_dtype_codes[fmt], 0 if path == "bits" else 1, codes.data_ptr(),
+        rc = self._c.kv8_test_decode_fp8(self.lib.kv_dtype_codes[fmt], paths.index(path), codes.data_ptr(),
                                          codes.numel(), out.data_ptr())
         if rc != 0:
             raise ValueError(f"decode path {path!r} is not available in this build (march={self.lib.march})")

@@ -12,6 +12,7 @@
 //   problem.h              Problem, items, row geometry, tile walk (block ids checked), prefetch, row finish
 //   plan.h                 work items, threads, partition combine (log-sum-exp)
 //   item_generic.h         item kernel: fp32, any KV dtype / head dim / ISA
+//   item_avx2.h            item kernel: fp32 on AVX2 + FMA, any KV dtype, head dims a multiple of 8
 //   fast_simd.h            AVX-512 BF16 building blocks: FP8 -> bf16 tables, K / V register layouts, P.V step
 //   tile_chunk.h           what the tile loops share: chunk walk, V decode and P.V, the prefill loop's row step
 //   item_prefill_amx.h     the prefill loop's blocks on AMX tiles (16 rows)
@@ -36,6 +37,7 @@
 //     run_item_tile (items of more than 4 rows with D <= 128 -> its prefill loop, run_item_prefill; with AMX
 //     tiles, bf16 compute without per-channel K scales and D % 64 == 0, D <= 256 -> the same loop on AMX
 //     tiles, 16 rows per block)
+//   otherwise, AVX2 + FMA + F16C compiled in and D % 8 == 0, D <= 1024 -> run_item_avx2
 //   otherwise -> run_item_generic
 // All kernels clear MXCSR DAZ/FTZ in their threads (FpEnv), so FP8 subnormals survive.
 //
@@ -52,6 +54,7 @@
 #include "problem.h"
 #include "plan.h"
 #include "item_generic.h"
+#include "item_avx2.h"
 #include "tile_chunk.h"
 #include "item_prefill_amx.h"
 #include "item_prefill.h"
@@ -61,7 +64,7 @@
 #include "store.h"
 
 enum { KERNEL_GENERIC = 0, KERNEL_TILE = 1, KERNEL_DECODE = 2, KERNEL_PREFILL = 3, KERNEL_AMX = 4,
-       KERNEL_AMX_DECODE = 5 };
+       KERNEL_AMX_DECODE = 5, KERNEL_AVX2 = 6 };
 
 #if KV8_FAST
 // A fast item: a decode kernel where one applies to the item's rows (AMX tiles first), else the tile kernel.
@@ -102,6 +105,9 @@ static ItemFn pick_item_fn(const Problem& P, int* fast) {
         return plo ? run_item_fast<false, true> : run_item_fast<false, false>;
     }
 #endif
+#if KV8_AVX2
+    if (avx2_serves(P)) return avx2_item_fn(P);
+#endif
     return run_item_generic;
 }
 
@@ -113,6 +119,9 @@ extern "C" {
 
 // 1 when the AVX-512 BF16 fast path is compiled in.
 int kv8_has_fast_path(void) { return KV8_FAST; }
+
+// 1 when the AVX2 item kernel is compiled in.
+int kv8_has_avx2_path(void) { return KV8_AVX2; }
 
 // 1 when prefill and decode items can multiply with AMX tiles: compiled in, and the OS grants the tiles.
 int kv8_attention_amx_available(void) { return amx_granted(1) ? 1 : 0; }
@@ -150,7 +159,7 @@ int kv8_store_kv(const kv8_layer* layer, const kv8_store_call* call) { return ru
 // ------------------------------------------------------------------------------------------------
 
 // Which item kernel serves items of `rows` rows (query heads per KV head x query tokens of one sequence) in a
-// call with use_amx: KERNEL_GENERIC, KERNEL_TILE, KERNEL_DECODE, KERNEL_PREFILL (the tile kernel's prefill
+// call with use_amx: KERNEL_GENERIC, KERNEL_AVX2, KERNEL_TILE, KERNEL_DECODE, KERNEL_PREFILL (the tile kernel's prefill
 // loop), KERNEL_AMX (that loop on AMX tiles) or KERNEL_AMX_DECODE (the decode kernel on AMX tiles);
 // k_per_channel: the K scales are per channel.
 int kv8_test_item_kernel(int kv, int q_dtype, int D, int bs, int rows, int use_amx, int k_per_channel) {
@@ -167,8 +176,8 @@ int kv8_test_item_kernel(int kv, int q_dtype, int D, int bs, int rows, int use_a
     }
     P.amx = amx_granted(use_amx);
     int fast;
-    pick_item_fn(P, &fast);
-    if (!fast) return KERNEL_GENERIC;
+    const ItemFn fn = pick_item_fn(P, &fast);
+    if (!fast) return fn == run_item_generic ? KERNEL_GENERIC : KERNEL_AVX2;
 #if KV8_FAST
 #if KV8_ATTN_AMX
     if (bs > 0 && decode_amx_fn(P, rows) != nullptr) return KERNEL_AMX_DECODE;
@@ -183,6 +192,8 @@ int kv8_test_item_kernel(int kv, int q_dtype, int D, int bs, int rows, int use_a
     return KERNEL_TILE;
 }
 
+// FP8 codes -> float with decoder `path`: 0 the bits (generic kernel), 1 the bf16 tables (AVX-512 kernels), 2 the
+// AVX2 kernel's 8 lanes; ERR_ARGS where the build lacks the path.
 int kv8_test_decode_fp8(int fmt, int path, const uint8_t* codes, int64_t n, float* out) {
     if (fmt < 0 || fmt >= KV_COUNT || !KV_FORMATS[fmt].fp8) return ERR_ARGS;
     FpEnv env;
@@ -192,6 +203,23 @@ int kv8_test_decode_fp8(int fmt, int path, const uint8_t* codes, int64_t n, floa
                 for (int64_t i = 0; i < n; ++i) out[i] = fp8_bits<decltype(K)::value>(codes[i]);
         });
         return OK;
+    }
+    if (path == 2) {
+#if KV8_AVX2
+        for (int64_t i = 0; i < n; i += 8) {
+            uint8_t c[8] = {0};
+            alignas(32) float v[8];
+            const int64_t m = n - i < 8 ? n - i : 8;
+            memcpy(c, codes + i, (size_t)m);
+            with_kv_format(fmt, [&](auto K) {
+                if constexpr (KV_FORMATS[decltype(K)::value].fp8) _mm256_store_ps(v, decode8<decltype(K)::value>(c, 0));
+            });
+            memcpy(out + i, v, sizeof(float) * (size_t)m);
+        }
+        return OK;
+#else
+        return ERR_ARGS;
+#endif
     }
 #if KV8_FAST
     const Lut& L = lut_for(fmt);

@@ -1,0 +1,244 @@
+// The AVX2 item kernel: fp32 arithmetic in 8-lane registers with FMA, every KV format, head dims that are a
+// multiple of 8 (up to 1024), any item shape. It serves every item on CPUs without the AVX-512 BF16 path (AMD Zen 2
+// and 3, Intel before Ice Lake, x86-64-v3 builds) and, on CPUs with it, the items the fast kernels do not take
+// (fp16 / fp32 caches, head dims that are not a multiple of 16). It computes what run_item_generic computes, the
+// same fp32 online softmax over the same tiles, with these differences in rounding only:
+//   - the query row is multiplied by sm_scale x the K head scale once (generic: each score);
+//   - a score is a sum of 8 partial sums (channels d = i mod 8), each an FMA chain (generic: one chain in d order);
+//   - exp is exp8_ps below (~1 ulp, 0 below exp(-87)) instead of libm's expf; alpha keeps expf;
+//   - P.V accumulates with FMA.
+// Masking is the generic kernel's: a key counts for row r when it is one of the tile's n tokens and lies in the
+// row's [first_visible, row_limit]; masked keys have weight exactly 0 (never exp(-inf - max) of a row that has seen
+// nothing, so a row's NaN can only come from its data).
+//
+// Per tile of 16 tokens: decode the 16 K rows to fp32 (pad rows read ZERO_ROW), then per visible row 16 scores
+// (8 tokens at a time, 8 FMA chains, one horizontal reduction for 8 scores), the online-softmax step and the
+// weights p x V scale; decode the V rows, then acc = acc x alpha + p . V for 4 rows x 16 channels at a time
+// (8 accumulators).
+#pragma once
+
+#include "problem.h"
+#include "../common/simd_exp.h"
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define KV8_AVX2 1
+#else
+#define KV8_AVX2 0
+#endif
+
+#if KV8_AVX2
+static inline float hsum8(__m256 x) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+static inline float hmax8(__m256 x) {
+    __m128 s = _mm_max_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+    s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_max_ss(s, _mm_movehdup_ps(s)));
+}
+
+// The 8 sums of a0 .. a7 (lane i: the sum of ai's lanes).
+static inline __m256 hsum8x8(__m256 a0, __m256 a1, __m256 a2, __m256 a3, __m256 a4, __m256 a5, __m256 a6,
+                             __m256 a7) {
+    const __m256 s0123 = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+    const __m256 s4567 = _mm256_hadd_ps(_mm256_hadd_ps(a4, a5), _mm256_hadd_ps(a6, a7));
+    return _mm256_add_ps(_mm256_permute2f128_ps(s0123, s4567, 0x20), _mm256_permute2f128_ps(s0123, s4567, 0x31));
+}
+
+// Channels d .. d + 7 of a cache row of format KV, as exact fp32 values (FP8 on bits, as fp8_bits: NaN codes NaN,
+// subnormals exact while DAZ is off).
+template <int KV>
+static inline __m256 decode8(const uint8_t* row, int d) {
+    constexpr KvFormat F = KV_FORMATS[KV];
+    if constexpr (F.fp8) {
+        const __m128i b = _mm_loadl_epi64((const __m128i*)(row + d));
+        if constexpr (F.has_inf) {  // an E5M2 code is the high byte of the fp16 with the same value
+            return _mm256_cvtph_ps(_mm_unpacklo_epi8(_mm_setzero_si128(), b));
+        } else {  // the magnitude's bits where a float's go, times 2^(127 - bias); then the sign and NaN
+            constexpr float REBIAS = pow2f(127 - F.bias);
+            const __m256i c = _mm256_cvtepu8_epi32(b);
+            const __m256i mag = _mm256_and_si256(c, _mm256_set1_epi32(0x7f));
+            __m256 v = _mm256_mul_ps(_mm256_castsi256_ps(_mm256_slli_epi32(mag, 23 - F.mbits)),
+                                     _mm256_set1_ps(REBIAS));
+            v = _mm256_or_ps(v, _mm256_castsi256_ps(
+                                    _mm256_slli_epi32(_mm256_and_si256(c, _mm256_set1_epi32(0x80)), 24)));
+            const __m256i nan = F.nan_0x80 ? _mm256_cmpeq_epi32(c, _mm256_set1_epi32(0x80))
+                                           : _mm256_cmpeq_epi32(mag, _mm256_set1_epi32(0x7f));
+            return _mm256_blendv_ps(v, _mm256_set1_ps(NAN), _mm256_castsi256_ps(nan));
+        }
+    } else if constexpr (F.elem == DT_BF16) {
+        const __m128i h = _mm_loadu_si128((const __m128i*)(row + 2 * d));
+        return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+    } else if constexpr (F.elem == DT_F16) {
+        return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(row + 2 * d)));
+    } else {
+        return _mm256_loadu_ps((const float*)row + d);
+    }
+}
+
+template <int KV>
+static inline void decode_row8(const uint8_t* row, int D, float* out) {
+    for (int d = 0; d < D; d += 8) _mm256_storeu_ps(out + d, decode8<KV>(row, d));
+}
+
+// Lanes t (0..7) of 8 tokens starting at tile offset g whose key counts for a row: lo <= g + t <= hi.
+static inline __m256 lanes_between(int g, int lo, int hi) {
+    const __m256i t = _mm256_add_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32(g));
+    const __m256i in = _mm256_andnot_si256(_mm256_cmpgt_epi32(_mm256_set1_epi32(lo), t),
+                                           _mm256_cmpgt_epi32(_mm256_set1_epi32(hi + 1), t));
+    return _mm256_castsi256_ps(in);
+}
+
+// The scores of one row against 8 decoded K rows k[0..7] (row stride D): lane t = q . k[t].
+static inline __m256 scores8(const float* q, const float* k, int D) {
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
+    for (int d = 0; d < D; d += 8) {
+        const __m256 x = _mm256_loadu_ps(q + d);
+        a0 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k + 0 * D + d), a0);
+        a1 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k + 1 * D + d), a1);
+        a2 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k + 2 * D + d), a2);
+        a3 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k + 3 * D + d), a3);
+        a4 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k + 4 * D + d), a4);
+        a5 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k + 5 * D + d), a5);
+        a6 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k + 6 * D + d), a6);
+        a7 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k + 7 * D + d), a7);
+    }
+    return hsum8x8(a0, a1, a2, a3, a4, a5, a6, a7);
+}
+
+// acc[r] = acc[r] * alpha[r] + sum_t p[r][t] v[t] for NR rows (acc and p of consecutive rows, strides D and TILE),
+// n tokens, 16 channels at a time (then 8 where D % 16 == 8).
+template <int NR>
+static inline void pv_rows(float* acc, const float* alpha, const float* p, const float* v, int n, int D) {
+    int d = 0;
+    for (; d + 16 <= D; d += 16) {
+        __m256 lo[NR], hi[NR];
+        for (int i = 0; i < NR; ++i) {
+            const __m256 a = _mm256_set1_ps(alpha[i]);
+            lo[i] = _mm256_mul_ps(_mm256_loadu_ps(acc + (size_t)i * D + d), a);
+            hi[i] = _mm256_mul_ps(_mm256_loadu_ps(acc + (size_t)i * D + d + 8), a);
+        }
+        for (int t = 0; t < n; ++t) {
+            const __m256 v0 = _mm256_loadu_ps(v + (size_t)t * D + d), v1 = _mm256_loadu_ps(v + (size_t)t * D + d + 8);
+            for (int i = 0; i < NR; ++i) {
+                const __m256 w = _mm256_broadcast_ss(p + i * TILE + t);
+                lo[i] = _mm256_fmadd_ps(w, v0, lo[i]);
+                hi[i] = _mm256_fmadd_ps(w, v1, hi[i]);
+            }
+        }
+        for (int i = 0; i < NR; ++i) {
+            _mm256_storeu_ps(acc + (size_t)i * D + d, lo[i]);
+            _mm256_storeu_ps(acc + (size_t)i * D + d + 8, hi[i]);
+        }
+    }
+    if (d < D) {  // D % 16 == 8
+        __m256 x[NR];
+        for (int i = 0; i < NR; ++i)
+            x[i] = _mm256_mul_ps(_mm256_loadu_ps(acc + (size_t)i * D + d), _mm256_set1_ps(alpha[i]));
+        for (int t = 0; t < n; ++t) {
+            const __m256 v0 = _mm256_loadu_ps(v + (size_t)t * D + d);
+            for (int i = 0; i < NR; ++i) x[i] = _mm256_fmadd_ps(_mm256_broadcast_ss(p + i * TILE + t), v0, x[i]);
+        }
+        for (int i = 0; i < NR; ++i) _mm256_storeu_ps(acc + (size_t)i * D + d, x[i]);
+    }
+}
+
+template <int KV>
+static int run_item_avx2(const Problem& P, const Item& it, float* ws) {
+    const Rows w = rows_of(P, it);
+    const int D = P.D, R = w.R;
+    const size_t nq = (size_t)R * D;
+    size_t bytes = up64(nq * 4) * 2 + up64((size_t)TILE * D * 4) * 2 + up64((size_t)R * 4) * 3 +
+                   up64((size_t)R * 8) * 2 + up64((size_t)R * TILE * 4);
+    char* mem = (char*)tl_scratch.get(bytes);
+    if (!mem) return ERR_OOM;
+    float* qf = (float*)mem; mem += up64(nq * 4);
+    float* acc = (float*)mem; mem += up64(nq * 4);
+    float* kf = (float*)mem; mem += up64((size_t)TILE * D * 4);
+    float* vf = (float*)mem; mem += up64((size_t)TILE * D * 4);
+    float* mx = (float*)mem; mem += up64((size_t)R * 4);
+    float* sum = (float*)mem; mem += up64((size_t)R * 4);
+    float* alpha = (float*)mem; mem += up64((size_t)R * 4);
+    int64_t* lim = (int64_t*)mem; mem += up64((size_t)R * 8);
+    int64_t* lo = (int64_t*)mem; mem += up64((size_t)R * 8);
+    float* prob = (float*)mem;
+
+    const bool kch = k_per_channel(P);
+    const float sfac = P.sm_scale * (kch ? 1.0f : k_head_scale(P, it.kvh));
+    for (int r = 0; r < R; ++r) {
+        const int h = it.kvh * P.G + r % P.G;
+        const int64_t src = ((w.qrow0 + r / P.G) * P.Hq + h) * (int64_t)D;
+        for (int d = 0; d < D; ++d) {
+            float x = load_f(P.q, P.q_dtype, src + d);
+            if (kch) x *= P.ks[it.kvh * P.ks_hs + d * P.ks_ds];
+            qf[(size_t)r * D + d] = x * sfac;
+        }
+        mx[r] = -INFINITY;
+        sum[r] = 0.0f;
+        lim[r] = row_limit(P, it, w, r);
+        lo[r] = first_visible(P, lim[r]);
+    }
+    memset(acc, 0, nq * 4);
+
+    const uint8_t* kr[TILE];
+    const uint8_t* vr[TILE];
+    alignas(32) float ksc[TILE], vsc[TILE];
+    for (int t = 0; t < TILE; ++t) ksc[t] = vsc[t] = 1.0f;
+    int r0 = 0, r1 = 0;
+    for (int p = 0; p < PREFETCH_TILES; ++p) prefetch_tile(P, it, it.t0 + p * TILE);
+    for (int64_t t0 = it.t0; t0 < it.t1; t0 += TILE) {
+        const int n = (int)(it.t1 - t0 < TILE ? it.t1 - t0 : TILE);
+        prefetch_tile(P, it, t0 + PREFETCH_TILES * TILE);
+        if (!tile_rows(P, it, t0, n, kr, vr, ksc, vsc)) return ERR_BLOCK_ID;
+        while (r0 < R && lim[r0] < t0) ++r0;     // rows before r0 see nothing of this tile (limits ascend)
+        while (r1 < R && lo[r1] < t0 + n) ++r1;  // nor do rows from r1 on (their windows start later)
+        for (int t = 0; t < TILE; ++t) decode_row8<KV>(kr[t], D, kf + (size_t)t * D);
+        const __m256 ks0 = _mm256_load_ps(ksc), ks1 = _mm256_load_ps(ksc + 8);
+        const __m256 vs0 = _mm256_load_ps(vsc), vs1 = _mm256_load_ps(vsc + 8);
+        for (int r = r0; r < r1; ++r) {
+            // the row's keys in this tile: tile offsets [a, b] (both within [0, n - 1]: the row sees one at least)
+            const int a = lo[r] > t0 ? (int)(lo[r] - t0) : 0;
+            const int b = lim[r] - t0 < n - 1 ? (int)(lim[r] - t0) : n - 1;
+            const __m256 in0 = lanes_between(0, a, b), in1 = lanes_between(8, a, b);
+            const float* qr = qf + (size_t)r * D;
+            const __m256 s0 = _mm256_mul_ps(scores8(qr, kf, D), ks0);
+            const __m256 s1 = _mm256_mul_ps(scores8(qr, kf + (size_t)8 * D, D), ks1);
+            const __m256 ninf = _mm256_set1_ps(-INFINITY);
+            const float tmax = hmax8(_mm256_max_ps(_mm256_blendv_ps(ninf, s0, in0), _mm256_blendv_ps(ninf, s1, in1)));
+            const float mnew = tmax > mx[r] ? tmax : mx[r];
+            alpha[r] = mnew == mx[r] ? 1.0f : expf(mx[r] - mnew);
+            mx[r] = mnew;
+            const __m256 m = _mm256_set1_ps(mnew);
+            const __m256 seen = _mm256_set1_ps(mnew == -INFINITY ? 0.0f : 1.0f);  // -inf scores only: weights 0
+            const __m256 p0 = _mm256_mul_ps(_mm256_and_ps(exp8_ps(_mm256_sub_ps(s0, m)), in0), seen);
+            const __m256 p1 = _mm256_mul_ps(_mm256_and_ps(exp8_ps(_mm256_sub_ps(s1, m)), in1), seen);
+            sum[r] = sum[r] * alpha[r] + hsum8(_mm256_add_ps(p0, p1));
+            _mm256_storeu_ps(prob + (size_t)r * TILE, _mm256_mul_ps(p0, vs0));
+            _mm256_storeu_ps(prob + (size_t)r * TILE + 8, _mm256_mul_ps(p1, vs1));
+        }
+        for (int t = 0; t < n; ++t) decode_row8<KV>(vr[t], D, vf + (size_t)t * D);
+        int r = r0;
+        for (; r + 4 <= r1; r += 4)
+            pv_rows<4>(acc + (size_t)r * D, alpha + r, prob + (size_t)r * TILE, vf, n, D);
+        const float* pr = prob + (size_t)r * TILE;
+        float* ar = acc + (size_t)r * D;
+        switch (r1 - r) {
+            case 3: pv_rows<3>(ar, alpha + r, pr, vf, n, D); break;
+            case 2: pv_rows<2>(ar, alpha + r, pr, vf, n, D); break;
+            case 1: pv_rows<1>(ar, alpha + r, pr, vf, n, D); break;
+            default: break;
+        }
+    }
+    for (int r = 0; r < R; ++r) finish_row(P, it, w, r, acc + (size_t)r * D, mx[r], sum[r], ws);
+    return OK;
+}
+
+// Whether the AVX2 kernel serves a problem's items.
+static inline bool avx2_serves(const Problem& P) { return P.D % 8 == 0 && P.D <= 1024; }
+
+static ItemFn avx2_item_fn(const Problem& P) {
+    return with_kv_format(P.kv, [](auto K) -> ItemFn { return run_item_avx2<decltype(K)::value>; });
+}
+#endif
