@@ -37,6 +37,13 @@ the speed-up of AMX.
     .venv/bin/python benchmarks/bench_attention.py --tables gemma3 --context 1024 4096 8192  # Gemma-3 rows only
     .venv/bin/python benchmarks/bench_attention.py --tables smollm2-prefill --threads 2  # SmolLM2 prefill rows
     .venv/bin/python benchmarks/bench_attention.py --tables smollm2 --blocks contiguous  # blocks in address order
+    .venv/bin/python benchmarks/bench_attention.py --tables builds --builds native x86-64-v3 x86-64-v2
+
+``--tables builds``: the library built for each ``-march`` of ``--builds`` (default ``native`` and ``x86-64-v2``,
+the scalar generic kernel every x86-64 CPU runs; ``x86-64-v3`` is the AVX2 kernel), side by side on SmolLM2
+shapes: one prefill call (1 sequence x 1,024 new tokens, causal) and one decode call (32 sequences at 1,024 tokens
+of context), over an fp8_e4m3 and a bf16 cache, ``--rounds`` rounds alternating the builds (order rotated each
+round); the median per cell with its min-max, GFLOP/s, and each build's time over the first build's.
 """
 
 from __future__ import annotations
@@ -44,6 +51,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import statistics
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -54,7 +62,7 @@ import torch.nn.functional as F
 from kv8.attention.metadata import AttentionMetadata
 from kv8.cache.codec import KVCodec
 from kv8.cache.paged_cache import CacheShape, PagedKVCache
-from kv8.kernels.cpu.attention import KernelLibrary, load_kernels
+from kv8.kernels.cpu.attention import KernelLibrary, KernelTesting, load_kernels
 from kv8.quant.formats import resolve_kv_cache_dtype
 from kv8.quant.scales import KVScales
 
@@ -245,6 +253,45 @@ def print_smollm2_prefill(args: argparse.Namespace) -> None:
         print(line, flush=True)
 
 
+def print_builds(args: argparse.Namespace) -> None:
+    libs = {march: load_kernels(march) for march in args.builds}
+    scale = D ** -0.5
+    cases: dict[str, tuple[PagedKVCache, AttentionMetadata, torch.Tensor, float]] = {}
+    for kv_name, tag in (("fp8_e4m3", "fp8"), ("bfloat16", "bf16")):
+        cache, meta = prefill_cache(kv_name, 2, 1, 1024, 1024)
+        cases[f"prefill 1 x 1024 {tag}"] = (cache, meta, torch.randn(1024, HQ, D, dtype=torch.bfloat16),
+                                            prefill_flops(1, 1024, 1024))
+        cache, meta = paged_cache(kv_name, layers_for(32 * 1024 * HKV * D * 4, args.footprint_mb << 20), 32, 1024)
+        cases[f"decode 32 x 1024 {tag}"] = (cache, meta, torch.randn(32, HQ, D, dtype=torch.bfloat16),
+                                           4.0 * D * HQ * 32 * 1024)
+    times: dict[tuple[str, str], list[float]] = {(c, m): [] for c in cases for m in libs}
+    marches = list(libs)
+    for r in range(args.rounds):
+        for case, (cache, meta, q, _) in cases.items():
+            for march in marches[r % len(marches):] + marches[:r % len(marches)]:
+                call = lambda i, lb=libs[march], c=cache, m=meta, x=q: lb.attention(x, c, i, m, scale)  # noqa: E731
+                times[case, march].append(timeit(call, cache.shape.num_layers, args.min_time))
+    print()
+    print(f"SmolLM2 shapes (Hq={HQ} Hkv={HKV} D={D} block={BS}, q bf16), the library built per -march; medians of "
+          f"{args.rounds} alternating rounds (min-max), microseconds per layer call")
+    item = {m: kernel_name(libs[m]) for m in marches}
+    hdr = f"{'call':<22}" + "".join(f"{m + ' (' + item[m] + ')':>34}" for m in marches) + "".join(
+        f"{m + ' GF/s':>18}" for m in marches) + "".join(f"{m + '/' + marches[0]:>22}" for m in marches[1:])
+    print(hdr)
+    print("-" * len(hdr))
+    for case, (_, _, _, flops) in cases.items():
+        med = {m: statistics.median(times[case, m]) for m in marches}
+        cells = "".join(f"{f'{med[m] * 1e6:.1f} ({min(times[case, m]) * 1e6:.0f}-{max(times[case, m]) * 1e6:.0f})':>34}"
+                        for m in marches)
+        print(f"{case:<22}{cells}" + "".join(f"{flops / med[m] / 1e9:>18.1f}" for m in marches) +
+              "".join(f"{med[m] / med[marches[0]]:>22.2f}" for m in marches[1:]), flush=True)
+
+
+def kernel_name(lib: KernelLibrary) -> str:
+    """Which item kernel serves a prefill item of the library (bf16 compute, head_dim 64, an FP8 cache)."""
+    return KernelTesting(lib).item_kernel("fp8_e4m3", torch.bfloat16, D)
+
+
 def bench(batch: int, ctx: int, args: argparse.Namespace) -> dict[str, float]:
     lib = load_kernels()
     q = torch.randn(batch, HQ, D, dtype=torch.bfloat16)
@@ -331,12 +378,15 @@ def main() -> None:
     ap.add_argument("--blocks", choices=["scattered", "contiguous"], default="scattered",
                     help="SmolLM2 decode rows: each sequence's blocks scattered over the cache (default) or at "
                          "ascending addresses (a prompt's blocks in the engine)")
-    ap.add_argument("--tables", nargs="*", choices=["smollm2", "gemma3", "smollm2-prefill"],
+    ap.add_argument("--tables", nargs="*", choices=["smollm2", "gemma3", "smollm2-prefill", "builds"],
                     default=["smollm2", "gemma3"],
                     help="which tables to print (default: smollm2 and gemma3, the decode tables)")
     ap.add_argument("--gemma-batch", type=int, nargs="*", default=None,
                     help="decode batches of the Gemma-3 rows (default 1 8; --quick: 1)")
     ap.add_argument("--prefill-chunk", type=int, default=512, help="new tokens of a Gemma-3 prefill row")
+    ap.add_argument("--builds", nargs="+", default=["native", "x86-64-v2"], metavar="MARCH",
+                    help="--tables builds: the -march targets to compare (default: native x86-64-v2)")
+    ap.add_argument("--rounds", type=int, default=5, help="--tables builds: alternating rounds (default 5)")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -351,6 +401,8 @@ def main() -> None:
         print_gemma(args.gemma_batch or ([1] if args.quick else [1, 8]), contexts, args)
     if "smollm2-prefill" in args.tables:
         print_smollm2_prefill(args)
+    if "builds" in args.tables:
+        print_builds(args)
 
 
 if __name__ == "__main__":

@@ -239,13 +239,20 @@ class KernelTesting:
     def item_kernel(self, kv_dtype: str, compute_dtype: torch.dtype, head_dim: int, block_size: int = 16,
                     rows: int = 48, k_per_channel: bool = False) -> str:
         """The item kernel that serves items of ``rows`` rows (query heads per KV head x query tokens of one
-        sequence): "generic" (fp32, scalar), "avx2" (fp32 on AVX2 + FMA: every item without the AVX-512 BF16
-        path, and fp16 / fp32 caches or head dims not a multiple of 16 with it; head_dim a multiple of 8), "tile" (AVX-512 BF16, any item), "decode" (AVX-512 BF16, decode-sized
-        items: bf16 compute, an FP8 or bf16 cache, head_dim 64 / 128 / 256, blocks of a multiple of 16 tokens,
-        at most 4 rows), "amx_decode" (those items on AMX tiles, where :attr:`KernelLibrary.amx` and the K scales
-        are not per channel -- ``k_per_channel``), "prefill" (the tile kernel's loop for items of more than 4
-        rows and head_dim <= 128) or "amx" (that loop on AMX tiles, where :attr:`KernelLibrary.amx`: bf16
-        compute, head_dim a multiple of 64 up to 256, K scales not per channel)."""
+        sequence):
+
+        * "generic": fp32, scalar (builds without AVX2, head dims not a multiple of 8);
+        * "avx2": fp32 on AVX2 + FMA, head_dim a multiple of 8: every item of a build without the AVX-512 BF16
+          path, and with it the items the kernels below do not take (fp16 / fp32 caches, head dims not a
+          multiple of 16);
+        * "tile": AVX-512 BF16, any item;
+        * "decode": AVX-512 BF16, decode-sized items (bf16 compute, an FP8 or bf16 cache, head_dim 64 / 128 /
+          256, blocks of a multiple of 16 tokens, at most 4 rows);
+        * "amx_decode": those items on AMX tiles, where :attr:`KernelLibrary.amx` and the K scales are not per
+          channel (``k_per_channel``);
+        * "prefill": the tile kernel's loop for items of more than 4 rows and head_dim <= 128;
+        * "amx": that loop on AMX tiles, where :attr:`KernelLibrary.amx` (bf16 compute, head_dim a multiple of
+          64 up to 256, K scales not per channel)."""
         code = self._c.kv8_test_item_kernel(self.lib.kv_dtype_codes[kv_dtype], self.lib.compute_codes[compute_dtype],
                                             head_dim, block_size, rows, int(self.lib.amx), int(k_per_channel))
         return self.ITEM_KERNELS[code]
