@@ -73,7 +73,7 @@ class LLMEngine:
         try:
             shard = load_shard(self.config, budget, num_blocks, self.tp, observer)
             self.tp.wait_ready()
-            self.tp.connect(slot_bytes=allreduce_slot_bytes(self.config), device=self.config.device)
+            self.tp.connect(slot_bytes=allreduce_slot_bytes(self.config), platform=self.config.platform)
         except BaseException:
             self.shutdown()
             raise

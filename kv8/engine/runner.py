@@ -42,6 +42,7 @@ from kv8.engine.structured import apply_grammar_masks
 from kv8.layers.attention import AttentionContext
 from kv8.models.registry import CausalLM
 from kv8.observer import EngineObserver
+from kv8.platform import CPU, Platform
 
 
 @dataclass(frozen=True)
@@ -87,18 +88,20 @@ class ModelRunner:
 
     def __init__(self, model: CausalLM, caches: Sequence[PagedKVCache], layout: KVCacheLayout,
                  backend: AttentionBackend, observer: EngineObserver | None = None,
-                 tp: TPGroup = SINGLE_RANK, device: torch.device | str = "cpu") -> None:
-        """``caches[p]`` holds pool ``p`` of ``layout``; ``tp`` is the model's group (rank 0 drives); ``device``
-        holds the model, the caches and every tensor of a step (the inputs are built on the host, then copied)."""
+                 tp: TPGroup = SINGLE_RANK, device: torch.device | str = "cpu", platform: Platform = CPU) -> None:
+        """``caches[p]`` holds pool ``p`` of ``layout``; ``tp`` is the model's group (rank 0 drives); ``device``, one
+        of ``platform``'s, holds the model, the caches and every tensor of a step (the inputs are built on the
+        host, then copied)."""
         self.model = model
         self.device = torch.device(device)
+        self.platform = platform
         self.tp = tp
         self.caches = tuple(caches)
         self.layout = layout
         self.block_size = self.caches[0].shape.block_size
         self.backend = backend
         self.observer = observer
-        self.argmax = select_argmax(self.device)   # the sampler's row argmax, chosen once
+        self.argmax = select_argmax(platform)   # the sampler's row argmax, chosen once
         self.graphs: DecodeGraphs | None = None    # enable_decode_graphs
 
     def _group_tables(self, tables: list[tuple[tuple[int, ...], ...]]) -> list[list[list[int]]]:

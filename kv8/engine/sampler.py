@@ -44,6 +44,7 @@ import torch
 
 from kv8.kernels.cpu.build import KernelUnavailable
 from kv8.kernels.cpu.dense import load_dense_kernels
+from kv8.platform import CPU, Platform
 from kv8.sampling_params import SamplingParams, SamplingType
 from kv8.validators import check_int
 
@@ -61,10 +62,10 @@ def argmax_reference(x: torch.Tensor) -> torch.Tensor:
     return torch.argmax(x, dim=-1)
 
 
-def select_argmax(device: torch.device | str = "cpu") -> Argmax:
+def select_argmax(platform: Platform = CPU) -> Argmax:
     """On the CPU kv8's argmax kernel where the dense kernels build and load (AVX-512 BF16), else (and on every
-    other device) :func:`argmax_reference`."""
-    if torch.device(device).type != "cpu":
+    other platform) :func:`argmax_reference`."""
+    if platform.kind != "cpu":
         return argmax_reference
     try:
         return load_dense_kernels().argmax
