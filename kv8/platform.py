@@ -29,6 +29,7 @@ Invariant: a Platform describes what the machine *can* do; what an engine *does*
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -168,15 +169,17 @@ class Platform:
             return int(torch.cuda.mem_get_info()[0])
         return memory_available()
 
-    def host_tensor(self, values: list[int] | list[float], dtype: torch.dtype) -> torch.Tensor:
-        """``values`` as a host tensor to copy to the device with ``non_blocking=True``: page-locked where
-        :attr:`pinned_memory` (torch's caching host allocator keeps the block until the copy has run)."""
+    def host_tensor(self, values: Any, dtype: torch.dtype) -> torch.Tensor:
+        """``values`` (a list, or nested lists) as a host tensor to copy to the device with ``non_blocking=True``:
+        page-locked where :attr:`pinned_memory`, so that the copy does not wait (a copy from pageable memory
+        waits for the device). Torch's caching host allocator keeps the block until the copy has run, so the
+        tensor may be dropped at once."""
         t = torch.tensor(values, dtype=dtype)
         return t.pin_memory() if self.pinned_memory else t
 
-    def to_device(self, values: list[int] | list[float], dtype: torch.dtype,
-                  device: torch.device | None = None) -> torch.Tensor:
-        """``values`` on ``device`` (default :attr:`device`) without waiting for the copy on CUDA."""
+    def to_device(self, values: Any, dtype: torch.dtype, device: torch.device | None = None) -> torch.Tensor:
+        """``values`` as a tensor on ``device`` (default :attr:`device`), copied without waiting on CUDA (on the
+        CPU the host tensor itself)."""
         return self.host_tensor(values, dtype).to(device or self.device, non_blocking=True)
 
     def describe(self) -> str:
