@@ -8,7 +8,9 @@ not kv8's and not counted), the CUDA-graph buffers (run eagerly) or an eager for
 says host reads wait (so the sampler takes the branch CUDA takes). A decode step makes one read: the step's
 results, packed in one ``.tolist()``. (Before this check the same step made one per sampled sequence and more.)
 
-The host-to-device copies of a step are checked apart: page-locked sources, ``non_blocking=True``.
+The host-to-device copies of a step are checked apart: page-locked sources, ``non_blocking=True``. On a machine
+with a GPU, the last test asks torch itself (``torch.cuda.set_sync_debug_mode``) to count a decode step's
+synchronizations; it has not run yet (no GPU where it was written, 2026-11-28).
 """
 
 from __future__ import annotations
@@ -165,3 +167,33 @@ def test_the_cuda_platform_copies_from_pinned_memory(monkeypatch):
     assert cuda.host_tensor([1, 2], torch.int64).tolist() == [1, 2] and calls == ["pin"]
     assert cuda.to_device([3.0], torch.float32, torch.device("cpu")).tolist() == [3.0] and calls == ["pin"] * 2
     assert Platform.cpu().host_tensor([1], torch.int64).tolist() == [1] and calls == ["pin"] * 2
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (on the CPU the tests above check the "
+                    "step's code path)")
+@pytest.mark.parametrize("enforce_eager", [False, True], ids=["cuda-graphs", "eager"])
+def test_a_cuda_decode_step_synchronizes_once(tiny_llama, enforce_eager):
+    """On a GPU, torch's own count: ``torch.cuda.set_sync_debug_mode("warn")`` warns at every synchronizing CUDA
+    call; a decode step makes one (its read-back)."""
+    import warnings
+
+    llm = LLM(model=tiny_llama, dtype="bfloat16", device="cuda", max_model_len=128, kv_cache_memory="16MiB",
+              kv_cache_dtype="fp8_e4m3", max_num_seqs=8, enforce_eager=enforce_eager)
+    engine = llm.engine
+    for i, (prompt, params) in enumerate(zip(PROMPTS, PARAMS)):
+        engine.add_request(prompt, params, request_id=str(i))
+    engine.step()   # the prefill
+    engine.step()   # a first decode step: pinned host blocks allocated, kernels compiled
+    torch.cuda.synchronize()
+    for _ in range(3):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                engine.step()
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        assert all(c.num_new_tokens == 1 for c in engine._last_schedule.chunks)
+        syncs = [str(w.message) for w in caught if "synchronizing" in str(w.message)]
+        assert len(syncs) == 1, syncs
+    engine.shutdown()
