@@ -13,12 +13,12 @@ from kv8.engine.args import EngineArgs
 from kv8.engine.config import (
     ATTENTION_BACKENDS,
     DENSE_BACKENDS,
-    DEVICE_CHOICES,
     DTYPE_CHOICES,
     LOAD_FORMATS,
     QUANTIZATION_METHODS,
 )
 from kv8.entrypoints.cli import INFO_OPTIONS, TUNE_OPTIONS, build_parser
+from kv8.platform import DEVICE_CHOICES
 from kv8.quant.formats import KV_CACHE_DTYPE_NAMES
 from kv8.tools.commands import CALIBRATE_EXCLUDED, EVAL_DEFAULTS, EVAL_EXCLUDED
 

@@ -19,6 +19,7 @@ from kv8.attention.metadata import AttentionMetadata
 from kv8.attention.reference import paged_attention_reference
 from kv8.cache.paged_cache import PagedKVCache
 from kv8.kernels.cpu.build import KernelUnavailable
+from kv8.platform import CPU, Platform
 
 logger = logging.getLogger("kv8")
 
@@ -56,13 +57,14 @@ CPU_ONLY_BACKENDS = ("cpu_fused",)   # the others run on every device (triton: C
 _auto_fallback_warned = False
 
 
-def get_backend(name: str, device: str = "cpu") -> AttentionBackend:
-    """The backend named ``name`` for ``device``. ``auto`` is ``triton`` on CUDA; on the CPU ``cpu_fused`` when
-    its kernels build and load, else ``reference`` (with one warning per process saying why). Naming ``cpu_fused``
+def get_backend(name: str, platform: Platform = CPU) -> AttentionBackend:
+    """The backend named ``name`` on ``platform``. ``auto`` is the platform's
+    (:attr:`kv8.platform.Platform.attention_backend`): ``triton`` on CUDA; on the CPU ``cpu_fused`` when its
+    kernels build and load, else ``reference`` (with one warning per process saying why). Naming ``cpu_fused``
     explicitly raises :class:`KernelUnavailable` instead."""
     global _auto_fallback_warned
-    if name == "auto" and device != "cpu":
-        return _triton_backend()
+    if name == "auto" and platform.attention_backend != "cpu_fused":
+        name = platform.attention_backend
     if name == "auto":
         try:
             return FusedCPUBackend()

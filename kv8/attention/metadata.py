@@ -38,6 +38,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kv8.platform import CPU, Platform
+
 
 def token_slot(table: Sequence[int], pos: int, block_size: int) -> int:
     """The cache slot of position ``pos`` of a sequence with block table ``table``."""
@@ -75,11 +77,11 @@ class AttentionMetadata:
     @staticmethod
     def build(query_lens: list[int], seq_lens: list[int], block_tables: list[list[int]],
               block_size: int, *, sliding_window: int | None = None,
-              device: torch.device | str = "cpu") -> AttentionMetadata:
+              device: torch.device | str = "cpu", platform: Platform = CPU) -> AttentionMetadata:
         """Build from per-sequence host lists. ``block_tables[i]`` must cover ``seq_lens[i]`` tokens (with a
         window, entries before it may be anything: see the module docstring). The tensors are made on
-        ``device`` (the lists stay on the host). ``ValueError`` for a ``sliding_window`` that is neither None nor
-        an int >= 1."""
+        ``device``, one of ``platform``'s, by copies that do not wait for it (the lists stay on the host).
+        ``ValueError`` for a ``sliding_window`` that is neither None nor an int >= 1."""
         _check_sliding_window(sliding_window)
         slots: list[int] = []
         for q_len, s_len, table in zip(query_lens, seq_lens, block_tables):
@@ -88,15 +90,16 @@ class AttentionMetadata:
             slots.extend(token_slot(table, pos, block_size) for pos in range(s_len - q_len, s_len))
         width = max(max((len(t) for t in block_tables), default=0), 1)
         # one tensor from zero-padded rows (a tensor per row costs ~10 us each, per step)
-        tables = torch.tensor([list(t) + [0] * (width - len(t)) for t in block_tables], dtype=torch.int64,
-                              device=device) if block_tables else torch.zeros(0, 1, dtype=torch.int64, device=device)
+        dev = torch.device(device)
+        tables = platform.to_device([list(t) + [0] * (width - len(t)) for t in block_tables], torch.int64, dev) \
+            if block_tables else torch.zeros(0, 1, dtype=torch.int64, device=dev)
         qsl = [0]
         for q in query_lens:
             qsl.append(qsl[-1] + q)
         return AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
-            query_start_loc=torch.tensor(qsl, dtype=torch.int64, device=device),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int64, device=device),
+            slot_mapping=platform.to_device(slots, torch.int64, dev),
+            query_start_loc=platform.to_device(qsl, torch.int64, dev),
+            seq_lens=platform.to_device(seq_lens, torch.int64, dev),
             block_tables=tables,
             query_lens_list=tuple(query_lens),
             seq_lens_list=tuple(seq_lens),

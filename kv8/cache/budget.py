@@ -19,16 +19,15 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import torch
-
 from kv8.cache.codec import KVCodec
 from kv8.cache.config import CacheConfig
 from kv8.cache.layout import KVCacheLayout
+from kv8.platform import CPU, Platform
 from kv8.quant.formats import KVCacheDtype
-from kv8.validators import format_bytes, memory_available
+from kv8.validators import format_bytes
 
 __all__ = ["DEFAULT_MAX_MODEL_LEN", "KVBudget", "blocks_to_hold", "default_kv_cache_memory",
-           "default_max_model_len", "device_memory_available"]
+           "default_max_model_len"]
 
 #: the context length an engine gets when ``max_model_len`` is not given: the model's, at most this
 DEFAULT_MAX_MODEL_LEN = 8192
@@ -39,17 +38,10 @@ def default_max_model_len(max_position_embeddings: int) -> int:
     return min(max_position_embeddings, DEFAULT_MAX_MODEL_LEN)
 
 
-def device_memory_available(device: str = "cpu") -> int | None:
-    """Bytes free for the KV cache on ``device``: the host's (None where it cannot be read) or the CUDA GPU's."""
-    if device == "cuda":
-        return int(torch.cuda.mem_get_info()[0])
-    return memory_available()
-
-
-def default_kv_cache_memory(device: str = "cpu") -> int:
-    """The default budget: 25% of the memory free on ``device`` (8 GiB assumed where it cannot be read), at most
-    4 GiB (vLLM's CPU default)."""
-    available = device_memory_available(device)
+def default_kv_cache_memory(platform: Platform = CPU) -> int:
+    """The default budget: 25% of the memory free on ``platform`` (:meth:`kv8.platform.Platform.memory_available`;
+    8 GiB assumed where it cannot be read), at most 4 GiB (vLLM's CPU default)."""
+    available = platform.memory_available()
     return int(min(4 * 1024**3, 0.25 * (available if available is not None else 8 * 1024**3)))
 
 
@@ -74,12 +66,12 @@ class KVBudget:
     token_bytes: tuple[int, ...]
     max_model_len: int
     chunk: int
-    device: str = "cpu"
+    platform: Platform = CPU
 
     @classmethod
     def build(cls, cache: CacheConfig, layer_windows: Sequence[int | None], *, head_dim: int, kv_heads: int,
               compute_kv_dtype: KVCacheDtype, max_model_len: int, max_num_batched_tokens: int,
-              skipped: Sequence[bool] = (), device: str = "cpu") -> KVBudget:
+              skipped: Sequence[bool] = (), platform: Platform = CPU) -> KVBudget:
         """The budget of a cache with these options for a model of these layers (``skipped[i]``: layer ``i`` is
         stored in ``compute_kv_dtype``), ``kv_heads`` KV heads of ``head_dim`` on this rank."""
         layout = KVCacheLayout.build(layer_windows, skipped, cache.hybrid)
@@ -89,7 +81,7 @@ class KVBudget:
             per_head = KVCodec.bytes_per_head(kv_dtype, head_dim, cache.dynamic_scales and not pool.skipped)
             token_bytes.append(2 * kv_heads * per_head)
         return cls(cache, layout, tuple(token_bytes), max_model_len, min(max_num_batched_tokens, max_model_len),
-                   device)
+                   platform)
 
     @property
     def block_bytes(self) -> tuple[int, ...]:
@@ -111,7 +103,7 @@ class KVBudget:
     def memory(self) -> int:
         """The budget in bytes: ``kv_cache_memory``, else :func:`default_kv_cache_memory` of the device."""
         cc = self.cache
-        return cc.kv_cache_memory if cc.kv_cache_memory is not None else default_kv_cache_memory(self.device)
+        return cc.kv_cache_memory if cc.kv_cache_memory is not None else default_kv_cache_memory(self.platform)
 
     def split(self, memory: int) -> list[int]:
         """Blocks per pool for ``memory`` bytes: one pool takes everything; two share it in proportion to what one
@@ -146,8 +138,8 @@ class KVBudget:
         """``ValueError`` naming the option that sized the cache when ``num_blocks[p]`` blocks of each pool need
         more memory than is free now. The engine calls it with the weights loaded, before allocating the cache."""
         need = sum(n * b for n, b in zip(num_blocks, self.block_bytes))
-        free = device_memory_available(self.device)
-        where = "this machine" if self.device == "cpu" else f"the {self.device} device"
+        free = self.platform.memory_available()
+        where = "this machine" if self.platform.kind == "cpu" else f"the {self.platform.kind} device"
         if free is not None and need > free:
             raise ValueError(
                 f"{self._budget_option(sum(num_blocks))} asks for a KV cache of {format_bytes(need)}, but only "
@@ -159,4 +151,4 @@ class KVBudget:
             return f"num_kv_blocks={num_blocks} (--num-kv-blocks)"
         if cc.kv_cache_memory is not None:
             return f"kv_cache_memory={format_bytes(cc.kv_cache_memory)} (--kv-cache-memory)"
-        return f"the default kv_cache_memory ({format_bytes(default_kv_cache_memory(self.device))})"
+        return f"the default kv_cache_memory ({format_bytes(default_kv_cache_memory(self.platform))})"

@@ -48,8 +48,9 @@ import torch.distributed as dist
 
 from kv8.distributed.shm_allreduce import ShmAllReduce, create_shm_file
 from kv8.distributed.shm_allreduce import supported as shm_allreduce_supported
+from kv8.platform import CPU, Platform
 
-__all__ = ["OP_TIMEOUT", "SINGLE_RANK", "RankHandle", "TPGroup", "TensorParallelError", "collective_backend"]
+__all__ = ["OP_TIMEOUT", "SINGLE_RANK", "RankHandle", "TPGroup", "TensorParallelError"]
 
 
 class RankHandle(Protocol):
@@ -78,15 +79,6 @@ DEAD_AFTER_S = 10.0    # a torchrun-started rank whose heartbeat has not moved t
 
 class TensorParallelError(RuntimeError):
     """A rank of the tensor-parallel group failed; the engine cannot go on."""
-
-
-def collective_backend(device: str) -> str:
-    """The torch.distributed backend of a group whose tensors live on ``device``: ``nccl`` for ``cuda`` (GPU to
-    GPU, no copy through the host), ``gloo`` for ``cpu``; ``ValueError`` for anything else."""
-    backends = {"cpu": "gloo", "cuda": "nccl"}
-    if device not in backends:
-        raise ValueError(f"device={device!r} has no collective backend; allowed: {', '.join(backends)}")
-    return backends[device]
 
 
 @dataclass(eq=False)
@@ -122,14 +114,15 @@ class TPGroup:
         return self.rank == 0
 
     # ---- data channel ------------------------------------------------------------------------------------------
-    def connect(self, devices: list[Any] | None = None, slot_bytes: int = 0, device: str = "cpu") -> None:
-        """Build the collective group over ``store`` for tensors on ``device`` (:func:`collective_backend`: NCCL
-        for CUDA, else gloo) and, on the CPU, for :attr:`local` ranks with ``slot_bytes > 0`` on x86-64
-        (:func:`kv8.distributed.shm_allreduce.supported`), map the shared-memory all-reduce with slots of that
-        size (every rank calls it, with the same arguments, after :meth:`wait_ready` / ``set_ready``)."""
+    def connect(self, devices: list[Any] | None = None, slot_bytes: int = 0, platform: Platform = CPU) -> None:
+        """Build the collective group over ``store`` for tensors on ``platform``
+        (:attr:`kv8.platform.Platform.collective_backend`: NCCL for CUDA, else gloo) and, on the CPU, for
+        :attr:`local` ranks with ``slot_bytes > 0`` on x86-64 (:func:`kv8.distributed.shm_allreduce.supported`), map
+        the shared-memory all-reduce with slots of that size (every rank calls it, with the same arguments, after
+        :meth:`wait_ready` / ``set_ready``)."""
         if self.size == 1 or self.pg is not None:
             return
-        if collective_backend(device) == "nccl":
+        if platform.collective_backend == "nccl":
             nccl_opts = dist.ProcessGroupNCCL.Options()
             nccl_opts._timeout = OP_TIMEOUT
             self.pg = dist.ProcessGroupNCCL(

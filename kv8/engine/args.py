@@ -22,16 +22,10 @@ from typing import Any
 from kv8.cache.budget import DEFAULT_MAX_MODEL_LEN, default_max_model_len
 from kv8.cache.config import CacheConfig
 from kv8.distributed.config import ParallelConfig
-from kv8.engine.config import (
-    DEVICE_CHOICES,
-    DTYPE_CHOICES,
-    EngineConfig,
-    SchedulerConfig,
-    resolve_device,
-    resolve_dtype,
-)
+from kv8.engine.config import DTYPE_CHOICES, EngineConfig, SchedulerConfig, resolve_dtype
 from kv8.models.registry import arch_config
 from kv8.options import OptionGroup, from_config, option
+from kv8.platform import DEVICE_CHOICES, Platform
 from kv8.quant.formats import resolve_kv_cache_dtype
 from kv8.validators import parse_memory
 
@@ -141,7 +135,7 @@ class EngineArgs(OptionGroup):
                             dense_backend=self.dense_backend, quantization=self.quantization,
                             parallel=ParallelConfig(self.tensor_parallel_size, self.cpu_threads_per_rank,
                                                     self.adaptive_cpu_threads),
-                            device=resolve_device(self.device), load_format=self.load_format,
+                            platform=Platform.resolve(self.device), load_format=self.load_format,
                             enforce_eager=self.enforce_eager)
 
 

@@ -21,12 +21,12 @@ from kv8.distributed.config import ParallelConfig
 from kv8.envs import triton_interpret
 from kv8.models.config import ModelArchConfig
 from kv8.options import option
+from kv8.platform import CPU, DEVICES, Platform
 from kv8.quant.formats import resolve_kv_cache_dtype
 from kv8.validators import check_bool, check_choice, check_int
 
-__all__ = ["ATTENTION_BACKENDS", "DENSE_BACKENDS", "DEVICE_CHOICES", "DEVICES", "DTYPE_CHOICES", "LOAD_FORMATS",
-           "QUANTIZATION_METHODS",
-           "EngineConfig", "SchedulerConfig", "check_device", "describe_device", "resolve_device", "resolve_dtype"]
+__all__ = ["ATTENTION_BACKENDS", "DENSE_BACKENDS", "DTYPE_CHOICES", "LOAD_FORMATS", "QUANTIZATION_METHODS",
+           "EngineConfig", "SchedulerConfig", "resolve_dtype"]
 
 # auto, then the backends registered in kv8.attention.backend
 ATTENTION_BACKENDS: tuple[str, ...] = ("auto", *BACKENDS)
@@ -48,33 +48,10 @@ _DTYPES: dict[str, torch.dtype] = {
 }
 DTYPE_CHOICES: tuple[str, ...] = tuple(_DTYPES)  # matched case-insensitively by resolve_dtype
 
-# where the model's weights and activations and the KV cache live (vLLM's --device); the scheduler, the block
-# pool and the requests' state are always on the host
-DEVICES = ("cpu", "cuda")
-DEVICE_CHOICES = ("auto", *DEVICES)
 # vLLM's --load-format: auto = the checkpoint's weights; dummy = random weights of its shapes (speed measurements)
 LOAD_FORMATS = ("auto", "dummy")
 # what each dense backend runs on
 _DENSE_DEVICES = {"auto": DEVICES, "torch": DEVICES, "torch_fp32": ("cpu",), "packed_bf16": ("cpu",)}
-
-
-def resolve_device(device: str) -> str:
-    """``auto`` -> ``cuda`` when torch sees a CUDA GPU, else ``cpu``; ``cpu`` and ``cuda`` as given (any case).
-    Whether ``cuda`` is usable is checked by :class:`EngineConfig`."""
-    name = device.lower() if isinstance(device, str) else device
-    check_choice("device", name, DEVICE_CHOICES)
-    if name == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    return name
-
-
-def check_device(device: str) -> None:
-    """``device`` is ``cpu``, or ``cuda`` with a GPU torch can use (``ValueError`` saying what to do otherwise)."""
-    check_choice("device", device, DEVICES, hint="(EngineArgs resolves 'auto')")
-    if device == "cuda" and not torch.cuda.is_available():
-        build = f"CUDA {torch.version.cuda}" if torch.version.cuda else "a CPU-only build"
-        raise ValueError(f"device='cuda' but torch sees no CUDA GPU (torch {torch.__version__}, {build}); install "
-                         "torch with CUDA (README: the GPU path) on a machine with an NVIDIA GPU, or use device='cpu'")
 
 
 def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
@@ -86,24 +63,6 @@ def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
     if not isinstance(dtype, str) or dtype.lower() not in _DTYPES:
         raise ValueError(f"dtype={dtype!r} is not supported; choose one of: {', '.join(_DTYPES)}")
     return _DTYPES[dtype.lower()]
-
-
-def describe_device(device: str) -> str:
-    """The device in words, for ``kv8 info`` and logs: the GPU's name and memory, or the CPU's name."""
-    if device == "cuda":
-        props = torch.cuda.get_device_properties(torch.cuda.current_device())
-        return (f"cuda ({props.name}, {props.total_memory / 2**30:.0f} GiB, compute capability "
-                f"{props.major}.{props.minor})")
-    name = next((line.split(":", 1)[1].strip() for line in _cpuinfo() if line.startswith("model name")), "")
-    return f"cpu ({name}, {torch.get_num_threads()} threads)" if name else f"cpu ({torch.get_num_threads()} threads)"
-
-
-def _cpuinfo() -> list[str]:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return f.read().splitlines()
-    except OSError:
-        return []
 
 
 @dataclass(frozen=True)
@@ -157,7 +116,7 @@ class EngineConfig:
         "scale per output row (half the bytes a decode step reads; the LM head and embedding stay as loaded)",
         choices=QUANTIZATION_METHODS)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
-    device: str = "cpu"   # resolved: "cpu" or "cuda" (EngineArgs.device turns "auto" into one of them)
+    platform: Platform = CPU   # the machine, resolved once from the device option (Platform.resolve)
     load_format: str = option("auto", "how weights are loaded: auto = from the model's checkpoint; dummy = random "
                               "weights of the model's shapes (no checkpoint read: for speed measurements)",
                               choices=LOAD_FORMATS)
@@ -189,29 +148,30 @@ class EngineConfig:
                              f"(max_position_embeddings={arch.max_position_embeddings})")
 
     def _check_device_support(self) -> None:
-        """The device is usable and every option runs on it."""
-        check_device(self.device)
-        if self.device not in _DENSE_DEVICES[self.dense_backend]:
+        """Every option runs on the platform (which exists, so its device is usable)."""
+        kind = self.platform.kind
+        if kind not in _DENSE_DEVICES[self.dense_backend]:
             raise ValueError(f"dense_backend={self.dense_backend!r} runs on the CPU only, not on "
-                             f"device={self.device!r}; use dense_backend='auto' or 'torch'")
-        if self.device != "cpu" and self.attention_backend in CPU_ONLY_BACKENDS:
+                             f"device={kind!r}; use dense_backend='auto' or 'torch'")
+        if kind != "cpu" and self.attention_backend in CPU_ONLY_BACKENDS:
             raise ValueError(f"attention_backend={self.attention_backend!r} runs on the CPU only, not on "
-                             f"device={self.device!r}; use attention_backend='auto' (triton on CUDA) or 'triton'")
+                             f"device={kind!r}; use attention_backend='auto' (triton on CUDA) or 'triton'")
         if self.attention_backend == "triton":
             try:
                 import triton  # noqa: F401  (the backend's only extra need)
             except ImportError:
                 raise ValueError("attention_backend='triton' needs the triton package (pip install triton; CUDA "
                                  "builds of torch bring it)") from None
-            if self.device == "cpu" and not triton_interpret():
+            if kind == "cpu" and not triton_interpret():
                 raise ValueError("attention_backend='triton' runs on device='cuda'; on the CPU only in Triton's "
                                  "interpreter (TRITON_INTERPRET=1, slow: for tests); use attention_backend='auto' "
                                  "or 'cpu_fused' on the CPU")
 
     @property
     def uses_cuda_graphs(self) -> bool:
-        """Decode steps replay CUDA graphs: on CUDA with the triton backend, one rank, unless ``enforce_eager``."""
-        return (self.device == "cuda" and not self.enforce_eager and self.parallel.tensor_parallel_size == 1
+        """Decode steps replay CUDA graphs: where the platform has them, with the triton backend, one rank, unless
+        ``enforce_eager``."""
+        return (self.platform.cuda_graphs and not self.enforce_eager and self.parallel.tensor_parallel_size == 1
                 and self.attention_backend in ("auto", "triton"))
 
     @property
@@ -225,7 +185,7 @@ class EngineConfig:
                               head_dim=self.arch.head_dim, kv_heads=self.kv_heads_per_rank,
                               compute_kv_dtype=resolve_kv_cache_dtype("auto", self.dtype),
                               max_model_len=self.scheduler.max_model_len,
-                              max_num_batched_tokens=self.scheduler.max_num_batched_tokens, device=self.device)
+                              max_num_batched_tokens=self.scheduler.max_num_batched_tokens, platform=self.platform)
 
     def skipped_layers(self) -> tuple[bool, ...]:
         """Per layer, whether ``kv_cache_dtype_skip_layers`` keeps it in the compute dtype (empty: none is)."""

@@ -24,6 +24,10 @@ anything else (prefill, mixed steps, a larger batch) runs eagerly. The output ro
 to the kernels' batch-size dependence (none for the Triton kernels: a row's result does not depend on the
 others). ``capture=False`` runs the same static-buffer path eagerly: how the CPU tests check the buffers, the
 padding and the bucket choice without a GPU.
+
+Inputs reach the buffers without waiting for the device: each is built on the host in page-locked memory
+(:meth:`kv8.platform.Platform.host_tensor`) and copied with ``non_blocking=True``, so the host goes on to the
+replay (queued behind the copies on the same stream) and then to sampling; the step's one read-back waits.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ import torch
 
 from kv8.attention.metadata import AttentionMetadata, token_slot
 from kv8.cache.layout import KVCacheLayout
+from kv8.platform import CPU, Platform
 
 __all__ = ["DecodeGraphs", "decode_buckets"]
 
@@ -65,8 +70,9 @@ class DecodeGraphs:
 
     def __init__(self, forward: Callable[[torch.Tensor, torch.Tensor, list[AttentionMetadata]], torch.Tensor],
                  layout: KVCacheLayout, block_size: int, max_num_seqs: int, max_model_len: int,
-                 device: torch.device, capture: bool = True) -> None:
+                 device: torch.device, capture: bool = True, platform: Platform = CPU) -> None:
         self.forward = forward
+        self.platform = platform
         self.layout = layout
         self.block_size = block_size
         self.max_model_len = max_model_len
@@ -125,19 +131,20 @@ class DecodeGraphs:
         assert b is not None, f"no bucket holds {n} sequences"
         bucket = self.buckets[b]
         pad = b - n
-        bucket.input_ids.copy_(torch.tensor(list(input_ids) + [0] * pad, dtype=torch.int64))
-        bucket.positions.copy_(torch.tensor(list(positions) + [0] * pad, dtype=torch.int64))
-        lens = torch.tensor(list(seq_lens) + [1] * pad, dtype=torch.int64)
+        host = self.platform.host_tensor   # page-locked on CUDA: every copy below is asynchronous
+        bucket.input_ids.copy_(host(list(input_ids) + [0] * pad, torch.int64), non_blocking=True)
+        bucket.positions.copy_(host(list(positions) + [0] * pad, torch.int64), non_blocking=True)
+        lens = host(list(seq_lens) + [1] * pad, torch.int64)
         bs = self.block_size
         for meta, tables in zip(bucket.metas, group_tables):
             slots = [token_slot(t, s - 1, bs) for t, s in zip(tables, seq_lens)]
-            meta.slot_mapping.copy_(torch.tensor(slots + [-1] * pad, dtype=torch.int64))
-            meta.seq_lens.copy_(lens)
+            meta.slot_mapping.copy_(host(slots + [-1] * pad, torch.int64), non_blocking=True)
+            meta.seq_lens.copy_(lens, non_blocking=True)
             # only the columns this step's tables fill: the columns past a row's table and the padded rows keep
             # block ids of earlier steps (or 0), which are never read past a row's length
             width = max(len(t) for t in tables)
             rows = [list(t) + [0] * (width - len(t)) for t in tables]
-            meta.block_tables[:n, :width].copy_(torch.tensor(rows, dtype=torch.int64))
+            meta.block_tables[:n, :width].copy_(host(rows, torch.int64), non_blocking=True)
         self.replays += 1
         if bucket.graph is not None:
             bucket.graph.replay()

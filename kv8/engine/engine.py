@@ -73,7 +73,7 @@ class LLMEngine:
         try:
             shard = load_shard(self.config, budget, num_blocks, self.tp, observer)
             self.tp.wait_ready()
-            self.tp.connect(slot_bytes=allreduce_slot_bytes(self.config), device=self.config.device)
+            self.tp.connect(slot_bytes=allreduce_slot_bytes(self.config), platform=self.config.platform)
         except BaseException:
             self.shutdown()
             raise
@@ -87,7 +87,7 @@ class LLMEngine:
         self.scheduler = Scheduler(self.config.scheduler, self.kv_manager)
         self.runner = shard.runner
         self.backend = self.runner.backend
-        self.input_processor = InputProcessor(self.config, self.tokenizer)
+        self.input_processor = InputProcessor(self.config, self.tokenizer, self.runner.device)
         self.output_processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
         self._last_schedule: SchedulerOutput | None = None   # what the last step computed (stats())

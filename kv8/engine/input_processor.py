@@ -29,8 +29,10 @@ from kv8.validators import is_int
 
 
 class InputProcessor:
-    def __init__(self, config: EngineConfig, tokenizer: Any) -> None:
+    def __init__(self, config: EngineConfig, tokenizer: Any, device: torch.device | str = "cpu") -> None:
+        """``device``: where the requests' generators draw their noise (the engine's, where the logits are)."""
         self.tokenizer = tokenizer
+        self.device = torch.device(device)
         self.vocab_size = config.arch.vocab_size
         self.max_model_len = config.scheduler.max_model_len
         self.generator = torch.Generator().manual_seed(config.seed)   # seeds of requests without a seed
@@ -90,7 +92,7 @@ class InputProcessor:
             children.append(Request(
                 request_id=f"{request_id}-{i}" if params.n > 1 else request_id,
                 prompt_token_ids=prompt_token_ids, sampling_params=params,
-                generator=make_generator(seed, self.generator), max_tokens=max_tokens,
+                generator=make_generator(seed, self.generator, self.device), max_tokens=max_tokens,
                 eos_token_ids=self.eos_token_ids, parent_id=request_id, index=i,
                 grammar=None if spec is None else self.grammars.matcher(spec)))
         return children

@@ -36,12 +36,13 @@ from kv8.distributed.group import SINGLE_RANK, TPGroup
 from kv8.engine.cuda_graphs import DecodeGraphs
 from kv8.engine.request import Request, TokenLogprobs
 from kv8.engine.runner_output import ModelRunnerOutput
-from kv8.engine.sampler import TokenHistory, compute_logprobs, sample, select_argmax
+from kv8.engine.sampler import SamplerOutput, TokenHistory, compute_logprobs, sample, select_argmax
 from kv8.engine.scheduler import SchedulerOutput
 from kv8.engine.structured import apply_grammar_masks
 from kv8.layers.attention import AttentionContext
 from kv8.models.registry import CausalLM
 from kv8.observer import EngineObserver
+from kv8.platform import CPU, Platform
 
 
 @dataclass(frozen=True)
@@ -77,6 +78,16 @@ def _rows(hidden: torch.Tensor, rows: list[int]) -> torch.Tensor:
     return hidden if rows == list(range(hidden.shape[0])) else hidden[rows]
 
 
+def _read_back(finite: torch.Tensor, result: SamplerOutput) -> list[list[float]]:
+    """The step's one read of device memory (on CUDA the one wait for the device): per sampled row
+    ``[finite, token id, logprob, top values (K), top ids (K)]`` as float64 (exact for float32 values and for ids
+    below 2**53), the last three only when some row asked for logprobs."""
+    fields = [finite.unsqueeze(1), result.token_ids.unsqueeze(1)]
+    if result.logprobs is not None and result.top_logprobs is not None:
+        fields += [result.logprobs.unsqueeze(1), *result.top_logprobs]
+    return torch.cat([f.to(torch.float64) for f in fields], dim=1).tolist()
+
+
 def _to_token_logprobs(token: torch.Tensor, lp: torch.Tensor, top_v: torch.Tensor, top_i: torch.Tensor,
                        row: int, k: int) -> TokenLogprobs:
     return TokenLogprobs(int(token[row]), float(lp[row]), top_i[row, :k].tolist(), top_v[row, :k].tolist())
@@ -87,18 +98,20 @@ class ModelRunner:
 
     def __init__(self, model: CausalLM, caches: Sequence[PagedKVCache], layout: KVCacheLayout,
                  backend: AttentionBackend, observer: EngineObserver | None = None,
-                 tp: TPGroup = SINGLE_RANK, device: torch.device | str = "cpu") -> None:
-        """``caches[p]`` holds pool ``p`` of ``layout``; ``tp`` is the model's group (rank 0 drives); ``device``
-        holds the model, the caches and every tensor of a step (the inputs are built on the host, then copied)."""
+                 tp: TPGroup = SINGLE_RANK, device: torch.device | str = "cpu", platform: Platform = CPU) -> None:
+        """``caches[p]`` holds pool ``p`` of ``layout``; ``tp`` is the model's group (rank 0 drives); ``device``, one
+        of ``platform``'s, holds the model, the caches and every tensor of a step (the inputs are built on the
+        host, then copied)."""
         self.model = model
         self.device = torch.device(device)
+        self.platform = platform
         self.tp = tp
         self.caches = tuple(caches)
         self.layout = layout
         self.block_size = self.caches[0].shape.block_size
         self.backend = backend
         self.observer = observer
-        self.argmax = select_argmax(self.device)   # the sampler's row argmax, chosen once
+        self.argmax = select_argmax(platform)   # the sampler's row argmax, chosen once
         self.graphs: DecodeGraphs | None = None    # enable_decode_graphs
 
     def _group_tables(self, tables: list[tuple[tuple[int, ...], ...]]) -> list[list[list[int]]]:
@@ -110,7 +123,7 @@ class ModelRunner:
                  tables: list[tuple[tuple[int, ...], ...]]) -> AttentionContext:
         """One :class:`AttentionMetadata` per KV cache group, and each layer's (cache, metadata)."""
         metas = [AttentionMetadata.build(query_lens, seq_lens, group_tables, self.block_size,
-                                         sliding_window=g.sliding_window, device=self.device)
+                                         sliding_window=g.sliding_window, device=self.device, platform=self.platform)
                  for g, group_tables in zip(self.layout.groups, self._group_tables(tables))]
         return self._context_of(metas)
 
@@ -148,7 +161,7 @@ class ModelRunner:
         """Serve pure decode steps of up to ``max_num_seqs`` sequences from :class:`DecodeGraphs` (captured now
         with ``capture``; without, the same static-buffer path runs eagerly: the CPU tests)."""
         self.graphs = DecodeGraphs(self._forward_metas, self.layout, self.block_size, max_num_seqs, max_model_len,
-                                   self.device, capture)
+                                   self.device, capture, self.platform)
         with torch.inference_mode():
             self.graphs.capture_all()
 
@@ -165,8 +178,8 @@ class ModelRunner:
             return self.graphs.run(inputs.input_ids, inputs.positions, inputs.seq_lens,
                                    self._group_tables(inputs.tables))
         ctx = self._context(inputs.query_lens, inputs.seq_lens, inputs.tables)
-        ids = torch.tensor(inputs.input_ids, device=self.device)
-        return self.model(ids, torch.tensor(inputs.positions, device=self.device), ctx)
+        ids = self.platform.to_device(inputs.input_ids, torch.int64, self.device)
+        return self.model(ids, self.platform.to_device(inputs.positions, torch.int64, self.device), ctx)
 
     @torch.inference_mode()
     def worker_step(self, inputs: StepInputs) -> None:
@@ -191,26 +204,25 @@ class ModelRunner:
             self._mask_early_stop(logits, reqs)
             apply_grammar_masks(logits, [r.grammar for r in reqs])   # structured output rows only
             # A row without a finite maximum (NaN anywhere, +inf, or nothing left) has no token to sample: that
-            # request fails alone, the others sample as usual.
-            finite = torch.isfinite(logits.amax(dim=-1)).tolist()
-            for r, ok in zip(reqs, finite):
-                if not ok:
-                    out.failed[r.request_id] = self._no_token_reason(r)
-            if not all(finite):
-                keep = [i for i, ok in enumerate(finite) if ok]
-                reqs, logits = [reqs[i] for i in keep], logits[keep]
+            # request fails alone, the others sample as usual. Its row is sampled with the others (an arbitrary
+            # token id in range, dropped here), so that nothing is read back before the step's one read.
+            finite = torch.isfinite(logits.amax(dim=-1))   # [S] bool, on the device
             # penalties need the request's tokens: passed (not copied) for the rows that use them only
             histories = [TokenHistory(r.prompt_token_ids, r.output_token_ids) if r.sampling_params.uses_penalties
                          else None for r in reqs]
             result = sample(logits, [r.sampling_params for r in reqs], [r.generator for r in reqs], histories,
-                            finite_checked=True, argmax=self.argmax)
-            for i, r in enumerate(reqs):
-                out.sampled[r.request_id] = int(result.token_ids[i])
+                            finite_checked=True, argmax=self.argmax, platform=self.platform)
+            for r, row in zip(reqs, _read_back(finite, result)):
+                if not row[0]:
+                    out.failed[r.request_id] = self._no_token_reason(r)
+                    continue
+                token = int(row[1])
+                out.sampled[r.request_id] = token
                 k = r.sampling_params.logprobs
-                if k is not None and result.logprobs is not None and result.top_logprobs is not None:
-                    top_v, top_i = result.top_logprobs
-                    out.logprobs[r.request_id] = _to_token_logprobs(result.token_ids, result.logprobs, top_v,
-                                                                    top_i, i, k)
+                if k is not None and result.top_logprobs is not None:
+                    width = result.top_logprobs[0].shape[1]
+                    out.logprobs[r.request_id] = TokenLogprobs(token, row[2], [int(t) for t in row[3 + width:][:k]],
+                                                               row[3:3 + k])
         for c in so.chunks:
             span = prompt_logprob_span(c.request, c.start, c.num_new_tokens) if c.request.wants_prompt_logprobs \
                 else None
@@ -231,13 +243,17 @@ class ModelRunner:
         return ("the model produced non-finite logits (NaN or inf) for this request; the model's weights or config "
                 "are broken")
 
-    @staticmethod
-    def _mask_early_stop(logits: torch.Tensor, reqs: list[Request]) -> None:
+    def _mask_early_stop(self, logits: torch.Tensor, reqs: list[Request]) -> None:
         """Below ``min_tokens``, the tokens that would stop the request (``Request.stop_tokens``, the set
-        :func:`kv8.engine.scheduler.check_stop` stops on) cannot be sampled (as in vLLM)."""
-        for i, r in enumerate(reqs):
-            if r.num_output_tokens < r.sampling_params.min_tokens and r.stop_tokens:
-                logits[i, sorted(r.stop_tokens)] = float("-inf")
+        :func:`kv8.engine.scheduler.check_stop` stops on) cannot be sampled (as in vLLM). One indexed write for
+        the whole batch, its indices copied without waiting for the device."""
+        rows = [i for i, r in enumerate(reqs) if r.num_output_tokens < r.sampling_params.min_tokens and r.stop_tokens]
+        if not rows:
+            return
+        cols = [sorted(reqs[i].stop_tokens) for i in rows]
+        index = self.platform.to_device([[i for i, c in zip(rows, cols) for _ in c], [t for c in cols for t in c]],
+                                        torch.int64, logits.device)
+        logits[index[0], index[1]] = float("-inf")
 
     def _prompt_logprobs(self, req: Request, span: tuple[int, int], hidden: torch.Tensor,
                          logit_rows: Iterator[list[int]], out: ModelRunnerOutput) -> None:

@@ -1,7 +1,7 @@
 """Turn one step's logits into next tokens, per-request reproducibly.
 
 ``sample(logits, params, generators, histories)`` handles a batch in which every row has its own
-``SamplingParams`` and its own CPU ``torch.Generator``:
+``SamplingParams`` and its own ``torch.Generator`` (on the engine's device: :func:`make_generator`):
 
 * First, rows that use them get ``logit_bias`` added and then the repetition, frequency and presence penalties
   (vLLM's semantics, see :func:`apply_penalties`), computed from that row's :class:`TokenHistory`. Rows without
@@ -20,12 +20,21 @@
 
 Reproducibility invariant: every random row draws exactly V exponentials from its own generator per
 call, and all other arithmetic is row-wise, so a seeded request produces the same tokens whatever
-the other rows of the batch are and wherever it sits in the batch. The filters are batched and run on
-each row's best candidates (partial selection, :func:`_apply_filters`; the full-vocabulary sort
-:func:`apply_filters_reference` is their oracle and fallback); only the noise is drawn row by row.
+the other rows of the batch are and wherever it sits in the batch. The noise is drawn on the generator's
+device: the CPU's generator (Mersenne Twister) and a CUDA generator (Philox) give different streams for one
+seed, so a seed reproduces its tokens on one kind of device, not across the CPU and CUDA. The filters are
+batched and run on each row's best candidates (partial selection, :func:`_apply_filters`; the
+full-vocabulary sort :func:`apply_filters_reference` is their oracle and fallback); only the noise is drawn
+row by row.
 
 Logprobs follow vLLM v1's default: they are taken from ``log_softmax`` of the raw logits (before
 temperature and filtering), computed in float32.
+
+No host sync (CUDA): nothing in :func:`sample` reads a device tensor on the host when the platform says such a
+read waits for the device (:attr:`kv8.platform.Platform.host_reads_sync`); per-row parameters go to the device
+by copies that do not wait (:meth:`kv8.platform.Platform.to_device`), and the one place where the CPU path
+decides from values (a top-p / min-p row whose candidates do not close) sends those rows to the full sort
+instead. The runner reads the results back once per step.
 
 Validation: ``sample`` runs every step, so it trusts its per-row inputs: each ``SamplingParams`` was
 validated at construction and each request's ``logprobs`` checked against the vocabulary where the request
@@ -44,6 +53,7 @@ import torch
 
 from kv8.kernels.cpu.build import KernelUnavailable
 from kv8.kernels.cpu.dense import load_dense_kernels
+from kv8.platform import CPU, Platform
 from kv8.sampling_params import SamplingParams, SamplingType
 from kv8.validators import check_int
 
@@ -61,10 +71,10 @@ def argmax_reference(x: torch.Tensor) -> torch.Tensor:
     return torch.argmax(x, dim=-1)
 
 
-def select_argmax(device: torch.device | str = "cpu") -> Argmax:
+def select_argmax(platform: Platform = CPU) -> Argmax:
     """On the CPU kv8's argmax kernel where the dense kernels build and load (AVX-512 BF16), else (and on every
-    other device) :func:`argmax_reference`."""
-    if torch.device(device).type != "cpu":
+    other platform) :func:`argmax_reference`."""
+    if platform.kind != "cpu":
         return argmax_reference
     try:
         return load_dense_kernels().argmax
@@ -107,12 +117,13 @@ class TokenHistory:
     output_token_ids: Sequence[int]
 
 
-def make_generator(seed: int | None, fallback: torch.Generator) -> torch.Generator:
-    """Return a new CPU generator for one request.
+def make_generator(seed: int | None, fallback: torch.Generator,
+                   device: torch.device | str = "cpu") -> torch.Generator:
+    """Return a new generator on ``device`` (the engine's: noise is drawn where the logits are) for one request.
 
     With a seed the generator is ``manual_seed(seed)``; with ``None`` its seed is drawn from
-    ``fallback`` (the engine's generator, itself seeded by the engine-level seed), which advances
-    ``fallback``. Either way the result is a deterministic function of (seed, fallback state).
+    ``fallback`` (the engine's CPU generator, itself seeded by the engine-level seed), which advances
+    ``fallback``. Either way the result is a deterministic function of (seed, fallback state, device type).
     """
     if not isinstance(fallback, torch.Generator) or fallback.device.type != "cpu":
         raise ValueError(f"fallback must be a CPU torch.Generator, got {fallback!r}")
@@ -120,13 +131,13 @@ def make_generator(seed: int | None, fallback: torch.Generator) -> torch.Generat
         seed = int(torch.randint(0, 2**62, (1,), generator=fallback).item())
     else:
         check_int("seed", seed, -(2**63), 2**64 - 1)
-    generator = torch.Generator(device="cpu")
+    generator = torch.Generator(device=device)
     generator.manual_seed(seed)
     return generator
 
 
 def compute_logprobs(
-    logits: torch.Tensor, token_ids: torch.Tensor, k: int
+    logits: torch.Tensor, token_ids: torch.Tensor, k: int, *, ids_checked: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Log-probabilities of ``token_ids`` and the top ``k`` of each row, from raw logits.
 
@@ -134,6 +145,7 @@ def compute_logprobs(
         logits: [N, V] floating point, converted to float32.
         token_ids: [N] integer ids in [0, V).
         k: number of top entries, 0 <= k <= V.
+        ids_checked: the ids are known to lie in [0, V) (the sampler's own), so they are not read back to check.
 
     Returns:
         (token_logprob [N] float32, topk values [N, k] float32 sorted descending, topk ids [N, k]
@@ -152,7 +164,7 @@ def compute_logprobs(
         )
     check_int("k", k, 0, vocab)
     ids = token_ids.to(device=logits.device, dtype=torch.int64)
-    if n_rows and (int(ids.min()) < 0 or int(ids.max()) >= vocab):
+    if n_rows and not ids_checked and (int(ids.min()) < 0 or int(ids.max()) >= vocab):
         raise ValueError(f"token_ids must lie in [0, {vocab}), got values in "
                          f"[{int(ids.min())}, {int(ids.max())}]")
     logp = torch.log_softmax(logits.to(torch.float32), dim=-1)  # [N, V]
@@ -169,6 +181,7 @@ def sample(
     *,
     finite_checked: bool = False,
     argmax: Argmax = argmax_reference,
+    platform: Platform = CPU,
 ) -> SamplerOutput:
     """Choose one token per row; see the module docstring for the algorithm and invariants.
 
@@ -177,16 +190,20 @@ def sample(
             maximum (no NaN, no +inf, not all -inf); -inf entries are allowed and never sampled.
         params: B validated SamplingParams, one per row, each with ``logprobs`` None or <= V and
             ``logit_bias`` ids < V.
-        generators: B CPU generators, one per row (greedy rows' generators are left untouched).
+        generators: B generators, one per row (greedy rows' generators are left untouched); the noise is drawn on
+            each one's device.
         histories: B entries, one per row: the row's tokens where its params use penalties
             (``SamplingParams.uses_penalties``), anything (None) elsewhere; may be None when no row uses them.
-        finite_checked: the caller has already checked that every row has a finite maximum (the engine's runner
-            does, to fail such a request alone), so that ``[B, V]`` reduction is not run twice.
+        finite_checked: the caller checks itself which rows have a finite maximum (the engine's runner does, to
+            fail such a request alone): this ``[B, V]`` reduction is not run, and a row without one gets an
+            arbitrary token id in ``[0, V)`` (and logprobs) that the caller drops.
         argmax: the row argmax (see :data:`Argmax`; the engine passes :func:`select_argmax`'s choice).
+        platform: where ``logits`` live; with :attr:`~kv8.platform.Platform.host_reads_sync` nothing is read back
+            (module docstring).
     """
     _check_inputs(logits, params, generators, finite_checked)
     raw = logits.detach().to(torch.float32)  # [B, V]; never modified in place (logprobs read it)
-    x = apply_penalties(raw, params, histories)
+    x = apply_penalties(raw, params, histories, platform)
     n_rows = x.shape[0]
 
     greedy = [i for i, p in enumerate(params) if p.sampling_type is SamplingType.GREEDY]
@@ -197,23 +214,28 @@ def sample(
         token_ids = torch.empty(n_rows, dtype=torch.int64, device=x.device)
     if greedy and len(greedy) < n_rows:
         # the first maximal index: ties go to the lowest id
-        token_ids[greedy] = argmax(x[greedy])
+        rows = platform.to_device(greedy, torch.int64, x.device)
+        token_ids[rows] = argmax(x[rows])
     if random_rows:
-        token_ids[random_rows] = _sample_random(
-            x[random_rows], [params[i] for i in random_rows], [generators[i] for i in random_rows], argmax
-        )
+        sub = x if len(random_rows) == n_rows else x[platform.to_device(random_rows, torch.int64, x.device)]
+        drawn = _sample_random(sub, [params[i] for i in random_rows], [generators[i] for i in random_rows], argmax,
+                               platform)
+        if len(random_rows) == n_rows:
+            token_ids = drawn
+        else:
+            token_ids[platform.to_device(random_rows, torch.int64, x.device)] = drawn
 
     requested = [p.logprobs for p in params if p.logprobs is not None]
     if not requested:
         return SamplerOutput(token_ids=token_ids, logprobs=None, top_logprobs=None)
-    token_logprob, top_values, top_ids = compute_logprobs(raw, token_ids, max(requested))
+    token_logprob, top_values, top_ids = compute_logprobs(raw, token_ids, max(requested), ids_checked=True)
     return SamplerOutput(
         token_ids=token_ids, logprobs=token_logprob, top_logprobs=(top_values, top_ids)
     )
 
 
 def apply_penalties(x: torch.Tensor, params: Sequence[SamplingParams],
-                    histories: Sequence[TokenHistory | None] | None) -> torch.Tensor:
+                    histories: Sequence[TokenHistory | None] | None, platform: Platform = CPU) -> torch.Tensor:
     """``x [B, V]`` float32 with each row's ``logit_bias`` added, then its penalties applied (vLLM's order and
     semantics)::
 
@@ -223,7 +245,8 @@ def apply_penalties(x: torch.Tensor, params: Sequence[SamplingParams],
 
     Batched over the rows that use them; the others are returned bit-identical (``x`` itself when no row uses
     any). A repetition penalty close to 0 could overflow a logit to +inf: results are clamped to float32's
-    largest finite value, -inf (a masked token) stays -inf.
+    largest finite value, -inf (a masked token) stays -inf. Everything built on the host goes to the device by
+    copies that do not wait (``platform``).
     """
     n_rows, vocab = x.shape
     bias_rows = [i for i, p in enumerate(params) if p.logit_bias]
@@ -236,8 +259,8 @@ def apply_penalties(x: torch.Tensor, params: Sequence[SamplingParams],
         rows = [i for i in bias_rows for _ in params[i].logit_bias or {}]
         cols = [t for i in bias_rows for t in params[i].logit_bias or {}]
         vals = [b for i in bias_rows for b in (params[i].logit_bias or {}).values()]
-        out.index_put_((torch.tensor(rows, device=device), torch.tensor(cols, device=device)),
-                       torch.tensor(vals, dtype=torch.float32, device=device), accumulate=True)
+        out.index_put_((platform.to_device(rows, torch.int64, device), platform.to_device(cols, torch.int64, device)),
+                       platform.to_device(vals, torch.float32, device), accumulate=True)
     if pen_rows:
         if histories is None or any(histories[i] is None for i in pen_rows):
             raise ValueError("histories must hold a TokenHistory for every row whose params use penalties")
@@ -249,16 +272,16 @@ def apply_penalties(x: torch.Tensor, params: Sequence[SamplingParams],
             ids = torch.tensor([t for ids in lists for t in ids], dtype=torch.int64)
             c = torch.zeros(n_pen, vocab, dtype=torch.float32)
             c.index_put_((row, ids), torch.ones(len(ids), dtype=torch.float32), accumulate=True)
-            return c.to(device)
+            return (c.pin_memory() if platform.pinned_memory else c).to(device, non_blocking=True)
 
         output_counts = counts([h.output_token_ids for h in hist if h is not None])        # [P, V]
         seen = (counts([h.prompt_token_ids for h in hist if h is not None]) > 0) | (output_counts > 0)
-        sel = torch.tensor(pen_rows, device=device)
+        sel = platform.to_device(pen_rows, torch.int64, device)
         sub = out[sel]                                                                        # [P, V]
         ps = [params[i] for i in pen_rows]
-        rep = torch.tensor([p.repetition_penalty for p in ps], dtype=torch.float32, device=device).unsqueeze(1)
-        freq = torch.tensor([p.frequency_penalty for p in ps], dtype=torch.float32, device=device).unsqueeze(1)
-        pres = torch.tensor([p.presence_penalty for p in ps], dtype=torch.float32, device=device).unsqueeze(1)
+        # [3, P, 1]: repetition, frequency, presence penalty of each row, in one copy
+        rep, freq, pres = platform.to_device([[p.repetition_penalty for p in ps], [p.frequency_penalty for p in ps],
+                                              [p.presence_penalty for p in ps]], torch.float32, device).unsqueeze(2)
         rep = torch.where(seen, rep, torch.ones_like(sub))                                    # [P, V]
         sub = torch.where(sub > 0, sub / rep, sub * rep)
         sub = sub - freq * output_counts - pres * (output_counts > 0).to(torch.float32)
@@ -295,30 +318,35 @@ def _check_inputs(
 
 
 def _sample_random(
-    x: torch.Tensor, params: Sequence[SamplingParams], generators: Sequence[torch.Generator], argmax: Argmax
+    x: torch.Tensor, params: Sequence[SamplingParams], generators: Sequence[torch.Generator], argmax: Argmax,
+    platform: Platform = CPU,
 ) -> torch.Tensor:
     """Temperature, top-k, top-p, min-p, then the exponential race; x is [R, V] float32."""
     n_rows, vocab = x.shape
-    temperature = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=x.device)
+    temperature = platform.to_device([p.temperature for p in params], torch.float32, x.device)
     # Subtracting the row max first keeps a small temperature from overflowing to inf.
     scaled = (x - x.amax(dim=-1, keepdim=True)) / temperature.unsqueeze(1)  # [R, V], max 0
-    filtered = _apply_filters(scaled, params)
+    filtered = _apply_filters(scaled, params, platform)
 
-    # Row by row, each from its own generator: the only place where rows are not batched.
+    # Row by row, each from its own generator, on that generator's device (the engine's: no copy): the only place
+    # where rows are not batched.
     noise = torch.stack(
-        [torch.empty(vocab, dtype=torch.float32).exponential_(generator=g) for g in generators]
+        [torch.empty(vocab, dtype=torch.float32, device=g.device).exponential_(generator=g) for g in generators]
     ).to(x.device)  # [R, V]
     noise.clamp_(min=_TINY)
     return argmax(filtered - noise.log())
 
 
-def _apply_filters(scaled: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+def _apply_filters(scaled: torch.Tensor, params: Sequence[SamplingParams], platform: Platform = CPU) -> torch.Tensor:
     """:func:`apply_filters_reference` by partial selection: the filters only ever keep the most likely
     tokens, so they run on the ``K`` best of each row (``torch.topk``, ordered as the stable sort orders them)
     instead of a sort of the whole vocabulary. A row's own bound is its ``top_k``, or :data:`CANDIDATES` when
     only top-p / min-p filter it; a row whose bound is half the vocabulary or more, or whose filters could keep
     a token beyond its candidates (the nucleus does not close within them, or the last candidate still passes
     min-p), is filtered by the reference, row by row, so which path a row takes depends on that row alone.
+    Where reading a device tensor waits for the device (``platform.host_reads_sync``: CUDA), whether the
+    candidates closed is not read back: a row bounded by :data:`CANDIDATES` alone goes to the reference at once
+    (the same tokens, a full sort on the GPU instead of a wait).
     The tokens kept equal the reference's, with two exceptions at a cut: which of several exactly equal logits
     straddling the ``K``-th place enter the candidates follows ``topk``, and a probability within float
     rounding of a top-p or min-p threshold may fall on the other side (the sums run over ``K`` values).
@@ -331,22 +359,28 @@ def _apply_filters(scaled: torch.Tensor, params: Sequence[SamplingParams]) -> to
     if not any(active):
         return scaled
     bound = [k if k < vocab else min(vocab, CANDIDATES) for k in top_k]
-    fast = [i for i in range(n_rows) if active[i] and bound[i] < vocab // 2]
-    slow = [i for i in range(n_rows) if active[i] and bound[i] >= vocab // 2]
+    # a row bounded by its own top_k always closes within its candidates; the others only maybe
+    fast = [i for i in range(n_rows) if active[i] and bound[i] < vocab // 2
+            and (top_k[i] < vocab or not platform.host_reads_sync)]
+    chosen = set(fast)
+    slow = [i for i in range(n_rows) if active[i] and i not in chosen]
     out = scaled.clone()
+    device = scaled.device
     if fast:
-        sub = scaled[fast]
-        filtered, closed = _filter_candidates(sub, [top_k[i] for i in fast], [top_p[i] for i in fast],
-                                              [min_p[i] for i in fast], max(bound[i] for i in fast))
-        out[fast] = filtered
-        slow += [fast[j] for j, ok in enumerate(closed.tolist()) if not ok]
+        fast_t = platform.to_device(fast, torch.int64, device)
+        filtered, closed = _filter_candidates(scaled[fast_t], [top_k[i] for i in fast], [top_p[i] for i in fast],
+                                              [min_p[i] for i in fast], max(bound[i] for i in fast), platform)
+        out[fast_t] = filtered
+        if any(top_k[i] == vocab for i in fast):   # the CPU only (above): reading `closed` costs nothing there
+            slow += [fast[j] for j, ok in enumerate(closed.tolist()) if not ok]
     if slow:
-        out[slow] = apply_filters_reference(scaled[slow], [params[i] for i in slow])
+        slow_t = platform.to_device(slow, torch.int64, device)
+        out[slow_t] = apply_filters_reference(scaled[slow_t], [params[i] for i in slow], platform)
     return out
 
 
 def _filter_candidates(scaled: torch.Tensor, top_k: list[int], top_p: list[float], min_p: list[float],
-                       k_cand: int) -> tuple[torch.Tensor, torch.Tensor]:
+                       k_cand: int, platform: Platform = CPU) -> tuple[torch.Tensor, torch.Tensor]:
     """The filters on the ``k_cand`` best of each row of ``scaled [R, V]``: (filtered ``[R, V]``, closed
     ``[R]`` bool: True where no token beyond the candidates could have been kept, so the row is exact)."""
     vocab = scaled.shape[1]
@@ -357,9 +391,9 @@ def _filter_candidates(scaled: torch.Tensor, top_k: list[int], top_p: list[float
     order = torch.sort(values, dim=-1, descending=True, stable=True).indices
     cand, cand_ids = values.gather(1, order), ids.gather(1, order)                   # [R, K]
     position = torch.arange(k_cand, device=device).unsqueeze(0)
-    keep = position < torch.tensor(top_k, device=device).unsqueeze(1)                # [R, K]
+    keep = position < platform.to_device(top_k, torch.int64, device).unsqueeze(1)    # [R, K]
     neg_inf = float("-inf")
-    closed = torch.tensor([k < vocab for k in top_k], device=device)   # top_k already bounds the row
+    closed = platform.to_device([k < vocab for k in top_k], torch.bool, device)   # top_k already bounds the row
     if any(tp < 1.0 for tp in top_p):
         # Probabilities over what top_k kept: the candidates when top_k bounds the row, else the whole row.
         log_norm = torch.where(closed, torch.logsumexp(cand.masked_fill(~keep, neg_inf), dim=-1),
@@ -368,20 +402,21 @@ def _filter_candidates(scaled: torch.Tensor, top_k: list[int], top_p: list[float
         mass = torch.cumsum(probs, dim=-1)
         mass_before = torch.zeros_like(probs)
         mass_before[:, 1:] = mass[:, :-1]
-        top_p_t = torch.tensor(top_p, dtype=torch.float32, device=device).unsqueeze(1)
+        top_p_t = platform.to_device(top_p, torch.float32, device).unsqueeze(1)
         keep &= (mass_before < top_p_t) | (top_p_t >= 1.0)
         closed |= ((mass[:, -1:] >= top_p_t) & (top_p_t < 1.0)).squeeze(1)
     if any(mp > 0.0 for mp in min_p):
         # min_p compares each probability with the largest, a ratio no renormalisation changes.
         ratio = torch.exp(cand - cand[:, :1])                                          # [R, K]
-        min_p_t = torch.tensor(min_p, dtype=torch.float32, device=device).unsqueeze(1)
+        min_p_t = platform.to_device(min_p, torch.float32, device).unsqueeze(1)
         keep &= ratio >= min_p_t
         closed |= (ratio[:, -1:] < min_p_t).squeeze(1)
     filtered = torch.full_like(scaled, neg_inf).scatter_(1, cand_ids, cand.masked_fill(~keep, neg_inf))
     return filtered, closed
 
 
-def apply_filters_reference(scaled: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+def apply_filters_reference(scaled: torch.Tensor, params: Sequence[SamplingParams],
+                            platform: Platform = CPU) -> torch.Tensor:
     """Set to -inf the logits removed by top_k, then top_p, then min_p; scaled is [R, V]. The plain
     reference: one stable sort of the whole vocabulary per row (what :func:`_apply_filters` must equal).
 
@@ -401,7 +436,7 @@ def apply_filters_reference(scaled: torch.Tensor, params: Sequence[SamplingParam
     # Stable descending sort: equal logits keep increasing-id order, so results are deterministic.
     sorted_logits, order = torch.sort(scaled, dim=-1, descending=True, stable=True)  # [R, V] x2
     position = torch.arange(vocab, device=device).unsqueeze(0)  # [1, V]
-    keep = position < torch.tensor(top_k, device=device).unsqueeze(1)  # [R, V]
+    keep = position < platform.to_device(top_k, torch.int64, device).unsqueeze(1)  # [R, V]
     neg_inf = float("-inf")
 
     if use_top_p:
@@ -409,11 +444,11 @@ def apply_filters_reference(scaled: torch.Tensor, params: Sequence[SamplingParam
         # Mass strictly before each position; position 0 has 0 < top_p, so the top token stays.
         mass_before = torch.zeros_like(probs)
         mass_before[:, 1:] = torch.cumsum(probs, dim=-1)[:, :-1]
-        top_p_t = torch.tensor(top_p, dtype=torch.float32, device=device).unsqueeze(1)  # [R, 1]
+        top_p_t = platform.to_device(top_p, torch.float32, device).unsqueeze(1)  # [R, 1]
         keep &= (mass_before < top_p_t) | (top_p_t >= 1.0)
     if use_min_p:
         probs = torch.softmax(sorted_logits.masked_fill(~keep, neg_inf), dim=-1)  # [R, V]
-        min_p_t = torch.tensor(min_p, dtype=torch.float32, device=device).unsqueeze(1)  # [R, 1]
+        min_p_t = platform.to_device(min_p, torch.float32, device).unsqueeze(1)  # [R, 1]
         keep &= probs >= min_p_t * probs[:, :1]
 
     kept_sorted = sorted_logits.masked_fill(~keep, neg_inf)

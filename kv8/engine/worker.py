@@ -59,8 +59,7 @@ from kv8.quant.scales import ModelScaleInfo
 if TYPE_CHECKING:
     from kv8.engine.args import EngineArgs
 
-__all__ = ["Shard", "allreduce_slot_bytes", "load_shard", "main", "rank_device", "run_torchrun_worker", "run_worker",
-           "start_ranks",
+__all__ = ["Shard", "allreduce_slot_bytes", "load_shard", "main", "run_torchrun_worker", "run_worker", "start_ranks",
            "worker_main"]
 
 logger = logging.getLogger("kv8")
@@ -85,9 +84,11 @@ def load_shard(config: EngineConfig, budget: KVBudget, num_blocks: Sequence[int]
     blocks of pool ``p``, its own KV heads only) and build its runner. Sets this process's malloc up for
     activations first (:func:`kv8.host_memory.tune_malloc`)."""
     tune_malloc()
-    device = rank_device(config.device, tp.rank)
+    platform = config.platform
+    device = platform.rank_device(tp.rank)
     loaded = load_model(config.model_kind, config.model, config.dtype, config.dense_backend, tp,
-                        config.quantization, device=str(device), load_format=config.load_format, seed=config.seed)
+                        config.quantization, platform=platform, device=device, load_format=config.load_format,
+                        seed=config.seed)
     arch, cc = config.arch, config.cache
     kv_heads = kv_head_shard(arch.num_kv_heads, tp)
     scales = engine_kv_scales(cc, ModelScaleInfo(arch.model_type, arch.num_layers, arch.num_kv_heads,
@@ -104,21 +105,11 @@ def load_shard(config: EngineConfig, budget: KVBudget, num_blocks: Sequence[int]
                       if pool.skipped else codec)
         shape = CacheShape(arch.num_layers, n, kv_heads[1], cc.block_size, arch.head_dim)
         caches.append(PagedKVCache(shape, pool_codec, {i: layout.layer_slot[i] for i in pool.layers}, device))
-    runner = ModelRunner(loaded.model, caches, layout, get_backend(config.attention_backend, config.device), observer,
-                         tp, device)
+    runner = ModelRunner(loaded.model, caches, layout, get_backend(config.attention_backend, platform), observer,
+                         tp, device, platform)
     if config.uses_cuda_graphs and observer is None:   # an observer sees every step's tensors: eager
         runner.enable_decode_graphs(config.scheduler.max_num_seqs, config.scheduler.max_model_len)
     return Shard(loaded, tuple(caches), codec, runner)
-
-
-def rank_device(device: str, rank: int) -> torch.device:
-    """The device of tensor-parallel rank ``rank``: the CPU, or GPU ``rank`` modulo the GPUs this process sees
-    (made the current one)."""
-    if device == "cpu":
-        return torch.device("cpu")
-    gpu = torch.device(device, rank % torch.cuda.device_count())
-    torch.cuda.set_device(gpu)
-    return gpu
 
 
 def allreduce_slot_bytes(config: EngineConfig) -> int:
@@ -169,7 +160,7 @@ def run_worker(tp: TPGroup, args: EngineArgs) -> None:
         tp.set_ready(error=f"{type(e).__name__}: {e}")
         raise
     tp.set_ready()
-    tp.connect(slot_bytes=allreduce_slot_bytes(config), device=config.device)
+    tp.connect(slot_bytes=allreduce_slot_bytes(config), platform=config.platform)
     while (inputs := tp.receive()) is not None:
         shard.runner.worker_step(inputs)
 

@@ -24,11 +24,12 @@ import torch
 from kv8.cache.budget import KVBudget, default_kv_cache_memory, default_max_model_len
 from kv8.cache.config import CacheConfig
 from kv8.engine.args import EngineArgs
-from kv8.engine.config import check_device, describe_device, resolve_device, resolve_dtype
+from kv8.engine.config import resolve_dtype
 from kv8.entrypoints.openai.cli_args import ServerArgs, add_serve_args
 from kv8.kernels.cpu.build import KernelUnavailable
 from kv8.models.config import ModelArchConfig
 from kv8.models.registry import arch_config
+from kv8.platform import CPU, Platform
 from kv8.quant.formats import resolve_kv_cache_dtype
 from kv8.validators import format_bytes, parse_memory
 
@@ -165,18 +166,17 @@ def cmd_info(ns: argparse.Namespace) -> int:
     kind, path = resolve_model_path(ns.model)
     hf_config = read_model_config(kind, path)
     arch = arch_config(hf_config)
-    device = resolve_device(ns.device)
-    check_device(device)
-    memory = parse_memory(ns.kv_cache_memory) if ns.kv_cache_memory else default_kv_cache_memory(device)
+    platform = Platform.resolve(ns.device)
+    memory = parse_memory(ns.kv_cache_memory) if ns.kv_cache_memory else default_kv_cache_memory(platform)
     # the same checks as an engine's cache (block_size a power of two, memory > 0), for any dtype
     CacheConfig(kv_dtype=resolve_kv_cache_dtype("auto", resolve_dtype("auto")), block_size=ns.block_size,
                 kv_cache_memory=memory)
     print(f"model        {ns.model} ({kind}: {path})")
-    print(f"device       {describe_device(device)}")
+    print(f"device       {platform.describe()}")
     print(f"architecture {arch.model_type}: {arch.num_layers} layers, hidden {arch.hidden_size}, "
           f"{arch.num_heads} query / {arch.num_kv_heads} KV heads, head_dim {arch.head_dim}, "
           f"vocab {arch.vocab_size}, context {arch.max_position_embeddings}, rope_theta {arch.rope_theta:g}")
-    plan = _dense_plan(hf_config, resolve_dtype(ns.dtype), ns.quantization) if device == "cpu" else "torch"
+    plan = _dense_plan(hf_config, resolve_dtype(ns.dtype), ns.quantization) if platform.kind == "cpu" else "torch"
     print(f"dense layers {plan}")
     print(capacity_table(arch, memory, ns.block_size))
     return 0
@@ -214,7 +214,7 @@ def cmd_tune(ns: argparse.Namespace) -> int:
     backend, result = tuned_dense_backend(linear_shapes(hf_config), dtype, args.quantization, store, retune=True)
     print(f"model        {args.model} ({kind}: {path}), {str(dtype).removeprefix('torch.')}"
           + (f", {args.quantization} weights" if args.quantization else ""))
-    print(f"device       {describe_device('cpu')}")
+    print(f"device       {CPU.describe()}")
     if result is None:
         print(f"dense layers {backend.name}: the only candidate on this machine, nothing to time")
         return 0

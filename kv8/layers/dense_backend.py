@@ -17,10 +17,11 @@ import torch
 
 from kv8.kernels.cpu.build import KernelUnavailable
 from kv8.kernels.cpu.dense import DenseKernels, load_dense_kernels
+from kv8.platform import CPU, Platform
 
 logger = logging.getLogger("kv8")
 
-__all__ = ["DenseBackend", "TORCH_BACKEND", "fp8_tensor_cores", "select_dense_backend"]
+__all__ = ["DenseBackend", "TORCH_BACKEND", "select_dense_backend"]
 
 _auto_fallback_logged = False
 
@@ -58,22 +59,17 @@ def _torch_backend(quantization: str | None) -> DenseBackend:
     return TORCH_BACKEND if quantization is None else DenseBackend("torch", None, quantization)
 
 
-def fp8_tensor_cores() -> bool:
-    """Whether this process's CUDA GPU multiplies FP8 with per-row scales (``torch._scaled_mm``: Hopper, sm_90, and
-    newer)."""
-    return torch.cuda.is_available() and torch.cuda.get_device_capability() >= (9, 0)
-
-
 def select_dense_backend(name: str, dtype: torch.dtype, quantization: str | None = None,
-                         device: str = "cpu") -> DenseBackend:
-    """The backend for option ``name`` with the weight ``quantization`` on ``device``, all validated by the
-    engine's config (:class:`kv8.engine.config.EngineConfig`: ``name`` usable with ``dtype`` and ``device``,
+                         platform: Platform = CPU) -> DenseBackend:
+    """The backend for option ``name`` with the weight ``quantization`` on ``platform``, all validated by the
+    engine's config (:class:`kv8.engine.config.EngineConfig`: ``name`` usable with ``dtype`` and the device,
     ``quantization`` None or ``"fp8"``). On CUDA: torch, with FP8 weights through ``torch._scaled_mm`` where the
-    GPU has FP8 tensor cores. ``packed_bf16`` raises :class:`KernelUnavailable` if the kernels cannot be built or
-    loaded; ``auto`` then says why once per process and uses torch; models in other dtypes than bf16 use torch."""
+    GPU has FP8 tensor cores (:attr:`kv8.platform.Platform.fp8_tensor_cores`). ``packed_bf16`` raises
+    :class:`KernelUnavailable` if the kernels cannot be built or loaded; ``auto`` then says why once per process and
+    uses torch; models in other dtypes than bf16 use torch."""
     global _auto_fallback_logged
-    if device != "cpu":
-        scaled_mm = quantization == "fp8" and fp8_tensor_cores()
+    if platform.kind != "cpu":
+        scaled_mm = quantization == "fp8" and platform.fp8_tensor_cores
         return DenseBackend("torch", None, quantization, fp8_scaled_mm=scaled_mm)
     if name == "torch_fp32":
         return DenseBackend("torch_fp32", None, quantization)

@@ -44,6 +44,7 @@ from kv8.layers.linear import LinearBase
 from kv8.layers.tuning import LinearShape, tuned_dense_backend
 from kv8.models.config import ModelArchConfig
 from kv8.models.registry import CausalLM, arch_config, model_class
+from kv8.platform import CPU, Platform
 
 logger = logging.getLogger("kv8")
 
@@ -204,28 +205,29 @@ def linear_shapes(hf_config: dict[str, Any], tp: TPGroup = SINGLE_RANK) -> list[
 
 
 def resolve_dense_backend(name: str, hf_config: dict[str, Any], dtype: torch.dtype, quantization: str | None,
-                          device: str = "cpu", tp: TPGroup = SINGLE_RANK) -> DenseBackend:
+                          platform: Platform = CPU, tp: TPGroup = SINGLE_RANK) -> DenseBackend:
     """The dense backend of option ``name``: ``auto`` on the CPU with one rank is this machine's measured choice
     for the model (:func:`kv8.layers.tuning.tuned_dense_backend`, unless ``KV8_TUNING=off``); everything else
     :func:`kv8.layers.dense_backend.select_dense_backend`'s fixed rule (tensor-parallel ranks too: each rank would
     time beside the others)."""
-    if name == "auto" and device == "cpu" and tp.size == 1 and envs.tuning():
+    if name == "auto" and platform.kind == "cpu" and tp.size == 1 and envs.tuning():
         return tuned_dense_backend(linear_shapes(hf_config), dtype, quantization)[0]
-    return select_dense_backend(name, dtype, quantization, device)
+    return select_dense_backend(name, dtype, quantization, platform)
 
 
 def load_model(kind: str, path: str, dtype: torch.dtype, dense_backend: str = "torch",
-               tp: TPGroup = SINGLE_RANK, quantization: str | None = None, device: str = "cpu",
-               load_format: str = "auto", seed: int = 0) -> LoadedModel:
+               tp: TPGroup = SINGLE_RANK, quantization: str | None = None, platform: Platform = CPU,
+               device: torch.device | None = None, load_format: str = "auto", seed: int = 0) -> LoadedModel:
     """Build the model for ``path`` (kind ``"hf"`` or ``"gguf"``) with weights in ``dtype`` and dense layers on
     ``dense_backend`` (a validated ``kv8.engine.config.DENSE_BACKENDS`` name; ``LoadedModel.dense_backend`` says which
     one ``auto`` resolved to); with a group ``tp``, the shard of its rank. ``quantization`` (None or a
     ``kv8.engine.config.QUANTIZATION_METHODS`` name): how the decoder's linear layers store their weights. The
-    model ends on ``device`` (``"cpu"`` or ``"cuda"``: the checkpoint is read and processed on the host, then
-    moved). ``load_format="dummy"`` reads no tensor of the checkpoint: every parameter gets random values of its
-    shape (normal, std 0.02, from ``seed``; 1-D ones, biases zeros), made on ``device`` directly -- the model's
-    speed without its weights (vLLM's ``--load-format dummy``)."""
+    model ends on ``device``, one of ``platform``'s (default :attr:`kv8.platform.Platform.device`; the checkpoint
+    is read and processed on the host, then moved). ``load_format="dummy"`` reads no tensor of the checkpoint:
+    every parameter gets random values of its shape (normal, std 0.02, from ``seed``; 1-D ones, biases zeros),
+    made on ``device`` directly -- the model's speed without its weights (vLLM's ``--load-format dummy``)."""
     start = time.perf_counter()
+    device = platform.device if device is None else device
     if kind == "gguf":
         from kv8.loader.gguf import iter_gguf_tensors
 
@@ -243,7 +245,7 @@ def load_model(kind: str, path: str, dtype: torch.dtype, dense_backend: str = "t
     arch = arch_config(hf_config)
     if kind == "hf" and files:
         _check_layer_count(files, arch, path)
-    backend = resolve_dense_backend(dense_backend, hf_config, dtype, quantization, device, tp)
+    backend = resolve_dense_backend(dense_backend, hf_config, dtype, quantization, platform, tp)
     with torch.device("meta"), building_shard(tp):
         model = cls(arch, backend)
     tied = dict(getattr(model, "tied_weights", {})) if arch.tie_word_embeddings else {}
@@ -269,7 +271,7 @@ def load_model(kind: str, path: str, dtype: torch.dtype, dense_backend: str = "t
         raise ValueError(f"checkpoint {path} has tensors kv8 does not know ({len(unexpected)}, e.g. "
                          f"{', '.join(unexpected[:4])}); quantized weights other than GGUF are not supported")
     if load_format == "dummy":
-        _init_dummy(model, dtype, torch.device(device), seed)
+        _init_dummy(model, dtype, device, seed)
         loaded = set(names)
     missing = sorted(set(names) - loaded)
     if missing:
@@ -282,14 +284,14 @@ def load_model(kind: str, path: str, dtype: torch.dtype, dense_backend: str = "t
         if process is not None:
             process()
     model.eval()
-    if device != "cpu":
+    if platform.kind != "cpu":
         model.to(device)
     # a decode step streams every weight: 2 MiB pages on the host (kv8.host_memory)
-    huge = place_on_huge_pages(model) if device == "cpu" else 0
+    huge = place_on_huge_pages(model) if platform.kind == "cpu" else 0
     seconds = time.perf_counter() - start
     logger.info("loaded %s (%s, %d layers, %s, dense backend %s%s%s%s) in %.1f s", path, arch.model_type,
-                arch.num_layers, "random weights (load_format=dummy) on " + device if load_format == "dummy"
-                else "on " + device, backend.name, f", {backend.quantization} weights" if backend.quantization else "",
+                arch.num_layers, f"random weights (load_format=dummy) on {device}" if load_format == "dummy"
+                else f"on {device}", backend.name, f", {backend.quantization} weights" if backend.quantization else "",
                 f", tensor-parallel rank {tp.rank} of {tp.size}" if tp.size > 1 else "",
                 f", {huge / 2**20:.0f} MiB of weights in memory advised for 2 MiB pages" if huge else "", seconds)
     return LoadedModel(model, arch, hf_config, scale_tensors, seconds, backend.name)

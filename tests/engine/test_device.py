@@ -1,21 +1,24 @@
-"""The device option and what it places: EngineConfig's checks (a missing GPU, CPU-only backends, Triton outside its
-interpreter), the codec and cache tensors on a device (the meta device stands in for a GPU here), random weights
-(load_format="dummy"), the W8A8 FP8 linear method of GPUs with FP8 tensor cores (torch._scaled_mm runs on the CPU
-too) and the collective backend of a device. The GPU itself is exercised by benchmarks/gpu_check.py."""
+"""The device option and what it places: the platform it resolves to (kv8.platform: a GPU is faked by patching
+torch.cuda's queries), EngineConfig's checks (a missing GPU, CPU-only backends, Triton outside its interpreter), the
+codec and cache tensors on a device (the meta device stands in for a GPU here), random weights (load_format="dummy"),
+the W8A8 FP8 linear method of GPUs with FP8 tensor cores (torch._scaled_mm runs on the CPU too) and what each part
+reads from the platform. The GPU itself is exercised by benchmarks/gpu_check.py."""
 
 from __future__ import annotations
 
 import shutil
+import types
 
 import pytest
 import torch
 
 from kv8 import LLM, SamplingParams
+from kv8.attention import backend as attention_backend
+from kv8.cache.budget import default_kv_cache_memory
 from kv8.cache.codec import KVCodec
 from kv8.cache.paged_cache import CacheShape, PagedKVCache
-from kv8.distributed.group import collective_backend
 from kv8.engine.args import EngineArgs
-from kv8.engine.config import resolve_device
+from kv8.engine.sampler import argmax_reference, select_argmax
 from kv8.layers.dense_backend import DenseBackend, select_dense_backend
 from kv8.layers.linear import (
     Linear,
@@ -26,6 +29,7 @@ from kv8.layers.linear import (
     scaled_mm_fp8_reference,
 )
 from kv8.loader.model import read_hf_config
+from kv8.platform import CPU, Platform, resolve_device
 from kv8.quant.formats import E4M3, resolve_kv_cache_dtype
 from kv8.quant.scales import KVScales, ScaleGranularity
 from kv8.quant.weights import quantize_fp8_rows
@@ -35,13 +39,62 @@ def _config(path: str, **kw):
     return EngineArgs(model=path, **kw).create_engine_config(read_hf_config(path), "hf", path)
 
 
-# ---- options ---------------------------------------------------------------------------------------------------
+def _fake_gpu(monkeypatch, capability=(9, 0), gcn_arch=None):
+    """torch.cuda answers as a machine with one GPU of this compute capability (an AMD one under ROCm with
+    ``gcn_arch``) would, for the queries Platform.resolve makes."""
+    props = types.SimpleNamespace(name="Fake GPU", total_memory=80 * 2**30, gcnArchName=gcn_arch or "")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda *a: props)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: capability)
+    monkeypatch.setattr(torch.version, "hip", "6.2" if gcn_arch else None)
+
+
+# ---- the platform ------------------------------------------------------------------------------------------------
 def test_auto_is_the_cpu_without_a_gpu(tiny_llama, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert resolve_device("auto") == "cpu" and resolve_device("CUDA") == "cuda"
-    assert _config(tiny_llama).device == "cpu"
+    assert Platform.resolve("auto") is CPU and Platform.resolve("CPU") is CPU
+    assert _config(tiny_llama).platform is CPU
     with pytest.raises(ValueError, match=r"device='tpu' is not supported; choose one of: auto, cpu, cuda"):
         resolve_device("tpu")
+    with pytest.raises(ValueError, match=r"device='tpu' is not supported; choose one of: auto, cpu, cuda"):
+        Platform.resolve("tpu")
+
+
+def test_the_cpu_platform():
+    assert CPU.device == torch.device("cpu") and CPU.rank_device(3) == torch.device("cpu")
+    assert (CPU.collective_backend, CPU.attention_backend) == ("gloo", "cpu_fused")
+    assert not (CPU.cuda_graphs or CPU.fp8_tensor_cores or CPU.pinned_memory or CPU.host_reads_sync)
+    assert CPU.native_fp8 == () and CPU.describe().startswith("cpu (")
+    assert not CPU.host_tensor([1, 2], torch.int64).is_pinned()
+
+
+@pytest.mark.parametrize(("capability", "gcn_arch", "tensor_cores", "native"), [
+    ((9, 0), None, True, ("fp8_e4m3", "fp8_e5m2")),      # H100
+    ((8, 9), None, False, ("fp8_e4m3", "fp8_e5m2")),     # L4, RTX 4090: FP8 conversion, no FP8 _scaled_mm
+    ((8, 0), None, False, ()),                           # A100
+    ((9, 4), "gfx942:sramecc+:xnack-", False, ("fp8_e4m3fnuz",)),   # MI300X under ROCm
+    ((9, 0), "gfx90a", False, ()),                       # MI250
+])
+def test_a_gpu_platform_is_resolved_once_from_torch(monkeypatch, capability, gcn_arch, tensor_cores, native):
+    _fake_gpu(monkeypatch, capability, gcn_arch)
+    platform = Platform.resolve("auto")
+    assert platform == Platform.cuda(capability, "Fake GPU", gcn_arch, 80 * 2**30)
+    assert platform.kind == "cuda" and platform.device == torch.device("cuda")
+    assert (platform.collective_backend, platform.attention_backend) == ("nccl", "triton")
+    assert platform.cuda_graphs and platform.pinned_memory and platform.host_reads_sync
+    assert platform.fp8_tensor_cores is tensor_cores and platform.native_fp8 == native
+    assert platform.describe() == f"cuda (Fake GPU, 80 GiB, compute capability {capability[0]}.{capability[1]})"
+
+
+def test_a_platform_is_checked():
+    with pytest.raises(ValueError, match=r"Platform.kind='mps' is not supported; choose one of: cpu, cuda"):
+        Platform("mps")
+    with pytest.raises(ValueError, match=r"Platform.capability=None must be given exactly for kind 'cuda'"):
+        Platform("cuda")
+    with pytest.raises(ValueError, match=r"Platform.capability=\(9, 0\) must be given exactly for kind 'cuda'"):
+        Platform("cpu", capability=(9, 0))
 
 
 def test_cuda_without_a_gpu_says_what_to_do(tiny_llama, monkeypatch):
@@ -58,10 +111,17 @@ def test_cuda_without_a_gpu_says_what_to_do(tiny_llama, monkeypatch):
                                           r"device='cuda'; use attention_backend='auto'"),
 ])
 def test_cpu_only_backends_on_cuda_are_refused(tiny_llama, monkeypatch, option, message):
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)   # past the GPU check: the option is the error
+    _fake_gpu(monkeypatch)   # past the GPU check: the option is the error
     with pytest.raises(ValueError, match=message):
         _config(tiny_llama, device="cuda", **option)
-    assert _config(tiny_llama, device="cuda").device == "cuda"       # auto backends are fine there
+    assert _config(tiny_llama, device="cuda").platform.kind == "cuda"       # auto backends are fine there
+
+
+def test_cuda_graphs_follow_the_platform_and_the_options(tiny_llama, monkeypatch):
+    assert not _config(tiny_llama, device="cpu").uses_cuda_graphs
+    _fake_gpu(monkeypatch)
+    assert _config(tiny_llama, device="cuda").uses_cuda_graphs
+    assert not _config(tiny_llama, device="cuda", enforce_eager=True).uses_cuda_graphs
 
 
 def test_triton_on_the_cpu_needs_the_interpreter(tiny_llama, monkeypatch):
@@ -78,10 +138,16 @@ def test_load_format_is_checked(tiny_llama):
         _config(tiny_llama, load_format="random")
 
 
-def test_collective_backend_of_each_device():
-    assert collective_backend("cuda") == "nccl" and collective_backend("cpu") == "gloo"
-    with pytest.raises(ValueError, match=r"device='mps' has no collective backend; allowed: cpu, cuda"):
-        collective_backend("mps")
+def test_parts_read_the_platform(monkeypatch):
+    """What used to re-read the device string: the attention backend of ``auto``, the sampler's argmax, the KV
+    budget's memory."""
+    monkeypatch.setitem(attention_backend.BACKENDS, "triton", lambda: "the triton backend")
+    assert attention_backend.get_backend("auto", Platform.cuda((9, 0))) == "the triton backend"
+    assert attention_backend.get_backend("auto", CPU) != "the triton backend"
+    assert select_argmax(Platform.cuda((9, 0))) is argmax_reference
+    monkeypatch.setattr(Platform, "memory_available", lambda self: 2 * 2**30 if self.kind == "cuda" else None)
+    assert default_kv_cache_memory(Platform.cuda((9, 0))) == 2**29           # 25% of what is free
+    assert default_kv_cache_memory(CPU) == 2 * 2**30                        # 25% of 8 GiB when unreadable
 
 
 # ---- placement ---------------------------------------------------------------------------------------------------
@@ -172,13 +238,11 @@ def test_activation_quantization_is_per_row_and_saturation_free():
     assert torch.equal(codes.view(torch.uint8)[1:], E4M3.encode(x[1:] / scale[1:]))   # round to nearest even
 
 
-def test_scaled_mm_is_chosen_only_for_fp8_on_gpus_with_fp8_tensor_cores(monkeypatch):
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
-    assert select_dense_backend("auto", torch.bfloat16, "fp8", "cuda").fp8_scaled_mm
-    assert not select_dense_backend("auto", torch.bfloat16, None, "cuda").fp8_scaled_mm
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (8, 0))   # A100: no FP8 tensor cores
-    ampere = select_dense_backend("auto", torch.bfloat16, "fp8", "cuda")
+def test_scaled_mm_is_chosen_only_for_fp8_on_gpus_with_fp8_tensor_cores():
+    hopper = Platform.cuda((9, 0))
+    assert select_dense_backend("auto", torch.bfloat16, "fp8", hopper).fp8_scaled_mm
+    assert not select_dense_backend("auto", torch.bfloat16, None, hopper).fp8_scaled_mm
+    ampere = select_dense_backend("auto", torch.bfloat16, "fp8", Platform.cuda((8, 0)))   # no FP8 tensor cores
     assert ampere.name == "torch" and ampere.kernels is None and not ampere.fp8_scaled_mm
     with pytest.raises(ValueError, match="fp8_scaled_mm needs the torch dense backend with quantization='fp8'"):
         DenseBackend("torch", None, None, fp8_scaled_mm=True)
