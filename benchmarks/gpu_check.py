@@ -183,8 +183,9 @@ def rotation_count(working_set: int, l2_bytes: int, max_bytes: int) -> int:
     return n
 
 
-class DeadlineExceeded(Exception):
-    """Raised in the main thread when the run's deadline passes (:meth:`Deadline.arm`)."""
+class DeadlineExceeded(BaseException):
+    """Raised in the main thread when the run's deadline passes (:meth:`Deadline.arm`); a ``BaseException``, so that
+    no ``except Exception`` on the way (a failed CUDA graph capture) takes it for an error of its own."""
 
 
 class Deadline:
