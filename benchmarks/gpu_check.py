@@ -1,25 +1,35 @@
-"""kv8's GPU check: everything the GPU path owes a real GPU, in one run of at most ~8 minutes, compile included.
+"""kv8's GPU check: what the GPU path owes a real GPU, judged against its targets in one run under a deadline.
 
-1. **tests**: the Triton kernel tests and the device tests, compiled for the GPU (pytest without
-   ``TRITON_INTERPRET``): the store and attention kernel tests, the device tests and the engine on the triton
-   backend (``tests/engine/test_triton_engine.py``, on the GPU there); passed / failed / skipped counts.
-2. **attention**: one layer's decode attention at Llama-3.1-8B shapes (32 query heads, 8 KV heads, head_dim 128,
+Sections, in this order (``--skip`` leaves some out):
+
+1. **attention**: one layer's decode attention at Llama-3.1-8B shapes (32 query heads, 8 KV heads, head_dim 128,
    blocks of 16 in shuffled order) for B x context in {1 x 32k, 32 x 4k, 128 x 2k}: kv8's Triton kernel over an
-   fp8_e4m3 and a bf16 paged cache, and torch SDPA over a contiguous bf16 cache of the same tokens; each with the
-   cache bytes it reads per second and that rate over the GPU's device-to-device copy rate (bytes read + written
-   by ``dst.copy_(src)`` of 1 GiB per second, measured in the same run).
-3. **engine**: decode tokens/s of the engine (``LLM``, ``load_format="dummy"``: random bf16 weights of
-   Llama-3.1-8B's shapes, no checkpoint) at 2k context, bf16 KV vs fp8_e4m3 KV: at batch 64, and at the largest
-   batch each cache runs at once in one KV budget (``--kv-budget-gib``, default 17 GiB: 65 sequences of 2k prompt +
-   36 tokens in bf16, 131 in fp8; :func:`admissible_batch` counts the scheduler's admission reserve).
+   fp8_e4m3 and a bf16 paged cache, and torch SDPA pinned to its flash backend over a contiguous bf16 cache of the
+   same tokens (the GQA group as the query length: one decode token per query head). Each is timed as N launches
+   back to back between one pair of CUDA events (captured in a CUDA graph, so the wrapper's host work is not
+   timed; eager launches where capture fails, said so in the results), over enough copies of its inputs that
+   the L2 cache holds none of a call's bytes when it starts (:func:`rotation_count`). The cache bytes each reads
+   per second are set against the device-to-device copy rate (bytes read + written by ``dst.copy_(src)`` of
+   1 GiB, timed the same way).
+2. **engine**: decode tokens/s of the engine (``LLM``, ``load_format="dummy"``: random bf16 weights of
+   Llama-3.1-8B's shapes) at 2k context with bf16 KV and with fp8_e4m3 KV, each at the largest batch its cache
+   runs at once in one KV budget (``--kv-budget-gib``, default 17 GiB: 65 sequences of 2k prompt + 36 tokens in
+   bf16, 131 in fp8; :func:`admissible_batch`). At a fixed batch the weights read per step dominate; at one budget
+   the FP8 cache's doubled batch shows.
+3. **tests**: the Triton kernel tests, the device tests and the engine on the triton backend, compiled for the GPU
+   (pytest without ``TRITON_INTERPRET``) in a subprocess, with the time the deadline leaves.
 
-It prints a table per section and writes everything to ``--json PATH``. Timings are medians of CUDA-event-timed
-calls after warm-up. ``--smoke`` runs the same code at tiny shapes (a tiny Llama, contexts of a few blocks, on the
-CPU through Triton's interpreter when there is no GPU): the test suite runs it that way, so the script works
-before a GPU ever sees it.
+Then one verdict per target (:data:`TARGETS`, the numbers of issue 39), PASS or FAIL, and the exit status
+(:func:`exit_status`): 0 when every target of the sections run passes, 1 when one fails (the tests section fails
+with pytest's return code), 3 when the deadline (``--deadline``, 480 s, compile included) cut the run short: it
+then prints the verdicts of what it has. A target whose section ran without producing its number fails.
+
+``--smoke`` runs the same code at tiny shapes (a tiny Llama, contexts of a few blocks) on the CPU through Triton's
+interpreter when there is no GPU: the test suite runs it so, and the script works before a GPU sees it. Its
+numbers mean nothing, and its verdicts are printed like any others.
 
     PYTHONPATH=. python3 benchmarks/gpu_check.py --json $OUT/gpu_check.json      # on the GPU machine
-    TRITON_INTERPRET=1 .venv/bin/python benchmarks/gpu_check.py --smoke --json /tmp/gpu_check.json   # here
+    TRITON_INTERPRET=1 .venv/bin/python benchmarks/gpu_check.py --smoke --skip tests --json /tmp/gpu_check.json
 """
 
 from __future__ import annotations
@@ -27,15 +37,19 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import math
 import os
 import platform
 import random
+import signal
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -54,59 +68,226 @@ TINY_LLAMA = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, n
                   num_key_value_heads=2, head_dim=32, vocab_size=512, max_position_embeddings=4096,
                   rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=False)
 
+# (batch, context, roles): "bandwidth" rows are judged against the copy rate (32 x 4k and above), "long" rows
+# against the bf16 kernel (long context). The smoke shapes take the same roles at tiny sizes.
+SHAPES = ((1, 32768, ("long",)), (32, 4096, ("long", "bandwidth")), (128, 2048, ("bandwidth",)))
+SMOKE_SHAPES = ((1, 64, ("long",)), (2, 48, ("long", "bandwidth")))
 
-# ---- timing ----------------------------------------------------------------------------------------------------
-TIMING = {"warmup": 3, "iters": 10}   # calls per timing (--smoke: 1 and 2)
+DEADLINE_S = 480.0          # the whole run, compile included
+EXIT_OK, EXIT_MISSED, EXIT_DEADLINE = 0, 1, 3
+DEFAULT_L2_BYTES = 50 * 2**20   # an H100's, where torch does not report the device's
 
 
-def median_seconds(fn: Callable[[], object], device: torch.device) -> float:
-    """Median wall time of ``fn`` (CUDA events on a GPU, perf_counter elsewhere), after warm-up calls."""
-    for _ in range(TIMING["warmup"]):
-        fn()
-    times = []
-    for _ in range(TIMING["iters"]):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(end) / 1e3)
+# ---- the pure logic: targets and verdicts, rotation, deadline, exit status (tested on the CPU) ------------------
+@dataclass(frozen=True)
+class Target:
+    """A number the GPU path owes: ``measure`` reads it (None: not measured) from the results; it passes when at
+    least ``threshold`` (``higher=True``) or at most ``threshold``."""
+
+    key: str
+    text: str
+    section: str
+    threshold: float
+    higher: bool
+    measure: Callable[[dict], float | None]
+
+
+def _worst(rows: Sequence[dict], role: str, value: Callable[[dict], float | None], higher: bool) -> float | None:
+    """The worst ``value`` over the attention rows with ``role`` (None if a row has none, or no row has the role)."""
+    values = [value(r) for r in rows if role in r.get("roles", ())]
+    if not values or any(v is None for v in values):
+        return None
+    return min(values) if higher else max(values)   # type: ignore[type-var]
+
+
+def _fp8_of_copy(result: dict) -> float | None:
+    return _worst(result.get("attention", []), "bandwidth", lambda r: r.get("fp8_e4m3", {}).get("of_copy"), True)
+
+
+def _fp8_over_bf16(result: dict) -> float | None:
+    return _worst(result.get("attention", []), "long", lambda r: r.get("fp8_over_bf16"), True)
+
+
+def _bf16_over_sdpa(result: dict) -> float | None:
+    rows = result.get("attention", [])
+    values = [r.get("bf16_over_sdpa") for r in rows]
+    return None if not rows or any(v is None for v in values) else max(values)   # type: ignore[type-var]
+
+
+def _engine_ratio(result: dict) -> float | None:
+    return result.get("engine", {}).get("fp8_over_bf16_at_budget")
+
+
+def _tests_passed(result: dict) -> float | None:
+    tests = result.get("tests")
+    return None if tests is None or tests.get("returncode") is None else float(tests["returncode"] == 0)
+
+
+TARGETS = (
+    Target("fp8_of_copy", "FP8 decode attention reads >= 70% of the copy rate at 32 x 4k and above", "attention",
+           0.70, True, _fp8_of_copy),
+    Target("fp8_over_bf16", "FP8 decode attention >= 1.6x the bf16 paged kernel at long context", "attention",
+           1.6, True, _fp8_over_bf16),
+    Target("bf16_over_sdpa", "bf16 paged attention takes at most 1.25x SDPA's (flash) time", "attention",
+           1.25, False, _bf16_over_sdpa),
+    Target("engine_fp8_over_bf16", "end-to-end decode tok/s, FP8 KV >= 1.3x bf16 KV at one KV budget", "engine",
+           1.3, True, _engine_ratio),
+    Target("tests", "the GPU tests pass (pytest's return code 0)", "tests", 1.0, True, _tests_passed),
+)
+
+
+def verdicts(result: dict, ran: Sequence[str]) -> list[dict]:
+    """One verdict per target: PASS / FAIL, or SKIP when its section was not asked for (``ran``: the sections
+    run, finished or not). A target of a section that ran without giving its number fails."""
+    out = []
+    for t in TARGETS:
+        value = t.measure(result) if t.section in ran else None
+        if t.section not in ran:
+            verdict = "SKIP"
+        elif value is None:
+            verdict = "FAIL"
         else:
+            verdict = "PASS" if (value >= t.threshold if t.higher else value <= t.threshold) else "FAIL"
+        out.append({"target": t.key, "text": t.text, "threshold": t.threshold, "value": value, "verdict": verdict})
+    return out
+
+
+def exit_status(results: Sequence[dict], deadline_hit: bool) -> int:
+    """:data:`EXIT_DEADLINE` when the deadline cut the run short, else :data:`EXIT_MISSED` when a verdict is
+    FAIL, else :data:`EXIT_OK`."""
+    if deadline_hit:
+        return EXIT_DEADLINE
+    return EXIT_MISSED if any(v["verdict"] == "FAIL" for v in results) else EXIT_OK
+
+
+def format_verdicts(results: Sequence[dict]) -> str:
+    lines = ["verdicts:"]
+    for v in results:
+        value = "not measured" if v["value"] is None else f"{v['value']:.3f}"
+        bound = (">=" if next(t for t in TARGETS if t.key == v["target"]).higher else "<=") + f" {v['threshold']:g}"
+        lines.append(f"  {v['verdict']:4s}  {v['text']}: {value} ({bound})")
+    return "\n".join(lines)
+
+
+def rotation_count(working_set: int, l2_bytes: int, max_bytes: int) -> int:
+    """Copies of a call's inputs (``working_set`` bytes) to rotate through so that the L2 cache (``l2_bytes``) holds
+    none of a call's bytes when it starts: at least two (never the previous call's copy), and enough that the
+    other copies stream twice the L2 between two uses of one. ``ValueError`` when they need more than
+    ``max_bytes``."""
+    if working_set <= 0 or l2_bytes < 0:
+        raise ValueError(f"working_set={working_set} must be > 0 and l2_bytes={l2_bytes} >= 0")
+    n = max(2, 1 + math.ceil(2 * l2_bytes / working_set))
+    if n * working_set > max_bytes:
+        raise ValueError(f"{n} copies of {working_set} bytes (to stream 2 x {l2_bytes} bytes of L2 between two uses "
+                         f"of one) exceed {max_bytes} bytes")
+    return n
+
+
+class DeadlineExceeded(BaseException):
+    """Raised in the main thread when the run's deadline passes (:meth:`Deadline.arm`); a ``BaseException``, so that
+    no ``except Exception`` on the way (a failed CUDA graph capture) takes it for an error of its own."""
+
+
+class Deadline:
+    """The run's deadline: ``seconds`` from construction on ``clock``. :meth:`left` for subprocess timeouts;
+    :meth:`arm` makes it raise :class:`DeadlineExceeded` in the main thread when it passes (SIGALRM), and ends
+    the process ``grace`` seconds later with ``on_hard_stop`` if Python has not got back control by then (a
+    kernel compile or a CUDA call that does not return)."""
+
+    def __init__(self, seconds: float, clock: Callable[[], float] = time.monotonic) -> None:
+        if not seconds > 0:
+            raise ValueError(f"deadline={seconds} must be > 0 seconds")
+        self.seconds, self.clock = seconds, clock
+        self.start = clock()
+        self._timer: threading.Timer | None = None
+
+    def left(self) -> float:
+        return max(0.0, self.start + self.seconds - self.clock())
+
+    def elapsed(self) -> float:
+        return self.clock() - self.start
+
+    def expired(self) -> bool:
+        return self.left() <= 0
+
+    def arm(self, on_hard_stop: Callable[[], None], grace: float = 30.0) -> None:
+        def alarm(signum: int, frame: object) -> None:
+            raise DeadlineExceeded(f"the deadline of {self.seconds:.0f} s passed")
+
+        signal.signal(signal.SIGALRM, alarm)
+        signal.setitimer(signal.ITIMER_REAL, max(self.left(), 1e-3))
+        self._timer = threading.Timer(self.left() + grace, on_hard_stop)
+        self._timer.daemon = True
+        self._timer.start()
+
+    def disarm(self) -> None:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        if self._timer is not None:
+            self._timer.cancel()
+
+
+# ---- timing --------------------------------------------------------------------------------------------------
+TIMING = {"launches": 30, "repeats": 5}   # per timing: launches between one pair of events, median of repeats
+
+
+def l2_bytes(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 0
+    return int(getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 0) or DEFAULT_L2_BYTES)
+
+
+def time_launches(calls: Sequence[Callable[[], object]], device: torch.device) -> tuple[float, str]:
+    """Seconds per launch and how they were timed: ``TIMING["launches"]`` calls, rotating through ``calls`` (one
+    per copy of the inputs), back to back between one pair of CUDA events, median of ``TIMING["repeats"]``. On
+    CUDA the launches are captured in one CUDA graph ("graph"), or launched eagerly where capture fails ("eager";
+    the host work of each call is then in the interval too); on the CPU, perf_counter ("cpu")."""
+    n = TIMING["launches"]
+    for call in calls:   # compile, allocate, warm up
+        call()
+    if device.type != "cuda":
+        times = []
+        for _ in range(TIMING["repeats"]):
             t0 = time.perf_counter()
-            fn()
+            for i in range(n):
+                calls[i % len(calls)]()
             times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
-def copy_rate(device: torch.device, nbytes: int) -> float:
-    """Bytes read + written per second by ``dst.copy_(src)`` of ``nbytes``."""
-    src = torch.empty(nbytes, dtype=torch.uint8, device=device).random_(0, 255)
-    dst = torch.empty_like(src)
-    return 2 * nbytes / median_seconds(lambda: dst.copy_(src), device)
-
-
-# ---- 1. tests ----------------------------------------------------------------------------------------------------
-def run_tests(timeout: float) -> dict:
-    """pytest over the GPU path's tests in a subprocess (compiled: TRITON_INTERPRET removed)."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/kernels/test_triton_store.py",
-           "tests/kernels/test_triton_attention.py", "tests/engine/test_device.py",
-           "tests/engine/test_triton_engine.py"]
-    start = time.perf_counter()
+        return statistics.median(times) / n, "cpu"
+    torch.cuda.synchronize()
+    graph: torch.cuda.CUDAGraph | None = torch.cuda.CUDAGraph()
     try:
-        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
-        tail, rc = (proc.stdout + proc.stderr).strip().splitlines()[-30:], proc.returncode
-    except subprocess.TimeoutExpired as e:
-        out = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
-        tail, rc = out.strip().splitlines()[-30:] + [f"(stopped after {timeout:.0f} s)"], None
-    summary = tail[-1] if tail else ""
-    print(f"tests ({time.perf_counter() - start:.0f} s): {summary}")
-    return {"returncode": rc, "summary": summary, "tail": tail, "seconds": time.perf_counter() - start}
+        with torch.cuda.graph(graph):
+            for i in range(n):
+                calls[i % len(calls)]()
+        graph.replay()
+        method = "graph"
+    except Exception:   # not capturable here: eager launches, said so
+        graph, method = None, "eager"
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(TIMING["repeats"]):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        if graph is not None:
+            graph.replay()
+        else:
+            for i in range(n):
+                calls[i % len(calls)]()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return statistics.median(times) / n, method
 
 
-# ---- 2. decode attention -----------------------------------------------------------------------------------------
+def copy_rate(device: torch.device, nbytes: int, l2: int) -> tuple[float, str]:
+    """Bytes read + written per second by ``dst.copy_(src)`` of ``nbytes``, and how it was timed."""
+    n = rotation_count(2 * nbytes, l2, 8 * 2 * nbytes)
+    pairs = [(torch.empty(nbytes, dtype=torch.uint8, device=device).random_(0, 255),
+              torch.empty(nbytes, dtype=torch.uint8, device=device)) for _ in range(n)]
+    seconds, method = time_launches([lambda s=s, d=d: d.copy_(s) for s, d in pairs], device)
+    return 2 * nbytes / seconds, method
+
+
+# ---- 1. decode attention -----------------------------------------------------------------------------------------
 def _paged(kv_name: str, batch: int, context: int, heads: int, dim: int, block: int, device: torch.device,
            seed: int):
     """A paged cache holding ``batch`` sequences of ``context`` random tokens in shuffled blocks, and its metadata
@@ -135,63 +316,84 @@ def _paged(kv_name: str, batch: int, context: int, heads: int, dim: int, block: 
     return cache, meta
 
 
-def _rate(seconds: float, read: int, copy_bps: float) -> dict:
-    return {"us": seconds * 1e6, "gbps": read / seconds / 1e9, "of_copy": read / seconds / copy_bps}
+def _rate(seconds: float, read: int, copy_bps: float, method: str) -> dict:
+    return {"us": seconds * 1e6, "gbps": read / seconds / 1e9, "of_copy": read / seconds / copy_bps,
+            "timing": method}
 
 
-def _time_paged(backend, q: torch.Tensor, kv_name: str, context: int, heads_kv: int, block: int,
-                device: torch.device, copy_bps: float) -> dict:
-    """One decode step's attention over a paged cache of ``kv_name``: time and read rate."""
-    batch, _, dim = q.shape
-    cache, meta = _paged(kv_name, batch, context, heads_kv, dim, block, device, seed=batch * 7 + context)
-    k_cache, v_cache = cache.layer(0)
-    static = cache.layer_scales(0)
-    out = torch.empty_like(q)
-    seconds = median_seconds(lambda: backend._attend(
-        q, k_cache, v_cache, out, query_start_loc=meta.query_start_loc, seq_lens=meta.seq_lens,
-        block_tables=meta.block_tables, max_query_len=1, max_seq_len=context, scale=dim ** -0.5,
-        sliding_window=None, fp8=cache.kv_dtype.fp8, k_scale=None if static is None else static[0],
-        v_scale=None if static is None else static[1]), device)
-    return _rate(seconds, batch * context * heads_kv * dim * 2 * cache.kv_dtype.bytes_per_element, copy_bps)
+def _time_paged(backend, batch: int, heads_q: int, kv_name: str, context: int, heads_kv: int, dim: int, block: int,
+                device: torch.device, copy_bps: float, l2: int) -> dict:
+    """One decode step's attention over paged caches of ``kv_name``, rotated: time and read rate."""
+    itemsize = 1 if kv_name.startswith("fp8") else 2
+    read = batch * context * heads_kv * dim * 2 * itemsize
+    n = rotation_count(read, l2, max(8 * read, 2**33))
+    calls = []
+    for copy in range(n):
+        cache, meta = _paged(kv_name, batch, context, heads_kv, dim, block, device, seed=batch * 7 + context + copy)
+        k_cache, v_cache = cache.layer(0)
+        static = cache.layer_scales(0)
+        q = torch.randn(batch, heads_q, dim, dtype=torch.bfloat16, device=device)
+        out = torch.empty_like(q)
+        calls.append(lambda q=q, k=k_cache, v=v_cache, out=out, meta=meta, fp8=cache.kv_dtype.fp8, s=static:
+                     backend._attend(q, k, v, out, query_start_loc=meta.query_start_loc, seq_lens=meta.seq_lens,
+                                     block_tables=meta.block_tables, max_query_len=1, max_seq_len=context,
+                                     scale=dim ** -0.5, sliding_window=None, fp8=fp8,
+                                     k_scale=None if s is None else s[0], v_scale=None if s is None else s[1]))
+    seconds, method = time_launches(calls, device)
+    return dict(_rate(seconds, read, copy_bps, method), copies=n)
 
 
-def _time_sdpa(q: torch.Tensor, context: int, heads_kv: int, device: torch.device, copy_bps: float) -> dict:
-    """torch SDPA over a contiguous bf16 cache ``[B, Hkv, context, D]`` (GQA), one query token per sequence."""
-    batch, _, dim = q.shape
-    k = torch.randn(batch, heads_kv, context, dim, dtype=torch.bfloat16, device=device)
-    v = torch.randn_like(k)
-    qs = q.unsqueeze(2)   # [B, Hq, 1, D]
-    seconds = median_seconds(lambda: F.scaled_dot_product_attention(qs, k, v, scale=dim ** -0.5, enable_gqa=True),
-                             device)
-    return _rate(seconds, 2 * k.numel() * k.element_size(), copy_bps)
+def _time_sdpa(batch: int, heads_q: int, context: int, heads_kv: int, dim: int, device: torch.device,
+               copy_bps: float, l2: int) -> dict:
+    """torch SDPA pinned to its flash backend over contiguous bf16 caches ``[B, Hkv, context, D]``, rotated; the
+    GQA group is the query length (``q [B, Hkv, group, D]``: one decode token per query head, no mask)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    group = heads_q // heads_kv
+    read = 2 * batch * heads_kv * context * dim * 2
+    n = rotation_count(read, l2, max(8 * read, 2**33))
+    inputs = [(torch.randn(batch, heads_kv, group, dim, dtype=torch.bfloat16, device=device),
+               torch.randn(batch, heads_kv, context, dim, dtype=torch.bfloat16, device=device),
+               torch.randn(batch, heads_kv, context, dim, dtype=torch.bfloat16, device=device)) for _ in range(n)]
+    calls = [lambda q=q, k=k, v=v: F.scaled_dot_product_attention(q, k, v, scale=dim ** -0.5)
+             for q, k, v in inputs]
+    try:
+        with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+            seconds, method = time_launches(calls, device)
+    except RuntimeError as e:   # flash cannot run these inputs here: no number, and the target fails
+        return {"backend": "flash", "error": str(e).splitlines()[0] if str(e) else type(e).__name__}
+    return dict(_rate(seconds, read, copy_bps, method), copies=n, backend="flash")
 
 
-def attention_rows(shapes: list[tuple[int, int]], device: torch.device, copy_bps: float, heads_q: int = 32,
-                   heads_kv: int = 8, dim: int = 128, block: int = 16) -> list[dict]:
-    """Section 2: per (batch, context), kv8's Triton kernel over fp8_e4m3 and bf16 paged caches, and SDPA."""
+def attention_rows(shapes: Sequence[tuple[int, int, Sequence[str]]], device: torch.device, copy_bps: float,
+                   l2: int, rows: list[dict], heads_q: int = 32, heads_kv: int = 8, dim: int = 128,
+                   block: int = 16) -> None:
+    """Section 1, appended to ``rows`` as each shape is done (what the deadline leaves is kept)."""
     from kv8.attention.triton import TritonBackend
 
     backend = TritonBackend()
-    rows = []
-    for batch, context in shapes:
-        q = torch.randn(batch, heads_q, dim, dtype=torch.bfloat16, device=device)
-        row: dict = {"batch": batch, "context": context}
+    for batch, context, roles in shapes:
+        row: dict = {"batch": batch, "context": context, "roles": list(roles)}
         for kv_name in ("fp8_e4m3", "bfloat16"):
-            row[kv_name] = _time_paged(backend, q, kv_name, context, heads_kv, block, device, copy_bps)
-        row["sdpa"] = _time_sdpa(q, context, heads_kv, device, copy_bps)
+            row[kv_name] = _time_paged(backend, batch, heads_q, kv_name, context, heads_kv, dim, block, device,
+                                       copy_bps, l2)
+        row["sdpa"] = _time_sdpa(batch, heads_q, context, heads_kv, dim, device, copy_bps, l2)
         row["fp8_over_bf16"] = row["bfloat16"]["us"] / row["fp8_e4m3"]["us"]
-        row["bf16_over_sdpa"] = row["bfloat16"]["us"] / row["sdpa"]["us"]
+        row["bf16_over_sdpa"] = row["bfloat16"]["us"] / row["sdpa"]["us"] if "us" in row["sdpa"] else None
         rows.append(row)
+        sdpa = (f"{row['sdpa']['us']:9.1f} us ({row['sdpa']['of_copy']:.2f})" if "us" in row["sdpa"] else
+                f"flash unavailable: {row['sdpa']['error']}")
+        ratio = "" if row["bf16_over_sdpa"] is None else f" | bf16 paged / sdpa {row['bf16_over_sdpa']:.2f}x"
         print(f"B {batch:4d} x {context:6d}: fp8 {row['fp8_e4m3']['us']:9.1f} us ({row['fp8_e4m3']['of_copy']:.2f} of "
-              f"copy) | bf16 {row['bfloat16']['us']:9.1f} us ({row['bfloat16']['of_copy']:.2f}) | sdpa "
-              f"{row['sdpa']['us']:9.1f} us ({row['sdpa']['of_copy']:.2f}) | fp8 speed-up over bf16 "
-              f"{row['fp8_over_bf16']:.2f}x | bf16 paged / sdpa {row['bf16_over_sdpa']:.2f}x", flush=True)
+              f"copy) | bf16 {row['bfloat16']['us']:9.1f} us ({row['bfloat16']['of_copy']:.2f}) | sdpa flash {sdpa} "
+              f"| fp8 speed-up over bf16 {row['fp8_over_bf16']:.2f}x{ratio} [{row['fp8_e4m3']['timing']}, "
+              f"{row['fp8_e4m3']['copies']} copies]", flush=True)
         if device.type == "cuda":
+            gc.collect()
             torch.cuda.empty_cache()
-    return rows
 
 
-# ---- 3. the engine -----------------------------------------------------------------------------------------------
+# ---- 2. the engine -----------------------------------------------------------------------------------------------
 def make_model_dir(path: Path, config: dict) -> str:
     """A model directory with a Llama config.json and a word-level tokenizer of ``vocab_size`` tokens (t0, t1, ...):
     all ``load_format="dummy"`` needs."""
@@ -224,15 +426,34 @@ def admissible_batch(num_blocks: int, block_size: int, prompt: int, total: int) 
     return n
 
 
+def _engine_args(model: str, kv_name: str, batch: int, context: int, decode_steps: int, kv_budget: int, device: str,
+                 attention_backend: str):
+    from kv8.engine.args import EngineArgs
+
+    return EngineArgs(model=model, load_format="dummy", dtype="bfloat16", device=device, kv_cache_dtype=kv_name,
+                      kv_cache_memory=kv_budget, max_model_len=context + decode_steps + 16, max_num_seqs=batch,
+                      max_num_batched_tokens=max(8192, context), attention_backend=attention_backend)
+
+
+def batch_in_budget(model: str, kv_name: str, context: int, decode_steps: int, kv_budget: int, device: str,
+                    attention_backend: str) -> int:
+    """The largest batch a ``kv_name`` cache of ``kv_budget`` bytes runs at once (from the engine's own sizing,
+    nothing loaded)."""
+    from kv8.loader.model import read_model_config
+
+    args = _engine_args(model, kv_name, 1, context, decode_steps, kv_budget, device, attention_backend)
+    budget = args.create_engine_config(read_model_config("hf", model), "hf", model).kv_budget()
+    return admissible_batch(budget.num_blocks()[0], budget.cache.block_size, context, context + decode_steps + 4)
+
+
 def engine_decode(model: str, kv_name: str, batch: int, context: int, decode_steps: int, kv_budget: int,
                   device: str, attention_backend: str) -> dict:
     """Decode tokens/s of ``batch`` sequences of ``context`` prompt tokens: prefill them all, then time
     ``decode_steps`` engine steps of the full batch."""
     from kv8 import LLM, SamplingParams
 
-    llm = LLM(model=model, load_format="dummy", dtype="bfloat16", device=device, kv_cache_dtype=kv_name,
-              kv_cache_memory=kv_budget, max_model_len=context + decode_steps + 16, max_num_seqs=batch,
-              max_num_batched_tokens=max(8192, context), attention_backend=attention_backend)
+    args = _engine_args(model, kv_name, batch, context, decode_steps, kv_budget, device, attention_backend)
+    llm = LLM(**{f: getattr(args, f) for f in args.field_names()})
     eng = llm.engine
     capacity = eng.stats().kv_capacity_tokens
     rng = random.Random(0)
@@ -250,8 +471,7 @@ def engine_decode(model: str, kv_name: str, batch: int, context: int, decode_ste
     # a hand loop, not run_to_completion: it times decode_steps steps of the full batch, then aborts the requests
     while steps < decode_steps and eng.has_unfinished_requests():
         eng.step()
-        stats = eng.stats()
-        tokens += stats.last_step_decode_tokens
+        tokens += eng.stats().last_step_decode_tokens
         steps += 1
     sync()
     seconds = time.perf_counter() - start
@@ -266,82 +486,131 @@ def engine_decode(model: str, kv_name: str, batch: int, context: int, decode_ste
         torch.cuda.empty_cache()
     row = {"kv": kv_name, "batch": batch, "context": context, "decode_steps": steps, "decode_tokens": tokens,
            "tok_s": tokens / seconds, "ms_per_step": 1e3 * seconds / max(steps, 1), "prefill_s": prefill_s,
-           "kv_capacity_tokens": capacity,
-           "max_batch_in_budget": admissible_batch(free.num_blocks, free.block_size, context, context + steps + 4)}
+           "kv_capacity_tokens": capacity}
     print(f"engine {kv_name:9s} B {batch:4d} x {context}: {row['tok_s']:9.1f} tok/s ({row['ms_per_step']:.2f} ms "
-          f"per step; prefill {prefill_s:.1f} s; the budget holds {row['max_batch_in_budget']} such sequences)",
-          flush=True)
+          f"per step; prefill {prefill_s:.1f} s)", flush=True)
     return row
 
 
-def engine_rows(model: str, batch: int, context: int, decode_steps: int, kv_budget: int, device: str,
-                attention_backend: str) -> dict:
-    at_batch = [engine_decode(model, kv, batch, context, decode_steps, kv_budget, device, attention_backend)
-                for kv in ("bfloat16", "fp8_e4m3")]
-    at_max = []
-    for row in at_batch:   # the largest batch each cache holds in the same budget
-        most = row["max_batch_in_budget"]
-        at_max.append(row if most == batch else
-                      engine_decode(model, row["kv"], most, context, decode_steps, kv_budget, device,
-                                    attention_backend))
-    result = {"at_batch": at_batch, "at_max_batch": at_max,
-              "fp8_over_bf16_at_batch": at_batch[1]["tok_s"] / at_batch[0]["tok_s"],
-              "fp8_over_bf16_at_budget": at_max[1]["tok_s"] / at_max[0]["tok_s"]}
-    print(f"engine: fp8 / bf16 KV decode tok/s at batch {batch}: {result['fp8_over_bf16_at_batch']:.2f}x; at one KV "
-          f"budget ({kv_budget / 2**30:.2f} GiB; batches {at_max[0]['batch']} and {at_max[1]['batch']}): "
-          f"{result['fp8_over_bf16_at_budget']:.2f}x", flush=True)
-    return result
+def engine_rows(model: str, context: int, decode_steps: int, kv_budget: int, device: str, attention_backend: str,
+                result: dict) -> None:
+    """Section 2 into ``result``: each cache at the largest batch it runs in ``kv_budget``, and their ratio."""
+    rows = result.setdefault("at_max_batch", [])
+    for kv in ("bfloat16", "fp8_e4m3"):
+        batch = batch_in_budget(model, kv, context, decode_steps, kv_budget, device, attention_backend)
+        rows.append(engine_decode(model, kv, batch, context, decode_steps, kv_budget, device, attention_backend))
+    result["kv_budget_bytes"] = kv_budget
+    result["fp8_over_bf16_at_budget"] = rows[1]["tok_s"] / rows[0]["tok_s"]
+    print(f"engine: fp8 / bf16 KV decode tok/s at one KV budget ({kv_budget / 2**30:.2f} GiB; batches "
+          f"{rows[0]['batch']} and {rows[1]['batch']}): {result['fp8_over_bf16_at_budget']:.2f}x", flush=True)
 
 
-def main() -> None:
+# ---- 3. tests ----------------------------------------------------------------------------------------------------
+TEST_FILES = ("tests/kernels/test_triton_store.py", "tests/kernels/test_triton_attention.py",
+              "tests/engine/test_device.py", "tests/engine/test_triton_engine.py")
+
+
+def run_tests(timeout: float, result: dict) -> None:
+    """pytest over the GPU path's tests in a subprocess (compiled: TRITON_INTERPRET removed), into ``result``;
+    its return code is kept (None when it ran out of time)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *TEST_FILES]
+    start = time.perf_counter()
+    try:
+        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+        tail, rc = (proc.stdout + proc.stderr).strip().splitlines()[-30:], proc.returncode
+    except subprocess.TimeoutExpired as e:
+        out = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
+        tail, rc = out.strip().splitlines()[-30:] + [f"(stopped after {timeout:.0f} s)"], None
+    summary = tail[-1] if tail else ""
+    print(f"tests ({time.perf_counter() - start:.0f} s, return code {rc}): {summary}", flush=True)
+    result.update(returncode=rc, summary=summary, tail=tail, seconds=time.perf_counter() - start)
+
+
+# ---- the run -----------------------------------------------------------------------------------------------------
+def _finish(result: dict, ran: Sequence[str], deadline_hit: bool, json_path: Path | None) -> int:
+    result["verdicts"] = verdicts(result, ran)
+    result["deadline_hit"] = deadline_hit
+    print(format_verdicts(result["verdicts"]), flush=True)
+    status = exit_status(result["verdicts"], deadline_hit)
+    result["exit_status"] = status
+    if json_path:
+        json_path.parent.mkdir(parents=True, exist_ok=True)
+        json_path.write_text(json.dumps(result, indent=1))
+    return status
+
+
+def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--json", type=Path, help="write the results here")
+    ap.add_argument("--json", type=Path, help="write the results and verdicts here")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes (the test suite's run; CPU + interpreter)")
-    ap.add_argument("--skip", nargs="*", default=[], choices=("tests", "attention", "engine"))
-    ap.add_argument("--tests-timeout", type=float, default=240.0, help="seconds for section 1")
-    ap.add_argument("--kv-budget-gib", type=float, default=17.0, help="section 3's KV budget")
-    args = ap.parse_args()
+    ap.add_argument("--skip", nargs="*", default=[], choices=("attention", "engine", "tests"))
+    ap.add_argument("--deadline", type=float, default=DEADLINE_S,
+                    help="seconds for the whole run, compile included; then it prints what it has and exits 3")
+    ap.add_argument("--kv-budget-gib", type=float, default=17.0, help="section 2's KV budget")
+    args = ap.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if args.smoke:
-        TIMING.update(warmup=1, iters=2)
     if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
         ap.error("no CUDA GPU: run with TRITON_INTERPRET=1 (and --smoke) to check the script on the CPU")
+    if not args.deadline > 0:
+        ap.error(f"--deadline={args.deadline} must be > 0 seconds")
+    if args.smoke:
+        TIMING.update(launches=2, repeats=1)
     result: dict = {"device": torch.cuda.get_device_name() if device.type == "cuda" else platform.processor() or "cpu",
-                    "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"), "smoke": args.smoke}
+                    "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"), "smoke": args.smoke,
+                    "deadline_s": args.deadline}
     try:
         import triton
         result["triton"] = triton.__version__
     except ImportError:
         result["triton"] = None
-    print(f"kv8 GPU check on {result['device']} (torch {result['torch']}, triton {result['triton']})", flush=True)
-    start = time.perf_counter()
-    if "tests" not in args.skip:
-        result["tests"] = run_tests(args.tests_timeout)
-    if "attention" not in args.skip:
-        copy_bps = copy_rate(device, 2**20 if args.smoke else 2**30)
-        result["copy_GBps"] = copy_bps / 1e9
-        print(f"device-to-device copy: {copy_bps / 1e9:.0f} GB/s (read + written)", flush=True)
-        shapes = [(1, 64), (2, 48)] if args.smoke else [(1, 32768), (32, 4096), (128, 2048)]
-        dims = dict(heads_q=4, heads_kv=2, dim=32) if args.smoke else {}
-        result["attention"] = attention_rows(shapes, device, copy_bps, **dims)
-    if "engine" not in args.skip:
-        with tempfile.TemporaryDirectory() as tmp:
-            model = make_model_dir(Path(tmp) / "model", TINY_LLAMA if args.smoke else LLAMA_8B)
-            if args.smoke:
-                # 8 bf16 blocks of 16 tokens: 3 sequences of 20 + 6 tokens at once in bf16 (2 blocks each and the
-                # admission reserve), 6 in fp8
-                result["engine"] = engine_rows(model, batch=2, context=20, decode_steps=2, kv_budget=64 * 1024,
-                                               device=device.type, attention_backend="triton")
-            else:
-                result["engine"] = engine_rows(model, batch=64, context=2048, decode_steps=32,
-                                               kv_budget=int(args.kv_budget_gib * 2**30), device=device.type,
-                                               attention_backend="auto")
-    result["seconds"] = time.perf_counter() - start
+    print(f"kv8 GPU check on {result['device']} (torch {result['torch']}, triton {result['triton']}), deadline "
+          f"{args.deadline:.0f} s", flush=True)
+    deadline = Deadline(args.deadline)
+    ran: list[str] = []
+
+    def hard_stop() -> None:   # the main thread did not get control back after the deadline: report and leave
+        print(f"the deadline passed during {ran[-1] if ran else 'start-up'} and it did not return", flush=True)
+        os._exit(_finish(result, ran, True, args.json))
+
+    deadline.arm(hard_stop)
+    try:
+        if "attention" not in args.skip:
+            ran.append("attention")
+            l2 = l2_bytes(device)
+            copy_bps, method = copy_rate(device, 2**20 if args.smoke else 2**30, l2)
+            result.update(copy_GBps=copy_bps / 1e9, l2_bytes=l2, copy_timing=method)
+            print(f"device-to-device copy: {copy_bps / 1e9:.0f} GB/s (read + written; {method}); L2 {l2} bytes",
+                  flush=True)
+            dims = dict(heads_q=4, heads_kv=2, dim=32) if args.smoke else {}
+            attention_rows(SMOKE_SHAPES if args.smoke else SHAPES, device, copy_bps, l2,
+                           result.setdefault("attention", []), **dims)
+        if "engine" not in args.skip:
+            ran.append("engine")
+            with tempfile.TemporaryDirectory() as tmp:
+                model = make_model_dir(Path(tmp) / "model", TINY_LLAMA if args.smoke else LLAMA_8B)
+                if args.smoke:
+                    # 8 bf16 blocks of 16 tokens: 3 sequences of 20 + 6 tokens at once in bf16 (2 blocks each and
+                    # the admission reserve), 6 in fp8
+                    engine_rows(model, context=20, decode_steps=2, kv_budget=64 * 1024, device=device.type,
+                                attention_backend="triton", result=result.setdefault("engine", {}))
+                else:
+                    engine_rows(model, context=2048, decode_steps=32, kv_budget=int(args.kv_budget_gib * 2**30),
+                                device=device.type, attention_backend="auto", result=result.setdefault("engine", {}))
+        if "tests" not in args.skip:
+            ran.append("tests")
+            run_tests(max(1.0, deadline.left() - 5), result.setdefault("tests", {}))
+        deadline_hit = False
+    except DeadlineExceeded as e:
+        print(f"{e} during {ran[-1] if ran else 'start-up'}: the verdicts of what was measured", flush=True)
+        deadline_hit = True
+    finally:
+        deadline.disarm()
+    result["seconds"] = deadline.elapsed()
     print(f"done in {result['seconds']:.0f} s", flush=True)
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(result, indent=1))
+    return _finish(result, ran, deadline_hit, args.json)
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

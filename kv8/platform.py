@@ -163,10 +163,17 @@ class Platform:
         torch.cuda.set_device(gpu)
         return gpu
 
+    def gpu_memory_info(self) -> tuple[int, int]:
+        """``(free, total)`` bytes of the current CUDA device now: kv8's one query of GPU memory."""
+        if self.kind != "cuda":
+            raise ValueError(f"gpu_memory_info: platform {self.kind!r} has no GPU")
+        free, total = torch.cuda.mem_get_info()
+        return int(free), int(total)
+
     def memory_available(self) -> int | None:
         """Bytes free now for the KV cache: the GPU's, or the host's (None where it cannot be read)."""
         if self.kind == "cuda":
-            return int(torch.cuda.mem_get_info()[0])
+            return self.gpu_memory_info()[0]
         return memory_available()
 
     def host_tensor(self, values: Any, dtype: torch.dtype) -> torch.Tensor:

@@ -32,8 +32,9 @@ OFFERED = {"generate": set(FIELDS), "serve": set(FIELDS), "run": set(FIELDS), "i
            "calibrate": set(FIELDS) - set(CALIBRATE_EXCLUDED), "eval": set(FIELDS) - set(EVAL_EXCLUDED)}
 # a value other than the default for every field, and its flags
 OTHER = dict(model="some-model", dtype="float32", kv_cache_dtype="fp8_e5m2", quantization_param_path="s.json",
-             kv_cache_memory="3GiB", num_kv_blocks=7, block_size=32, enable_prefix_caching=False, max_num_seqs=3,
-             max_num_batched_tokens=99, max_model_len=77, seed=5, attention_backend="reference",
+             kv_cache_memory="3GiB", gpu_memory_utilization=0.5, num_kv_blocks=7, block_size=32,
+             enable_prefix_caching=False, max_num_seqs=3, max_num_batched_tokens=99, max_model_len=77, seed=5,
+             attention_backend="reference",
              dense_backend="packed_bf16", kv_cache_scale_mode="dynamic", kv_cache_rotation="hadamard",
              kv_cache_dtype_skip_layers="1", disable_hybrid_kv_cache_manager=True, tensor_parallel_size=2,
              cpu_threads_per_rank=3, quantization="fp8", adaptive_cpu_threads=False, device="cpu",
@@ -136,6 +137,8 @@ def test_bad_values_are_argparse_errors(capsys):
     for argv, message in ((["--kv-cache-memory", "lots"], "argument --kv-cache-memory: kv_cache_memory='lots' is "
                                                           "not a memory size"),
                           (["--block-size", "x"], "argument --block-size: invalid int value: 'x'"),
+                          (["--gpu-memory-utilization", "most"], "argument --gpu-memory-utilization: invalid float "
+                                                                 "value: 'most'"),
                           (["--dense-backend", "cpu"], "invalid choice: 'cpu' (choose from 'auto', 'torch', "
                                                        "'torch_fp32', 'packed_bf16')")):
         with pytest.raises(SystemExit):
@@ -205,6 +208,7 @@ def test_dense_backend_names():
     (dict(enable_prefix_caching="yes"), "enable_prefix_caching='yes' must be True or False"),
     (dict(kv_cache_memory="lots"), "kv_cache_memory='lots' is not a memory size"),
     (dict(num_kv_blocks=0), "num_kv_blocks=0 must be an int >= 1"),
+    (dict(gpu_memory_utilization=1.1), r"gpu_memory_utilization=1.1 must be a finite number in \(0, 1\]"),
     (dict(block_size=3), "block_size=3 must be a power of two"),
     (dict(max_model_len=65), r"max_model_len=65 exceeds the model's context \(max_position_embeddings=64\)"),
     (dict(seed="1"), "seed='1' must be an int"),
@@ -232,6 +236,8 @@ def test_info_checks_block_size(tiny_llama, capsys):
 
     assert main(["info", tiny_llama, "--block-size", "0"]) == 2
     assert "block_size=0 must be a power of two" in capsys.readouterr().err
+    assert main(["info", tiny_llama, "--gpu-memory-utilization", "2"]) == 2
+    assert "gpu_memory_utilization=2.0 must be a finite number in (0, 1]" in capsys.readouterr().err
 
 
 def test_every_option_is_declared_once() -> None:

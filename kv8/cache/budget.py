@@ -10,6 +10,17 @@ Units::
     block bytes   one block of a pool: num_slots layers x block_size tokens x token bytes
     budget        bytes (kv_cache_memory, or the default) or blocks (num_kv_blocks)
 
+The default budget depends on the device. On the CPU: 25% of the memory free, at most 4 GiB
+(:func:`default_kv_cache_memory`). On a GPU, vLLM's ``gpu_memory_utilization`` (:func:`gpu_kv_cache_memory`)::
+
+    kv budget = gpu_memory_utilization x total      what the engine may use of the GPU
+              - (total - free)                      in use before the engine loads: CUDA context, other processes
+              - weights - activations               this rank's share (DeviceReserve, estimated from the model)
+
+vLLM measures the weights and a profile run's peak once they are loaded; kv8 sizes the cache before it loads (every
+tensor-parallel rank gets the same blocks), so the two come from the architecture (:mod:`kv8.engine.memory`) and
+:meth:`KVBudget.check_fits_memory` checks the cache against the memory free once the weights are in.
+
 Invariant: ``num_blocks()`` gives each pool at least the blocks one ``max_model_len`` sequence needs in it, or
 raises ``ValueError`` naming the option that set the budget.
 """
@@ -26,8 +37,8 @@ from kv8.platform import CPU, Platform
 from kv8.quant.formats import KVCacheDtype
 from kv8.validators import format_bytes
 
-__all__ = ["DEFAULT_MAX_MODEL_LEN", "KVBudget", "blocks_to_hold", "default_kv_cache_memory",
-           "default_max_model_len"]
+__all__ = ["DEFAULT_MAX_MODEL_LEN", "NO_RESERVE", "DeviceReserve", "KVBudget", "blocks_to_hold",
+           "default_kv_cache_memory", "default_max_model_len", "gpu_kv_cache_memory"]
 
 #: the context length an engine gets when ``max_model_len`` is not given: the model's, at most this
 DEFAULT_MAX_MODEL_LEN = 8192
@@ -43,6 +54,35 @@ def default_kv_cache_memory(platform: Platform = CPU) -> int:
     8 GiB assumed where it cannot be read), at most 4 GiB (vLLM's CPU default)."""
     available = platform.memory_available()
     return int(min(4 * 1024**3, 0.25 * (available if available is not None else 8 * 1024**3)))
+
+
+@dataclass(frozen=True)
+class DeviceReserve:
+    """What one rank takes on its GPU besides the KV cache, in bytes: its share of the model's weights, and the
+    activations of its largest step."""
+
+    weights: int
+    activations: int
+
+
+#: the CPU's reserve: its default budget does not count the weights and activations
+NO_RESERVE = DeviceReserve(0, 0)
+
+
+def gpu_kv_cache_memory(platform: Platform, utilization: float, reserve: DeviceReserve) -> int:
+    """The default budget on a GPU (vLLM's ``gpu_memory_utilization``): ``utilization x total``, less what is in use
+    on the device now (``total - free``) and ``reserve``. ``ValueError`` naming ``gpu_memory_utilization`` and each
+    part when nothing is left."""
+    free, total = platform.gpu_memory_info()
+    allowed, in_use = int(utilization * total), total - free
+    budget = allowed - in_use - reserve.weights - reserve.activations
+    if budget <= 0:
+        raise ValueError(
+            f"gpu_memory_utilization={utilization} lets the engine use {format_bytes(allowed)} of the GPU's "
+            f"{format_bytes(total)}, but {format_bytes(in_use)} is in use already, the weights take "
+            f"{format_bytes(reserve.weights)} and the activations {format_bytes(reserve.activations)}: nothing is "
+            f"left for the KV cache; raise gpu_memory_utilization (at most 1), free the GPU, or set kv_cache_memory")
+    return budget
 
 
 def blocks_to_hold(layer_windows: Sequence[int | None], num_tokens: int, block_size: int, num_seqs: int) -> int:
@@ -67,13 +107,16 @@ class KVBudget:
     max_model_len: int
     chunk: int
     platform: Platform = CPU
+    reserve: DeviceReserve = NO_RESERVE   # on a GPU: what the weights and activations take
 
     @classmethod
     def build(cls, cache: CacheConfig, layer_windows: Sequence[int | None], *, head_dim: int, kv_heads: int,
               compute_kv_dtype: KVCacheDtype, max_model_len: int, max_num_batched_tokens: int,
-              skipped: Sequence[bool] = (), platform: Platform = CPU) -> KVBudget:
+              skipped: Sequence[bool] = (), platform: Platform = CPU,
+              reserve: DeviceReserve = NO_RESERVE) -> KVBudget:
         """The budget of a cache with these options for a model of these layers (``skipped[i]``: layer ``i`` is
-        stored in ``compute_kv_dtype``), ``kv_heads`` KV heads of ``head_dim`` on this rank."""
+        stored in ``compute_kv_dtype``), ``kv_heads`` KV heads of ``head_dim`` on this rank; ``reserve``: what the
+        rank's weights and activations take on a GPU (the default budget there leaves it out)."""
         layout = KVCacheLayout.build(layer_windows, skipped, cache.hybrid)
         token_bytes = []
         for pool in layout.pools:
@@ -81,7 +124,7 @@ class KVBudget:
             per_head = KVCodec.bytes_per_head(kv_dtype, head_dim, cache.dynamic_scales and not pool.skipped)
             token_bytes.append(2 * kv_heads * per_head)
         return cls(cache, layout, tuple(token_bytes), max_model_len, min(max_num_batched_tokens, max_model_len),
-                   platform)
+                   platform, reserve)
 
     @property
     def block_bytes(self) -> tuple[int, ...]:
@@ -101,9 +144,14 @@ class KVBudget:
                 for p in self.layout.pools]
 
     def memory(self) -> int:
-        """The budget in bytes: ``kv_cache_memory``, else :func:`default_kv_cache_memory` of the device."""
+        """The budget in bytes: ``kv_cache_memory``, else the device's default (:func:`gpu_kv_cache_memory` on
+        CUDA, :func:`default_kv_cache_memory` on the CPU)."""
         cc = self.cache
-        return cc.kv_cache_memory if cc.kv_cache_memory is not None else default_kv_cache_memory(self.platform)
+        if cc.kv_cache_memory is not None:
+            return cc.kv_cache_memory
+        if self.platform.kind == "cuda":
+            return gpu_kv_cache_memory(self.platform, cc.gpu_memory_utilization, self.reserve)
+        return default_kv_cache_memory(self.platform)
 
     def split(self, memory: int) -> list[int]:
         """Blocks per pool for ``memory`` bytes: one pool takes everything; two share it in proportion to what one
@@ -124,7 +172,9 @@ class KVBudget:
         else:
             num_blocks = self.split(self.memory())
             least = format_bytes(sum(b * k for b, k in zip(block_bytes, needs)))
-            fix = f"raise kv_cache_memory (needs at least {least}) or lower max_model_len"
+            which = ("gpu_memory_utilization or set kv_cache_memory" if cc.kv_cache_memory is None
+                     and self.platform.kind == "cuda" else "kv_cache_memory")
+            fix = f"raise {which} (the cache needs at least {least}) or lower max_model_len"
         for p, n, need in zip(self.layout.pools, num_blocks, needs):
             if n < need:
                 stored = "the compute dtype" if p.skipped else cc.kv_dtype.name
@@ -151,4 +201,7 @@ class KVBudget:
             return f"num_kv_blocks={num_blocks} (--num-kv-blocks)"
         if cc.kv_cache_memory is not None:
             return f"kv_cache_memory={format_bytes(cc.kv_cache_memory)} (--kv-cache-memory)"
+        if self.platform.kind == "cuda":
+            return (f"gpu_memory_utilization={cc.gpu_memory_utilization} (--gpu-memory-utilization: "
+                    f"{format_bytes(self.memory())} for the KV cache)")
         return f"the default kv_cache_memory ({format_bytes(default_kv_cache_memory(self.platform))})"

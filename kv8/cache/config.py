@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from kv8.cache.codec import ROTATIONS, SCALE_MODES
 from kv8.options import option
 from kv8.quant.formats import KV_CACHE_DTYPE_NAMES, KVCacheDtype
-from kv8.validators import check_bool, check_choice, check_int, is_int
+from kv8.validators import check_bool, check_choice, check_int, check_number, is_int
 
 __all__ = ["SKIP_LAYER_KINDS", "CacheConfig"]
 
@@ -25,8 +25,10 @@ class CacheConfig:
     ``kv_cache_dtype_skip_layers`` a tuple), and ``kv_dtype``, the format ``kv_cache_dtype`` names (``auto``: the
     compute dtype's).
 
-    ``kv_cache_memory`` (bytes) or ``num_kv_blocks`` fixes the budget; with neither, the engine derives one
-    from the machine's free memory (:func:`kv8.cache.budget.default_kv_cache_memory`).
+    ``kv_cache_memory`` (bytes) or ``num_kv_blocks`` fixes the budget; with neither, the engine derives one from
+    the device: on a GPU, ``gpu_memory_utilization`` of its total memory less what is in use and what the weights
+    and activations take (:func:`kv8.cache.budget.gpu_kv_cache_memory`); on the CPU, from the machine's free memory
+    (:func:`kv8.cache.budget.default_kv_cache_memory`).
 
     ``kv_cache_scale_mode``: ``static`` -- per-layer scales (file, checkpoint, or 1.0); ``dynamic`` -- a scale per
     token and KV head, computed when the token is stored (``amax / format max``) and kept beside it (FP8 only).
@@ -40,9 +42,9 @@ class CacheConfig:
     instead of only those inside their window (:attr:`hybrid` is its negation; attention is windowed either way).
 
     Invariants: ``block_size`` is a power of two; at most one of ``kv_cache_memory`` (bytes) and
-    ``num_kv_blocks`` is set, and it is an int >= 1; the scale mode in :data:`SCALE_MODES`, the rotation in
-    :data:`ROTATIONS`; dynamic scales, ``quantization_param_path`` and skipped layers need an FP8 ``kv_dtype``,
-    and dynamic scales exclude a scales file.
+    ``num_kv_blocks`` is set, and it is an int >= 1; ``gpu_memory_utilization`` is a number in (0, 1]; the scale
+    mode in :data:`SCALE_MODES`, the rotation in :data:`ROTATIONS`; dynamic scales, ``quantization_param_path``
+    and skipped layers need an FP8 ``kv_dtype``, and dynamic scales exclude a scales file.
     """
 
     kv_dtype: KVCacheDtype   # kv_cache_dtype resolved against the compute dtype
@@ -50,8 +52,11 @@ class CacheConfig:
                                  "value)", choices=KV_CACHE_DTYPE_NAMES)
     block_size: int = option(16, "tokens per KV block (a power of two)", type=int)
     kv_cache_memory: int | None = option(
-        None, "KV cache budget: bytes or a size such as 2GiB (default: 25% of free memory, at most 4GiB)",
-        type=int, metavar="SIZE")
+        None, "KV cache budget: bytes or a size such as 2GiB (default: on CUDA what gpu_memory_utilization leaves; "
+        "on the CPU 25% of free memory, at most 4GiB)", type=int, metavar="SIZE")
+    gpu_memory_utilization: float = option(
+        0.9, "fraction of the GPU's total memory the engine may use, weights and activations included; the KV cache "
+        "gets the rest (CUDA only; kv_cache_memory or num_kv_blocks overrides it)", type=float)
     num_kv_blocks: int | None = option(None, "KV cache budget in blocks instead of bytes", type=int)
     enable_prefix_caching: bool = option(True, "reuse cached KV blocks of shared prompt prefixes", type=bool)
     quantization_param_path: str | None = option(
@@ -87,6 +92,7 @@ class CacheConfig:
         if self.kv_cache_memory is not None and self.num_kv_blocks is not None:
             raise ValueError("give either kv_cache_memory or num_kv_blocks, not both")
         check_int("kv_cache_memory", self.kv_cache_memory, 1, optional=True)
+        check_number("gpu_memory_utilization", self.gpu_memory_utilization, 0, 1, exclusive_minimum=True)
         check_int("num_kv_blocks", self.num_kv_blocks, 1, optional=True)
         check_bool("enable_prefix_caching", self.enable_prefix_caching)
         check_bool("disable_hybrid_kv_cache_manager", self.disable_hybrid_kv_cache_manager)

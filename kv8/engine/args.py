@@ -71,6 +71,7 @@ class EngineArgs(OptionGroup):
     kv_cache_dtype: str = from_config(CacheConfig, "kv_cache_dtype")
     quantization_param_path: str | None = from_config(CacheConfig, "quantization_param_path")
     kv_cache_memory: int | str | None = from_config(CacheConfig, "kv_cache_memory", type=_memory_size)
+    gpu_memory_utilization: float = from_config(CacheConfig, "gpu_memory_utilization")
     num_kv_blocks: int | None = from_config(CacheConfig, "num_kv_blocks")
     block_size: int = from_config(CacheConfig, "block_size")
     enable_prefix_caching: bool = from_config(CacheConfig, "enable_prefix_caching")
@@ -120,6 +121,7 @@ class EngineArgs(OptionGroup):
             kv_dtype=resolve_kv_cache_dtype(self.kv_cache_dtype, dtype), kv_cache_dtype=self.kv_cache_dtype,
             block_size=self.block_size,
             kv_cache_memory=None if self.kv_cache_memory is None else parse_memory(self.kv_cache_memory),
+            gpu_memory_utilization=self.gpu_memory_utilization,
             num_kv_blocks=self.num_kv_blocks, enable_prefix_caching=self.enable_prefix_caching,
             quantization_param_path=self.quantization_param_path, kv_cache_scale_mode=self.kv_cache_scale_mode,
             kv_cache_rotation=self.kv_cache_rotation,

@@ -15,9 +15,10 @@ from typing import Any
 import torch
 
 from kv8.attention.backend import BACKENDS, CPU_ONLY_BACKENDS
-from kv8.cache.budget import KVBudget
+from kv8.cache.budget import NO_RESERVE, DeviceReserve, KVBudget
 from kv8.cache.config import CacheConfig
 from kv8.distributed.config import ParallelConfig
+from kv8.engine.memory import estimate_device_reserve
 from kv8.envs import triton_interpret
 from kv8.models.config import ModelArchConfig
 from kv8.options import option
@@ -185,7 +186,18 @@ class EngineConfig:
                               head_dim=self.arch.head_dim, kv_heads=self.kv_heads_per_rank,
                               compute_kv_dtype=resolve_kv_cache_dtype("auto", self.dtype),
                               max_model_len=self.scheduler.max_model_len,
-                              max_num_batched_tokens=self.scheduler.max_num_batched_tokens, platform=self.platform)
+                              max_num_batched_tokens=self.scheduler.max_num_batched_tokens, platform=self.platform,
+                              reserve=self.device_reserve())
+
+    def device_reserve(self) -> DeviceReserve:
+        """What one rank's weights and largest step take on a GPU (estimated: :mod:`kv8.engine.memory`); nothing
+        on the CPU, whose default budget does not count them."""
+        if self.platform.kind == "cpu":
+            return NO_RESERVE
+        return estimate_device_reserve(
+            self.arch, self.dtype, fp8_codes=self.quantization == "fp8" and self.platform.fp8_tensor_cores,
+            tp_size=self.parallel.tensor_parallel_size, kv_heads=self.kv_heads_per_rank,
+            max_num_batched_tokens=self.scheduler.max_num_batched_tokens, max_num_seqs=self.scheduler.max_num_seqs)
 
     def skipped_layers(self) -> tuple[bool, ...]:
         """Per layer, whether ``kv_cache_dtype_skip_layers`` keeps it in the compute dtype (empty: none is)."""

@@ -43,7 +43,7 @@ EPILOG = """examples:
 models: the alias smollm2-135m (default), a Hugging Face model directory, or a .gguf file."""
 
 # kv8 info loads no weights: only the options that size the cache table and name the dense plan apply to it
-INFO_OPTIONS = ("kv_cache_memory", "block_size", "device", "dtype", "quantization")
+INFO_OPTIONS = ("kv_cache_memory", "gpu_memory_utilization", "block_size", "device", "dtype", "quantization")
 # kv8 tune times the dense layers of a model in one dtype and quantization
 TUNE_OPTIONS = ("dtype", "quantization")
 
@@ -167,10 +167,16 @@ def cmd_info(ns: argparse.Namespace) -> int:
     hf_config = read_model_config(kind, path)
     arch = arch_config(hf_config)
     platform = Platform.resolve(ns.device)
-    memory = parse_memory(ns.kv_cache_memory) if ns.kv_cache_memory else default_kv_cache_memory(platform)
-    # the same checks as an engine's cache (block_size a power of two, memory > 0), for any dtype
+    if ns.kv_cache_memory:
+        memory = parse_memory(ns.kv_cache_memory)
+    elif platform.kind == "cuda":   # the engine's rule: what gpu_memory_utilization leaves after weights, activations
+        memory = EngineArgs.from_cli_args(ns).create_engine_config(hf_config, kind, path).kv_budget().memory()
+    else:
+        memory = default_kv_cache_memory(platform)
+    # the same checks as an engine's cache (block_size a power of two, memory > 0, the utilization in (0, 1]), for
+    # any dtype
     CacheConfig(kv_dtype=resolve_kv_cache_dtype("auto", resolve_dtype("auto")), block_size=ns.block_size,
-                kv_cache_memory=memory)
+                kv_cache_memory=memory, gpu_memory_utilization=ns.gpu_memory_utilization)
     print(f"model        {ns.model} ({kind}: {path})")
     print(f"device       {platform.describe()}")
     print(f"architecture {arch.model_type}: {arch.num_layers} layers, hidden {arch.hidden_size}, "

@@ -20,8 +20,8 @@ from kv8.quant.scales import ScaleGranularity
 
 # Engine options the tools set themselves: the cache holds exactly the windows of one batch (--seq-len /
 # --window, --batch / --gen-prompts) and computes every token once (no prefix caching).
-SIZED_BY_TOOL = ("kv_cache_memory", "num_kv_blocks", "block_size", "enable_prefix_caching", "max_num_seqs",
-                 "max_model_len")
+SIZED_BY_TOOL = ("kv_cache_memory", "gpu_memory_utilization", "num_kv_blocks", "block_size", "enable_prefix_caching",
+                 "max_num_seqs", "max_model_len")
 # Engine options calibrate() and evaluate() do not take: greedy runs do not use the seed; the dense backend is
 # the engine's default (auto).
 NOT_PASSED = ("seed", "dense_backend")

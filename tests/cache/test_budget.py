@@ -6,14 +6,18 @@ from __future__ import annotations
 import pytest
 import torch
 
+import kv8.cache.budget as budget_module
 from kv8.cache.budget import (
     DEFAULT_MAX_MODEL_LEN,
+    NO_RESERVE,
+    DeviceReserve,
     KVBudget,
     blocks_to_hold,
     default_kv_cache_memory,
     default_max_model_len,
 )
 from kv8.cache.config import CacheConfig
+from kv8.platform import CPU, Platform
 from kv8.quant.formats import resolve_kv_cache_dtype
 from tests.helpers.engine import make_llm
 
@@ -26,10 +30,10 @@ def _cache(kv: str = "fp8", **kw) -> CacheConfig:
 
 
 def _budget(cache: CacheConfig, windows=(None,) * 4, *, head_dim=64, kv_heads=2, max_model_len=256,
-            max_num_batched_tokens=2048, skipped=()) -> KVBudget:
+            max_num_batched_tokens=2048, skipped=(), platform=CPU, reserve=NO_RESERVE) -> KVBudget:
     return KVBudget.build(cache, list(windows), head_dim=head_dim, kv_heads=kv_heads, compute_kv_dtype=BF16,
                           max_model_len=max_model_len, max_num_batched_tokens=max_num_batched_tokens,
-                          skipped=skipped)
+                          skipped=skipped, platform=platform, reserve=reserve)
 
 
 @pytest.mark.parametrize("kv,per_value", [("bfloat16", 2), ("float32", 4), ("fp8_e4m3", 1), ("fp8_e5m2", 1),
@@ -112,3 +116,68 @@ def test_the_engine_sizes_its_cache_with_its_budget(tiny_llama: str) -> None:
     assert llm.engine.kv_manager.num_blocks == budget.num_blocks()[0]
     assert llm.engine.cache.nbytes == budget.num_blocks()[0] * budget.block_bytes[0]
     assert llm.engine.layout == budget.layout
+
+
+# ---- on a GPU: gpu_memory_utilization (the device's memory query faked) ------------------------------------------
+GiB = 1024**3
+H100 = Platform.cuda((9, 0), "NVIDIA H100 80GB HBM3", total_memory=80 * GiB)
+
+
+@pytest.fixture
+def gpu_80g(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An 80 GiB GPU with 10 GiB in use before the engine loads (its CUDA context, another process)."""
+    monkeypatch.setattr(Platform, "gpu_memory_info", lambda self: (70 * GiB, 80 * GiB))
+
+
+def test_gpu_budget_is_the_utilization_of_total_less_what_is_in_use_and_the_reserve(gpu_80g) -> None:
+    reserve = DeviceReserve(weights=16 * GiB, activations=GiB)
+    b = _budget(_cache("fp8"), platform=H100, reserve=reserve)
+    assert b.memory() == int(0.9 * 80 * GiB) - 10 * GiB - 17 * GiB          # the default, 0.9
+    assert b.num_blocks() == [b.memory() // b.block_bytes[0]]
+    half = _budget(_cache("fp8", gpu_memory_utilization=0.5), platform=H100, reserve=reserve)
+    assert half.memory() == 40 * GiB - 10 * GiB - 17 * GiB
+    assert budget_module.gpu_kv_cache_memory(H100, 1.0, NO_RESERVE) == 70 * GiB   # all that is free
+    # kv_cache_memory overrides it; the CPU keeps its own default whatever the utilization
+    assert _budget(_cache("fp8", kv_cache_memory=GiB), platform=H100, reserve=reserve).memory() == GiB
+    assert _budget(_cache("fp8", gpu_memory_utilization=0.1)).memory() == default_kv_cache_memory()
+
+
+def test_a_gpu_with_nothing_left_for_the_cache_names_each_part(gpu_80g) -> None:
+    b = _budget(_cache("fp8", gpu_memory_utilization=0.3), platform=H100, reserve=DeviceReserve(16 * GiB, GiB))
+    with pytest.raises(ValueError, match=r"^gpu_memory_utilization=0.3 lets the engine use 24.00 GiB of the GPU's "
+                                         r"80.00 GiB, but 10.00 GiB is in use already, the weights take 16.00 GiB and "
+                                         r"the activations 1.00 GiB: nothing is left for the KV cache; raise "
+                                         r"gpu_memory_utilization"):
+        b.num_blocks()
+
+
+def test_a_gpu_budget_too_small_for_max_model_len_names_gpu_memory_utilization(gpu_80g) -> None:
+    # 24 GiB allowed, 10 in use, 14 GiB - 64 KiB reserved: 64 KiB left, 16 blocks of 16 KiB needed
+    b = _budget(_cache("fp8", gpu_memory_utilization=0.3), platform=H100,
+                reserve=DeviceReserve(14 * GiB - 64 * 1024, 0))
+    assert b.memory() == 64 * 1024
+    with pytest.raises(ValueError, match=r"gpu_memory_utilization=0.3 \(--gpu-memory-utilization: 64.00 KiB for the "
+                                         r"KV cache\) has 4 blocks .*raise gpu_memory_utilization or set "
+                                         r"kv_cache_memory \(the cache needs at least 256.00 KiB\)"):
+        b.num_blocks()
+
+
+def test_a_gpu_cache_is_checked_against_the_memory_free_on_the_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(Platform, "gpu_memory_info", lambda self: (GiB, 80 * GiB))
+    b = _budget(_cache("fp8", kv_cache_memory=2 * GiB), platform=H100)
+    with pytest.raises(ValueError, match=r"asks for a KV cache of 2.00 GiB, but only 1.00 GiB of memory is free on "
+                                         r"the cuda device"):
+        b.check_fits_memory(b.num_blocks())
+
+
+@pytest.mark.parametrize("value,message", [
+    (0, "gpu_memory_utilization=0 must be a finite number in \\(0, 1\\]"),
+    (1.5, "gpu_memory_utilization=1.5 must be a finite number in \\(0, 1\\]"),
+    (float("nan"), "gpu_memory_utilization=nan must be a finite number"),
+    ("0.9", "gpu_memory_utilization='0.9' must be a finite number"),
+    (True, "gpu_memory_utilization=True must be a finite number"),
+])
+def test_gpu_memory_utilization_is_a_fraction_in_0_1(value, message) -> None:
+    with pytest.raises(ValueError, match=message):
+        _cache("fp8", gpu_memory_utilization=value)
+    assert _cache("fp8", gpu_memory_utilization=1).gpu_memory_utilization == 1

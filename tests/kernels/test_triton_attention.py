@@ -508,7 +508,9 @@ from kv8.kernels.triton import attention as A
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "u8": torch.uint8}
 PTR = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32", torch.uint8: "*u8"}
-ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+# the ptxas Triton itself runs for sm_90 (Triton 3.9 emits PTX 9.4, which only its newer bundled ptxas reads)
+from triton.backends.nvidia.compiler import get_ptxas
+ptxas = get_ptxas(90).path
 target = GPUTarget("cuda", 90, 32)
 
 

@@ -65,10 +65,11 @@ def _load_f32(ptrs, mask, IN: tl.constexpr):
 @triton.jit
 def _store_one(x_ptr, stride_xt, stride_xh, c_ptr, stride_cb, stride_ch, stride_cs,
                scale_ptr, stride_sh, stride_sd, ts_ptr, stride_tb, stride_th, stride_ts,
-               t, block, off, heads, dims, valid, H, D, max_finite,
+               t, block, off, heads, dims, h_end, D, max_finite,
                MODE: tl.constexpr, FMT: tl.constexpr, IN: tl.constexpr, OUT: tl.constexpr):
-    """Store token ``t``'s rows ``heads`` x ``dims`` of one of K/V into cache row ``[block, heads, off, dims]``."""
-    hmask = (heads < H) & valid
+    """Store token ``t``'s rows ``heads`` x ``dims`` of one of K/V into cache row ``[block, heads, off, dims]``;
+    heads from ``h_end`` on are left alone."""
+    hmask = heads < h_end
     mask = hmask[:, None] & (dims < D)[None, :]
     src = x_ptr + t * stride_xt + heads[:, None] * stride_xh + dims[None, :]
     dst = c_ptr + block * stride_cb + heads[:, None] * stride_ch + off * stride_cs + dims[None, :]
@@ -114,16 +115,18 @@ def _store_kv_kernel(key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     dims = tl.arange(0, BLOCK_D)
     slot = tl.load(slot_ptr + t)
-    valid = slot >= 0                        # negative slot: a padding row, nothing is written
+    # negative slot: a padding row, no head is written. (Folded into the heads' bound: a scalar comparison ANDed
+    # with a block fails in Triton 3.9's interpreter, "mask has unsupported dtype".)
+    h_end = tl.where(slot >= 0, H, 0)
     slot = tl.maximum(slot, 0)
     block = slot // block_size
     off = slot % block_size
     _store_one(key_ptr, stride_kt, stride_kh, k_cache_ptr, stride_kcb, stride_kch, stride_kcs,
                k_scale_ptr, stride_ksh, stride_ksd, k_ts_ptr, stride_ktb, stride_kth, stride_kts,
-               t, block, off, heads, dims, valid, H, D, max_finite, MODE, FMT, IN, OUT)
+               t, block, off, heads, dims, h_end, D, max_finite, MODE, FMT, IN, OUT)
     _store_one(value_ptr, stride_vt, stride_vh, v_cache_ptr, stride_vcb, stride_vch, stride_vcs,
                v_scale_ptr, stride_vsh, stride_vsd, v_ts_ptr, stride_vtb, stride_vth, stride_vts,
-               t, block, off, heads, dims, valid, H, D, max_finite, MODE, FMT, IN, OUT)
+               t, block, off, heads, dims, h_end, D, max_finite, MODE, FMT, IN, OUT)
 
 
 def interpreted() -> bool:
