@@ -31,28 +31,31 @@ import tempfile
 from dataclasses import asdict, dataclass
 from typing import Any
 
-import triton
 
-_BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
-PTXAS = os.path.join(_BIN, "ptxas")
-CUOBJDUMP = os.path.join(_BIN, "cuobjdump")
+def _tool(name: str) -> str:
+    """A binary of Triton's wheel (ptxas, cuobjdump), by path; Triton is imported only here and below, so the
+    checks of :func:`violations` run where it is absent."""
+    import triton
+    return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
 
 
 def tools_missing() -> str | None:
-    """Why this machine cannot compile for sm_90 (None when it can)."""
+    """Why this machine cannot compile for sm_90 (None when it can): no Triton, no NVIDIA backend, no ptxas or
+    cuobjdump."""
     try:
         import triton.backends.nvidia  # noqa: F401
         from triton.runtime.jit import create_function_from_signature  # noqa: F401
     except ImportError as exc:
-        return f"Triton's NVIDIA backend is not importable: {exc}"
-    for tool in (PTXAS, CUOBJDUMP):
-        if not os.access(tool, os.X_OK):
-            return f"{tool} is missing (Triton's wheel ships it for Linux x86-64)"
+        return f"Triton with its NVIDIA backend is not importable: {exc}"
+    for name in ("ptxas", "cuobjdump"):
+        if not os.access(_tool(name), os.X_OK):
+            return f"{_tool(name)} is missing (Triton's wheel ships it for Linux x86-64)"
     return None
 
 
 def compile_launch(launch: Any, arch: int = 90) -> Any:
     """The launch's kernel compiled for ``sm_<arch>`` exactly as ``launch.run()`` would compile it on that GPU."""
+    import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource, make_backend
     from triton.runtime.jit import create_function_from_signature
@@ -120,7 +123,7 @@ def _sass(cubin: bytes) -> list[str]:
     with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
         f.write(cubin)
     try:
-        out = subprocess.run([CUOBJDUMP, "-sass", f.name], capture_output=True, text=True, check=True).stdout
+        out = subprocess.run([_tool("cuobjdump"), "-sass", f.name], capture_output=True, text=True, check=True).stdout
     finally:
         os.unlink(f.name)
     # "        /*0a30*/                   @!P0 BRA 0x1c10 ;" -> "0a30 @!P0 BRA 0x1c10"
@@ -133,7 +136,8 @@ def measure(kernel: Any, num_warps: int, num_stages: int, bytes_per_iter: int) -
     with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
         f.write(ptx)
     try:
-        log = subprocess.run([PTXAS, "-arch=sm_90a", "-v", f.name, "-o", os.devnull], capture_output=True, text=True)
+        log = subprocess.run([_tool("ptxas"), "-arch=sm_90a", "-v", f.name, "-o", os.devnull], capture_output=True,
+                             text=True)
     finally:
         os.unlink(f.name)
     if log.returncode != 0:
