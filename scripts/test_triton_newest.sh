@@ -35,5 +35,5 @@ export TRITON_INTERPRET=1 PYTHONPATH="$TARGET${PYTHONPATH:+:$PYTHONPATH}"
 # -k triton: the whole store module (its name matches), the contract's triton cases, the attention tests named here
 A=tests/kernels/test_triton_attention.py
 exec "$VPY" -m pytest -q -p no:cacheprovider tests/kernels/test_triton_store.py tests/attention/test_backend_contract.py \
-    "$A::test_bit_decode_is_exact_for_every_code"\
+    "$A::test_bit_decode_is_exact_for_every_code" "$A::test_mixed_batch_launches_decode_rows_apart" \
     "$A::test_kernels_compile_for_sm90_without_spills" -k triton "$@"

@@ -394,31 +394,62 @@ def test_empty_batches_leave_out_alone(device: str) -> None:
 # ---- host-side logic ---------------------------------------------------------------------------------------------
 
 def test_launch_config_invariants() -> None:
-    for group, head_dim, max_q, bs, f32 in itertools.product((1, 2, 3, 4, 6, 8, 16, 32), (1, 64, 80, 96, 128, 256),
-                                                             (0, 1, 2, 7, 64, 4096), (8, 16, 32, 48), (False, True)):
-        c = launch_config(group, head_dim, max_q, bs, f32)
+    for group, head_dim, max_q, bs, f32, nbytes in itertools.product(
+            (1, 2, 3, 4, 6, 8, 16, 32), (1, 64, 80, 96, 128, 256), (0, 1, 2, 7, 64, 4096), (8, 16, 32, 48),
+            (False, True), (1, 2, 4)):
+        c = launch_config(group, head_dim, max_q, bs, f32, nbytes)
         assert c.block_m >= max(16, c.block_q * group) and c.block_q >= 1
         for v in (c.block_m, c.tile_n, c.d_pad):
             assert v >= 16 and v & (v - 1) == 0
         assert c.d_pad >= head_dim
         assert c.tile_in_block == (bs % c.tile_n == 0)
+        assert c.num_warps in (1, 2, 4, 8) and c.num_stages in (3, 5)
     assert launch_config(8, 128, 1, 16, False).block_q == 2       # decode: 16 rows = 2 tokens x 8 heads
     assert launch_config(1, 128, 512, 16, False).block_q == 64    # prefill: 64 tokens per tile
     assert launch_config(1, 128, 512, 32, False).tile_n == 32
     assert not launch_config(1, 128, 1, 8, False).tile_in_block
+    # the engine's decode launches at Llama-3.1-8B shapes (module docstring of the kernel; tests/helpers/sm90.py)
+    fp8 = launch_config(4, 128, 1, 16, False, cache_bytes=1)
+    assert (fp8.tile_n, fp8.num_warps, fp8.num_stages, fp8.tile_in_block) == (64, 2, 5, False)
+    bf16 = launch_config(4, 128, 1, 16, False, cache_bytes=2)
+    assert (bf16.tile_n, bf16.num_warps, bf16.num_stages, bf16.tile_in_block) == (16, 1, 5, True)
 
 
 def test_split_heuristic() -> None:
-    # few programs, long context: split up to 2 programs per SM, >= 256 keys per split
-    assert choose_num_kv_splits(num_programs=16, max_query_len=1, max_keys=8192, compute_units=132) == 17
+    # few programs, long context: split up to 4 programs per SM, >= 256 keys per split
+    assert choose_num_kv_splits(num_programs=16, max_query_len=1, max_keys=8192, compute_units=132) == 32
     assert choose_num_kv_splits(num_programs=16, max_query_len=1, max_keys=1024, compute_units=132) == 4
+    assert choose_num_kv_splits(num_programs=256, max_query_len=1, max_keys=4096, compute_units=132) == 3
     assert choose_num_kv_splits(num_programs=1, max_query_len=1, max_keys=10 ** 6, compute_units=132) \
         == MAX_KV_SPLITS
     # enough programs already, a prefill-sized batch, a short context, a CPU: no split
-    assert choose_num_kv_splits(num_programs=400, max_query_len=1, max_keys=8192, compute_units=132) == 1
+    assert choose_num_kv_splits(num_programs=528, max_query_len=1, max_keys=8192, compute_units=132) == 1
     assert choose_num_kv_splits(num_programs=16, max_query_len=512, max_keys=8192, compute_units=132) == 1
     assert choose_num_kv_splits(num_programs=16, max_query_len=1, max_keys=200, compute_units=132) == 1
     assert choose_num_kv_splits(num_programs=16, max_query_len=1, max_keys=8192, compute_units=1) == 1
+
+
+def test_split_rule_counts_real_programs() -> None:
+    """32 decode rows at 4k context, 8 KV heads, on 132 SMs: the grid has 32 // 4 + 32 = 40 query tiles (8 of them
+    return at once), the real programs are 32 x 8 = 256, so 3 splits reach 4 x 132 (the grid's 320 would give 2)."""
+    from tests.helpers.sm90 import llama_attention_launches
+    launches = llama_attention_launches("fp8_e4m3", "decode", compute_units=132)
+    assert launches[0].grid == (40, 8, 3)
+    assert launches[0].kwargs["NUM_SPLITS"] == 3 and len(launches) == 2     # the attention kernel and the merge
+
+
+def test_mixed_batch_launches_decode_rows_apart() -> None:
+    """A batch with a prefill chunk launches the kernel twice over the same arguments: decode tiles (16 rows, 64
+    FP8 keys, 2 warps) for the sequences of <= 16 // group = 4 new tokens, prefill tiles (64 rows = 16 tokens x 4
+    heads, 4 warps) for the others; each grid covers the whole batch (the host reads no lengths). The interpreter
+    tests' mixed batches run both launches."""
+    from tests.helpers.sm90 import llama_attention_launches
+    decode, prefill = llama_attention_launches("fp8_e4m3", "prefill")    # one 2048-token chunk
+    assert (decode.kwargs["Q_LEN_MIN"], decode.kwargs["Q_LEN_MAX"]) == (0, 4)
+    assert (decode.kwargs["BLOCK_M"], decode.kwargs["TILE_N"], decode.kwargs["num_warps"]) == (16, 64, 2)
+    assert decode.grid == (2048 // 4 + 1, 8, 1) and decode.args == prefill.args
+    assert prefill.kwargs["Q_LEN_MIN"] == 5 and (prefill.kwargs["BLOCK_M"], prefill.kwargs["num_warps"]) == (64, 4)
+    assert prefill.grid == (2048 // 16 + 1, 8, 1)                        # 16 tokens x 4 heads per tile
 
 
 def _valid_kwargs() -> dict:
@@ -526,6 +557,17 @@ def signature(fn, const, ptr_types):
     return sig
 
 
+# what Triton's JIT specialises at the wrappers' launches when head_dim % 16 == 0 (every variant here): pointers
+# and the q/out/cache strides divisible by 16 (so K/V tiles load in 16-byte vectors)
+ALIGNED = {"stride_qt", "stride_qh", "stride_ot", "stride_oh", "stride_kb", "stride_kh", "stride_kt", "stride_vb",
+           "stride_vh", "stride_vt"}
+
+
+def aligned(fn, sig):
+    return {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names)
+            if sig[name] != "constexpr" and (name.endswith("_ptr") or name in ALIGNED)}
+
+
 def assemble(kernel):
     info = {"cvt_fp8": sorted(set(re.findall(r"cvt\.[a-z0-9.]*e[45]m[23][a-z0-9.]*", kernel.asm["ptx"])))}
     with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
@@ -548,8 +590,9 @@ for v in json.loads(sys.argv[1]):
     ptrs = {"out_ptr": q_ptr, "q_ptr": q_ptr, "k_ptr": PTR[variant.cache_dtype], "v_ptr": PTR[variant.cache_dtype],
             "qsl_ptr": "*i32", "seq_lens_ptr": "*i32", "table_ptr": "*i32"}
     fn = A._paged_attention_kernel
-    kernel = triton.compile(ASTSource(fn, signature(fn, const, ptrs), const), target=target,
-                            options={"num_warps": variant.config.num_warps})
+    sig = signature(fn, const, ptrs)
+    kernel = triton.compile(ASTSource(fn, sig, const, aligned(fn, sig)), target=target,
+                            options={"num_warps": variant.config.num_warps, "num_stages": variant.config.num_stages})
     info = assemble(kernel)
     if splits > 1:
         merge = A._merge_splits_kernel
@@ -587,6 +630,8 @@ _SM90_VARIANTS = {
     "prefill-bf16-cache-bf16": _variant(kv="bf16", max_query_len=512),
     "prefill-fp32-cache-fp32": _variant(query="fp32", kv="fp32", max_query_len=512),
     "decode-bs8-gather": _variant(block_size=8),
+    "decode-bf16-e4m3-dynamic-window": _variant(scales=2, window=True),
+    "decode-fp16-e5m2-native-channel": _variant(query="fp16", kv="fp8_e5m2", k_channel=True),
     "prefill-gqa8-d64-split3": _variant(group=8, head_dim=64, max_query_len=512, splits=3),
 }
 

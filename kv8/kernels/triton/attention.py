@@ -23,13 +23,20 @@ Work decomposition (grid ``(T // BLOCK_Q + B, Hkv, NUM_SPLITS)``; T = query rows
   (L = 1) is one tile; a prefill chunk is ``ceil(L / BLOCK_Q)`` tiles -- the same code, only the causal mask
   differs. Rows with ``L = 0`` own no tile.
 * **Keys a tile reads.** Tile rows cover positions ``p_lo .. p_hi``; keys ``key_lo .. p_hi`` with ``key_lo =
-  max(0, p_lo - W + 1)`` (0 without a window), walked in TILE_N-key tiles ``j = key_lo // TILE_N ..``; every load
-  is masked to ``key_lo <= pos <= p_hi``, so the table entries before the window's first block (which may hold any
-  value, -1 included) and the slots past ``seq_len`` (poison) are never read; a masked key reads as 0 and its
-  score is -inf. Where TILE_N divides ``block_size`` (``TILE_IN_BLOCK``) a key tile lies inside one block and reads
-  one table entry, ``(j * TILE_N) // block_size``, unmasked: it is >= the window's first block (``j * TILE_N >=
-  key_lo`` rounded down to a tile, hence to the same block) and < ``ceil(seq_len / block_size)``. Otherwise (blocks
-  of 8, or 48 with 16-key tiles) each key loads its own entry ``pos // block_size``, masked like the key.
+  max(0, p_lo - W + 1)`` (0 without a window), walked in TILE_N-key tiles ``j = key_lo // TILE_N ..``. A key
+  position outside ``key_lo .. p_hi`` (the tile's ends) is clamped into that range before any address is formed,
+  so every load is unmasked and reads a key of the range: the table entries before the window's first block
+  (which may hold any value, -1 included) and the slots past ``seq_len`` (poison) are never read, and the
+  clamped duplicates' scores are -inf (the causal and window masks), so their values weigh 0. Where TILE_N
+  divides ``block_size`` (``TILE_IN_BLOCK``) a key tile lies inside one block and reads one table entry, ``(j *
+  TILE_N) // block_size``: it is >= the window's first block (``j * TILE_N >= key_lo`` rounded down to a tile,
+  hence to the same block) and < ``ceil(seq_len / block_size)``. Otherwise (64-key FP8 tiles over blocks of 16,
+  blocks of 8) each key loads its own entry ``pos // block_size``. Positions are int32, token rows int64.
+* **The key loop** is software-pipelined (the launch's ``num_stages``, :func:`launch_config`): K/V tiles of later
+  iterations are in flight (``cp.async``) while one is used. FP8 tiles are converted from the shared-memory copy
+  in the loads' own layout, 16 consecutive codes per thread, by ``cvt.rn.f16x2.e4m3x2`` (or ``e5m2x2``) pairs
+  (:func:`~kv8.kernels.triton.dequant.decode_fp8_native`), and staged again as float16 for the tensor cores;
+  converting in the tensor-core operand layout instead reads the codes byte by byte.
 * **Split-K (flash-decoding).** With ``NUM_SPLITS > 1`` the tile's key range is cut into ``NUM_SPLITS`` equal runs
   of key tiles, one per program along grid axis 2; each writes its unnormalised float32 state (running max ``m``
   in log2 units, sum ``l``, accumulator ``acc``) to a workspace, an empty run writing ``(-inf, 0, 0)``, and
@@ -40,13 +47,21 @@ Work decomposition (grid ``(T // BLOCK_Q + B, Hkv, NUM_SPLITS)``; T = query rows
   scalar per KV head, with ``scale * log2(e)``); per-channel K scales multiply q's channels (``q . (k s) = (q s) .
   k``); static V scales multiply the accumulator's channels at the end (``sum p (v s) = (sum p v) s``). Dynamic
   per-token scales multiply the score columns (K) and the probability columns before the PV product (V).
-* **Dot precision** (``DOT_DTYPE``, one for both products). Decoded FP8 values are exact in bfloat16 and float16,
-  and so are 16-bit query values, so for a 16-bit query over an FP8 cache or a cache of the query's own dtype both
-  products take 16-bit operands with float32 accumulation: QK is exact products summed in float32, and PV rounds
-  the probabilities (times the dynamic V scales) to the query's dtype, relative error <= eps/2 each. q times
-  per-channel K scales is not exact in 16 bits: it goes in as ``hi + lo`` (``Q_SPLIT``, two products; ``|q s - hi -
-  lo| <= 2^-16 |q s|`` in bfloat16). Every other combination (float32 query, a 16/32-bit cache not of the query's
-  dtype) multiplies float32 operands with ``input_precision="ieee"`` (no TF32), in 16 x 16 tiles.
+* **Dot precision** (``DOT_DTYPE``, one for both products). Decoded FP8 values are exact in float16 (and in
+  bfloat16), so over an FP8 cache with static or no scales both products take **float16** operands with float32
+  accumulation, whatever the 16-bit query: FP8 codes convert to float16 pairs in one instruction, to bfloat16 only
+  through float16 and a scalar conversion per element. A bfloat16 query is not exact in float16 as it is (range),
+  so each row of it is first multiplied by a power of two (``ROW_SCALE``: ``2^e``, ``e = min(141 - E, 100)`` for
+  ``E`` the float32 biased exponent of the row's largest ``|q|``, which lands in ``[2^14, 2^15)``), and the row's
+  score multiplier takes ``2^-e`` back: in a row whose largest ``|q|`` is at least ``2^-86`` every element of at
+  least ``2^-31`` times that largest is then exact in float16, a smaller one off by at most ``2^-39`` times it.
+  QK is exact products summed in float32; PV rounds the probabilities to float16 (absolute error <= 2^-12, finer
+  than the query dtype's rounding).
+  Over dynamic scales (probabilities times V token scales, whose range float16 may not hold) and over a cache of
+  the query's own dtype the operands are the query's dtype. q times per-channel K scales is not exact in 16 bits:
+  it goes in as ``hi + lo`` (``Q_SPLIT``, two products; ``|q s - hi - lo| <= 2^-16 |q s|`` in bfloat16, ``2^-22``
+  in float16). Every other combination (float32 query, a 16/32-bit cache not of the query's dtype) multiplies
+  float32 operands with ``input_precision="ieee"`` (no TF32), in 16 x 16 tiles.
 * **In Triton's interpreter** (``TRITON_INTERPRET=1``, CPU tensors; how the tests run without a GPU) the same
   values come out: 16-bit operands are multiplied as float32 (it cannot multiply bfloat16; the products are exact
   either way), and bfloat16 conversions go through the bits (:func:`_round`, :func:`_widen`) because its own
@@ -81,11 +96,13 @@ import triton.language as tl
 from triton.runtime.jit import JITFunction
 
 from kv8.kernels.triton.dequant import FP8_NONE, decode_fp8, native_fp8_supported
+from kv8.kernels.triton.launch import Launch
 from kv8.kernels.triton.quant import FP8Layout, bf16_bits_to_f32, f32_to_bf16_bits, fp8_format_id
 from kv8.validators import check_int, check_number
 
-__all__ = ["MAX_KV_SPLITS", "SCALES_DYNAMIC", "SCALES_NONE", "SCALES_STATIC", "KernelVariant", "LaunchConfig",
-           "choose_num_kv_splits", "interpreted", "launch_config", "unified_attention"]
+__all__ = ["MAX_KV_SPLITS", "SCALES_DYNAMIC", "SCALES_NONE", "SCALES_STATIC", "KernelVariant", "Launch",
+           "LaunchConfig", "choose_num_kv_splits", "interpreted", "launch_config", "plan_launches",
+           "unified_attention"]
 
 MAX_KV_SPLITS = 64
 _QUERY_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -93,11 +110,12 @@ _INDEX_DTYPES = (torch.int32, torch.int64)
 _TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 _LOG2E = math.log2(math.e)
 SCALES_NONE, SCALES_STATIC, SCALES_DYNAMIC = 0, 1, 2  # the kernel's SCALES constexpr
+_MAX_INT32 = 2 ** 31 - 1
 
 # split-K heuristic (see choose_num_kv_splits)
 _SPLIT_MAX_QUERY_LEN = 16      # split only decode-like batches (decode rows, short speculative chunks)
 _SPLIT_MIN_KEYS = 256          # keys a split should at least get
-_WAVES = 2                     # programs to aim for, per compute unit
+_WAVES = 4                     # resident programs to aim for, per compute unit
 
 
 # Reductions and fills use tl.reduce with these combiners and tl.full instead of tl.max / tl.sum / tl.zeros: those
@@ -160,39 +178,43 @@ def _attend_key_tile(
     offs_n = tl.arange(0, TILE_N)
     offs_d = tl.arange(0, D_PAD)
     d_ok = offs_d < HEAD_DIM
-    pos = j * TILE_N + offs_n                                      # [TILE_N] key positions
-    ld = (pos >= key_lo) & (pos < key_hi)                          # the keys that may be read at all
+    pos = j * TILE_N + offs_n                                      # [TILE_N] key positions (int32)
+    # addresses of keys outside key_lo .. key_hi - 1 are clamped into it (module docstring): every load reads a key
+    # of this tile's range, unmasked, and the scores of the keys outside are -inf below
+    posc = tl.minimum(tl.maximum(pos, key_lo), key_hi - 1)
     # K^T [D_PAD, TILE_N] and V [TILE_N, D_PAD]: each key one row of a contiguous (block, head) bs x D tile
     if TILE_IN_BLOCK:
         # the tile lies inside one block (TILE_N divides bs, tiles start at multiples of TILE_N): one table
         # entry, at index >= first_block since j >= key_lo // TILE_N; a scalar base and small offsets
         block = tl.load(table_row + (j * TILE_N) // BLOCK_SIZE).to(tl.int64)
-        slot = ((j * TILE_N) % BLOCK_SIZE).to(tl.int32) + offs_n
-        k_tile = k_ptr + block * stride_kb + kv_head * stride_kh
-        v_tile = v_ptr + block * stride_vb + kv_head * stride_vh
-        k_raw = tl.load(k_tile + slot[None, :] * stride_kt + offs_d[:, None], mask=d_ok[:, None] & ld[None, :],
-                        other=0)
-        v_raw = tl.load(v_tile + slot[:, None] * stride_vt + offs_d[None, :], mask=ld[:, None] & d_ok[None, :],
-                        other=0)
+        slot = posc % BLOCK_SIZE
+        k_ptrs = k_ptr + block * stride_kb + kv_head * stride_kh + slot[None, :] * stride_kt + offs_d[:, None]
+        v_ptrs = v_ptr + block * stride_vb + kv_head * stride_vh + slot[:, None] * stride_vt + offs_d[None, :]
         k_ts_ptr = k_tok_ptr + block * stride_ksb + kv_head * stride_ksh + slot * stride_kst
         v_ts_ptr = v_tok_ptr + block * stride_vsb + kv_head * stride_vsh + slot * stride_vst
     else:
-        # keys of several blocks (or blocks smaller than a tile): one table entry per key, masked like the key
-        blocks = tl.load(table_row + pos // BLOCK_SIZE, mask=ld, other=0).to(tl.int64)
-        slots = pos % BLOCK_SIZE
-        k_raw = tl.load(k_ptr + blocks[None, :] * stride_kb + kv_head * stride_kh + slots[None, :] * stride_kt
-                        + offs_d[:, None], mask=d_ok[:, None] & ld[None, :], other=0)
-        v_raw = tl.load(v_ptr + blocks[:, None] * stride_vb + kv_head * stride_vh + slots[:, None] * stride_vt
-                        + offs_d[None, :], mask=ld[:, None] & d_ok[None, :], other=0)
+        # keys of several blocks (or blocks smaller than a tile): one table entry per key
+        blocks = tl.load(table_row + posc // BLOCK_SIZE).to(tl.int64)
+        slots = posc % BLOCK_SIZE
+        k_ptrs = k_ptr + blocks[None, :] * stride_kb + kv_head * stride_kh + slots[None, :] * stride_kt \
+            + offs_d[:, None]
+        v_ptrs = v_ptr + blocks[:, None] * stride_vb + kv_head * stride_vh + slots[:, None] * stride_vt \
+            + offs_d[None, :]
         k_ts_ptr = k_tok_ptr + blocks * stride_ksb + kv_head * stride_ksh + slots * stride_kst
         v_ts_ptr = v_tok_ptr + blocks * stride_vsb + kv_head * stride_vsh + slots * stride_vst
+    if D_PAD == HEAD_DIM:
+        k_raw = tl.load(k_ptrs)
+        v_raw = tl.load(v_ptrs)
+    else:
+        k_raw = tl.load(k_ptrs, mask=d_ok[:, None], other=0)
+        v_raw = tl.load(v_ptrs, mask=d_ok[None, :], other=0)
     k = decode_fp8(k_raw, FP8_FMT, NATIVE_FP8, DOT_DTYPE)
     s = _dot(q_hi, k, INTERPRETER)                                 # [BLOCK_M, TILE_N]
     if Q_SPLIT:
         s += _dot(q_lo, k, INTERPRETER)
     if SCALES == 2:
-        s = s * tl.load(k_ts_ptr, mask=ld, other=0.0)[None, :]
-    s = s * s_mult
+        s = s * tl.load(k_ts_ptr)[None, :]
+    s = s * s_mult[:, None]
     visible = row_ok[:, None] & (pos[None, :] <= q_pos[:, None])
     if USE_WINDOW:
         visible = visible & (pos[None, :] > q_pos[:, None] - window)
@@ -206,7 +228,7 @@ def _attend_key_tile(
 
     v = decode_fp8(v_raw, FP8_FMT, NATIVE_FP8, DOT_DTYPE)
     if SCALES == 2:
-        p = p * tl.load(v_ts_ptr, mask=ld, other=0.0)[None, :]
+        p = p * tl.load(v_ts_ptr)[None, :]
     acc = acc * alpha[:, None] + _dot(_round(p, DOT_DTYPE, INTERPRETER), v, INTERPRETER)
     return m_new, l_i, acc
 
@@ -227,7 +249,7 @@ def _paged_attention_kernel(
     BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, TILE_N: tl.constexpr, TILE_IN_BLOCK: tl.constexpr,
     NUM_SPLITS: tl.constexpr, FP8_FMT: tl.constexpr, NATIVE_FP8: tl.constexpr, SCALES: tl.constexpr,
     K_CHANNEL_SCALE: tl.constexpr, USE_WINDOW: tl.constexpr, DOT_DTYPE: tl.constexpr, Q_SPLIT: tl.constexpr,
-    INTERPRETER: tl.constexpr,
+    ROW_SCALE: tl.constexpr, Q_LEN_MIN: tl.constexpr, Q_LEN_MAX: tl.constexpr, INTERPRETER: tl.constexpr,
 ):
     pid_q = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -246,17 +268,20 @@ def _paged_attention_kernel(
     q_start = tl.load(qsl_ptr + seq).to(tl.int64)
     q_len = tl.load(qsl_ptr + seq + 1).to(tl.int64) - q_start
     q0 = (pid_q - (q_start // BLOCK_Q + seq)) * BLOCK_Q            # first new token of this tile
-    if q0 >= q_len:
+    if (q0 >= q_len) | (q_len < Q_LEN_MIN) | (q_len > Q_LEN_MAX):   # past the sequence, or the other launch's
         return
-    seq_len = tl.load(seq_lens_ptr + seq).to(tl.int64)
-    context = seq_len - q_len                                      # position of new token 0
+    # positions are int32 (a sequence holds < 2^31 keys); token rows, which address q and out, are int64
+    seq_len = tl.load(seq_lens_ptr + seq).to(tl.int32)
+    q_len32 = q_len.to(tl.int32)
+    q0_32 = q0.to(tl.int32)
+    context = seq_len - q_len32                                    # position of new token 0
 
     # ---- the tile's rows: (token, query head) pairs of this KV head's group ----
     offs_m = tl.arange(0, BLOCK_M)
     tok = q0 + offs_m // GROUP                                     # [BLOCK_M] token within the sequence
     q_head = kv_head * GROUP + offs_m % GROUP                      # [BLOCK_M]
     row_ok = (offs_m < BLOCK_Q * GROUP) & (tok < q_len)
-    q_pos = context + tok                                          # [BLOCK_M] absolute positions
+    q_pos = context + q0_32 + offs_m // GROUP                      # [BLOCK_M] absolute positions
     offs_d = tl.arange(0, D_PAD)
     d_ok = offs_d < HEAD_DIM
     q_rows = q_start + tok
@@ -269,6 +294,14 @@ def _paged_attention_kernel(
             q = q * tl.load(k_scale_ptr + kv_head * HEAD_DIM + offs_d, mask=d_ok, other=0.0)[None, :]
         else:
             s_mult = qk_scale * tl.load(k_scale_ptr + kv_head * HEAD_DIM)
+    s_mult = tl.full([BLOCK_M], 1.0, dtype=tl.float32) * s_mult  # [BLOCK_M]: one multiplier per row
+    if ROW_SCALE:
+        # a bfloat16 query into float16 operands (module docstring): each row times 2^e, e = min(141 - E, 100)
+        # for E the biased exponent of its largest |q| (that max lands in [2^14, 2^15)); the scores get 2^-e back
+        amax = tl.reduce(tl.where(q < 0.0, -q, q), 1, _max_combine)                  # [BLOCK_M]
+        e = tl.minimum(141 - ((amax.to(tl.int32, bitcast=True) >> 23) & 0xFF), 100)
+        q = q * ((e + 127) << 23).to(tl.float32, bitcast=True)[:, None]
+        s_mult = s_mult * ((127 - e) << 23).to(tl.float32, bitcast=True)
     # q in the dot's dtype; q * (channel K scale) is not exact in 16 bits, so it goes in as hi + lo parts
     # (|q - hi - lo| <= 2^-16 |q| for bfloat16, 2^-22 for float16), two products of exact 16-bit operands
     q_hi = _round(q, DOT_DTYPE, INTERPRETER)
@@ -277,8 +310,8 @@ def _paged_attention_kernel(
         q_lo = _round(q - _widen(q_hi), DOT_DTYPE, INTERPRETER)
 
     # ---- the keys this tile needs, and this split's share of their tiles ----
-    p_lo = context + q0
-    p_hi = context + tl.minimum(q0 + BLOCK_Q, q_len) - 1
+    p_lo = context + q0_32
+    p_hi = context + tl.minimum(q0_32 + BLOCK_Q, q_len32) - 1
     key_hi = p_hi + 1                                              # exclusive; <= seq_len
     key_lo = p_lo * 0
     if USE_WINDOW:
@@ -367,32 +400,57 @@ class LaunchConfig:
     tile_in_block: bool   # tile_n divides block_size: each key tile lies in one block (one table entry per tile)
     d_pad: int            # head_dim padded to a power of two >= 16
     num_warps: int
+    num_stages: int       # software-pipelining depth of the key loop (Triton's num_stages)
 
 
-def launch_config(group: int, head_dim: int, max_query_len: int, block_size: int, dot_f32: bool) -> LaunchConfig:
-    """Tile sizes for a batch whose longest new-token run is ``max_query_len``, ``group`` query heads per KV head.
+def launch_config(group: int, head_dim: int, max_query_len: int, block_size: int, dot_f32: bool,
+                  cache_bytes: int = 2, dynamic_scales: bool = False) -> LaunchConfig:
+    """Tile sizes for a batch whose longest new-token run is ``max_query_len``, ``group`` query heads per KV head,
+    over a cache of ``cache_bytes`` per element (1: FP8 codes).
 
     Rows: 16 when ``max_query_len * group <= 16`` (decode batches: little waste on single-token rows), else 32 or 64
-    (prefill: more rows share each K/V tile). Keys per tile: 16 with 16 rows, else 32. At ``head_dim > 128`` at
-    most 32 rows and 16 keys, and with float32 products (``dot_f32``: CUDA cores, not tensor cores) 16 and 16. A
-    tile of keys is the largest allowed power of two dividing ``block_size`` (it then reads one table entry), else
-    it gathers its keys' blocks one by one. Warps: 8 from a 64 x 128 (or 32 x 256) accumulator on, else 4. These
-    keep every variant free of register spills when compiled for sm_90 (ptxas -v; measured without a GPU, not
-    timed on one).
+    (prefill: more rows share each K/V tile). For ``head_dim <= 128`` with 16-bit products (the engine's launches;
+    chosen by their compiled code for sm_90, ``python -m tests.helpers.sm90`` and docs/benchmarks.md):
+
+    ==========  ============  ====  =====  ======  ===========================================================
+    rows        cache         keys  warps  stages  why
+    ==========  ============  ====  =====  ======  ===========================================================
+    16 (decode) FP8           64    2      5       fewest instructions per KB of codes, loads two tiles ahead
+    16 (decode) 16-bit        16    1      5       fewest instructions per KB with the loads pipelined
+    32, 64      FP8           64    4      5       one warpgroup, wgmma 64 x 64 for QK, pipelined (32 keys
+                                                   with dynamic scales: their loads would spill at 64)
+    32, 64      16-bit        32    4      5       64-key tiles of 16-bit K/V would take 113 KB of shared memory
+    ==========  ============  ====  =====  ======  ===========================================================
+
+    Otherwise (``head_dim > 128``: at most 32 rows and 16 keys; float32 products, ``dot_f32``, on CUDA cores: 16
+    rows and 16 keys) 8 warps from a 64 x 128 (or 32 x 256) accumulator on, else 4, and Triton's default 3 stages.
+    A tile of keys inside one block (``block_size % keys == 0``) reads one table entry; a tile spanning blocks (64
+    keys over blocks of 16) reads each key's entry. All of these compile for sm_90 without register spills (ptxas;
+    measured without a GPU, not timed on one).
     """
     d_pad = max(16, triton.next_power_of_2(head_dim))
     need = max(1, max_query_len) * group
     rows = 16 if need <= 16 else 32 if need <= 32 else 64
-    keys = 16 if rows == 16 else 32
-    if d_pad > 128:
-        rows, keys = min(rows, 32), 16
-    if dot_f32:
-        rows, keys = 16, 16
+    fp8 = cache_bytes == 1
+    if d_pad <= 128 and not dot_f32:
+        if rows == 16:
+            keys, num_warps = (64, 2) if fp8 else (16, 1)
+        else:
+            keys, num_warps = (64 if fp8 and not dynamic_scales else 32), 4
+        num_stages = 5
+    else:
+        keys = 16
+        if dot_f32:
+            rows = 16
+        else:
+            rows = min(rows, 32)
+        num_stages = 3
+        num_warps = 0
     block_q = max(1, rows // group)
     block_m = max(16, triton.next_power_of_2(block_q * group))
-    tile_n = keys if block_size % keys == 0 else 16 if block_size % 16 == 0 else keys
-    num_warps = 8 if block_m * d_pad >= 64 * 128 else 4
-    return LaunchConfig(block_q, block_m, tile_n, block_size % tile_n == 0, d_pad, num_warps)
+    if num_warps == 0:
+        num_warps = 8 if block_m * d_pad >= 64 * 128 else 4
+    return LaunchConfig(block_q, block_m, keys, block_size % keys == 0, d_pad, num_warps, num_stages)
 
 
 @dataclass(frozen=True)
@@ -415,35 +473,52 @@ class KernelVariant:
 
     @property
     def dot_dtype(self) -> tl.dtype:
-        """The operand dtype of both products: the query's 16-bit dtype where the cache's values are exact in it
-        (FP8, or the same dtype), else float32 (module docstring)."""
-        exact_16 = self.query_dtype != torch.float32 and (self.fp8_code != FP8_NONE
-                                                          or self.cache_dtype == self.query_dtype)
-        return _TL_DTYPES[self.query_dtype] if exact_16 else tl.float32
+        """The operand dtype of both products (module docstring): float16 for a 16-bit query over an FP8 cache with
+        static or no scales (FP8 codes convert to float16 pairs natively; a bfloat16 query is row-scaled into
+        float16, :attr:`row_scale`), the query's 16-bit dtype over dynamic scales or a cache of its own dtype, else
+        float32."""
+        if self.query_dtype == torch.float32:
+            return tl.float32
+        if self.fp8_code != FP8_NONE:
+            return tl.float16 if self.scales != SCALES_DYNAMIC else _TL_DTYPES[self.query_dtype]
+        return _TL_DTYPES[self.query_dtype] if self.cache_dtype == self.query_dtype else tl.float32
+
+    @property
+    def row_scale(self) -> bool:
+        """A bfloat16 query goes into float16 operands: each row scaled by a power of two first."""
+        return self.query_dtype == torch.bfloat16 and self.dot_dtype == tl.float16
 
     @property
     def config(self) -> LaunchConfig:
+        cache_bytes = 1 if self.fp8_code != FP8_NONE else self.cache_dtype.itemsize
         return launch_config(self.group, self.head_dim, self.max_query_len, self.block_size,
-                             self.dot_dtype == tl.float32)
+                             self.dot_dtype == tl.float32, cache_bytes, self.scales == SCALES_DYNAMIC)
 
-    def constexprs(self, num_kv_splits: int) -> dict[str, object]:
+    def constexprs(self, num_kv_splits: int, q_len_min: int = 0, q_len_max: int = _MAX_INT32) -> dict[str, object]:
+        """The kernel's constexprs; the program of a sequence with fewer than ``q_len_min`` or more than
+        ``q_len_max`` new tokens returns at once (a mixed batch's two launches, :func:`plan_launches`)."""
         cfg = self.config
         return dict(
             HEAD_DIM=self.head_dim, D_PAD=cfg.d_pad, BLOCK_SIZE=self.block_size, GROUP=self.group,
             BLOCK_Q=cfg.block_q, BLOCK_M=cfg.block_m, TILE_N=cfg.tile_n, TILE_IN_BLOCK=cfg.tile_in_block,
             NUM_SPLITS=num_kv_splits, FP8_FMT=self.fp8_code, NATIVE_FP8=self.native_fp8, SCALES=self.scales,
             K_CHANNEL_SCALE=self.k_channel_scale, USE_WINDOW=self.sliding_window, DOT_DTYPE=self.dot_dtype,
-            Q_SPLIT=self.k_channel_scale and self.dot_dtype != tl.float32, INTERPRETER=self.interpreted,
+            Q_SPLIT=self.k_channel_scale and self.dot_dtype != tl.float32, ROW_SCALE=self.row_scale,
+            Q_LEN_MIN=q_len_min, Q_LEN_MAX=q_len_max,
+            INTERPRETER=self.interpreted,
         )
 
 
 def choose_num_kv_splits(num_programs: int, max_query_len: int, max_keys: int, compute_units: int) -> int:
     """The split-K heuristic used when ``num_kv_splits`` is None.
 
-    Split only batches of short query runs (``max_query_len <= 16``: decode rows, speculative chunks) whose grid
-    of ``num_programs`` (query tiles x KV heads) would leave the device idle: aim for ``2 * compute_units``
-    programs, but give each split at least 256 keys of the longest context ``max_keys`` and never more than
-    :data:`MAX_KV_SPLITS`. Prefill-sized batches have the parallelism already (and their workspace would be large).
+    Split only batches of short query runs (``max_query_len <= 16``: decode rows, speculative chunks) whose
+    ``num_programs`` real programs (query tiles that hold tokens, x KV heads; :func:`plan_launches` counts them
+    without the grid's surplus) would leave the device short of work: aim for 4 resident programs per compute unit
+    (``4 * compute_units``; the decode kernels' registers and shared memory allow 4 per H100 SM, which keeps ~4 x 3
+    tiles of K/V loads in flight per SM), but give each split at least 256 keys of the longest context ``max_keys``
+    and never more than :data:`MAX_KV_SPLITS`. Prefill-sized batches have the parallelism already (and their
+    workspace would be large).
     """
     if max_query_len > _SPLIT_MAX_QUERY_LEN or num_programs >= _WAVES * compute_units:
         return 1
@@ -600,6 +675,34 @@ def unified_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
         raise _fail(f"tensors on {device} need Triton's interpreter: set TRITON_INTERPRET=1 before "
                     "kv8.kernels.triton is imported (compiled kernels run on CUDA/ROCm devices)")
 
+    launches = plan_launches(
+        query, k_cache, v_cache, out, query_start_loc=query_start_loc, seq_lens=seq_lens, block_tables=block_tables,
+        max_query_len=max_query_len, max_seq_len=max_seq_len, scale=scale, sliding_window=sliding_window, fp8=fp8,
+        k_scale=k_scale, v_scale=v_scale, k_token_scales=k_token_scales, v_token_scales=v_token_scales,
+        num_kv_splits=num_kv_splits, native_fp8=native_fp8_supported(device, fmt, in_interpreter),
+        compute_units=_compute_units(device), interpreted=in_interpreter)
+    for launch in launches:
+        launch.run()
+    return out
+
+
+def plan_launches(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor, *,
+                  query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
+                  max_query_len: int, max_seq_len: int, scale: float, sliding_window: int | None,
+                  fp8: FP8Layout | None, k_scale: torch.Tensor | None, v_scale: torch.Tensor | None,
+                  k_token_scales: torch.Tensor | None, v_token_scales: torch.Tensor | None,
+                  num_kv_splits: int | None, native_fp8: bool, compute_units: int, interpreted: bool) -> list[Launch]:
+    """The launches :func:`unified_attention` makes for these (already validated) arguments, in order, with the
+    device's properties passed in (``native_fp8``: :func:`~kv8.kernels.triton.dequant.native_fp8_supported`;
+    ``compute_units``: its SMs) -- so a compile check can build exactly these kernels for a GPU it does not have.
+    Allocates the scales' float32 copies and the split workspace on ``query.device``; reads no tensor's values."""
+    device = query.device
+    num_tokens, num_q_heads, head_dim = query.shape
+    _, num_kv_heads, block_size, _ = k_cache.shape
+    num_seqs = seq_lens.shape[0]
+    fmt = FP8_NONE if fp8 is None else fp8_format_id(fp8)
+    static = k_scale is not None
+    dynamic = k_token_scales is not None
     dummy = torch.empty(1, dtype=torch.float32, device=device)
     scales_mode, k_channel = SCALES_NONE, False
     ks = vs = kts = vts = dummy
@@ -611,27 +714,30 @@ def unified_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
         kts = _check_token_scales("k_token_scales", k_token_scales, k_cache.shape, device)
         vts = _check_token_scales("v_token_scales", v_token_scales, v_cache.shape, device)
         scales_mode = SCALES_DYNAMIC
-
-    # ---- launch ----
     if num_tokens == 0 or num_seqs == 0:
-        return out
-    variant = KernelVariant(query.dtype, k_cache.dtype, fmt, native_fp8_supported(device, fmt, in_interpreter),
-                            scales_mode, k_channel, sliding_window is not None, num_q_heads // num_kv_heads,
-                            head_dim, block_size, max_query_len, in_interpreter)
+        return []
+
+    group = num_q_heads // num_kv_heads
+
+    def make_variant(query_len: int) -> KernelVariant:
+        return KernelVariant(query.dtype, k_cache.dtype, fmt, native_fp8, scales_mode, k_channel,
+                             sliding_window is not None, group, head_dim, block_size, query_len, interpreted)
+
+    variant = make_variant(max_query_len)
     cfg = variant.config
     num_q_tiles = num_tokens // cfg.block_q + num_seqs
     if num_kv_splits is None:
         max_keys = max_seq_len if sliding_window is None else min(max_seq_len, sliding_window + max_query_len)
-        num_kv_splits = choose_num_kv_splits(num_q_tiles * num_kv_heads, max_query_len, max_keys,
-                                             _compute_units(device))
+        # real tiles: a sequence of L <= max_query_len new tokens holds ceil(L / block_q) of them
+        real_tiles = min(num_q_tiles, num_seqs * -(-max(1, max_query_len) // cfg.block_q))
+        num_kv_splits = choose_num_kv_splits(real_tiles * num_kv_heads, max_query_len, max_keys, compute_units)
     if num_kv_splits > 1:
         part_acc = torch.empty(num_tokens, num_q_heads, num_kv_splits, cfg.d_pad, dtype=torch.float32, device=device)
         part_m = torch.empty(num_tokens, num_q_heads, num_kv_splits, dtype=torch.float32, device=device)
         part_l = torch.empty_like(part_m)
     else:
         part_acc = part_m = part_l = dummy
-
-    _paged_attention_kernel[(num_q_tiles, num_kv_heads, num_kv_splits)](
+    args = (
         out, query, k_cache, v_cache,
         query_start_loc, seq_lens, block_tables,
         ks, vs, kts, vts,
@@ -643,13 +749,32 @@ def unified_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
         kts.stride(0) if dynamic else 0, kts.stride(1) if dynamic else 0, kts.stride(2) if dynamic else 0,
         vts.stride(0) if dynamic else 0, vts.stride(1) if dynamic else 0, vts.stride(2) if dynamic else 0,
         block_tables.stride(0),
-        **variant.constexprs(num_kv_splits), num_warps=cfg.num_warps,
     )
+
+    # A mixed batch whose decode rows would get other tiles than its prefill chunks (launch_config) runs as two
+    # launches over the same arguments: the decode launch's programs serve the sequences of at most decode_len new
+    # tokens (a decode row, a short speculative run), the prefill launch's the others; each returns at once for
+    # the other's sequences. The host reads no lengths: both grids cover the whole batch.
+    decode_len = max(1, 16 // group)
+    decode = make_variant(decode_len)
+    if max_query_len > decode_len and decode.config != cfg:
+        dcfg = decode.config
+        launches = [
+            Launch(_paged_attention_kernel, (num_tokens // dcfg.block_q + num_seqs, num_kv_heads, num_kv_splits),
+                   args, dict(**decode.constexprs(num_kv_splits, q_len_max=decode_len), num_warps=dcfg.num_warps,
+                              num_stages=dcfg.num_stages)),
+            Launch(_paged_attention_kernel, (num_q_tiles, num_kv_heads, num_kv_splits), args,
+                   dict(**variant.constexprs(num_kv_splits, q_len_min=decode_len + 1), num_warps=cfg.num_warps,
+                        num_stages=cfg.num_stages)),
+        ]
+    else:
+        launches = [Launch(_paged_attention_kernel, (num_q_tiles, num_kv_heads, num_kv_splits), args,
+                           dict(**variant.constexprs(num_kv_splits), num_warps=cfg.num_warps,
+                                num_stages=cfg.num_stages))]
     if num_kv_splits > 1:
-        _merge_splits_kernel[(num_tokens, num_q_heads)](
+        launches.append(Launch(_merge_splits_kernel, (num_tokens, num_q_heads), (
             out, part_acc, part_m, part_l, query_start_loc,
             num_seqs, num_q_heads, out.stride(0), out.stride(1),
-            HEAD_DIM=head_dim, D_PAD=cfg.d_pad, NUM_SPLITS=num_kv_splits,
-            SPLITS_PAD=max(2, triton.next_power_of_2(num_kv_splits)), INTERPRETER=in_interpreter,
-        )
-    return out
+        ), dict(HEAD_DIM=head_dim, D_PAD=cfg.d_pad, NUM_SPLITS=num_kv_splits,
+                SPLITS_PAD=max(2, triton.next_power_of_2(num_kv_splits)), INTERPRETER=interpreted, num_warps=4)))
+    return launches

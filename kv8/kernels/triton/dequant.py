@@ -18,8 +18,10 @@ host wrapper sets:
 
   then the format's NaN codes are patched in (E4M3FN: ``S.1111.111``; E4M3FNUZ: ``0x80``, which would otherwise
   read as -0.0); E5M2's infinities and NaNs are half's own.
-* the **native path** (:func:`decode_fp8_native`) bitcasts to Triton's FP8 type and converts: E4M3FN is
-  ``tl.float8e4nv``, E5M2 ``tl.float8e5`` (NVIDIA sm_89+), E4M3FNUZ ``tl.float8e4b8`` (AMD gfx94x). It gives the
+* the **native path** (:func:`decode_fp8_native`) uses the GPU's conversion: to float16, E4M3FN and E5M2 codes
+  go through ``cvt.rn.f16x2.e4m3x2`` / ``e5m2x2`` in inline PTX (two codes per instruction; NVIDIA sm_89+);
+  otherwise it bitcasts to Triton's FP8 type and converts: E4M3FN is ``tl.float8e4nv``, E5M2 ``tl.float8e5``
+  (NVIDIA sm_89+), E4M3FNUZ ``tl.float8e4b8`` (AMD gfx94x). It gives the
   same value as the bit path for every code on hardware that has it; Triton's *interpreter* does not (it decodes
   an e4nv bitcast of 0x7F as 480 instead of NaN), which is why the wrapper never picks it there
   (:func:`native_fp8_supported`).
@@ -74,9 +76,18 @@ def decode_fp8_bits(code, FMT: tl.constexpr, OUT: tl.constexpr):
 
 @triton.jit
 def decode_fp8_native(code, FMT: tl.constexpr, OUT: tl.constexpr):
-    """uint8 codes -> values in dtype ``OUT`` via Triton's FP8 types (only where :func:`native_fp8_supported`
-    says so)."""
-    if FMT == 0:  # E4M3FN
+    """uint8 codes -> values in dtype ``OUT`` via the GPU's FP8 conversions (only where :func:`native_fp8_supported`
+    says so). E4M3FN and E5M2 to float16 are ``cvt.rn.f16x2.e4m3x2`` / ``cvt.rn.f16x2.e5m2x2``, two codes per
+    instruction, four codes (one register) per call of the inline assembly; it is marked impure so that Triton
+    keeps it where it stands -- on codes loaded in their own layout, 16 consecutive per thread -- instead of moving
+    it into a tensor-core operand layout, where it would load the codes from shared memory one byte at a time.
+    The other formats and dtypes use Triton's FP8 types."""
+    if OUT == tl.float16 and FMT != 1:
+        cvt: tl.constexpr = "cvt.rn.f16x2.e4m3x2" if FMT == 0 else "cvt.rn.f16x2.e5m2x2"
+        value = tl.inline_asm_elementwise(
+            asm="{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; " + cvt + " $0, lo; " + cvt + " $1, hi; }",
+            constraints="=r,=r,r", args=[code], dtype=tl.float16, is_pure=False, pack=4)
+    elif FMT == 0:  # E4M3FN
         value = code.to(tl.float8e4nv, bitcast=True).to(OUT)
     elif FMT == 2:  # E5M2
         value = code.to(tl.float8e5, bitcast=True).to(OUT)

@@ -41,9 +41,10 @@ import triton
 import triton.language as tl
 from triton.runtime.jit import JITFunction
 
+from kv8.kernels.triton.launch import Launch
 from kv8.kernels.triton.quant import FP8Layout, bf16_bits_to_f32, encode_fp8, f32_to_bf16_bits, fp8_format_id, scaled_rn
 
-__all__ = ["CACHE_DTYPES", "INPUT_DTYPES", "interpreted", "store_kv"]
+__all__ = ["CACHE_DTYPES", "INPUT_DTYPES", "interpreted", "store_kv", "store_launch"]
 
 INPUT_DTYPES: tuple[torch.dtype, ...] = (torch.bfloat16, torch.float16, torch.float32)
 CACHE_DTYPES: tuple[torch.dtype, ...] = (torch.bfloat16, torch.float16, torch.float32)  # 16/32-bit caches
@@ -235,20 +236,30 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_ca
 
     if num_tokens == 0:
         return
+    store_launch(key, value, k_cache, v_cache, slot_mapping, k_sc, v_sc, k_ts, v_ts, (*ks_strides, *vs_strides),
+                 (*kt_strides, *vt_strides), mode=mode, fmt_id=fmt_id, max_finite=max_finite).run()
+
+
+def store_launch(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 slot_mapping: torch.Tensor, k_scale: torch.Tensor, v_scale: torch.Tensor,
+                 k_token_scales: torch.Tensor, v_token_scales: torch.Tensor, scale_strides: tuple[int, ...],
+                 token_scale_strides: tuple[int, ...], *, mode: int, fmt_id: int, max_finite: float) -> Launch:
+    """The one launch :func:`store_kv` makes for its validated arguments (unused scale pointers are placeholders,
+    their strides 0), as a value a compile check can build for a GPU it does not have."""
+    num_tokens, num_heads, head_dim = key.shape
+    block_size = k_cache.shape[2]
     block_d = triton.next_power_of_2(head_dim)
     block_h = min(triton.next_power_of_2(num_heads), max(1, _MAX_TILE // block_d))
     grid = (num_tokens, triton.cdiv(num_heads, block_h))
-    _store_kv_kernel[grid](
-        key, value, k_cache, v_cache, slot_mapping, k_sc, v_sc, k_ts, v_ts,
+    return Launch(_store_kv_kernel, grid, (
+        key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale, k_token_scales, v_token_scales,
         key.stride(0), key.stride(1), value.stride(0), value.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        *ks_strides, *vs_strides, *kt_strides, *vt_strides,
+        *scale_strides, *token_scale_strides,
         num_heads, head_dim, block_size, max_finite,
-        MODE=mode, FMT=fmt_id, IN=_KIND[key.dtype], OUT=_KIND.get(k_cache.dtype, 0),
-        BLOCK_H=block_h, BLOCK_D=block_d, num_warps=4 if block_h * block_d >= 1024 else 2,
-    )
-
+    ), dict(MODE=mode, FMT=fmt_id, IN=_KIND[key.dtype], OUT=_KIND.get(k_cache.dtype, 0),
+            BLOCK_H=block_h, BLOCK_D=block_d, num_warps=4 if block_h * block_d >= 1024 else 2))
 
 def _scale_view(name: str, scale: torch.Tensor | None, num_heads: int, head_dim: int,
                 device: torch.device) -> tuple[torch.Tensor, tuple[int, ...]]:

@@ -1,0 +1,341 @@
+"""Compile kv8's planned Triton launches for an H100 (sm_90) without one, and measure the compiled code.
+
+Run as a script in a process without ``TRITON_INTERPRET`` (the tests' own process interprets the kernels)::
+
+    python -m tests.helpers.sm90            # prints a table of the figures, then the same as JSON
+
+:func:`compile_launch` builds a :class:`kv8.kernels.triton.launch.Launch` -- what a wrapper would pass to the kernel,
+made from CPU tensors of the real shapes and strides -- with Triton's own binder (so the integer and pointer
+specialisations, e.g. divisibility by 16, are the launch's), for ``GPUTarget("cuda", 90, 32)``. :func:`measure`
+reads the result:
+
+* ``registers``, ``spill_bytes``: ``ptxas -v`` (the wheel's ptxas) on the PTX;
+* ``shared_bytes``: the shared memory Triton allocates for the kernel (its pipeline buffers);
+* the **key loop**: the backward branch of the SASS (``cuobjdump -sass``) and of the PTX that encloses the most
+  tensor-core instructions. In it: ``loop_sass`` instructions (one warp's instructions per iteration), how many are
+  ``F2F`` (scalar float conversions), ``F2FP`` (packed conversions), ``HMMA``/``HGMMA``, ``MUFU``, ``BAR``; and from
+  the PTX the ``cp.async.wait_group`` counts (``wait_groups``: a count above 0 leaves later tiles' loads in flight
+  while this one is used -- pipelining) and the packed FP8 conversions (``cvt_fp8_packed``, e.g.
+  ``cvt.rn.f16x2.e4m3x2``);
+* ``instr_per_kb``: ``loop_sass * num_warps`` (the warp instructions an SM issues per iteration) over the KB of
+  K and V cache one iteration reads (``bytes_per_iter``, given by the caller).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import tempfile
+from dataclasses import asdict, dataclass
+from typing import Any
+
+
+def _tool(name: str) -> str:
+    """A binary of Triton's wheel (ptxas, cuobjdump), by path; Triton is imported only here and below, so the
+    checks of :func:`violations` run where it is absent."""
+    import triton
+    return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
+
+
+def tools_missing() -> str | None:
+    """Why this machine cannot compile for sm_90 (None when it can): no Triton, no NVIDIA backend, no ptxas or
+    cuobjdump."""
+    try:
+        import triton.backends.nvidia  # noqa: F401
+        from triton.runtime.jit import create_function_from_signature  # noqa: F401
+    except ImportError as exc:
+        return f"Triton with its NVIDIA backend is not importable: {exc}"
+    for name in ("ptxas", "cuobjdump"):
+        if not os.access(_tool(name), os.X_OK):
+            return f"{_tool(name)} is missing (Triton's wheel ships it for Linux x86-64)"
+    return None
+
+
+def compile_launch(launch: Any, arch: int = 90) -> Any:
+    """The launch's kernel compiled for ``sm_<arch>`` exactly as ``launch.run()`` would compile it on that GPU."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource, make_backend
+    from triton.runtime.jit import create_function_from_signature
+
+    fn = launch.kernel
+    target = GPUTarget("cuda", arch, 32)
+    backend = make_backend(target)
+    binder = create_function_from_signature(fn.signature, fn.params, backend)
+    bound, specialization, options = binder(*launch.args, **launch.kwargs)
+    options, signature, constexprs, attrs = fn._pack_args(backend, dict(launch.kwargs), bound, specialization,
+                                                          options)
+    return triton.compile(ASTSource(fn, signature, constexprs, attrs), target=target, options=options.__dict__)
+
+
+@dataclass
+class Figures:
+    registers: int
+    spill_bytes: int
+    shared_bytes: int
+    num_warps: int
+    num_stages: int
+    loop_sass: int
+    loop_f2f: int
+    loop_f2fp: int
+    loop_mma: int
+    loop_mufu: int
+    loop_bar: int
+    wait_groups: list[int]
+    cvt_fp8_packed: list[str]
+    cvt_fp8_scalar: list[str]
+    bytes_per_iter: int
+    instr_per_kb: float
+
+
+def _loops(lines: list[str], is_label: Any, branch_target: Any) -> list[tuple[int, int]]:
+    """(first, last) line index of every loop: a branch to a label at or before it."""
+    where = {}
+    for i, line in enumerate(lines):
+        name = is_label(line)
+        if name is not None:
+            where[name] = i
+    loops = []
+    for i, line in enumerate(lines):
+        name = branch_target(line)
+        if name is not None and name in where and where[name] <= i:
+            loops.append((where[name], i))
+    return loops
+
+
+def _key_loop(lines: list[str], loops: list[tuple[int, int]], is_mma: Any) -> list[str]:
+    """The loop with the most tensor-core instructions, the innermost such one on a tie."""
+    best: tuple[int, int, tuple[int, int]] | None = None
+    for lo, hi in loops:
+        n = sum(1 for line in lines[lo:hi + 1] if is_mma(line))
+        cand = (n, -(hi - lo), (lo, hi))
+        if n and (best is None or cand > best):
+            best = cand
+    if best is None:
+        return []
+    lo, hi = best[2]
+    return lines[lo:hi + 1]
+
+
+def _sass(cubin: bytes) -> list[str]:
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+        f.write(cubin)
+    try:
+        out = subprocess.run([_tool("cuobjdump"), "-sass", f.name], capture_output=True, text=True, check=True).stdout
+    finally:
+        os.unlink(f.name)
+    # "        /*0a30*/                   @!P0 BRA 0x1c10 ;" -> "0a30 @!P0 BRA 0x1c10"
+    return [f"{m.group(1)} {m.group(2).strip()}" for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", out)]
+
+
+def measure(kernel: Any, num_warps: int, num_stages: int, bytes_per_iter: int) -> Figures:
+    """The compiled figures of ``kernel`` (module docstring); ``bytes_per_iter`` of cache per key-loop iteration."""
+    ptx = kernel.asm["ptx"]
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
+        f.write(ptx)
+    try:
+        log = subprocess.run([_tool("ptxas"), "-arch=sm_90a", "-v", f.name, "-o", os.devnull], capture_output=True,
+                             text=True)
+    finally:
+        os.unlink(f.name)
+    if log.returncode != 0:
+        raise RuntimeError(f"ptxas failed: {log.stderr[-2000:]}")
+    registers = int(re.search(r"Used (\d+) registers", log.stderr).group(1))  # type: ignore[union-attr]
+    spills = sum(int(x) for x in re.findall(r"(\d+) bytes spill", log.stderr))
+
+    sass = _sass(kernel.asm["cubin"])
+
+    def sass_label(line: str) -> str | None:
+        return line.split(" ", 1)[0]
+
+    def sass_branch(line: str) -> str | None:
+        m = re.search(r"\bBRA(?:\.[A-Z.]+)? `?\(?0x([0-9a-f]+)", line)
+        return m.group(1).rjust(4, "0") if m else None
+
+    def sass_mma(line: str) -> bool:
+        return re.search(r"\b(HMMA|HGMMA|IMMA|QGMMA)\b", line) is not None
+
+    loop = [line.split(" ", 1)[1] for line in _key_loop(sass, _loops(sass, sass_label, sass_branch), sass_mma)]
+    loop = [op for op in loop if not op.startswith("NOP")]
+
+    ptx_lines = [line.strip() for line in ptx.splitlines()]
+
+    def ptx_label(line: str) -> str | None:
+        m = re.match(r"(\$L__\w+):", line)
+        return m.group(1) if m else None
+
+    def ptx_branch(line: str) -> str | None:
+        m = re.search(r"\bbra(?:\.uni)?\s+(\$L__\w+);", line)
+        return m.group(1) if m else None
+
+    ptx_loop = _key_loop(ptx_lines, _loops(ptx_lines, ptx_label, ptx_branch),
+                         lambda line: re.match(r"(@%p\d+ )?(w?g?mma)\b", line) is not None)
+    ptx_text = "\n".join(ptx_loop)
+    fp8_cvts = re.findall(r"cvt\.[a-z0-9.]*e[45]m[23][a-z0-9.]*", ptx_text)
+
+    def count(prefix: str) -> int:
+        return sum(1 for op in loop if re.match(rf"(@!?U?P\w+ )?{prefix}\b", op))
+
+    kb = bytes_per_iter / 1024
+    return Figures(
+        registers=registers, spill_bytes=spills, shared_bytes=int(kernel.metadata.shared), num_warps=num_warps,
+        num_stages=num_stages, loop_sass=len(loop), loop_f2f=count("F2F"), loop_f2fp=count("F2FP"),
+        loop_mma=count("(HMMA|HGMMA)"), loop_mufu=count("MUFU"), loop_bar=count("BAR"),
+        wait_groups=[int(x) for x in re.findall(r"cp\.async\.wait_group\s+(\d+)", ptx_text)],
+        cvt_fp8_packed=sorted({c for c in fp8_cvts if "x2" in c}),
+        cvt_fp8_scalar=sorted({c for c in fp8_cvts if "x2" not in c}),
+        bytes_per_iter=bytes_per_iter,
+        instr_per_kb=round(len(loop) * num_warps / kb, 1) if loop else float("nan"),
+    )
+
+
+# ---- the cases: Llama-3.1-8B shapes (32 query heads, 8 KV heads, head_dim 128, blocks of 16) ------------------------
+
+def llama_attention_launches(kv: str, phase: str, compute_units: int = 132) -> list[Any]:
+    """What :func:`~kv8.kernels.triton.attention.unified_attention` launches for one layer of Llama-3.1-8B on an
+    H100 (132 SMs): ``kv`` "fp8_e4m3" (static per-head scales) or "bfloat16"; ``phase`` "decode" (32 sequences at 4k
+    context, one new token each) or "prefill" (one 2048-token prompt). CPU tensors with the real strides; no
+    cache-sized memory (the block count does not change the kernel)."""
+    import torch
+
+    from kv8.kernels.triton import attention as A
+    from kv8.quant.formats import E4M3
+
+    heads, kv_heads, dim, bs = 32, 8, 128, 16
+    if phase == "decode":
+        num_seqs, q_len, ctx = 32, 1, 4096
+    elif phase == "prefill":
+        num_seqs, q_len, ctx = 1, 2048, 2048
+    else:
+        raise ValueError(f"phase={phase!r}: allowed 'decode', 'prefill'")
+    fp8 = kv == "fp8_e4m3"
+    if not fp8 and kv != "bfloat16":
+        raise ValueError(f"kv={kv!r}: allowed 'fp8_e4m3', 'bfloat16'")
+    tokens = num_seqs * q_len
+    query = torch.zeros(tokens, heads, dim, dtype=torch.bfloat16)
+    cache = torch.zeros(16, kv_heads, bs, dim, dtype=torch.uint8 if fp8 else torch.bfloat16)
+    blocks = -(-ctx // bs)
+    return A.plan_launches(
+        query, cache, cache.clone(), torch.empty_like(query),
+        query_start_loc=torch.arange(0, tokens + 1, q_len, dtype=torch.int32),
+        seq_lens=torch.full((num_seqs,), ctx, dtype=torch.int32),
+        block_tables=torch.zeros(num_seqs, blocks, dtype=torch.int32),
+        max_query_len=q_len, max_seq_len=ctx, scale=dim ** -0.5, sliding_window=None,
+        fp8=E4M3 if fp8 else None, k_scale=torch.ones(kv_heads, 1) if fp8 else None,
+        v_scale=torch.ones(kv_heads, 1) if fp8 else None, k_token_scales=None, v_token_scales=None,
+        num_kv_splits=None, native_fp8=fp8, compute_units=compute_units, interpreted=False)
+
+
+def llama_store_launch(kv: str) -> Any:
+    """What :func:`~kv8.kernels.triton.store.store_kv` launches for one decode step of 32 sequences (8 KV heads,
+    head_dim 128, blocks of 16; ``kv`` "fp8_e4m3" with static per-head scales or "bfloat16")."""
+    import torch
+
+    from kv8.kernels.triton import store as S
+
+    fp8 = kv == "fp8_e4m3"
+    key = torch.zeros(32, 8, 128, dtype=torch.bfloat16)
+    cache = torch.zeros(16, 8, 16, 128, dtype=torch.uint8 if fp8 else torch.bfloat16)
+    slots = torch.arange(32, dtype=torch.int64)
+    scale = torch.ones(8, 1).expand(8, 128)
+    placeholder = slots
+    return S.store_launch(key, key.clone(), cache, cache.clone(), slots,
+                          scale if fp8 else placeholder, scale if fp8 else placeholder, placeholder, placeholder,
+                          (scale.stride(0), scale.stride(1)) * 2 if fp8 else (0, 0, 0, 0), (0, 0, 0) * 2,
+                          mode=1 if fp8 else 0, fmt_id=0, max_finite=448.0 if fp8 else 1.0)
+
+
+def attention_launch(kv: str, phase: str) -> Any:
+    """The attention kernel's launch that serves the phase's rows: the decode batch's one launch, the prefill
+    chunk's launch (a batch with a prefill chunk also launches the kernel for its decode rows, none here)."""
+    launches = [x for x in llama_attention_launches(kv, phase) if "Q_LEN_MIN" in x.kwargs]
+    return launches[0] if phase == "decode" else next(x for x in launches if x.kwargs["Q_LEN_MIN"] > 0)
+
+
+def attention_figures(launch: Any) -> Figures:
+    """:func:`measure` of an attention launch; an iteration reads TILE_N keys of K and V of one KV head."""
+    kw = launch.kwargs
+    elem = launch.args[2].element_size()
+    return measure(compile_launch(launch), int(kw["num_warps"]), int(kw.get("num_stages", 3)),
+                   2 * int(kw["TILE_N"]) * int(kw["HEAD_DIM"]) * elem)
+
+
+# what an H100 SM holds (sm_90): registers, shared memory one block may use
+SM90_REGISTERS = 65536
+SM90_SHARED_BYTES = 227 * 1024
+RESIDENT_PROGRAMS = 4   # what kv8.kernels.triton.attention.choose_num_kv_splits aims for
+
+
+def figures() -> dict[str, dict[str, Any]]:
+    """The compiled figures of the engine's launches at Llama-3.1-8B shapes: decode and prefill attention over
+    fp8_e4m3 and bf16 caches, and the store kernel (keys ``"<phase>-<kv>"``, ``"store-<kv>"``)."""
+    rows: dict[str, dict[str, Any]] = {}
+    for phase in ("decode", "prefill"):
+        for kv in ("fp8_e4m3", "bfloat16"):
+            launch = attention_launch(kv, phase)
+            rows[f"{phase}-{kv}"] = {"grid": list(launch.grid), **{k: launch.kwargs[k] for k in (
+                "BLOCK_M", "TILE_N", "NUM_SPLITS")}, **asdict(attention_figures(launch))}
+    for kv in ("fp8_e4m3", "bfloat16"):
+        launch = llama_store_launch(kv)
+        fig = measure(compile_launch(launch), int(launch.kwargs["num_warps"]), 1, 1)
+        rows[f"store-{kv}"] = {"registers": fig.registers, "spill_bytes": fig.spill_bytes,
+                               "shared_bytes": fig.shared_bytes, "num_warps": fig.num_warps}
+    return rows
+
+
+def violations(rows: dict[str, dict[str, Any]]) -> list[str]:
+    """What the compiled kernels promise (issue 39), as the list of promises ``rows`` (:func:`figures`) break:
+
+    * no kernel spills registers;
+    * every attention loop is pipelined: a ``cp.async.wait_group`` count above 0;
+    * over FP8 codes the loop converts natively in pairs (``cvt.rn.f16x2.e4m3x2``), with no scalar FP8 conversion
+      and no scalar ``F2F`` in the loop;
+    * the FP8 decode loop costs at most the bf16 loop's instructions per key (per KB of cache: at most twice the
+      bf16 figure, the FP8 cache being half the bytes);
+    * a decode program leaves room for :data:`RESIDENT_PROGRAMS` per SM (registers and shared memory).
+    """
+    bad = []
+    for name, r in rows.items():
+        if r["spill_bytes"]:
+            bad.append(f"{name}: {r['spill_bytes']} bytes of register spills")
+        if name.startswith("store-"):
+            continue
+        if not r["wait_groups"] or max(r["wait_groups"]) == 0:
+            bad.append(f"{name}: not pipelined (cp.async.wait_group counts {r['wait_groups']} in the key loop)")
+        if "fp8" in name:
+            if "cvt.rn.f16x2.e4m3x2" not in r["cvt_fp8_packed"] or r["cvt_fp8_scalar"]:
+                bad.append(f"{name}: FP8 conversions {r['cvt_fp8_packed'] + r['cvt_fp8_scalar']}, want only "
+                           "cvt.rn.f16x2.e4m3x2")
+            if r["loop_f2f"]:
+                bad.append(f"{name}: {r['loop_f2f']} scalar F2F conversions per iteration")
+        if name.startswith("decode-"):
+            regs = r["registers"] * 32 * r["num_warps"]
+            if RESIDENT_PROGRAMS * regs > SM90_REGISTERS or RESIDENT_PROGRAMS * r["shared_bytes"] > SM90_SHARED_BYTES:
+                bad.append(f"{name}: {regs} registers and {r['shared_bytes']} bytes of shared memory per program "
+                           f"leave no room for {RESIDENT_PROGRAMS} programs per SM")
+    fp8, bf16 = rows["decode-fp8_e4m3"]["instr_per_kb"], rows["decode-bfloat16"]["instr_per_kb"]
+    if not fp8 <= 2 * bf16:
+        bad.append(f"decode: FP8 loop {fp8} instructions per KB > 2 x bf16's {bf16} (more per key than bf16)")
+    return bad
+
+
+def table(rows: dict[str, dict[str, Any]]) -> str:
+    """The figures as a text table (the compile test prints it)."""
+    cols = ("registers", "spill_bytes", "shared_bytes", "num_warps", "num_stages", "TILE_N", "NUM_SPLITS",
+            "wait_groups", "loop_sass", "loop_f2f", "loop_f2fp", "loop_mma", "instr_per_kb")
+    lines = ["kernel".ljust(18) + " ".join(c.rjust(12) for c in cols)]
+    for name, r in rows.items():
+        lines.append(name.ljust(18) + " ".join(str(r.get(c, "-")).replace(" ", "").rjust(12) for c in cols))
+    return "\n".join(lines)
+
+
+def main() -> None:
+    rows = figures()
+    print(table(rows))
+    print(json.dumps(rows))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,80 @@
+"""The GPU kernels' compiled code, checked without a GPU (issue 39, item 2).
+
+:mod:`tests.helpers.sm90` builds the launches the wrappers make for one layer of Llama-3.1-8B (32 query heads, 8 KV
+heads, head_dim 128, blocks of 16; decode: 32 sequences at 4k context; prefill: one 2048-token prompt; fp8_e4m3
+with static per-head scales and bf16 caches, bf16 queries) and compiles them for sm_90 with Triton's compiler and
+the ptxas/cuobjdump its wheel ships, in a subprocess without ``TRITON_INTERPRET``. The figures (registers, spills,
+shared memory, the key loop's ``cp.async.wait_group`` counts, conversions and instructions per KB of cache) are
+printed (``pytest -s``) so a change shows its effect, and :func:`tests.helpers.sm90.violations` says which of the
+design's promises they break. docs/benchmarks.md lists the figures; timings on a GPU are owed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import sm90
+
+# The same launches compiled from commit f501a9f (before issue 39): one buffer per K/V tile (wait_group 0), 16-key
+# FP8 tiles converted through float16 to bfloat16 with scalar F2F, 4 and 8 warps. Figures of tests.helpers.sm90.
+_OLD_FIGURES = {
+    "decode-fp8_e4m3": {"registers": 126, "spill_bytes": 0, "shared_bytes": 8708, "num_warps": 4, "num_stages": 3,
+                        "TILE_N": 16, "wait_groups": [0], "cvt_fp8_packed": ["cvt.rn.f16x2.e4m3x2"],
+                        "cvt_fp8_scalar": [], "loop_sass": 380, "loop_f2f": 48, "instr_per_kb": 380.0},
+    "decode-bfloat16": {"registers": 90, "spill_bytes": 0, "shared_bytes": 12804, "num_warps": 4, "num_stages": 3,
+                        "TILE_N": 16, "wait_groups": [0], "cvt_fp8_packed": [], "cvt_fp8_scalar": [],
+                        "loop_sass": 219, "loop_f2f": 0, "instr_per_kb": 109.5},
+    "prefill-fp8_e4m3": {"registers": 124, "spill_bytes": 0, "shared_bytes": 24580, "num_warps": 8, "num_stages": 3,
+                         "TILE_N": 16, "wait_groups": [0], "cvt_fp8_packed": ["cvt.rn.f16x2.e4m3x2"],
+                         "cvt_fp8_scalar": [], "loop_sass": 302, "loop_f2f": 16, "instr_per_kb": 604.0},
+    "prefill-bfloat16": {"registers": 117, "spill_bytes": 0, "shared_bytes": 32772, "num_warps": 8, "num_stages": 3,
+                         "TILE_N": 16, "wait_groups": [0], "cvt_fp8_packed": [], "cvt_fp8_scalar": [],
+                         "loop_sass": 271, "loop_f2f": 0, "instr_per_kb": 271.0},
+    "store-fp8_e4m3": {"registers": 72, "spill_bytes": 0, "shared_bytes": 2048},
+    "store-bfloat16": {"registers": 26, "spill_bytes": 0, "shared_bytes": 0},
+}
+
+
+def test_the_promises_fail_on_the_old_kernels() -> None:
+    """Each promise of :func:`sm90.violations` can fail: the old kernels' figures break the pipelining, conversion
+    and per-key promises; a spilling variant (FP8 decode with 32-key tiles, 4 warps, 5 stages, measured while
+    choosing the configuration) and 8 warps of 255 registers break the others."""
+    bad = sm90.violations(_OLD_FIGURES)
+    assert sum("not pipelined" in b for b in bad) == 4, bad
+    assert any(b.startswith("decode-fp8_e4m3: 48 scalar F2F") for b in bad), bad
+    assert any(b.startswith("prefill-fp8_e4m3: 16 scalar F2F") for b in bad), bad
+    assert any("FP8 loop 380.0 instructions per KB > 2 x bf16's 109.5" in b for b in bad), bad
+    assert not any("spills" in b or "per SM" in b for b in bad), bad
+    worse = json.loads(json.dumps(_OLD_FIGURES))
+    worse["decode-fp8_e4m3"].update(spill_bytes=8, registers=128)
+    worse["decode-bfloat16"].update(registers=255, num_warps=8)
+    worse["prefill-fp8_e4m3"].update(cvt_fp8_packed=[], cvt_fp8_scalar=["cvt.f32.e4m3"])
+    bad = sm90.violations(worse)
+    assert any(b.startswith("decode-fp8_e4m3: 8 bytes of register spills") for b in bad), bad
+    assert any(b.startswith("decode-bfloat16:") and "per SM" in b for b in bad), bad
+    assert any(b.startswith("prefill-fp8_e4m3: FP8 conversions ['cvt.f32.e4m3']") for b in bad), bad
+
+
+def test_kernels_compiled_for_sm90_keep_their_promises(tmp_path: Path) -> None:
+    """Decode, prefill and store kernels at Llama-3.1-8B shapes, compiled for an H100 as the wrappers launch them:
+    no spills, pipelined key loops, packed native FP8 conversion, FP8 decode no dearer per key than bf16, room for
+    4 decode programs per SM (:func:`sm90.violations`)."""
+    missing = sm90.tools_missing()
+    if missing:
+        pytest.skip(missing)
+    env = {**os.environ, "TRITON_CACHE_DIR": str(tmp_path), "PYTHONPATH": os.pathsep.join(sys.path)}
+    env.pop("TRITON_INTERPRET", None)
+    run = subprocess.run([sys.executable, "-m", "tests.helpers.sm90"], env=env, capture_output=True, text=True,
+                         timeout=900, cwd=Path(__file__).resolve().parents[2])
+    assert run.returncode == 0, run.stderr[-3000:]
+    lines = run.stdout.strip().splitlines()
+    rows = json.loads(lines[-1])
+    print("\n".join(lines[:-1]))          # the table (pytest -s)
+    assert set(rows) == set(_OLD_FIGURES)
+    assert sm90.violations(rows) == []
