@@ -229,9 +229,9 @@ static int argmax_rows(const kv8_argmax_call& call) {
 // ---- linear --------------------------------------------------------------------------------------------------------
 
 static const int64_t X_CHUNK_BYTES = 256 << 10;  // rows of x per pass over the weights: their fp32 copy in L2
-static const int MAX_MR_AVX2 = 4;  // rows per block: 8 accumulators + 4 weights + 2 broadcasts of 16 registers
+static const int MAX_MR_AVX2 = 5;  // rows per block: 10 accumulators + 4 weights + 1 broadcast of 16 registers
 
-// A thread's fp32 copy of a chunk of x (grown as needed, kept for the thread's life).
+// A thread's fp32 buffer (grown as needed, kept for the thread's life).
 struct XBuffer {
     float* p = nullptr;
     size_t cap = 0;
@@ -246,7 +246,7 @@ struct XBuffer {
         return p;
     }
 };
-static thread_local XBuffer tl_x;
+static thread_local XBuffer tl_x, tl_w;   // a thread's fp32 rows of x, and its widened panel
 
 // rows x [M, K] bf16 -> xf [M, kp] fp32 (column K of an odd K zero).
 static inline void rows_to_f32(const uint16_t* x, int64_t M, int64_t K, int64_t kp, float* xf) {
@@ -263,11 +263,18 @@ static inline void rows_to_f32(const uint16_t* x, int64_t M, int64_t K, int64_t 
     }
 }
 
+// How a micro kernel reads its panel: the bf16 packed layout, the FP8 one, or a panel widened to fp32 (W_F32: per
+// pair-row 64 floats, for each group its 8 even-k then its 8 odd-k weights; widen_panel).
+enum { W_BF16 = 0, W_FP8 = 1, W_F32 = 2 };
+
 // The even-k and odd-k fp32 weights of group g of pair-row kk (see the top of this file); bf16 panels: p points at
-// the group's 32 bytes; FP8: at its 16 codes (the weights times 2^-8).
-template <bool FP8>
+// the group's 32 bytes; FP8: at its 16 codes (the weights times 2^-8); W_F32: at its 16 floats.
+template <int SRC>
 static inline void load_weights(const uint8_t* p, __m256& even, __m256& odd) {
-    if (FP8) {
+    if (SRC == W_F32) {
+        even = _mm256_load_ps((const float*)p);
+        odd = _mm256_load_ps((const float*)p + 8);
+    } else if (SRC == W_FP8) {
         const __m256i s = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)p));
         const __m256i h = _mm256_and_si256(_mm256_slli_epi16(s, 7), _mm256_set1_epi16((short)0xBF80));
         even = _mm256_cvtph_ps(_mm256_castsi256_si128(h));
@@ -304,13 +311,28 @@ static inline void store_gated(__m256 gacc, __m256 uacc, const float* bias, cons
     store_bf16(out_row + c, _mm256_mul_ps(silu8(g), u), N - c);
 }
 
+// Panel p of the bf16 or FP8 layout -> its fp32 weights in the W_F32 order at w (32 * kp floats, 32-byte aligned):
+// exact (an FP8 weight stays times 2^-8), so a micro kernel reading w sums the same values in the same order.
+template <int SRC>
+static inline void widen_panel(const uint8_t* panel, int64_t kp, float* w) {
+    constexpr int64_t GB = SRC == W_FP8 ? 16 : 32;
+    for (int64_t kk = 0; kk < kp / 2; ++kk)
+        for (int g = 0; g < 4; ++g) {
+            __m256 e, o;
+            load_weights<SRC>(panel + kk * 4 * GB + g * GB, e, o);
+            _mm256_store_ps(w + kk * 64 + g * 16, e);
+            _mm256_store_ps(w + kk * 64 + g * 16 + 8, o);
+        }
+}
+
 // MR rows of xf (stride kp, fp32) times NG groups of one panel (NG = 4: the whole panel; NG = 2: half h of it) ->
 // outputs. Groups: the panel's 4 groups (NG = 4), or groups 2h, 2h + 1 (half h), or, GATED, h and h + 2 (8 gate
-// columns and their 8 up columns). n0: the panel's first packed row; out rows have stride N.
-template <int MR, int NG, bool FP8, bool GATED>
+// columns and their 8 up columns). n0: the panel's first packed row; out rows have stride N; unit: 256 for FP8
+// weights (their 2^-8), else 1.
+template <int MR, int NG, int SRC, bool GATED>
 static inline void micro_avx2(const float* xf, int64_t kp, const uint8_t* panel, int h, const float* bias,
-                              const float* scale, int64_t n0, int64_t N, uint16_t* out) {
-    constexpr int64_t GB = FP8 ? 16 : 32;   // bytes of a group in a pair-row
+                              const float* scale, float unit, int64_t n0, int64_t N, uint16_t* out) {
+    constexpr int64_t GB = SRC == W_F32 ? 64 : SRC == W_FP8 ? 16 : 32;   // bytes of a group in a pair-row
     constexpr int64_t RB = 4 * GB;          // bytes of a pair-row
     int go[NG];                             // the groups
     for (int i = 0; i < NG; ++i) go[i] = NG == 4 ? i : GATED ? h + 2 * i : 2 * h + i;
@@ -320,7 +342,7 @@ static inline void micro_avx2(const float* xf, int64_t kp, const uint8_t* panel,
     const int64_t pairs = kp / 2;
     for (int64_t kk = 0; kk < pairs; ++kk) {
         __m256 we[NG], wo[NG];
-        for (int i = 0; i < NG; ++i) load_weights<FP8>(panel + kk * RB + go[i] * GB, we[i], wo[i]);
+        for (int i = 0; i < NG; ++i) load_weights<SRC>(panel + kk * RB + go[i] * GB, we[i], wo[i]);
         for (int r = 0; r < MR; ++r) {
             const __m256 xe = _mm256_broadcast_ss(xf + r * kp + 2 * kk);
             for (int i = 0; i < NG; ++i) acc[r][i] = _mm256_fmadd_ps(we[i], xe, acc[r][i]);
@@ -328,7 +350,6 @@ static inline void micro_avx2(const float* xf, int64_t kp, const uint8_t* panel,
             for (int i = 0; i < NG; ++i) acc[r][i] = _mm256_fmadd_ps(wo[i], xo, acc[r][i]);
         }
     }
-    const float unit = FP8 ? 256.0f : 1.0f;
     for (int r = 0; r < MR; ++r) {
         uint16_t* row = out + r * N;
         if (GATED) {   // gate group go[i] (< 2) and its up group go[i] + 2 = go[i + NG / 2]
@@ -341,16 +362,20 @@ static inline void micro_avx2(const float* xf, int64_t kp, const uint8_t* panel,
     }
 }
 
-typedef void (*MicroAvx2Fn)(const float*, int64_t, const uint8_t*, int, const float*, const float*, int64_t, int64_t,
-                            uint16_t*);
-template <bool FP8, bool G>
-static const MicroAvx2Fn MICRO_AVX2[MAX_MR_AVX2 + 1] = {nullptr, micro_avx2<1, 2, FP8, G>, micro_avx2<2, 2, FP8, G>,
-                                                        micro_avx2<3, 2, FP8, G>, micro_avx2<4, 2, FP8, G>};
+typedef void (*MicroAvx2Fn)(const float*, int64_t, const uint8_t*, int, const float*, const float*, float, int64_t,
+                            int64_t, uint16_t*);
+template <int SRC, bool G>
+static const MicroAvx2Fn MICRO_AVX2[MAX_MR_AVX2 + 1] = {nullptr, micro_avx2<1, 2, SRC, G>, micro_avx2<2, 2, SRC, G>,
+                                                        micro_avx2<3, 2, SRC, G>, micro_avx2<4, 2, SRC, G>,
+                                                        micro_avx2<5, 2, SRC, G>};
 
 // kv8_linear (FP8 false) and kv8_linear_fp8 on AVX2 (linear.h's contract; use_amx is ignored). Threads take
 // contiguous runs of panels; per chunk of rows (its fp32 copy within X_CHUNK_BYTES) a thread walks its panels: one row
-// multiplies the whole panel at once (the panel streamed once, 4 groups in registers), more rows go through each half
-// panel in blocks of up to MAX_MR_AVX2 rows (the half panel stays in L1 between the blocks).
+// multiplies the whole panel at once (the panel streamed once, 4 groups in registers); more rows go through each half
+// panel in blocks of up to MAX_MR_AVX2 rows (the half panel stays in L1 between the blocks), from the panel itself
+// up to WIDEN_ROWS rows, beyond that from its fp32 copy (widen_panel: the conversion done once per chunk, not once
+// per block; the same values summed in the same order, so the same bits).
+static const int64_t WIDEN_ROWS = 8;
 template <bool FP8>
 static int linear(const kv8_linear_call& call) {
     const uint16_t* x = call.x;
@@ -363,37 +388,45 @@ static int linear(const kv8_linear_call& call) {
     if (M < 0 || K <= 0 || N <= 0 || nthreads <= 0 || (!FP8 && scale)) return ERR_ARGS;
     if (M == 0) return OK;   // no rows: pointers may be null
     if (!x || !packed || (FP8 && !scale) || !out) return ERR_ARGS;
+    constexpr int SRC = FP8 ? W_FP8 : W_BF16;
+    const float unit = FP8 ? 256.0f : 1.0f;
     const int64_t kp = (K + 1) & ~(int64_t)1;
     const int64_t panels = gated ? (N + 15) / 16 : (N + PANEL - 1) / PANEL;
     const int64_t panel_bytes = (int64_t)PANEL * kp * (FP8 ? 1 : 2);
     const int64_t chunk = X_CHUNK_BYTES / (kp * 4) > MAX_MR_AVX2 ? X_CHUNK_BYTES / (kp * 4) : MAX_MR_AVX2;
     const int threads = (int)(panels < nthreads ? panels : nthreads);
-    const MicroAvx2Fn* blocks = gated ? MICRO_AVX2<FP8, true> : MICRO_AVX2<FP8, false>;
-    const MicroAvx2Fn whole = gated ? micro_avx2<1, 4, FP8, true> : micro_avx2<1, 4, FP8, false>;
+    const MicroAvx2Fn* blocks = gated ? MICRO_AVX2<SRC, true> : MICRO_AVX2<SRC, false>;
+    const MicroAvx2Fn* wide = gated ? MICRO_AVX2<W_F32, true> : MICRO_AVX2<W_F32, false>;
+    const MicroAvx2Fn whole = gated ? micro_avx2<1, 4, SRC, true> : micro_avx2<1, 4, SRC, false>;
     int failed = 0;
 #pragma omp parallel num_threads(threads) reduction(| : failed)
     {
         const int t = omp_get_thread_num(), nt = omp_get_num_threads();
         const int64_t p0 = panels * t / nt, p1 = panels * (t + 1) / nt;
         float* xf = tl_x.get((size_t)(M < chunk ? M : chunk) * kp);
-        if (!xf) failed = 1;
-        for (int64_t m0 = 0; xf && m0 < M; m0 += chunk) {
+        float* wf = M > WIDEN_ROWS ? tl_w.get((size_t)PANEL * kp) : nullptr;
+        if (!xf || (M > WIDEN_ROWS && !wf)) failed = 1;
+        for (int64_t m0 = 0; !failed && m0 < M; m0 += chunk) {
             const int64_t rows = M - m0 < chunk ? M - m0 : chunk;
             rows_to_f32(x + m0 * K, rows, K, kp, xf);
             uint16_t* oc = out + m0 * N;
             for (int64_t p = p0; p < p1; ++p) {
                 const uint8_t* panel = packed + p * panel_bytes;
                 if (rows == 1) {
-                    whole(xf, kp, panel, 0, bias, scale, p * PANEL, N, oc);
+                    whole(xf, kp, panel, 0, bias, scale, unit, p * PANEL, N, oc);
                     continue;
                 }
+                const bool widen = rows > WIDEN_ROWS;
+                if (widen) widen_panel<SRC>(panel, kp, wf);
+                const MicroAvx2Fn* table = widen ? wide : blocks;
+                const uint8_t* src = widen ? (const uint8_t*)wf : panel;
                 const int64_t nblk = (rows + MAX_MR_AVX2 - 1) / MAX_MR_AVX2;
                 const int64_t base = rows / nblk, extra = rows % nblk;
                 for (int h = 0; h < 2; ++h) {
                     int64_t r0 = 0;
                     for (int64_t b = 0; b < nblk; ++b) {
                         const int mr = (int)(base + (b < extra ? 1 : 0));
-                        blocks[mr](xf + r0 * kp, kp, panel, h, bias, scale, p * PANEL, N, oc + r0 * N);
+                        table[mr](xf + r0 * kp, kp, src, h, bias, scale, unit, p * PANEL, N, oc + r0 * N);
                         r0 += mr;
                     }
                 }
