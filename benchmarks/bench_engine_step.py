@@ -5,7 +5,8 @@ oneDNN and torch elementwise ops), ``torch_fp32`` (the same on float32 copies of
 kv8's dense kernels build, ``packed_bf16`` (packed-weight linear, fused add+RMSNorm, SiLU*up and RoPE). Prints
 the median time of a prefill step (4 prompts x ``--prompt`` tokens, default 512: 2,048 tokens) and of a decode
 step (``--batch`` sequences at ~``--context`` tokens) over ``--rounds`` rounds that alternate the backends (the
-order rotated each round), and each one's speed-up over torch. On a CPU with AMX-BF16, where ``packed_bf16``
+order rotated each round), and each one's speed-up over torch (over the first listed where ``--backends`` leaves torch
+out). On a CPU with AMX-BF16, where ``packed_bf16``
 multiplies with AMX tiles, another row times it with its ``vdpbf16ps`` path (the kernels' ``amx`` flag off), as
 other CPUs run it.
 
@@ -162,15 +163,16 @@ def main() -> None:
                 runs[name].append(measure(name, args))
     print(f"SmolLM2-135M, bf16, fp8_e4m3 cache; decode batch {args.batch} at ~{args.context} tokens; medians of "
           f"{args.rounds} alternating rounds (min-max); {cpu_name()}, {os.cpu_count()} CPUs")
+    ref = "torch" if "torch" in runs else names[0]   # the speed-ups' reference: torch, else the first listed
     print(f"{'dense_backend':<24}{f'prefill {4 * args.prompt} tok ms':>28}{'decode step ms':>26}"
-          f"{'speed-up vs torch':>22}")
+          f"{f'speed-up vs {ref}':>28}")
     med = {n: (statistics.median(p for p, _ in v), statistics.median(d for _, d in v)) for n, v in runs.items()}
     for name, v in runs.items():
         p, d = med[name]
         pre = f"{p * 1e3:.1f} ({min(x for x, _ in v) * 1e3:.0f}-{max(x for x, _ in v) * 1e3:.0f})"
         dec = f"{d * 1e3:.1f} ({min(y for _, y in v) * 1e3:.0f}-{max(y for _, y in v) * 1e3:.0f})"
-        speed = "" if "torch" not in med else f"{med['torch'][0] / p:.2f} / {med['torch'][1] / d:.2f}"
-        print(f"{name:<24}{pre:>28}{dec:>26}{speed:>22}")
+        speed = f"{med[ref][0] / p:.2f} / {med[ref][1] / d:.2f}"
+        print(f"{name:<24}{pre:>28}{dec:>26}{speed:>28}")
 
 
 if __name__ == "__main__":

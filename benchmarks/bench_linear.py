@@ -8,7 +8,9 @@ above M = 256), the variants taking turns within each pass. On a CPU with AMX-BF
 tiles (what the engine uses there); the ``vdpbf16ps`` columns time the AVX-512 path that other CPUs use, on
 the same packed weights in the same run. The ``fp8 ms`` and ``bf16/fp8`` columns time the same matrices quantized as
 ``quantization="fp8"`` quantizes them (E4M3 codes and a scale per output row, half the bytes; the kernel decodes
-them to bf16 on the fly), on the same path.
+them to bf16 on the fly), on the same path. The ``fp32 ms`` and ``fp32/kv8`` columns time ``F.linear`` in float32 on the
+same weights widened at load (the ``torch_fp32`` dense backend, twice the bytes: the choice on CPUs whose torch has
+no fast bf16 GEMM); the header names the kernels' path (``avx512``: AMX tiles or ``vdpbf16ps``; ``avx2``: fp32 FMA).
 
 ``--before REV`` also builds the dense kernel library as of git revision REV (a temporary ``git worktree``;
 REV's dense library must have the current wrapper's argument structs: its layout is checked at load), packs the same
@@ -95,6 +97,7 @@ def run(args: argparse.Namespace, before: DenseKernels | None) -> None:
     torch.manual_seed(0)
     weights = [[torch.randn(n, k).bfloat16() for n, k in SHAPES] for _ in range(args.layers)]
     packed = packed_layers(weights, backend)
+    weights_f32 = [[w.float() for w in layer] for layer in weights]
     nbytes = sum(w.numel() * 2 for layer in weights for w in layer)
     kernels = backend.kernels
     assert kernels is not None
@@ -106,9 +109,9 @@ def run(args: argparse.Namespace, before: DenseKernels | None) -> None:
     if before is not None:
         before.amx = amx
     print(f"{args.layers} layers, {nbytes / 1e6:.0f} MB of bf16 weights, {torch.get_num_threads()} threads, "
-          f"kv8 path: {'AMX tiles' if amx else 'vdpbf16ps'}"
+          f"kv8 path: {kernels.isa} ({'AMX tiles' if amx else 'vdpbf16ps' if kernels.isa == 'avx512' else 'fp32 FMA'})"
           + (f"; before = kv8's kernels as of {args.before}" if before is not None else ""))
-    extra = f" {'fp8 ms':>8} {'bf16/fp8':>9}"
+    extra = f" {'fp8 ms':>8} {'bf16/fp8':>9} {'fp32 ms':>9} {'fp32/kv8':>9} {'fp32/fp8':>9}"
     extra += f" {'vdpbf16ps ms':>13} {'AMX/vdpbf16ps':>14}" if amx else ""
     extra += f" {'before ms':>10} {'speed-up':>9} {'fp8 before':>11} {'speed-up':>9}" if before is not None else ""
     print(f"{'M':>6} {'torch ms':>10} {'kv8 ms':>10} {'torch GB/s':>11} {'kv8 GB/s':>10} {'speed-up':>9}{extra}")
@@ -121,6 +124,11 @@ def run(args: argparse.Namespace, before: DenseKernels | None) -> None:
                 for layer in weights:
                     for w in layer:
                         F.linear(xs[w.shape[1]], w)
+
+            def run_fp32(xs: dict[int, torch.Tensor] = xs) -> None:
+                for layer in weights_f32:
+                    for w in layer:
+                        F.linear(xs[w.shape[1]].float(), w).bfloat16()
 
             def run_kv8(xs: dict[int, torch.Tensor] = xs, layers: list[list[LinearBase]] = packed) -> None:
                 for layer in layers:
@@ -143,7 +151,7 @@ def run(args: argparse.Namespace, before: DenseKernels | None) -> None:
                 finally:
                     kernels.amx = True
 
-            fns = {"torch": run_torch, "kv8": run_kv8, "fp8": run_fp8}
+            fns = {"torch": run_torch, "kv8": run_kv8, "fp8": run_fp8, "fp32": run_fp32}
             if amx:
                 fns["vdpbf16ps"] = run_avx512
             if before is not None:
@@ -153,7 +161,8 @@ def run(args: argparse.Namespace, before: DenseKernels | None) -> None:
             t_torch, t_kv8 = t["torch"], t["kv8"]
             row = (f"{m:>6} {t_torch * 1e3:>10.2f} {t_kv8 * 1e3:>10.2f} {nbytes / t_torch / 1e9:>11.1f} "
                    f"{nbytes / t_kv8 / 1e9:>10.1f} {t_torch / t_kv8:>9.2f} {t['fp8'] * 1e3:>8.2f} "
-                   f"{t_kv8 / t['fp8']:>9.2f}")
+                   f"{t_kv8 / t['fp8']:>9.2f} {t['fp32'] * 1e3:>9.2f} {t['fp32'] / t_kv8:>9.2f} "
+                   f"{t['fp32'] / t['fp8']:>9.2f}")
             if amx:
                 row += f" {t['vdpbf16ps'] * 1e3:>13.2f} {t['vdpbf16ps'] / t_kv8:>14.2f}"
             if before is not None:

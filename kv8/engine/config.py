@@ -31,7 +31,8 @@ __all__ = ["ATTENTION_BACKENDS", "DENSE_BACKENDS", "DTYPE_CHOICES", "LOAD_FORMAT
 
 # auto, then the backends registered in kv8.attention.backend
 ATTENTION_BACKENDS: tuple[str, ...] = ("auto", *BACKENDS)
-# torch ops, or kv8's packed AVX-512 BF16 linear layers with fused norm/SiLU/RoPE (kv8.kernels.cpu.dense)
+# torch ops, or kv8's packed linear layers (AVX-512 BF16 / AMX, or AVX2) with fused norm/SiLU/RoPE
+# (kv8.kernels.cpu.dense)
 DENSE_BACKENDS = ("auto", "torch", "torch_fp32", "packed_bf16")
 # weight quantization at load (vLLM's --quantization): fp8 = E4M3 weights with one float32 scale per output row
 QUANTIZATION_METHODS = ("fp8",)
@@ -109,8 +110,8 @@ class EngineConfig:
         choices=ATTENTION_BACKENDS)
     dense_backend: str = option(
         "auto", "linear layers, norms, activation, RoPE: torch; torch_fp32 (torch, the linear weights held in "
-        "float32: fast where the CPU has no native bf16); packed_bf16 (kv8's AVX-512 BF16 / AMX kernels); auto = "
-        "the fastest on this machine, timed on the model's shapes at its first run and kept (kv8 tune)",
+        "float32: fast where the CPU has no native bf16); packed_bf16 (kv8's AVX-512 BF16 / AMX or AVX2 kernels); "
+        "auto = the fastest on this machine, timed on the model's shapes at its first run and kept (kv8 tune)",
         choices=DENSE_BACKENDS)
     quantization: str | None = option(
         None, "quantize the weights of the decoder's linear layers at load: fp8 = E4M3 codes with one float32 "

@@ -8,8 +8,8 @@
   them are not touched, so with every one off the logits (and any seeded draw) are bit-identical.
 
 * Greedy rows (``temperature < 1e-5``): ``argmax`` of the raw logits; ties go to the lowest token id.
-  Their generator is not touched. The argmax is ``torch.argmax`` (:func:`argmax_reference`) or kv8's AVX-512
-  kernel with the same result on rows without NaN (:meth:`kv8.kernels.cpu.dense.DenseKernels.argmax`, ~8x
+  Their generator is not touched. The argmax is ``torch.argmax`` (:func:`argmax_reference`) or kv8's AVX-512 /
+  AVX2 kernel with the same result on rows without NaN (:meth:`kv8.kernels.cpu.dense.DenseKernels.argmax`, ~8x
   faster on a 49k vocabulary), chosen once by :func:`select_argmax` and passed to :func:`sample`.
 * Random rows, in this order: divide by the temperature, keep the ``top_k`` most likely tokens, keep
   the smallest prefix (by probability) whose mass is >= ``top_p`` (the top token is always kept),
@@ -72,8 +72,8 @@ def argmax_reference(x: torch.Tensor) -> torch.Tensor:
 
 
 def select_argmax(platform: Platform = CPU) -> Argmax:
-    """On the CPU kv8's argmax kernel where the dense kernels build and load (AVX-512 BF16), else (and on every
-    other platform) :func:`argmax_reference`."""
+    """On the CPU kv8's argmax kernel where the dense kernels build and load (AVX-512 BF16 or AVX2), else (and on
+    every other platform) :func:`argmax_reference`."""
     if platform.kind != "cpu":
         return argmax_reference
     try:

@@ -184,6 +184,10 @@ def cmd_info(ns: argparse.Namespace) -> int:
           f"vocab {arch.vocab_size}, context {arch.max_position_embeddings}, rope_theta {arch.rope_theta:g}")
     plan = _dense_plan(hf_config, resolve_dtype(ns.dtype), ns.quantization) if platform.kind == "cpu" else "torch"
     print(f"dense layers {plan}")
+    if platform.kind == "cpu":
+        from kv8.kernels.cpu.dense import describe_dense_kernels
+
+        print(f"dense kernels {describe_dense_kernels()}")
     print(capacity_table(arch, memory, ns.block_size))
     return 0
 

@@ -6,7 +6,7 @@ delegates the arithmetic to a :class:`LinearMethod`:
 * :class:`TorchLinearMethod`: ``F.linear`` on the weights as loaded.
 * :class:`TorchF32LinearMethod`: ``F.linear`` in float32 on weights widened once at load (the ``torch_fp32``
   dense backend: the fast path where torch has no native bf16 GEMM).
-* :class:`PackedBF16LinearMethod`: kv8's packed AVX-512 BF16 kernel (:meth:`DenseKernels.linear`). After
+* :class:`PackedBF16LinearMethod`: kv8's packed kernel (:meth:`DenseKernels.linear`; AVX-512 BF16 / AMX, or AVX2). After
   loading, :meth:`~LinearMethod.process_weights_after_loading` replaces ``weight`` by its packed layout
   (buffer ``packed``) and the bias by a float32 copy, so the weights stay in memory once.
 
@@ -106,7 +106,8 @@ class TorchF32LinearMethod(LinearMethod):
     """The weights held in float32 (``weight_f32``, ``bias_f32``; a bf16 or fp16 weight widens exactly; FP8 codes
     decode to ``decode(codes) * scale``) and ``F.linear`` in float32, one rounding to x's dtype:
     :func:`linear_reference`'s arithmetic. For CPUs whose torch has no native bf16 GEMM (AVX2 without AVX-512 BF16
-    or AMX), where a float32 GEMM runs 5-20x faster than a bf16 one, at twice the bf16 weights' memory. Like the
+    or AMX), where a float32 GEMM runs 5-20x faster than a bf16 one, at twice the bf16 weights' memory (there kv8's AVX2
+    kernels read the bf16 weights, half those bytes; the tuner chooses by measurement). Like the
     packed methods, the layer keeps no ``weight`` / ``bias`` parameter after loading."""
 
     name = "torch_fp32"

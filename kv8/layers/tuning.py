@@ -1,8 +1,9 @@
 """Per-machine choice of the dense layers' method, made by timing the candidates on the model's own shapes.
 
-Which linear method is fastest depends on the CPU: kv8's packed AVX-512 BF16 / AMX kernels where they build,
-torch's bf16 GEMM (oneDNN) where the CPU has native bf16, float32 GEMMs on weights widened at load where it does
-not (AVX2 without AVX-512 BF16: torch's bf16 GEMM there runs 5-20x slower than its float32 one). So
+Which linear method is fastest depends on the CPU: kv8's packed kernels (AVX-512 BF16 / AMX, or AVX2 + FMA) where
+they build, torch's bf16 GEMM (oneDNN) where the CPU has native bf16, float32 GEMMs on weights widened at load where
+it does not (AVX2 without AVX-512 BF16: torch's bf16 GEMM there runs 5-20x slower than its float32 one, and kv8's
+AVX2 kernels read half the float32 weights' bytes). So
 ``dense_backend="auto"`` measures instead of guessing:
 
 1. the candidates (:func:`candidates`) each build one layer of every distinct linear shape of the model, and

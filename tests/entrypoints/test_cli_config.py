@@ -34,6 +34,11 @@ def test_generate_and_info_on_a_tiny_model(tiny_llama, capsys):
     assert main(["info", tiny_llama, "--kv-cache-memory", "1MiB"]) == 0
     out = capsys.readouterr().out
     assert "2 layers" in out and "4 query / 4 KV heads" in out
+    from kv8.kernels.cpu.dense import describe_dense_kernels
+
+    kernels = next(line for line in out.splitlines() if line.startswith("dense kernels "))
+    assert kernels == f"dense kernels {describe_dense_kernels()}"
+    assert kernels.split()[2] in ("avx512", "avx2", "unavailable:")
     rows = {line.split()[0]: line.split() for line in out.splitlines() if line.startswith(("bfloat16", "fp8"))}
     assert int(rows["fp8_e4m3"][3]) == 2 * int(rows["bfloat16"][3])       # twice the tokens
     assert int(rows["fp8_e4m3"][1]) == 2 * 2 * 4 * 16                       # K+V x layers x heads x dim bytes

@@ -197,6 +197,25 @@ def dense_kernels_or_reason() -> tuple[DenseKernels | None, str]:
         return None, str(exc)
 
 
+def dense_build_or_skip(march: str) -> DenseKernels:
+    """The dense kernels built for ``march``: "native" (the engine's build) or "x86-64-v3" (the AVX2 path, so that a
+    CPU whose native build takes the AVX-512 path tests the AVX2 one too); the test is skipped, with the reason, where
+    that build cannot run here or is the native one again."""
+    native, why = dense_kernels_or_reason()
+    if march == "native":
+        if native is None:
+            pytest.skip(f"kv8's dense kernels are unavailable: {why}")
+        return native
+    if not {"avx2", "fma", "f16c"} <= set(cpu_flags().split()):
+        pytest.skip("this CPU lacks AVX2 + FMA + F16C: no AVX2 path to test")
+    if native is not None and native.isa == "avx2":
+        pytest.skip("the native build is the AVX2 path: tested as 'native'")
+    try:
+        return load_dense_kernels(march)
+    except KernelUnavailable as exc:
+        pytest.skip(f"kv8's dense kernels for {march} are unavailable: {exc}")
+
+
 def prefill_logits(model: str, dense_backend: str, prompt: list[int], **kw: object) -> tuple[torch.Tensor, list[int]]:
     """The logits of every prompt position and 4 greedy tokens of an engine in bf16 on ``dense_backend``."""
     rows: list[torch.Tensor] = []

@@ -4,31 +4,60 @@ The kernel tests skip where a library is unavailable (no compiler, a CPU without
 compile error in the C++ sources would otherwise turn the attention and dense tests into skips and pass. Here
 it fails: with ``g++`` on PATH the attention library must load on any x86-64 CPU (its generic path needs no
 AVX-512), with the fast path exactly where the CPU has AVX-512 F/BW/VL + VBMI + BF16, and the dense library
-must load where the CPU has AVX-512 F/BW + BF16.
+must load where the CPU has AVX-512 F/BW + VBMI + BF16 (its "avx512" path) or else AVX2 + FMA + F16C ("avx2"); a
+build for a plain x86-64-v2 target has neither, and says so.
 """
 
 from __future__ import annotations
 
+import ctypes
 import platform
 import shutil
 
 import pytest
 
 from kv8.kernels.cpu.attention import load_kernels
-from kv8.kernels.cpu.build import cpu_flags
-from kv8.kernels.cpu.dense import load_dense_kernels
+from kv8.kernels.cpu.build import KernelUnavailable, build_shared_library, cpu_flags
+from kv8.kernels.cpu.dense import SOURCE, ArgmaxCall, LinearCall, RmsNormCall, RopeCall, SiluMulCall, load_dense_kernels
+
+needs_gxx = pytest.mark.skipif(shutil.which("g++") is None or platform.machine() not in ("x86_64", "AMD64"),
+                               reason="no g++ on PATH or not x86-64: kv8 runs its torch paths here")
 
 
+@needs_gxx
 def test_kernels_build_where_the_machine_can() -> None:
-    if shutil.which("g++") is None or platform.machine() not in ("x86_64", "AMD64"):
-        pytest.skip("no g++ on PATH or not x86-64: kv8 runs its torch paths here")
     flags = set(cpu_flags().split())
     lib = load_kernels()  # raises KernelUnavailable, with the compiler's message, where the build fails
     assert lib.has_fast_path == ({"avx512f", "avx512bw", "avx512vl", "avx512vbmi", "avx512_bf16"} <= flags)
     assert not lib.amx or "amx_bf16" in flags
-    if {"avx512f", "avx512bw", "avx512_bf16"} <= flags:
+    if {"avx512f", "avx512bw", "avx512vbmi", "avx512_bf16"} <= flags:
         dense = load_dense_kernels()
+        assert dense.isa == "avx512"
         assert not dense.amx or "amx_bf16" in flags
+    elif {"avx2", "fma", "f16c"} <= flags:
+        dense = load_dense_kernels()
+        assert dense.isa == "avx2" and not dense.amx
+
+
+@needs_gxx
+def test_the_dense_library_of_each_target_says_which_path_it_has() -> None:
+    """x86-64-v3 (AVX2 + FMA + F16C) builds the AVX2 path; x86-64-v2 builds neither: the library still loads as a file,
+    says "none", every kernel entry returns ERR_NO_FAST_PATH, and load_dense_kernels raises KernelUnavailable."""
+    if {"avx2", "fma", "f16c"} <= set(cpu_flags().split()):
+        assert load_dense_kernels("x86-64-v3").isa == "avx2"
+    raw = ctypes.CDLL(str(build_shared_library(SOURCE, "x86-64-v2")))
+    raw.kv8_dense_isa.restype = ctypes.c_char_p
+    assert raw.kv8_dense_isa() == b"none" and raw.kv8_linear_available() == 0
+    raw.kv8_error_message.restype = ctypes.c_char_p
+    entries = {"kv8_linear": LinearCall, "kv8_linear_fp8": LinearCall, "kv8_rmsnorm": RmsNormCall,
+               "kv8_silu_mul": SiluMulCall, "kv8_rope_qkv": RopeCall, "kv8_argmax_rows": ArgmaxCall}
+    for entry, struct in entries.items():
+        call = struct()
+        call.rows, call.num_threads = 1, 1   # arguments a kernel would take (an empty batch returns OK first)
+        rc = getattr(raw, entry)(ctypes.byref(call))
+        assert rc == 7 and b"has no AVX-512 BF16 + VBMI path" in raw.kv8_error_message(rc)   # ERR_NO_FAST_PATH
+    with pytest.raises(KernelUnavailable, match="neither AVX-512 BF16 \\+ VBMI nor AVX2 \\+ FMA \\+ F16C"):
+        load_dense_kernels("x86-64-v2")
 
 
 @pytest.mark.parametrize("which", ["dense", "attention"])
@@ -47,8 +76,8 @@ def test_a_remembered_failure_keeps_no_callers_frames_alive(which: str, monkeypa
     monkeypatch.setenv("CXX", "kv8-no-such-compiler")
     monkeypatch.setenv("KV8_CACHE_DIR", str(tmp_path))
     if which == "dense":
-        monkeypatch.setattr(dense, "_LOADED", [])
-        monkeypatch.setattr(dense, "_FAILED", [])
+        monkeypatch.setattr(dense, "_LOADED", {})
+        monkeypatch.setattr(dense, "_FAILED", {})
         load = dense.load_dense_kernels
     else:
         monkeypatch.setattr(attention, "_LOADED", {})

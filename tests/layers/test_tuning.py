@@ -27,20 +27,22 @@ from kv8.layers.tuning import (
     tuned_dense_backend,
 )
 from kv8.quant.weights import dequantize_fp8_rows, quantize_fp8_rows
+from tests.helpers.kernels import dense_kernels_or_reason
 
 SHAPES = [LinearShape(96, 64, 4), LinearShape(64, 160, 4), LinearShape(1000, 64, 1, quantize=False)]
 MACHINE = {"cpu": "Test CPU", "isa": "avx2 fma", "kv8": "0.1.0", "torch": "2.13.0", "threads": "2"}
 
 
 class FakeMeasure:
-    """Seconds per layer call from a table ``{(backend name, rows): seconds}``; counts the calls."""
+    """Seconds per layer call from a table ``{(backend name, rows): seconds}`` (a candidate it does not list, such as
+    packed_bf16 where this machine's kernels load: ``default``, slower than any listed); counts the calls."""
 
-    def __init__(self, table: dict[tuple[str, int], float]) -> None:
-        self.table, self.calls = table, 0
+    def __init__(self, table: dict[tuple[str, int], float], default: float = 100.0) -> None:
+        self.table, self.default, self.calls = table, default, 0
 
     def __call__(self, backend: DenseBackend, shape: LinearShape, rows: int) -> float:
         self.calls += 1
-        return self.table[(backend.name, rows)] * shape.out_features * shape.in_features / 1e4
+        return self.table.get((backend.name, rows), self.default) * shape.out_features * shape.in_features / 1e4
 
 
 TWO = {"torch": DenseBackend("torch"), "torch_fp32": DenseBackend("torch_fp32")}
@@ -64,6 +66,22 @@ def test_the_faster_candidate_wins_counting_decode_and_prefill_alike() -> None:
     assert "<- chosen" in result.table().splitlines()[2] and result.table().splitlines()[2].startswith("torch_fp32")
     with pytest.raises(ValueError, match="no dense backend"):
         choose({}, SHAPES, torch.bfloat16, fp32_wins)
+
+
+def test_the_packed_kernels_are_chosen_by_measurement_like_any_candidate() -> None:
+    """On a machine where the kernels load (AVX2 as AVX-512) packed_bf16 competes with torch_fp32: it wins where it
+    measures faster (a decode step reading half the bytes) and loses where it does not."""
+    kernels, why = dense_kernels_or_reason()
+    if kernels is None:
+        pytest.skip(f"kv8's dense kernels are unavailable: {why}")
+    three = {"packed_bf16": DenseBackend("packed_bf16", kernels), **TWO}
+    packed_wins = FakeMeasure({("packed_bf16", 1): 1.0, ("packed_bf16", PREFILL_ROWS): 1.2,
+                               ("torch_fp32", 1): 2.0, ("torch_fp32", PREFILL_ROWS): 1.0,
+                               ("torch", 1): 9.0, ("torch", PREFILL_ROWS): 9.0})
+    result = choose(three, SHAPES, torch.bfloat16, packed_wins)
+    assert result.choice == "packed_bf16" and result.speedup("torch_fp32", 1) == pytest.approx(2.0)
+    packed_wins.table[("packed_bf16", PREFILL_ROWS)] = 3.0      # 2x faster at 1 row, 3x slower at 64: loses
+    assert choose(three, SHAPES, torch.bfloat16, packed_wins).choice == "torch_fp32"
 
 
 def test_fastest_call_takes_the_fastest_of_several_on_its_clock() -> None:
@@ -135,6 +153,12 @@ def test_a_corrupt_file_is_timed_again_and_an_unwritable_one_still_chooses(tmp_p
 def test_candidates_by_dtype_and_memory(monkeypatch: pytest.MonkeyPatch) -> None:
     names = set(candidates(SHAPES, torch.bfloat16, None))
     assert {"torch", "torch_fp32"} <= names <= {"torch", "torch_fp32", "packed_bf16"}
+    # the packed kernels are a candidate wherever they load (AVX-512 BF16 or AVX2 + FMA + F16C), FP8 weights too
+    kernels, _ = dense_kernels_or_reason()
+    assert ("packed_bf16" in names) == (kernels is not None)
+    if kernels is not None:
+        fp8 = candidates(SHAPES, torch.bfloat16, "fp8")["packed_bf16"]
+        assert fp8.kernels is kernels and fp8.quantization == "fp8"
     assert set(candidates(SHAPES, torch.float32, None)) == {"torch"}    # nothing to widen, no bf16 kernels
     assert "packed_bf16" not in candidates(SHAPES, torch.float16, None)
     monkeypatch.setattr("kv8.layers.tuning.memory_available", lambda: 1000)   # float32 weights would not fit

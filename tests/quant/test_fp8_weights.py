@@ -29,7 +29,7 @@ from kv8.layers.linear import (
 from kv8.layers.vocab_parallel import ParallelLMHead
 from kv8.quant.formats import E4M3
 from kv8.quant.weights import dequantize_fp8_rows, quantize_fp8_rows
-from tests.helpers.kernels import amx_path
+from tests.helpers.kernels import amx_path, dense_build_or_skip
 from tests.helpers.tiny_models import TINY_CONFIGS
 
 
@@ -43,11 +43,10 @@ def _kernels() -> DenseKernels | None:
 _KERNELS = _kernels()
 
 
-@pytest.fixture(scope="module")
-def lib() -> DenseKernels:
-    if _KERNELS is None:
-        pytest.skip("kv8's dense kernels are unavailable on this CPU")
-    return _KERNELS
+@pytest.fixture(scope="module", params=["native", "x86-64-v3"])
+def lib(request: pytest.FixtureRequest) -> DenseKernels:
+    """The engine's build, and the AVX2 path's where the native build is the AVX-512 one."""
+    return dense_build_or_skip(request.param)
 
 
 @pytest.fixture(params=["vdpbf16ps", "amx"])
@@ -108,7 +107,7 @@ def _reference(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, bias: 
 
 
 @pytest.mark.parametrize("n,k", [(96, 64), (100, 576), (33, 1536), (7, 30), (50, 33)])
-@pytest.mark.parametrize("m", [1, 5, 33, 200])
+@pytest.mark.parametrize("m", [1, 3, 5, 17, 33, 200])
 @pytest.mark.parametrize("bias", [False, True])
 def test_fp8_kernel_matches_the_float64_reference(lib: DenseKernels, path: str, n: int, k: int, m: int,
                                                   bias: bool) -> None:
@@ -123,6 +122,28 @@ def test_fp8_kernel_matches_the_float64_reference(lib: DenseKernels, path: str, 
     abs_sum = (x.double().abs() @ E4M3.decode(codes).double().abs().T) * scale.double()
     assert got.dtype == torch.bfloat16 and got.shape == (m, n)
     assert bool(((got.double() - exact).abs() <= exact.abs() * 2.0 ** -8 + abs_sum * 2.0 ** -16).all())
+
+
+@pytest.mark.parametrize("n,k", [(50, 33), (7, 30), (96, 64)])
+@pytest.mark.parametrize("m", [1, 3, 17, 200])
+@pytest.mark.parametrize("bias", [False, True])
+def test_avx2_fp8_kernel_is_the_sum_of_its_decoded_weights_bit_for_bit(lib: DenseKernels, n: int, k: int, m: int,
+                                                                     bias: bool) -> None:
+    """The AVX2 path's contract exactly: the codes decoded to their E4M3 values times 2^-8, float32 sums in k order,
+    then acc * (scale * 256) + bias with one rounding to float32 (float64 here: acc * scale is exact in it) and to
+    bf16."""
+    if lib.isa != "avx2":
+        pytest.skip("the AVX-512 path sums two products per vdpbf16ps (tested against the float64 reference above)")
+    codes, scale = quantize_fp8_rows(_weight(n, k, seed=n * k))
+    b = torch.randn(n, generator=torch.Generator().manual_seed(3)) if bias else None
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).bfloat16()
+    xf, w = x.float(), E4M3.decode(codes).float() * 2.0 ** -8
+    acc = torch.zeros(m, n)
+    for j in range(k):
+        acc = acc + xf[:, j:j + 1] * w[:, j]
+    y = acc.double() * (scale * 256.0).double() + (b.double() if b is not None else 0.0)
+    got = lib.linear(x, lib.pack_fp8(codes), n, b, scale=scale)
+    assert torch.equal(got.view(torch.int16), y.float().bfloat16().view(torch.int16))
 
 
 def test_the_kernel_decodes_every_code_exactly(lib: DenseKernels, path: str) -> None:

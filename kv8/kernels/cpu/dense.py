@@ -1,9 +1,10 @@
-"""kv8's dense CPU kernels (``csrc/dense/dense.cpp``, AVX-512 BF16 and VBMI) through ctypes.
+"""kv8's dense CPU kernels (``csrc/dense/dense.cpp``: AVX-512 BF16 and VBMI, or AVX2 + FMA + F16C) through ctypes.
 
 :class:`DenseKernels` wraps the C ABI: ``pack`` / ``linear`` (a bf16 matrix in a packed layout that the
 kernel streams while prefetching the next panels; multiplied with AMX tiles where the CPU has AMX-BF16, else
-with AVX-512 ``vdpbf16ps``: :attr:`DenseKernels.amx`; ``pack_fp8`` and ``linear(..., scale=)``: the same for
-E4M3 codes with a scale per row, decoded to bf16 on the fly), ``rmsnorm`` (residual add + RMSNorm in one pass),
+with AVX-512 ``vdpbf16ps``: :attr:`DenseKernels.amx`; on CPUs without AVX-512 BF16, fp32 FMA in AVX2 registers:
+:attr:`DenseKernels.isa`; ``pack_fp8`` and ``linear(..., scale=)``: the same for E4M3 codes with a scale per row,
+decoded on the fly), ``rmsnorm`` (residual add + RMSNorm in one pass),
 ``silu_mul`` (SiLU(gate) * up) and ``rope_qkv`` (RoPE of q and k read straight from a packed q/k/v
 projection, v copied out beside them); and ``argmax`` (rows of float32 logits, for the sampler). Every method
 checks dtypes and shapes and raises ``ValueError``; every dense kernel takes bf16 and returns new contiguous bf16
@@ -23,7 +24,7 @@ import torch
 from kv8.kernels.cpu.abi import NativeLibrary
 from kv8.kernels.cpu.build import KernelUnavailable, build_shared_library
 
-__all__ = ["DenseKernels", "load_dense_kernels"]
+__all__ = ["DenseKernels", "describe_dense_kernels", "load_dense_kernels"]
 
 SOURCE = Path(__file__).parent / "csrc" / "dense" / "dense.cpp"
 
@@ -88,8 +89,12 @@ class DenseKernels(NativeLibrary):
 
     def __init__(self, path: Path) -> None:
         super().__init__(path)
-        if not self._bind("kv8_linear_available", [])():
-            raise KernelUnavailable("this CPU (or compiler) lacks AVX-512 BF16 or VBMI, which kv8's dense kernels need")
+        #: the build's path: "avx512" (AVX-512 BF16 + VBMI, and AMX tiles where :attr:`amx`) or "avx2" (AVX2 + FMA +
+        #: F16C, fp32 arithmetic; ``csrc/dense/avx2.h``)
+        self.isa: str = self._bind("kv8_dense_isa", [], ctypes.c_char_p)().decode()
+        if not self._bind("kv8_linear_available", [])() or self.isa not in _FP8_BYTE_ORDER:
+            raise KernelUnavailable("this CPU (or compiler) has neither AVX-512 BF16 + VBMI nor AVX2 + FMA + F16C, one "
+                                    "of which kv8's dense kernels need")
         self._bind("kv8_linear_packed_size", [ctypes.POINTER(PackCall)], _I64)
         self._bind_structs("kv8_linear_pack", PackCall)
         self._bind_structs("kv8_linear", LinearCall)
@@ -121,8 +126,9 @@ class DenseKernels(NativeLibrary):
 
     def pack_fp8(self, codes: torch.Tensor) -> torch.Tensor:
         """E4M3 codes ``[N, K]`` (uint8) -> the FP8 packed layout (1-D uint8, ``kv8_linear_packed_size(N, K)``
-        codes): the bf16 packed layout's order of values with each pair-row's 64 codes in the order the kernel's
-        table decode turns into that layout (``decode_panels_fp8`` in ``csrc/dense/linear.h``)."""
+        codes): the bf16 packed layout's order of values with each pair-row's 64 codes in the order this build's
+        decode reads them (AVX-512: the table decode's, ``decode_panels_fp8`` in ``csrc/dense/linear.h``; AVX2: per
+        8 columns their 8 even-k codes, then their 8 odd-k codes, ``csrc/dense/avx2.h``)."""
         if codes.dtype != torch.uint8 or codes.ndim != 2:
             raise ValueError(f"codes must be a 2-D uint8 tensor, got {codes.dtype} {list(codes.shape)}")
         n, k = codes.shape
@@ -130,7 +136,7 @@ class DenseKernels(NativeLibrary):
         padded = torch.nn.functional.pad(codes, (0, kp - k, 0, np_ - n))
         # [panel, column, pair-row, j] -> [panel, pair-row, 2 column + j]: the bf16 packed order
         rows = padded.view(np_ // 32, 32, kp // 2, 2).permute(0, 2, 1, 3).reshape(-1, 64)
-        return rows[:, _FP8_BYTE_ORDER].reshape(-1).contiguous()
+        return rows[:, _FP8_BYTE_ORDER[self.isa]].reshape(-1).contiguous()
 
     def linear(self, x: torch.Tensor, packed: torch.Tensor, out_features: int,
                bias: torch.Tensor | None, gated: bool = False, scale: torch.Tensor | None = None) -> torch.Tensor:
@@ -239,8 +245,12 @@ class DenseKernels(NativeLibrary):
         return out
 
 
-# Byte b of an FP8 pair-row holds bf16 value _FP8_BYTE_ORDER[b] of the bf16 pair-row (the decode's lane order).
-_FP8_BYTE_ORDER = torch.tensor([8 * (b // 16) + b % 8 + (0 if b % 16 < 8 else 32) for b in range(64)])
+# Per path: byte b of an FP8 pair-row holds value _FP8_BYTE_ORDER[isa][b] of the bf16 pair-row (value 2 c + j: column
+# c, k = 2 kk + j). AVX-512: the table decode's lane order; AVX2: group b // 16 of 8 columns, even k then odd k.
+_FP8_BYTE_ORDER = {
+    "avx512": torch.tensor([8 * (b // 16) + b % 8 + (0 if b % 16 < 8 else 32) for b in range(64)]),
+    "avx2": torch.tensor([2 * (8 * (b // 16) + b % 8) + (b % 16) // 8 for b in range(64)]),
+}
 
 
 def _check_bf16(name: str, x: torch.Tensor, ndim: int) -> None:
@@ -248,21 +258,36 @@ def _check_bf16(name: str, x: torch.Tensor, ndim: int) -> None:
         raise ValueError(f"{name} must be a {ndim}-D bfloat16 tensor, got {x.dtype} {list(x.shape)}")
 
 
-_LOADED: list[DenseKernels] = []
-_FAILED: list[str] = []   # the failure's message, once
+_LOADED: dict[str, DenseKernels] = {}
+_FAILED: dict[str, str] = {}   # the failure's message, once per march
 
 
-def load_dense_kernels() -> DenseKernels:
-    """Build (first use) and load the kernels; raises :class:`KernelUnavailable`. Success or failure is
-    remembered for the life of the process (a failure as its message: each call raises a new exception, so no
-    caller's frames stay reachable from the remembered one)."""
-    if _FAILED:
-        raise KernelUnavailable(_FAILED[0])
-    if not _LOADED:
+def load_dense_kernels(march: str = "native") -> DenseKernels:
+    """Build (first use) and load the kernels for ``-march=march`` (the engine: ``native``; tests also build
+    ``x86-64-v3``, the AVX2 path, and ``x86-64-v2``, which has no path); raises :class:`KernelUnavailable`. Success
+    or failure is remembered per ``march`` for the life of the process (a failure as its message: each call raises a
+    new exception, so no caller's frames stay reachable from the remembered one)."""
+    if not isinstance(march, str) or not march or any(c.isspace() for c in march):
+        raise ValueError(f"march={march!r} must be a non-empty -march value without spaces")
+    if march in _FAILED:
+        raise KernelUnavailable(_FAILED[march])
+    if march not in _LOADED:
         try:
-            _LOADED.append(DenseKernels(build_shared_library(SOURCE, "native")))
+            _LOADED[march] = DenseKernels(build_shared_library(SOURCE, march))
         except KernelUnavailable as exc:
-            _FAILED.append(str(exc))
+            _FAILED[march] = str(exc)
             raise
-    return _LOADED[0]
+    return _LOADED[march]
 
+
+
+def describe_dense_kernels() -> str:
+    """The dense kernels' path on this machine in words (``kv8 info``): ``avx512`` (AMX tiles or ``vdpbf16ps``),
+    ``avx2`` (fp32 FMA), or why they are unavailable."""
+    try:
+        lib = load_dense_kernels()
+    except KernelUnavailable as exc:
+        return f"unavailable: {str(exc).splitlines()[0]}"
+    if lib.isa == "avx512":
+        return "avx512 (AMX-BF16 tiles)" if lib.amx else "avx512 (AVX-512 BF16 vdpbf16ps)"
+    return "avx2 (AVX2 + FMA + F16C: fp32 FMA on bf16 / FP8 weights)"

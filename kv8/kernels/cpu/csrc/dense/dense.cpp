@@ -26,8 +26,9 @@
 // nearest-even -- what torch's bf16 linear does, up to the order of the fp32 additions.
 //
 // Invariants: x rows are contiguous with stride K (K even); out rows are contiguous with stride N.
-// Returns OK, or ERR_ARGS for invalid arguments, ERR_NO_FAST_PATH when this build has no AVX-512 BF16 + VBMI path,
-// ERR_OOM when a buffer cannot be allocated.
+// Returns OK, or ERR_ARGS for invalid arguments, ERR_NO_FAST_PATH when this build has neither the AVX-512 BF16 + VBMI
+// path nor the AVX2 + FMA + F16C one (avx2.h: the same kernels and layout on CPUs without AVX-512 BF16, fp32 FMA
+// in 8-lane registers), ERR_OOM when a buffer cannot be allocated.
 
 #include "abi.h"
 
@@ -46,6 +47,15 @@
 #else
 #define KV8_LINEAR_FAST 0
 #endif
+// Without it, AVX2 + FMA + F16C (avx2.h): every kernel in 8-lane fp32 registers.
+#if !KV8_LINEAR_FAST && defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+#include <cstdlib>
+#include "../common/simd_exp.h"
+#define KV8_LINEAR_AVX2 1
+#else
+#define KV8_LINEAR_AVX2 0
+#endif
 #include "../common/amx_tiles.h"
 #if KV8_LINEAR_FAST && KV8_AMX
 #include <cstdlib>
@@ -57,6 +67,7 @@
 #include "elementwise.h"
 #include "linear.h"
 #include "argmax.h"
+#include "avx2.h"
 
 // ------------------------------------------------------------------------------------------------
 // The C ABI
@@ -69,9 +80,12 @@ extern "C" {
 const char* kv8_abi_layout(void) { return abi_layout_text(); }
 const char* kv8_error_message(int code) { return error_message(code); }
 
-// 1 where this build has the fast path (AVX-512 BF16 + VBMI) that every kernel below but the packing needs; 1 where
-// the linear layers can multiply with AMX tiles (compiled in, and the OS grants them).
-int kv8_linear_available(void) { return KV8_LINEAR_FAST; }
+// Which path every kernel below but the packing has in this build: 1 the AVX-512 BF16 + VBMI path, 2 the AVX2 + FMA
+// + F16C path (avx2.h), 0 none (the entries return ERR_NO_FAST_PATH); kv8_dense_isa names it ("avx512", "avx2",
+// "none"). kv8_linear_amx_available: 1 where the linear layers can multiply with AMX tiles (compiled in, and the OS
+// grants them).
+int kv8_linear_available(void) { return KV8_LINEAR_FAST ? 1 : KV8_LINEAR_AVX2 ? 2 : 0; }
+const char* kv8_dense_isa(void) { return KV8_LINEAR_FAST ? "avx512" : KV8_LINEAR_AVX2 ? "avx2" : "none"; }
 int kv8_linear_amx_available(void) {
 #if KV8_LINEAR_AMX
     return amx_permitted();
@@ -85,9 +99,9 @@ int kv8_linear_pack(const kv8_pack_call* call) { return pack(*call); }
 
 }  // extern "C"
 
-// The entry point `name` of a fast-path kernel (linear.h, elementwise.h, argmax.h): the kernel on *call, or
-// ERR_NO_FAST_PATH in a build without the fast path.
-#if KV8_LINEAR_FAST
+// The entry point `name` of a fast-path kernel (linear.h, elementwise.h, argmax.h; avx2.h where the build has the
+// AVX2 path instead): the kernel on *call, or ERR_NO_FAST_PATH in a build with neither path.
+#if KV8_LINEAR_FAST || KV8_LINEAR_AVX2
 #define KV8_ENTRY(name, Call, kernel) extern "C" int name(const Call* call) { return kernel(*call); }
 #else
 #define KV8_ENTRY(name, Call, kernel) extern "C" int name(const Call*) { return ERR_NO_FAST_PATH; }

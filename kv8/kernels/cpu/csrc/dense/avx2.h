@@ -1,0 +1,439 @@
+// The AVX2 + FMA + F16C path of the dense library: every kernel of elementwise.h, linear.h and argmax.h for CPUs
+// without AVX-512 BF16 + VBMI (AMD Zen 2 and 3, Intel before Cooper Lake, any x86-64-v3 build). Included once, by
+// dense.cpp, after linear.h (packed_size, pack, PANEL, PARALLEL_MIN); compiled only where dense.cpp sets
+// KV8_LINEAR_AVX2 (the AVX-512 path not compiled in). The entry points keep the AVX-512 kernels' names
+// (linear<FP8>, rmsnorm, silu_mul, rope_qkv, argmax_rows), so dense.cpp's C ABI serves whichever path the build has.
+//
+// Numerics: the AVX-512 path's contract, in 8-lane fp32 registers. Products of bf16 values are exact in fp32 and
+// are summed with FMA in fp32; every rounding to bf16 is to nearest-even as torch's float -> bfloat16 conversion
+// does it (subnormals kept, NaN -> 0x7FC0), where the AVX-512 path's vcvtneps2bf16 differs only on subnormal and
+// NaN values. What differs from the AVX-512 kernels is the order of fp32 additions (8 lanes, not 16; a linear's
+// k pairs as two FMAs, even k first) and exp (exp8_ps, ~1 ulp): results agree with them and with torch up to
+// those roundings (tests/layers/test_layers.py, tests/quant/test_fp8_weights.py).
+//
+// Linear (the packed bf16 layout of dense.cpp). Within a pair-row kk of a panel, the 8 bf16 pairs of columns
+// 8g..8g+7 (group g, 32 bytes) are 8 32-bit lanes whose low half is W[c, 2kk] and high half W[c, 2kk+1]: `lane << 16`
+// and `lane & 0xffff0000` are the two fp32 weights, multiplied with x[2kk] and x[2kk+1] broadcast from an fp32
+// copy of the rows (a thread converts each chunk of rows once). A row's column sum runs in k order, even k first:
+// sum = fma(w[c,2kk+1], x[2kk+1], fma(w[c,2kk], x[2kk], sum)), the same order on every path and batch size, so a
+// row's bits never depend on the batch.
+//
+// FP8 weights (kv8_linear_fp8): the same panels with one E4M3 code per value, in the AVX2 order (DenseKernels.
+// pack_fp8): group g of a pair-row is 16 bytes, the 8 even-k codes of columns 8g..8g+7, then the 8 odd-k codes. A
+// code becomes the fp16 with bits (sign << 15) | (code & 0x7f) << 7 -- exactly its E4M3 value times 2^-8, subnormals
+// included (fp16 has one more exponent bit and bias 15 = 7 + 8) -- and vcvtph2ps makes it fp32: three integer
+// operations and two conversions per 16 weights, no table. The 2^8 goes into the row's scale in the epilogue
+// (acc * (scale * 256) + bias: the same value as the exact weights' acc * scale + bias, bit for bit, since scaling by a
+// power of two commutes with every fp32 rounding of the sum outside the subnormal range). The NaN codes 0x7F / 0xFF,
+// which the quantizer never writes (it saturates), decode to +-480 here (the AVX-512 table decode: NaN).
+#pragma once
+
+#if KV8_LINEAR_AVX2
+
+// ---- 8-lane bf16 helpers -------------------------------------------------------------------------------------------
+static inline __m256 bf16x8_to_f32(const uint16_t* p) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
+}
+// The first n (0..8) values at p, the rest 0 (nothing read past p + n).
+static inline __m256 bf16x8_to_f32_n(const uint16_t* p, int64_t n) {
+    if (n >= 8) return bf16x8_to_f32(p);
+    alignas(16) uint16_t tmp[8] = {0};
+    memcpy(tmp, p, (size_t)(n > 0 ? n : 0) * 2);
+    return bf16x8_to_f32(tmp);
+}
+static inline __m256 f32x8_n(const float* p, int64_t n) {
+    if (n >= 8) return _mm256_loadu_ps(p);
+    alignas(32) float tmp[8] = {0};
+    memcpy(tmp, p, (size_t)(n > 0 ? n : 0) * 4);
+    return _mm256_load_ps(tmp);
+}
+// The bf16 bits (low half of each lane) of x rounded to nearest-even, NaN -> 0x7FC0: torch's conversion.
+static inline __m256i bf16_bits(__m256 x) {
+    const __m256i b = _mm256_castps_si256(x);
+    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(1));
+    const __m256i r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(b, _mm256_set1_epi32(0x7fff)), lsb), 16);
+    const __m256 nan = _mm256_cmp_ps(x, x, _CMP_UNORD_Q);
+    return _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7fc0), _mm256_castps_si256(nan));
+}
+static inline __m256 round_bf16(__m256 x) {  // x rounded to the nearest bf16, as fp32
+    return _mm256_castsi256_ps(_mm256_slli_epi32(bf16_bits(x), 16));
+}
+// x rounded to bf16 into p[0 .. n) (n clamped to 0..8).
+static inline void store_bf16(uint16_t* p, __m256 x, int64_t n) {
+    const __m256i b = bf16_bits(x);
+    const __m128i h = _mm256_castsi256_si128(_mm256_permute4x64_epi64(_mm256_packus_epi32(b, b), 0x08));
+    if (n >= 8) {
+        _mm_storeu_si128((__m128i*)p, h);
+    } else if (n > 0) {
+        alignas(16) uint16_t tmp[8];
+        _mm_store_si128((__m128i*)tmp, h);
+        memcpy(p, tmp, (size_t)n * 2);
+    }
+}
+static inline float hsum8(__m256 x) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+static inline __m256 silu8(__m256 g) {  // bf16(g / (1 + exp(-g)))
+    return round_bf16(_mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.0f), exp8_ps(_mm256_sub_ps(_mm256_setzero_ps(), g)))));
+}
+
+// ---- elementwise (elementwise.h's contracts) -----------------------------------------------------------------------
+
+// kv8_rmsnorm: residual add + RMSNorm (see kv8_rmsnorm_call), T rows of E values.
+static int rmsnorm(const kv8_rmsnorm_call& call) {
+    const uint16_t *x = call.x, *residual = call.residual, *w = call.weight;
+    uint16_t *residual_out = call.residual_out, *out = call.out;
+    const int64_t T = call.rows, E = call.hidden;
+    const float eps = call.eps;
+    const int nthreads = call.num_threads;
+    if (T < 0 || E <= 0 || nthreads <= 0) return ERR_ARGS;
+    if (T == 0) return OK;   // no rows: pointers may be null
+    if (!x || !w || !out) return ERR_ARGS;
+    const int threads = T * E < PARALLEL_MIN ? 1 : nthreads;
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t t = 0; t < T; ++t) {
+        const uint16_t* xr = x + t * E;
+        const uint16_t* rr = residual ? residual + t * E : nullptr;
+        uint16_t* ro = residual_out ? residual_out + t * E : nullptr;
+        __m256 ss = _mm256_setzero_ps();
+        for (int64_t e = 0; e < E; e += 8) {
+            __m256 h = bf16x8_to_f32_n(xr + e, E - e);
+            if (rr) h = round_bf16(_mm256_add_ps(h, bf16x8_to_f32_n(rr + e, E - e)));
+            if (ro) store_bf16(ro + e, h, E - e);
+            ss = _mm256_fmadd_ps(h, h, ss);
+        }
+        const float inv = 1.0f / sqrtf(hsum8(ss) / (float)E + eps);
+        const __m256 iv = _mm256_set1_ps(inv);
+        const uint16_t* src = ro ? ro : xr;  // h, already rounded (or x itself without a residual)
+        for (int64_t e = 0; e < E; e += 8) {
+            __m256 h = (ro || !rr) ? bf16x8_to_f32_n(src + e, E - e)
+                                   : round_bf16(_mm256_add_ps(bf16x8_to_f32_n(xr + e, E - e),
+                                                              bf16x8_to_f32_n(rr + e, E - e)));
+            const __m256 n = round_bf16(_mm256_mul_ps(h, iv));
+            store_bf16(out + t * E + e, _mm256_mul_ps(bf16x8_to_f32_n(w + e, E - e), n), E - e);
+        }
+    }
+    return OK;
+}
+
+// kv8_silu_mul: SiLU(gate) * up (see kv8_silu_mul_call), gu [T, 2I] -> out [T, I].
+static int silu_mul(const kv8_silu_mul_call& call) {
+    const uint16_t* gu = call.gate_up;
+    uint16_t* out = call.out;
+    const int64_t T = call.rows, I = call.intermediate;
+    const int nthreads = call.num_threads;
+    if (T < 0 || I <= 0 || nthreads <= 0) return ERR_ARGS;
+    if (T == 0) return OK;   // no rows: pointers may be null
+    if (!gu || !out) return ERR_ARGS;
+    const int threads = T * I < PARALLEL_MIN ? 1 : nthreads;
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t t = 0; t < T; ++t) {
+        const uint16_t* g = gu + t * 2 * I;
+        const uint16_t* u = g + I;
+        for (int64_t i = 0; i < I; i += 8)
+            store_bf16(out + t * I + i, _mm256_mul_ps(silu8(bf16x8_to_f32_n(g + i, I - i)),
+                                                      bf16x8_to_f32_n(u + i, I - i)), I - i);
+    }
+    return OK;
+}
+
+// kv8_rope_qkv: elementwise.h's rope_qkv (the same roundings), 8 channel pairs at a time.
+static int rope_qkv(const kv8_rope_call& call) {
+    const uint16_t* qkv = call.qkv;
+    const float *cos = call.cos, *sin = call.sin;
+    uint16_t *q_out = call.q_out, *k_out = call.k_out, *v_out = call.v_out;
+    const int64_t T = call.rows, row_stride = call.row_stride;
+    const int Hq = call.num_heads, Hkv = call.num_kv_heads, D = call.head_dim, nthreads = call.num_threads;
+    if (T < 0 || Hq <= 0 || Hkv <= 0 || D <= 0 || D % 2 || row_stride < (int64_t)(Hq + 2 * Hkv) * D || nthreads <= 0)
+        return ERR_ARGS;
+    if (T == 0) return OK;   // no rows: pointers may be null
+    if (!qkv || !cos || !sin || !q_out || !k_out || !v_out) return ERR_ARGS;
+    const int half = D / 2;
+    const int threads = T * (Hq + 2 * Hkv) * D < PARALLEL_MIN ? 1 : nthreads;
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t t = 0; t < T; ++t) {
+        const uint16_t* row = qkv + t * row_stride;
+        const float* cr = cos + t * half;
+        const float* sr = sin + t * half;
+        for (int h = 0; h < Hq + Hkv; ++h) {
+            const uint16_t* src = row + (int64_t)h * D;
+            uint16_t* dst = h < Hq ? q_out + (t * Hq + h) * (int64_t)D : k_out + (t * Hkv + (h - Hq)) * (int64_t)D;
+            for (int j = 0; j < half; j += 8) {
+                const int n = half - j;
+                const __m256 c = round_bf16(f32x8_n(cr + j, n));
+                const __m256 s = round_bf16(f32x8_n(sr + j, n));
+                const __m256 x1 = bf16x8_to_f32_n(src + j, n);
+                const __m256 x2 = bf16x8_to_f32_n(src + half + j, n);
+                // first half: x1 c - x2 s; second half: x2 c + x1 s (each product rounded, then the sum)
+                const __m256 a = _mm256_add_ps(round_bf16(_mm256_mul_ps(x1, c)),
+                                               round_bf16(_mm256_mul_ps(_mm256_sub_ps(_mm256_setzero_ps(), x2), s)));
+                const __m256 b = _mm256_add_ps(round_bf16(_mm256_mul_ps(x2, c)), round_bf16(_mm256_mul_ps(x1, s)));
+                store_bf16(dst + j, a, n);
+                store_bf16(dst + half + j, b, n);
+            }
+        }
+        memcpy(v_out + t * Hkv * (int64_t)D, row + (int64_t)(Hq + Hkv) * D, (size_t)Hkv * D * 2);
+    }
+    return OK;
+}
+
+// ---- argmax (argmax.h's contract) ----------------------------------------------------------------------------------
+
+// kv8_argmax_rows: 8 lanes keep their running maximum and its first index (strict >), the tail (V % 8 values) runs
+// scalar after them with the same strict >, and the row's result is the lowest index holding the maximum.
+static int argmax_rows(const kv8_argmax_call& call) {
+    const float* x = call.x;
+    int64_t* out = call.out;
+    const int64_t B = call.rows, V = call.cols;
+    const int nthreads = call.num_threads;
+    if (B < 0 || V <= 0 || V > INT32_MAX || nthreads <= 0) return ERR_ARGS;
+    if (B == 0) return OK;   // an empty batch (every row of a step failed): nothing to do, pointers may be null
+    if (!x || !out) return ERR_ARGS;
+    const int threads = B * V < PARALLEL_MIN ? 1 : nthreads;
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t b = 0; b < B; ++b) {
+        const float* row = x + b * V;
+        const int64_t body = V / 8 * 8;
+        float m = -INFINITY;
+        int64_t at = 0;
+        if (body) {
+            __m256 best = _mm256_set1_ps(-INFINITY);
+            __m256i where = _mm256_setzero_si256();
+            __m256i idx = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+            const __m256i step = _mm256_set1_epi32(8);
+            for (int64_t i = 0; i < body; i += 8) {
+                const __m256 v = _mm256_loadu_ps(row + i);
+                const __m256 gt = _mm256_cmp_ps(v, best, _CMP_GT_OQ);
+                best = _mm256_blendv_ps(best, v, gt);
+                where = _mm256_blendv_epi8(where, idx, _mm256_castps_si256(gt));
+                idx = _mm256_add_epi32(idx, step);
+            }
+            alignas(32) float bv[8];
+            alignas(32) int32_t wv[8];
+            _mm256_store_ps(bv, best);
+            _mm256_store_si256((__m256i*)wv, where);
+            at = INT32_MAX;
+            for (int l = 0; l < 8; ++l) m = bv[l] > m ? bv[l] : m;
+            for (int l = 0; l < 8; ++l)
+                if (bv[l] == m && wv[l] < at) at = wv[l];
+        }
+        for (int64_t i = body; i < V; ++i)
+            if (row[i] > m) m = row[i], at = i;
+        out[b] = at;
+    }
+    return OK;
+}
+
+// ---- linear --------------------------------------------------------------------------------------------------------
+
+static const int64_t X_CHUNK_BYTES = 256 << 10;  // rows of x per pass over the weights: their fp32 copy in L2
+static const int MAX_MR_AVX2 = 5;  // rows per block: 10 accumulators + 4 weights + 1 broadcast of 16 registers
+
+// A thread's fp32 buffer (grown as needed, kept for the thread's life).
+struct XBuffer {
+    float* p = nullptr;
+    size_t cap = 0;
+    ~XBuffer() { free(p); }
+    float* get(size_t floats) {
+        if (floats > cap) {
+            free(p);
+            cap = (floats + 15) / 16 * 16;
+            p = (float*)aligned_alloc(64, cap * 4);
+            if (!p) cap = 0;
+        }
+        return p;
+    }
+};
+static thread_local XBuffer tl_x, tl_w;   // a thread's fp32 rows of x, and its widened panel
+
+// rows x [M, K] bf16 -> xf [M, kp] fp32 (column K of an odd K zero).
+static inline void rows_to_f32(const uint16_t* x, int64_t M, int64_t K, int64_t kp, float* xf) {
+    for (int64_t r = 0; r < M; ++r) {
+        const uint16_t* s = x + r * K;
+        float* d = xf + r * kp;
+        int64_t k = 0;
+        for (; k + 8 <= K; k += 8) _mm256_storeu_ps(d + k, bf16x8_to_f32(s + k));
+        for (; k < K; ++k) {
+            const uint32_t bits = (uint32_t)s[k] << 16;
+            memcpy(d + k, &bits, 4);
+        }
+        if (kp > K) d[K] = 0.0f;
+    }
+}
+
+// How a micro kernel reads its panel: the bf16 packed layout, the FP8 one, or a panel widened to fp32 (W_F32: per
+// pair-row 64 floats, for each group its 8 even-k then its 8 odd-k weights; widen_panel).
+enum { W_BF16 = 0, W_FP8 = 1, W_F32 = 2 };
+
+// The even-k and odd-k fp32 weights of group g of pair-row kk (see the top of this file); bf16 panels: p points at
+// the group's 32 bytes; FP8: at its 16 codes (the weights times 2^-8); W_F32: at its 16 floats.
+template <int SRC>
+static inline void load_weights(const uint8_t* p, __m256& even, __m256& odd) {
+    if (SRC == W_F32) {
+        even = _mm256_load_ps((const float*)p);
+        odd = _mm256_load_ps((const float*)p + 8);
+    } else if (SRC == W_FP8) {
+        const __m256i s = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)p));
+        const __m256i h = _mm256_and_si256(_mm256_slli_epi16(s, 7), _mm256_set1_epi16((short)0xBF80));
+        even = _mm256_cvtph_ps(_mm256_castsi256_si128(h));
+        odd = _mm256_cvtph_ps(_mm256_extracti128_si256(h, 1));
+    } else {
+        const __m256i w = _mm256_loadu_si256((const __m256i*)p);
+        even = _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+        odd = _mm256_castsi256_ps(_mm256_and_si256(w, _mm256_set1_epi32((int)0xffff0000u)));
+    }
+}
+
+// 8 outputs of one row from the sums of one group (columns c .. c + 7 of N): acc * scale * unit + bias, rounded.
+static inline void store_cols(__m256 acc, const float* bias, const float* scale, float unit, int64_t c, int64_t N,
+                              uint16_t* out_row) {
+    const int64_t n = N - c;
+    if (n <= 0) return;
+    const __m256 b = bias ? f32x8_n(bias + c, n) : _mm256_setzero_ps();
+    const __m256 s = scale ? _mm256_mul_ps(f32x8_n(scale + c, n), _mm256_set1_ps(unit)) : _mm256_set1_ps(unit);
+    store_bf16(out_row + c, _mm256_fmadd_ps(acc, s, b), n);
+}
+
+// Gated: 8 outputs from the sums of a gate group (packed rows r ..) and its up group (packed rows r + 16 ..), written
+// at output column c of N (the activation of linear.h's store_row).
+static inline void store_gated(__m256 gacc, __m256 uacc, const float* bias, const float* scale, float unit, int64_t r,
+                               int64_t c, int64_t N, uint16_t* out_row) {
+    if (c >= N) return;
+    const __m256 bg = bias ? _mm256_loadu_ps(bias + r) : _mm256_setzero_ps();   // (gated: padded to whole panels)
+    const __m256 bu = bias ? _mm256_loadu_ps(bias + r + 16) : _mm256_setzero_ps();
+    const __m256 u1 = _mm256_set1_ps(unit);
+    const __m256 sg = scale ? _mm256_mul_ps(_mm256_loadu_ps(scale + r), u1) : u1;
+    const __m256 su = scale ? _mm256_mul_ps(_mm256_loadu_ps(scale + r + 16), u1) : u1;
+    const __m256 g = round_bf16(_mm256_fmadd_ps(gacc, sg, bg));
+    const __m256 u = round_bf16(_mm256_fmadd_ps(uacc, su, bu));
+    store_bf16(out_row + c, _mm256_mul_ps(silu8(g), u), N - c);
+}
+
+// Panel p of the bf16 or FP8 layout -> its fp32 weights in the W_F32 order at w (32 * kp floats, 32-byte aligned):
+// exact (an FP8 weight stays times 2^-8), so a micro kernel reading w sums the same values in the same order.
+template <int SRC>
+static inline void widen_panel(const uint8_t* panel, int64_t kp, float* w) {
+    constexpr int64_t GB = SRC == W_FP8 ? 16 : 32;
+    for (int64_t kk = 0; kk < kp / 2; ++kk)
+        for (int g = 0; g < 4; ++g) {
+            __m256 e, o;
+            load_weights<SRC>(panel + kk * 4 * GB + g * GB, e, o);
+            _mm256_store_ps(w + kk * 64 + g * 16, e);
+            _mm256_store_ps(w + kk * 64 + g * 16 + 8, o);
+        }
+}
+
+// MR rows of xf (stride kp, fp32) times NG groups of one panel (NG = 4: the whole panel; NG = 2: half h of it) ->
+// outputs. Groups: the panel's 4 groups (NG = 4), or groups 2h, 2h + 1 (half h), or, GATED, h and h + 2 (8 gate
+// columns and their 8 up columns). n0: the panel's first packed row; out rows have stride N; unit: 256 for FP8
+// weights (their 2^-8), else 1.
+template <int MR, int NG, int SRC, bool GATED>
+static inline void micro_avx2(const float* xf, int64_t kp, const uint8_t* panel, int h, const float* bias,
+                              const float* scale, float unit, int64_t n0, int64_t N, uint16_t* out) {
+    constexpr int64_t GB = SRC == W_F32 ? 64 : SRC == W_FP8 ? 16 : 32;   // bytes of a group in a pair-row
+    constexpr int64_t RB = 4 * GB;          // bytes of a pair-row
+    int go[NG];                             // the groups
+    for (int i = 0; i < NG; ++i) go[i] = NG == 4 ? i : GATED ? h + 2 * i : 2 * h + i;
+    __m256 acc[MR][NG];
+    for (int r = 0; r < MR; ++r)
+        for (int i = 0; i < NG; ++i) acc[r][i] = _mm256_setzero_ps();
+    const int64_t pairs = kp / 2;
+    for (int64_t kk = 0; kk < pairs; ++kk) {
+        __m256 we[NG], wo[NG];
+        for (int i = 0; i < NG; ++i) load_weights<SRC>(panel + kk * RB + go[i] * GB, we[i], wo[i]);
+        for (int r = 0; r < MR; ++r) {
+            const __m256 xe = _mm256_broadcast_ss(xf + r * kp + 2 * kk);
+            for (int i = 0; i < NG; ++i) acc[r][i] = _mm256_fmadd_ps(we[i], xe, acc[r][i]);
+            const __m256 xo = _mm256_broadcast_ss(xf + r * kp + 2 * kk + 1);
+            for (int i = 0; i < NG; ++i) acc[r][i] = _mm256_fmadd_ps(wo[i], xo, acc[r][i]);
+        }
+    }
+    for (int r = 0; r < MR; ++r) {
+        uint16_t* row = out + r * N;
+        if (GATED) {   // gate group go[i] (< 2) and its up group go[i] + 2 = go[i + NG / 2]
+            for (int i = 0; i < NG / 2; ++i)
+                store_gated(acc[r][i], acc[r][i + NG / 2], bias, scale, unit, n0 + 8 * go[i], n0 / 2 + 8 * go[i], N,
+                            row);
+        } else {
+            for (int i = 0; i < NG; ++i) store_cols(acc[r][i], bias, scale, unit, n0 + 8 * go[i], N, row);
+        }
+    }
+}
+
+typedef void (*MicroAvx2Fn)(const float*, int64_t, const uint8_t*, int, const float*, const float*, float, int64_t,
+                            int64_t, uint16_t*);
+template <int SRC, bool G>
+static const MicroAvx2Fn MICRO_AVX2[MAX_MR_AVX2 + 1] = {nullptr, micro_avx2<1, 2, SRC, G>, micro_avx2<2, 2, SRC, G>,
+                                                        micro_avx2<3, 2, SRC, G>, micro_avx2<4, 2, SRC, G>,
+                                                        micro_avx2<5, 2, SRC, G>};
+
+// kv8_linear (FP8 false) and kv8_linear_fp8 on AVX2 (linear.h's contract; use_amx is ignored). Threads take
+// contiguous runs of panels; per chunk of rows (its fp32 copy within X_CHUNK_BYTES) a thread walks its panels: one row
+// multiplies the whole panel at once (the panel streamed once, 4 groups in registers); more rows go through each half
+// panel in blocks of up to MAX_MR_AVX2 rows (the half panel stays in L1 between the blocks), from the panel itself
+// up to WIDEN_ROWS rows, beyond that from its fp32 copy (widen_panel: the conversion done once per chunk, not once
+// per block; the same values summed in the same order, so the same bits).
+static const int64_t WIDEN_ROWS = 8;
+template <bool FP8>
+static int linear(const kv8_linear_call& call) {
+    const uint16_t* x = call.x;
+    const uint8_t* packed = (const uint8_t*)call.packed;
+    const float *scale = call.scale, *bias = call.bias;
+    uint16_t* out = call.out;
+    const int64_t M = call.rows, K = call.in_features, N = call.out_features;
+    const int nthreads = call.num_threads;
+    const bool gated = call.gated != 0;
+    if (M < 0 || K <= 0 || N <= 0 || nthreads <= 0 || (!FP8 && scale)) return ERR_ARGS;
+    if (M == 0) return OK;   // no rows: pointers may be null
+    if (!x || !packed || (FP8 && !scale) || !out) return ERR_ARGS;
+    constexpr int SRC = FP8 ? W_FP8 : W_BF16;
+    const float unit = FP8 ? 256.0f : 1.0f;
+    const int64_t kp = (K + 1) & ~(int64_t)1;
+    const int64_t panels = gated ? (N + 15) / 16 : (N + PANEL - 1) / PANEL;
+    const int64_t panel_bytes = (int64_t)PANEL * kp * (FP8 ? 1 : 2);
+    const int64_t chunk = X_CHUNK_BYTES / (kp * 4) > MAX_MR_AVX2 ? X_CHUNK_BYTES / (kp * 4) : MAX_MR_AVX2;
+    const int threads = (int)(panels < nthreads ? panels : nthreads);
+    const MicroAvx2Fn* blocks = gated ? MICRO_AVX2<SRC, true> : MICRO_AVX2<SRC, false>;
+    const MicroAvx2Fn* wide = gated ? MICRO_AVX2<W_F32, true> : MICRO_AVX2<W_F32, false>;
+    const MicroAvx2Fn whole = gated ? micro_avx2<1, 4, SRC, true> : micro_avx2<1, 4, SRC, false>;
+    int failed = 0;
+#pragma omp parallel num_threads(threads) reduction(| : failed)
+    {
+        const int t = omp_get_thread_num(), nt = omp_get_num_threads();
+        const int64_t p0 = panels * t / nt, p1 = panels * (t + 1) / nt;
+        float* xf = tl_x.get((size_t)(M < chunk ? M : chunk) * kp);
+        float* wf = M > WIDEN_ROWS ? tl_w.get((size_t)PANEL * kp) : nullptr;
+        if (!xf || (M > WIDEN_ROWS && !wf)) failed = 1;
+        for (int64_t m0 = 0; !failed && m0 < M; m0 += chunk) {
+            const int64_t rows = M - m0 < chunk ? M - m0 : chunk;
+            rows_to_f32(x + m0 * K, rows, K, kp, xf);
+            uint16_t* oc = out + m0 * N;
+            for (int64_t p = p0; p < p1; ++p) {
+                const uint8_t* panel = packed + p * panel_bytes;
+                if (rows == 1) {
+                    whole(xf, kp, panel, 0, bias, scale, unit, p * PANEL, N, oc);
+                    continue;
+                }
+                const bool widen = rows > WIDEN_ROWS;
+                if (widen) widen_panel<SRC>(panel, kp, wf);
+                const MicroAvx2Fn* table = widen ? wide : blocks;
+                const uint8_t* src = widen ? (const uint8_t*)wf : panel;
+                const int64_t nblk = (rows + MAX_MR_AVX2 - 1) / MAX_MR_AVX2;
+                const int64_t base = rows / nblk, extra = rows % nblk;
+                for (int h = 0; h < 2; ++h) {
+                    int64_t r0 = 0;
+                    for (int64_t b = 0; b < nblk; ++b) {
+                        const int mr = (int)(base + (b < extra ? 1 : 0));
+                        table[mr](xf + r0 * kp, kp, src, h, bias, scale, unit, p * PANEL, N, oc + r0 * N);
+                        r0 += mr;
+                    }
+                }
+            }
+        }
+    }
+    return failed ? ERR_OOM : OK;
+}
+
+#endif
