@@ -149,38 +149,10 @@ template <int KV>
 static int run_item_avx2(const Problem& P, const Item& it, float* ws) {
     const Rows w = rows_of(P, it);
     const int D = P.D, R = w.R;
-    const size_t nq = (size_t)R * D;
-    size_t bytes = up64(nq * 4) * 2 + up64((size_t)TILE * D * 4) * 2 + up64((size_t)R * 4) * 3 +
-                   up64((size_t)R * 8) * 2 + up64((size_t)R * TILE * 4);
-    char* mem = (char*)tl_scratch.get(bytes);
-    if (!mem) return ERR_OOM;
-    float* qf = (float*)mem; mem += up64(nq * 4);
-    float* acc = (float*)mem; mem += up64(nq * 4);
-    float* kf = (float*)mem; mem += up64((size_t)TILE * D * 4);
-    float* vf = (float*)mem; mem += up64((size_t)TILE * D * 4);
-    float* mx = (float*)mem; mem += up64((size_t)R * 4);
-    float* sum = (float*)mem; mem += up64((size_t)R * 4);
-    float* alpha = (float*)mem; mem += up64((size_t)R * 4);
-    int64_t* lim = (int64_t*)mem; mem += up64((size_t)R * 8);
-    int64_t* lo = (int64_t*)mem; mem += up64((size_t)R * 8);
-    float* prob = (float*)mem;
-
-    const bool kch = k_per_channel(P);
-    const float sfac = P.sm_scale * (kch ? 1.0f : k_head_scale(P, it.kvh));
-    for (int r = 0; r < R; ++r) {
-        const int h = it.kvh * P.G + r % P.G;
-        const int64_t src = ((w.qrow0 + r / P.G) * P.Hq + h) * (int64_t)D;
-        for (int d = 0; d < D; ++d) {
-            float x = load_f(P.q, P.q_dtype, src + d);
-            if (kch) x *= P.ks[it.kvh * P.ks_hs + d * P.ks_ds];
-            qf[(size_t)r * D + d] = x * sfac;
-        }
-        mx[r] = -INFINITY;
-        sum[r] = 0.0f;
-        lim[r] = row_limit(P, it, w, r);
-        lo[r] = first_visible(P, lim[r]);
-    }
-    memset(acc, 0, nq * 4);
+    F32Scratch S;  // q rows times sm_scale x the K head scale: each score is one dot product
+    if (!S.init(P, it, w, P.sm_scale * (k_per_channel(P) ? 1.0f : k_head_scale(P, it.kvh)))) return ERR_OOM;
+    float *qf = S.qf, *acc = S.acc, *kf = S.kf, *vf = S.vf, *mx = S.mx, *sum = S.sum, *alpha = S.alpha, *prob = S.prob;
+    const int64_t *lim = S.lim, *lo = S.lo;
 
     const uint8_t* kr[TILE];
     const uint8_t* vr[TILE];

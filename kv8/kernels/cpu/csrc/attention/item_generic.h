@@ -28,43 +28,61 @@ static void decode_row_f32(const uint8_t* row, int D, float* out) {
 
 typedef void (*RowDecoder)(const uint8_t*, int, float*);
 
+// The fp32 item kernels' scratch (run_item_generic, run_item_avx2), carved from the thread's: the item's query
+// rows in fp32 (times the per-channel K scales where they are per channel, times q_scale), the accumulators (0),
+// one tile's decoded K and V rows, the rows' running max (-inf) and sum (0), alpha, their visible positions
+// [lo, lim], and one tile's weights per row.
+struct F32Scratch {
+    float *qf, *acc, *kf, *vf, *mx, *sum, *alpha, *prob;
+    int64_t *lim, *lo;
+
+    // false when the scratch cannot be allocated.
+    bool init(const Problem& P, const Item& it, const Rows& w, float q_scale) {
+        const int D = P.D, R = w.R;
+        const size_t nq = (size_t)R * D;
+        const size_t bytes = up64(nq * 4) * 2 + up64((size_t)TILE * D * 4) * 2 + up64((size_t)R * 4) * 3 +
+                             up64((size_t)R * 8) * 2 + up64((size_t)R * TILE * 4);
+        char* mem = (char*)tl_scratch.get(bytes);
+        if (!mem) return false;
+        qf = (float*)mem; mem += up64(nq * 4);
+        acc = (float*)mem; mem += up64(nq * 4);
+        kf = (float*)mem; mem += up64((size_t)TILE * D * 4);
+        vf = (float*)mem; mem += up64((size_t)TILE * D * 4);
+        mx = (float*)mem; mem += up64((size_t)R * 4);
+        sum = (float*)mem; mem += up64((size_t)R * 4);
+        alpha = (float*)mem; mem += up64((size_t)R * 4);
+        lim = (int64_t*)mem; mem += up64((size_t)R * 8);
+        lo = (int64_t*)mem; mem += up64((size_t)R * 8);
+        prob = (float*)mem;
+        const bool kch = k_per_channel(P);
+        for (int r = 0; r < R; ++r) {
+            const int h = it.kvh * P.G + r % P.G;
+            const int64_t src = ((w.qrow0 + r / P.G) * P.Hq + h) * (int64_t)D;
+            for (int d = 0; d < D; ++d) {
+                float x = load_f(P.q, P.q_dtype, src + d);
+                if (kch) x *= P.ks[it.kvh * P.ks_hs + d * P.ks_ds];
+                qf[(size_t)r * D + d] = x * q_scale;
+            }
+            mx[r] = -INFINITY;
+            sum[r] = 0.0f;
+            lim[r] = row_limit(P, it, w, r);
+            lo[r] = first_visible(P, lim[r]);
+        }
+        memset(acc, 0, nq * 4);
+        return true;
+    }
+};
+
 static int run_item_generic(const Problem& P, const Item& it, float* ws) {
     const RowDecoder decode_row =
         with_kv_format(P.kv, [](auto K) -> RowDecoder { return decode_row_f32<decltype(K)::value>; });
     const Rows w = rows_of(P, it);
     const int D = P.D, R = w.R;
-    const size_t nq = (size_t)R * D;
-    size_t bytes = up64(nq * 4) * 2 + up64((size_t)TILE * D * 4) * 2 + up64((size_t)R * 4) * 3 +
-                   up64((size_t)R * 8) * 2 + up64((size_t)R * TILE * 4);
-    char* mem = (char*)tl_scratch.get(bytes);
-    if (!mem) return ERR_OOM;
-    float* qf = (float*)mem; mem += up64(nq * 4);
-    float* acc = (float*)mem; mem += up64(nq * 4);
-    float* kf = (float*)mem; mem += up64((size_t)TILE * D * 4);
-    float* vf = (float*)mem; mem += up64((size_t)TILE * D * 4);
-    float* mx = (float*)mem; mem += up64((size_t)R * 4);
-    float* sum = (float*)mem; mem += up64((size_t)R * 4);
-    float* alpha = (float*)mem; mem += up64((size_t)R * 4);
-    int64_t* lim = (int64_t*)mem; mem += up64((size_t)R * 8);
-    int64_t* lo = (int64_t*)mem; mem += up64((size_t)R * 8);
-    float* prob = (float*)mem;
-
-    const bool kch = k_per_channel(P);
-    const float sfac = P.sm_scale * (kch ? 1.0f : k_head_scale(P, it.kvh));
-    for (int r = 0; r < R; ++r) {
-        int h = it.kvh * P.G + r % P.G;
-        int64_t src = ((w.qrow0 + r / P.G) * P.Hq + h) * (int64_t)D;
-        for (int d = 0; d < D; ++d) {
-            float x = load_f(P.q, P.q_dtype, src + d);
-            if (kch) x *= P.ks[it.kvh * P.ks_hs + d * P.ks_ds];
-            qf[(size_t)r * D + d] = x;
-        }
-        mx[r] = -INFINITY;
-        sum[r] = 0.0f;
-        lim[r] = row_limit(P, it, w, r);
-        lo[r] = first_visible(P, lim[r]);
-    }
-    memset(acc, 0, nq * 4);
+    F32Scratch S;
+    if (!S.init(P, it, w, 1.0f)) return ERR_OOM;
+    float *qf = S.qf, *acc = S.acc, *kf = S.kf, *vf = S.vf, *mx = S.mx, *sum = S.sum, *alpha = S.alpha, *prob = S.prob;
+    const int64_t *lim = S.lim, *lo = S.lo;
+    const float sfac = P.sm_scale * (k_per_channel(P) ? 1.0f : k_head_scale(P, it.kvh));
 
     const uint8_t* kr[TILE];
     const uint8_t* vr[TILE];
