@@ -238,8 +238,10 @@ def test_bad_inputs_raise_clear_errors(tiny_llama):
         make_llm(tiny_llama).generate([[3, 4]], SamplingParams(stop_token_ids=[10000000], min_tokens=1))
     with pytest.raises(ValueError, match="kv_cache_dtype='fp9'.*fp8_e4m3"):
         make_llm(tiny_llama, kv_cache_dtype="fp9")
-    with pytest.raises(TypeError, match="unknown option.*gpu_memory_utilization"):
-        make_llm(tiny_llama, gpu_memory_utilization=0.9)
+    with pytest.raises(TypeError, match="unknown option.*swap_space"):
+        make_llm(tiny_llama, swap_space=4)   # a vLLM option kv8 does not have
+    with pytest.raises(ValueError, match=r"gpu_memory_utilization=1.5 must be a finite number in \(0, 1\]"):
+        make_llm(tiny_llama, gpu_memory_utilization=1.5)
     with pytest.raises(ValueError, match="kv_cache_memory='lots'"):
         make_llm(tiny_llama, kv_cache_memory="lots")
     with pytest.raises(ValueError, match="fewer than max_model_len"):
