@@ -42,8 +42,10 @@ and each cell is the median over the rounds, with the spread (min-max over round
 decode step is the median of ``--decode-steps`` hooked steps (its families are that step's) and of as many
 plain steps, interleaved; a prefill step is one hooked and one plain prefill. The decode batches' prompts are the
 same each round (re-added, found in the prefix cache, the last block recomputed); the prefill's prompt is new.
-Each engine is warmed up by one prefill before the rounds. ``--threads`` sets torch's threads; the engines'
-thread governor (``adaptive_cpu_threads``) may lower them while other processes keep cores busy.
+When it is built, each engine is warmed up by one prefill and prefills its decode prompts once (33 x 1,024 tokens:
+most of the run's time on a small CPU, ~4 minutes per configuration on 2 Zen 3 cores; a round takes ~1.5). The
+tool checks that each timed step ran the whole prefill or decode batch. ``--threads`` sets torch's threads; the
+engines' thread governor (``adaptive_cpu_threads``) may lower them while other processes keep cores busy.
 
     .venv/bin/python benchmarks/bench_profile.py                               # the three configurations, 3 rounds
     .venv/bin/python benchmarks/bench_profile.py --quick --rounds 1 --config "--kv-cache-dtype fp8_e4m3"
