@@ -96,8 +96,8 @@ def load_shard(config: EngineConfig, budget: KVBudget, num_blocks: Sequence[int]
                               tp.rank, tp.size, kv_heads)
     budget.check_fits_memory(num_blocks)   # before allocating the cache, with the weights loaded
     layout = budget.layout
-    codec = KVCodec.build(cc.kv_dtype, arch.head_dim, scale_mode=cc.kv_cache_scale_mode, rotation=cc.kv_cache_rotation,
-                          scales=scales)
+    codec = KVCodec.build(cc.kv_dtype, arch.head_dim, scale_mode="dynamic" if cc.dynamic_scales else "static",
+                          rotation=cc.kv_cache_rotation, scales=scales)
     # Pools: the kv_cache_dtype one first; layers of kv_cache_dtype_skip_layers in the compute dtype.
     caches = []
     for pool, n in zip(layout.pools, num_blocks):
