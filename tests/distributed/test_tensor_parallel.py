@@ -273,6 +273,7 @@ def test_tp3_smollm2_gguf_equals_one_rank() -> None:
 def test_tp3_splits_three_kv_heads(gqa_6x3: str) -> None:
     _compare(gqa_6x3, 3, "auto")
     _compare(gqa_6x3, 3, "fp8", kv_cache_scale_mode="dynamic", kv_cache_rotation="hadamard")
+    _compare(gqa_6x3, 3, "int8_per_token_head")
 
 
 @pytest.mark.slow

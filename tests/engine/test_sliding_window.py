@@ -16,7 +16,7 @@ from tests.helpers.engine import KV_CONFIGS, PROMPTS, assert_greedy_match, check
 GREEDY = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
 GREEDY_LP = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, logprobs=2)  # for near-ties
 PROMPTS = PROMPTS[:4]
-KVS = ["float32", "fp8_e4m3", "fp8_e5m2", "fp8_e4m3fnuz", "fp8_e4m3+dynamic", "fp8_e4m3+hadamard"]
+KVS = ["float32", "fp8_e4m3", "fp8_e5m2", "fp8_e4m3fnuz", "fp8_e4m3+dynamic", "fp8_e4m3+hadamard", "int8"]
 MODELS = ["mistral_swa", "qwen2_swa"]
 
 

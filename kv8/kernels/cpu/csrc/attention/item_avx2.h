@@ -68,6 +68,8 @@ static inline __m256 decode8(const uint8_t* row, int d) {
                                            : _mm256_cmpeq_epi32(mag, _mm256_set1_epi32(0x7f));
             return _mm256_blendv_ps(v, _mm256_set1_ps(NAN), _mm256_castsi256_ps(nan));
         }
+    } else if constexpr (F.int8) {  // sign-extended to 32 bits, converted exactly
+        return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(row + d))));
     } else if constexpr (F.elem == DT_BF16) {
         const __m128i h = _mm_loadu_si128((const __m128i*)(row + 2 * d));
         return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));

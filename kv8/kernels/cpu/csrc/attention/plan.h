@@ -21,7 +21,8 @@ static int make_problem(const kv8_layer& L, const kv8_attention_call& C, Problem
     if (Hkv <= 0 || Hq % Hkv != 0 || D <= 0 || bs <= 0 || C.num_seqs < 0 || C.num_threads <= 0 || kv < 0 ||
         kv >= KV_COUNT || C.q_dtype < 0 || C.q_dtype >= DT_COUNT ||
         (int64_t)D * KV_FORMATS[kv].esize > (int64_t)sizeof(ZERO_ROW) ||
-        (L.k_token_scales == nullptr) != (L.v_token_scales == nullptr) || C.sliding_window < 0)
+        (L.k_token_scales == nullptr) != (L.v_token_scales == nullptr) || C.sliding_window < 0 ||
+        (KV_FORMATS[kv].int8 && !L.k_token_scales))   // int8 codes mean nothing without their scales
         return ERR_ARGS;
     P.q = C.q; P.q_dtype = C.q_dtype; P.out = C.out;
     P.Hq = Hq; P.Hkv = Hkv; P.D = D; P.G = Hq / Hkv;

@@ -3,8 +3,9 @@
 //   key/value [T, H, D] (in_dtype)  --slot_mapping[t] = block * bs + offset-->  cache[block, h, offset, :]
 //
 // FP8 with static scales: code = saturate(rne(x / scale)) with the layer's K/V scales (strides over head and
-// channel). FP8 with dynamic scales: each (token, head) gets scale amax|x| / max_finite (1.0 when that is 0
-// or not finite), written beside its codes. 16/32-bit caches store the value converted (round to nearest
+// channel). FP8 with dynamic scales, and int8 (always): each (token, head) gets scale amax|x| / max_finite (1.0
+// when that is 0 or not finite; int8: max 127), written beside its codes; int8 codes are clamp(rne(x / scale),
+// -127, 127) with NaN -> 0 (base.h). 16/32-bit caches store the value converted (round to nearest
 // even). Bit-exact with kv8.cache.paged_cache.PagedKVCache.store, NaN rule included (base.h).
 //
 // Where the fast path is compiled, FP8 rows (D a multiple of 16; dynamic scales, or static ones with a channel
@@ -108,7 +109,8 @@ static int run_store(const kv8_layer& L, const kv8_store_call& C) {
     float *k_token_scales = L.k_token_scales, *v_token_scales = L.v_token_scales;
     if (H <= 0 || D <= 0 || bs <= 0 || T < 0 || kv < 0 || kv >= KV_COUNT || in_dtype < 0 || in_dtype >= DT_COUNT ||
         nthreads <= 0 || (k_token_scales == nullptr) != (v_token_scales == nullptr) ||
-        (k_token_scales && !KV_FORMATS[kv].fp8) || (KV_FORMATS[kv].fp8 && !k_token_scales && (!k_scale || !v_scale)))
+        (k_token_scales && !KV_FORMATS[kv].fp8 && !KV_FORMATS[kv].int8) ||
+        (KV_FORMATS[kv].fp8 && !k_token_scales && (!k_scale || !v_scale)) || (KV_FORMATS[kv].int8 && !k_token_scales))
         return ERR_ARGS;
     const KvFormat& fmt = KV_FORMATS[kv];
     const float maxf = fmt.max_finite;
@@ -164,7 +166,7 @@ static int run_store(const kv8_layer& L, const kv8_store_call& C) {
             }
 #endif
             for (int d = 0; d < D; ++d) buf[d] = load_f(src, in_dtype, s0 + d);
-            if (fmt.fp8) {
+            if (fmt.fp8 || fmt.int8) {
                 if (ts) {
                     float amax = 0.0f;
                     bool nan = false;
@@ -180,10 +182,14 @@ static int run_store(const kv8_layer& L, const kv8_store_call& C) {
                 } else {
                     for (int d = 0; d < D; ++d) buf[d] = buf[d] / sc[h * hs + d * ds];
                 }
-                with_kv_format(kv, [&](auto K) {
-                    if constexpr (KV_FORMATS[decltype(K)::value].fp8)
-                        for (int d = 0; d < D; ++d) dst[d] = fp8_encode<decltype(K)::value>(buf[d]);
-                });
+                if (fmt.int8) {
+                    for (int d = 0; d < D; ++d) dst[d] = (uint8_t)int8_encode(buf[d]);
+                } else {
+                    with_kv_format(kv, [&](auto K) {
+                        if constexpr (KV_FORMATS[decltype(K)::value].fp8)
+                            for (int d = 0; d < D; ++d) dst[d] = fp8_encode<decltype(K)::value>(buf[d]);
+                    });
+                }
             } else if (fmt.elem == DT_BF16) {
                 for (int d = 0; d < D; ++d) ((uint16_t*)dst)[d] = f_bf16(buf[d]);
             } else if (fmt.elem == DT_F16) {
