@@ -6,8 +6,8 @@ A codec is a storage format plus how values are scaled and in which basis they a
     read    = decode(stored) * s       (in the stored basis; attention works there, see below)
 
 * format (:class:`kv8.quant.formats.KVCacheDtype`): FP8 (E4M3, E4M3FNUZ, E5M2: ``saturate(rne(.))`` to raw
-  ``uint8`` codes), int8 (``clamp(rne(.), -127, 127)`` to ``int8`` codes, always with dynamic scales) or a
-  16/32-bit float (a plain cast, ``s = 1``);
+  ``uint8`` codes), int8 / int4 (``clamp(rne(.), -max, max)``, max 127 / 7, to ``int8`` codes or two 4-bit codes
+  per ``uint8``; always with dynamic scales) or a 16/32-bit float (a plain cast, ``s = 1``);
 * scales ``s``: *static* -- per layer, for K and V separately, per tensor, KV head or channel
   (:class:`kv8.quant.scales.KVScales`, FP8 only) -- or *dynamic* -- one float32 per token and KV head,
   ``amax(|x|) / format max`` (1.0 for an all-zero or non-finite vector), computed at store time and kept beside
@@ -37,7 +37,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from kv8.quant.formats import KVCacheDtype, dequantize, quantize
+from kv8.quant.formats import KVCacheDtype, dequantize, pack_int4, quantize, unpack_int4
 from kv8.quant.rotation import ROTATIONS, hadamard, rotate
 from kv8.quant.scales import KVScales
 
@@ -69,6 +69,9 @@ class KVCodec:
         there is nothing to scale); an FP8 format in static mode needs them -- 1.0 comes from
         :meth:`KVScales.default`, never invented here. An int8 format is dynamic whatever ``scale_mode`` says (its
         scales are per token and head by definition) and takes no static scales."""
+        if kv_dtype.bits_per_value == 4 and head_dim % 2:
+            raise ValueError(f"kv_cache_dtype={kv_dtype.name!r} packs two values per byte: it needs an even "
+                             f"head_dim, not {head_dim}")
         if scale_mode not in SCALE_MODES or rotation not in ROTATIONS:
             raise ValueError(f"scale_mode={scale_mode!r} / rotation={rotation!r}: allowed are "
                              f"{', '.join(SCALE_MODES)} / {', '.join(ROTATIONS)}")
@@ -95,13 +98,18 @@ class KVCodec:
         rotation = None if self.rotation is None else self.rotation.to(device)
         return replace(self, rotation=rotation, device_scales=moved)
 
+    @property
+    def packed(self) -> bool:
+        """Two codes per stored byte (int4)."""
+        return self.kv_dtype.int_codes is not None and self.kv_dtype.int_codes.bits == 4
+
     # ---- sizes ----------------------------------------------------------------------------------------------
     @staticmethod
     def bytes_per_head(kv_dtype: KVCacheDtype, head_dim: int, dynamic: bool) -> int:
         """Bytes one token's K (or V) of one KV head occupies: its codes, plus its scale with dynamic scales
         (``dynamic``, and always for int8: ``4 / head_dim`` overhead, 6.25% at head_dim 64)."""
         scaled = dynamic or kv_dtype.per_token_scales
-        return head_dim * kv_dtype.bytes_per_element + (DYNAMIC_SCALE_BYTES if scaled else 0)
+        return head_dim * kv_dtype.bits_per_value // 8 + (DYNAMIC_SCALE_BYTES if scaled else 0)
 
     # ---- basis ----------------------------------------------------------------------------------------------
     def to_stored_basis(self, x: torch.Tensor) -> torch.Tensor:
@@ -131,27 +139,30 @@ class KVCodec:
     # ---- bytes ----------------------------------------------------------------------------------------------
     def encode(self, x: torch.Tensor, layer: int, which: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Values ``[T, H, D]`` (already in the stored basis) of ``which`` (:data:`K` or :data:`V`) in ``layer``
-        -> ``(stored [T, H, D], token scales [T, H] or None)``."""
+        -> ``(stored [T, H, W], token scales [T, H] or None)``; ``W = kv_dtype.stored_width(D)`` (``D / 2``
+        bytes for int4: two codes per byte, :func:`kv8.quant.formats.pack_int4`)."""
         fmt = self.kv_dtype.codes
         if fmt is None:
             return x.to(self.kv_dtype.storage_dtype), None
         if self.dynamic:
             ts = self.token_scales(x)
-            return quantize(x, ts.unsqueeze(-1), fmt), ts
+            codes = quantize(x, ts.unsqueeze(-1), fmt)
+            return (pack_int4(codes) if self.packed else codes), ts
         scales = self.layer_scales(layer)
         assert scales is not None
         return quantize(x, scales[which], fmt), None
 
     def decode(self, stored: torch.Tensor, layer: int, which: int, dtype: torch.dtype,
                token_scales: torch.Tensor | None = None) -> torch.Tensor:
-        """What :meth:`encode` stored ``[T, H, D]`` -> values in ``dtype`` (stored basis). ``token_scales``
-        ``[T, H]`` are the stored dynamic scales (required in dynamic mode)."""
+        """What :meth:`encode` stored ``[T, H, W]`` -> values ``[T, H, D]`` in ``dtype`` (stored basis).
+        ``token_scales`` ``[T, H]`` are the stored dynamic scales (required in dynamic mode)."""
         fmt = self.kv_dtype.codes
         if fmt is None:
             return stored.to(dtype)
         if self.dynamic:
             assert token_scales is not None, "a dynamic codec decodes with the stored token scales"
-            return dequantize(stored, token_scales.unsqueeze(-1), fmt, dtype=dtype)
+            codes = unpack_int4(stored) if self.packed else stored
+            return dequantize(codes, token_scales.unsqueeze(-1), fmt, dtype=dtype)
         scales = self.layer_scales(layer)
         assert scales is not None
         return dequantize(stored, scales[which], fmt, dtype=dtype)

@@ -39,6 +39,9 @@ __all__ = [
     "fp8_format",
     "IntFormat",
     "INT8",
+    "INT4",
+    "pack_int4",
+    "unpack_int4",
     "CodeFormat",
     "quantize",
     "dequantize",
@@ -237,28 +240,32 @@ def fp8_format(name: str) -> FP8Format:
 @dataclass(frozen=True)
 class IntFormat:
     """Symmetric signed integer codes of ``bits`` bits: ``code = clamp(round_half_even(float32(x)), -max, max)``
-    with ``max = 2^(bits - 1) - 1`` (127 for int8: the code -128 is never written, so the range is symmetric and
-    ``-code`` always exists). NaN encodes to 0 (an integer code has no NaN); ``±inf`` saturate to ``±max``. Decoding is
-    exact in every float dtype (``|code| <= 127``).
+    with ``max = 2^(bits - 1) - 1`` (127 for int8, 7 for int4: the most negative code is never written, so the
+    range is symmetric and ``-code`` always exists). NaN encodes to 0 (an integer code has no NaN); ``±inf``
+    saturate to ``±max``. Decoding is exact in every float dtype (``|code| <= 127``).
 
-    Invariant: ``bits`` is 8 (the only width stored one code per byte; ``storage_dtype`` is ``torch.int8``).
+    :meth:`encode` returns one ``int8`` per value for both widths; a cache of 4-bit codes packs two per byte
+    (:func:`pack_int4`: the even channel in the low nibble, two's complement).
+
+    Invariant: ``bits`` is 8 or 4.
     """
 
     name: str
     bits: int
 
     def __post_init__(self) -> None:
-        if self.bits != 8:
-            raise ValueError(f"IntFormat.bits={self.bits!r}: only 8-bit integer codes are stored (one per byte)")
+        if self.bits not in (4, 8):
+            raise ValueError(f"IntFormat.bits={self.bits!r}: integer codes are 8 or 4 bits")
 
     @property
     def max_finite(self) -> float:
-        """The largest code, as a float (127.0 for int8): what a scale maps the largest magnitude to."""
+        """The largest code, as a float (127.0 for int8, 7.0 for int4): what a scale maps the largest magnitude
+        to."""
         return float((1 << (self.bits - 1)) - 1)
 
     @property
     def storage_dtype(self) -> torch.dtype:
-        """The dtype of a tensor of codes: ``int8``."""
+        """The dtype of a tensor of codes as :meth:`encode` returns them: ``int8`` (one value per element)."""
         return torch.int8
 
     @property
@@ -288,6 +295,25 @@ class IntFormat:
 
 
 INT8 = IntFormat(name="int8", bits=8)
+INT4 = IntFormat(name="int4", bits=4)
+
+
+def pack_int4(codes: torch.Tensor) -> torch.Tensor:
+    """4-bit codes as ``int8`` values in -8..7, ``[..., D]`` (D even) -> ``uint8 [..., D / 2]``: channel ``2j`` in
+    the low nibble of byte ``j``, channel ``2j + 1`` in its high nibble, each as a two's complement nibble."""
+    if codes.dtype != torch.int8 or codes.shape[-1] % 2:
+        raise ValueError(f"pack_int4: codes must be int8 with an even last dim, got {codes.dtype} "
+                         f"{tuple(codes.shape)}")
+    nib = codes.to(torch.uint8) & 0xF
+    return nib[..., 0::2] | (nib[..., 1::2] << 4)
+
+
+def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
+    """The inverse of :func:`pack_int4`: ``uint8 [..., D / 2]`` -> ``int8 [..., D]`` in -8..7."""
+    if packed.dtype != torch.uint8:
+        raise ValueError(f"unpack_int4: packed codes must be uint8, got {packed.dtype}")
+    nibbles = torch.stack((packed & 0xF, packed >> 4), dim=-1).flatten(-2).to(torch.int16)
+    return ((nibbles ^ 8) - 8).to(torch.int8)
 
 #: a KV code format: FP8 or integer codes
 CodeFormat = FP8Format | IntFormat
@@ -345,11 +371,12 @@ def dequantize(codes: torch.Tensor, scale: torch.Tensor | float, fmt: CodeFormat
 
 KV_CACHE_DTYPE_CHOICES: tuple[str, ...] = (
     "auto", "bfloat16", "float16", "float32", "fp8", "fp8_e4m3", "fp8_e5m2", "fp8_e4m3fnuz", "int8_per_token_head",
+    "int4_per_token_head",
 )
 # Other accepted spellings (vLLM's and torch's names); every entry point accepts them.
 _ALIASES: dict[str, str] = {
     "bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32", "float": "float32",
-    "fp8": "fp8_e4m3", "fp8_e4m3fn": "fp8_e4m3", "int8": "int8_per_token_head",
+    "fp8": "fp8_e4m3", "fp8_e4m3fn": "fp8_e4m3", "int8": "int8_per_token_head", "int4": "int4_per_token_head",
 }
 # choices plus the other aliases ("fp8" is both a choice and an alias: listed once)
 _OTHER_ALIASES: tuple[str, ...] = tuple(a for a in _ALIASES if a not in KV_CACHE_DTYPE_CHOICES)
@@ -358,7 +385,7 @@ _FLOAT_CACHES: dict[str, torch.dtype] = {
     "bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32,
 }
 #: integer caches: name -> their codes (every token and KV head carries its own scale)
-_INT_CACHES: dict[str, IntFormat] = {"int8_per_token_head": INT8}
+_INT_CACHES: dict[str, IntFormat] = {"int8_per_token_head": INT8, "int4_per_token_head": INT4}
 _COMPUTE_DTYPES: dict[torch.dtype, str] = {dtype: name for name, dtype in _FLOAT_CACHES.items()}
 
 
@@ -367,9 +394,11 @@ class KVCacheDtype:
     """What the user asked for with ``kv_cache_dtype``, resolved.
 
     Invariants: ``name`` is canonical ("bfloat16" | "float16" | "float32" | "fp8_e4m3" | "fp8_e4m3fnuz" |
-    "fp8_e5m2" | "int8_per_token_head"); FP8 caches store raw codes (``storage_dtype == torch.uint8`` and ``fp8``
-    is the matching format); the int8 cache stores ``torch.int8`` codes (``int_codes`` is :data:`INT8`) with a
-    scale per token and KV head, always; 16/32-bit caches store their float dtype and have no code format.
+    "fp8_e5m2" | "int8_per_token_head" | "int4_per_token_head"); FP8 caches store raw codes (``storage_dtype ==
+    torch.uint8`` and ``fp8`` is the matching format); the int8 cache stores ``torch.int8`` codes (``int_codes`` is
+    :data:`INT8`), the int4 cache two codes per ``torch.uint8`` (:func:`pack_int4`; ``int_codes`` is :data:`INT4`),
+    both with a scale per token and KV head, always; 16/32-bit caches store their float dtype and have no code
+    format.
     """
 
     name: str
@@ -384,7 +413,8 @@ class KVCacheDtype:
         elif self.name in FP8_FORMATS:
             expected = (torch.uint8, FP8_FORMATS[self.name], None)
         elif self.name in _INT_CACHES:
-            expected = (torch.int8, None, _INT_CACHES[self.name])
+            codes = _INT_CACHES[self.name]
+            expected = (torch.int8 if codes.bits == 8 else torch.uint8, None, codes)
         else:
             raise ValueError(f"KVCacheDtype.name={self.name!r} is not canonical; choose one of: "
                              f"{', '.join([*_FLOAT_CACHES, *FP8_FORMATS, *_INT_CACHES])}")
@@ -418,16 +448,26 @@ class KVCacheDtype:
 
     @property
     def bytes_per_element(self) -> int:
-        """Bytes one cached K or V element occupies (1 for FP8 and int8, 2 for 16-bit, 4 for float32)."""
+        """Bytes of one element of the cache tensor (1 for FP8, int8 and int4 -- two int4 values share one --, 2 for
+        16-bit, 4 for float32). What one value costs: :attr:`bits_per_value`."""
         return self.storage_dtype.itemsize
+
+    @property
+    def bits_per_value(self) -> int:
+        """Bits one cached K or V value occupies, its scale not counted (4, 8, 16 or 32)."""
+        return self.int_codes.bits if self.int_codes is not None else 8 * self.storage_dtype.itemsize
+
+    def stored_width(self, head_dim: int) -> int:
+        """Elements of the cache tensor one head's row of ``head_dim`` values takes (``head_dim / 2`` for int4)."""
+        return head_dim * self.bits_per_value // (8 * self.storage_dtype.itemsize)
 
 
 def resolve_kv_cache_dtype(name: str, compute_dtype: torch.dtype) -> KVCacheDtype:
     """Resolve a ``kv_cache_dtype`` setting against the model's compute dtype.
 
-    ``"auto"`` is the compute dtype (bfloat16, float16 or float32); ``"fp8"`` is ``fp8_e4m3``; ``"int8"`` is
-    ``int8_per_token_head`` (vLLM's name); the aliases bf16, fp16, half, fp32, float and fp8_e4m3fn are accepted too.
-    Names are matched exactly (case-sensitive).
+    ``"auto"`` is the compute dtype (bfloat16, float16 or float32); ``"fp8"`` is ``fp8_e4m3``; ``"int8"`` and
+    ``"int4"`` are ``int8_per_token_head`` and ``int4_per_token_head`` (vLLM's names); the aliases bf16, fp16,
+    half, fp32, float and fp8_e4m3fn are accepted too. Names are matched exactly (case-sensitive).
     """
     if compute_dtype not in _COMPUTE_DTYPES:
         raise ValueError(f"compute_dtype={compute_dtype} is not supported; choose one of: "
@@ -439,5 +479,7 @@ def resolve_kv_cache_dtype(name: str, compute_dtype: torch.dtype) -> KVCacheDtyp
     if canonical in _FLOAT_CACHES:
         return KVCacheDtype(name=canonical, storage_dtype=_FLOAT_CACHES[canonical], fp8=None)
     if canonical in _INT_CACHES:
-        return KVCacheDtype(name=canonical, storage_dtype=torch.int8, fp8=None, int_codes=_INT_CACHES[canonical])
+        codes = _INT_CACHES[canonical]
+        return KVCacheDtype(name=canonical, storage_dtype=torch.int8 if codes.bits == 8 else torch.uint8, fp8=None,
+                            int_codes=codes)
     return KVCacheDtype(name=canonical, storage_dtype=torch.uint8, fp8=FP8_FORMATS[canonical])

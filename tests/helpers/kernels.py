@@ -30,6 +30,7 @@ from kv8.sampling_params import SamplingParams
 
 FP8 = ["fp8_e4m3", "fp8_e4m3fnuz", "fp8_e5m2"]
 INT8 = "int8_per_token_head"   # int8 codes, a scale per token and head (always dynamic)
+INT4 = "int4_per_token_head"   # int4 codes, two per byte, a scale per token and head (always dynamic)
 
 # A ragged batch mixing decode and chunked prefill over cached prefixes; lengths at / across block edges.
 QUERY_LENS = [1, 1, 1, 5, 16, 17, 1]
@@ -131,7 +132,7 @@ def make_case(kv_name: str, gran: str, q_dtype: torch.dtype, *, group: int = 3, 
     if poison:
         if kv_name in FP8:
             cache.data.fill_(0x80 if kv_name == "fp8_e4m3fnuz" else 0x7F)  # the formats' NaN codes
-        elif kv_name == INT8:
+        elif kv_name in (INT8, INT4):
             cache.data.fill_(127)   # no NaN code: the NaN token scales below poison it
         else:
             cache.data.fill_(float("nan"))
