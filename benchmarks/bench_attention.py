@@ -46,9 +46,9 @@ of context), over an fp8_e4m3 and a bf16 cache, ``--rounds`` rounds alternating 
 round); the median per cell with its min-max, GFLOP/s, and each build's time over the first build's.
 
 ``--tables formats``: every KV format on the native library (fp8_e4m3 with scale 1.0, fp8_e4m3 with dynamic
-scales, int8_per_token_head, bfloat16), side by side on SmolLM2 shapes: prefill 1 x 1,024, decode 32 x 1,024 and
-decode 1 x 8,192, ``--rounds`` rounds rotating the formats' order; medians (min-max) and each format's time over
-the fp8 cache's.
+scales, int8_per_token_head, int4_per_token_head, bfloat16), side by side on SmolLM2 shapes: prefill 1 x 1,024,
+decode 32 x 1,024 and decode 1 x 8,192, ``--rounds`` rounds rotating the formats' order; medians (min-max) and each
+format's time over the fp8 cache's.
 """
 
 from __future__ import annotations
@@ -201,7 +201,7 @@ def prefill_cache(kv_name: str, n_layers: int, batch: int, q_len: int, ctx: int,
         for which in range(2):
             x = torch.randn(batch * blocks_per_seq * BS, HKV, D)
             stored, ts = cache.codec.encode(x, layer, which)
-            cache.data[layer, which].copy_(stored.view(-1, BS, HKV, D).transpose(1, 2))
+            cache.data[layer, which].copy_(stored.view(-1, BS, HKV, cache.cache_width).transpose(1, 2))
             if ts is not None and cache.token_scales is not None:
                 cache.token_scales[layer, which].copy_(ts.view(-1, BS, HKV).transpose(1, 2))
     perm = torch.randperm(batch * blocks_per_seq).view(batch, blocks_per_seq).tolist()
@@ -299,7 +299,7 @@ def print_builds(args: argparse.Namespace) -> None:
 
 #: --tables formats: each KV format (kv_cache_dtype, dynamic scales, label)
 FORMATS = (("fp8_e4m3", False, "fp8"), ("fp8_e4m3", True, "fp8+dynamic"), ("int8_per_token_head", True, "int8"),
-           ("bfloat16", False, "bf16"))
+           ("int4_per_token_head", True, "int4"), ("bfloat16", False, "bf16"))
 
 
 def print_formats(args: argparse.Namespace) -> None:
@@ -311,7 +311,7 @@ def print_formats(args: argparse.Namespace) -> None:
     for shape, batch, q_len, ctx in shapes:
         q = torch.randn(batch * q_len, HQ, D, dtype=torch.bfloat16)
         for kv_name, dynamic, label in FORMATS:
-            nbytes = batch * ctx * HKV * D * 2 * resolve_kv_cache_dtype(kv_name, torch.bfloat16).bytes_per_element
+            nbytes = batch * ctx * HKV * D * 2 * resolve_kv_cache_dtype(kv_name, torch.bfloat16).bits_per_value // 8
             nl = 2 if q_len > 1 else layers_for(nbytes, args.footprint_mb << 20, cap=64)
             cache, meta = prefill_cache(kv_name, nl, batch, q_len, ctx, dynamic)
             cases[shape, label] = (cache, meta, q)
@@ -324,11 +324,12 @@ def print_formats(args: argparse.Namespace) -> None:
                 call = lambda i, c=cache, m=meta, x=q: lib.attention(x, c, i, m, scale)  # noqa: E731
                 times[shape, label].append(timeit(call, cache.shape.num_layers, args.min_time))
     print()
+    ints = KernelTesting(lib).item_kernel("int4_per_token_head", torch.bfloat16, D)
     print(f"KV formats, SmolLM2 shapes (Hq={HQ} Hkv={HKV} D={D} block={BS}, q bf16), item kernel "
-          f"{kernel_name(lib)} (int8: {KernelTesting(lib).item_kernel('int8_per_token_head', torch.bfloat16, D)}); "
+          f"{kernel_name(lib)} (int8, int4: {ints}); "
           f"medians of {args.rounds} alternating rounds (min-max), microseconds per layer call; x/fp8 = time over "
           "the fp8 cache's")
-    hdr = f"{'call':<18}" + "".join(f"{label:>22}" for label in labels) + "".join(
+    hdr = f"{'call':<18}" + "".join(f"{label:>24}" for label in labels) + "".join(
         f"{label + '/fp8':>18}" for label in labels[1:])
     print(hdr)
     print("-" * len(hdr))
@@ -336,7 +337,7 @@ def print_formats(args: argparse.Namespace) -> None:
         med = {label: statistics.median(times[shape, label]) for label in labels}
         spread = {x: f"{med[x] * 1e6:.1f} ({min(times[shape, x]) * 1e6:.0f}-{max(times[shape, x]) * 1e6:.0f})"
                   for x in labels}
-        cells = "".join(f"{spread[x]:>22}" for x in labels)
+        cells = "".join(f"{spread[x]:>24}" for x in labels)
         print(f"{shape:<18}{cells}" + "".join(f"{med[x] / med['fp8']:>18.2f}" for x in labels[1:]), flush=True)
 
 
