@@ -236,7 +236,8 @@ def cmd_tune(ns: argparse.Namespace) -> int:
 
 
 def capacity_table(arch: ModelArchConfig, memory: int, block_size: int) -> str:
-    """Per KV dtype: bytes per token of the full-attention and the sliding-window layers, and how much context
+    """Per KV dtype (the integer ones with their scale per token and head): bytes per token of the full-attention and
+    the sliding-window layers, and how much context
     fits in ``memory`` -- keeping every block, and freeing blocks that left a layer's window (the engine's
     default; vLLM's hybrid KV cache manager), counted for sequences of the model's default context ``L``.
     ``x bf16``: sequences of L that fit, freed, relative to a bfloat16 cache freed; ``x bf16 all``: relative to a
@@ -250,12 +251,13 @@ def capacity_table(arch: ModelArchConfig, memory: int, block_size: int) -> str:
     lines = [f"layers       {', '.join(kinds)}",
              f"KV budget    {format_bytes(memory)}, blocks of {block_size} tokens; sequences of L = {length} tokens",
              "",
-             f"{'kv_cache_dtype':<15}{'B/tok full':>11}{'B/tok window':>13}{'tokens, keep all':>18}"
+             f"{'kv_cache_dtype':<20}{'B/tok full':>11}{'B/tok window':>13}{'tokens, keep all':>18}"
              f"{'seqs of L':>11}{'seqs of L, freed':>18}{'x bf16':>10}{'x bf16 all':>15}"]
     compute_dtype = resolve_dtype("auto")
     compute = resolve_kv_cache_dtype("auto", compute_dtype)
     base = None
-    for name in ("bfloat16", "float32", "fp8_e4m3", "fp8_e5m2", "fp8_e4m3fnuz"):
+    for name in ("bfloat16", "float32", "fp8_e4m3", "fp8_e5m2", "fp8_e4m3fnuz", "int8_per_token_head",
+                 "int4_per_token_head"):
         seqs, seq_bytes = [], []
         for hybrid in (False, True):
             cache = CacheConfig(kv_dtype=resolve_kv_cache_dtype(name, compute_dtype), kv_cache_dtype=name,
@@ -269,7 +271,7 @@ def capacity_table(arch: ModelArchConfig, memory: int, block_size: int) -> str:
         per_layer = budget.token_bytes[0]
         keep_all = memory // (budget.bytes_per_token * block_size) * block_size
         base = base or seq_bytes   # bfloat16's bytes per sequence of L: keeping all, freed
-        lines.append(f"{name:<15}{per_layer * n_full:>11}{per_layer * (len(windows) - n_full):>13}{keep_all:>18}"
+        lines.append(f"{name:<20}{per_layer * n_full:>11}{per_layer * (len(windows) - n_full):>13}{keep_all:>18}"
                      f"{seqs[0]:>11}{seqs[1]:>18}{base[1] / seq_bytes[1]:>10.2f}{base[0] / seq_bytes[1]:>15.2f}")
     return "\n".join(lines)
 
