@@ -7,10 +7,14 @@ take them from here (:func:`kv8.options.from_config`), so an option's default an
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
+
+import torch
 
 from kv8.cache.codec import ROTATIONS, SCALE_MODES
+from kv8.cache.plan import KVPlanFile, KVSpec, read_plan_file
 from kv8.options import option
-from kv8.quant.formats import KV_CACHE_DTYPE_NAMES, KVCacheDtype
+from kv8.quant.formats import KV_CACHE_DTYPE_NAMES, KVCacheDtype, resolve_kv_cache_dtype
 from kv8.validators import check_bool, check_choice, check_int, check_number, is_int
 
 __all__ = ["SKIP_LAYER_KINDS", "CacheConfig"]
@@ -39,14 +43,18 @@ class CacheConfig:
     (checked by :class:`kv8.engine.config.EngineConfig`, which knows the model).
 
     ``kv_cache_dtype_skip_layers``: layer indices and :data:`SKIP_LAYER_KINDS` whose layers stay in the compute
-    dtype while the rest are quantized (FP8 or int8). ``disable_hybrid_kv_cache_manager``: sliding-window layers
+    dtype while the rest are quantized (FP8 or int8). ``kv_cache_plan``: a JSON file giving layers their own format
+    and rotation (:mod:`kv8.cache.plan`; read once, here, as :attr:`plan`; the layer indices are checked against the
+    model by :class:`kv8.engine.config.EngineConfig`); ``kv_cache_scale_mode`` and ``quantization_param_path`` then
+    apply to the plan's FP8 layers. ``disable_hybrid_kv_cache_manager``: sliding-window layers
     keep every block instead of only those inside their window (:attr:`hybrid` is its negation; attention is
     windowed either way).
 
     Invariants: ``block_size`` is a power of two; at most one of ``kv_cache_memory`` (bytes) and
     ``num_kv_blocks`` is set, and it is an int >= 1; ``gpu_memory_utilization`` is a number in (0, 1]; the scale
     mode in :data:`SCALE_MODES`, the rotation in :data:`ROTATIONS`; ``quantization_param_path`` needs an FP8
-    ``kv_dtype`` in static mode, dynamic scales and skipped layers a quantized one (FP8 or int8).
+    ``kv_dtype`` in static mode, dynamic scales and skipped layers a quantized one (FP8 or int8) -- with a plan,
+    an FP8 format named by ``kv_cache_dtype`` or the plan; a plan and skipped layers exclude each other.
     """
 
     kv_dtype: KVCacheDtype   # kv_cache_dtype resolved against the compute dtype
@@ -74,6 +82,10 @@ class CacheConfig:
     kv_cache_dtype_skip_layers: tuple[int | str, ...] = option(
         (), "layers kept in the compute dtype in an FP8 or int8 cache: comma-separated layer indices and/or "
         "'sliding_window' (every sliding-window layer) or 'full_attention'", metavar="LAYERS")
+    kv_cache_plan: str | None = option(
+        None, 'per-layer KV formats and rotations: a JSON file {"kv8_kv_plan": 1, "layers": {"0": {"kv_cache_dtype": '
+        '"bfloat16"}, "5": {"kv_cache_dtype": "int4", "kv_cache_rotation": "hadamard"}}}; layers it does not name '
+        'use kv_cache_dtype and kv_cache_rotation', metavar="JSON")
     disable_hybrid_kv_cache_manager: bool = option(
         False, "keep every block of sliding-window layers instead of freeing those that leave the window",
         type=bool)
@@ -82,6 +94,16 @@ class CacheConfig:
     def dynamic_scales(self) -> bool:
         """Each stored token keeps a scale per KV head: ``kv_cache_scale_mode="dynamic"``, or an int8 cache."""
         return self.kv_cache_scale_mode == "dynamic" or self.kv_dtype.per_token_scales
+
+    @property
+    def default_spec(self) -> KVSpec:
+        """How the layers that no plan or skip list names are stored (``kv_cache_dtype``, rotation, scale mode)."""
+        return KVSpec.of(self.kv_dtype, self.kv_cache_rotation, self.kv_cache_scale_mode)
+
+    @cached_property
+    def plan(self) -> KVPlanFile | None:
+        """The ``kv_cache_plan`` file, read (once: at construction) and its names checked; None without one."""
+        return None if self.kv_cache_plan is None else read_plan_file(self.kv_cache_plan)
 
     @property
     def hybrid(self) -> bool:
@@ -104,6 +126,9 @@ class CacheConfig:
             if entry not in SKIP_LAYER_KINDS and not (is_int(entry) and int(entry) >= 0):
                 raise ValueError(f"kv_cache_dtype_skip_layers entry {entry!r} must be a layer index >= 0 or one of: "
                                  f"{', '.join(SKIP_LAYER_KINDS)}")
+        if self.kv_cache_plan is not None:
+            self._check_plan()
+            return
         if self.kv_dtype.is_quantized:
             if self.dynamic_scales and self.quantization_param_path is not None:
                 what = (f"kv_cache_dtype={self.kv_cache_dtype!r}" if self.kv_dtype.per_token_scales
@@ -123,3 +148,26 @@ class CacheConfig:
         if self.kv_cache_dtype_skip_layers:
             raise ValueError(f"kv_cache_dtype_skip_layers keeps layers out of a quantized cache, but {not_fp8} (or "
                              "int8_per_token_head)")
+
+    def _check_plan(self) -> None:
+        """Read the plan file; the scale options against the FP8 formats that ``kv_cache_dtype`` and it name."""
+        if not isinstance(self.kv_cache_plan, str) or not self.kv_cache_plan:
+            raise ValueError(f"kv_cache_plan={self.kv_cache_plan!r} must be the path of a JSON plan file")
+        plan = self.plan
+        assert plan is not None
+        if self.kv_cache_dtype_skip_layers:
+            raise ValueError(f"kv_cache_plan={plan.path!r} and kv_cache_dtype_skip_layers both set layers' formats; "
+                             'give one of them (a plan keeps layer N in the compute dtype with "N": '
+                             '{"kv_cache_dtype": "auto"})')
+        named = [self.kv_dtype, *(resolve_kv_cache_dtype(n, torch.float32) for n in plan.kv_cache_dtypes())]
+        fp8 = any(d.is_fp8 for d in named)
+        dynamic = self.kv_cache_scale_mode == "dynamic"
+        neither = (f"neither kv_cache_dtype={self.kv_cache_dtype!r} nor kv_cache_plan={plan.path!r} names an FP8 "
+                   "format")
+        if dynamic and not fp8:
+            raise ValueError(f"kv_cache_scale_mode='dynamic' applies to a plan's FP8 layers, but {neither} (the int "
+                             "formats always keep scales per token)")
+        if self.quantization_param_path is not None and (dynamic or not fp8):
+            why = "kv_cache_scale_mode='dynamic' computes them per token" if dynamic else neither
+            raise ValueError(f"quantization_param_path={self.quantization_param_path!r} gives static scales for a "
+                             f"plan's FP8 layers, but {why}; drop one of them")

@@ -161,13 +161,12 @@ def test_options_int8_is_dynamic_takes_skip_layers_and_refuses_a_scales_file() -
 
 
 def test_budget_counts_the_codes_and_a_float32_scale_per_token_head() -> None:
-    bf16 = resolve_kv_cache_dtype("auto", torch.bfloat16)
-    b = KVBudget.build(_cache("int8"), [None] * 4, head_dim=64, kv_heads=2, compute_kv_dtype=bf16,
-                       max_model_len=256, max_num_batched_tokens=256)
+    b = KVBudget.build(_cache("int8"), [None] * 4, head_dim=64, kv_heads=2, max_model_len=256,
+                       max_num_batched_tokens=256)
     assert b.token_bytes == (2 * 2 * (64 + 4),)
     fp8_dynamic = KVBudget.build(_cache("fp8", kv_cache_scale_mode="dynamic"), [None] * 4, head_dim=64, kv_heads=2,
-                                 compute_kv_dtype=bf16, max_model_len=256, max_num_batched_tokens=256)
+                                 max_model_len=256, max_num_batched_tokens=256)
     assert b.token_bytes == fp8_dynamic.token_bytes
-    b4 = KVBudget.build(_cache("int4"), [None] * 4, head_dim=64, kv_heads=2, compute_kv_dtype=bf16,
+    b4 = KVBudget.build(_cache("int4"), [None] * 4, head_dim=64, kv_heads=2,
                         max_model_len=256, max_num_batched_tokens=256)
     assert b4.token_bytes == (2 * 2 * (32 + 4),)
