@@ -121,11 +121,13 @@ def avx2_sums(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return acc
 
 
-@pytest.mark.parametrize("n,k", [(50, 33), (7, 5), (33, 64), (96, 130), (1, 2)])
+@pytest.mark.parametrize("n,k", [(50, 33), (7, 5), (33, 64), (96, 130), (1, 2), (70, 601)])
 @pytest.mark.parametrize("m", [1, 3, 17, 200])
 @pytest.mark.parametrize("bias", [False, True])
 def test_avx2_linear_sums_in_k_order_bit_for_bit(lib: DenseKernels, n: int, k: int, m: int, bias: bool) -> None:
-    """The AVX2 path's contract exactly: float32 sums in k order, + bias (float32), one rounding to bf16 (torch's)."""
+    """The AVX2 path's contract exactly: float32 sums in k order, + bias (float32), one rounding to bf16 (torch's).
+    m = 17 and 200 take the blocked GEMM (200: chunks of rows); k = 601, its k blocks (the sums continued across
+    them) with an odd K's pad in the last one."""
     if lib.isa != "avx2":
         pytest.skip("the AVX-512 path sums two products per vdpbf16ps (tested against the reference above)")
     w, _ = _weights(n, k, False, seed=n + k)
@@ -215,9 +217,9 @@ def test_merged_layers_equal_separate_ones(backend_name: str) -> None:
 def test_gate_up_with_fused_silu_equals_projection_then_silu(packed: DenseBackend, linear_path: str, inter: int,
                                                               m: int, bias: bool) -> None:
     """GateUpLinear fuses SiLU * up into the packed kernel (gate/up rows interleaved by 16, padded halves when
-    I is not a multiple of 16, rows beyond one 192-row chunk): bit for bit the unfused projection followed by
-    the silu_mul kernel; its plain apply still gives [gate | up]."""
-    k = 96
+    I is not a multiple of 16, rows beyond one 192-row chunk; K = 320: the AVX2 path's GEMM in two k blocks): bit
+    for bit the unfused projection followed by the silu_mul kernel; its plain apply still gives [gate | up]."""
+    k = 320
     (wg, bg), (wu, bu) = _weights(inter, k, bias, 6), _weights(inter, k, bias, 7)
     fused = _loaded(GateUpLinear(k, inter, bias, packed, SiluAndMul(packed)), [(0, wg, bg), (1, wu, bu)])
     assert fused.fuses_silu
