@@ -87,11 +87,7 @@ static int rmsnorm(const kv8_rmsnorm_call& call) {
     uint16_t *residual_out = call.residual_out, *out = call.out;
     const int64_t T = call.rows, E = call.hidden;
     const float eps = call.eps;
-    const int nthreads = call.num_threads;
-    if (T < 0 || E <= 0 || nthreads <= 0) return ERR_ARGS;
-    if (T == 0) return OK;   // no rows: pointers may be null
-    if (!x || !w || !out) return ERR_ARGS;
-    const int threads = T * E < PARALLEL_MIN ? 1 : nthreads;
+    const int threads = threads_for(call);
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t t = 0; t < T; ++t) {
         const uint16_t* xr = x + t * E;
@@ -123,11 +119,7 @@ static int silu_mul(const kv8_silu_mul_call& call) {
     const uint16_t* gu = call.gate_up;
     uint16_t* out = call.out;
     const int64_t T = call.rows, I = call.intermediate;
-    const int nthreads = call.num_threads;
-    if (T < 0 || I <= 0 || nthreads <= 0) return ERR_ARGS;
-    if (T == 0) return OK;   // no rows: pointers may be null
-    if (!gu || !out) return ERR_ARGS;
-    const int threads = T * I < PARALLEL_MIN ? 1 : nthreads;
+    const int threads = threads_for(call);
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t t = 0; t < T; ++t) {
         const uint16_t* g = gu + t * 2 * I;
@@ -145,13 +137,9 @@ static int rope_qkv(const kv8_rope_call& call) {
     const float *cos = call.cos, *sin = call.sin;
     uint16_t *q_out = call.q_out, *k_out = call.k_out, *v_out = call.v_out;
     const int64_t T = call.rows, row_stride = call.row_stride;
-    const int Hq = call.num_heads, Hkv = call.num_kv_heads, D = call.head_dim, nthreads = call.num_threads;
-    if (T < 0 || Hq <= 0 || Hkv <= 0 || D <= 0 || D % 2 || row_stride < (int64_t)(Hq + 2 * Hkv) * D || nthreads <= 0)
-        return ERR_ARGS;
-    if (T == 0) return OK;   // no rows: pointers may be null
-    if (!qkv || !cos || !sin || !q_out || !k_out || !v_out) return ERR_ARGS;
+    const int Hq = call.num_heads, Hkv = call.num_kv_heads, D = call.head_dim;
     const int half = D / 2;
-    const int threads = T * (Hq + 2 * Hkv) * D < PARALLEL_MIN ? 1 : nthreads;
+    const int threads = threads_for(call);
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t t = 0; t < T; ++t) {
         const uint16_t* row = qkv + t * row_stride;
@@ -187,11 +175,7 @@ static int argmax_rows(const kv8_argmax_call& call) {
     const float* x = call.x;
     int64_t* out = call.out;
     const int64_t B = call.rows, V = call.cols;
-    const int nthreads = call.num_threads;
-    if (B < 0 || V <= 0 || V > INT32_MAX || nthreads <= 0) return ERR_ARGS;
-    if (B == 0) return OK;   // an empty batch (every row of a step failed): nothing to do, pointers may be null
-    if (!x || !out) return ERR_ARGS;
-    const int threads = B * V < PARALLEL_MIN ? 1 : nthreads;
+    const int threads = threads_for(call);
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t b = 0; b < B; ++b) {
         const float* row = x + b * V;
@@ -385,7 +369,7 @@ static const MicroAvx2Fn MICRO_AVX2[MAX_MR_AVX2 + 1] = {nullptr, micro_avx2<1, 2
 static const int MR_TILE = 6;          // rows of a tile: 12 accumulators + 2 weights + 1 broadcast of 16 registers
 static const int64_t KC_PAIRS = 128;   // pair-rows per k block: 16 KiB of a half panel's fp32 weights
 static const int64_t MC = 120;         // rows per chunk: their fp32 k block (120 KiB) stays in L2
-static const int64_t FEW_ROWS = 8;     // up to this many rows: the panels read in place (micro_avx2)
+static const int64_t FEW_ROWS = 4;     // up to this many rows: the panels read in place (micro_avx2)
 
 // Half h of a panel (groups half_group(h, 0), half_group(h, 1)), pair-rows [kk0, kk0 + n) -> fp32 at w, 32 floats per
 // pair-row: the two groups' even-k weights, then their odd-k weights. Exact (an FP8 weight stays times 2^-8).
@@ -533,18 +517,14 @@ static int linear(const kv8_linear_call& call) {
     const float *scale = call.scale, *bias = call.bias;
     uint16_t* out = call.out;
     const int64_t M = call.rows, K = call.in_features, N = call.out_features;
-    const int nthreads = call.num_threads;
     const bool gated = call.gated != 0;
-    if (M < 0 || K <= 0 || N <= 0 || nthreads <= 0 || (!FP8 && scale)) return ERR_ARGS;
-    if (M == 0) return OK;   // no rows: pointers may be null
-    if (!x || !packed || (FP8 && !scale) || !out) return ERR_ARGS;
     constexpr int SRC = FP8 ? W_FP8 : W_BF16;
     const float unit = FP8 ? 256.0f : 1.0f;
     const int64_t kp = (K + 1) & ~(int64_t)1;
-    const int64_t panels = gated ? (N + 15) / 16 : (N + PANEL - 1) / PANEL;
+    const int64_t panels = linear_panels(call);
     const int64_t panel_bytes = (int64_t)PANEL * kp * (FP8 ? 1 : 2);
     const int64_t chunk = X_CHUNK_BYTES / (kp * 4) > MAX_MR_AVX2 ? X_CHUNK_BYTES / (kp * 4) : MAX_MR_AVX2;
-    const int threads = (int)(panels < nthreads ? panels : nthreads);
+    const int threads = threads_for(call);
     const MicroAvx2Fn* blocks = gated ? MICRO_AVX2<SRC, true> : MICRO_AVX2<SRC, false>;
     const MicroAvx2Fn whole = gated ? micro_avx2<1, 4, SRC, true> : micro_avx2<1, 4, SRC, false>;
     int failed = 0;
