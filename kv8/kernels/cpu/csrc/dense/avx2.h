@@ -448,13 +448,6 @@ typedef void (*TileFn)(const float*, int64_t, const float*, int64_t, const float
 static const TileFn TILES[MR_TILE + 1] = {nullptr,       tile_sums<1>, tile_sums<2>, tile_sums<3>,
                                           tile_sums<4>, tile_sums<5>, tile_sums<6>};
 
-// Rows [0, rows) as tiles of nearly equal size (at most MR_TILE rows): tile b has tile_rows(rows, b) rows.
-static inline int tiles_of(int64_t rows) { return (int)((rows + MR_TILE - 1) / MR_TILE); }
-static inline int tile_rows(int64_t rows, int b) {
-    const int n = tiles_of(rows);
-    return (int)(rows / n + (b < rows % n ? 1 : 0));
-}
-
 // Panels [p0, p1) of the blocked GEMM for one thread (see above); false when a buffer cannot be allocated.
 template <int SRC, bool GATED>
 static bool linear_blocked(const uint16_t* x, int64_t M, int64_t K, const uint8_t* packed, int64_t p0, int64_t p1,
@@ -462,7 +455,7 @@ static bool linear_blocked(const uint16_t* x, int64_t M, int64_t K, const uint8_
     const int64_t kp = (K + 1) & ~(int64_t)1, pairs = kp / 2;
     const int64_t nkb = (pairs + KC_PAIRS - 1) / KC_PAIRS;
     const int64_t kcp = (pairs + nkb - 1) / nkb;   // pair-rows per k block (the last one: what is left)
-    const int64_t mc = M < MC ? M : MC;
+    const int64_t chunks = (M + MC - 1) / MC, mc = (M + chunks - 1) / chunks;   // chunks of nearly equal rows
     const int64_t row_bytes = (int64_t)PANEL * (SRC == W_FP8 ? 2 : 4);   // of a pair-row
     const int64_t panel_bytes = pairs * row_bytes;
     float* xp = tl_x.get((size_t)mc * kcp * 2);
@@ -472,25 +465,27 @@ static bool linear_blocked(const uint16_t* x, int64_t M, int64_t K, const uint8_
     alignas(32) float done[MR_TILE * 16];   // a tile's finished sums, before the epilogue
     for (int64_t m0 = 0; m0 < M; m0 += mc) {
         const int64_t rows = M - m0 < mc ? M - m0 : mc;
-        const int nt = tiles_of(rows);
+        // the chunk's tiles: nt of nearly equal rows (at most MR_TILE), tile b from row tile_r0[b] on
+        const int nt = (int)((rows + MR_TILE - 1) / MR_TILE);
+        int tile_r0[MC / MR_TILE + 2];
+        for (int b = 0; b <= nt; ++b) tile_r0[b] = (int)(rows * b / nt);
         for (int64_t kk0 = 0; kk0 < pairs; kk0 += kcp) {
             const int64_t n = pairs - kk0 < kcp ? pairs - kk0 : kcp;
             const bool first = kk0 == 0, last = kk0 + n == pairs;
             rows_to_f32_block(x + m0 * K, rows, K, 2 * kk0, 2 * n, xp);
+            // The next panel's k block (`lines` cache lines) streams into L2 while a panel computes, per_tile lines
+            // beside each of its 2 nt tiles.
+            const int64_t lines = n * row_bytes / 64, per_tile = (lines + 2 * nt - 1) / (2 * nt);
             for (int64_t p = p0; p < p1; ++p) {
-                // The next panel's k block (lines bytes of it) streams into L2 while this one computes, a share of
-                // it beside each tile.
                 const char* next = p + 1 < p1 ? (const char*)packed + (p + 1) * panel_bytes + kk0 * row_bytes : nullptr;
-                const int64_t lines = n * row_bytes / 64;
                 for (int h = 0; h < 2; ++h) {
                     if (half_column<GATED>(p * PANEL, h) >= N) continue;   // a padded half: no outputs
                     widen_half<SRC, GATED>(packed + p * panel_bytes, kk0, n, h, wf);
                     float* c = cb ? cb + ((p - p0) * 2 + h) * mc * 16 : nullptr;
-                    for (int b = 0, r0 = 0; b < nt; r0 += tile_rows(rows, b), ++b) {
-                        const int mr = tile_rows(rows, b);
-                        if (next)
-                            for (int64_t l = lines * (h * nt + b) / (2 * nt); l < lines * (h * nt + b + 1) / (2 * nt); ++l)
-                                _mm_prefetch(next + l * 64, _MM_HINT_T1);
+                    for (int b = 0; b < nt; ++b) {
+                        const int r0 = tile_r0[b], mr = tile_r0[b + 1] - r0;
+                        for (int64_t l = (h * nt + b) * per_tile; next && l < lines && l < (h * nt + b + 1) * per_tile; ++l)
+                            _mm_prefetch(next + l * 64, _MM_HINT_T1);
                         float* sums = last ? done : c + r0 * 16;
                         TILES[mr](xp + r0 * 2 * n, 2 * n, wf, n, first ? nullptr : c + r0 * 16, sums);
                         if (last)
