@@ -369,7 +369,7 @@ static const MicroAvx2Fn MICRO_AVX2[MAX_MR_AVX2 + 1] = {nullptr, micro_avx2<1, 2
 static const int MR_TILE = 6;          // rows of a tile: 12 accumulators + 2 weights + 1 broadcast of 16 registers
 static const int64_t KC_PAIRS = 128;   // pair-rows per k block: 16 KiB of a half panel's fp32 weights
 static const int64_t MC = 120;         // rows per chunk: their fp32 k block (120 KiB) stays in L2
-static const int64_t FEW_ROWS = 4;     // up to this many rows: the panels read in place (micro_avx2)
+static const int64_t FEW_ROWS = 5;     // up to this many rows (one block): the panels read in place (micro_avx2)
 
 // Half h of a panel (groups half_group(h, 0), half_group(h, 1)), pair-rows [kk0, kk0 + n) -> fp32 at w, 32 floats per
 // pair-row: the two groups' even-k weights, then their odd-k weights. Exact (an FP8 weight stays times 2^-8).
