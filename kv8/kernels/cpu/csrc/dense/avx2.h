@@ -500,8 +500,8 @@ static bool linear_blocked(const uint16_t* x, int64_t M, int64_t K, const uint8_
     return true;
 }
 
-// kv8_linear (FP8 false) and kv8_linear_fp8 on AVX2 (linear.h's contract; use_amx is ignored). Threads take
-// contiguous runs of panels. Up to FEW_ROWS rows, per chunk of rows (its fp32 copy within X_CHUNK_BYTES) a thread
+// kv8_linear (FP8 false) and kv8_linear_fp8 on AVX2 (linear.h's contract; use_amx is ignored), on checked arguments
+// with rows > 0 (dense.cpp's entry points). Threads take contiguous runs of panels. Up to FEW_ROWS rows, per chunk of rows (its fp32 copy within X_CHUNK_BYTES) a thread
 // walks its panels: one row multiplies the whole panel at once (the panel streamed once, 4 groups in registers); more
 // rows go through each half panel in blocks of up to MAX_MR_AVX2 rows (the half panel stays in L1 between the
 // blocks). More rows: the blocked GEMM (linear_blocked).
