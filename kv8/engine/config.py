@@ -168,10 +168,6 @@ class EngineConfig:
                 raise ValueError("attention_backend='triton' runs on device='cuda'; on the CPU only in Triton's "
                                  "interpreter (TRITON_INTERPRET=1, slow: for tests); use attention_backend='auto' "
                                  "or 'cpu_fused' on the CPU")
-        triton = self.attention_backend == "triton" or (self.attention_backend == "auto" and kind != "cpu")
-        if triton and self.cache.kv_dtype.int_codes is not None:
-            raise ValueError(f"kv_cache_dtype={self.cache.kv_cache_dtype!r}: the triton attention backend (the GPU "
-                             "path) does not read int8 caches; use an FP8 kv_cache_dtype there, or run on the CPU")
 
     @property
     def uses_cuda_graphs(self) -> bool:
