@@ -177,16 +177,16 @@ class EngineConfig:
                                  "interpreter (TRITON_INTERPRET=1, slow: for tests); use attention_backend='auto' "
                                  "or 'cpu_fused' on the CPU")
         triton = self.attention_backend == "triton" or (self.attention_backend == "auto" and kind != "cpu")
-        if triton and self.cache.kv_dtype.int_codes is not None:
-            raise ValueError(f"kv_cache_dtype={self.cache.kv_cache_dtype!r}: the triton attention backend (the GPU "
-                             "path) does not read int8 caches; use an FP8 kv_cache_dtype there, or run on the CPU")
         plan = self.cache.plan
-        ints = [e for e in plan.entries if e.kv_cache_dtype is not None and resolve_kv_cache_dtype(
-            e.kv_cache_dtype, self.dtype).int_codes is not None] if plan is not None else []
-        if triton and ints:
-            raise ValueError(f"kv_cache_plan={plan.path!r} stores layer {ints[0].layer} as "  # type: ignore[union-attr]
-                             f"{ints[0].kv_cache_dtype}: the triton attention backend (the GPU path) does not read "
-                             "int caches; use FP8 or 16-bit formats in the plan there, or run on the CPU")
+        named = [(None, self.cache.kv_cache_dtype)] + ([(e.layer, e.kv_cache_dtype) for e in plan.entries
+                                                        if e.kv_cache_dtype is not None] if plan is not None else [])
+        int4 = [(layer, name) for layer, name in named if resolve_kv_cache_dtype(name, self.dtype).bits_per_value == 4]
+        if triton and int4:
+            layer, name = int4[0]
+            where = (f"kv_cache_dtype={name!r}" if layer is None else
+                     f"kv_cache_plan={plan.path!r} stores layer {layer} as {name}")  # type: ignore[union-attr]
+            raise ValueError(f"{where}: the triton attention backend (the GPU path) does not read 4-bit caches; use "
+                             "int8_per_token_head or an FP8 format there, or run on the CPU")
 
     @property
     def uses_cuda_graphs(self) -> bool:

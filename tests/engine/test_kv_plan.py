@@ -185,6 +185,10 @@ def test_every_error_of_the_option(llama4, tmp_path, monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     with pytest.raises(ValueError, match="stores layer 1 as int4: the triton attention backend"):
         _config(llama4, attention_backend="triton", kv_cache_plan=plan({"1": {"kv_cache_dtype": "int4"}}))
+    with pytest.raises(ValueError, match="kv_cache_dtype='int4': the triton attention backend .* 4-bit"):
+        _config(llama4, attention_backend="triton", kv_cache_dtype="int4")
+    # int8 layers are read by the triton kernels
+    assert _config(llama4, attention_backend="triton", kv_cache_plan=plan({"1": {"kv_cache_dtype": "int8"}}))
 
 
 def test_static_scales_apply_to_the_fp8_layers_in_their_basis(llama4, tmp_path):

@@ -29,7 +29,9 @@ host wrapper sets:
 The formats' ids and the check that a format is one the kernels know are :mod:`kv8.kernels.triton.quant`'s
 (:func:`~kv8.kernels.triton.quant.fp8_format_id`, :class:`~kv8.kernels.triton.quant.FP8Layout`: kv8.kernels sits
 below kv8.quant in the package layers); the ``FMT`` constexpr here is that id (``0`` E4M3FN, ``1`` E4M3FNUZ, ``2``
-E5M2), or :data:`FP8_NONE` for a 16/32-bit cache, whose values :func:`decode_fp8` only converts.
+E5M2), ``3`` (:data:`~kv8.kernels.triton.quant.INT8_ID`) for ``int8`` codes, which :func:`decode_fp8` converts
+(through float32: exact, ``|code| <= 127``; the interpreter's own int8 -> bfloat16 cast is wrong), or
+:data:`FP8_NONE` for a 16/32-bit cache, whose values it only converts.
 """
 
 from __future__ import annotations
@@ -100,8 +102,11 @@ def decode_fp8_native(code, FMT: tl.constexpr, OUT: tl.constexpr):
 @triton.jit
 def decode_fp8(raw, FMT: tl.constexpr, NATIVE: tl.constexpr, OUT: tl.constexpr):
     """Loaded cache elements -> dtype ``OUT``: FP8 codes of format id ``FMT`` decoded by the native or the bit path
-    (exact), a 16/32-bit cache's values converted (exact when ``OUT`` holds the cache dtype: the caller's duty)."""
-    if FMT == -1:  # FP8_NONE
+    (exact), int8 codes converted (exact), a 16/32-bit cache's values converted (exact when ``OUT`` holds the cache
+    dtype: the caller's duty)."""
+    if FMT == 3:  # INT8_ID: int8 codes
+        value = raw.to(tl.float32).to(OUT)
+    elif FMT == -1:  # FP8_NONE
         if raw.dtype == tl.bfloat16 and OUT == tl.float32:
             value = bf16_bits_to_f32(raw)        # exact in the interpreter too (its cast flushes subnormals)
         else:

@@ -1,4 +1,5 @@
-"""FP8 encode helpers for Triton kernels: float32 -> ``uint8`` codes with integer and bit operations only.
+"""FP8 and int8 encode helpers for Triton kernels: float32 -> ``uint8`` FP8 codes with integer and bit operations
+only, and -> ``int8`` codes (:func:`encode_int8`, end of this docstring).
 
 Contract (the one :meth:`kv8.quant.formats.FP8Format.encode` defines; these helpers are tested bit-exact against
 it): for a float32 value ``y`` (already divided by its scale)::
@@ -22,6 +23,15 @@ unlike Triton's ``/``, which is ``div.full.f32``, an approximation).
 The kernel package sits below :mod:`kv8.quant` in the package layers (pyproject.toml's import-linter contract), so
 it cannot import :class:`~kv8.quant.formats.FP8Format`: :class:`FP8Layout` is the structural type of what it reads,
 and :func:`fp8_format_id` checks a format's fields against the constants the helpers are specialized on.
+
+int8 codes (``kv_cache_dtype="int8_per_token_head"``; :class:`kv8.quant.formats.IntFormat` is the contract) are
+``clamp(round_half_even(y), -127, 127)``, NaN -> 0, ``±inf`` -> ``±127``: :func:`encode_int8`. Its rounding is the
+float32 add-and-subtract of ``1.5 * 2^23`` (for ``|y| <= 127`` the sum lies in ``[2^23, 2^24)``, where the float32
+spacing is 1, so the IEEE add rounds ``y`` to an integer, nearest even, and the subtraction is exact): two IEEE
+operations, the same in the interpreter (numpy float32) and compiled (``add.f32``/``sub.f32``; nothing to contract
+into an FMA), on any GPU -- unlike libdevice's ``rint``, which the interpreter and each backend map differently.
+:class:`IntLayout` and :func:`code_format_id` (:data:`INT8_ID`) are its counterparts of :class:`FP8Layout` and
+:func:`fp8_format_id`.
 """
 
 from __future__ import annotations
@@ -40,11 +50,15 @@ __all__ = [
     "FP8_ENCODINGS",
     "FP8Encoding",
     "FP8Layout",
+    "INT8_ID",
+    "IntLayout",
     "bf16_bits_to_f32",
+    "code_format_id",
     "encode_e4m3fn",
     "encode_e4m3fnuz",
     "encode_e5m2",
     "encode_fp8",
+    "encode_int8",
     "f32_to_bf16_bits",
     "fp8_format_id",
     "scaled_rn",
@@ -54,6 +68,7 @@ __all__ = [
 E4M3FN_ID = 0
 E4M3FNUZ_ID = 1
 E5M2_ID = 2
+INT8_ID = 3   # int8 codes (encode_int8), not an FP8 format
 
 
 class FP8Layout(Protocol):
@@ -75,6 +90,17 @@ class FP8Layout(Protocol):
     def nan_code(self) -> int: ...
     @property
     def negative_nan_code(self) -> int: ...
+
+
+class IntLayout(Protocol):
+    """What the kernels read of an integer code format (:class:`kv8.quant.formats.IntFormat` has all of it)."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def bits(self) -> int: ...
+    @property
+    def max_finite(self) -> float: ...
 
 
 def _f32_bits(x: float) -> int:
@@ -124,6 +150,18 @@ def fp8_format_id(fmt: FP8Layout) -> int:
             raise ValueError(f"fp8 format {fmt.name!r}: {field}={getattr(fmt, field)!r}, but the Triton encode of "
                              f"{fmt.name!r} is specialized on {field}={getattr(enc, field)!r}")
     return enc.format_id
+
+
+def code_format_id(fmt: FP8Layout | IntLayout) -> int:
+    """The ``FMT`` constexpr of a code format: :data:`INT8_ID` for int8 codes (``name == "int8"``, 8 bits, max
+    127), else :func:`fp8_format_id`; ``ValueError`` for a format the kernels are not specialized on."""
+    if getattr(fmt, "name", None) == "int8":
+        got = (getattr(fmt, "bits", None), getattr(fmt, "max_finite", None))
+        if got != (8, 127.0):
+            raise ValueError(f"int8 format {fmt!r}: bits, max_finite = {got}, but the Triton encode of 'int8' is "
+                             "specialized on (8, 127.0)")
+        return INT8_ID
+    return fp8_format_id(fmt)  # type: ignore[arg-type]
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -241,3 +279,18 @@ def encode_fp8(y, FMT: tl.constexpr):
         tl.static_assert(FMT == 2, "FMT must be E4M3FN_ID, E4M3FNUZ_ID or E5M2_ID")
         code = encode_e5m2(y)
     return code
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# float32 -> int8 codes
+# ----------------------------------------------------------------------------------------------------------------
+
+@triton.jit
+def encode_int8(y):
+    """float32 ``y`` (already divided by its scale) -> ``int8`` codes ``clamp(round_half_even(y), -127, 127)``;
+    NaN -> 0, ``±inf`` -> ``±127`` (:meth:`kv8.quant.formats.IntFormat.encode`). The rounding adds and subtracts
+    ``1.5 * 2^23`` (module docstring)."""
+    is_nan = (y.to(tl.int32, bitcast=True) & 0x7FFFFFFF) > 0x7F800000
+    y = tl.minimum(tl.maximum(tl.where(is_nan, 0.0, y), -127.0), 127.0)
+    r = (y + 12582912.0) - 12582912.0                    # 1.5 * 2^23: rounds to an integer, nearest even
+    return r.to(tl.int32).to(tl.int8)

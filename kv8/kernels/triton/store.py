@@ -8,6 +8,9 @@ The reference is :meth:`kv8.cache.paged_cache.PagedKVCache.store` (through :meth
     k_cache/v_cache [num_blocks, H, bs, D]    row [b, h, o, :] <- encode(key[t, h, :])
     k/v_token_scales [num_blocks, H, bs]      [b, h, o] <- scale of (t, h)      (dynamic scales only)
 
+The codes are FP8 (``uint8``; static or dynamic scales) or int8 (``int8``; always dynamic scales: the
+``int8_per_token_head`` cache), one ``FMT`` constexpr (:func:`kv8.kernels.triton.quant.code_format_id`).
+
     |<--------- block b: H tiles of bs x D --------->|
     | head 0: o=0 [D] o=1 [D] ... | head 1: ... | ... |
 
@@ -20,9 +23,10 @@ keep the interpreter fast).
 
 Bit-exactness (interpreter and compiled): the only float operations are IEEE ``div.rn`` divisions
 (:func:`kv8.kernels.triton.quant.scaled_rn`) and fp16 <-> float32 conversions (``cvt``: exact widening, RNE
-narrowing); the FP8 encode, bf16 conversions, ``|x|``, ``amax`` and the NaN/inf tests are integer operations on the
-bit patterns. A dynamic scale is ``div_rn(amax, max_finite)`` with ``amax`` the largest ``|x|`` bit pattern (NaN
-and inf sort above every finite value): 1.0 where that pattern is not finite or the quotient is 0 -- the float32
+narrowing), and int8's rounding (an IEEE add and subtract, :func:`~kv8.kernels.triton.quant.encode_int8`); the
+FP8 encode, bf16 conversions, ``|x|``, ``amax`` and the NaN/inf tests are integer operations on the bit patterns.
+A dynamic scale is ``div_rn(amax, max_finite)`` with ``amax`` the largest ``|x|`` bit pattern (NaN and inf sort
+above every finite value): 1.0 where that pattern is not finite or the quotient is 0 -- the float32
 arithmetic of :meth:`KVCodec.token_scales` on the CPU, where ``tensor / float`` is a true division. (On CUDA torch
 turns a division by a Python float into a multiplication by its rounded reciprocal, so the reference run on CUDA
 tensors can differ from this kernel in the last bit of a scale; the tests compute the reference on the CPU.) NaN
@@ -42,7 +46,17 @@ import triton.language as tl
 from triton.runtime.jit import JITFunction
 
 from kv8.kernels.triton.launch import Launch
-from kv8.kernels.triton.quant import FP8Layout, bf16_bits_to_f32, encode_fp8, f32_to_bf16_bits, fp8_format_id, scaled_rn
+from kv8.kernels.triton.quant import (
+    INT8_ID,
+    FP8Layout,
+    IntLayout,
+    bf16_bits_to_f32,
+    code_format_id,
+    encode_fp8,
+    encode_int8,
+    f32_to_bf16_bits,
+    scaled_rn,
+)
 
 __all__ = ["CACHE_DTYPES", "INPUT_DTYPES", "interpreted", "store_kv", "store_launch"]
 
@@ -98,7 +112,10 @@ def _store_one(x_ptr, stride_xt, stride_xh, c_ptr, stride_cb, stride_ch, stride_
             ts = tl.where((amax < 0x7F800000) & (ts > 0.0), ts, 1.0)
             tl.store(ts_ptr + block * stride_tb + heads * stride_th + off * stride_ts, ts, mask=hmask)
             y = scaled_rn(x, ts[:, None])
-        tl.store(dst, encode_fp8(y, FMT), mask=mask)
+        if FMT == 3:    # INT8_ID
+            tl.store(dst, encode_int8(y), mask=mask)
+        else:
+            tl.store(dst, encode_fp8(y, FMT), mask=mask)
 
 
 @triton.jit
@@ -155,15 +172,15 @@ def _check_last_contiguous(name: str, t: torch.Tensor) -> None:
 
 
 def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             slot_mapping: torch.Tensor, *, fp8: FP8Layout | None,
+             slot_mapping: torch.Tensor, *, fp8: FP8Layout | IntLayout | None,
              k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
              k_token_scales: torch.Tensor | None = None, v_token_scales: torch.Tensor | None = None) -> None:
     """Write ``key``/``value`` ``[T, H, D]`` (stored basis) into their slots of ``k_cache``/``v_cache``.
 
     * ``key``, ``value``: bf16/fp16/fp32, one dtype, any strides with a contiguous last dim.
     * ``k_cache``, ``v_cache``: ``[num_blocks, H, bs, D]`` (views as :meth:`PagedKVCache.layer` returns), one dtype:
-      ``uint8`` codes when ``fp8`` is a format (a :class:`kv8.quant.formats.FP8Format`), else bf16/fp16/fp32
-      (``fp8=None``: a plain cast, round to nearest even).
+      ``uint8`` codes when ``fp8`` is an FP8 format (a :class:`kv8.quant.formats.FP8Format`), ``int8`` codes when it
+      is :data:`kv8.quant.formats.INT8`, else bf16/fp16/fp32 (``fp8=None``: a plain cast, round to nearest even).
     * ``slot_mapping``: ``[T]`` int64; token ``t`` goes to block ``s // bs``, offset ``s % bs``; ``s < 0`` skips it
       (its bytes and scales stay as they were).
     * FP8, static scales: ``k_scale``, ``v_scale`` float32, broadcastable to ``[H, D]`` (``[1, 1]``, ``[H, 1]``,
@@ -171,6 +188,7 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_ca
     * FP8, dynamic scales: ``k_token_scales``, ``v_token_scales`` ``[num_blocks, H, bs]`` float32 (views as
       :meth:`PagedKVCache.layer_token_scales` returns) receive each (token, head)'s scale, as
       :meth:`KVCodec.token_scales` computes it, and the codes are ``quantize(x, scale, fmt)``.
+    * int8: dynamic scales as for FP8 (the only kind an int8 cache has), ``amax / 127``.
 
     All tensors on one device: CUDA, or the CPU when the kernels run in Triton's interpreter. ``ValueError`` names
     the argument, what it was and what is allowed.
@@ -187,7 +205,8 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_ca
     if value.shape != key.shape:
         raise ValueError(f"store_kv: value has shape {list(value.shape)}, key {list(key.shape)}: they must be equal")
     num_tokens, num_heads, head_dim = key.shape
-    cache_dtypes = (torch.uint8,) if fp8 is not None else CACHE_DTYPES
+    fmt_id = 0 if fp8 is None else code_format_id(fp8)
+    cache_dtypes = CACHE_DTYPES if fp8 is None else (torch.int8,) if fmt_id == INT8_ID else (torch.uint8,)
     _check_tensor("k_cache", k_cache, 4, cache_dtypes, device)
     _check_tensor("v_cache", v_cache, 4, (k_cache.dtype,), device)
     num_blocks, cache_heads, block_size, cache_dim = k_cache.shape
@@ -207,11 +226,13 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_ca
     if fp8 is None:
         if given:
             raise ValueError(f"store_kv: {', '.join(given)} given for a {k_cache.dtype} cache (fp8=None); "
-                             "scales exist only for FP8 caches")
-        mode, fmt_id, max_finite = _MODE_CAST, 0, 1.0
+                             "scales exist only for FP8 and int8 caches")
+        mode, max_finite = _MODE_CAST, 1.0
     else:
-        fmt_id = fp8_format_id(fp8)
         max_finite = float(fp8.max_finite)
+        if fmt_id == INT8_ID and sorted(given) != ["k_token_scales", "v_token_scales"]:
+            raise ValueError(f"store_kv: an int8 cache needs k_token_scales and v_token_scales (a scale per token "
+                             f"and head; it has no static scales); got {given or 'none'}")
         if sorted(given) == ["k_scale", "v_scale"]:
             mode = _MODE_STATIC
         elif sorted(given) == ["k_token_scales", "v_token_scales"]:
