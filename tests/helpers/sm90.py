@@ -234,6 +234,8 @@ def llama_store_launch(kv: str) -> Any:
     import torch
 
     from kv8.kernels.triton import store as S
+    from kv8.kernels.triton.formats import kernel_format
+    from kv8.quant.formats import E4M3
 
     fp8 = kv == "fp8_e4m3"
     key = torch.zeros(32, 8, 128, dtype=torch.bfloat16)
@@ -244,7 +246,7 @@ def llama_store_launch(kv: str) -> Any:
     return S.store_launch(key, key.clone(), cache, cache.clone(), slots,
                           scale if fp8 else placeholder, scale if fp8 else placeholder, placeholder, placeholder,
                           (scale.stride(0), scale.stride(1)) * 2 if fp8 else (0, 0, 0, 0), (0, 0, 0) * 2,
-                          mode=1 if fp8 else 0, fmt_id=0, max_finite=448.0 if fp8 else 1.0)
+                          mode=1 if fp8 else 0, fmt=kernel_format(E4M3) if fp8 else None)
 
 
 def attention_launch(kv: str, phase: str) -> Any:

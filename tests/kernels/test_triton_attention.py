@@ -42,8 +42,8 @@ from kv8.attention.metadata import AttentionMetadata
 from kv8.attention.reference import paged_attention_reference
 from kv8.cache.codec import KVCodec
 from kv8.cache.paged_cache import CacheShape, PagedKVCache
-from kv8.kernels.triton.quant import FP8_ENCODINGS, fp8_format_id
-from kv8.quant.formats import E4M3, E4M3FNUZ, E5M2, FP8Format, resolve_kv_cache_dtype
+from kv8.kernels.triton.formats import kernel_format
+from kv8.quant.formats import E4M3, FP8_FORMATS, FP8Format, resolve_kv_cache_dtype
 from kv8.quant.scales import KVScales, ScaleGranularity
 from tests.helpers.triton import DEVICES, INTERPRETED
 
@@ -53,8 +53,8 @@ launch_config = triton_attention.launch_config
 unified_attention = triton_attention.unified_attention
 decode_fp8 = triton_dequant.decode_fp8
 FLOAT_CACHES = ("bfloat16", "float16", "float32")
-FP8_CACHES = ("fp8_e4m3", "fp8_e4m3fnuz", "fp8_e5m2")
-FORMATS = {f.name: f for f in (E4M3, E4M3FNUZ, E5M2)}
+FP8_CACHES = tuple(FP8_FORMATS)     # every kv8 format: the kernels' constants are derived from each
+FORMATS = FP8_FORMATS
 
 
 def test_kernels_run_where_this_process_can_run_them() -> None:
@@ -220,7 +220,7 @@ def _decode_all_kernel(codes_ptr, out_ptr, FMT: tl.constexpr, NATIVE: tl.constex
 def _decode_all(fmt: FP8Format, native: bool, device: str, out_dtype: tl.dtype = tl.float32) -> torch.Tensor:
     codes = torch.arange(256, dtype=torch.uint8, device=device)
     out = torch.empty(256, dtype=torch.float32, device=device)
-    _decode_all_kernel[(1,)](codes, out, FMT=fp8_format_id(fmt), NATIVE=native, OUT=out_dtype)
+    _decode_all_kernel[(1,)](codes, out, FMT=kernel_format(fmt), NATIVE=native, OUT=out_dtype)
     return out.cpu()
 
 
@@ -487,11 +487,11 @@ def _bad_cases() -> list[tuple[str, dict, str]]:
         ("window", {"sliding_window": 0}, "sliding_window"),
         ("max_query_len", {"max_query_len": -1}, "max_query_len"),
         ("scale", {"scale": float("nan")}, "scale="),
-        ("unknown format", {"fp8": FP8Format(
-            name="fp8_e4m3", exponent_bits=4, mantissa_bits=3, exponent_bias=8, max_finite=240.0,
-            min_subnormal=2.0 ** -10, torch_dtype=torch.float8_e4m3fnuz, has_negative_zero=False, has_inf=False,
-            nan_codes=(0x80,), nan_code=0x80)}, r"fp8 format 'fp8_e4m3': exponent_bias=8, .*exponent_bias=7"),
-        ("format name", {"fp8": SimpleNamespace(name="fp8_e3m4")}, r"fp8=.*fp8_e4m3, fp8_e4m3fnuz, fp8_e5m2"),
+        ("format layout", {"fp8": FP8Format(
+            name="fp8_e5m2fnuz", exponent_bits=5, mantissa_bits=2, exponent_bias=16, max_finite=57344.0,
+            min_subnormal=2.0 ** -17, torch_dtype=torch.float8_e5m2fnuz, has_negative_zero=False, has_inf=False,
+            nan_codes=(0x80,), nan_code=0x80)}, r"fp8 format 'fp8_e5m2fnuz': 5 exponent bits with exponent_bias=16"),
+        ("not a format", {"fp8": SimpleNamespace(name="fp8_e3m4")}, r"fp8=.* is not an FP8 format"),
         ("head_dim too large", {"query": torch.zeros(5, 4, 320), "out": torch.zeros(5, 4, 320),
                                 "k_cache": torch.zeros(8, 2, 16, 320, dtype=torch.uint8),
                                 "v_cache": torch.zeros(8, 2, 16, 320, dtype=torch.uint8)},
@@ -536,6 +536,8 @@ import torch, triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from kv8.kernels.triton import attention as A
+from kv8.kernels.triton.formats import kernel_format
+from kv8.quant.formats import FP8_FORMATS
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "u8": torch.uint8}
 PTR = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32", torch.uint8: "*u8"}
@@ -584,6 +586,7 @@ results = []
 for v in json.loads(sys.argv[1]):
     splits = v.pop("splits")
     v["query_dtype"], v["cache_dtype"] = DTYPES[v["query_dtype"]], DTYPES[v["cache_dtype"]]
+    v["fp8"] = None if v["fp8"] is None else kernel_format(FP8_FORMATS[v["fp8"]])
     variant = A.KernelVariant(**v, interpreted=False)
     const = variant.constexprs(splits)
     q_ptr = PTR[variant.query_dtype]
@@ -610,9 +613,8 @@ def _variant(query: str = "bf16", kv: str = "fp8_e4m3", native: bool = True, sca
              k_channel: bool = False, window: bool = False, group: int = 4, head_dim: int = 128, block_size: int = 16,
              max_query_len: int = 1, splits: int = 1) -> dict:
     """A KernelVariant's fields (JSON: dtypes by short name); ``kv`` an FP8 format's name or a cache dtype."""
-    fp8 = kv in FP8_ENCODINGS
-    return dict(query_dtype=query, cache_dtype="u8" if fp8 else kv,
-                fp8_code=FP8_ENCODINGS[kv].format_id if fp8 else triton_dequant.FP8_NONE,
+    fp8 = kv in FP8_FORMATS
+    return dict(query_dtype=query, cache_dtype="u8" if fp8 else kv, fp8=kv if fp8 else None,
                 native_fp8=native and fp8, scales=scales if fp8 else triton_attention.SCALES_NONE,
                 k_channel_scale=k_channel, sliding_window=window, group=group, head_dim=head_dim,
                 block_size=block_size, max_query_len=max_query_len, splits=splits)

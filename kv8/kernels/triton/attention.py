@@ -74,8 +74,9 @@ What a caller must provide (checked, ``ValueError`` before any launch, unless ma
 * ``query``/``out`` ``[T, Hq, D]``, one dtype (bfloat16, float16 or float32), last dim contiguous (other strides
   free); ``1 <= D <= 256`` (any D: padded to a power of two and masked); ``Hq`` a multiple of ``Hkv``.
 * ``k_cache``/``v_cache`` ``[num_blocks, Hkv, block_size, D]`` (:class:`kv8.cache.paged_cache.PagedKVCache`'s
-  per-layer views), last dim contiguous: ``uint8`` codes with ``fp8`` a format of
-  :mod:`kv8.kernels.triton.quant` (E4M3FN, E4M3FNUZ, E5M2), or bfloat16/float16/float32 values with ``fp8=None``.
+  per-layer views), last dim contiguous: ``uint8`` codes with ``fp8`` an FP8 format
+  (:func:`kv8.kernels.triton.formats.kernel_format` derives what the kernels need of it: E4M3FN, E4M3FNUZ, E5M2), or
+  bfloat16/float16/float32 values with ``fp8=None``.
 * ``query_start_loc [B + 1]`` and ``seq_lens [B]`` contiguous, ``block_tables [B, max_blocks]`` with a contiguous
   last dim; int32 or int64, each independently. Unchecked (the launch reads no tensor on the host, so it can be
   captured in a CUDA graph): ``query_start_loc`` nondecreasing from 0 with ``query_start_loc[B] <= T``, ``0 <=
@@ -95,9 +96,10 @@ import triton
 import triton.language as tl
 from triton.runtime.jit import JITFunction
 
-from kv8.kernels.triton.dequant import FP8_NONE, decode_fp8, native_fp8_supported
+from kv8.kernels.triton.dequant import decode_fp8, native_fp8_supported
+from kv8.kernels.triton.formats import FP8Layout, KernelFormat, kernel_format
 from kv8.kernels.triton.launch import Launch
-from kv8.kernels.triton.quant import FP8Layout, bf16_bits_to_f32, f32_to_bf16_bits, fp8_format_id
+from kv8.kernels.triton.quant import bf16_bits_to_f32, f32_to_bf16_bits
 from kv8.validators import check_int, check_number
 
 __all__ = ["MAX_KV_SPLITS", "SCALES_DYNAMIC", "SCALES_NONE", "SCALES_STATIC", "KernelVariant", "Launch",
@@ -460,7 +462,7 @@ class KernelVariant:
 
     query_dtype: torch.dtype
     cache_dtype: torch.dtype        # torch.uint8 for FP8 codes
-    fp8_code: int                   # kv8.kernels.triton.quant's format id (dequant.FP8_NONE: a 16/32-bit cache)
+    fp8: KernelFormat | None        # what the kernels need of the FP8 format (None: a 16/32-bit cache)
     native_fp8: bool                # decode with the GPU's FP8 conversion (else the exact bit path)
     scales: int                     # SCALES_NONE, SCALES_STATIC or SCALES_DYNAMIC
     k_channel_scale: bool           # static K scales vary along head_dim
@@ -479,7 +481,7 @@ class KernelVariant:
         float32."""
         if self.query_dtype == torch.float32:
             return tl.float32
-        if self.fp8_code != FP8_NONE:
+        if self.fp8 is not None:
             return tl.float16 if self.scales != SCALES_DYNAMIC else _TL_DTYPES[self.query_dtype]
         return _TL_DTYPES[self.query_dtype] if self.cache_dtype == self.query_dtype else tl.float32
 
@@ -490,7 +492,7 @@ class KernelVariant:
 
     @property
     def config(self) -> LaunchConfig:
-        cache_bytes = 1 if self.fp8_code != FP8_NONE else self.cache_dtype.itemsize
+        cache_bytes = 1 if self.fp8 is not None else self.cache_dtype.itemsize
         return launch_config(self.group, self.head_dim, self.max_query_len, self.block_size,
                              self.dot_dtype == tl.float32, cache_bytes, self.scales == SCALES_DYNAMIC)
 
@@ -501,7 +503,7 @@ class KernelVariant:
         return dict(
             HEAD_DIM=self.head_dim, D_PAD=cfg.d_pad, BLOCK_SIZE=self.block_size, GROUP=self.group,
             BLOCK_Q=cfg.block_q, BLOCK_M=cfg.block_m, TILE_N=cfg.tile_n, TILE_IN_BLOCK=cfg.tile_in_block,
-            NUM_SPLITS=num_kv_splits, FP8_FMT=self.fp8_code, NATIVE_FP8=self.native_fp8, SCALES=self.scales,
+            NUM_SPLITS=num_kv_splits, FP8_FMT=self.fp8, NATIVE_FP8=self.native_fp8, SCALES=self.scales,
             K_CHANNEL_SCALE=self.k_channel_scale, USE_WINDOW=self.sliding_window, DOT_DTYPE=self.dot_dtype,
             Q_SPLIT=self.k_channel_scale and self.dot_dtype != tl.float32, ROW_SCALE=self.row_scale,
             Q_LEN_MIN=q_len_min, Q_LEN_MAX=q_len_max,
@@ -616,15 +618,15 @@ def unified_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     if not 1 <= head_dim <= 256:
         raise _fail(f"head_dim={head_dim} is not supported; allowed 1 .. 256")
     try:
-        fmt = FP8_NONE if fp8 is None else fp8_format_id(fp8)
+        fmt = None if fp8 is None else kernel_format(fp8)
     except ValueError as exc:
         raise _fail(str(exc)) from None
     for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
         if not isinstance(c, torch.Tensor) or c.ndim != 4:
             raise _fail(f"{name} must be a [num_blocks, Hkv, bs, D] tensor, got "
                         f"{tuple(c.shape) if isinstance(c, torch.Tensor) else type(c).__name__}")
-        want = "torch.uint8 (FP8 codes)" if fmt != FP8_NONE else "bfloat16/float16/float32"
-        ok = c.dtype == torch.uint8 if fmt != FP8_NONE else c.dtype in _QUERY_DTYPES
+        want = "torch.uint8 (FP8 codes)" if fmt is not None else "bfloat16/float16/float32"
+        ok = c.dtype == torch.uint8 if fmt is not None else c.dtype in _QUERY_DTYPES
         if not ok:
             raise _fail(f"{name}.dtype={c.dtype} but fp8={getattr(fp8, 'name', None)!r} needs {want}")
         if c.device != device:
@@ -661,9 +663,9 @@ def unified_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
 
     static = k_scale is not None or v_scale is not None
     dynamic = k_token_scales is not None or v_token_scales is not None
-    if fmt == FP8_NONE and (static or dynamic):
+    if fmt is None and (static or dynamic):
         raise _fail("scales were given for a 16/32-bit cache (fp8=None); such a cache stores plain values")
-    if fmt != FP8_NONE and static == dynamic:
+    if fmt is not None and static == dynamic:
         raise _fail("an FP8 cache needs exactly one kind of scales: static k_scale and v_scale, or dynamic "
                     "k_token_scales and v_token_scales" + (" (got both)" if static else " (got none)"))
     if static and (k_scale is None or v_scale is None) or dynamic and (k_token_scales is None
@@ -700,7 +702,7 @@ def plan_launches(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     num_tokens, num_q_heads, head_dim = query.shape
     _, num_kv_heads, block_size, _ = k_cache.shape
     num_seqs = seq_lens.shape[0]
-    fmt = FP8_NONE if fp8 is None else fp8_format_id(fp8)
+    fmt = None if fp8 is None else kernel_format(fp8)
     static = k_scale is not None
     dynamic = k_token_scales is not None
     dummy = torch.empty(1, dtype=torch.float32, device=device)

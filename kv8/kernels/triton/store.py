@@ -41,8 +41,9 @@ import triton
 import triton.language as tl
 from triton.runtime.jit import JITFunction
 
+from kv8.kernels.triton.formats import FP8Layout, KernelFormat, kernel_format
 from kv8.kernels.triton.launch import Launch
-from kv8.kernels.triton.quant import FP8Layout, bf16_bits_to_f32, encode_fp8, f32_to_bf16_bits, fp8_format_id, scaled_rn
+from kv8.kernels.triton.quant import bf16_bits_to_f32, encode_fp8, f32_to_bf16_bits, scaled_rn
 
 __all__ = ["CACHE_DTYPES", "INPUT_DTYPES", "interpreted", "store_kv", "store_launch"]
 
@@ -208,10 +209,12 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_ca
         if given:
             raise ValueError(f"store_kv: {', '.join(given)} given for a {k_cache.dtype} cache (fp8=None); "
                              "scales exist only for FP8 caches")
-        mode, fmt_id, max_finite = _MODE_CAST, 0, 1.0
+        mode, fmt = _MODE_CAST, None
     else:
-        fmt_id = fp8_format_id(fp8)
-        max_finite = float(fp8.max_finite)
+        try:
+            fmt = kernel_format(fp8)
+        except ValueError as exc:
+            raise ValueError(f"store_kv: {exc}") from None
         if sorted(given) == ["k_scale", "v_scale"]:
             mode = _MODE_STATIC
         elif sorted(given) == ["k_token_scales", "v_token_scales"]:
@@ -237,15 +240,16 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_ca
     if num_tokens == 0:
         return
     store_launch(key, value, k_cache, v_cache, slot_mapping, k_sc, v_sc, k_ts, v_ts, (*ks_strides, *vs_strides),
-                 (*kt_strides, *vt_strides), mode=mode, fmt_id=fmt_id, max_finite=max_finite).run()
+                 (*kt_strides, *vt_strides), mode=mode, fmt=fmt).run()
 
 
 def store_launch(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  slot_mapping: torch.Tensor, k_scale: torch.Tensor, v_scale: torch.Tensor,
                  k_token_scales: torch.Tensor, v_token_scales: torch.Tensor, scale_strides: tuple[int, ...],
-                 token_scale_strides: tuple[int, ...], *, mode: int, fmt_id: int, max_finite: float) -> Launch:
+                 token_scale_strides: tuple[int, ...], *, mode: int, fmt: KernelFormat | None) -> Launch:
     """The one launch :func:`store_kv` makes for its validated arguments (unused scale pointers are placeholders,
-    their strides 0), as a value a compile check can build for a GPU it does not have."""
+    their strides 0; ``fmt`` None for a 16/32-bit cache), as a value a compile check can build for a GPU it does not
+    have."""
     num_tokens, num_heads, head_dim = key.shape
     block_size = k_cache.shape[2]
     block_d = triton.next_power_of_2(head_dim)
@@ -257,8 +261,8 @@ def store_launch(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, 
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         *scale_strides, *token_scale_strides,
-        num_heads, head_dim, block_size, max_finite,
-    ), dict(MODE=mode, FMT=fmt_id, IN=_KIND[key.dtype], OUT=_KIND.get(k_cache.dtype, 0),
+        num_heads, head_dim, block_size, 1.0 if fmt is None else fmt.max_finite,
+    ), dict(MODE=mode, FMT=fmt, IN=_KIND[key.dtype], OUT=_KIND.get(k_cache.dtype, 0),
             BLOCK_H=block_h, BLOCK_D=block_d, num_warps=4 if block_h * block_d >= 1024 else 2))
 
 def _scale_view(name: str, scale: torch.Tensor | None, num_heads: int, head_dim: int,
