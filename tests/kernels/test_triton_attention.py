@@ -35,9 +35,11 @@ import pytest
 import torch
 import triton
 import triton.language as tl
+from triton.runtime.jit import JITFunction
 
 import kv8.kernels.triton.attention as triton_attention
 import kv8.kernels.triton.dequant as triton_dequant
+import kv8.kernels.triton.interpreter as triton_interpreter
 from kv8.attention.metadata import AttentionMetadata
 from kv8.attention.reference import paged_attention_reference
 from kv8.cache.codec import KVCodec
@@ -58,7 +60,9 @@ FORMATS = FP8_FORMATS
 
 
 def test_kernels_run_where_this_process_can_run_them() -> None:
-    assert triton_attention.interpreted() == INTERPRETED
+    assert triton_interpreter.INTERPRETED == INTERPRETED
+    for kernel in (triton_attention._paged_attention_kernel, triton_attention._merge_splits_kernel):
+        assert isinstance(kernel, JITFunction) != INTERPRETED     # decided with the kernels
     assert INTERPRETED or torch.cuda.is_available()
 
 
@@ -587,7 +591,7 @@ for v in json.loads(sys.argv[1]):
     splits = v.pop("splits")
     v["query_dtype"], v["cache_dtype"] = DTYPES[v["query_dtype"]], DTYPES[v["cache_dtype"]]
     v["fp8"] = None if v["fp8"] is None else kernel_format(FP8_FORMATS[v["fp8"]])
-    variant = A.KernelVariant(**v, interpreted=False)
+    variant = A.KernelVariant(**v)
     const = variant.constexprs(splits)
     q_ptr = PTR[variant.query_dtype]
     ptrs = {"out_ptr": q_ptr, "q_ptr": q_ptr, "k_ptr": PTR[variant.cache_dtype], "v_ptr": PTR[variant.cache_dtype],

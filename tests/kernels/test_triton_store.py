@@ -24,7 +24,9 @@ import numpy as np
 import pytest
 import torch
 import triton
+from triton.runtime.jit import JITFunction
 
+import kv8.kernels.triton.interpreter as triton_interpreter
 import kv8.kernels.triton.store as triton_store
 from kv8.cache.codec import KVCodec
 from kv8.cache.paged_cache import CacheShape, PagedKVCache
@@ -49,7 +51,8 @@ pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning:triton.runtime.i
 
 
 def test_kernels_run_where_this_process_can_run_them() -> None:
-    assert triton_store.interpreted() == INTERPRET
+    assert triton_interpreter.INTERPRETED == INTERPRET
+    assert isinstance(triton_store._store_kv_kernel, JITFunction) != INTERPRET   # decided with the kernels
     assert INTERPRET or torch.cuda.is_available()
 
 
@@ -594,6 +597,6 @@ def test_scales_for_a_float_cache_and_a_non_tensor_key_are_refused(device: str) 
 
 
 def test_cpu_tensors_without_the_interpreter_are_refused(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(triton_store, "interpreted", lambda: False)
+    monkeypatch.setattr(triton_interpreter, "INTERPRETED", False)
     with pytest.raises(ValueError, match="CPU tensors need Triton's interpreter: set TRITON_INTERPRET=1"):
         store_kv(**good_args("cpu"))

@@ -64,10 +64,10 @@ Work decomposition (grid ``(T // BLOCK_Q + B, Hkv, NUM_SPLITS)``; T = query rows
   float32 operands with ``input_precision="ieee"`` (no TF32), in 16 x 16 tiles.
 * **In Triton's interpreter** (``TRITON_INTERPRET=1``, CPU tensors; how the tests run without a GPU) the same
   values come out: 16-bit operands are multiplied as float32 (it cannot multiply bfloat16; the products are exact
-  either way), and bfloat16 conversions go through the bits (:func:`_round`, :func:`_widen`) because its own
-  casts truncate and flush subnormals. The native FP8 conversions are never used there. Reductions are
-  ``tl.reduce`` with this module's combiners, so the kernels interpret whichever of triton and kv8 was imported
-  first.
+  either way), and bfloat16 conversions go through the bits because its own casts truncate and flush subnormals.
+  The native FP8 conversions are never used there. Reductions are ``tl.reduce`` with kv8's combiners, so the
+  kernels interpret whichever of triton and kv8 was imported first. These workarounds, and whether this process
+  interprets, are :mod:`kv8.kernels.triton.interpreter`'s (the key loop's form is the one branch here).
 
 What a caller must provide (checked, ``ValueError`` before any launch, unless marked unchecked):
 
@@ -94,16 +94,16 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
-from triton.runtime.jit import JITFunction
 
+from kv8.kernels.triton import interpreter
 from kv8.kernels.triton.dequant import decode_fp8, native_fp8_supported
 from kv8.kernels.triton.formats import FP8Layout, KernelFormat, kernel_format
+from kv8.kernels.triton.interpreter import INTERPRETER, add_combine, cast_rn, dot, max_combine, widen
 from kv8.kernels.triton.launch import Launch
-from kv8.kernels.triton.quant import bf16_bits_to_f32, f32_to_bf16_bits
 from kv8.validators import check_int, check_number
 
 __all__ = ["MAX_KV_SPLITS", "SCALES_DYNAMIC", "SCALES_NONE", "SCALES_STATIC", "KernelVariant", "Launch",
-           "LaunchConfig", "choose_num_kv_splits", "interpreted", "launch_config", "plan_launches",
+           "LaunchConfig", "choose_num_kv_splits", "launch_config", "plan_launches",
            "unified_attention"]
 
 MAX_KV_SPLITS = 64
@@ -120,53 +120,6 @@ _SPLIT_MIN_KEYS = 256          # keys a split should at least get
 _WAVES = 4                     # resident programs to aim for, per compute unit
 
 
-# Reductions and fills use tl.reduce with these combiners and tl.full instead of tl.max / tl.sum / tl.zeros: those
-# are @triton.jit helpers of Triton's own, which the interpreter can run only if triton itself was imported with
-# TRITON_INTERPRET=1; with builtins only, these kernels interpret whichever module imported triton first.
-@triton.jit
-def _max_combine(a, b):
-    return tl.maximum(a, b)
-
-
-@triton.jit
-def _add_combine(a, b):
-    return a + b
-
-
-@triton.jit
-def _round(x, DTYPE: tl.constexpr, INTERPRETER: tl.constexpr):
-    """float32 ``x`` -> ``DTYPE``, rounded to nearest even as compiled code does. The interpreter's own bfloat16
-    cast truncates, so there the bits are rounded by :func:`~kv8.kernels.triton.quant.f32_to_bf16_bits`."""
-    if INTERPRETER and DTYPE == tl.bfloat16:
-        res = f32_to_bf16_bits(x).to(tl.uint16).to(tl.bfloat16, bitcast=True)
-    else:
-        res = x.to(DTYPE)
-    return res
-
-
-@triton.jit
-def _widen(x):
-    """A dot operand -> float32, exactly (in the interpreter too, whose bfloat16 cast flushes subnormals)."""
-    if x.dtype == tl.bfloat16:
-        res = bf16_bits_to_f32(x)
-    else:
-        res = x.to(tl.float32)
-    return res
-
-
-@triton.jit
-def _dot(a, b, INTERPRETER: tl.constexpr):
-    """``a @ b`` with float32 accumulation; ``a`` and ``b`` share one dtype (float32: IEEE precision, no TF32). The
-    interpreter cannot multiply bfloat16, so there 16-bit operands (exact in float32) are multiplied as float32."""
-    if a.dtype == tl.float32:
-        res = tl.dot(a, b, input_precision="ieee")
-    elif INTERPRETER:
-        res = tl.dot(_widen(a), _widen(b), input_precision="ieee")
-    else:
-        res = tl.dot(a, b)
-    return res
-
-
 @triton.jit
 def _attend_key_tile(
     j, q_hi, q_lo, m_i, l_i, acc, q_pos, row_ok, s_mult, key_lo, key_hi, window, table_row, kv_head,
@@ -174,7 +127,7 @@ def _attend_key_tile(
     stride_ksb, stride_ksh, stride_kst, stride_vsb, stride_vsh, stride_vst,
     D_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
     TILE_IN_BLOCK: tl.constexpr, FP8_FMT: tl.constexpr, NATIVE_FP8: tl.constexpr, SCALES: tl.constexpr,
-    USE_WINDOW: tl.constexpr, DOT_DTYPE: tl.constexpr, Q_SPLIT: tl.constexpr, INTERPRETER: tl.constexpr,
+    USE_WINDOW: tl.constexpr, DOT_DTYPE: tl.constexpr, Q_SPLIT: tl.constexpr,
 ):
     """One online-softmax step over key tile ``j`` (keys ``j * TILE_N ..``) -> the updated ``(m_i, l_i, acc)``."""
     offs_n = tl.arange(0, TILE_N)
@@ -211,9 +164,9 @@ def _attend_key_tile(
         k_raw = tl.load(k_ptrs, mask=d_ok[:, None], other=0)
         v_raw = tl.load(v_ptrs, mask=d_ok[None, :], other=0)
     k = decode_fp8(k_raw, FP8_FMT, NATIVE_FP8, DOT_DTYPE)
-    s = _dot(q_hi, k, INTERPRETER)                                 # [BLOCK_M, TILE_N]
+    s = dot(q_hi, k)                                 # [BLOCK_M, TILE_N]
     if Q_SPLIT:
-        s += _dot(q_lo, k, INTERPRETER)
+        s += dot(q_lo, k)
     if SCALES == 2:
         s = s * tl.load(k_ts_ptr)[None, :]
     s = s * s_mult[:, None]
@@ -222,16 +175,16 @@ def _attend_key_tile(
         visible = visible & (pos[None, :] > q_pos[:, None] - window)
     s = tl.where(visible, s, float("-inf"))
 
-    m_new = tl.maximum(m_i, tl.reduce(s, 1, _max_combine))
+    m_new = tl.maximum(m_i, tl.reduce(s, 1, max_combine))
     m_base = tl.where(m_new == float("-inf"), 0.0, m_new)          # a row that saw nothing yet stays (-inf, 0)
     alpha = tl.exp2(m_i - m_base)
     p = tl.exp2(s - m_base[:, None])
-    l_i = l_i * alpha + tl.reduce(p, 1, _add_combine)
+    l_i = l_i * alpha + tl.reduce(p, 1, add_combine)
 
     v = decode_fp8(v_raw, FP8_FMT, NATIVE_FP8, DOT_DTYPE)
     if SCALES == 2:
         p = p * tl.load(v_ts_ptr)[None, :]
-    acc = acc * alpha[:, None] + _dot(_round(p, DOT_DTYPE, INTERPRETER), v, INTERPRETER)
+    acc = acc * alpha[:, None] + dot(cast_rn(p, DOT_DTYPE), v)
     return m_new, l_i, acc
 
 
@@ -251,7 +204,7 @@ def _paged_attention_kernel(
     BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, TILE_N: tl.constexpr, TILE_IN_BLOCK: tl.constexpr,
     NUM_SPLITS: tl.constexpr, FP8_FMT: tl.constexpr, NATIVE_FP8: tl.constexpr, SCALES: tl.constexpr,
     K_CHANNEL_SCALE: tl.constexpr, USE_WINDOW: tl.constexpr, DOT_DTYPE: tl.constexpr, Q_SPLIT: tl.constexpr,
-    ROW_SCALE: tl.constexpr, Q_LEN_MIN: tl.constexpr, Q_LEN_MAX: tl.constexpr, INTERPRETER: tl.constexpr,
+    ROW_SCALE: tl.constexpr, Q_LEN_MIN: tl.constexpr, Q_LEN_MAX: tl.constexpr,
 ):
     pid_q = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -287,7 +240,7 @@ def _paged_attention_kernel(
     offs_d = tl.arange(0, D_PAD)
     d_ok = offs_d < HEAD_DIM
     q_rows = q_start + tok
-    q = _widen(tl.load(q_ptr + q_rows[:, None] * stride_qt + q_head[:, None] * stride_qh + offs_d[None, :],
+    q = widen(tl.load(q_ptr + q_rows[:, None] * stride_qt + q_head[:, None] * stride_qh + offs_d[None, :],
                        mask=row_ok[:, None] & d_ok[None, :], other=0.0))           # [BLOCK_M, D_PAD] float32
 
     s_mult = qk_scale                                              # scale * log2(e), times a scalar K scale
@@ -300,16 +253,16 @@ def _paged_attention_kernel(
     if ROW_SCALE:
         # a bfloat16 query into float16 operands (module docstring): each row times 2^e, e = min(141 - E, 100)
         # for E the biased exponent of its largest |q| (that max lands in [2^14, 2^15)); the scores get 2^-e back
-        amax = tl.reduce(tl.where(q < 0.0, -q, q), 1, _max_combine)                  # [BLOCK_M]
+        amax = tl.reduce(tl.where(q < 0.0, -q, q), 1, max_combine)                  # [BLOCK_M]
         e = tl.minimum(141 - ((amax.to(tl.int32, bitcast=True) >> 23) & 0xFF), 100)
         q = q * ((e + 127) << 23).to(tl.float32, bitcast=True)[:, None]
         s_mult = s_mult * ((127 - e) << 23).to(tl.float32, bitcast=True)
     # q in the dot's dtype; q * (channel K scale) is not exact in 16 bits, so it goes in as hi + lo parts
     # (|q - hi - lo| <= 2^-16 |q| for bfloat16, 2^-22 for float16), two products of exact 16-bit operands
-    q_hi = _round(q, DOT_DTYPE, INTERPRETER)
+    q_hi = cast_rn(q, DOT_DTYPE)
     q_lo = q_hi
     if Q_SPLIT:
-        q_lo = _round(q - _widen(q_hi), DOT_DTYPE, INTERPRETER)
+        q_lo = cast_rn(q - widen(q_hi), DOT_DTYPE)
 
     # ---- the keys this tile needs, and this split's share of their tiles ----
     p_lo = context + q0_32
@@ -330,7 +283,8 @@ def _paged_attention_kernel(
     acc = tl.full([BLOCK_M, D_PAD], 0.0, dtype=tl.float32)
     table_row = table_ptr + seq * stride_table
     # Triton's interpreter cannot take loaded scalars as range() bounds (numpy >= 2.4 refuses int() of its
-    # 1-element arrays); compiled, a for loop is what the software pipeliner overlaps with the loads.
+    # 1-element arrays); compiled, a for loop is what the software pipeliner overlaps with the loads
+    # (kv8.kernels.triton.interpreter: its one workaround outside that module).
     if INTERPRETER:
         j = j_lo
         while j < j_hi:
@@ -339,7 +293,7 @@ def _paged_attention_kernel(
                 k_ptr, v_ptr, k_tok_ptr, v_tok_ptr, stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt,
                 stride_ksb, stride_ksh, stride_kst, stride_vsb, stride_vsh, stride_vst,
                 D_PAD, HEAD_DIM, BLOCK_SIZE, TILE_N, TILE_IN_BLOCK, FP8_FMT, NATIVE_FP8, SCALES, USE_WINDOW,
-                DOT_DTYPE, Q_SPLIT, INTERPRETER)
+                DOT_DTYPE, Q_SPLIT)
             j += 1
     else:
         for j in range(j_lo, j_hi):
@@ -348,7 +302,7 @@ def _paged_attention_kernel(
                 k_ptr, v_ptr, k_tok_ptr, v_tok_ptr, stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt,
                 stride_ksb, stride_ksh, stride_kst, stride_vsb, stride_vsh, stride_vst,
                 D_PAD, HEAD_DIM, BLOCK_SIZE, TILE_N, TILE_IN_BLOCK, FP8_FMT, NATIVE_FP8, SCALES, USE_WINDOW,
-                DOT_DTYPE, Q_SPLIT, INTERPRETER)
+                DOT_DTYPE, Q_SPLIT)
 
     if SCALES == 1:
         acc = acc * tl.load(v_scale_ptr + kv_head * HEAD_DIM + offs_d, mask=d_ok, other=0.0)[None, :]
@@ -356,7 +310,7 @@ def _paged_attention_kernel(
         # l > 0 in every real row (a query always sees its own key); masked rows divide by 1, not 0
         o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
         tl.store(out_ptr + q_rows[:, None] * stride_ot + q_head[:, None] * stride_oh + offs_d[None, :],
-                 _round(o, out_ptr.dtype.element_ty, INTERPRETER), mask=row_ok[:, None] & d_ok[None, :])
+                 cast_rn(o, out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
     else:
         part = (q_rows * num_q_heads + q_head) * NUM_SPLITS + split    # [BLOCK_M]
         tl.store(part_m_ptr + part, m_i, mask=row_ok)
@@ -369,7 +323,6 @@ def _merge_splits_kernel(
     out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr, qsl_ptr,
     num_seqs, num_q_heads, stride_ot, stride_oh,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr,
-    INTERPRETER: tl.constexpr,
 ):
     """One (token, query head): combine the splits' (m, l, acc) by a log-sum-exp merge (base 2)."""
     t = tl.program_id(0)
@@ -383,13 +336,13 @@ def _merge_splits_kernel(
     part = (t.to(tl.int64) * num_q_heads + h) * NUM_SPLITS + offs_s
     m = tl.load(part_m_ptr + part, mask=s_ok, other=float("-inf"))
     l_s = tl.load(part_l_ptr + part, mask=s_ok, other=0.0)
-    m_max = tl.reduce(m, 0, _max_combine)
+    m_max = tl.reduce(m, 0, max_combine)
     w = tl.exp2(m - tl.where(m_max == float("-inf"), 0.0, m_max))  # empty splits (m = -inf) weigh 0
     acc = tl.load(part_acc_ptr + part[:, None] * D_PAD + offs_d[None, :], mask=s_ok[:, None] & d_ok[None, :],
                   other=0.0)
-    o = tl.reduce(acc * w[:, None], 0, _add_combine) / tl.reduce(l_s * w, 0, _add_combine)
+    o = tl.reduce(acc * w[:, None], 0, add_combine) / tl.reduce(l_s * w, 0, add_combine)
     tl.store(out_ptr + t.to(tl.int64) * stride_ot + h * stride_oh + offs_d,
-             _round(o, out_ptr.dtype.element_ty, INTERPRETER), mask=d_ok)
+             cast_rn(o, out_ptr.dtype.element_ty), mask=d_ok)
 
 
 @dataclass(frozen=True)
@@ -471,7 +424,6 @@ class KernelVariant:
     head_dim: int
     block_size: int
     max_query_len: int
-    interpreted: bool               # built by Triton's interpreter
 
     @property
     def dot_dtype(self) -> tl.dtype:
@@ -507,7 +459,6 @@ class KernelVariant:
             K_CHANNEL_SCALE=self.k_channel_scale, USE_WINDOW=self.sliding_window, DOT_DTYPE=self.dot_dtype,
             Q_SPLIT=self.k_channel_scale and self.dot_dtype != tl.float32, ROW_SCALE=self.row_scale,
             Q_LEN_MIN=q_len_min, Q_LEN_MAX=q_len_max,
-            INTERPRETER=self.interpreted,
         )
 
 
@@ -535,12 +486,6 @@ def _compute_units(device: torch.device) -> int:
     if device.type == "cuda":
         return int(torch.cuda.get_device_properties(device).multi_processor_count)
     return 1
-
-
-def interpreted() -> bool:
-    """True when this module's kernels were built for Triton's interpreter (``TRITON_INTERPRET=1`` when it was
-    imported): CPU tensors work then, and only then."""
-    return not isinstance(_paged_attention_kernel, JITFunction)
 
 
 def _fail(msg: str) -> ValueError:
@@ -672,8 +617,7 @@ def unified_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
                                                                        or v_token_scales is None):
         raise _fail("scales come in pairs: give both k_scale and v_scale, or both k_token_scales and v_token_scales")
 
-    in_interpreter = interpreted()
-    if device.type != "cuda" and not in_interpreter:
+    if device.type != "cuda" and not interpreter.INTERPRETED:
         raise _fail(f"tensors on {device} need Triton's interpreter: set TRITON_INTERPRET=1 before "
                     "kv8.kernels.triton is imported (compiled kernels run on CUDA/ROCm devices)")
 
@@ -681,8 +625,8 @@ def unified_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
         query, k_cache, v_cache, out, query_start_loc=query_start_loc, seq_lens=seq_lens, block_tables=block_tables,
         max_query_len=max_query_len, max_seq_len=max_seq_len, scale=scale, sliding_window=sliding_window, fp8=fp8,
         k_scale=k_scale, v_scale=v_scale, k_token_scales=k_token_scales, v_token_scales=v_token_scales,
-        num_kv_splits=num_kv_splits, native_fp8=native_fp8_supported(device, fmt, in_interpreter),
-        compute_units=_compute_units(device), interpreted=in_interpreter)
+        num_kv_splits=num_kv_splits, native_fp8=native_fp8_supported(device, fmt, interpreter.INTERPRETED),
+        compute_units=_compute_units(device))
     for launch in launches:
         launch.run()
     return out
@@ -693,7 +637,7 @@ def plan_launches(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
                   max_query_len: int, max_seq_len: int, scale: float, sliding_window: int | None,
                   fp8: FP8Layout | None, k_scale: torch.Tensor | None, v_scale: torch.Tensor | None,
                   k_token_scales: torch.Tensor | None, v_token_scales: torch.Tensor | None,
-                  num_kv_splits: int | None, native_fp8: bool, compute_units: int, interpreted: bool) -> list[Launch]:
+                  num_kv_splits: int | None, native_fp8: bool, compute_units: int) -> list[Launch]:
     """The launches :func:`unified_attention` makes for these (already validated) arguments, in order, with the
     device's properties passed in (``native_fp8``: :func:`~kv8.kernels.triton.dequant.native_fp8_supported`;
     ``compute_units``: its SMs) -- so a compile check can build exactly these kernels for a GPU it does not have.
@@ -723,7 +667,7 @@ def plan_launches(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
 
     def make_variant(query_len: int) -> KernelVariant:
         return KernelVariant(query.dtype, k_cache.dtype, fmt, native_fp8, scales_mode, k_channel,
-                             sliding_window is not None, group, head_dim, block_size, query_len, interpreted)
+                             sliding_window is not None, group, head_dim, block_size, query_len)
 
     variant = make_variant(max_query_len)
     cfg = variant.config
@@ -778,5 +722,5 @@ def plan_launches(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
             out, part_acc, part_m, part_l, query_start_loc,
             num_seqs, num_q_heads, out.stride(0), out.stride(1),
         ), dict(HEAD_DIM=head_dim, D_PAD=cfg.d_pad, NUM_SPLITS=num_kv_splits,
-                SPLITS_PAD=max(2, triton.next_power_of_2(num_kv_splits)), INTERPRETER=interpreted, num_warps=4)))
+                SPLITS_PAD=max(2, triton.next_power_of_2(num_kv_splits)), num_warps=4)))
     return launches

@@ -39,13 +39,14 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.runtime.jit import JITFunction
 
+from kv8.kernels.triton import interpreter
 from kv8.kernels.triton.formats import FP8Layout, KernelFormat, kernel_format
+from kv8.kernels.triton.interpreter import max_combine
 from kv8.kernels.triton.launch import Launch
 from kv8.kernels.triton.quant import bf16_bits_to_f32, encode_fp8, f32_to_bf16_bits, scaled_rn
 
-__all__ = ["CACHE_DTYPES", "INPUT_DTYPES", "interpreted", "store_kv", "store_launch"]
+__all__ = ["CACHE_DTYPES", "INPUT_DTYPES", "store_kv", "store_launch"]
 
 INPUT_DTYPES: tuple[torch.dtype, ...] = (torch.bfloat16, torch.float16, torch.float32)
 CACHE_DTYPES: tuple[torch.dtype, ...] = (torch.bfloat16, torch.float16, torch.float32)  # 16/32-bit caches
@@ -91,10 +92,8 @@ def _store_one(x_ptr, stride_xt, stride_xh, c_ptr, stride_cb, stride_ch, stride_
             s = tl.load(scale_ptr + heads[:, None] * stride_sh + dims[None, :] * stride_sd, mask=mask, other=1.0)
             y = scaled_rn(x, s)
         else:           # dynamic: one scale per (token, head), = KVCodec.token_scales
-            # [BLOCK_H] largest |x| bit pattern. tl.reduce with triton's own max combine rather than tl.max: tl.max
-            # is a @jit library function, fixed when triton is imported, so an interpreted kernel cannot call it if
-            # triton was imported before TRITON_INTERPRET was set; the interpreter reduces this combine with numpy.
-            amax = tl.reduce(x.to(tl.int32, bitcast=True) & 0x7FFFFFFF, 1, tl.standard._elementwise_max)
+            # [BLOCK_H] largest |x| bit pattern (tl.reduce with kv8's combine: kv8.kernels.triton.interpreter)
+            amax = tl.reduce(x.to(tl.int32, bitcast=True) & 0x7FFFFFFF, 1, max_combine)
             ts = tl.math.div_rn(amax.to(tl.float32, bitcast=True), max_finite)
             ts = tl.where((amax < 0x7F800000) & (ts > 0.0), ts, 1.0)
             tl.store(ts_ptr + block * stride_tb + heads * stride_th + off * stride_ts, ts, mask=hmask)
@@ -129,12 +128,6 @@ def _store_kv_kernel(key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
     _store_one(value_ptr, stride_vt, stride_vh, v_cache_ptr, stride_vcb, stride_vch, stride_vcs,
                v_scale_ptr, stride_vsh, stride_vsd, v_ts_ptr, stride_vtb, stride_vth, stride_vts,
                t, block, off, heads, dims, h_end, D, max_finite, MODE, FMT, IN, OUT)
-
-
-def interpreted() -> bool:
-    """True when the kernels were built for Triton's interpreter (``TRITON_INTERPRET=1`` when this module was
-    imported): CPU tensors work then, and only then."""
-    return not isinstance(_store_kv_kernel, JITFunction)
 
 
 def _describe(t: object) -> str:
@@ -180,7 +173,7 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_ca
     if not isinstance(key, torch.Tensor):
         raise ValueError(f"store_kv: key must be a [T, H, D] tensor, got {_describe(key)}")
     device = key.device
-    if device.type == "cpu" and not interpreted():
+    if device.type == "cpu" and not interpreter.INTERPRETED:
         raise ValueError("store_kv: CPU tensors need Triton's interpreter: set TRITON_INTERPRET=1 before "
                          "kv8.kernels.triton is imported (or pass CUDA tensors)")
     _check_tensor("key", key, 3, INPUT_DTYPES, device)
