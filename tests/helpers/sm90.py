@@ -201,6 +201,7 @@ def llama_attention_launches(kv: str, phase: str, compute_units: int = 132) -> l
     import torch
 
     from kv8.kernels.triton import attention as A
+    from kv8.platform import Platform
     from kv8.quant.formats import E4M3
 
     heads, kv_heads, dim, bs = 32, 8, 128, 16
@@ -225,7 +226,7 @@ def llama_attention_launches(kv: str, phase: str, compute_units: int = 132) -> l
         max_query_len=q_len, max_seq_len=ctx, scale=dim ** -0.5, sliding_window=None,
         fp8=E4M3 if fp8 else None, k_scale=torch.ones(kv_heads, 1) if fp8 else None,
         v_scale=torch.ones(kv_heads, 1) if fp8 else None, k_token_scales=None, v_token_scales=None,
-        num_kv_splits=None, native_fp8=fp8, compute_units=compute_units)
+        num_kv_splits=None, platform=Platform.cuda((9, 0), "H100", compute_units=compute_units))
 
 
 def llama_store_launch(kv: str) -> Any:

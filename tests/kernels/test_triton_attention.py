@@ -45,6 +45,7 @@ from kv8.attention.reference import paged_attention_reference
 from kv8.cache.codec import KVCodec
 from kv8.cache.paged_cache import CacheShape, PagedKVCache
 from kv8.kernels.triton.formats import kernel_format
+from kv8.platform import CPU, Platform
 from kv8.quant.formats import E4M3, FP8_FORMATS, FP8Format, resolve_kv_cache_dtype
 from kv8.quant.scales import KVScales, ScaleGranularity
 from tests.helpers.triton import DEVICES, INTERPRETED
@@ -257,6 +258,29 @@ def test_native_decode_matches_bits_on_finite_codes(name: str, device: str) -> N
     assert torch.equal(got[finite], want[finite])
     if not INTERPRETED:
         assert torch.equal(got.isnan(), want.isnan())
+
+
+@pytest.mark.parametrize(("platform", "native"), [
+    (Platform.cuda((9, 0), "H100", compute_units=132), {"fp8_e4m3", "fp8_e5m2"}),
+    (Platform.cuda((8, 0), "A100", compute_units=108), set()),                       # no FP8 conversion: bits
+    (Platform.cuda((9, 4), "MI300X", "gfx942:sramecc+:xnack-", compute_units=304), {"fp8_e4m3fnuz"}),
+    (CPU, set()),
+], ids=["hopper", "ampere", "mi300", "cpu"])
+def test_native_fp8_is_the_platforms_choice(platform: Platform, native: set, monkeypatch: pytest.MonkeyPatch
+                                            ) -> None:
+    """Which formats decode natively follows the platform (its capability or AMD arch, read once by
+    :meth:`Platform.resolve`), in the kernels' choice and in the launches planned for it; the interpreter never."""
+    kwargs = _valid_kwargs()
+    tensors = [kwargs.pop(n) for n in ("query", "k_cache", "v_cache", "out")]
+    kwargs.update(k_token_scales=None, v_token_scales=None, num_kv_splits=None)
+    monkeypatch.setattr(triton_interpreter, "INTERPRETED", False)     # the choice as compiled kernels make it
+    for name, fmt in FP8_FORMATS.items():
+        assert triton_dequant.native_fp8_supported(platform, kernel_format(fmt)) == (name in native), name
+        launches = triton_attention.plan_launches(*tensors, **{**kwargs, "fp8": fmt}, platform=platform)
+        assert [x.kwargs["NATIVE_FP8"] for x in launches if "NATIVE_FP8" in x.kwargs] == [name in native], name
+    assert not triton_dequant.native_fp8_supported(platform, None)   # a 16/32-bit cache
+    monkeypatch.setattr(triton_interpreter, "INTERPRETED", True)
+    assert not any(triton_dequant.native_fp8_supported(platform, kernel_format(f)) for f in FP8_FORMATS.values())
 
 
 # ---- attention against the reference ----------------------------------------------------------------------------

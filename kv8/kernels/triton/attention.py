@@ -100,6 +100,7 @@ from kv8.kernels.triton.dequant import decode_fp8, native_fp8_supported
 from kv8.kernels.triton.formats import FP8Layout, KernelFormat, kernel_format
 from kv8.kernels.triton.interpreter import INTERPRETER, add_combine, cast_rn, dot, max_combine, widen
 from kv8.kernels.triton.launch import Launch
+from kv8.platform import CPU, Platform
 from kv8.validators import check_int, check_number
 
 __all__ = ["MAX_KV_SPLITS", "SCALES_DYNAMIC", "SCALES_NONE", "SCALES_STATIC", "KernelVariant", "Launch",
@@ -480,12 +481,10 @@ def choose_num_kv_splits(num_programs: int, max_query_len: int, max_keys: int, c
     return max(1, min(by_device, by_length, MAX_KV_SPLITS))
 
 
-def _compute_units(device: torch.device) -> int:
-    """Streaming multiprocessors of a GPU; 1 elsewhere (the interpreter runs programs one after another, so
-    splitting only adds work there)."""
-    if device.type == "cuda":
-        return int(torch.cuda.get_device_properties(device).multi_processor_count)
-    return 1
+def _platform_of(device: torch.device) -> Platform:
+    """The platform of tensors on ``device`` when the caller passed none: the CPU's, or the current CUDA GPU's
+    (:meth:`kv8.platform.Platform.resolve` probes it on every call; the engine's backend passes its own)."""
+    return CPU if device.type != "cuda" else Platform.resolve("cuda")
 
 
 def _fail(msg: str) -> ValueError:
@@ -532,7 +531,8 @@ def unified_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
                       max_query_len: int, max_seq_len: int, scale: float, sliding_window: int | None,
                       fp8: FP8Layout | None, k_scale: torch.Tensor | None = None,
                       v_scale: torch.Tensor | None = None, k_token_scales: torch.Tensor | None = None,
-                      v_token_scales: torch.Tensor | None = None, num_kv_splits: int | None = None) -> torch.Tensor:
+                      v_token_scales: torch.Tensor | None = None, num_kv_splits: int | None = None,
+                      platform: Platform | None = None) -> torch.Tensor:
     """Paged attention of a mixed batch into ``out``; returns ``out``.
 
     query/out ``[T, Hq, D]`` (bfloat16, float16 or float32, same dtype; already in the stored basis); k_cache/v_cache
@@ -543,8 +543,10 @@ def unified_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     ``max_seq_len`` size the tiles and the split heuristic only (results do not depend on them). FP8 needs either
     static ``k_scale``/``v_scale`` (broadcastable to ``[Hkv, D]``) or dynamic ``k_token_scales``/``v_token_scales``
     ``[num_blocks, Hkv, bs]`` float32; a 16/32-bit cache takes none. ``num_kv_splits``: key segments per query tile
-    (1 = no split-K; None = :func:`choose_num_kv_splits`). Output rows of tokens past ``query_start_loc[B]`` are
-    left untouched. ``ValueError`` (before any launch) for a bad argument.
+    (1 = no split-K; None = :func:`choose_num_kv_splits`). ``platform``: the device's facts (its native FP8
+    conversions, its compute units; :class:`kv8.platform.Platform`, resolved once by the engine); None resolves the
+    tensors' device on each call. Output rows of tokens past ``query_start_loc[B]`` are left untouched.
+    ``ValueError`` (before any launch) for a bad argument.
     """
     # ---- validation: shapes, dtypes, devices; nothing here reads a tensor's values (no host sync) ----
     if not isinstance(query, torch.Tensor) or query.dtype not in _QUERY_DTYPES or query.ndim != 3:
@@ -625,8 +627,7 @@ def unified_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
         query, k_cache, v_cache, out, query_start_loc=query_start_loc, seq_lens=seq_lens, block_tables=block_tables,
         max_query_len=max_query_len, max_seq_len=max_seq_len, scale=scale, sliding_window=sliding_window, fp8=fp8,
         k_scale=k_scale, v_scale=v_scale, k_token_scales=k_token_scales, v_token_scales=v_token_scales,
-        num_kv_splits=num_kv_splits, native_fp8=native_fp8_supported(device, fmt, interpreter.INTERPRETED),
-        compute_units=_compute_units(device))
+        num_kv_splits=num_kv_splits, platform=platform or _platform_of(device))
     for launch in launches:
         launch.run()
     return out
@@ -637,16 +638,20 @@ def plan_launches(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
                   max_query_len: int, max_seq_len: int, scale: float, sliding_window: int | None,
                   fp8: FP8Layout | None, k_scale: torch.Tensor | None, v_scale: torch.Tensor | None,
                   k_token_scales: torch.Tensor | None, v_token_scales: torch.Tensor | None,
-                  num_kv_splits: int | None, native_fp8: bool, compute_units: int) -> list[Launch]:
-    """The launches :func:`unified_attention` makes for these (already validated) arguments, in order, with the
-    device's properties passed in (``native_fp8``: :func:`~kv8.kernels.triton.dequant.native_fp8_supported`;
-    ``compute_units``: its SMs) -- so a compile check can build exactly these kernels for a GPU it does not have.
-    Allocates the scales' float32 copies and the split workspace on ``query.device``; reads no tensor's values."""
+                  num_kv_splits: int | None, platform: Platform) -> list[Launch]:
+    """The launches :func:`unified_attention` makes for these (already validated) arguments, in order, for the
+    device ``platform`` describes (its native FP8 conversions: :func:`~kv8.kernels.triton.dequant.
+    native_fp8_supported`; its compute units, for the split) -- so a compile check can build exactly these kernels
+    for a GPU it does not have. Allocates the scales' float32 copies and the split workspace on ``query.device``;
+    reads no tensor's values and no device property."""
     device = query.device
     num_tokens, num_q_heads, head_dim = query.shape
     _, num_kv_heads, block_size, _ = k_cache.shape
     num_seqs = seq_lens.shape[0]
     fmt = None if fp8 is None else kernel_format(fp8)
+    native_fp8 = native_fp8_supported(platform, fmt)
+    # the interpreter (a CPU platform) runs programs one after another: splitting only adds work there
+    compute_units = platform.compute_units or 1
     static = k_scale is not None
     dynamic = k_token_scales is not None
     dummy = torch.empty(1, dtype=torch.float32, device=device)

@@ -35,27 +35,26 @@ native path may be used is the platform's to say (:func:`native_fp8_supported`).
 
 from __future__ import annotations
 
-import torch
 import triton
 import triton.language as tl
 
+from kv8.kernels.triton import interpreter
 from kv8.kernels.triton.formats import KernelFormat
 from kv8.kernels.triton.quant import bf16_bits_to_f32
+from kv8.platform import Platform
 
 __all__ = ["decode_fp8", "decode_fp8_bits", "decode_fp8_native", "native_fp8_supported"]
 
 
-def native_fp8_supported(device: torch.device, fmt: KernelFormat | None, interpreted: bool) -> bool:
-    """Whether kernels compiled for ``device`` may use the native conversion for ``fmt``: never in the
-    interpreter, off a GPU or for a 16/32-bit cache; E4M3FN and E5M2 (Triton's ``float8e4nv``, ``float8e5``) on
-    NVIDIA compute capability >= 8.9 (Ada, Hopper and later); E4M3FNUZ (``float8e4b8``) on AMD gfx94x (MI300).
-    Anything else takes the exact bit path (same values, a few more integer ops)."""
-    if interpreted or device.type != "cuda" or fmt is None or fmt.native is None:
+def native_fp8_supported(platform: Platform, fmt: KernelFormat | None) -> bool:
+    """Whether kernels for ``platform`` may decode ``fmt`` with the GPU's conversion: where the platform converts
+    the format in hardware (:attr:`kv8.platform.Platform.native_fp8`: E4M3 and E5M2 on NVIDIA compute capability
+    >= 8.9, E4M3FNUZ on AMD gfx94x) and Triton has a type of its layout (``fmt.native``); never in Triton's
+    interpreter (its FP8 types decode some codes wrongly) or for a 16/32-bit cache (``fmt`` None). Elsewhere the
+    exact bit path (same values, a few more integer ops). Reads no device: the platform has read it once."""
+    if interpreter.INTERPRETED or fmt is None or fmt.native is None:
         return False
-    if torch.version.hip is not None:
-        arch = str(getattr(torch.cuda.get_device_properties(device), "gcnArchName", ""))
-        return fmt.native == "fp8e4b8" and arch.startswith("gfx94")
-    return fmt.native in ("fp8e4nv", "fp8e5") and torch.cuda.get_device_capability(device) >= (8, 9)
+    return fmt.name in platform.native_fp8
 
 
 @triton.jit
