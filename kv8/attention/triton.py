@@ -50,8 +50,12 @@ class TritonBackend:
         out = torch.empty_like(query)
         if meta.num_seqs == 0:
             return out
+        # the shortest run of new tokens of the sequences that have any: a batch without decode rows makes no
+        # launch for them
+        min_query_len = min((n for n in meta.query_lens_list if n > 0), default=0)
         return self._attend(query, k_cache, v_cache, out, query_start_loc=meta.query_start_loc,
                             seq_lens=meta.seq_lens, block_tables=meta.block_tables,
-                            max_query_len=max(meta.query_lens_list), max_seq_len=max(meta.seq_lens_list),
+                            max_query_len=max(meta.query_lens_list), min_query_len=min_query_len,
+                            max_seq_len=max(meta.seq_lens_list),
                             scale=scale, sliding_window=meta.sliding_window, fp8=fp8, k_scale=k_scale,
                             v_scale=v_scale, k_token_scales=k_ts, v_token_scales=v_ts, platform=self.platform)

@@ -40,6 +40,7 @@ from triton.runtime.jit import JITFunction
 import kv8.kernels.triton.attention as triton_attention
 import kv8.kernels.triton.dequant as triton_dequant
 import kv8.kernels.triton.interpreter as triton_interpreter
+import kv8.kernels.triton.store as triton_store
 from kv8.attention.metadata import AttentionMetadata
 from kv8.attention.reference import paged_attention_reference
 from kv8.cache.codec import KVCodec
@@ -467,17 +468,59 @@ def test_split_rule_counts_real_programs() -> None:
 
 
 def test_mixed_batch_launches_decode_rows_apart() -> None:
-    """A batch with a prefill chunk launches the kernel twice over the same arguments: decode tiles (16 rows, 64
-    FP8 keys, 2 warps) for the sequences of <= 16 // group = 4 new tokens, prefill tiles (64 rows = 16 tokens x 4
-    heads, 4 warps) for the others; each grid covers the whole batch (the host reads no lengths). The interpreter
-    tests' mixed batches run both launches."""
+    """A batch with a prefill chunk and decode rows launches the kernel twice over the same arguments: decode tiles
+    (16 rows, 64 FP8 keys, 2 warps) for the sequences of <= 16 // group = 4 new tokens, prefill tiles (64 rows = 16
+    tokens x 4 heads, 4 warps) for the others; each grid covers the whole batch (the host reads no lengths). A
+    batch without decode rows (``min_query_len`` > 4: a pure prefill) makes only the prefill launch, the same
+    kernel; one without prefill rows only the decode one. The interpreter tests' mixed batches run both launches."""
     from tests.helpers.sm90 import llama_attention_launches
-    decode, prefill = llama_attention_launches("fp8_e4m3", "prefill")    # one 2048-token chunk
+    decode, prefill = llama_attention_launches("fp8_e4m3", "mixed")      # 31 decode rows, one 2048-token chunk
     assert (decode.kwargs["Q_LEN_MIN"], decode.kwargs["Q_LEN_MAX"]) == (0, 4)
     assert (decode.kwargs["BLOCK_M"], decode.kwargs["TILE_N"], decode.kwargs["num_warps"]) == (16, 64, 2)
-    assert decode.grid == (2048 // 4 + 1, 8, 1) and decode.args == prefill.args
+    assert decode.grid == (2079 // 4 + 32, 8, 1) and decode.args == prefill.args
     assert prefill.kwargs["Q_LEN_MIN"] == 5 and (prefill.kwargs["BLOCK_M"], prefill.kwargs["num_warps"]) == (64, 4)
-    assert prefill.grid == (2048 // 16 + 1, 8, 1)                        # 16 tokens x 4 heads per tile
+    assert prefill.grid == (2079 // 16 + 32, 8, 1)                       # 16 tokens x 4 heads per tile
+    only, = llama_attention_launches("fp8_e4m3", "prefill")              # one 2048-token chunk: no decode launch
+    assert only.kwargs == prefill.kwargs and only.grid == (2048 // 16 + 1, 8, 1)
+    decode_only = llama_attention_launches("fp8_e4m3", "decode")          # 32 rows at 4k: tiles and a split merge
+    assert [x.kernel for x in decode_only] == [triton_attention._paged_attention_kernel,
+                                                triton_attention._merge_splits_kernel]
+    assert decode_only[0].kwargs["Q_LEN_MAX"] > 2 ** 30 and decode_only[0].kwargs["BLOCK_M"] == 16
+
+
+@pytest.mark.parametrize(("batch", "attention_launches"), [
+    (Batch((19, 12), (19, 40)), 1),                # prefill only: a fresh prompt and a chunk over cached context
+    (Batch((1, 12, 0), (37, 40, 5)), 2),           # a decode row beside the chunk (and an empty row)
+    (Batch((1, 1), (37, 16)), 1),                  # decode only
+], ids=["prefill", "mixed", "decode"])
+def test_the_backend_makes_no_launch_without_rows(batch: Batch, attention_launches: int,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """Through the engine's triton backend (lengths from the metadata), counted at the launcher: a batch gets a
+    decode-tiled launch only if it has decode rows (<= 16 // group = 8 new tokens) and a prefill launch only if it
+    has longer runs; the output is the reference's all the same."""
+    if not INTERPRETED:
+        pytest.skip("CPU tensors need the interpreter")
+    from kv8.attention.triton import TritonBackend
+    from kv8.kernels.triton.launch import Launch
+
+    p = _build("fp8_e4m3", torch.bfloat16, batch=batch, seed=3)
+    ran: list[Launch] = []
+    run = Launch.run
+
+    def counted(launch: Launch) -> None:
+        ran.append(launch)
+        run(launch)
+
+    monkeypatch.setattr(Launch, "run", counted)
+    t = p.num_tokens
+    g = torch.Generator().manual_seed(4)
+    key, value = (torch.randn(t, 2, 64, generator=g).to(torch.bfloat16) for _ in range(2))
+    out = TritonBackend(CPU).forward(p.query[:t], key, value, p.cache, 0, p.meta, p.scale)
+    attention = [x for x in ran if x.kernel is triton_attention._paged_attention_kernel]
+    assert len(attention) == attention_launches, [x.kwargs["BLOCK_M"] for x in attention]
+    assert [x.kernel for x in ran].count(triton_store._store_kv_kernel) == 1
+    ref = paged_attention_reference(p.query[:t], p.cache, 0, p.meta, p.scale)
+    torch.testing.assert_close(out.float(), ref.float(), **_tolerance(p))
 
 
 def _valid_kwargs() -> dict:
@@ -514,6 +557,7 @@ def _bad_cases() -> list[tuple[str, dict, str]]:
         ("too many splits", {"num_kv_splits": MAX_KV_SPLITS + 1}, "num_kv_splits"),
         ("window", {"sliding_window": 0}, "sliding_window"),
         ("max_query_len", {"max_query_len": -1}, "max_query_len"),
+        ("min_query_len", {"min_query_len": 3}, r"min_query_len=3 must be an int in \[0, 2\]"),
         ("scale", {"scale": float("nan")}, "scale="),
         ("format layout", {"fp8": FP8Format(
             name="fp8_e5m2fnuz", exponent_bits=5, mantissa_bits=2, exponent_bias=16, max_finite=57344.0,

@@ -532,7 +532,7 @@ def unified_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
                       fp8: FP8Layout | None, k_scale: torch.Tensor | None = None,
                       v_scale: torch.Tensor | None = None, k_token_scales: torch.Tensor | None = None,
                       v_token_scales: torch.Tensor | None = None, num_kv_splits: int | None = None,
-                      platform: Platform | None = None) -> torch.Tensor:
+                      platform: Platform | None = None, min_query_len: int | None = None) -> torch.Tensor:
     """Paged attention of a mixed batch into ``out``; returns ``out``.
 
     query/out ``[T, Hq, D]`` (bfloat16, float16 or float32, same dtype; already in the stored basis); k_cache/v_cache
@@ -540,7 +540,11 @@ def unified_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     bfloat16/float16/float32 values with ``fp8=None``; ``query_start_loc [B + 1]``, ``seq_lens [B]``, ``block_tables
     [B, max_blocks]`` int32/int64 as :class:`kv8.attention.metadata.AttentionMetadata` describes them (with a
     window, table entries before a sequence's first needed block are never read). ``max_query_len`` /
-    ``max_seq_len`` size the tiles and the split heuristic only (results do not depend on them). FP8 needs either
+    ``max_seq_len`` size the tiles and the split heuristic only (results do not depend on them).
+    ``min_query_len``: the shortest run of new tokens among the sequences that have any, where the caller knows it
+    (None: unknown); a batch it says has no decode rows makes no launch for them (:func:`plan_launches`). Unchecked
+    against the tensors, like ``max_query_len``, but unlike it a promise: a sequence with fewer new tokens may be
+    left unattended. FP8 needs either
     static ``k_scale``/``v_scale`` (broadcastable to ``[Hkv, D]``) or dynamic ``k_token_scales``/``v_token_scales``
     ``[num_blocks, Hkv, bs]`` float32; a 16/32-bit cache takes none. ``num_kv_splits``: key segments per query tile
     (1 = no split-K; None = :func:`choose_num_kv_splits`). ``platform``: the device's facts (its native FP8
@@ -605,6 +609,7 @@ def unified_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
         check_number("scale", scale)
         check_int("sliding_window", sliding_window, 1, optional=True)   # None: full causal attention
         check_int("num_kv_splits", num_kv_splits, 1, MAX_KV_SPLITS, optional=True)   # None: the heuristic
+        check_int("min_query_len", min_query_len, 0, max(max_query_len, 0), optional=True)   # None: unknown
     except ValueError as e:
         raise _fail(str(e)) from None
 
@@ -627,7 +632,7 @@ def unified_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
         query, k_cache, v_cache, out, query_start_loc=query_start_loc, seq_lens=seq_lens, block_tables=block_tables,
         max_query_len=max_query_len, max_seq_len=max_seq_len, scale=scale, sliding_window=sliding_window, fp8=fp8,
         k_scale=k_scale, v_scale=v_scale, k_token_scales=k_token_scales, v_token_scales=v_token_scales,
-        num_kv_splits=num_kv_splits, platform=platform or _platform_of(device))
+        num_kv_splits=num_kv_splits, platform=platform or _platform_of(device), min_query_len=min_query_len)
     for launch in launches:
         launch.run()
     return out
@@ -638,7 +643,7 @@ def plan_launches(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
                   max_query_len: int, max_seq_len: int, scale: float, sliding_window: int | None,
                   fp8: FP8Layout | None, k_scale: torch.Tensor | None, v_scale: torch.Tensor | None,
                   k_token_scales: torch.Tensor | None, v_token_scales: torch.Tensor | None,
-                  num_kv_splits: int | None, platform: Platform) -> list[Launch]:
+                  num_kv_splits: int | None, platform: Platform, min_query_len: int | None = None) -> list[Launch]:
     """The launches :func:`unified_attention` makes for these (already validated) arguments, in order, for the
     device ``platform`` describes (its native FP8 conversions: :func:`~kv8.kernels.triton.dequant.
     native_fp8_supported`; its compute units, for the split) -- so a compile check can build exactly these kernels
@@ -705,7 +710,9 @@ def plan_launches(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     # A mixed batch whose decode rows would get other tiles than its prefill chunks (launch_config) runs as two
     # launches over the same arguments: the decode launch's programs serve the sequences of at most decode_len new
     # tokens (a decode row, a short speculative run), the prefill launch's the others; each returns at once for
-    # the other's sequences. The host reads no lengths: both grids cover the whole batch.
+    # the other's sequences. The host reads no lengths: both grids cover the whole batch. A batch with no decode
+    # rows (min_query_len > decode_len: a pure prefill batch) makes only the prefill launch -- the same kernel as a
+    # mixed batch's; one with no prefill rows (max_query_len <= decode_len) only the decode-tiled one.
     decode_len = max(1, 16 // group)
     decode = make_variant(decode_len)
     if max_query_len > decode_len and decode.config != cfg:
@@ -718,6 +725,8 @@ def plan_launches(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
                    dict(**variant.constexprs(num_kv_splits, q_len_min=decode_len + 1), num_warps=cfg.num_warps,
                         num_stages=cfg.num_stages)),
         ]
+        if min_query_len is not None and min_query_len > decode_len:
+            launches = launches[1:]
     else:
         launches = [Launch(_paged_attention_kernel, (num_q_tiles, num_kv_heads, num_kv_splits), args,
                            dict(**variant.constexprs(num_kv_splits), num_warps=cfg.num_warps,
