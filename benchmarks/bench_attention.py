@@ -44,6 +44,11 @@ the scalar generic kernel every x86-64 CPU runs; ``x86-64-v3`` is the AVX2 kerne
 shapes: one prefill call (1 sequence x 1,024 new tokens, causal) and one decode call (32 sequences at 1,024 tokens
 of context), over an fp8_e4m3 and a bf16 cache, ``--rounds`` rounds alternating the builds (order rotated each
 round); the median per cell with its min-max, GFLOP/s, and each build's time over the first build's.
+
+``--tables formats``: every KV format on the native library (fp8_e4m3 with scale 1.0, fp8_e4m3 with dynamic
+scales, int8_per_token_head, int4_per_token_head, bfloat16), side by side on SmolLM2 shapes: prefill 1 x 1,024,
+decode 32 x 1,024 and decode 1 x 8,192, ``--rounds`` rounds rotating the formats' order; medians (min-max) and each
+format's time over the fp8 cache's.
 """
 
 from __future__ import annotations
@@ -180,20 +185,25 @@ def print_gemma(batches: list[int], contexts: list[int], args: argparse.Namespac
 PREFILL_SHAPES = [(2, 1024, 1024), (1, 512, 2048)]  # (sequences, new tokens, context) of the prefill rows
 
 
-def prefill_cache(kv_name: str, n_layers: int, batch: int, q_len: int,
-                  ctx: int) -> tuple[PagedKVCache, AttentionMetadata]:
+def prefill_cache(kv_name: str, n_layers: int, batch: int, q_len: int, ctx: int,
+                  dynamic: bool = False) -> tuple[PagedKVCache, AttentionMetadata]:
     """SmolLM2-shaped caches of ``batch`` sequences of ``ctx`` tokens, the last ``q_len`` of them new. K and V
-    are N(0, 1) values stored through the codec (scale 1), so the scores spread as a model's do; uniform FP8
-    codes (fill_random) would make every softmax row one-hot and most exponentials underflow."""
+    are N(0, 1) values stored through the codec (scale 1, or a scale per token and head with ``dynamic`` and for
+    int8), so the scores spread as a model's do; uniform FP8 codes (fill_random) would make every softmax row
+    one-hot and most exponentials underflow."""
     kv = resolve_kv_cache_dtype(kv_name, torch.bfloat16)
     blocks_per_seq = -(-ctx // BS)
+    static = kv.is_fp8 and not dynamic
     cache = PagedKVCache(CacheShape(n_layers, batch * blocks_per_seq, HKV, BS, D),
-                         KVCodec.build(kv, D, scales=KVScales.default(n_layers) if kv.is_fp8 else None))
+                         KVCodec.build(kv, D, scale_mode="dynamic" if dynamic else "static",
+                                       scales=KVScales.default(n_layers) if static else None))
     for layer in range(n_layers):
         for which in range(2):
             x = torch.randn(batch * blocks_per_seq * BS, HKV, D)
-            stored, _ = cache.codec.encode(x, layer, which)
-            cache.data[layer, which].copy_(stored.view(-1, BS, HKV, D).transpose(1, 2))
+            stored, ts = cache.codec.encode(x, layer, which)
+            cache.data[layer, which].copy_(stored.view(-1, BS, HKV, cache.cache_width).transpose(1, 2))
+            if ts is not None and cache.token_scales is not None:
+                cache.token_scales[layer, which].copy_(ts.view(-1, BS, HKV).transpose(1, 2))
     perm = torch.randperm(batch * blocks_per_seq).view(batch, blocks_per_seq).tolist()
     meta = AttentionMetadata.build([q_len] * batch, [ctx] * batch, perm, BS)
     return cache, meta
@@ -287,6 +297,50 @@ def print_builds(args: argparse.Namespace) -> None:
               "".join(f"{med[m] / med[marches[0]]:>22.2f}" for m in marches[1:]), flush=True)
 
 
+#: --tables formats: each KV format (kv_cache_dtype, dynamic scales, label)
+FORMATS = (("fp8_e4m3", False, "fp8"), ("fp8_e4m3", True, "fp8+dynamic"), ("int8_per_token_head", True, "int8"),
+           ("int4_per_token_head", True, "int4"), ("bfloat16", False, "bf16"))
+
+
+def print_formats(args: argparse.Namespace) -> None:
+    """Each KV format on the native library, side by side on SmolLM2 shapes, alternating rounds."""
+    lib = load_kernels()
+    scale = D ** -0.5
+    shapes = (("prefill 1 x 1024", 1, 1024, 1024), ("decode 32 x 1024", 32, 1, 1024), ("decode 1 x 8192", 1, 1, 8192))
+    cases: dict[tuple[str, str], tuple[PagedKVCache, AttentionMetadata, torch.Tensor]] = {}
+    for shape, batch, q_len, ctx in shapes:
+        q = torch.randn(batch * q_len, HQ, D, dtype=torch.bfloat16)
+        for kv_name, dynamic, label in FORMATS:
+            nbytes = batch * ctx * HKV * D * 2 * resolve_kv_cache_dtype(kv_name, torch.bfloat16).bits_per_value // 8
+            nl = 2 if q_len > 1 else layers_for(nbytes, args.footprint_mb << 20, cap=64)
+            cache, meta = prefill_cache(kv_name, nl, batch, q_len, ctx, dynamic)
+            cases[shape, label] = (cache, meta, q)
+    labels = [label for _, _, label in FORMATS]
+    times: dict[tuple[str, str], list[float]] = {key: [] for key in cases}
+    for r in range(args.rounds):
+        for shape, *_ in shapes:
+            for label in labels[r % len(labels):] + labels[:r % len(labels)]:
+                cache, meta, q = cases[shape, label]
+                call = lambda i, c=cache, m=meta, x=q: lib.attention(x, c, i, m, scale)  # noqa: E731
+                times[shape, label].append(timeit(call, cache.shape.num_layers, args.min_time))
+    print()
+    ints = KernelTesting(lib).item_kernel("int4_per_token_head", torch.bfloat16, D)
+    print(f"KV formats, SmolLM2 shapes (Hq={HQ} Hkv={HKV} D={D} block={BS}, q bf16), item kernel "
+          f"{kernel_name(lib)} (int8, int4: {ints}); "
+          f"medians of {args.rounds} alternating rounds (min-max), microseconds per layer call; x/fp8 = time over "
+          "the fp8 cache's")
+    hdr = f"{'call':<18}" + "".join(f"{label:>24}" for label in labels) + "".join(
+        f"{label + '/fp8':>18}" for label in labels[1:])
+    print(hdr)
+    print("-" * len(hdr))
+    for shape, *_ in shapes:
+        med = {label: statistics.median(times[shape, label]) for label in labels}
+        spread = {x: f"{med[x] * 1e6:.1f} ({min(times[shape, x]) * 1e6:.0f}-{max(times[shape, x]) * 1e6:.0f})"
+                  for x in labels}
+        cells = "".join(f"{spread[x]:>24}" for x in labels)
+        print(f"{shape:<18}{cells}" + "".join(f"{med[x] / med['fp8']:>18.2f}" for x in labels[1:]), flush=True)
+
+
 def kernel_name(lib: KernelLibrary) -> str:
     """Which item kernel serves a prefill item of the library (bf16 compute, head_dim 64, an FP8 cache)."""
     return KernelTesting(lib).item_kernel("fp8_e4m3", torch.bfloat16, D)
@@ -378,7 +432,7 @@ def main() -> None:
     ap.add_argument("--blocks", choices=["scattered", "contiguous"], default="scattered",
                     help="SmolLM2 decode rows: each sequence's blocks scattered over the cache (default) or at "
                          "ascending addresses (a prompt's blocks in the engine)")
-    ap.add_argument("--tables", nargs="*", choices=["smollm2", "gemma3", "smollm2-prefill", "builds"],
+    ap.add_argument("--tables", nargs="*", choices=["smollm2", "gemma3", "smollm2-prefill", "builds", "formats"],
                     default=["smollm2", "gemma3"],
                     help="which tables to print (default: smollm2 and gemma3, the decode tables)")
     ap.add_argument("--gemma-batch", type=int, nargs="*", default=None,
@@ -386,7 +440,8 @@ def main() -> None:
     ap.add_argument("--prefill-chunk", type=int, default=512, help="new tokens of a Gemma-3 prefill row")
     ap.add_argument("--builds", nargs="+", default=["native", "x86-64-v2"], metavar="MARCH",
                     help="--tables builds: the -march targets to compare (default: native x86-64-v2)")
-    ap.add_argument("--rounds", type=int, default=5, help="--tables builds: alternating rounds (default 5)")
+    ap.add_argument("--rounds", type=int, default=5,
+                    help="--tables builds / formats: alternating rounds (default 5)")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -403,6 +458,8 @@ def main() -> None:
         print_smollm2_prefill(args)
     if "builds" in args.tables:
         print_builds(args)
+    if "formats" in args.tables:
+        print_formats(args)
 
 
 if __name__ == "__main__":

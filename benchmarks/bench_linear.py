@@ -12,6 +12,10 @@ them to bf16 on the fly), on the same path. The ``fp32 ms`` and ``fp32/kv8`` col
 same weights widened at load (the ``torch_fp32`` dense backend, twice the bytes: the choice on CPUs whose torch has
 no fast bf16 GEMM); the header names the kernels' path (``avx512``: AMX tiles or ``vdpbf16ps``; ``avx2``: fp32 FMA).
 
+``--shapes`` multiplies other matrices (``OUTxIN`` each, e.g. ``4096x4096,14336x4096``: an 8B model's q/o and up
+projections; use ``--layers 1`` for large ones). ``--no-torch-bf16`` leaves out the bf16 ``F.linear`` columns
+(``-``), which take minutes at prefill row counts on CPUs without native bf16 GEMMs.
+
 ``--before REV`` also builds the dense kernel library as of git revision REV (a temporary ``git worktree``;
 REV's dense library must have the current wrapper's argument structs: its layout is checked at load), packs the same
 weights with it and times it in the same passes: columns ``before ms`` and ``speed-up`` (before / now), and
@@ -19,6 +23,7 @@ the same for the FP8 weights (``fp8 before``), a kernel change's effect under th
 
     .venv/bin/python benchmarks/bench_linear.py
     .venv/bin/python benchmarks/bench_linear.py --rows 8,32,2048 --before HEAD~1
+    .venv/bin/python benchmarks/bench_linear.py --rows 1,512 --shapes 4096x4096,14336x4096 --layers 1 --no-torch-bf16
 """
 
 from __future__ import annotations
@@ -43,6 +48,17 @@ from kv8.layers.linear import LinearBase
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # (out, in) per layer, SmolLM2-135M
 
 
+def parse_shapes(text: str) -> list[tuple[int, int]]:
+    """``"960x576,576x576"`` -> ``[(960, 576), (576, 576)]`` (out, in): positive integers."""
+    shapes = []
+    for part in text.split(","):
+        out, _, inp = part.strip().partition("x")
+        if not (out.isdigit() and inp.isdigit() and int(out) > 0 and int(inp) > 0):
+            raise argparse.ArgumentTypeError(f"{part!r} is not OUTxIN with positive integers, e.g. 4096x4096")
+        shapes.append((int(out), int(inp)))
+    return shapes
+
+
 def best_of(fns: dict[str, Callable[[], None]], reps: int) -> dict[str, float]:
     """Best time of each function over ``reps`` passes, the functions taking turns within each pass (so a
     change in the machine's speed during the run touches them alike); one untimed call of each first."""
@@ -62,6 +78,10 @@ def main() -> None:
     ap.add_argument("--rows", default="1,4,8,16,32,64,256,2048", help="comma-separated M values")
     ap.add_argument("--layers", type=int, default=30)
     ap.add_argument("--before", metavar="REV", help="also time the kernels as of this git revision")
+    ap.add_argument("--shapes", type=parse_shapes, default=SHAPES,
+                    help="comma-separated OUTxIN matrices per layer (default: SmolLM2-135M's)")
+    ap.add_argument("--no-torch-bf16", dest="torch_bf16", action="store_false",
+                    help="leave out bf16 F.linear (the torch columns print -)")
     args = ap.parse_args()
     with contextlib.ExitStack() as stack:
         before = None
@@ -95,7 +115,7 @@ def packed_layers(weights: list[list[torch.Tensor]], backend: DenseBackend) -> l
 def run(args: argparse.Namespace, before: DenseKernels | None) -> None:
     backend = select_dense_backend("packed_bf16", torch.bfloat16)
     torch.manual_seed(0)
-    weights = [[torch.randn(n, k).bfloat16() for n, k in SHAPES] for _ in range(args.layers)]
+    weights = [[torch.randn(n, k).bfloat16() for n, k in args.shapes] for _ in range(args.layers)]
     packed = packed_layers(weights, backend)
     weights_f32 = [[w.float() for w in layer] for layer in weights]
     nbytes = sum(w.numel() * 2 for layer in weights for w in layer)
@@ -108,7 +128,8 @@ def run(args: argparse.Namespace, before: DenseKernels | None) -> None:
     fp8_before = packed_layers(weights, DenseBackend("packed_bf16", before, "fp8")) if before is not None else []
     if before is not None:
         before.amx = amx
-    print(f"{args.layers} layers, {nbytes / 1e6:.0f} MB of bf16 weights, {torch.get_num_threads()} threads, "
+    shapes = "" if args.shapes == SHAPES else " (" + ", ".join(f"{n}x{k}" for n, k in args.shapes) + " each)"
+    print(f"{args.layers} layers{shapes}, {nbytes / 1e6:.0f} MB of bf16 weights, {torch.get_num_threads()} threads, "
           f"kv8 path: {kernels.isa} ({'AMX tiles' if amx else 'vdpbf16ps' if kernels.isa == 'avx512' else 'fp32 FMA'})"
           + (f"; before = kv8's kernels as of {args.before}" if before is not None else ""))
     extra = f" {'fp8 ms':>8} {'bf16/fp8':>9} {'fp32 ms':>9} {'fp32/kv8':>9} {'fp32/fp8':>9}"
@@ -117,7 +138,7 @@ def run(args: argparse.Namespace, before: DenseKernels | None) -> None:
     print(f"{'M':>6} {'torch ms':>10} {'kv8 ms':>10} {'torch GB/s':>11} {'kv8 GB/s':>10} {'speed-up':>9}{extra}")
     with torch.inference_mode():
         for m in (int(v) for v in args.rows.split(",")):
-            xs = {k: torch.randn(m, k).bfloat16() for k in {k for _, k in SHAPES}}
+            xs = {k: torch.randn(m, k).bfloat16() for k in {k for _, k in args.shapes}}
             reps = 5 if m <= 256 else 2
 
             def run_torch(xs: dict[int, torch.Tensor] = xs) -> None:
@@ -151,16 +172,21 @@ def run(args: argparse.Namespace, before: DenseKernels | None) -> None:
                 finally:
                     kernels.amx = True
 
-            fns = {"torch": run_torch, "kv8": run_kv8, "fp8": run_fp8, "fp32": run_fp32}
+            fns: dict[str, Callable[[], None]] = {"torch": run_torch} if args.torch_bf16 else {}
+            fns.update({"kv8": run_kv8, "fp8": run_fp8, "fp32": run_fp32})
             if amx:
                 fns["vdpbf16ps"] = run_avx512
             if before is not None:
                 fns["before"] = run_before
                 fns["fp8 before"] = run_fp8_before
             t = best_of(fns, reps)
-            t_torch, t_kv8 = t["torch"], t["kv8"]
-            row = (f"{m:>6} {t_torch * 1e3:>10.2f} {t_kv8 * 1e3:>10.2f} {nbytes / t_torch / 1e9:>11.1f} "
-                   f"{nbytes / t_kv8 / 1e9:>10.1f} {t_torch / t_kv8:>9.2f} {t['fp8'] * 1e3:>8.2f} "
+            t_kv8 = t["kv8"]
+            if "torch" in t:
+                torch_cols = (f"{t['torch'] * 1e3:>10.2f} {t_kv8 * 1e3:>10.2f} {nbytes / t['torch'] / 1e9:>11.1f} "
+                              f"{nbytes / t_kv8 / 1e9:>10.1f} {t['torch'] / t_kv8:>9.2f}")
+            else:
+                torch_cols = f"{'-':>10} {t_kv8 * 1e3:>10.2f} {'-':>11} {nbytes / t_kv8 / 1e9:>10.1f} {'-':>9}"
+            row = (f"{m:>6} {torch_cols} {t['fp8'] * 1e3:>8.2f} "
                    f"{t_kv8 / t['fp8']:>9.2f} {t['fp32'] * 1e3:>9.2f} {t['fp32'] / t_kv8:>9.2f} "
                    f"{t['fp32'] / t['fp8']:>9.2f}")
             if amx:

@@ -36,7 +36,8 @@ OTHER = dict(model="some-model", dtype="float32", kv_cache_dtype="fp8_e5m2", qua
              enable_prefix_caching=False, max_num_seqs=3, max_num_batched_tokens=99, max_model_len=77, seed=5,
              attention_backend="reference",
              dense_backend="packed_bf16", kv_cache_scale_mode="dynamic", kv_cache_rotation="hadamard",
-             kv_cache_dtype_skip_layers="1", disable_hybrid_kv_cache_manager=True, tensor_parallel_size=2,
+             kv_cache_dtype_skip_layers="1", kv_cache_plan="plan.json", disable_hybrid_kv_cache_manager=True,
+             tensor_parallel_size=2,
              cpu_threads_per_rank=3, quantization="fp8", adaptive_cpu_threads=False, device="cpu",
              load_format="dummy", enforce_eager=True)
 

@@ -6,7 +6,9 @@ per pool, the free-memory check), ``kv8 info`` (the capacity table), and the too
 
 Units::
 
-    token bytes   one token of one layer: K and V of the rank's KV heads, codes plus per-token scales
+    token bytes   one token of one layer: K and V of the rank's KV heads, codes plus per-token scales, in the
+                  layer's spec (format, scales: :class:`kv8.cache.plan.KVPlan`); the same for every layer of a pool
+    bytes/token   the sum over the model's layers of their token bytes (a plan mixes formats)
     block bytes   one block of a pool: num_slots layers x block_size tokens x token bytes
     budget        bytes (kv_cache_memory, or the default) or blocks (num_kv_blocks)
 
@@ -22,7 +24,8 @@ tensor-parallel rank gets the same blocks), so the two come from the architectur
 :meth:`KVBudget.check_fits_memory` checks the cache against the memory free once the weights are in.
 
 Invariant: ``num_blocks()`` gives each pool at least the blocks one ``max_model_len`` sequence needs in it, or
-raises ``ValueError`` naming the option that set the budget.
+raises ``ValueError`` naming the option that set the budget; with several pools (a plan, skipped layers) the
+budget is split between them by what one ``max_model_len`` sequence needs in each (:meth:`KVBudget.split`).
 """
 
 from __future__ import annotations
@@ -30,11 +33,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kv8.cache.codec import KVCodec
 from kv8.cache.config import CacheConfig
 from kv8.cache.layout import KVCacheLayout
+from kv8.cache.plan import KVPlan
 from kv8.platform import CPU, Platform
-from kv8.quant.formats import KVCacheDtype
 from kv8.validators import format_bytes
 
 __all__ = ["DEFAULT_MAX_MODEL_LEN", "NO_RESERVE", "DeviceReserve", "KVBudget", "blocks_to_hold",
@@ -97,11 +99,13 @@ class KVBudget:
     """The sizes of one rank's KV cache. Build it with :meth:`build`; the engine's comes from
     :meth:`kv8.engine.config.EngineConfig.kv_budget`.
 
-    ``token_bytes[p]``: bytes of one token of one layer in pool ``p``; ``chunk``: the most tokens one prefill
-    step stores for a sequence (sliding-window groups free blocks before the window of a chunk's first token).
+    ``plan``: each layer's spec (pool ``p`` stores spec ``plan.specs[layout.pools[p].spec]``); ``token_bytes[p]``:
+    bytes of one token of one layer in pool ``p``; ``chunk``: the most tokens one prefill step stores for a sequence
+    (sliding-window groups free blocks before the window of a chunk's first token).
     """
 
     cache: CacheConfig
+    plan: KVPlan
     layout: KVCacheLayout
     token_bytes: tuple[int, ...]
     max_model_len: int
@@ -111,19 +115,18 @@ class KVBudget:
 
     @classmethod
     def build(cls, cache: CacheConfig, layer_windows: Sequence[int | None], *, head_dim: int, kv_heads: int,
-              compute_kv_dtype: KVCacheDtype, max_model_len: int, max_num_batched_tokens: int,
-              skipped: Sequence[bool] = (), platform: Platform = CPU,
-              reserve: DeviceReserve = NO_RESERVE) -> KVBudget:
-        """The budget of a cache with these options for a model of these layers (``skipped[i]``: layer ``i`` is
-        stored in ``compute_kv_dtype``), ``kv_heads`` KV heads of ``head_dim`` on this rank; ``reserve``: what the
-        rank's weights and activations take on a GPU (the default budget there leaves it out)."""
-        layout = KVCacheLayout.build(layer_windows, skipped, cache.hybrid)
-        token_bytes = []
-        for pool in layout.pools:
-            kv_dtype = compute_kv_dtype if pool.skipped else cache.kv_dtype
-            per_head = KVCodec.bytes_per_head(kv_dtype, head_dim, cache.dynamic_scales and not pool.skipped)
-            token_bytes.append(2 * kv_heads * per_head)
-        return cls(cache, layout, tuple(token_bytes), max_model_len, min(max_num_batched_tokens, max_model_len),
+              max_model_len: int, max_num_batched_tokens: int, plan: KVPlan | None = None,
+              platform: Platform = CPU, reserve: DeviceReserve = NO_RESERVE) -> KVBudget:
+        """The budget of a cache with these options for a model of these layers, each stored as ``plan`` says
+        (None: every layer in ``cache.default_spec``), ``kv_heads`` KV heads of ``head_dim`` on this rank;
+        ``reserve``: what the rank's weights and activations take on a GPU (the default budget there leaves it
+        out)."""
+        plan = plan or KVPlan.build(cache.default_spec, len(layer_windows))
+        if plan.num_layers != len(layer_windows):
+            raise ValueError(f"a KV plan of {plan.num_layers} layers for a model of {len(layer_windows)}")
+        layout = KVCacheLayout.build(layer_windows, plan.layer_spec, cache.hybrid)
+        token_bytes = tuple(plan.specs[p.spec].token_bytes(head_dim, kv_heads) for p in layout.pools)
+        return cls(cache, plan, layout, token_bytes, max_model_len, min(max_num_batched_tokens, max_model_len),
                    platform, reserve)
 
     @property
@@ -133,9 +136,9 @@ class KVBudget:
 
     @property
     def bytes_per_token(self) -> int:
-        """Bytes one token takes in every layer together (sliding-window layers counted as if they kept it)."""
-        pool_of = {layer: p.pool_id for p in self.layout.pools for layer in p.layers}
-        return sum(self.token_bytes[pool_of[layer]] for layer in range(self.layout.num_layers))
+        """Bytes one token takes in every layer together, each layer in its own spec (sliding-window layers counted
+        as if they kept it)."""
+        return sum(self.token_bytes[p.pool_id] * len(p.layers) for p in self.layout.pools)
 
     def blocks_per_sequence(self) -> list[int]:
         """Blocks of each pool one ``max_model_len`` sequence holds at most (out-of-window blocks freed unless the
@@ -154,8 +157,8 @@ class KVBudget:
         return default_kv_cache_memory(self.platform)
 
     def split(self, memory: int) -> list[int]:
-        """Blocks per pool for ``memory`` bytes: one pool takes everything; two share it in proportion to what one
-        ``max_model_len`` sequence needs in each, so both run out at about the same load."""
+        """Blocks per pool for ``memory`` bytes: one pool takes everything; several share it in proportion to what
+        one ``max_model_len`` sequence needs in each, so all run out at about the same load."""
         need = [n * b for n, b in zip(self.blocks_per_sequence(), self.block_bytes)]
         return [int(memory * need[p] / sum(need)) // self.block_bytes[p] for p in range(len(need))]
 
@@ -165,8 +168,9 @@ class KVBudget:
         cc, block_bytes, needs = self.cache, self.block_bytes, self.blocks_per_sequence()
         if cc.num_kv_blocks is not None:
             if len(self.layout.pools) > 1:
-                raise ValueError("num_kv_blocks cannot size a cache with layers in two dtypes "
-                                 "(kv_cache_dtype_skip_layers); give kv_cache_memory instead")
+                raise ValueError(f"num_kv_blocks cannot size a cache with layers in {len(self.layout.pools)} pools of "
+                                 "different formats (kv_cache_dtype_skip_layers or kv_cache_plan); give "
+                                 "kv_cache_memory instead")
             num_blocks = [cc.num_kv_blocks]
             fix = f"raise num_kv_blocks to at least {needs[0]}, or lower max_model_len"
         else:
@@ -177,12 +181,17 @@ class KVBudget:
             fix = f"raise {which} (the cache needs at least {least}) or lower max_model_len"
         for p, n, need in zip(self.layout.pools, num_blocks, needs):
             if n < need:
-                stored = "the compute dtype" if p.skipped else cc.kv_dtype.name
+                stored = self.plan.specs[p.spec].describe()
                 raise ValueError(
                     f"the KV cache of {self._budget_option(sum(num_blocks))} has {n} blocks of {cc.block_size} "
                     f"tokens ({format_bytes(block_bytes[p.pool_id])} each in {stored}), fewer than max_model_len="
                     f"{self.max_model_len} needs ({need} blocks for one sequence); {fix}")
         return num_blocks
+
+    def pool_rows(self) -> list[tuple[str, tuple[int, ...], int]]:
+        """Per pool: its spec described, its layers, and the bytes one token takes in all of them."""
+        return [(self.plan.specs[p.spec].describe(), p.layers, self.token_bytes[p.pool_id] * len(p.layers))
+                for p in self.layout.pools]
 
     def check_fits_memory(self, num_blocks: Sequence[int]) -> None:
         """``ValueError`` naming the option that sized the cache when ``num_blocks[p]`` blocks of each pool need

@@ -6,10 +6,12 @@ A codec is a storage format plus how values are scaled and in which basis they a
     read    = decode(stored) * s       (in the stored basis; attention works there, see below)
 
 * format (:class:`kv8.quant.formats.KVCacheDtype`): FP8 (E4M3, E4M3FNUZ, E5M2: ``saturate(rne(.))`` to raw
-  ``uint8`` codes) or a 16/32-bit float (a plain cast, ``s = 1``);
+  ``uint8`` codes), int8 / int4 (``clamp(rne(.), -max, max)``, max 127 / 7, to ``int8`` codes or two 4-bit codes
+  per ``uint8``; always with dynamic scales) or a 16/32-bit float (a plain cast, ``s = 1``);
 * scales ``s``: *static* -- per layer, for K and V separately, per tensor, KV head or channel
-  (:class:`kv8.quant.scales.KVScales`) -- or *dynamic* -- one float32 per token and KV head, ``amax(|x|) /
-  format max`` (1.0 for an all-zero or non-finite vector), computed at store time and kept beside the codes;
+  (:class:`kv8.quant.scales.KVScales`, FP8 only) -- or *dynamic* -- one float32 per token and KV head,
+  ``amax(|x|) / format max`` (1.0 for an all-zero or non-finite vector), computed at store time and kept beside
+  the codes (FP8 with ``kv_cache_scale_mode="dynamic"``; int8 always);
 * basis ``R``: identity, or the orthonormal per-head Hadamard matrix (:mod:`kv8.quant.rotation`). Queries are
   rotated the same way and the attention output is rotated back (``R`` is its own inverse), so attention over
   the stored basis equals attention over the original one in exact arithmetic and nothing stored is ever
@@ -23,9 +25,10 @@ and ``kv8 eval``'s round-trip error (:meth:`KVCodec.round_trip`).
 
 Invariants (the options are checked by :class:`kv8.cache.config.CacheConfig` when the engine is built, the scales'
 fit and basis by :func:`kv8.cache.scale_sources.resolve_kv_scales`, and that scales are present or absent as the
-mode needs by :meth:`KVCodec.build`): dynamic scales and static scales exclude each other and both need an FP8
-format; an FP8 codec in static mode always has scales (1.0 when none were given); a rotation needs a power-of-two
-``head_dim``; static scales describe the codec's basis (1.0 fits every basis).
+mode needs by :meth:`KVCodec.build`): dynamic scales and static scales exclude each other; static scales need an
+FP8 format, dynamic ones a quantized format (FP8 or int8), and int8 is always dynamic; an FP8 codec in static mode
+always has scales (1.0 when none were given); a rotation needs a power-of-two ``head_dim``; static scales describe
+the codec's basis (1.0 fits every basis).
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from kv8.quant.formats import KVCacheDtype, dequantize, quantize
+from kv8.quant.formats import KVCacheDtype, dequantize, pack_int4, quantize, unpack_int4
 from kv8.quant.rotation import ROTATIONS, hadamard, rotate
 from kv8.quant.scales import KVScales
 
@@ -51,7 +54,7 @@ class KVCodec:
     kv_dtype: KVCacheDtype
     head_dim: int
     scales: KVScales | None = None          # static scales (FP8, static mode); None otherwise
-    dynamic: bool = False                   # per-token, per-head scales stored beside the codes
+    dynamic: bool = False                   # per-token, per-head scales stored beside the codes (int8: always)
     rotation_name: str = "none"
     rotation: torch.Tensor | None = None    # [D, D] orthonormal, float32; None = identity
     # the static scales' (k [L, H|1, D|1], v) on the codec's device (scales stay on the CPU: KVScales)
@@ -61,19 +64,25 @@ class KVCodec:
     def build(kv_dtype: KVCacheDtype, head_dim: int, *, scale_mode: str = "static", rotation: str = "none",
               scales: KVScales | None = None) -> KVCodec:
         """A codec for options already validated by :class:`kv8.cache.config.CacheConfig` (``scale_mode`` in
-        :data:`SCALE_MODES`, ``rotation`` in :data:`ROTATIONS`, dynamic scales only with FP8, a power-of-two
-        ``head_dim`` for a rotation). ``scales`` are the static scales (dropped for a 16/32-bit format: there is
-        nothing to scale); an FP8 format in static mode needs them -- 1.0 comes from :meth:`KVScales.default`,
-        never invented here."""
+        :data:`SCALE_MODES`, ``rotation`` in :data:`ROTATIONS`, dynamic scales only with a quantized format, a
+        power-of-two ``head_dim`` for a rotation). ``scales`` are the static scales (dropped for a 16/32-bit format:
+        there is nothing to scale); an FP8 format in static mode needs them -- 1.0 comes from
+        :meth:`KVScales.default`, never invented here. An int8 format is dynamic whatever ``scale_mode`` says (its
+        scales are per token and head by definition) and takes no static scales."""
+        if kv_dtype.bits_per_value == 4 and head_dim % 2:
+            raise ValueError(f"kv_cache_dtype={kv_dtype.name!r} packs two values per byte: it needs an even "
+                             f"head_dim, not {head_dim}")
         if scale_mode not in SCALE_MODES or rotation not in ROTATIONS:
             raise ValueError(f"scale_mode={scale_mode!r} / rotation={rotation!r}: allowed are "
                              f"{', '.join(SCALE_MODES)} / {', '.join(ROTATIONS)}")
-        dynamic = scale_mode == "dynamic"
-        if dynamic and not kv_dtype.is_fp8:
-            raise ValueError(f"dynamic scales need an FP8 format, not {kv_dtype.name}")
+        dynamic = scale_mode == "dynamic" or kv_dtype.per_token_scales
+        if dynamic and not kv_dtype.is_quantized:
+            raise ValueError(f"dynamic scales need a quantized format (FP8 or int8), not {kv_dtype.name}")
         if dynamic and scales is not None:
-            raise ValueError(f"kv_cache_scale_mode='dynamic' computes scales per token; static scales "
-                             f"({scales.source}) cannot be combined with it")
+            what = (f"kv_cache_dtype={kv_dtype.name!r}" if kv_dtype.per_token_scales
+                    else "kv_cache_scale_mode='dynamic'")
+            raise ValueError(f"{what} computes scales per token; static scales ({scales.source}) cannot be "
+                             "combined with it")
         if kv_dtype.is_fp8 and not dynamic and scales is None:
             raise ValueError("an FP8 KV cache in static scale mode needs scales (KVScales.default gives 1.0)")
         matrix = hadamard(head_dim) if rotation == "hadamard" else None
@@ -89,12 +98,18 @@ class KVCodec:
         rotation = None if self.rotation is None else self.rotation.to(device)
         return replace(self, rotation=rotation, device_scales=moved)
 
+    @property
+    def packed(self) -> bool:
+        """Two codes per stored byte (int4)."""
+        return self.kv_dtype.int_codes is not None and self.kv_dtype.int_codes.bits == 4
+
     # ---- sizes ----------------------------------------------------------------------------------------------
     @staticmethod
     def bytes_per_head(kv_dtype: KVCacheDtype, head_dim: int, dynamic: bool) -> int:
         """Bytes one token's K (or V) of one KV head occupies: its codes, plus its scale with dynamic scales
-        (``4 / head_dim`` overhead: 6.25% at head_dim 64)."""
-        return head_dim * kv_dtype.bytes_per_element + (DYNAMIC_SCALE_BYTES if dynamic else 0)
+        (``dynamic``, and always for int8: ``4 / head_dim`` overhead, 6.25% at head_dim 64)."""
+        scaled = dynamic or kv_dtype.per_token_scales
+        return head_dim * kv_dtype.bits_per_value // 8 + (DYNAMIC_SCALE_BYTES if scaled else 0)
 
     # ---- basis ----------------------------------------------------------------------------------------------
     def to_stored_basis(self, x: torch.Tensor) -> torch.Tensor:
@@ -113,8 +128,8 @@ class KVCodec:
     def token_scales(self, x: torch.Tensor) -> torch.Tensor:
         """Dynamic scales ``[T, H]`` float32 of values ``[T, H, D]``: ``amax / format max``, 1.0 where that is
         zero or not finite."""
-        fmt = self.kv_dtype.fp8
-        assert fmt is not None, "dynamic scales exist only for FP8 codecs"
+        fmt = self.kv_dtype.codes
+        assert fmt is not None, "dynamic scales exist only for quantized (FP8, int8) codecs"
         amax = x.float().abs().amax(dim=-1)
         # a tensor divisor: a true float32 division on every device (CUDA turns `/ python_float` into a multiply
         # by the rounded reciprocal, which differs in the last bit for about half the values)
@@ -124,27 +139,30 @@ class KVCodec:
     # ---- bytes ----------------------------------------------------------------------------------------------
     def encode(self, x: torch.Tensor, layer: int, which: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Values ``[T, H, D]`` (already in the stored basis) of ``which`` (:data:`K` or :data:`V`) in ``layer``
-        -> ``(stored [T, H, D], token scales [T, H] or None)``."""
-        fmt = self.kv_dtype.fp8
+        -> ``(stored [T, H, W], token scales [T, H] or None)``; ``W = kv_dtype.stored_width(D)`` (``D / 2``
+        bytes for int4: two codes per byte, :func:`kv8.quant.formats.pack_int4`)."""
+        fmt = self.kv_dtype.codes
         if fmt is None:
             return x.to(self.kv_dtype.storage_dtype), None
         if self.dynamic:
             ts = self.token_scales(x)
-            return quantize(x, ts.unsqueeze(-1), fmt), ts
+            codes = quantize(x, ts.unsqueeze(-1), fmt)
+            return (pack_int4(codes) if self.packed else codes), ts
         scales = self.layer_scales(layer)
         assert scales is not None
         return quantize(x, scales[which], fmt), None
 
     def decode(self, stored: torch.Tensor, layer: int, which: int, dtype: torch.dtype,
                token_scales: torch.Tensor | None = None) -> torch.Tensor:
-        """What :meth:`encode` stored ``[T, H, D]`` -> values in ``dtype`` (stored basis). ``token_scales``
-        ``[T, H]`` are the stored dynamic scales (required in dynamic mode)."""
-        fmt = self.kv_dtype.fp8
+        """What :meth:`encode` stored ``[T, H, W]`` -> values ``[T, H, D]`` in ``dtype`` (stored basis).
+        ``token_scales`` ``[T, H]`` are the stored dynamic scales (required in dynamic mode)."""
+        fmt = self.kv_dtype.codes
         if fmt is None:
             return stored.to(dtype)
         if self.dynamic:
             assert token_scales is not None, "a dynamic codec decodes with the stored token scales"
-            return dequantize(stored, token_scales.unsqueeze(-1), fmt, dtype=dtype)
+            codes = unpack_int4(stored) if self.packed else stored
+            return dequantize(codes, token_scales.unsqueeze(-1), fmt, dtype=dtype)
         scales = self.layer_scales(layer)
         assert scales is not None
         return dequantize(stored, scales[which], fmt, dtype=dtype)
@@ -152,19 +170,19 @@ class KVCodec:
     def round_trip(self, x: torch.Tensor, layer: int, which: int) -> tuple[torch.Tensor, int]:
         """``(read-back float32 [T, H, D], number of values clipped)`` for values ``[T, H, D]`` in the stored
         basis: what attention reads for ``x`` and how many of its values lay beyond the format's range
-        (``|x| / s > format max``; 0 for a 16/32-bit cache)."""
+        (``|x| / s > fmt.clip_limit``: the FP8 format's max, or int8's 127.5; 0 for a 16/32-bit cache)."""
         stored, ts = self.encode(x, layer, which)
         back = self.decode(stored, layer, which, torch.float32, ts)
-        fmt = self.kv_dtype.fp8
+        fmt = self.kv_dtype.codes
         if fmt is None:
             return back, 0
         scale = ts.unsqueeze(-1) if ts is not None else self.layer_scales(layer)[which]  # type: ignore[index]
-        return back, int(((x.float() / scale).abs() > fmt.max_finite).sum())
+        return back, int(((x.float() / scale).abs() > fmt.clip_limit).sum())
 
     def describe(self) -> str:
         """One line for logs: the scales' source and the basis."""
         scales = ("dynamic per token and head" if self.dynamic else
-                  self.scales.source if self.scales is not None else "none (not fp8)")
+                  self.scales.source if self.scales is not None else "none (not quantized)")
         return f"scales: {scales}; rotation {self.rotation_name}"
 
 

@@ -7,10 +7,14 @@ take them from here (:func:`kv8.options.from_config`), so an option's default an
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
+
+import torch
 
 from kv8.cache.codec import ROTATIONS, SCALE_MODES
+from kv8.cache.plan import KVPlanFile, KVSpec, read_plan_file
 from kv8.options import option
-from kv8.quant.formats import KV_CACHE_DTYPE_NAMES, KVCacheDtype
+from kv8.quant.formats import KV_CACHE_DTYPE_NAMES, KVCacheDtype, resolve_kv_cache_dtype
 from kv8.validators import check_bool, check_choice, check_int, check_number, is_int
 
 __all__ = ["SKIP_LAYER_KINDS", "CacheConfig"]
@@ -31,25 +35,32 @@ class CacheConfig:
     (:func:`kv8.cache.budget.default_kv_cache_memory`).
 
     ``kv_cache_scale_mode``: ``static`` -- per-layer scales (file, checkpoint, or 1.0); ``dynamic`` -- a scale per
-    token and KV head, computed when the token is stored (``amax / format max``) and kept beside it (FP8 only).
+    token and KV head, computed when the token is stored (``amax / format max``) and kept beside it. It applies to
+    FP8 caches; ``int8_per_token_head`` always has dynamic scales (:attr:`dynamic_scales`), whatever it says.
     ``kv_cache_rotation``: ``hadamard`` -- K and V are multiplied by an orthonormal per-head Hadamard matrix before
     they are stored; the same matrix is folded into q and undone on the attention output, so attention is unchanged
     in exact arithmetic while outliers are spread across channels before rounding. Needs a power-of-two head_dim
     (checked by :class:`kv8.engine.config.EngineConfig`, which knows the model).
 
     ``kv_cache_dtype_skip_layers``: layer indices and :data:`SKIP_LAYER_KINDS` whose layers stay in the compute
-    dtype while the rest are FP8. ``disable_hybrid_kv_cache_manager``: sliding-window layers keep every block
-    instead of only those inside their window (:attr:`hybrid` is its negation; attention is windowed either way).
+    dtype while the rest are quantized (FP8 or int8). ``kv_cache_plan``: a JSON file giving layers their own format
+    and rotation (:mod:`kv8.cache.plan`; read once, here, as :attr:`plan`; the layer indices are checked against the
+    model by :class:`kv8.engine.config.EngineConfig`); ``kv_cache_scale_mode`` and ``quantization_param_path`` then
+    apply to the plan's FP8 layers. ``disable_hybrid_kv_cache_manager``: sliding-window layers
+    keep every block instead of only those inside their window (:attr:`hybrid` is its negation; attention is
+    windowed either way).
 
     Invariants: ``block_size`` is a power of two; at most one of ``kv_cache_memory`` (bytes) and
     ``num_kv_blocks`` is set, and it is an int >= 1; ``gpu_memory_utilization`` is a number in (0, 1]; the scale
-    mode in :data:`SCALE_MODES`, the rotation in :data:`ROTATIONS`; dynamic scales, ``quantization_param_path``
-    and skipped layers need an FP8 ``kv_dtype``, and dynamic scales exclude a scales file.
+    mode in :data:`SCALE_MODES`, the rotation in :data:`ROTATIONS`; ``quantization_param_path`` needs an FP8
+    ``kv_dtype`` in static mode, dynamic scales and skipped layers a quantized one (FP8 or int8) -- with a plan,
+    an FP8 format named by ``kv_cache_dtype`` or the plan; a plan and skipped layers exclude each other.
     """
 
     kv_dtype: KVCacheDtype   # kv_cache_dtype resolved against the compute dtype
     kv_cache_dtype: str = option("auto", "KV cache storage: auto = the compute dtype; fp8 = fp8_e4m3 (1 byte per "
-                                 "value)", choices=KV_CACHE_DTYPE_NAMES)
+                                 "value); int8 = int8_per_token_head (1 byte per value, a scale per token and "
+                                 "head)", choices=KV_CACHE_DTYPE_NAMES)
     block_size: int = option(16, "tokens per KV block (a power of two)", type=int)
     kv_cache_memory: int | None = option(
         None, "KV cache budget: bytes or a size such as 2GiB (default: on CUDA what gpu_memory_utilization leaves; "
@@ -64,20 +75,35 @@ class CacheConfig:
         metavar="JSON")
     kv_cache_scale_mode: str = option(
         "static", "FP8 scales: static per layer (file, checkpoint or 1.0) or dynamic per token and head "
-        "(no calibration; +4 bytes per token, head and K/V)", choices=SCALE_MODES)
+        "(no calibration; +4 bytes per token, head and K/V); int8 is always dynamic", choices=SCALE_MODES)
     kv_cache_rotation: str = option(
         "none", "rotate K/V by a per-head Hadamard matrix before storing (more accurate FP8 on most models; see "
         "kv8 eval)", choices=ROTATIONS)
     kv_cache_dtype_skip_layers: tuple[int | str, ...] = option(
-        (), "layers kept in the compute dtype in an FP8 cache: comma-separated layer indices and/or "
+        (), "layers kept in the compute dtype in an FP8 or int8 cache: comma-separated layer indices and/or "
         "'sliding_window' (every sliding-window layer) or 'full_attention'", metavar="LAYERS")
+    kv_cache_plan: str | None = option(
+        None, 'per-layer KV formats and rotations: a JSON file {"kv8_kv_plan": 1, "layers": {"0": {"kv_cache_dtype": '
+        '"bfloat16"}, "5": {"kv_cache_dtype": "int4", "kv_cache_rotation": "hadamard"}}}; layers it does not name '
+        'use kv_cache_dtype and kv_cache_rotation', metavar="JSON")
     disable_hybrid_kv_cache_manager: bool = option(
         False, "keep every block of sliding-window layers instead of freeing those that leave the window",
         type=bool)
 
     @property
     def dynamic_scales(self) -> bool:
-        return self.kv_cache_scale_mode == "dynamic"
+        """Each stored token keeps a scale per KV head: ``kv_cache_scale_mode="dynamic"``, or an int8 cache."""
+        return self.kv_cache_scale_mode == "dynamic" or self.kv_dtype.per_token_scales
+
+    @property
+    def default_spec(self) -> KVSpec:
+        """How the layers that no plan or skip list names are stored (``kv_cache_dtype``, rotation, scale mode)."""
+        return KVSpec.of(self.kv_dtype, self.kv_cache_rotation, self.kv_cache_scale_mode)
+
+    @cached_property
+    def plan(self) -> KVPlanFile | None:
+        """The ``kv_cache_plan`` file, read (once: at construction) and its names checked; None without one."""
+        return None if self.kv_cache_plan is None else read_plan_file(self.kv_cache_plan)
 
     @property
     def hybrid(self) -> bool:
@@ -100,18 +126,48 @@ class CacheConfig:
             if entry not in SKIP_LAYER_KINDS and not (is_int(entry) and int(entry) >= 0):
                 raise ValueError(f"kv_cache_dtype_skip_layers entry {entry!r} must be a layer index >= 0 or one of: "
                                  f"{', '.join(SKIP_LAYER_KINDS)}")
-        if self.kv_dtype.is_fp8:
+        if self.kv_cache_plan is not None:
+            self._check_plan()
+            return
+        if self.kv_dtype.is_quantized:
             if self.dynamic_scales and self.quantization_param_path is not None:
-                raise ValueError("kv_cache_scale_mode='dynamic' computes scales per token; it cannot be combined with "
+                what = (f"kv_cache_dtype={self.kv_cache_dtype!r}" if self.kv_dtype.per_token_scales
+                        else "kv_cache_scale_mode='dynamic'")
+                raise ValueError(f"{what} computes scales per token; it cannot be combined with "
                                  f"quantization_param_path={self.quantization_param_path!r} (drop one of them)")
             return
         auto = f" (the {self.kv_dtype.name} compute dtype)" if self.kv_cache_dtype == "auto" else ""
         not_fp8 = (f"kv_cache_dtype={self.kv_cache_dtype!r}{auto} is not an FP8 format; set kv_cache_dtype='fp8' "
                    "(or fp8_e4m3 / fp8_e4m3fnuz / fp8_e5m2)")
         if self.dynamic_scales:
-            raise ValueError(f"kv_cache_scale_mode='dynamic' needs an FP8 cache, but {not_fp8}")
+            raise ValueError(f"kv_cache_scale_mode='dynamic' needs an FP8 cache, but {not_fp8} (or "
+                             "int8_per_token_head, which is always dynamic)")
         if self.quantization_param_path is not None:
             raise ValueError(f"quantization_param_path={self.quantization_param_path!r} gives FP8 KV scales, but "
                              f"{not_fp8} or drop quantization_param_path")
         if self.kv_cache_dtype_skip_layers:
-            raise ValueError(f"kv_cache_dtype_skip_layers keeps layers out of an FP8 cache, but {not_fp8}")
+            raise ValueError(f"kv_cache_dtype_skip_layers keeps layers out of a quantized cache, but {not_fp8} (or "
+                             "int8_per_token_head)")
+
+    def _check_plan(self) -> None:
+        """Read the plan file; the scale options against the FP8 formats that ``kv_cache_dtype`` and it name."""
+        if not isinstance(self.kv_cache_plan, str) or not self.kv_cache_plan:
+            raise ValueError(f"kv_cache_plan={self.kv_cache_plan!r} must be the path of a JSON plan file")
+        plan = self.plan
+        assert plan is not None
+        if self.kv_cache_dtype_skip_layers:
+            raise ValueError(f"kv_cache_plan={plan.path!r} and kv_cache_dtype_skip_layers both set layers' formats; "
+                             'give one of them (a plan keeps layer N in the compute dtype with "N": '
+                             '{"kv_cache_dtype": "auto"})')
+        named = [self.kv_dtype, *(resolve_kv_cache_dtype(n, torch.float32) for n in plan.kv_cache_dtypes())]
+        fp8 = any(d.is_fp8 for d in named)
+        dynamic = self.kv_cache_scale_mode == "dynamic"
+        neither = (f"neither kv_cache_dtype={self.kv_cache_dtype!r} nor kv_cache_plan={plan.path!r} names an FP8 "
+                   "format")
+        if dynamic and not fp8:
+            raise ValueError(f"kv_cache_scale_mode='dynamic' applies to a plan's FP8 layers, but {neither} (the int "
+                             "formats always keep scales per token)")
+        if self.quantization_param_path is not None and (dynamic or not fp8):
+            why = "kv_cache_scale_mode='dynamic' computes them per token" if dynamic else neither
+            raise ValueError(f"quantization_param_path={self.quantization_param_path!r} gives static scales for a "
+                             f"plan's FP8 layers, but {why}; drop one of them")

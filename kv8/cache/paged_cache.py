@@ -2,7 +2,9 @@
 
 Layout, one tensor for the layers the cache holds (``H`` = KV heads, ``D`` = head dim, ``bs`` = block size)::
 
-    data: [num_slots, 2 (K, V), num_blocks, H, bs, D]   dtype = storage dtype (uint8 codes for FP8)
+    data: [num_slots, 2 (K, V), num_blocks, H, bs, W]   dtype = storage dtype (uint8 codes for FP8)
+
+``W`` is ``D`` values, except for int4: ``D / 2`` bytes, two codes each (``KVCacheDtype.stored_width``).
 
 Model layer ``l`` lives in slot ``slots[l]``. Without a slot map every layer has its own slot (``num_slots =
 num_layers``); a hybrid layout (:mod:`kv8.cache.layout`) puts several layers in one slot, each reached
@@ -63,7 +65,8 @@ class PagedKVCache:
         # used in its attention), so the initial contents do not matter. Ordinary pages, unlike the weights
         # (kv8.host_memory): the cache is first touched while serving, where a fresh 2 MiB page costs more.
         self.data = torch.empty(num_slots, 2, shape.num_blocks, shape.num_kv_heads, shape.block_size,
-                                shape.head_dim, dtype=codec.kv_dtype.storage_dtype, device=self.device)
+                                codec.kv_dtype.stored_width(shape.head_dim), dtype=codec.kv_dtype.storage_dtype,
+                                device=self.device)
         self.token_scales: torch.Tensor | None = None
         if codec.dynamic:
             self.token_scales = torch.empty(num_slots, 2, shape.num_blocks, shape.num_kv_heads,
@@ -83,12 +86,17 @@ class PagedKVCache:
         return self.codec.dynamic
 
     @property
+    def cache_width(self) -> int:
+        """Elements of :attr:`data` one head's row takes (``head_dim``; int4: ``head_dim / 2`` bytes)."""
+        return self.codec.kv_dtype.stored_width(self.shape.head_dim)
+
+    @property
     def nbytes(self) -> int:
         extra = 0 if self.token_scales is None else self.token_scales.numel() * self.token_scales.element_size()
         return self.data.numel() * self.data.element_size() + extra
 
     def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(K cache, V cache) of one layer, each ``[num_blocks, H, bs, D]``."""
+        """(K cache, V cache) of one layer, each ``[num_blocks, H, bs, W]`` (``W = D``; int4: ``D / 2`` bytes)."""
         s = self.slots[layer]
         return self.data[s, 0], self.data[s, 1]
 
@@ -124,7 +132,7 @@ class PagedKVCache:
         """Read the first ``num_tokens`` tokens of one sequence, decoded: (K, V) each ``[num_tokens, H, D]``."""
         nb = -(-num_tokens // self.shape.block_size)
         idx = block_table[:nb]
-        h, d, slot = self.shape.num_kv_heads, self.shape.head_dim, self.slots[layer]
+        h, d, slot = self.shape.num_kv_heads, self.cache_width, self.slots[layer]
         out = []
         for which in (K, V):
             blocks = self.data[slot, which][idx]                                 # [nb, H, bs, D]

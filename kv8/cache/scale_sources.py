@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from kv8.cache.config import CacheConfig
+from kv8.cache.plan import KVSpec
 from kv8.quant.formats import E4M3, E4M3FNUZ, E5M2, KVCacheDtype
 from kv8.quant.scale_files import load_scales_file
 from kv8.quant.scales import TORCH_DTYPE_TO_FORMAT, KVScales, ModelScaleInfo, ScaleGranularity, check_fits
@@ -258,19 +259,23 @@ def resolve_kv_scales(
 
 def engine_kv_scales(cache: CacheConfig, model: ModelScaleInfo, checkpoint_tensors: Mapping[str, torch.Tensor],
                      hf_config: Mapping[str, Any], tp_rank: int = 0, tp_size: int = 1,
-                     kv_heads: tuple[int, int] | None = None) -> KVScales | None:
-    """The static scales an engine with cache settings ``cache`` uses: None with dynamic scales (the
-    checkpoint's static scales are then not used, which is logged) or a 16/32-bit cache, else
-    :func:`resolve_kv_scales` over the file, the checkpoint's scale tensors and 1.0. For tensor-parallel rank
-    ``tp_rank`` of ``tp_size`` holding KV heads ``kv_heads = (first, count)`` of ``model``: that rank's scales,
-    per-head and per-channel ones cut to its heads."""
+                     kv_heads: tuple[int, int] | None = None, spec: KVSpec | None = None) -> KVScales | None:
+    """The static scales of the layers an engine with cache settings ``cache`` stores in ``spec`` (default: the
+    cache's own, :attr:`CacheConfig.default_spec`; a plan's pools ask one by one): None unless ``spec`` is FP8 in
+    static mode (with dynamic scales the checkpoint's static scales are not used, which is logged), else
+    :func:`resolve_kv_scales` over the file, the checkpoint's scale tensors and 1.0, which checks that they were
+    calibrated in ``spec``'s rotation. For tensor-parallel rank ``tp_rank`` of ``tp_size`` holding KV heads
+    ``kv_heads = (first, count)`` of ``model``: that rank's scales, per-head and per-channel ones cut to its heads.
+    The scales cover every layer; a pool's codec reads only its own layers'."""
+    spec = spec or cache.default_spec
     ckpt = scales_from_checkpoint(checkpoint_tensors, hf_config, model) if checkpoint_tensors else None
-    if cache.dynamic_scales:
+    if spec.dynamic:
         if ckpt is not None:
-            logger.info("dynamic KV scales: the checkpoint's static scales (%s) are not used", ckpt.source)
+            logger.info("dynamic KV scales (%s): the checkpoint's static scales (%s) are not used", spec.describe(),
+                        ckpt.source)
         return None
-    scales = resolve_kv_scales(cache.kv_dtype, model, cache.quantization_param_path, ckpt, cache.kv_cache_rotation,
-                               tp_rank, tp_size)
+    path = cache.quantization_param_path if spec.kv_dtype.is_fp8 else None   # a plan's other layers: no scales
+    scales = resolve_kv_scales(spec.kv_dtype, model, path, ckpt, spec.rotation, tp_rank, tp_size)
     return scales if scales is None or kv_heads is None else rank_heads(scales, *kv_heads)
 
 

@@ -86,6 +86,7 @@ class EngineArgs(OptionGroup):
     kv_cache_scale_mode: str = from_config(CacheConfig, "kv_cache_scale_mode")
     kv_cache_rotation: str = from_config(CacheConfig, "kv_cache_rotation")
     kv_cache_dtype_skip_layers: str | Sequence[int | str] = from_config(CacheConfig, "kv_cache_dtype_skip_layers")
+    kv_cache_plan: str | None = from_config(CacheConfig, "kv_cache_plan")
     disable_hybrid_kv_cache_manager: bool = from_config(CacheConfig, "disable_hybrid_kv_cache_manager")
     tensor_parallel_size: int = from_config(ParallelConfig, "tensor_parallel_size")
     cpu_threads_per_rank: int | None = from_config(ParallelConfig, "cpu_threads_per_rank")
@@ -126,6 +127,7 @@ class EngineArgs(OptionGroup):
             quantization_param_path=self.quantization_param_path, kv_cache_scale_mode=self.kv_cache_scale_mode,
             kv_cache_rotation=self.kv_cache_rotation,
             kv_cache_dtype_skip_layers=_skip_layers(self.kv_cache_dtype_skip_layers),
+            kv_cache_plan=self.kv_cache_plan,
             disable_hybrid_kv_cache_manager=self.disable_hybrid_kv_cache_manager)
         max_model_len = self.max_model_len
         if max_model_len is None:

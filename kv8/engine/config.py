@@ -17,6 +17,7 @@ import torch
 from kv8.attention.backend import BACKENDS, CPU_ONLY_BACKENDS
 from kv8.cache.budget import NO_RESERVE, DeviceReserve, KVBudget
 from kv8.cache.config import CacheConfig
+from kv8.cache.plan import KVPlan, KVSpec
 from kv8.distributed.config import ParallelConfig
 from kv8.engine.memory import estimate_device_reserve
 from kv8.envs import triton_interpret
@@ -92,9 +93,10 @@ class EngineConfig:
 
     Invariants beyond those of its parts: ``attention_backend`` is in :data:`ATTENTION_BACKENDS`;
     ``dense_backend`` is in :data:`DENSE_BACKENDS` and usable with ``dtype``; ``quantization`` is None or in
-    :data:`QUANTIZATION_METHODS`; ``max_model_len`` fits the model's context; ``kv_cache_dtype_skip_layers``
-    names layers the model has; a Hadamard rotation has a power-of-two ``head_dim``; the model splits over the
-    tensor-parallel ranks; ``seed`` is an int.
+    :data:`QUANTIZATION_METHODS`; ``max_model_len`` fits the model's context; ``kv_cache_dtype_skip_layers`` and
+    ``kv_cache_plan`` name layers the model has (:meth:`kv_plan`: each layer's storage spec); a Hadamard rotation
+    (of any layer) has a power-of-two ``head_dim``; the triton backend gets no int layer; ``quantization_param_path``
+    has an FP8 static layer to apply to; the model splits over the tensor-parallel ranks; ``seed`` is an int.
     """
 
     model: str
@@ -141,10 +143,16 @@ class EngineConfig:
         check_int("seed", self.seed)
         arch, max_len = self.arch, self.scheduler.max_model_len
         self.parallel.check_model(arch)
-        if self.cache.kv_cache_rotation == "hadamard" and arch.head_dim & (arch.head_dim - 1):
-            raise ValueError(f"kv_cache_rotation='hadamard' needs a power-of-two head_dim; this model has "
+        plan = self.kv_plan()   # validates kv_cache_dtype_skip_layers and kv_cache_plan against the model
+        rotated = [i for i, s in enumerate(plan.specs) if s.rotation == "hadamard" and i in plan.layer_spec]
+        if rotated and arch.head_dim & (arch.head_dim - 1):
+            where = "" if rotated == [0] else f" (kv_cache_plan: layers {list(plan.layers_of(rotated[-1]))})"
+            raise ValueError(f"kv_cache_rotation='hadamard'{where} needs a power-of-two head_dim; this model has "
                              f"head_dim={arch.head_dim}")
-        self.skipped_layers()   # validates kv_cache_dtype_skip_layers against the model
+        if self.cache.quantization_param_path is not None and not any(s.static_fp8 for s in plan.used()):
+            raise ValueError(f"quantization_param_path={self.cache.quantization_param_path!r} gives static FP8 "
+                             f"scales, but no layer of kv_cache_plan={self.cache.kv_cache_plan!r} is stored in "
+                             "FP8; drop quantization_param_path")
         if max_len > arch.max_position_embeddings:
             raise ValueError(f"max_model_len={max_len} exceeds the model's context "
                              f"(max_position_embeddings={arch.max_position_embeddings})")
@@ -168,6 +176,17 @@ class EngineConfig:
                 raise ValueError("attention_backend='triton' runs on device='cuda'; on the CPU only in Triton's "
                                  "interpreter (TRITON_INTERPRET=1, slow: for tests); use attention_backend='auto' "
                                  "or 'cpu_fused' on the CPU")
+        triton = self.attention_backend == "triton" or (self.attention_backend == "auto" and kind != "cpu")
+        plan = self.cache.plan
+        named = [(None, self.cache.kv_cache_dtype)] + ([(e.layer, e.kv_cache_dtype) for e in plan.entries
+                                                        if e.kv_cache_dtype is not None] if plan is not None else [])
+        int4 = [(layer, name) for layer, name in named if resolve_kv_cache_dtype(name, self.dtype).bits_per_value == 4]
+        if triton and int4:
+            layer, name = int4[0]
+            where = (f"kv_cache_dtype={name!r}" if layer is None else
+                     f"kv_cache_plan={plan.path!r} stores layer {layer} as {name}")  # type: ignore[union-attr]
+            raise ValueError(f"{where}: the triton attention backend (the GPU path) does not read 4-bit caches; use "
+                             "int8_per_token_head or an FP8 format there, or run on the CPU")
 
     @property
     def uses_cuda_graphs(self) -> bool:
@@ -183,9 +202,8 @@ class EngineConfig:
 
     def kv_budget(self) -> KVBudget:
         """This engine's KV-cache sizes on one tensor-parallel rank (its layout, bytes per block, blocks)."""
-        return KVBudget.build(self.cache, self.arch.layer_windows, skipped=self.skipped_layers(),
+        return KVBudget.build(self.cache, self.arch.layer_windows, plan=self.kv_plan(),
                               head_dim=self.arch.head_dim, kv_heads=self.kv_heads_per_rank,
-                              compute_kv_dtype=resolve_kv_cache_dtype("auto", self.dtype),
                               max_model_len=self.scheduler.max_model_len,
                               max_num_batched_tokens=self.scheduler.max_num_batched_tokens, platform=self.platform,
                               reserve=self.device_reserve())
@@ -200,11 +218,28 @@ class EngineConfig:
             tp_size=self.parallel.tensor_parallel_size, kv_heads=self.kv_heads_per_rank,
             max_num_batched_tokens=self.scheduler.max_num_batched_tokens, max_num_seqs=self.scheduler.max_num_seqs)
 
-    def skipped_layers(self) -> tuple[bool, ...]:
-        """Per layer, whether ``kv_cache_dtype_skip_layers`` keeps it in the compute dtype (empty: none is)."""
+    def kv_plan(self) -> KVPlan:
+        """Each layer's storage spec (:class:`kv8.cache.plan.KVPlan`; spec 0 is ``kv_cache_dtype``'s): the
+        ``kv_cache_plan`` file's layers, or ``kv_cache_dtype_skip_layers``' in the compute dtype without a rotation,
+        the others in ``cache.default_spec``. ``ValueError`` for a layer the model does not have."""
+        arch, cc = self.arch, self.cache
+        if cc.plan is not None:
+            overrides = {}
+            for e in cc.plan.entries:
+                if e.layer >= arch.num_layers:
+                    raise ValueError(f"kv_cache_plan={cc.plan.path!r} has layer {e.layer}, but the model has "
+                                     f"{arch.num_layers} layers (0..{arch.num_layers - 1})")
+                kv_dtype = (cc.kv_dtype if e.kv_cache_dtype is None
+                            else resolve_kv_cache_dtype(e.kv_cache_dtype, self.dtype))
+                overrides[e.layer] = KVSpec.of(kv_dtype, e.kv_cache_rotation or cc.kv_cache_rotation,
+                                               cc.kv_cache_scale_mode)
+            return KVPlan.build(cc.default_spec, arch.num_layers, overrides)
+        compute = KVSpec(resolve_kv_cache_dtype("auto", self.dtype))
+        return KVPlan.build(cc.default_spec, arch.num_layers, dict.fromkeys(self._skipped_layers(), compute))
+
+    def _skipped_layers(self) -> list[int]:
+        """The layers ``kv_cache_dtype_skip_layers`` keeps in the compute dtype, ascending."""
         arch = self.arch
-        if not self.cache.kv_cache_dtype_skip_layers:
-            return ()
         skipped = [False] * arch.num_layers
         for entry in self.cache.kv_cache_dtype_skip_layers:
             if isinstance(entry, int):
@@ -219,4 +254,4 @@ class EngineConfig:
                                  f"{kind.replace('_', ' ')} layers")
             for i in range(arch.num_layers):
                 skipped[i] = skipped[i] or arch.layer_type(i) == kind
-        return tuple(skipped)
+        return [i for i in range(arch.num_layers) if skipped[i]]

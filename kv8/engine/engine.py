@@ -81,7 +81,7 @@ class LLMEngine:
         self.model = shard.loaded.model
         self.tokenizer = load_tokenizer(kind, path)
         self.caches = shard.caches
-        self.cache = self.caches[0]   # the kv_cache_dtype pool (the only one unless layers are skipped)
+        self.cache = self.caches[0]   # the first pool: kv_cache_dtype's (the only one without a plan or skipped layers)
         cc = self.config.cache
         self.kv_manager = KVCacheManager(self.layout, num_blocks, cc.block_size, cc.enable_prefix_caching)
         self.scheduler = Scheduler(self.config.scheduler, self.kv_manager)
@@ -97,13 +97,14 @@ class LLMEngine:
         if self.governor is not None:
             self.governor.observe()
         per_rank = f" per rank ({self.tp.size} tensor-parallel ranks)" if self.tp.size > 1 else ""
+        specs = [s.describe() for s in budget.plan.specs]
         logger.info(
             "KV cache on %s: dtype %s, %s blocks of %d tokens, %s in all%s; %s; %s; prefix caching %s; attention "
             "backend %s; dense backend %s", self.runner.device, cc.kv_dtype.name, " + ".join(map(str, num_blocks)),
             cc.block_size,
-            format_bytes(sum(c.nbytes for c in self.caches)), per_rank, self.layout.describe(),
-            shard.codec.describe(), "on" if cc.enable_prefix_caching else "off", self.backend.name,
-            self.dense_backend)
+            format_bytes(sum(c.nbytes for c in self.caches)), per_rank, self.layout.describe(specs),
+            "; ".join(f"{specs[p.spec]}: {c.codec.describe()}" for p, c in zip(self.layout.pools, self.caches)),
+            "on" if cc.enable_prefix_caching else "off", self.backend.name, self.dense_backend)
 
     def shutdown(self) -> None:
         """Stop the tensor-parallel ranks this engine started (nothing to do with one rank). Idempotent."""

@@ -53,7 +53,6 @@ from kv8.host_memory import tune_malloc
 from kv8.loader.model import LoadedModel, load_model, read_model_config
 from kv8.loader.sources import resolve_model_path
 from kv8.observer import EngineObserver
-from kv8.quant.formats import resolve_kv_cache_dtype
 from kv8.quant.scales import ModelScaleInfo
 
 if TYPE_CHECKING:
@@ -70,19 +69,20 @@ WORKER_MODULE = "kv8.engine.rank_main"   # what ranks 1..N-1 run with -m (a modu
 
 @dataclass(frozen=True)
 class Shard:
-    """What one rank runs: its part of the model, its KV cache pools, and the runner over them."""
+    """What one rank runs: its part of the model, its KV cache pools (each with its own codec), and the runner
+    over them."""
 
     loaded: LoadedModel
     caches: tuple[PagedKVCache, ...]
-    codec: KVCodec
     runner: ModelRunner
 
 
 def load_shard(config: EngineConfig, budget: KVBudget, num_blocks: Sequence[int], tp: TPGroup,
                observer: EngineObserver | None = None) -> Shard:
-    """Load rank ``tp.rank``'s shard of the model, resolve its KV scales, allocate its pools (``num_blocks[p]``
-    blocks of pool ``p``, its own KV heads only) and build its runner. Sets this process's malloc up for
-    activations first (:func:`kv8.host_memory.tune_malloc`)."""
+    """Load rank ``tp.rank``'s shard of the model, build each pool's codec from its spec (``budget.plan``; the
+    static scales of FP8 pools resolved for the rank), allocate its pools (``num_blocks[p]`` blocks of pool ``p``,
+    its own KV heads only) and build its runner. Sets this process's malloc up for activations first
+    (:func:`kv8.host_memory.tune_malloc`)."""
     tune_malloc()
     platform = config.platform
     device = platform.rank_device(tp.rank)
@@ -91,25 +91,24 @@ def load_shard(config: EngineConfig, budget: KVBudget, num_blocks: Sequence[int]
                         seed=config.seed)
     arch, cc = config.arch, config.cache
     kv_heads = kv_head_shard(arch.num_kv_heads, tp)
-    scales = engine_kv_scales(cc, ModelScaleInfo(arch.model_type, arch.num_layers, arch.num_kv_heads,
-                                                 arch.head_dim), loaded.scale_tensors, loaded.hf_config,
-                              tp.rank, tp.size, kv_heads)
+    model_info = ModelScaleInfo(arch.model_type, arch.num_layers, arch.num_kv_heads, arch.head_dim)
     budget.check_fits_memory(num_blocks)   # before allocating the cache, with the weights loaded
-    layout = budget.layout
-    codec = KVCodec.build(cc.kv_dtype, arch.head_dim, scale_mode=cc.kv_cache_scale_mode, rotation=cc.kv_cache_rotation,
-                          scales=scales)
-    # Pools: the kv_cache_dtype one first; layers of kv_cache_dtype_skip_layers in the compute dtype.
+    layout, plan = budget.layout, budget.plan
+    # One codec per pool, from its spec (spec 0, kv_cache_dtype's, first; skipped layers: the compute dtype).
     caches = []
     for pool, n in zip(layout.pools, num_blocks):
-        pool_codec = (KVCodec.build(resolve_kv_cache_dtype("auto", config.dtype), arch.head_dim)
-                      if pool.skipped else codec)
+        spec = plan.specs[pool.spec]
+        scales = engine_kv_scales(cc, model_info, loaded.scale_tensors, loaded.hf_config, tp.rank, tp.size,
+                                  kv_heads, spec)
+        codec = KVCodec.build(spec.kv_dtype, arch.head_dim, scale_mode="dynamic" if spec.dynamic else "static",
+                              rotation=spec.rotation, scales=scales)
         shape = CacheShape(arch.num_layers, n, kv_heads[1], cc.block_size, arch.head_dim)
-        caches.append(PagedKVCache(shape, pool_codec, {i: layout.layer_slot[i] for i in pool.layers}, device))
+        caches.append(PagedKVCache(shape, codec, {i: layout.layer_slot[i] for i in pool.layers}, device))
     runner = ModelRunner(loaded.model, caches, layout, get_backend(config.attention_backend, platform), observer,
                          tp, device, platform)
     if config.uses_cuda_graphs and observer is None:   # an observer sees every step's tensors: eager
         runner.enable_decode_graphs(config.scheduler.max_num_seqs, config.scheduler.max_model_len)
-    return Shard(loaded, tuple(caches), codec, runner)
+    return Shard(loaded, tuple(caches), runner)
 
 
 def allreduce_slot_bytes(config: EngineConfig) -> int:

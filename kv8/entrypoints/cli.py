@@ -11,6 +11,7 @@ server and data-parallel flags from :class:`ServerArgs`; the flags declared here
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import sys
@@ -42,8 +43,10 @@ EPILOG = """examples:
   kv8 serve smollm2-135m --kv-cache-dtype fp8 --quantization-param-path kv_cache_scales.json
 models: the alias smollm2-135m (default), a Hugging Face model directory, or a .gguf file."""
 
-# kv8 info loads no weights: only the options that size the cache table and name the dense plan apply to it
-INFO_OPTIONS = ("kv_cache_memory", "gpu_memory_utilization", "block_size", "device", "dtype", "quantization")
+# kv8 info loads no weights: only the options that size the cache table and name the dense plan apply to it (and,
+# with --kv-cache-plan, those that store the layers the plan does not name, and the context its table counts in)
+INFO_OPTIONS = ("kv_cache_memory", "gpu_memory_utilization", "block_size", "device", "dtype", "quantization",
+                "kv_cache_plan", "kv_cache_dtype", "kv_cache_rotation", "kv_cache_scale_mode", "max_model_len")
 # kv8 tune times the dense layers of a model in one dtype and quantization
 TUNE_OPTIONS = ("dtype", "quantization")
 
@@ -189,7 +192,42 @@ def cmd_info(ns: argparse.Namespace) -> int:
 
         print(f"dense kernels {describe_dense_kernels()}")
     print(capacity_table(arch, memory, ns.block_size))
+    if ns.kv_cache_plan is not None:
+        args = dataclasses.replace(EngineArgs.from_cli_args(ns), kv_cache_memory=memory)
+        print()
+        print(plan_table(args.create_engine_config(hf_config, kind, path).kv_budget()))
     return 0
+
+
+def plan_table(budget: KVBudget) -> str:
+    """A plan's pools (``kv_cache_plan``): each one's format and rotation, layers and bytes per token, and what fits
+    in the budget: tokens keeping every block, blocks per pool (split by need) and sequences of ``max_model_len``."""
+    cc, block_size = budget.cache, budget.cache.block_size
+    memory = budget.memory()
+    blocks, per_seq = budget.split(memory), budget.blocks_per_sequence()
+    lines = [f"KV plan      {cc.kv_cache_plan}: {len(budget.layout.pools)} pools; layers it does not name: "
+             f"{cc.default_spec.describe()}",
+             f"{'pool':<6}{'format':<36}{'layers':<24}{'B/tok':>10}{'blocks':>10}{'seqs of L':>11}"]
+    for p, (what, layers, token_bytes) in zip(budget.layout.pools, budget.pool_rows()):
+        lines.append(f"{p.pool_id:<6}{what:<36}{_ranges(layers):<24}{token_bytes:>10}{blocks[p.pool_id]:>10}"
+                     f"{blocks[p.pool_id] // per_seq[p.pool_id]:>11}")
+    keep_all = memory // (budget.bytes_per_token * block_size) * block_size
+    seqs = min(n // k for n, k in zip(blocks, per_seq))
+    lines.append(f"{'all':<66}{budget.bytes_per_token:>10}{sum(blocks):>10}{seqs:>11}")
+    lines.append(f"fits         {keep_all} tokens keeping every block; {seqs} sequences of L = {budget.max_model_len} "
+                 f"tokens ({format_bytes(memory)}, blocks of {block_size} tokens)")
+    return "\n".join(lines)
+
+
+def _ranges(layers: Sequence[int]) -> str:
+    """``0, 2-5, 9``: ascending layer indices with runs collapsed."""
+    runs: list[list[int]] = []
+    for i in layers:
+        if runs and i == runs[-1][1] + 1:
+            runs[-1][1] = i
+        else:
+            runs.append([i, i])
+    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
 
 
 def _dense_plan(hf_config: dict, dtype: torch.dtype, quantization: str | None) -> str:
@@ -236,7 +274,8 @@ def cmd_tune(ns: argparse.Namespace) -> int:
 
 
 def capacity_table(arch: ModelArchConfig, memory: int, block_size: int) -> str:
-    """Per KV dtype: bytes per token of the full-attention and the sliding-window layers, and how much context
+    """Per KV dtype (the integer ones with their scale per token and head): bytes per token of the full-attention and
+    the sliding-window layers, and how much context
     fits in ``memory`` -- keeping every block, and freeing blocks that left a layer's window (the engine's
     default; vLLM's hybrid KV cache manager), counted for sequences of the model's default context ``L``.
     ``x bf16``: sequences of L that fit, freed, relative to a bfloat16 cache freed; ``x bf16 all``: relative to a
@@ -250,26 +289,26 @@ def capacity_table(arch: ModelArchConfig, memory: int, block_size: int) -> str:
     lines = [f"layers       {', '.join(kinds)}",
              f"KV budget    {format_bytes(memory)}, blocks of {block_size} tokens; sequences of L = {length} tokens",
              "",
-             f"{'kv_cache_dtype':<15}{'B/tok full':>11}{'B/tok window':>13}{'tokens, keep all':>18}"
+             f"{'kv_cache_dtype':<20}{'B/tok full':>11}{'B/tok window':>13}{'tokens, keep all':>18}"
              f"{'seqs of L':>11}{'seqs of L, freed':>18}{'x bf16':>10}{'x bf16 all':>15}"]
     compute_dtype = resolve_dtype("auto")
-    compute = resolve_kv_cache_dtype("auto", compute_dtype)
     base = None
-    for name in ("bfloat16", "float32", "fp8_e4m3", "fp8_e5m2", "fp8_e4m3fnuz"):
+    for name in ("bfloat16", "float32", "fp8_e4m3", "fp8_e5m2", "fp8_e4m3fnuz", "int8_per_token_head",
+                 "int4_per_token_head"):
         seqs, seq_bytes = [], []
         for hybrid in (False, True):
             cache = CacheConfig(kv_dtype=resolve_kv_cache_dtype(name, compute_dtype), kv_cache_dtype=name,
                                 block_size=block_size, kv_cache_memory=memory,
                                 disable_hybrid_kv_cache_manager=not hybrid)
             budget = KVBudget.build(cache, windows, head_dim=arch.head_dim, kv_heads=arch.num_kv_heads,
-                                    compute_kv_dtype=compute, max_model_len=length, max_num_batched_tokens=1)
+                                    max_model_len=length, max_num_batched_tokens=1)
             per_seq = budget.blocks_per_sequence()[0]
             seq_bytes.append(budget.block_bytes[0] * per_seq)
             seqs.append(memory // budget.block_bytes[0] // per_seq)
         per_layer = budget.token_bytes[0]
         keep_all = memory // (budget.bytes_per_token * block_size) * block_size
         base = base or seq_bytes   # bfloat16's bytes per sequence of L: keeping all, freed
-        lines.append(f"{name:<15}{per_layer * n_full:>11}{per_layer * (len(windows) - n_full):>13}{keep_all:>18}"
+        lines.append(f"{name:<20}{per_layer * n_full:>11}{per_layer * (len(windows) - n_full):>13}{keep_all:>18}"
                      f"{seqs[0]:>11}{seqs[1]:>18}{base[1] / seq_bytes[1]:>10.2f}{base[0] / seq_bytes[1]:>15.2f}")
     return "\n".join(lines)
 
@@ -311,7 +350,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     i = sub.add_parser("info", help="architecture and KV-cache capacity per dtype",
                        description="Show a model's architecture and, for each KV dtype, bytes per token and how "
-                                   "many tokens fit in a cache memory budget. Loads no weights.")
+                                   "many tokens fit in a cache memory budget; with --kv-cache-plan, the plan's pools "
+                                   "(format, rotation, layers, bytes per token) and what fits. Loads no weights.")
     EngineArgs.add_model_arg(i, optional=True)
     EngineArgs.add_cli_args(i, include=INFO_OPTIONS)
     i.set_defaults(func=cmd_info)

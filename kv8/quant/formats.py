@@ -1,10 +1,15 @@
-"""FP8 formats and the resolved KV-cache dtype.
+"""The KV cache's code formats (FP8, int8) and the resolved KV-cache dtype.
 
-This module owns two concepts that every other part of kv8 relies on:
+This module owns three concepts that every other part of kv8 relies on:
 
 * :class:`FP8Format` -- one 8-bit floating-point format (OCP ``E4M3FN``, AMD ``E4M3FNUZ``, OCP ``E5M2``) with an
   exact codec between float tensors and raw ``uint8`` codes.
+* :class:`IntFormat` -- symmetric integer codes (``int8``: -127..127, ``int8`` storage), the codes of
+  ``kv_cache_dtype="int8_per_token_head"`` (a scale per token and KV head).
 * :class:`KVCacheDtype` -- what the user asked for with ``kv_cache_dtype``, resolved to a storage dtype.
+
+:data:`CodeFormat` is either code format: both have ``name``, ``max_finite``, ``storage_dtype``, ``encode`` and
+``decode`` and ``clip_limit``, which is all :func:`quantize`, :func:`dequantize` and the KV codec use.
 
 The KV cache stores FP8 values as raw ``uint8`` codes, never as torch float8 tensors, so every format (including the
 emulated fnuz one) is handled identically and later kernels can decode the bits directly.
@@ -32,6 +37,12 @@ __all__ = [
     "E5M2",
     "FP8_FORMATS",
     "fp8_format",
+    "IntFormat",
+    "INT8",
+    "INT4",
+    "pack_int4",
+    "unpack_int4",
+    "CodeFormat",
     "quantize",
     "dequantize",
     "KVCacheDtype",
@@ -135,6 +146,16 @@ class FP8Format:
                                  f"{self.torch_dtype} decodes it to {ref}")
 
     @property
+    def storage_dtype(self) -> torch.dtype:
+        """The dtype of a tensor of codes: ``uint8`` (raw bits)."""
+        return torch.uint8
+
+    @property
+    def clip_limit(self) -> float:
+        """Magnitudes (after scaling) beyond this count as clipped: ``max_finite``."""
+        return self.max_finite
+
+    @property
     def negative_nan_code(self) -> int:
         """The code a NaN with its sign bit set encodes to."""
         signed = self.nan_code | _SIGN_BIT
@@ -216,6 +237,88 @@ def fp8_format(name: str) -> FP8Format:
     return FP8_FORMATS[name]
 
 
+@dataclass(frozen=True)
+class IntFormat:
+    """Symmetric signed integer codes of ``bits`` bits: ``code = clamp(round_half_even(float32(x)), -max, max)``
+    with ``max = 2^(bits - 1) - 1`` (127 for int8, 7 for int4: the most negative code is never written, so the
+    range is symmetric and ``-code`` always exists). NaN encodes to 0 (an integer code has no NaN); ``±inf``
+    saturate to ``±max``. Decoding is exact in every float dtype (``|code| <= 127``).
+
+    :meth:`encode` returns one ``int8`` per value for both widths; a cache of 4-bit codes packs two per byte
+    (:func:`pack_int4`: the even channel in the low nibble, two's complement).
+
+    Invariant: ``bits`` is 8 or 4.
+    """
+
+    name: str
+    bits: int
+
+    def __post_init__(self) -> None:
+        if self.bits not in (4, 8):
+            raise ValueError(f"IntFormat.bits={self.bits!r}: integer codes are 8 or 4 bits")
+
+    @property
+    def max_finite(self) -> float:
+        """The largest code, as a float (127.0 for int8, 7.0 for int4): what a scale maps the largest magnitude
+        to."""
+        return float((1 << (self.bits - 1)) - 1)
+
+    @property
+    def storage_dtype(self) -> torch.dtype:
+        """The dtype of a tensor of codes as :meth:`encode` returns them: ``int8`` (one value per element)."""
+        return torch.int8
+
+    @property
+    def clip_limit(self) -> float:
+        """Magnitudes (after scaling) beyond this count as clipped: ``max + 0.5``, past which rounding would have
+        given a larger code than the clamp allows (``amax / scale`` itself may land an ulp above ``max``)."""
+        return self.max_finite + 0.5
+
+    def encode(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` (any float dtype, already divided by the scale) -> ``int8`` codes of the same shape:
+        ``clamp(round_half_even(float32(x)), -max, max)``, NaN -> 0."""
+        if not isinstance(x, torch.Tensor) or not x.dtype.is_floating_point:
+            raise ValueError(f"IntFormat.encode: x must be a floating-point tensor, got "
+                             f"{x.dtype if isinstance(x, torch.Tensor) else type(x).__name__}")
+        m = self.max_finite
+        xf = torch.nan_to_num(x.to(torch.float32), nan=0.0, posinf=m, neginf=-m)
+        return torch.round(xf.clamp(-m, m)).to(torch.int8)
+
+    def decode(self, codes: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """``int8`` codes -> their values in ``dtype`` (exact for float16, bfloat16, float32, float64)."""
+        if not isinstance(codes, torch.Tensor) or codes.dtype != torch.int8:
+            raise ValueError(f"IntFormat.decode: codes must be a torch.int8 tensor, got "
+                             f"{codes.dtype if isinstance(codes, torch.Tensor) else type(codes).__name__}")
+        if dtype not in _DECODE_DTYPES:
+            raise ValueError(f"IntFormat.decode: dtype={dtype} is not supported; choose one of {_DECODE_DTYPES}")
+        return codes.to(dtype)
+
+
+INT8 = IntFormat(name="int8", bits=8)
+INT4 = IntFormat(name="int4", bits=4)
+
+
+def pack_int4(codes: torch.Tensor) -> torch.Tensor:
+    """4-bit codes as ``int8`` values in -8..7, ``[..., D]`` (D even) -> ``uint8 [..., D / 2]``: channel ``2j`` in
+    the low nibble of byte ``j``, channel ``2j + 1`` in its high nibble, each as a two's complement nibble."""
+    if codes.dtype != torch.int8 or codes.shape[-1] % 2:
+        raise ValueError(f"pack_int4: codes must be int8 with an even last dim, got {codes.dtype} "
+                         f"{tuple(codes.shape)}")
+    nib = codes.to(torch.uint8) & 0xF
+    return nib[..., 0::2] | (nib[..., 1::2] << 4)
+
+
+def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
+    """The inverse of :func:`pack_int4`: ``uint8 [..., D / 2]`` -> ``int8 [..., D]`` in -8..7."""
+    if packed.dtype != torch.uint8:
+        raise ValueError(f"unpack_int4: packed codes must be uint8, got {packed.dtype}")
+    nibbles = torch.stack((packed & 0xF, packed >> 4), dim=-1).flatten(-2).to(torch.int16)
+    return ((nibbles ^ 8) - 8).to(torch.int8)
+
+#: a KV code format: FP8 or integer codes
+CodeFormat = FP8Format | IntFormat
+
+
 def _checked_scale(scale: torch.Tensor | float, shape: torch.Size, where: str) -> torch.Tensor | float:
     """Validate a scale (finite, > 0, broadcastable to ``shape`` without growing it); tensors become float32."""
     if isinstance(scale, torch.Tensor):
@@ -240,8 +343,8 @@ def _checked_scale(scale: torch.Tensor | float, shape: torch.Size, where: str) -
     return float(scale)
 
 
-def quantize(x: torch.Tensor, scale: torch.Tensor | float, fmt: FP8Format) -> torch.Tensor:
-    """``fmt.encode(float32(x) / scale)``: ``uint8`` codes with the shape of ``x``.
+def quantize(x: torch.Tensor, scale: torch.Tensor | float, fmt: CodeFormat) -> torch.Tensor:
+    """``fmt.encode(float32(x) / scale)``: codes (``fmt.storage_dtype``) with the shape of ``x``.
 
     ``scale`` is a positive finite float or a float tensor broadcastable to ``x`` (per-tensor, per-head, ...).
     """
@@ -251,11 +354,11 @@ def quantize(x: torch.Tensor, scale: torch.Tensor | float, fmt: FP8Format) -> to
     return fmt.encode(x.to(torch.float32) / _checked_scale(scale, x.shape, "quantize"))
 
 
-def dequantize(codes: torch.Tensor, scale: torch.Tensor | float, fmt: FP8Format,
+def dequantize(codes: torch.Tensor, scale: torch.Tensor | float, fmt: CodeFormat,
                dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """``fmt.decode(codes) * scale``, multiplied in float32 and then cast to ``dtype``."""
     if not isinstance(codes, torch.Tensor):
-        raise ValueError(f"dequantize: codes must be a torch.uint8 tensor, got {type(codes).__name__}")
+        raise ValueError(f"dequantize: codes must be a {fmt.storage_dtype} tensor, got {type(codes).__name__}")
     if dtype not in _DECODE_DTYPES:
         raise ValueError(f"dequantize: dtype={dtype} is not supported; choose one of {_DECODE_DTYPES}")
     values = fmt.decode(codes, torch.float32) * _checked_scale(scale, codes.shape, "dequantize")
@@ -267,12 +370,13 @@ def dequantize(codes: torch.Tensor, scale: torch.Tensor | float, fmt: FP8Format,
 # ----------------------------------------------------------------------------------------------------------------
 
 KV_CACHE_DTYPE_CHOICES: tuple[str, ...] = (
-    "auto", "bfloat16", "float16", "float32", "fp8", "fp8_e4m3", "fp8_e5m2", "fp8_e4m3fnuz",
+    "auto", "bfloat16", "float16", "float32", "fp8", "fp8_e4m3", "fp8_e5m2", "fp8_e4m3fnuz", "int8_per_token_head",
+    "int4_per_token_head",
 )
 # Other accepted spellings (vLLM's and torch's names); every entry point accepts them.
 _ALIASES: dict[str, str] = {
     "bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32", "float": "float32",
-    "fp8": "fp8_e4m3", "fp8_e4m3fn": "fp8_e4m3",
+    "fp8": "fp8_e4m3", "fp8_e4m3fn": "fp8_e4m3", "int8": "int8_per_token_head", "int4": "int4_per_token_head",
 }
 # choices plus the other aliases ("fp8" is both a choice and an alias: listed once)
 _OTHER_ALIASES: tuple[str, ...] = tuple(a for a in _ALIASES if a not in KV_CACHE_DTYPE_CHOICES)
@@ -280,6 +384,8 @@ KV_CACHE_DTYPE_NAMES: tuple[str, ...] = KV_CACHE_DTYPE_CHOICES + _OTHER_ALIASES
 _FLOAT_CACHES: dict[str, torch.dtype] = {
     "bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32,
 }
+#: integer caches: name -> their codes (every token and KV head carries its own scale)
+_INT_CACHES: dict[str, IntFormat] = {"int8_per_token_head": INT8, "int4_per_token_head": INT4}
 _COMPUTE_DTYPES: dict[torch.dtype, str] = {dtype: name for name, dtype in _FLOAT_CACHES.items()}
 
 
@@ -288,26 +394,36 @@ class KVCacheDtype:
     """What the user asked for with ``kv_cache_dtype``, resolved.
 
     Invariants: ``name`` is canonical ("bfloat16" | "float16" | "float32" | "fp8_e4m3" | "fp8_e4m3fnuz" |
-    "fp8_e5m2"); FP8 caches store raw codes (``storage_dtype == torch.uint8`` and ``fp8`` is the matching format);
-    16/32-bit caches store their float dtype and have ``fp8 is None``.
+    "fp8_e5m2" | "int8_per_token_head" | "int4_per_token_head"); FP8 caches store raw codes (``storage_dtype ==
+    torch.uint8`` and ``fp8`` is the matching format); the int8 cache stores ``torch.int8`` codes (``int_codes`` is
+    :data:`INT8`), the int4 cache two codes per ``torch.uint8`` (:func:`pack_int4`; ``int_codes`` is :data:`INT4`),
+    both with a scale per token and KV head, always; 16/32-bit caches store their float dtype and have no code
+    format.
     """
 
     name: str
     storage_dtype: torch.dtype
     fp8: FP8Format | None
+    int_codes: IntFormat | None = None
 
     def __post_init__(self) -> None:
+        expected: tuple[torch.dtype, FP8Format | None, IntFormat | None]
         if self.name in _FLOAT_CACHES:
-            expected: tuple[torch.dtype, FP8Format | None] = (_FLOAT_CACHES[self.name], None)
+            expected = (_FLOAT_CACHES[self.name], None, None)
         elif self.name in FP8_FORMATS:
-            expected = (torch.uint8, FP8_FORMATS[self.name])
+            expected = (torch.uint8, FP8_FORMATS[self.name], None)
+        elif self.name in _INT_CACHES:
+            codes = _INT_CACHES[self.name]
+            expected = (torch.int8 if codes.bits == 8 else torch.uint8, None, codes)
         else:
             raise ValueError(f"KVCacheDtype.name={self.name!r} is not canonical; choose one of: "
-                             f"{', '.join([*_FLOAT_CACHES, *FP8_FORMATS])}")
-        if (self.storage_dtype, self.fp8) != expected:
+                             f"{', '.join([*_FLOAT_CACHES, *FP8_FORMATS, *_INT_CACHES])}")
+        if (self.storage_dtype, self.fp8, self.int_codes) != expected:
+            names = [f.name if f is not None else None for f in expected[1:]]
             raise ValueError(f"KVCacheDtype {self.name!r}: storage_dtype={self.storage_dtype}, fp8="
-                             f"{self.fp8.name if self.fp8 else None} must be {expected[0]}, "
-                             f"{expected[1].name if expected[1] else None}")
+                             f"{self.fp8.name if self.fp8 else None}, int_codes="
+                             f"{self.int_codes.name if self.int_codes else None} must be {expected[0]}, "
+                             f"{names[0]}, {names[1]}")
 
     @property
     def is_fp8(self) -> bool:
@@ -315,16 +431,43 @@ class KVCacheDtype:
         return self.fp8 is not None
 
     @property
+    def codes(self) -> CodeFormat | None:
+        """The code format of a quantized cache (FP8 or int8); None for a 16/32-bit cache."""
+        return self.fp8 if self.fp8 is not None else self.int_codes
+
+    @property
+    def is_quantized(self) -> bool:
+        """True when the cache stores codes with scales (FP8 or int8), not plain floats."""
+        return self.codes is not None
+
+    @property
+    def per_token_scales(self) -> bool:
+        """True when the format always keeps a scale per token and KV head (int8); FP8 has them only with
+        ``kv_cache_scale_mode="dynamic"``."""
+        return self.int_codes is not None
+
+    @property
     def bytes_per_element(self) -> int:
-        """Bytes one cached K or V element occupies (1 for FP8, 2 for 16-bit, 4 for float32)."""
+        """Bytes of one element of the cache tensor (1 for FP8, int8 and int4 -- two int4 values share one --, 2 for
+        16-bit, 4 for float32). What one value costs: :attr:`bits_per_value`."""
         return self.storage_dtype.itemsize
+
+    @property
+    def bits_per_value(self) -> int:
+        """Bits one cached K or V value occupies, its scale not counted (4, 8, 16 or 32)."""
+        return self.int_codes.bits if self.int_codes is not None else 8 * self.storage_dtype.itemsize
+
+    def stored_width(self, head_dim: int) -> int:
+        """Elements of the cache tensor one head's row of ``head_dim`` values takes (``head_dim / 2`` for int4)."""
+        return head_dim * self.bits_per_value // (8 * self.storage_dtype.itemsize)
 
 
 def resolve_kv_cache_dtype(name: str, compute_dtype: torch.dtype) -> KVCacheDtype:
     """Resolve a ``kv_cache_dtype`` setting against the model's compute dtype.
 
-    ``"auto"`` is the compute dtype (bfloat16, float16 or float32); ``"fp8"`` is ``fp8_e4m3``; the aliases bf16,
-    fp16, half, fp32, float and fp8_e4m3fn are accepted too. Names are matched exactly (case-sensitive).
+    ``"auto"`` is the compute dtype (bfloat16, float16 or float32); ``"fp8"`` is ``fp8_e4m3``; ``"int8"`` and
+    ``"int4"`` are ``int8_per_token_head`` and ``int4_per_token_head`` (vLLM's names); the aliases bf16, fp16,
+    half, fp32, float and fp8_e4m3fn are accepted too. Names are matched exactly (case-sensitive).
     """
     if compute_dtype not in _COMPUTE_DTYPES:
         raise ValueError(f"compute_dtype={compute_dtype} is not supported; choose one of: "
@@ -335,4 +478,8 @@ def resolve_kv_cache_dtype(name: str, compute_dtype: torch.dtype) -> KVCacheDtyp
     canonical = _COMPUTE_DTYPES[compute_dtype] if name == "auto" else _ALIASES.get(name, name)
     if canonical in _FLOAT_CACHES:
         return KVCacheDtype(name=canonical, storage_dtype=_FLOAT_CACHES[canonical], fp8=None)
+    if canonical in _INT_CACHES:
+        codes = _INT_CACHES[canonical]
+        return KVCacheDtype(name=canonical, storage_dtype=torch.int8 if codes.bits == 8 else torch.uint8, fp8=None,
+                            int_codes=codes)
     return KVCacheDtype(name=canonical, storage_dtype=torch.uint8, fp8=FP8_FORMATS[canonical])

@@ -30,7 +30,8 @@ NOT_PASSED = ("seed", "dense_backend")
 # checkpoint's weights.
 WEIGHTS_AS_LOADED = ("quantization", "load_format")
 # The tools run the model in one process with one cache pool (every layer's K/V observed or compared alike).
-ONE_PROCESS_ONE_POOL = ("cpu_threads_per_rank", "kv_cache_dtype_skip_layers", "disable_hybrid_kv_cache_manager")
+ONE_PROCESS_ONE_POOL = ("cpu_threads_per_rank", "kv_cache_dtype_skip_layers", "kv_cache_plan",
+                        "disable_hybrid_kv_cache_manager")
 # calibrate observes K/V before any rounding: an unquantized float32 cache, so no scales of its own.
 # --tensor-parallel-size N makes per-rank scales (the model still runs in one process and sees every head).
 CALIBRATE_EXCLUDED = SIZED_BY_TOOL + NOT_PASSED + WEIGHTS_AS_LOADED + ONE_PROCESS_ONE_POOL + (

@@ -213,10 +213,10 @@ class EvalReport:
         return "\n".join(lines)
 
     def recommendation(self) -> str | None:
-        """One line naming the FP8 configuration with the lowest KLD, and which others it beats by more than the
-        windows' spread: for each, the per-window KLD differences (paired: the same windows) must average more
-        than twice their standard error. None with fewer than two FP8 configurations."""
-        fp8 = [r for r in self.results if r.kv_cache_dtype.startswith("fp8")]
+        """One line naming the quantized (FP8 or int8) configuration with the lowest KLD, and which others it beats
+        by more than the windows' spread: for each, the per-window KLD differences (paired: the same windows) must
+        average more than twice their standard error. None with fewer than two quantized configurations."""
+        fp8 = [r for r in self.results if resolve_kv_cache_dtype(r.kv_cache_dtype, torch.float32).is_quantized]
         if len(fp8) < 2:
             return None
         best = min(fp8, key=lambda r: r.mean_kld)
@@ -230,7 +230,8 @@ class EvalReport:
             mean = sum(diffs) / n if n else 0.0
             se = math.sqrt(sum((d - mean) ** 2 for d in diffs) / (n - 1) / n) if n > 1 else math.inf
             (ahead if mean > 2 * se else tied).append(f"{r.label} ({r.mean_kld:.2e})")
-        line = (f"recommendation: {best.label} has the lowest KLD of the {len(fp8)} FP8 configurations "
+        kinds = "FP8" if all(r.kv_cache_dtype.startswith("fp8") for r in fp8) else "quantized"
+        line = (f"recommendation: {best.label} has the lowest KLD of the {len(fp8)} {kinds} configurations "
                 f"({best.mean_kld:.2e})")
         if ahead:
             line += f"; it beats {', '.join(ahead)} by more than twice the spread between windows"

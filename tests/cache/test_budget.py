@@ -17,6 +17,7 @@ from kv8.cache.budget import (
     default_max_model_len,
 )
 from kv8.cache.config import CacheConfig
+from kv8.cache.plan import KVPlan, KVSpec
 from kv8.platform import CPU, Platform
 from kv8.quant.formats import resolve_kv_cache_dtype
 from tests.helpers.engine import make_llm
@@ -30,10 +31,12 @@ def _cache(kv: str = "fp8", **kw) -> CacheConfig:
 
 
 def _budget(cache: CacheConfig, windows=(None,) * 4, *, head_dim=64, kv_heads=2, max_model_len=256,
-            max_num_batched_tokens=2048, skipped=(), platform=CPU, reserve=NO_RESERVE) -> KVBudget:
-    return KVBudget.build(cache, list(windows), head_dim=head_dim, kv_heads=kv_heads, compute_kv_dtype=BF16,
-                          max_model_len=max_model_len, max_num_batched_tokens=max_num_batched_tokens,
-                          skipped=skipped, platform=platform, reserve=reserve)
+            max_num_batched_tokens=2048, skipped=(), plan=None, platform=CPU, reserve=NO_RESERVE) -> KVBudget:
+    if skipped:   # what EngineConfig.kv_plan makes of kv_cache_dtype_skip_layers
+        plan = KVPlan.build(cache.default_spec, len(windows), {i: KVSpec(BF16) for i, s in enumerate(skipped) if s})
+    return KVBudget.build(cache, list(windows), head_dim=head_dim, kv_heads=kv_heads, max_model_len=max_model_len,
+                          max_num_batched_tokens=max_num_batched_tokens, plan=plan, platform=platform,
+                          reserve=reserve)
 
 
 @pytest.mark.parametrize("kv,per_value", [("bfloat16", 2), ("float32", 4), ("fp8_e4m3", 1), ("fp8_e5m2", 1),
@@ -53,7 +56,7 @@ def test_dynamic_scales_add_one_float32_per_token_head_and_kv() -> None:
 def test_skipped_layers_form_a_compute_dtype_pool_and_share_the_budget_by_need() -> None:
     b = _budget(_cache("fp8", kv_cache_memory=1 << 20, kv_cache_dtype_skip_layers=(0,)),
                 skipped=(True, False, False, False))
-    assert [p.skipped for p in b.layout.pools] == [False, True]
+    assert [p.spec for p in b.layout.pools] == [0, 1] and b.plan.specs[1] == KVSpec(BF16)
     assert b.token_bytes == (2 * 2 * 64, 2 * 2 * 64 * 2)      # FP8 pool first, then bf16
     assert b.bytes_per_token == 3 * 256 + 512
     blocks = b.num_blocks()
@@ -86,7 +89,7 @@ def test_too_small_a_budget_names_the_option_that_set_it() -> None:
     with pytest.raises(ValueError, match=r"kv_cache_memory=64.00 KiB \(--kv-cache-memory\).*fewer than max_model_len"
                                          r"=256 needs \(16 blocks"):
         _budget(_cache("fp8", kv_cache_memory=64 * 1024)).num_blocks()
-    with pytest.raises(ValueError, match="num_kv_blocks cannot size a cache with layers in two dtypes"):
+    with pytest.raises(ValueError, match="num_kv_blocks cannot size a cache with layers in 2 pools"):
         _budget(_cache("fp8", num_kv_blocks=64, kv_cache_dtype_skip_layers=(0,)),
                 skipped=(True, False, False, False)).num_blocks()
 
@@ -181,3 +184,40 @@ def test_gpu_memory_utilization_is_a_fraction_in_0_1(value, message) -> None:
     with pytest.raises(ValueError, match=message):
         _cache("fp8", gpu_memory_utilization=value)
     assert _cache("fp8", gpu_memory_utilization=1).gpu_memory_utilization == 1
+
+
+def test_a_plan_of_four_specs_sums_its_layers_and_splits_the_budget_by_need() -> None:
+    """Six layers, two of them sliding (window 32): bf16, int4 + Hadamard, FP8 dynamic and the cache's FP8 --
+    a pool per spec; bytes per token summed over the layers; blocks per pool in proportion to one sequence's need."""
+    def spec(kv: str, rotation: str = "none", mode: str = "static") -> KVSpec:
+        return KVSpec.of(resolve_kv_cache_dtype(kv, torch.bfloat16), rotation, mode)
+
+    cache = _cache("fp8", kv_cache_memory=4 << 20)
+    windows = (None, 32, None, None, 32, None)
+    overrides = {0: spec("bfloat16"), 1: spec("int4", "hadamard"), 3: spec("int4", "hadamard"),
+                 4: spec("fp8_e5m2", mode="dynamic")}
+    plan = KVPlan.build(cache.default_spec, 6, overrides)
+    assert plan.layer_spec == (1, 2, 0, 2, 3, 0) and plan.specs[0] == spec("fp8")
+    b = _budget(cache, windows, plan=plan, head_dim=64, kv_heads=2, max_num_batched_tokens=16)
+    assert [(p.spec, p.layers) for p in b.layout.pools] == [(0, (2, 5)), (1, (0,)), (2, (1, 3)), (3, (4,))]
+    per_head = [64, 128, 32 + 4, 64 + 4]              # fp8, bf16, int4 + scale, fp8 dynamic + scale
+    assert b.token_bytes == tuple(2 * 2 * h for h in per_head)
+    assert b.bytes_per_token == 4 * (2 * 64 + 128 + 2 * 36 + 68)
+    assert b.block_bytes == tuple(n * 16 * t for n, t in zip((2, 1, 1, 1), b.token_bytes))   # pool 2: groups of 1
+    # one sequence of 256 tokens: 16 blocks of each full-attention group; a sliding one at most ceil(47 / 16) + 1
+    assert b.blocks_per_sequence() == [16, 16, 16 + 4, 4]
+    blocks = b.num_blocks()
+    need = [n * bb for n, bb in zip(b.blocks_per_sequence(), b.block_bytes)]
+    for p in range(4):
+        assert blocks[p] == int((4 << 20) * need[p] / sum(need)) // b.block_bytes[p]
+    assert len({blocks[p] // b.blocks_per_sequence()[p] for p in range(4)}) <= 2   # all run out together
+    assert b.pool_rows()[2] == ("int4_per_token_head + hadamard", (1, 3), 2 * b.token_bytes[2])
+    assert [r[0] for r in b.pool_rows()] == ["fp8_e4m3", "bfloat16", "int4_per_token_head + hadamard",
+                                             "fp8_e5m2, dynamic scales"]
+    with pytest.raises(ValueError, match=r"each in fp8_e4m3\), fewer than max_model_len=256 needs \(80 blocks"):
+        _budget(_cache("fp8", kv_cache_memory=64 << 10), windows, plan=KVPlan.build(
+            cache.default_spec, 6, {1: spec("int4", "hadamard")})).num_blocks()
+    with pytest.raises(ValueError, match="num_kv_blocks cannot size a cache with layers in 4 pools"):
+        _budget(_cache("fp8", num_kv_blocks=64), windows, plan=plan).num_blocks()
+    with pytest.raises(ValueError, match="a KV plan of 6 layers for a model of 4"):
+        _budget(cache, plan=plan)

@@ -40,9 +40,9 @@ def test_layouts_of_uniform_models_and_skipped_layers():
     # 7 sliding + 2 full: groups of 2 slots, the last sliding group has one layer (one slot unused)
     odd = KVCacheLayout.build([8, 8, 8, None, 8, 8, 8, None, 8])
     assert [g.layers for g in odd.groups] == [(3, 7), (0, 1), (2, 4), (5, 6), (8,)]
-    skip = KVCacheLayout.build(GEMMA_270M_WINDOWS, skipped=[w is not None for w in GEMMA_270M_WINDOWS])
-    assert [(p.skipped, p.layers, p.num_slots) for p in skip.pools] == [
-        (False, (5, 11, 17), 3), (True, tuple(i for i in range(18) if (i + 1) % 6), 15)]
+    skip = KVCacheLayout.build(GEMMA_270M_WINDOWS, [int(w is not None) for w in GEMMA_270M_WINDOWS])
+    assert [(p.spec, p.layers, p.num_slots) for p in skip.pools] == [
+        (0, (5, 11, 17), 3), (1, tuple(i for i in range(18) if (i + 1) % 6), 15)]
     assert [(g.pool, g.sliding_window) for g in skip.groups] == [(0, None), (1, 512)]
 
 
@@ -133,3 +133,28 @@ def test_a_hit_stops_before_a_missing_window_block():
     # Block 6 missing does not matter to n = 18: its window starts at block 7.
     hits, n = _hit_after_dropping(6)
     assert n == 18 and hits[1][:7] == [NULL_BLOCK] * 7 and NULL_BLOCK not in hits[1][7:]
+
+
+def test_a_pool_per_spec_in_spec_order_each_cut_by_its_own_kinds():
+    """Four specs over Gemma-3-270M's 18 layers (spec 2 unused): one pool per used spec, ascending; within each
+    pool its kinds cut into groups of the pool's fewest layers of a kind; every layer in one (pool, slot)."""
+    specs = [0] * 18
+    specs[0], specs[1] = 1, 3                      # a sliding layer each
+    specs[5], specs[6], specs[7], specs[11] = 3, 3, 3, 3   # full 5 and 11, sliding 6 and 7
+    layout = KVCacheLayout.build(GEMMA_270M_WINDOWS, specs)
+    assert [(p.pool_id, p.spec, p.layers, p.num_slots) for p in layout.pools] == [
+        (0, 0, (2, 3, 4, 8, 9, 10, 12, 13, 14, 15, 16, 17), 1), (1, 1, (0,), 1), (2, 3, (1, 5, 6, 7, 11), 2)]
+    assert [(g.pool, g.layers, g.sliding_window) for g in layout.pool_groups(2)] == [
+        (2, (5, 11), None), (2, (1, 6), 512), (2, (7,), 512)]
+    assert [g.layers for g in layout.pool_groups(0)][:2] == [(17,), (2,)]   # full attention first, one slot each
+    placed = {(layout.groups[layout.layer_group[i]].pool, layout.layer_slot[i], layout.layer_group[i])
+              for i in range(18)}
+    assert len(placed) == 18 and sorted(i for g in layout.groups for i in g.layers) == list(range(18))
+    for p in layout.pools:
+        assert all(len(g.layers) <= p.num_slots for g in layout.pool_groups(p.pool_id))
+        assert {i for g in layout.pool_groups(p.pool_id) for i in g.layers} == set(p.layers)
+        assert all(specs[i] == p.spec for i in p.layers)
+    assert layout.describe(["fp8", "bf16", "unused", "int4"]).split("; ")[1] == "bf16 pool: 1 groups of 1 layers " \
+        "(1 window-512)"
+    with pytest.raises(ValueError, match="3 layer specs"):
+        KVCacheLayout.build([None] * 4, [0, 0, 1])

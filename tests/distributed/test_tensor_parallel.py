@@ -220,6 +220,15 @@ def test_tp2_equals_tp1_fp8(gqa_6x2: str, kv: str) -> None:
     _compare(gqa_6x2, 2, kv)
 
 
+def test_tp2_equals_tp1_with_a_kv_plan(gqa_6x2: str, tmp_path: Path) -> None:
+    """kv_cache_plan: layer 0 int4 + Hadamard, layer 1 the cache's FP8 -- two pools on every rank, each rank
+    reading the plan file itself."""
+    plan = tmp_path / "plan.json"
+    plan.write_text(json.dumps({"kv8_kv_plan": 1, "layers": {"0": {"kv_cache_dtype": "int4",
+                                                                   "kv_cache_rotation": "hadamard"}}}))
+    _compare(gqa_6x2, 2, "fp8", kv_cache_plan=str(plan), block_size=4)
+
+
 @pytest.mark.slow
 def test_tp2_equals_tp1_with_fp8_weights(gqa_6x2: str) -> None:
     """quantization="fp8": o_proj and down_proj ranks hold half of each row, quantized with the whole rows'
@@ -273,6 +282,7 @@ def test_tp3_smollm2_gguf_equals_one_rank() -> None:
 def test_tp3_splits_three_kv_heads(gqa_6x3: str) -> None:
     _compare(gqa_6x3, 3, "auto")
     _compare(gqa_6x3, 3, "fp8", kv_cache_scale_mode="dynamic", kv_cache_rotation="hadamard")
+    _compare(gqa_6x3, 3, "int8_per_token_head")
 
 
 @pytest.mark.slow

@@ -1,7 +1,7 @@
 """The engine end to end on the GPU path's attention backend (``attention_backend="triton"``), run here on CPU
 tensors in Triton's interpreter (``tests/conftest.py`` sets ``TRITON_INTERPRET=1`` without a GPU): greedy tokens
 equal to the reference backend's (both read the same stored bytes), with every block returned, over FP8 formats,
-scale modes, a rotation, GQA, sliding windows and the hybrid layout, prefix caching, chunked prefill and
+scale modes, int8 caches, a rotation, GQA, sliding windows and the hybrid layout, prefix caching, chunked prefill and
 preemption; and decode steps served from the CUDA-graph buffers (:class:`kv8.engine.cuda_graphs.DecodeGraphs`
 without capture) equal to eager steps."""
 
@@ -36,11 +36,13 @@ CASES = [
     ("llama_gqa", dict(kv_cache_dtype="fp8_e5m2", kv_cache_scale_mode="dynamic")),
     ("llama_gqa", dict(kv_cache_dtype="fp8_e4m3fnuz", kv_cache_rotation="hadamard")),
     ("llama_gqa", dict(kv_cache_dtype="bfloat16")),
+    ("llama_gqa", dict(kv_cache_dtype="int8")),
     # chunked prefill (chunks of 8 tokens over the cached ones) and preemption (7 blocks of 4 tokens for 4
     # sequences of up to 21)
     ("llama", dict(kv_cache_dtype="fp8_e4m3", max_num_batched_tokens=8, num_kv_blocks=7, block_size=4,
                    max_model_len=24)),
     ("mistral_swa", dict(kv_cache_dtype="fp8_e4m3")),
+    ("mistral_swa", dict(kv_cache_dtype="int8_per_token_head", kv_cache_rotation="hadamard")),
     ("gemma3", dict(kv_cache_dtype="fp8_e4m3", kv_cache_dtype_skip_layers="full_attention")),
 ]
 

@@ -16,6 +16,9 @@ KV_CONFIGS = {
     "fp8_e4m3+hadamard": dict(kv_cache_dtype="fp8_e4m3", kv_cache_rotation="hadamard"),
     "fp8_e5m2+dynamic+hadamard": dict(kv_cache_dtype="fp8_e5m2", kv_cache_scale_mode="dynamic",
                                       kv_cache_rotation="hadamard"),
+    "int8": dict(kv_cache_dtype="int8"),
+    "int8_per_token_head+hadamard": dict(kv_cache_dtype="int8_per_token_head", kv_cache_rotation="hadamard"),
+    "int4+hadamard": dict(kv_cache_dtype="int4", kv_cache_rotation="hadamard"),
 }
 #: prompts of different lengths, two sharing a prefix (prefix caching has something to find)
 PROMPTS = [

@@ -29,6 +29,8 @@ from kv8.quant.scales import KVScales, ScaleGranularity
 from kv8.sampling_params import SamplingParams
 
 FP8 = ["fp8_e4m3", "fp8_e4m3fnuz", "fp8_e5m2"]
+INT8 = "int8_per_token_head"   # int8 codes, a scale per token and head (always dynamic)
+INT4 = "int4_per_token_head"   # int4 codes, two per byte, a scale per token and head (always dynamic)
 
 # A ragged batch mixing decode and chunked prefill over cached prefixes; lengths at / across block edges.
 QUERY_LENS = [1, 1, 1, 5, 16, 17, 1]
@@ -89,8 +91,8 @@ def stored(cache: PagedKVCache, layer: int, slots: torch.Tensor) -> tuple[torch.
     """Raw K and V contents (and dynamic token scales) at ``slots``, as integers for bitwise comparison."""
     bs = cache.shape.block_size
     blocks, offsets = slots // bs, slots % bs
-    raw = cache.data.view(torch.uint8) if cache.kv_dtype.is_fp8 else cache.data.view(torch.int16) \
-        if cache.data.element_size() == 2 else cache.data.view(torch.int32)
+    size = cache.data.element_size()
+    raw = cache.data.view({1: torch.uint8, 2: torch.int16, 4: torch.int32}[size])
     out = [raw[layer, 0][blocks, :, offsets], raw[layer, 1][blocks, :, offsets]]
     if cache.token_scales is not None:
         out += [cache.token_scales[layer, 0][blocks, :, offsets].view(torch.int32),
@@ -130,12 +132,14 @@ def make_case(kv_name: str, gran: str, q_dtype: torch.dtype, *, group: int = 3, 
     if poison:
         if kv_name in FP8:
             cache.data.fill_(0x80 if kv_name == "fp8_e4m3fnuz" else 0x7F)  # the formats' NaN codes
+        elif kv_name in (INT8, INT4):
+            cache.data.fill_(127)   # no NaN code: the NaN token scales below poison it
         else:
             cache.data.fill_(float("nan"))
         if cache.token_scales is not None:
             cache.token_scales.fill_(float("nan"))
     total = sum(seq_lens)
-    dtype = q_dtype if kv_name in FP8 else kv.storage_dtype
+    dtype = q_dtype if kv.is_quantized else kv.storage_dtype
     cache.store(1, random_kv(total, heads, dim, gen).to(dtype), random_kv(total, heads, dim, gen).to(dtype),
                 everything.slot_mapping)
     meta = AttentionMetadata.build(list(query_lens), list(seq_lens), tables, bs)

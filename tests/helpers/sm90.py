@@ -195,16 +195,16 @@ def measure(kernel: Any, num_warps: int, num_stages: int, bytes_per_iter: int) -
 
 def llama_attention_launches(kv: str, phase: str, compute_units: int = 132) -> list[Any]:
     """What :func:`~kv8.kernels.triton.attention.unified_attention` launches for one layer of Llama-3.1-8B on an
-    H100 (132 SMs): ``kv`` "fp8_e4m3" (static per-head scales) or "bfloat16"; ``phase`` "decode" (32 sequences at 4k
-    context, one new token each), "prefill" (one 2048-token prompt) or "mixed" (31 decode rows at 4k and one
-    2048-token prompt). CPU tensors with the real strides; no cache-sized memory (the block count does not change
-    the kernel). The lengths are passed as the engine's backend passes them (``max_query_len``,
-    ``min_query_len``)."""
+    H100 (132 SMs): ``kv`` "fp8_e4m3" (static per-head scales), "int8" (int8 codes, dynamic per-token scales) or
+    "bfloat16"; ``phase`` "decode" (32 sequences at 4k context, one new token each), "prefill" (one 2048-token
+    prompt) or "mixed" (31 decode rows at 4k and one 2048-token prompt). CPU tensors with the real strides; no
+    cache-sized memory (the block count does not change the kernel). The lengths are passed as the engine's backend
+    passes them (``max_query_len``, ``min_query_len``)."""
     import torch
 
     from kv8.kernels.triton import attention as A
     from kv8.platform import Platform
-    from kv8.quant.formats import E4M3
+    from kv8.quant.formats import E4M3, INT8
 
     heads, kv_heads, dim, bs = 32, 8, 128, 16
     if phase == "decode":
@@ -215,12 +215,13 @@ def llama_attention_launches(kv: str, phase: str, compute_units: int = 132) -> l
         q_lens, ctxs = [1] * 31 + [2048], [4096] * 31 + [2048]
     else:
         raise ValueError(f"phase={phase!r}: allowed 'decode', 'prefill', 'mixed'")
-    fp8 = kv == "fp8_e4m3"
-    if not fp8 and kv != "bfloat16":
-        raise ValueError(f"kv={kv!r}: allowed 'fp8_e4m3', 'bfloat16'")
+    fp8, int8 = kv == "fp8_e4m3", kv == "int8"
+    if not (fp8 or int8) and kv != "bfloat16":
+        raise ValueError(f"kv={kv!r}: allowed 'fp8_e4m3', 'int8', 'bfloat16'")
     tokens = sum(q_lens)
     query = torch.zeros(tokens, heads, dim, dtype=torch.bfloat16)
-    cache = torch.zeros(16, kv_heads, bs, dim, dtype=torch.uint8 if fp8 else torch.bfloat16)
+    cache = torch.zeros(16, kv_heads, bs, dim, dtype=torch.uint8 if fp8 else torch.int8 if int8 else torch.bfloat16)
+    token_scales = torch.ones(16, kv_heads, bs) if int8 else None
     blocks = -(-max(ctxs) // bs)
     starts = [0]
     for n in q_lens:
@@ -231,21 +232,30 @@ def llama_attention_launches(kv: str, phase: str, compute_units: int = 132) -> l
         seq_lens=torch.tensor(ctxs, dtype=torch.int32),
         block_tables=torch.zeros(len(q_lens), blocks, dtype=torch.int32),
         max_query_len=max(q_lens), max_seq_len=max(ctxs), scale=dim ** -0.5, sliding_window=None,
-        fp8=E4M3 if fp8 else None, k_scale=torch.ones(kv_heads, 1) if fp8 else None,
-        v_scale=torch.ones(kv_heads, 1) if fp8 else None, k_token_scales=None, v_token_scales=None,
+        fp8=E4M3 if fp8 else INT8 if int8 else None, k_scale=torch.ones(kv_heads, 1) if fp8 else None,
+        v_scale=torch.ones(kv_heads, 1) if fp8 else None, k_token_scales=token_scales,
+        v_token_scales=None if token_scales is None else token_scales.clone(),
         num_kv_splits=None, platform=Platform.cuda((9, 0), "H100", compute_units=compute_units),
         min_query_len=min(q_lens))
 
 
 def llama_store_launch(kv: str) -> Any:
     """What :func:`~kv8.kernels.triton.store.store_kv` launches for one decode step of 32 sequences (8 KV heads,
-    head_dim 128, blocks of 16; ``kv`` "fp8_e4m3" with static per-head scales or "bfloat16")."""
+    head_dim 128, blocks of 16; ``kv`` "fp8_e4m3" with static per-head scales, "int8" (dynamic scales) or
+    "bfloat16")."""
     import torch
 
     from kv8.kernels.triton import store as S
     from kv8.kernels.triton.formats import kernel_format
-    from kv8.quant.formats import E4M3
+    from kv8.quant.formats import E4M3, INT8
 
+    if kv == "int8":
+        key = torch.zeros(32, 8, 128, dtype=torch.bfloat16)
+        cache = torch.zeros(16, 8, 16, 128, dtype=torch.int8)
+        ts = torch.ones(16, 8, 16)
+        slots = torch.arange(32, dtype=torch.int64)
+        return S.store_launch(key, key.clone(), cache, cache.clone(), slots, slots, slots, ts, ts.clone(),
+                              (0, 0, 0, 0), ts.stride() * 2, mode=2, fmt=kernel_format(INT8))
     fp8 = kv == "fp8_e4m3"
     key = torch.zeros(32, 8, 128, dtype=torch.bfloat16)
     cache = torch.zeros(16, 8, 16, 128, dtype=torch.uint8 if fp8 else torch.bfloat16)
@@ -282,14 +292,15 @@ RESIDENT_PROGRAMS = 4   # what kv8.kernels.triton.attention.choose_num_kv_splits
 
 def figures() -> dict[str, dict[str, Any]]:
     """The compiled figures of the engine's launches at Llama-3.1-8B shapes: decode and prefill attention over
-    fp8_e4m3 and bf16 caches, and the store kernel (keys ``"<phase>-<kv>"``, ``"store-<kv>"``)."""
+    fp8_e4m3 and bf16 caches, decode over an int8 cache, and the store kernel (keys ``"<phase>-<kv>"``,
+    ``"store-<kv>"``)."""
     rows: dict[str, dict[str, Any]] = {}
-    for phase in ("decode", "prefill"):
-        for kv in ("fp8_e4m3", "bfloat16"):
-            launch = attention_launch(kv, phase)
-            rows[f"{phase}-{kv}"] = {"grid": list(launch.grid), **{k: launch.kwargs[k] for k in (
-                "BLOCK_M", "TILE_N", "NUM_SPLITS")}, **asdict(attention_figures(launch))}
-    for kv in ("fp8_e4m3", "bfloat16"):
+    cases = [(phase, kv) for phase in ("decode", "prefill") for kv in ("fp8_e4m3", "bfloat16")] + [("decode", "int8")]
+    for phase, kv in cases:
+        launch = attention_launch(kv, phase)
+        rows[f"{phase}-{kv}"] = {"grid": list(launch.grid), **{k: launch.kwargs[k] for k in (
+            "BLOCK_M", "TILE_N", "NUM_SPLITS")}, **asdict(attention_figures(launch))}
+    for kv in ("fp8_e4m3", "bfloat16", "int8"):
         launch = llama_store_launch(kv)
         fig = measure(compile_launch(launch), int(launch.kwargs["num_warps"]), 1, 1)
         rows[f"store-{kv}"] = {"registers": fig.registers, "spill_bytes": fig.spill_bytes,
@@ -307,6 +318,8 @@ def violations(rows: dict[str, dict[str, Any]]) -> list[str]:
     * the FP8 decode loop costs at most the bf16 loop's instructions per key (per KB of cache: at most twice the
       bf16 figure, the FP8 cache being half the bytes);
     * a decode program leaves room for :data:`RESIDENT_PROGRAMS` per SM (registers and shared memory).
+
+    The int8 decode (``decode-int8``: dynamic scales, bf16 operands) keeps the promises that are not about FP8.
     """
     bad = []
     for name, r in rows.items():

@@ -40,6 +40,8 @@ from kv8.quant.formats import FP8_FORMATS, resolve_kv_cache_dtype
 from kv8.quant.scales import KVScales
 from tests.helpers.kernels import (
     FP8,
+    INT4,
+    INT8,
     TOL,
     cpu_has_fast_path,
     decode_kernel,
@@ -53,7 +55,7 @@ from tests.helpers.kernels import (
     stored,
 )
 
-KV_DTYPES = ["fp8_e4m3", "fp8_e4m3fnuz", "fp8_e5m2", "bfloat16", "float16", "float32"]
+KV_DTYPES = ["fp8_e4m3", "fp8_e4m3fnuz", "fp8_e5m2", "bfloat16", "float16", "float32", INT8, INT4]
 
 
 
@@ -152,7 +154,8 @@ def special_values(n: int, fmt_max: float) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("kv_name,gran", [(k, g) for k in FP8 for g in ("tensor", "head", "channel", "dynamic")]
-                         + [(k, "none") for k in ("bfloat16", "float16", "float32")])
+                         + [(k, "none") for k in ("bfloat16", "float16", "float32")]
+                         + [(INT8, "dynamic"), (INT4, "dynamic")])
 @pytest.mark.parametrize("in_dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_store_bit_exact(lib: kernels.KernelLibrary, kv_name: str, gran: str, in_dtype: torch.dtype) -> None:
     gen = torch.Generator().manual_seed(1)
@@ -163,8 +166,8 @@ def test_store_bit_exact(lib: kernels.KernelLibrary, kv_name: str, gran: str, in
     ref = make_cache(shape, kv, scales, gran == "dynamic")
     mine = make_cache(shape, kv, scales, gran == "dynamic")
     key, value = random_kv(tokens, heads, dim, gen), random_kv(tokens, heads, dim, gen)
-    if kv.is_fp8:  # special values (NaN and inf included) in a few heads of a few tokens
-        fmax = kv.fp8.max_finite
+    if kv.codes is not None:  # special values (NaN and inf included) in a few heads of a few tokens
+        fmax = kv.codes.max_finite
         key[::7, 0] = special_values(dim, fmax) * (0.01 if gran != "dynamic" else 1.0)
         value[3::5, 1] = special_values(dim, fmax).flip(0) * 0.02
         key[4, 2, 5] = math.nan
@@ -210,7 +213,8 @@ def test_store_dense_fp32_sweep(lib: kernels.KernelLibrary, fmt: str) -> None:
 # ------------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("kv_name,gran", [(k, g) for k in FP8 for g in ("tensor", "head", "channel")]
-                         + [(k, "none") for k in ("bfloat16", "float16", "float32")])
+                         + [(k, "none") for k in ("bfloat16", "float16", "float32")]
+                         + [(INT8, "dynamic"), (INT4, "dynamic")])
 @pytest.mark.parametrize("q_dtype", [torch.bfloat16, torch.float32])
 def test_attention_dtypes_and_scales(lib: kernels.KernelLibrary, kv_name: str, gran: str,
                                      q_dtype: torch.dtype) -> None:
@@ -231,13 +235,15 @@ def test_attention_shapes(lib: kernels.KernelLibrary, group: int, dim: int, bs: 
     check_attention(lib, cache, meta, q)
 
 
-@pytest.mark.parametrize("kv_name", ["fp8_e5m2", "bfloat16", "float16"])
+@pytest.mark.parametrize("kv_name", ["fp8_e5m2", "bfloat16", "float16", INT8, INT4])
 @pytest.mark.parametrize("dim", [80, 72, 20])
 def test_attention_odd_head_dim(lib: kernels.KernelLibrary, kv_name: str, dim: int) -> None:
     """D = 80 takes the fast path with a partial 64-channel chunk; D = 72 (not a multiple of 16) the AVX2 kernel
-    with a last 8-channel chunk, D = 20 (not a multiple of 8) the generic."""
-    cache, meta, q = make_case(kv_name, "channel", torch.float32, dim=dim, heads=2)
-    fast = dim == 80 and kv_name != "float16" and lib.has_fast_path
+    with a last 8-channel chunk, D = 20 (not a multiple of 8) the generic. int8 / int4 always run the fp32
+    kernels."""
+    ints = (INT8, INT4)
+    cache, meta, q = make_case(kv_name, "dynamic" if kv_name in ints else "channel", torch.float32, dim=dim, heads=2)
+    fast = dim == 80 and kv_name not in ("float16", *ints) and lib.has_fast_path
     assert attention_path(lib, kv_name, torch.float32, dim) == ("fast" if fast else portable_path(lib, dim))
     check_attention(lib, cache, meta, q)
 
@@ -257,7 +263,7 @@ def test_attention_auto_partition_single_sequence(lib: kernels.KernelLibrary) ->
     check_attention(lib, cache, meta, q)
 
 
-@pytest.mark.parametrize("kv_name", FP8)
+@pytest.mark.parametrize("kv_name", [*FP8, INT8, INT4])
 @pytest.mark.parametrize("q_dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_attention_dynamic_scales(lib: kernels.KernelLibrary, kv_name: str, q_dtype: torch.dtype) -> None:
     cache, meta, q = make_case(kv_name, "dynamic", q_dtype)
@@ -265,7 +271,8 @@ def test_attention_dynamic_scales(lib: kernels.KernelLibrary, kv_name: str, q_dt
 
 
 @pytest.mark.parametrize("kv_name,gran", [("fp8_e4m3", "channel"), ("fp8_e5m2", "dynamic"),
-                                          ("fp8_e4m3fnuz", "head"), ("bfloat16", "none")])
+                                          ("fp8_e4m3fnuz", "head"), ("bfloat16", "none"), (INT8, "dynamic"),
+                                          (INT4, "dynamic")])
 def test_attention_portable_builds(portable_lib: kernels.KernelLibrary, kv_name: str, gran: str) -> None:
     assert attention_path(portable_lib, kv_name, torch.bfloat16, 64) == portable_path(portable_lib, 64)
     for q_dtype in (torch.bfloat16, torch.float32):

@@ -10,7 +10,8 @@ The (cache dtype x head_dim/GQA x window/split x query dtype) sweep runs a fixed
 ``KV8_TRITON_FULL_SWEEP=1`` runs them all (slow in the interpreter: 24x the sample).
 
 Every case builds a :class:`PagedKVCache` through kv8's own codec and reference store, with the cache and the
-token scales first filled with poison (NaN values, the format's NaN code): the kernel reading any slot it must not
+token scales first filled with poison (NaN values, the format's NaN code; int8 codes have no NaN, so there the
+token scales' NaN is the poison): the kernel reading any slot it must not
 (a slot past a sequence, a block before a sliding window, an unused block) turns its output into NaN. Block ids are
 shuffled, last blocks partial, batches mixed (decode rows, prefill chunks over cached context, fresh prefills, an
 empty row) and padded with rows past ``query_start_loc[B]`` that must stay untouched.
@@ -47,7 +48,7 @@ from kv8.cache.codec import KVCodec
 from kv8.cache.paged_cache import CacheShape, PagedKVCache
 from kv8.kernels.triton.formats import kernel_format
 from kv8.platform import CPU, Platform
-from kv8.quant.formats import E4M3, FP8_FORMATS, FP8Format, resolve_kv_cache_dtype
+from kv8.quant.formats import E4M3, FP8_FORMATS, INT8, FP8Format, resolve_kv_cache_dtype
 from kv8.quant.scales import KVScales, ScaleGranularity
 from tests.helpers.triton import DEVICES, INTERPRETED
 
@@ -58,6 +59,7 @@ unified_attention = triton_attention.unified_attention
 decode_fp8 = triton_dequant.decode_fp8
 FLOAT_CACHES = ("bfloat16", "float16", "float32")
 FP8_CACHES = tuple(FP8_FORMATS)     # every kv8 format: the kernels' constants are derived from each
+INT8_CACHE = "int8_per_token_head"   # int8 codes, always dynamic scales
 FORMATS = FP8_FORMATS
 
 
@@ -92,7 +94,9 @@ class Problem:
 
 def _poison(cache: PagedKVCache) -> None:
     fmt = cache.kv_dtype.fp8
-    if fmt is None:
+    if cache.kv_dtype.int_codes is not None:
+        cache.data.fill_(-128)             # never written (codes are -127 .. 127); the NaN scales below poison
+    elif fmt is None:
         cache.data.fill_(float("nan"))
     else:
         cache.data.fill_(fmt.nan_code)
@@ -117,8 +121,9 @@ def _build(kv: str, q_dtype: torch.dtype, *, head_dim: int = 64, kv_heads: int =
            block_size: int = 16, batch: Batch = MIXED, window: int | None = None, scales: str = "tensor",
            rotation: str = "none", garbage: tuple[int, ...] | None = None, seed: int = 0) -> Problem:
     """A poisoned cache holding the batch's context, its metadata and queries (module docstring). ``scales``:
-    "tensor" / "head" / "channel" static scales or "dynamic" (FP8 only). ``garbage``: block ids written into the
-    table entries before each window's first block (default: ids of poisoned, never-stored blocks)."""
+    "tensor" / "head" / "channel" static scales or "dynamic" (FP8; an int8 cache is always dynamic). ``garbage``:
+    block ids written into the table entries before each window's first block (default: ids of poisoned,
+    never-stored blocks)."""
     g = torch.Generator().manual_seed(seed)
     kv_dtype = resolve_kv_cache_dtype(kv, torch.float32)
     bs, d = block_size, head_dim
@@ -177,7 +182,7 @@ def _run(p: Problem, device: str, *, num_kv_splits: int | None = 1, table_dtype:
         query_start_loc=m.query_start_loc.to(device), seq_lens=m.seq_lens.to(device),
         block_tables=m.block_tables.to(device=device, dtype=table_dtype),
         max_query_len=max(m.query_lens_list), max_seq_len=max(m.seq_lens_list), scale=p.scale,
-        sliding_window=m.sliding_window, fp8=p.cache.kv_dtype.fp8,
+        sliding_window=m.sliding_window, fp8=p.cache.kv_dtype.codes,
         k_scale=static[0].to(device) if static else None, v_scale=static[1].to(device) if static else None,
         k_token_scales=dynamic[0].to(device) if dynamic else None,
         v_token_scales=dynamic[1].to(device) if dynamic else None,
@@ -202,7 +207,7 @@ def _tolerance(p: Problem) -> dict[str, float]:
         return {"rtol": 1e-5, "atol": 1e-5 * p.v_max}
     eps = torch.finfo(q_dtype).eps
     kv = p.cache.kv_dtype
-    rounds_p = kv.is_fp8 or kv.storage_dtype == q_dtype
+    rounds_p = kv.is_quantized or kv.storage_dtype == q_dtype
     return {"rtol": eps, "atol": (eps if rounds_p else 1e-5) * p.v_max}
 
 
@@ -280,15 +285,33 @@ def test_native_fp8_is_the_platforms_choice(platform: Platform, native: set, mon
         launches = triton_attention.plan_launches(*tensors, **{**kwargs, "fp8": fmt}, platform=platform)
         assert [x.kwargs["NATIVE_FP8"] for x in launches if "NATIVE_FP8" in x.kwargs] == [name in native], name
     assert not triton_dequant.native_fp8_supported(platform, None)   # a 16/32-bit cache
+    assert not triton_dequant.native_fp8_supported(platform, kernel_format(INT8))   # int8 codes: no FP8 type
     monkeypatch.setattr(triton_interpreter, "INTERPRETED", True)
     assert not any(triton_dequant.native_fp8_supported(platform, kernel_format(f)) for f in FP8_FORMATS.values())
+
+
+@triton.jit
+def _decode_int8_kernel(codes_ptr, out_ptr, FMT: tl.constexpr, OUT: tl.constexpr):
+    offs = tl.arange(0, 256)
+    tl.store(out_ptr + offs, decode_fp8(tl.load(codes_ptr + offs), FMT, False, OUT).to(tl.float32))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("out_dtype", [tl.float32, tl.float16, tl.bfloat16], ids=str)
+def test_int8_decode_is_exact_for_every_code(out_dtype: tl.dtype, device: str) -> None:
+    """Every int8 code (-128 included, though never written) converts to its value in each dot dtype (the
+    interpreter's own int8 -> bfloat16 cast does not: the decode goes through float32)."""
+    codes = torch.arange(-128, 128, dtype=torch.int16).to(torch.int8).to(device)
+    out = torch.empty(256, dtype=torch.float32, device=device)
+    _decode_int8_kernel[(1,)](codes, out, FMT=kernel_format(INT8), OUT=out_dtype)
+    assert torch.equal(out.cpu(), INT8.decode(codes.cpu()))
 
 
 # ---- attention against the reference ----------------------------------------------------------------------------
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("q_dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
-@pytest.mark.parametrize("kv", FLOAT_CACHES + FP8_CACHES)
+@pytest.mark.parametrize("kv", FLOAT_CACHES + FP8_CACHES + (INT8_CACHE,))
 def test_every_cache_dtype_mixed_batch(kv: str, q_dtype: torch.dtype, device: str) -> None:
     p = _build(kv, q_dtype, seed=1)
     _check(p, _run(p, device))
@@ -311,7 +334,8 @@ def test_dynamic_scales_other_formats(kv: str, device: str) -> None:
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("kv,scales", [("fp8_e4m3", "dynamic"), ("fp8_e4m3", "head"), ("float32", "tensor")])
+@pytest.mark.parametrize("kv,scales", [("fp8_e4m3", "dynamic"), ("fp8_e4m3", "head"), ("float32", "tensor"),
+                                       (INT8_CACHE, "dynamic")])
 def test_hadamard_rotated_codec(kv: str, scales: str, device: str) -> None:
     """q, K and V in the rotated (stored) basis: the same call. For a float32 cache, rotating the output back also
     gives attention over the unrotated q, K, V (the rotation is orthonormal)."""
@@ -386,13 +410,18 @@ def test_split_k_bf16_mixed_batch(device: str) -> None:
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_poison_is_detected(device: str) -> None:
-    """The harness can fail: poisoning a slot the batch does read (the decode row's newest key) shows up as NaN
-    in exactly the rows that see it."""
-    p = _build("fp8_e4m3", torch.float32, seed=10)
+@pytest.mark.parametrize("kv", ["fp8_e4m3", INT8_CACHE])
+def test_poison_is_detected(kv: str, device: str) -> None:
+    """The harness can fail: poisoning a slot the batch does read (the decode row's newest key: its FP8 code, or
+    its int8 token scale) shows up as NaN in exactly the rows that see it."""
+    p = _build(kv, torch.float32, seed=10)
     block = int(p.meta.block_tables[0, 36 // 16])
-    k_cache, _ = p.cache.layer(0)
-    k_cache[block, :, 36 % 16] = E4M3.nan_code
+    if kv == INT8_CACHE:
+        k_ts, _ = p.cache.layer_token_scales(0)  # type: ignore[misc]
+        k_ts[block, :, 36 % 16] = float("nan")
+    else:
+        k_cache, _ = p.cache.layer(0)
+        k_cache[block, :, 36 % 16] = E4M3.nan_code
     out = _run(p, device)
     assert out[0].isnan().all()                        # the decode row (token 0) sees position 36
     assert not out[1:p.num_tokens].isnan().any()       # nobody else does
@@ -418,6 +447,23 @@ def test_empty_batches_leave_out_alone(device: str) -> None:
     p = _build("float32", torch.float32, batch=Batch((0, 0), (5, 17)), seed=11)
     out = _run(p, device)
     assert bool((out == 7.0).all())
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("q_dtype,head_dim,group,block_size,window,splits", [
+    (torch.bfloat16, 64, 4, 16, None, 3),        # decode rows split over key segments, a prefill chunk
+    (torch.float16, 96, 2, 16, 13, 1),           # D padded to 128; a window spanning blocks
+    (torch.float32, 128, 8, 8, 5, 2),            # blocks smaller than a key tile (per-key gather), window + split
+    (torch.bfloat16, 256, 1, 32, None, 1),       # head_dim 256: 16-key tiles inside 32-token blocks
+], ids=lambda v: str(v).replace("torch.", ""))
+def test_int8_cache(q_dtype: torch.dtype, head_dim: int, group: int, block_size: int, window: int | None,
+                    splits: int, device: str) -> None:
+    """int8 codes with their per-token scales over mixed batches (decode, prefill chunks, fresh prefills), GQA,
+    sliding windows and split-K."""
+    batch = Batch((1, 6, 19, 0, 1, 3), (37, 40, 19, 5, 16, 50))
+    p = _build(INT8_CACHE, q_dtype, head_dim=head_dim, kv_heads=1 if head_dim == 256 else 2, group=group,
+               block_size=block_size, batch=batch, window=window, seed=15)
+    _check(p, _run(p, device, num_kv_splits=splits))
 
 
 # ---- host-side logic ---------------------------------------------------------------------------------------------
@@ -574,6 +620,12 @@ def _bad_cases() -> list[tuple[str, dict, str]]:
         ("seq_lens strided", {"seq_lens": torch.tensor([3, 0, 20, 0])[::2]}, "seq_lens must be contiguous"),
         ("fp32 scale for 16-bit cache", {"k_cache": cache16.to(f32), "v_cache": cache16.to(f32), "fp8": None},
          "16/32-bit cache"),
+        ("int8 with a uint8 cache", {"fp8": INT8}, r"k_cache.dtype=torch.uint8 but fp8='int8' needs torch.int8"),
+        ("int8 with static scales", {"fp8": INT8, "k_cache": torch.zeros(8, 2, 16, 64, dtype=torch.int8),
+                                     "v_cache": torch.zeros(8, 2, 16, 64, dtype=torch.int8)},
+         r"int8 cache needs its dynamic k_token_scales and v_token_scales .* \(got static ones\)"),
+        ("int8 layout", {"fp8": SimpleNamespace(name="int8", bits=8, max_finite=128.0)},
+         r"integer format 'int8': bits=8, max_finite=128.0"),
     ]
 
 
@@ -609,10 +661,10 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from kv8.kernels.triton import attention as A
 from kv8.kernels.triton.formats import kernel_format
-from kv8.quant.formats import FP8_FORMATS
+from kv8.quant.formats import FP8_FORMATS, INT8
 
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "u8": torch.uint8}
-PTR = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32", torch.uint8: "*u8"}
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "u8": torch.uint8, "i8": torch.int8}
+PTR = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32", torch.uint8: "*u8", torch.int8: "*i8"}
 # the ptxas Triton itself runs for sm_90 (Triton 3.9 emits PTX 9.4, which only its newer bundled ptxas reads)
 from triton.backends.nvidia.compiler import get_ptxas
 ptxas = get_ptxas(90).path
@@ -658,7 +710,7 @@ results = []
 for v in json.loads(sys.argv[1]):
     splits = v.pop("splits")
     v["query_dtype"], v["cache_dtype"] = DTYPES[v["query_dtype"]], DTYPES[v["cache_dtype"]]
-    v["fp8"] = None if v["fp8"] is None else kernel_format(FP8_FORMATS[v["fp8"]])
+    v["fp8"] = None if v["fp8"] is None else kernel_format({**FP8_FORMATS, "int8": INT8}[v["fp8"]])
     variant = A.KernelVariant(**v)
     const = variant.constexprs(splits)
     q_ptr = PTR[variant.query_dtype]
@@ -684,8 +736,12 @@ print(json.dumps(results))
 def _variant(query: str = "bf16", kv: str = "fp8_e4m3", native: bool = True, scales: int = 1,
              k_channel: bool = False, window: bool = False, group: int = 4, head_dim: int = 128, block_size: int = 16,
              max_query_len: int = 1, splits: int = 1) -> dict:
-    """A KernelVariant's fields (JSON: dtypes by short name); ``kv`` an FP8 format's name or a cache dtype."""
+    """A KernelVariant's fields (JSON: dtypes by short name); ``kv`` an FP8 format's name, "int8" (dynamic scales
+    whatever ``scales`` says) or a cache dtype."""
     fp8 = kv in FP8_FORMATS
+    if kv == "int8":
+        return dict(_variant(query, "fp8_e4m3", False, triton_attention.SCALES_DYNAMIC, k_channel, window, group,
+                             head_dim, block_size, max_query_len, splits), cache_dtype="i8", fp8="int8")
     return dict(query_dtype=query, cache_dtype="u8" if fp8 else kv, fp8=kv if fp8 else None,
                 native_fp8=native and fp8, scales=scales if fp8 else triton_attention.SCALES_NONE,
                 k_channel_scale=k_channel, sliding_window=window, group=group, head_dim=head_dim,
@@ -707,6 +763,8 @@ _SM90_VARIANTS = {
     "decode-bf16-e4m3-dynamic-window": _variant(scales=2, window=True),
     "decode-fp16-e5m2-native-channel": _variant(query="fp16", kv="fp8_e5m2", k_channel=True),
     "prefill-gqa8-d64-split3": _variant(group=8, head_dim=64, max_query_len=512, splits=3),
+    "decode-bf16-int8-split3": _variant(kv="int8", splits=3),
+    "prefill-fp16-int8-window": _variant(query="fp16", kv="int8", window=True, max_query_len=512),
 }
 
 
@@ -732,7 +790,7 @@ def test_kernels_compile_for_sm90_without_spills(tmp_path: Path) -> None:
 
 # ---- a sample of the full sweep ----------------------------------------------------------------------------------
 
-_SWEEP_KV = FLOAT_CACHES + FP8_CACHES
+_SWEEP_KV = FLOAT_CACHES + FP8_CACHES + (INT8_CACHE,)
 _SWEEP_SHAPES = ((64, 4), (128, 8), (96, 2), (256, 1))                   # (head_dim, group)
 _SWEEP_WINDOWS = ((None, 1), (None, 5), (13, 1), (29, 3))               # (sliding_window, num_kv_splits)
 _SWEEP_QUERIES = (torch.float32, torch.bfloat16, torch.float16)
@@ -740,7 +798,7 @@ if os.environ.get("KV8_TRITON_FULL_SWEEP") == "1":                      # every 
     _SWEEP = list(itertools.product(_SWEEP_KV, _SWEEP_SHAPES, _SWEEP_WINDOWS, _SWEEP_QUERIES))
 else:
     # two cases per cache dtype: the twelve (shape, window) pairs off the diagonal, so each shape and each window /
-    # split pair comes up three times, each query dtype four
+    # split pair comes up three times, each query dtype four; and two for int8
     _f32, _bf16, _f16 = _SWEEP_QUERIES
     _SWEEP = [(kv, _SWEEP_SHAPES[s], _SWEEP_WINDOWS[w], q) for kv, s, w, q in (
         ("bfloat16", 0, 1, _bf16), ("bfloat16", 2, 3, _f32),
@@ -749,6 +807,7 @@ else:
         ("fp8_e4m3", 2, 0, _bf16), ("fp8_e4m3", 3, 1, _f16),
         ("fp8_e4m3fnuz", 0, 3, _f32), ("fp8_e4m3fnuz", 2, 1, _bf16),
         ("fp8_e5m2", 1, 2, _f16), ("fp8_e5m2", 3, 0, _f32),
+        (INT8_CACHE, 1, 1, _bf16), (INT8_CACHE, 0, 2, _f16),
     )]
 
 

@@ -6,9 +6,11 @@ on CPU tensors (``TRITON_INTERPRET=1``, set by ``tests/conftest.py`` before any 
 ``TRITON_INTERPRET`` they run compiled on CUDA tensors. The device parameter is the one this process can run.
 
 Each test fills both caches with the same sentinel bytes first, so a byte written where the reference writes none
-(a skipped slot, a padded head or channel) fails too. What the interpreter cannot show (numpy divides exactly where
-Triton's ``/`` would be an approximate ``div.full.f32`` on a GPU) is checked on the PTX of the kernel compiled for
-sm_90, which needs no GPU.
+(a skipped slot, a padded head or channel) fails too. int8 caches (``int8_per_token_head``: int8 codes, dynamic
+scales) are checked the same way, with rows built to hit every rounding tie of their codes. What the interpreter
+cannot show (numpy divides exactly where Triton's ``/`` would be an approximate ``div.full.f32`` on a GPU; that
+int8's rounding survives compilation as two IEEE adds) is checked on the PTX of the kernel compiled for sm_90,
+which needs no GPU.
 """
 
 from __future__ import annotations
@@ -30,7 +32,15 @@ import kv8.kernels.triton.interpreter as triton_interpreter
 import kv8.kernels.triton.store as triton_store
 from kv8.cache.codec import KVCodec
 from kv8.cache.paged_cache import CacheShape, PagedKVCache
-from kv8.quant.formats import E4M3, FP8_FORMATS, FP8Format, quantize, resolve_kv_cache_dtype
+from kv8.quant.formats import (
+    E4M3,
+    FP8_FORMATS,
+    INT8,
+    CodeFormat,
+    FP8Format,
+    quantize,
+    resolve_kv_cache_dtype,
+)
 from kv8.quant.scales import KVScales, ScaleGranularity
 from tests.helpers.triton import DEVICES
 from tests.helpers.triton import INTERPRETED as INTERPRET
@@ -39,6 +49,7 @@ store_kv = triton_store.store_kv
 device_param = pytest.mark.parametrize("device", DEVICES)
 FORMATS = list(FP8_FORMATS.values())   # every kv8 format: the kernels' constants are derived from each
 fmt_param = pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
+code_fmt_param = pytest.mark.parametrize("fmt", [*FORMATS, INT8], ids=lambda f: f.name)   # dynamic scales
 INPUT_DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 # a valid FP8 format (AMD's E5M2FNUZ) whose 5-bit exponent is not IEEE's: the kernels' bit decode cannot build it
 E5M2FNUZ = FP8Format(name="fp8_e5m2fnuz", exponent_bits=5, mantissa_bits=2, exponent_bias=16, max_finite=57344.0,
@@ -94,7 +105,7 @@ def kernel_store(cache: PagedKVCache, key: torch.Tensor, value: torch.Tensor, sl
     elif cache.scales is not None:
         k_scale, v_scale = cache.layer_scales(0)  # type: ignore[misc]
         kwargs = dict(k_scale=k_scale.to(device), v_scale=v_scale.to(device))
-    store_kv(key.to(device), value.to(device), data[0, 0], data[0, 1], slots.to(device), fp8=cache.kv_dtype.fp8,
+    store_kv(key.to(device), value.to(device), data[0, 0], data[0, 1], slots.to(device), fp8=cache.kv_dtype.codes,
              **kwargs)
     cache.data.copy_(data.cpu())
     if token_scales is not None:
@@ -125,7 +136,7 @@ def assert_stores_like_reference(cache: PagedKVCache, key: torch.Tensor, value: 
     want, got = clone_cache(cache), clone_cache(cache)
     reference_store(want, key, value, slots)
     kernel_store(got, key, value, slots, device)
-    float_cache = not cache.kv_dtype.is_fp8
+    float_cache = not cache.kv_dtype.is_quantized
     assert_same_bits(want.data, got.data, f"{cache.kv_dtype.name} cache bytes", nan_payloads=not float_cache)
     if cache.token_scales is not None:
         assert want.token_scales is not None and got.token_scales is not None
@@ -279,7 +290,7 @@ def test_static_scale_of_shape_1_by_d(device: str) -> None:
 # dynamic scales
 # ----------------------------------------------------------------------------------------------------------------
 
-def dynamic_rows(fmt: FP8Format, dim: int, seed: int) -> torch.Tensor:
+def dynamic_rows(fmt: CodeFormat, dim: int, seed: int) -> torch.Tensor:
     """Rows [N, dim] float32 whose amax hits every case of token_scales: zero (±0), float32 subnormal, amax just
     below / at / above max_finite * 2^-126 (a subnormal or the smallest normal scale), ordinary values, float32
     max, ±inf, NaN (with a larger finite value beside it), and random rows."""
@@ -308,9 +319,9 @@ def dynamic_rows(fmt: FP8Format, dim: int, seed: int) -> torch.Tensor:
 
 
 @device_param
-@fmt_param
+@code_fmt_param
 @in_dtype_param
-def test_dynamic_scales_codes_and_token_scales(device: str, fmt: FP8Format, in_dtype: torch.dtype) -> None:
+def test_dynamic_scales_codes_and_token_scales(device: str, fmt: CodeFormat, in_dtype: torch.dtype) -> None:
     heads, dim = 8, 96
     rows = dynamic_rows(fmt, dim, seed=11)
     t = -(-rows.shape[0] // heads)
@@ -322,8 +333,8 @@ def test_dynamic_scales_codes_and_token_scales(device: str, fmt: FP8Format, in_d
 
 
 @device_param
-@fmt_param
-def test_dynamic_scale_values_are_codec_token_scales(device: str, fmt: FP8Format) -> None:
+@code_fmt_param
+def test_dynamic_scale_values_are_codec_token_scales(device: str, fmt: CodeFormat) -> None:
     """The stored scales are KVCodec.token_scales of each (token, head), at the token's slot, exactly."""
     heads, dim = 2, 64
     rows = dynamic_rows(fmt, dim, seed=4)[: 2 * 12].reshape(12, heads, dim)
@@ -336,6 +347,68 @@ def test_dynamic_scale_values_are_codec_token_scales(device: str, fmt: FP8Format
     assert torch.equal(v_ts[slots // 16, :, slots % 16].view(torch.int32),
                        cache.codec.token_scales(rows * 0.5).view(torch.int32))
     assert bool((ts[~torch.isfinite(rows).all(-1)] == 1.0).all())
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# int8 codes: every rounding tie
+# ----------------------------------------------------------------------------------------------------------------
+
+def int8_tie_rows(dim: int) -> torch.Tensor:
+    """Rows [N, dim] float32 whose scaled values hit every case of int8's rounding: each row holds ±127 * 2^k (so
+    its scale is exactly 2^k and ``x / scale`` is exact) beside every multiple of 0.5 in [-127, 127] (the integers
+    and the ties n + 0.5, which round to even) and their float32 neighbours, times 2^k; k = 0, -3, 7 and -133 (a
+    subnormal scale, where the smallest values lose bits)."""
+    grid = np.arange(-254, 255, dtype=np.float32) / 2
+    vals = np.concatenate([grid, np.nextafter(grid, np.float32(np.inf)), np.nextafter(grid, np.float32(-np.inf))])
+    vals = vals[np.abs(vals) <= 127]
+    per_row = dim - 1
+    vals = np.concatenate([vals, vals[: -vals.size % per_row]]).reshape(-1, per_row)
+    peak = np.where(np.arange(vals.shape[0]) % 2 == 0, 127.0, -127.0).astype(np.float32)[:, None]
+    rows = torch.from_numpy(np.concatenate([peak, vals], axis=1))
+    return torch.cat([rows * 2.0 ** k for k in (0, -3, 7, -133)])
+
+
+@device_param
+@in_dtype_param
+def test_int8_ties_round_to_even_and_specials(device: str, in_dtype: torch.dtype) -> None:
+    """Every tie and integer of int8's range and its neighbours at four exact scales, then the dynamic_rows (zero,
+    subnormal, huge, ±inf and NaN rows: scale 1.0, NaN -> 0, inf -> ±127), as K and V, one skipped token."""
+    heads, dim = 4, 96
+    rows = torch.cat([int8_tie_rows(dim), dynamic_rows(INT8, dim, seed=5)])
+    t = -(-rows.shape[0] // heads)
+    rows = torch.cat([rows, rows[: t * heads - rows.shape[0]]]).reshape(t, heads, dim)
+    cache = make_cache("int8", heads=heads, dim=dim, blocks=-(-t // 16) + 1)
+    slots = torch.randperm(cache.shape.num_blocks * 16, generator=torch.Generator().manual_seed(3))[:t]
+    slots[2] = -1
+    assert_stores_like_reference(cache, rows.to(in_dtype), rows.flip(0).to(in_dtype) * 0.25, slots, device)
+
+
+@device_param
+def test_int8_codes_are_round_half_to_even(device: str) -> None:
+    """Independently of the reference: at scale 1 (a row whose largest |x| is 127) the codes of the ties are the
+    even neighbours, NaN is 0, inf is 127, and the scale is 1.0."""
+    x = torch.tensor([127.0, 0.5, 1.5, 2.5, -0.5, -1.5, -2.5, 126.5, -126.5, 3.49999976, -0.0, 0.0, 6.5, 125.5])
+    want = torch.tensor([127, 0, 2, 2, 0, -2, -2, 126, -126, 3, 0, 0, 6, 126], dtype=torch.int8)
+    special = torch.tensor([math.nan, math.inf, -math.inf, 2.5] + [0.0] * 10)
+    cache = make_cache("int8", heads=2, dim=14, blocks=1)
+    kernel_store(cache, torch.stack([x, special]).unsqueeze(0), torch.stack([-x, x]).unsqueeze(0),
+                 torch.tensor([5]), device)
+    k, v = cache.layer(0)
+    assert torch.equal(k[0, 0, 5], want) and torch.equal(v[0, 1, 5], want) and torch.equal(v[0, 0, 5], -want)
+    assert k[0, 1, 5, :4].tolist() == [0, 127, -127, 2]
+    k_ts, v_ts = cache.layer_token_scales(0)  # type: ignore[misc]
+    assert k_ts[0, :, 5].tolist() == [1.0, 1.0] and v_ts[0, :, 5].tolist() == [1.0, 1.0]
+
+
+@device_param
+def test_int8_every_16_bit_input(device: str) -> None:
+    """Every bf16 pattern, then every fp16 pattern, as keys and values (reversed) of an int8 cache."""
+    patterns = torch.arange(-(2 ** 15), 2 ** 15, dtype=torch.int32).to(torch.int16)
+    cache = make_cache("int8", heads=8, dim=128, blocks=4)
+    slots = torch.randperm(64, generator=torch.Generator().manual_seed(0))
+    for dtype in (torch.bfloat16, torch.float16):
+        x = patterns.view(dtype).reshape(64, 8, 128)
+        assert_stores_like_reference(cache, x, x.flip(0), slots, device)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -399,7 +472,7 @@ def test_shapes_scattered_slots_and_skipped_tokens(device: str, heads: int, dim:
 @pytest.mark.parametrize(("heads", "dim"), [(3, 96), (24, 256)])
 def test_padded_heads_and_heads_split_over_programs(device: str, heads: int, dim: int) -> None:
     """H not a power of two (masked head lanes), and H * D over one tile (24 x 256: two programs per token, the
-    second half masked), with dynamic scales and with channel scales."""
+    second half masked), with dynamic scales (FP8 and int8) and with channel scales."""
     assert triton.next_power_of_2(heads) * dim > 4096 or heads & (heads - 1)
     g = torch.Generator().manual_seed(heads)
     t = 5
@@ -408,6 +481,7 @@ def test_padded_heads_and_heads_split_over_programs(device: str, heads: int, dim
     slots = torch.tensor([17, 2, -1, 31, 16])
     assert_stores_like_reference(make_cache("fp8_e4m3", heads=heads, dim=dim, blocks=2, dynamic=True),
                                  key, value, slots, device)
+    assert_stores_like_reference(make_cache("int8", heads=heads, dim=dim, blocks=2), key, value, slots, device)
     scales = layer_scales(ScaleGranularity.CHANNEL, heads, dim, seed=heads)
     assert_stores_like_reference(make_cache("fp8_e5m2", heads=heads, dim=dim, blocks=2, scales=scales),
                                  key, value, slots, device)
@@ -455,12 +529,12 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 import kv8.kernels.triton.store as store
 from kv8.kernels.triton.formats import kernel_format
-from kv8.quant.formats import FP8_FORMATS
+from kv8.quant.formats import FP8_FORMATS, INT8
 fn = store._store_kv_kernel
 float_ptr = {0: "*fp32", 1: "*fp16", 2: "*bf16"}
 out = []
 for mode, fmt, kind_in, kind_out in json.loads(sys.argv[1]):
-    fmt = None if fmt is None else kernel_format(FP8_FORMATS[fmt])
+    fmt = None if fmt is None else kernel_format({**FP8_FORMATS, "int8": INT8}[fmt])
     consts = dict(MODE=mode, FMT=fmt, IN=kind_in, OUT=kind_out, BLOCK_H=4, BLOCK_D=128)
     sig = {}
     for name in fn.arg_names:
@@ -469,7 +543,7 @@ for mode, fmt, kind_in, kind_out in json.loads(sys.argv[1]):
         elif name in ("key_ptr", "value_ptr"):
             sig[name] = float_ptr[kind_in]
         elif name in ("k_cache_ptr", "v_cache_ptr"):
-            sig[name] = "*u8" if mode else float_ptr[kind_out]
+            sig[name] = ("*i8" if fmt.int_codes else "*u8") if mode else float_ptr[kind_out]
         elif name == "slot_ptr":
             sig[name] = "*i64"
         elif name.endswith("_ptr"):
@@ -482,25 +556,28 @@ for mode, fmt, kind_in, kind_out in json.loads(sys.argv[1]):
                             options={"num_warps": 4})
     ptx = kernel.asm["ptx"]
     out.append(dict(ops=sorted(set(re.findall(r"\b(?:div|rcp|cvt|fma|mul)\.[a-z0-9.]+", ptx))), ftz=".ftz" in ptx,
-                    cubin=len(kernel.asm["cubin"])))
+                    cubin=len(kernel.asm["cubin"]),
+                    magic=sorted(set(re.findall(r"\badd\.f32\s+%r\d+, %r\d+, (0f[4C]B400000);", ptx)))))
 print(json.dumps(out))
 """
 
 
 def test_compiles_for_sm90_with_exact_float_ops(tmp_path) -> None:
     """Compiled (not interpreted) for an H100: the only float division is div.rn.f32 (IEEE, subnormals kept; never
-    div.full/approx), nothing flushes to zero, no hardware fp8 conversion, the 16-bit casts are cvt.rn."""
+    div.full/approx), nothing flushes to zero, no hardware fp8 conversion, the 16-bit casts are cvt.rn; int8 codes
+    (the int8 format) round by adding and subtracting 1.5 * 2^23 (both adds kept, not folded away)."""
     pytest.importorskip("triton.backends.nvidia")
     variants = [(1, "fp8_e4m3", 2, 0), (2, "fp8_e4m3fnuz", 1, 0), (2, "fp8_e5m2", 0, 0), (0, None, 0, 2),
-                (0, None, 2, 1)]   # MODE, FMT (a format's name), IN, OUT
+                (0, None, 2, 1), (2, "int8", 2, 0), (2, "int8", 0, 0)]   # MODE, FMT (a format's name), IN, OUT
     env = {**os.environ, "TRITON_CACHE_DIR": str(tmp_path), "PYTHONPATH": os.pathsep.join(sys.path)}
     env.pop("TRITON_INTERPRET", None)
     run = subprocess.run([sys.executable, "-c", _COMPILE_SCRIPT, json.dumps(variants)], env=env, capture_output=True,
                          text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
     results = json.loads(run.stdout.strip().splitlines()[-1])
-    for (mode, _, kind_in, kind_out), result in zip(variants, results):
+    for (mode, fmt, kind_in, kind_out), result in zip(variants, results):
         ops = set(result["ops"])
+        assert result["magic"] == (["0f4B400000", "0fCB400000"] if fmt == "int8" else []), result
         assert result["cubin"] > 0 and not result["ftz"], result
         inexact = {op for op in ops if op.startswith(("div.full", "div.approx", "rcp"))
                    or op.startswith(("fma", "mul")) and op.endswith(("f32", "f16"))}
@@ -594,6 +671,26 @@ def test_scales_for_a_float_cache_and_a_non_tensor_key_are_refused(device: str) 
                     "v_scale": torch.ones(1, 1, device=device)})
     with pytest.raises(ValueError, match=r"key must be a \[T, H, D\] tensor, got a list"):
         store_kv(**{**good_args(device), "key": [1.0]})
+
+
+@device_param
+def test_int8_needs_an_int8_cache_and_token_scales(device: str) -> None:
+    key = torch.zeros(3, 2, 64, device=device)
+    cache = torch.zeros(4, 2, 16, 64, dtype=torch.int8, device=device)
+    ts = torch.ones(4, 2, 16, device=device)
+    args = dict(key=key, value=key.clone(), k_cache=cache, v_cache=cache.clone(),
+                slot_mapping=torch.arange(3, device=device), fp8=INT8, k_token_scales=ts, v_token_scales=ts.clone())
+    store_kv(**args)
+    with pytest.raises(ValueError, match=r"k_cache must be a 4-D tensor of dtype torch.int8"):
+        store_kv(**{**args, "k_cache": cache.view(torch.uint8)})
+    static = dict(k_token_scales=None, v_token_scales=None, k_scale=torch.ones(1, 1, device=device),
+                  v_scale=torch.ones(1, 1, device=device))
+    with pytest.raises(ValueError, match=r"an int8 cache needs k_token_scales and v_token_scales .*got "
+                                         r"\['k_scale', 'v_scale'\]"):
+        store_kv(**{**args, **static})
+    with pytest.raises(ValueError, match=r"integer format 'int8': bits=7, max_finite=63.0; the Triton kernels read "
+                                         r"and write one symmetric code per signed byte \(8 bits"):
+        store_kv(**{**args, "fp8": SimpleNamespace(name="int8", bits=7, max_finite=63.0)})
 
 
 def test_cpu_tensors_without_the_interpreter_are_refused(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+from typing import Any
 
 import pytest
 import torch
@@ -121,11 +122,13 @@ def avx2_sums(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return acc
 
 
-@pytest.mark.parametrize("n,k", [(50, 33), (7, 5), (33, 64), (96, 130), (1, 2)])
+@pytest.mark.parametrize("n,k", [(50, 33), (7, 5), (33, 64), (96, 130), (1, 2), (70, 601)])
 @pytest.mark.parametrize("m", [1, 3, 17, 200])
 @pytest.mark.parametrize("bias", [False, True])
 def test_avx2_linear_sums_in_k_order_bit_for_bit(lib: DenseKernels, n: int, k: int, m: int, bias: bool) -> None:
-    """The AVX2 path's contract exactly: float32 sums in k order, + bias (float32), one rounding to bf16 (torch's)."""
+    """The AVX2 path's contract exactly: float32 sums in k order, + bias (float32), one rounding to bf16 (torch's).
+    m = 17 and 200 take the blocked GEMM (200: chunks of rows); k = 601, its k blocks (the sums continued across
+    them) with an odd K's pad in the last one."""
     if lib.isa != "avx2":
         pytest.skip("the AVX-512 path sums two products per vdpbf16ps (tested against the reference above)")
     w, _ = _weights(n, k, False, seed=n + k)
@@ -215,9 +218,9 @@ def test_merged_layers_equal_separate_ones(backend_name: str) -> None:
 def test_gate_up_with_fused_silu_equals_projection_then_silu(packed: DenseBackend, linear_path: str, inter: int,
                                                               m: int, bias: bool) -> None:
     """GateUpLinear fuses SiLU * up into the packed kernel (gate/up rows interleaved by 16, padded halves when
-    I is not a multiple of 16, rows beyond one 192-row chunk): bit for bit the unfused projection followed by
-    the silu_mul kernel; its plain apply still gives [gate | up]."""
-    k = 96
+    I is not a multiple of 16, rows beyond one 192-row chunk; K = 320: the AVX2 path's GEMM in two k blocks): bit
+    for bit the unfused projection followed by the silu_mul kernel; its plain apply still gives [gate | up]."""
+    k = 320
     (wg, bg), (wu, bu) = _weights(inter, k, bias, 6), _weights(inter, k, bias, 7)
     fused = _loaded(GateUpLinear(k, inter, bias, packed, SiluAndMul(packed)), [(0, wg, bg), (1, wu, bu)])
     assert fused.fuses_silu
@@ -346,6 +349,37 @@ def test_elementwise_kernels_reject_bad_inputs(lib: DenseKernels) -> None:
         lib.rope_qkv(torch.randn(2, 10).bfloat16(), torch.zeros(2, 2), torch.zeros(2, 2), 1, 1, 4)
     with pytest.raises(ValueError, match="cos must be float32 \\[2, 2\\]"):
         lib.rope_qkv(torch.randn(2, 12).bfloat16(), torch.zeros(2, 2).bfloat16(), torch.zeros(2, 2), 1, 1, 4)
+
+
+_ENTRIES = {"kv8_linear": dense_kernels.LinearCall, "kv8_linear_fp8": dense_kernels.LinearCall,
+            "kv8_rmsnorm": dense_kernels.RmsNormCall, "kv8_silu_mul": dense_kernels.SiluMulCall,
+            "kv8_rope_qkv": dense_kernels.RopeCall, "kv8_argmax_rows": dense_kernels.ArgmaxCall}
+_SIZES = {"in_features": 4, "out_features": 4, "hidden": 4, "intermediate": 4, "cols": 4, "row_stride": 12,
+          "num_heads": 1, "num_kv_heads": 1, "head_dim": 4, "num_threads": 1}
+
+
+def _entry_rc(fn: Any, struct: type[ctypes.Structure], **fields: int) -> int:
+    """``fn`` (a raw entry point) on a ``struct`` of _SIZES's shapes with ``fields`` set and NULL pointers."""
+    call = struct()
+    for name, *_ in struct._fields_:
+        setattr(call, name, fields.get(name, _SIZES.get(name, 0)))
+    return int(fn(ctypes.byref(call)))
+
+
+def test_every_entry_point_keeps_the_one_contract_of_both_paths(lib: DenseKernels) -> None:
+    """The C side's argument checks (one check_args per entry point, whichever path the build has): an empty batch
+    returns OK without reading its NULL pointers; a batch with rows refuses NULL pointers, and every entry refuses
+    num_threads = 0 and rows = -1; kv8_linear refuses a scale, kv8_linear_fp8 needs one."""
+    raw = ctypes.CDLL(str(lib.path))
+    for entry, struct in _ENTRIES.items():
+        fn = getattr(raw, entry)
+        assert _entry_rc(fn, struct, rows=0) == 0, entry                 # an empty batch: nothing read
+        assert _entry_rc(fn, struct, rows=1) == 5, entry                 # ERR_ARGS: NULL pointers with a row
+        assert _entry_rc(fn, struct, rows=0, num_threads=0) == 5, entry
+        assert _entry_rc(fn, struct, rows=-1) == 5, entry
+    assert raw.kv8_linear(ctypes.byref(dense_kernels.LinearCall(None, None, 8, rows=0, in_features=4,
+                                                                out_features=4, num_threads=1))) == 5
+    assert raw.kv8_linear_fp8(ctypes.byref(dense_kernels.LinearCall(8, 8, None, None, 8, 1, 4, 4, 1))) == 5
 
 
 @needs_kernel

@@ -360,18 +360,21 @@ def test_resolve_auto_follows_compute_dtype(compute: torch.dtype, canonical: str
 
 def test_every_choice_resolves() -> None:
     assert KV_CACHE_DTYPE_CHOICES == ("auto", "bfloat16", "float16", "float32", "fp8", "fp8_e4m3", "fp8_e5m2",
-                                      "fp8_e4m3fnuz")
+                                      "fp8_e4m3fnuz", "int8_per_token_head", "int4_per_token_head")
     names = {resolve_kv_cache_dtype(c, torch.bfloat16).name for c in KV_CACHE_DTYPE_CHOICES}
-    assert names == set(EXPECTED)
+    # (the integer caches: tests/quant/test_int_kv.py)
+    assert names == set(EXPECTED) | {"int8_per_token_head", "int4_per_token_head"}
 
 
-@pytest.mark.parametrize("bad", ["xyz", "FP8", "fp8_e4m3 ", "int8", "", "float64", None, torch.float8_e4m3fn])
+@pytest.mark.parametrize("bad", ["xyz", "FP8", "fp8_e4m3 ", "INT8", "int2", "", "float64", None,
+                                 torch.float8_e4m3fn])
 def test_resolve_rejects_unknown_names_listing_the_choices(bad: object) -> None:
     with pytest.raises(ValueError) as info:
         resolve_kv_cache_dtype(bad, torch.bfloat16)  # type: ignore[arg-type]
     message = str(info.value)
     assert message.startswith(f"kv_cache_dtype={bad!r} is not supported; choose one of: auto, bfloat16, float16, "
-                              "float32, fp8, fp8_e4m3, fp8_e5m2, fp8_e4m3fnuz")
+                              "float32, fp8, fp8_e4m3, fp8_e5m2, fp8_e4m3fnuz, int8_per_token_head, "
+                              "int4_per_token_head")
 
 
 @pytest.mark.parametrize("compute", [torch.float64, torch.int8, torch.float8_e4m3fn])

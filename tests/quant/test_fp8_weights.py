@@ -124,7 +124,7 @@ def test_fp8_kernel_matches_the_float64_reference(lib: DenseKernels, path: str, 
     assert bool(((got.double() - exact).abs() <= exact.abs() * 2.0 ** -8 + abs_sum * 2.0 ** -16).all())
 
 
-@pytest.mark.parametrize("n,k", [(50, 33), (7, 30), (96, 64)])
+@pytest.mark.parametrize("n,k", [(50, 33), (7, 30), (96, 64), (40, 601)])
 @pytest.mark.parametrize("m", [1, 3, 17, 200])
 @pytest.mark.parametrize("bias", [False, True])
 def test_avx2_fp8_kernel_is_the_sum_of_its_decoded_weights_bit_for_bit(lib: DenseKernels, n: int, k: int, m: int,

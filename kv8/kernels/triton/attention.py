@@ -1,5 +1,5 @@
 """Paged attention over kv8's KV cache for a whole mixed batch, in Triton: prefill chunks over cached context,
-fresh prefills and decode rows in one launch, reading FP8 (or 16/32-bit) codes in place.
+fresh prefills and decode rows in one launch, reading FP8 or int8 codes (or 16/32-bit values) in place.
 
 Semantics are exactly :func:`kv8.attention.reference.paged_attention_reference`: query ``j`` of sequence ``i`` sits
 at position ``p = seq_lens[i] - query_len_i + j`` and sees keys ``k <= p`` (with a sliding window ``W`` only
@@ -46,7 +46,9 @@ Work decomposition (grid ``(T // BLOCK_Q + B, Hkv, NUM_SPLITS)``; T = query rows
 * **Scales** (float32 multiplications): static K scales of a per-tensor/per-head layout multiply the scores (one
   scalar per KV head, with ``scale * log2(e)``); per-channel K scales multiply q's channels (``q . (k s) = (q s) .
   k``); static V scales multiply the accumulator's channels at the end (``sum p (v s) = (sum p v) s``). Dynamic
-  per-token scales multiply the score columns (K) and the probability columns before the PV product (V).
+  per-token scales multiply the score columns (K) and the probability columns before the PV product (V). An int8
+  cache (``int8_per_token_head``) always has dynamic scales: its codes convert to the dot's dtype exactly
+  (``|code| <= 127``) and are scaled like dynamic FP8, with the same tiles.
 * **Dot precision** (``DOT_DTYPE``, one for both products). Decoded FP8 values are exact in float16 (and in
   bfloat16), so over an FP8 cache with static or no scales both products take **float16** operands with float32
   accumulation, whatever the 16-bit query: FP8 codes convert to float16 pairs in one instruction, to bfloat16 only
@@ -75,14 +77,16 @@ What a caller must provide (checked, ``ValueError`` before any launch, unless ma
   free); ``1 <= D <= 256`` (any D: padded to a power of two and masked); ``Hq`` a multiple of ``Hkv``.
 * ``k_cache``/``v_cache`` ``[num_blocks, Hkv, block_size, D]`` (:class:`kv8.cache.paged_cache.PagedKVCache`'s
   per-layer views), last dim contiguous: ``uint8`` codes with ``fp8`` an FP8 format
-  (:func:`kv8.kernels.triton.formats.kernel_format` derives what the kernels need of it: E4M3FN, E4M3FNUZ, E5M2), or
-  bfloat16/float16/float32 values with ``fp8=None``.
+  (:func:`kv8.kernels.triton.formats.kernel_format` derives what the kernels need of it: E4M3FN, E4M3FNUZ, E5M2),
+  ``int8`` codes with ``fp8`` the int8 format (:data:`kv8.quant.formats.INT8`), or bfloat16/float16/float32 values
+  with ``fp8=None``.
 * ``query_start_loc [B + 1]`` and ``seq_lens [B]`` contiguous, ``block_tables [B, max_blocks]`` with a contiguous
   last dim; int32 or int64, each independently. Unchecked (the launch reads no tensor on the host, so it can be
   captured in a CUDA graph): ``query_start_loc`` nondecreasing from 0 with ``query_start_loc[B] <= T``, ``0 <=
   query_len_i <= seq_lens[i]``, the table entries a sequence needs are valid block ids and hold its keys.
 * FP8: static ``k_scale``/``v_scale`` broadcastable to ``[Hkv, D]`` (any float dtype; copied to float32) or
-  dynamic ``k_token_scales``/``v_token_scales`` float32 ``[num_blocks, Hkv, block_size]`` (any strides).
+  dynamic ``k_token_scales``/``v_token_scales`` float32 ``[num_blocks, Hkv, block_size]`` (any strides); int8:
+  the dynamic ones.
 * The split workspace (``num_kv_splits > 1``) is ``T * Hq * splits * (D_PAD + 2)`` float32, allocated per call.
 """
 
@@ -97,7 +101,7 @@ import triton.language as tl
 
 from kv8.kernels.triton import interpreter
 from kv8.kernels.triton.dequant import decode_fp8, native_fp8_supported
-from kv8.kernels.triton.formats import FP8Layout, KernelFormat, kernel_format
+from kv8.kernels.triton.formats import FP8Layout, IntLayout, KernelFormat, code_dtype, kernel_format
 from kv8.kernels.triton.interpreter import INTERPRETER, add_combine, cast_rn, dot, max_combine, widen
 from kv8.kernels.triton.launch import Launch
 from kv8.platform import CPU, Platform
@@ -415,8 +419,8 @@ class KernelVariant:
     (:meth:`constexprs`) and nothing else, so the wrapper and a compile check build the same kernels."""
 
     query_dtype: torch.dtype
-    cache_dtype: torch.dtype        # torch.uint8 for FP8 codes
-    fp8: KernelFormat | None        # what the kernels need of the FP8 format (None: a 16/32-bit cache)
+    cache_dtype: torch.dtype        # torch.uint8 for FP8 codes, torch.int8 for int8 codes
+    fp8: KernelFormat | None        # what the kernels need of the FP8 or int8 format (None: a 16/32-bit cache)
     native_fp8: bool                # decode with the GPU's FP8 conversion (else the exact bit path)
     scales: int                     # SCALES_NONE, SCALES_STATIC or SCALES_DYNAMIC
     k_channel_scale: bool           # static K scales vary along head_dim
@@ -529,25 +533,25 @@ def _check_token_scales(name: str, s: object, cache_shape: torch.Size, device: t
 def unified_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor, *,
                       query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
                       max_query_len: int, max_seq_len: int, scale: float, sliding_window: int | None,
-                      fp8: FP8Layout | None, k_scale: torch.Tensor | None = None,
+                      fp8: FP8Layout | IntLayout | None, k_scale: torch.Tensor | None = None,
                       v_scale: torch.Tensor | None = None, k_token_scales: torch.Tensor | None = None,
                       v_token_scales: torch.Tensor | None = None, num_kv_splits: int | None = None,
                       platform: Platform | None = None, min_query_len: int | None = None) -> torch.Tensor:
     """Paged attention of a mixed batch into ``out``; returns ``out``.
 
     query/out ``[T, Hq, D]`` (bfloat16, float16 or float32, same dtype; already in the stored basis); k_cache/v_cache
-    ``[num_blocks, Hkv, bs, D]``: uint8 FP8 codes of format ``fp8`` (a :class:`kv8.quant.formats.FP8Format`), or
-    bfloat16/float16/float32 values with ``fp8=None``; ``query_start_loc [B + 1]``, ``seq_lens [B]``, ``block_tables
-    [B, max_blocks]`` int32/int64 as :class:`kv8.attention.metadata.AttentionMetadata` describes them (with a
-    window, table entries before a sequence's first needed block are never read). ``max_query_len`` /
-    ``max_seq_len`` size the tiles and the split heuristic only (results do not depend on them).
-    ``min_query_len``: the shortest run of new tokens among the sequences that have any, where the caller knows it
-    (None: unknown); a batch it says has no decode rows makes no launch for them (:func:`plan_launches`). Unchecked
-    against the tensors, like ``max_query_len``, but unlike it a promise: a sequence with fewer new tokens may be
-    left unattended. FP8 needs either
-    static ``k_scale``/``v_scale`` (broadcastable to ``[Hkv, D]``) or dynamic ``k_token_scales``/``v_token_scales``
-    ``[num_blocks, Hkv, bs]`` float32; a 16/32-bit cache takes none. ``num_kv_splits``: key segments per query tile
-    (1 = no split-K; None = :func:`choose_num_kv_splits`). ``platform``: the device's facts (its native FP8
+    ``[num_blocks, Hkv, bs, D]``: uint8 FP8 codes of format ``fp8`` (a :class:`kv8.quant.formats.FP8Format`), int8
+    codes with ``fp8`` :data:`kv8.quant.formats.INT8`, or bfloat16/float16/float32 values with ``fp8=None``;
+    ``query_start_loc [B + 1]``, ``seq_lens [B]``, ``block_tables [B, max_blocks]`` int32/int64 as
+    :class:`kv8.attention.metadata.AttentionMetadata` describes them (with a window, table entries before a
+    sequence's first needed block are never read). ``max_query_len`` / ``max_seq_len`` size the tiles and the split
+    heuristic only (results do not depend on them). ``min_query_len``: the shortest run of new tokens among the
+    sequences that have any, where the caller knows it (None: unknown); a batch it says has no decode rows makes no
+    launch for them (:func:`plan_launches`). Unchecked against the tensors, like ``max_query_len``, but unlike it a
+    promise: a sequence with fewer new tokens may be left unattended. FP8 needs either static ``k_scale``/``v_scale``
+    (broadcastable to ``[Hkv, D]``) or dynamic ``k_token_scales``/``v_token_scales`` ``[num_blocks, Hkv, bs]``
+    float32; int8 needs the dynamic ones; a 16/32-bit cache takes none. ``num_kv_splits``: key segments per query
+    tile (1 = no split-K; None = :func:`choose_num_kv_splits`). ``platform``: the device's facts (its native FP8
     conversions, its compute units; :class:`kv8.platform.Platform`, resolved once by the engine); None resolves the
     tensors' device on each call. Output rows of tokens past ``query_start_loc[B]`` are left untouched.
     ``ValueError`` (before any launch) for a bad argument.
@@ -576,8 +580,8 @@ def unified_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
         if not isinstance(c, torch.Tensor) or c.ndim != 4:
             raise _fail(f"{name} must be a [num_blocks, Hkv, bs, D] tensor, got "
                         f"{tuple(c.shape) if isinstance(c, torch.Tensor) else type(c).__name__}")
-        want = "torch.uint8 (FP8 codes)" if fmt is not None else "bfloat16/float16/float32"
-        ok = c.dtype == torch.uint8 if fmt is not None else c.dtype in _QUERY_DTYPES
+        want = f"{code_dtype(fmt)} ({fmt.name} codes)" if fmt is not None else "bfloat16/float16/float32"
+        ok = c.dtype == code_dtype(fmt) if fmt is not None else c.dtype in _QUERY_DTYPES
         if not ok:
             raise _fail(f"{name}.dtype={c.dtype} but fp8={getattr(fp8, 'name', None)!r} needs {want}")
         if c.device != device:
@@ -617,6 +621,9 @@ def unified_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     dynamic = k_token_scales is not None or v_token_scales is not None
     if fmt is None and (static or dynamic):
         raise _fail("scales were given for a 16/32-bit cache (fp8=None); such a cache stores plain values")
+    if fmt is not None and fmt.int_codes and not (dynamic and not static):
+        raise _fail(f"an {fmt.name} cache needs its dynamic k_token_scales and v_token_scales (a scale per token and "
+                    "head; it has no static scales)" + (" (got static ones)" if static else ""))
     if fmt is not None and static == dynamic:
         raise _fail("an FP8 cache needs exactly one kind of scales: static k_scale and v_scale, or dynamic "
                     "k_token_scales and v_token_scales" + (" (got both)" if static else " (got none)"))
@@ -641,7 +648,7 @@ def unified_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
 def plan_launches(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor, *,
                   query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
                   max_query_len: int, max_seq_len: int, scale: float, sliding_window: int | None,
-                  fp8: FP8Layout | None, k_scale: torch.Tensor | None, v_scale: torch.Tensor | None,
+                  fp8: FP8Layout | IntLayout | None, k_scale: torch.Tensor | None, v_scale: torch.Tensor | None,
                   k_token_scales: torch.Tensor | None, v_token_scales: torch.Tensor | None,
                   num_kv_splits: int | None, platform: Platform, min_query_len: int | None = None) -> list[Launch]:
     """The launches :func:`unified_attention` makes for these (already validated) arguments, in order, for the

@@ -30,7 +30,10 @@ host wrapper sets:
 The format is the ``FMT`` constexpr, a :class:`~kv8.kernels.triton.formats.KernelFormat` derived from the
 :class:`kv8.quant.formats.FP8Format` (which layout, which NaN codes, which factor, which native type: all from the
 format's fields), or ``None`` for a 16/32-bit cache, whose values :func:`decode_fp8` only converts. Whether the
-native path may be used is the platform's to say (:func:`native_fp8_supported`).
+native path may be used is the platform's to say (:func:`native_fp8_supported`). An integer format's
+``KernelFormat`` (``FMT.int_codes``: an ``int8_per_token_head`` cache) has ``int8`` codes, which
+:func:`decode_fp8` converts through float32 (exact, ``|code| <= 127``; the interpreter's own int8 -> bfloat16 cast
+is wrong).
 """
 
 from __future__ import annotations
@@ -103,14 +106,16 @@ def decode_fp8_native(code, FMT: tl.constexpr, OUT: tl.constexpr):
 @triton.jit
 def decode_fp8(raw, FMT: tl.constexpr, NATIVE: tl.constexpr, OUT: tl.constexpr):
     """Loaded cache elements -> dtype ``OUT``: FP8 codes of format ``FMT`` (a
-    :class:`~kv8.kernels.triton.formats.KernelFormat`) decoded by the native or the bit path (exact), or, with
-    ``FMT`` None, a 16/32-bit cache's values converted (exact when ``OUT`` holds the cache dtype: the caller's
-    duty)."""
+    :class:`~kv8.kernels.triton.formats.KernelFormat`) decoded by the native or the bit path (exact), int8 codes of
+    an integer format (``FMT.int_codes``) converted (exact), or, with ``FMT`` None, a 16/32-bit cache's values
+    converted (exact when ``OUT`` holds the cache dtype: the caller's duty)."""
     if FMT is None:
         if raw.dtype == tl.bfloat16 and OUT == tl.float32:
             value = bf16_bits_to_f32(raw)        # exact in the interpreter too (its cast flushes subnormals)
         else:
             value = raw.to(OUT)
+    elif FMT.int_codes:  # int8 codes: exact through float32 (not the interpreter's int8 -> bfloat16 cast)
+        value = raw.to(tl.float32).to(OUT)
     elif NATIVE:
         value = decode_fp8_native(raw, FMT, OUT)
     else:

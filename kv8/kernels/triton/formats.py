@@ -1,20 +1,30 @@
 """What the Triton kernels need of a KV cache format: :class:`KernelFormat`, derived from the format, one constexpr.
 
 :class:`kv8.quant.formats.FP8Format` is the one definition of each FP8 format (bit layout, bias, max finite value,
-NaN and zero codes). The kernel package sits below :mod:`kv8.quant` in the package layers (pyproject.toml's
-import-linter contract), so it does not import the formats: a wrapper (:func:`~kv8.kernels.triton.store.store_kv`,
-:func:`~kv8.kernels.triton.attention.unified_attention`) receives the format object (:class:`FP8Layout`: the fields
-it reads) and derives a :class:`KernelFormat` with :func:`kernel_format`, which the kernels take as one constexpr
-(``FMT``; ``None`` for a 16/32-bit cache). No kernel names a format or restates its constants; every field below
-is computed from the format's own:
+NaN and zero codes), :class:`kv8.quant.formats.IntFormat` that of the integer codes (int8: symmetric, max 127). The
+kernel package sits below :mod:`kv8.quant` in the package layers (pyproject.toml's import-linter contract), so it
+does not import the formats: a wrapper (:func:`~kv8.kernels.triton.store.store_kv`,
+:func:`~kv8.kernels.triton.attention.unified_attention`) receives the format object (:class:`FP8Layout` or
+:class:`IntLayout`: the fields it reads) and derives a :class:`KernelFormat` with :func:`kernel_format`, which the
+kernels take as one constexpr (``FMT``; ``None`` for a 16/32-bit cache). No kernel names a format or restates its
+constants; every field below is computed from the format's own.
+
+Two families share the tuple, told apart by ``int_codes``: FP8 codes (``uint8`` bytes: sign | exponent |
+mantissa) and integer codes (``int8`` elements, one code each: ``kv_cache_dtype="int8_per_token_head"``). An
+integer format's FP8-only fields are neutral (0, False, 1.0, None); its ``nan_code`` and ``negative_nan_code`` are
+0, the code a NaN encodes to.
 
 =====================  ===============================================  =============================================
 field                  from the format                                  read by
 =====================  ===============================================  =============================================
+``int_codes``          the family: an integer format (``bits`` = 8)     encode and decode (which of the two); the
+                                                                        wrappers (``int8`` cache, dynamic scales)
 ``mantissa_bits``      M                                                encode (rounding), bit decode (the shift)
 ``exponent_bias``      its bias                                         encode (rebias, subnormal range)
-``max_finite``         its largest finite value                         the store's dynamic scales
-``max_finite_bits``    float32 bits of ``max_finite``                   encode (saturation bound on ``|y|``'s bits)
+``max_finite``         its largest finite value (int: the largest       the store's dynamic scales; int encode
+                       code)                                            (the clamp)
+``max_finite_bits``    float32 bits of ``max_finite``                   FP8 encode (saturation bound on ``|y|``'s
+                                                                        bits)
 ``nan_code``           the code a NaN encodes to                        encode
 ``negative_nan_code``  the code a NaN with its sign bit encodes to      encode
 ``has_negative_zero``  0x80 is -0.0 (else it is NaN and -0 encodes 0)   encode
@@ -31,20 +41,21 @@ Why a NamedTuple: Triton keys its compiled kernels on the constexprs' values (a 
 hashable and compares by value), serializes them to JSON for its compile hooks, and reads a field (``FMT.nan_code``)
 as a constant both compiled and in the interpreter (Triton 3.6 and 3.9).
 
-To add a format family (an int8 cache, say): give it its fields here (and a field that tells the families apart),
-derive them in a function like :func:`kernel_format`, and branch on them in the encode
-(:func:`kv8.kernels.triton.quant.encode_fp8`) and the decode (:func:`kv8.kernels.triton.dequant.decode_fp8`); the
-wrappers and the launch planning pass the constexpr through unchanged.
+To add a format family: give it its fields here (and a value of a field that tells the families apart, as
+``int_codes`` does for the integer codes), derive them in :func:`kernel_format`, and branch on them in the encode
+(:func:`kv8.kernels.triton.quant.encode_codes`) and the decode (:func:`kv8.kernels.triton.dequant.decode_fp8`); the
+wrappers (the cache dtype: :func:`code_dtype`; which scales) and the launch planning pass the constexpr through
+unchanged.
 """
 
 from __future__ import annotations
 
 import struct
-from typing import NamedTuple, Protocol
+from typing import NamedTuple, Protocol, cast
 
 import torch
 
-__all__ = ["FP8Layout", "KernelFormat", "kernel_format"]
+__all__ = ["FP8Layout", "IntLayout", "KernelFormat", "code_dtype", "kernel_format"]
 
 _SIGN = 0x80
 _HALF_MAX = 65504.0
@@ -84,10 +95,23 @@ class FP8Layout(Protocol):
     def negative_nan_code(self) -> int: ...
 
 
+class IntLayout(Protocol):
+    """What the kernels read of an integer code format (:class:`kv8.quant.formats.IntFormat` has all of it)."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def bits(self) -> int: ...
+    @property
+    def max_finite(self) -> float: ...
+
+
 class KernelFormat(NamedTuple):
-    """The constants the encode and the decode of one FP8 format are specialized on (module docstring)."""
+    """The constants the encode and the decode of one FP8 or integer format are specialized on (module
+    docstring)."""
 
     name: str
+    int_codes: bool
     mantissa_bits: int
     exponent_bias: int
     max_finite: float
@@ -106,15 +130,39 @@ _FIELDS = ("name", "exponent_bits", "mantissa_bits", "exponent_bias", "max_finit
            "has_negative_zero", "has_inf", "nan_codes", "nan_code", "negative_nan_code")
 
 
-def kernel_format(fmt: FP8Layout) -> KernelFormat:
+def code_dtype(fmt: KernelFormat) -> torch.dtype:
+    """The dtype of a cache of ``fmt``'s codes: ``int8`` for integer codes, ``uint8`` (raw bytes) for FP8."""
+    return torch.int8 if fmt.int_codes else torch.uint8
+
+
+def _int_format(fmt: IntLayout) -> KernelFormat:
+    bits, max_finite = fmt.bits, fmt.max_finite
+    if bits != 8 or max_finite != float((1 << (bits - 1)) - 1):
+        raise ValueError(f"integer format {fmt.name!r}: bits={bits}, max_finite={max_finite}; the Triton kernels "
+                         "read and write one symmetric code per signed byte (8 bits, max 2^7 - 1), not packed "
+                         "4-bit codes")
+    return KernelFormat(
+        name=fmt.name, int_codes=True, mantissa_bits=0, exponent_bias=0, max_finite=float(max_finite),
+        max_finite_bits=int(struct.unpack("<I", struct.pack("<f", max_finite))[0]), nan_code=0, negative_nan_code=0,
+        has_negative_zero=False, half_top_byte=False, nan_mask=0, nan_match=0, half_factor=1.0, native=None)
+
+
+def kernel_format(fmt: FP8Layout | IntLayout) -> KernelFormat:
     """The kernels' constants for ``fmt``; ``ValueError`` naming the field when ``fmt`` lacks one or has a layout the
-    bit decode cannot build from a half: more than 5 exponent bits, 5 bits that are not IEEE's (bias 15, inf and
-    NaN in the all-ones exponent), infinities with fewer, NaN codes other than one code or one code of each sign,
-    or values outside a half's range."""
+    kernels cannot handle. An integer format (``bits``, no ``exponent_bits``) must be 8 bits with max ``2^7 - 1``
+    (one code per int8 element). An FP8 format must have a layout the bit decode can build from a half: not more
+    than 5 exponent bits, 5 bits that are IEEE's (bias 15, inf and NaN in the all-ones exponent), infinities only
+    with 5, NaN codes that are one code or one code of each sign, values inside a half's range."""
+    if hasattr(fmt, "bits") and not hasattr(fmt, "exponent_bits"):
+        return _int_format(fmt)
+    return _fp8_format(cast(FP8Layout, fmt))
+
+
+def _fp8_format(fmt: FP8Layout) -> KernelFormat:
     missing = [f for f in _FIELDS if not hasattr(fmt, f)]
     if missing:
         raise ValueError(f"fp8={fmt!r} is not an FP8 format: it has no {', '.join(missing)} "
-                         "(pass a kv8.quant.formats.FP8Format)")
+                         "(pass a kv8.quant.formats.FP8Format, or an IntFormat)")
     e, m, bias = fmt.exponent_bits, fmt.mantissa_bits, fmt.exponent_bias
     nans = set(fmt.nan_codes)
 
@@ -147,7 +195,7 @@ def kernel_format(fmt: FP8Layout) -> KernelFormat:
     if not (fmt.max_finite <= _HALF_MAX and fmt.min_subnormal >= _HALF_MIN_SUBNORMAL):
         raise bad(f"values {fmt.min_subnormal} .. {fmt.max_finite} lie outside a half's range")
     return KernelFormat(
-        name=fmt.name, mantissa_bits=m, exponent_bias=bias, max_finite=float(fmt.max_finite),
+        name=fmt.name, int_codes=False, mantissa_bits=m, exponent_bias=bias, max_finite=float(fmt.max_finite),
         max_finite_bits=int(struct.unpack("<I", struct.pack("<f", fmt.max_finite))[0]),
         nan_code=fmt.nan_code, negative_nan_code=fmt.negative_nan_code, has_negative_zero=bool(fmt.has_negative_zero),
         half_top_byte=half_top_byte, nan_mask=nan_mask, nan_match=nan_match, half_factor=2.0 ** (15 - bias),

@@ -1,4 +1,5 @@
-"""FP8 encode helpers for Triton kernels: float32 -> ``uint8`` codes with integer and bit operations only.
+"""FP8 and int8 encode helpers for Triton kernels: float32 -> ``uint8`` FP8 codes with integer and bit operations
+only, and -> ``int8`` codes (:func:`encode_int8`, end of this docstring).
 
 Contract (the one :meth:`kv8.quant.formats.FP8Format.encode` defines; these helpers are tested bit-exact against
 it): for a float32 value ``y`` (already divided by its scale)::
@@ -19,9 +20,17 @@ NaN). Integer shifts, adds and compares give the same codes in the interpreter a
 float operation here is :func:`scaled_rn`'s IEEE division (``div.rn.f32``: correctly rounded, subnormals kept,
 unlike Triton's ``/``, which is ``div.full.f32``, an approximation).
 
-The constants each helper is specialized on come from the format itself: :func:`encode_fp8` takes a
-:class:`~kv8.kernels.triton.formats.KernelFormat` (derived from a :class:`kv8.quant.formats.FP8Format` by
-:func:`~kv8.kernels.triton.formats.kernel_format`) as its constexpr.
+The constants each helper is specialized on come from the format itself: :func:`encode_fp8`, :func:`encode_int8`
+and :func:`encode_codes` (which of the two, by ``FMT.int_codes``) take a
+:class:`~kv8.kernels.triton.formats.KernelFormat` (derived from a :class:`kv8.quant.formats.FP8Format` or
+:class:`~kv8.quant.formats.IntFormat` by :func:`~kv8.kernels.triton.formats.kernel_format`) as their constexpr.
+
+int8 codes (``kv_cache_dtype="int8_per_token_head"``; :class:`kv8.quant.formats.IntFormat` is the contract) are
+``clamp(round_half_even(y), -127, 127)``, NaN -> 0, ``±inf`` -> ``±127``: :func:`encode_int8`. Its rounding is the
+float32 add-and-subtract of ``1.5 * 2^23`` (for ``|y| <= 127`` the sum lies in ``[2^23, 2^24)``, where the float32
+spacing is 1, so the IEEE add rounds ``y`` to an integer, nearest even, and the subtraction is exact): two IEEE
+operations, the same in the interpreter (numpy float32) and compiled (``add.f32``/``sub.f32``; nothing to contract
+into an FMA), on any GPU -- unlike libdevice's ``rint``, which the interpreter and each backend map differently.
 """
 
 from __future__ import annotations
@@ -29,7 +38,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-__all__ = ["bf16_bits_to_f32", "encode_fp8", "f32_to_bf16_bits", "scaled_rn"]
+__all__ = ["bf16_bits_to_f32", "encode_codes", "encode_fp8", "encode_int8", "f32_to_bf16_bits", "scaled_rn"]
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -120,6 +129,34 @@ def _encode_bits(y, MAN: tl.constexpr, BIAS: tl.constexpr, MAX_BITS: tl.constexp
 
 @triton.jit
 def encode_fp8(y, FMT: tl.constexpr):
-    """float32 -> uint8 codes of the format ``FMT`` (a :class:`~kv8.kernels.triton.formats.KernelFormat`)."""
+    """float32 -> uint8 codes of the FP8 format ``FMT`` (a :class:`~kv8.kernels.triton.formats.KernelFormat`)."""
     return _encode_bits(y, FMT.mantissa_bits, FMT.exponent_bias, FMT.max_finite_bits, FMT.nan_code,
                         FMT.negative_nan_code, FMT.has_negative_zero).to(tl.uint8)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# float32 -> int8 codes
+# ----------------------------------------------------------------------------------------------------------------
+
+@triton.jit
+def encode_int8(y, FMT: tl.constexpr):
+    """float32 ``y`` (already divided by its scale) -> ``int8`` codes ``clamp(round_half_even(y), -max, max)``
+    with ``max = FMT.max_finite`` (the integer format's largest code, 127 for int8); NaN -> 0, ``±inf`` -> ``±max``
+    (:meth:`kv8.quant.formats.IntFormat.encode`). The rounding adds and subtracts ``1.5 * 2^23`` (module
+    docstring)."""
+    is_nan = (y.to(tl.int32, bitcast=True) & 0x7FFFFFFF) > 0x7F800000
+    y = tl.minimum(tl.maximum(tl.where(is_nan, 0.0, y), -FMT.max_finite), FMT.max_finite)
+    r = (y + 12582912.0) - 12582912.0                    # 1.5 * 2^23: rounds to an integer, nearest even
+    return r.to(tl.int32).to(tl.int8)
+
+
+@triton.jit
+def encode_codes(y, FMT: tl.constexpr):
+    """float32 ``y`` (already divided by its scale) -> the codes of ``FMT`` (a
+    :class:`~kv8.kernels.triton.formats.KernelFormat`): ``int8`` codes for an integer format (``FMT.int_codes``,
+    :func:`encode_int8`), else ``uint8`` FP8 codes (:func:`encode_fp8`)."""
+    if FMT.int_codes:
+        code = encode_int8(y, FMT)
+    else:
+        code = encode_fp8(y, FMT)
+    return code

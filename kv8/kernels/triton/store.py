@@ -8,6 +8,10 @@ The reference is :meth:`kv8.cache.paged_cache.PagedKVCache.store` (through :meth
     k_cache/v_cache [num_blocks, H, bs, D]    row [b, h, o, :] <- encode(key[t, h, :])
     k/v_token_scales [num_blocks, H, bs]      [b, h, o] <- scale of (t, h)      (dynamic scales only)
 
+The codes are FP8 (``uint8``; static or dynamic scales) or int8 (``int8``; always dynamic scales: the
+``int8_per_token_head`` cache), one ``FMT`` constexpr (a :class:`~kv8.kernels.triton.formats.KernelFormat`;
+``FMT.int_codes`` tells them apart).
+
     |<--------- block b: H tiles of bs x D --------->|
     | head 0: o=0 [D] o=1 [D] ... | head 1: ... | ... |
 
@@ -20,9 +24,10 @@ keep the interpreter fast).
 
 Bit-exactness (interpreter and compiled): the only float operations are IEEE ``div.rn`` divisions
 (:func:`kv8.kernels.triton.quant.scaled_rn`) and fp16 <-> float32 conversions (``cvt``: exact widening, RNE
-narrowing); the FP8 encode, bf16 conversions, ``|x|``, ``amax`` and the NaN/inf tests are integer operations on the
-bit patterns. A dynamic scale is ``div_rn(amax, max_finite)`` with ``amax`` the largest ``|x|`` bit pattern (NaN
-and inf sort above every finite value): 1.0 where that pattern is not finite or the quotient is 0 -- the float32
+narrowing), and int8's rounding (an IEEE add and subtract, :func:`~kv8.kernels.triton.quant.encode_int8`); the
+FP8 encode, bf16 conversions, ``|x|``, ``amax`` and the NaN/inf tests are integer operations on the bit patterns.
+A dynamic scale is ``div_rn(amax, max_finite)`` with ``amax`` the largest ``|x|`` bit pattern (NaN and inf sort
+above every finite value): 1.0 where that pattern is not finite or the quotient is 0 -- the float32
 arithmetic of :meth:`KVCodec.token_scales` on the CPU, where ``tensor / float`` is a true division. (On CUDA torch
 turns a division by a Python float into a multiplication by its rounded reciprocal, so the reference run on CUDA
 tensors can differ from this kernel in the last bit of a scale; the tests compute the reference on the CPU.) NaN
@@ -41,10 +46,10 @@ import triton
 import triton.language as tl
 
 from kv8.kernels.triton import interpreter
-from kv8.kernels.triton.formats import FP8Layout, KernelFormat, kernel_format
+from kv8.kernels.triton.formats import FP8Layout, IntLayout, KernelFormat, code_dtype, kernel_format
 from kv8.kernels.triton.interpreter import max_combine
 from kv8.kernels.triton.launch import Launch
-from kv8.kernels.triton.quant import bf16_bits_to_f32, encode_fp8, f32_to_bf16_bits, scaled_rn
+from kv8.kernels.triton.quant import bf16_bits_to_f32, encode_codes, f32_to_bf16_bits, scaled_rn
 
 __all__ = ["CACHE_DTYPES", "INPUT_DTYPES", "store_kv", "store_launch"]
 
@@ -98,7 +103,7 @@ def _store_one(x_ptr, stride_xt, stride_xh, c_ptr, stride_cb, stride_ch, stride_
             ts = tl.where((amax < 0x7F800000) & (ts > 0.0), ts, 1.0)
             tl.store(ts_ptr + block * stride_tb + heads * stride_th + off * stride_ts, ts, mask=hmask)
             y = scaled_rn(x, ts[:, None])
-        tl.store(dst, encode_fp8(y, FMT), mask=mask)
+        tl.store(dst, encode_codes(y, FMT), mask=mask)       # FP8 or int8 codes, by FMT.int_codes
 
 
 @triton.jit
@@ -149,15 +154,15 @@ def _check_last_contiguous(name: str, t: torch.Tensor) -> None:
 
 
 def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             slot_mapping: torch.Tensor, *, fp8: FP8Layout | None,
+             slot_mapping: torch.Tensor, *, fp8: FP8Layout | IntLayout | None,
              k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
              k_token_scales: torch.Tensor | None = None, v_token_scales: torch.Tensor | None = None) -> None:
     """Write ``key``/``value`` ``[T, H, D]`` (stored basis) into their slots of ``k_cache``/``v_cache``.
 
     * ``key``, ``value``: bf16/fp16/fp32, one dtype, any strides with a contiguous last dim.
     * ``k_cache``, ``v_cache``: ``[num_blocks, H, bs, D]`` (views as :meth:`PagedKVCache.layer` returns), one dtype:
-      ``uint8`` codes when ``fp8`` is a format (a :class:`kv8.quant.formats.FP8Format`), else bf16/fp16/fp32
-      (``fp8=None``: a plain cast, round to nearest even).
+      ``uint8`` codes when ``fp8`` is an FP8 format (a :class:`kv8.quant.formats.FP8Format`), ``int8`` codes when it
+      is :data:`kv8.quant.formats.INT8`, else bf16/fp16/fp32 (``fp8=None``: a plain cast, round to nearest even).
     * ``slot_mapping``: ``[T]`` int64; token ``t`` goes to block ``s // bs``, offset ``s % bs``; ``s < 0`` skips it
       (its bytes and scales stay as they were).
     * FP8, static scales: ``k_scale``, ``v_scale`` float32, broadcastable to ``[H, D]`` (``[1, 1]``, ``[H, 1]``,
@@ -165,6 +170,8 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_ca
     * FP8, dynamic scales: ``k_token_scales``, ``v_token_scales`` ``[num_blocks, H, bs]`` float32 (views as
       :meth:`PagedKVCache.layer_token_scales` returns) receive each (token, head)'s scale, as
       :meth:`KVCodec.token_scales` computes it, and the codes are ``quantize(x, scale, fmt)``.
+    * int8 (``fp8`` an integer format): dynamic scales as for FP8 (the only kind an int8 cache has), ``amax /
+      max_finite`` (127).
 
     All tensors on one device: CUDA, or the CPU when the kernels run in Triton's interpreter. ``ValueError`` names
     the argument, what it was and what is allowed.
@@ -181,7 +188,11 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_ca
     if value.shape != key.shape:
         raise ValueError(f"store_kv: value has shape {list(value.shape)}, key {list(key.shape)}: they must be equal")
     num_tokens, num_heads, head_dim = key.shape
-    cache_dtypes = (torch.uint8,) if fp8 is not None else CACHE_DTYPES
+    try:
+        fmt = None if fp8 is None else kernel_format(fp8)
+    except ValueError as exc:
+        raise ValueError(f"store_kv: {exc}") from None
+    cache_dtypes = CACHE_DTYPES if fmt is None else (code_dtype(fmt),)
     _check_tensor("k_cache", k_cache, 4, cache_dtypes, device)
     _check_tensor("v_cache", v_cache, 4, (k_cache.dtype,), device)
     num_blocks, cache_heads, block_size, cache_dim = k_cache.shape
@@ -198,16 +209,15 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_ca
     dynamic = (k_token_scales, v_token_scales)
     given = [n for n, t in zip(("k_scale", "v_scale", "k_token_scales", "v_token_scales"), static + dynamic)
              if t is not None]
-    if fp8 is None:
+    if fmt is None:
         if given:
             raise ValueError(f"store_kv: {', '.join(given)} given for a {k_cache.dtype} cache (fp8=None); "
-                             "scales exist only for FP8 caches")
-        mode, fmt = _MODE_CAST, None
+                             "scales exist only for FP8 and integer caches")
+        mode = _MODE_CAST
     else:
-        try:
-            fmt = kernel_format(fp8)
-        except ValueError as exc:
-            raise ValueError(f"store_kv: {exc}") from None
+        if fmt.int_codes and sorted(given) != ["k_token_scales", "v_token_scales"]:
+            raise ValueError(f"store_kv: an {fmt.name} cache needs k_token_scales and v_token_scales (a scale per "
+                             f"token and head; it has no static scales); got {given or 'none'}")
         if sorted(given) == ["k_scale", "v_scale"]:
             mode = _MODE_STATIC
         elif sorted(given) == ["k_token_scales", "v_token_scales"]:

@@ -39,12 +39,16 @@ static inline decltype(auto) with_kv_format(int kv, F&& f) {
         case KV_E5M2: return f(std::integral_constant<int, KV_E5M2>{});
         case KV_BF16: return f(std::integral_constant<int, KV_BF16>{});
         case KV_F16: return f(std::integral_constant<int, KV_F16>{});
+        case KV_I8: return f(std::integral_constant<int, KV_I8>{});
+        case KV_I4: return f(std::integral_constant<int, KV_I4>{});
         default: return f(std::integral_constant<int, KV_F32>{});
     }
 }
-static_assert(KV_COUNT == 6, "with_kv_format has a case per format");
+static_assert(KV_COUNT == 8, "with_kv_format has a case per format");
 
-// Whether the AVX-512 BF16 kernels read format kv: every value of it is a bf16 (FP8 through the byte tables).
+// Whether the AVX-512 BF16 kernels read format kv: every value of it is a bf16 (FP8 through the byte tables). Integer
+// codes are bf16-exact too, but the tables decode FP8 bits: int8 / int4 items run the fp32 kernels (AVX2 or
+// generic).
 static constexpr bool kv_bf16_exact(int kv) { return KV_FORMATS[kv].fp8 || KV_FORMATS[kv].elem == DT_BF16; }
 
 // The first format whose kernel instances serve kv as well: the same element size, and the same decode to bf16
@@ -53,7 +57,8 @@ static constexpr bool kv_bf16_exact(int kv) { return KV_FORMATS[kv].fp8 || KV_FO
 static constexpr int kv_decode_class(int kv) {
     for (int k = 0; k < kv; ++k) {
         const KvFormat &a = KV_FORMATS[k], &b = KV_FORMATS[kv];
-        if (a.esize == b.esize && a.elem == b.elem && a.fp8 == b.fp8 && a.nan_0x80 == b.nan_0x80) return k;
+        if (a.esize == b.esize && a.elem == b.elem && a.fp8 == b.fp8 && a.ibits == b.ibits && a.nan_0x80 == b.nan_0x80)
+            return k;
     }
     return kv;
 }
@@ -110,6 +115,20 @@ static inline float fp8_bits(uint32_t c) {
         if (F.nan_0x80 ? c == 0x80 : mag == 0x7f) v = NAN;
         return bits_f(f_bits(v) | sign);
     }
+}
+
+// Integer encode (kv8.quant.formats.IntFormat): clamp(round_to_nearest_even(x), -max, max), NaN -> 0 (the clamp
+// comes first, so +-inf saturate and nearbyintf never sees a value out of int range); max is 127 or 7.
+static inline int8_t int_encode(float x, float max) {
+    if (x != x) return 0;
+    const float c = x < -max ? -max : x > max ? max : x;
+    return (int8_t)nearbyintf(c);
+}
+
+// Value of channel d of a row of 4-bit codes (two per byte, the even channel in the low nibble, two's complement).
+static inline int int4_at(const uint8_t* row, int d) {
+    const int nib = (row[d >> 1] >> ((d & 1) * 4)) & 0xF;
+    return (nib ^ 8) - 8;
 }
 
 // FP8 encode: saturate(round_to_nearest_even(x)), NaN -> nan code (sign kept where the format has a

@@ -68,6 +68,13 @@ static inline __m256 decode8(const uint8_t* row, int d) {
                                            : _mm256_cmpeq_epi32(mag, _mm256_set1_epi32(0x7f));
             return _mm256_blendv_ps(v, _mm256_set1_ps(NAN), _mm256_castsi256_ps(nan));
         }
+    } else if constexpr (F.ibits == 8) {  // sign-extended to 32 bits, converted exactly
+        return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(row + d))));
+    } else if constexpr (F.ibits == 4) {  // 4 bytes = 8 nibbles: lane i's at bits 4i..4i+3, moved to the top, sign-shifted
+        int32_t word;
+        memcpy(&word, row + d / 2, 4);
+        const __m256i up = _mm256_sllv_epi32(_mm256_set1_epi32(word), _mm256_setr_epi32(28, 24, 20, 16, 12, 8, 4, 0));
+        return _mm256_cvtepi32_ps(_mm256_srai_epi32(up, 28));
     } else if constexpr (F.elem == DT_BF16) {
         const __m128i h = _mm_loadu_si128((const __m128i*)(row + 2 * d));
         return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));

@@ -15,6 +15,10 @@ static void decode_row_f32(const uint8_t* row, int D, float* out) {
     constexpr KvFormat F = KV_FORMATS[KV];
     if constexpr (F.fp8) {
         for (int d = 0; d < D; ++d) out[d] = fp8_bits<KV>(row[d]);
+    } else if constexpr (F.ibits == 8) {
+        for (int d = 0; d < D; ++d) out[d] = (float)(int8_t)row[d];
+    } else if constexpr (F.ibits == 4) {
+        for (int d = 0; d < D; ++d) out[d] = (float)int4_at(row, d);
     } else if constexpr (F.elem == DT_BF16) {
         const uint16_t* r = (const uint16_t*)row;
         for (int d = 0; d < D; ++d) out[d] = bf16_f(r[d]);

@@ -20,13 +20,15 @@ static int make_problem(const kv8_layer& L, const kv8_attention_call& C, Problem
     const int Hkv = L.num_kv_heads, Hq = C.num_q_heads, D = L.head_dim, bs = L.block_size, kv = L.kv_dtype;
     if (Hkv <= 0 || Hq % Hkv != 0 || D <= 0 || bs <= 0 || C.num_seqs < 0 || C.num_threads <= 0 || kv < 0 ||
         kv >= KV_COUNT || C.q_dtype < 0 || C.q_dtype >= DT_COUNT ||
-        (int64_t)D * KV_FORMATS[kv].esize > (int64_t)sizeof(ZERO_ROW) ||
-        (L.k_token_scales == nullptr) != (L.v_token_scales == nullptr) || C.sliding_window < 0)
+        kv_row_bytes(kv, D) > (int64_t)sizeof(ZERO_ROW) || (KV_FORMATS[kv].ibits == 4 && D % 2) ||
+        (L.k_token_scales == nullptr) != (L.v_token_scales == nullptr) || C.sliding_window < 0 ||
+        (KV_FORMATS[kv].ibits && !L.k_token_scales))   // integer codes mean nothing without their scales
         return ERR_ARGS;
     P.q = C.q; P.q_dtype = C.q_dtype; P.out = C.out;
     P.Hq = Hq; P.Hkv = Hkv; P.D = D; P.G = Hq / Hkv;
     P.kc = (const uint8_t*)L.k_cache; P.vc = (const uint8_t*)L.v_cache;
-    P.kv = kv; P.esize = KV_FORMATS[kv].esize; P.num_blocks = L.num_blocks; P.bs = bs;
+    P.kv = kv; P.esize = KV_FORMATS[kv].esize; P.row_bytes = kv_row_bytes(kv, D); P.num_blocks = L.num_blocks;
+    P.bs = bs;
     P.ks = L.k_scale; P.ks_hs = L.k_scale_head_stride; P.ks_ds = L.k_scale_dim_stride;
     P.vs = L.v_scale; P.vs_hs = L.v_scale_head_stride; P.vs_ds = L.v_scale_dim_stride;
     P.kts = L.k_token_scales; P.vts = L.v_token_scales;

@@ -41,6 +41,7 @@ struct Problem {
     const uint8_t* kc;
     const uint8_t* vc;
     int kv, esize;
+    int64_t row_bytes;  // one head's row of D values in the cache (kv_row_bytes)
     int64_t num_blocks;
     int bs;
     const float* ks;
@@ -130,7 +131,7 @@ static thread_local Scratch tl_workspace;
 
 static inline size_t up64(size_t n) { return (n + 63) & ~(size_t)63; }
 
-alignas(64) static const uint8_t ZERO_ROW[4096] = {0};  // pad rows of a partial tile (D * esize <= 4096)
+alignas(64) static const uint8_t ZERO_ROW[4096] = {0};  // pad rows of a partial tile (row_bytes <= 4096)
 
 // Row geometry of one item.
 struct Rows {
@@ -174,7 +175,7 @@ static inline uint16_t lane_range(int64_t a, int64_t b) {
 static inline bool tile_rows(const Problem& P, const Item& it, int64_t t0, int n, const uint8_t** kr,
                              const uint8_t** vr, float* ksc, float* vsc) {
     const int64_t* table = P.bt + (int64_t)it.seq * P.bt_stride;
-    const int64_t row_bytes = (int64_t)P.D * P.esize;
+    const int64_t row_bytes = P.row_bytes;
     const int lead = it.k0 > t0 ? (int)(it.k0 - t0) : 0;  // < n: an item's tiles all hold a position >= k0
     if (P.bs % TILE == 0) {  // t0 is a multiple of TILE: the whole tile lies in one block (that of k0)
         const int64_t row0 = head_row(P, it, table, t0);
@@ -251,7 +252,7 @@ static inline void prefetch_tile(const Problem& P, const Item& it, int64_t t0) {
     if (t0 >= it.t1) return;
     const int n = (int)(it.t1 - t0 < TILE ? it.t1 - t0 : TILE);
     const int64_t* table = P.bt + (int64_t)it.seq * P.bt_stride;
-    const int64_t row_bytes = (int64_t)P.D * P.esize;
+    const int64_t row_bytes = P.row_bytes;
     for (int t = it.k0 > t0 ? (int)(it.k0 - t0) : 0; t < n;) {
         const int64_t row = head_row(P, it, table, t0 + t);
         if (row < 0) return;

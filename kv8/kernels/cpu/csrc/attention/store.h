@@ -3,8 +3,9 @@
 //   key/value [T, H, D] (in_dtype)  --slot_mapping[t] = block * bs + offset-->  cache[block, h, offset, :]
 //
 // FP8 with static scales: code = saturate(rne(x / scale)) with the layer's K/V scales (strides over head and
-// channel). FP8 with dynamic scales: each (token, head) gets scale amax|x| / max_finite (1.0 when that is 0
-// or not finite), written beside its codes. 16/32-bit caches store the value converted (round to nearest
+// channel). FP8 with dynamic scales, and int8 (always): each (token, head) gets scale amax|x| / max_finite (1.0
+// when that is 0 or not finite; int8: max 127, int4: 7), written beside its codes; integer codes are
+// clamp(rne(x / scale), -max, max) with NaN -> 0 (base.h), int4 two per byte (the even channel in the low nibble). 16/32-bit caches store the value converted (round to nearest
 // even). Bit-exact with kv8.cache.paged_cache.PagedKVCache.store, NaN rule included (base.h).
 //
 // Where the fast path is compiled, FP8 rows (D a multiple of 16; dynamic scales, or static ones with a channel
@@ -108,7 +109,9 @@ static int run_store(const kv8_layer& L, const kv8_store_call& C) {
     float *k_token_scales = L.k_token_scales, *v_token_scales = L.v_token_scales;
     if (H <= 0 || D <= 0 || bs <= 0 || T < 0 || kv < 0 || kv >= KV_COUNT || in_dtype < 0 || in_dtype >= DT_COUNT ||
         nthreads <= 0 || (k_token_scales == nullptr) != (v_token_scales == nullptr) ||
-        (k_token_scales && !KV_FORMATS[kv].fp8) || (KV_FORMATS[kv].fp8 && !k_token_scales && (!k_scale || !v_scale)))
+        (k_token_scales && !KV_FORMATS[kv].fp8 && !KV_FORMATS[kv].ibits) ||
+        (KV_FORMATS[kv].fp8 && !k_token_scales && (!k_scale || !v_scale)) ||
+        (KV_FORMATS[kv].ibits && !k_token_scales) || (KV_FORMATS[kv].ibits == 4 && D % 2))
         return ERR_ARGS;
     const KvFormat& fmt = KV_FORMATS[kv];
     const float maxf = fmt.max_finite;
@@ -116,6 +119,7 @@ static int run_store(const kv8_layer& L, const kv8_store_call& C) {
     for (int64_t t = 0; t < T; ++t)
         if ((uint64_t)slots[t] >= (uint64_t)nslots) return ERR_SLOT;
     const int es = fmt.esize;
+    const int64_t rbytes = kv_row_bytes(kv, D);
     const int64_t work = T * H * D;
     int nt = work >= 65536 ? nthreads : 1;
     // Work row th (K rows, then V rows; token-major, head-minor): its row of the cache, (block, head, offset)
@@ -126,7 +130,7 @@ static int run_store(const kv8_layer& L, const kv8_store_call& C) {
         return (slot / bs * H + th % H) * bs + slot % bs;
     };
     auto row_dst = [&](int which, int64_t row) {
-        return (uint8_t*)(which ? v_cache : k_cache) + row * D * (int64_t)es;
+        return (uint8_t*)(which ? v_cache : k_cache) + row * rbytes;
     };
 #pragma omp parallel num_threads(nt)
     {
@@ -137,7 +141,7 @@ static int run_store(const kv8_layer& L, const kv8_store_call& C) {
             if (th + STORE_PREFETCH_ROWS < 2 * T * H) {   // the rows' cache lines are scattered (one per block):
                 const int64_t ta = th + STORE_PREFETCH_ROWS;   // their misses overlap this way
                 const uint8_t* ahead = row_dst((int)(ta / (T * H)), cache_row(ta));
-                for (int64_t b = 0; b < (int64_t)D * es; b += 64) prefetch_for_write(ahead + b);
+                for (int64_t b = 0; b < rbytes; b += 64) prefetch_for_write(ahead + b);
             }
             int which = (int)(th / (T * H));  // 0 = K, 1 = V
             int64_t t = (th % (T * H)) / H;
@@ -164,7 +168,7 @@ static int run_store(const kv8_layer& L, const kv8_store_call& C) {
             }
 #endif
             for (int d = 0; d < D; ++d) buf[d] = load_f(src, in_dtype, s0 + d);
-            if (fmt.fp8) {
+            if (fmt.fp8 || fmt.ibits) {
                 if (ts) {
                     float amax = 0.0f;
                     bool nan = false;
@@ -180,10 +184,17 @@ static int run_store(const kv8_layer& L, const kv8_store_call& C) {
                 } else {
                     for (int d = 0; d < D; ++d) buf[d] = buf[d] / sc[h * hs + d * ds];
                 }
-                with_kv_format(kv, [&](auto K) {
-                    if constexpr (KV_FORMATS[decltype(K)::value].fp8)
-                        for (int d = 0; d < D; ++d) dst[d] = fp8_encode<decltype(K)::value>(buf[d]);
-                });
+                if (fmt.ibits == 8) {
+                    for (int d = 0; d < D; ++d) dst[d] = (uint8_t)int_encode(buf[d], maxf);
+                } else if (fmt.ibits == 4) {
+                    for (int d = 0; d < D; d += 2)
+                        dst[d / 2] = (uint8_t)((int_encode(buf[d], maxf) & 0xF) | (int_encode(buf[d + 1], maxf) << 4));
+                } else {
+                    with_kv_format(kv, [&](auto K) {
+                        if constexpr (KV_FORMATS[decltype(K)::value].fp8)
+                            for (int d = 0; d < D; ++d) dst[d] = fp8_encode<decltype(K)::value>(buf[d]);
+                    });
+                }
             } else if (fmt.elem == DT_BF16) {
                 for (int d = 0; d < D; ++d) ((uint16_t*)dst)[d] = f_bf16(buf[d]);
             } else if (fmt.elem == DT_F16) {

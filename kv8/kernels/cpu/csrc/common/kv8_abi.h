@@ -23,28 +23,39 @@ static const char* const COMPUTE_DTYPE_NAMES[DT_COUNT] = {"bfloat16", "float16",
 // KV cache element types (and the FP8 weights' E4M3): KV_FORMATS[code] says everything the kernels need to know of
 // a format -- the store, every decode path and the FP8 -> bf16 tables read it rather than compare codes; template
 // parameters that pick code paths at compile time are codes whose traits are read from this table as constants.
-enum { KV_E4M3 = 0, KV_E4M3FNUZ = 1, KV_E5M2 = 2, KV_BF16 = 3, KV_F16 = 4, KV_F32 = 5, KV_COUNT = 6 };
+enum { KV_E4M3 = 0, KV_E4M3FNUZ = 1, KV_E5M2 = 2, KV_BF16 = 3, KV_F16 = 4, KV_F32 = 5, KV_I8 = 6, KV_I4 = 7,
+       KV_COUNT = 8 };
 struct KvFormat {
     const char* name;   // kv8.quant.formats.KVCacheDtype.name
     int esize;          // bytes per element
-    int elem;           // a 16/32-bit format: the compute dtype (DT_*) of the same element type; FP8: -1
-    bool fp8;           // the fields below describe an FP8 format (and are 0 for the others)
+    int elem;           // a 16/32-bit format: the compute dtype (DT_*) of the same element type; codes: -1
+    bool fp8;           // the fields below up to nan_code describe an FP8 format (and are 0 for the others)
+    int ibits;          // symmetric integer codes of 8 or 4 bits (0: none), always with a scale per token and head;
+                        // max_finite is the largest code (127, 7); 4-bit: two per byte, the even channel in the low
+                        // nibble (two's complement)
     int mbits;          // mantissa bits
     int bias;           // exponent bias
-    float max_finite;   // the largest finite value (the store saturates to it)
+    float max_finite;   // the largest finite value (the store saturates to it; integer codes: the largest code)
     bool nan_0x80;      // code 0x80 is the one NaN, and there is no -0 (the "fnuz" formats)
     bool has_inf;       // IEEE-style: the top exponent holds inf and NaNs; else only magnitude 0x7f is NaN ("fn")
     uint8_t nan_code;   // what the encoders write for NaN (with its sign bit where the format has a -NaN)
 };
 static constexpr KvFormat KV_FORMATS[KV_COUNT] = {
-    // name          esize  elem     fp8    mbits  bias  max_finite  nan_0x80  has_inf  nan_code
-    {"fp8_e4m3",     1,     -1,      true,  3,     7,    448.0f,     false,    false,   0x7f},  // KV_E4M3
-    {"fp8_e4m3fnuz", 1,     -1,      true,  3,     8,    240.0f,     true,     false,   0x80},  // KV_E4M3FNUZ
-    {"fp8_e5m2",     1,     -1,      true,  2,     15,   57344.0f,   false,    true,    0x7e},  // KV_E5M2
-    {"bfloat16",     2,     DT_BF16, false, 0,     0,    0.0f,       false,    false,   0},     // KV_BF16
-    {"float16",      2,     DT_F16,  false, 0,     0,    0.0f,       false,    false,   0},     // KV_F16
-    {"float32",      4,     DT_F32,  false, 0,     0,    0.0f,       false,    false,   0},     // KV_F32
+    // name                 esize  elem     fp8    ibits  mbits  bias  max_finite  nan_0x80  has_inf  nan_code
+    {"fp8_e4m3",            1,     -1,      true,  0,     3,     7,    448.0f,     false,    false,   0x7f},  // KV_E4M3
+    {"fp8_e4m3fnuz",        1,     -1,      true,  0,     3,     8,    240.0f,     true,     false,   0x80},  // KV_E4M3FNUZ
+    {"fp8_e5m2",            1,     -1,      true,  0,     2,     15,   57344.0f,   false,    true,    0x7e},  // KV_E5M2
+    {"bfloat16",            2,     DT_BF16, false, 0,     0,     0,    0.0f,       false,    false,   0},     // KV_BF16
+    {"float16",             2,     DT_F16,  false, 0,     0,     0,    0.0f,       false,    false,   0},     // KV_F16
+    {"float32",             4,     DT_F32,  false, 0,     0,     0,    0.0f,       false,    false,   0},     // KV_F32
+    {"int8_per_token_head", 1,     -1,      false, 8,     0,     0,    127.0f,     false,    false,   0},     // KV_I8
+    {"int4_per_token_head", 1,     -1,      false, 4,     0,     0,    7.0f,       false,    false,   0},     // KV_I4
 };
+
+// Bytes one head's row of D values takes in a cache of format kv (D / 2 for 4-bit codes).
+static constexpr int64_t kv_row_bytes(int kv, int64_t D) {
+    return KV_FORMATS[kv].ibits == 4 ? D / 2 : D * KV_FORMATS[kv].esize;
+}
 
 // The exact value of code c (0..255) of FP8 format kv (NaN where the format has NaN; subnormals included).
 static inline float fp8_value(int kv, int c) {

@@ -12,17 +12,20 @@
 // of equal values within a lane); the row's result is the lowest index among the lanes holding the maximum.
 #pragma once
 
+// The contract, whatever the path (this kernel and avx2.h's; see elementwise.h's check_args).
+static inline int check_args(const kv8_argmax_call& c) {
+    if (c.rows < 0 || c.cols <= 0 || c.cols > INT32_MAX || c.num_threads <= 0) return ERR_ARGS;
+    return c.rows > 0 && (!c.x || !c.out) ? ERR_ARGS : OK;
+}
+static inline int threads_for(const kv8_argmax_call& c) { return threads_for(c.rows * c.cols, c.num_threads); }
+
 #if KV8_LINEAR_FAST
 // kv8_argmax_rows: the argmax of each of B rows of V values (see kv8_argmax_call).
 static int argmax_rows(const kv8_argmax_call& call) {
     const float* x = call.x;
     int64_t* out = call.out;
     const int64_t B = call.rows, V = call.cols;
-    const int nthreads = call.num_threads;
-    if (B < 0 || V <= 0 || V > INT32_MAX || nthreads <= 0) return ERR_ARGS;
-    if (B == 0) return OK;   // an empty batch (every row of a step failed): nothing to do, pointers may be null
-    if (!x || !out) return ERR_ARGS;
-    const int threads = B * V < PARALLEL_MIN ? 1 : nthreads;
+    const int threads = threads_for(call);
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t b = 0; b < B; ++b) {
         const float* row = x + b * V;

@@ -87,11 +87,7 @@ static int rmsnorm(const kv8_rmsnorm_call& call) {
     uint16_t *residual_out = call.residual_out, *out = call.out;
     const int64_t T = call.rows, E = call.hidden;
     const float eps = call.eps;
-    const int nthreads = call.num_threads;
-    if (T < 0 || E <= 0 || nthreads <= 0) return ERR_ARGS;
-    if (T == 0) return OK;   // no rows: pointers may be null
-    if (!x || !w || !out) return ERR_ARGS;
-    const int threads = T * E < PARALLEL_MIN ? 1 : nthreads;
+    const int threads = threads_for(call);
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t t = 0; t < T; ++t) {
         const uint16_t* xr = x + t * E;
@@ -123,11 +119,7 @@ static int silu_mul(const kv8_silu_mul_call& call) {
     const uint16_t* gu = call.gate_up;
     uint16_t* out = call.out;
     const int64_t T = call.rows, I = call.intermediate;
-    const int nthreads = call.num_threads;
-    if (T < 0 || I <= 0 || nthreads <= 0) return ERR_ARGS;
-    if (T == 0) return OK;   // no rows: pointers may be null
-    if (!gu || !out) return ERR_ARGS;
-    const int threads = T * I < PARALLEL_MIN ? 1 : nthreads;
+    const int threads = threads_for(call);
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t t = 0; t < T; ++t) {
         const uint16_t* g = gu + t * 2 * I;
@@ -145,13 +137,9 @@ static int rope_qkv(const kv8_rope_call& call) {
     const float *cos = call.cos, *sin = call.sin;
     uint16_t *q_out = call.q_out, *k_out = call.k_out, *v_out = call.v_out;
     const int64_t T = call.rows, row_stride = call.row_stride;
-    const int Hq = call.num_heads, Hkv = call.num_kv_heads, D = call.head_dim, nthreads = call.num_threads;
-    if (T < 0 || Hq <= 0 || Hkv <= 0 || D <= 0 || D % 2 || row_stride < (int64_t)(Hq + 2 * Hkv) * D || nthreads <= 0)
-        return ERR_ARGS;
-    if (T == 0) return OK;   // no rows: pointers may be null
-    if (!qkv || !cos || !sin || !q_out || !k_out || !v_out) return ERR_ARGS;
+    const int Hq = call.num_heads, Hkv = call.num_kv_heads, D = call.head_dim;
     const int half = D / 2;
-    const int threads = T * (Hq + 2 * Hkv) * D < PARALLEL_MIN ? 1 : nthreads;
+    const int threads = threads_for(call);
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t t = 0; t < T; ++t) {
         const uint16_t* row = qkv + t * row_stride;
@@ -187,11 +175,7 @@ static int argmax_rows(const kv8_argmax_call& call) {
     const float* x = call.x;
     int64_t* out = call.out;
     const int64_t B = call.rows, V = call.cols;
-    const int nthreads = call.num_threads;
-    if (B < 0 || V <= 0 || V > INT32_MAX || nthreads <= 0) return ERR_ARGS;
-    if (B == 0) return OK;   // an empty batch (every row of a step failed): nothing to do, pointers may be null
-    if (!x || !out) return ERR_ARGS;
-    const int threads = B * V < PARALLEL_MIN ? 1 : nthreads;
+    const int threads = threads_for(call);
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t b = 0; b < B; ++b) {
         const float* row = x + b * V;
@@ -228,8 +212,8 @@ static int argmax_rows(const kv8_argmax_call& call) {
 
 // ---- linear --------------------------------------------------------------------------------------------------------
 
-static const int64_t X_CHUNK_BYTES = 256 << 10;  // rows of x per pass over the weights: their fp32 copy in L2
-static const int MAX_MR_AVX2 = 5;  // rows per block: 10 accumulators + 4 weights + 1 broadcast of 16 registers
+static const int64_t X_CHUNK_BYTES = 256 << 10;  // few rows: rows of x per pass over the weights, their fp32 copy in L2
+static const int MAX_MR_AVX2 = 5;  // few rows: rows per block, 10 accumulators + 4 weights + 1 broadcast of 16 registers
 
 // A thread's fp32 buffer (grown as needed, kept for the thread's life).
 struct XBuffer {
@@ -246,7 +230,9 @@ struct XBuffer {
         return p;
     }
 };
-static thread_local XBuffer tl_x, tl_w;   // a thread's fp32 rows of x, and its widened panel
+// A thread's fp32 rows of x, its widened weights (a k block of half a panel) and the partial sums of its outputs
+// between k blocks (linear_blocked).
+static thread_local XBuffer tl_x, tl_w, tl_c;
 
 // rows x [M, K] bf16 -> xf [M, kp] fp32 (column K of an odd K zero).
 static inline void rows_to_f32(const uint16_t* x, int64_t M, int64_t K, int64_t kp, float* xf) {
@@ -263,18 +249,14 @@ static inline void rows_to_f32(const uint16_t* x, int64_t M, int64_t K, int64_t 
     }
 }
 
-// How a micro kernel reads its panel: the bf16 packed layout, the FP8 one, or a panel widened to fp32 (W_F32: per
-// pair-row 64 floats, for each group its 8 even-k then its 8 odd-k weights; widen_panel).
-enum { W_BF16 = 0, W_FP8 = 1, W_F32 = 2 };
+// How a kernel reads its panel: the bf16 packed layout or the FP8 one.
+enum { W_BF16 = 0, W_FP8 = 1 };
 
 // The even-k and odd-k fp32 weights of group g of pair-row kk (see the top of this file); bf16 panels: p points at
-// the group's 32 bytes; FP8: at its 16 codes (the weights times 2^-8); W_F32: at its 16 floats.
+// the group's 32 bytes; FP8: at its 16 codes (the weights times 2^-8).
 template <int SRC>
 static inline void load_weights(const uint8_t* p, __m256& even, __m256& odd) {
-    if (SRC == W_F32) {
-        even = _mm256_load_ps((const float*)p);
-        odd = _mm256_load_ps((const float*)p + 8);
-    } else if (SRC == W_FP8) {
+    if (SRC == W_FP8) {
         const __m256i s = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)p));
         const __m256i h = _mm256_and_si256(_mm256_slli_epi16(s, 7), _mm256_set1_epi16((short)0xBF80));
         even = _mm256_cvtph_ps(_mm256_castsi256_si128(h));
@@ -311,31 +293,36 @@ static inline void store_gated(__m256 gacc, __m256 uacc, const float* bias, cons
     store_bf16(out_row + c, _mm256_mul_ps(silu8(g), u), N - c);
 }
 
-// Panel p of the bf16 or FP8 layout -> its fp32 weights in the W_F32 order at w (32 * kp floats, 32-byte aligned):
-// exact (an FP8 weight stays times 2^-8), so a micro kernel reading w sums the same values in the same order.
-template <int SRC>
-static inline void widen_panel(const uint8_t* panel, int64_t kp, float* w) {
-    constexpr int64_t GB = SRC == W_FP8 ? 16 : 32;
-    for (int64_t kk = 0; kk < kp / 2; ++kk)
-        for (int g = 0; g < 4; ++g) {
-            __m256 e, o;
-            load_weights<SRC>(panel + kk * 4 * GB + g * GB, e, o);
-            _mm256_store_ps(w + kk * 64 + g * 16, e);
-            _mm256_store_ps(w + kk * 64 + g * 16 + 8, o);
-        }
+// The two groups of half h of a panel: 2h and 2h + 1, or, GATED, gate group h and its up group h + 2.
+template <bool GATED>
+static inline int half_group(int h, int i) { return GATED ? h + 2 * i : 2 * h + i; }
+// The first output column of half h of the panel whose first packed row is n0.
+template <bool GATED>
+static inline int64_t half_column(int64_t n0, int h) { return GATED ? n0 / 2 + 8 * h : n0 + 16 * h; }
+
+// The epilogue of one row of a half panel: its two groups' sums (acc0, acc1) -> 16 outputs (GATED: 8) of out_row.
+// n0: the panel's first packed row; unit: 256 for FP8 weights (their 2^-8), else 1.
+template <bool GATED>
+static inline void store_half(__m256 acc0, __m256 acc1, const float* bias, const float* scale, float unit, int64_t n0,
+                              int h, int64_t N, uint16_t* out_row) {
+    const int64_t c = half_column<GATED>(n0, h);
+    if (GATED) {
+        store_gated(acc0, acc1, bias, scale, unit, n0 + 8 * h, c, N, out_row);
+    } else {
+        store_cols(acc0, bias, scale, unit, c, N, out_row);
+        store_cols(acc1, bias, scale, unit, c + 8, N, out_row);
+    }
 }
 
-// MR rows of xf (stride kp, fp32) times NG groups of one panel (NG = 4: the whole panel; NG = 2: half h of it) ->
-// outputs. Groups: the panel's 4 groups (NG = 4), or groups 2h, 2h + 1 (half h), or, GATED, h and h + 2 (8 gate
-// columns and their 8 up columns). n0: the panel's first packed row; out rows have stride N; unit: 256 for FP8
-// weights (their 2^-8), else 1.
+// Few rows (at most FEW_ROWS): MR rows of xf (stride kp, fp32) times NG groups of one panel, read in place (NG = 4:
+// the whole panel; NG = 2: half h of it) -> outputs. out rows have stride N.
 template <int MR, int NG, int SRC, bool GATED>
 static inline void micro_avx2(const float* xf, int64_t kp, const uint8_t* panel, int h, const float* bias,
                               const float* scale, float unit, int64_t n0, int64_t N, uint16_t* out) {
-    constexpr int64_t GB = SRC == W_F32 ? 64 : SRC == W_FP8 ? 16 : 32;   // bytes of a group in a pair-row
-    constexpr int64_t RB = 4 * GB;          // bytes of a pair-row
-    int go[NG];                             // the groups
-    for (int i = 0; i < NG; ++i) go[i] = NG == 4 ? i : GATED ? h + 2 * i : 2 * h + i;
+    constexpr int64_t GB = SRC == W_FP8 ? 16 : 32;   // bytes of a group in a pair-row
+    constexpr int64_t RB = 4 * GB;                   // bytes of a pair-row
+    int go[NG];                                      // the groups
+    for (int i = 0; i < NG; ++i) go[i] = NG == 4 ? i : half_group<GATED>(h, i);
     __m256 acc[MR][NG];
     for (int r = 0; r < MR; ++r)
         for (int i = 0; i < NG; ++i) acc[r][i] = _mm256_setzero_ps();
@@ -352,12 +339,13 @@ static inline void micro_avx2(const float* xf, int64_t kp, const uint8_t* panel,
     }
     for (int r = 0; r < MR; ++r) {
         uint16_t* row = out + r * N;
-        if (GATED) {   // gate group go[i] (< 2) and its up group go[i] + 2 = go[i + NG / 2]
-            for (int i = 0; i < NG / 2; ++i)
-                store_gated(acc[r][i], acc[r][i + NG / 2], bias, scale, unit, n0 + 8 * go[i], n0 / 2 + 8 * go[i], N,
-                            row);
-        } else {
-            for (int i = 0; i < NG; ++i) store_cols(acc[r][i], bias, scale, unit, n0 + 8 * go[i], N, row);
+        if (NG == 2) {
+            store_half<GATED>(acc[r][0], acc[r][1], bias, scale, unit, n0, h, N, row);
+        } else {   // the two halves in turn
+            store_half<GATED>(acc[r][half_group<GATED>(0, 0)], acc[r][half_group<GATED>(0, 1)], bias, scale, unit,
+                              n0, 0, N, row);
+            store_half<GATED>(acc[r][half_group<GATED>(1, 0)], acc[r][half_group<GATED>(1, 1)], bias, scale, unit,
+                              n0, 1, N, row);
         }
     }
 }
@@ -369,13 +357,154 @@ static const MicroAvx2Fn MICRO_AVX2[MAX_MR_AVX2 + 1] = {nullptr, micro_avx2<1, 2
                                                         micro_avx2<3, 2, SRC, G>, micro_avx2<4, 2, SRC, G>,
                                                         micro_avx2<5, 2, SRC, G>};
 
-// kv8_linear (FP8 false) and kv8_linear_fp8 on AVX2 (linear.h's contract; use_amx is ignored). Threads take
-// contiguous runs of panels; per chunk of rows (its fp32 copy within X_CHUNK_BYTES) a thread walks its panels: one row
-// multiplies the whole panel at once (the panel streamed once, 4 groups in registers); more rows go through each half
-// panel in blocks of up to MAX_MR_AVX2 rows (the half panel stays in L1 between the blocks), from the panel itself
-// up to WIDEN_ROWS rows, beyond that from its fp32 copy (widen_panel: the conversion done once per chunk, not once
-// per block; the same values summed in the same order, so the same bits).
-static const int64_t WIDEN_ROWS = 8;
+// ---- linear, more rows: a blocked GEMM -------------------------------------------------------------------------------
+//
+// A thread's panels meet the rows in chunks of MC rows; within a chunk the k range goes in blocks of at most KC_PAIRS
+// pair-rows. Per (chunk, k block) the chunk's x values are converted once to fp32 (rows_to_f32_block, in L2), and per
+// half panel its k block is widened once to fp32 (widen_half: 16 KiB, in L1 while every tile of the chunk passes over
+// it; the next panel's k block is prefetched into L2 meanwhile). A tile is up to MR_TILE rows x 16 columns in 12
+// accumulators (tile_sums: per k, 2 weight loads and MR broadcasts feed 2 MR FMAs); between k blocks its fp32 sums wait
+// in the thread's buffer (tl_c) and continue where they stopped: a row's sum is the same chain of FMAs in k order as
+// on the other paths, so the same bits.
+static const int MR_TILE = 6;          // rows of a tile: 12 accumulators + 2 weights + 1 broadcast of 16 registers
+static const int64_t KC_PAIRS = 128;   // pair-rows per k block: 16 KiB of a half panel's fp32 weights
+static const int64_t MC = 120;         // rows per chunk: their fp32 k block (120 KiB) stays in L2
+static const int64_t FEW_ROWS = 5;     // up to this many rows (one block): the panels read in place (micro_avx2)
+
+// Half h of a panel (groups half_group(h, 0), half_group(h, 1)), pair-rows [kk0, kk0 + n) -> fp32 at w, 32 floats per
+// pair-row: the two groups' even-k weights, then their odd-k weights. Exact (an FP8 weight stays times 2^-8).
+template <int SRC, bool GATED>
+static inline void widen_half(const uint8_t* panel, int64_t kk0, int64_t n, int h, float* w) {
+    constexpr int64_t GB = SRC == W_FP8 ? 16 : 32;
+    const uint8_t* p = panel + kk0 * 4 * GB;
+    const int64_t g0 = half_group<GATED>(h, 0) * GB, g1 = half_group<GATED>(h, 1) * GB;
+    for (int64_t kk = 0; kk < n; ++kk, p += 4 * GB) {
+        __m256 e0, o0, e1, o1;
+        load_weights<SRC>(p + g0, e0, o0);
+        load_weights<SRC>(p + g1, e1, o1);
+        _mm256_store_ps(w + kk * 32, e0);
+        _mm256_store_ps(w + kk * 32 + 8, e1);
+        _mm256_store_ps(w + kk * 32 + 16, o0);
+        _mm256_store_ps(w + kk * 32 + 24, o1);
+    }
+}
+
+// rows of x (stride K), columns [k0, k0 + kc) -> xf [rows, kc] fp32 (columns at or past K: 0).
+static inline void rows_to_f32_block(const uint16_t* x, int64_t rows, int64_t K, int64_t k0, int64_t kc, float* xf) {
+    for (int64_t r = 0; r < rows; ++r) {
+        const uint16_t* s = x + r * K + k0;
+        float* d = xf + r * kc;
+        const int64_t n = K - k0 < kc ? K - k0 : kc;   // columns inside x (kc - n: 0 or 1, the pad of an odd K)
+        int64_t k = 0;
+        for (; k + 8 <= n; k += 8) _mm256_storeu_ps(d + k, bf16x8_to_f32(s + k));
+        for (; k < n; ++k) {
+            const uint32_t bits = (uint32_t)s[k] << 16;
+            memcpy(d + k, &bits, 4);
+        }
+        for (; k < kc; ++k) d[k] = 0.0f;
+    }
+}
+
+// A tile's sums: MR rows of fp32 x (stride ldx) times a half panel's widened k block (w: widen_half's), `pairs`
+// pair-rows, continuing the sums at cin (MR x 16 floats; NULL: from zero) into c (MR x 16; may be cin). The k loop is
+// alone in its function, whatever the epilogue, so that the compiler keeps the 12 accumulators in registers.
+template <int MR>
+static void tile_sums(const float* x, int64_t ldx, const float* w, int64_t pairs, const float* cin, float* c) {
+    __m256 acc[MR][2];
+#pragma GCC unroll 8
+    for (int r = 0; r < MR; ++r) {
+        acc[r][0] = cin ? _mm256_load_ps(cin + r * 16) : _mm256_setzero_ps();
+        acc[r][1] = cin ? _mm256_load_ps(cin + r * 16 + 8) : _mm256_setzero_ps();
+    }
+    for (int64_t kk = 0; kk < pairs; ++kk, w += 32, x += 2) {
+        // Each weight register is loaded once and feeds MR FMAs (the empty asm keeps the compiler from folding the
+        // load into every FMA: 2 + MR loads per 2 MR FMAs, not 3 MR).
+        __m256 w0 = _mm256_load_ps(w), w1 = _mm256_load_ps(w + 8);
+        __asm__("" : "+x"(w0), "+x"(w1));
+#pragma GCC unroll 8
+        for (int r = 0; r < MR; ++r) {
+            const __m256 b = _mm256_broadcast_ss(x + r * ldx);
+            acc[r][0] = _mm256_fmadd_ps(w0, b, acc[r][0]);
+            acc[r][1] = _mm256_fmadd_ps(w1, b, acc[r][1]);
+        }
+        w0 = _mm256_load_ps(w + 16);
+        w1 = _mm256_load_ps(w + 24);
+        __asm__("" : "+x"(w0), "+x"(w1));
+#pragma GCC unroll 8
+        for (int r = 0; r < MR; ++r) {
+            const __m256 b = _mm256_broadcast_ss(x + r * ldx + 1);
+            acc[r][0] = _mm256_fmadd_ps(w0, b, acc[r][0]);
+            acc[r][1] = _mm256_fmadd_ps(w1, b, acc[r][1]);
+        }
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < MR; ++r) {
+        _mm256_store_ps(c + r * 16, acc[r][0]);
+        _mm256_store_ps(c + r * 16 + 8, acc[r][1]);
+    }
+}
+
+typedef void (*TileFn)(const float*, int64_t, const float*, int64_t, const float*, float*);
+static const TileFn TILES[MR_TILE + 1] = {nullptr,       tile_sums<1>, tile_sums<2>, tile_sums<3>,
+                                          tile_sums<4>, tile_sums<5>, tile_sums<6>};
+
+// Panels [p0, p1) of the blocked GEMM for one thread (see above); false when a buffer cannot be allocated.
+template <int SRC, bool GATED>
+static bool linear_blocked(const uint16_t* x, int64_t M, int64_t K, const uint8_t* packed, int64_t p0, int64_t p1,
+                           const float* bias, const float* scale, float unit, int64_t N, uint16_t* out) {
+    const int64_t kp = (K + 1) & ~(int64_t)1, pairs = kp / 2;
+    const int64_t nkb = (pairs + KC_PAIRS - 1) / KC_PAIRS;
+    const int64_t kcp = (pairs + nkb - 1) / nkb;   // pair-rows per k block (the last one: what is left)
+    const int64_t chunks = (M + MC - 1) / MC, mc = (M + chunks - 1) / chunks;   // chunks of nearly equal rows
+    const int64_t row_bytes = (int64_t)PANEL * (SRC == W_FP8 ? 2 : 4);   // of a pair-row
+    const int64_t panel_bytes = pairs * row_bytes;
+    float* xp = tl_x.get((size_t)mc * kcp * 2);
+    float* wf = tl_w.get((size_t)kcp * 32);
+    float* cb = nkb > 1 ? tl_c.get((size_t)mc * (p1 - p0) * PANEL) : nullptr;
+    if (!xp || !wf || (nkb > 1 && !cb)) return false;
+    alignas(32) float done[MR_TILE * 16];   // a tile's finished sums, before the epilogue
+    for (int64_t m0 = 0; m0 < M; m0 += mc) {
+        const int64_t rows = M - m0 < mc ? M - m0 : mc;
+        // the chunk's tiles: nt of nearly equal rows (at most MR_TILE), tile b from row tile_r0[b] on
+        const int nt = (int)((rows + MR_TILE - 1) / MR_TILE);
+        int tile_r0[MC / MR_TILE + 2];
+        for (int b = 0; b <= nt; ++b) tile_r0[b] = (int)(rows * b / nt);
+        for (int64_t kk0 = 0; kk0 < pairs; kk0 += kcp) {
+            const int64_t n = pairs - kk0 < kcp ? pairs - kk0 : kcp;
+            const bool first = kk0 == 0, last = kk0 + n == pairs;
+            rows_to_f32_block(x + m0 * K, rows, K, 2 * kk0, 2 * n, xp);
+            // The next panel's k block (`lines` cache lines) streams into L2 while a panel computes, per_tile lines
+            // beside each of its 2 nt tiles.
+            const int64_t lines = n * row_bytes / 64, per_tile = (lines + 2 * nt - 1) / (2 * nt);
+            for (int64_t p = p0; p < p1; ++p) {
+                const char* next = p + 1 < p1 ? (const char*)packed + (p + 1) * panel_bytes + kk0 * row_bytes : nullptr;
+                for (int h = 0; h < 2; ++h) {
+                    if (half_column<GATED>(p * PANEL, h) >= N) continue;   // a padded half: no outputs
+                    widen_half<SRC, GATED>(packed + p * panel_bytes, kk0, n, h, wf);
+                    float* c = cb ? cb + ((p - p0) * 2 + h) * mc * 16 : nullptr;
+                    for (int b = 0; b < nt; ++b) {
+                        const int r0 = tile_r0[b], mr = tile_r0[b + 1] - r0;
+                        for (int64_t l = (h * nt + b) * per_tile; next && l < lines && l < (h * nt + b + 1) * per_tile; ++l)
+                            _mm_prefetch(next + l * 64, _MM_HINT_T1);
+                        float* sums = last ? done : c + r0 * 16;
+                        TILES[mr](xp + r0 * 2 * n, 2 * n, wf, n, first ? nullptr : c + r0 * 16, sums);
+                        if (last)
+                            for (int r = 0; r < mr; ++r)
+                                store_half<GATED>(_mm256_load_ps(sums + r * 16), _mm256_load_ps(sums + r * 16 + 8),
+                                                  bias, scale, unit, p * PANEL, h, N, out + (m0 + r0 + r) * N);
+                    }
+                }
+            }
+        }
+    }
+    return true;
+}
+
+// kv8_linear (FP8 false) and kv8_linear_fp8 on AVX2 (linear.h's contract; use_amx is ignored), on checked arguments
+// with rows > 0 (dense.cpp's entry points). Threads take contiguous runs of panels. Up to FEW_ROWS rows, per chunk of rows (its fp32 copy within X_CHUNK_BYTES) a thread
+// walks its panels: one row multiplies the whole panel at once (the panel streamed once, 4 groups in registers); more
+// rows go through each half panel in blocks of up to MAX_MR_AVX2 rows (the half panel stays in L1 between the
+// blocks). More rows: the blocked GEMM (linear_blocked).
 template <bool FP8>
 static int linear(const kv8_linear_call& call) {
     const uint16_t* x = call.x;
@@ -383,51 +512,46 @@ static int linear(const kv8_linear_call& call) {
     const float *scale = call.scale, *bias = call.bias;
     uint16_t* out = call.out;
     const int64_t M = call.rows, K = call.in_features, N = call.out_features;
-    const int nthreads = call.num_threads;
     const bool gated = call.gated != 0;
-    if (M < 0 || K <= 0 || N <= 0 || nthreads <= 0 || (!FP8 && scale)) return ERR_ARGS;
-    if (M == 0) return OK;   // no rows: pointers may be null
-    if (!x || !packed || (FP8 && !scale) || !out) return ERR_ARGS;
     constexpr int SRC = FP8 ? W_FP8 : W_BF16;
     const float unit = FP8 ? 256.0f : 1.0f;
     const int64_t kp = (K + 1) & ~(int64_t)1;
-    const int64_t panels = gated ? (N + 15) / 16 : (N + PANEL - 1) / PANEL;
+    const int64_t panels = linear_panels(call);
     const int64_t panel_bytes = (int64_t)PANEL * kp * (FP8 ? 1 : 2);
     const int64_t chunk = X_CHUNK_BYTES / (kp * 4) > MAX_MR_AVX2 ? X_CHUNK_BYTES / (kp * 4) : MAX_MR_AVX2;
-    const int threads = (int)(panels < nthreads ? panels : nthreads);
+    const int threads = threads_for(call);
     const MicroAvx2Fn* blocks = gated ? MICRO_AVX2<SRC, true> : MICRO_AVX2<SRC, false>;
-    const MicroAvx2Fn* wide = gated ? MICRO_AVX2<W_F32, true> : MICRO_AVX2<W_F32, false>;
     const MicroAvx2Fn whole = gated ? micro_avx2<1, 4, SRC, true> : micro_avx2<1, 4, SRC, false>;
     int failed = 0;
 #pragma omp parallel num_threads(threads) reduction(| : failed)
     {
         const int t = omp_get_thread_num(), nt = omp_get_num_threads();
         const int64_t p0 = panels * t / nt, p1 = panels * (t + 1) / nt;
-        float* xf = tl_x.get((size_t)(M < chunk ? M : chunk) * kp);
-        float* wf = M > WIDEN_ROWS ? tl_w.get((size_t)PANEL * kp) : nullptr;
-        if (!xf || (M > WIDEN_ROWS && !wf)) failed = 1;
-        for (int64_t m0 = 0; !failed && m0 < M; m0 += chunk) {
-            const int64_t rows = M - m0 < chunk ? M - m0 : chunk;
-            rows_to_f32(x + m0 * K, rows, K, kp, xf);
-            uint16_t* oc = out + m0 * N;
-            for (int64_t p = p0; p < p1; ++p) {
-                const uint8_t* panel = packed + p * panel_bytes;
-                if (rows == 1) {
-                    whole(xf, kp, panel, 0, bias, scale, unit, p * PANEL, N, oc);
-                    continue;
-                }
-                const bool widen = rows > WIDEN_ROWS;
-                if (widen) widen_panel<SRC>(panel, kp, wf);
-                const MicroAvx2Fn* table = widen ? wide : blocks;
-                const uint8_t* src = widen ? (const uint8_t*)wf : panel;
-                const int64_t nblk = (rows + MAX_MR_AVX2 - 1) / MAX_MR_AVX2;
-                const int64_t base = rows / nblk, extra = rows % nblk;
-                for (int h = 0; h < 2; ++h) {
-                    int64_t r0 = 0;
-                    for (int64_t b = 0; b < nblk; ++b) {
-                        const int mr = (int)(base + (b < extra ? 1 : 0));
-                        table[mr](xf + r0 * kp, kp, src, h, bias, scale, unit, p * PANEL, N, oc + r0 * N);
-                        r0 += mr;
+        if (M > FEW_ROWS) {
+            failed = !(gated ? linear_blocked<SRC, true>(x, M, K, packed, p0, p1, bias, scale, unit, N, out)
+                             : linear_blocked<SRC, false>(x, M, K, packed, p0, p1, bias, scale, unit, N, out));
+        } else {
+            float* xf = tl_x.get((size_t)(M < chunk ? M : chunk) * kp);
+            if (!xf) failed = 1;
+            for (int64_t m0 = 0; !failed && m0 < M; m0 += chunk) {
+                const int64_t rows = M - m0 < chunk ? M - m0 : chunk;
+                rows_to_f32(x + m0 * K, rows, K, kp, xf);
+                uint16_t* oc = out + m0 * N;
+                for (int64_t p = p0; p < p1; ++p) {
+                    const uint8_t* panel = packed + p * panel_bytes;
+                    if (rows == 1) {
+                        whole(xf, kp, panel, 0, bias, scale, unit, p * PANEL, N, oc);
+                        continue;
+                    }
+                    const int64_t nblk = (rows + MAX_MR_AVX2 - 1) / MAX_MR_AVX2;
+                    const int64_t base = rows / nblk, extra = rows % nblk;
+                    for (int h = 0; h < 2; ++h) {
+                        int64_t r0 = 0;
+                        for (int64_t b = 0; b < nblk; ++b) {
+                            const int mr = (int)(base + (b < extra ? 1 : 0));
+                            blocks[mr](xf + r0 * kp, kp, panel, h, bias, scale, unit, p * PANEL, N, oc + r0 * N);
+                            r0 += mr;
+                        }
                     }
                 }
             }

@@ -100,16 +100,22 @@ int kv8_linear_pack(const kv8_pack_call* call) { return pack(*call); }
 }  // extern "C"
 
 // The entry point `name` of a fast-path kernel (linear.h, elementwise.h, argmax.h; avx2.h where the build has the
-// AVX2 path instead): the kernel on *call, or ERR_NO_FAST_PATH in a build with neither path.
+// AVX2 path instead): `check` (the contract both paths share: check_args) on *call, OK for an empty batch without
+// reading its pointers, else the kernel; ERR_NO_FAST_PATH in a build with neither path.
 #if KV8_LINEAR_FAST || KV8_LINEAR_AVX2
-#define KV8_ENTRY(name, Call, kernel) extern "C" int name(const Call* call) { return kernel(*call); }
+#define KV8_ENTRY(name, Call, kernel, check)                 \
+    extern "C" int name(const Call* call) {                  \
+        if (!call) return ERR_ARGS;                          \
+        const int rc = check;                                \
+        return rc != OK || call->rows == 0 ? rc : kernel(*call); \
+    }
 #else
-#define KV8_ENTRY(name, Call, kernel) extern "C" int name(const Call*) { return ERR_NO_FAST_PATH; }
+#define KV8_ENTRY(name, Call, kernel, check) extern "C" int name(const Call*) { return ERR_NO_FAST_PATH; }
 #endif
-KV8_ENTRY(kv8_linear, kv8_linear_call, linear<false>)
-KV8_ENTRY(kv8_linear_fp8, kv8_linear_call, linear<true>)
-KV8_ENTRY(kv8_rmsnorm, kv8_rmsnorm_call, rmsnorm)
-KV8_ENTRY(kv8_silu_mul, kv8_silu_mul_call, silu_mul)
-KV8_ENTRY(kv8_rope_qkv, kv8_rope_call, rope_qkv)
-KV8_ENTRY(kv8_argmax_rows, kv8_argmax_call, argmax_rows)
+KV8_ENTRY(kv8_linear, kv8_linear_call, linear<false>, check_args(*call, false))
+KV8_ENTRY(kv8_linear_fp8, kv8_linear_call, linear<true>, check_args(*call, true))
+KV8_ENTRY(kv8_rmsnorm, kv8_rmsnorm_call, rmsnorm, check_args(*call))
+KV8_ENTRY(kv8_silu_mul, kv8_silu_mul_call, silu_mul, check_args(*call))
+KV8_ENTRY(kv8_rope_qkv, kv8_rope_call, rope_qkv, check_args(*call))
+KV8_ENTRY(kv8_argmax_rows, kv8_argmax_call, argmax_rows, check_args(*call))
 #undef KV8_ENTRY

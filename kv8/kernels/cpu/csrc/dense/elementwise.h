@@ -10,6 +10,36 @@
 
 static const int64_t PARALLEL_MIN = 1 << 16;  // elements below which one thread does the whole call
 
+// ---- the contracts, whatever the path (these kernels and avx2.h's) ------------------------------------------------
+// check_args: ERR_ARGS for invalid arguments, else OK; the pointers are checked only where rows > 0 (an empty batch
+// may pass NULL ones: abi.h). dense.cpp's entry points call it, and return before the kernel for an empty batch, so a
+// kernel runs on checked arguments and rows > 0. threads_for: how many of the call's threads a kernel uses.
+
+// One thread below PARALLEL_MIN elements of work, else the call's.
+static inline int threads_for(int64_t elements, int num_threads) { return elements < PARALLEL_MIN ? 1 : num_threads; }
+
+static inline int check_args(const kv8_rmsnorm_call& c) {
+    if (c.rows < 0 || c.hidden <= 0 || c.num_threads <= 0) return ERR_ARGS;
+    return c.rows > 0 && (!c.x || !c.weight || !c.out) ? ERR_ARGS : OK;
+}
+static inline int threads_for(const kv8_rmsnorm_call& c) { return threads_for(c.rows * c.hidden, c.num_threads); }
+
+static inline int check_args(const kv8_silu_mul_call& c) {
+    if (c.rows < 0 || c.intermediate <= 0 || c.num_threads <= 0) return ERR_ARGS;
+    return c.rows > 0 && (!c.gate_up || !c.out) ? ERR_ARGS : OK;
+}
+static inline int threads_for(const kv8_silu_mul_call& c) { return threads_for(c.rows * c.intermediate, c.num_threads); }
+
+static inline int check_args(const kv8_rope_call& c) {
+    if (c.rows < 0 || c.num_heads <= 0 || c.num_kv_heads <= 0 || c.head_dim <= 0 || c.head_dim % 2 ||
+        c.row_stride < (int64_t)(c.num_heads + 2 * c.num_kv_heads) * c.head_dim || c.num_threads <= 0)
+        return ERR_ARGS;
+    return c.rows > 0 && (!c.qkv || !c.cos || !c.sin || !c.q_out || !c.k_out || !c.v_out) ? ERR_ARGS : OK;
+}
+static inline int threads_for(const kv8_rope_call& c) {
+    return threads_for(c.rows * (c.num_heads + 2 * c.num_kv_heads) * c.head_dim, c.num_threads);
+}
+
 #if KV8_LINEAR_FAST
 static inline __m512 bf16x16_to_f32(const uint16_t* p) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
@@ -31,11 +61,7 @@ static int rmsnorm(const kv8_rmsnorm_call& call) {
     uint16_t *residual_out = call.residual_out, *out = call.out;
     const int64_t T = call.rows, E = call.hidden;
     const float eps = call.eps;
-    const int nthreads = call.num_threads;
-    if (T < 0 || E <= 0 || nthreads <= 0) return ERR_ARGS;
-    if (T == 0) return OK;   // no rows: pointers may be null
-    if (!x || !w || !out) return ERR_ARGS;
-    const int threads = T * E < PARALLEL_MIN ? 1 : nthreads;
+    const int threads = threads_for(call);
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t t = 0; t < T; ++t) {
         const uint16_t* xr = x + t * E;
@@ -69,11 +95,7 @@ static int silu_mul(const kv8_silu_mul_call& call) {
     const uint16_t* gu = call.gate_up;
     uint16_t* out = call.out;
     const int64_t T = call.rows, I = call.intermediate;
-    const int nthreads = call.num_threads;
-    if (T < 0 || I <= 0 || nthreads <= 0) return ERR_ARGS;
-    if (T == 0) return OK;   // no rows: pointers may be null
-    if (!gu || !out) return ERR_ARGS;
-    const int threads = T * I < PARALLEL_MIN ? 1 : nthreads;
+    const int threads = threads_for(call);
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t t = 0; t < T; ++t) {
         const uint16_t* g = gu + t * 2 * I;
@@ -97,13 +119,9 @@ static int rope_qkv(const kv8_rope_call& call) {
     const float *cos = call.cos, *sin = call.sin;
     uint16_t *q_out = call.q_out, *k_out = call.k_out, *v_out = call.v_out;
     const int64_t T = call.rows, row_stride = call.row_stride;
-    const int Hq = call.num_heads, Hkv = call.num_kv_heads, D = call.head_dim, nthreads = call.num_threads;
-    if (T < 0 || Hq <= 0 || Hkv <= 0 || D <= 0 || D % 2 || row_stride < (int64_t)(Hq + 2 * Hkv) * D || nthreads <= 0)
-        return ERR_ARGS;
-    if (T == 0) return OK;   // no rows: pointers may be null
-    if (!qkv || !cos || !sin || !q_out || !k_out || !v_out) return ERR_ARGS;
+    const int Hq = call.num_heads, Hkv = call.num_kv_heads, D = call.head_dim;
     const int half = D / 2;
-    const int threads = T * (Hq + 2 * Hkv) * D < PARALLEL_MIN ? 1 : nthreads;
+    const int threads = threads_for(call);
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t t = 0; t < T; ++t) {
         const uint16_t* row = qkv + t * row_stride;

@@ -63,6 +63,22 @@ static int pack(const kv8_pack_call& call) {
     return OK;
 }
 
+// ---- the contract of kv8_linear / kv8_linear_fp8, whatever the path (the kernels below and avx2.h's) ---------------
+// check_args as elementwise.h's; fp8: kv8_linear_fp8, which needs a scale per packed row (kv8_linear takes none).
+static inline int check_args(const kv8_linear_call& c, bool fp8) {
+    if (c.rows < 0 || c.in_features <= 0 || c.out_features <= 0 || c.num_threads <= 0 || (!fp8 && c.scale))
+        return ERR_ARGS;
+    return c.rows > 0 && (!c.x || !c.packed || (fp8 && !c.scale) || !c.out) ? ERR_ARGS : OK;
+}
+// The panels of N outputs (gated: each panel gives 16 outputs, see the top of this file), which a call's threads
+// share in contiguous runs: one thread per panel at most.
+static inline int64_t linear_panels(int64_t N, bool gated) { return gated ? (N + 15) / 16 : (N + PANEL - 1) / PANEL; }
+static inline int64_t linear_panels(const kv8_linear_call& c) { return linear_panels(c.out_features, c.gated != 0); }
+static inline int threads_for(const kv8_linear_call& c) {
+    const int64_t panels = linear_panels(c);
+    return (int)(panels < c.num_threads ? panels : c.num_threads);
+}
+
 #if KV8_LINEAR_FAST
 static inline __mmask16 lane_mask(int n) {  // the first n (clamped to 0..16) of 16 lanes
     return n >= 16 ? (__mmask16)0xFFFF : n <= 0 ? (__mmask16)0 : (__mmask16)((1u << n) - 1);
@@ -335,8 +351,8 @@ static inline void amx_panel(const uint16_t* x, int64_t K, const uint16_t* panel
 // have 16 rows and the last partial block reads a zero-padded copy of its rows.
 template <bool GATED, bool FP8>
 static int linear_amx(const uint16_t* x, int64_t M, int64_t K, const void* packed, int64_t N, const float* bias,
-                      const float* scale, uint16_t* out, int nthreads) {
-    const int64_t panels = GATED ? (N + 15) / 16 : (N + PANEL - 1) / PANEL;
+                      const float* scale, uint16_t* out, int threads) {
+    const int64_t panels = linear_panels(N, GATED);
     const int64_t full = M / 32 * 32, rem = M - full;
     uint16_t* pad = nullptr;
     const int arows = M < 16 ? (int)M : 16;
@@ -346,7 +362,6 @@ static int linear_amx(const uint16_t* x, int64_t M, int64_t K, const void* packe
         memcpy(pad, x + full * K, (size_t)rem * K * 2);
         memset(pad + rem * K, 0, (size_t)(32 - rem) * K * 2);
     }
-    const int threads = (int)(panels < nthreads ? panels : nthreads);
     const bool once = M <= 32;  // one row block per panel: the panel is read once (amx_panel's ONCE)
     // FP8 with several row blocks per panel: each thread decodes `group` panels at a time into its buffer, and
     // every chunk of rows passes over them (one group: the order of the bf16 path, chunks outside panels).
@@ -401,12 +416,11 @@ static int linear_amx(const uint16_t* x, int64_t M, int64_t K, const void* packe
 // The vdpbf16ps path of kv8_linear / kv8_linear_fp8 (see there).
 template <bool FP8>
 static int linear_avx512(const uint16_t* x, int64_t M, int64_t K, const void* packed, int64_t N, const float* bias,
-                         const float* scale, uint16_t* out, int nthreads, bool gated) {
+                         const float* scale, uint16_t* out, int threads, bool gated) {
     const int64_t kp = (K + 1) & ~(int64_t)1;
-    const int64_t panels = gated ? (N + 15) / 16 : (N + PANEL - 1) / PANEL;
+    const int64_t panels = linear_panels(N, gated);
     const MicroFn* micro1 = gated ? MICRO1<true> : MICRO1<false>;
     const MicroFn* micro2 = gated ? MICRO2<true> : MICRO2<false>;
-    const int threads = (int)(panels < nthreads ? panels : nthreads);
     if (FP8 && M <= FP8_FUSED_ROWS) {
         // A decode batch: each thread walks its run of panels one at a time, decoding in registers (micro_fp8),
         // the panel FP8_AHEAD_PANELS on prefetched beside.
@@ -477,8 +491,8 @@ static int linear_avx512(const uint16_t* x, int64_t M, int64_t K, const void* pa
 #endif
 
 #if KV8_LINEAR_FAST
-// kv8_linear (FP8 false) and kv8_linear_fp8 (see kv8_linear_call): arguments checked, then the AMX path where this
-// build and process have it, use_amx asks for it and K % 32 == 0, else the vdpbf16ps path.
+// kv8_linear (FP8 false) and kv8_linear_fp8 (see kv8_linear_call), on checked arguments with rows > 0 (dense.cpp):
+// the AMX path where this build and process have it, use_amx asks for it and K % 32 == 0, else the vdpbf16ps path.
 //
 // kv8_linear: out[M, N] = x[M, K] @ W^T (+ bias), W pre-packed by kv8_linear_pack (call.scale NULL). gated != 0:
 // out[M, N] = the gated activation of a gate/up matrix packed interleaved (see the top of this file; N = I, the packed
@@ -498,17 +512,14 @@ static int linear(const kv8_linear_call& call) {
     const float *scale = call.scale, *bias = call.bias;
     uint16_t* out = call.out;
     const int64_t M = call.rows, K = call.in_features, N = call.out_features;
-    const int nthreads = call.num_threads, gated = call.gated, use_amx = call.use_amx;
-    if (M < 0 || K <= 0 || N <= 0 || nthreads <= 0 || (!FP8 && scale)) return ERR_ARGS;
-    if (M == 0) return OK;   // no rows: pointers may be null
-    if (!x || !packed || (FP8 && !scale) || !out) return ERR_ARGS;
+    const int threads = threads_for(call), gated = call.gated, use_amx = call.use_amx;
 #if KV8_LINEAR_AMX
     if (use_amx && K % 32 == 0 && amx_permitted())
-        return gated ? linear_amx<true, FP8>(x, M, K, packed, N, bias, scale, out, nthreads)
-                     : linear_amx<false, FP8>(x, M, K, packed, N, bias, scale, out, nthreads);
+        return gated ? linear_amx<true, FP8>(x, M, K, packed, N, bias, scale, out, threads)
+                     : linear_amx<false, FP8>(x, M, K, packed, N, bias, scale, out, threads);
 #else
     (void)use_amx;
 #endif
-    return linear_avx512<FP8>(x, M, K, packed, N, bias, scale, out, nthreads, gated != 0);
+    return linear_avx512<FP8>(x, M, K, packed, N, bias, scale, out, threads, gated != 0);
 }
 #endif
