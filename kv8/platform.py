@@ -16,6 +16,7 @@ field / method             CPU          CUDA                                    
 ``cuda_graphs``            False        True                                        EngineConfig
 ``fp8_tensor_cores``       False        NVIDIA compute capability >= 9.0            the dense backend
 ``native_fp8``             none         E4M3, E5M2 from 8.9; E4M3FNUZ on AMD gfx94x  the Triton kernels
+``compute_units``          None         the GPU's SMs (CUs on AMD)                  the Triton kernels' split
 ``pinned_memory``          False        True                                        a step's host-to-device copies
 ``host_reads_sync``        False        True                                        the runner and the sampler
 =========================  ===========  ==========================================  ==========================
@@ -75,6 +76,7 @@ class Platform:
     capability: tuple[int, int] | None = None   # CUDA compute capability (None on the CPU)
     hip_arch: str | None = None               # ROCm's gcnArchName (AMD GPUs through torch's CUDA API)
     total_memory: int | None = None           # bytes of GPU memory (None on the CPU)
+    compute_units: int | None = None          # streaming multiprocessors (AMD: compute units); None on the CPU
 
     def __post_init__(self) -> None:
         check_choice("Platform.kind", self.kind, DEVICES)
@@ -88,9 +90,9 @@ class Platform:
 
     @classmethod
     def cuda(cls, capability: tuple[int, int], name: str = "", hip_arch: str | None = None,
-             total_memory: int | None = None) -> Platform:
+             total_memory: int | None = None, compute_units: int | None = None) -> Platform:
         """A CUDA GPU of this compute capability (``hip_arch``: an AMD GPU's gcnArchName under ROCm)."""
-        return cls("cuda", name, tuple(capability), hip_arch, total_memory)  # type: ignore[arg-type]
+        return cls("cuda", name, tuple(capability), hip_arch, total_memory, compute_units)  # type: ignore[arg-type]
 
     @classmethod
     def resolve(cls, device: str) -> Platform:
@@ -108,7 +110,9 @@ class Platform:
         index = torch.cuda.current_device()
         props = torch.cuda.get_device_properties(index)
         hip = str(getattr(props, "gcnArchName", "")) if torch.version.hip is not None else None
-        return cls.cuda(torch.cuda.get_device_capability(index), props.name, hip, int(props.total_memory))
+        units = getattr(props, "multi_processor_count", None)
+        return cls.cuda(torch.cuda.get_device_capability(index), props.name, hip, int(props.total_memory),
+                        None if units is None else int(units))
 
     # ---- what the machine offers ----------------------------------------------------------------------------
     @property

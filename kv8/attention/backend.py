@@ -44,14 +44,16 @@ class ReferenceBackend:
         return paged_attention_reference(query, cache, layer, meta, scale)
 
 
-def _triton_backend() -> AttentionBackend:
+def _triton_backend(platform: Platform) -> AttentionBackend:
     from kv8.attention.triton import TritonBackend  # imports Triton: only when the backend is chosen
 
-    return TritonBackend()
+    return TritonBackend(platform)
 
 
-BACKENDS: dict[str, Callable[[], AttentionBackend]] = {
-    "cpu_fused": FusedCPUBackend, "reference": ReferenceBackend, "triton": _triton_backend}
+# each backend made for the platform it runs on (the triton backend's kernels read its FP8 conversions and SMs)
+BACKENDS: dict[str, Callable[[Platform], AttentionBackend]] = {
+    "cpu_fused": lambda platform: FusedCPUBackend(), "reference": lambda platform: ReferenceBackend(),
+    "triton": _triton_backend}
 CPU_ONLY_BACKENDS = ("cpu_fused",)   # the others run on every device (triton: CUDA, or the CPU in its interpreter)
 
 _auto_fallback_warned = False
@@ -76,4 +78,4 @@ def get_backend(name: str, platform: Platform = CPU) -> AttentionBackend:
             return ReferenceBackend()
     if name not in BACKENDS:
         raise ValueError(f"attention_backend={name!r} is not known; choose one of: auto, {', '.join(BACKENDS)}")
-    return BACKENDS[name]()
+    return BACKENDS[name](platform)

@@ -16,23 +16,26 @@ import torch
 
 from kv8.attention.metadata import AttentionMetadata
 from kv8.cache.paged_cache import PagedKVCache
+from kv8.platform import Platform
 
 __all__ = ["TritonBackend"]
 
 
 class TritonBackend:
     """Store with :func:`kv8.kernels.triton.store.store_kv`, then attend with
-    :func:`kv8.kernels.triton.attention.unified_attention`. Construction imports Triton (``ImportError`` if it is
+    :func:`kv8.kernels.triton.attention.unified_attention` for ``platform`` (the engine's; None: this process's
+    device, :meth:`Platform.resolve` of ``auto``, once). Construction imports Triton (``ImportError`` if it is
     missing: :class:`kv8.engine.config.EngineConfig` says so first)."""
 
     name = "triton"
 
-    def __init__(self) -> None:
+    def __init__(self, platform: Platform | None = None) -> None:
         from kv8.kernels.triton.attention import unified_attention
         from kv8.kernels.triton.store import store_kv
 
         self._store = store_kv
         self._attend = unified_attention
+        self.platform = platform if platform is not None else Platform.resolve("auto")
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cache: PagedKVCache,
                 layer: int, meta: AttentionMetadata, scale: float) -> torch.Tensor:
@@ -47,8 +50,12 @@ class TritonBackend:
         out = torch.empty_like(query)
         if meta.num_seqs == 0:
             return out
+        # the shortest run of new tokens of the sequences that have any: a batch without decode rows makes no
+        # launch for them
+        min_query_len = min((n for n in meta.query_lens_list if n > 0), default=0)
         return self._attend(query, k_cache, v_cache, out, query_start_loc=meta.query_start_loc,
                             seq_lens=meta.seq_lens, block_tables=meta.block_tables,
-                            max_query_len=max(meta.query_lens_list), max_seq_len=max(meta.seq_lens_list),
+                            max_query_len=max(meta.query_lens_list), min_query_len=min_query_len,
+                            max_seq_len=max(meta.seq_lens_list),
                             scale=scale, sliding_window=meta.sliding_window, fp8=fp8, k_scale=k_scale,
-                            v_scale=v_scale, k_token_scales=k_ts, v_token_scales=v_ts)
+                            v_scale=v_scale, k_token_scales=k_ts, v_token_scales=v_ts, platform=self.platform)

@@ -42,7 +42,8 @@ def _config(path: str, **kw):
 def _fake_gpu(monkeypatch, capability=(9, 0), gcn_arch=None):
     """torch.cuda answers as a machine with one GPU of this compute capability (an AMD one under ROCm with
     ``gcn_arch``) would, for the queries Platform.resolve makes."""
-    props = types.SimpleNamespace(name="Fake GPU", total_memory=80 * 2**30, gcnArchName=gcn_arch or "")
+    props = types.SimpleNamespace(name="Fake GPU", total_memory=80 * 2**30, gcnArchName=gcn_arch or "",
+                                  multi_processor_count=132)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda *a: props)
@@ -80,7 +81,7 @@ def test_the_cpu_platform():
 def test_a_gpu_platform_is_resolved_once_from_torch(monkeypatch, capability, gcn_arch, tensor_cores, native):
     _fake_gpu(monkeypatch, capability, gcn_arch)
     platform = Platform.resolve("auto")
-    assert platform == Platform.cuda(capability, "Fake GPU", gcn_arch, 80 * 2**30)
+    assert platform == Platform.cuda(capability, "Fake GPU", gcn_arch, 80 * 2**30, compute_units=132)
     assert platform.kind == "cuda" and platform.device == torch.device("cuda")
     assert (platform.collective_backend, platform.attention_backend) == ("nccl", "triton")
     assert platform.cuda_graphs and platform.pinned_memory and platform.host_reads_sync
@@ -141,7 +142,7 @@ def test_load_format_is_checked(tiny_llama):
 def test_parts_read_the_platform(monkeypatch):
     """What used to re-read the device string: the attention backend of ``auto``, the sampler's argmax, the KV
     budget's memory."""
-    monkeypatch.setitem(attention_backend.BACKENDS, "triton", lambda: "the triton backend")
+    monkeypatch.setitem(attention_backend.BACKENDS, "triton", lambda platform: "the triton backend")
     assert attention_backend.get_backend("auto", Platform.cuda((9, 0))) == "the triton backend"
     assert attention_backend.get_backend("auto", CPU) != "the triton backend"
     assert select_argmax(Platform.cuda((9, 0))) is argmax_reference

@@ -196,39 +196,47 @@ def measure(kernel: Any, num_warps: int, num_stages: int, bytes_per_iter: int) -
 def llama_attention_launches(kv: str, phase: str, compute_units: int = 132) -> list[Any]:
     """What :func:`~kv8.kernels.triton.attention.unified_attention` launches for one layer of Llama-3.1-8B on an
     H100 (132 SMs): ``kv`` "fp8_e4m3" (static per-head scales), "int8" (int8 codes, dynamic per-token scales) or
-    "bfloat16"; ``phase`` "decode" (32 sequences at 4k context, one new token each) or "prefill" (one 2048-token
-    prompt). CPU tensors with the real strides; no
-    cache-sized memory (the block count does not change the kernel)."""
+    "bfloat16"; ``phase`` "decode" (32 sequences at 4k context, one new token each), "prefill" (one 2048-token
+    prompt) or "mixed" (31 decode rows at 4k and one 2048-token prompt). CPU tensors with the real strides; no
+    cache-sized memory (the block count does not change the kernel). The lengths are passed as the engine's backend
+    passes them (``max_query_len``, ``min_query_len``)."""
     import torch
 
     from kv8.kernels.triton import attention as A
+    from kv8.platform import Platform
     from kv8.quant.formats import E4M3, INT8
 
     heads, kv_heads, dim, bs = 32, 8, 128, 16
     if phase == "decode":
-        num_seqs, q_len, ctx = 32, 1, 4096
+        q_lens, ctxs = [1] * 32, [4096] * 32
     elif phase == "prefill":
-        num_seqs, q_len, ctx = 1, 2048, 2048
+        q_lens, ctxs = [2048], [2048]
+    elif phase == "mixed":
+        q_lens, ctxs = [1] * 31 + [2048], [4096] * 31 + [2048]
     else:
-        raise ValueError(f"phase={phase!r}: allowed 'decode', 'prefill'")
+        raise ValueError(f"phase={phase!r}: allowed 'decode', 'prefill', 'mixed'")
     fp8, int8 = kv == "fp8_e4m3", kv == "int8"
     if not (fp8 or int8) and kv != "bfloat16":
         raise ValueError(f"kv={kv!r}: allowed 'fp8_e4m3', 'int8', 'bfloat16'")
-    tokens = num_seqs * q_len
+    tokens = sum(q_lens)
     query = torch.zeros(tokens, heads, dim, dtype=torch.bfloat16)
     cache = torch.zeros(16, kv_heads, bs, dim, dtype=torch.uint8 if fp8 else torch.int8 if int8 else torch.bfloat16)
     token_scales = torch.ones(16, kv_heads, bs) if int8 else None
-    blocks = -(-ctx // bs)
+    blocks = -(-max(ctxs) // bs)
+    starts = [0]
+    for n in q_lens:
+        starts.append(starts[-1] + n)
     return A.plan_launches(
         query, cache, cache.clone(), torch.empty_like(query),
-        query_start_loc=torch.arange(0, tokens + 1, q_len, dtype=torch.int32),
-        seq_lens=torch.full((num_seqs,), ctx, dtype=torch.int32),
-        block_tables=torch.zeros(num_seqs, blocks, dtype=torch.int32),
-        max_query_len=q_len, max_seq_len=ctx, scale=dim ** -0.5, sliding_window=None,
+        query_start_loc=torch.tensor(starts, dtype=torch.int32),
+        seq_lens=torch.tensor(ctxs, dtype=torch.int32),
+        block_tables=torch.zeros(len(q_lens), blocks, dtype=torch.int32),
+        max_query_len=max(q_lens), max_seq_len=max(ctxs), scale=dim ** -0.5, sliding_window=None,
         fp8=E4M3 if fp8 else INT8 if int8 else None, k_scale=torch.ones(kv_heads, 1) if fp8 else None,
         v_scale=torch.ones(kv_heads, 1) if fp8 else None, k_token_scales=token_scales,
         v_token_scales=None if token_scales is None else token_scales.clone(),
-        num_kv_splits=None, native_fp8=fp8, compute_units=compute_units, interpreted=False)
+        num_kv_splits=None, platform=Platform.cuda((9, 0), "H100", compute_units=compute_units),
+        min_query_len=min(q_lens))
 
 
 def llama_store_launch(kv: str) -> Any:
@@ -238,6 +246,8 @@ def llama_store_launch(kv: str) -> Any:
     import torch
 
     from kv8.kernels.triton import store as S
+    from kv8.kernels.triton.formats import kernel_format
+    from kv8.quant.formats import E4M3, INT8
 
     if kv == "int8":
         key = torch.zeros(32, 8, 128, dtype=torch.bfloat16)
@@ -245,7 +255,7 @@ def llama_store_launch(kv: str) -> Any:
         ts = torch.ones(16, 8, 16)
         slots = torch.arange(32, dtype=torch.int64)
         return S.store_launch(key, key.clone(), cache, cache.clone(), slots, slots, slots, ts, ts.clone(),
-                              (0, 0, 0, 0), ts.stride() * 2, mode=2, fmt_id=3, max_finite=127.0)
+                              (0, 0, 0, 0), ts.stride() * 2, mode=2, fmt=kernel_format(INT8))
     fp8 = kv == "fp8_e4m3"
     key = torch.zeros(32, 8, 128, dtype=torch.bfloat16)
     cache = torch.zeros(16, 8, 16, 128, dtype=torch.uint8 if fp8 else torch.bfloat16)
@@ -255,12 +265,13 @@ def llama_store_launch(kv: str) -> Any:
     return S.store_launch(key, key.clone(), cache, cache.clone(), slots,
                           scale if fp8 else placeholder, scale if fp8 else placeholder, placeholder, placeholder,
                           (scale.stride(0), scale.stride(1)) * 2 if fp8 else (0, 0, 0, 0), (0, 0, 0) * 2,
-                          mode=1 if fp8 else 0, fmt_id=0, max_finite=448.0 if fp8 else 1.0)
+                          mode=1 if fp8 else 0, fmt=kernel_format(E4M3) if fp8 else None)
 
 
 def attention_launch(kv: str, phase: str) -> Any:
     """The attention kernel's launch that serves the phase's rows: the decode batch's one launch, the prefill
-    chunk's launch (a batch with a prefill chunk also launches the kernel for its decode rows, none here)."""
+    chunk's launch (the same kernel as a mixed batch's prefill launch; the pure prefill batch makes no decode
+    launch)."""
     launches = [x for x in llama_attention_launches(kv, phase) if "Q_LEN_MIN" in x.kwargs]
     return launches[0] if phase == "decode" else next(x for x in launches if x.kwargs["Q_LEN_MIN"] > 0)
 

@@ -36,15 +36,19 @@ import pytest
 import torch
 import triton
 import triton.language as tl
+from triton.runtime.jit import JITFunction
 
 import kv8.kernels.triton.attention as triton_attention
 import kv8.kernels.triton.dequant as triton_dequant
+import kv8.kernels.triton.interpreter as triton_interpreter
+import kv8.kernels.triton.store as triton_store
 from kv8.attention.metadata import AttentionMetadata
 from kv8.attention.reference import paged_attention_reference
 from kv8.cache.codec import KVCodec
 from kv8.cache.paged_cache import CacheShape, PagedKVCache
-from kv8.kernels.triton.quant import FP8_ENCODINGS, INT8_ID, fp8_format_id
-from kv8.quant.formats import E4M3, E4M3FNUZ, E5M2, INT8, FP8Format, resolve_kv_cache_dtype
+from kv8.kernels.triton.formats import kernel_format
+from kv8.platform import CPU, Platform
+from kv8.quant.formats import E4M3, FP8_FORMATS, INT8, FP8Format, resolve_kv_cache_dtype
 from kv8.quant.scales import KVScales, ScaleGranularity
 from tests.helpers.triton import DEVICES, INTERPRETED
 
@@ -54,13 +58,15 @@ launch_config = triton_attention.launch_config
 unified_attention = triton_attention.unified_attention
 decode_fp8 = triton_dequant.decode_fp8
 FLOAT_CACHES = ("bfloat16", "float16", "float32")
-FP8_CACHES = ("fp8_e4m3", "fp8_e4m3fnuz", "fp8_e5m2")
+FP8_CACHES = tuple(FP8_FORMATS)     # every kv8 format: the kernels' constants are derived from each
 INT8_CACHE = "int8_per_token_head"   # int8 codes, always dynamic scales
-FORMATS = {f.name: f for f in (E4M3, E4M3FNUZ, E5M2)}
+FORMATS = FP8_FORMATS
 
 
 def test_kernels_run_where_this_process_can_run_them() -> None:
-    assert triton_attention.interpreted() == INTERPRETED
+    assert triton_interpreter.INTERPRETED == INTERPRETED
+    for kernel in (triton_attention._paged_attention_kernel, triton_attention._merge_splits_kernel):
+        assert isinstance(kernel, JITFunction) != INTERPRETED     # decided with the kernels
     assert INTERPRETED or torch.cuda.is_available()
 
 
@@ -225,7 +231,7 @@ def _decode_all_kernel(codes_ptr, out_ptr, FMT: tl.constexpr, NATIVE: tl.constex
 def _decode_all(fmt: FP8Format, native: bool, device: str, out_dtype: tl.dtype = tl.float32) -> torch.Tensor:
     codes = torch.arange(256, dtype=torch.uint8, device=device)
     out = torch.empty(256, dtype=torch.float32, device=device)
-    _decode_all_kernel[(1,)](codes, out, FMT=fp8_format_id(fmt), NATIVE=native, OUT=out_dtype)
+    _decode_all_kernel[(1,)](codes, out, FMT=kernel_format(fmt), NATIVE=native, OUT=out_dtype)
     return out.cpu()
 
 
@@ -260,10 +266,34 @@ def test_native_decode_matches_bits_on_finite_codes(name: str, device: str) -> N
         assert torch.equal(got.isnan(), want.isnan())
 
 
+@pytest.mark.parametrize(("platform", "native"), [
+    (Platform.cuda((9, 0), "H100", compute_units=132), {"fp8_e4m3", "fp8_e5m2"}),
+    (Platform.cuda((8, 0), "A100", compute_units=108), set()),                       # no FP8 conversion: bits
+    (Platform.cuda((9, 4), "MI300X", "gfx942:sramecc+:xnack-", compute_units=304), {"fp8_e4m3fnuz"}),
+    (CPU, set()),
+], ids=["hopper", "ampere", "mi300", "cpu"])
+def test_native_fp8_is_the_platforms_choice(platform: Platform, native: set, monkeypatch: pytest.MonkeyPatch
+                                            ) -> None:
+    """Which formats decode natively follows the platform (its capability or AMD arch, read once by
+    :meth:`Platform.resolve`), in the kernels' choice and in the launches planned for it; the interpreter never."""
+    kwargs = _valid_kwargs()
+    tensors = [kwargs.pop(n) for n in ("query", "k_cache", "v_cache", "out")]
+    kwargs.update(k_token_scales=None, v_token_scales=None, num_kv_splits=None)
+    monkeypatch.setattr(triton_interpreter, "INTERPRETED", False)     # the choice as compiled kernels make it
+    for name, fmt in FP8_FORMATS.items():
+        assert triton_dequant.native_fp8_supported(platform, kernel_format(fmt)) == (name in native), name
+        launches = triton_attention.plan_launches(*tensors, **{**kwargs, "fp8": fmt}, platform=platform)
+        assert [x.kwargs["NATIVE_FP8"] for x in launches if "NATIVE_FP8" in x.kwargs] == [name in native], name
+    assert not triton_dequant.native_fp8_supported(platform, None)   # a 16/32-bit cache
+    assert not triton_dequant.native_fp8_supported(platform, kernel_format(INT8))   # int8 codes: no FP8 type
+    monkeypatch.setattr(triton_interpreter, "INTERPRETED", True)
+    assert not any(triton_dequant.native_fp8_supported(platform, kernel_format(f)) for f in FP8_FORMATS.values())
+
+
 @triton.jit
-def _decode_int8_kernel(codes_ptr, out_ptr, OUT: tl.constexpr):
+def _decode_int8_kernel(codes_ptr, out_ptr, FMT: tl.constexpr, OUT: tl.constexpr):
     offs = tl.arange(0, 256)
-    tl.store(out_ptr + offs, decode_fp8(tl.load(codes_ptr + offs), 3, False, OUT).to(tl.float32))
+    tl.store(out_ptr + offs, decode_fp8(tl.load(codes_ptr + offs), FMT, False, OUT).to(tl.float32))
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -271,10 +301,9 @@ def _decode_int8_kernel(codes_ptr, out_ptr, OUT: tl.constexpr):
 def test_int8_decode_is_exact_for_every_code(out_dtype: tl.dtype, device: str) -> None:
     """Every int8 code (-128 included, though never written) converts to its value in each dot dtype (the
     interpreter's own int8 -> bfloat16 cast does not: the decode goes through float32)."""
-    assert INT8_ID == 3
     codes = torch.arange(-128, 128, dtype=torch.int16).to(torch.int8).to(device)
     out = torch.empty(256, dtype=torch.float32, device=device)
-    _decode_int8_kernel[(1,)](codes, out, OUT=out_dtype)
+    _decode_int8_kernel[(1,)](codes, out, FMT=kernel_format(INT8), OUT=out_dtype)
     assert torch.equal(out.cpu(), INT8.decode(codes.cpu()))
 
 
@@ -485,17 +514,59 @@ def test_split_rule_counts_real_programs() -> None:
 
 
 def test_mixed_batch_launches_decode_rows_apart() -> None:
-    """A batch with a prefill chunk launches the kernel twice over the same arguments: decode tiles (16 rows, 64
-    FP8 keys, 2 warps) for the sequences of <= 16 // group = 4 new tokens, prefill tiles (64 rows = 16 tokens x 4
-    heads, 4 warps) for the others; each grid covers the whole batch (the host reads no lengths). The interpreter
-    tests' mixed batches run both launches."""
+    """A batch with a prefill chunk and decode rows launches the kernel twice over the same arguments: decode tiles
+    (16 rows, 64 FP8 keys, 2 warps) for the sequences of <= 16 // group = 4 new tokens, prefill tiles (64 rows = 16
+    tokens x 4 heads, 4 warps) for the others; each grid covers the whole batch (the host reads no lengths). A
+    batch without decode rows (``min_query_len`` > 4: a pure prefill) makes only the prefill launch, the same
+    kernel; one without prefill rows only the decode one. The interpreter tests' mixed batches run both launches."""
     from tests.helpers.sm90 import llama_attention_launches
-    decode, prefill = llama_attention_launches("fp8_e4m3", "prefill")    # one 2048-token chunk
+    decode, prefill = llama_attention_launches("fp8_e4m3", "mixed")      # 31 decode rows, one 2048-token chunk
     assert (decode.kwargs["Q_LEN_MIN"], decode.kwargs["Q_LEN_MAX"]) == (0, 4)
     assert (decode.kwargs["BLOCK_M"], decode.kwargs["TILE_N"], decode.kwargs["num_warps"]) == (16, 64, 2)
-    assert decode.grid == (2048 // 4 + 1, 8, 1) and decode.args == prefill.args
+    assert decode.grid == (2079 // 4 + 32, 8, 1) and decode.args == prefill.args
     assert prefill.kwargs["Q_LEN_MIN"] == 5 and (prefill.kwargs["BLOCK_M"], prefill.kwargs["num_warps"]) == (64, 4)
-    assert prefill.grid == (2048 // 16 + 1, 8, 1)                        # 16 tokens x 4 heads per tile
+    assert prefill.grid == (2079 // 16 + 32, 8, 1)                       # 16 tokens x 4 heads per tile
+    only, = llama_attention_launches("fp8_e4m3", "prefill")              # one 2048-token chunk: no decode launch
+    assert only.kwargs == prefill.kwargs and only.grid == (2048 // 16 + 1, 8, 1)
+    decode_only = llama_attention_launches("fp8_e4m3", "decode")          # 32 rows at 4k: tiles and a split merge
+    assert [x.kernel for x in decode_only] == [triton_attention._paged_attention_kernel,
+                                                triton_attention._merge_splits_kernel]
+    assert decode_only[0].kwargs["Q_LEN_MAX"] > 2 ** 30 and decode_only[0].kwargs["BLOCK_M"] == 16
+
+
+@pytest.mark.parametrize(("batch", "attention_launches"), [
+    (Batch((19, 12), (19, 40)), 1),                # prefill only: a fresh prompt and a chunk over cached context
+    (Batch((1, 12, 0), (37, 40, 5)), 2),           # a decode row beside the chunk (and an empty row)
+    (Batch((1, 1), (37, 16)), 1),                  # decode only
+], ids=["prefill", "mixed", "decode"])
+def test_the_backend_makes_no_launch_without_rows(batch: Batch, attention_launches: int,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """Through the engine's triton backend (lengths from the metadata), counted at the launcher: a batch gets a
+    decode-tiled launch only if it has decode rows (<= 16 // group = 8 new tokens) and a prefill launch only if it
+    has longer runs; the output is the reference's all the same."""
+    if not INTERPRETED:
+        pytest.skip("CPU tensors need the interpreter")
+    from kv8.attention.triton import TritonBackend
+    from kv8.kernels.triton.launch import Launch
+
+    p = _build("fp8_e4m3", torch.bfloat16, batch=batch, seed=3)
+    ran: list[Launch] = []
+    run = Launch.run
+
+    def counted(launch: Launch) -> None:
+        ran.append(launch)
+        run(launch)
+
+    monkeypatch.setattr(Launch, "run", counted)
+    t = p.num_tokens
+    g = torch.Generator().manual_seed(4)
+    key, value = (torch.randn(t, 2, 64, generator=g).to(torch.bfloat16) for _ in range(2))
+    out = TritonBackend(CPU).forward(p.query[:t], key, value, p.cache, 0, p.meta, p.scale)
+    attention = [x for x in ran if x.kernel is triton_attention._paged_attention_kernel]
+    assert len(attention) == attention_launches, [x.kwargs["BLOCK_M"] for x in attention]
+    assert [x.kernel for x in ran].count(triton_store._store_kv_kernel) == 1
+    ref = paged_attention_reference(p.query[:t], p.cache, 0, p.meta, p.scale)
+    torch.testing.assert_close(out.float(), ref.float(), **_tolerance(p))
 
 
 def _valid_kwargs() -> dict:
@@ -532,12 +603,13 @@ def _bad_cases() -> list[tuple[str, dict, str]]:
         ("too many splits", {"num_kv_splits": MAX_KV_SPLITS + 1}, "num_kv_splits"),
         ("window", {"sliding_window": 0}, "sliding_window"),
         ("max_query_len", {"max_query_len": -1}, "max_query_len"),
+        ("min_query_len", {"min_query_len": 3}, r"min_query_len=3 must be an int in \[0, 2\]"),
         ("scale", {"scale": float("nan")}, "scale="),
-        ("unknown format", {"fp8": FP8Format(
-            name="fp8_e4m3", exponent_bits=4, mantissa_bits=3, exponent_bias=8, max_finite=240.0,
-            min_subnormal=2.0 ** -10, torch_dtype=torch.float8_e4m3fnuz, has_negative_zero=False, has_inf=False,
-            nan_codes=(0x80,), nan_code=0x80)}, r"fp8 format 'fp8_e4m3': exponent_bias=8, .*exponent_bias=7"),
-        ("format name", {"fp8": SimpleNamespace(name="fp8_e3m4")}, r"fp8=.*fp8_e4m3, fp8_e4m3fnuz, fp8_e5m2"),
+        ("format layout", {"fp8": FP8Format(
+            name="fp8_e5m2fnuz", exponent_bits=5, mantissa_bits=2, exponent_bias=16, max_finite=57344.0,
+            min_subnormal=2.0 ** -17, torch_dtype=torch.float8_e5m2fnuz, has_negative_zero=False, has_inf=False,
+            nan_codes=(0x80,), nan_code=0x80)}, r"fp8 format 'fp8_e5m2fnuz': 5 exponent bits with exponent_bias=16"),
+        ("not a format", {"fp8": SimpleNamespace(name="fp8_e3m4")}, r"fp8=.* is not an FP8 format"),
         ("head_dim too large", {"query": torch.zeros(5, 4, 320), "out": torch.zeros(5, 4, 320),
                                 "k_cache": torch.zeros(8, 2, 16, 320, dtype=torch.uint8),
                                 "v_cache": torch.zeros(8, 2, 16, 320, dtype=torch.uint8)},
@@ -553,7 +625,7 @@ def _bad_cases() -> list[tuple[str, dict, str]]:
                                      "v_cache": torch.zeros(8, 2, 16, 64, dtype=torch.int8)},
          r"int8 cache needs its dynamic k_token_scales and v_token_scales .* \(got static ones\)"),
         ("int8 layout", {"fp8": SimpleNamespace(name="int8", bits=8, max_finite=128.0)},
-         r"bits, max_finite = \(8, 128.0\)"),
+         r"integer format 'int8': bits=8, max_finite=128.0"),
     ]
 
 
@@ -588,6 +660,8 @@ import torch, triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from kv8.kernels.triton import attention as A
+from kv8.kernels.triton.formats import kernel_format
+from kv8.quant.formats import FP8_FORMATS, INT8
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "u8": torch.uint8, "i8": torch.int8}
 PTR = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32", torch.uint8: "*u8", torch.int8: "*i8"}
@@ -636,7 +710,8 @@ results = []
 for v in json.loads(sys.argv[1]):
     splits = v.pop("splits")
     v["query_dtype"], v["cache_dtype"] = DTYPES[v["query_dtype"]], DTYPES[v["cache_dtype"]]
-    variant = A.KernelVariant(**v, interpreted=False)
+    v["fp8"] = None if v["fp8"] is None else kernel_format({**FP8_FORMATS, "int8": INT8}[v["fp8"]])
+    variant = A.KernelVariant(**v)
     const = variant.constexprs(splits)
     q_ptr = PTR[variant.query_dtype]
     ptrs = {"out_ptr": q_ptr, "q_ptr": q_ptr, "k_ptr": PTR[variant.cache_dtype], "v_ptr": PTR[variant.cache_dtype],
@@ -663,12 +738,11 @@ def _variant(query: str = "bf16", kv: str = "fp8_e4m3", native: bool = True, sca
              max_query_len: int = 1, splits: int = 1) -> dict:
     """A KernelVariant's fields (JSON: dtypes by short name); ``kv`` an FP8 format's name, "int8" (dynamic scales
     whatever ``scales`` says) or a cache dtype."""
-    fp8 = kv in FP8_ENCODINGS
+    fp8 = kv in FP8_FORMATS
     if kv == "int8":
         return dict(_variant(query, "fp8_e4m3", False, triton_attention.SCALES_DYNAMIC, k_channel, window, group,
-                             head_dim, block_size, max_query_len, splits), cache_dtype="i8", fp8_code=INT8_ID)
-    return dict(query_dtype=query, cache_dtype="u8" if fp8 else kv,
-                fp8_code=FP8_ENCODINGS[kv].format_id if fp8 else triton_dequant.FP8_NONE,
+                             head_dim, block_size, max_query_len, splits), cache_dtype="i8", fp8="int8")
+    return dict(query_dtype=query, cache_dtype="u8" if fp8 else kv, fp8=kv if fp8 else None,
                 native_fp8=native and fp8, scales=scales if fp8 else triton_attention.SCALES_NONE,
                 k_channel_scale=k_channel, sliding_window=window, group=group, head_dim=head_dim,
                 block_size=block_size, max_query_len=max_query_len, splits=splits)

@@ -7,7 +7,8 @@ its per-token scales) and compiles them for sm_90 with Triton's compiler and
 the ptxas/cuobjdump its wheel ships, in a subprocess without ``TRITON_INTERPRET``. The figures (registers, spills,
 shared memory, the key loop's ``cp.async.wait_group`` counts, conversions and instructions per KB of cache) are
 printed (``pytest -s``) so a change shows its effect, and :func:`tests.helpers.sm90.violations` says which of the
-design's promises they break. docs/benchmarks.md lists the figures; timings on a GPU are owed.
+design's promises they break. docs/benchmarks.md lists the figures; timings on a GPU are owed. The same launches
+for an MI300X (gfx942, E4M3FNUZ) compile with Triton's HIP backend, checked by :mod:`tests.helpers.gfx942`.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import sm90
+from tests.helpers import gfx942, sm90
 
 # The same launches compiled from commit f501a9f (before issue 39): one buffer per K/V tile (wait_group 0), 16-key
 # FP8 tiles converted through float16 to bfloat16 with scalar F2F, 4 and 8 warps. Figures of tests.helpers.sm90.
@@ -79,3 +80,40 @@ def test_kernels_compiled_for_sm90_keep_their_promises(tmp_path: Path) -> None:
     print("\n".join(lines[:-1]))          # the table (pytest -s)
     assert set(rows) == set(_OLD_FIGURES) | {"decode-int8", "store-int8"}
     assert sm90.violations(rows) == []
+
+
+def test_kernels_compiled_for_gfx942_keep_their_promises(tmp_path: Path) -> None:
+    """Decode and prefill attention over E4M3FNUZ (the format MI300 converts in hardware) and bf16, and the FP8
+    store, compiled for an MI300X (gfx942) by Triton's HIP backend, which needs neither ROCm nor a GPU: no spills to
+    memory, LDS within 64 KB, E4M3FNUZ decoded by ``v_cvt_pk_f32_fp8`` where the MI300 platform picks the native
+    path (:func:`tests.helpers.gfx942.violations`). The figures (registers, occupancy, LDS) are printed."""
+    missing = gfx942.tools_missing()
+    if missing:
+        pytest.skip(missing)
+    env = {**os.environ, "TRITON_CACHE_DIR": str(tmp_path), "PYTHONPATH": os.pathsep.join(sys.path)}
+    env.pop("TRITON_INTERPRET", None)
+    run = subprocess.run([sys.executable, "-m", "tests.helpers.gfx942"], env=env, capture_output=True, text=True,
+                         timeout=900, cwd=Path(__file__).resolve().parents[2])
+    assert run.returncode == 0, run.stderr[-3000:]
+    lines = run.stdout.strip().splitlines()
+    rows = json.loads(lines[-1])
+    print("\n".join(lines[:-1]))          # the table (pytest -s)
+    assert set(rows) == {"decode-fp8_e4m3fnuz", "decode-bfloat16", "prefill-fp8_e4m3fnuz", "prefill-bfloat16",
+                         "store-fp8_e4m3fnuz"}
+    assert gfx942.violations(rows) == []
+
+
+def test_the_gfx942_promises_can_fail() -> None:
+    """Each promise of :func:`gfx942.violations` fails on figures that break it."""
+    base = {"native_fp8": True, "TILE_N": 64, "vgprs": 224, "sgprs": 89, "occupancy": 2, "vgpr_spills": 0,
+            "sgpr_spills": 0, "scratch_bytes": 0, "lds_bytes": 49408, "num_warps": 2, "num_stages": 5,
+            "cvt_fp8": ["v_cvt_pk_f32_fp8_e32"]}
+    assert gfx942.violations({"decode-fp8_e4m3fnuz": base}) == []
+    bad = gfx942.violations({
+        "decode-fp8_e4m3fnuz": {**base, "native_fp8": False, "cvt_fp8": []},
+        "prefill-fp8_e4m3fnuz": {**base, "scratch_bytes": 16, "vgpr_spills": 4},
+        "decode-bfloat16": {**base, "native_fp8": False, "lds_bytes": 70000, "cvt_fp8": ["v_cvt_pk_f32_fp8_e32"]}})
+    assert any(b.startswith("decode-fp8_e4m3fnuz: native False") for b in bad), bad
+    assert any(b.startswith("prefill-fp8_e4m3fnuz: 4 VGPR spills, 16 bytes of scratch") for b in bad), bad
+    assert any(b.startswith("decode-bfloat16: 70000 bytes of LDS") for b in bad), bad
+    assert any(b.startswith("decode-bfloat16: FP8 conversions") for b in bad), bad

@@ -26,15 +26,14 @@ import numpy as np
 import pytest
 import torch
 import triton
+from triton.runtime.jit import JITFunction
 
-import kv8.kernels.triton.quant as triton_quant
+import kv8.kernels.triton.interpreter as triton_interpreter
 import kv8.kernels.triton.store as triton_store
 from kv8.cache.codec import KVCodec
 from kv8.cache.paged_cache import CacheShape, PagedKVCache
 from kv8.quant.formats import (
     E4M3,
-    E4M3FNUZ,
-    E5M2,
     FP8_FORMATS,
     INT8,
     CodeFormat,
@@ -48,10 +47,14 @@ from tests.helpers.triton import INTERPRETED as INTERPRET
 
 store_kv = triton_store.store_kv
 device_param = pytest.mark.parametrize("device", DEVICES)
-FORMATS = [E4M3, E4M3FNUZ, E5M2]
+FORMATS = list(FP8_FORMATS.values())   # every kv8 format: the kernels' constants are derived from each
 fmt_param = pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
 code_fmt_param = pytest.mark.parametrize("fmt", [*FORMATS, INT8], ids=lambda f: f.name)   # dynamic scales
 INPUT_DTYPES = [torch.bfloat16, torch.float16, torch.float32]
+# a valid FP8 format (AMD's E5M2FNUZ) whose 5-bit exponent is not IEEE's: the kernels' bit decode cannot build it
+E5M2FNUZ = FP8Format(name="fp8_e5m2fnuz", exponent_bits=5, mantissa_bits=2, exponent_bias=16, max_finite=57344.0,
+                     min_subnormal=2.0 ** -17, torch_dtype=torch.float8_e5m2fnuz, has_negative_zero=False,
+                     has_inf=False, nan_codes=(0x80,), nan_code=0x80)
 in_dtype_param = pytest.mark.parametrize("in_dtype", INPUT_DTYPES, ids=lambda d: str(d).removeprefix("torch."))
 
 # numpy's warnings from the interpreter's float32 ops (inf/NaN lanes, later saturated or selected away)
@@ -59,7 +62,8 @@ pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning:triton.runtime.i
 
 
 def test_kernels_run_where_this_process_can_run_them() -> None:
-    assert triton_store.interpreted() == INTERPRET
+    assert triton_interpreter.INTERPRETED == INTERPRET
+    assert isinstance(triton_store._store_kv_kernel, JITFunction) != INTERPRET   # decided with the kernels
     assert INTERPRET or torch.cuda.is_available()
 
 
@@ -172,25 +176,6 @@ def sweep_values() -> np.ndarray:
     specials = np.concatenate([np.array([np.inf, -np.inf, 0.0, -0.0], dtype=np.float32),
                                f32([0x7FC00000, 0xFFC00000, 0x7F800001, 0xFF800001, 0x7FFFFFFF, 0xFFFFFFFF])])
     return np.concatenate([near, -near, specials])
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# the encode constants
-# ----------------------------------------------------------------------------------------------------------------
-
-@fmt_param
-def test_encode_constants_are_kv8s_formats(fmt: FP8Format) -> None:
-    enc = triton_quant.FP8_ENCODINGS[fmt.name]
-    assert triton_quant.fp8_format_id(fmt) == enc.format_id
-    for field in ("exponent_bits", "mantissa_bits", "exponent_bias", "max_finite", "has_negative_zero", "nan_code",
-                  "negative_nan_code"):
-        assert getattr(enc, field) == getattr(fmt, field), field
-    assert np.float32(fmt.max_finite).view(np.uint32) == enc.max_finite_bits
-    # the literals in encode_*'s bodies
-    literal = {"fp8_e4m3": 0x43E00000, "fp8_e4m3fnuz": 0x43700000, "fp8_e5m2": 0x47600000}
-    assert literal[fmt.name] == enc.max_finite_bits
-    assert set(triton_quant.FP8_ENCODINGS) == set(FP8_FORMATS)
-    assert sorted(e.format_id for e in triton_quant.FP8_ENCODINGS.values()) == [0, 1, 2]
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -543,10 +528,13 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 import kv8.kernels.triton.store as store
+from kv8.kernels.triton.formats import kernel_format
+from kv8.quant.formats import FP8_FORMATS, INT8
 fn = store._store_kv_kernel
 float_ptr = {0: "*fp32", 1: "*fp16", 2: "*bf16"}
 out = []
 for mode, fmt, kind_in, kind_out in json.loads(sys.argv[1]):
+    fmt = None if fmt is None else kernel_format({**FP8_FORMATS, "int8": INT8}[fmt])
     consts = dict(MODE=mode, FMT=fmt, IN=kind_in, OUT=kind_out, BLOCK_H=4, BLOCK_D=128)
     sig = {}
     for name in fn.arg_names:
@@ -555,7 +543,7 @@ for mode, fmt, kind_in, kind_out in json.loads(sys.argv[1]):
         elif name in ("key_ptr", "value_ptr"):
             sig[name] = float_ptr[kind_in]
         elif name in ("k_cache_ptr", "v_cache_ptr"):
-            sig[name] = ("*i8" if fmt == 3 else "*u8") if mode else float_ptr[kind_out]
+            sig[name] = ("*i8" if fmt.int_codes else "*u8") if mode else float_ptr[kind_out]
         elif name == "slot_ptr":
             sig[name] = "*i64"
         elif name.endswith("_ptr"):
@@ -577,10 +565,10 @@ print(json.dumps(out))
 def test_compiles_for_sm90_with_exact_float_ops(tmp_path) -> None:
     """Compiled (not interpreted) for an H100: the only float division is div.rn.f32 (IEEE, subnormals kept; never
     div.full/approx), nothing flushes to zero, no hardware fp8 conversion, the 16-bit casts are cvt.rn; int8 codes
-    (FMT 3) round by adding and subtracting 1.5 * 2^23 (both adds kept, not folded away)."""
+    (the int8 format) round by adding and subtracting 1.5 * 2^23 (both adds kept, not folded away)."""
     pytest.importorskip("triton.backends.nvidia")
-    variants = [(1, 0, 2, 0), (2, 1, 1, 0), (2, 2, 0, 0), (0, 0, 0, 2), (0, 0, 2, 1), (2, 3, 2, 0),
-                (2, 3, 0, 0)]   # MODE, FMT, IN, OUT
+    variants = [(1, "fp8_e4m3", 2, 0), (2, "fp8_e4m3fnuz", 1, 0), (2, "fp8_e5m2", 0, 0), (0, None, 0, 2),
+                (0, None, 2, 1), (2, "int8", 2, 0), (2, "int8", 0, 0)]   # MODE, FMT (a format's name), IN, OUT
     env = {**os.environ, "TRITON_CACHE_DIR": str(tmp_path), "PYTHONPATH": os.pathsep.join(sys.path)}
     env.pop("TRITON_INTERPRET", None)
     run = subprocess.run([sys.executable, "-c", _COMPILE_SCRIPT, json.dumps(variants)], env=env, capture_output=True,
@@ -589,7 +577,7 @@ def test_compiles_for_sm90_with_exact_float_ops(tmp_path) -> None:
     results = json.loads(run.stdout.strip().splitlines()[-1])
     for (mode, fmt, kind_in, kind_out), result in zip(variants, results):
         ops = set(result["ops"])
-        assert result["magic"] == (["0f4B400000", "0fCB400000"] if fmt == 3 else []), result
+        assert result["magic"] == (["0f4B400000", "0fCB400000"] if fmt == "int8" else []), result
         assert result["cubin"] > 0 and not result["ftz"], result
         inexact = {op for op in ops if op.startswith(("div.full", "div.approx", "rcp"))
                    or op.startswith(("fma", "mul")) and op.endswith(("f32", "f16"))}
@@ -651,19 +639,12 @@ def _bad_cases(device: str) -> list[tuple[str, dict, str]]:
          r"v_token_scales has shape \[4, 2, 8\], must be \[num_blocks, H, block_size\] = \[4, 2, 16\]"),
         ("token scales dtype", dict(k_scale=None, v_scale=None, k_token_scales=ts.half(), v_token_scales=ts),
          r"k_token_scales must be a 3-D tensor of dtype torch.float32"),
-        ("unknown format", dict(fp8=SimpleNamespace(name="fp8_e3m4")), r"encode only the formats named fp8_e4m3"),
-        ("format fields", dict(fp8=SimpleNamespace(**{**vars_of(E4M3), "exponent_bias": 8})),
-         r"'fp8_e4m3': exponent_bias=8, but .* specialized on exponent_bias=7"),
+        ("not a format", dict(fp8=SimpleNamespace(name="fp8_e3m4")), r"store_kv: fp8=.* has no exponent_bits"),
+        ("layout", dict(fp8=E5M2FNUZ), r"store_kv: fp8 format 'fp8_e5m2fnuz': 5 exponent bits with exponent_bias=16"),
         ("device", dict(k_cache=torch.zeros(4, 2, 16, 64, dtype=torch.uint8, device="meta")),
          rf"k_cache must be .* on {device}; got .* on meta"),
         ("value device", dict(value=meta_key), rf"value must be .* on {device}"),
     ]
-
-
-def vars_of(fmt: FP8Format) -> dict:
-    fields = ("name", "exponent_bits", "mantissa_bits", "exponent_bias", "max_finite", "has_negative_zero",
-              "nan_code", "negative_nan_code")
-    return {f: getattr(fmt, f) for f in fields}
 
 
 BAD_CASES = [name for name, _, _ in _bad_cases("cpu")]
@@ -707,11 +688,12 @@ def test_int8_needs_an_int8_cache_and_token_scales(device: str) -> None:
     with pytest.raises(ValueError, match=r"an int8 cache needs k_token_scales and v_token_scales .*got "
                                          r"\['k_scale', 'v_scale'\]"):
         store_kv(**{**args, **static})
-    with pytest.raises(ValueError, match=r"bits, max_finite = \(7, 63.0\), but .* specialized on \(8, 127.0\)"):
+    with pytest.raises(ValueError, match=r"integer format 'int8': bits=7, max_finite=63.0; the Triton kernels read "
+                                         r"and write one symmetric code per signed byte \(8 bits"):
         store_kv(**{**args, "fp8": SimpleNamespace(name="int8", bits=7, max_finite=63.0)})
 
 
 def test_cpu_tensors_without_the_interpreter_are_refused(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(triton_store, "interpreted", lambda: False)
+    monkeypatch.setattr(triton_interpreter, "INTERPRETED", False)
     with pytest.raises(ValueError, match="CPU tensors need Triton's interpreter: set TRITON_INTERPRET=1"):
         store_kv(**good_args("cpu"))

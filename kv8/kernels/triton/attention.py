@@ -66,19 +66,20 @@ Work decomposition (grid ``(T // BLOCK_Q + B, Hkv, NUM_SPLITS)``; T = query rows
   float32 operands with ``input_precision="ieee"`` (no TF32), in 16 x 16 tiles.
 * **In Triton's interpreter** (``TRITON_INTERPRET=1``, CPU tensors; how the tests run without a GPU) the same
   values come out: 16-bit operands are multiplied as float32 (it cannot multiply bfloat16; the products are exact
-  either way), and bfloat16 conversions go through the bits (:func:`_round`, :func:`_widen`) because its own
-  casts truncate and flush subnormals. The native FP8 conversions are never used there. Reductions are
-  ``tl.reduce`` with this module's combiners, so the kernels interpret whichever of triton and kv8 was imported
-  first.
+  either way), and bfloat16 conversions go through the bits because its own casts truncate and flush subnormals.
+  The native FP8 conversions are never used there. Reductions are ``tl.reduce`` with kv8's combiners, so the
+  kernels interpret whichever of triton and kv8 was imported first. These workarounds, and whether this process
+  interprets, are :mod:`kv8.kernels.triton.interpreter`'s (the key loop's form is the one branch here).
 
 What a caller must provide (checked, ``ValueError`` before any launch, unless marked unchecked):
 
 * ``query``/``out`` ``[T, Hq, D]``, one dtype (bfloat16, float16 or float32), last dim contiguous (other strides
   free); ``1 <= D <= 256`` (any D: padded to a power of two and masked); ``Hq`` a multiple of ``Hkv``.
 * ``k_cache``/``v_cache`` ``[num_blocks, Hkv, block_size, D]`` (:class:`kv8.cache.paged_cache.PagedKVCache`'s
-  per-layer views), last dim contiguous: ``uint8`` codes with ``fp8`` a format of
-  :mod:`kv8.kernels.triton.quant` (E4M3FN, E4M3FNUZ, E5M2), ``int8`` codes with ``fp8`` the int8 format
-  (:data:`kv8.quant.formats.INT8`), or bfloat16/float16/float32 values with ``fp8=None``.
+  per-layer views), last dim contiguous: ``uint8`` codes with ``fp8`` an FP8 format
+  (:func:`kv8.kernels.triton.formats.kernel_format` derives what the kernels need of it: E4M3FN, E4M3FNUZ, E5M2),
+  ``int8`` codes with ``fp8`` the int8 format (:data:`kv8.quant.formats.INT8`), or bfloat16/float16/float32 values
+  with ``fp8=None``.
 * ``query_start_loc [B + 1]`` and ``seq_lens [B]`` contiguous, ``block_tables [B, max_blocks]`` with a contiguous
   last dim; int32 or int64, each independently. Unchecked (the launch reads no tensor on the host, so it can be
   captured in a CUDA graph): ``query_start_loc`` nondecreasing from 0 with ``query_start_loc[B] <= T``, ``0 <=
@@ -97,15 +98,17 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
-from triton.runtime.jit import JITFunction
 
-from kv8.kernels.triton.dequant import FP8_NONE, decode_fp8, native_fp8_supported
+from kv8.kernels.triton import interpreter
+from kv8.kernels.triton.dequant import decode_fp8, native_fp8_supported
+from kv8.kernels.triton.formats import FP8Layout, IntLayout, KernelFormat, code_dtype, kernel_format
+from kv8.kernels.triton.interpreter import INTERPRETER, add_combine, cast_rn, dot, max_combine, widen
 from kv8.kernels.triton.launch import Launch
-from kv8.kernels.triton.quant import INT8_ID, FP8Layout, IntLayout, bf16_bits_to_f32, code_format_id, f32_to_bf16_bits
+from kv8.platform import CPU, Platform
 from kv8.validators import check_int, check_number
 
 __all__ = ["MAX_KV_SPLITS", "SCALES_DYNAMIC", "SCALES_NONE", "SCALES_STATIC", "KernelVariant", "Launch",
-           "LaunchConfig", "choose_num_kv_splits", "interpreted", "launch_config", "plan_launches",
+           "LaunchConfig", "choose_num_kv_splits", "launch_config", "plan_launches",
            "unified_attention"]
 
 MAX_KV_SPLITS = 64
@@ -122,53 +125,6 @@ _SPLIT_MIN_KEYS = 256          # keys a split should at least get
 _WAVES = 4                     # resident programs to aim for, per compute unit
 
 
-# Reductions and fills use tl.reduce with these combiners and tl.full instead of tl.max / tl.sum / tl.zeros: those
-# are @triton.jit helpers of Triton's own, which the interpreter can run only if triton itself was imported with
-# TRITON_INTERPRET=1; with builtins only, these kernels interpret whichever module imported triton first.
-@triton.jit
-def _max_combine(a, b):
-    return tl.maximum(a, b)
-
-
-@triton.jit
-def _add_combine(a, b):
-    return a + b
-
-
-@triton.jit
-def _round(x, DTYPE: tl.constexpr, INTERPRETER: tl.constexpr):
-    """float32 ``x`` -> ``DTYPE``, rounded to nearest even as compiled code does. The interpreter's own bfloat16
-    cast truncates, so there the bits are rounded by :func:`~kv8.kernels.triton.quant.f32_to_bf16_bits`."""
-    if INTERPRETER and DTYPE == tl.bfloat16:
-        res = f32_to_bf16_bits(x).to(tl.uint16).to(tl.bfloat16, bitcast=True)
-    else:
-        res = x.to(DTYPE)
-    return res
-
-
-@triton.jit
-def _widen(x):
-    """A dot operand -> float32, exactly (in the interpreter too, whose bfloat16 cast flushes subnormals)."""
-    if x.dtype == tl.bfloat16:
-        res = bf16_bits_to_f32(x)
-    else:
-        res = x.to(tl.float32)
-    return res
-
-
-@triton.jit
-def _dot(a, b, INTERPRETER: tl.constexpr):
-    """``a @ b`` with float32 accumulation; ``a`` and ``b`` share one dtype (float32: IEEE precision, no TF32). The
-    interpreter cannot multiply bfloat16, so there 16-bit operands (exact in float32) are multiplied as float32."""
-    if a.dtype == tl.float32:
-        res = tl.dot(a, b, input_precision="ieee")
-    elif INTERPRETER:
-        res = tl.dot(_widen(a), _widen(b), input_precision="ieee")
-    else:
-        res = tl.dot(a, b)
-    return res
-
-
 @triton.jit
 def _attend_key_tile(
     j, q_hi, q_lo, m_i, l_i, acc, q_pos, row_ok, s_mult, key_lo, key_hi, window, table_row, kv_head,
@@ -176,7 +132,7 @@ def _attend_key_tile(
     stride_ksb, stride_ksh, stride_kst, stride_vsb, stride_vsh, stride_vst,
     D_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
     TILE_IN_BLOCK: tl.constexpr, FP8_FMT: tl.constexpr, NATIVE_FP8: tl.constexpr, SCALES: tl.constexpr,
-    USE_WINDOW: tl.constexpr, DOT_DTYPE: tl.constexpr, Q_SPLIT: tl.constexpr, INTERPRETER: tl.constexpr,
+    USE_WINDOW: tl.constexpr, DOT_DTYPE: tl.constexpr, Q_SPLIT: tl.constexpr,
 ):
     """One online-softmax step over key tile ``j`` (keys ``j * TILE_N ..``) -> the updated ``(m_i, l_i, acc)``."""
     offs_n = tl.arange(0, TILE_N)
@@ -213,9 +169,9 @@ def _attend_key_tile(
         k_raw = tl.load(k_ptrs, mask=d_ok[:, None], other=0)
         v_raw = tl.load(v_ptrs, mask=d_ok[None, :], other=0)
     k = decode_fp8(k_raw, FP8_FMT, NATIVE_FP8, DOT_DTYPE)
-    s = _dot(q_hi, k, INTERPRETER)                                 # [BLOCK_M, TILE_N]
+    s = dot(q_hi, k)                                 # [BLOCK_M, TILE_N]
     if Q_SPLIT:
-        s += _dot(q_lo, k, INTERPRETER)
+        s += dot(q_lo, k)
     if SCALES == 2:
         s = s * tl.load(k_ts_ptr)[None, :]
     s = s * s_mult[:, None]
@@ -224,16 +180,16 @@ def _attend_key_tile(
         visible = visible & (pos[None, :] > q_pos[:, None] - window)
     s = tl.where(visible, s, float("-inf"))
 
-    m_new = tl.maximum(m_i, tl.reduce(s, 1, _max_combine))
+    m_new = tl.maximum(m_i, tl.reduce(s, 1, max_combine))
     m_base = tl.where(m_new == float("-inf"), 0.0, m_new)          # a row that saw nothing yet stays (-inf, 0)
     alpha = tl.exp2(m_i - m_base)
     p = tl.exp2(s - m_base[:, None])
-    l_i = l_i * alpha + tl.reduce(p, 1, _add_combine)
+    l_i = l_i * alpha + tl.reduce(p, 1, add_combine)
 
     v = decode_fp8(v_raw, FP8_FMT, NATIVE_FP8, DOT_DTYPE)
     if SCALES == 2:
         p = p * tl.load(v_ts_ptr)[None, :]
-    acc = acc * alpha[:, None] + _dot(_round(p, DOT_DTYPE, INTERPRETER), v, INTERPRETER)
+    acc = acc * alpha[:, None] + dot(cast_rn(p, DOT_DTYPE), v)
     return m_new, l_i, acc
 
 
@@ -253,7 +209,7 @@ def _paged_attention_kernel(
     BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, TILE_N: tl.constexpr, TILE_IN_BLOCK: tl.constexpr,
     NUM_SPLITS: tl.constexpr, FP8_FMT: tl.constexpr, NATIVE_FP8: tl.constexpr, SCALES: tl.constexpr,
     K_CHANNEL_SCALE: tl.constexpr, USE_WINDOW: tl.constexpr, DOT_DTYPE: tl.constexpr, Q_SPLIT: tl.constexpr,
-    ROW_SCALE: tl.constexpr, Q_LEN_MIN: tl.constexpr, Q_LEN_MAX: tl.constexpr, INTERPRETER: tl.constexpr,
+    ROW_SCALE: tl.constexpr, Q_LEN_MIN: tl.constexpr, Q_LEN_MAX: tl.constexpr,
 ):
     pid_q = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -289,7 +245,7 @@ def _paged_attention_kernel(
     offs_d = tl.arange(0, D_PAD)
     d_ok = offs_d < HEAD_DIM
     q_rows = q_start + tok
-    q = _widen(tl.load(q_ptr + q_rows[:, None] * stride_qt + q_head[:, None] * stride_qh + offs_d[None, :],
+    q = widen(tl.load(q_ptr + q_rows[:, None] * stride_qt + q_head[:, None] * stride_qh + offs_d[None, :],
                        mask=row_ok[:, None] & d_ok[None, :], other=0.0))           # [BLOCK_M, D_PAD] float32
 
     s_mult = qk_scale                                              # scale * log2(e), times a scalar K scale
@@ -302,16 +258,16 @@ def _paged_attention_kernel(
     if ROW_SCALE:
         # a bfloat16 query into float16 operands (module docstring): each row times 2^e, e = min(141 - E, 100)
         # for E the biased exponent of its largest |q| (that max lands in [2^14, 2^15)); the scores get 2^-e back
-        amax = tl.reduce(tl.where(q < 0.0, -q, q), 1, _max_combine)                  # [BLOCK_M]
+        amax = tl.reduce(tl.where(q < 0.0, -q, q), 1, max_combine)                  # [BLOCK_M]
         e = tl.minimum(141 - ((amax.to(tl.int32, bitcast=True) >> 23) & 0xFF), 100)
         q = q * ((e + 127) << 23).to(tl.float32, bitcast=True)[:, None]
         s_mult = s_mult * ((127 - e) << 23).to(tl.float32, bitcast=True)
     # q in the dot's dtype; q * (channel K scale) is not exact in 16 bits, so it goes in as hi + lo parts
     # (|q - hi - lo| <= 2^-16 |q| for bfloat16, 2^-22 for float16), two products of exact 16-bit operands
-    q_hi = _round(q, DOT_DTYPE, INTERPRETER)
+    q_hi = cast_rn(q, DOT_DTYPE)
     q_lo = q_hi
     if Q_SPLIT:
-        q_lo = _round(q - _widen(q_hi), DOT_DTYPE, INTERPRETER)
+        q_lo = cast_rn(q - widen(q_hi), DOT_DTYPE)
 
     # ---- the keys this tile needs, and this split's share of their tiles ----
     p_lo = context + q0_32
@@ -332,7 +288,8 @@ def _paged_attention_kernel(
     acc = tl.full([BLOCK_M, D_PAD], 0.0, dtype=tl.float32)
     table_row = table_ptr + seq * stride_table
     # Triton's interpreter cannot take loaded scalars as range() bounds (numpy >= 2.4 refuses int() of its
-    # 1-element arrays); compiled, a for loop is what the software pipeliner overlaps with the loads.
+    # 1-element arrays); compiled, a for loop is what the software pipeliner overlaps with the loads
+    # (kv8.kernels.triton.interpreter: its one workaround outside that module).
     if INTERPRETER:
         j = j_lo
         while j < j_hi:
@@ -341,7 +298,7 @@ def _paged_attention_kernel(
                 k_ptr, v_ptr, k_tok_ptr, v_tok_ptr, stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt,
                 stride_ksb, stride_ksh, stride_kst, stride_vsb, stride_vsh, stride_vst,
                 D_PAD, HEAD_DIM, BLOCK_SIZE, TILE_N, TILE_IN_BLOCK, FP8_FMT, NATIVE_FP8, SCALES, USE_WINDOW,
-                DOT_DTYPE, Q_SPLIT, INTERPRETER)
+                DOT_DTYPE, Q_SPLIT)
             j += 1
     else:
         for j in range(j_lo, j_hi):
@@ -350,7 +307,7 @@ def _paged_attention_kernel(
                 k_ptr, v_ptr, k_tok_ptr, v_tok_ptr, stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt,
                 stride_ksb, stride_ksh, stride_kst, stride_vsb, stride_vsh, stride_vst,
                 D_PAD, HEAD_DIM, BLOCK_SIZE, TILE_N, TILE_IN_BLOCK, FP8_FMT, NATIVE_FP8, SCALES, USE_WINDOW,
-                DOT_DTYPE, Q_SPLIT, INTERPRETER)
+                DOT_DTYPE, Q_SPLIT)
 
     if SCALES == 1:
         acc = acc * tl.load(v_scale_ptr + kv_head * HEAD_DIM + offs_d, mask=d_ok, other=0.0)[None, :]
@@ -358,7 +315,7 @@ def _paged_attention_kernel(
         # l > 0 in every real row (a query always sees its own key); masked rows divide by 1, not 0
         o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
         tl.store(out_ptr + q_rows[:, None] * stride_ot + q_head[:, None] * stride_oh + offs_d[None, :],
-                 _round(o, out_ptr.dtype.element_ty, INTERPRETER), mask=row_ok[:, None] & d_ok[None, :])
+                 cast_rn(o, out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
     else:
         part = (q_rows * num_q_heads + q_head) * NUM_SPLITS + split    # [BLOCK_M]
         tl.store(part_m_ptr + part, m_i, mask=row_ok)
@@ -371,7 +328,6 @@ def _merge_splits_kernel(
     out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr, qsl_ptr,
     num_seqs, num_q_heads, stride_ot, stride_oh,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr,
-    INTERPRETER: tl.constexpr,
 ):
     """One (token, query head): combine the splits' (m, l, acc) by a log-sum-exp merge (base 2)."""
     t = tl.program_id(0)
@@ -385,13 +341,13 @@ def _merge_splits_kernel(
     part = (t.to(tl.int64) * num_q_heads + h) * NUM_SPLITS + offs_s
     m = tl.load(part_m_ptr + part, mask=s_ok, other=float("-inf"))
     l_s = tl.load(part_l_ptr + part, mask=s_ok, other=0.0)
-    m_max = tl.reduce(m, 0, _max_combine)
+    m_max = tl.reduce(m, 0, max_combine)
     w = tl.exp2(m - tl.where(m_max == float("-inf"), 0.0, m_max))  # empty splits (m = -inf) weigh 0
     acc = tl.load(part_acc_ptr + part[:, None] * D_PAD + offs_d[None, :], mask=s_ok[:, None] & d_ok[None, :],
                   other=0.0)
-    o = tl.reduce(acc * w[:, None], 0, _add_combine) / tl.reduce(l_s * w, 0, _add_combine)
+    o = tl.reduce(acc * w[:, None], 0, add_combine) / tl.reduce(l_s * w, 0, add_combine)
     tl.store(out_ptr + t.to(tl.int64) * stride_ot + h * stride_oh + offs_d,
-             _round(o, out_ptr.dtype.element_ty, INTERPRETER), mask=d_ok)
+             cast_rn(o, out_ptr.dtype.element_ty), mask=d_ok)
 
 
 @dataclass(frozen=True)
@@ -464,8 +420,7 @@ class KernelVariant:
 
     query_dtype: torch.dtype
     cache_dtype: torch.dtype        # torch.uint8 for FP8 codes, torch.int8 for int8 codes
-    fp8_code: int                   # kv8.kernels.triton.quant's format id, INT8_ID included (dequant.FP8_NONE: a
-                                    # 16/32-bit cache)
+    fp8: KernelFormat | None        # what the kernels need of the FP8 or int8 format (None: a 16/32-bit cache)
     native_fp8: bool                # decode with the GPU's FP8 conversion (else the exact bit path)
     scales: int                     # SCALES_NONE, SCALES_STATIC or SCALES_DYNAMIC
     k_channel_scale: bool           # static K scales vary along head_dim
@@ -474,7 +429,6 @@ class KernelVariant:
     head_dim: int
     block_size: int
     max_query_len: int
-    interpreted: bool               # built by Triton's interpreter
 
     @property
     def dot_dtype(self) -> tl.dtype:
@@ -484,7 +438,7 @@ class KernelVariant:
         float32."""
         if self.query_dtype == torch.float32:
             return tl.float32
-        if self.fp8_code != FP8_NONE:
+        if self.fp8 is not None:
             return tl.float16 if self.scales != SCALES_DYNAMIC else _TL_DTYPES[self.query_dtype]
         return _TL_DTYPES[self.query_dtype] if self.cache_dtype == self.query_dtype else tl.float32
 
@@ -495,7 +449,7 @@ class KernelVariant:
 
     @property
     def config(self) -> LaunchConfig:
-        cache_bytes = 1 if self.fp8_code != FP8_NONE else self.cache_dtype.itemsize
+        cache_bytes = 1 if self.fp8 is not None else self.cache_dtype.itemsize
         return launch_config(self.group, self.head_dim, self.max_query_len, self.block_size,
                              self.dot_dtype == tl.float32, cache_bytes, self.scales == SCALES_DYNAMIC)
 
@@ -506,11 +460,10 @@ class KernelVariant:
         return dict(
             HEAD_DIM=self.head_dim, D_PAD=cfg.d_pad, BLOCK_SIZE=self.block_size, GROUP=self.group,
             BLOCK_Q=cfg.block_q, BLOCK_M=cfg.block_m, TILE_N=cfg.tile_n, TILE_IN_BLOCK=cfg.tile_in_block,
-            NUM_SPLITS=num_kv_splits, FP8_FMT=self.fp8_code, NATIVE_FP8=self.native_fp8, SCALES=self.scales,
+            NUM_SPLITS=num_kv_splits, FP8_FMT=self.fp8, NATIVE_FP8=self.native_fp8, SCALES=self.scales,
             K_CHANNEL_SCALE=self.k_channel_scale, USE_WINDOW=self.sliding_window, DOT_DTYPE=self.dot_dtype,
             Q_SPLIT=self.k_channel_scale and self.dot_dtype != tl.float32, ROW_SCALE=self.row_scale,
             Q_LEN_MIN=q_len_min, Q_LEN_MAX=q_len_max,
-            INTERPRETER=self.interpreted,
         )
 
 
@@ -532,18 +485,10 @@ def choose_num_kv_splits(num_programs: int, max_query_len: int, max_keys: int, c
     return max(1, min(by_device, by_length, MAX_KV_SPLITS))
 
 
-def _compute_units(device: torch.device) -> int:
-    """Streaming multiprocessors of a GPU; 1 elsewhere (the interpreter runs programs one after another, so
-    splitting only adds work there)."""
-    if device.type == "cuda":
-        return int(torch.cuda.get_device_properties(device).multi_processor_count)
-    return 1
-
-
-def interpreted() -> bool:
-    """True when this module's kernels were built for Triton's interpreter (``TRITON_INTERPRET=1`` when it was
-    imported): CPU tensors work then, and only then."""
-    return not isinstance(_paged_attention_kernel, JITFunction)
+def _platform_of(device: torch.device) -> Platform:
+    """The platform of tensors on ``device`` when the caller passed none: the CPU's, or the current CUDA GPU's
+    (:meth:`kv8.platform.Platform.resolve` probes it on every call; the engine's backend passes its own)."""
+    return CPU if device.type != "cuda" else Platform.resolve("cuda")
 
 
 def _fail(msg: str) -> ValueError:
@@ -590,7 +535,8 @@ def unified_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
                       max_query_len: int, max_seq_len: int, scale: float, sliding_window: int | None,
                       fp8: FP8Layout | IntLayout | None, k_scale: torch.Tensor | None = None,
                       v_scale: torch.Tensor | None = None, k_token_scales: torch.Tensor | None = None,
-                      v_token_scales: torch.Tensor | None = None, num_kv_splits: int | None = None) -> torch.Tensor:
+                      v_token_scales: torch.Tensor | None = None, num_kv_splits: int | None = None,
+                      platform: Platform | None = None, min_query_len: int | None = None) -> torch.Tensor:
     """Paged attention of a mixed batch into ``out``; returns ``out``.
 
     query/out ``[T, Hq, D]`` (bfloat16, float16 or float32, same dtype; already in the stored basis); k_cache/v_cache
@@ -599,10 +545,15 @@ def unified_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     ``query_start_loc [B + 1]``, ``seq_lens [B]``, ``block_tables [B, max_blocks]`` int32/int64 as
     :class:`kv8.attention.metadata.AttentionMetadata` describes them (with a window, table entries before a
     sequence's first needed block are never read). ``max_query_len`` / ``max_seq_len`` size the tiles and the split
-    heuristic only (results do not depend on them). FP8 needs either static ``k_scale``/``v_scale`` (broadcastable
-    to ``[Hkv, D]``) or dynamic ``k_token_scales``/``v_token_scales`` ``[num_blocks, Hkv, bs]`` float32; int8 needs
-    the dynamic ones; a 16/32-bit cache takes none. ``num_kv_splits``: key segments per query tile (1 = no split-K;
-    None = :func:`choose_num_kv_splits`). Output rows of tokens past ``query_start_loc[B]`` are left untouched.
+    heuristic only (results do not depend on them). ``min_query_len``: the shortest run of new tokens among the
+    sequences that have any, where the caller knows it (None: unknown); a batch it says has no decode rows makes no
+    launch for them (:func:`plan_launches`). Unchecked against the tensors, like ``max_query_len``, but unlike it a
+    promise: a sequence with fewer new tokens may be left unattended. FP8 needs either static ``k_scale``/``v_scale``
+    (broadcastable to ``[Hkv, D]``) or dynamic ``k_token_scales``/``v_token_scales`` ``[num_blocks, Hkv, bs]``
+    float32; int8 needs the dynamic ones; a 16/32-bit cache takes none. ``num_kv_splits``: key segments per query
+    tile (1 = no split-K; None = :func:`choose_num_kv_splits`). ``platform``: the device's facts (its native FP8
+    conversions, its compute units; :class:`kv8.platform.Platform`, resolved once by the engine); None resolves the
+    tensors' device on each call. Output rows of tokens past ``query_start_loc[B]`` are left untouched.
     ``ValueError`` (before any launch) for a bad argument.
     """
     # ---- validation: shapes, dtypes, devices; nothing here reads a tensor's values (no host sync) ----
@@ -622,17 +573,15 @@ def unified_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     if not 1 <= head_dim <= 256:
         raise _fail(f"head_dim={head_dim} is not supported; allowed 1 .. 256")
     try:
-        fmt = FP8_NONE if fp8 is None else code_format_id(fp8)
+        fmt = None if fp8 is None else kernel_format(fp8)
     except ValueError as exc:
         raise _fail(str(exc)) from None
     for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
         if not isinstance(c, torch.Tensor) or c.ndim != 4:
             raise _fail(f"{name} must be a [num_blocks, Hkv, bs, D] tensor, got "
                         f"{tuple(c.shape) if isinstance(c, torch.Tensor) else type(c).__name__}")
-        code_dtype = torch.int8 if fmt == INT8_ID else torch.uint8
-        want = f"{code_dtype} ({'int8' if fmt == INT8_ID else 'FP8'} codes)" if fmt != FP8_NONE \
-            else "bfloat16/float16/float32"
-        ok = c.dtype == code_dtype if fmt != FP8_NONE else c.dtype in _QUERY_DTYPES
+        want = f"{code_dtype(fmt)} ({fmt.name} codes)" if fmt is not None else "bfloat16/float16/float32"
+        ok = c.dtype == code_dtype(fmt) if fmt is not None else c.dtype in _QUERY_DTYPES
         if not ok:
             raise _fail(f"{name}.dtype={c.dtype} but fp8={getattr(fp8, 'name', None)!r} needs {want}")
         if c.device != device:
@@ -664,25 +613,25 @@ def unified_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
         check_number("scale", scale)
         check_int("sliding_window", sliding_window, 1, optional=True)   # None: full causal attention
         check_int("num_kv_splits", num_kv_splits, 1, MAX_KV_SPLITS, optional=True)   # None: the heuristic
+        check_int("min_query_len", min_query_len, 0, max(max_query_len, 0), optional=True)   # None: unknown
     except ValueError as e:
         raise _fail(str(e)) from None
 
     static = k_scale is not None or v_scale is not None
     dynamic = k_token_scales is not None or v_token_scales is not None
-    if fmt == FP8_NONE and (static or dynamic):
+    if fmt is None and (static or dynamic):
         raise _fail("scales were given for a 16/32-bit cache (fp8=None); such a cache stores plain values")
-    if fmt == INT8_ID and not (dynamic and not static):
-        raise _fail("an int8 cache needs its dynamic k_token_scales and v_token_scales (a scale per token and head; "
-                    "it has no static scales)" + (" (got static ones)" if static else ""))
-    if fmt != FP8_NONE and static == dynamic:
+    if fmt is not None and fmt.int_codes and not (dynamic and not static):
+        raise _fail(f"an {fmt.name} cache needs its dynamic k_token_scales and v_token_scales (a scale per token and "
+                    "head; it has no static scales)" + (" (got static ones)" if static else ""))
+    if fmt is not None and static == dynamic:
         raise _fail("an FP8 cache needs exactly one kind of scales: static k_scale and v_scale, or dynamic "
                     "k_token_scales and v_token_scales" + (" (got both)" if static else " (got none)"))
     if static and (k_scale is None or v_scale is None) or dynamic and (k_token_scales is None
                                                                        or v_token_scales is None):
         raise _fail("scales come in pairs: give both k_scale and v_scale, or both k_token_scales and v_token_scales")
 
-    in_interpreter = interpreted()
-    if device.type != "cuda" and not in_interpreter:
+    if device.type != "cuda" and not interpreter.INTERPRETED:
         raise _fail(f"tensors on {device} need Triton's interpreter: set TRITON_INTERPRET=1 before "
                     "kv8.kernels.triton is imported (compiled kernels run on CUDA/ROCm devices)")
 
@@ -690,8 +639,7 @@ def unified_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
         query, k_cache, v_cache, out, query_start_loc=query_start_loc, seq_lens=seq_lens, block_tables=block_tables,
         max_query_len=max_query_len, max_seq_len=max_seq_len, scale=scale, sliding_window=sliding_window, fp8=fp8,
         k_scale=k_scale, v_scale=v_scale, k_token_scales=k_token_scales, v_token_scales=v_token_scales,
-        num_kv_splits=num_kv_splits, native_fp8=native_fp8_supported(device, fmt, in_interpreter),
-        compute_units=_compute_units(device), interpreted=in_interpreter)
+        num_kv_splits=num_kv_splits, platform=platform or _platform_of(device), min_query_len=min_query_len)
     for launch in launches:
         launch.run()
     return out
@@ -702,16 +650,20 @@ def plan_launches(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
                   max_query_len: int, max_seq_len: int, scale: float, sliding_window: int | None,
                   fp8: FP8Layout | IntLayout | None, k_scale: torch.Tensor | None, v_scale: torch.Tensor | None,
                   k_token_scales: torch.Tensor | None, v_token_scales: torch.Tensor | None,
-                  num_kv_splits: int | None, native_fp8: bool, compute_units: int, interpreted: bool) -> list[Launch]:
-    """The launches :func:`unified_attention` makes for these (already validated) arguments, in order, with the
-    device's properties passed in (``native_fp8``: :func:`~kv8.kernels.triton.dequant.native_fp8_supported`;
-    ``compute_units``: its SMs) -- so a compile check can build exactly these kernels for a GPU it does not have.
-    Allocates the scales' float32 copies and the split workspace on ``query.device``; reads no tensor's values."""
+                  num_kv_splits: int | None, platform: Platform, min_query_len: int | None = None) -> list[Launch]:
+    """The launches :func:`unified_attention` makes for these (already validated) arguments, in order, for the
+    device ``platform`` describes (its native FP8 conversions: :func:`~kv8.kernels.triton.dequant.
+    native_fp8_supported`; its compute units, for the split) -- so a compile check can build exactly these kernels
+    for a GPU it does not have. Allocates the scales' float32 copies and the split workspace on ``query.device``;
+    reads no tensor's values and no device property."""
     device = query.device
     num_tokens, num_q_heads, head_dim = query.shape
     _, num_kv_heads, block_size, _ = k_cache.shape
     num_seqs = seq_lens.shape[0]
-    fmt = FP8_NONE if fp8 is None else code_format_id(fp8)
+    fmt = None if fp8 is None else kernel_format(fp8)
+    native_fp8 = native_fp8_supported(platform, fmt)
+    # the interpreter (a CPU platform) runs programs one after another: splitting only adds work there
+    compute_units = platform.compute_units or 1
     static = k_scale is not None
     dynamic = k_token_scales is not None
     dummy = torch.empty(1, dtype=torch.float32, device=device)
@@ -732,7 +684,7 @@ def plan_launches(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
 
     def make_variant(query_len: int) -> KernelVariant:
         return KernelVariant(query.dtype, k_cache.dtype, fmt, native_fp8, scales_mode, k_channel,
-                             sliding_window is not None, group, head_dim, block_size, query_len, interpreted)
+                             sliding_window is not None, group, head_dim, block_size, query_len)
 
     variant = make_variant(max_query_len)
     cfg = variant.config
@@ -765,7 +717,9 @@ def plan_launches(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     # A mixed batch whose decode rows would get other tiles than its prefill chunks (launch_config) runs as two
     # launches over the same arguments: the decode launch's programs serve the sequences of at most decode_len new
     # tokens (a decode row, a short speculative run), the prefill launch's the others; each returns at once for
-    # the other's sequences. The host reads no lengths: both grids cover the whole batch.
+    # the other's sequences. The host reads no lengths: both grids cover the whole batch. A batch with no decode
+    # rows (min_query_len > decode_len: a pure prefill batch) makes only the prefill launch -- the same kernel as a
+    # mixed batch's; one with no prefill rows (max_query_len <= decode_len) only the decode-tiled one.
     decode_len = max(1, 16 // group)
     decode = make_variant(decode_len)
     if max_query_len > decode_len and decode.config != cfg:
@@ -778,6 +732,8 @@ def plan_launches(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
                    dict(**variant.constexprs(num_kv_splits, q_len_min=decode_len + 1), num_warps=cfg.num_warps,
                         num_stages=cfg.num_stages)),
         ]
+        if min_query_len is not None and min_query_len > decode_len:
+            launches = launches[1:]
     else:
         launches = [Launch(_paged_attention_kernel, (num_q_tiles, num_kv_heads, num_kv_splits), args,
                            dict(**variant.constexprs(num_kv_splits), num_warps=cfg.num_warps,
@@ -787,5 +743,5 @@ def plan_launches(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
             out, part_acc, part_m, part_l, query_start_loc,
             num_seqs, num_q_heads, out.stride(0), out.stride(1),
         ), dict(HEAD_DIM=head_dim, D_PAD=cfg.d_pad, NUM_SPLITS=num_kv_splits,
-                SPLITS_PAD=max(2, triton.next_power_of_2(num_kv_splits)), INTERPRETER=interpreted, num_warps=4)))
+                SPLITS_PAD=max(2, triton.next_power_of_2(num_kv_splits)), num_warps=4)))
     return launches

@@ -20,9 +20,10 @@ NaN). Integer shifts, adds and compares give the same codes in the interpreter a
 float operation here is :func:`scaled_rn`'s IEEE division (``div.rn.f32``: correctly rounded, subnormals kept,
 unlike Triton's ``/``, which is ``div.full.f32``, an approximation).
 
-The kernel package sits below :mod:`kv8.quant` in the package layers (pyproject.toml's import-linter contract), so
-it cannot import :class:`~kv8.quant.formats.FP8Format`: :class:`FP8Layout` is the structural type of what it reads,
-and :func:`fp8_format_id` checks a format's fields against the constants the helpers are specialized on.
+The constants each helper is specialized on come from the format itself: :func:`encode_fp8`, :func:`encode_int8`
+and :func:`encode_codes` (which of the two, by ``FMT.int_codes``) take a
+:class:`~kv8.kernels.triton.formats.KernelFormat` (derived from a :class:`kv8.quant.formats.FP8Format` or
+:class:`~kv8.quant.formats.IntFormat` by :func:`~kv8.kernels.triton.formats.kernel_format`) as their constexpr.
 
 int8 codes (``kv_cache_dtype="int8_per_token_head"``; :class:`kv8.quant.formats.IntFormat` is the contract) are
 ``clamp(round_half_even(y), -127, 127)``, NaN -> 0, ``±inf`` -> ``±127``: :func:`encode_int8`. Its rounding is the
@@ -30,138 +31,14 @@ float32 add-and-subtract of ``1.5 * 2^23`` (for ``|y| <= 127`` the sum lies in `
 spacing is 1, so the IEEE add rounds ``y`` to an integer, nearest even, and the subtraction is exact): two IEEE
 operations, the same in the interpreter (numpy float32) and compiled (``add.f32``/``sub.f32``; nothing to contract
 into an FMA), on any GPU -- unlike libdevice's ``rint``, which the interpreter and each backend map differently.
-:class:`IntLayout` and :func:`code_format_id` (:data:`INT8_ID`) are its counterparts of :class:`FP8Layout` and
-:func:`fp8_format_id`.
 """
 
 from __future__ import annotations
 
-import struct
-from dataclasses import dataclass
-from typing import Protocol
-
 import triton
 import triton.language as tl
 
-__all__ = [
-    "E4M3FN_ID",
-    "E4M3FNUZ_ID",
-    "E5M2_ID",
-    "FP8_ENCODINGS",
-    "FP8Encoding",
-    "FP8Layout",
-    "INT8_ID",
-    "IntLayout",
-    "bf16_bits_to_f32",
-    "code_format_id",
-    "encode_e4m3fn",
-    "encode_e4m3fnuz",
-    "encode_e5m2",
-    "encode_fp8",
-    "encode_int8",
-    "f32_to_bf16_bits",
-    "fp8_format_id",
-    "scaled_rn",
-]
-
-# The ``FMT`` constexpr of :func:`encode_fp8`.
-E4M3FN_ID = 0
-E4M3FNUZ_ID = 1
-E5M2_ID = 2
-INT8_ID = 3   # int8 codes (encode_int8), not an FP8 format
-
-
-class FP8Layout(Protocol):
-    """What the kernels read of an FP8 format (:class:`kv8.quant.formats.FP8Format` has all of it)."""
-
-    @property
-    def name(self) -> str: ...
-    @property
-    def exponent_bits(self) -> int: ...
-    @property
-    def mantissa_bits(self) -> int: ...
-    @property
-    def exponent_bias(self) -> int: ...
-    @property
-    def max_finite(self) -> float: ...
-    @property
-    def has_negative_zero(self) -> bool: ...
-    @property
-    def nan_code(self) -> int: ...
-    @property
-    def negative_nan_code(self) -> int: ...
-
-
-class IntLayout(Protocol):
-    """What the kernels read of an integer code format (:class:`kv8.quant.formats.IntFormat` has all of it)."""
-
-    @property
-    def name(self) -> str: ...
-    @property
-    def bits(self) -> int: ...
-    @property
-    def max_finite(self) -> float: ...
-
-
-def _f32_bits(x: float) -> int:
-    return int(struct.unpack("<I", struct.pack("<f", x))[0])
-
-
-@dataclass(frozen=True)
-class FP8Encoding:
-    """The constants one ``encode_*`` helper is specialized on (literals in its body; this is their record).
-
-    Invariant (checked by the tests against :data:`kv8.quant.formats.FP8_FORMATS`): each entry of
-    :data:`FP8_ENCODINGS` equals the fields of the kv8 format of the same name.
-    """
-
-    format_id: int
-    exponent_bits: int
-    mantissa_bits: int
-    exponent_bias: int
-    max_finite: float
-    has_negative_zero: bool
-    nan_code: int
-    negative_nan_code: int
-
-    @property
-    def max_finite_bits(self) -> int:
-        """float32 bit pattern of ``max_finite`` (the saturation bound on ``|y|``'s bits)."""
-        return _f32_bits(self.max_finite)
-
-
-FP8_ENCODINGS: dict[str, FP8Encoding] = {
-    "fp8_e4m3": FP8Encoding(E4M3FN_ID, 4, 3, 7, 448.0, True, 0x7F, 0xFF),
-    "fp8_e4m3fnuz": FP8Encoding(E4M3FNUZ_ID, 4, 3, 8, 240.0, False, 0x80, 0x80),
-    "fp8_e5m2": FP8Encoding(E5M2_ID, 5, 2, 15, 57344.0, True, 0x7E, 0xFE),
-}
-
-
-def fp8_format_id(fmt: FP8Layout) -> int:
-    """The ``FMT`` constexpr for ``fmt``; ``ValueError`` unless its name and every field the encode reads match."""
-    enc = FP8_ENCODINGS.get(getattr(fmt, "name", None))  # type: ignore[arg-type]
-    if enc is None:
-        raise ValueError(f"fp8={fmt!r}: the Triton kernels encode only the formats named "
-                         f"{', '.join(FP8_ENCODINGS)}")
-    fields = ("exponent_bits", "mantissa_bits", "exponent_bias", "max_finite", "has_negative_zero", "nan_code",
-              "negative_nan_code")
-    for field in fields:
-        if getattr(fmt, field) != getattr(enc, field):
-            raise ValueError(f"fp8 format {fmt.name!r}: {field}={getattr(fmt, field)!r}, but the Triton encode of "
-                             f"{fmt.name!r} is specialized on {field}={getattr(enc, field)!r}")
-    return enc.format_id
-
-
-def code_format_id(fmt: FP8Layout | IntLayout) -> int:
-    """The ``FMT`` constexpr of a code format: :data:`INT8_ID` for int8 codes (``name == "int8"``, 8 bits, max
-    127), else :func:`fp8_format_id`; ``ValueError`` for a format the kernels are not specialized on."""
-    if getattr(fmt, "name", None) == "int8":
-        got = (getattr(fmt, "bits", None), getattr(fmt, "max_finite", None))
-        if got != (8, 127.0):
-            raise ValueError(f"int8 format {fmt!r}: bits, max_finite = {got}, but the Triton encode of 'int8' is "
-                             "specialized on (8, 127.0)")
-        return INT8_ID
-    return fp8_format_id(fmt)  # type: ignore[arg-type]
+__all__ = ["bf16_bits_to_f32", "encode_codes", "encode_fp8", "encode_int8", "f32_to_bf16_bits", "scaled_rn"]
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -251,34 +128,10 @@ def _encode_bits(y, MAN: tl.constexpr, BIAS: tl.constexpr, MAX_BITS: tl.constexp
 
 
 @triton.jit
-def encode_e4m3fn(y):
-    """float32 -> OCP E4M3FN codes (uint8): bias 7, max 448, NaN 0x7F/0xFF, -0 is 0x80, no inf."""
-    return _encode_bits(y, 3, 7, 0x43E00000, 0x7F, 0xFF, True).to(tl.uint8)
-
-
-@triton.jit
-def encode_e4m3fnuz(y):
-    """float32 -> E4M3FNUZ codes (uint8): bias 8, max 240, 0x80 the only NaN, no -0 (encodes to 0x00), no inf."""
-    return _encode_bits(y, 3, 8, 0x43700000, 0x80, 0x80, False).to(tl.uint8)
-
-
-@triton.jit
-def encode_e5m2(y):
-    """float32 -> OCP E5M2 codes (uint8): bias 15, max 57344, NaN 0x7E/0xFE, -0 is 0x80; inf saturates."""
-    return _encode_bits(y, 2, 15, 0x47600000, 0x7E, 0xFE, True).to(tl.uint8)
-
-
-@triton.jit
 def encode_fp8(y, FMT: tl.constexpr):
-    """float32 -> uint8 codes of the format ``FMT`` (:data:`E4M3FN_ID`, :data:`E4M3FNUZ_ID`, :data:`E5M2_ID`)."""
-    if FMT == 0:
-        code = encode_e4m3fn(y)
-    elif FMT == 1:
-        code = encode_e4m3fnuz(y)
-    else:
-        tl.static_assert(FMT == 2, "FMT must be E4M3FN_ID, E4M3FNUZ_ID or E5M2_ID")
-        code = encode_e5m2(y)
-    return code
+    """float32 -> uint8 codes of the FP8 format ``FMT`` (a :class:`~kv8.kernels.triton.formats.KernelFormat`)."""
+    return _encode_bits(y, FMT.mantissa_bits, FMT.exponent_bias, FMT.max_finite_bits, FMT.nan_code,
+                        FMT.negative_nan_code, FMT.has_negative_zero).to(tl.uint8)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -286,11 +139,24 @@ def encode_fp8(y, FMT: tl.constexpr):
 # ----------------------------------------------------------------------------------------------------------------
 
 @triton.jit
-def encode_int8(y):
-    """float32 ``y`` (already divided by its scale) -> ``int8`` codes ``clamp(round_half_even(y), -127, 127)``;
-    NaN -> 0, ``±inf`` -> ``±127`` (:meth:`kv8.quant.formats.IntFormat.encode`). The rounding adds and subtracts
-    ``1.5 * 2^23`` (module docstring)."""
+def encode_int8(y, FMT: tl.constexpr):
+    """float32 ``y`` (already divided by its scale) -> ``int8`` codes ``clamp(round_half_even(y), -max, max)``
+    with ``max = FMT.max_finite`` (the integer format's largest code, 127 for int8); NaN -> 0, ``±inf`` -> ``±max``
+    (:meth:`kv8.quant.formats.IntFormat.encode`). The rounding adds and subtracts ``1.5 * 2^23`` (module
+    docstring)."""
     is_nan = (y.to(tl.int32, bitcast=True) & 0x7FFFFFFF) > 0x7F800000
-    y = tl.minimum(tl.maximum(tl.where(is_nan, 0.0, y), -127.0), 127.0)
+    y = tl.minimum(tl.maximum(tl.where(is_nan, 0.0, y), -FMT.max_finite), FMT.max_finite)
     r = (y + 12582912.0) - 12582912.0                    # 1.5 * 2^23: rounds to an integer, nearest even
     return r.to(tl.int32).to(tl.int8)
+
+
+@triton.jit
+def encode_codes(y, FMT: tl.constexpr):
+    """float32 ``y`` (already divided by its scale) -> the codes of ``FMT`` (a
+    :class:`~kv8.kernels.triton.formats.KernelFormat`): ``int8`` codes for an integer format (``FMT.int_codes``,
+    :func:`encode_int8`), else ``uint8`` FP8 codes (:func:`encode_fp8`)."""
+    if FMT.int_codes:
+        code = encode_int8(y, FMT)
+    else:
+        code = encode_fp8(y, FMT)
+    return code

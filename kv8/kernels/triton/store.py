@@ -9,7 +9,8 @@ The reference is :meth:`kv8.cache.paged_cache.PagedKVCache.store` (through :meth
     k/v_token_scales [num_blocks, H, bs]      [b, h, o] <- scale of (t, h)      (dynamic scales only)
 
 The codes are FP8 (``uint8``; static or dynamic scales) or int8 (``int8``; always dynamic scales: the
-``int8_per_token_head`` cache), one ``FMT`` constexpr (:func:`kv8.kernels.triton.quant.code_format_id`).
+``int8_per_token_head`` cache), one ``FMT`` constexpr (a :class:`~kv8.kernels.triton.formats.KernelFormat`;
+``FMT.int_codes`` tells them apart).
 
     |<--------- block b: H tiles of bs x D --------->|
     | head 0: o=0 [D] o=1 [D] ... | head 1: ... | ... |
@@ -43,22 +44,14 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.runtime.jit import JITFunction
 
+from kv8.kernels.triton import interpreter
+from kv8.kernels.triton.formats import FP8Layout, IntLayout, KernelFormat, code_dtype, kernel_format
+from kv8.kernels.triton.interpreter import max_combine
 from kv8.kernels.triton.launch import Launch
-from kv8.kernels.triton.quant import (
-    INT8_ID,
-    FP8Layout,
-    IntLayout,
-    bf16_bits_to_f32,
-    code_format_id,
-    encode_fp8,
-    encode_int8,
-    f32_to_bf16_bits,
-    scaled_rn,
-)
+from kv8.kernels.triton.quant import bf16_bits_to_f32, encode_codes, f32_to_bf16_bits, scaled_rn
 
-__all__ = ["CACHE_DTYPES", "INPUT_DTYPES", "interpreted", "store_kv", "store_launch"]
+__all__ = ["CACHE_DTYPES", "INPUT_DTYPES", "store_kv", "store_launch"]
 
 INPUT_DTYPES: tuple[torch.dtype, ...] = (torch.bfloat16, torch.float16, torch.float32)
 CACHE_DTYPES: tuple[torch.dtype, ...] = (torch.bfloat16, torch.float16, torch.float32)  # 16/32-bit caches
@@ -104,18 +97,13 @@ def _store_one(x_ptr, stride_xt, stride_xh, c_ptr, stride_cb, stride_ch, stride_
             s = tl.load(scale_ptr + heads[:, None] * stride_sh + dims[None, :] * stride_sd, mask=mask, other=1.0)
             y = scaled_rn(x, s)
         else:           # dynamic: one scale per (token, head), = KVCodec.token_scales
-            # [BLOCK_H] largest |x| bit pattern. tl.reduce with triton's own max combine rather than tl.max: tl.max
-            # is a @jit library function, fixed when triton is imported, so an interpreted kernel cannot call it if
-            # triton was imported before TRITON_INTERPRET was set; the interpreter reduces this combine with numpy.
-            amax = tl.reduce(x.to(tl.int32, bitcast=True) & 0x7FFFFFFF, 1, tl.standard._elementwise_max)
+            # [BLOCK_H] largest |x| bit pattern (tl.reduce with kv8's combine: kv8.kernels.triton.interpreter)
+            amax = tl.reduce(x.to(tl.int32, bitcast=True) & 0x7FFFFFFF, 1, max_combine)
             ts = tl.math.div_rn(amax.to(tl.float32, bitcast=True), max_finite)
             ts = tl.where((amax < 0x7F800000) & (ts > 0.0), ts, 1.0)
             tl.store(ts_ptr + block * stride_tb + heads * stride_th + off * stride_ts, ts, mask=hmask)
             y = scaled_rn(x, ts[:, None])
-        if FMT == 3:    # INT8_ID
-            tl.store(dst, encode_int8(y), mask=mask)
-        else:
-            tl.store(dst, encode_fp8(y, FMT), mask=mask)
+        tl.store(dst, encode_codes(y, FMT), mask=mask)       # FP8 or int8 codes, by FMT.int_codes
 
 
 @triton.jit
@@ -145,12 +133,6 @@ def _store_kv_kernel(key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
     _store_one(value_ptr, stride_vt, stride_vh, v_cache_ptr, stride_vcb, stride_vch, stride_vcs,
                v_scale_ptr, stride_vsh, stride_vsd, v_ts_ptr, stride_vtb, stride_vth, stride_vts,
                t, block, off, heads, dims, h_end, D, max_finite, MODE, FMT, IN, OUT)
-
-
-def interpreted() -> bool:
-    """True when the kernels were built for Triton's interpreter (``TRITON_INTERPRET=1`` when this module was
-    imported): CPU tensors work then, and only then."""
-    return not isinstance(_store_kv_kernel, JITFunction)
 
 
 def _describe(t: object) -> str:
@@ -188,7 +170,8 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_ca
     * FP8, dynamic scales: ``k_token_scales``, ``v_token_scales`` ``[num_blocks, H, bs]`` float32 (views as
       :meth:`PagedKVCache.layer_token_scales` returns) receive each (token, head)'s scale, as
       :meth:`KVCodec.token_scales` computes it, and the codes are ``quantize(x, scale, fmt)``.
-    * int8: dynamic scales as for FP8 (the only kind an int8 cache has), ``amax / 127``.
+    * int8 (``fp8`` an integer format): dynamic scales as for FP8 (the only kind an int8 cache has), ``amax /
+      max_finite`` (127).
 
     All tensors on one device: CUDA, or the CPU when the kernels run in Triton's interpreter. ``ValueError`` names
     the argument, what it was and what is allowed.
@@ -197,7 +180,7 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_ca
     if not isinstance(key, torch.Tensor):
         raise ValueError(f"store_kv: key must be a [T, H, D] tensor, got {_describe(key)}")
     device = key.device
-    if device.type == "cpu" and not interpreted():
+    if device.type == "cpu" and not interpreter.INTERPRETED:
         raise ValueError("store_kv: CPU tensors need Triton's interpreter: set TRITON_INTERPRET=1 before "
                          "kv8.kernels.triton is imported (or pass CUDA tensors)")
     _check_tensor("key", key, 3, INPUT_DTYPES, device)
@@ -205,8 +188,11 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_ca
     if value.shape != key.shape:
         raise ValueError(f"store_kv: value has shape {list(value.shape)}, key {list(key.shape)}: they must be equal")
     num_tokens, num_heads, head_dim = key.shape
-    fmt_id = 0 if fp8 is None else code_format_id(fp8)
-    cache_dtypes = CACHE_DTYPES if fp8 is None else (torch.int8,) if fmt_id == INT8_ID else (torch.uint8,)
+    try:
+        fmt = None if fp8 is None else kernel_format(fp8)
+    except ValueError as exc:
+        raise ValueError(f"store_kv: {exc}") from None
+    cache_dtypes = CACHE_DTYPES if fmt is None else (code_dtype(fmt),)
     _check_tensor("k_cache", k_cache, 4, cache_dtypes, device)
     _check_tensor("v_cache", v_cache, 4, (k_cache.dtype,), device)
     num_blocks, cache_heads, block_size, cache_dim = k_cache.shape
@@ -223,16 +209,15 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_ca
     dynamic = (k_token_scales, v_token_scales)
     given = [n for n, t in zip(("k_scale", "v_scale", "k_token_scales", "v_token_scales"), static + dynamic)
              if t is not None]
-    if fp8 is None:
+    if fmt is None:
         if given:
             raise ValueError(f"store_kv: {', '.join(given)} given for a {k_cache.dtype} cache (fp8=None); "
-                             "scales exist only for FP8 and int8 caches")
-        mode, max_finite = _MODE_CAST, 1.0
+                             "scales exist only for FP8 and integer caches")
+        mode = _MODE_CAST
     else:
-        max_finite = float(fp8.max_finite)
-        if fmt_id == INT8_ID and sorted(given) != ["k_token_scales", "v_token_scales"]:
-            raise ValueError(f"store_kv: an int8 cache needs k_token_scales and v_token_scales (a scale per token "
-                             f"and head; it has no static scales); got {given or 'none'}")
+        if fmt.int_codes and sorted(given) != ["k_token_scales", "v_token_scales"]:
+            raise ValueError(f"store_kv: an {fmt.name} cache needs k_token_scales and v_token_scales (a scale per "
+                             f"token and head; it has no static scales); got {given or 'none'}")
         if sorted(given) == ["k_scale", "v_scale"]:
             mode = _MODE_STATIC
         elif sorted(given) == ["k_token_scales", "v_token_scales"]:
@@ -258,15 +243,16 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_ca
     if num_tokens == 0:
         return
     store_launch(key, value, k_cache, v_cache, slot_mapping, k_sc, v_sc, k_ts, v_ts, (*ks_strides, *vs_strides),
-                 (*kt_strides, *vt_strides), mode=mode, fmt_id=fmt_id, max_finite=max_finite).run()
+                 (*kt_strides, *vt_strides), mode=mode, fmt=fmt).run()
 
 
 def store_launch(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  slot_mapping: torch.Tensor, k_scale: torch.Tensor, v_scale: torch.Tensor,
                  k_token_scales: torch.Tensor, v_token_scales: torch.Tensor, scale_strides: tuple[int, ...],
-                 token_scale_strides: tuple[int, ...], *, mode: int, fmt_id: int, max_finite: float) -> Launch:
+                 token_scale_strides: tuple[int, ...], *, mode: int, fmt: KernelFormat | None) -> Launch:
     """The one launch :func:`store_kv` makes for its validated arguments (unused scale pointers are placeholders,
-    their strides 0), as a value a compile check can build for a GPU it does not have."""
+    their strides 0; ``fmt`` None for a 16/32-bit cache), as a value a compile check can build for a GPU it does not
+    have."""
     num_tokens, num_heads, head_dim = key.shape
     block_size = k_cache.shape[2]
     block_d = triton.next_power_of_2(head_dim)
@@ -278,8 +264,8 @@ def store_launch(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, 
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         *scale_strides, *token_scale_strides,
-        num_heads, head_dim, block_size, max_finite,
-    ), dict(MODE=mode, FMT=fmt_id, IN=_KIND[key.dtype], OUT=_KIND.get(k_cache.dtype, 0),
+        num_heads, head_dim, block_size, 1.0 if fmt is None else fmt.max_finite,
+    ), dict(MODE=mode, FMT=fmt, IN=_KIND[key.dtype], OUT=_KIND.get(k_cache.dtype, 0),
             BLOCK_H=block_h, BLOCK_D=block_d, num_warps=4 if block_h * block_d >= 1024 else 2))
 
 def _scale_view(name: str, scale: torch.Tensor | None, num_heads: int, head_dim: int,

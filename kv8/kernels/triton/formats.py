@@ -1,0 +1,202 @@
+"""What the Triton kernels need of a KV cache format: :class:`KernelFormat`, derived from the format, one constexpr.
+
+:class:`kv8.quant.formats.FP8Format` is the one definition of each FP8 format (bit layout, bias, max finite value,
+NaN and zero codes), :class:`kv8.quant.formats.IntFormat` that of the integer codes (int8: symmetric, max 127). The
+kernel package sits below :mod:`kv8.quant` in the package layers (pyproject.toml's import-linter contract), so it
+does not import the formats: a wrapper (:func:`~kv8.kernels.triton.store.store_kv`,
+:func:`~kv8.kernels.triton.attention.unified_attention`) receives the format object (:class:`FP8Layout` or
+:class:`IntLayout`: the fields it reads) and derives a :class:`KernelFormat` with :func:`kernel_format`, which the
+kernels take as one constexpr (``FMT``; ``None`` for a 16/32-bit cache). No kernel names a format or restates its
+constants; every field below is computed from the format's own.
+
+Two families share the tuple, told apart by ``int_codes``: FP8 codes (``uint8`` bytes: sign | exponent |
+mantissa) and integer codes (``int8`` elements, one code each: ``kv_cache_dtype="int8_per_token_head"``). An
+integer format's FP8-only fields are neutral (0, False, 1.0, None); its ``nan_code`` and ``negative_nan_code`` are
+0, the code a NaN encodes to.
+
+=====================  ===============================================  =============================================
+field                  from the format                                  read by
+=====================  ===============================================  =============================================
+``int_codes``          the family: an integer format (``bits`` = 8)     encode and decode (which of the two); the
+                                                                        wrappers (``int8`` cache, dynamic scales)
+``mantissa_bits``      M                                                encode (rounding), bit decode (the shift)
+``exponent_bias``      its bias                                         encode (rebias, subnormal range)
+``max_finite``         its largest finite value (int: the largest       the store's dynamic scales; int encode
+                       code)                                            (the clamp)
+``max_finite_bits``    float32 bits of ``max_finite``                   FP8 encode (saturation bound on ``|y|``'s
+                                                                        bits)
+``nan_code``           the code a NaN encodes to                        encode
+``negative_nan_code``  the code a NaN with its sign bit encodes to      encode
+``has_negative_zero``  0x80 is -0.0 (else it is NaN and -0 encodes 0)   encode
+``half_top_byte``      5 exponent bits, bias 15, inf: a half's top      bit decode: a shift, inf/NaN are half's own
+                       byte
+``nan_mask``,          NaN codes are those with ``code & nan_mask ==    bit decode (when not ``half_top_byte``)
+``nan_match``          nan_match``
+``half_factor``        ``2^(15 - bias)``                                bit decode (half's bias -> the format's)
+``native``             Triton's FP8 type of the same layout (from the   native decode (``fp8e4nv``, ``fp8e5``,
+                       format's torch dtype), or None                   ``fp8e4b8``)
+=====================  ===============================================  =============================================
+
+Why a NamedTuple: Triton keys its compiled kernels on the constexprs' values (a NamedTuple of plain values is
+hashable and compares by value), serializes them to JSON for its compile hooks, and reads a field (``FMT.nan_code``)
+as a constant both compiled and in the interpreter (Triton 3.6 and 3.9).
+
+To add a format family: give it its fields here (and a value of a field that tells the families apart, as
+``int_codes`` does for the integer codes), derive them in :func:`kernel_format`, and branch on them in the encode
+(:func:`kv8.kernels.triton.quant.encode_codes`) and the decode (:func:`kv8.kernels.triton.dequant.decode_fp8`); the
+wrappers (the cache dtype: :func:`code_dtype`; which scales) and the launch planning pass the constexpr through
+unchanged.
+"""
+
+from __future__ import annotations
+
+import struct
+from typing import NamedTuple, Protocol, cast
+
+import torch
+
+__all__ = ["FP8Layout", "IntLayout", "KernelFormat", "code_dtype", "kernel_format"]
+
+_SIGN = 0x80
+_HALF_MAX = 65504.0
+_HALF_MIN_SUBNORMAL = 2.0 ** -24
+# Triton's FP8 types by the torch dtype of the same layout (kv8.quant.formats checks that a format's torch dtype
+# decodes every code as the format does)
+_TRITON_FP8 = {torch.float8_e4m3fn: "fp8e4nv", torch.float8_e5m2: "fp8e5", torch.float8_e4m3fnuz: "fp8e4b8",
+               torch.float8_e5m2fnuz: "fp8e5b16"}
+
+
+class FP8Layout(Protocol):
+    """What the kernels read of an FP8 format (:class:`kv8.quant.formats.FP8Format` has all of it)."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def exponent_bits(self) -> int: ...
+    @property
+    def mantissa_bits(self) -> int: ...
+    @property
+    def exponent_bias(self) -> int: ...
+    @property
+    def max_finite(self) -> float: ...
+    @property
+    def min_subnormal(self) -> float: ...
+    @property
+    def torch_dtype(self) -> torch.dtype: ...
+    @property
+    def has_negative_zero(self) -> bool: ...
+    @property
+    def has_inf(self) -> bool: ...
+    @property
+    def nan_codes(self) -> tuple[int, ...]: ...
+    @property
+    def nan_code(self) -> int: ...
+    @property
+    def negative_nan_code(self) -> int: ...
+
+
+class IntLayout(Protocol):
+    """What the kernels read of an integer code format (:class:`kv8.quant.formats.IntFormat` has all of it)."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def bits(self) -> int: ...
+    @property
+    def max_finite(self) -> float: ...
+
+
+class KernelFormat(NamedTuple):
+    """The constants the encode and the decode of one FP8 or integer format are specialized on (module
+    docstring)."""
+
+    name: str
+    int_codes: bool
+    mantissa_bits: int
+    exponent_bias: int
+    max_finite: float
+    max_finite_bits: int
+    nan_code: int
+    negative_nan_code: int
+    has_negative_zero: bool
+    half_top_byte: bool
+    nan_mask: int
+    nan_match: int
+    half_factor: float
+    native: str | None
+
+
+_FIELDS = ("name", "exponent_bits", "mantissa_bits", "exponent_bias", "max_finite", "min_subnormal", "torch_dtype",
+           "has_negative_zero", "has_inf", "nan_codes", "nan_code", "negative_nan_code")
+
+
+def code_dtype(fmt: KernelFormat) -> torch.dtype:
+    """The dtype of a cache of ``fmt``'s codes: ``int8`` for integer codes, ``uint8`` (raw bytes) for FP8."""
+    return torch.int8 if fmt.int_codes else torch.uint8
+
+
+def _int_format(fmt: IntLayout) -> KernelFormat:
+    bits, max_finite = fmt.bits, fmt.max_finite
+    if bits != 8 or max_finite != float((1 << (bits - 1)) - 1):
+        raise ValueError(f"integer format {fmt.name!r}: bits={bits}, max_finite={max_finite}; the Triton kernels "
+                         "read and write one symmetric code per signed byte (8 bits, max 2^7 - 1), not packed "
+                         "4-bit codes")
+    return KernelFormat(
+        name=fmt.name, int_codes=True, mantissa_bits=0, exponent_bias=0, max_finite=float(max_finite),
+        max_finite_bits=int(struct.unpack("<I", struct.pack("<f", max_finite))[0]), nan_code=0, negative_nan_code=0,
+        has_negative_zero=False, half_top_byte=False, nan_mask=0, nan_match=0, half_factor=1.0, native=None)
+
+
+def kernel_format(fmt: FP8Layout | IntLayout) -> KernelFormat:
+    """The kernels' constants for ``fmt``; ``ValueError`` naming the field when ``fmt`` lacks one or has a layout the
+    kernels cannot handle. An integer format (``bits``, no ``exponent_bits``) must be 8 bits with max ``2^7 - 1``
+    (one code per int8 element). An FP8 format must have a layout the bit decode can build from a half: not more
+    than 5 exponent bits, 5 bits that are IEEE's (bias 15, inf and NaN in the all-ones exponent), infinities only
+    with 5, NaN codes that are one code or one code of each sign, values inside a half's range."""
+    if hasattr(fmt, "bits") and not hasattr(fmt, "exponent_bits"):
+        return _int_format(fmt)
+    return _fp8_format(cast(FP8Layout, fmt))
+
+
+def _fp8_format(fmt: FP8Layout) -> KernelFormat:
+    missing = [f for f in _FIELDS if not hasattr(fmt, f)]
+    if missing:
+        raise ValueError(f"fp8={fmt!r} is not an FP8 format: it has no {', '.join(missing)} "
+                         "(pass a kv8.quant.formats.FP8Format, or an IntFormat)")
+    e, m, bias = fmt.exponent_bits, fmt.mantissa_bits, fmt.exponent_bias
+    nans = set(fmt.nan_codes)
+
+    def bad(what: str) -> ValueError:
+        return ValueError(f"fp8 format {fmt.name!r}: {what}; the Triton kernels' bit decode cannot build it from a "
+                          "half")
+
+    if e + m != 7 or m < 1:
+        raise bad(f"exponent_bits={e}, mantissa_bits={m} is not a sign | exponent | mantissa byte")
+    if e > 5:
+        raise bad(f"exponent_bits={e} > 5 (a half's)")
+    half_top_byte = e == 5
+    nan_mask = nan_match = 0
+    if half_top_byte:
+        ieee = {s | 0x7C | low for s in (0, _SIGN) for low in (1, 2, 3)}
+        if bias != 15 or not fmt.has_inf or nans != ieee:
+            raise bad(f"5 exponent bits with exponent_bias={bias}, has_inf={fmt.has_inf}, nan_codes="
+                      f"{sorted(nans)}: only IEEE's (bias 15, inf and NaN where a half has them) are a half's top "
+                      "byte")
+    else:
+        if fmt.has_inf:
+            raise bad(f"has_inf=True with exponent_bits={e} (a half has no infinities there)")
+        low = {c & ~_SIGN for c in nans}
+        if len(nans) == 1:
+            nan_mask, nan_match = 0xFF, next(iter(nans))
+        elif len(low) == 1 and nans == {next(iter(low)), next(iter(low)) | _SIGN}:
+            nan_mask, nan_match = 0x7F, next(iter(low))
+        else:
+            raise bad(f"nan_codes={sorted(nans)}: want one code, or one code with either sign")
+    if not (fmt.max_finite <= _HALF_MAX and fmt.min_subnormal >= _HALF_MIN_SUBNORMAL):
+        raise bad(f"values {fmt.min_subnormal} .. {fmt.max_finite} lie outside a half's range")
+    return KernelFormat(
+        name=fmt.name, int_codes=False, mantissa_bits=m, exponent_bias=bias, max_finite=float(fmt.max_finite),
+        max_finite_bits=int(struct.unpack("<I", struct.pack("<f", fmt.max_finite))[0]),
+        nan_code=fmt.nan_code, negative_nan_code=fmt.negative_nan_code, has_negative_zero=bool(fmt.has_negative_zero),
+        half_top_byte=half_top_byte, nan_mask=nan_mask, nan_match=nan_match, half_factor=2.0 ** (15 - bias),
+        native=_TRITON_FP8.get(fmt.torch_dtype))

@@ -1,0 +1,123 @@
+"""What the Triton kernels take of an FP8 or integer format (:func:`kv8.kernels.triton.formats.kernel_format`) is
+derived from kv8's one definition of it (:mod:`kv8.quant.formats`), and describes it: a model of the kernels' bit
+decode built from those fields alone gives every code's value, and no kernel module restates a format's constants.
+
+The kernels themselves are checked against the formats code by code in the interpreter (and compiled on a GPU):
+the store's encode in tests/kernels/test_triton_store.py, the decode in tests/kernels/test_triton_attention.py,
+both over every format of :data:`kv8.quant.formats.FP8_FORMATS` and int8.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import struct
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import kv8.kernels.triton as kernels_pkg
+from kv8.kernels.triton.formats import KernelFormat, code_dtype, kernel_format
+from kv8.quant.formats import FP8_FORMATS, INT4, INT8, FP8Format
+
+fmt_param = pytest.mark.parametrize("fmt", list(FP8_FORMATS.values()), ids=lambda f: f.name)
+
+
+def _half(bits: int) -> float:
+    return float(struct.unpack("<e", struct.pack("<H", bits & 0xFFFF))[0])
+
+
+def _bit_decode_model(k: KernelFormat, code: int) -> float:
+    """:func:`kv8.kernels.triton.dequant.decode_fp8_bits` in plain Python, from the kernel's fields only."""
+    if k.half_top_byte:
+        return _half(code << 8)
+    if code & k.nan_mask == k.nan_match:
+        return math.nan
+    return _half(((code & 0x80) << 8) | ((code & 0x7F) << (10 - k.mantissa_bits))) * k.half_factor
+
+
+@fmt_param
+def test_kernel_fields_are_the_formats(fmt: FP8Format) -> None:
+    k = kernel_format(fmt)
+    assert (k.name, k.mantissa_bits, k.exponent_bias, k.max_finite) == \
+        (fmt.name, fmt.mantissa_bits, fmt.exponent_bias, fmt.max_finite)
+    assert (k.nan_code, k.negative_nan_code, k.has_negative_zero) == \
+        (fmt.nan_code, fmt.negative_nan_code, fmt.has_negative_zero)
+    assert struct.unpack("<f", struct.pack("<I", k.max_finite_bits))[0] == fmt.max_finite
+    assert k.half_factor == 2.0 ** (15 - fmt.exponent_bias)
+    # Triton's type of the same layout, where it has one: what the native decode bitcasts to
+    want_native = {torch.float8_e4m3fn: "fp8e4nv", torch.float8_e5m2: "fp8e5", torch.float8_e4m3fnuz: "fp8e4b8"}
+    assert k.native == want_native[fmt.torch_dtype]
+    assert kernel_format(fmt) == k and hash(kernel_format(fmt)) == hash(k)   # one compiled kernel per format
+    assert not k.int_codes and code_dtype(k) == torch.uint8
+
+
+def test_int8_is_a_family_of_its_own() -> None:
+    """int8 codes: the integer family (``int_codes``), its largest code the format's, one code per int8 element,
+    no FP8 type to decode natively; a NaN encodes to code 0."""
+    k = kernel_format(INT8)
+    assert k.int_codes and k.name == INT8.name and k.max_finite == INT8.max_finite
+    assert struct.unpack("<f", struct.pack("<I", k.max_finite_bits))[0] == INT8.max_finite
+    assert code_dtype(k) == INT8.storage_dtype == torch.int8
+    assert k.native is None and (k.nan_code, k.negative_nan_code) == (0, 0)
+    assert kernel_format(INT8) == k and k not in {kernel_format(f) for f in FP8_FORMATS.values()}
+
+
+@fmt_param
+def test_bit_decode_model_from_the_kernel_fields_gives_every_value(fmt: FP8Format) -> None:
+    """The fields the decode is specialized on describe the format: all 256 codes, NaN, infinities and -0.0."""
+    k = kernel_format(fmt)
+    for code, want in enumerate(fmt.values()):
+        got = _bit_decode_model(k, code)
+        if math.isnan(want):
+            assert math.isnan(got), hex(code)
+        else:
+            assert got == want and math.copysign(1, got) == math.copysign(1, want), hex(code)
+
+
+E5M2FNUZ = FP8Format(name="fp8_e5m2fnuz", exponent_bits=5, mantissa_bits=2, exponent_bias=16, max_finite=57344.0,
+                     min_subnormal=2.0 ** -17, torch_dtype=torch.float8_e5m2fnuz, has_negative_zero=False,
+                     has_inf=False, nan_codes=(0x80,), nan_code=0x80)
+
+
+def _like(fmt: FP8Format, **change: object) -> SimpleNamespace:
+    fields = ("name", "exponent_bits", "mantissa_bits", "exponent_bias", "max_finite", "min_subnormal",
+              "torch_dtype", "has_negative_zero", "has_inf", "nan_codes", "nan_code", "negative_nan_code")
+    return SimpleNamespace(**{**{f: getattr(fmt, f) for f in fields}, **change})
+
+
+@pytest.mark.parametrize("layout,message", [
+    (E5M2FNUZ, r"'fp8_e5m2fnuz': 5 exponent bits with exponent_bias=16, has_inf=False"),
+    (SimpleNamespace(name="fp8_e3m4"), r"fp8=.* is not an FP8 format: it has no exponent_bits"),
+    (_like(FP8_FORMATS["fp8_e4m3"], has_inf=True), r"has_inf=True with exponent_bits=4"),
+    (_like(FP8_FORMATS["fp8_e4m3"], nan_codes=(0x7F, 0x7E)), r"nan_codes=\[126, 127\]: want one code"),
+    (_like(FP8_FORMATS["fp8_e4m3"], exponent_bits=6, mantissa_bits=1), r"exponent_bits=6 > 5"),
+    (INT4, r"integer format 'int4': bits=4, max_finite=7.0; .* not packed 4-bit codes"),
+    (SimpleNamespace(name="int8", bits=8, max_finite=100.0), r"integer format 'int8': bits=8, max_finite=100.0"),
+], ids=["e5m2fnuz", "not a format", "inf", "nan codes", "wide exponent", "int4", "int8 max"])
+def test_layouts_the_kernels_cannot_decode_are_refused(layout: object, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        kernel_format(layout)  # type: ignore[arg-type]
+
+
+def test_no_kernel_module_restates_a_format() -> None:
+    """The formats' names, max finite values and their float32 bit patterns appear in no kernel module: the
+    kernels take them from :func:`kernel_format` (which names only torch's and Triton's dtypes). For int8 the name
+    is a bare ``int8`` (``tl.int8``/``torch.int8`` are dtypes) and its max a float literal ``127.`` (the integer 127
+    is also float32's exponent bias, which the FP8 encode uses)."""
+    sources = {p.name: p.read_text() for p in Path(kernels_pkg.__file__).parent.glob("*.py")}
+    assert {"quant.py", "dequant.py", "store.py", "attention.py", "formats.py"} <= set(sources)
+    for fmt in FP8_FORMATS.values():
+        bits = struct.unpack("<I", struct.pack("<f", fmt.max_finite))[0]
+        patterns = [rf"\b{fmt.name}\b", rf"(?i)\b0x{bits:08x}\b", rf"(?<![\d.]){fmt.max_finite:g}(?![\d])"]
+        for name, text in sources.items():
+            code = re.sub(r'"""(.|\n)*?"""|#[^\n]*', "", text)     # docstrings and comments may name them
+            for pattern in patterns:
+                assert not re.search(pattern, code), (name, pattern)
+    int_bits = struct.unpack("<I", struct.pack("<f", INT8.max_finite))[0]
+    for name, text in sources.items():
+        code = re.sub(r'"""(.|\n)*?"""|#[^\n]*', "", text)
+        for pattern in (rf"(?<![\w.]){INT8.name}\b", rf"(?i)\b0x{int_bits:08x}\b", r"(?<![\d.])127\."):
+            assert not re.search(pattern, code), (name, pattern)
