@@ -48,8 +48,8 @@ def test_cli_errors_are_clear(tiny_llama, capsys):
     assert main(["generate", "x", "--model", "/nonexistent/model"]) == 2
     assert "does not download" in capsys.readouterr().err
     with pytest.raises(SystemExit):
-        main(["generate", "x", "--kv-cache-dtype", "int4"])
-    assert "invalid choice: 'int4'" in capsys.readouterr().err
+        main(["generate", "x", "--kv-cache-dtype", "int2"])
+    assert "invalid choice: 'int2'" in capsys.readouterr().err
 
 
 def test_a_cache_larger_than_free_memory_or_too_few_blocks_are_clear_errors(tiny_llama, capsys):
@@ -131,7 +131,7 @@ def test_messages_name_what_the_user_set(tiny_llama, tmp_path, capsys, caplog):
     assert "kv_cache_dtype='auto' (the bfloat16 compute dtype) is not an FP8 format" in err, err
     assert len(KV_CACHE_DTYPE_NAMES) == len(set(KV_CACHE_DTYPE_NAMES))
     with pytest.raises(SystemExit):
-        main(["generate", "x", "--kv-cache-dtype", "int4"])
+        main(["generate", "x", "--kv-cache-dtype", "int2"])
     assert capsys.readouterr().err.count("'fp8'") == 1
     scales = tmp_path / "scales.json"
     ones = torch.ones(2, 1, 1)
