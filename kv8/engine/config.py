@@ -143,13 +143,22 @@ class EngineConfig:
         check_int("seed", self.seed)
         arch, max_len = self.arch, self.scheduler.max_model_len
         self.parallel.check_model(arch)
-        plan = self.kv_plan()   # validates kv_cache_dtype_skip_layers and kv_cache_plan against the model
-        rotated = [i for i, s in enumerate(plan.specs) if s.rotation == "hadamard" and i in plan.layer_spec]
-        if rotated and arch.head_dim & (arch.head_dim - 1):
-            where = "" if rotated == [0] else f" (kv_cache_plan: layers {list(plan.layers_of(rotated[-1]))})"
+        cc = self.cache
+        if cc.kv_cache_plan is None and not cc.kv_cache_dtype_skip_layers:
+            # one spec for every layer: nothing per layer to check, and no list as long as a configuration's layer
+            # count, which the loader checks against the checkpoint later (a config may claim 10^9 layers)
+            specs: tuple[KVSpec, ...] = (cc.default_spec,)
+            rotated_layers: list[int] | None = None
+        else:
+            plan = self.kv_plan()   # validates kv_cache_dtype_skip_layers and kv_cache_plan against the model
+            specs = plan.used()
+            rotated = [i for i, s in enumerate(plan.specs) if s.rotation == "hadamard" and i in plan.layer_spec]
+            rotated_layers = list(plan.layers_of(rotated[-1])) if rotated and rotated != [0] else None
+        if any(s.rotation == "hadamard" for s in specs) and arch.head_dim & (arch.head_dim - 1):
+            where = "" if rotated_layers is None else f" (kv_cache_plan: layers {rotated_layers})"
             raise ValueError(f"kv_cache_rotation='hadamard'{where} needs a power-of-two head_dim; this model has "
                              f"head_dim={arch.head_dim}")
-        if self.cache.quantization_param_path is not None and not any(s.static_fp8 for s in plan.used()):
+        if cc.quantization_param_path is not None and not any(s.static_fp8 for s in specs):
             raise ValueError(f"quantization_param_path={self.cache.quantization_param_path!r} gives static FP8 "
                              f"scales, but no layer of kv_cache_plan={self.cache.kv_cache_plan!r} is stored in "
                              "FP8; drop quantization_param_path")
