@@ -39,19 +39,9 @@ def tools_missing() -> str | None:
 
 def compile_launch(launch: Any) -> Any:
     """The launch's kernel compiled for gfx942 (wave 64) as ``launch.run()`` would compile it on an MI300."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource, make_backend
-    from triton.runtime.jit import create_function_from_signature
+    from tests.helpers.sm90 import compile_for_target
 
-    fn = launch.kernel
-    target = GPUTarget("hip", "gfx942", 64)
-    backend = make_backend(target)
-    binder = create_function_from_signature(fn.signature, fn.params, backend)
-    bound, specialization, options = binder(*launch.args, **launch.kwargs)
-    options, signature, constexprs, attrs = fn._pack_args(backend, dict(launch.kwargs), bound, specialization,
-                                                          options)
-    return triton.compile(ASTSource(fn, signature, constexprs, attrs), target=target, options=options.__dict__)
+    return compile_for_target(launch, "hip", "gfx942", 64)
 
 
 @dataclass

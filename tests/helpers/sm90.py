@@ -55,13 +55,19 @@ def tools_missing() -> str | None:
 
 def compile_launch(launch: Any, arch: int = 90) -> Any:
     """The launch's kernel compiled for ``sm_<arch>`` exactly as ``launch.run()`` would compile it on that GPU."""
+    return compile_for_target(launch, "cuda", arch, 32)
+
+
+def compile_for_target(launch: Any, backend_name: str, arch: int | str, warp_size: int) -> Any:
+    """The launch's kernel compiled for Triton's target ``(backend_name, arch, warp_size)`` as ``launch.run()``
+    would compile it there (binding the launch's arguments as the JIT does); also :mod:`tests.helpers.gfx942`'s."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource, make_backend
     from triton.runtime.jit import create_function_from_signature
 
     fn = launch.kernel
-    target = GPUTarget("cuda", arch, 32)
+    target = GPUTarget(backend_name, arch, warp_size)
     backend = make_backend(target)
     binder = create_function_from_signature(fn.signature, fn.params, backend)
     bound, specialization, options = binder(*launch.args, **launch.kwargs)
