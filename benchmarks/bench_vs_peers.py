@@ -23,7 +23,8 @@ Prefill is thus a prefill-only phase for all three engines (llama-batched-bench,
 before it generates): no engine's prefill rate includes the decode of sequences that finished their prompt
 earlier.
 
-KV configurations: llama.cpp ``f16`` and ``q8_0``; vLLM ``auto`` (bf16) and ``fp8``; kv8 ``bfloat16``,
+KV configurations: llama.cpp ``f16`` and ``q8_0`` (``--llama-kv``, e.g. ``f16,q8_0,q4_0``); vLLM ``auto`` (bf16) and
+``fp8`` (``--vllm-kv``); kv8 ``bfloat16``,
 ``fp8_e4m3``, ``fp8_e4m3`` with ``kv_cache_rotation="hadamard"``, and ``fp8_e4m3`` with FP8 weights
 (``quantization="fp8"``: the decoder's weights in half the bytes; llama.cpp reads the GGUF's Q4_1 weights, vLLM
 bf16 weights made from them). Peers are found in ``$KV8_PEERS_DIR``
@@ -158,6 +159,22 @@ def parse_kld(text: str) -> float:
     if m is None:
         raise ValueError("no 'Mean KLD' line in llama-perplexity output")
     return float(m.group(1))
+
+
+#: the cache types each peer takes (llama.cpp's -ctk/-ctv with flash attention on; vLLM's kv_cache_dtype on CPU)
+LLAMA_KV_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "iq4_nl", "q5_0", "q5_1")
+VLLM_KV_TYPES = ("auto", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2")
+
+
+def peer_cache_types(option: str, value: str, allowed: tuple[str, ...]) -> tuple[str, ...]:
+    """``value`` (comma-separated) as a tuple of distinct cache types, each one of ``allowed``; ValueError naming
+    ``option``, the value and what is allowed otherwise."""
+    kinds = tuple(dict.fromkeys(v.strip() for v in value.split(",") if v.strip()))
+    bad = [k for k in kinds if k not in allowed]
+    if not kinds or bad:
+        raise ValueError(f"{option}: {', '.join(bad) if bad else repr(value)} is not a cache type it takes; "
+                         f"choose from: {', '.join(allowed)}")
+    return kinds
 
 
 class LlamaCpp:
@@ -590,6 +607,11 @@ def main() -> None:
                     help="passive: idle threads sleep instead of spinning (kv8 OMP_WAIT_POLICY=passive, llama.cpp "
                          "--poll 0 and OMP_WAIT_POLICY=passive; vLLM already sets KMP_BLOCKTIME=5ms): for a "
                          "machine shared with other work")
+    ap.add_argument("--llama-kv", default="f16,q8_0", metavar="TYPES",
+                    help="llama.cpp cache types, comma-separated (its -ctk/-ctv; one of: "
+                         + ", ".join(LLAMA_KV_TYPES) + ")")
+    ap.add_argument("--vllm-kv", default="auto,fp8", metavar="TYPES",
+                    help="vLLM kv_cache_dtype values, comma-separated (one of: " + ", ".join(VLLM_KV_TYPES) + ")")
     ap.add_argument("--kld", action="store_true", help="add the KLD column (llama-perplexity and kv8 eval)")
     ap.add_argument("--llama-no-repack", action="store_true",
                     help="run llama.cpp with -nr (no weight repacking, so no AMX buffer type): on an AMX CPU the "
@@ -625,8 +647,12 @@ def main() -> None:
         ap.error(str(e).replace("--config", "--kv8-config", 1))
     kv8_configs = [Config("kv8", spec.label, spec.engine_options(), flags) for flags, spec in kv8_specs.items()]
     configs = kv8_configs if "kv8" in engines else []
-    configs += [Config(e, kv) for e, kvs in (("llama.cpp", ("f16", "q8_0")), ("vllm", ("auto", "fp8")))
-                if e in engines for kv in kvs]
+    try:
+        peer_kvs = {"llama.cpp": peer_cache_types("--llama-kv", ns.llama_kv, LLAMA_KV_TYPES),
+                    "vllm": peer_cache_types("--vllm-kv", ns.vllm_kv, VLLM_KV_TYPES)}
+    except ValueError as e:
+        ap.error(str(e))
+    configs += [Config(e, kv) for e, kvs in peer_kvs.items() if e in engines for kv in kvs]
     cleanup = contextlib.ExitStack()   # the worktree of --kv8-before, removed at the end
     if ns.kv8_before:
         if "kv8" not in engines:

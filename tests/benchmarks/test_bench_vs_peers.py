@@ -128,3 +128,19 @@ def test_the_table_prints_each_cells_spread_over_the_rounds(capsys: pytest.Captu
     one_round.results[shape] = [bench.Measurement(1.0, 1.0, 1.0)]
     bench.print_table([one_round], [shape], None)
     assert not any(line.startswith("spread") for line in capsys.readouterr().out.splitlines())
+
+
+def test_peer_cache_types_are_checked() -> None:
+    assert bench.peer_cache_types("--llama-kv", "f16, q8_0,q4_0,q8_0", bench.LLAMA_KV_TYPES) == ("f16", "q8_0", "q4_0")
+    with pytest.raises(ValueError, match=r"--llama-kv: q3_k is not a cache type it takes; choose from: f32, f16"):
+        bench.peer_cache_types("--llama-kv", "q8_0,q3_k", bench.LLAMA_KV_TYPES)
+    with pytest.raises(ValueError, match=r"--vllm-kv: ' , ' is not"):
+        bench.peer_cache_types("--vllm-kv", " , ", bench.VLLM_KV_TYPES)
+
+
+def test_a_bad_peer_cache_type_is_refused_before_any_engine_starts() -> None:
+    proc = subprocess.run([sys.executable, str(Path(bench.__file__)), "--engines", "llama.cpp", "--llama-kv",
+                           "q8_0,int4"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert "--llama-kv: int4 is not a cache type it takes" in proc.stderr
+    assert "ready in" not in proc.stdout
