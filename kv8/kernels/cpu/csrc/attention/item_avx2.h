@@ -12,10 +12,13 @@
 // nothing, so a row's NaN can only come from its data).
 //
 // Integer caches: the per-token K scale multiplies each token's score once and the per-token V scale rides on the
-// token's weight (p x V scale), so a row's 64..1024 channels decode to the codes' exact values with no scale per
+// token's weight (p x V scale), so a row's channels decode to the codes' exact values with no scale per
 // channel; int4 rows decode 16 channels at a time in a permuted ("split") channel order that the query rows and
 // the accumulators follow (decode16_int4_split), still exact, so int8 and int4 results differ from the reference
-// by the rounding above only.
+// by the rounding above only (a score's 8 partial sums then group channels by split position). Measured and not
+// kept: scores as integer dot products (each q row quantized to int16, K codes widened to int16, vpmaddwd), which
+// would add an error of up to max|q| x 2^-16 per channel, were no faster than these fp32 FMAs on Zen 3 (decode
+// 8 x 4,096, SmolLM2 shapes: int4 within 2%, int8 slower) -- the K side is not what bounds the integer formats.
 //
 // Per tile of 16 tokens: decode the 16 K rows to fp32 (pad rows read ZERO_ROW), then per visible row 16 scores
 // (8 tokens at a time, 8 FMA chains, one horizontal reduction for 8 scores), the online-softmax step and the
