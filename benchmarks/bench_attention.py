@@ -38,6 +38,7 @@ the speed-up of AMX.
     .venv/bin/python benchmarks/bench_attention.py --tables smollm2-prefill --threads 2  # SmolLM2 prefill rows
     .venv/bin/python benchmarks/bench_attention.py --tables smollm2 --blocks contiguous  # blocks in address order
     .venv/bin/python benchmarks/bench_attention.py --tables builds --builds native x86-64-v3 x86-64-v2
+    .venv/bin/python benchmarks/bench_attention.py --tables formats --before main  # formats, now and at main
 
 ``--tables builds``: the library built for each ``-march`` of ``--builds`` (default ``native`` and ``x86-64-v2``,
 the scalar generic kernel every x86-64 CPU runs; ``x86-64-v3`` is the AVX2 kernel), side by side on SmolLM2
@@ -47,27 +48,32 @@ round); the median per cell with its min-max, GFLOP/s, and each build's time ove
 
 ``--tables formats``: every KV format on the native library (fp8_e4m3 with scale 1.0, fp8_e4m3 with dynamic
 scales, int8_per_token_head, int4_per_token_head, bfloat16), side by side on SmolLM2 shapes: prefill 1 x 1,024,
-decode 32 x 1,024 and decode 1 x 8,192, ``--rounds`` rounds rotating the formats' order; medians (min-max) and each
-format's time over the fp8 cache's.
+decode 32 x 1,024, 8 x 4,096 (issue 40's target: int4 at <= 1 / 1.4 of fp8's time) and 1 x 8,192, ``--rounds``
+rounds rotating the formats' order; medians (min-max) and each format's time over the fp8 cache's.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import os
 import statistics
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from revisions import worktree
 
+import kv8
 from kv8.attention.metadata import AttentionMetadata
 from kv8.cache.codec import KVCodec
 from kv8.cache.paged_cache import CacheShape, PagedKVCache
-from kv8.kernels.cpu.attention import KernelLibrary, KernelTesting, load_kernels
+from kv8.kernels.cpu.attention import SOURCE, KernelLibrary, KernelTesting, load_kernels
+from kv8.kernels.cpu.build import KernelUnavailable, build_shared_library
 from kv8.quant.formats import resolve_kv_cache_dtype
 from kv8.quant.scales import KVScales
 
@@ -302,11 +308,15 @@ FORMATS = (("fp8_e4m3", False, "fp8"), ("fp8_e4m3", True, "fp8+dynamic"), ("int8
            ("int4_per_token_head", True, "int4"), ("bfloat16", False, "bf16"))
 
 
-def print_formats(args: argparse.Namespace) -> None:
-    """Each KV format on the native library, side by side on SmolLM2 shapes, alternating rounds."""
+def print_formats(args: argparse.Namespace, before: tuple[str, KernelLibrary] | None = None) -> None:
+    """Each KV format on the native library, side by side on SmolLM2 shapes, alternating rounds; with ``before``
+    (a revision and its library) every format on both libraries in the same rounds, and each format's time now over
+    its time then."""
     lib = load_kernels()
+    libs = {"now": lib} if before is None else {"now": lib, before[0]: before[1]}
     scale = D ** -0.5
-    shapes = (("prefill 1 x 1024", 1, 1024, 1024), ("decode 32 x 1024", 32, 1, 1024), ("decode 1 x 8192", 1, 1, 8192))
+    shapes = (("prefill 1 x 1024", 1, 1024, 1024), ("decode 32 x 1024", 32, 1, 1024), ("decode 8 x 4096", 8, 1, 4096),
+              ("decode 1 x 8192", 1, 1, 8192))
     cases: dict[tuple[str, str], tuple[PagedKVCache, AttentionMetadata, torch.Tensor]] = {}
     for shape, batch, q_len, ctx in shapes:
         q = torch.randn(batch * q_len, HQ, D, dtype=torch.bfloat16)
@@ -316,29 +326,41 @@ def print_formats(args: argparse.Namespace) -> None:
             cache, meta = prefill_cache(kv_name, nl, batch, q_len, ctx, dynamic)
             cases[shape, label] = (cache, meta, q)
     labels = [label for _, _, label in FORMATS]
-    times: dict[tuple[str, str], list[float]] = {key: [] for key in cases}
+    variants = [(name, label) for name in libs for label in labels]
+    times: dict[tuple[str, str, str], list[float]] = {(shape, *v): [] for shape, *_ in shapes for v in variants}
     for r in range(args.rounds):
         for shape, *_ in shapes:
-            for label in labels[r % len(labels):] + labels[:r % len(labels)]:
+            for name, label in variants[r % len(variants):] + variants[:r % len(variants)]:
                 cache, meta, q = cases[shape, label]
-                call = lambda i, c=cache, m=meta, x=q: lib.attention(x, c, i, m, scale)  # noqa: E731
-                times[shape, label].append(timeit(call, cache.shape.num_layers, args.min_time))
-    print()
+                call = lambda i, lb=libs[name], c=cache, m=meta, x=q: lb.attention(x, c, i, m, scale)  # noqa: E731
+                times[shape, name, label].append(timeit(call, cache.shape.num_layers, args.min_time))
     ints = KernelTesting(lib).item_kernel("int4_per_token_head", torch.bfloat16, D)
-    print(f"KV formats, SmolLM2 shapes (Hq={HQ} Hkv={HKV} D={D} block={BS}, q bf16), item kernel "
-          f"{kernel_name(lib)} (int8, int4: {ints}); "
-          f"medians of {args.rounds} alternating rounds (min-max), microseconds per layer call; x/fp8 = time over "
-          "the fp8 cache's")
-    hdr = f"{'call':<18}" + "".join(f"{label:>24}" for label in labels) + "".join(
-        f"{label + '/fp8':>18}" for label in labels[1:])
-    print(hdr)
-    print("-" * len(hdr))
-    for shape, *_ in shapes:
-        med = {label: statistics.median(times[shape, label]) for label in labels}
-        spread = {x: f"{med[x] * 1e6:.1f} ({min(times[shape, x]) * 1e6:.0f}-{max(times[shape, x]) * 1e6:.0f})"
-                  for x in labels}
-        cells = "".join(f"{spread[x]:>24}" for x in labels)
-        print(f"{shape:<18}{cells}" + "".join(f"{med[x] / med['fp8']:>18.2f}" for x in labels[1:]), flush=True)
+    for name in libs:
+        print()
+        print(f"KV formats ({name}), SmolLM2 shapes (Hq={HQ} Hkv={HKV} D={D} block={BS}, q bf16), item kernel "
+              f"{kernel_name(libs[name])} (int8, int4: {ints}); medians of {args.rounds} alternating rounds (min-max), "
+              "microseconds per layer call; x/fp8 = time over the fp8 cache's")
+        hdr = f"{'call':<18}" + "".join(f"{label:>24}" for label in labels) + "".join(
+            f"{label + '/fp8':>18}" for label in labels[1:])
+        print(hdr)
+        print("-" * len(hdr))
+        for shape, *_ in shapes:
+            t = {label: times[shape, name, label] for label in labels}
+            med = {label: statistics.median(t[label]) for label in labels}
+            spread = {x: f"{med[x] * 1e6:.1f} ({min(t[x]) * 1e6:.0f}-{max(t[x]) * 1e6:.0f})" for x in labels}
+            cells = "".join(f"{spread[x]:>24}" for x in labels)
+            print(f"{shape:<18}{cells}" + "".join(f"{med[x] / med['fp8']:>18.2f}" for x in labels[1:]), flush=True)
+    if before is not None:
+        rev = before[0]
+        print()
+        print(f"now / {rev}: each format's median time now over its median time at {rev} (< 1: faster now)")
+        hdr = f"{'call':<18}" + "".join(f"{label:>14}" for label in labels)
+        print(hdr)
+        print("-" * len(hdr))
+        for shape, *_ in shapes:
+            ratio = {x: statistics.median(times[shape, "now", x]) / statistics.median(times[shape, rev, x])
+                     for x in labels}
+            print(f"{shape:<18}" + "".join(f"{ratio[x]:>14.2f}" for x in labels), flush=True)
 
 
 def kernel_name(lib: KernelLibrary) -> str:
@@ -442,6 +464,9 @@ def main() -> None:
                     help="--tables builds: the -march targets to compare (default: native x86-64-v2)")
     ap.add_argument("--rounds", type=int, default=5,
                     help="--tables builds / formats: alternating rounds (default 5)")
+    ap.add_argument("--before", default=None, metavar="REV",
+                    help="--tables formats: also the kernels as of git revision REV (built from a temporary "
+                         "worktree), every format on both in the same alternating rounds")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -459,7 +484,19 @@ def main() -> None:
     if "builds" in args.tables:
         print_builds(args)
     if "formats" in args.tables:
-        print_formats(args)
+        with contextlib.ExitStack() as stack:
+            before = None
+            if args.before:
+                try:
+                    checkout = stack.enter_context(worktree(args.before, "--before"))
+                except (ValueError, RuntimeError) as e:
+                    ap.error(str(e))
+                source = Path(checkout.path) / SOURCE.relative_to(Path(kv8.__file__).parents[1])
+                try:
+                    before = (checkout.rev, KernelLibrary(build_shared_library(source, "native"), "native"))
+                except KernelUnavailable as e:  # e.g. a revision with other argument structs
+                    ap.error(f"--before {args.before}: {e}")
+            print_formats(args, before)
 
 
 if __name__ == "__main__":

@@ -280,6 +280,28 @@ def test_attention_portable_builds(portable_lib: kernels.KernelLibrary, kv_name:
         check_attention(portable_lib, cache, meta, q, partition_size=32)
 
 
+@pytest.mark.parametrize("kv_name", [INT8, INT4])
+@pytest.mark.parametrize("dim", [16, 24, 72, 136])
+def test_integer_cache_shapes(portable_lib: kernels.KernelLibrary, kv_name: str, dim: int) -> None:
+    """int8 / int4 caches around the AVX2 kernel's int4 decode, 16 channels at a time in a permuted order (16: one
+    group; 24, 72, 136: groups and a last 8 channels in natural order): odd token counts across 16-token tiles and
+    8-token blocks, every 5th context token stored as all zeros (codes 0; the codec gives such a row scale 1, and a
+    zero scale is not a valid cache state: the reference's dequantize rejects it), fp32 and bf16 queries, on both
+    portable builds (x86-64-v3: the AVX2 kernel; x86-64-v2: the generic one)."""
+    assert attention_path(portable_lib, kv_name, torch.float32, dim) == portable_path(portable_lib, dim)
+    seq_lens = [1, 17, 31, 45]
+    for q_dtype in (torch.float32, torch.bfloat16):
+        cache, meta, q = make_case(kv_name, "dynamic", q_dtype, dim=dim, bs=8, heads=2, query_lens=[1, 3, 1, 7],
+                                   seq_lens=seq_lens, seed=dim)
+        slots = [int(meta.block_tables[i, pos // 8]) * 8 + pos % 8 for i, n in enumerate(seq_lens)
+                 for pos in range(0, n, 5)]
+        zeros = torch.zeros(len(slots), 2, dim, dtype=q_dtype)
+        cache.store(1, zeros, zeros, torch.tensor(slots, dtype=torch.int64))
+        assert all(not cache.data[1, :, s // 8, :, s % 8].any() for s in slots)  # K and V codes 0, every head
+        check_attention(portable_lib, cache, meta, q, partition_size=16)
+        check_attention(portable_lib, cache, meta, q)
+
+
 def test_attention_with_flush_denormal(lib: kernels.KernelLibrary) -> None:
     """DAZ/FTZ set by the caller (torch.set_flush_denormal) must not zero FP8 subnormals inside the kernel."""
     cache, meta, q = make_case("fp8_e4m3", "tensor", torch.float32)

@@ -11,6 +11,15 @@
 // row's [first_visible, row_limit]; masked keys have weight exactly 0 (never exp(-inf - max) of a row that has seen
 // nothing, so a row's NaN can only come from its data).
 //
+// Integer caches: the per-token K scale multiplies each token's score once and the per-token V scale rides on the
+// token's weight (p x V scale), so a row's channels decode to the codes' exact values with no scale per
+// channel; int4 rows decode 16 channels at a time in a permuted ("split") channel order that the query rows and
+// the accumulators follow (decode16_int4_split), still exact, so int8 and int4 results differ from the reference
+// by the rounding above only (a score's 8 partial sums then group channels by split position). Measured and not
+// kept: scores as integer dot products (each q row quantized to int16, K codes widened to int16, vpmaddwd), which
+// would add an error of up to max|q| x 2^-16 per channel, were no faster than these fp32 FMAs on Zen 3 (decode
+// 8 x 4,096, SmolLM2 shapes: int4 within 2%, int8 slower) -- the K side is not what bounds the integer formats.
+//
 // Per tile of 16 tokens: decode the 16 K rows to fp32 (pad rows read ZERO_ROW), then per visible row 16 scores
 // (8 tokens at a time, 8 FMA chains, one horizontal reduction for 8 scores), the online-softmax step and the
 // weights p x V scale; decode the V rows, then acc = acc x alpha + p . V for 4 rows x 16 channels at a time
@@ -85,9 +94,50 @@ static inline __m256 decode8(const uint8_t* row, int d) {
     }
 }
 
+// int4 rows decode 16 channels at a time in "split" order: within each whole group of 16 channels (d < D16 =
+// D rounded down to 16), position 16g + i holds channel 16g + 2i for i < 8 (the low nibbles of the group's 8
+// bytes) and channel 16g + 2(i - 8) + 1 for i >= 8 (the high nibbles); a last group of 8 channels (D % 16 == 8)
+// keeps the natural order. Scores are dot products, so the kernel permutes each query row the same way once per
+// item (to_split); P.V accumulates in split order, put back in natural order before the row finishes (from_split).
+// Every decoded value is exact: one sign-extending byte load per 16 channels, the high nibble by an arithmetic
+// shift (a byte read as int8 is hi * 16 + lo, 0 <= lo < 16), the low nibble by two shifts; then one conversion
+// per 8 values -- where decode8 takes a broadcast, a variable shift, a shift and a conversion per 8.
+static inline int split_pos(int d, int D16) {
+    return d >= D16 ? d : (d & ~15) + ((d & 1) ? 8 : 0) + ((d & 15) >> 1);
+}
+
+// x (D values of a row, natural order) -> split order, in place (tmp: D floats of scratch).
+static inline void to_split(float* x, int D, float* tmp) {
+    const int D16 = D & ~15;
+    memcpy(tmp, x, sizeof(float) * (size_t)D16);
+    for (int d = 0; d < D16; ++d) x[split_pos(d, D16)] = tmp[d];
+}
+
+// x (D values, split order) -> nat (natural order).
+static inline void from_split(const float* x, int D, float* nat) {
+    const int D16 = D & ~15;
+    for (int d = 0; d < D; ++d) nat[d] = x[split_pos(d, D16)];
+}
+
+// Channels 16g .. 16g + 15 (d = 16g) of an int4 row, as exact fp32 in split order: out[d .. d + 7] the even
+// channels, out[d + 8 .. d + 15] the odd ones.
+static inline void decode16_int4_split(const uint8_t* row, int d, float* out) {
+    const __m256i x = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(row + d / 2)));
+    _mm256_storeu_ps(out + d, _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(x, 28), 28)));
+    _mm256_storeu_ps(out + d + 8, _mm256_cvtepi32_ps(_mm256_srai_epi32(x, 4)));
+}
+
+// Whether format KV's rows decode in split order (int4).
+template <int KV>
+static constexpr bool split_rows() { return KV_FORMATS[KV].ibits == 4; }
+
+// A cache row of format KV as exact fp32 (int4: in split order).
 template <int KV>
 static inline void decode_row8(const uint8_t* row, int D, float* out) {
-    for (int d = 0; d < D; d += 8) _mm256_storeu_ps(out + d, decode8<KV>(row, d));
+    int d = 0;
+    if constexpr (split_rows<KV>())
+        for (; d + 16 <= D; d += 16) decode16_int4_split(row, d, out);
+    for (; d < D; d += 8) _mm256_storeu_ps(out + d, decode8<KV>(row, d));
 }
 
 // Lanes t (0..7) of 8 tokens starting at tile offset g whose key counts for a row: lo <= g + t <= hi.
@@ -160,6 +210,9 @@ static int run_item_avx2(const Problem& P, const Item& it, float* ws) {
     if (!S.init(P, it, w, P.sm_scale * (k_per_channel(P) ? 1.0f : k_head_scale(P, it.kvh)))) return ERR_OOM;
     float *qf = S.qf, *acc = S.acc, *kf = S.kf, *vf = S.vf, *mx = S.mx, *sum = S.sum, *alpha = S.alpha, *prob = S.prob;
     const int64_t *lim = S.lim, *lo = S.lo;
+    alignas(32) float nat[1024];  // one row in natural order (D <= 1024: avx2_serves)
+    if constexpr (split_rows<KV>())
+        for (int r = 0; r < R; ++r) to_split(qf + (size_t)r * D, D, nat);
 
     const uint8_t* kr[TILE];
     const uint8_t* vr[TILE];
@@ -210,7 +263,14 @@ static int run_item_avx2(const Problem& P, const Item& it, float* ws) {
             default: break;
         }
     }
-    for (int r = 0; r < R; ++r) finish_row(P, it, w, r, acc + (size_t)r * D, mx[r], sum[r], ws);
+    for (int r = 0; r < R; ++r) {
+        const float* ar = acc + (size_t)r * D;
+        if constexpr (split_rows<KV>()) {
+            from_split(ar, D, nat);
+            ar = nat;
+        }
+        finish_row(P, it, w, r, ar, mx[r], sum[r], ws);
+    }
     return OK;
 }
 
