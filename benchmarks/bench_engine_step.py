@@ -10,9 +10,14 @@ out). On a CPU with AMX-BF16, where ``packed_bf16``
 multiplies with AMX tiles, another row times it with its ``vdpbf16ps`` path (the kernels' ``amx`` flag off), as
 other CPUs run it.
 
+``--kv-cache-dtypes fp8_e4m3,int8,int4`` instead compares KV cache formats on one backend (``--backend``), the
+same alternation and medians, each format's speed-up over the first listed: what a narrower cache buys a whole
+step (the issue-40 shape: ``--batch 8 --context 4096``).
+
     .venv/bin/python benchmarks/bench_engine_step.py
     .venv/bin/python benchmarks/bench_engine_step.py --backends torch,torch_fp32 --rounds 5
     .venv/bin/python benchmarks/bench_engine_step.py --before HEAD~3   # now vs that revision
+    .venv/bin/python benchmarks/bench_engine_step.py --kv-cache-dtypes fp8_e4m3,int4 --batch 8 --context 4096
 
 ``--before REV`` measures one backend (``--backend``; default ``packed_bf16`` where the kernels build, else
 ``torch``) as of git revision REV (a temporary worktree, imported in a subprocess) and now, alternating
@@ -40,8 +45,11 @@ from kv8 import LLM, SamplingParams
 RESULT_MARK = "@@RESULT "
 
 
-def measure(backend: str, args: argparse.Namespace) -> tuple[float, float]:
-    llm = LLM(kv_cache_dtype="fp8_e4m3", kv_cache_memory="1GiB", max_model_len=4096, dense_backend=backend)
+def measure(backend: str, args: argparse.Namespace, kv_cache_dtype: str = "fp8_e4m3") -> tuple[float, float]:
+    """(prefill step s, decode step s) of a new engine with this dense backend and KV cache format."""
+    max_len = max(4096, args.context + args.repeats * 2 + 64)
+    llm = LLM(kv_cache_dtype=kv_cache_dtype, kv_cache_memory=args.kv_cache_memory, max_model_len=max_len,
+              dense_backend=backend)
     eng = llm.engine
     rng = random.Random(0)
     counter = iter(range(10**9))
@@ -98,6 +106,31 @@ def compare_with(rev: str, args: argparse.Namespace) -> None:
     print(f"{'speed-up now / before':<24}{bp / np_:>21.2f}{bd / nd:>16.2f}")
 
 
+def compare_formats(formats: list[str], args: argparse.Namespace) -> None:
+    """``args.backend`` with each KV cache format, alternating ``args.rounds`` times (a rotated order each round);
+    medians, spreads and each format's speed-up over the first listed."""
+    runs: dict[str, list[tuple[float, float]]] = {f: [] for f in formats}
+    for r in range(args.rounds):
+        for fmt in formats[r % len(formats):] + formats[:r % len(formats)]:
+            runs[fmt].append(measure(args.backend, args, fmt))
+    print(f"SmolLM2-135M, bf16, {args.backend}; decode batch {args.batch} at ~{args.context} tokens; medians of "
+          f"{args.rounds} alternating rounds (min-max); {cpu_name()}, {os.cpu_count()} CPUs")
+    print_rows("kv_cache_dtype", runs, formats[0], args)
+
+
+def print_rows(label: str, runs: dict[str, list[tuple[float, float]]], ref: str, args: argparse.Namespace) -> None:
+    """One row per configuration: prefill and decode step medians (min-max) and the speed-ups over ``ref``."""
+    print(f"{label:<24}{f'prefill {4 * args.prompt} tok ms':>28}{'decode step ms':>26}"
+          f"{f'speed-up vs {ref}':>28}")
+    med = {n: (statistics.median(p for p, _ in v), statistics.median(d for _, d in v)) for n, v in runs.items()}
+    for name, v in runs.items():
+        p, d = med[name]
+        pre = f"{p * 1e3:.1f} ({min(x for x, _ in v) * 1e3:.0f}-{max(x for x, _ in v) * 1e3:.0f})"
+        dec = f"{d * 1e3:.1f} ({min(y for _, y in v) * 1e3:.0f}-{max(y for _, y in v) * 1e3:.0f})"
+        speed = f"{med[ref][0] / p:.2f} / {med[ref][1] / d:.2f}"
+        print(f"{name:<24}{pre:>28}{dec:>26}{speed:>28}")
+
+
 def cpu_name() -> str:
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as f:
@@ -130,15 +163,32 @@ def main() -> None:
     ap.add_argument("--backend", default=None, help="the backend --before compares (default: packed_bf16 where "
                     "the kernels build, else torch)")
     ap.add_argument("--rounds", type=int, default=3, help="alternating rounds (default 3)")
+    ap.add_argument("--kv-cache-dtypes", default=None, metavar="FORMATS",
+                    help="compare these KV cache formats (comma-separated kv_cache_dtype names, e.g. "
+                         "fp8_e4m3,int8,int4) on one backend (--backend) instead of the backends")
+    ap.add_argument("--kv-cache-memory", default="1GiB", help="each engine's KV cache budget (default 1GiB)")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:   # --before's subprocess: one backend with the kv8 on PYTHONPATH
         print(RESULT_MARK + json.dumps(measure(args.backend, args)), flush=True)
         return
     available = available_backends()
-    if args.before is not None:
+    if args.before is not None and args.kv_cache_dtypes is not None:
+        ap.error("--before and --kv-cache-dtypes compare different things; give one")
+    if args.before is not None or args.kv_cache_dtypes is not None:
         args.backend = args.backend or ("packed_bf16" if "packed_bf16" in available else "torch")
+    if args.before is not None:
         compare_with(args.before, args)
+        return
+    if args.kv_cache_dtypes is not None:
+        from kv8.quant.formats import KV_CACHE_DTYPE_NAMES
+
+        formats = list(dict.fromkeys(f.strip() for f in args.kv_cache_dtypes.split(",") if f.strip()))
+        bad = [f for f in formats if f not in KV_CACHE_DTYPE_NAMES]
+        if not formats or bad:
+            ap.error(f"--kv-cache-dtypes {args.kv_cache_dtypes!r}: {', '.join(bad) or 'no format'}; choose from: "
+                     f"{', '.join(KV_CACHE_DTYPE_NAMES)}")
+        compare_formats(formats, args)
         return
     backends = args.backends.split(",") if args.backends else available
     runs: dict[str, list[tuple[float, float]]] = {b: [] for b in backends}
@@ -163,16 +213,7 @@ def main() -> None:
                 runs[name].append(measure(name, args))
     print(f"SmolLM2-135M, bf16, fp8_e4m3 cache; decode batch {args.batch} at ~{args.context} tokens; medians of "
           f"{args.rounds} alternating rounds (min-max); {cpu_name()}, {os.cpu_count()} CPUs")
-    ref = "torch" if "torch" in runs else names[0]   # the speed-ups' reference: torch, else the first listed
-    print(f"{'dense_backend':<24}{f'prefill {4 * args.prompt} tok ms':>28}{'decode step ms':>26}"
-          f"{f'speed-up vs {ref}':>28}")
-    med = {n: (statistics.median(p for p, _ in v), statistics.median(d for _, d in v)) for n, v in runs.items()}
-    for name, v in runs.items():
-        p, d = med[name]
-        pre = f"{p * 1e3:.1f} ({min(x for x, _ in v) * 1e3:.0f}-{max(x for x, _ in v) * 1e3:.0f})"
-        dec = f"{d * 1e3:.1f} ({min(y for _, y in v) * 1e3:.0f}-{max(y for _, y in v) * 1e3:.0f})"
-        speed = f"{med[ref][0] / p:.2f} / {med[ref][1] / d:.2f}"
-        print(f"{name:<24}{pre:>28}{dec:>26}{speed:>28}")
+    print_rows("dense_backend", runs, "torch" if "torch" in runs else names[0], args)   # vs torch, else the first
 
 
 if __name__ == "__main__":
