@@ -17,6 +17,8 @@ Invariants of the yielded tensors:
 * for ``gemma3``, llama.cpp's converter stores every norm weight (``*norm.weight``: the four per-layer norms,
   QK-norm and the final norm) with Gemma's ``+1`` already added (its runtime multiplies by the weight); 1 is
   subtracted here, as transformers does, so the tensors are the checkpoint's ``w`` of ``(1 + w)``;
+* with ``keep_blocks`` (``quantization="gguf"``), the decoder's linear weights are yielded as the file's blocks
+  (:class:`kv8.quant.gguf_blocks.GGUFWeight`), llama's q/k rows put back in the same way;
 * ``lm_head.weight`` is yielded only when the file has ``output.weight``; otherwise
   ``hf_config["tie_word_embeddings"]`` is True and the embedding doubles as the output projection.
 """
@@ -25,8 +27,8 @@ from __future__ import annotations
 
 import inspect
 import os
-from collections.abc import Iterator
-from dataclasses import dataclass
+from collections.abc import Collection, Iterator
+from dataclasses import dataclass, replace
 from typing import Any
 
 import gguf
@@ -34,6 +36,8 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType as QT
 from gguf import GGUFValueType
+
+from kv8.quant.gguf_blocks import KEPT_TYPES, GGUFWeight
 
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = ("gemma3", "llama", "qwen2")
 # GGUF general.architecture -> (HF model_type, HF architecture); a gemma3 GGUF holds the text decoder only
@@ -419,11 +423,26 @@ def _dequantize(tensor: Any) -> torch.Tensor:
     return torch.from_numpy(array)
 
 
-def iter_gguf_tensors(reader: gguf.GGUFReader, model: GGUFModel,
-                      dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield ``(hf_name, tensor)`` for every tensor of the file, in file order, dequantized to ``dtype``.
+def _blocks(tensor: Any, name: str) -> GGUFWeight:
+    """The tensor's blocks as they are in the file (copied out of the mapping), rows in HF shape order."""
+    qtype = tensor.tensor_type.name
+    if qtype not in KEPT_TYPES:
+        raise ValueError(f"GGUF tensor {tensor.name!r} ({name}) has type {qtype}; quantization='gguf' keeps "
+                         f"{list(KEPT_TYPES)} blocks (Q4_K and the other k-quants not yet): leave quantization unset "
+                         f"to dequantize the file's weights to the compute dtype")
+    rows, in_features = _hf_shape(tensor)
+    array = np.array(tensor.data, dtype=np.uint8, copy=True).reshape(rows, -1)
+    return GGUFWeight(qtype, torch.from_numpy(array), in_features, tensor.name)
 
-    ``reader`` and ``model`` must come from the same `read_gguf` call. Tensors are contiguous, own their
+
+def iter_gguf_tensors(reader: gguf.GGUFReader, model: GGUFModel, dtype: torch.dtype,
+                      keep_blocks: Collection[str] = ()) -> Iterator[tuple[str, torch.Tensor | GGUFWeight]]:
+    """Yield ``(hf_name, tensor)`` for every tensor of the file, in file order, dequantized to ``dtype``; the
+    tensors named (by HF name) in ``keep_blocks`` come as their blocks instead, a
+    :class:`~kv8.quant.gguf_blocks.GGUFWeight` (``quantization="gguf"``; `ValueError` for a type not in
+    :data:`~kv8.quant.gguf_blocks.KEPT_TYPES`, naming the tensor).
+
+    ``reader`` and ``model`` must come from the same `read_gguf` call. Tensors (and blocks) are contiguous, own their
     memory, and have HF shapes, (for llama) HF row order and (for gemma3) HF's norm offsets; see the module
     docstring.
     """
@@ -434,6 +453,14 @@ def iter_gguf_tensors(reader: gguf.GGUFReader, model: GGUFModel,
     arch = model.architecture
     for tensor in reader.tensors:
         name = hf_tensor_name(tensor.name, arch)
+        if name in keep_blocks:
+            kept = _blocks(tensor, name)
+            projection = name.split(".")[-2]
+            if arch == "llama" and ".self_attn." in name and projection in heads:
+                # whole rows of blocks move: a row permutation commutes with per-row quantization
+                kept = replace(kept, blocks=_unpermute_rotary_rows(kept.blocks, heads[projection]).contiguous())
+            yield name, kept
+            continue
         weight = _dequantize(tensor)
         if arch == "llama" and ".self_attn." in name:
             projection = name.split(".")[-2]

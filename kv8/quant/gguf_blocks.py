@@ -101,7 +101,9 @@ def quantize_activation_blocks(x: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
     m, k = x.shape
     xb = x.float().reshape(m, k // BLOCK, BLOCK)
     amax = xb.abs().amax(dim=-1)
-    inv = torch.where(amax > 0, 127.0 / amax.clamp(min=torch.finfo(torch.float32).tiny), torch.zeros_like(amax))
+    # a true float32 division (torch's ``127.0 / tensor`` multiplies by the reciprocal, rounding twice)
+    inv = torch.where(amax > 0, torch.full_like(amax, 127.0).div(amax.clamp(min=torch.finfo(torch.float32).tiny)),
+                      torch.zeros_like(amax))
     codes = torch.round(xb * inv[..., None]).clamp(-127.0, 127.0)
     return codes, amax / 127.0
 
