@@ -73,12 +73,14 @@ def write_tiny_gguf(
     raw: dict[str, tuple[np.ndarray, QT]] | None = None,
     seed: int = 0,
     bpe: bool = False,
+    scale: float = 1.0,
 ) -> dict[str, torch.Tensor]:
     """Write a random model as llama.cpp would (q/k rows permuted for llama) and return the HF tensors
     (float32) a correct reader must produce. ``types`` maps a GGUF tensor-name suffix (``attn_q.weight``) to
     its storage type (default: a mix of Q8_0, F16 and F32); ``skip`` names GGUF tensors to leave out; ``raw``
     gives ready-made blocks for unpermuted GGUF tensors; ``bpe`` adds a one-merge vocabulary (``a b`` -> ``ab``) that
-    transformers can build a tokenizer from (an engine needs one)."""
+    transformers can build a tokenizer from (an engine needs one); ``scale`` multiplies every random tensor (standard
+    normal otherwise: a model whose logits are far apart)."""
     rng = np.random.default_rng(seed)
     head_dim = hidden // heads
     default_types = {
@@ -113,7 +115,7 @@ def write_tiny_gguf(
             values = gguf.quants.dequantize(blocks, raw_type).reshape(hf_shape)
             expected[hf_tensor_name(gguf_name)] = torch.from_numpy(values)
             return
-        original = rng.standard_normal(hf_shape).astype(np.float32)
+        original = (rng.standard_normal(hf_shape) * scale).astype(np.float32)
         # row permutation commutes with per-row block quantization, so dequant(quant(x)) is the expectation
         stored, values = _stored(original, qtype)
         if permute_heads:
