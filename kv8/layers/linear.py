@@ -73,10 +73,10 @@ from kv8.quant.weights import dequantize_fp8_rows, quantize_fp8_rows
 
 _E4M3_MAX = E4M3.max_finite
 
-__all__ = ["GGUFLinearMethod", "GateUpLinear", "Linear", "LinearBase", "LinearMethod", "MergedLinear", "PackedBF16LinearMethod",
-           "PackedFP8LinearMethod", "QKVLinear", "RowParallelLinear", "ScaledMMFP8LinearMethod", "TorchFP8LinearMethod",
-           "TorchF32LinearMethod", "TorchLinearMethod", "linear_method", "linear_reference", "quantize_fp8_activations",
-           "scaled_mm_fp8_reference"]
+__all__ = ["GGUFLinearMethod", "GateUpLinear", "Linear", "LinearBase", "LinearMethod", "MergedLinear",
+           "PackedBF16LinearMethod", "PackedFP8LinearMethod", "QKVLinear", "RowParallelLinear",
+           "ScaledMMFP8LinearMethod", "TorchFP8LinearMethod", "TorchF32LinearMethod", "TorchLinearMethod",
+           "linear_method", "linear_reference", "quantize_fp8_activations", "scaled_mm_fp8_reference"]
 
 
 def linear_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

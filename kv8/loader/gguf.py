@@ -435,37 +435,58 @@ def _blocks(tensor: Any, name: str) -> GGUFWeight:
     return GGUFWeight(qtype, torch.from_numpy(array), in_features, tensor.name)
 
 
-def iter_gguf_tensors(reader: gguf.GGUFReader, model: GGUFModel, dtype: torch.dtype,
-                      keep_blocks: Collection[str] = ()) -> Iterator[tuple[str, torch.Tensor | GGUFWeight]]:
-    """Yield ``(hf_name, tensor)`` for every tensor of the file, in file order, dequantized to ``dtype``; the
-    tensors named (by HF name) in ``keep_blocks`` come as their blocks instead, a
-    :class:`~kv8.quant.gguf_blocks.GGUFWeight` (``quantization="gguf"``; `ValueError` for a type not in
-    :data:`~kv8.quant.gguf_blocks.KEPT_TYPES`, naming the tensor).
+def _rotary_heads(model: GGUFModel, name: str) -> int:
+    """The heads whose rows llama.cpp interleaved in tensor ``name`` (llama's q_proj / k_proj), else 0."""
+    if model.architecture != "llama" or ".self_attn." not in name:
+        return 0
+    config = model.hf_config
+    heads = {"q_proj": config["num_attention_heads"], "k_proj": config["num_key_value_heads"]}
+    return heads.get(name.split(".")[-2], 0)
 
-    ``reader`` and ``model`` must come from the same `read_gguf` call. Tensors (and blocks) are contiguous, own their
+
+def _hf_tensor(tensor: Any, name: str, model: GGUFModel, dtype: torch.dtype) -> torch.Tensor:
+    """One tensor dequantized to ``dtype``, in HF row order and (gemma3) with HF's norm offsets."""
+    weight = _dequantize(tensor)
+    heads = _rotary_heads(model, name)
+    if heads:
+        weight = _unpermute_rotary_rows(weight, heads)
+    elif model.architecture == "gemma3" and name.endswith("norm.weight"):
+        weight = weight - 1.0   # llama.cpp stored 1 + w
+    return weight.to(dtype).contiguous()
+
+
+def _check_dtype(dtype: torch.dtype) -> None:
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise ValueError(f"dtype must be a floating-point torch.dtype, got {dtype!r}")
+
+
+def iter_gguf_tensors(reader: gguf.GGUFReader, model: GGUFModel,
+                      dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(hf_name, tensor)`` for every tensor of the file, in file order, dequantized to ``dtype``.
+
+    ``reader`` and ``model`` must come from the same `read_gguf` call. Tensors are contiguous, own their
     memory, and have HF shapes, (for llama) HF row order and (for gemma3) HF's norm offsets; see the module
     docstring.
     """
-    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-        raise ValueError(f"dtype must be a floating-point torch.dtype, got {dtype!r}")
-    config = model.hf_config
-    heads = {"q_proj": config["num_attention_heads"], "k_proj": config["num_key_value_heads"]}
-    arch = model.architecture
+    _check_dtype(dtype)
     for tensor in reader.tensors:
-        name = hf_tensor_name(tensor.name, arch)
-        if name in keep_blocks:
-            kept = _blocks(tensor, name)
-            projection = name.split(".")[-2]
-            if arch == "llama" and ".self_attn." in name and projection in heads:
-                # whole rows of blocks move: a row permutation commutes with per-row quantization
-                kept = replace(kept, blocks=_unpermute_rotary_rows(kept.blocks, heads[projection]).contiguous())
-            yield name, kept
+        name = hf_tensor_name(tensor.name, model.architecture)
+        yield name, _hf_tensor(tensor, name, model, dtype)
+
+
+def iter_gguf_weights(reader: gguf.GGUFReader, model: GGUFModel, dtype: torch.dtype,
+                      keep_blocks: Collection[str]) -> Iterator[tuple[str, torch.Tensor | GGUFWeight]]:
+    """`iter_gguf_tensors`, except that the tensors named (by HF name) in ``keep_blocks`` come as their blocks, a
+    :class:`~kv8.quant.gguf_blocks.GGUFWeight` in HF row order (``quantization="gguf"``; `ValueError` for a type not
+    in :data:`~kv8.quant.gguf_blocks.KEPT_TYPES`, naming the tensor)."""
+    _check_dtype(dtype)
+    for tensor in reader.tensors:
+        name = hf_tensor_name(tensor.name, model.architecture)
+        if name not in keep_blocks:
+            yield name, _hf_tensor(tensor, name, model, dtype)
             continue
-        weight = _dequantize(tensor)
-        if arch == "llama" and ".self_attn." in name:
-            projection = name.split(".")[-2]
-            if projection in heads:
-                weight = _unpermute_rotary_rows(weight, heads[projection])
-        elif arch == "gemma3" and name.endswith("norm.weight"):
-            weight = weight - 1.0   # llama.cpp stored 1 + w
-        yield name, weight.to(dtype).contiguous()
+        kept = _blocks(tensor, name)
+        heads = _rotary_heads(model, name)
+        if heads:   # whole rows of blocks move: a row permutation commutes with per-row quantization
+            kept = replace(kept, blocks=_unpermute_rotary_rows(kept.blocks, heads).contiguous())
+        yield name, kept

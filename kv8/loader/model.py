@@ -43,9 +43,9 @@ from kv8.layers.dense_backend import TORCH_BACKEND, DenseBackend, select_dense_b
 from kv8.layers.linear import LinearBase
 from kv8.layers.tuning import LinearShape, tuned_dense_backend
 from kv8.models.config import ModelArchConfig
-from kv8.quant.gguf_blocks import GGUFWeight
 from kv8.models.registry import CausalLM, arch_config, model_class
 from kv8.platform import CPU, Platform
+from kv8.quant.gguf_blocks import GGUFWeight
 
 logger = logging.getLogger("kv8")
 
@@ -261,7 +261,7 @@ def load_model(kind: str, path: str, dtype: torch.dtype, dense_backend: str = "t
     start = time.perf_counter()
     device = platform.device if device is None else device
     if kind == "gguf":
-        from kv8.loader.gguf import iter_gguf_tensors
+        from kv8.loader.gguf import iter_gguf_weights
 
         gguf_model, reader = _read_gguf(path, os.path.getmtime(path))
         hf_config = dict(gguf_model.hf_config)
@@ -282,7 +282,7 @@ def load_model(kind: str, path: str, dtype: torch.dtype, dense_backend: str = "t
     names = _checkpoint_names(model, tied)
     if kind == "gguf":
         keep = _block_names(model, names) if backend.quantization == "gguf" else set()
-        tensors = iter(()) if load_format == "dummy" else iter_gguf_tensors(reader, gguf_model, dtype, keep)
+        tensors = iter(()) if load_format == "dummy" else iter_gguf_weights(reader, gguf_model, dtype, keep)
     scale_tensors: dict[str, torch.Tensor] = {}
     loaded: set[str] = set()
     unexpected: list[str] = []

@@ -84,8 +84,8 @@ def _run(path: Path, **options: object) -> tuple[list[int], torch.Tensor, set[st
 @pytest.mark.parametrize("qtype", [QT.Q8_0, QT.Q4_1])
 def test_engine_with_kept_blocks_matches_the_dequantized_model(tmp_path: Path, qtype: QT) -> None:
     """The same file, blocks kept vs dequantized to bf16: the same greedy tokens, and prompt log-probabilities within
-    the int8 activations' rounding (measured on the AMD EPYC: 0.056 nats for Q8_0, 0.037 for Q4_1, on log-probabilities of -2.5 to -5.5; the
-    bound asserted is 0.15). The torch path
+    the int8 activations' rounding (measured on the AMD EPYC: 0.056 nats for Q8_0, 0.037 for Q4_1, on
+    log-probabilities of -2.5 to -5.5; the bound asserted is 0.15). The torch path
     (the reference method, float32 on the dequantized blocks) agrees too."""
     path = tmp_path / "m.gguf"
     _tiny(path, qtype)

@@ -7,7 +7,8 @@ with AVX-512 ``vdpbf16ps``: :attr:`DenseKernels.amx`; on CPUs without AVX-512 BF
 decoded on the fly), ``rmsnorm`` (residual add + RMSNorm in one pass),
 ``silu_mul`` (SiLU(gate) * up) and ``rope_qkv`` (RoPE of q and k read straight from a packed q/k/v
 projection, v copied out beside them); ``gguf_linear`` (a linear layer on GGUF Q8_0 / Q4_0 / Q4_1 blocks read
-in place, activations quantized to int8 per block: ``csrc/dense/gguf.h``); and ``argmax`` (rows of float32 logits, for the sampler). Every method
+in place, activations quantized to int8 per block: ``csrc/dense/gguf.h``); and ``argmax`` (rows of float32 logits,
+for the sampler). Every method
 checks dtypes and shapes and raises ``ValueError``; every dense kernel takes bf16 and returns new contiguous bf16
 tensors. The layers that use them, each beside its plain torch reference, are in :mod:`kv8.layers.linear`,
 :mod:`~kv8.layers.norm`, :mod:`~kv8.layers.activation` and :mod:`~kv8.layers.rotary`; the sampler's choice of
@@ -183,15 +184,16 @@ class DenseKernels(NativeLibrary):
                              f"{sorted(self.gguf_types) or 'none (no AVX2 + FMA + F16C)'}")
         _check_bf16("x", x, 2)
         m, k = x.shape
-        if blocks.dtype != torch.uint8 or blocks.ndim != 2 or blocks.shape[0] != out_features or not blocks.is_contiguous():
-            raise ValueError(f"blocks must be a contiguous uint8 [{out_features}, row bytes] tensor, got {blocks.dtype} "
-                             f"{list(blocks.shape)}")
+        if (blocks.dtype != torch.uint8 or blocks.ndim != 2 or blocks.shape[0] != out_features
+                or not blocks.is_contiguous()):
+            raise ValueError(f"blocks must be a contiguous uint8 [{out_features}, row bytes] tensor, got "
+                             f"{blocks.dtype} {list(blocks.shape)}")
         if bias is not None and (bias.dtype != torch.float32 or bias.shape != (out_features,)):
             raise ValueError(f"bias must be float32 [{out_features}], got {bias.dtype} {list(bias.shape)}")
         x = x.contiguous()
         out = torch.empty(m, out_features, dtype=torch.bfloat16)
-        call = GGUFLinearCall(x.data_ptr(), blocks.data_ptr(), None if bias is None else bias.data_ptr(), out.data_ptr(),
-                              m, k, out_features, self.gguf_types[qtype], torch.get_num_threads())
+        call = GGUFLinearCall(x.data_ptr(), blocks.data_ptr(), None if bias is None else bias.data_ptr(),
+                              out.data_ptr(), m, k, out_features, self.gguf_types[qtype], torch.get_num_threads())
         rc = self._lib.kv8_gguf_linear(ctypes.byref(call))
         if rc != 0:
             raise self.error(rc, f"GGUF {qtype} linear for x {list(x.shape)}, N={out_features}")
