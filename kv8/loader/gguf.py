@@ -423,13 +423,19 @@ def _dequantize(tensor: Any) -> torch.Tensor:
     return torch.from_numpy(array)
 
 
-def _blocks(tensor: Any, name: str) -> GGUFWeight:
-    """The tensor's blocks as they are in the file (copied out of the mapping), rows in HF shape order."""
-    qtype = tensor.tensor_type.name
+def _kept_type(tensor: Any, name: str) -> str:
+    """The tensor's type name if ``quantization="gguf"`` keeps it as blocks; else `ValueError` naming the tensor."""
+    qtype: str = tensor.tensor_type.name
     if qtype not in KEPT_TYPES:
         raise ValueError(f"GGUF tensor {tensor.name!r} ({name}) has type {qtype}; quantization='gguf' keeps "
                          f"{list(KEPT_TYPES)} blocks (Q4_K and the other k-quants not yet): leave quantization unset "
                          f"to dequantize the file's weights to the compute dtype")
+    return qtype
+
+
+def _blocks(tensor: Any, name: str) -> GGUFWeight:
+    """The tensor's blocks as they are in the file (copied out of the mapping), rows in HF shape order."""
+    qtype = _kept_type(tensor, name)
     rows, in_features = _hf_shape(tensor)
     array = np.array(tensor.data, dtype=np.uint8, copy=True).reshape(rows, -1)
     return GGUFWeight(qtype, torch.from_numpy(array), in_features, tensor.name)
@@ -490,3 +496,21 @@ def iter_gguf_weights(reader: gguf.GGUFReader, model: GGUFModel, dtype: torch.dt
         if heads:   # whole rows of blocks move: a row permutation commutes with per-row quantization
             kept = replace(kept, blocks=_unpermute_rotary_rows(kept.blocks, heads).contiguous())
         yield name, kept
+
+
+_DECODER_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def gguf_block_summary(reader: gguf.GGUFReader, model: GGUFModel) -> str:
+    """``"Q4_1: 210 tensors, 63.3 MiB"``: the types and bytes of the decoder's linear weights, which
+    ``quantization="gguf"`` keeps as blocks. `ValueError` naming the first tensor of a type it does not keep."""
+    counts: dict[str, list[int]] = {}
+    for tensor in reader.tensors:
+        name = hf_tensor_name(tensor.name, model.architecture)
+        if not name.endswith(".weight") or name.split(".")[-2] not in _DECODER_LINEAR:
+            continue
+        qtype = _kept_type(tensor, name)
+        entry = counts.setdefault(qtype, [0, 0])
+        entry[0] += 1
+        entry[1] += int(tensor.n_bytes)
+    return "; ".join(f"{qtype}: {n} tensors, {size / 2**20:.1f} MiB" for qtype, (n, size) in sorted(counts.items()))

@@ -227,6 +227,25 @@ def describe_gguf_blocks(model: nn.Module) -> str:
     return f"{kinds}, {total / 2**20:.1f} MiB"
 
 
+def describe_weights(kind: str, path: str, quantization: str | None) -> str:
+    """How the decoder's linear weights of model ``path`` are held with ``quantization`` (``kv8 info``): as loaded,
+    FP8 codes, or (``"gguf"``) the file's blocks with their types, tensor counts and bytes. ``ValueError`` when the
+    file cannot be read that way (a GGUF block type ``quantization="gguf"`` does not keep, names the tensor)."""
+    if quantization is None:
+        return "as loaded, in the compute dtype (GGUF: dequantized at load)" if kind == "gguf" else "as loaded"
+    if quantization == "fp8":
+        return ("fp8: E4M3 codes with a float32 scale per output row, quantized at load; LM head and embedding as "
+                "loaded")
+    if kind != "gguf":
+        raise ValueError(f"quantization={quantization!r} keeps the blocks of a GGUF file; {path} is a {kind} "
+                         "checkpoint")
+    from kv8.loader.gguf import gguf_block_summary
+
+    gguf_model, reader = _read_gguf(path, os.path.getmtime(path))
+    return (f"gguf: the file's blocks, not expanded ({gguf_block_summary(reader, gguf_model)}); "
+            "LM head and embedding dequantized to the compute dtype")
+
+
 def linear_shapes(hf_config: dict[str, Any], tp: TPGroup = SINGLE_RANK) -> list[LinearShape]:
     """The distinct shapes of the model's linear layers on rank ``tp.rank``, with how many layers have each (the
     model built on the meta device: no memory, no weights)."""

@@ -15,7 +15,7 @@ from kv8 import LLM, SamplingParams
 from kv8.engine.args import EngineArgs
 from kv8.layers.linear import GGUFLinearMethod, LinearBase
 from kv8.loader.gguf import read_gguf
-from kv8.loader.model import load_model, read_model_config
+from kv8.loader.model import describe_weights, load_model, read_model_config
 from kv8.loader.sources import default_model_path
 from kv8.quant.gguf_blocks import dequantize_blocks
 from tests.helpers.gguf_files import write_tiny_gguf
@@ -144,3 +144,21 @@ def test_smollm2_linear_layers_hold_the_files_bytes() -> None:
     resident = sum(m.gguf_blocks.numel() for m in held)
     assert resident == sum(int(t.n_bytes) for t in linear)
     assert resident * 3 < 2 * sum(int(t.n_elements) for t in linear)
+
+
+def test_info_says_how_the_weights_are_held(tmp_path: Path) -> None:
+    """``kv8 info``'s weights line: the kept types, tensor counts and bytes; an unsupported type named up front."""
+    path = tmp_path / "m.gguf"
+    _tiny(path, QT.Q4_1, **{"ffn_down.weight": QT.Q8_0})
+    _, reader = read_gguf(str(path))
+    q41 = sum(int(t.n_bytes) for t in reader.tensors if t.tensor_type == QT.Q4_1)
+    q80 = sum(int(t.n_bytes) for t in reader.tensors if t.name.endswith("ffn_down.weight"))
+    text = describe_weights("gguf", str(path), "gguf")
+    assert text.startswith(f"gguf: the file's blocks, not expanded (Q4_1: 12 tensors, {q41 / 2**20:.1f} MiB; "
+                           f"Q8_0: 2 tensors, {q80 / 2**20:.1f} MiB)")
+    assert describe_weights("gguf", str(path), None).startswith("as loaded")
+    bad = tmp_path / "bad.gguf"
+    _tiny(bad, QT.Q4_1, **{"attn_v.weight": QT.Q5_1})
+    with pytest.raises(ValueError, match=r"'blk.0.attn_v.weight' \(model.layers.0.self_attn.v_proj.weight\) has type "
+                                         r"Q5_1"):
+        describe_weights("gguf", str(bad), "gguf")

@@ -326,11 +326,13 @@ def load_dense_kernels(march: str = "native") -> DenseKernels:
 
 def describe_dense_kernels() -> str:
     """The dense kernels' path on this machine in words (``kv8 info``): ``avx512`` (AMX tiles or ``vdpbf16ps``),
-    ``avx2`` (fp32 FMA), or why they are unavailable."""
+    ``avx2`` (fp32 FMA), and the GGUF block kernel's types; or why they are unavailable."""
     try:
         lib = load_dense_kernels()
     except KernelUnavailable as exc:
         return f"unavailable: {str(exc).splitlines()[0]}"
+    gguf = (f"; GGUF {' / '.join(lib.gguf_types)} blocks: int8 activations, AVX2 maddubs" if lib.gguf_types
+            else "; no GGUF block kernel")
     if lib.isa == "avx512":
-        return "avx512 (AMX-BF16 tiles)" if lib.amx else "avx512 (AVX-512 BF16 vdpbf16ps)"
-    return "avx2 (AVX2 + FMA + F16C: fp32 FMA on bf16 / FP8 weights)"
+        return ("avx512 (AMX-BF16 tiles)" if lib.amx else "avx512 (AVX-512 BF16 vdpbf16ps)") + gguf
+    return "avx2 (AVX2 + FMA + F16C: fp32 FMA on bf16 / FP8 weights)" + gguf
