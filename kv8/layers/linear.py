@@ -68,7 +68,7 @@ from kv8.kernels.cpu.dense import DenseKernels
 from kv8.layers.activation import SiluAndMul
 from kv8.layers.dense_backend import DenseBackend
 from kv8.quant.formats import E4M3
-from kv8.quant.gguf_blocks import GGUFWeight, gguf_linear_reference
+from kv8.quant.gguf_blocks import GGUFWeight, gguf_linear_reference, group_blocks, ungroup_blocks
 from kv8.quant.weights import dequantize_fp8_rows, quantize_fp8_rows
 
 _E4M3_MAX = E4M3.max_finite
@@ -275,8 +275,9 @@ class ScaledMMFP8LinearMethod(LinearMethod):
 
 class GGUFLinearMethod(LinearMethod):
     """GGUF blocks kept as the file's bytes. After loading the layer holds ``gguf_blocks`` (uint8 ``[N, K / 32 *
-    block bytes]``: its projections' rows one after the other, one block type ``gguf_qtype``) and ``bias_f32``, and
-    no ``weight`` / ``bias`` parameters; the resident bytes are the file's bytes of those tensors.
+    block bytes]``: its projections' rows one after the other, one block type ``gguf_qtype``; where the kernel reads
+    that type, ``gguf_grouped`` and the rows in its order, :func:`~kv8.quant.gguf_blocks.group_blocks`) and
+    ``bias_f32``, and no ``weight`` / ``bias`` parameters; the resident bytes are the file's bytes of those tensors.
 
     ``apply`` runs the kernel (``kernels.gguf_linear``, bf16 input of a type it has: int8 activations per block, see
     ``csrc/dense/gguf.h``) and otherwise :func:`gguf_linear_reference` -- float32 on the blocks dequantized at each
@@ -300,23 +301,34 @@ class GGUFLinearMethod(LinearMethod):
             raise ValueError(f"quantization='gguf': the tensors merged into one layer have different block types "
                              f"({named}); kv8 multiplies one type per layer: use quantization=None for this file")
         blocks = ordered[0].blocks if len(ordered) == 1 else torch.cat([w.blocks for w in ordered])
+        qtype = ordered[0].qtype
+        layer.gguf_qtype = qtype
+        layer.gguf_grouped = self.kernels is not None and qtype in self.kernels.gguf_types
+        if layer.gguf_grouped:   # the kernel's order of the same bytes
+            blocks = group_blocks(blocks, qtype, layer.in_features)
         layer.register_buffer("gguf_blocks", blocks.contiguous(), persistent=False)
-        layer.gguf_qtype = ordered[0].qtype
         bias = None if layer.bias is None else layer.bias.detach().float().contiguous()
         layer.register_buffer("bias_f32", bias, persistent=False)
         layer.gguf_parts = {}
         del layer.weight, layer.bias
 
+    @staticmethod
+    def file_blocks(layer: LinearBase) -> torch.Tensor:
+        """The layer's blocks in the file's layout (``gguf_blocks`` itself, or ungrouped from the kernel's)."""
+        if layer.gguf_grouped:
+            return ungroup_blocks(layer.gguf_blocks, layer.gguf_qtype, layer.in_features)
+        return layer.gguf_blocks
+
     def apply(self, layer: LinearBase, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
         if x.shape[-1] != layer.in_features:
             raise ValueError(f"input has {x.shape[-1]} features, the layer {layer.in_features}")
-        kernels = self.kernels
-        if kernels is not None and x.dtype == torch.bfloat16 and layer.gguf_qtype in kernels.gguf_types:
+        if layer.gguf_grouped and self.kernels is not None and x.dtype == torch.bfloat16:
             rows = x.reshape(-1, layer.in_features)
-            out = kernels.gguf_linear(rows, layer.gguf_blocks, layer.gguf_qtype, layer.out_features, layer.bias_f32)
+            out = self.kernels.gguf_linear(rows, layer.gguf_blocks, layer.gguf_qtype, layer.out_features,
+                                           layer.bias_f32)
         else:
-            out = gguf_linear_reference(x, layer.gguf_blocks, layer.gguf_qtype, layer.bias_f32)
+            out = gguf_linear_reference(x, self.file_blocks(layer), layer.gguf_qtype, layer.bias_f32)
         return out.view(*lead, layer.out_features)
 
 
@@ -350,8 +362,9 @@ class LinearBase(nn.Module):
     scale_f32: torch.Tensor           # the FP8 method's scale per packed row
     weight_fp8: torch.Tensor          # ScaledMMFP8LinearMethod's codes [N, K] and scales [1, N]
     scale_row: torch.Tensor
-    gguf_blocks: torch.Tensor         # GGUFLinearMethod's blocks [N, row bytes] (uint8) of type gguf_qtype
-    gguf_qtype: str
+    gguf_blocks: torch.Tensor         # GGUFLinearMethod's blocks [N, row bytes] (uint8) of type gguf_qtype, in the
+    gguf_qtype: str                   # kernel's order (group_blocks) when gguf_grouped
+    gguf_grouped: bool
 
     def __init__(self, in_features: int, output_sizes: Sequence[int], bias: bool, backend: DenseBackend,
                  row_shards: Sequence[tuple[int, int]] | None = None, in_shard: tuple[int, int] | None = None,

@@ -25,13 +25,57 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["BLOCK", "BLOCK_BYTES", "KEPT_TYPES", "GGUFWeight", "dequantize_blocks", "gguf_activation_bound",
-           "gguf_linear_reference", "quantize_activation_blocks"]
+__all__ = ["BLOCK", "BLOCK_BYTES", "GROUP", "KEPT_TYPES", "GGUFWeight", "dequantize_blocks", "gguf_activation_bound",
+           "gguf_linear_reference", "group_blocks", "quantize_activation_blocks", "ungroup_blocks"]
 
 BLOCK = 32
 #: bytes per block of 32 values of each type kept quantized
 BLOCK_BYTES: dict[str, int] = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20}
 KEPT_TYPES: tuple[str, ...] = tuple(BLOCK_BYTES)
+#: blocks per group of the kernel's layout (:func:`group_blocks`)
+GROUP = 8
+_HEAD_BYTES = {"Q8_0": 2, "Q4_0": 2, "Q4_1": 4}   # the scales before a block's codes: d (and m)
+
+
+def _group_parts(in_features: int) -> list[tuple[int, int]]:
+    """``(first block, blocks)`` of each group of a row: groups of `GROUP`, the last one with the rest."""
+    nb = in_features // BLOCK
+    return [(b, min(GROUP, nb - b)) for b in range(0, nb, GROUP)]
+
+
+def group_blocks(blocks: torch.Tensor, qtype: str, in_features: int) -> torch.Tensor:
+    """The kernel's layout of ``blocks [N, row bytes]`` (the file's): the same bytes, each row's blocks in groups of
+    `GROUP` (the last group: the rest), a group of ``g`` blocks being its ``g`` float16 ``d`` (Q4_1: then its ``g``
+    ``m``), then the ``g`` blocks' codes (``csrc/dense/gguf.h``)::
+
+        file:    [d0 m0 codes0] [d1 m1 codes1] ... [d7 m7 codes7] [d8 m8 codes8] ...
+        grouped: [d0 .. d7] [m0 .. m7] [codes0 .. codes7] [d8 ...] ...
+    """
+    n, size = blocks.shape[0], BLOCK_BYTES[qtype]
+    b = blocks.reshape(n, in_features // BLOCK, size)
+    head = _HEAD_BYTES[qtype]
+    parts = []
+    for first, g in _group_parts(in_features):
+        grp = b[:, first:first + g]                                     # (N, g, bytes)
+        scales = [grp[..., s:s + 2].reshape(n, 2 * g) for s in range(0, head, 2)]
+        parts += [*scales, grp[..., head:].reshape(n, g * (size - head))]
+    return torch.cat(parts, dim=1).contiguous()
+
+
+def ungroup_blocks(grouped: torch.Tensor, qtype: str, in_features: int) -> torch.Tensor:
+    """The file's layout of blocks in :func:`group_blocks`' layout (its inverse)."""
+    n, size = grouped.shape[0], BLOCK_BYTES[qtype]
+    head = _HEAD_BYTES[qtype]
+    out = torch.empty(n, in_features // BLOCK, size, dtype=torch.uint8)
+    offset = 0
+    for first, g in _group_parts(in_features):
+        for s in range(0, head, 2):
+            out[:, first:first + g, s:s + 2] = grouped[:, offset:offset + 2 * g].reshape(n, g, 2)
+            offset += 2 * g
+        codes = g * (size - head)
+        out[:, first:first + g, head:] = grouped[:, offset:offset + codes].reshape(n, g, size - head)
+        offset += codes
+    return out.reshape(n, -1)
 
 
 @dataclass(frozen=True)

@@ -55,17 +55,19 @@ def test_layers_keep_the_files_blocks(tmp_path: Path, qtype: QT, arch: str) -> N
     assert sum(m.gguf_blocks.numel() for m in kept.values()) == file_bytes
     for m in kept.values():
         assert m.gguf_blocks.dtype == torch.uint8 and m.gguf_qtype == qtype.name
+        assert m.gguf_grouped == (_KERNELS is not None)   # the kernel's order where it runs
         assert not hasattr(m, "weight") and not any(p.numel() for p in m.parameters())
     assert {m.method.name for name, m in layers.items() if name not in kept} <= {"packed_bf16", "torch", "torch_fp32"}
     p = "model.layers.1."
     qkv = kept[p + "self_attn.qkv_proj"]
     want = torch.cat([expected[p + f"self_attn.{x}_proj.weight"] for x in "qkv"])
-    assert torch.equal(dequantize_blocks(qkv.gguf_blocks, qtype.name, 64), want)
+    assert torch.equal(dequantize_blocks(GGUFLinearMethod.file_blocks(qkv), qtype.name, 64), want)
     gate_up = kept[p + "mlp.gate_up_proj"]
     want = torch.cat([expected[p + f"mlp.{x}_proj.weight"] for x in ("gate", "up")])
-    assert torch.equal(dequantize_blocks(gate_up.gguf_blocks, qtype.name, 64), want)
+    assert torch.equal(dequantize_blocks(GGUFLinearMethod.file_blocks(gate_up), qtype.name, 64), want)
     down = kept[p + "mlp.down_proj"]
-    assert torch.equal(dequantize_blocks(down.gguf_blocks, qtype.name, 96), expected[p + "mlp.down_proj.weight"])
+    want = expected[p + "mlp.down_proj.weight"]
+    assert torch.equal(dequantize_blocks(GGUFLinearMethod.file_blocks(down), qtype.name, 96), want)
 
 
 PROMPT = [1, 5, 7, 9, 11, 13, 3, 17, 19, 21, 23, 25]

@@ -19,7 +19,9 @@ from kv8.quant.gguf_blocks import (
     dequantize_blocks,
     gguf_activation_bound,
     gguf_linear_reference,
+    group_blocks,
     quantize_activation_blocks,
+    ungroup_blocks,
 )
 from tests.helpers.kernels import dense_build_or_skip
 
@@ -48,6 +50,22 @@ def test_dequantize_is_the_gguf_package_bit_for_bit(qtype: str) -> None:
     assert got.dtype == torch.float32 and np.array_equal(got.numpy(), want)
 
 
+@pytest.mark.parametrize("qtype", KEPT_TYPES)
+@pytest.mark.parametrize("k", [32, 256, 576, 800])   # 1 block, one group, 2 groups + 2 blocks, 3 groups + 1 block
+def test_grouped_layout_moves_the_same_bytes(qtype: str, k: int) -> None:
+    blocks = _blocks(5, k, qtype, seed=k)
+    grouped = group_blocks(blocks, qtype, k)
+    assert grouped.shape == blocks.shape and torch.equal(grouped, blocks) == (k == 32)   # one block: as in the file
+    assert torch.equal(ungroup_blocks(grouped, qtype, k), blocks)
+    head = 4 if qtype == "Q4_1" else 2
+    first = blocks.reshape(5, -1, BLOCK_BYTES[qtype])[:, :8]   # the first group: its d's lead, then (Q4_1) its m's
+    g = first.shape[1]
+    assert torch.equal(grouped[:, :2 * g], first[..., :2].reshape(5, -1))
+    if head == 4:
+        assert torch.equal(grouped[:, 2 * g:4 * g], first[..., 2:4].reshape(5, -1))
+    assert torch.equal(grouped[:, head * g:head * g + (BLOCK_BYTES[qtype] - head)], first[:, 0, head:])
+
+
 def test_activation_blocks_round_to_the_nearest_step() -> None:
     x = torch.randn(3, 64).bfloat16()
     x[1, :32] = 0.0
@@ -59,7 +77,7 @@ def test_activation_blocks_round_to_the_nearest_step() -> None:
     assert bool(((codes * scale[..., None] - xb).abs() <= scale[..., None] / 2 * (1 + 1e-6)).all())
 
 
-SHAPES = [(37, 96), (70, 160), (33, 224)]   # N off the tile, K = 32 x odd
+SHAPES = [(37, 96), (70, 160), (33, 224), (19, 800)]   # N off the tile, K = 32 x odd (800: 3 groups of 8 + 1)
 
 
 @pytest.mark.parametrize("qtype", KEPT_TYPES)
@@ -73,7 +91,7 @@ def test_kernel_is_within_the_activation_bound_of_the_reference(lib: DenseKernel
     gen = torch.Generator().manual_seed(k + rows)
     x = (torch.randn(rows, k, generator=gen) * 3).bfloat16()
     bias = torch.randn(n, generator=gen) if rows != 3 else None
-    y = lib.gguf_linear(x, blocks, qtype, n, bias)
+    y = lib.gguf_linear(x, group_blocks(blocks, qtype, k), qtype, n, bias)
     assert y.dtype == torch.bfloat16 and y.shape == (rows, n)
     w = dequantize_blocks(blocks, qtype, k)
     exact = x.double() @ w.double().T + (0 if bias is None else bias.double())
@@ -94,7 +112,7 @@ def test_kernel_is_within_the_activation_bound_of_the_reference(lib: DenseKernel
 @pytest.mark.parametrize("qtype", KEPT_TYPES)
 def test_each_row_is_computed_alone(lib: DenseKernels, qtype: str) -> None:
     """A row's output does not depend on the batch (tiles of 4 rows or 1): bit for bit; a row of zeros is the bias."""
-    blocks = _blocks(41, 128, qtype, seed=7)
+    blocks = group_blocks(_blocks(41, 128, qtype, seed=7), qtype, 128)
     x = torch.randn(6, 128).bfloat16()
     x[2] = 0.0
     bias = torch.randn(41)

@@ -177,8 +177,9 @@ class DenseKernels(NativeLibrary):
                     bias: torch.Tensor | None) -> torch.Tensor:
         """``x [M, K]`` bf16 -> ``[M, out_features]`` bf16 ``= x @ W.T (+ bias)`` with ``W`` held as GGUF blocks of
         type ``qtype`` (one of :attr:`gguf_types`): ``blocks [out_features, K / 32 * block bytes]`` uint8, the file's
-        bytes. The activations are quantized to int8 per block of 32 (``csrc/dense/gguf.h``: the error bound);
-        ``bias`` is float32 ``[out_features]`` or None."""
+        bytes in the kernel's order (:func:`kv8.quant.gguf_blocks.group_blocks`). The activations are quantized to
+        int8 per block of 32 (``csrc/dense/gguf.h``: the error bound); ``bias`` is float32 ``[out_features]`` or
+        None."""
         if qtype not in self.gguf_types:
             raise ValueError(f"GGUF block type {qtype!r} has no kernel in this build; it has: "
                              f"{sorted(self.gguf_types) or 'none (no AVX2 + FMA + F16C)'}")

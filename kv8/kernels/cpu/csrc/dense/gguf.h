@@ -9,8 +9,13 @@
 //   Q4_0 (18 B): f16 d | u8 qs[16]                  w_j = d * (c_j - 8)
 //   Q4_1 (20 B): f16 d | f16 m | u8 qs[16]          w_j = d * c_j + m
 //
-// with the 4-bit codes c_j = qs[j] & 15 and c_{j+16} = qs[j] >> 4 (j < 16). The blocks are read unaligned, in
-// place: the file's bytes are the layout (no repacking; a llama q/k row permutation moves whole rows).
+// with the 4-bit codes c_j = qs[j] & 15 and c_{j+16} = qs[j] >> 4 (j < 16). The kernel reads them grouped (the same
+// bytes, reordered at load by kv8.quant.gguf_blocks.group_blocks): each row's blocks in groups of GGUF_GROUP = 8
+// (the row's last group has the rest, g <= 8), a group of g blocks being
+//
+//   [d_0 .. d_{g-1}] [Q4_1: m_0 .. m_{g-1}] [codes of block 0] .. [codes of block g-1]
+//
+// (codes: the block's bytes after its header), so that 8 scales convert to float32 in one vcvtph2ps.
 //
 // Activations: each row of x is quantized once per call to int8 per block of 32 (a_j = rint(x_j * 127 / amax),
 // da = amax / 127, amax the block's largest |x|; a block of zeros has da = 0), kept with da and sa = da * sum_j a_j.
@@ -30,6 +35,9 @@
 // most sum_blocks da / 2 * sum_j |w_j| plus fp32 summation error, before the one bf16 rounding
 // (gguf_activation_bound computes the bound; tests check it).
 //
+// Per group, the activation scales of its 8 blocks multiply the weights' 8 at once (d da, and m sa or -8 d sa summed
+// in a vector); per block the integer dot product is converted and multiplied by its lane of d da.
+//
 // Threads: output rows are split evenly over the threads (OpenMP, static); each thread reads its rows' blocks once
 // per tile of MR activation rows (one weight block feeds MR dot products).
 
@@ -43,6 +51,7 @@ enum { GGUF_Q8_0 = 0, GGUF_Q4_0 = 1, GGUF_Q4_1 = 2, GGUF_TYPE_COUNT = 3 };
 static const char* const GGUF_TYPE_NAMES[GGUF_TYPE_COUNT] = {"Q8_0", "Q4_0", "Q4_1"};
 static const int GGUF_BLOCK_BYTES[GGUF_TYPE_COUNT] = {34, 18, 20};
 static const int GGUF_BLOCK = 32;
+static const int GGUF_GROUP = 8;   // blocks per group of the kernel's layout
 
 static inline int check_args(const kv8_gguf_linear_call& c) {
     if (c.rows < 0 || c.in_features <= 0 || c.in_features % GGUF_BLOCK || c.out_features <= 0 || c.num_threads <= 0
@@ -121,38 +130,73 @@ static inline __m256 gguf_dot(__m256i u, __m256i s) {   // 32 u8 x s8 products -
     return _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
 }
 
-// Output row n of MR_ activation rows starting at m0 (mr <= MR_ of them valid).
+// Blocks b .. b+g-1 of a group (g <= GGUF_GROUP) times MR_ activation rows from m0 (mr of them valid): the group's
+// scales decoded 8 at a time (vcvtph2ps), then one integer dot product per block and row.
 template <int QT, int MR_>
-static inline void gguf_row_tile(const uint8_t* wrow, int64_t nb, const int8_t* qa, const float* da, const float* sa,
-                                 int64_t m0, int mr, float* result) {
-    __m256 acc[MR_];
-    float corr[MR_];
-    for (int r = 0; r < MR_; ++r) { acc[r] = _mm256_setzero_ps(); corr[r] = 0.0f; }
-    for (int64_t b = 0; b < nb; ++b) {
-        const uint8_t* blk = wrow + b * GGUF_BLOCK_BYTES[QT];
-        const float d = gguf_half(blk);
+static inline void gguf_group(const uint8_t* grp, int g, int64_t b, int64_t nb, const int8_t* qa, const float* da,
+                              const float* sa, int64_t m0, int mr, __m256* acc, __m256* corr) {
+    constexpr int CODE_BYTES = QT == GGUF_Q8_0 ? 32 : 16;
+    constexpr int HEAD = QT == GGUF_Q4_1 ? 4 : 2;
+    alignas(32) float scale[MR_][GGUF_GROUP];
+    __m256 d, m;
+    if (g == GGUF_GROUP) {
+        d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)grp));
+        m = QT == GGUF_Q4_1 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(grp + 2 * GGUF_GROUP)))
+                            : _mm256_mul_ps(d, _mm256_set1_ps(-8.0f));
+    } else {   // the row's last, partial group: g scales (the other lanes zero, never used)
+        alignas(16) uint16_t hd[GGUF_GROUP] = {0}, hm[GGUF_GROUP] = {0};
+        std::memcpy(hd, grp, 2 * g);
+        if (QT == GGUF_Q4_1) std::memcpy(hm, grp + 2 * g, 2 * g);
+        d = _mm256_cvtph_ps(_mm_load_si128((const __m128i*)hd));
+        m = QT == GGUF_Q4_1 ? _mm256_cvtph_ps(_mm_load_si128((const __m128i*)hm))
+                            : _mm256_mul_ps(d, _mm256_set1_ps(-8.0f));
+    }
+    const __m256i lanes = _mm256_cmpgt_epi32(_mm256_set1_epi32(g), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+    for (int r = 0; r < MR_; ++r) {
+        if (r >= mr) break;
+        const int64_t i = (m0 + r) * nb + b;
+        const bool full = g == GGUF_GROUP;
+        const __m256 a_scale = full ? _mm256_loadu_ps(da + i) : _mm256_maskload_ps(da + i, lanes);
+        _mm256_store_ps(scale[r], _mm256_mul_ps(d, a_scale));
+        if (QT != GGUF_Q8_0)
+            corr[r] = _mm256_fmadd_ps(m, full ? _mm256_loadu_ps(sa + i) : _mm256_maskload_ps(sa + i, lanes), corr[r]);
+    }
+    const uint8_t* codes = grp + HEAD * g;
+    for (int j = 0; j < g; ++j) {
+        const uint8_t* c = codes + j * CODE_BYTES;
         if (QT == GGUF_Q8_0) {
-            const __m256i w = _mm256_loadu_si256((const __m256i*)(blk + 2));
+            const __m256i w = _mm256_loadu_si256((const __m256i*)c);
             const __m256i wa = _mm256_abs_epi8(w);
             for (int r = 0; r < MR_; ++r) {
                 if (r >= mr) break;
-                const int64_t i = (m0 + r) * nb + b;
-                const __m256i a = _mm256_loadu_si256((const __m256i*)(qa + i * GGUF_BLOCK));
-                acc[r] = _mm256_fmadd_ps(gguf_dot(wa, _mm256_sign_epi8(a, w)), _mm256_set1_ps(d * da[i]), acc[r]);
+                const __m256i a = _mm256_loadu_si256((const __m256i*)(qa + ((m0 + r) * nb + b + j) * GGUF_BLOCK));
+                acc[r] = _mm256_fmadd_ps(gguf_dot(wa, _mm256_sign_epi8(a, w)), _mm256_broadcast_ss(&scale[r][j]),
+                                         acc[r]);
             }
         } else {
-            const __m256i w = gguf_nibbles(blk + (QT == GGUF_Q4_1 ? 4 : 2));
-            const float mn = QT == GGUF_Q4_1 ? gguf_half(blk + 2) : -8.0f * d;
+            const __m256i w = gguf_nibbles(c);
             for (int r = 0; r < MR_; ++r) {
                 if (r >= mr) break;
-                const int64_t i = (m0 + r) * nb + b;
-                const __m256i a = _mm256_loadu_si256((const __m256i*)(qa + i * GGUF_BLOCK));
-                acc[r] = _mm256_fmadd_ps(gguf_dot(w, a), _mm256_set1_ps(d * da[i]), acc[r]);
-                corr[r] += mn * sa[i];
+                const __m256i a = _mm256_loadu_si256((const __m256i*)(qa + ((m0 + r) * nb + b + j) * GGUF_BLOCK));
+                acc[r] = _mm256_fmadd_ps(gguf_dot(w, a), _mm256_broadcast_ss(&scale[r][j]), acc[r]);
             }
         }
     }
-    for (int r = 0; r < mr; ++r) result[r] = gguf_hsum(acc[r]) + corr[r];
+}
+
+// Output row n (its grouped blocks at wrow) of MR_ activation rows starting at m0 (mr <= MR_ of them valid).
+template <int QT, int MR_>
+static inline void gguf_row_tile(const uint8_t* wrow, int64_t nb, const int8_t* qa, const float* da, const float* sa,
+                                 int64_t m0, int mr, float* result) {
+    __m256 acc[MR_], corr[MR_];
+    for (int r = 0; r < MR_; ++r) { acc[r] = _mm256_setzero_ps(); corr[r] = _mm256_setzero_ps(); }
+    const int64_t group_bytes = (int64_t)GGUF_GROUP * GGUF_BLOCK_BYTES[QT];
+    int64_t b = 0;
+    for (; b + GGUF_GROUP <= nb; b += GGUF_GROUP)
+        gguf_group<QT, MR_>(wrow + b / GGUF_GROUP * group_bytes, GGUF_GROUP, b, nb, qa, da, sa, m0, mr, acc, corr);
+    if (b < nb)
+        gguf_group<QT, MR_>(wrow + b / GGUF_GROUP * group_bytes, (int)(nb - b), b, nb, qa, da, sa, m0, mr, acc, corr);
+    for (int r = 0; r < mr; ++r) result[r] = gguf_hsum(acc[r]) + gguf_hsum(corr[r]);
 }
 
 template <int QT>
