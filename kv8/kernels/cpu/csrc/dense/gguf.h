@@ -1,7 +1,8 @@
 // GGUF block-quantized weights (llama.cpp's Q8_0, Q4_0, Q4_1) multiplied without expanding them, included by
 // dense.cpp after elementwise.h (threads_for). Compiled where the build has AVX2 + FMA + F16C (an AVX-512 build has
 // them too); elsewhere kv8_gguf_linear returns ERR_NO_FAST_PATH and Python uses the torch reference
-// (kv8.layers.gguf_linear).
+// (kv8.layers.linear.GGUFLinearMethod: kv8.quant.gguf_blocks.gguf_linear_reference). Not here yet: an AVX-512 /
+// VNNI (vpdpbusd) path, and K-quants (Q4_K, Q6_K, ...).
 //
 // Weights: W [N, K] as the file stores it, row after row, each row K/32 blocks of 32 values (K % 32 == 0):
 //
@@ -31,15 +32,16 @@
 // accumulated in fp32 over the blocks; the bias (fp32) is added and the result rounded to bf16 (nearest-even).
 //
 // Numerics: the only rounding beyond fp32 sums is the activations': |a_j da - x_j| <= da / 2, so each output
-// differs from the float32 product of the dequantized weights (kv8.layers.gguf_linear.gguf_linear_reference) by at
+// differs from the float32 product of the dequantized weights (kv8.quant.gguf_blocks.gguf_linear_reference) by at
 // most sum_blocks da / 2 * sum_j |w_j| plus fp32 summation error, before the one bf16 rounding
-// (gguf_activation_bound computes the bound; tests check it).
+// (kv8.quant.gguf_blocks.gguf_activation_bound computes the bound; tests/quant/test_gguf_blocks.py checks it).
 //
 // Per group, the activation scales of its 8 blocks multiply the weights' 8 at once (d da, and m sa or -8 d sa summed
 // in a vector); per block the integer dot product is converted and multiplied by its lane of d da.
 //
 // Threads: output rows are split evenly over the threads (OpenMP, static); each thread reads its rows' blocks once
-// per tile of MR activation rows (one weight block feeds MR dot products).
+// per tile of 4 activation rows (one decoded weight block feeds 4 dot products); a row's result does not depend on
+// the tile it is in.
 
 #pragma once
 
