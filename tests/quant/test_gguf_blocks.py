@@ -67,14 +67,15 @@ def test_grouped_layout_moves_the_same_bytes(qtype: str, k: int) -> None:
 
 
 def test_activation_blocks_round_to_the_nearest_step() -> None:
-    x = torch.randn(3, 64).bfloat16()
+    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(3)).bfloat16()
     x[1, :32] = 0.0
     codes, scale = quantize_activation_blocks(x)
     assert codes.shape == (3, 2, 32) and scale.shape == (3, 2)
     assert scale[1, 0] == 0 and bool((codes[1, 0] == 0).all())
     xb = x.float().reshape(3, 2, 32)
     assert torch.equal(codes.abs().amax(dim=-1)[scale > 0], torch.full_like(scale[scale > 0], 127.0))
-    assert bool(((codes * scale[..., None] - xb).abs() <= scale[..., None] / 2 * (1 + 1e-6)).all())
+    # within half a step, up to float32's rounding of x * (127 / amax) (a code unit's ~1e-5 near 127)
+    assert bool(((codes * scale[..., None] - xb).abs() <= scale[..., None] * (0.5 + 1e-4)).all())
 
 
 SHAPES = [(37, 96), (70, 160), (33, 224), (19, 800)]   # N off the tile, K = 32 x odd (800: 3 groups of 8 + 1)
