@@ -10,7 +10,10 @@ the same packed weights in the same run. The ``fp8 ms`` and ``bf16/fp8`` columns
 ``quantization="fp8"`` quantizes them (E4M3 codes and a scale per output row, half the bytes; the kernel decodes
 them to bf16 on the fly), on the same path. The ``fp32 ms`` and ``fp32/kv8`` columns time ``F.linear`` in float32 on the
 same weights widened at load (the ``torch_fp32`` dense backend, twice the bytes: the choice on CPUs whose torch has
-no fast bf16 GEMM); the header names the kernels' path (``avx512``: AMX tiles or ``vdpbf16ps``; ``avx2``: fp32 FMA).
+no fast bf16 GEMM). The ``gguf ms`` and ``kv8/gguf`` columns time the same matrices as GGUF blocks of ``--gguf-type``
+(default Q4_1, SmolLM2's file; written by ``gguf.quants.quantize``) multiplied as ``quantization="gguf"`` does
+(``kv8_gguf_linear``: int8 activations per block of 32); the header names the kernels' path (``avx512``: AMX tiles
+or ``vdpbf16ps``; ``avx2``: fp32 FMA).
 
 ``--shapes`` multiplies other matrices (``OUTxIN`` each, e.g. ``4096x4096,14336x4096``: an 8B model's q/o and up
 projections; use ``--layers 1`` for large ones). ``--no-torch-bf16`` leaves out the bf16 ``F.linear`` columns
@@ -35,6 +38,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import gguf
+import numpy as np
 import torch
 import torch.nn.functional as F
 from revisions import worktree
@@ -44,6 +49,7 @@ from kv8.kernels.cpu.build import KernelUnavailable, build_shared_library
 from kv8.kernels.cpu.dense import SOURCE, DenseKernels
 from kv8.layers.dense_backend import DenseBackend, select_dense_backend
 from kv8.layers.linear import LinearBase
+from kv8.quant.gguf_blocks import KEPT_TYPES, GGUFWeight
 
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # (out, in) per layer, SmolLM2-135M
 
@@ -80,6 +86,8 @@ def main() -> None:
     ap.add_argument("--before", metavar="REV", help="also time the kernels as of this git revision")
     ap.add_argument("--shapes", type=parse_shapes, default=SHAPES,
                     help="comma-separated OUTxIN matrices per layer (default: SmolLM2-135M's)")
+    ap.add_argument("--gguf-type", default="Q4_1", choices=KEPT_TYPES,
+                    help="the GGUF block type of the gguf columns (default: Q4_1, SmolLM2's file)")
     ap.add_argument("--no-torch-bf16", dest="torch_bf16", action="store_false",
                     help="leave out bf16 F.linear (the torch columns print -)")
     args = ap.parse_args()
@@ -112,6 +120,22 @@ def packed_layers(weights: list[list[torch.Tensor]], backend: DenseBackend) -> l
     return layers
 
 
+def gguf_layers(weights: list[list[torch.Tensor]], kernels: DenseKernels, qtype: str) -> list[list[LinearBase]]:
+    """One kv8 ``Linear`` per weight holding its GGUF blocks of ``qtype`` (``quantization="gguf"``)."""
+    backend = DenseBackend("packed_bf16", kernels, "gguf")
+    layers = []
+    for layer in weights:
+        mods = []
+        for w in layer:
+            blocks = gguf.quants.quantize(w.float().numpy(), gguf.GGMLQuantizationType[qtype])
+            lin = LinearBase(w.shape[1], [w.shape[0]], False, backend)
+            lin.load_gguf(GGUFWeight(qtype, torch.from_numpy(np.ascontiguousarray(blocks)), w.shape[1]))
+            lin.process_weights_after_loading()
+            mods.append(lin)
+        layers.append(mods)
+    return layers
+
+
 def run(args: argparse.Namespace, before: DenseKernels | None) -> None:
     backend = select_dense_backend("packed_bf16", torch.bfloat16)
     torch.manual_seed(0)
@@ -122,6 +146,8 @@ def run(args: argparse.Namespace, before: DenseKernels | None) -> None:
     kernels = backend.kernels
     assert kernels is not None
     fp8 = packed_layers(weights, DenseBackend("packed_bf16", kernels, "fp8"))
+    blocks = gguf_layers(weights, kernels, args.gguf_type)
+    gguf_bytes = sum(p.gguf_blocks.numel() for layer in blocks for p in layer)
     amx = kernels.amx
     # the same layers on the library of --before (the same Python path, AMX tiles where the current one uses them)
     packed_before = packed_layers(weights, DenseBackend("packed_bf16", before)) if before is not None else []
@@ -131,8 +157,10 @@ def run(args: argparse.Namespace, before: DenseKernels | None) -> None:
     shapes = "" if args.shapes == SHAPES else " (" + ", ".join(f"{n}x{k}" for n, k in args.shapes) + " each)"
     print(f"{args.layers} layers{shapes}, {nbytes / 1e6:.0f} MB of bf16 weights, {torch.get_num_threads()} threads, "
           f"kv8 path: {kernels.isa} ({'AMX tiles' if amx else 'vdpbf16ps' if kernels.isa == 'avx512' else 'fp32 FMA'})"
-          + (f"; before = kv8's kernels as of {args.before}" if before is not None else ""))
+          + (f"; before = kv8's kernels as of {args.before}" if before is not None else "")
+          + f"; gguf = {args.gguf_type} blocks, {gguf_bytes / 1e6:.0f} MB")
     extra = f" {'fp8 ms':>8} {'bf16/fp8':>9} {'fp32 ms':>9} {'fp32/kv8':>9} {'fp32/fp8':>9}"
+    extra += f" {'gguf ms':>8} {'kv8/gguf':>9} {'fp32/gguf':>10}"
     extra += f" {'vdpbf16ps ms':>13} {'AMX/vdpbf16ps':>14}" if amx else ""
     extra += f" {'before ms':>10} {'speed-up':>9} {'fp8 before':>11} {'speed-up':>9}" if before is not None else ""
     print(f"{'M':>6} {'torch ms':>10} {'kv8 ms':>10} {'torch GB/s':>11} {'kv8 GB/s':>10} {'speed-up':>9}{extra}")
@@ -159,6 +187,9 @@ def run(args: argparse.Namespace, before: DenseKernels | None) -> None:
             def run_fp8(xs: dict[int, torch.Tensor] = xs) -> None:
                 run_kv8(xs, fp8)
 
+            def run_gguf(xs: dict[int, torch.Tensor] = xs) -> None:
+                run_kv8(xs, blocks)
+
             def run_before(xs: dict[int, torch.Tensor] = xs) -> None:
                 run_kv8(xs, packed_before)
 
@@ -173,7 +204,7 @@ def run(args: argparse.Namespace, before: DenseKernels | None) -> None:
                     kernels.amx = True
 
             fns: dict[str, Callable[[], None]] = {"torch": run_torch} if args.torch_bf16 else {}
-            fns.update({"kv8": run_kv8, "fp8": run_fp8, "fp32": run_fp32})
+            fns.update({"kv8": run_kv8, "fp8": run_fp8, "fp32": run_fp32, "gguf": run_gguf})
             if amx:
                 fns["vdpbf16ps"] = run_avx512
             if before is not None:
@@ -188,7 +219,8 @@ def run(args: argparse.Namespace, before: DenseKernels | None) -> None:
                 torch_cols = f"{'-':>10} {t_kv8 * 1e3:>10.2f} {'-':>11} {nbytes / t_kv8 / 1e9:>10.1f} {'-':>9}"
             row = (f"{m:>6} {torch_cols} {t['fp8'] * 1e3:>8.2f} "
                    f"{t_kv8 / t['fp8']:>9.2f} {t['fp32'] * 1e3:>9.2f} {t['fp32'] / t_kv8:>9.2f} "
-                   f"{t['fp32'] / t['fp8']:>9.2f}")
+                   f"{t['fp32'] / t['fp8']:>9.2f} {t['gguf'] * 1e3:>8.2f} {t_kv8 / t['gguf']:>9.2f} "
+                   f"{t['fp32'] / t['gguf']:>10.2f}")
             if amx:
                 row += f" {t['vdpbf16ps'] * 1e3:>13.2f} {t['vdpbf16ps'] / t_kv8:>14.2f}"
             if before is not None:

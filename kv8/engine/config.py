@@ -35,8 +35,9 @@ ATTENTION_BACKENDS: tuple[str, ...] = ("auto", *BACKENDS)
 # torch ops, or kv8's packed linear layers (AVX-512 BF16 / AMX, or AVX2) with fused norm/SiLU/RoPE
 # (kv8.kernels.cpu.dense)
 DENSE_BACKENDS = ("auto", "torch", "torch_fp32", "packed_bf16")
-# weight quantization at load (vLLM's --quantization): fp8 = E4M3 weights with one float32 scale per output row
-QUANTIZATION_METHODS = ("fp8",)
+# weight quantization at load (vLLM's --quantization): fp8 = E4M3 weights with one float32 scale per output row;
+# gguf = a GGUF file's Q8_0 / Q4_0 / Q4_1 blocks kept as they are (kv8.quant.gguf_blocks)
+QUANTIZATION_METHODS = ("fp8", "gguf")
 
 _DTYPES: dict[str, torch.dtype] = {
     "auto": torch.bfloat16,
@@ -117,7 +118,9 @@ class EngineConfig:
         choices=DENSE_BACKENDS)
     quantization: str | None = option(
         None, "quantize the weights of the decoder's linear layers at load: fp8 = E4M3 codes with one float32 "
-        "scale per output row (half the bytes a decode step reads; the LM head and embedding stay as loaded)",
+        "scale per output row (half the bytes a decode step reads); gguf = keep a GGUF file's Q8_0 / Q4_0 / Q4_1 "
+        "blocks as they are, multiplied by an int8-activation kernel (a Q4 model's weights in ~1/3.5 of bf16's bytes; "
+        "one tensor-parallel rank). The LM head and embedding stay as loaded",
         choices=QUANTIZATION_METHODS)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     platform: Platform = CPU   # the machine, resolved once from the device option (Platform.resolve)
@@ -140,6 +143,8 @@ class EngineConfig:
                              "dense_backend='auto' or 'torch'")
         check_choice("quantization", self.quantization, QUANTIZATION_METHODS, optional=True,
                      hint="(or leave it unset for the checkpoint's weights)")
+        if self.quantization == "gguf":
+            self._check_gguf_quantization()
         check_int("seed", self.seed)
         arch, max_len = self.arch, self.scheduler.max_model_len
         self.parallel.check_model(arch)
@@ -165,6 +170,19 @@ class EngineConfig:
         if max_len > arch.max_position_embeddings:
             raise ValueError(f"max_model_len={max_len} exceeds the model's context "
                              f"(max_position_embeddings={arch.max_position_embeddings})")
+
+    def _check_gguf_quantization(self) -> None:
+        """``quantization="gguf"`` keeps the blocks of a GGUF file, read from it, on one rank."""
+        if self.model_kind != "gguf":
+            raise ValueError(f"quantization='gguf' keeps the blocks of a GGUF file, but model={self.model!r} is a "
+                             f"{self.model_kind} checkpoint; use quantization='fp8' or leave it unset")
+        if self.load_format != "auto":
+            raise ValueError(f"quantization='gguf' reads the file's blocks; load_format={self.load_format!r} reads "
+                             "none: use load_format='auto'")
+        if self.parallel.tensor_parallel_size != 1:
+            raise ValueError(f"quantization='gguf' runs on one rank (its blocks are not split between ranks); "
+                             f"tensor_parallel_size={self.parallel.tensor_parallel_size}: use 1, or leave "
+                             "quantization unset")
 
     def _check_device_support(self) -> None:
         """Every option runs on the platform (which exists, so its device is usable)."""

@@ -163,7 +163,7 @@ def cmd_generate(ns: argparse.Namespace) -> int:
 
 
 def cmd_info(ns: argparse.Namespace) -> int:
-    from kv8.loader.model import read_model_config
+    from kv8.loader.model import describe_weights, read_model_config
     from kv8.loader.sources import resolve_model_path
 
     kind, path = resolve_model_path(ns.model)
@@ -187,6 +187,7 @@ def cmd_info(ns: argparse.Namespace) -> int:
           f"vocab {arch.vocab_size}, context {arch.max_position_embeddings}, rope_theta {arch.rope_theta:g}")
     plan = _dense_plan(hf_config, resolve_dtype(ns.dtype), ns.quantization) if platform.kind == "cpu" else "torch"
     print(f"dense layers {plan}")
+    print(f"weights      {describe_weights(kind, path, ns.quantization)}")
     if platform.kind == "cpu":
         from kv8.kernels.cpu.dense import describe_dense_kernels
 

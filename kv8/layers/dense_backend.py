@@ -35,7 +35,7 @@ class DenseBackend:
 
     name: str    # "torch", "torch_fp32" or "packed_bf16"
     kernels: DenseKernels | None = None
-    quantization: str | None = None   # the decoder's linear layers: None (as loaded) or "fp8"
+    quantization: str | None = None   # the decoder's linear layers: None (as loaded), "fp8" or "gguf" (file blocks)
     # FP8 weights multiplied by torch._scaled_mm with FP8 activations (a GPU with FP8 tensor cores), instead of
     # dequantized once to the compute dtype
     fp8_scaled_mm: bool = False

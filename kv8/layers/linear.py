@@ -23,6 +23,13 @@ row (:mod:`kv8.quant.weights`), quantized after loading (each rank its own shard
   (``amax / 448``), as vLLM's FP8 layers do on Hopper: W8A8, so its outputs differ from the weight-only methods by
   the activations' rounding (:func:`scaled_mm_fp8_reference` is its plain torch definition).
 
+With ``quantization="gguf"`` (a GGUF checkpoint) the decoder's layers keep the file's blocks (Q8_0, Q4_0, Q4_1:
+:mod:`kv8.quant.gguf_blocks`), never expanded: the loader hands each such tensor over as a
+:class:`~kv8.quant.gguf_blocks.GGUFWeight` (``load_gguf``), and :class:`GGUFLinearMethod` keeps the merged rows'
+bytes (``gguf_blocks``) and multiplies them with the kernel (``DenseKernels.gguf_linear``: int8 activations per
+block of 32, within :func:`~kv8.quant.gguf_blocks.gguf_activation_bound` of the float32 reference), or, without it,
+with :func:`~kv8.quant.gguf_blocks.gguf_linear_reference` (the blocks dequantized to float32 at each call).
+
 Merged layers hold several projections that read the same input as one matrix, their outputs side by side:
 :class:`QKVLinear` (shards ``"q"``, ``"k"``, ``"v"``) and :class:`MergedLinear` (shards ``0, 1, ...``, e.g.
 gate and up). The loader gives each checkpoint tensor to ``param.weight_loader(param, tensor, shard_id)``,
@@ -61,14 +68,15 @@ from kv8.kernels.cpu.dense import DenseKernels
 from kv8.layers.activation import SiluAndMul
 from kv8.layers.dense_backend import DenseBackend
 from kv8.quant.formats import E4M3
+from kv8.quant.gguf_blocks import GGUFWeight, gguf_linear_reference, group_blocks, ungroup_blocks
 from kv8.quant.weights import dequantize_fp8_rows, quantize_fp8_rows
 
 _E4M3_MAX = E4M3.max_finite
 
-__all__ = ["GateUpLinear", "Linear", "LinearBase", "LinearMethod", "MergedLinear", "PackedBF16LinearMethod",
-           "PackedFP8LinearMethod", "QKVLinear", "RowParallelLinear", "ScaledMMFP8LinearMethod", "TorchFP8LinearMethod",
-           "TorchF32LinearMethod", "TorchLinearMethod", "linear_method", "linear_reference", "quantize_fp8_activations",
-           "scaled_mm_fp8_reference"]
+__all__ = ["GGUFLinearMethod", "GateUpLinear", "Linear", "LinearBase", "LinearMethod", "MergedLinear",
+           "PackedBF16LinearMethod", "PackedFP8LinearMethod", "QKVLinear", "RowParallelLinear",
+           "ScaledMMFP8LinearMethod", "TorchFP8LinearMethod", "TorchF32LinearMethod", "TorchLinearMethod",
+           "linear_method", "linear_reference", "quantize_fp8_activations", "scaled_mm_fp8_reference"]
 
 
 def linear_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -265,9 +273,70 @@ class ScaledMMFP8LinearMethod(LinearMethod):
         return y.view(*lead, layer.out_features)
 
 
+class GGUFLinearMethod(LinearMethod):
+    """GGUF blocks kept as the file's bytes. After loading the layer holds ``gguf_blocks`` (uint8 ``[N, K / 32 *
+    block bytes]``: its projections' rows one after the other, one block type ``gguf_qtype``; where the kernel reads
+    that type, ``gguf_grouped`` and the rows in its order, :func:`~kv8.quant.gguf_blocks.group_blocks`) and
+    ``bias_f32``, and no ``weight`` / ``bias`` parameters; the resident bytes are the file's bytes of those tensors.
+
+    ``apply`` runs the kernel (``kernels.gguf_linear``, bf16 input of a type it has: int8 activations per block, see
+    ``csrc/dense/gguf.h``) and otherwise :func:`gguf_linear_reference` -- float32 on the blocks dequantized at each
+    call (one layer's weights, transiently): the oracle, and the path of builds and dtypes without the kernel."""
+
+    name = "gguf"
+
+    def __init__(self, kernels: DenseKernels | None) -> None:
+        self.kernels = kernels
+
+    def process_weights_after_loading(self, layer: LinearBase) -> None:
+        parts = layer.gguf_parts
+        missing = [i for i in range(len(layer.output_sizes)) if i not in parts]
+        if missing:
+            raise ValueError(f"{type(layer).__name__}: quantization='gguf' needs every projection's GGUF blocks; "
+                             f"projections {missing} were not loaded as blocks")
+        ordered = [parts[i] for i in range(len(layer.output_sizes))]
+        types = {w.qtype for w in ordered}
+        if len(types) > 1:
+            named = ", ".join(f"{w.name} ({w.qtype})" for w in ordered)
+            raise ValueError(f"quantization='gguf': the tensors merged into one layer have different block types "
+                             f"({named}); kv8 multiplies one type per layer: use quantization=None for this file")
+        blocks = ordered[0].blocks if len(ordered) == 1 else torch.cat([w.blocks for w in ordered])
+        qtype = ordered[0].qtype
+        layer.gguf_qtype = qtype
+        layer.gguf_grouped = self.kernels is not None and qtype in self.kernels.gguf_types
+        if layer.gguf_grouped:   # the kernel's order of the same bytes
+            blocks = group_blocks(blocks, qtype, layer.in_features)
+        layer.register_buffer("gguf_blocks", blocks.contiguous(), persistent=False)
+        bias = None if layer.bias is None else layer.bias.detach().float().contiguous()
+        layer.register_buffer("bias_f32", bias, persistent=False)
+        layer.gguf_parts = {}
+        del layer.weight, layer.bias
+
+    @staticmethod
+    def file_blocks(layer: LinearBase) -> torch.Tensor:
+        """The layer's blocks in the file's layout (``gguf_blocks`` itself, or ungrouped from the kernel's)."""
+        if layer.gguf_grouped:
+            return ungroup_blocks(layer.gguf_blocks, layer.gguf_qtype, layer.in_features)
+        return layer.gguf_blocks
+
+    def apply(self, layer: LinearBase, x: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-1]
+        if x.shape[-1] != layer.in_features:
+            raise ValueError(f"input has {x.shape[-1]} features, the layer {layer.in_features}")
+        if layer.gguf_grouped and self.kernels is not None and x.dtype == torch.bfloat16:
+            rows = x.reshape(-1, layer.in_features)
+            out = self.kernels.gguf_linear(rows, layer.gguf_blocks, layer.gguf_qtype, layer.out_features,
+                                           layer.bias_f32)
+        else:
+            out = gguf_linear_reference(x, self.file_blocks(layer), layer.gguf_qtype, layer.bias_f32)
+        return out.view(*lead, layer.out_features)
+
+
 def linear_method(backend: DenseBackend, quantize: bool = True) -> LinearMethod:
     """The linear method of a dense backend; ``quantize=False`` keeps the weights as loaded whatever the
     backend's quantization (the LM head)."""
+    if quantize and backend.quantization == "gguf":
+        return GGUFLinearMethod(backend.kernels)
     fp8 = quantize and backend.quantization == "fp8"
     if fp8 and backend.fp8_scaled_mm:
         return ScaledMMFP8LinearMethod()
@@ -293,6 +362,9 @@ class LinearBase(nn.Module):
     scale_f32: torch.Tensor           # the FP8 method's scale per packed row
     weight_fp8: torch.Tensor          # ScaledMMFP8LinearMethod's codes [N, K] and scales [1, N]
     scale_row: torch.Tensor
+    gguf_blocks: torch.Tensor         # GGUFLinearMethod's blocks [N, row bytes] (uint8) of type gguf_qtype, in the
+    gguf_qtype: str                   # kernel's order (group_blocks) when gguf_grouped
+    gguf_grouped: bool
 
     def __init__(self, in_features: int, output_sizes: Sequence[int], bias: bool, backend: DenseBackend,
                  row_shards: Sequence[tuple[int, int]] | None = None, in_shard: tuple[int, int] | None = None,
@@ -312,6 +384,7 @@ class LinearBase(nn.Module):
         self.row_amax: torch.Tensor | None = None   # input-sharded layers: each whole checkpoint row's max |w|
         self.quantize = quantize   # the weights follow the backend's quantization (False: kept as loaded)
         self.method = linear_method(backend, quantize)
+        self.gguf_parts: dict[int, GGUFWeight] = {}   # quantization="gguf": the projections' blocks (load_gguf)
         self.weight = nn.Parameter(torch.empty(self.out_features, self.in_features), requires_grad=False)
         self.weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
         self.bias: nn.Parameter | None = None
@@ -346,6 +419,25 @@ class LinearBase(nn.Module):
         elif self.in_features != self.full_in_features and self.tp.rank != 0:
             src = torch.zeros_like(src)   # a row-parallel bias: added once, by rank 0, before the all-reduce
         param.data.narrow(0, start, count).copy_(src)
+
+    def load_gguf(self, loaded: GGUFWeight, shard_id: int | str | None = None) -> None:
+        """Keep one projection's GGUF blocks (``shard_id``; None: every projection, the merged matrix) for
+        :class:`GGUFLinearMethod`, checked against the checkpoint's full shape. One rank only: the blocks are not
+        split between tensor-parallel ranks."""
+        if not isinstance(self.method, GGUFLinearMethod):
+            raise ValueError(f"holds GGUF blocks, but the layer's method is {self.method.name!r}, not 'gguf'")
+        if self.is_sharded:
+            raise ValueError("holds GGUF blocks, which kv8 does not split between tensor-parallel ranks; use "
+                             "tensor_parallel_size=1 with quantization='gguf'")
+        projections = range(len(self.full_output_sizes)) if shard_id is None else [self.shard_index(shard_id)]
+        expected = (sum(self.full_output_sizes[i] for i in projections), self.full_in_features)
+        if loaded.shape != expected:
+            raise ValueError(f"has shape {loaded.shape}, the model expects {expected}")
+        if shard_id is None and len(self.full_output_sizes) > 1:
+            for i, part in zip(projections, loaded.blocks.split(self.full_output_sizes)):
+                self.gguf_parts[i] = GGUFWeight(loaded.qtype, part, loaded.in_features, loaded.name)
+        else:
+            self.gguf_parts[projections[0]] = loaded
 
     def process_weights_after_loading(self) -> None:
         self.method.process_weights_after_loading(self)

@@ -207,8 +207,12 @@ class PlanStore:
 def candidates(shapes: Sequence[LinearShape], dtype: torch.dtype, quantization: str | None) -> dict[str, DenseBackend]:
     """The CPU dense backends that can run a model of ``shapes`` in ``dtype``: ``packed_bf16`` where kv8's kernels
     load (bf16 models), ``torch``, and ``torch_fp32`` for 16-bit models while its float32 weights take at most half
-    of the free memory."""
+    of the free memory. ``quantization="gguf"`` has one candidate, not timed: ``packed_bf16`` where the kernels load
+    (bf16; their GGUF kernel reads the blocks), else ``torch`` (the GGUF reference)."""
     out: dict[str, DenseBackend] = {}
+    if quantization == "gguf":
+        backend = select_dense_backend("auto", dtype, quantization)
+        return {backend.name: backend}
     if dtype == torch.bfloat16:
         try:
             out["packed_bf16"] = DenseBackend("packed_bf16", load_dense_kernels(), quantization)

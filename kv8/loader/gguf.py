@@ -17,6 +17,8 @@ Invariants of the yielded tensors:
 * for ``gemma3``, llama.cpp's converter stores every norm weight (``*norm.weight``: the four per-layer norms,
   QK-norm and the final norm) with Gemma's ``+1`` already added (its runtime multiplies by the weight); 1 is
   subtracted here, as transformers does, so the tensors are the checkpoint's ``w`` of ``(1 + w)``;
+* with ``keep_blocks`` (``quantization="gguf"``), the decoder's linear weights are yielded as the file's blocks
+  (:class:`kv8.quant.gguf_blocks.GGUFWeight`), llama's q/k rows put back in the same way;
 * ``lm_head.weight`` is yielded only when the file has ``output.weight``; otherwise
   ``hf_config["tie_word_embeddings"]`` is True and the embedding doubles as the output projection.
 """
@@ -25,8 +27,8 @@ from __future__ import annotations
 
 import inspect
 import os
-from collections.abc import Iterator
-from dataclasses import dataclass
+from collections.abc import Collection, Iterator
+from dataclasses import dataclass, replace
 from typing import Any
 
 import gguf
@@ -34,6 +36,8 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType as QT
 from gguf import GGUFValueType
+
+from kv8.quant.gguf_blocks import KEPT_TYPES, GGUFWeight
 
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = ("gemma3", "llama", "qwen2")
 # GGUF general.architecture -> (HF model_type, HF architecture); a gemma3 GGUF holds the text decoder only
@@ -419,6 +423,49 @@ def _dequantize(tensor: Any) -> torch.Tensor:
     return torch.from_numpy(array)
 
 
+def _kept_type(tensor: Any, name: str) -> str:
+    """The tensor's type name if ``quantization="gguf"`` keeps it as blocks; else `ValueError` naming the tensor."""
+    qtype: str = tensor.tensor_type.name
+    if qtype not in KEPT_TYPES:
+        raise ValueError(f"GGUF tensor {tensor.name!r} ({name}) has type {qtype}; quantization='gguf' keeps "
+                         f"{list(KEPT_TYPES)} blocks (Q4_K and the other k-quants not yet): leave quantization unset "
+                         f"to dequantize the file's weights to the compute dtype")
+    return qtype
+
+
+def _blocks(tensor: Any, name: str) -> GGUFWeight:
+    """The tensor's blocks as they are in the file (copied out of the mapping), rows in HF shape order."""
+    qtype = _kept_type(tensor, name)
+    rows, in_features = _hf_shape(tensor)
+    array = np.array(tensor.data, dtype=np.uint8, copy=True).reshape(rows, -1)
+    return GGUFWeight(qtype, torch.from_numpy(array), in_features, tensor.name)
+
+
+def _rotary_heads(model: GGUFModel, name: str) -> int:
+    """The heads whose rows llama.cpp interleaved in tensor ``name`` (llama's q_proj / k_proj), else 0."""
+    if model.architecture != "llama" or ".self_attn." not in name:
+        return 0
+    config = model.hf_config
+    heads = {"q_proj": config["num_attention_heads"], "k_proj": config["num_key_value_heads"]}
+    return heads.get(name.split(".")[-2], 0)
+
+
+def _hf_tensor(tensor: Any, name: str, model: GGUFModel, dtype: torch.dtype) -> torch.Tensor:
+    """One tensor dequantized to ``dtype``, in HF row order and (gemma3) with HF's norm offsets."""
+    weight = _dequantize(tensor)
+    heads = _rotary_heads(model, name)
+    if heads:
+        weight = _unpermute_rotary_rows(weight, heads)
+    elif model.architecture == "gemma3" and name.endswith("norm.weight"):
+        weight = weight - 1.0   # llama.cpp stored 1 + w
+    return weight.to(dtype).contiguous()
+
+
+def _check_dtype(dtype: torch.dtype) -> None:
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise ValueError(f"dtype must be a floating-point torch.dtype, got {dtype!r}")
+
+
 def iter_gguf_tensors(reader: gguf.GGUFReader, model: GGUFModel,
                       dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(hf_name, tensor)`` for every tensor of the file, in file order, dequantized to ``dtype``.
@@ -427,18 +474,43 @@ def iter_gguf_tensors(reader: gguf.GGUFReader, model: GGUFModel,
     memory, and have HF shapes, (for llama) HF row order and (for gemma3) HF's norm offsets; see the module
     docstring.
     """
-    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-        raise ValueError(f"dtype must be a floating-point torch.dtype, got {dtype!r}")
-    config = model.hf_config
-    heads = {"q_proj": config["num_attention_heads"], "k_proj": config["num_key_value_heads"]}
-    arch = model.architecture
+    _check_dtype(dtype)
     for tensor in reader.tensors:
-        name = hf_tensor_name(tensor.name, arch)
-        weight = _dequantize(tensor)
-        if arch == "llama" and ".self_attn." in name:
-            projection = name.split(".")[-2]
-            if projection in heads:
-                weight = _unpermute_rotary_rows(weight, heads[projection])
-        elif arch == "gemma3" and name.endswith("norm.weight"):
-            weight = weight - 1.0   # llama.cpp stored 1 + w
-        yield name, weight.to(dtype).contiguous()
+        name = hf_tensor_name(tensor.name, model.architecture)
+        yield name, _hf_tensor(tensor, name, model, dtype)
+
+
+def iter_gguf_weights(reader: gguf.GGUFReader, model: GGUFModel, dtype: torch.dtype,
+                      keep_blocks: Collection[str]) -> Iterator[tuple[str, torch.Tensor | GGUFWeight]]:
+    """`iter_gguf_tensors`, except that the tensors named (by HF name) in ``keep_blocks`` come as their blocks, a
+    :class:`~kv8.quant.gguf_blocks.GGUFWeight` in HF row order (``quantization="gguf"``; `ValueError` for a type not
+    in :data:`~kv8.quant.gguf_blocks.KEPT_TYPES`, naming the tensor)."""
+    _check_dtype(dtype)
+    for tensor in reader.tensors:
+        name = hf_tensor_name(tensor.name, model.architecture)
+        if name not in keep_blocks:
+            yield name, _hf_tensor(tensor, name, model, dtype)
+            continue
+        kept = _blocks(tensor, name)
+        heads = _rotary_heads(model, name)
+        if heads:   # whole rows of blocks move: a row permutation commutes with per-row quantization
+            kept = replace(kept, blocks=_unpermute_rotary_rows(kept.blocks, heads).contiguous())
+        yield name, kept
+
+
+_DECODER_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def gguf_block_summary(reader: gguf.GGUFReader, model: GGUFModel) -> str:
+    """``"Q4_1: 210 tensors, 63.3 MiB"``: the types and bytes of the decoder's linear weights, which
+    ``quantization="gguf"`` keeps as blocks. `ValueError` naming the first tensor of a type it does not keep."""
+    counts: dict[str, list[int]] = {}
+    for tensor in reader.tensors:
+        name = hf_tensor_name(tensor.name, model.architecture)
+        if not name.endswith(".weight") or name.split(".")[-2] not in _DECODER_LINEAR:
+            continue
+        qtype = _kept_type(tensor, name)
+        entry = counts.setdefault(qtype, [0, 0])
+        entry[0] += 1
+        entry[1] += int(tensor.n_bytes)
+    return "; ".join(f"{qtype}: {n} tensors, {size / 2**20:.1f} MiB" for qtype, (n, size) in sorted(counts.items()))

@@ -45,6 +45,7 @@ from kv8.layers.tuning import LinearShape, tuned_dense_backend
 from kv8.models.config import ModelArchConfig
 from kv8.models.registry import CausalLM, arch_config, model_class
 from kv8.platform import CPU, Platform
+from kv8.quant.gguf_blocks import GGUFWeight
 
 logger = logging.getLogger("kv8")
 
@@ -162,9 +163,15 @@ def _checkpoint_names(model: nn.Module, tied: dict[str, str]) -> dict[str, tuple
     return names
 
 
-def _load(model: nn.Module, pname: str, tensor: torch.Tensor, shard_id: ShardId, dtype: torch.dtype) -> None:
+def _load(model: nn.Module, pname: str, tensor: torch.Tensor | GGUFWeight, shard_id: ShardId,
+          dtype: torch.dtype) -> None:
     module_path, _, leaf = pname.rpartition(".")
     module = model.get_submodule(module_path)
+    if isinstance(tensor, GGUFWeight):   # quantization="gguf": the layer keeps the blocks
+        if not isinstance(module, LinearBase) or leaf != "weight":
+            raise ValueError(f"is GGUF blocks, but {pname} is not a linear layer's weight")
+        module.load_gguf(tensor, shard_id)
+        return
     param = getattr(module, leaf)
     if shard_id is None and not getattr(module, "is_sharded", False):
         if tuple(param.shape) != tuple(tensor.shape):
@@ -193,6 +200,50 @@ def _init_dummy(model: nn.Module, dtype: torch.dtype, device: torch.device, seed
             else:
                 value.fill_(0.0 if leaf == "bias" else 1.0)
             setattr(module, leaf, nn.Parameter(value, requires_grad=False))
+
+
+def _block_names(model: nn.Module, names: dict[str, tuple[str, ShardId]]) -> set[str]:
+    """The checkpoint names of the weights that ``quantization="gguf"`` keeps as blocks: those of the linear layers
+    that follow the quantization (every one but the LM head)."""
+    keep = set()
+    for name, (pname, _) in names.items():
+        module_path, _, leaf = pname.rpartition(".")
+        module = model.get_submodule(module_path)
+        if leaf == "weight" and isinstance(module, LinearBase) and module.quantize:
+            keep.add(name)
+    return keep
+
+
+def describe_gguf_blocks(model: nn.Module) -> str:
+    """``"Q4_1 blocks in 210 layers, 95.1 MiB"``: the GGUF block types the model's linear layers hold and their
+    bytes (``quantization="gguf"``)."""
+    counts: Counter[str] = Counter()
+    total = 0
+    for module in model.modules():
+        if isinstance(module, LinearBase) and hasattr(module, "gguf_blocks"):
+            counts[module.gguf_qtype] += 1
+            total += module.gguf_blocks.numel()
+    kinds = ", ".join(f"{qtype} blocks in {n} layers" for qtype, n in sorted(counts.items()))
+    return f"{kinds}, {total / 2**20:.1f} MiB"
+
+
+def describe_weights(kind: str, path: str, quantization: str | None) -> str:
+    """How the decoder's linear weights of model ``path`` are held with ``quantization`` (``kv8 info``): as loaded,
+    FP8 codes, or (``"gguf"``) the file's blocks with their types, tensor counts and bytes. ``ValueError`` when the
+    file cannot be read that way (a GGUF block type ``quantization="gguf"`` does not keep, names the tensor)."""
+    if quantization is None:
+        return "as loaded, in the compute dtype (GGUF: dequantized at load)" if kind == "gguf" else "as loaded"
+    if quantization == "fp8":
+        return ("fp8: E4M3 codes with a float32 scale per output row, quantized at load; LM head and embedding as "
+                "loaded")
+    if kind != "gguf":
+        raise ValueError(f"quantization={quantization!r} keeps the blocks of a GGUF file; {path} is a {kind} "
+                         "checkpoint")
+    from kv8.loader.gguf import gguf_block_summary
+
+    gguf_model, reader = _read_gguf(path, os.path.getmtime(path))
+    return (f"gguf: the file's blocks, not expanded ({gguf_block_summary(reader, gguf_model)}); "
+            "LM head and embedding dequantized to the compute dtype")
 
 
 def linear_shapes(hf_config: dict[str, Any], tp: TPGroup = SINGLE_RANK) -> list[LinearShape]:
@@ -229,16 +280,14 @@ def load_model(kind: str, path: str, dtype: torch.dtype, dense_backend: str = "t
     start = time.perf_counter()
     device = platform.device if device is None else device
     if kind == "gguf":
-        from kv8.loader.gguf import iter_gguf_tensors
+        from kv8.loader.gguf import iter_gguf_weights
 
         gguf_model, reader = _read_gguf(path, os.path.getmtime(path))
         hf_config = dict(gguf_model.hf_config)
-        tensors: Iterator[tuple[str, torch.Tensor]] = iter(()) if load_format == "dummy" else \
-            iter_gguf_tensors(reader, gguf_model, dtype)
     elif kind == "hf":
         hf_config = read_hf_config(path)
         files = [] if load_format == "dummy" else _safetensors_files(path)
-        tensors = _iter_safetensors(files)
+        tensors: Iterator[tuple[str, torch.Tensor | GGUFWeight]] = _iter_safetensors(files)
     else:
         raise ValueError(f"model kind {kind!r} is not one of: hf, gguf")
     cls = model_class(hf_config)
@@ -250,11 +299,14 @@ def load_model(kind: str, path: str, dtype: torch.dtype, dense_backend: str = "t
         model = cls(arch, backend)
     tied = dict(getattr(model, "tied_weights", {})) if arch.tie_word_embeddings else {}
     names = _checkpoint_names(model, tied)
+    if kind == "gguf":
+        keep = _block_names(model, names) if backend.quantization == "gguf" else set()
+        tensors = iter(()) if load_format == "dummy" else iter_gguf_weights(reader, gguf_model, dtype, keep)
     scale_tensors: dict[str, torch.Tensor] = {}
     loaded: set[str] = set()
     unexpected: list[str] = []
     for name, tensor in tensors:
-        if is_kv_scale_name(name):
+        if is_kv_scale_name(name) and isinstance(tensor, torch.Tensor):
             scale_tensors[name] = tensor.float()
         elif name in names:
             pname, shard_id = names[name]
@@ -286,12 +338,15 @@ def load_model(kind: str, path: str, dtype: torch.dtype, dense_backend: str = "t
     model.eval()
     if platform.kind != "cpu":
         model.to(device)
+    weights = f", {backend.quantization} weights" if backend.quantization else ""
+    if backend.quantization == "gguf":
+        weights = f", gguf weights ({describe_gguf_blocks(model)})"
     # a decode step streams every weight: 2 MiB pages on the host (kv8.host_memory)
     huge = place_on_huge_pages(model) if platform.kind == "cpu" else 0
     seconds = time.perf_counter() - start
     logger.info("loaded %s (%s, %d layers, %s, dense backend %s%s%s%s) in %.1f s", path, arch.model_type,
                 arch.num_layers, f"random weights (load_format=dummy) on {device}" if load_format == "dummy"
-                else f"on {device}", backend.name, f", {backend.quantization} weights" if backend.quantization else "",
+                else f"on {device}", backend.name, weights,
                 f", tensor-parallel rank {tp.rank} of {tp.size}" if tp.size > 1 else "",
                 f", {huge / 2**20:.0f} MiB of weights in memory advised for 2 MiB pages" if huge else "", seconds)
     return LoadedModel(model, arch, hf_config, scale_tensors, seconds, backend.name)

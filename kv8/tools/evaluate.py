@@ -68,7 +68,8 @@ class KVConfig:
 
     ``kv8 eval --config "--kv-cache-dtype fp8 --kv-cache-rotation hadamard"`` gives them as the engine's own flags
     (:meth:`from_flags`). The :attr:`label` that names a configuration in reports is short: the dtype, then
-    ``+dynamic``, ``+hadamard``, ``+fp8-weights`` and ``:SCALES`` for the options that differ from the default."""
+    ``+dynamic``, ``+hadamard``, ``+fp8-weights`` (``+gguf-weights``) and ``:SCALES`` for the options that differ
+    from the default."""
 
     kv_cache_dtype: str
     quantization_param_path: str | None = None
@@ -102,7 +103,7 @@ class KVConfig:
     def label(self) -> str:
         return (self.kv_cache_dtype + ("+dynamic" if self.kv_cache_scale_mode == "dynamic" else "")
                 + ("+hadamard" if self.kv_cache_rotation == "hadamard" else "")
-                + ("+fp8-weights" if self.quantization == "fp8" else "")
+                + (f"+{self.quantization}-weights" if self.quantization else "")
                 + (f":{self.quantization_param_path}" if self.quantization_param_path else ""))
 
 

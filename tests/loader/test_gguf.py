@@ -28,6 +28,7 @@ from kv8.loader.gguf import (
 )
 from kv8.loader.sources import MODEL_ALIASES, default_model_path, resolve_model_path
 from kv8.loader.tokenizer import gguf_tokenizer_cache_path, load_tokenizer
+from tests.helpers.gguf_files import gguf_writer, write_tiny_gguf
 
 SMOLLM2 = default_model_path()
 SMOLLM2_DIR, SMOLLM2_FILE = os.path.split(SMOLLM2)
@@ -44,135 +45,6 @@ TEXTS = [
 
 # ---------------------------------------------------------------------------------------------------------------
 # synthetic GGUF files
-
-
-def _llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
-    """What llama.cpp's HF->GGUF converter does to q/k rows: per head, half-split -> interleaved."""
-    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-
-
-def _stored(array: np.ndarray, qtype: QT) -> tuple[np.ndarray, np.ndarray]:
-    """(what to hand GGUFWriter.add_tensor, the float32 values a reader must get back)."""
-    if qtype == QT.F32:
-        return array.astype(np.float32), array.astype(np.float32)
-    if qtype == QT.F16:
-        half = array.astype(np.float16)
-        return half, half.astype(np.float32)
-    blocks = gguf.quants.quantize(array, qtype)
-    return blocks, gguf.quants.dequantize(blocks, qtype).reshape(array.shape)
-
-
-def _writer(path: Path, arch: str, layers: int, hidden: int, inter: int, heads: int, kv_heads: int,
-            metadata: dict[str, Any] | None) -> Any:
-    """A GGUF writer with the shape keys every tiny model has (context 256, RMS eps 1e-6) and ``metadata`` (str,
-    list, int or float values, each written with its own GGUF type)."""
-    writer = gguf.GGUFWriter(str(path), arch)
-    writer.add_block_count(layers)
-    writer.add_context_length(256)
-    writer.add_embedding_length(hidden)
-    writer.add_feed_forward_length(inter)
-    writer.add_head_count(heads)
-    writer.add_head_count_kv(kv_heads)
-    writer.add_layer_norm_rms_eps(1e-6)
-    for key, value in (metadata or {}).items():
-        if isinstance(value, str):
-            writer.add_string(key, value)
-        elif isinstance(value, list):
-            writer.add_array(key, value)
-        elif isinstance(value, int):
-            writer.add_uint32(key, value)
-        else:
-            writer.add_float32(key, value)
-    return writer
-
-
-def write_tiny_gguf(
-    path: Path,
-    arch: str = "llama",
-    *,
-    layers: int = 2,
-    hidden: int = 32,
-    heads: int = 4,
-    kv_heads: int = 2,
-    inter: int = 64,
-    vocab: int = 32,
-    bias: bool = False,
-    untied: bool = False,
-    types: dict[str, QT] | None = None,
-    metadata: dict[str, Any] | None = None,
-    skip: tuple[str, ...] = (),
-    raw: dict[str, tuple[np.ndarray, QT]] | None = None,
-    seed: int = 0,
-) -> dict[str, torch.Tensor]:
-    """Write a random model as llama.cpp would (q/k rows permuted for llama) and return the HF tensors
-    (float32) a correct reader must produce. ``types`` maps a GGUF tensor-name suffix (``attn_q.weight``) to
-    its storage type (default: a mix of Q8_0, F16 and F32); ``skip`` names GGUF tensors to leave out; ``raw``
-    gives ready-made blocks for unpermuted GGUF tensors."""
-    rng = np.random.default_rng(seed)
-    head_dim = hidden // heads
-    default_types = {
-        "token_embd.weight": QT.Q8_0, "output.weight": QT.F16, "attn_q.weight": QT.Q8_0, "attn_k.weight": QT.F16,
-        "attn_v.weight": QT.F32, "attn_output.weight": QT.Q8_0, "ffn_gate.weight": QT.F16, "ffn_up.weight": QT.Q8_0,
-        "ffn_down.weight": QT.F32,
-    }
-    default_types |= types or {}
-    writer = _writer(path, arch, layers, hidden, inter, heads, kv_heads, metadata)
-    writer.add_rope_freq_base(50000.0)
-    writer.add_rope_dimension_count(head_dim)
-    writer.add_tokenizer_model("gpt2")
-    writer.add_token_list([f"t{i}" for i in range(vocab)])
-    writer.add_bos_token_id(1)
-    writer.add_eos_token_id(2)
-
-    expected: dict[str, torch.Tensor] = {}
-
-    def add(gguf_name: str, hf_shape: tuple[int, ...], permute_heads: int = 0) -> None:
-        if gguf_name in skip:
-            return
-        suffix = gguf_name.split(".", 2)[-1] if gguf_name.startswith("blk.") else gguf_name
-        qtype = default_types.get(suffix, QT.F32)
-        if gguf_name in (raw or {}):
-            blocks, raw_type = (raw or {})[gguf_name]
-            assert not permute_heads
-            writer.add_tensor(gguf_name, blocks, raw_dtype=raw_type)
-            values = gguf.quants.dequantize(blocks, raw_type).reshape(hf_shape)
-            expected[hf_tensor_name(gguf_name)] = torch.from_numpy(values)
-            return
-        original = rng.standard_normal(hf_shape).astype(np.float32)
-        # row permutation commutes with per-row block quantization, so dequant(quant(x)) is the expectation
-        stored, values = _stored(original, qtype)
-        if permute_heads:
-            stored = _llama_cpp_permute(stored, permute_heads)
-        if qtype in (QT.F32, QT.F16):
-            writer.add_tensor(gguf_name, stored)
-        else:
-            writer.add_tensor(gguf_name, stored, raw_dtype=qtype)
-        expected[hf_tensor_name(gguf_name)] = torch.from_numpy(values)
-
-    permute = arch == "llama"
-    add("token_embd.weight", (vocab, hidden))
-    for i in range(layers):
-        add(f"blk.{i}.attn_norm.weight", (hidden,))
-        add(f"blk.{i}.attn_q.weight", (heads * head_dim, hidden), heads if permute else 0)
-        add(f"blk.{i}.attn_k.weight", (kv_heads * head_dim, hidden), kv_heads if permute else 0)
-        add(f"blk.{i}.attn_v.weight", (kv_heads * head_dim, hidden))
-        if bias:
-            add(f"blk.{i}.attn_q.bias", (heads * head_dim,), heads if permute else 0)
-            add(f"blk.{i}.attn_k.bias", (kv_heads * head_dim,), kv_heads if permute else 0)
-            add(f"blk.{i}.attn_v.bias", (kv_heads * head_dim,))
-        add(f"blk.{i}.attn_output.weight", (hidden, heads * head_dim))
-        add(f"blk.{i}.ffn_norm.weight", (hidden,))
-        add(f"blk.{i}.ffn_gate.weight", (inter, hidden))
-        add(f"blk.{i}.ffn_up.weight", (inter, hidden))
-        add(f"blk.{i}.ffn_down.weight", (hidden, inter))
-    add("output_norm.weight", (hidden,))
-    if untied:
-        add("output.weight", (vocab, hidden))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return expected
 
 
 def _load(path: Path, dtype: torch.dtype = torch.float32) -> tuple[GGUFModel, dict[str, torch.Tensor]]:
@@ -530,7 +402,7 @@ def write_tiny_gemma3_gguf(path: Path, hf_tensors: dict[str, torch.Tensor], *, l
             "attn_q_norm.weight", "attn_k_norm.weight", "post_attention_norm.weight", "ffn_norm.weight",
             "ffn_gate.weight", "ffn_up.weight", "ffn_down.weight", "post_ffw_norm.weight"))}
     gemma_names |= {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight"}
-    writer = _writer(path, "gemma3", layers, hidden, inter, heads, kv_heads, metadata)
+    writer = gguf_writer(path, "gemma3", layers, hidden, inter, heads, kv_heads, metadata)
     writer.add_key_length(head_dim)
     writer.add_value_length(head_dim)
     writer.add_rope_freq_base(1_000_000.0)

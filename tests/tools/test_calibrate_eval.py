@@ -513,6 +513,7 @@ def test_eval_dynamic_and_rotation_configs(tiny_models: dict[str, str], text_fil
     assert KVConfig.from_flags(" fp8_e5m2 ") == KVConfig("fp8_e5m2")   # a dtype alone: --kv-cache-dtype X
     weights = KVConfig.from_flags("--kv-cache-dtype fp8_e4m3 --quantization fp8")
     assert (weights.quantization, weights.label) == ("fp8", "fp8_e4m3+fp8-weights")
+    assert KVConfig.from_flags("--kv-cache-dtype bfloat16 --quantization gguf").label == "bfloat16+gguf-weights"
     report = evaluate(tiny_models["llama"], [text_file], [cfg, KVConfig("fp8_e4m3"), weights], window=24,
                       num_windows=2, skip_tokens=7, gen_prompts=1, gen_prompt_len=6, gen_tokens=3, dtype="float32",
                       show_progress=False)

@@ -6,7 +6,9 @@ with AVX-512 ``vdpbf16ps``: :attr:`DenseKernels.amx`; on CPUs without AVX-512 BF
 :attr:`DenseKernels.isa`; ``pack_fp8`` and ``linear(..., scale=)``: the same for E4M3 codes with a scale per row,
 decoded on the fly), ``rmsnorm`` (residual add + RMSNorm in one pass),
 ``silu_mul`` (SiLU(gate) * up) and ``rope_qkv`` (RoPE of q and k read straight from a packed q/k/v
-projection, v copied out beside them); and ``argmax`` (rows of float32 logits, for the sampler). Every method
+projection, v copied out beside them); ``gguf_linear`` (a linear layer on GGUF Q8_0 / Q4_0 / Q4_1 blocks read
+in place, activations quantized to int8 per block: ``csrc/dense/gguf.h``); and ``argmax`` (rows of float32 logits,
+for the sampler). Every method
 checks dtypes and shapes and raises ``ValueError``; every dense kernel takes bf16 and returns new contiguous bf16
 tensors. The layers that use them, each beside its plain torch reference, are in :mod:`kv8.layers.linear`,
 :mod:`~kv8.layers.norm`, :mod:`~kv8.layers.activation` and :mod:`~kv8.layers.rotary`; the sampler's choice of
@@ -21,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from kv8.kernels.cpu.abi import NativeLibrary
+from kv8.kernels.cpu.abi import NativeLibrary, code_table
 from kv8.kernels.cpu.build import KernelUnavailable, build_shared_library
 
 __all__ = ["DenseKernels", "describe_dense_kernels", "load_dense_kernels"]
@@ -80,12 +82,22 @@ class ArgmaxCall(ctypes.Structure):
     _fields_ = [("x", _P), ("out", _P), ("rows", _I64), ("cols", _I64), ("num_threads", _I32)]
 
 
+class GGUFLinearCall(ctypes.Structure):
+    """``kv8_gguf_linear_call``: one linear layer on GGUF Q8_0 / Q4_0 / Q4_1 blocks (``csrc/dense/gguf.h``)."""
+
+    _fields_ = [
+        ("x", _P), ("blocks", _P), ("bias", _P), ("out", _P), ("rows", _I64), ("in_features", _I64),
+        ("out_features", _I64), ("qtype", _I32), ("num_threads", _I32),
+    ]
+
+
 class DenseKernels(NativeLibrary):
     """The loaded library. Build with :func:`load_dense_kernels`. Every method checks dtypes and shapes; what the
     C side still refuses raises ``ValueError`` with the library's message."""
 
     STRUCTS = (("kv8_pack_call", PackCall), ("kv8_linear_call", LinearCall), ("kv8_rmsnorm_call", RmsNormCall),
-               ("kv8_silu_mul_call", SiluMulCall), ("kv8_rope_call", RopeCall), ("kv8_argmax_call", ArgmaxCall))
+               ("kv8_silu_mul_call", SiluMulCall), ("kv8_rope_call", RopeCall), ("kv8_argmax_call", ArgmaxCall),
+               ("kv8_gguf_linear_call", GGUFLinearCall))
 
     def __init__(self, path: Path) -> None:
         super().__init__(path)
@@ -103,6 +115,11 @@ class DenseKernels(NativeLibrary):
         self._bind_structs("kv8_silu_mul", SiluMulCall)
         self._bind_structs("kv8_rope_qkv", RopeCall)
         self._bind_structs("kv8_argmax_rows", ArgmaxCall)
+        self._bind_structs("kv8_gguf_linear", GGUFLinearCall)
+        #: the GGUF block types :meth:`gguf_linear` reads (``gguf.GGMLQuantizationType`` names -> the library's codes),
+        #: empty where this build has no AVX2 path for them (``csrc/dense/gguf.h``)
+        self.gguf_types: dict[str, int] = (code_table(self._lib.kv8_gguf_type_name)
+                                           if self._bind("kv8_gguf_linear_available", [])() else {})
         # The linear layers' path, fixed for the life of this instance so that every row of a layer is computed
         # the same way at every batch size: AMX tiles where the CPU, the build and the OS allow them (K a
         # multiple of 32), else vdpbf16ps. The two sum in different orders, so they may differ in the last bit.
@@ -154,6 +171,33 @@ class DenseKernels(NativeLibrary):
         rc = entry(ctypes.byref(call))
         if rc != 0:
             raise self.error(rc, f"packed linear for x {list(x.shape)}, N={out_features}")
+        return out
+
+    def gguf_linear(self, x: torch.Tensor, blocks: torch.Tensor, qtype: str, out_features: int,
+                    bias: torch.Tensor | None) -> torch.Tensor:
+        """``x [M, K]`` bf16 -> ``[M, out_features]`` bf16 ``= x @ W.T (+ bias)`` with ``W`` held as GGUF blocks of
+        type ``qtype`` (one of :attr:`gguf_types`): ``blocks [out_features, K / 32 * block bytes]`` uint8, the file's
+        bytes in the kernel's order (:func:`kv8.quant.gguf_blocks.group_blocks`). The activations are quantized to
+        int8 per block of 32 (``csrc/dense/gguf.h``: the error bound); ``bias`` is float32 ``[out_features]`` or
+        None."""
+        if qtype not in self.gguf_types:
+            raise ValueError(f"GGUF block type {qtype!r} has no kernel in this build; it has: "
+                             f"{sorted(self.gguf_types) or 'none (no AVX2 + FMA + F16C)'}")
+        _check_bf16("x", x, 2)
+        m, k = x.shape
+        if (blocks.dtype != torch.uint8 or blocks.ndim != 2 or blocks.shape[0] != out_features
+                or not blocks.is_contiguous()):
+            raise ValueError(f"blocks must be a contiguous uint8 [{out_features}, row bytes] tensor, got "
+                             f"{blocks.dtype} {list(blocks.shape)}")
+        if bias is not None and (bias.dtype != torch.float32 or bias.shape != (out_features,)):
+            raise ValueError(f"bias must be float32 [{out_features}], got {bias.dtype} {list(bias.shape)}")
+        x = x.contiguous()
+        out = torch.empty(m, out_features, dtype=torch.bfloat16)
+        call = GGUFLinearCall(x.data_ptr(), blocks.data_ptr(), None if bias is None else bias.data_ptr(),
+                              out.data_ptr(), m, k, out_features, self.gguf_types[qtype], torch.get_num_threads())
+        rc = self._lib.kv8_gguf_linear(ctypes.byref(call))
+        if rc != 0:
+            raise self.error(rc, f"GGUF {qtype} linear for x {list(x.shape)}, N={out_features}")
         return out
 
     @staticmethod
@@ -283,11 +327,13 @@ def load_dense_kernels(march: str = "native") -> DenseKernels:
 
 def describe_dense_kernels() -> str:
     """The dense kernels' path on this machine in words (``kv8 info``): ``avx512`` (AMX tiles or ``vdpbf16ps``),
-    ``avx2`` (fp32 FMA), or why they are unavailable."""
+    ``avx2`` (fp32 FMA), and the GGUF block kernel's types; or why they are unavailable."""
     try:
         lib = load_dense_kernels()
     except KernelUnavailable as exc:
         return f"unavailable: {str(exc).splitlines()[0]}"
+    gguf = (f"; GGUF {' / '.join(lib.gguf_types)} blocks: int8 activations, AVX2 maddubs" if lib.gguf_types
+            else "; no GGUF block kernel")
     if lib.isa == "avx512":
-        return "avx512 (AMX-BF16 tiles)" if lib.amx else "avx512 (AVX-512 BF16 vdpbf16ps)"
-    return "avx2 (AVX2 + FMA + F16C: fp32 FMA on bf16 / FP8 weights)"
+        return ("avx512 (AMX-BF16 tiles)" if lib.amx else "avx512 (AVX-512 BF16 vdpbf16ps)") + gguf
+    return "avx2 (AVX2 + FMA + F16C: fp32 FMA on bf16 / FP8 weights)" + gguf

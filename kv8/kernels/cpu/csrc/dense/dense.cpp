@@ -3,7 +3,8 @@
 // with v copied out (elementwise.h). This file is the one translation unit; the parts are
 // headers so that the build stays one g++ call (kv8/kernels/cpu/build.py hashes every included file).
 //
-// Also the row argmax of float32 logits that the sampler uses (argmax.h).
+// Also the row argmax of float32 logits that the sampler uses (argmax.h), and linear layers on GGUF Q8_0 / Q4_0 /
+// Q4_1 blocks read in place (gguf.h).
 //
 // Plain C ABI (extern "C"), loaded with ctypes by kv8/kernels/cpu/dense.py, compiled there with
 // `g++ -O3 -march=native -fopenmp -shared -fPIC` (the build is kv8/kernels/cpu/build.py's). No torch headers. Each entry
@@ -68,6 +69,7 @@
 #include "linear.h"
 #include "argmax.h"
 #include "avx2.h"
+#include "gguf.h"
 
 // ------------------------------------------------------------------------------------------------
 // The C ABI
@@ -94,6 +96,11 @@ int kv8_linear_amx_available(void) {
 #endif
 }
 
+// The GGUF block types of kv8_gguf_linear (gguf.h) by code (NULL past the last one); kv8_gguf_linear_available: 1
+// where this build has its AVX2 path.
+const char* kv8_gguf_type_name(int code) { return code >= 0 && code < GGUF_TYPE_COUNT ? GGUF_TYPE_NAMES[code] : NULL; }
+int kv8_gguf_linear_available(void) { return KV8_GGUF_AVX2; }
+
 int64_t kv8_linear_packed_size(const kv8_pack_call* call) { return packed_size(*call); }
 int kv8_linear_pack(const kv8_pack_call* call) { return pack(*call); }
 
@@ -119,3 +126,13 @@ KV8_ENTRY(kv8_silu_mul, kv8_silu_mul_call, silu_mul, check_args(*call))
 KV8_ENTRY(kv8_rope_qkv, kv8_rope_call, rope_qkv, check_args(*call))
 KV8_ENTRY(kv8_argmax_rows, kv8_argmax_call, argmax_rows, check_args(*call))
 #undef KV8_ENTRY
+
+extern "C" int kv8_gguf_linear(const kv8_gguf_linear_call* call) {
+    if (!call) return ERR_ARGS;
+    const int rc = check_args(*call);
+#if KV8_GGUF_AVX2
+    return rc != OK || call->rows == 0 ? rc : gguf_linear(*call);
+#else
+    return rc != OK ? rc : ERR_NO_FAST_PATH;
+#endif
+}

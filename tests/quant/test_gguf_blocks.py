@@ -1,0 +1,150 @@
+"""GGUF blocks kept quantized (kv8.quant.gguf_blocks) and the kernel that reads them (``kv8_gguf_linear``,
+``csrc/dense/gguf.h``). Oracles: the ``gguf`` package (``gguf.quants.quantize`` writes the blocks,
+``gguf.quants.dequantize`` is the float32 truth), float32 torch products, and the documented bound of the kernel's
+int8 activations."""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as QT
+
+from kv8.kernels.cpu.dense import DenseKernels
+from kv8.quant.gguf_blocks import (
+    BLOCK_BYTES,
+    KEPT_TYPES,
+    GGUFWeight,
+    dequantize_blocks,
+    gguf_activation_bound,
+    gguf_linear_reference,
+    group_blocks,
+    quantize_activation_blocks,
+    ungroup_blocks,
+)
+from tests.helpers.kernels import dense_build_or_skip
+
+
+@pytest.fixture(scope="module", params=["native", "x86-64-v3"])
+def lib(request: pytest.FixtureRequest) -> DenseKernels:
+    """The engine's build, and the AVX2 path's where the native build is the AVX-512 one."""
+    return dense_build_or_skip(request.param)
+
+
+def _blocks(n: int, k: int, qtype: str, seed: int) -> torch.Tensor:
+    """Random rows of different magnitudes (and one row of zeros) quantized by the gguf package: uint8 [n, bytes]."""
+    rng = np.random.default_rng(seed)
+    w = (rng.standard_normal((n, k)) * np.exp2(rng.integers(-4, 2, (n, 1)))).astype(np.float32)
+    w[n // 2] = 0.0
+    blocks = gguf.quants.quantize(w, QT[qtype])
+    return torch.from_numpy(np.ascontiguousarray(blocks)).reshape(n, -1)
+
+
+@pytest.mark.parametrize("qtype", KEPT_TYPES)
+def test_dequantize_is_the_gguf_package_bit_for_bit(qtype: str) -> None:
+    blocks = _blocks(9, 96, qtype, seed=1)
+    assert blocks.shape == (9, 96 // 32 * BLOCK_BYTES[qtype])
+    want = gguf.quants.dequantize(blocks.numpy(), QT[qtype]).reshape(9, 96)
+    got = dequantize_blocks(blocks, qtype, 96)
+    assert got.dtype == torch.float32 and np.array_equal(got.numpy(), want)
+
+
+@pytest.mark.parametrize("qtype", KEPT_TYPES)
+@pytest.mark.parametrize("k", [32, 256, 576, 800])   # 1 block, one group, 2 groups + 2 blocks, 3 groups + 1 block
+def test_grouped_layout_moves_the_same_bytes(qtype: str, k: int) -> None:
+    blocks = _blocks(5, k, qtype, seed=k)
+    grouped = group_blocks(blocks, qtype, k)
+    assert grouped.shape == blocks.shape and torch.equal(grouped, blocks) == (k == 32)   # one block: as in the file
+    assert torch.equal(ungroup_blocks(grouped, qtype, k), blocks)
+    head = 4 if qtype == "Q4_1" else 2
+    first = blocks.reshape(5, -1, BLOCK_BYTES[qtype])[:, :8]   # the first group: its d's lead, then (Q4_1) its m's
+    g = first.shape[1]
+    assert torch.equal(grouped[:, :2 * g], first[..., :2].reshape(5, -1))
+    if head == 4:
+        assert torch.equal(grouped[:, 2 * g:4 * g], first[..., 2:4].reshape(5, -1))
+    assert torch.equal(grouped[:, head * g:head * g + (BLOCK_BYTES[qtype] - head)], first[:, 0, head:])
+
+
+def test_activation_blocks_round_to_the_nearest_step() -> None:
+    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(3)).bfloat16()
+    x[1, :32] = 0.0
+    codes, scale = quantize_activation_blocks(x)
+    assert codes.shape == (3, 2, 32) and scale.shape == (3, 2)
+    assert scale[1, 0] == 0 and bool((codes[1, 0] == 0).all())
+    xb = x.float().reshape(3, 2, 32)
+    assert torch.equal(codes.abs().amax(dim=-1)[scale > 0], torch.full_like(scale[scale > 0], 127.0))
+    # within half a step, up to float32's rounding of x * (127 / amax) (a code unit's ~1e-5 near 127)
+    assert bool(((codes * scale[..., None] - xb).abs() <= scale[..., None] * (0.5 + 1e-4)).all())
+
+
+SHAPES = [(37, 96), (70, 160), (33, 224), (19, 800)]   # N off the tile, K = 32 x odd (800: 3 groups of 8 + 1)
+
+
+@pytest.mark.parametrize("qtype", KEPT_TYPES)
+@pytest.mark.parametrize("rows", [1, 3, 17])
+@pytest.mark.parametrize("n, k", SHAPES)
+def test_kernel_is_within_the_activation_bound_of_the_reference(lib: DenseKernels, qtype: str, rows: int, n: int,
+                                                                 k: int) -> None:
+    """|kernel - float32 reference| <= sum_b scale_b / 2 * |w_b|_1 (the int8 activations) + the one bf16 rounding
+    (+ fp32 sums); and against the activations' rounding done in torch the difference is only the bf16 rounding."""
+    blocks = _blocks(n, k, qtype, seed=rows + n)
+    gen = torch.Generator().manual_seed(k + rows)
+    x = (torch.randn(rows, k, generator=gen) * 3).bfloat16()
+    bias = torch.randn(n, generator=gen) if rows != 3 else None
+    y = lib.gguf_linear(x, group_blocks(blocks, qtype, k), qtype, n, bias)
+    assert y.dtype == torch.bfloat16 and y.shape == (rows, n)
+    w = dequantize_blocks(blocks, qtype, k)
+    exact = x.double() @ w.double().T + (0 if bias is None else bias.double())
+    fp32_sums = 1e-5 * (x.double().abs() @ w.double().abs().T)
+    bf16 = 2.0 ** -8 * exact.abs()
+    err = (y.double() - exact).abs()
+    bound = gguf_activation_bound(x, blocks, qtype)
+    assert bool((err <= bound + bf16 * 1.01 + fp32_sums).all()), (err - bound - bf16).max()
+    codes, scale = quantize_activation_blocks(x)
+    rounded = (codes * scale[..., None]).reshape(rows, k).double() @ w.double().T + (0 if bias is None else
+                                                                                     bias.double())
+    assert bool(((y.double() - rounded).abs() <= 2.0 ** -8 * rounded.abs() * 1.01 + fp32_sums).all())
+    ref = gguf_linear_reference(x, blocks, qtype, bias)
+    assert ref.dtype == torch.bfloat16 and bool(((y.double() - ref.double()).abs()
+                                                 <= bound + 2 * bf16 * 1.01 + fp32_sums).all())
+
+
+@pytest.mark.parametrize("qtype", KEPT_TYPES)
+def test_each_row_is_computed_alone(lib: DenseKernels, qtype: str) -> None:
+    """A row's output does not depend on the batch (tiles of 4 rows or 1): bit for bit; a row of zeros is the bias."""
+    blocks = group_blocks(_blocks(41, 128, qtype, seed=7), qtype, 128)
+    x = torch.randn(6, 128).bfloat16()
+    x[2] = 0.0
+    bias = torch.randn(41)
+    batch = lib.gguf_linear(x, blocks, qtype, 41, bias)
+    for i in range(6):
+        assert torch.equal(batch[i], lib.gguf_linear(x[i:i + 1], blocks, qtype, 41, bias)[0])
+    assert torch.equal(batch[2], bias.bfloat16())
+    assert lib.gguf_linear(x[:0], blocks, qtype, 41, bias).shape == (0, 41)
+
+
+def test_kernel_rejects_what_it_cannot_read(lib: DenseKernels) -> None:
+    blocks = _blocks(8, 64, "Q4_0", seed=0)
+    x = torch.randn(2, 64).bfloat16()
+    assert set(lib.gguf_types) == set(KEPT_TYPES)
+    with pytest.raises(ValueError, match=r"GGUF block type 'Q4_K' has no kernel in this build; it has: "):
+        lib.gguf_linear(x, blocks, "Q4_K", 8, None)
+    with pytest.raises(ValueError, match=r"blocks must be a contiguous uint8 \[9, row bytes\]"):
+        lib.gguf_linear(x, blocks, "Q4_0", 9, None)
+    with pytest.raises(ValueError, match="x must be a 2-D bfloat16 tensor"):
+        lib.gguf_linear(x.float(), blocks, "Q4_0", 8, None)
+    with pytest.raises(ValueError, match="invalid kernel arguments"):   # K not a multiple of 32: the C side refuses
+        lib.gguf_linear(torch.zeros(1, 48).bfloat16(), torch.zeros(8, 27, dtype=torch.uint8), "Q4_0", 8, None)
+
+
+def test_weight_checks_its_type_and_bytes() -> None:
+    blocks = _blocks(4, 64, "Q8_0", seed=0)
+    assert GGUFWeight("Q8_0", blocks, 64, "blk.0.attn_q.weight").shape == (4, 64)
+    with pytest.raises(ValueError, match=r"'blk.0.ffn_up.weight' has type Q4_K; kept quantized: \['Q8_0', 'Q4_0', "
+                                         r"'Q4_1'\]"):
+        GGUFWeight("Q4_K", blocks, 64, "blk.0.ffn_up.weight")
+    with pytest.raises(ValueError, match=r"blocks must be uint8 \[rows, 36\]"):
+        GGUFWeight("Q4_0", blocks, 64, "w")
+    with pytest.raises(ValueError, match="not a positive multiple of 32"):
+        GGUFWeight("Q8_0", blocks, 48, "w")
