@@ -68,7 +68,8 @@ EVAL_EPILOG = """examples:
   kv8 eval smollm2-135m --data held_out.txt --config fp8_e5m2 --json report.json --plot report.png
   kv8 eval smollm2-135m --data wiki.xml.bz2 --config "--kv-cache-dtype fp8_e4m3 --kv-cache-rotation hadamard"
 --config X with a KV cache dtype alone is the configuration "--kv-cache-dtype X"; reports name each configuration by
-  its dtype, then +dynamic, +hadamard, +fp8-weights and :SCALES for the options it sets.
+  its dtype, then +dynamic, +hadamard, +fp8-weights, +plan:FILE and :SCALES for the options it sets
+  (--config "--kv-cache-dtype int8 --kv-cache-plan plan.json": a per-layer plan from kv8 calibrate --plan).
 every configuration is compared with the same engine using a float32 KV cache; by default all of them attend
 through the reference backend, so only what the caches store differs (--attention-backend auto: fused kernels)."""
 

@@ -50,7 +50,7 @@ from kv8.engine.engine import LLMEngine
 from kv8.observer import EngineObserver
 from kv8.quant.formats import resolve_kv_cache_dtype
 from kv8.sampling_params import SamplingParams
-from kv8.tools.calibrate import build_engine, check_length, model_arch, run_prompts
+from kv8.tools.calibrate import build_engine, cache_size_options, check_length, model_arch, run_prompts
 from kv8.tools.data import read_corpus, token_windows, tokenize_corpus
 from kv8.validators import check_int
 
@@ -319,10 +319,13 @@ def evaluate(model: str, data: Sequence[str], configs: Sequence[KVConfig], *, wi
     block_size = 16
     max_len = max(window, gen_prompt_len + gen_tokens) + 1
     layer_windows = model_arch(model).layer_windows
-    blocks = max(blocks_to_hold(layer_windows, max_len, block_size, 1),
-                 blocks_to_hold(layer_windows, gen_prompt_len + gen_tokens + 1, block_size, max(gen_prompts, 1)))
-    common = dict(dtype=dtype, enable_prefix_caching=False, max_model_len=max_len, num_kv_blocks=blocks,
-                  block_size=block_size, max_num_seqs=max(gen_prompts, 1),
+    arch = model_arch(model)
+    one = blocks_to_hold(layer_windows, max_len, block_size, 1)
+    many = blocks_to_hold(layer_windows, gen_prompt_len + gen_tokens + 1, block_size, max(gen_prompts, 1))
+    # the cache holds one scoring window or all greedy prompts at once (a plan's pools: a byte budget that does)
+    seqs, length = (1, max_len) if one >= many else (max(gen_prompts, 1), gen_prompt_len + gen_tokens + 1)
+    sizes = {pools: cache_size_options(arch, length, block_size, seqs, pools) for pools in (False, True)}
+    common = dict(dtype=dtype, enable_prefix_caching=False, max_model_len=max_len, max_num_seqs=max(gen_prompts, 1),
                   max_num_batched_tokens=max_num_batched_tokens, attention_backend=attention_backend)
     all_configs = [KVConfig("float32"), *configs]
     num_layers = model_arch(model).num_layers
@@ -330,7 +333,8 @@ def evaluate(model: str, data: Sequence[str], configs: Sequence[KVConfig], *, wi
     observers: list[QuantErrorObserver] = []
     for cfg in all_configs:
         obs = QuantErrorObserver(num_layers)
-        engine = build_engine(model, observer=obs, **cfg.engine_options(), **common)
+        engine = build_engine(model, observer=obs, **cfg.engine_options(), **sizes[cfg.kv_cache_plan is not None],
+                              **common)
         engines.append(engine)
         observers.append(obs)
     tokens = tokenize_corpus(docs, engines[0].tokenizer)

@@ -230,6 +230,7 @@ def _measure_sensitivity(setup: _Setup, ref: LLMEngine, obs: _Capture, meter: _K
     by ``obs``) runs once over ``meter``'s windows (capturing q/k/v for the proxy), then one engine per measured
     (layer, candidate)."""
     arch, layout = ref.config.arch, ref.layout
+    assert isinstance(ref.model, torch.nn.Module)   # every CausalLM is one
     scale_of = {m.layer_idx: m.scale for m in ref.model.modules() if isinstance(m, PagedAttention)}
     attn_scales = [scale_of[i] for i in range(arch.num_layers)]
     windows = [layout.groups[layout.layer_group[i]].sliding_window for i in range(arch.num_layers)]
