@@ -152,6 +152,10 @@ def add_calibrate_parser(sub: Any) -> None:
                    help="proxy (default): each layer's KLD measured end to end for its least accurate candidate, "
                         "the others scaled by their attention-output error; direct: every layer and candidate end "
                         "to end (one engine each)")
+    p.add_argument("--plan-table", default=None, metavar="PLAN.json",
+                   help="choose from the per-layer sensitivity an earlier --plan run recorded in its plan file "
+                        "instead of measuring it again (its candidates replace --plan-formats); the plan is still "
+                        "checked end to end")
     p.add_argument("--plan-check-samples", type=int, default=2, metavar="N",
                    help="held-out windows (after the calibration ones) the chosen plan is measured on (default 2)")
     p.add_argument("--plan-retries", type=int, default=2, metavar="N",
@@ -217,6 +221,10 @@ def cmd_calibrate(ns: argparse.Namespace) -> int:
     return 0
 
 
+def _print_now(line: str) -> None:
+    print(line, flush=True)
+
+
 def cmd_calibrate_plan(ns: argparse.Namespace) -> int:
     """``kv8 calibrate --plan``: search, verify and write a per-layer plan (:mod:`kv8.tools.plan_search`)."""
     import torch
@@ -224,7 +232,7 @@ def cmd_calibrate_plan(ns: argparse.Namespace) -> int:
     from kv8.cache.plan import KVSpec
     from kv8.quant.formats import resolve_kv_cache_dtype
     from kv8.tools.calibrate import model_arch
-    from kv8.tools.plan_search import search_plan, write_plan_file
+    from kv8.tools.plan_search import read_sensitivity_table, search_plan, write_plan_file
 
     if ns.output is None:
         raise ValueError("--plan writes a plan file: give --output PATH (.json)")
@@ -237,6 +245,7 @@ def cmd_calibrate_plan(ns: argparse.Namespace) -> int:
             raise ValueError(f"{flag} does not apply to --plan (rotations are per candidate: --plan-formats "
                              "int8+hadamard; the check is --plan-check-samples)")
     args = EngineArgs.from_cli_args(ns)
+    table = read_sensitivity_table(ns.plan_table) if ns.plan_table is not None else None
     bytes_budget = ns.bytes_budget
     if isinstance(bytes_budget, str):
         arch = model_arch(args.model)
@@ -250,7 +259,7 @@ def cmd_calibrate_plan(ns: argparse.Namespace) -> int:
                          seq_len=256 if ns.seq_len is None else ns.seq_len, skip_tokens=ns.skip_tokens,
                          check_samples=ns.plan_check_samples, retries=ns.plan_retries, dtype=args.dtype,
                          max_num_batched_tokens=args.max_num_batched_tokens, attention_backend=args.attention_backend,
-                         progress=(lambda line: None) if ns.no_progress else print)
+                         table=table, progress=(lambda line: None) if ns.no_progress else _print_now)
     print("layer  spec                                 predicted KLD")
     for layer, (spec, kld) in enumerate(zip(result.specs, result.calibration["layer_kld"])):
         print(f"{layer:>5}  {spec.describe():<36} {kld:.3g}")

@@ -31,7 +31,8 @@ says so under ``calibration``). Static scales per layer are not searched.
 
 The written file (:func:`write_plan_file`) names every layer's format and rotation, so it does not depend on the
 ``kv_cache_dtype`` it is served with, and keeps what was measured under ``calibration`` (read and ignored by the
-engine: :func:`kv8.cache.plan.read_plan_file`).
+engine: :func:`kv8.cache.plan.read_plan_file`), the whole sensitivity table included: another budget can be
+chosen from it without measuring again (``--plan-table``; the choice is still checked end to end).
 """
 
 from __future__ import annotations
@@ -59,7 +60,7 @@ from kv8.tools.plan_choice import PlanChoice, SensitivityTable, choose_plan
 from kv8.validators import check_int
 
 __all__ = ["DEFAULT_PLAN_FORMATS", "PlanSearchResult", "SENSITIVITY_MODES", "attention_error", "causal_attention",
-           "parse_plan_formats", "search_plan", "write_plan_file"]
+           "parse_plan_formats", "read_sensitivity_table", "search_plan", "table_record", "write_plan_file"]
 
 #: the candidates ``kv8 calibrate --plan`` tries by default, widest first (the order breaks ties: plan_choice)
 DEFAULT_PLAN_FORMATS = ("bfloat16", "int8_per_token_head+hadamard", "int8_per_token_head",
@@ -99,6 +100,33 @@ def parse_plan_formats(names: Sequence[str], head_dim: int, compute_dtype: torch
 def spec_entry(spec: KVSpec) -> dict[str, str]:
     """A plan file's entry for one layer."""
     return {"kv_cache_dtype": spec.kv_dtype.name, "kv_cache_rotation": spec.rotation}
+
+
+def table_record(table: SensitivityTable) -> dict[str, Any]:
+    """The sensitivity table as the ``calibration.table`` of a plan file (:func:`read_sensitivity_table`)."""
+    return {"candidates": [dict(spec_entry(c), dynamic=c.dynamic) for c in table.candidates],
+            "bytes": list(table.bytes), "kld": [list(row) for row in table.kld]}
+
+
+def read_sensitivity_table(path: str) -> SensitivityTable:
+    """The sensitivity table a ``kv8 calibrate --plan`` run recorded in its plan file (``--plan-table``).
+    ``ValueError`` naming the file when it has none or it is malformed."""
+    where = f"--plan-table {path!r}"
+    try:
+        with open(path, encoding="utf-8") as f:
+            record = json.load(f).get("calibration", {}).get("table")
+    except (OSError, ValueError, AttributeError) as e:
+        raise ValueError(f"{where}: not a plan file written by kv8 calibrate --plan ({e})") from None
+    if not isinstance(record, dict):
+        raise ValueError(f"{where} records no sensitivity table (calibration.table); it was not written by kv8 "
+                         "calibrate --plan")
+    try:
+        candidates = tuple(KVSpec(resolve_kv_cache_dtype(c["kv_cache_dtype"], torch.float32), c["kv_cache_rotation"],
+                                  bool(c["dynamic"])) for c in record["candidates"])
+        return SensitivityTable(candidates, tuple(int(b) for b in record["bytes"]),
+                                tuple(tuple(float(k) for k in row) for row in record["kld"]))
+    except (KeyError, TypeError, ValueError) as e:
+        raise ValueError(f"{where}: its calibration.table is malformed: {e}") from None
 
 
 def write_plan_file(path: str | os.PathLike[str], specs: Sequence[KVSpec],
@@ -287,11 +315,12 @@ def search_plan(model: str, data: Sequence[str], *, kld_budget: float | None = N
                 formats: Sequence[str] = DEFAULT_PLAN_FORMATS, sensitivity: str = "proxy", num_samples: int = 2,
                 seq_len: int = 256, skip_tokens: int = 0, check_samples: int = 2, retries: int = 2,
                 dtype: str = "auto", max_num_batched_tokens: int = 2048, attention_backend: str = "auto",
-                progress: Progress = print) -> PlanSearchResult:
+                table: SensitivityTable | None = None, progress: Progress = print) -> PlanSearchResult:
     """Measure, choose and verify a plan (module docstring). Exactly one of ``kld_budget`` (nats per token) and
     ``bytes_budget`` (bytes per token, all layers). ``ValueError`` for bad options, data or models, an impossible
     budget (naming the best reachable KLD or the fewest bytes), or a plan still above the KLD budget after
-    ``retries`` tightenings."""
+    ``retries`` tightenings. A ``table`` (from an earlier search: :func:`read_sensitivity_table`) replaces step 1,
+    and its candidates ``formats``; it must fit the model (its layer count and its candidates' bytes per token)."""
     if (kld_budget is None) == (bytes_budget is None):
         raise ValueError("--plan needs exactly one of --kld-budget and --bytes-budget")
     if sensitivity not in SENSITIVITY_MODES:
@@ -299,6 +328,7 @@ def search_plan(model: str, data: Sequence[str], *, kld_budget: float | None = N
     for name, value, low in (("num_samples", num_samples, 1), ("seq_len", seq_len, 4),
                              ("check_samples", check_samples, 1), ("retries", retries, 0)):
         check_int(name, value, low)
+    given = table is not None
     docs = read_corpus(data)
     check_length(model, seq_len, "seq_len")
     arch = model_arch(model)
@@ -309,13 +339,20 @@ def search_plan(model: str, data: Sequence[str], *, kld_budget: float | None = N
                        cache_size_options(arch, seq_len + 1, 16, 1, pools=True), workdir)
         obs = _Capture(arch.num_layers)
         ref = setup.reference(obs)
-        candidates = parse_plan_formats(formats, arch.head_dim, ref.config.dtype)
+        candidates = parse_plan_formats(formats, arch.head_dim, ref.config.dtype) if table is None else \
+            table.candidates
+        if table is not None and (table.num_layers != arch.num_layers or table.bytes != tuple(
+                c.token_bytes(arch.head_dim, arch.num_kv_heads) for c in candidates)):
+            raise ValueError(f"--plan-table: its table has {table.num_layers} layers and candidates of "
+                             f"{table.bytes} bytes per token; {model!r} has {arch.num_layers} layers and they would "
+                             "take other bytes: a table of another model")
         tokens = tokenize_corpus(docs, ref.tokenizer)
         calib = token_windows(tokens, seq_len, num_samples, skip_tokens, "--seq-len", "--skip-tokens")
         held_out = token_windows(tokens, seq_len, check_samples, skip_tokens + len(calib) * seq_len, "--seq-len",
                                  "--skip-tokens and the --num-samples calibration samples; the plan's check needs "
                                  "text beyond them")
-        table = _measure_sensitivity(setup, ref, obs, _KLDMeter(calib), candidates, sensitivity, progress)
+        if table is None:
+            table = _measure_sensitivity(setup, ref, obs, _KLDMeter(calib), candidates, sensitivity, progress)
         check = _KLDMeter(held_out)
         check.reference(ref, obs)
         del ref
@@ -346,10 +383,11 @@ def search_plan(model: str, data: Sequence[str], *, kld_budget: float | None = N
     calibration = {
         "tool": "kv8 calibrate --plan", "model": model, "kld_budget": kld_budget, "bytes_budget": bytes_budget,
         "bytes_per_token": choice.bytes_per_token, "predicted_kld": choice.predicted_kld, "measured_kld": measured,
-        "sensitivity": sensitivity, "candidates": [s.describe() for s in candidates],
+        "sensitivity": sensitivity if not given else "a table given (--plan-table)", "candidates": [s.describe() for s in candidates],
         "calibration_windows": [len(calib), seq_len, skip_tokens],
         "check_windows": [len(held_out), seq_len, skip_tokens + len(calib) * seq_len],
         "kv_cache_scale_mode": "dynamic" if fp8 else "static",
         "layer_kld": [table.kld[i][c] for i, c in enumerate(choice.choice)],
+        "table": table_record(table),
     }
     return PlanSearchResult(table, choice, measured, tuple(attempts), calibration)
