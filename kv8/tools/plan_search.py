@@ -383,7 +383,8 @@ def search_plan(model: str, data: Sequence[str], *, kld_budget: float | None = N
     calibration = {
         "tool": "kv8 calibrate --plan", "model": model, "kld_budget": kld_budget, "bytes_budget": bytes_budget,
         "bytes_per_token": choice.bytes_per_token, "predicted_kld": choice.predicted_kld, "measured_kld": measured,
-        "sensitivity": sensitivity if not given else "a table given (--plan-table)", "candidates": [s.describe() for s in candidates],
+        "sensitivity": sensitivity if not given else "a table given (--plan-table)",
+        "candidates": [s.describe() for s in candidates],
         "calibration_windows": [len(calib), seq_len, skip_tokens],
         "check_windows": [len(held_out), seq_len, skip_tokens + len(calib) * seq_len],
         "kv_cache_scale_mode": "dynamic" if fp8 else "static",

@@ -22,9 +22,9 @@ from kv8 import SamplingParams
 from kv8.cache.plan import KVSpec, read_plan_file
 from kv8.entrypoints.cli import main
 from kv8.quant.formats import resolve_kv_cache_dtype
-from kv8.tools.plan_choice import SensitivityTable, choose_plan
 from kv8.tools.evaluate import KVConfig, evaluate
-from kv8.tools.plan_search import causal_attention, parse_plan_formats, search_plan
+from kv8.tools.plan_choice import SensitivityTable, choose_plan
+from kv8.tools.plan_search import causal_attention, parse_plan_formats, read_sensitivity_table, search_plan
 from tests.helpers.engine import PROMPTS, make_llm, tokens_of
 from tests.helpers.tiny_models import make_tiny_model
 
@@ -162,6 +162,16 @@ def test_causal_attention_matches_torch_sdpa():
     torch.testing.assert_close(causal_attention(q, k, v, 0.3, None), want)
 
 
+def test_a_plan_table_must_come_from_a_plan_search(tmp_path):
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps({"kv8_kv_plan": 1, "layers": {}}))
+    with pytest.raises(ValueError, match="records no sensitivity table"):
+        read_sensitivity_table(str(path))
+    path.write_text(json.dumps({"kv8_kv_plan": 1, "layers": {}, "calibration": {"table": {"candidates": []}}}))
+    with pytest.raises(ValueError, match="its calibration.table is malformed"):
+        read_sensitivity_table(str(path))
+
+
 def test_a_plan_file_may_carry_a_calibration_record(tmp_path):
     path = tmp_path / "p.json"
     path.write_text(json.dumps({"kv8_kv_plan": 1, "layers": {"0": {"kv_cache_dtype": "int8"}},
@@ -214,6 +224,14 @@ def test_the_search_keeps_the_sensitive_layer_wide_and_its_file_serves_it(sensit
     assert data["calibration"]["kld_budget"] == 3e-3 and data["calibration"]["measured_kld"] <= 3e-3
     assert {int(k): (v["kv_cache_dtype"], v["kv_cache_rotation"]) for k, v in data["layers"].items()} == {
         i: (s.kv_dtype.name, s.rotation) for i, s in enumerate(specs)}
+    # the recorded table chooses the same plan again without measuring (and is checked against the model)
+    lines.clear()
+    again = search_plan(model, [text], kld_budget=3e-3, seq_len=64, dtype="float32", table=read_sensitivity_table(
+        str(out)), progress=lines.append)
+    assert again.specs == specs and again.table == result.table and len(lines) == 1   # only the check's line
+    with pytest.raises(ValueError, match="--plan-table: its table has 4 layers .* a table of another model"):
+        search_plan(make_tiny_model(str(tmp_path / "six"), "llama_gqa", num_hidden_layers=6), [text], kld_budget=3e-3,
+                    seq_len=64, table=result.table)
     # kv8 eval with the file on the held-out windows the search checked it on (the 2 after its 2 calibration windows)
     # measures what the search measured
     report = evaluate(model, [text], [KVConfig("float32", kv_cache_plan=str(out))], window=64, num_windows=2,
