@@ -21,8 +21,9 @@ nats against the same engine with a float32 cache):
 2. **Choice** (:func:`kv8.tools.plan_choice.choose_plan`): the fewest bytes per token within the KLD budget, or the
    least predicted KLD within a bytes budget; the prediction sums the layers' KLDs (additivity for small errors).
 3. **Verification** (:func:`search_plan`): the chosen plan, written as a plan file, runs end to end on held-out
-   windows (those right after the calibration windows). With a KLD budget, a measurement above it tightens the
-   budget the chooser sees by ``budget / measured`` and chooses again, at most ``retries`` times; the plan is
+   windows (those right after the calibration windows). With a KLD budget, a measurement above it chooses again
+   for a predicted KLD of at most ``predicted * budget / measured`` (the prediction corrected by the measured
+   ratio, below the rejected plan's, so the plan changes), at most ``retries`` times; the plan is
    returned only once a measurement is within the budget (``ValueError`` otherwise, naming what was measured).
 
 FP8 candidates keep dynamic scales (one per token and head: ``kv_cache_scale_mode="dynamic"``, which a plan file
@@ -376,7 +377,7 @@ def search_plan(model: str, data: Sequence[str], *, kld_budget: float | None = N
                     f"{', '.join(f'{c.predicted_kld:.3g}' for c, _ in attempts)}); the best, {best[1]:.3g} at "
                     f"{best[0].bytes_per_token} bytes per token, is above the budget: raise --kld-budget or "
                     "--plan-retries, or measure on more text (--num-samples)")
-            target = target * kld_budget / measured
+            target = choice.predicted_kld * kld_budget / measured   # below this plan's prediction: a new plan
             progress(f"measured KLD above the budget {kld_budget:.3g}: choosing again for a predicted KLD <= "
                      f"{target:.3g}")
     fp8 = any(s.kv_dtype.is_fp8 for s in choice.specs(table))
