@@ -378,6 +378,12 @@ def search_plan(model: str, data: Sequence[str], *, kld_budget: float | None = N
                     f"{best[0].bytes_per_token} bytes per token, is above the budget: raise --kld-budget or "
                     "--plan-retries, or measure on more text (--num-samples)")
             target = choice.predicted_kld * kld_budget / measured   # below this plan's prediction: a new plan
+            if target < table.best_kld():
+                raise ValueError(
+                    f"--kld-budget {kld_budget:.3g} cannot be met: the plan predicted at {choice.predicted_kld:.3g} "
+                    f"measured {measured:.3g}, so a plan predicted at most {target:.3g} would be needed, and the "
+                    f"least KLD these candidates reach is {table.best_kld():.3g} (predicted: every layer in its most "
+                    "accurate candidate); raise the budget or add a wider format to --plan-formats")
             progress(f"measured KLD above the budget {kld_budget:.3g}: choosing again for a predicted KLD <= "
                      f"{target:.3g}")
     fp8 = any(s.kv_dtype.is_fp8 for s in choice.specs(table))

@@ -24,7 +24,13 @@ from kv8.entrypoints.cli import main
 from kv8.quant.formats import resolve_kv_cache_dtype
 from kv8.tools.evaluate import KVConfig, evaluate
 from kv8.tools.plan_choice import SensitivityTable, choose_plan
-from kv8.tools.plan_search import causal_attention, parse_plan_formats, read_sensitivity_table, search_plan
+from kv8.tools.plan_search import (
+    _Setup,
+    causal_attention,
+    parse_plan_formats,
+    read_sensitivity_table,
+    search_plan,
+)
 from tests.helpers.engine import PROMPTS, make_llm, tokens_of
 from tests.helpers.tiny_models import make_tiny_model
 
@@ -249,6 +255,43 @@ def test_the_search_keeps_the_sensitive_layer_wide_and_its_file_serves_it(sensit
     hand = make_llm(model, kv_cache_dtype="float16", kv_cache_plan=str(by_hand))
     assert tokens_of(written.generate(PROMPTS[:3], greedy)) == tokens_of(hand.generate(PROMPTS[:3], greedy))
     assert [c.kv_dtype.name for c in written.engine.caches] == [c.kv_dtype.name for c in hand.engine.caches]
+
+
+def test_a_plan_measured_above_the_budget_is_replaced_or_refused(sensitive, monkeypatch):
+    """The check's measurement replaced by ``factor`` x the budget: each retry chooses a plan predicted below the
+    rejected one's prediction / factor; the search refuses once retries run out, or no plan can be predicted that
+    low."""
+    model, text = sensitive
+    budget = 3e-3
+    table = search_plan(model, [text], kld_budget=budget, seq_len=64, dtype="float32",
+                        progress=lambda line: None).table
+    real = _Setup.measure
+    factor = 1.5
+
+    def above_budget(self, meter, specs):
+        kld = real(self, meter, specs)   # the engine still runs
+        return budget * factor if len(specs) == 4 and kld >= 0 else kld   # a whole plan: the check
+
+    monkeypatch.setattr(_Setup, "measure", above_budget)
+    first = choose_plan(table, kld_budget=budget)
+    with pytest.raises(ValueError, match=rf"after 0 tightenings the plans measured 0.0045 \(predicted "
+                                         rf"{first.predicted_kld:.3g}\)"):
+        search_plan(model, [text], kld_budget=budget, seq_len=64, dtype="float32", table=table, retries=0,
+                    progress=lambda line: None)
+    lines: list[str] = []
+    with pytest.raises(ValueError, match=r"after 1 tightenings the plans measured 0.0045, 0.0045 \(predicted "):
+        search_plan(model, [text], kld_budget=budget, seq_len=64, dtype="float32", table=table, retries=1,
+                    progress=lines.append)
+    second = choose_plan(table, kld_budget=first.predicted_kld / factor)
+    assert second.predicted_kld < first.predicted_kld / factor and second.bytes_per_token > first.bytes_per_token
+    assert [line for line in lines if line.startswith("plan:")] == [
+        f"plan: {c.bytes_per_token} bytes per token, predicted KLD {c.predicted_kld:.3g}, measured 0.0045 on 2 "
+        "held-out windows" for c in (first, second)]
+    factor = 1e6
+    with pytest.raises(ValueError, match=r"cannot be met: the plan predicted at .* would be needed, and the least KLD "
+                                         r"these candidates reach is"):
+        search_plan(model, [text], kld_budget=budget, seq_len=64, dtype="float32", table=table, retries=5,
+                    progress=lambda line: None)
 
 
 def test_an_impossible_budget_end_to_end_names_the_best_kld(sensitive):
