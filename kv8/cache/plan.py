@@ -16,7 +16,9 @@ spec. ``kv_cache_dtype_skip_layers`` is one way to set a plan: its layers get th
      "layers": {"0": {"kv_cache_dtype": "bfloat16"},
                 "5": {"kv_cache_dtype": "int4_per_token_head", "kv_cache_rotation": "hadamard"}}}
 
-A layer the file does not name, and a key a layer's entry leaves out, take the option's value (``kv_cache_dtype``,
+An optional ``"calibration"`` object records how the plan was made (``kv8 calibrate --plan`` writes the budget and
+the predicted and measured KLD there); the engine reads nothing from it. A layer the file does not name, and a key
+a layer's entry leaves out, take the option's value (``kv_cache_dtype``,
 ``kv_cache_rotation``). ``kv_cache_scale_mode`` applies to every FP8 layer (static: the layers share the per-layer
 scales of ``quantization_param_path`` or the checkpoint; dynamic: every FP8 layer keeps a scale per token and
 head); the int formats always keep theirs. The file is read and its names checked once, by
@@ -153,9 +155,12 @@ def read_plan_file(path: str | os.PathLike[str]) -> KVPlanFile:
     if type(version) is not int or version != PLAN_VERSION:
         raise ValueError(f"{where}: kv8_kv_plan is {version!r}; this kv8 reads plan files of version {PLAN_VERSION} "
                          f'({{"kv8_kv_plan": {PLAN_VERSION}, "layers": {{"0": {{"kv_cache_dtype": ...}}}}}})')
-    unknown = sorted(set(data) - {"kv8_kv_plan", "layers"})
+    unknown = sorted(set(data) - {"kv8_kv_plan", "layers", "calibration"})
     if unknown:
-        raise ValueError(f"{where} has unknown keys {unknown}; allowed: kv8_kv_plan, layers")
+        raise ValueError(f"{where} has unknown keys {unknown}; allowed: kv8_kv_plan, layers, calibration")
+    if not isinstance(data.get("calibration", {}), dict):
+        raise ValueError(f"{where}: calibration must be an object (what made the plan), not "
+                         f"{data['calibration']!r}")
     layers = data.get("layers", {})
     if not isinstance(layers, dict):
         raise ValueError(f"{where}: layers must be an object of layer index -> settings, not {layers!r}")

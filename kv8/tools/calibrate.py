@@ -43,7 +43,8 @@ from kv8.tools.data import read_corpus, token_windows, tokenize_corpus
 from kv8.tools.kv_stats import ClipCounter, KVStatsCollector, ScaleRecipe
 from kv8.validators import check_int
 
-__all__ = ["CalibrationResult", "ClipCheck", "build_engine", "calibrate", "check_length", "run_prompts"]
+__all__ = ["CalibrationResult", "ClipCheck", "build_engine", "cache_size_options", "calibrate", "check_length",
+           "run_prompts"]
 
 
 @dataclass(frozen=True)
@@ -113,6 +114,19 @@ def build_engine(model: str, observer: EngineObserver | None = None, **kwargs: o
         raise
     except Exception as e:  # e.g. a corrupt safetensors file: re-raised as a ValueError naming the model
         raise ValueError(f"cannot load model {model!r}: {type(e).__name__}: {e}") from e
+
+
+def cache_size_options(arch: ModelArchConfig, num_tokens: int, block_size: int, num_seqs: int,
+                       pools: bool) -> dict[str, int]:
+    """The cache size a tool's engine gets to hold ``num_seqs`` sequences of ``num_tokens`` tokens whole:
+    ``num_kv_blocks`` for one pool; with several (a ``kv_cache_plan``, whose pools' blocks the engine splits from a
+    byte budget) ``kv_cache_memory``: those blocks at a float32 cache's bytes per token (no format takes more), twice
+    over, so each pool's share holds the sequences whatever the plan."""
+    blocks = blocks_to_hold(arch.layer_windows, num_tokens, block_size, num_seqs)
+    if not pools:
+        return dict(num_kv_blocks=blocks, block_size=block_size)
+    float32_token = arch.num_layers * 2 * arch.num_kv_heads * arch.head_dim * 4
+    return dict(kv_cache_memory=2 * blocks * block_size * float32_token, block_size=block_size)
 
 
 def model_arch(model: str) -> ModelArchConfig:

@@ -48,13 +48,19 @@ CALIBRATE_EPILOG = """examples:
   kv8 calibrate smollm2-135m --data text.jsonl --granularity head --output scales.json  # kv8 JSON
   kv8 calibrate ./my-model --data a.txt b.txt --statistic percentile --percentile 99.9 --save-model ./my-model-fp8kv
   kv8 calibrate ./my-70b --data wiki.xml.bz2 --tensor-parallel-size 4 --output kv_cache_scales.json  # per-rank scales
+  kv8 calibrate smollm2-135m --data wiki.xml.bz2 --plan --kld-budget 1e-3 -o plan.json     # a per-layer plan
+  kv8 calibrate smollm2-135m --data wiki.xml.bz2 --plan --bytes-budget fp8_e4m3 -o plan.json
 outputs: --output-format vllm (one scale per layer, the larger of K and V; tensor granularity, fp8_e4m3[fnuz])
   or kv8 ({"format": "kv8-kv-scales", ...}: any granularity, K and V separate); both are accepted by
   --quantization-param-path. --save-model writes a model directory with k_scale/v_scale/kv_scale tensors.
 --tensor-parallel-size N (tensor granularity, vLLM output) writes scaling_factor[tp_rank] for N ranks, each from the
   statistics of the KV heads that rank holds; the model runs in one process.
 --kv-cache-rotation hadamard calibrates for a cache that rotates K/V (kv8 JSON output only); serve with the
-  same --kv-cache-rotation."""
+  same --kv-cache-rotation.
+--plan writes a kv_cache_plan file instead of scales: each layer's sensitivity (its KLD against a float32 cache when
+  only it is quantized, per candidate of --plan-formats), the cheapest layers' formats within --kld-budget (or the
+  least KLD within --bytes-budget), checked end to end on the --plan-check-samples windows after the calibration
+  windows (serve with --kv-cache-plan FILE; kv8 info --kv-cache-plan FILE shows its bytes per token)."""
 
 EVAL_EPILOG = """examples:
   kv8 eval smollm2-135m --data wiki.xml.bz2 --config fp8_e4m3 \\
@@ -62,7 +68,8 @@ EVAL_EPILOG = """examples:
   kv8 eval smollm2-135m --data held_out.txt --config fp8_e5m2 --json report.json --plot report.png
   kv8 eval smollm2-135m --data wiki.xml.bz2 --config "--kv-cache-dtype fp8_e4m3 --kv-cache-rotation hadamard"
 --config X with a KV cache dtype alone is the configuration "--kv-cache-dtype X"; reports name each configuration by
-  its dtype, then +dynamic, +hadamard, +fp8-weights (+gguf-weights) and :SCALES for the options it sets.
+  its dtype, then +dynamic, +hadamard, +fp8-weights (+gguf-weights), +plan:FILE and :SCALES for the options it sets
+  (--config "--kv-cache-dtype int8 --kv-cache-plan plan.json": a per-layer plan from kv8 calibrate --plan).
 every configuration is compared with the same engine using a float32 KV cache; by default all of them attend
 through the reference backend, so only what the caches store differs (--attention-backend auto: fused kernels)."""
 
@@ -74,7 +81,26 @@ def _fraction(text: str) -> float:
     return value
 
 
+def _bytes_budget(text: str) -> int | str:
+    """A positive byte count, or a KV cache dtype name (the bytes of a cache all in that format)."""
+    from kv8.quant.formats import KV_CACHE_DTYPE_NAMES
+
+    names = [n for n in KV_CACHE_DTYPE_NAMES if n != "auto"]   # "auto" would depend on the compute dtype
+    if text in names:
+        return text
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} must be bytes per token (an integer > 0) or a KV cache dtype "
+                                         f"({', '.join(names)})") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} must be > 0")
+    return value
+
+
 def add_calibrate_parser(sub: Any) -> None:
+    from kv8.tools.plan_search import DEFAULT_PLAN_FORMATS, SENSITIVITY_MODES
+
     c = sub.add_parser("calibrate", help="compute fp8 KV-cache scales from calibration text",
                        description="Run a model over calibration text with an unquantized (float32) KV cache, "
                                    "observe the K and V it stores and write fp8 scales.",
@@ -82,8 +108,8 @@ def add_calibrate_parser(sub: Any) -> None:
     EngineArgs.add_model_arg(c)
     c.add_argument("--data", nargs="+", required=True, metavar="FILE",
                    help="calibration text: plain text, .jsonl with a 'text' field, a MediaWiki XML dump; .bz2 ok")
-    c.add_argument("--num-samples", type=int, default=64, help="number of samples (default 64)")
-    c.add_argument("--seq-len", type=int, default=512, help="tokens per sample (default 512)")
+    c.add_argument("--num-samples", type=int, default=None, help="number of samples (default 64; 2 with --plan)")
+    c.add_argument("--seq-len", type=int, default=None, help="tokens per sample (default 512; 256 with --plan)")
     c.add_argument("--skip-tokens", type=int, default=0, help="skip this many data tokens first (default 0)")
     c.add_argument("--granularity", choices=[g.value for g in ScaleGranularity], default="tensor",
                    help="one scale per layer (tensor), per KV head (head) or per channel (channel)")
@@ -111,12 +137,42 @@ def add_calibrate_parser(sub: Any) -> None:
                    help="also run the N windows after the calibration windows and report which K/V values the "
                         "new scales would clip (default 0: no check)")
     c.add_argument("--batch", type=int, default=4, help="samples run together (default 4)")
+    p = c.add_argument_group("per-layer plan (--plan)")
+    p.add_argument("--plan", action="store_true",
+                   help="write a kv_cache_plan file (--output) chosen from measured per-layer sensitivity, not scales")
+    p.add_argument("--kld-budget", type=_fraction, default=None, metavar="NATS",
+                   help="the plan of fewest bytes per token whose KLD against a float32 cache stays within this")
+    p.add_argument("--bytes-budget", type=_bytes_budget, default=None, metavar="BYTES|DTYPE",
+                   help="the plan of least KLD within these bytes per token (all layers), or within the bytes of a "
+                        "cache all in DTYPE (e.g. fp8_e4m3: static scales, one byte per value)")
+    p.add_argument("--plan-formats", nargs="+", default=list(DEFAULT_PLAN_FORMATS), metavar="FORMAT[+ROTATION]",
+                   help="candidate specs per layer, preferred first on ties; FP8 ones keep dynamic scales "
+                        f"(default: {' '.join(DEFAULT_PLAN_FORMATS)})")
+    p.add_argument("--plan-sensitivity", choices=SENSITIVITY_MODES, default="proxy",
+                   help="proxy (default): each layer's KLD measured end to end for its least accurate candidate, "
+                        "the others scaled by their attention-output error; direct: every layer and candidate end "
+                        "to end (one engine each)")
+    p.add_argument("--plan-table", default=None, metavar="PLAN.json",
+                   help="choose from the per-layer sensitivity an earlier --plan run recorded in its plan file "
+                        "instead of measuring it again (its candidates replace --plan-formats); the plan is still "
+                        "checked end to end")
+    p.add_argument("--plan-check-samples", type=int, default=2, metavar="N",
+                   help="held-out windows (after the calibration ones) the chosen plan is measured on (default 2)")
+    p.add_argument("--plan-retries", type=int, default=2, metavar="N",
+                   help="times a plan measured above --kld-budget is chosen again for a tighter budget (default 2)")
     EngineArgs.add_cli_args(c, exclude=CALIBRATE_EXCLUDED)
     c.add_argument("--no-progress", action="store_true", help="no progress bar")
     c.set_defaults(func=cmd_calibrate)
 
 
 def cmd_calibrate(ns: argparse.Namespace) -> int:
+    if ns.plan:
+        return cmd_calibrate_plan(ns)
+    for flag, value in (("--kld-budget", ns.kld_budget), ("--bytes-budget", ns.bytes_budget)):
+        if value is not None:
+            raise ValueError(f"{flag} sets a per-layer plan's budget; give --plan with it")
+    num_samples = 64 if ns.num_samples is None else ns.num_samples
+    seq_len = 512 if ns.seq_len is None else ns.seq_len
     from kv8.tools.calibrate import calibrate
     from kv8.tools.export import RANKS_NEED_VLLM, save_model_with_scales, write_scales
     from kv8.tools.kv_stats import ScaleRecipe
@@ -139,13 +195,13 @@ def cmd_calibrate(ns: argparse.Namespace) -> int:
     recipe = ScaleRecipe(granularity=granularity, statistic=ns.statistic, fmt=fp8_format(ns.format),
                          percentile=ns.percentile, headroom=ns.headroom, v_headroom=ns.v_headroom,
                          key_bound=ns.key_bound, power_of_two=ns.scale_rounding == "pow2")
-    result = calibrate(args.model, ns.data, recipe, num_samples=ns.num_samples, seq_len=ns.seq_len,
+    result = calibrate(args.model, ns.data, recipe, num_samples=num_samples, seq_len=seq_len,
                        skip_tokens=ns.skip_tokens, dtype=args.dtype, batch=ns.batch,
                        max_num_batched_tokens=args.max_num_batched_tokens, attention_backend=args.attention_backend,
                        rotation=args.kv_cache_rotation, check_samples=ns.check_samples,
                        tensor_parallel_size=args.tensor_parallel_size, show_progress=not ns.no_progress)
     s = result.scales
-    print(f"calibrated {result.info.num_layers} layers on {result.num_samples} samples x {ns.seq_len} tokens: "
+    print(f"calibrated {result.info.num_layers} layers on {result.num_samples} samples x {seq_len} tokens: "
           f"{s.source}")
     print(f"  K scales: min {float(s.k.min()):.4g}, max {float(s.k.max()):.4g}; "
           f"V scales: min {float(s.v.min()):.4g}, max {float(s.v.max()):.4g}")
@@ -162,6 +218,58 @@ def cmd_calibrate(ns: argparse.Namespace) -> int:
         save_model_with_scales(ns.model, ns.save_model, s)
         note = " (one scale per layer for every rank: checkpoint tensors have no ranks)" if per_rank else ""
         print(f"wrote model with KV scales to {ns.save_model}{note}")
+    return 0
+
+
+def _print_now(line: str) -> None:
+    print(line, flush=True)
+
+
+def cmd_calibrate_plan(ns: argparse.Namespace) -> int:
+    """``kv8 calibrate --plan``: search, verify and write a per-layer plan (:mod:`kv8.tools.plan_search`)."""
+    import torch
+
+    from kv8.cache.plan import KVSpec
+    from kv8.quant.formats import resolve_kv_cache_dtype
+    from kv8.tools.calibrate import model_arch
+    from kv8.tools.plan_search import read_sensitivity_table, search_plan, write_plan_file
+
+    if ns.output is None:
+        raise ValueError("--plan writes a plan file: give --output PATH (.json)")
+    if (ns.kld_budget is None) == (ns.bytes_budget is None):
+        raise ValueError("--plan needs exactly one of --kld-budget NATS and --bytes-budget BYTES|DTYPE")
+    for flag, given in (("--save-model", ns.save_model is not None), ("--check-samples", ns.check_samples != 0),
+                        ("--kv-cache-rotation", ns.kv_cache_rotation != "none"),
+                        ("--tensor-parallel-size", ns.tensor_parallel_size != 1)):
+        if given:
+            raise ValueError(f"{flag} does not apply to --plan (rotations are per candidate: --plan-formats "
+                             "int8+hadamard; the check is --plan-check-samples)")
+    args = EngineArgs.from_cli_args(ns)
+    table = read_sensitivity_table(ns.plan_table) if ns.plan_table is not None else None
+    bytes_budget = ns.bytes_budget
+    if isinstance(bytes_budget, str):
+        arch = model_arch(args.model)
+        spec = KVSpec.of(resolve_kv_cache_dtype(bytes_budget, torch.float32))   # no "auto": _bytes_budget
+        bytes_budget = arch.num_layers * spec.token_bytes(arch.head_dim, arch.num_kv_heads)
+        print(f"--bytes-budget {ns.bytes_budget}: {bytes_budget} bytes per token ({spec.describe()} in all "
+              f"{arch.num_layers} layers)")
+    result = search_plan(args.model, ns.data, kld_budget=ns.kld_budget, bytes_budget=bytes_budget,
+                         formats=ns.plan_formats, sensitivity=ns.plan_sensitivity,
+                         num_samples=2 if ns.num_samples is None else ns.num_samples,
+                         seq_len=256 if ns.seq_len is None else ns.seq_len, skip_tokens=ns.skip_tokens,
+                         check_samples=ns.plan_check_samples, retries=ns.plan_retries, dtype=args.dtype,
+                         max_num_batched_tokens=args.max_num_batched_tokens, attention_backend=args.attention_backend,
+                         table=table, progress=(lambda line: None) if ns.no_progress else _print_now)
+    print("layer  spec                                 predicted KLD")
+    for layer, (spec, kld) in enumerate(zip(result.specs, result.calibration["layer_kld"])):
+        print(f"{layer:>5}  {spec.describe():<36} {kld:.3g}")
+    c = result.choice
+    print(f"plan: {c.bytes_per_token} bytes per token, predicted KLD {c.predicted_kld:.3g}, measured "
+          f"{result.measured_kld:.3g}" + (f" (budget {ns.kld_budget:.3g})" if ns.kld_budget is not None else ""))
+    write_plan_file(ns.output, result.specs, result.calibration)
+    scale_mode = (" --kv-cache-scale-mode dynamic" if result.calibration["kv_cache_scale_mode"] == "dynamic"
+                  else "")
+    print(f"wrote {ns.output}; serve with --kv-cache-plan {ns.output}{scale_mode}")
     return 0
 
 

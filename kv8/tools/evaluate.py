@@ -50,11 +50,11 @@ from kv8.engine.engine import LLMEngine
 from kv8.observer import EngineObserver
 from kv8.quant.formats import resolve_kv_cache_dtype
 from kv8.sampling_params import SamplingParams
-from kv8.tools.calibrate import build_engine, check_length, model_arch, run_prompts
+from kv8.tools.calibrate import build_engine, cache_size_options, check_length, model_arch, run_prompts
 from kv8.tools.data import read_corpus, token_windows, tokenize_corpus
 from kv8.validators import check_int
 
-__all__ = ["ConfigResult", "EvalReport", "KVConfig", "QuantErrorObserver", "evaluate"]
+__all__ = ["ConfigResult", "EvalReport", "KVConfig", "QuantErrorObserver", "Scorer", "evaluate", "score_window"]
 
 DEFAULT_CONFIGS = ("bfloat16", "fp8_e4m3", "fp8_e5m2")
 
@@ -68,14 +68,16 @@ class KVConfig:
 
     ``kv8 eval --config "--kv-cache-dtype fp8 --kv-cache-rotation hadamard"`` gives them as the engine's own flags
     (:meth:`from_flags`). The :attr:`label` that names a configuration in reports is short: the dtype, then
-    ``+dynamic``, ``+hadamard``, ``+fp8-weights`` (``+gguf-weights``) and ``:SCALES`` for the options that differ
-    from the default."""
+    ``+dynamic``, ``+hadamard``, ``+fp8-weights`` (``+gguf-weights``), ``+plan:FILE`` and ``:SCALES`` for the
+    options that differ from the default. With ``kv_cache_plan`` (a per-layer plan file, :mod:`kv8.cache.plan`)
+    ``kv_cache_dtype`` is the format of the layers the file does not name."""
 
     kv_cache_dtype: str
     quantization_param_path: str | None = None
     kv_cache_scale_mode: str = "static"
     kv_cache_rotation: str = "none"
     quantization: str | None = None
+    kv_cache_plan: str | None = None
 
     def __post_init__(self) -> None:
         # Checked here, before any engine loads weights; the names (aliases included) are the engine's. The other
@@ -104,6 +106,7 @@ class KVConfig:
         return (self.kv_cache_dtype + ("+dynamic" if self.kv_cache_scale_mode == "dynamic" else "")
                 + ("+hadamard" if self.kv_cache_rotation == "hadamard" else "")
                 + (f"+{self.quantization}-weights" if self.quantization else "")
+                + (f"+plan:{self.kv_cache_plan}" if self.kv_cache_plan else "")
                 + (f":{self.quantization_param_path}" if self.quantization_param_path else ""))
 
 
@@ -249,7 +252,7 @@ def _cell(value: float | None, width: int, spec: str) -> str:
     return f"{value:>{width}{spec}}"
 
 
-class _Scorer:
+class Scorer:
     """Per-configuration accumulators of the teacher-forced metrics."""
 
     def __init__(self) -> None:
@@ -271,7 +274,7 @@ class _Scorer:
         self.n += targets.numel()
 
 
-def _score_window(engine: LLMEngine, obs: QuantErrorObserver, tokens: list[int], first_pos: int) -> torch.Tensor:
+def score_window(engine: LLMEngine, obs: QuantErrorObserver, tokens: list[int], first_pos: int) -> torch.Tensor:
     """Log-probabilities ``[len(tokens) - 1 - first_pos, V]`` of positions ``first_pos .. len - 2``."""
     rows: dict[int, torch.Tensor] = {}
 
@@ -316,10 +319,13 @@ def evaluate(model: str, data: Sequence[str], configs: Sequence[KVConfig], *, wi
     block_size = 16
     max_len = max(window, gen_prompt_len + gen_tokens) + 1
     layer_windows = model_arch(model).layer_windows
-    blocks = max(blocks_to_hold(layer_windows, max_len, block_size, 1),
-                 blocks_to_hold(layer_windows, gen_prompt_len + gen_tokens + 1, block_size, max(gen_prompts, 1)))
-    common = dict(dtype=dtype, enable_prefix_caching=False, max_model_len=max_len, num_kv_blocks=blocks,
-                  block_size=block_size, max_num_seqs=max(gen_prompts, 1),
+    arch = model_arch(model)
+    one = blocks_to_hold(layer_windows, max_len, block_size, 1)
+    many = blocks_to_hold(layer_windows, gen_prompt_len + gen_tokens + 1, block_size, max(gen_prompts, 1))
+    # the cache holds one scoring window or all greedy prompts at once (a plan's pools: a byte budget that does)
+    seqs, length = (1, max_len) if one >= many else (max(gen_prompts, 1), gen_prompt_len + gen_tokens + 1)
+    sizes = {pools: cache_size_options(arch, length, block_size, seqs, pools) for pools in (False, True)}
+    common = dict(dtype=dtype, enable_prefix_caching=False, max_model_len=max_len, max_num_seqs=max(gen_prompts, 1),
                   max_num_batched_tokens=max_num_batched_tokens, attention_backend=attention_backend)
     all_configs = [KVConfig("float32"), *configs]
     num_layers = model_arch(model).num_layers
@@ -327,20 +333,21 @@ def evaluate(model: str, data: Sequence[str], configs: Sequence[KVConfig], *, wi
     observers: list[QuantErrorObserver] = []
     for cfg in all_configs:
         obs = QuantErrorObserver(num_layers)
-        engine = build_engine(model, observer=obs, **cfg.engine_options(), **common)
+        engine = build_engine(model, observer=obs, **cfg.engine_options(), **sizes[cfg.kv_cache_plan is not None],
+                              **common)
         engines.append(engine)
         observers.append(obs)
     tokens = tokenize_corpus(docs, engines[0].tokenizer)
     windows = token_windows(tokens, window, num_windows, skip_tokens, "--window", "--skip-tokens")
     first = window // 2 - 1
-    scorers = [_Scorer() for _ in all_configs]
+    scorers = [Scorer() for _ in all_configs]
     with tqdm(total=len(windows), desc="Scoring windows", unit="window", disable=not show_progress) as bar:
         for w in windows:
             targets = torch.tensor(w[first + 1:])
-            ref_logp = _score_window(engines[0], observers[0], w, first)
+            ref_logp = score_window(engines[0], observers[0], w, first)
             scorers[0].add(ref_logp, ref_logp, targets)
             for engine, obs, scorer in zip(engines[1:], observers[1:], scorers[1:]):
-                scorer.add(_score_window(engine, obs, w, first), ref_logp, targets)
+                scorer.add(score_window(engine, obs, w, first), ref_logp, targets)
             bar.update(1)
     greedy: list[dict[str, list[int]]] = []
     if gen_prompts:

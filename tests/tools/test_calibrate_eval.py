@@ -500,7 +500,10 @@ def test_eval_dynamic_and_rotation_configs(tiny_models: dict[str, str], text_fil
     assert cfg == KVConfig("fp8_e4m3", kv_cache_scale_mode="dynamic", kv_cache_rotation="hadamard")
     assert cfg.label == "fp8_e4m3+dynamic+hadamard"
     assert cfg.engine_options() == dict(kv_cache_dtype="fp8_e4m3", quantization_param_path=None,
-                                        kv_cache_scale_mode="dynamic", kv_cache_rotation="hadamard", quantization=None)
+                                        kv_cache_scale_mode="dynamic", kv_cache_rotation="hadamard", quantization=None,
+                                        kv_cache_plan=None)
+    planned = KVConfig.from_flags("--kv-cache-dtype int8 --kv-cache-plan plan.json")
+    assert (planned.kv_cache_plan, planned.label) == ("plan.json", "int8+plan:plan.json")
     scaled = KVConfig.from_flags("--kv-cache-rotation hadamard --kv-cache-dtype=fp8_e5m2 --quantization-param-path "
                                  "'my scales.json'")
     assert (scaled.quantization_param_path, scaled.label) == ("my scales.json", "fp8_e5m2+hadamard:my scales.json")
