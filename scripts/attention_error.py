@@ -43,6 +43,8 @@ from kv8.quant.scales import KVScales
 from kv8.sampling_params import SamplingParams
 from kv8.tools.calibrate import build_engine, run_prompts
 from kv8.tools.data import read_corpus, token_windows, tokenize_corpus
+from kv8.tools.plan_search import attention_parts as attention
+from kv8.tools.plan_search import causal_mask
 
 MODES = {  # name -> (scale_mode, rotation)
     "1.0": ("static", "none"),
@@ -70,25 +72,10 @@ class LayerErrors:
     count: int = 0
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, mask: torch.Tensor
-              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Logits ``[Hq, T, T]`` (masked: -inf), weights, output ``[T, Hq, D]`` of one sequence; K/V heads shared by
-    ``Hq / Hkv`` query heads each."""
-    group = q.shape[1] // k.shape[1]
-    kq, vq = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-    logits = torch.einsum("thd,shd->hts", q, kq).mul(scale).masked_fill(~mask, float("-inf"))
-    weights = torch.softmax(logits, dim=-1)
-    return logits, weights, torch.einsum("hts,shd->thd", weights, vq)
-
-
 def layer_errors(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, window: int | None,
                  codec: KVCodec, layer: int) -> dict[str, float]:
     """The metrics of the module docstring for one layer and one sequence (``q, k, v`` float64, model basis)."""
-    t = q.shape[0]
-    pos = torch.arange(t)
-    mask = pos[None, :] <= pos[:, None]
-    if window:
-        mask &= pos[None, :] > pos[:, None] - window
+    mask = causal_mask(q.shape[0], window)
     logits, weights, out = attention(q, k, v, scale, mask)
 
     def round_trip(x: torch.Tensor, which: int) -> tuple[torch.Tensor, float]:

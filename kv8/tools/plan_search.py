@@ -60,8 +60,9 @@ from kv8.tools.evaluate import QuantErrorObserver, Scorer, score_window
 from kv8.tools.plan_choice import PlanChoice, SensitivityTable, choose_plan
 from kv8.validators import check_int
 
-__all__ = ["DEFAULT_PLAN_FORMATS", "PlanSearchResult", "SENSITIVITY_MODES", "attention_error", "causal_attention",
-           "parse_plan_formats", "read_sensitivity_table", "search_plan", "table_record", "write_plan_file"]
+__all__ = ["DEFAULT_PLAN_FORMATS", "PlanSearchResult", "SENSITIVITY_MODES", "attention_error", "attention_parts",
+           "causal_attention", "causal_mask", "parse_plan_formats", "read_sensitivity_table", "search_plan",
+           "table_record", "write_plan_file"]
 
 #: the candidates ``kv8 calibrate --plan`` tries by default, widest first (the order breaks ties: plan_choice)
 DEFAULT_PLAN_FORMATS = ("bfloat16", "int8_per_token_head+hadamard", "int8_per_token_head",
@@ -143,19 +144,31 @@ def write_plan_file(path: str | os.PathLike[str], specs: Sequence[KVSpec],
         f.write("\n")
 
 
-def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-                     window: int | None) -> torch.Tensor:
-    """The plain causal attention output ``[T, Hq, D]`` of one sequence (``q [T, Hq, D]``, ``k, v [T, Hkv, D]``,
-    each K/V head shared by ``Hq / Hkv`` query heads), keys older than a sliding ``window`` masked."""
-    t = q.shape[0]
+def causal_mask(t: int, window: int | None) -> torch.Tensor:
+    """``[T, T]`` bool: query ``i`` sees key ``j`` when ``j <= i`` (and ``j > i - window`` with a sliding window)."""
     pos = torch.arange(t)
     mask = pos[None, :] <= pos[:, None]
     if window:
         mask &= pos[None, :] > pos[:, None] - window
+    return mask
+
+
+def attention_parts(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, mask: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Logits ``[Hq, T, T]`` (-inf where ``mask`` is False), weights and output ``[T, Hq, D]`` of one sequence
+    (``q [T, Hq, D]``, ``k, v [T, Hkv, D]``, each K/V head shared by ``Hq / Hkv`` query heads)."""
     group = q.shape[1] // k.shape[1]
     kq, vq = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-    logits = torch.einsum("thd,shd->hts", q, kq).mul(scale).masked_fill(~mask, float("-inf"))   # [Hq, T, T]
-    return torch.einsum("hts,shd->thd", torch.softmax(logits, dim=-1), vq)
+    logits = torch.einsum("thd,shd->hts", q, kq).mul(scale).masked_fill(~mask, float("-inf"))
+    weights = torch.softmax(logits, dim=-1)
+    return logits, weights, torch.einsum("hts,shd->thd", weights, vq)
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                     window: int | None) -> torch.Tensor:
+    """The plain causal attention output ``[T, Hq, D]`` of one sequence (see :func:`attention_parts`), keys older
+    than a sliding ``window`` masked."""
+    return attention_parts(q, k, v, scale, causal_mask(q.shape[0], window))[2]
 
 
 def attention_error(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, window: int | None,
