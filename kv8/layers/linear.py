@@ -283,8 +283,10 @@ class ScaledMMFP8LinearMethod(LinearMethod):
 
 
 #: GGUFLinearMethod's default row count from which it dequantizes the blocks and runs the float32 GEMM instead of
-#: the int8 kernel: measured with benchmarks/bench_linear.py (SmolLM2 shapes, Q4_1; columns int8 ms / gguf ms) on an
-#: AMD EPYC Zen 3, 2 cores, AVX2 (docs/benchmarks.md, "GGUF blocks kept quantized").
+#: the int8 kernel. Measured on an AMD EPYC Zen 3 (AVX2, no VNNI), 32 SmolLM2-shaped Q4_1 layers, one thread's CPU
+#: time (the machine was shared): int8 / dequantize+GEMM 0.76 at 16 rows, 0.99 at 24, 1.08 at 32, 1.67 at 64, 1.80
+#: at 128; benchmarks/bench_linear.py's int8 / gguf columns show the same switch (docs/benchmarks.md, "GGUF blocks
+#: kept quantized"). A constant for now: a CPU with VNNI (cheaper int8 dot products) would switch later.
 GGUF_DEQUANTIZE_ROWS = 32
 
 
