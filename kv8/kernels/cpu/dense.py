@@ -7,10 +7,12 @@ with AVX-512 ``vdpbf16ps``: :attr:`DenseKernels.amx`; on CPUs without AVX-512 BF
 decoded on the fly), ``rmsnorm`` (residual add + RMSNorm in one pass),
 ``silu_mul`` (SiLU(gate) * up) and ``rope_qkv`` (RoPE of q and k read straight from a packed q/k/v
 projection, v copied out beside them); ``gguf_linear`` (a linear layer on GGUF Q8_0 / Q4_0 / Q4_1 blocks read
-in place, activations quantized to int8 per block: ``csrc/dense/gguf.h``); and ``argmax`` (rows of float32 logits,
+in place, activations quantized to int8 per block: ``csrc/dense/gguf.h``) and ``gguf_dequantize`` (the same blocks
+to float32, for a GEMM over many rows); and ``argmax`` (rows of float32 logits,
 for the sampler). Every method
 checks dtypes and shapes and raises ``ValueError``; every dense kernel takes bf16 and returns new contiguous bf16
-tensors. The layers that use them, each beside its plain torch reference, are in :mod:`kv8.layers.linear`,
+tensors (``gguf_dequantize``: uint8 blocks to a new float32 matrix).
+The layers that use them, each beside its plain torch reference, are in :mod:`kv8.layers.linear`,
 :mod:`~kv8.layers.norm`, :mod:`~kv8.layers.activation` and :mod:`~kv8.layers.rotary`; the sampler's choice of
 argmax is :func:`kv8.engine.sampler.select_argmax`; whether a model's layers use them is its
 :class:`kv8.layers.dense_backend.DenseBackend`.
