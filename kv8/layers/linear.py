@@ -40,8 +40,9 @@ stores the merged matrix itself (Phi-3's ``qkv_proj`` and ``gate_up_proj``) load
 its shape checked against the whole parameter.
 
 Invariants: ``layer(x)`` is ``[..., N]`` in x's dtype for any number of leading dims; each output row depends
-only on its own input row. The packed method equals :func:`linear_reference` (exact bf16 products, fp32 sums,
-one rounding to bf16) up to the order of the fp32 additions.
+only on its own input row (:class:`GGUFLinearMethod`: and on which side of its row threshold the call is).
+The packed method equals :func:`linear_reference` (exact bf16 products, fp32 sums, one rounding to bf16) up to the
+order of the fp32 additions.
 
 Tensor parallelism (:mod:`kv8.distributed.shard`; the group is the one the model is built for): every layer
 keeps the checkpoint's sizes (``full_output_sizes``, ``full_in_features``) and holds its rank's part
@@ -311,7 +312,9 @@ class GGUFLinearMethod(LinearMethod):
     Without the kernels for the type, :func:`gguf_linear_reference` (float32 on the blocks dequantized in torch at
     each call): the oracle, and the path of builds without the AVX2 kernels.
 
-    ``dequantize_rows`` (default :data:`GGUF_DEQUANTIZE_ROWS`) is the row count from which dequantizing wins."""
+    ``dequantize_rows`` (default :data:`GGUF_DEQUANTIZE_ROWS`) is the row count from which dequantizing wins. The
+    two paths round differently, so a row's result depends on whether its call has fewer rows than that (e.g. a
+    sequence decoded alone or in a large batch): within the int8 kernel's bound of each other, not bit for bit."""
 
     name = "gguf"
 
