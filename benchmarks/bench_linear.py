@@ -12,7 +12,9 @@ them to bf16 on the fly), on the same path. The ``fp32 ms`` and ``fp32/kv8`` col
 same weights widened at load (the ``torch_fp32`` dense backend, twice the bytes: the choice on CPUs whose torch has
 no fast bf16 GEMM). The ``gguf ms`` and ``kv8/gguf`` columns time the same matrices as GGUF blocks of ``--gguf-type``
 (default Q4_1, SmolLM2's file; written by ``gguf.quants.quantize``) multiplied as ``quantization="gguf"`` does
-(``kv8_gguf_linear``: int8 activations per block of 32); the header names the kernels' path (``avx512``: AMX tiles
+(the int8 kernel ``kv8_gguf_linear`` below ``GGUF_DEQUANTIZE_ROWS`` rows, the blocks dequantized to float32 and the
+float32 GEMM from there); the ``int8 ms`` and ``int8/gguf`` columns time the same layers with the int8 kernel at every
+row count (the choice that threshold is measured from). The header names the kernels' path (``avx512``: AMX tiles
 or ``vdpbf16ps``; ``avx2``: fp32 FMA).
 
 ``--shapes`` multiplies other matrices (``OUTxIN`` each, e.g. ``4096x4096,14336x4096``: an 8B model's q/o and up
@@ -34,6 +36,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import math
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -48,7 +51,7 @@ import kv8
 from kv8.kernels.cpu.build import KernelUnavailable, build_shared_library
 from kv8.kernels.cpu.dense import SOURCE, DenseKernels
 from kv8.layers.dense_backend import DenseBackend, select_dense_backend
-from kv8.layers.linear import LinearBase
+from kv8.layers.linear import GGUFLinearMethod, LinearBase
 from kv8.quant.gguf_blocks import KEPT_TYPES, GGUFWeight
 
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # (out, in) per layer, SmolLM2-135M
@@ -160,7 +163,7 @@ def run(args: argparse.Namespace, before: DenseKernels | None) -> None:
           + (f"; before = kv8's kernels as of {args.before}" if before is not None else "")
           + f"; gguf = {args.gguf_type} blocks, {gguf_bytes / 1e6:.0f} MB")
     extra = f" {'fp8 ms':>8} {'bf16/fp8':>9} {'fp32 ms':>9} {'fp32/kv8':>9} {'fp32/fp8':>9}"
-    extra += f" {'gguf ms':>8} {'kv8/gguf':>9} {'fp32/gguf':>10}"
+    extra += f" {'gguf ms':>8} {'kv8/gguf':>9} {'fp32/gguf':>10} {'int8 ms':>8} {'int8/gguf':>10}"
     extra += f" {'vdpbf16ps ms':>13} {'AMX/vdpbf16ps':>14}" if amx else ""
     extra += f" {'before ms':>10} {'speed-up':>9} {'fp8 before':>11} {'speed-up':>9}" if before is not None else ""
     print(f"{'M':>6} {'torch ms':>10} {'kv8 ms':>10} {'torch GB/s':>11} {'kv8 GB/s':>10} {'speed-up':>9}{extra}")
@@ -190,6 +193,17 @@ def run(args: argparse.Namespace, before: DenseKernels | None) -> None:
             def run_gguf(xs: dict[int, torch.Tensor] = xs) -> None:
                 run_kv8(xs, blocks)
 
+            def run_gguf_int8(xs: dict[int, torch.Tensor] = xs) -> None:
+                methods = [p.method for layer in blocks for p in layer if isinstance(p.method, GGUFLinearMethod)]
+                saved = [method.dequantize_rows for method in methods]
+                for method in methods:
+                    method.dequantize_rows = sys.maxsize
+                try:
+                    run_kv8(xs, blocks)
+                finally:
+                    for method, rows in zip(methods, saved):
+                        method.dequantize_rows = rows
+
             def run_before(xs: dict[int, torch.Tensor] = xs) -> None:
                 run_kv8(xs, packed_before)
 
@@ -204,7 +218,7 @@ def run(args: argparse.Namespace, before: DenseKernels | None) -> None:
                     kernels.amx = True
 
             fns: dict[str, Callable[[], None]] = {"torch": run_torch} if args.torch_bf16 else {}
-            fns.update({"kv8": run_kv8, "fp8": run_fp8, "fp32": run_fp32, "gguf": run_gguf})
+            fns.update({"kv8": run_kv8, "fp8": run_fp8, "fp32": run_fp32, "gguf": run_gguf, "int8": run_gguf_int8})
             if amx:
                 fns["vdpbf16ps"] = run_avx512
             if before is not None:
@@ -220,7 +234,7 @@ def run(args: argparse.Namespace, before: DenseKernels | None) -> None:
             row = (f"{m:>6} {torch_cols} {t['fp8'] * 1e3:>8.2f} "
                    f"{t_kv8 / t['fp8']:>9.2f} {t['fp32'] * 1e3:>9.2f} {t['fp32'] / t_kv8:>9.2f} "
                    f"{t['fp32'] / t['fp8']:>9.2f} {t['gguf'] * 1e3:>8.2f} {t_kv8 / t['gguf']:>9.2f} "
-                   f"{t['fp32'] / t['gguf']:>10.2f}")
+                   f"{t['fp32'] / t['gguf']:>10.2f} {t['int8'] * 1e3:>8.2f} {t['int8'] / t['gguf']:>10.2f}")
             if amx:
                 row += f" {t['vdpbf16ps'] * 1e3:>13.2f} {t['vdpbf16ps'] / t_kv8:>14.2f}"
             if before is not None:

@@ -27,8 +27,10 @@ With ``quantization="gguf"`` (a GGUF checkpoint) the decoder's layers keep the f
 :mod:`kv8.quant.gguf_blocks`), never expanded: the loader hands each such tensor over as a
 :class:`~kv8.quant.gguf_blocks.GGUFWeight` (``load_gguf``), and :class:`GGUFLinearMethod` keeps the merged rows'
 bytes (``gguf_blocks``) and multiplies them with the kernel (``DenseKernels.gguf_linear``: int8 activations per
-block of 32, within :func:`~kv8.quant.gguf_blocks.gguf_activation_bound` of the float32 reference), or, without it,
-with :func:`~kv8.quant.gguf_blocks.gguf_linear_reference` (the blocks dequantized to float32 at each call).
+block of 32, within :func:`~kv8.quant.gguf_blocks.gguf_activation_bound` of the float32 reference) below
+:data:`GGUF_DEQUANTIZE_ROWS` rows, from there with the blocks dequantized to a transient float32 matrix
+(``DenseKernels.gguf_dequantize``) and the float32 GEMM (:func:`linear_f32`), or, without the kernels, with
+:func:`~kv8.quant.gguf_blocks.gguf_linear_reference` (the blocks dequantized to float32 in torch at each call).
 
 Merged layers hold several projections that read the same input as one matrix, their outputs side by side:
 :class:`QKVLinear` (shards ``"q"``, ``"k"``, ``"v"``) and :class:`MergedLinear` (shards ``0, 1, ...``, e.g.
@@ -38,8 +40,9 @@ stores the merged matrix itself (Phi-3's ``qkv_proj`` and ``gate_up_proj``) load
 its shape checked against the whole parameter.
 
 Invariants: ``layer(x)`` is ``[..., N]`` in x's dtype for any number of leading dims; each output row depends
-only on its own input row. The packed method equals :func:`linear_reference` (exact bf16 products, fp32 sums,
-one rounding to bf16) up to the order of the fp32 additions.
+only on its own input row (:class:`GGUFLinearMethod`: and on which side of its row threshold the call is).
+The packed method equals :func:`linear_reference` (exact bf16 products, fp32 sums, one rounding to bf16) up to the
+order of the fp32 additions.
 
 Tensor parallelism (:mod:`kv8.distributed.shard`; the group is the one the model is built for): every layer
 keeps the checkpoint's sizes (``full_output_sizes``, ``full_in_features``) and holds its rank's part
@@ -73,10 +76,11 @@ from kv8.quant.weights import dequantize_fp8_rows, quantize_fp8_rows
 
 _E4M3_MAX = E4M3.max_finite
 
-__all__ = ["GGUFLinearMethod", "GateUpLinear", "Linear", "LinearBase", "LinearMethod", "MergedLinear",
+__all__ = ["GGUF_DEQUANTIZE_ROWS", "GGUFLinearMethod", "GateUpLinear", "Linear", "LinearBase", "LinearMethod",
+           "MergedLinear",
            "PackedBF16LinearMethod", "PackedFP8LinearMethod", "QKVLinear", "RowParallelLinear",
            "ScaledMMFP8LinearMethod", "TorchFP8LinearMethod", "TorchF32LinearMethod", "TorchLinearMethod",
-           "linear_method", "linear_reference", "quantize_fp8_activations", "scaled_mm_fp8_reference"]
+           "linear_f32", "linear_method", "linear_reference", "quantize_fp8_activations", "scaled_mm_fp8_reference"]
 
 
 def linear_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -136,7 +140,13 @@ class TorchF32LinearMethod(LinearMethod):
         del layer.weight, layer.bias
 
     def apply(self, layer: LinearBase, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x.float(), layer.weight_f32, layer.bias_f32).to(x.dtype)
+        return linear_f32(x, layer.weight_f32, layer.bias_f32)
+
+
+def linear_f32(x: torch.Tensor, weight_f32: torch.Tensor, bias_f32: torch.Tensor | None) -> torch.Tensor:
+    """``F.linear`` in float32 on float32 weights, one rounding to x's dtype: :class:`TorchF32LinearMethod`'s GEMM,
+    which :class:`GGUFLinearMethod` also uses on its blocks dequantized for many rows."""
+    return F.linear(x.float(), weight_f32, bias_f32).to(x.dtype)
 
 
 class PackedBF16LinearMethod(LinearMethod):
@@ -273,20 +283,46 @@ class ScaledMMFP8LinearMethod(LinearMethod):
         return y.view(*lead, layer.out_features)
 
 
+#: GGUFLinearMethod's default row count from which it dequantizes the blocks and runs the float32 GEMM instead of
+#: the int8 kernel. Measured on an AMD EPYC Zen 3 (AVX2, no VNNI), 32 SmolLM2-shaped Q4_1 layers, one thread's CPU
+#: time (the machine was shared): int8 / dequantize+GEMM 0.76 at 16 rows, 0.99 at 24, 1.08 at 32, 1.67 at 64, 1.80
+#: at 128; benchmarks/bench_linear.py's int8 / gguf columns show the same switch (docs/benchmarks.md, "GGUF blocks
+#: kept quantized"). A constant for now: a CPU with VNNI (cheaper int8 dot products) would switch later.
+GGUF_DEQUANTIZE_ROWS = 32
+
+
 class GGUFLinearMethod(LinearMethod):
     """GGUF blocks kept as the file's bytes. After loading the layer holds ``gguf_blocks`` (uint8 ``[N, K / 32 *
     block bytes]``: its projections' rows one after the other, one block type ``gguf_qtype``; where the kernel reads
     that type, ``gguf_grouped`` and the rows in its order, :func:`~kv8.quant.gguf_blocks.group_blocks`) and
     ``bias_f32``, and no ``weight`` / ``bias`` parameters; the resident bytes are the file's bytes of those tensors.
 
-    ``apply`` runs the kernel (``kernels.gguf_linear``, bf16 input of a type it has: int8 activations per block, see
-    ``csrc/dense/gguf.h``) and otherwise :func:`gguf_linear_reference` -- float32 on the blocks dequantized at each
-    call (one layer's weights, transiently): the oracle, and the path of builds and dtypes without the kernel."""
+    ``apply`` on ``M`` rows (the leading dims flattened), where the kernels read the type (``gguf_grouped``):
+
+    * bf16 input and ``M < dequantize_rows``: the int8 kernel (``kernels.gguf_linear``: activations rounded to int8
+      per block of 32, within :func:`~kv8.quant.gguf_blocks.gguf_activation_bound` of the float32 reference plus
+      one bf16 rounding; ``csrc/dense/gguf.h``). It reads each block once per 4 rows: the fast path for decode.
+    * ``M >= dequantize_rows`` (or another input dtype): the blocks dequantized to a float32 ``[N, K]`` scratch
+      matrix by ``kernels.gguf_dequantize`` (bit for bit :func:`~kv8.quant.gguf_blocks.dequantize_blocks`), then
+      :func:`linear_f32` -- the ``torch_fp32`` backend's GEMM, the default weights' GEMM on CPUs without a native
+      bf16 one. The scratch is allocated per call and freed after it (transient: one layer's float32 weights, ``4 N
+      K`` bytes); only the blocks stay resident. The result is :func:`~kv8.quant.gguf_blocks.gguf_linear_reference`'s
+      (no activation rounding) up to the order of the float32 sums.
+
+    Without the kernels for the type, :func:`gguf_linear_reference` (float32 on the blocks dequantized in torch at
+    each call): the oracle, and the path of builds without the AVX2 kernels.
+
+    ``dequantize_rows`` (default :data:`GGUF_DEQUANTIZE_ROWS`) is the row count from which dequantizing wins. The
+    two paths round differently, so a row's result depends on whether its call has fewer rows than that (e.g. a
+    sequence decoded alone or in a large batch): within the int8 kernel's bound of each other, not bit for bit."""
 
     name = "gguf"
 
-    def __init__(self, kernels: DenseKernels | None) -> None:
+    def __init__(self, kernels: DenseKernels | None, dequantize_rows: int = GGUF_DEQUANTIZE_ROWS) -> None:
+        if dequantize_rows < 1:
+            raise ValueError(f"dequantize_rows must be >= 1, got {dequantize_rows}")
         self.kernels = kernels
+        self.dequantize_rows = dequantize_rows
 
     def process_weights_after_loading(self, layer: LinearBase) -> None:
         parts = layer.gguf_parts
@@ -323,10 +359,14 @@ class GGUFLinearMethod(LinearMethod):
         lead = x.shape[:-1]
         if x.shape[-1] != layer.in_features:
             raise ValueError(f"input has {x.shape[-1]} features, the layer {layer.in_features}")
-        if layer.gguf_grouped and self.kernels is not None and x.dtype == torch.bfloat16:
-            rows = x.reshape(-1, layer.in_features)
-            out = self.kernels.gguf_linear(rows, layer.gguf_blocks, layer.gguf_qtype, layer.out_features,
-                                           layer.bias_f32)
+        if layer.gguf_grouped and self.kernels is not None:
+            rows = x.reshape(-1, layer.in_features)   # (M, K)
+            if x.dtype == torch.bfloat16 and rows.shape[0] < self.dequantize_rows:
+                out = self.kernels.gguf_linear(rows, layer.gguf_blocks, layer.gguf_qtype, layer.out_features,
+                                               layer.bias_f32)
+            else:   # the (N, K) float32 scratch lives for this call only
+                weight = self.kernels.gguf_dequantize(layer.gguf_blocks, layer.gguf_qtype, layer.in_features)
+                out = linear_f32(rows, weight, layer.bias_f32)
         else:
             out = gguf_linear_reference(x, self.file_blocks(layer), layer.gguf_qtype, layer.bias_f32)
         return out.view(*lead, layer.out_features)

@@ -1,5 +1,6 @@
-"""GGUF blocks kept quantized (kv8.quant.gguf_blocks) and the kernel that reads them (``kv8_gguf_linear``,
-``csrc/dense/gguf.h``). Oracles: the ``gguf`` package (``gguf.quants.quantize`` writes the blocks,
+"""GGUF blocks kept quantized (kv8.quant.gguf_blocks), the kernels that read them (``kv8_gguf_linear``,
+``kv8_gguf_dequantize``: ``csrc/dense/gguf.h``) and the layer method that chooses between them by row count
+(kv8.layers.linear.GGUFLinearMethod). Oracles: the ``gguf`` package (``gguf.quants.quantize`` writes the blocks,
 ``gguf.quants.dequantize`` is the float32 truth), float32 torch products, and the documented bound of the kernel's
 int8 activations."""
 
@@ -11,8 +12,12 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as QT
 
+from kv8.kernels.cpu import dense
 from kv8.kernels.cpu.dense import DenseKernels
+from kv8.layers.dense_backend import DenseBackend
+from kv8.layers.linear import GGUF_DEQUANTIZE_ROWS, GGUFLinearMethod, LinearBase, linear_f32
 from kv8.quant.gguf_blocks import (
+    BLOCK,
     BLOCK_BYTES,
     KEPT_TYPES,
     GGUFWeight,
@@ -148,3 +153,91 @@ def test_weight_checks_its_type_and_bytes() -> None:
         GGUFWeight("Q4_0", blocks, 64, "w")
     with pytest.raises(ValueError, match="not a positive multiple of 32"):
         GGUFWeight("Q8_0", blocks, 48, "w")
+
+
+@pytest.mark.parametrize("qtype", KEPT_TYPES)
+@pytest.mark.parametrize("n, k", [*SHAPES, (1, 32), (300, 800)])   # (300, 800): enough values for both threads
+def test_dequantize_kernel_is_dequantize_blocks_bit_for_bit(lib: DenseKernels, qtype: str, n: int, k: int) -> None:
+    blocks = _blocks(n, k, qtype, seed=n * k)
+    got = lib.gguf_dequantize(group_blocks(blocks, qtype, k), qtype, k)
+    want = dequantize_blocks(blocks, qtype, k)
+    assert got.dtype == torch.float32 and got.shape == (n, k)
+    assert torch.equal(got.view(torch.int32), want.view(torch.int32))   # the bits: -0.0 and 0.0 differ
+    assert lib.gguf_dequantize(group_blocks(blocks, qtype, k)[:0], qtype, k).shape == (0, k)
+
+
+def test_dequantize_kernel_rejects_what_it_cannot_read(lib: DenseKernels) -> None:
+    assert dense._GGUF_BLOCK_BYTES == BLOCK_BYTES   # the wrapper's copy (kv8.kernels cannot import kv8.quant)
+    blocks = _blocks(8, 64, "Q4_0", seed=0)
+    with pytest.raises(ValueError, match=r"GGUF block type 'Q4_K' has no kernel in this build"):
+        lib.gguf_dequantize(blocks, "Q4_K", 64)
+    with pytest.raises(ValueError, match=r"blocks \[8, 36\] of Q8_0 do not hold rows of 64 values"):
+        lib.gguf_dequantize(blocks, "Q8_0", 64)
+    with pytest.raises(ValueError, match="blocks must be a contiguous 2-D uint8 tensor"):
+        lib.gguf_dequantize(blocks.float(), "Q4_0", 64)
+    with pytest.raises(ValueError, match="invalid kernel arguments"):   # K not a multiple of 32: the C side refuses
+        lib.gguf_dequantize(torch.zeros(8, 27, dtype=torch.uint8), "Q4_0", 48)
+
+
+def _gguf_layer(lib: DenseKernels, blocks: torch.Tensor, qtype: str, bias: torch.Tensor | None) -> LinearBase:
+    """A kv8 ``Linear`` holding ``blocks`` (the file's layout) on ``quantization="gguf"``, as the loader builds it."""
+    n, k = blocks.shape[0], blocks.shape[1] // BLOCK_BYTES[qtype] * BLOCK
+    layer = LinearBase(k, [n], bias is not None, DenseBackend("packed_bf16", lib, "gguf"))
+    layer.load_gguf(GGUFWeight(qtype, blocks, k))
+    if bias is not None:
+        assert layer.bias is not None
+        layer.bias.data = bias.clone()
+    layer.process_weights_after_loading()
+    assert isinstance(layer.method, GGUFLinearMethod) and layer.gguf_grouped
+    return layer
+
+
+@pytest.mark.parametrize("qtype", KEPT_TYPES)
+@pytest.mark.parametrize("n, k", SHAPES)
+def test_layer_uses_the_int8_kernel_below_the_threshold_and_the_float32_gemm_from_it(lib: DenseKernels, qtype: str,
+                                                                                      n: int, k: int) -> None:
+    """Below ``dequantize_rows`` the layer's output is the int8 kernel's, bit for bit; from it, the float32 GEMM on
+    the dequantized blocks (no activation rounding): ``linear_f32`` bit for bit, the exact product within float32
+    sums and one bf16 rounding, and gguf_linear_reference within the two roundings. Leading dims are flattened."""
+    blocks = _blocks(n, k, qtype, seed=n + k)
+    gen = torch.Generator().manual_seed(n * k)
+    bias = torch.randn(n, generator=gen) if n % 2 else None
+    layer = _gguf_layer(lib, blocks, qtype, bias)
+    threshold = GGUF_DEQUANTIZE_ROWS
+    assert isinstance(layer.method, GGUFLinearMethod) and layer.method.dequantize_rows == threshold
+    w = dequantize_blocks(blocks, qtype, k)
+    for rows in (1, threshold - 1, threshold, threshold + 9):
+        x = (torch.randn(rows, k, generator=gen) * 3).bfloat16()
+        y = layer(x.view(1, rows, k))
+        assert y.shape == (1, rows, n) and y.dtype == torch.bfloat16
+        y = y[0]
+        int8 = lib.gguf_linear(x, layer.gguf_blocks, qtype, n, layer.bias_f32)
+        if rows < threshold:
+            assert torch.equal(y, int8)
+            continue
+        assert torch.equal(y, linear_f32(x, w, bias))
+        assert not torch.equal(y, int8)   # the int8 activations' rounding shows somewhere: another path
+        exact = x.double() @ w.double().T + (0 if bias is None else bias.double())
+        fp32_sums = 1e-5 * (x.double().abs() @ w.double().abs().T)
+        bf16 = 2.0 ** -8 * exact.abs()
+        assert bool(((y.double() - exact).abs() <= bf16 * 1.01 + fp32_sums).all())
+        ref = gguf_linear_reference(x, blocks, qtype, bias)
+        assert bool(((y.double() - ref.double()).abs() <= 2 * bf16 * 1.01 + fp32_sums).all())
+
+
+@pytest.mark.parametrize("qtype", KEPT_TYPES)
+def test_layer_threshold_is_per_method_and_other_dtypes_take_the_float32_gemm(lib: DenseKernels, qtype: str) -> None:
+    """A method built with ``dequantize_rows=2`` switches at 2 rows; a float32 input (which the int8 kernel does not
+    read) takes the dequantized path at any row count, in float32."""
+    blocks = _blocks(37, 96, qtype, seed=5)
+    layer = _gguf_layer(lib, blocks, qtype, None)
+    layer.method = GGUFLinearMethod(lib, dequantize_rows=2)
+    w = dequantize_blocks(blocks, qtype, 96)
+    x = torch.randn(2, 96, generator=torch.Generator().manual_seed(2)).bfloat16()
+    assert torch.equal(layer(x[:1]), lib.gguf_linear(x[:1], layer.gguf_blocks, qtype, 37, None))
+    assert torch.equal(layer(x), linear_f32(x, w, None))
+    y32 = layer(x[:1].float())
+    assert y32.dtype == torch.float32 and torch.equal(y32, linear_f32(x[:1].float(), w, None))
+    assert torch.allclose(y32, gguf_linear_reference(x[:1].float(), blocks, qtype, None), rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="dequantize_rows must be >= 1, got 0"):
+        GGUFLinearMethod(lib, dequantize_rows=0)

@@ -7,10 +7,12 @@ with AVX-512 ``vdpbf16ps``: :attr:`DenseKernels.amx`; on CPUs without AVX-512 BF
 decoded on the fly), ``rmsnorm`` (residual add + RMSNorm in one pass),
 ``silu_mul`` (SiLU(gate) * up) and ``rope_qkv`` (RoPE of q and k read straight from a packed q/k/v
 projection, v copied out beside them); ``gguf_linear`` (a linear layer on GGUF Q8_0 / Q4_0 / Q4_1 blocks read
-in place, activations quantized to int8 per block: ``csrc/dense/gguf.h``); and ``argmax`` (rows of float32 logits,
+in place, activations quantized to int8 per block: ``csrc/dense/gguf.h``) and ``gguf_dequantize`` (the same blocks
+to float32, for a GEMM over many rows); and ``argmax`` (rows of float32 logits,
 for the sampler). Every method
 checks dtypes and shapes and raises ``ValueError``; every dense kernel takes bf16 and returns new contiguous bf16
-tensors. The layers that use them, each beside its plain torch reference, are in :mod:`kv8.layers.linear`,
+tensors (``gguf_dequantize``: uint8 blocks to a new float32 matrix).
+The layers that use them, each beside its plain torch reference, are in :mod:`kv8.layers.linear`,
 :mod:`~kv8.layers.norm`, :mod:`~kv8.layers.activation` and :mod:`~kv8.layers.rotary`; the sampler's choice of
 argmax is :func:`kv8.engine.sampler.select_argmax`; whether a model's layers use them is its
 :class:`kv8.layers.dense_backend.DenseBackend`.
@@ -91,13 +93,20 @@ class GGUFLinearCall(ctypes.Structure):
     ]
 
 
+class GGUFDequantizeCall(ctypes.Structure):
+    """``kv8_gguf_dequantize_call``: GGUF Q8_0 / Q4_0 / Q4_1 blocks to float32 (``csrc/dense/gguf.h``)."""
+
+    _fields_ = [("blocks", _P), ("out", _P), ("rows", _I64), ("in_features", _I64), ("qtype", _I32),
+                ("num_threads", _I32)]
+
+
 class DenseKernels(NativeLibrary):
     """The loaded library. Build with :func:`load_dense_kernels`. Every method checks dtypes and shapes; what the
     C side still refuses raises ``ValueError`` with the library's message."""
 
     STRUCTS = (("kv8_pack_call", PackCall), ("kv8_linear_call", LinearCall), ("kv8_rmsnorm_call", RmsNormCall),
                ("kv8_silu_mul_call", SiluMulCall), ("kv8_rope_call", RopeCall), ("kv8_argmax_call", ArgmaxCall),
-               ("kv8_gguf_linear_call", GGUFLinearCall))
+               ("kv8_gguf_linear_call", GGUFLinearCall), ("kv8_gguf_dequantize_call", GGUFDequantizeCall))
 
     def __init__(self, path: Path) -> None:
         super().__init__(path)
@@ -116,6 +125,7 @@ class DenseKernels(NativeLibrary):
         self._bind_structs("kv8_rope_qkv", RopeCall)
         self._bind_structs("kv8_argmax_rows", ArgmaxCall)
         self._bind_structs("kv8_gguf_linear", GGUFLinearCall)
+        self._bind_structs("kv8_gguf_dequantize", GGUFDequantizeCall)
         #: the GGUF block types :meth:`gguf_linear` reads (``gguf.GGMLQuantizationType`` names -> the library's codes),
         #: empty where this build has no AVX2 path for them (``csrc/dense/gguf.h``)
         self.gguf_types: dict[str, int] = (code_table(self._lib.kv8_gguf_type_name)
@@ -198,6 +208,26 @@ class DenseKernels(NativeLibrary):
         rc = self._lib.kv8_gguf_linear(ctypes.byref(call))
         if rc != 0:
             raise self.error(rc, f"GGUF {qtype} linear for x {list(x.shape)}, N={out_features}")
+        return out
+
+    def gguf_dequantize(self, blocks: torch.Tensor, qtype: str, in_features: int) -> torch.Tensor:
+        """``blocks [N, in_features / 32 * block bytes]`` uint8 of type ``qtype`` in the kernel's order (as for
+        :meth:`gguf_linear`) -> a new float32 ``[N, in_features]``: the values of
+        :func:`kv8.quant.gguf_blocks.dequantize_blocks`, bit for bit."""
+        if qtype not in self.gguf_types:
+            raise ValueError(f"GGUF block type {qtype!r} has no kernel in this build; it has: "
+                             f"{sorted(self.gguf_types) or 'none (no AVX2 + FMA + F16C)'}")
+        if blocks.dtype != torch.uint8 or blocks.ndim != 2 or not blocks.is_contiguous():
+            raise ValueError(f"blocks must be a contiguous 2-D uint8 tensor, got {blocks.dtype} {list(blocks.shape)}")
+        n = blocks.shape[0]
+        if in_features % 32 == 0 and blocks.shape[1] * 32 != in_features * _GGUF_BLOCK_BYTES[qtype]:
+            raise ValueError(f"blocks [{n}, {blocks.shape[1]}] of {qtype} do not hold rows of {in_features} values")
+        out = torch.empty(n, max(in_features, 0), dtype=torch.float32)   # K % 32 != 0: the C side refuses
+        call = GGUFDequantizeCall(blocks.data_ptr(), out.data_ptr(), n, in_features, self.gguf_types[qtype],
+                                  torch.get_num_threads())
+        rc = self._lib.kv8_gguf_dequantize(ctypes.byref(call))
+        if rc != 0:
+            raise self.error(rc, f"GGUF {qtype} dequantize of blocks {list(blocks.shape)}, K={in_features}")
         return out
 
     @staticmethod
@@ -291,6 +321,10 @@ class DenseKernels(NativeLibrary):
 
 # Per path: byte b of an FP8 pair-row holds value _FP8_BYTE_ORDER[isa][b] of the bf16 pair-row (value 2 c + j: column
 # c, k = 2 kk + j). AVX-512: the table decode's lane order; AVX2: group b // 16 of 8 columns, even k then odd k.
+# bytes per block of 32 values (kv8.quant.gguf_blocks.BLOCK_BYTES, which this layer cannot import; the tests
+# compare them): the row bytes gguf_dequantize checks before the C side reads them
+_GGUF_BLOCK_BYTES = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20}
+
 _FP8_BYTE_ORDER = {
     "avx512": torch.tensor([8 * (b // 16) + b % 8 + (0 if b % 16 < 8 else 32) for b in range(64)]),
     "avx2": torch.tensor([2 * (8 * (b // 16) + b % 8) + (b % 16) // 8 for b in range(64)]),

@@ -9,6 +9,7 @@
 //   kv8_rope_call      RoPE of q and k read from packed q/k/v rows, v copied out (kv8_rope_qkv)
 //   kv8_argmax_call    row argmax of float32 logits (kv8_argmax_rows)
 //   kv8_gguf_linear_call  one linear layer on GGUF Q8_0 / Q4_0 / Q4_1 blocks (kv8_gguf_linear, gguf.h)
+//   kv8_gguf_dequantize_call  those blocks to float32 (kv8_gguf_dequantize, gguf.h)
 //
 // Every entry point returns OK or an error code of ../common/kv8_abi.h (ERR_ARGS, ERR_OOM, ERR_NO_FAST_PATH) whose
 // message Python raises. bf16 tensors are uint16_t bits; rows are contiguous. Empty batches: an entry with rows == 0
@@ -105,13 +106,24 @@
     X(int32_t, qtype)                     \
     X(int32_t, num_threads)
 
+// out [rows, in_features] float32 = W dequantized: blocks as in kv8_gguf_linear_call (rows rows of in_features / 32
+// blocks of type qtype, the kernel's grouped order); in_features % 32 == 0.
+#define KV8_GGUF_DEQUANTIZE_CALL_FIELDS(X) \
+    X(const uint8_t*, blocks)             \
+    X(float*, out)                        \
+    X(int64_t, rows)                      \
+    X(int64_t, in_features)               \
+    X(int32_t, qtype)                     \
+    X(int32_t, num_threads)
+
 // The structs, in the order of the layout text (and of kv8/kernels/cpu/dense.py's STRUCTS).
-#define KV8_DENSE_STRUCTS(Y)                             \
-    Y(kv8_pack_call, KV8_PACK_CALL_FIELDS)               \
-    Y(kv8_linear_call, KV8_LINEAR_CALL_FIELDS)           \
-    Y(kv8_rmsnorm_call, KV8_RMSNORM_CALL_FIELDS)         \
-    Y(kv8_silu_mul_call, KV8_SILU_MUL_CALL_FIELDS)       \
-    Y(kv8_rope_call, KV8_ROPE_CALL_FIELDS)               \
-    Y(kv8_argmax_call, KV8_ARGMAX_CALL_FIELDS)           \
-    Y(kv8_gguf_linear_call, KV8_GGUF_LINEAR_CALL_FIELDS)
+#define KV8_DENSE_STRUCTS(Y)                                     \
+    Y(kv8_pack_call, KV8_PACK_CALL_FIELDS)                       \
+    Y(kv8_linear_call, KV8_LINEAR_CALL_FIELDS)                   \
+    Y(kv8_rmsnorm_call, KV8_RMSNORM_CALL_FIELDS)                 \
+    Y(kv8_silu_mul_call, KV8_SILU_MUL_CALL_FIELDS)               \
+    Y(kv8_rope_call, KV8_ROPE_CALL_FIELDS)                       \
+    Y(kv8_argmax_call, KV8_ARGMAX_CALL_FIELDS)                   \
+    Y(kv8_gguf_linear_call, KV8_GGUF_LINEAR_CALL_FIELDS)         \
+    Y(kv8_gguf_dequantize_call, KV8_GGUF_DEQUANTIZE_CALL_FIELDS)
 KV8_ABI_STRUCTS(KV8_DENSE_STRUCTS)

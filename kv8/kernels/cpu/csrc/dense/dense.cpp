@@ -136,3 +136,13 @@ extern "C" int kv8_gguf_linear(const kv8_gguf_linear_call* call) {
     return rc != OK ? rc : ERR_NO_FAST_PATH;
 #endif
 }
+
+extern "C" int kv8_gguf_dequantize(const kv8_gguf_dequantize_call* call) {
+    if (!call) return ERR_ARGS;
+    const int rc = check_args(*call);
+#if KV8_GGUF_AVX2
+    return rc != OK || call->rows == 0 ? rc : gguf_dequantize(*call);
+#else
+    return rc != OK ? rc : ERR_NO_FAST_PATH;
+#endif
+}

@@ -42,6 +42,11 @@
 // Threads: output rows are split evenly over the threads (OpenMP, static); each thread reads its rows' blocks once
 // per tile of 4 activation rows (one decoded weight block feeds 4 dot products); a row's result does not depend on
 // the tile it is in.
+//
+// kv8_gguf_dequantize (gguf_dequantize): the same grouped blocks to float32 W [N, K], exactly
+// kv8.quant.gguf_blocks.dequantize_blocks' values; OpenMP over W's rows. GGUFLinearMethod multiplies many activation
+// rows with it and a float32 GEMM (the int8 kernel above re-decodes every block per tile of 4 rows; a GEMM on the
+// decoded matrix reuses each weight over many rows).
 
 #pragma once
 
@@ -60,6 +65,13 @@ static inline int check_args(const kv8_gguf_linear_call& c) {
         || c.qtype < 0 || c.qtype >= GGUF_TYPE_COUNT)
         return ERR_ARGS;
     return c.rows > 0 && (!c.x || !c.blocks || !c.out) ? ERR_ARGS : OK;
+}
+
+static inline int check_args(const kv8_gguf_dequantize_call& c) {
+    if (c.rows < 0 || c.in_features <= 0 || c.in_features % GGUF_BLOCK || c.num_threads <= 0 || c.qtype < 0
+        || c.qtype >= GGUF_TYPE_COUNT)
+        return ERR_ARGS;
+    return c.rows > 0 && (!c.blocks || !c.out) ? ERR_ARGS : OK;
 }
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
@@ -222,6 +234,62 @@ static void gguf_linear_rows(const kv8_gguf_linear_call& call, const int8_t* qa,
             for (int r = 0; r < mr; ++r) call.out[(m0 + r) * N + n] = gguf_round_bf16(result[r] + bias);
         }
     }
+}
+
+// One output row of W in float32 from its grouped blocks: as kv8.quant.gguf_blocks.dequantize_blocks computes it,
+// bit for bit (float32 d * code, Q4_0 d * (c - 8), Q4_1 d * c then + m: a multiply and an add, never fused; the
+// build's -std=c++17 keeps GCC from contracting them).
+template <int QT>
+static inline void gguf_dequantize_row(const uint8_t* wrow, int64_t nb, float* out) {
+    constexpr int CODE_BYTES = QT == GGUF_Q8_0 ? 32 : 16;
+    constexpr int HEAD = QT == GGUF_Q4_1 ? 4 : 2;
+    const int64_t group_bytes = (int64_t)GGUF_GROUP * GGUF_BLOCK_BYTES[QT];
+    for (int64_t b0 = 0; b0 < nb; b0 += GGUF_GROUP) {
+        const uint8_t* grp = wrow + b0 / GGUF_GROUP * group_bytes;
+        const int g = (int)(nb - b0 < GGUF_GROUP ? nb - b0 : GGUF_GROUP);
+        const uint8_t* codes = grp + HEAD * g;
+        for (int j = 0; j < g; ++j) {
+            const __m256 d = _mm256_set1_ps(gguf_half(grp + 2 * j));
+            const __m256 m = QT == GGUF_Q4_1 ? _mm256_set1_ps(gguf_half(grp + 2 * g + 2 * j)) : _mm256_setzero_ps();
+            const uint8_t* c = codes + j * CODE_BYTES;
+            float* o = out + (b0 + j) * GGUF_BLOCK;
+            if (QT == GGUF_Q8_0) {
+                for (int i = 0; i < 4; ++i) {
+                    const __m256i q = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(c + 8 * i)));
+                    _mm256_storeu_ps(o + 8 * i, _mm256_mul_ps(d, _mm256_cvtepi32_ps(q)));
+                }
+            } else {
+                const __m256i w = gguf_nibbles(c);   // 32 codes 0..15 in element order
+                const __m128i lo = _mm256_castsi256_si128(w), hi = _mm256_extracti128_si256(w, 1);
+                const __m128i part[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
+                for (int i = 0; i < 4; ++i) {
+                    __m256i q = _mm256_cvtepu8_epi32(part[i]);
+                    if (QT == GGUF_Q4_0) q = _mm256_sub_epi32(q, _mm256_set1_epi32(8));   // c - 8: exact in float
+                    __m256 v = _mm256_mul_ps(d, _mm256_cvtepi32_ps(q));
+                    if (QT == GGUF_Q4_1) v = _mm256_add_ps(v, m);
+                    _mm256_storeu_ps(o + 8 * i, v);
+                }
+            }
+        }
+    }
+}
+
+template <int QT>
+static void gguf_dequantize_rows(const kv8_gguf_dequantize_call& call) {
+    const int64_t N = call.rows, K = call.in_features, nb = K / GGUF_BLOCK;
+    const int64_t row_bytes = nb * GGUF_BLOCK_BYTES[QT];
+    const int threads = threads_for(N * K, call.num_threads);
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t n = 0; n < N; ++n) gguf_dequantize_row<QT>(call.blocks + n * row_bytes, nb, call.out + n * K);
+}
+
+static int gguf_dequantize(const kv8_gguf_dequantize_call& call) {
+    switch (call.qtype) {
+        case GGUF_Q8_0: gguf_dequantize_rows<GGUF_Q8_0>(call); break;
+        case GGUF_Q4_0: gguf_dequantize_rows<GGUF_Q4_0>(call); break;
+        default: gguf_dequantize_rows<GGUF_Q4_1>(call); break;
+    }
+    return OK;
 }
 
 static int gguf_linear(const kv8_gguf_linear_call& call) {
