@@ -183,6 +183,13 @@ class DenseKernels(NativeLibrary):
             raise self.error(rc, f"packed linear for x {list(x.shape)}, N={out_features}")
         return out
 
+    def _gguf_code(self, qtype: str) -> int:
+        """The C code of GGUF block type ``qtype``; ``ValueError`` naming the types this build reads otherwise."""
+        if qtype not in self.gguf_types:
+            raise ValueError(f"GGUF block type {qtype!r} has no kernel in this build; it has: "
+                             f"{sorted(self.gguf_types) or 'none (no AVX2 + FMA + F16C)'}")
+        return self.gguf_types[qtype]
+
     def gguf_linear(self, x: torch.Tensor, blocks: torch.Tensor, qtype: str, out_features: int,
                     bias: torch.Tensor | None) -> torch.Tensor:
         """``x [M, K]`` bf16 -> ``[M, out_features]`` bf16 ``= x @ W.T (+ bias)`` with ``W`` held as GGUF blocks of
@@ -190,9 +197,7 @@ class DenseKernels(NativeLibrary):
         bytes in the kernel's order (:func:`kv8.quant.gguf_blocks.group_blocks`). The activations are quantized to
         int8 per block of 32 (``csrc/dense/gguf.h``: the error bound); ``bias`` is float32 ``[out_features]`` or
         None."""
-        if qtype not in self.gguf_types:
-            raise ValueError(f"GGUF block type {qtype!r} has no kernel in this build; it has: "
-                             f"{sorted(self.gguf_types) or 'none (no AVX2 + FMA + F16C)'}")
+        code = self._gguf_code(qtype)
         _check_bf16("x", x, 2)
         m, k = x.shape
         if (blocks.dtype != torch.uint8 or blocks.ndim != 2 or blocks.shape[0] != out_features
@@ -204,7 +209,7 @@ class DenseKernels(NativeLibrary):
         x = x.contiguous()
         out = torch.empty(m, out_features, dtype=torch.bfloat16)
         call = GGUFLinearCall(x.data_ptr(), blocks.data_ptr(), None if bias is None else bias.data_ptr(),
-                              out.data_ptr(), m, k, out_features, self.gguf_types[qtype], torch.get_num_threads())
+                              out.data_ptr(), m, k, out_features, code, torch.get_num_threads())
         rc = self._lib.kv8_gguf_linear(ctypes.byref(call))
         if rc != 0:
             raise self.error(rc, f"GGUF {qtype} linear for x {list(x.shape)}, N={out_features}")
@@ -214,16 +219,14 @@ class DenseKernels(NativeLibrary):
         """``blocks [N, in_features / 32 * block bytes]`` uint8 of type ``qtype`` in the kernel's order (as for
         :meth:`gguf_linear`) -> a new float32 ``[N, in_features]``: the values of
         :func:`kv8.quant.gguf_blocks.dequantize_blocks`, bit for bit."""
-        if qtype not in self.gguf_types:
-            raise ValueError(f"GGUF block type {qtype!r} has no kernel in this build; it has: "
-                             f"{sorted(self.gguf_types) or 'none (no AVX2 + FMA + F16C)'}")
+        code = self._gguf_code(qtype)
         if blocks.dtype != torch.uint8 or blocks.ndim != 2 or not blocks.is_contiguous():
             raise ValueError(f"blocks must be a contiguous 2-D uint8 tensor, got {blocks.dtype} {list(blocks.shape)}")
         n = blocks.shape[0]
         if in_features % 32 == 0 and blocks.shape[1] * 32 != in_features * _GGUF_BLOCK_BYTES[qtype]:
             raise ValueError(f"blocks [{n}, {blocks.shape[1]}] of {qtype} do not hold rows of {in_features} values")
         out = torch.empty(n, max(in_features, 0), dtype=torch.float32)   # K % 32 != 0: the C side refuses
-        call = GGUFDequantizeCall(blocks.data_ptr(), out.data_ptr(), n, in_features, self.gguf_types[qtype],
+        call = GGUFDequantizeCall(blocks.data_ptr(), out.data_ptr(), n, in_features, code,
                                   torch.get_num_threads())
         rc = self._lib.kv8_gguf_dequantize(ctypes.byref(call))
         if rc != 0:
@@ -319,11 +322,12 @@ class DenseKernels(NativeLibrary):
         return out
 
 
-# Per path: byte b of an FP8 pair-row holds value _FP8_BYTE_ORDER[isa][b] of the bf16 pair-row (value 2 c + j: column
-# c, k = 2 kk + j). AVX-512: the table decode's lane order; AVX2: group b // 16 of 8 columns, even k then odd k.
 # bytes per block of 32 values (kv8.quant.gguf_blocks.BLOCK_BYTES, which this layer cannot import; the tests
 # compare them): the row bytes gguf_dequantize checks before the C side reads them
 _GGUF_BLOCK_BYTES = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20}
+
+# Per path: byte b of an FP8 pair-row holds value _FP8_BYTE_ORDER[isa][b] of the bf16 pair-row (value 2 c + j: column
+# c, k = 2 kk + j). AVX-512: the table decode's lane order; AVX2: group b // 16 of 8 columns, even k then odd k.
 
 _FP8_BYTE_ORDER = {
     "avx512": torch.tensor([8 * (b // 16) + b % 8 + (0 if b % 16 < 8 else 32) for b in range(64)]),

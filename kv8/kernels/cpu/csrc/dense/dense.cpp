@@ -127,22 +127,22 @@ KV8_ENTRY(kv8_rope_qkv, kv8_rope_call, rope_qkv, check_args(*call))
 KV8_ENTRY(kv8_argmax_rows, kv8_argmax_call, argmax_rows, check_args(*call))
 #undef KV8_ENTRY
 
-extern "C" int kv8_gguf_linear(const kv8_gguf_linear_call* call) {
-    if (!call) return ERR_ARGS;
-    const int rc = check_args(*call);
+// The GGUF entries: arguments checked on every build; the AVX2 kernels where they are built, else no fast path.
 #if KV8_GGUF_AVX2
-    return rc != OK || call->rows == 0 ? rc : gguf_linear(*call);
+#define KV8_GGUF_ENTRY(name, Call, kernel)                         \
+    extern "C" int name(const Call* call) {                        \
+        if (!call) return ERR_ARGS;                                \
+        const int rc = check_args(*call);                          \
+        return rc != OK || call->rows == 0 ? rc : kernel(*call);   \
+    }
 #else
-    return rc != OK ? rc : ERR_NO_FAST_PATH;
+#define KV8_GGUF_ENTRY(name, Call, kernel)                         \
+    extern "C" int name(const Call* call) {                        \
+        if (!call) return ERR_ARGS;                                \
+        const int rc = check_args(*call);                          \
+        return rc != OK ? rc : ERR_NO_FAST_PATH;                   \
+    }
 #endif
-}
-
-extern "C" int kv8_gguf_dequantize(const kv8_gguf_dequantize_call* call) {
-    if (!call) return ERR_ARGS;
-    const int rc = check_args(*call);
-#if KV8_GGUF_AVX2
-    return rc != OK || call->rows == 0 ? rc : gguf_dequantize(*call);
-#else
-    return rc != OK ? rc : ERR_NO_FAST_PATH;
-#endif
-}
+KV8_GGUF_ENTRY(kv8_gguf_linear, kv8_gguf_linear_call, gguf_linear)
+KV8_GGUF_ENTRY(kv8_gguf_dequantize, kv8_gguf_dequantize_call, gguf_dequantize)
+#undef KV8_GGUF_ENTRY
