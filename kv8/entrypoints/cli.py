@@ -234,7 +234,7 @@ def _ranges(layers: Sequence[int]) -> str:
 def _dense_plan(hf_config: dict, dtype: torch.dtype, quantization: str | None) -> str:
     """What ``dense_backend=auto`` runs for this model on this machine, and why."""
     from kv8 import envs
-    from kv8.layers.tuning import PREFILL_ROWS, PlanStore, candidates, plan_key, static_dense_backend
+    from kv8.layers.tuning import PREFILL_ROWS, PlanStore, candidate_ids, candidates, plan_key, static_dense_backend
     from kv8.loader.model import linear_shapes
 
     shapes = linear_shapes(hf_config)
@@ -246,6 +246,9 @@ def _dense_plan(hf_config: dict, dtype: torch.dtype, quantization: str | None) -
     if plan is None:
         return (f"not timed on this machine yet: the first engine times {', '.join(found)} on this model's shapes "
                 "(or run kv8 tune)")
+    if plan.timed != candidate_ids(found):
+        return (f"{plan.choice} in this machine's plan, timed {plan.measured} on other candidates than today's "
+                f"({', '.join(candidate_ids(found))}): the first engine times them again (or run kv8 tune)")
     return (f"{plan.choice} (this machine's plan, timed {plan.measured}: {plan.speedup('torch', 1):.2f}x torch at 1 "
             f"row, {plan.speedup('torch', PREFILL_ROWS):.2f}x at {PREFILL_ROWS})")
 

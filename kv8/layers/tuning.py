@@ -13,7 +13,10 @@ AVX2 kernels read half the float32 weights' bytes). So
 3. the winner and the timings go into a plan file, ``<KV8_CACHE_DIR>/tuning/<machine>.json``, keyed by the model's
    shapes, dtype and quantization, and are used from then on. The file names the CPU model, its ISA flags, kv8's
    and torch's versions: a plan from another machine or version is ignored, a corrupt or unwritable file falls
-   back to timing (and then to the fixed rule of :func:`kv8.layers.dense_backend.select_dense_backend`).
+   back to timing (and then to the fixed rule of :func:`kv8.layers.dense_backend.select_dense_backend`). A plan
+   also records what it timed (:func:`candidate_ids`: each candidate's name, and for kv8's kernels the build of
+   the library, which changes with their source, compiler and flags): it is reused only while the candidates are
+   the same, so a kernel that was added or rebuilt since is timed rather than passed over.
 
 Invariant: the choice changes only speed. Every candidate computes ``x @ W.T + b`` with float32 sums and one
 rounding to the compute dtype (bf16 products are exact in float32), so outputs differ by the order of the float32
@@ -29,7 +32,7 @@ import os
 import tempfile
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -46,7 +49,7 @@ from kv8.version import __version__
 logger = logging.getLogger("kv8")
 
 __all__ = ["PREFILL_ROWS", "LinearShape", "PlanStore", "TuneResult", "candidates", "choose", "fastest_call",
-           "machine_key", "plan_key", "static_dense_backend", "time_layer", "tuned_dense_backend"]
+           "candidate_ids", "machine_key", "plan_key", "static_dense_backend", "time_layer", "tuned_dense_backend"]
 
 PREFILL_ROWS = 64            # rows of the prefill timing (a chunk's rows pass the same weights; kept short)
 PLAN_VERSION = 1
@@ -75,6 +78,7 @@ class TuneResult:
     choice: str
     seconds: dict[str, dict[int, float]]
     measured: str = ""       # when (UTC, ISO 8601)
+    timed: tuple[str, ...] = ()   # what was timed (:func:`candidate_ids`); empty in plans written before it existed
 
     def speedup(self, over: str, rows: int) -> float:
         """How many times faster the choice is than ``over`` at ``rows`` rows."""
@@ -111,6 +115,13 @@ def plan_key(shapes: Sequence[LinearShape], dtype: torch.dtype, quantization: st
     """The model's part of a plan's key: its linear shapes, compute dtype and weight quantization."""
     text = json.dumps([[asdict(s) for s in shapes], str(dtype), quantization])
     return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def candidate_ids(found: dict[str, DenseBackend]) -> tuple[str, ...]:
+    """What a plan timed, sorted: each candidate's name, with ``@<build>`` for kv8's kernels (the library file's
+    name, a hash of their source, compiler and flags: a rebuilt library is a new candidate)."""
+    return tuple(sorted(f"{name}@{Path(backend.kernels.path).stem}" if backend.kernels is not None else name
+                        for name, backend in found.items()))
 
 
 def fastest_call(fn: Callable[[], Any], clock: Callable[[], float] = time.perf_counter, min_time: float = 0.02,
@@ -183,13 +194,14 @@ class PlanStore:
         entry: Any = self._read().get(key)
         try:
             seconds = {name: {int(r): float(t) for r, t in per.items()} for name, per in entry["seconds"].items()}
-            return TuneResult(str(entry["dense_backend"]), seconds, str(entry.get("measured", "")))
+            timed = tuple(str(t) for t in entry.get("timed", ()))
+            return TuneResult(str(entry["dense_backend"]), seconds, str(entry.get("measured", "")), timed)
         except (TypeError, KeyError, ValueError, AttributeError):
             return None
 
     def put(self, key: str, result: TuneResult) -> bool:
         plans = self._read()
-        plans[key] = {"dense_backend": result.choice, "measured": result.measured,
+        plans[key] = {"dense_backend": result.choice, "measured": result.measured, "timed": list(result.timed),
                       "seconds": {name: {str(r): t for r, t in per.items()} for name, per in result.seconds.items()}}
         data = {"version": PLAN_VERSION, "machine": self.machine, "plans": plans}
         try:
@@ -237,12 +249,17 @@ def tuned_dense_backend(shapes: Sequence[LinearShape], dtype: torch.dtype, quant
         return next(iter(found.values())), None
     store = store if store is not None else PlanStore()
     key = plan_key(shapes, dtype, quantization)
+    timed = candidate_ids(found)
     result = None if retune else store.get(key)
-    if result is None or result.choice not in found:
+    if result is not None and result.timed != timed:
+        logger.warning("this machine's dense-layer plan timed %s; the candidates now are %s: timing again",
+                       ", ".join(result.timed) or "an older set", ", ".join(timed))
+        result = None
+    if result is None:
         start = time.perf_counter()
         logger.warning("timing the dense layers' methods on this model's shapes (%s) on this machine: once, "
                        "then kept in %s", ", ".join(found), store.path)
-        result = choose(found, shapes, dtype, measure)
+        result = replace(choose(found, shapes, dtype, measure), timed=timed)
         store.put(key, result)
         logger.warning("dense backend %s: %.1fx torch at 1 row, %.1fx at %d rows (timed in %.1f s)", result.choice,
                        result.speedup("torch", 1), result.speedup("torch", PREFILL_ROWS), PREFILL_ROWS,

@@ -20,6 +20,7 @@ from kv8.layers.tuning import (
     LinearShape,
     PlanStore,
     TuneResult,
+    candidate_ids,
     candidates,
     choose,
     fastest_call,
@@ -110,6 +111,43 @@ def test_the_plan_is_written_then_read_and_not_timed_again(tmp_path: Path) -> No
     assert len(json.loads(store.path.read_text())["plans"]) == 3
     tuned_dense_backend(SHAPES, torch.bfloat16, None, PlanStore(tmp_path, MACHINE), measure, retune=True)
     assert measure.calls > calls + 2 * 2 * 3   # retune times again
+
+
+def test_a_plan_that_timed_other_candidates_is_timed_again(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                            caplog: pytest.LogCaptureFixture) -> None:
+    """A plan written before a candidate existed (or before kv8's kernels were rebuilt: another library file) never
+    passes that candidate over: the candidates are timed again and the new plan records them."""
+    import kv8.layers.tuning as tuning
+
+    store = PlanStore(tmp_path, MACHINE)
+    key = plan_key(SHAPES, torch.bfloat16, None)
+    # a plan from before plans recorded what they timed, and one that timed only torch and torch_fp32
+    store.put(key, TuneResult("torch_fp32", {"torch": {1: 2.0}, "torch_fp32": {1: 1.0}}))
+    assert store.get(key) is not None and store.get(key).timed == ()   # type: ignore[union-attr]
+
+    class Library:
+        def __init__(self, build: str) -> None:
+            self.path = Path(f"/cache/kernels/{build}.so")
+
+    three = TWO | {"packed_bf16": DenseBackend("packed_bf16", Library("aaaa"))}   # type: ignore[arg-type]
+    monkeypatch.setattr(tuning, "candidates", lambda *args: dict(three))
+    packed_wins = FakeMeasure({("torch", 1): 4.0, ("torch", PREFILL_ROWS): 4.0, ("torch_fp32", 1): 2.0,
+                               ("torch_fp32", PREFILL_ROWS): 2.0, ("packed_bf16", 1): 1.0,
+                               ("packed_bf16", PREFILL_ROWS): 1.0})
+    with caplog.at_level(logging.WARNING, logger="kv8"):
+        backend, result = tuned_dense_backend(SHAPES, torch.bfloat16, None, store, packed_wins)
+    assert backend.name == "packed_bf16" and packed_wins.calls == 3 * 2 * len(SHAPES)
+    assert "timing again" in caplog.text
+    assert result is not None and result.timed == ("packed_bf16@aaaa", "torch", "torch_fp32") == candidate_ids(three)
+    assert store.get(key).timed == result.timed   # type: ignore[union-attr]
+    # the same candidates: read, not timed
+    calls = packed_wins.calls
+    tuned_dense_backend(SHAPES, torch.bfloat16, None, store, packed_wins)
+    assert packed_wins.calls == calls
+    # the kernels rebuilt (another library file): timed again
+    three["packed_bf16"] = DenseBackend("packed_bf16", Library("bbbb"))   # type: ignore[arg-type]
+    _, again = tuned_dense_backend(SHAPES, torch.bfloat16, None, store, packed_wins)
+    assert packed_wins.calls > calls and again is not None and "packed_bf16@bbbb" in again.timed
 
 
 @pytest.mark.parametrize("other", [{"cpu": "Another CPU"}, {"isa": "avx2 fma avx512f"}, {"kv8": "0.2.0"},
