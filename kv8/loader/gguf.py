@@ -428,7 +428,7 @@ def _kept_type(tensor: Any, name: str) -> str:
     qtype: str = tensor.tensor_type.name
     if qtype not in KEPT_TYPES:
         raise ValueError(f"GGUF tensor {tensor.name!r} ({name}) has type {qtype}; quantization='gguf' keeps "
-                         f"{list(KEPT_TYPES)} blocks (Q4_K and the other k-quants not yet): leave quantization unset "
+                         f"{list(KEPT_TYPES)} blocks (the other types not yet): leave quantization unset "
                          f"to dequantize the file's weights to the compute dtype")
     return qtype
 

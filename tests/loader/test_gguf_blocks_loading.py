@@ -1,5 +1,5 @@
-"""``quantization="gguf"``: a GGUF file's Q8_0 / Q4_0 / Q4_1 blocks kept as they are by the loader and the linear
-layers (kv8.loader.gguf, kv8.loader.model, kv8.layers.linear.GGUFLinearMethod), the option's checks, and engines on a
+"""``quantization="gguf"``: a GGUF file's Q8_0 / Q4_0 / Q4_1 / Q4_K blocks kept as they are by the loader and the
+linear layers (kv8.loader.gguf, kv8.loader.model, kv8.layers.linear.GGUFLinearMethod), the option's checks, and engines on a
 tiny GGUF model. Oracles: the HF tensors the tiny file was written from (tests/helpers/gguf_files.py), the file's own
 tensor bytes, and the same engine with the blocks dequantized to bf16 (``quantization`` unset)."""
 
@@ -23,15 +23,24 @@ from tests.helpers.kernels import dense_kernels_or_reason
 
 LINEAR = ("attn_q.weight", "attn_k.weight", "attn_v.weight", "attn_output.weight", "ffn_gate.weight", "ffn_up.weight",
           "ffn_down.weight")
-# hidden 64 and intermediate 96: every K a multiple of 32
+# hidden 64 and intermediate 96: every K a multiple of 32; Q4_K's super-blocks need multiples of 256
 SIZES = dict(hidden=64, heads=2, kv_heads=1, inter=96, vocab=48)
+SIZES_256 = dict(hidden=256, heads=2, kv_heads=1, inter=256, vocab=48)
 _KERNELS, _ = dense_kernels_or_reason()
 
 
+def _sizes(qtype: QT) -> dict[str, int]:
+    return SIZES_256 if qtype == QT.Q4_K else SIZES
+
+
 def _tiny(path: Path, qtype: QT, arch: str = "llama", **types: QT) -> dict[str, torch.Tensor]:
-    """A tiny model whose tensors have std 0.4 (norms too): logits a few nats apart."""
+    """A tiny model whose tensors have std 0.4 (norms too): logits a few nats apart; all K multiples of 256 where any
+    tensor is Q4_K, with std 0.2 (four times the width: std 0.4 moved the log-probabilities 0.43 nats with Q4_1 or
+    Q4_K blocks kept, and the greedy tokens with Q4_K; 0.2 moves them 0.02, as 0.4 does at hidden 64)."""
     all_types = dict.fromkeys(LINEAR, qtype) | {"token_embd.weight": QT.F32} | types
-    return write_tiny_gguf(path, arch, types=all_types, bpe=True, scale=0.4, **SIZES)   # type: ignore[arg-type]
+    wide = QT.Q4_K in all_types.values()
+    return write_tiny_gguf(path, arch, types=all_types, bpe=True, scale=0.2 if wide else 0.4,   # type: ignore[arg-type]
+                           **(SIZES_256 if wide else SIZES))
 
 
 def _linear_layers(model: torch.nn.Module) -> dict[str, LinearBase]:
@@ -39,7 +48,7 @@ def _linear_layers(model: torch.nn.Module) -> dict[str, LinearBase]:
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
-@pytest.mark.parametrize("qtype", [QT.Q8_0, QT.Q4_0, QT.Q4_1])
+@pytest.mark.parametrize("qtype", [QT.Q8_0, QT.Q4_0, QT.Q4_1, QT.Q4_K])
 def test_layers_keep_the_files_blocks(tmp_path: Path, qtype: QT, arch: str) -> None:
     """Each decoder layer holds exactly the file's bytes of its tensors (no bf16 copy), which dequantize to the
     written weights in HF row order (llama: q/k rows put back; merged q/k/v and gate/up in shard order); the LM head
@@ -59,15 +68,16 @@ def test_layers_keep_the_files_blocks(tmp_path: Path, qtype: QT, arch: str) -> N
         assert not hasattr(m, "weight") and not any(p.numel() for p in m.parameters())
     assert {m.method.name for name, m in layers.items() if name not in kept} <= {"packed_bf16", "torch", "torch_fp32"}
     p = "model.layers.1."
+    hidden, inter = _sizes(qtype)["hidden"], _sizes(qtype)["inter"]
     qkv = kept[p + "self_attn.qkv_proj"]
     want = torch.cat([expected[p + f"self_attn.{x}_proj.weight"] for x in "qkv"])
-    assert torch.equal(dequantize_blocks(GGUFLinearMethod.file_blocks(qkv), qtype.name, 64), want)
+    assert torch.equal(dequantize_blocks(GGUFLinearMethod.file_blocks(qkv), qtype.name, hidden), want)
     gate_up = kept[p + "mlp.gate_up_proj"]
     want = torch.cat([expected[p + f"mlp.{x}_proj.weight"] for x in ("gate", "up")])
-    assert torch.equal(dequantize_blocks(GGUFLinearMethod.file_blocks(gate_up), qtype.name, 64), want)
+    assert torch.equal(dequantize_blocks(GGUFLinearMethod.file_blocks(gate_up), qtype.name, hidden), want)
     down = kept[p + "mlp.down_proj"]
     want = expected[p + "mlp.down_proj.weight"]
-    assert torch.equal(dequantize_blocks(GGUFLinearMethod.file_blocks(down), qtype.name, 96), want)
+    assert torch.equal(dequantize_blocks(GGUFLinearMethod.file_blocks(down), qtype.name, inter), want)
 
 
 PROMPT = [1, 5, 7, 9, 11, 13, 3, 17, 19, 21, 23, 25]
@@ -83,7 +93,7 @@ def _run(path: Path, **options: object) -> tuple[list[int], torch.Tensor, set[st
     return list(out.outputs[0].token_ids), logprobs, methods
 
 
-@pytest.mark.parametrize("qtype", [QT.Q8_0, QT.Q4_1])
+@pytest.mark.parametrize("qtype", [QT.Q8_0, QT.Q4_1, QT.Q4_K])
 def test_engine_with_kept_blocks_matches_the_dequantized_model(tmp_path: Path, qtype: QT) -> None:
     """The same file, blocks kept vs dequantized to bf16: the same greedy tokens, and prompt log-probabilities within
     the int8 activations' rounding (measured on the AMD EPYC: 0.056 nats for Q8_0, 0.037 for Q4_1, on

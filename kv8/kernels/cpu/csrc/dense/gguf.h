@@ -1,8 +1,8 @@
-// GGUF block-quantized weights (llama.cpp's Q8_0, Q4_0, Q4_1) multiplied without expanding them, included by
+// GGUF block-quantized weights (llama.cpp's Q8_0, Q4_0, Q4_1, Q4_K) multiplied without expanding them, included by
 // dense.cpp after elementwise.h (threads_for). Compiled where the build has AVX2 + FMA + F16C (an AVX-512 build has
 // them too); elsewhere kv8_gguf_linear returns ERR_NO_FAST_PATH and Python uses the torch reference
 // (kv8.layers.linear.GGUFLinearMethod: kv8.quant.gguf_blocks.gguf_linear_reference). Not here yet: an AVX-512 /
-// VNNI (vpdpbusd) path, and K-quants (Q4_K, Q6_K, ...).
+// VNNI (vpdpbusd) path, and the other K-quants (Q5_K, Q6_K, ...: the loader dequantizes those tensors).
 //
 // Weights: W [N, K] as the file stores it, row after row, each row K/32 blocks of 32 values (K % 32 == 0):
 //
@@ -10,13 +10,21 @@
 //   Q4_0 (18 B): f16 d | u8 qs[16]                  w_j = d * (c_j - 8)
 //   Q4_1 (20 B): f16 d | f16 m | u8 qs[16]          w_j = d * c_j + m
 //
-// with the 4-bit codes c_j = qs[j] & 15 and c_{j+16} = qs[j] >> 4 (j < 16). The kernel reads them grouped (the same
+// with the 4-bit codes c_j = qs[j] & 15 and c_{j+16} = qs[j] >> 4 (j < 16); and Q4_K's super-blocks of 256 values
+// (K % 256 == 0), 8 sub-blocks s of 32 values:
+//
+//   Q4_K (144 B): f16 d | f16 dmin | u8 scales[12] | u8 qs[128]     w = d * sc_s * c - dmin * m_s
+//
+// sc_s, m_s 6 bits each, packed in scales (kv8.quant.gguf_blocks.q4_k_scale_min; unpacked here with 32-bit masks as
+// llama.cpp does), c the low (even s) or high (odd s) nibbles of qs[32 (s / 2) .. + 31]. GGUF_BLOCK_BYTES counts bytes
+// per 32 values (Q4_K: 18). The kernel reads Q8_0 / Q4_0 / Q4_1 grouped (the same
 // bytes, reordered at load by kv8.quant.gguf_blocks.group_blocks): each row's blocks in groups of GGUF_GROUP = 8
 // (the row's last group has the rest, g <= 8), a group of g blocks being
 //
 //   [d_0 .. d_{g-1}] [Q4_1: m_0 .. m_{g-1}] [codes of block 0] .. [codes of block g-1]
 //
-// (codes: the block's bytes after its header), so that 8 scales convert to float32 in one vcvtph2ps.
+// (codes: the block's bytes after its header), so that 8 scales convert to float32 in one vcvtph2ps. A Q4_K
+// super-block is such a group already (its 8 sub-blocks' scales, then their codes): read as the file stores it.
 //
 // Activations: each row of x is quantized once per call to int8 per block of 32 (a_j = rint(x_j * 127 / amax),
 // da = amax / 127, amax the block's largest |x|; a block of zeros has da = 0), kept with da and sa = da * sum_j a_j.
@@ -27,9 +35,11 @@
 //
 // summed to int32 (_mm256_madd_epi16 by ones), converted to float and scaled:
 //
-//   Q8_0: d da dot     Q4_0: d (da dot - 8 sa)     Q4_1: d da dot + m sa
+//   Q8_0: d da dot     Q4_0: d (da dot - 8 sa)     Q4_1: d da dot + m sa     Q4_K: (d sc_s) da dot - (dmin m_s) sa
 //
-// accumulated in fp32 over the blocks; the bias (fp32) is added and the result rounded to bf16 (nearest-even).
+// accumulated in fp32 over the blocks; the bias (fp32) is added and the result rounded to bf16 (nearest-even). Q4_K
+// takes each sub-block as a block: its integer dot product with the activation block of the same 32 values, scaled
+// by d sc_s; its min term needs that activation block's sum (sa, kept beside da).
 //
 // Numerics: the only rounding beyond fp32 sums is the activations': |a_j da - x_j| <= da / 2, so each output
 // differs from the float32 product of the dequantized weights (kv8.quant.gguf_blocks.gguf_linear_reference) by at
@@ -54,23 +64,26 @@
 
 // The block types of kv8_gguf_linear_call.qtype, by code; their names are the GGUF (gguf.GGMLQuantizationType) names,
 // which Python reads from kv8_gguf_type_name (no code copied on the Python side).
-enum { GGUF_Q8_0 = 0, GGUF_Q4_0 = 1, GGUF_Q4_1 = 2, GGUF_TYPE_COUNT = 3 };
-static const char* const GGUF_TYPE_NAMES[GGUF_TYPE_COUNT] = {"Q8_0", "Q4_0", "Q4_1"};
-static const int GGUF_BLOCK_BYTES[GGUF_TYPE_COUNT] = {34, 18, 20};
+enum { GGUF_Q8_0 = 0, GGUF_Q4_0 = 1, GGUF_Q4_1 = 2, GGUF_Q4_K = 3, GGUF_TYPE_COUNT = 4 };
+static const char* const GGUF_TYPE_NAMES[GGUF_TYPE_COUNT] = {"Q8_0", "Q4_0", "Q4_1", "Q4_K"};
+static const int GGUF_BLOCK_BYTES[GGUF_TYPE_COUNT] = {34, 18, 20, 18};         // per 32 values
+static const int GGUF_BLOCK_VALUES[GGUF_TYPE_COUNT] = {32, 32, 32, 256};       // per block: K is a multiple
 static const int GGUF_BLOCK = 32;
-static const int GGUF_GROUP = 8;   // blocks per group of the kernel's layout
+static const int GGUF_GROUP = 8;   // blocks per group of the kernel's layout (Q4_K: sub-blocks per super-block)
+
+// K a positive multiple of the type's block (qtype checked first)
+static inline bool gguf_bad_shape(int32_t qtype, int64_t in_features) {
+    return qtype < 0 || qtype >= GGUF_TYPE_COUNT || in_features <= 0 || in_features % GGUF_BLOCK_VALUES[qtype];
+}
 
 static inline int check_args(const kv8_gguf_linear_call& c) {
-    if (c.rows < 0 || c.in_features <= 0 || c.in_features % GGUF_BLOCK || c.out_features <= 0 || c.num_threads <= 0
-        || c.qtype < 0 || c.qtype >= GGUF_TYPE_COUNT)
+    if (c.rows < 0 || gguf_bad_shape(c.qtype, c.in_features) || c.out_features <= 0 || c.num_threads <= 0)
         return ERR_ARGS;
     return c.rows > 0 && (!c.x || !c.blocks || !c.out) ? ERR_ARGS : OK;
 }
 
 static inline int check_args(const kv8_gguf_dequantize_call& c) {
-    if (c.rows < 0 || c.in_features <= 0 || c.in_features % GGUF_BLOCK || c.num_threads <= 0 || c.qtype < 0
-        || c.qtype >= GGUF_TYPE_COUNT)
-        return ERR_ARGS;
+    if (c.rows < 0 || gguf_bad_shape(c.qtype, c.in_features) || c.num_threads <= 0) return ERR_ARGS;
     return c.rows > 0 && (!c.blocks || !c.out) ? ERR_ARGS : OK;
 }
 
@@ -198,6 +211,55 @@ static inline void gguf_group(const uint8_t* grp, int g, int64_t b, int64_t nb, 
     }
 }
 
+// A Q4_K super-block's 6-bit scales and mins (12 bytes at p) -> sc[0..7] and m[0..7] as bytes: llama.cpp's masks on
+// 32-bit words (bytes 0-3: sc0-3 and the top bits of sc4-7, 4-7: the same for m, 8-11: the low nibbles of sc4-7 / m4-7).
+static inline void gguf_q4k_scales(const uint8_t* p, uint8_t sc[8], uint8_t m[8]) {
+    uint32_t u[3], out[4];
+    std::memcpy(u, p, 12);
+    out[0] = u[0] & 0x3f3f3f3fu;
+    out[1] = (u[2] & 0x0f0f0f0fu) | (((u[0] >> 6) & 0x03030303u) << 4);
+    out[2] = u[1] & 0x3f3f3f3fu;
+    out[3] = ((u[2] >> 4) & 0x0f0f0f0fu) | (((u[1] >> 6) & 0x03030303u) << 4);
+    std::memcpy(sc, out, 8);
+    std::memcpy(m, out + 2, 8);
+}
+
+static inline __m256 gguf_bytes_ps(const uint8_t* p) {   // 8 unsigned bytes -> 8 floats
+    return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)p)));
+}
+
+// One Q4_K super-block (activation blocks b .. b+7) times MR_ activation rows from m0 (mr valid): the 8 sub-block
+// scales d sc_s times the rows' da (8 lanes), the mins' term -dmin m_s sa into corr, then per pair of sub-blocks one
+// 32-byte load whose low and high nibbles are the two sub-blocks' codes.
+template <int MR_>
+static inline void gguf_q4k_superblock(const uint8_t* sb, int64_t b, int64_t nb, const int8_t* qa, const float* da,
+                                       const float* sa, int64_t m0, int mr, __m256* acc, __m256* corr) {
+    alignas(8) uint8_t sc[8], mn[8];
+    gguf_q4k_scales(sb + 4, sc, mn);
+    const __m256 d = _mm256_mul_ps(_mm256_set1_ps(gguf_half(sb)), gguf_bytes_ps(sc));           // exact products
+    const __m256 m = _mm256_mul_ps(_mm256_set1_ps(-gguf_half(sb + 2)), gguf_bytes_ps(mn));
+    alignas(32) float scale[MR_][GGUF_GROUP];
+    for (int r = 0; r < MR_; ++r) {
+        if (r >= mr) break;
+        const int64_t i = (m0 + r) * nb + b;
+        _mm256_store_ps(scale[r], _mm256_mul_ps(d, _mm256_loadu_ps(da + i)));
+        corr[r] = _mm256_fmadd_ps(m, _mm256_loadu_ps(sa + i), corr[r]);
+    }
+    const __m256i low = _mm256_set1_epi8(0x0f);
+    for (int c = 0; c < 4; ++c) {
+        const __m256i q = _mm256_loadu_si256((const __m256i*)(sb + 16 + 32 * c));
+        const __m256i lo = _mm256_and_si256(q, low), hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), low);
+        for (int r = 0; r < MR_; ++r) {
+            if (r >= mr) break;
+            const int8_t* a = qa + ((m0 + r) * nb + b + 2 * c) * GGUF_BLOCK;
+            acc[r] = _mm256_fmadd_ps(gguf_dot(lo, _mm256_loadu_si256((const __m256i*)a)),
+                                     _mm256_broadcast_ss(&scale[r][2 * c]), acc[r]);
+            acc[r] = _mm256_fmadd_ps(gguf_dot(hi, _mm256_loadu_si256((const __m256i*)(a + GGUF_BLOCK))),
+                                     _mm256_broadcast_ss(&scale[r][2 * c + 1]), acc[r]);
+        }
+    }
+}
+
 // Output row n (its grouped blocks at wrow) of MR_ activation rows starting at m0 (mr <= MR_ of them valid).
 template <int QT, int MR_>
 static inline void gguf_row_tile(const uint8_t* wrow, int64_t nb, const int8_t* qa, const float* da, const float* sa,
@@ -206,10 +268,16 @@ static inline void gguf_row_tile(const uint8_t* wrow, int64_t nb, const int8_t* 
     for (int r = 0; r < MR_; ++r) { acc[r] = _mm256_setzero_ps(); corr[r] = _mm256_setzero_ps(); }
     const int64_t group_bytes = (int64_t)GGUF_GROUP * GGUF_BLOCK_BYTES[QT];
     int64_t b = 0;
-    for (; b + GGUF_GROUP <= nb; b += GGUF_GROUP)
-        gguf_group<QT, MR_>(wrow + b / GGUF_GROUP * group_bytes, GGUF_GROUP, b, nb, qa, da, sa, m0, mr, acc, corr);
-    if (b < nb)
-        gguf_group<QT, MR_>(wrow + b / GGUF_GROUP * group_bytes, (int)(nb - b), b, nb, qa, da, sa, m0, mr, acc, corr);
+    if constexpr (QT == GGUF_Q4_K) {   // nb % 8 == 0: whole super-blocks
+        for (; b < nb; b += GGUF_GROUP)
+            gguf_q4k_superblock<MR_>(wrow + b / GGUF_GROUP * group_bytes, b, nb, qa, da, sa, m0, mr, acc, corr);
+    } else {
+        for (; b + GGUF_GROUP <= nb; b += GGUF_GROUP)
+            gguf_group<QT, MR_>(wrow + b / GGUF_GROUP * group_bytes, GGUF_GROUP, b, nb, qa, da, sa, m0, mr, acc, corr);
+        if (b < nb)
+            gguf_group<QT, MR_>(wrow + b / GGUF_GROUP * group_bytes, (int)(nb - b), b, nb, qa, da, sa, m0, mr, acc,
+                                corr);
+    }
     for (int r = 0; r < mr; ++r) result[r] = gguf_hsum(acc[r]) + gguf_hsum(corr[r]);
 }
 
@@ -239,6 +307,31 @@ static void gguf_linear_rows(const kv8_gguf_linear_call& call, const int8_t* qa,
 // One output row of W in float32 from its grouped blocks: as kv8.quant.gguf_blocks.dequantize_blocks computes it,
 // bit for bit (float32 d * code, Q4_0 d * (c - 8), Q4_1 d * c then + m: a multiply and an add, never fused; the
 // build's -std=c++17 keeps GCC from contracting them).
+// One row of Q4_K super-blocks in float32, as gguf.quants computes it: (d * sc) * c - dmin * m (both products exact,
+// then one rounding of the subtraction).
+static inline void gguf_dequantize_row_q4k(const uint8_t* wrow, int64_t nb, float* out) {
+    for (int64_t s = 0; s < nb / GGUF_GROUP; ++s) {
+        const uint8_t* sb = wrow + s * 144;
+        alignas(8) uint8_t sc[8], mn[8];
+        gguf_q4k_scales(sb + 4, sc, mn);
+        const float d = gguf_half(sb), dmin = gguf_half(sb + 2);
+        float* o = out + s * 256;
+        for (int c = 0; c < 4; ++c) {
+            const __m256 d_lo = _mm256_set1_ps(d * (float)sc[2 * c]), d_hi = _mm256_set1_ps(d * (float)sc[2 * c + 1]);
+            const __m256 m_lo = _mm256_set1_ps(dmin * (float)mn[2 * c]);
+            const __m256 m_hi = _mm256_set1_ps(dmin * (float)mn[2 * c + 1]);
+            const uint8_t* q = sb + 16 + 32 * c;
+            for (int i = 0; i < 4; ++i) {
+                const __m256i bytes = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(q + 8 * i)));
+                const __m256 lo = _mm256_cvtepi32_ps(_mm256_and_si256(bytes, _mm256_set1_epi32(15)));
+                const __m256 hi = _mm256_cvtepi32_ps(_mm256_srli_epi32(bytes, 4));
+                _mm256_storeu_ps(o + 64 * c + 8 * i, _mm256_sub_ps(_mm256_mul_ps(d_lo, lo), m_lo));
+                _mm256_storeu_ps(o + 64 * c + 32 + 8 * i, _mm256_sub_ps(_mm256_mul_ps(d_hi, hi), m_hi));
+            }
+        }
+    }
+}
+
 template <int QT>
 static inline void gguf_dequantize_row(const uint8_t* wrow, int64_t nb, float* out) {
     constexpr int CODE_BYTES = QT == GGUF_Q8_0 ? 32 : 16;
@@ -280,14 +373,20 @@ static void gguf_dequantize_rows(const kv8_gguf_dequantize_call& call) {
     const int64_t row_bytes = nb * GGUF_BLOCK_BYTES[QT];
     const int threads = threads_for(N * K, call.num_threads);
 #pragma omp parallel for schedule(static) num_threads(threads)
-    for (int64_t n = 0; n < N; ++n) gguf_dequantize_row<QT>(call.blocks + n * row_bytes, nb, call.out + n * K);
+    for (int64_t n = 0; n < N; ++n) {
+        if constexpr (QT == GGUF_Q4_K)
+            gguf_dequantize_row_q4k(call.blocks + n * row_bytes, nb, call.out + n * K);
+        else
+            gguf_dequantize_row<QT>(call.blocks + n * row_bytes, nb, call.out + n * K);
+    }
 }
 
 static int gguf_dequantize(const kv8_gguf_dequantize_call& call) {
     switch (call.qtype) {
         case GGUF_Q8_0: gguf_dequantize_rows<GGUF_Q8_0>(call); break;
         case GGUF_Q4_0: gguf_dequantize_rows<GGUF_Q4_0>(call); break;
-        default: gguf_dequantize_rows<GGUF_Q4_1>(call); break;
+        case GGUF_Q4_1: gguf_dequantize_rows<GGUF_Q4_1>(call); break;
+        default: gguf_dequantize_rows<GGUF_Q4_K>(call); break;
     }
     return OK;
 }
@@ -308,7 +407,8 @@ static int gguf_linear(const kv8_gguf_linear_call& call) {
     switch (call.qtype) {
         case GGUF_Q8_0: gguf_linear_rows<GGUF_Q8_0>(call, qa, da, sa); break;
         case GGUF_Q4_0: gguf_linear_rows<GGUF_Q4_0>(call, qa, da, sa); break;
-        default: gguf_linear_rows<GGUF_Q4_1>(call, qa, da, sa); break;
+        case GGUF_Q4_1: gguf_linear_rows<GGUF_Q4_1>(call, qa, da, sa); break;
+        default: gguf_linear_rows<GGUF_Q4_K>(call, qa, da, sa); break;
     }
     std::free(qa);
     std::free(scales);
