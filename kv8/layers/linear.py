@@ -23,7 +23,7 @@ row (:mod:`kv8.quant.weights`), quantized after loading (each rank its own shard
   (``amax / 448``), as vLLM's FP8 layers do on Hopper: W8A8, so its outputs differ from the weight-only methods by
   the activations' rounding (:func:`scaled_mm_fp8_reference` is its plain torch definition).
 
-With ``quantization="gguf"`` (a GGUF checkpoint) the decoder's layers keep the file's blocks (Q8_0, Q4_0, Q4_1, Q4_K:
+With ``quantization="gguf"`` (a GGUF checkpoint) the decoder's layers keep the file's blocks (Q8_0, Q4_0, Q4_1, Q5_0, Q4_K:
 :mod:`kv8.quant.gguf_blocks`), never expanded: the loader hands each such tensor over as a
 :class:`~kv8.quant.gguf_blocks.GGUFWeight` (``load_gguf``), and :class:`GGUFLinearMethod` keeps the merged rows'
 bytes (``gguf_blocks``) and multiplies them with the kernel (``DenseKernels.gguf_linear``: int8 activations per

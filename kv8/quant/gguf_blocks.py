@@ -1,14 +1,16 @@
 """GGUF block-quantized weights kept as the file's bytes (``quantization="gguf"``), and their plain torch arithmetic.
 
 A :class:`GGUFWeight` is one weight matrix ``W [N, K]`` as llama.cpp stores it: ``N`` rows of blocks. The types kept
-are :data:`KEPT_TYPES`; three have blocks of 32 values, a float16 scale (Q4_1: and a float16 min) and 32 codes::
+are :data:`KEPT_TYPES`; four have blocks of 32 values, a float16 scale (Q4_1: and a float16 min) and 32 codes::
 
     Q8_0 (34 B): f16 d | int8 q[32]                 w_j = d * q_j
     Q4_0 (18 B): f16 d | u8 qs[16]                  w_j = d * (c_j - 8)
     Q4_1 (20 B): f16 d | f16 m | u8 qs[16]          w_j = d * c_j + m
+    Q5_0 (22 B): f16 d | u32 qh | u8 qs[16]         w_j = d * (c_j + 16 h_j - 16)
 
-with 4-bit codes ``c_j = qs[j] & 15`` and ``c_{j+16} = qs[j] >> 4`` (``j < 16``). Q4_K has super-blocks of 256
-values, 8 sub-blocks of 32 with 6-bit scales and mins::
+with 4-bit codes ``c_j = qs[j] & 15`` and ``c_{j+16} = qs[j] >> 4`` (``j < 16``) and Q5_0's fifth bits ``h_j =
+(qh >> j) & 1`` (``qh`` little-endian). Q4_K has super-blocks of 256 values, 8 sub-blocks of 32 with 6-bit scales and
+mins::
 
     Q4_K (144 B): f16 d | f16 dmin | u8 scales[12] | u8 qs[128]      w = d * sc_s * c - dmin * m_s
 
@@ -41,13 +43,13 @@ __all__ = ["BLOCK", "BLOCK_BYTES", "BLOCK_VALUES", "GROUP", "KEPT_TYPES", "GGUFW
 
 BLOCK = 32
 #: bytes per 32 values of each type kept quantized (Q4_K: a 144-byte super-block holds 256 values, 18 bytes per 32)
-BLOCK_BYTES: dict[str, int] = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20, "Q4_K": 18}
+BLOCK_BYTES: dict[str, int] = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q4_K": 18}
 #: values per block of each type: a row's length must be a multiple of it
-BLOCK_VALUES: dict[str, int] = {"Q8_0": 32, "Q4_0": 32, "Q4_1": 32, "Q4_K": 256}
+BLOCK_VALUES: dict[str, int] = {"Q8_0": 32, "Q4_0": 32, "Q4_1": 32, "Q5_0": 32, "Q4_K": 256}
 KEPT_TYPES: tuple[str, ...] = tuple(BLOCK_BYTES)
 #: blocks per group of the kernel's layout (:func:`group_blocks`)
 GROUP = 8
-_HEAD_BYTES = {"Q8_0": 2, "Q4_0": 2, "Q4_1": 4}   # the scales before a block's codes: d (and m)
+_HEAD_BYTES = {"Q8_0": 2, "Q4_0": 2, "Q4_1": 4, "Q5_0": 2}   # the scales before a block's codes: d (and m)
 _Q4_K_BYTES = 144
 
 
@@ -160,6 +162,19 @@ def _dequantize_q4_k(blocks: torch.Tensor, in_features: int) -> torch.Tensor:
     return values.reshape(n, in_features)
 
 
+def _dequantize_q5_0(blocks: torch.Tensor, in_features: int) -> torch.Tensor:
+    """Q5_0 as ``gguf.quants`` computes it: ``d * (code - 16)`` in float32, ``code`` the nibble plus 16 times its bit
+    of ``qh``."""
+    n = blocks.shape[0]
+    b = blocks.reshape(n, in_features // BLOCK, 22)                       # (N, blocks, 22)
+    d = _half(b[..., 0:2])
+    shifts = torch.arange(8, dtype=torch.uint8)
+    high = ((b[..., 2:6, None] >> shifts) & 1).reshape(n, -1, 32)       # bit j of the little-endian u32 qh
+    qs = b[..., 6:]
+    codes = torch.cat([qs & 15, qs >> 4], dim=-1) | (high << 4)          # (N, blocks, 32), 0..31
+    return (d * (codes.float() - 16.0)).reshape(n, in_features)
+
+
 def dequantize_blocks(blocks: torch.Tensor, qtype: str, in_features: int) -> torch.Tensor:
     """``blocks [N, row bytes]`` uint8 of type ``qtype`` -> float32 ``[N, in_features]``, as
     ``gguf.quants.dequantize`` computes it (float32 scale times code, plus the min for Q4_1, minus it for Q4_K)."""
@@ -167,6 +182,8 @@ def dequantize_blocks(blocks: torch.Tensor, qtype: str, in_features: int) -> tor
         raise ValueError(f"GGUF block type {qtype!r} is not one of {list(KEPT_TYPES)}")
     if qtype == "Q4_K":
         return _dequantize_q4_k(blocks, in_features)
+    if qtype == "Q5_0":
+        return _dequantize_q5_0(blocks, in_features)
     n = blocks.shape[0]
     b = blocks.reshape(n, in_features // BLOCK, BLOCK_BYTES[qtype])   # (N, blocks, bytes)
     d = _half(b[..., 0:2])                                              # (N, blocks, 1)

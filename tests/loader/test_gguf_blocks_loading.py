@@ -1,7 +1,7 @@
-"""``quantization="gguf"``: a GGUF file's Q8_0 / Q4_0 / Q4_1 / Q4_K blocks kept as they are by the loader and the
-linear layers (kv8.loader.gguf, kv8.loader.model, kv8.layers.linear.GGUFLinearMethod), the option's checks, and engines on a
-tiny GGUF model. Oracles: the HF tensors the tiny file was written from (tests/helpers/gguf_files.py), the file's own
-tensor bytes, and the same engine with the blocks dequantized to bf16 (``quantization`` unset)."""
+"""``quantization="gguf"``: a GGUF file's Q8_0 / Q4_0 / Q4_1 / Q5_0 / Q4_K blocks kept as they are by the loader and
+the linear layers (kv8.loader.gguf, kv8.loader.model, kv8.layers.linear.GGUFLinearMethod), the option's checks, and
+engines on a tiny GGUF model. Oracles: the HF tensors the tiny file was written from (tests/helpers/gguf_files.py),
+the file's own tensor bytes, and the same engine with the blocks dequantized to bf16 (``quantization`` unset)."""
 
 from __future__ import annotations
 
@@ -48,7 +48,7 @@ def _linear_layers(model: torch.nn.Module) -> dict[str, LinearBase]:
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
-@pytest.mark.parametrize("qtype", [QT.Q8_0, QT.Q4_0, QT.Q4_1, QT.Q4_K])
+@pytest.mark.parametrize("qtype", [QT.Q8_0, QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q4_K])
 def test_layers_keep_the_files_blocks(tmp_path: Path, qtype: QT, arch: str) -> None:
     """Each decoder layer holds exactly the file's bytes of its tensors (no bf16 copy), which dequantize to the
     written weights in HF row order (llama: q/k rows put back; merged q/k/v and gate/up in shard order); the LM head
@@ -113,9 +113,10 @@ def test_engine_with_kept_blocks_matches_the_dequantized_model(tmp_path: Path, q
 
 def test_unsupported_block_type_is_named(tmp_path: Path) -> None:
     path = tmp_path / "m.gguf"
-    _tiny(path, QT.Q4_0, **{"ffn_down.weight": QT.Q5_0})
+    _tiny(path, QT.Q4_0, **{"ffn_down.weight": QT.Q5_1})
     with pytest.raises(ValueError, match=r"GGUF tensor 'blk.0.ffn_down.weight' \(model.layers.0.mlp.down_proj.weight\) "
-                                         r"has type Q5_0; quantization='gguf' keeps \['Q8_0', 'Q4_0', 'Q4_1'\] blocks"):
+                                         r"has type Q5_1; quantization='gguf' keeps \['Q8_0', 'Q4_0', 'Q4_1', 'Q5_0', "
+                                         r"'Q4_K'\] blocks"):
         load_model("gguf", str(path), torch.bfloat16, "auto", quantization="gguf")
 
 

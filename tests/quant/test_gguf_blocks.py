@@ -185,7 +185,7 @@ def test_weight_checks_its_type_and_bytes() -> None:
     blocks = _blocks(4, 64, "Q8_0", seed=0)
     assert GGUFWeight("Q8_0", blocks, 64, "blk.0.attn_q.weight").shape == (4, 64)
     with pytest.raises(ValueError, match=r"'blk.0.ffn_up.weight' has type Q6_K; kept quantized: \['Q8_0', 'Q4_0', "
-                                         r"'Q4_1', 'Q4_K'\]"):
+                                         r"'Q4_1', 'Q5_0', 'Q4_K'\]"):
         GGUFWeight("Q6_K", blocks, 64, "blk.0.ffn_up.weight")
     with pytest.raises(ValueError, match=r"has 64 columns, not a positive multiple of 256 \(Q4_K\)"):
         GGUFWeight("Q4_K", blocks[:, :36], 64, "w")

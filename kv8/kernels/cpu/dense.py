@@ -324,7 +324,7 @@ class DenseKernels(NativeLibrary):
 
 # bytes per 32 values (kv8.quant.gguf_blocks.BLOCK_BYTES, which this layer cannot import; the tests
 # compare them): the row bytes gguf_dequantize checks before the C side reads them
-_GGUF_BLOCK_BYTES = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20, "Q4_K": 18}
+_GGUF_BLOCK_BYTES = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q4_K": 18}
 
 # Per path: byte b of an FP8 pair-row holds value _FP8_BYTE_ORDER[isa][b] of the bf16 pair-row (value 2 c + j: column
 # c, k = 2 kk + j). AVX-512: the table decode's lane order; AVX2: group b // 16 of 8 columns, even k then odd k.
