@@ -37,7 +37,8 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["BLOCK", "BLOCK_BYTES", "BLOCK_VALUES", "GROUP", "KEPT_TYPES", "GGUFWeight", "dequantize_blocks",
+__all__ = ["BLOCK", "BLOCK_BYTES", "BLOCK_VALUES", "GROUP", "KEPT_TYPES", "ExpandedWeight", "GGUFWeight",
+           "dequantize_blocks",
            "gguf_activation_bound", "gguf_linear_reference", "group_blocks", "q4_k_scale_min",
            "quantize_activation_blocks", "ungroup_blocks"]
 
@@ -129,6 +130,26 @@ class GGUFWeight:
     def shape(self) -> tuple[int, int]:
         """``(rows, in_features)``: the Hugging Face shape of the weight."""
         return (self.blocks.shape[0], self.in_features)
+
+
+@dataclass(frozen=True)
+class ExpandedWeight:
+    """A decoder weight of a GGUF type not kept as blocks (Q6_K, Q5_K, F16, ...) under ``quantization="gguf"``:
+    dequantized alone at load, ``weight [rows, in_features]`` in the compute dtype; ``qtype`` is the file's type name
+    and ``name`` its tensor name (for ``kv8 info`` and messages)."""
+
+    qtype: str
+    weight: torch.Tensor
+    name: str = ""
+
+    def __post_init__(self) -> None:
+        if self.weight.ndim != 2 or not self.weight.is_floating_point():
+            raise ValueError(f"GGUF tensor {self.name!r}: the dequantized weight must be a 2-D float tensor, got "
+                             f"{self.weight.dtype} {list(self.weight.shape)}")
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.weight.shape[0], self.weight.shape[1])
 
 
 def _half(part: torch.Tensor) -> torch.Tensor:

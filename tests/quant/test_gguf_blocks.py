@@ -242,7 +242,7 @@ def _gguf_layer(lib: DenseKernels, blocks: torch.Tensor, qtype: str, bias: torch
         assert layer.bias is not None
         layer.bias.data = bias.clone()
     layer.process_weights_after_loading()
-    assert isinstance(layer.method, GGUFLinearMethod) and layer.gguf_grouped
+    assert isinstance(layer.method, GGUFLinearMethod) and [s.grouped for s in layer.gguf_segments] == [True]
     return layer
 
 
@@ -264,7 +264,7 @@ def test_layer_uses_the_int8_kernel_below_the_threshold_and_the_float32_gemm_fro
         y = layer(x.view(1, rows, k))
         assert y.shape == (1, rows, n) and y.dtype == torch.bfloat16
         y = y[0]
-        int8 = lib.gguf_linear(x, layer.gguf_blocks, qtype, n, layer.bias_f32)
+        int8 = lib.gguf_linear(x, layer.gguf_segments[0].blocks, qtype, n, layer.bias_f32)
         if rows < threshold:
             assert torch.equal(y, int8)
             continue
@@ -288,7 +288,7 @@ def test_layer_threshold_is_per_method_and_other_dtypes_take_the_float32_gemm(li
     layer.method = GGUFLinearMethod(lib, dequantize_rows=2)
     w = dequantize_blocks(blocks, qtype, k)
     x = torch.randn(2, k, generator=torch.Generator().manual_seed(2)).bfloat16()
-    assert torch.equal(layer(x[:1]), lib.gguf_linear(x[:1], layer.gguf_blocks, qtype, 37, None))
+    assert torch.equal(layer(x[:1]), lib.gguf_linear(x[:1], layer.gguf_segments[0].blocks, qtype, 37, None))
     assert torch.equal(layer(x), linear_f32(x, w, None))
     y32 = layer(x[:1].float())
     assert y32.dtype == torch.float32 and torch.equal(y32, linear_f32(x[:1].float(), w, None))
