@@ -150,7 +150,7 @@ def run(args: argparse.Namespace, before: DenseKernels | None) -> None:
     assert kernels is not None
     fp8 = packed_layers(weights, DenseBackend("packed_bf16", kernels, "fp8"))
     blocks = gguf_layers(weights, kernels, args.gguf_type)
-    gguf_bytes = sum(p.gguf_blocks.numel() for layer in blocks for p in layer)
+    gguf_bytes = sum(s.nbytes() for layer in blocks for p in layer for s in p.gguf_segments)
     amx = kernels.amx
     # the same layers on the library of --before (the same Python path, AMX tiles where the current one uses them)
     packed_before = packed_layers(weights, DenseBackend("packed_bf16", before)) if before is not None else []

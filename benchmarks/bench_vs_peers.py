@@ -1,8 +1,9 @@
 """kv8 against the CPU engines users pick, llama.cpp and vLLM's CPU build, side by side in one run.
 
 Same model (SmolLM2-135M-Instruct: kv8 and llama.cpp read the Q4_1 GGUF, kv8 dequantizes it to bf16; vLLM reads
-a bf16 Hugging Face directory written from the same GGUF by ``scripts/install_peers.sh``), same shapes, 2
-threads, greedy decoding (llama.cpp's benchmark tools feed random tokens and sample nothing):
+a bf16 Hugging Face directory written from the same GGUF by ``scripts/install_peers.sh``; ``--model`` runs another
+GGUF, e.g. ``gemma3-270m``, on kv8 and llama.cpp only), same shapes, 2 threads, greedy decoding (llama.cpp's
+benchmark tools feed random tokens and sample nothing):
 
 * batched: B sequences x P prompt tokens, then N new tokens each (default B = 1, 8, 32; P = 1,024; N = 128):
   prefill tok/s (B*P over the time until every sequence has its first token) and decode tok/s (the tokens
@@ -251,8 +252,12 @@ def kv8_worker(options: dict[str, Any], max_batch: int, max_len: int
     from kv8 import LLM, SamplingParams
 
     torch.set_num_threads(THREADS)
-    llm = LLM(**options, max_model_len=max_len + 16, num_kv_blocks=math.ceil(max_batch * (max_len + 16) / 16) + 4,
-              max_num_seqs=max(max_batch, 1), max_num_batched_tokens=2048, enable_prefix_caching=False)
+    # SmolLM2: a cache of exactly the shapes' blocks; another model (--model) sizes its own (Gemma-3's pools per
+    # layer kind need more blocks than one sequence's tokens / 16)
+    blocks = math.ceil(max_batch * (max_len + 16) / 16) + 4
+    sizing: dict[str, Any] = {} if "model" in options else {"num_kv_blocks": blocks}
+    llm = LLM(**options, max_model_len=max_len + 16, **sizing, max_num_seqs=max(max_batch, 1),
+              max_num_batched_tokens=2048, enable_prefix_caching=False)
     eng = llm.engine
 
     def run(prompts: list[list[int]], new: int, seed: int) -> tuple[float, float]:
@@ -496,7 +501,7 @@ def run_kld(configs: list[Config], ns: argparse.Namespace, gguf: str, log: IO[st
     kv8_cfgs = [c for c in configs if c.engine == "kv8"]
     if kv8_cfgs:
         out = os.path.join(tempfile.mkdtemp(), "eval.json")
-        cmd = [sys.executable, "-m", "kv8", "eval", "smollm2-135m", "--data", data, "--window", str(ns.kld_window),
+        cmd = [sys.executable, "-m", "kv8", "eval", ns.model, "--data", data, "--window", str(ns.kld_window),
                "--num-windows", str(ns.kld_chunks), "--gen-prompts", "0", "--no-progress", "--json", out]
         for c in kv8_cfgs:
             cmd += ["--config", str(c.flags)]
@@ -620,6 +625,9 @@ def main() -> None:
     ap.add_argument("--kld-chunks", type=int, default=16)
     ap.add_argument("--log", default=None, help="where the engines' own output goes (default: in KV8_PEERS_DIR)")
     ap.add_argument("--json", default=None, help="also write all measurements as JSON here")
+    ap.add_argument("--model", default="smollm2-135m",
+                    help="the model kv8 (and llama.cpp, reading the same GGUF) runs: an alias or a .gguf file "
+                         "(default smollm2-135m; vLLM has SmolLM2's HF directory only, so another model skips it)"),
     # worker mode (internal)
     ap.add_argument("--worker", choices=("kv8", "vllm"), help=argparse.SUPPRESS)
     ap.add_argument("--kv", help=argparse.SUPPRESS)
@@ -645,7 +653,20 @@ def main() -> None:
         kv8_specs = {flags: KVConfig.from_flags(flags) for flags in ns.kv8_config or KV8_CONFIGS}
     except ValueError as e:
         ap.error(str(e).replace("--config", "--kv8-config", 1))
-    kv8_configs = [Config("kv8", spec.label, spec.engine_options(), flags) for flags, spec in kv8_specs.items()]
+    from kv8.loader.sources import resolve_model_path
+
+    try:
+        kind, gguf = resolve_model_path(ns.model)
+    except ValueError as e:
+        ap.error(str(e))
+    if kind != "gguf":
+        ap.error(f"--model {ns.model!r} is not a GGUF file (llama.cpp reads the same file as kv8)")
+    model = {} if ns.model == "smollm2-135m" else {"model": ns.model}   # the default: as older revisions run it
+    if model and "vllm" in engines:
+        engines.remove("vllm")
+        print(f"vllm skipped: its model is SmolLM2's HF directory, not {ns.model}")
+    kv8_configs = [Config("kv8", spec.label, spec.engine_options() | model, flags)
+                   for flags, spec in kv8_specs.items()]
     configs = kv8_configs if "kv8" in engines else []
     try:
         peer_kvs = {"llama.cpp": peer_cache_types("--llama-kv", ns.llama_kv, LLAMA_KV_TYPES),
@@ -664,11 +685,9 @@ def main() -> None:
         configs[len(kv8_configs):len(kv8_configs)] = [Config("kv8", c.kv, c.options, c.flags, rev=before.rev,
                                                              tree=before.path) for c in kv8_configs]
 
-    from kv8.loader.sources import default_model_path
-    gguf = default_model_path()
     log_path = ns.log or os.path.join(peers_dir(), "logs", time.strftime("bench_vs_peers-%Y%m%d-%H%M%S.log"))
     os.makedirs(os.path.dirname(os.path.abspath(log_path)), exist_ok=True)
-    print(f"SmolLM2-135M-Instruct ({os.path.basename(gguf)}), {THREADS} threads, greedy; shapes: "
+    print(f"{ns.model} ({os.path.basename(gguf)}), {THREADS} threads, greedy; shapes: "
           + ", ".join(f"{s.batch}x({s.prompt}+{s.new})" for s in shapes) + f"; {ns.rounds} round(s); "
           f"peers in {peers_dir()}; engine output in {log_path}")
     print("load average before: " + " ".join(f"{x:.2f}" for x in os.getloadavg()), flush=True)

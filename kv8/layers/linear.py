@@ -23,14 +23,18 @@ row (:mod:`kv8.quant.weights`), quantized after loading (each rank its own shard
   (``amax / 448``), as vLLM's FP8 layers do on Hopper: W8A8, so its outputs differ from the weight-only methods by
   the activations' rounding (:func:`scaled_mm_fp8_reference` is its plain torch definition).
 
-With ``quantization="gguf"`` (a GGUF checkpoint) the decoder's layers keep the file's blocks (Q8_0, Q4_0, Q4_1:
-:mod:`kv8.quant.gguf_blocks`), never expanded: the loader hands each such tensor over as a
+With ``quantization="gguf"`` (a GGUF checkpoint) the decoder's layers keep the file's blocks (Q8_0, Q4_0, Q4_1,
+Q5_0, Q4_K: :mod:`kv8.quant.gguf_blocks`), never expanded: the loader hands each such tensor over as a
 :class:`~kv8.quant.gguf_blocks.GGUFWeight` (``load_gguf``), and :class:`GGUFLinearMethod` keeps the merged rows'
-bytes (``gguf_blocks``) and multiplies them with the kernel (``DenseKernels.gguf_linear``: int8 activations per
-block of 32, within :func:`~kv8.quant.gguf_blocks.gguf_activation_bound` of the float32 reference) below
-:data:`GGUF_DEQUANTIZE_ROWS` rows, from there with the blocks dequantized to a transient float32 matrix
-(``DenseKernels.gguf_dequantize``) and the float32 GEMM (:func:`linear_f32`), or, without the kernels, with
-:func:`~kv8.quant.gguf_blocks.gguf_linear_reference` (the blocks dequantized to float32 in torch at each call).
+bytes (:class:`GGUFSegment`: one per run of projections of one type) and multiplies them with the kernel
+(``DenseKernels.gguf_linear``: int8 activations per block of 32, within
+:func:`~kv8.quant.gguf_blocks.gguf_activation_bound` of the float32 reference) below :data:`GGUF_DEQUANTIZE_ROWS`
+rows, from there with the blocks dequantized to a transient float32 matrix (``DenseKernels.gguf_dequantize``) and
+the float32 GEMM (:func:`linear_f32`), or, without the kernels, with
+:func:`~kv8.quant.gguf_blocks.gguf_linear_reference` (the blocks dequantized to float32 in torch at each call). A
+tensor of another type (Q6_K, Q5_K, F16, ...) comes dequantized to the compute dtype, alone
+(:class:`~kv8.quant.gguf_blocks.ExpandedWeight`; the loader warns once), and its rows are multiplied as bf16
+weights.
 
 Merged layers hold several projections that read the same input as one matrix, their outputs side by side:
 :class:`QKVLinear` (shards ``"q"``, ``"k"``, ``"v"``) and :class:`MergedLinear` (shards ``0, 1, ...``, e.g.
@@ -61,6 +65,7 @@ With one rank every layer holds the whole matrix and nothing is reduced.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
@@ -71,13 +76,13 @@ from kv8.kernels.cpu.dense import DenseKernels
 from kv8.layers.activation import SiluAndMul
 from kv8.layers.dense_backend import DenseBackend
 from kv8.quant.formats import E4M3
-from kv8.quant.gguf_blocks import GGUFWeight, gguf_linear_reference, group_blocks, ungroup_blocks
+from kv8.quant.gguf_blocks import ExpandedWeight, GGUFWeight, gguf_linear_reference, group_blocks, ungroup_blocks
 from kv8.quant.weights import dequantize_fp8_rows, quantize_fp8_rows
 
 _E4M3_MAX = E4M3.max_finite
 
-__all__ = ["GGUF_DEQUANTIZE_ROWS", "GGUFLinearMethod", "GateUpLinear", "Linear", "LinearBase", "LinearMethod",
-           "MergedLinear",
+__all__ = ["GGUF_DEQUANTIZE_ROWS", "GGUFLinearMethod", "GGUFSegment", "GateUpLinear", "Linear", "LinearBase",
+           "LinearMethod", "MergedLinear",
            "PackedBF16LinearMethod", "PackedFP8LinearMethod", "QKVLinear", "RowParallelLinear",
            "ScaledMMFP8LinearMethod", "TorchFP8LinearMethod", "TorchF32LinearMethod", "TorchLinearMethod",
            "linear_f32", "linear_method", "linear_reference", "quantize_fp8_activations", "scaled_mm_fp8_reference"]
@@ -291,13 +296,47 @@ class ScaledMMFP8LinearMethod(LinearMethod):
 GGUF_DEQUANTIZE_ROWS = 32
 
 
-class GGUFLinearMethod(LinearMethod):
-    """GGUF blocks kept as the file's bytes. After loading the layer holds ``gguf_blocks`` (uint8 ``[N, K / 32 *
-    block bytes]``: its projections' rows one after the other, one block type ``gguf_qtype``; where the kernel reads
-    that type, ``gguf_grouped`` and the rows in its order, :func:`~kv8.quant.gguf_blocks.group_blocks`) and
-    ``bias_f32``, and no ``weight`` / ``bias`` parameters; the resident bytes are the file's bytes of those tensors.
+class GGUFSegment(nn.Module):
+    """Consecutive output rows of a :class:`GGUFLinearMethod` layer held one way: the blocks of one kept type
+    (``qtype`` in :data:`~kv8.quant.gguf_blocks.KEPT_TYPES`; buffer ``blocks`` uint8 ``[rows, row bytes]``, in the
+    kernel's order when ``grouped``), or, ``expanded``, tensors of a type no kernel reads (``qtype`` e.g. ``"Q6_K"``)
+    dequantized at load to the compute dtype (buffer ``weight [rows, K]``, or ``packed`` for the packed bf16 kernel).
+    ``tensors`` counts the file's tensors in it (merged projections of the same type share a segment)."""
 
-    ``apply`` on ``M`` rows (the leading dims flattened), where the kernels read the type (``gguf_grouped``):
+    blocks: torch.Tensor
+    weight: torch.Tensor
+    packed: torch.Tensor
+
+    def __init__(self, qtype: str, rows: int, in_features: int, expanded: bool, tensors: int) -> None:
+        super().__init__()
+        self.qtype, self.rows, self.in_features = qtype, rows, in_features
+        self.expanded, self.tensors = expanded, tensors
+        self.grouped = False
+
+    def file_blocks(self) -> torch.Tensor:
+        """The segment's blocks in the file's layout (``blocks`` itself, or ungrouped from the kernel's)."""
+        if self.expanded:
+            raise ValueError(f"this segment holds {self.qtype} tensors dequantized at load, not blocks")
+        return ungroup_blocks(self.blocks, self.qtype, self.in_features) if self.grouped else self.blocks
+
+    def nbytes(self) -> int:
+        """The bytes it keeps resident."""
+        return sum(t.numel() * t.element_size() for t in self.buffers())
+
+    def extra_repr(self) -> str:
+        how = "expanded" if self.expanded else "grouped blocks" if self.grouped else "blocks"
+        return f"{self.qtype} {how}, rows={self.rows}, tensors={self.tensors}"
+
+
+class GGUFLinearMethod(LinearMethod):
+    """GGUF blocks kept as the file's bytes. After loading the layer holds ``gguf_segments`` (an ``nn.ModuleList`` of
+    :class:`GGUFSegment`: its projections' rows in order, consecutive projections of the same type in one segment)
+    and ``bias_f32``, and no ``weight`` / ``bias`` parameters; the resident bytes are the file's bytes of the tensors
+    kept as blocks, plus the dequantized ones. A merged layer may mix types (Gemma-3's Q4_K_M file: q/k Q5_0 and v
+    Q8_0): each segment is multiplied alone and the outputs are concatenated.
+
+    ``apply`` on ``M`` rows (the leading dims flattened), per segment of blocks where the kernels read the type
+    (``grouped``):
 
     * bf16 input and ``M < dequantize_rows``: the int8 kernel (``kernels.gguf_linear``: activations rounded to int8
       per block of 32, within :func:`~kv8.quant.gguf_blocks.gguf_activation_bound` of the float32 reference plus
@@ -305,12 +344,15 @@ class GGUFLinearMethod(LinearMethod):
     * ``M >= dequantize_rows`` (or another input dtype): the blocks dequantized to a float32 ``[N, K]`` scratch
       matrix by ``kernels.gguf_dequantize`` (bit for bit :func:`~kv8.quant.gguf_blocks.dequantize_blocks`), then
       :func:`linear_f32` -- the ``torch_fp32`` backend's GEMM, the default weights' GEMM on CPUs without a native
-      bf16 one. The scratch is allocated per call and freed after it (transient: one layer's float32 weights, ``4 N
-      K`` bytes); only the blocks stay resident. The result is :func:`~kv8.quant.gguf_blocks.gguf_linear_reference`'s
-      (no activation rounding) up to the order of the float32 sums.
+      bf16 one. The scratch is allocated per call and freed after it (transient: one segment's float32 weights, ``4
+      N K`` bytes); only the blocks stay resident. The result is
+      :func:`~kv8.quant.gguf_blocks.gguf_linear_reference`'s (no activation rounding) up to the order of the float32
+      sums.
 
     Without the kernels for the type, :func:`gguf_linear_reference` (float32 on the blocks dequantized in torch at
-    each call): the oracle, and the path of builds without the AVX2 kernels.
+    each call): the oracle, and the path of builds without the AVX2 kernels. An expanded segment (a type the loader
+    dequantized, :class:`~kv8.quant.gguf_blocks.ExpandedWeight`) runs the packed bf16 kernel where the kernels are
+    loaded and its weights are bf16 (packed at load; bf16 input), else :func:`linear_reference`.
 
     ``dequantize_rows`` (default :data:`GGUF_DEQUANTIZE_ROWS`) is the row count from which dequantizing wins. The
     two paths round differently, so a row's result depends on whether its call has fewer rows than that (e.g. a
@@ -328,47 +370,72 @@ class GGUFLinearMethod(LinearMethod):
         parts = layer.gguf_parts
         missing = [i for i in range(len(layer.output_sizes)) if i not in parts]
         if missing:
-            raise ValueError(f"{type(layer).__name__}: quantization='gguf' needs every projection's GGUF blocks; "
-                             f"projections {missing} were not loaded as blocks")
-        ordered = [parts[i] for i in range(len(layer.output_sizes))]
-        types = {w.qtype for w in ordered}
-        if len(types) > 1:
-            named = ", ".join(f"{w.name} ({w.qtype})" for w in ordered)
-            raise ValueError(f"quantization='gguf': the tensors merged into one layer have different block types "
-                             f"({named}); kv8 multiplies one type per layer: use quantization=None for this file")
-        blocks = ordered[0].blocks if len(ordered) == 1 else torch.cat([w.blocks for w in ordered])
-        qtype = ordered[0].qtype
-        layer.gguf_qtype = qtype
-        layer.gguf_grouped = self.kernels is not None and qtype in self.kernels.gguf_types
-        if layer.gguf_grouped:   # the kernel's order of the same bytes
-            blocks = group_blocks(blocks, qtype, layer.in_features)
-        layer.register_buffer("gguf_blocks", blocks.contiguous(), persistent=False)
+            raise ValueError(f"{type(layer).__name__}: quantization='gguf' needs every projection's GGUF tensor; "
+                             f"projections {missing} were not loaded")
+        runs: list[list[GGUFWeight | ExpandedWeight]] = []   # consecutive projections of one type, held one way
+        for i in range(len(layer.output_sizes)):
+            part = parts[i]
+            if runs and type(runs[-1][0]) is type(part) and runs[-1][0].qtype == part.qtype:
+                runs[-1].append(part)
+            else:
+                runs.append([part])
+        layer.gguf_segments = nn.ModuleList(self._segment(run, layer.in_features) for run in runs)
         bias = None if layer.bias is None else layer.bias.detach().float().contiguous()
         layer.register_buffer("bias_f32", bias, persistent=False)
         layer.gguf_parts = {}
         del layer.weight, layer.bias
 
-    @staticmethod
-    def file_blocks(layer: LinearBase) -> torch.Tensor:
-        """The layer's blocks in the file's layout (``gguf_blocks`` itself, or ungrouped from the kernel's)."""
-        if layer.gguf_grouped:
-            return ungroup_blocks(layer.gguf_blocks, layer.gguf_qtype, layer.in_features)
-        return layer.gguf_blocks
+    def _segment(self, run: list[GGUFWeight | ExpandedWeight], in_features: int) -> GGUFSegment:
+        """One segment holding ``run`` (parts of one type and kind) as :meth:`apply` reads it."""
+        rows = sum(part.shape[0] for part in run)
+        first = run[0]
+        segment = GGUFSegment(first.qtype, rows, in_features, isinstance(first, ExpandedWeight), len(run))
+        if isinstance(first, ExpandedWeight):
+            weights = [part.weight for part in run if isinstance(part, ExpandedWeight)]
+            weight = weights[0] if len(weights) == 1 else torch.cat(weights)
+            if self.kernels is not None and weight.dtype == torch.bfloat16:
+                segment.register_buffer("packed", self.kernels.pack(weight.contiguous()), persistent=False)
+            else:
+                segment.register_buffer("weight", weight.contiguous(), persistent=False)
+            return segment
+        kept = [part.blocks for part in run if isinstance(part, GGUFWeight)]
+        blocks = kept[0] if len(kept) == 1 else torch.cat(kept)
+        segment.grouped = self.kernels is not None and first.qtype in self.kernels.gguf_types
+        if segment.grouped:   # the kernel's order of the same bytes
+            blocks = group_blocks(blocks, first.qtype, in_features)
+        segment.register_buffer("blocks", blocks.contiguous(), persistent=False)
+        return segment
+
+    def _apply_segment(self, segment: GGUFSegment, rows: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """``rows [M, K] @ W_segment.T (+ bias)`` -> ``[M, segment.rows]`` in rows' dtype."""
+        if segment.expanded:
+            if hasattr(segment, "packed"):
+                if rows.dtype != torch.bfloat16:
+                    raise ValueError(f"the layer's {segment.qtype} rows are packed bf16 weights; they take bfloat16 "
+                                     f"input, got {rows.dtype}")
+                assert self.kernels is not None
+                return self.kernels.linear(rows.contiguous(), segment.packed, segment.rows, bias)
+            return linear_reference(rows, segment.weight, bias)
+        if segment.grouped and self.kernels is not None:
+            if rows.dtype == torch.bfloat16 and rows.shape[0] < self.dequantize_rows:
+                return self.kernels.gguf_linear(rows, segment.blocks, segment.qtype, segment.rows, bias)
+            # the (N, K) float32 scratch lives for this call only
+            weight = self.kernels.gguf_dequantize(segment.blocks, segment.qtype, segment.in_features)
+            return linear_f32(rows, weight, bias)
+        return gguf_linear_reference(rows, segment.blocks, segment.qtype, bias)
 
     def apply(self, layer: LinearBase, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
         if x.shape[-1] != layer.in_features:
             raise ValueError(f"input has {x.shape[-1]} features, the layer {layer.in_features}")
-        if layer.gguf_grouped and self.kernels is not None:
-            rows = x.reshape(-1, layer.in_features)   # (M, K)
-            if x.dtype == torch.bfloat16 and rows.shape[0] < self.dequantize_rows:
-                out = self.kernels.gguf_linear(rows, layer.gguf_blocks, layer.gguf_qtype, layer.out_features,
-                                               layer.bias_f32)
-            else:   # the (N, K) float32 scratch lives for this call only
-                weight = self.kernels.gguf_dequantize(layer.gguf_blocks, layer.gguf_qtype, layer.in_features)
-                out = linear_f32(rows, weight, layer.bias_f32)
-        else:
-            out = gguf_linear_reference(x, self.file_blocks(layer), layer.gguf_qtype, layer.bias_f32)
+        rows = x.reshape(-1, layer.in_features)   # (M, K)
+        outs, start = [], 0
+        for segment in layer.gguf_segments:
+            assert isinstance(segment, GGUFSegment)
+            bias = None if layer.bias_f32 is None else layer.bias_f32[start:start + segment.rows]
+            outs.append(self._apply_segment(segment, rows, bias))
+            start += segment.rows
+        out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)   # (M, N)
         return out.view(*lead, layer.out_features)
 
 
@@ -402,9 +469,7 @@ class LinearBase(nn.Module):
     scale_f32: torch.Tensor           # the FP8 method's scale per packed row
     weight_fp8: torch.Tensor          # ScaledMMFP8LinearMethod's codes [N, K] and scales [1, N]
     scale_row: torch.Tensor
-    gguf_blocks: torch.Tensor         # GGUFLinearMethod's blocks [N, row bytes] (uint8) of type gguf_qtype, in the
-    gguf_qtype: str                   # kernel's order (group_blocks) when gguf_grouped
-    gguf_grouped: bool
+    gguf_segments: nn.ModuleList      # GGUFLinearMethod's GGUFSegments, its rows in order
 
     def __init__(self, in_features: int, output_sizes: Sequence[int], bias: bool, backend: DenseBackend,
                  row_shards: Sequence[tuple[int, int]] | None = None, in_shard: tuple[int, int] | None = None,
@@ -424,7 +489,8 @@ class LinearBase(nn.Module):
         self.row_amax: torch.Tensor | None = None   # input-sharded layers: each whole checkpoint row's max |w|
         self.quantize = quantize   # the weights follow the backend's quantization (False: kept as loaded)
         self.method = linear_method(backend, quantize)
-        self.gguf_parts: dict[int, GGUFWeight] = {}   # quantization="gguf": the projections' blocks (load_gguf)
+        # quantization="gguf": the projections' blocks, or tensors dequantized at load (load_gguf)
+        self.gguf_parts: dict[int, GGUFWeight | ExpandedWeight] = {}
         self.weight = nn.Parameter(torch.empty(self.out_features, self.in_features), requires_grad=False)
         self.weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
         self.bias: nn.Parameter | None = None
@@ -460,10 +526,10 @@ class LinearBase(nn.Module):
             src = torch.zeros_like(src)   # a row-parallel bias: added once, by rank 0, before the all-reduce
         param.data.narrow(0, start, count).copy_(src)
 
-    def load_gguf(self, loaded: GGUFWeight, shard_id: int | str | None = None) -> None:
-        """Keep one projection's GGUF blocks (``shard_id``; None: every projection, the merged matrix) for
-        :class:`GGUFLinearMethod`, checked against the checkpoint's full shape. One rank only: the blocks are not
-        split between tensor-parallel ranks."""
+    def load_gguf(self, loaded: GGUFWeight | ExpandedWeight, shard_id: int | str | None = None) -> None:
+        """Keep one projection's GGUF blocks, or its tensor of another type dequantized at load (``shard_id``; None:
+        every projection, the merged matrix) for :class:`GGUFLinearMethod`, checked against the checkpoint's full
+        shape. One rank only: the blocks are not split between tensor-parallel ranks."""
         if not isinstance(self.method, GGUFLinearMethod):
             raise ValueError(f"holds GGUF blocks, but the layer's method is {self.method.name!r}, not 'gguf'")
         if self.is_sharded:
@@ -474,8 +540,12 @@ class LinearBase(nn.Module):
         if loaded.shape != expected:
             raise ValueError(f"has shape {loaded.shape}, the model expects {expected}")
         if shard_id is None and len(self.full_output_sizes) > 1:
-            for i, part in zip(projections, loaded.blocks.split(self.full_output_sizes)):
-                self.gguf_parts[i] = GGUFWeight(loaded.qtype, part, loaded.in_features, loaded.name)
+            for i, size in zip(projections, self.full_output_sizes):
+                start = sum(self.full_output_sizes[:i])
+                if isinstance(loaded, GGUFWeight):
+                    self.gguf_parts[i] = replace(loaded, blocks=loaded.blocks.narrow(0, start, size))
+                else:
+                    self.gguf_parts[i] = replace(loaded, weight=loaded.weight.narrow(0, start, size))
         else:
             self.gguf_parts[projections[0]] = loaded
 

@@ -18,7 +18,9 @@ Invariants of the yielded tensors:
   QK-norm and the final norm) with Gemma's ``+1`` already added (its runtime multiplies by the weight); 1 is
   subtracted here, as transformers does, so the tensors are the checkpoint's ``w`` of ``(1 + w)``;
 * with ``keep_blocks`` (``quantization="gguf"``), the decoder's linear weights are yielded as the file's blocks
-  (:class:`kv8.quant.gguf_blocks.GGUFWeight`), llama's q/k rows put back in the same way;
+  (:class:`kv8.quant.gguf_blocks.GGUFWeight`), llama's q/k rows put back in the same way; those of a type no kernel
+  reads (not in :data:`~kv8.quant.gguf_blocks.KEPT_TYPES`: Q6_K, Q5_K, F16, ...) dequantized alone to the compute
+  dtype (:class:`~kv8.quant.gguf_blocks.ExpandedWeight`), with one warning naming them;
 * ``lm_head.weight`` is yielded only when the file has ``output.weight``; otherwise
   ``hf_config["tie_word_embeddings"]`` is True and the embedding doubles as the output projection.
 """
@@ -26,6 +28,7 @@ Invariants of the yielded tensors:
 from __future__ import annotations
 
 import inspect
+import logging
 import os
 from collections.abc import Collection, Iterator
 from dataclasses import dataclass, replace
@@ -37,7 +40,9 @@ import torch
 from gguf import GGMLQuantizationType as QT
 from gguf import GGUFValueType
 
-from kv8.quant.gguf_blocks import KEPT_TYPES, GGUFWeight
+from kv8.quant.gguf_blocks import KEPT_TYPES, ExpandedWeight, GGUFWeight
+
+logger = logging.getLogger("kv8")
 
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = ("gemma3", "llama", "qwen2")
 # GGUF general.architecture -> (HF model_type, HF architecture); a gemma3 GGUF holds the text decoder only
@@ -423,22 +428,11 @@ def _dequantize(tensor: Any) -> torch.Tensor:
     return torch.from_numpy(array)
 
 
-def _kept_type(tensor: Any, name: str) -> str:
-    """The tensor's type name if ``quantization="gguf"`` keeps it as blocks; else `ValueError` naming the tensor."""
-    qtype: str = tensor.tensor_type.name
-    if qtype not in KEPT_TYPES:
-        raise ValueError(f"GGUF tensor {tensor.name!r} ({name}) has type {qtype}; quantization='gguf' keeps "
-                         f"{list(KEPT_TYPES)} blocks (Q4_K and the other k-quants not yet): leave quantization unset "
-                         f"to dequantize the file's weights to the compute dtype")
-    return qtype
-
-
-def _blocks(tensor: Any, name: str) -> GGUFWeight:
+def _blocks(tensor: Any) -> GGUFWeight:
     """The tensor's blocks as they are in the file (copied out of the mapping), rows in HF shape order."""
-    qtype = _kept_type(tensor, name)
     rows, in_features = _hf_shape(tensor)
     array = np.array(tensor.data, dtype=np.uint8, copy=True).reshape(rows, -1)
-    return GGUFWeight(qtype, torch.from_numpy(array), in_features, tensor.name)
+    return GGUFWeight(tensor.tensor_type.name, torch.from_numpy(array), in_features, tensor.name)
 
 
 def _rotary_heads(model: GGUFModel, name: str) -> int:
@@ -480,37 +474,72 @@ def iter_gguf_tensors(reader: gguf.GGUFReader, model: GGUFModel,
         yield name, _hf_tensor(tensor, name, model, dtype)
 
 
+def _type_counts(tensors: list[Any]) -> str:
+    """``"Q4_K: 27, Q5_0: 81"``: the tensors' types with how many have each."""
+    counts: dict[str, int] = {}
+    for tensor in tensors:
+        counts[tensor.tensor_type.name] = counts.get(tensor.tensor_type.name, 0) + 1
+    return ", ".join(f"{qtype}: {n}" for qtype, n in sorted(counts.items()))
+
+
+def _warn_expanded(reader: gguf.GGUFReader, model: GGUFModel, keep_blocks: Collection[str], dtype: torch.dtype) -> None:
+    """One warning naming the tensors of ``keep_blocks`` whose type no kernel reads (dequantized alone to ``dtype``)
+    and what stays as blocks; nothing when every one is kept."""
+    chosen = [t for t in reader.tensors if hf_tensor_name(t.name, model.architecture) in keep_blocks]
+    expanded = [t for t in chosen if t.tensor_type.name not in KEPT_TYPES]
+    if not expanded:
+        return
+    kept = [t for t in chosen if t.tensor_type.name in KEPT_TYPES]
+    names = ", ".join(t.name for t in expanded[:3]) + (", ..." if len(expanded) > 3 else "")
+    size = sum(int(t.n_elements) for t in expanded) * torch.empty(0, dtype=dtype).element_size()
+    logger.warning("quantization='gguf': %d of the %d decoder weight tensors have a type without a kv8 kernel (%s; "
+                   "%s); each is dequantized alone to %s (%.1f MiB); the other %d stay as the file's blocks (%s)",
+                   len(expanded), len(chosen), _type_counts(expanded), names, str(dtype).removeprefix("torch."),
+                   size / 2**20, len(kept), _type_counts(kept) or "none")
+
+
 def iter_gguf_weights(reader: gguf.GGUFReader, model: GGUFModel, dtype: torch.dtype,
-                      keep_blocks: Collection[str]) -> Iterator[tuple[str, torch.Tensor | GGUFWeight]]:
+                      keep_blocks: Collection[str]) -> Iterator[tuple[str, torch.Tensor | GGUFWeight | ExpandedWeight]]:
     """`iter_gguf_tensors`, except that the tensors named (by HF name) in ``keep_blocks`` come as their blocks, a
-    :class:`~kv8.quant.gguf_blocks.GGUFWeight` in HF row order (``quantization="gguf"``; `ValueError` for a type not
-    in :data:`~kv8.quant.gguf_blocks.KEPT_TYPES`, naming the tensor)."""
+    :class:`~kv8.quant.gguf_blocks.GGUFWeight` in HF row order (``quantization="gguf"``), or, for a type not in
+    :data:`~kv8.quant.gguf_blocks.KEPT_TYPES`, dequantized to ``dtype`` alone as an
+    :class:`~kv8.quant.gguf_blocks.ExpandedWeight` (one warning, before the first tensor, names those)."""
     _check_dtype(dtype)
+    _warn_expanded(reader, model, keep_blocks, dtype)
     for tensor in reader.tensors:
         name = hf_tensor_name(tensor.name, model.architecture)
         if name not in keep_blocks:
             yield name, _hf_tensor(tensor, name, model, dtype)
-            continue
-        kept = _blocks(tensor, name)
-        heads = _rotary_heads(model, name)
-        if heads:   # whole rows of blocks move: a row permutation commutes with per-row quantization
-            kept = replace(kept, blocks=_unpermute_rotary_rows(kept.blocks, heads).contiguous())
-        yield name, kept
+        elif tensor.tensor_type.name not in KEPT_TYPES:
+            yield name, ExpandedWeight(tensor.tensor_type.name, _hf_tensor(tensor, name, model, dtype), tensor.name)
+        else:
+            kept = _blocks(tensor)
+            heads = _rotary_heads(model, name)
+            if heads:   # whole rows of blocks move: a row permutation commutes with per-row quantization
+                kept = replace(kept, blocks=_unpermute_rotary_rows(kept.blocks, heads).contiguous())
+            yield name, kept
 
 
 _DECODER_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
 def gguf_block_summary(reader: gguf.GGUFReader, model: GGUFModel) -> str:
-    """``"Q4_1: 210 tensors, 63.3 MiB"``: the types and bytes of the decoder's linear weights, which
-    ``quantization="gguf"`` keeps as blocks. `ValueError` naming the first tensor of a type it does not keep."""
-    counts: dict[str, list[int]] = {}
+    """``"Q4_1: 210 tensors, 63.3 MiB"``: the types and bytes of the decoder's linear weights that
+    ``quantization="gguf"`` keeps as blocks, then (``"; dequantized at load: Q6_K: 9 tensors, 7.4 MiB in the
+    file"``) those of the types it expands."""
+    kept: dict[str, list[int]] = {}
+    expanded: dict[str, list[int]] = {}
     for tensor in reader.tensors:
         name = hf_tensor_name(tensor.name, model.architecture)
         if not name.endswith(".weight") or name.split(".")[-2] not in _DECODER_LINEAR:
             continue
-        qtype = _kept_type(tensor, name)
-        entry = counts.setdefault(qtype, [0, 0])
+        qtype = tensor.tensor_type.name
+        entry = (kept if qtype in KEPT_TYPES else expanded).setdefault(qtype, [0, 0])
         entry[0] += 1
         entry[1] += int(tensor.n_bytes)
-    return "; ".join(f"{qtype}: {n} tensors, {size / 2**20:.1f} MiB" for qtype, (n, size) in sorted(counts.items()))
+
+    def listed(counts: dict[str, list[int]]) -> str:
+        return "; ".join(f"{qtype}: {n} tensors, {size / 2**20:.1f} MiB" for qtype, (n, size) in sorted(counts.items()))
+
+    text = listed(kept) or "none"
+    return text + (f"; dequantized at load: {listed(expanded)} in the file" if expanded else "")

@@ -40,12 +40,12 @@ from kv8.distributed.group import SINGLE_RANK, TPGroup
 from kv8.distributed.shard import building_shard
 from kv8.host_memory import place_on_huge_pages
 from kv8.layers.dense_backend import TORCH_BACKEND, DenseBackend, select_dense_backend
-from kv8.layers.linear import LinearBase
+from kv8.layers.linear import GGUFSegment, LinearBase
 from kv8.layers.tuning import LinearShape, tuned_dense_backend
 from kv8.models.config import ModelArchConfig
 from kv8.models.registry import CausalLM, arch_config, model_class
 from kv8.platform import CPU, Platform
-from kv8.quant.gguf_blocks import GGUFWeight
+from kv8.quant.gguf_blocks import ExpandedWeight, GGUFWeight
 
 logger = logging.getLogger("kv8")
 
@@ -163,11 +163,11 @@ def _checkpoint_names(model: nn.Module, tied: dict[str, str]) -> dict[str, tuple
     return names
 
 
-def _load(model: nn.Module, pname: str, tensor: torch.Tensor | GGUFWeight, shard_id: ShardId,
+def _load(model: nn.Module, pname: str, tensor: torch.Tensor | GGUFWeight | ExpandedWeight, shard_id: ShardId,
           dtype: torch.dtype) -> None:
     module_path, _, leaf = pname.rpartition(".")
     module = model.get_submodule(module_path)
-    if isinstance(tensor, GGUFWeight):   # quantization="gguf": the layer keeps the blocks
+    if isinstance(tensor, (GGUFWeight, ExpandedWeight)):   # quantization="gguf": the layer keeps the blocks
         if not isinstance(module, LinearBase) or leaf != "weight":
             raise ValueError(f"is GGUF blocks, but {pname} is not a linear layer's weight")
         module.load_gguf(tensor, shard_id)
@@ -215,22 +215,29 @@ def _block_names(model: nn.Module, names: dict[str, tuple[str, ShardId]]) -> set
 
 
 def describe_gguf_blocks(model: nn.Module) -> str:
-    """``"Q4_1 blocks in 210 layers, 95.1 MiB"``: the GGUF block types the model's linear layers hold and their
-    bytes (``quantization="gguf"``)."""
-    counts: Counter[str] = Counter()
-    total = 0
+    """``"Q4_K: 27 tensors, Q5_0: 81 tensors as blocks, 72.1 MiB; dequantized at load: Q6_K: 9 tensors, 22.5 MiB"``:
+    how the model's linear layers hold their GGUF tensors (``quantization="gguf"``): the types kept as blocks with
+    their tensor counts and resident bytes, then those expanded to the compute dtype."""
+    counts: dict[bool, Counter[str]] = {False: Counter(), True: Counter()}
+    total = {False: 0, True: 0}
     for module in model.modules():
-        if isinstance(module, LinearBase) and hasattr(module, "gguf_blocks"):
-            counts[module.gguf_qtype] += 1
-            total += module.gguf_blocks.numel()
-    kinds = ", ".join(f"{qtype} blocks in {n} layers" for qtype, n in sorted(counts.items()))
-    return f"{kinds}, {total / 2**20:.1f} MiB"
+        if isinstance(module, GGUFSegment):
+            counts[module.expanded][module.qtype] += module.tensors
+            total[module.expanded] += module.nbytes()
+
+    def listed(expanded: bool) -> str:
+        return ", ".join(f"{qtype}: {n} tensors" for qtype, n in sorted(counts[expanded].items()))
+
+    text = f"{listed(False) or 'no tensors'} as blocks, {total[False] / 2**20:.1f} MiB"
+    if counts[True]:
+        text += f"; dequantized at load: {listed(True)}, {total[True] / 2**20:.1f} MiB"
+    return text
 
 
 def describe_weights(kind: str, path: str, quantization: str | None) -> str:
     """How the decoder's linear weights of model ``path`` are held with ``quantization`` (``kv8 info``): as loaded,
-    FP8 codes, or (``"gguf"``) the file's blocks with their types, tensor counts and bytes. ``ValueError`` when the
-    file cannot be read that way (a GGUF block type ``quantization="gguf"`` does not keep, names the tensor)."""
+    FP8 codes, or (``"gguf"``) the file's blocks with their types, tensor counts and bytes, and the types dequantized
+    at load instead. ``ValueError`` when the model is not a GGUF file."""
     if quantization is None:
         return "as loaded, in the compute dtype (GGUF: dequantized at load)" if kind == "gguf" else "as loaded"
     if quantization == "fp8":
@@ -287,7 +294,7 @@ def load_model(kind: str, path: str, dtype: torch.dtype, dense_backend: str = "t
     elif kind == "hf":
         hf_config = read_hf_config(path)
         files = [] if load_format == "dummy" else _safetensors_files(path)
-        tensors: Iterator[tuple[str, torch.Tensor | GGUFWeight]] = _iter_safetensors(files)
+        tensors: Iterator[tuple[str, torch.Tensor | GGUFWeight | ExpandedWeight]] = _iter_safetensors(files)
     else:
         raise ValueError(f"model kind {kind!r} is not one of: hf, gguf")
     cls = model_class(hf_config)

@@ -20,6 +20,38 @@ def _llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+def quantize_q4_k(w: np.ndarray) -> np.ndarray:
+    """``w [..., K]`` (K % 256 == 0) -> Q4_K blocks, uint8 ``[..., K / 256 * 144]`` (the ``gguf`` package dequantizes
+    Q4_K but does not quantize it). A plain quantizer, not llama.cpp's search: per sub-block of 32, ``min = min(0,
+    min w)`` and ``scale = (max w - min) / 15``; the super-block's ``d`` and ``dmin`` (float16) are the largest scale
+    and -min over 63, each sub-block's 6-bit ``sc`` and ``m`` the nearest multiples of them, the codes the nearest of
+    ``(w + dmin m) / (d sc)`` in 0..15."""
+    shape = w.shape
+    x = w.astype(np.float32).reshape(-1, 8, 32)                     # (super-blocks, sub-blocks, 32)
+    s = x.shape[0]
+    low = np.minimum(x.min(axis=-1), 0.0)
+    scale = (x.max(axis=-1) - low) / 15
+    d = (scale.max(axis=-1) / 63).astype(np.float16)
+    dmin = ((-low).max(axis=-1) / 63).astype(np.float16)
+    df, dmf = d.astype(np.float32)[:, None], dmin.astype(np.float32)[:, None]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        sc = np.where(df > 0, np.rint(scale / df), 0).clip(0, 63).astype(np.uint8)
+        m = np.where(dmf > 0, np.rint(-low / dmf), 0).clip(0, 63).astype(np.uint8)
+        step, offset = df * sc, dmf * m
+        q = np.where(step[..., None] > 0, np.rint((x + offset[..., None]) / step[..., None]), 0)
+    q = q.clip(0, 15).astype(np.uint8).reshape(s, 4, 2, 32)
+    scales = np.concatenate([sc[:, :4] | ((sc[:, 4:] >> 4) << 6), m[:, :4] | ((m[:, 4:] >> 4) << 6),
+                             (sc[:, 4:] & 15) | ((m[:, 4:] & 15) << 4)], axis=1)
+    qs = (q[:, :, 0] | (q[:, :, 1] << 4)).reshape(s, 128)
+    blocks = np.concatenate([d.view(np.uint8).reshape(s, 2), dmin.view(np.uint8).reshape(s, 2), scales, qs], axis=1)
+    return blocks.reshape(*shape[:-1], shape[-1] // 256 * 144)
+
+
+def quantize(array: np.ndarray, qtype: QT) -> np.ndarray:
+    """``gguf.quants.quantize``, and :func:`quantize_q4_k` for Q4_K."""
+    return quantize_q4_k(array) if qtype == QT.Q4_K else gguf.quants.quantize(array, qtype)
+
+
 def _stored(array: np.ndarray, qtype: QT) -> tuple[np.ndarray, np.ndarray]:
     """(what to hand GGUFWriter.add_tensor, the float32 values a reader must get back)."""
     if qtype == QT.F32:
@@ -27,7 +59,7 @@ def _stored(array: np.ndarray, qtype: QT) -> tuple[np.ndarray, np.ndarray]:
     if qtype == QT.F16:
         half = array.astype(np.float16)
         return half, half.astype(np.float32)
-    blocks = gguf.quants.quantize(array, qtype)
+    blocks = quantize(array, qtype)
     return blocks, gguf.quants.dequantize(blocks, qtype).reshape(array.shape)
 
 

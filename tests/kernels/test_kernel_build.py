@@ -18,7 +18,17 @@ import pytest
 
 from kv8.kernels.cpu.attention import load_kernels
 from kv8.kernels.cpu.build import KernelUnavailable, build_shared_library, cpu_flags
-from kv8.kernels.cpu.dense import SOURCE, ArgmaxCall, LinearCall, RmsNormCall, RopeCall, SiluMulCall, load_dense_kernels
+from kv8.kernels.cpu.dense import (
+    SOURCE,
+    ArgmaxCall,
+    GGUFDequantizeCall,
+    GGUFLinearCall,
+    LinearCall,
+    RmsNormCall,
+    RopeCall,
+    SiluMulCall,
+    load_dense_kernels,
+)
 
 needs_gxx = pytest.mark.skipif(shutil.which("g++") is None or platform.machine() not in ("x86_64", "AMD64"),
                                reason="no g++ on PATH or not x86-64: kv8 runs its torch paths here")
@@ -56,6 +66,16 @@ def test_the_dense_library_of_each_target_says_which_path_it_has() -> None:
         call.rows, call.num_threads = 1, 1   # arguments a kernel would take (an empty batch returns OK first)
         rc = getattr(raw, entry)(ctypes.byref(call))
         assert rc == 7 and b"has no AVX-512 BF16 + VBMI path" in raw.kv8_error_message(rc)   # ERR_NO_FAST_PATH
+    # the GGUF entries (csrc/dense/gguf.h) check their arguments, then have no path: every type, Q4_K's K too
+    raw.kv8_gguf_type_name.restype = ctypes.c_char_p
+    assert raw.kv8_gguf_linear_available() == 0 and raw.kv8_gguf_type_name(3) == b"Q4_K"
+    buf = ctypes.create_string_buffer(1024)
+    linear = GGUFLinearCall(ctypes.addressof(buf), ctypes.addressof(buf), None, ctypes.addressof(buf), 1, 256, 1, 3, 1)
+    assert raw.kv8_gguf_linear(ctypes.byref(linear)) == 7
+    linear.in_features = 32   # not a multiple of Q4_K's 256
+    assert raw.kv8_gguf_linear(ctypes.byref(linear)) == 5   # ERR_ARGS
+    dequantize = GGUFDequantizeCall(ctypes.addressof(buf), ctypes.addressof(buf), 1, 256, 3, 1)
+    assert raw.kv8_gguf_dequantize(ctypes.byref(dequantize)) == 7
     with pytest.raises(KernelUnavailable, match="neither AVX-512 BF16 \\+ VBMI nor AVX2 \\+ FMA \\+ F16C"):
         load_dense_kernels("x86-64-v2")
 

@@ -1,10 +1,11 @@
-"""``quantization="gguf"``: a GGUF file's Q8_0 / Q4_0 / Q4_1 blocks kept as they are by the loader and the linear
-layers (kv8.loader.gguf, kv8.loader.model, kv8.layers.linear.GGUFLinearMethod), the option's checks, and engines on a
-tiny GGUF model. Oracles: the HF tensors the tiny file was written from (tests/helpers/gguf_files.py), the file's own
-tensor bytes, and the same engine with the blocks dequantized to bf16 (``quantization`` unset)."""
+"""``quantization="gguf"``: a GGUF file's Q8_0 / Q4_0 / Q4_1 / Q5_0 / Q4_K blocks kept as they are by the loader and
+the linear layers (kv8.loader.gguf, kv8.loader.model, kv8.layers.linear.GGUFLinearMethod), the option's checks, and
+engines on a tiny GGUF model. Oracles: the HF tensors the tiny file was written from (tests/helpers/gguf_files.py),
+the file's own tensor bytes, and the same engine with the blocks dequantized to bf16 (``quantization`` unset)."""
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import pytest
@@ -15,23 +16,32 @@ from kv8 import LLM, SamplingParams
 from kv8.engine.args import EngineArgs
 from kv8.layers.linear import GGUFLinearMethod, LinearBase
 from kv8.loader.gguf import read_gguf
-from kv8.loader.model import describe_weights, load_model, read_model_config
+from kv8.loader.model import describe_gguf_blocks, describe_weights, load_model, read_model_config
 from kv8.loader.sources import default_model_path
-from kv8.quant.gguf_blocks import dequantize_blocks
+from kv8.quant.gguf_blocks import dequantize_blocks, gguf_activation_bound
 from tests.helpers.gguf_files import write_tiny_gguf
 from tests.helpers.kernels import dense_kernels_or_reason
 
 LINEAR = ("attn_q.weight", "attn_k.weight", "attn_v.weight", "attn_output.weight", "ffn_gate.weight", "ffn_up.weight",
           "ffn_down.weight")
-# hidden 64 and intermediate 96: every K a multiple of 32
+# hidden 64 and intermediate 96: every K a multiple of 32; Q4_K's super-blocks need multiples of 256
 SIZES = dict(hidden=64, heads=2, kv_heads=1, inter=96, vocab=48)
+SIZES_256 = dict(hidden=256, heads=2, kv_heads=1, inter=256, vocab=48)
 _KERNELS, _ = dense_kernels_or_reason()
 
 
+def _sizes(qtype: QT) -> dict[str, int]:
+    return SIZES_256 if qtype == QT.Q4_K else SIZES
+
+
 def _tiny(path: Path, qtype: QT, arch: str = "llama", **types: QT) -> dict[str, torch.Tensor]:
-    """A tiny model whose tensors have std 0.4 (norms too): logits a few nats apart."""
+    """A tiny model whose tensors have std 0.4 (norms too): logits a few nats apart; all K multiples of 256 where any
+    tensor is Q4_K, with std 0.2 (four times the width: std 0.4 moved the log-probabilities 0.43 nats with Q4_1 or
+    Q4_K blocks kept, and the greedy tokens with Q4_K; 0.2 moves them 0.02, as 0.4 does at hidden 64)."""
     all_types = dict.fromkeys(LINEAR, qtype) | {"token_embd.weight": QT.F32} | types
-    return write_tiny_gguf(path, arch, types=all_types, bpe=True, scale=0.4, **SIZES)   # type: ignore[arg-type]
+    wide = QT.Q4_K in all_types.values()
+    return write_tiny_gguf(path, arch, types=all_types, bpe=True, scale=0.2 if wide else 0.4,   # type: ignore[arg-type]
+                           **(SIZES_256 if wide else SIZES))
 
 
 def _linear_layers(model: torch.nn.Module) -> dict[str, LinearBase]:
@@ -39,7 +49,7 @@ def _linear_layers(model: torch.nn.Module) -> dict[str, LinearBase]:
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
-@pytest.mark.parametrize("qtype", [QT.Q8_0, QT.Q4_0, QT.Q4_1])
+@pytest.mark.parametrize("qtype", [QT.Q8_0, QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q4_K])
 def test_layers_keep_the_files_blocks(tmp_path: Path, qtype: QT, arch: str) -> None:
     """Each decoder layer holds exactly the file's bytes of its tensors (no bf16 copy), which dequantize to the
     written weights in HF row order (llama: q/k rows put back; merged q/k/v and gate/up in shard order); the LM head
@@ -52,22 +62,25 @@ def test_layers_keep_the_files_blocks(tmp_path: Path, qtype: QT, arch: str) -> N
     layers = _linear_layers(loaded.model)
     kept = {name: m for name, m in layers.items() if isinstance(m.method, GGUFLinearMethod)}
     assert len(kept) == 4 * 2 and all(name.startswith("model.layers.") for name in kept)
-    assert sum(m.gguf_blocks.numel() for m in kept.values()) == file_bytes
+    segments = [s for m in kept.values() for s in m.gguf_segments]
+    assert len(segments) == len(kept) and sum(s.nbytes() for s in segments) == file_bytes   # one segment a layer
+    for s in segments:
+        assert s.blocks.dtype == torch.uint8 and s.qtype == qtype.name and not s.expanded
+        assert s.grouped == (_KERNELS is not None)   # the kernel's order where it runs
     for m in kept.values():
-        assert m.gguf_blocks.dtype == torch.uint8 and m.gguf_qtype == qtype.name
-        assert m.gguf_grouped == (_KERNELS is not None)   # the kernel's order where it runs
         assert not hasattr(m, "weight") and not any(p.numel() for p in m.parameters())
     assert {m.method.name for name, m in layers.items() if name not in kept} <= {"packed_bf16", "torch", "torch_fp32"}
     p = "model.layers.1."
+    hidden, inter = _sizes(qtype)["hidden"], _sizes(qtype)["inter"]
     qkv = kept[p + "self_attn.qkv_proj"]
     want = torch.cat([expected[p + f"self_attn.{x}_proj.weight"] for x in "qkv"])
-    assert torch.equal(dequantize_blocks(GGUFLinearMethod.file_blocks(qkv), qtype.name, 64), want)
+    assert torch.equal(dequantize_blocks(qkv.gguf_segments[0].file_blocks(), qtype.name, hidden), want)
     gate_up = kept[p + "mlp.gate_up_proj"]
     want = torch.cat([expected[p + f"mlp.{x}_proj.weight"] for x in ("gate", "up")])
-    assert torch.equal(dequantize_blocks(GGUFLinearMethod.file_blocks(gate_up), qtype.name, 64), want)
+    assert torch.equal(dequantize_blocks(gate_up.gguf_segments[0].file_blocks(), qtype.name, hidden), want)
     down = kept[p + "mlp.down_proj"]
     want = expected[p + "mlp.down_proj.weight"]
-    assert torch.equal(dequantize_blocks(GGUFLinearMethod.file_blocks(down), qtype.name, 96), want)
+    assert torch.equal(dequantize_blocks(down.gguf_segments[0].file_blocks(), qtype.name, inter), want)
 
 
 PROMPT = [1, 5, 7, 9, 11, 13, 3, 17, 19, 21, 23, 25]
@@ -83,7 +96,7 @@ def _run(path: Path, **options: object) -> tuple[list[int], torch.Tensor, set[st
     return list(out.outputs[0].token_ids), logprobs, methods
 
 
-@pytest.mark.parametrize("qtype", [QT.Q8_0, QT.Q4_1])
+@pytest.mark.parametrize("qtype", [QT.Q8_0, QT.Q4_1, QT.Q4_K])
 def test_engine_with_kept_blocks_matches_the_dequantized_model(tmp_path: Path, qtype: QT) -> None:
     """The same file, blocks kept vs dequantized to bf16: the same greedy tokens, and prompt log-probabilities within
     the int8 activations' rounding (measured on the AMD EPYC: 0.056 nats for Q8_0, 0.037 for Q4_1, on
@@ -101,20 +114,56 @@ def test_engine_with_kept_blocks_matches_the_dequantized_model(tmp_path: Path, q
     assert (ref_logprobs - logprobs).abs().max().item() < 0.15
 
 
-def test_unsupported_block_type_is_named(tmp_path: Path) -> None:
-    path = tmp_path / "m.gguf"
-    _tiny(path, QT.Q4_0, **{"ffn_down.weight": QT.Q5_0})
-    with pytest.raises(ValueError, match=r"GGUF tensor 'blk.0.ffn_down.weight' \(model.layers.0.mlp.down_proj.weight\) "
-                                         r"has type Q5_0; quantization='gguf' keeps \['Q8_0', 'Q4_0', 'Q4_1'\] blocks"):
-        load_model("gguf", str(path), torch.bfloat16, "auto", quantization="gguf")
+MIXED = {"attn_k.weight": QT.Q8_0, "attn_v.weight": QT.Q5_1, "ffn_down.weight": QT.Q5_1}   # in a Q4_0 file
 
 
-def test_merged_tensors_of_different_types_are_named(tmp_path: Path) -> None:
+def test_a_type_without_a_kernel_is_dequantized_alone_with_one_warning(tmp_path: Path,
+                                                                         caplog: pytest.LogCaptureFixture) -> None:
+    """Q5_1 tensors (no kernel) in a Q4_0 file with a Q8_0 k_proj: those tensors alone come dequantized to bf16, with
+    one warning naming them and what stays blocks; q/k/v holds three segments (Q4_0 q, Q8_0 k, bf16 v) and each
+    multiplies as its reference does; ``describe_gguf_blocks`` lists both kinds."""
     path = tmp_path / "m.gguf"
-    _tiny(path, QT.Q4_0, **{"attn_k.weight": QT.Q8_0})
-    with pytest.raises(ValueError, match=r"different block types \(blk.0.attn_q.weight \(Q4_0\), blk.0.attn_k.weight "
-                                         r"\(Q8_0\), blk.0.attn_v.weight \(Q4_0\)\)"):
-        load_model("gguf", str(path), torch.bfloat16, "auto", quantization="gguf")
+    expected = _tiny(path, QT.Q4_0, **MIXED)
+    with caplog.at_level(logging.WARNING, logger="kv8"):
+        loaded = load_model("gguf", str(path), torch.bfloat16, "auto", quantization="gguf")
+    warned = [r.getMessage() for r in caplog.records if "without a kv8 kernel" in r.getMessage()]
+    assert len(warned) == 1 and warned[0].startswith(
+        "quantization='gguf': 4 of the 14 decoder weight tensors have a type without a kv8 kernel (Q5_1: 4; "
+        "blk.0.attn_v.weight, blk.0.ffn_down.weight, blk.1.attn_v.weight, ...); each is dequantized alone to bfloat16")
+    assert warned[0].endswith("the other 10 stay as the file's blocks (Q4_0: 8, Q8_0: 2)")
+    p = "model.layers.1."
+    qkv = loaded.model.get_submodule(p + "self_attn.qkv_proj")
+    down = loaded.model.get_submodule(p + "mlp.down_proj")
+    assert [(s.qtype, s.expanded, s.rows) for s in qkv.gguf_segments] == [("Q4_0", False, 64), ("Q8_0", False, 32),
+                                                                         ("Q5_1", True, 32)]
+    assert [(s.qtype, s.expanded, s.rows) for s in down.gguf_segments] == [("Q5_1", True, 64)]
+    assert not hasattr(down, "weight") and not hasattr(qkv, "weight")
+    x = (torch.randn(3, 64, generator=torch.Generator().manual_seed(1)) * 3).bfloat16()
+    y = qkv(x).double()
+    blocks = [s.file_blocks() for s in qkv.gguf_segments[:2]]
+    w = torch.cat([dequantize_blocks(blocks[0], "Q4_0", 64), dequantize_blocks(blocks[1], "Q8_0", 64),
+                   expected[p + "self_attn.v_proj.weight"].bfloat16().float()])
+    exact = x.double() @ w.double().T
+    slack = 2.0 ** -8 * exact.abs() * 1.01 + 1e-5 * (x.double().abs() @ w.double().abs().T)
+    bound = torch.cat([gguf_activation_bound(x, blocks[0], "Q4_0"), gguf_activation_bound(x, blocks[1], "Q8_0"),
+                       torch.zeros(3, 32, dtype=torch.float64)], dim=1)   # the bf16 rows: no activation rounding
+    if _KERNELS is None:
+        bound = torch.zeros_like(bound)   # the reference: float32 on the dequantized blocks
+    assert bool(((y - exact).abs() <= bound + slack).all())
+    text = describe_gguf_blocks(loaded.model)
+    assert text.startswith("Q4_0: 8 tensors, Q8_0: 2 tensors as blocks, ")
+    assert "; dequantized at load: Q5_1: 4 tensors, " in text
+
+
+def test_engine_with_mixed_and_expanded_types_matches_the_dequantized_model(tmp_path: Path) -> None:
+    """The same mixed file with blocks kept (three segments in q/k/v, bf16 down_proj) and fully dequantized: the
+    same greedy tokens, log-probabilities within the int8 activations' rounding."""
+    path = tmp_path / "m.gguf"
+    _tiny(path, QT.Q4_0, **MIXED)
+    tokens, logprobs, _ = _run(path)
+    kept_tokens, kept_logprobs, kept_methods = _run(path, quantization="gguf")
+    assert "gguf" in kept_methods and kept_tokens == tokens
+    assert (kept_logprobs - logprobs).abs().max().item() < 0.15
 
 
 def test_the_option_is_checked_at_the_boundary(tmp_path: Path) -> None:
@@ -141,15 +190,16 @@ def test_smollm2_linear_layers_hold_the_files_bytes() -> None:
     loaded = load_model("gguf", path, torch.bfloat16, "packed_bf16", quantization="gguf")
     _, reader = read_gguf(path)
     linear = [t for t in reader.tensors if t.name.startswith("blk.") and t.name.split(".", 2)[-1] in LINEAR]
-    held = [m for m in loaded.model.modules() if isinstance(m, LinearBase) and hasattr(m, "gguf_blocks")]
-    assert len(held) == 4 * loaded.arch.num_layers and {m.gguf_qtype for m in held} == {"Q4_1"}
-    resident = sum(m.gguf_blocks.numel() for m in held)
+    held = [m for m in loaded.model.modules() if isinstance(m, LinearBase) and hasattr(m, "gguf_segments")]
+    segments = [s for m in held for s in m.gguf_segments]
+    assert len(held) == 4 * loaded.arch.num_layers and {(s.qtype, s.expanded) for s in segments} == {("Q4_1", False)}
+    resident = sum(s.nbytes() for s in segments)
     assert resident == sum(int(t.n_bytes) for t in linear)
     assert resident * 3 < 2 * sum(int(t.n_elements) for t in linear)
 
 
 def test_info_says_how_the_weights_are_held(tmp_path: Path) -> None:
-    """``kv8 info``'s weights line: the kept types, tensor counts and bytes; an unsupported type named up front."""
+    """``kv8 info``'s weights line: the kept types, tensor counts and bytes, then the types dequantized at load."""
     path = tmp_path / "m.gguf"
     _tiny(path, QT.Q4_1, **{"ffn_down.weight": QT.Q8_0})
     _, reader = read_gguf(str(path))
@@ -159,11 +209,14 @@ def test_info_says_how_the_weights_are_held(tmp_path: Path) -> None:
     assert text.startswith(f"gguf: the file's blocks, not expanded (Q4_1: 12 tensors, {q41 / 2**20:.1f} MiB; "
                            f"Q8_0: 2 tensors, {q80 / 2**20:.1f} MiB)")
     assert describe_weights("gguf", str(path), None).startswith("as loaded")
-    bad = tmp_path / "bad.gguf"
-    _tiny(bad, QT.Q4_1, **{"attn_v.weight": QT.Q5_1})
-    with pytest.raises(ValueError, match=r"'blk.0.attn_v.weight' \(model.layers.0.self_attn.v_proj.weight\) has type "
-                                         r"Q5_1"):
-        describe_weights("gguf", str(bad), "gguf")
+    mixed = tmp_path / "mixed.gguf"
+    _tiny(mixed, QT.Q4_1, **{"attn_v.weight": QT.Q5_1})
+    _, reader = read_gguf(str(mixed))
+    q41 = sum(int(t.n_bytes) for t in reader.tensors if t.tensor_type == QT.Q4_1)
+    q51 = sum(int(t.n_bytes) for t in reader.tensors if t.tensor_type == QT.Q5_1)
+    assert describe_weights("gguf", str(mixed), "gguf").startswith(
+        f"gguf: the file's blocks, not expanded (Q4_1: 12 tensors, {q41 / 2**20:.1f} MiB; dequantized at "
+        f"load: Q5_1: 2 tensors, {q51 / 2**20:.1f} MiB in the file)")
 
 
 SMOLLM2_TEXT = ("The river rises in the northern hills and flows south through a wide valley of farms and small "
@@ -195,3 +248,33 @@ def test_smollm2_with_kept_blocks_stays_close_to_its_dequantized_weights() -> No
     top = {q: [max(p.items(), key=lambda kv: kv[1].logprob)[0] for p in r.prompt_logprobs[1:]] for q, r in runs.items()}
     agree = sum(a == b for a, b in zip(top[None], top["gguf"])) / len(top[None])
     assert agree >= 0.9, agree
+
+
+@pytest.mark.slow
+def test_gemma3_q4_k_m_keeps_its_q4_k_q5_0_q8_0_blocks_and_expands_q6_k() -> None:
+    """Gemma-3-270M's Q4_K_M file (Q5_0 q/k/gate/up, Q5_0 or Q8_0 v, Q4_K o and half the down projections, Q6_K the
+    other half): every kept type stays as the file's bytes, the nine Q6_K down projections alone are bf16, q/k/v
+    mixes Q5_0 and Q8_0 in one layer; greedy decoding with the kept blocks answers as the dequantized weights do."""
+    from kv8.loader.sources import gemma3_270m_path
+
+    try:
+        path = gemma3_270m_path()
+    except ValueError as exc:
+        pytest.skip(str(exc))
+    loaded = load_model("gguf", path, torch.bfloat16, "auto", quantization="gguf")
+    segments = [s for m in loaded.model.modules() if isinstance(m, LinearBase) and hasattr(m, "gguf_segments")
+                for s in m.gguf_segments]
+    counts: dict[tuple[str, bool], int] = {}
+    for s in segments:
+        counts[s.qtype, s.expanded] = counts.get((s.qtype, s.expanded), 0) + s.tensors
+    assert counts == {("Q5_0", False): 81, ("Q8_0", False): 9, ("Q4_K", False): 27, ("Q6_K", True): 9}
+    _, reader = read_gguf(path)
+    linear = [t for t in reader.tensors if t.name.startswith("blk.") and t.name.split(".", 2)[-1] in LINEAR]
+    kept = sum(int(t.n_bytes) for t in linear if t.tensor_type.name != "Q6_K")
+    assert sum(s.nbytes() for s in segments if not s.expanded) == kept
+    answers = {}
+    for q in (None, "gguf"):
+        llm = LLM(model="gemma3-270m", quantization=q, kv_cache_memory="64MiB", max_model_len=256)
+        answers[q] = llm.generate("The capital of France is", SamplingParams(temperature=0, max_tokens=6))[0]
+        llm.close()
+    assert answers["gguf"].outputs[0].token_ids == answers[None].outputs[0].token_ids, answers

@@ -19,6 +19,7 @@ from kv8.layers.linear import GGUF_DEQUANTIZE_ROWS, GGUFLinearMethod, LinearBase
 from kv8.quant.gguf_blocks import (
     BLOCK,
     BLOCK_BYTES,
+    BLOCK_VALUES,
     KEPT_TYPES,
     GGUFWeight,
     dequantize_blocks,
@@ -28,7 +29,11 @@ from kv8.quant.gguf_blocks import (
     quantize_activation_blocks,
     ungroup_blocks,
 )
+from tests.helpers.gguf_files import quantize
 from tests.helpers.kernels import dense_build_or_skip
+
+#: the types of blocks of 32 values (grouped at load); Q4_K has super-blocks of 256
+TYPES_32 = tuple(t for t in KEPT_TYPES if BLOCK_VALUES[t] == BLOCK)
 
 
 @pytest.fixture(scope="module", params=["native", "x86-64-v3"])
@@ -38,24 +43,46 @@ def lib(request: pytest.FixtureRequest) -> DenseKernels:
 
 
 def _blocks(n: int, k: int, qtype: str, seed: int) -> torch.Tensor:
-    """Random rows of different magnitudes (and one row of zeros) quantized by the gguf package: uint8 [n, bytes]."""
+    """Random rows of different magnitudes (and one row of zeros) quantized by the gguf package (Q4_K:
+    tests/helpers/gguf_files.quantize_q4_k), with a shift per row (Q4_1 and Q4_K's mins): uint8 [n, bytes]."""
     rng = np.random.default_rng(seed)
-    w = (rng.standard_normal((n, k)) * np.exp2(rng.integers(-4, 2, (n, 1)))).astype(np.float32)
+    w = ((rng.standard_normal((n, k)) + rng.standard_normal((n, 1))) * np.exp2(rng.integers(-4, 2, (n, 1))))
+    w = w.astype(np.float32)
     w[n // 2] = 0.0
-    blocks = gguf.quants.quantize(w, QT[qtype])
+    blocks = quantize(w, QT[qtype])
     return torch.from_numpy(np.ascontiguousarray(blocks)).reshape(n, -1)
 
 
 @pytest.mark.parametrize("qtype", KEPT_TYPES)
 def test_dequantize_is_the_gguf_package_bit_for_bit(qtype: str) -> None:
-    blocks = _blocks(9, 96, qtype, seed=1)
-    assert blocks.shape == (9, 96 // 32 * BLOCK_BYTES[qtype])
-    want = gguf.quants.dequantize(blocks.numpy(), QT[qtype]).reshape(9, 96)
-    got = dequantize_blocks(blocks, qtype, 96)
+    k = 3 * BLOCK_VALUES[qtype]
+    blocks = _blocks(9, k, qtype, seed=1)
+    assert blocks.shape == (9, k // 32 * BLOCK_BYTES[qtype])
+    want = gguf.quants.dequantize(blocks.numpy(), QT[qtype]).reshape(9, k)
+    got = dequantize_blocks(blocks, qtype, k)
     assert got.dtype == torch.float32 and np.array_equal(got.numpy(), want)
 
 
-@pytest.mark.parametrize("qtype", KEPT_TYPES)
+def _random_q4_k(n: int, k: int, seed: int) -> torch.Tensor:
+    """Q4_K super-blocks of random bytes (every scale / min bit pattern, both nibbles), d and dmin finite float16
+    of both signs."""
+    gen = torch.Generator().manual_seed(seed)
+    blocks = torch.randint(0, 256, (n, k // 256, 144), dtype=torch.uint8, generator=gen)
+    scales = (torch.randn(n, k // 256, 2, generator=gen) * 0.01).half()
+    blocks[..., 0:4] = scales.view(torch.uint8).reshape(n, k // 256, 4)
+    return blocks.reshape(n, -1)
+
+
+def test_q4_k_dequantize_is_the_gguf_package_on_random_bytes() -> None:
+    """Every bit of the packed 6-bit scales and mins reaches the right sub-block (random bytes, not only what a
+    quantizer writes)."""
+    blocks = _random_q4_k(7, 768, seed=2)
+    want = gguf.quants.dequantize(blocks.numpy(), QT.Q4_K).reshape(7, 768)
+    got = dequantize_blocks(blocks, "Q4_K", 768)
+    assert torch.equal(got.view(torch.int32), torch.from_numpy(want).view(torch.int32))
+
+
+@pytest.mark.parametrize("qtype", TYPES_32)
 @pytest.mark.parametrize("k", [32, 256, 576, 800])   # 1 block, one group, 2 groups + 2 blocks, 3 groups + 1 block
 def test_grouped_layout_moves_the_same_bytes(qtype: str, k: int) -> None:
     blocks = _blocks(5, k, qtype, seed=k)
@@ -71,6 +98,12 @@ def test_grouped_layout_moves_the_same_bytes(qtype: str, k: int) -> None:
     assert torch.equal(grouped[:, head * g:head * g + (BLOCK_BYTES[qtype] - head)], first[:, 0, head:])
 
 
+def test_q4_k_super_blocks_are_the_kernels_layout_as_stored() -> None:
+    blocks = _blocks(5, 512, "Q4_K", seed=3)
+    assert torch.equal(group_blocks(blocks, "Q4_K", 512), blocks)
+    assert torch.equal(ungroup_blocks(blocks, "Q4_K", 512), blocks)
+
+
 def test_activation_blocks_round_to_the_nearest_step() -> None:
     x = torch.randn(3, 64, generator=torch.Generator().manual_seed(3)).bfloat16()
     x[1, :32] = 0.0
@@ -84,11 +117,13 @@ def test_activation_blocks_round_to_the_nearest_step() -> None:
 
 
 SHAPES = [(37, 96), (70, 160), (33, 224), (19, 800)]   # N off the tile, K = 32 x odd (800: 3 groups of 8 + 1)
+SHAPES_256 = [(37, 256), (19, 768), (33, 512)]         # Q4_K: K a multiple of 256, N odd
+#: (type, N, K) of every type on its shapes
+CASES = [(t, n, k) for t in KEPT_TYPES for n, k in (SHAPES if BLOCK_VALUES[t] == BLOCK else SHAPES_256)]
 
 
-@pytest.mark.parametrize("qtype", KEPT_TYPES)
-@pytest.mark.parametrize("rows", [1, 3, 17])
-@pytest.mark.parametrize("n, k", SHAPES)
+@pytest.mark.parametrize("rows", [1, 3, 17, 32, 33])   # 32, 33: whole tiles of 4, and one row more
+@pytest.mark.parametrize("qtype, n, k", CASES)
 def test_kernel_is_within_the_activation_bound_of_the_reference(lib: DenseKernels, qtype: str, rows: int, n: int,
                                                                  k: int) -> None:
     """|kernel - float32 reference| <= sum_b scale_b / 2 * |w_b|_1 (the int8 activations) + the one bf16 rounding
@@ -118,8 +153,9 @@ def test_kernel_is_within_the_activation_bound_of_the_reference(lib: DenseKernel
 @pytest.mark.parametrize("qtype", KEPT_TYPES)
 def test_each_row_is_computed_alone(lib: DenseKernels, qtype: str) -> None:
     """A row's output does not depend on the batch (tiles of 4 rows or 1): bit for bit; a row of zeros is the bias."""
-    blocks = group_blocks(_blocks(41, 128, qtype, seed=7), qtype, 128)
-    x = torch.randn(6, 128).bfloat16()
+    k = max(128, BLOCK_VALUES[qtype])
+    blocks = group_blocks(_blocks(41, k, qtype, seed=7), qtype, k)
+    x = torch.randn(6, k).bfloat16()
     x[2] = 0.0
     bias = torch.randn(41)
     batch = lib.gguf_linear(x, blocks, qtype, 41, bias)
@@ -133,7 +169,9 @@ def test_kernel_rejects_what_it_cannot_read(lib: DenseKernels) -> None:
     blocks = _blocks(8, 64, "Q4_0", seed=0)
     x = torch.randn(2, 64).bfloat16()
     assert set(lib.gguf_types) == set(KEPT_TYPES)
-    with pytest.raises(ValueError, match=r"GGUF block type 'Q4_K' has no kernel in this build; it has: "):
+    with pytest.raises(ValueError, match=r"GGUF block type 'Q6_K' has no kernel in this build; it has: "):
+        lib.gguf_linear(x, blocks, "Q6_K", 8, None)
+    with pytest.raises(ValueError, match="invalid kernel arguments"):   # Q4_K: K not a multiple of 256
         lib.gguf_linear(x, blocks, "Q4_K", 8, None)
     with pytest.raises(ValueError, match=r"blocks must be a contiguous uint8 \[9, row bytes\]"):
         lib.gguf_linear(x, blocks, "Q4_0", 9, None)
@@ -146,17 +184,20 @@ def test_kernel_rejects_what_it_cannot_read(lib: DenseKernels) -> None:
 def test_weight_checks_its_type_and_bytes() -> None:
     blocks = _blocks(4, 64, "Q8_0", seed=0)
     assert GGUFWeight("Q8_0", blocks, 64, "blk.0.attn_q.weight").shape == (4, 64)
-    with pytest.raises(ValueError, match=r"'blk.0.ffn_up.weight' has type Q4_K; kept quantized: \['Q8_0', 'Q4_0', "
-                                         r"'Q4_1'\]"):
-        GGUFWeight("Q4_K", blocks, 64, "blk.0.ffn_up.weight")
+    with pytest.raises(ValueError, match=r"'blk.0.ffn_up.weight' has type Q6_K; kept quantized: \['Q8_0', 'Q4_0', "
+                                         r"'Q4_1', 'Q5_0', 'Q4_K'\]"):
+        GGUFWeight("Q6_K", blocks, 64, "blk.0.ffn_up.weight")
+    with pytest.raises(ValueError, match=r"has 64 columns, not a positive multiple of 256 \(Q4_K\)"):
+        GGUFWeight("Q4_K", blocks[:, :36], 64, "w")
     with pytest.raises(ValueError, match=r"blocks must be uint8 \[rows, 36\]"):
         GGUFWeight("Q4_0", blocks, 64, "w")
     with pytest.raises(ValueError, match="not a positive multiple of 32"):
         GGUFWeight("Q8_0", blocks, 48, "w")
 
 
-@pytest.mark.parametrize("qtype", KEPT_TYPES)
-@pytest.mark.parametrize("n, k", [*SHAPES, (1, 32), (300, 800)])   # (300, 800): enough values for both threads
+# and one block per type, and 300 rows (enough values for both threads)
+@pytest.mark.parametrize("qtype, n, k", [*CASES, *((t, 1, BLOCK_VALUES[t]) for t in KEPT_TYPES),
+                                         *((t, 300, 800 if t != "Q4_K" else 768) for t in KEPT_TYPES)])
 def test_dequantize_kernel_is_dequantize_blocks_bit_for_bit(lib: DenseKernels, qtype: str, n: int, k: int) -> None:
     blocks = _blocks(n, k, qtype, seed=n * k)
     got = lib.gguf_dequantize(group_blocks(blocks, qtype, k), qtype, k)
@@ -166,11 +207,24 @@ def test_dequantize_kernel_is_dequantize_blocks_bit_for_bit(lib: DenseKernels, q
     assert lib.gguf_dequantize(group_blocks(blocks, qtype, k)[:0], qtype, k).shape == (0, k)
 
 
+def test_q4_k_kernels_on_random_bytes(lib: DenseKernels) -> None:
+    """The C side's scale and min unpacking on every bit pattern: the dequantize kernel bit for bit, the int8 kernel
+    within its bound."""
+    blocks = _random_q4_k(21, 512, seed=4)
+    w = dequantize_blocks(blocks, "Q4_K", 512)
+    assert torch.equal(lib.gguf_dequantize(blocks, "Q4_K", 512).view(torch.int32), w.view(torch.int32))
+    x = torch.randn(5, 512, generator=torch.Generator().manual_seed(4)).bfloat16()
+    y = lib.gguf_linear(x, blocks, "Q4_K", 21, None)
+    exact = x.double() @ w.double().T
+    slack = 2.0 ** -8 * exact.abs() * 1.01 + 1e-5 * (x.double().abs() @ w.double().abs().T)
+    assert bool(((y.double() - exact).abs() <= gguf_activation_bound(x, blocks, "Q4_K") + slack).all())
+
+
 def test_dequantize_kernel_rejects_what_it_cannot_read(lib: DenseKernels) -> None:
     assert dense._GGUF_BLOCK_BYTES == BLOCK_BYTES   # the wrapper's copy (kv8.kernels cannot import kv8.quant)
     blocks = _blocks(8, 64, "Q4_0", seed=0)
-    with pytest.raises(ValueError, match=r"GGUF block type 'Q4_K' has no kernel in this build"):
-        lib.gguf_dequantize(blocks, "Q4_K", 64)
+    with pytest.raises(ValueError, match=r"GGUF block type 'Q6_K' has no kernel in this build"):
+        lib.gguf_dequantize(blocks, "Q6_K", 64)
     with pytest.raises(ValueError, match=r"blocks \[8, 36\] of Q8_0 do not hold rows of 64 values"):
         lib.gguf_dequantize(blocks, "Q8_0", 64)
     with pytest.raises(ValueError, match="blocks must be a contiguous 2-D uint8 tensor"):
@@ -188,12 +242,11 @@ def _gguf_layer(lib: DenseKernels, blocks: torch.Tensor, qtype: str, bias: torch
         assert layer.bias is not None
         layer.bias.data = bias.clone()
     layer.process_weights_after_loading()
-    assert isinstance(layer.method, GGUFLinearMethod) and layer.gguf_grouped
+    assert isinstance(layer.method, GGUFLinearMethod) and [s.grouped for s in layer.gguf_segments] == [True]
     return layer
 
 
-@pytest.mark.parametrize("qtype", KEPT_TYPES)
-@pytest.mark.parametrize("n, k", SHAPES)
+@pytest.mark.parametrize("qtype, n, k", CASES)
 def test_layer_uses_the_int8_kernel_below_the_threshold_and_the_float32_gemm_from_it(lib: DenseKernels, qtype: str,
                                                                                       n: int, k: int) -> None:
     """Below ``dequantize_rows`` the layer's output is the int8 kernel's, bit for bit; from it, the float32 GEMM on
@@ -211,7 +264,7 @@ def test_layer_uses_the_int8_kernel_below_the_threshold_and_the_float32_gemm_fro
         y = layer(x.view(1, rows, k))
         assert y.shape == (1, rows, n) and y.dtype == torch.bfloat16
         y = y[0]
-        int8 = lib.gguf_linear(x, layer.gguf_blocks, qtype, n, layer.bias_f32)
+        int8 = lib.gguf_linear(x, layer.gguf_segments[0].blocks, qtype, n, layer.bias_f32)
         if rows < threshold:
             assert torch.equal(y, int8)
             continue
@@ -229,12 +282,13 @@ def test_layer_uses_the_int8_kernel_below_the_threshold_and_the_float32_gemm_fro
 def test_layer_threshold_is_per_method_and_other_dtypes_take_the_float32_gemm(lib: DenseKernels, qtype: str) -> None:
     """A method built with ``dequantize_rows=2`` switches at 2 rows; a float32 input (which the int8 kernel does not
     read) takes the dequantized path at any row count, in float32."""
-    blocks = _blocks(37, 96, qtype, seed=5)
+    k = 3 * BLOCK_VALUES[qtype]
+    blocks = _blocks(37, k, qtype, seed=5)
     layer = _gguf_layer(lib, blocks, qtype, None)
     layer.method = GGUFLinearMethod(lib, dequantize_rows=2)
-    w = dequantize_blocks(blocks, qtype, 96)
-    x = torch.randn(2, 96, generator=torch.Generator().manual_seed(2)).bfloat16()
-    assert torch.equal(layer(x[:1]), lib.gguf_linear(x[:1], layer.gguf_blocks, qtype, 37, None))
+    w = dequantize_blocks(blocks, qtype, k)
+    x = torch.randn(2, k, generator=torch.Generator().manual_seed(2)).bfloat16()
+    assert torch.equal(layer(x[:1]), lib.gguf_linear(x[:1], layer.gguf_segments[0].blocks, qtype, 37, None))
     assert torch.equal(layer(x), linear_f32(x, w, None))
     y32 = layer(x[:1].float())
     assert y32.dtype == torch.float32 and torch.equal(y32, linear_f32(x[:1].float(), w, None))

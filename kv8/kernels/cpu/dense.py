@@ -6,9 +6,9 @@ with AVX-512 ``vdpbf16ps``: :attr:`DenseKernels.amx`; on CPUs without AVX-512 BF
 :attr:`DenseKernels.isa`; ``pack_fp8`` and ``linear(..., scale=)``: the same for E4M3 codes with a scale per row,
 decoded on the fly), ``rmsnorm`` (residual add + RMSNorm in one pass),
 ``silu_mul`` (SiLU(gate) * up) and ``rope_qkv`` (RoPE of q and k read straight from a packed q/k/v
-projection, v copied out beside them); ``gguf_linear`` (a linear layer on GGUF Q8_0 / Q4_0 / Q4_1 blocks read
-in place, activations quantized to int8 per block: ``csrc/dense/gguf.h``) and ``gguf_dequantize`` (the same blocks
-to float32, for a GEMM over many rows); and ``argmax`` (rows of float32 logits,
+projection, v copied out beside them); ``gguf_linear`` (a linear layer on GGUF blocks read in place, the types of
+:attr:`DenseKernels.gguf_types`, activations quantized to int8 per block: ``csrc/dense/gguf.h``) and
+``gguf_dequantize`` (the same blocks to float32, for a GEMM over many rows); and ``argmax`` (rows of float32 logits,
 for the sampler). Every method
 checks dtypes and shapes and raises ``ValueError``; every dense kernel takes bf16 and returns new contiguous bf16
 tensors (``gguf_dequantize``: uint8 blocks to a new float32 matrix).
@@ -85,7 +85,7 @@ class ArgmaxCall(ctypes.Structure):
 
 
 class GGUFLinearCall(ctypes.Structure):
-    """``kv8_gguf_linear_call``: one linear layer on GGUF Q8_0 / Q4_0 / Q4_1 blocks (``csrc/dense/gguf.h``)."""
+    """``kv8_gguf_linear_call``: one linear layer on GGUF blocks (``csrc/dense/gguf.h``; the types: ``gguf_types``)."""
 
     _fields_ = [
         ("x", _P), ("blocks", _P), ("bias", _P), ("out", _P), ("rows", _I64), ("in_features", _I64),
@@ -94,7 +94,7 @@ class GGUFLinearCall(ctypes.Structure):
 
 
 class GGUFDequantizeCall(ctypes.Structure):
-    """``kv8_gguf_dequantize_call``: GGUF Q8_0 / Q4_0 / Q4_1 blocks to float32 (``csrc/dense/gguf.h``)."""
+    """``kv8_gguf_dequantize_call``: GGUF blocks to float32 (``csrc/dense/gguf.h``)."""
 
     _fields_ = [("blocks", _P), ("out", _P), ("rows", _I64), ("in_features", _I64), ("qtype", _I32),
                 ("num_threads", _I32)]
@@ -322,9 +322,9 @@ class DenseKernels(NativeLibrary):
         return out
 
 
-# bytes per block of 32 values (kv8.quant.gguf_blocks.BLOCK_BYTES, which this layer cannot import; the tests
+# bytes per 32 values (kv8.quant.gguf_blocks.BLOCK_BYTES, which this layer cannot import; the tests
 # compare them): the row bytes gguf_dequantize checks before the C side reads them
-_GGUF_BLOCK_BYTES = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20}
+_GGUF_BLOCK_BYTES = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q4_K": 18}
 
 # Per path: byte b of an FP8 pair-row holds value _FP8_BYTE_ORDER[isa][b] of the bf16 pair-row (value 2 c + j: column
 # c, k = 2 kk + j). AVX-512: the table decode's lane order; AVX2: group b // 16 of 8 columns, even k then odd k.
