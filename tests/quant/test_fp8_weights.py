@@ -137,13 +137,36 @@ def test_avx2_fp8_kernel_is_the_sum_of_its_decoded_weights_bit_for_bit(lib: Dens
     codes, scale = quantize_fp8_rows(_weight(n, k, seed=n * k))
     b = torch.randn(n, generator=torch.Generator().manual_seed(3)) if bias else None
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).bfloat16()
+    got = lib.linear(x, lib.pack_fp8(codes), n, b, scale=scale)
+    assert torch.equal(got.view(torch.int16), _avx2_sums(x, codes, scale, b).view(torch.int16))
+
+
+def _avx2_sums(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    """The AVX2 path's result: float32 sums of x * decode(code) * 2^-8 in k order, times scale * 256, plus b."""
     xf, w = x.float(), E4M3.decode(codes).float() * 2.0 ** -8
-    acc = torch.zeros(m, n)
-    for j in range(k):
+    acc = torch.zeros(x.shape[0], codes.shape[0])
+    for j in range(codes.shape[1]):
         acc = acc + xf[:, j:j + 1] * w[:, j]
     y = acc.double() * (scale * 256.0).double() + (b.double() if b is not None else 0.0)
-    got = lib.linear(x, lib.pack_fp8(codes), n, b, scale=scale)
-    assert torch.equal(got.view(torch.int16), y.float().bfloat16().view(torch.int16))
+    return y.float().bfloat16()
+
+
+@pytest.mark.parametrize("m", [1, 3, 17])
+def test_avx2_fp8_rows_with_large_x_keep_their_bits(lib: DenseKernels, m: int) -> None:
+    """The AVX2 path widens x times 2^112 (its decoded weights are the E4M3 values times 2^-120), which would overflow
+    where |x| >= 2^16: a chunk of rows with such a value multiplies the decoded weights by 2^112 instead. Its rows have
+    the bits of the exact sums, and the other rows those of a call without the large row."""
+    if lib.isa != "avx2":
+        pytest.skip("the AVX2 path's scaling of x")
+    codes, scale = quantize_fp8_rows(_weight(70, 96, seed=9))
+    b = torch.randn(70, generator=torch.Generator().manual_seed(3))
+    x = torch.randn(m + 1, 96, generator=torch.Generator().manual_seed(m)).bfloat16()
+    x[0, 5], x[0, 50] = 3.0e5, -7.0e4
+    packed = lib.pack_fp8(codes)
+    got = lib.linear(x, packed, 70, b, scale=scale)
+    assert torch.equal(got.view(torch.int16), _avx2_sums(x, codes, scale, b).view(torch.int16))
+    assert torch.equal(got[:1], lib.linear(x[:1], packed, 70, b, scale=scale))
+    assert torch.equal(got[1:], lib.linear(x[1:], packed, 70, b, scale=scale))
 
 
 def test_the_kernel_decodes_every_code_exactly(lib: DenseKernels, path: str) -> None:

@@ -154,8 +154,8 @@ class DenseKernels(NativeLibrary):
     def pack_fp8(self, codes: torch.Tensor) -> torch.Tensor:
         """E4M3 codes ``[N, K]`` (uint8) -> the FP8 packed layout (1-D uint8, ``kv8_linear_packed_size(N, K)``
         codes): the bf16 packed layout's order of values with each pair-row's 64 codes in the order this build's
-        decode reads them (AVX-512: the table decode's, ``decode_panels_fp8`` in ``csrc/dense/linear.h``; AVX2: per
-        8 columns their 8 even-k codes, then their 8 odd-k codes, ``csrc/dense/avx2.h``)."""
+        decode reads them (AVX-512: the table decode's, ``decode_panels_fp8`` in ``csrc/dense/linear.h``; AVX2: the
+        bf16 layout's own order, ``csrc/dense/avx2.h``)."""
         if codes.dtype != torch.uint8 or codes.ndim != 2:
             raise ValueError(f"codes must be a 2-D uint8 tensor, got {codes.dtype} {list(codes.shape)}")
         n, k = codes.shape
@@ -327,11 +327,12 @@ class DenseKernels(NativeLibrary):
 _GGUF_BLOCK_BYTES = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q4_K": 18}
 
 # Per path: byte b of an FP8 pair-row holds value _FP8_BYTE_ORDER[isa][b] of the bf16 pair-row (value 2 c + j: column
-# c, k = 2 kk + j). AVX-512: the table decode's lane order; AVX2: group b // 16 of 8 columns, even k then odd k.
+# c, k = 2 kk + j). AVX-512: the table decode's lane order; AVX2: the bf16 pair-row's own order (its decode sign-extends
+# each code to the word that the value's bf16 has in the bf16 layout).
 
 _FP8_BYTE_ORDER = {
     "avx512": torch.tensor([8 * (b // 16) + b % 8 + (0 if b % 16 < 8 else 32) for b in range(64)]),
-    "avx2": torch.tensor([2 * (8 * (b // 16) + b % 8) + (b % 16) // 8 for b in range(64)]),
+    "avx2": torch.arange(64),
 }
 
 

@@ -18,14 +18,21 @@
 // sum = fma(w[c,2kk+1], x[2kk+1], fma(w[c,2kk], x[2kk], sum)), the same order on every path and batch size, so a
 // row's bits never depend on the batch.
 //
-// FP8 weights (kv8_linear_fp8): the same panels with one E4M3 code per value, in the AVX2 order (DenseKernels.
-// pack_fp8): group g of a pair-row is 16 bytes, the 8 even-k codes of columns 8g..8g+7, then the 8 odd-k codes. A
-// code becomes the fp16 with bits (sign << 15) | (code & 0x7f) << 7 -- exactly its E4M3 value times 2^-8, subnormals
-// included (fp16 has one more exponent bit and bias 15 = 7 + 8) -- and vcvtph2ps makes it fp32: three integer
-// operations and two conversions per 16 weights, no table. The 2^8 goes into the row's scale in the epilogue
-// (acc * (scale * 256) + bias: the same value as the exact weights' acc * scale + bias, bit for bit, since scaling by a
-// power of two commutes with every fp32 rounding of the sum outside the subnormal range). The NaN codes 0x7F / 0xFF,
-// which the quantizer never writes (it saturates), decode to +-480 here (the AVX-512 table decode: NaN).
+// FP8 weights (kv8_linear_fp8): the same panels with one E4M3 code per value, in the bf16 layout's order (DenseKernels.
+// pack_fp8): group g of a pair-row is 16 bytes, the codes of W[c, 2kk] and W[c, 2kk+1] for its columns c in turn.
+// vpmovsxbw widens them to words, so dword lane c holds the even-k code in its low word and the odd-k code in its high
+// word; a dword shift puts a code's 7 exponent and mantissa bits at fp32 bits 26..20 with copies of its sign above
+// them, and a mask keeps bit 31 and bits 26..20: the fp32 of exactly the E4M3 value times 2^-120 (subnormal codes
+// become fp32 subnormals, exactly). Two integer operations per 8 weights and no conversion (an fp16 decode through
+// vcvtph2ps took 4.9 ns per pair-row of 64 codes in a 1-row C++ loop over L2-resident panels on Zen 3, this one 3.1
+// ns, a bf16 pair-row 2.8 ns).
+// To keep every product and sum in the normal range, x is widened times 2^112 (X_FP8; exact), so each product is
+// x * w * 2^-8, and the 2^8 goes into the row's scale in the epilogue (acc * (scale * 256) + bias: the same value as
+// the exact weights' acc * scale + bias, bit for bit, since scaling by a power of two commutes with every fp32
+// rounding of the sum outside the subnormal range). A chunk of rows with some |x| >= 2^16 (x * 2^112 would overflow)
+// keeps x as it is and multiplies the decoded weights by 2^112 instead (W_FP8_WIDE): the same products, so the same
+// bits. The NaN codes 0x7F / 0xFF, which the quantizer never writes (it saturates), decode to +-480 here (the AVX-512
+// table decode: NaN).
 #pragma once
 
 #if KV8_LINEAR_AVX2
@@ -234,33 +241,60 @@ struct XBuffer {
 // between k blocks (linear_blocked).
 static thread_local XBuffer tl_x, tl_w, tl_c;
 
-// rows x [M, K] bf16 -> xf [M, kp] fp32 (column K of an odd K zero).
-static inline void rows_to_f32(const uint16_t* x, int64_t M, int64_t K, int64_t kp, float* xf) {
+// FP8 weights (see the top of this file): x is multiplied by X_FP8 (2^112) as it is widened, where every |x| < X_FP8_MAX.
+static const float X_FP8 = 0x1p112f, X_FP8_MAX = 65536.0f;
+
+// 8 values of x as fp32 times xs (a power of two; exact below overflow), and the running maximum of their |x| (NaN
+// ignored).
+static inline __m256 x8_scaled(__m256 v, float xs, __m256& amax) {
+    amax = _mm256_max_ps(_mm256_andnot_ps(_mm256_set1_ps(-0.0f), v), amax);
+    return xs == 1.0f ? v : _mm256_mul_ps(v, _mm256_set1_ps(xs));
+}
+// Whether x scaled by xs stays finite: xs is 1 or every |x| < X_FP8_MAX (amax: their maximum).
+static inline bool x_fits(__m256 amax, float xs) {
+    return xs == 1.0f || _mm256_movemask_ps(_mm256_cmp_ps(amax, _mm256_set1_ps(X_FP8_MAX), _CMP_GE_OQ)) == 0;
+}
+
+// rows x [M, K] bf16 -> xf [M, kp] fp32 times xs (column K of an odd K zero). Returns x_fits; where it does not, xf
+// holds x unscaled.
+static inline bool rows_to_f32(const uint16_t* x, int64_t M, int64_t K, int64_t kp, float* xf, float xs = 1.0f) {
+    __m256 amax = _mm256_setzero_ps();
     for (int64_t r = 0; r < M; ++r) {
         const uint16_t* s = x + r * K;
         float* d = xf + r * kp;
         int64_t k = 0;
-        for (; k + 8 <= K; k += 8) _mm256_storeu_ps(d + k, bf16x8_to_f32(s + k));
-        for (; k < K; ++k) {
-            const uint32_t bits = (uint32_t)s[k] << 16;
-            memcpy(d + k, &bits, 4);
+        for (; k + 8 <= K; k += 8) _mm256_storeu_ps(d + k, x8_scaled(bf16x8_to_f32(s + k), xs, amax));
+        if (k < K) {
+            alignas(32) float tail[8];
+            _mm256_store_ps(tail, x8_scaled(bf16x8_to_f32_n(s + k, K - k), xs, amax));
+            memcpy(d + k, tail, (size_t)(K - k) * 4);
         }
         if (kp > K) d[K] = 0.0f;
     }
+    if (x_fits(amax, xs)) return true;
+    rows_to_f32(x, M, K, kp, xf);
+    return false;
 }
 
-// How a kernel reads its panel: the bf16 packed layout or the FP8 one.
-enum { W_BF16 = 0, W_FP8 = 1 };
+// How a kernel reads its panel: the bf16 packed layout, or the FP8 one with x scaled by X_FP8 (W_FP8) or not
+// (W_FP8_WIDE: the decoded weights times 2^112 instead; rows with some |x| >= X_FP8_MAX).
+enum { W_BF16 = 0, W_FP8 = 1, W_FP8_WIDE = 2 };
 
 // The even-k and odd-k fp32 weights of group g of pair-row kk (see the top of this file); bf16 panels: p points at
-// the group's 32 bytes; FP8: at its 16 codes (the weights times 2^-8).
+// the group's 32 bytes; FP8: at its 16 codes, W_FP8: the weights times 2^-120, W_FP8_WIDE: times 2^-8.
 template <int SRC>
 static inline void load_weights(const uint8_t* p, __m256& even, __m256& odd) {
-    if (SRC == W_FP8) {
+    if (SRC != W_BF16) {
+        // dword lane c: code (c, even k) sign-extended in its low word, code (c, odd k) in its high word; each shifted
+        // to bits 27..20 (the sign's copies above it) and masked to sign | exponent | mantissa
         const __m256i s = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)p));
-        const __m256i h = _mm256_and_si256(_mm256_slli_epi16(s, 7), _mm256_set1_epi16((short)0xBF80));
-        even = _mm256_cvtph_ps(_mm256_castsi256_si128(h));
-        odd = _mm256_cvtph_ps(_mm256_extracti128_si256(h, 1));
+        const __m256i m = _mm256_set1_epi32((int)0x87F00000u);
+        even = _mm256_castsi256_ps(_mm256_and_si256(_mm256_slli_epi32(s, 20), m));
+        odd = _mm256_castsi256_ps(_mm256_and_si256(_mm256_slli_epi32(s, 4), m));
+        if (SRC == W_FP8_WIDE) {
+            even = _mm256_mul_ps(even, _mm256_set1_ps(0x1p112f));
+            odd = _mm256_mul_ps(odd, _mm256_set1_ps(0x1p112f));
+        }
     } else {
         const __m256i w = _mm256_loadu_si256((const __m256i*)p);
         even = _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
@@ -314,22 +348,32 @@ static inline void store_half(__m256 acc0, __m256 acc1, const float* bias, const
     }
 }
 
-// Few rows (at most FEW_ROWS): MR rows of xf (stride kp, fp32) times NG groups of one panel, read in place (NG = 4:
-// the whole panel; NG = 2: half h of it) -> outputs. out rows have stride N.
+// Few rows (at most FEW_ROWS): MR rows of xf (stride kp, fp32) times NG groups of a panel, read in place (NG = 2: half
+// h of it; NG = 4: the whole panel; NG = 8: two adjacent panels, 8 chains of FMAs in flight for one row) -> outputs.
+// out rows have stride N.
 template <int MR, int NG, int SRC, bool GATED>
 static inline void micro_avx2(const float* xf, int64_t kp, const uint8_t* panel, int h, const float* bias,
                               const float* scale, float unit, int64_t n0, int64_t N, uint16_t* out) {
-    constexpr int64_t GB = SRC == W_FP8 ? 16 : 32;   // bytes of a group in a pair-row
+    constexpr int64_t GB = SRC != W_BF16 ? 16 : 32;   // bytes of a group in a pair-row
     constexpr int64_t RB = 4 * GB;                   // bytes of a pair-row
-    int go[NG];                                      // the groups
-    for (int i = 0; i < NG; ++i) go[i] = NG == 4 ? i : half_group<GATED>(h, i);
+    const int64_t pairs = kp / 2;
+    int64_t go[NG];                                  // the groups' offsets in a pair-row (of the first panel)
+    for (int i = 0; i < NG; ++i) go[i] = NG == 2 ? half_group<GATED>(h, i) * GB : (i / 4) * pairs * RB + (i % 4) * GB;
     __m256 acc[MR][NG];
     for (int r = 0; r < MR; ++r)
         for (int i = 0; i < NG; ++i) acc[r][i] = _mm256_setzero_ps();
-    const int64_t pairs = kp / 2;
     for (int64_t kk = 0; kk < pairs; ++kk) {
+        if (MR == 1) {   // each group's two FMAs right after its load (8 groups of weights need no 16 registers)
+            const __m256 xe = _mm256_broadcast_ss(xf + 2 * kk), xo = _mm256_broadcast_ss(xf + 2 * kk + 1);
+            for (int i = 0; i < NG; ++i) {
+                __m256 we, wo;
+                load_weights<SRC>(panel + kk * RB + go[i], we, wo);
+                acc[0][i] = _mm256_fmadd_ps(wo, xo, _mm256_fmadd_ps(we, xe, acc[0][i]));
+            }
+            continue;
+        }
         __m256 we[NG], wo[NG];
-        for (int i = 0; i < NG; ++i) load_weights<SRC>(panel + kk * RB + go[i] * GB, we[i], wo[i]);
+        for (int i = 0; i < NG; ++i) load_weights<SRC>(panel + kk * RB + go[i], we[i], wo[i]);
         for (int r = 0; r < MR; ++r) {
             const __m256 xe = _mm256_broadcast_ss(xf + r * kp + 2 * kk);
             for (int i = 0; i < NG; ++i) acc[r][i] = _mm256_fmadd_ps(we[i], xe, acc[r][i]);
@@ -341,12 +385,12 @@ static inline void micro_avx2(const float* xf, int64_t kp, const uint8_t* panel,
         uint16_t* row = out + r * N;
         if (NG == 2) {
             store_half<GATED>(acc[r][0], acc[r][1], bias, scale, unit, n0, h, N, row);
-        } else {   // the two halves in turn
-            store_half<GATED>(acc[r][half_group<GATED>(0, 0)], acc[r][half_group<GATED>(0, 1)], bias, scale, unit,
-                              n0, 0, N, row);
-            store_half<GATED>(acc[r][half_group<GATED>(1, 0)], acc[r][half_group<GATED>(1, 1)], bias, scale, unit,
-                              n0, 1, N, row);
+            continue;
         }
+        for (int q = 0; q < NG / 4; ++q)   // each panel's two halves in turn
+            for (int hh = 0; hh < 2; ++hh)
+                store_half<GATED>(acc[r][4 * q + half_group<GATED>(hh, 0)], acc[r][4 * q + half_group<GATED>(hh, 1)],
+                                  bias, scale, unit, n0 + PANEL * q, hh, N, row);
     }
 }
 
@@ -356,6 +400,12 @@ template <int SRC, bool G>
 static const MicroAvx2Fn MICRO_AVX2[MAX_MR_AVX2 + 1] = {nullptr, micro_avx2<1, 2, SRC, G>, micro_avx2<2, 2, SRC, G>,
                                                         micro_avx2<3, 2, SRC, G>, micro_avx2<4, 2, SRC, G>,
                                                         micro_avx2<5, 2, SRC, G>};
+// One row: WHOLE_AVX2[src][gated][np - 1] multiplies np whole panels (micro_avx2 with NG = 4 np).
+#define KV8_WHOLE(S, G) {micro_avx2<1, 4, S, G>, micro_avx2<1, 8, S, G>}
+static const MicroAvx2Fn WHOLE_AVX2[3][2][2] = {{KV8_WHOLE(W_BF16, false), KV8_WHOLE(W_BF16, true)},
+                                                {KV8_WHOLE(W_FP8, false), KV8_WHOLE(W_FP8, true)},
+                                                {KV8_WHOLE(W_FP8_WIDE, false), KV8_WHOLE(W_FP8_WIDE, true)}};
+#undef KV8_WHOLE
 
 // ---- linear, more rows: a blocked GEMM -------------------------------------------------------------------------------
 //
@@ -372,10 +422,10 @@ static const int64_t MC = 120;         // rows per chunk: their fp32 k block (12
 static const int64_t FEW_ROWS = 5;     // up to this many rows (one block): the panels read in place (micro_avx2)
 
 // Half h of a panel (groups half_group(h, 0), half_group(h, 1)), pair-rows [kk0, kk0 + n) -> fp32 at w, 32 floats per
-// pair-row: the two groups' even-k weights, then their odd-k weights. Exact (an FP8 weight stays times 2^-8).
+// pair-row: the two groups' even-k weights, then their odd-k weights. Exact (an FP8 weight times load_weights' power of two).
 template <int SRC, bool GATED>
 static inline void widen_half(const uint8_t* panel, int64_t kk0, int64_t n, int h, float* w) {
-    constexpr int64_t GB = SRC == W_FP8 ? 16 : 32;
+    constexpr int64_t GB = SRC != W_BF16 ? 16 : 32;
     const uint8_t* p = panel + kk0 * 4 * GB;
     const int64_t g0 = half_group<GATED>(h, 0) * GB, g1 = half_group<GATED>(h, 1) * GB;
     for (int64_t kk = 0; kk < n; ++kk, p += 4 * GB) {
@@ -389,20 +439,28 @@ static inline void widen_half(const uint8_t* panel, int64_t kk0, int64_t n, int 
     }
 }
 
-// rows of x (stride K), columns [k0, k0 + kc) -> xf [rows, kc] fp32 (columns at or past K: 0).
-static inline void rows_to_f32_block(const uint16_t* x, int64_t rows, int64_t K, int64_t k0, int64_t kc, float* xf) {
+// rows of x (stride K), columns [k0, k0 + kc) -> xf [rows, kc] fp32 times xs (columns at or past K: 0). Returns
+// x_fits; where it does not, xf holds x unscaled.
+static inline bool rows_to_f32_block(const uint16_t* x, int64_t rows, int64_t K, int64_t k0, int64_t kc, float* xf,
+                                     float xs = 1.0f) {
+    __m256 amax = _mm256_setzero_ps();
     for (int64_t r = 0; r < rows; ++r) {
         const uint16_t* s = x + r * K + k0;
         float* d = xf + r * kc;
         const int64_t n = K - k0 < kc ? K - k0 : kc;   // columns inside x (kc - n: 0 or 1, the pad of an odd K)
         int64_t k = 0;
-        for (; k + 8 <= n; k += 8) _mm256_storeu_ps(d + k, bf16x8_to_f32(s + k));
-        for (; k < n; ++k) {
-            const uint32_t bits = (uint32_t)s[k] << 16;
-            memcpy(d + k, &bits, 4);
+        for (; k + 8 <= n; k += 8) _mm256_storeu_ps(d + k, x8_scaled(bf16x8_to_f32(s + k), xs, amax));
+        if (k < n) {
+            alignas(32) float tail[8];
+            _mm256_store_ps(tail, x8_scaled(bf16x8_to_f32_n(s + k, n - k), xs, amax));
+            memcpy(d + k, tail, (size_t)(n - k) * 4);
+            k = n;
         }
         for (; k < kc; ++k) d[k] = 0.0f;
     }
+    if (x_fits(amax, xs)) return true;
+    rows_to_f32_block(x, rows, K, k0, kc, xf);
+    return false;
 }
 
 // A tile's sums: MR rows of fp32 x (stride ldx) times a half panel's widened k block (w: widen_half's), `pairs`
@@ -456,7 +514,7 @@ static bool linear_blocked(const uint16_t* x, int64_t M, int64_t K, const uint8_
     const int64_t nkb = (pairs + KC_PAIRS - 1) / KC_PAIRS;
     const int64_t kcp = (pairs + nkb - 1) / nkb;   // pair-rows per k block (the last one: what is left)
     const int64_t chunks = (M + MC - 1) / MC, mc = (M + chunks - 1) / chunks;   // chunks of nearly equal rows
-    const int64_t row_bytes = (int64_t)PANEL * (SRC == W_FP8 ? 2 : 4);   // of a pair-row
+    const int64_t row_bytes = (int64_t)PANEL * (SRC != W_BF16 ? 2 : 4);   // of a pair-row
     const int64_t panel_bytes = pairs * row_bytes;
     float* xp = tl_x.get((size_t)mc * kcp * 2);
     float* wf = tl_w.get((size_t)kcp * 32);
@@ -472,7 +530,7 @@ static bool linear_blocked(const uint16_t* x, int64_t M, int64_t K, const uint8_
         for (int64_t kk0 = 0; kk0 < pairs; kk0 += kcp) {
             const int64_t n = pairs - kk0 < kcp ? pairs - kk0 : kcp;
             const bool first = kk0 == 0, last = kk0 + n == pairs;
-            rows_to_f32_block(x + m0 * K, rows, K, 2 * kk0, 2 * n, xp);
+            const bool fits = rows_to_f32_block(x + m0 * K, rows, K, 2 * kk0, 2 * n, xp, SRC == W_FP8 ? X_FP8 : 1.0f);
             // The next panel's k block (`lines` cache lines) streams into L2 while a panel computes, per_tile lines
             // beside each of its 2 nt tiles.
             const int64_t lines = n * row_bytes / 64, per_tile = (lines + 2 * nt - 1) / (2 * nt);
@@ -480,7 +538,8 @@ static bool linear_blocked(const uint16_t* x, int64_t M, int64_t K, const uint8_
                 const char* next = p + 1 < p1 ? (const char*)packed + (p + 1) * panel_bytes + kk0 * row_bytes : nullptr;
                 for (int h = 0; h < 2; ++h) {
                     if (half_column<GATED>(p * PANEL, h) >= N) continue;   // a padded half: no outputs
-                    widen_half<SRC, GATED>(packed + p * panel_bytes, kk0, n, h, wf);
+                    if (SRC == W_FP8 && !fits) widen_half<W_FP8_WIDE, GATED>(packed + p * panel_bytes, kk0, n, h, wf);
+                    else widen_half<SRC, GATED>(packed + p * panel_bytes, kk0, n, h, wf);
                     float* c = cb ? cb + ((p - p0) * 2 + h) * mc * 16 : nullptr;
                     for (int b = 0; b < nt; ++b) {
                         const int r0 = tile_r0[b], mr = tile_r0[b + 1] - r0;
@@ -501,10 +560,11 @@ static bool linear_blocked(const uint16_t* x, int64_t M, int64_t K, const uint8_
 }
 
 // kv8_linear (FP8 false) and kv8_linear_fp8 on AVX2 (linear.h's contract; use_amx is ignored), on checked arguments
-// with rows > 0 (dense.cpp's entry points). Threads take contiguous runs of panels. Up to FEW_ROWS rows, per chunk of rows (its fp32 copy within X_CHUNK_BYTES) a thread
-// walks its panels: one row multiplies the whole panel at once (the panel streamed once, 4 groups in registers); more
-// rows go through each half panel in blocks of up to MAX_MR_AVX2 rows (the half panel stays in L1 between the
-// blocks). More rows: the blocked GEMM (linear_blocked).
+// with rows > 0 (dense.cpp's entry points). Threads take contiguous runs of panels. Up to FEW_ROWS rows, per chunk of
+// rows (its fp32 copy within X_CHUNK_BYTES) a thread walks its panels: one row multiplies two whole panels at once
+// (each streamed once, 8 groups in registers: 8 independent chains of FMAs); more rows go through each half panel in
+// blocks of up to MAX_MR_AVX2 rows (the half panel stays in L1 between the blocks). More rows: the blocked GEMM
+// (linear_blocked).
 template <bool FP8>
 static int linear(const kv8_linear_call& call) {
     const uint16_t* x = call.x;
@@ -520,8 +580,6 @@ static int linear(const kv8_linear_call& call) {
     const int64_t panel_bytes = (int64_t)PANEL * kp * (FP8 ? 1 : 2);
     const int64_t chunk = X_CHUNK_BYTES / (kp * 4) > MAX_MR_AVX2 ? X_CHUNK_BYTES / (kp * 4) : MAX_MR_AVX2;
     const int threads = threads_for(call);
-    const MicroAvx2Fn* blocks = gated ? MICRO_AVX2<SRC, true> : MICRO_AVX2<SRC, false>;
-    const MicroAvx2Fn whole = gated ? micro_avx2<1, 4, SRC, true> : micro_avx2<1, 4, SRC, false>;
     int failed = 0;
 #pragma omp parallel num_threads(threads) reduction(| : failed)
     {
@@ -535,12 +593,20 @@ static int linear(const kv8_linear_call& call) {
             if (!xf) failed = 1;
             for (int64_t m0 = 0; !failed && m0 < M; m0 += chunk) {
                 const int64_t rows = M - m0 < chunk ? M - m0 : chunk;
-                rows_to_f32(x + m0 * K, rows, K, kp, xf);
+                // FP8: x times X_FP8 where it fits, else the weights decoded times 2^112 (the same products)
+                const bool fits = rows_to_f32(x + m0 * K, rows, K, kp, xf, FP8 ? X_FP8 : 1.0f);
+                const int src = FP8 && !fits ? W_FP8_WIDE : SRC;
+                const MicroAvx2Fn* blocks = src == W_FP8 ? (gated ? MICRO_AVX2<W_FP8, true> : MICRO_AVX2<W_FP8, false>)
+                                          : src == W_FP8_WIDE ? (gated ? MICRO_AVX2<W_FP8_WIDE, true>
+                                                                       : MICRO_AVX2<W_FP8_WIDE, false>)
+                                          : (gated ? MICRO_AVX2<W_BF16, true> : MICRO_AVX2<W_BF16, false>);
                 uint16_t* oc = out + m0 * N;
                 for (int64_t p = p0; p < p1; ++p) {
                     const uint8_t* panel = packed + p * panel_bytes;
-                    if (rows == 1) {
-                        whole(xf, kp, panel, 0, bias, scale, unit, p * PANEL, N, oc);
+                    if (rows == 1) {   // two panels at a time where the thread has two left, else one
+                        const int np = p + 1 < p1 ? 2 : 1;
+                        WHOLE_AVX2[src][gated][np - 1](xf, kp, panel, 0, bias, scale, unit, p * PANEL, N, oc);
+                        p += np - 1;
                         continue;
                     }
                     const int64_t nblk = (rows + MAX_MR_AVX2 - 1) / MAX_MR_AVX2;
