@@ -302,6 +302,31 @@ def test_integer_cache_shapes(portable_lib: kernels.KernelLibrary, kv_name: str,
         check_attention(portable_lib, cache, meta, q)
 
 
+@pytest.mark.parametrize("kv_name", ["fp8_e4m3", "fp8_e4m3fnuz"])
+@pytest.mark.parametrize("which", ["k", "v"])
+def test_nan_code_in_one_tile(portable_lib: kernels.KernelLibrary, kv_name: str, which: str) -> None:
+    """One NaN code in a K or V row of an E4M3 cache (the AVX2 kernel reads NaN-free tiles through fp16, where a NaN
+    code would read as a finite number): the rows that see it are NaN (a K code: the whole row; a V code: its
+    channel), as in the reference, and every other row equals the reference -- decode rows, other sequences, and
+    for a K code prefill rows before and after its position (the reference's P.V multiplies a V row's NaN by the
+    zero weights of the rows that do not see it, which no kernel does, so V codes are checked on decode rows)."""
+    query_lens = [1, 1, 20] if which == "k" else [1, 1, 1]
+    cache, meta, q = make_case(kv_name, "head", torch.float32, query_lens=query_lens, seq_lens=[40, 70, 60],
+                               seed=3)
+    pos, head = 50, 1   # tile 48..63 of sequences 1 and 2 (K: sequence 2's rows at positions >= 50 see it)
+    for seq in (1, 2):
+        block = int(meta.block_tables[seq, pos // 16])
+        cache.layer(1)[0 if which == "k" else 1][block, head, pos % 16, 5] = FP8_FORMATS[kv_name].nan_code
+    scale = 64 ** -0.5
+    want = paged_attention_reference(q, cache, 1, meta, scale).float()
+    got = paged_attention_fused(portable_lib, q, cache, 1, meta, scale, partition_size=32).float()
+    nan = torch.isnan(want)
+    assert nan.any() and not nan.all()
+    assert torch.equal(torch.isnan(got), nan)
+    err = (got[~nan] - want[~nan]).abs().max().item()
+    assert err <= TOL[torch.float32] * (1.0 + want[~nan].abs().max().item())
+
+
 def test_attention_with_flush_denormal(lib: kernels.KernelLibrary) -> None:
     """DAZ/FTZ set by the caller (torch.set_flush_denormal) must not zero FP8 subnormals inside the kernel."""
     cache, meta, q = make_case("fp8_e4m3", "tensor", torch.float32)

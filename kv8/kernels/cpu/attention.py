@@ -16,7 +16,9 @@ C side is copied here. A layer's struct (cache pointers, scales) is built once p
 
 On a CPU with AVX-512 BF16 + VBMI the kernel decodes FP8 straight to bf16 with in-register byte tables and
 multiplies with ``vdpbf16ps`` (exact products, fp32 accumulation); elsewhere, and for fp16/fp32 caches, it
-runs an fp32 path that decodes FP8 on bits. Details and precision: see ``attention.cpp``. Numerics versus
+runs an fp32 path that decodes FP8 exactly (the AVX2 kernel: E4M3 codes through fp16 with F16C, the power of two
+that leaves out carried by the query and the softmax weights; the generic kernel: on bits). Details and precision:
+see ``attention.cpp``. Numerics versus
 :func:`kv8.attention.reference.paged_attention_reference`: q and the softmax weights are carried as bf16
 hi + lo (about 16 significant bits; q exactly when it is bf16; the weights in bf16 alone when the output is
 bf16), products are exact and accumulated in fp32.

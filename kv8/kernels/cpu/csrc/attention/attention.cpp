@@ -193,7 +193,8 @@ int kv8_test_item_kernel(int kv, int q_dtype, int D, int bs, int rows, int use_a
 }
 
 // FP8 codes -> float with decoder `path`: 0 the bits (generic kernel), 1 the bf16 tables (AVX-512 kernels), 2 the
-// AVX2 kernel's 8 lanes; ERR_ARGS where the build lacks the path.
+// AVX2 kernel's 8 lanes (E4M3: through fp16 for 8 codes without a NaN code, else exactly; times 2^(15 - bias));
+// ERR_ARGS where the build lacks the path.
 int kv8_test_decode_fp8(int fmt, int path, const uint8_t* codes, int64_t n, float* out) {
     if (fmt < 0 || fmt >= KV_COUNT || !KV_FORMATS[fmt].fp8) return ERR_ARGS;
     FpEnv env;
@@ -211,8 +212,15 @@ int kv8_test_decode_fp8(int fmt, int path, const uint8_t* codes, int64_t n, floa
             alignas(32) float v[8];
             const int64_t m = n - i < 8 ? n - i : 8;
             memcpy(c, codes + i, (size_t)m);
-            with_kv_format(fmt, [&](auto K) {
-                if constexpr (KV_FORMATS[decltype(K)::value].fp8) _mm256_store_ps(v, decode8<decltype(K)::value>(c, 0));
+            with_kv_format(fmt, [&](auto K) {  // as the kernel reads a row: through fp16 unless it holds a NaN code
+                constexpr int KV = decltype(K)::value;
+                if constexpr (half_codes<KV>()) {
+                    const uint8_t* row = c;
+                    const __m256 x = rows_have_nan<KV>(&row, 1, 8) ? decode8<KV, false>(c, 0) : decode8<KV, true>(c, 0);
+                    _mm256_store_ps(v, _mm256_mul_ps(x, _mm256_set1_ps(half_scale<KV>())));
+                } else if constexpr (KV_FORMATS[KV].fp8) {
+                    _mm256_store_ps(v, decode8<KV, true>(c, 0));
+                }
             });
             memcpy(out + i, v, sizeof(float) * (size_t)m);
         }
