@@ -12,9 +12,10 @@ reads the result:
 * ``registers``, ``spill_bytes``: ``ptxas -v`` (the wheel's ptxas) on the PTX;
 * ``shared_bytes``: the shared memory Triton allocates for the kernel (its pipeline buffers);
 * the **key loop**: the backward branch of the SASS (``cuobjdump -sass``) and of the PTX that encloses the most
-  tensor-core instructions, the shortest on a tie. The attention kernel has two such loops: the one over the key
-  tiles every query row sees whole (no masks; all but the last tile or two of a decode row) is the key loop, the
-  other (the masked edge tiles) is reported as ``edge_loop_sass`` and ``edge_loop_f2f``. In the key loop:
+  tensor-core instructions, the shortest on a tie. The attention kernel's launches with keys as the products' rows
+  (FP8 decode) have two such loops: the one over the key tiles every query row sees whole (no masks; all but at
+  most the last tile of a decode row) is the key loop, the other (the masked edge tiles) is reported as
+  ``edge_loop_sass`` and ``edge_loop_f2f``. In the key loop:
   ``loop_sass`` instructions (one warp's instructions per iteration), how many are ``F2F`` (scalar float
   conversions), ``F2FP`` (packed conversions), ``HMMA``/``HGMMA``, ``MUFU``, ``BAR``; and from the PTX the
   ``cp.async.wait_group`` counts (``wait_groups``: a count above 0 leaves later tiles' loads in flight while this
@@ -327,8 +328,8 @@ def violations(rows: dict[str, dict[str, Any]]) -> list[str]:
     * every attention loop is pipelined: a ``cp.async.wait_group`` count above 0;
     * over FP8 codes the key loops convert natively in pairs (``cvt.rn.f16x2.e4m3x2``), with no scalar FP8
       conversion and no scalar ``F2F`` in either loop;
-    * the FP8 decode loop costs at most the bf16 loop's instructions per key (per KB of cache: at most twice the
-      bf16 figure, the FP8 cache being half the bytes);
+    * the FP8 decode loop costs at most the bf16 loop's SASS instructions per KB of cache (issue 39's promise: an FP8
+      KB holds twice the keys of a bf16 KB, so this is half the bf16 loop's instructions per key);
     * a decode program leaves room for :data:`RESIDENT_PROGRAMS` per SM (registers and shared memory).
 
     The int8 decode (``decode-int8``: dynamic scales, bf16 operands) keeps the promises that are not about FP8.
@@ -354,8 +355,8 @@ def violations(rows: dict[str, dict[str, Any]]) -> list[str]:
                 bad.append(f"{name}: {regs} registers and {r['shared_bytes']} bytes of shared memory per program "
                            f"leave no room for {RESIDENT_PROGRAMS} programs per SM")
     fp8, bf16 = rows["decode-fp8_e4m3"]["instr_per_kb"], rows["decode-bfloat16"]["instr_per_kb"]
-    if not fp8 <= 2 * bf16:
-        bad.append(f"decode: FP8 loop {fp8} instructions per KB > 2 x bf16's {bf16} (more per key than bf16)")
+    if not fp8 <= bf16:
+        bad.append(f"decode: FP8 loop {fp8} instructions per KB > bf16's {bf16}")
     return bad
 
 
