@@ -18,6 +18,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -45,7 +46,7 @@ _OLD_FIGURES = {
 # The same launches compiled from commit b46a915 (pipelined; FP8 decode tiles of 16 query rows x 64 keys over 2
 # warps, keys the products' columns), the figures violations() reads.
 _PACKED = ["cvt.rn.f16x2.e4m3x2"]
-_B46A915_FIGURES = {
+_B46A915_FIGURES: dict[str, dict[str, Any]] = {
     name: {"spill_bytes": 0, "cvt_fp8_scalar": [], "loop_f2f": 0, "registers": regs, "shared_bytes": shared,
            "num_warps": warps, "wait_groups": [wait], "cvt_fp8_packed": _PACKED if "fp8" in name else [],
            "instr_per_kb": per_kb}
