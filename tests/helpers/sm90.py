@@ -12,11 +12,15 @@ reads the result:
 * ``registers``, ``spill_bytes``: ``ptxas -v`` (the wheel's ptxas) on the PTX;
 * ``shared_bytes``: the shared memory Triton allocates for the kernel (its pipeline buffers);
 * the **key loop**: the backward branch of the SASS (``cuobjdump -sass``) and of the PTX that encloses the most
-  tensor-core instructions. In it: ``loop_sass`` instructions (one warp's instructions per iteration), how many are
-  ``F2F`` (scalar float conversions), ``F2FP`` (packed conversions), ``HMMA``/``HGMMA``, ``MUFU``, ``BAR``; and from
-  the PTX the ``cp.async.wait_group`` counts (``wait_groups``: a count above 0 leaves later tiles' loads in flight
-  while this one is used -- pipelining) and the packed FP8 conversions (``cvt_fp8_packed``, e.g.
-  ``cvt.rn.f16x2.e4m3x2``);
+  tensor-core instructions, the shortest on a tie. The attention kernel's launches with keys as the products' rows
+  (FP8 decode) have two such loops: the one over the key tiles every query row sees whole (no masks; all but at
+  most the last tile of a decode row) is the key loop, the other (the masked edge tiles) is reported as
+  ``edge_loop_sass`` and ``edge_loop_f2f``. In the key loop:
+  ``loop_sass`` instructions (one warp's instructions per iteration), how many are ``F2F`` (scalar float
+  conversions), ``F2FP`` (packed conversions), ``HMMA``/``HGMMA``, ``MUFU``, ``BAR``; and from the PTX the
+  ``cp.async.wait_group`` counts (``wait_groups``: a count above 0 leaves later tiles' loads in flight while this
+  one is used -- pipelining) and the FP8 conversions of both loops (``cvt_fp8_packed``, e.g.
+  ``cvt.rn.f16x2.e4m3x2``, and ``cvt_fp8_scalar``);
 * ``instr_per_kb``: ``loop_sass * num_warps`` (the warp instructions an SM issues per iteration) over the KB of
   K and V cache one iteration reads (``bytes_per_iter``, given by the caller).
 """
@@ -89,6 +93,8 @@ class Figures:
     loop_mma: int
     loop_mufu: int
     loop_bar: int
+    edge_loop_sass: int
+    edge_loop_f2f: int
     wait_groups: list[int]
     cvt_fp8_packed: list[str]
     cvt_fp8_scalar: list[str]
@@ -111,18 +117,16 @@ def _loops(lines: list[str], is_label: Any, branch_target: Any) -> list[tuple[in
     return loops
 
 
-def _key_loop(lines: list[str], loops: list[tuple[int, int]], is_mma: Any) -> list[str]:
-    """The loop with the most tensor-core instructions, the innermost such one on a tie."""
-    best: tuple[int, int, tuple[int, int]] | None = None
-    for lo, hi in loops:
-        n = sum(1 for line in lines[lo:hi + 1] if is_mma(line))
-        cand = (n, -(hi - lo), (lo, hi))
-        if n and (best is None or cand > best):
-            best = cand
-    if best is None:
+def _key_loops(lines: list[str], loops: list[tuple[int, int]], is_mma: Any) -> list[list[str]]:
+    """The loops with the most tensor-core instructions (none that encloses another of them), shortest first: the
+    attention kernel's key loop over whole tiles, then its loop over the edge tiles (masked)."""
+    counts = [(sum(1 for line in lines[lo:hi + 1] if is_mma(line)), lo, hi) for lo, hi in loops]
+    most = max((n for n, _, _ in counts), default=0)
+    if not most:
         return []
-    lo, hi = best[2]
-    return lines[lo:hi + 1]
+    best = [(lo, hi) for n, lo, hi in counts if n == most]
+    inner = [(lo, hi) for lo, hi in best if not any((a, b) != (lo, hi) and lo <= a and b <= hi for a, b in best)]
+    return [lines[lo:hi + 1] for lo, hi in sorted(inner, key=lambda x: x[1] - x[0])]
 
 
 def _sass(cubin: bytes) -> list[str]:
@@ -163,8 +167,10 @@ def measure(kernel: Any, num_warps: int, num_stages: int, bytes_per_iter: int) -
     def sass_mma(line: str) -> bool:
         return re.search(r"\b(HMMA|HGMMA|IMMA|QGMMA)\b", line) is not None
 
-    loop = [line.split(" ", 1)[1] for line in _key_loop(sass, _loops(sass, sass_label, sass_branch), sass_mma)]
-    loop = [op for op in loop if not op.startswith("NOP")]
+    sass_loops = [[op for op in (line.split(" ", 1)[1] for line in lines) if not op.startswith("NOP")]
+                  for lines in _key_loops(sass, _loops(sass, sass_label, sass_branch), sass_mma)]
+    loop = sass_loops[0] if sass_loops else []
+    edge = sass_loops[1] if len(sass_loops) > 1 else []
 
     ptx_lines = [line.strip() for line in ptx.splitlines()]
 
@@ -176,19 +182,20 @@ def measure(kernel: Any, num_warps: int, num_stages: int, bytes_per_iter: int) -
         m = re.search(r"\bbra(?:\.uni)?\s+(\$L__\w+);", line)
         return m.group(1) if m else None
 
-    ptx_loop = _key_loop(ptx_lines, _loops(ptx_lines, ptx_label, ptx_branch),
-                         lambda line: re.match(r"(@%p\d+ )?(w?g?mma)\b", line) is not None)
-    ptx_text = "\n".join(ptx_loop)
-    fp8_cvts = re.findall(r"cvt\.[a-z0-9.]*e[45]m[23][a-z0-9.]*", ptx_text)
+    ptx_loops = _key_loops(ptx_lines, _loops(ptx_lines, ptx_label, ptx_branch),
+                           lambda line: re.match(r"(@%p\d+ )?(w?g?mma)\b", line) is not None)
+    ptx_text = "\n".join(ptx_loops[0]) if ptx_loops else ""
+    fp8_cvts = re.findall(r"cvt\.[a-z0-9.]*e[45]m[23][a-z0-9.]*", "\n".join(sum(ptx_loops, [])))
 
-    def count(prefix: str) -> int:
-        return sum(1 for op in loop if re.match(rf"(@!?U?P\w+ )?{prefix}\b", op))
+    def count(prefix: str, ops: list[str] = loop) -> int:
+        return sum(1 for op in ops if re.match(rf"(@!?U?P\w+ )?{prefix}\b", op))
 
     kb = bytes_per_iter / 1024
     return Figures(
         registers=registers, spill_bytes=spills, shared_bytes=int(kernel.metadata.shared), num_warps=num_warps,
         num_stages=num_stages, loop_sass=len(loop), loop_f2f=count("F2F"), loop_f2fp=count("F2FP"),
-        loop_mma=count("(HMMA|HGMMA)"), loop_mufu=count("MUFU"), loop_bar=count("BAR"),
+        loop_mma=count("(HMMA|HGMMA)"), loop_mufu=count("MUFU"), loop_bar=count("BAR"), edge_loop_sass=len(edge),
+        edge_loop_f2f=count("F2F", edge),
         wait_groups=[int(x) for x in re.findall(r"cp\.async\.wait_group\s+(\d+)", ptx_text)],
         cvt_fp8_packed=sorted({c for c in fp8_cvts if "x2" in c}),
         cvt_fp8_scalar=sorted({c for c in fp8_cvts if "x2" not in c}),
@@ -319,10 +326,10 @@ def violations(rows: dict[str, dict[str, Any]]) -> list[str]:
 
     * no kernel spills registers;
     * every attention loop is pipelined: a ``cp.async.wait_group`` count above 0;
-    * over FP8 codes the loop converts natively in pairs (``cvt.rn.f16x2.e4m3x2``), with no scalar FP8 conversion
-      and no scalar ``F2F`` in the loop;
-    * the FP8 decode loop costs at most the bf16 loop's instructions per key (per KB of cache: at most twice the
-      bf16 figure, the FP8 cache being half the bytes);
+    * over FP8 codes the key loops convert natively in pairs (``cvt.rn.f16x2.e4m3x2``), with no scalar FP8
+      conversion and no scalar ``F2F`` in either loop;
+    * the FP8 decode loop costs at most the bf16 loop's SASS instructions per KB of cache (issue 39's promise: an FP8
+      KB holds twice the keys of a bf16 KB, so this is half the bf16 loop's instructions per key);
     * a decode program leaves room for :data:`RESIDENT_PROGRAMS` per SM (registers and shared memory).
 
     The int8 decode (``decode-int8``: dynamic scales, bf16 operands) keeps the promises that are not about FP8.
@@ -339,23 +346,24 @@ def violations(rows: dict[str, dict[str, Any]]) -> list[str]:
             if "cvt.rn.f16x2.e4m3x2" not in r["cvt_fp8_packed"] or r["cvt_fp8_scalar"]:
                 bad.append(f"{name}: FP8 conversions {r['cvt_fp8_packed'] + r['cvt_fp8_scalar']}, want only "
                            "cvt.rn.f16x2.e4m3x2")
-            if r["loop_f2f"]:
-                bad.append(f"{name}: {r['loop_f2f']} scalar F2F conversions per iteration")
+            if r["loop_f2f"] or r.get("edge_loop_f2f"):
+                bad.append(f"{name}: {r['loop_f2f']} scalar F2F conversions per iteration"
+                           + (f" ({r['edge_loop_f2f']} in the edge loop)" if r.get("edge_loop_f2f") else ""))
         if name.startswith("decode-"):
             regs = r["registers"] * 32 * r["num_warps"]
             if RESIDENT_PROGRAMS * regs > SM90_REGISTERS or RESIDENT_PROGRAMS * r["shared_bytes"] > SM90_SHARED_BYTES:
                 bad.append(f"{name}: {regs} registers and {r['shared_bytes']} bytes of shared memory per program "
                            f"leave no room for {RESIDENT_PROGRAMS} programs per SM")
     fp8, bf16 = rows["decode-fp8_e4m3"]["instr_per_kb"], rows["decode-bfloat16"]["instr_per_kb"]
-    if not fp8 <= 2 * bf16:
-        bad.append(f"decode: FP8 loop {fp8} instructions per KB > 2 x bf16's {bf16} (more per key than bf16)")
+    if not fp8 <= bf16:
+        bad.append(f"decode: FP8 loop {fp8} instructions per KB > bf16's {bf16}")
     return bad
 
 
 def table(rows: dict[str, dict[str, Any]]) -> str:
     """The figures as a text table (the compile test prints it)."""
     cols = ("registers", "spill_bytes", "shared_bytes", "num_warps", "num_stages", "TILE_N", "NUM_SPLITS",
-            "wait_groups", "loop_sass", "loop_f2f", "loop_f2fp", "loop_mma", "instr_per_kb")
+            "wait_groups", "loop_sass", "loop_f2f", "loop_f2fp", "loop_mma", "edge_loop_sass", "instr_per_kb")
     lines = ["kernel".ljust(18) + " ".join(c.rjust(12) for c in cols)]
     for name, r in rows.items():
         lines.append(name.ljust(18) + " ".join(str(r.get(c, "-")).replace(" ", "").rjust(12) for c in cols))

@@ -473,9 +473,10 @@ def test_launch_config_invariants() -> None:
             (1, 2, 3, 4, 6, 8, 16, 32), (1, 64, 80, 96, 128, 256), (0, 1, 2, 7, 64, 4096), (8, 16, 32, 48),
             (False, True), (1, 2, 4)):
         c = launch_config(group, head_dim, max_q, bs, f32, nbytes)
-        assert c.block_m >= max(16, c.block_q * group) and c.block_q >= 1
+        assert c.block_m >= max(8 if c.key_rows else 16, c.block_q * group) and c.block_q >= 1
         for v in (c.block_m, c.tile_n, c.d_pad):
-            assert v >= 16 and v & (v - 1) == 0
+            assert v >= (8 if v is c.block_m and c.key_rows else 16) and v & (v - 1) == 0
+        assert not c.key_rows or (nbytes == 1 and c.block_m <= 16 and not f32 and c.d_pad <= 128)
         assert c.d_pad >= head_dim
         assert c.tile_in_block == (bs % c.tile_n == 0)
         assert c.num_warps in (1, 2, 4, 8) and c.num_stages in (3, 5)
@@ -485,7 +486,8 @@ def test_launch_config_invariants() -> None:
     assert not launch_config(1, 128, 1, 8, False).tile_in_block
     # the engine's decode launches at Llama-3.1-8B shapes (module docstring of the kernel; tests/helpers/sm90.py)
     fp8 = launch_config(4, 128, 1, 16, False, cache_bytes=1)
-    assert (fp8.tile_n, fp8.num_warps, fp8.num_stages, fp8.tile_in_block) == (64, 2, 5, False)
+    assert (fp8.block_m, fp8.tile_n, fp8.num_warps, fp8.num_stages, fp8.tile_in_block, fp8.key_rows) \
+        == (8, 64, 1, 5, False, True)
     bf16 = launch_config(4, 128, 1, 16, False, cache_bytes=2)
     assert (bf16.tile_n, bf16.num_warps, bf16.num_stages, bf16.tile_in_block) == (16, 1, 5, True)
 
@@ -505,24 +507,26 @@ def test_split_heuristic() -> None:
 
 
 def test_split_rule_counts_real_programs() -> None:
-    """32 decode rows at 4k context, 8 KV heads, on 132 SMs: the grid has 32 // 4 + 32 = 40 query tiles (8 of them
-    return at once), the real programs are 32 x 8 = 256, so 3 splits reach 4 x 132 (the grid's 320 would give 2)."""
+    """32 decode rows at 4k context, 8 KV heads, on 132 SMs: the grid has 32 // 2 + 32 = 48 query tiles (16 of them
+    return at once), the real programs are 32 x 8 = 256, so 3 splits reach 4 x 132 (the grid's 384 would give 2)."""
     from tests.helpers.sm90 import llama_attention_launches
     launches = llama_attention_launches("fp8_e4m3", "decode", compute_units=132)
-    assert launches[0].grid == (40, 8, 3)
+    assert launches[0].grid == (48, 8, 3)
     assert launches[0].kwargs["NUM_SPLITS"] == 3 and len(launches) == 2     # the attention kernel and the merge
 
 
 def test_mixed_batch_launches_decode_rows_apart() -> None:
     """A batch with a prefill chunk and decode rows launches the kernel twice over the same arguments: decode tiles
-    (16 rows, 64 FP8 keys, 2 warps) for the sequences of <= 16 // group = 4 new tokens, prefill tiles (64 rows = 16
-    tokens x 4 heads, 4 warps) for the others; each grid covers the whole batch (the host reads no lengths). A
-    batch without decode rows (``min_query_len`` > 4: a pure prefill) makes only the prefill launch, the same
-    kernel; one without prefill rows only the decode one. The interpreter tests' mixed batches run both launches."""
+    (16 rows, 64 FP8 keys as the products' rows, 1 warp) for the sequences of <= 16 // group = 4 new tokens,
+    prefill tiles (64 rows = 16 tokens x 4 heads, 4 warps) for the others; each grid covers the whole batch (the
+    host reads no lengths). A batch without decode rows (``min_query_len`` > 4: a pure prefill) makes only the
+    prefill launch, the same kernel; one without prefill rows only the decode one. The interpreter tests' mixed
+    batches run both launches."""
     from tests.helpers.sm90 import llama_attention_launches
     decode, prefill = llama_attention_launches("fp8_e4m3", "mixed")      # 31 decode rows, one 2048-token chunk
     assert (decode.kwargs["Q_LEN_MIN"], decode.kwargs["Q_LEN_MAX"]) == (0, 4)
-    assert (decode.kwargs["BLOCK_M"], decode.kwargs["TILE_N"], decode.kwargs["num_warps"]) == (16, 64, 2)
+    assert (decode.kwargs["BLOCK_M"], decode.kwargs["TILE_N"], decode.kwargs["num_warps"]) == (16, 64, 1)
+    assert decode.kwargs["KEY_ROWS"] and not prefill.kwargs["KEY_ROWS"]
     assert decode.grid == (2079 // 4 + 32, 8, 1) and decode.args == prefill.args
     assert prefill.kwargs["Q_LEN_MIN"] == 5 and (prefill.kwargs["BLOCK_M"], prefill.kwargs["num_warps"]) == (64, 4)
     assert prefill.grid == (2079 // 16 + 32, 8, 1)                       # 16 tokens x 4 heads per tile
@@ -531,7 +535,7 @@ def test_mixed_batch_launches_decode_rows_apart() -> None:
     decode_only = llama_attention_launches("fp8_e4m3", "decode")          # 32 rows at 4k: tiles and a split merge
     assert [x.kernel for x in decode_only] == [triton_attention._paged_attention_kernel,
                                                 triton_attention._merge_splits_kernel]
-    assert decode_only[0].kwargs["Q_LEN_MAX"] > 2 ** 30 and decode_only[0].kwargs["BLOCK_M"] == 16
+    assert decode_only[0].kwargs["Q_LEN_MAX"] > 2 ** 30 and decode_only[0].kwargs["BLOCK_M"] == 8
 
 
 @pytest.mark.parametrize(("batch", "attention_launches"), [

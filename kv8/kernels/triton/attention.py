@@ -36,7 +36,27 @@ Work decomposition (grid ``(T // BLOCK_Q + B, Hkv, NUM_SPLITS)``; T = query rows
   iterations are in flight (``cp.async``) while one is used. FP8 tiles are converted from the shared-memory copy
   in the loads' own layout, 16 consecutive codes per thread, by ``cvt.rn.f16x2.e4m3x2`` (or ``e5m2x2``) pairs
   (:func:`~kv8.kernels.triton.dequant.decode_fp8_native`), and staged again as float16 for the tensor cores;
-  converting in the tensor-core operand layout instead reads the codes byte by byte.
+  converting in the tensor-core operand layout instead reads the codes byte by byte. With ``KEY_ROWS`` (below)
+  the loop runs in two parts: first over the key tiles that every row of the query tile sees whole (all their
+  keys at or before the tile's first position ``p_lo``; with a window, after ``p_hi - W`` too), with no clamped
+  addresses and no causal or window mask (their scores are all finite: a masked row's query is zero), loading
+  whole blocks as ``[blocks, block_size, D]`` (one table entry and one base address per block); then over the
+  other tiles (the last one; with a window also the first ones), clamped and masked as above. A decode row spends
+  all its iterations but at most the last in the first part. Only the float32 summation order (the tiles' order)
+  depends on the split.
+* **Orientation** (``KEY_ROWS``). A tensor-core product's rows come in 16s and its columns in 8s, and a decode
+  tile has few query rows (4 for one token at GQA 4). The decode tiles over FP8 codes with static or no scales
+  therefore put the keys in the products' rows::
+
+      S^T [TILE_N, BLOCK_M] = K [TILE_N, D] @ Q^T [D, BLOCK_M]         (softmax along axis 0)
+      acc^T [D, BLOCK_M]   += V^T [D, TILE_N] @ P^T [TILE_N, BLOCK_M]
+
+  with ``BLOCK_M = 8`` where the other orientation pads 4 rows to 16: half the tensor-core instructions, score
+  elements and accumulator rescales per key. K and V tiles are both loaded ``[TILE_N, D]`` (one table gather
+  serves both); ``acc`` is transposed back once after the loop. Same values as the other orientation: each score
+  and each output element is the same float32 sum of the same exact products, only its order inside a
+  tensor-core instruction may differ. Over dynamic scales (int8, dynamic FP8: bfloat16 operands and a scale per
+  key) the decode tiles keep the usual orientation: in this one their registers spill.
 * **Split-K (flash-decoding).** With ``NUM_SPLITS > 1`` the tile's key range is cut into ``NUM_SPLITS`` equal runs
   of key tiles, one per program along grid axis 2; each writes its unnormalised float32 state (running max ``m``
   in log2 units, sum ``l``, accumulator ``acc``) to a workspace, an empty run writing ``(-inf, 0, 0)``, and
@@ -126,70 +146,124 @@ _WAVES = 4                     # resident programs to aim for, per compute unit
 
 
 @triton.jit
+def _spread(x, AXIS: tl.constexpr):
+    """Vector ``x`` as a 2-D tensor whose values run along ``AXIS``: ``x[:, None]`` (0) or ``x[None, :]`` (1)."""
+    if AXIS == 0:
+        res = x[:, None]
+    else:
+        res = x[None, :]
+    return res
+
+
+@triton.jit
 def _attend_key_tile(
     j, q_hi, q_lo, m_i, l_i, acc, q_pos, row_ok, s_mult, key_lo, key_hi, window, table_row, kv_head,
     k_ptr, v_ptr, k_tok_ptr, v_tok_ptr, stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt,
     stride_ksb, stride_ksh, stride_kst, stride_vsb, stride_vsh, stride_vst,
     D_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
     TILE_IN_BLOCK: tl.constexpr, FP8_FMT: tl.constexpr, NATIVE_FP8: tl.constexpr, SCALES: tl.constexpr,
-    USE_WINDOW: tl.constexpr, DOT_DTYPE: tl.constexpr, Q_SPLIT: tl.constexpr,
+    USE_WINDOW: tl.constexpr, DOT_DTYPE: tl.constexpr, Q_SPLIT: tl.constexpr, KEY_ROWS: tl.constexpr,
+    MASKED: tl.constexpr,
 ):
-    """One online-softmax step over key tile ``j`` (keys ``j * TILE_N ..``) -> the updated ``(m_i, l_i, acc)``."""
+    """One online-softmax step over key tile ``j`` (keys ``j * TILE_N ..``) -> the updated ``(m_i, l_i, acc)``.
+
+    ``KEY_ROWS`` (module docstring, *Orientation*): scores ``[TILE_N, BLOCK_M]`` and ``acc`` ``[D_PAD, BLOCK_M]``
+    (``q_hi``/``q_lo`` ``[D_PAD, BLOCK_M]``), else ``[BLOCK_M, TILE_N]`` and ``[BLOCK_M, D_PAD]``. ``MASKED`` False:
+    the caller promises every key of the tile is visible to every row (no causal or window edge, no clamped key)."""
+    ROWS: tl.constexpr = 1 if KEY_ROWS else 0      # the axis of query rows in s, p and acc
+    KEYS: tl.constexpr = 1 - ROWS                  # the axis of keys in s and p
+    K_KEYS: tl.constexpr = 0 if KEY_ROWS else 1    # the axis of keys in the K tile: K [TILE_N, D] or K^T [D, TILE_N]
+    V_KEYS: tl.constexpr = 0                       # ... in the V tile: V [TILE_N, D] (KEY_ROWS: the same layout as
+    #                                                K's, so both tiles' addresses come from one table gather)
     offs_n = tl.arange(0, TILE_N)
     offs_d = tl.arange(0, D_PAD)
     d_ok = offs_d < HEAD_DIM
     pos = j * TILE_N + offs_n                                      # [TILE_N] key positions (int32)
-    # addresses of keys outside key_lo .. key_hi - 1 are clamped into it (module docstring): every load reads a key
-    # of this tile's range, unmasked, and the scores of the keys outside are -inf below
-    posc = tl.minimum(tl.maximum(pos, key_lo), key_hi - 1)
-    # K^T [D_PAD, TILE_N] and V [TILE_N, D_PAD]: each key one row of a contiguous (block, head) bs x D tile
+    if MASKED:
+        # addresses of keys outside key_lo .. key_hi - 1 are clamped into it (module docstring): every load reads
+        # a key of this tile's range, unmasked, and the scores of the keys outside are -inf below
+        posc = tl.minimum(tl.maximum(pos, key_lo), key_hi - 1)
+    else:
+        posc = pos
+    # each key is one row of a contiguous (block, head) bs x D tile
     if TILE_IN_BLOCK:
         # the tile lies inside one block (TILE_N divides bs, tiles start at multiples of TILE_N): one table
         # entry, at index >= first_block since j >= key_lo // TILE_N; a scalar base and small offsets
         block = tl.load(table_row + (j * TILE_N) // BLOCK_SIZE).to(tl.int64)
         slot = posc % BLOCK_SIZE
-        k_ptrs = k_ptr + block * stride_kb + kv_head * stride_kh + slot[None, :] * stride_kt + offs_d[:, None]
-        v_ptrs = v_ptr + block * stride_vb + kv_head * stride_vh + slot[:, None] * stride_vt + offs_d[None, :]
+        k_base = k_ptr + block * stride_kb + kv_head * stride_kh
+        v_base = v_ptr + block * stride_vb + kv_head * stride_vh
+        k_ptrs = k_base + _spread(slot * stride_kt, K_KEYS) + _spread(offs_d, 1 - K_KEYS)
+        v_ptrs = v_base + _spread(slot * stride_vt, V_KEYS) + _spread(offs_d, 1 - V_KEYS)
         k_ts_ptr = k_tok_ptr + block * stride_ksb + kv_head * stride_ksh + slot * stride_kst
         v_ts_ptr = v_tok_ptr + block * stride_vsb + kv_head * stride_vsh + slot * stride_vst
     else:
         # keys of several blocks (or blocks smaller than a tile): one table entry per key
-        blocks = tl.load(table_row + posc // BLOCK_SIZE).to(tl.int64)
-        slots = posc % BLOCK_SIZE
-        k_ptrs = k_ptr + blocks[None, :] * stride_kb + kv_head * stride_kh + slots[None, :] * stride_kt \
-            + offs_d[:, None]
-        v_ptrs = v_ptr + blocks[:, None] * stride_vb + kv_head * stride_vh + slots[:, None] * stride_vt \
-            + offs_d[None, :]
+        if (not MASKED) and TILE_N % BLOCK_SIZE == 0:
+            # whole blocks, unclamped: the slots do not depend on j
+            blocks = tl.load(table_row + j * (TILE_N // BLOCK_SIZE) + offs_n // BLOCK_SIZE).to(tl.int64)
+            slots = offs_n % BLOCK_SIZE
+        else:
+            blocks = tl.load(table_row + posc // BLOCK_SIZE).to(tl.int64)
+            slots = posc % BLOCK_SIZE
+        k_ptrs = k_ptr + kv_head * stride_kh + _spread(blocks * stride_kb + slots * stride_kt, K_KEYS) \
+            + _spread(offs_d, 1 - K_KEYS)
+        v_ptrs = v_ptr + kv_head * stride_vh + _spread(blocks * stride_vb + slots * stride_vt, V_KEYS) \
+            + _spread(offs_d, 1 - V_KEYS)
         k_ts_ptr = k_tok_ptr + blocks * stride_ksb + kv_head * stride_ksh + slots * stride_kst
         v_ts_ptr = v_tok_ptr + blocks * stride_vsb + kv_head * stride_vsh + slots * stride_vst
-    if D_PAD == HEAD_DIM:
+    if KEY_ROWS and (not MASKED) and (not TILE_IN_BLOCK) and TILE_N % BLOCK_SIZE == 0 and D_PAD == HEAD_DIM:
+        # whole blocks, unclamped, both tiles [TILE_N, D]: loaded as [blocks, BLOCK_SIZE, D], one table entry and
+        # one base address per block, the offsets inside a block loop-invariant and non-negative (int32 products of
+        # non-negative strides; zero-extended: one 64-bit add per 16-byte load)
+        NB: tl.constexpr = TILE_N // BLOCK_SIZE
+        blk = tl.load(table_row + j * NB + tl.arange(0, NB)).to(tl.int64)                  # [NB]
+        offs_s = tl.arange(0, BLOCK_SIZE)
+        k_off = ((offs_s * stride_kt)[:, None] + offs_d[None, :]).to(tl.uint32).to(tl.int64)   # [BLOCK_SIZE, D]
+        v_off = ((offs_s * stride_vt)[:, None] + offs_d[None, :]).to(tl.uint32).to(tl.int64)
+        k_blocks = k_ptr + kv_head * stride_kh + blk * stride_kb                           # [NB] pointers
+        v_blocks = v_ptr + kv_head * stride_vh + blk * stride_vb
+        k_raw = tl.reshape(tl.load(k_blocks[:, None, None] + k_off[None, :, :]), [TILE_N, D_PAD])
+        v_raw = tl.reshape(tl.load(v_blocks[:, None, None] + v_off[None, :, :]), [TILE_N, D_PAD])
+    elif D_PAD == HEAD_DIM:
         k_raw = tl.load(k_ptrs)
         v_raw = tl.load(v_ptrs)
     else:
-        k_raw = tl.load(k_ptrs, mask=d_ok[:, None], other=0)
-        v_raw = tl.load(v_ptrs, mask=d_ok[None, :], other=0)
+        k_raw = tl.load(k_ptrs, mask=_spread(d_ok, 1 - K_KEYS), other=0)
+        v_raw = tl.load(v_ptrs, mask=_spread(d_ok, 1 - V_KEYS), other=0)
     k = decode_fp8(k_raw, FP8_FMT, NATIVE_FP8, DOT_DTYPE)
-    s = dot(q_hi, k)                                 # [BLOCK_M, TILE_N]
-    if Q_SPLIT:
-        s += dot(q_lo, k)
+    if KEY_ROWS:
+        s = dot(k, q_hi)                             # [TILE_N, BLOCK_M]
+        if Q_SPLIT:
+            s += dot(k, q_lo)
+    else:
+        s = dot(q_hi, k)                             # [BLOCK_M, TILE_N]
+        if Q_SPLIT:
+            s += dot(q_lo, k)
     if SCALES == 2:
-        s = s * tl.load(k_ts_ptr)[None, :]
-    s = s * s_mult[:, None]
-    visible = row_ok[:, None] & (pos[None, :] <= q_pos[:, None])
-    if USE_WINDOW:
-        visible = visible & (pos[None, :] > q_pos[:, None] - window)
-    s = tl.where(visible, s, float("-inf"))
-
-    m_new = tl.maximum(m_i, tl.reduce(s, 1, max_combine))
-    m_base = tl.where(m_new == float("-inf"), 0.0, m_new)          # a row that saw nothing yet stays (-inf, 0)
+        s = s * _spread(tl.load(k_ts_ptr), KEYS)
+    s = s * _spread(s_mult, ROWS)
+    if MASKED:
+        visible = _spread(row_ok, ROWS) & (_spread(pos, KEYS) <= _spread(q_pos, ROWS))
+        if USE_WINDOW:
+            visible = visible & (_spread(pos, KEYS) > _spread(q_pos - window, ROWS))
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.reduce(s, KEYS, max_combine))
+        m_base = tl.where(m_new == float("-inf"), 0.0, m_new)      # a row that saw nothing yet stays (-inf, 0)
+    else:
+        m_new = tl.maximum(m_i, tl.reduce(s, KEYS, max_combine))   # finite: every score is
+        m_base = m_new
     alpha = tl.exp2(m_i - m_base)
-    p = tl.exp2(s - m_base[:, None])
-    l_i = l_i * alpha + tl.reduce(p, 1, add_combine)
+    p = tl.exp2(s - _spread(m_base, ROWS))
+    l_i = l_i * alpha + tl.reduce(p, KEYS, add_combine)
 
     v = decode_fp8(v_raw, FP8_FMT, NATIVE_FP8, DOT_DTYPE)
     if SCALES == 2:
-        p = p * tl.load(v_ts_ptr)[None, :]
-    acc = acc * alpha[:, None] + dot(cast_rn(p, DOT_DTYPE), v)
+        p = p * _spread(tl.load(v_ts_ptr), KEYS)
+    if KEY_ROWS:
+        acc = acc * alpha[None, :] + dot(tl.trans(v), cast_rn(p, DOT_DTYPE))   # [D_PAD, BLOCK_M]
+    else:
+        acc = acc * alpha[:, None] + dot(cast_rn(p, DOT_DTYPE), v)          # [BLOCK_M, D_PAD]
     return m_new, l_i, acc
 
 
@@ -209,7 +283,7 @@ def _paged_attention_kernel(
     BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, TILE_N: tl.constexpr, TILE_IN_BLOCK: tl.constexpr,
     NUM_SPLITS: tl.constexpr, FP8_FMT: tl.constexpr, NATIVE_FP8: tl.constexpr, SCALES: tl.constexpr,
     K_CHANNEL_SCALE: tl.constexpr, USE_WINDOW: tl.constexpr, DOT_DTYPE: tl.constexpr, Q_SPLIT: tl.constexpr,
-    ROW_SCALE: tl.constexpr, Q_LEN_MIN: tl.constexpr, Q_LEN_MAX: tl.constexpr,
+    ROW_SCALE: tl.constexpr, KEY_ROWS: tl.constexpr, Q_LEN_MIN: tl.constexpr, Q_LEN_MAX: tl.constexpr,
 ):
     pid_q = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -283,23 +357,70 @@ def _paged_attention_kernel(
         j_lo = j_lo + split * per_split
         j_hi = tl.minimum(j_lo + per_split, j_hi)
 
+    # keys as the products' rows (FP8 decode tiles, static scales; module docstring, *Orientation*): the tiles every
+    # row sees whole (no causal or window edge, no clamped key) go through a loop without masks, the others (the
+    # last ones, and with a window the first ones: [j_lo, u_lo) and [u_hi, j_hi)) through the masked loop
+    u_lo = j_hi
+    u_hi = j_hi
+    if KEY_ROWS:
+        u_lo = j_lo
+        if USE_WINDOW:
+            u_lo = tl.maximum(j_lo, (tl.maximum(p_hi - window + 1, 0) + TILE_N - 1) // TILE_N)
+        u_hi = tl.minimum(j_hi, (p_lo + 1) // TILE_N)
+        whole = u_lo < u_hi
+        u_lo = tl.where(whole, u_lo, j_hi)
+        u_hi = tl.where(whole, u_hi, j_hi)
+    n_lead = u_lo - j_lo
+    n_masked = n_lead + j_hi - u_hi
+
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)      # running max, log2 units
     l_i = tl.full([BLOCK_M], 0.0, dtype=tl.float32)
-    acc = tl.full([BLOCK_M, D_PAD], 0.0, dtype=tl.float32)
+    if KEY_ROWS:
+        q_hi = tl.trans(q_hi)                                      # [D_PAD, BLOCK_M]
+        q_lo = tl.trans(q_lo)
+        acc = tl.full([D_PAD, BLOCK_M], 0.0, dtype=tl.float32)
+    else:
+        acc = tl.full([BLOCK_M, D_PAD], 0.0, dtype=tl.float32)
     table_row = table_ptr + seq * stride_table
     # Triton's interpreter cannot take loaded scalars as range() bounds (numpy >= 2.4 refuses int() of its
     # 1-element arrays); compiled, a for loop is what the software pipeliner overlaps with the loads
     # (kv8.kernels.triton.interpreter: its one workaround outside that module).
     if INTERPRETER:
-        j = j_lo
-        while j < j_hi:
+        j = u_lo
+        while j < u_hi:
             m_i, l_i, acc = _attend_key_tile(
                 j, q_hi, q_lo, m_i, l_i, acc, q_pos, row_ok, s_mult, key_lo, key_hi, window, table_row, kv_head,
                 k_ptr, v_ptr, k_tok_ptr, v_tok_ptr, stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt,
                 stride_ksb, stride_ksh, stride_kst, stride_vsb, stride_vsh, stride_vst,
                 D_PAD, HEAD_DIM, BLOCK_SIZE, TILE_N, TILE_IN_BLOCK, FP8_FMT, NATIVE_FP8, SCALES, USE_WINDOW,
-                DOT_DTYPE, Q_SPLIT)
+                DOT_DTYPE, Q_SPLIT, KEY_ROWS, False)
             j += 1
+        t = 0
+        while t < n_masked:
+            m_i, l_i, acc = _attend_key_tile(
+                tl.where(t < n_lead, j_lo + t, u_hi + t - n_lead), q_hi, q_lo, m_i, l_i, acc, q_pos, row_ok,
+                s_mult, key_lo, key_hi, window, table_row, kv_head,
+                k_ptr, v_ptr, k_tok_ptr, v_tok_ptr, stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt,
+                stride_ksb, stride_ksh, stride_kst, stride_vsb, stride_vsh, stride_vst,
+                D_PAD, HEAD_DIM, BLOCK_SIZE, TILE_N, TILE_IN_BLOCK, FP8_FMT, NATIVE_FP8, SCALES, USE_WINDOW,
+                DOT_DTYPE, Q_SPLIT, KEY_ROWS, True)
+            t += 1
+    elif KEY_ROWS:
+        for j in range(u_lo, u_hi):
+            m_i, l_i, acc = _attend_key_tile(
+                j, q_hi, q_lo, m_i, l_i, acc, q_pos, row_ok, s_mult, key_lo, key_hi, window, table_row, kv_head,
+                k_ptr, v_ptr, k_tok_ptr, v_tok_ptr, stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt,
+                stride_ksb, stride_ksh, stride_kst, stride_vsb, stride_vsh, stride_vst,
+                D_PAD, HEAD_DIM, BLOCK_SIZE, TILE_N, TILE_IN_BLOCK, FP8_FMT, NATIVE_FP8, SCALES, USE_WINDOW,
+                DOT_DTYPE, Q_SPLIT, KEY_ROWS, False)
+        for t in range(0, n_masked):
+            m_i, l_i, acc = _attend_key_tile(
+                tl.where(t < n_lead, j_lo + t, u_hi + t - n_lead), q_hi, q_lo, m_i, l_i, acc, q_pos, row_ok,
+                s_mult, key_lo, key_hi, window, table_row, kv_head,
+                k_ptr, v_ptr, k_tok_ptr, v_tok_ptr, stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt,
+                stride_ksb, stride_ksh, stride_kst, stride_vsb, stride_vsh, stride_vst,
+                D_PAD, HEAD_DIM, BLOCK_SIZE, TILE_N, TILE_IN_BLOCK, FP8_FMT, NATIVE_FP8, SCALES, USE_WINDOW,
+                DOT_DTYPE, Q_SPLIT, KEY_ROWS, True)
     else:
         for j in range(j_lo, j_hi):
             m_i, l_i, acc = _attend_key_tile(
@@ -307,7 +428,9 @@ def _paged_attention_kernel(
                 k_ptr, v_ptr, k_tok_ptr, v_tok_ptr, stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt,
                 stride_ksb, stride_ksh, stride_kst, stride_vsb, stride_vsh, stride_vst,
                 D_PAD, HEAD_DIM, BLOCK_SIZE, TILE_N, TILE_IN_BLOCK, FP8_FMT, NATIVE_FP8, SCALES, USE_WINDOW,
-                DOT_DTYPE, Q_SPLIT)
+                DOT_DTYPE, Q_SPLIT, KEY_ROWS, True)
+    if KEY_ROWS:
+        acc = tl.trans(acc)                                        # [BLOCK_M, D_PAD]
 
     if SCALES == 1:
         acc = acc * tl.load(v_scale_ptr + kv_head * HEAD_DIM + offs_d, mask=d_ok, other=0.0)[None, :]
@@ -355,27 +478,34 @@ class LaunchConfig:
     """Tile sizes of one launch (powers of two except ``block_q``; ``block_m >= block_q * group``)."""
 
     block_q: int          # new tokens per query tile
-    block_m: int          # rows of the tile matrix: block_q * group, padded to a power of two >= 16 (tl.dot's M)
+    block_m: int          # rows of the tile matrix: block_q * group, padded to a power of two >= 16 (tl.dot's M;
+    #                       with key_rows >= 8: tl.dot's N)
     tile_n: int           # keys per inner iteration (tl.dot's N for QK and K for PV, >= 16)
     tile_in_block: bool   # tile_n divides block_size: each key tile lies in one block (one table entry per tile)
     d_pad: int            # head_dim padded to a power of two >= 16
     num_warps: int
     num_stages: int       # software-pipelining depth of the key loop (Triton's num_stages)
+    key_rows: bool = False  # keys as the products' rows: scores [tile_n, block_m] (module docstring, *Orientation*)
 
 
 def launch_config(group: int, head_dim: int, max_query_len: int, block_size: int, dot_f32: bool,
                   cache_bytes: int = 2, dynamic_scales: bool = False) -> LaunchConfig:
     """Tile sizes for a batch whose longest new-token run is ``max_query_len``, ``group`` query heads per KV head,
-    over a cache of ``cache_bytes`` per element (1: FP8 codes).
+    over a cache of ``cache_bytes`` per element (1: FP8 or int8 codes).
 
-    Rows: 16 when ``max_query_len * group <= 16`` (decode batches: little waste on single-token rows), else 32 or 64
-    (prefill: more rows share each K/V tile). For ``head_dim <= 128`` with 16-bit products (the engine's launches;
-    chosen by their compiled code for sm_90, ``python -m tests.helpers.sm90`` and docs/benchmarks.md):
+    Rows: 16 when ``max_query_len * group <= 16`` (decode batches: little waste on single-token rows; over FP8
+    codes with static or no scales 8 when ``max_query_len * group <= 8``, with the keys as the products' rows,
+    ``key_rows``), else 32 or 64 (prefill: more rows share each K/V tile). For ``head_dim <= 128`` with 16-bit
+    products (the engine's launches; chosen by their compiled code for sm_90, ``python -m tests.helpers.sm90`` and
+    docs/benchmarks.md):
 
     ==========  ============  ====  =====  ======  ===========================================================
     rows        cache         keys  warps  stages  why
     ==========  ============  ====  =====  ======  ===========================================================
-    16 (decode) FP8           64    2      5       fewest instructions per KB of codes, loads two tiles ahead
+    8, 16       FP8, static   64    1      5       keys as the products' rows (``key_rows``): fewest
+    (decode)    scales                             instructions per KB of codes (``cp.async.wait_group 3``)
+    16 (decode) int8, FP8     64    2      5       the usual orientation (with ``key_rows`` the token scales'
+                dynamic                            and bf16 operands' registers spill 10 KB)
     16 (decode) 16-bit        16    1      5       fewest instructions per KB with the loads pipelined
     32, 64      FP8           64    4      5       one warpgroup, wgmma 64 x 64 for QK, pipelined (32 keys
                                                    with dynamic scales: their loads would spill at 64)
@@ -385,15 +515,19 @@ def launch_config(group: int, head_dim: int, max_query_len: int, block_size: int
     Otherwise (``head_dim > 128``: at most 32 rows and 16 keys; float32 products, ``dot_f32``, on CUDA cores: 16
     rows and 16 keys) 8 warps from a 64 x 128 (or 32 x 256) accumulator on, else 4, and Triton's default 3 stages.
     A tile of keys inside one block (``block_size % keys == 0``) reads one table entry; a tile spanning blocks (64
-    keys over blocks of 16) reads each key's entry. All of these compile for sm_90 without register spills (ptxas;
-    measured without a GPU, not timed on one).
+    keys over blocks of 16) reads each key's entry, or with ``key_rows`` in its unmasked loop each block's. All of
+    these compile for sm_90 without register spills (ptxas; measured without a GPU, not timed on one).
     """
     d_pad = max(16, triton.next_power_of_2(head_dim))
     need = max(1, max_query_len) * group
     rows = 16 if need <= 16 else 32 if need <= 32 else 64
     fp8 = cache_bytes == 1
+    key_rows = False
     if d_pad <= 128 and not dot_f32:
-        if rows == 16:
+        if rows == 16 and fp8 and not dynamic_scales:
+            keys, num_warps, key_rows = 64, 1, True
+            rows = 8 if need <= 8 else 16
+        elif rows == 16:
             keys, num_warps = (64, 2) if fp8 else (16, 1)
         else:
             keys, num_warps = (64 if fp8 and not dynamic_scales else 32), 4
@@ -407,10 +541,10 @@ def launch_config(group: int, head_dim: int, max_query_len: int, block_size: int
         num_stages = 3
         num_warps = 0
     block_q = max(1, rows // group)
-    block_m = max(16, triton.next_power_of_2(block_q * group))
+    block_m = max(8 if key_rows else 16, triton.next_power_of_2(block_q * group))
     if num_warps == 0:
         num_warps = 8 if block_m * d_pad >= 64 * 128 else 4
-    return LaunchConfig(block_q, block_m, keys, block_size % keys == 0, d_pad, num_warps, num_stages)
+    return LaunchConfig(block_q, block_m, keys, block_size % keys == 0, d_pad, num_warps, num_stages, key_rows)
 
 
 @dataclass(frozen=True)
@@ -463,6 +597,7 @@ class KernelVariant:
             NUM_SPLITS=num_kv_splits, FP8_FMT=self.fp8, NATIVE_FP8=self.native_fp8, SCALES=self.scales,
             K_CHANNEL_SCALE=self.k_channel_scale, USE_WINDOW=self.sliding_window, DOT_DTYPE=self.dot_dtype,
             Q_SPLIT=self.k_channel_scale and self.dot_dtype != tl.float32, ROW_SCALE=self.row_scale,
+            KEY_ROWS=cfg.key_rows,
             Q_LEN_MIN=q_len_min, Q_LEN_MAX=q_len_max,
         )
 
