@@ -255,7 +255,7 @@ def tuned_dense_backend(shapes: Sequence[LinearShape], dtype: torch.dtype, quant
         logger.warning("this machine's dense-layer plan timed %s; the candidates now are %s: timing again",
                        ", ".join(result.timed) or "an older set", ", ".join(timed))
         result = None
-    if result is None:
+    if result is None or result.choice not in found:   # (a choice that is no candidate: a damaged entry)
         start = time.perf_counter()
         logger.warning("timing the dense layers' methods on this model's shapes (%s) on this machine: once, "
                        "then kept in %s", ", ".join(found), store.path)

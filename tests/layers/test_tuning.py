@@ -179,6 +179,13 @@ def test_a_corrupt_file_is_timed_again_and_an_unwritable_one_still_chooses(tmp_p
     calls = measure.calls
     tuned_dense_backend(SHAPES, torch.bfloat16, None, store, measure)
     assert measure.calls > calls
+    # an entry that timed today's candidates but names none of them as its choice: timed again, not a KeyError
+    data = json.loads(store.path.read_text())
+    data["plans"][plan_key(SHAPES, torch.bfloat16, None)]["dense_backend"] = "no_such_backend"
+    store.path.write_text(json.dumps(data))
+    calls = measure.calls
+    backend, _ = tuned_dense_backend(SHAPES, torch.bfloat16, None, store, measure)
+    assert measure.calls > calls and backend.name == "torch"
     blocked = tmp_path / "file-not-dir"
     blocked.write_text("")
     unwritable = PlanStore(blocked / "tuning", MACHINE)
