@@ -127,9 +127,9 @@ class EngineConfig:
     load_format: str = option("auto", "how weights are loaded: auto = from the model's checkpoint; dummy = random "
                               "weights of the model's shapes (no checkpoint read: for speed measurements)",
                               choices=LOAD_FORMATS)
-    enforce_eager: bool = option(False, "never capture CUDA graphs: every step launches its kernels (on CUDA, decode "
-                                 "steps of up to max_num_seqs sequences are otherwise replayed from graphs captured "
-                                 "at start-up)", type=bool)
+    enforce_eager: bool = option(False, "never capture graphs: every step runs the model's Python and launches its "
+                                 "kernels (otherwise decode steps are replayed from graphs captured at start-up: on "
+                                 "CUDA of up to max_num_seqs sequences, on the CPU of up to 8)", type=bool)
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -221,6 +221,13 @@ class EngineConfig:
         ``enforce_eager``."""
         return (self.platform.cuda_graphs and not self.enforce_eager and self.parallel.tensor_parallel_size == 1
                 and self.attention_backend in ("auto", "triton"))
+
+    @property
+    def uses_cpu_graphs(self) -> bool:
+        """Decode steps of small batches replay CPU graphs (:mod:`kv8.kernels.cpu.graph`): on the CPU, with the fused
+        CPU attention, one rank, unless ``enforce_eager``."""
+        return (self.platform.kind == "cpu" and not self.enforce_eager and self.parallel.tensor_parallel_size == 1
+                and self.attention_backend in ("auto", "cpu_fused"))
 
     @property
     def kv_heads_per_rank(self) -> int:

@@ -1,8 +1,14 @@
-"""Decode steps replayed from CUDA graphs (vLLM's scheme; ``enforce_eager=True`` turns it off).
+"""Decode steps replayed from graphs: CUDA graphs on a GPU (vLLM's scheme), CPU graphs of small batches on the CPU
+(``enforce_eager=True`` turns both off).
 
 A small model's decode step on a GPU is launch-bound: a few hundred kernels of a few microseconds each, every
 one launched from Python. :class:`DecodeGraphs` captures the model's forward for a pure decode batch (one new
-token per sequence) once per batch-size bucket, over static buffers, and replays it: one launch per step.
+token per sequence) once per batch-size bucket, over static buffers, and replays it: one launch per step. On the
+CPU a small batch's step is bound by the same Python (module calls, argument checks, ctypes structs and tensors
+around ~300 kernel calls of tens of microseconds): there each bucket up to :data:`CPU_GRAPH_MAX_BATCH` is a
+:class:`kv8.kernels.cpu.graph.CPUGraph`, the forward's kernel calls and torch operators recorded once and replayed
+in a loop. A forward that a CPU graph cannot replay (:class:`~kv8.kernels.cpu.graph.CaptureRefused`: an operator
+whose result Python reads) raises from :meth:`DecodeGraphs.capture_all`; the runner then runs every step eagerly.
 
 Static buffers of bucket ``b`` (filled by :meth:`DecodeGraphs.run` before each replay)::
 
@@ -32,6 +38,7 @@ replay (queued behind the copies on the same stream) and then to sampling; the s
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -40,9 +47,14 @@ import torch
 
 from kv8.attention.metadata import AttentionMetadata, token_slot
 from kv8.cache.layout import KVCacheLayout
+from kv8.kernels.cpu.graph import CPUGraph
 from kv8.platform import CPU, Platform
 
-__all__ = ["DecodeGraphs", "decode_buckets"]
+__all__ = ["CPU_GRAPH_MAX_BATCH", "DecodeGraphs", "decode_buckets"]
+
+#: the largest decode batch a CPU graph serves (buckets 1, 2, 4, 8): above it the Python around the kernels is a
+#: small share of a step, and each bucket keeps its forward's intermediate tensors
+CPU_GRAPH_MAX_BATCH = 8
 
 logger = logging.getLogger("kv8")
 
@@ -61,7 +73,7 @@ class _Bucket:
     positions: torch.Tensor
     metas: list[AttentionMetadata]
     hidden: torch.Tensor | None = None
-    graph: torch.cuda.CUDAGraph | None = None
+    graph: torch.cuda.CUDAGraph | CPUGraph | None = None
 
 
 class DecodeGraphs:
@@ -79,6 +91,8 @@ class DecodeGraphs:
         self.device = device
         self.capture = capture
         self.max_blocks = -(-max_model_len // block_size)
+        if platform.kind == "cpu":
+            max_num_seqs = min(max_num_seqs, CPU_GRAPH_MAX_BATCH)
         self.buckets = {b: self._buffers(b) for b in decode_buckets(max_num_seqs)}
         self._pool: object = None   # the graphs' shared memory pool (torch.cuda.graph_pool_handle())
         self.replays = 0   # decode steps served from the buffers (tests, logs)
@@ -106,6 +120,9 @@ class DecodeGraphs:
         (Triton compiles, allocations settle)."""
         if not self.capture:
             return
+        if self.platform.kind == "cpu":
+            self._capture_cpu()
+            return
         self._pool = torch.cuda.graph_pool_handle()
         for b in sorted(self.buckets, reverse=True):
             bucket = self.buckets[b]
@@ -120,6 +137,20 @@ class DecodeGraphs:
             bucket.graph = graph
         torch.cuda.synchronize()
         logger.info("captured CUDA graphs of decode steps for batch sizes %s", ", ".join(map(str, self.buckets)))
+
+    def _capture_cpu(self) -> None:
+        """A :class:`CPUGraph` per bucket; :class:`~kv8.kernels.cpu.graph.CaptureRefused` propagates (nothing kept)."""
+        for b in sorted(self.buckets):
+            bucket = self.buckets[b]
+            graph = CPUGraph()
+            bucket.hidden = graph.capture(functools.partial(self.forward, bucket.input_ids, bucket.positions,
+                                                            bucket.metas))
+            bucket.graph = graph
+        first = self.buckets[min(self.buckets)].graph
+        assert isinstance(first, CPUGraph)
+        logger.info("captured CPU graphs of decode steps for batch sizes %s (%d kernel calls, %d torch operators a "
+                    "step at batch size 1)", ", ".join(map(str, self.buckets)), first.num_kernel_calls,
+                    first.num_torch_ops)
 
     def run(self, input_ids: Sequence[int], positions: Sequence[int], seq_lens: Sequence[int],
             group_tables: Sequence[Sequence[Sequence[int]]]) -> torch.Tensor:

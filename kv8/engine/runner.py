@@ -23,6 +23,7 @@ the tokens are those of one rank.
 from __future__ import annotations
 
 import itertools
+import logging
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
@@ -39,10 +40,13 @@ from kv8.engine.runner_output import ModelRunnerOutput
 from kv8.engine.sampler import SamplerOutput, TokenHistory, compute_logprobs, sample, select_argmax
 from kv8.engine.scheduler import SchedulerOutput
 from kv8.engine.structured import apply_grammar_masks
+from kv8.kernels.cpu.graph import CaptureRefused
 from kv8.layers.attention import AttentionContext
 from kv8.models.registry import CausalLM
 from kv8.observer import EngineObserver
 from kv8.platform import CPU, Platform
+
+logger = logging.getLogger("kv8")
 
 
 @dataclass(frozen=True)
@@ -163,7 +167,11 @@ class ModelRunner:
         self.graphs = DecodeGraphs(self._forward_metas, self.layout, self.block_size, max_num_seqs, max_model_len,
                                    self.device, capture, self.platform)
         with torch.inference_mode():
-            self.graphs.capture_all()
+            try:
+                self.graphs.capture_all()
+            except CaptureRefused as exc:   # a forward a CPU graph cannot replay: every step runs eagerly
+                self.graphs = None
+                logger.info("decode steps run eagerly: %s", exc)
 
     def _forward_metas(self, ids: torch.Tensor, positions: torch.Tensor,
                        metas: list[AttentionMetadata]) -> torch.Tensor:

@@ -106,7 +106,7 @@ def load_shard(config: EngineConfig, budget: KVBudget, num_blocks: Sequence[int]
         caches.append(PagedKVCache(shape, codec, {i: layout.layer_slot[i] for i in pool.layers}, device))
     runner = ModelRunner(loaded.model, caches, layout, get_backend(config.attention_backend, platform), observer,
                          tp, device, platform)
-    if config.uses_cuda_graphs and observer is None:   # an observer sees every step's tensors: eager
+    if (config.uses_cuda_graphs or config.uses_cpu_graphs) and observer is None:   # an observer sees every step: eager
         runner.enable_decode_graphs(config.scheduler.max_num_seqs, config.scheduler.max_model_len)
     return Shard(loaded, tuple(caches), runner)
 

@@ -14,6 +14,7 @@ import ctypes
 from pathlib import Path
 from typing import Any, ClassVar
 
+from kv8.kernels.cpu import graph
 from kv8.kernels.cpu.build import KernelUnavailable
 
 __all__ = ["NativeLibrary", "Structs", "abi_layout", "check_abi", "code_table"]
@@ -94,3 +95,12 @@ class NativeLibrary:
     def error(self, rc: int, what: str) -> ValueError:
         """The ``ValueError`` of return code ``rc`` (not 0, success): "what: the library's message"."""
         return ValueError(f"{what}: {self.error_message(rc)}")
+
+    def invoke(self, fn: Any, what: str, *structs: ctypes.Structure) -> None:
+        """Call entry point ``fn`` with pointers to ``structs``; a failure raises :meth:`error` with ``what``. A call
+        made while a :class:`kv8.kernels.cpu.graph.CPUGraph` captures is recorded in it (the structs kept)."""
+        rc = fn(*[ctypes.byref(s) for s in structs])
+        if rc != 0:
+            raise self.error(rc, what)
+        if graph.recording is not None:
+            graph.recording.record_native(self, fn, structs, what)

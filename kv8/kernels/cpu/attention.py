@@ -157,9 +157,8 @@ class KernelLibrary(NativeLibrary):
                              meta.seq_lens.data_ptr(), tables.data_ptr(), tables.shape[1], meta.num_seqs,
                              threads, plan_threads or threads, scale, partition_size, meta.sliding_window or 0,
                              int(self.amx))
-        rc = self._lib.kv8_paged_attention(ctypes.byref(self.layer_args(cache, layer)), ctypes.byref(call))
-        if rc != 0:
-            raise self.error(rc, f"paged attention (layer {layer})")
+        self.invoke(self._lib.kv8_paged_attention, f"paged attention (layer {layer})", self.layer_args(cache, layer),
+                    call)
         return out
 
     def store(self, key: torch.Tensor, value: torch.Tensor, cache: PagedKVCache, layer: int,
@@ -169,9 +168,7 @@ class KernelLibrary(NativeLibrary):
         key, value = key.contiguous(), value.contiguous()
         call = StoreCall(key.data_ptr(), value.data_ptr(), slot_mapping.data_ptr(), key.shape[0],
                          self.compute_codes[key.dtype], torch.get_num_threads())
-        rc = self._lib.kv8_store_kv(ctypes.byref(self.layer_args(cache, layer)), ctypes.byref(call))
-        if rc != 0:
-            raise self.error(rc, f"store (layer {layer})")
+        self.invoke(self._lib.kv8_store_kv, f"store (layer {layer})", self.layer_args(cache, layer), call)
 
     def layer_args(self, cache: PagedKVCache, layer: int) -> LayerArgs:
         """The ``kv8_layer`` of ``cache``'s layer ``layer``, built on first use and reused.

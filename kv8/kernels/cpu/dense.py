@@ -178,9 +178,7 @@ class DenseKernels(NativeLibrary):
                           None if bias is None else bias.data_ptr(), out.data_ptr(), m, k, out_features,
                           torch.get_num_threads(), int(gated), int(self.amx))
         entry = self._lib.kv8_linear if scale is None else self._lib.kv8_linear_fp8
-        rc = entry(ctypes.byref(call))
-        if rc != 0:
-            raise self.error(rc, f"packed linear for x {list(x.shape)}, N={out_features}")
+        self.invoke(entry, f"packed linear for x {list(x.shape)}, N={out_features}", call)
         return out
 
     def _gguf_code(self, qtype: str) -> int:
@@ -210,9 +208,7 @@ class DenseKernels(NativeLibrary):
         out = torch.empty(m, out_features, dtype=torch.bfloat16)
         call = GGUFLinearCall(x.data_ptr(), blocks.data_ptr(), None if bias is None else bias.data_ptr(),
                               out.data_ptr(), m, k, out_features, code, torch.get_num_threads())
-        rc = self._lib.kv8_gguf_linear(ctypes.byref(call))
-        if rc != 0:
-            raise self.error(rc, f"GGUF {qtype} linear for x {list(x.shape)}, N={out_features}")
+        self.invoke(self._lib.kv8_gguf_linear, f"GGUF {qtype} linear for x {list(x.shape)}, N={out_features}", call)
         return out
 
     def gguf_dequantize(self, blocks: torch.Tensor, qtype: str, in_features: int) -> torch.Tensor:
@@ -228,9 +224,8 @@ class DenseKernels(NativeLibrary):
         out = torch.empty(n, max(in_features, 0), dtype=torch.float32)   # K % 32 != 0: the C side refuses
         call = GGUFDequantizeCall(blocks.data_ptr(), out.data_ptr(), n, in_features, code,
                                   torch.get_num_threads())
-        rc = self._lib.kv8_gguf_dequantize(ctypes.byref(call))
-        if rc != 0:
-            raise self.error(rc, f"GGUF {qtype} dequantize of blocks {list(blocks.shape)}, K={in_features}")
+        self.invoke(self._lib.kv8_gguf_dequantize,
+                    f"GGUF {qtype} dequantize of blocks {list(blocks.shape)}, K={in_features}", call)
         return out
 
     @staticmethod
@@ -266,9 +261,7 @@ class DenseKernels(NativeLibrary):
         call = RmsNormCall(x.data_ptr(), None if residual is None else residual.data_ptr(),
                            None if residual is None else h.data_ptr(), weight.contiguous().data_ptr(), out.data_ptr(),
                            t, e, float(eps), torch.get_num_threads())
-        rc = self._lib.kv8_rmsnorm(ctypes.byref(call))
-        if rc != 0:
-            raise self.error(rc, f"rmsnorm of x {list(x.shape)}")
+        self.invoke(self._lib.kv8_rmsnorm, f"rmsnorm of x {list(x.shape)}", call)
         return out, h
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
@@ -280,9 +273,7 @@ class DenseKernels(NativeLibrary):
         gate_up = gate_up.contiguous()
         out = torch.empty(t, two_i // 2, dtype=torch.bfloat16)
         call = SiluMulCall(gate_up.data_ptr(), out.data_ptr(), t, two_i // 2, torch.get_num_threads())
-        rc = self._lib.kv8_silu_mul(ctypes.byref(call))
-        if rc != 0:
-            raise self.error(rc, f"silu_mul of {list(gate_up.shape)}")
+        self.invoke(self._lib.kv8_silu_mul, f"silu_mul of {list(gate_up.shape)}", call)
         return out
 
     def rope_qkv(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int, num_kv_heads: int,
@@ -303,9 +294,7 @@ class DenseKernels(NativeLibrary):
         v = torch.empty(t, num_kv_heads, head_dim, dtype=torch.bfloat16)
         call = RopeCall(qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), q.data_ptr(), k.data_ptr(), v.data_ptr(), t,
                         width, num_heads, num_kv_heads, head_dim, torch.get_num_threads())
-        rc = self._lib.kv8_rope_qkv(ctypes.byref(call))
-        if rc != 0:
-            raise self.error(rc, f"rope of qkv {list(qkv.shape)}")
+        self.invoke(self._lib.kv8_rope_qkv, f"rope of qkv {list(qkv.shape)}", call)
         return q, k, v
 
     def argmax(self, x: torch.Tensor) -> torch.Tensor:
@@ -316,9 +305,7 @@ class DenseKernels(NativeLibrary):
         x = x.contiguous()
         out = torch.empty(x.shape[0], dtype=torch.int64)
         call = ArgmaxCall(x.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1], torch.get_num_threads())
-        rc = self._lib.kv8_argmax_rows(ctypes.byref(call))
-        if rc != 0:
-            raise self.error(rc, f"argmax of x {list(x.shape)}")
+        self.invoke(self._lib.kv8_argmax_rows, f"argmax of x {list(x.shape)}", call)
         return out
 
 

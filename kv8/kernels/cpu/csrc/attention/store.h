@@ -2,6 +2,7 @@
 //
 //   key/value [T, H, D] (in_dtype)  --slot_mapping[t] = block * bs + offset-->  cache[block, h, offset, :]
 //
+// A negative slot skips its token (the padded rows of kv8.engine.cuda_graphs), as the reference store does.
 // FP8 with static scales: code = saturate(rne(x / scale)) with the layer's K/V scales (strides over head and
 // channel). FP8 with dynamic scales, and int8 (always): each (token, head) gets scale amax|x| / max_finite (1.0
 // when that is 0 or not finite; int8: max 127, int4: 7), written beside its codes; integer codes are
@@ -116,8 +117,8 @@ static int run_store(const kv8_layer& L, const kv8_store_call& C) {
     const KvFormat& fmt = KV_FORMATS[kv];
     const float maxf = fmt.max_finite;
     const int64_t nslots = num_blocks * bs;
-    for (int64_t t = 0; t < T; ++t)
-        if ((uint64_t)slots[t] >= (uint64_t)nslots) return ERR_SLOT;
+    for (int64_t t = 0; t < T; ++t)   // a negative slot: a padded row (a decode graph's), stored nowhere
+        if (slots[t] >= nslots) return ERR_SLOT;
     const int es = fmt.esize;
     const int64_t rbytes = kv_row_bytes(kv, D);
     const int64_t work = T * H * D;
@@ -138,8 +139,10 @@ static int run_store(const kv8_layer& L, const kv8_store_call& C) {
         float* buf = (float*)tl_scratch.get((size_t)D * 4);
 #pragma omp for schedule(static)
         for (int64_t th = 0; th < 2 * T * H; ++th) {
-            if (th + STORE_PREFETCH_ROWS < 2 * T * H) {   // the rows' cache lines are scattered (one per block):
-                const int64_t ta = th + STORE_PREFETCH_ROWS;   // their misses overlap this way
+            if (slots[(th % (T * H)) / H] < 0) continue;
+            if (th + STORE_PREFETCH_ROWS < 2 * T * H && slots[((th + STORE_PREFETCH_ROWS) % (T * H)) / H] >= 0) {
+                // the rows' cache lines are scattered (one per block): their misses overlap this way
+                const int64_t ta = th + STORE_PREFETCH_ROWS;
                 const uint8_t* ahead = row_dst((int)(ta / (T * H)), cache_row(ta));
                 for (int64_t b = 0; b < rbytes; b += 64) prefetch_for_write(ahead + b);
             }
