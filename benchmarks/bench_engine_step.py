@@ -19,6 +19,12 @@ step (the issue-40 shape: ``--batch 8 --context 4096``).
     .venv/bin/python benchmarks/bench_engine_step.py --before HEAD~3   # now vs that revision
     .venv/bin/python benchmarks/bench_engine_step.py --kv-cache-dtypes fp8_e4m3,int4 --batch 8 --context 4096
 
+``--graphs`` compares decode steps replayed from CPU graphs (kv8.kernels.cpu.graph; the default for batches of up
+to 8) with eager ones (``enforce_eager``) on one backend (``--backend``), the same alternation, medians and
+speed-ups over eager: what the replay saves of the Python around a step's ~270 kernel calls.
+
+    .venv/bin/python benchmarks/bench_engine_step.py --graphs --batch 1 --context 1024 --rounds 6
+
 ``--before REV`` measures one backend (``--backend``; default ``packed_bf16`` where the kernels build, else
 ``torch``) as of git revision REV (a temporary worktree, imported in a subprocess) and now, alternating
 ``--rounds`` times, and prints now / before: a change's effect on the whole step under the same machine
@@ -45,11 +51,12 @@ from kv8 import LLM, SamplingParams
 RESULT_MARK = "@@RESULT "
 
 
-def measure(backend: str, args: argparse.Namespace, kv_cache_dtype: str = "fp8_e4m3") -> tuple[float, float]:
+def measure(backend: str, args: argparse.Namespace, kv_cache_dtype: str = "fp8_e4m3",
+            enforce_eager: bool = False) -> tuple[float, float]:
     """(prefill step s, decode step s) of a new engine with this dense backend and KV cache format."""
     max_len = max(4096, args.context + args.repeats * 2 + 64)
     llm = LLM(kv_cache_dtype=kv_cache_dtype, kv_cache_memory=args.kv_cache_memory, max_model_len=max_len,
-              dense_backend=backend)
+              dense_backend=backend, enforce_eager=enforce_eager)
     eng = llm.engine
     rng = random.Random(0)
     counter = iter(range(10**9))
@@ -118,6 +125,18 @@ def compare_formats(formats: list[str], args: argparse.Namespace) -> None:
     print_rows("kv_cache_dtype", runs, formats[0], args)
 
 
+def compare_graphs(args: argparse.Namespace) -> None:
+    """``args.backend`` with decode steps replayed from CPU graphs (the default) and eager (``enforce_eager``),
+    alternating ``args.rounds`` times; medians, spreads and the speed-ups over eager."""
+    runs: dict[str, list[tuple[float, float]]] = {"eager": [], "graphs": []}
+    for r in range(args.rounds):
+        for name in (["eager", "graphs"] if r % 2 == 0 else ["graphs", "eager"]):
+            runs[name].append(measure(args.backend, args, enforce_eager=name == "eager"))
+    print(f"SmolLM2-135M, bf16, fp8_e4m3 cache, {args.backend}; decode batch {args.batch} at ~{args.context} tokens; "
+          f"medians of {args.rounds} alternating rounds (min-max); {cpu_name()}, {os.cpu_count()} CPUs")
+    print_rows("decode steps", runs, "eager", args)
+
+
 def print_rows(label: str, runs: dict[str, list[tuple[float, float]]], ref: str, args: argparse.Namespace) -> None:
     """One row per configuration: prefill and decode step medians (min-max) and the speed-ups over ``ref``."""
     print(f"{label:<24}{f'prefill {4 * args.prompt} tok ms':>28}{'decode step ms':>26}"
@@ -166,6 +185,9 @@ def main() -> None:
     ap.add_argument("--kv-cache-dtypes", default=None, metavar="FORMATS",
                     help="compare these KV cache formats (comma-separated kv_cache_dtype names, e.g. "
                          "fp8_e4m3,int8,int4) on one backend (--backend) instead of the backends")
+    ap.add_argument("--graphs", action="store_true",
+                    help="compare decode steps replayed from CPU graphs with eager ones (enforce_eager) on one "
+                         "backend (--backend) instead of the backends")
     ap.add_argument("--kv-cache-memory", default="1GiB", help="each engine's KV cache budget (default 1GiB)")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -173,10 +195,13 @@ def main() -> None:
         print(RESULT_MARK + json.dumps(measure(args.backend, args)), flush=True)
         return
     available = available_backends()
-    if args.before is not None and args.kv_cache_dtypes is not None:
-        ap.error("--before and --kv-cache-dtypes compare different things; give one")
-    if args.before is not None or args.kv_cache_dtypes is not None:
+    if sum((args.before is not None, args.kv_cache_dtypes is not None, args.graphs)) > 1:
+        ap.error("--before, --kv-cache-dtypes and --graphs compare different things; give one")
+    if args.before is not None or args.kv_cache_dtypes is not None or args.graphs:
         args.backend = args.backend or ("packed_bf16" if "packed_bf16" in available else "torch")
+    if args.graphs:
+        compare_graphs(args)
+        return
     if args.before is not None:
         compare_with(args.before, args)
         return

@@ -45,7 +45,9 @@ same each round (re-added, found in the prefix cache, the last block recomputed)
 When it is built, each engine is warmed up by one prefill and prefills its decode prompts once (33 x 1,024 tokens:
 most of the run's time on a small CPU, ~4 minutes per configuration on 2 Zen 3 cores; a round takes ~1.5). The
 tool checks that each timed step ran the whole prefill or decode batch. ``--threads`` sets torch's threads; the
-engines' thread governor (``adaptive_cpu_threads``) may lower them while other processes keep cores busy.
+engines' thread governor (``adaptive_cpu_threads``) may lower them while other processes keep cores busy. The
+engines run eagerly (``enforce_eager``): a decode step replayed from a CPU graph (kv8.kernels.cpu.graph) calls no
+module to hook; what the graph saves is Python counted here in the families' calls and in ``rest``.
 
     .venv/bin/python benchmarks/bench_profile.py                               # the three configurations, 3 rounds
     .venv/bin/python benchmarks/bench_profile.py --quick --rounds 1 --config "--kv-cache-dtype fp8_e4m3"
@@ -312,8 +314,9 @@ def build(flags: str, options: dict[str, Any], shapes: Shapes, rounds: int, seed
     blocks_per_seq = -(-max_len // 16) + 1
     # room for every decode prompt to stay in the prefix cache beside each round's fresh prefill prompts
     num_blocks = blocks_per_seq * (sum(shapes.batches) + 2 * rounds + 4)
+    # eager: a decode step replayed from a CPU graph calls no module to hook (what the graph saves is in `rest`)
     engine_options = {"max_model_len": max_len, "num_kv_blocks": num_blocks,
-                      "max_num_seqs": max(64, *shapes.batches), **options}
+                      "max_num_seqs": max(64, *shapes.batches), "enforce_eager": True, **options}
     eng = LLM(**engine_options).engine
     time_prefill_step(eng, lambda: random_prompt(rng, shapes.prefill), iter([-1]), prompts=1)   # request p-1
     prompts = {b: [random_prompt(rng, shapes.context) for _ in range(b)] for b in shapes.batches}
