@@ -181,6 +181,34 @@ def test_store_bit_exact(lib: kernels.KernelLibrary, kv_name: str, gran: str, in
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("kv_name", ["fp8_e4m3", INT8, "bfloat16"])
+def test_store_skips_negative_slots(lib: kernels.KernelLibrary, kv_name: str) -> None:
+    """A negative slot (a decode graph's padded row) stores nothing, as the reference store; a slot past the cache
+    is still an error."""
+    gen = torch.Generator().manual_seed(3)
+    heads, dim, bs = 2, 64, 16
+    kv = resolve_kv_cache_dtype(kv_name, torch.bfloat16)
+    gran = "none" if kv.codes is None else "dynamic" if kv_name == INT8 else "tensor"
+    scales = make_scales(kv_name, gran, 1, heads, dim, gen)
+    shape = CacheShape(1, 4, heads, bs, dim)
+    ref, mine = (make_cache(shape, kv, scales, gran == "dynamic") for _ in range(2))
+    for cache in (ref, mine):   # a sentinel in every byte, so that a stray write shows
+        cache.data.view(torch.uint8).fill_(0xA5)
+        if cache.token_scales is not None:
+            cache.token_scales.view(torch.uint8).fill_(0x5A)
+    key, value = random_kv(5, heads, dim, gen), random_kv(5, heads, dim, gen)
+    slots = torch.tensor([7, -1, 20, -1, 3])
+    before = mine.data.view(torch.uint8).clone()
+    ref.store(0, key, value, slots)
+    store_kv_fused(lib, mine, 0, key, value, slots)
+    assert torch.equal(mine.data.view(torch.uint8), ref.data.view(torch.uint8))
+    assert not torch.equal(mine.data.view(torch.uint8), before)
+    if ref.token_scales is not None:
+        assert torch.equal(mine.token_scales.view(torch.uint8), ref.token_scales.view(torch.uint8))
+    with pytest.raises(ValueError, match="slot outside the cache"):
+        store_kv_fused(lib, mine, 0, key, value, torch.tensor([7, -1, 64, 2, 3]))
+
+
 @pytest.mark.parametrize("fmt", FP8)
 def test_store_dense_fp32_sweep(lib: kernels.KernelLibrary, fmt: str) -> None:
     """Every float32 sign/exponent/7-bit-mantissa prefix with several low parts, plus every midpoint between
