@@ -86,6 +86,10 @@ static const int GGUF_BLOCK_VALUES[GGUF_TYPE_COUNT] = {32, 32, 32, 256, 32};    
 static const int GGUF_BLOCK = 32;
 static const int GGUF_ROWS = 8;    // weight rows per group of the kernel's layout: the 8 float lanes of a vector
 static const int GGUF_UNIT[GGUF_TYPE_COUNT] = {34, 18, 20, 144, 22};              // bytes per weight block and row
+// Software prefetch distance of gguf_group_tile's weight stream, bytes ahead of the block being read. Measured on an
+// AMD EPYC Zen 3, 30 SmolLM2-shaped Q4_1 layers (66 MB, from DRAM), one thread's CPU time: 4096 B ~20% faster than
+// none, 8192 ~10%, 1024 ~15%.
+static const int GGUF_PREFETCH = 4096;
 
 // K a positive multiple of the type's block (qtype checked first)
 static inline bool gguf_bad_shape(int32_t qtype, int64_t in_features) {
@@ -228,6 +232,7 @@ static inline void gguf_group_tile(const uint8_t* grp, int64_t nwb, const int8_t
     if constexpr (QT == GGUF_Q4_K) {
         for (int64_t w = 0; w < nwb; ++w) {
             const uint8_t* p = grp + w * (GGUF_ROWS * 144);
+            for (int o = 0; o < GGUF_ROWS * 144; o += 64) _mm_prefetch((const char*)p + GGUF_PREFETCH + o, _MM_HINT_T0);
             const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p));
             const __m256 dmin = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(p + 16)));
             alignas(32) uint8_t scm[128];
@@ -267,6 +272,8 @@ static inline void gguf_group_tile(const uint8_t* grp, int64_t nwb, const int8_t
         constexpr float OFFSET = QT == GGUF_Q5_0 ? -16.0f : -8.0f;   // Q4_0, Q5_0: the codes' offset
         for (int64_t b = 0; b < nwb; ++b) {
             const uint8_t* p = grp + b * (GGUF_ROWS * UNIT);
+            for (int o = 0; o < GGUF_ROWS * UNIT; o += 64)
+                _mm_prefetch((const char*)p + GGUF_PREFETCH + o, _MM_HINT_T0);
             const uint8_t* q = p + CODES;
             const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p));
             __m256i dot[MR];
