@@ -462,8 +462,13 @@ static inline void gguf_dequantize_block(const uint8_t* c, float* o) {
         if constexpr (QT == GGUF_Q5_0) {   // the file's qh from its transposed bytes, then the file's decoding
             uint8_t file[20];
             uint32_t qh = 0;
-            for (int i = 0; i < 4; ++i)
-                for (int k = 0; k < 8; ++k) qh |= (uint32_t)((c[2 + i] >> k) & 1) << (4 * k + i);
+            for (int i = 0; i < 4; ++i) {   // bit k of byte i -> bit 4k + i: the byte's bits spread 4 apart
+                uint32_t v = c[2 + i];
+                v = (v | v << 12) & 0x000f000fu;
+                v = (v | v << 6) & 0x03030303u;
+                v = (v | v << 3) & 0x11111111u;
+                qh |= v << i;
+            }
             std::memcpy(file, &qh, 4);
             std::memcpy(file + 4, c + 6, 16);
             w = gguf_q5_codes(file);
