@@ -24,7 +24,9 @@ projections; use ``--layers 1`` for large ones). ``--no-torch-bf16`` leaves out 
 ``--before REV`` also builds the dense kernel library as of git revision REV (a temporary ``git worktree``;
 REV's dense library must have the current wrapper's argument structs: its layout is checked at load), packs the same
 weights with it and times it in the same passes: columns ``before ms`` and ``speed-up`` (before / now), and
-the same for the FP8 weights (``fp8 before``), a kernel change's effect under the same machine conditions.
+the same for the FP8 weights (``fp8 before``) and the GGUF blocks (``gguf before``: REV's kernels on the blocks in
+REV's layout, its ``kv8/quant/gguf_blocks.py``'s ``group_blocks``), a kernel change's effect under the same machine
+conditions.
 
     .venv/bin/python benchmarks/bench_linear.py
     .venv/bin/python benchmarks/bench_linear.py --rows 8,32,2048 --before HEAD~1
@@ -35,11 +37,14 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.util
 import math
 import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from types import ModuleType
+from unittest import mock
 
 import gguf
 import numpy as np
@@ -52,7 +57,7 @@ from kv8.kernels.cpu.build import KernelUnavailable, build_shared_library
 from kv8.kernels.cpu.dense import SOURCE, DenseKernels
 from kv8.layers.dense_backend import DenseBackend, select_dense_backend
 from kv8.layers.linear import GGUFLinearMethod, LinearBase
-from kv8.quant.gguf_blocks import KEPT_TYPES, GGUFWeight
+from kv8.quant.gguf_blocks import BLOCK_VALUES, KEPT_TYPES, GGUFWeight
 
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # (out, in) per layer, SmolLM2-135M
 
@@ -94,8 +99,12 @@ def main() -> None:
     ap.add_argument("--no-torch-bf16", dest="torch_bf16", action="store_false",
                     help="leave out bf16 F.linear (the torch columns print -)")
     args = ap.parse_args()
+    bad = [f"{n}x{k}" for n, k in args.shapes if k % BLOCK_VALUES[args.gguf_type]]
+    if bad:
+        ap.error(f"--gguf-type {args.gguf_type} needs in-features that are multiples of "
+                 f"{BLOCK_VALUES[args.gguf_type]}; not {', '.join(bad)} (pass --shapes)")
     with contextlib.ExitStack() as stack:
-        before = None
+        before, before_blocks = None, None
         if args.before:
             try:
                 tree = stack.enter_context(worktree(args.before, "--before")).path
@@ -106,7 +115,14 @@ def main() -> None:
                 before = DenseKernels(build_shared_library(source, "native"))
             except KernelUnavailable as e:   # e.g. a revision with other argument structs
                 ap.error(f"--before {args.before}: {e}")
-        run(args, before)
+            # REV's layout of GGUF blocks (the module imports only torch)
+            spec = importlib.util.spec_from_file_location("kv8_before_gguf_blocks",
+                                                          Path(tree) / "kv8" / "quant" / "gguf_blocks.py")
+            assert spec is not None and spec.loader is not None
+            before_blocks = importlib.util.module_from_spec(spec)
+            sys.modules[spec.name] = before_blocks   # its dataclasses look their module up
+            spec.loader.exec_module(before_blocks)
+        run(args, before, before_blocks)
 
 
 def packed_layers(weights: list[list[torch.Tensor]], backend: DenseBackend) -> list[list[LinearBase]]:
@@ -123,23 +139,40 @@ def packed_layers(weights: list[list[torch.Tensor]], backend: DenseBackend) -> l
     return layers
 
 
-def gguf_layers(weights: list[list[torch.Tensor]], kernels: DenseKernels, qtype: str) -> list[list[LinearBase]]:
-    """One kv8 ``Linear`` per weight holding its GGUF blocks of ``qtype`` (``quantization="gguf"``)."""
+def gguf_blocks_of(w: torch.Tensor, qtype: str) -> torch.Tensor:
+    """``w [N, K]`` as GGUF blocks of ``qtype`` (uint8 ``[N, row bytes]``, the file's layout): ``gguf.quants.quantize``;
+    Q4_K, which that package does not quantize, as random codes, scales and mins with small finite ``d`` and ``dmin``
+    (the kernels' time does not depend on the values)."""
+    if qtype != "Q4_K":
+        blocks = gguf.quants.quantize(w.float().numpy(), gguf.GGMLQuantizationType[qtype])
+        return torch.from_numpy(np.ascontiguousarray(blocks))
+    n, k = w.shape
+    gen = torch.Generator().manual_seed(n * k)
+    blocks = torch.randint(0, 256, (n, k // 256, 144), dtype=torch.uint8, generator=gen)
+    blocks[..., 0:4] = (torch.rand(n, k // 256, 2, generator=gen) * 0.01).half().view(torch.uint8).reshape(n, -1, 4)
+    return blocks.reshape(n, -1)
+
+
+def gguf_layers(files: list[list[GGUFWeight]], kernels: DenseKernels,
+                before_blocks: ModuleType | None = None) -> list[list[LinearBase]]:
+    """One kv8 ``Linear`` per weight holding its GGUF blocks (``quantization="gguf"``); with ``before_blocks`` (an
+    older revision's ``kv8.quant.gguf_blocks``) in that revision's layout, for its ``kernels``."""
     backend = DenseBackend("packed_bf16", kernels, "gguf")
+    group = before_blocks.group_blocks if before_blocks is not None else kv8.layers.linear.group_blocks
     layers = []
-    for layer in weights:
-        mods = []
-        for w in layer:
-            blocks = gguf.quants.quantize(w.float().numpy(), gguf.GGMLQuantizationType[qtype])
-            lin = LinearBase(w.shape[1], [w.shape[0]], False, backend)
-            lin.load_gguf(GGUFWeight(qtype, torch.from_numpy(np.ascontiguousarray(blocks)), w.shape[1]))
-            lin.process_weights_after_loading()
-            mods.append(lin)
-        layers.append(mods)
+    with mock.patch("kv8.layers.linear.group_blocks", group):
+        for layer in files:
+            mods = []
+            for weight in layer:
+                lin = LinearBase(weight.in_features, [weight.shape[0]], False, backend)
+                lin.load_gguf(weight)
+                lin.process_weights_after_loading()
+                mods.append(lin)
+            layers.append(mods)
     return layers
 
 
-def run(args: argparse.Namespace, before: DenseKernels | None) -> None:
+def run(args: argparse.Namespace, before: DenseKernels | None, before_blocks: ModuleType | None = None) -> None:
     backend = select_dense_backend("packed_bf16", torch.bfloat16)
     torch.manual_seed(0)
     weights = [[torch.randn(n, k).bfloat16() for n, k in args.shapes] for _ in range(args.layers)]
@@ -149,7 +182,10 @@ def run(args: argparse.Namespace, before: DenseKernels | None) -> None:
     kernels = backend.kernels
     assert kernels is not None
     fp8 = packed_layers(weights, DenseBackend("packed_bf16", kernels, "fp8"))
-    blocks = gguf_layers(weights, kernels, args.gguf_type)
+    files = [[GGUFWeight(args.gguf_type, gguf_blocks_of(w, args.gguf_type), w.shape[1]) for w in layer]
+             for layer in weights]
+    blocks = gguf_layers(files, kernels)
+    gguf_before = gguf_layers(files, before, before_blocks) if before is not None else []
     gguf_bytes = sum(s.nbytes() for layer in blocks for p in layer for s in p.gguf_segments)
     amx = kernels.amx
     # the same layers on the library of --before (the same Python path, AMX tiles where the current one uses them)
@@ -165,7 +201,8 @@ def run(args: argparse.Namespace, before: DenseKernels | None) -> None:
     extra = f" {'fp8 ms':>8} {'bf16/fp8':>9} {'fp32 ms':>9} {'fp32/kv8':>9} {'fp32/fp8':>9}"
     extra += f" {'gguf ms':>8} {'kv8/gguf':>9} {'fp32/gguf':>10} {'int8 ms':>8} {'int8/gguf':>10}"
     extra += f" {'vdpbf16ps ms':>13} {'AMX/vdpbf16ps':>14}" if amx else ""
-    extra += f" {'before ms':>10} {'speed-up':>9} {'fp8 before':>11} {'speed-up':>9}" if before is not None else ""
+    extra += (f" {'before ms':>10} {'speed-up':>9} {'fp8 before':>11} {'speed-up':>9} {'gguf before':>12} "
+              f"{'speed-up':>9}" if before is not None else "")
     print(f"{'M':>6} {'torch ms':>10} {'kv8 ms':>10} {'torch GB/s':>11} {'kv8 GB/s':>10} {'speed-up':>9}{extra}")
     with torch.inference_mode():
         for m in (int(v) for v in args.rows.split(",")):
@@ -210,6 +247,9 @@ def run(args: argparse.Namespace, before: DenseKernels | None) -> None:
             def run_fp8_before(xs: dict[int, torch.Tensor] = xs) -> None:
                 run_kv8(xs, fp8_before)
 
+            def run_gguf_before(xs: dict[int, torch.Tensor] = xs) -> None:
+                run_kv8(xs, gguf_before)
+
             def run_avx512(xs: dict[int, torch.Tensor] = xs) -> None:
                 kernels.amx = False
                 try:
@@ -224,6 +264,7 @@ def run(args: argparse.Namespace, before: DenseKernels | None) -> None:
             if before is not None:
                 fns["before"] = run_before
                 fns["fp8 before"] = run_fp8_before
+                fns["gguf before"] = run_gguf_before
             t = best_of(fns, reps)
             t_kv8 = t["kv8"]
             if "torch" in t:
@@ -239,7 +280,8 @@ def run(args: argparse.Namespace, before: DenseKernels | None) -> None:
                 row += f" {t['vdpbf16ps'] * 1e3:>13.2f} {t['vdpbf16ps'] / t_kv8:>14.2f}"
             if before is not None:
                 row += (f" {t['before'] * 1e3:>10.2f} {t['before'] / t_kv8:>9.2f} {t['fp8 before'] * 1e3:>11.2f} "
-                        f"{t['fp8 before'] / t['fp8']:>9.2f}")
+                        f"{t['fp8 before'] / t['fp8']:>9.2f} {t['gguf before'] * 1e3:>12.2f} "
+                        f"{t['gguf before'] / t['gguf']:>9.2f}")
             print(row)
 
 

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["BLOCK", "BLOCK_BYTES", "BLOCK_VALUES", "GROUP", "KEPT_TYPES", "ExpandedWeight", "GGUFWeight",
+__all__ = ["BLOCK", "BLOCK_BYTES", "BLOCK_VALUES", "GROUP_ROWS", "KEPT_TYPES", "ExpandedWeight", "GGUFWeight",
            "dequantize_blocks",
            "gguf_activation_bound", "gguf_linear_reference", "group_blocks", "q4_k_scale_min",
            "quantize_activation_blocks", "ungroup_blocks"]
@@ -48,58 +48,130 @@ BLOCK_BYTES: dict[str, int] = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "
 #: values per block of each type: a row's length must be a multiple of it
 BLOCK_VALUES: dict[str, int] = {"Q8_0": 32, "Q4_0": 32, "Q4_1": 32, "Q5_0": 32, "Q4_K": 256}
 KEPT_TYPES: tuple[str, ...] = tuple(BLOCK_BYTES)
-#: blocks per group of the kernel's layout (:func:`group_blocks`)
-GROUP = 8
-_HEAD_BYTES = {"Q8_0": 2, "Q4_0": 2, "Q4_1": 4, "Q5_0": 2}   # the scales before a block's codes: d (and m)
+#: weight rows per group of the kernel's layout (:func:`group_blocks`), interleaved block by block
+GROUP_ROWS = 8
 _Q4_K_BYTES = 144
+#: bytes per weight block: 32 values, Q4_K's super-block 256
+_UNIT = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q4_K": _Q4_K_BYTES}
+#: the widths of a weight block's sections in its canonical byte order (:func:`_canonical`), which
+#: :func:`group_blocks` interleaves over a group's rows: the scales, then 4 bytes of codes at a time (Q4_K: its 12
+#: bytes of 6-bit scales and mins one at a time; ``csrc/dense/gguf.h`` has the same table)
+_SECTIONS: dict[str, tuple[int, ...]] = {"Q8_0": (2,) + (4,) * 8, "Q4_0": (2,) + (4,) * 4,
+                                         "Q4_1": (2, 2) + (4,) * 4, "Q5_0": (2, 4) + (4,) * 4,
+                                         "Q4_K": (2, 2) + (1,) * 12 + (4,) * 32}
 
 
-def _group_parts(in_features: int) -> list[tuple[int, int]]:
-    """``(first block, blocks)`` of each group of a row: groups of `GROUP`, the last one with the rest."""
-    nb = in_features // BLOCK
-    return [(b, min(GROUP, nb - b)) for b in range(0, nb, GROUP)]
+def _q4_k_pack_scale_min(sc: torch.Tensor, mn: torch.Tensor) -> torch.Tensor:
+    """The inverse of :func:`q4_k_scale_min`: 6-bit ``(scales, mins) [..., 8]`` uint8 -> the 12 packed bytes."""
+    hi_sc, hi_mn = sc[..., 4:] >> 4, mn[..., 4:] >> 4
+    return torch.cat([sc[..., :4] | (hi_sc << 6), mn[..., :4] | (hi_mn << 6),
+                      (sc[..., 4:] & 15) | ((mn[..., 4:] & 15) << 4)], dim=-1)
+
+
+_BITS = torch.arange(8, dtype=torch.uint8)
+
+
+def _canonical(b: torch.Tensor, qtype: str) -> torch.Tensor:
+    """Weight blocks ``[..., unit]`` (the file's bytes, :data:`_UNIT` bytes each) -> the same information in the
+    byte order whose :data:`_SECTIONS` the kernel's layout interleaves (a bijection of each block; the inverse:
+    :func:`_file_order`). Q8_0, Q4_0, Q4_1: the file's block. Q5_0: ``d``, then ``qh`` transposed so that bit ``k``
+    of byte ``i`` is ``h_{4k+i}`` (byte ``i`` of the 4 codes ``4k .. 4k+3`` of section ``k``), then ``qs``. Q4_K:
+    ``d``, ``dmin``, then the 6-bit scales and mins as ``sc_lo[4] m_lo[4] hi[4]``::
+
+        sc_lo[s] = sc_s & 15 | (sc_{s+4} & 15) << 4      m_lo[s]: the same for the mins       (s < 4)
+        hi[s]    = sc_s >> 4 | (sc_{s+4} >> 4) << 2 | (m_s >> 4) << 4 | (m_{s+4} >> 4) << 6
+
+    then ``qs[128]``."""
+    if qtype == "Q5_0":
+        h = ((b[..., 2:6, None] >> _BITS) & 1).reshape(*b.shape[:-1], 8, 4)   # [k, i] = h_{4k+i}
+        t = (h << _BITS[:, None]).sum(dim=-2).to(torch.uint8)                 # byte i: bit k = h_{4k+i}
+        return torch.cat([b[..., :2], t, b[..., 6:]], dim=-1)
+    if qtype == "Q4_K":
+        sc, mn = q4_k_scale_min(b[..., 4:16])
+        sc_lo = (sc[..., :4] & 15) | ((sc[..., 4:] & 15) << 4)
+        m_lo = (mn[..., :4] & 15) | ((mn[..., 4:] & 15) << 4)
+        hi = (sc[..., :4] >> 4) | ((sc[..., 4:] >> 4) << 2) | ((mn[..., :4] >> 4) << 4) | ((mn[..., 4:] >> 4) << 6)
+        return torch.cat([b[..., :4], sc_lo, m_lo, hi, b[..., 16:]], dim=-1)
+    return b
+
+
+def _file_order(c: torch.Tensor, qtype: str) -> torch.Tensor:
+    """The inverse of :func:`_canonical`."""
+    if qtype == "Q5_0":
+        h = ((c[..., 2:6][..., None, :] >> _BITS[:, None]) & 1)                  # [k, i] = h_{4k+i}
+        h = h.reshape(*c.shape[:-1], 4, 8)                                       # [byte, bit] = h_{8 byte + bit}
+        qh = (h << _BITS).sum(dim=-1).to(torch.uint8)
+        return torch.cat([c[..., :2], qh, c[..., 6:]], dim=-1)
+    if qtype == "Q4_K":
+        sc_lo, m_lo, hi = c[..., 4:8], c[..., 8:12], c[..., 12:16]
+        sc = torch.cat([(sc_lo & 15) | ((hi & 3) << 4), (sc_lo >> 4) | (((hi >> 2) & 3) << 4)], dim=-1)
+        mn = torch.cat([(m_lo & 15) | (((hi >> 4) & 3) << 4), (m_lo >> 4) | ((hi >> 6) << 4)], dim=-1)
+        return torch.cat([c[..., :4], _q4_k_pack_scale_min(sc, mn), c[..., 16:]], dim=-1)
+    return c
+
+
+def _interleave_index(qtype: str, g: int) -> torch.Tensor:
+    """``[g * unit]`` int64: for each byte of a group's weight block in the kernel's layout, its place in the ``g``
+    rows' canonical blocks ``[g, unit]`` (flattened): section after section, each the ``g`` rows' bytes of it."""
+    unit = _UNIT[qtype]
+    index, offset = [], 0
+    for w in _SECTIONS[qtype]:
+        index += [r * unit + offset + i for r in range(g) for i in range(w)]
+        offset += w
+    return torch.tensor(index, dtype=torch.int64)
+
+
+def _row_groups(n: int) -> list[tuple[int, int]]:
+    """``(first row, rows)`` of each group of the kernel's layout: `GROUP_ROWS` rows, the last group the rest."""
+    return [(r, min(GROUP_ROWS, n - r)) for r in range(0, n, GROUP_ROWS)]
 
 
 def group_blocks(blocks: torch.Tensor, qtype: str, in_features: int) -> torch.Tensor:
-    """The kernel's layout of ``blocks [N, row bytes]`` (the file's): the same bytes, each row's blocks in groups of
-    `GROUP` (the last group: the rest), a group of ``g`` blocks being its ``g`` float16 ``d`` (Q4_1: then its ``g``
-    ``m``), then the ``g`` blocks' codes (``csrc/dense/gguf.h``)::
+    """The kernel's layout of ``blocks [N, row bytes]`` (the file's; ``csrc/dense/gguf.h``): the rows in groups of
+    `GROUP_ROWS` = 8 (the last group: the rest, ``g`` rows), each group its weight blocks in order (32 values; Q4_K:
+    a super-block of 256), each block the ``g`` rows' blocks interleaved section by section (:data:`_SECTIONS` of
+    the block's canonical bytes, :func:`_canonical`), so that one 32-byte load holds 4 codes of each of 8 rows::
 
-        file:    [d0 m0 codes0] [d1 m1 codes1] ... [d7 m7 codes7] [d8 m8 codes8] ...
-        grouped: [d0 .. d7] [m0 .. m7] [codes0 .. codes7] [d8 ...] ...
+        file:    row 0: [d m qs0..3 qs4..7 .. qs12..15] [next block] ..   row 1: ..   .. row 7: ..
+        grouped: block 0: [d of rows 0..7] [m of rows 0..7] [qs0..3 of rows 0..7] .. [qs12..15 of rows 0..7]
+                 block 1: .. ;   then the next group of 8 rows
 
-    Q4_K's super-blocks are such groups already (their 8 sub-blocks' scales, then the codes): the file's layout is
-    the kernel's, returned as it is.
+    (Q4_1; Q8_0's sections: ``d``, 8 x 4 codes; Q4_0: ``d``, 4 x 4 bytes of ``qs``; Q5_0: ``d``, ``qh``
+    transposed, 4 x 4 bytes of ``qs``; Q4_K: ``d``, ``dmin``, 12 single bytes of scales, 32 x 4 bytes of ``qs``).
+    The same number of bytes, as a ``[N, row bytes]`` uint8 tensor whose rows are no longer the weight's rows.
     """
-    if qtype == "Q4_K":
-        return blocks.contiguous()
-    n, size = blocks.shape[0], BLOCK_BYTES[qtype]
-    b = blocks.reshape(n, in_features // BLOCK, size)
-    head = _HEAD_BYTES[qtype]
+    n, unit = blocks.shape[0], _UNIT[qtype]
+    nwb = in_features // BLOCK * BLOCK_BYTES[qtype] // unit                # weight blocks per row
+    canon = _canonical(blocks.reshape(n, nwb, unit), qtype)                # (N, nwb, unit)
     parts = []
-    for first, g in _group_parts(in_features):
-        grp = b[:, first:first + g]                                     # (N, g, bytes)
-        scales = [grp[..., s:s + 2].reshape(n, 2 * g) for s in range(0, head, 2)]
-        parts += [*scales, grp[..., head:].reshape(n, g * (size - head))]
-    return torch.cat(parts, dim=1).contiguous()
+    full = n // GROUP_ROWS * GROUP_ROWS
+    for first, count in ((0, full), (full, n - full)):
+        if count == 0:
+            continue
+        g = min(GROUP_ROWS, count)
+        rows = canon[first:first + count].reshape(count // g, g, nwb, unit)
+        rows = rows.permute(0, 2, 1, 3).reshape(count // g, nwb, g * unit)   # (groups, nwb, g rows' blocks)
+        parts.append(rows.index_select(2, _interleave_index(qtype, g)).reshape(-1))
+    return torch.cat(parts).reshape(n, -1)
 
 
 def ungroup_blocks(grouped: torch.Tensor, qtype: str, in_features: int) -> torch.Tensor:
     """The file's layout of blocks in :func:`group_blocks`' layout (its inverse)."""
-    if qtype == "Q4_K":
-        return grouped.contiguous()
-    n, size = grouped.shape[0], BLOCK_BYTES[qtype]
-    head = _HEAD_BYTES[qtype]
-    out = torch.empty(n, in_features // BLOCK, size, dtype=torch.uint8)
-    offset = 0
-    for first, g in _group_parts(in_features):
-        for s in range(0, head, 2):
-            out[:, first:first + g, s:s + 2] = grouped[:, offset:offset + 2 * g].reshape(n, g, 2)
-            offset += 2 * g
-        codes = g * (size - head)
-        out[:, first:first + g, head:] = grouped[:, offset:offset + codes].reshape(n, g, size - head)
-        offset += codes
-    return out.reshape(n, -1)
+    n, unit = grouped.shape[0], _UNIT[qtype]
+    nwb = in_features // BLOCK * BLOCK_BYTES[qtype] // unit
+    flat = grouped.reshape(-1)
+    canon = torch.empty(n, nwb, unit, dtype=torch.uint8)
+    full = n // GROUP_ROWS * GROUP_ROWS
+    for first, count in ((0, full), (full, n - full)):
+        if count == 0:
+            continue
+        g = min(GROUP_ROWS, count)
+        part = flat[first * nwb * unit:(first + count) * nwb * unit].reshape(count // g, nwb, g * unit)
+        rows = torch.empty_like(part)
+        rows[..., _interleave_index(qtype, g)] = part
+        canon[first:first + count] = rows.reshape(count // g, nwb, g, unit).permute(0, 2, 1, 3).reshape(count, nwb,
+                                                                                                      unit)
+    return _file_order(canon, qtype).reshape(n, -1).contiguous()
 
 
 @dataclass(frozen=True)

@@ -26,14 +26,12 @@ from kv8.quant.gguf_blocks import (
     gguf_activation_bound,
     gguf_linear_reference,
     group_blocks,
+    q4_k_scale_min,
     quantize_activation_blocks,
     ungroup_blocks,
 )
 from tests.helpers.gguf_files import quantize
 from tests.helpers.kernels import dense_build_or_skip
-
-#: the types of blocks of 32 values (grouped at load); Q4_K has super-blocks of 256
-TYPES_32 = tuple(t for t in KEPT_TYPES if BLOCK_VALUES[t] == BLOCK)
 
 
 @pytest.fixture(scope="module", params=["native", "x86-64-v3"])
@@ -82,26 +80,47 @@ def test_q4_k_dequantize_is_the_gguf_package_on_random_bytes() -> None:
     assert torch.equal(got.view(torch.int32), torch.from_numpy(want).view(torch.int32))
 
 
-@pytest.mark.parametrize("qtype", TYPES_32)
-@pytest.mark.parametrize("k", [32, 256, 576, 800])   # 1 block, one group, 2 groups + 2 blocks, 3 groups + 1 block
-def test_grouped_layout_moves_the_same_bytes(qtype: str, k: int) -> None:
-    blocks = _blocks(5, k, qtype, seed=k)
-    grouped = group_blocks(blocks, qtype, k)
-    assert grouped.shape == blocks.shape and torch.equal(grouped, blocks) == (k == 32)   # one block: as in the file
-    assert torch.equal(ungroup_blocks(grouped, qtype, k), blocks)
-    head = 4 if qtype == "Q4_1" else 2
-    first = blocks.reshape(5, -1, BLOCK_BYTES[qtype])[:, :8]   # the first group: its d's lead, then (Q4_1) its m's
-    g = first.shape[1]
-    assert torch.equal(grouped[:, :2 * g], first[..., :2].reshape(5, -1))
-    if head == 4:
-        assert torch.equal(grouped[:, 2 * g:4 * g], first[..., 2:4].reshape(5, -1))
-    assert torch.equal(grouped[:, head * g:head * g + (BLOCK_BYTES[qtype] - head)], first[:, 0, head:])
+@pytest.mark.parametrize("qtype", KEPT_TYPES)
+@pytest.mark.parametrize("n", [1, 5, 8, 9, 17, 24])   # a lone short group, whole groups, a tail of 1
+def test_grouped_layout_moves_the_same_bytes(qtype: str, n: int) -> None:
+    """group_blocks keeps the shape and the bytes' count and ungroup_blocks inverts it, on quantizer output and on
+    random bytes (every bit of Q5_0's qh and Q4_K's packed scales and mins)."""
+    k = 3 * BLOCK_VALUES[qtype]
+    gen = torch.Generator().manual_seed(n)
+    for blocks in (_blocks(n, k, qtype, seed=n),
+                   torch.randint(0, 256, (n, k // 32 * BLOCK_BYTES[qtype]), dtype=torch.uint8, generator=gen)):
+        grouped = group_blocks(blocks, qtype, k)
+        assert grouped.shape == blocks.shape and grouped.dtype == torch.uint8
+        assert torch.equal(ungroup_blocks(grouped, qtype, k), blocks)
+        if qtype not in ("Q5_0", "Q4_K"):   # those two re-encode their bit fields; the others only move bytes
+            assert torch.equal(torch.sort(grouped.reshape(-1))[0], torch.sort(blocks.reshape(-1))[0])
 
 
-def test_q4_k_super_blocks_are_the_kernels_layout_as_stored() -> None:
-    blocks = _blocks(5, 512, "Q4_K", seed=3)
-    assert torch.equal(group_blocks(blocks, "Q4_K", 512), blocks)
-    assert torch.equal(ungroup_blocks(blocks, "Q4_K", 512), blocks)
+def test_grouped_layout_interleaves_eight_rows_section_by_section() -> None:
+    """Q4_1, 9 rows of 2 blocks: the first group's block 0 is the 8 rows' d, their m, then 4 bytes of qs of each row
+    at a time; its block 1 follows; the last group (row 8 alone) holds that row's blocks as in the file."""
+    n, k = 9, 64
+    blocks = _blocks(n, k, "Q4_1", seed=3)
+    file = blocks.reshape(n, 2, 20)
+    flat = group_blocks(blocks, "Q4_1", k).reshape(-1)
+    for w in range(2):
+        blk = flat[w * 160:(w + 1) * 160]
+        assert torch.equal(blk[:16], file[:8, w, 0:2].reshape(-1))
+        assert torch.equal(blk[16:32], file[:8, w, 2:4].reshape(-1))
+        for t in range(4):
+            assert torch.equal(blk[32 + 32 * t:64 + 32 * t], file[:8, w, 4 + 4 * t:8 + 4 * t].reshape(-1))
+    assert torch.equal(flat[320:], blocks[8])
+
+
+def test_grouped_q4_k_scales_are_the_packed_six_bits() -> None:
+    """Q4_K's sections of scales: sc_lo, m_lo and hi bytes hold the same 6-bit scales and mins as the file."""
+    blocks = _random_q4_k(8, 256, seed=5)
+    sc, mn = q4_k_scale_min(blocks[:, 4:16])                           # (8 rows, 8 sub-blocks)
+    blk = group_blocks(blocks, "Q4_K", 256).reshape(-1)
+    sc_lo, m_lo, hi = (blk[32 + 32 * i:64 + 32 * i].reshape(4, 8).T.long() for i in range(3))   # (rows, s < 4)
+    got_sc = torch.cat([(sc_lo & 15) | ((hi & 3) << 4), (sc_lo >> 4) | (((hi >> 2) & 3) << 4)], dim=1)
+    got_mn = torch.cat([(m_lo & 15) | (((hi >> 4) & 3) << 4), (m_lo >> 4) | ((hi >> 6) << 4)], dim=1)
+    assert torch.equal(got_sc, sc.long()) and torch.equal(got_mn, mn.long())
 
 
 def test_activation_blocks_round_to_the_nearest_step() -> None:
@@ -122,7 +141,7 @@ SHAPES_256 = [(37, 256), (19, 768), (33, 512)]         # Q4_K: K a multiple of 2
 CASES = [(t, n, k) for t in KEPT_TYPES for n, k in (SHAPES if BLOCK_VALUES[t] == BLOCK else SHAPES_256)]
 
 
-@pytest.mark.parametrize("rows", [1, 3, 17, 32, 33])   # 32, 33: whole tiles of 4, and one row more
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 9, 17, 32, 33])   # tiles of 4 and each rest
 @pytest.mark.parametrize("qtype, n, k", CASES)
 def test_kernel_is_within_the_activation_bound_of_the_reference(lib: DenseKernels, qtype: str, rows: int, n: int,
                                                                  k: int) -> None:
@@ -163,6 +182,26 @@ def test_each_row_is_computed_alone(lib: DenseKernels, qtype: str) -> None:
         assert torch.equal(batch[i], lib.gguf_linear(x[i:i + 1], blocks, qtype, 41, bias)[0])
     assert torch.equal(batch[2], bias.bfloat16())
     assert lib.gguf_linear(x[:0], blocks, qtype, 41, bias).shape == (0, 41)
+
+
+@pytest.mark.parametrize("qtype", KEPT_TYPES)
+def test_a_rows_result_depends_on_neither_the_batch_nor_its_group(lib: DenseKernels, qtype: str) -> None:
+    """M = 1..9 rows (tiles of 4 and their rests): each row bit for bit the one-row call; and each weight row's output
+    the same whether it sits in a full group of 8 or in the last, short group (N = 43: 5 groups and 3 rows; the
+    rows 24..26 multiplied alone, as a group of 3, and rows 40..42 as a whole group's first rows)."""
+    n, k = 43, 2 * BLOCK_VALUES[qtype]
+    blocks = _blocks(n, k, qtype, seed=11)
+    gen = torch.Generator().manual_seed(12)
+    x = (torch.randn(9, k, generator=gen) * 2).bfloat16()
+    bias = torch.randn(n, generator=gen)
+    full = lib.gguf_linear(x, group_blocks(blocks, qtype, k), qtype, n, bias)
+    for m in range(1, 10):
+        y = lib.gguf_linear(x[:m], group_blocks(blocks, qtype, k), qtype, n, bias)
+        assert torch.equal(y, full[:m]), m
+    for lo, hi in ((24, 27), (40, 43), (0, 8), (8, 43)):
+        part = lib.gguf_linear(x, group_blocks(blocks[lo:hi].contiguous(), qtype, k), qtype, hi - lo,
+                               bias[lo:hi].contiguous())
+        assert torch.equal(part, full[:, lo:hi]), (lo, hi)
 
 
 def test_kernel_rejects_what_it_cannot_read(lib: DenseKernels) -> None:
@@ -212,9 +251,10 @@ def test_q4_k_kernels_on_random_bytes(lib: DenseKernels) -> None:
     within its bound."""
     blocks = _random_q4_k(21, 512, seed=4)
     w = dequantize_blocks(blocks, "Q4_K", 512)
-    assert torch.equal(lib.gguf_dequantize(blocks, "Q4_K", 512).view(torch.int32), w.view(torch.int32))
+    grouped = group_blocks(blocks, "Q4_K", 512)
+    assert torch.equal(lib.gguf_dequantize(grouped, "Q4_K", 512).view(torch.int32), w.view(torch.int32))
     x = torch.randn(5, 512, generator=torch.Generator().manual_seed(4)).bfloat16()
-    y = lib.gguf_linear(x, blocks, "Q4_K", 21, None)
+    y = lib.gguf_linear(x, grouped, "Q4_K", 21, None)
     exact = x.double() @ w.double().T
     slack = 2.0 ** -8 * exact.abs() * 1.01 + 1e-5 * (x.double().abs() @ w.double().abs().T)
     assert bool(((y.double() - exact).abs() <= gguf_activation_bound(x, blocks, "Q4_K") + slack).all())

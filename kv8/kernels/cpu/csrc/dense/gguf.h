@@ -16,26 +16,37 @@
 //
 //   Q4_K (144 B): f16 d | f16 dmin | u8 scales[12] | u8 qs[128]     w = d * sc_s * c - dmin * m_s
 //
-// sc_s, m_s 6 bits each, packed in scales (kv8.quant.gguf_blocks.q4_k_scale_min; unpacked here with 32-bit masks as
-// llama.cpp does), c the low (even s) or high (odd s) nibbles of qs[32 (s / 2) .. + 31]. GGUF_BLOCK_BYTES counts bytes
-// per 32 values (Q4_K: 18). The kernel reads Q8_0 / Q4_0 / Q4_1 / Q5_0 grouped (the same bytes, reordered at load by
-// kv8.quant.gguf_blocks.group_blocks): each row's blocks in groups of GGUF_GROUP = 8 (the row's last group has the
-// rest, g <= 8), a group of g blocks being
+// sc_s, m_s 6 bits each, packed in scales (kv8.quant.gguf_blocks.q4_k_scale_min), c the low (even s) or high (odd s)
+// nibbles of qs[32 (s / 2) .. + 31]. GGUF_BLOCK_BYTES counts bytes per 32 values (Q4_K: 18), GGUF_UNIT per weight
+// block (32 values; Q4_K 256).
 //
-//   [d_0 .. d_{g-1}] [Q4_1: m_0 .. m_{g-1}] [codes of block 0] .. [codes of block g-1]
+// Layout (kv8.quant.gguf_blocks.group_blocks, at load: the same number of bytes): the rows in groups of GGUF_ROWS = 8
+// (the last group has the rest, g <= 8 rows), each group its weight blocks in order, each weight block the g rows'
+// blocks interleaved section by section, a section being the g rows' bytes of one field of the block's canonical
+// bytes (gguf_each_section):
 //
-// (codes: the block's bytes after its header; Q5_0: qh then qs), so that 8 scales convert to float32 in one vcvtph2ps.
-// A Q4_K super-block is such a group already (its 8 sub-blocks' scales, then their codes): read as the file stores it.
+//   Q8_0: [d x g] [q0..3 x g] [q4..7 x g] .. [q28..31 x g]                    (f16 d of rows 0..g-1, then 4 codes
+//   Q4_0: [d x g] [qs0..3 x g] .. [qs12..15 x g]                               of each row at a time)
+//   Q4_1: [d x g] [m x g] [qs0..3 x g] .. [qs12..15 x g]
+//   Q5_0: [d x g] [qh' x g] [qs0..3 x g] .. [qs12..15 x g]     qh' = qh transposed: bit k of byte i = h_{4k+i}
+//   Q4_K: [d x g] [dmin x g] [sc_lo[s] x g] (s < 4) [m_lo[s] x g] [hi[s] x g] [qs0..3 x g] .. [qs124..127 x g]
+//         sc_lo[s] = sc_s & 15 | (sc_{s+4} & 15) << 4, m_lo the same for m, and the top 2 bits of sc_s, sc_{s+4},
+//         m_s, m_{s+4} in hi[s] (bits 0-1, 2-3, 4-5, 6-7)
+//
+// so that in a full group one 32-byte load holds 4 codes of each of the 8 rows (lane r: row r), 8 scales convert
+// to float32 in one vcvtph2ps, and every vector lane computes one row: no horizontal sums. The last group (g < 8) is
+// widened to 8 rows (zero scales) per call; dequantize gathers a row's blocks back (gguf_gather).
 //
 // Activations: each row of x is quantized once per call to int8 per block of 32 (a_j = rint(x_j * 127 / amax),
 // da = amax / 127, amax the block's largest |x|; a block of zeros has da = 0), kept with da and sa = da * sum_j a_j.
 // Then per weight block an exact integer dot product
 //
-//   Q4: dot = sum_j c_j a_j   (_mm256_maddubs_epi16: unsigned codes x signed a, pairs in int16, |.| <= 3810)
-//   Q5: dot = sum_j (c_j + 16 h_j) a_j   (the same, codes 0..31: |pair| <= 7874)
-//   Q8: dot = sum_j q_j a_j   (maddubs of |q| and a with q's sign: |.| <= 2 * 128 * 127 < 2^15)
+//   Q4: dot = sum_j c_j a_j   (_mm256_maddubs_epi16: unsigned codes x signed a, pairs in int16, |.| <= 3810;
+//                              a lane's 8 pair sums added in int16: |.| <= 30480 < 2^15)
+//   Q5: dot = sum_j (c_j + 16 h_j) a_j   (the same, codes 0..31: |pair| <= 7874, 4 of them added in int16)
+//   Q8: dot = sum_j q_j a_j   (maddubs of |q| and a with q's sign: |.| <= 2 * 128 * 127 < 2^15, none added)
 //
-// summed to int32 (_mm256_madd_epi16 by ones), converted to float and scaled:
+// summed to int32 (_mm256_madd_epi16 by ones, then int32 adds), converted to float and scaled:
 //
 //   Q8_0: d da dot   Q4_0: d (da dot - 8 sa)   Q5_0: d (da dot - 16 sa)   Q4_1: d da dot + m sa
 //   Q4_K: (d sc_s) da dot - (dmin m_s) sa
@@ -49,12 +60,13 @@
 // most sum_blocks da / 2 * sum_j |w_j| plus fp32 summation error, before the one bf16 rounding
 // (kv8.quant.gguf_blocks.gguf_activation_bound computes the bound; tests/quant/test_gguf_blocks.py checks it).
 //
-// Per group, the activation scales of its 8 blocks multiply the weights' 8 at once (d da, and m sa, -8 d sa or
-// -16 d sa summed in a vector); per block the integer dot product is converted and multiplied by its lane of d da.
+// Per weight block and activation row: the 8 rows' int32 dot products (gguf_group_tile), converted and multiplied by
+// d da (a vector: 8 rows' d times the block's da) into one fp32 accumulator, the min terms (m sa, -8 d sa, -16 d sa,
+// dmin m_s sa) into another; the row's result is their sum (Q4_K: difference) after the last block, plus the bias.
+// Each lane's fp32 operations are the same, in the same order, whatever M, the tile of activation rows or the group.
 //
-// Threads: output rows are split evenly over the threads (OpenMP, static); each thread reads its rows' blocks once
-// per tile of 4 activation rows (one decoded weight block feeds 4 dot products); a row's result does not depend on
-// the tile it is in.
+// Threads: the groups of 8 rows are split evenly over the threads (OpenMP, static); each thread reads its groups'
+// blocks once per tile of up to 4 activation rows (one decoded weight load feeds 4 rows' dot products).
 //
 // kv8_gguf_dequantize (gguf_dequantize): the same grouped blocks to float32 W [N, K], exactly
 // kv8.quant.gguf_blocks.dequantize_blocks' values; OpenMP over W's rows. GGUFLinearMethod multiplies many activation
@@ -72,7 +84,12 @@ static const char* const GGUF_TYPE_NAMES[GGUF_TYPE_COUNT] = {"Q8_0", "Q4_0", "Q4
 static const int GGUF_BLOCK_BYTES[GGUF_TYPE_COUNT] = {34, 18, 20, 18, 22};         // per 32 values
 static const int GGUF_BLOCK_VALUES[GGUF_TYPE_COUNT] = {32, 32, 32, 256, 32};       // per block: K is a multiple
 static const int GGUF_BLOCK = 32;
-static const int GGUF_GROUP = 8;   // blocks per group of the kernel's layout (Q4_K: sub-blocks per super-block)
+static const int GGUF_ROWS = 8;    // weight rows per group of the kernel's layout: the 8 float lanes of a vector
+static const int GGUF_UNIT[GGUF_TYPE_COUNT] = {34, 18, 20, 144, 22};              // bytes per weight block and row
+// Software prefetch distance of gguf_group_tile's weight stream, bytes ahead of the block being read. Measured on an
+// AMD EPYC Zen 3, 30 SmolLM2-shaped Q4_1 layers (66 MB, from DRAM), one thread's CPU time: 4096 B ~20% faster than
+// none, 8192 ~10%, 1024 ~15%.
+static const int GGUF_PREFETCH = 4096;
 
 // K a positive multiple of the type's block (qtype checked first)
 static inline bool gguf_bad_shape(int32_t qtype, int64_t in_features) {
@@ -105,13 +122,6 @@ static inline uint16_t gguf_round_bf16(float f) {
     std::memcpy(&u, &f, 4);
     if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);   // NaN stays NaN
     return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-}
-
-static inline float gguf_hsum(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
 }
 
 // One row of K bf16 values -> K/32 blocks of int8 codes qa, their scales da and da * sum(codes) sa.
@@ -156,9 +166,9 @@ static inline __m256i gguf_nibbles(const uint8_t* qs) {
     return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(q, 4), mask), _mm_and_si128(q, mask));
 }
 
-// The 32 5-bit codes of a Q5_0 block's qh[4] qs[16] (at p) as bytes 0..31 in element order: the nibbles, plus 16
-// where bit j of qh is set (llama.cpp's bytes_from_bits_32: byte j gets qh's byte j / 8, all of whose bits but j % 8
-// are then set, so it is all ones exactly where bit j is).
+// The 32 5-bit codes of a Q5_0 block's qh[4] qs[16] (at p, the file's order) as bytes 0..31 in element order: the
+// nibbles, plus 16 where bit j of qh is set (llama.cpp's bytes_from_bits_32: byte j gets qh's byte j / 8, all of
+// whose bits but j % 8 are then set, so it is all ones exactly where bit j is).
 static inline __m256i gguf_q5_codes(const uint8_t* p) {
     uint32_t qh;
     std::memcpy(&qh, p, 4);
@@ -169,219 +179,312 @@ static inline __m256i gguf_q5_codes(const uint8_t* p) {
     return _mm256_or_si256(gguf_nibbles(p + 4), _mm256_and_si256(bits, _mm256_set1_epi8(16)));
 }
 
-static inline __m256 gguf_dot(__m256i u, __m256i s) {   // 32 u8 x s8 products -> 8 fp32 partial sums (exact)
-    return _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
-}
-
-// Blocks b .. b+g-1 of a group (g <= GGUF_GROUP) times MR_ activation rows from m0 (mr of them valid): the group's
-// scales decoded 8 at a time (vcvtph2ps), then one integer dot product per block and row.
-template <int QT, int MR_>
-static inline void gguf_group(const uint8_t* grp, int g, int64_t b, int64_t nb, const int8_t* qa, const float* da,
-                              const float* sa, int64_t m0, int mr, __m256* acc, __m256* corr) {
-    constexpr int CODE_BYTES = QT == GGUF_Q8_0 ? 32 : QT == GGUF_Q5_0 ? 20 : 16;
-    constexpr int HEAD = QT == GGUF_Q4_1 ? 4 : 2;
-    constexpr float OFFSET = QT == GGUF_Q5_0 ? -16.0f : -8.0f;   // Q4_0, Q5_0: the codes' offset
-    alignas(32) float scale[MR_][GGUF_GROUP];
-    __m256 d, m;
-    if (g == GGUF_GROUP) {
-        d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)grp));
-        m = QT == GGUF_Q4_1 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(grp + 2 * GGUF_GROUP)))
-                            : _mm256_mul_ps(d, _mm256_set1_ps(OFFSET));
-    } else {   // the row's last, partial group: g scales (the other lanes zero, never used)
-        alignas(16) uint16_t hd[GGUF_GROUP] = {0}, hm[GGUF_GROUP] = {0};
-        std::memcpy(hd, grp, 2 * g);
-        if (QT == GGUF_Q4_1) std::memcpy(hm, grp + 2 * g, 2 * g);
-        d = _mm256_cvtph_ps(_mm_load_si128((const __m128i*)hd));
-        m = QT == GGUF_Q4_1 ? _mm256_cvtph_ps(_mm_load_si128((const __m128i*)hm))
-                            : _mm256_mul_ps(d, _mm256_set1_ps(OFFSET));
-    }
-    const __m256i lanes = _mm256_cmpgt_epi32(_mm256_set1_epi32(g), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-    for (int r = 0; r < MR_; ++r) {
-        if (r >= mr) break;
-        const int64_t i = (m0 + r) * nb + b;
-        const bool full = g == GGUF_GROUP;
-        const __m256 a_scale = full ? _mm256_loadu_ps(da + i) : _mm256_maskload_ps(da + i, lanes);
-        _mm256_store_ps(scale[r], _mm256_mul_ps(d, a_scale));
-        if (QT != GGUF_Q8_0)
-            corr[r] = _mm256_fmadd_ps(m, full ? _mm256_loadu_ps(sa + i) : _mm256_maskload_ps(sa + i, lanes), corr[r]);
-    }
-    const uint8_t* codes = grp + HEAD * g;
-    for (int j = 0; j < g; ++j) {
-        const uint8_t* c = codes + j * CODE_BYTES;
-        if (QT == GGUF_Q8_0) {
-            const __m256i w = _mm256_loadu_si256((const __m256i*)c);
-            const __m256i wa = _mm256_abs_epi8(w);
-            for (int r = 0; r < MR_; ++r) {
-                if (r >= mr) break;
-                const __m256i a = _mm256_loadu_si256((const __m256i*)(qa + ((m0 + r) * nb + b + j) * GGUF_BLOCK));
-                acc[r] = _mm256_fmadd_ps(gguf_dot(wa, _mm256_sign_epi8(a, w)), _mm256_broadcast_ss(&scale[r][j]),
-                                         acc[r]);
-            }
-        } else {
-            const __m256i w = QT == GGUF_Q5_0 ? gguf_q5_codes(c) : gguf_nibbles(c);
-            for (int r = 0; r < MR_; ++r) {
-                if (r >= mr) break;
-                const __m256i a = _mm256_loadu_si256((const __m256i*)(qa + ((m0 + r) * nb + b + j) * GGUF_BLOCK));
-                acc[r] = _mm256_fmadd_ps(gguf_dot(w, a), _mm256_broadcast_ss(&scale[r][j]), acc[r]);
-            }
-        }
-    }
-}
-
-// A Q4_K super-block's 6-bit scales and mins (12 bytes at p) -> sc[0..7] and m[0..7] as bytes: llama.cpp's masks
-// on 32-bit words (bytes 0-3: sc0-3 and the top bits of sc4-7, 4-7: the same for m, 8-11: the low nibbles of
-// sc4-7 / m4-7).
-static inline void gguf_q4k_scales(const uint8_t* p, uint8_t sc[8], uint8_t m[8]) {
-    uint32_t u[3], out[4];
-    std::memcpy(u, p, 12);
-    out[0] = u[0] & 0x3f3f3f3fu;
-    out[1] = (u[2] & 0x0f0f0f0fu) | (((u[0] >> 6) & 0x03030303u) << 4);
-    out[2] = u[1] & 0x3f3f3f3fu;
-    out[3] = ((u[2] >> 4) & 0x0f0f0f0fu) | (((u[1] >> 6) & 0x03030303u) << 4);
-    std::memcpy(sc, out, 8);
-    std::memcpy(m, out + 2, 8);
-}
-
 static inline __m256 gguf_bytes_ps(const uint8_t* p) {   // 8 unsigned bytes -> 8 floats
     return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)p)));
 }
 
-// One Q4_K super-block (activation blocks b .. b+7) times MR_ activation rows from m0 (mr valid): the 8 sub-block
-// scales d sc_s times the rows' da (8 lanes), the mins' term -dmin m_s sa into corr, then per pair of sub-blocks one
-// 32-byte load whose low and high nibbles are the two sub-blocks' codes.
-template <int MR_>
-static inline void gguf_q4k_superblock(const uint8_t* sb, int64_t b, int64_t nb, const int8_t* qa, const float* da,
-                                       const float* sa, int64_t m0, int mr, __m256* acc, __m256* corr) {
-    alignas(8) uint8_t sc[8], mn[8];
-    gguf_q4k_scales(sb + 4, sc, mn);
-    const __m256 d = _mm256_mul_ps(_mm256_set1_ps(gguf_half(sb)), gguf_bytes_ps(sc));           // exact products
-    const __m256 m = _mm256_mul_ps(_mm256_set1_ps(-gguf_half(sb + 2)), gguf_bytes_ps(mn));
-    alignas(32) float scale[MR_][GGUF_GROUP];
-    for (int r = 0; r < MR_; ++r) {
-        if (r >= mr) break;
-        const int64_t i = (m0 + r) * nb + b;
-        _mm256_store_ps(scale[r], _mm256_mul_ps(d, _mm256_loadu_ps(da + i)));
-        corr[r] = _mm256_fmadd_ps(m, _mm256_loadu_ps(sa + i), corr[r]);
-    }
-    const __m256i low = _mm256_set1_epi8(0x0f);
-    for (int c = 0; c < 4; ++c) {
-        const __m256i q = _mm256_loadu_si256((const __m256i*)(sb + 16 + 32 * c));
-        const __m256i lo = _mm256_and_si256(q, low), hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), low);
-        for (int r = 0; r < MR_; ++r) {
-            if (r >= mr) break;
-            const int8_t* a = qa + ((m0 + r) * nb + b + 2 * c) * GGUF_BLOCK;
-            acc[r] = _mm256_fmadd_ps(gguf_dot(lo, _mm256_loadu_si256((const __m256i*)a)),
-                                     _mm256_broadcast_ss(&scale[r][2 * c]), acc[r]);
-            acc[r] = _mm256_fmadd_ps(gguf_dot(hi, _mm256_loadu_si256((const __m256i*)(a + GGUF_BLOCK))),
-                                     _mm256_broadcast_ss(&scale[r][2 * c + 1]), acc[r]);
+static inline __m256i gguf_bcast4(const int8_t* p) {   // 4 activation codes, in every 32-bit lane
+    int32_t v;
+    std::memcpy(&v, p, 4);
+    return _mm256_set1_epi32(v);
+}
+
+// A Q4_K group block's 6-bit scales and mins (sc_lo[32] m_lo[32] hi[32] at p: 4 sub-blocks x 8 rows each, see the
+// header) -> out[128]: the scales of sub-block s for rows 0..7 at out + 8 s, the mins at out + 64 + 8 s.
+static inline void gguf_q4k_unpack(const uint8_t* p, uint8_t* out) {
+    const __m256i sl = _mm256_loadu_si256((const __m256i*)p), ml = _mm256_loadu_si256((const __m256i*)(p + 32));
+    const __m256i h = _mm256_loadu_si256((const __m256i*)(p + 64));
+    const __m256i low = _mm256_set1_epi8(0x0f), top = _mm256_set1_epi8(0x30);   // bits 0-3, bits 4-5
+    // 16-bit shifts: the bits a mask keeps never crossed a byte
+    _mm256_storeu_si256((__m256i*)out, _mm256_or_si256(_mm256_and_si256(sl, low),
+                                                       _mm256_and_si256(_mm256_slli_epi16(h, 4), top)));
+    _mm256_storeu_si256((__m256i*)(out + 32), _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(sl, 4), low),
+                                                              _mm256_and_si256(_mm256_slli_epi16(h, 2), top)));
+    _mm256_storeu_si256((__m256i*)(out + 64), _mm256_or_si256(_mm256_and_si256(ml, low), _mm256_and_si256(h, top)));
+    _mm256_storeu_si256((__m256i*)(out + 96), _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ml, 4), low),
+                                                              _mm256_and_si256(_mm256_srli_epi16(h, 2), top)));
+}
+
+// Q5_0: the fifth bits of the codes 4k .. 4k+3 of each lane (bit k of the lane's transposed qh bytes, h) at bit 4 of
+// their bytes (16-bit shifts: bit k of a byte moves to bit 4 of the same byte).
+static inline __m256i gguf_q5_high(__m256i h, int k) {
+    const __m256i sh = k < 4 ? _mm256_sll_epi16(h, _mm_cvtsi32_si128(4 - k))
+                             : _mm256_srl_epi16(h, _mm_cvtsi32_si128(k - 4));
+    return _mm256_and_si256(sh, _mm256_set1_epi8(0x10));
+}
+
+// One group of 8 weight rows (its first weight block at grp, nwb blocks) times MR activation rows (qa, da, sa at row
+// m0; nb activation blocks per row): out[m] = the 8 rows' results, lane r = weight row r, before the bias. Per
+// weight block, each 32-byte load holds 4 codes of each of the 8 rows, each 4-byte broadcast 4 activation codes:
+// maddubs gives, per lane, that row's products summed in pairs; the pairs add up in int16 (Q4: 8 of them, |.| <=
+// 8 * 3810; Q5: 4, <= 4 * 7874) or int32 (Q8_0), then madd by ones to the row's exact int32 dot product. The scales
+// of the 8 rows convert 8 at a time; every lane does the same float32 operations, block after block, whatever MR.
+template <int QT, int MR>
+static inline void gguf_group_tile(const uint8_t* grp, int64_t nwb, const int8_t* qa, const float* da,
+                                   const float* sa, int64_t nb, int64_t m0, __m256* out) {
+    const int64_t K = nb * GGUF_BLOCK;
+    const __m256i ones = _mm256_set1_epi16(1), low = _mm256_set1_epi8(0x0f);
+    __m256 acc[MR], corr[MR];
+    for (int m = 0; m < MR; ++m) { acc[m] = _mm256_setzero_ps(); corr[m] = _mm256_setzero_ps(); }
+    const int8_t* a0 = qa + m0 * K;
+    const float* da0 = da + m0 * nb;
+    const float* sa0 = sa + m0 * nb;
+    if constexpr (QT == GGUF_Q4_K) {
+        for (int64_t w = 0; w < nwb; ++w) {
+            const uint8_t* p = grp + w * (GGUF_ROWS * 144);
+            for (int o = 0; o < GGUF_ROWS * 144; o += 64) _mm_prefetch((const char*)p + GGUF_PREFETCH + o, _MM_HINT_T0);
+            const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p));
+            const __m256 dmin = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(p + 16)));
+            alignas(32) uint8_t scm[128];
+            gguf_q4k_unpack(p + 32, scm);
+            const uint8_t* q = p + 128;
+            for (int c = 0; c < 4; ++c) {   // sub-blocks 2c (low nibbles) and 2c + 1 (high)
+                const int64_t b = 8 * w + 2 * c;   // activation block of sub-block 2c
+                __m256i s_lo[MR], s_hi[MR];
+                for (int m = 0; m < MR; ++m) { s_lo[m] = _mm256_setzero_si256(); s_hi[m] = _mm256_setzero_si256(); }
+                for (int k = 0; k < 8; ++k) {
+                    const __m256i v = _mm256_loadu_si256((const __m256i*)(q + 32 * (8 * c + k)));
+                    const __m256i lo = _mm256_and_si256(v, low), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+                    for (int m = 0; m < MR; ++m) {
+                        const int8_t* a = a0 + m * K + b * GGUF_BLOCK + 4 * k;
+                        s_lo[m] = _mm256_add_epi16(s_lo[m], _mm256_maddubs_epi16(lo, gguf_bcast4(a)));
+                        s_hi[m] = _mm256_add_epi16(s_hi[m], _mm256_maddubs_epi16(hi, gguf_bcast4(a + GGUF_BLOCK)));
+                    }
+                }
+                for (int h = 0; h < 2; ++h) {
+                    const int s = 2 * c + h;
+                    const __m256 sc = _mm256_mul_ps(d, gguf_bytes_ps(scm + 8 * s));        // exact products
+                    const __m256 mn = _mm256_mul_ps(dmin, gguf_bytes_ps(scm + 64 + 8 * s));
+                    for (int m = 0; m < MR; ++m) {
+                        const __m256i dot = _mm256_madd_epi16(h ? s_hi[m] : s_lo[m], ones);
+                        const __m256 scale = _mm256_mul_ps(sc, _mm256_broadcast_ss(da0 + m * nb + b + h));
+                        acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), scale, acc[m]);
+                        corr[m] = _mm256_fmadd_ps(mn, _mm256_broadcast_ss(sa0 + m * nb + b + h), corr[m]);
+                    }
+                }
+            }
         }
+        for (int m = 0; m < MR; ++m) out[m] = _mm256_sub_ps(acc[m], corr[m]);
+        return;
+    } else {
+        constexpr int UNIT = QT == GGUF_Q8_0 ? 34 : QT == GGUF_Q4_0 ? 18 : QT == GGUF_Q4_1 ? 20 : 22;
+        constexpr int CODES = QT == GGUF_Q8_0 ? 16 : QT == GGUF_Q4_1 ? 32 : QT == GGUF_Q5_0 ? 48 : 16;
+        constexpr float OFFSET = QT == GGUF_Q5_0 ? -16.0f : -8.0f;   // Q4_0, Q5_0: the codes' offset
+        for (int64_t b = 0; b < nwb; ++b) {
+            const uint8_t* p = grp + b * (GGUF_ROWS * UNIT);
+            for (int o = 0; o < GGUF_ROWS * UNIT; o += 64)
+                _mm_prefetch((const char*)p + GGUF_PREFETCH + o, _MM_HINT_T0);
+            const uint8_t* q = p + CODES;
+            const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p));
+            __m256i dot[MR];
+            for (int m = 0; m < MR; ++m) dot[m] = _mm256_setzero_si256();
+            const int8_t* a = a0 + b * GGUF_BLOCK;
+            if constexpr (QT == GGUF_Q8_0) {   // |q| as unsigned, a with q's sign: |pair| <= 2 * 128 * 127
+                for (int k = 0; k < 8; ++k) {
+                    const __m256i v = _mm256_loadu_si256((const __m256i*)(q + 32 * k)), av = _mm256_abs_epi8(v);
+                    for (int m = 0; m < MR; ++m) {
+                        const __m256i sa_ = _mm256_sign_epi8(gguf_bcast4(a + m * K + 4 * k), v);
+                        const __m256i pr = _mm256_maddubs_epi16(av, sa_);
+                        dot[m] = _mm256_add_epi32(dot[m], _mm256_madd_epi16(pr, ones));
+                    }
+                }
+            } else if constexpr (QT == GGUF_Q5_0) {
+                const __m256i h = _mm256_loadu_si256((const __m256i*)(p + 16));
+                __m256i s16[MR];
+                for (int t = 0; t < 4; ++t) {   // as Q4 below, plus the fifth bits; pairs of t summed in int16
+                    const __m256i v = _mm256_loadu_si256((const __m256i*)(q + 32 * t));
+                    const __m256i lo = _mm256_or_si256(_mm256_and_si256(v, low), gguf_q5_high(h, t));
+                    const __m256i hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 4), low),
+                                                       gguf_q5_high(h, 4 + t));
+                    for (int m = 0; m < MR; ++m) {
+                        const int8_t* am = a + m * K + 4 * t;
+                        const __m256i x = _mm256_add_epi16(_mm256_maddubs_epi16(lo, gguf_bcast4(am)),
+                                                           _mm256_maddubs_epi16(hi, gguf_bcast4(am + 16)));
+                        if (t % 2 == 0)
+                            s16[m] = x;
+                        else
+                            dot[m] = _mm256_add_epi32(dot[m], _mm256_madd_epi16(_mm256_add_epi16(s16[m], x), ones));
+                    }
+                }
+            } else {   // Q4_0, Q4_1: load t holds bytes 4t .. 4t+3 of each row's qs: codes 4t.., and 16 + 4t..
+                __m256i s16[MR];
+                for (int m = 0; m < MR; ++m) s16[m] = _mm256_setzero_si256();
+                for (int t = 0; t < 4; ++t) {
+                    const __m256i v = _mm256_loadu_si256((const __m256i*)(q + 32 * t));
+                    const __m256i lo = _mm256_and_si256(v, low), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+                    for (int m = 0; m < MR; ++m) {
+                        s16[m] = _mm256_add_epi16(s16[m], _mm256_maddubs_epi16(lo, gguf_bcast4(a + m * K + 4 * t)));
+                        s16[m] = _mm256_add_epi16(s16[m],
+                                                  _mm256_maddubs_epi16(hi, gguf_bcast4(a + m * K + 16 + 4 * t)));
+                    }
+                }
+                for (int m = 0; m < MR; ++m) dot[m] = _mm256_madd_epi16(s16[m], ones);
+            }
+            __m256 mn = d;   // the min term's weight: Q4_1 m, Q4_0 -8 d, Q5_0 -16 d (exact)
+            if constexpr (QT == GGUF_Q4_1) mn = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(p + 16)));
+            else if constexpr (QT != GGUF_Q8_0) mn = _mm256_mul_ps(d, _mm256_set1_ps(OFFSET));
+            for (int m = 0; m < MR; ++m) {
+                const __m256 scale = _mm256_mul_ps(d, _mm256_broadcast_ss(da0 + m * nb + b));
+                acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[m]), scale, acc[m]);
+                if constexpr (QT != GGUF_Q8_0)
+                    corr[m] = _mm256_fmadd_ps(mn, _mm256_broadcast_ss(sa0 + m * nb + b), corr[m]);
+            }
+        }
+        for (int m = 0; m < MR; ++m) out[m] = _mm256_add_ps(acc[m], corr[m]);
     }
 }
 
-// Output row n (its grouped blocks at wrow) of MR_ activation rows starting at m0 (mr <= MR_ of them valid).
-template <int QT, int MR_>
-static inline void gguf_row_tile(const uint8_t* wrow, int64_t nb, const int8_t* qa, const float* da, const float* sa,
-                                 int64_t m0, int mr, float* result) {
-    __m256 acc[MR_], corr[MR_];
-    for (int r = 0; r < MR_; ++r) { acc[r] = _mm256_setzero_ps(); corr[r] = _mm256_setzero_ps(); }
-    const int64_t group_bytes = (int64_t)GGUF_GROUP * GGUF_BLOCK_BYTES[QT];
-    int64_t b = 0;
-    if constexpr (QT == GGUF_Q4_K) {   // nb % 8 == 0: whole super-blocks
-        for (; b < nb; b += GGUF_GROUP)
-            gguf_q4k_superblock<MR_>(wrow + b / GGUF_GROUP * group_bytes, b, nb, qa, da, sa, m0, mr, acc, corr);
-    } else {
-        for (; b + GGUF_GROUP <= nb; b += GGUF_GROUP)
-            gguf_group<QT, MR_>(wrow + b / GGUF_GROUP * group_bytes, GGUF_GROUP, b, nb, qa, da, sa, m0, mr, acc, corr);
-        if (b < nb)
-            gguf_group<QT, MR_>(wrow + b / GGUF_GROUP * group_bytes, (int)(nb - b), b, nb, qa, da, sa, m0, mr, acc,
-                                corr);
-    }
-    for (int r = 0; r < mr; ++r) result[r] = gguf_hsum(acc[r]) + gguf_hsum(corr[r]);
+// Calls f(offset, width) for each section of a QT weight block, in order: its offset in the block's canonical bytes
+// and its width (kv8.quant.gguf_blocks._SECTIONS): in a group of g rows the section starts at g * offset.
+template <int QT, class F>
+static inline void gguf_each_section(F f) {
+    int off = 0;
+    const auto section = [&](int width) { f(off, width); off += width; };
+    section(2);                                                                    // d
+    if (QT == GGUF_Q4_1 || QT == GGUF_Q4_K) section(2);                            // m, dmin
+    if (QT == GGUF_Q5_0) section(4);                                               // qh, transposed
+    if (QT == GGUF_Q4_K)
+        for (int i = 0; i < 12; ++i) section(1);                                   // sc_lo, m_lo, hi
+    for (int i = 0; i < (QT == GGUF_Q8_0 ? 8 : QT == GGUF_Q4_K ? 32 : 4); ++i) section(4);   // 4 codes (bytes)
+}
+
+static inline void gguf_copy(uint8_t* dst, const uint8_t* src, int width) {   // 1, 2 or 4 bytes
+    if (width == 4) std::memcpy(dst, src, 4);
+    else if (width == 2) std::memcpy(dst, src, 2);
+    else *dst = *src;
+}
+
+// A weight block of a group of g rows (at blk) -> the same block of a group of 8 rows (at out), rows g.. zero.
+template <int QT>
+static inline void gguf_widen(const uint8_t* blk, int g, uint8_t* out) {
+    gguf_each_section<QT>([&](int off, int width) {
+        std::memcpy(out + GGUF_ROWS * off, blk + g * off, (size_t)(g * width));
+        std::memset(out + GGUF_ROWS * off + g * width, 0, (size_t)((GGUF_ROWS - g) * width));
+    });
+}
+
+// Row r's weight block of a group of g rows (at blk) in the canonical order (kv8.quant.gguf_blocks._canonical).
+template <int QT>
+static inline void gguf_gather(const uint8_t* blk, int g, int r, uint8_t* canon) {
+    gguf_each_section<QT>([&](int off, int width) { gguf_copy(canon + off, blk + g * off + r * width, width); });
 }
 
 template <int QT>
-static void gguf_linear_rows(const kv8_gguf_linear_call& call, const int8_t* qa, const float* da, const float* sa) {
-    constexpr int MR_ = 4;
-    const int64_t M = call.rows, N = call.out_features, nb = call.in_features / GGUF_BLOCK;
-    const int64_t row_bytes = nb * GGUF_BLOCK_BYTES[QT];
-    const uint8_t* blocks = call.blocks;
-    const int threads = threads_for(N * call.in_features * (M < MR_ ? 1 : MR_), call.num_threads);
-#pragma omp parallel for schedule(static) num_threads(threads)
-    for (int64_t n = 0; n < N; ++n) {
-        const uint8_t* wrow = blocks + n * row_bytes;
-        const float bias = call.bias ? call.bias[n] : 0.0f;
-        float result[MR_];
-        for (int64_t m0 = 0; m0 < M; m0 += MR_) {
-            const int mr = (int)(M - m0 < MR_ ? M - m0 : MR_);
-            if (mr == 1)
-                gguf_row_tile<QT, 1>(wrow, nb, qa, da, sa, m0, 1, result);
-            else
-                gguf_row_tile<QT, MR_>(wrow, nb, qa, da, sa, m0, mr, result);
-            for (int r = 0; r < mr; ++r) call.out[(m0 + r) * N + n] = gguf_round_bf16(result[r] + bias);
-        }
+static inline void gguf_tile(int mr, const uint8_t* grp, int64_t nwb, const int8_t* qa, const float* da,
+                             const float* sa, int64_t nb, int64_t m0, __m256* out) {
+    switch (mr) {
+        case 1: gguf_group_tile<QT, 1>(grp, nwb, qa, da, sa, nb, m0, out); break;
+        case 2: gguf_group_tile<QT, 2>(grp, nwb, qa, da, sa, nb, m0, out); break;
+        case 3: gguf_group_tile<QT, 3>(grp, nwb, qa, da, sa, nb, m0, out); break;
+        default: gguf_group_tile<QT, 4>(grp, nwb, qa, da, sa, nb, m0, out); break;
     }
 }
 
-// One row of Q4_K super-blocks in float32, as gguf.quants computes it: (d * sc) * c - dmin * m (both products exact,
-// then one rounding of the subtraction).
-static inline void gguf_dequantize_row_q4k(const uint8_t* wrow, int64_t nb, float* out) {
-    for (int64_t s = 0; s < nb / GGUF_GROUP; ++s) {
-        const uint8_t* sb = wrow + s * 144;
-        alignas(8) uint8_t sc[8], mn[8];
-        gguf_q4k_scales(sb + 4, sc, mn);
-        const float d = gguf_half(sb), dmin = gguf_half(sb + 2);
-        float* o = out + s * 256;
-        for (int c = 0; c < 4; ++c) {
-            const __m256 d_lo = _mm256_set1_ps(d * (float)sc[2 * c]), d_hi = _mm256_set1_ps(d * (float)sc[2 * c + 1]);
-            const __m256 m_lo = _mm256_set1_ps(dmin * (float)mn[2 * c]);
-            const __m256 m_hi = _mm256_set1_ps(dmin * (float)mn[2 * c + 1]);
-            const uint8_t* q = sb + 16 + 32 * c;
+template <int QT>
+static int gguf_linear_rows(const kv8_gguf_linear_call& call, const int8_t* qa, const float* da, const float* sa) {
+    constexpr int MR = 4;
+    const int64_t M = call.rows, N = call.out_features, nb = call.in_features / GGUF_BLOCK;
+    const int64_t row_bytes = nb * GGUF_BLOCK_BYTES[QT], nwb = row_bytes / GGUF_UNIT[QT];
+    const int64_t groups = (N + GGUF_ROWS - 1) / GGUF_ROWS;
+    const int threads = threads_for(N * call.in_features * (M < MR ? 1 : MR), call.num_threads);
+    int rc = OK;
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t G = 0; G < groups; ++G) {
+        const int64_t n0 = G * GGUF_ROWS;
+        const int g = (int)(N - n0 < GGUF_ROWS ? N - n0 : GGUF_ROWS);
+        const uint8_t* grp = call.blocks + n0 * row_bytes;
+        uint8_t* wide = nullptr;
+        if (g < GGUF_ROWS) {   // the last group, of g rows: widened to 8 (zero rows) for the kernel
+            wide = (uint8_t*)std::malloc((size_t)(GGUF_ROWS * row_bytes));
+            if (!wide) {
+#pragma omp atomic write
+                rc = ERR_OOM;
+                continue;
+            }
+            for (int64_t w = 0; w < nwb; ++w)
+                gguf_widen<QT>(grp + w * g * GGUF_UNIT[QT], g, wide + w * GGUF_ROWS * GGUF_UNIT[QT]);
+            grp = wide;
+        }
+        const float* bias = call.bias ? call.bias + n0 : nullptr;
+        for (int64_t m0 = 0; m0 < M; m0 += MR) {
+            const int mr = (int)(M - m0 < MR ? M - m0 : MR);
+            __m256 res[MR];
+            gguf_tile<QT>(mr, grp, nwb, qa, da, sa, nb, m0, res);
+            for (int m = 0; m < mr; ++m) {
+                alignas(32) float lane[GGUF_ROWS];
+                _mm256_store_ps(lane, res[m]);
+                uint16_t* o = call.out + (m0 + m) * N + n0;
+                for (int r = 0; r < g; ++r) o[r] = gguf_round_bf16(lane[r] + (bias ? bias[r] : 0.0f));
+            }
+        }
+        std::free(wide);
+    }
+    return rc;
+}
+
+// One canonical weight block (kv8.quant.gguf_blocks._canonical's bytes) -> its 32 (Q4_K: 256) float32 values, as
+// kv8.quant.gguf_blocks.dequantize_blocks computes them, bit for bit: float32 d * code, Q4_0 d * (c - 8), Q5_0
+// d * (c - 16), Q4_1 d * c then + m (a multiply and an add, never fused: the build's -std=c++17 keeps GCC from
+// contracting them), Q4_K (d * sc) * c - dmin * m (both products exact, then one rounding of the subtraction).
+template <int QT>
+static inline void gguf_dequantize_block(const uint8_t* c, float* o) {
+    const __m256 d = _mm256_set1_ps(gguf_half(c));
+    if constexpr (QT == GGUF_Q4_K) {
+        const float dm = gguf_half(c + 2);
+        uint8_t sc[8], mn[8];
+        for (int s = 0; s < 4; ++s) {
+            const uint8_t sl = c[4 + s], ml = c[8 + s], h = c[12 + s];
+            sc[s] = (uint8_t)((sl & 15) | ((h & 3) << 4));
+            sc[s + 4] = (uint8_t)((sl >> 4) | (((h >> 2) & 3) << 4));
+            mn[s] = (uint8_t)((ml & 15) | (((h >> 4) & 3) << 4));
+            mn[s + 4] = (uint8_t)((ml >> 4) | ((h >> 6) << 4));
+        }
+        const float dd = gguf_half(c);
+        for (int p = 0; p < 4; ++p) {
+            const __m256 d_lo = _mm256_set1_ps(dd * (float)sc[2 * p]), d_hi = _mm256_set1_ps(dd * (float)sc[2 * p + 1]);
+            const __m256 m_lo = _mm256_set1_ps(dm * (float)mn[2 * p]), m_hi = _mm256_set1_ps(dm * (float)mn[2 * p + 1]);
+            const uint8_t* q = c + 16 + 32 * p;
             for (int i = 0; i < 4; ++i) {
                 const __m256i bytes = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(q + 8 * i)));
                 const __m256 lo = _mm256_cvtepi32_ps(_mm256_and_si256(bytes, _mm256_set1_epi32(15)));
                 const __m256 hi = _mm256_cvtepi32_ps(_mm256_srli_epi32(bytes, 4));
-                _mm256_storeu_ps(o + 64 * c + 8 * i, _mm256_sub_ps(_mm256_mul_ps(d_lo, lo), m_lo));
-                _mm256_storeu_ps(o + 64 * c + 32 + 8 * i, _mm256_sub_ps(_mm256_mul_ps(d_hi, hi), m_hi));
+                _mm256_storeu_ps(o + 64 * p + 8 * i, _mm256_sub_ps(_mm256_mul_ps(d_lo, lo), m_lo));
+                _mm256_storeu_ps(o + 64 * p + 32 + 8 * i, _mm256_sub_ps(_mm256_mul_ps(d_hi, hi), m_hi));
             }
         }
-    }
-}
-
-// One output row of W in float32 from its grouped blocks: as kv8.quant.gguf_blocks.dequantize_blocks computes it,
-// bit for bit (float32 d * code, Q4_0 d * (c - 8), Q5_0 d * (c - 16), Q4_1 d * c then + m: a multiply and an add,
-// never fused; the build's -std=c++17 keeps GCC from contracting them).
-template <int QT>
-static inline void gguf_dequantize_row(const uint8_t* wrow, int64_t nb, float* out) {
-    constexpr int CODE_BYTES = QT == GGUF_Q8_0 ? 32 : QT == GGUF_Q5_0 ? 20 : 16;
-    constexpr int HEAD = QT == GGUF_Q4_1 ? 4 : 2;
-    const int64_t group_bytes = (int64_t)GGUF_GROUP * GGUF_BLOCK_BYTES[QT];
-    for (int64_t b0 = 0; b0 < nb; b0 += GGUF_GROUP) {
-        const uint8_t* grp = wrow + b0 / GGUF_GROUP * group_bytes;
-        const int g = (int)(nb - b0 < GGUF_GROUP ? nb - b0 : GGUF_GROUP);
-        const uint8_t* codes = grp + HEAD * g;
-        for (int j = 0; j < g; ++j) {
-            const __m256 d = _mm256_set1_ps(gguf_half(grp + 2 * j));
-            const __m256 m = QT == GGUF_Q4_1 ? _mm256_set1_ps(gguf_half(grp + 2 * g + 2 * j)) : _mm256_setzero_ps();
-            const uint8_t* c = codes + j * CODE_BYTES;
-            float* o = out + (b0 + j) * GGUF_BLOCK;
-            if (QT == GGUF_Q8_0) {
-                for (int i = 0; i < 4; ++i) {
-                    const __m256i q = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(c + 8 * i)));
-                    _mm256_storeu_ps(o + 8 * i, _mm256_mul_ps(d, _mm256_cvtepi32_ps(q)));
-                }
-            } else {
-                const __m256i w = QT == GGUF_Q5_0 ? gguf_q5_codes(c) : gguf_nibbles(c);   // in element order
-                const __m128i lo = _mm256_castsi256_si128(w), hi = _mm256_extracti128_si256(w, 1);
-                const __m128i part[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
-                for (int i = 0; i < 4; ++i) {
-                    __m256i q = _mm256_cvtepu8_epi32(part[i]);
-                    if (QT == GGUF_Q4_0) q = _mm256_sub_epi32(q, _mm256_set1_epi32(8));   // c - 8: exact in float
-                    if (QT == GGUF_Q5_0) q = _mm256_sub_epi32(q, _mm256_set1_epi32(16));
-                    __m256 v = _mm256_mul_ps(d, _mm256_cvtepi32_ps(q));
-                    if (QT == GGUF_Q4_1) v = _mm256_add_ps(v, m);
-                    _mm256_storeu_ps(o + 8 * i, v);
-                }
+    } else if constexpr (QT == GGUF_Q8_0) {
+        for (int i = 0; i < 4; ++i) {
+            const __m256i q = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(c + 2 + 8 * i)));
+            _mm256_storeu_ps(o + 8 * i, _mm256_mul_ps(d, _mm256_cvtepi32_ps(q)));
+        }
+    } else {
+        __m256i w;
+        if constexpr (QT == GGUF_Q5_0) {   // the file's qh from its transposed bytes, then the file's decoding
+            uint8_t file[20];
+            uint32_t qh = 0;
+            for (int i = 0; i < 4; ++i) {   // bit k of byte i -> bit 4k + i: the byte's bits spread 4 apart
+                uint32_t v = c[2 + i];
+                v = (v | v << 12) & 0x000f000fu;
+                v = (v | v << 6) & 0x03030303u;
+                v = (v | v << 3) & 0x11111111u;
+                qh |= v << i;
             }
+            std::memcpy(file, &qh, 4);
+            std::memcpy(file + 4, c + 6, 16);
+            w = gguf_q5_codes(file);
+        } else {
+            w = gguf_nibbles(c + (QT == GGUF_Q4_1 ? 4 : 2));
+        }
+        const __m256 m = QT == GGUF_Q4_1 ? _mm256_set1_ps(gguf_half(c + 2)) : _mm256_setzero_ps();
+        const __m128i lo = _mm256_castsi256_si128(w), hi = _mm256_extracti128_si256(w, 1);
+        const __m128i part[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
+        for (int i = 0; i < 4; ++i) {
+            __m256i q = _mm256_cvtepu8_epi32(part[i]);
+            if (QT == GGUF_Q4_0) q = _mm256_sub_epi32(q, _mm256_set1_epi32(8));   // c - 8: exact in float
+            if (QT == GGUF_Q5_0) q = _mm256_sub_epi32(q, _mm256_set1_epi32(16));
+            __m256 v = _mm256_mul_ps(d, _mm256_cvtepi32_ps(q));
+            if (QT == GGUF_Q4_1) v = _mm256_add_ps(v, m);
+            _mm256_storeu_ps(o + 8 * i, v);
         }
     }
 }
@@ -389,14 +492,19 @@ static inline void gguf_dequantize_row(const uint8_t* wrow, int64_t nb, float* o
 template <int QT>
 static void gguf_dequantize_rows(const kv8_gguf_dequantize_call& call) {
     const int64_t N = call.rows, K = call.in_features, nb = K / GGUF_BLOCK;
-    const int64_t row_bytes = nb * GGUF_BLOCK_BYTES[QT];
+    const int64_t row_bytes = nb * GGUF_BLOCK_BYTES[QT], unit = GGUF_UNIT[QT], nwb = row_bytes / unit;
+    const int64_t values = unit / GGUF_BLOCK_BYTES[QT] * GGUF_BLOCK;   // per weight block
     const int threads = threads_for(N * K, call.num_threads);
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t n = 0; n < N; ++n) {
-        if constexpr (QT == GGUF_Q4_K)
-            gguf_dequantize_row_q4k(call.blocks + n * row_bytes, nb, call.out + n * K);
-        else
-            gguf_dequantize_row<QT>(call.blocks + n * row_bytes, nb, call.out + n * K);
+        const int64_t n0 = n / GGUF_ROWS * GGUF_ROWS;
+        const int g = (int)(N - n0 < GGUF_ROWS ? N - n0 : GGUF_ROWS), r = (int)(n - n0);
+        const uint8_t* grp = call.blocks + n0 * row_bytes;
+        alignas(32) uint8_t canon[144];
+        for (int64_t w = 0; w < nwb; ++w) {
+            gguf_gather<QT>(grp + w * g * unit, g, r, canon);
+            gguf_dequantize_block<QT>(canon, call.out + n * K + w * values);
+        }
     }
 }
 
@@ -424,16 +532,17 @@ static int gguf_linear(const kv8_gguf_linear_call& call) {
     const int qthreads = threads_for(M * K * 8, call.num_threads);
 #pragma omp parallel for schedule(static) num_threads(qthreads)
     for (int64_t m = 0; m < M; ++m) gguf_quantize_row(call.x + m * K, K, qa + m * K, da + m * nb, sa + m * nb);
+    int rc;
     switch (call.qtype) {
-        case GGUF_Q8_0: gguf_linear_rows<GGUF_Q8_0>(call, qa, da, sa); break;
-        case GGUF_Q4_0: gguf_linear_rows<GGUF_Q4_0>(call, qa, da, sa); break;
-        case GGUF_Q4_1: gguf_linear_rows<GGUF_Q4_1>(call, qa, da, sa); break;
-        case GGUF_Q5_0: gguf_linear_rows<GGUF_Q5_0>(call, qa, da, sa); break;
-        default: gguf_linear_rows<GGUF_Q4_K>(call, qa, da, sa); break;
+        case GGUF_Q8_0: rc = gguf_linear_rows<GGUF_Q8_0>(call, qa, da, sa); break;
+        case GGUF_Q4_0: rc = gguf_linear_rows<GGUF_Q4_0>(call, qa, da, sa); break;
+        case GGUF_Q4_1: rc = gguf_linear_rows<GGUF_Q4_1>(call, qa, da, sa); break;
+        case GGUF_Q5_0: rc = gguf_linear_rows<GGUF_Q5_0>(call, qa, da, sa); break;
+        default: rc = gguf_linear_rows<GGUF_Q4_K>(call, qa, da, sa); break;
     }
     std::free(qa);
     std::free(scales);
-    return OK;
+    return rc;
 }
 #else
 #define KV8_GGUF_AVX2 0
