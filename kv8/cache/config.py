@@ -114,8 +114,15 @@ class CacheConfig:
     @cached_property
     def key_centering(self) -> bool:
         """Keys are centered by the offsets of the ``quantization_param_path`` file (a kv8 file with ``k_offset``,
-        written by ``kv8 calibrate --key-centering``); the file is read the first time this is asked."""
-        return self.quantization_param_path is not None and file_has_key_offsets(self.quantization_param_path)
+        written by ``kv8 calibrate --key-centering``); the file is read the first time this is asked. A file that
+        cannot be read or parsed has no offsets here: the option's other checks then name what it was given for,
+        and the engine's loaders say why the file is unusable."""
+        if self.quantization_param_path is None:
+            return False
+        try:
+            return file_has_key_offsets(self.quantization_param_path)
+        except ValueError:
+            return False
 
     @property
     def hybrid(self) -> bool:
