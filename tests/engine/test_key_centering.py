@@ -130,10 +130,11 @@ def gemma3(tmp_path_factory: pytest.TempPathFactory) -> str:
     return make_tiny_model(str(tmp_path_factory.mktemp("kc_gemma3")), "gemma3")
 
 
-@pytest.mark.parametrize("backend", ["reference", "cpu_fused"])
+@pytest.mark.parametrize("backend", ["reference", "cpu_fused", "triton"])
 def test_centering_is_exact_with_a_float32_cache_on_every_path(qwen2: str, tmp_path: Path, backend: str) -> None:
-    """Chunked prefill (8 tokens a step), prefix-cache hits (blocks of 4), the reference and fused attention: with
-    offsets of 40 on a channel, the outputs equal the uncentered engine's within float32 rounding."""
+    """Chunked prefill (8 tokens a step), prefix-cache hits (blocks of 4), the reference, fused CPU and Triton
+    (interpreted on the CPU) attention: with offsets of 40 on a channel, the outputs equal the uncentered engine's
+    within float32 rounding."""
     info = _info(qwen2)
     path = _offsets_file(tmp_path / "offsets.json", info, _large_offsets(info))
     kw = dict(kv_cache_dtype="float32", attention_backend=backend, max_num_batched_tokens=8, block_size=4)
