@@ -12,6 +12,10 @@ A codec is a storage format plus how values are scaled and in which basis they a
   (:class:`kv8.quant.scales.KVScales`, FP8 only) -- or *dynamic* -- one float32 per token and KV head,
   ``amax(|x|) / format max`` (1.0 for an all-zero or non-finite vector), computed at store time and kept beside
   the codes (FP8 with ``kv_cache_scale_mode="dynamic"``; int8 always);
+* key offsets ``c`` (key centering, :mod:`kv8.quant.key_offsets`): keys are stored as ``(k - c) R`` instead of
+  ``k R``, with ``c`` calibrated per (layer, KV head, channel) in the model's basis; exact for attention (every
+  score of a query moves by the same ``-q.c``) and applied in one place, :meth:`KVCodec.keys_to_stored`, which the
+  attention layer calls before any backend stores the keys. Values are never centered;
 * basis ``R``: identity, or the orthonormal per-head Hadamard matrix (:mod:`kv8.quant.rotation`). Queries are
   rotated the same way and the attention output is rotated back (``R`` is its own inverse), so attention over
   the stored basis equals attention over the original one in exact arithmetic and nothing stored is ever
@@ -20,7 +24,8 @@ A codec is a storage format plus how values are scaled and in which basis they a
 Everything that writes, reads or measures stored K/V goes through a codec: the reference store and gather
 (:class:`kv8.cache.paged_cache.PagedKVCache`), the fused kernels (their per-layer scale arguments come from
 :meth:`KVCodec.layer_scales`; their encode is tested bit-exact against :meth:`KVCodec.encode`), the attention
-layer (:meth:`KVCodec.to_stored_basis`), calibration statistics (:attr:`KVCodec.rotation` for the key envelope)
+layer (:meth:`KVCodec.to_stored_basis`, :meth:`KVCodec.keys_to_stored`), calibration statistics
+(:attr:`KVCodec.rotation` for the key envelope)
 and ``kv8 eval``'s round-trip error (:meth:`KVCodec.round_trip`).
 
 Invariants (the options are checked by :class:`kv8.cache.config.CacheConfig` when the engine is built, the scales'
@@ -38,6 +43,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from kv8.quant.formats import KVCacheDtype, dequantize, pack_int4, quantize, unpack_int4
+from kv8.quant.key_offsets import KeyOffsets
 from kv8.quant.rotation import ROTATIONS, hadamard, rotate
 from kv8.quant.scales import KVScales
 
@@ -59,16 +65,20 @@ class KVCodec:
     rotation: torch.Tensor | None = None    # [D, D] orthonormal, float32; None = identity
     # the static scales' (k [L, H|1, D|1], v) on the codec's device (scales stay on the CPU: KVScales)
     device_scales: tuple[torch.Tensor, torch.Tensor] | None = None
+    key_offsets: KeyOffsets | None = None   # key centering (every layer, this rank's KV heads); None = off
+    # the key offsets [L, H, D] float32 on the codec's device, in the model's basis (subtracted before R)
+    device_key_offsets: torch.Tensor | None = None
 
     @staticmethod
     def build(kv_dtype: KVCacheDtype, head_dim: int, *, scale_mode: str = "static", rotation: str = "none",
-              scales: KVScales | None = None) -> KVCodec:
+              scales: KVScales | None = None, key_offsets: KeyOffsets | None = None) -> KVCodec:
         """A codec for options already validated by :class:`kv8.cache.config.CacheConfig` (``scale_mode`` in
         :data:`SCALE_MODES`, ``rotation`` in :data:`ROTATIONS`, dynamic scales only with a quantized format, a
         power-of-two ``head_dim`` for a rotation). ``scales`` are the static scales (dropped for a 16/32-bit format:
         there is nothing to scale); an FP8 format in static mode needs them -- 1.0 comes from
         :meth:`KVScales.default`, never invented here. An int8 format is dynamic whatever ``scale_mode`` says (its
-        scales are per token and head by definition) and takes no static scales."""
+        scales are per token and head by definition) and takes no static scales. ``key_offsets`` (``[L, H, D]``
+        with this codec's ``head_dim``; any format) turn key centering on."""
         if kv_dtype.bits_per_value == 4 and head_dim % 2:
             raise ValueError(f"kv_cache_dtype={kv_dtype.name!r} packs two values per byte: it needs an even "
                              f"head_dim, not {head_dim}")
@@ -85,10 +95,14 @@ class KVCodec:
                              "combined with it")
         if kv_dtype.is_fp8 and not dynamic and scales is None:
             raise ValueError("an FP8 KV cache in static scale mode needs scales (KVScales.default gives 1.0)")
+        if key_offsets is not None and int(key_offsets.k.shape[2]) != head_dim:
+            raise ValueError(f"k_offset from {key_offsets.source} has head_dim {int(key_offsets.k.shape[2])}, the "
+                             f"cache {head_dim}")
         matrix = hadamard(head_dim) if rotation == "hadamard" else None
         scales = scales if kv_dtype.is_fp8 else None
         return KVCodec(kv_dtype, head_dim, scales, dynamic, rotation, matrix,
-                       None if scales is None else (scales.k, scales.v))
+                       None if scales is None else (scales.k, scales.v), key_offsets,
+                       None if key_offsets is None else key_offsets.k)
 
     def to(self, device: torch.device | str) -> KVCodec:
         """The same codec with its tensors (static scales, rotation) on ``device``: what encodes and decodes
@@ -96,7 +110,8 @@ class KVCodec:
         moved = None if self.device_scales is None else (self.device_scales[0].to(device),
                                                           self.device_scales[1].to(device))
         rotation = None if self.rotation is None else self.rotation.to(device)
-        return replace(self, rotation=rotation, device_scales=moved)
+        offsets = None if self.device_key_offsets is None else self.device_key_offsets.to(device)
+        return replace(self, rotation=rotation, device_scales=moved, device_key_offsets=offsets)
 
     @property
     def packed(self) -> bool:
@@ -115,6 +130,25 @@ class KVCodec:
     def to_stored_basis(self, x: torch.Tensor) -> torch.Tensor:
         """``x R`` over the last dim (identity without a rotation); also undoes it, since ``R R = I``."""
         return x if self.rotation is None else rotate(x, self.rotation)
+
+    def keys_to_stored(self, key: torch.Tensor, layer: int) -> torch.Tensor:
+        """New keys ``[T, H, D]`` of ``layer`` (post-RoPE, the model's basis) -> what the cache is asked to store,
+        ``(k - c[layer]) R`` in the keys' dtype: the one place keys are centered (one rounding to the keys' dtype,
+        after the subtraction and the rotation in float32). Without key offsets, :meth:`to_stored_basis`."""
+        if self.device_key_offsets is None:
+            return self.to_stored_basis(key)
+        x = key.float() - self.device_key_offsets[layer]            # [T, H, D] - [H, D]
+        if self.rotation is not None:
+            x = x @ self.rotation
+        return x.to(key.dtype)
+
+    def stored_key_offset(self, layer: int) -> torch.Tensor | None:
+        """``c[layer] R`` ``[H, D]`` float32: what centering subtracted from ``layer``'s keys in the stored basis
+        (stored key + it = the uncentered key), or None without key offsets."""
+        if self.device_key_offsets is None:
+            return None
+        c = self.device_key_offsets[layer]
+        return c if self.rotation is None else c @ self.rotation
 
     # ---- scales ---------------------------------------------------------------------------------------------
     def layer_scales(self, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -183,7 +217,8 @@ class KVCodec:
         """One line for logs: the scales' source and the basis."""
         scales = ("dynamic per token and head" if self.dynamic else
                   self.scales.source if self.scales is not None else "none (not quantized)")
-        return f"scales: {scales}; rotation {self.rotation_name}"
+        centering = "" if self.key_offsets is None else f"; key centering on ({self.key_offsets.source})"
+        return f"scales: {scales}; rotation {self.rotation_name}{centering}"
 
 
 __all__ = ["DYNAMIC_SCALE_BYTES", "K", "KVCodec", "ROTATIONS", "SCALE_MODES", "V"]

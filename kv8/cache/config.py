@@ -15,6 +15,7 @@ from kv8.cache.codec import ROTATIONS, SCALE_MODES
 from kv8.cache.plan import KVPlanFile, KVSpec, read_plan_file
 from kv8.options import option
 from kv8.quant.formats import KV_CACHE_DTYPE_NAMES, KVCacheDtype, resolve_kv_cache_dtype
+from kv8.quant.scale_files import file_has_key_offsets
 from kv8.validators import check_bool, check_choice, check_int, check_number, is_int
 
 __all__ = ["SKIP_LAYER_KINDS", "CacheConfig"]
@@ -50,11 +51,16 @@ class CacheConfig:
     keep every block instead of only those inside their window (:attr:`hybrid` is its negation; attention is
     windowed either way).
 
+    Key centering (:mod:`kv8.quant.key_offsets`) is on when ``quantization_param_path`` is a kv8 file with key
+    offsets (:attr:`key_centering`); such a file may be given with any cache format (its static scales are used by
+    FP8 layers in static mode only).
+
     Invariants: ``block_size`` is a power of two; at most one of ``kv_cache_memory`` (bytes) and
     ``num_kv_blocks`` is set, and it is an int >= 1; ``gpu_memory_utilization`` is a number in (0, 1]; the scale
     mode in :data:`SCALE_MODES`, the rotation in :data:`ROTATIONS`; ``quantization_param_path`` needs an FP8
-    ``kv_dtype`` in static mode, dynamic scales and skipped layers a quantized one (FP8 or int8) -- with a plan,
-    an FP8 format named by ``kv_cache_dtype`` or the plan; a plan and skipped layers exclude each other.
+    ``kv_dtype`` in static mode (unless the file has key offsets), dynamic scales and skipped layers a quantized
+    one (FP8 or int8) -- with a plan, an FP8 format named by ``kv_cache_dtype`` or the plan; a plan and skipped
+    layers exclude each other.
     """
 
     kv_dtype: KVCacheDtype   # kv_cache_dtype resolved against the compute dtype
@@ -71,8 +77,8 @@ class CacheConfig:
     num_kv_blocks: int | None = option(None, "KV cache budget in blocks instead of bytes", type=int)
     enable_prefix_caching: bool = option(True, "reuse cached KV blocks of shared prompt prefixes", type=bool)
     quantization_param_path: str | None = option(
-        None, "KV scales file: vLLM's kv_cache_scales.json or kv8's JSON from kv8 calibrate (FP8 caches only)",
-        metavar="JSON")
+        None, "KV scales file: vLLM's kv_cache_scales.json or kv8's JSON from kv8 calibrate (FP8 caches; a file "
+        "from kv8 calibrate --key-centering turns key centering on for every cache format)", metavar="JSON")
     kv_cache_scale_mode: str = option(
         "static", "FP8 scales: static per layer (file, checkpoint or 1.0) or dynamic per token and head "
         "(no calibration; +4 bytes per token, head and K/V); int8 is always dynamic", choices=SCALE_MODES)
@@ -105,6 +111,19 @@ class CacheConfig:
         """The ``kv_cache_plan`` file, read (once: at construction) and its names checked; None without one."""
         return None if self.kv_cache_plan is None else read_plan_file(self.kv_cache_plan)
 
+    @cached_property
+    def key_centering(self) -> bool:
+        """Keys are centered by the offsets of the ``quantization_param_path`` file (a kv8 file with ``k_offset``,
+        written by ``kv8 calibrate --key-centering``); the file is read the first time this is asked. A file that
+        cannot be read or parsed has no offsets here: the option's other checks then name what it was given for,
+        and the engine's loaders say why the file is unusable."""
+        if self.quantization_param_path is None:
+            return False
+        try:
+            return file_has_key_offsets(self.quantization_param_path)
+        except ValueError:
+            return False
+
     @property
     def hybrid(self) -> bool:
         """Sliding-window layers free the blocks that left their window (vLLM's hybrid KV cache manager)."""
@@ -130,11 +149,12 @@ class CacheConfig:
             self._check_plan()
             return
         if self.kv_dtype.is_quantized:
-            if self.dynamic_scales and self.quantization_param_path is not None:
+            if self.dynamic_scales and self.quantization_param_path is not None and not self.key_centering:
                 what = (f"kv_cache_dtype={self.kv_cache_dtype!r}" if self.kv_dtype.per_token_scales
                         else "kv_cache_scale_mode='dynamic'")
                 raise ValueError(f"{what} computes scales per token; it cannot be combined with "
-                                 f"quantization_param_path={self.quantization_param_path!r} (drop one of them)")
+                                 f"quantization_param_path={self.quantization_param_path!r}, a file without key "
+                                 "offsets (drop one of them, or use a file from kv8 calibrate --key-centering)")
             return
         auto = f" (the {self.kv_dtype.name} compute dtype)" if self.kv_cache_dtype == "auto" else ""
         not_fp8 = (f"kv_cache_dtype={self.kv_cache_dtype!r}{auto} is not an FP8 format; set kv_cache_dtype='fp8' "
@@ -142,9 +162,10 @@ class CacheConfig:
         if self.dynamic_scales:
             raise ValueError(f"kv_cache_scale_mode='dynamic' needs an FP8 cache, but {not_fp8} (or "
                              "int8_per_token_head, which is always dynamic)")
-        if self.quantization_param_path is not None:
-            raise ValueError(f"quantization_param_path={self.quantization_param_path!r} gives FP8 KV scales, but "
-                             f"{not_fp8} or drop quantization_param_path")
+        if self.quantization_param_path is not None and not self.key_centering:
+            raise ValueError(f"quantization_param_path={self.quantization_param_path!r} gives FP8 KV scales (and no "
+                             f"key offsets: kv8 calibrate --key-centering writes them), but {not_fp8} or drop "
+                             "quantization_param_path")
         if self.kv_cache_dtype_skip_layers:
             raise ValueError(f"kv_cache_dtype_skip_layers keeps layers out of a quantized cache, but {not_fp8} (or "
                              "int8_per_token_head)")
@@ -167,7 +188,7 @@ class CacheConfig:
         if dynamic and not fp8:
             raise ValueError(f"kv_cache_scale_mode='dynamic' applies to a plan's FP8 layers, but {neither} (the int "
                              "formats always keep scales per token)")
-        if self.quantization_param_path is not None and (dynamic or not fp8):
+        if self.quantization_param_path is not None and (dynamic or not fp8) and not self.key_centering:
             why = "kv_cache_scale_mode='dynamic' computes them per token" if dynamic else neither
             raise ValueError(f"quantization_param_path={self.quantization_param_path!r} gives static scales for a "
                              f"plan's FP8 layers, but {why}; drop one of them")

@@ -6,6 +6,10 @@ In order of precedence:
 2. scale tensors stored in the checkpoint (:func:`scales_from_checkpoint`);
 3. the default 1.0, with one warning per :func:`resolve_kv_scales` call (that is, one per engine built).
 
+Key offsets (key centering, :mod:`kv8.quant.key_offsets`) come only from a kv8 file passed as
+``--quantization-param-path`` (:func:`engine_key_offsets`); with them the file is used by every cache format, its
+static scales only by FP8 layers in static mode.
+
 Tensor parallelism: each rank resolves its own scales. A vLLM file's ``scaling_factor[tp_rank]`` gives the
 rank its per-layer scales; per-head or per-channel scales (kv8's file, the checkpoint) describe the whole model
 and are cut to the rank's KV heads (:func:`engine_kv_scales`'s ``kv_heads``).
@@ -24,12 +28,14 @@ import torch
 from kv8.cache.config import CacheConfig
 from kv8.cache.plan import KVSpec
 from kv8.quant.formats import E4M3, E4M3FNUZ, E5M2, KVCacheDtype
-from kv8.quant.scale_files import load_scales_file
+from kv8.quant.key_offsets import KeyOffsets
+from kv8.quant.scale_files import load_key_offsets, load_scales_file
 from kv8.quant.scales import TORCH_DTYPE_TO_FORMAT, KVScales, ModelScaleInfo, ScaleGranularity, check_fits
 
 logger = logging.getLogger("kv8")
 
-__all__ = ["engine_kv_scales", "is_kv_scale_name", "rank_heads", "resolve_kv_scales", "scales_from_checkpoint"]
+__all__ = ["engine_key_offsets", "engine_kv_scales", "is_kv_scale_name", "rank_heads", "resolve_kv_scales",
+           "scales_from_checkpoint"]
 
 _HOW_TO_GET_SCALES = (
     "run `kv8 calibrate` to compute per-layer scales and pass the resulting file with "
@@ -277,6 +283,27 @@ def engine_kv_scales(cache: CacheConfig, model: ModelScaleInfo, checkpoint_tenso
     path = cache.quantization_param_path if spec.kv_dtype.is_fp8 else None   # a plan's other layers: no scales
     scales = resolve_kv_scales(spec.kv_dtype, model, path, ckpt, spec.rotation, tp_rank, tp_size)
     return scales if scales is None or kv_heads is None else rank_heads(scales, *kv_heads)
+
+
+def engine_key_offsets(cache: CacheConfig, model: ModelScaleInfo,
+                       kv_heads: tuple[int, int] | None = None) -> KeyOffsets | None:
+    """The key offsets an engine with cache settings ``cache`` centers its keys by: those of the
+    ``quantization_param_path`` file when it has them (:func:`kv8.quant.scale_files.load_key_offsets`, validated
+    against ``model``), cut to the KV heads ``kv_heads = (first, count)`` of a tensor-parallel rank; None without.
+    They apply to every layer and pool, whatever its format (a 16/32-bit pool included, where centering changes
+    nothing but rounding). When the file's static scales are not used by the cache's own format (not FP8, or
+    dynamic scales) that is logged once, here."""
+    path = cache.quantization_param_path
+    if path is None:
+        return None
+    offsets = load_key_offsets(path, model)
+    if offsets is None:
+        return None
+    if not cache.default_spec.static_fp8 and cache.kv_cache_plan is None:
+        logger.info("key centering from %s; its static scales are not used by a %s cache (%s)", path,
+                    cache.default_spec.describe(), "scales per token and head" if cache.dynamic_scales
+                    else "not FP8")
+    return offsets if kv_heads is None else offsets.heads(*kv_heads)
 
 
 def rank_heads(scales: KVScales, first: int, count: int) -> KVScales:

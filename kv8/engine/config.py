@@ -163,10 +163,16 @@ class EngineConfig:
             where = "" if rotated_layers is None else f" (kv_cache_plan: layers {rotated_layers})"
             raise ValueError(f"kv_cache_rotation='hadamard'{where} needs a power-of-two head_dim; this model has "
                              f"head_dim={arch.head_dim}")
-        if cc.quantization_param_path is not None and not any(s.static_fp8 for s in specs):
+        if cc.quantization_param_path is not None and not any(s.static_fp8 for s in specs) and not cc.key_centering:
             raise ValueError(f"quantization_param_path={self.cache.quantization_param_path!r} gives static FP8 "
                              f"scales, but no layer of kv_cache_plan={self.cache.kv_cache_plan!r} is stored in "
                              "FP8; drop quantization_param_path")
+        if cc.quantization_param_path is not None and cc.key_centering and not arch.shift_invariant_scores:
+            raise ValueError(f"quantization_param_path={cc.quantization_param_path!r} has key offsets (key "
+                             f"centering), which shift every score of a query by one constant; that is exact only "
+                             f"when softmax sees the scores unchanged, but this {arch.model_type} model "
+                             f"{arch.score_transform}; use a scales file without key offsets (kv8 calibrate without "
+                             "--key-centering)")
         if max_len > arch.max_position_embeddings:
             raise ValueError(f"max_model_len={max_len} exceeds the model's context "
                              f"(max_position_embeddings={arch.max_position_embeddings})")

@@ -46,7 +46,8 @@ models: the alias smollm2-135m (default), a Hugging Face model directory, or a .
 # kv8 info loads no weights: only the options that size the cache table and name the dense plan apply to it (and,
 # with --kv-cache-plan, those that store the layers the plan does not name, and the context its table counts in)
 INFO_OPTIONS = ("kv_cache_memory", "gpu_memory_utilization", "block_size", "device", "dtype", "quantization",
-                "kv_cache_plan", "kv_cache_dtype", "kv_cache_rotation", "kv_cache_scale_mode", "max_model_len")
+                "kv_cache_plan", "kv_cache_dtype", "kv_cache_rotation", "kv_cache_scale_mode", "max_model_len",
+                "quantization_param_path")
 # kv8 tune times the dense layers of a model in one dtype and quantization
 TUNE_OPTIONS = ("dtype", "quantization")
 
@@ -192,12 +193,29 @@ def cmd_info(ns: argparse.Namespace) -> int:
         from kv8.kernels.cpu.dense import describe_dense_kernels
 
         print(f"dense kernels {describe_dense_kernels()}")
+    if ns.quantization_param_path is not None:
+        print(f"key centering {_key_centering(ns.quantization_param_path, arch)}")
     print(capacity_table(arch, memory, ns.block_size))
     if ns.kv_cache_plan is not None:
         args = dataclasses.replace(EngineArgs.from_cli_args(ns), kv_cache_memory=memory)
         print()
         print(plan_table(args.create_engine_config(hf_config, kind, path).kv_budget()))
     return 0
+
+
+def _key_centering(path: str, arch: ModelArchConfig) -> str:
+    """Whether the scales file ``path`` turns key centering on for ``arch`` (its offsets validated), in words."""
+    from kv8.quant.scale_files import load_key_offsets
+    from kv8.quant.scales import ModelScaleInfo
+
+    offsets = load_key_offsets(path, ModelScaleInfo(arch.model_type, arch.num_layers, arch.num_kv_heads,
+                                                    arch.head_dim))
+    if offsets is None:
+        return f"off ({path} has no key offsets; kv8 calibrate --key-centering writes them)"
+    if not arch.shift_invariant_scores:
+        return f"refused: {path} has key offsets, but this model {arch.score_transform}"
+    return (f"on: keys minus the offsets of {path} (per layer, KV head and channel; |c| up to "
+            f"{float(offsets.k.abs().max()):.3g}) before they are stored, for every cache format")
 
 
 def plan_table(budget: KVBudget) -> str:

@@ -55,6 +55,9 @@ class ModelArchConfig:
     eos_token_ids: tuple[int, ...]
     sliding_window: int | None = None
     layer_types: tuple[str, ...] = ()
+    # the config's attn_logit_softcapping (Gemma 2's cap * tanh(score / cap)); no model kv8 runs applies it (Gemma
+    # 3's config refuses it), but what a config says about its scores decides whether key centering is exact
+    attn_logit_softcapping: float | None = None
 
     def __post_init__(self) -> None:
         for name, value in (("vocab_size", self.vocab_size), ("hidden_size", self.hidden_size),
@@ -78,6 +81,21 @@ class ModelArchConfig:
                              f"{', '.join(LAYER_TYPES)} for each of the {self.num_layers} layers")
         if self.sliding_window is None and "sliding_attention" in self.layer_types:
             raise ValueError("model config layer_types has sliding_attention layers but no sliding_window")
+
+    @property
+    def shift_invariant_scores(self) -> bool:
+        """Adding one constant to every attention score of a query leaves the attention output unchanged (a plain
+        softmax over the scores): what key centering (:mod:`kv8.quant.key_offsets`) needs. False with logit
+        soft-capping; an architecture with attention sinks (a fixed logit every score competes with) must say
+        False too."""
+        return self.attn_logit_softcapping is None
+
+    @property
+    def score_transform(self) -> str:
+        """What this architecture does to attention scores besides softmax, in words (for errors)."""
+        if self.attn_logit_softcapping is not None:
+            return f"soft-caps its attention scores (attn_logit_softcapping={self.attn_logit_softcapping:g})"
+        return "passes its scores to a plain softmax"
 
     def layer_type(self, layer: int) -> str:
         """``layer_types[layer]``; an empty ``layer_types`` means every layer is of the model's one kind
@@ -152,6 +170,8 @@ class ModelArchConfig:
             eos_token_ids=tuple(eos_list),
             sliding_window=cfg_int(cfg, "sliding_window") if sliding else None,
             layer_types=tuple(layer_types or ()) if sliding else (),
+            attn_logit_softcapping=cfg_float(cfg, "attn_logit_softcapping", 0.0)
+            if cfg.get("attn_logit_softcapping") is not None else None,
         )
         fields.update(cls.extra_fields(cfg))   # a subclass's own fields, and base fields it reads its way
         return cls(**fields)

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from kv8.quant.key_offsets import KeyOffsets
 from kv8.quant.scales import (
     FORMAT_TO_TORCH_DTYPE,
     TORCH_DTYPE_TO_FORMAT,
@@ -26,8 +27,8 @@ from kv8.quant.scales import (
 )
 from kv8.validators import is_number
 
-__all__ = ["load_kv8_scales_json", "load_scales_file", "load_vllm_scales_json", "write_kv8_scales_json",
-           "write_vllm_scales_json"]
+__all__ = ["file_has_key_offsets", "load_key_offsets", "load_kv8_scales_json", "load_scales_file",
+           "load_vllm_scales_json", "write_kv8_scales_json", "write_vllm_scales_json"]
 
 # --------------------------------------------------------------------------------------------------
 # vLLM kv_cache_scales.json
@@ -192,6 +193,10 @@ def write_vllm_scales_json(path: str | os.PathLike[str], scales: KVScales | Sequ
 
 KV8_SCALES_FORMAT = "kv8-kv-scales"
 KV8_SCALES_VERSION = 1
+# version 2 adds "k_offset" (key centering): a reader that only knows version 1 refuses such a file instead of using
+# scales calibrated on centered keys without centering them
+KV8_OFFSETS_VERSION = 2
+KV8_SCALES_VERSIONS = (KV8_SCALES_VERSION, KV8_OFFSETS_VERSION)
 
 
 def _read_json(path: str | os.PathLike[str]) -> Any:
@@ -210,34 +215,64 @@ def _read_json(path: str | os.PathLike[str]) -> Any:
                          "file is a few levels deep)") from None
 
 
-def write_kv8_scales_json(path: str | os.PathLike[str], scales: KVScales, model: ModelScaleInfo) -> None:
-    """Write ``scales`` in the kv8 schema::
+def write_kv8_scales_json(path: str | os.PathLike[str], scales: KVScales, model: ModelScaleInfo,
+                          key_offsets: KeyOffsets | None = None) -> None:
+    """Write ``scales`` (and ``key_offsets``, if any) in the kv8 schema::
 
-        {"format": "kv8-kv-scales", "version": 1, "model_type": str, "num_layers": L, "num_kv_heads": H,
+        {"format": "kv8-kv-scales", "version": 1 | 2, "model_type": str, "num_layers": L, "num_kv_heads": H,
          "head_dim": D, "granularity": "tensor" | "head" | "channel", "made_for": fp8 format name | null,
-         "rotation": "none" | "hadamard", "k": [[[float]]], "v": [[[float]]]}
+         "rotation": "none" | "hadamard", "k": [[[float]]], "v": [[[float]]], "k_offset": [[[float]]]}
 
     ``rotation`` (absent means ``"none"``) names the basis the scales were calibrated in: a cache must use the
     same ``kv_cache_rotation``.
 
     ``k``/``v`` are nested lists of shape ``[L, 1, 1]``, ``[L, H, 1]`` or ``[L, H, D]`` (the KVScales shape).
+    ``k_offset`` (version 2 only, :mod:`kv8.quant.key_offsets`) is ``[L, H, D]`` exactly: the mean every key of
+    layer ``l`` and KV head ``h`` is centered by, post-RoPE and before the rotation; the scales then describe the
+    centered keys. A file with it turns key centering on in every engine that loads it, whatever its cache format.
     """
     check_fits(scales, model)
+    if key_offsets is not None:
+        key_offsets.check_fits(model.num_layers, model.num_kv_heads, model.head_dim)
     doc = {
-        "format": KV8_SCALES_FORMAT, "version": KV8_SCALES_VERSION, "model_type": model.model_type,
+        "format": KV8_SCALES_FORMAT, "version": KV8_SCALES_VERSION if key_offsets is None else KV8_OFFSETS_VERSION,
+        "model_type": model.model_type,
         "num_layers": model.num_layers, "num_kv_heads": model.num_kv_heads, "head_dim": model.head_dim,
         "granularity": scales.granularity.value, "made_for": scales.made_for, "rotation": scales.rotation,
         "k": scales.k.tolist(), "v": scales.v.tolist(),
     }
+    if key_offsets is not None:
+        doc["k_offset"] = key_offsets.k.tolist()
     with open(path, "w", encoding="utf-8") as f:
         json.dump(doc, f)
         f.write("\n")
 
 
+def _check_version(data: dict[str, Any], where: str) -> None:
+    version = data.get("version")
+    if version not in KV8_SCALES_VERSIONS or isinstance(version, bool):
+        raise ValueError(f"{where}: kv8 scales file version is {version!r}; kv8 reads versions "
+                         f"{', '.join(map(str, KV8_SCALES_VERSIONS))}")
+    if "k_offset" in data and version != KV8_OFFSETS_VERSION:
+        raise ValueError(f"{where}: 'k_offset' (key centering) needs version {KV8_OFFSETS_VERSION}, but the file "
+                         f"says version {version!r}")
+
+
+def _nested_floats(raw: Any, name: str, where: str) -> torch.Tensor:
+    """A JSON ``[layers][heads][channels]`` list of numbers as a float32 tensor; ValueError naming ``name``."""
+    ok = isinstance(raw, list) and all(
+        isinstance(h, list) and all(isinstance(c, list) and all(
+            isinstance(x, (int, float)) and not isinstance(x, bool) for x in c) for c in h) for h in raw)
+    if not ok:
+        raise ValueError(f"{where}: '{name}' must be a nested list of numbers [layers][heads][channels]")
+    try:
+        return torch.tensor(raw, dtype=torch.float32)
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"{where}: '{name}' is not a rectangular [layers][heads][channels] list: {e}") from None
+
+
 def _kv8_scales_from_doc(data: dict[str, Any], where: str, model: ModelScaleInfo) -> KVScales:
-    if data.get("version") != KV8_SCALES_VERSION:
-        raise ValueError(f"{where}: kv8 scales file version is {data.get('version')!r}; kv8 reads version "
-                         f"{KV8_SCALES_VERSION}")
+    _check_version(data, where)
     expected = {"model_type": model.model_type, "num_layers": model.num_layers,
                 "num_kv_heads": model.num_kv_heads, "head_dim": model.head_dim}
     for key, want in expected.items():
@@ -248,18 +283,7 @@ def _kv8_scales_from_doc(data: dict[str, Any], where: str, model: ModelScaleInfo
     except ValueError:
         raise ValueError(f"{where}: granularity is {data.get('granularity')!r}; allowed: "
                          f"{[g.value for g in ScaleGranularity]}") from None
-    tensors: dict[str, torch.Tensor] = {}
-    for name in ("k", "v"):
-        raw = data.get(name)
-        ok = isinstance(raw, list) and all(
-            isinstance(h, list) and all(isinstance(c, list) and all(
-                isinstance(x, (int, float)) and not isinstance(x, bool) for x in c) for c in h) for h in raw)
-        if not ok:
-            raise ValueError(f"{where}: '{name}' must be a nested list of numbers [layers][heads][channels]")
-        try:
-            tensors[name] = torch.tensor(raw, dtype=torch.float32)
-        except (ValueError, TypeError) as e:
-            raise ValueError(f"{where}: '{name}' is not a rectangular [layers][heads][channels] list: {e}") from None
+    tensors = {name: _nested_floats(data.get(name), name, where) for name in ("k", "v")}
     try:
         scales = KVScales(k=tensors["k"], v=tensors["v"], granularity=granularity,
                           source=f"quantization_param_path {where}", made_for=data.get("made_for"),
@@ -267,6 +291,8 @@ def _kv8_scales_from_doc(data: dict[str, Any], where: str, model: ModelScaleInfo
     except ValueError as e:
         raise ValueError(f"{where}: {e}") from None
     check_fits(scales, model)
+    if "k_offset" in data:
+        _offsets_from_doc(data, where, model)   # a file is valid as a whole or not at all
     return scales
 
 
@@ -279,6 +305,37 @@ def load_kv8_scales_json(path: str | os.PathLike[str], model: ModelScaleInfo) ->
         raise ValueError(f"{where}: not a kv8 scales file (expected a JSON object with "
                          f"\"format\": \"{KV8_SCALES_FORMAT}\")")
     return _kv8_scales_from_doc(data, where, model)
+
+
+def _offsets_from_doc(data: dict[str, Any], where: str, model: ModelScaleInfo) -> KeyOffsets:
+    t = _nested_floats(data["k_offset"], "k_offset", where)
+    try:
+        offsets = KeyOffsets(t, f"quantization_param_path {where}")
+        offsets.check_fits(model.num_layers, model.num_kv_heads, model.head_dim)
+    except ValueError as e:
+        raise ValueError(f"{where}: {e}") from None
+    return offsets
+
+
+def file_has_key_offsets(path: str | os.PathLike[str]) -> bool:
+    """Whether a ``quantization_param_path`` file carries key offsets (a kv8 file with ``"k_offset"``; nothing
+    else is validated here: :func:`load_key_offsets` does that against the model). ValueError for an unreadable
+    file."""
+    data = _read_json(path)
+    return isinstance(data, dict) and data.get("format") == KV8_SCALES_FORMAT and "k_offset" in data
+
+
+def load_key_offsets(path: str | os.PathLike[str], model: ModelScaleInfo) -> KeyOffsets | None:
+    """The key offsets of a ``quantization_param_path`` file for ``model`` (the whole model, every KV head; an
+    engine cuts them to its rank's heads), or None when it has none (a vLLM file never has). The file is
+    validated as :func:`load_kv8_scales_json` does; ``k_offset`` must be ``[num_layers, num_kv_heads, head_dim]``
+    of finite numbers."""
+    data = _read_json(path)
+    if not (isinstance(data, dict) and data.get("format") == KV8_SCALES_FORMAT and "k_offset" in data):
+        return None
+    where = os.fspath(path)
+    _kv8_scales_from_doc(data, where, model)   # the whole file is checked, scales included
+    return _offsets_from_doc(data, where, model)
 
 
 def load_scales_file(path: str | os.PathLike[str], model: ModelScaleInfo, tp_rank: int = 0,

@@ -14,6 +14,11 @@ does short of clipping (:mod:`kv8.tools.kv_stats`). Outputs
 (:mod:`kv8.tools.export`): a vLLM ``kv_cache_scales.json`` (tensor granularity; one scale per layer, the
 larger of K and V), a kv8 scales JSON (any granularity, K and V separate), or a copy of the model directory
 with the scales as checkpoint tensors.
+
+Key centering (``key_centering=True``, ``kv8 calibrate --key-centering``; :mod:`kv8.quant.key_offsets`): a first
+pass over the same windows measures the mean post-RoPE key per (layer, KV head, channel); the second computes the
+scales of the *centered* keys (``(k - c) R``, what such a cache stores). Both go into a kv8 scales file, which
+turns key centering on in every engine that loads it, for any cache format.
 """
 
 from __future__ import annotations
@@ -37,10 +42,11 @@ from kv8.models.config import ModelArchConfig
 from kv8.models.registry import arch_config
 from kv8.observer import EngineObserver
 from kv8.outputs import RequestOutput
+from kv8.quant.key_offsets import KeyOffsets
 from kv8.quant.scales import KVScales, ModelScaleInfo, ScaleGranularity
 from kv8.sampling_params import SamplingParams
 from kv8.tools.data import read_corpus, token_windows, tokenize_corpus
-from kv8.tools.kv_stats import ClipCounter, KVStatsCollector, ScaleRecipe
+from kv8.tools.kv_stats import ClipCounter, KeyMeanCollector, KVStatsCollector, ScaleRecipe
 from kv8.validators import check_int
 
 __all__ = ["CalibrationResult", "ClipCheck", "build_engine", "cache_size_options", "calibrate", "check_length",
@@ -92,13 +98,23 @@ class CalibrationResult:
     # Tensor-granularity scales of each tensor-parallel rank, over the KV heads that rank holds (calibrated with
     # tensor_parallel_size > 1); ``scales`` are then those of all heads, what one rank would use.
     rank_scales: tuple[KVScales, ...] | None = None
+    # key centering's offsets (the mean post-RoPE key per layer, KV head and channel); the scales describe the
+    # centered keys. None without --key-centering.
+    key_offsets: KeyOffsets | None = None
 
 
 class _KVWatch(EngineObserver):
-    """Shows every stored K/V to ``sink`` (a :class:`KVStatsCollector` or a :class:`ClipCounter`)."""
+    """Shows every stored K/V to ``sink`` (a :class:`KVStatsCollector` or a :class:`ClipCounter`) and every key in
+    the model's basis to ``means`` (a :class:`KeyMeanCollector`). The calibration engine centers nothing."""
 
     def __init__(self) -> None:
         self.sink: KVStatsCollector | ClipCounter | None = None
+        self.means: KeyMeanCollector | None = None
+
+    def on_attention_inputs(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                            codec: KVCodec) -> None:
+        if self.means is not None:
+            self.means.observe(layer, key)
 
     def on_kv_store(self, layer: int, key: torch.Tensor, value: torch.Tensor, codec: KVCodec) -> None:
         if self.sink is not None:
@@ -162,7 +178,7 @@ def run_prompts(engine: LLMEngine, prompts: Sequence[list[int]], params: Samplin
 def calibrate(model: str, data: Sequence[str], recipe: ScaleRecipe, *, num_samples: int = 64,
               seq_len: int = 512, skip_tokens: int = 0, dtype: str = "auto", batch: int = 4,
               max_num_batched_tokens: int = 2048, attention_backend: str = "auto", rotation: str = "none",
-              check_samples: int = 0, tensor_parallel_size: int = 1,
+              check_samples: int = 0, tensor_parallel_size: int = 1, key_centering: bool = False,
               show_progress: bool = True) -> CalibrationResult:
     """Observe ``num_samples`` windows of ``seq_len`` tokens from ``data`` (after ``skip_tokens``) and
     compute scales by ``recipe``. With ``check_samples > 0`` the next ``check_samples`` windows of the data,
@@ -173,7 +189,8 @@ def calibrate(model: str, data: Sequence[str], recipe: ScaleRecipe, *, num_sampl
     scales over the KV heads it holds (:func:`kv8.distributed.shard.kv_head_shard`), from the statistics of
     those heads alone (per-head histograms summed), for a vLLM file's ``scaling_factor[tp_rank]``; finer
     granularities need no per-rank scales (an engine cuts them to its heads). The model runs in one process
-    either way: it sees every head.
+    either way: it sees every head. With ``key_centering`` a first pass over the same windows measures the key
+    offsets (``result.key_offsets``) and the scales (and the held-out check) are of the centered keys.
     Raises ValueError for unusable data, options or models."""
     for name, value, low in (("num_samples", num_samples, 1), ("seq_len", seq_len, 2), ("batch", batch, 1),
                              ("check_samples", check_samples, 0), ("tensor_parallel_size", tensor_parallel_size, 1)):
@@ -193,10 +210,23 @@ def calibrate(model: str, data: Sequence[str], recipe: ScaleRecipe, *, num_sampl
     info = ModelScaleInfo(arch.model_type, arch.num_layers, arch.num_kv_heads, arch.head_dim)
     tokens = tokenize_corpus(docs, engine.tokenizer)
     samples = token_windows(tokens, seq_len, num_samples, skip_tokens, "--seq-len", "--skip-tokens")
+    rotation_matrix = engine.cache.codec.rotation
+    key_offsets, stored_offset = None, None
+    if key_centering:
+        if not arch.shift_invariant_scores:
+            raise ValueError(f"key centering is not exact for this {arch.model_type} model: it "
+                             f"{arch.score_transform}")
+        watch.means = KeyMeanCollector(arch.num_layers, arch.num_kv_heads, arch.head_dim)
+        with tqdm(total=len(samples), desc="Key means", unit="sample", disable=not show_progress) as bar:
+            run_prompts(engine, samples, SamplingParams(temperature=0.0, max_tokens=1), batch, bar)
+        key_offsets = watch.means.offsets(f"kv8 calibrate --key-centering (mean post-RoPE key, {len(samples)} x "
+                                          f"{seq_len} tokens)")
+        watch.means = None
+        stored_offset = key_offsets.k if rotation_matrix is None else key_offsets.k @ rotation_matrix.cpu().float()
     histograms = ScaleGranularity.HEAD if per_rank else recipe.granularity
     collector = KVStatsCollector(arch.num_layers, arch.num_kv_heads, arch.head_dim,
                                  histograms if recipe.needs_histogram else None, recipe.key_bound,
-                                 engine.cache.codec.rotation)
+                                 rotation_matrix, stored_offset)
     watch.sink = collector
     with tqdm(total=len(samples), desc="Calibrating", unit="sample", disable=not show_progress) as bar:
         run_prompts(engine, samples, SamplingParams(temperature=0.0, max_tokens=1), batch, bar)
@@ -204,7 +234,8 @@ def calibrate(model: str, data: Sequence[str], recipe: ScaleRecipe, *, num_sampl
     source = (f"kv8 calibrate ({what}, {recipe.granularity.value}, {recipe.fmt.name}, headroom "
               f"{recipe.headroom:g} (V x{recipe.v_headroom:g}), {recipe.key_bound} key bound, "
               f"{'power-of-two' if recipe.power_of_two else 'exact'} scales, {len(samples)} x {seq_len} tokens"
-              + (f", {rotation} rotation)" if rotation != "none" else ")"))
+              + (f", {rotation} rotation" if rotation != "none" else "")
+              + (", centered keys)" if key_centering else ")"))
     rank_scales = None
     if per_rank:
         scales = collector.heads(0, arch.num_kv_heads).scales(recipe, source, rotation)
@@ -219,7 +250,7 @@ def calibrate(model: str, data: Sequence[str], recipe: ScaleRecipe, *, num_sampl
         held_out = token_windows(tokens, seq_len, check_samples, skip_tokens + len(samples) * seq_len, "--seq-len",
                                  "--skip-tokens and the --num-samples calibration samples; --check-samples needs "
                                  "text beyond them")
-        counter = ClipCounter(scales, recipe.fmt)
+        counter = ClipCounter(scales, recipe.fmt, stored_offset)
         watch.sink = counter
         with tqdm(total=len(held_out), desc="Checking", unit="sample", disable=not show_progress) as bar:
             run_prompts(engine, held_out, SamplingParams(temperature=0.0, max_tokens=1), batch, bar)
@@ -229,4 +260,4 @@ def calibrate(model: str, data: Sequence[str], recipe: ScaleRecipe, *, num_sampl
                           counter.worst[1].tolist())
     return CalibrationResult(scales=scales, recipe=recipe, info=info, num_samples=len(samples),
                              num_tokens=len(samples) * seq_len, collector=collector, check=check,
-                             rank_scales=rank_scales)
+                             rank_scales=rank_scales, key_offsets=key_offsets)

@@ -57,6 +57,9 @@ outputs: --output-format vllm (one scale per layer, the larger of K and V; tenso
   statistics of the KV heads that rank holds; the model runs in one process.
 --kv-cache-rotation hadamard calibrates for a cache that rotates K/V (kv8 JSON output only); serve with the
   same --kv-cache-rotation.
+--key-centering also writes key offsets (kv8 JSON output only): the mean post-RoPE key per layer, KV head and channel,
+  which an engine loading the file subtracts from every key it stores, whatever its --kv-cache-dtype (int4/int8 and
+  dynamic FP8 caches use the file for its offsets only).
 --plan writes a kv_cache_plan file instead of scales: each layer's sensitivity (its KLD against a float32 cache when
   only it is quantized, per candidate of --plan-formats), the cheapest layers' formats within --kld-budget (or the
   least KLD within --bytes-budget), checked end to end on the --plan-check-samples windows after the calibration
@@ -137,6 +140,12 @@ def add_calibrate_parser(sub: Any) -> None:
                    help="also run the N windows after the calibration windows and report which K/V values the "
                         "new scales would clip (default 0: no check)")
     c.add_argument("--batch", type=int, default=4, help="samples run together (default 4)")
+    c.add_argument("--key-centering", action="store_true",
+                   help="also measure the mean post-RoPE key per layer, KV head and channel (a first pass over the "
+                        "same windows) and write it as key offsets (kv8 JSON): an engine loading the file subtracts "
+                        "it from every key before storing it, for any --kv-cache-dtype (exact for attention; less "
+                        "rounding error where keys keep a large constant channel); the scales describe the "
+                        "centered keys")
     p = c.add_argument_group("per-layer plan (--plan)")
     p.add_argument("--plan", action="store_true",
                    help="write a kv_cache_plan file (--output) chosen from measured per-layer sensitivity, not scales")
@@ -174,7 +183,7 @@ def cmd_calibrate(ns: argparse.Namespace) -> int:
     num_samples = 64 if ns.num_samples is None else ns.num_samples
     seq_len = 512 if ns.seq_len is None else ns.seq_len
     from kv8.tools.calibrate import calibrate
-    from kv8.tools.export import RANKS_NEED_VLLM, save_model_with_scales, write_scales
+    from kv8.tools.export import KEY_CENTERING_NEEDS_KV8, RANKS_NEED_VLLM, save_model_with_scales, write_scales
     from kv8.tools.kv_stats import ScaleRecipe
 
     if ns.output is None and ns.save_model is None:
@@ -183,15 +192,22 @@ def cmd_calibrate(ns: argparse.Namespace) -> int:
     output_format = ns.output_format
     if output_format is None:
         vllm_ok = (granularity is ScaleGranularity.TENSOR and ns.format in ("fp8_e4m3", "fp8_e4m3fnuz")
-                   and ns.kv_cache_rotation == "none" and ns.output is not None and ns.output.endswith(".json"))
+                   and ns.kv_cache_rotation == "none" and ns.output is not None and ns.output.endswith(".json")
+                   and not ns.key_centering)
         output_format = "vllm" if vllm_ok else "kv8"
+    if ns.key_centering and (output_format != "kv8" or ns.save_model is not None):
+        raise ValueError(f"--key-centering: {KEY_CENTERING_NEEDS_KV8}; give --output PATH with --output-format kv8 "
+                         "(or leave it out) and no --save-model")
     if output_format == "vllm" and granularity is not ScaleGranularity.TENSOR:
         raise ValueError(f"--output-format vllm holds one scale per layer; --granularity {ns.granularity} needs "
                          "--output-format kv8")
     args = EngineArgs.from_cli_args(ns)
     per_rank = args.tensor_parallel_size > 1 and granularity is ScaleGranularity.TENSOR
     if per_rank and output_format == "kv8" and ns.output is not None:
-        raise ValueError(RANKS_NEED_VLLM)
+        raise ValueError(RANKS_NEED_VLLM if not ns.key_centering else
+                         "--key-centering writes kv8's scales JSON, which holds no per-rank scales: with "
+                         "--tensor-parallel-size > 1 use --granularity head (an engine cuts per-head scales and the "
+                         "key offsets to the heads of its rank)")
     recipe = ScaleRecipe(granularity=granularity, statistic=ns.statistic, fmt=fp8_format(ns.format),
                          percentile=ns.percentile, headroom=ns.headroom, v_headroom=ns.v_headroom,
                          key_bound=ns.key_bound, power_of_two=ns.scale_rounding == "pow2")
@@ -199,7 +215,8 @@ def cmd_calibrate(ns: argparse.Namespace) -> int:
                        skip_tokens=ns.skip_tokens, dtype=args.dtype, batch=ns.batch,
                        max_num_batched_tokens=args.max_num_batched_tokens, attention_backend=args.attention_backend,
                        rotation=args.kv_cache_rotation, check_samples=ns.check_samples,
-                       tensor_parallel_size=args.tensor_parallel_size, show_progress=not ns.no_progress)
+                       tensor_parallel_size=args.tensor_parallel_size, key_centering=ns.key_centering,
+                       show_progress=not ns.no_progress)
     s = result.scales
     print(f"calibrated {result.info.num_layers} layers on {result.num_samples} samples x {seq_len} tokens: "
           f"{s.source}")
@@ -208,10 +225,14 @@ def cmd_calibrate(ns: argparse.Namespace) -> int:
     for r, rs in enumerate(result.rank_scales or ()):
         print(f"  rank {r}: K scales {float(rs.k.min()):.4g}..{float(rs.k.max()):.4g}, "
               f"V scales {float(rs.v.min()):.4g}..{float(rs.v.max()):.4g}")
+    if result.key_offsets is not None:
+        c = result.key_offsets.k
+        print(f"  key offsets: |c| up to {float(c.abs().max()):.4g}; largest per layer "
+              f"{[round(float(x), 3) for x in c.abs().amax(dim=(1, 2))]}")
     if result.check is not None:
         print(result.check.summary())
     if ns.output is not None:
-        write_scales(ns.output, s, result.info, output_format, result.rank_scales)
+        write_scales(ns.output, s, result.info, output_format, result.rank_scales, result.key_offsets)
         ranks = f" for {len(result.rank_scales)} tensor-parallel ranks" if result.rank_scales else ""
         print(f"wrote {output_format} scales{ranks} to {ns.output}")
     if ns.save_model is not None:

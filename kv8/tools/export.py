@@ -28,10 +28,12 @@ from typing import Any
 import torch
 
 from kv8.cache.scale_sources import is_kv_scale_name
+from kv8.quant.key_offsets import KeyOffsets
 from kv8.quant.scale_files import write_kv8_scales_json, write_vllm_scales_json
 from kv8.quant.scales import KVScales, ModelScaleInfo, ScaleGranularity
 
-__all__ = ["OUTPUT_FORMATS", "RANKS_NEED_VLLM", "scale_tensors", "save_model_with_scales", "write_scales"]
+__all__ = ["KEY_CENTERING_NEEDS_KV8", "OUTPUT_FORMATS", "RANKS_NEED_VLLM", "scale_tensors", "save_model_with_scales",
+           "write_scales"]
 
 OUTPUT_FORMATS = ("vllm", "kv8")
 _CONFIG_DTYPE = {"fp8_e4m3": "float8_e4m3fn", "fp8_e4m3fnuz": "float8_e4m3fnuz"}
@@ -52,11 +54,17 @@ def vllm_view(scales: KVScales) -> KVScales:
                     rotation=scales.rotation)
 
 
+KEY_CENTERING_NEEDS_KV8 = ("key offsets (--key-centering) are written only in kv8's scales JSON: a vLLM file or a "
+                           "model's scale tensors cannot carry them")
+
+
 def write_scales(path: str, scales: KVScales, info: ModelScaleInfo, output_format: str,
-                 rank_scales: Sequence[KVScales] | None = None) -> None:
+                 rank_scales: Sequence[KVScales] | None = None, key_offsets: KeyOffsets | None = None) -> None:
     """Write ``scales`` to ``path`` as ``output_format`` ("vllm" or "kv8"). ``rank_scales`` (one per
     tensor-parallel rank, tensor granularity) go into a vLLM file's ``scaling_factor[tp_rank]`` instead; kv8's
-    schema has no ranks and refuses them."""
+    schema has no ranks and refuses them. ``key_offsets`` (key centering) need the kv8 schema."""
+    if key_offsets is not None and output_format != "kv8":
+        raise ValueError(f"{KEY_CENTERING_NEEDS_KV8}; use --output-format kv8")
     if output_format == "vllm":
         if scales.made_for not in _CONFIG_DTYPE:
             raise ValueError(f"a vLLM scales file is only defined for {sorted(_CONFIG_DTYPE)}; these scales are for "
@@ -66,7 +74,7 @@ def write_scales(path: str, scales: KVScales, info: ModelScaleInfo, output_forma
     elif output_format == "kv8":
         if rank_scales:
             raise ValueError(RANKS_NEED_VLLM)
-        write_kv8_scales_json(path, scales, info)
+        write_kv8_scales_json(path, scales, info, key_offsets)
     else:
         raise ValueError(f"output format {output_format!r} is not known; choose one of: {', '.join(OUTPUT_FORMATS)}")
 

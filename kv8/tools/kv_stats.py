@@ -18,6 +18,14 @@ What is observed for K (``ScaleRecipe.key_bound``):
   computed over envelopes, so the scales hold for the same keys at any position.
 * ``"observed"``: the stored values themselves (what vLLM-style calibration measures).
 
+With key centering (``kv8 calibrate --key-centering``, :mod:`kv8.quant.key_offsets`) the cache stores
+``(k - c) R``; :class:`KeyMeanCollector` measures ``c`` (the mean post-RoPE key per layer, KV head and channel, in
+a first pass), and the collector is given ``c R`` (``key_offset``) and records the centered keys: observed,
+``k R - c R``; with the position bound, the envelope of the uncentered key plus ``|c R|`` -- a channel of ``k``
+ranges over ``[-r, r]`` with the position, so ``sup |k_i - c_i| = r + |c_i|`` (without a rotation; with one, a
+bound by the triangle inequality). A bound that holds at every position is looser for centered keys than for
+uncentered ones, so static FP8 scales gain less from centering than per-token scales do.
+
 V is always observed as stored (it carries no position), so nothing bounds it on text calibration never saw:
 its scales get an extra ``ScaleRecipe.v_headroom`` (default 2, one power of two; the held-out check of
 ``kv8 calibrate --check-samples`` found SmolLM2's values up to 1.3-1.6x beyond their calibrated maxima).
@@ -49,6 +57,7 @@ from dataclasses import dataclass
 import torch
 
 from kv8.quant.formats import FP8Format
+from kv8.quant.key_offsets import KeyOffsets
 from kv8.quant.scales import KVScales, ScaleGranularity
 from kv8.validators import check_number
 
@@ -151,10 +160,16 @@ class KVStatsCollector:
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int,
                  histogram_granularity: ScaleGranularity | None, key_bound: str = "position",
-                 rotation: torch.Tensor | None = None) -> None:
+                 rotation: torch.Tensor | None = None, key_offset: torch.Tensor | None = None) -> None:
+        """``key_offset``: ``c R`` ``[L, H, D]`` float32, the key offsets in the stored basis; the keys shown to
+        :meth:`observe` are uncentered (what a cache without centering stores) and are recorded centered."""
         check_key_bound(key_bound)
+        if key_offset is not None and list(key_offset.shape) != [num_layers, num_kv_heads, head_dim]:
+            raise ValueError(f"key_offset has shape {list(key_offset.shape)}, expected "
+                             f"{[num_layers, num_kv_heads, head_dim]}")
         self.num_layers, self.num_kv_heads, self.head_dim = num_layers, num_kv_heads, head_dim
         self.key_bound, self.rotation = key_bound, rotation
+        self.key_offset = None if key_offset is None else key_offset.float()
         self.amax = torch.zeros(2, num_layers, num_kv_heads, head_dim, dtype=torch.float32)
         self.num_tokens = torch.zeros(num_layers, dtype=torch.int64)
         self.histogram_granularity = histogram_granularity
@@ -184,6 +199,10 @@ class KVStatsCollector:
         groups = self._group_of() if self.hist is not None else None
         if self.key_bound == "position":
             key = key_envelope(key.detach(), self.rotation)
+            if self.key_offset is not None:
+                key = key + self.key_offset[layer].abs()
+        elif self.key_offset is not None:
+            key = key.detach().float() - self.key_offset[layer]
         for i, x in enumerate((key, value)):
             xf = x.detach().float()
             if xf.shape[0] == 0:
@@ -206,7 +225,8 @@ class KVStatsCollector:
             raise ValueError("pooling heads needs head or tensor histograms, not channel ones")
         if g is ScaleGranularity.TENSOR and count != self.num_kv_heads:
             raise ValueError("a tensor-granularity histogram cannot be cut to some heads; collect head histograms")
-        sub = KVStatsCollector(self.num_layers, count, self.head_dim, None, self.key_bound, self.rotation)
+        offset = None if self.key_offset is None else self.key_offset[:, first:first + count]
+        sub = KVStatsCollector(self.num_layers, count, self.head_dim, None, self.key_bound, self.rotation, offset)
         sub.amax = self.amax[:, :, first:first + count].clone()
         sub.num_tokens = self.num_tokens.clone()
         if self.hist is not None:
@@ -293,12 +313,35 @@ class KVStatsCollector:
                         made_for=recipe.fmt.name, rotation=rotation)
 
 
+class KeyMeanCollector:
+    """The mean key per (layer, KV head, channel) of every key observed (float64 sums): the offsets of key
+    centering. Keys are shown in the model's basis (post-RoPE, before any rotation:
+    :meth:`kv8.observer.EngineObserver.on_attention_inputs`)."""
+
+    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int) -> None:
+        self.sum = torch.zeros(num_layers, num_kv_heads, head_dim, dtype=torch.float64)
+        self.num_tokens = torch.zeros(num_layers, dtype=torch.int64)
+
+    def observe(self, layer: int, key: torch.Tensor) -> None:
+        """Record new keys ``[T, H, D]`` of ``layer``."""
+        self.sum[layer] += key.detach().double().sum(dim=0)
+        self.num_tokens[layer] += key.shape[0]
+
+    def offsets(self, source: str) -> KeyOffsets:
+        """The means as :class:`KeyOffsets`; ValueError when some layer saw no key."""
+        if int(self.num_tokens.min()) == 0:
+            raise ValueError("no keys were observed for some layer; key centering needs at least one token")
+        return KeyOffsets((self.sum / self.num_tokens.view(-1, 1, 1).double()).float(), source)
+
+
 class ClipCounter:
     """Counts, per layer, how many K and V values would clip with given scales: ``|x| > scale * fmt max``
     (values exactly at the limit are representable), and the largest ``|x| / (scale * fmt max)`` seen.
-    It has the collector interface: ``observe(layer, key, value)``."""
+    It has the collector interface: ``observe(layer, key, value)``; with ``key_offset`` (``c R``, as for
+    :class:`KVStatsCollector`) the keys it is shown are centered first."""
 
-    def __init__(self, scales: KVScales, fmt: FP8Format) -> None:
+    def __init__(self, scales: KVScales, fmt: FP8Format, key_offset: torch.Tensor | None = None) -> None:
+        self.key_offset = None if key_offset is None else key_offset.float()
         self.limits = [scales.k.float() * fmt.max_finite, scales.v.float() * fmt.max_finite]  # [L, H|1, D|1]
         num_layers = scales.k.shape[0]
         self.clipped = torch.zeros(2, num_layers, dtype=torch.int64)
@@ -306,6 +349,8 @@ class ClipCounter:
         self.worst = torch.zeros(2, num_layers, dtype=torch.float64)
 
     def observe(self, layer: int, key: torch.Tensor, value: torch.Tensor) -> None:
+        if self.key_offset is not None:
+            key = key.detach().float() - self.key_offset[layer]
         for i, x in enumerate((key, value)):
             ratio = x.detach().float().abs() / self.limits[i][layer]
             self.clipped[i, layer] += int((ratio > 1.0).sum())

@@ -229,6 +229,18 @@ def test_tp2_equals_tp1_with_a_kv_plan(gqa_6x2: str, tmp_path: Path) -> None:
     _compare(gqa_6x2, 2, "fp8", kv_cache_plan=str(plan), block_size=4)
 
 
+def test_tp2_equals_tp1_with_key_centering(gqa_6x2: str, tmp_path: Path) -> None:
+    """Key offsets from a kv8 file (int4 + Hadamard: the centered keys are what is quantized), each rank centering
+    its own KV heads' keys by their slice of the offsets, which differ per head."""
+    from kv8.quant.key_offsets import KeyOffsets
+
+    c = torch.randn(2, 2, 16, generator=torch.Generator().manual_seed(0))
+    c[:, 1] += 3.0   # the KV heads' offsets differ: a rank reading the other's slice would not match
+    path = tmp_path / "centered.json"
+    write_kv8_scales_json(path, KVScales.default(2), ModelScaleInfo("qwen2", 2, 2, 16), KeyOffsets(c, "test"))
+    _compare(gqa_6x2, 2, "int4", kv_cache_rotation="hadamard", quantization_param_path=str(path), block_size=4)
+
+
 @pytest.mark.slow
 def test_tp2_equals_tp1_with_fp8_weights(gqa_6x2: str) -> None:
     """quantization="fp8": o_proj and down_proj ranks hold half of each row, quantized with the whole rows'

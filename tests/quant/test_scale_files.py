@@ -205,3 +205,73 @@ def test_write_vllm_scales_json_rejects_what_the_format_cannot_hold(tmp_path: Pa
     with pytest.raises(ValueError, match="made_for is None"):
         write_vllm_scales_json(tmp_path / "c.json", KVScales.default(2), "llama")
     assert not any(tmp_path.iterdir())
+
+
+# ---- kv8's file with key offsets (key centering) ------------------------------------------------------------------
+def _offsets(model: ModelScaleInfo) -> torch.Tensor:
+    return torch.randn(model.num_layers, model.num_kv_heads, model.head_dim, generator=torch.Generator().manual_seed(1))
+
+
+def test_kv8_file_round_trips_key_offsets(tmp_path: Path) -> None:
+    from kv8.quant.key_offsets import KeyOffsets
+    from kv8.quant.scale_files import (
+        file_has_key_offsets,
+        load_key_offsets,
+        load_kv8_scales_json,
+        write_kv8_scales_json,
+    )
+
+    scales = KVScales(torch.full((3, 2, 1), 0.5), torch.full((3, 2, 1), 0.25), ScaleGranularity.HEAD, "test",
+                      "fp8_e4m3")
+    c = _offsets(TINY)
+    path = tmp_path / "centered.json"
+    write_kv8_scales_json(path, scales, TINY, KeyOffsets(c, "test"))
+    doc = json.loads(path.read_text())
+    assert doc["version"] == 2 and len(doc["k_offset"]) == 3
+    assert file_has_key_offsets(path)
+    got = load_key_offsets(path, TINY)
+    assert got is not None and torch.equal(got.k, c) and str(path) in got.source
+    assert torch.equal(load_kv8_scales_json(path, TINY).k, scales.k)   # the scales read as before
+    plain = tmp_path / "plain.json"
+    write_kv8_scales_json(plain, scales, TINY)
+    assert json.loads(plain.read_text())["version"] == 1 and "k_offset" not in json.loads(plain.read_text())
+    assert not file_has_key_offsets(plain) and load_key_offsets(plain, TINY) is None
+    assert not file_has_key_offsets(FIXTURE) and load_key_offsets(FIXTURE, LLAMA2_7B) is None   # vLLM's file
+
+
+@pytest.mark.parametrize("mutate,pattern", [
+    (lambda d: d.update(k_offset=[[[0.0] * 4] * 2] * 2), r"k_offset .* shape \[2, 2, 4\]; the model needs "
+                                                         r"\[num_layers, num_kv_heads, head_dim\] = \[3, 2, 4\]"),
+    (lambda d: d.update(k_offset=[[[0.0] * 3] * 2] * 3), r"k_offset .* shape \[3, 2, 3\]"),
+    (lambda d: d.update(k_offset=[[0.0] * 4] * 3), r"'k_offset' must be a nested list of numbers"),
+    (lambda d: d.update(k_offset=[[[0.0] * 4, [0.0] * 3]] * 3), r"'k_offset' is not a rectangular"),
+    (lambda d: d["k_offset"][1][0].__setitem__(2, 1e39), r"k_offset for layer 1, KV head 0, channel 2 is inf"),
+    (lambda d: d.update(version=1), r"'k_offset' \(key centering\) needs version 2"),
+    (lambda d: d.update(version=3), r"version is 3; kv8 reads versions 1, 2"),
+])
+def test_bad_key_offsets_name_the_field(tmp_path: Path, mutate: Any, pattern: str) -> None:
+    from kv8.quant.key_offsets import KeyOffsets
+    from kv8.quant.scale_files import load_key_offsets, load_scales_file, write_kv8_scales_json
+
+    path = tmp_path / "c.json"
+    write_kv8_scales_json(path, KVScales.default(3), TINY, KeyOffsets(_offsets(TINY), "test"))
+    doc = json.loads(path.read_text())
+    mutate(doc)
+    path.write_text(json.dumps(doc))
+    with pytest.raises(ValueError, match=pattern):
+        load_key_offsets(path, TINY)
+    with pytest.raises(ValueError, match=pattern):   # the scales of such a file are refused too
+        load_scales_file(path, TINY)
+
+
+def test_key_offsets_invariants() -> None:
+    from kv8.quant.key_offsets import KeyOffsets
+
+    with pytest.raises(ValueError, match=r"k_offset must have shape \[num_layers, num_kv_heads, head_dim\]"):
+        KeyOffsets(torch.zeros(3, 4), "test")
+    with pytest.raises(ValueError, match="k_offset must be a float32 CPU tensor"):
+        KeyOffsets(torch.zeros(1, 1, 2, dtype=torch.float64), "test")
+    with pytest.raises(ValueError, match="KV heads 1..2 are not within the 2 heads"):
+        KeyOffsets(torch.zeros(1, 2, 2), "test").heads(1, 2)
+    with pytest.raises(ValueError, match="k_offset for layer 0, KV head 1, channel 0 is nan"):
+        KeyOffsets(torch.tensor([[[0.0], [math.nan]]]), "test")

@@ -402,6 +402,39 @@ def test_cli_calibrate_and_eval(tiny_models: dict[str, str], text_file: str, tmp
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_cli_calibrate_key_centering(tiny_models: dict[str, str], text_file: str, tmp_path: Path,
+                                     capsys: pytest.CaptureFixture[str]) -> None:
+    """--key-centering writes the mean post-RoPE key (transformers' keys as the oracle) as k_offset in a kv8 file;
+    the scales are those of the centered keys; an int4 engine loads the file and eval measures it."""
+    from kv8.quant.scale_files import load_key_offsets
+
+    model = tiny_models["llama_gqa"]
+    out = tmp_path / "centered.json"
+    assert main(["calibrate", model, "--data", text_file, "--num-samples", str(SAMPLES), "--seq-len", str(SEQ),
+                 "--key-bound", "observed", "--scale-rounding", "none", "--v-headroom", "1", "--dtype", "float32",
+                 "--key-centering", "--output", str(out), "--no-progress"]) == 0
+    printed = capsys.readouterr().out
+    assert "key offsets: |c| up to" in printed and "centered keys)" in printed
+    info = ModelScaleInfo("llama", 2, 2, 16)
+    offsets = load_key_offsets(out, info)
+    scales = load_scales_file(out, info)
+    assert offsets is not None
+    for i, (k, _) in enumerate(_hf_kv(model, _windows(model, text_file, SEQ, SAMPLES))):
+        torch.testing.assert_close(offsets.k[i], k.mean(dim=0), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(scales.k[i], (k - offsets.k[i]).abs().amax().reshape(1, 1) / 448.0, rtol=1e-5,
+                                   atol=0)
+    report = tmp_path / "r.json"
+    assert main(["eval", model, "--data", text_file, "--config", "int4", "--config",
+                 f"--kv-cache-dtype int4 --quantization-param-path {out}", "--window", "16", "--num-windows", "1",
+                 "--gen-prompts", "0", "--json", str(report), "--no-progress"]) == 0
+    assert [r["label"] for r in json.loads(report.read_text())["results"]] == ["int4", f"int4:{out}"]
+    # what cannot carry offsets is refused before the model runs
+    for extra in (["--output-format", "vllm"], ["--save-model", str(tmp_path / "m")]):
+        assert main(["calibrate", model, "--data", text_file, "--key-centering", "--output",
+                     str(tmp_path / "x.json"), *extra]) == 2
+        assert "key offsets (--key-centering) are written only in kv8's scales JSON" in capsys.readouterr().err
+
+
 def test_data_formats(tmp_path: Path) -> None:
     wiki = ("<mediawiki xmlns=\"http://www.mediawiki.org/xml/export-0.10/\"><page><title>A</title><ns>0</ns>"
             "<revision><text>'''Alpha''' is a [[Greek alphabet|letter]].{{Infobox|x={{y}}}}&lt;ref&gt;cite"
