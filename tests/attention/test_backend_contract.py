@@ -153,11 +153,6 @@ class Unsupported:
 
 
 UNSUPPORTED = {
-    ("cpu_fused", "skipped-slots-e5m2-dynamic"): Unsupported(
-        "the C++ store checks every slot against the cache before writing; -1 is outside it (skipped slots exist "
-        "only in the CUDA-graph buffers, which only the triton backend uses)", error="slot outside the cache"),
-    ("cpu_fused", "skipped-slots-int8"): Unsupported(
-        "as for skipped-slots-e5m2-dynamic: -1 is outside the cache for the C++ store", error="slot outside the cache"),
     ("triton", "head_dim320-e4m3-head"): Unsupported(
         "the attention kernel takes head_dim 1 .. 256; its store has no such limit and runs first",
         error="head_dim=320", writes_first=True),
