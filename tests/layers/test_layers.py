@@ -151,6 +151,28 @@ def test_avx2_linear_adds_in_k_order_even_k_first(lib: DenseKernels) -> None:
     assert torch.equal(avx2_sums(torch.ones(1, 5).bfloat16(), w)[0], t)   # the oracle of the test above agrees
 
 
+@pytest.mark.parametrize("n", [200, 230, 300, 333])
+@pytest.mark.parametrize("k", [33, 576])
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_avx2_one_row_in_passes_of_panels_bit_for_bit(lib: DenseKernels, n: int, k: int, threads: int) -> None:
+    """One row walks each thread's run of panels three at a time (two where two or four are left, one where one is),
+    prefetching past each panel into the next pass's: 7 to 11 panels over 1 to 3 threads give runs of 2 to 11 panels,
+    passes of 1, 2 and 3, and a partial last panel; the sums are the k-order oracle's, bit for bit."""
+    if lib.isa != "avx2":
+        pytest.skip("the AVX2 path's one-row kernel")
+    w, _ = _weights(n, k, False, seed=n + k)
+    b = torch.randn(n, generator=torch.Generator().manual_seed(k))
+    x = torch.randn(1, k, generator=torch.Generator().manual_seed(n)).bfloat16()
+    want = avx2_sums(x, w.float()) + b
+    saved = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = lib.linear(x, lib.pack(w), n, b)
+    finally:
+        torch.set_num_threads(saved)
+    assert torch.equal(got.view(torch.int16), want.bfloat16().view(torch.int16))
+
+
 @needs_kernel
 @pytest.mark.parametrize("v", [1, 5, 16, 17, 100, 4099, 49152])
 @pytest.mark.parametrize("b", [1, 3, 8, 33])

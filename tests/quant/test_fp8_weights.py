@@ -151,6 +151,31 @@ def _avx2_sums(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, b: tor
     return y.float().bfloat16()
 
 
+@pytest.mark.parametrize("n", [200, 333])
+@pytest.mark.parametrize("k", [33, 601])
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("large", [False, True])
+def test_avx2_fp8_one_row_in_passes_of_panels_bit_for_bit(lib: DenseKernels, n: int, k: int, threads: int,
+                                                         large: bool) -> None:
+    """One row of FP8 weights walks each thread's run of panels two at a time (one where one is left), prefetching
+    past each panel into the next pass's, with x scaled by 2^112 or, with a |x| >= 2^16 (large), the weights: runs of 2
+    to 11 panels and a partial last panel give the bits of the k-order sums of the decoded weights."""
+    if lib.isa != "avx2":
+        pytest.skip("the AVX2 path's one-row kernel")
+    codes, scale = quantize_fp8_rows(_weight(n, k, seed=n * k))
+    b = torch.randn(n, generator=torch.Generator().manual_seed(3))
+    x = torch.randn(1, k, generator=torch.Generator().manual_seed(n)).bfloat16()
+    if large:
+        x[0, 5] = 3.0e5
+    saved = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = lib.linear(x, lib.pack_fp8(codes), n, b, scale=scale)
+    finally:
+        torch.set_num_threads(saved)
+    assert torch.equal(got.view(torch.int16), _avx2_sums(x, codes, scale, b).view(torch.int16))
+
+
 @pytest.mark.parametrize("m", [1, 3, 17])
 def test_avx2_fp8_rows_with_large_x_keep_their_bits(lib: DenseKernels, m: int) -> None:
     """The AVX2 path widens x times 2^112 (its decoded weights are the E4M3 values times 2^-120), which would overflow

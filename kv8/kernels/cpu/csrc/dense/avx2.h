@@ -221,6 +221,11 @@ static int argmax_rows(const kv8_argmax_call& call) {
 
 static const int64_t X_CHUNK_BYTES = 256 << 10;  // few rows: rows of x per pass over the weights, their fp32 copy in L2
 static const int MAX_MR_AVX2 = 5;  // few rows: rows per block, 10 accumulators + 4 weights + 1 broadcast of 16 registers
+// One row: bytes ahead of each panel stream that row_sums prefetches into L1. Measured on the AMD EPYC (Zen 3, 2
+// threads, SmolLM2's 30 layers at M = 1 from DRAM, a C++ loop, the sum of each call's best of 15 passes, a loaded
+// machine): bf16 two panels per pass 31.1 GB/s without prefetch, 31-34 GB/s 256 B to 2 KiB ahead; three panels 34.2,
+// and 1 KiB ahead 38.1; FP8 two panels 27.3, and 1 KiB ahead 33.0 (2 KiB: 32.8).
+static const int64_t ROW_PREFETCH = 1024;
 
 // A thread's fp32 buffer (grown as needed, kept for the thread's life).
 struct XBuffer {
@@ -394,15 +399,62 @@ static inline void micro_avx2(const float* xf, int64_t kp, const uint8_t* panel,
     }
 }
 
+// One row times NP adjacent whole panels (32 NP columns): its fp32 sums, group i's 8 columns at sums + 8 i. NP streams,
+// one per panel, and NG = 4 NP independent chains of FMAs (NP = 3: 12 chains of 2 dependent FMAs per pair-row hide the
+// FMA latency that 8 chains only just cover). Each stream's line ROW_PREFETCH bytes ahead is prefetched into L1, past
+// its panel's end the next pass's panel of the same stream (the caller's next panels: panel + NP panels on; at the end
+// of a thread's run a few lines beyond it, harmless). The k loop is alone in its function (as tile_sums') so that the
+// compiler keeps the accumulators in registers. The same chain of FMAs per column as micro_avx2's: the same bits.
+template <int NP, int SRC>
+static void row_sums(const float* xf, int64_t pairs, const uint8_t* panel, float* sums) {
+    constexpr int NG = 4 * NP;
+    constexpr int64_t GB = SRC != W_BF16 ? 16 : 32;   // bytes of a group in a pair-row
+    constexpr int64_t RB = 4 * GB;                   // bytes of a pair-row
+    const int64_t pb = pairs * RB;                   // bytes of a panel
+    __m256 acc[NG];
+#pragma GCC unroll 12
+    for (int i = 0; i < NG; ++i) acc[i] = _mm256_setzero_ps();
+    for (int64_t kk = 0; kk < pairs; ++kk) {
+        int64_t ahead = kk * RB + ROW_PREFETCH;
+        if (ahead >= pb) ahead += (NP - 1) * pb;
+        for (int q = 0; q < NP; ++q)
+            for (int64_t l = 0; l < RB; l += 64) _mm_prefetch((const char*)panel + q * pb + ahead + l, _MM_HINT_T0);
+        const __m256 xe = _mm256_broadcast_ss(xf + 2 * kk), xo = _mm256_broadcast_ss(xf + 2 * kk + 1);
+        const uint8_t* row = panel + kk * RB;
+#pragma GCC unroll 12
+        for (int i = 0; i < NG; ++i) {
+            __m256 we, wo;
+            load_weights<SRC>(row + (i / 4) * pb + (i % 4) * GB, we, wo);
+            acc[i] = _mm256_fmadd_ps(wo, xo, _mm256_fmadd_ps(we, xe, acc[i]));
+        }
+    }
+#pragma GCC unroll 12
+    for (int i = 0; i < NG; ++i) _mm256_store_ps(sums + 8 * i, acc[i]);
+}
+
+// One row times NP whole panels from the one at `panel` (first packed row n0) -> its outputs (micro_avx2's signature;
+// h unused).
+template <int NP, int SRC, bool GATED>
+static void whole_avx2(const float* xf, int64_t kp, const uint8_t* panel, int, const float* bias, const float* scale,
+                       float unit, int64_t n0, int64_t N, uint16_t* out) {
+    alignas(32) float sums[32 * NP];
+    row_sums<NP, SRC>(xf, kp / 2, panel, sums);
+    for (int q = 0; q < NP; ++q)   // each panel's two halves in turn
+        for (int hh = 0; hh < 2; ++hh)
+            store_half<GATED>(_mm256_load_ps(sums + 8 * (4 * q + half_group<GATED>(hh, 0))),
+                              _mm256_load_ps(sums + 8 * (4 * q + half_group<GATED>(hh, 1))), bias, scale, unit,
+                              n0 + PANEL * q, hh, N, out);
+}
+
 typedef void (*MicroAvx2Fn)(const float*, int64_t, const uint8_t*, int, const float*, const float*, float, int64_t,
                             int64_t, uint16_t*);
 template <int SRC, bool G>
 static const MicroAvx2Fn MICRO_AVX2[MAX_MR_AVX2 + 1] = {nullptr, micro_avx2<1, 2, SRC, G>, micro_avx2<2, 2, SRC, G>,
                                                         micro_avx2<3, 2, SRC, G>, micro_avx2<4, 2, SRC, G>,
                                                         micro_avx2<5, 2, SRC, G>};
-// One row: WHOLE_AVX2[src][gated][np - 1] multiplies np whole panels (micro_avx2 with NG = 4 np).
-#define KV8_WHOLE(S, G) {micro_avx2<1, 4, S, G>, micro_avx2<1, 8, S, G>}
-static const MicroAvx2Fn WHOLE_AVX2[3][2][2] = {{KV8_WHOLE(W_BF16, false), KV8_WHOLE(W_BF16, true)},
+// One row: WHOLE_AVX2[src][gated][np - 1] multiplies np whole panels (whole_avx2).
+#define KV8_WHOLE(S, G) {whole_avx2<1, S, G>, whole_avx2<2, S, G>, whole_avx2<3, S, G>}
+static const MicroAvx2Fn WHOLE_AVX2[3][2][3] = {{KV8_WHOLE(W_BF16, false), KV8_WHOLE(W_BF16, true)},
                                                 {KV8_WHOLE(W_FP8, false), KV8_WHOLE(W_FP8, true)},
                                                 {KV8_WHOLE(W_FP8_WIDE, false), KV8_WHOLE(W_FP8_WIDE, true)}};
 #undef KV8_WHOLE
@@ -561,10 +613,10 @@ static bool linear_blocked(const uint16_t* x, int64_t M, int64_t K, const uint8_
 
 // kv8_linear (FP8 false) and kv8_linear_fp8 on AVX2 (linear.h's contract; use_amx is ignored), on checked arguments
 // with rows > 0 (dense.cpp's entry points). Threads take contiguous runs of panels. Up to FEW_ROWS rows, per chunk of
-// rows (its fp32 copy within X_CHUNK_BYTES) a thread walks its panels: one row multiplies two whole panels at once
-// (each streamed once, 8 groups in registers: 8 independent chains of FMAs); more rows go through each half panel in
-// blocks of up to MAX_MR_AVX2 rows (the half panel stays in L1 between the blocks). More rows: the blocked GEMM
-// (linear_blocked).
+// rows (its fp32 copy within X_CHUNK_BYTES) a thread walks its panels: one row multiplies two or three whole panels at
+// once (whole_avx2: each streamed once and prefetched ahead, 8 or 12 independent chains of FMAs); more rows go through
+// each half panel in blocks of up to MAX_MR_AVX2 rows (the half panel stays in L1 between the blocks). More rows: the
+// blocked GEMM (linear_blocked).
 template <bool FP8>
 static int linear(const kv8_linear_call& call) {
     const uint16_t* x = call.x;
@@ -603,8 +655,10 @@ static int linear(const kv8_linear_call& call) {
                 uint16_t* oc = out + m0 * N;
                 for (int64_t p = p0; p < p1; ++p) {
                     const uint8_t* panel = packed + p * panel_bytes;
-                    if (rows == 1) {   // two panels at a time where the thread has two left, else one
-                        const int np = p + 1 < p1 ? 2 : 1;
+                    if (rows == 1) {   // bf16: three panels at a time, two where two or four are left, else one;
+                        // FP8 (decode-bound: 8 chains hide the FMA latency, 12 spill one): two, else one
+                        const int64_t left = p1 - p;
+                        const int np = !FP8 && left >= 3 && left != 4 ? 3 : left >= 2 ? 2 : 1;
                         WHOLE_AVX2[src][gated][np - 1](xf, kp, panel, 0, bias, scale, unit, p * PANEL, N, oc);
                         p += np - 1;
                         continue;
