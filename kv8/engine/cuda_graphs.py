@@ -25,7 +25,9 @@ The captured metadata's host lists say every row has one query token and ``max_m
 their grid from them (never from the tensors), so one graph serves every context length. Padded rows attend
 over one key of a valid block and are never read. Capture writes no KV (every slot is -1).
 
-Invariants: a batch is replayed only when every chunk has one new token and the batch fits the largest bucket;
+Invariants: a graph points into the runner's KV caches, their codecs' scale tensors and the model's weights as they
+were at capture (a CPU graph holds each layer's attention struct); none of them is replaced for the runner's life.
+A batch is replayed only when every chunk has one new token and the batch fits the largest bucket;
 anything else (prefill, mixed steps, a larger batch) runs eagerly. The output rows equal an eager forward's up
 to the kernels' batch-size dependence (none for the Triton kernels: a row's result does not depend on the
 others). ``capture=False`` runs the same static-buffer path eagerly: how the CPU tests check the buffers, the
