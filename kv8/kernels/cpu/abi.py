@@ -99,8 +99,9 @@ class NativeLibrary:
     def invoke(self, fn: Any, what: str, *structs: ctypes.Structure) -> None:
         """Call entry point ``fn`` with pointers to ``structs``; a failure raises :meth:`error` with ``what``. A call
         made while a :class:`kv8.kernels.cpu.graph.CPUGraph` captures is recorded in it (the structs kept)."""
-        rc = fn(*[ctypes.byref(s) for s in structs])
+        pointers = tuple(ctypes.byref(s) for s in structs)
+        rc = fn(*pointers)
         if rc != 0:
             raise self.error(rc, what)
         if graph.recording is not None:
-            graph.recording.record_native(self, fn, structs, what)
+            graph.recording.record_native(self, fn, structs, pointers, what)

@@ -102,18 +102,19 @@ class CPUGraph:
         self.captured = True
         return result
 
-    def record_native(self, lib: NativeLibrary, fn: Any, structs: tuple[ctypes.Structure, ...], what: str) -> None:
-        """A kernel call made during capture (from :meth:`NativeLibrary.invoke`); ignored from another thread."""
+    def record_native(self, lib: NativeLibrary, fn: Any, structs: tuple[ctypes.Structure, ...], pointers: tuple,
+                      what: str) -> None:
+        """A kernel call made during capture (from :meth:`NativeLibrary.invoke`: ``pointers`` are its ``byref`` of
+        ``structs``); ignored from another thread."""
         if threading.get_ident() != self.owner:
             return
-        self._entries.append((_NATIVE, fn, tuple(ctypes.byref(s) for s in structs), lib, what))
+        self._entries.append((_NATIVE, fn, pointers, lib, what))
         self._keep.extend(structs)
         self._thread_structs.extend(s for s in structs if any(f[0] == "num_threads" for f in s._fields_))
 
     def _record_op(self, func: Any, args: tuple, kwargs: dict, out: Any) -> None:
-        name = func._schema.name.split("::")[-1]
-        overload = func.__name__.split(".")[0]
-        if name in _REFUSED or overload in _REFUSED or func.namespace not in ("aten", "prims"):
+        name = func._schema.name.split("::")[-1]   # the operator, without its overload ("item" of aten.item.default)
+        if name in _REFUSED or func.namespace not in ("aten", "prims"):
             raise CaptureRefused(f"the forward calls {func} (its result depends on values, is random or talks to "
                                  "other processes)")
         if name in _MASK_INDEXED and any(t.dtype in (torch.bool, torch.uint8) for t in _tensors(args[1:])):
@@ -123,16 +124,14 @@ class CPUGraph:
             raise CaptureRefused(f"the forward reads a value back from {func}")
         self._keep.extend(outs)
         if func._schema.is_mutable:
-            self._entries.append((_MUTATING, func, args, kwargs, None))
-            self._keep.append((args, kwargs))
+            self._entries.append((_MUTATING, func, args, kwargs, None))   # (the entry keeps its arguments alive)
             return
-        if overload in _ALLOCATIONS:
+        if name in _ALLOCATIONS:
             return
         inputs = {t.untyped_storage().data_ptr() for t in _tensors((args, kwargs))}
         if all(o.untyped_storage().data_ptr() in inputs for o in outs):
             return   # a view (or an operator such as reshape or to that returned its input): it aliases live tensors
         self._entries.append((_FUNCTIONAL, func, args, kwargs, outs))
-        self._keep.append((args, kwargs))
 
     def replay(self) -> None:
         """Run the recording again (see the module docstring). A kernel's error raises ``ValueError`` as the eager
