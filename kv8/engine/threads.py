@@ -32,47 +32,15 @@ does nothing.
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["CpuClock", "ThreadGovernor", "read_cpu_clock"]
+from kv8.cpu_load import CpuClock, others_cores, read_cpu_clock, this_process_cpus
 
-
-@dataclass(frozen=True)
-class CpuClock:
-    """One reading: wall seconds, busy seconds summed over a set of CPUs (``/proc/stat``: user, nice, system,
-    irq, softirq, steal), and this process's own CPU seconds (all its threads)."""
-
-    wall: float
-    busy: float
-    own: float
-
-
-def read_cpu_clock(cpus: frozenset[int], stat_path: str = "/proc/stat") -> CpuClock | None:
-    """A :class:`CpuClock` for ``cpus``; None where ``stat_path`` cannot be read or lacks those CPUs."""
-    hz = os.sysconf("SC_CLK_TCK")
-    busy = 0
-    seen = 0
-    try:
-        with open(stat_path) as f:
-            for line in f:
-                if not line.startswith("cpu") or line.startswith("cpu "):
-                    continue
-                name, *fields = line.split()
-                if not name[3:].isdigit() or int(name[3:]) not in cpus:
-                    continue
-                user, nice, system, _idle, _iowait, irq, softirq, steal = (int(x) for x in fields[:8])
-                busy += user + nice + system + irq + softirq + steal
-                seen += 1
-    except (OSError, ValueError):
-        return None
-    if seen != len(cpus):
-        return None
-    return CpuClock(time.monotonic(), busy / hz, time.process_time())
+__all__ = ["ThreadGovernor"]
 
 
 @dataclass
@@ -83,7 +51,7 @@ class ThreadGovernor:
     max_threads: int
     window: float = 0.25                      # seconds between two readings
     idle_gap: float = 1.0                     # a reading older than this spans an idle engine: a new window only
-    cpus: frozenset[int] = field(default_factory=lambda: frozenset(os.sched_getaffinity(0)))
+    cpus: frozenset[int] = field(default_factory=this_process_cpus)
     clock: Callable[[frozenset[int]], CpuClock | None] = read_cpu_clock
     set_threads: Callable[[int], None] = torch.set_num_threads
     now: Callable[[], float] = time.monotonic
@@ -98,10 +66,7 @@ class ThreadGovernor:
 
     def others(self, before: CpuClock, after: CpuClock) -> float:
         """Cores' worth of CPU time other processes took on :attr:`cpus` between two readings."""
-        wall = after.wall - before.wall
-        if wall <= 0:
-            return 0.0
-        return max(0.0, (after.busy - before.busy) - (after.own - before.own)) / wall
+        return others_cores(before, after)
 
     def target(self, others: float) -> int:
         """The threads for a window in which others took ``others`` cores: the cores left, rounded, in

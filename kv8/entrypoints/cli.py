@@ -267,12 +267,14 @@ def _dense_plan(hf_config: dict, dtype: torch.dtype, quantization: str | None) -
     if plan.timed != candidate_ids(found):
         return (f"{plan.choice} in this machine's plan, timed {plan.measured} on other candidates than today's "
                 f"({', '.join(candidate_ids(found))}): the first engine times them again (or run kv8 tune)")
+    busy = (f"; timed beside other work ({plan.others:.2f} cores busy elsewhere): provisional, the next engine times "
+            "again" if plan.provisional else "")
     return (f"{plan.choice} (this machine's plan, timed {plan.measured}: {plan.speedup('torch', 1):.2f}x torch at 1 "
-            f"row, {plan.speedup('torch', PREFILL_ROWS):.2f}x at {PREFILL_ROWS})")
+            f"row, {plan.speedup('torch', PREFILL_ROWS):.2f}x at {PREFILL_ROWS}{busy})")
 
 
 def cmd_tune(ns: argparse.Namespace) -> int:
-    from kv8.layers.tuning import PREFILL_ROWS, PlanStore, tuned_dense_backend
+    from kv8.layers.tuning import PREFILL_ROWS, TUNE_ROUNDS, PlanStore, tuned_dense_backend
     from kv8.loader.model import linear_shapes, read_model_config
     from kv8.loader.sources import resolve_model_path
 
@@ -288,7 +290,7 @@ def cmd_tune(ns: argparse.Namespace) -> int:
     if result is None:
         print(f"dense layers {backend.name}: the only candidate on this machine, nothing to time")
         return 0
-    print("one pass of the model's linear layers, fastest of several calls:")
+    print(f"one pass of the model's linear layers, fastest of several calls over {TUNE_ROUNDS} rounds:")
     print(result.table())
     print(f"chosen       {result.choice}: {result.speedup('torch', 1):.2f}x torch at 1 row, "
           f"{result.speedup('torch', PREFILL_ROWS):.2f}x at {PREFILL_ROWS} rows; kept in {store.path}")

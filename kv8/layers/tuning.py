@@ -7,7 +7,10 @@ AVX2 kernels read half the float32 weights' bytes). So
 ``dense_backend="auto"`` measures instead of guessing:
 
 1. the candidates (:func:`candidates`) each build one layer of every distinct linear shape of the model, and
-   multiply 1 row (a decode step) and :data:`PREFILL_ROWS` rows (a prefill chunk) through it;
+   multiply 1 row (a decode step) and :data:`PREFILL_ROWS` rows (a prefill chunk) through it, in
+   :data:`TUNE_ROUNDS` rounds that take the candidates in turn (in a rotated order, so that none is always timed
+   first or last); each keeps its fastest time per shape and row count, so a burst of other work during one
+   candidate's turn does not decide the choice;
 2. each candidate's time over the model (shape time x layers of that shape) is divided by the best candidate's
    at the same rows; the lowest sum of the two ratios wins (decode and prefill count alike);
 3. the winner and the timings go into a plan file, ``<KV8_CACHE_DIR>/tuning/<machine>.json``, keyed by the model's
@@ -17,6 +20,13 @@ AVX2 kernels read half the float32 weights' bytes). So
    also records what it timed (:func:`candidate_ids`: each candidate's name, and for kv8's kernels the build of
    the library, which changes with their source, compiler and flags): it is reused only while the candidates are
    the same, so a kernel that was added or rebuilt since is timed rather than passed over.
+
+A plan also records how busy the machine was while it was timed (:attr:`TuneResult.others`: cores' worth of CPU
+time other processes took, from ``/proc/stat``, :mod:`kv8.cpu_load`). On a 2-core machine a compiler at ``nice 10``
+beside the timing made kv8's packed kernel look 6x slower at 64 rows than it is (its two OpenMP threads wait at
+every barrier for the one the scheduler parked) and the plan chose ``torch``, 2x slower at one row. A plan timed
+while others took more than :data:`BUSY_CORES` cores is provisional: it is used, and timed again at the next
+start; of two timings the quieter is kept, and ``kv8 tune`` says how busy the machine was.
 
 Invariant: the choice changes only speed. Every candidate computes ``x @ W.T + b`` with float32 sums and one
 rounding to the compute dtype (bf16 products are exact in float32), so outputs differ by the order of the float32
@@ -39,6 +49,7 @@ from typing import Any
 import torch
 
 from kv8 import envs
+from kv8.cpu_load import others_cores, read_cpu_clock, this_process_cpus
 from kv8.kernels.cpu.build import KernelUnavailable
 from kv8.kernels.cpu.dense import load_dense_kernels
 from kv8.layers.dense_backend import DenseBackend, select_dense_backend
@@ -48,10 +59,13 @@ from kv8.version import __version__
 
 logger = logging.getLogger("kv8")
 
-__all__ = ["PREFILL_ROWS", "LinearShape", "PlanStore", "TuneResult", "candidates", "choose", "fastest_call",
-           "candidate_ids", "machine_key", "plan_key", "static_dense_backend", "time_layer", "tuned_dense_backend"]
+__all__ = ["BUSY_CORES", "PREFILL_ROWS", "TUNE_ROUNDS", "LinearShape", "PlanStore", "TuneResult", "candidates",
+           "choose", "fastest_call", "candidate_ids", "machine_key", "plan_key", "static_dense_backend", "time_layer",
+           "tuned_dense_backend"]
 
 PREFILL_ROWS = 64            # rows of the prefill timing (a chunk's rows pass the same weights; kept short)
+TUNE_ROUNDS = 3              # rounds over the candidates, each keeping its fastest time (module docstring, step 1)
+BUSY_CORES = 0.25            # other processes' CPU use while timing above which a plan is provisional
 PLAN_VERSION = 1
 # the ISA flags that decide which kernels a machine runs (a plan is reused only where they are the same)
 _ISA_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_vbmi",
@@ -79,6 +93,12 @@ class TuneResult:
     seconds: dict[str, dict[int, float]]
     measured: str = ""       # when (UTC, ISO 8601)
     timed: tuple[str, ...] = ()   # what was timed (:func:`candidate_ids`); empty in plans written before it existed
+    others: float = 0.0      # cores' worth of CPU time other processes took while it was timed (0.0: unknown)
+
+    @property
+    def provisional(self) -> bool:
+        """Timed beside other work (:data:`BUSY_CORES`): used, and timed again at the next start."""
+        return self.others > BUSY_CORES
 
     def speedup(self, over: str, rows: int) -> float:
         """How many times faster the choice is than ``over`` at ``rows`` rows."""
@@ -91,6 +111,9 @@ class TuneResult:
         for name, per in self.seconds.items():
             mark = "  <- chosen" if name == self.choice else ""
             lines.append(f"{name:<14}" + "".join(f"{per[r] * 1e3:>16.3f}" for r in rows) + mark)
+        if self.provisional:
+            lines.append(f"timed beside other work (other processes took {self.others:.2f} cores): provisional, "
+                         "timed again at the next start")
         return "\n".join(lines)
 
 
@@ -137,34 +160,78 @@ def fastest_call(fn: Callable[[], Any], clock: Callable[[], float] = time.perf_c
     return best
 
 
-def time_layer(shape: LinearShape, backend: DenseBackend, dtype: torch.dtype, rows: int) -> float:
-    """Seconds of one call of a layer of ``shape`` on ``backend`` with ``rows`` input rows (random weights: the
-    speed does not depend on the values)."""
+def _timing_layer(shape: LinearShape, backend: DenseBackend, dtype: torch.dtype) -> Linear:
+    """A layer of ``shape`` on ``backend`` with random weights (the speed does not depend on the values)."""
     generator = torch.Generator().manual_seed(0)
     layer = Linear(shape.in_features, shape.out_features, bias=False, backend=backend)
     layer.method = linear_method(backend, shape.quantize)
     layer.weight.data = torch.randn(shape.out_features, shape.in_features, generator=generator).to(dtype) * 0.02
     layer.process_weights_after_loading()
-    x = torch.randn(rows, shape.in_features, generator=generator).to(dtype)
+    return layer
+
+
+def time_layer(shape: LinearShape, backend: DenseBackend, dtype: torch.dtype, rows: int) -> float:
+    """Seconds of one call of a layer of ``shape`` on ``backend`` with ``rows`` input rows (random weights: the
+    speed does not depend on the values)."""
+    layer = _timing_layer(shape, backend, dtype)
+    x = torch.randn(rows, shape.in_features, generator=torch.Generator().manual_seed(1)).to(dtype)
     with torch.inference_mode():
         return fastest_call(lambda: layer(x))
 
 
 def choose(candidates: dict[str, DenseBackend], shapes: Sequence[LinearShape], dtype: torch.dtype,
-           measure: Measure | None = None, rows: Sequence[int] = (1, PREFILL_ROWS)) -> TuneResult:
-    """Time every candidate on ``shapes`` at each of ``rows`` (``measure``, default :func:`time_layer`) and choose
-    (module docstring, step 2)."""
+           measure: Measure | None = None, rows: Sequence[int] = (1, PREFILL_ROWS), rounds: int = TUNE_ROUNDS
+           ) -> TuneResult:
+    """Time every candidate on ``shapes`` at each of ``rows`` (``measure``, default :func:`time_layer` on layers
+    built once and kept for the rounds) in ``rounds`` rounds, the candidates in turn and in a rotated order, each
+    keeping its fastest time per shape and row count; and choose (module docstring, step 2)."""
     if not candidates:
         raise ValueError("no dense backend to choose from")
-    if measure is None:
-        def measure(backend: DenseBackend, shape: LinearShape, r: int) -> float:
-            return time_layer(shape, backend, dtype, r)
-    seconds = {name: {r: sum(s.count * measure(backend, s, r) for s in shapes) for r in rows}
-               for name, backend in candidates.items()}
+    if rounds < 1:
+        raise ValueError(f"rounds={rounds} must be >= 1")
+    timer = _LayerTimer(dtype) if measure is None else None
+    run = measure if measure is not None else timer.measure   # type: ignore[union-attr]
+    names = list(candidates)
+    fastest: dict[tuple[str, int, int], float] = {}
+    try:
+        for round_ in range(rounds):
+            order = names[round_ % len(names):] + names[:round_ % len(names)]
+            for i, shape in enumerate(shapes):
+                for r in rows:
+                    for name in order:
+                        took = run(candidates[name], shape, r)
+                        key = (name, i, r)
+                        fastest[key] = min(fastest.get(key, float("inf")), took)
+    finally:
+        del timer   # the layers built for timing
+    seconds = {name: {r: sum(s.count * fastest[(name, i, r)] for i, s in enumerate(shapes)) for r in rows}
+               for name in names}
     best = {r: min(per[r] for per in seconds.values()) for r in rows}
     score = {name: sum(per[r] / best[r] if best[r] > 0 else 1.0 for r in rows) for name, per in seconds.items()}
-    choice = min(candidates, key=lambda name: score[name])   # ties: the first listed
+    choice = min(names, key=lambda name: score[name])   # ties: the first listed
     return TuneResult(choice, seconds, time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
+
+
+class _LayerTimer:
+    """:func:`time_layer`'s measurement on layers and inputs built once per (candidate, shape) and row count, so
+    that the rounds of :func:`choose` time the same layers without building them again."""
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        self.dtype = dtype
+        self.layers: dict[tuple[str, LinearShape], Linear] = {}
+        self.inputs: dict[tuple[int, int], torch.Tensor] = {}
+
+    def measure(self, backend: DenseBackend, shape: LinearShape, rows: int) -> float:
+        layer = self.layers.get((backend.name, shape))
+        if layer is None:
+            layer = self.layers[(backend.name, shape)] = _timing_layer(shape, backend, self.dtype)
+        x = self.inputs.get((shape.in_features, rows))
+        if x is None:
+            generator = torch.Generator().manual_seed(1)
+            x = self.inputs[(shape.in_features, rows)] = torch.randn(rows, shape.in_features,
+                                                                     generator=generator).to(self.dtype)
+        with torch.inference_mode():
+            return fastest_call(lambda: layer(x), min_time=0.01)
 
 
 class PlanStore:
@@ -195,13 +262,15 @@ class PlanStore:
         try:
             seconds = {name: {int(r): float(t) for r, t in per.items()} for name, per in entry["seconds"].items()}
             timed = tuple(str(t) for t in entry.get("timed", ()))
-            return TuneResult(str(entry["dense_backend"]), seconds, str(entry.get("measured", "")), timed)
+            return TuneResult(str(entry["dense_backend"]), seconds, str(entry.get("measured", "")), timed,
+                              float(entry.get("others", 0.0)))
         except (TypeError, KeyError, ValueError, AttributeError):
             return None
 
     def put(self, key: str, result: TuneResult) -> bool:
         plans = self._read()
         plans[key] = {"dense_backend": result.choice, "measured": result.measured, "timed": list(result.timed),
+                      "others": round(result.others, 3),
                       "seconds": {name: {str(r): t for r, t in per.items()} for name, per in result.seconds.items()}}
         data = {"version": PLAN_VERSION, "machine": self.machine, "plans": plans}
         try:
@@ -255,15 +324,27 @@ def tuned_dense_backend(shapes: Sequence[LinearShape], dtype: torch.dtype, quant
         logger.warning("this machine's dense-layer plan timed %s; the candidates now are %s: timing again",
                        ", ".join(result.timed) or "an older set", ", ".join(timed))
         result = None
-    if result is None or result.choice not in found:   # (a choice that is no candidate: a damaged entry)
+    if result is not None and result.provisional:
+        logger.warning("this machine's dense-layer plan was timed beside other work (other processes took %.2f "
+                       "cores): timing again", result.others)
+    if result is None or result.choice not in found or result.provisional:   # (not a candidate: a damaged entry)
         start = time.perf_counter()
         logger.warning("timing the dense layers' methods on this model's shapes (%s) on this machine: once, "
                        "then kept in %s", ", ".join(found), store.path)
-        result = replace(choose(found, shapes, dtype, measure), timed=timed)
-        store.put(key, result)
-        logger.warning("dense backend %s: %.1fx torch at 1 row, %.1fx at %d rows (timed in %.1f s)", result.choice,
+        cpus = this_process_cpus()
+        before = read_cpu_clock(cpus)
+        fresh = replace(choose(found, shapes, dtype, measure), timed=timed)
+        after = read_cpu_clock(cpus)
+        if before is not None and after is not None:
+            fresh = replace(fresh, others=others_cores(before, after))
+        if result is None or result.choice not in found or fresh.others <= result.others:
+            result = fresh   # (of two timings beside other work, the quieter one is kept)
+            store.put(key, result)
+        busy = (f"; beside other work (other processes took {fresh.others:.2f} cores): provisional, timed again at "
+                "the next start") if fresh.provisional else ""
+        logger.warning("dense backend %s: %.1fx torch at 1 row, %.1fx at %d rows (timed in %.1f s%s)", result.choice,
                        result.speedup("torch", 1), result.speedup("torch", PREFILL_ROWS), PREFILL_ROWS,
-                       time.perf_counter() - start)
+                       time.perf_counter() - start, busy)
     return found[result.choice], result
 
 

@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from kv8.engine.threads import CpuClock, ThreadGovernor, read_cpu_clock
+from kv8.cpu_load import CpuClock, read_cpu_clock
+from kv8.engine.threads import ThreadGovernor
 
 pytestmark = pytest.mark.adaptive_threads
 
