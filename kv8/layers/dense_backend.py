@@ -39,6 +39,14 @@ class DenseBackend:
     # FP8 weights multiplied by torch._scaled_mm with FP8 activations (a GPU with FP8 tensor cores), instead of
     # dequantized once to the compute dtype
     fp8_scaled_mm: bool = False
+    # packed_bf16 with the model's own bf16 weights: calls of at least this many rows multiply in float32 (0: never;
+    # :class:`kv8.layers.linear.PackedBF16LinearMethod`), chosen per machine by kv8.layers.tuning
+    wide_rows: int = 0
+
+    @property
+    def label(self) -> str:
+        """The name, with the float32 GEMM of long chunks where it is on (``packed_bf16+f32_from_512``)."""
+        return f"{self.name}+f32_from_{self.wide_rows}" if self.wide_rows else self.name
 
     @property
     def linear_fp32(self) -> bool:
@@ -50,6 +58,9 @@ class DenseBackend:
             raise ValueError(f"dense backend {self.name!r} must come with kernels exactly when it is 'packed_bf16'")
         if self.fp8_scaled_mm and (self.name != "torch" or self.quantization != "fp8"):
             raise ValueError("fp8_scaled_mm needs the torch dense backend with quantization='fp8'")
+        if self.wide_rows < 0 or (self.wide_rows and (self.name != "packed_bf16" or self.quantization is not None)):
+            raise ValueError(f"wide_rows={self.wide_rows}: >= 0, and non-zero only for packed_bf16 with the model's "
+                             "own weights")
 
 
 TORCH_BACKEND = DenseBackend("torch")

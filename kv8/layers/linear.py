@@ -81,11 +81,11 @@ from kv8.quant.weights import dequantize_fp8_rows, quantize_fp8_rows
 
 _E4M3_MAX = E4M3.max_finite
 
-__all__ = ["GGUF_DEQUANTIZE_ROWS", "GGUFLinearMethod", "GGUFSegment", "GateUpLinear", "Linear", "LinearBase",
-           "LinearMethod", "MergedLinear",
-           "PackedBF16LinearMethod", "PackedFP8LinearMethod", "QKVLinear", "RowParallelLinear",
-           "ScaledMMFP8LinearMethod", "TorchFP8LinearMethod", "TorchF32LinearMethod", "TorchLinearMethod",
-           "linear_f32", "linear_method", "linear_reference", "quantize_fp8_activations", "scaled_mm_fp8_reference"]
+__all__ = ["WIDE_ROWS", "WIDE_SLAB_VALUES", "GGUF_DEQUANTIZE_ROWS", "GGUFLinearMethod", "GGUFSegment", "GateUpLinear",
+           "Linear", "LinearBase", "LinearMethod", "MergedLinear", "PackedBF16LinearMethod", "PackedFP8LinearMethod",
+           "QKVLinear", "RowParallelLinear", "ScaledMMFP8LinearMethod", "TorchFP8LinearMethod", "TorchF32LinearMethod",
+           "TorchLinearMethod", "linear_f32", "linear_method", "linear_reference", "quantize_fp8_activations",
+           "scaled_mm_fp8_reference"]
 
 
 def linear_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -154,15 +154,47 @@ def linear_f32(x: torch.Tensor, weight_f32: torch.Tensor, bias_f32: torch.Tensor
     return F.linear(x.float(), weight_f32, bias_f32).to(x.dtype)
 
 
+#: rows of a call from which a packed bf16 layer may multiply in float32 (:class:`PackedBF16LinearMethod`'s
+#: ``wide_rows``, chosen per machine by :mod:`kv8.layers.tuning`), and the float32 scratch of one slab of rows
+WIDE_ROWS = 512
+WIDE_SLAB_VALUES = 1 << 22
+
+
 class PackedBF16LinearMethod(LinearMethod):
     """bf16 only. After loading the layer holds ``packed`` (1-D bf16) and ``bias_f32`` (``[N]`` float32 or
     None) as non-persistent buffers, and no ``weight`` / ``bias`` parameters. A :class:`GateUpLinear` that fuses
-    SiLU holds both with its gate and up rows interleaved by 16 (:meth:`DenseKernels.interleave_gate_up`)."""
+    SiLU holds both with its gate and up rows interleaved by 16 (:meth:`DenseKernels.interleave_gate_up`).
+
+    ``wide_rows`` (0: never): a call of at least that many rows (a long prefill chunk) widens the packed weight to
+    float32 a slab of rows at a time (:meth:`DenseKernels.unpack`, at most :data:`WIDE_SLAB_VALUES` values) and
+    multiplies with torch's float32 GEMM (:func:`linear_f32`): on CPUs whose bf16 dot product has no more
+    throughput than float32 FMAs (Intel without AMX) that GEMM is faster than the packed kernel, and the widening
+    costs one read of the weights per call. Same arithmetic (exact products, float32 sums, one rounding; the gated
+    case runs ``kv8_silu_mul`` on the rounded projection, which the fused kernel equals); outputs differ from the
+    packed kernel's by the order of the float32 additions."""
 
     name = "packed_bf16"
 
-    def __init__(self, kernels: DenseKernels) -> None:
+    def __init__(self, kernels: DenseKernels, wide_rows: int = 0) -> None:
+        if wide_rows < 0:
+            raise ValueError(f"wide_rows={wide_rows} must be >= 0 (0: never)")
         self.kernels = kernels
+        self.wide_rows = wide_rows
+
+    def _wide(self, rows: torch.Tensor) -> bool:
+        return self.wide_rows > 0 and rows.shape[0] >= self.wide_rows
+
+    def _wide_linear(self, layer: LinearBase, rows: torch.Tensor, out_features: int) -> torch.Tensor:
+        """The float32 GEMM of ``rows`` with the packed weight's first ``out_features`` rows, slab by slab."""
+        k = layer.in_features
+        slab = max(32, WIDE_SLAB_VALUES // k // 32 * 32)
+        x = rows.float()
+        out = torch.empty(rows.shape[0], out_features, dtype=rows.dtype)
+        for n0 in range(0, out_features, slab):
+            n = min(slab, out_features - n0)
+            bias = None if layer.bias_f32 is None else layer.bias_f32[n0:n0 + n]
+            out[:, n0:n0 + n] = F.linear(x, self.kernels.unpack(layer.packed, n0, n, k), bias)
+        return out
 
     def process_weights_after_loading(self, layer: LinearBase) -> None:
         weight = layer.weight.detach()
@@ -186,6 +218,8 @@ class PackedBF16LinearMethod(LinearMethod):
         return x.reshape(-1, layer.in_features).contiguous()
 
     def _linear(self, layer: LinearBase, rows: torch.Tensor, out_features: int, gated: bool = False) -> torch.Tensor:
+        if self._wide(rows) and not gated:
+            return self._wide_linear(layer, rows, out_features)
         return self.kernels.linear(rows, layer.packed, out_features, layer.bias_f32, gated=gated)
 
     def apply(self, layer: LinearBase, x: torch.Tensor) -> torch.Tensor:
@@ -205,7 +239,10 @@ class PackedBF16LinearMethod(LinearMethod):
             return super().apply_gated(layer, x)
         lead = x.shape[:-1]
         i = layer.output_sizes[0]
-        out = self._linear(layer, self._rows(layer, x), i, gated=True)
+        rows = self._rows(layer, x)
+        if self._wide(rows):   # the projection in float32, then the fused kernel's epilogue on it
+            return self.kernels.silu_mul(self.apply(layer, rows)).view(*lead, i)
+        out = self._linear(layer, rows, i, gated=True)
         return out.view(*lead, i)
 
 
@@ -216,6 +253,9 @@ class PackedFP8LinearMethod(PackedBF16LinearMethod):
     bf16, as for the bf16 method; each output is ``bf16(sum_k x_k decode(code_nk) * scale_n + bias_n)``."""
 
     name = "packed_fp8"
+
+    def __init__(self, kernels: DenseKernels) -> None:
+        super().__init__(kernels)   # (no wide path: the codes would decode per call)
 
     def _pack(self, layer: LinearBase, weight: torch.Tensor) -> None:
         codes, scale = quantize_fp8_rows(weight, layer.row_amax)
@@ -451,7 +491,7 @@ def linear_method(backend: DenseBackend, quantize: bool = True) -> LinearMethod:
         return TorchF32LinearMethod(fp8)
     if backend.kernels is None:
         return TorchFP8LinearMethod() if fp8 else TorchLinearMethod()
-    return PackedFP8LinearMethod(backend.kernels) if fp8 else PackedBF16LinearMethod(backend.kernels)
+    return PackedFP8LinearMethod(backend.kernels) if fp8 else PackedBF16LinearMethod(backend.kernels, backend.wide_rows)
 
 
 class LinearBase(nn.Module):

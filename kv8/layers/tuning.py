@@ -7,12 +7,13 @@ AVX2 kernels read half the float32 weights' bytes). So
 ``dense_backend="auto"`` measures instead of guessing:
 
 1. the candidates (:func:`candidates`) each build one layer of every distinct linear shape of the model, and
-   multiply 1 row (a decode step) and :data:`PREFILL_ROWS` rows (a prefill chunk) through it, in
+   multiply 1 row (a decode step), :data:`PREFILL_ROWS` rows (a short prefill chunk) and
+   :data:`~kv8.layers.linear.WIDE_ROWS` rows (a long prompt's chunk) through it (:data:`TIMED_ROWS`), in
    :data:`TUNE_ROUNDS` rounds that take the candidates in turn (in a rotated order, so that none is always timed
    first or last); each keeps its fastest time per shape and row count, so a burst of other work during one
    candidate's turn does not decide the choice;
 2. each candidate's time over the model (shape time x layers of that shape) is divided by the best candidate's
-   at the same rows; the lowest sum of the two ratios wins (decode and prefill count alike);
+   at the same rows; the lowest sum of the ratios wins (each row count counts alike);
 3. the winner and the timings go into a plan file, ``<KV8_CACHE_DIR>/tuning/<machine>.json``, keyed by the model's
    shapes, dtype and quantization, and are used from then on. The file names the CPU model, its ISA flags, kv8's
    and torch's versions: a plan from another machine or version is ignored, a corrupt or unwritable file falls
@@ -53,17 +54,18 @@ from kv8.cpu_load import others_cores, read_cpu_clock, this_process_cpus
 from kv8.kernels.cpu.build import KernelUnavailable
 from kv8.kernels.cpu.dense import load_dense_kernels
 from kv8.layers.dense_backend import DenseBackend, select_dense_backend
-from kv8.layers.linear import Linear, linear_method
+from kv8.layers.linear import WIDE_ROWS, Linear, linear_method
 from kv8.validators import memory_available
 from kv8.version import __version__
 
 logger = logging.getLogger("kv8")
 
-__all__ = ["BUSY_CORES", "PREFILL_ROWS", "TUNE_ROUNDS", "LinearShape", "PlanStore", "TuneResult", "candidates",
-           "choose", "fastest_call", "candidate_ids", "machine_key", "plan_key", "static_dense_backend", "time_layer",
-           "tuned_dense_backend"]
+__all__ = ["BUSY_CORES", "PREFILL_ROWS", "TIMED_ROWS", "TUNE_ROUNDS", "LinearShape", "PlanStore", "TuneResult",
+           "candidates", "choose", "fastest_call", "candidate_ids", "machine_key", "plan_key", "static_dense_backend",
+           "time_layer", "tuned_dense_backend"]
 
 PREFILL_ROWS = 64            # rows of the prefill timing (a chunk's rows pass the same weights; kept short)
+TIMED_ROWS = (1, PREFILL_ROWS, WIDE_ROWS)   # a decode step, a short chunk, a long prompt's chunk
 TUNE_ROUNDS = 3              # rounds over the candidates, each keeping its fastest time (module docstring, step 1)
 BUSY_CORES = 0.25            # other processes' CPU use while timing above which a plan is provisional
 PLAN_VERSION = 1
@@ -106,11 +108,13 @@ class TuneResult:
 
     def table(self) -> str:
         rows = sorted({r for per in self.seconds.values() for r in per})
-        head = f"{'dense backend':<14}" + "".join(f"{f'{r} row' + ('s' if r > 1 else '') + ' (ms)':>16}" for r in rows)
+        width = max(14, *(len(name) + 2 for name in self.seconds))
+        head = f"{'dense backend':<{width}}" + "".join(f"{f'{r} row' + ('s' if r > 1 else '') + ' (ms)':>16}"
+                                                       for r in rows)
         lines = [head]
         for name, per in self.seconds.items():
             mark = "  <- chosen" if name == self.choice else ""
-            lines.append(f"{name:<14}" + "".join(f"{per[r] * 1e3:>16.3f}" for r in rows) + mark)
+            lines.append(f"{name:<{width}}" + "".join(f"{per[r] * 1e3:>16.3f}" for r in rows) + mark)
         if self.provisional:
             lines.append(f"timed beside other work (other processes took {self.others:.2f} cores): provisional, "
                          "timed again at the next start")
@@ -180,7 +184,7 @@ def time_layer(shape: LinearShape, backend: DenseBackend, dtype: torch.dtype, ro
 
 
 def choose(candidates: dict[str, DenseBackend], shapes: Sequence[LinearShape], dtype: torch.dtype,
-           measure: Measure | None = None, rows: Sequence[int] = (1, PREFILL_ROWS), rounds: int = TUNE_ROUNDS
+           measure: Measure | None = None, rows: Sequence[int] = TIMED_ROWS, rounds: int = TUNE_ROUNDS
            ) -> TuneResult:
     """Time every candidate on ``shapes`` at each of ``rows`` (``measure``, default :func:`time_layer` on layers
     built once and kept for the rounds) in ``rounds`` rounds, the candidates in turn and in a rotated order, each
@@ -218,13 +222,13 @@ class _LayerTimer:
 
     def __init__(self, dtype: torch.dtype) -> None:
         self.dtype = dtype
-        self.layers: dict[tuple[str, LinearShape], Linear] = {}
+        self.layers: dict[tuple[str, LinearShape], Linear] = {}   # by (candidate label, shape)
         self.inputs: dict[tuple[int, int], torch.Tensor] = {}
 
     def measure(self, backend: DenseBackend, shape: LinearShape, rows: int) -> float:
-        layer = self.layers.get((backend.name, shape))
+        layer = self.layers.get((backend.label, shape))
         if layer is None:
-            layer = self.layers[(backend.name, shape)] = _timing_layer(shape, backend, self.dtype)
+            layer = self.layers[(backend.label, shape)] = _timing_layer(shape, backend, self.dtype)
         x = self.inputs.get((shape.in_features, rows))
         if x is None:
             generator = torch.Generator().manual_seed(1)
@@ -286,26 +290,31 @@ class PlanStore:
 
 
 def candidates(shapes: Sequence[LinearShape], dtype: torch.dtype, quantization: str | None) -> dict[str, DenseBackend]:
-    """The CPU dense backends that can run a model of ``shapes`` in ``dtype``: ``packed_bf16`` where kv8's kernels
-    load (bf16 models), ``torch``, and ``torch_fp32`` for 16-bit models while its float32 weights take at most half
-    of the free memory. ``quantization="gguf"`` has one candidate, not timed: ``packed_bf16`` where the kernels load
-    (bf16; their GGUF kernel reads the blocks), else ``torch`` (the GGUF reference)."""
-    out: dict[str, DenseBackend] = {}
+    """The CPU dense backends that can run a model of ``shapes`` in ``dtype``, by label
+    (:attr:`~kv8.layers.dense_backend.DenseBackend.label`): ``packed_bf16`` where kv8's kernels load (bf16 models),
+    and with the model's own weights also ``packed_bf16+f32_from_<WIDE_ROWS>`` (the same kernels, long chunks in
+    float32); ``torch``; and ``torch_fp32`` for 16-bit models while its float32 weights take at most half of the
+    free memory. ``quantization="gguf"`` has one candidate, not timed: ``packed_bf16`` where the kernels load (bf16;
+    their GGUF kernel reads the blocks), else ``torch`` (the GGUF reference)."""
+    found: list[DenseBackend] = []
     if quantization == "gguf":
-        backend = select_dense_backend("auto", dtype, quantization)
-        return {backend.name: backend}
+        return {(backend := select_dense_backend("auto", dtype, quantization)).label: backend}
     if dtype == torch.bfloat16:
         try:
-            out["packed_bf16"] = DenseBackend("packed_bf16", load_dense_kernels(), quantization)
+            kernels = load_dense_kernels()
         except KernelUnavailable:
             pass
-    out["torch"] = DenseBackend("torch", None, quantization)
+        else:
+            found.append(DenseBackend("packed_bf16", kernels, quantization))
+            if quantization is None:
+                found.append(DenseBackend("packed_bf16", kernels, None, wide_rows=WIDE_ROWS))
+    found.append(DenseBackend("torch", None, quantization))
     if dtype in (torch.bfloat16, torch.float16):
         fp32_bytes = sum(4 * s.out_features * s.in_features * s.count for s in shapes)
         free = memory_available()
         if free is None or 2 * fp32_bytes <= free:
-            out["torch_fp32"] = DenseBackend("torch_fp32", None, quantization)
-    return out
+            found.append(DenseBackend("torch_fp32", None, quantization))
+    return {backend.label: backend for backend in found}
 
 
 def tuned_dense_backend(shapes: Sequence[LinearShape], dtype: torch.dtype, quantization: str | None,
@@ -342,8 +351,9 @@ def tuned_dense_backend(shapes: Sequence[LinearShape], dtype: torch.dtype, quant
             store.put(key, result)
         busy = (f"; beside other work (other processes took {fresh.others:.2f} cores): provisional, timed again at "
                 "the next start") if fresh.provisional else ""
-        logger.warning("dense backend %s: %.1fx torch at 1 row, %.1fx at %d rows (timed in %.1f s%s)", result.choice,
-                       result.speedup("torch", 1), result.speedup("torch", PREFILL_ROWS), PREFILL_ROWS,
+        logger.warning("dense backend %s: %.1fx torch at 1 row, %.1fx at %d rows, %.1fx at %d (timed in %.1f s%s)",
+                       result.choice, result.speedup("torch", 1), result.speedup("torch", PREFILL_ROWS), PREFILL_ROWS,
+                       result.speedup("torch", WIDE_ROWS), WIDE_ROWS,
                        time.perf_counter() - start, busy)
     return found[result.choice], result
 

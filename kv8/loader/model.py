@@ -353,7 +353,7 @@ def load_model(kind: str, path: str, dtype: torch.dtype, dense_backend: str = "t
     seconds = time.perf_counter() - start
     logger.info("loaded %s (%s, %d layers, %s, dense backend %s%s%s%s) in %.1f s", path, arch.model_type,
                 arch.num_layers, f"random weights (load_format=dummy) on {device}" if load_format == "dummy"
-                else f"on {device}", backend.name, weights,
+                else f"on {device}", backend.label, weights,
                 f", tensor-parallel rank {tp.rank} of {tp.size}" if tp.size > 1 else "",
                 f", {huge / 2**20:.0f} MiB of weights in memory advised for 2 MiB pages" if huge else "", seconds)
-    return LoadedModel(model, arch, hf_config, scale_tensors, seconds, backend.name)
+    return LoadedModel(model, arch, hf_config, scale_tensors, seconds, backend.label)

@@ -255,6 +255,75 @@ def test_gate_up_with_fused_silu_equals_projection_then_silu(packed: DenseBacken
     assert torch.equal(fused(x.view(1, m, k)), got.view(1, m, inter))   # leading dims kept
 
 
+@pytest.mark.parametrize("n,k", [(50, 33), (7, 5), (64, 576), (96, 130), (1, 2)])
+def test_unpack_gives_back_the_packed_matrix_exactly(lib: DenseKernels, n: int, k: int) -> None:
+    w, _ = _weights(n, k, False, seed=n + k)
+    packed = lib.pack(w)
+    assert torch.equal(lib.unpack(packed, 0, n, k), w.float())
+    if n > 32:
+        assert torch.equal(lib.unpack(packed, 32, n - 32, k), w[32:].float())
+        assert torch.equal(lib.unpack(packed, 32, 3, k), w[32:35].float())
+    with pytest.raises(ValueError, match="first=5 must be a multiple of 32"):
+        lib.unpack(packed, 5, 1, k)
+
+
+@pytest.mark.parametrize("n,k", [(50, 33), (576, 576), (96, 130)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_wide_rows_multiply_long_chunks_in_float32(lib: DenseKernels, n: int, k: int, bias: bool,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """A packed layer with ``wide_rows``: calls of fewer rows run the kernel (bit for bit the plain packed layer),
+    calls of at least that many rows compute linear_f32 on the unpacked weights (bit for bit the float32 method's
+    arithmetic), slab by slab when the weight exceeds one slab."""
+    from kv8.layers.linear import linear_f32
+
+    monkeypatch.setattr("kv8.layers.linear.WIDE_SLAB_VALUES", 32 * k)   # one 32-row panel per slab: several slabs
+    w, b = _weights(n, k, bias, seed=n * 7 + k)
+    plain = _linear(DenseBackend("packed_bf16", lib), w, b)
+    wide = _linear(DenseBackend("packed_bf16", lib, wide_rows=20), w, b)
+    short = torch.randn(19, k, generator=torch.Generator().manual_seed(1)).bfloat16()
+    assert torch.equal(wide(short), plain(short))
+    long = torch.randn(2, 20, k, generator=torch.Generator().manual_seed(2)).bfloat16()
+    got = wide(long)
+    assert got.shape == (2, 20, n) and got.dtype == torch.bfloat16
+    bias_f32 = None if b is None else b.float()
+    assert torch.equal(got, linear_f32(long.reshape(40, k), w.float(), bias_f32).view(2, 20, n))
+    # the packed kernel's sums differ only in their order: within a bf16 step of each other
+    torch.testing.assert_close(got.float(), plain(long).float(), rtol=2 ** -7, atol=2 ** -7)
+
+
+@pytest.mark.parametrize("inter", [17, 64])
+@pytest.mark.parametrize("bias", [False, True])
+def test_wide_rows_with_fused_silu_equal_the_float32_projection_then_silu(lib: DenseKernels, inter: int,
+                                                                          bias: bool) -> None:
+    from kv8.layers.linear import linear_f32
+
+    k = 96
+    (wg, bg), (wu, bu) = _weights(inter, k, bias, 8), _weights(inter, k, bias, 9)
+    wide = DenseBackend("packed_bf16", lib, wide_rows=8)
+    fused = _loaded(GateUpLinear(k, inter, bias, wide, SiluAndMul(wide)), [(0, wg, bg), (1, wu, bu)])
+    assert fused.fuses_silu
+    x = torch.randn(8, k, generator=torch.Generator().manual_seed(3)).bfloat16()
+    w = torch.cat([wg, wu]).float()
+    b = None if bg is None or bu is None else torch.cat([bg, bu]).float()
+    projection = linear_f32(x, w, b)
+    assert torch.equal(fused.method.apply(fused, x), projection)
+    assert torch.equal(fused(x), lib.silu_mul(projection))
+    short = x[:7]   # below wide_rows: the fused kernel
+    plain = _loaded(GateUpLinear(k, inter, bias, DenseBackend("packed_bf16", lib), SiluAndMul(wide)),
+                    [(0, wg, bg), (1, wu, bu)])
+    assert torch.equal(fused(short), plain(short))
+
+
+def test_wide_rows_only_for_packed_bf16_with_the_models_weights(lib: DenseKernels) -> None:
+    assert DenseBackend("packed_bf16", lib, wide_rows=512).label == "packed_bf16+f32_from_512"
+    assert DenseBackend("packed_bf16", lib).label == "packed_bf16"
+    for bad in (dict(name="torch", kernels=None, wide_rows=512), dict(name="packed_bf16", kernels=lib,
+                                                                      quantization="fp8", wide_rows=512),
+                dict(name="packed_bf16", kernels=lib, wide_rows=-1)):
+        with pytest.raises(ValueError, match="wide_rows="):
+            DenseBackend(**bad)   # type: ignore[arg-type]
+
+
 @pytest.mark.parametrize("backend_name", ["torch", "packed_bf16"])
 def test_gate_up_with_other_activations_or_torch_runs_the_activation_after(backend_name: str) -> None:
     if backend_name == "packed_bf16" and _KERNELS is None:

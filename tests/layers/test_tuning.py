@@ -16,10 +16,11 @@ import torch
 
 from kv8.cpu_load import CpuClock
 from kv8.layers.dense_backend import DenseBackend
-from kv8.layers.linear import Linear, TorchF32LinearMethod, linear_method, linear_reference
+from kv8.layers.linear import WIDE_ROWS, Linear, TorchF32LinearMethod, linear_method, linear_reference
 from kv8.layers.tuning import (
     BUSY_CORES,
     PREFILL_ROWS,
+    TIMED_ROWS,
     TUNE_ROUNDS,
     LinearShape,
     PlanStore,
@@ -76,7 +77,7 @@ def test_the_faster_candidate_wins_counting_decode_and_prefill_alike() -> None:
                              ("torch_fp32", 1): 1.0, ("torch_fp32", PREFILL_ROWS): 2.0})
     result = choose(TWO, SHAPES, torch.bfloat16, fp32_wins)
     assert result.choice == "torch_fp32" and result.speedup("torch", 1) == pytest.approx(9.0)
-    assert fp32_wins.calls == TUNE_ROUNDS * 2 * 2 * len(SHAPES)   # every candidate, shape and row count per round
+    assert fp32_wins.calls == TUNE_ROUNDS * 2 * len(TIMED_ROWS) * len(SHAPES)   # each candidate, shape, rows, round
     # each row count weighs alike: 1.1x slower at one row but 2x faster at the other loses overall
     torch_wins = FakeMeasure({("torch", 1): 1.0, ("torch", PREFILL_ROWS): 1.0,
                               ("torch_fp32", 1): 1.1, ("torch_fp32", PREFILL_ROWS): 0.5})
@@ -122,12 +123,12 @@ def test_rounds_take_the_candidates_in_turn_and_a_burst_does_not_decide() -> Non
     def measure(backend: DenseBackend, shape: LinearShape, rows: int) -> float:
         order.append(backend.name)
         fast = {"torch": 1.0, "torch_fp32": 2.0}[backend.name]
-        burst = backend.name == "torch" and len(order) <= 2 * len(SHAPES) * 2   # torch's turns of round 1: 10x
+        burst = backend.name == "torch" and len(order) <= 2 * len(SHAPES) * len(TIMED_ROWS)   # round 1: 10x
         return fast * (10.0 if burst else 1.0)
 
     result = choose(TWO, SHAPES, torch.bfloat16, measure)
     assert result.choice == "torch" and result.speedup("torch_fp32", 1) == pytest.approx(2.0)
-    per_round = 2 * len(SHAPES) * 2
+    per_round = 2 * len(SHAPES) * len(TIMED_ROWS)
     firsts = {order[r * per_round] for r in range(TUNE_ROUNDS)}
     assert firsts == {"torch", "torch_fp32"}                   # the order rotates between rounds
     assert choose(TWO, SHAPES, torch.bfloat16, measure, rounds=1).choice == "torch"
@@ -204,7 +205,7 @@ def test_a_plan_that_timed_other_candidates_is_timed_again(tmp_path: Path, monke
                                ("packed_bf16", PREFILL_ROWS): 1.0})
     with caplog.at_level(logging.WARNING, logger="kv8"):
         backend, result = tuned_dense_backend(SHAPES, torch.bfloat16, None, store, packed_wins)
-    assert backend.name == "packed_bf16" and packed_wins.calls == TUNE_ROUNDS * 3 * 2 * len(SHAPES)
+    assert backend.name == "packed_bf16" and packed_wins.calls == TUNE_ROUNDS * 3 * len(TIMED_ROWS) * len(SHAPES)
     assert "timing again" in caplog.text
     assert result is not None and result.timed == ("packed_bf16@aaaa", "torch", "torch_fp32") == candidate_ids(three)
     assert store.get(key).timed == result.timed   # type: ignore[union-attr]
@@ -265,13 +266,16 @@ def test_a_corrupt_file_is_timed_again_and_an_unwritable_one_still_chooses(tmp_p
 
 def test_candidates_by_dtype_and_memory(monkeypatch: pytest.MonkeyPatch) -> None:
     names = set(candidates(SHAPES, torch.bfloat16, None))
-    assert {"torch", "torch_fp32"} <= names <= {"torch", "torch_fp32", "packed_bf16"}
-    # the packed kernels are a candidate wherever they load (AVX-512 BF16 or AVX2 + FMA + F16C), FP8 weights too
+    wide = f"packed_bf16+f32_from_{WIDE_ROWS}"
+    assert {"torch", "torch_fp32"} <= names <= {"torch", "torch_fp32", "packed_bf16", wide}
+    # the packed kernels are a candidate wherever they load (AVX-512 BF16 or AVX2 + FMA + F16C), FP8 weights too;
+    # with the model's own weights also with long chunks in float32
     kernels, _ = dense_kernels_or_reason()
-    assert ("packed_bf16" in names) == (kernels is not None)
+    assert ("packed_bf16" in names) == (wide in names) == (kernels is not None)
     if kernels is not None:
-        fp8 = candidates(SHAPES, torch.bfloat16, "fp8")["packed_bf16"]
-        assert fp8.kernels is kernels and fp8.quantization == "fp8"
+        fp8 = candidates(SHAPES, torch.bfloat16, "fp8")
+        assert fp8["packed_bf16"].kernels is kernels and fp8["packed_bf16"].quantization == "fp8" and wide not in fp8
+        assert candidates(SHAPES, torch.bfloat16, None)[wide].wide_rows == WIDE_ROWS
     assert set(candidates(SHAPES, torch.float32, None)) == {"torch"}    # nothing to widen, no bf16 kernels
     assert "packed_bf16" not in candidates(SHAPES, torch.float16, None)
     monkeypatch.setattr("kv8.layers.tuning.memory_available", lambda: 1000)   # float32 weights would not fit

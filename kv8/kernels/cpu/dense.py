@@ -181,6 +181,19 @@ class DenseKernels(NativeLibrary):
         self.invoke(entry, f"packed linear for x {list(x.shape)}, N={out_features}", call)
         return out
 
+    @staticmethod
+    def unpack(packed: torch.Tensor, first: int, rows: int, in_features: int) -> torch.Tensor:
+        """Rows ``first .. first + rows`` of the matrix :meth:`pack` packed, as float32 ``[rows, in_features]`` (exact:
+        bf16 widens to float32 without rounding). ``first`` is a multiple of the layout's 32-row panels; rows past
+        the packed matrix's last are zero (its padding)."""
+        kp = in_features + in_features % 2
+        if first % 32 or packed.dtype != torch.bfloat16 or packed.ndim != 1 or packed.numel() % (32 * kp):
+            raise ValueError(f"unpack: first={first} must be a multiple of 32 and packed a 1-D bfloat16 tensor of "
+                             f"whole panels of 32 x {kp}, got {packed.dtype} {list(packed.shape)}")
+        p0, p1 = first // 32, -(-(first + rows) // 32)
+        panels = packed.view(-1, kp // 2, 32, 2)[p0:p1]          # packed[p][kk][c][j] = W[32 p + c, 2 kk + j]
+        return panels.permute(0, 2, 1, 3).reshape(-1, kp)[:rows, :in_features].float()
+
     def _gguf_code(self, qtype: str) -> int:
         """The C code of GGUF block type ``qtype``; ``ValueError`` naming the types this build reads otherwise."""
         if qtype not in self.gguf_types:
