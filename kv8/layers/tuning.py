@@ -152,9 +152,11 @@ def candidate_ids(found: dict[str, DenseBackend]) -> tuple[str, ...]:
 
 
 def fastest_call(fn: Callable[[], Any], clock: Callable[[], float] = time.perf_counter, min_time: float = 0.02,
-                 max_calls: int = 50) -> float:
-    """The fastest of several calls of ``fn`` (after one warm-up call): at least 2, more until ``min_time``."""
-    fn()
+                 max_calls: int = 50, warm_up: bool = True) -> float:
+    """The fastest of several calls of ``fn`` (after one warm-up call, unless ``warm_up`` is False): at least 2, more
+    until ``min_time``."""
+    if warm_up:
+        fn()
     best, spent, calls = float("inf"), 0.0, 0
     while calls < 2 or (spent < min_time and calls < max_calls):
         start = clock()
@@ -224,18 +226,21 @@ class _LayerTimer:
         self.dtype = dtype
         self.layers: dict[tuple[str, LinearShape], Linear] = {}   # by (candidate label, shape)
         self.inputs: dict[tuple[int, int], torch.Tensor] = {}
+        self.warm: set[tuple[str, LinearShape, int]] = set()
 
     def measure(self, backend: DenseBackend, shape: LinearShape, rows: int) -> float:
         layer = self.layers.get((backend.label, shape))
         if layer is None:
             layer = self.layers[(backend.label, shape)] = _timing_layer(shape, backend, self.dtype)
         x = self.inputs.get((shape.in_features, rows))
+        warm = (backend.label, shape, rows) not in self.warm
+        self.warm.add((backend.label, shape, rows))
         if x is None:
             generator = torch.Generator().manual_seed(1)
             x = self.inputs[(shape.in_features, rows)] = torch.randn(rows, shape.in_features,
                                                                      generator=generator).to(self.dtype)
         with torch.inference_mode():
-            return fastest_call(lambda: layer(x), min_time=0.01)
+            return fastest_call(lambda: layer(x), min_time=0.01, warm_up=warm)   # (warmed up in the first round)
 
 
 class PlanStore:

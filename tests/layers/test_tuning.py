@@ -113,6 +113,10 @@ def test_fastest_call_takes_the_fastest_of_several_on_its_clock() -> None:
     calls = []
     assert fastest_call(lambda: calls.append(1), clock=lambda: next(ticks), min_time=8.0) == 1.0
     assert len(calls) == 4   # a warm-up, then until 8 s were spent (5 + 1 + 3)
+    ticks = iter([0.0, 5.0, 5.0, 6.0] + [9.0] * 200)
+    calls.clear()
+    assert fastest_call(lambda: calls.append(1), clock=lambda: next(ticks), min_time=1.0, warm_up=False) == 1.0
+    assert len(calls) == 2   # no warm-up call: two timed ones
 
 
 def test_rounds_take_the_candidates_in_turn_and_a_burst_does_not_decide() -> None:
