@@ -87,31 +87,46 @@ PROMPT = [1, 5, 7, 9, 11, 13, 3, 17, 19, 21, 23, 25]
 
 
 def _run(path: Path, **options: object) -> tuple[list[int], torch.Tensor, set[str]]:
+    """Greedy tokens (cut before the first whose top-two log-probabilities lie within TIE of each other: there the
+    kernels' rounding may pick either), prompt log-probabilities, and the linear methods used."""
     llm = LLM(str(path), kv_cache_memory="8MiB", max_model_len=128, **options)
-    params = SamplingParams(temperature=0, max_tokens=6, prompt_logprobs=0, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=6, prompt_logprobs=0, logprobs=2, ignore_eos=True)
     out = llm.generate([PROMPT], params)[0]
     logprobs = torch.tensor([p[t].logprob for t, p in zip(out.prompt_token_ids[1:], out.prompt_logprobs[1:])])
     methods = {m.method.name for m in llm.engine.model.modules() if isinstance(m, LinearBase)}
     llm.close()
-    return list(out.outputs[0].token_ids), logprobs, methods
+    tokens = []
+    for token, top in zip(out.outputs[0].token_ids, out.outputs[0].logprobs):
+        first, second = sorted((lp.logprob for lp in top.values()), reverse=True)[:2]
+        if first - second < TIE:
+            break
+        tokens.append(token)
+    return tokens, logprobs, methods
+
+
+TIE = 0.15   # the log-probability error the int8 activations may make (below)
 
 
 @pytest.mark.parametrize("qtype", [QT.Q8_0, QT.Q4_1, QT.Q4_K])
 def test_engine_with_kept_blocks_matches_the_dequantized_model(tmp_path: Path, qtype: QT) -> None:
-    """The same file, blocks kept vs dequantized to bf16: the same greedy tokens, and prompt log-probabilities within
+    """The same file, blocks kept vs dequantized to bf16: the same greedy tokens (up to the first near-tie of either
+    run), and prompt log-probabilities within
     the int8 activations' rounding (measured on the AMD EPYC: 0.056 nats for Q8_0, 0.037 for Q4_1, on
     log-probabilities of -2.5 to -5.5; the bound asserted is 0.15). The torch path
     (the reference method, float32 on the dequantized blocks) agrees too."""
     path = tmp_path / "m.gguf"
     _tiny(path, qtype)
     tokens, logprobs, methods = _run(path)
+    assert tokens   # (the first greedy token is no near-tie: the comparison below is not empty)
     kept_tokens, kept_logprobs, kept_methods = _run(path, quantization="gguf")
     assert "gguf" in kept_methods and "gguf" not in methods
-    assert kept_tokens == tokens
-    assert (kept_logprobs - logprobs).abs().max().item() < 0.15
+    n = min(len(tokens), len(kept_tokens))
+    assert kept_tokens[:n] == tokens[:n]
+    assert (kept_logprobs - logprobs).abs().max().item() < TIE
     ref_tokens, ref_logprobs, ref_methods = _run(path, quantization="gguf", dense_backend="torch")
-    assert "gguf" in ref_methods and ref_tokens == tokens
-    assert (ref_logprobs - logprobs).abs().max().item() < 0.15
+    n = min(len(tokens), len(ref_tokens))
+    assert "gguf" in ref_methods and ref_tokens[:n] == tokens[:n]
+    assert (ref_logprobs - logprobs).abs().max().item() < TIE
 
 
 MIXED = {"attn_k.weight": QT.Q8_0, "attn_v.weight": QT.Q5_1, "ffn_down.weight": QT.Q5_1}   # in a Q4_0 file
