@@ -715,8 +715,10 @@ static int gguf_linear_rows(const kv8_gguf_linear_call& call, const GGUFActs& x)
 
 #if KV8_GGUF_VNNI512
 // The vnni512 path: OpenMP over pairs of groups (16 rows); a last, odd group is paired with itself. Tiles of 8
-// activation rows (Q4_K: 4, whose two sub-blocks' sums per row would not fit the 32 registers): 1.1-1.3x faster
-// than tiles of 4 at M = 5..8 on the Xeon of docs/benchmarks.md (one thread, Q8_0 / Q4_0 / Q4_1 / Q5_0).
+// activation rows (Q4_K: 4, whose two sub-blocks' sums per row would not fit the 32 registers): 1.07-1.31x faster
+// than tiles of 4 in 23 of 24 cells at M = 5 and 8 (Q8_0 / Q4_0 / Q4_1 / Q5_0, 576x576, 1536x576, 640x2048, one
+// thread; the Xeon of docs/benchmarks.md's "The int8 kernel's VNNI paths", 2026-11-29, an A/B of the two builds in
+// one process, load ~4); Q4_K one sub-block at a time in tiles of 8 was slower at 1-2 rows (0.82-0.86x).
 template <int QT>
 static int gguf_linear_pairs(const kv8_gguf_linear_call& call, const GGUFActs& x) {
     constexpr int MR = QT == GGUF_Q4_K ? 4 : 8;
