@@ -19,6 +19,12 @@ step (the issue-40 shape: ``--batch 8 --context 4096``).
     .venv/bin/python benchmarks/bench_engine_step.py --before HEAD~3   # now vs that revision
     .venv/bin/python benchmarks/bench_engine_step.py --kv-cache-dtypes fp8_e4m3,int4 --batch 8 --context 4096
 
+``--quantization`` builds every engine with that quantization (e.g. ``gguf``: the default model's Q4_1 blocks kept).
+``--gguf-paths avx2,vnni512`` compares the GGUF int8 kernel's paths (``DenseKernels.gguf_path``) on one backend with
+``--quantization gguf``, the same alternation, medians and speed-ups over the first listed:
+
+    .venv/bin/python benchmarks/bench_engine_step.py --quantization gguf --gguf-paths avx2,vnni512 --batch 1
+
 ``--graphs`` compares decode steps replayed from CPU graphs (kv8.kernels.cpu.graph; the default for batches of up
 to 8) with eager ones (``enforce_eager``) on one backend (``--backend``), the same alternation, medians and
 speed-ups over eager: what the replay saves of the Python around a step's ~270 kernel calls.
@@ -56,7 +62,7 @@ def measure(backend: str, args: argparse.Namespace, kv_cache_dtype: str = "fp8_e
     """(prefill step s, decode step s) of a new engine with this dense backend and KV cache format."""
     max_len = max(4096, args.context + args.repeats * 2 + 64)
     llm = LLM(kv_cache_dtype=kv_cache_dtype, kv_cache_memory=args.kv_cache_memory, max_model_len=max_len,
-              dense_backend=backend, enforce_eager=enforce_eager)
+              dense_backend=backend, enforce_eager=enforce_eager, quantization=args.quantization)
     eng = llm.engine
     rng = random.Random(0)
     counter = iter(range(10**9))
@@ -86,6 +92,7 @@ def measure_at(tree: str, args: argparse.Namespace) -> tuple[float, float]:
     """:func:`measure` of ``args.backend`` with kv8 imported from ``tree`` (another revision), in a subprocess."""
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--batch", str(args.batch), "--context",
            str(args.context), "--repeats", str(args.repeats), "--backend", args.backend, "--prompt", str(args.prompt)]
+    cmd += ["--quantization", args.quantization] if args.quantization else []
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (tree, os.environ.get("PYTHONPATH")) if p))
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
     marked = [line for line in proc.stdout.splitlines() if line.startswith(RESULT_MARK)]
@@ -135,6 +142,28 @@ def compare_graphs(args: argparse.Namespace) -> None:
     print(f"SmolLM2-135M, bf16, fp8_e4m3 cache, {args.backend}; decode batch {args.batch} at ~{args.context} tokens; "
           f"medians of {args.rounds} alternating rounds (min-max); {cpu_name()}, {os.cpu_count()} CPUs")
     print_rows("decode steps", runs, "eager", args)
+
+
+def compare_gguf_paths(paths: list[str], args: argparse.Namespace) -> None:
+    """``args.backend`` with ``--quantization gguf`` on each path of the GGUF int8 kernel (``DenseKernels.gguf_path``,
+    set before each engine is built: its CPU graphs record the path), alternating ``args.rounds`` times (a rotated
+    order each round); medians, spreads and the speed-ups over the first listed. Every path computes the same bits."""
+    from kv8.kernels.cpu.dense import load_dense_kernels
+
+    kernels = load_dense_kernels()
+    runs: dict[str, list[tuple[float, float]]] = {p: [] for p in paths}
+    chosen = kernels.gguf_path
+    try:
+        for r in range(args.rounds):
+            for path in paths[r % len(paths):] + paths[:r % len(paths)]:
+                kernels.gguf_path = path
+                runs[path].append(measure(args.backend, args))
+    finally:
+        kernels.gguf_path = chosen
+    print(f"SmolLM2-135M, quantization={args.quantization}, fp8_e4m3 cache, {args.backend}; decode batch {args.batch} "
+          f"at ~{args.context} tokens; medians of {args.rounds} alternating rounds (min-max); {cpu_name()}, "
+          f"{os.cpu_count()} CPUs")
+    print_rows("GGUF kernel path", runs, paths[0], args)
 
 
 def print_rows(label: str, runs: dict[str, list[tuple[float, float]]], ref: str, args: argparse.Namespace) -> None:
@@ -189,16 +218,28 @@ def main() -> None:
                     help="compare decode steps replayed from CPU graphs with eager ones (enforce_eager) on one "
                          "backend (--backend) instead of the backends")
     ap.add_argument("--kv-cache-memory", default="1GiB", help="each engine's KV cache budget (default 1GiB)")
+    ap.add_argument("--quantization", default=None, help="every engine's quantization (e.g. gguf: the file's blocks "
+                    "kept; fp8)")
+    ap.add_argument("--gguf-paths", default=None, metavar="PATHS",
+                    help="compare these paths of the GGUF int8 kernel (comma-separated, e.g. avx2,vnni512) on one "
+                         "backend (--backend) with --quantization gguf, instead of the backends")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:   # --before's subprocess: one backend with the kv8 on PYTHONPATH
         print(RESULT_MARK + json.dumps(measure(args.backend, args)), flush=True)
         return
     available = available_backends()
-    if sum((args.before is not None, args.kv_cache_dtypes is not None, args.graphs)) > 1:
-        ap.error("--before, --kv-cache-dtypes and --graphs compare different things; give one")
-    if args.before is not None or args.kv_cache_dtypes is not None or args.graphs:
+    modes = (args.before is not None, args.kv_cache_dtypes is not None, args.graphs, args.gguf_paths is not None)
+    if sum(modes) > 1:
+        ap.error("--before, --kv-cache-dtypes, --graphs and --gguf-paths compare different things; give one")
+    if any(modes):
         args.backend = args.backend or ("packed_bf16" if "packed_bf16" in available else "torch")
+    if args.gguf_paths is not None:
+        paths = [p for p in args.gguf_paths.split(",") if p]
+        if args.quantization != "gguf" or len(paths) < 2:
+            ap.error("--gguf-paths compares two or more paths of the GGUF kernel: give them, and --quantization gguf")
+        compare_gguf_paths(paths, args)
+        return
     if args.graphs:
         compare_graphs(args)
         return

@@ -31,14 +31,29 @@ conditions.
     .venv/bin/python benchmarks/bench_linear.py
     .venv/bin/python benchmarks/bench_linear.py --rows 8,32,2048 --before HEAD~1
     .venv/bin/python benchmarks/bench_linear.py --rows 1,512 --shapes 4096x4096,14336x4096 --layers 1 --no-torch-bf16
+
+``--gguf-paths [PATHS]`` times only the GGUF int8 kernel (``kv8_gguf_linear``), on each path of PATHS (comma-separated;
+default: every path this build has, ``DenseKernels.gguf_paths``: ``avx2`` maddubs, ``vnni256``, ``vnni512``), taking
+turns within each pass: for each block type of ``--gguf-types`` (default all five), matrix of ``--shapes`` (default
+SmolLM2-135M's q/o, k/v, gate/up and down shapes and Gemma-3-270M's: 576x576, 192x576, 1536x576, 576x1536, 640x640,
+2048x640, 640x2048; Q4_K only where K is a multiple of 256), row count of ``--rows`` (default 1,2,8) and thread count
+of ``--threads`` (default 1,2). ``--layers`` copies of each matrix are multiplied in turn (the weights come from
+beyond L2, as in a decode step); the time per call is the median pass over ``--reps`` passes (the order of the paths
+rotated each pass) divided by the copies, and each ratio's spread the interquartile range of its per-pass ratios.
+Every path computes the same bits, which the run checks.
+
+    .venv/bin/python benchmarks/bench_linear.py --gguf-paths
+    .venv/bin/python benchmarks/bench_linear.py --gguf-paths avx2,vnni512 --gguf-types Q4_0 --rows 1 --threads 1
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import importlib.util
 import math
+import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -57,9 +72,11 @@ from kv8.kernels.cpu.build import KernelUnavailable, build_shared_library
 from kv8.kernels.cpu.dense import SOURCE, DenseKernels
 from kv8.layers.dense_backend import DenseBackend, select_dense_backend
 from kv8.layers.linear import GGUFLinearMethod, LinearBase
-from kv8.quant.gguf_blocks import BLOCK_VALUES, KEPT_TYPES, GGUFWeight
+from kv8.quant.gguf_blocks import BLOCK_VALUES, KEPT_TYPES, GGUFWeight, group_blocks
 
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # (out, in) per layer, SmolLM2-135M
+# --gguf-paths: SmolLM2-135M's q/o, k/v, gate/up (each), down; Gemma-3-270M's q/o, gate/up (each), down
+GGUF_SHAPES = [(576, 576), (192, 576), (1536, 576), (576, 1536), (640, 640), (2048, 640), (640, 2048)]
 
 
 def parse_shapes(text: str) -> list[tuple[int, int]]:
@@ -71,6 +88,21 @@ def parse_shapes(text: str) -> list[tuple[int, int]]:
             raise argparse.ArgumentTypeError(f"{part!r} is not OUTxIN with positive integers, e.g. 4096x4096")
         shapes.append((int(out), int(inp)))
     return shapes
+
+
+def passes(fns: dict[str, Callable[[], None]], reps: int) -> dict[str, list[float]]:
+    """The time of each function in each of ``reps`` passes, the functions taking turns within each pass (the order
+    rotated each pass); one untimed call of each first."""
+    for fn in fns.values():
+        fn()
+    names = list(fns)
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for r in range(reps):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            start = time.perf_counter()
+            fns[name]()
+            times[name].append(time.perf_counter() - start)
+    return times
 
 
 def best_of(fns: dict[str, Callable[[], None]], reps: int) -> dict[str, float]:
@@ -92,13 +124,25 @@ def main() -> None:
     ap.add_argument("--rows", default="1,4,8,16,32,64,256,2048", help="comma-separated M values")
     ap.add_argument("--layers", type=int, default=30)
     ap.add_argument("--before", metavar="REV", help="also time the kernels as of this git revision")
-    ap.add_argument("--shapes", type=parse_shapes, default=SHAPES,
-                    help="comma-separated OUTxIN matrices per layer (default: SmolLM2-135M's)")
+    ap.add_argument("--shapes", type=parse_shapes, default=None,
+                    help="comma-separated OUTxIN matrices per layer (default: SmolLM2-135M's; with --gguf-paths also "
+                         "Gemma-3-270M's)")
     ap.add_argument("--gguf-type", default="Q4_1", choices=KEPT_TYPES,
                     help="the GGUF block type of the gguf columns (default: Q4_1, SmolLM2's file)")
     ap.add_argument("--no-torch-bf16", dest="torch_bf16", action="store_false",
                     help="leave out bf16 F.linear (the torch columns print -)")
+    ap.add_argument("--gguf-paths", nargs="?", const="", default=None, metavar="PATHS",
+                    help="time only the GGUF int8 kernel on these paths (comma-separated; default: all this build has)")
+    ap.add_argument("--gguf-types", default=",".join(KEPT_TYPES), help="--gguf-paths: the block types (default: all)")
+    ap.add_argument("--threads", default="1,2", help="--gguf-paths: comma-separated thread counts (default 1,2)")
+    ap.add_argument("--reps", type=int, default=21, help="--gguf-paths: timed passes per cell (default 21)")
     args = ap.parse_args()
+    if args.gguf_paths is not None:
+        args.shapes = args.shapes or GGUF_SHAPES
+        args.rows = args.rows if args.rows != ap.get_default("rows") else "1,2,8"
+        run_gguf_paths(ap, args)
+        return
+    args.shapes = args.shapes or SHAPES
     bad = [f"{n}x{k}" for n, k in args.shapes if k % BLOCK_VALUES[args.gguf_type]]
     if bad:
         ap.error(f"--gguf-type {args.gguf_type} needs in-features that are multiples of "
@@ -123,6 +167,75 @@ def main() -> None:
             sys.modules[spec.name] = before_blocks   # its dataclasses look their module up
             spec.loader.exec_module(before_blocks)
         run(args, before, before_blocks)
+
+
+def run_gguf_paths(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """``--gguf-paths``: the GGUF int8 kernel on each path, per type, shape, row count and thread count (see the
+    module docstring); a table with microseconds per call, each path's time over the last path's, and the weight
+    bytes per second of the last path."""
+    from kv8.kernels.cpu.dense import load_dense_kernels
+
+    kernels = load_dense_kernels()
+    paths = [p for p in args.gguf_paths.split(",") if p] or list(kernels.gguf_paths)
+    types = [t for t in args.gguf_types.split(",") if t]
+    bad = [p for p in paths if p not in kernels.gguf_paths] + [t for t in types if t not in kernels.gguf_types]
+    if bad or not paths:
+        ap.error(f"not in this build: {', '.join(bad) or 'no path'}; it has paths {list(kernels.gguf_paths)}, "
+                 f"types {list(kernels.gguf_types)}")
+    rows = [int(v) for v in args.rows.split(",")]
+    threads = [int(v) for v in args.threads.split(",")]
+    chosen, before_threads = kernels.gguf_path, torch.get_num_threads()
+    last = paths[-1]
+    print(f"GGUF int8 kernel (kv8_gguf_linear), paths {', '.join(paths)} taking turns; {args.layers} copies of each "
+          f"matrix; medians of {args.reps} passes (a ratio's interquartile range over the passes); {cpu_name()}")
+    print(f"{'type':<5} {'N x K':>11} {'M':>2} {'thr':>3} " + " ".join(f"{p + ' us':>11}" for p in paths)
+          + "".join(f" {p + '/' + last:>16}" for p in paths[:-1]) + f" {last + ' GB/s':>13}")
+    gen = torch.Generator().manual_seed(0)
+    try:
+        for qtype in types:
+            for n, k in args.shapes:
+                if k % BLOCK_VALUES[qtype]:
+                    continue
+                w = torch.randn(n, k, generator=gen).bfloat16()
+                grouped = group_blocks(gguf_blocks_of(w, qtype), qtype, k)
+                copies = [grouped.clone() for _ in range(args.layers)]
+                for t in threads:
+                    torch.set_num_threads(t)
+                    for m in rows:
+                        x = torch.randn(m, k, generator=gen).bfloat16()
+
+                        def call(path: str, x: torch.Tensor = x, n: int = n, qtype: str = qtype,
+                                 copies: list[torch.Tensor] = copies) -> None:
+                            kernels.gguf_path = path
+                            for blocks in copies:
+                                kernels.gguf_linear(x, blocks, qtype, n, None)
+
+                        outs = {}
+                        for p in paths:   # every path computes the same bits
+                            kernels.gguf_path = p
+                            outs[p] = kernels.gguf_linear(x, copies[0], qtype, n, None)
+                        if any(not torch.equal(o, outs[last]) for o in outs.values()):
+                            raise SystemExit(f"{qtype} {n}x{k} M={m}: the paths disagree")
+                        times = passes({p: functools.partial(call, p) for p in paths}, args.reps)
+                        us = {p: statistics.median(v) / args.layers * 1e6 for p, v in times.items()}
+                        # the spread of the ratio: its quartiles over the passes (paths timed side by side)
+                        q = {p: statistics.quantiles([a / b for a, b in zip(times[p], times[last])], n=4)
+                             for p in paths[:-1]}
+                        print(f"{qtype:<5} {f'{n}x{k}':>11} {m:>2} {t:>3} " + " ".join(f"{us[p]:>11.1f}" for p in paths)
+                              + "".join(f" {us[p] / us[last]:>5.2f} ({q[p][0]:.2f}-{q[p][2]:.2f})" for p in paths[:-1])
+                              + f" {grouped.numel() / us[last] / 1e3:>13.1f}", flush=True)
+    finally:
+        kernels.gguf_path = chosen
+        torch.set_num_threads(before_threads)
+
+
+def cpu_name() -> str:
+    """The CPU's model name (/proc/cpuinfo), or "CPU"."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "CPU")
+    except OSError:
+        return "CPU"
 
 
 def packed_layers(weights: list[list[torch.Tensor]], backend: DenseBackend) -> list[list[LinearBase]]:

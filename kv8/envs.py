@@ -11,6 +11,7 @@
 | ``KV8_HUGE_PAGES`` | ``1``: the loaded weights ask for 2 MiB pages; ``0`` or unset (default): ordinary pages |
 | ``TRITON_INTERPRET`` | ``1``: Triton runs its kernels in its interpreter, on CPU tensors (tests of the GPU path) |
 | ``KV8_TUNING`` | ``auto``/unset: ``dense_backend=auto`` timed per machine (:mod:`kv8.layers.tuning`); ``off``: fixed |
+| ``KV8_GGUF_KERNEL`` | ``auto``/unset: the GGUF int8 kernel's widest path; ``avx2``, ``vnni256``, ``vnni512``: it |
 """
 
 from __future__ import annotations
@@ -99,3 +100,14 @@ def tuning() -> bool:
         raise ValueError(f"{TUNING_ENV}={value!r} is not one of: auto (time the dense layers' candidates on a "
                          "machine's first run, the default), off (a fixed rule)")
     return value != "off"
+
+
+GGUF_KERNEL_ENV = "KV8_GGUF_KERNEL"
+
+
+def gguf_kernel() -> str | None:
+    """``$KV8_GGUF_KERNEL``: None for ``auto`` or unset/empty (the widest path the build has), else the path's name
+    (``avx2``, ``vnni256``, ``vnni512``), lower-cased; the dense kernels refuse a path their build lacks
+    (:attr:`kv8.kernels.cpu.dense.DenseKernels.gguf_path`). Every path computes the same bits: only speed changes."""
+    value = os.environ.get(GGUF_KERNEL_ENV, "").strip().lower()
+    return None if value in ("", "auto") else value

@@ -56,6 +56,21 @@ def amx_path(lib: Any, path: str) -> Iterator[str]:
         lib.amx = chosen
 
 
+# ---- the GGUF int8 kernel's paths (avx2, vnni256, vnni512) --------------------------------------------------------
+@contextlib.contextmanager
+def gguf_path(lib: DenseKernels, path: str) -> Iterator[DenseKernels]:
+    """Runs the body with the dense library's GGUF kernel on ``path`` (:attr:`DenseKernels.gguf_path`), restored
+    afterwards; skipped where the build has no such path (this CPU or compiler)."""
+    if path not in lib.gguf_paths:
+        pytest.skip(f"this build's GGUF kernel has no {path} path (it has: {list(lib.gguf_paths) or 'none'})")
+    chosen = lib.gguf_path
+    lib.gguf_path = path
+    try:
+        yield lib
+    finally:
+        lib.gguf_path = chosen
+
+
 # ---- the attention library --------------------------------------------------------------------------------------
 def cpu_has_fast_path() -> bool:
     """AVX-512 F/BW/VL + VBMI + BF16: what the fast path needs (this project's machine has them)."""

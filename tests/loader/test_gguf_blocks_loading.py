@@ -20,7 +20,7 @@ from kv8.loader.model import describe_gguf_blocks, describe_weights, load_model,
 from kv8.loader.sources import default_model_path
 from kv8.quant.gguf_blocks import dequantize_blocks, gguf_activation_bound
 from tests.helpers.gguf_files import write_tiny_gguf
-from tests.helpers.kernels import dense_kernels_or_reason
+from tests.helpers.kernels import dense_kernels_or_reason, gguf_path
 
 LINEAR = ("attn_q.weight", "attn_k.weight", "attn_v.weight", "attn_output.weight", "ffn_gate.weight", "ffn_up.weight",
           "ffn_down.weight")
@@ -127,6 +127,24 @@ def test_engine_with_kept_blocks_matches_the_dequantized_model(tmp_path: Path, q
     n = min(len(tokens), len(ref_tokens))
     assert "gguf" in ref_methods and ref_tokens[:n] == tokens[:n]
     assert (ref_logprobs - logprobs).abs().max().item() < TIE
+
+
+@pytest.mark.skipif(_KERNELS is None or len(_KERNELS.gguf_paths) < 2, reason="fewer than two GGUF kernel paths here")
+def test_engine_on_every_gguf_kernel_path_gives_the_same_bits(tmp_path: Path) -> None:
+    """An engine on each path of the GGUF int8 kernel (DenseKernels.gguf_path, set before the engine is built: its CPU
+    graphs record the path): the same greedy tokens and prompt log-probabilities, bit for bit (the paths compute the
+    same integer dot products and float32 operations)."""
+    assert _KERNELS is not None
+    path = tmp_path / "m.gguf"
+    _tiny(path, QT.Q4_1)
+    runs = {}
+    for kernel_path in _KERNELS.gguf_paths:
+        with gguf_path(_KERNELS, kernel_path):
+            runs[kernel_path] = _run(path, quantization="gguf")
+    (tokens, logprobs, methods), *others = runs.values()
+    assert "gguf" in methods
+    for other_tokens, other_logprobs, _ in others:
+        assert other_tokens == tokens and torch.equal(other_logprobs, logprobs)
 
 
 MIXED = {"attn_k.weight": QT.Q8_0, "attn_v.weight": QT.Q5_1, "ffn_down.weight": QT.Q5_1}   # in a Q4_0 file

@@ -6,6 +6,9 @@ int8 activations."""
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import gguf
 import numpy as np
 import pytest
@@ -31,13 +34,16 @@ from kv8.quant.gguf_blocks import (
     ungroup_blocks,
 )
 from tests.helpers.gguf_files import quantize
-from tests.helpers.kernels import dense_build_or_skip
+from tests.helpers.kernels import dense_build_or_skip, gguf_path
 
 
-@pytest.fixture(scope="module", params=["native", "x86-64-v3"])
-def lib(request: pytest.FixtureRequest) -> DenseKernels:
-    """The engine's build, and the AVX2 path's where the native build is the AVX-512 one."""
-    return dense_build_or_skip(request.param)
+@pytest.fixture(scope="module", params=["native:avx2", "native:vnni256", "native:vnni512", "x86-64-v3:avx2"])
+def lib(request: pytest.FixtureRequest) -> Iterator[DenseKernels]:
+    """The engine's build on each path of its GGUF kernel (those this CPU has), and the AVX2 build where the native
+    build is the AVX-512 one."""
+    march, path = request.param.split(":")
+    with gguf_path(dense_build_or_skip(march), path) as chosen:
+        yield chosen
 
 
 def _blocks(n: int, k: int, qtype: str, seed: int) -> torch.Tensor:
@@ -202,6 +208,75 @@ def test_a_rows_result_depends_on_neither_the_batch_nor_its_group(lib: DenseKern
         part = lib.gguf_linear(x, group_blocks(blocks[lo:hi].contiguous(), qtype, k), qtype, hi - lo,
                                bias[lo:hi].contiguous())
         assert torch.equal(part, full[:, lo:hi]), (lo, hi)
+
+
+#: out_features off the groups of 8: one short group alone, a pair of groups whose second is short, 5 groups and 3 rows,
+#: and (enough work for two threads) 37 groups and 4 rows, 41 full groups (vnni512: the last paired with itself), 41
+#: and 5 rows
+ODD_N = [5, 12, 43, 300, 328, 333]
+
+
+@contextlib.contextmanager
+def _threads(n: int) -> Iterator[None]:
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("qtype", KEPT_TYPES)
+def test_odd_shapes_rows_and_threads(lib: DenseKernels, qtype: str) -> None:
+    """out_features not a multiple of 8 (ODD_N), K an odd number of blocks where the type allows it (7 x 32; Q4_K: 3
+    super-blocks), M = 1..9, on 1 and 2 threads: within the activation bound of the float32 reference, and each row
+    the same bits at every M and on either thread count (the groups' split between threads changes nothing)."""
+    k = 3 * BLOCK_VALUES[qtype] if BLOCK_VALUES[qtype] != BLOCK else 7 * BLOCK
+    gen = torch.Generator().manual_seed(41)
+    for n in ODD_N:
+        blocks = _blocks(n, k, qtype, seed=n)
+        grouped = group_blocks(blocks, qtype, k)
+        x = (torch.randn(9, k, generator=gen) * 3).bfloat16()
+        bias = torch.randn(n, generator=gen)
+        with _threads(1):
+            one = lib.gguf_linear(x, grouped, qtype, n, bias)
+        with _threads(2):
+            for m in range(1, 10):
+                assert torch.equal(lib.gguf_linear(x[:m], grouped, qtype, n, bias), one[:m]), (n, m)
+        exact = x.double() @ dequantize_blocks(blocks, qtype, k).double().T + bias.double()
+        slack = 2.0 ** -8 * exact.abs() * 1.01 + 1e-5 * (x.double().abs() @
+                                                          dequantize_blocks(blocks, qtype, k).double().abs().T)
+        assert bool(((one.double() - exact).abs() <= gguf_activation_bound(x, blocks, qtype) + slack).all()), n
+
+
+@pytest.mark.parametrize("qtype", KEPT_TYPES)
+def test_every_path_computes_the_same_bits(qtype: str) -> None:
+    """The GGUF kernel's paths (avx2 maddubs, vnni256, vnni512; the x86-64-v3 build's avx2 too) compute the same
+    exact integer dot products and the same float32 operations per output, so their results are equal bit for bit:
+    on the odd shapes above, M = 1..9 and 1 and 2 threads."""
+    native = dense_build_or_skip("native")
+    libs = [(f"native {path}", native, path) for path in native.gguf_paths]
+    with contextlib.suppress(pytest.skip.Exception):
+        v3 = dense_build_or_skip("x86-64-v3")
+        libs += [("x86-64-v3 avx2", v3, "avx2")]
+    if len(libs) < 2:
+        pytest.skip(f"one GGUF kernel path here ({libs[0][0] if libs else 'none'}): nothing to compare")
+    k = 3 * BLOCK_VALUES[qtype] if BLOCK_VALUES[qtype] != BLOCK else 7 * BLOCK
+    gen = torch.Generator().manual_seed(7)
+    for n in ODD_N:
+        grouped = group_blocks(_blocks(n, k, qtype, seed=n + 1), qtype, k)
+        x = (torch.randn(9, k, generator=gen) * 3).bfloat16()
+        x[4] = 0.0
+        bias = torch.randn(n, generator=gen) if n % 2 else None
+        for threads in (1, 2):
+            with _threads(threads):
+                want = None
+                for name, lib, path in libs:
+                    with gguf_path(lib, path):
+                        for m in range(9, 0, -1):
+                            y = lib.gguf_linear(x[:m], grouped, qtype, n, bias)
+                            want = y if want is None else want
+                            assert torch.equal(y, want[:m]), (name, n, m, threads)
 
 
 def test_kernel_rejects_what_it_cannot_read(lib: DenseKernels) -> None:

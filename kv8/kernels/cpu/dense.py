@@ -7,7 +7,8 @@ with AVX-512 ``vdpbf16ps``: :attr:`DenseKernels.amx`; on CPUs without AVX-512 BF
 decoded on the fly), ``rmsnorm`` (residual add + RMSNorm in one pass),
 ``silu_mul`` (SiLU(gate) * up) and ``rope_qkv`` (RoPE of q and k read straight from a packed q/k/v
 projection, v copied out beside them); ``gguf_linear`` (a linear layer on GGUF blocks read in place, the types of
-:attr:`DenseKernels.gguf_types`, activations quantized to int8 per block: ``csrc/dense/gguf.h``) and
+:attr:`DenseKernels.gguf_types`, activations quantized to int8 per block, integer dot products with AVX2 ``maddubs``
+or VNNI ``vpdpbusd``, :attr:`DenseKernels.gguf_path`: ``csrc/dense/gguf.h``) and
 ``gguf_dequantize`` (the same blocks to float32, for a GEMM over many rows); and ``argmax`` (rows of float32 logits,
 for the sampler). Every method
 checks dtypes and shapes and raises ``ValueError``; every dense kernel takes bf16 and returns new contiguous bf16
@@ -25,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from kv8 import envs
 from kv8.kernels.cpu.abi import NativeLibrary, code_table
 from kv8.kernels.cpu.build import KernelUnavailable, build_shared_library
 
@@ -89,7 +91,7 @@ class GGUFLinearCall(ctypes.Structure):
 
     _fields_ = [
         ("x", _P), ("blocks", _P), ("bias", _P), ("out", _P), ("rows", _I64), ("in_features", _I64),
-        ("out_features", _I64), ("qtype", _I32), ("num_threads", _I32),
+        ("out_features", _I64), ("qtype", _I32), ("num_threads", _I32), ("path", _I32),
     ]
 
 
@@ -130,6 +132,21 @@ class DenseKernels(NativeLibrary):
         #: empty where this build has no AVX2 path for them (``csrc/dense/gguf.h``)
         self.gguf_types: dict[str, int] = (code_table(self._lib.kv8_gguf_type_name)
                                            if self._bind("kv8_gguf_linear_available", [])() else {})
+        available = self._bind("kv8_gguf_path_available", [ctypes.c_int])
+        #: the paths of :meth:`gguf_linear` this build has, narrowest first (``csrc/dense/gguf.h``): "avx2"
+        #: (``maddubs``), "vnni256" (``vpdpbusd`` on ymm), "vnni512" (AVX-512 VNNI, 16 rows a zmm) -> their codes
+        self.gguf_paths: dict[str, int] = {name: code for name, code in code_table(self._lib.kv8_gguf_path_name).items()
+                                           if available(code)} if self.gguf_types else {}
+        # Every path computes the same bits (gguf.h), so the choice is speed alone: the widest this build has
+        # (vnni512 measured fastest on an AVX-512 VNNI Xeon: docs/benchmarks.md, "GGUF blocks kept quantized"), or
+        # the one $KV8_GGUF_KERNEL names.
+        self._gguf_path = ""
+        forced = envs.gguf_kernel()
+        if forced is not None and forced not in self.gguf_paths:
+            raise ValueError(f"{envs.GGUF_KERNEL_ENV}={forced!r}: this build's GGUF kernel has the paths "
+                             f"{list(self.gguf_paths) or 'none (no AVX2 + FMA + F16C)'} (or auto)")
+        if self.gguf_paths:
+            self.gguf_path = forced or list(self.gguf_paths)[-1]
         # The linear layers' path, fixed for the life of this instance so that every row of a layer is computed
         # the same way at every batch size: AMX tiles where the CPU, the build and the OS allow them (K a
         # multiple of 32), else vdpbf16ps. The two sum in different orders, so they may differ in the last bit.
@@ -194,6 +211,19 @@ class DenseKernels(NativeLibrary):
         panels = packed.view(-1, kp // 2, 32, 2)[p0:p1]          # packed[p][kk][c][j] = W[32 p + c, 2 kk + j]
         return panels.permute(0, 2, 1, 3).reshape(-1, kp)[:rows, :in_features].float()
 
+    @property
+    def gguf_path(self) -> str:
+        """The path :meth:`gguf_linear` runs, one of :attr:`gguf_paths` ("" where the build has none). Settable (the
+        tests and benchmarks run each path); ``ValueError`` for a path this build does not have."""
+        return self._gguf_path
+
+    @gguf_path.setter
+    def gguf_path(self, path: str) -> None:
+        if path not in self.gguf_paths:
+            raise ValueError(f"GGUF kernel path {path!r} is not in this build; it has: "
+                             f"{list(self.gguf_paths) or 'none (no AVX2 + FMA + F16C)'}")
+        self._gguf_path = path
+
     def _gguf_code(self, qtype: str) -> int:
         """The C code of GGUF block type ``qtype``; ``ValueError`` naming the types this build reads otherwise."""
         if qtype not in self.gguf_types:
@@ -207,7 +237,7 @@ class DenseKernels(NativeLibrary):
         type ``qtype`` (one of :attr:`gguf_types`): ``blocks [out_features, K / 32 * block bytes]`` uint8, the file's
         bytes in the kernel's order (:func:`kv8.quant.gguf_blocks.group_blocks`). The activations are quantized to
         int8 per block of 32 (``csrc/dense/gguf.h``: the error bound); ``bias`` is float32 ``[out_features]`` or
-        None."""
+        None. Runs on :attr:`gguf_path`; every path gives the same bits."""
         code = self._gguf_code(qtype)
         _check_bf16("x", x, 2)
         m, k = x.shape
@@ -220,7 +250,8 @@ class DenseKernels(NativeLibrary):
         x = x.contiguous()
         out = torch.empty(m, out_features, dtype=torch.bfloat16)
         call = GGUFLinearCall(x.data_ptr(), blocks.data_ptr(), None if bias is None else bias.data_ptr(),
-                              out.data_ptr(), m, k, out_features, code, torch.get_num_threads())
+                              out.data_ptr(), m, k, out_features, code, torch.get_num_threads(),
+                              self.gguf_paths[self.gguf_path])
         self.invoke(self._lib.kv8_gguf_linear, f"GGUF {qtype} linear for x {list(x.shape)}, N={out_features}", call)
         return out
 
@@ -326,6 +357,10 @@ class DenseKernels(NativeLibrary):
 # compare them): the row bytes gguf_dequantize checks before the C side reads them
 _GGUF_BLOCK_BYTES = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q4_K": 18}
 
+# kv8 info's words for each GGUF kernel path (csrc/dense/gguf.h)
+_GGUF_PATH_WORDS = {"avx2": "AVX2 maddubs", "vnni256": "VNNI vpdpbusd on ymm",
+                    "vnni512": "AVX-512 VNNI vpdpbusd, 16 rows a zmm"}
+
 # Per path: byte b of an FP8 pair-row holds value _FP8_BYTE_ORDER[isa][b] of the bf16 pair-row (value 2 c + j: column
 # c, k = 2 kk + j). AVX-512: the table decode's lane order; AVX2: the bf16 pair-row's own order (its decode sign-extends
 # each code to the word that the value's bf16 has in the bf16 layout).
@@ -371,8 +406,8 @@ def describe_dense_kernels() -> str:
         lib = load_dense_kernels()
     except KernelUnavailable as exc:
         return f"unavailable: {str(exc).splitlines()[0]}"
-    gguf = (f"; GGUF {' / '.join(lib.gguf_types)} blocks: int8 activations, AVX2 maddubs" if lib.gguf_types
-            else "; no GGUF block kernel")
+    gguf = (f"; GGUF {' / '.join(lib.gguf_types)} blocks: int8 activations, {_GGUF_PATH_WORDS[lib.gguf_path]} "
+            f"({lib.gguf_path} of {', '.join(lib.gguf_paths)})" if lib.gguf_types else "; no GGUF block kernel")
     if lib.isa == "avx512":
         return ("avx512 (AMX-BF16 tiles)" if lib.amx else "avx512 (AVX-512 BF16 vdpbf16ps)") + gguf
     return "avx2 (AVX2 + FMA + F16C: fp32 FMA on bf16 / FP8 weights)" + gguf

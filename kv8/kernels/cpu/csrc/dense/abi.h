@@ -8,7 +8,7 @@
 //   kv8_silu_mul_call  SiLU(gate) * up (kv8_silu_mul)
 //   kv8_rope_call      RoPE of q and k read from packed q/k/v rows, v copied out (kv8_rope_qkv)
 //   kv8_argmax_call    row argmax of float32 logits (kv8_argmax_rows)
-//   kv8_gguf_linear_call  one linear layer on GGUF Q8_0 / Q4_0 / Q4_1 blocks (kv8_gguf_linear, gguf.h)
+//   kv8_gguf_linear_call  one linear layer on GGUF Q8_0 / Q4_0 / Q4_1 / Q5_0 / Q4_K blocks (kv8_gguf_linear, gguf.h)
 //   kv8_gguf_dequantize_call  those blocks to float32 (kv8_gguf_dequantize, gguf.h)
 //
 // Every entry point returns OK or an error code of ../common/kv8_abi.h (ERR_ARGS, ERR_OOM, ERR_NO_FAST_PATH) whose
@@ -94,7 +94,8 @@
 
 // out [rows, out_features] bf16 = x [rows, in_features] bf16 @ W^T (+ bias, float32 [out_features] or NULL): blocks
 // holds W as GGUF blocks of type qtype (gguf.h's codes: kv8_gguf_type_name), out_features rows of in_features / 32
-// blocks each; in_features % 32 == 0.
+// blocks each; in_features % 32 == 0. path: the kernel's instructions (gguf.h's codes: kv8_gguf_path_name; one this
+// build lacks returns ERR_NO_FAST_PATH); every path computes the same bits.
 #define KV8_GGUF_LINEAR_CALL_FIELDS(X)    \
     X(const uint16_t*, x)                 \
     X(const uint8_t*, blocks)             \
@@ -104,7 +105,8 @@
     X(int64_t, in_features)               \
     X(int64_t, out_features)              \
     X(int32_t, qtype)                     \
-    X(int32_t, num_threads)
+    X(int32_t, num_threads)               \
+    X(int32_t, path)
 
 // out [rows, in_features] float32 = W dequantized: blocks as in kv8_gguf_linear_call (rows rows of in_features / 32
 // blocks of type qtype, the kernel's grouped order); in_features % 32 == 0.

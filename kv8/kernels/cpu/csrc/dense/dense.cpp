@@ -4,7 +4,7 @@
 // headers so that the build stays one g++ call (kv8/kernels/cpu/build.py hashes every included file).
 //
 // Also the row argmax of float32 logits that the sampler uses (argmax.h), and linear layers on GGUF Q8_0 / Q4_0 /
-// Q4_1 blocks read in place (gguf.h).
+// Q4_1 / Q5_0 / Q4_K blocks read in place (gguf.h: AVX2, or VNNI where the CPU has it).
 //
 // Plain C ABI (extern "C"), loaded with ctypes by kv8/kernels/cpu/dense.py, compiled there with
 // `g++ -O3 -march=native -fopenmp -shared -fPIC` (the build is kv8/kernels/cpu/build.py's). No torch headers. Each entry
@@ -97,9 +97,12 @@ int kv8_linear_amx_available(void) {
 }
 
 // The GGUF block types of kv8_gguf_linear (gguf.h) by code (NULL past the last one); kv8_gguf_linear_available: 1
-// where this build has its AVX2 path.
+// where this build has its AVX2 path. The paths of kv8_gguf_linear_call.path by code (NULL past the last one), and
+// whether this build has path `code` (1) or not (0).
 const char* kv8_gguf_type_name(int code) { return code >= 0 && code < GGUF_TYPE_COUNT ? GGUF_TYPE_NAMES[code] : NULL; }
 int kv8_gguf_linear_available(void) { return KV8_GGUF_AVX2; }
+const char* kv8_gguf_path_name(int code) { return code >= 0 && code < GGUF_PATH_COUNT ? GGUF_PATH_NAMES[code] : NULL; }
+int kv8_gguf_path_available(int code) { return gguf_path_available(code) ? 1 : 0; }
 
 int64_t kv8_linear_packed_size(const kv8_pack_call* call) { return packed_size(*call); }
 int kv8_linear_pack(const kv8_pack_call* call) { return pack(*call); }
@@ -127,7 +130,8 @@ KV8_ENTRY(kv8_rope_qkv, kv8_rope_call, rope_qkv, check_args(*call))
 KV8_ENTRY(kv8_argmax_rows, kv8_argmax_call, argmax_rows, check_args(*call))
 #undef KV8_ENTRY
 
-// The GGUF entries: arguments checked on every build; the AVX2 kernels where they are built, else no fast path.
+// The GGUF entries: arguments checked on every build; the kernels where they are built (gguf_linear: the call's path
+// where this build has it), else no fast path.
 #if KV8_GGUF_AVX2
 #define KV8_GGUF_ENTRY(name, Call, kernel)                         \
     extern "C" int name(const Call* call) {                        \

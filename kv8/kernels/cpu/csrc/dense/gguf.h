@@ -1,8 +1,19 @@
 // GGUF block-quantized weights (llama.cpp's Q8_0, Q4_0, Q4_1, Q5_0, Q4_K) multiplied without expanding them, included
 // by dense.cpp after elementwise.h (threads_for). Compiled where the build has AVX2 + FMA + F16C (an AVX-512 build has
 // them too); elsewhere kv8_gguf_linear returns ERR_NO_FAST_PATH and Python uses the torch reference
-// (kv8.layers.linear.GGUFLinearMethod: kv8.quant.gguf_blocks.gguf_linear_reference). Not here yet: an AVX-512 / VNNI
-// (vpdpbusd) path, and the other K-quants (Q5_K, Q6_K, ...: the loader dequantizes those tensors).
+// (kv8.layers.linear.GGUFLinearMethod: kv8.quant.gguf_blocks.gguf_linear_reference). Not here: the other K-quants
+// (Q5_K, Q6_K, ...: the loader dequantizes those tensors) and AMX-INT8 tiles.
+//
+// Three paths compute the same integer dot products, on the same layout (kv8_gguf_linear_call.path; the build has a
+// path where -march gives it its instructions: kv8_gguf_path_available):
+//
+//   GGUF_PATH_AVX2     "avx2"     8 rows a ymm: _mm256_maddubs_epi16 (pairs of products in int16) then madd to int32
+//   GGUF_PATH_VNNI256  "vnni256"  8 rows a ymm: vpdpbusd (AVX-VNNI, or AVX-512 VNNI + VL), products summed in int32
+//   GGUF_PATH_VNNI512  "vnni512"  16 rows a zmm (two groups of 8, one 32-byte load of each): AVX-512 VNNI vpdpbusd
+//
+// Every path computes each (activation row, weight row, block) dot product exactly in int32 and then the same fp32
+// operations, in the same order, on it: the paths agree bit for bit (tests/quant/test_gguf_blocks.py checks it), so
+// which one runs changes only the speed.
 //
 // Weights: W [N, K] as the file stores it, row after row, each row K/32 blocks of 32 values (K % 32 == 0):
 //
@@ -35,18 +46,30 @@
 //
 // so that in a full group one 32-byte load holds 4 codes of each of the 8 rows (lane r: row r), 8 scales convert
 // to float32 in one vcvtph2ps, and every vector lane computes one row: no horizontal sums. The last group (g < 8) is
-// widened to 8 rows (zero scales) per call; dequantize gathers a row's blocks back (gguf_gather).
+// widened to 8 rows (zero scales) per call; dequantize gathers a row's blocks back (gguf_gather). vnni512 reads two
+// consecutive groups at once, the same section of each into the two 256-bit halves of a zmm (lanes 0-7: the first
+// group's rows, 8-15: the second's); an odd last group is paired with itself and its second half dropped. One layout
+// serves every path (no repacking per ISA): a zmm costs one 32-byte load more than groups of 16 rows would.
 //
 // Activations: each row of x is quantized once per call to int8 per block of 32 (a_j = rint(x_j * 127 / amax),
-// da = amax / 127, amax the block's largest |x|; a block of zeros has da = 0), kept with da and sa = da * sum_j a_j.
-// Then per weight block an exact integer dot product
+// da = amax / 127, amax the block's largest |x|; a block of zeros has da = 0), kept with da, the codes' sum
+// isum = sum_j a_j and sa = da * isum. Then per weight block an exact integer dot product (|a_j| <= 127)
 //
-//   Q4: dot = sum_j c_j a_j   (_mm256_maddubs_epi16: unsigned codes x signed a, pairs in int16, |.| <= 3810;
-//                              a lane's 8 pair sums added in int16: |.| <= 30480 < 2^15)
-//   Q5: dot = sum_j (c_j + 16 h_j) a_j   (the same, codes 0..31: |pair| <= 7874, 4 of them added in int16)
-//   Q8: dot = sum_j q_j a_j   (maddubs of |q| and a with q's sign: |.| <= 2 * 128 * 127 < 2^15, none added)
+//   Q4: dot = sum_j c_j a_j            codes c_j 0..15
+//   Q5: dot = sum_j (c_j + 16 h_j) a_j  codes 0..31
+//   Q8: dot = sum_j q_j a_j            q_j -128..127
 //
-// summed to int32 (_mm256_madd_epi16 by ones, then int32 adds), converted to float and scaled:
+// each path its own way, all exact:
+//
+//   avx2: _mm256_maddubs_epi16 (unsigned codes x signed a) sums pairs of products in int16, which cannot saturate:
+//         Q4 |pair| <= 3810 and a lane's 8 pair sums are added in int16 (|.| <= 30480 < 2^15); Q5 |pair| <= 7874,
+//         4 of them added; Q8 maddubs of |q| and a with q's sign, |pair| <= 2 * 128 * 127 < 2^15, none added. Then
+//         _mm256_madd_epi16 by ones to int32, and int32 adds.
+//   vnni256, vnni512: vpdpbusd adds 4 products (unsigned codes x signed a) straight into an int32 lane (|dot| <=
+//         32 * 255 * 127 < 2^31). Q8's signed codes as unsigned bytes: q ^ 0x80 = q + 128, and dot = sum_j (q_j +
+//         128) a_j - 128 isum (in int32).
+//
+// converted to float and scaled:
 //
 //   Q8_0: d da dot   Q4_0: d (da dot - 8 sa)   Q5_0: d (da dot - 16 sa)   Q4_1: d da dot + m sa
 //   Q4_K: (d sc_s) da dot - (dmin m_s) sa
@@ -60,13 +83,16 @@
 // most sum_blocks da / 2 * sum_j |w_j| plus fp32 summation error, before the one bf16 rounding
 // (kv8.quant.gguf_blocks.gguf_activation_bound computes the bound; tests/quant/test_gguf_blocks.py checks it).
 //
-// Per weight block and activation row: the 8 rows' int32 dot products (gguf_group_tile), converted and multiplied by
-// d da (a vector: 8 rows' d times the block's da) into one fp32 accumulator, the min terms (m sa, -8 d sa, -16 d sa,
-// dmin m_s sa) into another; the row's result is their sum (Q4_K: difference) after the last block, plus the bias.
-// Each lane's fp32 operations are the same, in the same order, whatever M, the tile of activation rows or the group.
+// Exact: each (row, block) int32 dot product, every path. Rounded in fp32, the same on every path: per weight block
+// and activation row, the rows' int32 dot products (gguf_group_tile: 8 rows, gguf_pair_tile: 16), converted and
+// multiplied by d da (a vector: the rows' d times the block's da) into one fp32 accumulator, the min terms (m sa,
+// -8 d sa, -16 d sa, dmin m_s sa) into another; the row's result is their sum (Q4_K: difference) after the last
+// block, plus the bias. Each lane's fp32 operations are the same, in the same order, whatever the path, M, the tile
+// of activation rows or the group: a row's bits depend on none of them.
 //
-// Threads: the groups of 8 rows are split evenly over the threads (OpenMP, static); each thread reads its groups'
-// blocks once per tile of up to 4 activation rows (one decoded weight load feeds 4 rows' dot products).
+// Threads: the groups of 8 rows (vnni512: pairs of groups) are split evenly over the threads (OpenMP, static); each
+// thread reads its groups' blocks once per tile of up to 4 activation rows (vnni512: 8, Q4_K 4; one decoded weight
+// load feeds each row's dot products).
 //
 // kv8_gguf_dequantize (gguf_dequantize): the same grouped blocks to float32 W [N, K], exactly
 // kv8.quant.gguf_blocks.dequantize_blocks' values; OpenMP over W's rows. GGUFLinearMethod multiplies many activation
@@ -96,8 +122,37 @@ static inline bool gguf_bad_shape(int32_t qtype, int64_t in_features) {
     return qtype < 0 || qtype >= GGUF_TYPE_COUNT || in_features <= 0 || in_features % GGUF_BLOCK_VALUES[qtype];
 }
 
+// The paths of kv8_gguf_linear_call.path, by code (see the top of this file); Python reads their names from
+// kv8_gguf_path_name and which of them this build has from kv8_gguf_path_available (gguf_path_available).
+enum { GGUF_PATH_AVX2 = 0, GGUF_PATH_VNNI256 = 1, GGUF_PATH_VNNI512 = 2, GGUF_PATH_COUNT = 3 };
+static const char* const GGUF_PATH_NAMES[GGUF_PATH_COUNT] = {"avx2", "vnni256", "vnni512"};
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define KV8_GGUF_AVX2 1
+#else
+#define KV8_GGUF_AVX2 0
+#endif
+// vpdpbusd on ymm: AVX-512 VNNI + VL (EVEX) or AVX-VNNI (VEX; Alder Lake, Sierra Forest, Zen 5 have it too)
+#if KV8_GGUF_AVX2 && ((defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__))
+#define KV8_GGUF_VNNI256 1
+#else
+#define KV8_GGUF_VNNI256 0
+#endif
+#if KV8_GGUF_AVX2 && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__)
+#define KV8_GGUF_VNNI512 1
+#else
+#define KV8_GGUF_VNNI512 0
+#endif
+
+static inline bool gguf_path_available(int32_t path) {
+    return path == GGUF_PATH_AVX2 ? KV8_GGUF_AVX2 : path == GGUF_PATH_VNNI256 ? KV8_GGUF_VNNI256
+         : path == GGUF_PATH_VNNI512 ? KV8_GGUF_VNNI512 : false;
+}
+
+// A path out of range is ERR_ARGS; one this build does not have, ERR_NO_FAST_PATH (gguf_linear).
 static inline int check_args(const kv8_gguf_linear_call& c) {
-    if (c.rows < 0 || gguf_bad_shape(c.qtype, c.in_features) || c.out_features <= 0 || c.num_threads <= 0)
+    if (c.rows < 0 || gguf_bad_shape(c.qtype, c.in_features) || c.out_features <= 0 || c.num_threads <= 0 ||
+        c.path < 0 || c.path >= GGUF_PATH_COUNT)
         return ERR_ARGS;
     return c.rows > 0 && (!c.x || !c.blocks || !c.out) ? ERR_ARGS : OK;
 }
@@ -107,8 +162,7 @@ static inline int check_args(const kv8_gguf_dequantize_call& c) {
     return c.rows > 0 && (!c.blocks || !c.out) ? ERR_ARGS : OK;
 }
 
-#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-#define KV8_GGUF_AVX2 1
+#if KV8_GGUF_AVX2
 #include <immintrin.h>
 
 static inline float gguf_half(const uint8_t* p) {
@@ -124,8 +178,18 @@ static inline uint16_t gguf_round_bf16(float f) {
     return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
 }
 
-// One row of K bf16 values -> K/32 blocks of int8 codes qa, their scales da and da * sum(codes) sa.
-static inline void gguf_quantize_row(const uint16_t* x, int64_t K, int8_t* qa, float* da, float* sa) {
+// One call's activation rows quantized (gguf_quantize_row), nb blocks of 32 per row: qa [M, K] int8 codes, and per
+// row and block da [M, nb] the scale, isum [M, nb] the sum of the codes, sa [M, nb] = da * isum.
+struct GGUFActs {
+    const int8_t* qa;
+    const float* da;
+    const float* sa;
+    const int32_t* isum;
+    int64_t nb;
+};
+
+// One row of K bf16 values -> K/32 blocks of int8 codes qa, their scales da, the codes' sums isum and da * isum sa.
+static inline void gguf_quantize_row(const uint16_t* x, int64_t K, int8_t* qa, float* da, float* sa, int32_t* isum) {
     const __m256 sign = _mm256_set1_ps(-0.0f);
     for (int64_t b = 0; b < K / GGUF_BLOCK; ++b) {
         __m256 v[4];
@@ -156,7 +220,8 @@ static inline void gguf_quantize_row(const uint16_t* x, int64_t K, int8_t* qa, f
         const __m256i ordered = _mm256_permutevar8x32_epi32(p8, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
         _mm256_storeu_si256((__m256i*)(qa + b * GGUF_BLOCK), ordered);
         da[b] = am / 127.0f;
-        sa[b] = da[b] * (float)_mm_cvtsi128_si32(s);
+        isum[b] = _mm_cvtsi128_si32(s);
+        sa[b] = da[b] * (float)isum[b];
     }
 }
 
@@ -213,22 +278,38 @@ static inline __m256i gguf_q5_high(__m256i h, int k) {
     return _mm256_and_si256(sh, _mm256_set1_epi8(0x10));
 }
 
-// One group of 8 weight rows (its first weight block at grp, nwb blocks) times MR activation rows (qa, da, sa at row
-// m0; nb activation blocks per row): out[m] = the 8 rows' results, lane r = weight row r, before the bias. Per
-// weight block, each 32-byte load holds 4 codes of each of the 8 rows, each 4-byte broadcast 4 activation codes:
-// maddubs gives, per lane, that row's products summed in pairs; the pairs add up in int16 (Q4: 8 of them, |.| <=
-// 8 * 3810; Q5: 4, <= 4 * 7874) or int32 (Q8_0), then madd by ones to the row's exact int32 dot product. The scales
-// of the 8 rows convert 8 at a time; every lane does the same float32 operations, block after block, whatever MR.
-template <int QT, int MR>
-static inline void gguf_group_tile(const uint8_t* grp, int64_t nwb, const int8_t* qa, const float* da,
-                                   const float* sa, int64_t nb, int64_t m0, __m256* out) {
-    const int64_t K = nb * GGUF_BLOCK;
+#if KV8_GGUF_VNNI256
+static inline __m256i gguf_dpbusd256(__m256i acc, __m256i u, __m256i s) {   // acc + 4 products u8 x s8 per lane
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return _mm256_dpbusd_epi32(acc, u, s);
+#else
+    return _mm256_dpbusd_avx_epi32(acc, u, s);
+#endif
+}
+#else
+template <class V>   // no path of this build calls it (gguf_group_tile<..., true> is never instantiated)
+static inline V gguf_dpbusd256(V acc, V, V) {
+    static_assert(sizeof(V) == 0, "this build has no vpdpbusd on ymm");
+    return acc;
+}
+#endif
+
+// One group of 8 weight rows (its first weight block at grp, nwb blocks) times MR activation rows (x at row m0):
+// out[m] = the 8 rows' results, lane r = weight row r, before the bias. Per weight block, each 32-byte load holds 4
+// codes of each of the 8 rows, each 4-byte broadcast 4 activation codes. VNNI = false (avx2): maddubs gives, per
+// lane, that row's products summed in pairs; the pairs add up in int16 (Q4: 8 of them, |.| <= 8 * 3810; Q5: 4, <= 4
+// * 7874) or int32 (Q8_0), then madd by ones to the row's exact int32 dot product. VNNI = true (vnni256): vpdpbusd
+// adds each lane's 4 products to its int32 sum (Q8_0: the codes + 128, then - 128 isum). The scales of the 8 rows
+// convert 8 at a time; every lane does the same float32 operations, block after block, whatever MR or VNNI.
+template <int QT, int MR, bool VNNI>
+static inline void gguf_group_tile(const uint8_t* grp, int64_t nwb, const GGUFActs& x, int64_t m0, __m256* out) {
+    const int64_t nb = x.nb, K = nb * GGUF_BLOCK;
     const __m256i ones = _mm256_set1_epi16(1), low = _mm256_set1_epi8(0x0f);
     __m256 acc[MR], corr[MR];
     for (int m = 0; m < MR; ++m) { acc[m] = _mm256_setzero_ps(); corr[m] = _mm256_setzero_ps(); }
-    const int8_t* a0 = qa + m0 * K;
-    const float* da0 = da + m0 * nb;
-    const float* sa0 = sa + m0 * nb;
+    const int8_t* a0 = x.qa + m0 * K;
+    const float* da0 = x.da + m0 * nb;
+    const float* sa0 = x.sa + m0 * nb;
     if constexpr (QT == GGUF_Q4_K) {
         for (int64_t w = 0; w < nwb; ++w) {
             const uint8_t* p = grp + w * (GGUF_ROWS * 144);
@@ -240,15 +321,20 @@ static inline void gguf_group_tile(const uint8_t* grp, int64_t nwb, const int8_t
             const uint8_t* q = p + 128;
             for (int c = 0; c < 4; ++c) {   // sub-blocks 2c (low nibbles) and 2c + 1 (high)
                 const int64_t b = 8 * w + 2 * c;   // activation block of sub-block 2c
-                __m256i s_lo[MR], s_hi[MR];
+                __m256i s_lo[MR], s_hi[MR];   // avx2: int16 sums of pairs; vnni256: the int32 dot products
                 for (int m = 0; m < MR; ++m) { s_lo[m] = _mm256_setzero_si256(); s_hi[m] = _mm256_setzero_si256(); }
                 for (int k = 0; k < 8; ++k) {
                     const __m256i v = _mm256_loadu_si256((const __m256i*)(q + 32 * (8 * c + k)));
                     const __m256i lo = _mm256_and_si256(v, low), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
                     for (int m = 0; m < MR; ++m) {
                         const int8_t* a = a0 + m * K + b * GGUF_BLOCK + 4 * k;
-                        s_lo[m] = _mm256_add_epi16(s_lo[m], _mm256_maddubs_epi16(lo, gguf_bcast4(a)));
-                        s_hi[m] = _mm256_add_epi16(s_hi[m], _mm256_maddubs_epi16(hi, gguf_bcast4(a + GGUF_BLOCK)));
+                        if constexpr (VNNI) {
+                            s_lo[m] = gguf_dpbusd256(s_lo[m], lo, gguf_bcast4(a));
+                            s_hi[m] = gguf_dpbusd256(s_hi[m], hi, gguf_bcast4(a + GGUF_BLOCK));
+                        } else {
+                            s_lo[m] = _mm256_add_epi16(s_lo[m], _mm256_maddubs_epi16(lo, gguf_bcast4(a)));
+                            s_hi[m] = _mm256_add_epi16(s_hi[m], _mm256_maddubs_epi16(hi, gguf_bcast4(a + GGUF_BLOCK)));
+                        }
                     }
                 }
                 for (int h = 0; h < 2; ++h) {
@@ -256,7 +342,8 @@ static inline void gguf_group_tile(const uint8_t* grp, int64_t nwb, const int8_t
                     const __m256 sc = _mm256_mul_ps(d, gguf_bytes_ps(scm + 8 * s));        // exact products
                     const __m256 mn = _mm256_mul_ps(dmin, gguf_bytes_ps(scm + 64 + 8 * s));
                     for (int m = 0; m < MR; ++m) {
-                        const __m256i dot = _mm256_madd_epi16(h ? s_hi[m] : s_lo[m], ones);
+                        const __m256i dot = VNNI ? (h ? s_hi[m] : s_lo[m])
+                                                 : _mm256_madd_epi16(h ? s_hi[m] : s_lo[m], ones);
                         const __m256 scale = _mm256_mul_ps(sc, _mm256_broadcast_ss(da0 + m * nb + b + h));
                         acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), scale, acc[m]);
                         corr[m] = _mm256_fmadd_ps(mn, _mm256_broadcast_ss(sa0 + m * nb + b + h), corr[m]);
@@ -279,7 +366,15 @@ static inline void gguf_group_tile(const uint8_t* grp, int64_t nwb, const int8_t
             __m256i dot[MR];
             for (int m = 0; m < MR; ++m) dot[m] = _mm256_setzero_si256();
             const int8_t* a = a0 + b * GGUF_BLOCK;
-            if constexpr (QT == GGUF_Q8_0) {   // |q| as unsigned, a with q's sign: |pair| <= 2 * 128 * 127
+            if constexpr (QT == GGUF_Q8_0 && VNNI) {   // q + 128 as unsigned bytes, then - 128 isum
+                for (int k = 0; k < 8; ++k) {
+                    const __m256i v = _mm256_xor_si256(_mm256_loadu_si256((const __m256i*)(q + 32 * k)),
+                                                       _mm256_set1_epi8((char)0x80));
+                    for (int m = 0; m < MR; ++m) dot[m] = gguf_dpbusd256(dot[m], v, gguf_bcast4(a + m * K + 4 * k));
+                }
+                for (int m = 0; m < MR; ++m)
+                    dot[m] = _mm256_sub_epi32(dot[m], _mm256_set1_epi32(128 * x.isum[(m0 + m) * nb + b]));
+            } else if constexpr (QT == GGUF_Q8_0) {   // |q| as unsigned, a with q's sign: |pair| <= 2 * 128 * 127
                 for (int k = 0; k < 8; ++k) {
                     const __m256i v = _mm256_loadu_si256((const __m256i*)(q + 32 * k)), av = _mm256_abs_epi8(v);
                     for (int m = 0; m < MR; ++m) {
@@ -291,19 +386,24 @@ static inline void gguf_group_tile(const uint8_t* grp, int64_t nwb, const int8_t
             } else if constexpr (QT == GGUF_Q5_0) {
                 const __m256i h = _mm256_loadu_si256((const __m256i*)(p + 16));
                 __m256i s16[MR];
-                for (int t = 0; t < 4; ++t) {   // as Q4 below, plus the fifth bits; pairs of t summed in int16
+                for (int t = 0; t < 4; ++t) {   // as Q4 below, plus the fifth bits; avx2: pairs of t summed in int16
                     const __m256i v = _mm256_loadu_si256((const __m256i*)(q + 32 * t));
                     const __m256i lo = _mm256_or_si256(_mm256_and_si256(v, low), gguf_q5_high(h, t));
                     const __m256i hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 4), low),
                                                        gguf_q5_high(h, 4 + t));
                     for (int m = 0; m < MR; ++m) {
                         const int8_t* am = a + m * K + 4 * t;
-                        const __m256i x = _mm256_add_epi16(_mm256_maddubs_epi16(lo, gguf_bcast4(am)),
+                        if constexpr (VNNI) {
+                            dot[m] = gguf_dpbusd256(gguf_dpbusd256(dot[m], lo, gguf_bcast4(am)), hi,
+                                                    gguf_bcast4(am + 16));
+                            continue;
+                        }
+                        const __m256i y = _mm256_add_epi16(_mm256_maddubs_epi16(lo, gguf_bcast4(am)),
                                                            _mm256_maddubs_epi16(hi, gguf_bcast4(am + 16)));
                         if (t % 2 == 0)
-                            s16[m] = x;
+                            s16[m] = y;
                         else
-                            dot[m] = _mm256_add_epi32(dot[m], _mm256_madd_epi16(_mm256_add_epi16(s16[m], x), ones));
+                            dot[m] = _mm256_add_epi32(dot[m], _mm256_madd_epi16(_mm256_add_epi16(s16[m], y), ones));
                     }
                 }
             } else {   // Q4_0, Q4_1: load t holds bytes 4t .. 4t+3 of each row's qs: codes 4t.., and 16 + 4t..
@@ -313,12 +413,18 @@ static inline void gguf_group_tile(const uint8_t* grp, int64_t nwb, const int8_t
                     const __m256i v = _mm256_loadu_si256((const __m256i*)(q + 32 * t));
                     const __m256i lo = _mm256_and_si256(v, low), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
                     for (int m = 0; m < MR; ++m) {
-                        s16[m] = _mm256_add_epi16(s16[m], _mm256_maddubs_epi16(lo, gguf_bcast4(a + m * K + 4 * t)));
-                        s16[m] = _mm256_add_epi16(s16[m],
-                                                  _mm256_maddubs_epi16(hi, gguf_bcast4(a + m * K + 16 + 4 * t)));
+                        const int8_t* am = a + m * K + 4 * t;
+                        if constexpr (VNNI) {
+                            dot[m] = gguf_dpbusd256(gguf_dpbusd256(dot[m], lo, gguf_bcast4(am)), hi,
+                                                    gguf_bcast4(am + 16));
+                        } else {
+                            s16[m] = _mm256_add_epi16(s16[m], _mm256_maddubs_epi16(lo, gguf_bcast4(am)));
+                            s16[m] = _mm256_add_epi16(s16[m], _mm256_maddubs_epi16(hi, gguf_bcast4(am + 16)));
+                        }
                     }
                 }
-                for (int m = 0; m < MR; ++m) dot[m] = _mm256_madd_epi16(s16[m], ones);
+                if constexpr (!VNNI)
+                    for (int m = 0; m < MR; ++m) dot[m] = _mm256_madd_epi16(s16[m], ones);
             }
             __m256 mn = d;   // the min term's weight: Q4_1 m, Q4_0 -8 d, Q5_0 -16 d (exact)
             if constexpr (QT == GGUF_Q4_1) mn = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(p + 16)));
@@ -333,6 +439,158 @@ static inline void gguf_group_tile(const uint8_t* grp, int64_t nwb, const int8_t
         for (int m = 0; m < MR; ++m) out[m] = _mm256_add_ps(acc[m], corr[m]);
     }
 }
+
+#if KV8_GGUF_VNNI512
+// vnni512's operands: the same 32 bytes of two groups (at a and b) in one zmm, lanes 0-7 a's rows, 8-15 b's.
+static inline __m512i gguf_load2(const uint8_t* a, const uint8_t* b) {
+    return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i*)a)),
+                              _mm256_loadu_si256((const __m256i*)b), 1);
+}
+
+static inline __m512 gguf_half2(const uint8_t* a, const uint8_t* b) {   // 8 f16 at a, 8 at b -> 16 floats
+    return _mm512_cvtph_ps(_mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i*)a)),
+                                                   _mm_loadu_si128((const __m128i*)b), 1));
+}
+
+static inline __m512i gguf_bcast4x16(const int8_t* p) {   // 4 activation codes, in every 32-bit lane
+    int32_t v;
+    std::memcpy(&v, p, 4);
+    return _mm512_set1_epi32(v);
+}
+
+static inline __m512 gguf_bytes16_ps(const uint8_t* p) {   // 16 unsigned bytes -> 16 floats
+    return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)p)));
+}
+
+// gguf_q4k_unpack for two groups' blocks (at a and b): out[256], the scales of sub-block s for rows 0..7 of a then
+// rows 0..7 of b at out + 16 s, the mins at out + 128 + 16 s (the 8-row unpack's bit operations on both halves, then
+// the 8-byte rows of the two halves interleaved).
+static inline void gguf_q4k_unpack2(const uint8_t* a, const uint8_t* b, uint8_t* out) {
+    const __m512i sl = gguf_load2(a, b), ml = gguf_load2(a + 32, b + 32), h = gguf_load2(a + 64, b + 64);
+    const __m512i low = _mm512_set1_epi8(0x0f), top = _mm512_set1_epi8(0x30);
+    const __m512i order = _mm512_setr_epi64(0, 4, 1, 5, 2, 6, 3, 7);   // qword s of a, then qword s of b
+    const __m512i part[4] = {
+        _mm512_or_si512(_mm512_and_si512(sl, low), _mm512_and_si512(_mm512_slli_epi16(h, 4), top)),
+        _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(sl, 4), low), _mm512_and_si512(_mm512_slli_epi16(h, 2), top)),
+        _mm512_or_si512(_mm512_and_si512(ml, low), _mm512_and_si512(h, top)),
+        _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(ml, 4), low), _mm512_and_si512(_mm512_srli_epi16(h, 2), top)),
+    };
+    for (int i = 0; i < 4; ++i) _mm512_storeu_si512(out + 64 * i, _mm512_permutexvar_epi64(order, part[i]));
+}
+
+static inline __m512i gguf_q5_high2(__m512i h, int k) {   // gguf_q5_high on both halves
+    const __m512i sh = k < 4 ? _mm512_sll_epi16(h, _mm_cvtsi32_si128(4 - k))
+                             : _mm512_srl_epi16(h, _mm_cvtsi32_si128(k - 4));
+    return _mm512_and_si512(sh, _mm512_set1_epi8(0x10));
+}
+
+// Two groups of 8 weight rows (their first weight blocks at ga and gb, nwb blocks each) times MR activation rows (x
+// at row m0): out[m] = the 16 rows' results, lanes 0-7 ga's rows, 8-15 gb's, before the bias. gguf_group_tile's
+// vnni256 path on 16 lanes: each operand two 32-byte loads (one per group), each activation broadcast feeds 16 rows;
+// the same integer dot products and, lane by lane, the same float32 operations in the same order.
+template <int QT, int MR>
+static inline void gguf_pair_tile(const uint8_t* ga, const uint8_t* gb, int64_t nwb, const GGUFActs& x, int64_t m0,
+                                  __m512* out) {
+    const int64_t nb = x.nb, K = nb * GGUF_BLOCK;
+    const __m512i low = _mm512_set1_epi8(0x0f);
+    __m512 acc[MR], corr[MR];
+    for (int m = 0; m < MR; ++m) { acc[m] = _mm512_setzero_ps(); corr[m] = _mm512_setzero_ps(); }
+    const int8_t* a0 = x.qa + m0 * K;
+    const float* da0 = x.da + m0 * nb;
+    const float* sa0 = x.sa + m0 * nb;
+    if constexpr (QT == GGUF_Q4_K) {
+        for (int64_t w = 0; w < nwb; ++w) {
+            const uint8_t* pa = ga + w * (GGUF_ROWS * 144);
+            const uint8_t* pb = gb + w * (GGUF_ROWS * 144);
+            for (int o = 0; o < GGUF_ROWS * 144; o += 64) {
+                _mm_prefetch((const char*)pa + GGUF_PREFETCH + o, _MM_HINT_T0);
+                _mm_prefetch((const char*)pb + GGUF_PREFETCH + o, _MM_HINT_T0);
+            }
+            const __m512 d = gguf_half2(pa, pb), dmin = gguf_half2(pa + 16, pb + 16);
+            alignas(64) uint8_t scm[256];
+            gguf_q4k_unpack2(pa + 32, pb + 32, scm);
+            for (int c = 0; c < 4; ++c) {   // sub-blocks 2c (low nibbles) and 2c + 1 (high)
+                const int64_t b = 8 * w + 2 * c;
+                __m512i s_lo[MR], s_hi[MR];
+                for (int m = 0; m < MR; ++m) { s_lo[m] = _mm512_setzero_si512(); s_hi[m] = _mm512_setzero_si512(); }
+                for (int k = 0; k < 8; ++k) {
+                    const int off = 128 + 32 * (8 * c + k);
+                    const __m512i v = gguf_load2(pa + off, pb + off);
+                    const __m512i lo = _mm512_and_si512(v, low), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+                    for (int m = 0; m < MR; ++m) {
+                        const int8_t* a = a0 + m * K + b * GGUF_BLOCK + 4 * k;
+                        s_lo[m] = _mm512_dpbusd_epi32(s_lo[m], lo, gguf_bcast4x16(a));
+                        s_hi[m] = _mm512_dpbusd_epi32(s_hi[m], hi, gguf_bcast4x16(a + GGUF_BLOCK));
+                    }
+                }
+                for (int h = 0; h < 2; ++h) {
+                    const int s = 2 * c + h;
+                    const __m512 sc = _mm512_mul_ps(d, gguf_bytes16_ps(scm + 16 * s));        // exact products
+                    const __m512 mn = _mm512_mul_ps(dmin, gguf_bytes16_ps(scm + 128 + 16 * s));
+                    for (int m = 0; m < MR; ++m) {
+                        const __m512 scale = _mm512_mul_ps(sc, _mm512_set1_ps(da0[m * nb + b + h]));
+                        acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(h ? s_hi[m] : s_lo[m]), scale, acc[m]);
+                        corr[m] = _mm512_fmadd_ps(mn, _mm512_set1_ps(sa0[m * nb + b + h]), corr[m]);
+                    }
+                }
+            }
+        }
+        for (int m = 0; m < MR; ++m) out[m] = _mm512_sub_ps(acc[m], corr[m]);
+        return;
+    } else {
+        constexpr int UNIT = QT == GGUF_Q8_0 ? 34 : QT == GGUF_Q4_0 ? 18 : QT == GGUF_Q4_1 ? 20 : 22;
+        constexpr int CODES = QT == GGUF_Q8_0 ? 16 : QT == GGUF_Q4_1 ? 32 : QT == GGUF_Q5_0 ? 48 : 16;
+        constexpr float OFFSET = QT == GGUF_Q5_0 ? -16.0f : -8.0f;   // Q4_0, Q5_0: the codes' offset
+        for (int64_t b = 0; b < nwb; ++b) {
+            const uint8_t* pa = ga + b * (GGUF_ROWS * UNIT);
+            const uint8_t* pb = gb + b * (GGUF_ROWS * UNIT);
+            for (int o = 0; o < GGUF_ROWS * UNIT; o += 64) {
+                _mm_prefetch((const char*)pa + GGUF_PREFETCH + o, _MM_HINT_T0);
+                _mm_prefetch((const char*)pb + GGUF_PREFETCH + o, _MM_HINT_T0);
+            }
+            const __m512 d = gguf_half2(pa, pb);
+            __m512i dot[MR];
+            for (int m = 0; m < MR; ++m) dot[m] = _mm512_setzero_si512();
+            const int8_t* a = a0 + b * GGUF_BLOCK;
+            if constexpr (QT == GGUF_Q8_0) {   // q + 128 as unsigned bytes, then - 128 isum
+                for (int k = 0; k < 8; ++k) {
+                    const __m512i v = _mm512_xor_si512(gguf_load2(pa + CODES + 32 * k, pb + CODES + 32 * k),
+                                                       _mm512_set1_epi8((char)0x80));
+                    for (int m = 0; m < MR; ++m)
+                        dot[m] = _mm512_dpbusd_epi32(dot[m], v, gguf_bcast4x16(a + m * K + 4 * k));
+                }
+                for (int m = 0; m < MR; ++m)
+                    dot[m] = _mm512_sub_epi32(dot[m], _mm512_set1_epi32(128 * x.isum[(m0 + m) * nb + b]));
+            } else {   // Q4_0, Q4_1, Q5_0: load t holds bytes 4t .. 4t+3 of each row's qs: codes 4t.., and 16 + 4t..
+                __m512i h = _mm512_setzero_si512();
+                if constexpr (QT == GGUF_Q5_0) h = gguf_load2(pa + 16, pb + 16);
+                for (int t = 0; t < 4; ++t) {
+                    const __m512i v = gguf_load2(pa + CODES + 32 * t, pb + CODES + 32 * t);
+                    __m512i lo = _mm512_and_si512(v, low), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+                    if constexpr (QT == GGUF_Q5_0) {
+                        lo = _mm512_or_si512(lo, gguf_q5_high2(h, t));
+                        hi = _mm512_or_si512(hi, gguf_q5_high2(h, 4 + t));
+                    }
+                    for (int m = 0; m < MR; ++m) {
+                        const int8_t* am = a + m * K + 4 * t;
+                        dot[m] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(dot[m], lo, gguf_bcast4x16(am)), hi,
+                                                     gguf_bcast4x16(am + 16));
+                    }
+                }
+            }
+            __m512 mn = d;   // the min term's weight: Q4_1 m, Q4_0 -8 d, Q5_0 -16 d (exact)
+            if constexpr (QT == GGUF_Q4_1) mn = gguf_half2(pa + 16, pb + 16);
+            else if constexpr (QT != GGUF_Q8_0) mn = _mm512_mul_ps(d, _mm512_set1_ps(OFFSET));
+            for (int m = 0; m < MR; ++m) {
+                const __m512 scale = _mm512_mul_ps(d, _mm512_set1_ps(da0[m * nb + b]));
+                acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[m]), scale, acc[m]);
+                if constexpr (QT != GGUF_Q8_0) corr[m] = _mm512_fmadd_ps(mn, _mm512_set1_ps(sa0[m * nb + b]), corr[m]);
+            }
+        }
+        for (int m = 0; m < MR; ++m) out[m] = _mm512_add_ps(acc[m], corr[m]);
+    }
+}
+#endif  // KV8_GGUF_VNNI512
 
 // Calls f(offset, width) for each section of a QT weight block, in order: its offset in the block's canonical bytes
 // and its width (kv8.quant.gguf_blocks._SECTIONS): in a group of g rows the section starts at g * offset.
@@ -369,57 +627,146 @@ static inline void gguf_gather(const uint8_t* blk, int g, int r, uint8_t* canon)
     gguf_each_section<QT>([&](int off, int width) { gguf_copy(canon + off, blk + g * off + r * width, width); });
 }
 
-template <int QT>
-static inline void gguf_tile(int mr, const uint8_t* grp, int64_t nwb, const int8_t* qa, const float* da,
-                             const float* sa, int64_t nb, int64_t m0, __m256* out) {
+// Tiles of MR_MAX activation rows and the rest: the tile kernel for mr rows (1 .. MR_MAX).
+template <int QT, bool VNNI>
+static inline void gguf_tile(int mr, const uint8_t* grp, int64_t nwb, const GGUFActs& x, int64_t m0, __m256* out) {
     switch (mr) {
-        case 1: gguf_group_tile<QT, 1>(grp, nwb, qa, da, sa, nb, m0, out); break;
-        case 2: gguf_group_tile<QT, 2>(grp, nwb, qa, da, sa, nb, m0, out); break;
-        case 3: gguf_group_tile<QT, 3>(grp, nwb, qa, da, sa, nb, m0, out); break;
-        default: gguf_group_tile<QT, 4>(grp, nwb, qa, da, sa, nb, m0, out); break;
+        case 1: gguf_group_tile<QT, 1, VNNI>(grp, nwb, x, m0, out); break;
+        case 2: gguf_group_tile<QT, 2, VNNI>(grp, nwb, x, m0, out); break;
+        case 3: gguf_group_tile<QT, 3, VNNI>(grp, nwb, x, m0, out); break;
+        default: gguf_group_tile<QT, 4, VNNI>(grp, nwb, x, m0, out); break;
     }
 }
 
+#if KV8_GGUF_VNNI512
 template <int QT>
-static int gguf_linear_rows(const kv8_gguf_linear_call& call, const int8_t* qa, const float* da, const float* sa) {
+static inline void gguf_tile2(int mr, const uint8_t* ga, const uint8_t* gb, int64_t nwb, const GGUFActs& x,
+                              int64_t m0, __m512* out) {
+    switch (mr) {
+        case 1: gguf_pair_tile<QT, 1>(ga, gb, nwb, x, m0, out); break;
+        case 2: gguf_pair_tile<QT, 2>(ga, gb, nwb, x, m0, out); break;
+        case 3: gguf_pair_tile<QT, 3>(ga, gb, nwb, x, m0, out); break;
+        case 4: gguf_pair_tile<QT, 4>(ga, gb, nwb, x, m0, out); break;
+        case 5: gguf_pair_tile<QT, 5>(ga, gb, nwb, x, m0, out); break;
+        case 6: gguf_pair_tile<QT, 6>(ga, gb, nwb, x, m0, out); break;
+        case 7: gguf_pair_tile<QT, 7>(ga, gb, nwb, x, m0, out); break;
+        default: gguf_pair_tile<QT, 8>(ga, gb, nwb, x, m0, out); break;
+    }
+}
+#endif
+
+// Group G's blocks as the kernels read them: in place for a full group, else (the last group, g < 8 rows) widened to
+// 8 rows (zero rows) into *wide (malloc'ed; the caller frees it). nullptr when that allocation fails.
+template <int QT>
+static inline const uint8_t* gguf_group(const kv8_gguf_linear_call& call, int64_t G, int64_t row_bytes,
+                                        uint8_t** wide) {
+    const int64_t n0 = G * GGUF_ROWS, N = call.out_features, nwb = row_bytes / GGUF_UNIT[QT];
+    const uint8_t* grp = call.blocks + n0 * row_bytes;
+    const int g = (int)(N - n0 < GGUF_ROWS ? N - n0 : GGUF_ROWS);
+    if (g == GGUF_ROWS) return grp;
+    *wide = (uint8_t*)std::malloc((size_t)(GGUF_ROWS * row_bytes));
+    if (!*wide) return nullptr;
+    for (int64_t w = 0; w < nwb; ++w)
+        gguf_widen<QT>(grp + w * g * GGUF_UNIT[QT], g, *wide + w * GGUF_ROWS * GGUF_UNIT[QT]);
+    return *wide;
+}
+
+// rows results of a tile's activation row m (lanes: the tile's weight rows from n0) + bias, rounded to bf16 into out.
+static inline void gguf_store(const float* lane, int rows, const kv8_gguf_linear_call& call, int64_t m, int64_t n0) {
+    uint16_t* o = call.out + m * call.out_features + n0;
+    const float* bias = call.bias ? call.bias + n0 : nullptr;
+    for (int r = 0; r < rows; ++r) o[r] = gguf_round_bf16(lane[r] + (bias ? bias[r] : 0.0f));
+}
+
+// The avx2 (VNNI = false) and vnni256 paths: OpenMP over the groups of 8 rows.
+template <int QT, bool VNNI>
+static int gguf_linear_rows(const kv8_gguf_linear_call& call, const GGUFActs& x) {
     constexpr int MR = 4;
-    const int64_t M = call.rows, N = call.out_features, nb = call.in_features / GGUF_BLOCK;
-    const int64_t row_bytes = nb * GGUF_BLOCK_BYTES[QT], nwb = row_bytes / GGUF_UNIT[QT];
+    const int64_t M = call.rows, N = call.out_features;
+    const int64_t row_bytes = x.nb * GGUF_BLOCK_BYTES[QT], nwb = row_bytes / GGUF_UNIT[QT];
     const int64_t groups = (N + GGUF_ROWS - 1) / GGUF_ROWS;
     const int threads = threads_for(N * call.in_features * (M < MR ? 1 : MR), call.num_threads);
     int rc = OK;
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t G = 0; G < groups; ++G) {
+        uint8_t* wide = nullptr;
+        const uint8_t* grp = gguf_group<QT>(call, G, row_bytes, &wide);
+        if (!grp) {
+#pragma omp atomic write
+            rc = ERR_OOM;
+            continue;
+        }
         const int64_t n0 = G * GGUF_ROWS;
         const int g = (int)(N - n0 < GGUF_ROWS ? N - n0 : GGUF_ROWS);
-        const uint8_t* grp = call.blocks + n0 * row_bytes;
-        uint8_t* wide = nullptr;
-        if (g < GGUF_ROWS) {   // the last group, of g rows: widened to 8 (zero rows) for the kernel
-            wide = (uint8_t*)std::malloc((size_t)(GGUF_ROWS * row_bytes));
-            if (!wide) {
-#pragma omp atomic write
-                rc = ERR_OOM;
-                continue;
-            }
-            for (int64_t w = 0; w < nwb; ++w)
-                gguf_widen<QT>(grp + w * g * GGUF_UNIT[QT], g, wide + w * GGUF_ROWS * GGUF_UNIT[QT]);
-            grp = wide;
-        }
-        const float* bias = call.bias ? call.bias + n0 : nullptr;
         for (int64_t m0 = 0; m0 < M; m0 += MR) {
             const int mr = (int)(M - m0 < MR ? M - m0 : MR);
             __m256 res[MR];
-            gguf_tile<QT>(mr, grp, nwb, qa, da, sa, nb, m0, res);
+            gguf_tile<QT, VNNI>(mr, grp, nwb, x, m0, res);
             for (int m = 0; m < mr; ++m) {
                 alignas(32) float lane[GGUF_ROWS];
                 _mm256_store_ps(lane, res[m]);
-                uint16_t* o = call.out + (m0 + m) * N + n0;
-                for (int r = 0; r < g; ++r) o[r] = gguf_round_bf16(lane[r] + (bias ? bias[r] : 0.0f));
+                gguf_store(lane, g, call, m0 + m, n0);
             }
         }
         std::free(wide);
     }
     return rc;
+}
+
+#if KV8_GGUF_VNNI512
+// The vnni512 path: OpenMP over pairs of groups (16 rows); a last, odd group is paired with itself. Tiles of 8
+// activation rows (Q4_K: 4, whose two sub-blocks' sums per row would not fit the 32 registers): 1.07-1.31x faster
+// than tiles of 4 in 23 of 24 cells at M = 5 and 8 (Q8_0 / Q4_0 / Q4_1 / Q5_0, 576x576, 1536x576, 640x2048, one
+// thread; the Xeon of docs/benchmarks.md's "The int8 kernel's VNNI paths", 2026-11-29, an A/B of the two builds in
+// one process, load ~4); Q4_K one sub-block at a time in tiles of 8 was slower at 1-2 rows (0.82-0.86x).
+template <int QT>
+static int gguf_linear_pairs(const kv8_gguf_linear_call& call, const GGUFActs& x) {
+    constexpr int MR = QT == GGUF_Q4_K ? 4 : 8;
+    const int64_t M = call.rows, N = call.out_features;
+    const int64_t row_bytes = x.nb * GGUF_BLOCK_BYTES[QT], nwb = row_bytes / GGUF_UNIT[QT];
+    const int64_t groups = (N + GGUF_ROWS - 1) / GGUF_ROWS, pairs = (groups + 1) / 2;
+    const int threads = threads_for(N * call.in_features * (M < MR ? 1 : MR), call.num_threads);
+    int rc = OK;
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t P = 0; P < pairs; ++P) {
+        uint8_t *wide_a = nullptr, *wide_b = nullptr;
+        const uint8_t* ga = gguf_group<QT>(call, 2 * P, row_bytes, &wide_a);
+        const uint8_t* gb = 2 * P + 1 < groups ? gguf_group<QT>(call, 2 * P + 1, row_bytes, &wide_b) : ga;
+        if (!ga || !gb) {
+            std::free(wide_a);
+            std::free(wide_b);
+#pragma omp atomic write
+            rc = ERR_OOM;
+            continue;
+        }
+        const int64_t n0 = 2 * P * GGUF_ROWS;
+        const int rows = (int)(N - n0 < 2 * GGUF_ROWS ? N - n0 : 2 * GGUF_ROWS);
+        for (int64_t m0 = 0; m0 < M; m0 += MR) {
+            const int mr = (int)(M - m0 < MR ? M - m0 : MR);
+            __m512 res[MR];
+            gguf_tile2<QT>(mr, ga, gb, nwb, x, m0, res);
+            for (int m = 0; m < mr; ++m) {
+                alignas(64) float lane[2 * GGUF_ROWS];
+                _mm512_store_ps(lane, res[m]);
+                gguf_store(lane, rows, call, m0 + m, n0);
+            }
+        }
+        std::free(wide_a);
+        std::free(wide_b);
+    }
+    return rc;
+}
+#endif
+
+template <int QT>
+static int gguf_linear_path(const kv8_gguf_linear_call& call, const GGUFActs& x) {
+#if KV8_GGUF_VNNI512
+    if (call.path == GGUF_PATH_VNNI512) return gguf_linear_pairs<QT>(call, x);
+#endif
+#if KV8_GGUF_VNNI256
+    if (call.path == GGUF_PATH_VNNI256) return gguf_linear_rows<QT, true>(call, x);
+#endif
+    return gguf_linear_rows<QT, false>(call, x);
 }
 
 // One canonical weight block (kv8.quant.gguf_blocks._canonical's bytes) -> its 32 (Q4_K: 256) float32 values, as
@@ -520,30 +867,33 @@ static int gguf_dequantize(const kv8_gguf_dequantize_call& call) {
 }
 
 static int gguf_linear(const kv8_gguf_linear_call& call) {
+    if (!gguf_path_available(call.path)) return ERR_NO_FAST_PATH;
     const int64_t M = call.rows, K = call.in_features, nb = K / GGUF_BLOCK;
     int8_t* qa = (int8_t*)std::malloc((size_t)(M * K));
     float* scales = (float*)std::malloc(sizeof(float) * (size_t)(2 * M * nb));
-    if (!qa || !scales) {
+    int32_t* isum = (int32_t*)std::malloc(sizeof(int32_t) * (size_t)(M * nb));
+    if (!qa || !scales || !isum) {
         std::free(qa);
         std::free(scales);
+        std::free(isum);
         return ERR_OOM;
     }
-    float *da = scales, *sa = scales + M * nb;
+    const GGUFActs x{qa, scales, scales + M * nb, isum, nb};
     const int qthreads = threads_for(M * K * 8, call.num_threads);
 #pragma omp parallel for schedule(static) num_threads(qthreads)
-    for (int64_t m = 0; m < M; ++m) gguf_quantize_row(call.x + m * K, K, qa + m * K, da + m * nb, sa + m * nb);
+    for (int64_t m = 0; m < M; ++m)
+        gguf_quantize_row(call.x + m * K, K, qa + m * K, scales + m * nb, scales + (M + m) * nb, isum + m * nb);
     int rc;
     switch (call.qtype) {
-        case GGUF_Q8_0: rc = gguf_linear_rows<GGUF_Q8_0>(call, qa, da, sa); break;
-        case GGUF_Q4_0: rc = gguf_linear_rows<GGUF_Q4_0>(call, qa, da, sa); break;
-        case GGUF_Q4_1: rc = gguf_linear_rows<GGUF_Q4_1>(call, qa, da, sa); break;
-        case GGUF_Q5_0: rc = gguf_linear_rows<GGUF_Q5_0>(call, qa, da, sa); break;
-        default: rc = gguf_linear_rows<GGUF_Q4_K>(call, qa, da, sa); break;
+        case GGUF_Q8_0: rc = gguf_linear_path<GGUF_Q8_0>(call, x); break;
+        case GGUF_Q4_0: rc = gguf_linear_path<GGUF_Q4_0>(call, x); break;
+        case GGUF_Q4_1: rc = gguf_linear_path<GGUF_Q4_1>(call, x); break;
+        case GGUF_Q5_0: rc = gguf_linear_path<GGUF_Q5_0>(call, x); break;
+        default: rc = gguf_linear_path<GGUF_Q4_K>(call, x); break;
     }
     std::free(qa);
     std::free(scales);
+    std::free(isum);
     return rc;
 }
-#else
-#define KV8_GGUF_AVX2 0
-#endif
+#endif  // KV8_GGUF_AVX2
