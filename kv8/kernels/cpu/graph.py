@@ -16,7 +16,13 @@ and records what it computes, in order:
 
 :meth:`CPUGraph.replay` runs the recording again: the same kernels on the same memory, the inputs being whatever the
 caller wrote into the tensors the forward read (static buffers). Every tensor of the capture is kept alive by the
-graph.
+graph. Each run of consecutive kernel calls (a decoder stack's ~270 between a few torch operators at the start) is
+replayed from C in one call, ``kv8_run_calls`` (:attr:`kv8.kernels.cpu.abi.NativeLibrary.run_calls`), over an array
+of :class:`~kv8.kernels.cpu.abi.KernelCall` built at the end of capture: no Python, no ctypes argument conversion
+and no GIL hand-over between the kernels of a run (a call from Python costs several microseconds, as much as a
+small kernel, and the OpenMP workers wait through it). The run stops at the first call that fails and raises the
+``ValueError`` that call raises eagerly (its library's message, its own description); the calls before it are made,
+the ones after it are not, as in an eager forward.
 
 Invariants: a replay computes what an eager forward over the same inputs computes, bit for bit, because it makes
 the same kernel calls with the same arguments and the same torch operators in the same order. This holds only for a
@@ -58,7 +64,7 @@ _MASK_INDEXED = frozenset({"index", "index_put", "index_put_", "_index_put_impl_
 # allocations whose contents nothing reads before a recorded operator or kernel writes them
 _ALLOCATIONS = frozenset({"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided"})
 
-_NATIVE, _FUNCTIONAL, _MUTATING = 0, 1, 2
+_NATIVE, _FUNCTIONAL, _MUTATING, _RUN = 0, 1, 2, 3
 
 #: the graph being captured, or None (one capture at a time)
 recording: CPUGraph | None = None
@@ -72,7 +78,8 @@ class CPUGraph:
     """One recorded forward (see the module docstring). ``capture`` once, then ``replay`` any number of times."""
 
     def __init__(self) -> None:
-        self._entries: list[tuple[int, Any, tuple, Any, Any]] = []
+        self._entries: list[tuple[int, Any, tuple, Any, Any]] = []   # as recorded, one per kernel call or operator
+        self._program: list[tuple[int, Any, tuple, Any, Any]] = []   # what replay runs: kernel calls in runs
         self._keep: list[Any] = []                    # every tensor and struct the entries point into
         self._thread_structs: list[ctypes.Structure] = []
         self._threads = 0
@@ -99,16 +106,20 @@ class CPUGraph:
             recording = None
         self._threads = torch.get_num_threads()
         self._keep.append(result)
+        self._program = _with_native_runs(self._entries)
         self.captured = True
         return result
 
-    def record_native(self, lib: NativeLibrary, fn: Any, structs: tuple[ctypes.Structure, ...], pointers: tuple,
-                      what: str) -> None:
-        """A kernel call made during capture (from :meth:`NativeLibrary.invoke`: ``pointers`` are its ``byref`` of
-        ``structs``); ignored from another thread."""
+    def record_native(self, lib: NativeLibrary, fn: Any, structs: tuple[ctypes.Structure, ...], what: str) -> None:
+        """A kernel call made during capture (from :meth:`NativeLibrary.invoke`: ``fn(byref(s) for s in structs)``,
+        described by ``what``); ignored from another thread. Refused (:class:`CaptureRefused`) with more argument
+        structs than a :class:`~kv8.kernels.cpu.abi.KernelCall` holds."""
         if threading.get_ident() != self.owner:
             return
-        self._entries.append((_NATIVE, fn, pointers, lib, what))
+        if not 1 <= len(structs) <= lib.CALL_MAX_ARGS:
+            raise CaptureRefused(f"the forward calls a kernel with {len(structs)} argument structs ({what}); a "
+                                 f"replayed call takes 1 to {lib.CALL_MAX_ARGS}")
+        self._entries.append((_NATIVE, fn, structs, lib, what))
         self._keep.extend(structs)
         self._thread_structs.extend(s for s in structs if any(f[0] == "num_threads" for f in s._fields_))
 
@@ -143,11 +154,9 @@ class CPUGraph:
             for s in self._thread_structs:
                 s.num_threads = threads
             self._threads = threads
-        for kind, fn, args, extra, outs in self._entries:
-            if kind == _NATIVE:
-                rc = fn(*args)
-                if rc != 0:
-                    raise extra.error(rc, outs)
+        for kind, fn, args, extra, outs in self._program:
+            if kind == _RUN:
+                fn.replay()
             elif kind == _FUNCTIONAL:
                 result = fn(*args, **extra)
                 for dst, src in zip(outs, result if isinstance(result, (tuple, list)) else (result,)):
@@ -167,6 +176,30 @@ class CPUGraph:
     def num_torch_ops(self) -> int:
         """Recorded torch operators that a replay runs."""
         return len(self._entries) - self.num_kernel_calls
+
+    @property
+    def native_runs(self) -> list[int]:
+        """The number of kernel calls in each run that a replay makes from C, in order (torch operators between
+        them)."""
+        return [e[1].count for e in self._program if e[0] == _RUN]
+
+
+def _with_native_runs(entries: list[tuple[int, Any, tuple, Any, Any]]) -> list[tuple[int, Any, tuple, Any, Any]]:
+    """``entries`` with each run of consecutive kernel calls replaced by one
+    :class:`~kv8.kernels.cpu.abi.KernelCallRun` (through the first call's library: any one runs calls of both)."""
+    program: list[tuple[int, Any, tuple, Any, Any]] = []
+    run: list[tuple[NativeLibrary, Any, tuple[ctypes.Structure, ...], str]] = []
+    for entry in entries + [(_FUNCTIONAL, None, (), None, None)]:   # (a sentinel that ends the last run)
+        if entry[0] == _NATIVE:
+            _, fn, structs, lib, what = entry
+            run.append((lib, fn, structs, what))
+            continue
+        if run:
+            program.append((_RUN, run[0][0].call_run(run), (), None, None))
+            run = []
+        if entry[1] is not None:
+            program.append(entry)
+    return program
 
 
 def _tensors(tree: Any) -> list[torch.Tensor]:

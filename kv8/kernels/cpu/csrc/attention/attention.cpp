@@ -138,6 +138,12 @@ const char* kv8_error_message(int code) { return error_message(code); }
 // Names, offsets and sizes of the argument structs' fields (abi.h), checked by Python at load.
 const char* kv8_abi_layout(void) { return abi_layout_text(); }
 
+// calls[0 .. count - 1] made in order (a CPU graph's run; ../common/kv8_abi.h's run_kernel_calls): the index of the
+// first that failed, its code in *code, or count.
+int64_t kv8_run_calls(const kv8_kernel_call* calls, int64_t count, int32_t* code) {
+    return run_kernel_calls(calls, count, code);
+}
+
 // Paged attention of one layer over the stored context (see kv8_attention_call). Checks what memory safety
 // needs (lengths, table width, block ids) and returns an error code; the other arguments are trusted.
 int kv8_paged_attention(const kv8_layer* layer, const kv8_attention_call* call) {

@@ -7,7 +7,13 @@
 // fields FIELDS(X) lists as X(type, name). KV8_ABI_STRUCTS(STRUCTS) declares the structs from the lists and
 // abi_layout_text(), which spells their layout as "S <size>: <field>@<offset>+<size> ...; S2 ...;" (structs and
 // fields in list order): the text kv8.kernels.cpu.abi.abi_layout builds from the ctypes mirror. The library exports
-// it as kv8_abi_layout(), and Python refuses a library whose text differs from its mirror's.
+// it as kv8_abi_layout(), and Python refuses a library whose text differs from its mirror's. The layout text starts
+// with the structs every library shares (KV8_COMMON_STRUCTS: kv8_kernel_call), then the library's own.
+//
+// Replaying recorded calls: run_kernel_calls (below), exported by each library as kv8_run_calls, calls a list of
+// entry points -- of either library: it only follows function pointers -- in order, for a CPU graph's runs of kernel
+// calls (kv8/kernels/cpu/graph.py). It lives here, not in one library, so that a graph replays through whichever
+// library it recorded (a model on the torch dense backend loads only the attention library).
 #pragma once
 
 #include <math.h>
@@ -117,8 +123,60 @@ struct AbiLayout {
     static const char* abi_layout_text(void) {                                       \
         static const AbiLayout layout = [] { /* once, thread-safe */                 \
             AbiLayout kv8_abi_text;                                                  \
+            KV8_COMMON_STRUCTS(KV8_ABI_APPEND)                                       \
             STRUCTS(KV8_ABI_APPEND)                                                  \
             return kv8_abi_text;                                                     \
         }();                                                                         \
         return layout.text;                                                          \
     }
+
+// ------------------------------------------------------------------------------------------------
+// Recorded kernel calls, replayed from C
+// ------------------------------------------------------------------------------------------------
+
+// An entry point of either library: it takes nargs pointers to its argument structs and returns OK or an error code.
+// The entry points are declared with their own struct types (int kv8_linear(const kv8_linear_call*)); a call
+// through this untyped pointer passes the same pointers in the same registers under the C calling convention.
+typedef int (*kv8_entry_fn)(void);
+enum { KV8_CALL_MAX_ARGS = 4 };
+
+// One recorded call: fn(arg0, ..., arg<nargs - 1>), 1 <= nargs <= KV8_CALL_MAX_ARGS; the args past nargs are unused.
+#define KV8_KERNEL_CALL_FIELDS(X)         \
+    X(kv8_entry_fn, fn)                   \
+    X(int64_t, nargs)                     \
+    X(const void*, arg0)                  \
+    X(const void*, arg1)                  \
+    X(const void*, arg2)                  \
+    X(const void*, arg3)
+
+// The structs every library shares, first in each layout text (kv8/kernels/cpu/abi.py's COMMON_STRUCTS).
+#define KV8_COMMON_STRUCTS(Y) Y(kv8_kernel_call, KV8_KERNEL_CALL_FIELDS)
+KV8_COMMON_STRUCTS(KV8_ABI_DECLARE)
+
+// Call calls[0 .. count - 1] in order, as Python would one after the other, and stop at the first that fails: returns
+// its index and writes its return code to *code (ERR_ARGS for an nargs out of range, the call not made); returns
+// count, *code = OK, when every call succeeded. Each call reads its structs when it is made, so a struct field
+// written between replays (num_threads) is seen.
+static inline int64_t run_kernel_calls(const kv8_kernel_call* calls, int64_t count, int32_t* code) {
+    typedef int (*fn1)(const void*);
+    typedef int (*fn2)(const void*, const void*);
+    typedef int (*fn3)(const void*, const void*, const void*);
+    typedef int (*fn4)(const void*, const void*, const void*, const void*);
+    for (int64_t i = 0; i < count; ++i) {
+        const kv8_kernel_call& c = calls[i];
+        int rc = ERR_ARGS;
+        switch (c.nargs) {
+            case 1: rc = reinterpret_cast<fn1>(c.fn)(c.arg0); break;
+            case 2: rc = reinterpret_cast<fn2>(c.fn)(c.arg0, c.arg1); break;
+            case 3: rc = reinterpret_cast<fn3>(c.fn)(c.arg0, c.arg1, c.arg2); break;
+            case 4: rc = reinterpret_cast<fn4>(c.fn)(c.arg0, c.arg1, c.arg2, c.arg3); break;
+            default: break;
+        }
+        if (rc != OK) {
+            *code = rc;
+            return i;
+        }
+    }
+    *code = OK;
+    return count;
+}

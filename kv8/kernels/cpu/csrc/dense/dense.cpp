@@ -82,6 +82,12 @@ extern "C" {
 const char* kv8_abi_layout(void) { return abi_layout_text(); }
 const char* kv8_error_message(int code) { return error_message(code); }
 
+// calls[0 .. count - 1] made in order (a CPU graph's run; ../common/kv8_abi.h's run_kernel_calls): the index of the
+// first that failed, its code in *code, or count.
+int64_t kv8_run_calls(const kv8_kernel_call* calls, int64_t count, int32_t* code) {
+    return run_kernel_calls(calls, count, code);
+}
+
 // Which path every kernel below but the packing has in this build: 1 the AVX-512 BF16 + VBMI path, 2 the AVX2 + FMA
 // + F16C path (avx2.h), 0 none (the entries return ERR_NO_FAST_PATH); kv8_dense_isa names it ("avx512", "avx2",
 // "none"). kv8_linear_amx_available: 1 where the linear layers can multiply with AMX tiles (compiled in, and the OS
