@@ -53,6 +53,7 @@ from engine_steps import time_prefill_step
 from revisions import worktree
 
 from kv8 import LLM, SamplingParams
+from kv8.platform import cpu_name
 
 RESULT_MARK = "@@RESULT "
 
@@ -112,7 +113,7 @@ def compare_with(rev: str, args: argparse.Namespace) -> None:
                 rows[name].append(measure(args.backend, args) if name == "now" else measure_at(before.path, args))
     med = {name: (statistics.median(p for p, _ in v), statistics.median(d for _, d in v)) for name, v in rows.items()}
     print(f"SmolLM2-135M, bf16, fp8_e4m3 cache, {args.backend}; decode batch {args.batch} at ~{args.context} "
-          f"tokens; medians of {args.rounds} alternating rounds; {cpu_name()}, {os.cpu_count()} CPUs")
+          f"tokens; medians of {args.rounds} alternating rounds; {cpu_name() or 'CPU'}, {os.cpu_count()} CPUs")
     print(f"{'kv8':<24}{f'prefill {4 * args.prompt} tok ms':>21}{'decode step ms':>16}")
     for name, (p, d) in med.items():
         print(f"{name:<24}{p * 1e3:>21.1f}{d * 1e3:>16.1f}")
@@ -128,7 +129,7 @@ def compare_formats(formats: list[str], args: argparse.Namespace) -> None:
         for fmt in formats[r % len(formats):] + formats[:r % len(formats)]:
             runs[fmt].append(measure(args.backend, args, fmt))
     print(f"SmolLM2-135M, bf16, {args.backend}; decode batch {args.batch} at ~{args.context} tokens; medians of "
-          f"{args.rounds} alternating rounds (min-max); {cpu_name()}, {os.cpu_count()} CPUs")
+          f"{args.rounds} alternating rounds (min-max); {cpu_name() or 'CPU'}, {os.cpu_count()} CPUs")
     print_rows("kv_cache_dtype", runs, formats[0], args)
 
 
@@ -140,7 +141,7 @@ def compare_graphs(args: argparse.Namespace) -> None:
         for name in (["eager", "graphs"] if r % 2 == 0 else ["graphs", "eager"]):
             runs[name].append(measure(args.backend, args, enforce_eager=name == "eager"))
     print(f"SmolLM2-135M, bf16, fp8_e4m3 cache, {args.backend}; decode batch {args.batch} at ~{args.context} tokens; "
-          f"medians of {args.rounds} alternating rounds (min-max); {cpu_name()}, {os.cpu_count()} CPUs")
+          f"medians of {args.rounds} alternating rounds (min-max); {cpu_name() or 'CPU'}, {os.cpu_count()} CPUs")
     print_rows("decode steps", runs, "eager", args)
 
 
@@ -161,7 +162,7 @@ def compare_gguf_paths(paths: list[str], args: argparse.Namespace) -> None:
     finally:
         kernels.gguf_path = chosen
     print(f"SmolLM2-135M, quantization={args.quantization}, fp8_e4m3 cache, {args.backend}; decode batch {args.batch} "
-          f"at ~{args.context} tokens; medians of {args.rounds} alternating rounds (min-max); {cpu_name()}, "
+          f"at ~{args.context} tokens; medians of {args.rounds} alternating rounds (min-max); {cpu_name() or 'CPU'}, "
           f"{os.cpu_count()} CPUs")
     print_rows("GGUF kernel path", runs, paths[0], args)
 
@@ -177,14 +178,6 @@ def print_rows(label: str, runs: dict[str, list[tuple[float, float]]], ref: str,
         dec = f"{d * 1e3:.1f} ({min(y for _, y in v) * 1e3:.0f}-{max(y for _, y in v) * 1e3:.0f})"
         speed = f"{med[ref][0] / p:.2f} / {med[ref][1] / d:.2f}"
         print(f"{name:<24}{pre:>28}{dec:>26}{speed:>28}")
-
-
-def cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "CPU")
-    except OSError:
-        return "CPU"
 
 
 def available_backends() -> list[str]:
@@ -278,7 +271,7 @@ def main() -> None:
             else:
                 runs[name].append(measure(name, args))
     print(f"SmolLM2-135M, bf16, fp8_e4m3 cache; decode batch {args.batch} at ~{args.context} tokens; medians of "
-          f"{args.rounds} alternating rounds (min-max); {cpu_name()}, {os.cpu_count()} CPUs")
+          f"{args.rounds} alternating rounds (min-max); {cpu_name() or 'CPU'}, {os.cpu_count()} CPUs")
     print_rows("dense_backend", runs, "torch" if "torch" in runs else names[0], args)   # vs torch, else the first
 
 

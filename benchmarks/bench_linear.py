@@ -72,6 +72,7 @@ from kv8.kernels.cpu.build import KernelUnavailable, build_shared_library
 from kv8.kernels.cpu.dense import SOURCE, DenseKernels
 from kv8.layers.dense_backend import DenseBackend, select_dense_backend
 from kv8.layers.linear import GGUFLinearMethod, LinearBase
+from kv8.platform import cpu_name
 from kv8.quant.gguf_blocks import BLOCK_VALUES, KEPT_TYPES, GGUFWeight, group_blocks
 
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # (out, in) per layer, SmolLM2-135M
@@ -187,7 +188,8 @@ def run_gguf_paths(ap: argparse.ArgumentParser, args: argparse.Namespace) -> Non
     chosen, before_threads = kernels.gguf_path, torch.get_num_threads()
     last = paths[-1]
     print(f"GGUF int8 kernel (kv8_gguf_linear), paths {', '.join(paths)} taking turns; {args.layers} copies of each "
-          f"matrix; medians of {args.reps} passes (a ratio's interquartile range over the passes); {cpu_name()}")
+          f"matrix; medians of {args.reps} passes (a ratio's interquartile range over the passes); "
+          f"{cpu_name() or 'CPU'}")
     print(f"{'type':<5} {'N x K':>11} {'M':>2} {'thr':>3} " + " ".join(f"{p + ' us':>11}" for p in paths)
           + "".join(f" {p + '/' + last:>16}" for p in paths[:-1]) + f" {last + ' GB/s':>13}")
     gen = torch.Generator().manual_seed(0)
@@ -227,15 +229,6 @@ def run_gguf_paths(ap: argparse.ArgumentParser, args: argparse.Namespace) -> Non
     finally:
         kernels.gguf_path = chosen
         torch.set_num_threads(before_threads)
-
-
-def cpu_name() -> str:
-    """The CPU's model name (/proc/cpuinfo), or "CPU"."""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "CPU")
-    except OSError:
-        return "CPU"
 
 
 def packed_layers(weights: list[list[torch.Tensor]], backend: DenseBackend) -> list[list[LinearBase]]:

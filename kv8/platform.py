@@ -36,7 +36,7 @@ import torch
 
 from kv8.validators import check_choice, memory_available
 
-__all__ = ["CPU", "DEVICES", "DEVICE_CHOICES", "FP8_FORMAT_NAMES", "Platform", "resolve_device"]
+__all__ = ["CPU", "DEVICES", "DEVICE_CHOICES", "FP8_FORMAT_NAMES", "Platform", "cpu_name", "resolve_device"]
 
 # where the model's weights and activations and the KV cache live (vLLM's --device); the scheduler, the block
 # pool and the requests' state are always on the host
@@ -200,12 +200,13 @@ class Platform:
             assert self.capability is not None
             memory = f", {self.total_memory / 2**30:.0f} GiB" if self.total_memory else ""
             return f"cuda ({self.name}{memory}, compute capability {self.capability[0]}.{self.capability[1]})"
-        name = _cpu_name()
+        name = cpu_name()
         threads = f"{torch.get_num_threads()} threads"
         return f"cpu ({name}, {threads})" if name else f"cpu ({threads})"
 
 
-def _cpu_name() -> str:
+def cpu_name() -> str:
+    """The CPU's model name from /proc/cpuinfo ("" where it cannot be read)."""
     try:
         with open("/proc/cpuinfo") as f:
             lines = f.read().splitlines()
