@@ -1,4 +1,4 @@
-"""One engine step of SmolLM2 on each dense backend this CPU runs, side by side in one run.
+"""One engine step of SmolLM2 (or ``--model``) on each dense backend this CPU runs, side by side in one run.
 
 Engines on the default model (bf16, FP8 cache) that differ only in ``dense_backend``: ``torch`` (``F.linear`` /
 oneDNN and torch elementwise ops), ``torch_fp32`` (the same on float32 copies of the linear weights) and, where
@@ -17,6 +17,7 @@ step (the issue-40 shape: ``--batch 8 --context 4096``).
     .venv/bin/python benchmarks/bench_engine_step.py
     .venv/bin/python benchmarks/bench_engine_step.py --backends torch,torch_fp32 --rounds 5
     .venv/bin/python benchmarks/bench_engine_step.py --before HEAD~3   # now vs that revision
+    .venv/bin/python benchmarks/bench_engine_step.py --before main --quantization gguf --batch 1   # GGUF blocks kept
     .venv/bin/python benchmarks/bench_engine_step.py --kv-cache-dtypes fp8_e4m3,int4 --batch 8 --context 4096
 
 ``--quantization`` builds every engine with that quantization (e.g. ``gguf``: the default model's Q4_1 blocks kept).
@@ -32,9 +33,10 @@ speed-ups over eager: what the replay saves of the Python around a step's ~270 k
     .venv/bin/python benchmarks/bench_engine_step.py --graphs --batch 1 --context 1024 --rounds 6
 
 ``--before REV`` measures one backend (``--backend``; default ``packed_bf16`` where the kernels build, else
-``torch``) as of git revision REV (a temporary worktree, imported in a subprocess) and now, alternating
-``--rounds`` times, and prints now / before: a change's effect on the whole step under the same machine
-conditions. The measuring code is this file's and drives the engine through ``add_request`` / ``step`` /
+``torch``) as of git revision REV (a temporary worktree) and now (this checkout), each engine in a fresh
+subprocess, alternating ``--rounds`` times, and prints now / before: a change's effect on the whole step under the
+same machine conditions (``--model``: another model than SmolLM2, e.g. ``gemma3-270m``). The measuring code is
+this file's and drives the engine through ``add_request`` / ``step`` /
 ``has_unfinished_requests`` only, which every revision has.
 """
 
@@ -56,13 +58,17 @@ from kv8 import LLM, SamplingParams
 from kv8.platform import cpu_name
 
 RESULT_MARK = "@@RESULT "
+#: this checkout's root: ``--before`` measures it in a fresh subprocess too, as it measures the other revision (not in
+#: a process that already built the previous rounds' engines)
+_TREE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def measure(backend: str, args: argparse.Namespace, kv_cache_dtype: str = "fp8_e4m3",
             enforce_eager: bool = False) -> tuple[float, float]:
     """(prefill step s, decode step s) of a new engine with this dense backend and KV cache format."""
     max_len = max(4096, args.context + args.repeats * 2 + 64)
-    llm = LLM(kv_cache_dtype=kv_cache_dtype, kv_cache_memory=args.kv_cache_memory, max_model_len=max_len,
+    llm = LLM(model=args.model, kv_cache_dtype=kv_cache_dtype, kv_cache_memory=args.kv_cache_memory,
+              max_model_len=max_len,
               dense_backend=backend, enforce_eager=enforce_eager, quantization=args.quantization)
     eng = llm.engine
     rng = random.Random(0)
@@ -93,7 +99,7 @@ def measure_at(tree: str, args: argparse.Namespace) -> tuple[float, float]:
     """:func:`measure` of ``args.backend`` with kv8 imported from ``tree`` (another revision), in a subprocess."""
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--batch", str(args.batch), "--context",
            str(args.context), "--repeats", str(args.repeats), "--backend", args.backend, "--prompt", str(args.prompt)]
-    cmd += ["--quantization", args.quantization] if args.quantization else []
+    cmd += ["--model", args.model] + (["--quantization", args.quantization] if args.quantization else [])
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (tree, os.environ.get("PYTHONPATH")) if p))
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
     marked = [line for line in proc.stdout.splitlines() if line.startswith(RESULT_MARK)]
@@ -110,9 +116,9 @@ def compare_with(rev: str, args: argparse.Namespace) -> None:
         for r in range(args.rounds):
             order = ["now", f"at {before.rev}"] if r % 2 == 0 else [f"at {before.rev}", "now"]
             for name in order:
-                rows[name].append(measure(args.backend, args) if name == "now" else measure_at(before.path, args))
+                rows[name].append(measure_at(_TREE if name == "now" else before.path, args))
     med = {name: (statistics.median(p for p, _ in v), statistics.median(d for _, d in v)) for name, v in rows.items()}
-    print(f"SmolLM2-135M, bf16, fp8_e4m3 cache, {args.backend}; decode batch {args.batch} at ~{args.context} "
+    print(f"{args.model}, bf16, fp8_e4m3 cache, {args.backend}; decode batch {args.batch} at ~{args.context} "
           f"tokens; medians of {args.rounds} alternating rounds; {cpu_name() or 'CPU'}, {os.cpu_count()} CPUs")
     print(f"{'kv8':<24}{f'prefill {4 * args.prompt} tok ms':>21}{'decode step ms':>16}")
     for name, (p, d) in med.items():
@@ -128,7 +134,7 @@ def compare_formats(formats: list[str], args: argparse.Namespace) -> None:
     for r in range(args.rounds):
         for fmt in formats[r % len(formats):] + formats[:r % len(formats)]:
             runs[fmt].append(measure(args.backend, args, fmt))
-    print(f"SmolLM2-135M, bf16, {args.backend}; decode batch {args.batch} at ~{args.context} tokens; medians of "
+    print(f"{args.model}, bf16, {args.backend}; decode batch {args.batch} at ~{args.context} tokens; medians of "
           f"{args.rounds} alternating rounds (min-max); {cpu_name() or 'CPU'}, {os.cpu_count()} CPUs")
     print_rows("kv_cache_dtype", runs, formats[0], args)
 
@@ -140,7 +146,7 @@ def compare_graphs(args: argparse.Namespace) -> None:
     for r in range(args.rounds):
         for name in (["eager", "graphs"] if r % 2 == 0 else ["graphs", "eager"]):
             runs[name].append(measure(args.backend, args, enforce_eager=name == "eager"))
-    print(f"SmolLM2-135M, bf16, fp8_e4m3 cache, {args.backend}; decode batch {args.batch} at ~{args.context} tokens; "
+    print(f"{args.model}, bf16, fp8_e4m3 cache, {args.backend}; decode batch {args.batch} at ~{args.context} tokens; "
           f"medians of {args.rounds} alternating rounds (min-max); {cpu_name() or 'CPU'}, {os.cpu_count()} CPUs")
     print_rows("decode steps", runs, "eager", args)
 
@@ -161,7 +167,7 @@ def compare_gguf_paths(paths: list[str], args: argparse.Namespace) -> None:
                 runs[path].append(measure(args.backend, args))
     finally:
         kernels.gguf_path = chosen
-    print(f"SmolLM2-135M, quantization={args.quantization}, fp8_e4m3 cache, {args.backend}; decode batch {args.batch} "
+    print(f"{args.model}, quantization={args.quantization}, fp8_e4m3 cache, {args.backend}; decode batch {args.batch} "
           f"at ~{args.context} tokens; medians of {args.rounds} alternating rounds (min-max); {cpu_name() or 'CPU'}, "
           f"{os.cpu_count()} CPUs")
     print_rows("GGUF kernel path", runs, paths[0], args)
@@ -211,6 +217,7 @@ def main() -> None:
                     help="compare decode steps replayed from CPU graphs with eager ones (enforce_eager) on one "
                          "backend (--backend) instead of the backends")
     ap.add_argument("--kv-cache-memory", default="1GiB", help="each engine's KV cache budget (default 1GiB)")
+    ap.add_argument("--model", default="smollm2-135m", help="the model (default: smollm2-135m)")
     ap.add_argument("--quantization", default=None, help="every engine's quantization (e.g. gguf: the file's blocks "
                     "kept; fp8)")
     ap.add_argument("--gguf-paths", default=None, metavar="PATHS",
@@ -270,7 +277,7 @@ def main() -> None:
                     kernels.amx = True
             else:
                 runs[name].append(measure(name, args))
-    print(f"SmolLM2-135M, bf16, fp8_e4m3 cache; decode batch {args.batch} at ~{args.context} tokens; medians of "
+    print(f"{args.model}, bf16, fp8_e4m3 cache; decode batch {args.batch} at ~{args.context} tokens; medians of "
           f"{args.rounds} alternating rounds (min-max); {cpu_name() or 'CPU'}, {os.cpu_count()} CPUs")
     print_rows("dense_backend", runs, "torch" if "torch" in runs else names[0], args)   # vs torch, else the first
 

@@ -188,7 +188,7 @@ def cmd_info(ns: argparse.Namespace) -> int:
           f"vocab {arch.vocab_size}, context {arch.max_position_embeddings}, rope_theta {arch.rope_theta:g}")
     plan = _dense_plan(hf_config, resolve_dtype(ns.dtype), ns.quantization) if platform.kind == "cpu" else "torch"
     print(f"dense layers {plan}")
-    print(f"weights      {describe_weights(kind, path, ns.quantization)}")
+    print(f"weights      {describe_weights(kind, path, ns.quantization, resolve_dtype(ns.dtype))}")
     if platform.kind == "cpu":
         from kv8.kernels.cpu.dense import describe_dense_kernels
 

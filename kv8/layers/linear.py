@@ -57,7 +57,9 @@ the full shape and copies the rank's rows (and columns) in.
   columns (KV heads replicated when there are fewer than ranks).
 * :class:`RowParallelLinear` (o_proj, down_proj) keeps the rank's input columns and sums the ranks' partial
   outputs with one all-reduce; its bias is loaded on rank 0 only (zeros elsewhere), so it is added once.
-* :class:`Linear` is replicated, and keeps its weights as loaded under ``quantization="fp8"``.
+* :class:`Linear` is replicated, and keeps its weights as loaded under ``quantization="fp8"``. (The LM head,
+  :class:`~kv8.layers.vocab_parallel.ParallelLMHead`, keeps its weights as loaded under ``"fp8"`` and as the file's
+  blocks under ``"gguf"``.)
 
 With one rank every layer holds the whole matrix and nothing is reduced.
 """
@@ -76,15 +78,24 @@ from kv8.kernels.cpu.dense import DenseKernels
 from kv8.layers.activation import SiluAndMul
 from kv8.layers.dense_backend import DenseBackend
 from kv8.quant.formats import E4M3
-from kv8.quant.gguf_blocks import ExpandedWeight, GGUFWeight, gguf_linear_reference, group_blocks, ungroup_blocks
+from kv8.quant.gguf_blocks import (
+    GROUP_ROWS,
+    ExpandedWeight,
+    GGUFWeight,
+    dequantize_rows,
+    gguf_linear_reference,
+    group_blocks,
+    ungroup_blocks,
+)
 from kv8.quant.weights import dequantize_fp8_rows, quantize_fp8_rows
 
 _E4M3_MAX = E4M3.max_finite
 
-__all__ = ["WIDE_ROWS", "WIDE_SLAB_VALUES", "GGUF_DEQUANTIZE_ROWS", "GGUFLinearMethod", "GGUFSegment", "GateUpLinear",
-           "Linear", "LinearBase", "LinearMethod", "MergedLinear", "PackedBF16LinearMethod", "PackedFP8LinearMethod",
-           "QKVLinear", "RowParallelLinear", "ScaledMMFP8LinearMethod", "TorchFP8LinearMethod", "TorchF32LinearMethod",
-           "TorchLinearMethod", "linear_f32", "linear_method", "linear_reference", "quantize_fp8_activations",
+__all__ = ["WIDE_ROWS", "WIDE_SLAB_VALUES", "GGUF_DEQUANTIZE_ROWS", "GGUF_SCRATCH_BYTES", "GGUFLinearMethod",
+           "GGUFSegment", "GateUpLinear", "Linear", "LinearBase", "LinearMethod", "MergedLinear",
+           "PackedBF16LinearMethod", "PackedFP8LinearMethod", "QKVLinear", "RowParallelLinear",
+           "ScaledMMFP8LinearMethod", "TorchFP8LinearMethod", "TorchF32LinearMethod", "TorchLinearMethod",
+           "gguf_segment", "linear_f32", "linear_method", "linear_reference", "quantize_fp8_activations",
            "scaled_mm_fp8_reference"]
 
 
@@ -334,6 +345,11 @@ class ScaledMMFP8LinearMethod(LinearMethod):
 #: at 128; benchmarks/bench_linear.py's int8 / gguf columns show the same switch (docs/benchmarks.md, "GGUF blocks
 #: kept quantized"). A constant for now: a CPU with VNNI (cheaper int8 dot products) would switch later.
 GGUF_DEQUANTIZE_ROWS = 32
+#: the most float32 scratch GGUFLinearMethod dequantizes blocks into at once: a larger segment (an LM head: SmolLM2's is
+#: 113 MB in float32, Gemma-3-270M's 671 MB) is multiplied in slices of rows. Measured on the Xeon (model 207, one
+#: thread, the SmolLM2 head): slices of 3,640 rows 1.3-1.5x faster than the whole matrix at once at 512 rows, 2.5x at
+#: 32; no decoder layer of SmolLM2 is sliced (its largest, gate/up, is 6.75 MiB in float32).
+GGUF_SCRATCH_BYTES = 8 << 20
 
 
 class GGUFSegment(nn.Module):
@@ -353,6 +369,19 @@ class GGUFSegment(nn.Module):
         self.expanded, self.tensors = expanded, tensors
         self.grouped = False
 
+    @property
+    def shape(self) -> tuple[int, int]:
+        """``(rows, in_features)``: the Hugging Face shape of the weight it holds."""
+        return (self.rows, self.in_features)
+
+    def lookup(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Rows ``ids [T]`` of the weight, ``[T, in_features]`` in ``dtype`` (an embedding's lookup): the blocks of
+        those rows alone dequantized (:func:`~kv8.quant.gguf_blocks.dequantize_rows`, float32, then one rounding to
+        ``dtype``: the values the loader's dequantized embedding holds). Blocks only (not ``expanded``)."""
+        if self.expanded:
+            raise ValueError(f"this segment holds {self.qtype} tensors dequantized at load, not blocks")
+        return dequantize_rows(self.blocks, self.qtype, self.in_features, ids, self.grouped).to(dtype)
+
     def file_blocks(self) -> torch.Tensor:
         """The segment's blocks in the file's layout (``blocks`` itself, or ungrouped from the kernel's)."""
         if self.expanded:
@@ -368,6 +397,31 @@ class GGUFSegment(nn.Module):
         return f"{self.qtype} {how}, rows={self.rows}, tensors={self.tensors}"
 
 
+def gguf_segment(run: Sequence[GGUFWeight | ExpandedWeight], in_features: int,
+                 kernels: DenseKernels | None) -> GGUFSegment:
+    """One :class:`GGUFSegment` holding ``run`` (weights of one type and kind, their rows in order) as
+    :class:`GGUFLinearMethod` reads it: blocks grouped in the kernel's order where ``kernels`` read the type, an
+    expanded weight packed for the bf16 kernel where ``kernels`` are loaded and it is bf16."""
+    rows = sum(part.shape[0] for part in run)
+    first = run[0]
+    segment = GGUFSegment(first.qtype, rows, in_features, isinstance(first, ExpandedWeight), len(run))
+    if isinstance(first, ExpandedWeight):
+        weights = [part.weight for part in run if isinstance(part, ExpandedWeight)]
+        weight = weights[0] if len(weights) == 1 else torch.cat(weights)
+        if kernels is not None and weight.dtype == torch.bfloat16:
+            segment.register_buffer("packed", kernels.pack(weight.contiguous()), persistent=False)
+        else:
+            segment.register_buffer("weight", weight.contiguous(), persistent=False)
+        return segment
+    kept = [part.blocks for part in run if isinstance(part, GGUFWeight)]
+    blocks = kept[0] if len(kept) == 1 else torch.cat(kept)
+    segment.grouped = kernels is not None and first.qtype in kernels.gguf_types
+    if segment.grouped:   # the kernel's order of the same bytes
+        blocks = group_blocks(blocks, first.qtype, in_features)
+    segment.register_buffer("blocks", blocks.contiguous(), persistent=False)
+    return segment
+
+
 class GGUFLinearMethod(LinearMethod):
     """GGUF blocks kept as the file's bytes. After loading the layer holds ``gguf_segments`` (an ``nn.ModuleList`` of
     :class:`GGUFSegment`: its projections' rows in order, consecutive projections of the same type in one segment)
@@ -381,18 +435,19 @@ class GGUFLinearMethod(LinearMethod):
     * bf16 input and ``M < dequantize_rows``: the int8 kernel (``kernels.gguf_linear``: activations rounded to int8
       per block of 32, within :func:`~kv8.quant.gguf_blocks.gguf_activation_bound` of the float32 reference plus
       one bf16 rounding; ``csrc/dense/gguf.h``). It reads each block once per 4 rows: the fast path for decode.
-    * ``M >= dequantize_rows`` (or another input dtype): the blocks dequantized to a float32 ``[N, K]`` scratch
-      matrix by ``kernels.gguf_dequantize`` (bit for bit :func:`~kv8.quant.gguf_blocks.dequantize_blocks`), then
+    * ``M >= dequantize_rows`` (or another input dtype): the blocks dequantized to a float32 scratch matrix by
+      ``kernels.gguf_dequantize`` (bit for bit :func:`~kv8.quant.gguf_blocks.dequantize_blocks`), then
       :func:`linear_f32` -- the ``torch_fp32`` backend's GEMM, the default weights' GEMM on CPUs without a native
-      bf16 one. The scratch is allocated per call and freed after it (transient: one segment's float32 weights, ``4
-      N K`` bytes); only the blocks stay resident. The result is
+      bf16 one -- a slice of rows at a time where the segment's float32 weights exceed :data:`GGUF_SCRATCH_BYTES`
+      (an LM head; slices start at multiples of 8 rows, whole groups of the kernel's layout). The scratch is
+      allocated per call and freed after it; only the blocks stay resident. The result is
       :func:`~kv8.quant.gguf_blocks.gguf_linear_reference`'s (no activation rounding) up to the order of the float32
       sums.
 
     Without the kernels for the type, :func:`gguf_linear_reference` (float32 on the blocks dequantized in torch at
-    each call): the oracle, and the path of builds without the AVX2 kernels. An expanded segment (a type the loader
-    dequantized, :class:`~kv8.quant.gguf_blocks.ExpandedWeight`) runs the packed bf16 kernel where the kernels are
-    loaded and its weights are bf16 (packed at load; bf16 input), else :func:`linear_reference`.
+    each call, in the same slices): the oracle, and the path of builds without the AVX2 kernels. An expanded segment
+    (a type the loader dequantized, :class:`~kv8.quant.gguf_blocks.ExpandedWeight`) runs the packed bf16 kernel where
+    the kernels are loaded and its weights are bf16 (packed at load; bf16 input), else :func:`linear_reference`.
 
     ``dequantize_rows`` (default :data:`GGUF_DEQUANTIZE_ROWS`) is the row count from which dequantizing wins. The
     two paths round differently, so a row's result depends on whether its call has fewer rows than that (e.g. a
@@ -412,39 +467,22 @@ class GGUFLinearMethod(LinearMethod):
         if missing:
             raise ValueError(f"{type(layer).__name__}: quantization='gguf' needs every projection's GGUF tensor; "
                              f"projections {missing} were not loaded")
-        runs: list[list[GGUFWeight | ExpandedWeight]] = []   # consecutive projections of one type, held one way
+        # consecutive projections of one type, held one way; a segment built already (a tied LM head: the
+        # embedding's blocks) is used as it is
+        held: list[GGUFSegment | list[GGUFWeight | ExpandedWeight]] = []
         for i in range(len(layer.output_sizes)):
-            part = parts[i]
-            if runs and type(runs[-1][0]) is type(part) and runs[-1][0].qtype == part.qtype:
-                runs[-1].append(part)
+            part, last = parts[i], held[-1] if held else None
+            if (isinstance(last, list) and not isinstance(part, GGUFSegment) and type(last[0]) is type(part)
+                    and last[0].qtype == part.qtype):
+                last.append(part)
             else:
-                runs.append([part])
-        layer.gguf_segments = nn.ModuleList(self._segment(run, layer.in_features) for run in runs)
+                held.append(part if isinstance(part, GGUFSegment) else [part])
+        layer.gguf_segments = nn.ModuleList(h if isinstance(h, GGUFSegment) else
+                                            gguf_segment(h, layer.in_features, self.kernels) for h in held)
         bias = None if layer.bias is None else layer.bias.detach().float().contiguous()
         layer.register_buffer("bias_f32", bias, persistent=False)
         layer.gguf_parts = {}
         del layer.weight, layer.bias
-
-    def _segment(self, run: list[GGUFWeight | ExpandedWeight], in_features: int) -> GGUFSegment:
-        """One segment holding ``run`` (parts of one type and kind) as :meth:`apply` reads it."""
-        rows = sum(part.shape[0] for part in run)
-        first = run[0]
-        segment = GGUFSegment(first.qtype, rows, in_features, isinstance(first, ExpandedWeight), len(run))
-        if isinstance(first, ExpandedWeight):
-            weights = [part.weight for part in run if isinstance(part, ExpandedWeight)]
-            weight = weights[0] if len(weights) == 1 else torch.cat(weights)
-            if self.kernels is not None and weight.dtype == torch.bfloat16:
-                segment.register_buffer("packed", self.kernels.pack(weight.contiguous()), persistent=False)
-            else:
-                segment.register_buffer("weight", weight.contiguous(), persistent=False)
-            return segment
-        kept = [part.blocks for part in run if isinstance(part, GGUFWeight)]
-        blocks = kept[0] if len(kept) == 1 else torch.cat(kept)
-        segment.grouped = self.kernels is not None and first.qtype in self.kernels.gguf_types
-        if segment.grouped:   # the kernel's order of the same bytes
-            blocks = group_blocks(blocks, first.qtype, in_features)
-        segment.register_buffer("blocks", blocks.contiguous(), persistent=False)
-        return segment
 
     def _apply_segment(self, segment: GGUFSegment, rows: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """``rows [M, K] @ W_segment.T (+ bias)`` -> ``[M, segment.rows]`` in rows' dtype."""
@@ -456,13 +494,31 @@ class GGUFLinearMethod(LinearMethod):
                 assert self.kernels is not None
                 return self.kernels.linear(rows.contiguous(), segment.packed, segment.rows, bias)
             return linear_reference(rows, segment.weight, bias)
+        kernel = segment.grouped and self.kernels is not None
+        if kernel and rows.dtype == torch.bfloat16 and rows.shape[0] < self.dequantize_rows:
+            assert self.kernels is not None
+            return self.kernels.gguf_linear(rows, segment.blocks, segment.qtype, segment.rows, bias)
+        # the blocks dequantized to float32, GGUF_SCRATCH_BYTES at a time (whole groups of the kernel's layout: a
+        # slice of grouped rows from a multiple of 8 is that layout of those rows); the scratch lives for this call
+        step = max(GROUP_ROWS, GGUF_SCRATCH_BYTES // (4 * segment.in_features) // GROUP_ROWS * GROUP_ROWS)
+        if segment.rows <= step:
+            return self._dequantized_product(segment, segment.blocks, rows, bias)
+        out = rows.new_empty(rows.shape[0], segment.rows)
+        for first in range(0, segment.rows, step):
+            count = min(step, segment.rows - first)
+            part_bias = None if bias is None else bias[first:first + count]
+            out[:, first:first + count] = self._dequantized_product(segment, segment.blocks.narrow(0, first, count),
+                                                                    rows, part_bias)
+        return out
+
+    def _dequantized_product(self, segment: GGUFSegment, blocks: torch.Tensor, rows: torch.Tensor,
+                             bias: torch.Tensor | None) -> torch.Tensor:
+        """``rows @ W.T (+ bias)`` for the weight rows ``blocks`` of ``segment`` dequantized to float32: the kernels'
+        dequantization and :func:`linear_f32`, or :func:`gguf_linear_reference` (torch)."""
         if segment.grouped and self.kernels is not None:
-            if rows.dtype == torch.bfloat16 and rows.shape[0] < self.dequantize_rows:
-                return self.kernels.gguf_linear(rows, segment.blocks, segment.qtype, segment.rows, bias)
-            # the (N, K) float32 scratch lives for this call only
-            weight = self.kernels.gguf_dequantize(segment.blocks, segment.qtype, segment.in_features)
+            weight = self.kernels.gguf_dequantize(blocks, segment.qtype, segment.in_features)
             return linear_f32(rows, weight, bias)
-        return gguf_linear_reference(rows, segment.blocks, segment.qtype, bias)
+        return gguf_linear_reference(rows, blocks, segment.qtype, bias)
 
     def apply(self, layer: LinearBase, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
@@ -530,7 +586,7 @@ class LinearBase(nn.Module):
         self.quantize = quantize   # the weights follow the backend's quantization (False: kept as loaded)
         self.method = linear_method(backend, quantize)
         # quantization="gguf": the projections' blocks, or tensors dequantized at load (load_gguf)
-        self.gguf_parts: dict[int, GGUFWeight | ExpandedWeight] = {}
+        self.gguf_parts: dict[int, GGUFWeight | ExpandedWeight | GGUFSegment] = {}
         self.weight = nn.Parameter(torch.empty(self.out_features, self.in_features), requires_grad=False)
         self.weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
         self.bias: nn.Parameter | None = None
@@ -566,10 +622,11 @@ class LinearBase(nn.Module):
             src = torch.zeros_like(src)   # a row-parallel bias: added once, by rank 0, before the all-reduce
         param.data.narrow(0, start, count).copy_(src)
 
-    def load_gguf(self, loaded: GGUFWeight | ExpandedWeight, shard_id: int | str | None = None) -> None:
+    def load_gguf(self, loaded: GGUFWeight | ExpandedWeight | GGUFSegment, shard_id: int | str | None = None) -> None:
         """Keep one projection's GGUF blocks, or its tensor of another type dequantized at load (``shard_id``; None:
         every projection, the merged matrix) for :class:`GGUFLinearMethod`, checked against the checkpoint's full
-        shape. One rank only: the blocks are not split between tensor-parallel ranks."""
+        shape; or a :class:`GGUFSegment` built already, held as it is (a tied LM head shares the embedding's). One rank
+        only: the blocks are not split between tensor-parallel ranks."""
         if not isinstance(self.method, GGUFLinearMethod):
             raise ValueError(f"holds GGUF blocks, but the layer's method is {self.method.name!r}, not 'gguf'")
         if self.is_sharded:
@@ -580,6 +637,8 @@ class LinearBase(nn.Module):
         if loaded.shape != expected:
             raise ValueError(f"has shape {loaded.shape}, the model expects {expected}")
         if shard_id is None and len(self.full_output_sizes) > 1:
+            if isinstance(loaded, GGUFSegment):
+                raise ValueError("a shared GGUF segment holds one projection; this layer has several")
             for i, size in zip(projections, self.full_output_sizes):
                 start = sum(self.full_output_sizes[:i])
                 if isinstance(loaded, GGUFWeight):

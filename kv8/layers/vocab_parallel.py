@@ -14,6 +14,15 @@ gathered logits have equal parts.
 
 With one rank both are the plain layers (the whole matrix, no collective). The weights load through
 ``weight_loader`` (a whole checkpoint tensor, checked against ``[V, E]``; the rank keeps its rows).
+
+With ``quantization="gguf"`` (one rank) both keep the file's blocks when their type has a kernel (Q8_0, Q4_0, Q4_1,
+Q5_0, Q4_K: :data:`~kv8.quant.gguf_blocks.KEPT_TYPES`), loaded through ``load_gguf``: the embedding holds a
+:class:`~kv8.layers.linear.GGUFSegment` (grouped in the kernel's order where the kernels read the type) and looks up
+its rows by dequantizing only the blocks of the ids asked for (:meth:`GGUFSegment.lookup`: the values the dequantized
+embedding would hold, bit for bit); the LM head multiplies by its blocks with :class:`~kv8.layers.linear.
+GGUFLinearMethod` (the int8 kernel below :data:`GGUF_HEAD_DEQUANTIZE_ROWS` rows). A tied pair shares one segment: the
+embedding's, handed to the head (:meth:`VocabParallelEmbedding.tied_gguf_part`), so the blocks are in memory once. A
+type without a kernel (Q6_K, F16, ...) is dequantized at load to the compute dtype, as without the option.
 """
 
 from __future__ import annotations
@@ -24,10 +33,20 @@ from torch import nn
 
 from kv8.distributed.group import TPGroup
 from kv8.distributed.shard import shard_group
-from kv8.layers.dense_backend import DenseBackend
-from kv8.layers.linear import LinearBase
+from kv8.layers.dense_backend import TORCH_BACKEND, DenseBackend
+from kv8.layers.linear import GGUFLinearMethod, GGUFSegment, LinearBase, gguf_segment
+from kv8.quant.gguf_blocks import ExpandedWeight, GGUFWeight
 
-__all__ = ["ParallelLMHead", "VocabParallelEmbedding", "vocab_shard"]
+__all__ = ["GGUF_HEAD_DEQUANTIZE_ROWS", "ParallelLMHead", "VocabParallelEmbedding", "vocab_shard"]
+
+#: the LM head's row count from which :class:`GGUFLinearMethod` dequantizes its blocks (slice by slice) and runs the
+#: float32 GEMM, instead of the int8 kernel. Measured on the Xeon (model 207, AVX-512 VNNI), SmolLM2's Q8_0 head
+#: [49152, 576], one thread's CPU time, int8 kernel / dequantize+GEMM: on the kernel's AVX2 path 0.97 at 64 rows, 1.28
+#: at 128, 1.39 at 512; on its vnni512 path 0.32 at 64 rows, 0.34 at 128, 0.68 at 512 (the int8 kernel faster at every
+#: row count). 96 is the AVX2 path's switch; with VNNI it gives up speed only on calls of >= 96 rows (prompt
+#: log-probabilities, batches that large), which take the float32 path without the activations' rounding. The
+#: decoder's layers switch at 32 (:data:`kv8.layers.linear.GGUF_DEQUANTIZE_ROWS`).
+GGUF_HEAD_DEQUANTIZE_ROWS = 96
 
 
 def vocab_shard(vocab_size: int, tp: TPGroup) -> tuple[int, int, int]:
@@ -46,21 +65,58 @@ def _load_rows(param: nn.Parameter, loaded: torch.Tensor, vocab_size: int, dim: 
 
 
 class VocabParallelEmbedding(nn.Module):
-    """``ids [T] -> [T, E]`` with this rank's ``[P, E]`` rows of the ``[V, E]`` table (see the module docstring)."""
+    """``ids [T] -> [T, E]`` with this rank's ``[P, E]`` rows of the ``[V, E]`` table (see the module docstring).
 
-    def __init__(self, num_embeddings: int, embedding_dim: int) -> None:
+    ``gguf`` (the backend's ``quantization="gguf"``): the table may come as GGUF blocks (``load_gguf``); then the
+    module holds ``gguf_rows`` (a :class:`GGUFSegment`) and no ``weight``, and returns rows in ``dtype``."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, backend: DenseBackend = TORCH_BACKEND) -> None:
         super().__init__()
         self.tp = shard_group()
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
         self.first, rows, _ = vocab_shard(num_embeddings, self.tp)
         self.is_sharded = self.tp.size > 1
+        self.gguf = backend.quantization == "gguf"
+        self.kernels = backend.kernels
+        self.gguf_rows: GGUFSegment | None = None
+        self.gguf_qtype: str | None = None   # the file's type of the table under quantization="gguf"
+        self.dtype: torch.dtype | None = None
         self.weight = nn.Parameter(torch.empty(rows, embedding_dim), requires_grad=False)
         self.weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
         _load_rows(param, loaded, self.num_embeddings, self.embedding_dim, self.tp)
 
+    def load_gguf(self, loaded: GGUFWeight | ExpandedWeight, dtype: torch.dtype) -> None:
+        """``quantization="gguf"``: keep the table's blocks (rows looked up in ``dtype``), or take a table of a type
+        without a kernel dequantized at load as the ``weight``. One rank only."""
+        if not self.gguf:
+            raise ValueError("holds GGUF blocks, but the model was not built for quantization='gguf'")
+        if self.is_sharded:
+            raise ValueError("holds GGUF blocks, which kv8 does not split between tensor-parallel ranks; use "
+                             "tensor_parallel_size=1 with quantization='gguf'")
+        if loaded.shape != (self.num_embeddings, self.embedding_dim):
+            raise ValueError(f"has shape {loaded.shape}, the model expects {(self.num_embeddings, self.embedding_dim)}")
+        self.gguf_qtype, self.dtype = loaded.qtype, dtype
+        if isinstance(loaded, ExpandedWeight):
+            self.weight = nn.Parameter(loaded.weight, requires_grad=False)
+            return
+        self.gguf_rows = gguf_segment([loaded], self.embedding_dim, self.kernels)
+        del self.weight
+
+    def tied_gguf_part(self) -> GGUFSegment | ExpandedWeight | None:
+        """What a tied LM head loads under ``quantization="gguf"`` (``load_gguf``): this table's segment of blocks
+        (shared: one copy), or its dequantized ``weight``; None when the table did not come from ``load_gguf``."""
+        if self.gguf_rows is not None:
+            return self.gguf_rows
+        if self.gguf_qtype is None:
+            return None
+        return ExpandedWeight(self.gguf_qtype, self.weight, "token_embd.weight")
+
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.gguf_rows is not None:
+            assert self.dtype is not None
+            return self.gguf_rows.lookup(ids, self.dtype)
         if not self.is_sharded:
             return F.embedding(ids, self.weight)
         local = ids - self.first
@@ -70,6 +126,8 @@ class VocabParallelEmbedding(nn.Module):
         return self.tp.all_reduce(out)
 
     def extra_repr(self) -> str:
+        if self.gguf_rows is not None:
+            return f"{self.num_embeddings}, {self.embedding_dim}, {self.gguf_rows.qtype} blocks"
         shard = f", rows {self.first}..{self.first + self.weight.shape[0] - 1}" if self.is_sharded else ""
         return f"{self.num_embeddings}, {self.embedding_dim}{shard}"
 
@@ -78,13 +136,17 @@ class ParallelLMHead(LinearBase):
     """``hidden [N, E] -> logits [N, V]`` on rank 0, from every rank's ``[P, E]`` rows (see the module
     docstring). The linear method (torch or packed bf16) multiplies the rank's rows as for any linear layer; the
     weights stay as loaded under ``quantization="fp8"`` (as vLLM keeps its LM head; a tied head is the
-    embedding's matrix)."""
+    embedding's matrix), and as the file's blocks under ``quantization="gguf"`` (:class:`GGUFLinearMethod`, with
+    :data:`GGUF_HEAD_DEQUANTIZE_ROWS`). The logits come in the input's dtype, as from the other methods."""
 
     def __init__(self, hidden_size: int, vocab_size: int, backend: DenseBackend) -> None:
         tp = shard_group()
         first, rows, _ = vocab_shard(vocab_size, tp)
         self.vocab_size = vocab_size
-        super().__init__(hidden_size, [rows * tp.size], False, backend, row_shards=[(first, rows)], quantize=False)
+        gguf = backend.quantization == "gguf"
+        super().__init__(hidden_size, [rows * tp.size], False, backend, row_shards=[(first, rows)], quantize=gguf)
+        if gguf:
+            self.method = GGUFLinearMethod(backend.kernels, GGUF_HEAD_DEQUANTIZE_ROWS)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int | str | None = None) -> None:
         _load_rows(param, loaded, self.vocab_size, self.full_in_features, self.tp)

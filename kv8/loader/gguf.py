@@ -17,10 +17,11 @@ Invariants of the yielded tensors:
 * for ``gemma3``, llama.cpp's converter stores every norm weight (``*norm.weight``: the four per-layer norms,
   QK-norm and the final norm) with Gemma's ``+1`` already added (its runtime multiplies by the weight); 1 is
   subtracted here, as transformers does, so the tensors are the checkpoint's ``w`` of ``(1 + w)``;
-* with ``keep_blocks`` (``quantization="gguf"``), the decoder's linear weights are yielded as the file's blocks
-  (:class:`kv8.quant.gguf_blocks.GGUFWeight`), llama's q/k rows put back in the same way; those of a type no kernel
-  reads (not in :data:`~kv8.quant.gguf_blocks.KEPT_TYPES`: Q6_K, Q5_K, F16, ...) dequantized alone to the compute
-  dtype (:class:`~kv8.quant.gguf_blocks.ExpandedWeight`), with one warning naming them;
+* with ``keep_blocks`` (``quantization="gguf"``: the decoder's linear weights, the embedding and the LM head), those
+  tensors are yielded as the file's blocks (:class:`kv8.quant.gguf_blocks.GGUFWeight`), llama's q/k rows put back in
+  the same way; those of a type no kernel reads (not in :data:`~kv8.quant.gguf_blocks.KEPT_TYPES`: Q6_K, Q5_K, F16,
+  ...) dequantized alone to the compute dtype (:class:`~kv8.quant.gguf_blocks.ExpandedWeight`), with one warning
+  naming the decoder's;
 * ``lm_head.weight`` is yielded only when the file has ``output.weight``; otherwise
   ``hf_config["tie_word_embeddings"]`` is True and the embedding doubles as the output projection.
 """
@@ -482,10 +483,20 @@ def _type_counts(tensors: list[Any]) -> str:
     return ", ".join(f"{qtype}: {n}" for qtype, n in sorted(counts.items()))
 
 
+_DECODER_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def _is_decoder_linear(hf_name: str) -> bool:
+    return hf_name.startswith("model.layers.") and hf_name.endswith(".weight") and \
+        hf_name.split(".")[-2] in _DECODER_LINEAR
+
+
 def _warn_expanded(reader: gguf.GGUFReader, model: GGUFModel, keep_blocks: Collection[str], dtype: torch.dtype) -> None:
-    """One warning naming the tensors of ``keep_blocks`` whose type no kernel reads (dequantized alone to ``dtype``)
-    and what stays as blocks; nothing when every one is kept."""
-    chosen = [t for t in reader.tensors if hf_tensor_name(t.name, model.architecture) in keep_blocks]
+    """One warning naming the decoder's tensors of ``keep_blocks`` whose type no kernel reads (dequantized alone to
+    ``dtype``) and what stays as blocks; nothing when every one is kept. (An embedding or LM head of such a type is
+    dequantized as without ``quantization="gguf"``, without a warning; ``kv8 info`` and the load line say so.)"""
+    chosen = [t for t in reader.tensors if hf_tensor_name(t.name, model.architecture) in keep_blocks
+              and _is_decoder_linear(hf_tensor_name(t.name, model.architecture))]
     expanded = [t for t in chosen if t.tensor_type.name not in KEPT_TYPES]
     if not expanded:
         return
@@ -520,9 +531,6 @@ def iter_gguf_weights(reader: gguf.GGUFReader, model: GGUFModel, dtype: torch.dt
             yield name, kept
 
 
-_DECODER_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-
-
 def gguf_block_summary(reader: gguf.GGUFReader, model: GGUFModel) -> str:
     """``"Q4_1: 210 tensors, 63.3 MiB"``: the types and bytes of the decoder's linear weights that
     ``quantization="gguf"`` keeps as blocks, then (``"; dequantized at load: Q6_K: 9 tensors, 7.4 MiB in the
@@ -543,3 +551,50 @@ def gguf_block_summary(reader: gguf.GGUFReader, model: GGUFModel) -> str:
 
     text = listed(kept) or "none"
     return text + (f"; dequantized at load: {listed(expanded)} in the file" if expanded else "")
+
+
+def _mib(size: int) -> str:
+    return f"{size / 2**20:.1f} MiB"
+
+
+def _table_held(tensor: Any, dtype: torch.dtype) -> str:
+    """How ``quantization="gguf"`` holds an embedding or LM head tensor: its blocks, or dequantized to ``dtype``."""
+    qtype = tensor.tensor_type.name
+    if qtype in KEPT_TYPES:
+        return f"{qtype} blocks, {_mib(int(tensor.n_bytes))}"
+    size = int(tensor.n_elements) * torch.empty(0, dtype=dtype).element_size()
+    return f"{qtype} dequantized to {str(dtype).removeprefix('torch.')} at load, {_mib(size)}"
+
+
+def gguf_table_summary(reader: gguf.GGUFReader, model: GGUFModel, dtype: torch.dtype, packed: bool) -> str:
+    """``"embedding Q8_0 blocks, 28.7 MiB; LM head tied: the embedding's blocks"``: how ``quantization="gguf"`` holds
+    the token embedding and the LM head (blocks where a kernel reads the type, else dequantized to ``dtype``); a tied
+    head of a dequantized table gets its own copy packed for the bf16 kernel where ``packed``."""
+    tensors = {t.name: t for t in reader.tensors}
+    embd = tensors["token_embd.weight"]
+    text = f"embedding {_table_held(embd, dtype)}; LM head "
+    if "output.weight" in tensors:
+        return text + _table_held(tensors["output.weight"], dtype)
+    if embd.tensor_type.name in KEPT_TYPES:
+        return text + "tied: the embedding's blocks"
+    return text + ("tied: a copy of the embedding's table packed for the bf16 kernel" if packed else
+                   "tied: the embedding's table")
+
+
+def gguf_resident_bytes(reader: gguf.GGUFReader, model: GGUFModel, dtype: torch.dtype, packed: bool) -> int:
+    """The bytes of the weights a model loaded from the file with ``quantization="gguf"`` holds: the file's bytes of
+    each decoder linear, embedding and LM head tensor of a kept type (a tied head shares the embedding's), every
+    other tensor dequantized to ``dtype`` (biases in float32), and where ``packed``, a tied head's packed bf16 copy of
+    a dequantized table. Packing may pad rows; the rotary embedding's small buffers are not counted."""
+    item = torch.empty(0, dtype=dtype).element_size()
+    total = 0
+    for tensor in reader.tensors:
+        name = hf_tensor_name(tensor.name, model.architecture)
+        kept = tensor.tensor_type.name in KEPT_TYPES
+        if kept and (_is_decoder_linear(name) or tensor.name in ("token_embd.weight", "output.weight")):
+            total += int(tensor.n_bytes)
+        else:
+            total += int(tensor.n_elements) * (4 if name.endswith(".bias") else item)
+        if tensor.name == "token_embd.weight" and model.hf_config["tie_word_embeddings"] and not kept and packed:
+            total += int(tensor.n_elements) * 2
+    return total

@@ -42,6 +42,7 @@ from kv8.host_memory import place_on_huge_pages
 from kv8.layers.dense_backend import TORCH_BACKEND, DenseBackend, select_dense_backend
 from kv8.layers.linear import GGUFSegment, LinearBase
 from kv8.layers.tuning import LinearShape, tuned_dense_backend
+from kv8.layers.vocab_parallel import ParallelLMHead, VocabParallelEmbedding
 from kv8.models.config import ModelArchConfig
 from kv8.models.registry import CausalLM, arch_config, model_class
 from kv8.platform import CPU, Platform
@@ -168,8 +169,11 @@ def _load(model: nn.Module, pname: str, tensor: torch.Tensor | GGUFWeight | Expa
     module_path, _, leaf = pname.rpartition(".")
     module = model.get_submodule(module_path)
     if isinstance(tensor, (GGUFWeight, ExpandedWeight)):   # quantization="gguf": the layer keeps the blocks
+        if isinstance(module, VocabParallelEmbedding) and leaf == "weight":
+            module.load_gguf(tensor, dtype)
+            return
         if not isinstance(module, LinearBase) or leaf != "weight":
-            raise ValueError(f"is GGUF blocks, but {pname} is not a linear layer's weight")
+            raise ValueError(f"is GGUF blocks, but {pname} is not a linear layer's or an embedding's weight")
         module.load_gguf(tensor, shard_id)
         return
     param = getattr(module, leaf)
@@ -204,24 +208,55 @@ def _init_dummy(model: nn.Module, dtype: torch.dtype, device: torch.device, seed
 
 def _block_names(model: nn.Module, names: dict[str, tuple[str, ShardId]]) -> set[str]:
     """The checkpoint names of the weights that ``quantization="gguf"`` keeps as blocks: those of the linear layers
-    that follow the quantization (every one but the LM head)."""
+    that follow the quantization (under it, the LM head too) and of the embedding."""
     keep = set()
     for name, (pname, _) in names.items():
         module_path, _, leaf = pname.rpartition(".")
         module = model.get_submodule(module_path)
-        if leaf == "weight" and isinstance(module, LinearBase) and module.quantize:
+        if leaf == "weight" and (isinstance(module, LinearBase) and module.quantize
+                                 or isinstance(module, VocabParallelEmbedding) and module.gguf):
             keep.add(name)
     return keep
 
 
+def _tie(model: nn.Module, target: str, source: str) -> None:
+    """Make parameter ``target`` (the LM head's weight) the parameter ``source`` (the embedding's); under
+    ``quantization="gguf"``, hand the head the embedding's blocks (one copy) or its dequantized table."""
+    module_path, _, leaf = target.rpartition(".")
+    source_module = model.get_submodule(source.rpartition(".")[0])
+    shared = source_module.tied_gguf_part() if isinstance(source_module, VocabParallelEmbedding) else None
+    if shared is None:
+        setattr(model.get_submodule(module_path), leaf, model.get_parameter(source))
+        return
+    head = model.get_submodule(module_path)
+    if not isinstance(head, LinearBase):
+        raise ValueError(f"{target} is tied to GGUF blocks, but {module_path} is not a linear layer")
+    head.load_gguf(shared)
+
+
+def resident_weight_bytes(model: nn.Module) -> int:
+    """The bytes of the model's parameters and buffers (weights, blocks, packed layouts, biases; each storage once,
+    so a tied pair counts once): what its weights keep resident."""
+    storages: dict[int, int] = {}
+    for t in list(model.parameters()) + list(model.buffers()):
+        if not t.is_meta:
+            storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    return sum(storages.values())
+
+
 def describe_gguf_blocks(model: nn.Module) -> str:
-    """``"Q4_K: 27 tensors, Q5_0: 81 tensors as blocks, 72.1 MiB; dequantized at load: Q6_K: 9 tensors, 22.5 MiB"``:
-    how the model's linear layers hold their GGUF tensors (``quantization="gguf"``): the types kept as blocks with
-    their tensor counts and resident bytes, then those expanded to the compute dtype."""
+    """``"Q4_K: 27 tensors, Q5_0: 81 tensors as blocks, 72.1 MiB; dequantized at load: Q6_K: 9 tensors, 22.5 MiB;
+    embedding Q8_0 blocks, 170.0 MiB; LM head tied: the embedding's blocks; resident weights 248.2 MiB"``: how the
+    model's decoder linear layers hold their GGUF tensors (``quantization="gguf"``: the types kept as blocks with their
+    tensor counts and resident bytes, then those expanded to the compute dtype), how the embedding and the LM head
+    hold theirs, and the bytes of all its weights (:func:`resident_weight_bytes`)."""
     counts: dict[bool, Counter[str]] = {False: Counter(), True: Counter()}
     total = {False: 0, True: 0}
+    embedding = [m for m in model.modules() if isinstance(m, VocabParallelEmbedding)][0]
+    head = [m for m in model.modules() if isinstance(m, ParallelLMHead)][0]
+    tables = {id(s) for s in head.modules() if isinstance(s, GGUFSegment)} | {id(embedding.gguf_rows)}
     for module in model.modules():
-        if isinstance(module, GGUFSegment):
+        if isinstance(module, GGUFSegment) and id(module) not in tables:
             counts[module.expanded][module.qtype] += module.tensors
             total[module.expanded] += module.nbytes()
 
@@ -231,13 +266,28 @@ def describe_gguf_blocks(model: nn.Module) -> str:
     text = f"{listed(False) or 'no tensors'} as blocks, {total[False] / 2**20:.1f} MiB"
     if counts[True]:
         text += f"; dequantized at load: {listed(True)}, {total[True] / 2**20:.1f} MiB"
-    return text
+    rows = embedding.gguf_rows
+    if rows is not None:
+        text += f"; embedding {rows.qtype} blocks, {rows.nbytes() / 2**20:.1f} MiB"
+    else:
+        table = embedding.weight
+        text += (f"; embedding {embedding.gguf_qtype} dequantized at load, "
+                 f"{table.numel() * table.element_size() / 2**20:.1f} MiB")
+    (segment,) = head.gguf_segments
+    assert isinstance(segment, GGUFSegment)
+    if segment is rows:
+        text += "; LM head tied: the embedding's blocks"
+    else:
+        how = "dequantized at load" if segment.expanded else "blocks"
+        text += f"; LM head {segment.qtype} {how}, {segment.nbytes() / 2**20:.1f} MiB"
+    return text + f"; resident weights {resident_weight_bytes(model) / 2**20:.1f} MiB"
 
 
-def describe_weights(kind: str, path: str, quantization: str | None) -> str:
-    """How the decoder's linear weights of model ``path`` are held with ``quantization`` (``kv8 info``): as loaded,
-    FP8 codes, or (``"gguf"``) the file's blocks with their types, tensor counts and bytes, and the types dequantized
-    at load instead. ``ValueError`` when the model is not a GGUF file."""
+def describe_weights(kind: str, path: str, quantization: str | None, dtype: torch.dtype = torch.bfloat16) -> str:
+    """How the weights of model ``path`` are held with ``quantization`` (``kv8 info``): as loaded, FP8 codes, or
+    (``"gguf"``) the file's blocks with their types, tensor counts and bytes, the types dequantized at load instead,
+    how the embedding and the LM head are held, and the bytes resident in ``dtype`` against the file's size.
+    ``ValueError`` when the model is not a GGUF file."""
     if quantization is None:
         return "as loaded, in the compute dtype (GGUF: dequantized at load)" if kind == "gguf" else "as loaded"
     if quantization == "fp8":
@@ -246,11 +296,14 @@ def describe_weights(kind: str, path: str, quantization: str | None) -> str:
     if kind != "gguf":
         raise ValueError(f"quantization={quantization!r} keeps the blocks of a GGUF file; {path} is a {kind} "
                          "checkpoint")
-    from kv8.loader.gguf import gguf_block_summary
+    from kv8.loader.gguf import gguf_block_summary, gguf_resident_bytes, gguf_table_summary
 
     gguf_model, reader = _read_gguf(path, os.path.getmtime(path))
+    packed = select_dense_backend("auto", dtype, quantization).kernels is not None
+    resident = gguf_resident_bytes(reader, gguf_model, dtype, packed)
     return (f"gguf: the file's blocks, not expanded ({gguf_block_summary(reader, gguf_model)}); "
-            "LM head and embedding dequantized to the compute dtype")
+            f"{gguf_table_summary(reader, gguf_model, dtype, packed)}; resident weights {resident / 2**20:.1f} MiB "
+            f"(the file: {os.path.getsize(path) / 2**20:.1f} MiB)")
 
 
 def linear_shapes(hf_config: dict[str, Any], tp: TPGroup = SINGLE_RANK) -> list[LinearShape]:
@@ -336,8 +389,7 @@ def load_model(kind: str, path: str, dtype: torch.dtype, dense_backend: str = "t
     if missing:
         raise ValueError(f"checkpoint {path} lacks {len(missing)} tensors, e.g. {', '.join(missing[:4])}")
     for target, source in tied.items():
-        module_path, _, leaf = target.rpartition(".")
-        setattr(model.get_submodule(module_path), leaf, model.get_parameter(source))
+        _tie(model, target, source)
     for module in model.modules():
         process = getattr(module, "process_weights_after_loading", None)
         if process is not None:

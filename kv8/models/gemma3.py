@@ -188,7 +188,7 @@ class Gemma3Model(nn.Module):
     def __init__(self, arch: Gemma3ArchConfig, backend: DenseBackend) -> None:
         super().__init__()
         d, (hq, hkv) = arch.head_dim, local_head_counts(arch.num_heads, arch.num_kv_heads)   # this rank's heads
-        self.embed_tokens = VocabParallelEmbedding(arch.vocab_size, arch.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(arch.vocab_size, arch.hidden_size, backend)
         # one RoPE per layer kind: global (rope_theta, scaled) and local (rope_local_base_freq, unscaled)
         self.rotary_emb = RotaryEmbedding(d, hq, hkv, arch.rope_theta, arch.rope_scaling, backend)
         self.rotary_emb_local = RotaryEmbedding(d, hq, hkv, arch.rope_local_theta, None, backend)

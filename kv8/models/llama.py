@@ -77,7 +77,7 @@ class DecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     def __init__(self, arch: ModelArchConfig, backend: DenseBackend, attention_cls: type[nn.Module]) -> None:
         super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(arch.vocab_size, arch.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(arch.vocab_size, arch.hidden_size, backend)
         hq, hkv = local_head_counts(arch.num_heads, arch.num_kv_heads)   # this rank's heads
         self.rotary_emb = RotaryEmbedding(arch.head_dim, hq, hkv, arch.rope_theta, arch.rope_scaling, backend,
                                           rotary_dim=arch.rotary_dim)

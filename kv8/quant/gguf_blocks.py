@@ -25,6 +25,8 @@ bytes.
   float32 operations, so bit for bit; the tests use the ``gguf`` package as the oracle).
 * :func:`gguf_linear_reference`: ``x @ W.T + b`` in float32 on those values, one rounding to x's dtype -- the
   reference every fast path is tested against.
+* :func:`gather_rows` / :func:`dequantize_rows`: some rows of a weight (an embedding's looked-up tokens) from blocks in
+  either layout, in the file's layout / as float32: the blocks of the other rows are not read.
 * :func:`quantize_activation_blocks` and :func:`gguf_activation_bound`: the kernel (``csrc/dense/gguf.h``) rounds
   each activation to int8 per block of 32 (``scale = amax / 127``), for every type (Q4_K: per sub-block);
   :func:`gguf_activation_bound` is the largest difference that rounding can make to each output, ``sum_blocks scale /
@@ -33,12 +35,13 @@ bytes.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
 
 __all__ = ["BLOCK", "BLOCK_BYTES", "BLOCK_VALUES", "GROUP_ROWS", "KEPT_TYPES", "ExpandedWeight", "GGUFWeight",
-           "dequantize_blocks",
+           "dequantize_blocks", "dequantize_rows", "gather_rows",
            "gguf_activation_bound", "gguf_linear_reference", "group_blocks", "q4_k_scale_min",
            "quantize_activation_blocks", "ungroup_blocks"]
 
@@ -172,6 +175,50 @@ def ungroup_blocks(grouped: torch.Tensor, qtype: str, in_features: int) -> torch
         canon[first:first + count] = rows.reshape(count // g, nwb, g, unit).permute(0, 2, 1, 3).reshape(count, nwb,
                                                                                                       unit)
     return _file_order(canon, qtype).reshape(n, -1).contiguous()
+
+
+@functools.lru_cache(maxsize=32)
+def _row_offsets(qtype: str, g: int, nwb: int) -> torch.Tensor:
+    """``[g, nwb * unit]`` int64: where each canonical byte of row ``i`` of a group of ``g`` rows lies in
+    :func:`group_blocks`' layout, counted from the group's first byte (weight block ``w`` of the group starts at ``w
+    * g * unit``; inside it, :func:`_interleave_index`'s order)."""
+    unit = _UNIT[qtype]
+    inverse = torch.argsort(_interleave_index(qtype, g)).reshape(g, unit)     # (row, canonical byte) -> place
+    return (torch.arange(nwb, dtype=torch.int64)[:, None] * (g * unit) + inverse[:, None, :]).reshape(g, -1)
+
+
+def gather_rows(blocks: torch.Tensor, qtype: str, in_features: int, rows: torch.Tensor,
+                grouped: bool) -> torch.Tensor:
+    """Rows ``rows [T]`` (int64, each in ``[0, N)``) of a weight held as ``blocks [N, row bytes]`` -- the file's
+    layout, or :func:`group_blocks`' when ``grouped`` -- as ``[T, row bytes]`` uint8 in the file's layout (a new
+    tensor); only those rows' bytes are read. Row ``r`` of the grouped layout is local row ``r % 8`` of the group
+    starting at byte ``(r - r % 8) * row bytes`` (every group but the last holds 8 rows; the last, ``N % 8`` when
+    that is not 0, is interleaved over its own ``g`` rows)::
+
+        flat bytes:  [group 0: 8 rows' blocks interleaved] [group 1] .. [last group: g rows]
+        row r:       base (r - r % 8) * row bytes  +  _row_offsets(qtype, 8 or g)[r % 8]   -> its canonical bytes
+
+    No value-dependent shapes or Python reads of values (CPU graphs can record it)."""
+    if not grouped:
+        return blocks.index_select(0, rows)
+    n, row_bytes = blocks.shape
+    nwb = in_features // BLOCK * BLOCK_BYTES[qtype] // _UNIT[qtype]
+    local = rows.remainder(GROUP_ROWS)
+    offsets = _row_offsets(qtype, GROUP_ROWS, nwb).index_select(0, local)            # (T, row bytes)
+    tail = n % GROUP_ROWS
+    if tail:   # rows of the last group: its own interleave (a row index past it is clamped, then not chosen)
+        last = _row_offsets(qtype, tail, nwb).index_select(0, local.clamp(max=tail - 1))
+        offsets = torch.where((rows >= n - tail)[:, None], last, offsets)
+    offsets = offsets + ((rows - local) * row_bytes)[:, None]
+    canon = blocks.reshape(-1).take(offsets)                                            # (T, row bytes), canonical
+    return _file_order(canon.reshape(rows.shape[0], nwb, _UNIT[qtype]), qtype).reshape(rows.shape[0], row_bytes)
+
+
+def dequantize_rows(blocks: torch.Tensor, qtype: str, in_features: int, rows: torch.Tensor,
+                    grouped: bool) -> torch.Tensor:
+    """float32 ``[T, in_features]``: rows ``rows [T]`` of the weight held as ``blocks`` (:func:`gather_rows`),
+    dequantized as :func:`dequantize_blocks` does (bit for bit the ``gguf`` package's values)."""
+    return dequantize_blocks(gather_rows(blocks, qtype, in_features, rows, grouped), qtype, in_features)
 
 
 @dataclass(frozen=True)

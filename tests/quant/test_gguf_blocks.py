@@ -17,6 +17,7 @@ from gguf import GGMLQuantizationType as QT
 
 from kv8.kernels.cpu import dense
 from kv8.kernels.cpu.dense import DenseKernels
+from kv8.layers import linear
 from kv8.layers.dense_backend import DenseBackend
 from kv8.layers.linear import GGUF_DEQUANTIZE_ROWS, GGUFLinearMethod, LinearBase, linear_f32
 from kv8.quant.gguf_blocks import (
@@ -26,6 +27,8 @@ from kv8.quant.gguf_blocks import (
     KEPT_TYPES,
     GGUFWeight,
     dequantize_blocks,
+    dequantize_rows,
+    gather_rows,
     gguf_activation_bound,
     gguf_linear_reference,
     group_blocks,
@@ -100,6 +103,27 @@ def test_grouped_layout_moves_the_same_bytes(qtype: str, n: int) -> None:
         assert torch.equal(ungroup_blocks(grouped, qtype, k), blocks)
         if qtype not in ("Q5_0", "Q4_K"):   # those two re-encode their bit fields; the others only move bytes
             assert torch.equal(torch.sort(grouped.reshape(-1))[0], torch.sort(blocks.reshape(-1))[0])
+
+
+@pytest.mark.parametrize("qtype", KEPT_TYPES)
+@pytest.mark.parametrize("n", [3, 8, 13, 49])   # a lone short group, one whole group, tails of 5 and 1
+def test_rows_gathered_from_either_layout_are_the_files(qtype: str, n: int) -> None:
+    """gather_rows reads rows (any order, repeated, across group edges and in the short last group) out of the file's
+    layout or the grouped one as the file's bytes of those rows, also on random bytes (every bit of Q5_0's qh and
+    Q4_K's scales); dequantize_rows gives the gguf package's values of those rows, bit for bit."""
+    k = 2 * BLOCK_VALUES[qtype]
+    gen = torch.Generator().manual_seed(n)
+    ids = torch.cat([torch.arange(n).flip(0), torch.randint(0, n, (17,), generator=gen)])
+    quantized = _blocks(n, k, qtype, seed=n)
+    for blocks in (quantized,
+                   torch.randint(0, 256, (n, k // 32 * BLOCK_BYTES[qtype]), dtype=torch.uint8, generator=gen)):
+        for held, grouped in ((blocks, False), (group_blocks(blocks, qtype, k), True)):
+            assert torch.equal(gather_rows(held, qtype, k, ids, grouped), blocks[ids])
+    blocks = quantized
+    want = torch.from_numpy(gguf.quants.dequantize(blocks.numpy(), QT[qtype]).reshape(n, k))[ids]
+    got = dequantize_rows(group_blocks(blocks, qtype, k), qtype, k, ids, True)
+    assert torch.equal(got.view(torch.int32), want.view(torch.int32))
+    assert gather_rows(blocks, qtype, k, ids[:0], True).shape == (0, blocks.shape[1])
 
 
 def test_grouped_layout_interleaves_eight_rows_section_by_section() -> None:
@@ -410,3 +434,33 @@ def test_layer_threshold_is_per_method_and_other_dtypes_take_the_float32_gemm(li
     assert torch.allclose(y32, gguf_linear_reference(x[:1].float(), blocks, qtype, None), rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="dequantize_rows must be >= 1, got 0"):
         GGUFLinearMethod(lib, dequantize_rows=0)
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_K"])
+def test_a_large_segment_is_dequantized_a_slice_of_rows_at_a_time(lib: DenseKernels, qtype: str,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """With room for 16 rows of float32 scratch (GGUF_SCRATCH_BYTES), a 61-row segment (slices of 16, the last of
+    13: group edges, a short last group) dequantizes slice by slice: the same outputs as the whole matrix at once up
+    to the float32 sums' order (bias included), on the kernels and on the torch reference (the blocks in the file's
+    layout)."""
+    n, k = 61, BLOCK_VALUES[qtype]
+    blocks = _blocks(n, k, qtype, seed=7)
+    bias = torch.randn(n, generator=torch.Generator().manual_seed(7))
+    x = torch.randn(GGUF_DEQUANTIZE_ROWS + 2, k, generator=torch.Generator().manual_seed(8)).bfloat16()
+    w = dequantize_blocks(blocks, qtype, k)
+    whole = linear_f32(x, w, bias)
+    layer = _gguf_layer(lib, blocks, qtype, bias)
+    reference = LinearBase(k, [n], True, DenseBackend("torch", None, "gguf"))
+    reference.load_gguf(GGUFWeight(qtype, blocks, k))
+    assert reference.bias is not None
+    reference.bias.data = bias.clone()
+    reference.process_weights_after_loading()
+    monkeypatch.setattr(linear, "GGUF_SCRATCH_BYTES", 16 * 4 * k)
+    calls: list[int] = []
+    dequantize = lib.gguf_dequantize
+    monkeypatch.setattr(lib, "gguf_dequantize", lambda b, *a: calls.append(b.shape[0]) or dequantize(b, *a))
+    tol = 1e-5 * (x.float().abs() @ w.abs().T) + 2.0 ** -8 * whole.float().abs()
+    for held in (layer, reference):
+        y = held(x)
+        assert y.dtype == torch.bfloat16 and bool(((y.float() - whole.float()).abs() <= tol).all())
+    assert calls == [16, 16, 16, 13]
