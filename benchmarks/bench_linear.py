@@ -70,7 +70,7 @@ from revisions import worktree
 import kv8
 from kv8.kernels.cpu.build import KernelUnavailable, build_shared_library
 from kv8.kernels.cpu.dense import SOURCE, DenseKernels
-from kv8.layers.dense_backend import DenseBackend, select_dense_backend
+from kv8.layers.dense_backend import GGUF_DEQUANTIZE_ROWS, DenseBackend, select_dense_backend
 from kv8.layers.linear import GGUFLinearMethod, LinearBase
 from kv8.platform import cpu_name
 from kv8.quant.gguf_blocks import BLOCK_VALUES, KEPT_TYPES, GGUFWeight, group_blocks
@@ -263,7 +263,7 @@ def gguf_layers(files: list[list[GGUFWeight]], kernels: DenseKernels,
                 before_blocks: ModuleType | None = None) -> list[list[LinearBase]]:
     """One kv8 ``Linear`` per weight holding its GGUF blocks (``quantization="gguf"``); with ``before_blocks`` (an
     older revision's ``kv8.quant.gguf_blocks``) in that revision's layout, for its ``kernels``."""
-    backend = DenseBackend("packed_bf16", kernels, "gguf")
+    backend = DenseBackend("packed_bf16", kernels, "gguf", wide_rows=GGUF_DEQUANTIZE_ROWS)
     group = before_blocks.group_blocks if before_blocks is not None else kv8.layers.linear.group_blocks
     layers = []
     with mock.patch("kv8.layers.linear.group_blocks", group):

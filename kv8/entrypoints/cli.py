@@ -186,7 +186,8 @@ def cmd_info(ns: argparse.Namespace) -> int:
     print(f"architecture {arch.model_type}: {arch.num_layers} layers, hidden {arch.hidden_size}, "
           f"{arch.num_heads} query / {arch.num_kv_heads} KV heads, head_dim {arch.head_dim}, "
           f"vocab {arch.vocab_size}, context {arch.max_position_embeddings}, rope_theta {arch.rope_theta:g}")
-    plan = _dense_plan(hf_config, resolve_dtype(ns.dtype), ns.quantization) if platform.kind == "cpu" else "torch"
+    dtype = resolve_dtype(ns.dtype)
+    plan = _dense_plan(kind, path, hf_config, dtype, ns.quantization) if platform.kind == "cpu" else "torch"
     print(f"dense layers {plan}")
     print(f"weights      {describe_weights(kind, path, ns.quantization, resolve_dtype(ns.dtype))}")
     if platform.kind == "cpu":
@@ -249,17 +250,17 @@ def _ranges(layers: Sequence[int]) -> str:
     return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
 
 
-def _dense_plan(hf_config: dict, dtype: torch.dtype, quantization: str | None) -> str:
+def _dense_plan(kind: str, path: str, hf_config: dict, dtype: torch.dtype, quantization: str | None) -> str:
     """What ``dense_backend=auto`` runs for this model on this machine, and why."""
     from kv8 import envs
     from kv8.layers.tuning import PREFILL_ROWS, PlanStore, candidate_ids, candidates, plan_key, static_dense_backend
-    from kv8.loader.model import linear_shapes
+    from kv8.loader.model import tuning_shapes
 
-    shapes = linear_shapes(hf_config)
+    shapes = tuning_shapes(kind, path, hf_config, quantization)
     found = candidates(shapes, dtype, quantization)
     if len(found) == 1 or not envs.tuning():
         why = "the only candidate" if len(found) == 1 else "KV8_TUNING=off: the fixed rule"
-        return f"{static_dense_backend(dtype, quantization).name if len(found) > 1 else next(iter(found))} ({why})"
+        return f"{static_dense_backend(dtype, quantization).label if len(found) > 1 else next(iter(found))} ({why})"
     plan = PlanStore().get(plan_key(shapes, dtype, quantization))
     if plan is None:
         return (f"not timed on this machine yet: the first engine times {', '.join(found)} on this model's shapes "
@@ -269,13 +270,15 @@ def _dense_plan(hf_config: dict, dtype: torch.dtype, quantization: str | None) -
                 f"({', '.join(candidate_ids(found))}): the first engine times them again (or run kv8 tune)")
     busy = (f"; timed beside other work ({plan.others:.2f} cores busy elsewhere): provisional, the next engine times "
             "again" if plan.provisional else "")
-    return (f"{plan.choice} (this machine's plan, timed {plan.measured}: {plan.speedup('torch', 1):.2f}x torch at 1 "
-            f"row, {plan.speedup('torch', PREFILL_ROWS):.2f}x at {PREFILL_ROWS}{busy})")
+    versus = plan.compared_with
+    return (f"{plan.choice} (this machine's plan, timed {plan.measured}: {plan.speedup(versus, 1):.2f}x {versus} at 1 "
+            f"row, {plan.speedup(versus, PREFILL_ROWS):.2f}x at {PREFILL_ROWS}{busy})")
 
 
 def cmd_tune(ns: argparse.Namespace) -> int:
+    from kv8.layers.linear import WIDE_ROWS
     from kv8.layers.tuning import PREFILL_ROWS, TUNE_ROUNDS, PlanStore, tuned_dense_backend
-    from kv8.loader.model import linear_shapes, read_model_config
+    from kv8.loader.model import read_model_config, tuning_shapes
     from kv8.loader.sources import resolve_model_path
 
     args = EngineArgs.from_cli_args(ns)
@@ -283,7 +286,8 @@ def cmd_tune(ns: argparse.Namespace) -> int:
     hf_config = read_model_config(kind, path)
     dtype = args.create_engine_config(hf_config, kind, path).dtype   # dtype and quantization validated
     store = PlanStore()
-    backend, result = tuned_dense_backend(linear_shapes(hf_config), dtype, args.quantization, store, retune=True)
+    shapes = tuning_shapes(kind, path, hf_config, args.quantization)
+    backend, result = tuned_dense_backend(shapes, dtype, args.quantization, store, retune=True)
     print(f"model        {args.model} ({kind}: {path}), {str(dtype).removeprefix('torch.')}"
           + (f", {args.quantization} weights" if args.quantization else ""))
     print(f"device       {CPU.describe()}")
@@ -292,8 +296,10 @@ def cmd_tune(ns: argparse.Namespace) -> int:
         return 0
     print(f"one pass of the model's linear layers, fastest of several calls over {TUNE_ROUNDS} rounds:")
     print(result.table())
-    print(f"chosen       {result.choice}: {result.speedup('torch', 1):.2f}x torch at 1 row, "
-          f"{result.speedup('torch', PREFILL_ROWS):.2f}x at {PREFILL_ROWS} rows; kept in {store.path}")
+    versus = result.compared_with
+    print(f"chosen       {result.choice}: {result.speedup(versus, 1):.2f}x {versus} at 1 row, "
+          f"{result.speedup(versus, PREFILL_ROWS):.2f}x at {PREFILL_ROWS} rows, "
+          f"{result.speedup(versus, WIDE_ROWS):.2f}x at {WIDE_ROWS}; kept in {store.path}")
     return 0
 
 

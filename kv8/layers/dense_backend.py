@@ -21,7 +21,15 @@ from kv8.platform import CPU, Platform
 
 logger = logging.getLogger("kv8")
 
-__all__ = ["DenseBackend", "TORCH_BACKEND", "select_dense_backend"]
+__all__ = ["DenseBackend", "GGUF_DEQUANTIZE_ROWS", "TORCH_BACKEND", "select_dense_backend"]
+
+#: with ``quantization="gguf"``, the fixed rule's row count from which the packed backend dequantizes the blocks and
+#: runs the float32 GEMM instead of the int8 kernel (``dense_backend="packed_bf16"``, ``KV8_TUNING=off``;
+#: ``dense_backend="auto"`` times it against the int8 kernel at every row count, :mod:`kv8.layers.tuning`). Measured
+#: on an AMD EPYC Zen 3 (AVX2, no VNNI), 32 SmolLM2-shaped Q4_1 layers, one thread's CPU time (the machine was
+#: shared): int8 / dequantize+GEMM 0.76 at 16 rows, 0.99 at 24, 1.08 at 32, 1.67 at 64, 1.80 at 128. On an Intel
+#: Xeon with AVX-512 VNNI the int8 kernel wins at every row count (docs/benchmarks.md, "GGUF blocks kept quantized").
+GGUF_DEQUANTIZE_ROWS = 32
 
 _auto_fallback_logged = False
 
@@ -39,8 +47,10 @@ class DenseBackend:
     # FP8 weights multiplied by torch._scaled_mm with FP8 activations (a GPU with FP8 tensor cores), instead of
     # dequantized once to the compute dtype
     fp8_scaled_mm: bool = False
-    # packed_bf16 with the model's own bf16 weights: calls of at least this many rows multiply in float32 (0: never;
-    # :class:`kv8.layers.linear.PackedBF16LinearMethod`), chosen per machine by kv8.layers.tuning
+    # packed_bf16: calls of at least this many rows multiply in float32 (0: never), chosen per machine by
+    # kv8.layers.tuning. With the model's own bf16 weights the packed weight is widened a slab at a time
+    # (:class:`kv8.layers.linear.PackedBF16LinearMethod`); with quantization="gguf" the blocks are dequantized
+    # (:class:`kv8.layers.linear.GGUFLinearMethod`; below it, and with 0 at every row count, the int8 kernel)
     wide_rows: int = 0
 
     @property
@@ -58,9 +68,9 @@ class DenseBackend:
             raise ValueError(f"dense backend {self.name!r} must come with kernels exactly when it is 'packed_bf16'")
         if self.fp8_scaled_mm and (self.name != "torch" or self.quantization != "fp8"):
             raise ValueError("fp8_scaled_mm needs the torch dense backend with quantization='fp8'")
-        if self.wide_rows < 0 or (self.wide_rows and (self.name != "packed_bf16" or self.quantization is not None)):
+        if self.wide_rows < 0 or (self.wide_rows and (self.name != "packed_bf16" or self.quantization == "fp8")):
             raise ValueError(f"wide_rows={self.wide_rows}: >= 0, and non-zero only for packed_bf16 with the model's "
-                             "own weights")
+                             "own weights or GGUF blocks")
 
 
 TORCH_BACKEND = DenseBackend("torch")
@@ -96,4 +106,5 @@ def select_dense_backend(name: str, dtype: torch.dtype, quantization: str | None
             # the text, not the exception: a log record that keeps it keeps its frames (and the engine) alive
             logger.warning("dense layers: using torch because kv8's CPU kernels are unavailable: %s", str(exc))
         return _torch_backend(quantization)
-    return DenseBackend("packed_bf16", kernels, quantization)
+    return DenseBackend("packed_bf16", kernels, quantization,
+                        wide_rows=GGUF_DEQUANTIZE_ROWS if quantization == "gguf" else 0)

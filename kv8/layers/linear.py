@@ -76,7 +76,7 @@ from torch import nn
 from kv8.distributed.shard import kv_head_shard, shard_group, split_evenly
 from kv8.kernels.cpu.dense import DenseKernels
 from kv8.layers.activation import SiluAndMul
-from kv8.layers.dense_backend import DenseBackend
+from kv8.layers.dense_backend import GGUF_DEQUANTIZE_ROWS, DenseBackend
 from kv8.quant.formats import E4M3
 from kv8.quant.gguf_blocks import (
     GROUP_ROWS,
@@ -339,12 +339,6 @@ class ScaledMMFP8LinearMethod(LinearMethod):
         return y.view(*lead, layer.out_features)
 
 
-#: GGUFLinearMethod's default row count from which it dequantizes the blocks and runs the float32 GEMM instead of
-#: the int8 kernel. Measured on an AMD EPYC Zen 3 (AVX2, no VNNI), 32 SmolLM2-shaped Q4_1 layers, one thread's CPU
-#: time (the machine was shared): int8 / dequantize+GEMM 0.76 at 16 rows, 0.99 at 24, 1.08 at 32, 1.67 at 64, 1.80
-#: at 128; benchmarks/bench_linear.py's int8 / gguf columns show the same switch (docs/benchmarks.md, "GGUF blocks
-#: kept quantized"). A constant for now: a CPU with VNNI (cheaper int8 dot products) would switch later.
-GGUF_DEQUANTIZE_ROWS = 32
 #: the most float32 scratch GGUFLinearMethod dequantizes blocks into at once: a larger segment (an LM head: SmolLM2's is
 #: 113 MB in float32, Gemma-3-270M's 671 MB) is multiplied in slices of rows. Measured on the Xeon (model 207, one
 #: thread, the SmolLM2 head): slices of 3,640 rows 1.3-1.5x faster than the whole matrix at once at 512 rows, 2.5x at
@@ -432,9 +426,10 @@ class GGUFLinearMethod(LinearMethod):
     ``apply`` on ``M`` rows (the leading dims flattened), per segment of blocks where the kernels read the type
     (``grouped``):
 
-    * bf16 input and ``M < dequantize_rows``: the int8 kernel (``kernels.gguf_linear``: activations rounded to int8
-      per block of 32, within :func:`~kv8.quant.gguf_blocks.gguf_activation_bound` of the float32 reference plus
-      one bf16 rounding; ``csrc/dense/gguf.h``). It reads each block once per 4 rows: the fast path for decode.
+    * bf16 input and ``M < dequantize_rows`` (``dequantize_rows`` 0: any ``M``): the int8 kernel
+      (``kernels.gguf_linear``: activations rounded to int8 per block of 32, within
+      :func:`~kv8.quant.gguf_blocks.gguf_activation_bound` of the float32 reference plus one bf16 rounding;
+      ``csrc/dense/gguf.h``). It reads each block once per 4 rows: the fast path for decode.
     * ``M >= dequantize_rows`` (or another input dtype): the blocks dequantized to a float32 scratch matrix by
       ``kernels.gguf_dequantize`` (bit for bit :func:`~kv8.quant.gguf_blocks.dequantize_blocks`), then
       :func:`linear_f32` -- the ``torch_fp32`` backend's GEMM, the default weights' GEMM on CPUs without a native
@@ -449,15 +444,17 @@ class GGUFLinearMethod(LinearMethod):
     (a type the loader dequantized, :class:`~kv8.quant.gguf_blocks.ExpandedWeight`) runs the packed bf16 kernel where
     the kernels are loaded and its weights are bf16 (packed at load; bf16 input), else :func:`linear_reference`.
 
-    ``dequantize_rows`` (default :data:`GGUF_DEQUANTIZE_ROWS`) is the row count from which dequantizing wins. The
+    ``dequantize_rows`` (default :data:`GGUF_DEQUANTIZE_ROWS`; the dense backend's ``wide_rows``, timed per machine)
+    is the row count from which dequantizing wins, 0 where it never does (AVX-512 VNNI). The
     two paths round differently, so a row's result depends on whether its call has fewer rows than that (e.g. a
     sequence decoded alone or in a large batch): within the int8 kernel's bound of each other, not bit for bit."""
 
     name = "gguf"
 
     def __init__(self, kernels: DenseKernels | None, dequantize_rows: int = GGUF_DEQUANTIZE_ROWS) -> None:
-        if dequantize_rows < 1:
-            raise ValueError(f"dequantize_rows must be >= 1, got {dequantize_rows}")
+        if dequantize_rows < 0:
+            raise ValueError(f"dequantize_rows must be >= 0 (0: the int8 kernel at every row count), got "
+                             f"{dequantize_rows}")
         self.kernels = kernels
         self.dequantize_rows = dequantize_rows
 
@@ -495,7 +492,8 @@ class GGUFLinearMethod(LinearMethod):
                 return self.kernels.linear(rows.contiguous(), segment.packed, segment.rows, bias)
             return linear_reference(rows, segment.weight, bias)
         kernel = segment.grouped and self.kernels is not None
-        if kernel and rows.dtype == torch.bfloat16 and rows.shape[0] < self.dequantize_rows:
+        if kernel and rows.dtype == torch.bfloat16 and (self.dequantize_rows == 0
+                                                         or rows.shape[0] < self.dequantize_rows):
             assert self.kernels is not None
             return self.kernels.gguf_linear(rows, segment.blocks, segment.qtype, segment.rows, bias)
         # the blocks dequantized to float32, GGUF_SCRATCH_BYTES at a time (whole groups of the kernel's layout: a
@@ -539,7 +537,7 @@ def linear_method(backend: DenseBackend, quantize: bool = True) -> LinearMethod:
     """The linear method of a dense backend; ``quantize=False`` keeps the weights as loaded whatever the
     backend's quantization (the LM head)."""
     if quantize and backend.quantization == "gguf":
-        return GGUFLinearMethod(backend.kernels)
+        return GGUFLinearMethod(backend.kernels, backend.wide_rows)
     fp8 = quantize and backend.quantization == "fp8"
     if fp8 and backend.fp8_scaled_mm:
         return ScaledMMFP8LinearMethod()
@@ -547,7 +545,11 @@ def linear_method(backend: DenseBackend, quantize: bool = True) -> LinearMethod:
         return TorchF32LinearMethod(fp8)
     if backend.kernels is None:
         return TorchFP8LinearMethod() if fp8 else TorchLinearMethod()
-    return PackedFP8LinearMethod(backend.kernels) if fp8 else PackedBF16LinearMethod(backend.kernels, backend.wide_rows)
+    if fp8:
+        return PackedFP8LinearMethod(backend.kernels)
+    # (a layer kept as loaded under quantization="gguf", e.g. an LM head of a type without a kernel: the backend's
+    # wide_rows is the blocks' switch, not this method's)
+    return PackedBF16LinearMethod(backend.kernels, backend.wide_rows if backend.quantization is None else 0)
 
 
 class LinearBase(nn.Module):

@@ -53,8 +53,9 @@ from kv8 import envs
 from kv8.cpu_load import others_cores, read_cpu_clock, this_process_cpus
 from kv8.kernels.cpu.build import KernelUnavailable
 from kv8.kernels.cpu.dense import load_dense_kernels
-from kv8.layers.dense_backend import DenseBackend, select_dense_backend
+from kv8.layers.dense_backend import GGUF_DEQUANTIZE_ROWS, DenseBackend, select_dense_backend
 from kv8.layers.linear import WIDE_ROWS, Linear, linear_method
+from kv8.quant.gguf_blocks import random_blocks
 from kv8.validators import memory_available
 from kv8.version import __version__
 
@@ -85,6 +86,7 @@ class LinearShape:
     in_features: int
     count: int
     quantize: bool = True    # the layer follows the weights' quantization (False: the LM head)
+    qtype: str | None = None  # quantization="gguf": the GGUF block type its weights are timed in
 
 
 @dataclass(frozen=True)
@@ -101,6 +103,19 @@ class TuneResult:
     def provisional(self) -> bool:
         """Timed beside other work (:data:`BUSY_CORES`): used, and timed again at the next start."""
         return self.others > BUSY_CORES
+
+    @property
+    def compared_with(self) -> str:
+        """The candidate the choice's speed-ups are quoted against: ``torch`` where it was timed, else the fastest
+        other candidate at the most rows timed (``quantization="gguf"``: the other switch); the choice itself when it
+        was the only one."""
+        if "torch" in self.seconds:
+            return "torch"
+        others = [name for name in self.seconds if name != self.choice]
+        if not others:
+            return self.choice
+        most = max(r for per in self.seconds.values() for r in per)
+        return min(others, key=lambda name: self.seconds[name][most])
 
     def speedup(self, over: str, rows: int) -> float:
         """How many times faster the choice is than ``over`` at ``rows`` rows."""
@@ -140,7 +155,8 @@ def machine_key() -> dict[str, str]:
 
 def plan_key(shapes: Sequence[LinearShape], dtype: torch.dtype, quantization: str | None) -> str:
     """The model's part of a plan's key: its linear shapes, compute dtype and weight quantization."""
-    text = json.dumps([[asdict(s) for s in shapes], str(dtype), quantization])
+    described = [{k: v for k, v in asdict(s).items() if not (k == "qtype" and v is None)} for s in shapes]
+    text = json.dumps([described, str(dtype), quantization])
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
@@ -171,7 +187,12 @@ def _timing_layer(shape: LinearShape, backend: DenseBackend, dtype: torch.dtype)
     generator = torch.Generator().manual_seed(0)
     layer = Linear(shape.in_features, shape.out_features, bias=False, backend=backend)
     layer.method = linear_method(backend, shape.quantize)
-    layer.weight.data = torch.randn(shape.out_features, shape.in_features, generator=generator).to(dtype) * 0.02
+    if backend.quantization == "gguf" and shape.quantize:
+        if shape.qtype is None:
+            raise ValueError(f"a GGUF layer of shape {shape} needs its block type (qtype) to be timed")
+        layer.load_gguf(random_blocks(shape.qtype, shape.out_features, shape.in_features, generator))
+    else:
+        layer.weight.data = torch.randn(shape.out_features, shape.in_features, generator=generator).to(dtype) * 0.02
     layer.process_weights_after_loading()
     return layer
 
@@ -299,11 +320,19 @@ def candidates(shapes: Sequence[LinearShape], dtype: torch.dtype, quantization: 
     (:attr:`~kv8.layers.dense_backend.DenseBackend.label`): ``packed_bf16`` where kv8's kernels load (bf16 models),
     and with the model's own weights also ``packed_bf16+f32_from_<WIDE_ROWS>`` (the same kernels, long chunks in
     float32); ``torch``; and ``torch_fp32`` for 16-bit models while its float32 weights take at most half of the
-    free memory. ``quantization="gguf"`` has one candidate, not timed: ``packed_bf16`` where the kernels load (bf16;
-    their GGUF kernel reads the blocks), else ``torch`` (the GGUF reference)."""
+    free memory. ``quantization="gguf"``: where the kernels load (bf16) and every shape that follows the quantization
+    has a block type they read (:attr:`LinearShape.qtype`), ``packed_bf16+f32_from_<GGUF_DEQUANTIZE_ROWS>`` (the
+    blocks dequantized for the float32 GEMM from that many rows) and ``packed_bf16`` (the int8 kernel at every row
+    count); else one candidate, not timed (the fixed rule: the first, or ``torch``, the GGUF reference)."""
     found: list[DenseBackend] = []
     if quantization == "gguf":
-        return {(backend := select_dense_backend("auto", dtype, quantization)).label: backend}
+        fixed = select_dense_backend("auto", dtype, quantization)
+        kernels = fixed.kernels
+        if kernels is None or any(s.quantize and s.qtype not in kernels.gguf_types for s in shapes):
+            return {fixed.label: fixed}
+        found = [DenseBackend("packed_bf16", kernels, quantization, wide_rows=GGUF_DEQUANTIZE_ROWS),
+                 DenseBackend("packed_bf16", kernels, quantization)]
+        return {backend.label: backend for backend in found}
     if dtype == torch.bfloat16:
         try:
             kernels = load_dense_kernels()
@@ -356,9 +385,10 @@ def tuned_dense_backend(shapes: Sequence[LinearShape], dtype: torch.dtype, quant
             store.put(key, result)
         busy = (f"; beside other work (other processes took {fresh.others:.2f} cores): provisional, timed again at "
                 "the next start") if fresh.provisional else ""
-        logger.warning("dense backend %s: %.1fx torch at 1 row, %.1fx at %d rows, %.1fx at %d (timed in %.1f s%s)",
-                       result.choice, result.speedup("torch", 1), result.speedup("torch", PREFILL_ROWS), PREFILL_ROWS,
-                       result.speedup("torch", WIDE_ROWS), WIDE_ROWS,
+        versus = result.compared_with
+        logger.warning("dense backend %s: %.1fx %s at 1 row, %.1fx at %d rows, %.1fx at %d (timed in %.1f s%s)",
+                       result.choice, result.speedup(versus, 1), versus, result.speedup(versus, PREFILL_ROWS),
+                       PREFILL_ROWS, result.speedup(versus, WIDE_ROWS), WIDE_ROWS,
                        time.perf_counter() - start, busy)
     return found[result.choice], result
 

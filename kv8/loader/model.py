@@ -27,7 +27,7 @@ import os
 import re
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -306,23 +306,50 @@ def describe_weights(kind: str, path: str, quantization: str | None, dtype: torc
             f"(the file: {os.path.getsize(path) / 2**20:.1f} MiB)")
 
 
-def linear_shapes(hf_config: dict[str, Any], tp: TPGroup = SINGLE_RANK) -> list[LinearShape]:
+def linear_shapes(hf_config: dict[str, Any], tp: TPGroup = SINGLE_RANK,
+                  gguf_types: tuple[str | None, str | None] | None = None) -> list[LinearShape]:
     """The distinct shapes of the model's linear layers on rank ``tp.rank``, with how many layers have each (the
-    model built on the meta device: no memory, no weights)."""
+    model built on the meta device: no memory, no weights). ``gguf_types`` (``quantization="gguf"``:
+    :func:`kv8.loader.gguf.gguf_tuning_types`): the decoder's layers get the first as their ``qtype``, the LM head
+    the second (and follows the quantization when it is not None)."""
     with torch.device("meta"), building_shard(tp):
         model = model_class(hf_config)(arch_config(hf_config), TORCH_BACKEND)
-    counts = Counter((m.out_features, m.in_features, m.quantize) for m in model.modules() if isinstance(m, LinearBase))
-    return [LinearShape(n, k, c, q) for (n, k, q), c in sorted(counts.items())]
+    counts: Counter[tuple[int, int, bool, str | None]] = Counter()
+    for m in model.modules():
+        if not isinstance(m, LinearBase):
+            continue
+        quantize, qtype = m.quantize, None
+        if gguf_types is not None:
+            qtype = gguf_types[1] if isinstance(m, ParallelLMHead) else gguf_types[0] if m.quantize else None
+            quantize = m.quantize or qtype is not None
+        counts[(m.out_features, m.in_features, quantize, qtype)] += 1
+    order = sorted(counts, key=lambda key: (key[:3], key[3] or ""))
+    return [LinearShape(n, k, counts[(n, k, q, t)], q, t) for n, k, q, t in order]
+
+
+def tuning_shapes(kind: str, path: str, hf_config: dict[str, Any], quantization: str | None,
+                  tp: TPGroup = SINGLE_RANK) -> list[LinearShape]:
+    """:func:`linear_shapes` as ``dense_backend="auto"`` times them: with ``quantization="gguf"`` on a GGUF file,
+    with the file's block types."""
+    if quantization != "gguf" or kind != "gguf":
+        return linear_shapes(hf_config, tp)
+    from kv8.loader.gguf import gguf_tuning_types
+
+    gguf_model, reader = _read_gguf(path, os.path.getmtime(path))
+    return linear_shapes(hf_config, tp, gguf_tuning_types(reader, gguf_model))
 
 
 def resolve_dense_backend(name: str, hf_config: dict[str, Any], dtype: torch.dtype, quantization: str | None,
-                          platform: Platform = CPU, tp: TPGroup = SINGLE_RANK) -> DenseBackend:
+                          platform: Platform = CPU, tp: TPGroup = SINGLE_RANK,
+                          shapes: Callable[[], list[LinearShape]] | None = None) -> DenseBackend:
     """The dense backend of option ``name``: ``auto`` on the CPU with one rank is this machine's measured choice
     for the model (:func:`kv8.layers.tuning.tuned_dense_backend`, unless ``KV8_TUNING=off``); everything else
     :func:`kv8.layers.dense_backend.select_dense_backend`'s fixed rule (tensor-parallel ranks too: each rank would
-    time beside the others)."""
+    time beside the others). ``shapes``: the shapes to time (default :func:`linear_shapes`; the loader passes
+    :func:`tuning_shapes`')."""
     if name == "auto" and platform.kind == "cpu" and tp.size == 1 and envs.tuning():
-        return tuned_dense_backend(linear_shapes(hf_config), dtype, quantization)[0]
+        return tuned_dense_backend(shapes() if shapes is not None else linear_shapes(hf_config), dtype,
+                                   quantization)[0]
     return select_dense_backend(name, dtype, quantization, platform)
 
 
@@ -354,7 +381,8 @@ def load_model(kind: str, path: str, dtype: torch.dtype, dense_backend: str = "t
     arch = arch_config(hf_config)
     if kind == "hf" and files:
         _check_layer_count(files, arch, path)
-    backend = resolve_dense_backend(dense_backend, hf_config, dtype, quantization, platform, tp)
+    backend = resolve_dense_backend(dense_backend, hf_config, dtype, quantization, platform, tp,
+                                    lambda: tuning_shapes(kind, path, hf_config, quantization, tp))
     with torch.device("meta"), building_shard(tp):
         model = cls(arch, backend)
     tied = dict(getattr(model, "tied_weights", {})) if arch.tie_word_embeddings else {}

@@ -41,6 +41,7 @@ from dataclasses import dataclass
 import torch
 
 __all__ = ["BLOCK", "BLOCK_BYTES", "BLOCK_VALUES", "GROUP_ROWS", "KEPT_TYPES", "ExpandedWeight", "GGUFWeight",
+           "random_blocks",
            "dequantize_blocks", "dequantize_rows", "gather_rows",
            "gguf_activation_bound", "gguf_linear_reference", "group_blocks", "q4_k_scale_min",
            "quantize_activation_blocks", "ungroup_blocks"]
@@ -367,3 +368,21 @@ def gguf_activation_bound(x: torch.Tensor, blocks: torch.Tensor, qtype: str) -> 
     _, scale = quantize_activation_blocks(x)
     w_abs = dequantize_blocks(blocks, qtype, k).abs().reshape(blocks.shape[0], k // BLOCK, BLOCK).sum(dim=-1)
     return 0.5 * scale.double() @ w_abs.double().T
+
+
+#: float16 fields at the start of each type's block (the scale; Q4_1 and Q4_K: and the min)
+_HEADER_HALVES = {"Q8_0": 1, "Q4_0": 1, "Q4_1": 2, "Q5_0": 1, "Q4_K": 2}
+
+
+def random_blocks(qtype: str, rows: int, in_features: int, generator: torch.Generator) -> GGUFWeight:
+    """A weight of ``qtype`` blocks with random codes (Q4_K: random 6-bit sub-block scales too) and every float16 scale
+    and min 2**-7: what the dense tuner times (speed does not depend on the values; normal scales keep every
+    arithmetic path off subnormals, NaNs and infinities)."""
+    if qtype not in BLOCK_BYTES:
+        raise ValueError(f"GGUF type {qtype!r} is not kept as blocks; choose one of: {list(KEPT_TYPES)}")
+    unit = _UNIT[qtype]
+    units = rows * (in_features // BLOCK * BLOCK_BYTES[qtype] // unit)
+    raw = torch.randint(0, 256, (units, unit), generator=generator, dtype=torch.uint8)
+    half = torch.tensor([2.0 ** -7], dtype=torch.float16).view(torch.uint8)
+    raw[:, :2 * _HEADER_HALVES[qtype]] = half.repeat(_HEADER_HALVES[qtype])
+    return GGUFWeight(qtype, raw.reshape(rows, -1), in_features, "timing")

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from kv8.cpu_load import CpuClock
-from kv8.layers.dense_backend import DenseBackend
+from kv8.layers.dense_backend import GGUF_DEQUANTIZE_ROWS, DenseBackend
 from kv8.layers.linear import WIDE_ROWS, Linear, TorchF32LinearMethod, linear_method, linear_reference
 from kv8.layers.tuning import (
     BUSY_CORES,
@@ -30,6 +30,7 @@ from kv8.layers.tuning import (
     choose,
     fastest_call,
     plan_key,
+    time_layer,
     tuned_dense_backend,
 )
 from kv8.quant.weights import dequantize_fp8_rows, quantize_fp8_rows
@@ -326,3 +327,30 @@ def test_an_engine_uses_and_keeps_this_machines_plan(tiny_llama: str, tmp_path: 
     entry_time = plans[0].stat().st_mtime_ns
     second = make_llm(tiny_llama, kv_cache_dtype="fp8", dtype="bfloat16")
     assert second.engine.dense_backend == first.engine.dense_backend and plans[0].stat().st_mtime_ns == entry_time
+
+
+def test_gguf_weights_time_the_dequantizing_switch_against_the_int8_kernel_everywhere() -> None:
+    """``quantization="gguf"``: where the kernels read every quantized shape's block type, two candidates -- the
+    blocks dequantized for the float32 GEMM from ``GGUF_DEQUANTIZE_ROWS`` rows, and the int8 kernel at every row
+    count -- timed on layers holding blocks of that type (the real timer here, on tiny shapes); a shape without a
+    type the kernels read leaves the fixed rule, untimed. The choice's speed-ups are quoted against the other."""
+    kernels, why = dense_kernels_or_reason()
+    if kernels is None or "Q4_1" not in kernels.gguf_types:
+        pytest.skip(f"kv8's GGUF kernels are unavailable: {why}")
+    shapes = [LinearShape(48, 64, 2, qtype="Q4_1"), LinearShape(40, 64, 1, qtype="Q8_0")]
+    found = candidates(shapes, torch.bfloat16, "gguf")
+    switch = f"packed_bf16+f32_from_{GGUF_DEQUANTIZE_ROWS}"
+    assert set(found) == {switch, "packed_bf16"}
+    assert (found[switch].wide_rows, found["packed_bf16"].wide_rows) == (GGUF_DEQUANTIZE_ROWS, 0)
+    for label, backend in found.items():
+        assert time_layer(shapes[0], backend, torch.bfloat16, 40) > 0, label
+    unreadable = [LinearShape(48, 64, 2, qtype=None)]
+    (only,) = candidates(unreadable, torch.bfloat16, "gguf").values()
+    assert only.wide_rows == GGUF_DEQUANTIZE_ROWS
+    with pytest.raises(ValueError, match="needs its block type"):
+        time_layer(unreadable[0], found["packed_bf16"], torch.bfloat16, 1)
+    result = choose(found, shapes, torch.bfloat16,
+                    lambda backend, shape, rows: 1.0 if backend.wide_rows and rows >= backend.wide_rows else 0.5)
+    assert result.choice == "packed_bf16" and result.compared_with == switch
+    assert result.speedup(result.compared_with, WIDE_ROWS) == pytest.approx(2.0)
+    assert TuneResult("torch", {"torch": {1: 1.0}, "packed_bf16": {1: 2.0}}).compared_with == "torch"

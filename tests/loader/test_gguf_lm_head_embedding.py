@@ -208,3 +208,42 @@ def test_smollm2_weights_stay_within_ten_percent_of_the_file() -> None:
     model, reader = read_gguf(path)
     assert abs(resident - gguf_resident_bytes(reader, model, torch.bfloat16, _KERNELS is not None)) <= 1024
     assert f"resident weights {resident / 2**20:.1f} MiB" in describe_weights("gguf", path, "gguf")
+
+
+@pytest.mark.skipif(_KERNELS is None, reason="the GGUF switch is timed only where kv8's kernels read the blocks")
+@pytest.mark.parametrize("int8_wins", [True, False])
+def test_dense_backend_auto_times_where_the_blocks_are_dequantized(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                   int8_wins: bool) -> None:
+    """``dense_backend="auto"`` with tuning on times ``quantization="gguf"``'s layers in the file's block types (the
+    decoder's main type, the head's): where the int8 kernel measures faster at every row count the decoder's layers
+    and the head never dequantize (``dequantize_rows`` 0), else they switch at ``GGUF_DEQUANTIZE_ROWS`` and the
+    head at ``GGUF_HEAD_DEQUANTIZE_ROWS``. (The timings are faked: which path is faster depends on the CPU.)"""
+    from kv8.layers.dense_backend import GGUF_DEQUANTIZE_ROWS, DenseBackend
+    from kv8.layers.tuning import LinearShape, _LayerTimer
+    from kv8.loader.model import tuning_shapes
+
+    path = tmp_path / "m.gguf"
+    _write(path, QT.Q8_0, untied=False)
+    model, _ = read_gguf(str(path))
+    shapes = tuning_shapes("gguf", str(path), dict(model.hf_config), "gguf")
+    assert {(s.quantize, s.qtype) for s in shapes} == {(True, "Q4_1"), (True, "Q8_0")}   # decoder, tied Q8_0 head
+    assert all(s.qtype is None for s in tuning_shapes("gguf", str(path), dict(model.hf_config), None))
+
+    timed: list[tuple[str, str | None]] = []
+
+    def fake(self: _LayerTimer, backend: DenseBackend, shape: LinearShape, rows: int) -> float:
+        timed.append((backend.label, shape.qtype))
+        dequantizes = bool(backend.wide_rows) and rows >= backend.wide_rows
+        return 1.0 if rows == 1 else 2.0 if dequantizes == int8_wins else 1.5
+
+    monkeypatch.setattr(_LayerTimer, "measure", fake)
+    monkeypatch.setenv("KV8_TUNING", "auto")
+    monkeypatch.setenv("KV8_CACHE_DIR", os.fspath(tmp_path / "cache"))
+    loaded = load_model("gguf", str(path), torch.bfloat16, "auto", quantization="gguf")
+    assert {label for label, _ in timed} == {f"packed_bf16+f32_from_{GGUF_DEQUANTIZE_ROWS}", "packed_bf16"}
+    assert {qtype for _, qtype in timed} == {"Q4_1", "Q8_0"}
+    layer = loaded.model.model.layers[0].self_attn.qkv_proj
+    head = loaded.model.lm_head
+    assert isinstance(layer.method, GGUFLinearMethod) and isinstance(head.method, GGUFLinearMethod)
+    want = (0, 0) if int8_wins else (GGUF_DEQUANTIZE_ROWS, GGUF_HEAD_DEQUANTIZE_ROWS)
+    assert (layer.method.dequantize_rows, head.method.dequantize_rows) == want

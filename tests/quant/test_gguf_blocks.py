@@ -34,6 +34,7 @@ from kv8.quant.gguf_blocks import (
     group_blocks,
     q4_k_scale_min,
     quantize_activation_blocks,
+    random_blocks,
     ungroup_blocks,
 )
 from tests.helpers.gguf_files import quantize
@@ -375,7 +376,8 @@ def test_dequantize_kernel_rejects_what_it_cannot_read(lib: DenseKernels) -> Non
 def _gguf_layer(lib: DenseKernels, blocks: torch.Tensor, qtype: str, bias: torch.Tensor | None) -> LinearBase:
     """A kv8 ``Linear`` holding ``blocks`` (the file's layout) on ``quantization="gguf"``, as the loader builds it."""
     n, k = blocks.shape[0], blocks.shape[1] // BLOCK_BYTES[qtype] * BLOCK
-    layer = LinearBase(k, [n], bias is not None, DenseBackend("packed_bf16", lib, "gguf"))
+    backend = DenseBackend("packed_bf16", lib, "gguf", wide_rows=GGUF_DEQUANTIZE_ROWS)   # the fixed rule
+    layer = LinearBase(k, [n], bias is not None, backend)
     layer.load_gguf(GGUFWeight(qtype, blocks, k))
     if bias is not None:
         assert layer.bias is not None
@@ -432,8 +434,29 @@ def test_layer_threshold_is_per_method_and_other_dtypes_take_the_float32_gemm(li
     y32 = layer(x[:1].float())
     assert y32.dtype == torch.float32 and torch.equal(y32, linear_f32(x[:1].float(), w, None))
     assert torch.allclose(y32, gguf_linear_reference(x[:1].float(), blocks, qtype, None), rtol=1e-5, atol=1e-5)
-    with pytest.raises(ValueError, match="dequantize_rows must be >= 1, got 0"):
-        GGUFLinearMethod(lib, dequantize_rows=0)
+    with pytest.raises(ValueError, match=r"must be >= 0 \(0: the int8 kernel at every row count\), got -1"):
+        GGUFLinearMethod(lib, dequantize_rows=-1)
+    layer.method = GGUFLinearMethod(lib, dequantize_rows=0)   # never dequantized: the int8 kernel at any row count
+    many = torch.randn(70, k, generator=torch.Generator().manual_seed(3)).bfloat16()
+    assert torch.equal(layer(many), lib.gguf_linear(many, layer.gguf_segments[0].blocks, qtype, 37, None))
+
+
+@pytest.mark.parametrize("qtype", KEPT_TYPES)
+def test_random_blocks_have_normal_scales_and_the_files_layout(qtype: str) -> None:
+    """The tuner's timing weights: the file's row bytes for the type, every float16 scale (and min) 2**-7, values
+    finite; the same seed gives the same blocks; a type that is not kept is refused by name."""
+    k = 2 * BLOCK_VALUES[qtype]
+    weight = random_blocks(qtype, 9, k, torch.Generator().manual_seed(0))
+    assert weight.shape == (9, k) and weight.blocks.shape[1] == k // 32 * BLOCK_BYTES[qtype]
+    values = dequantize_blocks(weight.blocks, qtype, k)
+    assert bool(torch.isfinite(values).all()) and bool((values != 0).any())
+    unit = 144 if qtype == "Q4_K" else BLOCK_BYTES[qtype]
+    halves = weight.blocks.reshape(-1, unit)[:, :4].contiguous().view(torch.float16)
+    count = 2 if qtype in ("Q4_1", "Q4_K") else 1
+    assert bool((halves[:, :count] == 2.0 ** -7).all())
+    assert torch.equal(weight.blocks, random_blocks(qtype, 9, k, torch.Generator().manual_seed(0)).blocks)
+    with pytest.raises(ValueError, match="GGUF type 'Q6_K' is not kept as blocks"):
+        random_blocks("Q6_K", 9, 256, torch.Generator())
 
 
 @pytest.mark.parametrize("qtype", ["Q8_0", "Q4_K"])
