@@ -29,9 +29,13 @@ every barrier for the one the scheduler parked) and the plan chose ``torch``, 2x
 while others took more than :data:`BUSY_CORES` cores is provisional: it is used, and timed again at the next
 start; of two timings the quieter is kept, and ``kv8 tune`` says how busy the machine was.
 
-Invariant: the choice changes only speed. Every candidate computes ``x @ W.T + b`` with float32 sums and one
-rounding to the compute dtype (bf16 products are exact in float32), so outputs differ by the order of the float32
-additions, as the packed kernel's already do.
+Invariant: the choice changes only speed, within the kernels' documented rounding. Every candidate for 16-bit and
+FP8 weights computes ``x @ W.T + b`` with float32 sums and one rounding to the compute dtype (bf16 products are exact
+in float32), so outputs differ by the order of the float32 additions, as the packed kernel's already do. With GGUF
+blocks the two candidates differ where one runs the int8 kernel and the other the float32 GEMM (calls of 32 rows or
+more): the int8 kernel rounds the activations to int8 per block of 32, as llama.cpp does, within
+:func:`~kv8.quant.gguf_blocks.gguf_activation_bound` (docs/benchmarks.md, "GGUF blocks kept quantized", measures
+what that costs in KL divergence).
 """
 
 from __future__ import annotations

@@ -43,9 +43,10 @@ __all__ = ["GGUF_HEAD_DEQUANTIZE_ROWS", "ParallelLMHead", "VocabParallelEmbeddin
 #: float32 GEMM, instead of the int8 kernel. Measured on the Xeon (model 207, AVX-512 VNNI), SmolLM2's Q8_0 head
 #: [49152, 576], one thread's CPU time, int8 kernel / dequantize+GEMM: on the kernel's AVX2 path 0.97 at 64 rows, 1.28
 #: at 128, 1.39 at 512; on its vnni512 path 0.32 at 64 rows, 0.34 at 128, 0.68 at 512 (the int8 kernel faster at every
-#: row count). 96 is the AVX2 path's switch, used where the backend's decoder layers dequantize from some row count
-#: (:data:`kv8.layers.dense_backend.GGUF_DEQUANTIZE_ROWS`, or the tuner's choice); where the tuner found the int8
-#: kernel faster at every row count (``wide_rows`` 0: VNNI), the head never dequantizes either.
+#: row count). 96 is the AVX2 path's switch, kept on every machine whatever the decoder's layers do (the backend's
+#: ``wide_rows``): a step's head multiplies one row per sequence, so calls of >= 96 rows are prompt
+#: log-probabilities, where the float32 path's accuracy (no activation rounding: 0.9e-3 nats less KLD on SmolLM2,
+#: docs/benchmarks.md) is worth more than the int8 kernel's speed.
 GGUF_HEAD_DEQUANTIZE_ROWS = 96
 
 
@@ -146,9 +147,7 @@ class ParallelLMHead(LinearBase):
         gguf = backend.quantization == "gguf"
         super().__init__(hidden_size, [rows * tp.size], False, backend, row_shards=[(first, rows)], quantize=gguf)
         if gguf:
-            # the head's own switch where the backend dequantizes at all (backend.wide_rows 0: the int8 kernel wins
-            # at every row count on this machine)
-            self.method = GGUFLinearMethod(backend.kernels, GGUF_HEAD_DEQUANTIZE_ROWS if backend.wide_rows else 0)
+            self.method = GGUFLinearMethod(backend.kernels, GGUF_HEAD_DEQUANTIZE_ROWS)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int | str | None = None) -> None:
         _load_rows(param, loaded, self.vocab_size, self.full_in_features, self.tp)
