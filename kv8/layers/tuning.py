@@ -322,12 +322,13 @@ class PlanStore:
 def candidates(shapes: Sequence[LinearShape], dtype: torch.dtype, quantization: str | None) -> dict[str, DenseBackend]:
     """The CPU dense backends that can run a model of ``shapes`` in ``dtype``, by label
     (:attr:`~kv8.layers.dense_backend.DenseBackend.label`): ``packed_bf16`` where kv8's kernels load (bf16 models),
-    and with the model's own weights also ``packed_bf16+f32_from_<WIDE_ROWS>`` (the same kernels, long chunks in
-    float32); ``torch``; and ``torch_fp32`` for 16-bit models while its float32 weights take at most half of the
-    free memory. ``quantization="gguf"``: where the kernels load (bf16) and every shape that follows the quantization
-    has a block type they read (:attr:`LinearShape.qtype`), ``packed_bf16+f32_from_<GGUF_DEQUANTIZE_ROWS>`` (the
-    blocks dequantized for the float32 GEMM from that many rows) and ``packed_bf16`` (the int8 kernel at every row
-    count); else one candidate, not timed (the fixed rule: the first, or ``torch``, the GGUF reference)."""
+    and ``packed_bf16+f32_from_<WIDE_ROWS>`` (the same kernels, long chunks in float32: bf16 weights widened, FP8
+    codes decoded times their scales); ``torch``; and ``torch_fp32`` for 16-bit models while its float32 weights take
+    at most half of the free memory. ``quantization="gguf"``: where the kernels load (bf16) and every shape that
+    follows the quantization has a block type they read (:attr:`LinearShape.qtype`),
+    ``packed_bf16+f32_from_<GGUF_DEQUANTIZE_ROWS>`` (the blocks dequantized for the float32 GEMM from that many rows)
+    and ``packed_bf16`` (the int8 kernel at every row count); else one candidate, not timed (the fixed rule: the
+    first, or ``torch``, the GGUF reference)."""
     found: list[DenseBackend] = []
     if quantization == "gguf":
         fixed = select_dense_backend("auto", dtype, quantization)
@@ -344,8 +345,7 @@ def candidates(shapes: Sequence[LinearShape], dtype: torch.dtype, quantization: 
             pass
         else:
             found.append(DenseBackend("packed_bf16", kernels, quantization))
-            if quantization is None:
-                found.append(DenseBackend("packed_bf16", kernels, None, wide_rows=WIDE_ROWS))
+            found.append(DenseBackend("packed_bf16", kernels, quantization, wide_rows=WIDE_ROWS))
     found.append(DenseBackend("torch", None, quantization))
     if dtype in (torch.bfloat16, torch.float16):
         fp32_bytes = sum(4 * s.out_features * s.in_features * s.count for s in shapes)

@@ -323,11 +323,12 @@ def test_wide_rows_with_fused_silu_equal_the_float32_projection_then_silu(lib: D
     assert torch.equal(fused(short), plain(short))
 
 
-def test_wide_rows_only_for_packed_bf16_with_the_models_weights(lib: DenseKernels) -> None:
+def test_wide_rows_only_for_packed_bf16(lib: DenseKernels) -> None:
     assert DenseBackend("packed_bf16", lib, wide_rows=512).label == "packed_bf16+f32_from_512"
     assert DenseBackend("packed_bf16", lib).label == "packed_bf16"
-    for bad in (dict(name="torch", kernels=None, wide_rows=512), dict(name="packed_bf16", kernels=lib,
-                                                                      quantization="fp8", wide_rows=512),
+    assert DenseBackend("packed_bf16", lib, "fp8", wide_rows=512).label == "packed_bf16+f32_from_512"
+    for bad in (dict(name="torch", kernels=None, wide_rows=512), dict(name="torch", kernels=None, quantization="fp8",
+                                                                      wide_rows=512),
                 dict(name="packed_bf16", kernels=lib, wide_rows=-1)):
         with pytest.raises(ValueError, match="wide_rows="):
             DenseBackend(**bad)   # type: ignore[arg-type]

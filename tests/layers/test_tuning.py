@@ -274,12 +274,13 @@ def test_candidates_by_dtype_and_memory(monkeypatch: pytest.MonkeyPatch) -> None
     wide = f"packed_bf16+f32_from_{WIDE_ROWS}"
     assert {"torch", "torch_fp32"} <= names <= {"torch", "torch_fp32", "packed_bf16", wide}
     # the packed kernels are a candidate wherever they load (AVX-512 BF16 or AVX2 + FMA + F16C), FP8 weights too;
-    # with the model's own weights also with long chunks in float32
+    # and the same kernels with long chunks in float32 (bf16 weights widened, FP8 codes decoded times their scales)
     kernels, _ = dense_kernels_or_reason()
     assert ("packed_bf16" in names) == (wide in names) == (kernels is not None)
     if kernels is not None:
         fp8 = candidates(SHAPES, torch.bfloat16, "fp8")
-        assert fp8["packed_bf16"].kernels is kernels and fp8["packed_bf16"].quantization == "fp8" and wide not in fp8
+        assert fp8["packed_bf16"].kernels is kernels and fp8["packed_bf16"].quantization == "fp8"
+        assert fp8[wide].quantization == "fp8" and fp8[wide].wide_rows == WIDE_ROWS and fp8[wide].kernels is kernels
         assert candidates(SHAPES, torch.bfloat16, None)[wide].wide_rows == WIDE_ROWS
     assert set(candidates(SHAPES, torch.float32, None)) == {"torch"}    # nothing to widen, no bf16 kernels
     assert "packed_bf16" not in candidates(SHAPES, torch.float16, None)
