@@ -177,9 +177,7 @@ class PackedBF16LinearMethod(LinearMethod):
     SiLU holds both with its gate and up rows interleaved by 16 (:meth:`DenseKernels.interleave_gate_up`).
 
     ``wide_rows`` (0: never): a call of at least that many rows (a long prefill chunk) widens the packed weight to
-    float32 a slab of rows at a time (:meth:`DenseKernels.unpack`, at most :data:`WIDE_SLAB_VALUES` values; the
-    C++ unpack writes a slab of SmolLM2's 576 columns in 1.2 ms on one core of the Xeon without AMX, 4% of that
-    slab's GEMM at 512 rows) and
+    float32 a slab of rows at a time (:meth:`DenseKernels.unpack`, at most :data:`WIDE_SLAB_VALUES` values) and
     multiplies with torch's float32 GEMM (:func:`linear_f32`): on CPUs whose bf16 dot product has no more
     throughput than float32 FMAs (Intel without AMX) that GEMM is faster than the packed kernel, and the widening
     costs one read of the weights per call. Same arithmetic (exact products, float32 sums, one rounding; the gated
