@@ -236,15 +236,16 @@ def compare_quantizations(backends: list[str], args: argparse.Namespace) -> None
 
 def print_rows(label: str, runs: dict[str, list[tuple[float, float]]], ref: str, args: argparse.Namespace) -> None:
     """One row per configuration: prefill and decode step medians (min-max) and the speed-ups over ``ref``."""
-    print(f"{label:<24}{f'prefill {4 * args.prompt} tok ms':>28}{'decode step ms':>26}"
-          f"{f'speed-up vs {ref}':>28}")
+    width = max(24, len(label), *(len(name) + 2 for name in runs))
+    print(f"{label:<{width}}{f'prefill {4 * args.prompt} tok ms':>28}{'decode step ms':>26}"
+          f"   {f'speed-up vs {ref}':>28}")
     med = {n: (statistics.median(p for p, _ in v), statistics.median(d for _, d in v)) for n, v in runs.items()}
     for name, v in runs.items():
         p, d = med[name]
         pre = f"{p * 1e3:.1f} ({min(x for x, _ in v) * 1e3:.0f}-{max(x for x, _ in v) * 1e3:.0f})"
         dec = f"{d * 1e3:.1f} ({min(y for _, y in v) * 1e3:.0f}-{max(y for _, y in v) * 1e3:.0f})"
         speed = f"{med[ref][0] / p:.2f} / {med[ref][1] / d:.2f}"
-        print(f"{name:<24}{pre:>28}{dec:>26}{speed:>28}")
+        print(f"{name:<{width}}{pre:>28}{dec:>26}   {speed:>28}")
 
 
 def available_backends() -> list[str]:
