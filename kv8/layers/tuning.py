@@ -14,8 +14,8 @@ AVX2 kernels read half the float32 weights' bytes). So
    first or last); each keeps its fastest time per shape and row count, so a burst of other work during one
    candidate's turn does not decide the choice. The LM head multiplies only the rows whose logits a step computes
    (one per sequence), so it is timed at 1 and :data:`PREFILL_ROWS` rows, and counts its 1-row time in a long
-   prompt's chunk (:func:`timed_rows`): timing it at 512 rows, a 49,152 x 576 GEMM for SmolLM2, was 88% of the 512
-   rows' work and three quarters of the tuner's time, for a call the engine never makes;
+   prompt's chunk (:func:`timed_rows`): timing it at 512 rows, a 49,152 x 576 GEMM for SmolLM2, was 89% of the
+   multiply-adds timed at 512 rows (one layer of each shape), for a call the engine never makes;
 2. each candidate's time over the model (shape time x layers of that shape) is divided by the best candidate's
    at the same rows; the lowest sum of the ratios wins (each row count counts alike). From the second round on, a
    candidate that had the lowest sum in every round so far (each round by its own times) and whose sum on the
