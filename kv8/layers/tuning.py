@@ -100,13 +100,14 @@ class LinearShape:
     count: int
     quantize: bool = True    # the layer follows the weights' quantization (False: the LM head)
     qtype: str | None = None  # quantization="gguf": the GGUF block type its weights are timed in
+    lm_head: bool = False    # the LM head: it multiplies only the rows whose logits a step computes (timed_rows)
 
 
 def timed_rows(shape: LinearShape, rows: int) -> int:
-    """The rows a layer of ``shape`` multiplies in a step of ``rows`` rows: ``rows``, but the LM head (``quantize``
-    False) multiplies only the rows whose logits the step computes, one per sequence, so a long prompt's chunk
-    (more than :data:`PREFILL_ROWS` rows) is one row for it (module docstring, step 1)."""
-    return rows if shape.quantize or rows <= PREFILL_ROWS else 1
+    """The rows a layer of ``shape`` multiplies in a step of ``rows`` rows: ``rows``, but the LM head
+    (:attr:`LinearShape.lm_head`) multiplies only the rows whose logits the step computes, one per sequence, so a
+    long prompt's chunk (more than :data:`PREFILL_ROWS` rows) is one row for it (module docstring, step 1)."""
+    return rows if not shape.lm_head or rows <= PREFILL_ROWS else 1
 
 
 @dataclass(frozen=True)
@@ -176,7 +177,7 @@ def machine_key() -> dict[str, str]:
 
 def plan_key(shapes: Sequence[LinearShape], dtype: torch.dtype, quantization: str | None) -> str:
     """The model's part of a plan's key: its linear shapes, compute dtype and weight quantization."""
-    described = [{k: v for k, v in asdict(s).items() if not (k == "qtype" and v is None)} for s in shapes]
+    described = [{k: v for k, v in asdict(s).items() if not (k in ("qtype", "lm_head") and not v)} for s in shapes]
     text = json.dumps([described, str(dtype), quantization])
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 

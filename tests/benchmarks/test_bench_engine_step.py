@@ -18,7 +18,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import bench_engine_step  # noqa: E402
 
-SHAPES = [LinearShape(96, 64, 2), LinearShape(1000, 64, 1, quantize=False)]
+SHAPES = [LinearShape(96, 64, 2), LinearShape(1000, 64, 1, quantize=False, lm_head=True)]
 
 
 def test_a_dense_backend_name_is_passed_through() -> None:

@@ -38,7 +38,7 @@ from kv8.layers.tuning import (
 from kv8.quant.weights import dequantize_fp8_rows, quantize_fp8_rows
 from tests.helpers.kernels import dense_kernels_or_reason
 
-SHAPES = [LinearShape(96, 64, 4), LinearShape(64, 160, 4), LinearShape(1000, 64, 1, quantize=False)]
+SHAPES = [LinearShape(96, 64, 4), LinearShape(64, 160, 4), LinearShape(1000, 64, 1, quantize=False, lm_head=True)]
 MACHINE = {"cpu": "Test CPU", "isa": "avx2 fma", "kv8": "0.1.0", "torch": "2.13.0", "threads": "2"}
 
 
@@ -125,19 +125,20 @@ def test_fastest_call_takes_the_fastest_of_several_on_its_clock() -> None:
 
 
 def test_the_lm_head_is_timed_at_the_rows_whose_logits_a_step_computes() -> None:
-    """The LM head (quantize False) multiplies one row per sequence of a step: timed at 1 and PREFILL_ROWS rows, and
+    """The LM head (lm_head) multiplies one row per sequence of a step: timed at 1 and PREFILL_ROWS rows, and
     a long prompt's chunk (WIDE_ROWS) counts its 1-row time; the decoder's layers are timed at every row count."""
     seen: list[tuple[int, int]] = []
 
     def measure(backend: DenseBackend, shape: LinearShape, rows: int) -> float:
         seen.append((shape.out_features, rows))
-        return {"torch": 1.0, "torch_fp32": 2.0}[backend.name] * rows * (10.0 if not shape.quantize else 1.0)
+        return {"torch": 1.0, "torch_fp32": 2.0}[backend.name] * rows * (10.0 if shape.lm_head else 1.0)
 
     result = choose(TWO, SHAPES, torch.bfloat16, measure, rounds=1)
     assert sorted(set(seen)) == sorted({(s.out_features, r) for s in SHAPES[:2] for r in TIMED_ROWS}
                                        | {(1000, 1), (1000, PREFILL_ROWS)})
     assert timed_rows(SHAPES[2], WIDE_ROWS) == 1 and timed_rows(SHAPES[2], PREFILL_ROWS) == PREFILL_ROWS
     assert timed_rows(SHAPES[0], WIDE_ROWS) == WIDE_ROWS
+    assert timed_rows(LinearShape(1000, 64, 1, qtype="Q4_1", lm_head=True), WIDE_ROWS) == 1   # GGUF blocks too
     assert result.seconds["torch"][WIDE_ROWS] == pytest.approx(4 * WIDE_ROWS + 4 * WIDE_ROWS + 10.0)
 
 
