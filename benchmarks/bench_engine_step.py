@@ -21,6 +21,12 @@ step (the issue-40 shape: ``--batch 8 --context 4096``).
     .venv/bin/python benchmarks/bench_engine_step.py --kv-cache-dtypes fp8_e4m3,int4 --batch 8 --context 4096
 
 ``--quantization`` builds every engine with that quantization (e.g. ``gguf``: the default model's Q4_1 blocks kept).
+``--quantizations none,fp8`` instead times each backend of ``--backends`` with each weight quantization (none: the
+model's own weights), alternating. A backend may be a tuner candidate's label (``packed_bf16+f32_from_512``: the
+packed kernels with long chunks in float32), pinned as ``dense_backend="auto"``'s choice without timing:
+
+    .venv/bin/python benchmarks/bench_engine_step.py --quantizations none,fp8 \
+        --backends packed_bf16,packed_bf16+f32_from_512 --batch 1 --rounds 5
 ``--gguf-paths avx2,vnni512`` compares the GGUF int8 kernel's paths (``DenseKernels.gguf_path``) on one backend with
 ``--quantization gguf``, the same alternation, medians and speed-ups over the first listed:
 
@@ -43,6 +49,7 @@ this file's and drives the engine through ``add_request`` / ``step`` /
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -50,6 +57,8 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from typing import Any
 
 from engine_steps import time_prefill_step
 from revisions import worktree
@@ -63,13 +72,47 @@ RESULT_MARK = "@@RESULT "
 _TREE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+class Unset:
+    """The default of an argument that None would not tell apart (a quantization of None: the model's weights)."""
+
+
+UNSET = Unset()
+
+
+@contextlib.contextmanager
+def pinned_backend(backend: str) -> Iterator[str]:
+    """The engine option for ``backend``: itself for a dense_backend name; for a tuner candidate's label (a name with
+    ``+``, e.g. ``packed_bf16+f32_from_512``), ``auto`` with the tuner's choice pinned to that candidate while the
+    engine is built (no timing, no plan read or written)."""
+    if "+" not in backend:
+        yield backend
+        return
+    import kv8.loader.model as loader_model
+    from kv8.layers.tuning import candidates
+
+    def tuned(shapes: Any, dtype: Any, quantization: Any, *rest: Any, **kw: Any) -> tuple[Any, None]:
+        found = candidates(shapes, dtype, quantization)
+        if backend not in found:
+            raise SystemExit(f"{backend!r} is not a tuner candidate here; the candidates are {', '.join(found)}")
+        return found[backend], None
+
+    saved = loader_model.tuned_dense_backend
+    loader_model.tuned_dense_backend = tuned   # type: ignore[assignment]
+    try:
+        yield "auto"
+    finally:
+        loader_model.tuned_dense_backend = saved
+
+
 def measure(backend: str, args: argparse.Namespace, kv_cache_dtype: str = "fp8_e4m3",
-            enforce_eager: bool = False) -> tuple[float, float]:
-    """(prefill step s, decode step s) of a new engine with this dense backend and KV cache format."""
+            enforce_eager: bool = False, quantization: str | None | Unset = UNSET) -> tuple[float, float]:
+    """(prefill step s, decode step s) of a new engine with this dense backend (or a tuner candidate's label, pinned:
+    :func:`pinned_backend`), KV cache format and weight quantization (default ``args.quantization``)."""
     max_len = max(4096, args.context + args.repeats * 2 + 64)
-    llm = LLM(model=args.model, kv_cache_dtype=kv_cache_dtype, kv_cache_memory=args.kv_cache_memory,
-              max_model_len=max_len,
-              dense_backend=backend, enforce_eager=enforce_eager, quantization=args.quantization)
+    quant = args.quantization if isinstance(quantization, Unset) else quantization
+    with pinned_backend(backend) as option:
+        llm = LLM(model=args.model, kv_cache_dtype=kv_cache_dtype, kv_cache_memory=args.kv_cache_memory,
+                  max_model_len=max_len, dense_backend=option, enforce_eager=enforce_eager, quantization=quant)
     eng = llm.engine
     rng = random.Random(0)
     counter = iter(range(10**9))
@@ -173,17 +216,36 @@ def compare_gguf_paths(paths: list[str], args: argparse.Namespace) -> None:
     print_rows("GGUF kernel path", runs, paths[0], args)
 
 
+def compare_quantizations(backends: list[str], args: argparse.Namespace) -> None:
+    """Each of ``backends`` with each weight quantization of ``args.quantizations`` ("none": the model's own weights),
+    alternating ``args.rounds`` times (a rotated order each round); medians, spreads and the speed-ups over the
+    first configuration listed."""
+    quants = [q.strip() for q in args.quantizations.split(",") if q.strip()]
+    configs = {f"{b}, {q}": (b, None if q == "none" else q) for b in backends for q in quants}
+    runs: dict[str, list[tuple[float, float]]] = {c: [] for c in configs}
+    names = list(configs)
+    for r in range(args.rounds):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            backend, quant = configs[name]
+            runs[name].append(measure(backend, args, quantization=quant))
+    print(f"{args.model}, bf16, fp8_e4m3 cache; decode batch {args.batch} at ~{args.context} tokens; medians of "
+          f"{args.rounds} alternating rounds (min-max); {cpu_name() or 'CPU'}, {os.cpu_count()} CPUs, "
+          f"{os.environ.get('OMP_NUM_THREADS', 'default')} OMP threads")
+    print_rows("dense_backend, weights", runs, names[0], args)
+
+
 def print_rows(label: str, runs: dict[str, list[tuple[float, float]]], ref: str, args: argparse.Namespace) -> None:
     """One row per configuration: prefill and decode step medians (min-max) and the speed-ups over ``ref``."""
-    print(f"{label:<24}{f'prefill {4 * args.prompt} tok ms':>28}{'decode step ms':>26}"
-          f"{f'speed-up vs {ref}':>28}")
+    width = max(24, len(label), *(len(name) + 2 for name in runs))
+    print(f"{label:<{width}}{f'prefill {4 * args.prompt} tok ms':>28}{'decode step ms':>26}"
+          f"   {f'speed-up vs {ref}':>28}")
     med = {n: (statistics.median(p for p, _ in v), statistics.median(d for _, d in v)) for n, v in runs.items()}
     for name, v in runs.items():
         p, d = med[name]
         pre = f"{p * 1e3:.1f} ({min(x for x, _ in v) * 1e3:.0f}-{max(x for x, _ in v) * 1e3:.0f})"
         dec = f"{d * 1e3:.1f} ({min(y for _, y in v) * 1e3:.0f}-{max(y for _, y in v) * 1e3:.0f})"
         speed = f"{med[ref][0] / p:.2f} / {med[ref][1] / d:.2f}"
-        print(f"{name:<24}{pre:>28}{dec:>26}{speed:>28}")
+        print(f"{name:<{width}}{pre:>28}{dec:>26}   {speed:>28}")
 
 
 def available_backends() -> list[str]:
@@ -220,6 +282,9 @@ def main() -> None:
     ap.add_argument("--model", default="smollm2-135m", help="the model (default: smollm2-135m)")
     ap.add_argument("--quantization", default=None, help="every engine's quantization (e.g. gguf: the file's blocks "
                     "kept; fp8)")
+    ap.add_argument("--quantizations", default=None, metavar="QUANTS",
+                    help="compare these weight quantizations (comma-separated; none: the model's weights, fp8) on "
+                         "each of --backends, instead of one --quantization")
     ap.add_argument("--gguf-paths", default=None, metavar="PATHS",
                     help="compare these paths of the GGUF int8 kernel (comma-separated, e.g. avx2,vnni512) on one "
                          "backend (--backend) with --quantization gguf, instead of the backends")
@@ -230,6 +295,8 @@ def main() -> None:
         return
     available = available_backends()
     modes = (args.before is not None, args.kv_cache_dtypes is not None, args.graphs, args.gguf_paths is not None)
+    if args.quantizations is not None and (any(modes) or args.quantization is not None):
+        ap.error("--quantizations compares quantizations on --backends; give neither --quantization nor another mode")
     if sum(modes) > 1:
         ap.error("--before, --kv-cache-dtypes, --graphs and --gguf-paths compare different things; give one")
     if any(modes):
@@ -257,6 +324,9 @@ def main() -> None:
         compare_formats(formats, args)
         return
     backends = args.backends.split(",") if args.backends else available
+    if args.quantizations is not None:
+        compare_quantizations(backends, args)
+        return
     runs: dict[str, list[tuple[float, float]]] = {b: [] for b in backends}
     amx_row = "packed_bf16 (vdpbf16ps)"
     kernels = None

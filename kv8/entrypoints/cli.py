@@ -294,7 +294,8 @@ def cmd_tune(ns: argparse.Namespace) -> int:
     if result is None:
         print(f"dense layers {backend.name}: the only candidate on this machine, nothing to time")
         return 0
-    print(f"one pass of the model's linear layers, fastest of several calls over {TUNE_ROUNDS} rounds:")
+    print(f"one pass of the model's linear layers, fastest of several calls over {result.rounds} rounds (of at most "
+          f"{TUNE_ROUNDS}):")
     print(result.table())
     versus = result.compared_with
     print(f"chosen       {result.choice}: {result.speedup(versus, 1):.2f}x {versus} at 1 row, "

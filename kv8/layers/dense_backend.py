@@ -49,7 +49,8 @@ class DenseBackend:
     fp8_scaled_mm: bool = False
     # packed_bf16: calls of at least this many rows multiply in float32 (0: never), chosen per machine by
     # kv8.layers.tuning. With the model's own bf16 weights the packed weight is widened a slab at a time
-    # (:class:`kv8.layers.linear.PackedBF16LinearMethod`); with quantization="gguf" the blocks are dequantized
+    # (:class:`kv8.layers.linear.PackedBF16LinearMethod`), with FP8 weights the codes are decoded times their row
+    # scales (``PackedFP8LinearMethod``); with quantization="gguf" the blocks are dequantized
     # (:class:`kv8.layers.linear.GGUFLinearMethod`; below it, and with 0 at every row count, the int8 kernel)
     wide_rows: int = 0
 
@@ -68,9 +69,9 @@ class DenseBackend:
             raise ValueError(f"dense backend {self.name!r} must come with kernels exactly when it is 'packed_bf16'")
         if self.fp8_scaled_mm and (self.name != "torch" or self.quantization != "fp8"):
             raise ValueError("fp8_scaled_mm needs the torch dense backend with quantization='fp8'")
-        if self.wide_rows < 0 or (self.wide_rows and (self.name != "packed_bf16" or self.quantization == "fp8")):
-            raise ValueError(f"wide_rows={self.wide_rows}: >= 0, and non-zero only for packed_bf16 with the model's "
-                             "own weights or GGUF blocks")
+        if self.wide_rows < 0 or (self.wide_rows and self.name != "packed_bf16"):
+            raise ValueError(f"wide_rows={self.wide_rows}: >= 0, and non-zero only for packed_bf16 (the model's own "
+                             "weights, FP8 weights or GGUF blocks)")
 
 
 TORCH_BACKEND = DenseBackend("torch")

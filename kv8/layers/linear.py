@@ -165,7 +165,7 @@ def linear_f32(x: torch.Tensor, weight_f32: torch.Tensor, bias_f32: torch.Tensor
     return F.linear(x.float(), weight_f32, bias_f32).to(x.dtype)
 
 
-#: rows of a call from which a packed bf16 layer may multiply in float32 (:class:`PackedBF16LinearMethod`'s
+#: rows of a call from which a packed layer (bf16 or FP8) may multiply in float32 (:class:`PackedBF16LinearMethod`'s
 #: ``wide_rows``, chosen per machine by :mod:`kv8.layers.tuning`), and the float32 scratch of one slab of rows
 WIDE_ROWS = 512
 WIDE_SLAB_VALUES = 1 << 22
@@ -204,8 +204,12 @@ class PackedBF16LinearMethod(LinearMethod):
         for n0 in range(0, out_features, slab):
             n = min(slab, out_features - n0)
             bias = None if layer.bias_f32 is None else layer.bias_f32[n0:n0 + n]
-            out[:, n0:n0 + n] = F.linear(x, self.kernels.unpack(layer.packed, n0, n, k), bias)
+            out[:, n0:n0 + n] = F.linear(x, self._unpack(layer, n0, n), bias)
         return out
+
+    def _unpack(self, layer: LinearBase, first: int, rows: int) -> torch.Tensor:
+        """Packed rows ``first .. first + rows`` as float32 ``[rows, in_features]``: the weights, exactly."""
+        return self.kernels.unpack(layer.packed, first, rows, layer.in_features)
 
     def process_weights_after_loading(self, layer: LinearBase) -> None:
         weight = layer.weight.detach()
@@ -261,19 +265,31 @@ class PackedFP8LinearMethod(PackedBF16LinearMethod):
     """FP8 weights on the packed kernel. After loading the layer holds ``packed`` (1-D uint8: E4M3 codes in
     :meth:`DenseKernels.pack_fp8`'s order), ``scale_f32`` (``[rows]`` float32, one per packed row) and
     ``bias_f32``; a fused :class:`GateUpLinear` has all three in the interleaved order. Input and output are
-    bf16, as for the bf16 method; each output is ``bf16(sum_k x_k decode(code_nk) * scale_n + bias_n)``."""
+    bf16, as for the bf16 method; each output is ``bf16(sum_k x_k decode(code_nk) * scale_n + bias_n)``.
+
+    ``wide_rows`` (0: never), as for the bf16 method: a call of at least that many rows decodes the codes times their
+    row's scale to float32 a slab of rows at a time (:meth:`DenseKernels.unpack` with ``scale``: the weight of
+    :func:`~kv8.quant.weights.dequantize_fp8_rows`, the ``torch_fp32`` method's with FP8 weights, bit for bit) and
+    multiplies with :func:`linear_f32`; the gated case runs ``kv8_silu_mul`` on the rounded projection. Its outputs
+    differ from the packed kernel's by the order of the float32 additions and by where the scale enters: here each
+    weight ``decode(code) * scale`` is rounded to float32 (a relative 2^-24) and each product with it rounds too,
+    where the kernel's products ``x * decode(code)`` are exact and the scale multiplies each sum once; both are far
+    below the one rounding of the output to bf16 (2^-9)."""
 
     name = "packed_fp8"
-
-    def __init__(self, kernels: DenseKernels) -> None:
-        super().__init__(kernels)   # (no wide path: the codes would decode per call)
 
     def _pack(self, layer: LinearBase, weight: torch.Tensor) -> None:
         codes, scale = quantize_fp8_rows(weight, layer.row_amax)
         layer.register_buffer("packed", self.kernels.pack_fp8(codes), persistent=False)
         layer.register_buffer("scale_f32", scale, persistent=False)
 
+    def _unpack(self, layer: LinearBase, first: int, rows: int) -> torch.Tensor:
+        """Packed rows ``first .. first + rows`` as float32: ``decode(code) * scale``, one rounding each."""
+        return self.kernels.unpack(layer.packed, first, rows, layer.in_features, scale=layer.scale_f32)
+
     def _linear(self, layer: LinearBase, rows: torch.Tensor, out_features: int, gated: bool = False) -> torch.Tensor:
+        if self._wide(rows) and not gated:
+            return self._wide_linear(layer, rows, out_features)
         return self.kernels.linear(rows, layer.packed, out_features, layer.bias_f32, gated=gated,
                                    scale=layer.scale_f32)
 
@@ -546,10 +562,10 @@ def linear_method(backend: DenseBackend, quantize: bool = True) -> LinearMethod:
     if backend.kernels is None:
         return TorchFP8LinearMethod() if fp8 else TorchLinearMethod()
     if fp8:
-        return PackedFP8LinearMethod(backend.kernels)
+        return PackedFP8LinearMethod(backend.kernels, backend.wide_rows)
     # (a layer kept as loaded under quantization="gguf", e.g. an LM head of a type without a kernel: the backend's
     # wide_rows is the blocks' switch, not this method's)
-    return PackedBF16LinearMethod(backend.kernels, backend.wide_rows if backend.quantization is None else 0)
+    return PackedBF16LinearMethod(backend.kernels, backend.wide_rows if backend.quantization != "gguf" else 0)
 
 
 class LinearBase(nn.Module):

@@ -6,14 +6,21 @@ it does not (AVX2 without AVX-512 BF16: torch's bf16 GEMM there runs 5-20x slowe
 AVX2 kernels read half the float32 weights' bytes). So
 ``dense_backend="auto"`` measures instead of guessing:
 
-1. the candidates (:func:`candidates`) each build one layer of every distinct linear shape of the model, and
-   multiply 1 row (a decode step), :data:`PREFILL_ROWS` rows (a short prefill chunk) and
-   :data:`~kv8.layers.linear.WIDE_ROWS` rows (a long prompt's chunk) through it (:data:`TIMED_ROWS`), in
+1. the candidates (:func:`candidates`) each build one layer of every distinct linear shape of the model (once:
+   candidates whose layers hold the same buffers share them, so ``packed_bf16`` and ``packed_bf16+f32_from_512``
+   pack each shape once), and multiply 1 row (a decode step), :data:`PREFILL_ROWS` rows (a short prefill chunk) and
+   :data:`~kv8.layers.linear.WIDE_ROWS` rows (a long prompt's chunk) through it (:data:`TIMED_ROWS`), in up to
    :data:`TUNE_ROUNDS` rounds that take the candidates in turn (in a rotated order, so that none is always timed
    first or last); each keeps its fastest time per shape and row count, so a burst of other work during one
-   candidate's turn does not decide the choice;
+   candidate's turn does not decide the choice. The LM head multiplies only the rows whose logits a step computes
+   (one per sequence), so it is timed at 1 and :data:`PREFILL_ROWS` rows, and counts its 1-row time in a long
+   prompt's chunk (:func:`timed_rows`): timing it at 512 rows, a 49,152 x 576 GEMM for SmolLM2, was 89% of the
+   multiply-adds timed at 512 rows (one layer of each shape), for a call the engine never makes;
 2. each candidate's time over the model (shape time x layers of that shape) is divided by the best candidate's
-   at the same rows; the lowest sum of the ratios wins (each row count counts alike);
+   at the same rows; the lowest sum of the ratios wins (each row count counts alike). From the second round on, a
+   candidate that had the lowest sum in every round so far (each round by its own times) and whose sum on the
+   fastest times is :data:`EARLY_MARGIN` below every other's ends the timing: a third round could change the choice
+   only if it were the fastest by more than that margin for a candidate that lost both rounds;
 3. the winner and the timings go into a plan file, ``<KV8_CACHE_DIR>/tuning/<machine>.json``, keyed by the model's
    shapes, dtype and quantization, and are used from then on. The file names the CPU model, its ISA flags, kv8's
    and torch's versions: a plan from another machine or version is ignored, a corrupt or unwritable file falls
@@ -40,6 +47,7 @@ what that costs in KL divergence).
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import logging
@@ -65,13 +73,14 @@ from kv8.version import __version__
 
 logger = logging.getLogger("kv8")
 
-__all__ = ["BUSY_CORES", "PREFILL_ROWS", "TIMED_ROWS", "TUNE_ROUNDS", "LinearShape", "PlanStore", "TuneResult",
-           "candidates", "choose", "fastest_call", "candidate_ids", "machine_key", "plan_key", "static_dense_backend",
-           "time_layer", "tuned_dense_backend"]
+__all__ = ["BUSY_CORES", "EARLY_MARGIN", "PREFILL_ROWS", "TIMED_ROWS", "TUNE_ROUNDS", "LinearShape", "PlanStore",
+           "TuneResult", "candidates", "choose", "fastest_call", "candidate_ids", "machine_key", "plan_key",
+           "static_dense_backend", "time_layer", "timed_rows", "tuned_dense_backend"]
 
 PREFILL_ROWS = 64            # rows of the prefill timing (a chunk's rows pass the same weights; kept short)
 TIMED_ROWS = (1, PREFILL_ROWS, WIDE_ROWS)   # a decode step, a short chunk, a long prompt's chunk
 TUNE_ROUNDS = 3              # rounds over the candidates, each keeping its fastest time (module docstring, step 1)
+EARLY_MARGIN = 0.10          # a leader of every round this much ahead after two rounds ends the timing (step 2)
 BUSY_CORES = 0.25            # other processes' CPU use while timing above which a plan is provisional
 PLAN_VERSION = 1
 # the ISA flags that decide which kernels a machine runs (a plan is reused only where they are the same)
@@ -91,6 +100,14 @@ class LinearShape:
     count: int
     quantize: bool = True    # the layer follows the weights' quantization (False: the LM head)
     qtype: str | None = None  # quantization="gguf": the GGUF block type its weights are timed in
+    lm_head: bool = False    # the LM head: it multiplies only the rows whose logits a step computes (timed_rows)
+
+
+def timed_rows(shape: LinearShape, rows: int) -> int:
+    """The rows a layer of ``shape`` multiplies in a step of ``rows`` rows: ``rows``, but the LM head
+    (:attr:`LinearShape.lm_head`) multiplies only the rows whose logits the step computes, one per sequence, so a
+    long prompt's chunk (more than :data:`PREFILL_ROWS` rows) is one row for it (module docstring, step 1)."""
+    return rows if not shape.lm_head or rows <= PREFILL_ROWS else 1
 
 
 @dataclass(frozen=True)
@@ -102,6 +119,7 @@ class TuneResult:
     measured: str = ""       # when (UTC, ISO 8601)
     timed: tuple[str, ...] = ()   # what was timed (:func:`candidate_ids`); empty in plans written before it existed
     others: float = 0.0      # cores' worth of CPU time other processes took while it was timed (0.0: unknown)
+    rounds: int = 0          # rounds over the candidates it took (0: unknown, a plan written before it was kept)
 
     @property
     def provisional(self) -> bool:
@@ -159,7 +177,7 @@ def machine_key() -> dict[str, str]:
 
 def plan_key(shapes: Sequence[LinearShape], dtype: torch.dtype, quantization: str | None) -> str:
     """The model's part of a plan's key: its linear shapes, compute dtype and weight quantization."""
-    described = [{k: v for k, v in asdict(s).items() if not (k == "qtype" and v is None)} for s in shapes]
+    described = [{k: v for k, v in asdict(s).items() if not (k in ("qtype", "lm_head") and not v)} for s in shapes]
     text = json.dumps([described, str(dtype), quantization])
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
@@ -186,8 +204,10 @@ def fastest_call(fn: Callable[[], Any], clock: Callable[[], float] = time.perf_c
     return best
 
 
-def _timing_layer(shape: LinearShape, backend: DenseBackend, dtype: torch.dtype) -> Linear:
-    """A layer of ``shape`` on ``backend`` with random weights (the speed does not depend on the values)."""
+def _timing_layer(shape: LinearShape, backend: DenseBackend, dtype: torch.dtype,
+                  weight: torch.Tensor | None = None) -> Linear:
+    """A layer of ``shape`` on ``backend`` with random weights (the speed does not depend on the values), or with
+    ``weight`` (``[out, in]`` in ``dtype``, left unchanged)."""
     generator = torch.Generator().manual_seed(0)
     layer = Linear(shape.in_features, shape.out_features, bias=False, backend=backend)
     layer.method = linear_method(backend, shape.quantize)
@@ -196,7 +216,8 @@ def _timing_layer(shape: LinearShape, backend: DenseBackend, dtype: torch.dtype)
             raise ValueError(f"a GGUF layer of shape {shape} needs its block type (qtype) to be timed")
         layer.load_gguf(random_blocks(shape.qtype, shape.out_features, shape.in_features, generator))
     else:
-        layer.weight.data = torch.randn(shape.out_features, shape.in_features, generator=generator).to(dtype) * 0.02
+        layer.weight.data = (weight.clone() if weight is not None else
+                             torch.randn(shape.out_features, shape.in_features, generator=generator).to(dtype) * 0.02)
     layer.process_weights_after_loading()
     return layer
 
@@ -211,11 +232,13 @@ def time_layer(shape: LinearShape, backend: DenseBackend, dtype: torch.dtype, ro
 
 
 def choose(candidates: dict[str, DenseBackend], shapes: Sequence[LinearShape], dtype: torch.dtype,
-           measure: Measure | None = None, rows: Sequence[int] = TIMED_ROWS, rounds: int = TUNE_ROUNDS
-           ) -> TuneResult:
-    """Time every candidate on ``shapes`` at each of ``rows`` (``measure``, default :func:`time_layer` on layers
-    built once and kept for the rounds) in ``rounds`` rounds, the candidates in turn and in a rotated order, each
-    keeping its fastest time per shape and row count; and choose (module docstring, step 2)."""
+           measure: Measure | None = None, rows: Sequence[int] = TIMED_ROWS, rounds: int = TUNE_ROUNDS,
+           early_margin: float = EARLY_MARGIN) -> TuneResult:
+    """Time every candidate on ``shapes`` at each of ``rows`` (:func:`timed_rows`; ``measure``, default
+    :func:`time_layer` on layers built once and kept for the rounds) in up to ``rounds`` rounds, the candidates in
+    turn and in a rotated order, each keeping its fastest time per shape and row count; and choose (module docstring,
+    step 2). From the second round on, a candidate that led every round so far, by its own times, and whose score
+    on the fastest times is ``early_margin`` below every other's, ends the timing."""
     if not candidates:
         raise ValueError("no dense backend to choose from")
     if rounds < 1:
@@ -224,39 +247,89 @@ def choose(candidates: dict[str, DenseBackend], shapes: Sequence[LinearShape], d
     run = measure if measure is not None else timer.measure   # type: ignore[union-attr]
     names = list(candidates)
     fastest: dict[tuple[str, int, int], float] = {}
+    leaders: set[str] = set()
     try:
         for round_ in range(rounds):
             order = names[round_ % len(names):] + names[:round_ % len(names)]
+            this_round: dict[tuple[str, int, int], float] = {}
             for i, shape in enumerate(shapes):
-                for r in rows:
+                for n in dict.fromkeys(timed_rows(shape, r) for r in rows):
                     for name in order:
-                        took = run(candidates[name], shape, r)
-                        key = (name, i, r)
+                        key = (name, i, n)
+                        this_round[key] = took = run(candidates[name], shape, n)
                         fastest[key] = min(fastest.get(key, float("inf")), took)
+            leaders.add(_lowest(_scores(_pass_seconds(names, shapes, rows, this_round))))
+            score = _scores(_pass_seconds(names, shapes, rows, fastest))
+            leader = _lowest(score)
+            if round_ >= 1 and leaders == {leader} and all(score[name] >= score[leader] * (1 + early_margin)
+                                                           for name in names if name != leader):
+                break
     finally:
         del timer   # the layers built for timing
-    seconds = {name: {r: sum(s.count * fastest[(name, i, r)] for i, s in enumerate(shapes)) for r in rows}
-               for name in names}
+    seconds = _pass_seconds(names, shapes, rows, fastest)
+    return TuneResult(_lowest(_scores(seconds)), seconds, time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                      rounds=round_ + 1)
+
+
+def _pass_seconds(names: Sequence[str], shapes: Sequence[LinearShape], rows: Sequence[int],
+                  times: dict[tuple[str, int, int], float]) -> dict[str, dict[int, float]]:
+    """Each candidate's pass over the model's layers at each row count, from ``times[(name, shape index, rows)]``:
+    shape time x layers of that shape."""
+    return {name: {r: sum(s.count * times[(name, i, timed_rows(s, r))] for i, s in enumerate(shapes)) for r in rows}
+            for name in names}
+
+
+def _scores(seconds: dict[str, dict[int, float]]) -> dict[str, float]:
+    """Each candidate's sum over the row counts of its time over the best candidate's (module docstring, step 2)."""
+    rows = list(next(iter(seconds.values())))
     best = {r: min(per[r] for per in seconds.values()) for r in rows}
-    score = {name: sum(per[r] / best[r] if best[r] > 0 else 1.0 for r in rows) for name, per in seconds.items()}
-    choice = min(names, key=lambda name: score[name])   # ties: the first listed
-    return TuneResult(choice, seconds, time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
+    return {name: sum(per[r] / best[r] if best[r] > 0 else 1.0 for r in rows) for name, per in seconds.items()}
+
+
+def _lowest(score: dict[str, float]) -> str:
+    return min(score, key=lambda name: score[name])   # ties: the first listed
 
 
 class _LayerTimer:
     """:func:`time_layer`'s measurement on layers and inputs built once per (candidate, shape) and row count, so
-    that the rounds of :func:`choose` time the same layers without building them again."""
+    that the rounds of :func:`choose` time the same layers without building them again. Candidates whose layers
+    hold the same buffers (``packed_bf16`` and ``packed_bf16+f32_from_512``: the same packed weights) share them: the
+    weights are packed once, each candidate's layer is a shallow copy with its own method; the random weights of a
+    shape are drawn once."""
 
     def __init__(self, dtype: torch.dtype) -> None:
         self.dtype = dtype
         self.layers: dict[tuple[str, LinearShape], Linear] = {}   # by (candidate label, shape)
+        self.built: dict[tuple[object, LinearShape], Linear] = {}   # by (the layers' buffers: _layout, shape)
+        self.weights: dict[LinearShape, torch.Tensor] = {}
         self.inputs: dict[tuple[int, int], torch.Tensor] = {}
         self.warm: set[tuple[str, LinearShape, int]] = set()
 
-    def measure(self, backend: DenseBackend, shape: LinearShape, rows: int) -> float:
+    @staticmethod
+    def _layout(backend: DenseBackend) -> object:
+        """What a layer's buffers depend on: the backend but its ``wide_rows`` (which only its method reads)."""
+        return replace(backend, wide_rows=0)
+
+    def _layer(self, backend: DenseBackend, shape: LinearShape) -> Linear:
         layer = self.layers.get((backend.label, shape))
-        if layer is None:
-            layer = self.layers[(backend.label, shape)] = _timing_layer(shape, backend, self.dtype)
+        if layer is not None:
+            return layer
+        built = self.built.get((self._layout(backend), shape))
+        if built is None:
+            if shape not in self.weights:
+                generator = torch.Generator().manual_seed(0)
+                self.weights[shape] = torch.randn(shape.out_features, shape.in_features,
+                                                  generator=generator).to(self.dtype) * 0.02
+            layer = built = self.built[(self._layout(backend), shape)] = _timing_layer(shape, backend, self.dtype,
+                                                                                       self.weights[shape])
+        else:   # the same buffers, this candidate's method
+            layer = copy.copy(built)
+            layer.method = linear_method(backend, shape.quantize)
+        self.layers[(backend.label, shape)] = layer
+        return layer
+
+    def measure(self, backend: DenseBackend, shape: LinearShape, rows: int) -> float:
+        layer = self._layer(backend, shape)
         x = self.inputs.get((shape.in_features, rows))
         warm = (backend.label, shape, rows) not in self.warm
         self.warm.add((backend.label, shape, rows))
@@ -297,14 +370,14 @@ class PlanStore:
             seconds = {name: {int(r): float(t) for r, t in per.items()} for name, per in entry["seconds"].items()}
             timed = tuple(str(t) for t in entry.get("timed", ()))
             return TuneResult(str(entry["dense_backend"]), seconds, str(entry.get("measured", "")), timed,
-                              float(entry.get("others", 0.0)))
+                              float(entry.get("others", 0.0)), int(entry.get("rounds", 0)))
         except (TypeError, KeyError, ValueError, AttributeError):
             return None
 
     def put(self, key: str, result: TuneResult) -> bool:
         plans = self._read()
         plans[key] = {"dense_backend": result.choice, "measured": result.measured, "timed": list(result.timed),
-                      "others": round(result.others, 3),
+                      "others": round(result.others, 3), "rounds": result.rounds,
                       "seconds": {name: {str(r): t for r, t in per.items()} for name, per in result.seconds.items()}}
         data = {"version": PLAN_VERSION, "machine": self.machine, "plans": plans}
         try:
@@ -322,12 +395,13 @@ class PlanStore:
 def candidates(shapes: Sequence[LinearShape], dtype: torch.dtype, quantization: str | None) -> dict[str, DenseBackend]:
     """The CPU dense backends that can run a model of ``shapes`` in ``dtype``, by label
     (:attr:`~kv8.layers.dense_backend.DenseBackend.label`): ``packed_bf16`` where kv8's kernels load (bf16 models),
-    and with the model's own weights also ``packed_bf16+f32_from_<WIDE_ROWS>`` (the same kernels, long chunks in
-    float32); ``torch``; and ``torch_fp32`` for 16-bit models while its float32 weights take at most half of the
-    free memory. ``quantization="gguf"``: where the kernels load (bf16) and every shape that follows the quantization
-    has a block type they read (:attr:`LinearShape.qtype`), ``packed_bf16+f32_from_<GGUF_DEQUANTIZE_ROWS>`` (the
-    blocks dequantized for the float32 GEMM from that many rows) and ``packed_bf16`` (the int8 kernel at every row
-    count); else one candidate, not timed (the fixed rule: the first, or ``torch``, the GGUF reference)."""
+    and ``packed_bf16+f32_from_<WIDE_ROWS>`` (the same kernels, long chunks in float32: bf16 weights widened, FP8
+    codes decoded times their scales); ``torch``; and ``torch_fp32`` for 16-bit models while its float32 weights take
+    at most half of the free memory. ``quantization="gguf"``: where the kernels load (bf16) and every shape that
+    follows the quantization has a block type they read (:attr:`LinearShape.qtype`),
+    ``packed_bf16+f32_from_<GGUF_DEQUANTIZE_ROWS>`` (the blocks dequantized for the float32 GEMM from that many rows)
+    and ``packed_bf16`` (the int8 kernel at every row count); else one candidate, not timed (the fixed rule: the
+    first, or ``torch``, the GGUF reference)."""
     found: list[DenseBackend] = []
     if quantization == "gguf":
         fixed = select_dense_backend("auto", dtype, quantization)
@@ -344,8 +418,7 @@ def candidates(shapes: Sequence[LinearShape], dtype: torch.dtype, quantization: 
             pass
         else:
             found.append(DenseBackend("packed_bf16", kernels, quantization))
-            if quantization is None:
-                found.append(DenseBackend("packed_bf16", kernels, None, wide_rows=WIDE_ROWS))
+            found.append(DenseBackend("packed_bf16", kernels, quantization, wide_rows=WIDE_ROWS))
     found.append(DenseBackend("torch", None, quantization))
     if dtype in (torch.bfloat16, torch.float16):
         fp32_bytes = sum(4 * s.out_features * s.in_features * s.count for s in shapes)

@@ -314,17 +314,17 @@ def linear_shapes(hf_config: dict[str, Any], tp: TPGroup = SINGLE_RANK,
     the second (and follows the quantization when it is not None)."""
     with torch.device("meta"), building_shard(tp):
         model = model_class(hf_config)(arch_config(hf_config), TORCH_BACKEND)
-    counts: Counter[tuple[int, int, bool, str | None]] = Counter()
+    counts: Counter[tuple[int, int, bool, str | None, bool]] = Counter()
     for m in model.modules():
         if not isinstance(m, LinearBase):
             continue
-        quantize, qtype = m.quantize, None
+        quantize, qtype, head = m.quantize, None, isinstance(m, ParallelLMHead)
         if gguf_types is not None:
-            qtype = gguf_types[1] if isinstance(m, ParallelLMHead) else gguf_types[0] if m.quantize else None
+            qtype = gguf_types[1] if head else gguf_types[0] if m.quantize else None
             quantize = m.quantize or qtype is not None
-        counts[(m.out_features, m.in_features, quantize, qtype)] += 1
-    order = sorted(counts, key=lambda key: (key[:3], key[3] or ""))
-    return [LinearShape(n, k, counts[(n, k, q, t)], q, t) for n, k, q, t in order]
+        counts[(m.out_features, m.in_features, quantize, qtype, head)] += 1
+    order = sorted(counts, key=lambda key: (key[:3], key[3] or "", key[4]))
+    return [LinearShape(n, k, counts[(n, k, q, t, h)], q, t, h) for n, k, q, t, h in order]
 
 
 def tuning_shapes(kind: str, path: str, hf_config: dict[str, Any], quantization: str | None,

@@ -17,7 +17,7 @@ from kv8.engine.args import EngineArgs
 from kv8.engine.engine import LLMEngine
 from kv8.kernels.cpu.abi import check_abi
 from kv8.kernels.cpu.build import KernelUnavailable, cpu_flags
-from kv8.kernels.cpu.dense import DenseKernels
+from kv8.kernels.cpu.dense import DenseKernels, unpack_reference
 from kv8.layers.activation import GeluAndMul, SiluAndMul, gelu_tanh_mul_reference, silu_mul_reference
 from kv8.layers.dense_backend import TORCH_BACKEND, DenseBackend, select_dense_backend
 from kv8.layers.linear import GateUpLinear, Linear, LinearBase, MergedLinear, QKVLinear, linear_reference
@@ -257,14 +257,23 @@ def test_gate_up_with_fused_silu_equals_projection_then_silu(packed: DenseBacken
 
 @pytest.mark.parametrize("n,k", [(50, 33), (7, 5), (64, 576), (96, 130), (1, 2)])
 def test_unpack_gives_back_the_packed_matrix_exactly(lib: DenseKernels, n: int, k: int) -> None:
+    """The C++ unpack (each path) and its torch reference give the weights back bit for bit, from any panel on, with
+    whole and short blocks of pair-rows (k of 5, 33, 130: a last block past K) and a short last panel."""
     w, _ = _weights(n, k, False, seed=n + k)
     packed = lib.pack(w)
     assert torch.equal(lib.unpack(packed, 0, n, k), w.float())
+    assert torch.equal(unpack_reference(packed, 0, n, k), w.float())
     if n > 32:
         assert torch.equal(lib.unpack(packed, 32, n - 32, k), w[32:].float())
         assert torch.equal(lib.unpack(packed, 32, 3, k), w[32:35].float())
+        assert torch.equal(unpack_reference(packed, 32, 3, k), w[32:35].float())
+    assert lib.unpack(packed, 0, 0, k).shape == (0, k)
     with pytest.raises(ValueError, match="first=5 must be a multiple of 32"):
         lib.unpack(packed, 5, 1, k)
+    with pytest.raises(ValueError, match="holding rows 0..1000"):   # past the packed matrix
+        lib.unpack(packed, 0, 1000, k)
+    with pytest.raises(ValueError, match="1-D torch.bfloat16 tensor"):   # FP8 codes need their scale
+        lib.unpack(packed.view(torch.uint8), 0, n, k)
 
 
 @pytest.mark.parametrize("n,k", [(50, 33), (576, 576), (96, 130)])
@@ -314,11 +323,12 @@ def test_wide_rows_with_fused_silu_equal_the_float32_projection_then_silu(lib: D
     assert torch.equal(fused(short), plain(short))
 
 
-def test_wide_rows_only_for_packed_bf16_with_the_models_weights(lib: DenseKernels) -> None:
+def test_wide_rows_only_for_packed_bf16(lib: DenseKernels) -> None:
     assert DenseBackend("packed_bf16", lib, wide_rows=512).label == "packed_bf16+f32_from_512"
     assert DenseBackend("packed_bf16", lib).label == "packed_bf16"
-    for bad in (dict(name="torch", kernels=None, wide_rows=512), dict(name="packed_bf16", kernels=lib,
-                                                                      quantization="fp8", wide_rows=512),
+    assert DenseBackend("packed_bf16", lib, "fp8", wide_rows=512).label == "packed_bf16+f32_from_512"
+    for bad in (dict(name="torch", kernels=None, wide_rows=512), dict(name="torch", kernels=None, quantization="fp8",
+                                                                      wide_rows=512),
                 dict(name="packed_bf16", kernels=lib, wide_rows=-1)):
         with pytest.raises(ValueError, match="wide_rows="):
             DenseBackend(**bad)   # type: ignore[arg-type]
@@ -444,7 +454,8 @@ def test_elementwise_kernels_reject_bad_inputs(lib: DenseKernels) -> None:
 
 _ENTRIES = {"kv8_linear": dense_kernels.LinearCall, "kv8_linear_fp8": dense_kernels.LinearCall,
             "kv8_rmsnorm": dense_kernels.RmsNormCall, "kv8_silu_mul": dense_kernels.SiluMulCall,
-            "kv8_rope_qkv": dense_kernels.RopeCall, "kv8_argmax_rows": dense_kernels.ArgmaxCall}
+            "kv8_rope_qkv": dense_kernels.RopeCall, "kv8_argmax_rows": dense_kernels.ArgmaxCall,
+            "kv8_unpack": dense_kernels.UnpackCall, "kv8_unpack_fp8": dense_kernels.UnpackCall}
 _SIZES = {"in_features": 4, "out_features": 4, "hidden": 4, "intermediate": 4, "cols": 4, "row_stride": 12,
           "num_heads": 1, "num_kv_heads": 1, "head_dim": 4, "num_threads": 1}
 
@@ -460,7 +471,8 @@ def _entry_rc(fn: Any, struct: type[ctypes.Structure], **fields: int) -> int:
 def test_every_entry_point_keeps_the_one_contract_of_both_paths(lib: DenseKernels) -> None:
     """The C side's argument checks (one check_args per entry point, whichever path the build has): an empty batch
     returns OK without reading its NULL pointers; a batch with rows refuses NULL pointers, and every entry refuses
-    num_threads = 0 and rows = -1; kv8_linear refuses a scale, kv8_linear_fp8 needs one."""
+    num_threads = 0 and rows = -1; kv8_linear and kv8_unpack refuse a scale, kv8_linear_fp8 and kv8_unpack_fp8 need
+    one; kv8_unpack refuses a first row within a panel."""
     raw = ctypes.CDLL(str(lib.path))
     for entry, struct in _ENTRIES.items():
         fn = getattr(raw, entry)
@@ -471,6 +483,10 @@ def test_every_entry_point_keeps_the_one_contract_of_both_paths(lib: DenseKernel
     assert raw.kv8_linear(ctypes.byref(dense_kernels.LinearCall(None, None, 8, rows=0, in_features=4,
                                                                 out_features=4, num_threads=1))) == 5
     assert raw.kv8_linear_fp8(ctypes.byref(dense_kernels.LinearCall(8, 8, None, None, 8, 1, 4, 4, 1))) == 5
+    unpack = dense_kernels.UnpackCall
+    assert raw.kv8_unpack(ctypes.byref(unpack(8, 8, 8, first=0, rows=1, in_features=4, num_threads=1))) == 5
+    assert raw.kv8_unpack_fp8(ctypes.byref(unpack(8, None, 8, first=0, rows=1, in_features=4, num_threads=1))) == 5
+    assert raw.kv8_unpack(ctypes.byref(unpack(None, None, None, first=16, rows=0, in_features=4, num_threads=1))) == 5
 
 
 @needs_kernel

@@ -19,6 +19,7 @@ from kv8.layers.dense_backend import GGUF_DEQUANTIZE_ROWS, DenseBackend
 from kv8.layers.linear import WIDE_ROWS, Linear, TorchF32LinearMethod, linear_method, linear_reference
 from kv8.layers.tuning import (
     BUSY_CORES,
+    EARLY_MARGIN,
     PREFILL_ROWS,
     TIMED_ROWS,
     TUNE_ROUNDS,
@@ -31,12 +32,13 @@ from kv8.layers.tuning import (
     fastest_call,
     plan_key,
     time_layer,
+    timed_rows,
     tuned_dense_backend,
 )
 from kv8.quant.weights import dequantize_fp8_rows, quantize_fp8_rows
 from tests.helpers.kernels import dense_kernels_or_reason
 
-SHAPES = [LinearShape(96, 64, 4), LinearShape(64, 160, 4), LinearShape(1000, 64, 1, quantize=False)]
+SHAPES = [LinearShape(96, 64, 4), LinearShape(64, 160, 4), LinearShape(1000, 64, 1, quantize=False, lm_head=True)]
 MACHINE = {"cpu": "Test CPU", "isa": "avx2 fma", "kv8": "0.1.0", "torch": "2.13.0", "threads": "2"}
 
 
@@ -78,7 +80,9 @@ def test_the_faster_candidate_wins_counting_decode_and_prefill_alike() -> None:
                              ("torch_fp32", 1): 1.0, ("torch_fp32", PREFILL_ROWS): 2.0})
     result = choose(TWO, SHAPES, torch.bfloat16, fp32_wins)
     assert result.choice == "torch_fp32" and result.speedup("torch", 1) == pytest.approx(9.0)
-    assert fp32_wins.calls == TUNE_ROUNDS * 2 * len(TIMED_ROWS) * len(SHAPES)   # each candidate, shape, rows, round
+    # each candidate, shape and row count (the LM head: 1 and PREFILL_ROWS rows), in two rounds: torch_fp32 led both
+    # by far more than EARLY_MARGIN
+    assert fp32_wins.calls == 2 * 2 * (len(TIMED_ROWS) * (len(SHAPES) - 1) + 2)
     # each row count weighs alike: 1.1x slower at one row but 2x faster at the other loses overall
     torch_wins = FakeMeasure({("torch", 1): 1.0, ("torch", PREFILL_ROWS): 1.0,
                               ("torch_fp32", 1): 1.1, ("torch_fp32", PREFILL_ROWS): 0.5})
@@ -118,6 +122,73 @@ def test_fastest_call_takes_the_fastest_of_several_on_its_clock() -> None:
     calls.clear()
     assert fastest_call(lambda: calls.append(1), clock=lambda: next(ticks), min_time=1.0, warm_up=False) == 1.0
     assert len(calls) == 2   # no warm-up call: two timed ones
+
+
+def test_the_lm_head_is_timed_at_the_rows_whose_logits_a_step_computes() -> None:
+    """The LM head (lm_head) multiplies one row per sequence of a step: timed at 1 and PREFILL_ROWS rows, and
+    a long prompt's chunk (WIDE_ROWS) counts its 1-row time; the decoder's layers are timed at every row count."""
+    seen: list[tuple[int, int]] = []
+
+    def measure(backend: DenseBackend, shape: LinearShape, rows: int) -> float:
+        seen.append((shape.out_features, rows))
+        return {"torch": 1.0, "torch_fp32": 2.0}[backend.name] * rows * (10.0 if shape.lm_head else 1.0)
+
+    result = choose(TWO, SHAPES, torch.bfloat16, measure, rounds=1)
+    assert sorted(set(seen)) == sorted({(s.out_features, r) for s in SHAPES[:2] for r in TIMED_ROWS}
+                                       | {(1000, 1), (1000, PREFILL_ROWS)})
+    assert timed_rows(SHAPES[2], WIDE_ROWS) == 1 and timed_rows(SHAPES[2], PREFILL_ROWS) == PREFILL_ROWS
+    assert timed_rows(SHAPES[0], WIDE_ROWS) == WIDE_ROWS
+    assert timed_rows(LinearShape(1000, 64, 1, qtype="Q4_1", lm_head=True), WIDE_ROWS) == 1   # GGUF blocks too
+    assert result.seconds["torch"][WIDE_ROWS] == pytest.approx(4 * WIDE_ROWS + 4 * WIDE_ROWS + 10.0)
+
+
+def test_a_leader_of_every_round_by_a_wide_margin_ends_the_timing_after_two_rounds() -> None:
+    """Two rounds when one candidate leads both, by its own times, and its score is EARLY_MARGIN below every other's;
+    every round when the lead is narrower, or when the rounds disagree (a burst of other work in one of them)."""
+    def rounds_of(fast: float, slow: float, burst_round: int = -1) -> tuple[int, str]:
+        calls = [0]
+        per_round = 2 * (len(TIMED_ROWS) * (len(SHAPES) - 1) + 2)
+
+        def measure(backend: DenseBackend, shape: LinearShape, rows: int) -> float:
+            round_ = calls[0] // per_round
+            calls[0] += 1
+            took = {"torch": fast, "torch_fp32": slow}[backend.name]
+            return took * (20.0 if backend.name == "torch" and round_ == burst_round else 1.0)
+
+        result = choose(TWO, SHAPES, torch.bfloat16, measure)
+        return calls[0] // per_round, result.choice
+
+    assert rounds_of(1.0, 1.5) == (2, "torch")                         # 1.5x slower: two rounds suffice
+    wide = 1.0 + EARLY_MARGIN * 1.01
+    assert rounds_of(1.0, wide) == (2, "torch")                        # just over the margin
+    assert rounds_of(1.0, 1.0 + EARLY_MARGIN * 0.99) == (TUNE_ROUNDS, "torch")   # within it: every round
+    assert rounds_of(1.0, 1.5, burst_round=0) == (TUNE_ROUNDS, "torch")  # round 1 led by the other: every round
+    assert rounds_of(1.0, 1.5, burst_round=1) == (TUNE_ROUNDS, "torch")
+    assert choose(TWO, SHAPES, torch.bfloat16, lambda b, s, r: 1.0, rounds=3, early_margin=0.0).choice == "torch"
+
+
+def test_the_timer_packs_each_shape_once_for_the_packed_candidates() -> None:
+    """packed_bf16 and packed_bf16+f32_from_512 time layers that share one packed weight (each with its own method),
+    FP8 weights too; each candidate's layer is built once over the rounds."""
+    kernels, why = dense_kernels_or_reason()
+    if kernels is None:
+        pytest.skip(f"kv8's dense kernels are unavailable: {why}")
+    from kv8.layers.tuning import _LayerTimer
+
+    for quantization in (None, "fp8"):
+        timer = _LayerTimer(torch.bfloat16)
+        plain, wide = DenseBackend("packed_bf16", kernels, quantization), \
+            DenseBackend("packed_bf16", kernels, quantization, wide_rows=WIDE_ROWS)
+        shape = LinearShape(96, 64, 2)
+        for backend in (plain, wide, plain):
+            assert timer.measure(backend, shape, 1) > 0
+        a, b = timer.layers[(plain.label, shape)], timer.layers[(wide.label, shape)]
+        assert a.packed.data_ptr() == b.packed.data_ptr() and len(timer.built) == 1
+        assert a.method.wide_rows == 0 and b.method.wide_rows == WIDE_ROWS   # type: ignore[attr-defined]
+        x = torch.randn(WIDE_ROWS, 64, generator=torch.Generator().manual_seed(2)).bfloat16()
+        torch.testing.assert_close(a(x).float(), b(x).float(), rtol=2 ** -7, atol=2 ** -7)   # the same weights
+        timer.measure(DenseBackend("torch", None, quantization), shape, 1)
+        assert len(timer.built) == 2 and len(timer.weights) == 1   # another layout, the same random weights
 
 
 def test_rounds_take_the_candidates_in_turn_and_a_burst_does_not_decide() -> None:
@@ -179,12 +250,13 @@ def test_the_plan_is_written_then_read_and_not_timed_again(tmp_path: Path) -> No
     again, plan = tuned_dense_backend(SHAPES, torch.bfloat16, None, PlanStore(tmp_path, MACHINE), measure)
     assert measure.calls == calls and again.name == backend.name   # read, not timed
     assert plan is not None and plan.seconds == result.seconds and plan.measured == result.measured
+    assert plan.rounds == result.rounds == 2   # torch_fp32 led both rounds by 4x: no third
     # another model (or dtype, or quantization) is another plan in the same file
     tuned_dense_backend(SHAPES[:1], torch.bfloat16, None, PlanStore(tmp_path, MACHINE), measure)
     tuned_dense_backend(SHAPES, torch.bfloat16, "fp8", PlanStore(tmp_path, MACHINE), measure)
     assert len(json.loads(store.path.read_text())["plans"]) == 3
     tuned_dense_backend(SHAPES, torch.bfloat16, None, PlanStore(tmp_path, MACHINE), measure, retune=True)
-    assert measure.calls > calls + TUNE_ROUNDS * 2 * 2 * 3   # retune times again
+    assert measure.calls > calls   # retune times again
 
 
 def test_a_plan_that_timed_other_candidates_is_timed_again(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
@@ -210,7 +282,7 @@ def test_a_plan_that_timed_other_candidates_is_timed_again(tmp_path: Path, monke
                                ("packed_bf16", PREFILL_ROWS): 1.0})
     with caplog.at_level(logging.WARNING, logger="kv8"):
         backend, result = tuned_dense_backend(SHAPES, torch.bfloat16, None, store, packed_wins)
-    assert backend.name == "packed_bf16" and packed_wins.calls == TUNE_ROUNDS * 3 * len(TIMED_ROWS) * len(SHAPES)
+    assert backend.name == "packed_bf16" and packed_wins.calls > 0
     assert "timing again" in caplog.text
     assert result is not None and result.timed == ("packed_bf16@aaaa", "torch", "torch_fp32") == candidate_ids(three)
     assert store.get(key).timed == result.timed   # type: ignore[union-attr]
@@ -274,12 +346,13 @@ def test_candidates_by_dtype_and_memory(monkeypatch: pytest.MonkeyPatch) -> None
     wide = f"packed_bf16+f32_from_{WIDE_ROWS}"
     assert {"torch", "torch_fp32"} <= names <= {"torch", "torch_fp32", "packed_bf16", wide}
     # the packed kernels are a candidate wherever they load (AVX-512 BF16 or AVX2 + FMA + F16C), FP8 weights too;
-    # with the model's own weights also with long chunks in float32
+    # and the same kernels with long chunks in float32 (bf16 weights widened, FP8 codes decoded times their scales)
     kernels, _ = dense_kernels_or_reason()
     assert ("packed_bf16" in names) == (wide in names) == (kernels is not None)
     if kernels is not None:
         fp8 = candidates(SHAPES, torch.bfloat16, "fp8")
-        assert fp8["packed_bf16"].kernels is kernels and fp8["packed_bf16"].quantization == "fp8" and wide not in fp8
+        assert fp8["packed_bf16"].kernels is kernels and fp8["packed_bf16"].quantization == "fp8"
+        assert fp8[wide].quantization == "fp8" and fp8[wide].wide_rows == WIDE_ROWS and fp8[wide].kernels is kernels
         assert candidates(SHAPES, torch.bfloat16, None)[wide].wide_rows == WIDE_ROWS
     assert set(candidates(SHAPES, torch.float32, None)) == {"torch"}    # nothing to widen, no bf16 kernels
     assert "packed_bf16" not in candidates(SHAPES, torch.float16, None)

@@ -14,7 +14,7 @@ import torch
 from kv8 import LLM, SamplingParams
 from kv8.engine.args import EngineArgs
 from kv8.kernels.cpu.build import KernelUnavailable
-from kv8.kernels.cpu.dense import DenseKernels, load_dense_kernels
+from kv8.kernels.cpu.dense import DenseKernels, load_dense_kernels, unpack_reference
 from kv8.layers.activation import SiluAndMul
 from kv8.layers.dense_backend import DenseBackend
 from kv8.layers.linear import (
@@ -25,6 +25,7 @@ from kv8.layers.linear import (
     QKVLinear,
     RowParallelLinear,
     TorchFP8LinearMethod,
+    linear_f32,
 )
 from kv8.layers.vocab_parallel import ParallelLMHead
 from kv8.quant.formats import E4M3
@@ -242,6 +243,27 @@ def test_fp8_panels_decoded_in_groups_give_the_rows_of_one_row_calls(lib: DenseK
     assert bool(((whole.double() - exact).abs() <= exact.abs() * 2.0 ** -8 + abs_sum * 2.0 ** -16).all())
 
 
+@pytest.mark.parametrize("n,k", [(50, 33), (7, 5), (96, 130), (64, 576), (1, 2)])
+def test_unpack_decodes_the_codes_times_their_scales_bit_for_bit(lib: DenseKernels, n: int, k: int) -> None:
+    """The C++ unpack of FP8 panels (each path's byte order) and its torch reference: ``decode(code) * scale`` of
+    every row, as :func:`dequantize_fp8_rows` computes it in float32, from any panel on; every code but NaN."""
+    gen = torch.Generator().manual_seed(n * 3 + k)
+    codes = torch.randint(0, 256, (n, k), generator=gen, dtype=torch.uint8)
+    codes[(codes & 0x7F) == 0x7F] = 0x01   # the NaN codes (the quantizer never writes them)
+    scale = torch.rand(n, generator=gen) * torch.exp2(torch.randint(-20, 10, (n,), generator=gen).float())
+    packed = lib.pack_fp8(codes)
+    want = dequantize_fp8_rows(codes, scale, torch.float32)
+    assert torch.equal(lib.unpack(packed, 0, n, k, scale=scale), want)
+    assert torch.equal(unpack_reference(packed, 0, n, k, scale, lib.isa), want)
+    if n > 32:
+        assert torch.equal(lib.unpack(packed, 32, n - 32, k, scale=scale), want[32:])
+        assert torch.equal(unpack_reference(packed, 32, 3, k, scale, lib.isa), want[32:35])
+    with pytest.raises(ValueError, match="scale must be a contiguous 1-D float32 tensor of at least"):
+        lib.unpack(packed, 0, n, k, scale=scale[:-1])
+    with pytest.raises(ValueError, match="1-D torch.uint8 tensor"):   # bf16 panels have no scale
+        lib.unpack(lib.pack(codes.bfloat16()), 0, n, k, scale=scale)
+
+
 # ---- layers -------------------------------------------------------------------------------------------------------
 
 def _loaded(layer: LinearBase, shards: list[tuple[object, torch.Tensor]]) -> LinearBase:
@@ -363,3 +385,58 @@ def test_smollm2_with_fp8_weights_stays_close_to_its_bf16_weights() -> None:
     top = {q: [max(p.items(), key=lambda kv: kv[1].logprob)[0] for p in r.prompt_logprobs[1:]] for q, r in runs.items()}
     agree = sum(a == b for a, b in zip(top[None], top["fp8"])) / len(top[None])
     assert agree >= 0.9, agree
+
+
+@pytest.mark.parametrize("n,k", [(50, 33), (576, 576), (96, 130)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_fp8_wide_rows_multiply_long_chunks_in_float32(lib: DenseKernels, n: int, k: int, bias: bool,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """An FP8 layer with ``wide_rows``: calls of fewer rows run the FP8 kernel (bit for bit the plain FP8 layer),
+    calls of at least that many rows compute linear_f32 on the decoded weights ``decode(code) * scale`` (bit for bit,
+    the torch_fp32 method's arithmetic on the same FP8 weights), slab by slab when the weight exceeds one slab."""
+    monkeypatch.setattr("kv8.layers.linear.WIDE_SLAB_VALUES", 32 * k)   # one 32-row panel per slab: several slabs
+    w = _weight(n, k, seed=n * 5 + k)
+    gen = torch.Generator().manual_seed(n)
+    b = torch.randn(n, generator=gen).bfloat16() if bias else None
+
+    def make(backend: DenseBackend) -> LinearBase:   # an o_proj-style layer (one rank: the whole matrix), FP8
+        layer = RowParallelLinear(k, n, bias, backend)
+        if b is not None:
+            layer.bias = torch.nn.Parameter(torch.empty(n, dtype=torch.bfloat16), requires_grad=False)
+            layer.weight_loader(layer.bias, b)
+        return _loaded(layer, [(None, w)])
+
+    plain = make(DenseBackend("packed_bf16", lib, "fp8"))
+    wide = make(DenseBackend("packed_bf16", lib, "fp8", wide_rows=20))
+    assert isinstance(wide.method, PackedFP8LinearMethod) and wide.method.wide_rows == 20
+    short = torch.randn(19, k, generator=gen).bfloat16()
+    assert torch.equal(wide(short), plain(short))
+    long = torch.randn(2, 20, k, generator=gen).bfloat16()
+    got = wide(long)
+    assert got.shape == (2, 20, n) and got.dtype == torch.bfloat16
+    codes, scale = quantize_fp8_rows(w)
+    decoded = dequantize_fp8_rows(codes, scale, torch.float32)
+    bias_f32 = None if b is None else b.float()
+    assert torch.equal(got, linear_f32(long.reshape(40, k), decoded, bias_f32).view(2, 20, n))
+    # the packed kernel sums exact products in another order and scales each sum once: within a bf16 step
+    torch.testing.assert_close(got.float(), plain(long).float(), rtol=2 ** -7, atol=2 ** -7)
+
+
+@pytest.mark.parametrize("inter", [17, 64])
+def test_fp8_wide_rows_with_fused_silu_equal_the_float32_projection_then_silu(lib: DenseKernels, inter: int) -> None:
+    """A gate/up FP8 layer with SiLU fused and ``wide_rows``: a long call is the float32 projection on the decoded
+    weights, then ``kv8_silu_mul`` on it rounded; a short one the fused FP8 kernel, bit for bit."""
+    k = 96
+    wg, wu = _weight(inter, k, 8), _weight(inter, k, 9)
+    wide = DenseBackend("packed_bf16", lib, "fp8", wide_rows=8)
+    fused = _loaded(GateUpLinear(k, inter, False, wide, SiluAndMul(wide)), [(0, wg), (1, wu)])
+    assert fused.fuses_silu and isinstance(fused.method, PackedFP8LinearMethod)
+    x = torch.randn(8, k, generator=torch.Generator().manual_seed(3)).bfloat16()
+    (cg, sg), (cu, su) = quantize_fp8_rows(wg), quantize_fp8_rows(wu)
+    decoded = torch.cat([dequantize_fp8_rows(cg, sg, torch.float32), dequantize_fp8_rows(cu, su, torch.float32)])
+    projection = linear_f32(x, decoded, None)
+    assert torch.equal(fused.method.apply(fused, x), projection)
+    assert torch.equal(fused(x), lib.silu_mul(projection))
+    plain_backend = DenseBackend("packed_bf16", lib, "fp8")
+    plain = _loaded(GateUpLinear(k, inter, False, plain_backend, SiluAndMul(plain_backend)), [(0, wg), (1, wu)])
+    assert torch.equal(fused(x[:7]), plain(x[:7]))   # below wide_rows: the fused FP8 kernel

@@ -9,7 +9,9 @@ decoded on the fly), ``rmsnorm`` (residual add + RMSNorm in one pass),
 projection, v copied out beside them); ``gguf_linear`` (a linear layer on GGUF blocks read in place, the types of
 :attr:`DenseKernels.gguf_types`, activations quantized to int8 per block, integer dot products with AVX2 ``maddubs``
 or VNNI ``vpdpbusd``, :attr:`DenseKernels.gguf_path`: ``csrc/dense/gguf.h``) and
-``gguf_dequantize`` (the same blocks to float32, for a GEMM over many rows); and ``argmax`` (rows of float32 logits,
+``gguf_dequantize`` (the same blocks to float32, for a GEMM over many rows); ``unpack`` (packed bf16 or FP8 weights
+back to float32, a slab of rows at a time, for the float32 GEMM of long prefill chunks; :func:`unpack_reference` is
+its plain torch definition); and ``argmax`` (rows of float32 logits,
 for the sampler). Every method
 checks dtypes and shapes and raises ``ValueError``; every dense kernel takes bf16 and returns new contiguous bf16
 tensors (``gguf_dequantize``: uint8 blocks to a new float32 matrix).
@@ -30,7 +32,7 @@ from kv8 import envs
 from kv8.kernels.cpu.abi import NativeLibrary, code_table
 from kv8.kernels.cpu.build import KernelUnavailable, build_shared_library
 
-__all__ = ["DenseKernels", "describe_dense_kernels", "load_dense_kernels"]
+__all__ = ["DenseKernels", "describe_dense_kernels", "load_dense_kernels", "unpack_reference"]
 
 SOURCE = Path(__file__).parent / "csrc" / "dense" / "dense.cpp"
 
@@ -102,13 +104,21 @@ class GGUFDequantizeCall(ctypes.Structure):
                 ("num_threads", _I32)]
 
 
+class UnpackCall(ctypes.Structure):
+    """``kv8_unpack_call``: rows of packed weights back to float32 (``csrc/dense/unpack.h``)."""
+
+    _fields_ = [("packed", _P), ("scale", _P), ("out", _P), ("first", _I64), ("rows", _I64), ("in_features", _I64),
+                ("num_threads", _I32)]
+
+
 class DenseKernels(NativeLibrary):
     """The loaded library. Build with :func:`load_dense_kernels`. Every method checks dtypes and shapes; what the
     C side still refuses raises ``ValueError`` with the library's message."""
 
     STRUCTS = (("kv8_pack_call", PackCall), ("kv8_linear_call", LinearCall), ("kv8_rmsnorm_call", RmsNormCall),
                ("kv8_silu_mul_call", SiluMulCall), ("kv8_rope_call", RopeCall), ("kv8_argmax_call", ArgmaxCall),
-               ("kv8_gguf_linear_call", GGUFLinearCall), ("kv8_gguf_dequantize_call", GGUFDequantizeCall))
+               ("kv8_gguf_linear_call", GGUFLinearCall), ("kv8_gguf_dequantize_call", GGUFDequantizeCall),
+               ("kv8_unpack_call", UnpackCall))
 
     def __init__(self, path: Path) -> None:
         super().__init__(path)
@@ -128,6 +138,8 @@ class DenseKernels(NativeLibrary):
         self._bind_structs("kv8_argmax_rows", ArgmaxCall)
         self._bind_structs("kv8_gguf_linear", GGUFLinearCall)
         self._bind_structs("kv8_gguf_dequantize", GGUFDequantizeCall)
+        self._bind_structs("kv8_unpack", UnpackCall)
+        self._bind_structs("kv8_unpack_fp8", UnpackCall)
         #: the GGUF block types :meth:`gguf_linear` reads (``gguf.GGMLQuantizationType`` names -> the library's codes),
         #: empty where this build has no AVX2 path for them (``csrc/dense/gguf.h``)
         self.gguf_types: dict[str, int] = (code_table(self._lib.kv8_gguf_type_name)
@@ -198,18 +210,33 @@ class DenseKernels(NativeLibrary):
         self.invoke(entry, f"packed linear for x {list(x.shape)}, N={out_features}", call)
         return out
 
-    @staticmethod
-    def unpack(packed: torch.Tensor, first: int, rows: int, in_features: int) -> torch.Tensor:
-        """Rows ``first .. first + rows`` of the matrix :meth:`pack` packed, as float32 ``[rows, in_features]`` (exact:
-        bf16 widens to float32 without rounding). ``first`` is a multiple of the layout's 32-row panels; rows past
-        the packed matrix's last are zero (its padding)."""
+    def unpack(self, packed: torch.Tensor, first: int, rows: int, in_features: int,
+               scale: torch.Tensor | None = None) -> torch.Tensor:
+        """Rows ``first .. first + rows`` of the matrix :meth:`pack` (or, with ``scale``, :meth:`pack_fp8`) packed, as a
+        new float32 ``[rows, in_features]`` (``csrc/dense/unpack.h``): bf16 values widened (exact); FP8 codes decoded
+        and multiplied by their row's ``scale`` (float32, one per packed row: one float32 rounding). The values of
+        :func:`unpack_reference`, bit for bit. ``first`` is a multiple of the layout's 32-row panels, and the rows lie
+        within the packed matrix (its padding rows are zero)."""
+        fp8 = scale is not None
         kp = in_features + in_features % 2
-        if first % 32 or packed.dtype != torch.bfloat16 or packed.ndim != 1 or packed.numel() % (32 * kp):
-            raise ValueError(f"unpack: first={first} must be a multiple of 32 and packed a 1-D bfloat16 tensor of "
-                             f"whole panels of 32 x {kp}, got {packed.dtype} {list(packed.shape)}")
-        p0, p1 = first // 32, -(-(first + rows) // 32)
-        panels = packed.view(-1, kp // 2, 32, 2)[p0:p1]          # packed[p][kk][c][j] = W[32 p + c, 2 kk + j]
-        return panels.permute(0, 2, 1, 3).reshape(-1, kp)[:rows, :in_features].float()
+        dtype, width = (torch.uint8, 1) if fp8 else (torch.bfloat16, 2)
+        if (first % 32 or first < 0 or rows < 0 or in_features <= 0 or packed.dtype != dtype or packed.ndim != 1
+                or packed.numel() % (32 * kp) or -(-(first + rows) // 32) * 32 * kp > packed.numel()):
+            raise ValueError(f"unpack: first={first} must be a multiple of 32 and packed a 1-D {dtype} tensor of whole "
+                             f"panels of 32 x {kp} holding rows {first}..{first + rows}, got {packed.dtype} "
+                             f"{list(packed.shape)}")
+        if scale is not None and (scale.dtype != torch.float32 or scale.ndim != 1 or scale.numel() < first + rows
+                                  or not scale.is_contiguous()):
+            raise ValueError(f"unpack: scale must be a contiguous 1-D float32 tensor of at least {first + rows} rows, "
+                             f"got {scale.dtype} {list(scale.shape)}")
+        if not packed.is_contiguous():
+            raise ValueError("unpack: packed must be contiguous")
+        out = torch.empty(rows, in_features, dtype=torch.float32)
+        call = UnpackCall(packed.data_ptr(), None if scale is None else scale.data_ptr(), out.data_ptr(), first, rows,
+                          in_features, torch.get_num_threads())
+        self.invoke(self._lib.kv8_unpack_fp8 if fp8 else self._lib.kv8_unpack,
+                    f"unpack of rows {first}..{first + rows} of {list(packed.shape)}, K={in_features}", call)
+        return out
 
     @property
     def gguf_path(self) -> str:
@@ -369,6 +396,25 @@ _FP8_BYTE_ORDER = {
     "avx512": torch.tensor([8 * (b // 16) + b % 8 + (0 if b % 16 < 8 else 32) for b in range(64)]),
     "avx2": torch.arange(64),
 }
+
+
+def unpack_reference(packed: torch.Tensor, first: int, rows: int, in_features: int, scale: torch.Tensor | None = None,
+                     isa: str = "avx512") -> torch.Tensor:
+    """What :meth:`DenseKernels.unpack` computes, in plain torch: the panels of rows ``first .. first + rows`` put back
+    in row order (``packed[p][kk][c][j] = W[32 p + c, 2 kk + j]``), as float32; with ``scale``, ``packed`` holds
+    :meth:`DenseKernels.pack_fp8`'s codes in build ``isa``'s byte order, each decoded (torch's ``float8_e4m3fn``) and
+    multiplied by its row's scale in float32."""
+    kp = in_features + in_features % 2
+    p0, p1 = first // 32, -(-(first + rows) // 32)
+    if scale is None:
+        panels = packed.view(-1, kp // 2, 32, 2)[p0:p1]          # (P, Kp/2, 32, 2): packed[p][kk][c][j]
+        return panels.permute(0, 2, 1, 3).reshape(-1, kp)[:rows, :in_features].float()
+    pair_rows = packed.view(-1, 64)[p0 * kp // 2:p1 * kp // 2]  # (P Kp/2, 64) in the build's byte order
+    values = torch.empty_like(pair_rows)
+    values[:, _FP8_BYTE_ORDER[isa]] = pair_rows                  # byte b holds bf16-order value _FP8_BYTE_ORDER[b]
+    panels = values.view(-1, kp // 2, 32, 2)
+    codes = panels.permute(0, 2, 1, 3).reshape(-1, kp)[:rows, :in_features]
+    return codes.view(torch.float8_e4m3fn).float() * scale[first:first + rows, None]
 
 
 def _check_bf16(name: str, x: torch.Tensor, ndim: int) -> None:

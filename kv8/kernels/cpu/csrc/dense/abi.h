@@ -10,6 +10,7 @@
 //   kv8_argmax_call    row argmax of float32 logits (kv8_argmax_rows)
 //   kv8_gguf_linear_call  one linear layer on GGUF Q8_0 / Q4_0 / Q4_1 / Q5_0 / Q4_K blocks (kv8_gguf_linear, gguf.h)
 //   kv8_gguf_dequantize_call  those blocks to float32 (kv8_gguf_dequantize, gguf.h)
+//   kv8_unpack_call    rows of packed weights back to float32 (kv8_unpack: bf16, kv8_unpack_fp8: E4M3 codes; unpack.h)
 //
 // Every entry point returns OK or an error code of ../common/kv8_abi.h (ERR_ARGS, ERR_OOM, ERR_NO_FAST_PATH) whose
 // message Python raises. bf16 tensors are uint16_t bits; rows are contiguous. Empty batches: an entry with rows == 0
@@ -118,6 +119,18 @@
     X(int32_t, qtype)                     \
     X(int32_t, num_threads)
 
+// out [rows, in_features] float32 = rows first .. first + rows - 1 of the matrix in packed (kv8_unpack: the bf16 packed
+// layout, exact; kv8_unpack_fp8: the FP8 one, decode(code) * scale[first + r], scale float32 per packed row; NULL for
+// kv8_unpack). first % 32 == 0; rows past the packed matrix's last are not allowed (the caller checks its size).
+#define KV8_UNPACK_CALL_FIELDS(X)         \
+    X(const void*, packed)                \
+    X(const float*, scale)                \
+    X(float*, out)                        \
+    X(int64_t, first)                     \
+    X(int64_t, rows)                      \
+    X(int64_t, in_features)               \
+    X(int32_t, num_threads)
+
 // The structs, in the order of the layout text (and of kv8/kernels/cpu/dense.py's STRUCTS).
 #define KV8_DENSE_STRUCTS(Y)                                     \
     Y(kv8_pack_call, KV8_PACK_CALL_FIELDS)                       \
@@ -127,5 +140,6 @@
     Y(kv8_rope_call, KV8_ROPE_CALL_FIELDS)                       \
     Y(kv8_argmax_call, KV8_ARGMAX_CALL_FIELDS)                   \
     Y(kv8_gguf_linear_call, KV8_GGUF_LINEAR_CALL_FIELDS)         \
-    Y(kv8_gguf_dequantize_call, KV8_GGUF_DEQUANTIZE_CALL_FIELDS)
+    Y(kv8_gguf_dequantize_call, KV8_GGUF_DEQUANTIZE_CALL_FIELDS) \
+    Y(kv8_unpack_call, KV8_UNPACK_CALL_FIELDS)
 KV8_ABI_STRUCTS(KV8_DENSE_STRUCTS)

@@ -3,7 +3,8 @@
 // with v copied out (elementwise.h). This file is the one translation unit; the parts are
 // headers so that the build stays one g++ call (kv8/kernels/cpu/build.py hashes every included file).
 //
-// Also the row argmax of float32 logits that the sampler uses (argmax.h), and linear layers on GGUF Q8_0 / Q4_0 /
+// Also the row argmax of float32 logits that the sampler uses (argmax.h), packed weights back to float32 for the
+// float32 GEMM of long prefill chunks (unpack.h), and linear layers on GGUF Q8_0 / Q4_0 /
 // Q4_1 / Q5_0 / Q4_K blocks read in place (gguf.h: AVX2, or VNNI where the CPU has it).
 //
 // Plain C ABI (extern "C"), loaded with ctypes by kv8/kernels/cpu/dense.py, compiled there with
@@ -70,6 +71,7 @@
 #include "argmax.h"
 #include "avx2.h"
 #include "gguf.h"
+#include "unpack.h"
 
 // ------------------------------------------------------------------------------------------------
 // The C ABI
@@ -134,6 +136,8 @@ KV8_ENTRY(kv8_rmsnorm, kv8_rmsnorm_call, rmsnorm, check_args(*call))
 KV8_ENTRY(kv8_silu_mul, kv8_silu_mul_call, silu_mul, check_args(*call))
 KV8_ENTRY(kv8_rope_qkv, kv8_rope_call, rope_qkv, check_args(*call))
 KV8_ENTRY(kv8_argmax_rows, kv8_argmax_call, argmax_rows, check_args(*call))
+KV8_ENTRY(kv8_unpack, kv8_unpack_call, unpack<false>, check_args(*call, false))
+KV8_ENTRY(kv8_unpack_fp8, kv8_unpack_call, unpack<true>, check_args(*call, true))
 #undef KV8_ENTRY
 
 // The GGUF entries: arguments checked on every build; the kernels where they are built (gguf_linear: the call's path
