@@ -148,6 +148,9 @@ class CacheConfig:
         if self.kv_cache_plan is not None:
             self._check_plan()
             return
+        if self.kv_dtype.group_scales:
+            self._check_group_scaled()
+            return
         if self.kv_dtype.is_quantized:
             if self.dynamic_scales and self.quantization_param_path is not None and not self.key_centering:
                 what = (f"kv_cache_dtype={self.kv_cache_dtype!r}" if self.kv_dtype.per_token_scales
@@ -169,6 +172,17 @@ class CacheConfig:
         if self.kv_cache_dtype_skip_layers:
             raise ValueError(f"kv_cache_dtype_skip_layers keeps layers out of a quantized cache, but {not_fp8} (or "
                              "int8_per_token_head)")
+
+    def _check_group_scaled(self) -> None:
+        """A format with its scales in each row (``fp4_e2m1``) takes no other scales: neither dynamic per-token
+        scales nor a scales file (one with key offsets only centers the keys)."""
+        what = f"kv_cache_dtype={self.kv_cache_dtype!r} stores an E4M3 scale per group of 16 values beside its codes"
+        if self.kv_cache_scale_mode == "dynamic":
+            raise ValueError(f"{what}; kv_cache_scale_mode='dynamic' does not apply to it (leave it 'static')")
+        if self.quantization_param_path is not None and not self.key_centering:
+            raise ValueError(f"{what}; quantization_param_path={self.quantization_param_path!r} has no key offsets "
+                             "and its scales would be ignored (drop it, or use a file from kv8 calibrate "
+                             "--key-centering)")
 
     def _check_plan(self) -> None:
         """Read the plan file; the scale options against the FP8 formats that ``kv_cache_dtype`` and it name."""
