@@ -59,14 +59,15 @@ class CacheConfig:
     ``num_kv_blocks`` is set, and it is an int >= 1; ``gpu_memory_utilization`` is a number in (0, 1]; the scale
     mode in :data:`SCALE_MODES`, the rotation in :data:`ROTATIONS`; ``quantization_param_path`` needs an FP8
     ``kv_dtype`` in static mode (unless the file has key offsets), dynamic scales and skipped layers a quantized
-    one (FP8 or int8) -- with a plan, an FP8 format named by ``kv_cache_dtype`` or the plan; a plan and skipped
-    layers exclude each other.
+    one (FP8 or int8; fp4_e2m1 takes skipped layers, never dynamic scales or a file without key offsets) -- with a
+    plan, an FP8 format named by ``kv_cache_dtype`` or the plan; a plan and skipped layers exclude each other.
     """
 
     kv_dtype: KVCacheDtype   # kv_cache_dtype resolved against the compute dtype
     kv_cache_dtype: str = option("auto", "KV cache storage: auto = the compute dtype; fp8 = fp8_e4m3 (1 byte per "
                                  "value); int8 = int8_per_token_head (1 byte per value, a scale per token and "
-                                 "head)", choices=KV_CACHE_DTYPE_NAMES)
+                                 "head); nvfp4 = fp4_e2m1 (4.5 bits per value: E2M1 codes, an E4M3 scale per 16 "
+                                 "values; the reference attention)", choices=KV_CACHE_DTYPE_NAMES)
     block_size: int = option(16, "tokens per KV block (a power of two)", type=int)
     kv_cache_memory: int | None = option(
         None, "KV cache budget: bytes or a size such as 2GiB (default: on CUDA what gpu_memory_utilization leaves; "
