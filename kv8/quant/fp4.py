@@ -9,7 +9,7 @@ One row of ``D`` values (one token of one KV head; ``D`` even) is stored as ``D 
     [ codes: D / 2 bytes, channel 2j in the low nibble of byte j, 2j + 1 in the high | G E4M3 scale codes ]
 
 Group ``g`` is channels ``16 g .. 16 g + 15`` (the last group is shorter when ``D % 16 != 0``). Encoding, in
-float32, the convention of vLLM's and ModelOpt's NVFP4 quantizers without their tensor scale:
+float32, NVFP4's rule (a group's largest magnitude maps to 6) without its tensor scale:
 
 * ``s_g = e4m3(clamp(amax_g / 6, 2^-9, 448))`` rounded to nearest even (E4M3's smallest subnormal to its largest
   finite value, so every group has a positive finite scale); ``s_g = 1.0`` when ``amax_g`` is zero or not finite
@@ -23,7 +23,7 @@ No tensor scale: NVFP4 multiplies every group scale by a float32 per-tensor scal
 in E4M3's range; on SmolLM2's and Gemma-3-270M's keys and values a per-layer or even a per-(token, head) float32
 scale measured no better than none (``scripts/kv4_error.py``, docs/accuracy.md), so kv8 stores none: values
 beyond ``6 * 448 = 2688`` saturate, and groups whose largest value is below ``6 * 2^-6`` get a subnormal (less
-precise) scale -- at that size their absolute error is below ``2^-7``.
+precise) scale, whose rounding (at most ``2^-10``) moves a value by at most ``6 * 2^-10``, below ``2^-7``.
 
 Invariants: a group's scale is a positive finite E4M3 value; ``decode(encode(x))`` is within half a grid step of
 every finite value whose group is finite and within range (``|x| <= 2688``).
