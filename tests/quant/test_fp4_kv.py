@@ -7,6 +7,7 @@ parallelism in tests/distributed/test_tensor_parallel.py, key centering in tests
 
 from __future__ import annotations
 
+import json
 import math
 
 import ml_dtypes
@@ -201,3 +202,23 @@ def test_backends_the_cpu_fused_refuses_and_auto_chooses_the_reference(tiny_mode
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     with pytest.raises(ValueError, match="kv_cache_dtype='fp4_e2m1': the triton attention backend .* 4-bit"):
         config(kv_cache_dtype="fp4_e2m1", attention_backend="triton")
+
+
+def test_a_plan_with_an_fp4_layer_runs_on_the_reference_attention(tiny_models, tmp_path) -> None:
+    """A kv_cache_plan storing one layer in fp4_e2m1 (the rest FP8): 'auto' runs the reference attention for the
+    whole engine, with the same greedy tokens as naming it."""
+    from kv8 import SamplingParams
+    from tests.helpers.engine import PROMPTS, check_all_blocks_free, make_llm, tokens_of
+
+    plan = tmp_path / "plan.json"
+    plan.write_text(json.dumps({"kv8_kv_plan": 1, "layers": {"0": {"kv_cache_dtype": "nvfp4"}}}))
+    greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    outs = []
+    for backend in ("auto", "reference"):
+        llm = make_llm(tiny_models["llama_gqa"], kv_cache_dtype="fp8", kv_cache_plan=str(plan),
+                       attention_backend=backend, enable_prefix_caching=True, block_size=4)
+        assert llm.engine.runner.backend.name == "reference"
+        assert [p.kv_dtype.name for p in llm.engine.config.kv_plan().specs] == ["fp8_e4m3", "fp4_e2m1"]
+        outs.append(tokens_of(llm.generate(PROMPTS, greedy)))
+        check_all_blocks_free(llm)
+    assert outs[0] == outs[1]
