@@ -67,7 +67,7 @@ class CacheConfig:
     kv_cache_dtype: str = option("auto", "KV cache storage: auto = the compute dtype; fp8 = fp8_e4m3 (1 byte per "
                                  "value); int8 = int8_per_token_head (1 byte per value, a scale per token and "
                                  "head); nvfp4 = fp4_e2m1 (4.5 bits per value: E2M1 codes, an E4M3 scale per 16 "
-                                 "values; the reference attention)", choices=KV_CACHE_DTYPE_NAMES)
+                                 "values; CPU backends)", choices=KV_CACHE_DTYPE_NAMES)
     block_size: int = option(16, "tokens per KV block (a power of two)", type=int)
     kv_cache_memory: int | None = option(
         None, "KV cache budget: bytes or a size such as 2GiB (default: on CUDA what gpu_memory_utilization leaves; "

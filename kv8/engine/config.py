@@ -210,36 +210,16 @@ class EngineConfig:
                                  "interpreter (TRITON_INTERPRET=1, slow: for tests); use attention_backend='auto' "
                                  "or 'cpu_fused' on the CPU")
         triton = self.attention_backend == "triton" or (self.attention_backend == "auto" and kind != "cpu")
-        named = self._named_kv_dtypes()
+        plan = self.cache.plan
+        named = [(None, self.cache.kv_cache_dtype)] + ([(e.layer, e.kv_cache_dtype) for e in plan.entries
+                                                        if e.kv_cache_dtype is not None] if plan is not None else [])
         int4 = [(layer, name) for layer, name in named if resolve_kv_cache_dtype(name, self.dtype).bits_per_value == 4]
         if triton and int4:
-            raise ValueError(f"{self._where(*int4[0])}: the triton attention backend (the GPU path) does not read "
-                             "4-bit caches; use int8_per_token_head or an FP8 format there, or run on the CPU")
-        fp4 = [(layer, name) for layer, name in named if resolve_kv_cache_dtype(name, self.dtype).group_scales]
-        if self.attention_backend == "cpu_fused" and fp4:
-            raise ValueError(f"{self._where(*fp4[0])}: the cpu_fused attention backend does not read FP4 E2M1 caches; "
-                             "use attention_backend='reference' (or 'auto', which chooses it for them)")
-
-    def _named_kv_dtypes(self) -> list[tuple[int | None, str]]:
-        """``(layer, kv_cache_dtype)`` of ``kv_cache_dtype`` (layer None) and of each plan entry that names one."""
-        plan = self.cache.plan
-        return [(None, self.cache.kv_cache_dtype)] + ([(e.layer, e.kv_cache_dtype) for e in plan.entries
-                                                       if e.kv_cache_dtype is not None] if plan is not None else [])
-
-    def _where(self, layer: int | None, name: str) -> str:
-        """Which option set a layer's format, for messages."""
-        return (f"kv_cache_dtype={name!r}" if layer is None else
-                f"kv_cache_plan={self.cache.plan.path!r} stores layer {layer} as {name}")  # type: ignore[union-attr]
-
-    @property
-    def attention_backend_name(self) -> str:
-        """The backend an engine asks :func:`kv8.attention.backend.get_backend` for: ``attention_backend``, except
-        ``auto`` on the CPU where a layer stores FP4 E2M1, which the fused CPU kernels do not read: ``reference``
-        there (``triton`` refuses every 4-bit cache, :meth:`_check_device_support`)."""
-        if self.attention_backend == "auto" and self.platform.kind == "cpu" and any(
-                resolve_kv_cache_dtype(name, self.dtype).group_scales for _, name in self._named_kv_dtypes()):
-            return "reference"
-        return self.attention_backend
+            layer, name = int4[0]
+            where = (f"kv_cache_dtype={name!r}" if layer is None else
+                     f"kv_cache_plan={plan.path!r} stores layer {layer} as {name}")  # type: ignore[union-attr]
+            raise ValueError(f"{where}: the triton attention backend (the GPU path) does not read 4-bit caches; use "
+                             "int8_per_token_head or an FP8 format there, or run on the CPU")
 
     @property
     def uses_cuda_graphs(self) -> bool:
@@ -253,7 +233,7 @@ class EngineConfig:
         """Decode steps of small batches replay CPU graphs (:mod:`kv8.kernels.cpu.graph`): on the CPU, with the fused
         CPU attention, one rank, unless ``enforce_eager``."""
         return (self.platform.kind == "cpu" and not self.enforce_eager and self.parallel.tensor_parallel_size == 1
-                and self.attention_backend_name in ("auto", "cpu_fused"))
+                and self.attention_backend in ("auto", "cpu_fused"))
 
     @property
     def kv_heads_per_rank(self) -> int:

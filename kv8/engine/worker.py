@@ -105,7 +105,7 @@ def load_shard(config: EngineConfig, budget: KVBudget, num_blocks: Sequence[int]
                               rotation=spec.rotation, scales=scales, key_offsets=key_offsets)
         shape = CacheShape(arch.num_layers, n, kv_heads[1], cc.block_size, arch.head_dim)
         caches.append(PagedKVCache(shape, codec, {i: layout.layer_slot[i] for i in pool.layers}, device))
-    runner = ModelRunner(loaded.model, caches, layout, get_backend(config.attention_backend_name, platform), observer,
+    runner = ModelRunner(loaded.model, caches, layout, get_backend(config.attention_backend, platform), observer,
                          tp, device, platform)
     if (config.uses_cuda_graphs or config.uses_cpu_graphs) and observer is None:   # an observer sees every step: eager
         runner.enable_decode_graphs(config.scheduler.max_num_seqs, config.scheduler.max_model_len)

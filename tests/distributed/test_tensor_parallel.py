@@ -221,8 +221,7 @@ def test_tp2_equals_tp1_fp8(gqa_6x2: str, kv: str) -> None:
 
 
 def test_tp2_equals_tp1_fp4(gqa_6x2: str) -> None:
-    """fp4_e2m1 (the reference attention, which 'auto' chooses for it): each rank's rows carry their own group
-    scales; with chunked prefill and prefix-cache hits."""
+    """fp4_e2m1: each rank's rows carry their own group scales; with chunked prefill and prefix-cache hits."""
     _compare(gqa_6x2, 2, "fp4_e2m1", max_num_batched_tokens=8, block_size=4)
 
 
