@@ -136,8 +136,8 @@ static inline int int4_at(const uint8_t* row, int d) {
 // FP4 E2M1 (kv8.quant.fp4): the value of code c (0..15: sign bit 3, magnitude index 0..7), and the code of x (already
 // divided by its group's scale): the nearest of 0, 0.5, 1, 1.5, 2, 3, 4, 6, a tie to the even index, saturating at
 // 6 (inf included), NaN -> 0, the sign kept for values that round to 0.
-static constexpr float E2M1_GRID[8] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f};
-static inline float e2m1_value(int c) { return (c & 8) ? -E2M1_GRID[c & 7] : E2M1_GRID[c & 7]; }
+static constexpr float E2M1_VALUES[16] = {0.0f,  0.5f,  1.0f,  1.5f,  2.0f,  3.0f,  4.0f,  6.0f,
+                                          -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
 static inline uint8_t e2m1_encode(float x) {
     if (x != x) return 0;
     const float a = fabsf(x);

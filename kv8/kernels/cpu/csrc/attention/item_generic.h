@@ -21,8 +21,15 @@ static void decode_row_f32(const uint8_t* row, int D, float* out) {
     } else if constexpr (F.ibits == 4) {
         for (int d = 0; d < D; ++d) out[d] = (float)int4_at(row, d);
     } else if constexpr (F.group) {  // FP4: E2M1 codes times their group's E4M3 scale (after the D / 2 code bytes)
-        for (int d = 0; d < D; ++d)
-            out[d] = e2m1_value((row[d >> 1] >> ((d & 1) * 4)) & 0xF) * fp8_bits<KV_E4M3>(row[D / 2 + d / F.group]);
+        for (int g0 = 0; g0 < D; g0 += F.group) {
+            const float s = fp8_bits<KV_E4M3>(row[D / 2 + g0 / F.group]);
+            const int g1 = g0 + F.group < D ? g0 + F.group : D;
+            for (int d = g0; d < g1; d += 2) {
+                const uint8_t b = row[d >> 1];
+                out[d] = E2M1_VALUES[b & 0xF] * s;
+                out[d + 1] = E2M1_VALUES[b >> 4] * s;
+            }
+        }
     } else if constexpr (F.elem == DT_BF16) {
         const uint16_t* r = (const uint16_t*)row;
         for (int d = 0; d < D; ++d) out[d] = bf16_f(r[d]);
