@@ -47,9 +47,9 @@ of context), over an fp8_e4m3 and a bf16 cache, ``--rounds`` rounds alternating 
 round); the median per cell with its min-max, GFLOP/s, and each build's time over the first build's.
 
 ``--tables formats``: every KV format on the native library (fp8_e4m3 with scale 1.0, fp8_e4m3 with dynamic
-scales, int8_per_token_head, int4_per_token_head, bfloat16), side by side on SmolLM2 shapes: prefill 1 x 1,024,
-decode 32 x 1,024, 8 x 4,096 (issue 40's target: int4 at <= 1 / 1.4 of fp8's time) and 1 x 8,192, ``--rounds``
-rounds rotating the formats' order; medians (min-max) and each format's time over the fp8 cache's.
+scales, int8_per_token_head, int4_per_token_head, fp4_e2m1, bfloat16), side by side on SmolLM2 shapes: prefill
+1 x 1,024, decode 32 x 1,024, 8 x 4,096 (issue 40's target: int4 at <= 1 / 1.4 of fp8's time) and 1 x 8,192,
+``--rounds`` rounds rotating the formats' order; medians (min-max) and each format's time over the fp8 cache's.
 """
 
 from __future__ import annotations
@@ -305,7 +305,7 @@ def print_builds(args: argparse.Namespace) -> None:
 
 #: --tables formats: each KV format (kv_cache_dtype, dynamic scales, label)
 FORMATS = (("fp8_e4m3", False, "fp8"), ("fp8_e4m3", True, "fp8+dynamic"), ("int8_per_token_head", True, "int8"),
-           ("int4_per_token_head", True, "int4"), ("bfloat16", False, "bf16"))
+           ("int4_per_token_head", True, "int4"), ("fp4_e2m1", False, "fp4"), ("bfloat16", False, "bf16"))
 
 
 def print_formats(args: argparse.Namespace, before: tuple[str, KernelLibrary] | None = None) -> None:
@@ -335,11 +335,12 @@ def print_formats(args: argparse.Namespace, before: tuple[str, KernelLibrary] | 
                 call = lambda i, lb=libs[name], c=cache, m=meta, x=q: lb.attention(x, c, i, m, scale)  # noqa: E731
                 times[shape, name, label].append(timeit(call, cache.shape.num_layers, args.min_time))
     ints = KernelTesting(lib).item_kernel("int4_per_token_head", torch.bfloat16, D)
+    fp4 = KernelTesting(lib).item_kernel("fp4_e2m1", torch.bfloat16, D)
     for name in libs:
         print()
         print(f"KV formats ({name}), SmolLM2 shapes (Hq={HQ} Hkv={HKV} D={D} block={BS}, q bf16), item kernel "
-              f"{kernel_name(libs[name])} (int8, int4: {ints}); medians of {args.rounds} alternating rounds (min-max), "
-              "microseconds per layer call; x/fp8 = time over the fp8 cache's")
+              f"{kernel_name(libs[name])} (int8, int4: {ints}; fp4: {fp4}); medians of {args.rounds} alternating "
+              "rounds (min-max), microseconds per layer call; x/fp8 = time over the fp8 cache's")
         hdr = f"{'call':<18}" + "".join(f"{label:>24}" for label in labels) + "".join(
             f"{label + '/fp8':>18}" for label in labels[1:])
         print(hdr)

@@ -40,7 +40,8 @@ class TritonBackend:
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cache: PagedKVCache,
                 layer: int, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         k_cache, v_cache = cache.layer(layer)
-        fp8 = cache.kv_dtype.codes     # the FP8 or int8 code format; None for a 16/32-bit pool
+        # the FP8 or int8 code format; None for a 16/32-bit pool (4-bit pools are refused by EngineConfig)
+        fp8 = cache.kv_dtype.fp8 if cache.kv_dtype.fp8 is not None else cache.kv_dtype.int_codes
         static = cache.layer_scales(layer)
         dynamic = cache.layer_token_scales(layer)
         k_scale, v_scale = static if static is not None else (None, None)

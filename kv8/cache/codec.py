@@ -7,7 +7,9 @@ A codec is a storage format plus how values are scaled and in which basis they a
 
 * format (:class:`kv8.quant.formats.KVCacheDtype`): FP8 (E4M3, E4M3FNUZ, E5M2: ``saturate(rne(.))`` to raw
   ``uint8`` codes), int8 / int4 (``clamp(rne(.), -max, max)``, max 127 / 7, to ``int8`` codes or two 4-bit codes
-  per ``uint8``; always with dynamic scales) or a 16/32-bit float (a plain cast, ``s = 1``);
+  per ``uint8``; always with dynamic scales), FP4 E2M1 (two codes per byte and an E4M3 scale per group of 16
+  values in the same row, :mod:`kv8.quant.fp4`: its scales are neither static nor per token, ``s`` is per group)
+  or a 16/32-bit float (a plain cast, ``s = 1``);
 * scales ``s``: *static* -- per layer, for K and V separately, per tensor, KV head or channel
   (:class:`kv8.quant.scales.KVScales`, FP8 only) -- or *dynamic* -- one float32 per token and KV head,
   ``amax(|x|) / format max`` (1.0 for an all-zero or non-finite vector), computed at store time and kept beside
@@ -31,7 +33,8 @@ and ``kv8 eval``'s round-trip error (:meth:`KVCodec.round_trip`).
 Invariants (the options are checked by :class:`kv8.cache.config.CacheConfig` when the engine is built, the scales'
 fit and basis by :func:`kv8.cache.scale_sources.resolve_kv_scales`, and that scales are present or absent as the
 mode needs by :meth:`KVCodec.build`): dynamic scales and static scales exclude each other; static scales need an
-FP8 format, dynamic ones a quantized format (FP8 or int8), and int8 is always dynamic; an FP8 codec in static mode
+FP8 format, dynamic ones an FP8 or integer format, and int8 / int4 are always dynamic; FP4 has neither (its group
+scales are part of each stored row); an FP8 codec in static mode
 always has scales (1.0 when none were given); a rotation needs a power-of-two ``head_dim``; static scales describe
 the codec's basis (1.0 fits every basis).
 """
@@ -43,6 +46,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from kv8.quant.formats import KVCacheDtype, dequantize, pack_int4, quantize, unpack_int4
+from kv8.quant.fp4 import FP4GroupFormat
 from kv8.quant.key_offsets import KeyOffsets
 from kv8.quant.rotation import ROTATIONS, hadamard, rotate
 from kv8.quant.scales import KVScales
@@ -85,6 +89,9 @@ class KVCodec:
         if scale_mode not in SCALE_MODES or rotation not in ROTATIONS:
             raise ValueError(f"scale_mode={scale_mode!r} / rotation={rotation!r}: allowed are "
                              f"{', '.join(SCALE_MODES)} / {', '.join(ROTATIONS)}")
+        if kv_dtype.group_scales and (scale_mode == "dynamic" or scales is not None):
+            raise ValueError(f"kv_cache_dtype={kv_dtype.name!r} stores a scale per group of values in each row; it "
+                             "takes neither dynamic per-token scales nor static scales")
         dynamic = scale_mode == "dynamic" or kv_dtype.per_token_scales
         if dynamic and not kv_dtype.is_quantized:
             raise ValueError(f"dynamic scales need a quantized format (FP8 or int8), not {kv_dtype.name}")
@@ -115,16 +122,18 @@ class KVCodec:
 
     @property
     def packed(self) -> bool:
-        """Two codes per stored byte (int4)."""
+        """Two integer codes per stored byte (int4; FP4's rows are :attr:`KVCacheDtype.fp4`'s own)."""
         return self.kv_dtype.int_codes is not None and self.kv_dtype.int_codes.bits == 4
 
     # ---- sizes ----------------------------------------------------------------------------------------------
     @staticmethod
     def bytes_per_head(kv_dtype: KVCacheDtype, head_dim: int, dynamic: bool) -> int:
-        """Bytes one token's K (or V) of one KV head occupies: its codes, plus its scale with dynamic scales
-        (``dynamic``, and always for int8: ``4 / head_dim`` overhead, 6.25% at head_dim 64)."""
-        scaled = dynamic or kv_dtype.per_token_scales
-        return head_dim * kv_dtype.bits_per_value // 8 + (DYNAMIC_SCALE_BYTES if scaled else 0)
+        """Bytes one token's K (or V) of one KV head occupies: its stored row (codes; FP4: and its group scales,
+        ``ceil(head_dim / 16)`` bytes), plus its scale with dynamic scales (``dynamic``, and always for int8 / int4:
+        ``4 / head_dim`` overhead, 6.25% at head_dim 64)."""
+        scaled = (dynamic or kv_dtype.per_token_scales) and not kv_dtype.group_scales
+        return (kv_dtype.stored_width(head_dim) * kv_dtype.bytes_per_element
+                + (DYNAMIC_SCALE_BYTES if scaled else 0))
 
     # ---- basis ----------------------------------------------------------------------------------------------
     def to_stored_basis(self, x: torch.Tensor) -> torch.Tensor:
@@ -178,6 +187,8 @@ class KVCodec:
         fmt = self.kv_dtype.codes
         if fmt is None:
             return x.to(self.kv_dtype.storage_dtype), None
+        if isinstance(fmt, FP4GroupFormat):
+            return fmt.encode(x), None
         if self.dynamic:
             ts = self.token_scales(x)
             codes = quantize(x, ts.unsqueeze(-1), fmt)
@@ -193,6 +204,8 @@ class KVCodec:
         fmt = self.kv_dtype.codes
         if fmt is None:
             return stored.to(dtype)
+        if isinstance(fmt, FP4GroupFormat):
+            return fmt.decode(stored, self.head_dim, dtype)
         if self.dynamic:
             assert token_scales is not None, "a dynamic codec decodes with the stored token scales"
             codes = unpack_int4(stored) if self.packed else stored
@@ -210,12 +223,15 @@ class KVCodec:
         fmt = self.kv_dtype.codes
         if fmt is None:
             return back, 0
+        if isinstance(fmt, FP4GroupFormat):
+            return back, fmt.clipped(x, stored)
         scale = ts.unsqueeze(-1) if ts is not None else self.layer_scales(layer)[which]  # type: ignore[index]
         return back, int(((x.float() / scale).abs() > fmt.clip_limit).sum())
 
     def describe(self) -> str:
         """One line for logs: the scales' source and the basis."""
         scales = ("dynamic per token and head" if self.dynamic else
+                  f"E4M3 per group of {self.kv_dtype.fp4.group_size}" if self.kv_dtype.fp4 is not None else
                   self.scales.source if self.scales is not None else "none (not quantized)")
         centering = "" if self.key_offsets is None else f"; key centering on ({self.key_offsets.source})"
         return f"scales: {scales}; rotation {self.rotation_name}{centering}"

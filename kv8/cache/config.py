@@ -59,14 +59,15 @@ class CacheConfig:
     ``num_kv_blocks`` is set, and it is an int >= 1; ``gpu_memory_utilization`` is a number in (0, 1]; the scale
     mode in :data:`SCALE_MODES`, the rotation in :data:`ROTATIONS`; ``quantization_param_path`` needs an FP8
     ``kv_dtype`` in static mode (unless the file has key offsets), dynamic scales and skipped layers a quantized
-    one (FP8 or int8) -- with a plan, an FP8 format named by ``kv_cache_dtype`` or the plan; a plan and skipped
-    layers exclude each other.
+    one (FP8 or int8; fp4_e2m1 takes skipped layers, never dynamic scales or a file without key offsets) -- with a
+    plan, an FP8 format named by ``kv_cache_dtype`` or the plan; a plan and skipped layers exclude each other.
     """
 
     kv_dtype: KVCacheDtype   # kv_cache_dtype resolved against the compute dtype
     kv_cache_dtype: str = option("auto", "KV cache storage: auto = the compute dtype; fp8 = fp8_e4m3 (1 byte per "
                                  "value); int8 = int8_per_token_head (1 byte per value, a scale per token and "
-                                 "head)", choices=KV_CACHE_DTYPE_NAMES)
+                                 "head); nvfp4 = fp4_e2m1 (4.5 bits per value: E2M1 codes, an E4M3 scale per 16 "
+                                 "values; CPU backends)", choices=KV_CACHE_DTYPE_NAMES)
     block_size: int = option(16, "tokens per KV block (a power of two)", type=int)
     kv_cache_memory: int | None = option(
         None, "KV cache budget: bytes or a size such as 2GiB (default: on CUDA what gpu_memory_utilization leaves; "
@@ -148,6 +149,9 @@ class CacheConfig:
         if self.kv_cache_plan is not None:
             self._check_plan()
             return
+        if self.kv_dtype.group_scales:
+            self._check_group_scaled()
+            return
         if self.kv_dtype.is_quantized:
             if self.dynamic_scales and self.quantization_param_path is not None and not self.key_centering:
                 what = (f"kv_cache_dtype={self.kv_cache_dtype!r}" if self.kv_dtype.per_token_scales
@@ -169,6 +173,17 @@ class CacheConfig:
         if self.kv_cache_dtype_skip_layers:
             raise ValueError(f"kv_cache_dtype_skip_layers keeps layers out of a quantized cache, but {not_fp8} (or "
                              "int8_per_token_head)")
+
+    def _check_group_scaled(self) -> None:
+        """A format with its scales in each row (``fp4_e2m1``) takes no other scales: neither dynamic per-token
+        scales nor a scales file (one with key offsets only centers the keys)."""
+        what = f"kv_cache_dtype={self.kv_cache_dtype!r} stores an E4M3 scale per group of 16 values beside its codes"
+        if self.kv_cache_scale_mode == "dynamic":
+            raise ValueError(f"{what}; kv_cache_scale_mode='dynamic' does not apply to it (leave it 'static')")
+        if self.quantization_param_path is not None and not self.key_centering:
+            raise ValueError(f"{what}; quantization_param_path={self.quantization_param_path!r} has no key offsets "
+                             "and its scales would be ignored (drop it, or use a file from kv8 calibrate "
+                             "--key-centering)")
 
     def _check_plan(self) -> None:
         """Read the plan file; the scale options against the FP8 formats that ``kv_cache_dtype`` and it name."""

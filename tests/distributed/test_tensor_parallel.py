@@ -220,6 +220,11 @@ def test_tp2_equals_tp1_fp8(gqa_6x2: str, kv: str) -> None:
     _compare(gqa_6x2, 2, kv)
 
 
+def test_tp2_equals_tp1_fp4(gqa_6x2: str) -> None:
+    """fp4_e2m1: each rank's rows carry their own group scales; with chunked prefill and prefix-cache hits."""
+    _compare(gqa_6x2, 2, "fp4_e2m1", max_num_batched_tokens=8, block_size=4)
+
+
 def test_tp2_equals_tp1_with_a_kv_plan(gqa_6x2: str, tmp_path: Path) -> None:
     """kv_cache_plan: layer 0 int4 + Hadamard, layer 1 the cache's FP8 -- two pools on every rank, each rank
     reading the plan file itself."""

@@ -86,12 +86,13 @@ def test_codec_centers_keys_before_the_rotation(rotation: str) -> None:
 
 
 @pytest.mark.parametrize("dtype,rotation", [("int4", "none"), ("int4", "hadamard"), ("int8", "none"),
-                                            ("int8", "hadamard")])
+                                            ("int8", "hadamard"), ("fp4_e2m1", "none")])
 def test_a_constant_large_key_channel_costs_less_attention_error_when_centered(dtype: str, rotation: str) -> None:
     """Keys N(0, 1) with one channel near 30 (what Gemma's keys keep): quantized with evenly spaced integer levels
-    per token and head, the other channels lose their levels to it; centered by the mean, the attention output
-    error drops (scores of one query shift by a constant, which softmax ignores). (FP8's levels are relative to each
-    value, so a large channel costs the others little: dynamic E4M3 measured the same error either way.)"""
+    per token and head (FP4: E2M1 levels per group of 16), the other channels lose their levels to it; centered by
+    the mean, the attention output error drops (scores of one query shift by a constant, which softmax ignores).
+    (FP8's levels are relative to each value, so a large channel costs the others little: dynamic E4M3 measured
+    the same error either way.)"""
     g = torch.Generator().manual_seed(0)
     t, h, d = 256, 2, 64
     k = torch.randn(t, h, d, generator=g)
@@ -204,7 +205,8 @@ def _mean_keys(path: str, info: ModelScaleInfo) -> torch.Tensor:
     return result.key_offsets.k
 
 
-@pytest.mark.parametrize("dtype,rotation", [("int4", "none"), ("int4", "hadamard"), ("int8", "none")])
+@pytest.mark.parametrize("dtype,rotation", [("int4", "none"), ("int4", "hadamard"), ("int8", "none"),
+                                            ("fp4_e2m1", "none")])
 def test_calibrated_centering_lowers_a_quantized_caches_error(constant_channel: str, tmp_path: Path, dtype: str,
                                                              rotation: str) -> None:
     info = _info(constant_channel)
@@ -224,7 +226,7 @@ def test_a_file_with_offsets_is_accepted_by_every_cache_format(qwen2: str, tmp_p
                                                                         info.head_dim))
     without = tmp_path / "s.json"
     write_kv8_scales_json(without, KVScales.default(info.num_layers), info)
-    for dtype in ("int8", "int4", "bfloat16"):
+    for dtype in ("int8", "int4", "fp4_e2m1", "bfloat16"):
         kv = resolve_kv_cache_dtype(dtype, torch.float32)
         assert CacheConfig(kv_dtype=kv, kv_cache_dtype=dtype, quantization_param_path=with_offsets).key_centering
         with pytest.raises(ValueError, match="kv8 calibrate --key-centering"):

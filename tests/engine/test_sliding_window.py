@@ -16,7 +16,8 @@ from tests.helpers.engine import KV_CONFIGS, PROMPTS, assert_greedy_match, check
 GREEDY = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
 GREEDY_LP = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, logprobs=2)  # for near-ties
 PROMPTS = PROMPTS[:4]
-KVS = ["float32", "fp8_e4m3", "fp8_e5m2", "fp8_e4m3fnuz", "fp8_e4m3+dynamic", "fp8_e4m3+hadamard", "int8"]
+KVS = ["float32", "fp8_e4m3", "fp8_e5m2", "fp8_e4m3fnuz", "fp8_e4m3+dynamic", "fp8_e4m3+hadamard", "int8",
+       "fp4_e2m1"]
 MODELS = ["mistral_swa", "qwen2_swa"]
 
 
@@ -112,10 +113,10 @@ def test_info_reports_capacity_with_and_without_freeing(tiny_models, capsys):
     out = capsys.readouterr().out
     assert "2 sliding window (11 tokens)" in out and "sequences of L = 512 tokens" in out
     rows = {line.split()[0]: line.split()[1:] for line in out.splitlines()
-            if line.startswith(("bfloat16", "fp8", "int"))}
+            if line.startswith(("bfloat16", "fp8", "int", "fp4"))}
     # per layer: K and V, heads, bytes (the integer caches: codes plus a float32 scale per token and head)
     per_token = {"bfloat16": 2 * 2 * 16 * 2, "fp8_e4m3": 2 * 2 * 16, "int8_per_token_head": 2 * 2 * (16 + 4),
-                 "int4_per_token_head": 2 * 2 * (8 + 4)}
+                 "int4_per_token_head": 2 * 2 * (8 + 4), "fp4_e2m1": 2 * 2 * (8 + 1)}   # FP4: an E4M3 scale per 16
     for name, b in per_token.items():
         full_b, window_b, keep_all, seqs, seqs_freed = map(int, rows[name][:5])
         assert (full_b, window_b) == (0, 2 * b)

@@ -19,6 +19,7 @@ KV_CONFIGS = {
     "int8": dict(kv_cache_dtype="int8"),
     "int8_per_token_head+hadamard": dict(kv_cache_dtype="int8_per_token_head", kv_cache_rotation="hadamard"),
     "int4+hadamard": dict(kv_cache_dtype="int4", kv_cache_rotation="hadamard"),
+    "fp4_e2m1": dict(kv_cache_dtype="fp4_e2m1"),
 }
 #: prompts of different lengths, two sharing a prefix (prefix caching has something to find)
 PROMPTS = [

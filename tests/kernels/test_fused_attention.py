@@ -39,6 +39,7 @@ from kv8.kernels.cpu.attention import KernelUnavailable, paged_attention_fused, 
 from kv8.quant.formats import FP8_FORMATS, resolve_kv_cache_dtype
 from kv8.quant.scales import KVScales
 from tests.helpers.kernels import (
+    FP4,
     FP8,
     INT4,
     INT8,
@@ -55,7 +56,7 @@ from tests.helpers.kernels import (
     stored,
 )
 
-KV_DTYPES = ["fp8_e4m3", "fp8_e4m3fnuz", "fp8_e5m2", "bfloat16", "float16", "float32", INT8, INT4]
+KV_DTYPES = ["fp8_e4m3", "fp8_e4m3fnuz", "fp8_e5m2", "bfloat16", "float16", "float32", INT8, INT4, FP4]
 
 
 
@@ -155,7 +156,7 @@ def special_values(n: int, fmt_max: float) -> torch.Tensor:
 
 @pytest.mark.parametrize("kv_name,gran", [(k, g) for k in FP8 for g in ("tensor", "head", "channel", "dynamic")]
                          + [(k, "none") for k in ("bfloat16", "float16", "float32")]
-                         + [(INT8, "dynamic"), (INT4, "dynamic")])
+                         + [(INT8, "dynamic"), (INT4, "dynamic"), (FP4, "none")])
 @pytest.mark.parametrize("in_dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_store_bit_exact(lib: kernels.KernelLibrary, kv_name: str, gran: str, in_dtype: torch.dtype) -> None:
     gen = torch.Generator().manual_seed(1)
@@ -242,12 +243,12 @@ def test_store_dense_fp32_sweep(lib: kernels.KernelLibrary, fmt: str) -> None:
 
 @pytest.mark.parametrize("kv_name,gran", [(k, g) for k in FP8 for g in ("tensor", "head", "channel")]
                          + [(k, "none") for k in ("bfloat16", "float16", "float32")]
-                         + [(INT8, "dynamic"), (INT4, "dynamic")])
+                         + [(INT8, "dynamic"), (INT4, "dynamic"), (FP4, "none")])
 @pytest.mark.parametrize("q_dtype", [torch.bfloat16, torch.float32])
 def test_attention_dtypes_and_scales(lib: kernels.KernelLibrary, kv_name: str, gran: str,
                                      q_dtype: torch.dtype) -> None:
     cache, meta, q = make_case(kv_name, gran, q_dtype)
-    expected = "fast" if kv_name in FP8 + ["bfloat16"] and lib.has_fast_path else portable_path(lib, 64)
+    expected = "fast" if kv_name in FP8 + ["bfloat16"] and lib.has_fast_path else portable_path(lib, 64, kv_name)
     assert attention_path(lib, kv_name, q_dtype, 64) == expected
     check_attention(lib, cache, meta, q)
 
@@ -263,16 +264,16 @@ def test_attention_shapes(lib: kernels.KernelLibrary, group: int, dim: int, bs: 
     check_attention(lib, cache, meta, q)
 
 
-@pytest.mark.parametrize("kv_name", ["fp8_e5m2", "bfloat16", "float16", INT8, INT4])
+@pytest.mark.parametrize("kv_name", ["fp8_e5m2", "bfloat16", "float16", INT8, INT4, FP4])
 @pytest.mark.parametrize("dim", [80, 72, 20])
 def test_attention_odd_head_dim(lib: kernels.KernelLibrary, kv_name: str, dim: int) -> None:
     """D = 80 takes the fast path with a partial 64-channel chunk; D = 72 (not a multiple of 16) the AVX2 kernel
     with a last 8-channel chunk, D = 20 (not a multiple of 8) the generic. int8 / int4 always run the fp32
-    kernels."""
+    kernels, FP4 the generic one."""
     ints = (INT8, INT4)
     cache, meta, q = make_case(kv_name, "dynamic" if kv_name in ints else "channel", torch.float32, dim=dim, heads=2)
-    fast = dim == 80 and kv_name not in ("float16", *ints) and lib.has_fast_path
-    assert attention_path(lib, kv_name, torch.float32, dim) == ("fast" if fast else portable_path(lib, dim))
+    fast = dim == 80 and kv_name not in ("float16", FP4, *ints) and lib.has_fast_path
+    assert attention_path(lib, kv_name, torch.float32, dim) == ("fast" if fast else portable_path(lib, dim, kv_name))
     check_attention(lib, cache, meta, q)
 
 
@@ -300,9 +301,9 @@ def test_attention_dynamic_scales(lib: kernels.KernelLibrary, kv_name: str, q_dt
 
 @pytest.mark.parametrize("kv_name,gran", [("fp8_e4m3", "channel"), ("fp8_e5m2", "dynamic"),
                                           ("fp8_e4m3fnuz", "head"), ("bfloat16", "none"), (INT8, "dynamic"),
-                                          (INT4, "dynamic")])
+                                          (INT4, "dynamic"), (FP4, "none")])
 def test_attention_portable_builds(portable_lib: kernels.KernelLibrary, kv_name: str, gran: str) -> None:
-    assert attention_path(portable_lib, kv_name, torch.bfloat16, 64) == portable_path(portable_lib, 64)
+    assert attention_path(portable_lib, kv_name, torch.bfloat16, 64) == portable_path(portable_lib, 64, kv_name)
     for q_dtype in (torch.bfloat16, torch.float32):
         cache, meta, q = make_case(kv_name, gran, q_dtype)
         check_attention(portable_lib, cache, meta, q, partition_size=32)

@@ -41,10 +41,11 @@ static inline decltype(auto) with_kv_format(int kv, F&& f) {
         case KV_F16: return f(std::integral_constant<int, KV_F16>{});
         case KV_I8: return f(std::integral_constant<int, KV_I8>{});
         case KV_I4: return f(std::integral_constant<int, KV_I4>{});
+        case KV_FP4: return f(std::integral_constant<int, KV_FP4>{});
         default: return f(std::integral_constant<int, KV_F32>{});
     }
 }
-static_assert(KV_COUNT == 8, "with_kv_format has a case per format");
+static_assert(KV_COUNT == 9, "with_kv_format has a case per format");
 
 // Whether the AVX-512 BF16 kernels read format kv: every value of it is a bf16 (FP8 through the byte tables). Integer
 // codes are bf16-exact too, but the tables decode FP8 bits: int8 / int4 items run the fp32 kernels (AVX2 or
@@ -57,7 +58,8 @@ static constexpr bool kv_bf16_exact(int kv) { return KV_FORMATS[kv].fp8 || KV_FO
 static constexpr int kv_decode_class(int kv) {
     for (int k = 0; k < kv; ++k) {
         const KvFormat &a = KV_FORMATS[k], &b = KV_FORMATS[kv];
-        if (a.esize == b.esize && a.elem == b.elem && a.fp8 == b.fp8 && a.ibits == b.ibits && a.nan_0x80 == b.nan_0x80)
+        if (a.esize == b.esize && a.elem == b.elem && a.fp8 == b.fp8 && a.ibits == b.ibits &&
+            a.nan_0x80 == b.nan_0x80 && a.group == b.group)
             return k;
     }
     return kv;
@@ -129,6 +131,18 @@ static inline int8_t int_encode(float x, float max) {
 static inline int int4_at(const uint8_t* row, int d) {
     const int nib = (row[d >> 1] >> ((d & 1) * 4)) & 0xF;
     return (nib ^ 8) - 8;
+}
+
+// FP4 E2M1 (kv8.quant.fp4): the value of code c (0..15: sign bit 3, magnitude index 0..7), and the code of x (already
+// divided by its group's scale): the nearest of 0, 0.5, 1, 1.5, 2, 3, 4, 6, a tie to the even index, saturating at
+// 6 (inf included), NaN -> 0, the sign kept for values that round to 0.
+static constexpr float E2M1_VALUES[16] = {0.0f,  0.5f,  1.0f,  1.5f,  2.0f,  3.0f,  4.0f,  6.0f,
+                                          -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
+static inline uint8_t e2m1_encode(float x) {
+    if (x != x) return 0;
+    const float a = fabsf(x);
+    const int m = (a > 0.25f) + (a >= 0.75f) + (a > 1.25f) + (a >= 1.75f) + (a > 2.5f) + (a >= 3.5f) + (a > 5.0f);
+    return (uint8_t)(m | (signbit(x) ? 8 : 0));
 }
 
 // FP8 encode: saturate(round_to_nearest_even(x)), NaN -> nan code (sign kept where the format has a

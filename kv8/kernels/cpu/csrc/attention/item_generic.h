@@ -1,6 +1,7 @@
 // The generic item kernel: fp32 arithmetic, any KV dtype, any head dim, any ISA. FP8 is decoded on bits
 // (base.h; exact for subnormals because every kernel thread clears DAZ/FTZ). It is the path of fp16 /
-// fp32 caches, of head dims that are not a multiple of 16, and of builds without AVX-512 BF16; it
+// fp32 caches, of FP4 (E2M1 codes times their group's E4M3 scale: exact products), of head dims that are not a
+// multiple of 16, and of builds without AVX-512 BF16; it
 // carries no arithmetic shared with the fast kernels (those multiply bf16 in registers).
 //
 // Per tile of 16 tokens: decode K rows to fp32, scores and an online-softmax step per row, decode V rows,
@@ -19,6 +20,16 @@ static void decode_row_f32(const uint8_t* row, int D, float* out) {
         for (int d = 0; d < D; ++d) out[d] = (float)(int8_t)row[d];
     } else if constexpr (F.ibits == 4) {
         for (int d = 0; d < D; ++d) out[d] = (float)int4_at(row, d);
+    } else if constexpr (F.group) {  // FP4: E2M1 codes times their group's E4M3 scale (after the D / 2 code bytes)
+        for (int g0 = 0; g0 < D; g0 += F.group) {
+            const float s = fp8_bits<KV_E4M3>(row[D / 2 + g0 / F.group]);
+            const int g1 = g0 + F.group < D ? g0 + F.group : D;
+            for (int d = g0; d < g1; d += 2) {
+                const uint8_t b = row[d >> 1];
+                out[d] = E2M1_VALUES[b & 0xF] * s;
+                out[d + 1] = E2M1_VALUES[b >> 4] * s;
+            }
+        }
     } else if constexpr (F.elem == DT_BF16) {
         const uint16_t* r = (const uint16_t*)row;
         for (int d = 0; d < D; ++d) out[d] = bf16_f(r[d]);

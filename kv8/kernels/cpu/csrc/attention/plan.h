@@ -20,7 +20,9 @@ static int make_problem(const kv8_layer& L, const kv8_attention_call& C, Problem
     const int Hkv = L.num_kv_heads, Hq = C.num_q_heads, D = L.head_dim, bs = L.block_size, kv = L.kv_dtype;
     if (Hkv <= 0 || Hq % Hkv != 0 || D <= 0 || bs <= 0 || C.num_seqs < 0 || C.num_threads <= 0 || kv < 0 ||
         kv >= KV_COUNT || C.q_dtype < 0 || C.q_dtype >= DT_COUNT ||
-        kv_row_bytes(kv, D) > (int64_t)sizeof(ZERO_ROW) || (KV_FORMATS[kv].ibits == 4 && D % 2) ||
+        kv_row_bytes(kv, D) > (int64_t)sizeof(ZERO_ROW) ||
+        ((KV_FORMATS[kv].ibits == 4 || KV_FORMATS[kv].group) && D % 2) ||
+        (KV_FORMATS[kv].group && (L.k_token_scales || L.k_scale || L.v_scale)) ||   // FP4's scales are in its rows
         (L.k_token_scales == nullptr) != (L.v_token_scales == nullptr) || C.sliding_window < 0 ||
         (KV_FORMATS[kv].ibits && !L.k_token_scales))   // integer codes mean nothing without their scales
         return ERR_ARGS;

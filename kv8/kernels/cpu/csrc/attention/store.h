@@ -6,8 +6,10 @@
 // FP8 with static scales: code = saturate(rne(x / scale)) with the layer's K/V scales (strides over head and
 // channel). FP8 with dynamic scales, and int8 (always): each (token, head) gets scale amax|x| / max_finite (1.0
 // when that is 0 or not finite; int8: max 127, int4: 7), written beside its codes; integer codes are
-// clamp(rne(x / scale), -max, max) with NaN -> 0 (base.h), int4 two per byte (the even channel in the low nibble). 16/32-bit caches store the value converted (round to nearest
-// even). Bit-exact with kv8.cache.paged_cache.PagedKVCache.store, NaN rule included (base.h).
+// clamp(rne(x / scale), -max, max) with NaN -> 0 (base.h), int4 two per byte (the even channel in the low nibble).
+// FP4 (fp4_e2m1): E2M1 codes two per byte and an E4M3 scale per group of 16 values in the row (store_row_fp4).
+// 16/32-bit caches store the value converted (round to nearest even). Bit-exact with
+// kv8.cache.paged_cache.PagedKVCache.store, NaN rule included (base.h).
 //
 // Where the fast path is compiled, FP8 rows (D a multiple of 16; dynamic scales, or static ones with a channel
 // stride of 0 or 1) are encoded 16 values at a time by fp8_encode16, which gives fp8_encode's bits (the tests
@@ -97,6 +99,30 @@ static inline void prefetch_for_write(const void* p) {
 #endif
 }
 
+// One FP4 row (kv8.quant.fp4, bit for bit): per group of G values (the last one shorter when G does not divide D) the
+// E4M3 scale s = e4m3(clamp(amax / 6, 2^-9, 448)), 1.0 where amax / 6 is zero or not finite; codes e2m1(x / s), two
+// per byte; the scales' bytes after the D / 2 code bytes. x: the row in float32 (overwritten).
+static inline void store_row_fp4(float* x, int D, int G, uint8_t* dst) {
+    for (int g0 = 0; g0 < D; g0 += G) {
+        const int g1 = g0 + G < D ? g0 + G : D;
+        float amax = 0.0f;
+        bool nan = false;
+        for (int d = g0; d < g1; ++d) {
+            const float a = fabsf(x[d]);
+            nan |= a != a;
+            amax = a > amax ? a : amax;
+        }
+        float s = amax / 6.0f;
+        if (nan || !(s > 0.0f) || s == INFINITY) s = 1.0f;
+        s = s < 0x1p-9f ? 0x1p-9f : s > 448.0f ? 448.0f : s;
+        const uint8_t sc = fp8_encode<KV_E4M3>(s);
+        const float sv = fp8_bits<KV_E4M3>(sc);
+        dst[D / 2 + g0 / G] = sc;
+        for (int d = g0; d < g1; ++d) x[d] = x[d] / sv;
+    }
+    for (int d = 0; d < D; d += 2) dst[d / 2] = (uint8_t)(e2m1_encode(x[d]) | (e2m1_encode(x[d + 1]) << 4));
+}
+
 static int run_store(const kv8_layer& L, const kv8_store_call& C) {
     const int64_t T = C.num_tokens, num_blocks = L.num_blocks;
     const int H = L.num_kv_heads, D = L.head_dim, bs = L.block_size, kv = L.kv_dtype, in_dtype = C.in_dtype;
@@ -112,7 +138,8 @@ static int run_store(const kv8_layer& L, const kv8_store_call& C) {
         nthreads <= 0 || (k_token_scales == nullptr) != (v_token_scales == nullptr) ||
         (k_token_scales && !KV_FORMATS[kv].fp8 && !KV_FORMATS[kv].ibits) ||
         (KV_FORMATS[kv].fp8 && !k_token_scales && (!k_scale || !v_scale)) ||
-        (KV_FORMATS[kv].ibits && !k_token_scales) || (KV_FORMATS[kv].ibits == 4 && D % 2))
+        (KV_FORMATS[kv].ibits && !k_token_scales) || (KV_FORMATS[kv].ibits == 4 && D % 2) ||
+        (KV_FORMATS[kv].group && (D % 2 || k_scale || v_scale)))
         return ERR_ARGS;
     const KvFormat& fmt = KV_FORMATS[kv];
     const float maxf = fmt.max_finite;
@@ -171,7 +198,9 @@ static int run_store(const kv8_layer& L, const kv8_store_call& C) {
             }
 #endif
             for (int d = 0; d < D; ++d) buf[d] = load_f(src, in_dtype, s0 + d);
-            if (fmt.fp8 || fmt.ibits) {
+            if (fmt.group) {
+                store_row_fp4(buf, D, fmt.group, dst);
+            } else if (fmt.fp8 || fmt.ibits) {
                 if (ts) {
                     float amax = 0.0f;
                     bool nan = false;

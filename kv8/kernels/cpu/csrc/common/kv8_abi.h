@@ -30,7 +30,7 @@ static const char* const COMPUTE_DTYPE_NAMES[DT_COUNT] = {"bfloat16", "float16",
 // a format -- the store, every decode path and the FP8 -> bf16 tables read it rather than compare codes; template
 // parameters that pick code paths at compile time are codes whose traits are read from this table as constants.
 enum { KV_E4M3 = 0, KV_E4M3FNUZ = 1, KV_E5M2 = 2, KV_BF16 = 3, KV_F16 = 4, KV_F32 = 5, KV_I8 = 6, KV_I4 = 7,
-       KV_COUNT = 8 };
+       KV_FP4 = 8, KV_COUNT = 9 };
 struct KvFormat {
     const char* name;   // kv8.quant.formats.KVCacheDtype.name
     int esize;          // bytes per element
@@ -45,6 +45,8 @@ struct KvFormat {
     bool nan_0x80;      // code 0x80 is the one NaN, and there is no -0 (the "fnuz" formats)
     bool has_inf;       // IEEE-style: the top exponent holds inf and NaNs; else only magnitude 0x7f is NaN ("fn")
     uint8_t nan_code;   // what the encoders write for NaN (with its sign bit where the format has a -NaN)
+    int group;          // FP4 E2M1 codes (two per byte, the even channel in the low nibble) with an E4M3 scale per
+                        // `group` values after the row's codes (kv8.quant.fp4); 0: none
 };
 static constexpr KvFormat KV_FORMATS[KV_COUNT] = {
     // name                 esize  elem     fp8    ibits  mbits  bias  max_finite  nan_0x80  has_inf  nan_code
@@ -56,11 +58,14 @@ static constexpr KvFormat KV_FORMATS[KV_COUNT] = {
     {"float32",             4,     DT_F32,  false, 0,     0,     0,    0.0f,       false,    false,   0},     // KV_F32
     {"int8_per_token_head", 1,     -1,      false, 8,     0,     0,    127.0f,     false,    false,   0},     // KV_I8
     {"int4_per_token_head", 1,     -1,      false, 4,     0,     0,    7.0f,       false,    false,   0},     // KV_I4
+    {"fp4_e2m1",            1,     -1,      false, 0,     1,     1,    6.0f,       false,    false,   0, 16}, // KV_FP4
 };
 
-// Bytes one head's row of D values takes in a cache of format kv (D / 2 for 4-bit codes).
+// Bytes one head's row of D values takes in a cache of format kv (D / 2 for 4-bit codes; FP4: and a scale byte per
+// group).
 static constexpr int64_t kv_row_bytes(int kv, int64_t D) {
-    return KV_FORMATS[kv].ibits == 4 ? D / 2 : D * KV_FORMATS[kv].esize;
+    return KV_FORMATS[kv].group ? D / 2 + (D + KV_FORMATS[kv].group - 1) / KV_FORMATS[kv].group
+         : KV_FORMATS[kv].ibits == 4 ? D / 2 : D * KV_FORMATS[kv].esize;
 }
 
 // The exact value of code c (0..255) of FP8 format kv (NaN where the format has NaN; subnormals included).
