@@ -368,7 +368,7 @@ def test_attention_with_flush_denormal(lib: kernels.KernelLibrary) -> None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("kv_name,gran", [(k, g) for k in FP8 for g in ("tensor", "head", "channel", "dynamic")]
-                         + [("bfloat16", "none")])
+                         + [("bfloat16", "none"), (INT8, "dynamic"), (INT4, "dynamic")])
 @pytest.mark.parametrize("group,dim", [(1, 64), (2, 128), (3, 64), (4, 256)])
 @pytest.mark.parametrize("bs", [16, 32])
 def test_decode_item_kernel(lib: kernels.KernelLibrary, kernel_path: str, kv_name: str, gran: str, group: int,

@@ -3,6 +3,11 @@
 //
 // FP8 -> bf16: two in-register 128-entry byte tables (vpermt2b gives the low and the high byte of the bf16
 // value, the sign bit is ORed in); every FP8 value is an exact bf16, subnormals and NaN included.
+// Integer codes (decode kernel only): int8 as FP8 with tables of the magnitudes 0..127, looked up at |code| with
+// the code's sign bit ORed in; int4 rows (two codes a byte, the even channel in the low nibble) are first
+// spread to a byte per channel in registers (int4_bytes), then a 16-entry table per 128-bit lane (vpshufb) gives
+// each nibble's bf16 bytes. Every code is a bf16 exactly (|code| <= 127); the per-token scales multiply the scores
+// (K) and the softmax weights (V), as for FP8 with dynamic scales.
 // Products: vdpbf16ps (bf16 x bf16 products are exact in fp32, fp32 accumulation).
 //
 // Register layouts (a "slot" is 8 channels, 16 bytes of bf16 = one 128-bit lane):
@@ -21,16 +26,39 @@
 
 using Lut = Fp8Tables;   // ../common/fp8_bf16.h
 
-// The FP8 -> bf16 tables of KV format kv, built once (a 16/32-bit format's are zeros, never read).
+// The int8 / int4 tables (the FP8 tables' layout): int8: the bf16 bytes of 0..127 in lo0 / lo1 and hi0 / hi1
+// (codes -127..-1 read their magnitude's entry, the sign ORed in); int4: the bf16 bytes of the 16 nibbles'
+// values ((n ^ 8) - 8) in every 128-bit lane of lo0 / hi0.
+static Lut int_tables(int kv) {
+    alignas(64) uint8_t lo[128] = {0}, hi[128] = {0};
+    for (int c = 0; c < 128; ++c) {
+        const int v = KV_FORMATS[kv].ibits == 4 ? ((c & 15) ^ 8) - 8 : c;  // int4: the nibble of byte c % 16
+        const uint16_t h = f_bf16((float)v);  // exact: |v| <= 127 has at most 7 significant bits
+        lo[c] = (uint8_t)(h & 0xFF);
+        hi[c] = (uint8_t)(h >> 8);
+    }
+    Lut t;
+    t.lo0 = _mm512_load_si512(lo);
+    t.lo1 = _mm512_load_si512(lo + 64);
+    t.hi0 = _mm512_load_si512(hi);
+    t.hi1 = _mm512_load_si512(hi + 64);
+    return t;
+}
+
+// The code -> bf16 tables of KV format kv, built once (a 16/32-bit format's are zeros, never read).
 static const Lut& lut_for(int kv) {
     static const struct Luts {
         Lut of[KV_COUNT];
         Luts() {
-            for (int k = 0; k < KV_COUNT; ++k) of[k] = fp8_tables(k);
+            for (int k = 0; k < KV_COUNT; ++k) of[k] = KV_FORMATS[k].ibits ? int_tables(k) : fp8_tables(k);
         }
     } luts;
     return luts.of[kv];
 }
+
+// Whether format kv's registers hold a byte per channel (FP8, int8, int4 once spread by int4_bytes): 64 channels
+// per register, the FP8 accumulator layout; else bf16 (32 channels per 64-byte chunk).
+static constexpr bool byte_codes(int kv) { return KV_FORMATS[kv].esize == 1; }
 
 // Softmax weights e^(s - ref) of the prefill loop, as 2^t with t = s * log2(e) - ref2 (ref2 = ref * log2(e), one
 // fused multiply-subtract): t = n + f with n an integer and f in [-0.5, 0.5], 2^f by a degree-5 polynomial
@@ -55,10 +83,43 @@ static inline __m512 exp2_weights(__m512 s, __m512 log2e, __m512 ref2) {
     return _mm512_maskz_scalef_ps(keep, p, n);
 }
 
-// 64 FP8 codes -> 64 bf16: w0 = codes 0..7 of each 128-bit lane, w1 = codes 8..15 (lane order kept).
+// 64 codes (FP8, int8, or int4 spread to a byte each) -> 64 bf16: w0 = codes 0..7 of each 128-bit lane, w1 =
+// codes 8..15 (lane order kept). int8: the magnitude's table entry with the code's sign; the code -128 (never
+// stored: the encode clamps to +-127) would read as -0.
 template <int KV>
 static inline void fp8_to_bf16(__m512i c, const Lut& L, __m512i& w0, __m512i& w1) {
-    fp8_table_decode<KV_FORMATS[KV].nan_0x80>(c, L, w0, w1);   // E4M3FNUZ: 0x80 is NaN, not -0
+    if constexpr (KV_FORMATS[KV].ibits == 8) {
+        const __m512i a = _mm512_abs_epi8(c);
+        const __m512i lo = _mm512_permutex2var_epi8(L.lo0, a, L.lo1);
+        __m512i hi = _mm512_permutex2var_epi8(L.hi0, a, L.hi1);
+        hi = _mm512_ternarylogic_epi32(hi, c, _mm512_set1_epi8((char)0x80), 0xF8);  // hi | (c & 0x80)
+        w0 = _mm512_unpacklo_epi8(lo, hi);
+        w1 = _mm512_unpackhi_epi8(lo, hi);
+    } else if constexpr (KV_FORMATS[KV].ibits == 4) {  // c: nibbles 0..15, one a byte (int4_bytes)
+        const __m512i lo = _mm512_shuffle_epi8(L.lo0, c), hi = _mm512_shuffle_epi8(L.hi0, c);
+        w0 = _mm512_unpacklo_epi8(lo, hi);
+        w1 = _mm512_unpackhi_epi8(lo, hi);
+    } else {
+        fp8_table_decode<KV_FORMATS[KV].nan_0x80>(c, L, w0, w1);   // E4M3FNUZ: 0x80 is NaN, not -0
+    }
+}
+
+// 32 bytes of an int4 row (64 codes, the even channel in the low nibble) -> 64 bytes, byte i = nibble of channel i
+// (0..15, the code's two's complement bits): each byte widened to a word w, then (w | w << 4) & 0x0F0F puts the
+// low nibble in the word's low byte and the high nibble in its high byte.
+static inline __m512i int4_bytes(__m256i x) {
+    const __m512i w = _mm512_cvtepu8_epi16(x);
+    return _mm512_ternarylogic_epi32(w, _mm512_slli_epi16(w, 4), _mm512_set1_epi16(0x0F0F), 0xA8);  // (a | b) & c
+}
+
+// Bytes of one 64-channel chunk of a cache row in registers: 64 (FP8, int8, bf16's 32 channels) or 32 (int4).
+template <int KV> constexpr int chunk_bytes() { return KV_FORMATS[KV].ibits == 4 ? 32 : 64; }
+
+// One chunk of a cache row at p (chunk_bytes<KV>() bytes), a byte (or a bf16) per channel.
+template <int KV>
+static inline __m512i load_chunk(const uint8_t* p) {
+    if constexpr (KV_FORMATS[KV].ibits == 4) return int4_bytes(_mm256_loadu_si256((const __m256i*)p));
+    else return _mm512_loadu_si512(p);
 }
 
 // 4x4 transpose of 128-bit blocks: out[c] lane k = in[k] lane c.
@@ -82,27 +143,27 @@ static inline __mmask64 chunk_mask(int rem) { return rem >= 64 ? ~(__mmask64)0 :
 
 static inline __m512bh as_bh(__m512i x) { return (__m512bh)x; }
 
-// Channels of one 64-byte chunk of a cache row: 64 (FP8) or 32 (bf16); accumulators (16 channels) per chunk.
+// Channels of one chunk of a cache row: 64 (FP8, int8, int4) or 32 (bf16); accumulators (16 channels) per chunk.
 template <int KV> constexpr int chunk_channels() { return 64 / KV_FORMATS[KV].esize; }
 template <int KV> constexpr int chunk_accs() { return chunk_channels<KV>() / 16; }
 
-// K: one 64-byte chunk of 4 token rows (in[k] = row of token k) -> the chunk's slots, each holding the
-// slot's 8 channels of the 4 tokens (token k in lane k): 8 slots (FP8) or 4 (bf16).
+// K: one chunk of 4 token rows (in[k] = row of token k, load_chunk) -> the chunk's slots, each holding the
+// slot's 8 channels of the 4 tokens (token k in lane k): 8 slots (byte codes) or 4 (bf16).
 template <int KV>
 static inline void k_chunk_slots(const __m512i in[4], const Lut& L, __m512i* slots) {
     __m512i t[4];
     transpose4x128(in, t);
     for (int c = 0; c < 4; ++c) {
-        if constexpr (KV_FORMATS[KV].fp8) fp8_to_bf16<KV>(t[c], L, slots[2 * c], slots[2 * c + 1]);
+        if constexpr (byte_codes(KV)) fp8_to_bf16<KV>(t[c], L, slots[2 * c], slots[2 * c + 1]);
         else slots[c] = t[c];
     }
 }
 
-// V: one 64-byte chunk of the rows of tokens 2u (a) and 2u + 1 (b) -> chunk_accs<KV>() registers of bf16
+// V: one chunk of the rows of tokens 2u (a) and 2u + 1 (b) (load_chunk) -> chunk_accs<KV>() registers of bf16
 // token pairs, register m holding accumulator m of the chunk.
 template <int KV>
 static inline void v_chunk_pairs(__m512i a, __m512i b, const Lut& L, __m512i* v) {
-    if constexpr (KV_FORMATS[KV].fp8) {
+    if constexpr (byte_codes(KV)) {
         fp8_to_bf16<KV>(_mm512_unpacklo_epi8(a, b), L, v[0], v[1]);
         fp8_to_bf16<KV>(_mm512_unpackhi_epi8(a, b), L, v[2], v[3]);
     } else {
@@ -122,13 +183,13 @@ static inline void pv_accumulate(__m512* acc, const __m512i* v, uint32_t phi, ui
     }
 }
 
-// V accumulators per row. Channel maps: fp8: v = 4z + m, lane 4k + j -> d = 64z + 16k + 4m + j;
-//                                       bf16: v = 2z + h, lane 4k + j -> d = 32z + 8k + 4h + j.
-static inline int num_vslots(int kv, int D) { return KV_FORMATS[kv].fp8 ? 4 * ((D + 63) / 64) : 2 * ((D + 31) / 32); }
+// V accumulators per row. Channel maps: byte codes: v = 4z + m, lane 4k + j -> d = 64z + 16k + 4m + j;
+//                                       bf16:       v = 2z + h, lane 4k + j -> d = 32z + 8k + 4h + j.
+static inline int num_vslots(int kv, int D) { return byte_codes(kv) ? 4 * ((D + 63) / 64) : 2 * ((D + 31) / 32); }
 
 static inline int acc_channel(int kv, int a) {
     int v = a >> 4, k = (a >> 2) & 3, j = a & 3;
-    if (KV_FORMATS[kv].fp8) return 64 * (v >> 2) + 16 * k + 4 * (v & 3) + j;
+    if (byte_codes(kv)) return 64 * (v >> 2) + 16 * k + 4 * (v & 3) + j;
     return 32 * (v >> 1) + 8 * k + 4 * (v & 1) + j;
 }
 
@@ -137,7 +198,7 @@ static inline int acc_channel(int kv, int a) {
 // natural register n of chunk z holds block n of accumulators 4z..4z+3 (a 4x4 block transpose); bf16's
 // natural registers of chunk z interleave blocks of accumulators 2z and 2z+1. Otherwise element by element.
 static inline void natural_order(int kv, const float* acc, int nacc, int D, float* nat) {
-    if (KV_FORMATS[kv].fp8 && D % 64 == 0) {
+    if (byte_codes(kv) && D % 64 == 0) {
         for (int z = 0; z < D / 64; ++z) {
             __m512i in[4], out[4];
             for (int m = 0; m < 4; ++m) in[m] = _mm512_loadu_si512(acc + (4 * z + m) * 16);
@@ -146,7 +207,7 @@ static inline void natural_order(int kv, const float* acc, int nacc, int D, floa
         }
         return;
     }
-    if (!KV_FORMATS[kv].fp8 && D % 32 == 0) {
+    if (!byte_codes(kv) && D % 32 == 0) {
         const __m512i lo = _mm512_setr_epi64(0, 1, 8, 9, 2, 3, 10, 11);
         const __m512i hi = _mm512_setr_epi64(4, 5, 12, 13, 6, 7, 14, 15);
         for (int z = 0; z < D / 32; ++z) {
