@@ -4,10 +4,16 @@
 // FP8 -> bf16: two in-register 128-entry byte tables (vpermt2b gives the low and the high byte of the bf16
 // value, the sign bit is ORed in); every FP8 value is an exact bf16, subnormals and NaN included.
 // Integer codes (decode kernel only): int8 as FP8 with tables of the magnitudes 0..127, looked up at |code| with
-// the code's sign bit ORed in; int4 rows (two codes a byte, the even channel in the low nibble) are first
-// spread to a byte per channel in registers (int4_bytes), then a 16-entry table per 128-bit lane (vpshufb) gives
-// each nibble's bf16 bytes. Every code is a bf16 exactly (|code| <= 127); the per-token scales multiply the scores
-// (K) and the softmax weights (V), as for FP8 with dynamic scales.
+// the code's sign bit ORed in. int4 (two codes a byte, the even channel in the low nibble) in its own layout: a
+// byte permute (vpermt2b / vpermb) puts a row's raw byte under each 16-bit lane, in the order of the transposed K
+// slots or of the V token pairs, so it does the K transpose as well; the lane's low nibble (even channel) and,
+// shifted by 4, its high nibble (odd channel) index a 32-entry word table (vpermw: bits 0..4, the table repeats
+// every 16) of the bf16 values -- one permute per 16 channels and one table look-up per 8 where FP8 takes a
+// transpose step and three permutes per 16. The even and the odd channels of 16 land in separate registers, so
+// the query slots of an int4 cache hold channels 16p + 2i (slot 2p) and 16p + 2i + 1 (slot 2p + 1) (q_parts16),
+// and the V accumulators their own channel map (acc_channel).
+// Every code is a bf16 exactly (|code| <= 127); the per-token scales multiply the scores (K) and the softmax
+// weights (V), as for FP8 with dynamic scales.
 // Products: vdpbf16ps (bf16 x bf16 products are exact in fp32, fp32 accumulation).
 //
 // Register layouts (a "slot" is 8 channels, 16 bytes of bf16 = one 128-bit lane):
@@ -26,19 +32,20 @@
 
 using Lut = Fp8Tables;   // ../common/fp8_bf16.h
 
-// The int8 / int4 tables (the FP8 tables' layout): int8: the bf16 bytes of 0..127 in lo0 / lo1 and hi0 / hi1
-// (codes -127..-1 read their magnitude's entry, the sign ORed in); int4: the bf16 bytes of the 16 nibbles'
-// values ((n ^ 8) - 8) in every 128-bit lane of lo0 / hi0.
+// The int8 / int4 tables: int8 (the FP8 tables' layout): the bf16 bytes of 0..127 in lo0 / lo1 and hi0 / hi1
+// (codes -127..-1 read their magnitude's entry, the sign ORed in); int4: lo0 = 32 words, word i the bf16 of the
+// nibble i % 16 ((n ^ 8) - 8, two's complement).
 static Lut int_tables(int kv) {
     alignas(64) uint8_t lo[128] = {0}, hi[128] = {0};
     for (int c = 0; c < 128; ++c) {
-        const int v = KV_FORMATS[kv].ibits == 4 ? ((c & 15) ^ 8) - 8 : c;  // int4: the nibble of byte c % 16
-        const uint16_t h = f_bf16((float)v);  // exact: |v| <= 127 has at most 7 significant bits
+        const uint16_t h = f_bf16((float)c);  // exact: |c| <= 127 has at most 7 significant bits
         lo[c] = (uint8_t)(h & 0xFF);
         hi[c] = (uint8_t)(h >> 8);
     }
+    alignas(64) uint16_t w4[32];
+    for (int i = 0; i < 32; ++i) w4[i] = f_bf16((float)(((i & 15) ^ 8) - 8));
     Lut t;
-    t.lo0 = _mm512_load_si512(lo);
+    t.lo0 = KV_FORMATS[kv].ibits == 4 ? _mm512_load_si512(w4) : _mm512_load_si512(lo);
     t.lo1 = _mm512_load_si512(lo + 64);
     t.hi0 = _mm512_load_si512(hi);
     t.hi1 = _mm512_load_si512(hi + 64);
@@ -56,8 +63,8 @@ static const Lut& lut_for(int kv) {
     return luts.of[kv];
 }
 
-// Whether format kv's registers hold a byte per channel (FP8, int8, int4 once spread by int4_bytes): 64 channels
-// per register, the FP8 accumulator layout; else bf16 (32 channels per 64-byte chunk).
+// Whether a 64-byte chunk of format kv holds a byte per channel (FP8, int8; int4 reads 32 bytes per 64 channels):
+// 64 channels per chunk; else bf16 (32 channels per chunk).
 static constexpr bool byte_codes(int kv) { return KV_FORMATS[kv].esize == 1; }
 
 // Softmax weights e^(s - ref) of the prefill loop, as 2^t with t = s * log2(e) - ref2 (ref2 = ref * log2(e), one
@@ -83,9 +90,9 @@ static inline __m512 exp2_weights(__m512 s, __m512 log2e, __m512 ref2) {
     return _mm512_maskz_scalef_ps(keep, p, n);
 }
 
-// 64 codes (FP8, int8, or int4 spread to a byte each) -> 64 bf16: w0 = codes 0..7 of each 128-bit lane, w1 =
-// codes 8..15 (lane order kept). int8: the magnitude's table entry with the code's sign; the code -128 (never
-// stored: the encode clamps to +-127) would read as -0.
+// 64 codes (FP8, int8) -> 64 bf16: w0 = codes 0..7 of each 128-bit lane, w1 = codes 8..15 (lane order kept).
+// int8: the magnitude's table entry with the code's sign; the code -128 (never stored: the encode clamps to
+// +-127) would read as -0.
 template <int KV>
 static inline void fp8_to_bf16(__m512i c, const Lut& L, __m512i& w0, __m512i& w1) {
     if constexpr (KV_FORMATS[KV].ibits == 8) {
@@ -95,31 +102,57 @@ static inline void fp8_to_bf16(__m512i c, const Lut& L, __m512i& w0, __m512i& w1
         hi = _mm512_ternarylogic_epi32(hi, c, _mm512_set1_epi8((char)0x80), 0xF8);  // hi | (c & 0x80)
         w0 = _mm512_unpacklo_epi8(lo, hi);
         w1 = _mm512_unpackhi_epi8(lo, hi);
-    } else if constexpr (KV_FORMATS[KV].ibits == 4) {  // c: nibbles 0..15, one a byte (int4_bytes)
-        const __m512i lo = _mm512_shuffle_epi8(L.lo0, c), hi = _mm512_shuffle_epi8(L.hi0, c);
-        w0 = _mm512_unpacklo_epi8(lo, hi);
-        w1 = _mm512_unpackhi_epi8(lo, hi);
-    } else {
+    } else {  // FP8 (int4 reads through int4_k_slots / int4_v_pairs)
         fp8_table_decode<KV_FORMATS[KV].nan_0x80>(c, L, w0, w1);   // E4M3FNUZ: 0x80 is NaN, not -0
     }
 }
 
-// 32 bytes of an int4 row (64 codes, the even channel in the low nibble) -> 64 bytes, byte i = nibble of channel i
-// (0..15, the code's two's complement bits): each byte widened to a word w, then (w | w << 4) & 0x0F0F puts the
-// low nibble in the word's low byte and the high nibble in its high byte.
-static inline __m512i int4_bytes(__m256i x) {
-    const __m512i w = _mm512_cvtepu8_epi16(x);
-    return _mm512_ternarylogic_epi32(w, _mm512_slli_epi16(w, 4), _mm512_set1_epi16(0x0F0F), 0xA8);  // (a | b) & c
-}
-
-// Bytes of one 64-channel chunk of a cache row in registers: 64 (FP8, int8, bf16's 32 channels) or 32 (int4).
+// Bytes of one chunk (chunk_channels) of a cache row: 64, or 32 for int4 (64 channels).
 template <int KV> constexpr int chunk_bytes() { return KV_FORMATS[KV].ibits == 4 ? 32 : 64; }
 
-// One chunk of a cache row at p (chunk_bytes<KV>() bytes), a byte (or a bf16) per channel.
-template <int KV>
-static inline __m512i load_chunk(const uint8_t* p) {
-    if constexpr (KV_FORMATS[KV].ibits == 4) return int4_bytes(_mm256_loadu_si256((const __m256i*)p));
-    else return _mm512_loadu_si512(p);
+// The int4 byte permutes: k: lane k, word i <- byte 32k + i of four 32-byte rows (add 8p for channels 16p..16p+15);
+// v[h]: dword i <- byte 16h + i of row a (low word) and of row b (high word) of two 32-byte rows.
+struct Int4Index {
+    uint8_t k[64], v[2][64];
+};
+static constexpr Int4Index make_int4_index() {
+    Int4Index x{};
+    for (int b = 0; b < 64; ++b) {
+        x.k[b] = (uint8_t)(32 * (b / 16) + (b % 16) / 2);
+        x.v[0][b] = (uint8_t)(32 * ((b / 2) % 2) + b / 4);
+        x.v[1][b] = (uint8_t)(32 * ((b / 2) % 2) + 16 + b / 4);
+    }
+    return x;
+}
+alignas(64) static constexpr Int4Index INT4_INDEX = make_int4_index();
+
+// Two 32-byte rows in one register (a in the low half).
+static inline __m512i load_rows32(const uint8_t* a, const uint8_t* b) {
+    return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i*)a)),
+                              _mm256_loadu_si256((const __m256i*)b), 1);
+}
+
+// K, int4: one 64-channel chunk (32 bytes) of 4 token rows (row k at p + k * stride) -> 8 slots, token k in lane k:
+// slot 2s holds channels 16s + 2i (i = 0..7), slot 2s + 1 channels 16s + 2i + 1.
+static inline void int4_k_slots(const uint8_t* p, int stride, const Lut& L, __m512i* slots) {
+    const __m512i r01 = load_rows32(p, p + stride), r23 = load_rows32(p + 2 * stride, p + 3 * stride);
+    const __m512i idx = _mm512_load_si512(INT4_INDEX.k);
+    for (int s = 0; s < 4; ++s) {
+        const __m512i x = _mm512_permutex2var_epi8(r01, _mm512_add_epi8(idx, _mm512_set1_epi8((char)(8 * s))), r23);
+        slots[2 * s] = _mm512_permutexvar_epi16(x, L.lo0);                             // low nibbles
+        slots[2 * s + 1] = _mm512_permutexvar_epi16(_mm512_srli_epi16(x, 4), L.lo0);   // high nibbles
+    }
+}
+
+// V, int4: one 64-channel chunk (32 bytes) of the rows of tokens 2u (a) and 2u + 1 (b) -> 4 registers of bf16
+// token pairs; register 2h + o, dword i: channel 32h + 2i + o (acc_channel).
+static inline void int4_v_pairs(const uint8_t* a, const uint8_t* b, const Lut& L, __m512i* v) {
+    const __m512i ab = load_rows32(a, b);
+    for (int h = 0; h < 2; ++h) {
+        const __m512i x = _mm512_permutexvar_epi8(_mm512_load_si512(INT4_INDEX.v[h]), ab);
+        v[2 * h] = _mm512_permutexvar_epi16(x, L.lo0);
+        v[2 * h + 1] = _mm512_permutexvar_epi16(_mm512_srli_epi16(x, 4), L.lo0);
+    }
 }
 
 // 4x4 transpose of 128-bit blocks: out[c] lane k = in[k] lane c.
@@ -184,11 +217,13 @@ static inline void pv_accumulate(__m512* acc, const __m512i* v, uint32_t phi, ui
 }
 
 // V accumulators per row. Channel maps: byte codes: v = 4z + m, lane 4k + j -> d = 64z + 16k + 4m + j;
+//                                       int4:       v = 4z + m, lane i      -> d = 64z + 32(m / 2) + 2i + m % 2;
 //                                       bf16:       v = 2z + h, lane 4k + j -> d = 32z + 8k + 4h + j.
 static inline int num_vslots(int kv, int D) { return byte_codes(kv) ? 4 * ((D + 63) / 64) : 2 * ((D + 31) / 32); }
 
 static inline int acc_channel(int kv, int a) {
     int v = a >> 4, k = (a >> 2) & 3, j = a & 3;
+    if (KV_FORMATS[kv].ibits == 4) return 64 * (v >> 2) + 32 * ((v & 3) >> 1) + 2 * (a & 15) + (v & 1);
     if (byte_codes(kv)) return 64 * (v >> 2) + 16 * k + 4 * (v & 3) + j;
     return 32 * (v >> 1) + 8 * k + 4 * (v & 1) + j;
 }
@@ -198,7 +233,7 @@ static inline int acc_channel(int kv, int a) {
 // natural register n of chunk z holds block n of accumulators 4z..4z+3 (a 4x4 block transpose); bf16's
 // natural registers of chunk z interleave blocks of accumulators 2z and 2z+1. Otherwise element by element.
 static inline void natural_order(int kv, const float* acc, int nacc, int D, float* nat) {
-    if (byte_codes(kv) && D % 64 == 0) {
+    if (byte_codes(kv) && KV_FORMATS[kv].ibits != 4 && D % 64 == 0) {
         for (int z = 0; z < D / 64; ++z) {
             __m512i in[4], out[4];
             for (int m = 0; m < 4; ++m) in[m] = _mm512_loadu_si512(acc + (4 * z + m) * 16);
@@ -246,6 +281,8 @@ static inline void q_parts16(const Problem& P, int64_t src, int d, const float* 
     else
         x = _mm512_loadu_ps((const float*)P.q + src + d);
     if (kscale) x = _mm512_mul_ps(x, _mm512_loadu_ps(kscale + d));
+    if (P.kv == KV_I4)  // int4's slots: the even channels, then the odd (int4_k_slots)
+        x = _mm512_permutexvar_ps(_mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15), x);
     h = (__m256i)_mm512_cvtneps_pbh(x);
     __m512 hf = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
     l = (__m256i)_mm512_cvtneps_pbh(_mm512_sub_ps(x, hf));

@@ -22,7 +22,7 @@
 // exactly (|c| <= 127), so as for FP8 with per-token scales, score = bf16(q) . c (exact products, fp32 sums)
 // x softmax scale x the token's K scale, and the token's V scale multiplies its softmax weight before the weight
 // rounds to bf16: out = sum_t bf16(p_t vs_t) c_t / sum_t p_t. int4 rows are D / 2 bytes (32 per 64-channel
-// chunk), spread to a byte per channel in registers (int4_bytes), so a tile reads half an int8 tile's bytes.
+// chunk), unpacked in registers (int4_k_slots, int4_v_pairs), so a tile reads half an int8 tile's bytes.
 //
 // Sliding window: a row's scores outside its [first, limit] positions are masked; the item's first tile
 // reads zeros (a zero-padded copy) for its rows before k0, as the last tile does past the context.
@@ -62,9 +62,10 @@ static inline void tile_scores_inplace(const uint8_t* kb, const uint8_t* kahead,
             __m512i in[4], slots[8];
             for (int k = 0; k < 4; ++k) {
                 if (z == 0) stream_row<RBYTES>(kahead, 4 * g + k);
-                in[k] = load_chunk<KV>(kb + (4 * g + k) * RBYTES + z * CB);
+                if constexpr (KV_FORMATS[KV].ibits != 4) in[k] = _mm512_loadu_si512(kb + (4 * g + k) * RBYTES + z * CB);
             }
-            k_chunk_slots<KV>(in, L, slots);
+            if constexpr (KV_FORMATS[KV].ibits == 4) int4_k_slots(kb + 4 * g * RBYTES + z * CB, RBYTES, L, slots);
+            else k_chunk_slots<KV>(in, L, slots);
             for (int l = 0; l < SPC; ++l)
                 for (int r = 0; r < R; ++r) {
                     const int s = r * NS + SPC * z + l;
@@ -98,8 +99,11 @@ static inline void chunk_pv_inplace(const uint8_t* const* vb, const uint8_t* con
                     stream_row<RBYTES>(vahead[j], 2 * u + 1);
                 }
                 __m512i v[4];
-                v_chunk_pairs<KV>(load_chunk<KV>(v0 + 2 * u * RBYTES), load_chunk<KV>(v0 + (2 * u + 1) * RBYTES), L,
-                                  v);
+                if constexpr (KV_FORMATS[KV].ibits == 4)
+                    int4_v_pairs(v0 + 2 * u * RBYTES, v0 + (2 * u + 1) * RBYTES, L, v);
+                else
+                    v_chunk_pairs<KV>(_mm512_loadu_si512(v0 + 2 * u * RBYTES),
+                                      _mm512_loadu_si512(v0 + (2 * u + 1) * RBYTES), L, v);
                 for (int r = 0; r < R; ++r) pv_accumulate<NV, false>(acc[r], v, phi[(r * CHUNK_TILES + j) * 8 + u], 0);
             }
         }
