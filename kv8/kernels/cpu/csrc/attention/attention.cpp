@@ -13,13 +13,15 @@
 //   plan.h                 work items, threads, partition combine (log-sum-exp)
 //   item_generic.h         item kernel: fp32, any KV dtype / head dim / ISA
 //   item_avx2.h            item kernel: fp32 on AVX2 + FMA, any KV dtype, head dims a multiple of 8
-//   fast_simd.h            AVX-512 BF16 building blocks: FP8 / int8 / int4 -> bf16 tables, K / V register layouts, P.V step
+//   fast_simd.h            AVX-512 BF16 building blocks: FP8 / int8 / int4 -> bf16 tables, K / V register layouts,
+//                          P.V step
 //   tile_chunk.h           what the tile loops share: chunk walk, V decode and P.V, the prefill loop's row step
 //   item_prefill_amx.h     the prefill loop's blocks on AMX tiles (16 rows)
 //   item_prefill.h         the tile kernel's prefill loop (items of more than 4 rows with D <= 128)
 //   item_tile.h            item kernel: AVX-512 BF16, any item shape (prefill, fp16 / fp32 compute); its chunked
 //                          tile loop, and the prefill loop where it applies
-//   item_decode.h          item kernel: AVX-512 BF16, decode-shaped items (<= 4 rows, bf16 compute; FP8, bf16, int8, int4)
+//   item_decode.h          item kernel: AVX-512 BF16, decode-shaped items (<= 4 rows, bf16 compute; FP8, bf16,
+//                          int8, int4)
 //   item_decode_amx.h      the decode item kernel on AMX tiles
 //   ../common/amx_tiles.h  AMX permission and tile configuration (shared with the dense library)
 //   ../common/fp8_bf16.h   FP8 -> bf16 table decode in registers (shared with the dense library's FP8 weights)
