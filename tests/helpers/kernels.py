@@ -199,13 +199,14 @@ def prefill_kernel(lib: kernels.KernelLibrary, kv_name: str, gran: str, q_dtype:
 def decode_kernel(lib: kernels.KernelLibrary, kv_name: str, gran: str, dim: int, bs: int, rows: int) -> str:
     """The item kernel of a decode-sized item (bf16 compute, <= 4 rows, head_dim 64 / 128 / 256, blocks of a
     multiple of 16 tokens), asserted to be the expected one: :func:`portable_path` without the fast path;
-    "amx_decode" where the library multiplies with AMX tiles and the K scales are not per channel; else "decode"."""
+    "amx_decode" where the library multiplies with AMX tiles, the K scales are not per channel and the cache is
+    not integer-coded (int8 / int4 run the AVX-512 decode kernel only); else "decode"."""
     got = kernels.KernelTesting(lib).item_kernel(kv_name, torch.bfloat16, dim, bs, rows,
                                                  k_per_channel=gran == "channel")
     if not lib.has_fast_path:
         expected = portable_path(lib, dim)
     else:
-        expected = "amx_decode" if lib.amx and gran != "channel" else "decode"
+        expected = "amx_decode" if lib.amx and gran != "channel" and kv_name not in (INT8, INT4) else "decode"
     assert got == expected, (got, expected)
     return got
 

@@ -62,6 +62,8 @@ def window_case(kv_name: str, gran: str, q_dtype: torch.dtype, window: int | Non
     cache = PagedKVCache(CacheShape(2, num_blocks, heads, bs, dim), codec)
     if kv_name in FP8:
         cache.data.fill_(NAN_CODE[kv_name])
+    elif kv.codes is not None:  # integer codes have no NaN: the NaN token scales below poison them
+        cache.data.fill_(127)
     else:
         cache.data.fill_(float("nan"))
     if cache.token_scales is not None:
@@ -75,7 +77,7 @@ def window_case(kv_name: str, gran: str, q_dtype: torch.dtype, window: int | Non
             # leading rows after decoding them, so their dynamic scales must be valid; their codes stay NaN.
             for p in range(first // bs * bs, first):
                 cache.token_scales[1, :, table[p // bs], :, p % bs] = 1.0
-    dtype = q_dtype if kv.is_fp8 else kv.storage_dtype
+    dtype = q_dtype if kv.is_quantized else kv.storage_dtype
     n = len(slots)
     cache.store(1, _random_kv(n, heads, dim, gen).to(dtype), _random_kv(n, heads, dim, gen).to(dtype),
                 torch.tensor(slots, dtype=torch.int64))

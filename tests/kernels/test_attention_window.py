@@ -8,8 +8,9 @@ and the reference against a dense computation are tested in tests/attention/; th
   kernel (asserted to serve), the tile kernel and its prefill loop (long prefills, asserted to serve), and the
   generic (non-AVX-512) build.
 * Never read: in every case above the cache is poisoned -- every position before a sequence's first key
-  (whole blocks and the leading rows of the first needed block) holds NaN (FP8: the format's NaN code; dynamic
-  scales NaN too, except those of the leading rows, which the reference decodes before dropping them) -- and
+  (whole blocks and the leading rows of the first needed block) holds NaN (FP8: the format's NaN code; int8 /
+  int4: code 127 with a NaN scale; dynamic scales NaN too, except those of the leading rows, which the reference
+  decodes before dropping them) -- and
   the block-table entries of blocks wholly before the window are stale: 0 (a block that is all NaN), ids
   past the cache, negative ids. The outputs are finite and equal the reference; the same metadata without a
   window is refused (a bad block id), so the entries would be caught if they were read.
@@ -29,7 +30,7 @@ from kv8.attention.metadata import AttentionMetadata
 from kv8.attention.reference import paged_attention_reference
 from kv8.kernels.cpu import attention as kernels
 from kv8.kernels.cpu.attention import paged_attention_fused
-from tests.helpers.kernels import decode_kernel, load_or_skip, portable_path, prefill_kernel
+from tests.helpers.kernels import INT4, INT8, decode_kernel, load_or_skip, portable_path, prefill_kernel
 from tests.helpers.windows import STALE, Case, window_case
 
 FP8 = ["fp8_e4m3", "fp8_e4m3fnuz", "fp8_e5m2"]
@@ -69,7 +70,8 @@ def item_kernel(lib: kernels.KernelLibrary, kv_name: str, q_dtype: torch.dtype, 
 # ------------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("kv_name,gran", [(k, g) for k in FP8 for g in ("tensor", "head", "channel", "dynamic")]
-                         + [(k, "none") for k in ("bfloat16", "float16", "float32")])
+                         + [(k, "none") for k in ("bfloat16", "float16", "float32")]
+                         + [(INT8, "dynamic"), (INT4, "dynamic")])
 @pytest.mark.parametrize("q_dtype", [torch.bfloat16, torch.float32])
 def test_window_kv_dtypes_and_scales(lib: kernels.KernelLibrary, kv_name: str, gran: str, q_dtype: torch.dtype) -> None:
     """Every KV dtype and scale mode; windows smaller than, equal to, not a multiple of and larger than the
@@ -102,7 +104,8 @@ def test_window_partitions(lib: kernels.KernelLibrary, kv_name: str, q_dtype: to
 
 
 @pytest.mark.parametrize("kv_name,gran", [("fp8_e4m3", "tensor"), ("fp8_e5m2", "channel"),
-                                          ("fp8_e4m3fnuz", "dynamic"), ("bfloat16", "none")])
+                                          ("fp8_e4m3fnuz", "dynamic"), ("bfloat16", "none"), (INT8, "dynamic"),
+                                          (INT4, "dynamic")])
 @pytest.mark.parametrize("group", [1, 2, 4])
 @pytest.mark.usefixtures("kernel_path")
 def test_window_decode_item_kernel(lib: kernels.KernelLibrary, kv_name: str, gran: str, group: int) -> None:

@@ -268,8 +268,8 @@ def test_attention_shapes(lib: kernels.KernelLibrary, group: int, dim: int, bs: 
 @pytest.mark.parametrize("dim", [80, 72, 20])
 def test_attention_odd_head_dim(lib: kernels.KernelLibrary, kv_name: str, dim: int) -> None:
     """D = 80 takes the fast path with a partial 64-channel chunk; D = 72 (not a multiple of 16) the AVX2 kernel
-    with a last 8-channel chunk, D = 20 (not a multiple of 8) the generic. int8 / int4 always run the fp32
-    kernels, FP4 the generic one."""
+    with a last 8-channel chunk, D = 20 (not a multiple of 8) the generic. int8 / int4 run the fp32 kernels
+    outside the decode kernel (decode-sized items with bf16 compute, D = 64 / 128 / 256), FP4 the generic one."""
     ints = (INT8, INT4)
     cache, meta, q = make_case(kv_name, "dynamic" if kv_name in ints else "channel", torch.float32, dim=dim, heads=2)
     fast = dim == 80 and kv_name not in ("float16", FP4, *ints) and lib.has_fast_path
@@ -368,7 +368,7 @@ def test_attention_with_flush_denormal(lib: kernels.KernelLibrary) -> None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("kv_name,gran", [(k, g) for k in FP8 for g in ("tensor", "head", "channel", "dynamic")]
-                         + [("bfloat16", "none")])
+                         + [("bfloat16", "none"), (INT8, "dynamic"), (INT4, "dynamic")])
 @pytest.mark.parametrize("group,dim", [(1, 64), (2, 128), (3, 64), (4, 256)])
 @pytest.mark.parametrize("bs", [16, 32])
 def test_decode_item_kernel(lib: kernels.KernelLibrary, kernel_path: str, kv_name: str, gran: str, group: int,
@@ -391,7 +391,8 @@ def test_decode_item_kernel(lib: kernels.KernelLibrary, kernel_path: str, kv_nam
 
 
 @pytest.mark.parametrize("heads,group", [(1, 3), (4, 1), (5, 2), (6, 3), (9, 4)])
-@pytest.mark.parametrize("kv_name,gran", [("fp8_e4m3", "head"), ("fp8_e5m2", "dynamic"), ("bfloat16", "none")])
+@pytest.mark.parametrize("kv_name,gran", [("fp8_e4m3", "head"), ("fp8_e5m2", "dynamic"), ("bfloat16", "none"),
+                                          (INT8, "dynamic"), (INT4, "dynamic")])
 def test_decode_items_of_several_heads(lib: kernels.KernelLibrary, kernel_path: str, heads: int, group: int,
                                        kv_name: str, gran: str) -> None:
     """The AMX decode kernel's items read up to 4 KV heads of a sequence together (6 heads: items of 4 and
@@ -402,7 +403,8 @@ def test_decode_items_of_several_heads(lib: kernels.KernelLibrary, kernel_path: 
     seq_lens = [1, 17, 64, 200, 333]
     cache, meta, q = make_case(kv_name, gran, torch.bfloat16, group=group, heads=heads, query_lens=[1] * 5,
                                seq_lens=seq_lens, seed=heads * 10 + group, poison=True)
-    assert decode_kernel(lib, kv_name, gran, 64, 16, group) in ("amx_decode" if kernel_path == "amx" else "decode",
+    amx = kernel_path == "amx" and kv_name not in (INT8, INT4)
+    assert decode_kernel(lib, kv_name, gran, 64, 16, group) in ("amx_decode" if amx else "decode",
                                                                  portable_path(lib, 64))
     for partition in (0, 16, 96):
         check_attention(lib, cache, meta, q, partition_size=partition)
@@ -419,6 +421,13 @@ def test_decode_item_kernel_conditions(lib: kernels.KernelLibrary) -> None:
     assert not uses_decode_kernel(lib, "fp8_e4m3", torch.float16, 64, 16, 3)     # fp16 compute
     assert not uses_decode_kernel(lib, "float16", torch.bfloat16, 64, 16, 3)     # fp16 cache: AVX2 / generic
     assert not uses_decode_kernel(lib, "fp8_e4m3", torch.bfloat16, 64, 16, 16)   # prefill-sized items
+    for ints in (INT8, INT4):  # the AVX-512 decode kernel (never AMX), else the fp32 kernels
+        assert kernels.KernelTesting(lib).item_kernel(ints, torch.bfloat16, 128, 32, 4) == (
+            "decode" if fast else portable_path(lib, 128))
+        assert not uses_decode_kernel(lib, ints, torch.bfloat16, 64, 8, 3)       # blocks of 8 tokens
+        assert not uses_decode_kernel(lib, ints, torch.bfloat16, 80, 16, 3)      # head_dim 80
+        assert not uses_decode_kernel(lib, ints, torch.float32, 64, 16, 3)       # fp32 compute
+        assert kernels.KernelTesting(lib).item_kernel(ints, torch.bfloat16, 64, 16, 16) == portable_path(lib, 64)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -242,13 +242,13 @@ class KernelTesting:
 
         * "generic": fp32, scalar (builds without AVX2, head dims not a multiple of 8);
         * "avx2": fp32 on AVX2 + FMA, head_dim a multiple of 8: every item of a build without the AVX-512 BF16
-          path, and with it the items the kernels below do not take (fp16 / fp32 caches, head dims not a
-          multiple of 16);
+          path, and with it the items the kernels below do not take (fp16 / fp32 caches, int8 / int4 items that
+          are not decode-sized, head dims not a multiple of 16);
         * "tile": AVX-512 BF16, any item;
-        * "decode": AVX-512 BF16, decode-sized items (bf16 compute, an FP8 or bf16 cache, head_dim 64 / 128 /
-          256, blocks of a multiple of 16 tokens, at most 4 rows);
+        * "decode": AVX-512 BF16, decode-sized items (bf16 compute, an FP8, bf16, int8 or int4 cache, head_dim
+          64 / 128 / 256, blocks of a multiple of 16 tokens, at most 4 rows);
         * "amx_decode": those items on AMX tiles, where :attr:`KernelLibrary.amx` and the K scales are not per
-          channel (``k_per_channel``);
+          channel (``k_per_channel``) and the cache is not int8 / int4;
         * "prefill": the tile kernel's loop for items of more than 4 rows and head_dim <= 128;
         * "amx": that loop on AMX tiles, where :attr:`KernelLibrary.amx` (bf16 compute, head_dim a multiple of
           64 up to 256, K scales not per channel)."""

@@ -13,13 +13,15 @@
 //   plan.h                 work items, threads, partition combine (log-sum-exp)
 //   item_generic.h         item kernel: fp32, any KV dtype / head dim / ISA
 //   item_avx2.h            item kernel: fp32 on AVX2 + FMA, any KV dtype, head dims a multiple of 8
-//   fast_simd.h            AVX-512 BF16 building blocks: FP8 -> bf16 tables, K / V register layouts, P.V step
+//   fast_simd.h            AVX-512 BF16 building blocks: FP8 / int8 / int4 -> bf16 tables, K / V register layouts,
+//                          P.V step
 //   tile_chunk.h           what the tile loops share: chunk walk, V decode and P.V, the prefill loop's row step
 //   item_prefill_amx.h     the prefill loop's blocks on AMX tiles (16 rows)
 //   item_prefill.h         the tile kernel's prefill loop (items of more than 4 rows with D <= 128)
 //   item_tile.h            item kernel: AVX-512 BF16, any item shape (prefill, fp16 / fp32 compute); its chunked
 //                          tile loop, and the prefill loop where it applies
-//   item_decode.h          item kernel: AVX-512 BF16, decode-shaped items (<= 4 rows, bf16 compute)
+//   item_decode.h          item kernel: AVX-512 BF16, decode-shaped items (<= 4 rows, bf16 compute; FP8, bf16,
+//                          int8, int4)
 //   item_decode_amx.h      the decode item kernel on AMX tiles
 //   ../common/amx_tiles.h  AMX permission and tile configuration (shared with the dense library)
 //   ../common/fp8_bf16.h   FP8 -> bf16 table decode in registers (shared with the dense library's FP8 weights)
@@ -37,6 +39,8 @@
 //     run_item_tile (items of more than 4 rows with D <= 128 -> its prefill loop, run_item_prefill; with AMX
 //     tiles, bf16 compute without per-channel K scales and D % 64 == 0, D <= 256 -> the same loop on AMX
 //     tiles, 16 rows per block)
+//   FAST, KV dtype int8 / int4 (D % 16 == 0, D <= 1024): decode-shaped items with bf16 compute ->
+//     run_item_decode, every other item -> the AVX2 / generic kernel below (run_item_int)
 //   otherwise, AVX2 + FMA + F16C compiled in and D % 8 == 0, D <= 1024 -> run_item_avx2
 //   otherwise -> run_item_generic
 // All kernels clear MXCSR DAZ/FTZ in their threads (FpEnv), so FP8 subnormals survive.
@@ -66,7 +70,23 @@
 enum { KERNEL_GENERIC = 0, KERNEL_TILE = 1, KERNEL_DECODE = 2, KERNEL_PREFILL = 3, KERNEL_AMX = 4,
        KERNEL_AMX_DECODE = 5, KERNEL_AVX2 = 6 };
 
+// The fp32 item kernel of a problem: AVX2 where compiled in and the head dim suits it, else generic.
+static ItemFn fp32_item_fn(const Problem& P) {
+#if KV8_AVX2
+    if (avx2_serves(P)) return avx2_item_fn(P);
+#endif
+    (void)P;
+    return run_item_generic;
+}
+
 #if KV8_FAST
+// An item of an integer cache: the AVX-512 decode kernel where it serves the item's rows, else the fp32 kernel
+// (the tile kernel reads FP8 and bf16 only).
+static int run_item_int(const Problem& P, const Item& it, float* ws) {
+    if (ItemFn f = decode_fn(P, (it.j1 - it.j0) * P.G)) return f(P, it, ws);
+    return fp32_item_fn(P)(P, it, ws);
+}
+
 // A fast item: a decode kernel where one applies to the item's rows (AMX tiles first), else the tile kernel.
 template <bool QLO, bool PLO>
 static int run_item_fast(const Problem& P, const Item& it, float* ws) {
@@ -104,11 +124,12 @@ static ItemFn pick_item_fn(const Problem& P, int* fast) {
         if (qlo) return plo ? run_item_fast<true, true> : run_item_fast<true, false>;
         return plo ? run_item_fast<false, true> : run_item_fast<false, false>;
     }
+    if (P.D % 16 == 0 && P.D <= 1024 && kv_decode_fast(P.kv)) {  // integer codes: decode items only
+        *fast = 1;
+        return run_item_int;
+    }
 #endif
-#if KV8_AVX2
-    if (avx2_serves(P)) return avx2_item_fn(P);
-#endif
-    return run_item_generic;
+    return fp32_item_fn(P);
 }
 
 extern "C" {
@@ -185,6 +206,10 @@ int kv8_test_item_kernel(int kv, int q_dtype, int D, int bs, int rows, int use_a
     const ItemFn fn = pick_item_fn(P, &fast);
     if (!fast) return fn == run_item_generic ? KERNEL_GENERIC : KERNEL_AVX2;
 #if KV8_FAST
+    if (!kv_bf16_exact(kv)) {  // integer codes: the decode kernel, else the fp32 kernel (run_item_int)
+        if (bs > 0 && decode_fn(P, rows) != nullptr) return KERNEL_DECODE;
+        return fp32_item_fn(P) == run_item_generic ? KERNEL_GENERIC : KERNEL_AVX2;
+    }
 #if KV8_ATTN_AMX
     if (bs > 0 && decode_amx_fn(P, rows) != nullptr) return KERNEL_AMX_DECODE;
 #endif

@@ -47,10 +47,14 @@ static inline decltype(auto) with_kv_format(int kv, F&& f) {
 }
 static_assert(KV_COUNT == 9, "with_kv_format has a case per format");
 
-// Whether the AVX-512 BF16 kernels read format kv: every value of it is a bf16 (FP8 through the byte tables). Integer
-// codes are bf16-exact too, but the tables decode FP8 bits: int8 / int4 items run the fp32 kernels (AVX2 or
-// generic).
+// Whether the AVX-512 BF16 tile kernels (item_tile.h, item_prefill.h and their AMX forms) read format kv: every
+// value of it is a bf16 (FP8 through the byte tables).
 static constexpr bool kv_bf16_exact(int kv) { return KV_FORMATS[kv].fp8 || KV_FORMATS[kv].elem == DT_BF16; }
+
+// Whether the AVX-512 decode kernel (item_decode.h) reads format kv: the bf16-exact formats, and the integer codes
+// (|code| <= 127: a bf16 exactly), int8 through a byte table, int4 through a nibble table (fast_simd.h). Items of
+// an integer cache that kernel does not serve run the fp32 kernels (AVX2 or generic).
+static constexpr bool kv_decode_fast(int kv) { return kv_bf16_exact(kv) || KV_FORMATS[kv].ibits != 0; }
 
 // The first format whose kernel instances serve kv as well: the same element size, and the same decode to bf16
 // (FP8 or not, the same 0x80 rule). The decode kernels are instantiated once per such class and read the FP8

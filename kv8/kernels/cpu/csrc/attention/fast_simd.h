@@ -3,6 +3,17 @@
 //
 // FP8 -> bf16: two in-register 128-entry byte tables (vpermt2b gives the low and the high byte of the bf16
 // value, the sign bit is ORed in); every FP8 value is an exact bf16, subnormals and NaN included.
+// Integer codes (decode kernel only): int8 as FP8 with tables of the magnitudes 0..127, looked up at |code| with
+// the code's sign bit ORed in. int4 (two codes a byte, the even channel in the low nibble) in its own layout: a
+// byte permute (vpermt2b / vpermb) puts a row's raw byte under each 16-bit lane, in the order of the transposed K
+// slots or of the V token pairs, so it does the K transpose as well; the lane's low nibble (even channel) and,
+// shifted by 4, its high nibble (odd channel) index a 32-entry word table (vpermw: bits 0..4, the table repeats
+// every 16) of the bf16 values -- one permute per 16 channels and one table look-up per 8 where FP8 takes a
+// transpose step and three permutes per 16. The even and the odd channels of 16 land in separate registers, so
+// the query slots of an int4 cache hold channels 16p + 2i (slot 2p) and 16p + 2i + 1 (slot 2p + 1) (q_parts16),
+// and the V accumulators their own channel map (acc_channel).
+// Every code is a bf16 exactly (|code| <= 127); the per-token scales multiply the scores (K) and the softmax
+// weights (V), as for FP8 with dynamic scales.
 // Products: vdpbf16ps (bf16 x bf16 products are exact in fp32, fp32 accumulation).
 //
 // Register layouts (a "slot" is 8 channels, 16 bytes of bf16 = one 128-bit lane):
@@ -21,16 +32,40 @@
 
 using Lut = Fp8Tables;   // ../common/fp8_bf16.h
 
-// The FP8 -> bf16 tables of KV format kv, built once (a 16/32-bit format's are zeros, never read).
+// The int8 / int4 tables: int8 (the FP8 tables' layout): the bf16 bytes of 0..127 in lo0 / lo1 and hi0 / hi1
+// (codes -127..-1 read their magnitude's entry, the sign ORed in); int4: lo0 = 32 words, word i the bf16 of the
+// nibble i % 16 ((n ^ 8) - 8, two's complement).
+static Lut int_tables(int kv) {
+    alignas(64) uint8_t lo[128] = {0}, hi[128] = {0};
+    for (int c = 0; c < 128; ++c) {
+        const uint16_t h = f_bf16((float)c);  // exact: |c| <= 127 has at most 7 significant bits
+        lo[c] = (uint8_t)(h & 0xFF);
+        hi[c] = (uint8_t)(h >> 8);
+    }
+    alignas(64) uint16_t w4[32];
+    for (int i = 0; i < 32; ++i) w4[i] = f_bf16((float)(((i & 15) ^ 8) - 8));
+    Lut t;
+    t.lo0 = KV_FORMATS[kv].ibits == 4 ? _mm512_load_si512(w4) : _mm512_load_si512(lo);
+    t.lo1 = _mm512_load_si512(lo + 64);
+    t.hi0 = _mm512_load_si512(hi);
+    t.hi1 = _mm512_load_si512(hi + 64);
+    return t;
+}
+
+// The code -> bf16 tables of KV format kv, built once (a 16/32-bit format's are zeros, never read).
 static const Lut& lut_for(int kv) {
     static const struct Luts {
         Lut of[KV_COUNT];
         Luts() {
-            for (int k = 0; k < KV_COUNT; ++k) of[k] = fp8_tables(k);
+            for (int k = 0; k < KV_COUNT; ++k) of[k] = KV_FORMATS[k].ibits ? int_tables(k) : fp8_tables(k);
         }
     } luts;
     return luts.of[kv];
 }
+
+// Whether a 64-byte chunk of format kv holds a byte per channel (FP8, int8; int4 reads 32 bytes per 64 channels):
+// 64 channels per chunk; else bf16 (32 channels per chunk).
+static constexpr bool byte_codes(int kv) { return KV_FORMATS[kv].esize == 1; }
 
 // Softmax weights e^(s - ref) of the prefill loop, as 2^t with t = s * log2(e) - ref2 (ref2 = ref * log2(e), one
 // fused multiply-subtract): t = n + f with n an integer and f in [-0.5, 0.5], 2^f by a degree-5 polynomial
@@ -55,10 +90,69 @@ static inline __m512 exp2_weights(__m512 s, __m512 log2e, __m512 ref2) {
     return _mm512_maskz_scalef_ps(keep, p, n);
 }
 
-// 64 FP8 codes -> 64 bf16: w0 = codes 0..7 of each 128-bit lane, w1 = codes 8..15 (lane order kept).
+// 64 codes (FP8, int8) -> 64 bf16: w0 = codes 0..7 of each 128-bit lane, w1 = codes 8..15 (lane order kept).
+// int8: the magnitude's table entry with the code's sign; the code -128 (never stored: the encode clamps to
+// +-127) would read as -0.
 template <int KV>
 static inline void fp8_to_bf16(__m512i c, const Lut& L, __m512i& w0, __m512i& w1) {
-    fp8_table_decode<KV_FORMATS[KV].nan_0x80>(c, L, w0, w1);   // E4M3FNUZ: 0x80 is NaN, not -0
+    if constexpr (KV_FORMATS[KV].ibits == 8) {
+        const __m512i a = _mm512_abs_epi8(c);
+        const __m512i lo = _mm512_permutex2var_epi8(L.lo0, a, L.lo1);
+        __m512i hi = _mm512_permutex2var_epi8(L.hi0, a, L.hi1);
+        hi = _mm512_ternarylogic_epi32(hi, c, _mm512_set1_epi8((char)0x80), 0xF8);  // hi | (c & 0x80)
+        w0 = _mm512_unpacklo_epi8(lo, hi);
+        w1 = _mm512_unpackhi_epi8(lo, hi);
+    } else {  // FP8 (int4 reads through int4_k_slots / int4_v_pairs)
+        fp8_table_decode<KV_FORMATS[KV].nan_0x80>(c, L, w0, w1);   // E4M3FNUZ: 0x80 is NaN, not -0
+    }
+}
+
+// Bytes of one chunk (chunk_channels) of a cache row: 64, or 32 for int4 (64 channels).
+template <int KV> constexpr int chunk_bytes() { return KV_FORMATS[KV].ibits == 4 ? 32 : 64; }
+
+// The int4 byte permutes: k: lane k, word i <- byte 32k + i of four 32-byte rows (add 8p for channels 16p..16p+15);
+// v[h]: dword i <- byte 16h + i of row a (low word) and of row b (high word) of two 32-byte rows.
+struct Int4Index {
+    uint8_t k[64], v[2][64];
+};
+static constexpr Int4Index make_int4_index() {
+    Int4Index x{};
+    for (int b = 0; b < 64; ++b) {
+        x.k[b] = (uint8_t)(32 * (b / 16) + (b % 16) / 2);
+        x.v[0][b] = (uint8_t)(32 * ((b / 2) % 2) + b / 4);
+        x.v[1][b] = (uint8_t)(32 * ((b / 2) % 2) + 16 + b / 4);
+    }
+    return x;
+}
+alignas(64) static constexpr Int4Index INT4_INDEX = make_int4_index();
+
+// Two 32-byte rows in one register (a in the low half).
+static inline __m512i load_rows32(const uint8_t* a, const uint8_t* b) {
+    return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i*)a)),
+                              _mm256_loadu_si256((const __m256i*)b), 1);
+}
+
+// K, int4: one 64-channel chunk (32 bytes) of 4 token rows (row k at p + k * stride) -> 8 slots, token k in lane k:
+// slot 2s holds channels 16s + 2i (i = 0..7), slot 2s + 1 channels 16s + 2i + 1.
+static inline void int4_k_slots(const uint8_t* p, int stride, const Lut& L, __m512i* slots) {
+    const __m512i r01 = load_rows32(p, p + stride), r23 = load_rows32(p + 2 * stride, p + 3 * stride);
+    const __m512i idx = _mm512_load_si512(INT4_INDEX.k);
+    for (int s = 0; s < 4; ++s) {
+        const __m512i x = _mm512_permutex2var_epi8(r01, _mm512_add_epi8(idx, _mm512_set1_epi8((char)(8 * s))), r23);
+        slots[2 * s] = _mm512_permutexvar_epi16(x, L.lo0);                             // low nibbles
+        slots[2 * s + 1] = _mm512_permutexvar_epi16(_mm512_srli_epi16(x, 4), L.lo0);   // high nibbles
+    }
+}
+
+// V, int4: one 64-channel chunk (32 bytes) of the rows of tokens 2u (a) and 2u + 1 (b) -> 4 registers of bf16
+// token pairs; register 2h + o, dword i: channel 32h + 2i + o (acc_channel).
+static inline void int4_v_pairs(const uint8_t* a, const uint8_t* b, const Lut& L, __m512i* v) {
+    const __m512i ab = load_rows32(a, b);
+    for (int h = 0; h < 2; ++h) {
+        const __m512i x = _mm512_permutexvar_epi8(_mm512_load_si512(INT4_INDEX.v[h]), ab);
+        v[2 * h] = _mm512_permutexvar_epi16(x, L.lo0);
+        v[2 * h + 1] = _mm512_permutexvar_epi16(_mm512_srli_epi16(x, 4), L.lo0);
+    }
 }
 
 // 4x4 transpose of 128-bit blocks: out[c] lane k = in[k] lane c.
@@ -82,27 +176,27 @@ static inline __mmask64 chunk_mask(int rem) { return rem >= 64 ? ~(__mmask64)0 :
 
 static inline __m512bh as_bh(__m512i x) { return (__m512bh)x; }
 
-// Channels of one 64-byte chunk of a cache row: 64 (FP8) or 32 (bf16); accumulators (16 channels) per chunk.
+// Channels of one chunk of a cache row: 64 (FP8, int8, int4) or 32 (bf16); accumulators (16 channels) per chunk.
 template <int KV> constexpr int chunk_channels() { return 64 / KV_FORMATS[KV].esize; }
 template <int KV> constexpr int chunk_accs() { return chunk_channels<KV>() / 16; }
 
-// K: one 64-byte chunk of 4 token rows (in[k] = row of token k) -> the chunk's slots, each holding the
-// slot's 8 channels of the 4 tokens (token k in lane k): 8 slots (FP8) or 4 (bf16).
+// K: one chunk of 4 token rows (in[k] = row of token k, load_chunk) -> the chunk's slots, each holding the
+// slot's 8 channels of the 4 tokens (token k in lane k): 8 slots (byte codes) or 4 (bf16).
 template <int KV>
 static inline void k_chunk_slots(const __m512i in[4], const Lut& L, __m512i* slots) {
     __m512i t[4];
     transpose4x128(in, t);
     for (int c = 0; c < 4; ++c) {
-        if constexpr (KV_FORMATS[KV].fp8) fp8_to_bf16<KV>(t[c], L, slots[2 * c], slots[2 * c + 1]);
+        if constexpr (byte_codes(KV)) fp8_to_bf16<KV>(t[c], L, slots[2 * c], slots[2 * c + 1]);
         else slots[c] = t[c];
     }
 }
 
-// V: one 64-byte chunk of the rows of tokens 2u (a) and 2u + 1 (b) -> chunk_accs<KV>() registers of bf16
+// V: one chunk of the rows of tokens 2u (a) and 2u + 1 (b) (load_chunk) -> chunk_accs<KV>() registers of bf16
 // token pairs, register m holding accumulator m of the chunk.
 template <int KV>
 static inline void v_chunk_pairs(__m512i a, __m512i b, const Lut& L, __m512i* v) {
-    if constexpr (KV_FORMATS[KV].fp8) {
+    if constexpr (byte_codes(KV)) {
         fp8_to_bf16<KV>(_mm512_unpacklo_epi8(a, b), L, v[0], v[1]);
         fp8_to_bf16<KV>(_mm512_unpackhi_epi8(a, b), L, v[2], v[3]);
     } else {
@@ -122,13 +216,15 @@ static inline void pv_accumulate(__m512* acc, const __m512i* v, uint32_t phi, ui
     }
 }
 
-// V accumulators per row. Channel maps: fp8: v = 4z + m, lane 4k + j -> d = 64z + 16k + 4m + j;
-//                                       bf16: v = 2z + h, lane 4k + j -> d = 32z + 8k + 4h + j.
-static inline int num_vslots(int kv, int D) { return KV_FORMATS[kv].fp8 ? 4 * ((D + 63) / 64) : 2 * ((D + 31) / 32); }
+// V accumulators per row. Channel maps: byte codes: v = 4z + m, lane 4k + j -> d = 64z + 16k + 4m + j;
+//                                       int4:       v = 4z + m, lane i      -> d = 64z + 32(m / 2) + 2i + m % 2;
+//                                       bf16:       v = 2z + h, lane 4k + j -> d = 32z + 8k + 4h + j.
+static inline int num_vslots(int kv, int D) { return byte_codes(kv) ? 4 * ((D + 63) / 64) : 2 * ((D + 31) / 32); }
 
 static inline int acc_channel(int kv, int a) {
     int v = a >> 4, k = (a >> 2) & 3, j = a & 3;
-    if (KV_FORMATS[kv].fp8) return 64 * (v >> 2) + 16 * k + 4 * (v & 3) + j;
+    if (KV_FORMATS[kv].ibits == 4) return 64 * (v >> 2) + 32 * ((v & 3) >> 1) + 2 * (a & 15) + (v & 1);
+    if (byte_codes(kv)) return 64 * (v >> 2) + 16 * k + 4 * (v & 3) + j;
     return 32 * (v >> 1) + 8 * k + 4 * (v & 1) + j;
 }
 
@@ -137,7 +233,7 @@ static inline int acc_channel(int kv, int a) {
 // natural register n of chunk z holds block n of accumulators 4z..4z+3 (a 4x4 block transpose); bf16's
 // natural registers of chunk z interleave blocks of accumulators 2z and 2z+1. Otherwise element by element.
 static inline void natural_order(int kv, const float* acc, int nacc, int D, float* nat) {
-    if (KV_FORMATS[kv].fp8 && D % 64 == 0) {
+    if (byte_codes(kv) && KV_FORMATS[kv].ibits != 4 && D % 64 == 0) {
         for (int z = 0; z < D / 64; ++z) {
             __m512i in[4], out[4];
             for (int m = 0; m < 4; ++m) in[m] = _mm512_loadu_si512(acc + (4 * z + m) * 16);
@@ -146,7 +242,7 @@ static inline void natural_order(int kv, const float* acc, int nacc, int D, floa
         }
         return;
     }
-    if (!KV_FORMATS[kv].fp8 && D % 32 == 0) {
+    if (!byte_codes(kv) && D % 32 == 0) {
         const __m512i lo = _mm512_setr_epi64(0, 1, 8, 9, 2, 3, 10, 11);
         const __m512i hi = _mm512_setr_epi64(4, 5, 12, 13, 6, 7, 14, 15);
         for (int z = 0; z < D / 32; ++z) {
@@ -185,6 +281,8 @@ static inline void q_parts16(const Problem& P, int64_t src, int d, const float* 
     else
         x = _mm512_loadu_ps((const float*)P.q + src + d);
     if (kscale) x = _mm512_mul_ps(x, _mm512_loadu_ps(kscale + d));
+    if (P.kv == KV_I4)  // int4's slots: the even channels, then the odd (int4_k_slots)
+        x = _mm512_permutexvar_ps(_mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15), x);
     h = (__m256i)_mm512_cvtneps_pbh(x);
     __m512 hf = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
     l = (__m256i)_mm512_cvtneps_pbh(_mm512_sub_ps(x, hf));

@@ -18,6 +18,12 @@
 // layout and building blocks (fast_simd.h); the softmax weights are bf16 (the output is bf16), computed by
 // exp2_weights as the prefill loop's are.
 //
+// Integer caches (int8, int4; this kernel only -- the tile and AMX kernels read FP8 and bf16): a code c is a bf16
+// exactly (|c| <= 127), so as for FP8 with per-token scales, score = bf16(q) . c (exact products, fp32 sums)
+// x softmax scale x the token's K scale, and the token's V scale multiplies its softmax weight before the weight
+// rounds to bf16: out = sum_t bf16(p_t vs_t) c_t / sum_t p_t. int4 rows are D / 2 bytes (32 per 64-channel
+// chunk), unpacked in registers (int4_k_slots, int4_v_pairs), so a tile reads half an int8 tile's bytes.
+//
 // Sliding window: a row's scores outside its [first, limit] positions are masked; the item's first tile
 // reads zeros (a zero-padded copy) for its rows before k0, as the last tile does past the context.
 #pragma once
@@ -42,23 +48,24 @@ static inline void stream_row(const uint8_t* ahead, int t) {
         for (int b = 0; b < RBYTES; b += 64) prefetch_l2(ahead + t * RBYTES + b);
 }
 
-// Scores of R rows against the 16 rows of one tile starting at kb (row stride D * esize).
+// Scores of R rows against the 16 rows of one tile starting at kb (row stride kv_row_bytes(KV, D)).
 template <int KV, int D, int R, bool QLO>
 static inline void tile_scores_inplace(const uint8_t* kb, const uint8_t* kahead, const Lut& L, const __m512i* qhi,
                                        const __m512i* qlo, __m512* out) {
-    constexpr int RBYTES = D * KV_FORMATS[KV].esize, NS = D / 8;
+    constexpr int RBYTES = (int)kv_row_bytes(KV, D), NS = D / 8, CB = chunk_bytes<KV>();
     __m512 acc[R][4];
     for (int r = 0; r < R; ++r)
         for (int g = 0; g < 4; ++g) acc[r][g] = _mm512_setzero_ps();
-    constexpr int SPC = chunk_channels<KV>() / 8;  // slots per 64-byte chunk
-    for (int z = 0; z < RBYTES / 64; ++z) {
+    constexpr int SPC = chunk_channels<KV>() / 8;  // slots per chunk
+    for (int z = 0; z < D / chunk_channels<KV>(); ++z) {
         for (int g = 0; g < 4; ++g) {
             __m512i in[4], slots[8];
             for (int k = 0; k < 4; ++k) {
                 if (z == 0) stream_row<RBYTES>(kahead, 4 * g + k);
-                in[k] = _mm512_loadu_si512(kb + (4 * g + k) * RBYTES + z * 64);
+                if constexpr (KV_FORMATS[KV].ibits != 4) in[k] = _mm512_loadu_si512(kb + (4 * g + k) * RBYTES + z * CB);
             }
-            k_chunk_slots<KV>(in, L, slots);
+            if constexpr (KV_FORMATS[KV].ibits == 4) int4_k_slots(kb + 4 * g * RBYTES + z * CB, RBYTES, L, slots);
+            else k_chunk_slots<KV>(in, L, slots);
             for (int l = 0; l < SPC; ++l)
                 for (int r = 0; r < R; ++r) {
                     const int s = r * NS + SPC * z + l;
@@ -76,23 +83,27 @@ static inline void tile_scores_inplace(const uint8_t* kb, const uint8_t* kahead,
 template <int KV, int D, int R>
 static inline void chunk_pv_inplace(const uint8_t* const* vb, const uint8_t* const* vahead, int nt, const Lut& L,
                                     const uint32_t* phi, float* obuf, const float* alpha) {
-    constexpr int RBYTES = D * KV_FORMATS[KV].esize, NV = chunk_accs<KV>();  // accumulators per 64-byte chunk of a row
-    for (int z = 0; z < RBYTES / 64; ++z) {
+    constexpr int RBYTES = (int)kv_row_bytes(KV, D), CB = chunk_bytes<KV>();
+    constexpr int NV = chunk_accs<KV>();  // accumulators per chunk of a row
+    for (int z = 0; z < D / chunk_channels<KV>(); ++z) {
         __m512 acc[R][NV];
         for (int r = 0; r < R; ++r) {
             __m512 a = _mm512_set1_ps(alpha[r]);
             for (int m = 0; m < NV; ++m) acc[r][m] = _mm512_mul_ps(_mm512_load_ps(obuf + r * D + (z * NV + m) * 16), a);
         }
         for (int j = 0; j < nt; ++j) {
-            const uint8_t* v0 = vb[j] + z * 64;
+            const uint8_t* v0 = vb[j] + z * CB;
             for (int u = 0; u < 8; ++u) {
                 if (z == 0) {
                     stream_row<RBYTES>(vahead[j], 2 * u);
                     stream_row<RBYTES>(vahead[j], 2 * u + 1);
                 }
                 __m512i v[4];
-                v_chunk_pairs<KV>(_mm512_loadu_si512(v0 + 2 * u * RBYTES),
-                                  _mm512_loadu_si512(v0 + (2 * u + 1) * RBYTES), L, v);
+                if constexpr (KV_FORMATS[KV].ibits == 4)
+                    int4_v_pairs(v0 + 2 * u * RBYTES, v0 + (2 * u + 1) * RBYTES, L, v);
+                else
+                    v_chunk_pairs<KV>(_mm512_loadu_si512(v0 + 2 * u * RBYTES),
+                                      _mm512_loadu_si512(v0 + (2 * u + 1) * RBYTES), L, v);
                 for (int r = 0; r < R; ++r) pv_accumulate<NV, false>(acc[r], v, phi[(r * CHUNK_TILES + j) * 8 + u], 0);
             }
         }
@@ -259,7 +270,7 @@ struct AvxDecodeHead : DecodeHeadState<D, R> {
 
 template <int KV, int D, int R>
 static int run_item_decode(const Problem& P, const Item& item, float* ws) {
-    constexpr int RBYTES = D * KV_FORMATS[KV].esize, CT = CHUNK_TILES;
+    constexpr int RBYTES = (int)kv_row_bytes(KV, D), CT = CHUNK_TILES;
     if (item.nh < 1 || item.nh > MAX_ITEM_HEADS) return ERR_ARGS;
     const Lut& L = lut_for(P.kv);  // the call's format: formats of one decode class share the code (kv_decode_class)
     const Rows w = rows_of(P, item);
@@ -318,10 +329,11 @@ static int run_item_decode(const Problem& P, const Item& item, float* ws) {
 }
 
 // A decode kernel family (AvxDecode here, AmxDecode in item_decode_amx.h): Family::fn<KV, D, R>() is its
-// instance for those parameters.
+// instance for those parameters, Family::serves(kv) whether it reads format kv.
 struct AvxDecode {
     template <int KV, int D, int R>
     static ItemFn fn() { return run_item_decode<KV, D, R>; }
+    static constexpr bool serves(int kv) { return kv_decode_fast(kv); }
 };
 
 // The family's instance for the problem's cache format, D and item rows R, or NULL where it has none (D other
@@ -350,7 +362,7 @@ static ItemFn decode_family_fn(const Problem& P, int R) {
     if (P.bs % TILE != 0 || P.q_dtype != DT_BF16) return nullptr;
     return with_kv_format(P.kv, [&](auto K) -> ItemFn {
         constexpr int KV = kv_decode_class(decltype(K)::value);  // an instance per class, the tables per format
-        if constexpr (kv_bf16_exact(KV)) return decode_instance<Family, KV>(P.D, R);
+        if constexpr (Family::serves(KV)) return decode_instance<Family, KV>(P.D, R);
         else return nullptr;
     });
 }

@@ -237,6 +237,7 @@ static int run_item_decode_amx(const Problem& P, const Item& item, float* ws) {
 struct AmxDecode {
     template <int KV, int D, int R>
     static ItemFn fn() { return run_item_decode_amx<KV, D, R>; }
+    static constexpr bool serves(int kv) { return kv_bf16_exact(kv); }  // FP8 and bf16: no integer codes
 };
 
 // The AMX decode item kernel for this problem and item rows, or NULL where it does not serve (decode_fn's
