@@ -9,6 +9,8 @@ shown.
 
 from __future__ import annotations
 
+import collections
+
 import torch
 
 from kv8.cache.codec import KVCodec
@@ -32,4 +34,17 @@ class EngineObserver:
         predicts prompt token ``start + i + 1``."""
 
 
-__all__ = ["EngineObserver"]
+class AttentionCapture(EngineObserver):
+    """Every layer's queries, keys and values of each step, in float64 and the model's basis (``steps[layer]``: one
+    ``(q, k, v)`` per step, in order): what ``scripts/attention_error.py`` and ``scripts/kv4_error.py`` quantize
+    and attend with offline."""
+
+    def __init__(self) -> None:
+        self.steps: dict[int, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = collections.defaultdict(list)
+
+    def on_attention_inputs(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                            codec: KVCodec) -> None:
+        self.steps[layer].append((query.double(), key.double(), value.double()))
+
+
+__all__ = ["AttentionCapture", "EngineObserver"]

@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kv8.cache.codec import K, KVCodec, V
-from kv8.observer import EngineObserver
+from kv8.observer import AttentionCapture
 from kv8.quant.formats import resolve_kv_cache_dtype
 from kv8.quant.scales import KVScales
 from kv8.sampling_params import SamplingParams
@@ -53,17 +53,6 @@ MODES = {  # name -> (scale_mode, rotation)
     "dynamic+hadamard": ("dynamic", "hadamard"),
 }
 METRICS = ("attn_kl", "out_err", "k_err", "v_err", "logit_err", "below_normal")
-
-
-class Capture(EngineObserver):
-    """Every layer's (q, k, v) of each step, float64, model basis."""
-
-    def __init__(self) -> None:
-        self.steps: dict[int, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = collections.defaultdict(list)
-
-    def on_attention_inputs(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                            codec: KVCodec) -> None:
-        self.steps[layer].append((query.double(), key.double(), value.double()))
 
 
 @dataclass
@@ -109,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [m for m in modes if m not in MODES]
     if unknown:
         ap.error(f"--modes: {unknown} not known; choose from {', '.join(MODES)}")
-    capture = Capture()
+    capture = AttentionCapture()
     engine = build_engine(args.model, observer=capture, dtype="float32", kv_cache_dtype="float32",
                           attention_backend="reference", enable_prefix_caching=False,
                           max_model_len=args.window + 1, max_num_batched_tokens=args.window)

@@ -35,8 +35,7 @@ from collections.abc import Callable
 
 import torch
 
-from kv8.cache.codec import KVCodec
-from kv8.observer import EngineObserver
+from kv8.observer import AttentionCapture
 from kv8.quant.rotation import hadamard
 from kv8.sampling_params import SamplingParams
 from kv8.tools.calibrate import build_engine, run_prompts
@@ -45,17 +44,6 @@ from kv8.tools.plan_search import causal_attention
 
 E2M1_GRID = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], dtype=torch.float64)
 E4M3_MAX = 448.0
-
-
-class Capture(EngineObserver):
-    """Every layer's (q, k, v) of each step, float64, model basis."""
-
-    def __init__(self) -> None:
-        self.steps: dict[int, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = collections.defaultdict(list)
-
-    def on_attention_inputs(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                            codec: KVCodec) -> None:
-        self.steps[layer].append((query.double(), key.double(), value.double()))
 
 
 def e2m1(x: torch.Tensor) -> torch.Tensor:
@@ -121,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--num-windows", type=int, default=2)
     ap.add_argument("--skip-tokens", type=int, default=0)
     args = ap.parse_args(argv)
-    capture = Capture()
+    capture = AttentionCapture()
     engine = build_engine(args.model, observer=capture, dtype="float32", kv_cache_dtype="float32",
                           attention_backend="reference", enable_prefix_caching=False,
                           max_model_len=args.window + 1, max_num_batched_tokens=args.window)
