@@ -316,12 +316,13 @@ class _LayerTimer:
             return layer
         built = self.built.get((self._layout(backend), shape))
         if built is None:
-            if shape not in self.weights:
+            blocks = backend.quantization == "gguf" and shape.quantize   # (random blocks: no float weight to draw)
+            if shape not in self.weights and not blocks:
                 generator = torch.Generator().manual_seed(0)
                 self.weights[shape] = torch.randn(shape.out_features, shape.in_features,
                                                   generator=generator).to(self.dtype) * 0.02
             layer = built = self.built[(self._layout(backend), shape)] = _timing_layer(shape, backend, self.dtype,
-                                                                                       self.weights[shape])
+                                                                                       self.weights.get(shape))
         else:   # the same buffers, this candidate's method
             layer = copy.copy(built)
             layer.method = linear_method(backend, shape.quantize)
