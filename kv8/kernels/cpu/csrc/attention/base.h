@@ -42,10 +42,11 @@ static inline decltype(auto) with_kv_format(int kv, F&& f) {
         case KV_I8: return f(std::integral_constant<int, KV_I8>{});
         case KV_I4: return f(std::integral_constant<int, KV_I4>{});
         case KV_FP4: return f(std::integral_constant<int, KV_FP4>{});
+        case KV_I4G: return f(std::integral_constant<int, KV_I4G>{});
         default: return f(std::integral_constant<int, KV_F32>{});
     }
 }
-static_assert(KV_COUNT == 9, "with_kv_format has a case per format");
+static_assert(KV_COUNT == 10, "with_kv_format has a case per format");
 
 // Whether the AVX-512 BF16 tile kernels (item_tile.h, item_prefill.h and their AMX forms) read format kv: every
 // value of it is a bf16 (FP8 through the byte tables).
@@ -63,7 +64,7 @@ static constexpr int kv_decode_class(int kv) {
     for (int k = 0; k < kv; ++k) {
         const KvFormat &a = KV_FORMATS[k], &b = KV_FORMATS[kv];
         if (a.esize == b.esize && a.elem == b.elem && a.fp8 == b.fp8 && a.ibits == b.ibits &&
-            a.nan_0x80 == b.nan_0x80 && a.group == b.group)
+            a.nan_0x80 == b.nan_0x80 && a.group == b.group && a.gscale == b.gscale)
             return k;
     }
     return kv;
