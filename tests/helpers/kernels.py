@@ -201,13 +201,14 @@ def decode_kernel(lib: kernels.KernelLibrary, kv_name: str, gran: str, dim: int,
     """The item kernel of a decode-sized item (bf16 compute, <= 4 rows, head_dim 64 / 128 / 256, blocks of a
     multiple of 16 tokens), asserted to be the expected one: :func:`portable_path` without the fast path;
     "amx_decode" where the library multiplies with AMX tiles, the K scales are not per channel and the cache is
-    not integer-coded (int8 / int4 run the AVX-512 decode kernel only); else "decode"."""
+    not integer-coded (int8 / int4 / int4_per_group32 run the AVX-512 decode kernel only); else "decode"."""
     got = kernels.KernelTesting(lib).item_kernel(kv_name, torch.bfloat16, dim, bs, rows,
                                                  k_per_channel=gran == "channel")
     if not lib.has_fast_path:
-        expected = portable_path(lib, dim)
+        expected = portable_path(lib, dim, kv_name)
     else:
-        expected = "amx_decode" if lib.amx and gran != "channel" and kv_name not in (INT8, INT4) else "decode"
+        expected = ("amx_decode" if lib.amx and gran != "channel" and kv_name not in (INT8, INT4, I4G)
+                    else "decode")
     assert got == expected, (got, expected)
     return got
 

@@ -381,7 +381,7 @@ def test_attention_with_flush_denormal(lib: kernels.KernelLibrary) -> None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("kv_name,gran", [(k, g) for k in FP8 for g in ("tensor", "head", "channel", "dynamic")]
-                         + [("bfloat16", "none"), (INT8, "dynamic"), (INT4, "dynamic")])
+                         + [("bfloat16", "none"), (INT8, "dynamic"), (INT4, "dynamic"), (I4G, "none")])
 @pytest.mark.parametrize("group,dim", [(1, 64), (2, 128), (3, 64), (4, 256)])
 @pytest.mark.parametrize("bs", [16, 32])
 def test_decode_item_kernel(lib: kernels.KernelLibrary, kernel_path: str, kv_name: str, gran: str, group: int,
@@ -405,7 +405,7 @@ def test_decode_item_kernel(lib: kernels.KernelLibrary, kernel_path: str, kv_nam
 
 @pytest.mark.parametrize("heads,group", [(1, 3), (4, 1), (5, 2), (6, 3), (9, 4)])
 @pytest.mark.parametrize("kv_name,gran", [("fp8_e4m3", "head"), ("fp8_e5m2", "dynamic"), ("bfloat16", "none"),
-                                          (INT8, "dynamic"), (INT4, "dynamic")])
+                                          (INT8, "dynamic"), (INT4, "dynamic"), (I4G, "none")])
 def test_decode_items_of_several_heads(lib: kernels.KernelLibrary, kernel_path: str, heads: int, group: int,
                                        kv_name: str, gran: str) -> None:
     """The AMX decode kernel's items read up to 4 KV heads of a sequence together (6 heads: items of 4 and
@@ -416,9 +416,9 @@ def test_decode_items_of_several_heads(lib: kernels.KernelLibrary, kernel_path: 
     seq_lens = [1, 17, 64, 200, 333]
     cache, meta, q = make_case(kv_name, gran, torch.bfloat16, group=group, heads=heads, query_lens=[1] * 5,
                                seq_lens=seq_lens, seed=heads * 10 + group, poison=True)
-    amx = kernel_path == "amx" and kv_name not in (INT8, INT4)
+    amx = kernel_path == "amx" and kv_name not in (INT8, INT4, I4G)
     assert decode_kernel(lib, kv_name, gran, 64, 16, group) in ("amx_decode" if amx else "decode",
-                                                                 portable_path(lib, 64))
+                                                                 portable_path(lib, 64, kv_name))
     for partition in (0, 16, 96):
         check_attention(lib, cache, meta, q, partition_size=partition)
 
@@ -441,6 +441,14 @@ def test_decode_item_kernel_conditions(lib: kernels.KernelLibrary) -> None:
         assert not uses_decode_kernel(lib, ints, torch.bfloat16, 80, 16, 3)      # head_dim 80
         assert not uses_decode_kernel(lib, ints, torch.float32, 64, 16, 3)       # fp32 compute
         assert kernels.KernelTesting(lib).item_kernel(ints, torch.bfloat16, 64, 16, 16) == portable_path(lib, 64)
+    # int4_per_group32: the AVX-512 decode kernel too (never AMX), else the generic kernel
+    for dim in (64, 128, 256):
+        assert kernels.KernelTesting(lib).item_kernel(I4G, torch.bfloat16, dim, 16, 4) == (
+            "decode" if fast else "generic")
+    assert not uses_decode_kernel(lib, I4G, torch.bfloat16, 96, 16, 3)            # head_dim 96
+    assert not uses_decode_kernel(lib, I4G, torch.bfloat16, 64, 8, 3)             # blocks of 8 tokens
+    assert not uses_decode_kernel(lib, I4G, torch.float32, 64, 16, 3)             # fp32 compute
+    assert kernels.KernelTesting(lib).item_kernel(I4G, torch.bfloat16, 64, 16, 16) == "generic"
 
 
 # ------------------------------------------------------------------------------------------------
