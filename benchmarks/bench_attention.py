@@ -47,9 +47,10 @@ of context), over an fp8_e4m3 and a bf16 cache, ``--rounds`` rounds alternating 
 round); the median per cell with its min-max, GFLOP/s, and each build's time over the first build's.
 
 ``--tables formats``: every KV format on the native library (fp8_e4m3 with scale 1.0, fp8_e4m3 with dynamic
-scales, int8_per_token_head, int4_per_token_head, fp4_e2m1, bfloat16), side by side on SmolLM2 shapes: prefill
-1 x 1,024, decode 32 x 1,024, 8 x 4,096 (issue 40's target: int4 at <= 1 / 1.4 of fp8's time) and 1 x 8,192,
-``--rounds`` rounds rotating the formats' order; medians (min-max) and each format's time over the fp8 cache's.
+scales, int8_per_token_head, int4_per_token_head, int4_per_group32, fp4_e2m1, bfloat16), side by side on SmolLM2
+shapes: prefill 1 x 1,024, decode 32 x 1,024, 8 x 4,096 (issue 40's target: int4 at <= 1 / 1.4 of fp8's time) and
+1 x 8,192, ``--rounds`` rounds rotating the formats' order; medians (min-max) and each format's time over the fp8
+cache's.
 """
 
 from __future__ import annotations
@@ -305,7 +306,8 @@ def print_builds(args: argparse.Namespace) -> None:
 
 #: --tables formats: each KV format (kv_cache_dtype, dynamic scales, label)
 FORMATS = (("fp8_e4m3", False, "fp8"), ("fp8_e4m3", True, "fp8+dynamic"), ("int8_per_token_head", True, "int8"),
-           ("int4_per_token_head", True, "int4"), ("fp4_e2m1", False, "fp4"), ("bfloat16", False, "bf16"))
+           ("int4_per_token_head", True, "int4"), ("int4_per_group32", False, "int4g32"), ("fp4_e2m1", False, "fp4"),
+           ("bfloat16", False, "bf16"))
 
 
 def print_formats(args: argparse.Namespace, before: tuple[str, KernelLibrary] | None = None) -> None:
@@ -325,8 +327,9 @@ def print_formats(args: argparse.Namespace, before: tuple[str, KernelLibrary] | 
             nl = 2 if q_len > 1 else layers_for(nbytes, args.footprint_mb << 20, cap=64)
             cache, meta = prefill_cache(kv_name, nl, batch, q_len, ctx, dynamic)
             cases[shape, label] = (cache, meta, q)
-    labels = [label for _, _, label in FORMATS]
-    variants = [(name, label) for name in libs for label in labels]
+    # (a --before revision's library may not know a newer format: that format runs on the native library only)
+    known = {name: [label for kv, _, label in FORMATS if kv in lb.kv_dtype_codes] for name, lb in libs.items()}
+    variants = [(name, label) for name in libs for label in known[name]]
     times: dict[tuple[str, str, str], list[float]] = {(shape, *v): [] for shape, *_ in shapes for v in variants}
     for r in range(args.rounds):
         for shape, *_ in shapes:
@@ -336,32 +339,36 @@ def print_formats(args: argparse.Namespace, before: tuple[str, KernelLibrary] | 
                 times[shape, name, label].append(timeit(call, cache.shape.num_layers, args.min_time))
     ints = KernelTesting(lib).item_kernel("int4_per_token_head", torch.bfloat16, D)
     fp4 = KernelTesting(lib).item_kernel("fp4_e2m1", torch.bfloat16, D)
+    i4g = KernelTesting(lib).item_kernel("int4_per_group32", torch.bfloat16, D)
     for name in libs:
         print()
         print(f"KV formats ({name}), SmolLM2 shapes (Hq={HQ} Hkv={HKV} D={D} block={BS}, q bf16), item kernel "
-              f"{kernel_name(libs[name])} (int8, int4: {ints}; fp4: {fp4}); medians of {args.rounds} alternating "
-              "rounds (min-max), microseconds per layer call; x/fp8 = time over the fp8 cache's")
-        hdr = f"{'call':<18}" + "".join(f"{label:>24}" for label in labels) + "".join(
-            f"{label + '/fp8':>18}" for label in labels[1:])
+              f"{kernel_name(libs[name])} (int8, int4: {ints}; int4g32: {i4g}; fp4: {fp4}); medians of "
+              f"{args.rounds} alternating rounds (min-max), microseconds per layer call; x/fp8 = time over the fp8 "
+              "cache's")
+        mine = known[name]
+        hdr = f"{'call':<18}" + "".join(f"{label:>24}" for label in mine) + "".join(
+            f"{label + '/fp8':>18}" for label in mine[1:])
         print(hdr)
         print("-" * len(hdr))
         for shape, *_ in shapes:
-            t = {label: times[shape, name, label] for label in labels}
-            med = {label: statistics.median(t[label]) for label in labels}
-            spread = {x: f"{med[x] * 1e6:.1f} ({min(t[x]) * 1e6:.0f}-{max(t[x]) * 1e6:.0f})" for x in labels}
-            cells = "".join(f"{spread[x]:>24}" for x in labels)
-            print(f"{shape:<18}{cells}" + "".join(f"{med[x] / med['fp8']:>18.2f}" for x in labels[1:]), flush=True)
+            t = {label: times[shape, name, label] for label in mine}
+            med = {label: statistics.median(t[label]) for label in mine}
+            spread = {x: f"{med[x] * 1e6:.1f} ({min(t[x]) * 1e6:.0f}-{max(t[x]) * 1e6:.0f})" for x in mine}
+            cells = "".join(f"{spread[x]:>24}" for x in mine)
+            print(f"{shape:<18}{cells}" + "".join(f"{med[x] / med['fp8']:>18.2f}" for x in mine[1:]), flush=True)
     if before is not None:
         rev = before[0]
         print()
         print(f"now / {rev}: each format's median time now over its median time at {rev} (< 1: faster now)")
-        hdr = f"{'call':<18}" + "".join(f"{label:>14}" for label in labels)
+        both = known[rev]
+        hdr = f"{'call':<18}" + "".join(f"{label:>14}" for label in both)
         print(hdr)
         print("-" * len(hdr))
         for shape, *_ in shapes:
             ratio = {x: statistics.median(times[shape, "now", x]) / statistics.median(times[shape, rev, x])
-                     for x in labels}
-            print(f"{shape:<18}" + "".join(f"{ratio[x]:>14.2f}" for x in labels), flush=True)
+                     for x in both}
+            print(f"{shape:<18}" + "".join(f"{ratio[x]:>14.2f}" for x in both), flush=True)
 
 
 def kernel_name(lib: KernelLibrary) -> str:

@@ -7,8 +7,9 @@ A codec is a storage format plus how values are scaled and in which basis they a
 
 * format (:class:`kv8.quant.formats.KVCacheDtype`): FP8 (E4M3, E4M3FNUZ, E5M2: ``saturate(rne(.))`` to raw
   ``uint8`` codes), int8 / int4 (``clamp(rne(.), -max, max)``, max 127 / 7, to ``int8`` codes or two 4-bit codes
-  per ``uint8``; always with dynamic scales), FP4 E2M1 (two codes per byte and an E4M3 scale per group of 16
-  values in the same row, :mod:`kv8.quant.fp4`: its scales are neither static nor per token, ``s`` is per group)
+  per ``uint8``; always with dynamic scales), the group-scaled formats -- FP4 E2M1 (two codes per byte and an E4M3
+  scale per group of 16 values in the same row, :mod:`kv8.quant.fp4`) and int4 per group of 32 (a float16 scale
+  per 32 values, :mod:`kv8.quant.int4_group`): their scales are neither static nor per token, ``s`` is per group --
   or a 16/32-bit float (a plain cast, ``s = 1``);
 * scales ``s``: *static* -- per layer, for K and V separately, per tensor, KV head or channel
   (:class:`kv8.quant.scales.KVScales`, FP8 only) -- or *dynamic* -- one float32 per token and KV head,
@@ -33,8 +34,9 @@ and ``kv8 eval``'s round-trip error (:meth:`KVCodec.round_trip`).
 Invariants (the options are checked by :class:`kv8.cache.config.CacheConfig` when the engine is built, the scales'
 fit and basis by :func:`kv8.cache.scale_sources.resolve_kv_scales`, and that scales are present or absent as the
 mode needs by :meth:`KVCodec.build`): dynamic scales and static scales exclude each other; static scales need an
-FP8 format, dynamic ones an FP8 or integer format, and int8 / int4 are always dynamic; FP4 has neither (its group
-scales are part of each stored row); an FP8 codec in static mode
+FP8 format, dynamic ones an FP8 or integer format, and int8 / int4 are always dynamic; the group-scaled formats have
+neither (their group scales are part of each stored row) and need whole rows of their groups (``int4_per_group32``:
+a head_dim that is a multiple of 32); an FP8 codec in static mode
 always has scales (1.0 when none were given); a rotation needs a power-of-two ``head_dim``; static scales describe
 the codec's basis (1.0 fits every basis).
 """
@@ -47,6 +49,7 @@ import torch
 
 from kv8.quant.formats import KVCacheDtype, dequantize, pack_int4, quantize, unpack_int4
 from kv8.quant.fp4 import FP4GroupFormat
+from kv8.quant.int4_group import Int4GroupFormat
 from kv8.quant.key_offsets import KeyOffsets
 from kv8.quant.rotation import ROTATIONS, hadamard, rotate
 from kv8.quant.scales import KVScales
@@ -55,6 +58,7 @@ SCALE_MODES = ("static", "dynamic")
 DYNAMIC_SCALE_BYTES = 4  # one float32 scale per (token, KV head), for K and for V
 
 K, V = 0, 1  # index of keys / values in every (K, V) pair
+GROUP_FORMATS = (FP4GroupFormat, Int4GroupFormat)   # the classes of kv8.quant.formats.GroupFormat (isinstance)
 
 
 @dataclass(frozen=True, eq=False)
@@ -83,7 +87,9 @@ class KVCodec:
         :meth:`KVScales.default`, never invented here. An int8 format is dynamic whatever ``scale_mode`` says (its
         scales are per token and head by definition) and takes no static scales. ``key_offsets`` (``[L, H, D]``
         with this codec's ``head_dim``; any format) turn key centering on."""
-        if kv_dtype.bits_per_value == 4 and head_dim % 2:
+        if kv_dtype.group is not None:
+            kv_dtype.group.check_head_dim(head_dim, kv_dtype.name)
+        elif kv_dtype.bits_per_value == 4 and head_dim % 2:
             raise ValueError(f"kv_cache_dtype={kv_dtype.name!r} packs two values per byte: it needs an even "
                              f"head_dim, not {head_dim}")
         if scale_mode not in SCALE_MODES or rotation not in ROTATIONS:
@@ -122,15 +128,17 @@ class KVCodec:
 
     @property
     def packed(self) -> bool:
-        """Two integer codes per stored byte (int4; FP4's rows are :attr:`KVCacheDtype.fp4`'s own)."""
+        """Two integer codes per stored byte (int4 per token and head; the group-scaled rows are
+        :attr:`KVCacheDtype.group`'s own)."""
         return self.kv_dtype.int_codes is not None and self.kv_dtype.int_codes.bits == 4
 
     # ---- sizes ----------------------------------------------------------------------------------------------
     @staticmethod
     def bytes_per_head(kv_dtype: KVCacheDtype, head_dim: int, dynamic: bool) -> int:
         """Bytes one token's K (or V) of one KV head occupies: its stored row (codes; FP4: and its group scales,
-        ``ceil(head_dim / 16)`` bytes), plus its scale with dynamic scales (``dynamic``, and always for int8 / int4:
-        ``4 / head_dim`` overhead, 6.25% at head_dim 64)."""
+        ``ceil(head_dim / 16)`` bytes; int4_per_group32: ``2 head_dim / 32`` bytes), plus its scale with dynamic
+        scales (``dynamic``, and always for int8 / int4 per token and head: ``4 / head_dim`` overhead, 6.25% at
+        head_dim 64)."""
         scaled = (dynamic or kv_dtype.per_token_scales) and not kv_dtype.group_scales
         return (kv_dtype.stored_width(head_dim) * kv_dtype.bytes_per_element
                 + (DYNAMIC_SCALE_BYTES if scaled else 0))
@@ -187,7 +195,7 @@ class KVCodec:
         fmt = self.kv_dtype.codes
         if fmt is None:
             return x.to(self.kv_dtype.storage_dtype), None
-        if isinstance(fmt, FP4GroupFormat):
+        if isinstance(fmt, GROUP_FORMATS):
             return fmt.encode(x), None
         if self.dynamic:
             ts = self.token_scales(x)
@@ -204,7 +212,7 @@ class KVCodec:
         fmt = self.kv_dtype.codes
         if fmt is None:
             return stored.to(dtype)
-        if isinstance(fmt, FP4GroupFormat):
+        if isinstance(fmt, GROUP_FORMATS):
             return fmt.decode(stored, self.head_dim, dtype)
         if self.dynamic:
             assert token_scales is not None, "a dynamic codec decodes with the stored token scales"
@@ -223,7 +231,7 @@ class KVCodec:
         fmt = self.kv_dtype.codes
         if fmt is None:
             return back, 0
-        if isinstance(fmt, FP4GroupFormat):
+        if isinstance(fmt, GROUP_FORMATS):
             return back, fmt.clipped(x, stored)
         scale = ts.unsqueeze(-1) if ts is not None else self.layer_scales(layer)[which]  # type: ignore[index]
         return back, int(((x.float() / scale).abs() > fmt.clip_limit).sum())
@@ -231,7 +239,8 @@ class KVCodec:
     def describe(self) -> str:
         """One line for logs: the scales' source and the basis."""
         scales = ("dynamic per token and head" if self.dynamic else
-                  f"E4M3 per group of {self.kv_dtype.fp4.group_size}" if self.kv_dtype.fp4 is not None else
+                  f"{self.kv_dtype.group.scale_name} per group of {self.kv_dtype.group.group_size}"
+                  if self.kv_dtype.group is not None else
                   self.scales.source if self.scales is not None else "none (not quantized)")
         centering = "" if self.key_offsets is None else f"; key centering on ({self.key_offsets.source})"
         return f"scales: {scales}; rotation {self.rotation_name}{centering}"

@@ -59,15 +59,18 @@ class CacheConfig:
     ``num_kv_blocks`` is set, and it is an int >= 1; ``gpu_memory_utilization`` is a number in (0, 1]; the scale
     mode in :data:`SCALE_MODES`, the rotation in :data:`ROTATIONS`; ``quantization_param_path`` needs an FP8
     ``kv_dtype`` in static mode (unless the file has key offsets), dynamic scales and skipped layers a quantized
-    one (FP8 or int8; fp4_e2m1 takes skipped layers, never dynamic scales or a file without key offsets) -- with a
+    one (FP8 or int8; the group-scaled fp4_e2m1 and int4_per_group32 take skipped layers, never dynamic scales or a
+    file without key offsets) -- with a
     plan, an FP8 format named by ``kv_cache_dtype`` or the plan; a plan and skipped layers exclude each other.
     """
 
     kv_dtype: KVCacheDtype   # kv_cache_dtype resolved against the compute dtype
     kv_cache_dtype: str = option("auto", "KV cache storage: auto = the compute dtype; fp8 = fp8_e4m3 (1 byte per "
                                  "value); int8 = int8_per_token_head (1 byte per value, a scale per token and "
-                                 "head); nvfp4 = fp4_e2m1 (4.5 bits per value: E2M1 codes, an E4M3 scale per 16 "
-                                 "values; CPU backends)", choices=KV_CACHE_DTYPE_NAMES)
+                                 "head); int4_per_group32 (4.5 bits per value: int4 codes, a float16 scale per 32 "
+                                 "values; head_dim a multiple of 32); nvfp4 = fp4_e2m1 (4.5 bits per value: E2M1 "
+                                 "codes, an E4M3 scale per 16 values); the 4-bit ones on CPU backends",
+                                 choices=KV_CACHE_DTYPE_NAMES)
     block_size: int = option(16, "tokens per KV block (a power of two)", type=int)
     kv_cache_memory: int | None = option(
         None, "KV cache budget: bytes or a size such as 2GiB (default: on CUDA what gpu_memory_utilization leaves; "
@@ -175,9 +178,12 @@ class CacheConfig:
                              "int8_per_token_head)")
 
     def _check_group_scaled(self) -> None:
-        """A format with its scales in each row (``fp4_e2m1``) takes no other scales: neither dynamic per-token
-        scales nor a scales file (one with key offsets only centers the keys)."""
-        what = f"kv_cache_dtype={self.kv_cache_dtype!r} stores an E4M3 scale per group of 16 values beside its codes"
+        """A format with its scales in each row (``fp4_e2m1``, ``int4_per_group32``) takes no other scales: neither
+        dynamic per-token scales nor a scales file (one with key offsets only centers the keys)."""
+        group = self.kv_dtype.group
+        assert group is not None
+        what = (f"kv_cache_dtype={self.kv_cache_dtype!r} stores a scale per group of {group.group_size} values "
+                f"({group.scale_name}) beside its codes")
         if self.kv_cache_scale_mode == "dynamic":
             raise ValueError(f"{what}; kv_cache_scale_mode='dynamic' does not apply to it (leave it 'static')")
         if self.quantization_param_path is not None and not self.key_centering:

@@ -96,7 +96,8 @@ class EngineConfig:
     ``dense_backend`` is in :data:`DENSE_BACKENDS` and usable with ``dtype``; ``quantization`` is None or in
     :data:`QUANTIZATION_METHODS`; ``max_model_len`` fits the model's context; ``kv_cache_dtype_skip_layers`` and
     ``kv_cache_plan`` name layers the model has (:meth:`kv_plan`: each layer's storage spec); a Hadamard rotation
-    (of any layer) has a power-of-two ``head_dim``; the triton backend gets no int layer; ``quantization_param_path``
+    (of any layer) has a power-of-two ``head_dim``, a group-scaled format (of any layer) whole groups in it
+    (``int4_per_group32``: a multiple of 32); the triton backend gets no int layer; ``quantization_param_path``
     has an FP8 static layer to apply to; the model splits over the tensor-parallel ranks; ``seed`` is an int.
     """
 
@@ -164,6 +165,9 @@ class EngineConfig:
             where = "" if rotated_layers is None else f" (kv_cache_plan: layers {rotated_layers})"
             raise ValueError(f"kv_cache_rotation='hadamard'{where} needs a power-of-two head_dim; this model has "
                              f"head_dim={arch.head_dim}")
+        for spec in specs:   # a group-scaled format needs whole groups (int4_per_group32: head_dim % 32 == 0)
+            if spec.kv_dtype.group is not None:
+                spec.kv_dtype.group.check_head_dim(arch.head_dim, spec.kv_dtype.name)
         if cc.quantization_param_path is not None and not any(s.static_fp8 for s in specs) and not cc.key_centering:
             raise ValueError(f"quantization_param_path={self.cache.quantization_param_path!r} gives static FP8 "
                              f"scales, but no layer of kv_cache_plan={self.cache.kv_cache_plan!r} is stored in "

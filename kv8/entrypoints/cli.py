@@ -305,8 +305,9 @@ def cmd_tune(ns: argparse.Namespace) -> int:
 
 
 def capacity_table(arch: ModelArchConfig, memory: int, block_size: int) -> str:
-    """Per KV dtype (the integer ones with their scale per token and head, FP4 with its E4M3 scale per 16 values):
-    bytes per token of the full-attention and
+    """Per KV dtype (the integer ones with their scale per token and head, the group-scaled ones with their scales
+    per group: int4_per_group32 a float16 per 32 values, left out where head_dim is not a multiple of 32, FP4 an
+    E4M3 per 16): bytes per token of the full-attention and
     the sliding-window layers, and how much context
     fits in ``memory`` -- keeping every block, and freeing blocks that left a layer's window (the engine's
     default; vLLM's hybrid KV cache manager), counted for sequences of the model's default context ``L``.
@@ -326,7 +327,10 @@ def capacity_table(arch: ModelArchConfig, memory: int, block_size: int) -> str:
     compute_dtype = resolve_dtype("auto")
     base = None
     for name in ("bfloat16", "float32", "fp8_e4m3", "fp8_e5m2", "fp8_e4m3fnuz", "int8_per_token_head",
-                 "int4_per_token_head", "fp4_e2m1"):
+                 "int4_per_token_head", "int4_per_group32", "fp4_e2m1"):
+        group = resolve_kv_cache_dtype(name, compute_dtype).group
+        if group is not None and arch.head_dim % group.head_dim_multiple:
+            continue
         seqs, seq_bytes = [], []
         for hybrid in (False, True):
             cache = CacheConfig(kv_dtype=resolve_kv_cache_dtype(name, compute_dtype), kv_cache_dtype=name,

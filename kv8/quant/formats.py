@@ -1,4 +1,5 @@
-"""The KV cache's code formats (FP8, int8, int4; FP4 E2M1 in :mod:`kv8.quant.fp4`) and the resolved KV-cache dtype.
+"""The KV cache's code formats (FP8, int8, int4; the group-scaled FP4 E2M1 in :mod:`kv8.quant.fp4` and int4 in
+:mod:`kv8.quant.int4_group`) and the resolved KV-cache dtype.
 
 This module owns three concepts that every other part of kv8 relies on:
 
@@ -8,8 +9,9 @@ This module owns three concepts that every other part of kv8 relies on:
   ``kv_cache_dtype="int8_per_token_head"`` (a scale per token and KV head).
 * :class:`KVCacheDtype` -- what the user asked for with ``kv_cache_dtype``, resolved to a storage dtype.
 
-``fp4_e2m1`` (:class:`kv8.quant.fp4.FP4GroupFormat`) stores its scales inside each row (an E4M3 scale per group of 16
-values): its rows are encoded whole by that class, not through :func:`quantize`.
+``fp4_e2m1`` (:class:`kv8.quant.fp4.FP4GroupFormat`: an E4M3 scale per group of 16 values) and ``int4_per_group32``
+(:class:`kv8.quant.int4_group.Int4GroupFormat`: a float16 scale per group of 32 values) store their scales inside each
+row (:data:`GroupFormat`): their rows are encoded whole by those classes, not through :func:`quantize`.
 
 :data:`CodeFormat` is either code format: both have ``name``, ``max_finite``, ``storage_dtype``, ``encode`` and
 ``decode`` and ``clip_limit``, which is all :func:`quantize`, :func:`dequantize` and the KV codec use.
@@ -32,6 +34,7 @@ from functools import lru_cache
 import torch
 
 from kv8.quant.fp4 import FP4_E2M1, FP4GroupFormat
+from kv8.quant.int4_group import INT4_G32, Int4GroupFormat
 from kv8.validators import is_number
 
 __all__ = [
@@ -47,6 +50,7 @@ __all__ = [
     "pack_int4",
     "unpack_int4",
     "CodeFormat",
+    "GroupFormat",
     "quantize",
     "dequantize",
     "KVCacheDtype",
@@ -321,6 +325,10 @@ def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
 
 #: a KV code format: FP8 or integer codes
 CodeFormat = FP8Format | IntFormat
+#: a format whose rows carry their own scales, one per group of values (``fp4_e2m1``, ``int4_per_group32``): both
+#: have ``name``, ``group_size``, ``scale_name``, ``max_finite``, ``clip_limit``, ``storage_dtype``,
+#: ``head_dim_multiple``, ``check_head_dim``, ``row_bytes``, ``encode``, ``decode`` and ``clipped``
+GroupFormat = FP4GroupFormat | Int4GroupFormat
 
 
 def _checked_scale(scale: torch.Tensor | float, shape: torch.Size, where: str) -> torch.Tensor | float:
@@ -375,13 +383,13 @@ def dequantize(codes: torch.Tensor, scale: torch.Tensor | float, fmt: CodeFormat
 
 KV_CACHE_DTYPE_CHOICES: tuple[str, ...] = (
     "auto", "bfloat16", "float16", "float32", "fp8", "fp8_e4m3", "fp8_e5m2", "fp8_e4m3fnuz", "int8_per_token_head",
-    "int4_per_token_head", "fp4_e2m1",
+    "int4_per_token_head", "int4_per_group32", "fp4_e2m1",
 )
 # Other accepted spellings (vLLM's and torch's names); every entry point accepts them.
 _ALIASES: dict[str, str] = {
     "bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32", "float": "float32",
     "fp8": "fp8_e4m3", "fp8_e4m3fn": "fp8_e4m3", "int8": "int8_per_token_head", "int4": "int4_per_token_head",
-    "nvfp4": "fp4_e2m1", "fp4": "fp4_e2m1",
+    "int4_g32": "int4_per_group32", "nvfp4": "fp4_e2m1", "fp4": "fp4_e2m1",
 }
 # choices plus the other aliases ("fp8" is both a choice and an alias: listed once)
 _OTHER_ALIASES: tuple[str, ...] = tuple(a for a in _ALIASES if a not in KV_CACHE_DTYPE_CHOICES)
@@ -392,7 +400,7 @@ _FLOAT_CACHES: dict[str, torch.dtype] = {
 #: integer caches: name -> their codes (every token and KV head carries its own scale)
 _INT_CACHES: dict[str, IntFormat] = {"int8_per_token_head": INT8, "int4_per_token_head": INT4}
 #: group-scaled caches: name -> their format (codes and a scale per group of values, in one row)
-_GROUP_CACHES: dict[str, FP4GroupFormat] = {"fp4_e2m1": FP4_E2M1}
+_GROUP_CACHES: dict[str, GroupFormat] = {"int4_per_group32": INT4_G32, "fp4_e2m1": FP4_E2M1}
 _COMPUTE_DTYPES: dict[torch.dtype, str] = {dtype: name for name, dtype in _FLOAT_CACHES.items()}
 
 
@@ -400,23 +408,25 @@ _COMPUTE_DTYPES: dict[torch.dtype, str] = {dtype: name for name, dtype in _FLOAT
 class KVCacheDtype:
     """What the user asked for with ``kv_cache_dtype``, resolved.
 
-    Invariants: ``name`` is canonical ("bfloat16" | "float16" | "float32" | "fp8_e4m3" | "fp8_e4m3fnuz" |
-    "fp8_e5m2" | "int8_per_token_head" | "int4_per_token_head" | "fp4_e2m1"); FP8 caches store raw codes
+    Invariants: ``name`` is canonical ("bfloat16" | "float16" | "float32" | "fp8_e4m3" | "fp8_e4m3fnuz" | "fp8_e5m2"
+    | "int8_per_token_head" | "int4_per_token_head" | "int4_per_group32" | "fp4_e2m1"); FP8 caches store raw codes
     (``storage_dtype == torch.uint8`` and ``fp8`` is the matching format); the int8 cache stores ``torch.int8``
     codes (``int_codes`` is :data:`INT8`), the int4 cache two codes per ``torch.uint8`` (:func:`pack_int4`;
-    ``int_codes`` is :data:`INT4`), both with a scale per token and KV head, always; the FP4 cache (``fp4`` is
-    :data:`kv8.quant.fp4.FP4_E2M1`) stores ``uint8`` rows of two E2M1 codes per byte followed by an E4M3 scale per
-    group of 16 values (:attr:`group_scales`); 16/32-bit caches store their float dtype and have no code format.
+    ``int_codes`` is :data:`INT4`), both with a scale per token and KV head, always; the group-scaled caches
+    (``group``, :attr:`group_scales`) store ``uint8`` rows of two codes per byte followed by their group scales: FP4
+    (:data:`kv8.quant.fp4.FP4_E2M1`: E2M1 codes, an E4M3 scale per 16 values) and int4 per group of 32
+    (:data:`kv8.quant.int4_group.INT4_G32`: a float16 scale per 32 values); 16/32-bit caches store their float dtype
+    and have no code format.
     """
 
     name: str
     storage_dtype: torch.dtype
     fp8: FP8Format | None
     int_codes: IntFormat | None = None
-    fp4: FP4GroupFormat | None = None
+    group: GroupFormat | None = None
 
     def __post_init__(self) -> None:
-        expected: tuple[torch.dtype, FP8Format | None, IntFormat | None, FP4GroupFormat | None]
+        expected: tuple[torch.dtype, FP8Format | None, IntFormat | None, GroupFormat | None]
         if self.name in _FLOAT_CACHES:
             expected = (_FLOAT_CACHES[self.name], None, None, None)
         elif self.name in FP8_FORMATS:
@@ -429,12 +439,12 @@ class KVCacheDtype:
         else:
             raise ValueError(f"KVCacheDtype.name={self.name!r} is not canonical; choose one of: "
                              f"{', '.join([*_FLOAT_CACHES, *FP8_FORMATS, *_INT_CACHES, *_GROUP_CACHES])}")
-        if (self.storage_dtype, self.fp8, self.int_codes, self.fp4) != expected:
+        if (self.storage_dtype, self.fp8, self.int_codes, self.group) != expected:
             names = [f.name if f is not None else None for f in expected[1:]]
             raise ValueError(f"KVCacheDtype {self.name!r}: storage_dtype={self.storage_dtype}, fp8="
                              f"{self.fp8.name if self.fp8 else None}, int_codes="
-                             f"{self.int_codes.name if self.int_codes else None}, fp4="
-                             f"{self.fp4.name if self.fp4 else None} must be {expected[0]}, "
+                             f"{self.int_codes.name if self.int_codes else None}, group="
+                             f"{self.group.name if self.group else None} must be {expected[0]}, "
                              f"{names[0]}, {names[1]}, {names[2]}")
 
     @property
@@ -443,9 +453,10 @@ class KVCacheDtype:
         return self.fp8 is not None
 
     @property
-    def codes(self) -> CodeFormat | FP4GroupFormat | None:
-        """The code format of a quantized cache (FP8, int8, int4 or FP4); None for a 16/32-bit cache."""
-        return self.fp8 if self.fp8 is not None else self.int_codes if self.int_codes is not None else self.fp4
+    def codes(self) -> CodeFormat | GroupFormat | None:
+        """The code format of a quantized cache (FP8, int8, int4, or a group-scaled one); None for a 16/32-bit
+        cache."""
+        return self.fp8 if self.fp8 is not None else self.int_codes if self.int_codes is not None else self.group
 
     @property
     def is_quantized(self) -> bool:
@@ -454,9 +465,9 @@ class KVCacheDtype:
 
     @property
     def group_scales(self) -> bool:
-        """True when each stored row carries its own scales, per group of values (``fp4_e2m1``): no static scales
-        and no per-token scale tensor beside the codes."""
-        return self.fp4 is not None
+        """True when each stored row carries its own scales, per group of values (``fp4_e2m1``,
+        ``int4_per_group32``): no static scales and no per-token scale tensor beside the codes."""
+        return self.group is not None
 
     @property
     def per_token_scales(self) -> bool:
@@ -473,15 +484,16 @@ class KVCacheDtype:
     @property
     def bits_per_value(self) -> int:
         """Bits one cached K or V value occupies, its scale not counted (4, 8, 16 or 32)."""
-        if self.fp4 is not None:
+        if self.group is not None:
             return 4
         return self.int_codes.bits if self.int_codes is not None else 8 * self.storage_dtype.itemsize
 
     def stored_width(self, head_dim: int) -> int:
         """Elements of the cache tensor one head's row of ``head_dim`` values takes (``head_dim / 2`` for int4;
-        ``head_dim / 2 + ceil(head_dim / 16)`` bytes for FP4: codes, then the group scales)."""
-        if self.fp4 is not None:
-            return self.fp4.row_bytes(head_dim)
+        ``head_dim / 2 + ceil(head_dim / 16)`` bytes for FP4, ``head_dim / 2 + 2 head_dim / 32`` for
+        int4_per_group32: codes, then the group scales)."""
+        if self.group is not None:
+            return self.group.row_bytes(head_dim)
         return head_dim * self.bits_per_value // (8 * self.storage_dtype.itemsize)
 
 
@@ -489,9 +501,9 @@ def resolve_kv_cache_dtype(name: str, compute_dtype: torch.dtype) -> KVCacheDtyp
     """Resolve a ``kv_cache_dtype`` setting against the model's compute dtype.
 
     ``"auto"`` is the compute dtype (bfloat16, float16 or float32); ``"fp8"`` is ``fp8_e4m3``; ``"int8"`` and
-    ``"int4"`` are ``int8_per_token_head`` and ``int4_per_token_head`` (vLLM's names), ``"nvfp4"`` and ``"fp4"`` are
-    ``fp4_e2m1``; the aliases bf16, fp16, half, fp32, float and fp8_e4m3fn are accepted too. Names are matched exactly
-    (case-sensitive).
+    ``"int4"`` are ``int8_per_token_head`` and ``int4_per_token_head`` (vLLM's names), ``"int4_g32"`` is
+    ``int4_per_group32``, ``"nvfp4"`` and ``"fp4"`` are ``fp4_e2m1``; the aliases bf16, fp16, half, fp32, float and
+    fp8_e4m3fn are accepted too. Names are matched exactly (case-sensitive).
     """
     if compute_dtype not in _COMPUTE_DTYPES:
         raise ValueError(f"compute_dtype={compute_dtype} is not supported; choose one of: "
@@ -507,5 +519,5 @@ def resolve_kv_cache_dtype(name: str, compute_dtype: torch.dtype) -> KVCacheDtyp
         return KVCacheDtype(name=canonical, storage_dtype=torch.int8 if codes.bits == 8 else torch.uint8, fp8=None,
                             int_codes=codes)
     if canonical in _GROUP_CACHES:
-        return KVCacheDtype(name=canonical, storage_dtype=torch.uint8, fp8=None, fp4=_GROUP_CACHES[canonical])
+        return KVCacheDtype(name=canonical, storage_dtype=torch.uint8, fp8=None, group=_GROUP_CACHES[canonical])
     return KVCacheDtype(name=canonical, storage_dtype=torch.uint8, fp8=FP8_FORMATS[canonical])

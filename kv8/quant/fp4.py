@@ -91,6 +91,22 @@ class FP4GroupFormat:
         """The dtype of the stored rows: ``uint8`` (packed codes, then the scale codes)."""
         return torch.uint8
 
+    @property
+    def scale_name(self) -> str:
+        """What each group's scale is, for messages: ``E4M3``."""
+        return "E4M3"
+
+    @property
+    def head_dim_multiple(self) -> int:
+        """``head_dim`` must be a multiple of this: 2 (two codes per byte; the last group may be shorter)."""
+        return 2
+
+    def check_head_dim(self, head_dim: int, kv_cache_dtype: str) -> None:
+        """Raise ValueError naming ``kv_cache_dtype`` unless ``head_dim`` is positive and even."""
+        if head_dim <= 0 or head_dim % 2:
+            raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r} packs two values per byte: it needs an even "
+                             f"head_dim, not {head_dim}")
+
     def groups(self, head_dim: int) -> int:
         """Groups of one row: ``ceil(head_dim / 16)``."""
         return -(-head_dim // self.group_size)

@@ -75,7 +75,7 @@ Progress = Callable[[str], None]
 def parse_plan_formats(names: Sequence[str], head_dim: int, compute_dtype: torch.dtype) -> tuple[KVSpec, ...]:
     """Candidates from ``FORMAT[+ROTATION]`` names (``int8+hadamard``, ``bfloat16``; every ``kv_cache_dtype``
     name and alias; FP8 formats with dynamic scales). ``ValueError`` for an unknown format or rotation, a rotation
-    the head size does not allow, a duplicate, or none at all."""
+    or a group-scaled format the head size does not allow, a duplicate, or none at all."""
     if not names:
         raise ValueError("--plan-formats needs at least one format, e.g. bfloat16 int8+hadamard int4+hadamard")
     specs: list[KVSpec] = []
@@ -92,6 +92,11 @@ def parse_plan_formats(names: Sequence[str], head_dim: int, compute_dtype: torch
         if rotation != "none" and head_dim & (head_dim - 1):
             raise ValueError(f"--plan-formats {name!r}: the {rotation} rotation needs a power-of-two head_dim; this "
                              f"model's is {head_dim}")
+        if kv_dtype.group is not None:
+            try:
+                kv_dtype.group.check_head_dim(head_dim, kv_dtype.name)
+            except ValueError as e:
+                raise ValueError(f"--plan-formats {name!r}: {e}") from None
         spec = KVSpec.of(kv_dtype, rotation, "dynamic")
         if spec in specs:
             raise ValueError(f"--plan-formats names {spec.describe()} twice ({', '.join(names)})")

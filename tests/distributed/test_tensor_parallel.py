@@ -164,6 +164,13 @@ def gqa_6x2(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="module")
+def gqa_6x2_d32(tmp_path_factory) -> str:
+    """gqa_6x2 at head_dim 32 (int4_per_group32 stores whole groups of 32 values)."""
+    return make_tiny_model(str(tmp_path_factory.mktemp("tp6x2d32")), "qwen2", num_attention_heads=6,
+                           num_key_value_heads=2, head_dim=32)
+
+
+@pytest.fixture(scope="module")
 def gqa_6x3(tmp_path_factory) -> str:
     """6 query heads, 3 KV heads (llama): TP=3 gives each rank one KV head."""
     return make_tiny_model(str(tmp_path_factory.mktemp("tp6x3")), "llama_gqa", num_key_value_heads=3)
@@ -223,6 +230,12 @@ def test_tp2_equals_tp1_fp8(gqa_6x2: str, kv: str) -> None:
 def test_tp2_equals_tp1_fp4(gqa_6x2: str) -> None:
     """fp4_e2m1: each rank's rows carry their own group scales; with chunked prefill and prefix-cache hits."""
     _compare(gqa_6x2, 2, "fp4_e2m1", max_num_batched_tokens=8, block_size=4)
+
+
+def test_tp2_equals_tp1_int4_per_group32(gqa_6x2_d32: str) -> None:
+    """int4_per_group32 with the rotation: each rank's rows carry their own float16 group scales; with chunked
+    prefill and prefix-cache hits."""
+    _compare(gqa_6x2_d32, 2, "int4_per_group32", max_num_batched_tokens=8, block_size=4, kv_cache_rotation="hadamard")
 
 
 def test_tp2_equals_tp1_with_a_kv_plan(gqa_6x2: str, tmp_path: Path) -> None:

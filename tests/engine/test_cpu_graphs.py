@@ -26,7 +26,7 @@ def _run(model: str, prompts: list[list[int]], **options) -> tuple[list, LLM]:
 
 @pytest.mark.parametrize("model, kv", [("llama", "fp8_e4m3"), ("llama_gqa", "int8"), ("qwen3", "bfloat16"),
                                        ("mistral_swa", "fp8_e4m3"), ("gemma3", "fp8_e4m3"), ("phi3", "int4"),
-                                       ("gemma3", "fp4_e2m1")])
+                                       ("gemma3", "fp4_e2m1"), ("gemma3", "int4_per_group32")])
 @pytest.mark.parametrize("batch", [1, 3])
 def test_replayed_decode_steps_equal_eager_ones(tiny_models, model, kv, batch):
     prompts = PROMPTS[:batch] if batch == 1 else PROMPTS[1:]

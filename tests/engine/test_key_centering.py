@@ -86,10 +86,12 @@ def test_codec_centers_keys_before_the_rotation(rotation: str) -> None:
 
 
 @pytest.mark.parametrize("dtype,rotation", [("int4", "none"), ("int4", "hadamard"), ("int8", "none"),
-                                            ("int8", "hadamard"), ("fp4_e2m1", "none")])
+                                            ("int8", "hadamard"), ("fp4_e2m1", "none"),
+                                            ("int4_per_group32", "none"), ("int4_per_group32", "hadamard")])
 def test_a_constant_large_key_channel_costs_less_attention_error_when_centered(dtype: str, rotation: str) -> None:
     """Keys N(0, 1) with one channel near 30 (what Gemma's keys keep): quantized with evenly spaced integer levels
-    per token and head (FP4: E2M1 levels per group of 16), the other channels lose their levels to it; centered by
+    per token and head (FP4: E2M1 levels per group of 16; int4_per_group32: per group of 32), the other channels lose
+    their levels to it; centered by
     the mean, the attention output error drops (scores of one query shift by a constant, which softmax ignores).
     (FP8's levels are relative to each value, so a large channel costs the others little: dynamic E4M3 measured
     the same error either way.)"""
@@ -171,12 +173,11 @@ def test_centering_changes_a_bf16_cache_by_rounding_only(qwen2: str, tmp_path: P
 
 
 # ---- the engine: a quantized cache --------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def constant_channel(tmp_path_factory: pytest.TempPathFactory) -> str:
+def _constant_channel_model(tmp_path_factory: pytest.TempPathFactory, **overrides) -> str:
     """The tiny Qwen2 (k_proj bias) with a k bias of 6 on the slowest-rotating RoPE pair of every KV head (channels
     D/2 - 1 and D - 1: over a few hundred positions they barely turn), so its keys keep a large near-constant
     channel, as Gemma-3-270M's do."""
-    path = make_tiny_model(str(tmp_path_factory.mktemp("kc_const")), "qwen2")
+    path = make_tiny_model(str(tmp_path_factory.mktemp("kc_const")), "qwen2", **overrides)
     weights = load_file(str(Path(path) / "model.safetensors"))
     info = _info(path)
     d = info.head_dim
@@ -186,6 +187,18 @@ def constant_channel(tmp_path_factory: pytest.TempPathFactory) -> str:
         bias[:, d - 1] = 6.0
     save_file(weights, str(Path(path) / "model.safetensors"))
     return path
+
+
+@pytest.fixture(scope="module")
+def constant_channel(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """:func:`_constant_channel_model` at the tiny models' head_dim 16."""
+    return _constant_channel_model(tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def constant_channel_d32(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """:func:`_constant_channel_model` at head_dim 32 (int4_per_group32 stores whole groups of 32)."""
+    return _constant_channel_model(tmp_path_factory, head_dim=32)
 
 
 def _mean_keys(path: str, info: ModelScaleInfo) -> torch.Tensor:
@@ -206,9 +219,11 @@ def _mean_keys(path: str, info: ModelScaleInfo) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("dtype,rotation", [("int4", "none"), ("int4", "hadamard"), ("int8", "none"),
-                                            ("fp4_e2m1", "none")])
-def test_calibrated_centering_lowers_a_quantized_caches_error(constant_channel: str, tmp_path: Path, dtype: str,
-                                                             rotation: str) -> None:
+                                            ("fp4_e2m1", "none"), ("int4_per_group32", "none")])
+def test_calibrated_centering_lowers_a_quantized_caches_error(request: pytest.FixtureRequest, tmp_path: Path,
+                                                             dtype: str, rotation: str) -> None:
+    constant_channel = request.getfixturevalue("constant_channel_d32" if dtype == "int4_per_group32"
+                                               else "constant_channel")
     info = _info(constant_channel)
     path = _offsets_file(tmp_path / "centered.json", info, _mean_keys(constant_channel, info))
     _, ref = _run(_llm(constant_channel, kv_cache_dtype="float32"))
@@ -226,7 +241,7 @@ def test_a_file_with_offsets_is_accepted_by_every_cache_format(qwen2: str, tmp_p
                                                                         info.head_dim))
     without = tmp_path / "s.json"
     write_kv8_scales_json(without, KVScales.default(info.num_layers), info)
-    for dtype in ("int8", "int4", "fp4_e2m1", "bfloat16"):
+    for dtype in ("int8", "int4", "fp4_e2m1", "int4_per_group32", "bfloat16"):
         kv = resolve_kv_cache_dtype(dtype, torch.float32)
         assert CacheConfig(kv_dtype=kv, kv_cache_dtype=dtype, quantization_param_path=with_offsets).key_centering
         with pytest.raises(ValueError, match="kv8 calibrate --key-centering"):

@@ -124,3 +124,4 @@ def test_info_reports_capacity_with_and_without_freeing(tiny_models, capsys):
         assert seqs == (1 << 20) // (2 * b * 16) // 32                 # 32 blocks of 16 per layer at L = 512
         assert seqs_freed == (1 << 20) // (2 * b * 16) // 2             # the window needs 2 blocks per layer
     assert rows["fp8_e4m3"][5:] == ["2.00", "32.00"]   # x bf16 (both freed), x bf16 keeping every block
+    assert "int4_per_group32" not in rows   # head_dim 16 holds no group of 32

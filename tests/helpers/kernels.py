@@ -32,6 +32,7 @@ FP8 = ["fp8_e4m3", "fp8_e4m3fnuz", "fp8_e5m2"]
 INT8 = "int8_per_token_head"   # int8 codes, a scale per token and head (always dynamic)
 INT4 = "int4_per_token_head"   # int4 codes, two per byte, a scale per token and head (always dynamic)
 FP4 = "fp4_e2m1"               # E2M1 codes, two per byte, an E4M3 scale per 16 values in the row (the generic kernel)
+I4G = "int4_per_group32"       # int4 codes, two per byte, a float16 scale per 32 values in the row (head_dim % 32 == 0)
 
 # A ragged batch mixing decode and chunked prefill over cached prefixes; lengths at / across block edges.
 QUERY_LENS = [1, 1, 1, 5, 16, 17, 1]
@@ -150,8 +151,8 @@ def make_case(kv_name: str, gran: str, q_dtype: torch.dtype, *, group: int = 3, 
             cache.data.fill_(0x80 if kv_name == "fp8_e4m3fnuz" else 0x7F)  # the formats' NaN codes
         elif kv_name in (INT8, INT4):
             cache.data.fill_(127)   # no NaN code: the NaN token scales below poison it
-        elif kv_name == FP4:
-            cache.data.fill_(0xFF)  # the group scales' bytes read as E4M3's NaN
+        elif kv_name in (FP4, I4G):
+            cache.data.fill_(0xFF)  # the group scales' bytes read as E4M3's / float16's NaN
         else:
             cache.data.fill_(float("nan"))
         if cache.token_scales is not None:
@@ -176,8 +177,8 @@ def load_or_skip(march: str = "native") -> kernels.KernelLibrary:
 def portable_path(lib: kernels.KernelLibrary, dim: int, kv_name: str | None = None) -> str:
     """The item kernel of a library without the AVX-512 BF16 path (or of a format / head dim it does not take):
     "avx2" where the build has the AVX2 kernel and head_dim is a multiple of 8 (up to 1024), else "generic" (always
-    for FP4)."""
-    return "avx2" if lib.has_avx2_path and dim % 8 == 0 and dim <= 1024 and kv_name != FP4 else "generic"
+    for the group-scaled FP4 and int4_per_group32)."""
+    return "avx2" if lib.has_avx2_path and dim % 8 == 0 and dim <= 1024 and kv_name not in (FP4, I4G) else "generic"
 
 
 def prefill_kernel(lib: kernels.KernelLibrary, kv_name: str, gran: str, q_dtype: torch.dtype, dim: int,
@@ -200,13 +201,14 @@ def decode_kernel(lib: kernels.KernelLibrary, kv_name: str, gran: str, dim: int,
     """The item kernel of a decode-sized item (bf16 compute, <= 4 rows, head_dim 64 / 128 / 256, blocks of a
     multiple of 16 tokens), asserted to be the expected one: :func:`portable_path` without the fast path;
     "amx_decode" where the library multiplies with AMX tiles, the K scales are not per channel and the cache is
-    not integer-coded (int8 / int4 run the AVX-512 decode kernel only); else "decode"."""
+    not integer-coded (int8 / int4 / int4_per_group32 run the AVX-512 decode kernel only); else "decode"."""
     got = kernels.KernelTesting(lib).item_kernel(kv_name, torch.bfloat16, dim, bs, rows,
                                                  k_per_channel=gran == "channel")
     if not lib.has_fast_path:
-        expected = portable_path(lib, dim)
+        expected = portable_path(lib, dim, kv_name)
     else:
-        expected = "amx_decode" if lib.amx and gran != "channel" and kv_name not in (INT8, INT4) else "decode"
+        expected = ("amx_decode" if lib.amx and gran != "channel" and kv_name not in (INT8, INT4, I4G)
+                    else "decode")
     assert got == expected, (got, expected)
     return got
 

@@ -41,6 +41,7 @@ from kv8.quant.scales import KVScales
 from tests.helpers.kernels import (
     FP4,
     FP8,
+    I4G,
     INT4,
     INT8,
     TOL,
@@ -56,7 +57,7 @@ from tests.helpers.kernels import (
     stored,
 )
 
-KV_DTYPES = ["fp8_e4m3", "fp8_e4m3fnuz", "fp8_e5m2", "bfloat16", "float16", "float32", INT8, INT4, FP4]
+KV_DTYPES = ["fp8_e4m3", "fp8_e4m3fnuz", "fp8_e5m2", "bfloat16", "float16", "float32", INT8, INT4, FP4, I4G]
 
 
 
@@ -156,7 +157,7 @@ def special_values(n: int, fmt_max: float) -> torch.Tensor:
 
 @pytest.mark.parametrize("kv_name,gran", [(k, g) for k in FP8 for g in ("tensor", "head", "channel", "dynamic")]
                          + [(k, "none") for k in ("bfloat16", "float16", "float32")]
-                         + [(INT8, "dynamic"), (INT4, "dynamic"), (FP4, "none")])
+                         + [(INT8, "dynamic"), (INT4, "dynamic"), (FP4, "none"), (I4G, "none")])
 @pytest.mark.parametrize("in_dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_store_bit_exact(lib: kernels.KernelLibrary, kv_name: str, gran: str, in_dtype: torch.dtype) -> None:
     gen = torch.Generator().manual_seed(1)
@@ -243,7 +244,7 @@ def test_store_dense_fp32_sweep(lib: kernels.KernelLibrary, fmt: str) -> None:
 
 @pytest.mark.parametrize("kv_name,gran", [(k, g) for k in FP8 for g in ("tensor", "head", "channel")]
                          + [(k, "none") for k in ("bfloat16", "float16", "float32")]
-                         + [(INT8, "dynamic"), (INT4, "dynamic"), (FP4, "none")])
+                         + [(INT8, "dynamic"), (INT4, "dynamic"), (FP4, "none"), (I4G, "none")])
 @pytest.mark.parametrize("q_dtype", [torch.bfloat16, torch.float32])
 def test_attention_dtypes_and_scales(lib: kernels.KernelLibrary, kv_name: str, gran: str,
                                      q_dtype: torch.dtype) -> None:
@@ -277,6 +278,18 @@ def test_attention_odd_head_dim(lib: kernels.KernelLibrary, kv_name: str, dim: i
     check_attention(lib, cache, meta, q)
 
 
+@pytest.mark.parametrize("dim", [32, 96, 160])
+@pytest.mark.parametrize("q_dtype", [torch.bfloat16, torch.float32])
+def test_attention_int4_group_head_dims(lib: kernels.KernelLibrary, dim: int, q_dtype: torch.dtype) -> None:
+    """int4_per_group32 at head dims of one, three and five groups (the generic kernel), GQA groups of 3, blocks
+    of 8, against the reference attention; a head_dim that is not a multiple of 32 is refused by its codec."""
+    cache, meta, q = make_case(I4G, "none", q_dtype, dim=dim, heads=2, bs=8, query_lens=[1, 7, 1, 2],
+                               seq_lens=[1, 23, 40, 9], seed=dim)
+    assert attention_path(lib, I4G, q_dtype, dim) == portable_path(lib, dim, I4G)
+    check_attention(lib, cache, meta, q)
+    check_attention(lib, cache, meta, q, partition_size=16)
+
+
 @pytest.mark.parametrize("partition", [16, 48, 256])
 @pytest.mark.parametrize("kv_name,q_dtype", [("fp8_e4m3", torch.bfloat16), ("fp8_e4m3fnuz", torch.float32),
                                              ("bfloat16", torch.float32), ("float32", torch.bfloat16)])
@@ -301,7 +314,7 @@ def test_attention_dynamic_scales(lib: kernels.KernelLibrary, kv_name: str, q_dt
 
 @pytest.mark.parametrize("kv_name,gran", [("fp8_e4m3", "channel"), ("fp8_e5m2", "dynamic"),
                                           ("fp8_e4m3fnuz", "head"), ("bfloat16", "none"), (INT8, "dynamic"),
-                                          (INT4, "dynamic"), (FP4, "none")])
+                                          (INT4, "dynamic"), (FP4, "none"), (I4G, "none")])
 def test_attention_portable_builds(portable_lib: kernels.KernelLibrary, kv_name: str, gran: str) -> None:
     assert attention_path(portable_lib, kv_name, torch.bfloat16, 64) == portable_path(portable_lib, 64, kv_name)
     for q_dtype in (torch.bfloat16, torch.float32):
@@ -368,7 +381,7 @@ def test_attention_with_flush_denormal(lib: kernels.KernelLibrary) -> None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("kv_name,gran", [(k, g) for k in FP8 for g in ("tensor", "head", "channel", "dynamic")]
-                         + [("bfloat16", "none"), (INT8, "dynamic"), (INT4, "dynamic")])
+                         + [("bfloat16", "none"), (INT8, "dynamic"), (INT4, "dynamic"), (I4G, "none")])
 @pytest.mark.parametrize("group,dim", [(1, 64), (2, 128), (3, 64), (4, 256)])
 @pytest.mark.parametrize("bs", [16, 32])
 def test_decode_item_kernel(lib: kernels.KernelLibrary, kernel_path: str, kv_name: str, gran: str, group: int,
@@ -392,7 +405,7 @@ def test_decode_item_kernel(lib: kernels.KernelLibrary, kernel_path: str, kv_nam
 
 @pytest.mark.parametrize("heads,group", [(1, 3), (4, 1), (5, 2), (6, 3), (9, 4)])
 @pytest.mark.parametrize("kv_name,gran", [("fp8_e4m3", "head"), ("fp8_e5m2", "dynamic"), ("bfloat16", "none"),
-                                          (INT8, "dynamic"), (INT4, "dynamic")])
+                                          (INT8, "dynamic"), (INT4, "dynamic"), (I4G, "none")])
 def test_decode_items_of_several_heads(lib: kernels.KernelLibrary, kernel_path: str, heads: int, group: int,
                                        kv_name: str, gran: str) -> None:
     """The AMX decode kernel's items read up to 4 KV heads of a sequence together (6 heads: items of 4 and
@@ -403,9 +416,9 @@ def test_decode_items_of_several_heads(lib: kernels.KernelLibrary, kernel_path: 
     seq_lens = [1, 17, 64, 200, 333]
     cache, meta, q = make_case(kv_name, gran, torch.bfloat16, group=group, heads=heads, query_lens=[1] * 5,
                                seq_lens=seq_lens, seed=heads * 10 + group, poison=True)
-    amx = kernel_path == "amx" and kv_name not in (INT8, INT4)
+    amx = kernel_path == "amx" and kv_name not in (INT8, INT4, I4G)
     assert decode_kernel(lib, kv_name, gran, 64, 16, group) in ("amx_decode" if amx else "decode",
-                                                                 portable_path(lib, 64))
+                                                                 portable_path(lib, 64, kv_name))
     for partition in (0, 16, 96):
         check_attention(lib, cache, meta, q, partition_size=partition)
 
@@ -428,6 +441,14 @@ def test_decode_item_kernel_conditions(lib: kernels.KernelLibrary) -> None:
         assert not uses_decode_kernel(lib, ints, torch.bfloat16, 80, 16, 3)      # head_dim 80
         assert not uses_decode_kernel(lib, ints, torch.float32, 64, 16, 3)       # fp32 compute
         assert kernels.KernelTesting(lib).item_kernel(ints, torch.bfloat16, 64, 16, 16) == portable_path(lib, 64)
+    # int4_per_group32: the AVX-512 decode kernel too (never AMX), else the generic kernel
+    for dim in (64, 128, 256):
+        assert kernels.KernelTesting(lib).item_kernel(I4G, torch.bfloat16, dim, 16, 4) == (
+            "decode" if fast else "generic")
+    assert not uses_decode_kernel(lib, I4G, torch.bfloat16, 96, 16, 3)            # head_dim 96
+    assert not uses_decode_kernel(lib, I4G, torch.bfloat16, 64, 8, 3)             # blocks of 8 tokens
+    assert not uses_decode_kernel(lib, I4G, torch.float32, 64, 16, 3)             # fp32 compute
+    assert kernels.KernelTesting(lib).item_kernel(I4G, torch.bfloat16, 64, 16, 16) == "generic"
 
 
 # ------------------------------------------------------------------------------------------------

@@ -360,10 +360,12 @@ def test_resolve_auto_follows_compute_dtype(compute: torch.dtype, canonical: str
 
 def test_every_choice_resolves() -> None:
     assert KV_CACHE_DTYPE_CHOICES == ("auto", "bfloat16", "float16", "float32", "fp8", "fp8_e4m3", "fp8_e5m2",
-                                      "fp8_e4m3fnuz", "int8_per_token_head", "int4_per_token_head", "fp4_e2m1")
+                                      "fp8_e4m3fnuz", "int8_per_token_head", "int4_per_token_head", "int4_per_group32",
+                                      "fp4_e2m1")
     names = {resolve_kv_cache_dtype(c, torch.bfloat16).name for c in KV_CACHE_DTYPE_CHOICES}
-    # (the integer caches: tests/quant/test_int_kv.py; FP4: tests/quant/test_fp4_kv.py)
-    assert names == set(EXPECTED) | {"int8_per_token_head", "int4_per_token_head", "fp4_e2m1"}
+    # (the integer caches: tests/quant/test_int_kv.py; group-scaled: tests/quant/test_fp4_kv.py,
+    # tests/quant/test_int4_group_kv.py)
+    assert names == set(EXPECTED) | {"int8_per_token_head", "int4_per_token_head", "int4_per_group32", "fp4_e2m1"}
 
 
 @pytest.mark.parametrize("bad", ["xyz", "FP8", "fp8_e4m3 ", "INT8", "int2", "", "float64", None,
@@ -374,7 +376,7 @@ def test_resolve_rejects_unknown_names_listing_the_choices(bad: object) -> None:
     message = str(info.value)
     assert message.startswith(f"kv_cache_dtype={bad!r} is not supported; choose one of: auto, bfloat16, float16, "
                               "float32, fp8, fp8_e4m3, fp8_e5m2, fp8_e4m3fnuz, int8_per_token_head, "
-                              "int4_per_token_head, fp4_e2m1")
+                              "int4_per_token_head, int4_per_group32, fp4_e2m1")
 
 
 @pytest.mark.parametrize("compute", [torch.float64, torch.int8, torch.float8_e4m3fn])

@@ -134,14 +134,14 @@ def test_bad_inputs_name_what_is_wrong() -> None:
 def test_names_resolve_to_one_dtype_with_group_scales_in_the_row() -> None:
     for name in ("fp4_e2m1", "nvfp4", "fp4"):
         assert resolve_kv_cache_dtype(name, torch.float32) == FP4_KV
-    assert FP4_KV.name == "fp4_e2m1" and FP4_KV.storage_dtype == torch.uint8 and FP4_KV.fp4 is FP4_E2M1
+    assert FP4_KV.name == "fp4_e2m1" and FP4_KV.storage_dtype == torch.uint8 and FP4_KV.group is FP4_E2M1
     assert FP4_KV.codes is FP4_E2M1 and FP4_KV.is_quantized and FP4_KV.group_scales
     assert not FP4_KV.per_token_scales and not FP4_KV.is_fp8 and FP4_KV.int_codes is None
     assert FP4_KV.bits_per_value == 4 and FP4_KV.bytes_per_element == 1
     assert FP4_KV.stored_width(64) == 32 + 4 and FP4_KV.stored_width(256) == 128 + 16
     assert FP4_KV.stored_width(40) == 20 + 3
     assert not resolve_kv_cache_dtype("int4", torch.float32).group_scales
-    with pytest.raises(ValueError, match="fp4=None must be torch.uint8, None, None, e2m1"):
+    with pytest.raises(ValueError, match="group=None must be torch.uint8, None, None, e2m1"):
         KVCacheDtype("fp4_e2m1", torch.uint8, None)
 
 
@@ -173,7 +173,8 @@ def _cache(kv: str, **kw) -> CacheConfig:
 def test_options_refuse_other_scales_and_take_skip_layers() -> None:
     assert not _cache("fp4_e2m1").dynamic_scales
     assert _cache("nvfp4", kv_cache_dtype_skip_layers=(0,)).kv_cache_dtype_skip_layers == (0,)
-    with pytest.raises(ValueError, match="fp4_e2m1' stores an E4M3 scale per group.*'dynamic' does not apply"):
+    with pytest.raises(ValueError,
+                       match=r"fp4_e2m1' stores a scale per group of 16 values \(E4M3\).*'dynamic' does not apply"):
         _cache("fp4_e2m1", kv_cache_scale_mode="dynamic")
     with pytest.raises(ValueError, match="quantization_param_path='scales.json' has no key offsets"):
         _cache("fp4_e2m1", quantization_param_path="scales.json")

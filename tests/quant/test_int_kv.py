@@ -100,13 +100,13 @@ def test_names_resolve_to_one_dtype_with_per_token_scales() -> None:
     assert fp8.codes is fp8.fp8 and fp8.is_quantized and not fp8.per_token_scales
     bf16 = resolve_kv_cache_dtype("auto", torch.bfloat16)
     assert bf16.codes is None and not bf16.is_quantized
-    with pytest.raises(ValueError, match="int_codes=None, fp4=None must be torch.int8"):
+    with pytest.raises(ValueError, match="int_codes=None, group=None must be torch.int8"):
         KVCacheDtype("int8_per_token_head", torch.int8, None)
     assert INT4_KV.name == "int4_per_token_head" and INT4_KV.storage_dtype == torch.uint8
     assert INT4_KV.codes is INT4 and INT4_KV.bits_per_value == 4 and INT4_KV.stored_width(64) == 32
     assert INT8_KV.bits_per_value == 8 and INT8_KV.stored_width(64) == 64
     assert resolve_kv_cache_dtype("fp8", torch.bfloat16).stored_width(64) == 64
-    with pytest.raises(ValueError, match="int_codes=int4, fp4=None must be torch.uint8"):
+    with pytest.raises(ValueError, match="int_codes=int4, group=None must be torch.uint8"):
         KVCacheDtype("int4_per_token_head", torch.int8, None, INT4)
     with pytest.raises(ValueError, match="not supported"):
         resolve_kv_cache_dtype("int2", torch.bfloat16)

@@ -151,11 +151,16 @@ def test_bad_plan_formats_are_refused(names, match):
 
 
 def test_plan_formats_parse_rotations_and_fp8_keeps_dynamic_scales():
-    got = parse_plan_formats(["bf16", "int4+hadamard", "fp8_e4m3", "nvfp4+hadamard"], 64, torch.float32)
+    got = parse_plan_formats(["bf16", "int4+hadamard", "fp8_e4m3", "nvfp4+hadamard", "int4_g32+hadamard"], 64,
+                             torch.float32)
     assert [(s.kv_dtype.name, s.rotation, s.dynamic) for s in got] == [
         ("bfloat16", "none", False), ("int4_per_token_head", "hadamard", True), ("fp8_e4m3", "none", True),
-        ("fp4_e2m1", "hadamard", False)]                     # FP4's scales are in its rows: neither kind
-    assert got[3].token_bytes(64, 2) == 2 * 2 * (32 + 4)
+        ("fp4_e2m1", "hadamard", False),                     # FP4's scales are in its rows: neither kind
+        ("int4_per_group32", "hadamard", False)]             # nor int4 per group's
+    assert got[3].token_bytes(64, 2) == got[4].token_bytes(64, 2) == 2 * 2 * (32 + 4)
+    with pytest.raises(ValueError, match="--plan-formats 'int4_per_group32': kv_cache_dtype='int4_per_group32' "
+                                         "stores a float16 scale per group of 32 values: .* not head_dim=48"):
+        parse_plan_formats(["int4_per_group32"], 48, torch.float32)
     with pytest.raises(ValueError, match="hadamard rotation needs a power-of-two head_dim; this model's is 24"):
         parse_plan_formats(["int8+hadamard"], 24, torch.float32)
 

@@ -42,10 +42,11 @@ static inline decltype(auto) with_kv_format(int kv, F&& f) {
         case KV_I8: return f(std::integral_constant<int, KV_I8>{});
         case KV_I4: return f(std::integral_constant<int, KV_I4>{});
         case KV_FP4: return f(std::integral_constant<int, KV_FP4>{});
+        case KV_I4G: return f(std::integral_constant<int, KV_I4G>{});
         default: return f(std::integral_constant<int, KV_F32>{});
     }
 }
-static_assert(KV_COUNT == 9, "with_kv_format has a case per format");
+static_assert(KV_COUNT == 10, "with_kv_format has a case per format");
 
 // Whether the AVX-512 BF16 tile kernels (item_tile.h, item_prefill.h and their AMX forms) read format kv: every
 // value of it is a bf16 (FP8 through the byte tables).
@@ -54,7 +55,14 @@ static constexpr bool kv_bf16_exact(int kv) { return KV_FORMATS[kv].fp8 || KV_FO
 // Whether the AVX-512 decode kernel (item_decode.h) reads format kv: the bf16-exact formats, and the integer codes
 // (|code| <= 127: a bf16 exactly), int8 through a byte table, int4 through a nibble table (fast_simd.h). Items of
 // an integer cache that kernel does not serve run the fp32 kernels (AVX2 or generic).
-static constexpr bool kv_decode_fast(int kv) { return kv_bf16_exact(kv) || KV_FORMATS[kv].ibits != 0; }
+// int4_per_group32 too (the same nibble table; each group's float16 scale applied in the kernel).
+static constexpr bool kv_decode_fast(int kv) {
+    return kv_bf16_exact(kv) || KV_FORMATS[kv].ibits != 0 || KV_FORMATS[kv].gscale == 2;
+}
+
+// Whether format kv stores symmetric int4 codes two per byte, the even channel in the low nibble: int4 per token and
+// head, and int4 per group of 32 (its float16 group scales after the D / 2 code bytes).
+static constexpr bool kv_int4_codes(int kv) { return KV_FORMATS[kv].ibits == 4 || KV_FORMATS[kv].gscale == 2; }
 
 // The first format whose kernel instances serve kv as well: the same element size, and the same decode to bf16
 // (FP8 or not, the same 0x80 rule). The decode kernels are instantiated once per such class and read the FP8
@@ -63,7 +71,7 @@ static constexpr int kv_decode_class(int kv) {
     for (int k = 0; k < kv; ++k) {
         const KvFormat &a = KV_FORMATS[k], &b = KV_FORMATS[kv];
         if (a.esize == b.esize && a.elem == b.elem && a.fp8 == b.fp8 && a.ibits == b.ibits &&
-            a.nan_0x80 == b.nan_0x80 && a.group == b.group)
+            a.nan_0x80 == b.nan_0x80 && a.group == b.group && a.gscale == b.gscale)
             return k;
     }
     return kv;

@@ -45,7 +45,7 @@ static Lut int_tables(int kv) {
     alignas(64) uint16_t w4[32];
     for (int i = 0; i < 32; ++i) w4[i] = f_bf16((float)(((i & 15) ^ 8) - 8));
     Lut t;
-    t.lo0 = KV_FORMATS[kv].ibits == 4 ? _mm512_load_si512(w4) : _mm512_load_si512(lo);
+    t.lo0 = kv_int4_codes(kv) ? _mm512_load_si512(w4) : _mm512_load_si512(lo);
     t.lo1 = _mm512_load_si512(lo + 64);
     t.hi0 = _mm512_load_si512(hi);
     t.hi1 = _mm512_load_si512(hi + 64);
@@ -57,7 +57,8 @@ static const Lut& lut_for(int kv) {
     static const struct Luts {
         Lut of[KV_COUNT];
         Luts() {
-            for (int k = 0; k < KV_COUNT; ++k) of[k] = KV_FORMATS[k].ibits ? int_tables(k) : fp8_tables(k);
+            for (int k = 0; k < KV_COUNT; ++k)
+                of[k] = KV_FORMATS[k].ibits || kv_int4_codes(k) ? int_tables(k) : fp8_tables(k);
         }
     } luts;
     return luts.of[kv];
@@ -108,7 +109,7 @@ static inline void fp8_to_bf16(__m512i c, const Lut& L, __m512i& w0, __m512i& w1
 }
 
 // Bytes of one chunk (chunk_channels) of a cache row: 64, or 32 for int4 (64 channels).
-template <int KV> constexpr int chunk_bytes() { return KV_FORMATS[KV].ibits == 4 ? 32 : 64; }
+template <int KV> constexpr int chunk_bytes() { return kv_int4_codes(KV) ? 32 : 64; }
 
 // The int4 byte permutes: k: lane k, word i <- byte 32k + i of four 32-byte rows (add 8p for channels 16p..16p+15);
 // v[h]: dword i <- byte 16h + i of row a (low word) and of row b (high word) of two 32-byte rows.
@@ -223,7 +224,7 @@ static inline int num_vslots(int kv, int D) { return byte_codes(kv) ? 4 * ((D + 
 
 static inline int acc_channel(int kv, int a) {
     int v = a >> 4, k = (a >> 2) & 3, j = a & 3;
-    if (KV_FORMATS[kv].ibits == 4) return 64 * (v >> 2) + 32 * ((v & 3) >> 1) + 2 * (a & 15) + (v & 1);
+    if (kv_int4_codes(kv)) return 64 * (v >> 2) + 32 * ((v & 3) >> 1) + 2 * (a & 15) + (v & 1);
     if (byte_codes(kv)) return 64 * (v >> 2) + 16 * k + 4 * (v & 3) + j;
     return 32 * (v >> 1) + 8 * k + 4 * (v & 1) + j;
 }
@@ -233,7 +234,7 @@ static inline int acc_channel(int kv, int a) {
 // natural register n of chunk z holds block n of accumulators 4z..4z+3 (a 4x4 block transpose); bf16's
 // natural registers of chunk z interleave blocks of accumulators 2z and 2z+1. Otherwise element by element.
 static inline void natural_order(int kv, const float* acc, int nacc, int D, float* nat) {
-    if (byte_codes(kv) && KV_FORMATS[kv].ibits != 4 && D % 64 == 0) {
+    if (byte_codes(kv) && !kv_int4_codes(kv) && D % 64 == 0) {
         for (int z = 0; z < D / 64; ++z) {
             __m512i in[4], out[4];
             for (int m = 0; m < 4; ++m) in[m] = _mm512_loadu_si512(acc + (4 * z + m) * 16);
@@ -281,7 +282,7 @@ static inline void q_parts16(const Problem& P, int64_t src, int d, const float* 
     else
         x = _mm512_loadu_ps((const float*)P.q + src + d);
     if (kscale) x = _mm512_mul_ps(x, _mm512_loadu_ps(kscale + d));
-    if (P.kv == KV_I4)  // int4's slots: the even channels, then the odd (int4_k_slots)
+    if (kv_int4_codes(P.kv))  // int4's slots (int4_per_group32's too): the even channels, then the odd (int4_k_slots)
         x = _mm512_permutexvar_ps(_mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15), x);
     h = (__m256i)_mm512_cvtneps_pbh(x);
     __m512 hf = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));

@@ -24,6 +24,12 @@
 // rounds to bf16: out = sum_t bf16(p_t vs_t) c_t / sum_t p_t. int4 rows are D / 2 bytes (32 per 64-channel
 // chunk), unpacked in registers (int4_k_slots, int4_v_pairs), so a tile reads half an int8 tile's bytes.
 //
+// int4_per_group32 (kv_int4_codes, gscale 2): the int4 path's codes, and a float16 scale per 32 channels of each
+// token. K: a chunk's first four slots are one group (channels 64z..64z+31), the last four the next; each group's
+// dot products of 4 tokens sum apart (exact products, fp32) and are multiplied by their tokens' scales in fp32
+// (group_scales4) before they join the score. V: as for per-token V scales, the scale rides on the softmax weight,
+// per group: bf16(p_t s_tg) for the group's channels (the weights p in fp32 from decode_weights).
+//
 // Sliding window: a row's scores outside its [first, limit] positions are masked; the item's first tile
 // reads zeros (a zero-padded copy) for its rows before k0, as the last tile does past the context.
 #pragma once
@@ -48,11 +54,21 @@ static inline void stream_row(const uint8_t* ahead, int t) {
         for (int b = 0; b < RBYTES; b += 64) prefetch_l2(ahead + t * RBYTES + b);
 }
 
+// The float16 scales of 4 token rows (row k's at p + k * stride) as floats, row k's in 128-bit lane k (4 dwords).
+static inline __m512 group_scales4(const uint8_t* p, int stride) {
+    alignas(16) uint16_t h[8] = {0};
+    for (int k = 0; k < 4; ++k) memcpy(&h[k], p + k * stride, 2);
+    const __m128 f = _mm_cvtph_ps(_mm_load_si128((const __m128i*)h));
+    return _mm512_permutexvar_ps(_mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0),
+                                 _mm512_castps128_ps512(f));
+}
+
 // Scores of R rows against the 16 rows of one tile starting at kb (row stride kv_row_bytes(KV, D)).
 template <int KV, int D, int R, bool QLO>
 static inline void tile_scores_inplace(const uint8_t* kb, const uint8_t* kahead, const Lut& L, const __m512i* qhi,
                                        const __m512i* qlo, __m512* out) {
     constexpr int RBYTES = (int)kv_row_bytes(KV, D), NS = D / 8, CB = chunk_bytes<KV>();
+    constexpr bool GS = KV_FORMATS[KV].gscale == 2;   // a float16 scale per 32 channels (4 slots) of each token
     __m512 acc[R][4];
     for (int r = 0; r < R; ++r)
         for (int g = 0; g < 4; ++g) acc[r][g] = _mm512_setzero_ps();
@@ -62,16 +78,31 @@ static inline void tile_scores_inplace(const uint8_t* kb, const uint8_t* kahead,
             __m512i in[4], slots[8];
             for (int k = 0; k < 4; ++k) {
                 if (z == 0) stream_row<RBYTES>(kahead, 4 * g + k);
-                if constexpr (KV_FORMATS[KV].ibits != 4) in[k] = _mm512_loadu_si512(kb + (4 * g + k) * RBYTES + z * CB);
+                if constexpr (!kv_int4_codes(KV)) in[k] = _mm512_loadu_si512(kb + (4 * g + k) * RBYTES + z * CB);
             }
-            if constexpr (KV_FORMATS[KV].ibits == 4) int4_k_slots(kb + 4 * g * RBYTES + z * CB, RBYTES, L, slots);
+            if constexpr (kv_int4_codes(KV)) int4_k_slots(kb + 4 * g * RBYTES + z * CB, RBYTES, L, slots);
             else k_chunk_slots<KV>(in, L, slots);
-            for (int l = 0; l < SPC; ++l)
-                for (int r = 0; r < R; ++r) {
-                    const int s = r * NS + SPC * z + l;
-                    acc[r][g] = _mm512_dpbf16_ps(acc[r][g], as_bh(qhi[s]), as_bh(slots[l]));
-                    if (QLO) acc[r][g] = _mm512_dpbf16_ps(acc[r][g], as_bh(qlo[s]), as_bh(slots[l]));
+            if constexpr (GS) {
+                for (int h = 0; h < 2; ++h) {   // group 2z + h: slots 4h..4h+3
+                    const __m512 sv = group_scales4(kb + 4 * g * RBYTES + D / 2 + 2 * (2 * z + h), RBYTES);
+                    for (int r = 0; r < R; ++r) {
+                        __m512 part = _mm512_setzero_ps();
+                        for (int l = 4 * h; l < 4 * h + 4; ++l) {
+                            const int s = r * NS + SPC * z + l;
+                            part = _mm512_dpbf16_ps(part, as_bh(qhi[s]), as_bh(slots[l]));
+                            if (QLO) part = _mm512_dpbf16_ps(part, as_bh(qlo[s]), as_bh(slots[l]));
+                        }
+                        acc[r][g] = _mm512_fmadd_ps(part, sv, acc[r][g]);
+                    }
                 }
+            } else {
+                for (int l = 0; l < SPC; ++l)
+                    for (int r = 0; r < R; ++r) {
+                        const int s = r * NS + SPC * z + l;
+                        acc[r][g] = _mm512_dpbf16_ps(acc[r][g], as_bh(qhi[s]), as_bh(slots[l]));
+                        if (QLO) acc[r][g] = _mm512_dpbf16_ps(acc[r][g], as_bh(qlo[s]), as_bh(slots[l]));
+                    }
+            }
         }
     }
     for (int r = 0; r < R; ++r) out[r] = reduce_scores(acc[r]);
@@ -79,12 +110,14 @@ static inline void tile_scores_inplace(const uint8_t* kb, const uint8_t* kahead,
 
 // obuf (R rows x D accumulators) = obuf * alpha + P . V over the nt tiles of a chunk (V tile j at vb[j], its
 // stream ahead at vahead[j]; weights of row r, tile j: dwords (r * CHUNK_TILES + j) * 8 of phi, bf16 pairs of
-// tokens 2u, 2u + 1).
+// tokens 2u, 2u + 1). int4_per_group32: the weights in fp32 instead, row r's tile j at pf + (r * CHUNK_TILES + j)
+// * 16, times each group's scales and rounded to bf16 pairs here (registers 0, 1 of a chunk: group 2z; 2, 3: 2z + 1).
 template <int KV, int D, int R>
 static inline void chunk_pv_inplace(const uint8_t* const* vb, const uint8_t* const* vahead, int nt, const Lut& L,
-                                    const uint32_t* phi, float* obuf, const float* alpha) {
+                                    const uint32_t* phi, const float* pf, float* obuf, const float* alpha) {
     constexpr int RBYTES = (int)kv_row_bytes(KV, D), CB = chunk_bytes<KV>();
     constexpr int NV = chunk_accs<KV>();  // accumulators per chunk of a row
+    constexpr bool GS = KV_FORMATS[KV].gscale == 2;
     for (int z = 0; z < D / chunk_channels<KV>(); ++z) {
         __m512 acc[R][NV];
         for (int r = 0; r < R; ++r) {
@@ -93,18 +126,36 @@ static inline void chunk_pv_inplace(const uint8_t* const* vb, const uint8_t* con
         }
         for (int j = 0; j < nt; ++j) {
             const uint8_t* v0 = vb[j] + z * CB;
+            alignas(64) uint32_t pw[GS ? R : 1][2][8];   // GS: row r's bf16 weight pairs of group 2z + h, pair u
+            if constexpr (GS) {
+                for (int h = 0; h < 2; ++h) {
+                    alignas(32) uint16_t hs[16];
+                    for (int t = 0; t < 16; ++t) memcpy(&hs[t], vb[j] + t * RBYTES + D / 2 + 2 * (2 * z + h), 2);
+                    const __m512 sv = _mm512_cvtph_ps(_mm256_load_si256((const __m256i*)hs));
+                    for (int r = 0; r < R; ++r)
+                        _mm256_store_si256((__m256i*)pw[r][h], (__m256i)_mm512_cvtneps_pbh(
+                            _mm512_mul_ps(_mm512_loadu_ps(pf + (r * CHUNK_TILES + j) * 16), sv)));
+                }
+            }
             for (int u = 0; u < 8; ++u) {
                 if (z == 0) {
                     stream_row<RBYTES>(vahead[j], 2 * u);
                     stream_row<RBYTES>(vahead[j], 2 * u + 1);
                 }
                 __m512i v[4];
-                if constexpr (KV_FORMATS[KV].ibits == 4)
+                if constexpr (kv_int4_codes(KV))
                     int4_v_pairs(v0 + 2 * u * RBYTES, v0 + (2 * u + 1) * RBYTES, L, v);
                 else
                     v_chunk_pairs<KV>(_mm512_loadu_si512(v0 + 2 * u * RBYTES),
                                       _mm512_loadu_si512(v0 + (2 * u + 1) * RBYTES), L, v);
-                for (int r = 0; r < R; ++r) pv_accumulate<NV, false>(acc[r], v, phi[(r * CHUNK_TILES + j) * 8 + u], 0);
+                for (int r = 0; r < R; ++r) {
+                    if constexpr (GS) {
+                        pv_accumulate<2, false>(acc[r], v, pw[r][0][u], 0);
+                        pv_accumulate<2, false>(acc[r] + 2, v + 2, pw[r][1][u], 0);
+                    } else {
+                        pv_accumulate<NV, false>(acc[r], v, phi[(r * CHUNK_TILES + j) * 8 + u], 0);
+                    }
+                }
             }
         }
         for (int r = 0; r < R; ++r)
@@ -205,16 +256,18 @@ static inline int decode_tile(const Problem& P, const Item& it, const int64_t* t
 // The online-softmax step of one row on the scores s[j] of a chunk's nt tiles (-inf where masked: valid[j]):
 // the chunk's max moves the row's max mx (alpha: the factor of its output accumulators and of sum), the weights
 // e^(s - mx) (exp2_weights) add to sum and are written as bf16 -- times the per-token V scales vs[j] when
-// vscale -- tile j's 16 at dst + (j / 2) * pair_stride + (j % 2) * 16. A row that sees nothing of the chunk
-// keeps its max and gets zero weights. Returns alpha.
+// vscale -- tile j's 16 at dst + (j / 2) * pair_stride + (j % 2) * 16, and in fp32 (unscaled) at pf + 16 j where
+// pf is not NULL. A row that sees nothing of the chunk keeps its max and gets zero weights. Returns alpha.
 static inline float decode_weights(const __m512* s, const __mmask16* valid, const __m512* vs, bool vscale, int nt,
-                                   float& mx, __m512& sum, uint16_t* dst, int pair_stride) {
+                                   float& mx, __m512& sum, uint16_t* dst, int pair_stride, float* pf = nullptr) {
     __m512 m = s[0];
     for (int j = 1; j < nt; ++j) m = _mm512_max_ps(m, s[j]);
     const float cm = _mm512_reduce_max_ps(m);
     if (cm == -INFINITY) {  // the row sees nothing of this chunk (a multi-token item's early rows)
         for (int j = 0; j < nt; ++j) _mm256_store_si256((__m256i*)(dst + (j / 2) * pair_stride + (j % 2) * 16),
                                                         _mm256_setzero_si256());
+        if (pf)
+            for (int j = 0; j < nt; ++j) _mm512_storeu_ps(pf + 16 * j, _mm512_setzero_ps());
         return 1.0f;
     }
     const float mnew = cm > mx ? cm : mx;
@@ -225,6 +278,7 @@ static inline float decode_weights(const __m512* s, const __mmask16* valid, cons
     for (int j = 0; j < nt; ++j) {
         __m512 p = _mm512_maskz_mov_ps(valid[j], exp2_weights(s[j], log2e, m2));
         psum = _mm512_add_ps(psum, p);
+        if (pf) _mm512_storeu_ps(pf + 16 * j, p);
         if (vscale) p = _mm512_mul_ps(p, vs[j]);  // per-token V scale rides on the weight
         _mm256_store_si256((__m256i*)(dst + (j / 2) * pair_stride + (j % 2) * 16), (__m256i)_mm512_cvtneps_pbh(p));
     }
@@ -276,6 +330,8 @@ static int run_item_decode(const Problem& P, const Item& item, float* ws) {
     const Rows w = rows_of(P, item);
     alignas(64) float nat[D], kscale[D];
     alignas(64) uint32_t phi[R * CT * 8];
+    constexpr bool GS = KV_FORMATS[KV].gscale == 2;
+    alignas(64) float pf[GS ? R * CT * 16 : 1];   // int4_per_group32: the weights in fp32 (chunk_pv_inplace)
     // Zero-padded copies of partial tiles. V is read after the chunk's scores, and the first tile (rows before
     // k0) and the last (rows past the context) can share a chunk, so each has its own V copy.
     alignas(64) uint8_t pad_k[TILE * RBYTES], pad_v_first[TILE * RBYTES], pad_v_last[TILE * RBYTES];
@@ -320,8 +376,8 @@ static int run_item_decode(const Problem& P, const Item& item, float* ws) {
             }
             for (int r = 0; r < R; ++r)  // row r's weights: tile j's at dwords (r * CT + j) * 8 of phi
                 alpha[r] = decode_weights(s[r], valid[r], vsv, P.vts != nullptr, nt, H.mx[r], H.sum[r],
-                                          (uint16_t*)(phi + r * CT * 8), 32);
-            chunk_pv_inplace<KV, D, R>(vb, vahead, nt, L, phi, H.obuf, alpha);
+                                          (uint16_t*)(phi + r * CT * 8), 32, GS ? pf + r * CT * 16 : nullptr);
+            chunk_pv_inplace<KV, D, R>(vb, vahead, nt, L, phi, pf, H.obuf, alpha);
         }
     }
     for (int hd = 0; hd < item.nh; ++hd) heads[hd].template finish<KV>(P, w, nat, ws);

@@ -1,6 +1,7 @@
 // The generic item kernel: fp32 arithmetic, any KV dtype, any head dim, any ISA. FP8 is decoded on bits
 // (base.h; exact for subnormals because every kernel thread clears DAZ/FTZ). It is the path of fp16 /
-// fp32 caches, of FP4 (E2M1 codes times their group's E4M3 scale: exact products), of head dims that are not a
+// fp32 caches, of the group-scaled formats (FP4: E2M1 codes times their group's E4M3 scale; int4_per_group32: int4
+// codes times their group's float16 scale: exact products), of head dims that are not a
 // multiple of 16, and of builds without AVX-512 BF16; it
 // carries no arithmetic shared with the fast kernels (those multiply bf16 in registers).
 //
@@ -20,6 +21,12 @@ static void decode_row_f32(const uint8_t* row, int D, float* out) {
         for (int d = 0; d < D; ++d) out[d] = (float)(int8_t)row[d];
     } else if constexpr (F.ibits == 4) {
         for (int d = 0; d < D; ++d) out[d] = (float)int4_at(row, d);
+    } else if constexpr (F.group && F.gscale == 2) {  // int4 codes times their group's float16 scale (exact)
+        for (int g0 = 0; g0 < D; g0 += F.group) {
+            const uint8_t* sp = row + D / 2 + 2 * (g0 / F.group);
+            const float s = f16_f((uint16_t)(sp[0] | (sp[1] << 8)));
+            for (int d = g0; d < g0 + F.group; ++d) out[d] = (float)int4_at(row, d) * s;
+        }
     } else if constexpr (F.group) {  // FP4: E2M1 codes times their group's E4M3 scale (after the D / 2 code bytes)
         for (int g0 = 0; g0 < D; g0 += F.group) {
             const float s = fp8_bits<KV_E4M3>(row[D / 2 + g0 / F.group]);

@@ -22,7 +22,8 @@ static int make_problem(const kv8_layer& L, const kv8_attention_call& C, Problem
         kv >= KV_COUNT || C.q_dtype < 0 || C.q_dtype >= DT_COUNT ||
         kv_row_bytes(kv, D) > (int64_t)sizeof(ZERO_ROW) ||
         ((KV_FORMATS[kv].ibits == 4 || KV_FORMATS[kv].group) && D % 2) ||
-        (KV_FORMATS[kv].group && (L.k_token_scales || L.k_scale || L.v_scale)) ||   // FP4's scales are in its rows
+        (KV_FORMATS[kv].group && (L.k_token_scales || L.k_scale || L.v_scale)) ||   // group scales are in the rows
+        (KV_FORMATS[kv].gscale == 2 && D % KV_FORMATS[kv].group) ||                 // whole groups of 32
         (L.k_token_scales == nullptr) != (L.v_token_scales == nullptr) || C.sliding_window < 0 ||
         (KV_FORMATS[kv].ibits && !L.k_token_scales))   // integer codes mean nothing without their scales
         return ERR_ARGS;

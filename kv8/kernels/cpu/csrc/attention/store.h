@@ -7,7 +7,8 @@
 // channel). FP8 with dynamic scales, and int8 (always): each (token, head) gets scale amax|x| / max_finite (1.0
 // when that is 0 or not finite; int8: max 127, int4: 7), written beside its codes; integer codes are
 // clamp(rne(x / scale), -max, max) with NaN -> 0 (base.h), int4 two per byte (the even channel in the low nibble).
-// FP4 (fp4_e2m1): E2M1 codes two per byte and an E4M3 scale per group of 16 values in the row (store_row_fp4).
+// FP4 (fp4_e2m1): E2M1 codes two per byte and an E4M3 scale per group of 16 values in the row (store_row_fp4);
+// int4_per_group32: int4 codes two per byte and a float16 scale per group of 32 values (store_row_int4_group).
 // 16/32-bit caches store the value converted (round to nearest even). Bit-exact with
 // kv8.cache.paged_cache.PagedKVCache.store, NaN rule included (base.h).
 //
@@ -123,6 +124,32 @@ static inline void store_row_fp4(float* x, int D, int G, uint8_t* dst) {
     for (int d = 0; d < D; d += 2) dst[d / 2] = (uint8_t)(e2m1_encode(x[d]) | (e2m1_encode(x[d + 1]) << 4));
 }
 
+// One int4_per_group32 row (kv8.quant.int4_group, bit for bit): per group of G values (G divides D) the float16
+// scale s = f16(clamp(amax / 7, 2^-24, 65504)), 1.0 where amax / 7 is zero or not finite; codes
+// clamp(rne(x / s), -7, 7) with NaN -> 0, two per byte; each scale's two bytes (low first) after the D / 2 code
+// bytes. x: the row in float32 (overwritten).
+static inline void store_row_int4_group(float* x, int D, int G, uint8_t* dst) {
+    for (int g0 = 0; g0 < D; g0 += G) {
+        float amax = 0.0f;
+        bool nan = false;
+        for (int d = g0; d < g0 + G; ++d) {
+            const float a = fabsf(x[d]);
+            nan |= a != a;
+            amax = a > amax ? a : amax;
+        }
+        float s = amax / 7.0f;
+        if (nan || !(s > 0.0f) || s == INFINITY) s = 1.0f;
+        s = s < 0x1p-24f ? 0x1p-24f : s > 65504.0f ? 65504.0f : s;
+        const uint16_t h = f_f16(s);
+        const float sv = f16_f(h);
+        dst[D / 2 + 2 * (g0 / G)] = (uint8_t)(h & 0xFF);
+        dst[D / 2 + 2 * (g0 / G) + 1] = (uint8_t)(h >> 8);
+        for (int d = g0; d < g0 + G; ++d) x[d] = x[d] / sv;
+    }
+    for (int d = 0; d < D; d += 2)
+        dst[d / 2] = (uint8_t)((int_encode(x[d], 7.0f) & 0xF) | (int_encode(x[d + 1], 7.0f) << 4));
+}
+
 static int run_store(const kv8_layer& L, const kv8_store_call& C) {
     const int64_t T = C.num_tokens, num_blocks = L.num_blocks;
     const int H = L.num_kv_heads, D = L.head_dim, bs = L.block_size, kv = L.kv_dtype, in_dtype = C.in_dtype;
@@ -139,7 +166,8 @@ static int run_store(const kv8_layer& L, const kv8_store_call& C) {
         (k_token_scales && !KV_FORMATS[kv].fp8 && !KV_FORMATS[kv].ibits) ||
         (KV_FORMATS[kv].fp8 && !k_token_scales && (!k_scale || !v_scale)) ||
         (KV_FORMATS[kv].ibits && !k_token_scales) || (KV_FORMATS[kv].ibits == 4 && D % 2) ||
-        (KV_FORMATS[kv].group && (D % 2 || k_scale || v_scale)))
+        (KV_FORMATS[kv].group && (D % 2 || k_scale || v_scale)) ||
+        (KV_FORMATS[kv].gscale == 2 && D % KV_FORMATS[kv].group))
         return ERR_ARGS;
     const KvFormat& fmt = KV_FORMATS[kv];
     const float maxf = fmt.max_finite;
@@ -198,7 +226,9 @@ static int run_store(const kv8_layer& L, const kv8_store_call& C) {
             }
 #endif
             for (int d = 0; d < D; ++d) buf[d] = load_f(src, in_dtype, s0 + d);
-            if (fmt.group) {
+            if (fmt.group && fmt.gscale == 2) {
+                store_row_int4_group(buf, D, fmt.group, dst);
+            } else if (fmt.group) {
                 store_row_fp4(buf, D, fmt.group, dst);
             } else if (fmt.fp8 || fmt.ibits) {
                 if (ts) {

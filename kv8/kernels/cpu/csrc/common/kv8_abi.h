@@ -30,7 +30,7 @@ static const char* const COMPUTE_DTYPE_NAMES[DT_COUNT] = {"bfloat16", "float16",
 // a format -- the store, every decode path and the FP8 -> bf16 tables read it rather than compare codes; template
 // parameters that pick code paths at compile time are codes whose traits are read from this table as constants.
 enum { KV_E4M3 = 0, KV_E4M3FNUZ = 1, KV_E5M2 = 2, KV_BF16 = 3, KV_F16 = 4, KV_F32 = 5, KV_I8 = 6, KV_I4 = 7,
-       KV_FP4 = 8, KV_COUNT = 9 };
+       KV_FP4 = 8, KV_I4G = 9, KV_COUNT = 10 };
 struct KvFormat {
     const char* name;   // kv8.quant.formats.KVCacheDtype.name
     int esize;          // bytes per element
@@ -45,11 +45,13 @@ struct KvFormat {
     bool nan_0x80;      // code 0x80 is the one NaN, and there is no -0 (the "fnuz" formats)
     bool has_inf;       // IEEE-style: the top exponent holds inf and NaNs; else only magnitude 0x7f is NaN ("fn")
     uint8_t nan_code;   // what the encoders write for NaN (with its sign bit where the format has a -NaN)
-    int group;          // FP4 E2M1 codes (two per byte, the even channel in the low nibble) with an E4M3 scale per
-                        // `group` values after the row's codes (kv8.quant.fp4); 0: none
+    int group;          // codes two per byte (the even channel in the low nibble) with a scale per `group` values
+                        // after the row's codes; 0: none. Which codes and scales: gscale
+    int gscale;         // bytes of one group scale: 1 = E4M3 with E2M1 codes (kv8.quant.fp4), 2 = float16
+                        // (little-endian) with symmetric int4 codes -7..7 (kv8.quant.int4_group; D % group == 0)
 };
 static constexpr KvFormat KV_FORMATS[KV_COUNT] = {
-    // name                 esize  elem     fp8    ibits  mbits  bias  max_finite  nan_0x80  has_inf  nan_code
+    // name                 esize  elem     fp8    ibits  mbits  bias  max_finite  nan_0x80  has_inf  nan_code group gscale
     {"fp8_e4m3",            1,     -1,      true,  0,     3,     7,    448.0f,     false,    false,   0x7f},  // KV_E4M3
     {"fp8_e4m3fnuz",        1,     -1,      true,  0,     3,     8,    240.0f,     true,     false,   0x80},  // KV_E4M3FNUZ
     {"fp8_e5m2",            1,     -1,      true,  0,     2,     15,   57344.0f,   false,    true,    0x7e},  // KV_E5M2
@@ -58,13 +60,14 @@ static constexpr KvFormat KV_FORMATS[KV_COUNT] = {
     {"float32",             4,     DT_F32,  false, 0,     0,     0,    0.0f,       false,    false,   0},     // KV_F32
     {"int8_per_token_head", 1,     -1,      false, 8,     0,     0,    127.0f,     false,    false,   0},     // KV_I8
     {"int4_per_token_head", 1,     -1,      false, 4,     0,     0,    7.0f,       false,    false,   0},     // KV_I4
-    {"fp4_e2m1",            1,     -1,      false, 0,     1,     1,    6.0f,       false,    false,   0, 16}, // KV_FP4
+    {"fp4_e2m1",            1,     -1,      false, 0,     1,     1,    6.0f,       false,    false,   0, 16, 1}, // KV_FP4
+    {"int4_per_group32",    1,     -1,      false, 0,     0,     0,    7.0f,       false,    false,   0, 32, 2}, // KV_I4G
 };
 
-// Bytes one head's row of D values takes in a cache of format kv (D / 2 for 4-bit codes; FP4: and a scale byte per
-// group).
+// Bytes one head's row of D values takes in a cache of format kv (D / 2 for 4-bit codes; group-scaled: and gscale
+// bytes per group).
 static constexpr int64_t kv_row_bytes(int kv, int64_t D) {
-    return KV_FORMATS[kv].group ? D / 2 + (D + KV_FORMATS[kv].group - 1) / KV_FORMATS[kv].group
+    return KV_FORMATS[kv].group ? D / 2 + (D + KV_FORMATS[kv].group - 1) / KV_FORMATS[kv].group * KV_FORMATS[kv].gscale
          : KV_FORMATS[kv].ibits == 4 ? D / 2 : D * KV_FORMATS[kv].esize;
 }
 
