@@ -137,6 +137,9 @@ def _file_order(c: torch.Tensor, qtype: str) -> torch.Tensor:
     return c
 
 
+_SHIFT2 = 2 * torch.arange(4, dtype=torch.uint8)   # Q6_K's bit pairs: 0, 2, 4, 6
+
+
 def q6_k_codes(blocks: torch.Tensor) -> torch.Tensor:
     """Q6_K blocks ``[..., 210]`` (the file's bytes) -> their 256 codes ``[..., 256]`` uint8 (0..63) in value order:
     ``ql``'s nibbles and ``qh``'s bit pairs put together (see the module docstring)."""
@@ -144,7 +147,7 @@ def q6_k_codes(blocks: torch.Tensor) -> torch.Tensor:
     ql = blocks[..., 0:128].reshape(*lead, 2, 1, 64)                      # (.., h, 1, 64)
     low = torch.cat([ql & 15, ql >> 4], dim=-2).reshape(*lead, 2, 4, 32)  # (.., h, t, j): t // 2 the nibble
     qh = blocks[..., 128:192].reshape(*lead, 2, 1, 32)                    # (.., h, 1, j)
-    high = (qh >> (2 * torch.arange(4, dtype=torch.uint8))[:, None]) & 3  # (.., h, t, j)
+    high = (qh >> _SHIFT2[:, None]) & 3                                   # (.., h, t, j)
     return (low | (high << 4)).reshape(*lead, 256)
 
 
@@ -153,11 +156,8 @@ def _q6_k_ql_qh(q: torch.Tensor) -> torch.Tensor:
     lead = q.shape[:-1]
     v = q.reshape(*lead, 2, 4, 32)                                        # (.., h, t, j)
     ql = (v[..., 0:2, :] & 15) | ((v[..., 2:4, :] & 15) << 4)              # (.., h, t % 2, j)
-    qh = ((v >> 4) << (2 * torch.arange(4, dtype=torch.uint8))[:, None]).sum(dim=-2).to(torch.uint8)   # (.., h, j)
+    qh = ((v >> 4) << _SHIFT2[:, None]).sum(dim=-2).to(torch.uint8)      # (.., h, j)
     return torch.cat([ql.reshape(*lead, 128), qh.reshape(*lead, 64)], dim=-1)
-
-
-_SHIFT2 = 2 * torch.arange(4, dtype=torch.uint8)
 
 
 def _q6_k_canonical(b: torch.Tensor) -> torch.Tensor:
