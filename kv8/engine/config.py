@@ -36,7 +36,7 @@ ATTENTION_BACKENDS: tuple[str, ...] = ("auto", *BACKENDS)
 # (kv8.kernels.cpu.dense)
 DENSE_BACKENDS = ("auto", "torch", "torch_fp32", "packed_bf16")
 # weight quantization at load (vLLM's --quantization): fp8 = E4M3 weights with one float32 scale per output row;
-# gguf = a GGUF file's Q8_0 / Q4_0 / Q4_1 / Q5_0 / Q4_K blocks kept as they are (kv8.quant.gguf_blocks)
+# gguf = a GGUF file's Q8_0 / Q4_0 / Q4_1 / Q5_0 / Q4_K / Q6_K blocks kept as they are (kv8.quant.gguf_blocks)
 QUANTIZATION_METHODS = ("fp8", "gguf")
 
 _DTYPES: dict[str, torch.dtype] = {
@@ -120,9 +120,9 @@ class EngineConfig:
     quantization: str | None = option(
         None, "quantize the weights of the decoder's linear layers at load: fp8 = E4M3 codes with one float32 "
         "scale per output row (half the bytes a decode step reads; the LM head and embedding stay as loaded); gguf = "
-        "keep a GGUF file's Q8_0 / Q4_0 / Q4_1 / Q5_0 / Q4_K blocks as they are, the embedding's and LM head's too, "
-        "multiplied by an int8-activation kernel (a Q4 model's weights in ~1/3.5 of bf16's bytes; one tensor-parallel "
-        "rank)",
+        "keep a GGUF file's Q8_0 / Q4_0 / Q4_1 / Q5_0 / Q4_K / Q6_K blocks as they are, the embedding's and LM head's "
+        "too, multiplied by an int8-activation kernel (a Q4 model's weights in ~1/3.5 of bf16's bytes; one "
+        "tensor-parallel rank)",
         choices=QUANTIZATION_METHODS)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     platform: Platform = CPU   # the machine, resolved once from the device option (Platform.resolve)

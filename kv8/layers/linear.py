@@ -24,7 +24,7 @@ row (:mod:`kv8.quant.weights`), quantized after loading (each rank its own shard
   the activations' rounding (:func:`scaled_mm_fp8_reference` is its plain torch definition).
 
 With ``quantization="gguf"`` (a GGUF checkpoint) the decoder's layers keep the file's blocks (Q8_0, Q4_0, Q4_1,
-Q5_0, Q4_K: :mod:`kv8.quant.gguf_blocks`), never expanded: the loader hands each such tensor over as a
+Q5_0, Q4_K, Q6_K: :mod:`kv8.quant.gguf_blocks`), never expanded: the loader hands each such tensor over as a
 :class:`~kv8.quant.gguf_blocks.GGUFWeight` (``load_gguf``), and :class:`GGUFLinearMethod` keeps the merged rows'
 bytes (:class:`GGUFSegment`: one per run of projections of one type) and multiplies them with the kernel
 (``DenseKernels.gguf_linear``: int8 activations per block of 32, within
@@ -32,7 +32,7 @@ bytes (:class:`GGUFSegment`: one per run of projections of one type) and multipl
 rows, from there with the blocks dequantized to a transient float32 matrix (``DenseKernels.gguf_dequantize``) and
 the float32 GEMM (:func:`linear_f32`), or, without the kernels, with
 :func:`~kv8.quant.gguf_blocks.gguf_linear_reference` (the blocks dequantized to float32 in torch at each call). A
-tensor of another type (Q6_K, Q5_K, F16, ...) comes dequantized to the compute dtype, alone
+tensor of another type (Q5_K, Q3_K, F16, ...) comes dequantized to the compute dtype, alone
 (:class:`~kv8.quant.gguf_blocks.ExpandedWeight`; the loader warns once), and its rows are multiplied as bf16
 weights.
 
@@ -365,7 +365,7 @@ GGUF_SCRATCH_BYTES = 8 << 20
 class GGUFSegment(nn.Module):
     """Consecutive output rows of a :class:`GGUFLinearMethod` layer held one way: the blocks of one kept type
     (``qtype`` in :data:`~kv8.quant.gguf_blocks.KEPT_TYPES`; buffer ``blocks`` uint8 ``[rows, row bytes]``, in the
-    kernel's order when ``grouped``), or, ``expanded``, tensors of a type no kernel reads (``qtype`` e.g. ``"Q6_K"``)
+    kernel's order when ``grouped``), or, ``expanded``, tensors of a type no kernel reads (``qtype`` e.g. ``"Q5_K"``)
     dequantized at load to the compute dtype (buffer ``weight [rows, K]``, or ``packed`` for the packed bf16 kernel).
     ``tensors`` counts the file's tensors in it (merged projections of the same type share a segment)."""
 

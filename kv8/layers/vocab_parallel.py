@@ -16,13 +16,13 @@ With one rank both are the plain layers (the whole matrix, no collective). The w
 ``weight_loader`` (a whole checkpoint tensor, checked against ``[V, E]``; the rank keeps its rows).
 
 With ``quantization="gguf"`` (one rank) both keep the file's blocks when their type has a kernel (Q8_0, Q4_0, Q4_1,
-Q5_0, Q4_K: :data:`~kv8.quant.gguf_blocks.KEPT_TYPES`), loaded through ``load_gguf``: the embedding holds a
+Q5_0, Q4_K, Q6_K: :data:`~kv8.quant.gguf_blocks.KEPT_TYPES`), loaded through ``load_gguf``: the embedding holds a
 :class:`~kv8.layers.linear.GGUFSegment` (grouped in the kernel's order where the kernels read the type) and looks up
 its rows by dequantizing only the blocks of the ids asked for (:meth:`GGUFSegment.lookup`: the values the dequantized
 embedding would hold, bit for bit); the LM head multiplies by its blocks with :class:`~kv8.layers.linear.
 GGUFLinearMethod` (the int8 kernel below :data:`GGUF_HEAD_DEQUANTIZE_ROWS` rows). A tied pair shares one segment: the
 embedding's, handed to the head (:meth:`VocabParallelEmbedding.tied_gguf_part`), so the blocks are in memory once. A
-type without a kernel (Q6_K, F16, ...) is dequantized at load to the compute dtype, as without the option.
+type without a kernel (Q5_K, F16, ...) is dequantized at load to the compute dtype, as without the option.
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ Invariants of the yielded tensors:
   subtracted here, as transformers does, so the tensors are the checkpoint's ``w`` of ``(1 + w)``;
 * with ``keep_blocks`` (``quantization="gguf"``: the decoder's linear weights, the embedding and the LM head), those
   tensors are yielded as the file's blocks (:class:`kv8.quant.gguf_blocks.GGUFWeight`), llama's q/k rows put back in
-  the same way; those of a type no kernel reads (not in :data:`~kv8.quant.gguf_blocks.KEPT_TYPES`: Q6_K, Q5_K, F16,
+  the same way; those of a type no kernel reads (not in :data:`~kv8.quant.gguf_blocks.KEPT_TYPES`: Q5_K, Q3_K, F16,
   ...) dequantized alone to the compute dtype (:class:`~kv8.quant.gguf_blocks.ExpandedWeight`), with one warning
   naming the decoder's;
 * ``lm_head.weight`` is yielded only when the file has ``output.weight``; otherwise
@@ -533,7 +533,7 @@ def iter_gguf_weights(reader: gguf.GGUFReader, model: GGUFModel, dtype: torch.dt
 
 def gguf_block_summary(reader: gguf.GGUFReader, model: GGUFModel) -> str:
     """``"Q4_1: 210 tensors, 63.3 MiB"``: the types and bytes of the decoder's linear weights that
-    ``quantization="gguf"`` keeps as blocks, then (``"; dequantized at load: Q6_K: 9 tensors, 7.4 MiB in the
+    ``quantization="gguf"`` keeps as blocks, then (``"; dequantized at load: Q5_K: 9 tensors, 7.4 MiB in the
     file"``) those of the types it expands."""
     kept: dict[str, list[int]] = {}
     expanded: dict[str, list[int]] = {}

@@ -245,7 +245,7 @@ def resident_weight_bytes(model: nn.Module) -> int:
 
 
 def describe_gguf_blocks(model: nn.Module) -> str:
-    """``"Q4_K: 27 tensors, Q5_0: 81 tensors as blocks, 72.1 MiB; dequantized at load: Q6_K: 9 tensors, 22.5 MiB;
+    """``"Q4_K: 27 tensors, Q5_0: 81 tensors as blocks, 72.1 MiB; dequantized at load: Q5_K: 9 tensors, 22.5 MiB;
     embedding Q8_0 blocks, 170.0 MiB; LM head tied: the embedding's blocks; resident weights 248.2 MiB"``: how the
     model's decoder linear layers hold their GGUF tensors (``quantization="gguf"``: the types kept as blocks with their
     tensor counts and resident bytes, then those expanded to the compute dtype), how the embedding and the LM head

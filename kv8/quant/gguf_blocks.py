@@ -9,15 +9,18 @@ are :data:`KEPT_TYPES`; four have blocks of 32 values, a float16 scale (Q4_1: an
     Q5_0 (22 B): f16 d | u32 qh | u8 qs[16]         w_j = d * (c_j + 16 h_j - 16)
 
 with 4-bit codes ``c_j = qs[j] & 15`` and ``c_{j+16} = qs[j] >> 4`` (``j < 16``) and Q5_0's fifth bits ``h_j =
-(qh >> j) & 1`` (``qh`` little-endian). Q4_K has super-blocks of 256 values, 8 sub-blocks of 32 with 6-bit scales and
-mins::
+(qh >> j) & 1`` (``qh`` little-endian). Two K-quants have super-blocks of 256 values: Q4_K, 8 sub-blocks of 32 with
+6-bit scales and mins, and Q6_K, 16 sub-blocks of 16 with int8 scales and 6-bit codes::
 
     Q4_K (144 B): f16 d | f16 dmin | u8 scales[12] | u8 qs[128]      w = d * sc_s * c - dmin * m_s
+    Q6_K (210 B): u8 ql[128] | u8 qh[64] | i8 scales[16] | f16 d     w = d * scales_s * (q - 32)
 
-where sub-block ``s`` has scale ``sc_s`` and min ``m_s`` (6 bits each, packed in ``scales``: :func:`q4_k_scale_min`)
-and its codes are the low (even ``s``) or high (odd ``s``) nibbles of ``qs[32 (s // 2) .. 32 (s // 2) + 31]``.
-:data:`BLOCK_BYTES` counts bytes per 32 values for every type (Q4_K: 144 / 8 = 18), so a row of ``K`` values has
-``K / 32 * BLOCK_BYTES`` bytes; :data:`BLOCK_VALUES` is the values per block (``K`` must be a multiple). Rows are
+Q4_K's sub-block ``s`` has scale ``sc_s`` and min ``m_s`` (6 bits each, packed in ``scales``: :func:`q4_k_scale_min`)
+and its codes are the low (even ``s``) or high (odd ``s``) nibbles of ``qs[32 (s // 2) .. 32 (s // 2) + 31]``. Q6_K's
+value ``v = 128 h + 32 t + j`` (``h < 2``, ``t < 4``, ``j < 32``) has the 6-bit code ``q = ql[64 h + 32 (t % 2) + j]
+>> 4 (t // 2) & 15 | (qh[32 h + j] >> 2 t & 3) << 4`` (0..63) and sub-block ``s = v // 16`` (:func:`q6_k_codes`).
+:data:`BLOCK_BYTES` counts bytes per block of :data:`BLOCK_VALUES` values (Q4_K: 144 per 256), so a row of ``K``
+values (``K`` a multiple of the block) has :func:`row_bytes` ``= K / BLOCK_VALUES * BLOCK_BYTES`` bytes. Rows are
 independent, so a row permutation (llama's q/k rows) or concatenation (merged q/k/v, gate/up) moves whole rows of
 bytes.
 
@@ -28,7 +31,8 @@ bytes.
 * :func:`gather_rows` / :func:`dequantize_rows`: some rows of a weight (an embedding's looked-up tokens) from blocks in
   either layout, in the file's layout / as float32: the blocks of the other rows are not read.
 * :func:`quantize_activation_blocks` and :func:`gguf_activation_bound`: the kernel (``csrc/dense/gguf.h``) rounds
-  each activation to int8 per block of 32 (``scale = amax / 127``), for every type (Q4_K: per sub-block);
+  each activation to int8 per block of 32 (``scale = amax / 127``), for every type (Q4_K: per sub-block; Q6_K: per
+  two sub-blocks, whose integer products it sums exactly, each times its int8 scale, before that scale applies);
   :func:`gguf_activation_bound` is the largest difference that rounding can make to each output, ``sum_blocks scale /
   2 * sum_j |w_j|``.
 """
@@ -44,25 +48,32 @@ __all__ = ["BLOCK", "BLOCK_BYTES", "BLOCK_VALUES", "GROUP_ROWS", "KEPT_TYPES", "
            "random_blocks",
            "dequantize_blocks", "dequantize_rows", "gather_rows",
            "gguf_activation_bound", "gguf_linear_reference", "group_blocks", "q4_k_scale_min",
-           "quantize_activation_blocks", "ungroup_blocks"]
+           "q6_k_codes", "quantize_activation_blocks", "row_bytes", "ungroup_blocks"]
 
 BLOCK = 32
-#: bytes per 32 values of each type kept quantized (Q4_K: a 144-byte super-block holds 256 values, 18 bytes per 32)
-BLOCK_BYTES: dict[str, int] = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q4_K": 18}
+#: bytes per block of each type kept quantized (:data:`BLOCK_VALUES` values: 32, or a K-quant's super-block of 256)
+BLOCK_BYTES: dict[str, int] = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q4_K": 144, "Q6_K": 210}
 #: values per block of each type: a row's length must be a multiple of it
-BLOCK_VALUES: dict[str, int] = {"Q8_0": 32, "Q4_0": 32, "Q4_1": 32, "Q5_0": 32, "Q4_K": 256}
+BLOCK_VALUES: dict[str, int] = {"Q8_0": 32, "Q4_0": 32, "Q4_1": 32, "Q5_0": 32, "Q4_K": 256, "Q6_K": 256}
 KEPT_TYPES: tuple[str, ...] = tuple(BLOCK_BYTES)
 #: weight rows per group of the kernel's layout (:func:`group_blocks`), interleaved block by block
 GROUP_ROWS = 8
 _Q4_K_BYTES = 144
-#: bytes per weight block: 32 values, Q4_K's super-block 256
-_UNIT = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q4_K": _Q4_K_BYTES}
+_Q6_K_BYTES = 210
+
+
+def row_bytes(qtype: str, in_features: int) -> int:
+    """The bytes of one row of ``in_features`` values of ``qtype`` (a multiple of ``BLOCK_VALUES[qtype]``)."""
+    return in_features // BLOCK_VALUES[qtype] * BLOCK_BYTES[qtype]
+
 #: the widths of a weight block's sections in its canonical byte order (:func:`_canonical`), which
 #: :func:`group_blocks` interleaves over a group's rows: the scales, then 4 bytes of codes at a time (Q4_K: its 12
-#: bytes of 6-bit scales and mins one at a time; ``csrc/dense/gguf.h`` has the same table)
+#: bytes of 6-bit scales and mins one at a time; Q6_K: its int8 scales two at a time, the two sub-blocks of one
+#: activation block of 32; ``csrc/dense/gguf.h`` has the same table)
 _SECTIONS: dict[str, tuple[int, ...]] = {"Q8_0": (2,) + (4,) * 8, "Q4_0": (2,) + (4,) * 4,
                                          "Q4_1": (2, 2) + (4,) * 4, "Q5_0": (2, 4) + (4,) * 4,
-                                         "Q4_K": (2, 2) + (1,) * 12 + (4,) * 32}
+                                         "Q4_K": (2, 2) + (1,) * 12 + (4,) * 32,
+                                         "Q6_K": (2,) + (2,) * 8 + (4,) * 48}
 
 
 def _q4_k_pack_scale_min(sc: torch.Tensor, mn: torch.Tensor) -> torch.Tensor:
@@ -76,7 +87,7 @@ _BITS = torch.arange(8, dtype=torch.uint8)
 
 
 def _canonical(b: torch.Tensor, qtype: str) -> torch.Tensor:
-    """Weight blocks ``[..., unit]`` (the file's bytes, :data:`_UNIT` bytes each) -> the same information in the
+    """Weight blocks ``[..., unit]`` (the file's bytes, :data:`BLOCK_BYTES` each) -> the same information in the
     byte order whose :data:`_SECTIONS` the kernel's layout interleaves (a bijection of each block; the inverse:
     :func:`_file_order`). Q8_0, Q4_0, Q4_1: the file's block. Q5_0: ``d``, then ``qh`` transposed so that bit ``k``
     of byte ``i`` is ``h_{4k+i}`` (byte ``i`` of the 4 codes ``4k .. 4k+3`` of section ``k``), then ``qs``. Q4_K:
@@ -85,7 +96,17 @@ def _canonical(b: torch.Tensor, qtype: str) -> torch.Tensor:
         sc_lo[s] = sc_s & 15 | (sc_{s+4} & 15) << 4      m_lo[s]: the same for the mins       (s < 4)
         hi[s]    = sc_s >> 4 | (sc_{s+4} >> 4) << 2 | (m_s >> 4) << 4 | (m_{s+4} >> 4) << 6
 
-    then ``qs[128]``."""
+    then ``qs[128]``. Q6_K: ``d``, ``scales[16]``, then per block ``b`` of 32 values (``b < 8``) 24 bytes of codes,
+    16 of low nibbles and 8 of high bits, for the values ``32 b + 16 u + 4 k + i`` (``u < 2``, ``k < 4``, ``i <
+    4``)::
+
+        lo[b][4 k + i] = q(32 b + 4 k + i) & 15 | (q(32 b + 16 + 4 k + i) & 15) << 4
+        hi[b][4 u + i] = sum_k (q(32 b + 16 u + 4 k + i) >> 4) << 2 k
+
+    so that 4 bytes of ``lo`` are 4 codes of each sub-block of the block and 4 bytes of ``hi`` the top bits of the
+    16 codes of one sub-block."""
+    if qtype == "Q6_K":
+        return _q6_k_canonical(b)
     if qtype == "Q5_0":
         h = ((b[..., 2:6, None] >> _BITS) & 1).reshape(*b.shape[:-1], 8, 4)   # [k, i] = h_{4k+i}
         t = (h << _BITS[:, None]).sum(dim=-2).to(torch.uint8)                 # byte i: bit k = h_{4k+i}
@@ -101,6 +122,8 @@ def _canonical(b: torch.Tensor, qtype: str) -> torch.Tensor:
 
 def _file_order(c: torch.Tensor, qtype: str) -> torch.Tensor:
     """The inverse of :func:`_canonical`."""
+    if qtype == "Q6_K":
+        return _q6_k_file_order(c)
     if qtype == "Q5_0":
         h = ((c[..., 2:6][..., None, :] >> _BITS[:, None]) & 1)                  # [k, i] = h_{4k+i}
         h = h.reshape(*c.shape[:-1], 4, 8)                                       # [byte, bit] = h_{8 byte + bit}
@@ -114,10 +137,54 @@ def _file_order(c: torch.Tensor, qtype: str) -> torch.Tensor:
     return c
 
 
+_SHIFT2 = 2 * torch.arange(4, dtype=torch.uint8)   # Q6_K's bit pairs: 0, 2, 4, 6
+
+
+def q6_k_codes(blocks: torch.Tensor) -> torch.Tensor:
+    """Q6_K blocks ``[..., 210]`` (the file's bytes) -> their 256 codes ``[..., 256]`` uint8 (0..63) in value order:
+    ``ql``'s nibbles and ``qh``'s bit pairs put together (see the module docstring)."""
+    lead = blocks.shape[:-1]
+    ql = blocks[..., 0:128].reshape(*lead, 2, 1, 64)                      # (.., h, 1, 64)
+    low = torch.cat([ql & 15, ql >> 4], dim=-2).reshape(*lead, 2, 4, 32)  # (.., h, t, j): t // 2 the nibble
+    qh = blocks[..., 128:192].reshape(*lead, 2, 1, 32)                    # (.., h, 1, j)
+    high = (qh >> _SHIFT2[:, None]) & 3                                   # (.., h, t, j)
+    return (low | (high << 4)).reshape(*lead, 256)
+
+
+def _q6_k_ql_qh(q: torch.Tensor) -> torch.Tensor:
+    """The inverse of :func:`q6_k_codes`' code extraction: codes ``[..., 256]`` -> ``ql[128] qh[64]`` ``[..., 192]``."""
+    lead = q.shape[:-1]
+    v = q.reshape(*lead, 2, 4, 32)                                        # (.., h, t, j)
+    ql = (v[..., 0:2, :] & 15) | ((v[..., 2:4, :] & 15) << 4)              # (.., h, t % 2, j)
+    qh = ((v >> 4) << _SHIFT2[:, None]).sum(dim=-2).to(torch.uint8)      # (.., h, j)
+    return torch.cat([ql.reshape(*lead, 128), qh.reshape(*lead, 64)], dim=-1)
+
+
+def _q6_k_canonical(b: torch.Tensor) -> torch.Tensor:
+    """Q6_K's file block -> :func:`_canonical`'s order: ``d``, ``scales``, then per block of 32 ``lo[16] hi[8]``."""
+    lead = b.shape[:-1]
+    v = q6_k_codes(b).reshape(*lead, 8, 2, 4, 4)                          # (.., b, u, k, i)
+    lo = (v[..., 0, :, :] & 15) | ((v[..., 1, :, :] & 15) << 4)            # (.., b, k, i)
+    hi = ((v >> 4) << _SHIFT2[:, None]).sum(dim=-2).to(torch.uint8)        # (.., b, u, i)
+    codes = torch.cat([lo.reshape(*lead, 8, 16), hi.reshape(*lead, 8, 8)], dim=-1).reshape(*lead, 192)
+    return torch.cat([b[..., 208:210], b[..., 192:208], codes], dim=-1)
+
+
+def _q6_k_file_order(c: torch.Tensor) -> torch.Tensor:
+    """The inverse of :func:`_q6_k_canonical`."""
+    lead = c.shape[:-1]
+    codes = c[..., 18:].reshape(*lead, 8, 24)
+    lo = codes[..., :16].reshape(*lead, 8, 1, 4, 4)                       # (.., b, 1, k, i)
+    lo = torch.cat([lo & 15, lo >> 4], dim=-3)                            # (.., b, u, k, i)
+    hi = codes[..., 16:].reshape(*lead, 8, 2, 1, 4)                       # (.., b, u, 1, i)
+    v = lo | (((hi >> _SHIFT2[:, None]) & 3) << 4)
+    return torch.cat([_q6_k_ql_qh(v.reshape(*lead, 256)), c[..., 2:18], c[..., 0:2]], dim=-1)
+
+
 def _interleave_index(qtype: str, g: int) -> torch.Tensor:
     """``[g * unit]`` int64: for each byte of a group's weight block in the kernel's layout, its place in the ``g``
     rows' canonical blocks ``[g, unit]`` (flattened): section after section, each the ``g`` rows' bytes of it."""
-    unit = _UNIT[qtype]
+    unit = BLOCK_BYTES[qtype]
     index, offset = [], 0
     for w in _SECTIONS[qtype]:
         index += [r * unit + offset + i for r in range(g) for i in range(w)]
@@ -141,11 +208,12 @@ def group_blocks(blocks: torch.Tensor, qtype: str, in_features: int) -> torch.Te
                  block 1: .. ;   then the next group of 8 rows
 
     (Q4_1; Q8_0's sections: ``d``, 8 x 4 codes; Q4_0: ``d``, 4 x 4 bytes of ``qs``; Q5_0: ``d``, ``qh``
-    transposed, 4 x 4 bytes of ``qs``; Q4_K: ``d``, ``dmin``, 12 single bytes of scales, 32 x 4 bytes of ``qs``).
+    transposed, 4 x 4 bytes of ``qs``; Q4_K: ``d``, ``dmin``, 12 single bytes of scales, 32 x 4 bytes of ``qs``;
+    Q6_K: ``d``, 8 pairs of scales, then per block of 32 values 4 x 4 bytes of ``lo`` and 2 x 4 of ``hi``).
     The same number of bytes, as a ``[N, row bytes]`` uint8 tensor whose rows are no longer the weight's rows.
     """
-    n, unit = blocks.shape[0], _UNIT[qtype]
-    nwb = in_features // BLOCK * BLOCK_BYTES[qtype] // unit                # weight blocks per row
+    n, unit = blocks.shape[0], BLOCK_BYTES[qtype]
+    nwb = in_features // BLOCK_VALUES[qtype]                              # weight blocks per row
     canon = _canonical(blocks.reshape(n, nwb, unit), qtype)                # (N, nwb, unit)
     parts = []
     full = n // GROUP_ROWS * GROUP_ROWS
@@ -161,8 +229,8 @@ def group_blocks(blocks: torch.Tensor, qtype: str, in_features: int) -> torch.Te
 
 def ungroup_blocks(grouped: torch.Tensor, qtype: str, in_features: int) -> torch.Tensor:
     """The file's layout of blocks in :func:`group_blocks`' layout (its inverse)."""
-    n, unit = grouped.shape[0], _UNIT[qtype]
-    nwb = in_features // BLOCK * BLOCK_BYTES[qtype] // unit
+    n, unit = grouped.shape[0], BLOCK_BYTES[qtype]
+    nwb = in_features // BLOCK_VALUES[qtype]
     flat = grouped.reshape(-1)
     canon = torch.empty(n, nwb, unit, dtype=torch.uint8)
     full = n // GROUP_ROWS * GROUP_ROWS
@@ -183,7 +251,7 @@ def _row_offsets(qtype: str, g: int, nwb: int) -> torch.Tensor:
     """``[g, nwb * unit]`` int64: where each canonical byte of row ``i`` of a group of ``g`` rows lies in
     :func:`group_blocks`' layout, counted from the group's first byte (weight block ``w`` of the group starts at ``w
     * g * unit``; inside it, :func:`_interleave_index`'s order)."""
-    unit = _UNIT[qtype]
+    unit = BLOCK_BYTES[qtype]
     inverse = torch.argsort(_interleave_index(qtype, g)).reshape(g, unit)     # (row, canonical byte) -> place
     return (torch.arange(nwb, dtype=torch.int64)[:, None] * (g * unit) + inverse[:, None, :]).reshape(g, -1)
 
@@ -202,17 +270,17 @@ def gather_rows(blocks: torch.Tensor, qtype: str, in_features: int, rows: torch.
     No value-dependent shapes or Python reads of values (CPU graphs can record it)."""
     if not grouped:
         return blocks.index_select(0, rows)
-    n, row_bytes = blocks.shape
-    nwb = in_features // BLOCK * BLOCK_BYTES[qtype] // _UNIT[qtype]
+    n, width = blocks.shape
+    nwb = in_features // BLOCK_VALUES[qtype]
     local = rows.remainder(GROUP_ROWS)
     offsets = _row_offsets(qtype, GROUP_ROWS, nwb).index_select(0, local)            # (T, row bytes)
     tail = n % GROUP_ROWS
     if tail:   # rows of the last group: its own interleave (a row index past it is clamped, then not chosen)
         last = _row_offsets(qtype, tail, nwb).index_select(0, local.clamp(max=tail - 1))
         offsets = torch.where((rows >= n - tail)[:, None], last, offsets)
-    offsets = offsets + ((rows - local) * row_bytes)[:, None]
+    offsets = offsets + ((rows - local) * width)[:, None]
     canon = blocks.reshape(-1).take(offsets)                                            # (T, row bytes), canonical
-    return _file_order(canon.reshape(rows.shape[0], nwb, _UNIT[qtype]), qtype).reshape(rows.shape[0], row_bytes)
+    return _file_order(canon.reshape(rows.shape[0], nwb, BLOCK_BYTES[qtype]), qtype).reshape(rows.shape[0], width)
 
 
 def dequantize_rows(blocks: torch.Tensor, qtype: str, in_features: int, rows: torch.Tensor,
@@ -224,8 +292,8 @@ def dequantize_rows(blocks: torch.Tensor, qtype: str, in_features: int, rows: to
 
 @dataclass(frozen=True)
 class GGUFWeight:
-    """One weight ``[rows, in_features]`` held as GGUF blocks: ``blocks`` is uint8 ``[rows, in_features / 32 *
-    BLOCK_BYTES[qtype]]``, contiguous, owning its memory, ``in_features`` a multiple of ``BLOCK_VALUES[qtype]``;
+    """One weight ``[rows, in_features]`` held as GGUF blocks: ``blocks`` is uint8 ``[rows, row_bytes(qtype,
+    in_features)]``, contiguous, owning its memory, ``in_features`` a multiple of ``BLOCK_VALUES[qtype]``;
     ``name`` is the file's tensor name (for messages)."""
 
     qtype: str
@@ -240,10 +308,10 @@ class GGUFWeight:
         if self.in_features <= 0 or self.in_features % values:
             raise ValueError(f"GGUF tensor {self.name!r} has {self.in_features} columns, not a positive multiple of "
                              f"{values} ({self.qtype})")
-        row_bytes = self.in_features // BLOCK * BLOCK_BYTES[self.qtype]
+        size = row_bytes(self.qtype, self.in_features)
         b = self.blocks
-        if b.dtype != torch.uint8 or b.ndim != 2 or b.shape[1] != row_bytes:
-            raise ValueError(f"GGUF tensor {self.name!r}: blocks must be uint8 [rows, {row_bytes}], got {b.dtype} "
+        if b.dtype != torch.uint8 or b.ndim != 2 or b.shape[1] != size:
+            raise ValueError(f"GGUF tensor {self.name!r}: blocks must be uint8 [rows, {size}], got {b.dtype} "
                              f"{list(b.shape)}")
 
     @property
@@ -254,7 +322,7 @@ class GGUFWeight:
 
 @dataclass(frozen=True)
 class ExpandedWeight:
-    """A decoder weight of a GGUF type not kept as blocks (Q6_K, Q5_K, F16, ...) under ``quantization="gguf"``:
+    """A decoder weight of a GGUF type not kept as blocks (Q5_K, Q2_K, F16, ...) under ``quantization="gguf"``:
     dequantized alone at load, ``weight [rows, in_features]`` in the compute dtype; ``qtype`` is the file's type name
     and ``name`` its tensor name (for ``kv8 info`` and messages)."""
 
@@ -303,6 +371,16 @@ def _dequantize_q4_k(blocks: torch.Tensor, in_features: int) -> torch.Tensor:
     return values.reshape(n, in_features)
 
 
+def _dequantize_q6_k(blocks: torch.Tensor, in_features: int) -> torch.Tensor:
+    """Q6_K as ``gguf.quants`` computes it: ``(d * scale_s) * (q - 32)`` in float32 (the first product exact)."""
+    n = blocks.shape[0]
+    sb = blocks.reshape(n, in_features // 256, _Q6_K_BYTES)             # (N, super-blocks, 210)
+    d = _half(sb[..., 208:210])                                         # (N, S, 1)
+    scales = sb[..., 192:208].contiguous().view(torch.int8).float()     # (N, S, 16)
+    codes = q6_k_codes(sb).reshape(n, -1, 16, 16).float() - 32.0        # (N, S, 16 sub-blocks, 16)
+    return ((d * scales)[..., None] * codes).reshape(n, in_features)
+
+
 def _dequantize_q5_0(blocks: torch.Tensor, in_features: int) -> torch.Tensor:
     """Q5_0 as ``gguf.quants`` computes it: ``d * (code - 16)`` in float32, ``code`` the nibble plus 16 times its bit
     of ``qh``."""
@@ -323,10 +401,12 @@ def dequantize_blocks(blocks: torch.Tensor, qtype: str, in_features: int) -> tor
         raise ValueError(f"GGUF block type {qtype!r} is not one of {list(KEPT_TYPES)}")
     if qtype == "Q4_K":
         return _dequantize_q4_k(blocks, in_features)
+    if qtype == "Q6_K":
+        return _dequantize_q6_k(blocks, in_features)
     if qtype == "Q5_0":
         return _dequantize_q5_0(blocks, in_features)
     n = blocks.shape[0]
-    b = blocks.reshape(n, in_features // BLOCK, BLOCK_BYTES[qtype])   # (N, blocks, bytes)
+    b = blocks.reshape(n, in_features // BLOCK, BLOCK_BYTES[qtype])     # (N, blocks, bytes)
     d = _half(b[..., 0:2])                                              # (N, blocks, 1)
     if qtype == "Q8_0":
         values = d * b[..., 2:].contiguous().view(torch.int8).float()
@@ -370,19 +450,20 @@ def gguf_activation_bound(x: torch.Tensor, blocks: torch.Tensor, qtype: str) -> 
     return 0.5 * scale.double() @ w_abs.double().T
 
 
-#: float16 fields at the start of each type's block (the scale; Q4_1 and Q4_K: and the min)
-_HEADER_HALVES = {"Q8_0": 1, "Q4_0": 1, "Q4_1": 2, "Q5_0": 1, "Q4_K": 2}
+#: the offsets of each type's float16 fields in its block (the scale; Q4_1 and Q4_K: and the min; Q6_K's ``d`` last)
+_HALF_OFFSETS = {"Q8_0": (0,), "Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q4_K": (0, 2), "Q6_K": (208,)}
 
 
 def random_blocks(qtype: str, rows: int, in_features: int, generator: torch.Generator) -> GGUFWeight:
-    """A weight of ``qtype`` blocks with random codes (Q4_K: random 6-bit sub-block scales too) and every float16 scale
-    and min 2**-7: what the dense tuner times (speed does not depend on the values; normal scales keep every
+    """A weight of ``qtype`` blocks with random codes (Q4_K, Q6_K: random sub-block scales too) and every float16
+    scale and min 2**-7: what the dense tuner times (speed does not depend on the values; normal scales keep every
     arithmetic path off subnormals, NaNs and infinities)."""
     if qtype not in BLOCK_BYTES:
         raise ValueError(f"GGUF type {qtype!r} is not kept as blocks; choose one of: {list(KEPT_TYPES)}")
-    unit = _UNIT[qtype]
-    units = rows * (in_features // BLOCK * BLOCK_BYTES[qtype] // unit)
+    unit = BLOCK_BYTES[qtype]
+    units = rows * (in_features // BLOCK_VALUES[qtype])
     raw = torch.randint(0, 256, (units, unit), generator=generator, dtype=torch.uint8)
     half = torch.tensor([2.0 ** -7], dtype=torch.float16).view(torch.uint8)
-    raw[:, :2 * _HEADER_HALVES[qtype]] = half.repeat(_HEADER_HALVES[qtype])
+    for offset in _HALF_OFFSETS[qtype]:
+        raw[:, offset:offset + 2] = half
     return GGUFWeight(qtype, raw.reshape(rows, -1), in_features, "timing")

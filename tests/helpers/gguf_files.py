@@ -47,9 +47,38 @@ def quantize_q4_k(w: np.ndarray) -> np.ndarray:
     return blocks.reshape(*shape[:-1], shape[-1] // 256 * 144)
 
 
+def quantize_q6_k(w: np.ndarray) -> np.ndarray:
+    """``w [..., K]`` (K % 256 == 0) -> Q6_K blocks, uint8 ``[..., K / 256 * 210]`` (the ``gguf`` package dequantizes
+    Q6_K but does not quantize it). A plain quantizer, not llama.cpp's search: per sub-block of 16 the scale ``-v /
+    32`` of its value ``v`` of largest magnitude (as llama.cpp's ``make_qx_quants`` starts), the super-block's ``d``
+    (float16) the largest |scale| over 127, each sub-block's int8 scale the nearest multiple of it, the codes
+    ``rint(w / (d scale)) + 32`` in 0..63; the bytes laid out as ``gguf.quants`` reads them."""
+    shape = w.shape
+    x = w.astype(np.float32).reshape(-1, 16, 16)                    # (super-blocks, sub-blocks, 16)
+    s = x.shape[0]
+    big = np.take_along_axis(x, np.abs(x).argmax(axis=-1)[..., None], axis=-1)[..., 0]
+    scale = -big / 32
+    d = (np.abs(scale).max(axis=-1) / 127).astype(np.float16)
+    df = d.astype(np.float32)[:, None]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        sc = np.where(df > 0, np.rint(scale / df), 0).clip(-128, 127).astype(np.int8)
+        step = (df * sc)[..., None]
+        q = np.where(step != 0, np.rint(x / step), 0)
+    q = (q.clip(-32, 31) + 32).astype(np.uint8).reshape(s, 2, 4, 32)   # value 128 h + 32 t + j: (h, t, j)
+    ql = (q[:, :, 0:2] & 15) | ((q[:, :, 2:4] & 15) << 4)               # (s, h, t % 2, j)
+    qh = np.zeros_like(q[:, :, 0])                                          # (s, h, j)
+    for t in range(4):
+        qh |= (q[:, :, t] >> 4) << (2 * t)
+    blocks = np.concatenate([ql.reshape(s, 128), qh.reshape(s, 64), sc.view(np.uint8), d.view(np.uint8).reshape(s, 2)],
+                            axis=1)
+    return blocks.reshape(*shape[:-1], shape[-1] // 256 * 210)
+
+
 def quantize(array: np.ndarray, qtype: QT) -> np.ndarray:
-    """``gguf.quants.quantize``, and :func:`quantize_q4_k` for Q4_K."""
-    return quantize_q4_k(array) if qtype == QT.Q4_K else gguf.quants.quantize(array, qtype)
+    """``gguf.quants.quantize``, and :func:`quantize_q4_k` / :func:`quantize_q6_k` for Q4_K / Q6_K."""
+    if qtype == QT.Q4_K:
+        return quantize_q4_k(array)
+    return quantize_q6_k(array) if qtype == QT.Q6_K else gguf.quants.quantize(array, qtype)
 
 
 def _stored(array: np.ndarray, qtype: QT) -> tuple[np.ndarray, np.ndarray]:

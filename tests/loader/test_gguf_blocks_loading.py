@@ -1,5 +1,5 @@
-"""``quantization="gguf"``: a GGUF file's Q8_0 / Q4_0 / Q4_1 / Q5_0 / Q4_K blocks kept as they are by the loader and
-the linear layers (kv8.loader.gguf, kv8.loader.model, kv8.layers.linear.GGUFLinearMethod), the option's checks, and
+"""``quantization="gguf"``: a GGUF file's Q8_0 / Q4_0 / Q4_1 / Q5_0 / Q4_K / Q6_K blocks kept as they are by the loader
+and the linear layers (kv8.loader.gguf, kv8.loader.model, kv8.layers.linear.GGUFLinearMethod), the option's checks, and
 engines on a tiny GGUF model. Oracles: the HF tensors the tiny file was written from (tests/helpers/gguf_files.py),
 the file's own tensor bytes, and the same engine with the blocks dequantized to bf16 (``quantization`` unset)."""
 
@@ -31,22 +31,26 @@ from tests.helpers.kernels import dense_kernels_or_reason, gguf_path
 
 LINEAR = ("attn_q.weight", "attn_k.weight", "attn_v.weight", "attn_output.weight", "ffn_gate.weight", "ffn_up.weight",
           "ffn_down.weight")
-# hidden 64 and intermediate 96: every K a multiple of 32; Q4_K's super-blocks need multiples of 256
+# hidden 64 and intermediate 96: every K a multiple of 32; Q4_K's and Q6_K's super-blocks need multiples of 256
 SIZES = dict(hidden=64, heads=2, kv_heads=1, inter=96, vocab=48)
 SIZES_256 = dict(hidden=256, heads=2, kv_heads=1, inter=256, vocab=48)
 _KERNELS, _ = dense_kernels_or_reason()
 
 
+K_QUANTS = (QT.Q4_K, QT.Q6_K)
+
+
 def _sizes(qtype: QT) -> dict[str, int]:
-    return SIZES_256 if qtype == QT.Q4_K else SIZES
+    return SIZES_256 if qtype in K_QUANTS else SIZES
 
 
 def _tiny(path: Path, qtype: QT, arch: str = "llama", **types: QT) -> dict[str, torch.Tensor]:
     """A tiny model whose tensors have std 0.4 (norms too): logits a few nats apart; all K multiples of 256 where any
-    tensor is Q4_K, with std 0.2 (four times the width: std 0.4 moved the log-probabilities 0.43 nats with Q4_1 or
-    Q4_K blocks kept, and the greedy tokens with Q4_K; 0.2 moves them 0.02, as 0.4 does at hidden 64)."""
+    tensor is a K-quant (Q4_K, Q6_K), with std 0.2 (four times the width: std 0.4 moved the log-probabilities 0.43
+    nats with Q4_1 or Q4_K blocks kept, and the greedy tokens with Q4_K; 0.2 moves them 0.02, as 0.4 does at hidden
+    64)."""
     all_types = dict.fromkeys(LINEAR, qtype) | {"token_embd.weight": QT.F32} | types
-    wide = QT.Q4_K in all_types.values()
+    wide = any(t in K_QUANTS for t in all_types.values())
     return write_tiny_gguf(path, arch, types=all_types, bpe=True, scale=0.2 if wide else 0.4,   # type: ignore[arg-type]
                            **(SIZES_256 if wide else SIZES))
 
@@ -56,7 +60,7 @@ def _linear_layers(model: torch.nn.Module) -> dict[str, LinearBase]:
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
-@pytest.mark.parametrize("qtype", [QT.Q8_0, QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q4_K])
+@pytest.mark.parametrize("qtype", [QT.Q8_0, QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q4_K, QT.Q6_K])
 def test_layers_keep_the_files_blocks(tmp_path: Path, qtype: QT, arch: str) -> None:
     """Each decoder layer holds exactly the file's bytes of its tensors (no bf16 copy), which dequantize to the
     written weights in HF row order (llama: q/k rows put back; merged q/k/v and gate/up in shard order); the LM head,
@@ -117,7 +121,7 @@ def _run(path: Path, **options: object) -> tuple[list[int], torch.Tensor, set[st
 TIE = 0.15   # the log-probability error the int8 activations may make (below)
 
 
-@pytest.mark.parametrize("qtype", [QT.Q8_0, QT.Q4_1, QT.Q4_K])
+@pytest.mark.parametrize("qtype", [QT.Q8_0, QT.Q4_1, QT.Q4_K, QT.Q6_K])
 def test_engine_with_kept_blocks_matches_the_dequantized_model(tmp_path: Path, qtype: QT) -> None:
     """The same file, blocks kept vs dequantized to bf16: the same greedy tokens (up to the first near-tie of either
     run), and prompt log-probabilities within
@@ -297,10 +301,10 @@ def test_smollm2_with_kept_blocks_stays_close_to_its_dequantized_weights() -> No
 
 
 @pytest.mark.slow
-def test_gemma3_q4_k_m_keeps_its_q4_k_q5_0_q8_0_blocks_and_expands_q6_k() -> None:
+def test_gemma3_q4_k_m_keeps_every_decoder_tensor_as_its_blocks() -> None:
     """Gemma-3-270M's Q4_K_M file (Q5_0 q/k/gate/up, Q5_0 or Q8_0 v, Q4_K o and half the down projections, Q6_K the
-    other half; a Q8_0 tied embedding of 262,144 rows): every kept type stays as the file's bytes, the nine Q6_K down
-    projections alone are bf16, q/k/v mixes Q5_0 and Q8_0 in one layer, the embedding and the LM head share the
+    other half; a Q8_0 tied embedding of 262,144 rows): every decoder tensor stays as the file's bytes (none is
+    dequantized at load), q/k/v mixes Q5_0 and Q8_0 in one layer, the embedding and the LM head share the
     table's Q8_0 blocks, the weights stay within 10% of the file's size; greedy decoding with the kept blocks answers
     as the dequantized weights do."""
     from kv8.loader.sources import gemma3_270m_path
@@ -319,11 +323,10 @@ def test_gemma3_q4_k_m_keeps_its_q4_k_q5_0_q8_0_blocks_and_expands_q6_k() -> Non
     counts: dict[tuple[str, bool], int] = {}
     for s in segments:
         counts[s.qtype, s.expanded] = counts.get((s.qtype, s.expanded), 0) + s.tensors
-    assert counts == {("Q5_0", False): 81, ("Q8_0", False): 9, ("Q4_K", False): 27, ("Q6_K", True): 9}
+    assert counts == {("Q5_0", False): 81, ("Q8_0", False): 9, ("Q4_K", False): 27, ("Q6_K", False): 9}
     _, reader = read_gguf(path)
     linear = [t for t in reader.tensors if t.name.startswith("blk.") and t.name.split(".", 2)[-1] in LINEAR]
-    kept = sum(int(t.n_bytes) for t in linear if t.tensor_type.name != "Q6_K")
-    assert sum(s.nbytes() for s in segments if not s.expanded) == kept
+    assert sum(s.nbytes() for s in segments) == sum(int(t.n_bytes) for t in linear)
     answers = {}
     for q in (None, "gguf"):
         llm = LLM(model="gemma3-270m", quantization=q, kv_cache_memory="64MiB", max_model_len=256)

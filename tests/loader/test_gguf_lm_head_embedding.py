@@ -38,7 +38,7 @@ def _write(path: Path, table: QT, untied: bool, decoder: QT = QT.Q4_1) -> None:
     """A tiny llama whose embedding (and untied LM head) have type ``table``, its decoder ``decoder``; std 0.4 (0.2
     at the width Q4_K needs), as tests/loader/test_gguf_blocks_loading.py's tiny models."""
     types = dict.fromkeys(LINEAR, decoder) | {"token_embd.weight": table, "output.weight": table}
-    wide = QT.Q4_K in types.values()
+    wide = QT.Q4_K in types.values() or QT.Q6_K in types.values()
     write_tiny_gguf(path, types=types, untied=untied, bpe=True, scale=0.2 if wide else 0.4,  # type: ignore[arg-type]
                     **(SIZES_256 if wide else SIZES))
 
@@ -172,7 +172,7 @@ def _generate(path: Path, **options: object) -> tuple[list[list[int]], torch.Ten
 
 
 @pytest.mark.parametrize("table, decoder, untied", [(QT.Q8_0, QT.Q4_1, False), (QT.Q4_0, QT.Q8_0, True),
-                                                    (QT.Q4_K, QT.Q4_K, True)])
+                                                    (QT.Q4_K, QT.Q4_K, True), (QT.Q6_K, QT.Q6_K, False)])
 def test_engine_with_kept_tables_matches_the_dequantized_model(tmp_path: Path, table: QT, decoder: QT,
                                                                 untied: bool) -> None:
     """An engine with the embedding and the LM head kept as blocks (tied and untied) gives the greedy tokens of the
@@ -208,6 +208,18 @@ def test_smollm2_weights_stay_within_ten_percent_of_the_file() -> None:
     model, reader = read_gguf(path)
     assert abs(resident - gguf_resident_bytes(reader, model, torch.bfloat16, _KERNELS is not None)) <= 1024
     assert f"resident weights {resident / 2**20:.1f} MiB" in describe_weights("gguf", path, "gguf")
+
+
+def test_q6_k_layers_are_timed_in_q6_k(tmp_path: Path) -> None:
+    """A file whose decoder and tied table are Q6_K: the tuner times the decoder's layers and the head as Q6_K
+    blocks (gguf_tuning_types: the type of most of the kept decoder bytes, and the head's)."""
+    from kv8.loader.model import tuning_shapes
+
+    path = tmp_path / "m.gguf"
+    _write(path, QT.Q6_K, untied=False, decoder=QT.Q6_K)
+    model, _ = read_gguf(str(path))
+    shapes = tuning_shapes("gguf", str(path), dict(model.hf_config), "gguf")
+    assert {(s.quantize, s.qtype) for s in shapes} == {(True, "Q6_K")}
 
 
 @pytest.mark.skipif(_KERNELS is None, reason="the GGUF switch is timed only where kv8's kernels read the blocks")

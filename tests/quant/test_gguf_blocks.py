@@ -33,8 +33,10 @@ from kv8.quant.gguf_blocks import (
     gguf_linear_reference,
     group_blocks,
     q4_k_scale_min,
+    q6_k_codes,
     quantize_activation_blocks,
     random_blocks,
+    row_bytes,
     ungroup_blocks,
 )
 from tests.helpers.gguf_files import quantize
@@ -51,8 +53,9 @@ def lib(request: pytest.FixtureRequest) -> Iterator[DenseKernels]:
 
 
 def _blocks(n: int, k: int, qtype: str, seed: int) -> torch.Tensor:
-    """Random rows of different magnitudes (and one row of zeros) quantized by the gguf package (Q4_K:
-    tests/helpers/gguf_files.quantize_q4_k), with a shift per row (Q4_1 and Q4_K's mins): uint8 [n, bytes]."""
+    """Random rows of different magnitudes (and one row of zeros) quantized by the gguf package (Q4_K, Q6_K:
+    tests/helpers/gguf_files.quantize_q4_k / quantize_q6_k), with a shift per row (Q4_1 and Q4_K's mins): uint8 [n,
+    bytes]."""
     rng = np.random.default_rng(seed)
     w = ((rng.standard_normal((n, k)) + rng.standard_normal((n, 1))) * np.exp2(rng.integers(-4, 2, (n, 1))))
     w = w.astype(np.float32)
@@ -65,7 +68,7 @@ def _blocks(n: int, k: int, qtype: str, seed: int) -> torch.Tensor:
 def test_dequantize_is_the_gguf_package_bit_for_bit(qtype: str) -> None:
     k = 3 * BLOCK_VALUES[qtype]
     blocks = _blocks(9, k, qtype, seed=1)
-    assert blocks.shape == (9, k // 32 * BLOCK_BYTES[qtype])
+    assert blocks.shape == (9, row_bytes(qtype, k))
     want = gguf.quants.dequantize(blocks.numpy(), QT[qtype]).reshape(9, k)
     got = dequantize_blocks(blocks, qtype, k)
     assert got.dtype == torch.float32 and np.array_equal(got.numpy(), want)
@@ -81,6 +84,28 @@ def _random_q4_k(n: int, k: int, seed: int) -> torch.Tensor:
     return blocks.reshape(n, -1)
 
 
+def _random_q6_k(n: int, k: int, seed: int) -> torch.Tensor:
+    """Q6_K super-blocks of random bytes (every code, bit pair and int8 scale), d a finite float16 of either sign."""
+    gen = torch.Generator().manual_seed(seed)
+    blocks = torch.randint(0, 256, (n, k // 256, 210), dtype=torch.uint8, generator=gen)
+    d = (torch.randn(n, k // 256, 1, generator=gen) * 0.01).half()
+    blocks[..., 208:210] = d.view(torch.uint8).reshape(n, k // 256, 2)
+    return blocks.reshape(n, -1)
+
+
+def test_q6_k_dequantize_is_the_gguf_package_on_random_bytes() -> None:
+    """Every bit of ql, qh and the int8 scales reaches the right value (random bytes, not only what a quantizer
+    writes); q6_k_codes are the codes 0..63 those values are made of."""
+    blocks = _random_q6_k(7, 768, seed=2)
+    want = gguf.quants.dequantize(blocks.numpy(), QT.Q6_K).reshape(7, 768)
+    got = dequantize_blocks(blocks, "Q6_K", 768)
+    assert torch.equal(got.view(torch.int32), torch.from_numpy(want).view(torch.int32))
+    codes = q6_k_codes(blocks.reshape(7, 3, 210)).reshape(7, 3, 16, 16)
+    scale = blocks.reshape(7, 3, 210)[..., 192:208].contiguous().view(torch.int8).float()
+    d = blocks.reshape(7, 3, 210)[..., 208:210].contiguous().view(torch.float16).float()
+    assert torch.equal((d * scale)[..., None] * (codes.float() - 32), got.reshape(7, 3, 16, 16))
+
+
 def test_q4_k_dequantize_is_the_gguf_package_on_random_bytes() -> None:
     """Every bit of the packed 6-bit scales and mins reaches the right sub-block (random bytes, not only what a
     quantizer writes)."""
@@ -94,15 +119,15 @@ def test_q4_k_dequantize_is_the_gguf_package_on_random_bytes() -> None:
 @pytest.mark.parametrize("n", [1, 5, 8, 9, 17, 24])   # a lone short group, whole groups, a tail of 1
 def test_grouped_layout_moves_the_same_bytes(qtype: str, n: int) -> None:
     """group_blocks keeps the shape and the bytes' count and ungroup_blocks inverts it, on quantizer output and on
-    random bytes (every bit of Q5_0's qh and Q4_K's packed scales and mins)."""
+    random bytes (every bit of Q5_0's qh, Q4_K's packed scales and mins and Q6_K's ql and qh)."""
     k = 3 * BLOCK_VALUES[qtype]
     gen = torch.Generator().manual_seed(n)
     for blocks in (_blocks(n, k, qtype, seed=n),
-                   torch.randint(0, 256, (n, k // 32 * BLOCK_BYTES[qtype]), dtype=torch.uint8, generator=gen)):
+                   torch.randint(0, 256, (n, row_bytes(qtype, k)), dtype=torch.uint8, generator=gen)):
         grouped = group_blocks(blocks, qtype, k)
         assert grouped.shape == blocks.shape and grouped.dtype == torch.uint8
         assert torch.equal(ungroup_blocks(grouped, qtype, k), blocks)
-        if qtype not in ("Q5_0", "Q4_K"):   # those two re-encode their bit fields; the others only move bytes
+        if qtype not in ("Q5_0", "Q4_K", "Q6_K"):   # those re-encode their bit fields; the others only move bytes
             assert torch.equal(torch.sort(grouped.reshape(-1))[0], torch.sort(blocks.reshape(-1))[0])
 
 
@@ -117,7 +142,7 @@ def test_rows_gathered_from_either_layout_are_the_files(qtype: str, n: int) -> N
     ids = torch.cat([torch.arange(n).flip(0), torch.randint(0, n, (17,), generator=gen)])
     quantized = _blocks(n, k, qtype, seed=n)
     for blocks in (quantized,
-                   torch.randint(0, 256, (n, k // 32 * BLOCK_BYTES[qtype]), dtype=torch.uint8, generator=gen)):
+                   torch.randint(0, 256, (n, row_bytes(qtype, k)), dtype=torch.uint8, generator=gen)):
         for held, grouped in ((blocks, False), (group_blocks(blocks, qtype, k), True)):
             assert torch.equal(gather_rows(held, qtype, k, ids, grouped), blocks[ids])
     blocks = quantized
@@ -154,6 +179,29 @@ def test_grouped_q4_k_scales_are_the_packed_six_bits() -> None:
     assert torch.equal(got_sc, sc.long()) and torch.equal(got_mn, mn.long())
 
 
+def test_grouped_q6_k_holds_each_blocks_codes_as_the_kernel_reads_them() -> None:
+    """Q6_K, 8 rows of one super-block: d of the 8 rows, then their scale pairs, then per block b of 32 values 4 loads
+    of lo bytes (4 codes of each sub-block of each row: nibbles) and 2 of hi bytes (the codes' top bit pairs), so that
+    load k of block b holds, at row r's 4 bytes, the codes 32 b + 4 k + i (low nibbles) and 32 b + 16 + 4 k + i (high
+    nibbles); hi load u, bits 2 k, 2 k + 1, the top bits of the codes 32 b + 16 u + 4 k + i."""
+    blocks = _random_q6_k(8, 256, seed=5)
+    codes = q6_k_codes(blocks).long()                                    # (rows, 256)
+    blk = group_blocks(blocks, "Q6_K", 256).reshape(-1).long()
+    assert torch.equal(blk[:16].reshape(8, 2), blocks[:, 208:210].long())
+    assert torch.equal(blk[16:144].reshape(8, 8, 2).permute(1, 0, 2).reshape(8, 16), blocks[:, 192:208].long())
+    for b in range(8):
+        base = 144 + 192 * b
+        for k in range(4):
+            lo = blk[base + 32 * k:base + 32 * k + 32].reshape(8, 4)      # (rows, i)
+            assert torch.equal(lo & 15, codes[:, 32 * b + 4 * k:32 * b + 4 * k + 4] & 15)
+            assert torch.equal(lo >> 4, codes[:, 32 * b + 16 + 4 * k:32 * b + 16 + 4 * k + 4] & 15)
+        for u in range(2):
+            hi = blk[base + 128 + 32 * u:base + 160 + 32 * u].reshape(8, 4)
+            for k in range(4):
+                first = 32 * b + 16 * u + 4 * k
+                assert torch.equal((hi >> (2 * k)) & 3, codes[:, first:first + 4] >> 4)
+
+
 def test_activation_blocks_round_to_the_nearest_step() -> None:
     x = torch.randn(3, 64, generator=torch.Generator().manual_seed(3)).bfloat16()
     x[1, :32] = 0.0
@@ -167,7 +215,7 @@ def test_activation_blocks_round_to_the_nearest_step() -> None:
 
 
 SHAPES = [(37, 96), (70, 160), (33, 224), (19, 800)]   # N off the tile, K = 32 x odd (800: 3 groups of 8 + 1)
-SHAPES_256 = [(37, 256), (19, 768), (33, 512)]         # Q4_K: K a multiple of 256, N odd
+SHAPES_256 = [(37, 256), (19, 768), (33, 512)]         # Q4_K, Q6_K: K a multiple of 256, N odd
 #: (type, N, K) of every type on its shapes
 CASES = [(t, n, k) for t in KEPT_TYPES for n, k in (SHAPES if BLOCK_VALUES[t] == BLOCK else SHAPES_256)]
 
@@ -308,8 +356,8 @@ def test_kernel_rejects_what_it_cannot_read(lib: DenseKernels) -> None:
     blocks = _blocks(8, 64, "Q4_0", seed=0)
     x = torch.randn(2, 64).bfloat16()
     assert set(lib.gguf_types) == set(KEPT_TYPES)
-    with pytest.raises(ValueError, match=r"GGUF block type 'Q6_K' has no kernel in this build; it has: "):
-        lib.gguf_linear(x, blocks, "Q6_K", 8, None)
+    with pytest.raises(ValueError, match=r"GGUF block type 'Q5_K' has no kernel in this build; it has: "):
+        lib.gguf_linear(x, blocks, "Q5_K", 8, None)
     with pytest.raises(ValueError, match="invalid kernel arguments"):   # Q4_K: K not a multiple of 256
         lib.gguf_linear(x, blocks, "Q4_K", 8, None)
     with pytest.raises(ValueError, match=r"blocks must be a contiguous uint8 \[9, row bytes\]"):
@@ -323,9 +371,9 @@ def test_kernel_rejects_what_it_cannot_read(lib: DenseKernels) -> None:
 def test_weight_checks_its_type_and_bytes() -> None:
     blocks = _blocks(4, 64, "Q8_0", seed=0)
     assert GGUFWeight("Q8_0", blocks, 64, "blk.0.attn_q.weight").shape == (4, 64)
-    with pytest.raises(ValueError, match=r"'blk.0.ffn_up.weight' has type Q6_K; kept quantized: \['Q8_0', 'Q4_0', "
-                                         r"'Q4_1', 'Q5_0', 'Q4_K'\]"):
-        GGUFWeight("Q6_K", blocks, 64, "blk.0.ffn_up.weight")
+    with pytest.raises(ValueError, match=r"'blk.0.ffn_up.weight' has type Q5_K; kept quantized: \['Q8_0', 'Q4_0', "
+                                         r"'Q4_1', 'Q5_0', 'Q4_K', 'Q6_K'\]"):
+        GGUFWeight("Q5_K", blocks, 64, "blk.0.ffn_up.weight")
     with pytest.raises(ValueError, match=r"has 64 columns, not a positive multiple of 256 \(Q4_K\)"):
         GGUFWeight("Q4_K", blocks[:, :36], 64, "w")
     with pytest.raises(ValueError, match=r"blocks must be uint8 \[rows, 36\]"):
@@ -336,7 +384,7 @@ def test_weight_checks_its_type_and_bytes() -> None:
 
 # and one block per type, and 300 rows (enough values for both threads)
 @pytest.mark.parametrize("qtype, n, k", [*CASES, *((t, 1, BLOCK_VALUES[t]) for t in KEPT_TYPES),
-                                         *((t, 300, 800 if t != "Q4_K" else 768) for t in KEPT_TYPES)])
+                                         *((t, 300, 800 if BLOCK_VALUES[t] == BLOCK else 768) for t in KEPT_TYPES)])
 def test_dequantize_kernel_is_dequantize_blocks_bit_for_bit(lib: DenseKernels, qtype: str, n: int, k: int) -> None:
     blocks = _blocks(n, k, qtype, seed=n * k)
     got = lib.gguf_dequantize(group_blocks(blocks, qtype, k), qtype, k)
@@ -360,11 +408,29 @@ def test_q4_k_kernels_on_random_bytes(lib: DenseKernels) -> None:
     assert bool(((y.double() - exact).abs() <= gguf_activation_bound(x, blocks, "Q4_K") + slack).all())
 
 
+def test_q6_k_kernels_on_random_bytes(lib: DenseKernels) -> None:
+    """The C side's Q6_K decoding on every code, bit pair and int8 scale (-128 included): the dequantize kernel bit
+    for bit, the int8 kernel within its bound at M = 1, 3, 17 and 64 rows (tiles and their rests), N = 21 (a short
+    last group)."""
+    blocks = _random_q6_k(21, 512, seed=4)
+    w = dequantize_blocks(blocks, "Q6_K", 512)
+    grouped = group_blocks(blocks, "Q6_K", 512)
+    assert torch.equal(lib.gguf_dequantize(grouped, "Q6_K", 512).view(torch.int32), w.view(torch.int32))
+    gen = torch.Generator().manual_seed(4)
+    for m in (1, 3, 17, 64):
+        x = (torch.randn(m, 512, generator=gen) * 3).bfloat16()
+        y = lib.gguf_linear(x, grouped, "Q6_K", 21, None)
+        exact = x.double() @ w.double().T
+        slack = 2.0 ** -8 * exact.abs() * 1.01 + 1e-5 * (x.double().abs() @ w.double().abs().T)
+        assert bool(((y.double() - exact).abs() <= gguf_activation_bound(x, blocks, "Q6_K") + slack).all()), m
+
+
 def test_dequantize_kernel_rejects_what_it_cannot_read(lib: DenseKernels) -> None:
-    assert dense._GGUF_BLOCK_BYTES == BLOCK_BYTES   # the wrapper's copy (kv8.kernels cannot import kv8.quant)
+    assert dense._GGUF_BLOCK_BYTES == BLOCK_BYTES   # the wrapper's copies (kv8.kernels cannot import kv8.quant)
+    assert dense._GGUF_BLOCK_VALUES == BLOCK_VALUES
     blocks = _blocks(8, 64, "Q4_0", seed=0)
-    with pytest.raises(ValueError, match=r"GGUF block type 'Q6_K' has no kernel in this build"):
-        lib.gguf_dequantize(blocks, "Q6_K", 64)
+    with pytest.raises(ValueError, match=r"GGUF block type 'Q5_K' has no kernel in this build"):
+        lib.gguf_dequantize(blocks, "Q5_K", 64)
     with pytest.raises(ValueError, match=r"blocks \[8, 36\] of Q8_0 do not hold rows of 64 values"):
         lib.gguf_dequantize(blocks, "Q8_0", 64)
     with pytest.raises(ValueError, match="blocks must be a contiguous 2-D uint8 tensor"):
@@ -375,7 +441,7 @@ def test_dequantize_kernel_rejects_what_it_cannot_read(lib: DenseKernels) -> Non
 
 def _gguf_layer(lib: DenseKernels, blocks: torch.Tensor, qtype: str, bias: torch.Tensor | None) -> LinearBase:
     """A kv8 ``Linear`` holding ``blocks`` (the file's layout) on ``quantization="gguf"``, as the loader builds it."""
-    n, k = blocks.shape[0], blocks.shape[1] // BLOCK_BYTES[qtype] * BLOCK
+    n, k = blocks.shape[0], blocks.shape[1] // BLOCK_BYTES[qtype] * BLOCK_VALUES[qtype]
     backend = DenseBackend("packed_bf16", lib, "gguf", wide_rows=GGUF_DEQUANTIZE_ROWS)   # the fixed rule
     layer = LinearBase(k, [n], bias is not None, backend)
     layer.load_gguf(GGUFWeight(qtype, blocks, k))
@@ -447,19 +513,19 @@ def test_random_blocks_have_normal_scales_and_the_files_layout(qtype: str) -> No
     finite; the same seed gives the same blocks; a type that is not kept is refused by name."""
     k = 2 * BLOCK_VALUES[qtype]
     weight = random_blocks(qtype, 9, k, torch.Generator().manual_seed(0))
-    assert weight.shape == (9, k) and weight.blocks.shape[1] == k // 32 * BLOCK_BYTES[qtype]
+    assert weight.shape == (9, k) and weight.blocks.shape[1] == row_bytes(qtype, k)
     values = dequantize_blocks(weight.blocks, qtype, k)
     assert bool(torch.isfinite(values).all()) and bool((values != 0).any())
-    unit = 144 if qtype == "Q4_K" else BLOCK_BYTES[qtype]
-    halves = weight.blocks.reshape(-1, unit)[:, :4].contiguous().view(torch.float16)
-    count = 2 if qtype in ("Q4_1", "Q4_K") else 1
-    assert bool((halves[:, :count] == 2.0 ** -7).all())
+    units = weight.blocks.reshape(-1, BLOCK_BYTES[qtype])
+    offsets = {"Q4_1": (0, 2), "Q4_K": (0, 2), "Q6_K": (208,)}.get(qtype, (0,))
+    for offset in offsets:
+        assert bool((units[:, offset:offset + 2].contiguous().view(torch.float16) == 2.0 ** -7).all())
     assert torch.equal(weight.blocks, random_blocks(qtype, 9, k, torch.Generator().manual_seed(0)).blocks)
-    with pytest.raises(ValueError, match="GGUF type 'Q6_K' is not kept as blocks"):
-        random_blocks("Q6_K", 9, 256, torch.Generator())
+    with pytest.raises(ValueError, match="GGUF type 'Q5_K' is not kept as blocks"):
+        random_blocks("Q5_K", 9, 256, torch.Generator())
 
 
-@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_K"])
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_K", "Q6_K"])
 def test_a_large_segment_is_dequantized_a_slice_of_rows_at_a_time(lib: DenseKernels, qtype: str,
                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     """With room for 16 rows of float32 scratch (GGUF_SCRATCH_BYTES), a 61-row segment (slices of 16, the last of

@@ -261,7 +261,8 @@ class DenseKernels(NativeLibrary):
     def gguf_linear(self, x: torch.Tensor, blocks: torch.Tensor, qtype: str, out_features: int,
                     bias: torch.Tensor | None) -> torch.Tensor:
         """``x [M, K]`` bf16 -> ``[M, out_features]`` bf16 ``= x @ W.T (+ bias)`` with ``W`` held as GGUF blocks of
-        type ``qtype`` (one of :attr:`gguf_types`): ``blocks [out_features, K / 32 * block bytes]`` uint8, the file's
+        type ``qtype`` (one of :attr:`gguf_types`): ``blocks [out_features, row bytes]`` uint8 (``K / block values *
+        block bytes``), the file's
         bytes in the kernel's order (:func:`kv8.quant.gguf_blocks.group_blocks`). The activations are quantized to
         int8 per block of 32 (``csrc/dense/gguf.h``: the error bound); ``bias`` is float32 ``[out_features]`` or
         None. Runs on :attr:`gguf_path`; every path gives the same bits."""
@@ -283,16 +284,17 @@ class DenseKernels(NativeLibrary):
         return out
 
     def gguf_dequantize(self, blocks: torch.Tensor, qtype: str, in_features: int) -> torch.Tensor:
-        """``blocks [N, in_features / 32 * block bytes]`` uint8 of type ``qtype`` in the kernel's order (as for
+        """``blocks [N, row bytes]`` uint8 of type ``qtype`` in the kernel's order (as for
         :meth:`gguf_linear`) -> a new float32 ``[N, in_features]``: the values of
         :func:`kv8.quant.gguf_blocks.dequantize_blocks`, bit for bit."""
         code = self._gguf_code(qtype)
         if blocks.dtype != torch.uint8 or blocks.ndim != 2 or not blocks.is_contiguous():
             raise ValueError(f"blocks must be a contiguous 2-D uint8 tensor, got {blocks.dtype} {list(blocks.shape)}")
         n = blocks.shape[0]
-        if in_features % 32 == 0 and blocks.shape[1] * 32 != in_features * _GGUF_BLOCK_BYTES[qtype]:
+        values, size = _GGUF_BLOCK_VALUES[qtype], _GGUF_BLOCK_BYTES[qtype]
+        if in_features % values == 0 and blocks.shape[1] != in_features // values * size:
             raise ValueError(f"blocks [{n}, {blocks.shape[1]}] of {qtype} do not hold rows of {in_features} values")
-        out = torch.empty(n, max(in_features, 0), dtype=torch.float32)   # K % 32 != 0: the C side refuses
+        out = torch.empty(n, max(in_features, 0), dtype=torch.float32)   # K off the blocks: the C side refuses
         call = GGUFDequantizeCall(blocks.data_ptr(), out.data_ptr(), n, in_features, code,
                                   torch.get_num_threads())
         self.invoke(self._lib.kv8_gguf_dequantize,
@@ -380,9 +382,10 @@ class DenseKernels(NativeLibrary):
         return out
 
 
-# bytes per 32 values (kv8.quant.gguf_blocks.BLOCK_BYTES, which this layer cannot import; the tests
-# compare them): the row bytes gguf_dequantize checks before the C side reads them
-_GGUF_BLOCK_BYTES = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q4_K": 18}
+# bytes and values per block (kv8.quant.gguf_blocks.BLOCK_BYTES / BLOCK_VALUES, which this layer cannot import; the
+# tests compare them): the row bytes gguf_dequantize checks before the C side reads them
+_GGUF_BLOCK_BYTES = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q4_K": 144, "Q6_K": 210}
+_GGUF_BLOCK_VALUES = {"Q8_0": 32, "Q4_0": 32, "Q4_1": 32, "Q5_0": 32, "Q4_K": 256, "Q6_K": 256}
 
 # kv8 info's words for each GGUF kernel path (csrc/dense/gguf.h)
 _GGUF_PATH_WORDS = {"avx2": "AVX2 maddubs", "vnni256": "VNNI vpdpbusd on ymm",

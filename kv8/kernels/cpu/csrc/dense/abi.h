@@ -8,7 +8,7 @@
 //   kv8_silu_mul_call  SiLU(gate) * up (kv8_silu_mul)
 //   kv8_rope_call      RoPE of q and k read from packed q/k/v rows, v copied out (kv8_rope_qkv)
 //   kv8_argmax_call    row argmax of float32 logits (kv8_argmax_rows)
-//   kv8_gguf_linear_call  one linear layer on GGUF Q8_0 / Q4_0 / Q4_1 / Q5_0 / Q4_K blocks (kv8_gguf_linear, gguf.h)
+//   kv8_gguf_linear_call  one linear layer on GGUF Q8_0 / Q4_0 / Q4_1 / Q5_0 / Q4_K / Q6_K blocks (kv8_gguf_linear)
 //   kv8_gguf_dequantize_call  those blocks to float32 (kv8_gguf_dequantize, gguf.h)
 //   kv8_unpack_call    rows of packed weights back to float32 (kv8_unpack: bf16, kv8_unpack_fp8: E4M3 codes; unpack.h)
 //
@@ -94,9 +94,10 @@
     X(int32_t, num_threads)
 
 // out [rows, out_features] bf16 = x [rows, in_features] bf16 @ W^T (+ bias, float32 [out_features] or NULL): blocks
-// holds W as GGUF blocks of type qtype (gguf.h's codes: kv8_gguf_type_name), out_features rows of in_features / 32
-// blocks each; in_features % 32 == 0. path: the kernel's instructions (gguf.h's codes: kv8_gguf_path_name; one this
-// build lacks returns ERR_NO_FAST_PATH); every path computes the same bits.
+// holds W as GGUF blocks of type qtype (gguf.h's codes: kv8_gguf_type_name), out_features rows of in_features /
+// GGUF_BLOCK_VALUES blocks each (32 values; Q4_K, Q6_K 256), in_features a multiple of that. path: the kernel's
+// instructions (gguf.h's codes: kv8_gguf_path_name; one this build lacks returns ERR_NO_FAST_PATH); every path
+// computes the same bits.
 #define KV8_GGUF_LINEAR_CALL_FIELDS(X)    \
     X(const uint16_t*, x)                 \
     X(const uint8_t*, blocks)             \
@@ -109,8 +110,8 @@
     X(int32_t, num_threads)               \
     X(int32_t, path)
 
-// out [rows, in_features] float32 = W dequantized: blocks as in kv8_gguf_linear_call (rows rows of in_features / 32
-// blocks of type qtype, the kernel's grouped order); in_features % 32 == 0.
+// out [rows, in_features] float32 = W dequantized: blocks as in kv8_gguf_linear_call (rows rows of blocks of type
+// qtype, the kernel's grouped order).
 #define KV8_GGUF_DEQUANTIZE_CALL_FIELDS(X) \
     X(const uint8_t*, blocks)             \
     X(float*, out)                        \

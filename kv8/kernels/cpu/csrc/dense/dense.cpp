@@ -5,7 +5,7 @@
 //
 // Also the row argmax of float32 logits that the sampler uses (argmax.h), packed weights back to float32 for the
 // float32 GEMM of long prefill chunks (unpack.h), and linear layers on GGUF Q8_0 / Q4_0 /
-// Q4_1 / Q5_0 / Q4_K blocks read in place (gguf.h: AVX2, or VNNI where the CPU has it).
+// Q4_1 / Q5_0 / Q4_K / Q6_K blocks read in place (gguf.h: AVX2, or VNNI where the CPU has it).
 //
 // Plain C ABI (extern "C"), loaded with ctypes by kv8/kernels/cpu/dense.py, compiled there with
 // `g++ -O3 -march=native -fopenmp -shared -fPIC` (the build is kv8/kernels/cpu/build.py's). No torch headers. Each entry

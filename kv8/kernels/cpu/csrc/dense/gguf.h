@@ -1,8 +1,8 @@
-// GGUF block-quantized weights (llama.cpp's Q8_0, Q4_0, Q4_1, Q5_0, Q4_K) multiplied without expanding them, included
-// by dense.cpp after elementwise.h (threads_for). Compiled where the build has AVX2 + FMA + F16C (an AVX-512 build has
-// them too); elsewhere kv8_gguf_linear returns ERR_NO_FAST_PATH and Python uses the torch reference
+// GGUF block-quantized weights (llama.cpp's Q8_0, Q4_0, Q4_1, Q5_0, Q4_K, Q6_K) multiplied without expanding them,
+// included by dense.cpp after elementwise.h (threads_for). Compiled where the build has AVX2 + FMA + F16C (an AVX-512
+// build has them too); elsewhere kv8_gguf_linear returns ERR_NO_FAST_PATH and Python uses the torch reference
 // (kv8.layers.linear.GGUFLinearMethod: kv8.quant.gguf_blocks.gguf_linear_reference). Not here: the other K-quants
-// (Q5_K, Q6_K, ...: the loader dequantizes those tensors) and AMX-INT8 tiles.
+// (Q5_K, Q2_K, ...: the loader dequantizes those tensors) and AMX-INT8 tiles.
 //
 // Three paths compute the same integer dot products, on the same layout (kv8_gguf_linear_call.path; the build has a
 // path where -march gives it its instructions: kv8_gguf_path_available):
@@ -22,14 +22,16 @@
 //   Q4_1 (20 B): f16 d | f16 m | u8 qs[16]          w_j = d * c_j + m
 //   Q5_0 (22 B): f16 d | u32 qh | u8 qs[16]         w_j = d * (c_j + 16 h_j - 16),  h_j = (qh >> j) & 1
 //
-// with the 4-bit codes c_j = qs[j] & 15 and c_{j+16} = qs[j] >> 4 (j < 16); and Q4_K's super-blocks of 256 values
-// (K % 256 == 0), 8 sub-blocks s of 32 values:
+// with the 4-bit codes c_j = qs[j] & 15 and c_{j+16} = qs[j] >> 4 (j < 16); and the K-quants' super-blocks of 256
+// values (K % 256 == 0): Q4_K, 8 sub-blocks s of 32 values, and Q6_K, 16 sub-blocks s of 16:
 //
 //   Q4_K (144 B): f16 d | f16 dmin | u8 scales[12] | u8 qs[128]     w = d * sc_s * c - dmin * m_s
+//   Q6_K (210 B): u8 ql[128] | u8 qh[64] | i8 scales[16] | f16 d    w = d * scales_s * (q - 32)
 //
-// sc_s, m_s 6 bits each, packed in scales (kv8.quant.gguf_blocks.q4_k_scale_min), c the low (even s) or high (odd s)
-// nibbles of qs[32 (s / 2) .. + 31]. GGUF_BLOCK_BYTES counts bytes per 32 values (Q4_K: 18), GGUF_UNIT per weight
-// block (32 values; Q4_K 256).
+// Q4_K: sc_s, m_s 6 bits each, packed in scales (kv8.quant.gguf_blocks.q4_k_scale_min), c the low (even s) or high
+// (odd s) nibbles of qs[32 (s / 2) .. + 31]. Q6_K: q 0..63, a nibble of ql and 2 bits of qh
+// (kv8.quant.gguf_blocks.q6_k_codes). GGUF_UNIT counts bytes per weight block (GGUF_BLOCK_VALUES values: 32, or a
+// K-quant's 256), so a row has K / GGUF_BLOCK_VALUES * GGUF_UNIT bytes.
 //
 // Layout (kv8.quant.gguf_blocks.group_blocks, at load: the same number of bytes): the rows in groups of GGUF_ROWS = 8
 // (the last group has the rest, g <= 8 rows), each group its weight blocks in order, each weight block the g rows'
@@ -43,6 +45,10 @@
 //   Q4_K: [d x g] [dmin x g] [sc_lo[s] x g] (s < 4) [m_lo[s] x g] [hi[s] x g] [qs0..3 x g] .. [qs124..127 x g]
 //         sc_lo[s] = sc_s & 15 | (sc_{s+4} & 15) << 4, m_lo the same for m, and the top 2 bits of sc_s, sc_{s+4},
 //         m_s, m_{s+4} in hi[s] (bits 0-1, 2-3, 4-5, 6-7)
+//   Q6_K: [d x g] [scales[2b], scales[2b+1] x g] (b < 8), then per block b of 32 values:
+//         [lo0..3 x g] .. [lo12..15 x g] [hi0..3 x g] [hi4..7 x g]
+//         lo[4k + i] = q(32b + 4k + i) & 15 | (q(32b + 16 + 4k + i) & 15) << 4, and hi[4u + i] the top 2 bits of
+//         q(32b + 16u + 4k + i) at bits 2k, 2k + 1 (u < 2, k < 4, i < 4; kv8.quant.gguf_blocks._canonical)
 //
 // so that in a full group one 32-byte load holds 4 codes of each of the 8 rows (lane r: row r), 8 scales convert
 // to float32 in one vcvtph2ps, and every vector lane computes one row: no horizontal sums. The last group (g < 8) is
@@ -58,6 +64,8 @@
 //   Q4: dot = sum_j c_j a_j            codes c_j 0..15
 //   Q5: dot = sum_j (c_j + 16 h_j) a_j  codes 0..31
 //   Q8: dot = sum_j q_j a_j            q_j -128..127
+//   Q6_K: dot = sum_{s = 2b, 2b+1} scales_s (sum_{j in s} q_j a_j - 32 hsum_s)    q_j 0..63, hsum_s the sum of the
+//         16 activation codes of sub-block s; |dot| <= 2 * 128 * 16 * 32 * 127 < 2^24: exact in int32 and in float
 //
 // each path its own way, all exact:
 //
@@ -68,15 +76,22 @@
 //   vnni256, vnni512: vpdpbusd adds 4 products (unsigned codes x signed a) straight into an int32 lane (|dot| <=
 //         32 * 255 * 127 < 2^31). Q8's signed codes as unsigned bytes: q ^ 0x80 = q + 128, and dot = sum_j (q_j +
 //         128) a_j - 128 isum (in int32).
+//   Q6_K: the codes q (0..63, unsigned) times a, per sub-block of 16: avx2 two maddubs added in int16 (|.| <= 2 *
+//         2 * 63 * 127 < 2^15), then madd by the lane's scale (both int16 halves of the lane scales_s) to int32;
+//         vnni 4 vpdpbusd, then times scales_s (vpmulld). Both: minus 32 * (madd of the lane's scale pair
+//         [scales_2b, scales_2b+1] by the activation block's pair of sub-block sums [hsum_2b, hsum_2b+1]).
 //
 // converted to float and scaled:
 //
 //   Q8_0: d da dot   Q4_0: d (da dot - 8 sa)   Q5_0: d (da dot - 16 sa)   Q4_1: d da dot + m sa
-//   Q4_K: (d sc_s) da dot - (dmin m_s) sa
+//   Q4_K: (d sc_s) da dot - (dmin m_s) sa      Q6_K: d da dot
 //
 // accumulated in fp32 over the blocks; the bias (fp32) is added and the result rounded to bf16 (nearest-even). Q4_K
 // takes each sub-block as a block: its integer dot product with the activation block of the same 32 values, scaled
-// by d sc_s; its min term needs that activation block's sum (sa, kept beside da).
+// by d sc_s; its min term needs that activation block's sum (sa, kept beside da). Q6_K takes each activation block
+// of 32 as a block: its two sub-blocks' integer sums, each times its int8 scale, added in int32 (exact; no min term),
+// then scaled by d da; its weights d scales_s (q - 32) enter exactly where dequantize_blocks rounds each to float32
+// (2^-24 of it, inside the fp32 sums' slack).
 //
 // Numerics: the only rounding beyond fp32 sums is the activations': |a_j da - x_j| <= da / 2, so each output
 // differs from the float32 product of the dequantized weights (kv8.quant.gguf_blocks.gguf_linear_reference) by at
@@ -91,8 +106,8 @@
 // of activation rows or the group: a row's bits depend on none of them.
 //
 // Threads: the groups of 8 rows (vnni512: pairs of groups) are split evenly over the threads (OpenMP, static); each
-// thread reads its groups' blocks once per tile of up to 4 activation rows (vnni512: 8, Q4_K 4; one decoded weight
-// load feeds each row's dot products).
+// thread reads its groups' blocks once per tile of up to 4 activation rows (vnni512: 8, Q4_K and Q6_K 4; one decoded
+// weight load feeds each row's dot products).
 //
 // kv8_gguf_dequantize (gguf_dequantize): the same grouped blocks to float32 W [N, K], exactly
 // kv8.quant.gguf_blocks.dequantize_blocks' values; OpenMP over W's rows. GGUFLinearMethod multiplies many activation
@@ -105,13 +120,13 @@
 
 // The block types of kv8_gguf_linear_call.qtype, by code; their names are the GGUF (gguf.GGMLQuantizationType) names,
 // which Python reads from kv8_gguf_type_name (no code copied on the Python side).
-enum { GGUF_Q8_0 = 0, GGUF_Q4_0 = 1, GGUF_Q4_1 = 2, GGUF_Q4_K = 3, GGUF_Q5_0 = 4, GGUF_TYPE_COUNT = 5 };
-static const char* const GGUF_TYPE_NAMES[GGUF_TYPE_COUNT] = {"Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_0"};
-static const int GGUF_BLOCK_BYTES[GGUF_TYPE_COUNT] = {34, 18, 20, 18, 22};         // per 32 values
-static const int GGUF_BLOCK_VALUES[GGUF_TYPE_COUNT] = {32, 32, 32, 256, 32};       // per block: K is a multiple
+enum { GGUF_Q8_0 = 0, GGUF_Q4_0 = 1, GGUF_Q4_1 = 2, GGUF_Q4_K = 3, GGUF_Q5_0 = 4, GGUF_Q6_K = 5, GGUF_TYPE_COUNT = 6 };
+static const char* const GGUF_TYPE_NAMES[GGUF_TYPE_COUNT] = {"Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q6_K"};
+static const int GGUF_BLOCK_VALUES[GGUF_TYPE_COUNT] = {32, 32, 32, 256, 32, 256};   // per block: K is a multiple
 static const int GGUF_BLOCK = 32;
 static const int GGUF_ROWS = 8;    // weight rows per group of the kernel's layout: the 8 float lanes of a vector
-static const int GGUF_UNIT[GGUF_TYPE_COUNT] = {34, 18, 20, 144, 22};              // bytes per weight block and row
+static const int GGUF_UNIT[GGUF_TYPE_COUNT] = {34, 18, 20, 144, 22, 210};          // bytes per weight block and row
+static const int GGUF_UNIT_MAX = 210;
 // Software prefetch distance of gguf_group_tile's weight stream, bytes ahead of the block being read. Measured on an
 // AMD EPYC Zen 3, 30 SmolLM2-shaped Q4_1 layers (66 MB, from DRAM), one thread's CPU time: 4096 B ~20% faster than
 // none, 8192 ~10%, 1024 ~15%.
@@ -179,17 +194,28 @@ static inline uint16_t gguf_round_bf16(float f) {
 }
 
 // One call's activation rows quantized (gguf_quantize_row), nb blocks of 32 per row: qa [M, K] int8 codes, and per
-// row and block da [M, nb] the scale, isum [M, nb] the sum of the codes, sa [M, nb] = da * isum.
+// row and block da [M, nb] the scale, isum [M, nb] the sum of the codes, sa [M, nb] = da * isum, hsum [M, nb] the
+// sums of its two halves of 16 codes as two int16 (the first in the low half; Q6_K's sub-blocks).
 struct GGUFActs {
     const int8_t* qa;
     const float* da;
     const float* sa;
     const int32_t* isum;
+    const int32_t* hsum;
     int64_t nb;
 };
 
-// One row of K bf16 values -> K/32 blocks of int8 codes qa, their scales da, the codes' sums isum and da * isum sa.
-static inline void gguf_quantize_row(const uint16_t* x, int64_t K, int8_t* qa, float* da, float* sa, int32_t* isum) {
+static inline int32_t gguf_sum_epi32(__m256i v) {   // the 8 lanes' sum
+    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1));
+    return _mm_cvtsi128_si32(s);
+}
+
+// One row of K bf16 values -> K/32 blocks of int8 codes qa, their scales da, the codes' sums isum, da * isum sa and
+// the halves' sums hsum.
+static inline void gguf_quantize_row(const uint16_t* x, int64_t K, int8_t* qa, float* da, float* sa, int32_t* isum,
+                                     int32_t* hsum) {
     const __m256 sign = _mm256_set1_ps(-0.0f);
     for (int64_t b = 0; b < K / GGUF_BLOCK; ++b) {
         __m256 v[4];
@@ -210,17 +236,16 @@ static inline void gguf_quantize_row(const uint16_t* x, int64_t K, int8_t* qa, f
             const __m256 r = _mm256_round_ps(_mm256_mul_ps(v[i], vinv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
             q[i] = _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(r, lo), hi));
         }
-        const __m256i sum32 = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
-        __m128i s = _mm_add_epi32(_mm256_castsi256_si128(sum32), _mm256_extracti128_si256(sum32, 1));
-        s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
-        s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1));
+        const int32_t first = gguf_sum_epi32(_mm256_add_epi32(q[0], q[1]));   // codes 0..15 (|.| <= 2032)
+        const int32_t second = gguf_sum_epi32(_mm256_add_epi32(q[2], q[3]));  // codes 16..31
         // int32 x 32 -> int8 x 32 in order: packs interleave the 128-bit lanes, the permute puts them back
         const __m256i p16a = _mm256_packs_epi32(q[0], q[1]), p16b = _mm256_packs_epi32(q[2], q[3]);
         const __m256i p8 = _mm256_packs_epi16(p16a, p16b);
         const __m256i ordered = _mm256_permutevar8x32_epi32(p8, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
         _mm256_storeu_si256((__m256i*)(qa + b * GGUF_BLOCK), ordered);
         da[b] = am / 127.0f;
-        isum[b] = _mm_cvtsi128_si32(s);
+        isum[b] = first + second;
+        hsum[b] = (int32_t)(((uint32_t)second << 16) | ((uint32_t)first & 0xffffu));
         sa[b] = da[b] * (float)isum[b];
     }
 }
@@ -278,6 +303,14 @@ static inline __m256i gguf_q5_high(__m256i h, int k) {
     return _mm256_and_si256(sh, _mm256_set1_epi8(0x10));
 }
 
+// Q6_K: the top 2 bits of the codes 4k .. 4k+3 of a sub-block in each lane (bits 2k, 2k+1 of the lane's hi bytes, h)
+// at bits 4-5 of their bytes (16-bit shifts: the bits the mask keeps never crossed a byte).
+static inline __m256i gguf_q6_high(__m256i h, int k) {
+    const __m256i sh = k < 2 ? _mm256_sll_epi16(h, _mm_cvtsi32_si128(4 - 2 * k))
+                             : _mm256_srl_epi16(h, _mm_cvtsi32_si128(2 * k - 4));
+    return _mm256_and_si256(sh, _mm256_set1_epi8(0x30));
+}
+
 #if KV8_GGUF_VNNI256
 static inline __m256i gguf_dpbusd256(__m256i acc, __m256i u, __m256i s) {   // acc + 4 products u8 x s8 per lane
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
@@ -310,7 +343,66 @@ static inline void gguf_group_tile(const uint8_t* grp, int64_t nwb, const GGUFAc
     const int8_t* a0 = x.qa + m0 * K;
     const float* da0 = x.da + m0 * nb;
     const float* sa0 = x.sa + m0 * nb;
-    if constexpr (QT == GGUF_Q4_K) {
+    if constexpr (QT == GGUF_Q6_K) {
+        // avx2: each lane's scale of the first (dup_lo) or second (dup_hi) sub-block in both its int16 halves
+        const __m256i dup_lo = _mm256_setr_epi8(0, 1, 0, 1, 4, 5, 4, 5, 8, 9, 8, 9, 12, 13, 12, 13,
+                                                0, 1, 0, 1, 4, 5, 4, 5, 8, 9, 8, 9, 12, 13, 12, 13);
+        const __m256i dup_hi = _mm256_add_epi8(dup_lo, _mm256_set1_epi8(2));
+        const int32_t* hs0 = x.hsum + m0 * nb;
+        for (int64_t w = 0; w < nwb; ++w) {
+            const uint8_t* p = grp + w * (GGUF_ROWS * 210);
+            for (int o = 0; o < GGUF_ROWS * 210; o += 64) _mm_prefetch((const char*)p + GGUF_PREFETCH + o, _MM_HINT_T0);
+            const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p));
+            for (int c = 0; c < 8; ++c) {   // activation block b: sub-blocks 2c (lo codes) and 2c + 1 (hi codes)
+                const int64_t b = 8 * w + c;
+                // lane r: row r's [scales_2c, scales_2c+1] as two int16
+                const __m256i sc = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(p + 16 + 16 * c)));
+                const uint8_t* q = p + 144 + 192 * c;
+                const __m256i h0 = _mm256_loadu_si256((const __m256i*)(q + 128));
+                const __m256i h1 = _mm256_loadu_si256((const __m256i*)(q + 160));
+                __m256i lo[4], hi[4];   // codes 4k.. of sub-block 2c (lo) and 2c + 1 (hi), 0..63
+                for (int k = 0; k < 4; ++k) {
+                    const __m256i v = _mm256_loadu_si256((const __m256i*)(q + 32 * k));
+                    lo[k] = _mm256_or_si256(_mm256_and_si256(v, low), gguf_q6_high(h0, k));
+                    hi[k] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 4), low), gguf_q6_high(h1, k));
+                }
+                const __m256i sc_lo = VNNI ? _mm256_srai_epi32(_mm256_slli_epi32(sc, 16), 16)
+                                           : _mm256_shuffle_epi8(sc, dup_lo);
+                const __m256i sc_hi = VNNI ? _mm256_srai_epi32(sc, 16) : _mm256_shuffle_epi8(sc, dup_hi);
+                for (int m = 0; m < MR; ++m) {
+                    const int8_t* a = a0 + m * K + b * GGUF_BLOCK;
+                    __m256i dot;
+                    if constexpr (VNNI) {
+                        __m256i dl = _mm256_setzero_si256(), dh = _mm256_setzero_si256();
+                        for (int k = 0; k < 4; ++k) {
+                            dl = gguf_dpbusd256(dl, lo[k], gguf_bcast4(a + 4 * k));
+                            dh = gguf_dpbusd256(dh, hi[k], gguf_bcast4(a + 16 + 4 * k));
+                        }
+                        dot = _mm256_add_epi32(_mm256_mullo_epi32(dl, sc_lo), _mm256_mullo_epi32(dh, sc_hi));
+                    } else {   // two maddubs added in int16 (|.| <= 2 * 2 * 63 * 127), then times the scale in madd
+                        __m256i s16[4];
+                        for (int t = 0; t < 2; ++t) {
+                            s16[t] = _mm256_add_epi16(_mm256_maddubs_epi16(lo[2 * t], gguf_bcast4(a + 8 * t)),
+                                                      _mm256_maddubs_epi16(lo[2 * t + 1], gguf_bcast4(a + 8 * t + 4)));
+                            s16[2 + t] = _mm256_add_epi16(
+                                _mm256_maddubs_epi16(hi[2 * t], gguf_bcast4(a + 16 + 8 * t)),
+                                _mm256_maddubs_epi16(hi[2 * t + 1], gguf_bcast4(a + 16 + 8 * t + 4)));
+                        }
+                        dot = _mm256_add_epi32(
+                            _mm256_add_epi32(_mm256_madd_epi16(s16[0], sc_lo), _mm256_madd_epi16(s16[1], sc_lo)),
+                            _mm256_add_epi32(_mm256_madd_epi16(s16[2], sc_hi), _mm256_madd_epi16(s16[3], sc_hi)));
+                    }
+                    // - 32 (scales_2c hsum_2c + scales_2c+1 hsum_2c+1): the codes' offset, in int32
+                    const __m256i offset = _mm256_madd_epi16(sc, _mm256_set1_epi32(hs0[m * nb + b]));
+                    dot = _mm256_sub_epi32(dot, _mm256_slli_epi32(offset, 5));
+                    const __m256 scale = _mm256_mul_ps(d, _mm256_broadcast_ss(da0 + m * nb + b));
+                    acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), scale, acc[m]);
+                }
+            }
+        }
+        for (int m = 0; m < MR; ++m) out[m] = acc[m];
+        return;
+    } else if constexpr (QT == GGUF_Q4_K) {
         for (int64_t w = 0; w < nwb; ++w) {
             const uint8_t* p = grp + w * (GGUF_ROWS * 144);
             for (int o = 0; o < GGUF_ROWS * 144; o += 64) _mm_prefetch((const char*)p + GGUF_PREFETCH + o, _MM_HINT_T0);
@@ -478,6 +570,12 @@ static inline void gguf_q4k_unpack2(const uint8_t* a, const uint8_t* b, uint8_t*
     for (int i = 0; i < 4; ++i) _mm512_storeu_si512(out + 64 * i, _mm512_permutexvar_epi64(order, part[i]));
 }
 
+static inline __m512i gguf_q6_high2(__m512i h, int k) {   // gguf_q6_high on both halves
+    const __m512i sh = k < 2 ? _mm512_sll_epi16(h, _mm_cvtsi32_si128(4 - 2 * k))
+                             : _mm512_srl_epi16(h, _mm_cvtsi32_si128(2 * k - 4));
+    return _mm512_and_si512(sh, _mm512_set1_epi8(0x30));
+}
+
 static inline __m512i gguf_q5_high2(__m512i h, int k) {   // gguf_q5_high on both halves
     const __m512i sh = k < 4 ? _mm512_sll_epi16(h, _mm_cvtsi32_si128(4 - k))
                              : _mm512_srl_epi16(h, _mm_cvtsi32_si128(k - 4));
@@ -498,7 +596,50 @@ static inline void gguf_pair_tile(const uint8_t* ga, const uint8_t* gb, int64_t 
     const int8_t* a0 = x.qa + m0 * K;
     const float* da0 = x.da + m0 * nb;
     const float* sa0 = x.sa + m0 * nb;
-    if constexpr (QT == GGUF_Q4_K) {
+    if constexpr (QT == GGUF_Q6_K) {
+        const int32_t* hs0 = x.hsum + m0 * nb;
+        for (int64_t w = 0; w < nwb; ++w) {
+            const uint8_t* pa = ga + w * (GGUF_ROWS * 210);
+            const uint8_t* pb = gb + w * (GGUF_ROWS * 210);
+            for (int o = 0; o < GGUF_ROWS * 210; o += 64) {
+                _mm_prefetch((const char*)pa + GGUF_PREFETCH + o, _MM_HINT_T0);
+                _mm_prefetch((const char*)pb + GGUF_PREFETCH + o, _MM_HINT_T0);
+            }
+            const __m512 d = gguf_half2(pa, pb);
+            for (int c = 0; c < 8; ++c) {   // activation block b: sub-blocks 2c (lo codes) and 2c + 1 (hi codes)
+                const int64_t b = 8 * w + c;
+                const __m512i sc = _mm512_cvtepi8_epi16(_mm256_inserti128_si256(
+                    _mm256_castsi128_si256(_mm_loadu_si128((const __m128i*)(pa + 16 + 16 * c))),
+                    _mm_loadu_si128((const __m128i*)(pb + 16 + 16 * c)), 1));
+                const __m512i sc_lo = _mm512_srai_epi32(_mm512_slli_epi32(sc, 16), 16);
+                const __m512i sc_hi = _mm512_srai_epi32(sc, 16);
+                const int off = 144 + 192 * c;
+                const __m512i h0 = gguf_load2(pa + off + 128, pb + off + 128);
+                const __m512i h1 = gguf_load2(pa + off + 160, pb + off + 160);
+                __m512i lo[4], hi[4];
+                for (int k = 0; k < 4; ++k) {
+                    const __m512i v = gguf_load2(pa + off + 32 * k, pb + off + 32 * k);
+                    lo[k] = _mm512_or_si512(_mm512_and_si512(v, low), gguf_q6_high2(h0, k));
+                    hi[k] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(v, 4), low), gguf_q6_high2(h1, k));
+                }
+                for (int m = 0; m < MR; ++m) {
+                    const int8_t* a = a0 + m * K + b * GGUF_BLOCK;
+                    __m512i dl = _mm512_setzero_si512(), dh = _mm512_setzero_si512();
+                    for (int k = 0; k < 4; ++k) {
+                        dl = _mm512_dpbusd_epi32(dl, lo[k], gguf_bcast4x16(a + 4 * k));
+                        dh = _mm512_dpbusd_epi32(dh, hi[k], gguf_bcast4x16(a + 16 + 4 * k));
+                    }
+                    __m512i dot = _mm512_add_epi32(_mm512_mullo_epi32(dl, sc_lo), _mm512_mullo_epi32(dh, sc_hi));
+                    const __m512i offset = _mm512_madd_epi16(sc, _mm512_set1_epi32(hs0[m * nb + b]));
+                    dot = _mm512_sub_epi32(dot, _mm512_slli_epi32(offset, 5));
+                    const __m512 scale = _mm512_mul_ps(d, _mm512_set1_ps(da0[m * nb + b]));
+                    acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scale, acc[m]);
+                }
+            }
+        }
+        for (int m = 0; m < MR; ++m) out[m] = acc[m];
+        return;
+    } else if constexpr (QT == GGUF_Q4_K) {
         for (int64_t w = 0; w < nwb; ++w) {
             const uint8_t* pa = ga + w * (GGUF_ROWS * 144);
             const uint8_t* pb = gb + w * (GGUF_ROWS * 144);
@@ -599,11 +740,14 @@ static inline void gguf_each_section(F f) {
     int off = 0;
     const auto section = [&](int width) { f(off, width); off += width; };
     section(2);                                                                    // d
+    if (QT == GGUF_Q6_K)
+        for (int i = 0; i < 8; ++i) section(2);                                    // pairs of scales
     if (QT == GGUF_Q4_1 || QT == GGUF_Q4_K) section(2);                            // m, dmin
     if (QT == GGUF_Q5_0) section(4);                                               // qh, transposed
     if (QT == GGUF_Q4_K)
         for (int i = 0; i < 12; ++i) section(1);                                   // sc_lo, m_lo, hi
-    for (int i = 0; i < (QT == GGUF_Q8_0 ? 8 : QT == GGUF_Q4_K ? 32 : 4); ++i) section(4);   // 4 codes (bytes)
+    const int codes = QT == GGUF_Q8_0 ? 8 : QT == GGUF_Q4_K ? 32 : QT == GGUF_Q6_K ? 48 : 4;
+    for (int i = 0; i < codes; ++i) section(4);                                    // 4 codes (bytes)
 }
 
 static inline void gguf_copy(uint8_t* dst, const uint8_t* src, int width) {   // 1, 2 or 4 bytes
@@ -683,7 +827,7 @@ template <int QT, bool VNNI>
 static int gguf_linear_rows(const kv8_gguf_linear_call& call, const GGUFActs& x) {
     constexpr int MR = 4;
     const int64_t M = call.rows, N = call.out_features;
-    const int64_t row_bytes = x.nb * GGUF_BLOCK_BYTES[QT], nwb = row_bytes / GGUF_UNIT[QT];
+    const int64_t nwb = call.in_features / GGUF_BLOCK_VALUES[QT], row_bytes = nwb * GGUF_UNIT[QT];
     const int64_t groups = (N + GGUF_ROWS - 1) / GGUF_ROWS;
     const int threads = threads_for(N * call.in_features * (M < MR ? 1 : MR), call.num_threads);
     int rc = OK;
@@ -715,15 +859,15 @@ static int gguf_linear_rows(const kv8_gguf_linear_call& call, const GGUFActs& x)
 
 #if KV8_GGUF_VNNI512
 // The vnni512 path: OpenMP over pairs of groups (16 rows); a last, odd group is paired with itself. Tiles of 8
-// activation rows (Q4_K: 4, whose two sub-blocks' sums per row would not fit the 32 registers): 1.07-1.31x faster
+// activation rows (Q4_K, Q6_K: 4, whose two sub-blocks' sums per row would not fit the 32 registers): 1.07-1.31x faster
 // than tiles of 4 in 23 of 24 cells at M = 5 and 8 (Q8_0 / Q4_0 / Q4_1 / Q5_0, 576x576, 1536x576, 640x2048, one
 // thread; the Xeon of docs/benchmarks.md's "The int8 kernel's VNNI paths", 2026-11-29, an A/B of the two builds in
 // one process, load ~4); Q4_K one sub-block at a time in tiles of 8 was slower at 1-2 rows (0.82-0.86x).
 template <int QT>
 static int gguf_linear_pairs(const kv8_gguf_linear_call& call, const GGUFActs& x) {
-    constexpr int MR = QT == GGUF_Q4_K ? 4 : 8;
+    constexpr int MR = QT == GGUF_Q4_K || QT == GGUF_Q6_K ? 4 : 8;
     const int64_t M = call.rows, N = call.out_features;
-    const int64_t row_bytes = x.nb * GGUF_BLOCK_BYTES[QT], nwb = row_bytes / GGUF_UNIT[QT];
+    const int64_t nwb = call.in_features / GGUF_BLOCK_VALUES[QT], row_bytes = nwb * GGUF_UNIT[QT];
     const int64_t groups = (N + GGUF_ROWS - 1) / GGUF_ROWS, pairs = (groups + 1) / 2;
     const int threads = threads_for(N * call.in_features * (M < MR ? 1 : MR), call.num_threads);
     int rc = OK;
@@ -772,11 +916,26 @@ static int gguf_linear_path(const kv8_gguf_linear_call& call, const GGUFActs& x)
 // One canonical weight block (kv8.quant.gguf_blocks._canonical's bytes) -> its 32 (Q4_K: 256) float32 values, as
 // kv8.quant.gguf_blocks.dequantize_blocks computes them, bit for bit: float32 d * code, Q4_0 d * (c - 8), Q5_0
 // d * (c - 16), Q4_1 d * c then + m (a multiply and an add, never fused: the build's -std=c++17 keeps GCC from
-// contracting them), Q4_K (d * sc) * c - dmin * m (both products exact, then one rounding of the subtraction).
+// contracting them), Q4_K (d * sc) * c - dmin * m (both products exact, then one rounding of the subtraction), Q6_K
+// (d * scales_s) * (q - 32) (the first product exact).
 template <int QT>
 static inline void gguf_dequantize_block(const uint8_t* c, float* o) {
     const __m256 d = _mm256_set1_ps(gguf_half(c));
-    if constexpr (QT == GGUF_Q4_K) {
+    if constexpr (QT == GGUF_Q6_K) {
+        const float dd = gguf_half(c);
+        for (int b = 0; b < 8; ++b) {   // block b of 32 values: lo[16] hi[8] at c + 18 + 24 b
+            const uint8_t* lo = c + 18 + 24 * b;
+            const uint8_t* hi = lo + 16;
+            for (int u = 0; u < 2; ++u) {   // sub-block 2b + u
+                const float scale = dd * (float)(int8_t)c[2 + 2 * b + u];
+                for (int k = 0; k < 4; ++k)
+                    for (int i = 0; i < 4; ++i) {
+                        const int q = ((lo[4 * k + i] >> (4 * u)) & 15) | (((hi[4 * u + i] >> (2 * k)) & 3) << 4);
+                        o[32 * b + 16 * u + 4 * k + i] = scale * (float)(q - 32);
+                    }
+            }
+        }
+    } else if constexpr (QT == GGUF_Q4_K) {
         const float dm = gguf_half(c + 2);
         uint8_t sc[8], mn[8];
         for (int s = 0; s < 4; ++s) {
@@ -838,16 +997,15 @@ static inline void gguf_dequantize_block(const uint8_t* c, float* o) {
 
 template <int QT>
 static void gguf_dequantize_rows(const kv8_gguf_dequantize_call& call) {
-    const int64_t N = call.rows, K = call.in_features, nb = K / GGUF_BLOCK;
-    const int64_t row_bytes = nb * GGUF_BLOCK_BYTES[QT], unit = GGUF_UNIT[QT], nwb = row_bytes / unit;
-    const int64_t values = unit / GGUF_BLOCK_BYTES[QT] * GGUF_BLOCK;   // per weight block
+    const int64_t N = call.rows, K = call.in_features, values = GGUF_BLOCK_VALUES[QT];   // per weight block
+    const int64_t unit = GGUF_UNIT[QT], nwb = K / values, row_bytes = nwb * unit;
     const int threads = threads_for(N * K, call.num_threads);
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t n = 0; n < N; ++n) {
         const int64_t n0 = n / GGUF_ROWS * GGUF_ROWS;
         const int g = (int)(N - n0 < GGUF_ROWS ? N - n0 : GGUF_ROWS), r = (int)(n - n0);
         const uint8_t* grp = call.blocks + n0 * row_bytes;
-        alignas(32) uint8_t canon[144];
+        alignas(32) uint8_t canon[GGUF_UNIT_MAX];
         for (int64_t w = 0; w < nwb; ++w) {
             gguf_gather<QT>(grp + w * g * unit, g, r, canon);
             gguf_dequantize_block<QT>(canon, call.out + n * K + w * values);
@@ -861,6 +1019,7 @@ static int gguf_dequantize(const kv8_gguf_dequantize_call& call) {
         case GGUF_Q4_0: gguf_dequantize_rows<GGUF_Q4_0>(call); break;
         case GGUF_Q4_1: gguf_dequantize_rows<GGUF_Q4_1>(call); break;
         case GGUF_Q5_0: gguf_dequantize_rows<GGUF_Q5_0>(call); break;
+        case GGUF_Q6_K: gguf_dequantize_rows<GGUF_Q6_K>(call); break;
         default: gguf_dequantize_rows<GGUF_Q4_K>(call); break;
     }
     return OK;
@@ -871,24 +1030,26 @@ static int gguf_linear(const kv8_gguf_linear_call& call) {
     const int64_t M = call.rows, K = call.in_features, nb = K / GGUF_BLOCK;
     int8_t* qa = (int8_t*)std::malloc((size_t)(M * K));
     float* scales = (float*)std::malloc(sizeof(float) * (size_t)(2 * M * nb));
-    int32_t* isum = (int32_t*)std::malloc(sizeof(int32_t) * (size_t)(M * nb));
+    int32_t* isum = (int32_t*)std::malloc(sizeof(int32_t) * (size_t)(2 * M * nb));   // and hsum
     if (!qa || !scales || !isum) {
         std::free(qa);
         std::free(scales);
         std::free(isum);
         return ERR_OOM;
     }
-    const GGUFActs x{qa, scales, scales + M * nb, isum, nb};
+    const GGUFActs x{qa, scales, scales + M * nb, isum, isum + M * nb, nb};
     const int qthreads = threads_for(M * K * 8, call.num_threads);
 #pragma omp parallel for schedule(static) num_threads(qthreads)
     for (int64_t m = 0; m < M; ++m)
-        gguf_quantize_row(call.x + m * K, K, qa + m * K, scales + m * nb, scales + (M + m) * nb, isum + m * nb);
+        gguf_quantize_row(call.x + m * K, K, qa + m * K, scales + m * nb, scales + (M + m) * nb, isum + m * nb,
+                          isum + (M + m) * nb);
     int rc;
     switch (call.qtype) {
         case GGUF_Q8_0: rc = gguf_linear_path<GGUF_Q8_0>(call, x); break;
         case GGUF_Q4_0: rc = gguf_linear_path<GGUF_Q4_0>(call, x); break;
         case GGUF_Q4_1: rc = gguf_linear_path<GGUF_Q4_1>(call, x); break;
         case GGUF_Q5_0: rc = gguf_linear_path<GGUF_Q5_0>(call, x); break;
+        case GGUF_Q6_K: rc = gguf_linear_path<GGUF_Q6_K>(call, x); break;
         default: rc = gguf_linear_path<GGUF_Q4_K>(call, x); break;
     }
     std::free(qa);
