@@ -192,9 +192,26 @@ def _interleave_index(qtype: str, g: int) -> torch.Tensor:
     return torch.tensor(index, dtype=torch.int64)
 
 
-def _row_groups(n: int) -> list[tuple[int, int]]:
-    """``(first row, rows)`` of each group of the kernel's layout: `GROUP_ROWS` rows, the last group the rest."""
-    return [(r, min(GROUP_ROWS, n - r)) for r in range(0, n, GROUP_ROWS)]
+def _section_runs(qtype: str) -> list[tuple[int, int, int]]:
+    """``(first byte, sections, width)`` of each run of consecutive :data:`_SECTIONS` of one width in a canonical
+    block (Q4_K: ``(0, 2, 2)``, ``(4, 12, 1)``, ``(16, 32, 4)``): a run's bytes of ``g`` rows ``[g, sections,
+    width]`` are laid out ``[sections, g, width]`` in the kernel's layout (:func:`_interleave_index`, as strides)."""
+    runs: list[tuple[int, int, int]] = []
+    offset = 0
+    for width in _SECTIONS[qtype]:
+        if runs and runs[-1][2] == width:
+            runs[-1] = (runs[-1][0], runs[-1][1] + 1, width)
+        else:
+            runs.append((offset, 1, width))
+        offset += width
+    return runs
+
+
+def _full_and_tail(n: int) -> list[tuple[int, int]]:
+    """``(first row, rows)`` of the rows in whole groups of `GROUP_ROWS` and of the last group's rest (each part
+    omitted when empty)."""
+    full = n // GROUP_ROWS * GROUP_ROWS
+    return [(first, count) for first, count in ((0, full), (full, n - full)) if count]
 
 
 def group_blocks(blocks: torch.Tensor, qtype: str, in_features: int) -> torch.Tensor:
@@ -211,20 +228,21 @@ def group_blocks(blocks: torch.Tensor, qtype: str, in_features: int) -> torch.Te
     transposed, 4 x 4 bytes of ``qs``; Q4_K: ``d``, ``dmin``, 12 single bytes of scales, 32 x 4 bytes of ``qs``;
     Q6_K: ``d``, 8 pairs of scales, then per block of 32 values 4 x 4 bytes of ``lo`` and 2 x 4 of ``hi``).
     The same number of bytes, as a ``[N, row bytes]`` uint8 tensor whose rows are no longer the weight's rows.
+    Each run of sections of one width moves as one strided copy (:func:`_section_runs`).
     """
     n, unit = blocks.shape[0], BLOCK_BYTES[qtype]
     nwb = in_features // BLOCK_VALUES[qtype]                              # weight blocks per row
     canon = _canonical(blocks.reshape(n, nwb, unit), qtype)                # (N, nwb, unit)
-    parts = []
-    full = n // GROUP_ROWS * GROUP_ROWS
-    for first, count in ((0, full), (full, n - full)):
-        if count == 0:
-            continue
+    out = torch.empty(n * nwb * unit, dtype=torch.uint8)
+    for first, count in _full_and_tail(n):
         g = min(GROUP_ROWS, count)
-        rows = canon[first:first + count].reshape(count // g, g, nwb, unit)
-        rows = rows.permute(0, 2, 1, 3).reshape(count // g, nwb, g * unit)   # (groups, nwb, g rows' blocks)
-        parts.append(rows.index_select(2, _interleave_index(qtype, g)).reshape(-1))
-    return torch.cat(parts).reshape(n, -1)
+        # (groups, nwb, g, unit)
+        rows = canon[first:first + count].reshape(count // g, g, nwb, unit).permute(0, 2, 1, 3)
+        grouped = out[first * nwb * unit:(first + count) * nwb * unit].view(count // g, nwb, g * unit)
+        for offset, sections, width in _section_runs(qtype):
+            place = grouped[..., offset * g:(offset + sections * width) * g].unflatten(-1, (sections, g, width))
+            place.copy_(rows[..., offset:offset + sections * width].unflatten(-1, (sections, width)).transpose(2, 3))
+    return out.reshape(n, -1)
 
 
 def ungroup_blocks(grouped: torch.Tensor, qtype: str, in_features: int) -> torch.Tensor:
@@ -233,16 +251,14 @@ def ungroup_blocks(grouped: torch.Tensor, qtype: str, in_features: int) -> torch
     nwb = in_features // BLOCK_VALUES[qtype]
     flat = grouped.reshape(-1)
     canon = torch.empty(n, nwb, unit, dtype=torch.uint8)
-    full = n // GROUP_ROWS * GROUP_ROWS
-    for first, count in ((0, full), (full, n - full)):
-        if count == 0:
-            continue
+    for first, count in _full_and_tail(n):
         g = min(GROUP_ROWS, count)
-        part = flat[first * nwb * unit:(first + count) * nwb * unit].reshape(count // g, nwb, g * unit)
-        rows = torch.empty_like(part)
-        rows[..., _interleave_index(qtype, g)] = part
-        canon[first:first + count] = rows.reshape(count // g, nwb, g, unit).permute(0, 2, 1, 3).reshape(count, nwb,
-                                                                                                      unit)
+        part = flat[first * nwb * unit:(first + count) * nwb * unit].view(count // g, nwb, g * unit)
+        # (groups, nwb, g, unit)
+        rows = canon[first:first + count].view(count // g, g, nwb, unit).permute(0, 2, 1, 3)
+        for offset, sections, width in _section_runs(qtype):
+            held = part[..., offset * g:(offset + sections * width) * g].unflatten(-1, (sections, g, width))
+            rows[..., offset:offset + sections * width].unflatten(-1, (sections, width)).copy_(held.transpose(2, 3))
     return _file_order(canon, qtype).reshape(n, -1).contiguous()
 
 
