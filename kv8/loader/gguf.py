@@ -436,7 +436,7 @@ def _blocks(tensor: Any, fd: int) -> GGUFWeight:
     mapped beside the copy (an 8B Q4_K file: 4.3 GB more resident at load)."""
     rows, in_features = _hf_shape(tensor)
     array = np.empty(int(tensor.n_bytes), dtype=np.uint8)
-    view, done = memoryview(array), 0
+    view, done = array.data, 0   # (a memoryview of the array)
     while done < len(array):
         count = os.preadv(fd, [view[done:]], int(tensor.data_offset) + done)
         if count <= 0:
