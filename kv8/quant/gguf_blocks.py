@@ -44,8 +44,8 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["BLOCK", "BLOCK_BYTES", "BLOCK_VALUES", "GROUP_ROWS", "KEPT_TYPES", "ExpandedWeight", "GGUFWeight",
-           "random_blocks",
+__all__ = ["BLOCK", "BLOCK_BYTES", "BLOCK_VALUES", "GROUP_CHUNK_BYTES", "GROUP_ROWS", "KEPT_TYPES", "ExpandedWeight",
+           "GGUFWeight", "random_blocks", "block_aligned", "shard_weight",
            "dequantize_blocks", "dequantize_rows", "gather_rows",
            "gguf_activation_bound", "gguf_linear_reference", "group_blocks", "q4_k_scale_min",
            "q6_k_codes", "quantize_activation_blocks", "row_bytes", "ungroup_blocks"]
@@ -507,3 +507,31 @@ def random_blocks(qtype: str, rows: int, in_features: int, generator: torch.Gene
     for offset in _HALF_OFFSETS[qtype]:
         raw[:, offset:offset + 2] = half
     return GGUFWeight(qtype, raw.reshape(rows, -1), in_features, "timing")
+
+
+def block_aligned(columns: tuple[int, int], qtype: str) -> bool:
+    """Whether the columns ``(first, count)`` of a weight of ``qtype`` blocks are whole blocks (:data:`BLOCK_VALUES`:
+    32 values; Q4_K: 256), so that their bytes are whole blocks of each row."""
+    values = BLOCK_VALUES[qtype]
+    return columns[0] % values == 0 and columns[1] % values == 0 and columns[1] > 0
+
+
+def shard_weight(weight: GGUFWeight | ExpandedWeight, rows: tuple[int, int],
+                 columns: tuple[int, int]) -> GGUFWeight | ExpandedWeight:
+    """Rows ``(first, count)`` and columns ``(first, count)`` of ``weight`` (a tensor-parallel rank's part), in new
+    memory: blocks are cut between rows and, for the columns, between blocks (``ValueError`` when the columns are not
+    :func:`block_aligned`); a dequantized weight anywhere. Rows past the weight's last (the vocabulary's padding on
+    the last rank) are zeros: zero bytes are blocks whose scale and min are 0, so they dequantize to 0."""
+    first, count = rows
+    held = max(0, min(count, weight.shape[0] - first))
+    if isinstance(weight, ExpandedWeight):
+        part = weight.weight.new_zeros(count, columns[1])
+        part[:held] = weight.weight[first:first + held, columns[0]:columns[0] + columns[1]]
+        return ExpandedWeight(weight.qtype, part, weight.name)
+    if not block_aligned(columns, weight.qtype):
+        raise ValueError(f"GGUF tensor {weight.name!r} ({weight.qtype}): columns {columns[0]}..{sum(columns) - 1} of "
+                         f"its {weight.in_features} are not whole blocks of {BLOCK_VALUES[weight.qtype]} values")
+    start, size = row_bytes(weight.qtype, columns[0]), row_bytes(weight.qtype, columns[1])
+    blocks = torch.zeros(count, size, dtype=torch.uint8)
+    blocks[:held] = weight.blocks[first:first + held, start:start + size]
+    return GGUFWeight(weight.qtype, blocks, columns[1], weight.name)
