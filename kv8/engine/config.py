@@ -183,17 +183,14 @@ class EngineConfig:
                              f"(max_position_embeddings={arch.max_position_embeddings})")
 
     def _check_gguf_quantization(self) -> None:
-        """``quantization="gguf"`` keeps the blocks of a GGUF file, read from it, on one rank."""
+        """``quantization="gguf"`` keeps the blocks of a GGUF file, read from it (each tensor-parallel rank its part:
+        a shape that does not split on block boundaries fails at load, naming the layer)."""
         if self.model_kind != "gguf":
             raise ValueError(f"quantization='gguf' keeps the blocks of a GGUF file, but model={self.model!r} is a "
                              f"{self.model_kind} checkpoint; use quantization='fp8' or leave it unset")
         if self.load_format != "auto":
             raise ValueError(f"quantization='gguf' reads the file's blocks; load_format={self.load_format!r} reads "
                              "none: use load_format='auto'")
-        if self.parallel.tensor_parallel_size != 1:
-            raise ValueError(f"quantization='gguf' runs on one rank (its blocks are not split between ranks); "
-                             f"tensor_parallel_size={self.parallel.tensor_parallel_size}: use 1, or leave "
-                             "quantization unset")
 
     def _check_device_support(self) -> None:
         """Every option runs on the platform (which exists, so its device is usable)."""

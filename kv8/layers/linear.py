@@ -61,6 +61,12 @@ the full shape and copies the rank's rows (and columns) in.
   :class:`~kv8.layers.vocab_parallel.ParallelLMHead`, keeps its weights as loaded under ``"fp8"`` and as the file's
   blocks under ``"gguf"``.)
 
+Under ``quantization="gguf"`` ``load_gguf`` takes the whole checkpoint tensor too and keeps the rank's part of its
+blocks (:func:`~kv8.quant.gguf_blocks.shard_weight`): whole rows of blocks for the column-parallel layers, and for
+:class:`RowParallelLinear` the rank's columns, which must be whole blocks (32 values; Q4_K 256): a split that is not
+(``in_features`` / ``tensor_parallel_size`` not a multiple of the block) is a ``ValueError`` naming the layer, its
+``in_features``, the block and ``tensor_parallel_size``.
+
 With one rank every layer holds the whole matrix and nothing is reduced.
 """
 
@@ -79,12 +85,15 @@ from kv8.layers.activation import SiluAndMul
 from kv8.layers.dense_backend import GGUF_DEQUANTIZE_ROWS, DenseBackend
 from kv8.quant.formats import E4M3
 from kv8.quant.gguf_blocks import (
+    BLOCK_VALUES,
     GROUP_ROWS,
     ExpandedWeight,
     GGUFWeight,
+    block_aligned,
     dequantize_rows,
     gguf_linear_reference,
     group_blocks,
+    shard_weight,
     ungroup_blocks,
 )
 from kv8.quant.weights import dequantize_fp8_rows, quantize_fp8_rows
@@ -643,28 +652,41 @@ class LinearBase(nn.Module):
     def load_gguf(self, loaded: GGUFWeight | ExpandedWeight | GGUFSegment, shard_id: int | str | None = None) -> None:
         """Keep one projection's GGUF blocks, or its tensor of another type dequantized at load (``shard_id``; None:
         every projection, the merged matrix) for :class:`GGUFLinearMethod`, checked against the checkpoint's full
-        shape; or a :class:`GGUFSegment` built already, held as it is (a tied LM head shares the embedding's). One rank
-        only: the blocks are not split between tensor-parallel ranks."""
+        shape; or a :class:`GGUFSegment` built already, of this rank's rows, held as it is (a tied LM head shares the
+        embedding's). With several ranks each projection keeps the rank's rows (``row_shards``: whole rows of
+        blocks) and columns (``in_shard``: whole blocks, else ``ValueError`` naming the sizes), in memory of its own
+        (:func:`~kv8.quant.gguf_blocks.shard_weight`)."""
         if not isinstance(self.method, GGUFLinearMethod):
             raise ValueError(f"holds GGUF blocks, but the layer's method is {self.method.name!r}, not 'gguf'")
-        if self.is_sharded:
-            raise ValueError("holds GGUF blocks, which kv8 does not split between tensor-parallel ranks; use "
-                             "tensor_parallel_size=1 with quantization='gguf'")
+        if isinstance(loaded, GGUFSegment):
+            if shard_id is not None or len(self.output_sizes) > 1 or loaded.shape != (self.out_features,
+                                                                                        self.in_features):
+                raise ValueError(f"a shared GGUF segment of shape {loaded.shape} is one projection's rows of this "
+                                 f"rank; this layer holds {self.output_sizes} x {self.in_features}")
+            self.gguf_parts[0] = loaded
+            return
         projections = range(len(self.full_output_sizes)) if shard_id is None else [self.shard_index(shard_id)]
         expected = (sum(self.full_output_sizes[i] for i in projections), self.full_in_features)
         if loaded.shape != expected:
             raise ValueError(f"has shape {loaded.shape}, the model expects {expected}")
-        if shard_id is None and len(self.full_output_sizes) > 1:
-            if isinstance(loaded, GGUFSegment):
-                raise ValueError("a shared GGUF segment holds one projection; this layer has several")
-            for i, size in zip(projections, self.full_output_sizes):
-                start = sum(self.full_output_sizes[:i])
-                if isinstance(loaded, GGUFWeight):
-                    self.gguf_parts[i] = replace(loaded, blocks=loaded.blocks.narrow(0, start, size))
-                else:
-                    self.gguf_parts[i] = replace(loaded, weight=loaded.weight.narrow(0, start, size))
-        else:
-            self.gguf_parts[projections[0]] = loaded
+        if isinstance(loaded, GGUFWeight) and not block_aligned(self.in_shard, loaded.qtype):
+            values = BLOCK_VALUES[loaded.qtype]
+            raise ValueError(f"is {loaded.qtype} blocks of {values} values; {type(self).__name__} splits its "
+                             f"in_features={self.full_in_features} over tensor_parallel_size={self.tp.size} into "
+                             f"{self.in_features} columns per rank, not whole blocks: use a tensor_parallel_size that "
+                             f"divides its {self.full_in_features // values} blocks per row")
+        row = 0
+        for i in projections:
+            if self.is_sharded:
+                first, count = self.row_shards[i]
+                self.gguf_parts[i] = shard_weight(loaded, (row + first, count), self.in_shard)
+            elif len(projections) == 1:
+                self.gguf_parts[i] = loaded
+            elif isinstance(loaded, GGUFWeight):
+                self.gguf_parts[i] = replace(loaded, blocks=loaded.blocks.narrow(0, row, self.full_output_sizes[i]))
+            else:
+                self.gguf_parts[i] = replace(loaded, weight=loaded.weight.narrow(0, row, self.full_output_sizes[i]))
+            row += self.full_output_sizes[i]
 
     def process_weights_after_loading(self) -> None:
         self.method.process_weights_after_loading(self)

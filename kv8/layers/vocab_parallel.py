@@ -15,7 +15,8 @@ gathered logits have equal parts.
 With one rank both are the plain layers (the whole matrix, no collective). The weights load through
 ``weight_loader`` (a whole checkpoint tensor, checked against ``[V, E]``; the rank keeps its rows).
 
-With ``quantization="gguf"`` (one rank) both keep the file's blocks when their type has a kernel (Q8_0, Q4_0, Q4_1,
+With ``quantization="gguf"`` both keep the file's blocks (each rank its ``[P, E]`` rows, :func:`vocab_rows`: the
+last rank's padding rows zero bytes, blocks that dequantize to 0) when their type has a kernel (Q8_0, Q4_0, Q4_1,
 Q5_0, Q4_K, Q6_K: :data:`~kv8.quant.gguf_blocks.KEPT_TYPES`), loaded through ``load_gguf``: the embedding holds a
 :class:`~kv8.layers.linear.GGUFSegment` (grouped in the kernel's order where the kernels read the type) and looks up
 its rows by dequantizing only the blocks of the ids asked for (:meth:`GGUFSegment.lookup`: the values the dequantized
@@ -35,9 +36,9 @@ from kv8.distributed.group import TPGroup
 from kv8.distributed.shard import shard_group
 from kv8.layers.dense_backend import TORCH_BACKEND, DenseBackend
 from kv8.layers.linear import GGUFLinearMethod, GGUFSegment, LinearBase, gguf_segment
-from kv8.quant.gguf_blocks import ExpandedWeight, GGUFWeight
+from kv8.quant.gguf_blocks import ExpandedWeight, GGUFWeight, shard_weight
 
-__all__ = ["GGUF_HEAD_DEQUANTIZE_ROWS", "ParallelLMHead", "VocabParallelEmbedding", "vocab_shard"]
+__all__ = ["GGUF_HEAD_DEQUANTIZE_ROWS", "ParallelLMHead", "VocabParallelEmbedding", "vocab_rows", "vocab_shard"]
 
 #: the LM head's row count from which :class:`GGUFLinearMethod` dequantizes its blocks (slice by slice) and runs the
 #: float32 GEMM, instead of the int8 kernel. Measured on the Xeon (model 207, AVX-512 VNNI), SmolLM2's Q8_0 head
@@ -55,6 +56,15 @@ def vocab_shard(vocab_size: int, tp: TPGroup) -> tuple[int, int, int]:
     per_rank = -(-vocab_size // tp.size)
     first = tp.rank * per_rank
     return first, per_rank, max(0, min(per_rank, vocab_size - first))
+
+
+def vocab_rows(loaded: GGUFWeight | ExpandedWeight, vocab_size: int, tp: TPGroup) -> GGUFWeight | ExpandedWeight:
+    """Rank ``tp.rank``'s ``[P, E]`` rows of a GGUF table ``[V, E]`` (:func:`vocab_shard`; the padding rows zeros,
+    blocks that dequantize to 0), in memory of its own; the table itself with one rank."""
+    if tp.size == 1:
+        return loaded
+    first, rows, _ = vocab_shard(vocab_size, tp)
+    return shard_weight(loaded, (first, rows), (0, loaded.shape[1]))
 
 
 def _load_rows(param: nn.Parameter, loaded: torch.Tensor, vocab_size: int, dim: int, tp: TPGroup) -> None:
@@ -76,6 +86,7 @@ class VocabParallelEmbedding(nn.Module):
         self.tp = shard_group()
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
         self.first, rows, _ = vocab_shard(num_embeddings, self.tp)
+        self.num_embeddings_per_rank = rows
         self.is_sharded = self.tp.size > 1
         self.gguf = backend.quantization == "gguf"
         self.kernels = backend.kernels
@@ -90,14 +101,12 @@ class VocabParallelEmbedding(nn.Module):
 
     def load_gguf(self, loaded: GGUFWeight | ExpandedWeight, dtype: torch.dtype) -> None:
         """``quantization="gguf"``: keep the table's blocks (rows looked up in ``dtype``), or take a table of a type
-        without a kernel dequantized at load as the ``weight``. One rank only."""
+        without a kernel dequantized at load as the ``weight``; the rank's rows of either (:func:`vocab_rows`)."""
         if not self.gguf:
             raise ValueError("holds GGUF blocks, but the model was not built for quantization='gguf'")
-        if self.is_sharded:
-            raise ValueError("holds GGUF blocks, which kv8 does not split between tensor-parallel ranks; use "
-                             "tensor_parallel_size=1 with quantization='gguf'")
         if loaded.shape != (self.num_embeddings, self.embedding_dim):
             raise ValueError(f"has shape {loaded.shape}, the model expects {(self.num_embeddings, self.embedding_dim)}")
+        loaded = vocab_rows(loaded, self.num_embeddings, self.tp)
         self.gguf_qtype, self.dtype = loaded.qtype, dtype
         if isinstance(loaded, ExpandedWeight):
             self.weight = nn.Parameter(loaded.weight, requires_grad=False)
@@ -114,15 +123,19 @@ class VocabParallelEmbedding(nn.Module):
             return None
         return ExpandedWeight(self.gguf_qtype, self.weight, "token_embd.weight")
 
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+    def _rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows ``ids`` (each in ``[0, P)``) of this rank's table: looked up in the blocks, or the table's."""
         if self.gguf_rows is not None:
             assert self.dtype is not None
             return self.gguf_rows.lookup(ids, self.dtype)
+        return F.embedding(ids, self.weight)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if not self.is_sharded:
-            return F.embedding(ids, self.weight)
+            return self._rows(ids)
         local = ids - self.first
-        outside = (local < 0) | (local >= self.weight.shape[0])
-        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        outside = (local < 0) | (local >= self.num_embeddings_per_rank)
+        out = self._rows(local.masked_fill(outside, 0))
         out.masked_fill_(outside.unsqueeze(-1), 0.0)
         return self.tp.all_reduce(out)
 
@@ -151,6 +164,21 @@ class ParallelLMHead(LinearBase):
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int | str | None = None) -> None:
         _load_rows(param, loaded, self.vocab_size, self.full_in_features, self.tp)
+
+    def load_gguf(self, loaded: GGUFWeight | ExpandedWeight | GGUFSegment, shard_id: int | str | None = None) -> None:
+        """The head's GGUF table ``[V, E]`` (the file's ``output.weight``), of which the rank keeps its rows
+        (:func:`vocab_rows`), or a tied embedding's part of this rank's rows (a segment, or its dequantized table
+        ``[P, E]``)."""
+        if isinstance(loaded, GGUFSegment):
+            super().load_gguf(loaded, shard_id)
+            return
+        if not isinstance(self.method, GGUFLinearMethod):
+            raise ValueError(f"holds GGUF blocks, but the layer's method is {self.method.name!r}, not 'gguf'")
+        if loaded.shape == (self.vocab_size, self.in_features):
+            loaded = vocab_rows(loaded, self.vocab_size, self.tp)
+        elif loaded.shape != (self.out_features, self.in_features):   # not a tied table of this rank's rows either
+            raise ValueError(f"has shape {loaded.shape}, the model expects {(self.vocab_size, self.in_features)}")
+        self.gguf_parts[0] = loaded
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         part = self.method.apply(self, x)                                     # [N, P]

@@ -8,7 +8,8 @@ shard_id)``, any other tensor -- a merged layer's whole matrix too, when the che
 ``qkv_proj``, ``gate_up_proj``; no ``packed_modules_mapping`` entry) -- is checked against the parameter's
 shape, converted to the compute dtype and assigned as the parameter; tie weights
 (``tied_weights``); then let every layer convert its loaded weights (``process_weights_after_loading``: the
-packed_bf16 linear method packs them and drops the originals). Missing and unknown tensors are errors that
+packed_bf16 linear method packs them and drops the originals; on the CPU the free heap pages the conversion left are
+handed back after each layer, :func:`kv8.host_memory.release_free_heap`). Missing and unknown tensors are errors that
 name them. KV-scale tensors are collected for :mod:`kv8.cache.scale_sources` rather than loaded into the model.
 
 Tensor parallelism: given a group (``tp``), the model is built for that rank (:func:`kv8.distributed.shard.
@@ -38,7 +39,7 @@ from kv8 import envs
 from kv8.cache.scale_sources import is_kv_scale_name
 from kv8.distributed.group import SINGLE_RANK, TPGroup
 from kv8.distributed.shard import building_shard
-from kv8.host_memory import place_on_huge_pages
+from kv8.host_memory import place_on_huge_pages, release_free_heap
 from kv8.layers.dense_backend import TORCH_BACKEND, DenseBackend, select_dense_backend
 from kv8.layers.linear import GGUFSegment, LinearBase
 from kv8.layers.tuning import LinearShape, tuned_dense_backend
@@ -422,6 +423,8 @@ def load_model(kind: str, path: str, dtype: torch.dtype, dense_backend: str = "t
         process = getattr(module, "process_weights_after_loading", None)
         if process is not None:
             process()
+            if platform.kind == "cpu":   # the holes of the loaded form and the conversion's copies, layer by layer
+                release_free_heap()
     model.eval()
     if platform.kind != "cpu":
         model.to(device)

@@ -44,8 +44,8 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["BLOCK", "BLOCK_BYTES", "BLOCK_VALUES", "GROUP_ROWS", "KEPT_TYPES", "ExpandedWeight", "GGUFWeight",
-           "random_blocks",
+__all__ = ["BLOCK", "BLOCK_BYTES", "BLOCK_VALUES", "GROUP_CHUNK_BYTES", "GROUP_ROWS", "KEPT_TYPES", "ExpandedWeight",
+           "GGUFWeight", "random_blocks", "block_aligned", "shard_weight",
            "dequantize_blocks", "dequantize_rows", "gather_rows",
            "gguf_activation_bound", "gguf_linear_reference", "group_blocks", "q4_k_scale_min",
            "q6_k_codes", "quantize_activation_blocks", "row_bytes", "ungroup_blocks"]
@@ -58,6 +58,8 @@ BLOCK_VALUES: dict[str, int] = {"Q8_0": 32, "Q4_0": 32, "Q4_1": 32, "Q5_0": 32, 
 KEPT_TYPES: tuple[str, ...] = tuple(BLOCK_BYTES)
 #: weight rows per group of the kernel's layout (:func:`group_blocks`), interleaved block by block
 GROUP_ROWS = 8
+#: bytes of a weight's rows :func:`group_blocks` regroups at a time
+GROUP_CHUNK_BYTES = 4 << 20
 _Q4_K_BYTES = 144
 _Q6_K_BYTES = 210
 
@@ -76,11 +78,17 @@ _SECTIONS: dict[str, tuple[int, ...]] = {"Q8_0": (2,) + (4,) * 8, "Q4_0": (2,) +
                                          "Q6_K": (2,) + (2,) * 8 + (4,) * 48}
 
 
-def _q4_k_pack_scale_min(sc: torch.Tensor, mn: torch.Tensor) -> torch.Tensor:
-    """The inverse of :func:`q4_k_scale_min`: 6-bit ``(scales, mins) [..., 8]`` uint8 -> the 12 packed bytes."""
-    hi_sc, hi_mn = sc[..., 4:] >> 4, mn[..., 4:] >> 4
-    return torch.cat([sc[..., :4] | (hi_sc << 6), mn[..., :4] | (hi_mn << 6),
-                      (sc[..., 4:] & 15) | ((mn[..., 4:] & 15) << 4)], dim=-1)
+#: the low and the high nibble of each byte of an int32 word (0xF0F0F0F0 as a signed int32)
+_LOW_NIBBLES, _HIGH_NIBBLES = 0x0F0F0F0F, -0x0F0F0F10
+
+
+def _q4_k_scale_words(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(copy, w1, w2, w3)``: a contiguous copy of Q4_K blocks ``[..., 144]`` and views of its bytes 4-7, 8-11 and
+    12-15 as int32 words, whose 4 byte lanes are the sub-block pairs ``s, s + 4`` (``s < 4``): the bitwise
+    operations below act on the 4 pairs at once (shifts are masked to stay inside a byte)."""
+    copy = b.clone(memory_format=torch.contiguous_format)
+    words = copy.view(torch.int32)                                   # (..., 36)
+    return copy, words[..., 1], words[..., 2], words[..., 3]
 
 
 _BITS = torch.arange(8, dtype=torch.uint8)
@@ -112,11 +120,17 @@ def _canonical(b: torch.Tensor, qtype: str) -> torch.Tensor:
         t = (h << _BITS[:, None]).sum(dim=-2).to(torch.uint8)                 # byte i: bit k = h_{4k+i}
         return torch.cat([b[..., :2], t, b[..., 6:]], dim=-1)
     if qtype == "Q4_K":
-        sc, mn = q4_k_scale_min(b[..., 4:16])
-        sc_lo = (sc[..., :4] & 15) | ((sc[..., 4:] & 15) << 4)
-        m_lo = (mn[..., :4] & 15) | ((mn[..., 4:] & 15) << 4)
-        hi = (sc[..., :4] >> 4) | ((sc[..., 4:] >> 4) << 2) | ((mn[..., :4] >> 4) << 4) | ((mn[..., 4:] >> 4) << 6)
-        return torch.cat([b[..., :4], sc_lo, m_lo, hi, b[..., 16:]], dim=-1)
+        # the packed bytes (q4_k_scale_min): d_s = sc_s | (sc_{s+4} >> 4) << 6, m_s the same for the mins, md_s =
+        # sc_{s+4} & 15 | (m_{s+4} & 15) << 4; so sc_lo = lo(d) | lo(md) << 4, m_lo = lo(m) | hi(md) and
+        # hi = hi(d) >> 4 | hi(m), with lo / hi a byte's low / high nibble in place
+        c, d, m, md = _q4_k_scale_words(b)
+        sc_lo = (d & _LOW_NIBBLES) | ((md & _LOW_NIBBLES) << 4)
+        m_lo = (m & _LOW_NIBBLES) | (md & _HIGH_NIBBLES)
+        hi = ((d >> 4) & _LOW_NIBBLES) | (m & _HIGH_NIBBLES)
+        d.copy_(sc_lo)
+        m.copy_(m_lo)
+        md.copy_(hi)
+        return c
     return b
 
 
@@ -130,10 +144,14 @@ def _file_order(c: torch.Tensor, qtype: str) -> torch.Tensor:
         qh = (h << _BITS).sum(dim=-1).to(torch.uint8)
         return torch.cat([c[..., :2], qh, c[..., 6:]], dim=-1)
     if qtype == "Q4_K":
-        sc_lo, m_lo, hi = c[..., 4:8], c[..., 8:12], c[..., 12:16]
-        sc = torch.cat([(sc_lo & 15) | ((hi & 3) << 4), (sc_lo >> 4) | (((hi >> 2) & 3) << 4)], dim=-1)
-        mn = torch.cat([(m_lo & 15) | (((hi >> 4) & 3) << 4), (m_lo >> 4) | ((hi >> 6) << 4)], dim=-1)
-        return torch.cat([c[..., :4], _q4_k_pack_scale_min(sc, mn), c[..., 16:]], dim=-1)
+        b, sc_lo, m_lo, hi = _q4_k_scale_words(c)
+        d = (sc_lo & _LOW_NIBBLES) | ((hi & _LOW_NIBBLES) << 4)
+        m = (m_lo & _LOW_NIBBLES) | (hi & _HIGH_NIBBLES)
+        md = ((sc_lo >> 4) & _LOW_NIBBLES) | (m_lo & _HIGH_NIBBLES)
+        sc_lo.copy_(d)
+        m_lo.copy_(m)
+        hi.copy_(md)
+        return b
     return c
 
 
@@ -192,9 +210,26 @@ def _interleave_index(qtype: str, g: int) -> torch.Tensor:
     return torch.tensor(index, dtype=torch.int64)
 
 
-def _row_groups(n: int) -> list[tuple[int, int]]:
-    """``(first row, rows)`` of each group of the kernel's layout: `GROUP_ROWS` rows, the last group the rest."""
-    return [(r, min(GROUP_ROWS, n - r)) for r in range(0, n, GROUP_ROWS)]
+def _section_runs(qtype: str) -> list[tuple[int, int, int]]:
+    """``(first byte, sections, width)`` of each run of consecutive :data:`_SECTIONS` of one width in a canonical
+    block (Q4_K: ``(0, 2, 2)``, ``(4, 12, 1)``, ``(16, 32, 4)``): a run's bytes of ``g`` rows ``[g, sections,
+    width]`` are laid out ``[sections, g, width]`` in the kernel's layout (:func:`_interleave_index`, as strides)."""
+    runs: list[tuple[int, int, int]] = []
+    offset = 0
+    for width in _SECTIONS[qtype]:
+        if runs and runs[-1][2] == width:
+            runs[-1] = (runs[-1][0], runs[-1][1] + 1, width)
+        else:
+            runs.append((offset, 1, width))
+        offset += width
+    return runs
+
+
+def _full_and_tail(n: int) -> list[tuple[int, int]]:
+    """``(first row, rows)`` of the rows in whole groups of `GROUP_ROWS` and of the last group's rest (each part
+    omitted when empty)."""
+    full = n // GROUP_ROWS * GROUP_ROWS
+    return [(first, count) for first, count in ((0, full), (full, n - full)) if count]
 
 
 def group_blocks(blocks: torch.Tensor, qtype: str, in_features: int) -> torch.Tensor:
@@ -211,20 +246,27 @@ def group_blocks(blocks: torch.Tensor, qtype: str, in_features: int) -> torch.Te
     transposed, 4 x 4 bytes of ``qs``; Q4_K: ``d``, ``dmin``, 12 single bytes of scales, 32 x 4 bytes of ``qs``;
     Q6_K: ``d``, 8 pairs of scales, then per block of 32 values 4 x 4 bytes of ``lo`` and 2 x 4 of ``hi``).
     The same number of bytes, as a ``[N, row bytes]`` uint8 tensor whose rows are no longer the weight's rows.
+    Each run of sections of one width moves as one strided copy (:func:`_section_runs`), :data:`GROUP_CHUNK_BYTES` of
+    rows at a time (whole groups), so the transient canonical copy stays small beside the result.
     """
     n, unit = blocks.shape[0], BLOCK_BYTES[qtype]
     nwb = in_features // BLOCK_VALUES[qtype]                              # weight blocks per row
-    canon = _canonical(blocks.reshape(n, nwb, unit), qtype)                # (N, nwb, unit)
-    parts = []
-    full = n // GROUP_ROWS * GROUP_ROWS
-    for first, count in ((0, full), (full, n - full)):
-        if count == 0:
-            continue
-        g = min(GROUP_ROWS, count)
-        rows = canon[first:first + count].reshape(count // g, g, nwb, unit)
-        rows = rows.permute(0, 2, 1, 3).reshape(count // g, nwb, g * unit)   # (groups, nwb, g rows' blocks)
-        parts.append(rows.index_select(2, _interleave_index(qtype, g)).reshape(-1))
-    return torch.cat(parts).reshape(n, -1)
+    size = nwb * unit                                                     # bytes per row
+    out = torch.empty(n * size, dtype=torch.uint8)
+    step = max(GROUP_ROWS, GROUP_CHUNK_BYTES // size // GROUP_ROWS * GROUP_ROWS)
+    for start in range(0, n, step):
+        chunk = min(step, n - start)
+        canon = _canonical(blocks[start:start + chunk].reshape(chunk, nwb, unit), qtype)     # (chunk, nwb, unit)
+        for first, count in _full_and_tail(chunk):   # a tail group only in the last chunk (step: whole groups)
+            g = min(GROUP_ROWS, count)
+            rows = canon[first:first + count].reshape(count // g, g, nwb, unit).permute(0, 2, 1, 3)  # (.., g, unit)
+            at = (start + first) * size
+            grouped = out[at:at + count * size].view(count // g, nwb, g * unit)
+            for offset, sections, width in _section_runs(qtype):
+                place = grouped[..., offset * g:(offset + sections * width) * g].unflatten(-1, (sections, g, width))
+                place.copy_(rows[..., offset:offset + sections * width].unflatten(-1, (sections, width))
+                            .transpose(2, 3))
+    return out.reshape(n, -1)
 
 
 def ungroup_blocks(grouped: torch.Tensor, qtype: str, in_features: int) -> torch.Tensor:
@@ -233,16 +275,14 @@ def ungroup_blocks(grouped: torch.Tensor, qtype: str, in_features: int) -> torch
     nwb = in_features // BLOCK_VALUES[qtype]
     flat = grouped.reshape(-1)
     canon = torch.empty(n, nwb, unit, dtype=torch.uint8)
-    full = n // GROUP_ROWS * GROUP_ROWS
-    for first, count in ((0, full), (full, n - full)):
-        if count == 0:
-            continue
+    for first, count in _full_and_tail(n):
         g = min(GROUP_ROWS, count)
-        part = flat[first * nwb * unit:(first + count) * nwb * unit].reshape(count // g, nwb, g * unit)
-        rows = torch.empty_like(part)
-        rows[..., _interleave_index(qtype, g)] = part
-        canon[first:first + count] = rows.reshape(count // g, nwb, g, unit).permute(0, 2, 1, 3).reshape(count, nwb,
-                                                                                                      unit)
+        part = flat[first * nwb * unit:(first + count) * nwb * unit].view(count // g, nwb, g * unit)
+        # (groups, nwb, g, unit)
+        rows = canon[first:first + count].view(count // g, g, nwb, unit).permute(0, 2, 1, 3)
+        for offset, sections, width in _section_runs(qtype):
+            held = part[..., offset * g:(offset + sections * width) * g].unflatten(-1, (sections, g, width))
+            rows[..., offset:offset + sections * width].unflatten(-1, (sections, width)).copy_(held.transpose(2, 3))
     return _file_order(canon, qtype).reshape(n, -1).contiguous()
 
 
@@ -467,3 +507,31 @@ def random_blocks(qtype: str, rows: int, in_features: int, generator: torch.Gene
     for offset in _HALF_OFFSETS[qtype]:
         raw[:, offset:offset + 2] = half
     return GGUFWeight(qtype, raw.reshape(rows, -1), in_features, "timing")
+
+
+def block_aligned(columns: tuple[int, int], qtype: str) -> bool:
+    """Whether the columns ``(first, count)`` of a weight of ``qtype`` blocks are whole blocks (:data:`BLOCK_VALUES`:
+    32 values; Q4_K: 256), so that their bytes are whole blocks of each row."""
+    values = BLOCK_VALUES[qtype]
+    return columns[0] % values == 0 and columns[1] % values == 0 and columns[1] > 0
+
+
+def shard_weight(weight: GGUFWeight | ExpandedWeight, rows: tuple[int, int],
+                 columns: tuple[int, int]) -> GGUFWeight | ExpandedWeight:
+    """Rows ``(first, count)`` and columns ``(first, count)`` of ``weight`` (a tensor-parallel rank's part), in new
+    memory: blocks are cut between rows and, for the columns, between blocks (``ValueError`` when the columns are not
+    :func:`block_aligned`); a dequantized weight anywhere. Rows past the weight's last (the vocabulary's padding on
+    the last rank) are zeros: zero bytes are blocks whose scale and min are 0, so they dequantize to 0."""
+    first, count = rows
+    held = max(0, min(count, weight.shape[0] - first))
+    if isinstance(weight, ExpandedWeight):
+        part = weight.weight.new_zeros(count, columns[1])
+        part[:held] = weight.weight[first:first + held, columns[0]:columns[0] + columns[1]]
+        return ExpandedWeight(weight.qtype, part, weight.name)
+    if not block_aligned(columns, weight.qtype):
+        raise ValueError(f"GGUF tensor {weight.name!r} ({weight.qtype}): columns {columns[0]}..{sum(columns) - 1} of "
+                         f"its {weight.in_features} are not whole blocks of {BLOCK_VALUES[weight.qtype]} values")
+    start, size = row_bytes(weight.qtype, columns[0]), row_bytes(weight.qtype, columns[1])
+    blocks = torch.zeros(count, size, dtype=torch.uint8)
+    blocks[:held] = weight.blocks[first:first + held, start:start + size]
+    return GGUFWeight(weight.qtype, blocks, columns[1], weight.name)

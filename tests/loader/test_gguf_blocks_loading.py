@@ -224,8 +224,8 @@ def test_the_option_is_checked_at_the_boundary(tmp_path: Path) -> None:
         EngineArgs(quantization="gguf").create_engine_config(hf, "hf", str(tmp_path))
     with pytest.raises(ValueError, match=r"load_format='dummy' reads none: use load_format='auto'"):
         EngineArgs(quantization="gguf", load_format="dummy").create_engine_config(hf, "gguf", str(path))
-    with pytest.raises(ValueError, match=r"runs on one rank .*tensor_parallel_size=2: use 1"):
-        EngineArgs(quantization="gguf", tensor_parallel_size=2).create_engine_config(hf, "gguf", str(path))
+    tp2 = EngineArgs(quantization="gguf", tensor_parallel_size=2).create_engine_config(hf, "gguf", str(path))
+    assert tp2.quantization == "gguf" and tp2.parallel.tensor_parallel_size == 2   # the ranks split the blocks
     with pytest.raises(ValueError, match=r"quantization='int4' is not supported; choose one of: fp8, gguf"):
         EngineArgs(quantization="int4").create_engine_config(hf, "gguf", str(path))
 

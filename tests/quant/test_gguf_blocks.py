@@ -20,10 +20,12 @@ from kv8.kernels.cpu.dense import DenseKernels
 from kv8.layers import linear
 from kv8.layers.dense_backend import DenseBackend
 from kv8.layers.linear import GGUF_DEQUANTIZE_ROWS, GGUFLinearMethod, LinearBase, linear_f32
+from kv8.quant import gguf_blocks
 from kv8.quant.gguf_blocks import (
     BLOCK,
     BLOCK_BYTES,
     BLOCK_VALUES,
+    GROUP_ROWS,
     KEPT_TYPES,
     GGUFWeight,
     dequantize_blocks,
@@ -129,6 +131,19 @@ def test_grouped_layout_moves_the_same_bytes(qtype: str, n: int) -> None:
         assert torch.equal(ungroup_blocks(grouped, qtype, k), blocks)
         if qtype not in ("Q5_0", "Q4_K", "Q6_K"):   # those re-encode their bit fields; the others only move bytes
             assert torch.equal(torch.sort(grouped.reshape(-1))[0], torch.sort(blocks.reshape(-1))[0])
+
+
+@pytest.mark.parametrize("qtype", KEPT_TYPES)
+def test_grouping_chunk_by_chunk_gives_the_same_bytes(qtype: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """group_blocks regroups GROUP_CHUNK_BYTES of rows at a time: chunks of one and of two groups (43 rows: the
+    last chunk with the tail group of 3) give the bytes of one pass over the whole weight."""
+    k = 2 * BLOCK_VALUES[qtype]
+    blocks = torch.randint(0, 256, (43, row_bytes(qtype, k)), dtype=torch.uint8,
+                           generator=torch.Generator().manual_seed(4))
+    whole = group_blocks(blocks, qtype, k)
+    for groups in (1, 2):
+        monkeypatch.setattr(gguf_blocks, "GROUP_CHUNK_BYTES", groups * GROUP_ROWS * blocks.shape[1])
+        assert torch.equal(group_blocks(blocks, qtype, k), whole)
 
 
 @pytest.mark.parametrize("qtype", KEPT_TYPES)
