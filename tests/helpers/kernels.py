@@ -31,7 +31,7 @@ from kv8.sampling_params import SamplingParams
 FP8 = ["fp8_e4m3", "fp8_e4m3fnuz", "fp8_e5m2"]
 INT8 = "int8_per_token_head"   # int8 codes, a scale per token and head (always dynamic)
 INT4 = "int4_per_token_head"   # int4 codes, two per byte, a scale per token and head (always dynamic)
-FP4 = "fp4_e2m1"               # E2M1 codes, two per byte, an E4M3 scale per 16 values in the row (the generic kernel)
+FP4 = "fp4_e2m1"               # E2M1 codes, two per byte, an E4M3 scale per 16 values in the row
 I4G = "int4_per_group32"       # int4 codes, two per byte, a float16 scale per 32 values in the row (head_dim % 32 == 0)
 
 # A ragged batch mixing decode and chunked prefill over cached prefixes; lengths at / across block edges.
@@ -201,13 +201,13 @@ def decode_kernel(lib: kernels.KernelLibrary, kv_name: str, gran: str, dim: int,
     """The item kernel of a decode-sized item (bf16 compute, <= 4 rows, head_dim 64 / 128 / 256, blocks of a
     multiple of 16 tokens), asserted to be the expected one: :func:`portable_path` without the fast path;
     "amx_decode" where the library multiplies with AMX tiles, the K scales are not per channel and the cache is
-    not integer-coded (int8 / int4 / int4_per_group32 run the AVX-512 decode kernel only); else "decode"."""
+    not 4- or 8-bit coded (int8 / int4 / int4_per_group32 / FP4 run the AVX-512 decode kernel only); else "decode"."""
     got = kernels.KernelTesting(lib).item_kernel(kv_name, torch.bfloat16, dim, bs, rows,
                                                  k_per_channel=gran == "channel")
     if not lib.has_fast_path:
         expected = portable_path(lib, dim, kv_name)
     else:
-        expected = ("amx_decode" if lib.amx and gran != "channel" and kv_name not in (INT8, INT4, I4G)
+        expected = ("amx_decode" if lib.amx and gran != "channel" and kv_name not in (INT8, INT4, I4G, FP4)
                     else "decode")
     assert got == expected, (got, expected)
     return got

@@ -381,7 +381,7 @@ def test_attention_with_flush_denormal(lib: kernels.KernelLibrary) -> None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("kv_name,gran", [(k, g) for k in FP8 for g in ("tensor", "head", "channel", "dynamic")]
-                         + [("bfloat16", "none"), (INT8, "dynamic"), (INT4, "dynamic"), (I4G, "none")])
+                         + [("bfloat16", "none"), (INT8, "dynamic"), (INT4, "dynamic"), (I4G, "none"), (FP4, "none")])
 @pytest.mark.parametrize("group,dim", [(1, 64), (2, 128), (3, 64), (4, 256)])
 @pytest.mark.parametrize("bs", [16, 32])
 def test_decode_item_kernel(lib: kernels.KernelLibrary, kernel_path: str, kv_name: str, gran: str, group: int,
@@ -405,7 +405,7 @@ def test_decode_item_kernel(lib: kernels.KernelLibrary, kernel_path: str, kv_nam
 
 @pytest.mark.parametrize("heads,group", [(1, 3), (4, 1), (5, 2), (6, 3), (9, 4)])
 @pytest.mark.parametrize("kv_name,gran", [("fp8_e4m3", "head"), ("fp8_e5m2", "dynamic"), ("bfloat16", "none"),
-                                          (INT8, "dynamic"), (INT4, "dynamic"), (I4G, "none")])
+                                          (INT8, "dynamic"), (INT4, "dynamic"), (I4G, "none"), (FP4, "none")])
 def test_decode_items_of_several_heads(lib: kernels.KernelLibrary, kernel_path: str, heads: int, group: int,
                                        kv_name: str, gran: str) -> None:
     """The AMX decode kernel's items read up to 4 KV heads of a sequence together (6 heads: items of 4 and
@@ -416,7 +416,7 @@ def test_decode_items_of_several_heads(lib: kernels.KernelLibrary, kernel_path: 
     seq_lens = [1, 17, 64, 200, 333]
     cache, meta, q = make_case(kv_name, gran, torch.bfloat16, group=group, heads=heads, query_lens=[1] * 5,
                                seq_lens=seq_lens, seed=heads * 10 + group, poison=True)
-    amx = kernel_path == "amx" and kv_name not in (INT8, INT4, I4G)
+    amx = kernel_path == "amx" and kv_name not in (INT8, INT4, I4G, FP4)
     assert decode_kernel(lib, kv_name, gran, 64, 16, group) in ("amx_decode" if amx else "decode",
                                                                  portable_path(lib, 64, kv_name))
     for partition in (0, 16, 96):
@@ -441,14 +441,75 @@ def test_decode_item_kernel_conditions(lib: kernels.KernelLibrary) -> None:
         assert not uses_decode_kernel(lib, ints, torch.bfloat16, 80, 16, 3)      # head_dim 80
         assert not uses_decode_kernel(lib, ints, torch.float32, 64, 16, 3)       # fp32 compute
         assert kernels.KernelTesting(lib).item_kernel(ints, torch.bfloat16, 64, 16, 16) == portable_path(lib, 64)
-    # int4_per_group32: the AVX-512 decode kernel too (never AMX), else the generic kernel
-    for dim in (64, 128, 256):
-        assert kernels.KernelTesting(lib).item_kernel(I4G, torch.bfloat16, dim, 16, 4) == (
-            "decode" if fast else "generic")
-    assert not uses_decode_kernel(lib, I4G, torch.bfloat16, 96, 16, 3)            # head_dim 96
-    assert not uses_decode_kernel(lib, I4G, torch.bfloat16, 64, 8, 3)             # blocks of 8 tokens
-    assert not uses_decode_kernel(lib, I4G, torch.float32, 64, 16, 3)             # fp32 compute
-    assert kernels.KernelTesting(lib).item_kernel(I4G, torch.bfloat16, 64, 16, 16) == "generic"
+    # int4_per_group32 and FP4: the AVX-512 decode kernel too (never AMX), else the generic kernel
+    for group_scaled in (I4G, FP4):
+        for dim in (64, 128, 256):
+            assert kernels.KernelTesting(lib).item_kernel(group_scaled, torch.bfloat16, dim, 16, 4) == (
+                "decode" if fast else "generic")
+        assert not uses_decode_kernel(lib, group_scaled, torch.bfloat16, 96, 16, 3)    # head_dim 96
+        assert not uses_decode_kernel(lib, group_scaled, torch.bfloat16, 64, 8, 3)     # blocks of 8 tokens
+        assert not uses_decode_kernel(lib, group_scaled, torch.float32, 64, 16, 3)     # fp32 compute
+        assert kernels.KernelTesting(lib).item_kernel(group_scaled, torch.bfloat16, 64, 16, 16) == "generic"
+
+
+@pytest.mark.parametrize("group,dim,bs", [(1, 64, 16), (2, 128, 32), (3, 64, 16), (4, 256, 16)])
+def test_fp4_decode_special_groups(lib: kernels.KernelLibrary, group: int, dim: int, bs: int) -> None:
+    """FP4 decode items in the decode kernel (asserted) over stored groups of every kind the store writes: all zeros
+    and NaN (scale 1.0, codes 0), +-inf (scale 1.0, codes +-6), values past 6 x 448 (the scale saturates at 448, the
+    codes at 6), values below 6 x 2^-9 (the scale clamps to E4M3's smallest subnormal, 2^-9) and mixed groups, in
+    K and V of every 3rd context token, contexts that are not a multiple of 16, GQA groups of 1-4 rows; equal to
+    the reference, unsplit and split."""
+    seq_lens = [1, 15, 17, 47, 63, 65, 130, 200]
+    decode_kernel(lib, FP4, "none", dim, bs, group)
+    cache, meta, q = make_case(FP4, "none", torch.bfloat16, group=group, dim=dim, bs=bs, heads=2,
+                               query_lens=[1] * len(seq_lens), seq_lens=seq_lens, seed=group * dim, poison=True)
+    kinds = torch.tensor([[0.0] * 16, [math.nan] * 16, [math.inf, -math.inf] * 8, [1e4, -3e3] * 8,
+                          [2.0 ** -12, -(2.0 ** -11)] * 8,
+                          [0.0, 5.0, math.nan, -1e5, 2.0 ** -14, -0.3, math.inf, 1.0] * 2])
+    slots = [int(meta.block_tables[i, pos // bs]) * bs + pos % bs for i, n in enumerate(seq_lens)
+             for pos in range(0, n, 3)]
+    gen = torch.Generator().manual_seed(dim)
+    rows = kinds[torch.randint(0, len(kinds), (len(slots), 2, 2, dim // 16), generator=gen)]   # [tokens, k/v, head]
+    rows = rows.reshape(len(slots), 2, 2, dim).to(torch.bfloat16)
+    cache.store(1, rows[:, 0], rows[:, 1], torch.tensor(slots, dtype=torch.int64))
+    for partition in (0, 32):
+        check_attention(lib, cache, meta, q, partition_size=partition)
+
+
+def test_fp4_decode_every_scale_byte(lib: kernels.KernelLibrary) -> None:
+    """The decode kernel's E4M3 scale decode on every byte, those the store never writes included (negative, NaN):
+    V: one-token contexts whose V group g of sequence i has scale byte 16i + g and codes 1.0, so the output is the
+    byte's value exactly (NaN where it is NaN); K: two-token contexts whose first K row has those scale bytes (the
+    NaN ones replaced) and codes 1.0 beside a zero row, against the reference."""
+    dim, bs, seqs = 256, 16, 16
+    decode_kernel(lib, FP4, "none", dim, bs, 1)
+    e4m3 = torch.tensor(FP8_FORMATS["fp8_e4m3"].values(), dtype=torch.float32)
+    for tokens in (1, 2):
+        cache, meta, q = make_case(FP4, "none", torch.bfloat16, group=1, dim=dim, bs=bs, heads=1,
+                                   query_lens=[1] * seqs, seq_lens=[tokens] * seqs, seed=tokens)
+        scale_bytes = torch.arange(256, dtype=torch.uint8).reshape(seqs, dim // 16)
+        ones = torch.cat([torch.full((dim // 2,), 0x22, dtype=torch.uint8), torch.full((dim // 16,), 0x38,
+                                                                                        dtype=torch.uint8)])  # 1.0
+        for i in range(seqs):
+            block = int(meta.block_tables[i, 0])
+            cache.data[1, :, block, 0, :tokens] = 0
+            if tokens == 1:   # V codes 1.0 times the scale byte under test
+                cache.data[1, 1, block, 0, 0, :dim // 2] = 0x22
+                cache.data[1, 1, block, 0, 0, dim // 2:] = scale_bytes[i]
+            else:             # K codes 1.0 times the scale bytes (NaN ones as 1.0), V of token 0 all 1.0
+                k_bytes = scale_bytes[i].clone()
+                k_bytes[(k_bytes & 0x7F) == 0x7F] = 0x38
+                cache.data[1, 0, block, 0, 0, :dim // 2] = 0x22
+                cache.data[1, 0, block, 0, 0, dim // 2:] = k_bytes
+                cache.data[1, 1, block, 0, 0] = ones
+        if tokens == 1:
+            got = paged_attention_fused(lib, q, cache, 1, meta, dim ** -0.5, 0).float()
+            want = e4m3.reshape(seqs, dim // 16, 1).expand(seqs, dim // 16, 16).reshape(seqs, 1, dim)
+            nan = torch.isnan(want)
+            assert torch.equal(torch.isnan(got), nan)
+            assert torch.equal(got[~nan], want[~nan])   # -0.0 scales give +0.0: the sums start at +0.0
+        else:
+            check_attention(lib, cache, meta, q)
 
 
 # ------------------------------------------------------------------------------------------------

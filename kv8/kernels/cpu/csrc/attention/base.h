@@ -55,14 +55,24 @@ static constexpr bool kv_bf16_exact(int kv) { return KV_FORMATS[kv].fp8 || KV_FO
 // Whether the AVX-512 decode kernel (item_decode.h) reads format kv: the bf16-exact formats, and the integer codes
 // (|code| <= 127: a bf16 exactly), int8 through a byte table, int4 through a nibble table (fast_simd.h). Items of
 // an integer cache that kernel does not serve run the fp32 kernels (AVX2 or generic).
-// int4_per_group32 too (the same nibble table; each group's float16 scale applied in the kernel).
+// The group-scaled formats too: int4_per_group32 (the same nibble table; each group's float16 scale applied in the
+// kernel) and FP4 (the nibble layout with a table of the E2M1 values; each group's E4M3 scale applied in the kernel).
+// Items of these two the decode kernel does not serve run the generic kernel.
 static constexpr bool kv_decode_fast(int kv) {
-    return kv_bf16_exact(kv) || KV_FORMATS[kv].ibits != 0 || KV_FORMATS[kv].gscale == 2;
+    return kv_bf16_exact(kv) || KV_FORMATS[kv].ibits != 0 || KV_FORMATS[kv].group != 0;
 }
 
 // Whether format kv stores symmetric int4 codes two per byte, the even channel in the low nibble: int4 per token and
 // head, and int4 per group of 32 (its float16 group scales after the D / 2 code bytes).
 static constexpr bool kv_int4_codes(int kv) { return KV_FORMATS[kv].ibits == 4 || KV_FORMATS[kv].gscale == 2; }
+
+// Whether format kv is FP4 (fp4_e2m1): E2M1 codes two per byte, the even channel in the low nibble, and an E4M3 scale
+// per group of 16 values after the D / 2 code bytes.
+static constexpr bool kv_fp4_codes(int kv) { return KV_FORMATS[kv].gscale == 1; }
+
+// Whether format kv stores 4-bit codes two per byte, the even channel in the low nibble (int4's and FP4's layout:
+// the decode kernel reads both through one byte permute and a word table of the codes' bf16 values).
+static constexpr bool kv_nibble_codes(int kv) { return kv_int4_codes(kv) || kv_fp4_codes(kv); }
 
 // The first format whose kernel instances serve kv as well: the same element size, and the same decode to bf16
 // (FP8 or not, the same 0x80 rule). The decode kernels are instantiated once per such class and read the FP8

@@ -14,6 +14,9 @@
 // and the V accumulators their own channel map (acc_channel).
 // Every code is a bf16 exactly (|code| <= 127); the per-token scales multiply the scores (K) and the softmax
 // weights (V), as for FP8 with dynamic scales.
+// FP4 (E2M1 codes, decode kernel only): int4's nibble layout and K slots with the E2M1 values in the word table
+// (each an exact bf16); V in natural channel order, one register per group of 16 channels (fp4_v_group), so that
+// the group's E4M3 scale rides on the weights as int4_per_group32's float16 scale does.
 // Products: vdpbf16ps (bf16 x bf16 products are exact in fp32, fp32 accumulation).
 //
 // Register layouts (a "slot" is 8 channels, 16 bytes of bf16 = one 128-bit lane):
@@ -32,9 +35,9 @@
 
 using Lut = Fp8Tables;   // ../common/fp8_bf16.h
 
-// The int8 / int4 tables: int8 (the FP8 tables' layout): the bf16 bytes of 0..127 in lo0 / lo1 and hi0 / hi1
+// The int8 / 4-bit tables: int8 (the FP8 tables' layout): the bf16 bytes of 0..127 in lo0 / lo1 and hi0 / hi1
 // (codes -127..-1 read their magnitude's entry, the sign ORed in); int4: lo0 = 32 words, word i the bf16 of the
-// nibble i % 16 ((n ^ 8) - 8, two's complement).
+// nibble i % 16 ((n ^ 8) - 8, two's complement); FP4: the same with the E2M1 value of nibble i % 16 (exact in bf16).
 static Lut int_tables(int kv) {
     alignas(64) uint8_t lo[128] = {0}, hi[128] = {0};
     for (int c = 0; c < 128; ++c) {
@@ -43,9 +46,10 @@ static Lut int_tables(int kv) {
         hi[c] = (uint8_t)(h >> 8);
     }
     alignas(64) uint16_t w4[32];
-    for (int i = 0; i < 32; ++i) w4[i] = f_bf16((float)(((i & 15) ^ 8) - 8));
+    for (int i = 0; i < 32; ++i)
+        w4[i] = f_bf16(kv_fp4_codes(kv) ? E2M1_VALUES[i & 15] : (float)(((i & 15) ^ 8) - 8));
     Lut t;
-    t.lo0 = kv_int4_codes(kv) ? _mm512_load_si512(w4) : _mm512_load_si512(lo);
+    t.lo0 = kv_nibble_codes(kv) ? _mm512_load_si512(w4) : _mm512_load_si512(lo);
     t.lo1 = _mm512_load_si512(lo + 64);
     t.hi0 = _mm512_load_si512(hi);
     t.hi1 = _mm512_load_si512(hi + 64);
@@ -58,7 +62,7 @@ static const Lut& lut_for(int kv) {
         Lut of[KV_COUNT];
         Luts() {
             for (int k = 0; k < KV_COUNT; ++k)
-                of[k] = KV_FORMATS[k].ibits || kv_int4_codes(k) ? int_tables(k) : fp8_tables(k);
+                of[k] = KV_FORMATS[k].ibits || kv_nibble_codes(k) ? int_tables(k) : fp8_tables(k);
         }
     } luts;
     return luts.of[kv];
@@ -108,8 +112,8 @@ static inline void fp8_to_bf16(__m512i c, const Lut& L, __m512i& w0, __m512i& w1
     }
 }
 
-// Bytes of one chunk (chunk_channels) of a cache row: 64, or 32 for int4 (64 channels).
-template <int KV> constexpr int chunk_bytes() { return kv_int4_codes(KV) ? 32 : 64; }
+// Bytes of one chunk (chunk_channels) of a cache row: 64, or 32 for 4-bit codes (int4, FP4: 64 channels).
+template <int KV> constexpr int chunk_bytes() { return kv_nibble_codes(KV) ? 32 : 64; }
 
 // The int4 byte permutes: k: lane k, word i <- byte 32k + i of four 32-byte rows (add 8p for channels 16p..16p+15);
 // v[h]: dword i <- byte 16h + i of row a (low word) and of row b (high word) of two 32-byte rows.
@@ -154,6 +158,52 @@ static inline void int4_v_pairs(const uint8_t* a, const uint8_t* b, const Lut& L
         v[2 * h] = _mm512_permutexvar_epi16(x, L.lo0);
         v[2 * h + 1] = _mm512_permutexvar_epi16(_mm512_srli_epi16(x, 4), L.lo0);
     }
+}
+
+// ---- FP4 (fp4_e2m1) in the decode kernel: the E4M3 group scales, and V one group at a time ----------------------
+
+// The E4M3 codes in bits 24..31 of each dword of t (bits 0..23 zero) -> their values as floats. Exact for every code:
+// the magnitude's bits where a float's go, times 2^(127 - 7) (a subnormal code is a float subnormal there, a normal
+// after the product: needs DAZ off, FpEnv), the sign bit kept, NaN for magnitudes 0x7f.
+static inline __m512 e4m3_top_f32(__m512i t) {
+    const __m512i m = _mm512_srli_epi32(_mm512_add_epi32(t, t), 5);   // magnitude << 20
+    const __m512 f = _mm512_mul_ps(_mm512_castsi512_ps(m), _mm512_set1_ps(0x1p120f));
+    const __m512i sf = _mm512_ternarylogic_epi32(_mm512_castps_si512(f), t, _mm512_set1_epi32(INT32_MIN), 0xF8);
+    return _mm512_mask_mov_ps(_mm512_castsi512_ps(sf), _mm512_cmpeq_epi32_mask(m, _mm512_set1_epi32(0x7f << 20)),
+                              _mm512_set1_ps(NAN));
+}
+
+// K: the E4M3 scales of one 64-channel chunk's 4 groups in 4 token rows (row k's 4 bytes at p + k * stride) as
+// floats, lane 4k + q = token k's group q (vpermilps by q gives group q of token k in 128-bit lane k).
+static inline __m512 fp4_k_scales4(const uint8_t* p, int stride) {
+    alignas(16) uint32_t w[4];
+    for (int k = 0; k < 4; ++k) memcpy(&w[k], p + k * stride, 4);
+    return e4m3_top_f32(_mm512_slli_epi32(_mm512_cvtepu8_epi32(_mm_load_si128((const __m128i*)w)), 24));
+}
+
+// V: the E4M3 scales of group q of one 64-channel chunk of 16 token rows (x: row t's 4 scale bytes of the chunk in
+// dword t) as floats, lane t = token t.
+static inline __m512 fp4_v_scales16(__m512i x, int q) {
+    return e4m3_top_f32(_mm512_and_si512(_mm512_sllv_epi32(x, _mm512_set1_epi32(24 - 8 * q)),
+                                         _mm512_set1_epi32((int)0xFF000000u)));
+}
+
+// The FP4 V byte permute: dword i <- byte i / 2 of row a (low word) and of row b (high word) of two 32-byte rows
+// (add 8q for group q).
+static constexpr Int4Index make_fp4_v_index() {
+    Int4Index x{};
+    for (int b = 0; b < 64; ++b) x.v[0][b] = (uint8_t)(32 * ((b / 2) % 2) + b / 8);
+    return x;
+}
+alignas(64) static constexpr Int4Index FP4_V_INDEX = make_fp4_v_index();
+
+// V, FP4: group q (channels 16q..16q+15) of one 64-channel chunk (32 bytes) of the rows of tokens 2u and 2u + 1
+// (ab: load_rows32) -> one register of bf16 token pairs, dword i = channel 16q + i (natural order: the odd
+// channels' words shifted to their high nibble before the table look-up).
+static inline __m512i fp4_v_group(__m512i ab, int q, const Lut& L) {
+    const __m512i x = _mm512_permutexvar_epi8(
+        _mm512_add_epi8(_mm512_load_si512(FP4_V_INDEX.v[0]), _mm512_set1_epi8((char)(8 * q))), ab);
+    return _mm512_permutexvar_epi16(_mm512_mask_srli_epi16(x, 0xCCCCCCCCu, x, 4), L.lo0);
 }
 
 // 4x4 transpose of 128-bit blocks: out[c] lane k = in[k] lane c.
@@ -219,11 +269,13 @@ static inline void pv_accumulate(__m512* acc, const __m512i* v, uint32_t phi, ui
 
 // V accumulators per row. Channel maps: byte codes: v = 4z + m, lane 4k + j -> d = 64z + 16k + 4m + j;
 //                                       int4:       v = 4z + m, lane i      -> d = 64z + 32(m / 2) + 2i + m % 2;
+//                                       FP4:        v,          lane i      -> d = 16v + i (natural);
 //                                       bf16:       v = 2z + h, lane 4k + j -> d = 32z + 8k + 4h + j.
 static inline int num_vslots(int kv, int D) { return byte_codes(kv) ? 4 * ((D + 63) / 64) : 2 * ((D + 31) / 32); }
 
 static inline int acc_channel(int kv, int a) {
     int v = a >> 4, k = (a >> 2) & 3, j = a & 3;
+    if (kv_fp4_codes(kv)) return a;
     if (kv_int4_codes(kv)) return 64 * (v >> 2) + 32 * ((v & 3) >> 1) + 2 * (a & 15) + (v & 1);
     if (byte_codes(kv)) return 64 * (v >> 2) + 16 * k + 4 * (v & 3) + j;
     return 32 * (v >> 1) + 8 * k + 4 * (v & 1) + j;
@@ -232,8 +284,13 @@ static inline int acc_channel(int kv, int a) {
 // The nacc accumulators of one row (accumulator layout) -> channels 0..D-1 in natural order. With whole
 // 64-byte chunks (D a multiple of 64 for FP8, of 32 for bf16) this is a shuffle of 128-bit blocks: FP8's
 // natural register n of chunk z holds block n of accumulators 4z..4z+3 (a 4x4 block transpose); bf16's
-// natural registers of chunk z interleave blocks of accumulators 2z and 2z+1. Otherwise element by element.
+// natural registers of chunk z interleave blocks of accumulators 2z and 2z+1; FP4's are in natural order. Otherwise
+// element by element.
 static inline void natural_order(int kv, const float* acc, int nacc, int D, float* nat) {
+    if (kv_fp4_codes(kv)) {   // already natural (acc_channel)
+        memcpy(nat, acc, sizeof(float) * (size_t)(nacc < D ? nacc : D));
+        return;
+    }
     if (byte_codes(kv) && !kv_int4_codes(kv) && D % 64 == 0) {
         for (int z = 0; z < D / 64; ++z) {
             __m512i in[4], out[4];
@@ -282,7 +339,7 @@ static inline void q_parts16(const Problem& P, int64_t src, int d, const float* 
     else
         x = _mm512_loadu_ps((const float*)P.q + src + d);
     if (kscale) x = _mm512_mul_ps(x, _mm512_loadu_ps(kscale + d));
-    if (kv_int4_codes(P.kv))  // int4's slots (int4_per_group32's too): the even channels, then the odd (int4_k_slots)
+    if (kv_nibble_codes(P.kv))  // 4-bit codes' slots (int4, FP4): the even channels, then the odd (int4_k_slots)
         x = _mm512_permutexvar_ps(_mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15), x);
     h = (__m256i)_mm512_cvtneps_pbh(x);
     __m512 hf = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));

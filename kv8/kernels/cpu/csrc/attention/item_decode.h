@@ -30,6 +30,15 @@
 // (group_scales4) before they join the score. V: as for per-token V scales, the scale rides on the softmax weight,
 // per group: bf16(p_t s_tg) for the group's channels (the weights p in fp32 from decode_weights).
 //
+// FP4 (fp4_e2m1, kv_fp4_codes): E2M1 codes in int4's nibble layout, read through a word table of their values (each
+// an exact bf16), and an E4M3 scale per 16 channels of each token (fp4_k_scales4 / fp4_v_scales16: exact floats).
+// K: a chunk's slots 2q, 2q + 1 are group q (channels 64z + 16q..+15); each group's dot products of 4 tokens sum
+// apart -- exact products bf16(q) x E2M1, fp32 sums -- and are multiplied by their tokens' scales in fp32 (one
+// fused multiply-add per group: the partial sum's product with the scale rounds once in fp32) before they join
+// the score. V: read one group per register in natural channel order (fp4_v_group), the scale riding on the
+// softmax weight per group as int4_per_group32's: out = sum_t bf16(p_t s_tg) c_td / sum_t p_t, so what rounds is
+// the weight times the scale to bf16 (relative 2^-9, as FP8's weights round) and the fp32 sums.
+//
 // Sliding window: a row's scores outside its [first, limit] positions are masked; the item's first tile
 // reads zeros (a zero-padded copy) for its rows before k0, as the last tile does past the context.
 #pragma once
@@ -69,6 +78,7 @@ static inline void tile_scores_inplace(const uint8_t* kb, const uint8_t* kahead,
                                        const __m512i* qlo, __m512* out) {
     constexpr int RBYTES = (int)kv_row_bytes(KV, D), NS = D / 8, CB = chunk_bytes<KV>();
     constexpr bool GS = KV_FORMATS[KV].gscale == 2;   // a float16 scale per 32 channels (4 slots) of each token
+    constexpr bool F4 = kv_fp4_codes(KV);              // an E4M3 scale per 16 channels (2 slots) of each token
     __m512 acc[R][4];
     for (int r = 0; r < R; ++r)
         for (int g = 0; g < 4; ++g) acc[r][g] = _mm512_setzero_ps();
@@ -78,11 +88,26 @@ static inline void tile_scores_inplace(const uint8_t* kb, const uint8_t* kahead,
             __m512i in[4], slots[8];
             for (int k = 0; k < 4; ++k) {
                 if (z == 0) stream_row<RBYTES>(kahead, 4 * g + k);
-                if constexpr (!kv_int4_codes(KV)) in[k] = _mm512_loadu_si512(kb + (4 * g + k) * RBYTES + z * CB);
+                if constexpr (!kv_nibble_codes(KV)) in[k] = _mm512_loadu_si512(kb + (4 * g + k) * RBYTES + z * CB);
             }
-            if constexpr (kv_int4_codes(KV)) int4_k_slots(kb + 4 * g * RBYTES + z * CB, RBYTES, L, slots);
+            if constexpr (kv_nibble_codes(KV)) int4_k_slots(kb + 4 * g * RBYTES + z * CB, RBYTES, L, slots);
             else k_chunk_slots<KV>(in, L, slots);
-            if constexpr (GS) {
+            if constexpr (F4) {
+                const __m512 sc = fp4_k_scales4(kb + 4 * g * RBYTES + D / 2 + 4 * z, RBYTES);   // lane 4k + q
+                for (int q = 0; q < 4; ++q) {   // group 4z + q: slots 2q, 2q + 1
+                    const __m512 sv = _mm512_permutevar_ps(sc, _mm512_set1_epi32(q));   // token k's in lane k
+                    for (int r = 0; r < R; ++r) {
+                        const int s = r * NS + SPC * z + 2 * q;
+                        __m512 part = _mm512_dpbf16_ps(_mm512_setzero_ps(), as_bh(qhi[s]), as_bh(slots[2 * q]));
+                        part = _mm512_dpbf16_ps(part, as_bh(qhi[s + 1]), as_bh(slots[2 * q + 1]));
+                        if (QLO) {
+                            part = _mm512_dpbf16_ps(part, as_bh(qlo[s]), as_bh(slots[2 * q]));
+                            part = _mm512_dpbf16_ps(part, as_bh(qlo[s + 1]), as_bh(slots[2 * q + 1]));
+                        }
+                        acc[r][g] = _mm512_fmadd_ps(part, sv, acc[r][g]);
+                    }
+                }
+            } else if constexpr (GS) {
                 for (int h = 0; h < 2; ++h) {   // group 2z + h: slots 4h..4h+3
                     const __m512 sv = group_scales4(kb + 4 * g * RBYTES + D / 2 + 2 * (2 * z + h), RBYTES);
                     for (int r = 0; r < R; ++r) {
@@ -112,12 +137,14 @@ static inline void tile_scores_inplace(const uint8_t* kb, const uint8_t* kahead,
 // stream ahead at vahead[j]; weights of row r, tile j: dwords (r * CHUNK_TILES + j) * 8 of phi, bf16 pairs of
 // tokens 2u, 2u + 1). int4_per_group32: the weights in fp32 instead, row r's tile j at pf + (r * CHUNK_TILES + j)
 // * 16, times each group's scales and rounded to bf16 pairs here (registers 0, 1 of a chunk: group 2z; 2, 3: 2z + 1).
+// FP4: the same with its E4M3 scales, register q of a chunk (fp4_v_group) group 4z + q.
 template <int KV, int D, int R>
 static inline void chunk_pv_inplace(const uint8_t* const* vb, const uint8_t* const* vahead, int nt, const Lut& L,
                                     const uint32_t* phi, const float* pf, float* obuf, const float* alpha) {
     constexpr int RBYTES = (int)kv_row_bytes(KV, D), CB = chunk_bytes<KV>();
     constexpr int NV = chunk_accs<KV>();  // accumulators per chunk of a row
-    constexpr bool GS = KV_FORMATS[KV].gscale == 2;
+    constexpr bool GS = KV_FORMATS[KV].gscale == 2, F4 = kv_fp4_codes(KV);
+    constexpr int NG = GS ? 2 : F4 ? 4 : 1;   // weight vectors per row and tile of a chunk: one per group
     for (int z = 0; z < D / chunk_channels<KV>(); ++z) {
         __m512 acc[R][NV];
         for (int r = 0; r < R; ++r) {
@@ -126,8 +153,18 @@ static inline void chunk_pv_inplace(const uint8_t* const* vb, const uint8_t* con
         }
         for (int j = 0; j < nt; ++j) {
             const uint8_t* v0 = vb[j] + z * CB;
-            alignas(64) uint32_t pw[GS ? R : 1][2][8];   // GS: row r's bf16 weight pairs of group 2z + h, pair u
-            if constexpr (GS) {
+            alignas(64) uint32_t pw[GS || F4 ? R : 1][NG][8];   // row r's bf16 weight pairs of the chunk's group h, pair u
+            if constexpr (F4) {
+                alignas(64) uint32_t sb[16];   // row t's 4 scale bytes of the chunk
+                for (int t = 0; t < 16; ++t) memcpy(&sb[t], vb[j] + t * RBYTES + D / 2 + 4 * z, 4);
+                const __m512i x = _mm512_load_si512(sb);
+                for (int q = 0; q < 4; ++q) {
+                    const __m512 sv = fp4_v_scales16(x, q);
+                    for (int r = 0; r < R; ++r)
+                        _mm256_store_si256((__m256i*)pw[r][q], (__m256i)_mm512_cvtneps_pbh(
+                            _mm512_mul_ps(_mm512_loadu_ps(pf + (r * CHUNK_TILES + j) * 16), sv)));
+                }
+            } else if constexpr (GS) {
                 for (int h = 0; h < 2; ++h) {
                     alignas(32) uint16_t hs[16];
                     for (int t = 0; t < 16; ++t) memcpy(&hs[t], vb[j] + t * RBYTES + D / 2 + 2 * (2 * z + h), 2);
@@ -143,13 +180,18 @@ static inline void chunk_pv_inplace(const uint8_t* const* vb, const uint8_t* con
                     stream_row<RBYTES>(vahead[j], 2 * u + 1);
                 }
                 __m512i v[4];
-                if constexpr (kv_int4_codes(KV))
+                if constexpr (F4) {
+                    const __m512i ab = load_rows32(v0 + 2 * u * RBYTES, v0 + (2 * u + 1) * RBYTES);
+                    for (int q = 0; q < 4; ++q) v[q] = fp4_v_group(ab, q, L);
+                } else if constexpr (kv_int4_codes(KV))
                     int4_v_pairs(v0 + 2 * u * RBYTES, v0 + (2 * u + 1) * RBYTES, L, v);
                 else
                     v_chunk_pairs<KV>(_mm512_loadu_si512(v0 + 2 * u * RBYTES),
                                       _mm512_loadu_si512(v0 + (2 * u + 1) * RBYTES), L, v);
                 for (int r = 0; r < R; ++r) {
-                    if constexpr (GS) {
+                    if constexpr (F4) {
+                        for (int q = 0; q < 4; ++q) pv_accumulate<1, false>(acc[r] + q, v + q, pw[r][q][u], 0);
+                    } else if constexpr (GS) {
                         pv_accumulate<2, false>(acc[r], v, pw[r][0][u], 0);
                         pv_accumulate<2, false>(acc[r] + 2, v + 2, pw[r][1][u], 0);
                     } else {
@@ -330,8 +372,8 @@ static int run_item_decode(const Problem& P, const Item& item, float* ws) {
     const Rows w = rows_of(P, item);
     alignas(64) float nat[D], kscale[D];
     alignas(64) uint32_t phi[R * CT * 8];
-    constexpr bool GS = KV_FORMATS[KV].gscale == 2;
-    alignas(64) float pf[GS ? R * CT * 16 : 1];   // int4_per_group32: the weights in fp32 (chunk_pv_inplace)
+    constexpr bool GS = KV_FORMATS[KV].group != 0;   // group scales (int4_per_group32, FP4): on the weights per group
+    alignas(64) float pf[GS ? R * CT * 16 : 1];   // the weights in fp32 there (chunk_pv_inplace)
     // Zero-padded copies of partial tiles. V is read after the chunk's scores, and the first tile (rows before
     // k0) and the last (rows past the context) can share a chunk, so each has its own V copy.
     alignas(64) uint8_t pad_k[TILE * RBYTES], pad_v_first[TILE * RBYTES], pad_v_last[TILE * RBYTES];
