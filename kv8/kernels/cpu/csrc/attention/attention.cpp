@@ -39,8 +39,9 @@
 //     run_item_tile (items of more than 4 rows with D <= 128 -> its prefill loop, run_item_prefill; with AMX
 //     tiles, bf16 compute without per-channel K scales and D % 64 == 0, D <= 256 -> the same loop on AMX
 //     tiles, 16 rows per block)
-//   FAST, KV dtype int8 / int4 (D % 16 == 0, D <= 1024): decode-shaped items with bf16 compute ->
-//     run_item_decode, every other item -> the AVX2 / generic kernel below (run_item_int)
+//   FAST, KV dtype int8 / int4 / int4_per_group32 / fp4_e2m1 (D % 16 == 0, D <= 1024): decode-shaped items with
+//     bf16 compute -> run_item_decode, every other item -> the AVX2 / generic kernel below (run_item_int; the
+//     group-scaled formats: the generic one)
 //   otherwise, AVX2 + FMA + F16C compiled in and D % 8 == 0, D <= 1024 -> run_item_avx2
 //   otherwise -> run_item_generic
 // All kernels clear MXCSR DAZ/FTZ in their threads (FpEnv), so FP8 subnormals survive.

@@ -14,9 +14,11 @@
 // and the V accumulators their own channel map (acc_channel).
 // Every code is a bf16 exactly (|code| <= 127); the per-token scales multiply the scores (K) and the softmax
 // weights (V), as for FP8 with dynamic scales.
-// FP4 (E2M1 codes, decode kernel only): int4's nibble layout and K slots with the E2M1 values in the word table
-// (each an exact bf16); V in natural channel order, one register per group of 16 channels (fp4_v_group), so that
-// the group's E4M3 scale rides on the weights as int4_per_group32's float16 scale does.
+// FP4 (E2M1 codes, decode kernel only): int4's nibble layout, its byte permutes and word table with the E2M1 values
+// (each an exact bf16), in other orders: K slots whose 128-bit lane k, dword i holds a channel pair of token k's
+// group i (fp4_k_slots), so that the dot products of a chunk sum per token and group in one register, scaled by one
+// multiply; V in natural channel order, one register per group of 16 channels (fp4_v_group), so that the group's
+// E4M3 scale rides on the weights as int4_per_group32's float16 scale does.
 // Products: vdpbf16ps (bf16 x bf16 products are exact in fp32, fp32 accumulation).
 //
 // Register layouts (a "slot" is 8 channels, 16 bytes of bf16 = one 128-bit lane):
@@ -173,36 +175,75 @@ static inline __m512 e4m3_top_f32(__m512i t) {
                               _mm512_set1_ps(NAN));
 }
 
-// K: the E4M3 scales of one 64-channel chunk's 4 groups in 4 token rows (row k's 4 bytes at p + k * stride) as
-// floats, lane 4k + q = token k's group q (vpermilps by q gives group q of token k in 128-bit lane k).
-static inline __m512 fp4_k_scales4(const uint8_t* p, int stride) {
-    alignas(16) uint32_t w[4];
-    for (int k = 0; k < 4; ++k) memcpy(&w[k], p + k * stride, 4);
-    return e4m3_top_f32(_mm512_slli_epi32(_mm512_cvtepu8_epi32(_mm_load_si128((const __m128i*)w)), 24));
+// The 4 scale bytes of one 64-channel chunk of a tile's 16 rows (row t's at p + t * stride) in dword t.
+static inline __m512i fp4_tile_scales(const uint8_t* p, int stride) {
+    const __m512i t = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    return _mm512_i32gather_epi32(_mm512_mullo_epi32(t, _mm512_set1_epi32(stride)), p, 1);
 }
 
-// V: the E4M3 scales of group q of one 64-channel chunk of 16 token rows (x: row t's 4 scale bytes of the chunk in
-// dword t) as floats, lane t = token t.
+// K: the scales of tokens 4g..4g+3 (x: fp4_tile_scales) as floats, lane 4k + q = token 4g + k's group q (the lane of
+// fp4_k_slots' group sums): byte q of dword 4g + k into the top byte of dword 4k + q.
+static inline __m512 fp4_k_scales4(__m512i x, int g) {
+    const __m512i idx = _mm512_add_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                         _mm512_set1_epi32(16 * g));
+    return e4m3_top_f32(_mm512_maskz_permutexvar_epi8(0x8888888888888888ull, _mm512_slli_epi32(idx, 24), x));
+}
+
+// V: the scales of group q of one 64-channel chunk of a tile's 16 rows (x: fp4_tile_scales) as floats, lane t =
+// token t.
 static inline __m512 fp4_v_scales16(__m512i x, int q) {
     return e4m3_top_f32(_mm512_and_si512(_mm512_sllv_epi32(x, _mm512_set1_epi32(24 - 8 * q)),
                                          _mm512_set1_epi32((int)0xFF000000u)));
 }
 
-// The FP4 V byte permute: dword i <- byte i / 2 of row a (low word) and of row b (high word) of two 32-byte rows
-// (add 8q for group q).
-static constexpr Int4Index make_fp4_v_index() {
-    Int4Index x{};
-    for (int b = 0; b < 64; ++b) x.v[0][b] = (uint8_t)(32 * ((b / 2) % 2) + b / 8);
+// The FP4 byte permutes: k[j], lane k, word 2i + e <- byte 8i + 2j + e of four 32-byte rows (row k's at 32k; the
+// same byte in both of a word's bytes); v[q], dword i <- byte 8q + i / 2 of row a (low word) and of row b (high word) of two
+// 32-byte rows.
+struct Fp4Index {
+    uint8_t k[4][64], v[4][64];
+};
+static constexpr Fp4Index make_fp4_index() {
+    Fp4Index x{};
+    for (int q = 0; q < 4; ++q)
+        for (int b = 0; b < 64; ++b) {
+            const int w = (b % 16) / 2;   // word of the 128-bit lane b / 16
+            x.k[q][b] = (uint8_t)(32 * (b / 16) + 8 * (w / 2) + 2 * q + w % 2);
+            x.v[q][b] = (uint8_t)(32 * ((b / 2) % 2) + 8 * q + b / 8);
+        }
     return x;
 }
-alignas(64) static constexpr Int4Index FP4_V_INDEX = make_fp4_v_index();
+alignas(64) static constexpr Fp4Index FP4_INDEX = make_fp4_index();
+
+// K, FP4: one 64-channel chunk (32 bytes) of 4 token rows (row k at p + k * stride) -> 8 slots, token k in lane k:
+// slot 2j + n, word 2i + e holds channel 16i + 4j + 2e + n (group i; n: the low or the high nibble).
+static inline void fp4_k_slots(const uint8_t* p, int stride, const Lut& L, __m512i* slots) {
+    const __m512i r01 = load_rows32(p, p + stride), r23 = load_rows32(p + 2 * stride, p + 3 * stride);
+    for (int j = 0; j < 4; ++j) {
+        const __m512i x = _mm512_permutex2var_epi8(r01, _mm512_load_si512(FP4_INDEX.k[j]), r23);
+        slots[2 * j] = _mm512_permutexvar_epi16(x, L.lo0);                             // low nibbles
+        slots[2 * j + 1] = _mm512_permutexvar_epi16(_mm512_srli_epi16(x, 4), L.lo0);   // high nibbles
+    }
+}
+
+// FP4's query slots, in place: from natural order (slot s: channels 8s..8s+7 in each 128-bit lane) to
+// fp4_k_slots' (slot 8z + 2j + n, word 2i + e: channel 64z + 16i + 4j + 2e + n). D <= 1024.
+static inline void fp4_q_slots(int D, __m512i* x) {
+    alignas(64) uint16_t nat[1024];
+    for (int s = 0; s < D / 8; ++s) _mm_store_si128((__m128i*)(nat + 8 * s), _mm512_castsi512_si128(x[s]));
+    for (int s = 0; s < D / 8; ++s) {
+        alignas(16) uint16_t w[8];
+        const int z = s / 8, j = (s % 8) / 2, n = s % 2;
+        for (int i = 0; i < 4; ++i)
+            for (int e = 0; e < 2; ++e) w[2 * i + e] = nat[64 * z + 16 * i + 4 * j + 2 * e + n];
+        x[s] = _mm512_broadcast_i32x4(_mm_load_si128((const __m128i*)w));
+    }
+}
 
 // V, FP4: group q (channels 16q..16q+15) of one 64-channel chunk (32 bytes) of the rows of tokens 2u and 2u + 1
 // (ab: load_rows32) -> one register of bf16 token pairs, dword i = channel 16q + i (natural order: the odd
 // channels' words shifted to their high nibble before the table look-up).
 static inline __m512i fp4_v_group(__m512i ab, int q, const Lut& L) {
-    const __m512i x = _mm512_permutexvar_epi8(
-        _mm512_add_epi8(_mm512_load_si512(FP4_V_INDEX.v[0]), _mm512_set1_epi8((char)(8 * q))), ab);
+    const __m512i x = _mm512_permutexvar_epi8(_mm512_load_si512(FP4_INDEX.v[q]), ab);
     return _mm512_permutexvar_epi16(_mm512_mask_srli_epi16(x, 0xCCCCCCCCu, x, 4), L.lo0);
 }
 
@@ -339,7 +380,7 @@ static inline void q_parts16(const Problem& P, int64_t src, int d, const float* 
     else
         x = _mm512_loadu_ps((const float*)P.q + src + d);
     if (kscale) x = _mm512_mul_ps(x, _mm512_loadu_ps(kscale + d));
-    if (kv_nibble_codes(P.kv))  // 4-bit codes' slots (int4, FP4): the even channels, then the odd (int4_k_slots)
+    if (kv_int4_codes(P.kv))  // int4's slots (int4_per_group32's too): the even channels, then the odd (int4_k_slots)
         x = _mm512_permutexvar_ps(_mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15), x);
     h = (__m256i)_mm512_cvtneps_pbh(x);
     __m512 hf = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
@@ -355,6 +396,10 @@ static inline void prep_q(const Problem& P, int64_t src, const float* kscale, __
         hi[s + 1] = _mm512_broadcast_i32x4(_mm256_extracti128_si256(h, 1));
         lo[s] = _mm512_broadcast_i32x4(_mm256_castsi256_si128(l));
         lo[s + 1] = _mm512_broadcast_i32x4(_mm256_extracti128_si256(l, 1));
+    }
+    if (kv_fp4_codes(P.kv)) {   // FP4's slots (fp4_k_slots)
+        fp4_q_slots(P.D, hi);
+        fp4_q_slots(P.D, lo);
     }
 }
 

@@ -411,7 +411,7 @@ static int run_item_avx2(const Problem& P, const Item& it, float* ws) {
 
 // Whether the AVX2 kernel serves a problem's items.
 // (FP4 rows keep a scale per 16 values after their codes, which the 8-channel decode does not read: the generic
-// kernel serves them.)
+// kernel serves the items the AVX-512 decode kernel does not take.)
 static inline bool avx2_serves(const Problem& P) { return P.D % 8 == 0 && P.D <= 1024 && !KV_FORMATS[P.kv].group; }
 
 static ItemFn avx2_item_fn(const Problem& P) {

@@ -32,10 +32,10 @@
 //
 // FP4 (fp4_e2m1, kv_fp4_codes): E2M1 codes in int4's nibble layout, read through a word table of their values (each
 // an exact bf16), and an E4M3 scale per 16 channels of each token (fp4_k_scales4 / fp4_v_scales16: exact floats).
-// K: a chunk's slots 2q, 2q + 1 are group q (channels 64z + 16q..+15); each group's dot products of 4 tokens sum
-// apart -- exact products bf16(q) x E2M1, fp32 sums -- and are multiplied by their tokens' scales in fp32 (one
-// fused multiply-add per group: the partial sum's product with the scale rounds once in fp32) before they join
-// the score. V: read one group per register in natural channel order (fp4_v_group), the scale riding on the
+// K: slots in FP4's order (fp4_k_slots: lane k, dword i a channel pair of token k's group 4z + i, the query slots
+// alike), so a chunk's dot products of 4 tokens sum per token and group in one register -- exact products bf16(q) x
+// E2M1, fp32 sums -- multiplied by their tokens' scales in fp32 (one fused multiply-add per row, 4 tokens and
+// chunk: each group sum's product with its scale rounds once in fp32) before they join the score. V: read one group per register in natural channel order (fp4_v_group), the scale riding on the
 // softmax weight per group as int4_per_group32's: out = sum_t bf16(p_t s_tg) c_td / sum_t p_t, so what rounds is
 // the weight times the scale to bf16 (relative 2^-9, as FP8's weights round) and the fp32 sums.
 //
@@ -84,28 +84,27 @@ static inline void tile_scores_inplace(const uint8_t* kb, const uint8_t* kahead,
         for (int g = 0; g < 4; ++g) acc[r][g] = _mm512_setzero_ps();
     constexpr int SPC = chunk_channels<KV>() / 8;  // slots per chunk
     for (int z = 0; z < D / chunk_channels<KV>(); ++z) {
+        __m512i fs = _mm512_setzero_si512();   // FP4: the chunk's scale bytes of the tile's rows
+        if constexpr (F4) fs = fp4_tile_scales(kb + D / 2 + 4 * z, RBYTES);
         for (int g = 0; g < 4; ++g) {
             __m512i in[4], slots[8];
             for (int k = 0; k < 4; ++k) {
                 if (z == 0) stream_row<RBYTES>(kahead, 4 * g + k);
                 if constexpr (!kv_nibble_codes(KV)) in[k] = _mm512_loadu_si512(kb + (4 * g + k) * RBYTES + z * CB);
             }
-            if constexpr (kv_nibble_codes(KV)) int4_k_slots(kb + 4 * g * RBYTES + z * CB, RBYTES, L, slots);
+            if constexpr (F4) fp4_k_slots(kb + 4 * g * RBYTES + z * CB, RBYTES, L, slots);
+            else if constexpr (kv_int4_codes(KV)) int4_k_slots(kb + 4 * g * RBYTES + z * CB, RBYTES, L, slots);
             else k_chunk_slots<KV>(in, L, slots);
-            if constexpr (F4) {
-                const __m512 sc = fp4_k_scales4(kb + 4 * g * RBYTES + D / 2 + 4 * z, RBYTES);   // lane 4k + q
-                for (int q = 0; q < 4; ++q) {   // group 4z + q: slots 2q, 2q + 1
-                    const __m512 sv = _mm512_permutevar_ps(sc, _mm512_set1_epi32(q));   // token k's in lane k
-                    for (int r = 0; r < R; ++r) {
-                        const int s = r * NS + SPC * z + 2 * q;
-                        __m512 part = _mm512_dpbf16_ps(_mm512_setzero_ps(), as_bh(qhi[s]), as_bh(slots[2 * q]));
-                        part = _mm512_dpbf16_ps(part, as_bh(qhi[s + 1]), as_bh(slots[2 * q + 1]));
-                        if (QLO) {
-                            part = _mm512_dpbf16_ps(part, as_bh(qlo[s]), as_bh(slots[2 * q]));
-                            part = _mm512_dpbf16_ps(part, as_bh(qlo[s + 1]), as_bh(slots[2 * q + 1]));
-                        }
-                        acc[r][g] = _mm512_fmadd_ps(part, sv, acc[r][g]);
+            if constexpr (F4) {   // lane (k, i) of a slot's products: token 4g + k's group 4z + i
+                const __m512 sc = fp4_k_scales4(fs, g);   // lane 4k + i: that token's scale of that group
+                for (int r = 0; r < R; ++r) {
+                    __m512 part = _mm512_setzero_ps();
+                    for (int l = 0; l < SPC; ++l) {
+                        const int s = r * NS + SPC * z + l;
+                        part = _mm512_dpbf16_ps(part, as_bh(qhi[s]), as_bh(slots[l]));
+                        if (QLO) part = _mm512_dpbf16_ps(part, as_bh(qlo[s]), as_bh(slots[l]));
                     }
+                    acc[r][g] = _mm512_fmadd_ps(part, sc, acc[r][g]);
                 }
             } else if constexpr (GS) {
                 for (int h = 0; h < 2; ++h) {   // group 2z + h: slots 4h..4h+3
@@ -153,16 +152,16 @@ static inline void chunk_pv_inplace(const uint8_t* const* vb, const uint8_t* con
         }
         for (int j = 0; j < nt; ++j) {
             const uint8_t* v0 = vb[j] + z * CB;
-            alignas(64) uint32_t pw[GS || F4 ? R : 1][NG][8];   // row r's bf16 weight pairs of the chunk's group h, pair u
+            alignas(64) uint32_t pw[GS || F4 ? R : 1][NG][8];   // row r's bf16 weight pairs of group h, pair u
             if constexpr (F4) {
-                alignas(64) uint32_t sb[16];   // row t's 4 scale bytes of the chunk
-                for (int t = 0; t < 16; ++t) memcpy(&sb[t], vb[j] + t * RBYTES + D / 2 + 4 * z, 4);
-                const __m512i x = _mm512_load_si512(sb);
-                for (int q = 0; q < 4; ++q) {
-                    const __m512 sv = fp4_v_scales16(x, q);
-                    for (int r = 0; r < R; ++r)
-                        _mm256_store_si256((__m256i*)pw[r][q], (__m256i)_mm512_cvtneps_pbh(
-                            _mm512_mul_ps(_mm512_loadu_ps(pf + (r * CHUNK_TILES + j) * 16), sv)));
+                const __m512i x = fp4_tile_scales(vb[j] + D / 2 + 4 * z, RBYTES);
+                for (int q = 0; q < 4; q += 2) {   // groups q, q + 1: one conversion
+                    const __m512 s0 = fp4_v_scales16(x, q), s1 = fp4_v_scales16(x, q + 1);
+                    for (int r = 0; r < R; ++r) {
+                        const __m512 p = _mm512_loadu_ps(pf + (r * CHUNK_TILES + j) * 16);
+                        _mm512_store_si512((__m512i*)pw[r][q], (__m512i)_mm512_cvtne2ps_pbh(_mm512_mul_ps(p, s1),
+                                                                                             _mm512_mul_ps(p, s0)));
+                    }
                 }
             } else if constexpr (GS) {
                 for (int h = 0; h < 2; ++h) {

@@ -1,8 +1,8 @@
 // The generic item kernel: fp32 arithmetic, any KV dtype, any head dim, any ISA. FP8 is decoded on bits
 // (base.h; exact for subnormals because every kernel thread clears DAZ/FTZ). It is the path of fp16 /
-// fp32 caches, of the group-scaled formats (FP4: E2M1 codes times their group's E4M3 scale; int4_per_group32: int4
-// codes times their group's float16 scale: exact products), of head dims that are not a
-// multiple of 16, and of builds without AVX-512 BF16; it
+// fp32 caches, of the group-scaled formats' items the decode kernel does not take (prefill-sized items; FP4: E2M1
+// codes times their group's E4M3 scale; int4_per_group32: int4 codes times their group's float16 scale: exact
+// products), of head dims that are not a multiple of 16, and of builds without AVX-512 BF16; it
 // carries no arithmetic shared with the fast kernels (those multiply bf16 in registers).
 //
 // Per tile of 16 tokens: decode K rows to fp32, scores and an online-softmax step per row, decode V rows,
