@@ -30,7 +30,7 @@ from kv8.attention.metadata import AttentionMetadata
 from kv8.attention.reference import paged_attention_reference
 from kv8.kernels.cpu import attention as kernels
 from kv8.kernels.cpu.attention import paged_attention_fused
-from tests.helpers.kernels import FP4, INT4, INT8, decode_kernel, load_or_skip, portable_path, prefill_kernel
+from tests.helpers.kernels import FP4, I4G, INT4, INT8, decode_kernel, load_or_skip, portable_path, prefill_kernel
 from tests.helpers.windows import STALE, Case, window_case
 
 FP8 = ["fp8_e4m3", "fp8_e4m3fnuz", "fp8_e5m2"]
@@ -105,7 +105,7 @@ def test_window_partitions(lib: kernels.KernelLibrary, kv_name: str, q_dtype: to
 
 @pytest.mark.parametrize("kv_name,gran", [("fp8_e4m3", "tensor"), ("fp8_e5m2", "channel"),
                                           ("fp8_e4m3fnuz", "dynamic"), ("bfloat16", "none"), (INT8, "dynamic"),
-                                          (INT4, "dynamic"), (FP4, "none")])
+                                          (INT4, "dynamic"), (FP4, "none"), (I4G, "none")])
 @pytest.mark.parametrize("group", [1, 2, 4])
 @pytest.mark.usefixtures("kernel_path")
 def test_window_decode_item_kernel(lib: kernels.KernelLibrary, kv_name: str, gran: str, group: int) -> None:

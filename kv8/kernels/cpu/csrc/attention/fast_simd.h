@@ -16,7 +16,7 @@
 // weights (V), as for FP8 with dynamic scales.
 // FP4 (E2M1 codes, decode kernel only): int4's nibble layout, its byte permutes and word table with the E2M1 values
 // (each an exact bf16), in other orders: K slots whose 128-bit lane k, dword i holds a channel pair of token k's
-// group i (fp4_k_slots), so that the dot products of a chunk sum per token and group in one register, scaled by one
+// group i (group_k_slots), so that the dot products of a chunk sum per token and group in one register, scaled by one
 // multiply; V in natural channel order, one register per group of 16 channels (fp4_v_group), so that the group's
 // E4M3 scale rides on the weights as int4_per_group32's float16 scale does.
 // Products: vdpbf16ps (bf16 x bf16 products are exact in fp32, fp32 accumulation).
@@ -182,7 +182,7 @@ static inline __m512i fp4_tile_scales(const uint8_t* p, int stride) {
 }
 
 // K: the scales of tokens 4g..4g+3 (x: fp4_tile_scales) as floats, lane 4k + q = token 4g + k's group q (the lane of
-// fp4_k_slots' group sums): byte q of dword 4g + k into the top byte of dword 4k + q.
+// group_k_slots<16>' sums): byte q of dword 4g + k into the top byte of dword 4k + q.
 static inline __m512 fp4_k_scales4(__m512i x, int g) {
     const __m512i idx = _mm512_add_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
                                          _mm512_set1_epi32(16 * g));
@@ -196,45 +196,67 @@ static inline __m512 fp4_v_scales16(__m512i x, int q) {
                                          _mm512_set1_epi32((int)0xFF000000u)));
 }
 
-// The FP4 byte permutes: k[j], lane k, word 2i + e <- byte 8i + 2j + e of four 32-byte rows (row k's at 32k; the
-// same byte in both of a word's bytes); v[q], dword i <- byte 8q + i / 2 of row a (low word) and of row b (high word) of two
-// 32-byte rows.
-struct Fp4Index {
-    uint8_t k[4][64], v[4][64];
+// int4_per_group32's K scales of tokens 4g..4g+3 (x: fp4_tile_scales, row t's two float16 scales of the chunk in
+// dword t) as floats, lane 4k + i = token 4g + k's scale of group i / 2 (the lane of group_k_slots<32>' sums).
+static inline __m512 i4g_k_scales4(__m512i x, int g) {
+    const __m512i idx = _mm512_add_epi16(
+        _mm512_set_epi16(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0),
+        _mm512_set1_epi16((short)(8 * g)));
+    return _mm512_cvtph_ps(_mm512_castsi512_si256(_mm512_permutexvar_epi16(idx, x)));
+}
+
+// K slots of the group-scaled formats (group G = 16: FP4's 4 groups per 64 channels; 32: int4_per_group32's 2), in
+// group order: lane k, dword i of a slot holds a channel pair of token k's group i / (G / 16) of the chunk, so that a
+// chunk's dot products sum per token and group in one register. Slot 2j + n, word 2i + e: the low (n = 0) or high
+// nibble of chunk byte group_k_byte<G>(i, j, e), channel 2 x that byte + n.
+template <int G>
+static constexpr int group_k_byte(int i, int j, int e) {
+    return 8 * (G / 16) * (i / (G / 16)) + 2 * (G / 16) * j + 2 * (i % (G / 16)) + e;
+}
+
+// The byte permutes: k16[j] / k32[j], lane k, word 2i + e <- byte group_k_byte(i, j, e) of four 32-byte rows (row
+// k's at 32k; the same byte in both of a word's bytes); v[q] (FP4 V), dword i <- byte 8q + i / 2 of row a (low word)
+// and of row b (high word) of two 32-byte rows.
+struct GroupIndex {
+    uint8_t k16[4][64], k32[4][64], v[4][64];
 };
-static constexpr Fp4Index make_fp4_index() {
-    Fp4Index x{};
+static constexpr GroupIndex make_group_index() {
+    GroupIndex x{};
     for (int q = 0; q < 4; ++q)
         for (int b = 0; b < 64; ++b) {
             const int w = (b % 16) / 2;   // word of the 128-bit lane b / 16
-            x.k[q][b] = (uint8_t)(32 * (b / 16) + 8 * (w / 2) + 2 * q + w % 2);
+            x.k16[q][b] = (uint8_t)(32 * (b / 16) + group_k_byte<16>(w / 2, q, w % 2));
+            x.k32[q][b] = (uint8_t)(32 * (b / 16) + group_k_byte<32>(w / 2, q, w % 2));
             x.v[q][b] = (uint8_t)(32 * ((b / 2) % 2) + 8 * q + b / 8);
         }
     return x;
 }
-alignas(64) static constexpr Fp4Index FP4_INDEX = make_fp4_index();
+alignas(64) static constexpr GroupIndex GROUP_INDEX = make_group_index();
 
-// K, FP4: one 64-channel chunk (32 bytes) of 4 token rows (row k at p + k * stride) -> 8 slots, token k in lane k:
-// slot 2j + n, word 2i + e holds channel 16i + 4j + 2e + n (group i; n: the low or the high nibble).
-static inline void fp4_k_slots(const uint8_t* p, int stride, const Lut& L, __m512i* slots) {
+// K, group-scaled: one 64-channel chunk (32 bytes) of 4 token rows (row k at p + k * stride) -> 8 slots in group
+// order, token k in lane k.
+template <int G>
+static inline void group_k_slots(const uint8_t* p, int stride, const Lut& L, __m512i* slots) {
     const __m512i r01 = load_rows32(p, p + stride), r23 = load_rows32(p + 2 * stride, p + 3 * stride);
     for (int j = 0; j < 4; ++j) {
-        const __m512i x = _mm512_permutex2var_epi8(r01, _mm512_load_si512(FP4_INDEX.k[j]), r23);
+        const __m512i x = _mm512_permutex2var_epi8(
+            r01, _mm512_load_si512(G == 16 ? GROUP_INDEX.k16[j] : GROUP_INDEX.k32[j]), r23);
         slots[2 * j] = _mm512_permutexvar_epi16(x, L.lo0);                             // low nibbles
         slots[2 * j + 1] = _mm512_permutexvar_epi16(_mm512_srli_epi16(x, 4), L.lo0);   // high nibbles
     }
 }
 
-// FP4's query slots, in place: from natural order (slot s: channels 8s..8s+7 in each 128-bit lane) to
-// fp4_k_slots' (slot 8z + 2j + n, word 2i + e: channel 64z + 16i + 4j + 2e + n). D <= 1024.
-static inline void fp4_q_slots(int D, __m512i* x) {
+// The query slots of group_k_slots<G>, in place: from natural order (slot s: channels 8s..8s+7 in each 128-bit
+// lane) to group order (slot 8z + 2j + n, word 2i + e: channel 64z + 2 group_k_byte<G>(i, j, e) + n). D <= 1024.
+template <int G>
+static inline void group_q_slots(int D, __m512i* x) {
     alignas(64) uint16_t nat[1024];
     for (int s = 0; s < D / 8; ++s) _mm_store_si128((__m128i*)(nat + 8 * s), _mm512_castsi512_si128(x[s]));
     for (int s = 0; s < D / 8; ++s) {
         alignas(16) uint16_t w[8];
         const int z = s / 8, j = (s % 8) / 2, n = s % 2;
         for (int i = 0; i < 4; ++i)
-            for (int e = 0; e < 2; ++e) w[2 * i + e] = nat[64 * z + 16 * i + 4 * j + 2 * e + n];
+            for (int e = 0; e < 2; ++e) w[2 * i + e] = nat[64 * z + 2 * group_k_byte<G>(i, j, e) + n];
         x[s] = _mm512_broadcast_i32x4(_mm_load_si128((const __m128i*)w));
     }
 }
@@ -243,7 +265,7 @@ static inline void fp4_q_slots(int D, __m512i* x) {
 // (ab: load_rows32) -> one register of bf16 token pairs, dword i = channel 16q + i (natural order: the odd
 // channels' words shifted to their high nibble before the table look-up).
 static inline __m512i fp4_v_group(__m512i ab, int q, const Lut& L) {
-    const __m512i x = _mm512_permutexvar_epi8(_mm512_load_si512(FP4_INDEX.v[q]), ab);
+    const __m512i x = _mm512_permutexvar_epi8(_mm512_load_si512(GROUP_INDEX.v[q]), ab);
     return _mm512_permutexvar_epi16(_mm512_mask_srli_epi16(x, 0xCCCCCCCCu, x, 4), L.lo0);
 }
 
@@ -380,7 +402,7 @@ static inline void q_parts16(const Problem& P, int64_t src, int d, const float* 
     else
         x = _mm512_loadu_ps((const float*)P.q + src + d);
     if (kscale) x = _mm512_mul_ps(x, _mm512_loadu_ps(kscale + d));
-    if (kv_int4_codes(P.kv))  // int4's slots (int4_per_group32's too): the even channels, then the odd (int4_k_slots)
+    if (KV_FORMATS[P.kv].ibits == 4)  // int4's slots: the even channels, then the odd (int4_k_slots)
         x = _mm512_permutexvar_ps(_mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15), x);
     h = (__m256i)_mm512_cvtneps_pbh(x);
     __m512 hf = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
@@ -397,9 +419,12 @@ static inline void prep_q(const Problem& P, int64_t src, const float* kscale, __
         lo[s] = _mm512_broadcast_i32x4(_mm256_castsi256_si128(l));
         lo[s + 1] = _mm512_broadcast_i32x4(_mm256_extracti128_si256(l, 1));
     }
-    if (kv_fp4_codes(P.kv)) {   // FP4's slots (fp4_k_slots)
-        fp4_q_slots(P.D, hi);
-        fp4_q_slots(P.D, lo);
+    if (KV_FORMATS[P.kv].group == 16) {   // the group-scaled formats' slots (group_k_slots)
+        group_q_slots<16>(P.D, hi);
+        group_q_slots<16>(P.D, lo);
+    } else if (KV_FORMATS[P.kv].group == 32) {
+        group_q_slots<32>(P.D, hi);
+        group_q_slots<32>(P.D, lo);
     }
 }
 

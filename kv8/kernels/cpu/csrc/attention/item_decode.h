@@ -24,20 +24,17 @@
 // rounds to bf16: out = sum_t bf16(p_t vs_t) c_t / sum_t p_t. int4 rows are D / 2 bytes (32 per 64-channel
 // chunk), unpacked in registers (int4_k_slots, int4_v_pairs), so a tile reads half an int8 tile's bytes.
 //
-// int4_per_group32 (kv_int4_codes, gscale 2): the int4 path's codes, and a float16 scale per 32 channels of each
-// token. K: a chunk's first four slots are one group (channels 64z..64z+31), the last four the next; each group's
-// dot products of 4 tokens sum apart (exact products, fp32) and are multiplied by their tokens' scales in fp32
-// (group_scales4) before they join the score. V: as for per-token V scales, the scale rides on the softmax weight,
-// per group: bf16(p_t s_tg) for the group's channels (the weights p in fp32 from decode_weights).
-//
-// FP4 (fp4_e2m1, kv_fp4_codes): E2M1 codes in int4's nibble layout, read through a word table of their values (each
-// an exact bf16), and an E4M3 scale per 16 channels of each token (fp4_k_scales4 / fp4_v_scales16: exact floats).
-// K: slots in FP4's order (fp4_k_slots: lane k, dword i a channel pair of token k's group 4z + i, the query slots
-// alike), so a chunk's dot products of 4 tokens sum per token and group in one register -- exact products bf16(q) x
-// E2M1, fp32 sums -- multiplied by their tokens' scales in fp32 (one fused multiply-add per row, 4 tokens and
-// chunk: each group sum's product with its scale rounds once in fp32) before they join the score. V: read one group per register in natural channel order (fp4_v_group), the scale riding on the
-// softmax weight per group as int4_per_group32's: out = sum_t bf16(p_t s_tg) c_td / sum_t p_t, so what rounds is
-// the weight times the scale to bf16 (relative 2^-9, as FP8's weights round) and the fp32 sums.
+// The group-scaled formats: int4_per_group32 (kv_int4_codes, gscale 2: the int4 path's codes and a float16 scale per
+// 32 channels of each token) and FP4 (fp4_e2m1, kv_fp4_codes: E2M1 codes in int4's nibble layout, read through a
+// word table of their values, each an exact bf16, and an E4M3 scale per 16 channels; fp4_k_scales4 /
+// fp4_v_scales16 give them as exact floats). K: slots in group order (group_k_slots: lane k, dword i a channel pair
+// of token k's group i / (G / 16) of the chunk; the query slots alike), so a chunk's dot products of 4 tokens sum per
+// token and group in one register -- exact products bf16(q) x code, fp32 sums -- multiplied by their tokens' scales
+// in fp32 (one fused multiply-add per row, 4 tokens and chunk: each group sum's product with its scale rounds once in
+// fp32) before they join the score. V: as for per-token V scales, the scale rides on the softmax weight, per group:
+// out = sum_t bf16(p_t s_tg) c_td / sum_t p_t (the weights p in fp32 from decode_weights), so what rounds is the
+// weight times the scale to bf16 (relative 2^-9, as FP8's weights round) and the fp32 sums; FP4's V is read one
+// group per register in natural channel order (fp4_v_group).
 //
 // Sliding window: a row's scores outside its [first, limit] positions are masked; the item's first tile
 // reads zeros (a zero-padded copy) for its rows before k0, as the last tile does past the context.
@@ -63,40 +60,31 @@ static inline void stream_row(const uint8_t* ahead, int t) {
         for (int b = 0; b < RBYTES; b += 64) prefetch_l2(ahead + t * RBYTES + b);
 }
 
-// The float16 scales of 4 token rows (row k's at p + k * stride) as floats, row k's in 128-bit lane k (4 dwords).
-static inline __m512 group_scales4(const uint8_t* p, int stride) {
-    alignas(16) uint16_t h[8] = {0};
-    for (int k = 0; k < 4; ++k) memcpy(&h[k], p + k * stride, 2);
-    const __m128 f = _mm_cvtph_ps(_mm_load_si128((const __m128i*)h));
-    return _mm512_permutexvar_ps(_mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0),
-                                 _mm512_castps128_ps512(f));
-}
-
 // Scores of R rows against the 16 rows of one tile starting at kb (row stride kv_row_bytes(KV, D)).
 template <int KV, int D, int R, bool QLO>
 static inline void tile_scores_inplace(const uint8_t* kb, const uint8_t* kahead, const Lut& L, const __m512i* qhi,
                                        const __m512i* qlo, __m512* out) {
     constexpr int RBYTES = (int)kv_row_bytes(KV, D), NS = D / 8, CB = chunk_bytes<KV>();
-    constexpr bool GS = KV_FORMATS[KV].gscale == 2;   // a float16 scale per 32 channels (4 slots) of each token
-    constexpr bool F4 = kv_fp4_codes(KV);              // an E4M3 scale per 16 channels (2 slots) of each token
+    // group scales after each row's codes: an E4M3 scale per 16 channels (FP4) or a float16 per 32 (int4_per_group32)
+    constexpr int G = KV_FORMATS[KV].group;
     __m512 acc[R][4];
     for (int r = 0; r < R; ++r)
         for (int g = 0; g < 4; ++g) acc[r][g] = _mm512_setzero_ps();
     constexpr int SPC = chunk_channels<KV>() / 8;  // slots per chunk
     for (int z = 0; z < D / chunk_channels<KV>(); ++z) {
-        __m512i fs = _mm512_setzero_si512();   // FP4: the chunk's scale bytes of the tile's rows
-        if constexpr (F4) fs = fp4_tile_scales(kb + D / 2 + 4 * z, RBYTES);
+        __m512i fs = _mm512_setzero_si512();   // G: the chunk's 4 scale bytes of each of the tile's rows
+        if constexpr (G != 0) fs = fp4_tile_scales(kb + D / 2 + 4 * z, RBYTES);
         for (int g = 0; g < 4; ++g) {
             __m512i in[4], slots[8];
             for (int k = 0; k < 4; ++k) {
                 if (z == 0) stream_row<RBYTES>(kahead, 4 * g + k);
                 if constexpr (!kv_nibble_codes(KV)) in[k] = _mm512_loadu_si512(kb + (4 * g + k) * RBYTES + z * CB);
             }
-            if constexpr (F4) fp4_k_slots(kb + 4 * g * RBYTES + z * CB, RBYTES, L, slots);
+            if constexpr (G != 0) group_k_slots<G>(kb + 4 * g * RBYTES + z * CB, RBYTES, L, slots);
             else if constexpr (kv_int4_codes(KV)) int4_k_slots(kb + 4 * g * RBYTES + z * CB, RBYTES, L, slots);
             else k_chunk_slots<KV>(in, L, slots);
-            if constexpr (F4) {   // lane (k, i) of a slot's products: token 4g + k's group 4z + i
-                const __m512 sc = fp4_k_scales4(fs, g);   // lane 4k + i: that token's scale of that group
+            if constexpr (G != 0) {   // lane (k, i) of a slot's products: token 4g + k's group i / (G / 16) of the chunk
+                const __m512 sc = G == 16 ? fp4_k_scales4(fs, g) : i4g_k_scales4(fs, g);   // lane 4k + i: its scale
                 for (int r = 0; r < R; ++r) {
                     __m512 part = _mm512_setzero_ps();
                     for (int l = 0; l < SPC; ++l) {
@@ -105,19 +93,6 @@ static inline void tile_scores_inplace(const uint8_t* kb, const uint8_t* kahead,
                         if (QLO) part = _mm512_dpbf16_ps(part, as_bh(qlo[s]), as_bh(slots[l]));
                     }
                     acc[r][g] = _mm512_fmadd_ps(part, sc, acc[r][g]);
-                }
-            } else if constexpr (GS) {
-                for (int h = 0; h < 2; ++h) {   // group 2z + h: slots 4h..4h+3
-                    const __m512 sv = group_scales4(kb + 4 * g * RBYTES + D / 2 + 2 * (2 * z + h), RBYTES);
-                    for (int r = 0; r < R; ++r) {
-                        __m512 part = _mm512_setzero_ps();
-                        for (int l = 4 * h; l < 4 * h + 4; ++l) {
-                            const int s = r * NS + SPC * z + l;
-                            part = _mm512_dpbf16_ps(part, as_bh(qhi[s]), as_bh(slots[l]));
-                            if (QLO) part = _mm512_dpbf16_ps(part, as_bh(qlo[s]), as_bh(slots[l]));
-                        }
-                        acc[r][g] = _mm512_fmadd_ps(part, sv, acc[r][g]);
-                    }
                 }
             } else {
                 for (int l = 0; l < SPC; ++l)
