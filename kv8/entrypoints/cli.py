@@ -187,9 +187,12 @@ def cmd_info(ns: argparse.Namespace) -> int:
           f"{arch.num_heads} query / {arch.num_kv_heads} KV heads, head_dim {arch.head_dim}, "
           f"vocab {arch.vocab_size}, context {arch.max_position_embeddings}, rope_theta {arch.rope_theta:g}")
     dtype = resolve_dtype(ns.dtype)
-    plan = _dense_plan(kind, path, hf_config, dtype, ns.quantization) if platform.kind == "cpu" else "torch"
+    quantization, auto = EngineArgs.from_cli_args(ns).weight_quantization(kind, path)
+    plan = _dense_plan(kind, path, hf_config, dtype, quantization) if platform.kind == "cpu" else "torch"
     print(f"dense layers {plan}")
-    print(f"weights      {describe_weights(kind, path, ns.quantization, resolve_dtype(ns.dtype))}")
+    chosen = (" (the default for a quantized GGUF file on this machine; --quantization none dequantizes it at load)"
+              if auto else "")
+    print(f"weights      {describe_weights(kind, path, quantization, dtype)}{chosen}")
     if platform.kind == "cpu":
         from kv8.kernels.cpu.dense import describe_dense_kernels
 
@@ -284,12 +287,15 @@ def cmd_tune(ns: argparse.Namespace) -> int:
     args = EngineArgs.from_cli_args(ns)
     kind, path = resolve_model_path(args.model)
     hf_config = read_model_config(kind, path)
-    dtype = args.create_engine_config(hf_config, kind, path).dtype   # dtype and quantization validated
+    config = args.create_engine_config(hf_config, kind, path)   # dtype and quantization validated and resolved
+    dtype, quantization = config.dtype, config.quantization
     store = PlanStore()
-    shapes = tuning_shapes(kind, path, hf_config, args.quantization)
-    backend, result = tuned_dense_backend(shapes, dtype, args.quantization, store, retune=True)
+    shapes = tuning_shapes(kind, path, hf_config, quantization)
+    backend, result = tuned_dense_backend(shapes, dtype, quantization, store, retune=True)
     print(f"model        {args.model} ({kind}: {path}), {str(dtype).removeprefix('torch.')}"
-          + (f", {args.quantization} weights" if args.quantization else ""))
+          + (f", {quantization} weights" if quantization else "")
+          + (" (the default for a quantized GGUF file; --quantization none times the dequantized weights)"
+             if config.quantization_auto else ""))
     print(f"device       {CPU.describe()}")
     if result is None:
         print(f"dense layers {backend.name}: the only candidate on this machine, nothing to time")

@@ -82,6 +82,17 @@ def _read_gguf(path: str, mtime: float) -> tuple[Any, Any]:
     return read_gguf(path)
 
 
+def keeps_gguf_blocks(kind: str, path: str) -> bool:
+    """Whether model ``path`` is a GGUF file with decoder linear weights that ``quantization="gguf"`` keeps as blocks
+    (:func:`kv8.loader.gguf.gguf_keeps_blocks`)."""
+    if kind != "gguf":
+        return False
+    from kv8.loader.gguf import gguf_keeps_blocks
+
+    gguf_model, reader = _read_gguf(path, os.path.getmtime(path))
+    return gguf_keeps_blocks(reader, gguf_model)
+
+
 def read_model_config(kind: str, path: str) -> dict[str, Any]:
     """The Hugging Face config dict of a model, without loading weights."""
     if kind == "gguf":
