@@ -1,6 +1,8 @@
 // The tile item kernel: the fast path (AVX-512 BF16) for every item shape -- prefill blocks of up to
 // ROWS_PER_ITEM rows, fp16 / fp32 compute, head dims that are a multiple of 16 up to 1024, any block size.
-// Items of decode shape with bf16 compute go to item_decode.h instead (see pick_item_fn). Two loops:
+// Items of decode shape with bf16 compute go to item_decode.h instead (see pick_item_fn). It reads FP8 and bf16
+// tiles through their own decoders (tile_decoders), and the prefill items of the integer and group-scaled caches
+// through tiles decoded to bf16 (item_staged.h: run_item_tile_with on a bf16 view of the problem). Two loops:
 //
 // The prefill loop (items of more than 4 rows, D <= 128; run_item_prefill): item_prefill.h, and its blocks on AMX
 // tiles: item_prefill_amx.h. What the loops share (the chunk walk, P.V, the rows' start and end): tile_chunk.h.
