@@ -30,7 +30,7 @@ from kv8.attention.metadata import AttentionMetadata
 from kv8.attention.reference import paged_attention_reference
 from kv8.kernels.cpu import attention as kernels
 from kv8.kernels.cpu.attention import paged_attention_fused
-from tests.helpers.kernels import INT4, INT8, decode_kernel, load_or_skip, portable_path, prefill_kernel
+from tests.helpers.kernels import FP4, I4G, INT4, INT8, decode_kernel, load_or_skip, portable_path, prefill_kernel
 from tests.helpers.windows import STALE, Case, window_case
 
 FP8 = ["fp8_e4m3", "fp8_e4m3fnuz", "fp8_e5m2"]
@@ -163,6 +163,23 @@ def test_window_long_prefill(lib: kernels.KernelLibrary, kv_name: str, gran: str
     for window in (37, 100, 512):
         check(lib, window_case(kv_name, gran, q_dtype, window, group=group, dim=dim, bs=bs, heads=2,
                                query_lens=[600, 150, 1, 91], seq_lens=[600, 700, 650, 333], seed=window + dim),
+              partitions=(0, 96))
+
+
+@pytest.mark.parametrize("kv_name,gran,q_dtype", [(INT8, "dynamic", torch.bfloat16), (INT4, "dynamic", torch.float32),
+                                                  (FP4, "none", torch.bfloat16), (FP4, "none", torch.float32),
+                                                  (I4G, "none", torch.bfloat16)])
+@pytest.mark.parametrize("group,dim,bs", [(3, 64, 16), (4, 128, 8), (2, 256, 16)])
+def test_window_staged_prefill(lib: kernels.KernelLibrary, kv_name: str, gran: str, q_dtype: torch.dtype, group: int,
+                               dim: int, bs: int) -> None:
+    """Long prefills of the integer and group-scaled caches on the tile kernel's staged bf16 tiles (asserted to
+    serve: the prefill loop, the chunked tile loop for head_dim 256) with windows of 37 and 100: items that start
+    mid-tile, the window's edge inside chunks; poisoned before each first key (int8 / int4: code 127 with NaN
+    scales; FP4 / int4_per_group32: bytes 0x7F, whose group scales read as NaN); automatic and forced partitions."""
+    prefill_kernel(lib, kv_name, gran, q_dtype, dim, bs)
+    for window in (37, 100):
+        check(lib, window_case(kv_name, gran, q_dtype, window, group=group, dim=dim, bs=bs, heads=2,
+                               query_lens=[300, 150, 1, 91], seq_lens=[300, 400, 350, 333], seed=window + dim),
               partitions=(0, 96))
 
 
