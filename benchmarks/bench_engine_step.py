@@ -93,11 +93,11 @@ def pinned_backend(backend: str) -> Iterator[str]:
     import kv8.loader.model as loader_model
     from kv8.layers.tuning import candidates
 
-    def tuned(shapes: Any, dtype: Any, quantization: Any, *rest: Any, **kw: Any) -> tuple[Any, None]:
+    def tuned(shapes: Any, dtype: Any, quantization: Any, *rest: Any, **kw: Any) -> tuple[Any, dict[Any, Any]]:
         found = candidates(shapes, dtype, quantization)
         if backend not in found:
             raise SystemExit(f"{backend!r} is not a tuner candidate here; the candidates are {', '.join(found)}")
-        return found[backend], None
+        return found[backend], {}
 
     saved = loader_model.tuned_dense_backend
     loader_model.tuned_dense_backend = tuned   # type: ignore[assignment]
