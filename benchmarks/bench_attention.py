@@ -329,6 +329,7 @@ def print_formats(args: argparse.Namespace, before: tuple[str, KernelLibrary] | 
             cases[shape, label] = (cache, meta, q)
     # (a --before revision's library may not know a newer format: that format runs on the native library only)
     known = {name: [label for kv, _, label in FORMATS if kv in lb.kv_dtype_codes] for name, lb in libs.items()}
+    known_kv = {name: set(lb.kv_dtype_codes) for name, lb in libs.items()}
     variants = [(name, label) for name in libs for label in known[name]]
     times: dict[tuple[str, str, str], list[float]] = {(shape, *v): [] for shape, *_ in shapes for v in variants}
     for r in range(args.rounds):
@@ -337,10 +338,9 @@ def print_formats(args: argparse.Namespace, before: tuple[str, KernelLibrary] | 
                 cache, meta, q = cases[shape, label]
                 call = lambda i, lb=libs[name], c=cache, m=meta, x=q: lb.attention(x, c, i, m, scale)  # noqa: E731
                 times[shape, name, label].append(timeit(call, cache.shape.num_layers, args.min_time))
-    ints = KernelTesting(lib).item_kernel("int4_per_token_head", torch.bfloat16, D)
-    fp4 = KernelTesting(lib).item_kernel("fp4_e2m1", torch.bfloat16, D)
-    i4g = KernelTesting(lib).item_kernel("int4_per_group32", torch.bfloat16, D)
-    for name in libs:
+    for name in libs:   # each library's item kernel of a prefill item
+        ints, fp4, i4g = (KernelTesting(libs[name]).item_kernel(kv, torch.bfloat16, D) if kv in known_kv[name] else "-"
+                          for kv in ("int4_per_token_head", "fp4_e2m1", "int4_per_group32"))
         print()
         print(f"KV formats ({name}), SmolLM2 shapes (Hq={HQ} Hkv={HKV} D={D} block={BS}, q bf16), item kernel "
               f"{kernel_name(libs[name])} (int8, int4: {ints}; int4g32: {i4g}; fp4: {fp4}); medians of "

@@ -20,7 +20,10 @@ step (the issue-40 shape: ``--batch 8 --context 4096``).
     .venv/bin/python benchmarks/bench_engine_step.py --before main --quantization gguf --batch 1   # GGUF blocks kept
     .venv/bin/python benchmarks/bench_engine_step.py --kv-cache-dtypes fp8_e4m3,int4 --batch 8 --context 4096
 
-``--quantization`` builds every engine with that quantization (e.g. ``gguf``: the default model's Q4_1 blocks kept).
+``--quantization`` builds every engine with that quantization (e.g. ``gguf``: the default model's Q4_1 blocks kept;
+``none``: its weights dequantized to bf16, also in a ``--before`` revision older than that choice). Without it each
+engine runs its kv8's default: a quantized GGUF file's blocks (a revision older than that default: the weights
+dequantized).
 ``--quantizations none,fp8`` instead times each backend of ``--backends`` with each weight quantization (none: the
 model's own weights), alternating. A backend may be a tuner candidate's label (``packed_bf16+f32_from_512``: the
 packed kernels with long chunks in float32), pinned as ``dense_backend="auto"``'s choice without timing:
@@ -90,11 +93,11 @@ def pinned_backend(backend: str) -> Iterator[str]:
     import kv8.loader.model as loader_model
     from kv8.layers.tuning import candidates
 
-    def tuned(shapes: Any, dtype: Any, quantization: Any, *rest: Any, **kw: Any) -> tuple[Any, None]:
+    def tuned(shapes: Any, dtype: Any, quantization: Any, *rest: Any, **kw: Any) -> tuple[Any, dict[Any, Any]]:
         found = candidates(shapes, dtype, quantization)
         if backend not in found:
             raise SystemExit(f"{backend!r} is not a tuner candidate here; the candidates are {', '.join(found)}")
-        return found[backend], None
+        return found[backend], {}
 
     saved = loader_model.tuned_dense_backend
     loader_model.tuned_dense_backend = tuned   # type: ignore[assignment]
@@ -104,12 +107,20 @@ def pinned_backend(backend: str) -> Iterator[str]:
         loader_model.tuned_dense_backend = saved
 
 
+def engine_quantization(name: str | None) -> str | None:
+    """``name`` as this process's kv8 takes it: "none" (the weights as loaded) is None to a kv8 without that choice
+    (a ``--before`` revision whose unset quantization meant the weights as loaded)."""
+    from kv8.engine import config
+
+    return None if name == "none" and "none" not in getattr(config, "QUANTIZATION_CHOICES", ()) else name
+
+
 def measure(backend: str, args: argparse.Namespace, kv_cache_dtype: str = "fp8_e4m3",
             enforce_eager: bool = False, quantization: str | None | Unset = UNSET) -> tuple[float, float]:
     """(prefill step s, decode step s) of a new engine with this dense backend (or a tuner candidate's label, pinned:
     :func:`pinned_backend`), KV cache format and weight quantization (default ``args.quantization``)."""
     max_len = max(4096, args.context + args.repeats * 2 + 64)
-    quant = args.quantization if isinstance(quantization, Unset) else quantization
+    quant = engine_quantization(args.quantization if isinstance(quantization, Unset) else quantization)
     with pinned_backend(backend) as option:
         llm = LLM(model=args.model, kv_cache_dtype=kv_cache_dtype, kv_cache_memory=args.kv_cache_memory,
                   max_model_len=max_len, dense_backend=option, enforce_eager=enforce_eager, quantization=quant)
@@ -221,7 +232,7 @@ def compare_quantizations(backends: list[str], args: argparse.Namespace) -> None
     alternating ``args.rounds`` times (a rotated order each round); medians, spreads and the speed-ups over the
     first configuration listed."""
     quants = [q.strip() for q in args.quantizations.split(",") if q.strip()]
-    configs = {f"{b}, {q}": (b, None if q == "none" else q) for b in backends for q in quants}
+    configs = {f"{b}, {q}": (b, q) for b in backends for q in quants}
     runs: dict[str, list[tuple[float, float]]] = {c: [] for c in configs}
     names = list(configs)
     for r in range(args.rounds):
@@ -280,8 +291,8 @@ def main() -> None:
                          "backend (--backend) instead of the backends")
     ap.add_argument("--kv-cache-memory", default="1GiB", help="each engine's KV cache budget (default 1GiB)")
     ap.add_argument("--model", default="smollm2-135m", help="the model (default: smollm2-135m)")
-    ap.add_argument("--quantization", default=None, help="every engine's quantization (e.g. gguf: the file's blocks "
-                    "kept; fp8)")
+    ap.add_argument("--quantization", default=None, help="every engine's quantization (gguf: the file's blocks kept; "
+                    "fp8; none: the weights as loaded; unset: kv8's default, a quantized GGUF file's blocks)")
     ap.add_argument("--quantizations", default=None, metavar="QUANTS",
                     help="compare these weight quantizations (comma-separated; none: the model's weights, fp8) on "
                          "each of --backends, instead of one --quantization")

@@ -15,7 +15,7 @@ from kv8.engine.config import (
     DENSE_BACKENDS,
     DTYPE_CHOICES,
     LOAD_FORMATS,
-    QUANTIZATION_METHODS,
+    QUANTIZATION_CHOICES,
 )
 from kv8.entrypoints.cli import INFO_OPTIONS, TUNE_OPTIONS, build_parser
 from kv8.platform import DEVICE_CHOICES
@@ -106,7 +106,7 @@ def test_eval_configurations_have_one_flag_that_shadows_no_engine_option():
 CHOICE_FIELDS = {"dtype": DTYPE_CHOICES, "kv_cache_dtype": KV_CACHE_DTYPE_NAMES,
                  "attention_backend": ATTENTION_BACKENDS, "dense_backend": DENSE_BACKENDS,
                  "kv_cache_scale_mode": SCALE_MODES, "kv_cache_rotation": ROTATIONS,
-                 "quantization": QUANTIZATION_METHODS, "device": DEVICE_CHOICES, "load_format": LOAD_FORMATS}
+                 "quantization": QUANTIZATION_CHOICES, "device": DEVICE_CHOICES, "load_format": LOAD_FORMATS}
 
 
 def test_choices_come_from_the_declaring_tuples():

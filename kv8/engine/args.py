@@ -15,21 +15,31 @@ Values are checked once, by the configs :meth:`EngineArgs.create_engine_config` 
 from __future__ import annotations
 
 import argparse
+import logging
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from kv8.cache.budget import DEFAULT_MAX_MODEL_LEN, default_max_model_len
 from kv8.cache.config import CacheConfig
 from kv8.distributed.config import ParallelConfig
-from kv8.engine.config import DTYPE_CHOICES, EngineConfig, SchedulerConfig, resolve_dtype
+from kv8.engine.config import (
+    DTYPE_CHOICES,
+    QUANTIZATION_CHOICES,
+    EngineConfig,
+    SchedulerConfig,
+    resolve_dtype,
+)
 from kv8.models.registry import arch_config
 from kv8.options import OptionGroup, from_config, option
 from kv8.platform import DEVICE_CHOICES, Platform
 from kv8.quant.formats import resolve_kv_cache_dtype
-from kv8.validators import parse_memory
+from kv8.validators import check_choice, parse_memory
 
 DEFAULT_MODEL = "smollm2-135m"
+logger = logging.getLogger("kv8")
 
 
 def _memory_size(text: str) -> str:
@@ -82,7 +92,14 @@ class EngineArgs(OptionGroup):
     seed: int = from_config(EngineConfig, "seed")
     attention_backend: str = from_config(EngineConfig, "attention_backend")
     dense_backend: str = from_config(EngineConfig, "dense_backend")
-    quantization: str | None = from_config(EngineConfig, "quantization")
+    quantization: str | None = option(
+        None, "how the decoder's linear layers hold their weights: unset = the checkpoint's form (a quantized GGUF "
+        "file's blocks kept, as gguf, on the CPU in bfloat16 with kv8's kernels; otherwise as loaded); none = as "
+        "loaded, in the compute dtype (a GGUF file's blocks dequantized at load); fp8 = E4M3 codes with one float32 "
+        "scale per output row (half the bytes a decode step reads; the LM head and embedding stay as loaded); gguf = "
+        "keep a GGUF file's Q8_0 / Q4_0 / Q4_1 / Q5_0 / Q4_K / Q6_K blocks as they are, the embedding's and LM head's "
+        "too, multiplied by an int8-activation kernel (a Q4 model's weights in ~1/3.5 of bf16's bytes)",
+        choices=QUANTIZATION_CHOICES)
     kv_cache_scale_mode: str = from_config(CacheConfig, "kv_cache_scale_mode")
     kv_cache_rotation: str = from_config(CacheConfig, "kv_cache_rotation")
     kv_cache_dtype_skip_layers: str | Sequence[int | str] = from_config(CacheConfig, "kv_cache_dtype_skip_layers")
@@ -114,6 +131,18 @@ class EngineArgs(OptionGroup):
             parser.add_argument("model", help=help_text)
 
     # ---- validation ---------------------------------------------------------------------------------------------
+    def weight_quantization(self, model_kind: str, model_path: str) -> tuple[str | None, bool]:
+        """The quantization the engine runs (``None``: the weights as loaded) and whether it was chosen for the
+        model rather than given: ``quantization`` unset means :func:`default_quantization`'s choice, ``"none"`` as
+        loaded. ``ValueError`` for a value not in :data:`~kv8.engine.config.QUANTIZATION_CHOICES`."""
+        check_choice("quantization", self.quantization, QUANTIZATION_CHOICES, optional=True,
+                     hint="(or leave it unset for the checkpoint's own form)")
+        if self.quantization is not None:
+            return (None if self.quantization == "none" else self.quantization), False
+        chosen = default_quantization(model_kind, model_path, resolve_dtype(self.dtype), Platform.resolve(self.device),
+                                      self.dense_backend, self.load_format, self.tensor_parallel_size)
+        return chosen, chosen is not None
+
     def create_engine_config(self, hf_config: dict, model_kind: str, model_path: str) -> EngineConfig:
         """Convert and validate every option against the model's architecture (``ValueError`` if one is bad)."""
         arch = arch_config(hf_config)
@@ -134,13 +163,41 @@ class EngineArgs(OptionGroup):
             max_model_len = default_max_model_len(arch.max_position_embeddings)
         sched = SchedulerConfig(max_model_len=max_model_len, max_num_seqs=self.max_num_seqs,
                                 max_num_batched_tokens=self.max_num_batched_tokens)
+        quantization, auto = self.weight_quantization(model_kind, model_path)
+        if auto:
+            logger.info("weights: %s keeps its GGUF blocks (quantization='gguf', the default for a quantized GGUF "
+                        "file on the CPU; quantization='none' dequantizes them at load)", model_path)
         return EngineConfig(model=model_path, model_kind=model_kind, arch=arch, dtype=dtype, cache=cache,
                             scheduler=sched, seed=self.seed, attention_backend=self.attention_backend,
-                            dense_backend=self.dense_backend, quantization=self.quantization,
+                            dense_backend=self.dense_backend, quantization=quantization, quantization_auto=auto,
                             parallel=ParallelConfig(self.tensor_parallel_size, self.cpu_threads_per_rank,
                                                     self.adaptive_cpu_threads),
                             platform=Platform.resolve(self.device), load_format=self.load_format,
                             enforce_eager=self.enforce_eager)
+
+
+def default_quantization(model_kind: str, model_path: str, dtype: torch.dtype, platform: Platform,
+                         dense_backend: str, load_format: str, tensor_parallel_size: int) -> str | None:
+    """The weights' quantization when none is given: ``"gguf"`` for a GGUF file with decoder weights of a type kv8's
+    kernels read as blocks (:func:`kv8.loader.model.keeps_gguf_blocks`), run on the CPU in bfloat16 by those kernels
+    (``dense_backend`` auto or packed_bf16, and they load), with one tensor-parallel rank and the file's weights
+    (``load_format="auto"``) -- as vLLM and llama.cpp run a GGUF file's blocks; ``None`` (the weights as loaded)
+    otherwise. Under tensor parallelism ``quantization="gguf"`` is given explicitly (a shape that does not split on
+    block boundaries fails at load, where dequantized weights would split anywhere)."""
+    if (model_kind != "gguf" or platform.kind != "cpu" or dtype != torch.bfloat16 or load_format != "auto"
+            or tensor_parallel_size != 1 or dense_backend not in ("auto", "packed_bf16")):
+        return None
+    from kv8.kernels.cpu.build import KernelUnavailable
+    from kv8.layers.dense_backend import select_dense_backend
+    from kv8.loader.model import keeps_gguf_blocks
+
+    if not keeps_gguf_blocks(model_kind, model_path):
+        return None
+    try:
+        kernels = select_dense_backend(dense_backend, dtype, "gguf", platform).kernels
+    except KernelUnavailable:   # packed_bf16 whose kernels do not load: the engine's dense backend says why
+        return None
+    return "gguf" if kernels is not None else None
 
 
 def _skip_layers(value: str | Iterable[int | str] | None) -> tuple[int | str, ...]:

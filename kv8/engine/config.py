@@ -27,8 +27,8 @@ from kv8.platform import CPU, DEVICES, Platform
 from kv8.quant.formats import resolve_kv_cache_dtype
 from kv8.validators import check_bool, check_choice, check_int
 
-__all__ = ["ATTENTION_BACKENDS", "DENSE_BACKENDS", "DTYPE_CHOICES", "LOAD_FORMATS", "QUANTIZATION_METHODS",
-           "EngineConfig", "SchedulerConfig", "resolve_dtype"]
+__all__ = ["ATTENTION_BACKENDS", "DENSE_BACKENDS", "DTYPE_CHOICES", "LOAD_FORMATS", "QUANTIZATION_CHOICES",
+           "QUANTIZATION_METHODS", "EngineConfig", "SchedulerConfig", "resolve_dtype"]
 
 # auto, then the backends registered in kv8.attention.backend
 ATTENTION_BACKENDS: tuple[str, ...] = ("auto", *BACKENDS)
@@ -38,6 +38,10 @@ DENSE_BACKENDS = ("auto", "torch", "torch_fp32", "packed_bf16")
 # weight quantization at load (vLLM's --quantization): fp8 = E4M3 weights with one float32 scale per output row;
 # gguf = a GGUF file's Q8_0 / Q4_0 / Q4_1 / Q5_0 / Q4_K / Q6_K blocks kept as they are (kv8.quant.gguf_blocks)
 QUANTIZATION_METHODS = ("fp8", "gguf")
+# what EngineArgs.quantization takes: a method, or none = the checkpoint's weights in the compute dtype (a GGUF file's
+# blocks dequantized at load); unset, a quantized GGUF file keeps its blocks where kv8's kernels read them
+# (kv8.engine.args.default_quantization)
+QUANTIZATION_CHOICES = (*QUANTIZATION_METHODS, "none")
 
 _DTYPES: dict[str, torch.dtype] = {
     "auto": torch.bfloat16,
@@ -117,13 +121,12 @@ class EngineConfig:
         "float32: fast where the CPU has no native bf16); packed_bf16 (kv8's AVX-512 BF16 / AMX or AVX2 kernels); "
         "auto = the fastest on this machine, timed on the model's shapes at its first run and kept (kv8 tune)",
         choices=DENSE_BACKENDS)
-    quantization: str | None = option(
-        None, "quantize the weights of the decoder's linear layers at load: fp8 = E4M3 codes with one float32 "
-        "scale per output row (half the bytes a decode step reads; the LM head and embedding stay as loaded); gguf = "
-        "keep a GGUF file's Q8_0 / Q4_0 / Q4_1 / Q5_0 / Q4_K / Q6_K blocks as they are, the embedding's and LM head's "
-        "too, multiplied by an int8-activation kernel (a Q4 model's weights in ~1/3.5 of bf16's bytes; one "
-        "tensor-parallel rank)",
-        choices=QUANTIZATION_METHODS)
+    # how the decoder's linear layers hold their weights: None (as loaded, in the compute dtype) or a
+    # QUANTIZATION_METHODS name -- EngineArgs.quantization resolved (unset: default_quantization's choice, "none": None)
+    quantization: str | None = None
+    # quantization was not given and default_quantization chose it (a GGUF file's blocks kept): the startup line and
+    # kv8 info say so
+    quantization_auto: bool = False
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     platform: Platform = CPU   # the machine, resolved once from the device option (Platform.resolve)
     load_format: str = option("auto", "how weights are loaded: auto = from the model's checkpoint; dummy = random "

@@ -187,9 +187,12 @@ def cmd_info(ns: argparse.Namespace) -> int:
           f"{arch.num_heads} query / {arch.num_kv_heads} KV heads, head_dim {arch.head_dim}, "
           f"vocab {arch.vocab_size}, context {arch.max_position_embeddings}, rope_theta {arch.rope_theta:g}")
     dtype = resolve_dtype(ns.dtype)
-    plan = _dense_plan(kind, path, hf_config, dtype, ns.quantization) if platform.kind == "cpu" else "torch"
+    quantization, auto = EngineArgs.from_cli_args(ns).weight_quantization(kind, path)
+    plan = _dense_plan(kind, path, hf_config, dtype, quantization) if platform.kind == "cpu" else "torch"
     print(f"dense layers {plan}")
-    print(f"weights      {describe_weights(kind, path, ns.quantization, resolve_dtype(ns.dtype))}")
+    chosen = (" (the default for a quantized GGUF file on this machine; --quantization none dequantizes it at load)"
+              if auto else "")
+    print(f"weights      {describe_weights(kind, path, quantization, dtype)}{chosen}")
     if platform.kind == "cpu":
         from kv8.kernels.cpu.dense import describe_dense_kernels
 
@@ -251,9 +254,18 @@ def _ranges(layers: Sequence[int]) -> str:
 
 
 def _dense_plan(kind: str, path: str, hf_config: dict, dtype: torch.dtype, quantization: str | None) -> str:
-    """What ``dense_backend=auto`` runs for this model on this machine, and why."""
+    """What ``dense_backend=auto`` runs for this model on this machine, and why (per block type with
+    ``quantization="gguf"``: :func:`kv8.layers.tuning.tuning_groups`)."""
     from kv8 import envs
-    from kv8.layers.tuning import PREFILL_ROWS, PlanStore, candidate_ids, candidates, plan_key, static_dense_backend
+    from kv8.layers.tuning import (
+        PREFILL_ROWS,
+        PlanStore,
+        candidate_ids,
+        candidates,
+        plan_key,
+        static_dense_backend,
+        tuning_groups,
+    )
     from kv8.loader.model import tuning_shapes
 
     shapes = tuning_shapes(kind, path, hf_config, quantization)
@@ -261,18 +273,25 @@ def _dense_plan(kind: str, path: str, hf_config: dict, dtype: torch.dtype, quant
     if len(found) == 1 or not envs.tuning():
         why = "the only candidate" if len(found) == 1 else "KV8_TUNING=off: the fixed rule"
         return f"{static_dense_backend(dtype, quantization).label if len(found) > 1 else next(iter(found))} ({why})"
-    plan = PlanStore().get(plan_key(shapes, dtype, quantization))
-    if plan is None:
-        return (f"not timed on this machine yet: the first engine times {', '.join(found)} on this model's shapes "
-                "(or run kv8 tune)")
-    if plan.timed != candidate_ids(found):
-        return (f"{plan.choice} in this machine's plan, timed {plan.measured} on other candidates than today's "
-                f"({', '.join(candidate_ids(found))}): the first engine times them again (or run kv8 tune)")
-    busy = (f"; timed beside other work ({plan.others:.2f} cores busy elsewhere): provisional, the next engine times "
-            "again" if plan.provisional else "")
-    versus = plan.compared_with
-    return (f"{plan.choice} (this machine's plan, timed {plan.measured}: {plan.speedup(versus, 1):.2f}x {versus} at 1 "
-            f"row, {plan.speedup(versus, PREFILL_ROWS):.2f}x at {PREFILL_ROWS}{busy})")
+    store, said = PlanStore(), []
+    for group, members in tuning_groups(shapes, found).items():
+        layers = "" if group is None else f"{group} layers: "
+        plan = store.get(plan_key(members, dtype, quantization))
+        if plan is None:
+            said.append(f"{layers}not timed on this machine yet: the first engine times {', '.join(found)} on this "
+                        "model's shapes (or run kv8 tune)")
+        elif plan.timed != candidate_ids(found):
+            said.append(f"{layers}{plan.choice} in this machine's plan, timed {plan.measured} on other candidates "
+                        f"than today's ({', '.join(candidate_ids(found))}): the first engine times them again (or run "
+                        "kv8 tune)")
+        else:
+            busy = (f"; timed beside other work ({plan.others:.2f} cores busy elsewhere): provisional, the next engine "
+                    "times again" if plan.provisional else "")
+            versus = plan.compared_with
+            said.append(f"{layers}{plan.choice} (this machine's plan, timed {plan.measured}: "
+                        f"{plan.speedup(versus, 1):.2f}x {versus} at 1 row, {plan.speedup(versus, PREFILL_ROWS):.2f}x "
+                        f"at {PREFILL_ROWS}{busy})")
+    return "; ".join(said)
 
 
 def cmd_tune(ns: argparse.Namespace) -> int:
@@ -284,23 +303,29 @@ def cmd_tune(ns: argparse.Namespace) -> int:
     args = EngineArgs.from_cli_args(ns)
     kind, path = resolve_model_path(args.model)
     hf_config = read_model_config(kind, path)
-    dtype = args.create_engine_config(hf_config, kind, path).dtype   # dtype and quantization validated
+    config = args.create_engine_config(hf_config, kind, path)   # dtype and quantization validated and resolved
+    dtype, quantization = config.dtype, config.quantization
     store = PlanStore()
-    shapes = tuning_shapes(kind, path, hf_config, args.quantization)
-    backend, result = tuned_dense_backend(shapes, dtype, args.quantization, store, retune=True)
+    shapes = tuning_shapes(kind, path, hf_config, quantization)
+    backend, results = tuned_dense_backend(shapes, dtype, quantization, store, retune=True)
     print(f"model        {args.model} ({kind}: {path}), {str(dtype).removeprefix('torch.')}"
-          + (f", {args.quantization} weights" if args.quantization else ""))
+          + (f", {quantization} weights" if quantization else "")
+          + (" (the default for a quantized GGUF file; --quantization none times the dequantized weights)"
+             if config.quantization_auto else ""))
     print(f"device       {CPU.describe()}")
-    if result is None:
+    if not results:
         print(f"dense layers {backend.name}: the only candidate on this machine, nothing to time")
         return 0
-    print(f"one pass of the model's linear layers, fastest of several calls over {result.rounds} rounds (of at most "
-          f"{TUNE_ROUNDS}):")
-    print(result.table())
-    versus = result.compared_with
-    print(f"chosen       {result.choice}: {result.speedup(versus, 1):.2f}x {versus} at 1 row, "
-          f"{result.speedup(versus, PREFILL_ROWS):.2f}x at {PREFILL_ROWS} rows, "
-          f"{result.speedup(versus, WIDE_ROWS):.2f}x at {WIDE_ROWS}; kept in {store.path}")
+    for group, result in results.items():
+        layers = "the model's linear layers" if group is None else f"the model's {group} layers"
+        print(f"one pass of {layers}, fastest of several calls over {result.rounds} rounds (of at most "
+              f"{TUNE_ROUNDS}):")
+        print(result.table())
+        versus = result.compared_with
+        print(f"chosen       {result.choice}: {result.speedup(versus, 1):.2f}x {versus} at 1 row, "
+              f"{result.speedup(versus, PREFILL_ROWS):.2f}x at {PREFILL_ROWS} rows, "
+              f"{result.speedup(versus, WIDE_ROWS):.2f}x at {WIDE_ROWS}")
+    print(f"dense layers {backend.label}; kept in {store.path}")
     return 0
 
 

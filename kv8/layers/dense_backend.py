@@ -53,11 +53,24 @@ class DenseBackend:
     # scales (``PackedFP8LinearMethod``); with quantization="gguf" the blocks are dequantized
     # (:class:`kv8.layers.linear.GGUFLinearMethod`; below it, and with 0 at every row count, the int8 kernel)
     wide_rows: int = 0
+    # quantization="gguf": ``(block type, rows)`` pairs, sorted by type, each type's own ``wide_rows`` (0: the int8
+    # kernel at every row count), chosen per type by kv8.layers.tuning; a type not listed uses ``wide_rows``
+    gguf_wide_rows: tuple[tuple[str, int], ...] = ()
 
     @property
     def label(self) -> str:
-        """The name, with the float32 GEMM of long chunks where it is on (``packed_bf16+f32_from_512``)."""
-        return f"{self.name}+f32_from_{self.wide_rows}" if self.wide_rows else self.name
+        """The name, with the float32 GEMM of long chunks where it is on (``packed_bf16+f32_from_512``), and each
+        block type's switch where it has its own (``packed_bf16[Q4_K:int8,Q6_K:f32_from_32]``)."""
+        label = f"{self.name}+f32_from_{self.wide_rows}" if self.wide_rows else self.name
+        if self.gguf_wide_rows:
+            label += "[" + ",".join(f"{qtype}:f32_from_{rows}" if rows else f"{qtype}:int8"
+                                    for qtype, rows in self.gguf_wide_rows) + "]"
+        return label
+
+    def wide_rows_of(self, qtype: str) -> int:
+        """The row count from which a layer's blocks of ``qtype`` are dequantized (0: never): its own, else
+        ``wide_rows``."""
+        return dict(self.gguf_wide_rows).get(qtype, self.wide_rows)
 
     @property
     def linear_fp32(self) -> bool:
@@ -72,6 +85,14 @@ class DenseBackend:
         if self.wide_rows < 0 or (self.wide_rows and self.name != "packed_bf16"):
             raise ValueError(f"wide_rows={self.wide_rows}: >= 0, and non-zero only for packed_bf16 (the model's own "
                              "weights, FP8 weights or GGUF blocks)")
+        if self.gguf_wide_rows:
+            types = [qtype for qtype, _ in self.gguf_wide_rows]
+            if self.name != "packed_bf16" or self.quantization != "gguf":
+                raise ValueError(f"gguf_wide_rows={self.gguf_wide_rows}: only for packed_bf16 with quantization='gguf'"
+                                 f", not {self.name!r} with quantization={self.quantization!r}")
+            if types != sorted(set(types)) or any(rows < 0 for _, rows in self.gguf_wide_rows):
+                raise ValueError(f"gguf_wide_rows={self.gguf_wide_rows}: one (block type, rows >= 0) pair per type, "
+                                 "sorted by type")
 
 
 TORCH_BACKEND = DenseBackend("torch")

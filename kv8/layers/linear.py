@@ -72,7 +72,7 @@ With one rank every layer holds the whole matrix and nothing is reduced.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import replace
 
 import torch
@@ -469,19 +469,28 @@ class GGUFLinearMethod(LinearMethod):
     (a type the loader dequantized, :class:`~kv8.quant.gguf_blocks.ExpandedWeight`) runs the packed bf16 kernel where
     the kernels are loaded and its weights are bf16 (packed at load; bf16 input), else :func:`linear_reference`.
 
-    ``dequantize_rows`` (default :data:`GGUF_DEQUANTIZE_ROWS`; the dense backend's ``wide_rows``, timed per machine)
-    is the row count from which dequantizing wins, 0 where it never does (AVX-512 VNNI). The
-    two paths round differently, so a row's result depends on whether its call has fewer rows than that (e.g. a
-    sequence decoded alone or in a large batch): within the int8 kernel's bound of each other, not bit for bit."""
+    ``dequantize_rows`` (default :data:`GGUF_DEQUANTIZE_ROWS`) is the row count from which dequantizing wins, 0 where
+    it never does (AVX-512 VNNI); ``type_rows`` gives a block type its own (the dense backend's ``wide_rows`` and
+    ``gguf_wide_rows``, timed per machine and type): each segment switches at its type's count
+    (:meth:`dequantize_rows_of`). The two paths round differently, so a row's result depends on whether its call has
+    fewer rows than that (e.g. a sequence decoded alone or in a large batch): within the int8 kernel's bound of each
+    other, not bit for bit."""
 
     name = "gguf"
 
-    def __init__(self, kernels: DenseKernels | None, dequantize_rows: int = GGUF_DEQUANTIZE_ROWS) -> None:
-        if dequantize_rows < 0:
-            raise ValueError(f"dequantize_rows must be >= 0 (0: the int8 kernel at every row count), got "
-                             f"{dequantize_rows}")
+    def __init__(self, kernels: DenseKernels | None, dequantize_rows: int = GGUF_DEQUANTIZE_ROWS,
+                 type_rows: Mapping[str, int] | None = None) -> None:
+        for what, rows in [("dequantize_rows", dequantize_rows), *(type_rows or {}).items()]:
+            if rows < 0:
+                raise ValueError(f"{what}: the row count from which blocks are dequantized must be >= 0 (0: the int8 "
+                                 f"kernel at every row count), got {rows}")
         self.kernels = kernels
         self.dequantize_rows = dequantize_rows
+        self.type_rows = dict(type_rows or {})
+
+    def dequantize_rows_of(self, qtype: str) -> int:
+        """The row count from which segments of block type ``qtype`` are dequantized (0: never)."""
+        return self.type_rows.get(qtype, self.dequantize_rows)
 
     def process_weights_after_loading(self, layer: LinearBase) -> None:
         parts = layer.gguf_parts
@@ -517,8 +526,8 @@ class GGUFLinearMethod(LinearMethod):
                 return self.kernels.linear(rows.contiguous(), segment.packed, segment.rows, bias)
             return linear_reference(rows, segment.weight, bias)
         kernel = segment.grouped and self.kernels is not None
-        if kernel and rows.dtype == torch.bfloat16 and (self.dequantize_rows == 0
-                                                         or rows.shape[0] < self.dequantize_rows):
+        switch = self.dequantize_rows_of(segment.qtype)
+        if kernel and rows.dtype == torch.bfloat16 and (switch == 0 or rows.shape[0] < switch):
             assert self.kernels is not None
             return self.kernels.gguf_linear(rows, segment.blocks, segment.qtype, segment.rows, bias)
         # the blocks dequantized to float32, GGUF_SCRATCH_BYTES at a time (whole groups of the kernel's layout: a
@@ -562,7 +571,7 @@ def linear_method(backend: DenseBackend, quantize: bool = True) -> LinearMethod:
     """The linear method of a dense backend; ``quantize=False`` keeps the weights as loaded whatever the
     backend's quantization (the LM head)."""
     if quantize and backend.quantization == "gguf":
-        return GGUFLinearMethod(backend.kernels, backend.wide_rows)
+        return GGUFLinearMethod(backend.kernels, backend.wide_rows, dict(backend.gguf_wide_rows))
     fp8 = quantize and backend.quantization == "fp8"
     if fp8 and backend.fp8_scaled_mm:
         return ScaledMMFP8LinearMethod()

@@ -36,6 +36,13 @@ every barrier for the one the scheduler parked) and the plan chose ``torch``, 2x
 while others took more than :data:`BUSY_CORES` cores is provisional: it is used, and timed again at the next
 start; of two timings the quieter is kept, and ``kv8 tune`` says how busy the machine was.
 
+With ``quantization="gguf"`` the choice is made per block type: the layers of each type the kernels read are timed
+on their own (:func:`tuning_groups`: every shape of the decoder's blocks in its own type, so Gemma-3-270M's Q4_K_M
+file times its nine Q6_K down projections as Q6_K and the other nine as Q4_K), each type gets a plan of its own, and
+each layer's segment of blocks switches at its type's choice (:attr:`~kv8.layers.dense_backend.DenseBackend.
+gguf_wide_rows`). The LM head is not timed: its switch is its own, fixed
+(:data:`~kv8.layers.vocab_parallel.GGUF_HEAD_DEQUANTIZE_ROWS`), whatever the decoder's layers do.
+
 Invariant: the choice changes only speed, within the kernels' documented rounding. Every candidate for 16-bit and
 FP8 weights computes ``x @ W.T + b`` with float32 sums and one rounding to the compute dtype (bf16 products are exact
 in float32), so outputs differ by the order of the float32 additions, as the packed kernel's already do. With GGUF
@@ -54,7 +61,7 @@ import logging
 import os
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -75,14 +82,16 @@ logger = logging.getLogger("kv8")
 
 __all__ = ["BUSY_CORES", "EARLY_MARGIN", "PREFILL_ROWS", "TIMED_ROWS", "TUNE_ROUNDS", "LinearShape", "PlanStore",
            "TuneResult", "candidates", "choose", "fastest_call", "candidate_ids", "machine_key", "plan_key",
-           "static_dense_backend", "time_layer", "timed_rows", "tuned_dense_backend"]
+           "static_dense_backend", "time_layer", "timed_rows", "tuned_dense_backend", "tuning_groups"]
 
 PREFILL_ROWS = 64            # rows of the prefill timing (a chunk's rows pass the same weights; kept short)
 TIMED_ROWS = (1, PREFILL_ROWS, WIDE_ROWS)   # a decode step, a short chunk, a long prompt's chunk
 TUNE_ROUNDS = 3              # rounds over the candidates, each keeping its fastest time (module docstring, step 1)
 EARLY_MARGIN = 0.10          # a leader of every round this much ahead after two rounds ends the timing (step 2)
 BUSY_CORES = 0.25            # other processes' CPU use while timing above which a plan is provisional
-PLAN_VERSION = 1
+# 2: with quantization="gguf", one plan per block type (1: every decoder layer timed in the file's most common type);
+# a file of another version is ignored, so its plans are timed once again, never read as this version's
+PLAN_VERSION = 2
 # the ISA flags that decide which kernels a machine runs (a plan is reused only where they are the same)
 _ISA_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_vbmi",
               "avx512_bf16", "avx512_fp16", "avx_vnni", "amx_bf16", "amx_int8", "amx_fp16")
@@ -93,13 +102,16 @@ Measure = Callable[[DenseBackend, "LinearShape", int], float]
 
 @dataclass(frozen=True)
 class LinearShape:
-    """One shape of the model's linear layers on this rank, and how many layers have it."""
+    """One shape of the model's linear layers on this rank, and how many layers have it. With
+    ``quantization="gguf"`` a shape is one run of a layer's rows in one block type (``qtype``, the file's: a merged
+    layer whose projections differ in type is a shape per type, as :class:`~kv8.layers.linear.GGUFLinearMethod` holds
+    and multiplies it), and a shape of the same ``(out_features, in_features)`` in two types is two shapes."""
 
     out_features: int
     in_features: int
     count: int
     quantize: bool = True    # the layer follows the weights' quantization (False: the LM head)
-    qtype: str | None = None  # quantization="gguf": the GGUF block type its weights are timed in
+    qtype: str | None = None  # quantization="gguf": the GGUF block type of its weights in the file
     lm_head: bool = False    # the LM head: it multiplies only the rows whose logits a step computes (timed_rows)
 
 
@@ -344,8 +356,9 @@ class _LayerTimer:
 
 class PlanStore:
     """The plan file of this machine: ``{"version", "machine", "plans": {plan_key: {"dense_backend", "seconds",
-    "measured"}}}``. Reading never raises: a missing, corrupt or foreign file is an empty store (a foreign one:
-    another CPU, ISA, kv8 or torch version). Writing is atomic; a failure is logged and ignored."""
+    "measured"}}}``, one plan per group of shapes (:func:`tuning_groups`). Reading never raises: a missing, corrupt or
+    foreign file is an empty store (a foreign one: another CPU, ISA, kv8 or torch version, or another
+    :data:`PLAN_VERSION`: its plans are timed again, not read). Writing is atomic; a failure is logged and ignored."""
 
     def __init__(self, directory: str | os.PathLike[str] | None = None, machine: dict[str, str] | None = None) -> None:
         self.machine = machine if machine is not None else machine_key()
@@ -398,8 +411,8 @@ def candidates(shapes: Sequence[LinearShape], dtype: torch.dtype, quantization: 
     (:attr:`~kv8.layers.dense_backend.DenseBackend.label`): ``packed_bf16`` where kv8's kernels load (bf16 models),
     and ``packed_bf16+f32_from_<WIDE_ROWS>`` (the same kernels, long chunks in float32: bf16 weights widened, FP8
     codes decoded times their scales); ``torch``; and ``torch_fp32`` for 16-bit models while its float32 weights take
-    at most half of the free memory. ``quantization="gguf"``: where the kernels load (bf16) and every shape that
-    follows the quantization has a block type they read (:attr:`LinearShape.qtype`),
+    at most half of the free memory. ``quantization="gguf"``: where the kernels load (bf16) and some decoder shape has
+    a block type they read (:attr:`LinearShape.qtype`; the shapes :func:`tuning_groups` times, type by type),
     ``packed_bf16+f32_from_<GGUF_DEQUANTIZE_ROWS>`` (the blocks dequantized for the float32 GEMM from that many rows)
     and ``packed_bf16`` (the int8 kernel at every row count); else one candidate, not timed (the fixed rule: the
     first, or ``torch``, the GGUF reference)."""
@@ -407,7 +420,7 @@ def candidates(shapes: Sequence[LinearShape], dtype: torch.dtype, quantization: 
     if quantization == "gguf":
         fixed = select_dense_backend("auto", dtype, quantization)
         kernels = fixed.kernels
-        if kernels is None or any(s.quantize and s.qtype not in kernels.gguf_types for s in shapes):
+        if kernels is None or not _gguf_switched(shapes, kernels.gguf_types):
             return {fixed.label: fixed}
         found = [DenseBackend("packed_bf16", kernels, quantization, wide_rows=GGUF_DEQUANTIZE_ROWS),
                  DenseBackend("packed_bf16", kernels, quantization)]
@@ -429,29 +442,45 @@ def candidates(shapes: Sequence[LinearShape], dtype: torch.dtype, quantization: 
     return {backend.label: backend for backend in found}
 
 
-def tuned_dense_backend(shapes: Sequence[LinearShape], dtype: torch.dtype, quantization: str | None,
-                        store: PlanStore | None = None, measure: Measure | None = None, retune: bool = False
-                        ) -> tuple[DenseBackend, TuneResult | None]:
-    """``dense_backend="auto"`` on the CPU: the plan's choice for this model on this machine, timed now (and kept)
-    when there is none or ``retune``. Returns the backend and the plan (None when only one candidate exists)."""
-    found = candidates(shapes, dtype, quantization)
-    if len(found) == 1:
-        return next(iter(found.values())), None
-    store = store if store is not None else PlanStore()
+def _gguf_switched(shapes: Sequence[LinearShape], kernel_types: Collection[str]) -> list[LinearShape]:
+    """The shapes whose speed ``quantization="gguf"``'s switch decides: the decoder's blocks of a type the kernels read
+    (not the LM head, whose switch is fixed; not a type the kernels do not read, multiplied the same at every row
+    count)."""
+    return [s for s in shapes if s.quantize and not s.lm_head and s.qtype in kernel_types]
+
+
+def tuning_groups(shapes: Sequence[LinearShape], found: dict[str, DenseBackend]) -> dict[str | None, list[LinearShape]]:
+    """The shapes timed together and given one choice, among the candidates ``found``: by block type
+    (``quantization="gguf"`` with kv8's kernels: each type they read, sorted, its shapes :func:`_gguf_switched`), or
+    under None, every shape (one choice for the model)."""
+    first = next(iter(found.values()))
+    if first.quantization != "gguf" or first.kernels is None:
+        return {None: list(shapes)}
+    groups: dict[str | None, list[LinearShape]] = {}
+    for shape in sorted(_gguf_switched(shapes, first.kernels.gguf_types), key=lambda s: s.qtype or ""):
+        groups.setdefault(shape.qtype, []).append(shape)
+    return groups
+
+
+def _tuned_result(found: dict[str, DenseBackend], shapes: Sequence[LinearShape], dtype: torch.dtype,
+                  quantization: str | None, store: PlanStore, measure: Measure | None, retune: bool, what: str
+                  ) -> TuneResult:
+    """The plan for ``shapes`` (one group of :func:`tuning_groups`; ``what`` names it in the log): the store's, or
+    timed now and kept where there is none, it timed other candidates, it is provisional, or ``retune``."""
     key = plan_key(shapes, dtype, quantization)
     timed = candidate_ids(found)
     result = None if retune else store.get(key)
     if result is not None and result.timed != timed:
-        logger.warning("this machine's dense-layer plan timed %s; the candidates now are %s: timing again",
-                       ", ".join(result.timed) or "an older set", ", ".join(timed))
+        logger.warning("this machine's dense-layer plan for %s timed %s; the candidates now are %s: timing again",
+                       what, ", ".join(result.timed) or "an older set", ", ".join(timed))
         result = None
     if result is not None and result.provisional:
-        logger.warning("this machine's dense-layer plan was timed beside other work (other processes took %.2f "
-                       "cores): timing again", result.others)
+        logger.warning("this machine's dense-layer plan for %s was timed beside other work (other processes took "
+                       "%.2f cores): timing again", what, result.others)
     if result is None or result.choice not in found or result.provisional:   # (not a candidate: a damaged entry)
         start = time.perf_counter()
-        logger.warning("timing the dense layers' methods on this model's shapes (%s) on this machine: once, "
-                       "then kept in %s", ", ".join(found), store.path)
+        logger.warning("timing the dense layers' methods on %s (%s) on this machine: once, then kept in %s",
+                       what, ", ".join(found), store.path)
         cpus = this_process_cpus()
         before = read_cpu_clock(cpus)
         fresh = replace(choose(found, shapes, dtype, measure), timed=timed)
@@ -464,11 +493,34 @@ def tuned_dense_backend(shapes: Sequence[LinearShape], dtype: torch.dtype, quant
         busy = (f"; beside other work (other processes took {fresh.others:.2f} cores): provisional, timed again at "
                 "the next start") if fresh.provisional else ""
         versus = result.compared_with
-        logger.warning("dense backend %s: %.1fx %s at 1 row, %.1fx at %d rows, %.1fx at %d (timed in %.1f s%s)",
-                       result.choice, result.speedup(versus, 1), versus, result.speedup(versus, PREFILL_ROWS),
+        logger.warning("dense backend %s for %s: %.1fx %s at 1 row, %.1fx at %d rows, %.1fx at %d (timed in %.1f s%s)",
+                       result.choice, what, result.speedup(versus, 1), versus, result.speedup(versus, PREFILL_ROWS),
                        PREFILL_ROWS, result.speedup(versus, WIDE_ROWS), WIDE_ROWS,
                        time.perf_counter() - start, busy)
-    return found[result.choice], result
+    return result
+
+
+def tuned_dense_backend(shapes: Sequence[LinearShape], dtype: torch.dtype, quantization: str | None,
+                        store: PlanStore | None = None, measure: Measure | None = None, retune: bool = False
+                        ) -> tuple[DenseBackend, dict[str | None, TuneResult]]:
+    """``dense_backend="auto"`` on the CPU: the plans' choice for this model on this machine, timed now (and kept)
+    where there is none or ``retune``. Returns the backend and the plans by group (:func:`tuning_groups`: None, the
+    whole model; with ``quantization="gguf"``, each block type), empty when only one candidate exists. With
+    ``quantization="gguf"`` the backend switches each type at its own plan's choice (``gguf_wide_rows``), or is that
+    candidate itself where every type chose the same."""
+    found = candidates(shapes, dtype, quantization)
+    if len(found) == 1:
+        return next(iter(found.values())), {}
+    store = store if store is not None else PlanStore()
+    results = {group: _tuned_result(found, members, dtype, quantization, store, measure, retune,
+                                    "this model's shapes" if group is None else f"this model's {group} layers")
+               for group, members in tuning_groups(shapes, found).items()}
+    chosen = {result.choice for result in results.values()}
+    if len(chosen) == 1:
+        return found[chosen.pop()], results
+    first = next(iter(found.values()))
+    by_type = tuple((str(group), found[result.choice].wide_rows) for group, result in results.items())
+    return DenseBackend(first.name, first.kernels, quantization, gguf_wide_rows=by_type), results
 
 
 def static_dense_backend(dtype: torch.dtype, quantization: str | None) -> DenseBackend:

@@ -545,6 +545,13 @@ def iter_gguf_weights(reader: gguf.GGUFReader, model: GGUFModel, dtype: torch.dt
         os.close(fd)
 
 
+def gguf_keeps_blocks(reader: gguf.GGUFReader, model: GGUFModel) -> bool:
+    """Whether ``quantization="gguf"`` would keep any of the decoder's linear weights as blocks (a tensor of a type in
+    :data:`~kv8.quant.gguf_blocks.KEPT_TYPES`): False for a file of F16 / F32 / other types only."""
+    return any(t.tensor_type.name in KEPT_TYPES and _is_decoder_linear(hf_tensor_name(t.name, model.architecture))
+               for t in reader.tensors)
+
+
 def gguf_block_summary(reader: gguf.GGUFReader, model: GGUFModel) -> str:
     """``"Q4_1: 210 tensors, 63.3 MiB"``: the types and bytes of the decoder's linear weights that
     ``quantization="gguf"`` keeps as blocks, then (``"; dequantized at load: Q5_K: 9 tensors, 7.4 MiB in the
@@ -614,15 +621,12 @@ def gguf_resident_bytes(reader: gguf.GGUFReader, model: GGUFModel, dtype: torch.
     return total
 
 
-def gguf_tuning_types(reader: gguf.GGUFReader, model: GGUFModel) -> tuple[str | None, str | None]:
-    """The block types ``dense_backend="auto"`` times ``quantization="gguf"``'s layers with
-    (:func:`kv8.loader.model.linear_shapes`): the type of most of the decoder's linear weights' bytes among those kept
-    as blocks (None when none is), and the LM head's (``output.weight``, or the tied embedding's) when it is kept."""
-    bytes_of: dict[str, int] = {}
+def gguf_weight_types(reader: gguf.GGUFReader, model: GGUFModel) -> dict[str, str]:
+    """The file's type of each weight ``dense_backend="auto"`` times ``quantization="gguf"``'s layers in
+    (:func:`kv8.loader.model.linear_shapes`), by Hugging Face name: the decoder's linear weights, and the LM head's
+    (``lm_head.weight``: ``output.weight``'s, or the tied embedding's)."""
+    types = {name: tensor.tensor_type.name for tensor in reader.tensors
+             if _is_decoder_linear(name := hf_tensor_name(tensor.name, model.architecture))}
     tensors = {t.name: t for t in reader.tensors}
-    for tensor in reader.tensors:
-        qtype = tensor.tensor_type.name
-        if qtype in KEPT_TYPES and _is_decoder_linear(hf_tensor_name(tensor.name, model.architecture)):
-            bytes_of[qtype] = bytes_of.get(qtype, 0) + int(tensor.n_bytes)
-    head = tensors.get("output.weight", tensors["token_embd.weight"]).tensor_type.name
-    return (max(bytes_of, key=lambda q: bytes_of[q]) if bytes_of else None, head if head in KEPT_TYPES else None)
+    types["lm_head.weight"] = tensors.get("output.weight", tensors["token_embd.weight"]).tensor_type.name
+    return types

@@ -22,13 +22,14 @@ from __future__ import annotations
 
 import functools
 import glob
+import itertools
 import json
 import logging
 import os
 import re
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -47,7 +48,7 @@ from kv8.layers.vocab_parallel import ParallelLMHead, VocabParallelEmbedding
 from kv8.models.config import ModelArchConfig
 from kv8.models.registry import CausalLM, arch_config, model_class
 from kv8.platform import CPU, Platform
-from kv8.quant.gguf_blocks import ExpandedWeight, GGUFWeight
+from kv8.quant.gguf_blocks import KEPT_TYPES, ExpandedWeight, GGUFWeight
 
 logger = logging.getLogger("kv8")
 
@@ -80,6 +81,17 @@ def _read_gguf(path: str, mtime: float) -> tuple[Any, Any]:
     from kv8.loader.gguf import read_gguf
 
     return read_gguf(path)
+
+
+def keeps_gguf_blocks(kind: str, path: str) -> bool:
+    """Whether model ``path`` is a GGUF file with decoder linear weights that ``quantization="gguf"`` keeps as blocks
+    (:func:`kv8.loader.gguf.gguf_keeps_blocks`)."""
+    if kind != "gguf":
+        return False
+    from kv8.loader.gguf import gguf_keeps_blocks
+
+    gguf_model, reader = _read_gguf(path, os.path.getmtime(path))
+    return gguf_keeps_blocks(reader, gguf_model)
 
 
 def read_model_config(kind: str, path: str) -> dict[str, Any]:
@@ -308,22 +320,32 @@ def describe_weights(kind: str, path: str, quantization: str | None, dtype: torc
 
 
 def linear_shapes(hf_config: dict[str, Any], tp: TPGroup = SINGLE_RANK,
-                  gguf_types: tuple[str | None, str | None] | None = None) -> list[LinearShape]:
+                  gguf_types: Mapping[str, str] | None = None) -> list[LinearShape]:
     """The distinct shapes of the model's linear layers on rank ``tp.rank``, with how many layers have each (the
-    model built on the meta device: no memory, no weights). ``gguf_types`` (``quantization="gguf"``:
-    :func:`kv8.loader.gguf.gguf_tuning_types`): the decoder's layers get the first as their ``qtype``, the LM head
-    the second (and follows the quantization when it is not None)."""
+    model built on the meta device: no memory, no weights). ``gguf_types`` (``quantization="gguf"``, by Hugging Face
+    name: :func:`kv8.loader.gguf.gguf_weight_types`): each decoder layer is a shape per run of its projections of one
+    type (as :class:`~kv8.layers.linear.GGUFLinearMethod` holds them), with that ``qtype``; the LM head has its type
+    (and follows the quantization) where it is kept as blocks."""
     with torch.device("meta"), building_shard(tp):
         model = model_class(hf_config)(arch_config(hf_config), TORCH_BACKEND)
+    projection_types: dict[str, dict[int, str]] = {}   # module -> projection -> the file's type
+    for name, (pname, shard_id) in _checkpoint_names(model, {}).items():
+        path, _, leaf = pname.rpartition(".")
+        layer = model.get_submodule(path)
+        if gguf_types is not None and name in gguf_types and leaf == "weight" and isinstance(layer, LinearBase):
+            for i in range(len(layer.output_sizes)) if shard_id is None else [layer.shard_index(shard_id)]:
+                projection_types.setdefault(path, {})[i] = gguf_types[name]
     counts: Counter[tuple[int, int, bool, str | None, bool]] = Counter()
-    for m in model.modules():
+    for path, m in model.named_modules():
         if not isinstance(m, LinearBase):
             continue
-        quantize, qtype, head = m.quantize, None, isinstance(m, ParallelLMHead)
-        if gguf_types is not None:
-            qtype = gguf_types[1] if head else gguf_types[0] if m.quantize else None
-            quantize = m.quantize or qtype is not None
-        counts[(m.out_features, m.in_features, quantize, qtype, head)] += 1
+        head, types = isinstance(m, ParallelLMHead), projection_types.get(path, {})
+        if gguf_types is not None and m.quantize and not head:
+            for qtype, run in itertools.groupby(range(len(m.output_sizes)), key=types.get):
+                counts[(sum(m.output_sizes[i] for i in run), m.in_features, True, qtype, False)] += 1
+            continue
+        qtype = types.get(0) if head and types.get(0) in KEPT_TYPES else None
+        counts[(m.out_features, m.in_features, m.quantize or qtype is not None, qtype, head)] += 1
     order = sorted(counts, key=lambda key: (key[:3], key[3] or "", key[4]))
     return [LinearShape(n, k, counts[(n, k, q, t, h)], q, t, h) for n, k, q, t, h in order]
 
@@ -331,13 +353,13 @@ def linear_shapes(hf_config: dict[str, Any], tp: TPGroup = SINGLE_RANK,
 def tuning_shapes(kind: str, path: str, hf_config: dict[str, Any], quantization: str | None,
                   tp: TPGroup = SINGLE_RANK) -> list[LinearShape]:
     """:func:`linear_shapes` as ``dense_backend="auto"`` times them: with ``quantization="gguf"`` on a GGUF file,
-    with the file's block types."""
+    in the file's block types."""
     if quantization != "gguf" or kind != "gguf":
         return linear_shapes(hf_config, tp)
-    from kv8.loader.gguf import gguf_tuning_types
+    from kv8.loader.gguf import gguf_weight_types
 
     gguf_model, reader = _read_gguf(path, os.path.getmtime(path))
-    return linear_shapes(hf_config, tp, gguf_tuning_types(reader, gguf_model))
+    return linear_shapes(hf_config, tp, gguf_weight_types(reader, gguf_model))
 
 
 def resolve_dense_backend(name: str, hf_config: dict[str, Any], dtype: torch.dtype, quantization: str | None,

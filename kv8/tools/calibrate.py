@@ -123,7 +123,10 @@ class _KVWatch(EngineObserver):
 
 def build_engine(model: str, observer: EngineObserver | None = None, **kwargs: object) -> LLMEngine:
     """An :class:`LLMEngine` watched by ``observer``; a model that cannot be loaded raises ValueError naming
-    the model."""
+    the model. The weights are the checkpoint's as loaded (a GGUF file's blocks dequantized) unless ``quantization``
+    names a method: the tools measure the cache, beside a reference with those weights."""
+    if kwargs.get("quantization") is None:
+        kwargs["quantization"] = "none"
     try:
         return LLMEngine(EngineArgs(model=model, **kwargs), observer)  # type: ignore[arg-type]
     except ValueError:

@@ -25,9 +25,9 @@ SIZED_BY_TOOL = ("kv_cache_memory", "gpu_memory_utilization", "num_kv_blocks", "
 # Engine options calibrate() and evaluate() do not take: greedy runs do not use the seed; the dense backend is
 # the engine's default (auto).
 NOT_PASSED = ("seed", "dense_backend")
-# calibrate observes the K/V of the checkpoint's weights (never random ones: no load_format); eval sets the weights'
-# quantization per configuration (--config "--kv-cache-dtype ... --quantization fp8"), beside a reference with the
-# checkpoint's weights.
+# calibrate observes the K/V of the checkpoint's weights as loaded (a GGUF file's blocks dequantized; never random
+# ones: no load_format); eval sets the weights' quantization per configuration (--config "--kv-cache-dtype ...
+# --quantization fp8"; unset: as loaded), beside a reference with the checkpoint's weights as loaded.
 WEIGHTS_AS_LOADED = ("quantization", "load_format")
 # The tools run the model in one process with one cache pool (every layer's K/V observed or compared alike).
 ONE_PROCESS_ONE_POOL = ("cpu_threads_per_rank", "kv_cache_dtype_skip_layers", "kv_cache_plan",

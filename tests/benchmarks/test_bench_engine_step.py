@@ -37,7 +37,7 @@ def test_a_tuner_label_is_autos_choice_while_the_engine_is_built(quantization: s
     with bench_engine_step.pinned_backend(label) as option:
         assert option == "auto"
         backend, plan = loader_model.tuned_dense_backend(SHAPES, torch.bfloat16, quantization)
-        assert backend.label == label and backend.quantization == quantization and plan is None
+        assert backend.label == label and backend.quantization == quantization and plan == {}
         with pytest.raises(SystemExit, match="is not a tuner candidate here"):
             loader_model.tuned_dense_backend(SHAPES, torch.float32, quantization)   # no packed kernels for float32
     assert loader_model.tuned_dense_backend is tuned

@@ -137,8 +137,9 @@ def write_tiny_gguf(
     scale: float = 1.0,
 ) -> dict[str, torch.Tensor]:
     """Write a random model as llama.cpp would (q/k rows permuted for llama) and return the HF tensors
-    (float32) a correct reader must produce. ``types`` maps a GGUF tensor-name suffix (``attn_q.weight``) to
-    its storage type (default: a mix of Q8_0, F16 and F32); ``skip`` names GGUF tensors to leave out; ``raw``
+    (float32) a correct reader must produce. ``types`` maps a GGUF tensor-name suffix (``attn_q.weight``), or a
+    whole name (``blk.1.ffn_down.weight``, before its suffix), to its storage type (default: a mix of Q8_0, F16 and
+    F32); ``skip`` names GGUF tensors to leave out; ``raw``
     gives ready-made blocks for unpermuted GGUF tensors; ``bpe`` adds a one-merge vocabulary (``a b`` -> ``ab``) that
     transformers can build a tokenizer from (an engine needs one); ``scale`` multiplies every random tensor (standard
     normal otherwise: a model whose logits are far apart)."""
@@ -168,7 +169,7 @@ def write_tiny_gguf(
         if gguf_name in skip:
             return
         suffix = gguf_name.split(".", 2)[-1] if gguf_name.startswith("blk.") else gguf_name
-        qtype = default_types.get(suffix, QT.F32)
+        qtype = default_types.get(gguf_name, default_types.get(suffix, QT.F32))
         if gguf_name in (raw or {}):
             blocks, raw_type = (raw or {})[gguf_name]
             assert not permute_heads

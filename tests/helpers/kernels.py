@@ -33,6 +33,9 @@ INT8 = "int8_per_token_head"   # int8 codes, a scale per token and head (always 
 INT4 = "int4_per_token_head"   # int4 codes, two per byte, a scale per token and head (always dynamic)
 FP4 = "fp4_e2m1"               # E2M1 codes, two per byte, an E4M3 scale per 16 values in the row
 I4G = "int4_per_group32"       # int4 codes, two per byte, a float16 scale per 32 values in the row (head_dim % 32 == 0)
+#: the formats whose prefill items the tile kernel reads through tiles decoded to bf16 (csrc/attention/item_staged.h:
+#: never on AMX tiles; int4_per_group32 with bf16 compute only)
+STAGED = [INT8, INT4, FP4, I4G]
 
 # A ragged batch mixing decode and chunked prefill over cached prefixes; lengths at / across block edges.
 QUERY_LENS = [1, 1, 1, 5, 16, 17, 1]
@@ -184,12 +187,14 @@ def portable_path(lib: kernels.KernelLibrary, dim: int, kv_name: str | None = No
 def prefill_kernel(lib: kernels.KernelLibrary, kv_name: str, gran: str, q_dtype: torch.dtype, dim: int,
                    bs: int = 16) -> str:
     """The item kernel of a 48-row prefill item, asserted to be the expected one: :func:`portable_path` without the
-    fast path; "amx" where the library multiplies with AMX tiles and the item qualifies (bf16 compute, K scales not
-    per channel, head_dim a multiple of 64 up to 256); else "prefill" (head_dim <= 128) or "tile"."""
+    fast path (or for int4_per_group32 with fp16 / fp32 compute); "amx" where the library multiplies with AMX tiles
+    and the item qualifies (bf16 compute, K scales not per channel, head_dim a multiple of 64 up to 256, a format
+    other than :data:`STAGED`); else "prefill" (head_dim <= 128) or "tile"."""
     got = kernels.KernelTesting(lib).item_kernel(kv_name, q_dtype, dim, bs, 48, k_per_channel=gran == "channel")
-    if not lib.has_fast_path:
-        expected = portable_path(lib, dim)
-    elif lib.amx and q_dtype == torch.bfloat16 and gran != "channel" and dim % 64 == 0 and dim <= 256:
+    if not lib.has_fast_path or (kv_name == I4G and q_dtype != torch.bfloat16):
+        expected = portable_path(lib, dim, kv_name)
+    elif (lib.amx and q_dtype == torch.bfloat16 and gran != "channel" and dim % 64 == 0 and dim <= 256
+          and kv_name not in STAGED):
         expected = "amx"
     else:
         expected = "prefill" if dim <= 128 else "tile"

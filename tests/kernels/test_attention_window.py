@@ -166,6 +166,23 @@ def test_window_long_prefill(lib: kernels.KernelLibrary, kv_name: str, gran: str
               partitions=(0, 96))
 
 
+@pytest.mark.parametrize("kv_name,gran,q_dtype", [(INT8, "dynamic", torch.bfloat16), (INT4, "dynamic", torch.float32),
+                                                  (FP4, "none", torch.bfloat16), (FP4, "none", torch.float32),
+                                                  (I4G, "none", torch.bfloat16)])
+@pytest.mark.parametrize("group,dim,bs", [(3, 64, 16), (4, 128, 8), (2, 256, 16)])
+def test_window_staged_prefill(lib: kernels.KernelLibrary, kv_name: str, gran: str, q_dtype: torch.dtype, group: int,
+                               dim: int, bs: int) -> None:
+    """Long prefills of the integer and group-scaled caches on the tile kernel's staged bf16 tiles (asserted to
+    serve: the prefill loop, the chunked tile loop for head_dim 256) with windows of 37 and 100: items that start
+    mid-tile, the window's edge inside chunks; poisoned before each first key (int8 / int4: code 127 with NaN
+    scales; FP4 / int4_per_group32: bytes 0x7F, whose group scales read as NaN); automatic and forced partitions."""
+    prefill_kernel(lib, kv_name, gran, q_dtype, dim, bs)
+    for window in (37, 100):
+        check(lib, window_case(kv_name, gran, q_dtype, window, group=group, dim=dim, bs=bs, heads=2,
+                               query_lens=[300, 150, 1, 91], seq_lens=[300, 400, 350, 333], seed=window + dim),
+              partitions=(0, 96))
+
+
 # ------------------------------------------------------------------------------------------------
 # Never read, and O(W)
 # ------------------------------------------------------------------------------------------------

@@ -12,7 +12,9 @@
   cached prefix, lengths at and across block boundaries (block sizes 16, 8, 32), GQA 1/3/8, head_dim
   64/128/256 (and 80 / 72: tail handling and the generic path), forced context partitions, dynamic scales,
   and the generic (non-AVX-512) build; long prefills in the tile kernel's prefill loop, and scores that move
-  its lazy softmax reference over and over.
+  its lazy softmax reference over and over; long prefills of the int8 / int4 / FP4 / int4_per_group32 caches on
+  the tile kernel's staged bf16 tiles (int4_per_group32's values round to bf16 there: 2^-9 relative, within the
+  bf16 output's tolerance; it keeps the generic kernel with fp16 / fp32 compute).
 
 Tolerances (the kernels accumulate in fp32; the fast path carries q and the softmax weights as bf16 hi+lo,
 ~16 significant bits, except the weights of a bf16 output, which are bf16): with M = 1 + max|ref|,
@@ -44,6 +46,7 @@ from tests.helpers.kernels import (
     I4G,
     INT4,
     INT8,
+    STAGED,
     TOL,
     cpu_has_fast_path,
     decode_kernel,
@@ -249,7 +252,8 @@ def test_store_dense_fp32_sweep(lib: kernels.KernelLibrary, fmt: str) -> None:
 def test_attention_dtypes_and_scales(lib: kernels.KernelLibrary, kv_name: str, gran: str,
                                      q_dtype: torch.dtype) -> None:
     cache, meta, q = make_case(kv_name, gran, q_dtype)
-    expected = "fast" if kv_name in FP8 + ["bfloat16"] and lib.has_fast_path else portable_path(lib, 64, kv_name)
+    fast = kv_name in FP8 + ["bfloat16"] or (kv_name in STAGED and (kv_name != I4G or q_dtype == torch.bfloat16))
+    expected = "fast" if fast and lib.has_fast_path else portable_path(lib, 64, kv_name)
     assert attention_path(lib, kv_name, q_dtype, 64) == expected
     check_attention(lib, cache, meta, q)
 
@@ -268,12 +272,12 @@ def test_attention_shapes(lib: kernels.KernelLibrary, group: int, dim: int, bs: 
 @pytest.mark.parametrize("kv_name", ["fp8_e5m2", "bfloat16", "float16", INT8, INT4, FP4])
 @pytest.mark.parametrize("dim", [80, 72, 20])
 def test_attention_odd_head_dim(lib: kernels.KernelLibrary, kv_name: str, dim: int) -> None:
-    """D = 80 takes the fast path with a partial 64-channel chunk; D = 72 (not a multiple of 16) the AVX2 kernel
-    with a last 8-channel chunk, D = 20 (not a multiple of 8) the generic. int8 / int4 run the fp32 kernels
-    outside the decode kernel (decode-sized items with bf16 compute, D = 64 / 128 / 256), FP4 the generic one."""
+    """D = 80 takes the fast path with a partial 64-channel chunk (int8 / int4 / FP4: prefill items on staged bf16
+    tiles of 40 code bytes a row, the last 16 channels apart); D = 72 (not a multiple of 16) the AVX2 kernel with a
+    last 8-channel chunk, D = 20 (not a multiple of 8) the generic (FP4: the generic kernel outside the fast path)."""
     ints = (INT8, INT4)
     cache, meta, q = make_case(kv_name, "dynamic" if kv_name in ints else "channel", torch.float32, dim=dim, heads=2)
-    fast = dim == 80 and kv_name not in ("float16", FP4, *ints) and lib.has_fast_path
+    fast = dim == 80 and kv_name != "float16" and lib.has_fast_path
     assert attention_path(lib, kv_name, torch.float32, dim) == ("fast" if fast else portable_path(lib, dim, kv_name))
     check_attention(lib, cache, meta, q)
 
@@ -281,11 +285,14 @@ def test_attention_odd_head_dim(lib: kernels.KernelLibrary, kv_name: str, dim: i
 @pytest.mark.parametrize("dim", [32, 96, 160])
 @pytest.mark.parametrize("q_dtype", [torch.bfloat16, torch.float32])
 def test_attention_int4_group_head_dims(lib: kernels.KernelLibrary, dim: int, q_dtype: torch.dtype) -> None:
-    """int4_per_group32 at head dims of one, three and five groups (the generic kernel), GQA groups of 3, blocks
-    of 8, against the reference attention; a head_dim that is not a multiple of 32 is refused by its codec."""
+    """int4_per_group32 at head dims of one, three and five groups, GQA groups of 3, blocks of 8, against the
+    reference attention: prefill items on staged bf16 tiles with bf16 compute, the generic kernel with fp32 compute
+    (and for every item the decode kernel does not take: these head dims and blocks); a head_dim that is not a
+    multiple of 32 is refused by its codec."""
     cache, meta, q = make_case(I4G, "none", q_dtype, dim=dim, heads=2, bs=8, query_lens=[1, 7, 1, 2],
                                seq_lens=[1, 23, 40, 9], seed=dim)
-    assert attention_path(lib, I4G, q_dtype, dim) == portable_path(lib, dim, I4G)
+    fast = lib.has_fast_path and q_dtype == torch.bfloat16
+    assert attention_path(lib, I4G, q_dtype, dim) == ("fast" if fast else portable_path(lib, dim, I4G))
     check_attention(lib, cache, meta, q)
     check_attention(lib, cache, meta, q, partition_size=16)
 
@@ -440,8 +447,10 @@ def test_decode_item_kernel_conditions(lib: kernels.KernelLibrary) -> None:
         assert not uses_decode_kernel(lib, ints, torch.bfloat16, 64, 8, 3)       # blocks of 8 tokens
         assert not uses_decode_kernel(lib, ints, torch.bfloat16, 80, 16, 3)      # head_dim 80
         assert not uses_decode_kernel(lib, ints, torch.float32, 64, 16, 3)       # fp32 compute
-        assert kernels.KernelTesting(lib).item_kernel(ints, torch.bfloat16, 64, 16, 16) == portable_path(lib, 64)
-    # int4_per_group32 and FP4: the AVX-512 decode kernel too (never AMX), else the generic kernel
+        assert kernels.KernelTesting(lib).item_kernel(ints, torch.float32, 64, 16, 3) == portable_path(lib, 64)
+        assert kernels.KernelTesting(lib).item_kernel(ints, torch.bfloat16, 64, 16, 16) == (   # prefill: staged
+            "prefill" if fast else portable_path(lib, 64))
+    # int4_per_group32 and fp4_e2m1: the AVX-512 decode kernel too (never AMX), else the generic kernel
     for group_scaled in (I4G, FP4):
         for dim in (64, 128, 256):
             assert kernels.KernelTesting(lib).item_kernel(group_scaled, torch.bfloat16, dim, 16, 4) == (
@@ -449,7 +458,13 @@ def test_decode_item_kernel_conditions(lib: kernels.KernelLibrary) -> None:
         assert not uses_decode_kernel(lib, group_scaled, torch.bfloat16, 96, 16, 3)    # head_dim 96
         assert not uses_decode_kernel(lib, group_scaled, torch.bfloat16, 64, 8, 3)     # blocks of 8 tokens
         assert not uses_decode_kernel(lib, group_scaled, torch.float32, 64, 16, 3)     # fp32 compute
-        assert kernels.KernelTesting(lib).item_kernel(group_scaled, torch.bfloat16, 64, 16, 16) == "generic"
+        assert kernels.KernelTesting(lib).item_kernel(group_scaled, torch.float32, 64, 16, 3) == "generic"
+    # their prefill items staged (int4_per_group32: bf16 compute only; FP4 exact: any compute dtype), the rest generic
+    assert kernels.KernelTesting(lib).item_kernel(I4G, torch.bfloat16, 64, 16, 16) == ("prefill" if fast else "generic")
+    assert kernels.KernelTesting(lib).item_kernel(I4G, torch.float32, 64, 16, 16) == "generic"   # staged: bf16 only
+    for q_dtype in (torch.bfloat16, torch.float32):
+        assert kernels.KernelTesting(lib).item_kernel(FP4, q_dtype, 64, 16, 16) == ("prefill" if fast else "generic")
+        assert kernels.KernelTesting(lib).item_kernel(FP4, q_dtype, 256, 16, 16) == ("tile" if fast else "generic")
 
 
 @pytest.mark.parametrize("group,dim,bs", [(1, 64, 16), (2, 128, 32), (3, 64, 16), (4, 256, 16)])
@@ -528,6 +543,30 @@ def test_attention_long_prefill(lib: kernels.KernelLibrary, kernel_path: str, kv
     prefixes (hundreds of tiles, diagonal chunks at every offset, lengths that end mid-tile), next to a decode
     and a 5-token prompt; GQA 1 / 3 / 4 / 8; head_dim 32 / 80 (partial 64-byte chunks) / 64 / 128; blocks of 8
     (tiles across blocks), 16, 32; NaN past every context; automatic and forced partitions."""
+    prefill_kernel(lib, kv_name, gran, q_dtype, dim, bs)
+    cache, meta, q = make_case(kv_name, gran, q_dtype, group=group, dim=dim, bs=bs, heads=2,
+                               query_lens=[300, 77, 1, 200, 5], seq_lens=[300, 500, 37, 1000, 5],
+                               seed=group + dim + bs, poison=True)
+    for partition in (0, 112):
+        check_attention(lib, cache, meta, q, partition_size=partition)
+
+
+STAGED_SHAPES = [(3, 64, 16), (1, 128, 8), (4, 80, 32), (8, 32, 16), (2, 96, 16), (3, 256, 16)]
+
+
+@pytest.mark.parametrize("kv_name,gran,group,dim,bs", [
+    (kv_name, gran, *shape) for kv_name, gran in ((INT8, "dynamic"), (INT4, "dynamic"), (FP4, "none"), (I4G, "none"))
+    for shape in STAGED_SHAPES if kv_name != I4G or shape[1] % 32 == 0])   # int4_per_group32: whole groups of 32
+@pytest.mark.parametrize("q_dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_staged_prefill(lib: kernels.KernelLibrary, kv_name: str, gran: str, q_dtype: torch.dtype, group: int,
+                        dim: int, bs: int) -> None:
+    """Prefill items of the integer and group-scaled caches on the tile kernel, their K / V tiles decoded to bf16
+    (item_staged.h; asserted to serve: the prefill loop for head_dim <= 128, the chunked tile loop for 256; the
+    generic kernel for int4_per_group32 with fp16 / fp32 compute): a 300-token prompt and chunked prefills of 77 and
+    200 tokens over cached prefixes (lengths that end mid-tile), next to a decode and a 5-token prompt; GQA 1 / 2 / 3
+    / 4 / 8; head_dim 32 / 64 / 96 / 128 / 256 and 80 (int4 / FP4 rows of 40 bytes: a last 16 channels apart);
+    blocks of 8, 16, 32; NaN past every context (int8 / int4: NaN token scales; FP4 / int4_per_group32: NaN group
+    scales); automatic and forced partitions."""
     prefill_kernel(lib, kv_name, gran, q_dtype, dim, bs)
     cache, meta, q = make_case(kv_name, gran, q_dtype, group=group, dim=dim, bs=bs, heads=2,
                                query_lens=[300, 77, 1, 200, 5], seq_lens=[300, 500, 37, 1000, 5],

@@ -334,6 +334,23 @@ def test_wide_rows_only_for_packed_bf16(lib: DenseKernels) -> None:
             DenseBackend(**bad)   # type: ignore[arg-type]
 
 
+def test_gguf_wide_rows_give_each_block_type_its_switch(lib: DenseKernels) -> None:
+    """``gguf_wide_rows``: each listed type's own row count (0: the int8 kernel at every row count), the others
+    ``wide_rows``; named in the label; only with packed_bf16 and quantization="gguf", one sorted pair per type."""
+    backend = DenseBackend("packed_bf16", lib, "gguf", gguf_wide_rows=(("Q4_K", 0), ("Q6_K", 32)))
+    assert backend.label == "packed_bf16[Q4_K:int8,Q6_K:f32_from_32]"
+    assert (backend.wide_rows_of("Q4_K"), backend.wide_rows_of("Q6_K"), backend.wide_rows_of("Q8_0")) == (0, 32, 0)
+    wide = DenseBackend("packed_bf16", lib, "gguf", wide_rows=32, gguf_wide_rows=(("Q6_K", 0),))
+    assert wide.label == "packed_bf16+f32_from_32[Q6_K:int8]" and wide.wide_rows_of("Q5_0") == 32
+    for bad in (dict(name="packed_bf16", kernels=lib, quantization="fp8", gguf_wide_rows=(("Q6_K", 32),)),
+                dict(name="torch", kernels=None, quantization="gguf", gguf_wide_rows=(("Q6_K", 32),)),
+                dict(name="packed_bf16", kernels=lib, quantization="gguf", gguf_wide_rows=(("Q6_K", 32), ("Q4_K", 0))),
+                dict(name="packed_bf16", kernels=lib, quantization="gguf", gguf_wide_rows=(("Q6_K", 32), ("Q6_K", 0))),
+                dict(name="packed_bf16", kernels=lib, quantization="gguf", gguf_wide_rows=(("Q6_K", -1),))):
+        with pytest.raises(ValueError, match="gguf_wide_rows="):
+            DenseBackend(**bad)
+
+
 @pytest.mark.parametrize("backend_name", ["torch", "packed_bf16"])
 def test_gate_up_with_other_activations_or_torch_runs_the_activation_after(backend_name: str) -> None:
     if backend_name == "packed_bf16" and _KERNELS is None:

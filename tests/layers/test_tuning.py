@@ -10,6 +10,7 @@ import json
 import logging
 import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -20,6 +21,7 @@ from kv8.layers.linear import WIDE_ROWS, Linear, TorchF32LinearMethod, linear_me
 from kv8.layers.tuning import (
     BUSY_CORES,
     EARLY_MARGIN,
+    PLAN_VERSION,
     PREFILL_ROWS,
     TIMED_ROWS,
     TUNE_ROUNDS,
@@ -34,12 +36,20 @@ from kv8.layers.tuning import (
     time_layer,
     timed_rows,
     tuned_dense_backend,
+    tuning_groups,
 )
 from kv8.quant.weights import dequantize_fp8_rows, quantize_fp8_rows
 from tests.helpers.kernels import dense_kernels_or_reason
 
 SHAPES = [LinearShape(96, 64, 4), LinearShape(64, 160, 4), LinearShape(1000, 64, 1, quantize=False, lm_head=True)]
 MACHINE = {"cpu": "Test CPU", "isa": "avx2 fma", "kv8": "0.1.0", "torch": "2.13.0", "threads": "2"}
+
+
+def tuned(*args: Any, **kwargs: Any) -> tuple[DenseBackend, TuneResult]:
+    """:func:`tuned_dense_backend` on a model timed as one group (no GGUF blocks): the backend and the one plan."""
+    backend, results = tuned_dense_backend(*args, **kwargs)
+    assert list(results) == [None]
+    return backend, results[None]
 
 
 class FakeMeasure:
@@ -219,21 +229,21 @@ def test_a_plan_timed_beside_other_work_is_timed_again_and_the_quieter_kept(
                            ("torch_fp32", 1): 1.0, ("torch_fp32", PREFILL_ROWS): 1.0})
     monkeypatch.setattr("kv8.layers.tuning.read_cpu_clock", BusyClock(1.0))   # a busy core elsewhere
     with caplog.at_level(logging.WARNING, logger="kv8"):
-        _, busy = tuned_dense_backend(SHAPES, torch.bfloat16, None, store, measure)
+        _, busy = tuned(SHAPES, torch.bfloat16, None, store, measure)
     assert busy is not None and busy.others == pytest.approx(1.0) and busy.provisional
     assert "provisional" in caplog.text and "other processes took 1.00 cores" in busy.table()
     assert store.get(plan_key(SHAPES, torch.bfloat16, None)).others == pytest.approx(1.0)   # type: ignore[union-attr]
     # the next start times again; a busier timing does not replace the kept one
     calls = measure.calls
     monkeypatch.setattr("kv8.layers.tuning.read_cpu_clock", BusyClock(1.5))
-    _, kept = tuned_dense_backend(SHAPES, torch.bfloat16, None, store, measure)
+    _, kept = tuned(SHAPES, torch.bfloat16, None, store, measure)
     assert measure.calls > calls and kept is not None and kept.others == pytest.approx(1.0)
     # a quiet timing replaces it and is then read, not timed
     monkeypatch.setattr("kv8.layers.tuning.read_cpu_clock", BusyClock(BUSY_CORES / 2))
-    _, quiet = tuned_dense_backend(SHAPES, torch.bfloat16, None, store, measure)
+    _, quiet = tuned(SHAPES, torch.bfloat16, None, store, measure)
     assert quiet is not None and not quiet.provisional and "beside other work" not in quiet.table()
     calls = measure.calls
-    _, again = tuned_dense_backend(SHAPES, torch.bfloat16, None, store, measure)
+    _, again = tuned(SHAPES, torch.bfloat16, None, store, measure)
     assert measure.calls == calls and again is not None and again.others == pytest.approx(BUSY_CORES / 2)
 
 
@@ -241,21 +251,21 @@ def test_the_plan_is_written_then_read_and_not_timed_again(tmp_path: Path) -> No
     store = PlanStore(tmp_path, MACHINE)
     measure = FakeMeasure({("torch", 1): 4.0, ("torch", PREFILL_ROWS): 4.0,
                            ("torch_fp32", 1): 1.0, ("torch_fp32", PREFILL_ROWS): 1.0})
-    backend, result = tuned_dense_backend(SHAPES, torch.bfloat16, None, store, measure)
+    backend, result = tuned(SHAPES, torch.bfloat16, None, store, measure)
     calls = measure.calls
     assert result is not None and backend.name == result.choice
     assert store.path.parent == tmp_path and store.path.exists()
     data = json.loads(store.path.read_text())
     assert data["machine"] == MACHINE and list(data["plans"]) == [plan_key(SHAPES, torch.bfloat16, None)]
-    again, plan = tuned_dense_backend(SHAPES, torch.bfloat16, None, PlanStore(tmp_path, MACHINE), measure)
+    again, plan = tuned(SHAPES, torch.bfloat16, None, PlanStore(tmp_path, MACHINE), measure)
     assert measure.calls == calls and again.name == backend.name   # read, not timed
     assert plan is not None and plan.seconds == result.seconds and plan.measured == result.measured
     assert plan.rounds == result.rounds == 2   # torch_fp32 led both rounds by 4x: no third
     # another model (or dtype, or quantization) is another plan in the same file
-    tuned_dense_backend(SHAPES[:1], torch.bfloat16, None, PlanStore(tmp_path, MACHINE), measure)
-    tuned_dense_backend(SHAPES, torch.bfloat16, "fp8", PlanStore(tmp_path, MACHINE), measure)
+    tuned(SHAPES[:1], torch.bfloat16, None, PlanStore(tmp_path, MACHINE), measure)
+    tuned(SHAPES, torch.bfloat16, "fp8", PlanStore(tmp_path, MACHINE), measure)
     assert len(json.loads(store.path.read_text())["plans"]) == 3
-    tuned_dense_backend(SHAPES, torch.bfloat16, None, PlanStore(tmp_path, MACHINE), measure, retune=True)
+    tuned(SHAPES, torch.bfloat16, None, PlanStore(tmp_path, MACHINE), measure, retune=True)
     assert measure.calls > calls   # retune times again
 
 
@@ -281,18 +291,18 @@ def test_a_plan_that_timed_other_candidates_is_timed_again(tmp_path: Path, monke
                                ("torch_fp32", PREFILL_ROWS): 2.0, ("packed_bf16", 1): 1.0,
                                ("packed_bf16", PREFILL_ROWS): 1.0})
     with caplog.at_level(logging.WARNING, logger="kv8"):
-        backend, result = tuned_dense_backend(SHAPES, torch.bfloat16, None, store, packed_wins)
+        backend, result = tuned(SHAPES, torch.bfloat16, None, store, packed_wins)
     assert backend.name == "packed_bf16" and packed_wins.calls > 0
     assert "timing again" in caplog.text
     assert result is not None and result.timed == ("packed_bf16@aaaa", "torch", "torch_fp32") == candidate_ids(three)
     assert store.get(key).timed == result.timed   # type: ignore[union-attr]
     # the same candidates: read, not timed
     calls = packed_wins.calls
-    tuned_dense_backend(SHAPES, torch.bfloat16, None, store, packed_wins)
+    tuned(SHAPES, torch.bfloat16, None, store, packed_wins)
     assert packed_wins.calls == calls
     # the kernels rebuilt (another library file): timed again
     three["packed_bf16"] = DenseBackend("packed_bf16", Library("bbbb"))   # type: ignore[arg-type]
-    _, again = tuned_dense_backend(SHAPES, torch.bfloat16, None, store, packed_wins)
+    _, again = tuned(SHAPES, torch.bfloat16, None, store, packed_wins)
     assert packed_wins.calls > calls and again is not None and "packed_bf16@bbbb" in again.timed
 
 
@@ -315,7 +325,7 @@ def test_a_corrupt_file_is_timed_again_and_an_unwritable_one_still_chooses(tmp_p
     measure = FakeMeasure({("torch", 1): 1.0, ("torch", PREFILL_ROWS): 1.0,
                            ("torch_fp32", 1): 2.0, ("torch_fp32", PREFILL_ROWS): 2.0})
     with caplog.at_level(logging.WARNING, logger="kv8"):
-        backend, _ = tuned_dense_backend(SHAPES, torch.bfloat16, None, store, measure)
+        backend, _ = tuned(SHAPES, torch.bfloat16, None, store, measure)
     assert backend.name == "torch" and "unreadable" in caplog.text
     assert json.loads(store.path.read_text())["plans"]   # rewritten whole
     # a well-formed file whose entry is damaged: timed again
@@ -323,21 +333,21 @@ def test_a_corrupt_file_is_timed_again_and_an_unwritable_one_still_chooses(tmp_p
     data["plans"][plan_key(SHAPES, torch.bfloat16, None)] = {"dense_backend": "torch", "seconds": "?"}
     store.path.write_text(json.dumps(data))
     calls = measure.calls
-    tuned_dense_backend(SHAPES, torch.bfloat16, None, store, measure)
+    tuned(SHAPES, torch.bfloat16, None, store, measure)
     assert measure.calls > calls
     # an entry that timed today's candidates but names none of them as its choice: timed again, not a KeyError
     data = json.loads(store.path.read_text())
     data["plans"][plan_key(SHAPES, torch.bfloat16, None)]["dense_backend"] = "no_such_backend"
     store.path.write_text(json.dumps(data))
     calls = measure.calls
-    backend, _ = tuned_dense_backend(SHAPES, torch.bfloat16, None, store, measure)
+    backend, _ = tuned(SHAPES, torch.bfloat16, None, store, measure)
     assert measure.calls > calls and backend.name == "torch"
     blocked = tmp_path / "file-not-dir"
     blocked.write_text("")
     unwritable = PlanStore(blocked / "tuning", MACHINE)
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="kv8"):
-        backend, result = tuned_dense_backend(SHAPES, torch.bfloat16, None, unwritable, measure)
+        backend, result = tuned(SHAPES, torch.bfloat16, None, unwritable, measure)
     assert backend.name == "torch" and result is not None and "could not write the tuning plan" in caplog.text
 
 
@@ -427,3 +437,73 @@ def test_gguf_weights_time_the_dequantizing_switch_against_the_int8_kernel_every
     assert result.choice == "packed_bf16" and result.compared_with == switch
     assert result.speedup(result.compared_with, WIDE_ROWS) == pytest.approx(2.0)
     assert TuneResult("torch", {"torch": {1: 1.0}, "packed_bf16": {1: 2.0}}).compared_with == "torch"
+
+
+class FakeGGUFKernels:
+    """What the tuner reads of kv8's kernels with GGUF blocks: the block types they read, the library's file."""
+
+    gguf_types = ("Q4_K", "Q6_K", "Q8_0")
+    path = Path("/cache/kernels/gguf.so")
+
+
+def test_gguf_layers_are_timed_and_switched_in_their_own_block_type(tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """``quantization="gguf"``: each block type's layers are timed alone, a shape of one (N, K) in two types as two
+    shapes in their own types (Gemma-3-270M's Q4_K_M file: nine Q4_K and nine Q6_K down projections); the LM head
+    (its switch is fixed) and a type the kernels do not read (multiplied alike at every row count) are not timed.
+    Each type gets its own plan, and the backend switches each type at its own choice; where every type chooses the
+    same candidate, the backend is that candidate."""
+    import kv8.layers.tuning as tuning
+
+    kernels = FakeGGUFKernels()
+    switch = DenseBackend("packed_bf16", kernels, "gguf", wide_rows=GGUF_DEQUANTIZE_ROWS)   # type: ignore[arg-type]
+    int8 = DenseBackend("packed_bf16", kernels, "gguf")   # type: ignore[arg-type]
+    found = {switch.label: switch, int8.label: int8}
+    monkeypatch.setattr(tuning, "candidates", lambda *args: dict(found))
+    shapes = [LinearShape(640, 2048, 9, qtype="Q4_K"), LinearShape(640, 2048, 9, qtype="Q6_K"),
+              LinearShape(640, 1024, 18, qtype="Q4_K"), LinearShape(256, 640, 9, qtype="Q8_0"),
+              LinearShape(1536, 640, 9, qtype="Q5_K"), LinearShape(1000, 640, 1, qtype="Q8_0", lm_head=True)]
+    groups = tuning_groups(shapes, found)
+    assert groups == {"Q4_K": [shapes[0], shapes[2]], "Q6_K": [shapes[1]], "Q8_0": [shapes[3]]}
+    timed: list[tuple[str, LinearShape]] = []
+    dequantized_wins = {"Q6_K"}
+
+    def measure(backend: DenseBackend, shape: LinearShape, rows: int) -> float:
+        timed.append((backend.label, shape))
+        dequantizes = bool(backend.wide_rows) and rows >= backend.wide_rows
+        return 1.0 if rows == 1 else 1.0 if dequantizes == (shape.qtype in dequantized_wins) else 3.0
+
+    store = PlanStore(tmp_path, MACHINE)
+    backend, results = tuned_dense_backend(shapes, torch.bfloat16, "gguf", store, measure)
+    assert {shape for _, shape in timed} == {shapes[0], shapes[1], shapes[2], shapes[3]}
+    assert {label for label, _ in timed} == set(found)
+    assert {qtype: result.choice for qtype, result in results.items()} == {"Q4_K": int8.label, "Q6_K": switch.label,
+                                                                          "Q8_0": int8.label}
+    assert backend.gguf_wide_rows == (("Q4_K", 0), ("Q6_K", GGUF_DEQUANTIZE_ROWS), ("Q8_0", 0))
+    assert backend.label == f"packed_bf16[Q4_K:int8,Q6_K:f32_from_{GGUF_DEQUANTIZE_ROWS},Q8_0:int8]"
+    method = linear_method(backend)
+    assert [method.dequantize_rows_of(q) for q in ("Q4_K", "Q6_K", "Q8_0")] == [0, GGUF_DEQUANTIZE_ROWS, 0]   # type: ignore[attr-defined]
+    data = json.loads(store.path.read_text())
+    assert data["version"] == PLAN_VERSION
+    assert set(data["plans"]) == {plan_key(group, torch.bfloat16, "gguf") for group in groups.values()}
+    # read, not timed
+    calls = len(timed)
+    again, plans = tuned_dense_backend(shapes, torch.bfloat16, "gguf", PlanStore(tmp_path, MACHINE), measure)
+    assert len(timed) == calls and again == backend and plans.keys() == results.keys()
+    # the int8 kernel faster for every type: the candidate itself
+    dequantized_wins.clear()
+    same, _ = tuned_dense_backend(shapes, torch.bfloat16, "gguf", store, measure, retune=True)
+    assert same == int8 and same.gguf_wide_rows == ()
+
+
+def test_a_plan_file_of_another_version_is_timed_again(tmp_path: Path) -> None:
+    """A file written by another plan version (1: GGUF layers timed in one type) is an empty store, never read as
+    this version's plans; the next plan written replaces it."""
+    store = PlanStore(tmp_path, MACHINE)
+    key = plan_key(SHAPES, torch.bfloat16, None)
+    store.put(key, TuneResult("torch", {"torch": {1: 1.0}}))
+    data = json.loads(store.path.read_text())
+    store.path.write_text(json.dumps(data | {"version": PLAN_VERSION - 1}))
+    assert store.get(key) is None
+    store.put(key, TuneResult("torch_fp32", {"torch_fp32": {1: 1.0}}))
+    assert json.loads(store.path.read_text())["version"] == PLAN_VERSION and store.get(key).choice == "torch_fp32"   # type: ignore[union-attr]

@@ -130,7 +130,7 @@ def test_engine_with_kept_blocks_matches_the_dequantized_model(tmp_path: Path, q
     (the reference method, float32 on the dequantized blocks) agrees too."""
     path = tmp_path / "m.gguf"
     _tiny(path, qtype)
-    tokens, logprobs, methods = _run(path)
+    tokens, logprobs, methods = _run(path, quantization="none")
     assert tokens   # (the first greedy token is no near-tie: the comparison below is not empty)
     kept_tokens, kept_logprobs, kept_methods = _run(path, quantization="gguf")
     assert "gguf" in kept_methods and "gguf" not in methods
@@ -207,7 +207,7 @@ def test_engine_with_mixed_and_expanded_types_matches_the_dequantized_model(tmp_
     same greedy tokens, log-probabilities within the int8 activations' rounding."""
     path = tmp_path / "m.gguf"
     _tiny(path, QT.Q4_0, **MIXED)
-    tokens, logprobs, _ = _run(path)
+    tokens, logprobs, _ = _run(path, quantization="none")
     kept_tokens, kept_logprobs, kept_methods = _run(path, quantization="gguf")
     n = min(len(tokens), len(kept_tokens))
     assert "gguf" in kept_methods and n > 0 and kept_tokens[:n] == tokens[:n]

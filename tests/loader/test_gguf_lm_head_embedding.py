@@ -17,7 +17,7 @@ import torch
 from gguf import GGMLQuantizationType as QT
 
 from kv8 import LLM, SamplingParams
-from kv8.layers.linear import GGUFLinearMethod, linear_reference
+from kv8.layers.linear import GGUFLinearMethod, GGUFSegment, LinearBase, linear_reference
 from kv8.layers.vocab_parallel import GGUF_HEAD_DEQUANTIZE_ROWS
 from kv8.loader.gguf import gguf_resident_bytes, read_gguf
 from kv8.loader.model import describe_gguf_blocks, describe_weights, load_model, resident_weight_bytes
@@ -180,7 +180,7 @@ def test_engine_with_kept_tables_matches_the_dequantized_model(tmp_path: Path, t
     tests/loader/test_gguf_blocks_loading.py, 0.15 nats), and its CPU-graph decode steps equal eager ones."""
     path = tmp_path / "m.gguf"
     _write(path, table, untied, decoder)
-    tokens, logprobs, _ = _generate(path)
+    tokens, logprobs, _ = _generate(path, quantization="none")
     kept_tokens, kept_logprobs, replays = _generate(path, quantization="gguf")
     for a, b in zip(tokens, kept_tokens):
         n = min(len(a), len(b))
@@ -211,51 +211,84 @@ def test_smollm2_weights_stay_within_ten_percent_of_the_file() -> None:
 
 
 def test_q6_k_layers_are_timed_in_q6_k(tmp_path: Path) -> None:
-    """A file whose decoder and tied table are Q6_K: the tuner times the decoder's layers and the head as Q6_K
-    blocks (gguf_tuning_types: the type of most of the kept decoder bytes, and the head's)."""
+    """A file whose decoder and tied table are Q6_K: the tuning shapes are the decoder's layers and the head in Q6_K
+    (gguf_weight_types: each weight's type in the file)."""
     from kv8.loader.model import tuning_shapes
 
     path = tmp_path / "m.gguf"
     _write(path, QT.Q6_K, untied=False, decoder=QT.Q6_K)
     model, _ = read_gguf(str(path))
     shapes = tuning_shapes("gguf", str(path), dict(model.hf_config), "gguf")
-    assert {(s.quantize, s.qtype) for s in shapes} == {(True, "Q6_K")}
+    assert {(s.quantize, s.qtype, s.lm_head) for s in shapes} == {(True, "Q6_K", False), (True, "Q6_K", True)}
 
 
-@pytest.mark.skipif(_KERNELS is None, reason="the GGUF switch is timed only where kv8's kernels read the blocks")
-@pytest.mark.parametrize("int8_wins", [True, False])
-def test_dense_backend_auto_times_where_the_blocks_are_dequantized(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                                                   int8_wins: bool) -> None:
-    """``dense_backend="auto"`` with tuning on times ``quantization="gguf"``'s layers in the file's block types (the
-    decoder's main type, the head's): where the int8 kernel measures faster at every row count the decoder's layers
-    never dequantize (``dequantize_rows`` 0), else they switch at ``GGUF_DEQUANTIZE_ROWS``; the head keeps its own
-    switch, ``GGUF_HEAD_DEQUANTIZE_ROWS``. (The timings are faked: which path is faster depends on the CPU.)"""
-    from kv8.layers.dense_backend import GGUF_DEQUANTIZE_ROWS, DenseBackend
-    from kv8.layers.tuning import LinearShape, _LayerTimer
+# Gemma-3-270M's Q4_K_M file in small: a shape in two types (o_proj and one down_proj Q4_K, the other down_proj
+# Q6_K, all 256 x 256) and a merged layer of two types (q, k Q4_K; v Q8_0)
+MIXED = dict.fromkeys(LINEAR, QT.Q4_K) | {"attn_v.weight": QT.Q8_0, "blk.1.ffn_down.weight": QT.Q6_K,
+                                          "token_embd.weight": QT.Q8_0}
+
+
+def test_a_shape_in_two_types_is_two_tuning_shapes(tmp_path: Path) -> None:
+    """The tuning shapes carry each layer's block types: a shape of one (N, K) in two types is two shapes with their
+    counts, a merged layer whose projections differ in type is a shape per run of one type (its segments), the head
+    its own type; without ``quantization="gguf"`` no type."""
+    from kv8.layers.tuning import LinearShape
     from kv8.loader.model import tuning_shapes
 
     path = tmp_path / "m.gguf"
-    _write(path, QT.Q8_0, untied=False)
+    write_tiny_gguf(path, types=MIXED, bpe=True, scale=0.2, **SIZES_256)  # type: ignore[arg-type]
     model, _ = read_gguf(str(path))
-    shapes = tuning_shapes("gguf", str(path), dict(model.hf_config), "gguf")
-    assert {(s.quantize, s.qtype) for s in shapes} == {(True, "Q4_1"), (True, "Q8_0")}   # decoder, tied Q8_0 head
+    assert tuning_shapes("gguf", str(path), dict(model.hf_config), "gguf") == [
+        LinearShape(45, 256, 1, True, "Q8_0", lm_head=True),   # the tied head
+        LinearShape(128, 256, 2, True, "Q8_0"),   # v
+        LinearShape(256, 256, 3, True, "Q4_K"),   # o_proj x 2, layer 0's down_proj
+        LinearShape(256, 256, 1, True, "Q6_K"),   # layer 1's down_proj
+        LinearShape(384, 256, 2, True, "Q4_K"),   # q, k
+        LinearShape(512, 256, 2, True, "Q4_K"),   # gate, up
+    ]
     assert all(s.qtype is None for s in tuning_shapes("gguf", str(path), dict(model.hf_config), None))
 
-    timed: list[tuple[str, str | None]] = []
+
+@pytest.mark.skipif(_KERNELS is None, reason="the GGUF switch is timed only where kv8's kernels read the blocks")
+@pytest.mark.parametrize("q4_k_int8_wins", [True, False])
+def test_dense_backend_auto_times_and_switches_each_block_type(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                               q4_k_int8_wins: bool) -> None:
+    """``dense_backend="auto"`` with tuning on times ``quantization="gguf"``'s decoder layers in their own block types
+    (not the head: its switch is its own, ``GGUF_HEAD_DEQUANTIZE_ROWS``), and each layer's segment switches at its
+    type's choice: here Q6_K and Q8_0 measure faster dequantized from ``GGUF_DEQUANTIZE_ROWS`` rows, Q4_K faster on
+    the int8 kernel at every row count (or not). (The timings are faked: which path is faster depends on the CPU.)"""
+    from kv8.layers.dense_backend import GGUF_DEQUANTIZE_ROWS, DenseBackend
+    from kv8.layers.tuning import LinearShape, _LayerTimer
+
+    path = tmp_path / "m.gguf"
+    write_tiny_gguf(path, types=MIXED, bpe=True, scale=0.2, **SIZES_256)  # type: ignore[arg-type]
+    timed: list[tuple[str, LinearShape]] = []
+    int8_wins = {"Q4_K"} if q4_k_int8_wins else set()
 
     def fake(self: _LayerTimer, backend: DenseBackend, shape: LinearShape, rows: int) -> float:
-        timed.append((backend.label, shape.qtype))
+        timed.append((backend.label, shape))
         dequantizes = bool(backend.wide_rows) and rows >= backend.wide_rows
-        return 1.0 if rows == 1 else 2.0 if dequantizes == int8_wins else 1.5
+        return 1.0 if rows == 1 else 2.0 if dequantizes == (shape.qtype in int8_wins) else 1.5
 
     monkeypatch.setattr(_LayerTimer, "measure", fake)
     monkeypatch.setenv("KV8_TUNING", "auto")
     monkeypatch.setenv("KV8_CACHE_DIR", os.fspath(tmp_path / "cache"))
     loaded = load_model("gguf", str(path), torch.bfloat16, "auto", quantization="gguf")
     assert {label for label, _ in timed} == {f"packed_bf16+f32_from_{GGUF_DEQUANTIZE_ROWS}", "packed_bf16"}
-    assert {qtype for _, qtype in timed} == {"Q4_1", "Q8_0"}
-    layer = loaded.model.model.layers[0].self_attn.qkv_proj
-    head = loaded.model.lm_head
-    assert isinstance(layer.method, GGUFLinearMethod) and isinstance(head.method, GGUFLinearMethod)
-    assert layer.method.dequantize_rows == (0 if int8_wins else GGUF_DEQUANTIZE_ROWS)
-    assert head.method.dequantize_rows == GGUF_HEAD_DEQUANTIZE_ROWS   # prompt log-probabilities: the float32 path
+    assert {shape.qtype for _, shape in timed} == {"Q4_K", "Q6_K", "Q8_0"}
+    assert not any(shape.lm_head for _, shape in timed)
+    q4_k = 0 if q4_k_int8_wins else GGUF_DEQUANTIZE_ROWS
+    layers = loaded.model.model.layers
+
+    def switches(layer: LinearBase) -> list[tuple[str, int]]:
+        assert isinstance(layer.method, GGUFLinearMethod)
+        segments = [s for s in layer.gguf_segments if isinstance(s, GGUFSegment)]
+        return [(s.qtype, layer.method.dequantize_rows_of(s.qtype)) for s in segments]
+
+    assert switches(layers[0].self_attn.qkv_proj) == [("Q4_K", q4_k), ("Q8_0", GGUF_DEQUANTIZE_ROWS)]
+    assert switches(layers[0].mlp.down_proj) == [("Q4_K", q4_k)]
+    assert switches(layers[1].mlp.down_proj) == [("Q6_K", GGUF_DEQUANTIZE_ROWS)]
+    assert switches(loaded.model.lm_head) == [("Q8_0", GGUF_HEAD_DEQUANTIZE_ROWS)]
+    assert loaded.dense_backend == (f"packed_bf16[Q4_K:int8,Q6_K:f32_from_{GGUF_DEQUANTIZE_ROWS},Q8_0:f32_from_"
+                                    f"{GGUF_DEQUANTIZE_ROWS}]" if q4_k_int8_wins else
+                                    f"packed_bf16+f32_from_{GGUF_DEQUANTIZE_ROWS}")

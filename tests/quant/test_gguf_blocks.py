@@ -19,7 +19,14 @@ from kv8.kernels.cpu import dense
 from kv8.kernels.cpu.dense import DenseKernels
 from kv8.layers import linear
 from kv8.layers.dense_backend import DenseBackend
-from kv8.layers.linear import GGUF_DEQUANTIZE_ROWS, GGUFLinearMethod, LinearBase, linear_f32
+from kv8.layers.linear import (
+    GGUF_DEQUANTIZE_ROWS,
+    GGUFLinearMethod,
+    GGUFSegment,
+    LinearBase,
+    MergedLinear,
+    linear_f32,
+)
 from kv8.quant import gguf_blocks
 from kv8.quant.gguf_blocks import (
     BLOCK,
@@ -520,6 +527,32 @@ def test_layer_threshold_is_per_method_and_other_dtypes_take_the_float32_gemm(li
     layer.method = GGUFLinearMethod(lib, dequantize_rows=0)   # never dequantized: the int8 kernel at any row count
     many = torch.randn(70, k, generator=torch.Generator().manual_seed(3)).bfloat16()
     assert torch.equal(layer(many), lib.gguf_linear(many, layer.gguf_segments[0].blocks, qtype, 37, None))
+
+
+def test_each_segment_switches_at_its_own_types_rows(lib: DenseKernels) -> None:
+    """A merged layer of a Q4_K and a Q6_K projection (two segments) on a backend whose ``gguf_wide_rows`` never
+    dequantize Q4_K and dequantize Q6_K from 2 rows: at 2 rows its Q4_K rows are the int8 kernel's and its Q6_K rows
+    the float32 GEMM's, bit for bit; at 1 row both are the int8 kernel's."""
+    k = 256
+    q4, q6 = _blocks(24, k, "Q4_K", seed=1), _blocks(16, k, "Q6_K", seed=2)
+    backend = DenseBackend("packed_bf16", lib, "gguf", wide_rows=GGUF_DEQUANTIZE_ROWS,
+                           gguf_wide_rows=(("Q4_K", 0), ("Q6_K", 2)))
+    layer = MergedLinear(k, [24, 16], False, backend)
+    layer.load_gguf(GGUFWeight("Q4_K", q4, k), 0)
+    layer.load_gguf(GGUFWeight("Q6_K", q6, k), 1)
+    layer.process_weights_after_loading()
+    method, (first, second) = layer.method, layer.gguf_segments
+    assert isinstance(method, GGUFLinearMethod) and isinstance(first, GGUFSegment) and isinstance(second, GGUFSegment)
+    assert [(s.qtype, method.dequantize_rows_of(s.qtype)) for s in (first, second)] == [("Q4_K", 0), ("Q6_K", 2)]
+    assert method.dequantize_rows_of("Q8_0") == GGUF_DEQUANTIZE_ROWS   # a type not listed: the backend's wide_rows
+    x = (torch.randn(2, k, generator=torch.Generator().manual_seed(4)) * 3).bfloat16()
+    y = layer(x)
+    assert torch.equal(y[:, :24], lib.gguf_linear(x, first.blocks, "Q4_K", 24, None))
+    assert torch.equal(y[:, 24:], linear_f32(x, dequantize_blocks(q6, "Q6_K", k), None))
+    one = layer(x[:1])
+    assert torch.equal(one[:, 24:], lib.gguf_linear(x[:1], second.blocks, "Q6_K", 16, None))
+    with pytest.raises(ValueError, match=r"Q6_K: the row count .* must be >= 0"):
+        GGUFLinearMethod(lib, type_rows={"Q6_K": -1})
 
 
 @pytest.mark.parametrize("qtype", KEPT_TYPES)

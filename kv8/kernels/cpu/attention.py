@@ -240,18 +240,21 @@ class KernelTesting:
         """The item kernel that serves items of ``rows`` rows (query heads per KV head x query tokens of one
         sequence):
 
-        * "generic": fp32, scalar (builds without AVX2, head dims not a multiple of 8);
+        * "generic": fp32, scalar (builds without AVX2, head dims not a multiple of 8; the FP4 and
+          int4_per_group32 items the kernels below do not take);
         * "avx2": fp32 on AVX2 + FMA, head_dim a multiple of 8: every item of a build without the AVX-512 BF16
-          path, and with it the items the kernels below do not take (fp16 / fp32 caches, int8 / int4 items that
-          are not decode-sized, head dims not a multiple of 16);
-        * "tile": AVX-512 BF16, any item;
+          path, and with it the items the kernels below do not take (fp16 / fp32 caches, int8 / int4 items of
+          at most 4 rows the decode kernel does not serve, head dims not a multiple of 16);
+        * "tile": AVX-512 BF16, any item (int8 / int4 / FP4 / int4_per_group32: items of more than 4 rows, their
+          tiles decoded to bf16; int4_per_group32 with bf16 compute only);
         * "decode": AVX-512 BF16, decode-sized items (bf16 compute, an FP8, bf16, int8 or int4 cache, head_dim
           64 / 128 / 256, blocks of a multiple of 16 tokens, at most 4 rows);
         * "amx_decode": those items on AMX tiles, where :attr:`KernelLibrary.amx` and the K scales are not per
           channel (``k_per_channel``) and the cache is not int8 / int4;
-        * "prefill": the tile kernel's loop for items of more than 4 rows and head_dim <= 128;
+        * "prefill": the tile kernel's loop for items of more than 4 rows and head_dim <= 128 (the formats above
+          through tiles decoded to bf16 as well);
         * "amx": that loop on AMX tiles, where :attr:`KernelLibrary.amx` (bf16 compute, head_dim a multiple of
-          64 up to 256, K scales not per channel)."""
+          64 up to 256, K scales not per channel, an FP8 or bf16 cache)."""
         code = self._c.kv8_test_item_kernel(self.lib.kv_dtype_codes[kv_dtype], self.lib.compute_codes[compute_dtype],
                                             head_dim, block_size, rows, int(self.lib.amx), int(k_per_channel))
         return self.ITEM_KERNELS[code]

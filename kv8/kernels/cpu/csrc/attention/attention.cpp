@@ -20,8 +20,9 @@
 //   item_prefill.h         the tile kernel's prefill loop (items of more than 4 rows with D <= 128)
 //   item_tile.h            item kernel: AVX-512 BF16, any item shape (prefill, fp16 / fp32 compute); its chunked
 //                          tile loop, and the prefill loop where it applies
+//   item_staged.h          the tile kernel on int8 / int4 / int4_per_group32 / fp4_e2m1 tiles decoded to bf16
 //   item_decode.h          item kernel: AVX-512 BF16, decode-shaped items (<= 4 rows, bf16 compute; FP8, bf16,
-//                          int8, int4)
+//                          int8, int4, int4_per_group32, fp4_e2m1)
 //   item_decode_amx.h      the decode item kernel on AMX tiles
 //   ../common/amx_tiles.h  AMX permission and tile configuration (shared with the dense library)
 //   ../common/fp8_bf16.h   FP8 -> bf16 table decode in registers (shared with the dense library's FP8 weights)
@@ -39,9 +40,10 @@
 //     run_item_tile (items of more than 4 rows with D <= 128 -> its prefill loop, run_item_prefill; with AMX
 //     tiles, bf16 compute without per-channel K scales and D % 64 == 0, D <= 256 -> the same loop on AMX
 //     tiles, 16 rows per block)
-//   FAST, KV dtype int8 / int4 / int4_per_group32 / fp4_e2m1 (D % 16 == 0, D <= 1024): decode-shaped items with
-//     bf16 compute -> run_item_decode, every other item -> the AVX2 / generic kernel below (run_item_int; the
-//     group-scaled formats: the generic one)
+//   FAST, KV dtype int8 / int4 / int4_per_group32 / fp4_e2m1 (D % 16 == 0, D <= 1024; run_item_coded):
+//     decode-shaped items the decode kernel serves -> run_item_decode; items of more than 4 rows -> run_item_tile
+//     on tiles decoded to bf16 (item_staged.h; never on AMX tiles; int4_per_group32 with bf16 compute only);
+//     every other item -> the AVX2 / generic kernel below
 //   otherwise, AVX2 + FMA + F16C compiled in and D % 8 == 0, D <= 1024 -> run_item_avx2
 //   otherwise -> run_item_generic
 // All kernels clear MXCSR DAZ/FTZ in their threads (FpEnv), so FP8 subnormals survive.
@@ -64,6 +66,7 @@
 #include "item_prefill_amx.h"
 #include "item_prefill.h"
 #include "item_tile.h"
+#include "item_staged.h"
 #include "item_decode.h"
 #include "item_decode_amx.h"
 #include "store.h"
@@ -81,10 +84,17 @@ static ItemFn fp32_item_fn(const Problem& P) {
 }
 
 #if KV8_FAST
-// An item of an integer cache: the AVX-512 decode kernel where it serves the item's rows, else the fp32 kernel
-// (the tile kernel reads FP8 and bf16 only).
-static int run_item_int(const Problem& P, const Item& it, float* ws) {
-    if (ItemFn f = decode_fn(P, (it.j1 - it.j0) * P.G)) return f(P, it, ws);
+// Whether the tile kernel serves items of `rows` rows of a staged format (item_staged.h): prefill items (more
+// than 4 rows) that staged tiles serve.
+static inline bool staged_item(const Problem& P, int rows) { return rows > 4 && staged_serves(P); }
+
+// An item of an integer or group-scaled cache (kv_staged): the AVX-512 decode kernel where it serves the item's
+// rows, else the tile kernel on staged bf16 tiles for prefill items, else the fp32 kernel.
+template <bool QLO, bool PLO>
+static int run_item_coded(const Problem& P, const Item& it, float* ws) {
+    const int rows = (it.j1 - it.j0) * P.G;
+    if (ItemFn f = decode_fn(P, rows)) return f(P, it, ws);
+    if (staged_item(P, rows)) return run_item_staged<QLO, PLO>(P, it, ws);
     return fp32_item_fn(P)(P, it, ws);
 }
 
@@ -118,16 +128,17 @@ static int item_heads_of(const Problem& P, int rows) {
 static ItemFn pick_item_fn(const Problem& P, int* fast) {
     *fast = 0;
 #if KV8_FAST
+    const bool qlo = !(P.q_dtype == DT_BF16 && !k_per_channel(P));
+    const bool plo = P.q_dtype != DT_BF16;  // bf16 compute: weights in bf16, as precise as the output
     if (P.D % 16 == 0 && P.D <= 1024 && kv_bf16_exact(P.kv)) {
         *fast = 1;
-        bool qlo = !(P.q_dtype == DT_BF16 && !k_per_channel(P));
-        bool plo = P.q_dtype != DT_BF16;  // bf16 compute: weights in bf16, as precise as the output
         if (qlo) return plo ? run_item_fast<true, true> : run_item_fast<true, false>;
         return plo ? run_item_fast<false, true> : run_item_fast<false, false>;
     }
-    if (P.D % 16 == 0 && P.D <= 1024 && kv_decode_fast(P.kv)) {  // integer codes: decode items only
+    if (P.D % 16 == 0 && P.D <= 1024 && kv_staged(P.kv)) {  // integer / group-scaled codes
         *fast = 1;
-        return run_item_int;
+        if (qlo) return plo ? run_item_coded<true, true> : run_item_coded<true, false>;
+        return plo ? run_item_coded<false, true> : run_item_coded<false, false>;
     }
 #endif
     return fp32_item_fn(P);
@@ -207,9 +218,11 @@ int kv8_test_item_kernel(int kv, int q_dtype, int D, int bs, int rows, int use_a
     const ItemFn fn = pick_item_fn(P, &fast);
     if (!fast) return fn == run_item_generic ? KERNEL_GENERIC : KERNEL_AVX2;
 #if KV8_FAST
-    if (!kv_bf16_exact(kv)) {  // integer codes: the decode kernel, else the fp32 kernel (run_item_int)
+    if (!kv_bf16_exact(kv)) {  // integer / group codes (run_item_coded): the decode kernel, the tile kernel on
+                               // staged tiles (never AMX: staged_view) or the fp32 kernel
         if (bs > 0 && decode_fn(P, rows) != nullptr) return KERNEL_DECODE;
-        return fp32_item_fn(P) == run_item_generic ? KERNEL_GENERIC : KERNEL_AVX2;
+        if (!staged_item(P, rows)) return fp32_item_fn(P) == run_item_generic ? KERNEL_GENERIC : KERNEL_AVX2;
+        return uses_prefill_loop(D, rows) ? KERNEL_PREFILL : KERNEL_TILE;
     }
 #if KV8_ATTN_AMX
     if (bs > 0 && decode_amx_fn(P, rows) != nullptr) return KERNEL_AMX_DECODE;

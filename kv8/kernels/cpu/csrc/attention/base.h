@@ -48,16 +48,17 @@ static inline decltype(auto) with_kv_format(int kv, F&& f) {
 }
 static_assert(KV_COUNT == 10, "with_kv_format has a case per format");
 
-// Whether the AVX-512 BF16 tile kernels (item_tile.h, item_prefill.h and their AMX forms) read format kv: every
-// value of it is a bf16 (FP8 through the byte tables).
+// Whether the AVX-512 BF16 tile kernels (item_tile.h, item_prefill.h and their AMX forms) read format kv directly:
+// every value of it is a bf16 (FP8 through the byte tables). The integer and group-scaled formats reach the tile
+// kernel through tiles decoded to bf16 (item_staged.h).
 static constexpr bool kv_bf16_exact(int kv) { return KV_FORMATS[kv].fp8 || KV_FORMATS[kv].elem == DT_BF16; }
 
 // Whether the AVX-512 decode kernel (item_decode.h) reads format kv: the bf16-exact formats, and the integer codes
 // (|code| <= 127: a bf16 exactly), int8 through a byte table, int4 through a nibble table (fast_simd.h). Items of
-// an integer cache that kernel does not serve run the fp32 kernels (AVX2 or generic).
+// an integer cache that kernel does not serve run the tile kernel on staged bf16 tiles (prefill items,
+// item_staged.h) or the fp32 kernels (AVX2 or generic).
 // The group-scaled formats too: int4_per_group32 (the same nibble table; each group's float16 scale applied in the
 // kernel) and FP4 (the nibble layout with a table of the E2M1 values; each group's E4M3 scale applied in the kernel).
-// Items of these two the decode kernel does not serve run the generic kernel.
 static constexpr bool kv_decode_fast(int kv) {
     return kv_bf16_exact(kv) || KV_FORMATS[kv].ibits != 0 || KV_FORMATS[kv].group != 0;
 }

@@ -1,6 +1,8 @@
 // The tile item kernel: the fast path (AVX-512 BF16) for every item shape -- prefill blocks of up to
 // ROWS_PER_ITEM rows, fp16 / fp32 compute, head dims that are a multiple of 16 up to 1024, any block size.
-// Items of decode shape with bf16 compute go to item_decode.h instead (see pick_item_fn). Two loops:
+// Items of decode shape with bf16 compute go to item_decode.h instead (see pick_item_fn). It reads FP8 and bf16
+// tiles through their own decoders (tile_decoders), and the prefill items of the integer and group-scaled caches
+// through tiles decoded to bf16 (item_staged.h: run_item_tile_with on a bf16 view of the problem). Two loops:
 //
 // The prefill loop (items of more than 4 rows, D <= 128; run_item_prefill): item_prefill.h, and its blocks on AMX
 // tiles: item_prefill_amx.h. What the loops share (the chunk walk, P.V, the rows' start and end): tile_chunk.h.
@@ -105,20 +107,31 @@ static inline void pick_pv_fused(PvFused* f) {
     f[4] = tile_pv_fused<KV, 4, PLO>;
 }
 
-template <bool QLO, bool PLO>
-static int run_item_tile(const Problem& P, const Item& it, float* ws) {
-    TileDecoder decode_k = nullptr, decode_v = nullptr;
-    KPairDecoder decode_kp = nullptr;
+// How the tile kernel reads a cache's tiles: K in the chunked loop's layout (k) and in the prefill loop's pair
+// layout (kp), V in the P.V layout (v), and V fused into the P.V product of a decode step of 1..4 rows (pv_fused).
+// The format's own decoders for FP8 and bf16 (tile_decoders); item_staged.h's for the formats it decodes to bf16.
+struct TileDecoders {
+    TileDecoder k = nullptr, v = nullptr;
+    KPairDecoder kp = nullptr;
     PvFused pv_fused[5] = {};
-    with_kv_format(P.kv, [&](auto K) {
-        constexpr int KV = decltype(K)::value;
-        if constexpr (kv_bf16_exact(KV)) {  // the formats pick_item_fn gives this kernel
-            decode_k = decode_k_tile<KV>;
-            decode_v = decode_v_tile<KV>;
-            decode_kp = decode_k_pairs<KV>;
-            pick_pv_fused<KV, PLO>(pv_fused);
-        }
-    });
+};
+
+template <int KV, bool PLO>
+static TileDecoders tile_decoders() {
+    TileDecoders d;
+    d.k = decode_k_tile<KV>;
+    d.v = decode_v_tile<KV>;
+    d.kp = decode_k_pairs<KV>;
+    pick_pv_fused<KV, PLO>(d.pv_fused);
+    return d;
+}
+
+// The tile kernel on an item of P, whose tiles `dec` decodes into the layouts of format P.kv (FP8 or bf16).
+template <bool QLO, bool PLO>
+static int run_item_tile_with(const Problem& P, const Item& it, float* ws, const TileDecoders& dec) {
+    const TileDecoder decode_k = dec.k, decode_v = dec.v;
+    const KPairDecoder decode_kp = dec.kp;
+    const PvFused* pv_fused = dec.pv_fused;
     const Rows w = rows_of(P, it);
     const int D = P.D, R = w.R;
 #if KV8_ATTN_AMX
@@ -250,6 +263,17 @@ static int run_item_tile(const Problem& P, const Item& it, float* ws) {
     }
     finish_rows(P, it, w, obuf, nacc, mx, sum, nat, ws);
     return OK;
+}
+
+// The tile kernel on an item of an FP8 or bf16 cache (kv_bf16_exact: the formats pick_item_fn gives it directly).
+template <bool QLO, bool PLO>
+static int run_item_tile(const Problem& P, const Item& it, float* ws) {
+    TileDecoders dec;
+    with_kv_format(P.kv, [&](auto K) {
+        constexpr int KV = decltype(K)::value;
+        if constexpr (kv_bf16_exact(KV)) dec = tile_decoders<KV, PLO>();
+    });
+    return run_item_tile_with<QLO, PLO>(P, it, ws, dec);
 }
 
 #endif  // KV8_FAST

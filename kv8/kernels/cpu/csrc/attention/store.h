@@ -100,23 +100,29 @@ static inline void prefetch_for_write(const void* p) {
 #endif
 }
 
+// The scale of the group x[g0, g1) for codes whose largest magnitude is qmax (the group-scaled formats below):
+// amax / qmax, 1.0 where the group holds a NaN or amax / qmax is zero or not finite, then clamped to [lo, hi] (the
+// scale format's range); the caller rounds it to that format.
+static inline float group_scale(const float* x, int g0, int g1, float qmax, float lo, float hi) {
+    float amax = 0.0f;
+    bool nan = false;
+    for (int d = g0; d < g1; ++d) {
+        const float a = fabsf(x[d]);
+        nan |= a != a;
+        amax = a > amax ? a : amax;
+    }
+    float s = amax / qmax;
+    if (nan || !(s > 0.0f) || s == INFINITY) s = 1.0f;
+    return s < lo ? lo : s > hi ? hi : s;
+}
+
 // One FP4 row (kv8.quant.fp4, bit for bit): per group of G values (the last one shorter when G does not divide D) the
 // E4M3 scale s = e4m3(clamp(amax / 6, 2^-9, 448)), 1.0 where amax / 6 is zero or not finite; codes e2m1(x / s), two
 // per byte; the scales' bytes after the D / 2 code bytes. x: the row in float32 (overwritten).
 static inline void store_row_fp4(float* x, int D, int G, uint8_t* dst) {
     for (int g0 = 0; g0 < D; g0 += G) {
         const int g1 = g0 + G < D ? g0 + G : D;
-        float amax = 0.0f;
-        bool nan = false;
-        for (int d = g0; d < g1; ++d) {
-            const float a = fabsf(x[d]);
-            nan |= a != a;
-            amax = a > amax ? a : amax;
-        }
-        float s = amax / 6.0f;
-        if (nan || !(s > 0.0f) || s == INFINITY) s = 1.0f;
-        s = s < 0x1p-9f ? 0x1p-9f : s > 448.0f ? 448.0f : s;
-        const uint8_t sc = fp8_encode<KV_E4M3>(s);
+        const uint8_t sc = fp8_encode<KV_E4M3>(group_scale(x, g0, g1, 6.0f, 0x1p-9f, 448.0f));
         const float sv = fp8_bits<KV_E4M3>(sc);
         dst[D / 2 + g0 / G] = sc;
         for (int d = g0; d < g1; ++d) x[d] = x[d] / sv;
@@ -130,17 +136,7 @@ static inline void store_row_fp4(float* x, int D, int G, uint8_t* dst) {
 // bytes. x: the row in float32 (overwritten).
 static inline void store_row_int4_group(float* x, int D, int G, uint8_t* dst) {
     for (int g0 = 0; g0 < D; g0 += G) {
-        float amax = 0.0f;
-        bool nan = false;
-        for (int d = g0; d < g0 + G; ++d) {
-            const float a = fabsf(x[d]);
-            nan |= a != a;
-            amax = a > amax ? a : amax;
-        }
-        float s = amax / 7.0f;
-        if (nan || !(s > 0.0f) || s == INFINITY) s = 1.0f;
-        s = s < 0x1p-24f ? 0x1p-24f : s > 65504.0f ? 65504.0f : s;
-        const uint16_t h = f_f16(s);
+        const uint16_t h = f_f16(group_scale(x, g0, g0 + G, 7.0f, 0x1p-24f, 65504.0f));
         const float sv = f16_f(h);
         dst[D / 2 + 2 * (g0 / G)] = (uint8_t)(h & 0xFF);
         dst[D / 2 + 2 * (g0 / G) + 1] = (uint8_t)(h >> 8);
