@@ -543,6 +543,14 @@ def test_attention_long_prefill(lib: kernels.KernelLibrary, kernel_path: str, kv
     prefixes (hundreds of tiles, diagonal chunks at every offset, lengths that end mid-tile), next to a decode
     and a 5-token prompt; GQA 1 / 3 / 4 / 8; head_dim 32 / 80 (partial 64-byte chunks) / 64 / 128; blocks of 8
     (tiles across blocks), 16, 32; NaN past every context; automatic and forced partitions."""
+    _long_prefills(lib, kv_name, gran, q_dtype, group, dim, bs)
+
+
+def _long_prefills(lib: kernels.KernelLibrary, kv_name: str, gran: str, q_dtype: torch.dtype, group: int, dim: int,
+                   bs: int) -> None:
+    """The prefill kernel asserted to serve, then a 300-token prompt and chunked prefills of 77 and 200 tokens over
+    cached prefixes next to a decode and a 5-token prompt, NaN past every context, against the reference with
+    automatic and forced partitions."""
     prefill_kernel(lib, kv_name, gran, q_dtype, dim, bs)
     cache, meta, q = make_case(kv_name, gran, q_dtype, group=group, dim=dim, bs=bs, heads=2,
                                query_lens=[300, 77, 1, 200, 5], seq_lens=[300, 500, 37, 1000, 5],
@@ -567,12 +575,7 @@ def test_staged_prefill(lib: kernels.KernelLibrary, kv_name: str, gran: str, q_d
     / 4 / 8; head_dim 32 / 64 / 96 / 128 / 256 and 80 (int4 / FP4 rows of 40 bytes: a last 16 channels apart);
     blocks of 8, 16, 32; NaN past every context (int8 / int4: NaN token scales; FP4 / int4_per_group32: NaN group
     scales); automatic and forced partitions."""
-    prefill_kernel(lib, kv_name, gran, q_dtype, dim, bs)
-    cache, meta, q = make_case(kv_name, gran, q_dtype, group=group, dim=dim, bs=bs, heads=2,
-                               query_lens=[300, 77, 1, 200, 5], seq_lens=[300, 500, 37, 1000, 5],
-                               seed=group + dim + bs, poison=True)
-    for partition in (0, 112):
-        check_attention(lib, cache, meta, q, partition_size=partition)
+    _long_prefills(lib, kv_name, gran, q_dtype, group, dim, bs)
 
 
 @pytest.mark.parametrize("kv_name", ["fp8_e4m3", "bfloat16"])
