@@ -3,18 +3,14 @@
 
 from __future__ import annotations
 
-import importlib.util
 import subprocess
 import sys
 
 import torch
 
-from tests.helpers.paths import ROOT
+from tests.helpers.paths import ROOT, load_file_module
 
-spec = importlib.util.spec_from_file_location("bench_bandwidth", ROOT / "benchmarks" / "bench_bandwidth.py")
-assert spec is not None and spec.loader is not None
-bench = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(bench)
+bench = load_file_module(ROOT / "benchmarks" / "bench_bandwidth.py")
 
 
 def test_weight_bytes_match_smollm2():

@@ -3,7 +3,6 @@ modules, and one ``--quick`` run of the real tool on SmolLM2-135M (tables, value
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -16,18 +15,13 @@ import pytest
 import torch
 from torch import nn
 
-from tests.helpers.paths import ROOT
+from tests.helpers.paths import ROOT, load_file_module
 
 
 def load_bench() -> ModuleType:
     if str(ROOT / "benchmarks") not in sys.path:   # as when it runs as a script: it imports benchmarks/engine_steps.py
         sys.path.insert(0, str(ROOT / "benchmarks"))
-    spec = importlib.util.spec_from_file_location("bench_profile", ROOT / "benchmarks" / "bench_profile.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module   # dataclasses look their module up while the file executes
-    spec.loader.exec_module(module)
-    return module
+    return load_file_module(ROOT / "benchmarks" / "bench_profile.py")
 
 
 bench = load_bench()

@@ -6,7 +6,6 @@ No peer engine runs here: the fixtures are the tools' real output, recorded once
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import os
 import signal
 import subprocess
@@ -18,7 +17,7 @@ from types import ModuleType
 
 import pytest
 
-from tests.helpers.paths import FIXTURES, ROOT
+from tests.helpers.paths import FIXTURES, ROOT, load_file_module
 
 PEERS = FIXTURES / "peers"
 
@@ -26,12 +25,7 @@ PEERS = FIXTURES / "peers"
 def load_bench() -> ModuleType:
     if str(ROOT / "benchmarks") not in sys.path:   # as when it runs as a script: it imports benchmarks/revisions.py
         sys.path.insert(0, str(ROOT / "benchmarks"))
-    spec = importlib.util.spec_from_file_location("bench_vs_peers", ROOT / "benchmarks" / "bench_vs_peers.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module   # dataclasses look their module up while the file executes
-    spec.loader.exec_module(module)
-    return module
+    return load_file_module(ROOT / "benchmarks" / "bench_vs_peers.py")
 
 
 bench = load_bench()

@@ -5,7 +5,6 @@ cache holding twice the bf16 sequences in one budget, the blocks returned) do.""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -13,13 +12,9 @@ import sys
 
 import pytest
 
-from tests.helpers.paths import ROOT
+from tests.helpers.paths import ROOT, load_file_module
 
-spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "benchmarks" / "gpu_check.py")
-assert spec is not None and spec.loader is not None
-gpu_check = importlib.util.module_from_spec(spec)
-sys.modules["gpu_check"] = gpu_check   # its dataclass looks its module up while it is made
-spec.loader.exec_module(gpu_check)
+gpu_check = load_file_module(ROOT / "benchmarks" / "gpu_check.py")
 
 MiB = 2**20
 ALL = ("attention", "engine", "tests")

@@ -3,9 +3,8 @@ changes nothing, E4M3 modes give errors of E4M3's size, and the rotation keeps e
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 import torch
@@ -13,18 +12,13 @@ import torch
 from kv8.cache.codec import KVCodec
 from kv8.quant.formats import resolve_kv_cache_dtype
 from kv8.quant.scales import KVScales
-from tests.helpers.paths import ROOT
+from tests.helpers.paths import ROOT, load_file_module
 
 SCRIPT = ROOT / "scripts" / "attention_error.py"
 
 
-def _script():
-    spec = importlib.util.spec_from_file_location("attention_error", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["attention_error"] = module   # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
+def _script() -> ModuleType:
+    return load_file_module(SCRIPT)
 
 
 def test_layer_errors_are_zero_for_an_exact_cache_and_e4m3_sized_otherwise() -> None:

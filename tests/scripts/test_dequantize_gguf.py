@@ -4,9 +4,8 @@ both files as the same model."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
+from types import ModuleType
 
 import gguf
 import numpy as np
@@ -14,18 +13,13 @@ from gguf import GGMLQuantizationType as QT
 
 from kv8.loader.gguf import read_gguf
 from tests.helpers.gguf_files import write_tiny_gguf
-from tests.helpers.paths import ROOT
+from tests.helpers.paths import ROOT, load_file_module
 
 SCRIPT = ROOT / "scripts" / "dequantize_gguf.py"
 
 
-def _script():
-    spec = importlib.util.spec_from_file_location("dequantize_gguf", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["dequantize_gguf"] = module
-    spec.loader.exec_module(module)
-    return module
+def _script() -> ModuleType:
+    return load_file_module(SCRIPT)
 
 
 def test_every_tensor_is_the_inputs_dequantized_and_the_metadata_is_kept(tmp_path: Path) -> None:

@@ -3,27 +3,21 @@ tiny Gemma 3 model."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
+from types import ModuleType
 
 import ml_dtypes
 import numpy as np
 import pytest
 import torch
 
-from tests.helpers.paths import ROOT
+from tests.helpers.paths import ROOT, load_file_module
 
 SCRIPT = ROOT / "scripts" / "kv4_error.py"
 
 
-def _script():
-    spec = importlib.util.spec_from_file_location("kv4_error", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["kv4_error"] = module
-    spec.loader.exec_module(module)
-    return module
+def _script() -> ModuleType:
+    return load_file_module(SCRIPT)
 
 
 def test_the_candidates_round_like_their_formats() -> None:

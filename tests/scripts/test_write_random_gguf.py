@@ -4,10 +4,9 @@ within 10% of the file's tensor bytes, and decodes through an engine."""
 
 from __future__ import annotations
 
-import importlib.util
 import os
-import sys
 from pathlib import Path
+from types import ModuleType
 
 import gguf
 import numpy as np
@@ -19,18 +18,13 @@ from kv8 import LLM, SamplingParams
 from kv8.layers.linear import GGUFSegment, LinearBase
 from kv8.loader.gguf import read_gguf
 from kv8.loader.model import load_model, resident_weight_bytes
-from tests.helpers.paths import ROOT
+from tests.helpers.paths import ROOT, load_file_module
 
 SCRIPT = ROOT / "scripts" / "write_random_gguf.py"
 
 
-def _script():
-    spec = importlib.util.spec_from_file_location("write_random_gguf", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["write_random_gguf"] = module
-    spec.loader.exec_module(module)
-    return module
+def _script() -> ModuleType:
+    return load_file_module(SCRIPT)
 
 
 def _tiny_shape(w):
