@@ -545,13 +545,6 @@ def iter_gguf_weights(reader: gguf.GGUFReader, model: GGUFModel, dtype: torch.dt
         os.close(fd)
 
 
-def gguf_keeps_blocks(reader: gguf.GGUFReader, model: GGUFModel) -> bool:
-    """Whether ``quantization="gguf"`` would keep any of the decoder's linear weights as blocks (a tensor of a type in
-    :data:`~kv8.quant.gguf_blocks.KEPT_TYPES`): False for a file of F16 / F32 / other types only."""
-    return any(t.tensor_type.name in KEPT_TYPES and _is_decoder_linear(hf_tensor_name(t.name, model.architecture))
-               for t in reader.tensors)
-
-
 def gguf_block_summary(reader: gguf.GGUFReader, model: GGUFModel) -> str:
     """``"Q4_1: 210 tensors, 63.3 MiB"``: the types and bytes of the decoder's linear weights that
     ``quantization="gguf"`` keeps as blocks, then (``"; dequantized at load: Q5_K: 9 tensors, 7.4 MiB in the

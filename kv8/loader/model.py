@@ -85,13 +85,14 @@ def _read_gguf(path: str, mtime: float) -> tuple[Any, Any]:
 
 def keeps_gguf_blocks(kind: str, path: str) -> bool:
     """Whether model ``path`` is a GGUF file with decoder linear weights that ``quantization="gguf"`` keeps as blocks
-    (:func:`kv8.loader.gguf.gguf_keeps_blocks`)."""
+    (of a type in :data:`~kv8.quant.gguf_blocks.KEPT_TYPES`; False for a file of F16 / F32 / other types only)."""
     if kind != "gguf":
         return False
-    from kv8.loader.gguf import gguf_keeps_blocks
+    from kv8.loader.gguf import gguf_weight_types
 
     gguf_model, reader = _read_gguf(path, os.path.getmtime(path))
-    return gguf_keeps_blocks(reader, gguf_model)
+    types = gguf_weight_types(reader, gguf_model)   # the decoder's linear weights, and the LM head's
+    return any(qtype in KEPT_TYPES for name, qtype in types.items() if name != "lm_head.weight")
 
 
 def read_model_config(kind: str, path: str) -> dict[str, Any]:
