@@ -131,16 +131,19 @@ class EngineArgs(OptionGroup):
             parser.add_argument("model", help=help_text)
 
     # ---- validation ---------------------------------------------------------------------------------------------
-    def weight_quantization(self, model_kind: str, model_path: str) -> tuple[str | None, bool]:
+    def weight_quantization(self, model_kind: str, model_path: str,
+                            platform: Platform | None = None) -> tuple[str | None, bool]:
         """The quantization the engine runs (``None``: the weights as loaded) and whether it was chosen for the
-        model rather than given: ``quantization`` unset means :func:`default_quantization`'s choice, ``"none"`` as
-        loaded. ``ValueError`` for a value not in :data:`~kv8.engine.config.QUANTIZATION_CHOICES`."""
+        model rather than given: ``quantization`` unset means :func:`default_quantization`'s choice on ``platform``
+        (default: ``device`` resolved), ``"none"`` as loaded. ``ValueError`` for a value not in
+        :data:`~kv8.engine.config.QUANTIZATION_CHOICES`."""
         check_choice("quantization", self.quantization, QUANTIZATION_CHOICES, optional=True,
                      hint="(or leave it unset for the checkpoint's own form)")
         if self.quantization is not None:
             return (None if self.quantization == "none" else self.quantization), False
-        chosen = default_quantization(model_kind, model_path, resolve_dtype(self.dtype), Platform.resolve(self.device),
-                                      self.dense_backend, self.load_format, self.tensor_parallel_size)
+        platform = platform if platform is not None else Platform.resolve(self.device)
+        chosen = default_quantization(model_kind, model_path, resolve_dtype(self.dtype), platform, self.dense_backend,
+                                      self.load_format, self.tensor_parallel_size)
         return chosen, chosen is not None
 
     def create_engine_config(self, hf_config: dict, model_kind: str, model_path: str) -> EngineConfig:
@@ -163,7 +166,8 @@ class EngineArgs(OptionGroup):
             max_model_len = default_max_model_len(arch.max_position_embeddings)
         sched = SchedulerConfig(max_model_len=max_model_len, max_num_seqs=self.max_num_seqs,
                                 max_num_batched_tokens=self.max_num_batched_tokens)
-        quantization, auto = self.weight_quantization(model_kind, model_path)
+        platform = Platform.resolve(self.device)
+        quantization, auto = self.weight_quantization(model_kind, model_path, platform)
         if auto:
             logger.info("weights: %s keeps its GGUF blocks (quantization='gguf', the default for a quantized GGUF "
                         "file on the CPU; quantization='none' dequantizes them at load)", model_path)
@@ -172,7 +176,7 @@ class EngineArgs(OptionGroup):
                             dense_backend=self.dense_backend, quantization=quantization, quantization_auto=auto,
                             parallel=ParallelConfig(self.tensor_parallel_size, self.cpu_threads_per_rank,
                                                     self.adaptive_cpu_threads),
-                            platform=Platform.resolve(self.device), load_format=self.load_format,
+                            platform=platform, load_format=self.load_format,
                             enforce_eager=self.enforce_eager)
 
 

@@ -187,7 +187,7 @@ def cmd_info(ns: argparse.Namespace) -> int:
           f"{arch.num_heads} query / {arch.num_kv_heads} KV heads, head_dim {arch.head_dim}, "
           f"vocab {arch.vocab_size}, context {arch.max_position_embeddings}, rope_theta {arch.rope_theta:g}")
     dtype = resolve_dtype(ns.dtype)
-    quantization, auto = EngineArgs.from_cli_args(ns).weight_quantization(kind, path)
+    quantization, auto = EngineArgs.from_cli_args(ns).weight_quantization(kind, path, platform)
     plan = _dense_plan(kind, path, hf_config, dtype, quantization) if platform.kind == "cpu" else "torch"
     print(f"dense layers {plan}")
     chosen = (" (the default for a quantized GGUF file on this machine; --quantization none dequantizes it at load)"
