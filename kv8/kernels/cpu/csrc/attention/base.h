@@ -161,6 +161,9 @@ static inline int int4_at(const uint8_t* row, int d) {
 // 6 (inf included), NaN -> 0, the sign kept for values that round to 0.
 static constexpr float E2M1_VALUES[16] = {0.0f,  0.5f,  1.0f,  1.5f,  2.0f,  3.0f,  4.0f,  6.0f,
                                           -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
+// The value of 4-bit code n (0..15) of a format with nibble codes (kv_nibble_codes): E2M1 for FP4, two's complement
+// int4 ((n ^ 8) - 8) for int4 per token and head and int4_per_group32.
+static constexpr float nibble_value(int kv, int n) { return kv_fp4_codes(kv) ? E2M1_VALUES[n] : (float)((n ^ 8) - 8); }
 static inline uint8_t e2m1_encode(float x) {
     if (x != x) return 0;
     const float a = fabsf(x);

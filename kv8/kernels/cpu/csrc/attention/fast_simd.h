@@ -48,8 +48,7 @@ static Lut int_tables(int kv) {
         hi[c] = (uint8_t)(h >> 8);
     }
     alignas(64) uint16_t w4[32];
-    for (int i = 0; i < 32; ++i)
-        w4[i] = f_bf16(kv_fp4_codes(kv) ? E2M1_VALUES[i & 15] : (float)(((i & 15) ^ 8) - 8));
+    for (int i = 0; i < 32; ++i) w4[i] = f_bf16(nibble_value(kv, i & 15));
     Lut t;
     t.lo0 = kv_nibble_codes(kv) ? _mm512_load_si512(w4) : _mm512_load_si512(lo);
     t.lo1 = _mm512_load_si512(lo + 64);

@@ -46,7 +46,7 @@ static inline bool staged_serves(const Problem& P) { return kv_staged_exact(P.kv
 template <int KV>
 static inline __m512 nibble_values() {
     alignas(64) float t[16];
-    for (int i = 0; i < 16; ++i) t[i] = KV_FORMATS[KV].gscale == 1 ? E2M1_VALUES[i] : (float)((i ^ 8) - 8);
+    for (int i = 0; i < 16; ++i) t[i] = nibble_value(KV, i);
     return _mm512_load_ps(t);
 }
 
