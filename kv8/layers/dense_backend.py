@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from kv8.kernels.cpu.build import KernelUnavailable
-from kv8.kernels.cpu.dense import DenseKernels, load_dense_kernels
+from kv8.kernels.cpu.dense import FP8_REGISTER_ROWS, DenseKernels, load_dense_kernels
 from kv8.platform import CPU, Platform
 
 logger = logging.getLogger("kv8")
@@ -56,12 +56,19 @@ class DenseBackend:
     # quantization="gguf": ``(block type, rows)`` pairs, sorted by type, each type's own ``wide_rows`` (0: the int8
     # kernel at every row count), chosen per type by kv8.layers.tuning; a type not listed uses ``wide_rows``
     gguf_wide_rows: tuple[tuple[str, int], ...] = ()
+    # packed_bf16 with quantization="fp8": calls of up to this many rows decode the codes in registers, longer ones
+    # into a buffer once per call (the same bits; :data:`kv8.kernels.cpu.dense.FP8_REGISTER_ROWS`), chosen per
+    # machine by kv8.layers.tuning
+    fp8_register_rows: int = FP8_REGISTER_ROWS
 
     @property
     def label(self) -> str:
-        """The name, with the float32 GEMM of long chunks where it is on (``packed_bf16+f32_from_512``), and each
-        block type's switch where it has its own (``packed_bf16[Q4_K:int8,Q6_K:f32_from_32]``)."""
+        """The name, with the float32 GEMM of long chunks where it is on (``packed_bf16+f32_from_512``), FP8 codes
+        decoded into a buffer from a row count other than the fixed rule's (``packed_bf16+fp8_buffer_from_17``), and
+        each block type's switch where it has its own (``packed_bf16[Q4_K:int8,Q6_K:f32_from_32]``)."""
         label = f"{self.name}+f32_from_{self.wide_rows}" if self.wide_rows else self.name
+        if self.fp8_register_rows != FP8_REGISTER_ROWS:
+            label += f"+fp8_buffer_from_{self.fp8_register_rows + 1}"
         if self.gguf_wide_rows:
             label += "[" + ",".join(f"{qtype}:f32_from_{rows}" if rows else f"{qtype}:int8"
                                     for qtype, rows in self.gguf_wide_rows) + "]"
@@ -85,6 +92,11 @@ class DenseBackend:
         if self.wide_rows < 0 or (self.wide_rows and self.name != "packed_bf16"):
             raise ValueError(f"wide_rows={self.wide_rows}: >= 0, and non-zero only for packed_bf16 (the model's own "
                              "weights, FP8 weights or GGUF blocks)")
+        if self.fp8_register_rows != FP8_REGISTER_ROWS and (
+                self.fp8_register_rows < 0 or self.name != "packed_bf16" or self.quantization != "fp8"):
+            raise ValueError(f"fp8_register_rows={self.fp8_register_rows}: >= 0, and other than "
+                             f"{FP8_REGISTER_ROWS} only for packed_bf16 with quantization='fp8', not {self.name!r} "
+                             f"with quantization={self.quantization!r}")
         if self.gguf_wide_rows:
             types = [qtype for qtype, _ in self.gguf_wide_rows]
             if self.name != "packed_bf16" or self.quantization != "gguf":

@@ -80,7 +80,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kv8.distributed.shard import kv_head_shard, shard_group, split_evenly
-from kv8.kernels.cpu.dense import DenseKernels
+from kv8.kernels.cpu.dense import FP8_REGISTER_ROWS, DenseKernels
 from kv8.layers.activation import SiluAndMul
 from kv8.layers.dense_backend import GGUF_DEQUANTIZE_ROWS, DenseBackend
 from kv8.quant.formats import E4M3
@@ -283,9 +283,18 @@ class PackedFP8LinearMethod(PackedBF16LinearMethod):
     differ from the packed kernel's by the order of the float32 additions and by where the scale enters: here each
     weight ``decode(code) * scale`` is rounded to float32 (a relative 2^-24) and each product with it rounds too,
     where the kernel's products ``x * decode(code)`` are exact and the scale multiplies each sum once; both are far
-    below the one rounding of the output to bf16 (2^-9)."""
+    below the one rounding of the output to bf16 (2^-9).
+
+    ``register_rows``: calls of up to that many rows decode the codes in registers, longer ones into a buffer once
+    per call (:data:`kv8.kernels.cpu.dense.FP8_REGISTER_ROWS`; the same bits, chosen per machine)."""
 
     name = "packed_fp8"
+
+    def __init__(self, kernels: DenseKernels, wide_rows: int = 0, register_rows: int = FP8_REGISTER_ROWS) -> None:
+        super().__init__(kernels, wide_rows)
+        if register_rows < 0:
+            raise ValueError(f"register_rows={register_rows} must be >= 0")
+        self.register_rows = register_rows
 
     def _pack(self, layer: LinearBase, weight: torch.Tensor) -> None:
         codes, scale = quantize_fp8_rows(weight, layer.row_amax)
@@ -300,7 +309,7 @@ class PackedFP8LinearMethod(PackedBF16LinearMethod):
         if self._wide(rows) and not gated:
             return self._wide_linear(layer, rows, out_features)
         return self.kernels.linear(rows, layer.packed, out_features, layer.bias_f32, gated=gated,
-                                   scale=layer.scale_f32)
+                                   scale=layer.scale_f32, fp8_register_rows=self.register_rows)
 
 
 class TorchFP8LinearMethod(TorchLinearMethod):
@@ -580,7 +589,7 @@ def linear_method(backend: DenseBackend, quantize: bool = True) -> LinearMethod:
     if backend.kernels is None:
         return TorchFP8LinearMethod() if fp8 else TorchLinearMethod()
     if fp8:
-        return PackedFP8LinearMethod(backend.kernels, backend.wide_rows)
+        return PackedFP8LinearMethod(backend.kernels, backend.wide_rows, backend.fp8_register_rows)
     # (a layer kept as loaded under quantization="gguf", e.g. an LM head of a type without a kernel: the backend's
     # wide_rows is the blocks' switch, not this method's)
     return PackedBF16LinearMethod(backend.kernels, backend.wide_rows if backend.quantization != "gguf" else 0)

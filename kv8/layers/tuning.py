@@ -71,7 +71,7 @@ import torch
 from kv8 import envs
 from kv8.cpu_load import others_cores, read_cpu_clock, this_process_cpus
 from kv8.kernels.cpu.build import KernelUnavailable
-from kv8.kernels.cpu.dense import load_dense_kernels
+from kv8.kernels.cpu.dense import FP8_REGISTER_ROWS, load_dense_kernels
 from kv8.layers.dense_backend import GGUF_DEQUANTIZE_ROWS, DenseBackend, select_dense_backend
 from kv8.layers.linear import WIDE_ROWS, Linear, linear_method
 from kv8.quant.gguf_blocks import random_blocks
@@ -86,6 +86,12 @@ __all__ = ["BUSY_CORES", "EARLY_MARGIN", "PREFILL_ROWS", "TIMED_ROWS", "TUNE_ROU
 
 PREFILL_ROWS = 64            # rows of the prefill timing (a chunk's rows pass the same weights; kept short)
 TIMED_ROWS = (1, PREFILL_ROWS, WIDE_ROWS)   # a decode step, a short chunk, a long prompt's chunk
+#: FP8 weights on the vdpbf16ps path (AVX-512 BF16 without AMX): besides the fixed rule's
+#: :data:`~kv8.kernels.cpu.dense.FP8_REGISTER_ROWS`, candidates that decode the codes in registers only up to this many
+#: rows (one or two blocks of rows) and into a buffer once per call beyond. On an Intel Xeon without AMX (SmolLM2's
+#: 30 layers, 2 threads, ``bench_linear.py``) the buffer ran 1.06x the registers at 32 rows and 1.10x at 64, 0.97x at
+#: 16; on an AMD EPYC (Zen 5) the registers won at 32 rows (1.3x)
+FP8_SHORT_REGISTER_ROWS = 16
 TUNE_ROUNDS = 3              # rounds over the candidates, each keeping its fastest time (module docstring, step 1)
 EARLY_MARGIN = 0.10          # a leader of every round this much ahead after two rounds ends the timing (step 2)
 BUSY_CORES = 0.25            # other processes' CPU use while timing above which a plan is provisional
@@ -319,8 +325,9 @@ class _LayerTimer:
 
     @staticmethod
     def _layout(backend: DenseBackend) -> object:
-        """What a layer's buffers depend on: the backend but its ``wide_rows`` (which only its method reads)."""
-        return replace(backend, wide_rows=0)
+        """What a layer's buffers depend on: the backend but its ``wide_rows`` and ``fp8_register_rows`` (which only
+        its method reads)."""
+        return replace(backend, wide_rows=0, fp8_register_rows=FP8_REGISTER_ROWS)
 
     def _layer(self, backend: DenseBackend, shape: LinearShape) -> Linear:
         layer = self.layers.get((backend.label, shape))
@@ -410,9 +417,11 @@ def candidates(shapes: Sequence[LinearShape], dtype: torch.dtype, quantization: 
     """The CPU dense backends that can run a model of ``shapes`` in ``dtype``, by label
     (:attr:`~kv8.layers.dense_backend.DenseBackend.label`): ``packed_bf16`` where kv8's kernels load (bf16 models),
     and ``packed_bf16+f32_from_<WIDE_ROWS>`` (the same kernels, long chunks in float32: bf16 weights widened, FP8
-    codes decoded times their scales); ``torch``; and ``torch_fp32`` for 16-bit models while its float32 weights take
-    at most half of the free memory. ``quantization="gguf"``: where the kernels load (bf16) and some decoder shape has
-    a block type they read (:attr:`LinearShape.qtype`; the shapes :func:`tuning_groups` times, type by type),
+    codes decoded times their scales), with FP8 weights on the vdpbf16ps path (no AMX) each also with the codes
+    decoded into a buffer from :data:`FP8_SHORT_REGISTER_ROWS` + 1 rows (``+fp8_buffer_from_17``); ``torch``; and
+    ``torch_fp32`` for 16-bit models while its float32 weights take at most half of the free memory.
+    ``quantization="gguf"``: where the kernels load (bf16) and some decoder shape has a block type they read
+    (:attr:`LinearShape.qtype`; the shapes :func:`tuning_groups` times, type by type),
     ``packed_bf16+f32_from_<GGUF_DEQUANTIZE_ROWS>`` (the blocks dequantized for the float32 GEMM from that many rows)
     and ``packed_bf16`` (the int8 kernel at every row count); else one candidate, not timed (the fixed rule: the
     first, or ``torch``, the GGUF reference)."""
@@ -433,6 +442,9 @@ def candidates(shapes: Sequence[LinearShape], dtype: torch.dtype, quantization: 
         else:
             found.append(DenseBackend("packed_bf16", kernels, quantization))
             found.append(DenseBackend("packed_bf16", kernels, quantization, wide_rows=WIDE_ROWS))
+            if quantization == "fp8" and kernels.isa == "avx512" and not kernels.amx:
+                # FP8 codes decoded into a buffer from FP8_SHORT_REGISTER_ROWS + 1 rows (vdpbf16ps: the same bits)
+                found += [replace(b, fp8_register_rows=FP8_SHORT_REGISTER_ROWS) for b in found[-2:]]
     found.append(DenseBackend("torch", None, quantization))
     if dtype in (torch.bfloat16, torch.float16):
         fp32_bytes = sum(4 * s.out_features * s.in_features * s.count for s in shapes)

@@ -16,11 +16,13 @@ import pytest
 import torch
 
 from kv8.cpu_load import CpuClock
+from kv8.kernels.cpu.dense import FP8_REGISTER_ROWS
 from kv8.layers.dense_backend import GGUF_DEQUANTIZE_ROWS, DenseBackend
 from kv8.layers.linear import WIDE_ROWS, Linear, TorchF32LinearMethod, linear_method, linear_reference
 from kv8.layers.tuning import (
     BUSY_CORES,
     EARLY_MARGIN,
+    FP8_SHORT_REGISTER_ROWS,
     PLAN_VERSION,
     PREFILL_ROWS,
     TIMED_ROWS,
@@ -194,6 +196,12 @@ def test_the_timer_packs_each_shape_once_for_the_packed_candidates() -> None:
             assert timer.measure(backend, shape, 1) > 0
         a, b = timer.layers[(plain.label, shape)], timer.layers[(wide.label, shape)]
         assert a.packed.data_ptr() == b.packed.data_ptr() and len(timer.built) == 1
+        if quantization == "fp8":   # codes decoded into a buffer from 17 rows: the same packed codes, its own method
+            short = DenseBackend("packed_bf16", kernels, "fp8", fp8_register_rows=FP8_SHORT_REGISTER_ROWS)
+            assert timer.measure(short, shape, 1) > 0 and len(timer.built) == 1
+            c = timer.layers[(short.label, shape)]
+            assert c.packed.data_ptr() == a.packed.data_ptr()
+            assert c.method.register_rows == FP8_SHORT_REGISTER_ROWS   # type: ignore[attr-defined]
         assert a.method.wide_rows == 0 and b.method.wide_rows == WIDE_ROWS   # type: ignore[attr-defined]
         x = torch.randn(WIDE_ROWS, 64, generator=torch.Generator().manual_seed(2)).bfloat16()
         torch.testing.assert_close(a(x).float(), b(x).float(), rtol=2 ** -7, atol=2 ** -7)   # the same weights
@@ -364,6 +372,14 @@ def test_candidates_by_dtype_and_memory(monkeypatch: pytest.MonkeyPatch) -> None
         assert fp8["packed_bf16"].kernels is kernels and fp8["packed_bf16"].quantization == "fp8"
         assert fp8[wide].quantization == "fp8" and fp8[wide].wide_rows == WIDE_ROWS and fp8[wide].kernels is kernels
         assert candidates(SHAPES, torch.bfloat16, None)[wide].wide_rows == WIDE_ROWS
+        # FP8 codes decoded into a buffer from FP8_SHORT_REGISTER_ROWS + 1 rows: a candidate on the vdpbf16ps path
+        # only (AMX decodes its own way, the AVX2 path has no such switch), for FP8 weights only
+        buffered = {f"packed_bf16+fp8_buffer_from_{FP8_SHORT_REGISTER_ROWS + 1}",
+                    f"{wide}+fp8_buffer_from_{FP8_SHORT_REGISTER_ROWS + 1}"}
+        vdpbf16ps = kernels.isa == "avx512" and not kernels.amx
+        assert (buffered <= set(fp8)) == vdpbf16ps and not buffered & set(candidates(SHAPES, torch.bfloat16, None))
+        assert all(fp8[name].fp8_register_rows == FP8_SHORT_REGISTER_ROWS for name in buffered & set(fp8))
+        assert fp8["packed_bf16"].fp8_register_rows == fp8[wide].fp8_register_rows == FP8_REGISTER_ROWS
     assert set(candidates(SHAPES, torch.float32, None)) == {"torch"}    # nothing to widen, no bf16 kernels
     assert "packed_bf16" not in candidates(SHAPES, torch.float16, None)
     monkeypatch.setattr("kv8.layers.tuning.memory_available", lambda: 1000)   # float32 weights would not fit

@@ -227,6 +227,72 @@ def test_fp8_rows_do_not_depend_on_the_batch(lib: DenseKernels, path: str) -> No
     assert torch.equal(whole[3:30], lib.linear(x[3:30], packed, 100, None, scale=scale))
 
 
+@pytest.mark.parametrize("gated", [False, True])
+def test_fp8_codes_in_registers_or_in_a_buffer_give_the_same_bits(lib: DenseKernels, path: str, gated: bool) -> None:
+    """``fp8_register_rows`` (the per-machine switch, :data:`kv8.kernels.cpu.dense.FP8_REGISTER_ROWS`): a call of up
+    to that many rows decodes each pair-row in registers per block of rows, a longer one a few panels at a time into a
+    buffer. Every row count gives the same bits both ways (the same sums in the same order), gated or not, and the
+    float64 reference's value; a negative count is refused."""
+    n, k = (80, 64) if gated else (100, 576)
+    codes, scale = quantize_fp8_rows(_weight(2 * n if gated else n, k, seed=21))
+    if gated:
+        codes, scale = lib.interleave_gate_up(codes), lib.interleave_gate_up(scale).contiguous()
+    packed = lib.pack_fp8(codes)
+    b = torch.randn(codes.shape[0], generator=torch.Generator().manual_seed(5))
+    for m in (1, 9, 16, 17, 40, 200):
+        x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).bfloat16()
+        runs = [lib.linear(x, packed, n, b, gated=gated, scale=scale, fp8_register_rows=r) for r in (0, 16, 192, 500)]
+        assert all(torch.equal(runs[0], other) for other in runs[1:]), m
+        if not gated:
+            exact = _reference(x, codes, scale, b)
+            abs_sum = (x.double().abs() @ E4M3.decode(codes).double().abs().T) * scale.double()
+            assert bool(((runs[0].double() - exact).abs() <= exact.abs() * 2.0 ** -8 + abs_sum * 2.0 ** -16).all())
+    with pytest.raises(ValueError, match=r"fp8_register_rows=-1 must be >= 0"):
+        lib.linear(x, packed, n, b, gated=gated, scale=scale, fp8_register_rows=-1)
+
+
+def test_the_register_rows_switch_is_the_backends_and_reaches_the_method(lib: DenseKernels) -> None:
+    """``DenseBackend.fp8_register_rows``: other than the fixed rule only for packed_bf16 with FP8 weights (refused
+    elsewhere, naming the field), named in the label, and handed to the FP8 method; the layer's outputs keep their
+    bits."""
+    from kv8.kernels.cpu.dense import FP8_REGISTER_ROWS
+    from kv8.layers.linear import linear_method
+
+    short = DenseBackend("packed_bf16", lib, "fp8", fp8_register_rows=16)
+    assert short.label == "packed_bf16+fp8_buffer_from_17"
+    assert DenseBackend("packed_bf16", lib, "fp8", wide_rows=512, fp8_register_rows=16).label == \
+        "packed_bf16+f32_from_512+fp8_buffer_from_17"
+    assert DenseBackend("packed_bf16", lib, "fp8").label == "packed_bf16"
+    method = linear_method(short)
+    assert isinstance(method, PackedFP8LinearMethod) and method.register_rows == 16
+    plain = linear_method(DenseBackend("packed_bf16", lib, "fp8"))
+    assert isinstance(plain, PackedFP8LinearMethod) and plain.register_rows == FP8_REGISTER_ROWS
+    for kwargs in (dict(name="packed_bf16", kernels=lib, quantization=None), dict(name="torch", quantization="fp8"),
+                   dict(name="packed_bf16", kernels=lib, quantization="gguf")):
+        with pytest.raises(ValueError, match=r"fp8_register_rows=16: >= 0, and other than 192 only for packed_bf16 "
+                                             r"with quantization='fp8'"):
+            DenseBackend(fp8_register_rows=16, **kwargs)   # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"fp8_register_rows=-1"):
+        DenseBackend("packed_bf16", lib, "fp8", fp8_register_rows=-1)
+    w = _weight(96, 64, 8)
+    x = torch.randn(40, 64, generator=torch.Generator().manual_seed(9)).bfloat16()
+    fast, slow = (_loaded(RowParallelLinear(64, 96, False, backend), [(None, w)])
+                  for backend in (short, DenseBackend("packed_bf16", lib, "fp8")))
+    assert torch.equal(fast(x), slow(x))
+    seen: list[object] = []
+
+    class Spy:   # the kernels, recording what the method passes
+        def __getattr__(self, name: str) -> object:
+            return getattr(lib, name)
+
+        def linear(self, *args: object, **kwargs: object) -> torch.Tensor:
+            seen.append(kwargs.get("fp8_register_rows"))
+            return lib.linear(*args, **kwargs)   # type: ignore[arg-type]
+
+    fast.method.kernels = Spy()   # type: ignore[union-attr, assignment]
+    assert torch.equal(fast(x), slow(x)) and seen == [16]
+
+
 def test_fp8_panels_decoded_in_groups_give_the_rows_of_one_row_calls(lib: DenseKernels, path: str) -> None:
     """M = 200 rows (two chunks of 192) and 32 panels of K = 1,536 codes: each thread decodes its panels a group
     at a time (1 MiB of bf16: 10 panels) and both chunks pass over every group. Every row has the bits of a

@@ -32,7 +32,14 @@ from kv8 import envs
 from kv8.kernels.cpu.abi import NativeLibrary, code_table
 from kv8.kernels.cpu.build import KernelUnavailable, build_shared_library
 
-__all__ = ["DenseKernels", "describe_dense_kernels", "load_dense_kernels", "unpack_reference"]
+__all__ = ["FP8_REGISTER_ROWS", "DenseKernels", "describe_dense_kernels", "load_dense_kernels", "unpack_reference"]
+
+#: FP8 weights on the vdpbf16ps path (``kv8_linear_fp8``): calls of up to this many rows decode each pair-row of codes
+#: in registers for every block of rows, longer calls decode a few panels at a time into a buffer, once per call. The
+#: same bits either way; the fixed rule, measured on an AMD EPYC (Zen 5): in registers 1.3x the buffer at 32 rows,
+#: 1.06x at 192. CPUs differ (on an Intel Xeon without AMX the buffer wins from 32 rows): ``dense_backend="auto"``
+#: times both per machine (:mod:`kv8.layers.tuning`, :attr:`kv8.layers.dense_backend.DenseBackend.fp8_register_rows`).
+FP8_REGISTER_ROWS = 192
 
 SOURCE = Path(__file__).parent / "csrc" / "dense" / "dense.cpp"
 
@@ -55,6 +62,7 @@ class LinearCall(ctypes.Structure):
     _fields_ = [
         ("x", _P), ("packed", _P), ("scale", _P), ("bias", _P), ("out", _P), ("rows", _I64), ("in_features", _I64),
         ("out_features", _I64), ("num_threads", _I32), ("gated", _I32), ("use_amx", _I32),
+        ("fp8_register_rows", _I32),
     ]
 
 
@@ -195,17 +203,21 @@ class DenseKernels(NativeLibrary):
         return rows[:, _FP8_BYTE_ORDER[self.isa]].reshape(-1).contiguous()
 
     def linear(self, x: torch.Tensor, packed: torch.Tensor, out_features: int,
-               bias: torch.Tensor | None, gated: bool = False, scale: torch.Tensor | None = None) -> torch.Tensor:
+               bias: torch.Tensor | None, gated: bool = False, scale: torch.Tensor | None = None,
+               fp8_register_rows: int = FP8_REGISTER_ROWS) -> torch.Tensor:
         """``x [M, K]`` bf16 contiguous -> ``[M, out_features]`` bf16. ``gated``: ``packed`` holds gate and up
         rows interleaved by 16 (:meth:`interleave_gate_up`, then :meth:`pack`) and the result is
         ``silu(gate) * up``, ``out_features`` wide (bias, if any, interleaved alike, float32). ``scale`` (float32,
         one value per packed row): ``packed`` holds FP8 codes (:meth:`pack_fp8`) of ``W / scale``, and each sum is
-        multiplied by its row's scale before the bias."""
+        multiplied by its row's scale before the bias; ``fp8_register_rows`` (>= 0, :data:`FP8_REGISTER_ROWS`) says
+        up to how many rows the vdpbf16ps path decodes the codes in registers (the same bits either way)."""
+        if fp8_register_rows < 0:
+            raise ValueError(f"fp8_register_rows={fp8_register_rows} must be >= 0")
         m, k = x.shape
         out = torch.empty(m, out_features, dtype=torch.bfloat16)
         call = LinearCall(x.data_ptr(), packed.data_ptr(), None if scale is None else scale.data_ptr(),
                           None if bias is None else bias.data_ptr(), out.data_ptr(), m, k, out_features,
-                          torch.get_num_threads(), int(gated), int(self.amx))
+                          torch.get_num_threads(), int(gated), int(self.amx), fp8_register_rows)
         entry = self._lib.kv8_linear if scale is None else self._lib.kv8_linear_fp8
         self.invoke(entry, f"packed linear for x {list(x.shape)}, N={out_features}", call)
         return out

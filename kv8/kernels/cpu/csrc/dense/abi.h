@@ -32,7 +32,10 @@
 // per packed row (kv8_linear_fp8 only; NULL for kv8_linear), bias NULL or float32 per packed row. gated != 0: W holds
 // gate and up rows interleaved by 16 and out is silu(gate) * up, out_features wide (linear.h). use_amx != 0: the AMX
 // path where this build and process have it and in_features % 32 == 0, else vdpbf16ps (the two sum in different
-// orders: a caller keeps one choice for good).
+// orders: a caller keeps one choice for good). fp8_register_rows (>= 0; kv8_linear_fp8 on the vdpbf16ps path):
+// calls of up to this many rows decode each pair-row of codes in registers for every block of rows, longer calls
+// decode a few panels at a time into a buffer, once per call (linear_avx512); both give the same bits, which is
+// faster depends on the CPU (kv8.layers.tuning chooses per machine).
 #define KV8_LINEAR_CALL_FIELDS(X)         \
     X(const uint16_t*, x)                 \
     X(const void*, packed)                \
@@ -44,7 +47,8 @@
     X(int64_t, out_features)              \
     X(int32_t, num_threads)               \
     X(int32_t, gated)                     \
-    X(int32_t, use_amx)
+    X(int32_t, use_amx)                   \
+    X(int32_t, fp8_register_rows)
 
 // h = x (+ residual, rounded to bf16); residual_out = h (if not NULL; it may alias residual or x);
 // out = bf16(weight * bf16(h * rsqrt(mean(h^2) + eps))). x, residual, residual_out, out: [rows, hidden]; weight:

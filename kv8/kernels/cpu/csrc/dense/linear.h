@@ -11,11 +11,11 @@
 static const int PANEL = 32;  // output columns per panel (two zmm registers of fp32 accumulators)
 static const int64_t ROW_CHUNK = 192;  // rows of x per pass over the weights (x chunk stays in L2)
 static const int FP8_PREFETCH_STEPS = 8;  // FP8 panels read once: k steps of codes prefetched (4..24 measured)
-static const int FP8_AHEAD_PANELS = 1;  // vdpbf16ps path, FP8_FUSED_ROWS: the panel whose codes stream into L2
-// vdpbf16ps path: up to this many rows, FP8 pair-rows are decoded in registers for every block of rows (micro_fp8),
-// beyond it a group of panels at a time into a buffer (measured on the AMD EPYC, SmolLM2's 30 layers, 2 threads:
-// in registers 1.9x the buffer at M = 1-10, 1.3x at 32, 1.06x at 192; the buffer wins for prefill chunks).
-static const int64_t FP8_FUSED_ROWS = ROW_CHUNK;
+static const int FP8_AHEAD_PANELS = 1;  // vdpbf16ps path, codes in registers: the panel whose codes stream into L2
+// vdpbf16ps path: up to the call's fp8_register_rows, FP8 pair-rows are decoded in registers for every block of rows
+// (micro_fp8), beyond it a group of panels at a time into a buffer. Which wins depends on the CPU: on an AMD EPYC
+// (Zen 5), SmolLM2's 30 layers, 2 threads, in registers ran 1.9x the buffer at M = 1-10, 1.3x at 32, 1.06x at 192;
+// on an Intel Xeon without AMX the buffer wins from 32 rows (docs/benchmarks.md).
 // FP8 weights with several chunks of rows (prefill): a thread decodes this many bytes of its panels (bf16) at a
 // time and passes every chunk over them, so each panel is decoded once per call, not once per chunk.
 static const int64_t FP8_GROUP_BYTES = 1 << 20;
@@ -66,7 +66,8 @@ static int pack(const kv8_pack_call& call) {
 // ---- the contract of kv8_linear / kv8_linear_fp8, whatever the path (the kernels below and avx2.h's) ---------------
 // check_args as elementwise.h's; fp8: kv8_linear_fp8, which needs a scale per packed row (kv8_linear takes none).
 static inline int check_args(const kv8_linear_call& c, bool fp8) {
-    if (c.rows < 0 || c.in_features <= 0 || c.out_features <= 0 || c.num_threads <= 0 || (!fp8 && c.scale))
+    if (c.rows < 0 || c.in_features <= 0 || c.out_features <= 0 || c.num_threads <= 0 || (!fp8 && c.scale) ||
+        c.fp8_register_rows < 0)
         return ERR_ARGS;
     return c.rows > 0 && (!c.x || !c.packed || (fp8 && !c.scale) || !c.out) ? ERR_ARGS : OK;
 }
@@ -416,12 +417,12 @@ static int linear_amx(const uint16_t* x, int64_t M, int64_t K, const void* packe
 // The vdpbf16ps path of kv8_linear / kv8_linear_fp8 (see there).
 template <bool FP8>
 static int linear_avx512(const uint16_t* x, int64_t M, int64_t K, const void* packed, int64_t N, const float* bias,
-                         const float* scale, uint16_t* out, int threads, bool gated) {
+                         const float* scale, uint16_t* out, int threads, bool gated, int64_t register_rows) {
     const int64_t kp = (K + 1) & ~(int64_t)1;
     const int64_t panels = linear_panels(N, gated);
     const MicroFn* micro1 = gated ? MICRO1<true> : MICRO1<false>;
     const MicroFn* micro2 = gated ? MICRO2<true> : MICRO2<false>;
-    if (FP8 && M <= FP8_FUSED_ROWS) {
+    if (FP8 && M <= register_rows) {
         // A decode batch: each thread walks its run of panels one at a time, decoding in registers (micro_fp8),
         // the panel FP8_AHEAD_PANELS on prefetched beside.
         const MicroFp8Fn* table = gated ? MICRO_FP8<true> : MICRO_FP8<false>;
@@ -502,7 +503,7 @@ static int linear_avx512(const uint16_t* x, int64_t M, int64_t K, const void* pa
 // (see decode_panels_fp8) of W_q, where W = W_q * scale per output row; scale [N] float32 (for a gated matrix: one
 // value per packed row, in the interleaved order of its bias). Each pair-row is decoded to bf16 (exactly: every
 // E4M3 value is a bf16) and multiplied as kv8_linear multiplies a bf16 panel: on the vdpbf16ps path in registers,
-// once per block of up to MAX_MR_FP8 rows, for M <= FP8_FUSED_ROWS (micro_fp8), else a group of panels at a time
+// once per block of up to MAX_MR_FP8 rows, for M <= fp8_register_rows (micro_fp8), else a group of panels at a time
 // into a buffer, once per call (fp8_group); on AMX one k step ahead of the tiles (M <= 32) or once per call. The
 // epilogue computes acc * scale + bias before the rounding to bf16; every path sums in the same order.
 template <bool FP8>
@@ -520,6 +521,6 @@ static int linear(const kv8_linear_call& call) {
 #else
     (void)use_amx;
 #endif
-    return linear_avx512<FP8>(x, M, K, packed, N, bias, scale, out, threads, gated != 0);
+    return linear_avx512<FP8>(x, M, K, packed, N, bias, scale, out, threads, gated != 0, call.fp8_register_rows);
 }
 #endif
