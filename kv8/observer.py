@@ -21,8 +21,8 @@ class EngineObserver:
 
     def on_kv_store(self, layer: int, key: torch.Tensor, value: torch.Tensor, codec: KVCodec) -> None:
         """Called once per layer and step, just before new K/V ``[T, H_kv, D]`` (in the codec's stored basis,
-        in the compute dtype; the keys centered when the codec has key offsets, :meth:`KVCodec.keys_to_stored`)
-        are encoded into the cache by ``codec``."""
+        in the compute dtype; the keys centered and scaled when the codec has key offsets and factors,
+        :meth:`KVCodec.keys_to_stored`) are encoded into the cache by ``codec``."""
 
     def on_attention_inputs(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                             codec: KVCodec) -> None:

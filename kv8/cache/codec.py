@@ -19,6 +19,10 @@ A codec is a storage format plus how values are scaled and in which basis they a
   ``k R``, with ``c`` calibrated per (layer, KV head, channel) in the model's basis; exact for attention (every
   score of a query moves by the same ``-q.c``) and applied in one place, :meth:`KVCodec.keys_to_stored`, which the
   attention layer calls before any backend stores the keys. Values are never centered;
+* key scaling ``s`` (:mod:`kv8.quant.key_scaling`, only beside key offsets): keys are stored as ``((k - c) * s) R``
+  and queries used as ``(q / s) R`` (``s`` per layer, KV head and channel, the queries of a KV head's group divided
+  by its factors); exact for attention (``s`` cancels in every product), applied in
+  :meth:`KVCodec.keys_to_stored` and :meth:`KVCodec.queries_to_stored`;
 * basis ``R``: identity, or the orthonormal per-head Hadamard matrix (:mod:`kv8.quant.rotation`). Queries are
   rotated the same way and the attention output is rotated back (``R`` is its own inverse), so attention over
   the stored basis equals attention over the original one in exact arithmetic and nothing stored is ever
@@ -27,8 +31,8 @@ A codec is a storage format plus how values are scaled and in which basis they a
 Everything that writes, reads or measures stored K/V goes through a codec: the reference store and gather
 (:class:`kv8.cache.paged_cache.PagedKVCache`), the fused kernels (their per-layer scale arguments come from
 :meth:`KVCodec.layer_scales`; their encode is tested bit-exact against :meth:`KVCodec.encode`), the attention
-layer (:meth:`KVCodec.to_stored_basis`, :meth:`KVCodec.keys_to_stored`), calibration statistics
-(:attr:`KVCodec.rotation` for the key envelope)
+layer (:meth:`KVCodec.to_stored_basis`, :meth:`KVCodec.keys_to_stored`, :meth:`KVCodec.queries_to_stored`),
+calibration statistics (:attr:`KVCodec.rotation` for the key envelope)
 and ``kv8 eval``'s round-trip error (:meth:`KVCodec.round_trip`).
 
 Invariants (the options are checked by :class:`kv8.cache.config.CacheConfig` when the engine is built, the scales'
@@ -51,6 +55,7 @@ from kv8.quant.formats import KVCacheDtype, dequantize, pack_int4, quantize, unp
 from kv8.quant.fp4 import FP4GroupFormat
 from kv8.quant.int4_group import Int4GroupFormat
 from kv8.quant.key_offsets import KeyOffsets
+from kv8.quant.key_scaling import KeyScaling
 from kv8.quant.rotation import ROTATIONS, hadamard, rotate
 from kv8.quant.scales import KVScales
 
@@ -76,17 +81,22 @@ class KVCodec:
     key_offsets: KeyOffsets | None = None   # key centering (every layer, this rank's KV heads); None = off
     # the key offsets [L, H, D] float32 on the codec's device, in the model's basis (subtracted before R)
     device_key_offsets: torch.Tensor | None = None
+    key_scaling: KeyScaling | None = None   # key scaling (only with key offsets); None = off
+    # the key factors [L, H, D] float32 on the codec's device, in the model's basis (applied before R)
+    device_key_scaling: torch.Tensor | None = None
 
     @staticmethod
     def build(kv_dtype: KVCacheDtype, head_dim: int, *, scale_mode: str = "static", rotation: str = "none",
-              scales: KVScales | None = None, key_offsets: KeyOffsets | None = None) -> KVCodec:
+              scales: KVScales | None = None, key_offsets: KeyOffsets | None = None,
+              key_scaling: KeyScaling | None = None) -> KVCodec:
         """A codec for options already validated by :class:`kv8.cache.config.CacheConfig` (``scale_mode`` in
         :data:`SCALE_MODES`, ``rotation`` in :data:`ROTATIONS`, dynamic scales only with a quantized format, a
         power-of-two ``head_dim`` for a rotation). ``scales`` are the static scales (dropped for a 16/32-bit format:
         there is nothing to scale); an FP8 format in static mode needs them -- 1.0 comes from
         :meth:`KVScales.default`, never invented here. An int8 format is dynamic whatever ``scale_mode`` says (its
         scales are per token and head by definition) and takes no static scales. ``key_offsets`` (``[L, H, D]``
-        with this codec's ``head_dim``; any format) turn key centering on."""
+        with this codec's ``head_dim``; any format) turn key centering on; ``key_scaling`` (the same shape, only
+        with ``key_offsets``) key scaling."""
         if kv_dtype.group is not None:
             kv_dtype.group.check_head_dim(head_dim, kv_dtype.name)
         elif kv_dtype.bits_per_value == 4 and head_dim % 2:
@@ -111,11 +121,23 @@ class KVCodec:
         if key_offsets is not None and int(key_offsets.k.shape[2]) != head_dim:
             raise ValueError(f"k_offset from {key_offsets.source} has head_dim {int(key_offsets.k.shape[2])}, the "
                              f"cache {head_dim}")
+        if key_scaling is not None:
+            if key_offsets is None:
+                raise ValueError(f"k_channel_scale from {key_scaling.source} comes only with key offsets "
+                                 "(k_offset); kv8 calibrate --key-scaling needs --key-centering")
+            if list(key_scaling.s.shape) != list(key_offsets.k.shape):
+                raise ValueError(f"k_channel_scale from {key_scaling.source} has shape {list(key_scaling.s.shape)}, "
+                                 f"k_offset {list(key_offsets.k.shape)}; they must be equal")
+            if kv_dtype.is_fp8 and not dynamic:
+                raise ValueError(f"k_channel_scale from {key_scaling.source}: a static-scale FP8 cache cannot scale "
+                                 "keys (the file's static scales describe unscaled keys); use "
+                                 "kv_cache_scale_mode='dynamic' or another cache format")
         matrix = hadamard(head_dim) if rotation == "hadamard" else None
         scales = scales if kv_dtype.is_fp8 else None
         return KVCodec(kv_dtype, head_dim, scales, dynamic, rotation, matrix,
                        None if scales is None else (scales.k, scales.v), key_offsets,
-                       None if key_offsets is None else key_offsets.k)
+                       None if key_offsets is None else key_offsets.k, key_scaling,
+                       None if key_scaling is None else key_scaling.s)
 
     def to(self, device: torch.device | str) -> KVCodec:
         """The same codec with its tensors (static scales, rotation) on ``device``: what encodes and decodes
@@ -124,7 +146,9 @@ class KVCodec:
                                                           self.device_scales[1].to(device))
         rotation = None if self.rotation is None else self.rotation.to(device)
         offsets = None if self.device_key_offsets is None else self.device_key_offsets.to(device)
-        return replace(self, rotation=rotation, device_scales=moved, device_key_offsets=offsets)
+        factors = None if self.device_key_scaling is None else self.device_key_scaling.to(device)
+        return replace(self, rotation=rotation, device_scales=moved, device_key_offsets=offsets,
+                       device_key_scaling=factors)
 
     @property
     def packed(self) -> bool:
@@ -150,22 +174,40 @@ class KVCodec:
 
     def keys_to_stored(self, key: torch.Tensor, layer: int) -> torch.Tensor:
         """New keys ``[T, H, D]`` of ``layer`` (post-RoPE, the model's basis) -> what the cache is asked to store,
-        ``(k - c[layer]) R`` in the keys' dtype: the one place keys are centered (one rounding to the keys' dtype,
-        after the subtraction and the rotation in float32). Without key offsets, :meth:`to_stored_basis`."""
+        ``((k - c[layer]) * s[layer]) R`` in the keys' dtype: the one place keys are centered and scaled (one
+        rounding to the keys' dtype, after the subtraction, the scaling and the rotation in float32). Without key
+        offsets, :meth:`to_stored_basis`."""
         if self.device_key_offsets is None:
             return self.to_stored_basis(key)
         x = key.float() - self.device_key_offsets[layer]            # [T, H, D] - [H, D]
+        if self.device_key_scaling is not None:
+            x = x * self.device_key_scaling[layer]
         if self.rotation is not None:
             x = x @ self.rotation
         return x.to(key.dtype)
 
-    def stored_key_offset(self, layer: int) -> torch.Tensor | None:
-        """``c[layer] R`` ``[H, D]`` float32: what centering subtracted from ``layer``'s keys in the stored basis
-        (stored key + it = the uncentered key), or None without key offsets."""
-        if self.device_key_offsets is None:
-            return None
-        c = self.device_key_offsets[layer]
-        return c if self.rotation is None else c @ self.rotation
+    def queries_to_stored(self, query: torch.Tensor, layer: int) -> torch.Tensor:
+        """Queries ``[T, Hq, D]`` of ``layer`` (post-RoPE, the model's basis; ``Hq`` a multiple of the codec's KV
+        heads, each KV head's group of query heads consecutive) -> what attends over the stored keys,
+        ``(q / s[layer]) R`` in the queries' dtype: the one place queries are scaled. Without key scaling,
+        :meth:`to_stored_basis`."""
+        if self.device_key_scaling is None:
+            return self.to_stored_basis(query)
+        s = self.device_key_scaling[layer]                          # [Hkv, D]
+        x = query.float() / s.repeat_interleave(query.shape[-2] // s.shape[0], dim=0)   # [T, Hq, D]
+        if self.rotation is not None:
+            x = x @ self.rotation
+        return x.to(query.dtype)
+
+    def keys_from_stored(self, stored: torch.Tensor, layer: int) -> torch.Tensor:
+        """The inverse of :meth:`keys_to_stored` in float32: stored keys ``[T, H, D]`` -> ``stored R / s + c``, the
+        keys in the model's basis (what ``kv8 eval`` measures a key's error against)."""
+        x = self.to_stored_basis(stored.float())                    # R is its own inverse
+        if self.device_key_scaling is not None:
+            x = x / self.device_key_scaling[layer]
+        if self.device_key_offsets is not None:
+            x = x + self.device_key_offsets[layer]
+        return x
 
     # ---- scales ---------------------------------------------------------------------------------------------
     def layer_scales(self, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -243,6 +285,8 @@ class KVCodec:
                   if self.kv_dtype.group is not None else
                   self.scales.source if self.scales is not None else "none (not quantized)")
         centering = "" if self.key_offsets is None else f"; key centering on ({self.key_offsets.source})"
+        if self.key_scaling is not None:
+            centering += f"; key scaling on ({self.key_scaling.source})"
         return f"scales: {scales}; rotation {self.rotation_name}{centering}"
 
 

@@ -15,7 +15,7 @@ from kv8.cache.codec import ROTATIONS, SCALE_MODES
 from kv8.cache.plan import KVPlanFile, KVSpec, read_plan_file
 from kv8.options import option
 from kv8.quant.formats import KV_CACHE_DTYPE_NAMES, KVCacheDtype, resolve_kv_cache_dtype
-from kv8.quant.scale_files import file_has_key_offsets
+from kv8.quant.scale_files import file_has_key_offsets, file_has_key_scaling
 from kv8.validators import check_bool, check_choice, check_int, check_number, is_int
 
 __all__ = ["SKIP_LAYER_KINDS", "CacheConfig"]
@@ -125,6 +125,17 @@ class CacheConfig:
             return False
         try:
             return file_has_key_offsets(self.quantization_param_path)
+        except ValueError:
+            return False
+
+    @cached_property
+    def key_scaling(self) -> bool:
+        """Keys are also scaled by the factors of the ``quantization_param_path`` file (``k_channel_scale``, beside
+        its key offsets: ``kv8 calibrate --key-centering --key-scaling``); read as :attr:`key_centering` is."""
+        if not self.key_centering or self.quantization_param_path is None:
+            return False
+        try:
+            return file_has_key_scaling(self.quantization_param_path)
         except ValueError:
             return False
 

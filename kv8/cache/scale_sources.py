@@ -29,13 +29,14 @@ from kv8.cache.config import CacheConfig
 from kv8.cache.plan import KVSpec
 from kv8.quant.formats import E4M3, E4M3FNUZ, E5M2, KVCacheDtype
 from kv8.quant.key_offsets import KeyOffsets
-from kv8.quant.scale_files import load_key_offsets, load_scales_file
+from kv8.quant.key_scaling import KeyScaling
+from kv8.quant.scale_files import load_key_offsets, load_key_scaling, load_scales_file
 from kv8.quant.scales import TORCH_DTYPE_TO_FORMAT, KVScales, ModelScaleInfo, ScaleGranularity, check_fits
 
 logger = logging.getLogger("kv8")
 
-__all__ = ["engine_key_offsets", "engine_kv_scales", "is_kv_scale_name", "rank_heads", "resolve_kv_scales",
-           "scales_from_checkpoint"]
+__all__ = ["engine_key_offsets", "engine_key_scaling", "engine_kv_scales", "is_kv_scale_name", "rank_heads",
+           "resolve_kv_scales", "scales_from_checkpoint"]
 
 _HOW_TO_GET_SCALES = (
     "run `kv8 calibrate` to compute per-layer scales and pass the resulting file with "
@@ -304,6 +305,21 @@ def engine_key_offsets(cache: CacheConfig, model: ModelScaleInfo,
                     cache.default_spec.describe(), "scales per token and head" if cache.dynamic_scales
                     else "not FP8")
     return offsets if kv_heads is None else offsets.heads(*kv_heads)
+
+
+def engine_key_scaling(cache: CacheConfig, model: ModelScaleInfo,
+                       kv_heads: tuple[int, int] | None = None) -> KeyScaling | None:
+    """The key factors (key scaling, :mod:`kv8.quant.key_scaling`) of the ``quantization_param_path`` file when it
+    has them (:func:`kv8.quant.scale_files.load_key_scaling`, validated against ``model``), cut to the KV heads
+    ``kv_heads = (first, count)`` of a tensor-parallel rank; None without. Like the key offsets they come with,
+    they apply to every layer and pool (each pool's codec refuses them where it stores static-scale FP8)."""
+    path = cache.quantization_param_path
+    if path is None:
+        return None
+    scaling = load_key_scaling(path, model)
+    if scaling is None:
+        return None
+    return scaling if kv_heads is None else scaling.heads(*kv_heads)
 
 
 def rank_heads(scales: KVScales, first: int, count: int) -> KVScales:

@@ -181,6 +181,11 @@ class EngineConfig:
                              f"when softmax sees the scores unchanged, but this {arch.model_type} model "
                              f"{arch.score_transform}; use a scales file without key offsets (kv8 calibrate without "
                              "--key-centering)")
+        if cc.quantization_param_path is not None and cc.key_scaling and any(s.static_fp8 for s in specs):
+            raise ValueError(f"quantization_param_path={cc.quantization_param_path!r} has key scaling's factors "
+                             "(k_channel_scale), but its static FP8 scales describe unscaled keys, so a static-scale "
+                             "FP8 cache cannot use it; use kv_cache_scale_mode='dynamic', a 4-bit or int8 "
+                             "kv_cache_dtype, or a file without --key-scaling")
         if max_len > arch.max_position_embeddings:
             raise ValueError(f"max_model_len={max_len} exceeds the model's context "
                              f"(max_position_embeddings={arch.max_position_embeddings})")

@@ -43,7 +43,7 @@ from kv8.attention.backend import get_backend
 from kv8.cache.budget import KVBudget
 from kv8.cache.codec import KVCodec
 from kv8.cache.paged_cache import CacheShape, PagedKVCache
-from kv8.cache.scale_sources import engine_key_offsets, engine_kv_scales
+from kv8.cache.scale_sources import engine_key_offsets, engine_key_scaling, engine_kv_scales
 from kv8.distributed.group import SINGLE_RANK, STORE_TIMEOUT, TPGroup
 from kv8.distributed.launcher import RankProcess, set_threads, torchrun_group, torchrun_rank, torchrun_store
 from kv8.distributed.shard import kv_head_shard
@@ -97,12 +97,14 @@ def load_shard(config: EngineConfig, budget: KVBudget, num_blocks: Sequence[int]
     # One codec per pool, from its spec (spec 0, kv_cache_dtype's, first; skipped layers: the compute dtype).
     caches = []
     key_offsets = engine_key_offsets(cc, model_info, kv_heads)   # key centering: every pool, this rank's heads
+    key_scaling = engine_key_scaling(cc, model_info, kv_heads)   # key scaling, beside the offsets
     for pool, n in zip(layout.pools, num_blocks):
         spec = plan.specs[pool.spec]
         scales = engine_kv_scales(cc, model_info, loaded.scale_tensors, loaded.hf_config, tp.rank, tp.size,
                                   kv_heads, spec)
         codec = KVCodec.build(spec.kv_dtype, arch.head_dim, scale_mode="dynamic" if spec.dynamic else "static",
-                              rotation=spec.rotation, scales=scales, key_offsets=key_offsets)
+                              rotation=spec.rotation, scales=scales, key_offsets=key_offsets,
+                              key_scaling=key_scaling)
         shape = CacheShape(arch.num_layers, n, kv_heads[1], cc.block_size, arch.head_dim)
         caches.append(PagedKVCache(shape, codec, {i: layout.layer_slot[i] for i in pool.layers}, device))
     runner = ModelRunner(loaded.model, caches, layout, get_backend(config.attention_backend, platform), observer,

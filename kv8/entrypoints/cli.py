@@ -218,8 +218,15 @@ def _key_centering(path: str, arch: ModelArchConfig) -> str:
         return f"off ({path} has no key offsets; kv8 calibrate --key-centering writes them)"
     if not arch.shift_invariant_scores:
         return f"refused: {path} has key offsets, but this model {arch.score_transform}"
+    from kv8.quant.scale_files import load_key_scaling
+
+    scaling = load_key_scaling(path, ModelScaleInfo(arch.model_type, arch.num_layers, arch.num_kv_heads,
+                                                    arch.head_dim))
+    scaled = ("" if scaling is None else
+              f"; key scaling on: centered keys times its factors ({float(scaling.s.min()):.3g}.."
+              f"{float(scaling.s.max()):.3g}), queries divided by them")
     return (f"on: keys minus the offsets of {path} (per layer, KV head and channel; |c| up to "
-            f"{float(offsets.k.abs().max()):.3g}) before they are stored, for every cache format")
+            f"{float(offsets.k.abs().max()):.3g}) before they are stored, for every cache format{scaled}")
 
 
 def plan_table(budget: KVBudget) -> str:

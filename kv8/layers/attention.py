@@ -3,8 +3,9 @@
 A model computes q, k and v (projections, norms, RoPE: its own math) and calls
 :class:`PagedAttention` with an :class:`AttentionContext`, the per-forward state passed explicitly down the
 model. The layer moves q/k/v into the basis the KV codec stores
-(:meth:`kv8.cache.codec.KVCodec.to_stored_basis`; keys centered first when the codec has key offsets,
-:meth:`kv8.cache.codec.KVCodec.keys_to_stored`), shows the new K/V to an observer if there is one, lets the
+(:meth:`kv8.cache.codec.KVCodec.to_stored_basis`; keys centered and scaled first when the codec has key offsets
+and factors, :meth:`kv8.cache.codec.KVCodec.keys_to_stored`, queries divided by the factors,
+:meth:`kv8.cache.codec.KVCodec.queries_to_stored`), shows the new K/V to an observer if there is one, lets the
 attention backend store them and attend, and moves the output back. Models never see how K/V are stored.
 
 Under tensor parallelism a layer sees its rank's heads only (``num_heads`` / ``num_kv_heads`` are local counts,
@@ -65,9 +66,10 @@ class PagedAttention(nn.Module):
         codec = cache.codec
         if ctx.observer is not None:
             ctx.observer.on_attention_inputs(self.layer_idx, q, k, v, codec)
-        # keys centered (with key offsets) and rotated here, before any backend stores them: every key attention
-        # reads, fresh or cached, went through this line
-        q, k, v = codec.to_stored_basis(q), codec.keys_to_stored(k, self.layer_idx), codec.to_stored_basis(v)
+        # keys centered and scaled (with key offsets and factors) and rotated here, before any backend stores them,
+        # queries divided by the same factors: every key attention reads, fresh or cached, went through this line
+        q, k = codec.queries_to_stored(q, self.layer_idx), codec.keys_to_stored(k, self.layer_idx)
+        v = codec.to_stored_basis(v)
         if ctx.observer is not None:
             ctx.observer.on_kv_store(self.layer_idx, k, v, codec)
         out = ctx.backend.forward(q, k, v, cache, self.layer_idx, meta, self.scale)   # [T, Hq, D]

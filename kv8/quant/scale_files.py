@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from kv8.quant.key_offsets import KeyOffsets
+from kv8.quant.key_scaling import KeyScaling
 from kv8.quant.scales import (
     FORMAT_TO_TORCH_DTYPE,
     TORCH_DTYPE_TO_FORMAT,
@@ -27,8 +28,9 @@ from kv8.quant.scales import (
 )
 from kv8.validators import is_number
 
-__all__ = ["file_has_key_offsets", "load_key_offsets", "load_kv8_scales_json", "load_scales_file",
-           "load_vllm_scales_json", "write_kv8_scales_json", "write_vllm_scales_json"]
+__all__ = ["file_has_key_offsets", "file_has_key_scaling", "load_key_offsets", "load_key_scaling",
+           "load_kv8_scales_json", "load_scales_file", "load_vllm_scales_json", "write_kv8_scales_json",
+           "write_vllm_scales_json"]
 
 # --------------------------------------------------------------------------------------------------
 # vLLM kv_cache_scales.json
@@ -196,7 +198,10 @@ KV8_SCALES_VERSION = 1
 # version 2 adds "k_offset" (key centering): a reader that only knows version 1 refuses such a file instead of using
 # scales calibrated on centered keys without centering them
 KV8_OFFSETS_VERSION = 2
-KV8_SCALES_VERSIONS = (KV8_SCALES_VERSION, KV8_OFFSETS_VERSION)
+# version 3 adds "k_channel_scale" (key scaling, only beside "k_offset"): a version-2 reader refuses it instead of
+# centering the keys without scaling them (harmless for attention, but not what the file's author measured)
+KV8_KEY_SCALING_VERSION = 3
+KV8_SCALES_VERSIONS = (KV8_SCALES_VERSION, KV8_OFFSETS_VERSION, KV8_KEY_SCALING_VERSION)
 
 
 def _read_json(path: str | os.PathLike[str]) -> Any:
@@ -216,12 +221,13 @@ def _read_json(path: str | os.PathLike[str]) -> Any:
 
 
 def write_kv8_scales_json(path: str | os.PathLike[str], scales: KVScales, model: ModelScaleInfo,
-                          key_offsets: KeyOffsets | None = None) -> None:
-    """Write ``scales`` (and ``key_offsets``, if any) in the kv8 schema::
+                          key_offsets: KeyOffsets | None = None, key_scaling: KeyScaling | None = None) -> None:
+    """Write ``scales`` (and ``key_offsets`` and ``key_scaling``, if any) in the kv8 schema::
 
-        {"format": "kv8-kv-scales", "version": 1 | 2, "model_type": str, "num_layers": L, "num_kv_heads": H,
+        {"format": "kv8-kv-scales", "version": 1 | 2 | 3, "model_type": str, "num_layers": L, "num_kv_heads": H,
          "head_dim": D, "granularity": "tensor" | "head" | "channel", "made_for": fp8 format name | null,
-         "rotation": "none" | "hadamard", "k": [[[float]]], "v": [[[float]]], "k_offset": [[[float]]]}
+         "rotation": "none" | "hadamard", "k": [[[float]]], "v": [[[float]]], "k_offset": [[[float]]],
+         "k_channel_scale": [[[float]]]}
 
     ``rotation`` (absent means ``"none"``) names the basis the scales were calibrated in: a cache must use the
     same ``kv_cache_rotation``.
@@ -230,12 +236,21 @@ def write_kv8_scales_json(path: str | os.PathLike[str], scales: KVScales, model:
     ``k_offset`` (version 2 only, :mod:`kv8.quant.key_offsets`) is ``[L, H, D]`` exactly: the mean every key of
     layer ``l`` and KV head ``h`` is centered by, post-RoPE and before the rotation; the scales then describe the
     centered keys. A file with it turns key centering on in every engine that loads it, whatever its cache format.
+    ``k_channel_scale`` (version 3 only, :mod:`kv8.quant.key_scaling`; only beside ``k_offset``) is ``[L, H, D]``
+    exactly, finite and > 0: the factor each centered key channel is multiplied by (and each query divided by)
+    before the rotation; the scales ``k`` / ``v`` still describe the unscaled keys.
     """
     check_fits(scales, model)
     if key_offsets is not None:
         key_offsets.check_fits(model.num_layers, model.num_kv_heads, model.head_dim)
+    if key_scaling is not None:
+        if key_offsets is None:
+            raise ValueError("k_channel_scale (key scaling) is written only beside k_offset (key centering)")
+        key_scaling.check_fits(model.num_layers, model.num_kv_heads, model.head_dim)
+    version = (KV8_SCALES_VERSION if key_offsets is None else
+               KV8_OFFSETS_VERSION if key_scaling is None else KV8_KEY_SCALING_VERSION)
     doc = {
-        "format": KV8_SCALES_FORMAT, "version": KV8_SCALES_VERSION if key_offsets is None else KV8_OFFSETS_VERSION,
+        "format": KV8_SCALES_FORMAT, "version": version,
         "model_type": model.model_type,
         "num_layers": model.num_layers, "num_kv_heads": model.num_kv_heads, "head_dim": model.head_dim,
         "granularity": scales.granularity.value, "made_for": scales.made_for, "rotation": scales.rotation,
@@ -243,6 +258,8 @@ def write_kv8_scales_json(path: str | os.PathLike[str], scales: KVScales, model:
     }
     if key_offsets is not None:
         doc["k_offset"] = key_offsets.k.tolist()
+    if key_scaling is not None:
+        doc["k_channel_scale"] = key_scaling.s.tolist()
     with open(path, "w", encoding="utf-8") as f:
         json.dump(doc, f)
         f.write("\n")
@@ -253,9 +270,15 @@ def _check_version(data: dict[str, Any], where: str) -> None:
     if version not in KV8_SCALES_VERSIONS or isinstance(version, bool):
         raise ValueError(f"{where}: kv8 scales file version is {version!r}; kv8 reads versions "
                          f"{', '.join(map(str, KV8_SCALES_VERSIONS))}")
-    if "k_offset" in data and version != KV8_OFFSETS_VERSION:
-        raise ValueError(f"{where}: 'k_offset' (key centering) needs version {KV8_OFFSETS_VERSION}, but the file "
-                         f"says version {version!r}")
+    if "k_offset" in data and version not in (KV8_OFFSETS_VERSION, KV8_KEY_SCALING_VERSION):
+        raise ValueError(f"{where}: 'k_offset' (key centering) needs version {KV8_OFFSETS_VERSION} or "
+                         f"{KV8_KEY_SCALING_VERSION}, but the file says version {version!r}")
+    if "k_channel_scale" in data and version != KV8_KEY_SCALING_VERSION:
+        raise ValueError(f"{where}: 'k_channel_scale' (key scaling) needs version {KV8_KEY_SCALING_VERSION}, but "
+                         f"the file says version {version!r}")
+    if "k_channel_scale" in data and "k_offset" not in data:
+        raise ValueError(f"{where}: 'k_channel_scale' (key scaling) comes only beside 'k_offset' (key centering); "
+                         "the file has no k_offset")
 
 
 def _nested_floats(raw: Any, name: str, where: str) -> torch.Tensor:
@@ -293,6 +316,8 @@ def _kv8_scales_from_doc(data: dict[str, Any], where: str, model: ModelScaleInfo
     check_fits(scales, model)
     if "k_offset" in data:
         _offsets_from_doc(data, where, model)   # a file is valid as a whole or not at all
+    if "k_channel_scale" in data:
+        _key_scaling_from_doc(data, where, model)
     return scales
 
 
@@ -317,12 +342,29 @@ def _offsets_from_doc(data: dict[str, Any], where: str, model: ModelScaleInfo) -
     return offsets
 
 
+def _key_scaling_from_doc(data: dict[str, Any], where: str, model: ModelScaleInfo) -> KeyScaling:
+    t = _nested_floats(data["k_channel_scale"], "k_channel_scale", where)
+    try:
+        scaling = KeyScaling(t, f"quantization_param_path {where}")
+        scaling.check_fits(model.num_layers, model.num_kv_heads, model.head_dim)
+    except ValueError as e:
+        raise ValueError(f"{where}: {e}") from None
+    return scaling
+
+
 def file_has_key_offsets(path: str | os.PathLike[str]) -> bool:
     """Whether a ``quantization_param_path`` file carries key offsets (a kv8 file with ``"k_offset"``; nothing
     else is validated here: :func:`load_key_offsets` does that against the model). ValueError for an unreadable
     file."""
     data = _read_json(path)
     return isinstance(data, dict) and data.get("format") == KV8_SCALES_FORMAT and "k_offset" in data
+
+
+def file_has_key_scaling(path: str | os.PathLike[str]) -> bool:
+    """Whether a ``quantization_param_path`` file carries key scaling's factors (a kv8 file with
+    ``"k_channel_scale"``; validated by :func:`load_key_scaling`). ValueError for an unreadable file."""
+    data = _read_json(path)
+    return isinstance(data, dict) and data.get("format") == KV8_SCALES_FORMAT and "k_channel_scale" in data
 
 
 def load_key_offsets(path: str | os.PathLike[str], model: ModelScaleInfo) -> KeyOffsets | None:
@@ -336,6 +378,18 @@ def load_key_offsets(path: str | os.PathLike[str], model: ModelScaleInfo) -> Key
     where = os.fspath(path)
     _kv8_scales_from_doc(data, where, model)   # the whole file is checked, scales included
     return _offsets_from_doc(data, where, model)
+
+
+def load_key_scaling(path: str | os.PathLike[str], model: ModelScaleInfo) -> KeyScaling | None:
+    """The key factors of a ``quantization_param_path`` file for ``model`` (every KV head), or None when it has
+    none. The file is validated as :func:`load_kv8_scales_json` does; ``k_channel_scale`` must be
+    ``[num_layers, num_kv_heads, head_dim]`` of finite numbers > 0, beside ``k_offset``."""
+    data = _read_json(path)
+    if not (isinstance(data, dict) and data.get("format") == KV8_SCALES_FORMAT and "k_channel_scale" in data):
+        return None
+    where = os.fspath(path)
+    _kv8_scales_from_doc(data, where, model)   # the whole file is checked
+    return _key_scaling_from_doc(data, where, model)
 
 
 def load_scales_file(path: str | os.PathLike[str], model: ModelScaleInfo, tp_rank: int = 0,

@@ -19,6 +19,11 @@ Key centering (``key_centering=True``, ``kv8 calibrate --key-centering``; :mod:`
 pass over the same windows measures the mean post-RoPE key per (layer, KV head, channel); the second computes the
 scales of the *centered* keys (``(k - c) R``, what such a cache stores). Both go into a kv8 scales file, which
 turns key centering on in every engine that loads it, for any cache format.
+
+Key scaling (``key_scaling=True``, ``kv8 calibrate --key-centering --key-scaling``; :mod:`kv8.quant.key_scaling`):
+the first pass also measures the mean squared centered key and query per (layer, KV head, channel) and writes the
+factors ``s`` beside the offsets. The static FP8 scales are still those of the unscaled centered keys (an engine
+refuses a static-scale FP8 cache with such a file).
 """
 
 from __future__ import annotations
@@ -43,6 +48,7 @@ from kv8.models.registry import arch_config
 from kv8.observer import EngineObserver
 from kv8.outputs import RequestOutput
 from kv8.quant.key_offsets import KeyOffsets
+from kv8.quant.key_scaling import KeyScaling
 from kv8.quant.scales import KVScales, ModelScaleInfo, ScaleGranularity
 from kv8.sampling_params import SamplingParams
 from kv8.tools.data import read_corpus, token_windows, tokenize_corpus
@@ -101,6 +107,8 @@ class CalibrationResult:
     # key centering's offsets (the mean post-RoPE key per layer, KV head and channel); the scales describe the
     # centered keys. None without --key-centering.
     key_offsets: KeyOffsets | None = None
+    # key scaling's factors (of the centered keys). None without --key-scaling.
+    key_scaling: KeyScaling | None = None
 
 
 class _KVWatch(EngineObserver):
@@ -114,7 +122,7 @@ class _KVWatch(EngineObserver):
     def on_attention_inputs(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                             codec: KVCodec) -> None:
         if self.means is not None:
-            self.means.observe(layer, key)
+            self.means.observe(layer, key, query if self.means.query_sum_sq is not None else None)
 
     def on_kv_store(self, layer: int, key: torch.Tensor, value: torch.Tensor, codec: KVCodec) -> None:
         if self.sink is not None:
@@ -182,7 +190,7 @@ def calibrate(model: str, data: Sequence[str], recipe: ScaleRecipe, *, num_sampl
               seq_len: int = 512, skip_tokens: int = 0, dtype: str = "auto", batch: int = 4,
               max_num_batched_tokens: int = 2048, attention_backend: str = "auto", rotation: str = "none",
               check_samples: int = 0, tensor_parallel_size: int = 1, key_centering: bool = False,
-              show_progress: bool = True) -> CalibrationResult:
+              key_scaling: bool = False, show_progress: bool = True) -> CalibrationResult:
     """Observe ``num_samples`` windows of ``seq_len`` tokens from ``data`` (after ``skip_tokens``) and
     compute scales by ``recipe``. With ``check_samples > 0`` the next ``check_samples`` windows of the data,
     which calibration did not see, are run too and :class:`ClipCheck` reports which values the scales would
@@ -193,11 +201,15 @@ def calibrate(model: str, data: Sequence[str], recipe: ScaleRecipe, *, num_sampl
     those heads alone (per-head histograms summed), for a vLLM file's ``scaling_factor[tp_rank]``; finer
     granularities need no per-rank scales (an engine cuts them to its heads). The model runs in one process
     either way: it sees every head. With ``key_centering`` a first pass over the same windows measures the key
-    offsets (``result.key_offsets``) and the scales (and the held-out check) are of the centered keys.
-    Raises ValueError for unusable data, options or models."""
+    offsets (``result.key_offsets``) and the scales (and the held-out check) are of the centered keys; with
+    ``key_scaling`` (which needs ``key_centering``) the same pass measures key scaling's factors
+    (``result.key_scaling``). Raises ValueError for unusable data, options or models."""
     for name, value, low in (("num_samples", num_samples, 1), ("seq_len", seq_len, 2), ("batch", batch, 1),
                              ("check_samples", check_samples, 0), ("tensor_parallel_size", tensor_parallel_size, 1)):
         check_int(name, value, low)
+    if key_scaling and not key_centering:
+        raise ValueError("key_scaling: kv8 writes key scaling's factors only beside key offsets; add key_centering "
+                         "(--key-centering)")
     docs = read_corpus(data)
     check_length(model, seq_len, "seq_len")
     ParallelConfig(tensor_parallel_size).check_model(model_arch(model))
@@ -214,16 +226,19 @@ def calibrate(model: str, data: Sequence[str], recipe: ScaleRecipe, *, num_sampl
     tokens = tokenize_corpus(docs, engine.tokenizer)
     samples = token_windows(tokens, seq_len, num_samples, skip_tokens, "--seq-len", "--skip-tokens")
     rotation_matrix = engine.cache.codec.rotation
-    key_offsets, stored_offset = None, None
+    key_offsets, stored_offset, scaling = None, None, None
     if key_centering:
         if not arch.shift_invariant_scores:
             raise ValueError(f"key centering is not exact for this {arch.model_type} model: it "
                              f"{arch.score_transform}")
-        watch.means = KeyMeanCollector(arch.num_layers, arch.num_kv_heads, arch.head_dim)
+        watch.means = KeyMeanCollector(arch.num_layers, arch.num_kv_heads, arch.head_dim, queries=key_scaling)
         with tqdm(total=len(samples), desc="Key means", unit="sample", disable=not show_progress) as bar:
             run_prompts(engine, samples, SamplingParams(temperature=0.0, max_tokens=1), batch, bar)
         key_offsets = watch.means.offsets(f"kv8 calibrate --key-centering (mean post-RoPE key, {len(samples)} x "
                                           f"{seq_len} tokens)")
+        if key_scaling:
+            scaling = watch.means.scaling(f"kv8 calibrate --key-scaling ((E[q^2] / E[(k - c)^2])^(1/4), "
+                                          f"{len(samples)} x {seq_len} tokens)")
         watch.means = None
         stored_offset = key_offsets.k if rotation_matrix is None else key_offsets.k @ rotation_matrix.cpu().float()
     histograms = ScaleGranularity.HEAD if per_rank else recipe.granularity
@@ -263,4 +278,4 @@ def calibrate(model: str, data: Sequence[str], recipe: ScaleRecipe, *, num_sampl
                           counter.worst[1].tolist())
     return CalibrationResult(scales=scales, recipe=recipe, info=info, num_samples=len(samples),
                              num_tokens=len(samples) * seq_len, collector=collector, check=check,
-                             rank_scales=rank_scales, key_offsets=key_offsets)
+                             rank_scales=rank_scales, key_offsets=key_offsets, key_scaling=scaling)

@@ -60,6 +60,10 @@ outputs: --output-format vllm (one scale per layer, the larger of K and V; tenso
 --key-centering also writes key offsets (kv8 JSON output only): the mean post-RoPE key per layer, KV head and channel,
   which an engine loading the file subtracts from every key it stores, whatever its --kv-cache-dtype (int4/int8 and
   dynamic FP8 caches use the file for its offsets only).
+--key-scaling (with --key-centering) also writes key scaling's factors: per layer, KV head and channel
+  (E[q^2] / E[(k - c)^2])^(1/4), by which an engine multiplies every centered key before storing it and divides every
+  query (exact for attention; a 4-bit cache's rounding moves to channels the queries read less). Not for a
+  static-scale FP8 cache.
 --plan writes a kv_cache_plan file instead of scales: each layer's sensitivity (its KLD against a float32 cache when
   only it is quantized, per candidate of --plan-formats), the cheapest layers' formats within --kld-budget (or the
   least KLD within --bytes-budget), checked end to end on the --plan-check-samples windows after the calibration
@@ -146,6 +150,12 @@ def add_calibrate_parser(sub: Any) -> None:
                         "it from every key before storing it, for any --kv-cache-dtype (exact for attention; less "
                         "rounding error where keys keep a large constant channel); the scales describe the "
                         "centered keys")
+    c.add_argument("--key-scaling", action="store_true",
+                   help="with --key-centering: also measure per layer, KV head and channel the factor "
+                        "(E[q^2] / E[(k - c)^2])^(1/4) and write it (kv8 JSON): an engine loading the file multiplies "
+                        "every centered key by it before storing it and divides every query by it (exact for "
+                        "attention; less 4-bit rounding error in the scores); not usable by a static-scale FP8 "
+                        "cache")
     p = c.add_argument_group("per-layer plan (--plan)")
     p.add_argument("--plan", action="store_true",
                    help="write a kv_cache_plan file (--output) chosen from measured per-layer sensitivity, not scales")
@@ -195,6 +205,8 @@ def cmd_calibrate(ns: argparse.Namespace) -> int:
                    and ns.kv_cache_rotation == "none" and ns.output is not None and ns.output.endswith(".json")
                    and not ns.key_centering)
         output_format = "vllm" if vllm_ok else "kv8"
+    if ns.key_scaling and not ns.key_centering:
+        raise ValueError("--key-scaling: the factors are written only beside key offsets; add --key-centering")
     if ns.key_centering and (output_format != "kv8" or ns.save_model is not None):
         raise ValueError(f"--key-centering: {KEY_CENTERING_NEEDS_KV8}; give --output PATH with --output-format kv8 "
                          "(or leave it out) and no --save-model")
@@ -216,6 +228,7 @@ def cmd_calibrate(ns: argparse.Namespace) -> int:
                        max_num_batched_tokens=args.max_num_batched_tokens, attention_backend=args.attention_backend,
                        rotation=args.kv_cache_rotation, check_samples=ns.check_samples,
                        tensor_parallel_size=args.tensor_parallel_size, key_centering=ns.key_centering,
+                       key_scaling=ns.key_scaling,
                        show_progress=not ns.no_progress)
     s = result.scales
     print(f"calibrated {result.info.num_layers} layers on {result.num_samples} samples x {seq_len} tokens: "
@@ -229,10 +242,14 @@ def cmd_calibrate(ns: argparse.Namespace) -> int:
         c = result.key_offsets.k
         print(f"  key offsets: |c| up to {float(c.abs().max()):.4g}; largest per layer "
               f"{[round(float(x), 3) for x in c.abs().amax(dim=(1, 2))]}")
+    if result.key_scaling is not None:
+        f = result.key_scaling.s
+        print(f"  key scaling: factors {float(f.min()):.4g}..{float(f.max()):.4g} (geometric mean 1 per head)")
     if result.check is not None:
         print(result.check.summary())
     if ns.output is not None:
-        write_scales(ns.output, s, result.info, output_format, result.rank_scales, result.key_offsets)
+        write_scales(ns.output, s, result.info, output_format, result.rank_scales, result.key_offsets,
+                     result.key_scaling)
         ranks = f" for {len(result.rank_scales)} tensor-parallel ranks" if result.rank_scales else ""
         print(f"wrote {output_format} scales{ranks} to {ns.output}")
     if ns.save_model is not None:

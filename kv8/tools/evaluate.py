@@ -126,13 +126,13 @@ class QuantErrorObserver(EngineObserver):
         self.prompt_rows: Callable[[str, int, torch.Tensor], None] | None = None
 
     def on_kv_store(self, layer: int, key: torch.Tensor, value: torch.Tensor, codec: KVCodec) -> None:
-        offset = codec.stored_key_offset(layer)   # key centering: errors relative to the keys before it
         for i, x in enumerate((key, value)):
             xf = x.float()
             back, clipped = codec.round_trip(x, layer, i)
+            if i == 0:   # keys in the model's basis: centering and scaling undone, errors relative to the keys
+                xf, back = codec.keys_from_stored(xf, layer), codec.keys_from_stored(back, layer)
             self.err_sq[i, layer] += float(((back - xf) ** 2).sum())
-            ref = xf + offset if i == 0 and offset is not None else xf
-            self.ref_sq[i, layer] += float((ref ** 2).sum())
+            self.ref_sq[i, layer] += float((xf ** 2).sum())
             self.count[i, layer] += xf.numel()
             self.clipped[i, layer] += clipped
 

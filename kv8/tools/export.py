@@ -29,6 +29,7 @@ import torch
 
 from kv8.cache.scale_sources import is_kv_scale_name
 from kv8.quant.key_offsets import KeyOffsets
+from kv8.quant.key_scaling import KeyScaling
 from kv8.quant.scale_files import write_kv8_scales_json, write_vllm_scales_json
 from kv8.quant.scales import KVScales, ModelScaleInfo, ScaleGranularity
 
@@ -59,10 +60,12 @@ KEY_CENTERING_NEEDS_KV8 = ("key offsets (--key-centering) are written only in kv
 
 
 def write_scales(path: str, scales: KVScales, info: ModelScaleInfo, output_format: str,
-                 rank_scales: Sequence[KVScales] | None = None, key_offsets: KeyOffsets | None = None) -> None:
+                 rank_scales: Sequence[KVScales] | None = None, key_offsets: KeyOffsets | None = None,
+                 key_scaling: KeyScaling | None = None) -> None:
     """Write ``scales`` to ``path`` as ``output_format`` ("vllm" or "kv8"). ``rank_scales`` (one per
     tensor-parallel rank, tensor granularity) go into a vLLM file's ``scaling_factor[tp_rank]`` instead; kv8's
-    schema has no ranks and refuses them. ``key_offsets`` (key centering) need the kv8 schema."""
+    schema has no ranks and refuses them. ``key_offsets`` (key centering) and ``key_scaling`` need the kv8
+    schema."""
     if key_offsets is not None and output_format != "kv8":
         raise ValueError(f"{KEY_CENTERING_NEEDS_KV8}; use --output-format kv8")
     if output_format == "vllm":
@@ -74,7 +77,7 @@ def write_scales(path: str, scales: KVScales, info: ModelScaleInfo, output_forma
     elif output_format == "kv8":
         if rank_scales:
             raise ValueError(RANKS_NEED_VLLM)
-        write_kv8_scales_json(path, scales, info, key_offsets)
+        write_kv8_scales_json(path, scales, info, key_offsets, key_scaling)
     else:
         raise ValueError(f"output format {output_format!r} is not known; choose one of: {', '.join(OUTPUT_FORMATS)}")
 

@@ -58,6 +58,7 @@ import torch
 
 from kv8.quant.formats import FP8Format
 from kv8.quant.key_offsets import KeyOffsets
+from kv8.quant.key_scaling import KeyScaling, key_scales_from_moments
 from kv8.quant.scales import KVScales, ScaleGranularity
 from kv8.validators import check_number
 
@@ -315,23 +316,56 @@ class KVStatsCollector:
 
 class KeyMeanCollector:
     """The mean key per (layer, KV head, channel) of every key observed (float64 sums): the offsets of key
-    centering. Keys are shown in the model's basis (post-RoPE, before any rotation:
-    :meth:`kv8.observer.EngineObserver.on_attention_inputs`)."""
+    centering; with ``queries=True`` also the mean squared key and the mean squared query per (layer, KV head,
+    channel), the queries of each KV head's group pooled: what key scaling's factors are computed from
+    (:func:`kv8.quant.key_scaling.key_scales_from_moments`). Keys and queries are shown in the model's basis
+    (post-RoPE, before any rotation: :meth:`kv8.observer.EngineObserver.on_attention_inputs`)."""
 
-    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int) -> None:
+    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, queries: bool = False) -> None:
         self.sum = torch.zeros(num_layers, num_kv_heads, head_dim, dtype=torch.float64)
         self.num_tokens = torch.zeros(num_layers, dtype=torch.int64)
+        self.sum_sq: torch.Tensor | None = None
+        self.query_sum_sq: torch.Tensor | None = None
+        self.num_queries = torch.zeros(num_layers, dtype=torch.int64)
+        if queries:
+            self.sum_sq = torch.zeros_like(self.sum)
+            self.query_sum_sq = torch.zeros_like(self.sum)
 
-    def observe(self, layer: int, key: torch.Tensor) -> None:
-        """Record new keys ``[T, H, D]`` of ``layer``."""
-        self.sum[layer] += key.detach().double().sum(dim=0)
+    def observe(self, layer: int, key: torch.Tensor, query: torch.Tensor | None = None) -> None:
+        """Record new keys ``[T, H, D]`` of ``layer`` (and, when collecting them, its queries ``[T, Hq, D]``, each
+        KV head's ``Hq / H`` query heads consecutive)."""
+        k = key.detach().double()
+        self.sum[layer] += k.sum(dim=0)
         self.num_tokens[layer] += key.shape[0]
+        if self.sum_sq is not None and self.query_sum_sq is not None:
+            self.sum_sq[layer] += k.pow(2).sum(dim=0)
+            if query is None:
+                raise ValueError("this collector measures queries too: observe(layer, key, query)")
+            t, hq, d = query.shape
+            h = key.shape[1]
+            q = query.detach().double().view(t, h, hq // h, d)
+            self.query_sum_sq[layer] += q.pow(2).sum(dim=(0, 2))
+            self.num_queries[layer] += t * (hq // h)
 
     def offsets(self, source: str) -> KeyOffsets:
         """The means as :class:`KeyOffsets`; ValueError when some layer saw no key."""
         if int(self.num_tokens.min()) == 0:
             raise ValueError("no keys were observed for some layer; key centering needs at least one token")
         return KeyOffsets((self.sum / self.num_tokens.view(-1, 1, 1).double()).float(), source)
+
+    def scaling(self, source: str) -> KeyScaling:
+        """Key scaling's factors for the centered keys: ``(E[q^2] / E[(k - mean)^2]) ^ (1/4)`` per (layer, KV head,
+        channel), normalised per head (:func:`kv8.quant.key_scaling.key_scales_from_moments`). ValueError without
+        query statistics or when some layer saw no key."""
+        if self.sum_sq is None or self.query_sum_sq is None:
+            raise ValueError("key scaling needs query statistics: KeyMeanCollector(..., queries=True)")
+        if int(self.num_tokens.min()) == 0 or int(self.num_queries.min()) == 0:
+            raise ValueError("no keys were observed for some layer; key scaling needs at least one token")
+        n = self.num_tokens.view(-1, 1, 1).double()
+        mean = self.sum / n
+        key_sq = (self.sum_sq / n - mean.pow(2)).clamp_min(0)          # E[(k - c)^2]
+        query_sq = self.query_sum_sq / self.num_queries.view(-1, 1, 1).double()
+        return KeyScaling(key_scales_from_moments(query_sq, key_sq), source)
 
 
 class ClipCounter:

@@ -259,6 +259,22 @@ def test_tp2_equals_tp1_with_key_centering(gqa_6x2: str, tmp_path: Path) -> None
     _compare(gqa_6x2, 2, "int4", kv_cache_rotation="hadamard", quantization_param_path=str(path), block_size=4)
 
 
+def test_tp2_equals_tp1_with_key_scaling(gqa_6x2: str, tmp_path: Path) -> None:
+    """Key offsets and factors (int4 + Hadamard): each rank scales its KV heads' keys and its query heads by its
+    heads' slice of the factors, which differ per head."""
+    from kv8.quant.key_offsets import KeyOffsets
+    from kv8.quant.key_scaling import KeyScaling
+
+    g = torch.Generator().manual_seed(0)
+    c = torch.randn(2, 2, 16, generator=g)
+    s = torch.exp(2 * torch.rand(2, 2, 16, generator=g) - 1)
+    s[:, 1] *= 3.0   # a rank reading the other's slice would not match
+    path = tmp_path / "scaled.json"
+    write_kv8_scales_json(path, KVScales.default(2), ModelScaleInfo("qwen2", 2, 2, 16), KeyOffsets(c, "test"),
+                          KeyScaling(s, "test"))
+    _compare(gqa_6x2, 2, "int4", kv_cache_rotation="hadamard", quantization_param_path=str(path), block_size=4)
+
+
 @pytest.mark.slow
 def test_tp2_equals_tp1_with_fp8_weights(gqa_6x2: str) -> None:
     """quantization="fp8": o_proj and down_proj ranks hold half of each row, quantized with the whole rows'

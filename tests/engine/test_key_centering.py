@@ -76,11 +76,12 @@ def test_codec_centers_keys_before_the_rotation(rotation: str) -> None:
     k = torch.randn(5, 2, 8)
     r = hadamard(8) if rotation == "hadamard" else torch.eye(8)
     torch.testing.assert_close(codec.keys_to_stored(k, 1), (k - c[1]) @ r)
-    # the stored key plus the stored offset is the uncentered key in the stored basis
-    torch.testing.assert_close(codec.keys_to_stored(k, 1) + codec.stored_key_offset(1), k @ r)
+    # undoing the rotation and adding the offset gives the uncentered key back
+    torch.testing.assert_close(codec.keys_from_stored(codec.keys_to_stored(k, 1), 1), k)
     assert "key centering on (test)" in codec.describe()
     plain = KVCodec.build(resolve_kv_cache_dtype("float32", torch.float32), 8, rotation=rotation)
-    assert torch.equal(plain.keys_to_stored(k, 1), plain.to_stored_basis(k)) and plain.stored_key_offset(1) is None
+    assert torch.equal(plain.keys_to_stored(k, 1), plain.to_stored_basis(k))
+    torch.testing.assert_close(plain.keys_from_stored(plain.keys_to_stored(k, 1), 1), k)
     with pytest.raises(ValueError, match="k_offset .* head_dim 8, the cache 16"):
         KVCodec.build(resolve_kv_cache_dtype("float32", torch.float32), 16, key_offsets=KeyOffsets(c, "test"))
 

@@ -247,7 +247,7 @@ def test_kv8_file_round_trips_key_offsets(tmp_path: Path) -> None:
     (lambda d: d.update(k_offset=[[[0.0] * 4, [0.0] * 3]] * 3), r"'k_offset' is not a rectangular"),
     (lambda d: d["k_offset"][1][0].__setitem__(2, 1e39), r"k_offset for layer 1, KV head 0, channel 2 is inf"),
     (lambda d: d.update(version=1), r"'k_offset' \(key centering\) needs version 2"),
-    (lambda d: d.update(version=3), r"version is 3; kv8 reads versions 1, 2"),
+    (lambda d: d.update(version=4), r"version is 4; kv8 reads versions 1, 2, 3"),
 ])
 def test_bad_key_offsets_name_the_field(tmp_path: Path, mutate: Any, pattern: str) -> None:
     from kv8.quant.key_offsets import KeyOffsets
@@ -275,3 +275,73 @@ def test_key_offsets_invariants() -> None:
         KeyOffsets(torch.zeros(1, 2, 2), "test").heads(1, 2)
     with pytest.raises(ValueError, match="k_offset for layer 0, KV head 1, channel 0 is nan"):
         KeyOffsets(torch.tensor([[[0.0], [math.nan]]]), "test")
+
+
+# ---- kv8's file with key scaling's factors ------------------------------------------------------------------------
+def _factors(model: ModelScaleInfo) -> torch.Tensor:
+    g = torch.Generator().manual_seed(2)
+    return torch.rand(model.num_layers, model.num_kv_heads, model.head_dim, generator=g) * 4 + 0.25
+
+
+def test_kv8_file_round_trips_key_scaling(tmp_path: Path) -> None:
+    from kv8.quant.key_offsets import KeyOffsets
+    from kv8.quant.key_scaling import KeyScaling
+    from kv8.quant.scale_files import file_has_key_scaling, load_key_offsets, load_key_scaling, write_kv8_scales_json
+
+    c, s = _offsets(TINY), _factors(TINY)
+    path = tmp_path / "scaled.json"
+    write_kv8_scales_json(path, KVScales.default(3), TINY, KeyOffsets(c, "test"), KeyScaling(s, "test"))
+    doc = json.loads(path.read_text())
+    assert doc["version"] == 3 and len(doc["k_channel_scale"]) == 3
+    assert file_has_key_scaling(path)
+    got = load_key_scaling(path, TINY)
+    assert got is not None and torch.equal(got.s, s) and str(path) in got.source
+    offsets = load_key_offsets(path, TINY)
+    assert offsets is not None and torch.equal(offsets.k, c)
+    centered = tmp_path / "centered.json"
+    write_kv8_scales_json(centered, KVScales.default(3), TINY, KeyOffsets(c, "test"))
+    assert not file_has_key_scaling(centered) and load_key_scaling(centered, TINY) is None
+    assert load_key_scaling(FIXTURE, LLAMA2_7B) is None   # vLLM's file
+    with pytest.raises(ValueError, match="written only beside k_offset"):
+        write_kv8_scales_json(tmp_path / "x.json", KVScales.default(3), TINY, None, KeyScaling(s, "test"))
+
+
+@pytest.mark.parametrize("mutate,pattern", [
+    (lambda d: d.update(k_channel_scale=[[[1.0] * 4] * 2] * 2), r"k_channel_scale .* shape \[2, 2, 4\]; the model "
+                                                                r"needs \[num_layers, num_kv_heads, head_dim\]"),
+    (lambda d: d.update(k_channel_scale=[[1.0] * 4] * 3), r"'k_channel_scale' must be a nested list of numbers"),
+    (lambda d: d["k_channel_scale"][2][1].__setitem__(3, 0.0), r"k_channel_scale for layer 2, KV head 1, channel 3 "
+                                                               r"is 0.0; key scales must be finite and > 0"),
+    (lambda d: d["k_channel_scale"][0][1].__setitem__(0, -2.0), r"layer 0, KV head 1, channel 0 is -2.0"),
+    (lambda d: d["k_channel_scale"][1][0].__setitem__(1, 1e39), r"layer 1, KV head 0, channel 1 is inf"),
+    (lambda d: d.update(version=2), r"'k_channel_scale' \(key scaling\) needs version 3"),
+    (lambda d: d.pop("k_offset"), r"'k_channel_scale' \(key scaling\) comes only beside 'k_offset'"),
+])
+def test_bad_key_scaling_names_the_field(tmp_path: Path, mutate: Any, pattern: str) -> None:
+    from kv8.quant.key_offsets import KeyOffsets
+    from kv8.quant.key_scaling import KeyScaling
+    from kv8.quant.scale_files import load_key_scaling, load_scales_file, write_kv8_scales_json
+
+    path = tmp_path / "s.json"
+    write_kv8_scales_json(path, KVScales.default(3), TINY, KeyOffsets(_offsets(TINY), "test"),
+                          KeyScaling(_factors(TINY), "test"))
+    doc = json.loads(path.read_text())
+    mutate(doc)
+    path.write_text(json.dumps(doc))
+    with pytest.raises(ValueError, match=pattern):
+        load_key_scaling(path, TINY)
+    with pytest.raises(ValueError, match=pattern):   # the scales of such a file are refused too
+        load_scales_file(path, TINY)
+
+
+def test_key_scaling_invariants() -> None:
+    from kv8.quant.key_scaling import KeyScaling
+
+    with pytest.raises(ValueError, match=r"k_channel_scale must have shape \[num_layers, num_kv_heads, head_dim\]"):
+        KeyScaling(torch.ones(3, 4), "test")
+    with pytest.raises(ValueError, match="k_channel_scale must be a float32 CPU tensor"):
+        KeyScaling(torch.ones(1, 1, 2, dtype=torch.float64), "test")
+    with pytest.raises(ValueError, match="k_channel_scale for layer 0, KV head 1, channel 0 is nan"):
+        KeyScaling(torch.tensor([[[1.0], [math.nan]]]), "test")
+    with pytest.raises(ValueError, match="KeyScaling.source must be a non-empty string"):
+        KeyScaling(torch.ones(1, 1, 2), "")

@@ -435,6 +435,31 @@ def test_cli_calibrate_key_centering(tiny_models: dict[str, str], text_file: str
         assert "key offsets (--key-centering) are written only in kv8's scales JSON" in capsys.readouterr().err
 
 
+def test_cli_calibrate_key_scaling(tiny_models: dict[str, str], text_file: str, tmp_path: Path,
+                                   capsys: pytest.CaptureFixture[str]) -> None:
+    """--key-centering --key-scaling writes factors (positive, geometric mean 1 per head) beside the offsets; an
+    int4 engine loads the file and eval measures it; --key-scaling alone is refused."""
+    from kv8.quant.scale_files import load_key_scaling
+
+    model = tiny_models["llama_gqa"]
+    out = tmp_path / "scaled.json"
+    assert main(["calibrate", model, "--data", text_file, "--num-samples", str(SAMPLES), "--seq-len", str(SEQ),
+                 "--dtype", "float32", "--key-centering", "--key-scaling", "--output", str(out),
+                 "--no-progress"]) == 0
+    assert "key scaling: factors" in capsys.readouterr().out
+    scaling = load_key_scaling(out, ModelScaleInfo("llama", 2, 2, 16))
+    assert scaling is not None and bool((scaling.s > 0).all())
+    torch.testing.assert_close(scaling.s.log().mean(-1), torch.zeros(2, 2), atol=1e-5, rtol=0)
+    assert not torch.allclose(scaling.s, torch.ones_like(scaling.s))
+    report = tmp_path / "r.json"
+    assert main(["eval", model, "--data", text_file, "--config", f"--kv-cache-dtype int4 --quantization-param-path "
+                 f"{out}", "--window", "16", "--num-windows", "1", "--gen-prompts", "0", "--json", str(report),
+                 "--no-progress"]) == 0
+    assert [r["label"] for r in json.loads(report.read_text())["results"]] == [f"int4:{out}"]
+    assert main(["calibrate", model, "--data", text_file, "--key-scaling", "--output", str(tmp_path / "x.json")]) == 2
+    assert "--key-scaling: the factors are written only beside key offsets" in capsys.readouterr().err
+
+
 def test_data_formats(tmp_path: Path) -> None:
     wiki = ("<mediawiki xmlns=\"http://www.mediawiki.org/xml/export-0.10/\"><page><title>A</title><ns>0</ns>"
             "<revision><text>'''Alpha''' is a [[Greek alphabet|letter]].{{Infobox|x={{y}}}}&lt;ref&gt;cite"
