@@ -1,5 +1,5 @@
 """Paged attention over kv8's KV cache for a whole mixed batch, in Triton: prefill chunks over cached context,
-fresh prefills and decode rows in one launch, reading FP8 or int8 codes (or 16/32-bit values) in place.
+fresh prefills and decode rows in one launch, reading FP8, int8 or int4 codes (or 16/32-bit values) in place.
 
 Semantics are exactly :func:`kv8.attention.reference.paged_attention_reference`: query ``j`` of sequence ``i`` sits
 at position ``p = seq_lens[i] - query_len_i + j`` and sees keys ``k <= p`` (with a sliding window ``W`` only
@@ -68,7 +68,10 @@ Work decomposition (grid ``(T // BLOCK_Q + B, Hkv, NUM_SPLITS)``; T = query rows
   k``); static V scales multiply the accumulator's channels at the end (``sum p (v s) = (sum p v) s``). Dynamic
   per-token scales multiply the score columns (K) and the probability columns before the PV product (V). An int8
   cache (``int8_per_token_head``) always has dynamic scales: its codes convert to the dot's dtype exactly
-  (``|code| <= 127``) and are scaled like dynamic FP8, with the same tiles.
+  (``|code| <= 127``) and are scaled like dynamic FP8, with the same tiles. So does an int4 cache
+  (``int4_per_token_head``, ``PACKED``): each key's row is ``D / 2`` bytes, loaded ``[TILE_N, D_PAD / 2]`` for K
+  and V alike, unpacked in registers (:func:`~kv8.kernels.triton.dequant.unpack_nibbles`: sign-extended nibbles,
+  joined and reshaped to ``[TILE_N, D_PAD]`` in channel order) and, for K, transposed there.
 * **Dot precision** (``DOT_DTYPE``, one for both products). Decoded FP8 values are exact in float16 (and in
   bfloat16), so over an FP8 cache with static or no scales both products take **float16** operands with float32
   accumulation, whatever the 16-bit query: FP8 codes convert to float16 pairs in one instruction, to bfloat16 only
@@ -98,15 +101,16 @@ What a caller must provide (checked, ``ValueError`` before any launch, unless ma
 * ``k_cache``/``v_cache`` ``[num_blocks, Hkv, block_size, D]`` (:class:`kv8.cache.paged_cache.PagedKVCache`'s
   per-layer views), last dim contiguous: ``uint8`` codes with ``fp8`` an FP8 format
   (:func:`kv8.kernels.triton.formats.kernel_format` derives what the kernels need of it: E4M3FN, E4M3FNUZ, E5M2),
-  ``int8`` codes with ``fp8`` the int8 format (:data:`kv8.quant.formats.INT8`), or bfloat16/float16/float32 values
-  with ``fp8=None``.
+  ``int8`` codes with ``fp8`` the int8 format (:data:`kv8.quant.formats.INT8`), ``uint8`` bytes of two int4 codes
+  with ``fp8`` :data:`kv8.quant.formats.INT4` (the last dim ``D / 2``; ``D`` even), or bfloat16/float16/float32
+  values with ``fp8=None``.
 * ``query_start_loc [B + 1]`` and ``seq_lens [B]`` contiguous, ``block_tables [B, max_blocks]`` with a contiguous
   last dim; int32 or int64, each independently. Unchecked (the launch reads no tensor on the host, so it can be
   captured in a CUDA graph): ``query_start_loc`` nondecreasing from 0 with ``query_start_loc[B] <= T``, ``0 <=
   query_len_i <= seq_lens[i]``, the table entries a sequence needs are valid block ids and hold its keys.
 * FP8: static ``k_scale``/``v_scale`` broadcastable to ``[Hkv, D]`` (any float dtype; copied to float32) or
-  dynamic ``k_token_scales``/``v_token_scales`` float32 ``[num_blocks, Hkv, block_size]`` (any strides); int8:
-  the dynamic ones.
+  dynamic ``k_token_scales``/``v_token_scales`` float32 ``[num_blocks, Hkv, block_size]`` (any strides); int8 and
+  int4: the dynamic ones.
 * The split workspace (``num_kv_splits > 1``) is ``T * Hq * splits * (D_PAD + 2)`` float32, allocated per call.
 """
 
@@ -121,7 +125,7 @@ import triton.language as tl
 
 from kv8.kernels.triton import interpreter
 from kv8.kernels.triton.dequant import decode_fp8, native_fp8_supported
-from kv8.kernels.triton.formats import FP8Layout, IntLayout, KernelFormat, code_dtype, kernel_format
+from kv8.kernels.triton.formats import FP8Layout, IntLayout, KernelFormat, code_dtype, code_width, kernel_format
 from kv8.kernels.triton.interpreter import INTERPRETER, add_combine, cast_rn, dot, max_combine, widen
 from kv8.kernels.triton.launch import Launch
 from kv8.platform import CPU, Platform
@@ -163,13 +167,15 @@ def _attend_key_tile(
     D_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
     TILE_IN_BLOCK: tl.constexpr, FP8_FMT: tl.constexpr, NATIVE_FP8: tl.constexpr, SCALES: tl.constexpr,
     USE_WINDOW: tl.constexpr, DOT_DTYPE: tl.constexpr, Q_SPLIT: tl.constexpr, KEY_ROWS: tl.constexpr,
-    MASKED: tl.constexpr,
+    MASKED: tl.constexpr, PACKED: tl.constexpr,
 ):
     """One online-softmax step over key tile ``j`` (keys ``j * TILE_N ..``) -> the updated ``(m_i, l_i, acc)``.
 
     ``KEY_ROWS`` (module docstring, *Orientation*): scores ``[TILE_N, BLOCK_M]`` and ``acc`` ``[D_PAD, BLOCK_M]``
     (``q_hi``/``q_lo`` ``[D_PAD, BLOCK_M]``), else ``[BLOCK_M, TILE_N]`` and ``[BLOCK_M, D_PAD]``. ``MASKED`` False:
-    the caller promises every key of the tile is visible to every row (no causal or window edge, no clamped key)."""
+    the caller promises every key of the tile is visible to every row (no causal or window edge, no clamped key).
+    ``PACKED`` (int4 codes, two per byte): both tiles are loaded ``[TILE_N, D_PAD / 2]`` bytes, unpacked in
+    registers to ``[TILE_N, D_PAD]`` and K transposed there for the usual orientation."""
     ROWS: tl.constexpr = 1 if KEY_ROWS else 0      # the axis of query rows in s, p and acc
     KEYS: tl.constexpr = 1 - ROWS                  # the axis of keys in s and p
     K_KEYS: tl.constexpr = 0 if KEY_ROWS else 1    # the axis of keys in the K tile: K [TILE_N, D] or K^T [D, TILE_N]
@@ -197,6 +203,8 @@ def _attend_key_tile(
         v_ptrs = v_base + _spread(slot * stride_vt, V_KEYS) + _spread(offs_d, 1 - V_KEYS)
         k_ts_ptr = k_tok_ptr + block * stride_ksb + kv_head * stride_ksh + slot * stride_kst
         v_ts_ptr = v_tok_ptr + block * stride_vsb + kv_head * stride_vsh + slot * stride_vst
+        k_rows = k_base + slot * stride_kt                         # [TILE_N] row starts (PACKED's loads)
+        v_rows = v_base + slot * stride_vt
     else:
         # keys of several blocks (or blocks smaller than a tile): one table entry per key
         if (not MASKED) and TILE_N % BLOCK_SIZE == 0:
@@ -212,7 +220,19 @@ def _attend_key_tile(
             + _spread(offs_d, 1 - V_KEYS)
         k_ts_ptr = k_tok_ptr + blocks * stride_ksb + kv_head * stride_ksh + slots * stride_kst
         v_ts_ptr = v_tok_ptr + blocks * stride_vsb + kv_head * stride_vsh + slots * stride_vst
-    if KEY_ROWS and (not MASKED) and (not TILE_IN_BLOCK) and TILE_N % BLOCK_SIZE == 0 and D_PAD == HEAD_DIM:
+        k_rows = k_ptr + kv_head * stride_kh + blocks * stride_kb + slots * stride_kt
+        v_rows = v_ptr + kv_head * stride_vh + blocks * stride_vb + slots * stride_vt
+    if PACKED:
+        # int4: each key's row is D / 2 bytes of two codes; keys along axis 0 in both tiles
+        offs_w = tl.arange(0, D_PAD // 2)
+        if D_PAD == HEAD_DIM:
+            k_raw = tl.load(k_rows[:, None] + offs_w[None, :])
+            v_raw = tl.load(v_rows[:, None] + offs_w[None, :])
+        else:
+            w_ok = (offs_w < HEAD_DIM // 2)[None, :]
+            k_raw = tl.load(k_rows[:, None] + offs_w[None, :], mask=w_ok, other=0)
+            v_raw = tl.load(v_rows[:, None] + offs_w[None, :], mask=w_ok, other=0)
+    elif KEY_ROWS and (not MASKED) and (not TILE_IN_BLOCK) and TILE_N % BLOCK_SIZE == 0 and D_PAD == HEAD_DIM:
         # whole blocks, unclamped, both tiles [TILE_N, D]: loaded as [blocks, BLOCK_SIZE, D], one table entry and
         # one base address per block, the offsets inside a block loop-invariant and non-negative (int32 products of
         # non-negative strides; zero-extended: one 64-bit add per 16-byte load)
@@ -232,6 +252,8 @@ def _attend_key_tile(
         k_raw = tl.load(k_ptrs, mask=_spread(d_ok, 1 - K_KEYS), other=0)
         v_raw = tl.load(v_ptrs, mask=_spread(d_ok, 1 - V_KEYS), other=0)
     k = decode_fp8(k_raw, FP8_FMT, NATIVE_FP8, DOT_DTYPE)
+    if PACKED and not KEY_ROWS:
+        k = tl.trans(k)                              # [D_PAD, TILE_N]
     if KEY_ROWS:
         s = dot(k, q_hi)                             # [TILE_N, BLOCK_M]
         if Q_SPLIT:
@@ -284,6 +306,7 @@ def _paged_attention_kernel(
     NUM_SPLITS: tl.constexpr, FP8_FMT: tl.constexpr, NATIVE_FP8: tl.constexpr, SCALES: tl.constexpr,
     K_CHANNEL_SCALE: tl.constexpr, USE_WINDOW: tl.constexpr, DOT_DTYPE: tl.constexpr, Q_SPLIT: tl.constexpr,
     ROW_SCALE: tl.constexpr, KEY_ROWS: tl.constexpr, Q_LEN_MIN: tl.constexpr, Q_LEN_MAX: tl.constexpr,
+    PACKED: tl.constexpr,
 ):
     pid_q = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -393,7 +416,7 @@ def _paged_attention_kernel(
                 k_ptr, v_ptr, k_tok_ptr, v_tok_ptr, stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt,
                 stride_ksb, stride_ksh, stride_kst, stride_vsb, stride_vsh, stride_vst,
                 D_PAD, HEAD_DIM, BLOCK_SIZE, TILE_N, TILE_IN_BLOCK, FP8_FMT, NATIVE_FP8, SCALES, USE_WINDOW,
-                DOT_DTYPE, Q_SPLIT, KEY_ROWS, False)
+                DOT_DTYPE, Q_SPLIT, KEY_ROWS, False, PACKED)
             j += 1
         t = 0
         while t < n_masked:
@@ -403,7 +426,7 @@ def _paged_attention_kernel(
                 k_ptr, v_ptr, k_tok_ptr, v_tok_ptr, stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt,
                 stride_ksb, stride_ksh, stride_kst, stride_vsb, stride_vsh, stride_vst,
                 D_PAD, HEAD_DIM, BLOCK_SIZE, TILE_N, TILE_IN_BLOCK, FP8_FMT, NATIVE_FP8, SCALES, USE_WINDOW,
-                DOT_DTYPE, Q_SPLIT, KEY_ROWS, True)
+                DOT_DTYPE, Q_SPLIT, KEY_ROWS, True, PACKED)
             t += 1
     elif KEY_ROWS:
         for j in range(u_lo, u_hi):
@@ -412,7 +435,7 @@ def _paged_attention_kernel(
                 k_ptr, v_ptr, k_tok_ptr, v_tok_ptr, stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt,
                 stride_ksb, stride_ksh, stride_kst, stride_vsb, stride_vsh, stride_vst,
                 D_PAD, HEAD_DIM, BLOCK_SIZE, TILE_N, TILE_IN_BLOCK, FP8_FMT, NATIVE_FP8, SCALES, USE_WINDOW,
-                DOT_DTYPE, Q_SPLIT, KEY_ROWS, False)
+                DOT_DTYPE, Q_SPLIT, KEY_ROWS, False, PACKED)
         for t in range(0, n_masked):
             m_i, l_i, acc = _attend_key_tile(
                 tl.where(t < n_lead, j_lo + t, u_hi + t - n_lead), q_hi, q_lo, m_i, l_i, acc, q_pos, row_ok,
@@ -420,7 +443,7 @@ def _paged_attention_kernel(
                 k_ptr, v_ptr, k_tok_ptr, v_tok_ptr, stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt,
                 stride_ksb, stride_ksh, stride_kst, stride_vsb, stride_vsh, stride_vst,
                 D_PAD, HEAD_DIM, BLOCK_SIZE, TILE_N, TILE_IN_BLOCK, FP8_FMT, NATIVE_FP8, SCALES, USE_WINDOW,
-                DOT_DTYPE, Q_SPLIT, KEY_ROWS, True)
+                DOT_DTYPE, Q_SPLIT, KEY_ROWS, True, PACKED)
     else:
         for j in range(j_lo, j_hi):
             m_i, l_i, acc = _attend_key_tile(
@@ -428,7 +451,7 @@ def _paged_attention_kernel(
                 k_ptr, v_ptr, k_tok_ptr, v_tok_ptr, stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt,
                 stride_ksb, stride_ksh, stride_kst, stride_vsb, stride_vsh, stride_vst,
                 D_PAD, HEAD_DIM, BLOCK_SIZE, TILE_N, TILE_IN_BLOCK, FP8_FMT, NATIVE_FP8, SCALES, USE_WINDOW,
-                DOT_DTYPE, Q_SPLIT, KEY_ROWS, True)
+                DOT_DTYPE, Q_SPLIT, KEY_ROWS, True, PACKED)
     if KEY_ROWS:
         acc = tl.trans(acc)                                        # [BLOCK_M, D_PAD]
 
@@ -553,8 +576,8 @@ class KernelVariant:
     (:meth:`constexprs`) and nothing else, so the wrapper and a compile check build the same kernels."""
 
     query_dtype: torch.dtype
-    cache_dtype: torch.dtype        # torch.uint8 for FP8 codes, torch.int8 for int8 codes
-    fp8: KernelFormat | None        # what the kernels need of the FP8 or int8 format (None: a 16/32-bit cache)
+    cache_dtype: torch.dtype        # torch.uint8 for FP8 codes and packed int4 codes, torch.int8 for int8 codes
+    fp8: KernelFormat | None        # what the kernels need of the FP8, int8 or int4 format (None: 16/32-bit cache)
     native_fp8: bool                # decode with the GPU's FP8 conversion (else the exact bit path)
     scales: int                     # SCALES_NONE, SCALES_STATIC or SCALES_DYNAMIC
     k_channel_scale: bool           # static K scales vary along head_dim
@@ -599,6 +622,7 @@ class KernelVariant:
             Q_SPLIT=self.k_channel_scale and self.dot_dtype != tl.float32, ROW_SCALE=self.row_scale,
             KEY_ROWS=cfg.key_rows,
             Q_LEN_MIN=q_len_min, Q_LEN_MAX=q_len_max,
+            PACKED=self.fp8 is not None and self.fp8.packed,
         )
 
 
@@ -672,24 +696,24 @@ def unified_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
                       v_scale: torch.Tensor | None = None, k_token_scales: torch.Tensor | None = None,
                       v_token_scales: torch.Tensor | None = None, num_kv_splits: int | None = None,
                       platform: Platform | None = None, min_query_len: int | None = None) -> torch.Tensor:
-    """Paged attention of a mixed batch into ``out``; returns ``out``.
-
-    query/out ``[T, Hq, D]`` (bfloat16, float16 or float32, same dtype; already in the stored basis); k_cache/v_cache
-    ``[num_blocks, Hkv, bs, D]``: uint8 FP8 codes of format ``fp8`` (a :class:`kv8.quant.formats.FP8Format`), int8
-    codes with ``fp8`` :data:`kv8.quant.formats.INT8`, or bfloat16/float16/float32 values with ``fp8=None``;
-    ``query_start_loc [B + 1]``, ``seq_lens [B]``, ``block_tables [B, max_blocks]`` int32/int64 as
+    """Paged attention of a mixed batch into ``out``; returns ``out``. query/out ``[T, Hq, D]`` (bfloat16, float16 or
+    float32, same dtype; already in the stored basis); k_cache/v_cache ``[num_blocks, Hkv, bs, D]``: uint8 FP8 codes
+    of format ``fp8`` (a :class:`kv8.quant.formats.FP8Format`), int8 codes with ``fp8``
+    :data:`kv8.quant.formats.INT8`, uint8 bytes of two int4 codes (``[..., D / 2]``) with ``fp8``
+    :data:`kv8.quant.formats.INT4`, or bfloat16/float16/float32 values with ``fp8=None``; ``query_start_loc [B +
+    1]``, ``seq_lens [B]``, ``block_tables [B, max_blocks]`` int32/int64 as
     :class:`kv8.attention.metadata.AttentionMetadata` describes them (with a window, table entries before a
     sequence's first needed block are never read). ``max_query_len`` / ``max_seq_len`` size the tiles and the split
     heuristic only (results do not depend on them). ``min_query_len``: the shortest run of new tokens among the
     sequences that have any, where the caller knows it (None: unknown); a batch it says has no decode rows makes no
     launch for them (:func:`plan_launches`). Unchecked against the tensors, like ``max_query_len``, but unlike it a
-    promise: a sequence with fewer new tokens may be left unattended. FP8 needs either static ``k_scale``/``v_scale``
-    (broadcastable to ``[Hkv, D]``) or dynamic ``k_token_scales``/``v_token_scales`` ``[num_blocks, Hkv, bs]``
-    float32; int8 needs the dynamic ones; a 16/32-bit cache takes none. ``num_kv_splits``: key segments per query
-    tile (1 = no split-K; None = :func:`choose_num_kv_splits`). ``platform``: the device's facts (its native FP8
-    conversions, its compute units; :class:`kv8.platform.Platform`, resolved once by the engine); None resolves the
-    tensors' device on each call. Output rows of tokens past ``query_start_loc[B]`` are left untouched.
-    ``ValueError`` (before any launch) for a bad argument.
+    promise: a sequence with fewer new tokens may be left unattended. FP8 needs either static
+    ``k_scale``/``v_scale`` (broadcastable to ``[Hkv, D]``) or dynamic ``k_token_scales``/``v_token_scales``
+    ``[num_blocks, Hkv, bs]`` float32; int8 and int4 need the dynamic ones; a 16/32-bit cache takes none.
+    ``num_kv_splits``: key segments per query tile (1 = no split-K; None = :func:`choose_num_kv_splits`).
+    ``platform``: the device's facts (its native FP8 conversions, its compute units; :class:`kv8.platform.Platform`,
+    resolved once by the engine); None resolves the tensors' device on each call. Output rows of tokens past
+    ``query_start_loc[B]`` are left untouched. ``ValueError`` (before any launch) for a bad argument.
     """
     # ---- validation: shapes, dtypes, devices; nothing here reads a tensor's values (no host sync) ----
     if not isinstance(query, torch.Tensor) or query.dtype not in _QUERY_DTYPES or query.ndim != 3:
@@ -727,8 +751,12 @@ def unified_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
         raise _fail(f"k_cache {tuple(k_cache.shape)} {k_cache.dtype} and v_cache {tuple(v_cache.shape)} "
                     f"{v_cache.dtype} must match")
     num_blocks, num_kv_heads, block_size, cache_dim = k_cache.shape
-    if cache_dim != head_dim:
-        raise _fail(f"cache head_dim={cache_dim} != query head_dim={head_dim}")
+    if fmt is not None and fmt.packed and head_dim % 2:
+        raise _fail(f"an {fmt.name} cache packs two codes per byte: it needs an even head_dim, got {head_dim}")
+    if cache_dim != code_width(fmt, head_dim):
+        raise _fail(f"cache row width={cache_dim} != {code_width(fmt, head_dim)}, the "
+                    + (f"bytes of query head_dim={head_dim} in two codes per byte" if fmt is not None and fmt.packed
+                       else f"query head_dim={head_dim}"))
     if num_kv_heads < 1 or num_q_heads % num_kv_heads:
         raise _fail(f"query heads Hq={num_q_heads} must be a multiple of the cache's KV heads Hkv={num_kv_heads}")
     if block_size < 1:

@@ -5,12 +5,15 @@ The reference is :meth:`kv8.cache.paged_cache.PagedKVCache.store` (through :meth
 
     key/value  [T, H, D]                      token t, KV head h
     slot_mapping[t] = s  (s < 0: skip t)      block b = s // bs, offset o = s % bs
-    k_cache/v_cache [num_blocks, H, bs, D]    row [b, h, o, :] <- encode(key[t, h, :])
+    k_cache/v_cache [num_blocks, H, bs, W]    row [b, h, o, :] <- encode(key[t, h, :])   (W = D; int4: D / 2)
     k/v_token_scales [num_blocks, H, bs]      [b, h, o] <- scale of (t, h)      (dynamic scales only)
 
-The codes are FP8 (``uint8``; static or dynamic scales) or int8 (``int8``; always dynamic scales: the
-``int8_per_token_head`` cache), one ``FMT`` constexpr (a :class:`~kv8.kernels.triton.formats.KernelFormat`;
-``FMT.int_codes`` tells them apart).
+The codes are FP8 (``uint8``; static or dynamic scales), int8 (``int8``; always dynamic scales: the
+``int8_per_token_head`` cache) or int4 (two per ``uint8``, ``W = D / 2``; dynamic scales: ``int4_per_token_head``),
+one ``FMT`` constexpr (a :class:`~kv8.kernels.triton.formats.KernelFormat`; ``FMT.int_codes`` and ``FMT.packed``
+tell them apart). int4 codes are encoded as int8's (clamped to 7) on the whole ``[BLOCK_H, BLOCK_D]`` tile, then
+each thread packs the channel pairs it holds (:func:`~kv8.kernels.triton.quant.pack_nibbles`) and stores
+``BLOCK_D / 2`` bytes per head.
 
     |<--------- block b: H tiles of bs x D --------->|
     | head 0: o=0 [D] o=1 [D] ... | head 1: ... | ... |
@@ -46,10 +49,10 @@ import triton
 import triton.language as tl
 
 from kv8.kernels.triton import interpreter
-from kv8.kernels.triton.formats import FP8Layout, IntLayout, KernelFormat, code_dtype, kernel_format
+from kv8.kernels.triton.formats import FP8Layout, IntLayout, KernelFormat, code_dtype, code_width, kernel_format
 from kv8.kernels.triton.interpreter import max_combine
 from kv8.kernels.triton.launch import Launch
-from kv8.kernels.triton.quant import bf16_bits_to_f32, encode_codes, f32_to_bf16_bits, scaled_rn
+from kv8.kernels.triton.quant import bf16_bits_to_f32, encode_codes, f32_to_bf16_bits, pack_nibbles, scaled_rn
 
 __all__ = ["CACHE_DTYPES", "INPUT_DTYPES", "store_kv", "store_launch"]
 
@@ -74,9 +77,9 @@ def _load_f32(ptrs, mask, IN: tl.constexpr):
 def _store_one(x_ptr, stride_xt, stride_xh, c_ptr, stride_cb, stride_ch, stride_cs,
                scale_ptr, stride_sh, stride_sd, ts_ptr, stride_tb, stride_th, stride_ts,
                t, block, off, heads, dims, h_end, D, max_finite,
-               MODE: tl.constexpr, FMT: tl.constexpr, IN: tl.constexpr, OUT: tl.constexpr):
-    """Store token ``t``'s rows ``heads`` x ``dims`` of one of K/V into cache row ``[block, heads, off, dims]``;
-    heads from ``h_end`` on are left alone."""
+               MODE: tl.constexpr, FMT: tl.constexpr, IN: tl.constexpr, OUT: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Store token ``t``'s rows ``heads`` x ``dims`` of one of K/V into cache row ``[block, heads, off, dims]``
+    (packed 4-bit codes: bytes ``dims / 2``); heads from ``h_end`` on are left alone."""
     hmask = heads < h_end
     mask = hmask[:, None] & (dims < D)[None, :]
     src = x_ptr + t * stride_xt + heads[:, None] * stride_xh + dims[None, :]
@@ -103,7 +106,12 @@ def _store_one(x_ptr, stride_xt, stride_xh, c_ptr, stride_cb, stride_ch, stride_
             ts = tl.where((amax < 0x7F800000) & (ts > 0.0), ts, 1.0)
             tl.store(ts_ptr + block * stride_tb + heads * stride_th + off * stride_ts, ts, mask=hmask)
             y = scaled_rn(x, ts[:, None])
-        tl.store(dst, encode_codes(y, FMT), mask=mask)       # FP8 or int8 codes, by FMT.int_codes
+        if FMT.packed:   # int4: two codes per byte, the row's D / 2 bytes
+            nib = tl.arange(0, BLOCK_D // 2)
+            dst = c_ptr + block * stride_cb + heads[:, None] * stride_ch + off * stride_cs + nib[None, :]
+            tl.store(dst, pack_nibbles(encode_codes(y, FMT)), mask=hmask[:, None] & (nib < D // 2)[None, :])
+        else:
+            tl.store(dst, encode_codes(y, FMT), mask=mask)   # FP8 or int8 codes, by FMT.int_codes
 
 
 @triton.jit
@@ -129,10 +137,10 @@ def _store_kv_kernel(key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
     off = slot % block_size
     _store_one(key_ptr, stride_kt, stride_kh, k_cache_ptr, stride_kcb, stride_kch, stride_kcs,
                k_scale_ptr, stride_ksh, stride_ksd, k_ts_ptr, stride_ktb, stride_kth, stride_kts,
-               t, block, off, heads, dims, h_end, D, max_finite, MODE, FMT, IN, OUT)
+               t, block, off, heads, dims, h_end, D, max_finite, MODE, FMT, IN, OUT, BLOCK_D)
     _store_one(value_ptr, stride_vt, stride_vh, v_cache_ptr, stride_vcb, stride_vch, stride_vcs,
                v_scale_ptr, stride_vsh, stride_vsd, v_ts_ptr, stride_vtb, stride_vth, stride_vts,
-               t, block, off, heads, dims, h_end, D, max_finite, MODE, FMT, IN, OUT)
+               t, block, off, heads, dims, h_end, D, max_finite, MODE, FMT, IN, OUT, BLOCK_D)
 
 
 def _describe(t: object) -> str:
@@ -172,6 +180,8 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_ca
       :meth:`KVCodec.token_scales` computes it, and the codes are ``quantize(x, scale, fmt)``.
     * int8 (``fp8`` an integer format): dynamic scales as for FP8 (the only kind an int8 cache has), ``amax /
       max_finite`` (127).
+    * int4 (``fp8`` :data:`kv8.quant.formats.INT4`): the same with 7, two codes per ``uint8`` (``k_cache`` /
+      ``v_cache`` ``[num_blocks, H, bs, D / 2]``; ``D`` even), as :func:`kv8.quant.formats.pack_int4` packs them.
 
     All tensors on one device: CUDA, or the CPU when the kernels run in Triton's interpreter. ``ValueError`` names
     the argument, what it was and what is allowed.
@@ -195,10 +205,15 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_ca
     cache_dtypes = CACHE_DTYPES if fmt is None else (code_dtype(fmt),)
     _check_tensor("k_cache", k_cache, 4, cache_dtypes, device)
     _check_tensor("v_cache", v_cache, 4, (k_cache.dtype,), device)
+    if fmt is not None and fmt.packed and head_dim % 2:
+        raise ValueError(f"store_kv: an {fmt.name} cache packs two codes per byte: key/value need an even head dim, "
+                         f"got {list(key.shape)}")
     num_blocks, cache_heads, block_size, cache_dim = k_cache.shape
-    if (cache_heads, cache_dim) != (num_heads, head_dim) or v_cache.shape != k_cache.shape:
+    width = code_width(fmt, head_dim)
+    if (cache_heads, cache_dim) != (num_heads, width) or v_cache.shape != k_cache.shape:
+        what = f"W={width} (D / 2 bytes)" if width != head_dim else f"D={head_dim}"
         raise ValueError(f"store_kv: k_cache {list(k_cache.shape)} and v_cache {list(v_cache.shape)} must both be "
-                         f"[num_blocks, H={num_heads}, block_size, D={head_dim}] for key/value {list(key.shape)}")
+                         f"[num_blocks, H={num_heads}, block_size, {what}] for key/value {list(key.shape)}")
     for name, t in (("key", key), ("value", value), ("k_cache", k_cache), ("v_cache", v_cache)):
         _check_last_contiguous(name, t)
     _check_tensor("slot_mapping", slot_mapping, 1, (torch.int64,), device)
