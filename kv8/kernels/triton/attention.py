@@ -223,15 +223,18 @@ def _attend_key_tile(
         k_rows = k_ptr + kv_head * stride_kh + blocks * stride_kb + slots * stride_kt
         v_rows = v_ptr + kv_head * stride_vh + blocks * stride_vb + slots * stride_vt
     if PACKED:
-        # int4: each key's row is D / 2 bytes of two codes; keys along axis 0 in both tiles
+        # int4: each key's row is D / 2 bytes of two codes, laid out as the tiles are (K^T [D / 2, TILE_N] bytes
+        # in the usual orientation)
         offs_w = tl.arange(0, D_PAD // 2)
+        k_bytes = _spread(k_rows, K_KEYS) + _spread(offs_w, 1 - K_KEYS)
+        v_bytes = v_rows[:, None] + offs_w[None, :]
         if D_PAD == HEAD_DIM:
-            k_raw = tl.load(k_rows[:, None] + offs_w[None, :])
-            v_raw = tl.load(v_rows[:, None] + offs_w[None, :])
+            k_raw = tl.load(k_bytes)
+            v_raw = tl.load(v_bytes)
         else:
-            w_ok = (offs_w < HEAD_DIM // 2)[None, :]
-            k_raw = tl.load(k_rows[:, None] + offs_w[None, :], mask=w_ok, other=0)
-            v_raw = tl.load(v_rows[:, None] + offs_w[None, :], mask=w_ok, other=0)
+            w_ok = offs_w < HEAD_DIM // 2
+            k_raw = tl.load(k_bytes, mask=_spread(w_ok, 1 - K_KEYS), other=0)
+            v_raw = tl.load(v_bytes, mask=w_ok[None, :], other=0)
     elif KEY_ROWS and (not MASKED) and (not TILE_IN_BLOCK) and TILE_N % BLOCK_SIZE == 0 and D_PAD == HEAD_DIM:
         # whole blocks, unclamped, both tiles [TILE_N, D]: loaded as [blocks, BLOCK_SIZE, D], one table entry and
         # one base address per block, the offsets inside a block loop-invariant and non-negative (int32 products of
@@ -251,9 +254,7 @@ def _attend_key_tile(
     else:
         k_raw = tl.load(k_ptrs, mask=_spread(d_ok, 1 - K_KEYS), other=0)
         v_raw = tl.load(v_ptrs, mask=_spread(d_ok, 1 - V_KEYS), other=0)
-    k = decode_fp8(k_raw, FP8_FMT, NATIVE_FP8, DOT_DTYPE)
-    if PACKED and not KEY_ROWS:
-        k = tl.trans(k)                              # [D_PAD, TILE_N]
+    k = decode_fp8(k_raw, FP8_FMT, NATIVE_FP8, DOT_DTYPE, 1 - K_KEYS)
     if KEY_ROWS:
         s = dot(k, q_hi)                             # [TILE_N, BLOCK_M]
         if Q_SPLIT:
@@ -512,9 +513,9 @@ class LaunchConfig:
 
 
 def launch_config(group: int, head_dim: int, max_query_len: int, block_size: int, dot_f32: bool,
-                  cache_bytes: int = 2, dynamic_scales: bool = False) -> LaunchConfig:
+                  cache_bytes: int = 2, dynamic_scales: bool = False, packed: bool = False) -> LaunchConfig:
     """Tile sizes for a batch whose longest new-token run is ``max_query_len``, ``group`` query heads per KV head,
-    over a cache of ``cache_bytes`` per element (1: FP8 or int8 codes).
+    over a cache of ``cache_bytes`` per element (1: FP8 or int8 codes, and int4's bytes: ``packed``).
 
     Rows: 16 when ``max_query_len * group <= 16`` (decode batches: little waste on single-token rows; over FP8
     codes with static or no scales 8 when ``max_query_len * group <= 8``, with the keys as the products' rows,
@@ -529,6 +530,8 @@ def launch_config(group: int, head_dim: int, max_query_len: int, block_size: int
     (decode)    scales                             instructions per KB of codes (``cp.async.wait_group 3``)
     16 (decode) int8, FP8     64    2      5       the usual orientation (with ``key_rows`` the token scales'
                 dynamic                            and bf16 operands' registers spill 10 KB)
+    16 (decode) int4          64    4      5       with 2 warps the unpacked codes spill (8 bytes at 168
+                                                   registers; 4 warps: 168, none)
     16 (decode) 16-bit        16    1      5       fewest instructions per KB with the loads pipelined
     32, 64      FP8           64    4      5       one warpgroup, wgmma 64 x 64 for QK, pipelined (32 keys
                                                    with dynamic scales: their loads would spill at 64)
@@ -551,7 +554,7 @@ def launch_config(group: int, head_dim: int, max_query_len: int, block_size: int
             keys, num_warps, key_rows = 64, 1, True
             rows = 8 if need <= 8 else 16
         elif rows == 16:
-            keys, num_warps = (64, 2) if fp8 else (16, 1)
+            keys, num_warps = (64, 4 if packed else 2) if fp8 else (16, 1)
         else:
             keys, num_warps = (64 if fp8 and not dynamic_scales else 32), 4
         num_stages = 5
@@ -608,7 +611,8 @@ class KernelVariant:
     def config(self) -> LaunchConfig:
         cache_bytes = 1 if self.fp8 is not None else self.cache_dtype.itemsize
         return launch_config(self.group, self.head_dim, self.max_query_len, self.block_size,
-                             self.dot_dtype == tl.float32, cache_bytes, self.scales == SCALES_DYNAMIC)
+                             self.dot_dtype == tl.float32, cache_bytes, self.scales == SCALES_DYNAMIC,
+                             self.fp8 is not None and self.fp8.packed)
 
     def constexprs(self, num_kv_splits: int, q_len_min: int = 0, q_len_max: int = _MAX_INT32) -> dict[str, object]:
         """The kernel's constexprs; the program of a sequence with fewer than ``q_len_min`` or more than

@@ -105,18 +105,23 @@ def decode_fp8_native(code, FMT: tl.constexpr, OUT: tl.constexpr):
 
 
 @triton.jit
-def unpack_nibbles(raw):
-    """``uint8 [R, B]`` bytes of two two's complement 4-bit codes -> ``int32 [R, 2 B]`` codes in -8..7, channel
-    ``2j`` from the low nibble of byte ``j``, ``2j + 1`` from the high (:func:`kv8.quant.formats.unpack_int4`): the
-    two nibbles sign-extended (``(n ^ 8) - 8``) in registers and interleaved by a join and a reshape."""
+def unpack_nibbles(raw, AXIS: tl.constexpr):
+    """``uint8`` bytes of two two's complement 4-bit codes, channels along ``AXIS`` (``[R, B]`` with ``AXIS`` 1,
+    ``[B, R]`` with 0) -> ``int32`` codes in -8..7 (``[R, 2 B]``, ``[2 B, R]``), channel ``2j`` from the low nibble
+    of byte ``j``, ``2j + 1`` from the high (:func:`kv8.quant.formats.unpack_int4`): the two nibbles sign-extended
+    (``(n ^ 8) - 8``) in registers and interleaved by a join (and, along axis 0, a permute) and a reshape."""
     b = raw.to(tl.int32)
     lo = ((b & 0xF) ^ 8) - 8
     hi = (((b >> 4) & 0xF) ^ 8) - 8
-    return tl.reshape(tl.join(lo, hi), [raw.shape[0], raw.shape[1] * 2])
+    if AXIS == 1:
+        res = tl.reshape(tl.join(lo, hi), [raw.shape[0], raw.shape[1] * 2])
+    else:
+        res = tl.reshape(tl.permute(tl.join(lo, hi), (0, 2, 1)), [raw.shape[0] * 2, raw.shape[1]])
+    return res
 
 
 @triton.jit
-def decode_fp8(raw, FMT: tl.constexpr, NATIVE: tl.constexpr, OUT: tl.constexpr):
+def decode_fp8(raw, FMT: tl.constexpr, NATIVE: tl.constexpr, OUT: tl.constexpr, AXIS: tl.constexpr = 1):
     """Loaded cache elements -> dtype ``OUT``: FP8 codes of format ``FMT`` (a
     :class:`~kv8.kernels.triton.formats.KernelFormat`) decoded by the native or the bit path (exact), int8 codes of
     an integer format (``FMT.int_codes``) converted (exact), int4 bytes (``FMT.packed``: ``[R, B]`` -> ``[R, 2 B]``
@@ -129,7 +134,7 @@ def decode_fp8(raw, FMT: tl.constexpr, NATIVE: tl.constexpr, OUT: tl.constexpr):
             value = raw.to(OUT)
     elif FMT.int_codes:  # int8 codes: exact through float32 (not the interpreter's int8 -> bfloat16 cast)
         if FMT.packed:   # int4: [R, B] bytes -> [R, 2 B] codes
-            value = unpack_nibbles(raw).to(tl.float32).to(OUT)
+            value = unpack_nibbles(raw, AXIS).to(tl.float32).to(OUT)
         else:
             value = raw.to(tl.float32).to(OUT)
     elif NATIVE:
