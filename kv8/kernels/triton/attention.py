@@ -69,9 +69,10 @@ Work decomposition (grid ``(T // BLOCK_Q + B, Hkv, NUM_SPLITS)``; T = query rows
   per-token scales multiply the score columns (K) and the probability columns before the PV product (V). An int8
   cache (``int8_per_token_head``) always has dynamic scales: its codes convert to the dot's dtype exactly
   (``|code| <= 127``) and are scaled like dynamic FP8, with the same tiles. So does an int4 cache
-  (``int4_per_token_head``, ``PACKED``): each key's row is ``D / 2`` bytes, loaded ``[TILE_N, D_PAD / 2]`` for K
-  and V alike, unpacked in registers (:func:`~kv8.kernels.triton.dequant.unpack_nibbles`: sign-extended nibbles,
-  joined and reshaped to ``[TILE_N, D_PAD]`` in channel order) and, for K, transposed there.
+  (``int4_per_token_head``, ``PACKED``): each key's row is ``D / 2`` bytes, loaded in each tile's own layout (V
+  ``[TILE_N, D_PAD / 2]``, K^T ``[D_PAD / 2, TILE_N]``) and unpacked in registers along the channel axis
+  (:func:`~kv8.kernels.triton.dequant.unpack_nibbles`: sign-extended nibbles joined -- for K^T permuted -- and
+  reshaped into channel order); its decode tiles take 4 warps (:func:`launch_config`).
 * **Dot precision** (``DOT_DTYPE``, one for both products). Decoded FP8 values are exact in float16 (and in
   bfloat16), so over an FP8 cache with static or no scales both products take **float16** operands with float32
   accumulation, whatever the 16-bit query: FP8 codes convert to float16 pairs in one instruction, to bfloat16 only
@@ -174,8 +175,8 @@ def _attend_key_tile(
     ``KEY_ROWS`` (module docstring, *Orientation*): scores ``[TILE_N, BLOCK_M]`` and ``acc`` ``[D_PAD, BLOCK_M]``
     (``q_hi``/``q_lo`` ``[D_PAD, BLOCK_M]``), else ``[BLOCK_M, TILE_N]`` and ``[BLOCK_M, D_PAD]``. ``MASKED`` False:
     the caller promises every key of the tile is visible to every row (no causal or window edge, no clamped key).
-    ``PACKED`` (int4 codes, two per byte): both tiles are loaded ``[TILE_N, D_PAD / 2]`` bytes, unpacked in
-    registers to ``[TILE_N, D_PAD]`` and K transposed there for the usual orientation."""
+    ``PACKED`` (int4 codes, two per byte): each tile's bytes are loaded in its layout with half the channels (K^T
+    ``[D_PAD / 2, TILE_N]`` in the usual orientation) and unpacked in registers along the channel axis."""
     ROWS: tl.constexpr = 1 if KEY_ROWS else 0      # the axis of query rows in s, p and acc
     KEYS: tl.constexpr = 1 - ROWS                  # the axis of keys in s and p
     K_KEYS: tl.constexpr = 0 if KEY_ROWS else 1    # the axis of keys in the K tile: K [TILE_N, D] or K^T [D, TILE_N]
