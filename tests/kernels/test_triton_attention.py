@@ -49,6 +49,7 @@ from kv8.cache.paged_cache import CacheShape, PagedKVCache
 from kv8.kernels.triton.formats import kernel_format
 from kv8.platform import CPU, Platform
 from kv8.quant.formats import E4M3, FP8_FORMATS, INT4, INT8, FP8Format, resolve_kv_cache_dtype, unpack_int4
+from kv8.quant.int4_group import INT4_G32
 from kv8.quant.scales import KVScales, ScaleGranularity
 from tests.helpers.triton import DEVICES, INTERPRETED
 
@@ -61,6 +62,7 @@ FLOAT_CACHES = ("bfloat16", "float16", "float32")
 FP8_CACHES = tuple(FP8_FORMATS)     # every kv8 format: the kernels' constants are derived from each
 INT8_CACHE = "int8_per_token_head"   # int8 codes, always dynamic scales
 INT4_CACHE = "int4_per_token_head"   # int4 codes, two per byte, always dynamic scales
+INT4G_CACHE = "int4_per_group32"     # int4 codes, two per byte, a float16 scale per 32 values after them
 FORMATS = FP8_FORMATS
 
 
@@ -95,7 +97,9 @@ class Problem:
 
 def _poison(cache: PagedKVCache) -> None:
     fmt = cache.kv_dtype.fp8
-    if cache.kv_dtype.int_codes is not None:
+    if cache.kv_dtype.group is not None:
+        cache.data.fill_(0xFF)             # int4_per_group32: codes -1 beside NaN float16 scales (0xFFFF)
+    elif cache.kv_dtype.int_codes is not None:
         # never written (int8 codes are -127 .. 127, int4 nibbles -7 .. 7: 0x80 is 0 | -8); the NaN scales poison
         cache.data.view(torch.uint8).fill_(0x80)
     elif fmt is None:
@@ -333,7 +337,7 @@ def test_int4_decode_unpacks_every_byte(out_dtype: tl.dtype, device: str) -> Non
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("q_dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
-@pytest.mark.parametrize("kv", FLOAT_CACHES + FP8_CACHES + (INT8_CACHE, INT4_CACHE))
+@pytest.mark.parametrize("kv", FLOAT_CACHES + FP8_CACHES + (INT8_CACHE, INT4_CACHE, INT4G_CACHE))
 def test_every_cache_dtype_mixed_batch(kv: str, q_dtype: torch.dtype, device: str) -> None:
     p = _build(kv, q_dtype, seed=1)
     _check(p, _run(p, device))
@@ -432,7 +436,7 @@ def test_split_k_bf16_mixed_batch(device: str) -> None:
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("kv", ["fp8_e4m3", INT8_CACHE, INT4_CACHE])
+@pytest.mark.parametrize("kv", ["fp8_e4m3", INT8_CACHE, INT4_CACHE, INT4G_CACHE])
 def test_poison_is_detected(kv: str, device: str) -> None:
     """The harness can fail: poisoning a slot the batch does read (the decode row's newest key: its FP8 code, or
     its int8 / int4 token scale) shows up as NaN in exactly the rows that see it."""
@@ -441,6 +445,9 @@ def test_poison_is_detected(kv: str, device: str) -> None:
     if kv in (INT8_CACHE, INT4_CACHE):
         k_ts, _ = p.cache.layer_token_scales(0)  # type: ignore[misc]
         k_ts[block, :, 36 % 16] = float("nan")
+    elif kv == INT4G_CACHE:
+        k_cache, _ = p.cache.layer(0)
+        k_cache[block, :, 36 % 16, -2:] = 0xFF                  # the last group's float16 scale: NaN
     else:
         k_cache, _ = p.cache.layer(0)
         k_cache[block, :, 36 % 16] = E4M3.nan_code
@@ -472,7 +479,7 @@ def test_empty_batches_leave_out_alone(device: str) -> None:
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("kv", [INT8_CACHE, INT4_CACHE])
+@pytest.mark.parametrize("kv", [INT8_CACHE, INT4_CACHE, INT4G_CACHE])
 @pytest.mark.parametrize("q_dtype,head_dim,group,block_size,window,splits", [
     (torch.bfloat16, 64, 4, 16, None, 3),        # decode rows split over key segments, a prefill chunk
     (torch.float16, 96, 2, 16, 13, 1),           # D padded to 128; a window spanning blocks
@@ -481,8 +488,9 @@ def test_empty_batches_leave_out_alone(device: str) -> None:
 ], ids=lambda v: str(v).replace("torch.", ""))
 def test_int_caches(kv: str, q_dtype: torch.dtype, head_dim: int, group: int, block_size: int, window: int | None,
                     splits: int, device: str) -> None:
-    """int8 and int4 codes (two per byte, unpacked in registers) with their per-token scales over mixed batches
-    (decode, prefill chunks, fresh prefills), GQA, sliding windows and split-K."""
+    """int8 and int4 codes (two per byte, unpacked in registers) with their per-token scales, and int4 codes with
+    their groups' float16 scales (int4_per_group32; D = 96: three groups, the tile's fourth masked), over mixed
+    batches (decode, prefill chunks, fresh prefills), GQA, sliding windows and split-K."""
     batch = Batch((1, 6, 19, 0, 1, 3), (37, 40, 19, 5, 16, 50))
     p = _build(kv, q_dtype, head_dim=head_dim, kv_heads=1 if head_dim == 256 else 2, group=group,
                block_size=block_size, batch=batch, window=window, seed=15)
@@ -657,6 +665,15 @@ def _bad_cases() -> list[tuple[str, dict, str]]:
          r"integer format 'int8': bits=8, max_finite=128.0"),
         ("int4 row of D bytes", {"fp8": INT4, **int4_scales},
          r"cache row width=64 != 32, the bytes of query head_dim=64 in two codes per byte"),
+        ("int4_g32 with scales", {"fp8": INT4_G32, **int4_scales,
+                                  "k_cache": torch.zeros(8, 2, 16, 36, dtype=torch.uint8),
+                                  "v_cache": torch.zeros(8, 2, 16, 36, dtype=torch.uint8)},
+         r"an int4_g32 cache keeps a scale per group of 32 values in each row; it takes no k_scale"),
+        ("int4_g32 head_dim 48", {"fp8": INT4_G32, "k_scale": None, "v_scale": None,
+                                  "query": torch.zeros(5, 4, 48), "out": torch.zeros(5, 4, 48),
+                                  "k_cache": torch.zeros(8, 2, 16, 27, dtype=torch.uint8),
+                                  "v_cache": torch.zeros(8, 2, 16, 27, dtype=torch.uint8)},
+         r"an int4_g32 cache has a scale per group of 32 values: it needs a head_dim that is a multiple of 32"),
         ("int4 odd head_dim", {"fp8": INT4, **int4_scales, "query": torch.zeros(5, 4, 63),
                                "out": torch.zeros(5, 4, 63), "k_cache": torch.zeros(8, 2, 16, 31, dtype=torch.uint8),
                                "v_cache": torch.zeros(8, 2, 16, 31, dtype=torch.uint8)},
@@ -697,6 +714,7 @@ from triton.compiler import ASTSource
 from kv8.kernels.triton import attention as A
 from kv8.kernels.triton.formats import kernel_format
 from kv8.quant.formats import FP8_FORMATS, INT4, INT8
+from kv8.quant.int4_group import INT4_G32
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "u8": torch.uint8, "i8": torch.int8}
 PTR = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32", torch.uint8: "*u8", torch.int8: "*i8"}
@@ -745,7 +763,8 @@ results = []
 for v in json.loads(sys.argv[1]):
     splits = v.pop("splits")
     v["query_dtype"], v["cache_dtype"] = DTYPES[v["query_dtype"]], DTYPES[v["cache_dtype"]]
-    v["fp8"] = None if v["fp8"] is None else kernel_format({**FP8_FORMATS, "int8": INT8, "int4": INT4}[v["fp8"]])
+    v["fp8"] = None if v["fp8"] is None else kernel_format({**FP8_FORMATS, "int8": INT8, "int4": INT4,
+                                                           "int4_g32": INT4_G32}[v["fp8"]])
     variant = A.KernelVariant(**v)
     const = variant.constexprs(splits)
     q_ptr = PTR[variant.query_dtype]
@@ -774,10 +793,10 @@ def _variant(query: str = "bf16", kv: str = "fp8_e4m3", native: bool = True, sca
     """A KernelVariant's fields (JSON: dtypes by short name); ``kv`` an FP8 format's name, "int8" or "int4"
     (dynamic scales whatever ``scales`` says) or a cache dtype."""
     fp8 = kv in FP8_FORMATS
-    if kv in ("int8", "int4"):
-        return dict(_variant(query, "fp8_e4m3", False, triton_attention.SCALES_DYNAMIC, k_channel, window, group,
-                             head_dim, block_size, max_query_len, splits), cache_dtype="i8" if kv == "int8" else "u8",
-                    fp8=kv)
+    if kv in ("int8", "int4", "int4_g32"):
+        scales = triton_attention.SCALES_NONE if kv == "int4_g32" else triton_attention.SCALES_DYNAMIC
+        return dict(_variant(query, "fp8_e4m3", False, scales, k_channel, window, group, head_dim, block_size,
+                             max_query_len, splits), cache_dtype="i8" if kv == "int8" else "u8", fp8=kv)
     return dict(query_dtype=query, cache_dtype="u8" if fp8 else kv, fp8=kv if fp8 else None,
                 native_fp8=native and fp8, scales=scales if fp8 else triton_attention.SCALES_NONE,
                 k_channel_scale=k_channel, sliding_window=window, group=group, head_dim=head_dim,
@@ -803,6 +822,8 @@ _SM90_VARIANTS = {
     "prefill-fp16-int8-window": _variant(query="fp16", kv="int8", window=True, max_query_len=512),
     "decode-bf16-int4-split3": _variant(kv="int4", splits=3),
     "prefill-bf16-int4-window": _variant(kv="int4", window=True, max_query_len=512),
+    "decode-bf16-int4g32-split3": _variant(kv="int4_g32", splits=3),
+    "prefill-fp16-int4g32-d96": _variant(query="fp16", kv="int4_g32", head_dim=96, max_query_len=512),
 }
 
 

@@ -21,6 +21,8 @@ import torch
 import kv8.kernels.triton as kernels_pkg
 from kv8.kernels.triton.formats import KernelFormat, code_dtype, code_width, kernel_format
 from kv8.quant.formats import FP8_FORMATS, INT4, INT8, FP8Format, resolve_kv_cache_dtype
+from kv8.quant.fp4 import FP4_E2M1
+from kv8.quant.int4_group import INT4_G32
 
 fmt_param = pytest.mark.parametrize("fmt", list(FP8_FORMATS.values()), ids=lambda f: f.name)
 
@@ -76,6 +78,21 @@ def test_int4_is_the_integer_family_packed_two_per_byte() -> None:
     assert code_width(k, 96) == 48 and code_width(None, 96) == 96
     assert k.native is None and (k.nan_code, k.negative_nan_code) == (0, 0)
     assert k != kernel_format(INT8) and not any(kernel_format(f).packed for f in FP8_FORMATS.values())
+    assert k.group_size == 0
+
+
+def test_int4_per_group32_is_int4_with_float16_group_scales() -> None:
+    """int4_per_group32: int4 codes (packed, max 7) with ``group_size`` 32 and its float16 scales' clamp, float16's
+    smallest subnormal and largest value (what Int4GroupFormat.encode_scale clamps to); a row is D / 2 + 2 D / 32
+    bytes, its row_bytes. fp4_e2m1 (E2M1 codes, E4M3 scales) is not a layout the kernels read."""
+    k = kernel_format(INT4_G32)
+    assert k.int_codes and k.packed and k.max_finite == INT4_G32.max_finite and k.group_size == INT4_G32.group_size
+    assert (k.group_scale_min, k.group_scale_max) == (2.0 ** -24, 65504.0)
+    assert all(code_width(k, d) == INT4_G32.row_bytes(d) for d in (32, 64, 96, 256))
+    assert code_dtype(k) == INT4_G32.storage_dtype == torch.uint8
+    with pytest.raises(ValueError, match=r"group format 'e2m1': E4M3 scales per group of 16, max_finite=6.0; the "
+                                         r"Triton kernels read int4 codes"):
+        kernel_format(FP4_E2M1)  # type: ignore[arg-type]
 
 
 @fmt_param

@@ -45,6 +45,7 @@ from kv8.quant.formats import (
     quantize,
     resolve_kv_cache_dtype,
 )
+from kv8.quant.int4_group import INT4_G32
 from kv8.quant.scales import KVScales, ScaleGranularity
 from tests.helpers.triton import DEVICES
 from tests.helpers.triton import INTERPRETED as INTERPRET
@@ -441,6 +442,93 @@ def test_int_every_16_bit_input(device: str, fmt: IntFormat) -> None:
 
 
 # ----------------------------------------------------------------------------------------------------------------
+# int4 codes with a float16 scale per group of 32 values, in the row
+# ----------------------------------------------------------------------------------------------------------------
+
+def group32_rows(dim: int, seed: int) -> torch.Tensor:
+    """Rows [N, dim] float32 (dim a multiple of 32) whose groups hit every case of the group scale: a group whose
+    largest |x| is 7 * 2^k (scale exactly 2^k) beside every multiple of 0.5 in [-7, 7] and their neighbours; amax /
+    7 a float16 subnormal, below float16's smallest subnormal (clamped up), above 65504 (clamped down: the codes
+    saturate), a tie of float16's rounding; zero, ±inf and NaN groups (scale 1.0); float32 subnormals; random
+    groups of every magnitude. Groups of one row differ (each has its own scale)."""
+    g = torch.Generator().manual_seed(seed)
+    grid = np.arange(-14, 15, dtype=np.float32) / 2
+    ties = np.concatenate([grid, np.nextafter(grid, np.float32(np.inf))])[:31]
+    groups = [torch.from_numpy(np.concatenate([[7.0], ties]).astype(np.float32)) * 2.0 ** k for k in (0, -5, 9)]
+    for amax in (7 * 2.0 ** -20, 7 * 2.0 ** -26, 7 * 70000.0, 7 * (1 + 2.0 ** -11), 1e-40, 3.4e38):
+        row = torch.rand(32, generator=g) * amax
+        row[int(torch.randint(0, 32, (1,), generator=g))] = -amax
+        groups.append(row)
+    zero = torch.zeros(32)
+    zero[::3] = -0.0
+    groups.append(zero)
+    for special in (math.inf, -math.inf, math.nan):
+        row = torch.randn(32, generator=g)
+        row[4], row[5] = special, 1e30
+        groups.append(row)
+    groups += list(torch.randn(16, 32, generator=g) * torch.exp(torch.randn(16, 1, generator=g) * 6))
+    flat = torch.cat(groups)
+    per_row = -(-flat.numel() // dim) * dim
+    flat = torch.cat([flat, flat[: per_row - flat.numel()]])
+    return flat.reshape(-1, dim)
+
+
+@device_param
+@in_dtype_param
+@pytest.mark.parametrize("dim", [32, 96, 128])
+def test_group32_codes_and_scales_are_the_codecs(device: str, in_dtype: torch.dtype, dim: int) -> None:
+    """int4_per_group32 rows (packed codes, then each group's float16 scale, little-endian) equal KVCodec.encode's
+    byte for byte, as K and V (reversed), one skipped token; with D = 96 the tile's fourth group is padding, never
+    written."""
+    heads = 3
+    rows = group32_rows(dim, seed=dim)
+    t = -(-rows.shape[0] // heads)
+    rows = torch.cat([rows, rows[: t * heads - rows.shape[0]]]).reshape(t, heads, dim)
+    cache = make_cache("int4_per_group32", heads=heads, dim=dim, blocks=-(-t // 16) + 1)
+    assert cache.data.shape[-1] == INT4_G32.row_bytes(dim)
+    slots = torch.randperm(cache.shape.num_blocks * 16, generator=torch.Generator().manual_seed(4))[:t]
+    slots[1] = -1
+    assert_stores_like_reference(cache, rows.to(in_dtype), rows.flip(0).to(in_dtype) * 0.5, slots, device)
+
+
+@device_param
+def test_group32_row_layout(device: str) -> None:
+    """Independently of the reference: a group whose largest |x| is 7 has scale 1.0 (0x3C00: bytes 00 3C after the
+    codes), one with 14 scale 2.0 (0x4000), a zero group 1.0, codes as int4's."""
+    x = torch.zeros(64)
+    x[0], x[1], x[2], x[3] = 7.0, -2.5, 3.5, -7.0
+    x[32], x[33] = 14.0, -5.0
+    cache = make_cache("int4_per_group32", heads=1, dim=64, blocks=1)
+    kernel_store(cache, x.reshape(1, 1, 64), torch.zeros(1, 1, 64), torch.tensor([2]), device)
+    k, v = cache.layer(0)
+    row = k[0, 0, 2]
+    assert row[:2].tolist() == [(7 & 0xF) | (-2 & 0xF) << 4, 4 | (-7 & 0xF) << 4] and row[2:16].eq(0).all()
+    assert row[16].item() == (7 | (-2 & 0xF) << 4) and row[17:32].eq(0).all()     # 14 / 2, -5 / 2 -> 7, -2
+    assert row[32:].tolist() == [0x00, 0x3C, 0x00, 0x40]
+    assert v[0, 0, 2, 32:].tolist() == [0x00, 0x3C, 0x00, 0x3C] and v[0, 0, 2, :32].eq(0).all()
+
+
+@device_param
+def test_group32_takes_no_scales_and_whole_groups(device: str) -> None:
+    key = torch.zeros(3, 2, 64, device=device)
+    cache = torch.zeros(4, 2, 16, INT4_G32.row_bytes(64), dtype=torch.uint8, device=device)
+    args = dict(key=key, value=key.clone(), k_cache=cache, v_cache=cache.clone(),
+                slot_mapping=torch.arange(3, device=device), fp8=INT4_G32)
+    store_kv(**args)
+    ts = torch.ones(4, 2, 16, device=device)
+    with pytest.raises(ValueError, match=r"an int4_g32 cache keeps a scale per group of 32 values in each row; it "
+                                         r"takes no k_token_scales, v_token_scales"):
+        store_kv(**{**args, "k_token_scales": ts, "v_token_scales": ts})
+    narrow = torch.zeros(4, 2, 16, 32, dtype=torch.uint8, device=device)
+    with pytest.raises(ValueError, match=r"W=36 \(D / 2 bytes of codes, 2 per group's scale\)"):
+        store_kv(**{**args, "k_cache": narrow, "v_cache": narrow.clone()})
+    odd = torch.zeros(3, 2, 48, device=device)
+    with pytest.raises(ValueError, match=r"an int4_g32 cache has a scale per group of 32 values: key/value need a "
+                                         r"head dim that is a multiple of 32"):
+        store_kv(**{**args, "key": odd, "value": odd.clone()})
+
+
+# ----------------------------------------------------------------------------------------------------------------
 # 16/32-bit caches
 # ----------------------------------------------------------------------------------------------------------------
 
@@ -560,11 +648,12 @@ from triton.compiler import ASTSource
 import kv8.kernels.triton.store as store
 from kv8.kernels.triton.formats import kernel_format
 from kv8.quant.formats import FP8_FORMATS, INT4, INT8
+from kv8.quant.int4_group import INT4_G32
 fn = store._store_kv_kernel
 float_ptr = {0: "*fp32", 1: "*fp16", 2: "*bf16"}
 out = []
 for mode, fmt, kind_in, kind_out in json.loads(sys.argv[1]):
-    fmt = None if fmt is None else kernel_format({**FP8_FORMATS, "int8": INT8, "int4": INT4}[fmt])
+    fmt = None if fmt is None else kernel_format({**FP8_FORMATS, "int8": INT8, "int4": INT4, "int4_g32": INT4_G32}[fmt])
     consts = dict(MODE=mode, FMT=fmt, IN=kind_in, OUT=kind_out, BLOCK_H=4, BLOCK_D=128)
     sig = {}
     for name in fn.arg_names:
@@ -599,7 +688,7 @@ def test_compiles_for_sm90_with_exact_float_ops(tmp_path) -> None:
     pytest.importorskip("triton.backends.nvidia")
     variants = [(1, "fp8_e4m3", 2, 0), (2, "fp8_e4m3fnuz", 1, 0), (2, "fp8_e5m2", 0, 0), (0, None, 0, 2),
                 (0, None, 2, 1), (2, "int8", 2, 0), (2, "int8", 0, 0), (2, "int4", 2, 0),
-                (2, "int4", 1, 0)]   # MODE, FMT (a format's name), IN, OUT
+                (2, "int4", 1, 0), (3, "int4_g32", 2, 0)]   # MODE, FMT (a format's name), IN, OUT
     env = {**os.environ, "TRITON_CACHE_DIR": str(tmp_path), "PYTHONPATH": os.pathsep.join(sys.path)}
     env.pop("TRITON_INTERPRET", None)
     run = subprocess.run([sys.executable, "-c", _COMPILE_SCRIPT, json.dumps(variants)], env=env, capture_output=True,
@@ -608,14 +697,16 @@ def test_compiles_for_sm90_with_exact_float_ops(tmp_path) -> None:
     results = json.loads(run.stdout.strip().splitlines()[-1])
     for (mode, fmt, kind_in, kind_out), result in zip(variants, results):
         ops = set(result["ops"])
-        assert result["magic"] == (["0f4B400000", "0fCB400000"] if fmt in ("int8", "int4") else []), result
+        assert result["magic"] == (["0f4B400000", "0fCB400000"] if fmt in ("int8", "int4", "int4_g32") else []), result
         assert result["cubin"] > 0 and not result["ftz"], result
         inexact = {op for op in ops if op.startswith(("div.full", "div.approx", "rcp"))
                    or op.startswith(("fma", "mul")) and op.endswith(("f32", "f16"))}
         assert not inexact, ops
         assert not {op for op in ops if "e4m3" in op or "e5m2" in op or "satfinite" in op}, ops
         assert ("div.rn.f32" in ops) == (mode != 0), ops
-        assert ("cvt.f32.f16" in ops) == (kind_in == 1), ops                 # fp16 widens exactly; bf16 by its bits
+        # fp16 widens exactly, bf16 by its bits; int4_g32's float16 group scales round once (RNE) and widen back
+        assert ("cvt.f32.f16" in ops) == (kind_in == 1 or fmt == "int4_g32"), ops
+        assert ("cvt.rn.f16.f32" in ops) == (fmt == "int4_g32" or mode == 0 and kind_out == 1), ops
         assert not {op for op in ops if "bf16" in op}, ops
         if mode == 0 and kind_out == 1:
             assert "cvt.rn.f16.f32" in ops, ops

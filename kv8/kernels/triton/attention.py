@@ -72,7 +72,11 @@ Work decomposition (grid ``(T // BLOCK_Q + B, Hkv, NUM_SPLITS)``; T = query rows
   (``int4_per_token_head``, ``PACKED``): each key's row is ``D / 2`` bytes, loaded in each tile's own layout (V
   ``[TILE_N, D_PAD / 2]``, K^T ``[D_PAD / 2, TILE_N]``) and unpacked in registers along the channel axis
   (:func:`~kv8.kernels.triton.dequant.unpack_nibbles`: sign-extended nibbles joined -- for K^T permuted -- and
-  reshaped into channel order); its decode tiles take 4 warps (:func:`launch_config`).
+  reshaped into channel order); its decode tiles take 4 warps (:func:`launch_config`). An ``int4_per_group32``
+  cache (``GROUPED``) has no scale arguments: its rows carry a float16 scale per 32 values after the codes, loaded
+  ``[TILE_N, 2 D / 32]`` bytes beside them; the codes times their group's scale (exact in float32, reshaped to
+  ``[.., D / 32, 32, ..]``) go into the dot in the query's 16-bit dtype (rounded once, as a decode to that dtype
+  would) or float32, with the tiles of dynamic scales.
 * **Dot precision** (``DOT_DTYPE``, one for both products). Decoded FP8 values are exact in float16 (and in
   bfloat16), so over an FP8 cache with static or no scales both products take **float16** operands with float32
   accumulation, whatever the 16-bit query: FP8 codes convert to float16 pairs in one instruction, to bfloat16 only
@@ -103,15 +107,16 @@ What a caller must provide (checked, ``ValueError`` before any launch, unless ma
   per-layer views), last dim contiguous: ``uint8`` codes with ``fp8`` an FP8 format
   (:func:`kv8.kernels.triton.formats.kernel_format` derives what the kernels need of it: E4M3FN, E4M3FNUZ, E5M2),
   ``int8`` codes with ``fp8`` the int8 format (:data:`kv8.quant.formats.INT8`), ``uint8`` bytes of two int4 codes
-  with ``fp8`` :data:`kv8.quant.formats.INT4` (the last dim ``D / 2``; ``D`` even), or bfloat16/float16/float32
-  values with ``fp8=None``.
+  with ``fp8`` :data:`kv8.quant.formats.INT4` (the last dim ``D / 2``; ``D`` even), ``uint8`` rows of int4 codes
+  and their float16 group scales with ``fp8`` :data:`kv8.quant.int4_group.INT4_G32` (``D / 2 + 2 D / 32``; ``D`` a
+  multiple of 32), or bfloat16/float16/float32 values with ``fp8=None``.
 * ``query_start_loc [B + 1]`` and ``seq_lens [B]`` contiguous, ``block_tables [B, max_blocks]`` with a contiguous
   last dim; int32 or int64, each independently. Unchecked (the launch reads no tensor on the host, so it can be
   captured in a CUDA graph): ``query_start_loc`` nondecreasing from 0 with ``query_start_loc[B] <= T``, ``0 <=
   query_len_i <= seq_lens[i]``, the table entries a sequence needs are valid block ids and hold its keys.
 * FP8: static ``k_scale``/``v_scale`` broadcastable to ``[Hkv, D]`` (any float dtype; copied to float32) or
   dynamic ``k_token_scales``/``v_token_scales`` float32 ``[num_blocks, Hkv, block_size]`` (any strides); int8 and
-  int4: the dynamic ones.
+  int4: the dynamic ones; int4_per_group32: none.
 * The split workspace (``num_kv_splits > 1``) is ``T * Hq * splits * (D_PAD + 2)`` float32, allocated per call.
 """
 
@@ -125,8 +130,16 @@ import triton
 import triton.language as tl
 
 from kv8.kernels.triton import interpreter
-from kv8.kernels.triton.dequant import decode_fp8, native_fp8_supported
-from kv8.kernels.triton.formats import FP8Layout, IntLayout, KernelFormat, code_dtype, code_width, kernel_format
+from kv8.kernels.triton.dequant import apply_group_scales, decode_fp8, group_scales, native_fp8_supported
+from kv8.kernels.triton.formats import (
+    FP8Layout,
+    GroupLayout,
+    IntLayout,
+    KernelFormat,
+    code_dtype,
+    code_width,
+    kernel_format,
+)
 from kv8.kernels.triton.interpreter import INTERPRETER, add_combine, cast_rn, dot, max_combine, widen
 from kv8.kernels.triton.launch import Launch
 from kv8.platform import CPU, Platform
@@ -168,7 +181,7 @@ def _attend_key_tile(
     D_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
     TILE_IN_BLOCK: tl.constexpr, FP8_FMT: tl.constexpr, NATIVE_FP8: tl.constexpr, SCALES: tl.constexpr,
     USE_WINDOW: tl.constexpr, DOT_DTYPE: tl.constexpr, Q_SPLIT: tl.constexpr, KEY_ROWS: tl.constexpr,
-    MASKED: tl.constexpr, PACKED: tl.constexpr,
+    MASKED: tl.constexpr, PACKED: tl.constexpr, GROUPED: tl.constexpr,
 ):
     """One online-softmax step over key tile ``j`` (keys ``j * TILE_N ..``) -> the updated ``(m_i, l_i, acc)``.
 
@@ -236,6 +249,13 @@ def _attend_key_tile(
             w_ok = offs_w < HEAD_DIM // 2
             k_raw = tl.load(k_bytes, mask=_spread(w_ok, 1 - K_KEYS), other=0)
             v_raw = tl.load(v_bytes, mask=w_ok[None, :], other=0)
+        if FP8_FMT.group_size > 0:
+            # int4_per_group32: the groups' float16 scales follow the codes, 2 bytes each: [TILE_N, NG] float32
+            NG: tl.constexpr = D_PAD // FP8_FMT.group_size
+            offs_g = tl.arange(0, 2 * NG)
+            g_ok = (offs_g < 2 * (HEAD_DIM // FP8_FMT.group_size))[None, :]
+            k_gs = group_scales(tl.load(k_rows[:, None] + HEAD_DIM // 2 + offs_g[None, :], mask=g_ok, other=0))
+            v_gs = group_scales(tl.load(v_rows[:, None] + HEAD_DIM // 2 + offs_g[None, :], mask=g_ok, other=0))
     elif KEY_ROWS and (not MASKED) and (not TILE_IN_BLOCK) and TILE_N % BLOCK_SIZE == 0 and D_PAD == HEAD_DIM:
         # whole blocks, unclamped, both tiles [TILE_N, D]: loaded as [blocks, BLOCK_SIZE, D], one table entry and
         # one base address per block, the offsets inside a block loop-invariant and non-negative (int32 products of
@@ -255,7 +275,11 @@ def _attend_key_tile(
     else:
         k_raw = tl.load(k_ptrs, mask=_spread(d_ok, 1 - K_KEYS), other=0)
         v_raw = tl.load(v_ptrs, mask=_spread(d_ok, 1 - V_KEYS), other=0)
-    k = decode_fp8(k_raw, FP8_FMT, NATIVE_FP8, DOT_DTYPE, 1 - K_KEYS)
+    if GROUPED:   # codes times their group's scale in float32 (exact), then the dot's dtype
+        k = cast_rn(apply_group_scales(decode_fp8(k_raw, FP8_FMT, NATIVE_FP8, tl.float32, 1 - K_KEYS), k_gs,
+                                       1 - K_KEYS, FP8_FMT.group_size), DOT_DTYPE)
+    else:
+        k = decode_fp8(k_raw, FP8_FMT, NATIVE_FP8, DOT_DTYPE, 1 - K_KEYS)
     if KEY_ROWS:
         s = dot(k, q_hi)                             # [TILE_N, BLOCK_M]
         if Q_SPLIT:
@@ -281,7 +305,11 @@ def _attend_key_tile(
     p = tl.exp2(s - _spread(m_base, ROWS))
     l_i = l_i * alpha + tl.reduce(p, KEYS, add_combine)
 
-    v = decode_fp8(v_raw, FP8_FMT, NATIVE_FP8, DOT_DTYPE)
+    if GROUPED:
+        v = cast_rn(apply_group_scales(decode_fp8(v_raw, FP8_FMT, NATIVE_FP8, tl.float32), v_gs, 1,
+                                       FP8_FMT.group_size), DOT_DTYPE)
+    else:
+        v = decode_fp8(v_raw, FP8_FMT, NATIVE_FP8, DOT_DTYPE)
     if SCALES == 2:
         p = p * _spread(tl.load(v_ts_ptr), KEYS)
     if KEY_ROWS:
@@ -308,7 +336,7 @@ def _paged_attention_kernel(
     NUM_SPLITS: tl.constexpr, FP8_FMT: tl.constexpr, NATIVE_FP8: tl.constexpr, SCALES: tl.constexpr,
     K_CHANNEL_SCALE: tl.constexpr, USE_WINDOW: tl.constexpr, DOT_DTYPE: tl.constexpr, Q_SPLIT: tl.constexpr,
     ROW_SCALE: tl.constexpr, KEY_ROWS: tl.constexpr, Q_LEN_MIN: tl.constexpr, Q_LEN_MAX: tl.constexpr,
-    PACKED: tl.constexpr,
+    PACKED: tl.constexpr, GROUPED: tl.constexpr,
 ):
     pid_q = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -418,7 +446,7 @@ def _paged_attention_kernel(
                 k_ptr, v_ptr, k_tok_ptr, v_tok_ptr, stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt,
                 stride_ksb, stride_ksh, stride_kst, stride_vsb, stride_vsh, stride_vst,
                 D_PAD, HEAD_DIM, BLOCK_SIZE, TILE_N, TILE_IN_BLOCK, FP8_FMT, NATIVE_FP8, SCALES, USE_WINDOW,
-                DOT_DTYPE, Q_SPLIT, KEY_ROWS, False, PACKED)
+                DOT_DTYPE, Q_SPLIT, KEY_ROWS, False, PACKED, GROUPED)
             j += 1
         t = 0
         while t < n_masked:
@@ -428,7 +456,7 @@ def _paged_attention_kernel(
                 k_ptr, v_ptr, k_tok_ptr, v_tok_ptr, stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt,
                 stride_ksb, stride_ksh, stride_kst, stride_vsb, stride_vsh, stride_vst,
                 D_PAD, HEAD_DIM, BLOCK_SIZE, TILE_N, TILE_IN_BLOCK, FP8_FMT, NATIVE_FP8, SCALES, USE_WINDOW,
-                DOT_DTYPE, Q_SPLIT, KEY_ROWS, True, PACKED)
+                DOT_DTYPE, Q_SPLIT, KEY_ROWS, True, PACKED, GROUPED)
             t += 1
     elif KEY_ROWS:
         for j in range(u_lo, u_hi):
@@ -437,7 +465,7 @@ def _paged_attention_kernel(
                 k_ptr, v_ptr, k_tok_ptr, v_tok_ptr, stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt,
                 stride_ksb, stride_ksh, stride_kst, stride_vsb, stride_vsh, stride_vst,
                 D_PAD, HEAD_DIM, BLOCK_SIZE, TILE_N, TILE_IN_BLOCK, FP8_FMT, NATIVE_FP8, SCALES, USE_WINDOW,
-                DOT_DTYPE, Q_SPLIT, KEY_ROWS, False, PACKED)
+                DOT_DTYPE, Q_SPLIT, KEY_ROWS, False, PACKED, GROUPED)
         for t in range(0, n_masked):
             m_i, l_i, acc = _attend_key_tile(
                 tl.where(t < n_lead, j_lo + t, u_hi + t - n_lead), q_hi, q_lo, m_i, l_i, acc, q_pos, row_ok,
@@ -445,7 +473,7 @@ def _paged_attention_kernel(
                 k_ptr, v_ptr, k_tok_ptr, v_tok_ptr, stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt,
                 stride_ksb, stride_ksh, stride_kst, stride_vsb, stride_vsh, stride_vst,
                 D_PAD, HEAD_DIM, BLOCK_SIZE, TILE_N, TILE_IN_BLOCK, FP8_FMT, NATIVE_FP8, SCALES, USE_WINDOW,
-                DOT_DTYPE, Q_SPLIT, KEY_ROWS, True, PACKED)
+                DOT_DTYPE, Q_SPLIT, KEY_ROWS, True, PACKED, GROUPED)
     else:
         for j in range(j_lo, j_hi):
             m_i, l_i, acc = _attend_key_tile(
@@ -453,7 +481,7 @@ def _paged_attention_kernel(
                 k_ptr, v_ptr, k_tok_ptr, v_tok_ptr, stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt,
                 stride_ksb, stride_ksh, stride_kst, stride_vsb, stride_vsh, stride_vst,
                 D_PAD, HEAD_DIM, BLOCK_SIZE, TILE_N, TILE_IN_BLOCK, FP8_FMT, NATIVE_FP8, SCALES, USE_WINDOW,
-                DOT_DTYPE, Q_SPLIT, KEY_ROWS, True, PACKED)
+                DOT_DTYPE, Q_SPLIT, KEY_ROWS, True, PACKED, GROUPED)
     if KEY_ROWS:
         acc = tl.trans(acc)                                        # [BLOCK_M, D_PAD]
 
@@ -600,7 +628,8 @@ class KernelVariant:
         if self.query_dtype == torch.float32:
             return tl.float32
         if self.fp8 is not None:
-            return tl.float16 if self.scales != SCALES_DYNAMIC else _TL_DTYPES[self.query_dtype]
+            per_key = self.scales == SCALES_DYNAMIC or self.fp8.group_size > 0
+            return _TL_DTYPES[self.query_dtype] if per_key else tl.float16
         return _TL_DTYPES[self.query_dtype] if self.cache_dtype == self.query_dtype else tl.float32
 
     @property
@@ -612,7 +641,8 @@ class KernelVariant:
     def config(self) -> LaunchConfig:
         cache_bytes = 1 if self.fp8 is not None else self.cache_dtype.itemsize
         return launch_config(self.group, self.head_dim, self.max_query_len, self.block_size,
-                             self.dot_dtype == tl.float32, cache_bytes, self.scales == SCALES_DYNAMIC,
+                             self.dot_dtype == tl.float32, cache_bytes,
+                             self.scales == SCALES_DYNAMIC or (self.fp8 is not None and self.fp8.group_size > 0),
                              self.fp8 is not None and self.fp8.packed)
 
     def constexprs(self, num_kv_splits: int, q_len_min: int = 0, q_len_max: int = _MAX_INT32) -> dict[str, object]:
@@ -628,6 +658,7 @@ class KernelVariant:
             KEY_ROWS=cfg.key_rows,
             Q_LEN_MIN=q_len_min, Q_LEN_MAX=q_len_max,
             PACKED=self.fp8 is not None and self.fp8.packed,
+            GROUPED=self.fp8 is not None and self.fp8.group_size > 0,
         )
 
 
@@ -697,7 +728,7 @@ def _check_token_scales(name: str, s: object, cache_shape: torch.Size, device: t
 def unified_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor, *,
                       query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
                       max_query_len: int, max_seq_len: int, scale: float, sliding_window: int | None,
-                      fp8: FP8Layout | IntLayout | None, k_scale: torch.Tensor | None = None,
+                      fp8: FP8Layout | IntLayout | GroupLayout | None, k_scale: torch.Tensor | None = None,
                       v_scale: torch.Tensor | None = None, k_token_scales: torch.Tensor | None = None,
                       v_token_scales: torch.Tensor | None = None, num_kv_splits: int | None = None,
                       platform: Platform | None = None, min_query_len: int | None = None) -> torch.Tensor:
@@ -758,6 +789,9 @@ def unified_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     num_blocks, num_kv_heads, block_size, cache_dim = k_cache.shape
     if fmt is not None and fmt.packed and head_dim % 2:
         raise _fail(f"an {fmt.name} cache packs two codes per byte: it needs an even head_dim, got {head_dim}")
+    if fmt is not None and fmt.group_size and head_dim % fmt.group_size:
+        raise _fail(f"an {fmt.name} cache has a scale per group of {fmt.group_size} values: it needs a head_dim that "
+                    f"is a multiple of {fmt.group_size}, got {head_dim}")
     if cache_dim != code_width(fmt, head_dim):
         raise _fail(f"cache row width={cache_dim} != {code_width(fmt, head_dim)}, the "
                     + (f"bytes of query head_dim={head_dim} in two codes per byte" if fmt is not None and fmt.packed
@@ -789,10 +823,14 @@ def unified_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     dynamic = k_token_scales is not None or v_token_scales is not None
     if fmt is None and (static or dynamic):
         raise _fail("scales were given for a 16/32-bit cache (fp8=None); such a cache stores plain values")
-    if fmt is not None and fmt.int_codes and not (dynamic and not static):
+    if fmt is not None and fmt.group_size:
+        if static or dynamic:
+            raise _fail(f"an {fmt.name} cache keeps a scale per group of {fmt.group_size} values in each row; it "
+                        "takes no k_scale/v_scale or k_token_scales/v_token_scales")
+    elif fmt is not None and fmt.int_codes and not (dynamic and not static):
         raise _fail(f"an {fmt.name} cache needs its dynamic k_token_scales and v_token_scales (a scale per token and "
                     "head; it has no static scales)" + (" (got static ones)" if static else ""))
-    if fmt is not None and static == dynamic:
+    elif fmt is not None and static == dynamic:
         raise _fail("an FP8 cache needs exactly one kind of scales: static k_scale and v_scale, or dynamic "
                     "k_token_scales and v_token_scales" + (" (got both)" if static else " (got none)"))
     if static and (k_scale is None or v_scale is None) or dynamic and (k_token_scales is None
@@ -816,8 +854,9 @@ def unified_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
 def plan_launches(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor, *,
                   query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
                   max_query_len: int, max_seq_len: int, scale: float, sliding_window: int | None,
-                  fp8: FP8Layout | IntLayout | None, k_scale: torch.Tensor | None, v_scale: torch.Tensor | None,
-                  k_token_scales: torch.Tensor | None, v_token_scales: torch.Tensor | None,
+                  fp8: FP8Layout | IntLayout | GroupLayout | None, k_scale: torch.Tensor | None,
+                  v_scale: torch.Tensor | None, k_token_scales: torch.Tensor | None,
+                  v_token_scales: torch.Tensor | None,
                   num_kv_splits: int | None, platform: Platform, min_query_len: int | None = None) -> list[Launch]:
     """The launches :func:`unified_attention` makes for these (already validated) arguments, in order, for the
     device ``platform`` describes (its native FP8 conversions: :func:`~kv8.kernels.triton.dequant.

@@ -34,7 +34,9 @@ native path may be used is the platform's to say (:func:`native_fp8_supported`).
 ``KernelFormat`` (``FMT.int_codes``: an ``int8_per_token_head`` cache) has ``int8`` codes, which
 :func:`decode_fp8` converts through float32 (exact, ``|code| <= 127``; the interpreter's own int8 -> bfloat16 cast
 is wrong); an ``int4_per_token_head`` cache (``FMT.packed``) has bytes of two 4-bit codes, which it unpacks in
-registers first (:func:`unpack_nibbles`: a row of ``B`` bytes becomes ``2 B`` codes).
+registers first (:func:`unpack_nibbles`: a row of ``B`` bytes becomes ``2 B`` codes); an ``int4_per_group32``
+cache's rows also carry a float16 scale per group of values (:func:`group_scales` reads them,
+:func:`apply_group_scales` multiplies each code by its group's).
 """
 
 from __future__ import annotations
@@ -47,7 +49,8 @@ from kv8.kernels.triton.formats import KernelFormat
 from kv8.kernels.triton.quant import bf16_bits_to_f32
 from kv8.platform import Platform
 
-__all__ = ["decode_fp8", "decode_fp8_bits", "decode_fp8_native", "native_fp8_supported", "unpack_nibbles"]
+__all__ = ["apply_group_scales", "decode_fp8", "decode_fp8_bits", "decode_fp8_native", "group_scales",
+           "native_fp8_supported", "unpack_nibbles"]
 
 
 def native_fp8_supported(platform: Platform, fmt: KernelFormat | None) -> bool:
@@ -117,6 +120,29 @@ def unpack_nibbles(raw, AXIS: tl.constexpr):
         res = tl.reshape(tl.join(lo, hi), [raw.shape[0], raw.shape[1] * 2])
     else:
         res = tl.reshape(tl.permute(tl.join(lo, hi), (0, 2, 1)), [raw.shape[0] * 2, raw.shape[1]])
+    return res
+
+
+@triton.jit
+def group_scales(raw):
+    """``uint8 [R, 2 G]``: the little-endian bytes of ``G`` float16 group scales per row -> ``float32 [R, G]``
+    (exact)."""
+    b = raw.to(tl.int32)
+    lo, hi = tl.split(tl.reshape(b, [raw.shape[0], raw.shape[1] // 2, 2]))
+    return (lo | (hi << 8)).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def apply_group_scales(values, scales, AXIS: tl.constexpr, GS: tl.constexpr):
+    """float32 ``values`` with their channels along ``AXIS`` (``[R, D]`` with 1, ``[D, R]`` with 0) times the scale
+    of each channel's group of ``GS`` (``scales [R, D / GS]``, :func:`group_scales`), exact in float32 for int4 codes
+    and float16 scales."""
+    if AXIS == 1:
+        res = tl.reshape(tl.reshape(values, [values.shape[0], values.shape[1] // GS, GS]) * scales[:, :, None],
+                         [values.shape[0], values.shape[1]])
+    else:
+        res = tl.reshape(tl.reshape(values, [values.shape[0] // GS, GS, values.shape[1]])
+                         * tl.trans(scales)[:, None, :], [values.shape[0], values.shape[1]])
     return res
 
 
