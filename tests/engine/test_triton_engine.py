@@ -45,6 +45,7 @@ CASES = [
     ("mistral_swa", dict(kv_cache_dtype="int8_per_token_head", kv_cache_rotation="hadamard")),
     ("llama_gqa", dict(kv_cache_dtype="int4")),
     ("mistral_swa", dict(kv_cache_dtype="int4_per_token_head", kv_cache_rotation="hadamard")),
+    ("qwen3", dict(kv_cache_dtype="int4_per_group32")),                  # head_dim 32: one group per row
     ("gemma3", dict(kv_cache_dtype="fp8_e4m3", kv_cache_dtype_skip_layers="full_attention")),
 ]
 
