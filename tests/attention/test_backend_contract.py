@@ -12,17 +12,17 @@ compiled on CUDA tensors with one: :mod:`tests.helpers.triton`).
   :meth:`PagedKVCache.store`, so the reference backend's store is checked too;
 * attend: return ``[T, Hq, D]`` in q's dtype equal to attention over the *stored* cache (every new token stored
   before any query attends: a row reads a block another row of the same call writes), computed here in float64
-  from the same bytes (FP8 and int8 codes decoded exactly and multiplied by their scales in float64), causal,
+  from the same bytes (FP8, int8 and int4 codes decoded exactly and multiplied by their scales in float64), causal,
   with the sliding window ``p - W < k <= p``;
 * leave its inputs alone, and for an empty batch (no rows) return an empty output and write nothing.
 
 Every case starts from a poisoned cache: every slot and token scale that holds no context token is NaN (FP8: the
-format's NaN code; int8, which has none: the code -128, never written, beside a NaN token scale), and the table
-entries before a window's first block point at poisoned blocks -- a backend that reads a slot it must not, or
-attends before it stores, returns NaN. The new K/V are views of one fused qkv tensor (strided, like a model's), in
-the model dtype (the query's), and with a Hadamard codec in its stored basis (as
-:class:`kv8.layers.attention.PagedAttention` hands them over). The cache holds model layers 0 and 2 of 3, in slots
-1 and 0 (a hybrid layout's slot map): layer 2 runs, layer 0's slot must stay poisoned, and static scales differ per
+format's NaN code; int8 and int4, which have none: a code never written -- int8 -128, int4 -8 -- beside a NaN token
+scale), and the table entries before a window's first block point at poisoned blocks -- a backend that reads a slot
+it must not, or attends before it stores, returns NaN. The new K/V are views of one fused qkv tensor (strided, like
+a model's), in the model dtype (the query's), and with a Hadamard codec in its stored basis (as
+:class:`kv8.layers.attention.PagedAttention` hands them over). The cache holds model layers 0 and 2 of 3, in slots 1
+and 0 (a hybrid layout's slot map): layer 2 runs, layer 0's slot must stay poisoned, and static scales differ per
 layer.
 
 Tolerances, ``|out - oracle| <= tol * (1 + max |V|)`` with ``max |V|`` the largest stored value the oracle reads,
@@ -58,7 +58,7 @@ from kv8.attention.metadata import AttentionMetadata, token_slot
 from kv8.cache.codec import K, KVCodec, V
 from kv8.cache.paged_cache import CacheShape, PagedKVCache
 from kv8.kernels.cpu.build import KernelUnavailable
-from kv8.quant.formats import resolve_kv_cache_dtype
+from kv8.quant.formats import resolve_kv_cache_dtype, unpack_int4
 from kv8.quant.scales import KVScales, ScaleGranularity
 from tests.helpers.kernels import scattered_tables
 
@@ -121,6 +121,8 @@ CASES = [
     # int8 codes, a scale per token and KV head (always dynamic)
     Case("int8", "int8_per_token_head", "dynamic", torch.bfloat16, seed=20),
     Case("hadamard-int8", "int8", "dynamic", torch.float32, rotation="hadamard", seed=21),
+    # int4 codes, two per byte, a scale per token and KV head (always dynamic)
+    Case("int4", "int4_per_token_head", "dynamic", torch.bfloat16, seed=24),
     # MHA, with head_dim 48 (not a power of two)
     Case("mha-e4m3-tensor", "fp8_e4m3", "tensor", torch.float32, kv_heads=3, group=1, head_dim=48, seed=13),
     # sliding windows: smaller than a block (with MQA: one KV head, 4 query heads), and spanning blocks (with a
@@ -128,6 +130,8 @@ CASES = [
     Case("window5-mqa-e4m3-dynamic", "fp8_e4m3", "dynamic", torch.bfloat16, kv_heads=1, group=4, window=5, seed=14),
     Case("window20-bfloat16", "bfloat16", q_dtype=torch.float32, window=20, seed=15),
     Case("window5-mqa-int8", "int8", "dynamic", torch.float16, kv_heads=1, group=4, window=5, seed=22),
+    Case("window5-mqa-hadamard-int4", "int4", "dynamic", torch.float16, kv_heads=1, group=4, window=5,
+         rotation="hadamard", seed=25),
     # skipped slots (-1) and the empty batch
     Case("skipped-slots-e5m2-dynamic", "fp8_e5m2", "dynamic", torch.bfloat16, rows=PADDED, seed=16),
     Case("skipped-slots-int8", "int8", "dynamic", torch.bfloat16, rows=PADDED, seed=23),
@@ -203,7 +207,9 @@ class Problem:
 def _poison(cache: PagedKVCache) -> None:
     fmt = cache.kv_dtype.fp8
     if cache.kv_dtype.int_codes is not None:
-        cache.data.fill_(-128)             # int8 has no NaN: a code never written, beside NaN token scales
+        # int8 / int4 have no NaN: a code never written (int8 -128; int4 0x80 = nibbles 0 and -8), beside NaN
+        # token scales
+        cache.data.view(torch.uint8).fill_(0x80)
     else:
         cache.data.fill_(float("nan") if fmt is None else fmt.nan_code)
     if cache.token_scales is not None:
@@ -243,6 +249,8 @@ def read_float64(cache: PagedKVCache, layer: int, which: int, slots: list[int]) 
     fmt = cache.kv_dtype.codes
     if fmt is None:
         return stored.double()
+    if cache.codec.packed:                 # int4: two codes per byte
+        stored = unpack_int4(stored)
     if cache.token_scales is not None:
         scale = torch.stack([cache.token_scales[s, which, b, :, o] for b, o in at]).double().unsqueeze(-1)
     else:

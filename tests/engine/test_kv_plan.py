@@ -183,12 +183,14 @@ def test_every_error_of_the_option(llama4, tmp_path, monkeypatch):
         "fp8_e4m3 + hadamard", "int4_per_token_head + hadamard", "fp8_e4m3"]
     pytest.importorskip("triton")
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    with pytest.raises(ValueError, match="stores layer 1 as int4: the triton attention backend"):
-        _config(llama4, attention_backend="triton", kv_cache_plan=plan({"1": {"kv_cache_dtype": "int4"}}))
-    with pytest.raises(ValueError, match="kv_cache_dtype='int4': the triton attention backend .* 4-bit"):
-        _config(llama4, attention_backend="triton", kv_cache_dtype="int4")
-    # int8 layers are read by the triton kernels
+    with pytest.raises(ValueError, match="stores layer 1 as fp4_e2m1: the triton attention backend .* group"):
+        _config(llama4, attention_backend="triton", kv_cache_plan=plan({"1": {"kv_cache_dtype": "fp4_e2m1"}}))
+    with pytest.raises(ValueError, match="kv_cache_dtype='fp4_e2m1': the triton attention backend .* group scales"):
+        _config(llama4, attention_backend="triton", kv_cache_dtype="fp4_e2m1")
+    # int8 and int4 (per token and head) layers are read by the triton kernels
     assert _config(llama4, attention_backend="triton", kv_cache_plan=plan({"1": {"kv_cache_dtype": "int8"}}))
+    assert _config(llama4, attention_backend="triton", kv_cache_plan=plan({"1": {"kv_cache_dtype": "int4"}}))
+    assert _config(llama4, attention_backend="triton", kv_cache_dtype="int4").cache.kv_cache_dtype == "int4"
 
 
 def test_static_scales_apply_to_the_fp8_layers_in_their_basis(llama4, tmp_path):

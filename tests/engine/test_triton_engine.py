@@ -1,7 +1,7 @@
-"""The engine end to end on the GPU path's attention backend (``attention_backend="triton"``), run here on CPU
-tensors in Triton's interpreter (``tests/conftest.py`` sets ``TRITON_INTERPRET=1`` without a GPU): greedy tokens
-equal to the reference backend's (both read the same stored bytes), with every block returned, over FP8 formats,
-scale modes, int8 caches, a rotation, GQA, sliding windows and the hybrid layout, prefix caching, chunked prefill and
+"""The engine end to end on the GPU path's attention backend (``attention_backend="triton"``), run here on CPU tensors
+in Triton's interpreter (``tests/conftest.py`` sets ``TRITON_INTERPRET=1`` without a GPU): greedy tokens equal to
+the reference backend's (both read the same stored bytes), with every block returned, over FP8 formats, scale modes,
+int8 and int4 caches, a rotation, GQA, sliding windows and the hybrid layout, prefix caching, chunked prefill and
 preemption; and decode steps served from the CUDA-graph buffers (:class:`kv8.engine.cuda_graphs.DecodeGraphs`
 without capture) equal to eager steps."""
 
@@ -43,6 +43,9 @@ CASES = [
                    max_model_len=24)),
     ("mistral_swa", dict(kv_cache_dtype="fp8_e4m3")),
     ("mistral_swa", dict(kv_cache_dtype="int8_per_token_head", kv_cache_rotation="hadamard")),
+    ("llama_gqa", dict(kv_cache_dtype="int4")),
+    ("mistral_swa", dict(kv_cache_dtype="int4_per_token_head", kv_cache_rotation="hadamard")),
+    ("qwen3", dict(kv_cache_dtype="int4_per_group32")),                  # head_dim 32: one group per row
     ("gemma3", dict(kv_cache_dtype="fp8_e4m3", kv_cache_dtype_skip_layers="full_attention")),
 ]
 

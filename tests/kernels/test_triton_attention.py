@@ -6,12 +6,12 @@ Without a CUDA device the kernels run in Triton's interpreter on CPU tensors (``
 constexpr branches, tl.dot shapes, the native FP8 conversions, register pressure -- is checked on the kernels
 compiled for sm_90, which needs no GPU (Triton's compiler and its bundled ptxas, in a subprocess).
 
-The (cache dtype x head_dim/GQA x window/split x query dtype) sweep runs a fixed sample of 12 of its 288 cases;
-``KV8_TRITON_FULL_SWEEP=1`` runs them all (slow in the interpreter: 24x the sample).
+The (cache dtype x head_dim/GQA x window/split x query dtype) sweep runs a fixed sample of 16 of its 480 cases;
+``KV8_TRITON_FULL_SWEEP=1`` runs them all (slow in the interpreter: 30x the sample).
 
 Every case builds a :class:`PagedKVCache` through kv8's own codec and reference store, with the cache and the
-token scales first filled with poison (NaN values, the format's NaN code; int8 codes have no NaN, so there the
-token scales' NaN is the poison): the kernel reading any slot it must not
+token scales first filled with poison (NaN values, the format's NaN code; int8 and int4 codes have no NaN, so
+there the token scales' NaN is the poison): the kernel reading any slot it must not
 (a slot past a sequence, a block before a sliding window, an unused block) turns its output into NaN. Block ids are
 shuffled, last blocks partial, batches mixed (decode rows, prefill chunks over cached context, fresh prefills, an
 empty row) and padded with rows past ``query_start_loc[B]`` that must stay untouched.
@@ -48,7 +48,8 @@ from kv8.cache.codec import KVCodec
 from kv8.cache.paged_cache import CacheShape, PagedKVCache
 from kv8.kernels.triton.formats import kernel_format
 from kv8.platform import CPU, Platform
-from kv8.quant.formats import E4M3, FP8_FORMATS, INT8, FP8Format, resolve_kv_cache_dtype
+from kv8.quant.formats import E4M3, FP8_FORMATS, INT4, INT8, FP8Format, resolve_kv_cache_dtype, unpack_int4
+from kv8.quant.int4_group import INT4_G32
 from kv8.quant.scales import KVScales, ScaleGranularity
 from tests.helpers.triton import DEVICES, INTERPRETED
 
@@ -60,6 +61,8 @@ decode_fp8 = triton_dequant.decode_fp8
 FLOAT_CACHES = ("bfloat16", "float16", "float32")
 FP8_CACHES = tuple(FP8_FORMATS)     # every kv8 format: the kernels' constants are derived from each
 INT8_CACHE = "int8_per_token_head"   # int8 codes, always dynamic scales
+INT4_CACHE = "int4_per_token_head"   # int4 codes, two per byte, always dynamic scales
+INT4G_CACHE = "int4_per_group32"     # int4 codes, two per byte, a float16 scale per 32 values after them
 FORMATS = FP8_FORMATS
 
 
@@ -94,8 +97,11 @@ class Problem:
 
 def _poison(cache: PagedKVCache) -> None:
     fmt = cache.kv_dtype.fp8
-    if cache.kv_dtype.int_codes is not None:
-        cache.data.fill_(-128)             # never written (codes are -127 .. 127); the NaN scales below poison
+    if cache.kv_dtype.group is not None:
+        cache.data.fill_(0xFF)             # int4_per_group32: codes -1 beside NaN float16 scales (0xFFFF)
+    elif cache.kv_dtype.int_codes is not None:
+        # never written (int8 codes are -127 .. 127, int4 nibbles -7 .. 7: 0x80 is 0 | -8); the NaN scales poison
+        cache.data.view(torch.uint8).fill_(0x80)
     elif fmt is None:
         cache.data.fill_(float("nan"))
     else:
@@ -307,11 +313,31 @@ def test_int8_decode_is_exact_for_every_code(out_dtype: tl.dtype, device: str) -
     assert torch.equal(out.cpu(), INT8.decode(codes.cpu()))
 
 
+@triton.jit
+def _decode_int4_kernel(codes_ptr, out_ptr, FMT: tl.constexpr, OUT: tl.constexpr):
+    rows = tl.arange(0, 16)
+    offs = tl.arange(0, 16)
+    values = decode_fp8(tl.load(codes_ptr + rows[:, None] * 16 + offs[None, :]), FMT, False, OUT)   # [16, 32]
+    tl.store(out_ptr + rows[:, None] * 32 + tl.arange(0, 32)[None, :], values.to(tl.float32))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("out_dtype", [tl.float32, tl.float16, tl.bfloat16], ids=str)
+def test_int4_decode_unpacks_every_byte(out_dtype: tl.dtype, device: str) -> None:
+    """Every byte (both nibbles -8 .. 7, -8 included though never written) unpacks in registers to the codes
+    kv8.quant.formats.unpack_int4 reads -- channel 2j from the low nibble, 2j + 1 from the high -- and converts to
+    their values in each dot dtype."""
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8).reshape(16, 16).to(device)
+    out = torch.empty(16, 32, dtype=torch.float32, device=device)
+    _decode_int4_kernel[(1,)](codes, out, FMT=kernel_format(INT4), OUT=out_dtype)
+    assert torch.equal(out.cpu(), INT4.decode(unpack_int4(codes.cpu())))
+
+
 # ---- attention against the reference ----------------------------------------------------------------------------
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("q_dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
-@pytest.mark.parametrize("kv", FLOAT_CACHES + FP8_CACHES + (INT8_CACHE,))
+@pytest.mark.parametrize("kv", FLOAT_CACHES + FP8_CACHES + (INT8_CACHE, INT4_CACHE, INT4G_CACHE))
 def test_every_cache_dtype_mixed_batch(kv: str, q_dtype: torch.dtype, device: str) -> None:
     p = _build(kv, q_dtype, seed=1)
     _check(p, _run(p, device))
@@ -335,7 +361,7 @@ def test_dynamic_scales_other_formats(kv: str, device: str) -> None:
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("kv,scales", [("fp8_e4m3", "dynamic"), ("fp8_e4m3", "head"), ("float32", "tensor"),
-                                       (INT8_CACHE, "dynamic")])
+                                       (INT8_CACHE, "dynamic"), (INT4_CACHE, "dynamic")])
 def test_hadamard_rotated_codec(kv: str, scales: str, device: str) -> None:
     """q, K and V in the rotated (stored) basis: the same call. For a float32 cache, rotating the output back also
     gives attention over the unrotated q, K, V (the rotation is orthonormal)."""
@@ -410,15 +436,18 @@ def test_split_k_bf16_mixed_batch(device: str) -> None:
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("kv", ["fp8_e4m3", INT8_CACHE])
+@pytest.mark.parametrize("kv", ["fp8_e4m3", INT8_CACHE, INT4_CACHE, INT4G_CACHE])
 def test_poison_is_detected(kv: str, device: str) -> None:
     """The harness can fail: poisoning a slot the batch does read (the decode row's newest key: its FP8 code, or
-    its int8 token scale) shows up as NaN in exactly the rows that see it."""
+    its int8 / int4 token scale) shows up as NaN in exactly the rows that see it."""
     p = _build(kv, torch.float32, seed=10)
     block = int(p.meta.block_tables[0, 36 // 16])
-    if kv == INT8_CACHE:
+    if kv in (INT8_CACHE, INT4_CACHE):
         k_ts, _ = p.cache.layer_token_scales(0)  # type: ignore[misc]
         k_ts[block, :, 36 % 16] = float("nan")
+    elif kv == INT4G_CACHE:
+        k_cache, _ = p.cache.layer(0)
+        k_cache[block, :, 36 % 16, -2:] = 0xFF                  # the last group's float16 scale: NaN
     else:
         k_cache, _ = p.cache.layer(0)
         k_cache[block, :, 36 % 16] = E4M3.nan_code
@@ -450,18 +479,20 @@ def test_empty_batches_leave_out_alone(device: str) -> None:
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("kv", [INT8_CACHE, INT4_CACHE, INT4G_CACHE])
 @pytest.mark.parametrize("q_dtype,head_dim,group,block_size,window,splits", [
     (torch.bfloat16, 64, 4, 16, None, 3),        # decode rows split over key segments, a prefill chunk
     (torch.float16, 96, 2, 16, 13, 1),           # D padded to 128; a window spanning blocks
     (torch.float32, 128, 8, 8, 5, 2),            # blocks smaller than a key tile (per-key gather), window + split
     (torch.bfloat16, 256, 1, 32, None, 1),       # head_dim 256: 16-key tiles inside 32-token blocks
 ], ids=lambda v: str(v).replace("torch.", ""))
-def test_int8_cache(q_dtype: torch.dtype, head_dim: int, group: int, block_size: int, window: int | None,
+def test_int_caches(kv: str, q_dtype: torch.dtype, head_dim: int, group: int, block_size: int, window: int | None,
                     splits: int, device: str) -> None:
-    """int8 codes with their per-token scales over mixed batches (decode, prefill chunks, fresh prefills), GQA,
-    sliding windows and split-K."""
+    """int8 and int4 codes (two per byte, unpacked in registers) with their per-token scales, and int4 codes with
+    their groups' float16 scales (int4_per_group32; D = 96: three groups, the tile's fourth masked), over mixed
+    batches (decode, prefill chunks, fresh prefills), GQA, sliding windows and split-K."""
     batch = Batch((1, 6, 19, 0, 1, 3), (37, 40, 19, 5, 16, 50))
-    p = _build(INT8_CACHE, q_dtype, head_dim=head_dim, kv_heads=1 if head_dim == 256 else 2, group=group,
+    p = _build(kv, q_dtype, head_dim=head_dim, kv_heads=1 if head_dim == 256 else 2, group=group,
                block_size=block_size, batch=batch, window=window, seed=15)
     _check(p, _run(p, device, num_kv_splits=splits))
 
@@ -587,6 +618,8 @@ def _bad_cases() -> list[tuple[str, dict, str]]:
     f32 = torch.float32
     q = torch.zeros(3 + PAD_ROWS, 4, 64)
     cache16 = torch.zeros(8, 2, 16, 64, dtype=torch.bfloat16)
+    int4_scales = {"k_scale": None, "v_scale": None, "k_token_scales": torch.ones(8, 2, 16),
+                   "v_token_scales": torch.ones(8, 2, 16)}
     return [
         ("query dtype", {"query": q.to(torch.int32)}, "query must be"),
         ("out dtype", {"out": q.to(torch.bfloat16)}, "out must match"),
@@ -630,6 +663,21 @@ def _bad_cases() -> list[tuple[str, dict, str]]:
          r"int8 cache needs its dynamic k_token_scales and v_token_scales .* \(got static ones\)"),
         ("int8 layout", {"fp8": SimpleNamespace(name="int8", bits=8, max_finite=128.0)},
          r"integer format 'int8': bits=8, max_finite=128.0"),
+        ("int4 row of D bytes", {"fp8": INT4, **int4_scales},
+         r"cache row width=64 != 32, the bytes of query head_dim=64 in two codes per byte"),
+        ("int4_g32 with scales", {"fp8": INT4_G32, **int4_scales,
+                                  "k_cache": torch.zeros(8, 2, 16, 36, dtype=torch.uint8),
+                                  "v_cache": torch.zeros(8, 2, 16, 36, dtype=torch.uint8)},
+         r"an int4_g32 cache keeps a scale per group of 32 values in each row; it takes no k_scale"),
+        ("int4_g32 head_dim 48", {"fp8": INT4_G32, "k_scale": None, "v_scale": None,
+                                  "query": torch.zeros(5, 4, 48), "out": torch.zeros(5, 4, 48),
+                                  "k_cache": torch.zeros(8, 2, 16, 27, dtype=torch.uint8),
+                                  "v_cache": torch.zeros(8, 2, 16, 27, dtype=torch.uint8)},
+         r"an int4_g32 cache has a scale per group of 32 values: it needs a head_dim that is a multiple of 32"),
+        ("int4 odd head_dim", {"fp8": INT4, **int4_scales, "query": torch.zeros(5, 4, 63),
+                               "out": torch.zeros(5, 4, 63), "k_cache": torch.zeros(8, 2, 16, 31, dtype=torch.uint8),
+                               "v_cache": torch.zeros(8, 2, 16, 31, dtype=torch.uint8)},
+         r"an int4 cache packs two codes per byte: it needs an even head_dim, got 63"),
     ]
 
 
@@ -665,7 +713,8 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from kv8.kernels.triton import attention as A
 from kv8.kernels.triton.formats import kernel_format
-from kv8.quant.formats import FP8_FORMATS, INT8
+from kv8.quant.formats import FP8_FORMATS, INT4, INT8
+from kv8.quant.int4_group import INT4_G32
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "u8": torch.uint8, "i8": torch.int8}
 PTR = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32", torch.uint8: "*u8", torch.int8: "*i8"}
@@ -714,7 +763,8 @@ results = []
 for v in json.loads(sys.argv[1]):
     splits = v.pop("splits")
     v["query_dtype"], v["cache_dtype"] = DTYPES[v["query_dtype"]], DTYPES[v["cache_dtype"]]
-    v["fp8"] = None if v["fp8"] is None else kernel_format({**FP8_FORMATS, "int8": INT8}[v["fp8"]])
+    v["fp8"] = None if v["fp8"] is None else kernel_format({**FP8_FORMATS, "int8": INT8, "int4": INT4,
+                                                           "int4_g32": INT4_G32}[v["fp8"]])
     variant = A.KernelVariant(**v)
     const = variant.constexprs(splits)
     q_ptr = PTR[variant.query_dtype]
@@ -740,12 +790,13 @@ print(json.dumps(results))
 def _variant(query: str = "bf16", kv: str = "fp8_e4m3", native: bool = True, scales: int = 1,
              k_channel: bool = False, window: bool = False, group: int = 4, head_dim: int = 128, block_size: int = 16,
              max_query_len: int = 1, splits: int = 1) -> dict:
-    """A KernelVariant's fields (JSON: dtypes by short name); ``kv`` an FP8 format's name, "int8" (dynamic scales
-    whatever ``scales`` says) or a cache dtype."""
+    """A KernelVariant's fields (JSON: dtypes by short name); ``kv`` an FP8 format's name, "int8" or "int4"
+    (dynamic scales whatever ``scales`` says) or a cache dtype."""
     fp8 = kv in FP8_FORMATS
-    if kv == "int8":
-        return dict(_variant(query, "fp8_e4m3", False, triton_attention.SCALES_DYNAMIC, k_channel, window, group,
-                             head_dim, block_size, max_query_len, splits), cache_dtype="i8", fp8="int8")
+    if kv in ("int8", "int4", "int4_g32"):
+        scales = triton_attention.SCALES_NONE if kv == "int4_g32" else triton_attention.SCALES_DYNAMIC
+        return dict(_variant(query, "fp8_e4m3", False, scales, k_channel, window, group, head_dim, block_size,
+                             max_query_len, splits), cache_dtype="i8" if kv == "int8" else "u8", fp8=kv)
     return dict(query_dtype=query, cache_dtype="u8" if fp8 else kv, fp8=kv if fp8 else None,
                 native_fp8=native and fp8, scales=scales if fp8 else triton_attention.SCALES_NONE,
                 k_channel_scale=k_channel, sliding_window=window, group=group, head_dim=head_dim,
@@ -769,6 +820,10 @@ _SM90_VARIANTS = {
     "prefill-gqa8-d64-split3": _variant(group=8, head_dim=64, max_query_len=512, splits=3),
     "decode-bf16-int8-split3": _variant(kv="int8", splits=3),
     "prefill-fp16-int8-window": _variant(query="fp16", kv="int8", window=True, max_query_len=512),
+    "decode-bf16-int4-split3": _variant(kv="int4", splits=3),
+    "prefill-bf16-int4-window": _variant(kv="int4", window=True, max_query_len=512),
+    "decode-bf16-int4g32-split3": _variant(kv="int4_g32", splits=3),
+    "prefill-fp16-int4g32-d96": _variant(query="fp16", kv="int4_g32", head_dim=96, max_query_len=512),
 }
 
 
@@ -794,7 +849,7 @@ def test_kernels_compile_for_sm90_without_spills(tmp_path: Path) -> None:
 
 # ---- a sample of the full sweep ----------------------------------------------------------------------------------
 
-_SWEEP_KV = FLOAT_CACHES + FP8_CACHES + (INT8_CACHE,)
+_SWEEP_KV = FLOAT_CACHES + FP8_CACHES + (INT8_CACHE, INT4_CACHE)
 _SWEEP_SHAPES = ((64, 4), (128, 8), (96, 2), (256, 1))                   # (head_dim, group)
 _SWEEP_WINDOWS = ((None, 1), (None, 5), (13, 1), (29, 3))               # (sliding_window, num_kv_splits)
 _SWEEP_QUERIES = (torch.float32, torch.bfloat16, torch.float16)
@@ -802,7 +857,7 @@ if os.environ.get("KV8_TRITON_FULL_SWEEP") == "1":                      # every 
     _SWEEP = list(itertools.product(_SWEEP_KV, _SWEEP_SHAPES, _SWEEP_WINDOWS, _SWEEP_QUERIES))
 else:
     # two cases per cache dtype: the twelve (shape, window) pairs off the diagonal, so each shape and each window /
-    # split pair comes up three times, each query dtype four; and two for int8
+    # split pair comes up three times, each query dtype four; and two each for int8 and int4
     _f32, _bf16, _f16 = _SWEEP_QUERIES
     _SWEEP = [(kv, _SWEEP_SHAPES[s], _SWEEP_WINDOWS[w], q) for kv, s, w, q in (
         ("bfloat16", 0, 1, _bf16), ("bfloat16", 2, 3, _f32),
@@ -812,6 +867,7 @@ else:
         ("fp8_e4m3fnuz", 0, 3, _f32), ("fp8_e4m3fnuz", 2, 1, _bf16),
         ("fp8_e5m2", 1, 2, _f16), ("fp8_e5m2", 3, 0, _f32),
         (INT8_CACHE, 1, 1, _bf16), (INT8_CACHE, 0, 2, _f16),
+        (INT4_CACHE, 2, 3, _bf16), (INT4_CACHE, 3, 0, _f32),
     )]
 
 

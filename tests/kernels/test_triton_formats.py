@@ -19,8 +19,10 @@ import pytest
 import torch
 
 import kv8.kernels.triton as kernels_pkg
-from kv8.kernels.triton.formats import KernelFormat, code_dtype, kernel_format
-from kv8.quant.formats import FP8_FORMATS, INT4, INT8, FP8Format
+from kv8.kernels.triton.formats import KernelFormat, code_dtype, code_width, kernel_format
+from kv8.quant.formats import FP8_FORMATS, INT4, INT8, FP8Format, resolve_kv_cache_dtype
+from kv8.quant.fp4 import FP4_E2M1
+from kv8.quant.int4_group import INT4_G32
 
 fmt_param = pytest.mark.parametrize("fmt", list(FP8_FORMATS.values()), ids=lambda f: f.name)
 
@@ -63,6 +65,34 @@ def test_int8_is_a_family_of_its_own() -> None:
     assert code_dtype(k) == INT8.storage_dtype == torch.int8
     assert k.native is None and (k.nan_code, k.negative_nan_code) == (0, 0)
     assert kernel_format(INT8) == k and k not in {kernel_format(f) for f in FP8_FORMATS.values()}
+    assert not k.packed and code_width(k, 64) == 64
+
+
+def test_int4_is_the_integer_family_packed_two_per_byte() -> None:
+    """int4 codes: the integer family with the format's largest code (7), ``packed`` (two codes per ``uint8``, the
+    cache dtype of :data:`INT4`'s cache rows, ``D / 2`` of them); no FP8 field is set."""
+    k = kernel_format(INT4)
+    assert k.int_codes and k.packed and k.name == INT4.name and k.max_finite == INT4.max_finite == 7.0
+    assert struct.unpack("<f", struct.pack("<I", k.max_finite_bits))[0] == INT4.max_finite
+    assert code_dtype(k) == resolve_kv_cache_dtype("int4", torch.bfloat16).storage_dtype == torch.uint8
+    assert code_width(k, 96) == 48 and code_width(None, 96) == 96
+    assert k.native is None and (k.nan_code, k.negative_nan_code) == (0, 0)
+    assert k != kernel_format(INT8) and not any(kernel_format(f).packed for f in FP8_FORMATS.values())
+    assert k.group_size == 0
+
+
+def test_int4_per_group32_is_int4_with_float16_group_scales() -> None:
+    """int4_per_group32: int4 codes (packed, max 7) with ``group_size`` 32 and its float16 scales' clamp, float16's
+    smallest subnormal and largest value (what Int4GroupFormat.encode_scale clamps to); a row is D / 2 + 2 D / 32
+    bytes, its row_bytes. fp4_e2m1 (E2M1 codes, E4M3 scales) is not a layout the kernels read."""
+    k = kernel_format(INT4_G32)
+    assert k.int_codes and k.packed and k.max_finite == INT4_G32.max_finite and k.group_size == INT4_G32.group_size
+    assert (k.group_scale_min, k.group_scale_max) == (2.0 ** -24, 65504.0)
+    assert all(code_width(k, d) == INT4_G32.row_bytes(d) for d in (32, 64, 96, 256))
+    assert code_dtype(k) == INT4_G32.storage_dtype == torch.uint8
+    with pytest.raises(ValueError, match=r"group format 'e2m1': E4M3 scales per group of 16, max_finite=6.0; the "
+                                         r"Triton kernels read int4 codes"):
+        kernel_format(FP4_E2M1)  # type: ignore[arg-type]
 
 
 @fmt_param
@@ -94,9 +124,10 @@ def _like(fmt: FP8Format, **change: object) -> SimpleNamespace:
     (_like(FP8_FORMATS["fp8_e4m3"], has_inf=True), r"has_inf=True with exponent_bits=4"),
     (_like(FP8_FORMATS["fp8_e4m3"], nan_codes=(0x7F, 0x7E)), r"nan_codes=\[126, 127\]: want one code"),
     (_like(FP8_FORMATS["fp8_e4m3"], exponent_bits=6, mantissa_bits=1), r"exponent_bits=6 > 5"),
-    (INT4, r"integer format 'int4': bits=4, max_finite=7.0; .* not packed 4-bit codes"),
+    (SimpleNamespace(name="int4", bits=4, max_finite=8.0), r"integer format 'int4': bits=4, max_finite=8.0; .* or "
+                                                           r"4 bits \(two per byte, max 2\^3 - 1\)"),
     (SimpleNamespace(name="int8", bits=8, max_finite=100.0), r"integer format 'int8': bits=8, max_finite=100.0"),
-], ids=["e5m2fnuz", "not a format", "inf", "nan codes", "wide exponent", "int4", "int8 max"])
+], ids=["e5m2fnuz", "not a format", "inf", "nan codes", "wide exponent", "int4 max", "int8 max"])
 def test_layouts_the_kernels_cannot_decode_are_refused(layout: object, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         kernel_format(layout)  # type: ignore[arg-type]

@@ -7,7 +7,8 @@ on CPU tensors (``TRITON_INTERPRET=1``, set by ``tests/conftest.py`` before any 
 
 Each test fills both caches with the same sentinel bytes first, so a byte written where the reference writes none
 (a skipped slot, a padded head or channel) fails too. int8 caches (``int8_per_token_head``: int8 codes, dynamic
-scales) are checked the same way, with rows built to hit every rounding tie of their codes. What the interpreter
+scales) and int4 caches (``int4_per_token_head``: two codes per byte) are checked the same way, with rows built to
+hit every rounding tie of their codes. What the interpreter
 cannot show (numpy divides exactly where Triton's ``/`` would be an approximate ``div.full.f32`` on a GPU; that
 int8's rounding survives compilation as two IEEE adds) is checked on the PTX of the kernel compiled for sm_90,
 which needs no GPU.
@@ -35,12 +36,16 @@ from kv8.cache.paged_cache import CacheShape, PagedKVCache
 from kv8.quant.formats import (
     E4M3,
     FP8_FORMATS,
+    INT4,
     INT8,
     CodeFormat,
     FP8Format,
+    IntFormat,
+    pack_int4,
     quantize,
     resolve_kv_cache_dtype,
 )
+from kv8.quant.int4_group import INT4_G32
 from kv8.quant.scales import KVScales, ScaleGranularity
 from tests.helpers.triton import DEVICES
 from tests.helpers.triton import INTERPRETED as INTERPRET
@@ -49,7 +54,8 @@ store_kv = triton_store.store_kv
 device_param = pytest.mark.parametrize("device", DEVICES)
 FORMATS = list(FP8_FORMATS.values())   # every kv8 format: the kernels' constants are derived from each
 fmt_param = pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
-code_fmt_param = pytest.mark.parametrize("fmt", [*FORMATS, INT8], ids=lambda f: f.name)   # dynamic scales
+code_fmt_param = pytest.mark.parametrize("fmt", [*FORMATS, INT8, INT4], ids=lambda f: f.name)   # dynamic scales
+int_fmt_param = pytest.mark.parametrize("fmt", [INT8, INT4], ids=lambda f: f.name)
 INPUT_DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 # a valid FP8 format (AMD's E5M2FNUZ) whose 5-bit exponent is not IEEE's: the kernels' bit decode cannot build it
 E5M2FNUZ = FP8Format(name="fp8_e5m2fnuz", exponent_bits=5, mantissa_bits=2, exponent_bias=16, max_finite=57344.0,
@@ -353,31 +359,34 @@ def test_dynamic_scale_values_are_codec_token_scales(device: str, fmt: CodeForma
 # int8 codes: every rounding tie
 # ----------------------------------------------------------------------------------------------------------------
 
-def int8_tie_rows(dim: int) -> torch.Tensor:
-    """Rows [N, dim] float32 whose scaled values hit every case of int8's rounding: each row holds ±127 * 2^k (so
-    its scale is exactly 2^k and ``x / scale`` is exact) beside every multiple of 0.5 in [-127, 127] (the integers
-    and the ties n + 0.5, which round to even) and their float32 neighbours, times 2^k; k = 0, -3, 7 and -133 (a
-    subnormal scale, where the smallest values lose bits)."""
-    grid = np.arange(-254, 255, dtype=np.float32) / 2
+def int_tie_rows(fmt: IntFormat, dim: int) -> torch.Tensor:
+    """Rows [N, dim] float32 whose scaled values hit every case of the integer format's rounding: each row holds
+    ±max * 2^k (max 127 or 7, so its scale is exactly 2^k and ``x / scale`` is exact) beside every multiple of 0.5
+    in [-max, max] (the integers and the ties n + 0.5, which round to even) and their float32 neighbours, times
+    2^k; k = 0, -3, 7 and -133 (a subnormal scale, where the smallest values lose bits)."""
+    top = int(fmt.max_finite)
+    grid = np.arange(-2 * top, 2 * top + 1, dtype=np.float32) / 2
     vals = np.concatenate([grid, np.nextafter(grid, np.float32(np.inf)), np.nextafter(grid, np.float32(-np.inf))])
-    vals = vals[np.abs(vals) <= 127]
+    vals = vals[np.abs(vals) <= top]
     per_row = dim - 1
     vals = np.concatenate([vals, vals[: -vals.size % per_row]]).reshape(-1, per_row)
-    peak = np.where(np.arange(vals.shape[0]) % 2 == 0, 127.0, -127.0).astype(np.float32)[:, None]
+    peak = np.where(np.arange(vals.shape[0]) % 2 == 0, top, -top).astype(np.float32)[:, None]
     rows = torch.from_numpy(np.concatenate([peak, vals], axis=1))
     return torch.cat([rows * 2.0 ** k for k in (0, -3, 7, -133)])
 
 
 @device_param
+@int_fmt_param
 @in_dtype_param
-def test_int8_ties_round_to_even_and_specials(device: str, in_dtype: torch.dtype) -> None:
-    """Every tie and integer of int8's range and its neighbours at four exact scales, then the dynamic_rows (zero,
-    subnormal, huge, ±inf and NaN rows: scale 1.0, NaN -> 0, inf -> ±127), as K and V, one skipped token."""
+def test_int_ties_round_to_even_and_specials(device: str, fmt: IntFormat, in_dtype: torch.dtype) -> None:
+    """Every tie and integer of the int8 (int4) range and its neighbours at four exact scales, then the
+    dynamic_rows (zero, subnormal, huge, ±inf and NaN rows: scale 1.0, NaN -> 0, inf -> ±max), as K and V, one
+    skipped token; int4's codes packed two per byte."""
     heads, dim = 4, 96
-    rows = torch.cat([int8_tie_rows(dim), dynamic_rows(INT8, dim, seed=5)])
+    rows = torch.cat([int_tie_rows(fmt, dim), dynamic_rows(fmt, dim, seed=5)])
     t = -(-rows.shape[0] // heads)
     rows = torch.cat([rows, rows[: t * heads - rows.shape[0]]]).reshape(t, heads, dim)
-    cache = make_cache("int8", heads=heads, dim=dim, blocks=-(-t // 16) + 1)
+    cache = make_cache(fmt.name, heads=heads, dim=dim, blocks=-(-t // 16) + 1)
     slots = torch.randperm(cache.shape.num_blocks * 16, generator=torch.Generator().manual_seed(3))[:t]
     slots[2] = -1
     assert_stores_like_reference(cache, rows.to(in_dtype), rows.flip(0).to(in_dtype) * 0.25, slots, device)
@@ -401,14 +410,122 @@ def test_int8_codes_are_round_half_to_even(device: str) -> None:
 
 
 @device_param
-def test_int8_every_16_bit_input(device: str) -> None:
-    """Every bf16 pattern, then every fp16 pattern, as keys and values (reversed) of an int8 cache."""
+def test_int4_codes_are_packed_low_nibble_first(device: str) -> None:
+    """Independently of the reference: at scale 1 (a row whose largest |x| is 7) channel 2j's code is byte j's low
+    nibble, 2j + 1's its high one, two's complement; ties round to even, NaN is 0, ±inf ±7; a row of 14 values is 7
+    bytes (an odd count of bytes: the last pair of a row padded to BLOCK_D / 2 bytes is not written)."""
+    x = torch.tensor([7.0, 1.0, -1.0, 2.5, -7.0, 0.5, 3.5, -3.5, -0.0, 6.5, 1.5, -1.5, -2.5, 5.0])
+    codes = [7, 1, -1, 2, -7, 0, 4, -4, 0, 6, 2, -2, -2, 5]
+    want = torch.tensor([(a & 0xF) | (b & 0xF) << 4 for a, b in zip(codes[0::2], codes[1::2])], dtype=torch.uint8)
+    special = torch.tensor([math.nan, math.inf, -math.inf, 2.5] + [0.0] * 10)
+    cache = make_cache("int4", heads=2, dim=14, blocks=1)
+    kernel_store(cache, torch.stack([x, special]).unsqueeze(0), torch.stack([-x, x]).unsqueeze(0),
+                 torch.tensor([5]), device)
+    k, v = cache.layer(0)
+    assert k.shape[-1] == 7
+    assert torch.equal(k[0, 0, 5], want) and torch.equal(v[0, 1, 5], want)
+    assert torch.equal(v[0, 0, 5], pack_int4(-torch.tensor(codes, dtype=torch.int8)))
+    assert k[0, 1, 5, :2].tolist() == [(0 | 7 << 4), ((-7 & 0xF) | 2 << 4)]    # NaN, inf | -inf, 2.5 (ts 1.0)
+    assert bool((cache.layer(0)[0][0, :, 4] == 0xA5).all())                    # the neighbouring slot untouched
+
+
+@device_param
+@int_fmt_param
+def test_int_every_16_bit_input(device: str, fmt: IntFormat) -> None:
+    """Every bf16 pattern, then every fp16 pattern, as keys and values (reversed) of an int8 (int4) cache."""
     patterns = torch.arange(-(2 ** 15), 2 ** 15, dtype=torch.int32).to(torch.int16)
-    cache = make_cache("int8", heads=8, dim=128, blocks=4)
+    cache = make_cache(fmt.name, heads=8, dim=128, blocks=4)
     slots = torch.randperm(64, generator=torch.Generator().manual_seed(0))
     for dtype in (torch.bfloat16, torch.float16):
         x = patterns.view(dtype).reshape(64, 8, 128)
         assert_stores_like_reference(cache, x, x.flip(0), slots, device)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# int4 codes with a float16 scale per group of 32 values, in the row
+# ----------------------------------------------------------------------------------------------------------------
+
+def group32_rows(dim: int, seed: int) -> torch.Tensor:
+    """Rows [N, dim] float32 (dim a multiple of 32) whose groups hit every case of the group scale: a group whose
+    largest |x| is 7 * 2^k (scale exactly 2^k) beside every multiple of 0.5 in [-7, 7] and their neighbours; amax /
+    7 a float16 subnormal, below float16's smallest subnormal (clamped up), above 65504 (clamped down: the codes
+    saturate), a tie of float16's rounding; zero, ±inf and NaN groups (scale 1.0); float32 subnormals; random
+    groups of every magnitude. Groups of one row differ (each has its own scale)."""
+    g = torch.Generator().manual_seed(seed)
+    grid = np.arange(-14, 15, dtype=np.float32) / 2
+    ties = np.concatenate([grid, np.nextafter(grid, np.float32(np.inf))])[:31]
+    groups = [torch.from_numpy(np.concatenate([[7.0], ties]).astype(np.float32)) * 2.0 ** k for k in (0, -5, 9)]
+    for amax in (7 * 2.0 ** -20, 7 * 2.0 ** -26, 7 * 70000.0, 7 * (1 + 2.0 ** -11), 1e-40, 3.4e38):
+        row = torch.rand(32, generator=g) * amax
+        row[int(torch.randint(0, 32, (1,), generator=g))] = -amax
+        groups.append(row)
+    zero = torch.zeros(32)
+    zero[::3] = -0.0
+    groups.append(zero)
+    for special in (math.inf, -math.inf, math.nan):
+        row = torch.randn(32, generator=g)
+        row[4], row[5] = special, 1e30
+        groups.append(row)
+    groups += list(torch.randn(16, 32, generator=g) * torch.exp(torch.randn(16, 1, generator=g) * 6))
+    flat = torch.cat(groups)
+    per_row = -(-flat.numel() // dim) * dim
+    flat = torch.cat([flat, flat[: per_row - flat.numel()]])
+    return flat.reshape(-1, dim)
+
+
+@device_param
+@in_dtype_param
+@pytest.mark.parametrize("dim", [32, 96, 128])
+def test_group32_codes_and_scales_are_the_codecs(device: str, in_dtype: torch.dtype, dim: int) -> None:
+    """int4_per_group32 rows (packed codes, then each group's float16 scale, little-endian) equal KVCodec.encode's
+    byte for byte, as K and V (reversed), one skipped token; with D = 96 the tile's fourth group is padding, never
+    written."""
+    heads = 3
+    rows = group32_rows(dim, seed=dim)
+    t = -(-rows.shape[0] // heads)
+    rows = torch.cat([rows, rows[: t * heads - rows.shape[0]]]).reshape(t, heads, dim)
+    cache = make_cache("int4_per_group32", heads=heads, dim=dim, blocks=-(-t // 16) + 1)
+    assert cache.data.shape[-1] == INT4_G32.row_bytes(dim)
+    slots = torch.randperm(cache.shape.num_blocks * 16, generator=torch.Generator().manual_seed(4))[:t]
+    slots[1] = -1
+    assert_stores_like_reference(cache, rows.to(in_dtype), rows.flip(0).to(in_dtype) * 0.5, slots, device)
+
+
+@device_param
+def test_group32_row_layout(device: str) -> None:
+    """Independently of the reference: a group whose largest |x| is 7 has scale 1.0 (0x3C00: bytes 00 3C after the
+    codes), one with 14 scale 2.0 (0x4000), a zero group 1.0, codes as int4's."""
+    x = torch.zeros(64)
+    x[0], x[1], x[2], x[3] = 7.0, -2.5, 3.5, -7.0
+    x[32], x[33] = 14.0, -5.0
+    cache = make_cache("int4_per_group32", heads=1, dim=64, blocks=1)
+    kernel_store(cache, x.reshape(1, 1, 64), torch.zeros(1, 1, 64), torch.tensor([2]), device)
+    k, v = cache.layer(0)
+    row = k[0, 0, 2]
+    assert row[:2].tolist() == [(7 & 0xF) | (-2 & 0xF) << 4, 4 | (-7 & 0xF) << 4] and row[2:16].eq(0).all()
+    assert row[16].item() == (7 | (-2 & 0xF) << 4) and row[17:32].eq(0).all()     # 14 / 2, -5 / 2 -> 7, -2
+    assert row[32:].tolist() == [0x00, 0x3C, 0x00, 0x40]
+    assert v[0, 0, 2, 32:].tolist() == [0x00, 0x3C, 0x00, 0x3C] and v[0, 0, 2, :32].eq(0).all()
+
+
+@device_param
+def test_group32_takes_no_scales_and_whole_groups(device: str) -> None:
+    key = torch.zeros(3, 2, 64, device=device)
+    cache = torch.zeros(4, 2, 16, INT4_G32.row_bytes(64), dtype=torch.uint8, device=device)
+    args = dict(key=key, value=key.clone(), k_cache=cache, v_cache=cache.clone(),
+                slot_mapping=torch.arange(3, device=device), fp8=INT4_G32)
+    store_kv(**args)
+    ts = torch.ones(4, 2, 16, device=device)
+    with pytest.raises(ValueError, match=r"an int4_g32 cache keeps a scale per group of 32 values in each row; it "
+                                         r"takes no k_token_scales, v_token_scales"):
+        store_kv(**{**args, "k_token_scales": ts, "v_token_scales": ts})
+    narrow = torch.zeros(4, 2, 16, 32, dtype=torch.uint8, device=device)
+    with pytest.raises(ValueError, match=r"W=36 \(D / 2 bytes of codes, 2 per group's scale\)"):
+        store_kv(**{**args, "k_cache": narrow, "v_cache": narrow.clone()})
+    odd = torch.zeros(3, 2, 48, device=device)
+    with pytest.raises(ValueError, match=r"an int4_g32 cache has a scale per group of 32 values: key/value need a "
+                                         r"head dim that is a multiple of 32"):
+        store_kv(**{**args, "key": odd, "value": odd.clone()})
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -472,7 +589,7 @@ def test_shapes_scattered_slots_and_skipped_tokens(device: str, heads: int, dim:
 @pytest.mark.parametrize(("heads", "dim"), [(3, 96), (24, 256)])
 def test_padded_heads_and_heads_split_over_programs(device: str, heads: int, dim: int) -> None:
     """H not a power of two (masked head lanes), and H * D over one tile (24 x 256: two programs per token, the
-    second half masked), with dynamic scales (FP8 and int8) and with channel scales."""
+    second half masked), with dynamic scales (FP8, int8 and int4) and with channel scales."""
     assert triton.next_power_of_2(heads) * dim > 4096 or heads & (heads - 1)
     g = torch.Generator().manual_seed(heads)
     t = 5
@@ -482,6 +599,7 @@ def test_padded_heads_and_heads_split_over_programs(device: str, heads: int, dim
     assert_stores_like_reference(make_cache("fp8_e4m3", heads=heads, dim=dim, blocks=2, dynamic=True),
                                  key, value, slots, device)
     assert_stores_like_reference(make_cache("int8", heads=heads, dim=dim, blocks=2), key, value, slots, device)
+    assert_stores_like_reference(make_cache("int4", heads=heads, dim=dim, blocks=2), key, value, slots, device)
     scales = layer_scales(ScaleGranularity.CHANNEL, heads, dim, seed=heads)
     assert_stores_like_reference(make_cache("fp8_e5m2", heads=heads, dim=dim, blocks=2, scales=scales),
                                  key, value, slots, device)
@@ -529,12 +647,13 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 import kv8.kernels.triton.store as store
 from kv8.kernels.triton.formats import kernel_format
-from kv8.quant.formats import FP8_FORMATS, INT8
+from kv8.quant.formats import FP8_FORMATS, INT4, INT8
+from kv8.quant.int4_group import INT4_G32
 fn = store._store_kv_kernel
 float_ptr = {0: "*fp32", 1: "*fp16", 2: "*bf16"}
 out = []
 for mode, fmt, kind_in, kind_out in json.loads(sys.argv[1]):
-    fmt = None if fmt is None else kernel_format({**FP8_FORMATS, "int8": INT8}[fmt])
+    fmt = None if fmt is None else kernel_format({**FP8_FORMATS, "int8": INT8, "int4": INT4, "int4_g32": INT4_G32}[fmt])
     consts = dict(MODE=mode, FMT=fmt, IN=kind_in, OUT=kind_out, BLOCK_H=4, BLOCK_D=128)
     sig = {}
     for name in fn.arg_names:
@@ -543,7 +662,7 @@ for mode, fmt, kind_in, kind_out in json.loads(sys.argv[1]):
         elif name in ("key_ptr", "value_ptr"):
             sig[name] = float_ptr[kind_in]
         elif name in ("k_cache_ptr", "v_cache_ptr"):
-            sig[name] = ("*i8" if fmt.int_codes else "*u8") if mode else float_ptr[kind_out]
+            sig[name] = ("*i8" if fmt.int_codes and not fmt.packed else "*u8") if mode else float_ptr[kind_out]
         elif name == "slot_ptr":
             sig[name] = "*i64"
         elif name.endswith("_ptr"):
@@ -565,10 +684,11 @@ print(json.dumps(out))
 def test_compiles_for_sm90_with_exact_float_ops(tmp_path) -> None:
     """Compiled (not interpreted) for an H100: the only float division is div.rn.f32 (IEEE, subnormals kept; never
     div.full/approx), nothing flushes to zero, no hardware fp8 conversion, the 16-bit casts are cvt.rn; int8 codes
-    (the int8 format) round by adding and subtracting 1.5 * 2^23 (both adds kept, not folded away)."""
+    (the int8 and int4 formats) round by adding and subtracting 1.5 * 2^23 (both adds kept, not folded away)."""
     pytest.importorskip("triton.backends.nvidia")
     variants = [(1, "fp8_e4m3", 2, 0), (2, "fp8_e4m3fnuz", 1, 0), (2, "fp8_e5m2", 0, 0), (0, None, 0, 2),
-                (0, None, 2, 1), (2, "int8", 2, 0), (2, "int8", 0, 0)]   # MODE, FMT (a format's name), IN, OUT
+                (0, None, 2, 1), (2, "int8", 2, 0), (2, "int8", 0, 0), (2, "int4", 2, 0),
+                (2, "int4", 1, 0), (3, "int4_g32", 2, 0)]   # MODE, FMT (a format's name), IN, OUT
     env = {**os.environ, "TRITON_CACHE_DIR": str(tmp_path), "PYTHONPATH": os.pathsep.join(sys.path)}
     env.pop("TRITON_INTERPRET", None)
     run = subprocess.run([sys.executable, "-c", _COMPILE_SCRIPT, json.dumps(variants)], env=env, capture_output=True,
@@ -577,14 +697,16 @@ def test_compiles_for_sm90_with_exact_float_ops(tmp_path) -> None:
     results = json.loads(run.stdout.strip().splitlines()[-1])
     for (mode, fmt, kind_in, kind_out), result in zip(variants, results):
         ops = set(result["ops"])
-        assert result["magic"] == (["0f4B400000", "0fCB400000"] if fmt == "int8" else []), result
+        assert result["magic"] == (["0f4B400000", "0fCB400000"] if fmt in ("int8", "int4", "int4_g32") else []), result
         assert result["cubin"] > 0 and not result["ftz"], result
         inexact = {op for op in ops if op.startswith(("div.full", "div.approx", "rcp"))
                    or op.startswith(("fma", "mul")) and op.endswith(("f32", "f16"))}
         assert not inexact, ops
         assert not {op for op in ops if "e4m3" in op or "e5m2" in op or "satfinite" in op}, ops
         assert ("div.rn.f32" in ops) == (mode != 0), ops
-        assert ("cvt.f32.f16" in ops) == (kind_in == 1), ops                 # fp16 widens exactly; bf16 by its bits
+        # fp16 widens exactly, bf16 by its bits; int4_g32's float16 group scales round once (RNE) and widen back
+        assert ("cvt.f32.f16" in ops) == (kind_in == 1 or fmt == "int4_g32"), ops
+        assert ("cvt.rn.f16.f32" in ops) == (fmt == "int4_g32" or mode == 0 and kind_out == 1), ops
         assert not {op for op in ops if "bf16" in op}, ops
         if mode == 0 and kind_out == 1:
             assert "cvt.rn.f16.f32" in ops, ops
@@ -689,8 +811,26 @@ def test_int8_needs_an_int8_cache_and_token_scales(device: str) -> None:
                                          r"\['k_scale', 'v_scale'\]"):
         store_kv(**{**args, **static})
     with pytest.raises(ValueError, match=r"integer format 'int8': bits=7, max_finite=63.0; the Triton kernels read "
-                                         r"and write one symmetric code per signed byte \(8 bits"):
+                                         r"and write symmetric codes of 8 bits \(one per signed byte"):
         store_kv(**{**args, "fp8": SimpleNamespace(name="int8", bits=7, max_finite=63.0)})
+
+
+@device_param
+def test_int4_needs_rows_of_half_the_head_dim_in_bytes(device: str) -> None:
+    key = torch.zeros(3, 2, 64, device=device)
+    cache = torch.zeros(4, 2, 16, 32, dtype=torch.uint8, device=device)
+    ts = torch.ones(4, 2, 16, device=device)
+    args = dict(key=key, value=key.clone(), k_cache=cache, v_cache=cache.clone(),
+                slot_mapping=torch.arange(3, device=device), fp8=INT4, k_token_scales=ts, v_token_scales=ts.clone())
+    store_kv(**args)
+    with pytest.raises(ValueError, match=r"k_cache must be a 4-D tensor of dtype torch.uint8"):
+        store_kv(**{**args, "k_cache": cache.view(torch.int8)})
+    wide = torch.zeros(4, 2, 16, 64, dtype=torch.uint8, device=device)
+    with pytest.raises(ValueError, match=r"must both be \[num_blocks, H=2, block_size, W=32 \(D / 2 bytes\)\]"):
+        store_kv(**{**args, "k_cache": wide, "v_cache": wide.clone()})
+    odd = torch.zeros(3, 2, 63, device=device)
+    with pytest.raises(ValueError, match=r"an int4 cache packs two codes per byte: key/value need an even head dim"):
+        store_kv(**{**args, "key": odd, "value": odd.clone()})
 
 
 def test_cpu_tensors_without_the_interpreter_are_refused(monkeypatch: pytest.MonkeyPatch) -> None:

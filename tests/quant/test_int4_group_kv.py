@@ -175,14 +175,14 @@ def _config(path: str, **kw):
                                                                                path)
 
 
-def test_engine_options_need_head_dim_a_multiple_of_32_and_refuse_triton(tiny_models, monkeypatch) -> None:
+def test_engine_options_need_head_dim_a_multiple_of_32_and_triton_reads_it(tiny_models, monkeypatch) -> None:
     assert _config(tiny_models["qwen3"], kv_cache_dtype="int4_g32").cache.kv_dtype == I4G_KV     # head_dim 32
     with pytest.raises(ValueError, match="kv_cache_dtype='int4_per_group32' .* multiple of 32, not head_dim=16"):
         _config(tiny_models["llama_gqa"], kv_cache_dtype="int4_per_group32")
     pytest.importorskip("triton")
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    with pytest.raises(ValueError, match="kv_cache_dtype='int4_per_group32': the triton attention backend .* 4-bit"):
-        _config(tiny_models["qwen3"], kv_cache_dtype="int4_per_group32", attention_backend="triton")
+    config = _config(tiny_models["qwen3"], kv_cache_dtype="int4_per_group32", attention_backend="triton")
+    assert config.cache.kv_dtype == I4G_KV and config.attention_backend == "triton"
 
 
 @pytest.fixture(scope="module")

@@ -1,5 +1,5 @@
 """Paged attention over kv8's KV cache for a whole mixed batch, in Triton: prefill chunks over cached context,
-fresh prefills and decode rows in one launch, reading FP8 or int8 codes (or 16/32-bit values) in place.
+fresh prefills and decode rows in one launch, reading FP8, int8 or int4 codes (or 16/32-bit values) in place.
 
 Semantics are exactly :func:`kv8.attention.reference.paged_attention_reference`: query ``j`` of sequence ``i`` sits
 at position ``p = seq_lens[i] - query_len_i + j`` and sees keys ``k <= p`` (with a sliding window ``W`` only
@@ -68,7 +68,15 @@ Work decomposition (grid ``(T // BLOCK_Q + B, Hkv, NUM_SPLITS)``; T = query rows
   k``); static V scales multiply the accumulator's channels at the end (``sum p (v s) = (sum p v) s``). Dynamic
   per-token scales multiply the score columns (K) and the probability columns before the PV product (V). An int8
   cache (``int8_per_token_head``) always has dynamic scales: its codes convert to the dot's dtype exactly
-  (``|code| <= 127``) and are scaled like dynamic FP8, with the same tiles.
+  (``|code| <= 127``) and are scaled like dynamic FP8, with the same tiles. So does an int4 cache
+  (``int4_per_token_head``, ``PACKED``): each key's row is ``D / 2`` bytes, loaded in each tile's own layout (V
+  ``[TILE_N, D_PAD / 2]``, K^T ``[D_PAD / 2, TILE_N]``) and unpacked in registers along the channel axis
+  (:func:`~kv8.kernels.triton.dequant.unpack_nibbles`: sign-extended nibbles joined -- for K^T permuted -- and
+  reshaped into channel order); its decode tiles take 4 warps (:func:`launch_config`). An ``int4_per_group32``
+  cache (``GROUPED``) has no scale arguments: its rows carry a float16 scale per 32 values after the codes, loaded
+  ``[TILE_N, 2 D / 32]`` bytes beside them; the codes times their group's scale (exact in float32, reshaped to
+  ``[.., D / 32, 32, ..]``) go into the dot in the query's 16-bit dtype (rounded once, as a decode to that dtype
+  would) or float32, with the tiles of dynamic scales.
 * **Dot precision** (``DOT_DTYPE``, one for both products). Decoded FP8 values are exact in float16 (and in
   bfloat16), so over an FP8 cache with static or no scales both products take **float16** operands with float32
   accumulation, whatever the 16-bit query: FP8 codes convert to float16 pairs in one instruction, to bfloat16 only
@@ -98,15 +106,17 @@ What a caller must provide (checked, ``ValueError`` before any launch, unless ma
 * ``k_cache``/``v_cache`` ``[num_blocks, Hkv, block_size, D]`` (:class:`kv8.cache.paged_cache.PagedKVCache`'s
   per-layer views), last dim contiguous: ``uint8`` codes with ``fp8`` an FP8 format
   (:func:`kv8.kernels.triton.formats.kernel_format` derives what the kernels need of it: E4M3FN, E4M3FNUZ, E5M2),
-  ``int8`` codes with ``fp8`` the int8 format (:data:`kv8.quant.formats.INT8`), or bfloat16/float16/float32 values
-  with ``fp8=None``.
+  ``int8`` codes with ``fp8`` the int8 format (:data:`kv8.quant.formats.INT8`), ``uint8`` bytes of two int4 codes
+  with ``fp8`` :data:`kv8.quant.formats.INT4` (the last dim ``D / 2``; ``D`` even), ``uint8`` rows of int4 codes
+  and their float16 group scales with ``fp8`` :data:`kv8.quant.int4_group.INT4_G32` (``D / 2 + 2 D / 32``; ``D`` a
+  multiple of 32), or bfloat16/float16/float32 values with ``fp8=None``.
 * ``query_start_loc [B + 1]`` and ``seq_lens [B]`` contiguous, ``block_tables [B, max_blocks]`` with a contiguous
   last dim; int32 or int64, each independently. Unchecked (the launch reads no tensor on the host, so it can be
   captured in a CUDA graph): ``query_start_loc`` nondecreasing from 0 with ``query_start_loc[B] <= T``, ``0 <=
   query_len_i <= seq_lens[i]``, the table entries a sequence needs are valid block ids and hold its keys.
 * FP8: static ``k_scale``/``v_scale`` broadcastable to ``[Hkv, D]`` (any float dtype; copied to float32) or
-  dynamic ``k_token_scales``/``v_token_scales`` float32 ``[num_blocks, Hkv, block_size]`` (any strides); int8:
-  the dynamic ones.
+  dynamic ``k_token_scales``/``v_token_scales`` float32 ``[num_blocks, Hkv, block_size]`` (any strides); int8 and
+  int4: the dynamic ones; int4_per_group32: none.
 * The split workspace (``num_kv_splits > 1``) is ``T * Hq * splits * (D_PAD + 2)`` float32, allocated per call.
 """
 
@@ -120,8 +130,16 @@ import triton
 import triton.language as tl
 
 from kv8.kernels.triton import interpreter
-from kv8.kernels.triton.dequant import decode_fp8, native_fp8_supported
-from kv8.kernels.triton.formats import FP8Layout, IntLayout, KernelFormat, code_dtype, kernel_format
+from kv8.kernels.triton.dequant import apply_group_scales, decode_fp8, group_scales, native_fp8_supported
+from kv8.kernels.triton.formats import (
+    FP8Layout,
+    GroupLayout,
+    IntLayout,
+    KernelFormat,
+    code_dtype,
+    code_width,
+    kernel_format,
+)
 from kv8.kernels.triton.interpreter import INTERPRETER, add_combine, cast_rn, dot, max_combine, widen
 from kv8.kernels.triton.launch import Launch
 from kv8.platform import CPU, Platform
@@ -163,13 +181,15 @@ def _attend_key_tile(
     D_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
     TILE_IN_BLOCK: tl.constexpr, FP8_FMT: tl.constexpr, NATIVE_FP8: tl.constexpr, SCALES: tl.constexpr,
     USE_WINDOW: tl.constexpr, DOT_DTYPE: tl.constexpr, Q_SPLIT: tl.constexpr, KEY_ROWS: tl.constexpr,
-    MASKED: tl.constexpr,
+    MASKED: tl.constexpr, PACKED: tl.constexpr, GROUPED: tl.constexpr,
 ):
     """One online-softmax step over key tile ``j`` (keys ``j * TILE_N ..``) -> the updated ``(m_i, l_i, acc)``.
 
     ``KEY_ROWS`` (module docstring, *Orientation*): scores ``[TILE_N, BLOCK_M]`` and ``acc`` ``[D_PAD, BLOCK_M]``
     (``q_hi``/``q_lo`` ``[D_PAD, BLOCK_M]``), else ``[BLOCK_M, TILE_N]`` and ``[BLOCK_M, D_PAD]``. ``MASKED`` False:
-    the caller promises every key of the tile is visible to every row (no causal or window edge, no clamped key)."""
+    the caller promises every key of the tile is visible to every row (no causal or window edge, no clamped key).
+    ``PACKED`` (int4 codes, two per byte): each tile's bytes are loaded in its layout with half the channels (K^T
+    ``[D_PAD / 2, TILE_N]`` in the usual orientation) and unpacked in registers along the channel axis."""
     ROWS: tl.constexpr = 1 if KEY_ROWS else 0      # the axis of query rows in s, p and acc
     KEYS: tl.constexpr = 1 - ROWS                  # the axis of keys in s and p
     K_KEYS: tl.constexpr = 0 if KEY_ROWS else 1    # the axis of keys in the K tile: K [TILE_N, D] or K^T [D, TILE_N]
@@ -197,6 +217,8 @@ def _attend_key_tile(
         v_ptrs = v_base + _spread(slot * stride_vt, V_KEYS) + _spread(offs_d, 1 - V_KEYS)
         k_ts_ptr = k_tok_ptr + block * stride_ksb + kv_head * stride_ksh + slot * stride_kst
         v_ts_ptr = v_tok_ptr + block * stride_vsb + kv_head * stride_vsh + slot * stride_vst
+        k_rows = k_base + slot * stride_kt                         # [TILE_N] row starts (PACKED's loads)
+        v_rows = v_base + slot * stride_vt
     else:
         # keys of several blocks (or blocks smaller than a tile): one table entry per key
         if (not MASKED) and TILE_N % BLOCK_SIZE == 0:
@@ -212,7 +234,29 @@ def _attend_key_tile(
             + _spread(offs_d, 1 - V_KEYS)
         k_ts_ptr = k_tok_ptr + blocks * stride_ksb + kv_head * stride_ksh + slots * stride_kst
         v_ts_ptr = v_tok_ptr + blocks * stride_vsb + kv_head * stride_vsh + slots * stride_vst
-    if KEY_ROWS and (not MASKED) and (not TILE_IN_BLOCK) and TILE_N % BLOCK_SIZE == 0 and D_PAD == HEAD_DIM:
+        k_rows = k_ptr + kv_head * stride_kh + blocks * stride_kb + slots * stride_kt
+        v_rows = v_ptr + kv_head * stride_vh + blocks * stride_vb + slots * stride_vt
+    if PACKED:
+        # int4: each key's row is D / 2 bytes of two codes, laid out as the tiles are (K^T [D / 2, TILE_N] bytes
+        # in the usual orientation)
+        offs_w = tl.arange(0, D_PAD // 2)
+        k_bytes = _spread(k_rows, K_KEYS) + _spread(offs_w, 1 - K_KEYS)
+        v_bytes = v_rows[:, None] + offs_w[None, :]
+        if D_PAD == HEAD_DIM:
+            k_raw = tl.load(k_bytes)
+            v_raw = tl.load(v_bytes)
+        else:
+            w_ok = offs_w < HEAD_DIM // 2
+            k_raw = tl.load(k_bytes, mask=_spread(w_ok, 1 - K_KEYS), other=0)
+            v_raw = tl.load(v_bytes, mask=w_ok[None, :], other=0)
+        if FP8_FMT.group_size > 0:
+            # int4_per_group32: the groups' float16 scales follow the codes, 2 bytes each: [TILE_N, NG] float32
+            NG: tl.constexpr = D_PAD // FP8_FMT.group_size
+            offs_g = tl.arange(0, 2 * NG)
+            g_ok = (offs_g < 2 * (HEAD_DIM // FP8_FMT.group_size))[None, :]
+            k_gs = group_scales(tl.load(k_rows[:, None] + HEAD_DIM // 2 + offs_g[None, :], mask=g_ok, other=0))
+            v_gs = group_scales(tl.load(v_rows[:, None] + HEAD_DIM // 2 + offs_g[None, :], mask=g_ok, other=0))
+    elif KEY_ROWS and (not MASKED) and (not TILE_IN_BLOCK) and TILE_N % BLOCK_SIZE == 0 and D_PAD == HEAD_DIM:
         # whole blocks, unclamped, both tiles [TILE_N, D]: loaded as [blocks, BLOCK_SIZE, D], one table entry and
         # one base address per block, the offsets inside a block loop-invariant and non-negative (int32 products of
         # non-negative strides; zero-extended: one 64-bit add per 16-byte load)
@@ -231,7 +275,11 @@ def _attend_key_tile(
     else:
         k_raw = tl.load(k_ptrs, mask=_spread(d_ok, 1 - K_KEYS), other=0)
         v_raw = tl.load(v_ptrs, mask=_spread(d_ok, 1 - V_KEYS), other=0)
-    k = decode_fp8(k_raw, FP8_FMT, NATIVE_FP8, DOT_DTYPE)
+    if GROUPED:   # codes times their group's scale in float32 (exact), then the dot's dtype
+        k = cast_rn(apply_group_scales(decode_fp8(k_raw, FP8_FMT, NATIVE_FP8, tl.float32, 1 - K_KEYS), k_gs,
+                                       1 - K_KEYS, FP8_FMT.group_size), DOT_DTYPE)
+    else:
+        k = decode_fp8(k_raw, FP8_FMT, NATIVE_FP8, DOT_DTYPE, 1 - K_KEYS)
     if KEY_ROWS:
         s = dot(k, q_hi)                             # [TILE_N, BLOCK_M]
         if Q_SPLIT:
@@ -257,7 +305,11 @@ def _attend_key_tile(
     p = tl.exp2(s - _spread(m_base, ROWS))
     l_i = l_i * alpha + tl.reduce(p, KEYS, add_combine)
 
-    v = decode_fp8(v_raw, FP8_FMT, NATIVE_FP8, DOT_DTYPE)
+    if GROUPED:
+        v = cast_rn(apply_group_scales(decode_fp8(v_raw, FP8_FMT, NATIVE_FP8, tl.float32), v_gs, 1,
+                                       FP8_FMT.group_size), DOT_DTYPE)
+    else:
+        v = decode_fp8(v_raw, FP8_FMT, NATIVE_FP8, DOT_DTYPE)
     if SCALES == 2:
         p = p * _spread(tl.load(v_ts_ptr), KEYS)
     if KEY_ROWS:
@@ -284,6 +336,7 @@ def _paged_attention_kernel(
     NUM_SPLITS: tl.constexpr, FP8_FMT: tl.constexpr, NATIVE_FP8: tl.constexpr, SCALES: tl.constexpr,
     K_CHANNEL_SCALE: tl.constexpr, USE_WINDOW: tl.constexpr, DOT_DTYPE: tl.constexpr, Q_SPLIT: tl.constexpr,
     ROW_SCALE: tl.constexpr, KEY_ROWS: tl.constexpr, Q_LEN_MIN: tl.constexpr, Q_LEN_MAX: tl.constexpr,
+    PACKED: tl.constexpr, GROUPED: tl.constexpr,
 ):
     pid_q = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -393,7 +446,7 @@ def _paged_attention_kernel(
                 k_ptr, v_ptr, k_tok_ptr, v_tok_ptr, stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt,
                 stride_ksb, stride_ksh, stride_kst, stride_vsb, stride_vsh, stride_vst,
                 D_PAD, HEAD_DIM, BLOCK_SIZE, TILE_N, TILE_IN_BLOCK, FP8_FMT, NATIVE_FP8, SCALES, USE_WINDOW,
-                DOT_DTYPE, Q_SPLIT, KEY_ROWS, False)
+                DOT_DTYPE, Q_SPLIT, KEY_ROWS, False, PACKED, GROUPED)
             j += 1
         t = 0
         while t < n_masked:
@@ -403,7 +456,7 @@ def _paged_attention_kernel(
                 k_ptr, v_ptr, k_tok_ptr, v_tok_ptr, stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt,
                 stride_ksb, stride_ksh, stride_kst, stride_vsb, stride_vsh, stride_vst,
                 D_PAD, HEAD_DIM, BLOCK_SIZE, TILE_N, TILE_IN_BLOCK, FP8_FMT, NATIVE_FP8, SCALES, USE_WINDOW,
-                DOT_DTYPE, Q_SPLIT, KEY_ROWS, True)
+                DOT_DTYPE, Q_SPLIT, KEY_ROWS, True, PACKED, GROUPED)
             t += 1
     elif KEY_ROWS:
         for j in range(u_lo, u_hi):
@@ -412,7 +465,7 @@ def _paged_attention_kernel(
                 k_ptr, v_ptr, k_tok_ptr, v_tok_ptr, stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt,
                 stride_ksb, stride_ksh, stride_kst, stride_vsb, stride_vsh, stride_vst,
                 D_PAD, HEAD_DIM, BLOCK_SIZE, TILE_N, TILE_IN_BLOCK, FP8_FMT, NATIVE_FP8, SCALES, USE_WINDOW,
-                DOT_DTYPE, Q_SPLIT, KEY_ROWS, False)
+                DOT_DTYPE, Q_SPLIT, KEY_ROWS, False, PACKED, GROUPED)
         for t in range(0, n_masked):
             m_i, l_i, acc = _attend_key_tile(
                 tl.where(t < n_lead, j_lo + t, u_hi + t - n_lead), q_hi, q_lo, m_i, l_i, acc, q_pos, row_ok,
@@ -420,7 +473,7 @@ def _paged_attention_kernel(
                 k_ptr, v_ptr, k_tok_ptr, v_tok_ptr, stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt,
                 stride_ksb, stride_ksh, stride_kst, stride_vsb, stride_vsh, stride_vst,
                 D_PAD, HEAD_DIM, BLOCK_SIZE, TILE_N, TILE_IN_BLOCK, FP8_FMT, NATIVE_FP8, SCALES, USE_WINDOW,
-                DOT_DTYPE, Q_SPLIT, KEY_ROWS, True)
+                DOT_DTYPE, Q_SPLIT, KEY_ROWS, True, PACKED, GROUPED)
     else:
         for j in range(j_lo, j_hi):
             m_i, l_i, acc = _attend_key_tile(
@@ -428,7 +481,7 @@ def _paged_attention_kernel(
                 k_ptr, v_ptr, k_tok_ptr, v_tok_ptr, stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt,
                 stride_ksb, stride_ksh, stride_kst, stride_vsb, stride_vsh, stride_vst,
                 D_PAD, HEAD_DIM, BLOCK_SIZE, TILE_N, TILE_IN_BLOCK, FP8_FMT, NATIVE_FP8, SCALES, USE_WINDOW,
-                DOT_DTYPE, Q_SPLIT, KEY_ROWS, True)
+                DOT_DTYPE, Q_SPLIT, KEY_ROWS, True, PACKED, GROUPED)
     if KEY_ROWS:
         acc = tl.trans(acc)                                        # [BLOCK_M, D_PAD]
 
@@ -489,9 +542,9 @@ class LaunchConfig:
 
 
 def launch_config(group: int, head_dim: int, max_query_len: int, block_size: int, dot_f32: bool,
-                  cache_bytes: int = 2, dynamic_scales: bool = False) -> LaunchConfig:
+                  cache_bytes: int = 2, dynamic_scales: bool = False, packed: bool = False) -> LaunchConfig:
     """Tile sizes for a batch whose longest new-token run is ``max_query_len``, ``group`` query heads per KV head,
-    over a cache of ``cache_bytes`` per element (1: FP8 or int8 codes).
+    over a cache of ``cache_bytes`` per element (1: FP8 or int8 codes, and int4's bytes: ``packed``).
 
     Rows: 16 when ``max_query_len * group <= 16`` (decode batches: little waste on single-token rows; over FP8
     codes with static or no scales 8 when ``max_query_len * group <= 8``, with the keys as the products' rows,
@@ -506,6 +559,8 @@ def launch_config(group: int, head_dim: int, max_query_len: int, block_size: int
     (decode)    scales                             instructions per KB of codes (``cp.async.wait_group 3``)
     16 (decode) int8, FP8     64    2      5       the usual orientation (with ``key_rows`` the token scales'
                 dynamic                            and bf16 operands' registers spill 10 KB)
+    16 (decode) int4          64    4      5       with 2 warps the unpacked codes spill (8 bytes at 168
+                                                   registers; 4 warps: 168, none)
     16 (decode) 16-bit        16    1      5       fewest instructions per KB with the loads pipelined
     32, 64      FP8           64    4      5       one warpgroup, wgmma 64 x 64 for QK, pipelined (32 keys
                                                    with dynamic scales: their loads would spill at 64)
@@ -528,7 +583,7 @@ def launch_config(group: int, head_dim: int, max_query_len: int, block_size: int
             keys, num_warps, key_rows = 64, 1, True
             rows = 8 if need <= 8 else 16
         elif rows == 16:
-            keys, num_warps = (64, 2) if fp8 else (16, 1)
+            keys, num_warps = (64, 4 if packed else 2) if fp8 else (16, 1)
         else:
             keys, num_warps = (64 if fp8 and not dynamic_scales else 32), 4
         num_stages = 5
@@ -553,8 +608,8 @@ class KernelVariant:
     (:meth:`constexprs`) and nothing else, so the wrapper and a compile check build the same kernels."""
 
     query_dtype: torch.dtype
-    cache_dtype: torch.dtype        # torch.uint8 for FP8 codes, torch.int8 for int8 codes
-    fp8: KernelFormat | None        # what the kernels need of the FP8 or int8 format (None: a 16/32-bit cache)
+    cache_dtype: torch.dtype        # torch.uint8 for FP8 codes and packed int4 codes, torch.int8 for int8 codes
+    fp8: KernelFormat | None        # what the kernels need of the FP8, int8 or int4 format (None: 16/32-bit cache)
     native_fp8: bool                # decode with the GPU's FP8 conversion (else the exact bit path)
     scales: int                     # SCALES_NONE, SCALES_STATIC or SCALES_DYNAMIC
     k_channel_scale: bool           # static K scales vary along head_dim
@@ -573,7 +628,8 @@ class KernelVariant:
         if self.query_dtype == torch.float32:
             return tl.float32
         if self.fp8 is not None:
-            return tl.float16 if self.scales != SCALES_DYNAMIC else _TL_DTYPES[self.query_dtype]
+            per_key = self.scales == SCALES_DYNAMIC or self.fp8.group_size > 0
+            return _TL_DTYPES[self.query_dtype] if per_key else tl.float16
         return _TL_DTYPES[self.query_dtype] if self.cache_dtype == self.query_dtype else tl.float32
 
     @property
@@ -585,7 +641,9 @@ class KernelVariant:
     def config(self) -> LaunchConfig:
         cache_bytes = 1 if self.fp8 is not None else self.cache_dtype.itemsize
         return launch_config(self.group, self.head_dim, self.max_query_len, self.block_size,
-                             self.dot_dtype == tl.float32, cache_bytes, self.scales == SCALES_DYNAMIC)
+                             self.dot_dtype == tl.float32, cache_bytes,
+                             self.scales == SCALES_DYNAMIC or (self.fp8 is not None and self.fp8.group_size > 0),
+                             self.fp8 is not None and self.fp8.packed)
 
     def constexprs(self, num_kv_splits: int, q_len_min: int = 0, q_len_max: int = _MAX_INT32) -> dict[str, object]:
         """The kernel's constexprs; the program of a sequence with fewer than ``q_len_min`` or more than
@@ -599,6 +657,8 @@ class KernelVariant:
             Q_SPLIT=self.k_channel_scale and self.dot_dtype != tl.float32, ROW_SCALE=self.row_scale,
             KEY_ROWS=cfg.key_rows,
             Q_LEN_MIN=q_len_min, Q_LEN_MAX=q_len_max,
+            PACKED=self.fp8 is not None and self.fp8.packed,
+            GROUPED=self.fp8 is not None and self.fp8.group_size > 0,
         )
 
 
@@ -668,28 +728,28 @@ def _check_token_scales(name: str, s: object, cache_shape: torch.Size, device: t
 def unified_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor, *,
                       query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
                       max_query_len: int, max_seq_len: int, scale: float, sliding_window: int | None,
-                      fp8: FP8Layout | IntLayout | None, k_scale: torch.Tensor | None = None,
+                      fp8: FP8Layout | IntLayout | GroupLayout | None, k_scale: torch.Tensor | None = None,
                       v_scale: torch.Tensor | None = None, k_token_scales: torch.Tensor | None = None,
                       v_token_scales: torch.Tensor | None = None, num_kv_splits: int | None = None,
                       platform: Platform | None = None, min_query_len: int | None = None) -> torch.Tensor:
-    """Paged attention of a mixed batch into ``out``; returns ``out``.
-
-    query/out ``[T, Hq, D]`` (bfloat16, float16 or float32, same dtype; already in the stored basis); k_cache/v_cache
-    ``[num_blocks, Hkv, bs, D]``: uint8 FP8 codes of format ``fp8`` (a :class:`kv8.quant.formats.FP8Format`), int8
-    codes with ``fp8`` :data:`kv8.quant.formats.INT8`, or bfloat16/float16/float32 values with ``fp8=None``;
-    ``query_start_loc [B + 1]``, ``seq_lens [B]``, ``block_tables [B, max_blocks]`` int32/int64 as
+    """Paged attention of a mixed batch into ``out``; returns ``out``. query/out ``[T, Hq, D]`` (bfloat16, float16 or
+    float32, same dtype; already in the stored basis); k_cache/v_cache ``[num_blocks, Hkv, bs, D]``: uint8 FP8 codes
+    of format ``fp8`` (a :class:`kv8.quant.formats.FP8Format`), int8 codes with ``fp8``
+    :data:`kv8.quant.formats.INT8`, uint8 bytes of two int4 codes (``[..., D / 2]``) with ``fp8``
+    :data:`kv8.quant.formats.INT4`, or bfloat16/float16/float32 values with ``fp8=None``; ``query_start_loc [B +
+    1]``, ``seq_lens [B]``, ``block_tables [B, max_blocks]`` int32/int64 as
     :class:`kv8.attention.metadata.AttentionMetadata` describes them (with a window, table entries before a
     sequence's first needed block are never read). ``max_query_len`` / ``max_seq_len`` size the tiles and the split
     heuristic only (results do not depend on them). ``min_query_len``: the shortest run of new tokens among the
     sequences that have any, where the caller knows it (None: unknown); a batch it says has no decode rows makes no
     launch for them (:func:`plan_launches`). Unchecked against the tensors, like ``max_query_len``, but unlike it a
-    promise: a sequence with fewer new tokens may be left unattended. FP8 needs either static ``k_scale``/``v_scale``
-    (broadcastable to ``[Hkv, D]``) or dynamic ``k_token_scales``/``v_token_scales`` ``[num_blocks, Hkv, bs]``
-    float32; int8 needs the dynamic ones; a 16/32-bit cache takes none. ``num_kv_splits``: key segments per query
-    tile (1 = no split-K; None = :func:`choose_num_kv_splits`). ``platform``: the device's facts (its native FP8
-    conversions, its compute units; :class:`kv8.platform.Platform`, resolved once by the engine); None resolves the
-    tensors' device on each call. Output rows of tokens past ``query_start_loc[B]`` are left untouched.
-    ``ValueError`` (before any launch) for a bad argument.
+    promise: a sequence with fewer new tokens may be left unattended. FP8 needs either static
+    ``k_scale``/``v_scale`` (broadcastable to ``[Hkv, D]``) or dynamic ``k_token_scales``/``v_token_scales``
+    ``[num_blocks, Hkv, bs]`` float32; int8 and int4 need the dynamic ones; a 16/32-bit cache takes none.
+    ``num_kv_splits``: key segments per query tile (1 = no split-K; None = :func:`choose_num_kv_splits`).
+    ``platform``: the device's facts (its native FP8 conversions, its compute units; :class:`kv8.platform.Platform`,
+    resolved once by the engine); None resolves the tensors' device on each call. Output rows of tokens past
+    ``query_start_loc[B]`` are left untouched. ``ValueError`` (before any launch) for a bad argument.
     """
     # ---- validation: shapes, dtypes, devices; nothing here reads a tensor's values (no host sync) ----
     if not isinstance(query, torch.Tensor) or query.dtype not in _QUERY_DTYPES or query.ndim != 3:
@@ -727,8 +787,15 @@ def unified_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
         raise _fail(f"k_cache {tuple(k_cache.shape)} {k_cache.dtype} and v_cache {tuple(v_cache.shape)} "
                     f"{v_cache.dtype} must match")
     num_blocks, num_kv_heads, block_size, cache_dim = k_cache.shape
-    if cache_dim != head_dim:
-        raise _fail(f"cache head_dim={cache_dim} != query head_dim={head_dim}")
+    if fmt is not None and fmt.packed and head_dim % 2:
+        raise _fail(f"an {fmt.name} cache packs two codes per byte: it needs an even head_dim, got {head_dim}")
+    if fmt is not None and fmt.group_size and head_dim % fmt.group_size:
+        raise _fail(f"an {fmt.name} cache has a scale per group of {fmt.group_size} values: it needs a head_dim that "
+                    f"is a multiple of {fmt.group_size}, got {head_dim}")
+    if cache_dim != code_width(fmt, head_dim):
+        raise _fail(f"cache row width={cache_dim} != {code_width(fmt, head_dim)}, the "
+                    + (f"bytes of query head_dim={head_dim} in two codes per byte" if fmt is not None and fmt.packed
+                       else f"query head_dim={head_dim}"))
     if num_kv_heads < 1 or num_q_heads % num_kv_heads:
         raise _fail(f"query heads Hq={num_q_heads} must be a multiple of the cache's KV heads Hkv={num_kv_heads}")
     if block_size < 1:
@@ -756,10 +823,14 @@ def unified_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     dynamic = k_token_scales is not None or v_token_scales is not None
     if fmt is None and (static or dynamic):
         raise _fail("scales were given for a 16/32-bit cache (fp8=None); such a cache stores plain values")
-    if fmt is not None and fmt.int_codes and not (dynamic and not static):
+    if fmt is not None and fmt.group_size:
+        if static or dynamic:
+            raise _fail(f"an {fmt.name} cache keeps a scale per group of {fmt.group_size} values in each row; it "
+                        "takes no k_scale/v_scale or k_token_scales/v_token_scales")
+    elif fmt is not None and fmt.int_codes and not (dynamic and not static):
         raise _fail(f"an {fmt.name} cache needs its dynamic k_token_scales and v_token_scales (a scale per token and "
                     "head; it has no static scales)" + (" (got static ones)" if static else ""))
-    if fmt is not None and static == dynamic:
+    elif fmt is not None and static == dynamic:
         raise _fail("an FP8 cache needs exactly one kind of scales: static k_scale and v_scale, or dynamic "
                     "k_token_scales and v_token_scales" + (" (got both)" if static else " (got none)"))
     if static and (k_scale is None or v_scale is None) or dynamic and (k_token_scales is None
@@ -783,8 +854,9 @@ def unified_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
 def plan_launches(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor, *,
                   query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
                   max_query_len: int, max_seq_len: int, scale: float, sliding_window: int | None,
-                  fp8: FP8Layout | IntLayout | None, k_scale: torch.Tensor | None, v_scale: torch.Tensor | None,
-                  k_token_scales: torch.Tensor | None, v_token_scales: torch.Tensor | None,
+                  fp8: FP8Layout | IntLayout | GroupLayout | None, k_scale: torch.Tensor | None,
+                  v_scale: torch.Tensor | None, k_token_scales: torch.Tensor | None,
+                  v_token_scales: torch.Tensor | None,
                   num_kv_splits: int | None, platform: Platform, min_query_len: int | None = None) -> list[Launch]:
     """The launches :func:`unified_attention` makes for these (already validated) arguments, in order, for the
     device ``platform`` describes (its native FP8 conversions: :func:`~kv8.kernels.triton.dequant.

@@ -33,7 +33,10 @@ format's fields), or ``None`` for a 16/32-bit cache, whose values :func:`decode_
 native path may be used is the platform's to say (:func:`native_fp8_supported`). An integer format's
 ``KernelFormat`` (``FMT.int_codes``: an ``int8_per_token_head`` cache) has ``int8`` codes, which
 :func:`decode_fp8` converts through float32 (exact, ``|code| <= 127``; the interpreter's own int8 -> bfloat16 cast
-is wrong).
+is wrong); an ``int4_per_token_head`` cache (``FMT.packed``) has bytes of two 4-bit codes, which it unpacks in
+registers first (:func:`unpack_nibbles`: a row of ``B`` bytes becomes ``2 B`` codes); an ``int4_per_group32``
+cache's rows also carry a float16 scale per group of values (:func:`group_scales` reads them,
+:func:`apply_group_scales` multiplies each code by its group's).
 """
 
 from __future__ import annotations
@@ -46,7 +49,8 @@ from kv8.kernels.triton.formats import KernelFormat
 from kv8.kernels.triton.quant import bf16_bits_to_f32
 from kv8.platform import Platform
 
-__all__ = ["decode_fp8", "decode_fp8_bits", "decode_fp8_native", "native_fp8_supported"]
+__all__ = ["apply_group_scales", "decode_fp8", "decode_fp8_bits", "decode_fp8_native", "group_scales",
+           "native_fp8_supported", "unpack_nibbles"]
 
 
 def native_fp8_supported(platform: Platform, fmt: KernelFormat | None) -> bool:
@@ -104,18 +108,61 @@ def decode_fp8_native(code, FMT: tl.constexpr, OUT: tl.constexpr):
 
 
 @triton.jit
-def decode_fp8(raw, FMT: tl.constexpr, NATIVE: tl.constexpr, OUT: tl.constexpr):
+def unpack_nibbles(raw, AXIS: tl.constexpr):
+    """``uint8`` bytes of two two's complement 4-bit codes, channels along ``AXIS`` (``[R, B]`` with ``AXIS`` 1,
+    ``[B, R]`` with 0) -> ``int32`` codes in -8..7 (``[R, 2 B]``, ``[2 B, R]``), channel ``2j`` from the low nibble
+    of byte ``j``, ``2j + 1`` from the high (:func:`kv8.quant.formats.unpack_int4`): the two nibbles sign-extended
+    (``(n ^ 8) - 8``) in registers and interleaved by a join (and, along axis 0, a permute) and a reshape."""
+    b = raw.to(tl.int32)
+    lo = ((b & 0xF) ^ 8) - 8
+    hi = (((b >> 4) & 0xF) ^ 8) - 8
+    if AXIS == 1:
+        res = tl.reshape(tl.join(lo, hi), [raw.shape[0], raw.shape[1] * 2])
+    else:
+        res = tl.reshape(tl.permute(tl.join(lo, hi), (0, 2, 1)), [raw.shape[0] * 2, raw.shape[1]])
+    return res
+
+
+@triton.jit
+def group_scales(raw):
+    """``uint8 [R, 2 G]``: the little-endian bytes of ``G`` float16 group scales per row -> ``float32 [R, G]``
+    (exact)."""
+    b = raw.to(tl.int32)
+    lo, hi = tl.split(tl.reshape(b, [raw.shape[0], raw.shape[1] // 2, 2]))
+    return (lo | (hi << 8)).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def apply_group_scales(values, scales, AXIS: tl.constexpr, GS: tl.constexpr):
+    """float32 ``values`` with their channels along ``AXIS`` (``[R, D]`` with 1, ``[D, R]`` with 0) times the scale
+    of each channel's group of ``GS`` (``scales [R, D / GS]``, :func:`group_scales`), exact in float32 for int4 codes
+    and float16 scales."""
+    if AXIS == 1:
+        res = tl.reshape(tl.reshape(values, [values.shape[0], values.shape[1] // GS, GS]) * scales[:, :, None],
+                         [values.shape[0], values.shape[1]])
+    else:
+        res = tl.reshape(tl.reshape(values, [values.shape[0] // GS, GS, values.shape[1]])
+                         * tl.trans(scales)[:, None, :], [values.shape[0], values.shape[1]])
+    return res
+
+
+@triton.jit
+def decode_fp8(raw, FMT: tl.constexpr, NATIVE: tl.constexpr, OUT: tl.constexpr, AXIS: tl.constexpr = 1):
     """Loaded cache elements -> dtype ``OUT``: FP8 codes of format ``FMT`` (a
     :class:`~kv8.kernels.triton.formats.KernelFormat`) decoded by the native or the bit path (exact), int8 codes of
-    an integer format (``FMT.int_codes``) converted (exact), or, with ``FMT`` None, a 16/32-bit cache's values
-    converted (exact when ``OUT`` holds the cache dtype: the caller's duty)."""
+    an integer format (``FMT.int_codes``) converted (exact), int4 bytes (``FMT.packed``: ``[R, B]`` -> ``[R, 2 B]``
+    values, :func:`unpack_nibbles`) unpacked and converted (exact), or, with ``FMT`` None, a 16/32-bit cache's
+    values converted (exact when ``OUT`` holds the cache dtype: the caller's duty)."""
     if FMT is None:
         if raw.dtype == tl.bfloat16 and OUT == tl.float32:
             value = bf16_bits_to_f32(raw)        # exact in the interpreter too (its cast flushes subnormals)
         else:
             value = raw.to(OUT)
     elif FMT.int_codes:  # int8 codes: exact through float32 (not the interpreter's int8 -> bfloat16 cast)
-        value = raw.to(tl.float32).to(OUT)
+        if FMT.packed:   # int4: [R, B] bytes -> [R, 2 B] codes
+            value = unpack_nibbles(raw, AXIS).to(tl.float32).to(OUT)
+        else:
+            value = raw.to(tl.float32).to(OUT)
     elif NATIVE:
         value = decode_fp8_native(raw, FMT, OUT)
     else:

@@ -10,14 +10,19 @@ kernels take as one constexpr (``FMT``; ``None`` for a 16/32-bit cache). No kern
 constants; every field below is computed from the format's own.
 
 Two families share the tuple, told apart by ``int_codes``: FP8 codes (``uint8`` bytes: sign | exponent |
-mantissa) and integer codes (``int8`` elements, one code each: ``kv_cache_dtype="int8_per_token_head"``). An
-integer format's FP8-only fields are neutral (0, False, 1.0, None); its ``nan_code`` and ``negative_nan_code`` are
-0, the code a NaN encodes to.
+mantissa) and integer codes -- 8-bit (``int8`` elements, one code each: ``kv_cache_dtype="int8_per_token_head"``)
+or 4-bit (``packed``: ``uint8`` bytes of two two's complement nibbles, channel ``2j`` in the low nibble of byte
+``j``, ``2j + 1`` in the high: ``int4_per_token_head``, :func:`kv8.quant.formats.pack_int4`); a row of ``D``
+values is ``D / 2`` bytes (:func:`code_width`). An integer format's FP8-only fields are neutral (0, False, 1.0,
+None); its ``nan_code`` and ``negative_nan_code`` are 0, the code a NaN encodes to. ``int4_per_group32``
+(:class:`GroupLayout`: :class:`kv8.quant.int4_group.Int4GroupFormat`) is the int4 family with ``group_size`` 32: a
+float16 scale per 32 values follows the row's codes (``D / 2 + 2 D / 32`` bytes). ``fp4_e2m1`` (E2M1 codes, E4M3
+group scales) has no ``KernelFormat``: :func:`kernel_format` refuses it.
 
 =====================  ===============================================  =============================================
 field                  from the format                                  read by
 =====================  ===============================================  =============================================
-``int_codes``          the family: an integer format (``bits`` = 8)     encode and decode (which of the two); the
+``int_codes``          the family: an integer format (``bits`` 8 or 4)  encode and decode (which of the two); the
                                                                         wrappers (``int8`` cache, dynamic scales)
 ``mantissa_bits``      M                                                encode (rounding), bit decode (the shift)
 ``exponent_bias``      its bias                                         encode (rebias, subnormal range)
@@ -35,6 +40,13 @@ field                  from the format                                  read by
 ``half_factor``        ``2^(15 - bias)``                                bit decode (half's bias -> the format's)
 ``native``             Triton's FP8 type of the same layout (from the   native decode (``fp8e4nv``, ``fp8e5``,
                        format's torch dtype), or None                   ``fp8e4b8``)
+``packed``             two 4-bit codes per byte (an integer format of   the store (pack), the attention's loads and
+                       ``bits`` = 4)                                    decode (unpack); the wrappers (row width,
+                                                                        cache dtype)
+``group_size``         values per float16 scale in the row (0: none)    the store (group amax, scale bytes), the
+                                                                        attention (scales per group); the wrappers
+``group_scale_min``,   float16's smallest subnormal and largest value:  the store (a group scale's clamp)
+``group_scale_max``    the group scales' clamp
 =====================  ===============================================  =============================================
 
 Why a NamedTuple: Triton keys its compiled kernels on the constexprs' values (a NamedTuple of plain values is
@@ -55,7 +67,7 @@ from typing import NamedTuple, Protocol, cast
 
 import torch
 
-__all__ = ["FP8Layout", "IntLayout", "KernelFormat", "code_dtype", "kernel_format"]
+__all__ = ["FP8Layout", "GroupLayout", "IntLayout", "KernelFormat", "code_dtype", "code_width", "kernel_format"]
 
 _SIGN = 0x80
 _HALF_MAX = 65504.0
@@ -106,6 +118,20 @@ class IntLayout(Protocol):
     def max_finite(self) -> float: ...
 
 
+class GroupLayout(Protocol):
+    """What the kernels read of a format with scales per group of values inside each row
+    (:class:`kv8.quant.int4_group.Int4GroupFormat` has all of it)."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def group_size(self) -> int: ...
+    @property
+    def max_finite(self) -> float: ...
+    @property
+    def scale_name(self) -> str: ...
+
+
 class KernelFormat(NamedTuple):
     """The constants the encode and the decode of one FP8 or integer format are specialized on (module
     docstring)."""
@@ -124,6 +150,10 @@ class KernelFormat(NamedTuple):
     nan_match: int
     half_factor: float
     native: str | None
+    packed: bool
+    group_size: int = 0            # > 0: a float16 scale per group_size values after the row's codes
+    group_scale_min: float = 0.0   # a group scale's clamp: float16's smallest subnormal ..
+    group_scale_max: float = 0.0   # .. and its largest finite value
 
 
 _FIELDS = ("name", "exponent_bits", "mantissa_bits", "exponent_bias", "max_finite", "min_subnormal", "torch_dtype",
@@ -131,28 +161,61 @@ _FIELDS = ("name", "exponent_bits", "mantissa_bits", "exponent_bias", "max_finit
 
 
 def code_dtype(fmt: KernelFormat) -> torch.dtype:
-    """The dtype of a cache of ``fmt``'s codes: ``int8`` for integer codes, ``uint8`` (raw bytes) for FP8."""
-    return torch.int8 if fmt.int_codes else torch.uint8
+    """The dtype of a cache of ``fmt``'s codes: ``int8`` for one integer code per element, ``uint8`` (raw bytes) for
+    FP8 and for two 4-bit codes per byte."""
+    return torch.int8 if fmt.int_codes and not fmt.packed else torch.uint8
+
+
+def code_width(fmt: KernelFormat | None, head_dim: int) -> int:
+    """Elements of one stored row of ``head_dim`` values: ``head_dim / 2`` bytes for packed 4-bit codes (and two
+    bytes per group of ``group_size`` values after them: their float16 scales), else ``head_dim`` (one code or value
+    each)."""
+    if fmt is None or not fmt.packed:
+        return head_dim
+    return head_dim // 2 + (2 * (head_dim // fmt.group_size) if fmt.group_size else 0)
+
+
+def _group_format(fmt: GroupLayout) -> KernelFormat:
+    size, max_finite, scale = fmt.group_size, fmt.max_finite, fmt.scale_name
+    if scale != "float16" or size < 2 or size & (size - 1):
+        raise ValueError(f"group format {fmt.name!r}: {scale} scales per group of {size}, max_finite={max_finite}; "
+                         "the Triton kernels read int4 codes (max 2^3 - 1) with a float16 scale per power-of-two "
+                         "group (int4_per_group32), not fp4_e2m1's E2M1 codes with E4M3 scales")
+    f16 = torch.finfo(torch.float16)
+    return _int_format(_IntCodes(fmt.name, 4, max_finite))._replace(
+        group_size=size, group_scale_min=float(f16.smallest_normal * f16.eps), group_scale_max=float(f16.max))
+
+
+class _IntCodes(NamedTuple):
+    """An integer layout (:class:`IntLayout`) of a group format's codes."""
+
+    name: str
+    bits: int
+    max_finite: float
 
 
 def _int_format(fmt: IntLayout) -> KernelFormat:
     bits, max_finite = fmt.bits, fmt.max_finite
-    if bits != 8 or max_finite != float((1 << (bits - 1)) - 1):
+    if bits not in (4, 8) or max_finite != float((1 << (bits - 1)) - 1):
         raise ValueError(f"integer format {fmt.name!r}: bits={bits}, max_finite={max_finite}; the Triton kernels "
-                         "read and write one symmetric code per signed byte (8 bits, max 2^7 - 1), not packed "
-                         "4-bit codes")
+                         "read and write symmetric codes of 8 bits (one per signed byte, max 2^7 - 1) or 4 bits "
+                         "(two per byte, max 2^3 - 1)")
     return KernelFormat(
         name=fmt.name, int_codes=True, mantissa_bits=0, exponent_bias=0, max_finite=float(max_finite),
         max_finite_bits=int(struct.unpack("<I", struct.pack("<f", max_finite))[0]), nan_code=0, negative_nan_code=0,
-        has_negative_zero=False, half_top_byte=False, nan_mask=0, nan_match=0, half_factor=1.0, native=None)
+        has_negative_zero=False, half_top_byte=False, nan_mask=0, nan_match=0, half_factor=1.0, native=None,
+        packed=bits == 4)
 
 
-def kernel_format(fmt: FP8Layout | IntLayout) -> KernelFormat:
+def kernel_format(fmt: FP8Layout | IntLayout | GroupLayout) -> KernelFormat:
     """The kernels' constants for ``fmt``; ``ValueError`` naming the field when ``fmt`` lacks one or has a layout the
     kernels cannot handle. An integer format (``bits``, no ``exponent_bits``) must be 8 bits with max ``2^7 - 1``
-    (one code per int8 element). An FP8 format must have a layout the bit decode can build from a half: not more
-    than 5 exponent bits, 5 bits that are IEEE's (bias 15, inf and NaN in the all-ones exponent), infinities only
-    with 5, NaN codes that are one code or one code of each sign, values inside a half's range."""
+    (one code per int8 element) or 4 bits with max ``2^3 - 1`` (two codes per byte). An FP8 format must have a
+    layout the bit decode can build from a half: not more than 5 exponent bits, 5 bits that are IEEE's (bias 15, inf
+    and NaN in the all-ones exponent), infinities only with 5, NaN codes that are one code or one code of each sign,
+    values inside a half's range."""
+    if hasattr(fmt, "group_size"):
+        return _group_format(cast(GroupLayout, fmt))
     if hasattr(fmt, "bits") and not hasattr(fmt, "exponent_bits"):
         return _int_format(fmt)
     return _fp8_format(cast(FP8Layout, fmt))
@@ -199,4 +262,4 @@ def _fp8_format(fmt: FP8Layout) -> KernelFormat:
         max_finite_bits=int(struct.unpack("<I", struct.pack("<f", fmt.max_finite))[0]),
         nan_code=fmt.nan_code, negative_nan_code=fmt.negative_nan_code, has_negative_zero=bool(fmt.has_negative_zero),
         half_top_byte=half_top_byte, nan_mask=nan_mask, nan_match=nan_match, half_factor=2.0 ** (15 - bias),
-        native=_TRITON_FP8.get(fmt.torch_dtype))
+        native=_TRITON_FP8.get(fmt.torch_dtype), packed=False)

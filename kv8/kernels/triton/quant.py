@@ -1,5 +1,5 @@
-"""FP8 and int8 encode helpers for Triton kernels: float32 -> ``uint8`` FP8 codes with integer and bit operations
-only, and -> ``int8`` codes (:func:`encode_int8`, end of this docstring).
+"""FP8 and integer encode helpers for Triton kernels: float32 -> ``uint8`` FP8 codes with integer and bit operations
+only, and -> ``int8`` / packed int4 codes (:func:`encode_int8`, :func:`pack_nibbles`, end of this docstring).
 
 Contract (the one :meth:`kv8.quant.formats.FP8Format.encode` defines; these helpers are tested bit-exact against
 it): for a float32 value ``y`` (already divided by its scale)::
@@ -26,7 +26,9 @@ and :func:`encode_codes` (which of the two, by ``FMT.int_codes``) take a
 :class:`~kv8.quant.formats.IntFormat` by :func:`~kv8.kernels.triton.formats.kernel_format`) as their constexpr.
 
 int8 codes (``kv_cache_dtype="int8_per_token_head"``; :class:`kv8.quant.formats.IntFormat` is the contract) are
-``clamp(round_half_even(y), -127, 127)``, NaN -> 0, ``±inf`` -> ``±127``: :func:`encode_int8`. Its rounding is the
+``clamp(round_half_even(y), -127, 127)``, NaN -> 0, ``±inf`` -> ``±127``: :func:`encode_int8`; int4 codes
+(``int4_per_token_head``) the same with 7 for 127 (the clamp is the format's ``max_finite``), two per byte
+(:func:`pack_nibbles`). Its rounding is the
 float32 add-and-subtract of ``1.5 * 2^23`` (for ``|y| <= 127`` the sum lies in ``[2^23, 2^24)``, where the float32
 spacing is 1, so the IEEE add rounds ``y`` to an integer, nearest even, and the subtraction is exact): two IEEE
 operations, the same in the interpreter (numpy float32) and compiled (``add.f32``/``sub.f32``; nothing to contract
@@ -38,7 +40,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-__all__ = ["bf16_bits_to_f32", "encode_codes", "encode_fp8", "encode_int8", "f32_to_bf16_bits", "scaled_rn"]
+__all__ = ["bf16_bits_to_f32", "encode_codes", "encode_fp8", "encode_int8", "f32_to_bf16_bits", "pack_nibbles",
+           "scaled_rn"]
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -148,6 +151,16 @@ def encode_int8(y, FMT: tl.constexpr):
     y = tl.minimum(tl.maximum(tl.where(is_nan, 0.0, y), -FMT.max_finite), FMT.max_finite)
     r = (y + 12582912.0) - 12582912.0                    # 1.5 * 2^23: rounds to an integer, nearest even
     return r.to(tl.int32).to(tl.int8)
+
+
+@triton.jit
+def pack_nibbles(codes):
+    """Integer codes ``[R, C]`` (``C`` even; values in -8..7) -> ``uint8 [R, C / 2]``, two's complement nibbles:
+    channel ``2j`` in the low nibble of byte ``j``, ``2j + 1`` in the high (:func:`kv8.quant.formats.pack_int4`).
+    The pairs are split in registers (a reshape to ``[R, C / 2, 2]``), so a thread packs the channels it holds."""
+    c = codes.to(tl.int32) & 0xF
+    lo, hi = tl.split(tl.reshape(c, [c.shape[0], c.shape[1] // 2, 2]))
+    return (lo | (hi << 4)).to(tl.uint8)
 
 
 @triton.jit

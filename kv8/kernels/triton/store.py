@@ -5,12 +5,19 @@ The reference is :meth:`kv8.cache.paged_cache.PagedKVCache.store` (through :meth
 
     key/value  [T, H, D]                      token t, KV head h
     slot_mapping[t] = s  (s < 0: skip t)      block b = s // bs, offset o = s % bs
-    k_cache/v_cache [num_blocks, H, bs, D]    row [b, h, o, :] <- encode(key[t, h, :])
+    k_cache/v_cache [num_blocks, H, bs, W]    row [b, h, o, :] <- encode(key[t, h, :])   (W = D; int4: D / 2)
     k/v_token_scales [num_blocks, H, bs]      [b, h, o] <- scale of (t, h)      (dynamic scales only)
 
-The codes are FP8 (``uint8``; static or dynamic scales) or int8 (``int8``; always dynamic scales: the
-``int8_per_token_head`` cache), one ``FMT`` constexpr (a :class:`~kv8.kernels.triton.formats.KernelFormat`;
-``FMT.int_codes`` tells them apart).
+The codes are FP8 (``uint8``; static or dynamic scales), int8 (``int8``; always dynamic scales: the
+``int8_per_token_head`` cache) or int4 (two per ``uint8``, ``W = D / 2``; dynamic scales: ``int4_per_token_head``),
+one ``FMT`` constexpr (a :class:`~kv8.kernels.triton.formats.KernelFormat`; ``FMT.int_codes`` and ``FMT.packed``
+tell them apart). int4 codes are encoded as int8's (clamped to 7) on the whole ``[BLOCK_H, BLOCK_D]`` tile, then
+each thread packs the channel pairs it holds (:func:`~kv8.kernels.triton.quant.pack_nibbles`) and stores
+``BLOCK_D / 2`` bytes per head. ``int4_per_group32`` (``FMT.group_size`` 32; ``MODE`` 3, no scale arguments) is
+int4 with a scale per 32 values instead of per head, stored in the row after the codes, ``W = D / 2 + 2 D / 32``:
+the tile reshaped to ``[BLOCK_H, BLOCK_D / 32, 32]``, each group's ``amax / 7`` (``div_rn``; 1.0 where zero or not
+finite) clamped to float16's range and rounded to float16 (``cvt.rn``), the codes ``x / float32(scale)``, the
+scale's two bytes little-endian -- :class:`kv8.quant.int4_group.Int4GroupFormat`'s encode.
 
     |<--------- block b: H tiles of bs x D --------->|
     | head 0: o=0 [D] o=1 [D] ... | head 1: ... | ... |
@@ -46,17 +53,25 @@ import triton
 import triton.language as tl
 
 from kv8.kernels.triton import interpreter
-from kv8.kernels.triton.formats import FP8Layout, IntLayout, KernelFormat, code_dtype, kernel_format
+from kv8.kernels.triton.formats import (
+    FP8Layout,
+    GroupLayout,
+    IntLayout,
+    KernelFormat,
+    code_dtype,
+    code_width,
+    kernel_format,
+)
 from kv8.kernels.triton.interpreter import max_combine
 from kv8.kernels.triton.launch import Launch
-from kv8.kernels.triton.quant import bf16_bits_to_f32, encode_codes, f32_to_bf16_bits, scaled_rn
+from kv8.kernels.triton.quant import bf16_bits_to_f32, encode_codes, f32_to_bf16_bits, pack_nibbles, scaled_rn
 
 __all__ = ["CACHE_DTYPES", "INPUT_DTYPES", "store_kv", "store_launch"]
 
 INPUT_DTYPES: tuple[torch.dtype, ...] = (torch.bfloat16, torch.float16, torch.float32)
 CACHE_DTYPES: tuple[torch.dtype, ...] = (torch.bfloat16, torch.float16, torch.float32)  # 16/32-bit caches
 _KIND = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}   # the IN/OUT constexprs
-_MODE_CAST, _MODE_STATIC, _MODE_DYNAMIC = 0, 1, 2
+_MODE_CAST, _MODE_STATIC, _MODE_DYNAMIC, _MODE_GROUP = 0, 1, 2, 3
 _MAX_TILE = 4096   # elements of one [BLOCK_H, BLOCK_D] tile
 
 
@@ -74,9 +89,9 @@ def _load_f32(ptrs, mask, IN: tl.constexpr):
 def _store_one(x_ptr, stride_xt, stride_xh, c_ptr, stride_cb, stride_ch, stride_cs,
                scale_ptr, stride_sh, stride_sd, ts_ptr, stride_tb, stride_th, stride_ts,
                t, block, off, heads, dims, h_end, D, max_finite,
-               MODE: tl.constexpr, FMT: tl.constexpr, IN: tl.constexpr, OUT: tl.constexpr):
-    """Store token ``t``'s rows ``heads`` x ``dims`` of one of K/V into cache row ``[block, heads, off, dims]``;
-    heads from ``h_end`` on are left alone."""
+               MODE: tl.constexpr, FMT: tl.constexpr, IN: tl.constexpr, OUT: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Store token ``t``'s rows ``heads`` x ``dims`` of one of K/V into cache row ``[block, heads, off, dims]``
+    (packed 4-bit codes: bytes ``dims / 2``); heads from ``h_end`` on are left alone."""
     hmask = heads < h_end
     mask = hmask[:, None] & (dims < D)[None, :]
     src = x_ptr + t * stride_xt + heads[:, None] * stride_xh + dims[None, :]
@@ -91,6 +106,24 @@ def _store_one(x_ptr, stride_xt, stride_xh, c_ptr, stride_cb, stride_ch, stride_
             tl.store(dst, _load_f32(src, mask, IN).to(tl.float16), mask=mask)
         else:
             tl.store(dst, _load_f32(src, mask, IN), mask=mask)
+    elif MODE == 3:   # a float16 scale per FMT.group_size values, stored after the row's D / 2 bytes of int4 codes
+        GS: tl.constexpr = FMT.group_size
+        NG: tl.constexpr = BLOCK_D // GS
+        x = _load_f32(src, mask, IN)                                  # [BLOCK_H, BLOCK_D], 0 where masked
+        xg = tl.reshape(x, [x.shape[0], NG, GS])
+        amax = tl.reduce(xg.to(tl.int32, bitcast=True) & 0x7FFFFFFF, 2, max_combine)    # [BLOCK_H, NG] bits
+        gs = tl.math.div_rn(amax.to(tl.float32, bitcast=True), max_finite)
+        gs = tl.where((amax < 0x7F800000) & (gs > 0.0), gs, 1.0)
+        gs16 = tl.minimum(tl.maximum(gs, FMT.group_scale_min), FMT.group_scale_max).to(tl.float16)   # RNE
+        y = tl.reshape(scaled_rn(xg, gs16.to(tl.float32)[:, :, None]), [x.shape[0], BLOCK_D])
+        nib = tl.arange(0, BLOCK_D // 2)
+        row = c_ptr + block * stride_cb + heads[:, None] * stride_ch + off * stride_cs
+        tl.store(row + nib[None, :], pack_nibbles(encode_codes(y, FMT)),
+                 mask=hmask[:, None] & (nib < D // 2)[None, :])
+        bits = gs16.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF                  # little-endian bytes
+        scale_bytes = tl.reshape(tl.join(bits & 0xFF, bits >> 8), [x.shape[0], 2 * NG]).to(tl.uint8)
+        sb = tl.arange(0, 2 * NG)
+        tl.store(row + D // 2 + sb[None, :], scale_bytes, mask=hmask[:, None] & (sb < 2 * (D // GS))[None, :])
     else:
         x = _load_f32(src, mask, IN)                                  # [BLOCK_H, BLOCK_D], 0 where masked
         if MODE == 1:   # static scales, [H, D] through (maybe zero) strides
@@ -103,7 +136,12 @@ def _store_one(x_ptr, stride_xt, stride_xh, c_ptr, stride_cb, stride_ch, stride_
             ts = tl.where((amax < 0x7F800000) & (ts > 0.0), ts, 1.0)
             tl.store(ts_ptr + block * stride_tb + heads * stride_th + off * stride_ts, ts, mask=hmask)
             y = scaled_rn(x, ts[:, None])
-        tl.store(dst, encode_codes(y, FMT), mask=mask)       # FP8 or int8 codes, by FMT.int_codes
+        if FMT.packed:   # int4: two codes per byte, the row's D / 2 bytes
+            nib = tl.arange(0, BLOCK_D // 2)
+            dst = c_ptr + block * stride_cb + heads[:, None] * stride_ch + off * stride_cs + nib[None, :]
+            tl.store(dst, pack_nibbles(encode_codes(y, FMT)), mask=hmask[:, None] & (nib < D // 2)[None, :])
+        else:
+            tl.store(dst, encode_codes(y, FMT), mask=mask)   # FP8 or int8 codes, by FMT.int_codes
 
 
 @triton.jit
@@ -129,10 +167,10 @@ def _store_kv_kernel(key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
     off = slot % block_size
     _store_one(key_ptr, stride_kt, stride_kh, k_cache_ptr, stride_kcb, stride_kch, stride_kcs,
                k_scale_ptr, stride_ksh, stride_ksd, k_ts_ptr, stride_ktb, stride_kth, stride_kts,
-               t, block, off, heads, dims, h_end, D, max_finite, MODE, FMT, IN, OUT)
+               t, block, off, heads, dims, h_end, D, max_finite, MODE, FMT, IN, OUT, BLOCK_D)
     _store_one(value_ptr, stride_vt, stride_vh, v_cache_ptr, stride_vcb, stride_vch, stride_vcs,
                v_scale_ptr, stride_vsh, stride_vsd, v_ts_ptr, stride_vtb, stride_vth, stride_vts,
-               t, block, off, heads, dims, h_end, D, max_finite, MODE, FMT, IN, OUT)
+               t, block, off, heads, dims, h_end, D, max_finite, MODE, FMT, IN, OUT, BLOCK_D)
 
 
 def _describe(t: object) -> str:
@@ -154,7 +192,7 @@ def _check_last_contiguous(name: str, t: torch.Tensor) -> None:
 
 
 def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             slot_mapping: torch.Tensor, *, fp8: FP8Layout | IntLayout | None,
+             slot_mapping: torch.Tensor, *, fp8: FP8Layout | IntLayout | GroupLayout | None,
              k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
              k_token_scales: torch.Tensor | None = None, v_token_scales: torch.Tensor | None = None) -> None:
     """Write ``key``/``value`` ``[T, H, D]`` (stored basis) into their slots of ``k_cache``/``v_cache``.
@@ -172,6 +210,11 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_ca
       :meth:`KVCodec.token_scales` computes it, and the codes are ``quantize(x, scale, fmt)``.
     * int8 (``fp8`` an integer format): dynamic scales as for FP8 (the only kind an int8 cache has), ``amax /
       max_finite`` (127).
+    * int4 (``fp8`` :data:`kv8.quant.formats.INT4`): the same with 7, two codes per ``uint8`` (``k_cache`` /
+      ``v_cache`` ``[num_blocks, H, bs, D / 2]``; ``D`` even), as :func:`kv8.quant.formats.pack_int4` packs them.
+    * int4_per_group32 (``fp8`` :data:`kv8.quant.int4_group.INT4_G32`): no scale arguments; rows of ``D / 2`` code
+      bytes and a float16 scale per 32 values (``[num_blocks, H, bs, D / 2 + 2 D / 32]``; ``D`` a multiple of 32),
+      as :meth:`Int4GroupFormat.encode` writes them.
 
     All tensors on one device: CUDA, or the CPU when the kernels run in Triton's interpreter. ``ValueError`` names
     the argument, what it was and what is allowed.
@@ -195,10 +238,20 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_ca
     cache_dtypes = CACHE_DTYPES if fmt is None else (code_dtype(fmt),)
     _check_tensor("k_cache", k_cache, 4, cache_dtypes, device)
     _check_tensor("v_cache", v_cache, 4, (k_cache.dtype,), device)
+    if fmt is not None and fmt.packed and head_dim % 2:
+        raise ValueError(f"store_kv: an {fmt.name} cache packs two codes per byte: key/value need an even head dim, "
+                         f"got {list(key.shape)}")
+    if fmt is not None and fmt.group_size and head_dim % fmt.group_size:
+        raise ValueError(f"store_kv: an {fmt.name} cache has a scale per group of {fmt.group_size} values: key/value "
+                         f"need a head dim that is a multiple of {fmt.group_size}, got {list(key.shape)}")
     num_blocks, cache_heads, block_size, cache_dim = k_cache.shape
-    if (cache_heads, cache_dim) != (num_heads, head_dim) or v_cache.shape != k_cache.shape:
+    width = code_width(fmt, head_dim)
+    if (cache_heads, cache_dim) != (num_heads, width) or v_cache.shape != k_cache.shape:
+        what = (f"D={head_dim}" if fmt is None or width == head_dim else
+                f"W={width} (D / 2 bytes)" if not fmt.group_size else
+                f"W={width} (D / 2 bytes of codes, 2 per group's scale)")
         raise ValueError(f"store_kv: k_cache {list(k_cache.shape)} and v_cache {list(v_cache.shape)} must both be "
-                         f"[num_blocks, H={num_heads}, block_size, D={head_dim}] for key/value {list(key.shape)}")
+                         f"[num_blocks, H={num_heads}, block_size, {what}] for key/value {list(key.shape)}")
     for name, t in (("key", key), ("value", value), ("k_cache", k_cache), ("v_cache", v_cache)):
         _check_last_contiguous(name, t)
     _check_tensor("slot_mapping", slot_mapping, 1, (torch.int64,), device)
@@ -214,6 +267,11 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_ca
             raise ValueError(f"store_kv: {', '.join(given)} given for a {k_cache.dtype} cache (fp8=None); "
                              "scales exist only for FP8 and integer caches")
         mode = _MODE_CAST
+    elif fmt.group_size:
+        if given:
+            raise ValueError(f"store_kv: an {fmt.name} cache keeps a scale per group of {fmt.group_size} values in "
+                             f"each row; it takes no {', '.join(given)}")
+        mode = _MODE_GROUP
     else:
         if fmt.int_codes and sorted(given) != ["k_token_scales", "v_token_scales"]:
             raise ValueError(f"store_kv: an {fmt.name} cache needs k_token_scales and v_token_scales (a scale per "
