@@ -50,7 +50,8 @@ round); the median per cell with its min-max, GFLOP/s, and each build's time ove
 scales, int8_per_token_head, int4_per_token_head, int4_per_group32, fp4_e2m1, bfloat16), side by side on SmolLM2
 shapes: prefill 1 x 1,024, decode 32 x 1,024, 8 x 4,096 (issue 40's target: int4 at <= 1 / 1.4 of fp8's time) and
 1 x 8,192, ``--rounds`` rounds rotating the formats' order; medians (min-max) and each format's time over the fp8
-cache's.
+cache's. ``--layers N``: each decode row calls N distinct caches in turn, as a model's N layers (SmolLM2: 30), each
+of its format's size (by default as many as ``--footprint-mb`` needs, which may stay in a large L3).
 """
 
 from __future__ import annotations

@@ -17,7 +17,8 @@
   bf16 output's tolerance; it keeps the generic kernel with fp16 / fp32 compute).
 
 Tolerances (the kernels accumulate in fp32; the fast path carries q and the softmax weights as bf16 hi+lo,
-~16 significant bits, except the weights of a bf16 output, which are bf16): with M = 1 + max|ref|,
+~16 significant bits, except the weights of a bf16 output, which are bf16; int4 per token and head's decode items
+carry both as int16 fixed point, summed exactly in int32): with M = 1 + max|ref|,
   fp32 output: |out - ref| <= 5e-5 * M    (observed <= ~1e-5 * M)
   fp16 output: |out - ref| <= 2^-10 * M   (one fp16 ulp at the top of the range)
   bf16 output: |out - ref| <= 2^-7 * M    (one bf16 ulp at the top of the range: both sides round to bf16)
