@@ -50,7 +50,8 @@ round); the median per cell with its min-max, GFLOP/s, and each build's time ove
 scales, int8_per_token_head, int4_per_token_head, int4_per_group32, fp4_e2m1, bfloat16), side by side on SmolLM2
 shapes: prefill 1 x 1,024, decode 32 x 1,024, 8 x 4,096 (issue 40's target: int4 at <= 1 / 1.4 of fp8's time) and
 1 x 8,192, ``--rounds`` rounds rotating the formats' order; medians (min-max) and each format's time over the fp8
-cache's.
+cache's. ``--layers N``: each decode row calls N distinct caches in turn, as a model's N layers (SmolLM2: 30), each
+of its format's size (by default as many as ``--footprint-mb`` needs, which may stay in a large L3).
 """
 
 from __future__ import annotations
@@ -197,7 +198,8 @@ def prefill_cache(kv_name: str, n_layers: int, batch: int, q_len: int, ctx: int,
     """SmolLM2-shaped caches of ``batch`` sequences of ``ctx`` tokens, the last ``q_len`` of them new. K and V
     are N(0, 1) values stored through the codec (scale 1, or a scale per token and head with ``dynamic`` and for
     int8), so the scores spread as a model's do; uniform FP8 codes (fill_random) would make every softmax row
-    one-hot and most exponentials underflow."""
+    one-hot and most exponentials underflow. Layers 2 and up are copies of layer 0 or 1 (the timings read distinct
+    buffers, not distinct values; encoding every layer of a 30-layer cache takes minutes)."""
     kv = resolve_kv_cache_dtype(kv_name, torch.bfloat16)
     blocks_per_seq = -(-ctx // BS)
     static = kv.is_fp8 and not dynamic
@@ -205,6 +207,11 @@ def prefill_cache(kv_name: str, n_layers: int, batch: int, q_len: int, ctx: int,
                          KVCodec.build(kv, D, scale_mode="dynamic" if dynamic else "static",
                                        scales=KVScales.default(n_layers) if static else None))
     for layer in range(n_layers):
+        if layer >= 2:
+            cache.data[layer].copy_(cache.data[layer % 2])
+            if cache.token_scales is not None:
+                cache.token_scales[layer].copy_(cache.token_scales[layer % 2])
+            continue
         for which in range(2):
             x = torch.randn(batch * blocks_per_seq * BS, HKV, D)
             stored, ts = cache.codec.encode(x, layer, which)
@@ -324,7 +331,7 @@ def print_formats(args: argparse.Namespace, before: tuple[str, KernelLibrary] | 
         q = torch.randn(batch * q_len, HQ, D, dtype=torch.bfloat16)
         for kv_name, dynamic, label in FORMATS:
             nbytes = batch * ctx * HKV * D * 2 * resolve_kv_cache_dtype(kv_name, torch.bfloat16).bits_per_value // 8
-            nl = 2 if q_len > 1 else layers_for(nbytes, args.footprint_mb << 20, cap=64)
+            nl = 2 if q_len > 1 else args.layers or layers_for(nbytes, args.footprint_mb << 20, cap=64)
             cache, meta = prefill_cache(kv_name, nl, batch, q_len, ctx, dynamic)
             cases[shape, label] = (cache, meta, q)
     # (a --before revision's library may not know a newer format: that format runs on the native library only)
@@ -457,6 +464,10 @@ def main() -> None:
     ap.add_argument("--context", type=int, nargs="*", default=None)
     ap.add_argument("--min-time", type=float, default=1.0, help="seconds per measurement (default 1.0)")
     ap.add_argument("--footprint-mb", type=int, default=128, help="bytes each variant cycles through (MiB)")
+    ap.add_argument("--layers", type=int, default=None, metavar="N",
+                    help="--tables formats: each decode row calls N distinct caches in turn, as a model's N layers "
+                         "(SmolLM2: 30) each read once per step, whatever their bytes; default: as many as "
+                         "--footprint-mb needs (at most 64)")
     ap.add_argument("--kv8-only", action="store_true", help="time the kv8 kernels only (no sdpa, no copies)")
     ap.add_argument("--threads", type=int, default=None, help="torch / kernel threads (default: torch's)")
     ap.add_argument("--blocks", choices=["scattered", "contiguous"], default="scattered",

@@ -17,7 +17,8 @@
   bf16 output's tolerance; it keeps the generic kernel with fp16 / fp32 compute).
 
 Tolerances (the kernels accumulate in fp32; the fast path carries q and the softmax weights as bf16 hi+lo,
-~16 significant bits, except the weights of a bf16 output, which are bf16): with M = 1 + max|ref|,
+~16 significant bits, except the weights of a bf16 output, which are bf16; int4 per token and head's decode items
+carry both as int16 fixed point, summed exactly in int32): with M = 1 + max|ref|,
   fp32 output: |out - ref| <= 5e-5 * M    (observed <= ~1e-5 * M)
   fp16 output: |out - ref| <= 2^-10 * M   (one fp16 ulp at the top of the range)
   bf16 output: |out - ref| <= 2^-7 * M    (one bf16 ulp at the top of the range: both sides round to bf16)
@@ -428,6 +429,36 @@ def test_decode_items_of_several_heads(lib: kernels.KernelLibrary, kernel_path: 
                                                                  portable_path(lib, 64, kv_name))
     for partition in (0, 16, 96):
         check_attention(lib, cache, meta, q, partition_size=partition)
+
+
+@pytest.mark.parametrize("q_form", ["outlier", "peaked", "zero_row", "nan_row"])
+@pytest.mark.parametrize("dim", [64, 256])
+def test_int4_decode_fixed_point(lib: kernels.KernelLibrary, q_form: str, dim: int) -> None:
+    """int4 per token and head's decode kernel multiplies in integers (fast_simd.h, kv_int_dot: each query row as
+    int16 with one scale, each row's softmax weights of a 64-token chunk as int16 with one scale, exact int32 sums):
+    equal to the reference where that fixed point is pressed hardest -- one query channel 100x the others (the
+    others keep ~2^-9 of their size), scores 8x sharper (weights over many octaves within a chunk), an all-zero
+    query row (scale 0: uniform weights). A NaN query row gives NaN in its own output row and nowhere else."""
+    decode_kernel(lib, INT4, "dynamic", dim, 16, 3)
+    seq_lens = [1, 17, 64, 200, 333]
+    cache, meta, q = make_case(INT4, "dynamic", torch.bfloat16, group=3, dim=dim, heads=2, query_lens=[1] * 5,
+                               seq_lens=seq_lens, seed=dim, poison=True)
+    if q_form == "outlier":
+        q[:, :, 5] *= 100
+    elif q_form == "peaked":
+        q *= 8
+    else:
+        q[2, 4] = 0.0 if q_form == "zero_row" else float("nan")
+    if q_form != "nan_row":
+        check_attention(lib, cache, meta, q)
+        return
+    got = paged_attention_fused(lib, q, cache, 1, meta, dim ** -0.5, 0).float()
+    ref = paged_attention_reference(q, cache, 1, meta, dim ** -0.5).float()
+    bad = torch.zeros_like(got, dtype=torch.bool)
+    bad[2, 4] = True
+    assert got[bad].isnan().all() and not got[~bad].isnan().any()
+    bound = TOL[torch.bfloat16] * (1.0 + ref[~bad].abs().max().item())
+    assert (got[~bad] - ref[~bad]).abs().max().item() <= bound
 
 
 def test_decode_item_kernel_conditions(lib: kernels.KernelLibrary) -> None:

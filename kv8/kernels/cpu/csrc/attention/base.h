@@ -15,9 +15,10 @@
 
 #include <type_traits>
 
-// The AVX-512 BF16 path (item_tile.h, item_prefill.h, item_decode.h) is compiled when the target has all of these.
+// The AVX-512 BF16 path (item_tile.h, item_prefill.h, item_decode.h) is compiled when the target has all of these
+// (VNNI: int4's integer products in the decode kernel; every CPU with AVX-512 BF16 has it).
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VBMI__) && \
-    defined(__AVX512BF16__)
+    defined(__AVX512BF16__) && defined(__AVX512VNNI__)
 #define KV8_FAST 1
 #else
 #define KV8_FAST 0

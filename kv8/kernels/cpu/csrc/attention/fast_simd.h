@@ -13,7 +13,8 @@
 // the query slots of an int4 cache hold channels 16p + 2i (slot 2p) and 16p + 2i + 1 (slot 2p + 1) (q_parts16),
 // and the V accumulators their own channel map (acc_channel).
 // Every code is a bf16 exactly (|code| <= 127); the per-token scales multiply the scores (K) and the softmax
-// weights (V), as for FP8 with dynamic scales.
+// weights (V), as for FP8 with dynamic scales. int4 per token and head reads the same permutes with a table of int16
+// words and multiplies in integers (kv_int_dot, below int4_v_pairs).
 // FP4 (E2M1 codes, decode kernel only): int4's nibble layout, its byte permutes and word table with the E2M1 values
 // (each an exact bf16), in other orders: K slots whose 128-bit lane k, dword i holds a channel pair of token k's
 // group i (group_k_slots), so that the dot products of a chunk sum per token and group in one register, scaled by one
@@ -139,26 +140,82 @@ static inline __m512i load_rows32(const uint8_t* a, const uint8_t* b) {
 }
 
 // K, int4: one 64-channel chunk (32 bytes) of 4 token rows (row k at p + k * stride) -> 8 slots, token k in lane k:
-// slot 2s holds channels 16s + 2i (i = 0..7), slot 2s + 1 channels 16s + 2i + 1.
-static inline void int4_k_slots(const uint8_t* p, int stride, const Lut& L, __m512i* slots) {
+// slot 2s holds channels 16s + 2i (i = 0..7), slot 2s + 1 channels 16s + 2i + 1. `words`: the word table of the
+// codes' values (32 words, word i the value of nibble i % 16): bf16 (Lut::lo0) or int16 (int4_int_words).
+static inline void int4_k_slots(const uint8_t* p, int stride, __m512i words, __m512i* slots) {
     const __m512i r01 = load_rows32(p, p + stride), r23 = load_rows32(p + 2 * stride, p + 3 * stride);
     const __m512i idx = _mm512_load_si512(INT4_INDEX.k);
     for (int s = 0; s < 4; ++s) {
         const __m512i x = _mm512_permutex2var_epi8(r01, _mm512_add_epi8(idx, _mm512_set1_epi8((char)(8 * s))), r23);
-        slots[2 * s] = _mm512_permutexvar_epi16(x, L.lo0);                             // low nibbles
-        slots[2 * s + 1] = _mm512_permutexvar_epi16(_mm512_srli_epi16(x, 4), L.lo0);   // high nibbles
+        slots[2 * s] = _mm512_permutexvar_epi16(x, words);                             // low nibbles
+        slots[2 * s + 1] = _mm512_permutexvar_epi16(_mm512_srli_epi16(x, 4), words);   // high nibbles
     }
 }
 
-// V, int4: one 64-channel chunk (32 bytes) of the rows of tokens 2u (a) and 2u + 1 (b) -> 4 registers of bf16
-// token pairs; register 2h + o, dword i: channel 32h + 2i + o (acc_channel).
-static inline void int4_v_pairs(const uint8_t* a, const uint8_t* b, const Lut& L, __m512i* v) {
+// V, int4: one 64-channel chunk (32 bytes) of the rows of tokens 2u (a) and 2u + 1 (b) -> 4 registers of token
+// pairs (words: as int4_k_slots'); register 2h + o, dword i: channel 32h + 2i + o (acc_channel).
+static inline void int4_v_pairs(const uint8_t* a, const uint8_t* b, __m512i words, __m512i* v) {
     const __m512i ab = load_rows32(a, b);
     for (int h = 0; h < 2; ++h) {
         const __m512i x = _mm512_permutexvar_epi8(_mm512_load_si512(INT4_INDEX.v[h]), ab);
-        v[2 * h] = _mm512_permutexvar_epi16(x, L.lo0);
-        v[2 * h + 1] = _mm512_permutexvar_epi16(_mm512_srli_epi16(x, 4), L.lo0);
+        v[2 * h] = _mm512_permutexvar_epi16(x, words);
+        v[2 * h + 1] = _mm512_permutexvar_epi16(_mm512_srli_epi16(x, 4), words);
     }
+}
+
+// ---- int4 per token and head in integers (the decode kernel, kv_int_dot) ----------------------------------------
+//
+// vdpbf16ps issues at about a quarter of vpdpwssd's rate on the Xeon without AMX (12 independent ones: ~11 ns
+// against ~3 ns, the same 32 products each), so int4's decode kernel multiplies its codes as int16 words
+// (int4_int_words in int4_k_slots / int4_v_pairs) with vpdpwssd: exact products, exact int32 sums.
+// The other operand is a fixed-point form of the float it replaces:
+//   q row:   q_d = qs x qi_d, qi_d = round(q_d / qs) with qs = max_d |q_d| / 32767 (one scale per row, int4_q_words);
+//            |error| <= qs / 2 per channel, so a score's error is <= 2^-16 max|q| x sum_d |c_d|: under half the
+//            bf16 rounding of q's bound (2^-9 sum_d |q_d c_d| >= 2^-9 max|q| |c|, |c| <= 8).
+//   weights: w_t = p_t vs_t = ws x wi_t, wi_t = round(w_t / ws), ws = max over a chunk's tokens / 32767 (per row
+//            and chunk); |error| <= ws / 2 per token: over the chunk's 64 tokens <= 2^-10 of its largest weight,
+//            which the denominator sum_t p_t holds, where bf16 weights err by up to 2^-9 of each.
+// A score sum is at most 32767 x 8 x D (< 2^31 for D <= 256) and a chunk's P.V sum 32767 x 8 x 64.
+static constexpr bool kv_int_dot(int kv) { return KV_FORMATS[kv].ibits == 4 && KV_FORMATS[kv].group == 0; }
+
+// The int16 word table of the int4 codes: word i = (i % 16 ^ 8) - 8.
+static inline __m512i int4_int_words() {
+    alignas(64) int16_t w[32];
+    for (int i = 0; i < 32; ++i) w[i] = (int16_t)nibble_value(KV_I4, i & 15);
+    return _mm512_load_si512(w);
+}
+
+// Query row at element src (channels permuted as q_parts16 does for int4; per-channel K scales kscale folded in
+// where given) as int16 slots qw[D / 8] (int4_k_slots' channel order, broadcast to the 4 lanes); returns its scale
+// qs (q ~= qs x words; NaN where q holds a NaN or an infinity, so that the row's output is NaN as the reference's).
+static inline float int4_q_words(const Problem& P, int64_t src, const float* kscale, __m512i* qw) {
+    alignas(64) float x[1024];
+    __m512 mx = _mm512_setzero_ps();
+    __mmask16 bad = 0;   // lanes that held a NaN or an infinity
+    for (int d = 0; d < P.D; d += 16) {
+        __m512 v;
+        if (P.q_dtype == DT_BF16)
+            v = _mm512_castsi512_ps(_mm512_slli_epi32(
+                _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)((const uint16_t*)P.q + src + d))), 16));
+        else if (P.q_dtype == DT_F16)
+            v = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)((const uint16_t*)P.q + src + d)));
+        else
+            v = _mm512_loadu_ps((const float*)P.q + src + d);
+        if (kscale) v = _mm512_mul_ps(v, _mm512_loadu_ps(kscale + d));
+        v = _mm512_permutexvar_ps(_mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15), v);
+        _mm512_store_ps(x + d, v);
+        mx = _mm512_max_ps(mx, _mm512_abs_ps(v));
+        bad |= _mm512_fpclass_ps_mask(v, 0x99);   // QNaN, +inf, -inf, SNaN
+    }
+    const float m = bad ? 0.0f : _mm512_reduce_max_ps(mx);
+    const float inv = m > 0 ? 32767.0f / m : 0.0f;
+    for (int d = 0; d < P.D; d += 16) {
+        const __m256i h = _mm512_cvtepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(_mm512_load_ps(x + d),
+                                                                                 _mm512_set1_ps(inv))));
+        qw[d / 8] = _mm512_broadcast_i32x4(_mm256_castsi256_si128(h));
+        qw[d / 8 + 1] = _mm512_broadcast_i32x4(_mm256_extracti128_si256(h, 1));
+    }
+    return bad ? NAN : m / 32767.0f;
 }
 
 // ---- FP4 (fp4_e2m1) in the decode kernel: the E4M3 group scales, and V one group at a time ----------------------
@@ -427,6 +484,12 @@ static inline void prep_q(const Problem& P, int64_t src, const float* kscale, __
     }
 }
 
+// The element where row r of item `it` starts in q (query head kvh * G + r % G of query token qrow0 + r / G).
+static inline int64_t q_row_src(const Problem& P, const Item& it, const Rows& w, int r) {
+    const int h = it.kvh * P.G + r % P.G;
+    return ((w.qrow0 + r / P.G) * P.Hq + h) * (int64_t)P.D;
+}
+
 // Per item: the query rows as bf16 hi / lo slots (D / 8 per row; per-channel K scales folded in, kscale
 // [D] filled then), each row's first and last visible positions; returns the factor of the scores (softmax
 // scale times a per-tensor / per-head K scale).
@@ -437,8 +500,7 @@ static float prep_rows(const Problem& P, const Item& it, const Rows& w, float* k
     if (kch)
         for (int d = 0; d < D; ++d) kscale[d] = P.ks[it.kvh * P.ks_hs + d * P.ks_ds];
     for (int r = 0; r < w.R; ++r) {
-        int h = it.kvh * P.G + r % P.G;
-        int64_t src = ((w.qrow0 + r / P.G) * P.Hq + h) * (int64_t)D;
+        const int64_t src = q_row_src(P, it, w, r);
         prep_q(P, src, kch ? kscale : nullptr, qhi + (size_t)r * nslots, qlo + (size_t)r * nslots);
         lim[r] = row_limit(P, it, w, r);
         lo[r] = first_visible(P, lim[r]);

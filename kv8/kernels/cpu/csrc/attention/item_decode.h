@@ -23,6 +23,11 @@
 // x softmax scale x the token's K scale, and the token's V scale multiplies its softmax weight before the weight
 // rounds to bf16: out = sum_t bf16(p_t vs_t) c_t / sum_t p_t. int4 rows are D / 2 bytes (32 per 64-channel
 // chunk), unpacked in registers (int4_k_slots, int4_v_pairs), so a tile reads half an int8 tile's bytes.
+// int4 per token and head multiplies in integers instead (kv_int_dot: tile_scores_int, chunk_pv_int): the codes as
+// int16 words, q and the weights p_t vs_t as int16 fixed point (one scale per query row; one per row and chunk for
+// the weights), vpdpwssd's exact products and int32 sums, then fp32 -- vdpbf16ps issues at a quarter of vpdpwssd's
+// rate on the Xeon without AMX, and these products made int4's decode as slow as FP8's there. The fixed point's
+// error bounds (fast_simd.h, int4_q_words) are within those of the bf16 q and weights it replaces.
 //
 // The group-scaled formats: int4_per_group32 (kv_int4_codes, gscale 2: the int4 path's codes and a float16 scale per
 // 32 channels of each token) and FP4 (fp4_e2m1, kv_fp4_codes: E2M1 codes in int4's nibble layout, read through a
@@ -81,7 +86,7 @@ static inline void tile_scores_inplace(const uint8_t* kb, const uint8_t* kahead,
                 if constexpr (!kv_nibble_codes(KV)) in[k] = _mm512_loadu_si512(kb + (4 * g + k) * RBYTES + z * CB);
             }
             if constexpr (G != 0) group_k_slots<G>(kb + 4 * g * RBYTES + z * CB, RBYTES, L, slots);
-            else if constexpr (kv_int4_codes(KV)) int4_k_slots(kb + 4 * g * RBYTES + z * CB, RBYTES, L, slots);
+            else if constexpr (kv_int4_codes(KV)) int4_k_slots(kb + 4 * g * RBYTES + z * CB, RBYTES, L.lo0, slots);
             else k_chunk_slots<KV>(in, L, slots);
             if constexpr (G != 0) {   // lane (k, i) of a slot's products: token 4g + k's group i / (G / 16) of the chunk
                 const __m512 sc = G == 16 ? fp4_k_scales4(fs, g) : i4g_k_scales4(fs, g);   // lane 4k + i: its scale
@@ -158,7 +163,7 @@ static inline void chunk_pv_inplace(const uint8_t* const* vb, const uint8_t* con
                     const __m512i ab = load_rows32(v0 + 2 * u * RBYTES, v0 + (2 * u + 1) * RBYTES);
                     for (int q = 0; q < 4; ++q) v[q] = fp4_v_group(ab, q, L);
                 } else if constexpr (kv_int4_codes(KV))
-                    int4_v_pairs(v0 + 2 * u * RBYTES, v0 + (2 * u + 1) * RBYTES, L, v);
+                    int4_v_pairs(v0 + 2 * u * RBYTES, v0 + (2 * u + 1) * RBYTES, L.lo0, v);
                 else
                     v_chunk_pairs<KV>(_mm512_loadu_si512(v0 + 2 * u * RBYTES),
                                       _mm512_loadu_si512(v0 + (2 * u + 1) * RBYTES), L, v);
@@ -176,6 +181,85 @@ static inline void chunk_pv_inplace(const uint8_t* const* vb, const uint8_t* con
         }
         for (int r = 0; r < R; ++r)
             for (int m = 0; m < NV; ++m) _mm512_store_ps(obuf + r * D + (z * NV + m) * 16, acc[r][m]);
+    }
+}
+
+// kv_int_dot (int4 per token and head): the scores of R rows against the 16 rows of one tile starting at kb, as
+// tile_scores_inplace, in integers: qw (int4_q_words' slots, row r's at qw + r * D / 8) . codes (int4_int_words)
+// summed exactly in int32 per 4 tokens and slot, then in fp32 and times the rows' scales qs[r].
+template <int D, int R>
+static inline void tile_scores_int(const uint8_t* kb, const uint8_t* kahead, __m512i words, const __m512i* qw,
+                                   const float* qs, __m512* out) {
+    constexpr int RBYTES = (int)kv_row_bytes(KV_I4, D), NS = D / 8;
+    __m512i acc[R][4];
+    for (int r = 0; r < R; ++r)
+        for (int g = 0; g < 4; ++g) acc[r][g] = _mm512_setzero_si512();
+    for (int z = 0; z < D / 64; ++z)
+        for (int g = 0; g < 4; ++g) {
+            if (z == 0)
+                for (int k = 0; k < 4; ++k) stream_row<RBYTES>(kahead, 4 * g + k);
+            __m512i slots[8];
+            int4_k_slots(kb + 4 * g * RBYTES + z * 32, RBYTES, words, slots);
+            for (int l = 0; l < 8; ++l)
+                for (int r = 0; r < R; ++r) acc[r][g] = _mm512_dpwssd_epi32(acc[r][g], qw[r * NS + 8 * z + l], slots[l]);
+        }
+    for (int r = 0; r < R; ++r) {
+        __m512 f[4];
+        for (int g = 0; g < 4; ++g) f[g] = _mm512_cvtepi32_ps(acc[r][g]);
+        out[r] = _mm512_mul_ps(reduce_scores(f), _mm512_set1_ps(qs[r]));
+    }
+}
+
+// kv_int_dot: obuf (R rows x D accumulators) = obuf * alpha + P . V over the nt tiles of a chunk, as
+// chunk_pv_inplace, in integers: row r's weights of tile j (fp32, pf + (r * CHUNK_TILES + j) * 16) times the
+// tokens' V scales vs[j] as int16 fixed point with one scale per row and chunk (int4_q_words' comment), the codes as
+// int16 (int4_int_words), the chunk's products summed exactly in int32, then added to obuf in fp32.
+template <int D, int R>
+static inline void chunk_pv_int(const uint8_t* const* vb, const uint8_t* const* vahead, int nt, __m512i words,
+                                const float* pf, const __m512* vs, bool vscale, float* obuf, const float* alpha) {
+    constexpr int RBYTES = (int)kv_row_bytes(KV_I4, D);
+    alignas(64) uint32_t pw[R][CHUNK_TILES][8];   // row r's int16 weight pairs (tokens 2u, 2u + 1) of tile j
+    float ws[R];                                  // row r's weight scale
+    for (int r = 0; r < R; ++r) {
+        __m512 w[CHUNK_TILES], m = _mm512_setzero_ps();
+        for (int j = 0; j < nt; ++j) {
+            w[j] = _mm512_loadu_ps(pf + (r * CHUNK_TILES + j) * 16);
+            if (vscale) w[j] = _mm512_mul_ps(w[j], vs[j]);
+            m = _mm512_max_ps(m, w[j]);
+        }
+        const float mx = _mm512_reduce_max_ps(m);   // weights are >= 0 (0: the row sees nothing of the chunk)
+        const __m512 inv = _mm512_set1_ps(mx > 0 ? 32767.0f / mx : 0.0f);
+        ws[r] = mx / 32767.0f;
+        for (int j = 0; j < nt; ++j)
+            _mm256_store_si256((__m256i*)pw[r][j], _mm512_cvtepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(w[j], inv))));
+    }
+    for (int z = 0; z < D / 64; ++z) {
+        __m512i acc[R][4];
+        for (int r = 0; r < R; ++r)
+            for (int m = 0; m < 4; ++m) acc[r][m] = _mm512_setzero_si512();
+        for (int j = 0; j < nt; ++j) {
+            const uint8_t* v0 = vb[j] + z * 32;
+            for (int u = 0; u < 8; ++u) {
+                if (z == 0) {
+                    stream_row<RBYTES>(vahead[j], 2 * u);
+                    stream_row<RBYTES>(vahead[j], 2 * u + 1);
+                }
+                __m512i v[4];
+                int4_v_pairs(v0 + 2 * u * RBYTES, v0 + (2 * u + 1) * RBYTES, words, v);
+                for (int r = 0; r < R; ++r) {
+                    const __m512i p = _mm512_set1_epi32((int)pw[r][j][u]);
+                    for (int m = 0; m < 4; ++m) acc[r][m] = _mm512_dpwssd_epi32(acc[r][m], v[m], p);
+                }
+            }
+        }
+        for (int r = 0; r < R; ++r) {
+            const __m512 a = _mm512_set1_ps(alpha[r]), s = _mm512_set1_ps(ws[r]);
+            for (int m = 0; m < 4; ++m) {
+                float* o = obuf + r * D + (z * 4 + m) * 16;
+                _mm512_store_ps(o, _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r][m]), s,
+                                                   _mm512_mul_ps(_mm512_load_ps(o), a)));
+            }
+        }
     }
 }
 
@@ -336,6 +420,7 @@ template <int D, int R>
 struct AvxDecodeHead : DecodeHeadState<D, R> {
     static constexpr int NS = D / 8;
     alignas(64) __m512i qhi[R * NS], qlo[R * NS];
+    float qs[R];   // kv_int_dot: qhi holds int4_q_words' slots, row r's scale qs[r] (qlo unused)
 };
 
 template <int KV, int D, int R>
@@ -347,7 +432,9 @@ static int run_item_decode(const Problem& P, const Item& item, float* ws) {
     alignas(64) float nat[D], kscale[D];
     alignas(64) uint32_t phi[R * CT * 8];
     constexpr bool GS = KV_FORMATS[KV].group != 0;   // group scales (int4_per_group32, FP4): on the weights per group
-    alignas(64) float pf[GS ? R * CT * 16 : 1];   // the weights in fp32 there (chunk_pv_inplace)
+    constexpr bool INT = kv_int_dot(KV);   // int4 per token and head: integer products (chunk_pv_int, tile_scores_int)
+    alignas(64) float pf[GS || INT ? R * CT * 16 : 1];   // the weights in fp32 there (chunk_pv_inplace, chunk_pv_int)
+    const __m512i words = INT ? int4_int_words() : L.lo0;
     // Zero-padded copies of partial tiles. V is read after the chunk's scores, and the first tile (rows before
     // k0) and the last (rows past the context) can share a chunk, so each has its own V copy.
     alignas(64) uint8_t pad_k[TILE * RBYTES], pad_v_first[TILE * RBYTES], pad_v_last[TILE * RBYTES];
@@ -360,6 +447,9 @@ static int run_item_decode(const Problem& P, const Item& item, float* ws) {
         AvxDecodeHead<D, R>& H = heads[hd];
         H.start(item, hd);
         H.sfac = prep_rows(P, H.it, w, kscale, H.qhi, H.qlo, lo, lim);
+        if constexpr (INT)   // the rows again, as int16 slots
+            for (int r = 0; r < R; ++r)
+                H.qs[r] = int4_q_words(P, q_row_src(P, H.it, w, r), kch ? kscale : nullptr, H.qhi + r * (D / 8));
     }
 
     const int64_t* table = item_table<RBYTES>(P, item);
@@ -383,7 +473,8 @@ static int run_item_decode(const Problem& P, const Item& item, float* ws) {
                     vb[j] = pad_tile<RBYTES>(T.lead > 0 ? pad_v_first : pad_v_last, vb[j], T.lead, T.n);
                 }
                 __m512 sc[R];
-                if (kch) tile_scores_inplace<KV, D, R, true>(kb, T.ka, L, H.qhi, H.qlo, sc);
+                if constexpr (INT) tile_scores_int<D, R>(kb, T.ka, words, H.qhi, H.qs, sc);
+                else if (kch) tile_scores_inplace<KV, D, R, true>(kb, T.ka, L, H.qhi, H.qlo, sc);
                 else tile_scores_inplace<KV, D, R, false>(kb, T.ka, L, H.qhi, H.qlo, sc);
                 for (int r = 0; r < R; ++r) {  // visible tokens of this tile: [first - t0, limit - t0] within have
                     valid[r][j] = T.have & lane_range(lo[r] - t0, lim[r] - t0 + 1);
@@ -392,8 +483,9 @@ static int run_item_decode(const Problem& P, const Item& item, float* ws) {
             }
             for (int r = 0; r < R; ++r)  // row r's weights: tile j's at dwords (r * CT + j) * 8 of phi
                 alpha[r] = decode_weights(s[r], valid[r], vsv, P.vts != nullptr, nt, H.mx[r], H.sum[r],
-                                          (uint16_t*)(phi + r * CT * 8), 32, GS ? pf + r * CT * 16 : nullptr);
-            chunk_pv_inplace<KV, D, R>(vb, vahead, nt, L, phi, pf, H.obuf, alpha);
+                                          (uint16_t*)(phi + r * CT * 8), 32, GS || INT ? pf + r * CT * 16 : nullptr);
+            if constexpr (INT) chunk_pv_int<D, R>(vb, vahead, nt, words, pf, vsv, P.vts != nullptr, H.obuf, alpha);
+            else chunk_pv_inplace<KV, D, R>(vb, vahead, nt, L, phi, pf, H.obuf, alpha);
         }
     }
     for (int hd = 0; hd < item.nh; ++hd) heads[hd].template finish<KV>(P, w, nat, ws);
