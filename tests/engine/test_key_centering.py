@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from kv8 import LLM, SamplingParams
+from kv8 import LLM
 from kv8.cache.codec import KVCodec
 from kv8.cache.config import CacheConfig
 from kv8.cache.scale_sources import engine_key_offsets
@@ -21,6 +21,7 @@ from kv8.quant.key_offsets import KeyOffsets
 from kv8.quant.rotation import hadamard
 from kv8.quant.scale_files import write_kv8_scales_json
 from kv8.quant.scales import KVScales, ModelScaleInfo
+from tests.helpers.engine import tokens_and_logprobs
 from tests.helpers.tiny_models import make_tiny_model
 
 PROMPTS = ["the quick brown fox jumps over the lazy dog and then the dog sleeps in the sun",
@@ -55,16 +56,7 @@ def _llm(path: str, **kw) -> LLM:
 
 
 def _run(llm: LLM) -> tuple[list[list[int]], torch.Tensor]:
-    """Greedy tokens and prompt-token logprobs of PROMPTS, then the greedy tokens and their logprobs of a prompt
-    extending the first (its blocks from the prefix cache: a request for prompt logprobs computes every token)."""
-    outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=6, prompt_logprobs=0, ignore_eos=True))
-    lps = [pos[tid].logprob for o in outs for tid, pos in zip(o.prompt_token_ids[1:], o.prompt_logprobs[1:])
-           if pos is not None]
-    outs += llm.generate([PROMPTS[0] + " again and again"], SamplingParams(temperature=0, max_tokens=6, logprobs=1,
-                                                                          ignore_eos=True))
-    sampled = outs[-1].outputs[0]
-    lps += [pos[tid].logprob for tid, pos in zip(sampled.token_ids, sampled.logprobs)]
-    return [list(o.outputs[0].token_ids) for o in outs], torch.tensor(lps)
+    return tokens_and_logprobs(llm, PROMPTS)
 
 
 # ---- the codec: the one place keys are centered ------------------------------------------------------------------

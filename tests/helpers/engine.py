@@ -3,7 +3,9 @@ an offline LLM, and what must hold after every run."""
 
 from __future__ import annotations
 
-from kv8 import LLM
+import torch
+
+from kv8 import LLM, SamplingParams
 
 #: every KV cache form the engine tests cover: the options of each, by name
 KV_CONFIGS = {
@@ -77,3 +79,18 @@ def assert_greedy_match(got: list, expected: list, tol: float = NEAR_TIE) -> Non
             assert a in lp and b in lp and abs(lp[a].logprob - lp[b].logprob) <= tol, (
                 f"sequence {i} differs at token {j} ({a} vs {b}) and it is no near-tie in {name}: "
                 f"{ {t: round(x.logprob, 5) for t, x in lp.items()} }")
+
+
+def tokens_and_logprobs(llm: LLM, prompts: list[str]) -> tuple[list[list[int]], torch.Tensor]:
+    """Greedy tokens (6 each) and prompt-token logprobs of ``prompts``, then the greedy tokens and their logprobs of a
+    prompt extending the first (its blocks from the prefix cache: a request for prompt logprobs computes every token):
+    what two engines that must compute the same attention are compared by."""
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=6, prompt_logprobs=0, ignore_eos=True))
+    lps = [pos[tid].logprob for o in outs if o.prompt_logprobs is not None
+           for tid, pos in zip(o.prompt_token_ids[1:], o.prompt_logprobs[1:]) if pos is not None]
+    outs += llm.generate([prompts[0] + " again and again"], SamplingParams(temperature=0, max_tokens=6, logprobs=1,
+                                                                           ignore_eos=True))
+    sampled = outs[-1].outputs[0]
+    assert sampled.logprobs is not None
+    lps += [pos[tid].logprob for tid, pos in zip(sampled.token_ids, sampled.logprobs)]
+    return [list(o.outputs[0].token_ids) for o in outs], torch.tensor(lps)
