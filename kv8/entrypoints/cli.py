@@ -209,19 +209,16 @@ def cmd_info(ns: argparse.Namespace) -> int:
 
 def _key_centering(path: str, arch: ModelArchConfig) -> str:
     """Whether the scales file ``path`` turns key centering on for ``arch`` (its offsets validated), in words."""
-    from kv8.quant.scale_files import load_key_offsets
+    from kv8.quant.scale_files import load_key_offsets, load_key_scaling
     from kv8.quant.scales import ModelScaleInfo
 
-    offsets = load_key_offsets(path, ModelScaleInfo(arch.model_type, arch.num_layers, arch.num_kv_heads,
-                                                    arch.head_dim))
+    model = ModelScaleInfo(arch.model_type, arch.num_layers, arch.num_kv_heads, arch.head_dim)
+    offsets = load_key_offsets(path, model)
     if offsets is None:
         return f"off ({path} has no key offsets; kv8 calibrate --key-centering writes them)"
     if not arch.shift_invariant_scores:
         return f"refused: {path} has key offsets, but this model {arch.score_transform}"
-    from kv8.quant.scale_files import load_key_scaling
-
-    scaling = load_key_scaling(path, ModelScaleInfo(arch.model_type, arch.num_layers, arch.num_kv_heads,
-                                                    arch.head_dim))
+    scaling = load_key_scaling(path, model)
     scaled = ("" if scaling is None else
               f"; key scaling on: centered keys times its factors ({float(scaling.s.min()):.3g}.."
               f"{float(scaling.s.max()):.3g}), queries divided by them")

@@ -12,7 +12,7 @@ import math
 import os
 import re
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -31,6 +31,8 @@ from kv8.validators import is_number
 __all__ = ["file_has_key_offsets", "file_has_key_scaling", "load_key_offsets", "load_key_scaling",
            "load_kv8_scales_json", "load_scales_file", "load_vllm_scales_json", "write_kv8_scales_json",
            "write_vllm_scales_json"]
+
+_PerChannel = TypeVar("_PerChannel", KeyOffsets, KeyScaling)   # a per (layer, KV head, channel) field
 
 # --------------------------------------------------------------------------------------------------
 # vLLM kv_cache_scales.json
@@ -332,39 +334,45 @@ def load_kv8_scales_json(path: str | os.PathLike[str], model: ModelScaleInfo) ->
     return _kv8_scales_from_doc(data, where, model)
 
 
-def _offsets_from_doc(data: dict[str, Any], where: str, model: ModelScaleInfo) -> KeyOffsets:
-    t = _nested_floats(data["k_offset"], "k_offset", where)
+def _per_channel_from_doc(data: dict[str, Any], field: str, cls: type[_PerChannel], where: str,
+                          model: ModelScaleInfo) -> _PerChannel:
+    """The file's ``[L, H, D]`` field ``field`` (``k_offset`` or ``k_channel_scale``) as ``cls``, validated by it and
+    against ``model``; every error names the file."""
+    t = _nested_floats(data[field], field, where)
     try:
-        offsets = KeyOffsets(t, f"quantization_param_path {where}")
-        offsets.check_fits(model.num_layers, model.num_kv_heads, model.head_dim)
+        value = cls(t, f"quantization_param_path {where}")
+        value.check_fits(model.num_layers, model.num_kv_heads, model.head_dim)
     except ValueError as e:
         raise ValueError(f"{where}: {e}") from None
-    return offsets
+    return value
+
+
+def _offsets_from_doc(data: dict[str, Any], where: str, model: ModelScaleInfo) -> KeyOffsets:
+    return _per_channel_from_doc(data, "k_offset", KeyOffsets, where, model)
 
 
 def _key_scaling_from_doc(data: dict[str, Any], where: str, model: ModelScaleInfo) -> KeyScaling:
-    t = _nested_floats(data["k_channel_scale"], "k_channel_scale", where)
-    try:
-        scaling = KeyScaling(t, f"quantization_param_path {where}")
-        scaling.check_fits(model.num_layers, model.num_kv_heads, model.head_dim)
-    except ValueError as e:
-        raise ValueError(f"{where}: {e}") from None
-    return scaling
+    return _per_channel_from_doc(data, "k_channel_scale", KeyScaling, where, model)
+
+
+def _kv8_doc_with(path: str | os.PathLike[str], field: str) -> dict[str, Any] | None:
+    """The JSON of ``path`` when it is a kv8 scales file with ``field``, else None (a vLLM file never has one).
+    ValueError for an unreadable file."""
+    data = _read_json(path)
+    return data if isinstance(data, dict) and data.get("format") == KV8_SCALES_FORMAT and field in data else None
 
 
 def file_has_key_offsets(path: str | os.PathLike[str]) -> bool:
     """Whether a ``quantization_param_path`` file carries key offsets (a kv8 file with ``"k_offset"``; nothing
     else is validated here: :func:`load_key_offsets` does that against the model). ValueError for an unreadable
     file."""
-    data = _read_json(path)
-    return isinstance(data, dict) and data.get("format") == KV8_SCALES_FORMAT and "k_offset" in data
+    return _kv8_doc_with(path, "k_offset") is not None
 
 
 def file_has_key_scaling(path: str | os.PathLike[str]) -> bool:
     """Whether a ``quantization_param_path`` file carries key scaling's factors (a kv8 file with
     ``"k_channel_scale"``; validated by :func:`load_key_scaling`). ValueError for an unreadable file."""
-    data = _read_json(path)
-    return isinstance(data, dict) and data.get("format") == KV8_SCALES_FORMAT and "k_channel_scale" in data
+    return _kv8_doc_with(path, "k_channel_scale") is not None
 
 
 def load_key_offsets(path: str | os.PathLike[str], model: ModelScaleInfo) -> KeyOffsets | None:
@@ -372,8 +380,8 @@ def load_key_offsets(path: str | os.PathLike[str], model: ModelScaleInfo) -> Key
     engine cuts them to its rank's heads), or None when it has none (a vLLM file never has). The file is
     validated as :func:`load_kv8_scales_json` does; ``k_offset`` must be ``[num_layers, num_kv_heads, head_dim]``
     of finite numbers."""
-    data = _read_json(path)
-    if not (isinstance(data, dict) and data.get("format") == KV8_SCALES_FORMAT and "k_offset" in data):
+    data = _kv8_doc_with(path, "k_offset")
+    if data is None:
         return None
     where = os.fspath(path)
     _kv8_scales_from_doc(data, where, model)   # the whole file is checked, scales included
@@ -384,8 +392,8 @@ def load_key_scaling(path: str | os.PathLike[str], model: ModelScaleInfo) -> Key
     """The key factors of a ``quantization_param_path`` file for ``model`` (every KV head), or None when it has
     none. The file is validated as :func:`load_kv8_scales_json` does; ``k_channel_scale`` must be
     ``[num_layers, num_kv_heads, head_dim]`` of finite numbers > 0, beside ``k_offset``."""
-    data = _read_json(path)
-    if not (isinstance(data, dict) and data.get("format") == KV8_SCALES_FORMAT and "k_channel_scale" in data):
+    data = _kv8_doc_with(path, "k_channel_scale")
+    if data is None:
         return None
     where = os.fspath(path)
     _kv8_scales_from_doc(data, where, model)   # the whole file is checked

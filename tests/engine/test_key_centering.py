@@ -4,7 +4,6 @@ keys with a large constant channel, refused where softmax is not shift invariant
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
@@ -22,6 +21,7 @@ from kv8.quant.rotation import hadamard
 from kv8.quant.scale_files import write_kv8_scales_json
 from kv8.quant.scales import KVScales, ModelScaleInfo
 from tests.helpers.engine import tokens_and_logprobs
+from tests.helpers.scales import model_scale_info
 from tests.helpers.tiny_models import make_tiny_model
 
 PROMPTS = ["the quick brown fox jumps over the lazy dog and then the dog sleeps in the sun",
@@ -32,13 +32,6 @@ def _offsets_file(path: Path, model: ModelScaleInfo, offsets: torch.Tensor) -> s
     """A kv8 scales file (scale 1.0) with key offsets ``offsets`` ``[L, H, D]``."""
     write_kv8_scales_json(path, KVScales.default(model.num_layers), model, KeyOffsets(offsets, "test"))
     return str(path)
-
-
-def _info(model_dir: str) -> ModelScaleInfo:
-    cfg = json.loads((Path(model_dir) / "config.json").read_text())
-    heads = cfg["num_attention_heads"]
-    return ModelScaleInfo(cfg["model_type"], cfg["num_hidden_layers"], cfg.get("num_key_value_heads", heads),
-                          cfg.get("head_dim", cfg["hidden_size"] // heads))
 
 
 def _large_offsets(model: ModelScaleInfo, seed: int = 0) -> torch.Tensor:
@@ -131,7 +124,7 @@ def test_centering_is_exact_with_a_float32_cache_on_every_path(qwen2: str, tmp_p
     """Chunked prefill (8 tokens a step), prefix-cache hits (blocks of 4), the reference, fused CPU and Triton
     (interpreted on the CPU) attention: with offsets of 40 on a channel, the outputs equal the uncentered engine's
     within float32 rounding."""
-    info = _info(qwen2)
+    info = model_scale_info(qwen2)
     path = _offsets_file(tmp_path / "offsets.json", info, _large_offsets(info))
     kw = dict(kv_cache_dtype="float32", attention_backend=backend, max_num_batched_tokens=8, block_size=4)
     ref_tokens, ref_lps = _run(_llm(qwen2, **kw))
@@ -145,7 +138,7 @@ def test_centering_is_exact_with_a_float32_cache_on_every_path(qwen2: str, tmp_p
 
 def test_centering_is_exact_with_sliding_windows(gemma3: str, tmp_path: Path) -> None:
     """Gemma 3's local layers (window 16) and the global one, one KV head, chunked prefill."""
-    info = _info(gemma3)
+    info = model_scale_info(gemma3)
     path = _offsets_file(tmp_path / "offsets.json", info, _large_offsets(info))
     kw = dict(kv_cache_dtype="float32", max_num_batched_tokens=8, block_size=4)
     ref_tokens, ref_lps = _run(_llm(gemma3, **kw))
@@ -155,7 +148,7 @@ def test_centering_is_exact_with_sliding_windows(gemma3: str, tmp_path: Path) ->
 
 
 def test_centering_changes_a_bf16_cache_by_rounding_only(qwen2: str, tmp_path: Path) -> None:
-    info = _info(qwen2)
+    info = model_scale_info(qwen2)
     path = _offsets_file(tmp_path / "offsets.json", info, 0.5 * torch.randn(info.num_layers, info.num_kv_heads,
                                                                              info.head_dim))
     _, ref_lps = _run(_llm(qwen2, kv_cache_dtype="float32"))
@@ -172,7 +165,7 @@ def _constant_channel_model(tmp_path_factory: pytest.TempPathFactory, **override
     channel, as Gemma-3-270M's do."""
     path = make_tiny_model(str(tmp_path_factory.mktemp("kc_const")), "qwen2", **overrides)
     weights = load_file(str(Path(path) / "model.safetensors"))
-    info = _info(path)
+    info = model_scale_info(path)
     d = info.head_dim
     for layer in range(info.num_layers):
         bias = weights[f"model.layers.{layer}.self_attn.k_proj.bias"].view(info.num_kv_heads, d)
@@ -217,7 +210,7 @@ def test_calibrated_centering_lowers_a_quantized_caches_error(request: pytest.Fi
                                                              dtype: str, rotation: str) -> None:
     constant_channel = request.getfixturevalue("constant_channel_d32" if dtype == "int4_per_group32"
                                                else "constant_channel")
-    info = _info(constant_channel)
+    info = model_scale_info(constant_channel)
     path = _offsets_file(tmp_path / "centered.json", info, _mean_keys(constant_channel, info))
     _, ref = _run(_llm(constant_channel, kv_cache_dtype="float32"))
     _, plain = _run(_llm(constant_channel, kv_cache_dtype=dtype, kv_cache_rotation=rotation))
@@ -229,7 +222,7 @@ def test_calibrated_centering_lowers_a_quantized_caches_error(request: pytest.Fi
 
 # ---- options: which files and models may center ------------------------------------------------------------------
 def test_a_file_with_offsets_is_accepted_by_every_cache_format(qwen2: str, tmp_path: Path) -> None:
-    info = _info(qwen2)
+    info = model_scale_info(qwen2)
     with_offsets = _offsets_file(tmp_path / "c.json", info, torch.zeros(info.num_layers, info.num_kv_heads,
                                                                         info.head_dim))
     without = tmp_path / "s.json"
@@ -261,7 +254,7 @@ def test_offsets_are_cut_to_each_tensor_parallel_ranks_kv_heads(tmp_path: Path) 
 
 def test_soft_capping_refuses_key_centering(tmp_path: Path) -> None:
     path = make_tiny_model(str(tmp_path / "capped"), "llama", attn_logit_softcapping=30.0)
-    info = _info(path)
+    info = model_scale_info(path)
     offsets = _offsets_file(tmp_path / "c.json", info, torch.zeros(info.num_layers, info.num_kv_heads,
                                                                     info.head_dim))
     with pytest.raises(ValueError, match=r"key offsets .* soft-caps its attention scores "
@@ -272,7 +265,7 @@ def test_soft_capping_refuses_key_centering(tmp_path: Path) -> None:
 def test_info_and_the_startup_line_say_key_centering_is_on(qwen2: str, tmp_path: Path,
                                                           capsys: pytest.CaptureFixture[str],
                                                           caplog: pytest.LogCaptureFixture) -> None:
-    info = _info(qwen2)
+    info = model_scale_info(qwen2)
     path = _offsets_file(tmp_path / "c.json", info, _large_offsets(info))
     assert main(["info", qwen2, "--kv-cache-memory", "1MiB", "--quantization-param-path", path]) == 0
     assert f"key centering on: keys minus the offsets of {path}" in capsys.readouterr().out

@@ -5,7 +5,6 @@ statistics, and what cannot use them refuses the file."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
@@ -24,18 +23,12 @@ from kv8.quant.scale_files import write_kv8_scales_json
 from kv8.quant.scales import KVScales, ModelScaleInfo
 from kv8.tools.kv_stats import KeyMeanCollector
 from tests.helpers.engine import tokens_and_logprobs
+from tests.helpers.scales import model_scale_info
 from tests.helpers.tiny_models import make_tiny_model
 
 PROMPTS = ["the quick brown fox jumps over the lazy dog and then the dog sleeps in the sun",
            "London is the capital of England and Paris is the capital of France"]
 F32 = resolve_kv_cache_dtype("float32", torch.float32)
-
-
-def _info(model_dir: str) -> ModelScaleInfo:
-    cfg = json.loads((Path(model_dir) / "config.json").read_text())
-    heads = cfg["num_attention_heads"]
-    return ModelScaleInfo(cfg["model_type"], cfg["num_hidden_layers"], cfg.get("num_key_value_heads", heads),
-                          cfg.get("head_dim", cfg["hidden_size"] // heads))
 
 
 def _factors(model: ModelScaleInfo, seed: int = 0, spread: float = 3.0) -> torch.Tensor:
@@ -160,7 +153,7 @@ def test_scaling_is_exact_with_a_float32_cache_on_every_path(qwen2: str, tmp_pat
                                                             rotation: str) -> None:
     """Factors up to ~20x either way, chunked prefill (8 tokens a step), prefix-cache hits (blocks of 4), GQA: the
     outputs equal the plain engine's within float32 rounding."""
-    info = _info(qwen2)
+    info = model_scale_info(qwen2)
     path = _scaled_file(tmp_path / "scaled.json", info, _factors(info), 0.5 * torch.randn(
         info.num_layers, info.num_kv_heads, info.head_dim))
     kw = dict(kv_cache_dtype="float32", attention_backend=backend, max_num_batched_tokens=8, block_size=4,
@@ -177,7 +170,7 @@ def test_scaling_is_exact_with_a_float32_cache_on_every_path(qwen2: str, tmp_pat
 def test_scaling_is_exact_with_sliding_windows(tmp_path: Path) -> None:
     """Gemma 3's local layers (window 16) and the global one, one KV head for several query heads."""
     gemma3 = make_tiny_model(str(tmp_path / "gemma3"), "gemma3")
-    info = _info(gemma3)
+    info = model_scale_info(gemma3)
     path = _scaled_file(tmp_path / "scaled.json", info, _factors(info))
     kw = dict(kv_cache_dtype="float32", max_num_batched_tokens=8, block_size=4)
     ref_tokens, ref_lps = _run(_llm(gemma3, **kw))
@@ -188,7 +181,7 @@ def test_scaling_is_exact_with_sliding_windows(tmp_path: Path) -> None:
 
 # ---- options: which caches may scale -----------------------------------------------------------------------------
 def test_a_static_fp8_cache_refuses_a_file_with_factors(qwen2: str, tmp_path: Path) -> None:
-    info = _info(qwen2)
+    info = model_scale_info(qwen2)
     path = _scaled_file(tmp_path / "scaled.json", info, _factors(info))
     with pytest.raises(ValueError, match=r"has key scaling's factors \(k_channel_scale\).*static-scale FP8"):
         _llm(qwen2, kv_cache_dtype="fp8_e4m3", quantization_param_path=path)
@@ -216,7 +209,7 @@ def test_factors_are_cut_to_each_tensor_parallel_ranks_kv_heads(tmp_path: Path) 
 def test_info_and_the_startup_line_say_key_scaling_is_on(qwen2: str, tmp_path: Path,
                                                          capsys: pytest.CaptureFixture[str],
                                                          caplog: pytest.LogCaptureFixture) -> None:
-    info = _info(qwen2)
+    info = model_scale_info(qwen2)
     path = _scaled_file(tmp_path / "s.json", info, _factors(info))
     assert main(["info", qwen2, "--kv-cache-memory", "1MiB", "--quantization-param-path", path]) == 0
     assert "key scaling on: centered keys times its factors" in capsys.readouterr().out

@@ -4,6 +4,9 @@ models it is read for, the cache dtypes scales are resolved for, and per-tensor 
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import torch
 
 from kv8.quant.formats import resolve_kv_cache_dtype
@@ -26,3 +29,11 @@ def tensor_scales(values: list[float], made_for: str | None) -> KVScales:
     """Per-tensor scales, made for ``made_for``: K one of ``values`` per layer, V twice it."""
     t = torch.tensor(values, dtype=torch.float32).reshape(-1, 1, 1)
     return KVScales(k=t, v=t * 2, granularity=ScaleGranularity.TENSOR, source="test", made_for=made_for)
+
+
+def model_scale_info(model_dir: str) -> ModelScaleInfo:
+    """What a scales file is validated against, for the Hugging Face model directory ``model_dir`` (its config.json)."""
+    cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    heads = cfg["num_attention_heads"]
+    return ModelScaleInfo(cfg["model_type"], cfg["num_hidden_layers"], cfg.get("num_key_value_heads", heads),
+                          cfg.get("head_dim", cfg["hidden_size"] // heads))
