@@ -1,0 +1,262 @@
+// int4_per_group32's encoder (kv8.quant.int4_group, bit for bit; its module docstring is the rule): one group of 32
+// values -> 16 code bytes (channel 2j in byte j's low nibble, 2j + 1 in its high one; two's complement codes -8..7)
+// and the bits of the group's float16 scale s (either sign; decode is code x s).
+//
+// The scale is searched for: candidates d = +-f16(clamp(amax / c, 2^-24, 65504)), c = 7, 7.25, ..., 8.75, in the
+// order (7, +), (7, -), (7.25, +), ... (candidate k: c = 7 + k / 2 / 4, sign - for odd k); each quantizes with
+// r = 1 / d (one float32 division), q = clamp(rne(x r), -8, 7), and scores err(d) = tsum((x - q d)^2); the first
+// strict minimum wins; then one least-squares refit d' = f16(tsum(x q) / tsum(q q)) (magnitude clamped, sign kept)
+// replaces it where err(d') is strictly smaller. A group with a NaN or an infinity, or all zeros, gets s = 1.0 and
+// codes clamp(rne(x), -8, 7), NaN -> 0.
+//
+// tsum is the sum of 32 values in one fixed order, v[j] + v[j + 16], then j + 8, 4, 2, 1 -- what a 16-lane
+// register's halving reduction gives -- so that this kernel, the torch reference and the Triton store round the same
+// sums. What else keeps the bits the reference's:
+// * every product that feeds an addition (the squares (x - q d)^2, the refit's x q and q q) passes through
+//   kept(): g++ contracts a * b + c into one FMA by default (-ffp-contract=fast, also for the vector operators the
+//   intrinsics lower to), which rounds once where the reference rounds the product and then the sum. q d needs no
+//   barrier: a 4-bit integer times a float16 is exact in float32, so x - q d rounds once either way;
+// * true float32 divisions for amax / c, 1 / d and the refit's quotient, and float16 conversions that round to
+//   nearest even (f_f16; vcvtps2ph with an explicit round-to-nearest);
+// * no DAZ/FTZ (run_store's FpEnv): squares of small residuals may be float32 subnormals, as in torch.
+//
+// i4g_group_ref is the plain reference, a transcription of the rule (and the store of builds without AVX-512);
+// i4g_group_avx512 is the fast path (KV8_FAST): a group is two 16-lane registers, the 16 candidates' errors come
+// out of one batched reduction (i4g_tsum16x16) in the same tree order. The store tests compare the bytes of both
+// (native and portable builds) with kv8.quant.int4_group.INT4_G32.encode.
+#pragma once
+
+#include "base.h"
+
+static_assert(KV_FORMATS[KV_I4G].group == 32 && KV_FORMATS[KV_I4G].gscale == 2, "int4_per_group32: float16 per 32");
+
+static const int I4G_GROUP = 32;        // values per group
+static const int I4G_CANDIDATES = 16;   // scales tried per group before the refit
+static const uint16_t I4G_ONE = 0x3C00; // float16 1.0: the scale of a group with a NaN, an infinity or only zeros
+
+// v as computed: an empty asm the optimizer cannot see through, so that a product feeding an addition is rounded
+// as a product (see the top of this file).
+static inline float kept(float v) {
+    asm("" : "+x"(v));
+    return v;
+}
+
+// The candidates' divisors c = 7 + (k / 2) / 4, candidate k = 0..15 (the sign: odd k negative).
+static inline float i4g_divisor(int k) { return 7.0f + 0.25f * (float)(k / 2); }
+
+// The float16 bits of scale s with its magnitude clamped to [2^-24, 65504] and its sign kept (+ for a zero):
+// Int4GroupFormat.encode_scale.
+static inline uint16_t i4g_scale_bits(float s) {
+    const float a = fabsf(s);
+    const uint16_t h = f_f16(a < 0x1p-24f ? 0x1p-24f : a > 65504.0f ? 65504.0f : a);
+    return s < 0.0f ? (uint16_t)(h | 0x8000u) : h;
+}
+
+// The group's 16 code bytes from its 32 codes q (-8..7, as floats).
+static inline void i4g_pack(const float* q, uint8_t* codes) {
+    for (int j = 0; j < I4G_GROUP / 2; ++j)
+        codes[j] = (uint8_t)(((int)q[2 * j] & 0xF) | (((int)q[2 * j + 1] & 0xF) << 4));
+}
+
+// ---- the reference ----------------------------------------------------------------------------------------------
+
+// tsum of v[0..31] (overwritten): v[j] + v[j + 16], then j + 8, 4, 2, 1.
+static inline float i4g_tree_sum(float* v) {
+    for (int n = I4G_GROUP / 2; n >= 1; n /= 2)
+        for (int j = 0; j < n; ++j) v[j] = v[j] + v[j + n];
+    return v[0];
+}
+
+// quant(d) of a finite group x into q, and err(d); d a nonzero float16 value.
+static inline float i4g_quantize_ref(const float* x, float d, float* q) {
+    const float r = 1.0f / d;
+    float sq[I4G_GROUP];
+    for (int j = 0; j < I4G_GROUP; ++j) {
+        const float c = x[j] * r;
+        q[j] = nearbyintf(c < -8.0f ? -8.0f : c > 7.0f ? 7.0f : c);
+        const float e = x[j] - q[j] * d;
+        sq[j] = kept(e * e);
+    }
+    return i4g_tree_sum(sq);
+}
+
+// One group of 32 values x -> its 16 code bytes; returns its scale's float16 bits. The rule, one step at a time.
+static inline uint16_t i4g_group_ref(const float* x, uint8_t* codes) {
+    float amax = 0.0f;
+    bool nan = false;
+    for (int j = 0; j < I4G_GROUP; ++j) {
+        const float a = fabsf(x[j]);
+        nan |= a != a;
+        amax = a > amax ? a : amax;
+    }
+    float best_q[I4G_GROUP];
+    if (nan || !(amax > 0.0f) || amax == INFINITY) {
+        for (int j = 0; j < I4G_GROUP; ++j)
+            best_q[j] = x[j] != x[j] ? 0.0f : nearbyintf(x[j] < -8.0f ? -8.0f : x[j] > 7.0f ? 7.0f : x[j]);
+        i4g_pack(best_q, codes);
+        return I4G_ONE;
+    }
+    uint16_t best_h = 0;
+    float best_e = 0.0f, q[I4G_GROUP];
+    for (int k = 0; k < I4G_CANDIDATES; ++k) {
+        const uint16_t mag = i4g_scale_bits(amax / i4g_divisor(k));
+        const uint16_t h = k % 2 ? (uint16_t)(mag ^ 0x8000u) : mag;
+        const float e = i4g_quantize_ref(x, f16_f(h), q);
+        if (k == 0 || e < best_e) {
+            best_h = h;
+            best_e = e;
+            memcpy(best_q, q, sizeof(q));
+        }
+    }
+    float xq[I4G_GROUP], qq[I4G_GROUP];
+    for (int j = 0; j < I4G_GROUP; ++j) {
+        xq[j] = kept(x[j] * best_q[j]);
+        qq[j] = kept(best_q[j] * best_q[j]);
+    }
+    const float num = i4g_tree_sum(xq), den = i4g_tree_sum(qq);
+    const float fit = den > 0.0f ? num / den : 0.0f;
+    if (isfinite(fit) && fit != 0.0f) {
+        const uint16_t h = i4g_scale_bits(fit);
+        if (i4g_quantize_ref(x, f16_f(h), q) < best_e) {
+            best_h = h;
+            memcpy(best_q, q, sizeof(q));
+        }
+    }
+    i4g_pack(best_q, codes);
+    return best_h;
+}
+
+// ---- the fast path ----------------------------------------------------------------------------------------------
+#if KV8_FAST
+
+static inline __m512 kept(__m512 v) {
+    asm("" : "+v"(v));
+    return v;
+}
+
+// quant(d) of 16 values with r = 1 / d: clamp(rne(x r), -8, 7).
+static inline __m512 i4g_codes16(__m512 x, __m512 r) {
+    const __m512 q = _mm512_roundscale_ps(_mm512_mul_ps(x, r), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    return _mm512_min_ps(_mm512_max_ps(q, _mm512_set1_ps(-8.0f)), _mm512_set1_ps(7.0f));
+}
+
+// The first level of tsum(a b) over a group whose channels j, j + 16 are lane j of (a0, b0), (a1, b1).
+static inline __m512 i4g_products16(__m512 a0, __m512 b0, __m512 a1, __m512 b1) {
+    return _mm512_add_ps(kept(_mm512_mul_ps(a0, b0)), kept(_mm512_mul_ps(a1, b1)));
+}
+
+// The first level of err(d) of a group (x0: channels 0..15, x1: 16..31) with codes q0, q1: lane j = (x_j - q_j d)^2
+// + (x_{j+16} - q_{j+16} d)^2.
+static inline __m512 i4g_sq16(__m512 x0, __m512 x1, __m512 q0, __m512 q1, __m512 d) {
+    const __m512 e0 = _mm512_sub_ps(x0, _mm512_mul_ps(q0, d)), e1 = _mm512_sub_ps(x1, _mm512_mul_ps(q1, d));
+    return i4g_products16(e0, e0, e1, e1);
+}
+
+// The rest of tsum for one first level u (lane j: the sum of channels j, j + 16): j + 8, then 4, 2, 1.
+static inline float i4g_tsum16(__m512 u) {
+    const __m256 a = _mm256_add_ps(_mm512_castps512_ps256(u), _mm512_extractf32x8_ps(u, 1));
+    const __m128 b = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    const __m128 c = _mm_add_ps(b, _mm_movehl_ps(b, b));   // lanes 0, 1: b0 + b2, b1 + b3
+    return _mm_cvtss_f32(_mm_add_ss(c, _mm_movehdup_ps(c)));
+}
+
+// The rest of tsum for 16 first levels at once: lane k of the result is the sum of u[k] in i4g_tsum16's order.
+// Each step adds two shuffles of a pair of registers, halving what every lane stands for:
+//   pair(a, b)      [a j + a j+8 | b j + b j+8]                      (j < 8; 256-bit halves)
+//   quad(v, w)      128-bit lane l: the 4 sums j + j+4 of lane l's source ([v's two candidates | w's two])
+//   half(p, q)      lane l: [p's z0, z1 | q's z0, z1], z_j = y_j + y_j+2
+//   last(p, q)      lane l: [p's two sums | q's two sums], z0 + z1
+// with the pairing below, candidate k ends in lane k: quad m (m < 4) holds candidates m, m + 4, m + 8, m + 12 in its
+// 128-bit lanes, and the last step interleaves quads 0..3 within each lane.
+static inline __m512 i4g_tsum16x16(const __m512* u) {
+    auto pair = [](__m512 a, __m512 b) {
+        return _mm512_add_ps(_mm512_shuffle_f32x4(a, b, _MM_SHUFFLE(1, 0, 1, 0)),
+                             _mm512_shuffle_f32x4(a, b, _MM_SHUFFLE(3, 2, 3, 2)));
+    };
+    auto quad = [](__m512 v, __m512 w) {
+        return _mm512_add_ps(_mm512_shuffle_f32x4(v, w, _MM_SHUFFLE(2, 0, 2, 0)),
+                             _mm512_shuffle_f32x4(v, w, _MM_SHUFFLE(3, 1, 3, 1)));
+    };
+    auto half = [](__m512 p, __m512 q) {
+        return _mm512_add_ps(_mm512_shuffle_ps(p, q, _MM_SHUFFLE(1, 0, 1, 0)),
+                             _mm512_shuffle_ps(p, q, _MM_SHUFFLE(3, 2, 3, 2)));
+    };
+    auto last = [](__m512 p, __m512 q) {
+        return _mm512_add_ps(_mm512_shuffle_ps(p, q, _MM_SHUFFLE(2, 0, 2, 0)),
+                             _mm512_shuffle_ps(p, q, _MM_SHUFFLE(3, 1, 3, 1)));
+    };
+    __m512 w[4];
+    for (int m = 0; m < 4; ++m) w[m] = quad(pair(u[m], u[m + 4]), pair(u[m + 8], u[m + 12]));
+    return last(half(w[0], w[1]), half(w[2], w[3]));
+}
+
+// i4g_group_ref's result, bit for bit, for a group with a finite nonzero amax; the other groups go to the reference.
+static inline uint16_t i4g_group_avx512(const float* x, uint8_t* codes) {
+    const __m512 x0 = _mm512_loadu_ps(x), x1 = _mm512_loadu_ps(x + 16);
+    const __mmask16 nan = _mm512_cmp_ps_mask(x0, x0, _CMP_UNORD_Q) | _mm512_cmp_ps_mask(x1, x1, _CMP_UNORD_Q);
+    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(x0), _mm512_abs_ps(x1)));
+    if (nan || !(amax > 0.0f) || amax == INFINITY) return i4g_group_ref(x, codes);
+
+    // the candidates: lane k = candidate k (its divisor, then the odd lanes' sign bit flipped in float16)
+    alignas(64) static const float DIVISORS[I4G_CANDIDATES] = {7.0f,  7.0f,  7.25f, 7.25f, 7.5f,  7.5f,
+                                                               7.75f, 7.75f, 8.0f,  8.0f,  8.25f, 8.25f,
+                                                               8.5f,  8.5f,  8.75f, 8.75f};
+    __m512 m = _mm512_div_ps(_mm512_set1_ps(amax), _mm512_load_ps(DIVISORS));
+    m = _mm512_min_ps(_mm512_max_ps(m, _mm512_set1_ps(0x1p-24f)), _mm512_set1_ps(65504.0f));
+    const __m256i hv = _mm256_xor_si256(_mm512_cvtps_ph(m, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC),
+                                        _mm256_set1_epi32((int)0x80000000u));   // odd words: negative
+    const __m512 dv = _mm512_cvtph_ps(hv);
+    alignas(64) float d[I4G_CANDIDATES], r[I4G_CANDIDATES], err[I4G_CANDIDATES];
+    alignas(32) uint16_t h[I4G_CANDIDATES];
+    _mm512_store_ps(d, dv);
+    _mm512_store_ps(r, _mm512_div_ps(_mm512_set1_ps(1.0f), dv));
+    _mm256_store_si256((__m256i*)h, hv);
+
+    __m512 u[I4G_CANDIDATES];
+    for (int k = 0; k < I4G_CANDIDATES; ++k) {
+        const __m512 rk = _mm512_set1_ps(r[k]);
+        u[k] = i4g_sq16(x0, x1, i4g_codes16(x0, rk), i4g_codes16(x1, rk), _mm512_set1_ps(d[k]));
+    }
+    const __m512 e = i4g_tsum16x16(u);
+    _mm512_store_ps(err, e);
+    // the first strict minimum: the lowest lane holding the least error (errors are never NaN: x is finite)
+    const int k = __builtin_ctz(_mm512_cmp_ps_mask(e, _mm512_set1_ps(_mm512_reduce_min_ps(e)), _CMP_EQ_OQ));
+    uint16_t best_h = h[k];
+    __m512 q0 = i4g_codes16(x0, _mm512_set1_ps(r[k])), q1 = i4g_codes16(x1, _mm512_set1_ps(r[k]));
+
+    const float den = i4g_tsum16(i4g_products16(q0, q0, q1, q1));
+    const float fit = den > 0.0f ? i4g_tsum16(i4g_products16(x0, q0, x1, q1)) / den : 0.0f;
+    if (isfinite(fit) && fit != 0.0f) {
+        const uint16_t h2 = i4g_scale_bits(fit);
+        const float d2 = f16_f(h2);
+        const __m512 r2 = _mm512_set1_ps(1.0f / d2);
+        const __m512 p0 = i4g_codes16(x0, r2), p1 = i4g_codes16(x1, r2);
+        if (i4g_tsum16(i4g_sq16(x0, x1, p0, p1, _mm512_set1_ps(d2))) < err[k]) {
+            best_h = h2;
+            q0 = p0;
+            q1 = p1;
+        }
+    }
+    // byte j = (q_2j & 15) | (q_2j+1 & 15) << 4: the codes as bytes in channel order, word j = channels 2j, 2j + 1
+    const __m256i b = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm512_cvtepi32_epi8(_mm512_cvtps_epi32(q0))),
+                                              _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(q1)), 1);
+    const __m256i w = _mm256_or_si256(_mm256_and_si256(b, _mm256_set1_epi16(0x000F)),
+                                      _mm256_and_si256(_mm256_srli_epi16(b, 4), _mm256_set1_epi16(0x00F0)));
+    _mm_storeu_si128((__m128i*)codes, _mm256_cvtepi16_epi8(w));
+    return best_h;
+}
+#endif
+
+// One int4_per_group32 row of D values x (D % 32 == 0) -> dst: the D / 2 code bytes, then each group's float16 scale
+// (two bytes, low first).
+static inline void store_row_int4_group(const float* x, int D, uint8_t* dst) {
+    for (int g = 0; g < D / I4G_GROUP; ++g) {
+#if KV8_FAST
+        const uint16_t h = i4g_group_avx512(x + I4G_GROUP * g, dst + I4G_GROUP / 2 * g);
+#else
+        const uint16_t h = i4g_group_ref(x + I4G_GROUP * g, dst + I4G_GROUP / 2 * g);
+#endif
+        dst[D / 2 + 2 * g] = (uint8_t)(h & 0xFF);
+        dst[D / 2 + 2 * g + 1] = (uint8_t)(h >> 8);
+    }
+}
