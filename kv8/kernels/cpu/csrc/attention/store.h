@@ -15,7 +15,8 @@
 //
 // Where the fast path is compiled, FP8 rows (D a multiple of 16; dynamic scales, or static ones with a channel
 // stride of 0 or 1) are encoded 16 values at a time by fp8_encode16, which gives fp8_encode's bits (the tests
-// sweep every float32 sign/exponent/high-mantissa pattern against the reference). A step's rows land one per
+// sweep every float32 sign/exponent/high-mantissa pattern against the reference); int4_per_group32 rows are converted
+// to float 16 values at a time and searched by i4g_groups_avx512 (store_int4_group.h). A step's rows land one per
 // block, scattered over the cache: each row's lines are prefetched for writing STORE_PREFETCH_ROWS rows ahead, so
 // their misses overlap instead of stalling the stores one row at a time.
 #pragma once
@@ -204,6 +205,11 @@ static int run_store(const kv8_layer& L, const kv8_store_call& C) {
                     if constexpr (KV_FORMATS[decltype(K)::value].fp8)
                         store_row_fp8<decltype(K)::value>(src, in_dtype, s0, D, hsc, ds, ts, maxf, dst);
                 });
+                continue;
+            }
+            if (fmt.gscale == 2) {   // int4_per_group32 (D % 32 == 0): the row converted 16 values at a time
+                for (int d = 0; d < D; d += 16) _mm512_storeu_ps(buf + d, load16_f(src, in_dtype, s0 + d));
+                store_row_int4_group(buf, D, dst);
                 continue;
             }
 #endif

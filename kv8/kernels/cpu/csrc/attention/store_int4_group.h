@@ -21,9 +21,10 @@
 // * no DAZ/FTZ (run_store's FpEnv): squares of small residuals may be float32 subnormals, as in torch.
 //
 // i4g_group_ref is the plain reference, a transcription of the rule (and the store of builds without AVX-512);
-// i4g_group_avx512 is the fast path (KV8_FAST): a group is two 16-lane registers, the 16 candidates' errors come
-// out of one batched reduction (i4g_tsum16x16) in the same tree order. The store tests compare the bytes of both
-// (native and portable builds) with kv8.quant.int4_group.INT4_G32.encode.
+// i4g_groups_avx512 is the fast path (KV8_FAST): a group is two 16-lane registers, the 16 candidates' errors come
+// out of one batched reduction (i4g_tsum16x16) in the same tree order, and a row's groups are searched two at a time
+// (their dependency chains overlap). The store tests compare the bytes of both (native and portable builds) with
+// kv8.quant.int4_group.INT4_G32.encode; without kept() the native build's bytes differ from it on those tests.
 #pragma once
 
 #include "base.h"
@@ -190,73 +191,110 @@ static inline __m512 i4g_tsum16x16(const __m512* u) {
     return last(half(w[0], w[1]), half(w[2], w[3]));
 }
 
-// i4g_group_ref's result, bit for bit, for a group with a finite nonzero amax; the other groups go to the reference.
-static inline uint16_t i4g_group_avx512(const float* x, uint8_t* codes) {
-    const __m512 x0 = _mm512_loadu_ps(x), x1 = _mm512_loadu_ps(x + 16);
-    const __mmask16 nan = _mm512_cmp_ps_mask(x0, x0, _CMP_UNORD_Q) | _mm512_cmp_ps_mask(x1, x1, _CMP_UNORD_Q);
-    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(x0), _mm512_abs_ps(x1)));
-    if (nan || !(amax > 0.0f) || amax == INFINITY) return i4g_group_ref(x, codes);
+// i4g_group_ref's results, bit for bit, for the N consecutive groups at x (codes: 16 bytes each, scales: one
+// each). Every step runs for all N groups before the next, so that the groups' chains of dependent steps (a
+// group's search is one long chain: amax, two divisions, the candidates, the reduction, the refit's sums and
+// division) overlap. A group with a NaN or an infinity, or all zeros, goes to the reference (the others of its N
+// one at a time).
+template <int N>
+static inline void i4g_groups_avx512(const float* x, uint8_t* codes, uint16_t* scales) {
+    __m512 x0[N], x1[N];
+    float amax[N];
+    bool finite = true;
+    for (int g = 0; g < N; ++g) {
+        x0[g] = _mm512_loadu_ps(x + I4G_GROUP * g);
+        x1[g] = _mm512_loadu_ps(x + I4G_GROUP * g + 16);
+        const __mmask16 nan = _mm512_cmp_ps_mask(x0[g], x0[g], _CMP_UNORD_Q) |
+                              _mm512_cmp_ps_mask(x1[g], x1[g], _CMP_UNORD_Q);
+        amax[g] = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(x0[g]), _mm512_abs_ps(x1[g])));
+        finite = finite && !nan && amax[g] > 0.0f && amax[g] != INFINITY;
+    }
+    if (!finite) {
+        for (int g = 0; g < N; ++g) {
+            if constexpr (N == 1) scales[g] = i4g_group_ref(x, codes);
+            else i4g_groups_avx512<1>(x + I4G_GROUP * g, codes + I4G_GROUP / 2 * g, scales + g);
+        }
+        return;
+    }
 
     // the candidates: lane k = candidate k (its divisor, then the odd lanes' sign bit flipped in float16)
     alignas(64) static const float DIVISORS[I4G_CANDIDATES] = {7.0f,  7.0f,  7.25f, 7.25f, 7.5f,  7.5f,
                                                                7.75f, 7.75f, 8.0f,  8.0f,  8.25f, 8.25f,
                                                                8.5f,  8.5f,  8.75f, 8.75f};
-    __m512 m = _mm512_div_ps(_mm512_set1_ps(amax), _mm512_load_ps(DIVISORS));
-    m = _mm512_min_ps(_mm512_max_ps(m, _mm512_set1_ps(0x1p-24f)), _mm512_set1_ps(65504.0f));
-    const __m256i hv = _mm256_xor_si256(_mm512_cvtps_ph(m, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC),
-                                        _mm256_set1_epi32((int)0x80000000u));   // odd words: negative
-    const __m512 dv = _mm512_cvtph_ps(hv);
-    alignas(64) float d[I4G_CANDIDATES], r[I4G_CANDIDATES], err[I4G_CANDIDATES];
-    alignas(32) uint16_t h[I4G_CANDIDATES];
-    _mm512_store_ps(d, dv);
-    _mm512_store_ps(r, _mm512_div_ps(_mm512_set1_ps(1.0f), dv));
-    _mm256_store_si256((__m256i*)h, hv);
-
-    __m512 u[I4G_CANDIDATES];
-    for (int k = 0; k < I4G_CANDIDATES; ++k) {
-        const __m512 rk = _mm512_set1_ps(r[k]);
-        u[k] = i4g_sq16(x0, x1, i4g_codes16(x0, rk), i4g_codes16(x1, rk), _mm512_set1_ps(d[k]));
+    alignas(64) float d[N][I4G_CANDIDATES], r[N][I4G_CANDIDATES], err[N][I4G_CANDIDATES];
+    alignas(32) uint16_t h[N][I4G_CANDIDATES];
+    for (int g = 0; g < N; ++g) {
+        __m512 m = _mm512_div_ps(_mm512_set1_ps(amax[g]), _mm512_load_ps(DIVISORS));
+        m = _mm512_min_ps(_mm512_max_ps(m, _mm512_set1_ps(0x1p-24f)), _mm512_set1_ps(65504.0f));
+        const __m256i hv = _mm256_xor_si256(_mm512_cvtps_ph(m, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC),
+                                            _mm256_set1_epi32((int)0x80000000u));   // odd words: negative
+        const __m512 dv = _mm512_cvtph_ps(hv);
+        _mm512_store_ps(d[g], dv);
+        _mm512_store_ps(r[g], _mm512_div_ps(_mm512_set1_ps(1.0f), dv));
+        _mm256_store_si256((__m256i*)h[g], hv);
     }
-    const __m512 e = i4g_tsum16x16(u);
-    _mm512_store_ps(err, e);
-    // the first strict minimum: the lowest lane holding the least error (errors are never NaN: x is finite)
-    const int k = __builtin_ctz(_mm512_cmp_ps_mask(e, _mm512_set1_ps(_mm512_reduce_min_ps(e)), _CMP_EQ_OQ));
-    uint16_t best_h = h[k];
-    __m512 q0 = i4g_codes16(x0, _mm512_set1_ps(r[k])), q1 = i4g_codes16(x1, _mm512_set1_ps(r[k]));
-
-    const float den = i4g_tsum16(i4g_products16(q0, q0, q1, q1));
-    const float fit = den > 0.0f ? i4g_tsum16(i4g_products16(x0, q0, x1, q1)) / den : 0.0f;
-    if (isfinite(fit) && fit != 0.0f) {
-        const uint16_t h2 = i4g_scale_bits(fit);
+    int k[N];
+    for (int g = 0; g < N; ++g) {
+        __m512 u[I4G_CANDIDATES];
+        for (int c = 0; c < I4G_CANDIDATES; ++c) {
+            const __m512 rc = _mm512_set1_ps(r[g][c]);
+            u[c] = i4g_sq16(x0[g], x1[g], i4g_codes16(x0[g], rc), i4g_codes16(x1[g], rc), _mm512_set1_ps(d[g][c]));
+        }
+        const __m512 e = i4g_tsum16x16(u);
+        _mm512_store_ps(err[g], e);
+        // the first strict minimum: the lowest lane holding the least error (never NaN: x is finite)
+        k[g] = __builtin_ctz(_mm512_cmp_ps_mask(e, _mm512_set1_ps(_mm512_reduce_min_ps(e)), _CMP_EQ_OQ));
+    }
+    __m512 q0[N], q1[N];
+    float fit[N];
+    for (int g = 0; g < N; ++g) {
+        scales[g] = h[g][k[g]];
+        q0[g] = i4g_codes16(x0[g], _mm512_set1_ps(r[g][k[g]]));
+        q1[g] = i4g_codes16(x1[g], _mm512_set1_ps(r[g][k[g]]));
+        const float den = i4g_tsum16(i4g_products16(q0[g], q0[g], q1[g], q1[g]));
+        fit[g] = den > 0.0f ? i4g_tsum16(i4g_products16(x0[g], q0[g], x1[g], q1[g])) / den : 0.0f;
+    }
+    for (int g = 0; g < N; ++g) {
+        if (!isfinite(fit[g]) || fit[g] == 0.0f) continue;
+        const uint16_t h2 = i4g_scale_bits(fit[g]);
         const float d2 = f16_f(h2);
         const __m512 r2 = _mm512_set1_ps(1.0f / d2);
-        const __m512 p0 = i4g_codes16(x0, r2), p1 = i4g_codes16(x1, r2);
-        if (i4g_tsum16(i4g_sq16(x0, x1, p0, p1, _mm512_set1_ps(d2))) < err[k]) {
-            best_h = h2;
-            q0 = p0;
-            q1 = p1;
+        const __m512 p0 = i4g_codes16(x0[g], r2), p1 = i4g_codes16(x1[g], r2);
+        if (i4g_tsum16(i4g_sq16(x0[g], x1[g], p0, p1, _mm512_set1_ps(d2))) < err[g][k[g]]) {
+            scales[g] = h2;
+            q0[g] = p0;
+            q1[g] = p1;
         }
     }
     // byte j = (q_2j & 15) | (q_2j+1 & 15) << 4: the codes as bytes in channel order, word j = channels 2j, 2j + 1
-    const __m256i b = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm512_cvtepi32_epi8(_mm512_cvtps_epi32(q0))),
-                                              _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(q1)), 1);
-    const __m256i w = _mm256_or_si256(_mm256_and_si256(b, _mm256_set1_epi16(0x000F)),
-                                      _mm256_and_si256(_mm256_srli_epi16(b, 4), _mm256_set1_epi16(0x00F0)));
-    _mm_storeu_si128((__m128i*)codes, _mm256_cvtepi16_epi8(w));
-    return best_h;
+    for (int g = 0; g < N; ++g) {
+        const __m256i b = _mm256_inserti128_si256(
+            _mm256_castsi128_si256(_mm512_cvtepi32_epi8(_mm512_cvtps_epi32(q0[g]))),
+            _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(q1[g])), 1);
+        const __m256i w = _mm256_or_si256(_mm256_and_si256(b, _mm256_set1_epi16(0x000F)),
+                                          _mm256_and_si256(_mm256_srli_epi16(b, 4), _mm256_set1_epi16(0x00F0)));
+        _mm_storeu_si128((__m128i*)(codes + I4G_GROUP / 2 * g), _mm256_cvtepi16_epi8(w));
+    }
 }
 #endif
 
 // One int4_per_group32 row of D values x (D % 32 == 0) -> dst: the D / 2 code bytes, then each group's float16 scale
-// (two bytes, low first).
+// (two bytes, low first). The fast path takes the groups two at a time.
 static inline void store_row_int4_group(const float* x, int D, uint8_t* dst) {
-    for (int g = 0; g < D / I4G_GROUP; ++g) {
+    const int G = D / I4G_GROUP;
+    uint16_t h[2];
+    for (int g = 0; g < G;) {
 #if KV8_FAST
-        const uint16_t h = i4g_group_avx512(x + I4G_GROUP * g, dst + I4G_GROUP / 2 * g);
+        const int n = G - g >= 2 ? 2 : 1;
+        if (n == 2) i4g_groups_avx512<2>(x + I4G_GROUP * g, dst + I4G_GROUP / 2 * g, h);
+        else i4g_groups_avx512<1>(x + I4G_GROUP * g, dst + I4G_GROUP / 2 * g, h);
 #else
-        const uint16_t h = i4g_group_ref(x + I4G_GROUP * g, dst + I4G_GROUP / 2 * g);
+        const int n = 1;
+        h[0] = i4g_group_ref(x + I4G_GROUP * g, dst + I4G_GROUP / 2 * g);
 #endif
-        dst[D / 2 + 2 * g] = (uint8_t)(h & 0xFF);
-        dst[D / 2 + 2 * g + 1] = (uint8_t)(h >> 8);
+        for (int i = 0; i < n; ++i, ++g) {
+            dst[D / 2 + 2 * g] = (uint8_t)(h[i] & 0xFF);
+            dst[D / 2 + 2 * g + 1] = (uint8_t)(h[i] >> 8);
+        }
     }
 }
