@@ -20,11 +20,13 @@
 //   nearest even (f_f16; vcvtps2ph with an explicit round-to-nearest);
 // * no DAZ/FTZ (run_store's FpEnv): squares of small residuals may be float32 subnormals, as in torch.
 //
-// i4g_group_ref is the plain reference, a transcription of the rule (and the store of builds without AVX-512);
-// i4g_groups_avx512 is the fast path (KV8_FAST): a group is two 16-lane registers, the 16 candidates' errors come
-// out of one batched reduction (i4g_tsum16x16) in the same tree order, and a row's groups are searched two at a time
-// (their dependency chains overlap). The store tests compare the bytes of both (native and portable builds) with
-// kv8.quant.int4_group.INT4_G32.encode; without kept() the native build's bytes differ from it on those tests.
+// i4g_group_ref is the plain reference, a transcription of the rule (and the store of builds with neither path
+// below: x86-64-v2); i4g_groups_avx512 is the fast path (KV8_FAST): a group is two 16-lane registers, the 16
+// candidates' errors come out of one batched reduction (i4g_tsum16x16) in the same tree order, and a row's groups are
+// searched two at a time (their dependency chains overlap); i4g_group_avx2 (AVX2 + F16C builds without the fast
+// path: x86-64-v3) holds a group in four 8-lane registers, one candidate at a time. The store tests compare the bytes
+// of all three (the native, x86-64-v3 and x86-64-v2 builds) with kv8.quant.int4_group.INT4_G32.encode; without
+// kept() the native build's bytes differ from it on those tests.
 #pragma once
 
 #include "base.h"
@@ -278,6 +280,98 @@ static inline void i4g_groups_avx512(const float* x, uint8_t* codes, uint16_t* s
 }
 #endif
 
+// ---- AVX2 (builds without the AVX-512 path: x86-64-v3) ----------------------------------------------------------
+#if !KV8_FAST && defined(__AVX2__) && defined(__F16C__)
+#define KV8_I4G_AVX2 1
+
+static inline __m256 kept(__m256 v) {
+    asm("" : "+x"(v));
+    return v;
+}
+
+// quant(d) of 8 values with r = 1 / d: clamp(rne(x r), -8, 7).
+static inline __m256 i4g_codes8(__m256 x, __m256 r) {
+    const __m256 q = _mm256_round_ps(_mm256_mul_ps(x, r), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    return _mm256_min_ps(_mm256_max_ps(q, _mm256_set1_ps(-8.0f)), _mm256_set1_ps(7.0f));
+}
+
+// tsum(a b) of a group in four registers (register i: channels 8i .. 8i + 7): lanes j of registers 0, 2 (channels
+// j, j + 16) and 1, 3 (j + 8, j + 24), then those two sums (j + 8), then 4, 2, 1.
+static inline float i4g_tsum_products8(const __m256* a, const __m256* b) {
+    __m256 p[4];
+    for (int i = 0; i < 4; ++i) p[i] = kept(_mm256_mul_ps(a[i], b[i]));
+    const __m256 t = _mm256_add_ps(_mm256_add_ps(p[0], p[2]), _mm256_add_ps(p[1], p[3]));
+    const __m128 u = _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
+    const __m128 v = _mm_add_ps(u, _mm_movehl_ps(u, u));   // lanes 0, 1: u0 + u2, u1 + u3
+    return _mm_cvtss_f32(_mm_add_ss(v, _mm_movehdup_ps(v)));
+}
+
+// quant(d) of a finite group x (four registers) into q, and err(d); r = 1 / d.
+static inline float i4g_quantize8(const __m256* x, float d, float r, __m256* q) {
+    const __m256 dv = _mm256_set1_ps(d), rv = _mm256_set1_ps(r);
+    __m256 e[4];
+    for (int i = 0; i < 4; ++i) {
+        q[i] = i4g_codes8(x[i], rv);
+        e[i] = _mm256_sub_ps(x[i], _mm256_mul_ps(q[i], dv));
+    }
+    return i4g_tsum_products8(e, e);
+}
+
+// i4g_group_ref's result, bit for bit, in 8-lane registers; a group with a NaN or an infinity, or all zeros, goes to
+// the reference. The negative candidates reuse the positive ones' divisions: 1 / -d = -(1 / d) exactly.
+static inline uint16_t i4g_group_avx2(const float* x, uint8_t* codes) {
+    __m256 xv[4], amax8 = _mm256_setzero_ps(), nan = _mm256_setzero_ps();
+    for (int i = 0; i < 4; ++i) {
+        xv[i] = _mm256_loadu_ps(x + 8 * i);
+        nan = _mm256_or_ps(nan, _mm256_cmp_ps(xv[i], xv[i], _CMP_UNORD_Q));
+        amax8 = _mm256_max_ps(amax8, _mm256_andnot_ps(_mm256_set1_ps(-0.0f), xv[i]));
+    }
+    alignas(32) float lanes[8];
+    _mm256_store_ps(lanes, amax8);
+    float amax = 0.0f;
+    for (int i = 0; i < 8; ++i) amax = lanes[i] > amax ? lanes[i] : amax;
+    if (_mm256_movemask_ps(nan) || !(amax > 0.0f) || amax == INFINITY) return i4g_group_ref(x, codes);
+
+    alignas(32) static const float DIVISORS[8] = {7.0f, 7.25f, 7.5f, 7.75f, 8.0f, 8.25f, 8.5f, 8.75f};
+    __m256 m = _mm256_div_ps(_mm256_set1_ps(amax), _mm256_load_ps(DIVISORS));
+    m = _mm256_min_ps(_mm256_max_ps(m, _mm256_set1_ps(0x1p-24f)), _mm256_set1_ps(65504.0f));
+    const __m128i hv = _mm256_cvtps_ph(m, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m256 dv = _mm256_cvtph_ps(hv);
+    alignas(32) float d[8], r[8];
+    alignas(16) uint16_t h[8];
+    _mm256_store_ps(d, dv);
+    _mm256_store_ps(r, _mm256_div_ps(_mm256_set1_ps(1.0f), dv));
+    _mm_store_si128((__m128i*)h, hv);
+
+    __m256 q[4], best_q[4];
+    uint16_t best_h = 0;
+    float best_e = 0.0f;
+    for (int k = 0; k < I4G_CANDIDATES; ++k) {   // candidate k: divisor k / 2, negative for odd k
+        const float sign = k % 2 ? -1.0f : 1.0f;
+        const float e = i4g_quantize8(xv, sign * d[k / 2], sign * r[k / 2], q);
+        if (k == 0 || e < best_e) {
+            best_e = e;
+            best_h = k % 2 ? (uint16_t)(h[k / 2] ^ 0x8000u) : h[k / 2];
+            for (int i = 0; i < 4; ++i) best_q[i] = q[i];
+        }
+    }
+    const float den = i4g_tsum_products8(best_q, best_q);
+    const float fit = den > 0.0f ? i4g_tsum_products8(xv, best_q) / den : 0.0f;
+    if (isfinite(fit) && fit != 0.0f) {
+        const uint16_t h2 = i4g_scale_bits(fit);
+        const float d2 = f16_f(h2);
+        if (i4g_quantize8(xv, d2, 1.0f / d2, q) < best_e) {
+            best_h = h2;
+            for (int i = 0; i < 4; ++i) best_q[i] = q[i];
+        }
+    }
+    alignas(32) float qf[I4G_GROUP];
+    for (int i = 0; i < 4; ++i) _mm256_store_ps(qf + 8 * i, best_q[i]);
+    i4g_pack(qf, codes);
+    return best_h;
+}
+#endif
+
 // One int4_per_group32 row of D values x (D % 32 == 0) -> dst: the D / 2 code bytes, then each group's float16 scale
 // (two bytes, low first). The fast path takes the groups two at a time.
 static inline void store_row_int4_group(const float* x, int D, uint8_t* dst) {
@@ -288,6 +382,9 @@ static inline void store_row_int4_group(const float* x, int D, uint8_t* dst) {
         const int n = G - g >= 2 ? 2 : 1;
         if (n == 2) i4g_groups_avx512<2>(x + I4G_GROUP * g, dst + I4G_GROUP / 2 * g, h);
         else i4g_groups_avx512<1>(x + I4G_GROUP * g, dst + I4G_GROUP / 2 * g, h);
+#elif defined(KV8_I4G_AVX2)
+        const int n = 1;
+        h[0] = i4g_group_avx2(x + I4G_GROUP * g, dst + I4G_GROUP / 2 * g);
 #else
         const int n = 1;
         h[0] = i4g_group_ref(x + I4G_GROUP * g, dst + I4G_GROUP / 2 * g);
