@@ -3,7 +3,7 @@
 // and the bits of the group's float16 scale s (either sign; decode is code x s).
 //
 // The scale is searched for: candidates d = +-f16(clamp(amax / c, 2^-24, 65504)), c = 7, 7.25, ..., 8.75, in the
-// order (7, +), (7, -), (7.25, +), ... (candidate k: c = 7 + k / 2 / 4, sign - for odd k); each quantizes with
+// order (7, +), (7, -), (7.25, +), ... (candidate k: c = 7 + floor(k / 2) / 4, sign - for odd k); each quantizes with
 // r = 1 / d (one float32 division), q = clamp(rne(x r), -8, 7), and scores err(d) = tsum((x - q d)^2); the first
 // strict minimum wins; then one least-squares refit d' = f16(tsum(x q) / tsum(q q)) (magnitude clamped, sign kept)
 // replaces it where err(d') is strictly smaller. A group with a NaN or an infinity, or all zeros, gets s = 1.0 and
@@ -13,7 +13,7 @@
 // register's halving reduction gives -- so that this kernel, the torch reference and the Triton store round the same
 // sums. What else keeps the bits the reference's:
 // * every product that feeds an addition (the squares (x - q d)^2, the refit's x q and q q) passes through
-//   kept(): g++ contracts a * b + c into one FMA by default (-ffp-contract=fast, also for the vector operators the
+//   unfused(): g++ contracts a * b + c into one FMA by default (-ffp-contract=fast, also for the vector operators the
 //   intrinsics lower to), which rounds once where the reference rounds the product and then the sum. q d needs no
 //   barrier: a 4-bit integer times a float16 is exact in float32, so x - q d rounds once either way;
 // * true float32 divisions for amax / c, 1 / d and the refit's quotient, and float16 conversions that round to
@@ -26,7 +26,7 @@
 // searched two at a time (their dependency chains overlap); i4g_group_avx2 (AVX2 + F16C builds without the fast
 // path: x86-64-v3) holds a group in four 8-lane registers, one candidate at a time. The store tests compare the bytes
 // of all three (the native, x86-64-v3 and x86-64-v2 builds) with kv8.quant.int4_group.INT4_G32.encode; without
-// kept() the native build's bytes differ from it on those tests.
+// unfused() the native build's bytes differ from it on those tests.
 #pragma once
 
 #include "base.h"
@@ -39,7 +39,7 @@ static const uint16_t I4G_ONE = 0x3C00; // float16 1.0: the scale of a group wit
 
 // v as computed: an empty asm the optimizer cannot see through, so that a product feeding an addition is rounded
 // as a product (see the top of this file).
-static inline float kept(float v) {
+static inline float unfused(float v) {
     asm("" : "+x"(v));
     return v;
 }
@@ -78,7 +78,7 @@ static inline float i4g_quantize_ref(const float* x, float d, float* q) {
         const float c = x[j] * r;
         q[j] = nearbyintf(c < -8.0f ? -8.0f : c > 7.0f ? 7.0f : c);
         const float e = x[j] - q[j] * d;
-        sq[j] = kept(e * e);
+        sq[j] = unfused(e * e);
     }
     return i4g_tree_sum(sq);
 }
@@ -113,8 +113,8 @@ static inline uint16_t i4g_group_ref(const float* x, uint8_t* codes) {
     }
     float xq[I4G_GROUP], qq[I4G_GROUP];
     for (int j = 0; j < I4G_GROUP; ++j) {
-        xq[j] = kept(x[j] * best_q[j]);
-        qq[j] = kept(best_q[j] * best_q[j]);
+        xq[j] = unfused(x[j] * best_q[j]);
+        qq[j] = unfused(best_q[j] * best_q[j]);
     }
     const float num = i4g_tree_sum(xq), den = i4g_tree_sum(qq);
     const float fit = den > 0.0f ? num / den : 0.0f;
@@ -132,7 +132,7 @@ static inline uint16_t i4g_group_ref(const float* x, uint8_t* codes) {
 // ---- the fast path ----------------------------------------------------------------------------------------------
 #if KV8_FAST
 
-static inline __m512 kept(__m512 v) {
+static inline __m512 unfused(__m512 v) {
     asm("" : "+v"(v));
     return v;
 }
@@ -145,7 +145,7 @@ static inline __m512 i4g_codes16(__m512 x, __m512 r) {
 
 // The first level of tsum(a b) over a group whose channels j, j + 16 are lane j of (a0, b0), (a1, b1).
 static inline __m512 i4g_products16(__m512 a0, __m512 b0, __m512 a1, __m512 b1) {
-    return _mm512_add_ps(kept(_mm512_mul_ps(a0, b0)), kept(_mm512_mul_ps(a1, b1)));
+    return _mm512_add_ps(unfused(_mm512_mul_ps(a0, b0)), unfused(_mm512_mul_ps(a1, b1)));
 }
 
 // The first level of err(d) of a group (x0: channels 0..15, x1: 16..31) with codes q0, q1: lane j = (x_j - q_j d)^2
@@ -284,7 +284,7 @@ static inline void i4g_groups_avx512(const float* x, uint8_t* codes, uint16_t* s
 #if !KV8_FAST && defined(__AVX2__) && defined(__F16C__)
 #define KV8_I4G_AVX2 1
 
-static inline __m256 kept(__m256 v) {
+static inline __m256 unfused(__m256 v) {
     asm("" : "+x"(v));
     return v;
 }
@@ -299,7 +299,7 @@ static inline __m256 i4g_codes8(__m256 x, __m256 r) {
 // j, j + 16) and 1, 3 (j + 8, j + 24), then those two sums (j + 8), then 4, 2, 1.
 static inline float i4g_tsum_products8(const __m256* a, const __m256* b) {
     __m256 p[4];
-    for (int i = 0; i < 4; ++i) p[i] = kept(_mm256_mul_ps(a[i], b[i]));
+    for (int i = 0; i < 4; ++i) p[i] = unfused(_mm256_mul_ps(a[i], b[i]));
     const __m256 t = _mm256_add_ps(_mm256_add_ps(p[0], p[2]), _mm256_add_ps(p[1], p[3]));
     const __m128 u = _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
     const __m128 v = _mm_add_ps(u, _mm_movehl_ps(u, u));   // lanes 0, 1: u0 + u2, u1 + u3
