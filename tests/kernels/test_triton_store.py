@@ -493,19 +493,25 @@ def test_group32_codes_and_scales_are_the_codecs(device: str, in_dtype: torch.dt
 
 @device_param
 def test_group32_row_layout(device: str) -> None:
-    """Independently of the reference: a group whose largest |x| is 7 has scale 1.0 (0x3C00: bytes 00 3C after the
-    codes), one with 14 scale 2.0 (0x4000), a zero group 1.0, codes as int4's."""
-    x = torch.zeros(64)
-    x[0], x[1], x[2], x[3] = 7.0, -2.5, 3.5, -7.0
-    x[32], x[33] = 14.0, -5.0
-    cache = make_cache("int4_per_group32", heads=1, dim=64, blocks=1)
-    kernel_store(cache, x.reshape(1, 1, 64), torch.zeros(1, 1, 64), torch.tensor([2]), device)
+    """Independently of the reference: a group of integers whose largest |x| is 7 has scale 1.0 (0x3C00: bytes 00 3C
+    after the codes; every code exact, so no later candidate's error is smaller), [16, -14, 0, ..] scale -2.0
+    (0xC000: codes -8, 7 are exact, while +2.0 clips 16 to 7 * 2 and every earlier candidate misses), [-16, 14, ..]
+    scale 2.0 (0x4000), a zero group 1.0 with zero codes; codes two's complement nibbles, channel 2j low."""
+    x = torch.zeros(2, 64)
+    x[0, 0], x[0, 1], x[0, 2], x[0, 3] = 7.0, -2.0, 3.0, -7.0
+    x[0, 32], x[0, 33] = 16.0, -14.0
+    x[1, 0], x[1, 1] = -16.0, 14.0
+    cache = make_cache("int4_per_group32", heads=2, dim=64, blocks=1)
+    kernel_store(cache, x.reshape(1, 2, 64), torch.zeros(1, 2, 64), torch.tensor([2]), device)
     k, v = cache.layer(0)
     row = k[0, 0, 2]
-    assert row[:2].tolist() == [(7 & 0xF) | (-2 & 0xF) << 4, 4 | (-7 & 0xF) << 4] and row[2:16].eq(0).all()
-    assert row[16].item() == (7 | (-2 & 0xF) << 4) and row[17:32].eq(0).all()     # 14 / 2, -5 / 2 -> 7, -2
-    assert row[32:].tolist() == [0x00, 0x3C, 0x00, 0x40]
-    assert v[0, 0, 2, 32:].tolist() == [0x00, 0x3C, 0x00, 0x3C] and v[0, 0, 2, :32].eq(0).all()
+    assert row[:2].tolist() == [(7 & 0xF) | (-2 & 0xF) << 4, 3 | (-7 & 0xF) << 4] and row[2:16].eq(0).all()
+    assert row[16].item() == (-8 & 0xF) | 7 << 4 and row[17:32].eq(0).all()     # 16 / -2, -14 / -2 -> -8, 7
+    assert row[32:].tolist() == [0x00, 0x3C, 0x00, 0xC0]
+    row = k[0, 1, 2]
+    assert row[0].item() == (-8 & 0xF) | 7 << 4 and row[1:32].eq(0).all()      # -16 / 2, 14 / 2 -> -8, 7
+    assert row[32:].tolist() == [0x00, 0x40, 0x00, 0x3C]
+    assert v[0, :, 2, 32:].eq(torch.tensor([0x00, 0x3C] * 2, dtype=torch.uint8)).all() and v[0, :, 2, :32].eq(0).all()
 
 
 @device_param
@@ -672,11 +678,11 @@ for mode, fmt, kind_in, kind_out in json.loads(sys.argv[1]):
         else:
             sig[name] = "i64" if name.endswith("cb") else "i32"
     kernel = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),
-                            options={"num_warps": 4})
+                            options={"num_warps": 4, **store._compile_options(mode)})
     ptx = kernel.asm["ptx"]
     out.append(dict(ops=sorted(set(re.findall(r"\b(?:div|rcp|cvt|fma|mul)\.[a-z0-9.]+", ptx))), ftz=".ftz" in ptx,
                     cubin=len(kernel.asm["cubin"]),
-                    magic=sorted(set(re.findall(r"\badd\.f32\s+%r\d+, %r\d+, (0f[4C]B400000);", ptx)))))
+                    magic=sorted(set(re.findall(r"\badd(?:\.rn)?\.f32\s+%r\d+, %r\d+, (0f[4C]B400000);", ptx)))))
 print(json.dumps(out))
 """
 
@@ -684,7 +690,9 @@ print(json.dumps(out))
 def test_compiles_for_sm90_with_exact_float_ops(tmp_path) -> None:
     """Compiled (not interpreted) for an H100: the only float division is div.rn.f32 (IEEE, subnormals kept; never
     div.full/approx), nothing flushes to zero, no hardware fp8 conversion, the 16-bit casts are cvt.rn; int8 codes
-    (the int8 and int4 formats) round by adding and subtracting 1.5 * 2^23 (both adds kept, not folded away)."""
+    (the int8 and int4 formats) round by adding and subtracting 1.5 * 2^23 (both adds kept, not folded away). The
+    group store's search (int4_g32) multiplies only with mul.rn.f32 (compiled without FP fusion: no FMA, and
+    ptxas may not contract a .rn multiply into one)."""
     pytest.importorskip("triton.backends.nvidia")
     variants = [(1, "fp8_e4m3", 2, 0), (2, "fp8_e4m3fnuz", 1, 0), (2, "fp8_e5m2", 0, 0), (0, None, 0, 2),
                 (0, None, 2, 1), (2, "int8", 2, 0), (2, "int8", 0, 0), (2, "int4", 2, 0),
@@ -700,8 +708,10 @@ def test_compiles_for_sm90_with_exact_float_ops(tmp_path) -> None:
         assert result["magic"] == (["0f4B400000", "0fCB400000"] if fmt in ("int8", "int4", "int4_g32") else []), result
         assert result["cubin"] > 0 and not result["ftz"], result
         inexact = {op for op in ops if op.startswith(("div.full", "div.approx", "rcp"))
-                   or op.startswith(("fma", "mul")) and op.endswith(("f32", "f16"))}
+                   or op.startswith(("fma", "mul")) and op.endswith(("f32", "f16"))
+                   and not (fmt == "int4_g32" and op == "mul.rn.f32")}
         assert not inexact, ops
+        assert ("mul.rn.f32" in ops) == (fmt == "int4_g32"), ops
         assert not {op for op in ops if "e4m3" in op or "e5m2" in op or "satfinite" in op}, ops
         assert ("div.rn.f32" in ops) == (mode != 0), ops
         # fp16 widens exactly, bf16 by its bits; int4_g32's float16 group scales round once (RNE) and widen back
