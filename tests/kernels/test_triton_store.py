@@ -514,6 +514,94 @@ def test_group32_row_layout(device: str) -> None:
     assert v[0, :, 2, 32:].eq(torch.tensor([0x00, 0x3C] * 2, dtype=torch.uint8)).all() and v[0, :, 2, :32].eq(0).all()
 
 
+def group32_search_groups(seed: int) -> torch.Tensor:
+    """Groups ``[N, 32]`` float32 that steer the scale search (:mod:`kv8.quant.int4_group`) into each of its
+    branches: a positive outlier over small values (the best scale negative: the outlier coded -8) and its mirror;
+    Gaussian, uniform and heavy-tailed groups (clipping the largest value, the refit); ties -- 32 equal values,
+    one nonzero value (its -8 candidate exact), integers up to 7 (the first candidate exact, every later one tied or
+    worse), halves (round-half-even ties at scale 1); amax / c below float16's smallest subnormal (clamped up, codes
+    0), float16 subnormal scales, float32 subnormals, amax past 65504 * 8.75 (clamped down, codes saturated); zero
+    (±0), NaN, ±inf and mixed non-finite groups."""
+    g = torch.Generator().manual_seed(seed)
+    groups: list[torch.Tensor] = []
+    for sign in (1.0, -1.0):
+        for spread in (0.1, 0.3, 0.5):
+            row = torch.randn(32, generator=g) * spread
+            row[int(torch.randint(0, 32, (1,), generator=g))] = 2.0 * sign
+            groups.append(row)
+    for k in (-12, -3, 0, 4, 11):
+        groups.append(torch.randn(32, generator=g) * 2.0 ** k)
+        groups.append((torch.rand(32, generator=g) * 2 - 1) * 2.0 ** k)
+        groups.append(torch.randn(32, generator=g) ** 3 * 2.0 ** k)
+    for v in (1.0, -1.0, 0.1, 7.0, -3e-3, 2.0 ** -20):
+        groups.append(torch.full((32,), v))
+    for v in (3.0, -3.0, 1e-3, -65504.0 * 9, 2.0 ** -30):
+        row = torch.zeros(32)
+        row[int(torch.randint(0, 32, (1,), generator=g))] = v
+        groups.append(row)
+    groups.append(torch.arange(32, dtype=torch.float32).remainder(15) - 7)
+    groups.append(torch.arange(32, dtype=torch.float32).remainder(16) / 2 - 4)
+    for amax in (2.0 ** -30, 1e-40, 3e-6, 2.0 ** -20, 3e-5, 65504.0 * 9, 1e30):
+        row = (torch.rand(32, generator=g) * 2 - 1) * amax
+        row[int(torch.randint(0, 32, (1,), generator=g))] = amax
+        groups.append(row)
+    zero = torch.zeros(32)
+    zero[1::2] = -0.0
+    groups.append(zero)
+    for specials in ((math.nan,), (math.inf,), (-math.inf,), (math.inf, -math.inf), (math.nan, math.inf)):
+        row = torch.randn(32, generator=g) * 9
+        row[: len(specials)] = torch.tensor(specials)
+        groups.append(row.roll(int(torch.randint(0, 32, (1,), generator=g))))
+    return torch.stack(groups)
+
+
+def test_group32_search_groups_reach_every_branch() -> None:
+    """The groups of :func:`group32_search_groups`, encoded by the reference, do reach what they aim at (so that the
+    byte-for-byte test below is not vacuous): negative scales, code -8, clipped values, refitted scales (not one of
+    the 16 candidates), tied errors kept by the first candidate, clamped and float16-subnormal scales, scale 1.0 for
+    the non-finite and zero groups."""
+    x = group32_search_groups(seed=5)
+    rows = INT4_G32.encode(x)
+    codes, scales = INT4_G32.split(rows, 32)
+    s = scales.to(torch.float32)[:, 0]
+    amax = x.abs().amax(dim=-1)
+    finite = torch.isfinite(amax) & (amax > 0)
+    cands = torch.stack([INT4_G32.encode_scale(amax / torch.tensor(7.0 + 0.25 * k)).to(torch.float32)
+                         for k in range(8)], dim=-1)
+    refit = finite & ~((cands == s[:, None]) | (cands == -s[:, None])).any(dim=-1)
+    assert int((s < 0).sum()) >= 5 and int((codes == -8).sum()) >= 10
+    assert INT4_G32.clipped(x[finite], rows[finite]) >= 3
+    assert int(refit.sum()) >= 3
+    assert int((s.abs() == 2.0 ** -24).sum()) >= 2 and int((s.abs() == 65504.0).sum()) >= 2
+    assert int(((s.abs() < 2.0 ** -14) & (s.abs() > 2.0 ** -24)).sum()) >= 1
+    assert bool((s[~finite] == 1.0).all()) and int((~finite).sum()) == 6
+    sevens = torch.full((1, 32), 7.0)
+    assert INT4_G32.split(INT4_G32.encode(sevens), 32)[1].item() == 1.0   # tied at 0 with -0.875 (c = 8): first kept
+
+
+@device_param
+@in_dtype_param
+@pytest.mark.parametrize("dim", [32, 64, 96, 256])
+def test_group32_search_is_int4_g32_encode(device: str, in_dtype: torch.dtype, dim: int) -> None:
+    """Every group of :func:`group32_search_groups` (and its negation, as the values), stored by the kernel, reads
+    back byte for byte as :meth:`INT4_G32.encode` of the same ``in_dtype`` values: codes and float16 scales."""
+    heads = 2
+    flat = group32_search_groups(seed=dim).flatten()
+    per_token = heads * dim
+    t = -(-flat.numel() // per_token)
+    flat = torch.cat([flat, flat[: t * per_token - flat.numel()]])
+    key = flat.reshape(t, heads, dim).to(in_dtype)
+    value = -key
+    cache = torch.full((-(-t // 16), heads, 16, INT4_G32.row_bytes(dim)), 0xA5, dtype=torch.uint8)
+    v_cache = cache.clone()
+    slots = torch.arange(t, dtype=torch.int64)
+    k_dev, v_dev = cache.to(device), v_cache.to(device)
+    store_kv(key.to(device), value.to(device), k_dev, v_dev, slots.to(device), fp8=INT4_G32)
+    for x, got in ((key, k_dev), (value, v_dev)):
+        rows = got.cpu().permute(0, 2, 1, 3).reshape(-1, heads, INT4_G32.row_bytes(dim))[:t]
+        assert_same_bits(INT4_G32.encode(x), rows, f"int4_g32 rows, D={dim}, {in_dtype}")
+
+
 @device_param
 def test_group32_takes_no_scales_and_whole_groups(device: str) -> None:
     key = torch.zeros(3, 2, 64, device=device)
