@@ -810,6 +810,55 @@ def test_compiles_for_sm90_with_exact_float_ops(tmp_path) -> None:
             assert "cvt.rn.f16.f32" in ops, ops
 
 
+_GROUP_COMPILE_SCRIPT = r"""
+import json, os, re, subprocess, sys, tempfile
+os.environ.pop("TRITON_INTERPRET", None)
+import torch
+from triton.backends.nvidia.compiler import get_ptxas
+import kv8.kernels.triton.store as store
+from kv8.kernels.triton.formats import kernel_format
+from kv8.quant.int4_group import INT4_G32
+from tests.helpers.sm90 import compile_launch
+ptxas = get_ptxas(90).path   # the ptxas Triton itself runs for sm_90 (Triton 3.9's PTX 9.4 needs its newer one)
+out = []
+for dtype, heads, dim in json.loads(sys.argv[1]):
+    key = torch.zeros(32, heads, dim, dtype=getattr(torch, dtype))
+    cache = torch.zeros(16, heads, 16, INT4_G32.row_bytes(dim), dtype=torch.uint8)
+    slots = torch.arange(32, dtype=torch.int64)
+    launch = store.store_launch(key, key.clone(), cache, cache.clone(), slots, slots, slots, slots, slots,
+                                (0, 0, 0, 0), (0, 0, 0) * 2, mode=3, fmt=kernel_format(INT4_G32))
+    ptx = compile_launch(launch).asm["ptx"]
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
+        f.write(ptx)
+    log = subprocess.run([ptxas, "-arch=sm_90a", "-v", f.name, "-o", os.devnull], capture_output=True, text=True)
+    os.unlink(f.name)
+    assert log.returncode == 0, log.stderr
+    out.append(dict(registers=int(re.search(r"Used (\d+) registers", log.stderr).group(1)),
+                    spill_bytes=sum(int(x) for x in re.findall(r"(\d+) bytes spill", log.stderr)),
+                    fma=len(re.findall(r"\bfma\.", ptx)), mul=sorted(set(re.findall(r"\bmul\.[a-z0-9.]*f32", ptx))),
+                    tile=launch.kwargs["BLOCK_H"] * launch.kwargs["BLOCK_D"]))
+print(json.dumps(out))
+"""
+
+
+def test_group_store_compiles_for_sm90_without_spills(tmp_path) -> None:
+    """The int4_per_group32 store as :func:`store_kv` launches it (Llama-3.1-8B's 8 KV heads of 128, 32 heads,
+    head_dims 96, 256 and 2048; bf16 and float32 keys), compiled for an H100 with Triton's ptxas: no register
+    spills (its tile is at most 1024 elements), no FMA (the launch turns FP fusion off), multiplies ``mul.rn``."""
+    pytest.importorskip("triton.backends.nvidia")
+    variants = [("bfloat16", 8, 128), ("float32", 8, 128), ("bfloat16", 32, 128), ("float16", 2, 96),
+                ("float32", 8, 256), ("bfloat16", 2, 2048)]
+    env = {**os.environ, "TRITON_CACHE_DIR": str(tmp_path), "PYTHONPATH": os.pathsep.join(sys.path)}
+    env.pop("TRITON_INTERPRET", None)
+    run = subprocess.run([sys.executable, "-c", _GROUP_COMPILE_SCRIPT, json.dumps(variants)], env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    for variant, fig in zip(variants, json.loads(run.stdout.strip().splitlines()[-1])):
+        assert fig["spill_bytes"] == 0 and fig["fma"] == 0 and fig["mul"] == ["mul.rn.f32"], (variant, fig)
+        assert fig["tile"] <= 1024 or variant[2] > 1024, (variant, fig)
+        print(variant, fig)
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # errors
 # ----------------------------------------------------------------------------------------------------------------
