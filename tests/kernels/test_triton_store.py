@@ -447,10 +447,11 @@ def test_int_every_16_bit_input(device: str, fmt: IntFormat) -> None:
 
 def group32_rows(dim: int, seed: int) -> torch.Tensor:
     """Rows [N, dim] float32 (dim a multiple of 32) whose groups hit every case of the group scale: a group whose
-    largest |x| is 7 * 2^k (scale exactly 2^k) beside every multiple of 0.5 in [-7, 7] and their neighbours; amax /
-    7 a float16 subnormal, below float16's smallest subnormal (clamped up), above 65504 (clamped down: the codes
-    saturate), a tie of float16's rounding; zero, ±inf and NaN groups (scale 1.0); float32 subnormals; random
-    groups of every magnitude. Groups of one row differ (each has its own scale)."""
+    largest |x| is 7 * 2^k beside every multiple of 0.5 in [-7, 7] and their neighbours (at the first candidate,
+    2^k, every half a rounding tie; the search ends on a refitted scale); amax / 7 a float16 subnormal, below
+    float16's smallest subnormal (clamped up), above 65504 (clamped down: the codes saturate), a tie of float16's
+    rounding; zero, ±inf and NaN groups (scale 1.0); float32 subnormals; random groups of every magnitude. Groups
+    of one row differ (each has its own scale)."""
     g = torch.Generator().manual_seed(seed)
     grid = np.arange(-14, 15, dtype=np.float32) / 2
     ties = np.concatenate([grid, np.nextafter(grid, np.float32(np.inf))])[:31]
