@@ -52,7 +52,8 @@ _F16_MIN_SUBNORMAL = 2.0 ** -24
 
 @dataclass(frozen=True)
 class Int4GroupFormat:
-    """Symmetric int4 codes with a float16 scale per ``group_size`` values along the last dim (the module docstring).
+    """int4 codes (-8..7) with a searched float16 scale per ``group_size`` values along the last dim (the module
+    docstring).
 
     Invariant: ``group_size`` is 32 and ``head_dim`` a multiple of it (checked by :meth:`check_head_dim`, which the
     codec and the engine's options call).

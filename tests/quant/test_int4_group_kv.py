@@ -71,7 +71,8 @@ def row_oracle(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         for d in (mag, -mag):
             q, e = _quant(g, d)
             take = e < best_e
-            best_q, best_d, best_e = np.where(take[..., None], q, best_q), np.where(take, d, best_d), np.minimum(e, best_e)
+            best_q, best_d = np.where(take[..., None], q, best_q), np.where(take, d, best_d)
+            best_e = np.minimum(e, best_e)
     den = _tsum(best_q * best_q)
     with np.errstate(invalid="ignore", divide="ignore"):
         fit = _tsum(g * best_q) / np.where(den > 0, den, np.float32(1))
