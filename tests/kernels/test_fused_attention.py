@@ -6,7 +6,9 @@
 * Store: bit-exact with :meth:`PagedKVCache.store` for every KV dtype, scale granularity (tensor, head,
   channel, dynamic per-token) and input dtype, on random data with special values, and on a dense sweep of
   float32 inputs (every sign/exponent/top-mantissa pattern, every midpoint between FP8 neighbours and its
-  float32 neighbours).
+  float32 neighbours); int4_per_group32's scale search (AVX-512; AVX2 and the scalar reference: portable builds)
+  byte for byte with INT4_G32.encode on groups that reach each of its outcomes (negative scales, the code -8,
+  clipping, the refit, ties, clamped and subnormal scales, non-finite and zero groups), head_dim 32 / 64 / 96 / 256.
 * Attention: equals :func:`paged_attention_reference` over the same stored cache for all 6 KV dtypes x
   granularities, q in bf16 and fp32 (fp16 once), ragged batches mixing decode and chunked prefill over a
   cached prefix, lengths at and across block boundaries (block sizes 16, 8, 32), GQA 1/3/8, head_dim
@@ -40,6 +42,7 @@ from kv8.kernels.cpu import attention as kernels
 from kv8.kernels.cpu.abi import check_abi
 from kv8.kernels.cpu.attention import KernelUnavailable, paged_attention_fused, store_kv_fused
 from kv8.quant.formats import FP8_FORMATS, resolve_kv_cache_dtype
+from kv8.quant.int4_group import INT4_G32
 from kv8.quant.scales import KVScales
 from tests.helpers.kernels import (
     FP4,
@@ -240,6 +243,126 @@ def test_store_dense_fp32_sweep(lib: kernels.KernelLibrary, fmt: str) -> None:
     store_kv_fused(lib, mine, 0, x, x, slots)
     for a, b in zip(stored(ref, 0, slots), stored(mine, 0, slots)):
         assert torch.equal(a, b)
+
+
+def int4_group_stress(groups: int, gen: torch.Generator) -> torch.Tensor:
+    """``groups`` groups of 32 float32 values ``[groups, 32]`` that exercise int4_per_group32's scale search, in a
+    random order: Gaussian groups over 2^-20 .. 2^10; heavy-tailed ones (an outlier 2-6x the rest, which a clipping
+    scale serves best); integers -7..8 with an 8 times a power of two (a negative scale is exact: codes -8..7); equal
+    values and groups of one nonzero value (ties between a candidate and its negative); amax so small that the
+    scales clamp to 2^-24 or are float16 subnormals, float32 subnormals; so large that they clamp to 65504 or the
+    squared errors overflow to inf; groups with a NaN, an infinity or only zeros (either sign)."""
+    def normal(n: int) -> torch.Tensor:
+        return torch.randn(n, 32, generator=gen)
+
+    def uniform(n: int, lo: float, hi: float) -> torch.Tensor:
+        return torch.empty(n, 1).uniform_(lo, hi, generator=gen)
+
+    def one_at(n: int, v: torch.Tensor) -> torch.Tensor:
+        x = torch.zeros(n, 32)
+        x[torch.arange(n), torch.randint(0, 32, (n,), generator=gen)] = v.flatten()
+        return x
+
+    def heavy(n: int) -> torch.Tensor:
+        x = normal(n)
+        outlier = x.abs().amax(-1, keepdim=True) * uniform(n, 1.0, 5.0) * torch.randn(n, 1, generator=gen).sign()
+        return x + one_at(n, outlier)
+
+    def integers(n: int) -> torch.Tensor:
+        x = torch.randint(-7, 9, (n, 32), generator=gen).float()
+        x[:, 0] = 8.0
+        return x * torch.exp2(torch.randint(-6, 6, (n, 1), generator=gen).float())
+
+    nan_group = normal(1) * 3
+    nan_group[0, 5] = math.nan
+    makers = [
+        lambda n: normal(n) * torch.exp2(uniform(n, -20.0, 10.0)),
+        heavy,
+        integers,
+        lambda n: torch.ones(n, 32) * torch.randn(n, 1, generator=gen) * torch.exp2(uniform(n, -8.0, 8.0)),
+        lambda n: one_at(n, torch.randn(n, 1, generator=gen) * torch.exp2(uniform(n, -8.0, 8.0))),
+        lambda n: normal(n) * torch.exp2(uniform(n, -40.0, -24.0)),          # scales clamped to 2^-24
+        lambda n: normal(n) * torch.exp2(uniform(n, -24.0, -14.0)),          # float16 subnormal scales
+        lambda n: normal(n) * 1e-40,                                          # float32 subnormal values
+        lambda n: normal(n) * torch.exp2(uniform(n, 19.0, 40.0)),            # scales clamped to 65504
+        lambda n: normal(n) * 1e37,                                           # squared errors overflow
+        lambda n: torch.cat([nan_group, normal(1).abs() * math.inf, -torch.ones(1, 32) / 0.0, torch.zeros(1, 32),
+                             -torch.zeros(1, 32), normal(1).clamp(-1, 1) * math.inf])[torch.arange(n) % 6],
+    ]
+    per = -(-groups // len(makers))
+    x = torch.cat([make(per) for make in makers])
+    return x[torch.randperm(x.shape[0], generator=gen)[:groups]]
+
+
+def int4_group_coverage(x: torch.Tensor) -> set[str]:
+    """Which of the scale search's outcomes occur among groups ``x`` ``[N, 32]`` (their float dtype) as
+    INT4_G32.encode stores them."""
+    codes, scales = INT4_G32.group_codes(x)
+    codes, scales = codes.view(-1, 32).float(), scales.flatten().float()
+    g = x.float().view(-1, 32)
+    amax = g.abs().amax(-1)
+    ok = torch.isfinite(amax) & (amax > 0)
+    first = (amax / 7.0).clamp(2.0 ** -24, 65504.0).half().float()
+    cands = torch.stack([(amax / (7.0 + 0.25 * k)).clamp(2.0 ** -24, 65504.0).half().float() for k in range(8)], -1)
+    gf = torch.where(ok.unsqueeze(-1), g, torch.zeros_like(g))
+    errs = torch.stack([INT4_G32._quantize(gf, sign * cands[:, k])[1] for k in range(8) for sign in (1, -1)], -1)
+    found = {
+        "negative": bool((scales < 0).any()),
+        "code -8": bool((codes == -8).any()),
+        "clipped": bool(((g / scales.unsqueeze(-1) > 7.5) | (g / scales.unsqueeze(-1) < -8.5))[ok].any()),
+        "not amax / 7": bool((scales[ok] != first[ok]).any()),
+        "refit": bool((ok & ~(scales.abs().unsqueeze(-1) == cands).any(-1)).any()),
+        "tie": bool((ok & ((errs == errs.amin(-1, keepdim=True)).sum(-1) > 1)).any()),
+        "2^-24": bool((scales == 2.0 ** -24).any()),
+        "subnormal": bool(((scales.abs() < 2.0 ** -14) & (scales.abs() > 2.0 ** -24)).any()),
+        "65504": bool((scales.abs() == 65504.0).any()),
+        "not finite or zero": bool((~ok).any()),
+    }
+    return {name for name, hit in found.items() if hit}
+
+
+def int4_group_outcomes(in_dtype: torch.dtype) -> set[str]:
+    """The outcomes of int4_group_coverage that int4_group_stress groups in ``in_dtype`` reach (float16 reaches no
+    scale clamped to 65504: its largest finite value is 65504)."""
+    every = {"negative", "code -8", "clipped", "not amax / 7", "refit", "tie", "2^-24", "subnormal", "65504",
+             "not finite or zero"}
+    return every - {"65504"} if in_dtype == torch.float16 else every
+
+
+def check_int4_group_store(lib: kernels.KernelLibrary, dim: int, in_dtype: torch.dtype, seed: int) -> set[str]:
+    """Stores int4_group_stress rows (3 heads of head_dim ``dim``, 128 tokens; V the rows reversed and negated) with
+    the fused store and compares every byte with INT4_G32.encode; returns int4_group_coverage of the K rows."""
+    gen = torch.Generator().manual_seed(seed)
+    heads, tokens, bs = 3, 128, 16
+    key = int4_group_stress(tokens * heads * dim // 32, gen).view(tokens, heads, dim).to(in_dtype)
+    value = -key.flip(0)
+    shape = CacheShape(1, tokens // bs + 1, heads, bs, dim)
+    cache = make_cache(shape, resolve_kv_cache_dtype(I4G, torch.bfloat16), None)
+    slots = torch.randperm(shape.num_blocks * bs, generator=gen)[:tokens]
+    store_kv_fused(lib, cache, 0, key, value, slots)
+    for got, x in zip(stored(cache, 0, slots), (key, value)):
+        want = INT4_G32.encode(x)
+        bad = (got != want).any(-1).nonzero().tolist()
+        assert not bad, f"{len(bad)} rows differ from INT4_G32.encode, first (token, head) {bad[0]}"
+    return int4_group_coverage(key.view(-1, 32))
+
+
+@pytest.mark.parametrize("dim", [32, 64, 96, 256])
+@pytest.mark.parametrize("in_dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_store_int4_group_search(lib: kernels.KernelLibrary, dim: int, in_dtype: torch.dtype) -> None:
+    """int4_per_group32's store (the AVX-512 search where the build has it) equals INT4_G32.encode byte for byte on
+    groups that reach every outcome of the scale search: a negative scale, the code -8, a clipped largest value, the
+    least-squares refit, ties, clamped and subnormal scales, and the groups that get scale 1.0."""
+    found = check_int4_group_store(lib, dim, in_dtype, seed=dim)
+    assert int4_group_outcomes(in_dtype) <= found
+
+
+@pytest.mark.parametrize("dim", [32, 96])
+def test_store_int4_group_portable(portable_lib: kernels.KernelLibrary, dim: int) -> None:
+    """The encoders of the builds without AVX-512 -- the scalar reference (x86-64-v2) and the AVX2 search
+    (x86-64-v3) -- equal INT4_G32.encode byte for byte as well."""
+    for in_dtype in (torch.bfloat16, torch.float16, torch.float32):
+        assert int4_group_outcomes(in_dtype) <= check_int4_group_store(portable_lib, dim, in_dtype, seed=dim + 1)
 
 
 # ------------------------------------------------------------------------------------------------

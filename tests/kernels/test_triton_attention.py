@@ -58,6 +58,8 @@ choose_num_kv_splits = triton_attention.choose_num_kv_splits
 launch_config = triton_attention.launch_config
 unified_attention = triton_attention.unified_attention
 decode_fp8 = triton_dequant.decode_fp8
+group_scales = triton_dequant.group_scales
+apply_group_scales = triton_dequant.apply_group_scales
 FLOAT_CACHES = ("bfloat16", "float16", "float32")
 FP8_CACHES = tuple(FP8_FORMATS)     # every kv8 format: the kernels' constants are derived from each
 INT8_CACHE = "int8_per_token_head"   # int8 codes, always dynamic scales
@@ -331,6 +333,44 @@ def test_int4_decode_unpacks_every_byte(out_dtype: tl.dtype, device: str) -> Non
     out = torch.empty(16, 32, dtype=torch.float32, device=device)
     _decode_int4_kernel[(1,)](codes, out, FMT=kernel_format(INT4), OUT=out_dtype)
     assert torch.equal(out.cpu(), INT4.decode(unpack_int4(codes.cpu())))
+
+
+@triton.jit
+def _decode_int4_group_kernel(rows_ptr, out_ptr, FMT: tl.constexpr, AXIS: tl.constexpr):
+    """Rows ``[16, 36]`` of int4_per_group32 (D = 64: 32 code bytes, two float16 scales) -> values ``[16, 64]``
+    float32, the codes unpacked along ``AXIS`` (1: ``[R, B]``, 0: ``[B, R]``, the attention's K^T) and times their
+    group's scale, as the attention kernel decodes them."""
+    r = tl.arange(0, 16)
+    b = tl.arange(0, 32)
+    scales = group_scales(tl.load(rows_ptr + r[:, None] * 36 + 32 + tl.arange(0, 4)[None, :]))    # [16, 2]
+    if AXIS == 1:
+        values = apply_group_scales(decode_fp8(tl.load(rows_ptr + r[:, None] * 36 + b[None, :]), FMT, False,
+                                               tl.float32, 1), scales, 1, 32)                      # [16, 64]
+        tl.store(out_ptr + r[:, None] * 64 + tl.arange(0, 64)[None, :], values)
+    else:
+        values = apply_group_scales(decode_fp8(tl.load(rows_ptr + r[None, :] * 36 + b[:, None]), FMT, False,
+                                               tl.float32, 0), scales, 0, 32)                      # [64, 16]
+        tl.store(out_ptr + r[None, :] * 64 + tl.arange(0, 64)[:, None], values)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("axis", [1, 0])
+def test_int4_group_decode_is_exact_for_every_code_and_scale_sign(axis: int, device: str) -> None:
+    """int4_per_group32 rows with every code byte (both nibbles -8 .. 7; the store's search writes -8) and float16
+    group scales of both signs -- ±1, ±2^-24, float16 subnormals, ±65504, negative zero's neighbours -- decode as
+    :meth:`INT4_G32.decode` does, exactly (a 4-bit code times a float16 scale is exact in float32), along both
+    channel axes the attention kernel unpacks."""
+    codes = torch.arange(512, dtype=torch.int32).remainder(256).to(torch.uint8).reshape(16, 32)
+    scales = torch.tensor([1.0, -1.0, 2.0 ** -24, -(2.0 ** -24), 3 * 2.0 ** -20, -5 * 2.0 ** -17, 65504.0, -65504.0,
+                           0.1, -0.1, -2.0, 0.375, -0.125, 7.5, -1000.0, 2.0 ** -14, -(2.0 ** -14), 1.5, -3.0, 0.5,
+                           -0.5, 0.25, -0.25, 4.0, -4.0, 8.0, -8.0, 16.0, -16.0, 1e-3, -1e-3, 2.0 ** -15],
+                          dtype=torch.float16).reshape(16, 2)
+    rows = torch.cat([codes, scales.view(torch.uint8)], dim=-1)
+    assert rows.shape == (16, INT4_G32.row_bytes(64))
+    out = torch.empty(16, 64, dtype=torch.float32, device=device)
+    _decode_int4_group_kernel[(1,)](rows.to(device), out, FMT=kernel_format(INT4_G32), AXIS=axis)
+    want = INT4_G32.decode(rows, 64)
+    assert torch.equal(out.cpu(), want) and bool((want < 0).any())
 
 
 # ---- attention against the reference ----------------------------------------------------------------------------

@@ -447,10 +447,11 @@ def test_int_every_16_bit_input(device: str, fmt: IntFormat) -> None:
 
 def group32_rows(dim: int, seed: int) -> torch.Tensor:
     """Rows [N, dim] float32 (dim a multiple of 32) whose groups hit every case of the group scale: a group whose
-    largest |x| is 7 * 2^k (scale exactly 2^k) beside every multiple of 0.5 in [-7, 7] and their neighbours; amax /
-    7 a float16 subnormal, below float16's smallest subnormal (clamped up), above 65504 (clamped down: the codes
-    saturate), a tie of float16's rounding; zero, ±inf and NaN groups (scale 1.0); float32 subnormals; random
-    groups of every magnitude. Groups of one row differ (each has its own scale)."""
+    largest |x| is 7 * 2^k beside every multiple of 0.5 in [-7, 7] and their neighbours (at the first candidate,
+    2^k, every half a rounding tie; the search ends on a refitted scale); amax / 7 a float16 subnormal, below
+    float16's smallest subnormal (clamped up), above 65504 (clamped down: the codes saturate), a tie of float16's
+    rounding; zero, ±inf and NaN groups (scale 1.0); float32 subnormals; random groups of every magnitude. Groups
+    of one row differ (each has its own scale)."""
     g = torch.Generator().manual_seed(seed)
     grid = np.arange(-14, 15, dtype=np.float32) / 2
     ties = np.concatenate([grid, np.nextafter(grid, np.float32(np.inf))])[:31]
@@ -493,19 +494,113 @@ def test_group32_codes_and_scales_are_the_codecs(device: str, in_dtype: torch.dt
 
 @device_param
 def test_group32_row_layout(device: str) -> None:
-    """Independently of the reference: a group whose largest |x| is 7 has scale 1.0 (0x3C00: bytes 00 3C after the
-    codes), one with 14 scale 2.0 (0x4000), a zero group 1.0, codes as int4's."""
-    x = torch.zeros(64)
-    x[0], x[1], x[2], x[3] = 7.0, -2.5, 3.5, -7.0
-    x[32], x[33] = 14.0, -5.0
-    cache = make_cache("int4_per_group32", heads=1, dim=64, blocks=1)
-    kernel_store(cache, x.reshape(1, 1, 64), torch.zeros(1, 1, 64), torch.tensor([2]), device)
+    """Independently of the reference: a group of integers whose largest |x| is 7 has scale 1.0 (0x3C00: bytes 00 3C
+    after the codes; every code exact, so no later candidate's error is smaller), [16, -14, 0, ..] scale -2.0
+    (0xC000: codes -8, 7 are exact, while +2.0 clips 16 to 7 * 2 and every earlier candidate misses), [-16, 14, ..]
+    scale 2.0 (0x4000), a zero group 1.0 with zero codes; codes two's complement nibbles, channel 2j low."""
+    x = torch.zeros(2, 64)
+    x[0, 0], x[0, 1], x[0, 2], x[0, 3] = 7.0, -2.0, 3.0, -7.0
+    x[0, 32], x[0, 33] = 16.0, -14.0
+    x[1, 0], x[1, 1] = -16.0, 14.0
+    cache = make_cache("int4_per_group32", heads=2, dim=64, blocks=1)
+    kernel_store(cache, x.reshape(1, 2, 64), torch.zeros(1, 2, 64), torch.tensor([2]), device)
     k, v = cache.layer(0)
     row = k[0, 0, 2]
-    assert row[:2].tolist() == [(7 & 0xF) | (-2 & 0xF) << 4, 4 | (-7 & 0xF) << 4] and row[2:16].eq(0).all()
-    assert row[16].item() == (7 | (-2 & 0xF) << 4) and row[17:32].eq(0).all()     # 14 / 2, -5 / 2 -> 7, -2
-    assert row[32:].tolist() == [0x00, 0x3C, 0x00, 0x40]
-    assert v[0, 0, 2, 32:].tolist() == [0x00, 0x3C, 0x00, 0x3C] and v[0, 0, 2, :32].eq(0).all()
+    assert row[:2].tolist() == [(7 & 0xF) | (-2 & 0xF) << 4, 3 | (-7 & 0xF) << 4] and row[2:16].eq(0).all()
+    assert row[16].item() == (-8 & 0xF) | 7 << 4 and row[17:32].eq(0).all()     # 16 / -2, -14 / -2 -> -8, 7
+    assert row[32:].tolist() == [0x00, 0x3C, 0x00, 0xC0]
+    row = k[0, 1, 2]
+    assert row[0].item() == (-8 & 0xF) | 7 << 4 and row[1:32].eq(0).all()      # -16 / 2, 14 / 2 -> -8, 7
+    assert row[32:].tolist() == [0x00, 0x40, 0x00, 0x3C]
+    assert v[0, :, 2, 32:].eq(torch.tensor([0x00, 0x3C] * 2, dtype=torch.uint8)).all() and v[0, :, 2, :32].eq(0).all()
+
+
+def group32_search_groups(seed: int) -> torch.Tensor:
+    """Groups ``[N, 32]`` float32 that steer the scale search (:mod:`kv8.quant.int4_group`) into each of its
+    branches: a positive outlier over small values (the best scale negative: the outlier coded -8) and its mirror;
+    Gaussian, uniform and heavy-tailed groups (clipping the largest value, the refit); ties -- 32 equal values,
+    one nonzero value (its -8 candidate exact), integers up to 7 (the first candidate exact, every later one tied or
+    worse), halves (round-half-even ties at scale 1); amax / c below float16's smallest subnormal (clamped up, codes
+    0), float16 subnormal scales, float32 subnormals, amax past 65504 * 8.75 (clamped down, codes saturated); zero
+    (±0), NaN, ±inf and mixed non-finite groups."""
+    g = torch.Generator().manual_seed(seed)
+    groups: list[torch.Tensor] = []
+    for sign in (1.0, -1.0):
+        for spread in (0.1, 0.3, 0.5):
+            row = torch.randn(32, generator=g) * spread
+            row[int(torch.randint(0, 32, (1,), generator=g))] = 2.0 * sign
+            groups.append(row)
+    for k in (-12, -3, 0, 4, 11):
+        groups.append(torch.randn(32, generator=g) * 2.0 ** k)
+        groups.append((torch.rand(32, generator=g) * 2 - 1) * 2.0 ** k)
+        groups.append(torch.randn(32, generator=g) ** 3 * 2.0 ** k)
+    for v in (1.0, -1.0, 0.1, 7.0, -3e-3, 2.0 ** -20):
+        groups.append(torch.full((32,), v))
+    for v in (3.0, -3.0, 1e-3, -65504.0 * 9, 2.0 ** -30):
+        row = torch.zeros(32)
+        row[int(torch.randint(0, 32, (1,), generator=g))] = v
+        groups.append(row)
+    groups.append(torch.arange(32, dtype=torch.float32).remainder(15) - 7)
+    groups.append(torch.arange(32, dtype=torch.float32).remainder(16) / 2 - 4)
+    for amax in (2.0 ** -30, 1e-40, 3e-6, 2.0 ** -20, 3e-5, 65504.0 * 9, 1e30):
+        row = (torch.rand(32, generator=g) * 2 - 1) * amax
+        row[int(torch.randint(0, 32, (1,), generator=g))] = amax
+        groups.append(row)
+    zero = torch.zeros(32)
+    zero[1::2] = -0.0
+    groups.append(zero)
+    for specials in ((math.nan,), (math.inf,), (-math.inf,), (math.inf, -math.inf), (math.nan, math.inf)):
+        row = torch.randn(32, generator=g) * 9
+        row[: len(specials)] = torch.tensor(specials)
+        groups.append(row.roll(int(torch.randint(0, 32, (1,), generator=g))))
+    return torch.stack(groups)
+
+
+def test_group32_search_groups_reach_every_branch() -> None:
+    """The groups of :func:`group32_search_groups`, encoded by the reference, do reach what they aim at (so that the
+    byte-for-byte test below is not vacuous): negative scales, code -8, clipped values, refitted scales (not one of
+    the 16 candidates), tied errors kept by the first candidate, clamped and float16-subnormal scales, scale 1.0 for
+    the non-finite and zero groups."""
+    x = group32_search_groups(seed=5)
+    rows = INT4_G32.encode(x)
+    codes, scales = INT4_G32.split(rows, 32)
+    s = scales.to(torch.float32)[:, 0]
+    amax = x.abs().amax(dim=-1)
+    finite = torch.isfinite(amax) & (amax > 0)
+    cands = torch.stack([INT4_G32.encode_scale(amax / torch.tensor(7.0 + 0.25 * k)).to(torch.float32)
+                         for k in range(8)], dim=-1)
+    refit = finite & ~((cands == s[:, None]) | (cands == -s[:, None])).any(dim=-1)
+    assert int((s < 0).sum()) >= 5 and int((codes == -8).sum()) >= 10
+    assert INT4_G32.clipped(x[finite], rows[finite]) >= 3
+    assert int(refit.sum()) >= 3
+    assert int((s.abs() == 2.0 ** -24).sum()) >= 2 and int((s.abs() == 65504.0).sum()) >= 2
+    assert int(((s.abs() < 2.0 ** -14) & (s.abs() > 2.0 ** -24)).sum()) >= 1
+    assert bool((s[~finite] == 1.0).all()) and int((~finite).sum()) == 6
+    sevens = torch.full((1, 32), 7.0)
+    assert INT4_G32.split(INT4_G32.encode(sevens), 32)[1].item() == 1.0   # tied at 0 with -0.875 (c = 8): first kept
+
+
+@device_param
+@in_dtype_param
+@pytest.mark.parametrize("dim", [32, 64, 96, 256])
+def test_group32_search_is_int4_g32_encode(device: str, in_dtype: torch.dtype, dim: int) -> None:
+    """Every group of :func:`group32_search_groups` (and its negation, as the values), stored by the kernel, reads
+    back byte for byte as :meth:`INT4_G32.encode` of the same ``in_dtype`` values: codes and float16 scales."""
+    heads = 2
+    flat = group32_search_groups(seed=dim).flatten()
+    per_token = heads * dim
+    t = -(-flat.numel() // per_token)
+    flat = torch.cat([flat, flat[: t * per_token - flat.numel()]])
+    key = flat.reshape(t, heads, dim).to(in_dtype)
+    value = -key
+    cache = torch.full((-(-t // 16), heads, 16, INT4_G32.row_bytes(dim)), 0xA5, dtype=torch.uint8)
+    v_cache = cache.clone()
+    slots = torch.arange(t, dtype=torch.int64)
+    k_dev, v_dev = cache.to(device), v_cache.to(device)
+    store_kv(key.to(device), value.to(device), k_dev, v_dev, slots.to(device), fp8=INT4_G32)
+    for x, got in ((key, k_dev), (value, v_dev)):
+        rows = got.cpu().permute(0, 2, 1, 3).reshape(-1, heads, INT4_G32.row_bytes(dim))[:t]
+        assert_same_bits(INT4_G32.encode(x), rows, f"int4_g32 rows, D={dim}, {in_dtype}")
 
 
 @device_param
@@ -672,11 +767,11 @@ for mode, fmt, kind_in, kind_out in json.loads(sys.argv[1]):
         else:
             sig[name] = "i64" if name.endswith("cb") else "i32"
     kernel = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),
-                            options={"num_warps": 4})
+                            options={"num_warps": 4, **store._compile_options(mode)})
     ptx = kernel.asm["ptx"]
     out.append(dict(ops=sorted(set(re.findall(r"\b(?:div|rcp|cvt|fma|mul)\.[a-z0-9.]+", ptx))), ftz=".ftz" in ptx,
                     cubin=len(kernel.asm["cubin"]),
-                    magic=sorted(set(re.findall(r"\badd\.f32\s+%r\d+, %r\d+, (0f[4C]B400000);", ptx)))))
+                    magic=sorted(set(re.findall(r"\badd(?:\.rn)?\.f32\s+%r\d+, %r\d+, (0f[4C]B400000);", ptx)))))
 print(json.dumps(out))
 """
 
@@ -684,7 +779,9 @@ print(json.dumps(out))
 def test_compiles_for_sm90_with_exact_float_ops(tmp_path) -> None:
     """Compiled (not interpreted) for an H100: the only float division is div.rn.f32 (IEEE, subnormals kept; never
     div.full/approx), nothing flushes to zero, no hardware fp8 conversion, the 16-bit casts are cvt.rn; int8 codes
-    (the int8 and int4 formats) round by adding and subtracting 1.5 * 2^23 (both adds kept, not folded away)."""
+    (the int8 and int4 formats) round by adding and subtracting 1.5 * 2^23 (both adds kept, not folded away). The
+    group store's search (int4_g32) multiplies only with mul.rn.f32 (compiled without FP fusion: no FMA, and
+    ptxas may not contract a .rn multiply into one)."""
     pytest.importorskip("triton.backends.nvidia")
     variants = [(1, "fp8_e4m3", 2, 0), (2, "fp8_e4m3fnuz", 1, 0), (2, "fp8_e5m2", 0, 0), (0, None, 0, 2),
                 (0, None, 2, 1), (2, "int8", 2, 0), (2, "int8", 0, 0), (2, "int4", 2, 0),
@@ -700,8 +797,10 @@ def test_compiles_for_sm90_with_exact_float_ops(tmp_path) -> None:
         assert result["magic"] == (["0f4B400000", "0fCB400000"] if fmt in ("int8", "int4", "int4_g32") else []), result
         assert result["cubin"] > 0 and not result["ftz"], result
         inexact = {op for op in ops if op.startswith(("div.full", "div.approx", "rcp"))
-                   or op.startswith(("fma", "mul")) and op.endswith(("f32", "f16"))}
+                   or op.startswith(("fma", "mul")) and op.endswith(("f32", "f16"))
+                   and not (fmt == "int4_g32" and op == "mul.rn.f32")}
         assert not inexact, ops
+        assert ("mul.rn.f32" in ops) == (fmt == "int4_g32"), ops
         assert not {op for op in ops if "e4m3" in op or "e5m2" in op or "satfinite" in op}, ops
         assert ("div.rn.f32" in ops) == (mode != 0), ops
         # fp16 widens exactly, bf16 by its bits; int4_g32's float16 group scales round once (RNE) and widen back
@@ -710,6 +809,55 @@ def test_compiles_for_sm90_with_exact_float_ops(tmp_path) -> None:
         assert not {op for op in ops if "bf16" in op}, ops
         if mode == 0 and kind_out == 1:
             assert "cvt.rn.f16.f32" in ops, ops
+
+
+_GROUP_COMPILE_SCRIPT = r"""
+import json, os, re, subprocess, sys, tempfile
+os.environ.pop("TRITON_INTERPRET", None)
+import torch
+from triton.backends.nvidia.compiler import get_ptxas
+import kv8.kernels.triton.store as store
+from kv8.kernels.triton.formats import kernel_format
+from kv8.quant.int4_group import INT4_G32
+from tests.helpers.sm90 import compile_launch
+ptxas = get_ptxas(90).path   # the ptxas Triton itself runs for sm_90 (Triton 3.9's PTX 9.4 needs its newer one)
+out = []
+for dtype, heads, dim in json.loads(sys.argv[1]):
+    key = torch.zeros(32, heads, dim, dtype=getattr(torch, dtype))
+    cache = torch.zeros(16, heads, 16, INT4_G32.row_bytes(dim), dtype=torch.uint8)
+    slots = torch.arange(32, dtype=torch.int64)
+    launch = store.store_launch(key, key.clone(), cache, cache.clone(), slots, slots, slots, slots, slots,
+                                (0, 0, 0, 0), (0, 0, 0) * 2, mode=3, fmt=kernel_format(INT4_G32))
+    ptx = compile_launch(launch).asm["ptx"]
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
+        f.write(ptx)
+    log = subprocess.run([ptxas, "-arch=sm_90a", "-v", f.name, "-o", os.devnull], capture_output=True, text=True)
+    os.unlink(f.name)
+    assert log.returncode == 0, log.stderr
+    out.append(dict(registers=int(re.search(r"Used (\d+) registers", log.stderr).group(1)),
+                    spill_bytes=sum(int(x) for x in re.findall(r"(\d+) bytes spill", log.stderr)),
+                    fma=len(re.findall(r"\bfma\.", ptx)), mul=sorted(set(re.findall(r"\bmul\.[a-z0-9.]*f32", ptx))),
+                    tile=launch.kwargs["BLOCK_H"] * launch.kwargs["BLOCK_D"]))
+print(json.dumps(out))
+"""
+
+
+def test_group_store_compiles_for_sm90_without_spills(tmp_path) -> None:
+    """The int4_per_group32 store as :func:`store_kv` launches it (Llama-3.1-8B's 8 KV heads of 128, 32 heads,
+    head_dims 96, 256 and 2048; bf16 and float32 keys), compiled for an H100 with Triton's ptxas: no register
+    spills (its tile is at most 1024 elements), no FMA (the launch turns FP fusion off), multiplies ``mul.rn``."""
+    pytest.importorskip("triton.backends.nvidia")
+    variants = [("bfloat16", 8, 128), ("float32", 8, 128), ("bfloat16", 32, 128), ("float16", 2, 96),
+                ("float32", 8, 256), ("bfloat16", 2, 2048)]
+    env = {**os.environ, "TRITON_CACHE_DIR": str(tmp_path), "PYTHONPATH": os.pathsep.join(sys.path)}
+    env.pop("TRITON_INTERPRET", None)
+    run = subprocess.run([sys.executable, "-c", _GROUP_COMPILE_SCRIPT, json.dumps(variants)], env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    for variant, fig in zip(variants, json.loads(run.stdout.strip().splitlines()[-1])):
+        assert fig["spill_bytes"] == 0 and fig["fma"] == 0 and fig["mul"] == ["mul.rn.f32"], (variant, fig)
+        assert fig["tile"] <= 1024 or variant[2] > 1024, (variant, fig)
+        print(variant, fig)
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -33,21 +33,70 @@ I4G_KV = resolve_kv_cache_dtype("int4_per_group32", torch.bfloat16)
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=2)
 
 
+def _tsum(v: np.ndarray) -> np.ndarray:
+    """The sum over the last dim in kv8.quant.int4_group's fixed order: v[j] + v[j + n/2], halving."""
+    while v.shape[-1] > 1:
+        v = v[..., : v.shape[-1] // 2] + v[..., v.shape[-1] // 2:]
+    return v[..., 0]
+
+
+def _f16(d: np.ndarray) -> np.ndarray:
+    """float16 of float32 scales, magnitudes clamped to [2^-24, 65504], the sign kept; as float32."""
+    mag = np.clip(np.abs(d), np.float32(2.0 ** -24), np.float32(65504)).astype(np.float32)
+    return np.where(d < 0, -mag, mag).astype(np.float16).astype(np.float32)
+
+
+def _quant(g: np.ndarray, d: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    r = (np.float32(1) / d).astype(np.float32)[..., None]
+    q = np.rint(np.clip(g * r, -8, 7)).astype(np.float32)                  # np.rint: round half to even
+    res = g - q * d[..., None]
+    return q, _tsum(res * res)
+
+
 def row_oracle(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(int4 codes int8 [..., D], float16 scales [..., G], decoded values float32 [..., D]) of rows ``x`` by the
-    rule of :mod:`kv8.quant.int4_group`, in numpy."""
+    rule of :mod:`kv8.quant.int4_group` (the scale search), in numpy, one group at a time through the candidates."""
     x = x.astype(np.float32)
     groups = x.reshape(*x.shape[:-1], -1, 32)
     with np.errstate(invalid="ignore"):
-        s = np.abs(groups).max(axis=-1) / np.float32(7)
-    s = np.where(np.isfinite(s) & (s > 0), s, np.float32(1)).astype(np.float32)
-    scale = np.clip(s, np.float32(2.0 ** -24), np.float32(65504)).astype(np.float16)
-    sv = scale.astype(np.float32)[..., None]
+        amax = np.abs(groups).max(axis=-1)
+    ok = np.isfinite(amax) & (amax > 0)
+    g = np.where(ok[..., None], groups, np.float32(0)).astype(np.float32)
+    amax = np.where(ok, amax, np.float32(1)).astype(np.float32)
+    best_q = np.zeros_like(g)
+    best_d = np.zeros_like(amax)
+    best_e = np.full_like(amax, np.inf)
+    for k in range(8):
+        mag = _f16(amax / np.float32(7 + 0.25 * k))
+        for d in (mag, -mag):
+            q, e = _quant(g, d)
+            take = e < best_e
+            best_q, best_d = np.where(take[..., None], q, best_q), np.where(take, d, best_d)
+            best_e = np.minimum(e, best_e)
+    den = _tsum(best_q * best_q)
     with np.errstate(invalid="ignore", divide="ignore"):
-        q = np.nan_to_num(groups / sv, nan=0.0, posinf=7.0, neginf=-7.0)
-    codes = np.rint(np.clip(q, -7, 7)).astype(np.int8)                   # np.rint: round half to even
-    values = codes.astype(np.float32) * sv
+        fit = _tsum(g * best_q) / np.where(den > 0, den, np.float32(1))
+    fit_ok = (den > 0) & np.isfinite(fit) & (fit != 0)
+    d2 = _f16(np.where(fit_ok, fit, best_d).astype(np.float32))
+    q2, e2 = _quant(g, d2)
+    take = fit_ok & (e2 < best_e)
+    best_q, best_d = np.where(take[..., None], q2, best_q), np.where(take, d2, best_d)
+    with np.errstate(invalid="ignore"):
+        raw = np.rint(np.clip(np.nan_to_num(groups, nan=0.0, posinf=7.0, neginf=-8.0), -8, 7))
+    codes = np.where(ok[..., None], best_q, raw).astype(np.int8)
+    scale = np.where(ok, best_d, np.float32(1)).astype(np.float16)
+    values = codes.astype(np.float32) * scale.astype(np.float32)[..., None]
     return codes.reshape(x.shape), scale, values.reshape(x.shape)
+
+
+def symmetric_error(x: np.ndarray) -> np.ndarray:
+    """Each finite group's squared error under the symmetric rule (``d = f16(amax / 7)``, codes -7..7), the search's
+    first candidate: what the search may only lower."""
+    g = x.astype(np.float32).reshape(*x.shape[:-1], -1, 32)
+    d = _f16(np.abs(g).max(axis=-1) / np.float32(7))
+    q = np.rint(np.clip(g * (np.float32(1) / d)[..., None], -7, 7))
+    res = g - q * d[..., None]
+    return _tsum(res * res)
 
 
 @pytest.mark.parametrize("head_dim", [32, 64, 96, 256])
@@ -79,17 +128,50 @@ def test_rows_match_the_oracle_codes_scales_and_values(head_dim: int) -> None:
     back = INT4_G32.decode(stored, head_dim)
     assert int(back[0, 0].abs().max()) == 0 and float(scales[0, 0].min()) == 1.0
     assert float(scales[0, 2].min()) == 2.0 ** -24 and int(back[0, 2].abs().max()) == 0
-    assert back[1, 0, :3].tolist() == [0.0, 7.0, -3.0] and float(back[1, 1, -1]) == -7.0
-    assert float(back[1, 2].abs().max()) == 7 * 65504
-    assert float(scales[2, 0, 0]) == 2.5 and codes[2, 0, :10].tolist() == [-7, 0, 2, 2, 4, 4, 6, 6, 0, -2]
-    assert float(scales[0, 1].float().max()) < 2.0 ** -14                       # subnormal
-    assert int(codes.abs().max()) <= 7
-    normal = (torch.isfinite(x).view(30, 3, g, 32).all(-1) & (scales.float() >= 2.0 ** -14)
-              & (x.abs().view(30, 3, g, 32).amax(-1) <= 7 * 65504))
-    step = scales.float().repeat_interleave(32, -1)
-    # within half a step, plus the scale's rounding on the group's largest values (float16: 2^-11 relative)
-    err_ok = (back - x).abs() <= step * (0.5 + 7 * 2.0 ** -11) * (1 + 1e-6)
-    assert bool(err_ok.where(normal.repeat_interleave(32, -1), True).all())
+    assert back[1, 0, :3].tolist() == [0.0, 7.0, -3.0] and float(back[1, 1, -1]) == -8.0
+    assert 7 * 65504 <= float(back[1, 2].abs().max()) <= 8 * 65504
+    assert float(scales[0, 1].float().abs().max()) < 2.0 ** -14                 # subnormal
+    assert int(codes.min()) == -8 and int(codes.max()) == 7 and bool((scales < 0).any())
+    # the search never does worse than its first candidate, the symmetric amax / 7 rule, on groups whose scale
+    # is a normal float16 (a clamped one lets the searched codes reach -8 where the symmetric ones stop at -7)
+    g = x.numpy().reshape(30, 3, -1, 32)
+    amax7 = np.abs(g).max(axis=-1) / np.float32(7)
+    normal = np.isfinite(g).all(-1) & (amax7 >= 2.0 ** -14) & (amax7 <= 65504)
+    res = (back - x).numpy().reshape(30, 3, -1, 32)
+    err = _tsum(res * res)
+    assert normal.sum() >= 0.8 * normal.size
+    assert bool((err <= symmetric_error(x.numpy()))[normal].all())
+
+
+def test_the_search_lowers_the_error_of_gaussian_groups_to_0_70x_the_symmetric_rule() -> None:
+    """The module docstring's numbers: on Gaussian rows the search's mean squared error is 0.70x the symmetric
+    rule's, about 0.0066 of the variance, and half the groups take a negative scale."""
+    x = torch.randn(4000, 64, generator=torch.Generator().manual_seed(0))
+    back = INT4_G32.decode(INT4_G32.encode(x), 64)
+    mse = float(((back - x) ** 2).mean())
+    sym = float(symmetric_error(x.numpy()).sum()) / x.numel()
+    assert 0.0062 < mse < 0.0070 and 0.67 < mse / sym < 0.72
+    _, scales = INT4_G32.split(INT4_G32.encode(x), 64)
+    assert 0.3 < float((scales < 0).float().mean()) < 0.6
+
+
+def test_search_corner_groups() -> None:
+    """Groups of equal values, a single nonzero value, and a group whose largest value is best clipped."""
+    x = torch.zeros(4, 32)
+    x[0] = 3.0                                              # every value equal: one code, no error
+    x[1, 5] = -2.0                                          # one nonzero value: exact
+    x[2] = torch.linspace(-1, 1, 32)
+    x[2, 0] = -1.4                                          # one outlier among evenly spread values
+    x[3] = -0.5
+    stored = INT4_G32.encode(x)
+    back = INT4_G32.decode(stored, 32)
+    codes, scales = INT4_G32.split(stored, 32)
+    want_codes, want_scales, _ = row_oracle(x.numpy())
+    np.testing.assert_array_equal(codes.numpy(), want_codes)
+    np.testing.assert_array_equal(scales.numpy().view(np.uint16), want_scales.view(np.uint16))
+    assert torch.equal(back[0], x[0]) and torch.equal(back[1], x[1]) and torch.equal(back[3], x[3])
+    err = _tsum(((back - x) ** 2).numpy())
+    assert err[2] < symmetric_error(x.numpy())[2, 0]
 
 
 def test_bad_inputs_name_what_is_wrong() -> None:
@@ -134,9 +216,12 @@ def test_codec_stores_rows_without_other_scales_and_needs_whole_groups() -> None
     assert ts is None and torch.equal(stored, INT4_G32.encode(x))
     assert torch.equal(codec.decode(stored, 0, 1, torch.float32), INT4_G32.decode(stored, 64))
     back, clipped = codec.round_trip(x, 0, 0)
-    assert clipped == 0 and 0 < float((back - x).norm() / x.norm()) < 0.15
-    x[0, 0, 0] = 1e6                                                            # beyond 7 * 65504
-    assert codec.round_trip(x, 0, 0)[1] == 1
+    y = INT4_G32.scaled(x, INT4_G32.split(stored, 64)[1])
+    # the search clips a group's largest value where that lowers the group's error: at most a few per group
+    assert clipped == int(((y > 7.5) | (y < -8.5)).sum()) and clipped <= 7 * 2 * 2
+    assert 0 < float((back - x).norm() / x.norm()) < 0.12
+    x[0, 0, 0] = 1e6                                                            # beyond 8 * 65504
+    assert codec.round_trip(x, 0, 0)[1] >= 1
 
 
 def _cache(kv: str, **kw) -> CacheConfig:

@@ -73,8 +73,9 @@ Work decomposition (grid ``(T // BLOCK_Q + B, Hkv, NUM_SPLITS)``; T = query rows
   ``[TILE_N, D_PAD / 2]``, K^T ``[D_PAD / 2, TILE_N]``) and unpacked in registers along the channel axis
   (:func:`~kv8.kernels.triton.dequant.unpack_nibbles`: sign-extended nibbles joined -- for K^T permuted -- and
   reshaped into channel order); its decode tiles take 4 warps (:func:`launch_config`). An ``int4_per_group32``
-  cache (``GROUPED``) has no scale arguments: its rows carry a float16 scale per 32 values after the codes, loaded
-  ``[TILE_N, 2 D / 32]`` bytes beside them; the codes times their group's scale (exact in float32, reshaped to
+  cache (``GROUPED``) has no scale arguments: its rows carry a float16 scale per 32 values after the codes (of
+  either sign, read by its bits; codes -8 .. 7), loaded ``[TILE_N, 2 D / 32]`` bytes beside them; the codes times
+  their group's scale (exact in float32, reshaped to
   ``[.., D / 32, 32, ..]``) go into the dot in the query's 16-bit dtype (rounded once, as a decode to that dtype
   would) or float32, with the tiles of dynamic scales.
 * **Dot precision** (``DOT_DTYPE``, one for both products). Decoded FP8 values are exact in float16 (and in

@@ -126,7 +126,7 @@ def unpack_nibbles(raw, AXIS: tl.constexpr):
 @triton.jit
 def group_scales(raw):
     """``uint8 [R, 2 G]``: the little-endian bytes of ``G`` float16 group scales per row -> ``float32 [R, G]``
-    (exact)."""
+    (exact, by the bits: a negative scale keeps its sign, a subnormal its value)."""
     b = raw.to(tl.int32)
     lo, hi = tl.split(tl.reshape(b, [raw.shape[0], raw.shape[1] // 2, 2]))
     return (lo | (hi << 8)).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
@@ -136,7 +136,7 @@ def group_scales(raw):
 def apply_group_scales(values, scales, AXIS: tl.constexpr, GS: tl.constexpr):
     """float32 ``values`` with their channels along ``AXIS`` (``[R, D]`` with 1, ``[D, R]`` with 0) times the scale
     of each channel's group of ``GS`` (``scales [R, D / GS]``, :func:`group_scales`), exact in float32 for int4 codes
-    and float16 scales."""
+    (-8 .. 7) and float16 scales of either sign: a plain product, no assumption on either's sign or range."""
     if AXIS == 1:
         res = tl.reshape(tl.reshape(values, [values.shape[0], values.shape[1] // GS, GS]) * scales[:, :, None],
                          [values.shape[0], values.shape[1]])

@@ -16,7 +16,9 @@ or 4-bit (``packed``: ``uint8`` bytes of two two's complement nibbles, channel `
 values is ``D / 2`` bytes (:func:`code_width`). An integer format's FP8-only fields are neutral (0, False, 1.0,
 None); its ``nan_code`` and ``negative_nan_code`` are 0, the code a NaN encodes to. ``int4_per_group32``
 (:class:`GroupLayout`: :class:`kv8.quant.int4_group.Int4GroupFormat`) is the int4 family with ``group_size`` 32: a
-float16 scale per 32 values follows the row's codes (``D / 2 + 2 D / 32`` bytes). ``fp4_e2m1`` (E2M1 codes, E4M3
+float16 scale per 32 values, of either sign, follows the row's codes (``D / 2 + 2 D / 32`` bytes); its codes span
+the nibble's whole -8 .. 7 (the store's scale search uses -8), its ``max_finite`` (7) is the first candidate's
+divisor. ``fp4_e2m1`` (E2M1 codes, E4M3
 group scales) has no ``KernelFormat``: :func:`kernel_format` refuses it.
 
 =====================  ===============================================  =============================================
@@ -27,7 +29,8 @@ field                  from the format                                  read by
 ``mantissa_bits``      M                                                encode (rounding), bit decode (the shift)
 ``exponent_bias``      its bias                                         encode (rebias, subnormal range)
 ``max_finite``         its largest finite value (int: the largest       the store's dynamic scales; int encode
-                       code)                                            (the clamp)
+                       code)                                            (the clamp); the group store's first
+                                                                        candidate divisor
 ``max_finite_bits``    float32 bits of ``max_finite``                   FP8 encode (saturation bound on ``|y|``'s
                                                                         bits)
 ``nan_code``           the code a NaN encodes to                        encode
@@ -45,8 +48,8 @@ field                  from the format                                  read by
                                                                         cache dtype)
 ``group_size``         values per float16 scale in the row (0: none)    the store (group amax, scale bytes), the
                                                                         attention (scales per group); the wrappers
-``group_scale_min``,   float16's smallest subnormal and largest value:  the store (a group scale's clamp)
-``group_scale_max``    the group scales' clamp
+``group_scale_min``,   float16's smallest subnormal and largest value:  the store (the clamp of a group scale's
+``group_scale_max``    the group scales' clamp                          magnitude; the sign is kept)
 =====================  ===============================================  =============================================
 
 Why a NamedTuple: Triton keys its compiled kernels on the constexprs' values (a NamedTuple of plain values is
@@ -152,7 +155,7 @@ class KernelFormat(NamedTuple):
     native: str | None
     packed: bool
     group_size: int = 0            # > 0: a float16 scale per group_size values after the row's codes
-    group_scale_min: float = 0.0   # a group scale's clamp: float16's smallest subnormal ..
+    group_scale_min: float = 0.0   # the clamp of a group scale's magnitude: float16's smallest subnormal ..
     group_scale_max: float = 0.0   # .. and its largest finite value
 
 

@@ -15,9 +15,12 @@ tell them apart). int4 codes are encoded as int8's (clamped to 7) on the whole `
 each thread packs the channel pairs it holds (:func:`~kv8.kernels.triton.quant.pack_nibbles`) and stores
 ``BLOCK_D / 2`` bytes per head. ``int4_per_group32`` (``FMT.group_size`` 32; ``MODE`` 3, no scale arguments) is
 int4 with a scale per 32 values instead of per head, stored in the row after the codes, ``W = D / 2 + 2 D / 32``:
-the tile reshaped to ``[BLOCK_H, BLOCK_D / 32, 32]``, each group's ``amax / 7`` (``div_rn``; 1.0 where zero or not
-finite) clamped to float16's range and rounded to float16 (``cvt.rn``), the codes ``x / float32(scale)``, the
-scale's two bytes little-endian -- :class:`kv8.quant.int4_group.Int4GroupFormat`'s encode.
+the tile reshaped to ``[BLOCK_H, BLOCK_D / 32, 32]``, each group's float16 scale chosen by
+:class:`kv8.quant.int4_group.Int4GroupFormat`'s search for the smallest squared error (16 candidates
+``±f16(amax / c)``, ``c = 7 .. 8.75``, then one least-squares refit; ``_group_search``), the codes
+``clamp(rne(x * (1 / scale)), -8, 7)``, a group with a NaN or an infinity or only zeros scale 1.0 and its values
+rounded as they are, the scale's two bytes little-endian -- the format's encode, byte for byte. Its tile is at most
+1024 elements (the search keeps more of it live; compiled for sm_90 that needs no register spills).
 
     |<--------- block b: H tiles of bs x D --------->|
     | head 0: o=0 [D] o=1 [D] ... | head 1: ... | ... |
@@ -41,6 +44,18 @@ tensors can differ from this kernel in the last bit of a scale; the tests comput
 written to a 16/32-bit cache is a NaN, but its payload bits are not part of the contract (torch's own differ by
 device and code path).
 
+The group scale search also multiplies, subtracts and adds in float32 (``x * r``, ``x - q d``, the squares and the
+products ``x q``, their sums): each an IEEE operation rounded once, as in the reference, because
+
+* every sum of a group is the reference's tree (``Int4GroupFormat.tree_sum``: ``v[j] + v[j + 16]``, then 8, 4, 2,
+  1 apart), built from reductions over axes of size 2 (``_tree_sum32``): a reduction's order (unspecified in
+  Triton; numpy's in the interpreter) cannot change a sum of two;
+* the group store is compiled with ``enable_fp_fusion=False`` (:func:`store_launch`; the other modes have no
+  product to fuse): LLVM then emits ``mul.rn``/``add.rn``/``sub.rn``, which ptxas does not contract into an FMA
+  either (``--fmad=false``), where a fused ``r * r + s`` would round once instead of twice;
+* ``r = 1 / d`` and the refit's quotient are ``div.rn``, ``q d`` is exact (a 4-bit integer times a float16), and
+  the rounding to an integer is the add and subtract of ``1.5 * 2^23``.
+
 Not checked (the launch never synchronizes with the device, so it can be captured in a CUDA graph): slots lie in
 ``[0, num_blocks * bs)`` or are negative and are distinct; static scales are finite and > 0
 (:class:`kv8.quant.scales.KVScales` guarantees it).
@@ -62,7 +77,7 @@ from kv8.kernels.triton.formats import (
     code_width,
     kernel_format,
 )
-from kv8.kernels.triton.interpreter import max_combine
+from kv8.kernels.triton.interpreter import add_combine, max_combine
 from kv8.kernels.triton.launch import Launch
 from kv8.kernels.triton.quant import bf16_bits_to_f32, encode_codes, f32_to_bf16_bits, pack_nibbles, scaled_rn
 
@@ -73,6 +88,7 @@ CACHE_DTYPES: tuple[torch.dtype, ...] = (torch.bfloat16, torch.float16, torch.fl
 _KIND = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}   # the IN/OUT constexprs
 _MODE_CAST, _MODE_STATIC, _MODE_DYNAMIC, _MODE_GROUP = 0, 1, 2, 3
 _MAX_TILE = 4096   # elements of one [BLOCK_H, BLOCK_D] tile
+_MAX_GROUP_TILE = 1024   # .. for int4_per_group32, whose scale search keeps more of the tile live (no spills)
 
 
 @triton.jit
@@ -83,6 +99,97 @@ def _load_f32(ptrs, mask, IN: tl.constexpr):
     else:
         x = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
     return x
+
+
+# ---- int4_per_group32: the search for each group's scale (kv8.quant.int4_group's module docstring) -------------
+
+@triton.jit
+def _tree_sum32(v):
+    """``[R, G, 32]`` float32 -> ``[R, G]``: the sum of each group in :meth:`Int4GroupFormat.tree_sum`'s order,
+    ``v[j] + v[j + 16]``, then 8, 4, 2, 1 apart. Each step is a (row-major) reshape that puts the two addends of a
+    sum on an axis of size 2 and a reduction over that axis: a sum of two values, whatever order a backend or the
+    interpreter reduces in, so every addition rounds the same pair as the reference's."""
+    tl.static_assert(v.shape[2] == 32, "the group search sums groups of 32")
+    R: tl.constexpr = v.shape[0]
+    G: tl.constexpr = v.shape[1]
+    v = tl.reduce(tl.reshape(v, [R, G, 2, 16]), 2, add_combine)
+    v = tl.reduce(tl.reshape(v, [R, G, 2, 8]), 2, add_combine)
+    v = tl.reduce(tl.reshape(v, [R, G, 2, 4]), 2, add_combine)
+    v = tl.reduce(tl.reshape(v, [R, G, 2, 2]), 2, add_combine)
+    return tl.reduce(v, 2, add_combine)
+
+
+@triton.jit
+def _reciprocal(d):
+    """``1 / d`` per group, one IEEE division (``div.rn``): what the codes multiply by."""
+    return tl.math.div_rn(tl.full(d.shape, 1.0, tl.float32), d)
+
+
+@triton.jit
+def _rne_int4(y):
+    """float32 ``y`` (not NaN) -> ``clamp(round_half_even(y), -8, 7)`` as float32: the clamp, then the add and
+    subtract of ``1.5 * 2^23`` that :func:`~kv8.kernels.triton.quant.encode_int8` rounds with."""
+    y = tl.minimum(tl.maximum(y, -8.0), 7.0)
+    return (y + 12582912.0) - 12582912.0
+
+
+@triton.jit
+def _int4_codes(y):
+    """float32 ``y`` -> ``int32`` codes ``clamp(round_half_even(y), -8, 7)``, NaN -> 0, ``+inf`` -> 7, ``-inf``
+    -> -8 (:meth:`Int4GroupFormat.encode_int4`)."""
+    is_nan = (y.to(tl.int32, bitcast=True) & 0x7FFFFFFF) > 0x7F800000
+    return _rne_int4(tl.where(is_nan, 0.0, y)).to(tl.int32)
+
+
+@triton.jit
+def _group_error(xs, d):
+    """Squared error ``[R, G]`` of finite groups ``xs [R, G, 32]`` coded with scales ``d [R, G]`` (nonzero
+    float16 values): ``tsum((x - q d)^2)``, ``q = clamp(rne(x * (1 / d)), -8, 7)``. ``q d`` is exact (a 4-bit
+    integer times a float16); the kernel is compiled without FMA contraction (:func:`store_launch`), so ``x * r``
+    and every square round once, as in the reference."""
+    q = _rne_int4(xs * _reciprocal(d)[:, :, None])
+    e = xs - q * d[:, :, None]
+    return _tree_sum32(e * e)
+
+
+@triton.jit
+def _f16_magnitude(v, SMIN: tl.constexpr, SMAX: tl.constexpr):
+    """float32 ``v >= 0`` clamped to ``[SMIN, SMAX]`` (float16's smallest subnormal, largest value) and rounded to
+    float16 (``cvt.rn``, nearest even), back in float32: :meth:`Int4GroupFormat.encode_scale` of a magnitude."""
+    return tl.minimum(tl.maximum(v, SMIN), SMAX).to(tl.float16).to(tl.float32)
+
+
+@triton.jit
+def _group_search(xs, amax, C0: tl.constexpr, SMIN: tl.constexpr, SMAX: tl.constexpr):
+    """Each group's scale ``[R, G]`` (float16 values in float32, nonzero, either sign) for finite groups
+    ``xs [R, G, 32]`` with ``amax [R, G] > 0`` their largest ``|x|``: :meth:`Int4GroupFormat.group_codes`'s search.
+
+    The candidates ``±f16(amax / c)``, ``c = C0, C0 + 0.25, .., C0 + 1.75`` (``C0`` the format's ``max_finite``, 7:
+    the first candidate is the symmetric rule; ``div.rn``), ``+`` then ``-``, the first smallest
+    error kept (``<``); then the least-squares refit ``f16(tsum(x q) / tsum(q q))`` (sign kept, magnitude clamped),
+    taken if its error is smaller. The codes ``q`` of the winner are recomputed rather than carried through the
+    loop (the same operations give the same codes). ``best_e`` starts at ``+inf`` and ``best_d`` at the first
+    candidate: a first candidate whose error is finite replaces them, one whose error overflowed to ``inf`` leaves
+    the same state -- the reference's."""
+    best_d = _f16_magnitude(tl.math.div_rn(amax, C0), SMIN, SMAX)
+    best_e = tl.full(amax.shape, float("inf"), tl.float32)
+    for k in range(8):
+        mag = _f16_magnitude(tl.math.div_rn(amax, C0 + 0.25 * k), SMIN, SMAX)
+        e = _group_error(xs, mag)
+        take = e < best_e
+        best_d = tl.where(take, mag, best_d)
+        best_e = tl.where(take, e, best_e)
+        e = _group_error(xs, -mag)
+        take = e < best_e
+        best_d = tl.where(take, -mag, best_d)
+        best_e = tl.where(take, e, best_e)
+    q = _rne_int4(xs * _reciprocal(best_d)[:, :, None])
+    den = _tree_sum32(q * q)                                          # an exact integer, < 2^12
+    fit = tl.math.div_rn(_tree_sum32(xs * q), tl.where(den > 0.0, den, 1.0))
+    fit_ok = (den > 0.0) & ((fit.to(tl.int32, bitcast=True) & 0x7FFFFFFF) < 0x7F800000) & (fit != 0.0)
+    mag = _f16_magnitude(tl.abs(fit), SMIN, SMAX)
+    d2 = tl.where(fit_ok, tl.where(fit < 0.0, -mag, mag), best_d)
+    return tl.where(fit_ok & (_group_error(xs, d2) < best_e), d2, best_d)
 
 
 @triton.jit
@@ -110,15 +217,18 @@ def _store_one(x_ptr, stride_xt, stride_xh, c_ptr, stride_cb, stride_ch, stride_
         GS: tl.constexpr = FMT.group_size
         NG: tl.constexpr = BLOCK_D // GS
         x = _load_f32(src, mask, IN)                                  # [BLOCK_H, BLOCK_D], 0 where masked
-        xg = tl.reshape(x, [x.shape[0], NG, GS])
+        xg = tl.reshape(x, [x.shape[0], NG, GS])                      # [BLOCK_H, NG, GS]
         amax = tl.reduce(xg.to(tl.int32, bitcast=True) & 0x7FFFFFFF, 2, max_combine)    # [BLOCK_H, NG] bits
-        gs = tl.math.div_rn(amax.to(tl.float32, bitcast=True), max_finite)
-        gs = tl.where((amax < 0x7F800000) & (gs > 0.0), gs, 1.0)
-        gs16 = tl.minimum(tl.maximum(gs, FMT.group_scale_min), FMT.group_scale_max).to(tl.float16)   # RNE
-        y = tl.reshape(scaled_rn(xg, gs16.to(tl.float32)[:, :, None]), [x.shape[0], BLOCK_D])
+        ok = (amax < 0x7F800000) & (amax > 0)                         # finite and not all zeros
+        xs = tl.where(ok[:, :, None], xg, 0.0)                        # what the search sees
+        d = _group_search(xs, tl.where(ok, amax.to(tl.float32, bitcast=True), 1.0), FMT.max_finite,
+                          FMT.group_scale_min, FMT.group_scale_max)
+        d = tl.where(ok, d, 1.0)                                      # [BLOCK_H, NG] float16 values, nonzero
+        gs16 = d.to(tl.float16)                                       # exact
+        codes = _int4_codes(xg * _reciprocal(d)[:, :, None])          # x * 1.0 = x where not ok: NaN, inf as is
         nib = tl.arange(0, BLOCK_D // 2)
         row = c_ptr + block * stride_cb + heads[:, None] * stride_ch + off * stride_cs
-        tl.store(row + nib[None, :], pack_nibbles(encode_codes(y, FMT)),
+        tl.store(row + nib[None, :], pack_nibbles(tl.reshape(codes, [x.shape[0], BLOCK_D])),
                  mask=hmask[:, None] & (nib < D // 2)[None, :])
         bits = gs16.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF                  # little-endian bytes
         scale_bytes = tl.reshape(tl.join(bits & 0xFF, bits >> 8), [x.shape[0], 2 * NG]).to(tl.uint8)
@@ -314,7 +424,8 @@ def store_launch(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, 
     num_tokens, num_heads, head_dim = key.shape
     block_size = k_cache.shape[2]
     block_d = triton.next_power_of_2(head_dim)
-    block_h = min(triton.next_power_of_2(num_heads), max(1, _MAX_TILE // block_d))
+    block_h = min(triton.next_power_of_2(num_heads),
+                  max(1, (_MAX_GROUP_TILE if mode == _MODE_GROUP else _MAX_TILE) // block_d))
     grid = (num_tokens, triton.cdiv(num_heads, block_h))
     return Launch(_store_kv_kernel, grid, (
         key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale, k_token_scales, v_token_scales,
@@ -324,7 +435,16 @@ def store_launch(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, 
         *scale_strides, *token_scale_strides,
         num_heads, head_dim, block_size, 1.0 if fmt is None else fmt.max_finite,
     ), dict(MODE=mode, FMT=fmt, IN=_KIND[key.dtype], OUT=_KIND.get(k_cache.dtype, 0),
-            BLOCK_H=block_h, BLOCK_D=block_d, num_warps=4 if block_h * block_d >= 1024 else 2))
+            BLOCK_H=block_h, BLOCK_D=block_d, num_warps=4 if block_h * block_d >= 1024 else 2,
+            **_compile_options(mode)))
+
+
+def _compile_options(mode: int) -> dict[str, object]:
+    """Compile options of a store launch of ``mode`` beyond its warps: ``enable_fp_fusion=False`` for the group store
+    (its squares and products must each round once, as the reference's: no FMA; module docstring), none otherwise
+    (no float product there to fuse)."""
+    return {"enable_fp_fusion": False} if mode == _MODE_GROUP else {}
+
 
 def _scale_view(name: str, scale: torch.Tensor | None, num_heads: int, head_dim: int,
                 device: torch.device) -> tuple[torch.Tensor, tuple[int, ...]]:

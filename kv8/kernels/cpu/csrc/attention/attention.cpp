@@ -27,6 +27,7 @@
 //   ../common/amx_tiles.h  AMX permission and tile configuration (shared with the dense library)
 //   ../common/fp8_bf16.h   FP8 -> bf16 table decode in registers (shared with the dense library's FP8 weights)
 //   store.h                quantize-on-store
+//   store_int4_group.h     int4_per_group32's encoder: each group's float16 scale by a search (AVX-512 and reference)
 //
 // Cache layer layout: k_cache / v_cache are [num_blocks, H_kv, block_size, D] contiguous (uint8 FP8 codes,
 // or bf16 / fp16 / fp32). read = decode(code) * scale, with static scales (float32, element strides over

@@ -64,8 +64,10 @@ static constexpr bool kv_decode_fast(int kv) {
     return kv_bf16_exact(kv) || KV_FORMATS[kv].ibits != 0 || KV_FORMATS[kv].group != 0;
 }
 
-// Whether format kv stores symmetric int4 codes two per byte, the even channel in the low nibble: int4 per token and
-// head, and int4 per group of 32 (its float16 group scales after the D / 2 code bytes).
+// Whether format kv stores int4 codes two per byte (two's complement), the even channel in the low nibble: int4 per
+// token and head (codes -7..7), and int4 per group of 32 (codes -8..7; its float16 group scales, of either sign, after
+// the D / 2 code bytes). Every reader of these codes decodes all 16 nibbles ((n ^ 8) - 8) and multiplies by the
+// scale as it is, so neither -8 nor a negative scale needs a case of its own.
 static constexpr bool kv_int4_codes(int kv) { return KV_FORMATS[kv].ibits == 4 || KV_FORMATS[kv].gscale == 2; }
 
 // Whether format kv is FP4 (fp4_e2m1): E2M1 codes two per byte, the even channel in the low nibble, and an E4M3 scale

@@ -8,19 +8,22 @@
 // when that is 0 or not finite; int8: max 127, int4: 7), written beside its codes; integer codes are
 // clamp(rne(x / scale), -max, max) with NaN -> 0 (base.h), int4 two per byte (the even channel in the low nibble).
 // FP4 (fp4_e2m1): E2M1 codes two per byte and an E4M3 scale per group of 16 values in the row (store_row_fp4);
-// int4_per_group32: int4 codes two per byte and a float16 scale per group of 32 values (store_row_int4_group).
+// int4_per_group32: int4 codes -8..7 two per byte and a float16 scale of either sign per group of 32 values, found by
+// a search for the smallest squared error (store_row_int4_group, store_int4_group.h).
 // 16/32-bit caches store the value converted (round to nearest even). Bit-exact with
 // kv8.cache.paged_cache.PagedKVCache.store, NaN rule included (base.h).
 //
 // Where the fast path is compiled, FP8 rows (D a multiple of 16; dynamic scales, or static ones with a channel
 // stride of 0 or 1) are encoded 16 values at a time by fp8_encode16, which gives fp8_encode's bits (the tests
-// sweep every float32 sign/exponent/high-mantissa pattern against the reference). A step's rows land one per
+// sweep every float32 sign/exponent/high-mantissa pattern against the reference); int4_per_group32 rows are converted
+// to float 16 values at a time and searched by i4g_groups_avx512 (store_int4_group.h). A step's rows land one per
 // block, scattered over the cache: each row's lines are prefetched for writing STORE_PREFETCH_ROWS rows ahead, so
 // their misses overlap instead of stalling the stores one row at a time.
 #pragma once
 
 #include "base.h"
 #include "abi.h"
+#include "store_int4_group.h"
 
 #if KV8_FAST
 // fp8_encode<FMT> of 16 values at once, bit for bit (round to nearest even -- the subnormal range by the default
@@ -100,7 +103,7 @@ static inline void prefetch_for_write(const void* p) {
 #endif
 }
 
-// The scale of the group x[g0, g1) for codes whose largest magnitude is qmax (the group-scaled formats below):
+// The scale of the group x[g0, g1) for codes whose largest magnitude is qmax (FP4's, below):
 // amax / qmax, 1.0 where the group holds a NaN or amax / qmax is zero or not finite, then clamped to [lo, hi] (the
 // scale format's range); the caller rounds it to that format.
 static inline float group_scale(const float* x, int g0, int g1, float qmax, float lo, float hi) {
@@ -128,22 +131,6 @@ static inline void store_row_fp4(float* x, int D, int G, uint8_t* dst) {
         for (int d = g0; d < g1; ++d) x[d] = x[d] / sv;
     }
     for (int d = 0; d < D; d += 2) dst[d / 2] = (uint8_t)(e2m1_encode(x[d]) | (e2m1_encode(x[d + 1]) << 4));
-}
-
-// One int4_per_group32 row (kv8.quant.int4_group, bit for bit): per group of G values (G divides D) the float16
-// scale s = f16(clamp(amax / 7, 2^-24, 65504)), 1.0 where amax / 7 is zero or not finite; codes
-// clamp(rne(x / s), -7, 7) with NaN -> 0, two per byte; each scale's two bytes (low first) after the D / 2 code
-// bytes. x: the row in float32 (overwritten).
-static inline void store_row_int4_group(float* x, int D, int G, uint8_t* dst) {
-    for (int g0 = 0; g0 < D; g0 += G) {
-        const uint16_t h = f_f16(group_scale(x, g0, g0 + G, 7.0f, 0x1p-24f, 65504.0f));
-        const float sv = f16_f(h);
-        dst[D / 2 + 2 * (g0 / G)] = (uint8_t)(h & 0xFF);
-        dst[D / 2 + 2 * (g0 / G) + 1] = (uint8_t)(h >> 8);
-        for (int d = g0; d < g0 + G; ++d) x[d] = x[d] / sv;
-    }
-    for (int d = 0; d < D; d += 2)
-        dst[d / 2] = (uint8_t)((int_encode(x[d], 7.0f) & 0xF) | (int_encode(x[d + 1], 7.0f) << 4));
 }
 
 static int run_store(const kv8_layer& L, const kv8_store_call& C) {
@@ -220,10 +207,15 @@ static int run_store(const kv8_layer& L, const kv8_store_call& C) {
                 });
                 continue;
             }
+            if (fmt.gscale == 2) {   // int4_per_group32 (D % 32 == 0): the row converted 16 values at a time
+                for (int d = 0; d < D; d += 16) _mm512_storeu_ps(buf + d, load16_f(src, in_dtype, s0 + d));
+                store_row_int4_group(buf, D, dst);
+                continue;
+            }
 #endif
             for (int d = 0; d < D; ++d) buf[d] = load_f(src, in_dtype, s0 + d);
             if (fmt.group && fmt.gscale == 2) {
-                store_row_int4_group(buf, D, fmt.group, dst);
+                store_row_int4_group(buf, D, dst);
             } else if (fmt.group) {
                 store_row_fp4(buf, D, fmt.group, dst);
             } else if (fmt.fp8 || fmt.ibits) {

@@ -48,7 +48,8 @@ struct KvFormat {
     int group;          // codes two per byte (the even channel in the low nibble) with a scale per `group` values
                         // after the row's codes; 0: none. Which codes and scales: gscale
     int gscale;         // bytes of one group scale: 1 = E4M3 with E2M1 codes (kv8.quant.fp4), 2 = float16
-                        // (little-endian) with symmetric int4 codes -7..7 (kv8.quant.int4_group; D % group == 0)
+                        // (little-endian, either sign) with int4 codes -8..7, two's complement (kv8.quant.int4_group;
+                        // D % group == 0; the store searches each group's scale: ../attention/store_int4_group.h)
 };
 static constexpr KvFormat KV_FORMATS[KV_COUNT] = {
     // name                 esize  elem     fp8    ibits  mbits  bias  max_finite  nan_0x80  has_inf  nan_code group gscale
