@@ -153,21 +153,19 @@ class Int4GroupFormat:
         ok = torch.isfinite(amax) & (amax > 0)                 # NaN propagates through amax
         gf = torch.where(ok.unsqueeze(-1), g, torch.zeros_like(g))
         amax = torch.where(ok, amax, torch.ones_like(amax))
-        best_q = best_d = best_e = None
+        candidates: list[torch.Tensor] = []          # float32 scales [..., G], in the order the search tries them
         for k in range(8):
             # a tensor divisor: a true float32 division on every device (as KVCodec.token_scales)
             mag = self.encode_scale(amax / torch.tensor(7.0 + 0.25 * k, dtype=torch.float32, device=amax.device))
-            for d in (mag, -mag):
-                df = d.to(torch.float32)
-                q, e = self._quantize(gf, df)
-                if best_e is None or best_q is None or best_d is None:
-                    best_q, best_d, best_e = q, df, e
-                    continue
-                take = e < best_e
-                best_q = torch.where(take.unsqueeze(-1), q, best_q)
-                best_d = torch.where(take, df, best_d)
-                best_e = torch.where(take, e, best_e)
-        assert best_q is not None and best_d is not None and best_e is not None
+            candidates += [mag.to(torch.float32), (-mag).to(torch.float32)]
+        best_d = candidates[0]
+        best_q, best_e = self._quantize(gf, best_d)
+        for d in candidates[1:]:
+            q, e = self._quantize(gf, d)
+            take = e < best_e
+            best_q = torch.where(take.unsqueeze(-1), q, best_q)
+            best_d = torch.where(take, d, best_d)
+            best_e = torch.where(take, e, best_e)
         den = self.tree_sum(best_q * best_q)
         fit = self.tree_sum(gf * best_q) / torch.where(den > 0, den, torch.ones_like(den))
         fit_ok = (den > 0) & torch.isfinite(fit) & (fit != 0)
