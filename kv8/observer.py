@@ -29,6 +29,10 @@ class EngineObserver:
         """Called with :meth:`on_kv_store`, before it: the step's queries ``[T, H_q, D]`` and new K/V ``[T, H_kv, D]``
         of ``layer`` in the model's basis (before the codec's rotation), in the compute dtype."""
 
+    def on_first_keys(self, layer: int, keys: torch.Tensor) -> None:
+        """Called after :meth:`on_attention_inputs` when this step holds the first token (position 0) of some
+        sequences: their keys ``[N, H_kv, D]`` of ``layer``, in the model's basis (as that hook shows them)."""
+
     def on_prompt_logits(self, request_id: str, start: int, logits: torch.Tensor) -> None:
         """Called for requests that asked for prompt logprobs: float32 ``logits [rows, V]`` whose row ``i``
         predicts prompt token ``start + i + 1``."""

@@ -74,6 +74,16 @@ class AttentionMetadata:
             return 0
         return max(0, self.seq_lens_list[i] - self.query_lens_list[i] + 1 - self.sliding_window)
 
+    def first_position_rows(self) -> list[int]:
+        """The rows of this step's new tokens that are at position 0 of their sequence (a prefill's first chunk),
+        in order; empty when none is."""
+        rows, start = [], 0
+        for q_len, s_len in zip(self.query_lens_list, self.seq_lens_list):
+            if q_len and s_len == q_len:
+                rows.append(start)
+            start += q_len
+        return rows
+
     @staticmethod
     def build(query_lens: list[int], seq_lens: list[int], block_tables: list[list[int]],
               block_size: int, *, sliding_window: int | None = None,

@@ -66,6 +66,9 @@ class PagedAttention(nn.Module):
         codec = cache.codec
         if ctx.observer is not None:
             ctx.observer.on_attention_inputs(self.layer_idx, q, k, v, codec)
+            first = meta.first_position_rows()
+            if first:
+                ctx.observer.on_first_keys(self.layer_idx, k[first])
         # keys centered and scaled (with key offsets and factors) and rotated here, before any backend stores them,
         # queries divided by the same factors: every key attention reads, fresh or cached, went through this line
         q, k = codec.queries_to_stored(q, self.layer_idx), codec.keys_to_stored(k, self.layer_idx)

@@ -24,6 +24,11 @@ Key scaling (``key_scaling=True``, ``kv8 calibrate --key-centering --key-scaling
 the first pass also measures the mean squared centered key and query per (layer, KV head, channel) and writes the
 factors ``s`` beside the offsets. The static FP8 scales are still those of the unscaled centered keys (an engine
 refuses a static-scale FP8 cache with such a file).
+
+First-key alignment (``align_first_key="int4_per_group32"``, ``kv8 calibrate --key-centering --align-first-key
+FORMAT``; :mod:`kv8.tools.first_key`): the first pass also records every window's key at position 0 and moves the
+offsets of the heads where that key is the same for every text, so that a ``FORMAT`` cache (with ``rotation``)
+stores it exactly.
 """
 
 from __future__ import annotations
@@ -47,11 +52,13 @@ from kv8.models.config import ModelArchConfig
 from kv8.models.registry import arch_config
 from kv8.observer import EngineObserver
 from kv8.outputs import RequestOutput
+from kv8.quant.formats import resolve_kv_cache_dtype
 from kv8.quant.key_offsets import KeyOffsets
 from kv8.quant.key_scaling import KeyScaling
 from kv8.quant.scales import KVScales, ModelScaleInfo, ScaleGranularity
 from kv8.sampling_params import SamplingParams
 from kv8.tools.data import read_corpus, token_windows, tokenize_corpus
+from kv8.tools.first_key import FirstKeyAlignment, FirstKeyCollector, align_to_first_key, check_alignable
 from kv8.tools.kv_stats import ClipCounter, KeyMeanCollector, KVStatsCollector, ScaleRecipe
 from kv8.validators import check_int
 
@@ -109,20 +116,29 @@ class CalibrationResult:
     key_offsets: KeyOffsets | None = None
     # key scaling's factors (of the centered keys). None without --key-scaling.
     key_scaling: KeyScaling | None = None
+    # what aligning the offsets to the first position's key measured and chose (key_offsets are its offsets).
+    # None without --align-first-key.
+    first_key: FirstKeyAlignment | None = None
 
 
 class _KVWatch(EngineObserver):
-    """Shows every stored K/V to ``sink`` (a :class:`KVStatsCollector` or a :class:`ClipCounter`) and every key in
-    the model's basis to ``means`` (a :class:`KeyMeanCollector`). The calibration engine centers nothing."""
+    """Shows every stored K/V to ``sink`` (a :class:`KVStatsCollector` or a :class:`ClipCounter`), every key in
+    the model's basis to ``means`` (a :class:`KeyMeanCollector`) and the keys at position 0 to ``first`` (a
+    :class:`FirstKeyCollector`). The calibration engine centers nothing."""
 
     def __init__(self) -> None:
         self.sink: KVStatsCollector | ClipCounter | None = None
         self.means: KeyMeanCollector | None = None
+        self.first: FirstKeyCollector | None = None
 
     def on_attention_inputs(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                             codec: KVCodec) -> None:
         if self.means is not None:
             self.means.observe(layer, key, query if self.means.query_sum_sq is not None else None)
+
+    def on_first_keys(self, layer: int, keys: torch.Tensor) -> None:
+        if self.first is not None:
+            self.first.observe(layer, keys)
 
     def on_kv_store(self, layer: int, key: torch.Tensor, value: torch.Tensor, codec: KVCodec) -> None:
         if self.sink is not None:
@@ -190,7 +206,8 @@ def calibrate(model: str, data: Sequence[str], recipe: ScaleRecipe, *, num_sampl
               seq_len: int = 512, skip_tokens: int = 0, dtype: str = "auto", batch: int = 4,
               max_num_batched_tokens: int = 2048, attention_backend: str = "auto", rotation: str = "none",
               check_samples: int = 0, tensor_parallel_size: int = 1, key_centering: bool = False,
-              key_scaling: bool = False, show_progress: bool = True) -> CalibrationResult:
+              key_scaling: bool = False, align_first_key: str | None = None,
+              show_progress: bool = True) -> CalibrationResult:
     """Observe ``num_samples`` windows of ``seq_len`` tokens from ``data`` (after ``skip_tokens``) and
     compute scales by ``recipe``. With ``check_samples > 0`` the next ``check_samples`` windows of the data,
     which calibration did not see, are run too and :class:`ClipCheck` reports which values the scales would
@@ -203,13 +220,26 @@ def calibrate(model: str, data: Sequence[str], recipe: ScaleRecipe, *, num_sampl
     either way: it sees every head. With ``key_centering`` a first pass over the same windows measures the key
     offsets (``result.key_offsets``) and the scales (and the held-out check) are of the centered keys; with
     ``key_scaling`` (which needs ``key_centering``) the same pass measures key scaling's factors
-    (``result.key_scaling``). Raises ValueError for unusable data, options or models."""
+    (``result.key_scaling``); with ``align_first_key`` (a KV cache dtype name, which also needs ``key_centering``)
+    the offsets are aligned to the first position's key for that format and ``rotation``
+    (:func:`kv8.tools.first_key.align_to_first_key`, ``result.first_key``). Raises ValueError for unusable data,
+    options or models."""
     for name, value, low in (("num_samples", num_samples, 1), ("seq_len", seq_len, 2), ("batch", batch, 1),
                              ("check_samples", check_samples, 0), ("tensor_parallel_size", tensor_parallel_size, 1)):
         check_int(name, value, low)
     if key_scaling and not key_centering:
         raise ValueError("key_scaling: kv8 writes key scaling's factors only beside key offsets; add key_centering "
                          "(--key-centering)")
+    align_dtype = None
+    if align_first_key is not None:
+        if not key_centering:
+            raise ValueError(f"align_first_key={align_first_key!r} moves key offsets; add key_centering "
+                             "(--key-centering)")
+        try:
+            align_dtype = resolve_kv_cache_dtype(align_first_key, torch.float32)
+        except ValueError as e:
+            raise ValueError(f"align_first_key (--align-first-key): {e}") from None
+        check_alignable(align_dtype)
     docs = read_corpus(data)
     check_length(model, seq_len, "seq_len")
     ParallelConfig(tensor_parallel_size).check_model(model_arch(model))
@@ -226,12 +256,13 @@ def calibrate(model: str, data: Sequence[str], recipe: ScaleRecipe, *, num_sampl
     tokens = tokenize_corpus(docs, engine.tokenizer)
     samples = token_windows(tokens, seq_len, num_samples, skip_tokens, "--seq-len", "--skip-tokens")
     rotation_matrix = engine.cache.codec.rotation
-    key_offsets, stored_offset, scaling = None, None, None
+    key_offsets, stored_offset, scaling, first_key = None, None, None, None
     if key_centering:
         if not arch.shift_invariant_scores:
             raise ValueError(f"key centering is not exact for this {arch.model_type} model: it "
                              f"{arch.score_transform}")
         watch.means = KeyMeanCollector(arch.num_layers, arch.num_kv_heads, arch.head_dim, queries=key_scaling)
+        watch.first = None if align_dtype is None else FirstKeyCollector(arch.num_layers)
         with tqdm(total=len(samples), desc="Key means", unit="sample", disable=not show_progress) as bar:
             run_prompts(engine, samples, SamplingParams(temperature=0.0, max_tokens=1), batch, bar)
         key_offsets = watch.means.offsets(f"kv8 calibrate --key-centering (mean post-RoPE key, {len(samples)} x "
@@ -239,7 +270,10 @@ def calibrate(model: str, data: Sequence[str], recipe: ScaleRecipe, *, num_sampl
         if key_scaling:
             scaling = watch.means.scaling(f"kv8 calibrate --key-scaling ((E[q^2] / E[(k - c)^2])^(1/4), "
                                           f"{len(samples)} x {seq_len} tokens)")
-        watch.means = None
+        if watch.first is not None and align_dtype is not None:
+            first_key = align_to_first_key(key_offsets, scaling, watch.first.stacked(), align_dtype, rotation)
+            key_offsets = first_key.offsets
+        watch.means, watch.first = None, None
         stored_offset = key_offsets.k if rotation_matrix is None else key_offsets.k @ rotation_matrix.cpu().float()
     histograms = ScaleGranularity.HEAD if per_rank else recipe.granularity
     collector = KVStatsCollector(arch.num_layers, arch.num_kv_heads, arch.head_dim,
@@ -278,4 +312,5 @@ def calibrate(model: str, data: Sequence[str], recipe: ScaleRecipe, *, num_sampl
                           counter.worst[1].tolist())
     return CalibrationResult(scales=scales, recipe=recipe, info=info, num_samples=len(samples),
                              num_tokens=len(samples) * seq_len, collector=collector, check=check,
-                             rank_scales=rank_scales, key_offsets=key_offsets, key_scaling=scaling)
+                             rank_scales=rank_scales, key_offsets=key_offsets, key_scaling=scaling,
+                             first_key=first_key)

@@ -156,6 +156,11 @@ def add_calibrate_parser(sub: Any) -> None:
                         "every centered key by it before storing it and divides every query by it (exact for "
                         "attention; less 4-bit rounding error in the scores); not usable by a static-scale FP8 "
                         "cache")
+    c.add_argument("--align-first-key", default=None, metavar="KV_CACHE_DTYPE",
+                   help="with --key-centering: also record each window's key at position 0 (where most attention "
+                        "goes) and, in the heads where it is the same whatever the text, move the offset so that a "
+                        "KV_CACHE_DTYPE cache (int8, int4, int4_per_group32 or fp4_e2m1; with --kv-cache-rotation) "
+                        "stores that key exactly (still exact for attention; the file serves that format best)")
     p = c.add_argument_group("per-layer plan (--plan)")
     p.add_argument("--plan", action="store_true",
                    help="write a kv_cache_plan file (--output) chosen from measured per-layer sensitivity, not scales")
@@ -207,6 +212,8 @@ def cmd_calibrate(ns: argparse.Namespace) -> int:
         output_format = "vllm" if vllm_ok else "kv8"
     if ns.key_scaling and not ns.key_centering:
         raise ValueError("--key-scaling: the factors are written only beside key offsets; add --key-centering")
+    if ns.align_first_key is not None and not ns.key_centering:
+        raise ValueError(f"--align-first-key {ns.align_first_key}: it moves key offsets; add --key-centering")
     if ns.key_centering and (output_format != "kv8" or ns.save_model is not None):
         raise ValueError(f"--key-centering: {KEY_CENTERING_NEEDS_KV8}; give --output PATH with --output-format kv8 "
                          "(or leave it out) and no --save-model")
@@ -228,7 +235,7 @@ def cmd_calibrate(ns: argparse.Namespace) -> int:
                        max_num_batched_tokens=args.max_num_batched_tokens, attention_backend=args.attention_backend,
                        rotation=args.kv_cache_rotation, check_samples=ns.check_samples,
                        tensor_parallel_size=args.tensor_parallel_size, key_centering=ns.key_centering,
-                       key_scaling=ns.key_scaling,
+                       key_scaling=ns.key_scaling, align_first_key=ns.align_first_key,
                        show_progress=not ns.no_progress)
     s = result.scales
     print(f"calibrated {result.info.num_layers} layers on {result.num_samples} samples x {seq_len} tokens: "
@@ -242,6 +249,8 @@ def cmd_calibrate(ns: argparse.Namespace) -> int:
         c = result.key_offsets.k
         print(f"  key offsets: |c| up to {float(c.abs().max()):.4g}; largest per layer "
               f"{[round(float(x), 3) for x in c.abs().amax(dim=(1, 2))]}")
+    if result.first_key is not None:
+        print(f"  {result.first_key.summary()}")
     if result.key_scaling is not None:
         f = result.key_scaling.s
         print(f"  key scaling: factors {float(f.min()):.4g}..{float(f.max()):.4g} (geometric mean 1 per head)")
@@ -278,7 +287,8 @@ def cmd_calibrate_plan(ns: argparse.Namespace) -> int:
         raise ValueError("--plan needs exactly one of --kld-budget NATS and --bytes-budget BYTES|DTYPE")
     for flag, given in (("--save-model", ns.save_model is not None), ("--check-samples", ns.check_samples != 0),
                         ("--kv-cache-rotation", ns.kv_cache_rotation != "none"),
-                        ("--tensor-parallel-size", ns.tensor_parallel_size != 1)):
+                        ("--tensor-parallel-size", ns.tensor_parallel_size != 1),
+                        ("--align-first-key", ns.align_first_key is not None)):
         if given:
             raise ValueError(f"{flag} does not apply to --plan (rotations are per candidate: --plan-formats "
                              "int8+hadamard; the check is --plan-check-samples)")
