@@ -253,19 +253,26 @@ class _TorchFP8(NamedTuple):
 
 
 def _torch_fp8(name: str, dtype: torch.dtype) -> _TorchFP8:
-    """The layout of torch's FP8 dtype ``dtype`` as its own conversions define it: every code's value (NaN codes,
-    infinities, -0.0), the mantissa bits and bias from ``finfo``, the codes a NaN of either sign converts to."""
-    fi = torch.finfo(dtype)
-    values = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(dtype).to(torch.float32)
-    mantissa = round(-math.log2(fi.eps))
+    """The layout of torch's FP8 dtype ``dtype`` as its own conversions define it, read from every code's value: the
+    smallest subnormal (code 1), the mantissa bits (codes ``0 .. 2^(M + 1) - 1`` are the subnormals and the first
+    binade, equally spaced; the spacing doubles after them), the bias (the smallest subnormal is
+    ``2^(1 - bias - M)``), the largest finite value, NaN codes, infinities, -0.0 (code 0x80), and the codes a NaN of
+    either sign converts to. ``ValueError`` unless ``dtype`` is a one-byte float."""
+    if not (dtype.is_floating_point and dtype.itemsize == 1):
+        raise ValueError(f"{dtype} is not a one-byte float dtype")
+    values = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(dtype).to(torch.float64)
+    tiny = float(values[1])
+    steps = values[1:128] - values[:127]
+    first_wide = int((steps != tiny).nonzero()[0])             # 2^(M + 1): the first code past the first binade
+    mantissa = first_wide.bit_length() - 2
+    finite = values[values.isfinite()]
     nan = torch.tensor([math.nan, -math.nan], dtype=torch.float32).to(dtype).view(torch.uint8).tolist()
     return _TorchFP8(
         name=name, exponent_bits=7 - mantissa, mantissa_bits=mantissa,
-        exponent_bias=1 - round(math.log2(fi.smallest_normal)), max_finite=float(fi.max),
-        min_subnormal=float(fi.smallest_normal * fi.eps), torch_dtype=dtype,
-        has_negative_zero=bool(values[0x80] == 0 and values[0x80].signbit()), has_inf=bool(values.isinf().any()),
-        nan_codes=tuple(int(c) for c in values.isnan().nonzero().flatten()), nan_code=nan[0],
-        negative_nan_code=nan[1])
+        exponent_bias=1 - mantissa - round(math.log2(tiny)), max_finite=float(finite.max()), min_subnormal=tiny,
+        torch_dtype=dtype, has_negative_zero=bool(values[0x80] == 0 and values[0x80].signbit()),
+        has_inf=bool(values.isinf().any()), nan_codes=tuple(int(c) for c in values.isnan().nonzero().flatten()),
+        nan_code=nan[0], negative_nan_code=nan[1])
 
 
 def _float_group_format(fmt: FloatGroupLayout) -> KernelFormat:
