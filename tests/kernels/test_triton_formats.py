@@ -107,7 +107,7 @@ def test_fp4_e2m1_is_a_family_of_4_bit_float_codes_with_fp8_scales() -> None:
     -0.0 kept); an E4M3 scale code per 16 values, ``scale_format`` derived from the format's torch dtype: the same
     kernel fields as kv8's E4M3 FP8 format, clamped to its smallest subnormal and largest value (what
     FP4GroupFormat.encode_scale clamps to); rows of D / 2 + ceil(D / 16) bytes for any even D, its row_bytes."""
-    k = kernel_format(FP4_E2M1)  # type: ignore[arg-type]
+    k = kernel_format(FP4_E2M1)
     assert k.packed and not k.int_codes and k.name == FP4_E2M1.name and k.native is None
     assert (k.mantissa_bits, k.exponent_bias, k.max_finite) == (1, 1, FP4_E2M1.max_finite)
     assert struct.unpack("<f", struct.pack("<I", k.max_finite_bits))[0] == FP4_E2M1.max_finite
@@ -125,7 +125,7 @@ def test_fp4_e2m1_is_a_family_of_4_bit_float_codes_with_fp8_scales() -> None:
         assert (math.isnan(got) and math.isnan(want)) or got == want, hex(code)
     assert all(code_width(k, d) == FP4_E2M1.row_bytes(d) for d in (2, 8, 16, 40, 64, 96, 128, 200, 256))
     assert code_dtype(k) == FP4_E2M1.storage_dtype == torch.uint8
-    assert kernel_format(FP4_E2M1) == k and hash(kernel_format(FP4_E2M1)) == hash(k)  # type: ignore[arg-type]
+    assert kernel_format(FP4_E2M1) == k and hash(kernel_format(FP4_E2M1)) == hash(k)
     assert json.loads(json.dumps(k))[-1][0] == "E4M3"    # the nested format serializes (Triton's compile hooks)
 
 
