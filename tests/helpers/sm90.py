@@ -44,6 +44,13 @@ def _tool(name: str) -> str:
     return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
 
 
+def _ptxas() -> str:
+    """The ptxas Triton itself runs for sm_90 (the wheel's ``ptxas`` on Triton 3.6; 3.9 emits PTX 9.4, which only
+    its newer bundled one reads)."""
+    from triton.backends.nvidia.compiler import get_ptxas
+    return str(get_ptxas(90).path)
+
+
 def tools_missing() -> str | None:
     """Why this machine cannot compile for sm_90 (None when it can): no Triton, no NVIDIA backend, no ptxas or
     cuobjdump."""
@@ -147,7 +154,7 @@ def measure(kernel: Any, num_warps: int, num_stages: int, bytes_per_iter: int) -
     with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
         f.write(ptx)
     try:
-        log = subprocess.run([_tool("ptxas"), "-arch=sm_90a", "-v", f.name, "-o", os.devnull], capture_output=True,
+        log = subprocess.run([_ptxas(), "-arch=sm_90a", "-v", f.name, "-o", os.devnull], capture_output=True,
                              text=True)
     finally:
         os.unlink(f.name)

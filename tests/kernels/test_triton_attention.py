@@ -677,6 +677,20 @@ def test_mixed_batch_launches_decode_rows_apart() -> None:
     assert decode_only[0].kwargs["Q_LEN_MAX"] > 2 ** 30 and decode_only[0].kwargs["BLOCK_M"] == 8
 
 
+def test_group_formats_launch_with_every_register() -> None:
+    """The group formats' attention launches (fp4_e2m1, int4_per_group32: decode and prefill tiles) let ptxas use
+    all 255 registers (``maxnreg``: at its own cap of 168 their 4-warp decode spills with Triton 3.7.1 and 3.9); the
+    other formats' launches leave the choice to ptxas."""
+    from tests.helpers.sm90 import llama_attention_launches
+    for kv in ("fp4_e2m1", "fp8_e4m3", "int8", "bfloat16"):
+        attention = [x for x in llama_attention_launches(kv, "mixed") if "Q_LEN_MIN" in x.kwargs]
+        assert len(attention) == 2
+        assert [x.kwargs.get("maxnreg") for x in attention] == [255 if kv == "fp4_e2m1" else None] * 2, kv
+    variant = triton_attention.KernelVariant(torch.bfloat16, torch.uint8, kernel_format(INT4_G32), False,
+                                             triton_attention.SCALES_NONE, False, False, 4, 128, 16, 1)
+    assert variant.config.options == {"num_warps": 4, "num_stages": 5, "maxnreg": 255}
+
+
 @pytest.mark.parametrize(("batch", "attention_launches"), [
     (Batch((19, 12), (19, 40)), 1),                # prefill only: a fresh prompt and a chunk over cached context
     (Batch((1, 12, 0), (37, 40, 5)), 2),           # a decode row beside the chunk (and an empty row)
@@ -892,7 +906,7 @@ for v in json.loads(sys.argv[1]):
     fn = A._paged_attention_kernel
     sig = signature(fn, const, ptrs)
     kernel = triton.compile(ASTSource(fn, sig, const, aligned(fn, sig)), target=target,
-                            options={"num_warps": variant.config.num_warps, "num_stages": variant.config.num_stages})
+                            options=variant.config.options)
     info = assemble(kernel)
     if splits > 1:
         merge = A._merge_splits_kernel

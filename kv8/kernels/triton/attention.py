@@ -131,7 +131,7 @@ What a caller must provide (checked, ``ValueError`` before any launch, unless ma
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -172,6 +172,7 @@ _TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.floa
 _LOG2E = math.log2(math.e)
 SCALES_NONE, SCALES_STATIC, SCALES_DYNAMIC = 0, 1, 2  # the kernel's SCALES constexpr
 _MAX_INT32 = 2 ** 31 - 1
+_GROUP_MAX_REGISTERS = 255     # the group formats' register cap (KernelVariant.config)
 
 # split-K heuristic (see choose_num_kv_splits)
 _SPLIT_MAX_QUERY_LEN = 16      # split only decode-like batches (decode rows, short speculative chunks)
@@ -566,6 +567,15 @@ class LaunchConfig:
     num_warps: int
     num_stages: int       # software-pipelining depth of the key loop (Triton's num_stages)
     key_rows: bool = False  # keys as the products' rows: scores [tile_n, block_m] (module docstring, *Orientation*)
+    max_registers: int | None = None   # Triton's maxnreg (ptxas's register cap per thread); None: ptxas's choice
+
+    @property
+    def options(self) -> dict[str, int]:
+        """The launch's compile options: warps, stages and, where set, the register cap."""
+        opts = {"num_warps": self.num_warps, "num_stages": self.num_stages}
+        if self.max_registers is not None:
+            opts["maxnreg"] = self.max_registers
+        return opts
 
 
 def launch_config(group: int, head_dim: int, max_query_len: int, block_size: int, dot_f32: bool,
@@ -666,11 +676,16 @@ class KernelVariant:
 
     @property
     def config(self) -> LaunchConfig:
+        """:func:`launch_config` of these fields; the group formats' launches (int4_per_group32, fp4_e2m1) may use
+        all 255 registers a thread has: at ptxas's own cap for their 4-warp tiles (168) the decode spills with some
+        Triton versions (measured at Llama-3.1-8B shapes: fp4_e2m1 8 bytes with 3.7.1, 32 with 3.9; int4_per_group32
+        40 with 3.9), while its ~210 registers leave as many programs per SM (2) as the 176 of 3.6."""
         cache_bytes = 1 if self.fp8 is not None else self.cache_dtype.itemsize
-        return launch_config(self.group, self.head_dim, self.max_query_len, self.block_size,
-                             self.dot_dtype == tl.float32, cache_bytes,
-                             self.scales == SCALES_DYNAMIC or (self.fp8 is not None and self.fp8.group_size > 0),
-                             self.fp8 is not None and self.fp8.packed)
+        grouped = self.fp8 is not None and self.fp8.group_size > 0
+        cfg = launch_config(self.group, self.head_dim, self.max_query_len, self.block_size,
+                            self.dot_dtype == tl.float32, cache_bytes, self.scales == SCALES_DYNAMIC or grouped,
+                            self.fp8 is not None and self.fp8.packed)
+        return replace(cfg, max_registers=_GROUP_MAX_REGISTERS) if grouped else cfg
 
     def constexprs(self, num_kv_splits: int, q_len_min: int = 0, q_len_max: int = _MAX_INT32) -> dict[str, object]:
         """The kernel's constexprs; the program of a sequence with fewer than ``q_len_min`` or more than
@@ -966,18 +981,15 @@ def plan_launches(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
         dcfg = decode.config
         launches = [
             Launch(_paged_attention_kernel, (num_tokens // dcfg.block_q + num_seqs, num_kv_heads, num_kv_splits),
-                   args, dict(**decode.constexprs(num_kv_splits, q_len_max=decode_len), num_warps=dcfg.num_warps,
-                              num_stages=dcfg.num_stages)),
+                   args, dict(**decode.constexprs(num_kv_splits, q_len_max=decode_len), **dcfg.options)),
             Launch(_paged_attention_kernel, (num_q_tiles, num_kv_heads, num_kv_splits), args,
-                   dict(**variant.constexprs(num_kv_splits, q_len_min=decode_len + 1), num_warps=cfg.num_warps,
-                        num_stages=cfg.num_stages)),
+                   dict(**variant.constexprs(num_kv_splits, q_len_min=decode_len + 1), **cfg.options)),
         ]
         if min_query_len is not None and min_query_len > decode_len:
             launches = launches[1:]
     else:
         launches = [Launch(_paged_attention_kernel, (num_q_tiles, num_kv_heads, num_kv_splits), args,
-                           dict(**variant.constexprs(num_kv_splits), num_warps=cfg.num_warps,
-                                num_stages=cfg.num_stages))]
+                           dict(**variant.constexprs(num_kv_splits), **cfg.options))]
     if num_kv_splits > 1:
         launches.append(Launch(_merge_splits_kernel, (num_tokens, num_q_heads), (
             out, part_acc, part_m, part_l, query_start_loc,
