@@ -1,14 +1,15 @@
 """The ``triton`` attention backend, the GPU path: quantize-on-store and one paged-attention kernel family for the
 whole mixed batch (:mod:`kv8.kernels.triton`), reading FP8, int8 or int4 codes (per token and head, or per group
-of 32) in place.
+of 32) or FP4 E2M1 codes (an E4M3 scale per group of 16) in place.
 
 It runs on CUDA tensors, and on CPU tensors in Triton's interpreter (``TRITON_INTERPRET=1`` before
 :mod:`kv8.kernels.triton` is imported), where the tests check it against the reference backend. Triton is
 imported when the backend is built, never by the CPU path.
 
 Per layer the arguments come from the cache: its K/V views (:meth:`PagedKVCache.layer`), the codec's code format
-(FP8, int8, int4 or int4_per_group32; None for a 16/32-bit pool: a plain cast), its static scales on the cache's device
-(:meth:`PagedKVCache.layer_scales`) or the dynamic per-token scales (:meth:`PagedKVCache.layer_token_scales`).
+(FP8, int8, int4, int4_per_group32 or fp4_e2m1; None for a 16/32-bit pool: a plain cast), its static scales on the
+cache's device (:meth:`PagedKVCache.layer_scales`) or the dynamic per-token scales
+(:meth:`PagedKVCache.layer_token_scales`).
 """
 
 from __future__ import annotations
@@ -41,8 +42,7 @@ class TritonBackend:
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cache: PagedKVCache,
                 layer: int, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         k_cache, v_cache = cache.layer(layer)
-        # the FP8, int8, int4 or int4_per_group32 code format; None for a 16/32-bit pool (fp4_e2m1 pools are
-        # refused by EngineConfig)
+        # the FP8, int8, int4, int4_per_group32 or fp4_e2m1 code format; None for a 16/32-bit pool
         fp8 = cache.kv_dtype.codes
         static = cache.layer_scales(layer)
         dynamic = cache.layer_token_scales(layer)

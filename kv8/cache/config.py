@@ -69,7 +69,7 @@ class CacheConfig:
                                  "value); int8 = int8_per_token_head (1 byte per value, a scale per token and "
                                  "head); int4_per_group32 (4.5 bits per value: int4 codes, a float16 scale per 32 "
                                  "values; head_dim a multiple of 32); nvfp4 = fp4_e2m1 (4.5 bits per value: E2M1 "
-                                 "codes, an E4M3 scale per 16 values); the 4-bit ones on CPU backends",
+                                 "codes, an E4M3 scale per 16 values)",
                                  choices=KV_CACHE_DTYPE_NAMES)
     block_size: int = option(16, "tokens per KV block (a power of two)", type=int)
     kv_cache_memory: int | None = option(

@@ -101,9 +101,10 @@ class EngineConfig:
     :data:`QUANTIZATION_METHODS`; ``max_model_len`` fits the model's context; ``kv_cache_dtype_skip_layers`` and
     ``kv_cache_plan`` name layers the model has (:meth:`kv_plan`: each layer's storage spec); a Hadamard rotation
     (of any layer) has a power-of-two ``head_dim``, a group-scaled format (of any layer) whole groups in it
-    (``int4_per_group32``: a multiple of 32); the triton backend gets no ``fp4_e2m1`` layer (the formats its kernels
-    read: :func:`kv8.kernels.triton.formats.kernel_format`); ``quantization_param_path`` has an FP8 static layer to
-    apply to; the model splits over the tensor-parallel ranks; ``seed`` is an int.
+    (``int4_per_group32``: a multiple of 32; ``fp4_e2m1``: even); the triton backend gets only layers whose format
+    its kernels read (:func:`kv8.kernels.triton.formats.kernel_format`: every kv8 cache format);
+    ``quantization_param_path`` has an FP8 static layer to apply to; the model splits over the tensor-parallel ranks;
+    ``seed`` is an int.
     """
 
     model: str
@@ -225,20 +226,20 @@ class EngineConfig:
         named = [(None, self.cache.kv_cache_dtype)] + ([(e.layer, e.kv_cache_dtype) for e in plan.entries
                                                         if e.kv_cache_dtype is not None] if plan is not None else [])
         if triton:
-            # the formats the Triton kernels read: those kernel_format derives (all but fp4_e2m1); imported here
-            # only, the CPU path never imports the kernel package
+            # the formats the Triton kernels read: those kernel_format derives (every kv8 cache format, fp4_e2m1
+            # included; a format it cannot derive is refused here, before any layer is built); imported here only,
+            # the CPU path never imports the kernel package
             from kv8.kernels.triton.formats import kernel_format
             for layer, name in named:
                 codes = resolve_kv_cache_dtype(name, self.dtype).codes
                 try:
                     if codes is not None:
                         kernel_format(codes)
-                except ValueError:
+                except ValueError as exc:
                     where = (f"kv_cache_dtype={name!r}" if layer is None else
                              f"kv_cache_plan={plan.path!r} stores layer {layer} as {name}")  # type: ignore[union-attr]
-                    raise ValueError(f"{where}: the triton attention backend (the GPU path) does not read fp4_e2m1's "
-                                     "4-bit codes with E4M3 group scales; use int4_per_group32, int4_per_token_head, "
-                                     "int8_per_token_head or an FP8 format there, or run on the CPU") from None
+                    raise ValueError(f"{where}: the triton attention backend (the GPU path) cannot read this format "
+                                     f"({exc}); choose another kv_cache_dtype for it, or run on the CPU") from None
 
     @property
     def uses_cuda_graphs(self) -> bool:

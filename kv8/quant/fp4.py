@@ -41,6 +41,7 @@ __all__ = ["E2M1_GRID", "FP4_E2M1", "FP4GroupFormat", "pack_nibbles", "unpack_ni
 E2M1_GRID: tuple[float, ...] = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 _E4M3_MAX = 448.0
 _E4M3_MIN_SUBNORMAL = 2.0 ** -9
+_SCALE_DTYPE = torch.float8_e4m3fn   # the group scales' codes: E4M3 (bias 7, no infinities, NaN S.1111.111)
 _SIGN = 8
 
 
@@ -92,9 +93,20 @@ class FP4GroupFormat:
         return torch.uint8
 
     @property
+    def grid(self) -> tuple[float, ...]:
+        """The magnitudes of codes 0..7 (:data:`E2M1_GRID`): what a code's 3 low bits select."""
+        return E2M1_GRID
+
+    @property
     def scale_name(self) -> str:
         """What each group's scale is, for messages: ``E4M3``."""
         return "E4M3"
+
+    @property
+    def scale_dtype(self) -> torch.dtype:
+        """The torch dtype whose codes the group scales are: ``float8_e4m3fn`` (:meth:`encode_scale` casts to it,
+        :meth:`decode_scale` views it)."""
+        return _SCALE_DTYPE
 
     @property
     def head_dim_multiple(self) -> int:
@@ -137,12 +149,12 @@ class FP4GroupFormat:
     @staticmethod
     def encode_scale(scale: torch.Tensor) -> torch.Tensor:
         """Positive float32 scales -> E4M3 codes (round to nearest even, clamped to ``[2^-9, 448]``)."""
-        return scale.clamp(_E4M3_MIN_SUBNORMAL, _E4M3_MAX).to(torch.float8_e4m3fn).view(torch.uint8)
+        return scale.clamp(_E4M3_MIN_SUBNORMAL, _E4M3_MAX).to(_SCALE_DTYPE).view(torch.uint8)
 
     @staticmethod
     def decode_scale(codes: torch.Tensor) -> torch.Tensor:
         """E4M3 scale codes -> float32 (exact)."""
-        return codes.view(torch.float8_e4m3fn).to(torch.float32)
+        return codes.view(_SCALE_DTYPE).to(torch.float32)
 
     # ---- rows -----------------------------------------------------------------------------------------------
     def _padded(self, x: torch.Tensor) -> torch.Tensor:

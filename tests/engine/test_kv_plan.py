@@ -183,14 +183,24 @@ def test_every_error_of_the_option(llama4, tmp_path, monkeypatch):
         "fp8_e4m3 + hadamard", "int4_per_token_head + hadamard", "fp8_e4m3"]
     pytest.importorskip("triton")
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    with pytest.raises(ValueError, match="stores layer 1 as fp4_e2m1: the triton attention backend .* group"):
-        _config(llama4, attention_backend="triton", kv_cache_plan=plan({"1": {"kv_cache_dtype": "fp4_e2m1"}}))
-    with pytest.raises(ValueError, match="kv_cache_dtype='fp4_e2m1': the triton attention backend .* group scales"):
-        _config(llama4, attention_backend="triton", kv_cache_dtype="fp4_e2m1")
-    # int8 and int4 (per token and head) layers are read by the triton kernels
-    assert _config(llama4, attention_backend="triton", kv_cache_plan=plan({"1": {"kv_cache_dtype": "int8"}}))
-    assert _config(llama4, attention_backend="triton", kv_cache_plan=plan({"1": {"kv_cache_dtype": "int4"}}))
+    # every kv8 format's layers are read by the triton kernels: int8, int4 (per token and head), fp4_e2m1 (this
+    # model's head_dim 16 is no multiple of int4_per_group32's 32)
+    for name in ("int8", "int4", "fp4_e2m1"):
+        assert _config(llama4, attention_backend="triton", kv_cache_plan=plan({"1": {"kv_cache_dtype": name}}))
     assert _config(llama4, attention_backend="triton", kv_cache_dtype="int4").cache.kv_cache_dtype == "int4"
+    assert _config(llama4, attention_backend="triton", kv_cache_dtype="fp4_e2m1").cache.kv_cache_dtype == "fp4_e2m1"
+    # a layer whose format the kernels could not derive is refused up front, naming it and why
+    import kv8.kernels.triton.formats as triton_formats
+
+    def refuse(fmt: object) -> object:
+        raise ValueError(f"group format {getattr(fmt, 'name', fmt)!r}: not for these kernels")
+
+    monkeypatch.setattr(triton_formats, "kernel_format", refuse)
+    with pytest.raises(ValueError, match=r"stores layer 1 as fp4_e2m1: the triton attention backend \(the GPU path\) "
+                                         r"cannot read this format \(group format 'e2m1': not for these kernels\)"):
+        _config(llama4, attention_backend="triton", kv_cache_plan=plan({"1": {"kv_cache_dtype": "fp4_e2m1"}}))
+    with pytest.raises(ValueError, match=r"kv_cache_dtype='int8': the triton attention backend .* cannot read"):
+        _config(llama4, attention_backend="triton", kv_cache_dtype="int8")
 
 
 def test_static_scales_apply_to_the_fp8_layers_in_their_basis(llama4, tmp_path):

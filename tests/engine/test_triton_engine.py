@@ -1,9 +1,9 @@
 """The engine end to end on the GPU path's attention backend (``attention_backend="triton"``), run here on CPU tensors
 in Triton's interpreter (``tests/conftest.py`` sets ``TRITON_INTERPRET=1`` without a GPU): greedy tokens equal to
 the reference backend's (both read the same stored bytes), with every block returned, over FP8 formats, scale modes,
-int8 and int4 caches, a rotation, GQA, sliding windows and the hybrid layout, prefix caching, chunked prefill and
-preemption; and decode steps served from the CUDA-graph buffers (:class:`kv8.engine.cuda_graphs.DecodeGraphs`
-without capture) equal to eager steps."""
+int8, int4, int4_per_group32 and fp4_e2m1 caches, a rotation, GQA, sliding windows and the hybrid layout, prefix
+caching, chunked prefill and preemption; and decode steps served from the CUDA-graph buffers
+(:class:`kv8.engine.cuda_graphs.DecodeGraphs` without capture) equal to eager steps."""
 
 from __future__ import annotations
 
@@ -46,6 +46,11 @@ CASES = [
     ("llama_gqa", dict(kv_cache_dtype="int4")),
     ("mistral_swa", dict(kv_cache_dtype="int4_per_token_head", kv_cache_rotation="hadamard")),
     ("qwen3", dict(kv_cache_dtype="int4_per_group32")),                  # head_dim 32: one group per row
+    ("llama_gqa", dict(kv_cache_dtype="fp4_e2m1")),                      # head_dim 16: one E4M3 scale per row
+    ("qwen3", dict(kv_cache_dtype="fp4_e2m1", kv_cache_rotation="hadamard")),   # two groups per row
+    ("mistral_swa", dict(kv_cache_dtype="fp4_e2m1")),
+    ("llama", dict(kv_cache_dtype="fp4_e2m1", max_num_batched_tokens=8, num_kv_blocks=7, block_size=4,
+                   max_model_len=24)),                                   # chunked prefill and preemption
     ("gemma3", dict(kv_cache_dtype="fp8_e4m3", kv_cache_dtype_skip_layers="full_attention")),
 ]
 

@@ -31,6 +31,7 @@ import json
 import os
 import re
 import subprocess
+import sys
 import tempfile
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -41,6 +42,13 @@ def _tool(name: str) -> str:
     checks of :func:`violations` run where it is absent."""
     import triton
     return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
+
+
+def _ptxas() -> str:
+    """The ptxas Triton itself runs for sm_90 (the wheel's ``ptxas`` on Triton 3.6; 3.9 emits PTX 9.4, which only
+    its newer bundled one reads)."""
+    from triton.backends.nvidia.compiler import get_ptxas
+    return str(get_ptxas(90).path)
 
 
 def tools_missing() -> str | None:
@@ -146,7 +154,7 @@ def measure(kernel: Any, num_warps: int, num_stages: int, bytes_per_iter: int) -
     with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
         f.write(ptx)
     try:
-        log = subprocess.run([_tool("ptxas"), "-arch=sm_90a", "-v", f.name, "-o", os.devnull], capture_output=True,
+        log = subprocess.run([_ptxas(), "-arch=sm_90a", "-v", f.name, "-o", os.devnull], capture_output=True,
                              text=True)
     finally:
         os.unlink(f.name)
@@ -208,16 +216,18 @@ def measure(kernel: Any, num_warps: int, num_stages: int, bytes_per_iter: int) -
 
 def llama_attention_launches(kv: str, phase: str, compute_units: int = 132) -> list[Any]:
     """What :func:`~kv8.kernels.triton.attention.unified_attention` launches for one layer of Llama-3.1-8B on an
-    H100 (132 SMs): ``kv`` "fp8_e4m3" (static per-head scales), "int8" (int8 codes, dynamic per-token scales) or
-    "bfloat16"; ``phase`` "decode" (32 sequences at 4k context, one new token each), "prefill" (one 2048-token
-    prompt) or "mixed" (31 decode rows at 4k and one 2048-token prompt). CPU tensors with the real strides; no
-    cache-sized memory (the block count does not change the kernel). The lengths are passed as the engine's backend
-    passes them (``max_query_len``, ``min_query_len``)."""
+    H100 (132 SMs): ``kv`` "fp8_e4m3" (static per-head scales), "int8" (int8 codes, dynamic per-token scales),
+    "fp4_e2m1" (E2M1 codes with E4M3 scales per 16 values in each row) or "bfloat16"; ``phase`` "decode" (32
+    sequences at 4k context, one new token each), "prefill" (one 2048-token prompt) or "mixed" (31 decode rows at 4k
+    and one 2048-token prompt). CPU tensors with the real strides; no cache-sized memory (the block count does not
+    change the kernel). The lengths are passed as the engine's backend passes them (``max_query_len``,
+    ``min_query_len``)."""
     import torch
 
     from kv8.kernels.triton import attention as A
     from kv8.platform import Platform
     from kv8.quant.formats import E4M3, INT8
+    from kv8.quant.fp4 import FP4_E2M1
 
     heads, kv_heads, dim, bs = 32, 8, 128, 16
     if phase == "decode":
@@ -228,12 +238,13 @@ def llama_attention_launches(kv: str, phase: str, compute_units: int = 132) -> l
         q_lens, ctxs = [1] * 31 + [2048], [4096] * 31 + [2048]
     else:
         raise ValueError(f"phase={phase!r}: allowed 'decode', 'prefill', 'mixed'")
-    fp8, int8 = kv == "fp8_e4m3", kv == "int8"
-    if not (fp8 or int8) and kv != "bfloat16":
-        raise ValueError(f"kv={kv!r}: allowed 'fp8_e4m3', 'int8', 'bfloat16'")
+    fp8, int8, fp4 = kv == "fp8_e4m3", kv == "int8", kv == "fp4_e2m1"
+    if not (fp8 or int8 or fp4) and kv != "bfloat16":
+        raise ValueError(f"kv={kv!r}: allowed 'fp8_e4m3', 'int8', 'fp4_e2m1', 'bfloat16'")
     tokens = sum(q_lens)
     query = torch.zeros(tokens, heads, dim, dtype=torch.bfloat16)
-    cache = torch.zeros(16, kv_heads, bs, dim, dtype=torch.uint8 if fp8 else torch.int8 if int8 else torch.bfloat16)
+    cache = (torch.zeros(16, kv_heads, bs, FP4_E2M1.row_bytes(dim), dtype=torch.uint8) if fp4 else
+             torch.zeros(16, kv_heads, bs, dim, dtype=torch.uint8 if fp8 else torch.int8 if int8 else torch.bfloat16))
     token_scales = torch.ones(16, kv_heads, bs) if int8 else None
     blocks = -(-max(ctxs) // bs)
     starts = [0]
@@ -245,8 +256,9 @@ def llama_attention_launches(kv: str, phase: str, compute_units: int = 132) -> l
         seq_lens=torch.tensor(ctxs, dtype=torch.int32),
         block_tables=torch.zeros(len(q_lens), blocks, dtype=torch.int32),
         max_query_len=max(q_lens), max_seq_len=max(ctxs), scale=dim ** -0.5, sliding_window=None,
-        fp8=E4M3 if fp8 else INT8 if int8 else None, k_scale=torch.ones(kv_heads, 1) if fp8 else None,
-        v_scale=torch.ones(kv_heads, 1) if fp8 else None, k_token_scales=token_scales,
+        fp8=E4M3 if fp8 else INT8 if int8 else FP4_E2M1 if fp4 else None,
+        k_scale=torch.ones(kv_heads, 1) if fp8 else None, v_scale=torch.ones(kv_heads, 1) if fp8 else None,
+        k_token_scales=token_scales,
         v_token_scales=None if token_scales is None else token_scales.clone(),
         num_kv_splits=None, platform=Platform.cuda((9, 0), "H100", compute_units=compute_units),
         min_query_len=min(q_lens))
@@ -254,13 +266,21 @@ def llama_attention_launches(kv: str, phase: str, compute_units: int = 132) -> l
 
 def llama_store_launch(kv: str) -> Any:
     """What :func:`~kv8.kernels.triton.store.store_kv` launches for one decode step of 32 sequences (8 KV heads,
-    head_dim 128, blocks of 16; ``kv`` "fp8_e4m3" with static per-head scales, "int8" (dynamic scales) or
-    "bfloat16")."""
+    head_dim 128, blocks of 16; ``kv`` "fp8_e4m3" with static per-head scales, "int8" (dynamic scales),
+    "fp4_e2m1" (its group scales in the rows) or "bfloat16")."""
     import torch
 
     from kv8.kernels.triton import store as S
     from kv8.kernels.triton.formats import kernel_format
     from kv8.quant.formats import E4M3, INT8
+    from kv8.quant.fp4 import FP4_E2M1
+
+    if kv == "fp4_e2m1":
+        key = torch.zeros(32, 8, 128, dtype=torch.bfloat16)
+        cache = torch.zeros(16, 8, 16, FP4_E2M1.row_bytes(128), dtype=torch.uint8)
+        slots = torch.arange(32, dtype=torch.int64)
+        return S.store_launch(key, key.clone(), cache, cache.clone(), slots, slots, slots, slots, slots,
+                              (0, 0, 0, 0), (0, 0, 0) * 2, mode=3, fmt=kernel_format(FP4_E2M1))
 
     if kv == "int8":
         key = torch.zeros(32, 8, 128, dtype=torch.bfloat16)
@@ -290,11 +310,12 @@ def attention_launch(kv: str, phase: str) -> Any:
 
 
 def attention_figures(launch: Any) -> Figures:
-    """:func:`measure` of an attention launch; an iteration reads TILE_N keys of K and V of one KV head."""
+    """:func:`measure` of an attention launch; an iteration reads TILE_N keys of K and V of one KV head (a row of the
+    cache each: ``head_dim`` elements, or a packed format's row of codes and group scales)."""
     kw = launch.kwargs
-    elem = launch.args[2].element_size()
+    cache = launch.args[2]
     return measure(compile_launch(launch), int(kw["num_warps"]), int(kw.get("num_stages", 3)),
-                   2 * int(kw["TILE_N"]) * int(kw["HEAD_DIM"]) * elem)
+                   2 * int(kw["TILE_N"]) * cache.shape[-1] * cache.element_size())
 
 
 # what an H100 SM holds (sm_90): registers, shared memory one block may use
@@ -303,17 +324,21 @@ SM90_SHARED_BYTES = 227 * 1024
 RESIDENT_PROGRAMS = 4   # what kv8.kernels.triton.attention.choose_num_kv_splits aims for
 
 
-def figures() -> dict[str, dict[str, Any]]:
-    """The compiled figures of the engine's launches at Llama-3.1-8B shapes: decode and prefill attention over
-    fp8_e4m3 and bf16 caches, decode over an int8 cache, and the store kernel (keys ``"<phase>-<kv>"``,
-    ``"store-<kv>"``)."""
+def figures(cases: list[tuple[str, str]] | None = None, stores: tuple[str, ...] = ("fp8_e4m3", "bfloat16", "int8")
+            ) -> dict[str, dict[str, Any]]:
+    """The compiled figures of the engine's launches at Llama-3.1-8B shapes (keys ``"<phase>-<kv>"``,
+    ``"store-<kv>"``): by default decode and prefill attention over fp8_e4m3 and bf16 caches, decode over an int8
+    cache, and the store kernel for those three; ``cases`` ((phase, kv) pairs) and ``stores`` (kv) choose
+    others."""
     rows: dict[str, dict[str, Any]] = {}
-    cases = [(phase, kv) for phase in ("decode", "prefill") for kv in ("fp8_e4m3", "bfloat16")] + [("decode", "int8")]
+    if cases is None:
+        cases = [(phase, kv) for phase in ("decode", "prefill") for kv in ("fp8_e4m3", "bfloat16")]
+        cases.append(("decode", "int8"))
     for phase, kv in cases:
         launch = attention_launch(kv, phase)
         rows[f"{phase}-{kv}"] = {"grid": list(launch.grid), **{k: launch.kwargs[k] for k in (
             "BLOCK_M", "TILE_N", "NUM_SPLITS")}, **asdict(attention_figures(launch))}
-    for kv in ("fp8_e4m3", "bfloat16", "int8"):
+    for kv in stores:
         launch = llama_store_launch(kv)
         fig = measure(compile_launch(launch), int(launch.kwargs["num_warps"]), 1, 1)
         rows[f"store-{kv}"] = {"registers": fig.registers, "spill_bytes": fig.spill_bytes,
@@ -370,11 +395,13 @@ def table(rows: dict[str, dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
-    rows = figures()
+def main(argv: list[str]) -> None:
+    """``python -m tests.helpers.sm90 [KV]``: the default figures, or with a cache dtype ``KV`` (e.g. fp4_e2m1)
+    its decode and prefill attention and its store."""
+    rows = figures() if not argv else figures([("decode", argv[0]), ("prefill", argv[0])], (argv[0],))
     print(table(rows))
     print(json.dumps(rows))
 
 
 if __name__ == "__main__":
-    main()
+    main(sys.argv[1:])

@@ -49,6 +49,7 @@ from kv8.cache.paged_cache import CacheShape, PagedKVCache
 from kv8.kernels.triton.formats import kernel_format
 from kv8.platform import CPU, Platform
 from kv8.quant.formats import E4M3, FP8_FORMATS, INT4, INT8, FP8Format, resolve_kv_cache_dtype, unpack_int4
+from kv8.quant.fp4 import FP4_E2M1
 from kv8.quant.int4_group import INT4_G32
 from kv8.quant.scales import KVScales, ScaleGranularity
 from tests.helpers.triton import DEVICES, INTERPRETED
@@ -58,6 +59,7 @@ choose_num_kv_splits = triton_attention.choose_num_kv_splits
 launch_config = triton_attention.launch_config
 unified_attention = triton_attention.unified_attention
 decode_fp8 = triton_dequant.decode_fp8
+decode_fp8_bits = triton_dequant.decode_fp8_bits
 group_scales = triton_dequant.group_scales
 apply_group_scales = triton_dequant.apply_group_scales
 FLOAT_CACHES = ("bfloat16", "float16", "float32")
@@ -65,6 +67,7 @@ FP8_CACHES = tuple(FP8_FORMATS)     # every kv8 format: the kernels' constants a
 INT8_CACHE = "int8_per_token_head"   # int8 codes, always dynamic scales
 INT4_CACHE = "int4_per_token_head"   # int4 codes, two per byte, always dynamic scales
 INT4G_CACHE = "int4_per_group32"     # int4 codes, two per byte, a float16 scale per 32 values after them
+FP4_CACHE = "fp4_e2m1"               # E2M1 codes, two per byte, an E4M3 scale code per 16 values after them
 FORMATS = FP8_FORMATS
 
 
@@ -100,7 +103,7 @@ class Problem:
 def _poison(cache: PagedKVCache) -> None:
     fmt = cache.kv_dtype.fp8
     if cache.kv_dtype.group is not None:
-        cache.data.fill_(0xFF)             # int4_per_group32: codes -1 beside NaN float16 scales (0xFFFF)
+        cache.data.fill_(0xFF)             # group formats: codes -1 / -6 beside NaN float16 / E4M3 scales
     elif cache.kv_dtype.int_codes is not None:
         # never written (int8 codes are -127 .. 127, int4 nibbles -7 .. 7: 0x80 is 0 | -8); the NaN scales poison
         cache.data.view(torch.uint8).fill_(0x80)
@@ -373,11 +376,53 @@ def test_int4_group_decode_is_exact_for_every_code_and_scale_sign(axis: int, dev
     assert torch.equal(out.cpu(), want) and bool((want < 0).any())
 
 
+@triton.jit
+def _decode_fp4_kernel(rows_ptr, out_ptr, FMT: tl.constexpr, AXIS: tl.constexpr):
+    """Rows ``[16, 36]`` of fp4_e2m1 (D = 64: 32 code bytes, four E4M3 scale codes) -> values ``[16, 64]`` float32,
+    the codes unpacked along ``AXIS`` (1: ``[R, B]``, 0: ``[B, R]``, the attention's K^T) and times their group's
+    scale, decoded by the bit path with ``FMT.scale_format``, as the attention kernel decodes them."""
+    SCALE_FMT: tl.constexpr = FMT.scale_format
+    r = tl.arange(0, 16)
+    b = tl.arange(0, 32)
+    scales = decode_fp8_bits(tl.load(rows_ptr + r[:, None] * 36 + 32 + tl.arange(0, 4)[None, :]), SCALE_FMT,
+                             tl.float32)                                                          # [16, 4]
+    if AXIS == 1:
+        values = apply_group_scales(decode_fp8(tl.load(rows_ptr + r[:, None] * 36 + b[None, :]), FMT, False,
+                                               tl.float32, 1), scales, 1, 16)                      # [16, 64]
+        tl.store(out_ptr + r[:, None] * 64 + tl.arange(0, 64)[None, :], values)
+    else:
+        values = apply_group_scales(decode_fp8(tl.load(rows_ptr + r[None, :] * 36 + b[:, None]), FMT, False,
+                                               tl.float32, 0), scales, 0, 16)                      # [64, 16]
+        tl.store(out_ptr + r[None, :] * 64 + tl.arange(0, 64)[:, None], values)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("axis", [1, 0])
+def test_fp4_decode_is_exact_for_every_code_and_scale_byte(axis: int, device: str) -> None:
+    """fp4_e2m1 rows with every code byte (both nibbles 0 .. 15: ±0 .. ±6, -0.0 included) and every E4M3 scale
+    byte (subnormals, 448, and the NaN codes 0x7F / 0xFF, which the store never writes: NaN, as the reference reads
+    them) decode as :meth:`FP4_E2M1.decode` does, exactly (an E2M1 value times an E4M3 scale is exact in float32),
+    along both channel axes the attention kernel unpacks."""
+    codes = torch.arange(512, dtype=torch.int32).remainder(256).to(torch.uint8).reshape(16, 32)
+    scales = torch.arange(64, dtype=torch.int32).to(torch.uint8).reshape(16, 4)
+    out = torch.empty(16, 64, dtype=torch.float32, device=device)
+    for first in range(0, 256, 64):
+        rows = torch.cat([codes.roll(first, 0), scales + first], dim=-1)
+        assert rows.shape == (16, FP4_E2M1.row_bytes(64))
+        _decode_fp4_kernel[(1,)](rows.to(device), out, FMT=kernel_format(FP4_E2M1), AXIS=axis)
+        want = FP4_E2M1.decode(rows, 64)
+        got = out.cpu()
+        assert torch.equal(got.isnan(), want.isnan())
+        assert torch.equal(got.nan_to_num(), want.nan_to_num()), first
+        assert torch.equal(got.signbit() & ~got.isnan(), want.signbit() & ~want.isnan()), first   # -0.0 stays
+    assert bool(want.isnan().any())                                        # the last rows had 0x7F, 0xFF
+
+
 # ---- attention against the reference ----------------------------------------------------------------------------
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("q_dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
-@pytest.mark.parametrize("kv", FLOAT_CACHES + FP8_CACHES + (INT8_CACHE, INT4_CACHE, INT4G_CACHE))
+@pytest.mark.parametrize("kv", FLOAT_CACHES + FP8_CACHES + (INT8_CACHE, INT4_CACHE, INT4G_CACHE, FP4_CACHE))
 def test_every_cache_dtype_mixed_batch(kv: str, q_dtype: torch.dtype, device: str) -> None:
     p = _build(kv, q_dtype, seed=1)
     _check(p, _run(p, device))
@@ -476,7 +521,7 @@ def test_split_k_bf16_mixed_batch(device: str) -> None:
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("kv", ["fp8_e4m3", INT8_CACHE, INT4_CACHE, INT4G_CACHE])
+@pytest.mark.parametrize("kv", ["fp8_e4m3", INT8_CACHE, INT4_CACHE, INT4G_CACHE, FP4_CACHE])
 def test_poison_is_detected(kv: str, device: str) -> None:
     """The harness can fail: poisoning a slot the batch does read (the decode row's newest key: its FP8 code, or
     its int8 / int4 token scale) shows up as NaN in exactly the rows that see it."""
@@ -488,6 +533,9 @@ def test_poison_is_detected(kv: str, device: str) -> None:
     elif kv == INT4G_CACHE:
         k_cache, _ = p.cache.layer(0)
         k_cache[block, :, 36 % 16, -2:] = 0xFF                  # the last group's float16 scale: NaN
+    elif kv == FP4_CACHE:
+        k_cache, _ = p.cache.layer(0)
+        k_cache[block, :, 36 % 16, -1] = 0x7F                   # the last group's E4M3 scale: NaN
     else:
         k_cache, _ = p.cache.layer(0)
         k_cache[block, :, 36 % 16] = E4M3.nan_code
@@ -519,7 +567,7 @@ def test_empty_batches_leave_out_alone(device: str) -> None:
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("kv", [INT8_CACHE, INT4_CACHE, INT4G_CACHE])
+@pytest.mark.parametrize("kv", [INT8_CACHE, INT4_CACHE, INT4G_CACHE, FP4_CACHE])
 @pytest.mark.parametrize("q_dtype,head_dim,group,block_size,window,splits", [
     (torch.bfloat16, 64, 4, 16, None, 3),        # decode rows split over key segments, a prefill chunk
     (torch.float16, 96, 2, 16, 13, 1),           # D padded to 128; a window spanning blocks
@@ -528,12 +576,32 @@ def test_empty_batches_leave_out_alone(device: str) -> None:
 ], ids=lambda v: str(v).replace("torch.", ""))
 def test_int_caches(kv: str, q_dtype: torch.dtype, head_dim: int, group: int, block_size: int, window: int | None,
                     splits: int, device: str) -> None:
-    """int8 and int4 codes (two per byte, unpacked in registers) with their per-token scales, and int4 codes with
-    their groups' float16 scales (int4_per_group32; D = 96: three groups, the tile's fourth masked), over mixed
-    batches (decode, prefill chunks, fresh prefills), GQA, sliding windows and split-K."""
+    """int8 and int4 codes (two per byte, unpacked in registers) with their per-token scales, int4 codes with their
+    groups' float16 scales (int4_per_group32; D = 96: three groups, the tile's fourth masked) and E2M1 codes with
+    their groups' E4M3 scales (fp4_e2m1; D = 96: six groups of 16, the tile's last two masked), over mixed batches
+    (decode, prefill chunks, fresh prefills), GQA, sliding windows and split-K."""
     batch = Batch((1, 6, 19, 0, 1, 3), (37, 40, 19, 5, 16, 50))
     p = _build(kv, q_dtype, head_dim=head_dim, kv_heads=1 if head_dim == 256 else 2, group=group,
                block_size=block_size, batch=batch, window=window, seed=15)
+    _check(p, _run(p, device, num_kv_splits=splits))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("q_dtype,head_dim,group,block_size,window,splits", [
+    (torch.bfloat16, 40, 4, 16, None, 2),        # groups of 16, 16 and 8: the short one masked past D in the tile
+    (torch.float16, 72, 2, 8, 7, 1),             # 4.5 groups, D padded to 128; a window, per-key table gathers
+    (torch.float32, 8, 1, 16, None, 3),          # one group of 8 values in a 16-channel tile; MHA, split-K
+    (torch.bfloat16, 200, 2, 32, 23, 1),         # 12.5 groups, D padded to 256
+], ids=lambda v: str(v).replace("torch.", ""))
+def test_fp4_head_dims_with_a_short_last_group(q_dtype: torch.dtype, head_dim: int, group: int, block_size: int,
+                                               window: int | None, splits: int, device: str) -> None:
+    """fp4_e2m1 takes any even head_dim: a last group shorter than 16 (its scale covers fewer values, the reference
+    pads it with zeros) reads as the reference reads it, over a mixed batch, GQA, windows and split-K."""
+    assert head_dim % 16
+    batch = Batch((1, 6, 19, 0, 1, 3), (37, 40, 19, 5, 16, 50))
+    p = _build(FP4_CACHE, q_dtype, head_dim=head_dim, kv_heads=2, group=group, block_size=block_size, batch=batch,
+               window=window, seed=16)
+    assert p.cache.data.shape[-1] == FP4_E2M1.row_bytes(head_dim)
     _check(p, _run(p, device, num_kv_splits=splits))
 
 
@@ -607,6 +675,20 @@ def test_mixed_batch_launches_decode_rows_apart() -> None:
     assert [x.kernel for x in decode_only] == [triton_attention._paged_attention_kernel,
                                                 triton_attention._merge_splits_kernel]
     assert decode_only[0].kwargs["Q_LEN_MAX"] > 2 ** 30 and decode_only[0].kwargs["BLOCK_M"] == 8
+
+
+def test_group_formats_launch_with_every_register() -> None:
+    """The group formats' attention launches (fp4_e2m1, int4_per_group32: decode and prefill tiles) let ptxas use
+    all 255 registers (``maxnreg``: at its own cap of 168 their 4-warp decode spills with Triton 3.7.1 and 3.9); the
+    other formats' launches leave the choice to ptxas."""
+    from tests.helpers.sm90 import llama_attention_launches
+    for kv in ("fp4_e2m1", "fp8_e4m3", "int8", "bfloat16"):
+        attention = [x for x in llama_attention_launches(kv, "mixed") if "Q_LEN_MIN" in x.kwargs]
+        assert len(attention) == 2
+        assert [x.kwargs.get("maxnreg") for x in attention] == [255 if kv == "fp4_e2m1" else None] * 2, kv
+    variant = triton_attention.KernelVariant(torch.bfloat16, torch.uint8, kernel_format(INT4_G32), False,
+                                             triton_attention.SCALES_NONE, False, False, 4, 128, 16, 1)
+    assert variant.config.options == {"num_warps": 4, "num_stages": 5, "maxnreg": 255}
 
 
 @pytest.mark.parametrize(("batch", "attention_launches"), [
@@ -714,6 +796,17 @@ def _bad_cases() -> list[tuple[str, dict, str]]:
                                   "k_cache": torch.zeros(8, 2, 16, 27, dtype=torch.uint8),
                                   "v_cache": torch.zeros(8, 2, 16, 27, dtype=torch.uint8)},
          r"an int4_g32 cache has a scale per group of 32 values: it needs a head_dim that is a multiple of 32"),
+        ("fp4 with scales", {"fp8": FP4_E2M1, **int4_scales,
+                             "k_cache": torch.zeros(8, 2, 16, 36, dtype=torch.uint8),
+                             "v_cache": torch.zeros(8, 2, 16, 36, dtype=torch.uint8)},
+         r"an e2m1 cache keeps a scale per group of 16 values in each row; it takes no k_scale"),
+        ("fp4 row width", {"fp8": FP4_E2M1, "k_scale": None, "v_scale": None},
+         r"cache row width=64 != 36, the bytes of query head_dim=64 in two codes per byte and 1 per group of 16's "
+         r"scale"),
+        ("fp4 odd head_dim", {"fp8": FP4_E2M1, "k_scale": None, "v_scale": None, "query": torch.zeros(5, 4, 63),
+                              "out": torch.zeros(5, 4, 63), "k_cache": torch.zeros(8, 2, 16, 35, dtype=torch.uint8),
+                              "v_cache": torch.zeros(8, 2, 16, 35, dtype=torch.uint8)},
+         r"an e2m1 cache packs two codes per byte: it needs an even head_dim, got 63"),
         ("int4 odd head_dim", {"fp8": INT4, **int4_scales, "query": torch.zeros(5, 4, 63),
                                "out": torch.zeros(5, 4, 63), "k_cache": torch.zeros(8, 2, 16, 31, dtype=torch.uint8),
                                "v_cache": torch.zeros(8, 2, 16, 31, dtype=torch.uint8)},
@@ -813,7 +906,7 @@ for v in json.loads(sys.argv[1]):
     fn = A._paged_attention_kernel
     sig = signature(fn, const, ptrs)
     kernel = triton.compile(ASTSource(fn, sig, const, aligned(fn, sig)), target=target,
-                            options={"num_warps": variant.config.num_warps, "num_stages": variant.config.num_stages})
+                            options=variant.config.options)
     info = assemble(kernel)
     if splits > 1:
         merge = A._merge_splits_kernel
@@ -871,7 +964,9 @@ def test_kernels_compile_for_sm90_without_spills(tmp_path: Path) -> None:
     """The kernels as compiled for an H100 (Triton's compiler, the wheel's ptxas; no GPU needed): what the
     interpreter cannot check -- the compiled constexpr branches, tl.dot shapes and dtypes, the native FP8
     conversions (used exactly where asked for), and registers: every variant fits sm_90's 255 per thread without
-    spilling (launch_config's tile sizes)."""
+    spilling (launch_config's tile sizes). The variants take the cache strides as divisible by 16, which rows of a
+    group format need not be (int4_per_group32's and fp4_e2m1's 72 bytes at head_dim 128): fp4_e2m1's kernels are
+    compiled as the wrappers launch them in tests/kernels/test_triton_compiled.py."""
     pytest.importorskip("triton.backends.nvidia")
     env = {**os.environ, "TRITON_CACHE_DIR": str(tmp_path), "PYTHONPATH": os.pathsep.join(sys.path)}
     env.pop("TRITON_INTERPRET", None)
@@ -889,7 +984,7 @@ def test_kernels_compile_for_sm90_without_spills(tmp_path: Path) -> None:
 
 # ---- a sample of the full sweep ----------------------------------------------------------------------------------
 
-_SWEEP_KV = FLOAT_CACHES + FP8_CACHES + (INT8_CACHE, INT4_CACHE)
+_SWEEP_KV = FLOAT_CACHES + FP8_CACHES + (INT8_CACHE, INT4_CACHE, FP4_CACHE)
 _SWEEP_SHAPES = ((64, 4), (128, 8), (96, 2), (256, 1))                   # (head_dim, group)
 _SWEEP_WINDOWS = ((None, 1), (None, 5), (13, 1), (29, 3))               # (sliding_window, num_kv_splits)
 _SWEEP_QUERIES = (torch.float32, torch.bfloat16, torch.float16)
@@ -897,7 +992,7 @@ if os.environ.get("KV8_TRITON_FULL_SWEEP") == "1":                      # every 
     _SWEEP = list(itertools.product(_SWEEP_KV, _SWEEP_SHAPES, _SWEEP_WINDOWS, _SWEEP_QUERIES))
 else:
     # two cases per cache dtype: the twelve (shape, window) pairs off the diagonal, so each shape and each window /
-    # split pair comes up three times, each query dtype four; and two each for int8 and int4
+    # split pair comes up three times, each query dtype four; and two each for int8, int4 and fp4_e2m1
     _f32, _bf16, _f16 = _SWEEP_QUERIES
     _SWEEP = [(kv, _SWEEP_SHAPES[s], _SWEEP_WINDOWS[w], q) for kv, s, w, q in (
         ("bfloat16", 0, 1, _bf16), ("bfloat16", 2, 3, _f32),
@@ -908,6 +1003,7 @@ else:
         ("fp8_e5m2", 1, 2, _f16), ("fp8_e5m2", 3, 0, _f32),
         (INT8_CACHE, 1, 1, _bf16), (INT8_CACHE, 0, 2, _f16),
         (INT4_CACHE, 2, 3, _bf16), (INT4_CACHE, 3, 0, _f32),
+        (FP4_CACHE, 0, 3, _bf16), (FP4_CACHE, 2, 2, _f16),
     )]
 
 

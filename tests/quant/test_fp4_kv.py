@@ -186,7 +186,8 @@ def test_budget_counts_the_codes_and_the_group_scales() -> None:
     assert b.token_bytes == (2 * 2 * (32 + 4),)
 
 
-def test_the_triton_backend_refuses_it(tiny_models, monkeypatch) -> None:
+def test_every_attention_backend_reads_it(tiny_models, monkeypatch) -> None:
+    """The CPU backends and the triton backend (tests/engine/test_triton_engine.py runs it) take fp4_e2m1 caches."""
     path = tiny_models["llama_gqa"]
 
     def config(**kw):
@@ -195,8 +196,8 @@ def test_the_triton_backend_refuses_it(tiny_models, monkeypatch) -> None:
     assert config(kv_cache_dtype="nvfp4", attention_backend="cpu_fused").cache.kv_dtype == FP4_KV
     pytest.importorskip("triton")
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    with pytest.raises(ValueError, match="kv_cache_dtype='fp4_e2m1': the triton attention backend .* 4-bit"):
-        config(kv_cache_dtype="fp4_e2m1", attention_backend="triton")
+    triton = config(kv_cache_dtype="fp4_e2m1", attention_backend="triton")
+    assert triton.cache.kv_dtype == FP4_KV and triton.attention_backend == "triton"
 
 
 def test_a_plan_with_an_fp4_layer_gives_the_reference_attentions_tokens(tiny_models, tmp_path) -> None:

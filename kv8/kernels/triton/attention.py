@@ -1,5 +1,5 @@
 """Paged attention over kv8's KV cache for a whole mixed batch, in Triton: prefill chunks over cached context,
-fresh prefills and decode rows in one launch, reading FP8, int8 or int4 codes (or 16/32-bit values) in place.
+fresh prefills and decode rows in one launch, reading FP8, int8, int4 or FP4 codes (or 16/32-bit values) in place.
 
 Semantics are exactly :func:`kv8.attention.reference.paged_attention_reference`: query ``j`` of sequence ``i`` sits
 at position ``p = seq_lens[i] - query_len_i + j`` and sees keys ``k <= p`` (with a sliding window ``W`` only
@@ -77,7 +77,12 @@ Work decomposition (grid ``(T // BLOCK_Q + B, Hkv, NUM_SPLITS)``; T = query rows
   either sign, read by its bits; codes -8 .. 7), loaded ``[TILE_N, 2 D / 32]`` bytes beside them; the codes times
   their group's scale (exact in float32, reshaped to
   ``[.., D / 32, 32, ..]``) go into the dot in the query's 16-bit dtype (rounded once, as a decode to that dtype
-  would) or float32, with the tiles of dynamic scales.
+  would) or float32, with the tiles of dynamic scales. An ``fp4_e2m1`` cache (``GROUPED`` with
+  ``FP8_FMT.scale_format``) is read the same way: E2M1 codes unpacked in registers
+  (:func:`~kv8.kernels.triton.dequant.unpack_e2m1`: sign, exponent and mantissa moved into a half's), one E4M3 scale
+  code per 16 values loaded ``[TILE_N, D_PAD / 16]`` beside them (a tile group past ``ceil(D / 16)`` masked to 0;
+  the last group may be shorter) and decoded by the exact bit path; an E2M1 value times an E4M3 scale is exact in
+  float32 and in either 16-bit dtype.
 * **Dot precision** (``DOT_DTYPE``, one for both products). Decoded FP8 values are exact in float16 (and in
   bfloat16), so over an FP8 cache with static or no scales both products take **float16** operands with float32
   accumulation, whatever the 16-bit query: FP8 codes convert to float16 pairs in one instruction, to bfloat16 only
@@ -110,29 +115,38 @@ What a caller must provide (checked, ``ValueError`` before any launch, unless ma
   ``int8`` codes with ``fp8`` the int8 format (:data:`kv8.quant.formats.INT8`), ``uint8`` bytes of two int4 codes
   with ``fp8`` :data:`kv8.quant.formats.INT4` (the last dim ``D / 2``; ``D`` even), ``uint8`` rows of int4 codes
   and their float16 group scales with ``fp8`` :data:`kv8.quant.int4_group.INT4_G32` (``D / 2 + 2 D / 32``; ``D`` a
-  multiple of 32), or bfloat16/float16/float32 values with ``fp8=None``.
+  multiple of 32), ``uint8`` rows of E2M1 codes and their E4M3 group scales with ``fp8``
+  :data:`kv8.quant.fp4.FP4_E2M1` (``D / 2 + ceil(D / 16)``; ``D`` even), or bfloat16/float16/float32 values with
+  ``fp8=None``.
 * ``query_start_loc [B + 1]`` and ``seq_lens [B]`` contiguous, ``block_tables [B, max_blocks]`` with a contiguous
   last dim; int32 or int64, each independently. Unchecked (the launch reads no tensor on the host, so it can be
   captured in a CUDA graph): ``query_start_loc`` nondecreasing from 0 with ``query_start_loc[B] <= T``, ``0 <=
   query_len_i <= seq_lens[i]``, the table entries a sequence needs are valid block ids and hold its keys.
 * FP8: static ``k_scale``/``v_scale`` broadcastable to ``[Hkv, D]`` (any float dtype; copied to float32) or
   dynamic ``k_token_scales``/``v_token_scales`` float32 ``[num_blocks, Hkv, block_size]`` (any strides); int8 and
-  int4: the dynamic ones; int4_per_group32: none.
+  int4: the dynamic ones; int4_per_group32 and fp4_e2m1: none.
 * The split workspace (``num_kv_splits > 1``) is ``T * Hq * splits * (D_PAD + 2)`` float32, allocated per call.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
 import triton.language as tl
 
 from kv8.kernels.triton import interpreter
-from kv8.kernels.triton.dequant import apply_group_scales, decode_fp8, group_scales, native_fp8_supported
+from kv8.kernels.triton.dequant import (
+    apply_group_scales,
+    decode_fp8,
+    decode_fp8_bits,
+    group_scales,
+    native_fp8_supported,
+)
 from kv8.kernels.triton.formats import (
+    FloatGroupLayout,
     FP8Layout,
     GroupLayout,
     IntLayout,
@@ -140,6 +154,7 @@ from kv8.kernels.triton.formats import (
     code_dtype,
     code_width,
     kernel_format,
+    scale_bytes,
 )
 from kv8.kernels.triton.interpreter import INTERPRETER, add_combine, cast_rn, dot, max_combine, widen
 from kv8.kernels.triton.launch import Launch
@@ -157,6 +172,7 @@ _TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.floa
 _LOG2E = math.log2(math.e)
 SCALES_NONE, SCALES_STATIC, SCALES_DYNAMIC = 0, 1, 2  # the kernel's SCALES constexpr
 _MAX_INT32 = 2 ** 31 - 1
+_GROUP_MAX_REGISTERS = 255     # the group formats' register cap (KernelVariant.config)
 
 # split-K heuristic (see choose_num_kv_splits)
 _SPLIT_MAX_QUERY_LEN = 16      # split only decode-like batches (decode rows, short speculative chunks)
@@ -251,12 +267,23 @@ def _attend_key_tile(
             k_raw = tl.load(k_bytes, mask=_spread(w_ok, 1 - K_KEYS), other=0)
             v_raw = tl.load(v_bytes, mask=w_ok[None, :], other=0)
         if FP8_FMT.group_size > 0:
-            # int4_per_group32: the groups' float16 scales follow the codes, 2 bytes each: [TILE_N, NG] float32
             NG: tl.constexpr = D_PAD // FP8_FMT.group_size
-            offs_g = tl.arange(0, 2 * NG)
-            g_ok = (offs_g < 2 * (HEAD_DIM // FP8_FMT.group_size))[None, :]
-            k_gs = group_scales(tl.load(k_rows[:, None] + HEAD_DIM // 2 + offs_g[None, :], mask=g_ok, other=0))
-            v_gs = group_scales(tl.load(v_rows[:, None] + HEAD_DIM // 2 + offs_g[None, :], mask=g_ok, other=0))
+            if FP8_FMT.scale_format is not None:
+                # fp4_e2m1: an FP8 scale code (E4M3) per group follows the codes, one byte each, the last group maybe
+                # shorter (a tile group past it reads 0): [TILE_N, NG] float32, by the exact bit decode
+                SCALE_FMT: tl.constexpr = FP8_FMT.scale_format
+                offs_g = tl.arange(0, NG)
+                g_ok = (offs_g < (HEAD_DIM + FP8_FMT.group_size - 1) // FP8_FMT.group_size)[None, :]
+                k_gs = decode_fp8_bits(tl.load(k_rows[:, None] + HEAD_DIM // 2 + offs_g[None, :], mask=g_ok,
+                                               other=0), SCALE_FMT, tl.float32)
+                v_gs = decode_fp8_bits(tl.load(v_rows[:, None] + HEAD_DIM // 2 + offs_g[None, :], mask=g_ok,
+                                               other=0), SCALE_FMT, tl.float32)
+            else:
+                # int4_per_group32: the groups' float16 scales follow the codes, 2 bytes each: [TILE_N, NG] float32
+                offs_g = tl.arange(0, 2 * NG)
+                g_ok = (offs_g < 2 * (HEAD_DIM // FP8_FMT.group_size))[None, :]
+                k_gs = group_scales(tl.load(k_rows[:, None] + HEAD_DIM // 2 + offs_g[None, :], mask=g_ok, other=0))
+                v_gs = group_scales(tl.load(v_rows[:, None] + HEAD_DIM // 2 + offs_g[None, :], mask=g_ok, other=0))
     elif KEY_ROWS and (not MASKED) and (not TILE_IN_BLOCK) and TILE_N % BLOCK_SIZE == 0 and D_PAD == HEAD_DIM:
         # whole blocks, unclamped, both tiles [TILE_N, D]: loaded as [blocks, BLOCK_SIZE, D], one table entry and
         # one base address per block, the offsets inside a block loop-invariant and non-negative (int32 products of
@@ -540,6 +567,15 @@ class LaunchConfig:
     num_warps: int
     num_stages: int       # software-pipelining depth of the key loop (Triton's num_stages)
     key_rows: bool = False  # keys as the products' rows: scores [tile_n, block_m] (module docstring, *Orientation*)
+    max_registers: int | None = None   # Triton's maxnreg (ptxas's register cap per thread); None: ptxas's choice
+
+    @property
+    def options(self) -> dict[str, int]:
+        """The launch's compile options: warps, stages and, where set, the register cap."""
+        opts = {"num_warps": self.num_warps, "num_stages": self.num_stages}
+        if self.max_registers is not None:
+            opts["maxnreg"] = self.max_registers
+        return opts
 
 
 def launch_config(group: int, head_dim: int, max_query_len: int, block_size: int, dot_f32: bool,
@@ -640,11 +676,16 @@ class KernelVariant:
 
     @property
     def config(self) -> LaunchConfig:
+        """:func:`launch_config` of these fields; the group formats' launches (int4_per_group32, fp4_e2m1) may use
+        all 255 registers a thread has: at ptxas's own cap for their 4-warp tiles (168) the decode spills with some
+        Triton versions (measured at Llama-3.1-8B shapes: fp4_e2m1 8 bytes with 3.7.1, 32 with 3.9; int4_per_group32
+        40 with 3.9), while its ~210 registers leave as many programs per SM (2) as the 176 of 3.6."""
         cache_bytes = 1 if self.fp8 is not None else self.cache_dtype.itemsize
-        return launch_config(self.group, self.head_dim, self.max_query_len, self.block_size,
-                             self.dot_dtype == tl.float32, cache_bytes,
-                             self.scales == SCALES_DYNAMIC or (self.fp8 is not None and self.fp8.group_size > 0),
-                             self.fp8 is not None and self.fp8.packed)
+        grouped = self.fp8 is not None and self.fp8.group_size > 0
+        cfg = launch_config(self.group, self.head_dim, self.max_query_len, self.block_size,
+                            self.dot_dtype == tl.float32, cache_bytes, self.scales == SCALES_DYNAMIC or grouped,
+                            self.fp8 is not None and self.fp8.packed)
+        return replace(cfg, max_registers=_GROUP_MAX_REGISTERS) if grouped else cfg
 
     def constexprs(self, num_kv_splits: int, q_len_min: int = 0, q_len_max: int = _MAX_INT32) -> dict[str, object]:
         """The kernel's constexprs; the program of a sequence with fewer than ``q_len_min`` or more than
@@ -729,15 +770,18 @@ def _check_token_scales(name: str, s: object, cache_shape: torch.Size, device: t
 def unified_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor, *,
                       query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
                       max_query_len: int, max_seq_len: int, scale: float, sliding_window: int | None,
-                      fp8: FP8Layout | IntLayout | GroupLayout | None, k_scale: torch.Tensor | None = None,
-                      v_scale: torch.Tensor | None = None, k_token_scales: torch.Tensor | None = None,
+                      fp8: FP8Layout | IntLayout | GroupLayout | FloatGroupLayout | None,
+                      k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+                      k_token_scales: torch.Tensor | None = None,
                       v_token_scales: torch.Tensor | None = None, num_kv_splits: int | None = None,
                       platform: Platform | None = None, min_query_len: int | None = None) -> torch.Tensor:
     """Paged attention of a mixed batch into ``out``; returns ``out``. query/out ``[T, Hq, D]`` (bfloat16, float16 or
     float32, same dtype; already in the stored basis); k_cache/v_cache ``[num_blocks, Hkv, bs, D]``: uint8 FP8 codes
     of format ``fp8`` (a :class:`kv8.quant.formats.FP8Format`), int8 codes with ``fp8``
     :data:`kv8.quant.formats.INT8`, uint8 bytes of two int4 codes (``[..., D / 2]``) with ``fp8``
-    :data:`kv8.quant.formats.INT4`, or bfloat16/float16/float32 values with ``fp8=None``; ``query_start_loc [B +
+    :data:`kv8.quant.formats.INT4`, uint8 rows of codes and their group scales with ``fp8``
+    :data:`kv8.quant.int4_group.INT4_G32` or :data:`kv8.quant.fp4.FP4_E2M1` (module docstring), or
+    bfloat16/float16/float32 values with ``fp8=None``; ``query_start_loc [B +
     1]``, ``seq_lens [B]``, ``block_tables [B, max_blocks]`` int32/int64 as
     :class:`kv8.attention.metadata.AttentionMetadata` describes them (with a window, table entries before a
     sequence's first needed block are never read). ``max_query_len`` / ``max_seq_len`` size the tiles and the split
@@ -746,7 +790,8 @@ def unified_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     launch for them (:func:`plan_launches`). Unchecked against the tensors, like ``max_query_len``, but unlike it a
     promise: a sequence with fewer new tokens may be left unattended. FP8 needs either static
     ``k_scale``/``v_scale`` (broadcastable to ``[Hkv, D]``) or dynamic ``k_token_scales``/``v_token_scales``
-    ``[num_blocks, Hkv, bs]`` float32; int8 and int4 need the dynamic ones; a 16/32-bit cache takes none.
+    ``[num_blocks, Hkv, bs]`` float32; int8 and int4 need the dynamic ones; the group formats and a 16/32-bit cache
+    take none.
     ``num_kv_splits``: key segments per query tile (1 = no split-K; None = :func:`choose_num_kv_splits`).
     ``platform``: the device's facts (its native FP8 conversions, its compute units; :class:`kv8.platform.Platform`,
     resolved once by the engine); None resolves the tensors' device on each call. Output rows of tokens past
@@ -790,13 +835,15 @@ def unified_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     num_blocks, num_kv_heads, block_size, cache_dim = k_cache.shape
     if fmt is not None and fmt.packed and head_dim % 2:
         raise _fail(f"an {fmt.name} cache packs two codes per byte: it needs an even head_dim, got {head_dim}")
-    if fmt is not None and fmt.group_size and head_dim % fmt.group_size:
+    if fmt is not None and fmt.group_size and head_dim % fmt.head_dim_multiple:
         raise _fail(f"an {fmt.name} cache has a scale per group of {fmt.group_size} values: it needs a head_dim that "
-                    f"is a multiple of {fmt.group_size}, got {head_dim}")
+                    f"is a multiple of {fmt.head_dim_multiple}, got {head_dim}")
     if cache_dim != code_width(fmt, head_dim):
         raise _fail(f"cache row width={cache_dim} != {code_width(fmt, head_dim)}, the "
                     + (f"bytes of query head_dim={head_dim} in two codes per byte" if fmt is not None and fmt.packed
-                       else f"query head_dim={head_dim}"))
+                       else f"query head_dim={head_dim}")
+                    + (f" and {scale_bytes(fmt)} per group of {fmt.group_size}'s scale"
+                       if fmt is not None and fmt.group_size else ""))
     if num_kv_heads < 1 or num_q_heads % num_kv_heads:
         raise _fail(f"query heads Hq={num_q_heads} must be a multiple of the cache's KV heads Hkv={num_kv_heads}")
     if block_size < 1:
@@ -855,7 +902,7 @@ def unified_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
 def plan_launches(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor, *,
                   query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
                   max_query_len: int, max_seq_len: int, scale: float, sliding_window: int | None,
-                  fp8: FP8Layout | IntLayout | GroupLayout | None, k_scale: torch.Tensor | None,
+                  fp8: FP8Layout | IntLayout | GroupLayout | FloatGroupLayout | None, k_scale: torch.Tensor | None,
                   v_scale: torch.Tensor | None, k_token_scales: torch.Tensor | None,
                   v_token_scales: torch.Tensor | None,
                   num_kv_splits: int | None, platform: Platform, min_query_len: int | None = None) -> list[Launch]:
@@ -934,18 +981,15 @@ def plan_launches(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
         dcfg = decode.config
         launches = [
             Launch(_paged_attention_kernel, (num_tokens // dcfg.block_q + num_seqs, num_kv_heads, num_kv_splits),
-                   args, dict(**decode.constexprs(num_kv_splits, q_len_max=decode_len), num_warps=dcfg.num_warps,
-                              num_stages=dcfg.num_stages)),
+                   args, dict(**decode.constexprs(num_kv_splits, q_len_max=decode_len), **dcfg.options)),
             Launch(_paged_attention_kernel, (num_q_tiles, num_kv_heads, num_kv_splits), args,
-                   dict(**variant.constexprs(num_kv_splits, q_len_min=decode_len + 1), num_warps=cfg.num_warps,
-                        num_stages=cfg.num_stages)),
+                   dict(**variant.constexprs(num_kv_splits, q_len_min=decode_len + 1), **cfg.options)),
         ]
         if min_query_len is not None and min_query_len > decode_len:
             launches = launches[1:]
     else:
         launches = [Launch(_paged_attention_kernel, (num_q_tiles, num_kv_heads, num_kv_splits), args,
-                           dict(**variant.constexprs(num_kv_splits), num_warps=cfg.num_warps,
-                                num_stages=cfg.num_stages))]
+                           dict(**variant.constexprs(num_kv_splits), **cfg.options))]
     if num_kv_splits > 1:
         launches.append(Launch(_merge_splits_kernel, (num_tokens, num_q_heads), (
             out, part_acc, part_m, part_l, query_start_loc,

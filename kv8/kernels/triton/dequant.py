@@ -36,7 +36,10 @@ native path may be used is the platform's to say (:func:`native_fp8_supported`).
 is wrong); an ``int4_per_token_head`` cache (``FMT.packed``) has bytes of two 4-bit codes, which it unpacks in
 registers first (:func:`unpack_nibbles`: a row of ``B`` bytes becomes ``2 B`` codes); an ``int4_per_group32``
 cache's rows also carry a float16 scale per group of values (:func:`group_scales` reads them,
-:func:`apply_group_scales` multiplies each code by its group's).
+:func:`apply_group_scales` multiplies each code by its group's). An ``fp4_e2m1`` cache (``FMT.packed`` without
+``FMT.int_codes``) has bytes of two E2M1 codes, which :func:`unpack_e2m1` decodes by the bit path's trick on 4
+bits (the sign from bit 3, exponent and mantissa into a half's, times ``2^(15 - bias)``), and an E4M3 scale code
+per group of 16 after them, which :func:`decode_fp8_bits` decodes with the format's ``scale_format`` (all exact).
 """
 
 from __future__ import annotations
@@ -50,7 +53,7 @@ from kv8.kernels.triton.quant import bf16_bits_to_f32
 from kv8.platform import Platform
 
 __all__ = ["apply_group_scales", "decode_fp8", "decode_fp8_bits", "decode_fp8_native", "group_scales",
-           "native_fp8_supported", "unpack_nibbles"]
+           "native_fp8_supported", "unpack_e2m1", "unpack_nibbles"]
 
 
 def native_fp8_supported(platform: Platform, fmt: KernelFormat | None) -> bool:
@@ -124,6 +127,27 @@ def unpack_nibbles(raw, AXIS: tl.constexpr):
 
 
 @triton.jit
+def unpack_e2m1(raw, FMT: tl.constexpr, AXIS: tl.constexpr):
+    """``uint8`` bytes of two 4-bit float codes of the packed float format ``FMT`` (``fp4_e2m1``: sign in bit 3,
+    exponent and ``FMT.mantissa_bits`` below it, bias ``FMT.exponent_bias``), channels along ``AXIS`` as
+    :func:`unpack_nibbles` has them (``[R, B]`` with 1 -> ``[R, 2 B]``, ``[B, R]`` with 0 -> ``[2 B, R]``; channel
+    ``2j`` from the low nibble of byte ``j``) -> float32 values, exact for all 16 codes (-0.0 included): each code's
+    sign moved to a half's bit 15, its exponent and mantissa shifted by ``10 - M`` into the half's, the half (a
+    subnormal for the small codes) widened and times ``2^(15 - bias)`` (``FMT.half_factor``), as
+    :func:`decode_fp8_bits` builds an FP8 code."""
+    b = raw.to(tl.int32)
+    lo = b & 0xF
+    hi = (b >> 4) & 0xF
+    if AXIS == 1:
+        n = tl.reshape(tl.join(lo, hi), [raw.shape[0], raw.shape[1] * 2])
+    else:
+        n = tl.reshape(tl.permute(tl.join(lo, hi), (0, 2, 1)), [raw.shape[0] * 2, raw.shape[1]])
+    SHIFT: tl.constexpr = 10 - FMT.mantissa_bits
+    half = (((n & 0x8) << 12) | ((n & 0x7) << SHIFT)).to(tl.uint16).to(tl.float16, bitcast=True)
+    return half.to(tl.float32) * FMT.half_factor
+
+
+@triton.jit
 def group_scales(raw):
     """``uint8 [R, 2 G]``: the little-endian bytes of ``G`` float16 group scales per row -> ``float32 [R, G]``
     (exact, by the bits: a negative scale keeps its sign, a subnormal its value)."""
@@ -136,7 +160,8 @@ def group_scales(raw):
 def apply_group_scales(values, scales, AXIS: tl.constexpr, GS: tl.constexpr):
     """float32 ``values`` with their channels along ``AXIS`` (``[R, D]`` with 1, ``[D, R]`` with 0) times the scale
     of each channel's group of ``GS`` (``scales [R, D / GS]``, :func:`group_scales`), exact in float32 for int4 codes
-    (-8 .. 7) and float16 scales of either sign: a plain product, no assumption on either's sign or range."""
+    (-8 .. 7) and float16 scales of either sign, and for E2M1 values and E4M3 scales (2 and 4 significant bits): a
+    plain product, no assumption on either's sign or range."""
     if AXIS == 1:
         res = tl.reshape(tl.reshape(values, [values.shape[0], values.shape[1] // GS, GS]) * scales[:, :, None],
                          [values.shape[0], values.shape[1]])
@@ -151,8 +176,10 @@ def decode_fp8(raw, FMT: tl.constexpr, NATIVE: tl.constexpr, OUT: tl.constexpr, 
     """Loaded cache elements -> dtype ``OUT``: FP8 codes of format ``FMT`` (a
     :class:`~kv8.kernels.triton.formats.KernelFormat`) decoded by the native or the bit path (exact), int8 codes of
     an integer format (``FMT.int_codes``) converted (exact), int4 bytes (``FMT.packed``: ``[R, B]`` -> ``[R, 2 B]``
-    values, :func:`unpack_nibbles`) unpacked and converted (exact), or, with ``FMT`` None, a 16/32-bit cache's
-    values converted (exact when ``OUT`` holds the cache dtype: the caller's duty)."""
+    values, :func:`unpack_nibbles`) unpacked and converted (exact), bytes of two 4-bit float codes (``FMT.packed``
+    without ``FMT.int_codes``: ``fp4_e2m1``, :func:`unpack_e2m1`) decoded (exact; their group scales are the
+    caller's), or, with ``FMT`` None, a 16/32-bit cache's values converted (exact when ``OUT`` holds the cache dtype:
+    the caller's duty)."""
     if FMT is None:
         if raw.dtype == tl.bfloat16 and OUT == tl.float32:
             value = bf16_bits_to_f32(raw)        # exact in the interpreter too (its cast flushes subnormals)
@@ -163,6 +190,8 @@ def decode_fp8(raw, FMT: tl.constexpr, NATIVE: tl.constexpr, OUT: tl.constexpr, 
             value = unpack_nibbles(raw, AXIS).to(tl.float32).to(OUT)
         else:
             value = raw.to(tl.float32).to(OUT)
+    elif FMT.packed:     # 4-bit float codes (fp4_e2m1): [R, B] bytes -> [R, 2 B] values
+        value = unpack_e2m1(raw, FMT, AXIS).to(OUT)
     elif NATIVE:
         value = decode_fp8_native(raw, FMT, OUT)
     else:

@@ -18,15 +18,21 @@ None); its ``nan_code`` and ``negative_nan_code`` are 0, the code a NaN encodes 
 (:class:`GroupLayout`: :class:`kv8.quant.int4_group.Int4GroupFormat`) is the int4 family with ``group_size`` 32: a
 float16 scale per 32 values, of either sign, follows the row's codes (``D / 2 + 2 D / 32`` bytes); its codes span
 the nibble's whole -8 .. 7 (the store's scale search uses -8), its ``max_finite`` (7) is the first candidate's
-divisor. ``fp4_e2m1`` (E2M1 codes, E4M3
-group scales) has no ``KernelFormat``: :func:`kernel_format` refuses it.
+divisor. ``fp4_e2m1`` (:class:`FloatGroupLayout`: :class:`kv8.quant.fp4.FP4GroupFormat`) is a family of its own,
+4-bit float codes (``packed`` without ``int_codes``): two E2M1 codes per byte (sign | 2 exponent bits | 1 mantissa
+bit, bias 1: magnitudes 0, 0.5 .. 6; no NaN, no infinity), channel ``2j`` in the low nibble as int4's, then one
+E4M3 scale code per group of 16 values (``D / 2 + ceil(D / 16)`` bytes; the last group shorter when ``D % 16 !=
+0``). Its FP8 fields describe the codes as they describe an FP8 format's (bits and bias derived from the format's
+``grid``, ``max_finite`` 6; a NaN encodes to +0, -0.0 is code 8), and ``scale_format`` is the ``KernelFormat`` of
+its scales' FP8 layout, derived from their torch dtype (``float8_e4m3fn``), which the store's encode and the
+attention's bit decode of the scale bytes take as their ``FMT``.
 
 =====================  ===============================================  =============================================
 field                  from the format                                  read by
 =====================  ===============================================  =============================================
 ``int_codes``          the family: an integer format (``bits`` 8 or 4)  encode and decode (which of the two); the
                                                                         wrappers (``int8`` cache, dynamic scales)
-``mantissa_bits``      M                                                encode (rounding), bit decode (the shift)
+``mantissa_bits``      M (fp4: the 4-bit codes' M, 1)                   encode (rounding), bit decode (the shift)
 ``exponent_bias``      its bias                                         encode (rebias, subnormal range)
 ``max_finite``         its largest finite value (int: the largest       the store's dynamic scales; int encode
                        code)                                            (the clamp); the group store's first
@@ -48,8 +54,13 @@ field                  from the format                                  read by
                                                                         cache dtype)
 ``group_size``         values per float16 scale in the row (0: none)    the store (group amax, scale bytes), the
                                                                         attention (scales per group); the wrappers
-``group_scale_min``,   float16's smallest subnormal and largest value:  the store (the clamp of a group scale's
-``group_scale_max``    the group scales' clamp                          magnitude; the sign is kept)
+``group_scale_min``,   the group scales' clamp: float16's smallest       the store (the clamp of a group scale's
+``group_scale_max``    subnormal and largest value (fp4: E4M3's)        magnitude; int4_per_group32 keeps the sign)
+``head_dim_multiple``  what ``head_dim`` must be a multiple of (the     the wrappers (checks)
+                       format's own: 2 packed, 32 int4_per_group32)
+``scale_format``       the group scales' FP8 format as a                the store (the scale's encode), the attention
+                       ``KernelFormat`` (fp4_e2m1: E4M3; None: float16  (its decode; one byte per group); the
+                       scales, two bytes)                               wrappers (row width)
 =====================  ===============================================  =============================================
 
 Why a NamedTuple: Triton keys its compiled kernels on the constexprs' values (a NamedTuple of plain values is
@@ -57,20 +68,25 @@ hashable and compares by value), serializes them to JSON for its compile hooks, 
 as a constant both compiled and in the interpreter (Triton 3.6 and 3.9).
 
 To add a format family: give it its fields here (and a value of a field that tells the families apart, as
-``int_codes`` does for the integer codes), derive them in :func:`kernel_format`, and branch on them in the encode
-(:func:`kv8.kernels.triton.quant.encode_codes`) and the decode (:func:`kv8.kernels.triton.dequant.decode_fp8`); the
-wrappers (the cache dtype: :func:`code_dtype`; which scales) and the launch planning pass the constexpr through
-unchanged.
+``int_codes`` does for the integer codes, ``packed`` without ``int_codes`` for the 4-bit float codes), derive them
+in :func:`kernel_format`, and branch on them in the encode (:func:`kv8.kernels.triton.quant.encode_codes`; fp4:
+the store's group branch) and the decode (:func:`kv8.kernels.triton.dequant.decode_fp8`); the wrappers (the cache
+dtype: :func:`code_dtype`; which scales) and the launch planning pass the constexpr through unchanged. A field
+that is itself a ``KernelFormat`` (``scale_format``) reaches a helper as a constexpr through an annotated
+assignment (``SCALE_FMT: tl.constexpr = FMT.scale_format``; compiled, an attribute passed on as an argument is not
+one).
 """
 
 from __future__ import annotations
 
+import math
 import struct
 from typing import NamedTuple, Protocol, cast
 
 import torch
 
-__all__ = ["FP8Layout", "GroupLayout", "IntLayout", "KernelFormat", "code_dtype", "code_width", "kernel_format"]
+__all__ = ["FP8Layout", "FloatGroupLayout", "GroupLayout", "IntLayout", "KernelFormat", "code_dtype", "code_width",
+           "kernel_format", "scale_bytes"]
 
 _SIGN = 0x80
 _HALF_MAX = 65504.0
@@ -133,6 +149,18 @@ class GroupLayout(Protocol):
     def max_finite(self) -> float: ...
     @property
     def scale_name(self) -> str: ...
+    @property
+    def head_dim_multiple(self) -> int: ...
+
+
+class FloatGroupLayout(GroupLayout, Protocol):
+    """What the kernels read of a group format of 4-bit float codes with FP8 group scales
+    (:class:`kv8.quant.fp4.FP4GroupFormat` has all of it): the codes' magnitudes and the scales' torch dtype."""
+
+    @property
+    def grid(self) -> tuple[float, ...]: ...
+    @property
+    def scale_dtype(self) -> torch.dtype: ...
 
 
 class KernelFormat(NamedTuple):
@@ -154,9 +182,11 @@ class KernelFormat(NamedTuple):
     half_factor: float
     native: str | None
     packed: bool
-    group_size: int = 0            # > 0: a float16 scale per group_size values after the row's codes
-    group_scale_min: float = 0.0   # the clamp of a group scale's magnitude: float16's smallest subnormal ..
+    group_size: int = 0            # > 0: a scale per group_size values after the row's codes
+    group_scale_min: float = 0.0   # the clamp of a group scale's magnitude: float16's (E4M3's) smallest subnormal ..
     group_scale_max: float = 0.0   # .. and its largest finite value
+    head_dim_multiple: int = 1     # head_dim must be a multiple of this (the format's own rule)
+    scale_format: KernelFormat | None = None   # the group scales' FP8 format (fp4_e2m1); None: float16 scales
 
 
 _FIELDS = ("name", "exponent_bits", "mantissa_bits", "exponent_bias", "max_finite", "min_subnormal", "torch_dtype",
@@ -169,13 +199,19 @@ def code_dtype(fmt: KernelFormat) -> torch.dtype:
     return torch.int8 if fmt.int_codes and not fmt.packed else torch.uint8
 
 
+def scale_bytes(fmt: KernelFormat) -> int:
+    """Bytes of one group scale in a row of a group format: 2 (float16, little-endian) or 1 (an FP8 code:
+    ``scale_format``)."""
+    return 1 if fmt.scale_format is not None else 2
+
+
 def code_width(fmt: KernelFormat | None, head_dim: int) -> int:
-    """Elements of one stored row of ``head_dim`` values: ``head_dim / 2`` bytes for packed 4-bit codes (and two
-    bytes per group of ``group_size`` values after them: their float16 scales), else ``head_dim`` (one code or value
-    each)."""
+    """Elements of one stored row of ``head_dim`` values: ``head_dim / 2`` bytes for packed 4-bit codes (and, after
+    them, :func:`scale_bytes` per group of ``group_size`` values, the last group maybe shorter: their scales), else
+    ``head_dim`` (one code or value each)."""
     if fmt is None or not fmt.packed:
         return head_dim
-    return head_dim // 2 + (2 * (head_dim // fmt.group_size) if fmt.group_size else 0)
+    return head_dim // 2 + (scale_bytes(fmt) * -(-head_dim // fmt.group_size) if fmt.group_size else 0)
 
 
 def _group_format(fmt: GroupLayout) -> KernelFormat:
@@ -183,10 +219,85 @@ def _group_format(fmt: GroupLayout) -> KernelFormat:
     if scale != "float16" or size < 2 or size & (size - 1):
         raise ValueError(f"group format {fmt.name!r}: {scale} scales per group of {size}, max_finite={max_finite}; "
                          "the Triton kernels read int4 codes (max 2^3 - 1) with a float16 scale per power-of-two "
-                         "group (int4_per_group32), not fp4_e2m1's E2M1 codes with E4M3 scales")
+                         "group (int4_per_group32), or 4-bit float codes with FP8 scales (a format with a grid and "
+                         "a scale_dtype: fp4_e2m1)")
     f16 = torch.finfo(torch.float16)
     return _int_format(_IntCodes(fmt.name, 4, max_finite))._replace(
-        group_size=size, group_scale_min=float(f16.smallest_normal * f16.eps), group_scale_max=float(f16.max))
+        group_size=size, group_scale_min=float(f16.smallest_normal * f16.eps), group_scale_max=float(f16.max),
+        head_dim_multiple=fmt.head_dim_multiple)
+
+
+def _minifloat_grid(mantissa_bits: int, bias: int) -> tuple[float, ...]:
+    """The magnitudes of the 8 codes of a 3-bit float (``3 - mantissa_bits`` exponent bits, ``bias``), subnormals
+    where the exponent is 0, no infinity or NaN: what the kernels' bit decode of a 4-bit code gives."""
+    step = 1 << mantissa_bits
+    return tuple(float(m % step) * 2.0 ** (1 - bias - mantissa_bits) if m < step
+                 else (1 + (m % step) / step) * 2.0 ** (m // step - bias) for m in range(8))
+
+
+class _TorchFP8(NamedTuple):
+    """The :class:`FP8Layout` of a torch FP8 dtype, read from the dtype itself (:func:`_torch_fp8`)."""
+
+    name: str
+    exponent_bits: int
+    mantissa_bits: int
+    exponent_bias: int
+    max_finite: float
+    min_subnormal: float
+    torch_dtype: torch.dtype
+    has_negative_zero: bool
+    has_inf: bool
+    nan_codes: tuple[int, ...]
+    nan_code: int
+    negative_nan_code: int
+
+
+def _torch_fp8(name: str, dtype: torch.dtype) -> _TorchFP8:
+    """The layout of torch's FP8 dtype ``dtype`` as its own conversions define it, read from every code's value: the
+    smallest subnormal (code 1), the mantissa bits (codes ``0 .. 2^(M + 1) - 1`` are the subnormals and the first
+    binade, equally spaced; the spacing doubles after them), the bias (the smallest subnormal is
+    ``2^(1 - bias - M)``), the largest finite value, NaN codes, infinities, -0.0 (code 0x80), and the codes a NaN of
+    either sign converts to. ``ValueError`` unless ``dtype`` is a one-byte float."""
+    if not (dtype.is_floating_point and dtype.itemsize == 1):
+        raise ValueError(f"{dtype} is not a one-byte float dtype")
+    values = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(dtype).to(torch.float64)
+    tiny = float(values[1])
+    steps = values[1:128] - values[:127]
+    first_wide = int((steps != tiny).nonzero()[0])             # 2^(M + 1): the first code past the first binade
+    mantissa = first_wide.bit_length() - 2
+    finite = values[values.isfinite()]
+    nan = torch.tensor([math.nan, -math.nan], dtype=torch.float32).to(dtype).view(torch.uint8).tolist()
+    return _TorchFP8(
+        name=name, exponent_bits=7 - mantissa, mantissa_bits=mantissa,
+        exponent_bias=1 - mantissa - round(math.log2(tiny)), max_finite=float(finite.max()), min_subnormal=tiny,
+        torch_dtype=dtype, has_negative_zero=bool(values[0x80] == 0 and values[0x80].signbit()),
+        has_inf=bool(values.isinf().any()), nan_codes=tuple(int(c) for c in values.isnan().nonzero().flatten()),
+        nan_code=nan[0], negative_nan_code=nan[1])
+
+
+def _float_group_format(fmt: FloatGroupLayout) -> KernelFormat:
+    """fp4_e2m1's family: 4-bit float codes (a grid the bit decode builds: a sign and 3 bits, exponent and mantissa,
+    bias in 0 .. 15) with FP8 group scales (a torch FP8 dtype whose layout :func:`_fp8_format` accepts)."""
+    grid, size = tuple(fmt.grid), fmt.group_size
+    fields = [(m, b) for m in range(3) for b in range(16) if _minifloat_grid(m, b) == grid]
+    if not fields or fmt.max_finite != grid[-1] or size < 2 or size & (size - 1):
+        raise ValueError(f"group format {fmt.name!r}: code magnitudes {grid}, max_finite={fmt.max_finite}, groups "
+                         f"of {size}; the Triton kernels read 4-bit float codes (a sign, exponent and mantissa bits "
+                         "of 3 with a bias of 0 .. 15, max_finite the largest) in power-of-two groups")
+    try:
+        scales = _torch_fp8(fmt.scale_name, fmt.scale_dtype)
+        scale_format = _fp8_format(scales)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"group format {fmt.name!r}: its {fmt.scale_name} scales (scale_dtype={fmt.scale_dtype}) "
+                         f"are not an FP8 layout the Triton kernels read: {exc}") from None
+    mantissa, bias = fields[0]
+    max_finite = grid[-1]
+    return KernelFormat(
+        name=fmt.name, int_codes=False, mantissa_bits=mantissa, exponent_bias=bias, max_finite=max_finite,
+        max_finite_bits=int(struct.unpack("<I", struct.pack("<f", max_finite))[0]), nan_code=0, negative_nan_code=0,
+        has_negative_zero=True, half_top_byte=False, nan_mask=0, nan_match=0, half_factor=2.0 ** (15 - bias),
+        native=None, packed=True, group_size=size, group_scale_min=scales.min_subnormal,
+        group_scale_max=scales.max_finite, head_dim_multiple=fmt.head_dim_multiple, scale_format=scale_format)
 
 
 class _IntCodes(NamedTuple):
@@ -207,17 +318,21 @@ def _int_format(fmt: IntLayout) -> KernelFormat:
         name=fmt.name, int_codes=True, mantissa_bits=0, exponent_bias=0, max_finite=float(max_finite),
         max_finite_bits=int(struct.unpack("<I", struct.pack("<f", max_finite))[0]), nan_code=0, negative_nan_code=0,
         has_negative_zero=False, half_top_byte=False, nan_mask=0, nan_match=0, half_factor=1.0, native=None,
-        packed=bits == 4)
+        packed=bits == 4, head_dim_multiple=2 if bits == 4 else 1)
 
 
-def kernel_format(fmt: FP8Layout | IntLayout | GroupLayout) -> KernelFormat:
+def kernel_format(fmt: FP8Layout | IntLayout | GroupLayout | FloatGroupLayout) -> KernelFormat:
     """The kernels' constants for ``fmt``; ``ValueError`` naming the field when ``fmt`` lacks one or has a layout the
     kernels cannot handle. An integer format (``bits``, no ``exponent_bits``) must be 8 bits with max ``2^7 - 1``
     (one code per int8 element) or 4 bits with max ``2^3 - 1`` (two codes per byte). An FP8 format must have a
     layout the bit decode can build from a half: not more than 5 exponent bits, 5 bits that are IEEE's (bias 15, inf
     and NaN in the all-ones exponent), infinities only with 5, NaN codes that are one code or one code of each sign,
-    values inside a half's range."""
+    values inside a half's range. A group format (``group_size``) has power-of-two groups: int4 codes with float16
+    scales (``scale_name``), or, with a ``grid`` and a ``scale_dtype``, 4-bit float codes whose magnitudes the bit
+    decode builds with FP8 scales of such a layout."""
     if hasattr(fmt, "group_size"):
+        if hasattr(fmt, "grid") and hasattr(fmt, "scale_dtype"):
+            return _float_group_format(cast(FloatGroupLayout, fmt))
         return _group_format(cast(GroupLayout, fmt))
     if hasattr(fmt, "bits") and not hasattr(fmt, "exponent_bits"):
         return _int_format(fmt)

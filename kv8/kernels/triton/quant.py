@@ -28,11 +28,12 @@ and :func:`encode_codes` (which of the two, by ``FMT.int_codes``) take a
 int8 codes (``kv_cache_dtype="int8_per_token_head"``; :class:`kv8.quant.formats.IntFormat` is the contract) are
 ``clamp(round_half_even(y), -127, 127)``, NaN -> 0, ``±inf`` -> ``±127``: :func:`encode_int8`; int4 codes
 (``int4_per_token_head``) the same with 7 for 127 (the clamp is the format's ``max_finite``), two per byte
-(:func:`pack_nibbles`). Its rounding is the
-float32 add-and-subtract of ``1.5 * 2^23`` (for ``|y| <= 127`` the sum lies in ``[2^23, 2^24)``, where the float32
-spacing is 1, so the IEEE add rounds ``y`` to an integer, nearest even, and the subtraction is exact): two IEEE
-operations, the same in the interpreter (numpy float32) and compiled (``add.f32``/``sub.f32``; nothing to contract
-into an FMA), on any GPU -- unlike libdevice's ``rint``, which the interpreter and each backend map differently.
+(:func:`pack_nibbles`; ``fp4_e2m1``'s 4-bit float codes, :func:`encode_e2m1`, are packed the same way). Its
+rounding is the float32 add-and-subtract of ``1.5 * 2^23`` (for ``|y| <= 127`` the sum lies in ``[2^23, 2^24)``,
+where the float32 spacing is 1, so the IEEE add rounds ``y`` to an integer, nearest even, and the subtraction is
+exact): two IEEE operations, the same in the interpreter (numpy float32) and compiled (``add.f32``/``sub.f32``;
+nothing to contract into an FMA), on any GPU -- unlike libdevice's ``rint``, which the interpreter and each backend
+map differently.
 """
 
 from __future__ import annotations
@@ -40,8 +41,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-__all__ = ["bf16_bits_to_f32", "encode_codes", "encode_fp8", "encode_int8", "f32_to_bf16_bits", "pack_nibbles",
-           "scaled_rn"]
+__all__ = ["bf16_bits_to_f32", "encode_codes", "encode_e2m1", "encode_fp8", "encode_int8", "f32_to_bf16_bits",
+           "pack_nibbles", "scaled_rn"]
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -161,6 +162,21 @@ def pack_nibbles(codes):
     c = codes.to(tl.int32) & 0xF
     lo, hi = tl.split(tl.reshape(c, [c.shape[0], c.shape[1] // 2, 2]))
     return (lo | (hi << 4)).to(tl.uint8)
+
+
+@triton.jit
+def encode_e2m1(y, FMT: tl.constexpr):
+    """float32 ``y`` (already divided by its group's scale) -> ``int32`` 4-bit float codes 0..15 of the packed float
+    format ``FMT`` (``fp4_e2m1``'s E2M1: sign in bit 3, then ``3 - FMT.mantissa_bits`` exponent bits and
+    ``FMT.mantissa_bits``, bias ``FMT.exponent_bias``): the FP8 encode's rounding (:func:`_encode_bits`: nearest
+    even -- a tie goes to the even code --, subnormals, saturating at ``±FMT.max_finite``, infinities included), NaN
+    -> ``FMT.nan_code`` (+0, whatever its sign), the sign kept for ``-0.0`` and values that round to zero
+    (``FMT.has_negative_zero``: code 8); the sign moved from bit 7 to bit 3
+    (:meth:`kv8.quant.fp4.FP4GroupFormat.encode_e2m1`). The magnitude never exceeds 7: the saturation bound is the
+    largest code's value."""
+    code = _encode_bits(y, FMT.mantissa_bits, FMT.exponent_bias, FMT.max_finite_bits, FMT.nan_code,
+                        FMT.negative_nan_code, FMT.has_negative_zero)
+    return (code & 0x7) | ((code >> 4) & 0x8)
 
 
 @triton.jit

@@ -5,7 +5,8 @@ The reference is :meth:`kv8.cache.paged_cache.PagedKVCache.store` (through :meth
 
     key/value  [T, H, D]                      token t, KV head h
     slot_mapping[t] = s  (s < 0: skip t)      block b = s // bs, offset o = s % bs
-    k_cache/v_cache [num_blocks, H, bs, W]    row [b, h, o, :] <- encode(key[t, h, :])   (W = D; int4: D / 2)
+    k_cache/v_cache [num_blocks, H, bs, W]    row [b, h, o, :] <- encode(key[t, h, :])   (W = D; int4: D / 2;
+                                                                                      group formats: below)
     k/v_token_scales [num_blocks, H, bs]      [b, h, o] <- scale of (t, h)      (dynamic scales only)
 
 The codes are FP8 (``uint8``; static or dynamic scales), int8 (``int8``; always dynamic scales: the
@@ -22,6 +23,18 @@ the tile reshaped to ``[BLOCK_H, BLOCK_D / 32, 32]``, each group's float16 scale
 rounded as they are, the scale's two bytes little-endian -- the format's encode, byte for byte. Its tile is at most
 1024 elements (the search keeps more of it live; compiled for sm_90 that needs no register spills).
 
+``fp4_e2m1`` (``MODE`` 3 with ``FMT.scale_format``, the E4M3 layout of its scales; no scale arguments) has 4-bit
+float codes, two per byte as int4's, and one E4M3 scale code per 16 values after them, ``W = D / 2 + ceil(D / 16)``
+(``D`` even; the last group shorter when ``D % 16 != 0``: its tile lanes past ``D`` are zeros, as the reference
+pads it, and ``BLOCK_D`` is at least 16). :class:`kv8.quant.fp4.FP4GroupFormat`'s encode, byte for byte: each
+group's ``s = div_rn(amax, 6)`` (1.0 where ``amax`` is not finite or ``s`` is 0: an all-zero group, or one so
+small that the quotient underflows), clamped to ``[2^-9, 448]`` and encoded by the FP8 encode
+(:func:`~kv8.kernels.triton.quant.encode_fp8` with ``FMT.scale_format``: nearest even), then decoded again
+(:func:`~kv8.kernels.triton.dequant.decode_fp8_bits`, exact); the codes are
+:func:`~kv8.kernels.triton.quant.encode_e2m1` of ``div_rn(x, s)`` (nearest even on the E2M1 grid, ties to the even
+code, saturating at ±6, NaN -> +0, -0.0 -> code 8). No search: its tile takes up to 4096 elements, as the other
+modes'.
+
     |<--------- block b: H tiles of bs x D --------->|
     | head 0: o=0 [D] o=1 [D] ... | head 1: ... | ... |
 
@@ -34,8 +47,9 @@ keep the interpreter fast).
 
 Bit-exactness (interpreter and compiled): the only float operations are IEEE ``div.rn`` divisions
 (:func:`kv8.kernels.triton.quant.scaled_rn`) and fp16 <-> float32 conversions (``cvt``: exact widening, RNE
-narrowing), and int8's rounding (an IEEE add and subtract, :func:`~kv8.kernels.triton.quant.encode_int8`); the
-FP8 encode, bf16 conversions, ``|x|``, ``amax`` and the NaN/inf tests are integer operations on the bit patterns.
+narrowing), and int8's rounding (an IEEE add and subtract, :func:`~kv8.kernels.triton.quant.encode_int8`), and
+fp4_e2m1's scale decode (a half times ``2^8``: exact); the FP8 and E2M1 encodes, bf16 conversions, ``|x|``,
+``amax`` and the NaN/inf tests are integer operations on the bit patterns.
 A dynamic scale is ``div_rn(amax, max_finite)`` with ``amax`` the largest ``|x|`` bit pattern (NaN and inf sort
 above every finite value): 1.0 where that pattern is not finite or the quotient is 0 -- the float32
 arithmetic of :meth:`KVCodec.token_scales` on the CPU, where ``tensor / float`` is a true division. (On CUDA torch
@@ -52,7 +66,8 @@ products ``x q``, their sums): each an IEEE operation rounded once, as in the re
   Triton; numpy's in the interpreter) cannot change a sum of two;
 * the group store is compiled with ``enable_fp_fusion=False`` (:func:`store_launch`; the other modes have no
   product to fuse): LLVM then emits ``mul.rn``/``add.rn``/``sub.rn``, which ptxas does not contract into an FMA
-  either (``--fmad=false``), where a fused ``r * r + s`` would round once instead of twice;
+  either (``--fmad=false``), where a fused ``r * r + s`` would round once instead of twice (fp4_e2m1's store, in
+  the same mode, has one product, the scale decode's exact ``half * 2^8``, and nothing to fuse it with);
 * ``r = 1 / d`` and the refit's quotient are ``div.rn``, ``q d`` is exact (a 4-bit integer times a float16), and
   the rounding to an integer is the add and subtract of ``1.5 * 2^23``.
 
@@ -68,7 +83,9 @@ import triton
 import triton.language as tl
 
 from kv8.kernels.triton import interpreter
+from kv8.kernels.triton.dequant import decode_fp8_bits
 from kv8.kernels.triton.formats import (
+    FloatGroupLayout,
     FP8Layout,
     GroupLayout,
     IntLayout,
@@ -76,10 +93,19 @@ from kv8.kernels.triton.formats import (
     code_dtype,
     code_width,
     kernel_format,
+    scale_bytes,
 )
 from kv8.kernels.triton.interpreter import add_combine, max_combine
 from kv8.kernels.triton.launch import Launch
-from kv8.kernels.triton.quant import bf16_bits_to_f32, encode_codes, f32_to_bf16_bits, pack_nibbles, scaled_rn
+from kv8.kernels.triton.quant import (
+    bf16_bits_to_f32,
+    encode_codes,
+    encode_e2m1,
+    encode_fp8,
+    f32_to_bf16_bits,
+    pack_nibbles,
+    scaled_rn,
+)
 
 __all__ = ["CACHE_DTYPES", "INPUT_DTYPES", "store_kv", "store_launch"]
 
@@ -213,27 +239,42 @@ def _store_one(x_ptr, stride_xt, stride_xh, c_ptr, stride_cb, stride_ch, stride_
             tl.store(dst, _load_f32(src, mask, IN).to(tl.float16), mask=mask)
         else:
             tl.store(dst, _load_f32(src, mask, IN), mask=mask)
-    elif MODE == 3:   # a float16 scale per FMT.group_size values, stored after the row's D / 2 bytes of int4 codes
+    elif MODE == 3:   # a scale per FMT.group_size values, stored after the row's D / 2 bytes of 4-bit codes
         GS: tl.constexpr = FMT.group_size
         NG: tl.constexpr = BLOCK_D // GS
         x = _load_f32(src, mask, IN)                                  # [BLOCK_H, BLOCK_D], 0 where masked
         xg = tl.reshape(x, [x.shape[0], NG, GS])                      # [BLOCK_H, NG, GS]
         amax = tl.reduce(xg.to(tl.int32, bitcast=True) & 0x7FFFFFFF, 2, max_combine)    # [BLOCK_H, NG] bits
-        ok = (amax < 0x7F800000) & (amax > 0)                         # finite and not all zeros
-        xs = tl.where(ok[:, :, None], xg, 0.0)                        # what the search sees
-        d = _group_search(xs, tl.where(ok, amax.to(tl.float32, bitcast=True), 1.0), FMT.max_finite,
-                          FMT.group_scale_min, FMT.group_scale_max)
-        d = tl.where(ok, d, 1.0)                                      # [BLOCK_H, NG] float16 values, nonzero
-        gs16 = d.to(tl.float16)                                       # exact
-        codes = _int4_codes(xg * _reciprocal(d)[:, :, None])          # x * 1.0 = x where not ok: NaN, inf as is
         nib = tl.arange(0, BLOCK_D // 2)
         row = c_ptr + block * stride_cb + heads[:, None] * stride_ch + off * stride_cs
-        tl.store(row + nib[None, :], pack_nibbles(tl.reshape(codes, [x.shape[0], BLOCK_D])),
-                 mask=hmask[:, None] & (nib < D // 2)[None, :])
-        bits = gs16.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF                  # little-endian bytes
-        scale_bytes = tl.reshape(tl.join(bits & 0xFF, bits >> 8), [x.shape[0], 2 * NG]).to(tl.uint8)
-        sb = tl.arange(0, 2 * NG)
-        tl.store(row + D // 2 + sb[None, :], scale_bytes, mask=hmask[:, None] & (sb < 2 * (D // GS))[None, :])
+        if FMT.scale_format is not None:
+            # fp4_e2m1: 4-bit float codes, an FP8 scale code (E4M3) per group; the last group maybe shorter (its
+            # tile lanes past D are zeros, as the reference pads it)
+            SCALE_FMT: tl.constexpr = FMT.scale_format
+            s = tl.math.div_rn(amax.to(tl.float32, bitcast=True), FMT.max_finite)         # amax / 6
+            s = tl.where((amax < 0x7F800000) & (s > 0.0), s, 1.0)    # zero (or underflowed) / non-finite: 1.0
+            s_code = encode_fp8(tl.minimum(tl.maximum(s, FMT.group_scale_min), FMT.group_scale_max), SCALE_FMT)
+            s_val = decode_fp8_bits(s_code, SCALE_FMT, tl.float32)    # the scale the codes divide by, exact
+            codes = encode_e2m1(tl.math.div_rn(xg, s_val[:, :, None]), FMT)             # x / 1.0 = x where 1.0
+            tl.store(row + nib[None, :], pack_nibbles(tl.reshape(codes, [x.shape[0], BLOCK_D])),
+                     mask=hmask[:, None] & (nib < D // 2)[None, :])
+            g = tl.arange(0, NG)
+            tl.store(row + D // 2 + g[None, :], s_code, mask=hmask[:, None] & (g < (D + GS - 1) // GS)[None, :])
+        else:
+            # int4_per_group32: int4 codes, a float16 scale per group chosen by the search
+            ok = (amax < 0x7F800000) & (amax > 0)                     # finite and not all zeros
+            xs = tl.where(ok[:, :, None], xg, 0.0)                    # what the search sees
+            d = _group_search(xs, tl.where(ok, amax.to(tl.float32, bitcast=True), 1.0), FMT.max_finite,
+                              FMT.group_scale_min, FMT.group_scale_max)
+            d = tl.where(ok, d, 1.0)                                  # [BLOCK_H, NG] float16 values, nonzero
+            gs16 = d.to(tl.float16)                                   # exact
+            codes = _int4_codes(xg * _reciprocal(d)[:, :, None])      # x * 1.0 = x where not ok: NaN, inf as is
+            tl.store(row + nib[None, :], pack_nibbles(tl.reshape(codes, [x.shape[0], BLOCK_D])),
+                     mask=hmask[:, None] & (nib < D // 2)[None, :])
+            bits = gs16.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF              # little-endian bytes
+            f16_bytes = tl.reshape(tl.join(bits & 0xFF, bits >> 8), [x.shape[0], 2 * NG]).to(tl.uint8)
+            sb = tl.arange(0, 2 * NG)
+            tl.store(row + D // 2 + sb[None, :], f16_bytes, mask=hmask[:, None] & (sb < 2 * (D // GS))[None, :])
     else:
         x = _load_f32(src, mask, IN)                                  # [BLOCK_H, BLOCK_D], 0 where masked
         if MODE == 1:   # static scales, [H, D] through (maybe zero) strides
@@ -302,7 +343,7 @@ def _check_last_contiguous(name: str, t: torch.Tensor) -> None:
 
 
 def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             slot_mapping: torch.Tensor, *, fp8: FP8Layout | IntLayout | GroupLayout | None,
+             slot_mapping: torch.Tensor, *, fp8: FP8Layout | IntLayout | GroupLayout | FloatGroupLayout | None,
              k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
              k_token_scales: torch.Tensor | None = None, v_token_scales: torch.Tensor | None = None) -> None:
     """Write ``key``/``value`` ``[T, H, D]`` (stored basis) into their slots of ``k_cache``/``v_cache``.
@@ -325,6 +366,9 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_ca
     * int4_per_group32 (``fp8`` :data:`kv8.quant.int4_group.INT4_G32`): no scale arguments; rows of ``D / 2`` code
       bytes and a float16 scale per 32 values (``[num_blocks, H, bs, D / 2 + 2 D / 32]``; ``D`` a multiple of 32),
       as :meth:`Int4GroupFormat.encode` writes them.
+    * fp4_e2m1 (``fp8`` :data:`kv8.quant.fp4.FP4_E2M1`): no scale arguments; rows of ``D / 2`` bytes of two E2M1
+      codes and an E4M3 scale code per 16 values, the last group shorter when ``D % 16 != 0`` (``[num_blocks, H,
+      bs, D / 2 + ceil(D / 16)]``; ``D`` even), as :meth:`FP4GroupFormat.encode` writes them.
 
     All tensors on one device: CUDA, or the CPU when the kernels run in Triton's interpreter. ``ValueError`` names
     the argument, what it was and what is allowed.
@@ -351,15 +395,15 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_ca
     if fmt is not None and fmt.packed and head_dim % 2:
         raise ValueError(f"store_kv: an {fmt.name} cache packs two codes per byte: key/value need an even head dim, "
                          f"got {list(key.shape)}")
-    if fmt is not None and fmt.group_size and head_dim % fmt.group_size:
+    if fmt is not None and fmt.group_size and head_dim % fmt.head_dim_multiple:
         raise ValueError(f"store_kv: an {fmt.name} cache has a scale per group of {fmt.group_size} values: key/value "
-                         f"need a head dim that is a multiple of {fmt.group_size}, got {list(key.shape)}")
+                         f"need a head dim that is a multiple of {fmt.head_dim_multiple}, got {list(key.shape)}")
     num_blocks, cache_heads, block_size, cache_dim = k_cache.shape
     width = code_width(fmt, head_dim)
     if (cache_heads, cache_dim) != (num_heads, width) or v_cache.shape != k_cache.shape:
         what = (f"D={head_dim}" if fmt is None or width == head_dim else
                 f"W={width} (D / 2 bytes)" if not fmt.group_size else
-                f"W={width} (D / 2 bytes of codes, 2 per group's scale)")
+                f"W={width} (D / 2 bytes of codes, {scale_bytes(fmt)} per group's scale)")
         raise ValueError(f"store_kv: k_cache {list(k_cache.shape)} and v_cache {list(v_cache.shape)} must both be "
                          f"[num_blocks, H={num_heads}, block_size, {what}] for key/value {list(key.shape)}")
     for name, t in (("key", key), ("value", value), ("k_cache", k_cache), ("v_cache", v_cache)):
@@ -424,8 +468,10 @@ def store_launch(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, 
     num_tokens, num_heads, head_dim = key.shape
     block_size = k_cache.shape[2]
     block_d = triton.next_power_of_2(head_dim)
-    block_h = min(triton.next_power_of_2(num_heads),
-                  max(1, (_MAX_GROUP_TILE if mode == _MODE_GROUP else _MAX_TILE) // block_d))
+    if fmt is not None and fmt.group_size:
+        block_d = max(block_d, fmt.group_size)   # whole groups in the tile (fp4_e2m1's D = 8: one group of 16)
+    searched = mode == _MODE_GROUP and fmt is not None and fmt.scale_format is None
+    block_h = min(triton.next_power_of_2(num_heads), max(1, (_MAX_GROUP_TILE if searched else _MAX_TILE) // block_d))
     grid = (num_tokens, triton.cdiv(num_heads, block_h))
     return Launch(_store_kv_kernel, grid, (
         key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale, k_token_scales, v_token_scales,
@@ -441,8 +487,8 @@ def store_launch(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, 
 
 def _compile_options(mode: int) -> dict[str, object]:
     """Compile options of a store launch of ``mode`` beyond its warps: ``enable_fp_fusion=False`` for the group store
-    (its squares and products must each round once, as the reference's: no FMA; module docstring), none otherwise
-    (no float product there to fuse)."""
+    (int4_per_group32's squares and products must each round once, as the reference's: no FMA; module docstring;
+    fp4_e2m1 has nothing to fuse either way), none otherwise (no float product there to fuse)."""
     return {"enable_fp_fusion": False} if mode == _MODE_GROUP else {}
 
 
