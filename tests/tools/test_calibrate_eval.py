@@ -10,7 +10,6 @@ import bz2
 import json
 import math
 import os
-import random
 import re
 from pathlib import Path
 
@@ -29,48 +28,10 @@ from kv8.tools.data import read_documents, token_windows
 from kv8.tools.evaluate import ConfigResult, EvalReport, KVConfig, evaluate
 from kv8.tools.export import save_model_with_scales, write_scales
 from kv8.tools.kv_stats import BINS_PER_OCTAVE, ScaleRecipe
+from tests.helpers.calibration import hf_kv, hf_windows
 
 SEQ, SAMPLES = 32, 3
 RAW = dict(key_bound="observed", power_of_two=False, v_headroom=1.0)  # scales = statistic of stored values / max
-WORDS = ("the quick brown fox jumps over lazy dog London is capital of England Paris France Berlin Germany "
-         "once upon a time there was little model that stored its cache in eight bits numbers 0 1 2 3 4 5").split()
-
-
-@pytest.fixture(scope="module")
-def text_file(tmp_path_factory: pytest.TempPathFactory) -> str:
-    rng = random.Random(0)
-    text = " ".join(rng.choice(WORDS) for _ in range(1500)) + ".\n"
-    path = tmp_path_factory.mktemp("data") / "calib.txt"
-    path.write_text(text)
-    return str(path)
-
-
-def _windows(model_dir: str, data: str, length: int, count: int, skip: int = 0) -> list[list[int]]:
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(model_dir)
-    ids = tok(Path(data).read_text(), add_special_tokens=False)["input_ids"]
-    return [ids[skip + i * length: skip + (i + 1) * length] for i in range(count)]
-
-
-def _hf_kv(model_dir: str, windows: list[list[int]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Per layer (K, V) of all windows, each ``[tokens, H, D]`` float32, from transformers' cache."""
-    from transformers import AutoModelForCausalLM, DynamicCache
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32).eval()
-    per_layer: list[tuple[list[torch.Tensor], list[torch.Tensor]]] = []
-    for w in windows:
-        cache = DynamicCache()
-        with torch.no_grad():
-            model(torch.tensor([w]), past_key_values=cache, use_cache=True)
-        for i, layer in enumerate(cache.layers):
-            if len(per_layer) <= i:
-                per_layer.append(([], []))
-            per_layer[i][0].append(layer.keys[0].transpose(0, 1))
-            per_layer[i][1].append(layer.values[0].transpose(0, 1))
-    return [(torch.cat(k), torch.cat(v)) for k, v in per_layer]
-
-
 def _reduce_amax(x: torch.Tensor, granularity: ScaleGranularity) -> torch.Tensor:
     a = x.abs().amax(dim=0)                                    # [H, D]
     if granularity is ScaleGranularity.TENSOR:
@@ -86,7 +47,7 @@ def test_amax_scales_are_observed_maxima_over_format_max(tiny_models: dict[str, 
     model = tiny_models["llama_gqa"]
     result = calibrate(model, [text_file], ScaleRecipe(granularity, "amax", E4M3, **RAW), num_samples=SAMPLES,
                        seq_len=SEQ, dtype="float32", batch=2, show_progress=False)
-    kv = _hf_kv(model, _windows(model, text_file, SEQ, SAMPLES))
+    kv = hf_kv(model, hf_windows(model, text_file, SEQ, SAMPLES))
     assert result.num_tokens == SAMPLES * SEQ
     assert result.scales.granularity is granularity and result.scales.made_for == "fp8_e4m3"
     for i, (k, v) in enumerate(kv):
@@ -110,7 +71,7 @@ def _fp8_sq_error(x: torch.Tensor, scale: torch.Tensor) -> float:
 
 def test_percentile_and_mse_statistics(tiny_models: dict[str, str], text_file: str) -> None:
     model = tiny_models["llama"]
-    kv = _hf_kv(model, _windows(model, text_file, SEQ, SAMPLES))
+    kv = hf_kv(model, hf_windows(model, text_file, SEQ, SAMPLES))
     q = 90.0
     recipe = ScaleRecipe(ScaleGranularity.HEAD, "percentile", E4M3, percentile=q, **RAW)
     pct = calibrate(model, [text_file], recipe, num_samples=SAMPLES, seq_len=SEQ, dtype="float32",
@@ -158,7 +119,7 @@ def test_default_scales_are_powers_of_two_over_the_position_invariant_key_envelo
     assert recipe.key_bound == "position" and recipe.power_of_two
     result = calibrate(model, [text_file], recipe, num_samples=SAMPLES, seq_len=SEQ, dtype="float32",
                        show_progress=False)
-    kv = _hf_kv(model, _windows(model, text_file, SEQ, SAMPLES))
+    kv = hf_kv(model, hf_windows(model, text_file, SEQ, SAMPLES))
     assert "position key bound" in result.scales.source and "power-of-two" in result.scales.source
     for i, (k, v) in enumerate(kv):
         want_k = _pow2_up(_reduce_amax(_pair_norm_envelope(k), granularity) / 448.0)
@@ -175,7 +136,7 @@ def test_rotated_key_envelope(tiny_models: dict[str, str], text_file: str) -> No
     res = calibrate(model, [text_file], ScaleRecipe(ScaleGranularity.CHANNEL, "amax", E4M3), num_samples=2,
                     seq_len=16, dtype="float32", rotation="hadamard", show_progress=False).scales
     rot = hadamard(16)
-    for i, (k, _) in enumerate(_hf_kv(model, _windows(model, text_file, 16, 2))):
+    for i, (k, _) in enumerate(hf_kv(model, hf_windows(model, text_file, 16, 2))):
         want = _pow2_up(_pair_norm_envelope(k @ rot, rot).abs().amax(dim=0) / 448.0)
         torch.testing.assert_close(res.k[i], want, rtol=0, atol=0)
 
@@ -202,7 +163,7 @@ def test_position_bound_key_scales_hold_at_positions_calibration_never_saw(tiny_
     bound = calibrate(model, [text_file], ScaleRecipe(ScaleGranularity.CHANNEL, "amax", E4M3, **(RAW | {
         "key_bound": "position"})), **kw).scales
     seen = calibrate(model, [text_file], ScaleRecipe(ScaleGranularity.CHANNEL, "amax", E4M3, **RAW), **kw).scales
-    window = _windows(model, text_file, SEQ, 1)[0]
+    window = hf_windows(model, text_file, SEQ, 1)[0]
     worst_bound, worst_seen = 0.0, 0.0
     for offset in (0, 7, 100, 333, 2000, 12345):
         for i, k in enumerate(_hf_keys_at(model, window, offset)):
@@ -221,7 +182,7 @@ def test_held_out_clip_check_counts_what_would_clip(tiny_models: dict[str, str],
                     seq_len=SEQ, dtype="float32", check_samples=2, show_progress=False)
     check = res.check
     assert check is not None and check.num_tokens == 2 * SEQ
-    held_out = _hf_kv(model, _windows(model, text_file, SEQ, 2, skip=2 * SEQ))
+    held_out = hf_kv(model, hf_windows(model, text_file, SEQ, 2, skip=2 * SEQ))
     any_clipped = False
     for i, (k, v) in enumerate(held_out):
         for x, scale, frac, worst in ((k, res.scales.k[i], check.k_clipped[i], check.k_worst[i]),
@@ -302,7 +263,7 @@ def test_every_output_format_loads_back_with_the_same_cache_contents(tiny_models
                     seq_len=SEQ, dtype="float32", show_progress=False)
     s, info = res.scales, res.info
     assert not torch.equal(s.k, s.v)
-    prompt = _windows(model, text_file, 20, 1, skip=500)[0]
+    prompt = hf_windows(model, text_file, 20, 1, skip=500)[0]
 
     write_scales(str(tmp_path / "kv8.json"), s, info, "kv8")
     write_scales(str(tmp_path / "vllm.json"), s, info, "vllm")
@@ -357,7 +318,7 @@ def _hf_scored_nll(model: str, data: str, window: int, n: int, skip: int) -> lis
 
     hf = AutoModelForCausalLM.from_pretrained(model, torch_dtype=torch.float32).eval()
     nll = []
-    for w in _windows(model, data, window, n, skip=skip):
+    for w in hf_windows(model, data, window, n, skip=skip):
         with torch.no_grad():
             logp = torch.log_softmax(hf(torch.tensor([w])).logits[0].double(), dim=-1)
         nll.extend(-float(logp[p, w[p + 1]]) for p in range(window // 2 - 1, window - 1))
@@ -419,7 +380,7 @@ def test_cli_calibrate_key_centering(tiny_models: dict[str, str], text_file: str
     offsets = load_key_offsets(out, info)
     scales = load_scales_file(out, info)
     assert offsets is not None
-    for i, (k, _) in enumerate(_hf_kv(model, _windows(model, text_file, SEQ, SAMPLES))):
+    for i, (k, _) in enumerate(hf_kv(model, hf_windows(model, text_file, SEQ, SAMPLES))):
         torch.testing.assert_close(offsets.k[i], k.mean(dim=0), atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(scales.k[i], (k - offsets.k[i]).abs().amax().reshape(1, 1) / 448.0, rtol=1e-5,
                                    atol=0)
@@ -627,7 +588,7 @@ def test_calibration_for_a_rotated_cache(tiny_models: dict[str, str], text_file:
     assert s.rotation == "hadamard" and "hadamard rotation" in s.source
     # Independent check: amax over tokens and channels of transformers' cached K/V rotated by the Hadamard matrix.
     rot = hadamard(16)
-    for i, (k, v) in enumerate(_hf_kv(model, _windows(model, text_file, 16, 2))):
+    for i, (k, v) in enumerate(hf_kv(model, hf_windows(model, text_file, 16, 2))):
         torch.testing.assert_close(s.k[i, :, 0], (k @ rot).abs().amax(dim=(0, 2)) / 448.0, rtol=1e-5, atol=0)
         torch.testing.assert_close(s.v[i, :, 0], (v @ rot).abs().amax(dim=(0, 2)) / 448.0, rtol=1e-5, atol=0)
     assert not torch.allclose(s.v, plain.v)
@@ -686,7 +647,7 @@ def test_per_rank_scales_come_from_each_ranks_heads(tiny_models: dict[str, str],
     assert one.rank_scales is None and two.rank_scales is not None and len(two.rank_scales) == 2
     torch.testing.assert_close(two.scales.k, one.scales.k, rtol=0, atol=0)
     torch.testing.assert_close(two.scales.v, one.scales.v, rtol=0, atol=0)
-    kv = _hf_kv(model, _windows(model, text_file, SEQ, SAMPLES))
+    kv = hf_kv(model, hf_windows(model, text_file, SEQ, SAMPLES))
     for rank in range(2):
         oracle = KVStatsCollector(len(kv), 1, kv[0][0].shape[2], None if statistic == "amax" else
                                   ScaleGranularity.TENSOR, "observed")

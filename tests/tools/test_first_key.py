@@ -23,7 +23,7 @@ from kv8.quant.scales import ModelScaleInfo, ScaleGranularity
 from kv8.tools.calibrate import calibrate
 from kv8.tools.first_key import GAIN, FirstKeyCollector, align_to_first_key, check_alignable
 from kv8.tools.kv_stats import ScaleRecipe
-from tests.tools.test_calibrate_eval import _hf_kv, _windows, text_file  # noqa: F401 (the fixture)
+from tests.helpers.calibration import hf_kv, hf_windows
 
 FORMATS = ("int8", "int4", "int4_per_group32", "fp4_e2m1")
 
@@ -109,7 +109,7 @@ def test_first_position_rows_name_the_tokens_at_position_zero() -> None:
 
 
 def test_calibrate_records_each_windows_first_key_and_writes_the_aligned_offsets(
-        tiny_models: dict[str, str], text_file: str, tmp_path: Path,  # noqa: F811 (the fixture)
+        tiny_models: dict[str, str], text_file: str, tmp_path: Path,
         capsys: pytest.CaptureFixture[str]) -> None:
     """The first keys calibration sees are transformers' keys at position 0 of each window; the file's offsets are
     the alignment's (the mean key, from transformers, where no head moved); --align-first-key needs
@@ -119,7 +119,7 @@ def test_calibrate_records_each_windows_first_key_and_writes_the_aligned_offsets
     res = calibrate(model, [text_file], recipe, num_samples=samples, seq_len=seq, dtype="float32",
                     key_centering=True, align_first_key="int4", rotation="hadamard", show_progress=False)
     assert res.first_key is not None and res.key_offsets is res.first_key.offsets
-    hf = _hf_kv(model, _windows(model, text_file, seq, samples))
+    hf = hf_kv(model, hf_windows(model, text_file, seq, samples))
     for layer, (k, _) in enumerate(hf):
         torch.testing.assert_close(res.first_key.first_keys[:, layer], k[0::seq], atol=1e-5, rtol=1e-5)
         kept = ~res.first_key.aligned[layer]
