@@ -57,7 +57,7 @@ from kv8.quant.key_offsets import KeyOffsets
 from kv8.quant.key_scaling import KeyScaling
 from kv8.quant.scales import KVScales, ModelScaleInfo, ScaleGranularity
 from kv8.sampling_params import SamplingParams
-from kv8.tools.data import read_corpus, token_windows, tokenize_corpus
+from kv8.tools.data import read_corpus, start_with_bos, token_windows, tokenize_corpus
 from kv8.tools.first_key import FirstKeyAlignment, FirstKeyCollector, align_to_first_key, check_alignable
 from kv8.tools.kv_stats import ClipCounter, KeyMeanCollector, KVStatsCollector, ScaleRecipe
 from kv8.validators import check_int
@@ -206,7 +206,7 @@ def calibrate(model: str, data: Sequence[str], recipe: ScaleRecipe, *, num_sampl
               seq_len: int = 512, skip_tokens: int = 0, dtype: str = "auto", batch: int = 4,
               max_num_batched_tokens: int = 2048, attention_backend: str = "auto", rotation: str = "none",
               check_samples: int = 0, tensor_parallel_size: int = 1, key_centering: bool = False,
-              key_scaling: bool = False, align_first_key: str | None = None,
+              key_scaling: bool = False, align_first_key: str | None = None, add_bos: bool = False,
               show_progress: bool = True) -> CalibrationResult:
     """Observe ``num_samples`` windows of ``seq_len`` tokens from ``data`` (after ``skip_tokens``) and
     compute scales by ``recipe``. With ``check_samples > 0`` the next ``check_samples`` windows of the data,
@@ -223,7 +223,8 @@ def calibrate(model: str, data: Sequence[str], recipe: ScaleRecipe, *, num_sampl
     (``result.key_scaling``); with ``align_first_key`` (a KV cache dtype name, which also needs ``key_centering``)
     the offsets are aligned to the first position's key for that format and ``rotation``
     (:func:`kv8.tools.first_key.align_to_first_key`, ``result.first_key``). Raises ValueError for unusable data,
-    options or models."""
+    options or models. With ``add_bos`` every window (the held-out ones too) starts with the model's BOS token in
+    place of its first (:func:`kv8.tools.data.start_with_bos`)."""
     for name, value, low in (("num_samples", num_samples, 1), ("seq_len", seq_len, 2), ("batch", batch, 1),
                              ("check_samples", check_samples, 0), ("tensor_parallel_size", tensor_parallel_size, 1)):
         check_int(name, value, low)
@@ -255,6 +256,8 @@ def calibrate(model: str, data: Sequence[str], recipe: ScaleRecipe, *, num_sampl
     info = ModelScaleInfo(arch.model_type, arch.num_layers, arch.num_kv_heads, arch.head_dim)
     tokens = tokenize_corpus(docs, engine.tokenizer)
     samples = token_windows(tokens, seq_len, num_samples, skip_tokens, "--seq-len", "--skip-tokens")
+    if add_bos:
+        samples = start_with_bos(samples, arch.bos_token_id)
     rotation_matrix = engine.cache.codec.rotation
     key_offsets, stored_offset, scaling, first_key = None, None, None, None
     if key_centering:
@@ -302,6 +305,8 @@ def calibrate(model: str, data: Sequence[str], recipe: ScaleRecipe, *, num_sampl
         held_out = token_windows(tokens, seq_len, check_samples, skip_tokens + len(samples) * seq_len, "--seq-len",
                                  "--skip-tokens and the --num-samples calibration samples; --check-samples needs "
                                  "text beyond them")
+        if add_bos:
+            held_out = start_with_bos(held_out, arch.bos_token_id)
         counter = ClipCounter(scales, recipe.fmt, stored_offset)
         watch.sink = counter
         with tqdm(total=len(held_out), desc="Checking", unit="sample", disable=not show_progress) as bar:

@@ -105,6 +105,10 @@ def _bytes_budget(text: str) -> int | str:
     return value
 
 
+ADD_BOS_HELP = ("start every window with the model's BOS token in place of its first token (as llama-perplexity does "
+                "for a model whose tokenizer adds BOS, and as chat requests start)")
+
+
 def add_calibrate_parser(sub: Any) -> None:
     from kv8.tools.plan_search import DEFAULT_PLAN_FORMATS, SENSITIVITY_MODES
 
@@ -118,6 +122,8 @@ def add_calibrate_parser(sub: Any) -> None:
     c.add_argument("--num-samples", type=int, default=None, help="number of samples (default 64; 2 with --plan)")
     c.add_argument("--seq-len", type=int, default=None, help="tokens per sample (default 512; 256 with --plan)")
     c.add_argument("--skip-tokens", type=int, default=0, help="skip this many data tokens first (default 0)")
+    c.add_argument("--add-bos", action="store_true",
+                   help=ADD_BOS_HELP)
     c.add_argument("--granularity", choices=[g.value for g in ScaleGranularity], default="tensor",
                    help="one scale per layer (tensor), per KV head (head) or per channel (channel)")
     c.add_argument("--statistic", choices=("amax", "percentile", "mse"), default="amax",
@@ -235,7 +241,7 @@ def cmd_calibrate(ns: argparse.Namespace) -> int:
                        max_num_batched_tokens=args.max_num_batched_tokens, attention_backend=args.attention_backend,
                        rotation=args.kv_cache_rotation, check_samples=ns.check_samples,
                        tensor_parallel_size=args.tensor_parallel_size, key_centering=ns.key_centering,
-                       key_scaling=ns.key_scaling, align_first_key=ns.align_first_key,
+                       key_scaling=ns.key_scaling, align_first_key=ns.align_first_key, add_bos=ns.add_bos,
                        show_progress=not ns.no_progress)
     s = result.scales
     print(f"calibrated {result.info.num_layers} layers on {result.num_samples} samples x {seq_len} tokens: "
@@ -288,7 +294,7 @@ def cmd_calibrate_plan(ns: argparse.Namespace) -> int:
     for flag, given in (("--save-model", ns.save_model is not None), ("--check-samples", ns.check_samples != 0),
                         ("--kv-cache-rotation", ns.kv_cache_rotation != "none"),
                         ("--tensor-parallel-size", ns.tensor_parallel_size != 1),
-                        ("--align-first-key", ns.align_first_key is not None)):
+                        ("--align-first-key", ns.align_first_key is not None), ("--add-bos", ns.add_bos)):
         if given:
             raise ValueError(f"{flag} does not apply to --plan (rotations are per candidate: --plan-formats "
                              "int8+hadamard; the check is --plan-check-samples)")
@@ -340,6 +346,8 @@ def add_eval_parser(sub: Any) -> None:
     e.add_argument("--window", type=int, default=512, help="tokens per window; the second half is scored")
     e.add_argument("--num-windows", type=int, default=16, help="windows to score (default 16)")
     e.add_argument("--skip-tokens", type=int, default=0, help="skip this many data tokens first (held-out data)")
+    e.add_argument("--add-bos", action="store_true",
+                   help=ADD_BOS_HELP)
     e.add_argument("--gen-prompts", type=int, default=8, help="greedy-generation prompts (0 = none)")
     e.add_argument("--gen-prompt-len", type=int, default=32, help="tokens per greedy prompt")
     e.add_argument("--gen-tokens", type=int, default=32, help="greedy tokens per prompt")
@@ -361,7 +369,7 @@ def cmd_eval(ns: argparse.Namespace) -> int:
     report = evaluate(args.model, ns.data, specs, window=ns.window, num_windows=ns.num_windows,
                       skip_tokens=ns.skip_tokens, gen_prompts=ns.gen_prompts, gen_prompt_len=ns.gen_prompt_len,
                       gen_tokens=ns.gen_tokens, dtype=args.dtype, max_num_batched_tokens=args.max_num_batched_tokens,
-                      attention_backend=args.attention_backend, show_progress=not ns.no_progress)
+                      attention_backend=args.attention_backend, add_bos=ns.add_bos, show_progress=not ns.no_progress)
     if ns.json == "-":
         json.dump(report.to_dict(), sys.stdout, indent=2)
         print()

@@ -25,7 +25,7 @@ from typing import Any
 
 from kv8.validators import check_int
 
-__all__ = ["read_corpus", "read_documents", "tokenize_corpus", "token_windows", "wiki_to_text"]
+__all__ = ["read_corpus", "read_documents", "start_with_bos", "tokenize_corpus", "token_windows", "wiki_to_text"]
 
 
 def _read_bytes(path: str) -> tuple[bytes, str]:
@@ -158,6 +158,16 @@ def read_corpus(paths: Sequence[str]) -> list[str]:
 def tokenize_corpus(docs: Sequence[str], tokenizer: Any) -> list[int]:
     """``docs`` joined by blank lines, tokenized without special tokens."""
     return list(tokenizer("\n\n".join(docs), add_special_tokens=False)["input_ids"])
+
+
+def start_with_bos(windows: Sequence[Sequence[int]], bos_token_id: int | None) -> list[list[int]]:
+    """``windows`` with each one's first token replaced by the BOS token (``--add-bos``; what llama-perplexity does to
+    each chunk of a model whose tokenizer adds BOS), so that every window starts as a request with BOS does and keeps
+    its length. ValueError naming the flag when the model has no BOS token (``bos_token_id`` None)."""
+    if bos_token_id is None:
+        raise ValueError("--add-bos: the model's config names no BOS token (bos_token_id is not set); leave --add-bos "
+                         "out")
+    return [[bos_token_id, *w[1:]] for w in windows]
 
 
 def token_windows(tokens: Sequence[int], length: int, count: int | None, skip: int = 0,

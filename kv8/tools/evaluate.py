@@ -51,7 +51,7 @@ from kv8.observer import EngineObserver
 from kv8.quant.formats import resolve_kv_cache_dtype
 from kv8.sampling_params import SamplingParams
 from kv8.tools.calibrate import build_engine, cache_size_options, check_length, model_arch, run_prompts
-from kv8.tools.data import read_corpus, token_windows, tokenize_corpus
+from kv8.tools.data import read_corpus, start_with_bos, token_windows, tokenize_corpus
 from kv8.validators import check_int
 
 __all__ = ["ConfigResult", "EvalReport", "KVConfig", "QuantErrorObserver", "Scorer", "evaluate", "score_window"]
@@ -308,8 +308,10 @@ def _greedy_match(ref: list[int], other: list[int]) -> int:
 def evaluate(model: str, data: Sequence[str], configs: Sequence[KVConfig], *, window: int = 512,
              num_windows: int = 16, skip_tokens: int = 0, gen_prompts: int = 8, gen_prompt_len: int = 32,
              gen_tokens: int = 32, dtype: str = "auto", max_num_batched_tokens: int = 2048,
-             attention_backend: str = "reference", show_progress: bool = True) -> EvalReport:
-    """Evaluate every configuration in ``configs`` against a float32 cache; see the module docstring."""
+             attention_backend: str = "reference", add_bos: bool = False, show_progress: bool = True) -> EvalReport:
+    """Evaluate every configuration in ``configs`` against a float32 cache; see the module docstring. With
+    ``add_bos`` every window and greedy prompt starts with the model's BOS token in place of its first
+    (:func:`kv8.tools.data.start_with_bos`)."""
     if not configs:
         raise ValueError("no KV cache configurations to evaluate; give --config or --kv-cache-dtype")
     for name, value, low in (("window", window, 4), ("num_windows", num_windows, 1), ("gen_prompts", gen_prompts, 0),
@@ -341,6 +343,8 @@ def evaluate(model: str, data: Sequence[str], configs: Sequence[KVConfig], *, wi
         observers.append(obs)
     tokens = tokenize_corpus(docs, engines[0].tokenizer)
     windows = token_windows(tokens, window, num_windows, skip_tokens, "--window", "--skip-tokens")
+    if add_bos:
+        windows = start_with_bos(windows, arch.bos_token_id)
     first = window // 2 - 1
     scorers = [Scorer() for _ in all_configs]
     with tqdm(total=len(windows), desc="Scoring windows", unit="window", disable=not show_progress) as bar:
@@ -355,6 +359,8 @@ def evaluate(model: str, data: Sequence[str], configs: Sequence[KVConfig], *, wi
     if gen_prompts:
         prompts = token_windows(tokens, gen_prompt_len, gen_prompts, skip_tokens, "--gen-prompt-len",
                                 "--skip-tokens")
+        if add_bos:
+            prompts = start_with_bos(prompts, arch.bos_token_id)
         params = SamplingParams(temperature=0.0, max_tokens=gen_tokens, ignore_eos=True)
         for engine in tqdm(engines, desc="Greedy generation", unit="config", disable=not show_progress):
             greedy.append(run_prompts(engine, prompts, params, len(prompts)))

@@ -7,6 +7,7 @@ position 0 of each window.
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import pytest
@@ -21,6 +22,8 @@ from kv8.quant.key_scaling import KeyScaling
 from kv8.quant.scale_files import load_key_offsets
 from kv8.quant.scales import ModelScaleInfo, ScaleGranularity
 from kv8.tools.calibrate import calibrate
+from kv8.tools.data import start_with_bos
+from kv8.tools.evaluate import KVConfig, evaluate
 from kv8.tools.first_key import GAIN, FirstKeyCollector, align_to_first_key, check_alignable
 from kv8.tools.kv_stats import ScaleRecipe
 from tests.helpers.calibration import hf_kv, hf_windows
@@ -142,3 +145,40 @@ def test_calibrate_records_each_windows_first_key_and_writes_the_aligned_offsets
         assert main(["calibrate", model, "--data", text_file, "--output", str(tmp_path / "x.json"), *args]) == 2
         err = capsys.readouterr().err
         assert message in err, err
+
+
+def test_windows_that_start_with_bos_share_their_first_key_so_every_head_aligns(
+        tiny_models: dict[str, str], text_file: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """--add-bos puts the model's BOS token at position 0 of every window (as llama-perplexity does): the first keys
+    are then the same in every window and every layer, so every head's offset moves and its first key is stored
+    exactly; eval scores such windows as transformers does; a model without a BOS token is refused by name."""
+    model, seq, samples = tiny_models["llama_gqa"], 32, 3
+    res = calibrate(model, [text_file], ScaleRecipe(ScaleGranularity.TENSOR, "amax", E4M3), num_samples=samples,
+                    seq_len=seq, dtype="float32", key_centering=True, align_first_key="int4", add_bos=True,
+                    show_progress=False)
+    assert res.first_key is not None
+    first = res.first_key.first_keys
+    torch.testing.assert_close(first, first[:1].expand_as(first), atol=1e-6, rtol=0)
+    assert bool(res.first_key.aligned.all())
+    assert float(res.first_key.error_after.max()) <= 1e-6 * float(res.first_key.error_before.min())
+    bos = 1   # the tiny models' bos_token_id
+    windows = [[bos, *w[1:]] for w in hf_windows(model, text_file, seq, samples)]
+    for layer, (k, _) in enumerate(hf_kv(model, windows)):
+        torch.testing.assert_close(first[:, layer], k[0::seq], atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match=r"--add-bos: the model's config names no BOS token"):
+        start_with_bos([[5, 6, 7]], None)
+    assert start_with_bos([[5, 6, 7], [8, 9]], 1) == [[1, 6, 7], [1, 9]]
+    report = evaluate(model, [text_file], [KVConfig("fp8_e4m3")], window=16, num_windows=2, gen_prompts=0,
+                      dtype="float32", add_bos=True, show_progress=False)
+    from transformers import AutoModelForCausalLM
+
+    nll = []
+    hf = AutoModelForCausalLM.from_pretrained(model, torch_dtype=torch.float32).eval()
+    for w in [[bos, *w[1:]] for w in hf_windows(model, text_file, 16, 2)]:
+        with torch.no_grad():
+            logp = torch.log_softmax(hf(torch.tensor([w])).logits[0].double(), dim=-1)
+        nll.extend(-float(logp[p, w[p + 1]]) for p in range(7, 15))
+    assert report.reference.perplexity == pytest.approx(math.exp(sum(nll) / len(nll)), rel=1e-5)
+    assert main(["calibrate", model, "--data", text_file, "--output", "x.json", "--plan", "--kld-budget", "1",
+                 "--add-bos"]) == 2
+    assert "--add-bos does not apply to --plan" in capsys.readouterr().err
