@@ -218,7 +218,8 @@ def measure(kernel: Any, num_warps: int, num_stages: int, bytes_per_iter: int) -
 
 # ---- the cases: Llama-3.1-8B shapes (32 query heads, 8 KV heads, head_dim 128, blocks of 16) ------------------------
 
-def llama_attention_launches(kv: str, phase: str, compute_units: int = 132) -> list[Any]:
+def llama_attention_launches(kv: str, phase: str, compute_units: int = 132, query_dtype: str = "bfloat16"
+                             ) -> list[Any]:
     """What :func:`~kv8.kernels.triton.attention.unified_attention` launches for one layer of Llama-3.1-8B on an
     H100 (132 SMs): ``kv`` "fp8_e4m3" (static per-head scales), "int8" or "int4" (codes, dynamic per-token
     scales), "int4_per_group32" (int4 codes with float16 scales per 32 values in each row), "fp4_e2m1" (E2M1 codes
@@ -226,7 +227,7 @@ def llama_attention_launches(kv: str, phase: str, compute_units: int = 132) -> l
     sequences at 4k context, one new token each), "prefill" (one 2048-token prompt) or "mixed" (31 decode rows at 4k
     and one 2048-token prompt). CPU tensors with the real strides; no cache-sized memory (the block count does not
     change the kernel). The lengths are passed as the engine's backend passes them (``max_query_len``,
-    ``min_query_len``)."""
+    ``min_query_len``). ``query_dtype``: the queries' torch dtype by name (bfloat16, float16, float32)."""
     import torch
 
     from kv8.kernels.triton import attention as A
@@ -254,7 +255,7 @@ def llama_attention_launches(kv: str, phase: str, compute_units: int = 132) -> l
         "fp4_e2m1": FP4_E2M1, "int4": INT4, "int4_per_group32": INT4_G32}
     codes = packed.get(kv)
     tokens = sum(q_lens)
-    query = torch.zeros(tokens, heads, dim, dtype=torch.bfloat16)
+    query = torch.zeros(tokens, heads, dim, dtype=getattr(torch, query_dtype))
     cache = (torch.zeros(16, kv_heads, bs, code_width(kernel_format(codes), dim), dtype=torch.uint8)
              if codes is not None else
              torch.zeros(16, kv_heads, bs, dim, dtype=torch.uint8 if fp8 else torch.int8 if int8 else torch.bfloat16))
@@ -314,11 +315,11 @@ def llama_store_launch(kv: str) -> Any:
                           mode=1 if fp8 else 0, fmt=kernel_format(E4M3) if fp8 else None)
 
 
-def attention_launch(kv: str, phase: str) -> Any:
+def attention_launch(kv: str, phase: str, query_dtype: str = "bfloat16") -> Any:
     """The attention kernel's launch that serves the phase's rows: the decode batch's one launch, the prefill
     chunk's launch (the same kernel as a mixed batch's prefill launch; the pure prefill batch makes no decode
     launch)."""
-    launches = [x for x in llama_attention_launches(kv, phase) if "Q_LEN_MIN" in x.kwargs]
+    launches = [x for x in llama_attention_launches(kv, phase, query_dtype=query_dtype) if "Q_LEN_MIN" in x.kwargs]
     return launches[0] if phase == "decode" else next(x for x in launches if x.kwargs["Q_LEN_MIN"] > 0)
 
 
@@ -337,18 +338,18 @@ SM90_SHARED_BYTES = 227 * 1024
 RESIDENT_PROGRAMS = 4   # what kv8.kernels.triton.attention.choose_num_kv_splits aims for
 
 
-def figures(cases: list[tuple[str, str]] | None = None, stores: tuple[str, ...] = ("fp8_e4m3", "bfloat16", "int8")
-            ) -> dict[str, dict[str, Any]]:
+def figures(cases: list[tuple[str, str]] | None = None, stores: tuple[str, ...] = ("fp8_e4m3", "bfloat16", "int8"),
+            query_dtype: str = "bfloat16") -> dict[str, dict[str, Any]]:
     """The compiled figures of the engine's launches at Llama-3.1-8B shapes (keys ``"<phase>-<kv>"``,
     ``"store-<kv>"``): by default decode and prefill attention over fp8_e4m3 and bf16 caches, decode over an int8
     cache, and the store kernel for those three; ``cases`` ((phase, kv) pairs) and ``stores`` (kv) choose
-    others."""
+    others, ``query_dtype`` the attention's queries."""
     rows: dict[str, dict[str, Any]] = {}
     if cases is None:
         cases = [(phase, kv) for phase in ("decode", "prefill") for kv in ("fp8_e4m3", "bfloat16")]
         cases.append(("decode", "int8"))
     for phase, kv in cases:
-        launch = attention_launch(kv, phase)
+        launch = attention_launch(kv, phase, query_dtype)
         rows[f"{phase}-{kv}"] = {"grid": list(launch.grid), **{k: launch.kwargs[k] for k in (
             "BLOCK_M", "TILE_N", "NUM_SPLITS")}, **asdict(attention_figures(launch))}
     for kv in stores:
@@ -412,9 +413,12 @@ def table(rows: dict[str, dict[str, Any]]) -> str:
 def main(argv: list[str]) -> None:
     """``python -m tests.helpers.sm90 [KV]``: the default figures, or with a cache dtype ``KV`` (e.g. fp4_e2m1)
     its decode and prefill attention and its store; ``python -m tests.helpers.sm90 --decode KV [KV ...]``: the
-    decode attention over each (any kv of :func:`llama_attention_launches`)."""
+    decode attention over each (any kv of :func:`llama_attention_launches`); ``--decode-f32 KV [KV ...]`` the same
+    with float32 queries."""
     if argv[:1] == ["--decode"]:
         rows = figures([("decode", kv) for kv in argv[1:]], ())
+    elif argv[:1] == ["--decode-f32"]:
+        rows = figures([("decode", kv) for kv in argv[1:]], (), query_dtype="float32")
     else:
         rows = figures() if not argv else figures([("decode", argv[0]), ("prefill", argv[0])], (argv[0],))
     print(table(rows))

@@ -28,7 +28,7 @@ import json
 import os
 import subprocess
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -733,6 +733,15 @@ def test_launch_config_invariants() -> None:
         == (8, 64, 1, 5, False, True)
     bf16 = launch_config(4, 128, 1, 16, False, cache_bytes=2)
     assert (bf16.tile_n, bf16.num_warps, bf16.num_stages, bf16.tile_in_block) == (16, 1, 5, True)
+    # float32 queries at head_dim 65 .. 128 take 8 warps (on 4 their tiles spill); a 16-bit query's float32
+    # products (a cache of another dtype) keep 4, and every 16-bit query's launch is the same with either default
+    for head_dim, max_q, nbytes in itertools.product((64, 80, 128, 256), (1, 512), (1, 2, 4)):
+        f32q = launch_config(4, head_dim, max_q, 16, True, nbytes, query_bytes=4)
+        half = launch_config(4, head_dim, max_q, 16, True, nbytes, query_bytes=2)
+        assert (f32q.num_warps, half.num_warps) == ((8 if head_dim in (80, 128) else 4), 4), (head_dim, max_q)
+        assert replace(f32q, num_warps=4) == half
+        assert launch_config(4, head_dim, max_q, 16, False, nbytes) == launch_config(
+            4, head_dim, max_q, 16, False, nbytes, query_bytes=2)
 
 
 def test_split_heuristic() -> None:

@@ -154,6 +154,27 @@ def test_group_format_decode_loads_are_vectorised_and_pipelined(tmp_path: Path) 
         assert r["instr_per_kb"] <= 1.5 * int4, (kv, r["instr_per_kb"], int4)
 
 
+def test_float32_query_decode_does_not_spill(tmp_path: Path) -> None:
+    """Float32 queries (float32 products on CUDA cores, 16 x 16 tiles) at Llama-3.1-8B decode shapes over every
+    cache format, compiled for an H100 as the wrappers launch them: 8 warps (launch_config), no register spills (on
+    4 warps, commit d75ffcf, they spill 448-660 bytes with Triton 3.6)."""
+    missing = sm90.tools_missing()
+    if missing:
+        pytest.skip(missing)
+    env = {**os.environ, "TRITON_CACHE_DIR": str(tmp_path), "PYTHONPATH": os.pathsep.join(sys.path)}
+    env.pop("TRITON_INTERPRET", None)
+    kvs = ["fp8_e4m3", "int8", "int4", "int4_per_group32", "fp4_e2m1", "bfloat16"]
+    run = subprocess.run([sys.executable, "-m", "tests.helpers.sm90", "--decode-f32", *kvs], env=env,
+                         capture_output=True, text=True, timeout=900, cwd=Path(__file__).resolve().parents[2])
+    assert run.returncode == 0, run.stderr[-3000:]
+    lines = run.stdout.strip().splitlines()
+    rows = json.loads(lines[-1])
+    print("\n".join(lines[:-1]))          # the table (pytest -s)
+    assert set(rows) == {f"decode-{kv}" for kv in kvs}
+    for name, r in rows.items():
+        assert r["spill_bytes"] == 0 and r["num_warps"] == 8, (name, r)
+
+
 def test_kernels_compiled_for_gfx942_keep_their_promises(tmp_path: Path) -> None:
     """Decode and prefill attention over E4M3FNUZ (the format MI300 converts in hardware) and bf16, and the FP8
     store, compiled for an MI300X (gfx942) by Triton's HIP backend, which needs neither ROCm nor a GPU: no spills to

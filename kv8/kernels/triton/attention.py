@@ -614,7 +614,8 @@ class LaunchConfig:
 
 
 def launch_config(group: int, head_dim: int, max_query_len: int, block_size: int, dot_f32: bool,
-                  cache_bytes: int = 2, dynamic_scales: bool = False, packed: bool = False) -> LaunchConfig:
+                  cache_bytes: int = 2, dynamic_scales: bool = False, packed: bool = False,
+                  query_bytes: int = 2) -> LaunchConfig:
     """Tile sizes for a batch whose longest new-token run is ``max_query_len``, ``group`` query heads per KV head,
     over a cache of ``cache_bytes`` per element (1: FP8 or int8 codes, and int4's bytes: ``packed``).
 
@@ -640,7 +641,9 @@ def launch_config(group: int, head_dim: int, max_query_len: int, block_size: int
     ==========  ============  ====  =====  ======  ===========================================================
 
     Otherwise (``head_dim > 128``: at most 32 rows and 16 keys; float32 products, ``dot_f32``, on CUDA cores: 16
-    rows and 16 keys) 8 warps from a 64 x 128 (or 32 x 256) accumulator on, else 4, and Triton's default 3 stages.
+    rows and 16 keys) 8 warps from a 64 x 128 (or 32 x 256) accumulator on, and for a float32 query
+    (``query_bytes`` 4) at ``head_dim`` 65 .. 128 (on 4 warps its tiles spill 448-660 bytes on sm_90 over every
+    cache format at Llama-3.1-8B shapes; 8 warps: 168-186 registers, none), else 4, and Triton's default 3 stages.
     A tile of keys inside one block (``block_size % keys == 0``) reads one table entry; a tile spanning blocks (64
     keys over blocks of 16) reads each key's entry, or with ``key_rows`` in its unmasked loop each block's. All of
     these compile for sm_90 without register spills (ptxas; measured without a GPU, not timed on one).
@@ -670,7 +673,7 @@ def launch_config(group: int, head_dim: int, max_query_len: int, block_size: int
     block_q = max(1, rows // group)
     block_m = max(8 if key_rows else 16, triton.next_power_of_2(block_q * group))
     if num_warps == 0:
-        num_warps = 8 if block_m * d_pad >= 64 * 128 else 4
+        num_warps = 8 if block_m * d_pad >= 64 * 128 or (query_bytes == 4 and d_pad == 128) else 4
     return LaunchConfig(block_q, block_m, keys, block_size % keys == 0, d_pad, num_warps, num_stages, key_rows)
 
 
@@ -720,7 +723,7 @@ class KernelVariant:
         grouped = self.fp8 is not None and self.fp8.group_size > 0
         cfg = launch_config(self.group, self.head_dim, self.max_query_len, self.block_size,
                             self.dot_dtype == tl.float32, cache_bytes, self.scales == SCALES_DYNAMIC or grouped,
-                            self.fp8 is not None and self.fp8.packed)
+                            self.fp8 is not None and self.fp8.packed, self.query_dtype.itemsize)
         return replace(cfg, max_registers=_GROUP_MAX_REGISTERS) if grouped else cfg
 
     def constexprs(self, num_kv_splits: int, q_len_min: int = 0, q_len_max: int = _MAX_INT32) -> dict[str, object]:
