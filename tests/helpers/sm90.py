@@ -19,7 +19,8 @@ reads the result:
   ``loop_sass`` instructions (one warp's instructions per iteration), how many are ``F2F`` (scalar float
   conversions), ``F2FP`` (packed conversions), ``HMMA``/``HGMMA``, ``MUFU``, ``BAR``; and from the PTX the
   ``cp.async.wait_group`` counts (``wait_groups``: a count above 0 leaves later tiles' loads in flight while this
-  one is used -- pipelining) and the FP8 conversions of both loops (``cvt_fp8_packed``, e.g.
+  one is used -- pipelining), the sizes of its ``cp.async`` copies (``async_copy_bytes``: 4, 8 or 16 bytes a
+  thread; wider is fewer instructions per KB) and the FP8 conversions of both loops (``cvt_fp8_packed``, e.g.
   ``cvt.rn.f16x2.e4m3x2``, and ``cvt_fp8_scalar``);
 * ``instr_per_kb``: ``loop_sass * num_warps`` (the warp instructions an SM issues per iteration) over the KB of
   K and V cache one iteration reads (``bytes_per_iter``, given by the caller).
@@ -104,6 +105,7 @@ class Figures:
     edge_loop_sass: int
     edge_loop_f2f: int
     wait_groups: list[int]
+    async_copy_bytes: list[int]
     cvt_fp8_packed: list[str]
     cvt_fp8_scalar: list[str]
     bytes_per_iter: int
@@ -205,6 +207,8 @@ def measure(kernel: Any, num_warps: int, num_stages: int, bytes_per_iter: int) -
         loop_mma=count("(HMMA|HGMMA)"), loop_mufu=count("MUFU"), loop_bar=count("BAR"), edge_loop_sass=len(edge),
         edge_loop_f2f=count("F2F", edge),
         wait_groups=[int(x) for x in re.findall(r"cp\.async\.wait_group\s+(\d+)", ptx_text)],
+        async_copy_bytes=sorted({int(x, 0) for x in re.findall(
+            r"cp\.async\.c[ag]\.shared\.global(?:\.L2::\w+)? \[[^\]]*\], \[[^\]]*\], (0x[0-9a-f]+|\d+)", ptx_text)}),
         cvt_fp8_packed=sorted({c for c in fp8_cvts if "x2" in c}),
         cvt_fp8_scalar=sorted({c for c in fp8_cvts if "x2" not in c}),
         bytes_per_iter=bytes_per_iter,
@@ -214,20 +218,24 @@ def measure(kernel: Any, num_warps: int, num_stages: int, bytes_per_iter: int) -
 
 # ---- the cases: Llama-3.1-8B shapes (32 query heads, 8 KV heads, head_dim 128, blocks of 16) ------------------------
 
-def llama_attention_launches(kv: str, phase: str, compute_units: int = 132) -> list[Any]:
+def llama_attention_launches(kv: str, phase: str, compute_units: int = 132, query_dtype: str = "bfloat16"
+                             ) -> list[Any]:
     """What :func:`~kv8.kernels.triton.attention.unified_attention` launches for one layer of Llama-3.1-8B on an
-    H100 (132 SMs): ``kv`` "fp8_e4m3" (static per-head scales), "int8" (int8 codes, dynamic per-token scales),
-    "fp4_e2m1" (E2M1 codes with E4M3 scales per 16 values in each row) or "bfloat16"; ``phase`` "decode" (32
+    H100 (132 SMs): ``kv`` "fp8_e4m3" (static per-head scales), "int8" or "int4" (codes, dynamic per-token
+    scales), "int4_per_group32" (int4 codes with float16 scales per 32 values in each row), "fp4_e2m1" (E2M1 codes
+    with E4M3 scales per 16 values in each row) or "bfloat16"; ``phase`` "decode" (32
     sequences at 4k context, one new token each), "prefill" (one 2048-token prompt) or "mixed" (31 decode rows at 4k
     and one 2048-token prompt). CPU tensors with the real strides; no cache-sized memory (the block count does not
     change the kernel). The lengths are passed as the engine's backend passes them (``max_query_len``,
-    ``min_query_len``)."""
+    ``min_query_len``). ``query_dtype``: the queries' torch dtype by name (bfloat16, float16, float32)."""
     import torch
 
     from kv8.kernels.triton import attention as A
+    from kv8.kernels.triton.formats import FloatGroupLayout, GroupLayout, IntLayout, code_width, kernel_format
     from kv8.platform import Platform
-    from kv8.quant.formats import E4M3, INT8
+    from kv8.quant.formats import E4M3, INT4, INT8
     from kv8.quant.fp4 import FP4_E2M1
+    from kv8.quant.int4_group import INT4_G32
 
     heads, kv_heads, dim, bs = 32, 8, 128, 16
     if phase == "decode":
@@ -239,13 +247,19 @@ def llama_attention_launches(kv: str, phase: str, compute_units: int = 132) -> l
     else:
         raise ValueError(f"phase={phase!r}: allowed 'decode', 'prefill', 'mixed'")
     fp8, int8, fp4 = kv == "fp8_e4m3", kv == "int8", kv == "fp4_e2m1"
-    if not (fp8 or int8 or fp4) and kv != "bfloat16":
-        raise ValueError(f"kv={kv!r}: allowed 'fp8_e4m3', 'int8', 'fp4_e2m1', 'bfloat16'")
+    int4, g32 = kv == "int4", kv == "int4_per_group32"
+    if not (fp8 or int8 or fp4 or int4 or g32) and kv != "bfloat16":
+        raise ValueError(f"kv={kv!r}: allowed 'fp8_e4m3', 'int8', 'int4', 'int4_per_group32', 'fp4_e2m1', "
+                         "'bfloat16'")
+    packed: dict[str, IntLayout | GroupLayout | FloatGroupLayout] = {
+        "fp4_e2m1": FP4_E2M1, "int4": INT4, "int4_per_group32": INT4_G32}
+    codes = packed.get(kv)
     tokens = sum(q_lens)
-    query = torch.zeros(tokens, heads, dim, dtype=torch.bfloat16)
-    cache = (torch.zeros(16, kv_heads, bs, FP4_E2M1.row_bytes(dim), dtype=torch.uint8) if fp4 else
+    query = torch.zeros(tokens, heads, dim, dtype=getattr(torch, query_dtype))
+    cache = (torch.zeros(16, kv_heads, bs, code_width(kernel_format(codes), dim), dtype=torch.uint8)
+             if codes is not None else
              torch.zeros(16, kv_heads, bs, dim, dtype=torch.uint8 if fp8 else torch.int8 if int8 else torch.bfloat16))
-    token_scales = torch.ones(16, kv_heads, bs) if int8 else None
+    token_scales = torch.ones(16, kv_heads, bs) if int8 or int4 else None
     blocks = -(-max(ctxs) // bs)
     starts = [0]
     for n in q_lens:
@@ -256,7 +270,7 @@ def llama_attention_launches(kv: str, phase: str, compute_units: int = 132) -> l
         seq_lens=torch.tensor(ctxs, dtype=torch.int32),
         block_tables=torch.zeros(len(q_lens), blocks, dtype=torch.int32),
         max_query_len=max(q_lens), max_seq_len=max(ctxs), scale=dim ** -0.5, sliding_window=None,
-        fp8=E4M3 if fp8 else INT8 if int8 else FP4_E2M1 if fp4 else None,
+        fp8=E4M3 if fp8 else INT8 if int8 else codes,
         k_scale=torch.ones(kv_heads, 1) if fp8 else None, v_scale=torch.ones(kv_heads, 1) if fp8 else None,
         k_token_scales=token_scales,
         v_token_scales=None if token_scales is None else token_scales.clone(),
@@ -301,11 +315,11 @@ def llama_store_launch(kv: str) -> Any:
                           mode=1 if fp8 else 0, fmt=kernel_format(E4M3) if fp8 else None)
 
 
-def attention_launch(kv: str, phase: str) -> Any:
+def attention_launch(kv: str, phase: str, query_dtype: str = "bfloat16") -> Any:
     """The attention kernel's launch that serves the phase's rows: the decode batch's one launch, the prefill
     chunk's launch (the same kernel as a mixed batch's prefill launch; the pure prefill batch makes no decode
     launch)."""
-    launches = [x for x in llama_attention_launches(kv, phase) if "Q_LEN_MIN" in x.kwargs]
+    launches = [x for x in llama_attention_launches(kv, phase, query_dtype=query_dtype) if "Q_LEN_MIN" in x.kwargs]
     return launches[0] if phase == "decode" else next(x for x in launches if x.kwargs["Q_LEN_MIN"] > 0)
 
 
@@ -324,18 +338,18 @@ SM90_SHARED_BYTES = 227 * 1024
 RESIDENT_PROGRAMS = 4   # what kv8.kernels.triton.attention.choose_num_kv_splits aims for
 
 
-def figures(cases: list[tuple[str, str]] | None = None, stores: tuple[str, ...] = ("fp8_e4m3", "bfloat16", "int8")
-            ) -> dict[str, dict[str, Any]]:
+def figures(cases: list[tuple[str, str]] | None = None, stores: tuple[str, ...] = ("fp8_e4m3", "bfloat16", "int8"),
+            query_dtype: str = "bfloat16") -> dict[str, dict[str, Any]]:
     """The compiled figures of the engine's launches at Llama-3.1-8B shapes (keys ``"<phase>-<kv>"``,
     ``"store-<kv>"``): by default decode and prefill attention over fp8_e4m3 and bf16 caches, decode over an int8
     cache, and the store kernel for those three; ``cases`` ((phase, kv) pairs) and ``stores`` (kv) choose
-    others."""
+    others, ``query_dtype`` the attention's queries."""
     rows: dict[str, dict[str, Any]] = {}
     if cases is None:
         cases = [(phase, kv) for phase in ("decode", "prefill") for kv in ("fp8_e4m3", "bfloat16")]
         cases.append(("decode", "int8"))
     for phase, kv in cases:
-        launch = attention_launch(kv, phase)
+        launch = attention_launch(kv, phase, query_dtype)
         rows[f"{phase}-{kv}"] = {"grid": list(launch.grid), **{k: launch.kwargs[k] for k in (
             "BLOCK_M", "TILE_N", "NUM_SPLITS")}, **asdict(attention_figures(launch))}
     for kv in stores:
@@ -388,7 +402,8 @@ def violations(rows: dict[str, dict[str, Any]]) -> list[str]:
 def table(rows: dict[str, dict[str, Any]]) -> str:
     """The figures as a text table (the compile test prints it)."""
     cols = ("registers", "spill_bytes", "shared_bytes", "num_warps", "num_stages", "TILE_N", "NUM_SPLITS",
-            "wait_groups", "loop_sass", "loop_f2f", "loop_f2fp", "loop_mma", "edge_loop_sass", "instr_per_kb")
+            "wait_groups", "async_copy_bytes", "loop_sass", "loop_f2f", "loop_f2fp", "loop_mma", "edge_loop_sass",
+            "instr_per_kb")
     lines = ["kernel".ljust(18) + " ".join(c.rjust(12) for c in cols)]
     for name, r in rows.items():
         lines.append(name.ljust(18) + " ".join(str(r.get(c, "-")).replace(" ", "").rjust(12) for c in cols))
@@ -397,8 +412,15 @@ def table(rows: dict[str, dict[str, Any]]) -> str:
 
 def main(argv: list[str]) -> None:
     """``python -m tests.helpers.sm90 [KV]``: the default figures, or with a cache dtype ``KV`` (e.g. fp4_e2m1)
-    its decode and prefill attention and its store."""
-    rows = figures() if not argv else figures([("decode", argv[0]), ("prefill", argv[0])], (argv[0],))
+    its decode and prefill attention and its store; ``python -m tests.helpers.sm90 --decode KV [KV ...]``: the
+    decode attention over each (any kv of :func:`llama_attention_launches`); ``--decode-f32 KV [KV ...]`` the same
+    with float32 queries."""
+    if argv[:1] == ["--decode"]:
+        rows = figures([("decode", kv) for kv in argv[1:]], ())
+    elif argv[:1] == ["--decode-f32"]:
+        rows = figures([("decode", kv) for kv in argv[1:]], (), query_dtype="float32")
+    else:
+        rows = figures() if not argv else figures([("decode", argv[0]), ("prefill", argv[0])], (argv[0],))
     print(table(rows))
     print(json.dumps(rows))
 

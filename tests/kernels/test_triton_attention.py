@@ -28,7 +28,7 @@ import json
 import os
 import subprocess
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -179,10 +179,20 @@ def _build(kv: str, q_dtype: torch.dtype, *, head_dim: int = 64, kv_heads: int =
     return Problem(query.to(q_dtype), cache, meta, d ** -0.5, v_max, num_tokens)
 
 
+def _at_offset(cache: torch.Tensor, offset: int) -> torch.Tensor:
+    """A copy of ``cache`` (contiguous) whose data starts ``offset`` elements into a fresh allocation."""
+    flat = torch.zeros(cache.numel() + offset, dtype=cache.dtype, device=cache.device)
+    moved = flat[offset:].view(cache.shape)
+    moved.copy_(cache)
+    return moved
+
+
 def _run(p: Problem, device: str, *, num_kv_splits: int | None = 1, table_dtype: torch.dtype = torch.int64,
-         sentinel: float = 7.0) -> torch.Tensor:
-    """The kernel's output ``[T + PAD_ROWS, Hq, D]`` (on the CPU) for problem ``p``; out starts as ``sentinel``."""
-    k_cache, v_cache = (c.to(device) for c in p.cache.layer(0))
+         sentinel: float = 7.0, cache_offset: int = 0) -> torch.Tensor:
+    """The kernel's output ``[T + PAD_ROWS, Hq, D]`` (on the CPU) for problem ``p``; out starts as ``sentinel``.
+    ``cache_offset``: the K and V caches are copied to start that many elements into their allocations."""
+    k_cache, v_cache = (_at_offset(c.to(device), cache_offset) if cache_offset else c.to(device)
+                        for c in p.cache.layer(0))
     static = p.cache.layer_scales(0)
     dynamic = p.cache.layer_token_scales(0)
     query = p.query.to(device)
@@ -605,7 +615,101 @@ def test_fp4_head_dims_with_a_short_last_group(q_dtype: torch.dtype, head_dim: i
     _check(p, _run(p, device, num_kv_splits=splits))
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("kv,head_dim,offset,row_align", [
+    (INT4G_CACHE, 128, 0, 8),    # 72-byte rows: every row start a multiple of 8 bytes
+    (INT4G_CACHE, 128, 4, 4),    # the data 4 bytes into its allocation
+    (INT4G_CACHE, 64, 3, 1),     # 36-byte rows, 3 bytes in
+    (FP4_CACHE, 128, 0, 8),      # 72-byte rows
+    (FP4_CACHE, 128, 2, 2),
+    (FP4_CACHE, 40, 0, 1),       # 23-byte rows
+    (INT4_CACHE, 72, 0, 4),      # 36-byte rows
+    ("fp8_e4m3", 40, 0, 8),      # 40-byte rows
+    ("fp8_e4m3", 64, 1, 1),
+    ("bfloat16", 72, 1, 1),      # 144-byte rows one element (2 bytes) in
+    ("bfloat16", 40, 0, 8),      # 80-byte rows: 16 bytes
+    ("float32", 72, 2, 2),       # 288-byte rows 8 bytes in
+])
+def test_rows_of_any_alignment(kv: str, head_dim: int, offset: int, row_align: int, device: str) -> None:
+    """Caches whose rows start at any alignment (row widths that are not 16-byte multiples, data at an offset into
+    its allocation) read as the reference reads them, and the launch tells the kernel no more alignment than the
+    rows have (``ROW_ALIGN``, in elements; the interpreter ignores the hint, so it is asserted here)."""
+    q_dtype = torch.float32 if kv == "float32" else torch.bfloat16
+    p = _build(kv, q_dtype, head_dim=head_dim, kv_heads=2, group=2, batch=Batch((1, 6, 1), (37, 40, 19)),
+               scales="tensor", seed=31)
+    k_cache, v_cache = (_at_offset(c.to(device), offset) for c in p.cache.layer(0))
+    m = p.meta
+    static = p.cache.layer_scales(0)
+    dynamic = p.cache.layer_token_scales(0)
+    launches = triton_attention.plan_launches(
+        p.query.to(device), k_cache, v_cache, torch.empty_like(p.query, device=device),
+        query_start_loc=m.query_start_loc.to(device), seq_lens=m.seq_lens.to(device),
+        block_tables=m.block_tables.to(device), max_query_len=max(m.query_lens_list),
+        max_seq_len=max(m.seq_lens_list), scale=p.scale, sliding_window=None, fp8=p.cache.kv_dtype.codes,
+        k_scale=static[0].to(device) if static else None, v_scale=static[1].to(device) if static else None,
+        k_token_scales=dynamic[0].to(device) if dynamic else None,
+        v_token_scales=dynamic[1].to(device) if dynamic else None, num_kv_splits=1, platform=CPU)
+    assert [x.kwargs["ROW_ALIGN"] for x in launches if "ROW_ALIGN" in x.kwargs] == [row_align] * len(launches)
+    assert triton_attention.row_alignment(k_cache, v_cache) == row_align
+    _check(p, _run(p, device, cache_offset=offset))
+
+
 # ---- host-side logic ---------------------------------------------------------------------------------------------
+
+def _row_alignment_reference(*caches: torch.Tensor) -> int:
+    """The largest power of two (<= 16 bytes), in elements, dividing every row start's byte address, by listing
+    them all."""
+    align = 16
+    for c in caches:
+        n0, n1, n2 = c.shape[:3]
+        idx = torch.stack(torch.meshgrid(torch.arange(n0), torch.arange(n1), torch.arange(n2), indexing="ij"))
+        offsets = (idx[0] * c.stride(0) + idx[1] * c.stride(1) + idx[2] * c.stride(2)).flatten()
+        for addr in (c.data_ptr() + offsets * c.element_size()).tolist():
+            while addr % align:
+                align //= 2
+    return max(1, align // caches[0].element_size())
+
+
+def test_row_alignment_is_every_row_starts() -> None:
+    """:func:`row_alignment` claims exactly the alignment every row start has (listed, capped at 16 bytes, in
+    elements): row widths of each format and odd head dims, data at offsets into its allocation, strided and
+    non-contiguous views (the pool's per-layer K and V views, block/head subsets, padded rows), size-1 dims whose
+    stride is never used, and the K and V caches together."""
+    ra = triton_attention.row_alignment
+    cases: list[tuple[torch.Tensor, ...]] = []
+    widths = {torch.uint8: (72, 64, 36, 23, 41, 113, 40, 128, 1), torch.bfloat16: (128, 72, 40, 1),
+              torch.float32: (128, 72, 3)}
+    for dtype, ws in widths.items():
+        for w in ws:
+            for offset in (0, 1, 2, 4, 8):
+                flat = torch.zeros(3 * 2 * 4 * w + offset, dtype=dtype)
+                cases.append((flat[offset:].view(3, 2, 4, w),))
+    base = torch.zeros(5, 4, 8, 80, dtype=torch.uint8)
+    cases += [(base[:, :, :, :72],), (base[1:, 1:3, 2:, 3:75],), (base[:, ::2, ::2, :72],), (base[:, 1:2, :1, :72],),
+              (base[:1, :1],), (base[:, :, :, :72], base[1:, :, :, 4:76])]
+    for kv, d in (("int4_per_group32", 128), ("fp4_e2m1", 72), ("fp4_e2m1", 200), ("int4", 40), ("fp8_e4m3", 40),
+                  ("bfloat16", 72), ("float32", 40)):
+        kv_dtype = resolve_kv_cache_dtype(kv, torch.float32)
+        mode = "dynamic" if kv in ("int4", "fp8_e4m3") else "static"
+        pool = PagedKVCache(CacheShape(3, 5, 2, 16, d), KVCodec.build(kv_dtype, d, scale_mode=mode))
+        cases += [pool.layer(layer) for layer in range(3)]
+    for caches in cases:
+        assert ra(*caches) == _row_alignment_reference(*caches), [(c.shape, c.stride(), c.data_ptr() % 16)
+                                                                   for c in caches]
+    # the group formats' 72-byte rows at head_dim 128 and 16-bit rows: by hand
+    flat = torch.zeros(16 * 8 * 16 * 72 + 16, dtype=torch.uint8)
+    assert flat.data_ptr() % 16 == 0
+    assert [ra(flat[o:o + 16 * 8 * 16 * 72].view(16, 8, 16, 72)) for o in (0, 4, 8, 16, 1)] == [8, 4, 8, 8, 1]
+    assert ra(torch.zeros(4, 8, 16, 128, dtype=torch.bfloat16)) == 8          # 16 bytes
+    assert ra(torch.zeros(4, 8, 16, 128, dtype=torch.float32)) == 4
+    # size-1 dims: their (odd) strides never move a row; the blocks' 80 bytes apart
+    assert ra(torch.zeros(400, dtype=torch.uint8).as_strided((4, 1, 1, 72), (80, 7, 3, 1))) == 16
+    assert ra(torch.zeros(1, 1, 1, 23, dtype=torch.uint8)) == 16                # one row: the pointer's alignment
+    with pytest.raises(ValueError, match="element sizes"):
+        ra(torch.zeros(2, 2, 2, 8, dtype=torch.uint8), torch.zeros(2, 2, 2, 8, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="cap_bytes=12"):
+        ra(torch.zeros(2, 2, 2, 8), cap_bytes=12)
+
 
 def test_launch_config_invariants() -> None:
     for group, head_dim, max_q, bs, f32, nbytes in itertools.product(
@@ -629,6 +733,15 @@ def test_launch_config_invariants() -> None:
         == (8, 64, 1, 5, False, True)
     bf16 = launch_config(4, 128, 1, 16, False, cache_bytes=2)
     assert (bf16.tile_n, bf16.num_warps, bf16.num_stages, bf16.tile_in_block) == (16, 1, 5, True)
+    # float32 queries at head_dim 65 .. 128 take 8 warps (on 4 their tiles spill); a 16-bit query's float32
+    # products (a cache of another dtype) keep 4, and every 16-bit query's launch is the same with either default
+    for head_dim, max_q, nbytes in itertools.product((64, 80, 128, 256), (1, 512), (1, 2, 4)):
+        f32q = launch_config(4, head_dim, max_q, 16, True, nbytes, query_bytes=4)
+        half = launch_config(4, head_dim, max_q, 16, True, nbytes, query_bytes=2)
+        assert (f32q.num_warps, half.num_warps) == ((8 if head_dim in (80, 128) else 4), 4), (head_dim, max_q)
+        assert replace(f32q, num_warps=4) == half
+        assert launch_config(4, head_dim, max_q, 16, False, nbytes) == launch_config(
+            4, head_dim, max_q, 16, False, nbytes, query_bytes=2)
 
 
 def test_split_heuristic() -> None:

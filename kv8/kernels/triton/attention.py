@@ -32,6 +32,12 @@ Work decomposition (grid ``(T // BLOCK_Q + B, Hkv, NUM_SPLITS)``; T = query rows
   TILE_N) // block_size``: it is >= the window's first block (``j * TILE_N >= key_lo`` rounded down to a tile,
   hence to the same block) and < ``ceil(seq_len / block_size)``. Otherwise (64-key FP8 tiles over blocks of 16,
   blocks of 8) each key loads its own entry ``pos // block_size``. Positions are int32, token rows int64.
+* **Row alignment** (``ROW_ALIGN``). The launch derives, from the K and V caches' data pointers and strides
+  (:func:`row_alignment`), the largest power of two, at most 16 bytes, that every row start is a multiple of, and
+  the kernel tells Triton the row offsets are multiples of it (``tl.multiple_of``): Triton sees only 16-byte
+  divisibility of arguments, so rows that are not 16-byte multiples (int4_per_group32's and fp4_e2m1's 72 bytes at
+  head_dim 128, 8-byte aligned) would otherwise be loaded a byte or a word at a time and not pipelined. Views at
+  any offset or stride are read correctly: the value claims no more than the tensors have (1 claims nothing).
 * **The key loop** is software-pipelined (the launch's ``num_stages``, :func:`launch_config`): K/V tiles of later
   iterations are in flight (``cp.async``) while one is used. FP8 tiles are converted from the shared-memory copy
   in the loads' own layout, 16 consecutive codes per thread, by ``cvt.rn.f16x2.e4m3x2`` (or ``e5m2x2``) pairs
@@ -162,7 +168,7 @@ from kv8.platform import CPU, Platform
 from kv8.validators import check_int, check_number
 
 __all__ = ["MAX_KV_SPLITS", "SCALES_DYNAMIC", "SCALES_NONE", "SCALES_STATIC", "KernelVariant", "Launch",
-           "LaunchConfig", "choose_num_kv_splits", "launch_config", "plan_launches",
+           "LaunchConfig", "choose_num_kv_splits", "launch_config", "plan_launches", "row_alignment",
            "unified_attention"]
 
 MAX_KV_SPLITS = 64
@@ -198,7 +204,7 @@ def _attend_key_tile(
     D_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
     TILE_IN_BLOCK: tl.constexpr, FP8_FMT: tl.constexpr, NATIVE_FP8: tl.constexpr, SCALES: tl.constexpr,
     USE_WINDOW: tl.constexpr, DOT_DTYPE: tl.constexpr, Q_SPLIT: tl.constexpr, KEY_ROWS: tl.constexpr,
-    MASKED: tl.constexpr, PACKED: tl.constexpr, GROUPED: tl.constexpr,
+    MASKED: tl.constexpr, PACKED: tl.constexpr, GROUPED: tl.constexpr, ROW_ALIGN: tl.constexpr,
 ):
     """One online-softmax step over key tile ``j`` (keys ``j * TILE_N ..``) -> the updated ``(m_i, l_i, acc)``.
 
@@ -228,14 +234,25 @@ def _attend_key_tile(
         # entry, at index >= first_block since j >= key_lo // TILE_N; a scalar base and small offsets
         block = tl.load(table_row + (j * TILE_N) // BLOCK_SIZE).to(tl.int64)
         slot = posc % BLOCK_SIZE
-        k_base = k_ptr + block * stride_kb + kv_head * stride_kh
-        v_base = v_ptr + block * stride_vb + kv_head * stride_vh
-        k_ptrs = k_base + _spread(slot * stride_kt, K_KEYS) + _spread(offs_d, 1 - K_KEYS)
-        v_ptrs = v_base + _spread(slot * stride_vt, V_KEYS) + _spread(offs_d, 1 - V_KEYS)
+        k_head = block * stride_kb + kv_head * stride_kh
+        v_head = block * stride_vb + kv_head * stride_vh
+        k_slot = slot * stride_kt
+        v_slot = slot * stride_vt
+        if ROW_ALIGN > 1:
+            # the (block, head) base and the slots' offsets are multiples of ROW_ALIGN elements (row_alignment;
+            # a hint on the value where it is made: Triton drops one on a called function's argument)
+            k_head = tl.multiple_of(k_head, ROW_ALIGN)
+            v_head = tl.multiple_of(v_head, ROW_ALIGN)
+            k_slot = tl.multiple_of(k_slot, ROW_ALIGN)
+            v_slot = tl.multiple_of(v_slot, ROW_ALIGN)
+        k_base = k_ptr + k_head
+        v_base = v_ptr + v_head
+        k_ptrs = k_base + _spread(k_slot, K_KEYS) + _spread(offs_d, 1 - K_KEYS)
+        v_ptrs = v_base + _spread(v_slot, V_KEYS) + _spread(offs_d, 1 - V_KEYS)
         k_ts_ptr = k_tok_ptr + block * stride_ksb + kv_head * stride_ksh + slot * stride_kst
         v_ts_ptr = v_tok_ptr + block * stride_vsb + kv_head * stride_vsh + slot * stride_vst
-        k_rows = k_base + slot * stride_kt                         # [TILE_N] row starts (PACKED's loads)
-        v_rows = v_base + slot * stride_vt
+        k_rows = k_base + k_slot                                   # [TILE_N] row starts (PACKED's loads)
+        v_rows = v_base + v_slot
     else:
         # keys of several blocks (or blocks smaller than a tile): one table entry per key
         if (not MASKED) and TILE_N % BLOCK_SIZE == 0:
@@ -245,14 +262,21 @@ def _attend_key_tile(
         else:
             blocks = tl.load(table_row + posc // BLOCK_SIZE).to(tl.int64)
             slots = posc % BLOCK_SIZE
-        k_ptrs = k_ptr + kv_head * stride_kh + _spread(blocks * stride_kb + slots * stride_kt, K_KEYS) \
-            + _spread(offs_d, 1 - K_KEYS)
-        v_ptrs = v_ptr + kv_head * stride_vh + _spread(blocks * stride_vb + slots * stride_vt, V_KEYS) \
-            + _spread(offs_d, 1 - V_KEYS)
+        k_head = kv_head * stride_kh
+        v_head = kv_head * stride_vh
+        k_off = blocks * stride_kb + slots * stride_kt                            # [TILE_N] row offsets in the head
+        v_off = blocks * stride_vb + slots * stride_vt
+        if ROW_ALIGN > 1:   # each a multiple of ROW_ALIGN elements (row_alignment)
+            k_head = tl.multiple_of(k_head, ROW_ALIGN)
+            v_head = tl.multiple_of(v_head, ROW_ALIGN)
+            k_off = tl.multiple_of(k_off, ROW_ALIGN)
+            v_off = tl.multiple_of(v_off, ROW_ALIGN)
+        k_ptrs = k_ptr + k_head + _spread(k_off, K_KEYS) + _spread(offs_d, 1 - K_KEYS)
+        v_ptrs = v_ptr + v_head + _spread(v_off, V_KEYS) + _spread(offs_d, 1 - V_KEYS)
         k_ts_ptr = k_tok_ptr + blocks * stride_ksb + kv_head * stride_ksh + slots * stride_kst
         v_ts_ptr = v_tok_ptr + blocks * stride_vsb + kv_head * stride_vsh + slots * stride_vst
-        k_rows = k_ptr + kv_head * stride_kh + blocks * stride_kb + slots * stride_kt
-        v_rows = v_ptr + kv_head * stride_vh + blocks * stride_vb + slots * stride_vt
+        k_rows = k_ptr + k_head + k_off
+        v_rows = v_ptr + v_head + v_off
     if PACKED:
         # int4: each key's row is D / 2 bytes of two codes, laid out as the tiles are (K^T [D / 2, TILE_N] bytes
         # in the usual orientation)
@@ -272,18 +296,29 @@ def _attend_key_tile(
                 # fp4_e2m1: an FP8 scale code (E4M3) per group follows the codes, one byte each, the last group maybe
                 # shorter (a tile group past it reads 0): [TILE_N, NG] float32, by the exact bit decode
                 SCALE_FMT: tl.constexpr = FP8_FMT.scale_format
+                NG_ROW: tl.constexpr = (HEAD_DIM + FP8_FMT.group_size - 1) // FP8_FMT.group_size
                 offs_g = tl.arange(0, NG)
-                g_ok = (offs_g < (HEAD_DIM + FP8_FMT.group_size - 1) // FP8_FMT.group_size)[None, :]
-                k_gs = decode_fp8_bits(tl.load(k_rows[:, None] + HEAD_DIM // 2 + offs_g[None, :], mask=g_ok,
-                                               other=0), SCALE_FMT, tl.float32)
-                v_gs = decode_fp8_bits(tl.load(v_rows[:, None] + HEAD_DIM // 2 + offs_g[None, :], mask=g_ok,
-                                               other=0), SCALE_FMT, tl.float32)
+                k_sc = k_rows[:, None] + HEAD_DIM // 2 + offs_g[None, :]
+                v_sc = v_rows[:, None] + HEAD_DIM // 2 + offs_g[None, :]
+                if NG_ROW == NG:     # the tile's groups are the row's: unmasked (vectorised where aligned)
+                    k_gs = decode_fp8_bits(tl.load(k_sc), SCALE_FMT, tl.float32)
+                    v_gs = decode_fp8_bits(tl.load(v_sc), SCALE_FMT, tl.float32)
+                else:
+                    g_ok = (offs_g < NG_ROW)[None, :]
+                    k_gs = decode_fp8_bits(tl.load(k_sc, mask=g_ok, other=0), SCALE_FMT, tl.float32)
+                    v_gs = decode_fp8_bits(tl.load(v_sc, mask=g_ok, other=0), SCALE_FMT, tl.float32)
             else:
                 # int4_per_group32: the groups' float16 scales follow the codes, 2 bytes each: [TILE_N, NG] float32
                 offs_g = tl.arange(0, 2 * NG)
-                g_ok = (offs_g < 2 * (HEAD_DIM // FP8_FMT.group_size))[None, :]
-                k_gs = group_scales(tl.load(k_rows[:, None] + HEAD_DIM // 2 + offs_g[None, :], mask=g_ok, other=0))
-                v_gs = group_scales(tl.load(v_rows[:, None] + HEAD_DIM // 2 + offs_g[None, :], mask=g_ok, other=0))
+                k_sc = k_rows[:, None] + HEAD_DIM // 2 + offs_g[None, :]
+                v_sc = v_rows[:, None] + HEAD_DIM // 2 + offs_g[None, :]
+                if D_PAD == HEAD_DIM:   # the tile's groups are the row's: unmasked (vectorised where aligned)
+                    k_gs = group_scales(tl.load(k_sc))
+                    v_gs = group_scales(tl.load(v_sc))
+                else:
+                    g_ok = (offs_g < 2 * (HEAD_DIM // FP8_FMT.group_size))[None, :]
+                    k_gs = group_scales(tl.load(k_sc, mask=g_ok, other=0))
+                    v_gs = group_scales(tl.load(v_sc, mask=g_ok, other=0))
     elif KEY_ROWS and (not MASKED) and (not TILE_IN_BLOCK) and TILE_N % BLOCK_SIZE == 0 and D_PAD == HEAD_DIM:
         # whole blocks, unclamped, both tiles [TILE_N, D]: loaded as [blocks, BLOCK_SIZE, D], one table entry and
         # one base address per block, the offsets inside a block loop-invariant and non-negative (int32 products of
@@ -364,7 +399,7 @@ def _paged_attention_kernel(
     NUM_SPLITS: tl.constexpr, FP8_FMT: tl.constexpr, NATIVE_FP8: tl.constexpr, SCALES: tl.constexpr,
     K_CHANNEL_SCALE: tl.constexpr, USE_WINDOW: tl.constexpr, DOT_DTYPE: tl.constexpr, Q_SPLIT: tl.constexpr,
     ROW_SCALE: tl.constexpr, KEY_ROWS: tl.constexpr, Q_LEN_MIN: tl.constexpr, Q_LEN_MAX: tl.constexpr,
-    PACKED: tl.constexpr, GROUPED: tl.constexpr,
+    PACKED: tl.constexpr, GROUPED: tl.constexpr, ROW_ALIGN: tl.constexpr,
 ):
     pid_q = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -474,7 +509,7 @@ def _paged_attention_kernel(
                 k_ptr, v_ptr, k_tok_ptr, v_tok_ptr, stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt,
                 stride_ksb, stride_ksh, stride_kst, stride_vsb, stride_vsh, stride_vst,
                 D_PAD, HEAD_DIM, BLOCK_SIZE, TILE_N, TILE_IN_BLOCK, FP8_FMT, NATIVE_FP8, SCALES, USE_WINDOW,
-                DOT_DTYPE, Q_SPLIT, KEY_ROWS, False, PACKED, GROUPED)
+                DOT_DTYPE, Q_SPLIT, KEY_ROWS, False, PACKED, GROUPED, ROW_ALIGN)
             j += 1
         t = 0
         while t < n_masked:
@@ -484,7 +519,7 @@ def _paged_attention_kernel(
                 k_ptr, v_ptr, k_tok_ptr, v_tok_ptr, stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt,
                 stride_ksb, stride_ksh, stride_kst, stride_vsb, stride_vsh, stride_vst,
                 D_PAD, HEAD_DIM, BLOCK_SIZE, TILE_N, TILE_IN_BLOCK, FP8_FMT, NATIVE_FP8, SCALES, USE_WINDOW,
-                DOT_DTYPE, Q_SPLIT, KEY_ROWS, True, PACKED, GROUPED)
+                DOT_DTYPE, Q_SPLIT, KEY_ROWS, True, PACKED, GROUPED, ROW_ALIGN)
             t += 1
     elif KEY_ROWS:
         for j in range(u_lo, u_hi):
@@ -493,7 +528,7 @@ def _paged_attention_kernel(
                 k_ptr, v_ptr, k_tok_ptr, v_tok_ptr, stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt,
                 stride_ksb, stride_ksh, stride_kst, stride_vsb, stride_vsh, stride_vst,
                 D_PAD, HEAD_DIM, BLOCK_SIZE, TILE_N, TILE_IN_BLOCK, FP8_FMT, NATIVE_FP8, SCALES, USE_WINDOW,
-                DOT_DTYPE, Q_SPLIT, KEY_ROWS, False, PACKED, GROUPED)
+                DOT_DTYPE, Q_SPLIT, KEY_ROWS, False, PACKED, GROUPED, ROW_ALIGN)
         for t in range(0, n_masked):
             m_i, l_i, acc = _attend_key_tile(
                 tl.where(t < n_lead, j_lo + t, u_hi + t - n_lead), q_hi, q_lo, m_i, l_i, acc, q_pos, row_ok,
@@ -501,7 +536,7 @@ def _paged_attention_kernel(
                 k_ptr, v_ptr, k_tok_ptr, v_tok_ptr, stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt,
                 stride_ksb, stride_ksh, stride_kst, stride_vsb, stride_vsh, stride_vst,
                 D_PAD, HEAD_DIM, BLOCK_SIZE, TILE_N, TILE_IN_BLOCK, FP8_FMT, NATIVE_FP8, SCALES, USE_WINDOW,
-                DOT_DTYPE, Q_SPLIT, KEY_ROWS, True, PACKED, GROUPED)
+                DOT_DTYPE, Q_SPLIT, KEY_ROWS, True, PACKED, GROUPED, ROW_ALIGN)
     else:
         for j in range(j_lo, j_hi):
             m_i, l_i, acc = _attend_key_tile(
@@ -509,7 +544,7 @@ def _paged_attention_kernel(
                 k_ptr, v_ptr, k_tok_ptr, v_tok_ptr, stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt,
                 stride_ksb, stride_ksh, stride_kst, stride_vsb, stride_vsh, stride_vst,
                 D_PAD, HEAD_DIM, BLOCK_SIZE, TILE_N, TILE_IN_BLOCK, FP8_FMT, NATIVE_FP8, SCALES, USE_WINDOW,
-                DOT_DTYPE, Q_SPLIT, KEY_ROWS, True, PACKED, GROUPED)
+                DOT_DTYPE, Q_SPLIT, KEY_ROWS, True, PACKED, GROUPED, ROW_ALIGN)
     if KEY_ROWS:
         acc = tl.trans(acc)                                        # [BLOCK_M, D_PAD]
 
@@ -579,7 +614,8 @@ class LaunchConfig:
 
 
 def launch_config(group: int, head_dim: int, max_query_len: int, block_size: int, dot_f32: bool,
-                  cache_bytes: int = 2, dynamic_scales: bool = False, packed: bool = False) -> LaunchConfig:
+                  cache_bytes: int = 2, dynamic_scales: bool = False, packed: bool = False,
+                  query_bytes: int = 2) -> LaunchConfig:
     """Tile sizes for a batch whose longest new-token run is ``max_query_len``, ``group`` query heads per KV head,
     over a cache of ``cache_bytes`` per element (1: FP8 or int8 codes, and int4's bytes: ``packed``).
 
@@ -605,7 +641,9 @@ def launch_config(group: int, head_dim: int, max_query_len: int, block_size: int
     ==========  ============  ====  =====  ======  ===========================================================
 
     Otherwise (``head_dim > 128``: at most 32 rows and 16 keys; float32 products, ``dot_f32``, on CUDA cores: 16
-    rows and 16 keys) 8 warps from a 64 x 128 (or 32 x 256) accumulator on, else 4, and Triton's default 3 stages.
+    rows and 16 keys) 8 warps from a 64 x 128 (or 32 x 256) accumulator on, and for a float32 query
+    (``query_bytes`` 4) at ``head_dim`` 65 .. 128 (on 4 warps its tiles spill 448-660 bytes on sm_90 over every
+    cache format at Llama-3.1-8B shapes; 8 warps: 168-186 registers, none), else 4, and Triton's default 3 stages.
     A tile of keys inside one block (``block_size % keys == 0``) reads one table entry; a tile spanning blocks (64
     keys over blocks of 16) reads each key's entry, or with ``key_rows`` in its unmasked loop each block's. All of
     these compile for sm_90 without register spills (ptxas; measured without a GPU, not timed on one).
@@ -635,7 +673,7 @@ def launch_config(group: int, head_dim: int, max_query_len: int, block_size: int
     block_q = max(1, rows // group)
     block_m = max(8 if key_rows else 16, triton.next_power_of_2(block_q * group))
     if num_warps == 0:
-        num_warps = 8 if block_m * d_pad >= 64 * 128 else 4
+        num_warps = 8 if block_m * d_pad >= 64 * 128 or (query_bytes == 4 and d_pad == 128) else 4
     return LaunchConfig(block_q, block_m, keys, block_size % keys == 0, d_pad, num_warps, num_stages, key_rows)
 
 
@@ -655,6 +693,7 @@ class KernelVariant:
     head_dim: int
     block_size: int
     max_query_len: int
+    row_align: int = 1              # every K/V row start is a multiple of this many cache elements (row_alignment)
 
     @property
     def dot_dtype(self) -> tl.dtype:
@@ -684,7 +723,7 @@ class KernelVariant:
         grouped = self.fp8 is not None and self.fp8.group_size > 0
         cfg = launch_config(self.group, self.head_dim, self.max_query_len, self.block_size,
                             self.dot_dtype == tl.float32, cache_bytes, self.scales == SCALES_DYNAMIC or grouped,
-                            self.fp8 is not None and self.fp8.packed)
+                            self.fp8 is not None and self.fp8.packed, self.query_dtype.itemsize)
         return replace(cfg, max_registers=_GROUP_MAX_REGISTERS) if grouped else cfg
 
     def constexprs(self, num_kv_splits: int, q_len_min: int = 0, q_len_max: int = _MAX_INT32) -> dict[str, object]:
@@ -701,7 +740,32 @@ class KernelVariant:
             Q_LEN_MIN=q_len_min, Q_LEN_MAX=q_len_max,
             PACKED=self.fp8 is not None and self.fp8.packed,
             GROUPED=self.fp8 is not None and self.fp8.group_size > 0,
+            ROW_ALIGN=self.row_align,
         )
+
+
+def row_alignment(*caches: torch.Tensor, cap_bytes: int = 16) -> int:
+    """The alignment, in cache elements, that every row start of every ``[num_blocks, Hkv, bs, W]`` cache in
+    ``caches`` provably has: the largest power of two ``A`` (at most ``cap_bytes`` bytes, 16: the widest global
+    load) such that the data pointer and the strides of the first three dims, in bytes, are multiples of ``A``
+    bytes -- a dim of size 1 contributes no offset, so not its stride -- returned as ``A / element size`` (at
+    least 1). The kernel tells Triton that the row offsets are multiples of it (``ROW_ALIGN``), which lets it
+    vectorise and pipeline the loads of rows that are not 16-byte multiples (72-byte int4_per_group32 and
+    fp4_e2m1 rows at head_dim 128 start at multiples of 8 bytes). Host-side facts only; reads no values."""
+    if cap_bytes < 1 or cap_bytes & (cap_bytes - 1):
+        raise ValueError(f"row_alignment: cap_bytes={cap_bytes} must be a power of two >= 1")
+    item = None
+    align = cap_bytes
+    for c in caches:
+        if item is not None and c.element_size() != item:
+            raise ValueError(f"row_alignment: caches of element sizes {item} and {c.element_size()} do not share "
+                             "an alignment in elements")
+        item = c.element_size()
+        terms = [c.data_ptr()] + [c.stride(i) * item for i in range(min(3, c.ndim)) if c.shape[i] > 1]
+        for t in terms:
+            while t % align:
+                align //= 2
+    return max(1, align // (item or 1))
 
 
 def choose_num_kv_splits(num_programs: int, max_query_len: int, max_keys: int, compute_units: int) -> int:
@@ -937,9 +1001,11 @@ def plan_launches(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
 
     group = num_q_heads // num_kv_heads
 
+    row_align = row_alignment(k_cache, v_cache)
+
     def make_variant(query_len: int) -> KernelVariant:
         return KernelVariant(query.dtype, k_cache.dtype, fmt, native_fp8, scales_mode, k_channel,
-                             sliding_window is not None, group, head_dim, block_size, query_len)
+                             sliding_window is not None, group, head_dim, block_size, query_len, row_align)
 
     variant = make_variant(max_query_len)
     cfg = variant.config
