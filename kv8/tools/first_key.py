@@ -115,7 +115,7 @@ def _fixed_point(codec: KVCodec, x: torch.Tensor, layer: int) -> torch.Tensor:
 
 
 def align_to_first_key(offsets: KeyOffsets, scaling: KeyScaling | None, first_keys: torch.Tensor,
-                    kv_dtype: KVCacheDtype, rotation: str) -> FirstKeyAlignment:
+                       kv_dtype: KVCacheDtype, rotation: str) -> FirstKeyAlignment:
     """Offsets aligned to the first keys ``[N, L, H, D]`` (model basis) for a ``kv_dtype`` cache with ``rotation``
     (the module docstring): per (layer, KV head), ``c'`` where it cuts the first keys' stored error by
     :data:`GAIN` or more, else ``c``. ``scaling`` are the key factors the file carries (None: no key scaling)."""
