@@ -57,7 +57,7 @@ from kv8.quant.key_offsets import KeyOffsets
 from kv8.quant.key_scaling import KeyScaling
 from kv8.quant.scales import KVScales, ModelScaleInfo, ScaleGranularity
 from kv8.sampling_params import SamplingParams
-from kv8.tools.data import read_corpus, start_with_bos, token_windows, tokenize_corpus
+from kv8.tools.data import read_corpus, require_bos, start_with_bos, token_windows, tokenize_corpus
 from kv8.tools.first_key import FirstKeyAlignment, FirstKeyCollector, align_to_first_key, check_alignable
 from kv8.tools.kv_stats import ClipCounter, KeyMeanCollector, KVStatsCollector, ScaleRecipe
 from kv8.validators import check_int
@@ -243,10 +243,12 @@ def calibrate(model: str, data: Sequence[str], recipe: ScaleRecipe, *, num_sampl
         check_alignable(align_dtype)
     docs = read_corpus(data)
     check_length(model, seq_len, "seq_len")
-    ParallelConfig(tensor_parallel_size).check_model(model_arch(model))
+    model_config = model_arch(model)
+    ParallelConfig(tensor_parallel_size).check_model(model_config)
+    bos = require_bos(model_config.bos_token_id) if add_bos else None
     per_rank = tensor_parallel_size > 1 and recipe.granularity is ScaleGranularity.TENSOR
     block_size = 16
-    blocks = blocks_to_hold(model_arch(model).layer_windows, seq_len + 1, block_size, batch)
+    blocks = blocks_to_hold(model_config.layer_windows, seq_len + 1, block_size, batch)
     watch = _KVWatch()
     engine = build_engine(model, watch, dtype=dtype, kv_cache_dtype="float32", enable_prefix_caching=False,
                           max_model_len=seq_len + 1, num_kv_blocks=blocks, block_size=block_size,
@@ -256,8 +258,8 @@ def calibrate(model: str, data: Sequence[str], recipe: ScaleRecipe, *, num_sampl
     info = ModelScaleInfo(arch.model_type, arch.num_layers, arch.num_kv_heads, arch.head_dim)
     tokens = tokenize_corpus(docs, engine.tokenizer)
     samples = token_windows(tokens, seq_len, num_samples, skip_tokens, "--seq-len", "--skip-tokens")
-    if add_bos:
-        samples = start_with_bos(samples, arch.bos_token_id)
+    if bos is not None:
+        samples = start_with_bos(samples, bos)
     rotation_matrix = engine.cache.codec.rotation
     key_offsets, stored_offset, scaling, first_key = None, None, None, None
     if key_centering:
@@ -305,8 +307,8 @@ def calibrate(model: str, data: Sequence[str], recipe: ScaleRecipe, *, num_sampl
         held_out = token_windows(tokens, seq_len, check_samples, skip_tokens + len(samples) * seq_len, "--seq-len",
                                  "--skip-tokens and the --num-samples calibration samples; --check-samples needs "
                                  "text beyond them")
-        if add_bos:
-            held_out = start_with_bos(held_out, arch.bos_token_id)
+        if bos is not None:
+            held_out = start_with_bos(held_out, bos)
         counter = ClipCounter(scales, recipe.fmt, stored_offset)
         watch.sink = counter
         with tqdm(total=len(held_out), desc="Checking", unit="sample", disable=not show_progress) as bar:

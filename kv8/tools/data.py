@@ -25,7 +25,8 @@ from typing import Any
 
 from kv8.validators import check_int
 
-__all__ = ["read_corpus", "read_documents", "start_with_bos", "tokenize_corpus", "token_windows", "wiki_to_text"]
+__all__ = ["read_corpus", "read_documents", "require_bos", "start_with_bos", "tokenize_corpus", "token_windows",
+           "wiki_to_text"]
 
 
 def _read_bytes(path: str) -> tuple[bytes, str]:
@@ -160,13 +161,19 @@ def tokenize_corpus(docs: Sequence[str], tokenizer: Any) -> list[int]:
     return list(tokenizer("\n\n".join(docs), add_special_tokens=False)["input_ids"])
 
 
-def start_with_bos(windows: Sequence[Sequence[int]], bos_token_id: int | None) -> list[list[int]]:
-    """``windows`` with each one's first token replaced by the BOS token (``--add-bos``; what llama-perplexity does to
-    each chunk of a model whose tokenizer adds BOS), so that every window starts as a request with BOS does and keeps
-    its length. ValueError naming the flag when the model has no BOS token (``bos_token_id`` None)."""
+def require_bos(bos_token_id: int | None) -> int:
+    """The BOS token ``--add-bos`` puts first (the model config's ``bos_token_id``), checked before any model is
+    loaded: ValueError naming the flag when the model has none."""
     if bos_token_id is None:
         raise ValueError("--add-bos: the model's config names no BOS token (bos_token_id is not set); leave --add-bos "
                          "out")
+    return bos_token_id
+
+
+def start_with_bos(windows: Sequence[Sequence[int]], bos_token_id: int) -> list[list[int]]:
+    """``windows`` with each one's first token replaced by the BOS token (``--add-bos``; what llama-perplexity does to
+    each chunk of a model whose tokenizer adds BOS), so that every window starts as a request with BOS does and keeps
+    its length."""
     return [[bos_token_id, *w[1:]] for w in windows]
 
 

@@ -51,7 +51,7 @@ from kv8.observer import EngineObserver
 from kv8.quant.formats import resolve_kv_cache_dtype
 from kv8.sampling_params import SamplingParams
 from kv8.tools.calibrate import build_engine, cache_size_options, check_length, model_arch, run_prompts
-from kv8.tools.data import read_corpus, start_with_bos, token_windows, tokenize_corpus
+from kv8.tools.data import read_corpus, require_bos, start_with_bos, token_windows, tokenize_corpus
 from kv8.validators import check_int
 
 __all__ = ["ConfigResult", "EvalReport", "KVConfig", "QuantErrorObserver", "Scorer", "evaluate", "score_window"]
@@ -322,8 +322,9 @@ def evaluate(model: str, data: Sequence[str], configs: Sequence[KVConfig], *, wi
     check_length(model, gen_prompt_len + gen_tokens, "gen_prompt_len + gen_tokens")
     block_size = 16
     max_len = max(window, gen_prompt_len + gen_tokens) + 1
-    layer_windows = model_arch(model).layer_windows
     arch = model_arch(model)
+    bos = require_bos(arch.bos_token_id) if add_bos else None
+    layer_windows = arch.layer_windows
     one = blocks_to_hold(layer_windows, max_len, block_size, 1)
     many = blocks_to_hold(layer_windows, gen_prompt_len + gen_tokens + 1, block_size, max(gen_prompts, 1))
     # the cache holds one scoring window or all greedy prompts at once (a plan's pools: a byte budget that does)
@@ -332,7 +333,7 @@ def evaluate(model: str, data: Sequence[str], configs: Sequence[KVConfig], *, wi
     common = dict(dtype=dtype, enable_prefix_caching=False, max_model_len=max_len, max_num_seqs=max(gen_prompts, 1),
                   max_num_batched_tokens=max_num_batched_tokens, attention_backend=attention_backend)
     all_configs = [KVConfig("float32"), *configs]
-    num_layers = model_arch(model).num_layers
+    num_layers = arch.num_layers
     engines: list[LLMEngine] = []
     observers: list[QuantErrorObserver] = []
     for cfg in all_configs:
@@ -343,8 +344,8 @@ def evaluate(model: str, data: Sequence[str], configs: Sequence[KVConfig], *, wi
         observers.append(obs)
     tokens = tokenize_corpus(docs, engines[0].tokenizer)
     windows = token_windows(tokens, window, num_windows, skip_tokens, "--window", "--skip-tokens")
-    if add_bos:
-        windows = start_with_bos(windows, arch.bos_token_id)
+    if bos is not None:
+        windows = start_with_bos(windows, bos)
     first = window // 2 - 1
     scorers = [Scorer() for _ in all_configs]
     with tqdm(total=len(windows), desc="Scoring windows", unit="window", disable=not show_progress) as bar:
@@ -359,8 +360,8 @@ def evaluate(model: str, data: Sequence[str], configs: Sequence[KVConfig], *, wi
     if gen_prompts:
         prompts = token_windows(tokens, gen_prompt_len, gen_prompts, skip_tokens, "--gen-prompt-len",
                                 "--skip-tokens")
-        if add_bos:
-            prompts = start_with_bos(prompts, arch.bos_token_id)
+        if bos is not None:
+            prompts = start_with_bos(prompts, bos)
         params = SamplingParams(temperature=0.0, max_tokens=gen_tokens, ignore_eos=True)
         for engine in tqdm(engines, desc="Greedy generation", unit="config", disable=not show_progress):
             greedy.append(run_prompts(engine, prompts, params, len(prompts)))

@@ -22,11 +22,11 @@ from kv8.quant.key_scaling import KeyScaling
 from kv8.quant.scale_files import load_key_offsets
 from kv8.quant.scales import ModelScaleInfo, ScaleGranularity
 from kv8.tools.calibrate import calibrate
-from kv8.tools.data import start_with_bos
+from kv8.tools.data import require_bos, start_with_bos
 from kv8.tools.evaluate import KVConfig, evaluate
 from kv8.tools.first_key import GAIN, FirstKeyCollector, align_to_first_key, check_alignable
 from kv8.tools.kv_stats import ScaleRecipe
-from tests.helpers.calibration import hf_kv, hf_windows
+from tests.helpers.calibration import hf_kv, hf_scored_nll, hf_windows
 
 FORMATS = ("int8", "int4", "int4_per_group32", "fp4_e2m1")
 
@@ -166,18 +166,12 @@ def test_windows_that_start_with_bos_share_their_first_key_so_every_head_aligns(
     for layer, (k, _) in enumerate(hf_kv(model, windows)):
         torch.testing.assert_close(first[:, layer], k[0::seq], atol=1e-5, rtol=1e-5)
     with pytest.raises(ValueError, match=r"--add-bos: the model's config names no BOS token"):
-        start_with_bos([[5, 6, 7]], None)
+        require_bos(None)
+    assert require_bos(0) == 0
     assert start_with_bos([[5, 6, 7], [8, 9]], 1) == [[1, 6, 7], [1, 9]]
     report = evaluate(model, [text_file], [KVConfig("fp8_e4m3")], window=16, num_windows=2, gen_prompts=0,
                       dtype="float32", add_bos=True, show_progress=False)
-    from transformers import AutoModelForCausalLM
-
-    nll = []
-    hf = AutoModelForCausalLM.from_pretrained(model, torch_dtype=torch.float32).eval()
-    for w in [[bos, *w[1:]] for w in hf_windows(model, text_file, 16, 2)]:
-        with torch.no_grad():
-            logp = torch.log_softmax(hf(torch.tensor([w])).logits[0].double(), dim=-1)
-        nll.extend(-float(logp[p, w[p + 1]]) for p in range(7, 15))
+    nll = hf_scored_nll(model, text_file, 16, 2, bos=bos)
     assert report.reference.perplexity == pytest.approx(math.exp(sum(nll) / len(nll)), rel=1e-5)
     assert main(["calibrate", model, "--data", text_file, "--output", "x.json", "--plan", "--kld-budget", "1",
                  "--add-bos"]) == 2
