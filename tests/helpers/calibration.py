@@ -2,7 +2,8 @@
 
 :func:`write_calibration_text` writes the small random-word text the tools' tests calibrate on; :func:`hf_windows`
 cuts it into token windows as :func:`kv8.tools.data.token_windows` does (no special tokens); :func:`hf_kv` is the
-oracle for what a KV cache stores over them: transformers' post-RoPE K/V, float32.
+oracle for what a KV cache stores over them (transformers' post-RoPE K/V, float32), :func:`hf_scored_nll` for what
+``kv8 eval`` scores.
 """
 
 from __future__ import annotations
@@ -50,3 +51,20 @@ def hf_kv(model_dir: str, windows: list[list[int]]) -> list[tuple[torch.Tensor, 
             per_layer[i][0].append(layer.keys[0].transpose(0, 1))
             per_layer[i][1].append(layer.values[0].transpose(0, 1))
     return [(torch.cat(k), torch.cat(v)) for k, v in per_layer]
+
+
+def hf_scored_nll(model: str, data: str, window: int, n: int, skip: int = 0, bos: int | None = None) -> list[float]:
+    """transformers' negative log-likelihood of the tokens ``kv8 eval`` scores: the second half of each of the
+    ``n`` windows of ``window`` tokens after ``skip`` (with ``bos``, each window's first token replaced by it, as
+    ``--add-bos`` does)."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(model, torch_dtype=torch.float32).eval()
+    nll = []
+    for w in hf_windows(model, data, window, n, skip=skip):
+        if bos is not None:
+            w = [bos, *w[1:]]
+        with torch.no_grad():
+            logp = torch.log_softmax(hf(torch.tensor([w])).logits[0].double(), dim=-1)
+        nll.extend(-float(logp[p, w[p + 1]]) for p in range(window // 2 - 1, window - 1))
+    return nll

@@ -28,7 +28,7 @@ from kv8.tools.data import read_documents, token_windows
 from kv8.tools.evaluate import ConfigResult, EvalReport, KVConfig, evaluate
 from kv8.tools.export import save_model_with_scales, write_scales
 from kv8.tools.kv_stats import BINS_PER_OCTAVE, ScaleRecipe
-from tests.helpers.calibration import hf_kv, hf_windows
+from tests.helpers.calibration import hf_kv, hf_scored_nll, hf_windows
 
 SEQ, SAMPLES = 32, 3
 RAW = dict(key_bound="observed", power_of_two=False, v_headroom=1.0)  # scales = statistic of stored values / max
@@ -311,20 +311,6 @@ def test_kv8_json_round_trips_finer_granularity(tiny_models: dict[str, str], tex
             write_scales(str(tmp_path / "v.json"), res.scales, res.info, "vllm")
 
 
-def _hf_scored_nll(model: str, data: str, window: int, n: int, skip: int) -> list[float]:
-    """transformers' negative log-likelihood of the tokens ``kv8 eval`` scores: the second half of each of the
-    ``n`` windows of ``window`` tokens after ``skip``."""
-    from transformers import AutoModelForCausalLM
-
-    hf = AutoModelForCausalLM.from_pretrained(model, torch_dtype=torch.float32).eval()
-    nll = []
-    for w in hf_windows(model, data, window, n, skip=skip):
-        with torch.no_grad():
-            logp = torch.log_softmax(hf(torch.tensor([w])).logits[0].double(), dim=-1)
-        nll.extend(-float(logp[p, w[p + 1]]) for p in range(window // 2 - 1, window - 1))
-    return nll
-
-
 def test_eval_perplexity_equals_transformers_and_metrics_are_consistent(tiny_models: dict[str, str],
                                                                          text_file: str, tmp_path: Path) -> None:
 
@@ -333,7 +319,7 @@ def test_eval_perplexity_equals_transformers_and_metrics_are_consistent(tiny_mod
     report = evaluate(model, [text_file], [KVConfig("float32"), KVConfig("fp8_e5m2")], window=window,
                       num_windows=n, skip_tokens=7, gen_prompts=2, gen_prompt_len=6, gen_tokens=5, dtype="float32",
                       max_num_batched_tokens=10, show_progress=False)
-    nll = _hf_scored_nll(model, text_file, window, n, skip=7)
+    nll = hf_scored_nll(model, text_file, window, n, skip=7)
     assert report.scored_tokens == len(nll) == n * (window - window // 2)
     assert report.reference.perplexity == pytest.approx(math.exp(sum(nll) / len(nll)), rel=1e-5)
     same, fp8 = report.results
@@ -620,7 +606,7 @@ def test_calibrate_and_eval_on_a_sliding_window_model(tiny_models: dict[str, str
                       window=window,
                       num_windows=n, skip_tokens=7, gen_prompts=1, gen_prompt_len=20, gen_tokens=5, dtype="float32",
                       max_num_batched_tokens=16, show_progress=False)
-    nll = _hf_scored_nll(model, text_file, window, n, skip=7)
+    nll = hf_scored_nll(model, text_file, window, n, skip=7)
     assert report.reference.perplexity == pytest.approx(math.exp(sum(nll) / len(nll)), rel=1e-5)
     same, rotated = report.results
     assert same.mean_kld == pytest.approx(0.0, abs=1e-12) and rotated.mean_kld > 0
