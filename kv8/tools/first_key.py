@@ -59,7 +59,7 @@ class FirstKeyCollector:
         """``[N, L, H, D]``: every window's first key in every layer; ValueError when the layers saw different
         numbers of windows or none."""
         counts = {sum(int(k.shape[0]) for k in ks) for ks in self.keys}
-        if counts != {next(iter(counts))} or 0 in counts:
+        if len(counts) != 1 or 0 in counts:
             raise ValueError(f"first-position keys: every layer must see the same windows, got counts {counts}")
         return torch.stack([torch.cat(ks) for ks in self.keys], dim=1)
 
