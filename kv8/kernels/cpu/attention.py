@@ -69,7 +69,7 @@ class LayerArgs(ctypes.Structure):
 
     _fields_ = [
         ("k_cache", _P), ("v_cache", _P), ("num_blocks", _I64),
-        ("kv_dtype", _I32), ("num_kv_heads", _I32), ("block_size", _I32), ("head_dim", _I32),
+        ("kv_dtype", _I32), ("v_kv_dtype", _I32), ("num_kv_heads", _I32), ("block_size", _I32), ("head_dim", _I32),
         ("k_scale", _P), ("k_scale_head_stride", _I64), ("k_scale_dim_stride", _I64),
         ("v_scale", _P), ("v_scale_head_stride", _I64), ("v_scale_dim_stride", _I64),
         ("k_token_scales", _P), ("v_token_scales", _P),
@@ -197,8 +197,9 @@ class KernelLibrary(NativeLibrary):
         if not cache.data.is_contiguous():
             raise ValueError("cache.data must be contiguous")
         k_cache, v_cache = cache.layer(layer)
+        code = self.kv_dtype_codes[cache.kv_dtype.name]
         args = LayerArgs(k_cache=k_cache.data_ptr(), v_cache=v_cache.data_ptr(), num_blocks=shape.num_blocks,
-                         kv_dtype=self.kv_dtype_codes[cache.kv_dtype.name], num_kv_heads=shape.num_kv_heads,
+                         kv_dtype=code, v_kv_dtype=code, num_kv_heads=shape.num_kv_heads,
                          block_size=shape.block_size, head_dim=shape.head_dim)
         scales = cache.layer_scales(layer)
         for prefix, s in zip(("k", "v"), scales if scales is not None else ()):
@@ -229,14 +230,14 @@ class KernelTesting:
     def __init__(self, lib: KernelLibrary) -> None:
         self.lib = lib
         c = lib._lib
-        c.kv8_test_item_kernel.argtypes = [ctypes.c_int] * 7
+        c.kv8_test_item_kernel.argtypes = [ctypes.c_int] * 8
         c.kv8_test_item_kernel.restype = ctypes.c_int
         c.kv8_test_decode_fp8.argtypes = [ctypes.c_int, ctypes.c_int, _P, _I64, _P]
         c.kv8_test_decode_fp8.restype = ctypes.c_int
         self._c = c
 
     def item_kernel(self, kv_dtype: str, compute_dtype: torch.dtype, head_dim: int, block_size: int = 16,
-                    rows: int = 48, k_per_channel: bool = False) -> str:
+                    rows: int = 48, k_per_channel: bool = False, v_kv_dtype: str | None = None) -> str:
         """The item kernel that serves items of ``rows`` rows (query heads per KV head x query tokens of one
         sequence):
 
@@ -254,9 +255,14 @@ class KernelTesting:
         * "prefill": the tile kernel's loop for items of more than 4 rows and head_dim <= 128 (the formats above
           through tiles decoded to bf16 as well);
         * "amx": that loop on AMX tiles, where :attr:`KernelLibrary.amx` (bf16 compute, head_dim a multiple of
-          64 up to 256, K scales not per channel, an FP8 or bf16 cache)."""
-        code = self._c.kv8_test_item_kernel(self.lib.kv_dtype_codes[kv_dtype], self.lib.compute_codes[compute_dtype],
-                                            head_dim, block_size, rows, int(self.lib.amx), int(k_per_channel))
+          64 up to 256, K scales not per channel, an FP8 or bf16 cache).
+
+        ``kv_dtype`` is K's format, ``v_kv_dtype`` V's (default: K's). A pair of the formats above with integer or
+        group codes on both sides: "prefill" / "tile" (every item staged tiles serve); any other pair: "generic"."""
+        codes = self.lib.kv_dtype_codes
+        code = self._c.kv8_test_item_kernel(codes[kv_dtype], codes[v_kv_dtype or kv_dtype],
+                                            self.lib.compute_codes[compute_dtype], head_dim, block_size, rows,
+                                            int(self.lib.amx), int(k_per_channel))
         return self.ITEM_KERNELS[code]
 
     def decode_fp8(self, fmt: str, codes: torch.Tensor, path: str) -> torch.Tensor:

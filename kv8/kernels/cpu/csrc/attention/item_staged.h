@@ -1,4 +1,5 @@
-// Prefill items of the caches whose codes are not bf16 values -- int8 and int4 per token and head, int4_per_group32,
+// Prefill items of the caches whose codes are not bf16 values (K and V in one such format, or each in its own: a
+// pair's K tiles are staged from K's format and its V tiles from V's) -- int8 and int4 per token and head, int4_per_group32,
 // fp4_e2m1 (kv_staged) -- on the tile kernel (item_tile.h, and for D <= 128 its prefill loop, item_prefill.h): each
 // K / V tile the kernel reads is first decoded to bf16 rows in an L1 buffer (stage_tile), which the kernel then reads
 // as it reads a bf16 cache's tiles, with the same arithmetic (bf16 x bf16 products, fp32 sums). Decode-sized items
@@ -39,8 +40,12 @@ static constexpr bool kv_staged(int kv) { return KV_FORMATS[kv].ibits != 0 || KV
 // int4_per_group32, whose code x float16 scale rounds to bf16).
 static constexpr bool kv_staged_exact(int kv) { return kv_staged(kv) && KV_FORMATS[kv].gscale != 2; }
 
-// Whether staged tiles serve items of P: bf16 compute, or a format whose staged values are exact.
-static inline bool staged_serves(const Problem& P) { return kv_staged_exact(P.kv) || P.q_dtype == DT_BF16; }
+// Whether staged tiles serve items of P: both sides staged formats (K's and V's, the same one or a pair), and bf16
+// compute or formats whose staged values are exact.
+static inline bool staged_serves(const Problem& P) {
+    return kv_staged(P.kv) && kv_staged(P.vkv) &&
+           ((kv_staged_exact(P.kv) && kv_staged_exact(P.vkv)) || P.q_dtype == DT_BF16);
+}
 
 // The fp32 values of a nibble (0..15, the even channel in a byte's low half): int4 ((n ^ 8) - 8) or E2M1.
 template <int KV>
@@ -164,17 +169,18 @@ struct Staged {
     }
 };
 
-// The problem the tile kernel sees for a staged format: its tiles are bf16 (kv, esize), no AMX (see above); the
-// rows, scales and pointers are P's.
+// The problem the tile kernel sees for a staged format: its K and V tiles are bf16 (kv, vkv, esize, vesize), no AMX
+// (see above); the rows (each side's row bytes), scales and pointers are P's.
 static inline Problem staged_view(const Problem& P) {
     Problem V = P;
-    V.kv = KV_BF16;
-    V.esize = 2;
+    V.kv = V.vkv = KV_BF16;
+    V.esize = V.vesize = 2;
     V.amx = false;
     return V;
 }
 
-// The tile kernel on an item of a staged format (kv_staged(P.kv), staged_serves(P)).
+// The tile kernel on an item of staged formats (staged_serves(P)): K tiles staged from K's format (k, kp), V tiles
+// from V's (v, pv_fused) -- for a cache of one format, all four from it.
 template <bool QLO, bool PLO>
 static int run_item_staged(const Problem& P, const Item& it, float* ws) {
     TileDecoders dec;
@@ -182,6 +188,15 @@ static int run_item_staged(const Problem& P, const Item& it, float* ws) {
         constexpr int KV = decltype(K)::value;
         if constexpr (kv_staged(KV)) dec = Staged<KV>::template decoders<PLO>();
     });
+    if (P.vkv != P.kv)
+        with_kv_format(P.vkv, [&](auto K) {
+            constexpr int KV = decltype(K)::value;
+            if constexpr (kv_staged(KV)) {
+                const TileDecoders v = Staged<KV>::template decoders<PLO>();
+                dec.v = v.v;
+                for (int i = 0; i < 5; ++i) dec.pv_fused[i] = v.pv_fused[i];
+            }
+        });
     const Problem V = staged_view(P);
     return run_item_tile_with<QLO, PLO>(V, it, ws, dec);
 }
