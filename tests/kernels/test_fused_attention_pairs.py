@@ -13,8 +13,8 @@ and 16/32-bit ones).
   ragged batches mixing decode and chunked prefill, GQA 1 / 3 / 8, head_dim 64 / 128 / 256, blocks of 8 / 16 / 32
   and 24 (not a multiple of 16), sliding windows, forced partitions, decode batches whose items hold several KV heads,
   and the portable builds (the generic kernel).
-* Which item kernel serves a pair's items (staged tiles for the items of integer / group-scaled pairs, the generic
-  kernel for the rest), and that a layer whose token
+* Which item kernel serves a pair's items (the decode kernel for k8v4 and int8/int4 decode items, staged tiles for
+  the other items of integer / group-scaled pairs, the generic kernel for the rest), and that a layer whose token
   scales do not fit its sides' formats is refused.
 """
 
@@ -48,8 +48,8 @@ from tests.helpers.kernels import (
 
 #: (K's format, V's format)
 PAIRS = [(INT8, I4G), (INT8, INT4), ("fp8_e4m3", I4G), ("bfloat16", INT8), (I4G, INT8), (FP4, INT4)]
-#: the pairs whose decode items the decode kernel serves (none: a pair's items run on staged tiles)
-DECODE_PAIRS: list[tuple[str, str]] = []
+#: the pairs whose decode items the decode kernel serves (csrc/attention/item_decode.h, decode_pair_fn)
+DECODE_PAIRS = [(INT8, I4G), (INT8, INT4)]
 STAGED_FORMATS = (INT8, INT4, FP4, I4G)
 
 
@@ -156,7 +156,7 @@ def test_pair_sliding_window(lib: kernels.KernelLibrary, k_name: str, v_name: st
     check_pair(lib, pair, dataclasses.replace(meta, sliding_window=window), q, partition_size=16)
 
 
-@pytest.mark.parametrize("k_name,v_name", [(INT8, I4G), (INT8, INT4)])
+@pytest.mark.parametrize("k_name,v_name", DECODE_PAIRS)
 @pytest.mark.parametrize("dim", [64, 128])
 def test_pair_decode_batch(lib: kernels.KernelLibrary, k_name: str, v_name: str, dim: int) -> None:
     """A decode batch (SmolLM2's GQA 3 with 3 KV heads): enough items that each holds every KV head of its sequence

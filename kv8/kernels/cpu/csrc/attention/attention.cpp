@@ -46,8 +46,10 @@
 //     decode-shaped items the decode kernel serves -> run_item_decode; items of more than 4 rows -> run_item_tile
 //     on tiles decoded to bf16 (item_staged.h; never on AMX tiles; int4_per_group32 with bf16 compute only);
 //     every other item -> the AVX2 / generic kernel below
-//   FAST, K and V in different formats (a pair), both of those four (run_item_coded): every item -> run_item_tile
-//     on K tiles staged from K's format and V tiles from V's, where staged tiles serve it; else the generic kernel
+//   FAST, K and V in different formats (a pair), both of those four (run_item_coded): decode-shaped items of the
+//     pairs with decode instances (int8 K with int4_per_group32 or int4 V: decode_pair_fn) -> run_item_decode on
+//     K's and V's formats; every other item -> run_item_tile on K tiles staged from K's format and V tiles from
+//     V's, where staged tiles serve it; else the generic kernel
 //   K and V in different formats otherwise (an FP8 / 16/32-bit side) -> run_item_generic, two row decoders
 //   otherwise, AVX2 + FMA + F16C compiled in and D % 8 == 0, D <= 1024 -> run_item_avx2
 //   otherwise -> run_item_generic
@@ -91,7 +93,7 @@ static ItemFn fp32_item_fn(const Problem& P) {
 #if KV8_FAST
 // Whether the tile kernel serves items of `rows` rows of staged formats (item_staged.h): items that staged tiles
 // serve, prefill items (more than 4 rows) of a cache of one format, and every item of a pair (K and V in different
-// formats: the fp32 kernel left for them is the scalar generic one).
+// formats) that decode_fn does not take (the fp32 kernel left for them is the scalar generic one).
 static inline bool staged_item(const Problem& P, int rows) {
     return (rows > 4 || P.vkv != P.kv) && staged_serves(P);
 }

@@ -419,8 +419,8 @@ struct AvxDecodeHead : DecodeHeadState<D, R> {
     float qs[R];   // kv_int_dot: qhi holds int4_q_words' slots, row r's scale qs[r] (qlo unused)
 };
 
-// The decode kernel on K rows of format KK and V rows of format VK (KK == VK: a cache of one format): each side
-// read by its own format's code -- K's row bytes, table and score path, V's row bytes,
+// The decode kernel on K rows of format KK and V rows of format VK (KK == VK: a cache of one format; else a pair,
+// decode_pair_fn): each side read by its own format's code -- K's row bytes, table and score path, V's row bytes,
 // table and P.V path.
 template <int KK, int VK, int D, int R>
 static int run_item_decode(const Problem& P, const Item& item, float* ws) {
@@ -503,6 +503,12 @@ struct AvxDecode {
     static constexpr bool serves(int kv) { return kv_decode_fast(kv); }
 };
 
+// The AVX-512 kernel's instances for K of format KV and V of format VK (a pair; see decode_pair_fn).
+template <int VK>
+struct AvxDecodeV {
+    template <int KV, int D, int R>
+    static ItemFn fn() { return run_item_decode<KV, VK, D, R>; }
+};
 
 // The family's instance for the problem's cache format, D and item rows R, or NULL where it has none (D other
 // than 64 / 128 / 256, more than 4 rows, blocks not a multiple of 16 tokens, compute other than bf16).
@@ -525,7 +531,7 @@ static ItemFn decode_instance(int D, int R) {
 #undef KV8_ROWS
 }
 
-// A cache of one format (P.vkv == P.kv).
+// A cache of one format (P.vkv == P.kv; decode_pair_fn has the pairs).
 template <class Family>
 static ItemFn decode_family_fn(const Problem& P, int R) {
     if (P.bs % TILE != 0 || P.q_dtype != DT_BF16 || P.vkv != P.kv) return nullptr;
@@ -536,7 +542,20 @@ static ItemFn decode_family_fn(const Problem& P, int R) {
     });
 }
 
+// The decode kernel's instance for a pair of formats (K in P.kv, V in P.vkv), or NULL. Instances exist for the pairs
+// of an int8 K (per token and head) with a 4-bit V -- int4_per_group32 ("k8v4") or int4 per token and head --
+// measured faster than their decode items on staged tiles (docs/benchmarks.md, "K and V in different formats");
+// other pairs' decode items run staged (both sides staged formats) or on the generic kernel.
+static ItemFn decode_pair_fn(const Problem& P, int R) {
+    if (P.bs % TILE != 0 || P.q_dtype != DT_BF16) return nullptr;
+    if (P.kv == KV_I8 && P.vkv == KV_I4G) return decode_instance<AvxDecodeV<KV_I4G>, KV_I8>(P.D, R);
+    if (P.kv == KV_I8 && P.vkv == KV_I4) return decode_instance<AvxDecodeV<KV_I4>, KV_I8>(P.D, R);
+    return nullptr;
+}
+
 // The decode item kernel (AVX-512) for this problem and item rows, or NULL where the tile kernel serves.
-static ItemFn decode_fn(const Problem& P, int R) { return decode_family_fn<AvxDecode>(P, R); }
+static ItemFn decode_fn(const Problem& P, int R) {
+    return P.vkv == P.kv ? decode_family_fn<AvxDecode>(P, R) : decode_pair_fn(P, R);
+}
 
 #endif  // KV8_FAST
