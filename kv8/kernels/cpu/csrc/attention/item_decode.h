@@ -43,6 +43,10 @@
 //
 // Sliding window: a row's scores outside its [first, limit] positions are masked; the item's first tile
 // reads zeros (a zero-padded copy) for its rows before k0, as the last tile does past the context.
+//
+// K and V in different formats (run_item_decode<KK, VK, D, R>, decode_pair_fn): the scores are K's format's (its row
+// bytes, table, query slots and score path), P.V is V's (its row bytes, table, weights and accumulator layout), each
+// exactly as in a cache of that format alone; instances for int8 K with int4_per_group32 V ("k8v4") and with int4 V.
 #pragma once
 
 #include "fast_simd.h"
