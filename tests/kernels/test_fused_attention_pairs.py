@@ -14,7 +14,8 @@ and 16/32-bit ones).
   and 24 (not a multiple of 16), sliding windows, forced partitions, decode batches whose items hold several KV heads,
   and the portable builds (the generic kernel).
 * Which item kernel serves a pair's items (the decode kernel for k8v4 and int8/int4 decode items, staged tiles for
-  the other items of integer / group-scaled pairs, the generic kernel for the rest), and that a layer whose token
+  the other items of pairs of integer, group-scaled, FP8 and bf16 sides, the generic kernel for the rest: fp16 /
+  fp32 sides, int4_per_group32 with fp16 / fp32 compute), and that a layer whose token
   scales do not fit its sides' formats is refused.
 """
 
@@ -47,10 +48,12 @@ from tests.helpers.kernels import (
 )
 
 #: (K's format, V's format)
-PAIRS = [(INT8, I4G), (INT8, INT4), ("fp8_e4m3", I4G), ("bfloat16", INT8), (I4G, INT8), (FP4, INT4)]
+PAIRS = [(INT8, I4G), (INT8, INT4), ("fp8_e4m3", I4G), ("bfloat16", INT8), (I4G, INT8), (FP4, INT4),
+         ("fp8_e5m2", "bfloat16"), ("float16", INT8)]
 #: the pairs whose decode items the decode kernel serves (csrc/attention/item_decode.h, decode_pair_fn)
 DECODE_PAIRS = [(INT8, I4G), (INT8, INT4)]
-STAGED_FORMATS = (INT8, INT4, FP4, I4G)
+#: the formats a pair's side may have for the fast kernels (tiles of both sides decoded to bf16: item_staged.h)
+STAGEABLE = (INT8, INT4, FP4, I4G, "fp8_e4m3", "fp8_e4m3fnuz", "fp8_e5m2", "bfloat16")
 
 
 @pytest.fixture(scope="module")
@@ -80,7 +83,7 @@ def check_pair(lib: kernels.KernelLibrary, pair: CachePair, meta: AttentionMetad
 def expected_kernel(lib: kernels.KernelLibrary, k_name: str, v_name: str, q_dtype: torch.dtype, dim: int, bs: int,
                     rows: int) -> str:
     """The item kernel a pair's items of ``rows`` rows should get (see attention.cpp's header)."""
-    if not lib.has_fast_path or dim % 16 or k_name not in STAGED_FORMATS or v_name not in STAGED_FORMATS:
+    if not lib.has_fast_path or dim % 16 or k_name not in STAGEABLE or v_name not in STAGEABLE:
         return "generic"
     if (k_name, v_name) in DECODE_PAIRS and rows <= 4 and bs % 16 == 0 and dim in (64, 128, 256) \
             and q_dtype == torch.bfloat16:
@@ -104,7 +107,7 @@ def test_pair_store_bit_exact(lib: kernels.KernelLibrary, k_name: str, v_name: s
     mine = CachePair(pair_codec_cache(shape, k_name), pair_codec_cache(shape, v_name))
     key, value = random_kv(tokens, heads, dim, gen), random_kv(tokens, heads, dim, gen)
     for name, x in ((k_name, key), (v_name, value)):
-        if name != "bfloat16":  # special values in a quantized side (a 16/32-bit side: a plain cast)
+        if name not in ("bfloat16", "float16"):  # special values in a quantized side (16/32-bit: a plain cast)
             x[4, 2, 5] = math.nan
             x[9, 0, 0] = -math.inf
             x[11, 1] = 0.0

@@ -257,9 +257,10 @@ class KernelTesting:
         * "amx": that loop on AMX tiles, where :attr:`KernelLibrary.amx` (bf16 compute, head_dim a multiple of
           64 up to 256, K scales not per channel, an FP8 or bf16 cache).
 
-        ``kv_dtype`` is K's format, ``v_kv_dtype`` V's (default: K's). A pair of the formats above with integer or
-        group codes on both sides: "decode" for the decode-sized items of int8 K with int4_per_group32 or int4 V,
-        else "prefill" / "tile" (every item staged tiles serve); any other pair: "generic"."""
+        ``kv_dtype`` is K's format, ``v_kv_dtype`` V's (default: K's). A pair whose sides are each int8, int4,
+        FP4, int4_per_group32, FP8 or bf16: "decode" for the decode-sized items of int8 K with int4_per_group32 or
+        int4 V, else "prefill" / "tile" (every item, on tiles of both sides decoded to bf16; with an
+        int4_per_group32 side bf16 compute only, else "generic"); a pair with an fp16 / fp32 side: "generic"."""
         codes = self.lib.kv_dtype_codes
         code = self._c.kv8_test_item_kernel(codes[kv_dtype], codes[v_kv_dtype or kv_dtype],
                                             self.lib.compute_codes[compute_dtype], head_dim, block_size, rows,

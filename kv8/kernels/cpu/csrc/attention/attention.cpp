@@ -46,11 +46,11 @@
 //     decode-shaped items the decode kernel serves -> run_item_decode; items of more than 4 rows -> run_item_tile
 //     on tiles decoded to bf16 (item_staged.h; never on AMX tiles; int4_per_group32 with bf16 compute only);
 //     every other item -> the AVX2 / generic kernel below
-//   FAST, K and V in different formats (a pair), both of those four (run_item_coded): decode-shaped items of the
-//     pairs with decode instances (int8 K with int4_per_group32 or int4 V: decode_pair_fn) -> run_item_decode on
-//     K's and V's formats; every other item -> run_item_tile on K tiles staged from K's format and V tiles from
-//     V's, where staged tiles serve it; else the generic kernel
-//   K and V in different formats otherwise (an FP8 / 16/32-bit side) -> run_item_generic, two row decoders
+//   FAST, K and V in different formats (a pair), each of those four, FP8 or bf16 (run_item_coded): decode-shaped items of the pairs with decode instances (int8 K with int4_per_group32 or int4
+//     V: decode_pair_fn) -> run_item_decode on K's and V's formats; every other item -> run_item_tile on K tiles
+//     staged from K's format and V tiles from V's (FP8 and bf16 staged too), where staged tiles serve it; else the
+//     generic kernel
+//   K and V in different formats otherwise (an fp16 / fp32 side) -> run_item_generic, two row decoders
 //   otherwise, AVX2 + FMA + F16C compiled in and D % 8 == 0, D <= 1024 -> run_item_avx2
 //   otherwise -> run_item_generic
 // All kernels clear MXCSR DAZ/FTZ in their threads (FpEnv), so FP8 subnormals survive.
@@ -145,7 +145,8 @@ static ItemFn pick_item_fn(const Problem& P, int* fast) {
         if (qlo) return plo ? run_item_fast<true, true> : run_item_fast<true, false>;
         return plo ? run_item_fast<false, true> : run_item_fast<false, false>;
     }
-    if (P.D % 16 == 0 && P.D <= 1024 && kv_staged(P.kv) && kv_staged(P.vkv)) {  // integer / group-scaled codes
+    if (P.D % 16 == 0 && P.D <= 1024 &&   // integer / group-scaled codes; a pair with such a side (item_staged.h)
+        (P.vkv == P.kv ? kv_staged(P.kv) : kv_pair_stageable(P.kv) && kv_pair_stageable(P.vkv))) {
         *fast = 1;
         if (qlo) return plo ? run_item_coded<true, true> : run_item_coded<true, false>;
         return plo ? run_item_coded<false, true> : run_item_coded<false, false>;

@@ -40,11 +40,30 @@ static constexpr bool kv_staged(int kv) { return KV_FORMATS[kv].ibits != 0 || KV
 // int4_per_group32, whose code x float16 scale rounds to bf16).
 static constexpr bool kv_staged_exact(int kv) { return kv_staged(kv) && KV_FORMATS[kv].gscale != 2; }
 
-// Whether staged tiles serve items of P: both sides staged formats (K's and V's, the same one or a pair), and bf16
-// compute or formats whose staged values are exact.
+// Whether one side of a K/V pair can be staged: the staged formats, and the bf16-exact ones (FP8: each code's bf16
+// value from a table; bf16: a copy) -- a pair of an FP8 or bf16 side with an integer or group-scaled one runs the
+// tile kernel on staged tiles of both sides. (A cache of one FP8 or bf16 format reads its tiles directly.)
+static constexpr bool kv_pair_stageable(int kv) { return kv_staged(kv) || kv_bf16_exact(kv); }
+
+// Whether staged tiles serve items of P: both sides staged formats (K's and V's, the same one; or a pair of
+// kv_pair_stageable formats), and bf16 compute or formats whose staged values are exact.
 static inline bool staged_serves(const Problem& P) {
-    return kv_staged(P.kv) && kv_staged(P.vkv) &&
-           ((kv_staged_exact(P.kv) && kv_staged_exact(P.vkv)) || P.q_dtype == DT_BF16);
+    const bool both = P.vkv == P.kv ? kv_staged(P.kv) : kv_pair_stageable(P.kv) && kv_pair_stageable(P.vkv);
+    const bool exact = (kv_staged_exact(P.kv) || kv_bf16_exact(P.kv)) && (kv_staged_exact(P.vkv) ||
+                                                                           kv_bf16_exact(P.vkv));
+    return both && (exact || P.q_dtype == DT_BF16);
+}
+
+// The bf16 bits of each code of FP8 format KV (every FP8 value is a bf16: at most 3 mantissa bits; NaN -> 0x7FC0).
+template <int KV>
+static const uint16_t* fp8_bf16_bits() {
+    static const struct Table {
+        uint16_t bits[256];
+        Table() {
+            for (int c = 0; c < 256; ++c) bits[c] = f_bf16(fp8_value(KV, c));
+        }
+    } table;
+    return table.bits;
 }
 
 // The fp32 values of a nibble (0..15, the even channel in a byte's low half): int4 ((n ^ 8) - 8) or E2M1.
@@ -69,7 +88,12 @@ static inline __m512i interleave_bf16(__m512 ev, __m512 od) {
 template <int KV>
 static inline void row_to_bf16(const uint8_t* row, int D, uint16_t* out) {
     constexpr KvFormat F = KV_FORMATS[KV];
-    if constexpr (F.ibits == 8) {
+    if constexpr (F.elem == DT_BF16) {  // a pair's bf16 side: the row as it is
+        memcpy(out, row, sizeof(uint16_t) * (size_t)D);
+    } else if constexpr (F.fp8) {  // a pair's FP8 side: each code's bf16 value (exact), from a table
+        const uint16_t* bits = fp8_bf16_bits<KV>();
+        for (int d = 0; d < D; ++d) out[d] = bits[row[d]];
+    } else if constexpr (F.ibits == 8) {
         int d = 0;
         for (; d + 32 <= D; d += 32) {
             const __m512 a = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(row + d))));
@@ -186,12 +210,12 @@ static int run_item_staged(const Problem& P, const Item& it, float* ws) {
     TileDecoders dec;
     with_kv_format(P.kv, [&](auto K) {
         constexpr int KV = decltype(K)::value;
-        if constexpr (kv_staged(KV)) dec = Staged<KV>::template decoders<PLO>();
+        if constexpr (kv_pair_stageable(KV)) dec = Staged<KV>::template decoders<PLO>();
     });
     if (P.vkv != P.kv)
         with_kv_format(P.vkv, [&](auto K) {
             constexpr int KV = decltype(K)::value;
-            if constexpr (kv_staged(KV)) {
+            if constexpr (kv_pair_stageable(KV)) {
                 const TileDecoders v = Staged<KV>::template decoders<PLO>();
                 dec.v = v.v;
                 for (int i = 0; i < 5; ++i) dec.pv_fused[i] = v.pv_fused[i];
