@@ -176,93 +176,30 @@ def make_case(kv_name: str, gran: str, q_dtype: torch.dtype, *, group: int = 3, 
     return cache, meta, q
 
 
-class CachePair:
-    """A cache layer whose K and V are in different formats, for the kernels' tests: K in the K half of ``k`` and V
-    in the V half of ``v``, two single-format caches of one shape, each with its own codec (the other halves are
-    unused). :func:`paged_attention_reference` reads it through :meth:`gather`; the kernels through
-    :meth:`layer_args`, a ``kv8_layer`` over K's rows in K's format and V's rows in V's."""
-
-    def __init__(self, k: PagedKVCache, v: PagedKVCache) -> None:
-        assert k.shape == v.shape
-        self.k, self.v, self.shape = k, v, k.shape
-
-    def store(self, layer: int, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-        """The reference store: each side encoded by its own codec."""
-        self.k.store(layer, key, value, slot_mapping)
-        self.v.store(layer, key, value, slot_mapping)
-
-    def gather(self, layer: int, block_table: torch.Tensor, num_tokens: int,
-               dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        return (self.k.gather(layer, block_table, num_tokens, dtype)[0],
-                self.v.gather(layer, block_table, num_tokens, dtype)[1])
-
-    def layer_args(self, lib: kernels.KernelLibrary, layer: int) -> kernels.LayerArgs:
-        shape, codes = self.shape, lib.kv_dtype_codes
-        args = kernels.LayerArgs(k_cache=self.k.layer(layer)[0].data_ptr(), v_cache=self.v.layer(layer)[1].data_ptr(),
-                                 num_blocks=shape.num_blocks, kv_dtype=codes[self.k.kv_dtype.name],
-                                 v_kv_dtype=codes[self.v.kv_dtype.name], num_kv_heads=shape.num_kv_heads,
-                                 block_size=shape.block_size, head_dim=shape.head_dim)
-        for prefix, cache, which in (("k", self.k, 0), ("v", self.v, 1)):
-            ts = cache.layer_token_scales(layer)
-            if ts is not None:
-                setattr(args, f"{prefix}_token_scales", ts[which].data_ptr())
-        return args
-
-    def stored(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """K's raw rows (and token scales) at ``slots``, then V's, as integers for bitwise comparison."""
-        k, v = stored(self.k, layer, slots), stored(self.v, layer, slots)
-        return (k[0], *k[2:3], v[1], *v[3:4])
-
-
-def pair_codec_cache(shape: CacheShape, kv_name: str) -> PagedKVCache:
-    """A single-format cache for one side of a :class:`CachePair`: dynamic (per-token) scales for FP8 and the integer
-    formats, as a pair's sides always have them; none for the group-scaled and 16/32-bit formats."""
-    kv = resolve_kv_cache_dtype(kv_name, torch.bfloat16)
-    return make_cache(shape, kv, None, dynamic=kv.is_fp8 or kv_name in (INT8, INT4))
+def make_pair_cache(shape: CacheShape, k_name: str, v_name: str) -> PagedKVCache:
+    """A cache whose keys are stored in ``k_name`` and values in ``v_name`` (a K/V pair: per-token scales on its FP8
+    and integer sides, group scales in a group-scaled side's rows, none on a 16/32-bit side)."""
+    k, v = (resolve_kv_cache_dtype(name, torch.bfloat16) for name in (k_name, v_name))
+    return PagedKVCache(shape, KVCodec.build(k, shape.head_dim, v_dtype=v))
 
 
 def make_pair_case(k_name: str, v_name: str, q_dtype: torch.dtype, *, group: int = 3, dim: int = 64, bs: int = 16,
                    heads: int = 2, query_lens: list[int] | None = None, seq_lens: list[int] | None = None,
-                   seed: int = 0) -> tuple[CachePair, AttentionMetadata, torch.Tensor]:
-    """:func:`make_case` for a :class:`CachePair`: K stored in ``k_name``, V in ``v_name``."""
+                   seed: int = 0) -> tuple[PagedKVCache, AttentionMetadata, torch.Tensor]:
+    """:func:`make_case` for a K/V pair (:func:`make_pair_cache`): K stored in ``k_name``, V in ``v_name``, by the
+    reference store."""
     query_lens = QUERY_LENS if query_lens is None else query_lens
     seq_lens = SEQ_LENS if seq_lens is None else seq_lens
     gen = torch.Generator().manual_seed(seed)
     tables, num_blocks = scattered_tables(seq_lens, bs, gen)
-    shape = CacheShape(2, num_blocks, heads, bs, dim)
-    pair = CachePair(pair_codec_cache(shape, k_name), pair_codec_cache(shape, v_name))
+    cache = make_pair_cache(CacheShape(2, num_blocks, heads, bs, dim), k_name, v_name)
     everything = AttentionMetadata.build(list(seq_lens), list(seq_lens), tables, bs)
     total = sum(seq_lens)
-    pair.store(1, random_kv(total, heads, dim, gen).to(q_dtype), random_kv(total, heads, dim, gen).to(q_dtype),
-               everything.slot_mapping)
+    cache.store(1, random_kv(total, heads, dim, gen).to(q_dtype), random_kv(total, heads, dim, gen).to(q_dtype),
+                everything.slot_mapping)
     meta = AttentionMetadata.build(list(query_lens), list(seq_lens), tables, bs)
     q = torch.randn(sum(query_lens), heads * group, dim, generator=gen).to(q_dtype)
-    return pair, meta, q
-
-
-def pair_attention(lib: kernels.KernelLibrary, pair: CachePair, layer: int, query: torch.Tensor,
-                   meta: AttentionMetadata, scale: float, partition_size: int = 0) -> torch.Tensor:
-    """The library's paged attention over a :class:`CachePair` (what :meth:`KernelLibrary.attention` does over a
-    cache)."""
-    query = query.contiguous()
-    out = torch.empty_like(query)
-    threads = torch.get_num_threads()
-    call = kernels.AttentionCall(query.data_ptr(), out.data_ptr(), query.shape[0], query.shape[1],
-                                 lib.compute_codes[query.dtype], meta.query_start_loc.data_ptr(),
-                                 meta.seq_lens.data_ptr(), meta.block_tables.data_ptr(), meta.block_tables.shape[1],
-                                 meta.num_seqs, threads, threads, scale, partition_size, meta.sliding_window or 0,
-                                 int(lib.amx))
-    lib.invoke(lib._lib.kv8_paged_attention, "paged attention (pair)", pair.layer_args(lib, layer), call)
-    return out
-
-
-def pair_store(lib: kernels.KernelLibrary, pair: CachePair, layer: int, key: torch.Tensor, value: torch.Tensor,
-               slot_mapping: torch.Tensor) -> None:
-    """The library's quantize-on-store into a :class:`CachePair`."""
-    key, value = key.contiguous(), value.contiguous()
-    call = kernels.StoreCall(key.data_ptr(), value.data_ptr(), slot_mapping.data_ptr(), key.shape[0],
-                             lib.compute_codes[key.dtype], torch.get_num_threads())
-    lib.invoke(lib._lib.kv8_store_kv, "store (pair)", pair.layer_args(lib, layer), call)
+    return cache, meta, q
 
 
 def load_or_skip(march: str = "native") -> kernels.KernelLibrary:

@@ -25,6 +25,11 @@ bf16), products are exact and accumulated in fp32.
 
 The store is bit-exact with :meth:`kv8.cache.paged_cache.PagedKVCache.store` for every finite and infinite
 input (FP8: ``saturate(rne(x / scale))``, the NaN rule of :meth:`kv8.quant.formats.FP8Format.encode`).
+
+A K/V pair (``kv_cache_dtype="KFORMAT/VFORMAT"``, e.g. ``"k8v4"``): the layer's struct names the keys' format
+(``kv_dtype``) and the values' (``v_kv_dtype``) and each side's per-token scales where that side keeps them; the
+store encodes each side by its own format, and attention reads each by its own (``csrc/attention/attention.cpp``
+says which kernel serves which pair).
 """
 
 from __future__ import annotations
@@ -195,13 +200,10 @@ class KernelLibrary(NativeLibrary):
             raise ValueError(f"layer={layer} is outside [0, {shape.num_layers})")
         if not all(t.is_contiguous() for t in cache.tensors):
             raise ValueError("the cache's tensors must be contiguous")
-        if cache.codec.is_pair:
-            raise ValueError(f"kv_cache_dtype={cache.codec.name!r}: the cpu_fused kernels read keys and values in one "
-                             "format; use attention_backend='reference' for a K/V pair")
-        k_cache, v_cache = cache.layer(layer)
-        code = self.kv_dtype_codes[cache.kv_dtype.name]
+        k_cache, v_cache = cache.layer(layer)   # K rows in the keys' format, V rows in the values' (a K/V pair)
         args = LayerArgs(k_cache=k_cache.data_ptr(), v_cache=v_cache.data_ptr(), num_blocks=shape.num_blocks,
-                         kv_dtype=code, v_kv_dtype=code, num_kv_heads=shape.num_kv_heads,
+                         kv_dtype=self.kv_dtype_codes[cache.k_dtype.name],
+                         v_kv_dtype=self.kv_dtype_codes[cache.v_dtype.name], num_kv_heads=shape.num_kv_heads,
                          block_size=shape.block_size, head_dim=shape.head_dim)
         scales = cache.layer_scales(layer)
         for prefix, s in zip(("k", "v"), scales if scales is not None else ()):
@@ -213,9 +215,10 @@ class KernelLibrary(NativeLibrary):
             setattr(args, f"{prefix}_scale_head_stride", s.stride(0) if s.shape[0] > 1 else 0)
             setattr(args, f"{prefix}_scale_dim_stride", s.stride(1) if s.shape[1] > 1 else 0)
         token_scales = cache.layer_token_scales(layer)
-        if token_scales is not None:
+        if token_scales is not None:   # per side: a K/V pair keeps them on its FP8 and int sides only
             for prefix, ts in zip(("k", "v"), token_scales):
-                assert ts is not None   # one format: both sides or neither
+                if ts is None:
+                    continue
                 if ts.dtype != torch.float32 or not ts.is_contiguous() \
                         or tuple(ts.shape) != (shape.num_blocks, shape.num_kv_heads, shape.block_size):
                     raise ValueError(f"layer {layer} {prefix.upper()} token scales must be contiguous float32 "
