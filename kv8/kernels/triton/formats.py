@@ -235,10 +235,10 @@ def code_width(fmt: KernelFormat | None, head_dim: int) -> int:
 def side_formats(fp8: AnyLayout | None, v_fp8: AnyLayout | None | SameAsK
                  ) -> tuple[KernelFormat | None, KernelFormat | None]:
     """K's and V's :class:`KernelFormat` (None: a 16/32-bit side) of a wrapper's ``fp8`` and ``v_fp8``
-    (:data:`SAME_AS_K`: V's is K's, the same value). ``ValueError`` from :func:`kernel_format`, with ``v_fp8: ``
-    in front for V's."""
+    (:data:`SAME_AS_K` or ``fp8`` itself: V's is K's, derived once). ``ValueError`` from :func:`kernel_format`, with
+    ``v_fp8: `` in front for V's."""
     k_fmt = None if fp8 is None else kernel_format(fp8)
-    if v_fp8 is SAME_AS_K:
+    if v_fp8 is SAME_AS_K or v_fp8 is fp8:
         return k_fmt, k_fmt
     try:
         v_fmt = None if v_fp8 is None else kernel_format(v_fp8)
