@@ -108,12 +108,13 @@ def layers_for(bytes_per_layer: int, footprint: int, cap: int = 4096) -> int:
 
 def fill_random(cache: PagedKVCache) -> None:
     """Random contents: FP8 codes without NaN (0x7F / 0xFF), uniform over the finite values; else randn."""
-    if cache.kv_dtype.is_fp8:
-        codes = torch.randint(0, 126, cache.data.shape, dtype=torch.uint8)
-        codes |= torch.randint(0, 2, cache.data.shape, dtype=torch.uint8) << 7
-        cache.data.copy_(codes)
-    else:
-        cache.data.copy_(torch.randn(cache.data.shape, dtype=torch.bfloat16))
+    for which, data in enumerate((cache.k_data, cache.v_data)):
+        if cache.codec.dtype_of(which).is_fp8:
+            codes = torch.randint(0, 126, data.shape, dtype=torch.uint8)
+            codes |= torch.randint(0, 2, data.shape, dtype=torch.uint8) << 7
+            data.copy_(codes)
+        else:
+            data.copy_(torch.randn(data.shape, dtype=torch.bfloat16))
 
 
 def paged_cache(kv_name: str, n_layers: int, batch: int, ctx: int,
@@ -208,16 +209,16 @@ def prefill_cache(kv_name: str, n_layers: int, batch: int, q_len: int, ctx: int,
                                        scales=KVScales.default(n_layers) if static else None))
     for layer in range(n_layers):
         if layer >= 2:
-            cache.data[layer].copy_(cache.data[layer % 2])
-            if cache.token_scales is not None:
-                cache.token_scales[layer].copy_(cache.token_scales[layer % 2])
+            for t in cache.tensors:
+                t[layer].copy_(t[layer % 2])
             continue
-        for which in range(2):
+        for which, (data, scales) in enumerate(((cache.k_data, cache.k_token_scales),
+                                                (cache.v_data, cache.v_token_scales))):
             x = torch.randn(batch * blocks_per_seq * BS, HKV, D)
             stored, ts = cache.codec.encode(x, layer, which)
-            cache.data[layer, which].copy_(stored.view(-1, BS, HKV, cache.cache_width).transpose(1, 2))
-            if ts is not None and cache.token_scales is not None:
-                cache.token_scales[layer, which].copy_(ts.view(-1, BS, HKV).transpose(1, 2))
+            data[layer].copy_(stored.view(-1, BS, HKV, data.shape[-1]).transpose(1, 2))
+            if ts is not None and scales is not None:
+                scales[layer].copy_(ts.view(-1, BS, HKV).transpose(1, 2))
     perm = torch.randperm(batch * blocks_per_seq).view(batch, blocks_per_seq).tolist()
     meta = AttentionMetadata.build([q_len] * batch, [ctx] * batch, perm, BS)
     return cache, meta

@@ -305,10 +305,11 @@ def _paged(kv_name: str, batch: int, context: int, heads: int, dim: int, block: 
     cache = PagedKVCache(CacheShape(1, num_blocks, heads, block, dim), KVCodec.build(kv_dtype, dim, scales=scales),
                          device=device)
     gen = torch.Generator(device=device).manual_seed(seed)
-    if kv_dtype.is_fp8:   # random codes of finite values (E4M3: 0x7f / 0xff are NaN)
-        cache.data.random_(0, 0x7f, generator=gen)
-    else:
-        cache.data.normal_(0, 1, generator=gen)
+    for data in (cache.k_data, cache.v_data):
+        if kv_dtype.is_fp8:   # random codes of finite values (E4M3: 0x7f / 0xff are NaN)
+            data.random_(0, 0x7f, generator=gen)
+        else:
+            data.normal_(0, 1, generator=gen)
     order = list(range(num_blocks))
     random.Random(seed).shuffle(order)
     tables = [order[i * per_seq:(i + 1) * per_seq] for i in range(batch)]

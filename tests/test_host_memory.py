@@ -225,5 +225,6 @@ def test_kv_cache_stays_on_ordinary_pages(huge_pages_on, kv):
     dtype = resolve_kv_cache_dtype(kv, torch.bfloat16)
     codec = KVCodec.build(dtype, 64, scales=KVScales.default(2) if dtype.is_fp8 else None)
     cache = PagedKVCache(CacheShape(2, 512, 4, 16, 64), codec)   # 8 or 16 MiB
-    assert cache.data.shape == (2, 2, 512, 4, 16, 64) and cache.data.is_contiguous()
-    assert cache.data.untyped_storage().nbytes() == cache.data.numel() * cache.data.element_size()   # torch's own
+    for codes in (cache.k_data, cache.v_data):
+        assert codes.shape == (2, 512, 4, 16, 64) and codes.is_contiguous()
+        assert codes.untyped_storage().nbytes() == codes.numel() * codes.element_size()   # torch's own

@@ -19,7 +19,6 @@ from kv8.engine.config import (
 )
 from kv8.entrypoints.cli import INFO_OPTIONS, TUNE_OPTIONS, build_parser
 from kv8.platform import DEVICE_CHOICES
-from kv8.quant.formats import KV_CACHE_DTYPE_NAMES
 from kv8.tools.commands import CALIBRATE_EXCLUDED, EVAL_DEFAULTS, EVAL_EXCLUDED
 
 FIELDS = EngineArgs.field_names()
@@ -103,7 +102,7 @@ def test_eval_configurations_have_one_flag_that_shadows_no_engine_option():
         build_parser().parse_args(BASE_ARGV["eval"] + ["--kv-cache-dtype", "fp8"])
 
 
-CHOICE_FIELDS = {"dtype": DTYPE_CHOICES, "kv_cache_dtype": KV_CACHE_DTYPE_NAMES,
+CHOICE_FIELDS = {"dtype": DTYPE_CHOICES,
                  "attention_backend": ATTENTION_BACKENDS, "dense_backend": DENSE_BACKENDS,
                  "kv_cache_scale_mode": SCALE_MODES, "kv_cache_rotation": ROTATIONS,
                  "quantization": QUANTIZATION_CHOICES, "device": DEVICE_CHOICES, "load_format": LOAD_FORMATS}
@@ -145,6 +144,22 @@ def test_bad_values_are_argparse_errors(capsys):
         with pytest.raises(SystemExit):
             parser.parse_args(["generate", "x", *argv])
         assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("bad,why", [("nonsense", "kv_cache_dtype='nonsense' is not supported"),
+                                     ("int8/int2", "kv_cache_dtype='int8/int2', its V format: kv_cache_dtype='int2'"),
+                                     ("auto/int4", "kv_cache_dtype='auto/int4': a K/V pair is written KFORMAT/VFORMAT"),
+                                     ("int8/int4/fp8", "kv_cache_dtype='int8/int4/fp8': a K/V pair is written")])
+def test_kv_cache_dtype_flag_checks_single_names_and_pairs(bad, why, capsys):
+    """--kv-cache-dtype takes a name or a K/V pair; a bad one is an argparse error saying what is allowed."""
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["generate", "x", "--kv-cache-dtype", bad])
+    err = capsys.readouterr().err
+    assert f"argument --kv-cache-dtype: {why}" in err
+    assert all(c in err for c in ("bfloat16", "fp8_e4m3", "int8_per_token_head", "int4_per_group32", "fp4_e2m1"))
+    assert "int8/int4_g32" in err
+    for good in ("fp8", "int8/int4_g32", "k8v4", "bf16/fp4"):
+        assert build_parser().parse_args(["generate", "x", "--kv-cache-dtype", good]).kv_cache_dtype == good
 
 
 def test_cli_spellings():

@@ -41,6 +41,9 @@ class TritonBackend:
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cache: PagedKVCache,
                 layer: int, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        if cache.codec.is_pair:
+            raise ValueError(f"kv_cache_dtype={cache.codec.name!r}: the triton kernels read keys and values in one "
+                             "format; use attention_backend='reference' for a K/V pair")
         k_cache, v_cache = cache.layer(layer)
         # the FP8, int8, int4, int4_per_group32 or fp4_e2m1 code format; None for a 16/32-bit pool
         fp8 = cache.kv_dtype.codes

@@ -23,6 +23,10 @@ A codec is a storage format plus how values are scaled and in which basis they a
   and queries used as ``(q / s) R`` (``s`` per layer, KV head and channel, the queries of a KV head's group divided
   by its factors); exact for attention (``s`` cancels in every product), applied in
   :meth:`KVCodec.keys_to_stored` and :meth:`KVCodec.queries_to_stored`;
+* K and V apart (``v_dtype``): keys in one format, values in another (``kv_cache_dtype="int8/int4_g32"``, or
+  ``"k8v4"``); each side is encoded, decoded and sized by its own format. In a pair every FP8 or integer side keeps
+  dynamic per-token scales (a pair takes no static scales), a group-scaled side its group scales, a 16/32-bit side
+  none; the basis, key offsets and key scaling are the layer's, as for one format;
 * basis ``R``: identity, or the orthonormal per-head Hadamard matrix (:mod:`kv8.quant.rotation`). Queries are
   rotated the same way and the attention output is rotated back (``R`` is its own inverse), so attention over
   the stored basis equals attention over the original one in exact arithmetic and nothing stored is ever
@@ -70,10 +74,11 @@ GROUP_FORMATS = (FP4GroupFormat, Int4GroupFormat)   # the classes of kv8.quant.f
 class KVCodec:
     """Format + scales + basis of the stored K/V. Build with :meth:`build`."""
 
-    kv_dtype: KVCacheDtype
+    kv_dtype: KVCacheDtype                  # the keys' format, and the values' unless v_dtype says otherwise
     head_dim: int
-    scales: KVScales | None = None          # static scales (FP8, static mode); None otherwise
-    dynamic: bool = False                   # per-token, per-head scales stored beside the codes (int8: always)
+    scales: KVScales | None = None          # static scales (FP8, static mode, one format); None otherwise
+    # per-token, per-head scales stored beside the codes of some side (int8: always; in a pair: FP8 and int sides)
+    dynamic: bool = False
     rotation_name: str = "none"
     rotation: torch.Tensor | None = None    # [D, D] orthonormal, float32; None = identity
     # the static scales' (k [L, H|1, D|1], v) on the codec's device (scales stay on the CPU: KVScales)
@@ -84,11 +89,12 @@ class KVCodec:
     key_scaling: KeyScaling | None = None   # key scaling (only with key offsets); None = off
     # the key factors [L, H, D] float32 on the codec's device, in the model's basis (applied before R)
     device_key_scaling: torch.Tensor | None = None
+    v_dtype: KVCacheDtype | None = None     # the values' format when it differs from kv_dtype (a K/V pair)
 
     @staticmethod
     def build(kv_dtype: KVCacheDtype, head_dim: int, *, scale_mode: str = "static", rotation: str = "none",
               scales: KVScales | None = None, key_offsets: KeyOffsets | None = None,
-              key_scaling: KeyScaling | None = None) -> KVCodec:
+              key_scaling: KeyScaling | None = None, v_dtype: KVCacheDtype | None = None) -> KVCodec:
         """A codec for options already validated by :class:`kv8.cache.config.CacheConfig` (``scale_mode`` in
         :data:`SCALE_MODES`, ``rotation`` in :data:`ROTATIONS`, dynamic scales only with a quantized format, a
         power-of-two ``head_dim`` for a rotation). ``scales`` are the static scales (dropped for a 16/32-bit format:
@@ -96,12 +102,19 @@ class KVCodec:
         :meth:`KVScales.default`, never invented here. An int8 format is dynamic whatever ``scale_mode`` says (its
         scales are per token and head by definition) and takes no static scales. ``key_offsets`` (``[L, H, D]``
         with this codec's ``head_dim``; any format) turn key centering on; ``key_scaling`` (the same shape, only
-        with ``key_offsets``) key scaling."""
-        if kv_dtype.group is not None:
-            kv_dtype.group.check_head_dim(head_dim, kv_dtype.name)
-        elif kv_dtype.bits_per_value == 4 and head_dim % 2:
-            raise ValueError(f"kv_cache_dtype={kv_dtype.name!r} packs two values per byte: it needs an even "
-                             f"head_dim, not {head_dim}")
+        with ``key_offsets``) key scaling. ``v_dtype`` (other than ``kv_dtype``) stores the values in their own
+        format: a K/V pair, whose FP8 and int sides keep dynamic scales whatever ``scale_mode`` says, and which takes
+        no static ``scales``."""
+        if v_dtype is not None and v_dtype == kv_dtype:
+            v_dtype = None
+        for side in (kv_dtype,) if v_dtype is None else (kv_dtype, v_dtype):
+            if side.group is not None:
+                side.group.check_head_dim(head_dim, side.name)
+            elif side.bits_per_value == 4 and head_dim % 2:
+                raise ValueError(f"kv_cache_dtype={side.name!r} packs two values per byte: it needs an even "
+                                 f"head_dim, not {head_dim}")
+        if v_dtype is not None:
+            return KVCodec._build_pair(kv_dtype, v_dtype, head_dim, rotation, scales, key_offsets, key_scaling)
         if scale_mode not in SCALE_MODES or rotation not in ROTATIONS:
             raise ValueError(f"scale_mode={scale_mode!r} / rotation={rotation!r}: allowed are "
                              f"{', '.join(SCALE_MODES)} / {', '.join(ROTATIONS)}")
@@ -139,6 +152,23 @@ class KVCodec:
                        None if key_offsets is None else key_offsets.k, key_scaling,
                        None if key_scaling is None else key_scaling.s)
 
+    @staticmethod
+    def _build_pair(k_dtype: KVCacheDtype, v_dtype: KVCacheDtype, head_dim: int, rotation: str,
+                    scales: KVScales | None, key_offsets: KeyOffsets | None,
+                    key_scaling: KeyScaling | None) -> KVCodec:
+        """:meth:`build` of a K/V pair (two different formats)."""
+        name = f"{k_dtype.name}/{v_dtype.name}"
+        if rotation not in ROTATIONS:
+            raise ValueError(f"rotation={rotation!r}: allowed are {', '.join(ROTATIONS)}")
+        if scales is not None:
+            raise ValueError(f"kv_cache_dtype={name!r} keeps a scale per token and head on its FP8 and int sides; "
+                             f"static scales ({scales.source}) cannot be combined with a K/V pair")
+        # the offsets' and factors' own checks are the one-format codec's (no static scales here)
+        checked = KVCodec.build(k_dtype, head_dim, scale_mode="dynamic" if k_dtype.is_fp8 else "static",
+                                rotation=rotation, key_offsets=key_offsets, key_scaling=key_scaling)
+        dynamic = any(d.is_quantized and not d.group_scales for d in (k_dtype, v_dtype))
+        return replace(checked, dynamic=dynamic, v_dtype=v_dtype)
+
     def to(self, device: torch.device | str) -> KVCodec:
         """The same codec with its tensors (static scales, rotation) on ``device``: what encodes and decodes
         tensors there. ``scales`` (:class:`KVScales`) stays on the CPU."""
@@ -150,11 +180,46 @@ class KVCodec:
         return replace(self, rotation=rotation, device_scales=moved, device_key_offsets=offsets,
                        device_key_scaling=factors)
 
+    # ---- sides ----------------------------------------------------------------------------------------------
+    @property
+    def k_dtype(self) -> KVCacheDtype:
+        """The keys' format (:attr:`kv_dtype`)."""
+        return self.kv_dtype
+
+    @property
+    def values_dtype(self) -> KVCacheDtype:
+        """The values' format: :attr:`v_dtype` in a K/V pair, else :attr:`kv_dtype`."""
+        return self.kv_dtype if self.v_dtype is None else self.v_dtype
+
+    @property
+    def is_pair(self) -> bool:
+        """Keys and values are stored in different formats."""
+        return self.v_dtype is not None
+
+    @property
+    def name(self) -> str:
+        """The cache format's canonical name: the format's, or ``"K/V"`` for a pair."""
+        return self.kv_dtype.name if self.v_dtype is None else f"{self.kv_dtype.name}/{self.v_dtype.name}"
+
+    def dtype_of(self, which: int) -> KVCacheDtype:
+        """The format of :data:`K` or :data:`V`."""
+        return self.kv_dtype if which == K else self.values_dtype
+
+    def dynamic_of(self, which: int) -> bool:
+        """Whether :data:`K` or :data:`V` keeps a scale per token and head beside its codes."""
+        fmt = self.dtype_of(which)
+        return self.dynamic and fmt.is_quantized and not fmt.group_scales
+
+    def packed_of(self, which: int) -> bool:
+        """Two integer codes per stored byte on that side (int4 per token and head; the group-scaled rows are
+        :attr:`KVCacheDtype.group`'s own)."""
+        codes = self.dtype_of(which).int_codes
+        return codes is not None and codes.bits == 4
+
     @property
     def packed(self) -> bool:
-        """Two integer codes per stored byte (int4 per token and head; the group-scaled rows are
-        :attr:`KVCacheDtype.group`'s own)."""
-        return self.kv_dtype.int_codes is not None and self.kv_dtype.int_codes.bits == 4
+        """:meth:`packed_of` the keys (of both sides, for one format)."""
+        return self.packed_of(K)
 
     # ---- sizes ----------------------------------------------------------------------------------------------
     @staticmethod
@@ -162,8 +227,8 @@ class KVCodec:
         """Bytes one token's K (or V) of one KV head occupies: its stored row (codes; FP4: and its group scales,
         ``ceil(head_dim / 16)`` bytes; int4_per_group32: ``2 head_dim / 32`` bytes), plus its scale with dynamic
         scales (``dynamic``, and always for int8 / int4 per token and head: ``4 / head_dim`` overhead, 6.25% at
-        head_dim 64)."""
-        scaled = (dynamic or kv_dtype.per_token_scales) and not kv_dtype.group_scales
+        head_dim 64; never for a 16/32-bit side, nor for a group-scaled one)."""
+        scaled = (dynamic and kv_dtype.is_quantized or kv_dtype.per_token_scales) and not kv_dtype.group_scales
         return (kv_dtype.stored_width(head_dim) * kv_dtype.bytes_per_element
                 + (DYNAMIC_SCALE_BYTES if scaled else 0))
 
@@ -218,10 +283,10 @@ class KVCodec:
         self.scales.layer(layer)   # validates the index
         return self.device_scales[0][layer], self.device_scales[1][layer]
 
-    def token_scales(self, x: torch.Tensor) -> torch.Tensor:
-        """Dynamic scales ``[T, H]`` float32 of values ``[T, H, D]``: ``amax / format max``, 1.0 where that is
-        zero or not finite."""
-        fmt = self.kv_dtype.codes
+    def token_scales(self, x: torch.Tensor, which: int = K) -> torch.Tensor:
+        """Dynamic scales ``[T, H]`` float32 of ``which``'s values ``[T, H, D]``: ``amax / format max``, 1.0 where
+        that is zero or not finite."""
+        fmt = self.dtype_of(which).codes
         assert fmt is not None, "dynamic scales exist only for quantized (FP8, int8) codecs"
         amax = x.float().abs().amax(dim=-1)
         # a tensor divisor: a true float32 division on every device (CUDA turns `/ python_float` into a multiply
@@ -233,16 +298,17 @@ class KVCodec:
     def encode(self, x: torch.Tensor, layer: int, which: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Values ``[T, H, D]`` (already in the stored basis) of ``which`` (:data:`K` or :data:`V`) in ``layer``
         -> ``(stored [T, H, W], token scales [T, H] or None)``; ``W = kv_dtype.stored_width(D)`` (``D / 2``
-        bytes for int4: two codes per byte, :func:`kv8.quant.formats.pack_int4`)."""
-        fmt = self.kv_dtype.codes
+        bytes for int4: two codes per byte, :func:`kv8.quant.formats.pack_int4`); ``which``'s format."""
+        kv_dtype = self.dtype_of(which)
+        fmt = kv_dtype.codes
         if fmt is None:
-            return x.to(self.kv_dtype.storage_dtype), None
+            return x.to(kv_dtype.storage_dtype), None
         if isinstance(fmt, GROUP_FORMATS):
             return fmt.encode(x), None
-        if self.dynamic:
-            ts = self.token_scales(x)
+        if self.dynamic_of(which):
+            ts = self.token_scales(x, which)
             codes = quantize(x, ts.unsqueeze(-1), fmt)
-            return (pack_int4(codes) if self.packed else codes), ts
+            return (pack_int4(codes) if self.packed_of(which) else codes), ts
         scales = self.layer_scales(layer)
         assert scales is not None
         return quantize(x, scales[which], fmt), None
@@ -250,15 +316,15 @@ class KVCodec:
     def decode(self, stored: torch.Tensor, layer: int, which: int, dtype: torch.dtype,
                token_scales: torch.Tensor | None = None) -> torch.Tensor:
         """What :meth:`encode` stored ``[T, H, W]`` -> values ``[T, H, D]`` in ``dtype`` (stored basis).
-        ``token_scales`` ``[T, H]`` are the stored dynamic scales (required in dynamic mode)."""
-        fmt = self.kv_dtype.codes
+        ``token_scales`` ``[T, H]`` are the stored dynamic scales (required where :meth:`dynamic_of`)."""
+        fmt = self.dtype_of(which).codes
         if fmt is None:
             return stored.to(dtype)
         if isinstance(fmt, GROUP_FORMATS):
             return fmt.decode(stored, self.head_dim, dtype)
-        if self.dynamic:
+        if self.dynamic_of(which):
             assert token_scales is not None, "a dynamic codec decodes with the stored token scales"
-            codes = unpack_int4(stored) if self.packed else stored
+            codes = unpack_int4(stored) if self.packed_of(which) else stored
             return dequantize(codes, token_scales.unsqueeze(-1), fmt, dtype=dtype)
         scales = self.layer_scales(layer)
         assert scales is not None
@@ -270,7 +336,7 @@ class KVCodec:
         (``|x| / s > fmt.clip_limit``: the FP8 format's max, or int8's 127.5; 0 for a 16/32-bit cache)."""
         stored, ts = self.encode(x, layer, which)
         back = self.decode(stored, layer, which, torch.float32, ts)
-        fmt = self.kv_dtype.codes
+        fmt = self.dtype_of(which).codes
         if fmt is None:
             return back, 0
         if isinstance(fmt, GROUP_FORMATS):
@@ -280,14 +346,28 @@ class KVCodec:
 
     def describe(self) -> str:
         """One line for logs: the scales' source and the basis."""
+        if self.v_dtype is not None:
+            sides = [f"{w} {self._side_scales(self.dtype_of(i))}" for i, w in ((K, "K"), (V, "V"))]
+            return self._describe_rest("; ".join(sides))
         scales = ("dynamic per token and head" if self.dynamic else
                   f"{self.kv_dtype.group.scale_name} per group of {self.kv_dtype.group.group_size}"
                   if self.kv_dtype.group is not None else
                   self.scales.source if self.scales is not None else "none (not quantized)")
+        return self._describe_rest(f"scales: {scales}")
+
+    @staticmethod
+    def _side_scales(fmt: KVCacheDtype) -> str:
+        """A pair side's scales in words."""
+        if fmt.group is not None:
+            return f"{fmt.name} ({fmt.group.scale_name} per group of {fmt.group.group_size})"
+        return f"{fmt.name} ({'dynamic per token and head' if fmt.is_quantized else 'not quantized'})"
+
+    def _describe_rest(self, scales: str) -> str:
+        """``scales``, then the rotation and the key offsets and factors."""
         centering = "" if self.key_offsets is None else f"; key centering on ({self.key_offsets.source})"
         if self.key_scaling is not None:
             centering += f"; key scaling on ({self.key_scaling.source})"
-        return f"scales: {scales}; rotation {self.rotation_name}{centering}"
+        return f"{scales}; rotation {self.rotation_name}{centering}"
 
 
 __all__ = ["DYNAMIC_SCALE_BYTES", "K", "KVCodec", "ROTATIONS", "SCALE_MODES", "V"]

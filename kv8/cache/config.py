@@ -6,6 +6,7 @@ take them from here (:func:`kv8.options.from_config`), so an option's default an
 
 from __future__ import annotations
 
+import argparse
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -14,11 +15,26 @@ import torch
 from kv8.cache.codec import ROTATIONS, SCALE_MODES
 from kv8.cache.plan import KVPlanFile, KVSpec, read_plan_file
 from kv8.options import option
-from kv8.quant.formats import KV_CACHE_DTYPE_NAMES, KVCacheDtype, resolve_kv_cache_dtype
+from kv8.quant.formats import (
+    KV_PAIR_ALIASES,
+    KVCacheDtype,
+    check_kv_cache_dtype,
+    resolve_kv_cache_dtype,
+    resolve_kv_cache_dtypes,
+    split_kv_cache_dtype,
+)
 from kv8.quant.scale_files import file_has_key_offsets, file_has_key_scaling
 from kv8.validators import check_bool, check_choice, check_int, check_number, is_int
 
 __all__ = ["SKIP_LAYER_KINDS", "CacheConfig"]
+
+def _kv_cache_dtype_flag(text: str) -> str:
+    """``--kv-cache-dtype``'s converter: the name when it is accepted, else argparse's error with what is allowed."""
+    try:
+        return check_kv_cache_dtype(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
 
 # kv_cache_dtype_skip_layers entries besides layer indices: every layer of that kind stays in the compute dtype
 SKIP_LAYER_KINDS = ("sliding_window", "full_attention")
@@ -28,7 +44,8 @@ SKIP_LAYER_KINDS = ("sliding_window", "full_attention")
 class CacheConfig:
     """KV cache settings: the options of the same names, once converted (``kv_cache_memory`` in bytes,
     ``kv_cache_dtype_skip_layers`` a tuple), and ``kv_dtype``, the format ``kv_cache_dtype`` names (``auto``: the
-    compute dtype's).
+    compute dtype's; for a K/V pair such as ``"int8/int4_g32"`` or ``"k8v4"``, the keys' format, and :attr:`v_dtype`
+    the values').
 
     ``kv_cache_memory`` (bytes) or ``num_kv_blocks`` fixes the budget; with neither, the engine derives one from
     the device: on a GPU, ``gpu_memory_utilization`` of its total memory less what is in use and what the weights
@@ -69,8 +86,10 @@ class CacheConfig:
                                  "value); int8 = int8_per_token_head (1 byte per value, a scale per token and "
                                  "head); int4_per_group32 (4.5 bits per value: int4 codes, a float16 scale per 32 "
                                  "values; head_dim a multiple of 32); nvfp4 = fp4_e2m1 (4.5 bits per value: E2M1 "
-                                 "codes, an E4M3 scale per 16 values)",
-                                 choices=KV_CACHE_DTYPE_NAMES)
+                                 "codes, an E4M3 scale per 16 values); KFORMAT/VFORMAT stores keys and values "
+                                 "apart, e.g. int8/int4_g32 (" + ", ".join(f"{a} = {k}/{v}" for a, (k, v) in
+                                                               KV_PAIR_ALIASES.items()) + ")",
+                                 type=_kv_cache_dtype_flag, metavar="FORMAT")
     block_size: int = option(16, "tokens per KV block (a power of two)", type=int)
     kv_cache_memory: int | None = option(
         None, "KV cache budget: bytes or a size such as 2GiB (default: on CUDA what gpu_memory_utilization leaves; "
@@ -100,15 +119,29 @@ class CacheConfig:
         False, "keep every block of sliding-window layers instead of freeing those that leave the window",
         type=bool)
 
+    @cached_property
+    def v_dtype(self) -> KVCacheDtype:
+        """The values' format: :attr:`kv_dtype` unless ``kv_cache_dtype`` is a K/V pair (whose sides name formats
+        that do not depend on the compute dtype: a pair has no ``auto``)."""
+        pair = split_kv_cache_dtype(self.kv_cache_dtype)
+        return self.kv_dtype if pair is None else resolve_kv_cache_dtypes(self.kv_cache_dtype, torch.float32)[1]
+
+    @property
+    def is_pair(self) -> bool:
+        """Keys and values are stored in different formats."""
+        return self.v_dtype != self.kv_dtype
+
     @property
     def dynamic_scales(self) -> bool:
-        """Each stored token keeps a scale per KV head: ``kv_cache_scale_mode="dynamic"``, or an int8 cache."""
-        return self.kv_cache_scale_mode == "dynamic" or self.kv_dtype.per_token_scales
+        """Each stored token keeps a scale per KV head: ``kv_cache_scale_mode="dynamic"``, an int8 cache, or a K/V
+        pair with an FP8 or int side."""
+        return self.kv_cache_scale_mode == "dynamic" or self.kv_dtype.per_token_scales or (
+            self.is_pair and self.default_spec.dynamic)
 
     @property
     def default_spec(self) -> KVSpec:
         """How the layers that no plan or skip list names are stored (``kv_cache_dtype``, rotation, scale mode)."""
-        return KVSpec.of(self.kv_dtype, self.kv_cache_rotation, self.kv_cache_scale_mode)
+        return KVSpec.of(self.kv_dtype, self.kv_cache_rotation, self.kv_cache_scale_mode, self.v_dtype)
 
     @cached_property
     def plan(self) -> KVPlanFile | None:
@@ -160,8 +193,15 @@ class CacheConfig:
             if entry not in SKIP_LAYER_KINDS and not (is_int(entry) and int(entry) >= 0):
                 raise ValueError(f"kv_cache_dtype_skip_layers entry {entry!r} must be a layer index >= 0 or one of: "
                                  f"{', '.join(SKIP_LAYER_KINDS)}")
+        pair = split_kv_cache_dtype(self.kv_cache_dtype)
+        if pair is not None and resolve_kv_cache_dtype(pair[0], torch.float32) != self.kv_dtype:
+            raise ValueError(f"CacheConfig: kv_dtype={self.kv_dtype.name!r} is not the keys' format of "
+                             f"kv_cache_dtype={self.kv_cache_dtype!r} (resolve_kv_cache_dtypes gives both)")
         if self.kv_cache_plan is not None:
             self._check_plan()
+            return
+        if self.is_pair:
+            self._check_pair()
             return
         if self.kv_dtype.group_scales:
             self._check_group_scaled()
@@ -188,6 +228,23 @@ class CacheConfig:
             raise ValueError(f"kv_cache_dtype_skip_layers keeps layers out of a quantized cache, but {not_fp8} (or "
                              "int8_per_token_head)")
 
+    def _check_pair(self) -> None:
+        """A K/V pair keeps per-token scales on its FP8 and int sides and group scales on a group-scaled side: it
+        takes no static scales (a file with key offsets only centers the keys); ``kv_cache_scale_mode='dynamic'``
+        only says what its FP8 side does anyway; skipped layers need a quantized side."""
+        sides = (self.kv_dtype, self.v_dtype)
+        what = f"kv_cache_dtype={self.kv_cache_dtype!r} ({self.kv_dtype.name} keys, {self.v_dtype.name} values)"
+        if self.kv_cache_scale_mode == "dynamic" and not any(d.is_fp8 for d in sides):
+            raise ValueError(f"kv_cache_scale_mode='dynamic' applies to FP8 formats, but {what} has no FP8 side "
+                             "(leave it 'static')")
+        if self.quantization_param_path is not None and not self.key_centering:
+            raise ValueError(f"{what} keeps its scales per token and head or per group; quantization_param_path="
+                             f"{self.quantization_param_path!r} has no key offsets and its static scales would be "
+                             "ignored (drop it, or use a file from kv8 calibrate --key-centering)")
+        if self.kv_cache_dtype_skip_layers and not any(d.is_quantized for d in sides):
+            raise ValueError(f"kv_cache_dtype_skip_layers keeps layers out of a quantized cache, but {what} "
+                             "quantizes neither side")
+
     def _check_group_scaled(self) -> None:
         """A format with its scales in each row (``fp4_e2m1``, ``int4_per_group32``) takes no other scales: neither
         dynamic per-token scales nor a scales file (one with key offsets only centers the keys)."""
@@ -212,7 +269,10 @@ class CacheConfig:
             raise ValueError(f"kv_cache_plan={plan.path!r} and kv_cache_dtype_skip_layers both set layers' formats; "
                              'give one of them (a plan keeps layer N in the compute dtype with "N": '
                              '{"kv_cache_dtype": "auto"})')
-        named = [self.kv_dtype, *(resolve_kv_cache_dtype(n, torch.float32) for n in plan.kv_cache_dtypes())]
+        if self.is_pair:
+            self._check_pair()
+        named = [self.kv_dtype, self.v_dtype,
+                 *(d for n in plan.kv_cache_dtypes() for d in resolve_kv_cache_dtypes(n, torch.float32))]
         fp8 = any(d.is_fp8 for d in named)
         dynamic = self.kv_cache_scale_mode == "dynamic"
         neither = (f"neither kv_cache_dtype={self.kv_cache_dtype!r} nor kv_cache_plan={plan.path!r} names an FP8 "

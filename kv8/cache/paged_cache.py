@@ -1,10 +1,14 @@
 """The KV cache tensors and quantize-on-store.
 
-Layout, one tensor for the layers the cache holds (``H`` = KV heads, ``D`` = head dim, ``bs`` = block size)::
+Layout, one tensor for the keys and one for the values of the layers the cache holds (``H`` = KV heads, ``D`` =
+head dim, ``bs`` = block size)::
 
-    data: [num_slots, 2 (K, V), num_blocks, H, bs, W]   dtype = storage dtype (uint8 codes for FP8)
+    k_data: [num_slots, num_blocks, H, bs, Wk]   dtype = the keys' storage dtype (uint8 codes for FP8)
+    v_data: [num_slots, num_blocks, H, bs, Wv]   dtype = the values' storage dtype
 
-``W`` is ``D`` values, except for int4: ``D / 2`` bytes, two codes each (``KVCacheDtype.stored_width``).
+``W`` is the side's ``KVCacheDtype.stored_width(D)``: ``D`` values, ``D / 2`` bytes for int4 (two codes each), the
+codes and group scales of a group-scaled row. Keys and values have one format (the cache's ``kv_cache_dtype``) or
+each its own (a K/V pair, :attr:`kv8.cache.codec.KVCodec.v_dtype`).
 
 Model layer ``l`` lives in slot ``slots[l]``. Without a slot map every layer has its own slot (``num_slots =
 num_layers``); a hybrid layout (:mod:`kv8.cache.layout`) puts several layers in one slot, each reached
@@ -16,9 +20,10 @@ A token's slot is ``block_id * bs + offset``; token ``t`` of a sequence lives at
 
 What a slot holds is decided by the cache's :class:`kv8.cache.codec.KVCodec` (format, static or dynamic
 scales, basis); this class owns only the tensors and where a token's bytes go. With dynamic scales, each
-stored token also keeps one float32 scale per KV head for K and for V beside its codes::
+stored token also keeps one float32 scale per KV head beside the codes of each side that has them
+(:meth:`KVCodec.dynamic_of`: both for one format, the FP8 and int sides of a pair)::
 
-    token_scales: [num_slots, 2, num_blocks, H, bs]   float32
+    k_token_scales, v_token_scales: [num_slots, num_blocks, H, bs]   float32 (or None: that side has none)
 
 A slot's codes and scale are written together and read together, so prefix caching and preemption read back
 exactly what was stored.
@@ -64,17 +69,35 @@ class PagedKVCache:
         # memory. Slots are always written before they are read (a slot beyond a sequence's length is never
         # used in its attention), so the initial contents do not matter. Ordinary pages, unlike the weights
         # (kv8.host_memory): the cache is first touched while serving, where a fresh 2 MiB page costs more.
-        self.data = torch.empty(num_slots, 2, shape.num_blocks, shape.num_kv_heads, shape.block_size,
-                                codec.kv_dtype.stored_width(shape.head_dim), dtype=codec.kv_dtype.storage_dtype,
-                                device=self.device)
-        self.token_scales: torch.Tensor | None = None
-        if codec.dynamic:
-            self.token_scales = torch.empty(num_slots, 2, shape.num_blocks, shape.num_kv_heads,
-                                            shape.block_size, dtype=torch.float32, device=self.device)
+        rows = (num_slots, shape.num_blocks, shape.num_kv_heads, shape.block_size)
+        k_fmt, v_fmt = codec.dtype_of(K), codec.dtype_of(V)
+        self.k_data = torch.empty(*rows, k_fmt.stored_width(shape.head_dim), dtype=k_fmt.storage_dtype,
+                                  device=self.device)
+        self.v_data = torch.empty(*rows, v_fmt.stored_width(shape.head_dim), dtype=v_fmt.storage_dtype,
+                                  device=self.device)
+        self.k_token_scales, self.v_token_scales = (
+            torch.empty(*rows, dtype=torch.float32, device=self.device) if codec.dynamic_of(which) else None
+            for which in (K, V))
 
     @property
     def kv_dtype(self) -> KVCacheDtype:
+        """The keys' format (the cache's, for one format)."""
         return self.codec.kv_dtype
+
+    @property
+    def k_dtype(self) -> KVCacheDtype:
+        return self.codec.kv_dtype
+
+    @property
+    def v_dtype(self) -> KVCacheDtype:
+        """The values' format (:attr:`k_dtype` unless the cache is a K/V pair)."""
+        return self.codec.values_dtype
+
+    @property
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        """Every tensor the cache holds: codes, then the token scales there are."""
+        return tuple(t for t in (self.k_data, self.v_data, self.k_token_scales, self.v_token_scales)
+                     if t is not None)
 
     @property
     def scales(self) -> KVScales | None:
@@ -86,30 +109,27 @@ class PagedKVCache:
         return self.codec.dynamic
 
     @property
-    def cache_width(self) -> int:
-        """Elements of :attr:`data` one head's row takes (``head_dim``; int4: ``head_dim / 2`` bytes)."""
-        return self.codec.kv_dtype.stored_width(self.shape.head_dim)
-
-    @property
     def nbytes(self) -> int:
-        extra = 0 if self.token_scales is None else self.token_scales.numel() * self.token_scales.element_size()
-        return self.data.numel() * self.data.element_size() + extra
+        return sum(t.numel() * t.element_size() for t in self.tensors)
 
     def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(K cache, V cache) of one layer, each ``[num_blocks, H, bs, W]`` (``W = D``; int4: ``D / 2`` bytes)."""
+        """(K cache, V cache) of one layer, ``[num_blocks, H, bs, Wk]`` and ``[num_blocks, H, bs, Wv]`` (``W =
+        stored_width(D)`` of each side's format)."""
         s = self.slots[layer]
-        return self.data[s, 0], self.data[s, 1]
+        return self.k_data[s], self.v_data[s]
 
     def layer_scales(self, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Static (k_scale, v_scale) broadcastable to ``[H, D]``, or None (16/32-bit cache, dynamic scales)."""
         return self.codec.layer_scales(layer)
 
-    def layer_token_scales(self, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(K, V) per-token scales of one layer, each ``[num_blocks, H, bs]`` float32, or None (static scales)."""
-        if self.token_scales is None:
+    def layer_token_scales(self, layer: int) -> tuple[torch.Tensor | None, torch.Tensor | None] | None:
+        """(K, V) per-token scales of one layer, each ``[num_blocks, H, bs]`` float32, or None where neither side
+        has them (static scales, group scales, 16/32-bit). In a K/V pair one side may be None (its format keeps
+        no per-token scales); with one format both are given or neither."""
+        if self.k_token_scales is None and self.v_token_scales is None:
             return None
         s = self.slots[layer]
-        return self.token_scales[s, 0], self.token_scales[s, 1]
+        return tuple(None if t is None else t[s] for t in (self.k_token_scales, self.v_token_scales))  # type: ignore[return-value]
 
     def store(self, layer: int, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         """Write new tokens (the reference store). key/value: ``[T, H, D]`` in the stored basis; slot_mapping:
@@ -122,23 +142,32 @@ class PagedKVCache:
         blocks, offsets = slot_mapping // bs, slot_mapping % bs
         for which, x in enumerate((key, value)):
             stored, ts = self.codec.encode(x, layer, which)
-            # Advanced indices around a slice: the indexed view is [T, H, D], matching x.
-            self.data[slot, which][blocks, :, offsets] = stored
-            if ts is not None and self.token_scales is not None:
-                self.token_scales[slot, which][blocks, :, offsets] = ts
+            # Advanced indices around a slice: the indexed view is [T, H, W], matching the stored rows.
+            self._codes(which)[slot][blocks, :, offsets] = stored
+            scales = self._scales(which)
+            if ts is not None and scales is not None:
+                scales[slot][blocks, :, offsets] = ts
 
     def gather(self, layer: int, block_table: torch.Tensor, num_tokens: int,
                dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """Read the first ``num_tokens`` tokens of one sequence, decoded: (K, V) each ``[num_tokens, H, D]``."""
         nb = -(-num_tokens // self.shape.block_size)
         idx = block_table[:nb]
-        h, d, slot = self.shape.num_kv_heads, self.cache_width, self.slots[layer]
+        h, slot = self.shape.num_kv_heads, self.slots[layer]
         out = []
         for which in (K, V):
-            blocks = self.data[slot, which][idx]                                 # [nb, H, bs, D]
-            tokens = blocks.transpose(1, 2).reshape(-1, h, d)[:num_tokens]        # [num_tokens, H, D]
+            codes = self._codes(which)
+            blocks = codes[slot][idx]                                                 # [nb, H, bs, W]
+            tokens = blocks.transpose(1, 2).reshape(-1, h, codes.shape[-1])[:num_tokens]   # [num_tokens, H, W]
             ts = None
-            if self.token_scales is not None:
-                ts = self.token_scales[slot, which][idx].transpose(1, 2).reshape(-1, h)[:num_tokens]
+            scales = self._scales(which)
+            if scales is not None:
+                ts = scales[slot][idx].transpose(1, 2).reshape(-1, h)[:num_tokens]
             out.append(self.codec.decode(tokens, layer, which, dtype, ts))
         return out[0], out[1]
+
+    def _codes(self, which: int) -> torch.Tensor:
+        return self.k_data if which == K else self.v_data
+
+    def _scales(self, which: int) -> torch.Tensor | None:
+        return self.k_token_scales if which == K else self.v_token_scales

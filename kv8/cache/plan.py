@@ -14,7 +14,10 @@ spec. ``kv_cache_dtype_skip_layers`` is one way to set a plan: its layers get th
 
     {"kv8_kv_plan": 1,
      "layers": {"0": {"kv_cache_dtype": "bfloat16"},
-                "5": {"kv_cache_dtype": "int4_per_token_head", "kv_cache_rotation": "hadamard"}}}
+                "5": {"kv_cache_dtype": "int4_per_token_head", "kv_cache_rotation": "hadamard"},
+                "6": {"kv_cache_dtype": "int8_per_token_head/int4_per_group32"}}}
+
+(a ``kv_cache_dtype`` of a layer may be a K/V pair, as the option's may: keys in one format, values in another)
 
 An optional ``"calibration"`` object records how the plan was made (``kv8 calibrate --plan`` writes the budget and
 the predicted and measured KLD there); the engine reads nothing from it. A layer the file does not name, and a key
@@ -37,7 +40,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from kv8.cache.codec import KVCodec
-from kv8.quant.formats import KV_CACHE_DTYPE_NAMES, KVCacheDtype
+from kv8.quant.formats import KVCacheDtype, check_kv_cache_dtype
 from kv8.quant.rotation import ROTATIONS
 
 __all__ = ["PLAN_VERSION", "KVPlan", "KVPlanEntry", "KVPlanFile", "KVSpec", "read_plan_file"]
@@ -49,17 +52,36 @@ _ENTRY_KEYS = ("kv_cache_dtype", "kv_cache_rotation")
 
 @dataclass(frozen=True)
 class KVSpec:
-    """How one layer's K/V are stored: the format, the basis, and whether each token keeps its own scales
-    (``dynamic``: FP8 with ``kv_cache_scale_mode="dynamic"``, and the int formats always). Build with :meth:`of`."""
+    """How one layer's K/V are stored: the format (the keys', and the values' unless ``v_dtype`` names theirs: a K/V
+    pair), the basis, and whether tokens keep their own scales (``dynamic``: FP8 with
+    ``kv_cache_scale_mode="dynamic"``, the int formats always; in a pair, its FP8 and int sides always). Build with
+    :meth:`of`, which keeps ``v_dtype`` None unless the two formats differ (so one format has one spec)."""
 
     kv_dtype: KVCacheDtype
     rotation: str = "none"
     dynamic: bool = False
+    v_dtype: KVCacheDtype | None = None
 
     @staticmethod
-    def of(kv_dtype: KVCacheDtype, rotation: str = "none", scale_mode: str = "static") -> KVSpec:
-        """The spec of a format with a rotation and ``kv_cache_scale_mode`` (it applies to FP8 formats only)."""
-        return KVSpec(kv_dtype, rotation, kv_dtype.per_token_scales or (kv_dtype.is_fp8 and scale_mode == "dynamic"))
+    def of(kv_dtype: KVCacheDtype, rotation: str = "none", scale_mode: str = "static",
+           v_dtype: KVCacheDtype | None = None) -> KVSpec:
+        """The spec of a format (or of keys in ``kv_dtype`` beside values in ``v_dtype``) with a rotation and
+        ``kv_cache_scale_mode`` (it applies to the FP8 format of one-format specs only)."""
+        if v_dtype is None or v_dtype == kv_dtype:
+            return KVSpec(kv_dtype, rotation,
+                          kv_dtype.per_token_scales or (kv_dtype.is_fp8 and scale_mode == "dynamic"))
+        return KVSpec(kv_dtype, rotation, any(d.is_quantized and not d.group_scales for d in (kv_dtype, v_dtype)),
+                      v_dtype)
+
+    @property
+    def values_dtype(self) -> KVCacheDtype:
+        """The values' format (:attr:`kv_dtype` unless the spec is a K/V pair)."""
+        return self.kv_dtype if self.v_dtype is None else self.v_dtype
+
+    @property
+    def name(self) -> str:
+        """The format's canonical name, ``"K/V"`` for a pair (what ``kv_cache_dtype`` accepts)."""
+        return self.kv_dtype.name if self.v_dtype is None else f"{self.kv_dtype.name}/{self.v_dtype.name}"
 
     @property
     def static_fp8(self) -> bool:
@@ -68,12 +90,13 @@ class KVSpec:
 
     def token_bytes(self, head_dim: int, kv_heads: int) -> int:
         """Bytes one token of one layer takes: K and V of ``kv_heads`` heads, codes and per-token scales."""
-        return 2 * kv_heads * KVCodec.bytes_per_head(self.kv_dtype, head_dim, self.dynamic)
+        return kv_heads * sum(KVCodec.bytes_per_head(d, head_dim, self.dynamic)
+                              for d in (self.kv_dtype, self.values_dtype))
 
     def describe(self) -> str:
         """``fp8_e4m3 + hadamard, dynamic scales``: the format, then what differs from the plain format."""
-        parts = [self.kv_dtype.name + (f" + {self.rotation}" if self.rotation != "none" else "")]
-        if self.dynamic and not self.kv_dtype.per_token_scales:
+        parts = [self.name + (f" + {self.rotation}" if self.rotation != "none" else "")]
+        if self.dynamic and not self.kv_dtype.per_token_scales and self.v_dtype is None:
             parts.append("dynamic scales")
         return ", ".join(parts)
 
@@ -175,9 +198,11 @@ def read_plan_file(path: str | os.PathLike[str]) -> KVPlanFile:
         if bad:
             raise ValueError(f"{where}: layer {key} has unknown keys {bad}; allowed: {', '.join(_ENTRY_KEYS)}")
         dtype, rotation = settings.get("kv_cache_dtype"), settings.get("kv_cache_rotation")
-        if dtype is not None and dtype not in KV_CACHE_DTYPE_NAMES:
-            raise ValueError(f"{where}: layer {key} has kv_cache_dtype={dtype!r}; choose one of: "
-                             f"{', '.join(KV_CACHE_DTYPE_NAMES)}")
+        if dtype is not None:
+            try:
+                check_kv_cache_dtype(dtype)
+            except ValueError as e:
+                raise ValueError(f"{where}: layer {key}: {e}") from None
         if rotation is not None and rotation not in ROTATIONS:
             raise ValueError(f"{where}: layer {key} has kv_cache_rotation={rotation!r}; choose one of: "
                              f"{', '.join(ROTATIONS)}")

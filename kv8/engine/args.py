@@ -35,7 +35,7 @@ from kv8.engine.config import (
 from kv8.models.registry import arch_config
 from kv8.options import OptionGroup, from_config, option
 from kv8.platform import DEVICE_CHOICES, Platform
-from kv8.quant.formats import resolve_kv_cache_dtype
+from kv8.quant.formats import resolve_kv_cache_dtypes
 from kv8.validators import check_choice, parse_memory
 
 DEFAULT_MODEL = "smollm2-135m"
@@ -151,7 +151,7 @@ class EngineArgs(OptionGroup):
         arch = arch_config(hf_config)
         dtype = resolve_dtype(self.dtype)
         cache = CacheConfig(
-            kv_dtype=resolve_kv_cache_dtype(self.kv_cache_dtype, dtype), kv_cache_dtype=self.kv_cache_dtype,
+            kv_dtype=resolve_kv_cache_dtypes(self.kv_cache_dtype, dtype)[0], kv_cache_dtype=self.kv_cache_dtype,
             block_size=self.block_size,
             kv_cache_memory=None if self.kv_cache_memory is None else parse_memory(self.kv_cache_memory),
             gpu_memory_utilization=self.gpu_memory_utilization,

@@ -24,7 +24,7 @@ from kv8.envs import triton_interpret
 from kv8.models.config import ModelArchConfig
 from kv8.options import option
 from kv8.platform import CPU, DEVICES, Platform
-from kv8.quant.formats import resolve_kv_cache_dtype
+from kv8.quant.formats import resolve_kv_cache_dtype, resolve_kv_cache_dtypes
 from kv8.validators import check_bool, check_choice, check_int
 
 __all__ = ["ATTENTION_BACKENDS", "DENSE_BACKENDS", "DTYPE_CHOICES", "LOAD_FORMATS", "QUANTIZATION_CHOICES",
@@ -171,8 +171,9 @@ class EngineConfig:
             raise ValueError(f"kv_cache_rotation='hadamard'{where} needs a power-of-two head_dim; this model has "
                              f"head_dim={arch.head_dim}")
         for spec in specs:   # a group-scaled format needs whole groups (int4_per_group32: head_dim % 32 == 0)
-            if spec.kv_dtype.group is not None:
-                spec.kv_dtype.group.check_head_dim(arch.head_dim, spec.kv_dtype.name)
+            for side in (spec.kv_dtype, spec.values_dtype):
+                if side.group is not None:
+                    side.group.check_head_dim(arch.head_dim, side.name)
         if cc.quantization_param_path is not None and not any(s.static_fp8 for s in specs) and not cc.key_centering:
             raise ValueError(f"quantization_param_path={self.cache.quantization_param_path!r} gives static FP8 "
                              f"scales, but no layer of kv_cache_plan={self.cache.kv_cache_plan!r} is stored in "
@@ -231,10 +232,10 @@ class EngineConfig:
             # the CPU path never imports the kernel package
             from kv8.kernels.triton.formats import kernel_format
             for layer, name in named:
-                codes = resolve_kv_cache_dtype(name, self.dtype).codes
                 try:
-                    if codes is not None:
-                        kernel_format(codes)
+                    for side in resolve_kv_cache_dtypes(name, self.dtype):
+                        if side.codes is not None:
+                            kernel_format(side.codes)
                 except ValueError as exc:
                     where = (f"kv_cache_dtype={name!r}" if layer is None else
                              f"kv_cache_plan={plan.path!r} stores layer {layer} as {name}")  # type: ignore[union-attr]
@@ -289,10 +290,10 @@ class EngineConfig:
                 if e.layer >= arch.num_layers:
                     raise ValueError(f"kv_cache_plan={cc.plan.path!r} has layer {e.layer}, but the model has "
                                      f"{arch.num_layers} layers (0..{arch.num_layers - 1})")
-                kv_dtype = (cc.kv_dtype if e.kv_cache_dtype is None
-                            else resolve_kv_cache_dtype(e.kv_cache_dtype, self.dtype))
-                overrides[e.layer] = KVSpec.of(kv_dtype, e.kv_cache_rotation or cc.kv_cache_rotation,
-                                               cc.kv_cache_scale_mode)
+                k_dtype, v_dtype = ((cc.kv_dtype, cc.v_dtype) if e.kv_cache_dtype is None
+                                    else resolve_kv_cache_dtypes(e.kv_cache_dtype, self.dtype))
+                overrides[e.layer] = KVSpec.of(k_dtype, e.kv_cache_rotation or cc.kv_cache_rotation,
+                                               cc.kv_cache_scale_mode, v_dtype)
             return KVPlan.build(cc.default_spec, arch.num_layers, overrides)
         compute = KVSpec(resolve_kv_cache_dtype("auto", self.dtype))
         return KVPlan.build(cc.default_spec, arch.num_layers, dict.fromkeys(self._skipped_layers(), compute))

@@ -100,7 +100,7 @@ class LLMEngine:
         specs = [s.describe() for s in budget.plan.specs]
         logger.info(
             "KV cache on %s: dtype %s, %s blocks of %d tokens, %s in all%s; %s; %s; prefix caching %s; attention "
-            "backend %s; dense backend %s", self.runner.device, cc.kv_dtype.name, " + ".join(map(str, num_blocks)),
+            "backend %s; dense backend %s", self.runner.device, cc.default_spec.name, " + ".join(map(str, num_blocks)),
             cc.block_size,
             format_bytes(sum(c.nbytes for c in self.caches)), per_rank, self.layout.describe(specs),
             "; ".join(f"{specs[p.spec]}: {c.codec.describe()}" for p, c in zip(self.layout.pools, self.caches)),

@@ -104,7 +104,7 @@ def load_shard(config: EngineConfig, budget: KVBudget, num_blocks: Sequence[int]
                                   kv_heads, spec)
         codec = KVCodec.build(spec.kv_dtype, arch.head_dim, scale_mode="dynamic" if spec.dynamic else "static",
                               rotation=spec.rotation, scales=scales, key_offsets=key_offsets,
-                              key_scaling=key_scaling)
+                              key_scaling=key_scaling, v_dtype=spec.v_dtype)
         shape = CacheShape(arch.num_layers, n, kv_heads[1], cc.block_size, arch.head_dim)
         caches.append(PagedKVCache(shape, codec, {i: layout.layer_slot[i] for i in pool.layers}, device))
     runner = ModelRunner(loaded.model, caches, layout, get_backend(config.attention_backend, platform), observer,

@@ -31,7 +31,7 @@ from kv8.kernels.cpu.build import KernelUnavailable
 from kv8.models.config import ModelArchConfig
 from kv8.models.registry import arch_config
 from kv8.platform import CPU, Platform
-from kv8.quant.formats import resolve_kv_cache_dtype
+from kv8.quant.formats import KV_PAIR_ALIASES, resolve_kv_cache_dtype, resolve_kv_cache_dtypes
 from kv8.validators import format_bytes, parse_memory
 
 EPILOG = """examples:
@@ -336,7 +336,7 @@ def cmd_tune(ns: argparse.Namespace) -> int:
 def capacity_table(arch: ModelArchConfig, memory: int, block_size: int) -> str:
     """Per KV dtype (the integer ones with their scale per token and head, the group-scaled ones with their scales
     per group: int4_per_group32 a float16 per 32 values, left out where head_dim is not a multiple of 32, FP4 an
-    E4M3 per 16): bytes per token of the full-attention and
+    E4M3 per 16; and the K/V pairs of :data:`KV_PAIR_ALIASES`, k8v4): bytes per token of the full-attention and
     the sliding-window layers, and how much context
     fits in ``memory`` -- keeping every block, and freeing blocks that left a layer's window (the engine's
     default; vLLM's hybrid KV cache manager), counted for sequences of the model's default context ``L``.
@@ -356,13 +356,13 @@ def capacity_table(arch: ModelArchConfig, memory: int, block_size: int) -> str:
     compute_dtype = resolve_dtype("auto")
     base = None
     for name in ("bfloat16", "float32", "fp8_e4m3", "fp8_e5m2", "fp8_e4m3fnuz", "int8_per_token_head",
-                 "int4_per_token_head", "int4_per_group32", "fp4_e2m1"):
-        group = resolve_kv_cache_dtype(name, compute_dtype).group
-        if group is not None and arch.head_dim % group.head_dim_multiple:
+                 "int4_per_token_head", "int4_per_group32", "fp4_e2m1", *KV_PAIR_ALIASES):
+        sides = resolve_kv_cache_dtypes(name, compute_dtype)
+        if any(d.group is not None and arch.head_dim % d.group.head_dim_multiple for d in sides):
             continue
         seqs, seq_bytes = [], []
         for hybrid in (False, True):
-            cache = CacheConfig(kv_dtype=resolve_kv_cache_dtype(name, compute_dtype), kv_cache_dtype=name,
+            cache = CacheConfig(kv_dtype=sides[0], kv_cache_dtype=name,
                                 block_size=block_size, kv_cache_memory=memory,
                                 disable_hybrid_kv_cache_manager=not hybrid)
             budget = KVBudget.build(cache, windows, head_dim=arch.head_dim, kv_heads=arch.num_kv_heads,

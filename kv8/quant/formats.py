@@ -38,6 +38,11 @@ from kv8.quant.int4_group import INT4_G32, Int4GroupFormat
 from kv8.validators import is_number
 
 __all__ = [
+    "KV_PAIR_ALIASES",
+    "check_kv_cache_dtype",
+    "kv_cache_dtype_name",
+    "resolve_kv_cache_dtypes",
+    "split_kv_cache_dtype",
     "FP8Format",
     "E4M3",
     "E4M3FNUZ",
@@ -497,6 +502,58 @@ class KVCacheDtype:
         return head_dim * self.bits_per_value // (8 * self.storage_dtype.itemsize)
 
 
+#: K/V pair spellings that name no single format: ``"k8v4"`` (vLLM's name for 8-bit keys and 4-bit values) is int8
+#: keys beside int4_per_group32 values (the 4-bit format with the smaller error per byte, docs/accuracy.md)
+KV_PAIR_ALIASES: dict[str, tuple[str, str]] = {"k8v4": ("int8_per_token_head", "int4_per_group32")}
+KV_PAIR_SEPARATOR = "/"
+
+
+def split_kv_cache_dtype(name: str) -> tuple[str, str] | None:
+    """The (K, V) names of a pair ``kv_cache_dtype`` -- ``"KFORMAT/VFORMAT"`` (each any accepted single name, e.g.
+    ``"int8/int4_g32"``) or an alias of :data:`KV_PAIR_ALIASES` --, or None for a single name (checked by
+    :func:`resolve_kv_cache_dtype`). A pair whose two names resolve to one format is that format. ``ValueError``
+    for a malformed pair (``"a/b/c"``, an empty side, ``"auto"`` on a side: a pair names both formats)."""
+    if isinstance(name, str) and name in KV_PAIR_ALIASES:
+        return KV_PAIR_ALIASES[name]
+    if not isinstance(name, str) or KV_PAIR_SEPARATOR not in name:
+        return None
+    sides = name.split(KV_PAIR_SEPARATOR)
+    if len(sides) != 2 or not all(sides) or "auto" in sides:
+        raise ValueError(f"kv_cache_dtype={name!r}: a K/V pair is written KFORMAT/VFORMAT with two formats other "
+                         f"than auto (e.g. int8/int4_g32, or {', '.join(KV_PAIR_ALIASES)}); choose each from: "
+                         f"{', '.join(c for c in KV_CACHE_DTYPE_CHOICES if c != 'auto')}")
+    return sides[0], sides[1]
+
+
+def resolve_kv_cache_dtypes(name: str, compute_dtype: torch.dtype) -> tuple[KVCacheDtype, KVCacheDtype]:
+    """The (K, V) formats a ``kv_cache_dtype`` names: both the same for a single name
+    (:func:`resolve_kv_cache_dtype`), each side's for a pair (:func:`split_kv_cache_dtype`)."""
+    pair = split_kv_cache_dtype(name)
+    if pair is None:
+        one = resolve_kv_cache_dtype(name, compute_dtype)
+        return one, one
+    sides = []
+    for which, side in zip(("K", "V"), pair):
+        try:
+            sides.append(resolve_kv_cache_dtype(side, compute_dtype))
+        except ValueError as e:
+            raise ValueError(f"kv_cache_dtype={name!r}, its {which} format: {e}") from None
+    return sides[0], sides[1]
+
+
+def kv_cache_dtype_name(k_dtype: KVCacheDtype, v_dtype: KVCacheDtype) -> str:
+    """The canonical name of a cache storing keys as ``k_dtype`` and values as ``v_dtype``: the format's name when
+    they are one, else ``"K/V"`` of their canonical names."""
+    return k_dtype.name if k_dtype == v_dtype else f"{k_dtype.name}{KV_PAIR_SEPARATOR}{v_dtype.name}"
+
+
+def check_kv_cache_dtype(name: str) -> str:
+    """``name`` when it is an accepted ``kv_cache_dtype`` (a single name or a K/V pair), else ``ValueError`` saying
+    what is allowed: the option's one check of its spelling (what it resolves to depends on the compute dtype)."""
+    resolve_kv_cache_dtypes(name, torch.float32)
+    return name
+
+
 def resolve_kv_cache_dtype(name: str, compute_dtype: torch.dtype) -> KVCacheDtype:
     """Resolve a ``kv_cache_dtype`` setting against the model's compute dtype.
 
@@ -510,7 +567,8 @@ def resolve_kv_cache_dtype(name: str, compute_dtype: torch.dtype) -> KVCacheDtyp
                          f"{', '.join(str(d) for d in _COMPUTE_DTYPES)}")
     if not isinstance(name, str) or (name not in KV_CACHE_DTYPE_CHOICES and name not in _ALIASES):
         raise ValueError(f"kv_cache_dtype={name!r} is not supported; choose one of: "
-                         f"{', '.join(KV_CACHE_DTYPE_CHOICES)} (aliases: {', '.join(_OTHER_ALIASES)})")
+                         f"{', '.join(KV_CACHE_DTYPE_CHOICES)} (aliases: {', '.join(_OTHER_ALIASES)}), or a K/V "
+                         f"pair KFORMAT/VFORMAT such as int8/int4_g32 ({', '.join(KV_PAIR_ALIASES)})")
     canonical = _COMPUTE_DTYPES[compute_dtype] if name == "auto" else _ALIASES.get(name, name)
     if canonical in _FLOAT_CACHES:
         return KVCacheDtype(name=canonical, storage_dtype=_FLOAT_CACHES[canonical], fp8=None)

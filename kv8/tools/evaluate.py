@@ -48,7 +48,7 @@ from kv8.cache.codec import KVCodec
 from kv8.engine.args import EngineArgs
 from kv8.engine.engine import LLMEngine
 from kv8.observer import EngineObserver
-from kv8.quant.formats import resolve_kv_cache_dtype
+from kv8.quant.formats import resolve_kv_cache_dtypes
 from kv8.sampling_params import SamplingParams
 from kv8.tools.calibrate import build_engine, cache_size_options, check_length, model_arch, run_prompts
 from kv8.tools.data import read_corpus, require_bos, start_with_bos, token_windows, tokenize_corpus
@@ -82,7 +82,7 @@ class KVConfig:
     def __post_init__(self) -> None:
         # Checked here, before any engine loads weights; the names (aliases included) are the engine's. The other
         # options are checked by the engine's configs when its engine is built.
-        resolve_kv_cache_dtype(self.kv_cache_dtype, torch.float32)
+        resolve_kv_cache_dtypes(self.kv_cache_dtype, torch.float32)
 
     @staticmethod
     def from_flags(text: str) -> KVConfig:
@@ -222,7 +222,8 @@ class EvalReport:
         """One line naming the quantized (FP8 or int8) configuration with the lowest KLD, and which others it beats
         by more than the windows' spread: for each, the per-window KLD differences (paired: the same windows) must
         average more than twice their standard error. None with fewer than two quantized configurations."""
-        fp8 = [r for r in self.results if resolve_kv_cache_dtype(r.kv_cache_dtype, torch.float32).is_quantized]
+        fp8 = [r for r in self.results
+               if any(d.is_quantized for d in resolve_kv_cache_dtypes(r.kv_cache_dtype, torch.float32))]
         if len(fp8) < 2:
             return None
         best = min(fp8, key=lambda r: r.mean_kld)
@@ -376,7 +377,7 @@ def evaluate(model: str, data: Sequence[str], configs: Sequence[KVConfig], *, wi
             sc_v = engine.cache.scales.v.amax(dim=(1, 2)).tolist()
         ppl = math.exp(sc.nll / sc.n)
         results.append(ConfigResult(
-            label=cfg.label if i else "float32 (reference)", kv_cache_dtype=engine.config.cache.kv_dtype.name,
+            label=cfg.label if i else "float32 (reference)", kv_cache_dtype=engine.config.cache.default_spec.name,
             scales_source=engine.cache.scales.source if engine.cache.scales is not None else None,
             bytes_per_token=engine.config.kv_budget().bytes_per_token,
             perplexity=ppl, delta_ppl=ppl - ref_ppl, mean_nll=sc.nll / sc.n, mean_kld=sc.kld / sc.n,

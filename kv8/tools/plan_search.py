@@ -52,7 +52,7 @@ from kv8.cache.codec import K, KVCodec, V
 from kv8.cache.plan import PLAN_VERSION, KVSpec
 from kv8.engine.engine import LLMEngine
 from kv8.layers.attention import PagedAttention
-from kv8.quant.formats import resolve_kv_cache_dtype
+from kv8.quant.formats import resolve_kv_cache_dtype, resolve_kv_cache_dtypes
 from kv8.quant.rotation import ROTATIONS
 from kv8.tools.calibrate import build_engine, cache_size_options, check_length, model_arch
 from kv8.tools.data import read_corpus, token_windows, tokenize_corpus
@@ -73,9 +73,10 @@ Progress = Callable[[str], None]
 
 
 def parse_plan_formats(names: Sequence[str], head_dim: int, compute_dtype: torch.dtype) -> tuple[KVSpec, ...]:
-    """Candidates from ``FORMAT[+ROTATION]`` names (``int8+hadamard``, ``bfloat16``; every ``kv_cache_dtype``
-    name and alias; FP8 formats with dynamic scales). ``ValueError`` for an unknown format or rotation, a rotation
-    or a group-scaled format the head size does not allow, a duplicate, or none at all."""
+    """Candidates from ``FORMAT[+ROTATION]`` names (``int8+hadamard``, ``bfloat16``, ``k8v4+hadamard``; every
+    ``kv_cache_dtype`` name and alias, K/V pairs included; FP8 formats with dynamic scales). ``ValueError`` for an
+    unknown format or rotation, a rotation or a group-scaled format the head size does not allow, a duplicate, or
+    none at all."""
     if not names:
         raise ValueError("--plan-formats needs at least one format, e.g. bfloat16 int8+hadamard int4+hadamard")
     specs: list[KVSpec] = []
@@ -86,18 +87,19 @@ def parse_plan_formats(names: Sequence[str], head_dim: int, compute_dtype: torch
             raise ValueError(f"--plan-formats {name!r}: rotation {rotation!r} is not one of {', '.join(ROTATIONS)} "
                              "(write FORMAT or FORMAT+hadamard)")
         try:
-            kv_dtype = resolve_kv_cache_dtype(fmt, compute_dtype)
+            kv_dtype, v_dtype = resolve_kv_cache_dtypes(fmt, compute_dtype)
         except ValueError as e:
             raise ValueError(f"--plan-formats {name!r}: {e}") from None
         if rotation != "none" and head_dim & (head_dim - 1):
             raise ValueError(f"--plan-formats {name!r}: the {rotation} rotation needs a power-of-two head_dim; this "
                              f"model's is {head_dim}")
-        if kv_dtype.group is not None:
-            try:
-                kv_dtype.group.check_head_dim(head_dim, kv_dtype.name)
-            except ValueError as e:
-                raise ValueError(f"--plan-formats {name!r}: {e}") from None
-        spec = KVSpec.of(kv_dtype, rotation, "dynamic")
+        for side in (kv_dtype, v_dtype):
+            if side.group is not None:
+                try:
+                    side.group.check_head_dim(head_dim, side.name)
+                except ValueError as e:
+                    raise ValueError(f"--plan-formats {name!r}: {e}") from None
+        spec = KVSpec.of(kv_dtype, rotation, "dynamic", v_dtype)
         if spec in specs:
             raise ValueError(f"--plan-formats names {spec.describe()} twice ({', '.join(names)})")
         specs.append(spec)
@@ -106,7 +108,7 @@ def parse_plan_formats(names: Sequence[str], head_dim: int, compute_dtype: torch
 
 def spec_entry(spec: KVSpec) -> dict[str, str]:
     """A plan file's entry for one layer."""
-    return {"kv_cache_dtype": spec.kv_dtype.name, "kv_cache_rotation": spec.rotation}
+    return {"kv_cache_dtype": spec.name, "kv_cache_rotation": spec.rotation}
 
 
 def table_record(table: SensitivityTable) -> dict[str, Any]:
@@ -128,12 +130,17 @@ def read_sensitivity_table(path: str) -> SensitivityTable:
         raise ValueError(f"{where} records no sensitivity table (calibration.table); it was not written by kv8 "
                          "calibrate --plan")
     try:
-        candidates = tuple(KVSpec(resolve_kv_cache_dtype(c["kv_cache_dtype"], torch.float32), c["kv_cache_rotation"],
-                                  bool(c["dynamic"])) for c in record["candidates"])
+        candidates = tuple(_recorded_spec(c) for c in record["candidates"])
         return SensitivityTable(candidates, tuple(int(b) for b in record["bytes"]),
                                 tuple(tuple(float(k) for k in row) for row in record["kld"]))
     except (KeyError, TypeError, ValueError) as e:
         raise ValueError(f"{where}: its calibration.table is malformed: {e}") from None
+
+
+def _recorded_spec(entry: dict[str, Any]) -> KVSpec:
+    """A candidate as :func:`table_record` wrote it."""
+    k_dtype, v_dtype = resolve_kv_cache_dtypes(entry["kv_cache_dtype"], torch.float32)
+    return KVSpec(k_dtype, entry["kv_cache_rotation"], bool(entry["dynamic"]), None if v_dtype == k_dtype else v_dtype)
 
 
 def write_plan_file(path: str | os.PathLike[str], specs: Sequence[KVSpec],
@@ -268,7 +275,7 @@ class _Setup:
 
 
 def _is_reference(spec: KVSpec) -> bool:
-    return spec.kv_dtype.name == "float32" and spec.rotation == "none"
+    return spec.name == "float32" and spec.rotation == "none"
 
 
 def _measure_sensitivity(setup: _Setup, ref: LLMEngine, obs: _Capture, meter: _KLDMeter,
@@ -282,7 +289,7 @@ def _measure_sensitivity(setup: _Setup, ref: LLMEngine, obs: _Capture, meter: _K
     attn_scales = [scale_of[i] for i in range(arch.num_layers)]
     windows = [layout.groups[layout.layer_group[i]].sliding_window for i in range(arch.num_layers)]
     codecs = [KVCodec.build(s.kv_dtype, arch.head_dim, scale_mode="dynamic" if s.dynamic else "static",
-                            rotation=s.rotation) for s in candidates]
+                            rotation=s.rotation, v_dtype=s.v_dtype) for s in candidates]
     err = torch.zeros(arch.num_layers, len(candidates), dtype=torch.float64)
     norm = torch.zeros(arch.num_layers, dtype=torch.float64)
 

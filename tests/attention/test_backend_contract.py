@@ -205,23 +205,24 @@ class Problem:
 
 
 def _poison(cache: PagedKVCache) -> None:
-    fmt = cache.kv_dtype.fp8
-    if cache.kv_dtype.int_codes is not None:
-        # int8 / int4 have no NaN: a code never written (int8 -128; int4 0x80 = nibbles 0 and -8), beside NaN
-        # token scales
-        cache.data.view(torch.uint8).fill_(0x80)
-    else:
-        cache.data.fill_(float("nan") if fmt is None else fmt.nan_code)
-    if cache.token_scales is not None:
-        cache.token_scales.fill_(float("nan"))
+    for which, codes in ((K, cache.k_data), (V, cache.v_data)):
+        kv_dtype = cache.codec.dtype_of(which)
+        fmt = kv_dtype.fp8
+        if kv_dtype.int_codes is not None:
+            # int8 / int4 have no NaN: a code never written (int8 -128; int4 0x80 = nibbles 0 and -8), beside NaN
+            # token scales
+            codes.view(torch.uint8).fill_(0x80)
+        else:
+            codes.fill_(float("nan") if fmt is None else fmt.nan_code)
+    for ts in (cache.k_token_scales, cache.v_token_scales):
+        if ts is not None:
+            ts.fill_(float("nan"))
 
 
 def _copy(cache: PagedKVCache, device: torch.device | str = "cpu") -> PagedKVCache:
     out = PagedKVCache(cache.shape, cache.codec, cache.slots, device)
-    out.data.copy_(cache.data)
-    if cache.token_scales is not None:
-        assert out.token_scales is not None
-        out.token_scales.copy_(cache.token_scales)
+    for dst, src in zip(out.tensors, cache.tensors, strict=True):
+        dst.copy_(src)
     return out
 
 
@@ -235,24 +236,26 @@ def write_encoded(cache: PagedKVCache, layer: int, key: torch.Tensor, value: tor
             if slot < 0:
                 continue
             block, offset = divmod(slot, BLOCK)
-            cache.data[s, which, block, :, offset] = codes[t]
+            (cache.k_data if which == K else cache.v_data)[s, block, :, offset] = codes[t]
             if ts is not None:
-                assert cache.token_scales is not None
-                cache.token_scales[s, which, block, :, offset] = ts[t]
+                scales = cache.k_token_scales if which == K else cache.v_token_scales
+                assert scales is not None
+                scales[s, block, :, offset] = ts[t]
 
 
 def read_float64(cache: PagedKVCache, layer: int, which: int, slots: list[int]) -> torch.Tensor:
     """The stored K or V of ``slots`` in float64, ``[n, H, D]``: codes decoded exactly, times their scales."""
     s = cache.slots[layer]
     at = [divmod(slot, BLOCK) for slot in slots]
-    stored = torch.stack([cache.data[s, which, b, :, o] for b, o in at])
-    fmt = cache.kv_dtype.codes
+    stored = torch.stack([(cache.k_data if which == K else cache.v_data)[s, b, :, o] for b, o in at])
+    fmt = cache.codec.dtype_of(which).codes
     if fmt is None:
         return stored.double()
-    if cache.codec.packed:                 # int4: two codes per byte
+    if cache.codec.packed_of(which):       # int4: two codes per byte
         stored = unpack_int4(stored)
-    if cache.token_scales is not None:
-        scale = torch.stack([cache.token_scales[s, which, b, :, o] for b, o in at]).double().unsqueeze(-1)
+    token_scales = cache.k_token_scales if which == K else cache.v_token_scales
+    if token_scales is not None:
+        scale = torch.stack([token_scales[s, b, :, o] for b, o in at]).double().unsqueeze(-1)
     else:
         scales = cache.layer_scales(layer)
         assert scales is not None
@@ -415,10 +418,9 @@ def _raw(t: torch.Tensor) -> torch.Tensor:
 
 
 def assert_same_bytes(got: PagedKVCache, want: PagedKVCache, what: str) -> None:
-    pairs = [("data", got.data, want.data)]
-    if want.token_scales is not None:
-        assert got.token_scales is not None
-        pairs.append(("token_scales", got.token_scales, want.token_scales))
+    names = ("k_data", "v_data", "k_token_scales", "v_token_scales")
+    pairs = [(n, getattr(got, n), getattr(want, n)) for n in names if getattr(want, n) is not None]
+    assert [n for n in names if getattr(got, n) is not None] == [n for n, _, _ in pairs]
     for name, a, b in pairs:
         a, b = _raw(a.cpu()), _raw(b)
         if not torch.equal(a, b):

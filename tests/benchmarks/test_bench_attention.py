@@ -20,12 +20,11 @@ bench = load_file_module(ROOT / "benchmarks" / "bench_attention.py")
 def test_layers_past_two_are_copies_of_the_first_two(kv_name: str, dynamic: bool) -> None:
     cache, meta = bench.prefill_cache(kv_name, 5, 2, 1, 40, dynamic)
     assert cache.shape.num_layers == 5
-    assert not torch.equal(cache.data[0], cache.data[1])
-    for layer in range(2, 5):
-        assert cache.data[layer].data_ptr() != cache.data[layer % 2].data_ptr()
-        assert torch.equal(cache.data[layer], cache.data[layer % 2])
-        if cache.token_scales is not None:
-            assert torch.equal(cache.token_scales[layer], cache.token_scales[layer % 2])
+    assert not torch.equal(cache.k_data[0], cache.k_data[1])
+    for t in cache.tensors:
+        for layer in range(2, 5):
+            assert t[layer].data_ptr() != t[layer % 2].data_ptr()
+            assert torch.equal(t[layer], t[layer % 2])
     q = torch.randn(2, bench.HQ, bench.D, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
     scale = bench.D ** -0.5
     assert torch.equal(paged_attention_reference(q, cache, 3, meta, scale),

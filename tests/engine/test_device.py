@@ -160,13 +160,13 @@ def test_cache_and_codec_tensors_live_on_the_cache_device():
     scales = KVScales(k=k, v=k * 2, granularity=ScaleGranularity.HEAD, source="test", made_for=None)
     codec = KVCodec.build(fmt, 16, rotation="hadamard", scales=scales)
     cache = PagedKVCache(CacheShape(2, 3, 2, 4, 16), codec, device="meta")
-    assert cache.data.device.type == "meta" and cache.codec.rotation is not None
+    assert all(t.device.type == "meta" for t in cache.tensors) and cache.codec.rotation is not None
     assert cache.codec.rotation.device.type == "meta"
     assert all(t.device.type == "meta" for t in cache.layer_scales(1))
     assert codec.layer_scales(1)[0].device.type == "cpu" and scales.k.device.type == "cpu"   # the original stays
     assert torch.equal(codec.layer_scales(1)[1], scales.v[1])
     dynamic = PagedKVCache(CacheShape(2, 3, 2, 4, 16), KVCodec.build(fmt, 16, scale_mode="dynamic"), device="meta")
-    assert dynamic.token_scales is not None and dynamic.token_scales.device.type == "meta"
+    assert dynamic.k_token_scales is not None and dynamic.k_token_scales.device.type == "meta"
     with pytest.raises(ValueError, match=r"layer index must be an int in \[0, 2\), got 2"):
         cache.layer_scales(2)
 

@@ -104,7 +104,7 @@ def test_each_pool_holds_what_its_codec_stores(llama4, tmp_path):
     engine.step()   # the whole prompt in one step
     tables = engine.kv_manager.block_ids("r")
     layout = engine.layout
-    assert [(c.data.dtype, c.data.shape[-1], c.token_scales is not None) for c in engine.caches] == [
+    assert [(c.k_data.dtype, c.k_data.shape[-1], c.k_token_scales is not None) for c in engine.caches] == [
         (torch.uint8, 16, False), (torch.bfloat16, 16, False), (torch.uint8, 8, True)]
     for layer in range(4):
         group = layout.groups[layout.layer_group[layer]]
@@ -156,7 +156,7 @@ def test_every_error_of_the_option(llama4, tmp_path, monkeypatch):
         (dict(kv_cache_plan=plan({"1": {"dtype": "fp8"}})), r"layer 1 has unknown keys \['dtype'\]; allowed: "
                                                             "kv_cache_dtype, kv_cache_rotation"),
         (dict(kv_cache_plan=plan({"1": {"kv_cache_dtype": "int3"}})),
-         "layer 1 has kv_cache_dtype='int3'; choose one of: auto, .*int4_per_token_head"),
+         "layer 1: kv_cache_dtype='int3' is not supported; choose one of: auto, .*int4_per_token_head.*K/V pair"),
         (dict(kv_cache_plan=plan({"1": {"kv_cache_rotation": "givens"}})),
          "layer 1 has kv_cache_rotation='givens'; choose one of: none, hadamard"),
         (dict(kv_cache_plan=plan({"1": {"kv_cache_rotation": "hadamard"}}), hf=dict(head_dim=24)),

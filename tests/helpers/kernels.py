@@ -111,13 +111,19 @@ def stored(cache: PagedKVCache, layer: int, slots: torch.Tensor) -> tuple[torch.
     """Raw K and V contents (and dynamic token scales) at ``slots``, as integers for bitwise comparison."""
     bs = cache.shape.block_size
     blocks, offsets = slots // bs, slots % bs
-    size = cache.data.element_size()
-    raw = cache.data.view({1: torch.uint8, 2: torch.int16, 4: torch.int32}[size])
-    out = [raw[layer, 0][blocks, :, offsets], raw[layer, 1][blocks, :, offsets]]
-    if cache.token_scales is not None:
-        out += [cache.token_scales[layer, 0][blocks, :, offsets].view(torch.int32),
-                cache.token_scales[layer, 1][blocks, :, offsets].view(torch.int32)]
+    out = []
+    for codes in (cache.k_data, cache.v_data):
+        raw = codes.view({1: torch.uint8, 2: torch.int16, 4: torch.int32}[codes.element_size()])
+        out.append(raw[layer][blocks, :, offsets])
+    out += [ts[layer][blocks, :, offsets].view(torch.int32)
+            for ts in (cache.k_token_scales, cache.v_token_scales) if ts is not None]
     return tuple(out)
+
+
+def fill_codes(cache: PagedKVCache, value: float) -> None:
+    """Every code (or 16/32-bit value) of the cache's K and V tensors set to ``value``."""
+    for codes in (cache.k_data, cache.v_data):
+        codes.fill_(value)
 
 
 def scattered_tables(seq_lens: list[int], bs: int, gen: torch.Generator, *,
@@ -151,15 +157,16 @@ def make_case(kv_name: str, gran: str, q_dtype: torch.dtype, *, group: int = 3, 
     everything = AttentionMetadata.build(list(seq_lens), list(seq_lens), tables, bs)
     if poison:
         if kv_name in FP8:
-            cache.data.fill_(0x80 if kv_name == "fp8_e4m3fnuz" else 0x7F)  # the formats' NaN codes
+            fill_codes(cache, 0x80 if kv_name == "fp8_e4m3fnuz" else 0x7F)  # the formats' NaN codes
         elif kv_name in (INT8, INT4):
-            cache.data.fill_(127)   # no NaN code: the NaN token scales below poison it
+            fill_codes(cache, 127)   # no NaN code: the NaN token scales below poison it
         elif kv_name in (FP4, I4G):
-            cache.data.fill_(0xFF)  # the group scales' bytes read as E4M3's / float16's NaN
+            fill_codes(cache, 0xFF)  # the group scales' bytes read as E4M3's / float16's NaN
         else:
-            cache.data.fill_(float("nan"))
-        if cache.token_scales is not None:
-            cache.token_scales.fill_(float("nan"))
+            fill_codes(cache, float("nan"))
+        for ts in (cache.k_token_scales, cache.v_token_scales):
+            if ts is not None:
+                ts.fill_(float("nan"))
     total = sum(seq_lens)
     dtype = q_dtype if kv.is_quantized else kv.storage_dtype
     cache.store(1, random_kv(total, heads, dim, gen).to(dtype), random_kv(total, heads, dim, gen).to(dtype),

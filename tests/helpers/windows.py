@@ -13,7 +13,7 @@ from kv8.cache.codec import KVCodec
 from kv8.cache.paged_cache import CacheShape, PagedKVCache
 from kv8.quant.formats import resolve_kv_cache_dtype
 from kv8.quant.scales import KVScales, ScaleGranularity
-from tests.helpers.kernels import FP8, scattered_tables
+from tests.helpers.kernels import FP8, fill_codes, scattered_tables
 
 NAN_CODE = {"fp8_e4m3": 0x7F, "fp8_e4m3fnuz": 0x80, "fp8_e5m2": 0x7F}
 STALE = [0, 10 ** 6, -3, 1 << 40]  # what a freed block's table entry may hold; block 0 is all NaN
@@ -61,22 +61,23 @@ def window_case(kv_name: str, gran: str, q_dtype: torch.dtype, window: int | Non
     codec = KVCodec.build(kv, dim, scale_mode="dynamic" if gran == "dynamic" else "static", scales=scales)
     cache = PagedKVCache(CacheShape(2, num_blocks, heads, bs, dim), codec)
     if kv_name in FP8:
-        cache.data.fill_(NAN_CODE[kv_name])
+        fill_codes(cache, NAN_CODE[kv_name])
     elif kv.codes is not None:  # integer codes have no NaN: the NaN token scales below poison them
-        cache.data.fill_(127)
+        fill_codes(cache, 127)
     else:
-        cache.data.fill_(float("nan"))
-    if cache.token_scales is not None:
-        cache.token_scales.fill_(float("nan"))
+        fill_codes(cache, float("nan"))
+    for ts in (cache.k_token_scales, cache.v_token_scales):
+        if ts is not None:
+            ts.fill_(float("nan"))
     slots = []
     for q_len, s_len, table in zip(query_lens, seq_lens, full_tables):
         first = first_key(q_len, s_len, window) if poison else 0
         slots += [table[p // bs] * bs + p % bs for p in range(first, s_len)]
-        if cache.token_scales is not None:
-            # The reference decodes whole blocks (PagedKVCache.gather) and drops the first needed block's
-            # leading rows after decoding them, so their dynamic scales must be valid; their codes stay NaN.
-            for p in range(first // bs * bs, first):
-                cache.token_scales[1, :, table[p // bs], :, p % bs] = 1.0
+        # The reference decodes whole blocks (PagedKVCache.gather) and drops the first needed block's
+        # leading rows after decoding them, so their dynamic scales must be valid; their codes stay NaN.
+        for ts in (cache.k_token_scales, cache.v_token_scales):
+            for p in range(first // bs * bs, first) if ts is not None else ():
+                ts[1, table[p // bs], :, p % bs] = 1.0
     dtype = q_dtype if kv.is_quantized else kv.storage_dtype
     n = len(slots)
     cache.store(1, _random_kv(n, heads, dim, gen).to(dtype), _random_kv(n, heads, dim, gen).to(dtype),

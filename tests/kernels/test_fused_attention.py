@@ -202,18 +202,19 @@ def test_store_skips_negative_slots(lib: kernels.KernelLibrary, kv_name: str) ->
     shape = CacheShape(1, 4, heads, bs, dim)
     ref, mine = (make_cache(shape, kv, scales, gran == "dynamic") for _ in range(2))
     for cache in (ref, mine):   # a sentinel in every byte, so that a stray write shows
-        cache.data.view(torch.uint8).fill_(0xA5)
-        if cache.token_scales is not None:
-            cache.token_scales.view(torch.uint8).fill_(0x5A)
+        for t in cache.tensors[:2]:
+            t.view(torch.uint8).fill_(0xA5)
+        for t in cache.tensors[2:]:
+            t.view(torch.uint8).fill_(0x5A)
     key, value = random_kv(5, heads, dim, gen), random_kv(5, heads, dim, gen)
     slots = torch.tensor([7, -1, 20, -1, 3])
-    before = mine.data.view(torch.uint8).clone()
+    before = [t.view(torch.uint8).clone() for t in mine.tensors[:2]]
     ref.store(0, key, value, slots)
     store_kv_fused(lib, mine, 0, key, value, slots)
-    assert torch.equal(mine.data.view(torch.uint8), ref.data.view(torch.uint8))
-    assert not torch.equal(mine.data.view(torch.uint8), before)
-    if ref.token_scales is not None:
-        assert torch.equal(mine.token_scales.view(torch.uint8), ref.token_scales.view(torch.uint8))
+    assert len(mine.tensors) == len(ref.tensors)
+    for got, want in zip(mine.tensors, ref.tensors):
+        assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+    assert all(not torch.equal(t.view(torch.uint8), b) for t, b in zip(mine.tensors, before))
     with pytest.raises(ValueError, match="slot outside the cache"):
         store_kv_fused(lib, mine, 0, key, value, torch.tensor([7, -1, 64, 2, 3]))
 
@@ -470,7 +471,7 @@ def test_integer_cache_shapes(portable_lib: kernels.KernelLibrary, kv_name: str,
                  for pos in range(0, n, 5)]
         zeros = torch.zeros(len(slots), 2, dim, dtype=q_dtype)
         cache.store(1, zeros, zeros, torch.tensor(slots, dtype=torch.int64))
-        assert all(not cache.data[1, :, s // 8, :, s % 8].any() for s in slots)  # K and V codes 0, every head
+        assert all(not codes[1, s // 8, :, s % 8].any() for s in slots for codes in (cache.k_data, cache.v_data))
         check_attention(portable_lib, cache, meta, q, partition_size=16)
         check_attention(portable_lib, cache, meta, q)
 
@@ -661,16 +662,17 @@ def test_fp4_decode_every_scale_byte(lib: kernels.KernelLibrary) -> None:
                                                                                         dtype=torch.uint8)])  # 1.0
         for i in range(seqs):
             block = int(meta.block_tables[i, 0])
-            cache.data[1, :, block, 0, :tokens] = 0
+            cache.k_data[1, block, 0, :tokens] = 0
+            cache.v_data[1, block, 0, :tokens] = 0
             if tokens == 1:   # V codes 1.0 times the scale byte under test
-                cache.data[1, 1, block, 0, 0, :dim // 2] = 0x22
-                cache.data[1, 1, block, 0, 0, dim // 2:] = scale_bytes[i]
+                cache.v_data[1, block, 0, 0, :dim // 2] = 0x22
+                cache.v_data[1, block, 0, 0, dim // 2:] = scale_bytes[i]
             else:             # K codes 1.0 times the scale bytes (NaN ones as 1.0), V of token 0 all 1.0
                 k_bytes = scale_bytes[i].clone()
                 k_bytes[(k_bytes & 0x7F) == 0x7F] = 0x38
-                cache.data[1, 0, block, 0, 0, :dim // 2] = 0x22
-                cache.data[1, 0, block, 0, 0, dim // 2:] = k_bytes
-                cache.data[1, 1, block, 0, 0] = ones
+                cache.k_data[1, block, 0, 0, :dim // 2] = 0x22
+                cache.k_data[1, block, 0, 0, dim // 2:] = k_bytes
+                cache.v_data[1, block, 0, 0] = ones
         if tokens == 1:
             got = paged_attention_fused(lib, q, cache, 1, meta, dim ** -0.5, 0).float()
             want = e4m3.reshape(seqs, dim // 16, 1).expand(seqs, dim // 16, 16).reshape(seqs, 1, dim)

@@ -101,18 +101,20 @@ class Problem:
 
 
 def _poison(cache: PagedKVCache) -> None:
-    fmt = cache.kv_dtype.fp8
-    if cache.kv_dtype.group is not None:
-        cache.data.fill_(0xFF)             # group formats: codes -1 / -6 beside NaN float16 / E4M3 scales
-    elif cache.kv_dtype.int_codes is not None:
-        # never written (int8 codes are -127 .. 127, int4 nibbles -7 .. 7: 0x80 is 0 | -8); the NaN scales poison
-        cache.data.view(torch.uint8).fill_(0x80)
-    elif fmt is None:
-        cache.data.fill_(float("nan"))
-    else:
-        cache.data.fill_(fmt.nan_code)
-    if cache.token_scales is not None:
-        cache.token_scales.fill_(float("nan"))
+    for which, codes in enumerate((cache.k_data, cache.v_data)):
+        kv_dtype = cache.codec.dtype_of(which)
+        fmt = kv_dtype.fp8
+        if kv_dtype.group is not None:
+            codes.fill_(0xFF)             # group formats: codes -1 / -6 beside NaN float16 / E4M3 scales
+        elif kv_dtype.int_codes is not None:
+            # never written (int8 codes are -127 .. 127, int4 nibbles -7 .. 7: 0x80 is 0 | -8); NaN scales poison
+            codes.view(torch.uint8).fill_(0x80)
+        elif fmt is None:
+            codes.fill_(float("nan"))
+        else:
+            codes.fill_(fmt.nan_code)
+    for ts in cache.tensors[2:]:
+        ts.fill_(float("nan"))
 
 
 def _static_scales(x_k: torch.Tensor, x_v: torch.Tensor, fmt: FP8Format, granularity: str,
@@ -611,7 +613,7 @@ def test_fp4_head_dims_with_a_short_last_group(q_dtype: torch.dtype, head_dim: i
     batch = Batch((1, 6, 19, 0, 1, 3), (37, 40, 19, 5, 16, 50))
     p = _build(FP4_CACHE, q_dtype, head_dim=head_dim, kv_heads=2, group=group, block_size=block_size, batch=batch,
                window=window, seed=16)
-    assert p.cache.data.shape[-1] == FP4_E2M1.row_bytes(head_dim)
+    assert p.cache.k_data.shape[-1] == p.cache.v_data.shape[-1] == FP4_E2M1.row_bytes(head_dim)
     _check(p, _run(p, device, num_kv_splits=splits))
 
 

@@ -86,38 +86,35 @@ def make_cache(kv_name: str, *, heads: int, dim: int, blocks: int, block_size: i
         scales = KVScales.default(1)
     codec = KVCodec.build(kv_dtype, dim, scale_mode="dynamic" if dynamic else "static", scales=scales)
     cache = PagedKVCache(CacheShape(1, blocks, heads, block_size, dim), codec)
-    cache.data.view(torch.uint8).fill_(0xA5)
-    if cache.token_scales is not None:
-        cache.token_scales.view(torch.int32).fill_(0x7FA5A5A5)   # a NaN pattern no scale can be
+    for codes in (cache.k_data, cache.v_data):
+        codes.view(torch.uint8).fill_(0xA5)
+    for ts in (cache.k_token_scales, cache.v_token_scales):
+        if ts is not None:
+            ts.view(torch.int32).fill_(0x7FA5A5A5)   # a NaN pattern no scale can be
     return cache
 
 
 def clone_cache(cache: PagedKVCache) -> PagedKVCache:
     other = PagedKVCache(cache.shape, cache.codec)
-    other.data.copy_(cache.data)
-    if cache.token_scales is not None:
-        assert other.token_scales is not None
-        other.token_scales.copy_(cache.token_scales)
+    for dst, src in zip(other.tensors, cache.tensors, strict=True):
+        dst.copy_(src)
     return other
 
 
 def kernel_store(cache: PagedKVCache, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor,
                  device: str) -> None:
     """store_kv into ``cache`` (layer 0), run on ``device`` with copies of the cache tensors."""
-    data = cache.data.to(device)
-    token_scales = None if cache.token_scales is None else cache.token_scales.to(device)
+    moved = [t.to(device) for t in cache.tensors]   # K codes, V codes[, K token scales, V token scales]
     kwargs: dict[str, torch.Tensor] = {}
-    if token_scales is not None:
-        kwargs = dict(k_token_scales=token_scales[0, 0], v_token_scales=token_scales[0, 1])
+    if len(moved) == 4:
+        kwargs = dict(k_token_scales=moved[2][0], v_token_scales=moved[3][0])
     elif cache.scales is not None:
         k_scale, v_scale = cache.layer_scales(0)  # type: ignore[misc]
         kwargs = dict(k_scale=k_scale.to(device), v_scale=v_scale.to(device))
-    store_kv(key.to(device), value.to(device), data[0, 0], data[0, 1], slots.to(device), fp8=cache.kv_dtype.codes,
+    store_kv(key.to(device), value.to(device), moved[0][0], moved[1][0], slots.to(device), fp8=cache.kv_dtype.codes,
              **kwargs)
-    cache.data.copy_(data.cpu())
-    if token_scales is not None:
-        assert cache.token_scales is not None
-        cache.token_scales.copy_(token_scales.cpu())
+    for dst, src in zip(cache.tensors, moved, strict=True):
+        dst.copy_(src.cpu())
 
 
 def reference_store(cache: PagedKVCache, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor) -> None:
@@ -144,10 +141,10 @@ def assert_stores_like_reference(cache: PagedKVCache, key: torch.Tensor, value: 
     reference_store(want, key, value, slots)
     kernel_store(got, key, value, slots, device)
     float_cache = not cache.kv_dtype.is_quantized
-    assert_same_bits(want.data, got.data, f"{cache.kv_dtype.name} cache bytes", nan_payloads=not float_cache)
-    if cache.token_scales is not None:
-        assert want.token_scales is not None and got.token_scales is not None
-        assert_same_bits(want.token_scales, got.token_scales, "token scales")
+    for which, a, b in (("K", want.k_data, got.k_data), ("V", want.v_data, got.v_data)):
+        assert_same_bits(a, b, f"{cache.kv_dtype.name} cache {which} bytes", nan_payloads=not float_cache)
+    for a, b in zip(want.tensors[2:], got.tensors[2:], strict=True):
+        assert_same_bits(a, b, "token scales")
 
 
 def f32(bits: list[int] | np.ndarray) -> np.ndarray:
@@ -487,7 +484,7 @@ def test_group32_codes_and_scales_are_the_codecs(device: str, in_dtype: torch.dt
     t = -(-rows.shape[0] // heads)
     rows = torch.cat([rows, rows[: t * heads - rows.shape[0]]]).reshape(t, heads, dim)
     cache = make_cache("int4_per_group32", heads=heads, dim=dim, blocks=-(-t // 16) + 1)
-    assert cache.data.shape[-1] == INT4_G32.row_bytes(dim)
+    assert cache.k_data.shape[-1] == cache.v_data.shape[-1] == INT4_G32.row_bytes(dim)
     slots = torch.randperm(cache.shape.num_blocks * 16, generator=torch.Generator().manual_seed(4))[:t]
     slots[1] = -1
     assert_stores_like_reference(cache, rows.to(in_dtype), rows.flip(0).to(in_dtype) * 0.5, slots, device)
@@ -697,7 +694,7 @@ def test_fp4_codes_and_scales_are_the_codecs(device: str, in_dtype: torch.dtype,
     t = -(-rows.shape[0] // heads)
     rows = torch.cat([rows, rows[: t * heads - rows.shape[0]]]).reshape(t, heads, dim)
     cache = make_cache("fp4_e2m1", heads=heads, dim=dim, blocks=-(-t // 16) + 1)
-    assert cache.data.shape[-1] == FP4_E2M1.row_bytes(dim)
+    assert cache.k_data.shape[-1] == cache.v_data.shape[-1] == FP4_E2M1.row_bytes(dim)
     slots = torch.randperm(cache.shape.num_blocks * 16, generator=torch.Generator().manual_seed(4))[:t]
     slots[1] = -1
     assert_stores_like_reference(cache, rows.to(in_dtype), rows.flip(0).to(in_dtype) * 0.5, slots, device)
@@ -833,14 +830,15 @@ def test_negative_slots_leave_every_byte_untouched(device: str) -> None:
     before = clone_cache(cache)
     key = torch.randn(6, 2, 64)
     kernel_store(cache, key, key, torch.full((6,), -1), device)
-    assert torch.equal(cache.data, before.data)
-    assert torch.equal(cache.token_scales.view(torch.int32), before.token_scales.view(torch.int32))  # type: ignore
+    for now, then in zip(cache.tensors, before.tensors, strict=True):
+        assert torch.equal(now.view(torch.uint8), then.view(torch.uint8))
     bf16 = make_cache("bfloat16", heads=2, dim=64, blocks=2)
-    snapshot = bf16.data.clone()
+    snapshot = [t.clone() for t in bf16.tensors]
     kernel_store(bf16, key, key, torch.tensor([-1, -5, 3, -1, -1, -2]), device)
-    changed = (bf16.data.view(torch.int16) != snapshot.view(torch.int16)).nonzero()
-    assert {tuple(r[[1, 2, 4]].tolist()) for r in changed} <= {(k, 0, 3) for k in (0, 1)}     # only slot 3's rows
-    assert torch.equal(bf16.data[0, 0, 0, :, 3], key[2].to(torch.bfloat16))
+    for codes, old in zip(bf16.tensors, snapshot, strict=True):
+        changed = (codes.view(torch.int16) != old.view(torch.int16)).nonzero()
+        assert {tuple(r[[1, 3]].tolist()) for r in changed} <= {(0, 3)}     # only slot 3's rows
+        assert torch.equal(codes[0, 0, :, 3], key[2].to(torch.bfloat16))
 
 
 @device_param
@@ -854,7 +852,8 @@ def test_strided_inputs_block_size_and_empty_batch(device: str) -> None:
     assert_stores_like_reference(cache, key, value, torch.tensor([23, 0, 8, 7, 15, 16, 1, 9, 22, 2, 3]), device)
     before = clone_cache(cache)
     kernel_store(cache, key[:0], value[:0], torch.zeros(0, dtype=torch.int64), device)
-    assert torch.equal(cache.data, before.data)
+    for now, then in zip(cache.tensors, before.tensors, strict=True):
+        assert torch.equal(now.view(torch.uint8), then.view(torch.uint8))
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -148,3 +148,21 @@ def test_weights_are_held_once(tiny_models, dense_backend):
         assert hasattr(layer, "weight") == (dense_backend == "torch")
         assert hasattr(layer, "packed") == (dense_backend == "packed_bf16")
     assert not any(p.is_meta for p in loaded.model.parameters())
+
+
+@pytest.mark.parametrize("pair", ["fp8_e4m3/fp8_e5m2", "fp8_e5m2/float32", "bfloat16/fp8_e4m3"])
+@pytest.mark.parametrize("rotation", [False, True])
+def test_kv_pair_cache_matches_transformers_rounding_each_side_by_its_format(tiny_models, oracle, pair, rotation):
+    """Keys and values in different formats (kv_cache_dtype "K/V"): kv8's cache reads keys rounded by the keys'
+    format and values by the values' (a pair's FP8 side with a scale per token and head), as transformers does with
+    each side rounded by ml_dtypes or a cast."""
+    tokens, _ = oracle
+    path = tiny_models["llama_gqa"]
+    expected = hf_logits(path, tokens, pair, rotation=rotation)
+    got = run_paged(path, pair, tokens, [20, 17] + [1] * 6, rotation=rotation)
+    err = (got - expected).abs().max().item() / expected.std().item()
+    assert err <= 2e-3, f"{pair} rotation={rotation}: relative max error {err:.2e}"
+    assert (got.argmax(-1) == expected.argmax(-1)).all()
+    keys = pair.split("/")[0]
+    one_format = run_paged(path, keys, tokens, [20, 17] + [1] * 6, dynamic=keys in FP8_NP, rotation=rotation)
+    assert not torch.equal(got, one_format)   # the values' format matters

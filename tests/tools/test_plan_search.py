@@ -30,6 +30,8 @@ from kv8.tools.plan_search import (
     parse_plan_formats,
     read_sensitivity_table,
     search_plan,
+    table_record,
+    write_plan_file,
 )
 from tests.helpers.engine import PROMPTS, make_llm, tokens_of
 from tests.helpers.tiny_models import make_tiny_model
@@ -163,6 +165,24 @@ def test_plan_formats_parse_rotations_and_fp8_keeps_dynamic_scales():
         parse_plan_formats(["int4_per_group32"], 48, torch.float32)
     with pytest.raises(ValueError, match="hadamard rotation needs a power-of-two head_dim; this model's is 24"):
         parse_plan_formats(["int8+hadamard"], 24, torch.float32)
+
+
+def test_plan_formats_take_kv_pairs_and_their_table_reads_back(tmp_path):
+    """A K/V pair is a candidate like any format (its bytes are each side's); the recorded table and the plan file
+    name it as kv_cache_dtype does."""
+    got = parse_plan_formats(["k8v4+hadamard", "fp8/int4_g32", "int8"], 64, torch.float32)
+    assert [(s.name, s.rotation, s.dynamic) for s in got] == [
+        ("int8_per_token_head/int4_per_group32", "hadamard", True), ("fp8_e4m3/int4_per_group32", "none", True),
+        ("int8_per_token_head", "none", True)]
+    assert got[0].token_bytes(64, 2) == 2 * (68 + 36)
+    table = SensitivityTable(got, tuple(s.token_bytes(64, 2) for s in got), ((1e-3, 2e-3, 5e-4),))
+    path = tmp_path / "plan.json"
+    write_plan_file(path, [got[0]], {"table": table_record(table)})
+    assert read_sensitivity_table(str(path)).candidates == got
+    assert [e.kv_cache_dtype for e in read_plan_file(path).entries] == ["int8_per_token_head/int4_per_group32"]
+    with pytest.raises(ValueError, match="--plan-formats 'int8/int4_g32': kv_cache_dtype='int4_per_group32' "
+                                         "stores a float16 scale per group of 32 values"):
+        parse_plan_formats(["int8/int4_g32"], 48, torch.float32)
 
 
 def test_causal_attention_matches_torch_sdpa():

@@ -266,7 +266,7 @@ def run_server(args: ServerArgs, engine_args: EngineArgs) -> int:
     signal.signal(signal.SIGTERM, handler)
     signal.signal(signal.SIGINT, handler)
     print(f"kv8: serving {limits.served_model_name!r} on http://{args.host}:{args.port}/v1 "
-          f"(kv_cache_dtype={cfg.cache.kv_dtype.name}, API key {'required' if api_key else 'not required'})",
+          f"(kv_cache_dtype={cfg.cache.default_spec.name}, API key {'required' if api_key else 'not required'})",
           flush=True)
     server.run()
     if failures:

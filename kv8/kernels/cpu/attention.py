@@ -174,12 +174,11 @@ class KernelLibrary(NativeLibrary):
         """The ``kv8_layer`` of ``cache``'s layer ``layer``, built on first use and reused.
 
         Memoized (building it costs ~10 us, 2 calls per layer per step) under a key of the cache tensor's data
-        pointer and shape, the cache's codec (frozen: format, scales, basis) and the token-scale tensor's data
-        pointer, so a replaced tensor or codec is never read through a stale pointer. The entry holds the
+        pointers (codes and token scales) and shape and the cache's codec (frozen: format, scales, basis), so a
+        replaced tensor or codec is never read through a stale pointer. The entry holds the
         scale tensors it points into, so they live as long as the pointers.
         """
-        ts = cache.token_scales
-        key = (cache.data.data_ptr(), cache.shape, id(cache.codec), 0 if ts is None else ts.data_ptr())
+        key = (tuple(t.data_ptr() for t in cache.tensors), cache.shape, id(cache.codec))
         entry = self._layers.get(cache)
         if entry is None or entry[0] != key:
             entry = (key, {})
@@ -194,8 +193,11 @@ class KernelLibrary(NativeLibrary):
         shape = cache.shape
         if not 0 <= layer < shape.num_layers:
             raise ValueError(f"layer={layer} is outside [0, {shape.num_layers})")
-        if not cache.data.is_contiguous():
-            raise ValueError("cache.data must be contiguous")
+        if not all(t.is_contiguous() for t in cache.tensors):
+            raise ValueError("the cache's tensors must be contiguous")
+        if cache.codec.is_pair:
+            raise ValueError(f"kv_cache_dtype={cache.codec.name!r}: the cpu_fused kernels read keys and values in one "
+                             "format; use attention_backend='reference' for a K/V pair")
         k_cache, v_cache = cache.layer(layer)
         args = LayerArgs(k_cache=k_cache.data_ptr(), v_cache=v_cache.data_ptr(), num_blocks=shape.num_blocks,
                          kv_dtype=self.kv_dtype_codes[cache.kv_dtype.name], num_kv_heads=shape.num_kv_heads,
@@ -212,6 +214,7 @@ class KernelLibrary(NativeLibrary):
         token_scales = cache.layer_token_scales(layer)
         if token_scales is not None:
             for prefix, ts in zip(("k", "v"), token_scales):
+                assert ts is not None   # one format: both sides or neither
                 if ts.dtype != torch.float32 or not ts.is_contiguous() \
                         or tuple(ts.shape) != (shape.num_blocks, shape.num_kv_heads, shape.block_size):
                     raise ValueError(f"layer {layer} {prefix.upper()} token scales must be contiguous float32 "
