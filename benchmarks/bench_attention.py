@@ -39,6 +39,7 @@ the speed-up of AMX.
     .venv/bin/python benchmarks/bench_attention.py --tables smollm2 --blocks contiguous  # blocks in address order
     .venv/bin/python benchmarks/bench_attention.py --tables builds --builds native x86-64-v3 x86-64-v2
     .venv/bin/python benchmarks/bench_attention.py --tables formats --before main  # formats, now and at main
+    .venv/bin/python benchmarks/bench_attention.py --tables formats --formats fp8 int8 int4g32 k8v4  # a K/V pair
 
 ``--tables builds``: the library built for each ``-march`` of ``--builds`` (default ``native`` and ``x86-64-v2``,
 the scalar generic kernel every x86-64 CPU runs; ``x86-64-v3`` is the AVX2 kernel), side by side on SmolLM2
@@ -47,11 +48,13 @@ of context), over an fp8_e4m3 and a bf16 cache, ``--rounds`` rounds alternating 
 round); the median per cell with its min-max, GFLOP/s, and each build's time over the first build's.
 
 ``--tables formats``: every KV format on the native library (fp8_e4m3 with scale 1.0, fp8_e4m3 with dynamic
-scales, int8_per_token_head, int4_per_token_head, int4_per_group32, fp4_e2m1, bfloat16), side by side on SmolLM2
-shapes: prefill 1 x 1,024, decode 32 x 1,024, 8 x 4,096 (issue 40's target: int4 at <= 1 / 1.4 of fp8's time) and
-1 x 8,192, ``--rounds`` rounds rotating the formats' order; medians (min-max) and each format's time over the fp8
-cache's. ``--layers N``: each decode row calls N distinct caches in turn, as a model's N layers (SmolLM2: 30), each
-of its format's size (by default as many as ``--footprint-mb`` needs, which may stay in a large L3).
+scales, int8_per_token_head, int4_per_token_head, int4_per_group32, fp4_e2m1, bfloat16, and the K/V pairs k8v4 --
+int8_per_token_head keys, int4_per_group32 values -- and int8/int4), side by side on SmolLM2 shapes: prefill 1 x
+1,024, decode 32 x 1,024, 8 x 4,096 (issue 40's target: int4 at <= 1 / 1.4 of fp8's time) and 1 x 8,192,
+``--rounds`` rounds rotating the formats' order; medians (min-max) and each format's time over the fp8 cache's
+(``--formats LABEL ...``: only those, e.g. ``--formats fp8 int8 int4g32 k8v4``). ``--layers N``: each decode row
+calls N distinct caches in turn, as a model's N layers (SmolLM2: 30), each of its format's size (by default as many
+as ``--footprint-mb`` needs, which may stay in a large L3).
 """
 
 from __future__ import annotations
@@ -76,7 +79,7 @@ from kv8.cache.codec import KVCodec
 from kv8.cache.paged_cache import CacheShape, PagedKVCache
 from kv8.kernels.cpu.attention import SOURCE, KernelLibrary, KernelTesting, load_kernels
 from kv8.kernels.cpu.build import KernelUnavailable, build_shared_library
-from kv8.quant.formats import resolve_kv_cache_dtype
+from kv8.quant.formats import resolve_kv_cache_dtype, resolve_kv_cache_dtypes
 from kv8.quant.scales import KVScales
 
 HQ, HKV, D, BS = 9, 3, 64, 16
@@ -201,12 +204,12 @@ def prefill_cache(kv_name: str, n_layers: int, batch: int, q_len: int, ctx: int,
     int8), so the scores spread as a model's do; uniform FP8 codes (fill_random) would make every softmax row
     one-hot and most exponentials underflow. Layers 2 and up are copies of layer 0 or 1 (the timings read distinct
     buffers, not distinct values; encoding every layer of a 30-layer cache takes minutes)."""
-    kv = resolve_kv_cache_dtype(kv_name, torch.bfloat16)
+    kv, v_kv = resolve_kv_cache_dtypes(kv_name, torch.bfloat16)   # a K/V pair ("k8v4"): each side its format
     blocks_per_seq = -(-ctx // BS)
-    static = kv.is_fp8 and not dynamic
+    static = kv.is_fp8 and not dynamic and v_kv == kv
     cache = PagedKVCache(CacheShape(n_layers, batch * blocks_per_seq, HKV, BS, D),
                          KVCodec.build(kv, D, scale_mode="dynamic" if dynamic else "static",
-                                       scales=KVScales.default(n_layers) if static else None))
+                                       scales=KVScales.default(n_layers) if static else None, v_dtype=v_kv))
     for layer in range(n_layers):
         if layer >= 2:
             for t in cache.tensors:
@@ -312,10 +315,11 @@ def print_builds(args: argparse.Namespace) -> None:
               "".join(f"{med[m] / med[marches[0]]:>22.2f}" for m in marches[1:]), flush=True)
 
 
-#: --tables formats: each KV format (kv_cache_dtype, dynamic scales, label)
+#: --tables formats: each KV format (kv_cache_dtype, dynamic scales, label); the K/V pairs last (int8 keys with
+#: int4_per_group32 values, "k8v4", and with int4 values per token and head)
 FORMATS = (("fp8_e4m3", False, "fp8"), ("fp8_e4m3", True, "fp8+dynamic"), ("int8_per_token_head", True, "int8"),
            ("int4_per_token_head", True, "int4"), ("int4_per_group32", False, "int4g32"), ("fp4_e2m1", False, "fp4"),
-           ("bfloat16", False, "bf16"))
+           ("bfloat16", False, "bf16"), ("k8v4", True, "k8v4"), ("int8/int4", True, "int8/int4"))
 
 
 def print_formats(args: argparse.Namespace, before: tuple[str, KernelLibrary] | None = None) -> None:
@@ -325,18 +329,22 @@ def print_formats(args: argparse.Namespace, before: tuple[str, KernelLibrary] | 
     lib = load_kernels()
     libs = {"now": lib} if before is None else {"now": lib, before[0]: before[1]}
     scale = D ** -0.5
+    chosen = [f for f in FORMATS if args.formats is None or f[2] in args.formats]
     shapes = (("prefill 1 x 1024", 1, 1024, 1024), ("decode 32 x 1024", 32, 1, 1024), ("decode 8 x 4096", 8, 1, 4096),
               ("decode 1 x 8192", 1, 1, 8192))
     cases: dict[tuple[str, str], tuple[PagedKVCache, AttentionMetadata, torch.Tensor]] = {}
     for shape, batch, q_len, ctx in shapes:
         q = torch.randn(batch * q_len, HQ, D, dtype=torch.bfloat16)
-        for kv_name, dynamic, label in FORMATS:
-            nbytes = batch * ctx * HKV * D * 2 * resolve_kv_cache_dtype(kv_name, torch.bfloat16).bits_per_value // 8
+        for kv_name, dynamic, label in chosen:
+            sides = resolve_kv_cache_dtypes(kv_name, torch.bfloat16)
+            nbytes = batch * ctx * HKV * D * sum(side.bits_per_value for side in sides) // 8
             nl = 2 if q_len > 1 else args.layers or layers_for(nbytes, args.footprint_mb << 20, cap=64)
             cache, meta = prefill_cache(kv_name, nl, batch, q_len, ctx, dynamic)
             cases[shape, label] = (cache, meta, q)
     # (a --before revision's library may not know a newer format: that format runs on the native library only)
-    known = {name: [label for kv, _, label in FORMATS if kv in lb.kv_dtype_codes] for name, lb in libs.items()}
+    known = {name: [label for kv, _, label in chosen
+                    if all(side.name in lb.kv_dtype_codes for side in resolve_kv_cache_dtypes(kv, torch.bfloat16))]
+             for name, lb in libs.items()}
     known_kv = {name: set(lb.kv_dtype_codes) for name, lb in libs.items()}
     variants = [(name, label) for name in libs for label in known[name]]
     times: dict[tuple[str, str, str], list[float]] = {(shape, *v): [] for shape, *_ in shapes for v in variants}
@@ -350,13 +358,17 @@ def print_formats(args: argparse.Namespace, before: tuple[str, KernelLibrary] | 
         ints, fp4, i4g = (KernelTesting(libs[name]).item_kernel(kv, torch.bfloat16, D) if kv in known_kv[name] else "-"
                           for kv in ("int4_per_token_head", "fp4_e2m1", "int4_per_group32"))
         print()
+        k8v4 = KernelTesting(libs[name]).item_kernel("int8_per_token_head", torch.bfloat16, D, BS, HQ // HKV,
+                                                     v_kv_dtype="int4_per_group32")
         print(f"KV formats ({name}), SmolLM2 shapes (Hq={HQ} Hkv={HKV} D={D} block={BS}, q bf16), item kernel "
-              f"{kernel_name(libs[name])} (int8, int4: {ints}; int4g32: {i4g}; fp4: {fp4}); medians of "
+              f"{kernel_name(libs[name])} (int8, int4: {ints}; int4g32: {i4g}; fp4: {fp4}; k8v4 decode items: "
+              f"{k8v4}); medians of "
               f"{args.rounds} alternating rounds (min-max), microseconds per layer call; x/fp8 = time over the fp8 "
               "cache's")
         mine = known[name]
+        base = "fp8" if "fp8" in mine else mine[0]   # the time each format's is divided by
         hdr = f"{'call':<18}" + "".join(f"{label:>24}" for label in mine) + "".join(
-            f"{label + '/fp8':>18}" for label in mine[1:])
+            f"{label + '/' + base:>18}" for label in mine if label != base)
         print(hdr)
         print("-" * len(hdr))
         for shape, *_ in shapes:
@@ -364,7 +376,8 @@ def print_formats(args: argparse.Namespace, before: tuple[str, KernelLibrary] | 
             med = {label: statistics.median(t[label]) for label in mine}
             spread = {x: f"{med[x] * 1e6:.1f} ({min(t[x]) * 1e6:.0f}-{max(t[x]) * 1e6:.0f})" for x in mine}
             cells = "".join(f"{spread[x]:>24}" for x in mine)
-            print(f"{shape:<18}{cells}" + "".join(f"{med[x] / med['fp8']:>18.2f}" for x in mine[1:]), flush=True)
+            print(f"{shape:<18}{cells}" + "".join(f"{med[x] / med[base]:>18.2f}" for x in mine if x != base),
+                  flush=True)
     if before is not None:
         rev = before[0]
         print()
@@ -484,6 +497,9 @@ def main() -> None:
                     help="--tables builds: the -march targets to compare (default: native x86-64-v2)")
     ap.add_argument("--rounds", type=int, default=5,
                     help="--tables builds / formats: alternating rounds (default 5)")
+    ap.add_argument("--formats", nargs="+", default=None, metavar="LABEL",
+                    choices=[label for _, _, label in FORMATS],
+                    help="--tables formats: only these formats (labels; default: all)")
     ap.add_argument("--before", default=None, metavar="REV",
                     help="--tables formats: also the kernels as of git revision REV (built from a temporary "
                          "worktree), every format on both in the same alternating rounds")

@@ -241,8 +241,7 @@ def test_tp2_equals_tp1_int4_per_group32(gqa_6x2_d32: str) -> None:
 def test_tp2_equals_tp1_k8v4(gqa_6x2_d32: str) -> None:
     """Keys and values in their own formats (int8 keys with their per-token scales, int4_per_group32 values with
     their group scales) on each rank's heads; with chunked prefill and prefix-cache hits."""
-    _compare(gqa_6x2_d32, 2, "k8v4", max_num_batched_tokens=8, block_size=4, kv_cache_rotation="hadamard",
-             attention_backend="reference")
+    _compare(gqa_6x2_d32, 2, "k8v4", max_num_batched_tokens=8, block_size=4, kv_cache_rotation="hadamard")
 
 
 def test_tp2_equals_tp1_with_a_kv_plan(gqa_6x2: str, tmp_path: Path) -> None:

@@ -176,6 +176,32 @@ def make_case(kv_name: str, gran: str, q_dtype: torch.dtype, *, group: int = 3, 
     return cache, meta, q
 
 
+def make_pair_cache(shape: CacheShape, k_name: str, v_name: str) -> PagedKVCache:
+    """A cache whose keys are stored in ``k_name`` and values in ``v_name`` (a K/V pair: per-token scales on its FP8
+    and integer sides, group scales in a group-scaled side's rows, none on a 16/32-bit side)."""
+    k, v = (resolve_kv_cache_dtype(name, torch.bfloat16) for name in (k_name, v_name))
+    return PagedKVCache(shape, KVCodec.build(k, shape.head_dim, v_dtype=v))
+
+
+def make_pair_case(k_name: str, v_name: str, q_dtype: torch.dtype, *, group: int = 3, dim: int = 64, bs: int = 16,
+                   heads: int = 2, query_lens: list[int] | None = None, seq_lens: list[int] | None = None,
+                   seed: int = 0) -> tuple[PagedKVCache, AttentionMetadata, torch.Tensor]:
+    """:func:`make_case` for a K/V pair (:func:`make_pair_cache`): K stored in ``k_name``, V in ``v_name``, by the
+    reference store."""
+    query_lens = QUERY_LENS if query_lens is None else query_lens
+    seq_lens = SEQ_LENS if seq_lens is None else seq_lens
+    gen = torch.Generator().manual_seed(seed)
+    tables, num_blocks = scattered_tables(seq_lens, bs, gen)
+    cache = make_pair_cache(CacheShape(2, num_blocks, heads, bs, dim), k_name, v_name)
+    everything = AttentionMetadata.build(list(seq_lens), list(seq_lens), tables, bs)
+    total = sum(seq_lens)
+    cache.store(1, random_kv(total, heads, dim, gen).to(q_dtype), random_kv(total, heads, dim, gen).to(q_dtype),
+                everything.slot_mapping)
+    meta = AttentionMetadata.build(list(query_lens), list(seq_lens), tables, bs)
+    q = torch.randn(sum(query_lens), heads * group, dim, generator=gen).to(q_dtype)
+    return cache, meta, q
+
+
 def load_or_skip(march: str = "native") -> kernels.KernelLibrary:
     """The kernels for ``march``; the test is skipped (with the reason) where they cannot be built."""
     try:

@@ -25,6 +25,11 @@ bf16), products are exact and accumulated in fp32.
 
 The store is bit-exact with :meth:`kv8.cache.paged_cache.PagedKVCache.store` for every finite and infinite
 input (FP8: ``saturate(rne(x / scale))``, the NaN rule of :meth:`kv8.quant.formats.FP8Format.encode`).
+
+A K/V pair (``kv_cache_dtype="KFORMAT/VFORMAT"``, e.g. ``"k8v4"``): the layer's struct names the keys' format
+(``kv_dtype``) and the values' (``v_kv_dtype``) and each side's per-token scales where that side keeps them; the
+store encodes each side by its own format, and attention reads each by its own (``csrc/attention/attention.cpp``
+says which kernel serves which pair).
 """
 
 from __future__ import annotations
@@ -69,7 +74,7 @@ class LayerArgs(ctypes.Structure):
 
     _fields_ = [
         ("k_cache", _P), ("v_cache", _P), ("num_blocks", _I64),
-        ("kv_dtype", _I32), ("num_kv_heads", _I32), ("block_size", _I32), ("head_dim", _I32),
+        ("kv_dtype", _I32), ("v_kv_dtype", _I32), ("num_kv_heads", _I32), ("block_size", _I32), ("head_dim", _I32),
         ("k_scale", _P), ("k_scale_head_stride", _I64), ("k_scale_dim_stride", _I64),
         ("v_scale", _P), ("v_scale_head_stride", _I64), ("v_scale_dim_stride", _I64),
         ("k_token_scales", _P), ("v_token_scales", _P),
@@ -195,12 +200,10 @@ class KernelLibrary(NativeLibrary):
             raise ValueError(f"layer={layer} is outside [0, {shape.num_layers})")
         if not all(t.is_contiguous() for t in cache.tensors):
             raise ValueError("the cache's tensors must be contiguous")
-        if cache.codec.is_pair:
-            raise ValueError(f"kv_cache_dtype={cache.codec.name!r}: the cpu_fused kernels read keys and values in one "
-                             "format; use attention_backend='reference' for a K/V pair")
-        k_cache, v_cache = cache.layer(layer)
+        k_cache, v_cache = cache.layer(layer)   # K rows in the keys' format, V rows in the values' (a K/V pair)
         args = LayerArgs(k_cache=k_cache.data_ptr(), v_cache=v_cache.data_ptr(), num_blocks=shape.num_blocks,
-                         kv_dtype=self.kv_dtype_codes[cache.kv_dtype.name], num_kv_heads=shape.num_kv_heads,
+                         kv_dtype=self.kv_dtype_codes[cache.k_dtype.name],
+                         v_kv_dtype=self.kv_dtype_codes[cache.v_dtype.name], num_kv_heads=shape.num_kv_heads,
                          block_size=shape.block_size, head_dim=shape.head_dim)
         scales = cache.layer_scales(layer)
         for prefix, s in zip(("k", "v"), scales if scales is not None else ()):
@@ -212,9 +215,10 @@ class KernelLibrary(NativeLibrary):
             setattr(args, f"{prefix}_scale_head_stride", s.stride(0) if s.shape[0] > 1 else 0)
             setattr(args, f"{prefix}_scale_dim_stride", s.stride(1) if s.shape[1] > 1 else 0)
         token_scales = cache.layer_token_scales(layer)
-        if token_scales is not None:
+        if token_scales is not None:   # per side: a K/V pair keeps them on its FP8 and int sides only
             for prefix, ts in zip(("k", "v"), token_scales):
-                assert ts is not None   # one format: both sides or neither
+                if ts is None:
+                    continue
                 if ts.dtype != torch.float32 or not ts.is_contiguous() \
                         or tuple(ts.shape) != (shape.num_blocks, shape.num_kv_heads, shape.block_size):
                     raise ValueError(f"layer {layer} {prefix.upper()} token scales must be contiguous float32 "
@@ -232,14 +236,14 @@ class KernelTesting:
     def __init__(self, lib: KernelLibrary) -> None:
         self.lib = lib
         c = lib._lib
-        c.kv8_test_item_kernel.argtypes = [ctypes.c_int] * 7
+        c.kv8_test_item_kernel.argtypes = [ctypes.c_int] * 8
         c.kv8_test_item_kernel.restype = ctypes.c_int
         c.kv8_test_decode_fp8.argtypes = [ctypes.c_int, ctypes.c_int, _P, _I64, _P]
         c.kv8_test_decode_fp8.restype = ctypes.c_int
         self._c = c
 
     def item_kernel(self, kv_dtype: str, compute_dtype: torch.dtype, head_dim: int, block_size: int = 16,
-                    rows: int = 48, k_per_channel: bool = False) -> str:
+                    rows: int = 48, k_per_channel: bool = False, v_kv_dtype: str | None = None) -> str:
         """The item kernel that serves items of ``rows`` rows (query heads per KV head x query tokens of one
         sequence):
 
@@ -257,9 +261,16 @@ class KernelTesting:
         * "prefill": the tile kernel's loop for items of more than 4 rows and head_dim <= 128 (the formats above
           through tiles decoded to bf16 as well);
         * "amx": that loop on AMX tiles, where :attr:`KernelLibrary.amx` (bf16 compute, head_dim a multiple of
-          64 up to 256, K scales not per channel, an FP8 or bf16 cache)."""
-        code = self._c.kv8_test_item_kernel(self.lib.kv_dtype_codes[kv_dtype], self.lib.compute_codes[compute_dtype],
-                                            head_dim, block_size, rows, int(self.lib.amx), int(k_per_channel))
+          64 up to 256, K scales not per channel, an FP8 or bf16 cache).
+
+        ``kv_dtype`` is K's format, ``v_kv_dtype`` V's (default: K's). A pair whose sides are each int8, int4,
+        FP4, int4_per_group32, FP8 or bf16: "decode" for the decode-sized items of int8 K with int4_per_group32 or
+        int4 V, else "prefill" / "tile" (every item, on tiles of both sides decoded to bf16; with an
+        int4_per_group32 side bf16 compute only, else "generic"); a pair with an fp16 / fp32 side: "generic"."""
+        codes = self.lib.kv_dtype_codes
+        code = self._c.kv8_test_item_kernel(codes[kv_dtype], codes[v_kv_dtype or kv_dtype],
+                                            self.lib.compute_codes[compute_dtype], head_dim, block_size, rows,
+                                            int(self.lib.amx), int(k_per_channel))
         return self.ITEM_KERNELS[code]
 
     def decode_fp8(self, fmt: str, codes: torch.Tensor, path: str) -> torch.Tensor:

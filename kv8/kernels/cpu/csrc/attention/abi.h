@@ -9,15 +9,18 @@
 
 #include "../common/kv8_abi.h"
 
-// k_cache / v_cache: [num_blocks, num_kv_heads, block_size, head_dim] elements of kv_dtype. Static scales
-// (FP8): float32 with element strides over (kv head, channel), 0 = broadcast; NULL for a 16/32-bit cache
+// k_cache: [num_blocks, num_kv_heads, block_size, head_dim] elements of kv_dtype (K's format); v_cache: the same of
+// v_kv_dtype (V's format; equal to kv_dtype for a cache of one format, else its rows have their own size). Static
+// scales (FP8): float32 with element strides over (kv head, channel), 0 = broadcast; NULL for a 16/32-bit cache
 // or with dynamic scales. Dynamic per-token scales: [num_blocks, num_kv_heads, block_size] float32 beside
-// the codes (both or neither).
+// the codes, per side: a side of integer codes has them, a group-scaled or 16/32-bit side has none, an FP8 side
+// has them with dynamic scales; a cache of one format has them on both sides or neither.
 #define KV8_LAYER_FIELDS(X)               \
     X(void*, k_cache)                     \
     X(void*, v_cache)                     \
     X(int64_t, num_blocks)                \
     X(int32_t, kv_dtype)                  \
+    X(int32_t, v_kv_dtype)                \
     X(int32_t, num_kv_heads)              \
     X(int32_t, block_size)                \
     X(int32_t, head_dim)                  \

@@ -1,4 +1,5 @@
-// kv8 CPU kernels: fused paged attention over an 8/16/32-bit paged KV cache, and quantize-on-store.
+// kv8 CPU kernels: fused paged attention over a paged KV cache of 4/8/16/32-bit formats -- K and V in one format or
+// each in its own (a pair) -- and quantize-on-store.
 //
 // The one translation unit of the library: it includes the parts below and defines the C ABI (extern "C",
 // argument structs in abi.h), loaded with ctypes by kv8/kernels/cpu/attention.py and compiled by kv8/kernels/cpu/build.py
@@ -30,7 +31,7 @@
 //   store_int4_group.h     int4_per_group32's encoder: each group's float16 scale by a search (AVX-512 and reference)
 //
 // Cache layer layout: k_cache / v_cache are [num_blocks, H_kv, block_size, D] contiguous (uint8 FP8 codes,
-// or bf16 / fp16 / fp32). read = decode(code) * scale, with static scales (float32, element strides over
+// or bf16 / fp16 / fp32; K in kv8_layer.kv_dtype, V in v_kv_dtype, each row the size of its format). read = decode(code) * scale, with static scales (float32, element strides over
 // (kv head, channel), 0 = broadcast) or dynamic per-token scales ([num_blocks, H_kv, block_size] float32
 // beside the codes).
 //
@@ -45,6 +46,11 @@
 //     decode-shaped items the decode kernel serves -> run_item_decode; items of more than 4 rows -> run_item_tile
 //     on tiles decoded to bf16 (item_staged.h; never on AMX tiles; int4_per_group32 with bf16 compute only);
 //     every other item -> the AVX2 / generic kernel below
+//   FAST, K and V in different formats (a pair), each of those four, FP8 or bf16 (run_item_coded): decode-shaped items of the pairs with decode instances (int8 K with int4_per_group32 or int4
+//     V: decode_pair_fn) -> run_item_decode on K's and V's formats; every other item -> run_item_tile on K tiles
+//     staged from K's format and V tiles from V's (FP8 and bf16 staged too), where staged tiles serve it; else the
+//     generic kernel
+//   K and V in different formats otherwise (an fp16 / fp32 side) -> run_item_generic, two row decoders
 //   otherwise, AVX2 + FMA + F16C compiled in and D % 8 == 0, D <= 1024 -> run_item_avx2
 //   otherwise -> run_item_generic
 // All kernels clear MXCSR DAZ/FTZ in their threads (FpEnv), so FP8 subnormals survive.
@@ -85,9 +91,12 @@ static ItemFn fp32_item_fn(const Problem& P) {
 }
 
 #if KV8_FAST
-// Whether the tile kernel serves items of `rows` rows of a staged format (item_staged.h): prefill items (more
-// than 4 rows) that staged tiles serve.
-static inline bool staged_item(const Problem& P, int rows) { return rows > 4 && staged_serves(P); }
+// Whether the tile kernel serves items of `rows` rows of staged formats (item_staged.h): items that staged tiles
+// serve, prefill items (more than 4 rows) of a cache of one format, and every item of a pair (K and V in different
+// formats) that decode_fn does not take (the fp32 kernel left for them is the scalar generic one).
+static inline bool staged_item(const Problem& P, int rows) {
+    return (rows > 4 || P.vkv != P.kv) && staged_serves(P);
+}
 
 // An item of an integer or group-scaled cache (kv_staged): the AVX-512 decode kernel where it serves the item's
 // rows, else the tile kernel on staged bf16 tiles for prefill items, else the fp32 kernel.
@@ -131,12 +140,13 @@ static ItemFn pick_item_fn(const Problem& P, int* fast) {
 #if KV8_FAST
     const bool qlo = !(P.q_dtype == DT_BF16 && !k_per_channel(P));
     const bool plo = P.q_dtype != DT_BF16;  // bf16 compute: weights in bf16, as precise as the output
-    if (P.D % 16 == 0 && P.D <= 1024 && kv_bf16_exact(P.kv)) {
+    if (P.D % 16 == 0 && P.D <= 1024 && kv_bf16_exact(P.kv) && P.vkv == P.kv) {
         *fast = 1;
         if (qlo) return plo ? run_item_fast<true, true> : run_item_fast<true, false>;
         return plo ? run_item_fast<false, true> : run_item_fast<false, false>;
     }
-    if (P.D % 16 == 0 && P.D <= 1024 && kv_staged(P.kv)) {  // integer / group-scaled codes
+    if (P.D % 16 == 0 && P.D <= 1024 &&   // integer / group-scaled codes; a pair with such a side (item_staged.h)
+        (P.vkv == P.kv ? kv_staged(P.kv) : kv_pair_stageable(P.kv) && kv_pair_stageable(P.vkv))) {
         *fast = 1;
         if (qlo) return plo ? run_item_coded<true, true> : run_item_coded<true, false>;
         return plo ? run_item_coded<false, true> : run_item_coded<false, false>;
@@ -201,12 +211,14 @@ int kv8_store_kv(const kv8_layer* layer, const kv8_store_call* call) { return ru
 // Which item kernel serves items of `rows` rows (query heads per KV head x query tokens of one sequence) in a
 // call with use_amx: KERNEL_GENERIC, KERNEL_AVX2, KERNEL_TILE, KERNEL_DECODE, KERNEL_PREFILL (the tile kernel's prefill
 // loop), KERNEL_AMX (that loop on AMX tiles) or KERNEL_AMX_DECODE (the decode kernel on AMX tiles);
-// k_per_channel: the K scales are per channel.
-int kv8_test_item_kernel(int kv, int q_dtype, int D, int bs, int rows, int use_amx, int k_per_channel) {
+// kv / vkv: K's and V's formats; k_per_channel: the K scales are per channel.
+int kv8_test_item_kernel(int kv, int vkv, int q_dtype, int D, int bs, int rows, int use_amx, int k_per_channel) {
     static const float one = 1.0f;
+    if (kv < 0 || kv >= KV_COUNT || vkv < 0 || vkv >= KV_COUNT) return -1;
     Problem P;
     memset(&P, 0, sizeof(P));
     P.kv = kv;
+    P.vkv = vkv;
     P.q_dtype = q_dtype;
     P.D = D;
     P.bs = bs;
@@ -219,8 +231,8 @@ int kv8_test_item_kernel(int kv, int q_dtype, int D, int bs, int rows, int use_a
     const ItemFn fn = pick_item_fn(P, &fast);
     if (!fast) return fn == run_item_generic ? KERNEL_GENERIC : KERNEL_AVX2;
 #if KV8_FAST
-    if (!kv_bf16_exact(kv)) {  // integer / group codes (run_item_coded): the decode kernel, the tile kernel on
-                               // staged tiles (never AMX: staged_view) or the fp32 kernel
+    if (!kv_bf16_exact(kv) || vkv != kv) {  // integer / group codes, or a pair (run_item_coded): the decode kernel,
+                                            // the tile kernel on staged tiles (never AMX: staged_view) or fp32
         if (bs > 0 && decode_fn(P, rows) != nullptr) return KERNEL_DECODE;
         if (!staged_item(P, rows)) return fp32_item_fn(P) == run_item_generic ? KERNEL_GENERIC : KERNEL_AVX2;
         return uses_prefill_loop(D, rows) ? KERNEL_PREFILL : KERNEL_TILE;

@@ -411,8 +411,11 @@ static int run_item_avx2(const Problem& P, const Item& it, float* ws) {
 
 // Whether the AVX2 kernel serves a problem's items.
 // (FP4 rows keep a scale per 16 values after their codes, which the 8-channel decode does not read: the generic
-// kernel serves the items the AVX-512 decode kernel does not take.)
-static inline bool avx2_serves(const Problem& P) { return P.D % 8 == 0 && P.D <= 1024 && !KV_FORMATS[P.kv].group; }
+// kernel serves the items the AVX-512 decode kernel does not take. A pair of formats -- K and V in different ones --
+// is the generic kernel's too.)
+static inline bool avx2_serves(const Problem& P) {
+    return P.D % 8 == 0 && P.D <= 1024 && !KV_FORMATS[P.kv].group && P.vkv == P.kv;
+}
 
 static ItemFn avx2_item_fn(const Problem& P) {
     return with_kv_format(P.kv, [](auto K) -> ItemFn { return run_item_avx2<decltype(K)::value>; });

@@ -43,6 +43,10 @@
 //
 // Sliding window: a row's scores outside its [first, limit] positions are masked; the item's first tile
 // reads zeros (a zero-padded copy) for its rows before k0, as the last tile does past the context.
+//
+// K and V in different formats (run_item_decode<KK, VK, D, R>, decode_pair_fn): the scores are K's format's (its row
+// bytes, table, query slots and score path), P.V is V's (its row bytes, table, weights and accumulator layout), each
+// exactly as in a cache of that format alone; instances for int8 K with int4_per_group32 V ("k8v4") and with int4 V.
 #pragma once
 
 #include "fast_simd.h"
@@ -275,14 +279,14 @@ static inline const uint8_t* pad_tile(uint8_t* pad, const uint8_t* src, int lead
 // prefetch_tile for this kernel's tiles, which never cross a block (blocks of a multiple of TILE tokens): one
 // block-table read, then the tile's rows from the item's k0 on -- a few instructions where the general loop
 // walks the table per run of rows.
-template <int RBYTES, bool K, bool V, bool L2>
+template <int KRB, int VRB, bool K, bool V, bool L2>
 static inline void prefetch_block_tile(const Problem& P, const Item& it, const int64_t* table, int64_t t0) {
     if (t0 >= it.t1) return;
     const int64_t row0 = head_row(P, it, table, t0);
     if (row0 < 0) return;
     const int lead = it.k0 > t0 ? (int)(it.k0 - t0) : 0;
     const int n = (int)(it.t1 - t0 < TILE ? it.t1 - t0 : TILE);
-    prefetch_rows<K, V, L2>(P, row0 + lead, n - lead, RBYTES);
+    prefetch_rows<K, V, L2>(P, row0 + lead, n - lead, KRB, VRB);
 }
 
 // Tiles of the chunk at c0: CHUNK_TILES but at the item's end.
@@ -292,15 +296,15 @@ static inline int chunk_tiles(const Item& it, int64_t c0) {
 }
 
 // The item's row of block table, once the K and V of its heads' first STREAM_TILES tiles are on their way into
-// L1 (decode_tile's stream goes on from there).
-template <int RBYTES>
+// L1 (decode_tile's stream goes on from there). K rows of KRB bytes, V rows of VRB.
+template <int KRB, int VRB>
 static inline const int64_t* item_table(const Problem& P, const Item& it) {
     const int64_t* table = P.bt + (int64_t)it.seq * P.bt_stride;
     for (int p = 0; p < STREAM_TILES; ++p)
         for (int h = 0; h < it.nh; ++h) {
             Item one = it;
             one.kvh += h;
-            prefetch_block_tile<RBYTES, true, true, false>(P, one, table, it.t0 + p * TILE);
+            prefetch_block_tile<KRB, VRB, true, true, false>(P, one, table, it.t0 + p * TILE);
         }
     return table;
 }
@@ -322,34 +326,30 @@ struct DecodeTile {
 
 // The tile at t0 of one head's item `it`. ERR_BLOCK_ID for a block id outside the cache. The kernels' only
 // prefetches past item_table's are the stream: each block's rows of one head are adjacent, and an item of several
-// heads reads their rows of a block in address order.
-template <int RBYTES>
+// heads reads their rows of a block in address order. K rows of KRB bytes, V rows of VRB.
+template <int KRB, int VRB>
 static inline int decode_tile(const Problem& P, const Item& it, const int64_t* table, int64_t t0, float sfac,
                               DecodeTile& T) {
     T.ka = T.va = nullptr;
     const int64_t ta = t0 + STREAM_TILES * TILE;
     const int64_t ra = ta < it.t1 ? head_row(P, it, table, ta) : -1;
     if (ra >= 0) {
-        T.ka = P.kc + ra * RBYTES;
-        T.va = P.vc + ra * RBYTES;
-        if (P.kts) {  // the tile's per-token scales: one line each
-            prefetch_l2(P.kts + ra);
-            prefetch_l2(P.vts + ra);
-        }
+        T.ka = P.kc + ra * KRB;
+        T.va = P.vc + ra * VRB;
+        if (P.kts) prefetch_l2(P.kts + ra);  // the tile's per-token scales: one line each
+        if (P.vts) prefetch_l2(P.vts + ra);
     }
     const int64_t row0 = head_row(P, it, table, t0);
     if (row0 < 0) return ERR_BLOCK_ID;
-    T.k = P.kc + row0 * RBYTES;
-    T.v = P.vc + row0 * RBYTES;
+    T.k = P.kc + row0 * KRB;
+    T.v = P.vc + row0 * VRB;
     T.n = (int)(it.t1 - t0 < TILE ? it.t1 - t0 : TILE);
     T.lead = it.k0 > t0 ? (int)(it.k0 - t0) : 0;  // rows before k0 (first tile only)
     T.have = lane_range(T.lead, T.n);
     T.kf = _mm512_set1_ps(sfac);
     T.vs = _mm512_set1_ps(1.0f);
-    if (P.kts) {
-        T.kf = _mm512_mul_ps(T.kf, _mm512_maskz_loadu_ps(T.have, P.kts + row0));
-        T.vs = _mm512_maskz_loadu_ps(T.have, P.vts + row0);
-    }
+    if (P.kts) T.kf = _mm512_mul_ps(T.kf, _mm512_maskz_loadu_ps(T.have, P.kts + row0));
+    if (P.vts) T.vs = _mm512_maskz_loadu_ps(T.have, P.vts + row0);
     return OK;
 }
 
@@ -423,21 +423,28 @@ struct AvxDecodeHead : DecodeHeadState<D, R> {
     float qs[R];   // kv_int_dot: qhi holds int4_q_words' slots, row r's scale qs[r] (qlo unused)
 };
 
-template <int KV, int D, int R>
+// The decode kernel on K rows of format KK and V rows of format VK (KK == VK: a cache of one format; else a pair,
+// decode_pair_fn): each side read by its own format's code -- K's row bytes, table and score path, V's row bytes,
+// table and P.V path.
+template <int KK, int VK, int D, int R>
 static int run_item_decode(const Problem& P, const Item& item, float* ws) {
-    constexpr int RBYTES = (int)kv_row_bytes(KV, D), CT = CHUNK_TILES;
+    constexpr int KRB = (int)kv_row_bytes(KK, D), VRB = (int)kv_row_bytes(VK, D), CT = CHUNK_TILES;
     if (item.nh < 1 || item.nh > MAX_ITEM_HEADS) return ERR_ARGS;
-    const Lut& L = lut_for(P.kv);  // the call's format: formats of one decode class share the code (kv_decode_class)
+    // the call's formats: formats of one decode class share the code (kv_decode_class)
+    const Lut& L = lut_for(P.kv);
+    const Lut& VL = lut_for(P.vkv);
     const Rows w = rows_of(P, item);
     alignas(64) float nat[D], kscale[D];
     alignas(64) uint32_t phi[R * CT * 8];
-    constexpr bool GS = KV_FORMATS[KV].group != 0;   // group scales (int4_per_group32, FP4): on the weights per group
-    constexpr bool INT = kv_int_dot(KV);   // int4 per token and head: integer products (chunk_pv_int, tile_scores_int)
-    alignas(64) float pf[GS || INT ? R * CT * 16 : 1];   // the weights in fp32 there (chunk_pv_inplace, chunk_pv_int)
-    const __m512i words = INT ? int4_int_words() : L.lo0;
+    constexpr bool GS = KV_FORMATS[VK].group != 0;   // V's group scales (int4_per_group32, FP4): on the weights per group
+    // int4 per token and head: integer products (tile_scores_int for K, chunk_pv_int for V)
+    constexpr bool KINT = kv_int_dot(KK), VINT = kv_int_dot(VK);
+    alignas(64) float pf[GS || VINT ? R * CT * 16 : 1];   // the weights in fp32 there (chunk_pv_inplace, chunk_pv_int)
+    const __m512i kwords = KINT ? int4_int_words() : L.lo0;
+    const __m512i vwords = VINT ? int4_int_words() : VL.lo0;
     // Zero-padded copies of partial tiles. V is read after the chunk's scores, and the first tile (rows before
     // k0) and the last (rows past the context) can share a chunk, so each has its own V copy.
-    alignas(64) uint8_t pad_k[TILE * RBYTES], pad_v_first[TILE * RBYTES], pad_v_last[TILE * RBYTES];
+    alignas(64) uint8_t pad_k[TILE * KRB], pad_v_first[TILE * VRB], pad_v_last[TILE * VRB];
     AvxDecodeHead<D, R> heads[MAX_ITEM_HEADS];
     float alpha[R];
     int64_t lo[R], lim[R];  // the same for every head (positions)
@@ -447,12 +454,12 @@ static int run_item_decode(const Problem& P, const Item& item, float* ws) {
         AvxDecodeHead<D, R>& H = heads[hd];
         H.start(item, hd);
         H.sfac = prep_rows(P, H.it, w, kscale, H.qhi, H.qlo, lo, lim);
-        if constexpr (INT)   // the rows again, as int16 slots
+        if constexpr (KINT)   // the rows again, as int16 slots
             for (int r = 0; r < R; ++r)
                 H.qs[r] = int4_q_words(P, q_row_src(P, H.it, w, r), kch ? kscale : nullptr, H.qhi + r * (D / 8));
     }
 
-    const int64_t* table = item_table<RBYTES>(P, item);
+    const int64_t* table = item_table<KRB, VRB>(P, item);
     for (int64_t c0 = item.t0; c0 < item.t1; c0 += CT * TILE) {
         const int nt = chunk_tiles(item, c0);
         for (int hd = 0; hd < item.nh; ++hd) {  // the heads' rows of a block lie together: read in order
@@ -463,19 +470,19 @@ static int run_item_decode(const Problem& P, const Item& item, float* ws) {
             for (int j = 0; j < nt; ++j) {
                 const int64_t t0 = c0 + j * TILE;
                 DecodeTile T;
-                if (decode_tile<RBYTES>(P, H.it, table, t0, H.sfac, T) != OK) return ERR_BLOCK_ID;
+                if (decode_tile<KRB, VRB>(P, H.it, table, t0, H.sfac, T) != OK) return ERR_BLOCK_ID;
                 const uint8_t* kb = T.k;
                 vb[j] = T.v;
                 vahead[j] = T.va;
                 vsv[j] = T.vs;
                 if (T.n < TILE || T.lead > 0) {  // rows past the sequence or before the window: read zeros instead
-                    kb = pad_tile<RBYTES>(pad_k, kb, T.lead, T.n);
-                    vb[j] = pad_tile<RBYTES>(T.lead > 0 ? pad_v_first : pad_v_last, vb[j], T.lead, T.n);
+                    kb = pad_tile<KRB>(pad_k, kb, T.lead, T.n);
+                    vb[j] = pad_tile<VRB>(T.lead > 0 ? pad_v_first : pad_v_last, vb[j], T.lead, T.n);
                 }
                 __m512 sc[R];
-                if constexpr (INT) tile_scores_int<D, R>(kb, T.ka, words, H.qhi, H.qs, sc);
-                else if (kch) tile_scores_inplace<KV, D, R, true>(kb, T.ka, L, H.qhi, H.qlo, sc);
-                else tile_scores_inplace<KV, D, R, false>(kb, T.ka, L, H.qhi, H.qlo, sc);
+                if constexpr (KINT) tile_scores_int<D, R>(kb, T.ka, kwords, H.qhi, H.qs, sc);
+                else if (kch) tile_scores_inplace<KK, D, R, true>(kb, T.ka, L, H.qhi, H.qlo, sc);
+                else tile_scores_inplace<KK, D, R, false>(kb, T.ka, L, H.qhi, H.qlo, sc);
                 for (int r = 0; r < R; ++r) {  // visible tokens of this tile: [first - t0, limit - t0] within have
                     valid[r][j] = T.have & lane_range(lo[r] - t0, lim[r] - t0 + 1);
                     s[r][j] = _mm512_mask_mul_ps(_mm512_set1_ps(-INFINITY), valid[r][j], sc[r], T.kf);
@@ -483,12 +490,12 @@ static int run_item_decode(const Problem& P, const Item& item, float* ws) {
             }
             for (int r = 0; r < R; ++r)  // row r's weights: tile j's at dwords (r * CT + j) * 8 of phi
                 alpha[r] = decode_weights(s[r], valid[r], vsv, P.vts != nullptr, nt, H.mx[r], H.sum[r],
-                                          (uint16_t*)(phi + r * CT * 8), 32, GS || INT ? pf + r * CT * 16 : nullptr);
-            if constexpr (INT) chunk_pv_int<D, R>(vb, vahead, nt, words, pf, vsv, P.vts != nullptr, H.obuf, alpha);
-            else chunk_pv_inplace<KV, D, R>(vb, vahead, nt, L, phi, pf, H.obuf, alpha);
+                                          (uint16_t*)(phi + r * CT * 8), 32, GS || VINT ? pf + r * CT * 16 : nullptr);
+            if constexpr (VINT) chunk_pv_int<D, R>(vb, vahead, nt, vwords, pf, vsv, P.vts != nullptr, H.obuf, alpha);
+            else chunk_pv_inplace<VK, D, R>(vb, vahead, nt, VL, phi, pf, H.obuf, alpha);
         }
     }
-    for (int hd = 0; hd < item.nh; ++hd) heads[hd].template finish<KV>(P, w, nat, ws);
+    for (int hd = 0; hd < item.nh; ++hd) heads[hd].template finish<VK>(P, w, nat, ws);
     return OK;
 }
 
@@ -496,8 +503,15 @@ static int run_item_decode(const Problem& P, const Item& item, float* ws) {
 // instance for those parameters, Family::serves(kv) whether it reads format kv.
 struct AvxDecode {
     template <int KV, int D, int R>
-    static ItemFn fn() { return run_item_decode<KV, D, R>; }
+    static ItemFn fn() { return run_item_decode<KV, KV, D, R>; }
     static constexpr bool serves(int kv) { return kv_decode_fast(kv); }
+};
+
+// The AVX-512 kernel's instances for K of format KV and V of format VK (a pair; see decode_pair_fn).
+template <int VK>
+struct AvxDecodeV {
+    template <int KV, int D, int R>
+    static ItemFn fn() { return run_item_decode<KV, VK, D, R>; }
 };
 
 // The family's instance for the problem's cache format, D and item rows R, or NULL where it has none (D other
@@ -521,9 +535,10 @@ static ItemFn decode_instance(int D, int R) {
 #undef KV8_ROWS
 }
 
+// A cache of one format (P.vkv == P.kv; decode_pair_fn has the pairs).
 template <class Family>
 static ItemFn decode_family_fn(const Problem& P, int R) {
-    if (P.bs % TILE != 0 || P.q_dtype != DT_BF16) return nullptr;
+    if (P.bs % TILE != 0 || P.q_dtype != DT_BF16 || P.vkv != P.kv) return nullptr;
     return with_kv_format(P.kv, [&](auto K) -> ItemFn {
         constexpr int KV = kv_decode_class(decltype(K)::value);  // an instance per class, the tables per format
         if constexpr (Family::serves(KV)) return decode_instance<Family, KV>(P.D, R);
@@ -531,7 +546,20 @@ static ItemFn decode_family_fn(const Problem& P, int R) {
     });
 }
 
+// The decode kernel's instance for a pair of formats (K in P.kv, V in P.vkv), or NULL. Instances exist for the pairs
+// of an int8 K (per token and head) with a 4-bit V -- int4_per_group32 ("k8v4") or int4 per token and head --
+// measured faster than their decode items on staged tiles (docs/benchmarks.md, "K and V in different formats");
+// other pairs' decode items run staged (both sides staged formats) or on the generic kernel.
+static ItemFn decode_pair_fn(const Problem& P, int R) {
+    if (P.bs % TILE != 0 || P.q_dtype != DT_BF16) return nullptr;
+    if (P.kv == KV_I8 && P.vkv == KV_I4G) return decode_instance<AvxDecodeV<KV_I4G>, KV_I8>(P.D, R);
+    if (P.kv == KV_I8 && P.vkv == KV_I4) return decode_instance<AvxDecodeV<KV_I4>, KV_I8>(P.D, R);
+    return nullptr;
+}
+
 // The decode item kernel (AVX-512) for this problem and item rows, or NULL where the tile kernel serves.
-static ItemFn decode_fn(const Problem& P, int R) { return decode_family_fn<AvxDecode>(P, R); }
+static ItemFn decode_fn(const Problem& P, int R) {
+    return P.vkv == P.kv ? decode_family_fn<AvxDecode>(P, R) : decode_pair_fn(P, R);
+}
 
 #endif  // KV8_FAST

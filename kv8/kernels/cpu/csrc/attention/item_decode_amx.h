@@ -105,7 +105,7 @@ static int run_item_decode_amx(const Problem& P, const Item& item, float* ws) {
     const __m512i gather_rows = _mm512_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28, 32, 36, 40, 44, 48, 52, 56, 60);
 
     const DecodeTiles tiles(R, QT_RESIDENT);
-    const int64_t* table = item_table<RBYTES>(P, item);
+    const int64_t* table = item_table<RBYTES, RBYTES>(P, item);
     for (int64_t c0 = item.t0; c0 < item.t1; c0 += CT * TILE) {
         const int nt = chunk_tiles(item, c0);
         for (int hd = 0; hd < item.nh; ++hd) {  // the heads' rows of a block lie together: read in order
@@ -120,7 +120,7 @@ static int run_item_decode_amx(const Problem& P, const Item& item, float* ws) {
             __m512 kf[CT];
             for (int j = 0; j < nt; ++j) {
                 DecodeTile T;
-                if (decode_tile<RBYTES>(P, it, table, c0 + j * TILE, H.sfac, T) != OK) return ERR_BLOCK_ID;
+                if (decode_tile<RBYTES, RBYTES>(P, it, table, c0 + j * TILE, H.sfac, T) != OK) return ERR_BLOCK_ID;
                 kahead[j] = fp8 ? nullptr : T.ka;  // fp8: streamed as K is decoded; bf16: beside its S^T tiles
                 vahead[j] = T.va;
                 const uint8_t* kb = T.k;

@@ -1,4 +1,5 @@
-// The generic item kernel: fp32 arithmetic, any KV dtype, any head dim, any ISA. FP8 is decoded on bits
+// The generic item kernel: fp32 arithmetic, any KV dtype (K and V each in its own: a pair of formats is read with
+// two row decoders), any head dim, any ISA. FP8 is decoded on bits
 // (base.h; exact for subnormals because every kernel thread clears DAZ/FTZ). It is the path of fp16 /
 // fp32 caches, of the group-scaled formats' items the decode kernel does not take (prefill-sized items; FP4: E2M1
 // codes times their group's E4M3 scale; int4_per_group32: int4 codes times their group's float16 scale: exact
@@ -96,8 +97,10 @@ struct F32Scratch {
 };
 
 static int run_item_generic(const Problem& P, const Item& it, float* ws) {
-    const RowDecoder decode_row =
+    const RowDecoder decode_k_row =   // K rows in K's format, V rows in V's (one decoder for a cache of one format)
         with_kv_format(P.kv, [](auto K) -> RowDecoder { return decode_row_f32<decltype(K)::value>; });
+    const RowDecoder decode_v_row =
+        with_kv_format(P.vkv, [](auto K) -> RowDecoder { return decode_row_f32<decltype(K)::value>; });
     const Rows w = rows_of(P, it);
     const int D = P.D, R = w.R;
     F32Scratch S;
@@ -118,7 +121,7 @@ static int run_item_generic(const Problem& P, const Item& it, float* ws) {
         if (!tile_rows(P, it, t0, n, kr, vr, ksc, vsc)) return ERR_BLOCK_ID;
         while (r0 < R && lim[r0] < t0) ++r0;  // rows before r0 see nothing of this tile (limits ascend)
         while (r1 < R && lo[r1] < t0 + n) ++r1;  // nor do rows from r1 on (their windows start later)
-        for (int t = 0; t < n; ++t) decode_row(kr[t], D, kf + (size_t)t * D);
+        for (int t = 0; t < n; ++t) decode_k_row(kr[t], D, kf + (size_t)t * D);
         for (int r = r0; r < r1; ++r) {
             const float* qr = qf + (size_t)r * D;
             float tmax = -INFINITY;
@@ -141,7 +144,7 @@ static int run_item_generic(const Problem& P, const Item& it, float* ws) {
             }
             sum[r] = sum[r] * alpha[r] + ls;
         }
-        for (int t = 0; t < n; ++t) decode_row(vr[t], D, vf + (size_t)t * D);
+        for (int t = 0; t < n; ++t) decode_v_row(vr[t], D, vf + (size_t)t * D);
         for (int r = r0; r < r1; ++r) {
             float* ar = acc + (size_t)r * D;
             const float* p = prob + (size_t)r * TILE;

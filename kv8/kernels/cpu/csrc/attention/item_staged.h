@@ -1,4 +1,5 @@
-// Prefill items of the caches whose codes are not bf16 values -- int8 and int4 per token and head, int4_per_group32,
+// Prefill items of the caches whose codes are not bf16 values (K and V in one such format, or each in its own: a
+// pair's K tiles are staged from K's format and its V tiles from V's) -- int8 and int4 per token and head, int4_per_group32,
 // fp4_e2m1 (kv_staged) -- on the tile kernel (item_tile.h, and for D <= 128 its prefill loop, item_prefill.h): each
 // K / V tile the kernel reads is first decoded to bf16 rows in an L1 buffer (stage_tile), which the kernel then reads
 // as it reads a bf16 cache's tiles, with the same arithmetic (bf16 x bf16 products, fp32 sums). Decode-sized items
@@ -39,8 +40,31 @@ static constexpr bool kv_staged(int kv) { return KV_FORMATS[kv].ibits != 0 || KV
 // int4_per_group32, whose code x float16 scale rounds to bf16).
 static constexpr bool kv_staged_exact(int kv) { return kv_staged(kv) && KV_FORMATS[kv].gscale != 2; }
 
-// Whether staged tiles serve items of P: bf16 compute, or a format whose staged values are exact.
-static inline bool staged_serves(const Problem& P) { return kv_staged_exact(P.kv) || P.q_dtype == DT_BF16; }
+// Whether one side of a K/V pair can be staged: the staged formats, and the bf16-exact ones (FP8: each code's bf16
+// value from a table; bf16: a copy) -- a pair of an FP8 or bf16 side with an integer or group-scaled one runs the
+// tile kernel on staged tiles of both sides. (A cache of one FP8 or bf16 format reads its tiles directly.)
+static constexpr bool kv_pair_stageable(int kv) { return kv_staged(kv) || kv_bf16_exact(kv); }
+
+// Whether staged tiles serve items of P: both sides staged formats (K's and V's, the same one; or a pair of
+// kv_pair_stageable formats), and bf16 compute or formats whose staged values are exact.
+static inline bool staged_serves(const Problem& P) {
+    const bool both = P.vkv == P.kv ? kv_staged(P.kv) : kv_pair_stageable(P.kv) && kv_pair_stageable(P.vkv);
+    const bool exact = (kv_staged_exact(P.kv) || kv_bf16_exact(P.kv)) && (kv_staged_exact(P.vkv) ||
+                                                                           kv_bf16_exact(P.vkv));
+    return both && (exact || P.q_dtype == DT_BF16);
+}
+
+// The bf16 bits of each code of FP8 format KV (every FP8 value is a bf16: at most 3 mantissa bits; NaN -> 0x7FC0).
+template <int KV>
+static const uint16_t* fp8_bf16_bits() {
+    static const struct Table {
+        uint16_t bits[256];
+        Table() {
+            for (int c = 0; c < 256; ++c) bits[c] = f_bf16(fp8_value(KV, c));
+        }
+    } table;
+    return table.bits;
+}
 
 // The fp32 values of a nibble (0..15, the even channel in a byte's low half): int4 ((n ^ 8) - 8) or E2M1.
 template <int KV>
@@ -64,7 +88,12 @@ static inline __m512i interleave_bf16(__m512 ev, __m512 od) {
 template <int KV>
 static inline void row_to_bf16(const uint8_t* row, int D, uint16_t* out) {
     constexpr KvFormat F = KV_FORMATS[KV];
-    if constexpr (F.ibits == 8) {
+    if constexpr (F.elem == DT_BF16) {  // a pair's bf16 side: the row as it is
+        memcpy(out, row, sizeof(uint16_t) * (size_t)D);
+    } else if constexpr (F.fp8) {  // a pair's FP8 side: each code's bf16 value (exact), from a table
+        const uint16_t* bits = fp8_bf16_bits<KV>();
+        for (int d = 0; d < D; ++d) out[d] = bits[row[d]];
+    } else if constexpr (F.ibits == 8) {
         int d = 0;
         for (; d + 32 <= D; d += 32) {
             const __m512 a = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(row + d))));
@@ -164,24 +193,34 @@ struct Staged {
     }
 };
 
-// The problem the tile kernel sees for a staged format: its tiles are bf16 (kv, esize), no AMX (see above); the
-// rows, scales and pointers are P's.
+// The problem the tile kernel sees for a staged format: its K and V tiles are bf16 (kv, vkv, esize, vesize), no AMX
+// (see above); the rows (each side's row bytes), scales and pointers are P's.
 static inline Problem staged_view(const Problem& P) {
     Problem V = P;
-    V.kv = KV_BF16;
-    V.esize = 2;
+    V.kv = V.vkv = KV_BF16;
+    V.esize = V.vesize = 2;
     V.amx = false;
     return V;
 }
 
-// The tile kernel on an item of a staged format (kv_staged(P.kv), staged_serves(P)).
+// The tile kernel on an item of staged formats (staged_serves(P)): K tiles staged from K's format (k, kp), V tiles
+// from V's (v, pv_fused) -- for a cache of one format, all four from it.
 template <bool QLO, bool PLO>
 static int run_item_staged(const Problem& P, const Item& it, float* ws) {
     TileDecoders dec;
     with_kv_format(P.kv, [&](auto K) {
         constexpr int KV = decltype(K)::value;
-        if constexpr (kv_staged(KV)) dec = Staged<KV>::template decoders<PLO>();
+        if constexpr (kv_pair_stageable(KV)) dec = Staged<KV>::template decoders<PLO>();
     });
+    if (P.vkv != P.kv)
+        with_kv_format(P.vkv, [&](auto K) {
+            constexpr int KV = decltype(K)::value;
+            if constexpr (kv_pair_stageable(KV)) {
+                const TileDecoders v = Staged<KV>::template decoders<PLO>();
+                dec.v = v.v;
+                for (int i = 0; i < 5; ++i) dec.pv_fused[i] = v.pv_fused[i];
+            }
+        });
     const Problem V = staged_view(P);
     return run_item_tile_with<QLO, PLO>(V, it, ws, dec);
 }

@@ -15,22 +15,34 @@
 
 #include "problem.h"
 
-// The problem of one call, from the layer and call structs; ERR_ARGS when they are unusable.
+// Whether side format kv (K's or V's) may be read with these scales and head dim: rows that fit ZERO_ROW, whole
+// code bytes, whole groups of 32 for int4_per_group32; a group-scaled side has neither static nor per-token scales
+// (its scales are in its rows), a side of integer codes has its per-token scales (codes mean nothing without them).
+static inline bool side_usable(int kv, int D, const void* static_scale, const float* token_scales) {
+    const KvFormat& F = KV_FORMATS[kv];
+    return kv_row_bytes(kv, D) <= (int64_t)sizeof(ZERO_ROW) && !((F.ibits == 4 || F.group) && D % 2) &&
+           !(F.group && (token_scales || static_scale)) && !(F.gscale == 2 && D % F.group) &&
+           !(F.ibits && !token_scales);
+}
+
+// The problem of one call, from the layer and call structs; ERR_ARGS when they are unusable. K and V are checked
+// each against its own format (side_usable); one format keeps per-token scales on both sides or on neither, and a
+// group-scaled one no static scales on either side.
 static int make_problem(const kv8_layer& L, const kv8_attention_call& C, Problem& P) {
     const int Hkv = L.num_kv_heads, Hq = C.num_q_heads, D = L.head_dim, bs = L.block_size, kv = L.kv_dtype;
+    const int vkv = L.v_kv_dtype;
     if (Hkv <= 0 || Hq % Hkv != 0 || D <= 0 || bs <= 0 || C.num_seqs < 0 || C.num_threads <= 0 || kv < 0 ||
-        kv >= KV_COUNT || C.q_dtype < 0 || C.q_dtype >= DT_COUNT ||
-        kv_row_bytes(kv, D) > (int64_t)sizeof(ZERO_ROW) ||
-        ((KV_FORMATS[kv].ibits == 4 || KV_FORMATS[kv].group) && D % 2) ||
-        (KV_FORMATS[kv].group && (L.k_token_scales || L.k_scale || L.v_scale)) ||   // group scales are in the rows
-        (KV_FORMATS[kv].gscale == 2 && D % KV_FORMATS[kv].group) ||                 // whole groups of 32
-        (L.k_token_scales == nullptr) != (L.v_token_scales == nullptr) || C.sliding_window < 0 ||
-        (KV_FORMATS[kv].ibits && !L.k_token_scales))   // integer codes mean nothing without their scales
+        kv >= KV_COUNT || vkv < 0 || vkv >= KV_COUNT || C.q_dtype < 0 || C.q_dtype >= DT_COUNT ||
+        C.sliding_window < 0 || !side_usable(kv, D, L.k_scale, L.k_token_scales) ||
+        !side_usable(vkv, D, L.v_scale, L.v_token_scales) ||
+        (kv == vkv && ((L.k_token_scales == nullptr) != (L.v_token_scales == nullptr) ||
+                       (KV_FORMATS[kv].group && (L.k_scale || L.v_scale)))))
         return ERR_ARGS;
     P.q = C.q; P.q_dtype = C.q_dtype; P.out = C.out;
     P.Hq = Hq; P.Hkv = Hkv; P.D = D; P.G = Hq / Hkv;
     P.kc = (const uint8_t*)L.k_cache; P.vc = (const uint8_t*)L.v_cache;
     P.kv = kv; P.esize = KV_FORMATS[kv].esize; P.row_bytes = kv_row_bytes(kv, D); P.num_blocks = L.num_blocks;
+    P.vkv = vkv; P.vesize = KV_FORMATS[vkv].esize; P.vrow_bytes = kv_row_bytes(vkv, D);
     P.bs = bs;
     P.ks = L.k_scale; P.ks_hs = L.k_scale_head_stride; P.ks_ds = L.k_scale_dim_stride;
     P.vs = L.v_scale; P.vs_hs = L.v_scale_head_stride; P.vs_ds = L.v_scale_dim_stride;

@@ -2,7 +2,9 @@
 // geometry, the tile walk over the paged cache (block ids checked here), prefetch, scratch, and the
 // finish of a row (normalize, V scale, convert, or write a partial for the partition combine).
 //
-// Cache layer layout: k_cache / v_cache are [num_blocks, Hkv, bs, D] contiguous, elements of `esize` bytes.
+// Cache layer layout: k_cache / v_cache are [num_blocks, Hkv, bs, D] contiguous, K rows of K's format (kv,
+// row_bytes) and V rows of V's (vkv, vrow_bytes): the two may differ (a pair such as int8 K with int4_per_group32 V),
+// and every K address is computed with K's row bytes, every V address with V's.
 // Token `pos` of a sequence lives in block `block_table[pos / bs]`, row `pos % bs`:
 //
 //   block_table[seq] = [ 7, 2, 9 ]        bs = 16, context of 40 tokens
@@ -40,16 +42,18 @@ struct Problem {
     int Hq, Hkv, D, G;
     const uint8_t* kc;
     const uint8_t* vc;
-    int kv, esize;
-    int64_t row_bytes;  // one head's row of D values in the cache (kv_row_bytes)
+    int kv, esize;      // K's format and its element size
+    int vkv, vesize;    // V's format (vkv == kv: one format) and its element size
+    int64_t row_bytes;  // one head's row of D values in the K cache (kv_row_bytes(kv, D))
+    int64_t vrow_bytes; // the same in the V cache (kv_row_bytes(vkv, D))
     int64_t num_blocks;
     int bs;
     const float* ks;
     int64_t ks_hs, ks_ds;
     const float* vs;
     int64_t vs_hs, vs_ds;
-    const float* kts;  // dynamic per-token scales [num_blocks, Hkv, bs] of this layer's K / V, or NULL
-    const float* vts;
+    const float* kts;  // dynamic per-token scales [num_blocks, Hkv, bs] of this layer's K / V, or NULL (each side on
+    const float* vts;  // its own: a side of integer codes has them, a group-scaled side has none)
     int B;
     const int64_t* qsl;
     const int64_t* seq_lens;
@@ -168,32 +172,32 @@ static inline uint16_t lane_range(int64_t a, int64_t b) {
 // Row pointers of one tile of K and V (pad tokens point at zeros) and, with dynamic scales, the tokens'
 // K and V scales (0 for pad tokens). Pad tokens: past the tile's n tokens (the last tile of an item) and
 // before the item's k0 (its first tile; those rows and, where they lie in earlier blocks, their block table
-// entries are never read). Without dynamic scales ksc/vsc are left alone for the leading pad tokens (the
-// caller sets them to 1 once; later tiles use them) and zeroed for the trailing ones (the last tile); pad
-// tokens are masked by every kernel (score -inf, weight 0), so their scale never matters. Returns false on a
-// bad block id.
+// entries are never read). A side without dynamic scales has its ksc / vsc left alone for the leading pad tokens
+// (the caller sets them to 1 once; later tiles use them) and zeroed for the trailing ones (the last tile); pad
+// tokens are masked by every kernel (score -inf, weight 0), so their scale never matters. K rows advance by K's
+// row bytes, V rows by V's. Returns false on a bad block id.
 static inline bool tile_rows(const Problem& P, const Item& it, int64_t t0, int n, const uint8_t** kr,
                              const uint8_t** vr, float* ksc, float* vsc) {
     const int64_t* table = P.bt + (int64_t)it.seq * P.bt_stride;
-    const int64_t row_bytes = P.row_bytes;
+    const int64_t krb = P.row_bytes, vrb = P.vrow_bytes;
     const int lead = it.k0 > t0 ? (int)(it.k0 - t0) : 0;  // < n: an item's tiles all hold a position >= k0
     if (P.bs % TILE == 0) {  // t0 is a multiple of TILE: the whole tile lies in one block (that of k0)
         const int64_t row0 = head_row(P, it, table, t0);
         if (row0 < 0) return false;
-        const uint8_t* kb = P.kc + row0 * row_bytes;
-        const uint8_t* vb = P.vc + row0 * row_bytes;
+        const uint8_t* kb = P.kc + row0 * krb;
+        const uint8_t* vb = P.vc + row0 * vrb;
         for (int t = 0; t < TILE; ++t) {
-            kr[t] = kb + t * row_bytes;
-            vr[t] = vb + t * row_bytes;
+            kr[t] = kb + t * krb;
+            vr[t] = vb + t * vrb;
         }
         if (P.kts)
-            for (int t = lead; t < n; ++t) {
-                ksc[t] = P.kts[row0 + t];
-                vsc[t] = P.vts[row0 + t];
-            }
+            for (int t = lead; t < n; ++t) ksc[t] = P.kts[row0 + t];
+        if (P.vts)
+            for (int t = lead; t < n; ++t) vsc[t] = P.vts[row0 + t];
         for (int t = 0; t < lead; ++t) {
             kr[t] = vr[t] = ZERO_ROW;
-            if (P.kts) ksc[t] = vsc[t] = 0.0f;
+            if (P.kts) ksc[t] = 0.0f;
+            if (P.vts) vsc[t] = 0.0f;
         }
         for (int t = n; t < TILE; ++t) {
             kr[t] = vr[t] = ZERO_ROW;
@@ -204,16 +208,15 @@ static inline bool tile_rows(const Problem& P, const Item& it, int64_t t0, int n
     for (int t = 0; t < TILE; ++t) {
         if (t < lead) {
             kr[t] = vr[t] = ZERO_ROW;
-            if (P.kts) ksc[t] = vsc[t] = 0.0f;
+            if (P.kts) ksc[t] = 0.0f;
+            if (P.vts) vsc[t] = 0.0f;
         } else if (t < n) {
             const int64_t row = head_row(P, it, table, t0 + t);
             if (row < 0) return false;
-            kr[t] = P.kc + row * row_bytes;
-            vr[t] = P.vc + row * row_bytes;
-            if (P.kts) {
-                ksc[t] = P.kts[row];
-                vsc[t] = P.vts[row];
-            }
+            kr[t] = P.kc + row * krb;
+            vr[t] = P.vc + row * vrb;
+            if (P.kts) ksc[t] = P.kts[row];
+            if (P.vts) vsc[t] = P.vts[row];
         } else {
             kr[t] = ZERO_ROW;
             vr[t] = ZERO_ROW;
@@ -228,20 +231,25 @@ static inline bool tile_rows(const Problem& P, const Item& it, int64_t t0, int n
 static inline void prefetch_l1(const void* p) { asm volatile("prefetcht0 %0" : : "m"(*(const char*)p)); }
 static inline void prefetch_l2(const void* p) { asm volatile("prefetcht1 %0" : : "m"(*(const char*)p)); }
 
-// The K and/or V lines (and per-token scales) of `rows` consecutive cache rows of row_bytes from row `row`, into
-// L2 (prefetcht1) or L1.
+// The K and/or V lines (and per-token scales) of `rows` consecutive cache rows from row `row` (K rows of krb bytes,
+// V rows of vrb), into L2 (prefetcht1) or L1.
 template <bool K, bool V, bool L2>
-static inline void prefetch_rows(const Problem& P, int64_t row, int rows, int64_t row_bytes) {
-    const char* k = (const char*)(P.kc + row * row_bytes);
-    const char* v = (const char*)(P.vc + row * row_bytes);
-    for (int64_t b = 0; b < rows * row_bytes; b += 64) {
-        if (K) L2 ? prefetch_l2(k + b) : prefetch_l1(k + b);
-        if (V) L2 ? prefetch_l2(v + b) : prefetch_l1(v + b);
+static inline void prefetch_rows(const Problem& P, int64_t row, int rows, int64_t krb, int64_t vrb) {
+    const char* k = (const char*)(P.kc + row * krb);
+    const char* v = (const char*)(P.vc + row * vrb);
+    if (krb == vrb) {  // one format: K and V lines interleaved
+        for (int64_t b = 0; b < rows * krb; b += 64) {
+            if (K) L2 ? prefetch_l2(k + b) : prefetch_l1(k + b);
+            if (V) L2 ? prefetch_l2(v + b) : prefetch_l1(v + b);
+        }
+    } else {
+        if (K)
+            for (int64_t b = 0; b < rows * krb; b += 64) L2 ? prefetch_l2(k + b) : prefetch_l1(k + b);
+        if (V)
+            for (int64_t b = 0; b < rows * vrb; b += 64) L2 ? prefetch_l2(v + b) : prefetch_l1(v + b);
     }
-    if (P.kts) {
-        if (K) L2 ? prefetch_l2(P.kts + row) : prefetch_l1(P.kts + row);
-        if (V) L2 ? prefetch_l2(P.vts + row) : prefetch_l1(P.vts + row);
-    }
+    if (K && P.kts) L2 ? prefetch_l2(P.kts + row) : prefetch_l1(P.kts + row);
+    if (V && P.vts) L2 ? prefetch_l2(P.vts + row) : prefetch_l1(P.vts + row);
 }
 
 // Software prefetch of the K and V rows (and token scales) of the tile at t0: blocks are scattered, so the
@@ -252,13 +260,12 @@ static inline void prefetch_tile(const Problem& P, const Item& it, int64_t t0) {
     if (t0 >= it.t1) return;
     const int n = (int)(it.t1 - t0 < TILE ? it.t1 - t0 : TILE);
     const int64_t* table = P.bt + (int64_t)it.seq * P.bt_stride;
-    const int64_t row_bytes = P.row_bytes;
     for (int t = it.k0 > t0 ? (int)(it.k0 - t0) : 0; t < n;) {
         const int64_t row = head_row(P, it, table, t0 + t);
         if (row < 0) return;
         const int64_t off = block_offset(P, t0 + t);
         const int run = (int)(P.bs - off < n - t ? P.bs - off : n - t);  // rows of this tile in this block
-        prefetch_rows<K, V, L2>(P, row, run, row_bytes);
+        prefetch_rows<K, V, L2>(P, row, run, P.row_bytes, P.vrow_bytes);
         t += run;
     }
 }

@@ -11,7 +11,9 @@
 // int4_per_group32: int4 codes -8..7 two per byte and a float16 scale of either sign per group of 32 values, found by
 // a search for the smallest squared error (store_row_int4_group, store_int4_group.h).
 // 16/32-bit caches store the value converted (round to nearest even). Bit-exact with
-// kv8.cache.paged_cache.PagedKVCache.store, NaN rule included (base.h).
+// kv8.cache.paged_cache.PagedKVCache.store, NaN rule included (base.h). K and V may be in different formats (a pair:
+// kv8_layer.kv_dtype for K, v_kv_dtype for V): each row is encoded by its side's rule, into rows of its side's size,
+// with its side's token scales where that side has them.
 //
 // Where the fast path is compiled, FP8 rows (D a multiple of 16; dynamic scales, or static ones with a channel
 // stride of 0 or 1) are encoded 16 values at a time by fp8_encode16, which gives fp8_encode's bits (the tests
@@ -133,9 +135,22 @@ static inline void store_row_fp4(float* x, int D, int G, uint8_t* dst) {
     for (int d = 0; d < D; d += 2) dst[d / 2] = (uint8_t)(e2m1_encode(x[d]) | (e2m1_encode(x[d + 1]) << 4));
 }
 
+// Whether one side (K or V) of format kv can be stored with these scales: FP8 with per-token scales or static ones,
+// integer codes with per-token scales (whole bytes for int4), a group-scaled format with neither (whole code bytes,
+// whole groups of 32 for int4_per_group32), a 16/32-bit one without per-token scales.
+static inline bool store_side_usable(int kv, int D, const float* static_scale, const float* token_scales) {
+    const KvFormat& F = KV_FORMATS[kv];
+    return !(token_scales && !F.fp8 && !F.ibits) && !(F.fp8 && !token_scales && !static_scale) &&
+           !(F.ibits && !token_scales) && !(F.ibits == 4 && D % 2) && !(F.group && (D % 2 || static_scale)) &&
+           !(F.gscale == 2 && D % F.group);
+}
+
+// K rows are encoded with kv_dtype, V rows with v_kv_dtype (each bit-exact with its side's KVCodec.encode); a cache
+// of one format keeps per-token scales on both sides or neither, and a group-scaled one no static scales.
 static int run_store(const kv8_layer& L, const kv8_store_call& C) {
     const int64_t T = C.num_tokens, num_blocks = L.num_blocks;
-    const int H = L.num_kv_heads, D = L.head_dim, bs = L.block_size, kv = L.kv_dtype, in_dtype = C.in_dtype;
+    const int H = L.num_kv_heads, D = L.head_dim, bs = L.block_size, kv = L.kv_dtype, vkv = L.v_kv_dtype;
+    const int in_dtype = C.in_dtype;
     const int nthreads = C.num_threads;
     const void *key = C.key, *value = C.value;
     const int64_t* slots = C.slot_mapping;
@@ -144,32 +159,28 @@ static int run_store(const kv8_layer& L, const kv8_store_call& C) {
     const int64_t ks_hs = L.k_scale_head_stride, ks_ds = L.k_scale_dim_stride;
     const int64_t vs_hs = L.v_scale_head_stride, vs_ds = L.v_scale_dim_stride;
     float *k_token_scales = L.k_token_scales, *v_token_scales = L.v_token_scales;
-    if (H <= 0 || D <= 0 || bs <= 0 || T < 0 || kv < 0 || kv >= KV_COUNT || in_dtype < 0 || in_dtype >= DT_COUNT ||
-        nthreads <= 0 || (k_token_scales == nullptr) != (v_token_scales == nullptr) ||
-        (k_token_scales && !KV_FORMATS[kv].fp8 && !KV_FORMATS[kv].ibits) ||
-        (KV_FORMATS[kv].fp8 && !k_token_scales && (!k_scale || !v_scale)) ||
-        (KV_FORMATS[kv].ibits && !k_token_scales) || (KV_FORMATS[kv].ibits == 4 && D % 2) ||
-        (KV_FORMATS[kv].group && (D % 2 || k_scale || v_scale)) ||
-        (KV_FORMATS[kv].gscale == 2 && D % KV_FORMATS[kv].group))
+    if (H <= 0 || D <= 0 || bs <= 0 || T < 0 || kv < 0 || kv >= KV_COUNT || vkv < 0 || vkv >= KV_COUNT ||
+        in_dtype < 0 || in_dtype >= DT_COUNT || nthreads <= 0 ||
+        !store_side_usable(kv, D, k_scale, k_token_scales) || !store_side_usable(vkv, D, v_scale, v_token_scales) ||
+        (kv == vkv && ((k_token_scales == nullptr) != (v_token_scales == nullptr) ||
+                       (KV_FORMATS[kv].fp8 && !k_token_scales && (!k_scale || !v_scale)) ||
+                       (KV_FORMATS[kv].group && (k_scale || v_scale)))))
         return ERR_ARGS;
-    const KvFormat& fmt = KV_FORMATS[kv];
-    const float maxf = fmt.max_finite;
     const int64_t nslots = num_blocks * bs;
     for (int64_t t = 0; t < T; ++t)   // a negative slot: a padded row (a decode graph's), stored nowhere
         if (slots[t] >= nslots) return ERR_SLOT;
-    const int es = fmt.esize;
-    const int64_t rbytes = kv_row_bytes(kv, D);
+    const int64_t rbytes[2] = {kv_row_bytes(kv, D), kv_row_bytes(vkv, D)};  // K's row, V's
     const int64_t work = T * H * D;
     int nt = work >= 65536 ? nthreads : 1;
     // Work row th (K rows, then V rows; token-major, head-minor): its row of the cache, (block, head, offset)
-    // flattened -- its codes start at row * D elements, its dynamic scale (if any) is entry row -- and that start
-    // in the K (which = 0) or V cache.
+    // flattened -- its codes start at row * that side's row bytes, its dynamic scale (if any) is entry row -- and
+    // that start in the K (which = 0) or V cache.
     auto cache_row = [&](int64_t th) {
         const int64_t slot = slots[(th % (T * H)) / H];
         return (slot / bs * H + th % H) * bs + slot % bs;
     };
     auto row_dst = [&](int which, int64_t row) {
-        return (uint8_t*)(which ? v_cache : k_cache) + row * rbytes;
+        return (uint8_t*)(which ? v_cache : k_cache) + row * rbytes[which];
     };
 #pragma omp parallel num_threads(nt)
     {
@@ -181,10 +192,15 @@ static int run_store(const kv8_layer& L, const kv8_store_call& C) {
             if (th + STORE_PREFETCH_ROWS < 2 * T * H && slots[((th + STORE_PREFETCH_ROWS) % (T * H)) / H] >= 0) {
                 // the rows' cache lines are scattered (one per block): their misses overlap this way
                 const int64_t ta = th + STORE_PREFETCH_ROWS;
-                const uint8_t* ahead = row_dst((int)(ta / (T * H)), cache_row(ta));
-                for (int64_t b = 0; b < rbytes; b += 64) prefetch_for_write(ahead + b);
+                const int wa = (int)(ta / (T * H));
+                const uint8_t* ahead = row_dst(wa, cache_row(ta));
+                for (int64_t b = 0; b < rbytes[wa]; b += 64) prefetch_for_write(ahead + b);
             }
             int which = (int)(th / (T * H));  // 0 = K, 1 = V
+            const int fk = which ? vkv : kv;  // this side's format
+            const KvFormat& fmt = KV_FORMATS[fk];
+            const float maxf = fmt.max_finite;
+            const int es = fmt.esize;
             int64_t t = (th % (T * H)) / H;
             int h = (int)(th % H);
             const void* src = which ? value : key;
@@ -192,16 +208,17 @@ static int run_store(const kv8_layer& L, const kv8_store_call& C) {
             int64_t hs = which ? vs_hs : ks_hs, ds = which ? vs_ds : ks_ds;
             const int64_t row = cache_row(th);
             uint8_t* dst = row_dst(which, row);
-            float* ts = k_token_scales ? (which ? v_token_scales : k_token_scales) + row : nullptr;
+            float* const side_ts = which ? v_token_scales : k_token_scales;
+            float* ts = side_ts ? side_ts + row : nullptr;
             int64_t s0 = (t * H + h) * (int64_t)D;
             if (fmt.elem == in_dtype) {  // a 16/32-bit cache of the input's type: a copy
                 memcpy(dst, (const uint8_t*)src + s0 * es, (size_t)D * es);
                 continue;
             }
 #if KV8_FAST
-            if (fmt.fp8 && D % 16 == 0 && (k_token_scales || ds <= 1)) {
-                const float* hsc = k_token_scales ? nullptr : sc + h * hs;
-                with_kv_format(kv, [&](auto K) {
+            if (fmt.fp8 && D % 16 == 0 && (ts || ds <= 1)) {
+                const float* hsc = ts ? nullptr : sc + h * hs;
+                with_kv_format(fk, [&](auto K) {
                     if constexpr (KV_FORMATS[decltype(K)::value].fp8)
                         store_row_fp8<decltype(K)::value>(src, in_dtype, s0, D, hsc, ds, ts, maxf, dst);
                 });
@@ -240,7 +257,7 @@ static int run_store(const kv8_layer& L, const kv8_store_call& C) {
                     for (int d = 0; d < D; d += 2)
                         dst[d / 2] = (uint8_t)((int_encode(buf[d], maxf) & 0xF) | (int_encode(buf[d + 1], maxf) << 4));
                 } else {
-                    with_kv_format(kv, [&](auto K) {
+                    with_kv_format(fk, [&](auto K) {
                         if constexpr (KV_FORMATS[decltype(K)::value].fp8)
                             for (int d = 0; d < D; ++d) dst[d] = fp8_encode<decltype(K)::value>(buf[d]);
                     });
