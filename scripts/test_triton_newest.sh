@@ -6,7 +6,8 @@
 # It runs .venv's interpreter (scripts/setup.sh makes it: torch 2.13.0's CPU build and kv8's dependencies) with
 # that Triton alone installed into .cache/triton-newest (idempotent, no dependencies: Triton has none that kv8's
 # tests use), which comes first on PYTHONPATH, so .venv keeps its own. What runs (CI's time is short on a 2-core
-# machine): every test of the store kernel, the triton backend's contract tests (every cache dtype, scale mode,
+# machine): every test of the store kernel and of caches whose K and V differ in format (store and attention,
+# tests/kernels/test_triton_kv_pairs.py), the triton backend's contract tests (every cache dtype, scale mode,
 # window and rotation through the backend), and the attention kernel's exact-decode (FP8, int8, int4 and fp4_e2m1)
 # and sm_90 compile checks; .venv's run keeps the attention kernel's grids on the oldest Triton. What it costs:
 # docs/benchmarks.md, "The Triton kernel tests on the newest Triton".
@@ -34,7 +35,8 @@ export TRITON_INTERPRET=1 PYTHONPATH="$TARGET${PYTHONPATH:+:$PYTHONPATH}"
 'from', triton.__file__)"
 # -k triton: the whole store module (its name matches), the contract's triton cases, the attention tests named here
 A=tests/kernels/test_triton_attention.py
-exec "$VPY" -m pytest -q -p no:cacheprovider tests/kernels/test_triton_store.py tests/attention/test_backend_contract.py \
+exec "$VPY" -m pytest -q -p no:cacheprovider tests/kernels/test_triton_store.py tests/kernels/test_triton_kv_pairs.py \
+    tests/attention/test_backend_contract.py \
     "$A::test_bit_decode_is_exact_for_every_code" "$A::test_mixed_batch_launches_decode_rows_apart" \
     "$A::test_int8_decode_is_exact_for_every_code" "$A::test_int4_decode_unpacks_every_byte" \
     "$A::test_fp4_decode_is_exact_for_every_code_and_scale_byte" \

@@ -6,10 +6,11 @@ It runs on CUDA tensors, and on CPU tensors in Triton's interpreter (``TRITON_IN
 :mod:`kv8.kernels.triton` is imported), where the tests check it against the reference backend. Triton is
 imported when the backend is built, never by the CPU path.
 
-Per layer the arguments come from the cache: its K/V views (:meth:`PagedKVCache.layer`), the codec's code format
-(FP8, int8, int4, int4_per_group32 or fp4_e2m1; None for a 16/32-bit pool: a plain cast), its static scales on the
-cache's device (:meth:`PagedKVCache.layer_scales`) or the dynamic per-token scales
-(:meth:`PagedKVCache.layer_token_scales`).
+Per layer the arguments come from the cache: its K/V views (:meth:`PagedKVCache.layer`), each side's code format
+(FP8, int8, int4, int4_per_group32 or fp4_e2m1; None for a 16/32-bit side: a plain cast; ``fp8`` K's and ``v_fp8``
+V's, which differ in a K/V pair such as ``kv_cache_dtype="k8v4"``), its static scales on the cache's device
+(:meth:`PagedKVCache.layer_scales`; one format only) or each side's dynamic per-token scales
+(:meth:`PagedKVCache.layer_token_scales`: in a pair one side may have none).
 """
 
 from __future__ import annotations
@@ -41,18 +42,17 @@ class TritonBackend:
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cache: PagedKVCache,
                 layer: int, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        if cache.codec.is_pair:
-            raise ValueError(f"kv_cache_dtype={cache.codec.name!r}: the triton kernels read keys and values in one "
-                             "format; use attention_backend='reference' for a K/V pair")
         k_cache, v_cache = cache.layer(layer)
-        # the FP8, int8, int4, int4_per_group32 or fp4_e2m1 code format; None for a 16/32-bit pool
-        fp8 = cache.kv_dtype.codes
+        # each side's FP8, int8, int4, int4_per_group32 or fp4_e2m1 code format; None for a 16/32-bit side (V's is
+        # K's object for a single-format cache: the kernels derive it once)
+        fp8 = cache.k_dtype.codes
+        v_fp8 = cache.v_dtype.codes if cache.codec.is_pair else fp8
         static = cache.layer_scales(layer)
         dynamic = cache.layer_token_scales(layer)
         k_scale, v_scale = static if static is not None else (None, None)
         k_ts, v_ts = dynamic if dynamic is not None else (None, None)
-        self._store(key, value, k_cache, v_cache, meta.slot_mapping, fp8=fp8, k_scale=k_scale, v_scale=v_scale,
-                    k_token_scales=k_ts, v_token_scales=v_ts)
+        self._store(key, value, k_cache, v_cache, meta.slot_mapping, fp8=fp8, v_fp8=v_fp8, k_scale=k_scale,
+                    v_scale=v_scale, k_token_scales=k_ts, v_token_scales=v_ts)
         out = torch.empty_like(query)
         if meta.num_seqs == 0:
             return out
@@ -63,5 +63,5 @@ class TritonBackend:
                             seq_lens=meta.seq_lens, block_tables=meta.block_tables,
                             max_query_len=max(meta.query_lens_list), min_query_len=min_query_len,
                             max_seq_len=max(meta.seq_lens_list),
-                            scale=scale, sliding_window=meta.sliding_window, fp8=fp8, k_scale=k_scale,
+                            scale=scale, sliding_window=meta.sliding_window, fp8=fp8, v_fp8=v_fp8, k_scale=k_scale,
                             v_scale=v_scale, k_token_scales=k_ts, v_token_scales=v_ts, platform=self.platform)

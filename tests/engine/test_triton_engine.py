@@ -11,6 +11,7 @@ import pytest
 
 from kv8 import LLM, SamplingParams
 from kv8.engine.cuda_graphs import decode_buckets
+from tests.helpers.tiny_models import make_tiny_model
 
 PROMPTS = ["The quick brown fox jumps over", "Paris is the capital of France, and Berlin is",
            "Paris is the capital of France, and Berlin is the capital of", "Once upon"]
@@ -64,6 +65,19 @@ def test_triton_backend_matches_the_reference(tiny_models, model, options):
     assert got == expected
     if "num_kv_blocks" in options:
         assert llm.engine.stats().num_preemptions > 0
+
+
+def test_k8v4_pair_matches_the_reference(tmp_path):
+    """Keys and values in different formats (``kv_cache_dtype="k8v4"``: int8 K with its per-token scales,
+    int4_per_group32 V) on a tiny random llama with head_dim 32 (V's groups of 32; GQA 3): the triton backend stores
+    and reads each side in its own format, and its greedy tokens equal the reference backend's."""
+    path = make_tiny_model(str(tmp_path), "llama_gqa", head_dim=32)
+    expected, _ = _run(path, "reference", kv_cache_dtype="k8v4")
+    got, llm = _run(path, "triton", kv_cache_dtype="k8v4")
+    assert llm.engine.backend.name == "triton"
+    cache = llm.engine.cache
+    assert (cache.k_dtype.name, cache.v_dtype.name) == ("int8_per_token_head", "int4_per_group32")
+    assert got == expected
 
 
 def test_decode_graph_buffers_match_eager_steps(tiny_models):

@@ -223,7 +223,8 @@ def llama_attention_launches(kv: str, phase: str, compute_units: int = 132, quer
     """What :func:`~kv8.kernels.triton.attention.unified_attention` launches for one layer of Llama-3.1-8B on an
     H100 (132 SMs): ``kv`` "fp8_e4m3" (static per-head scales), "int8" or "int4" (codes, dynamic per-token
     scales), "int4_per_group32" (int4 codes with float16 scales per 32 values in each row), "fp4_e2m1" (E2M1 codes
-    with E4M3 scales per 16 values in each row) or "bfloat16"; ``phase`` "decode" (32
+    with E4M3 scales per 16 values in each row), "bfloat16", or "k8v4" (K int8 codes with their dynamic scales, V
+    int4_per_group32: a cache of two formats); ``phase`` "decode" (32
     sequences at 4k context, one new token each), "prefill" (one 2048-token prompt) or "mixed" (31 decode rows at 4k
     and one 2048-token prompt). CPU tensors with the real strides; no cache-sized memory (the block count does not
     change the kernel). The lengths are passed as the engine's backend passes them (``max_query_len``,
@@ -231,7 +232,14 @@ def llama_attention_launches(kv: str, phase: str, compute_units: int = 132, quer
     import torch
 
     from kv8.kernels.triton import attention as A
-    from kv8.kernels.triton.formats import FloatGroupLayout, GroupLayout, IntLayout, code_width, kernel_format
+    from kv8.kernels.triton.formats import (
+        SAME_AS_K,
+        FloatGroupLayout,
+        GroupLayout,
+        IntLayout,
+        code_width,
+        kernel_format,
+    )
     from kv8.platform import Platform
     from kv8.quant.formats import E4M3, INT4, INT8
     from kv8.quant.fp4 import FP4_E2M1
@@ -246,11 +254,15 @@ def llama_attention_launches(kv: str, phase: str, compute_units: int = 132, quer
         q_lens, ctxs = [1] * 31 + [2048], [4096] * 31 + [2048]
     else:
         raise ValueError(f"phase={phase!r}: allowed 'decode', 'prefill', 'mixed'")
+    if kv == "k8v4":
+        kv, v_kv = "int8", "int4_per_group32"
+    else:
+        v_kv = kv
     fp8, int8, fp4 = kv == "fp8_e4m3", kv == "int8", kv == "fp4_e2m1"
     int4, g32 = kv == "int4", kv == "int4_per_group32"
     if not (fp8 or int8 or fp4 or int4 or g32) and kv != "bfloat16":
         raise ValueError(f"kv={kv!r}: allowed 'fp8_e4m3', 'int8', 'int4', 'int4_per_group32', 'fp4_e2m1', "
-                         "'bfloat16'")
+                         "'bfloat16', 'k8v4'")
     packed: dict[str, IntLayout | GroupLayout | FloatGroupLayout] = {
         "fp4_e2m1": FP4_E2M1, "int4": INT4, "int4_per_group32": INT4_G32}
     codes = packed.get(kv)
@@ -260,35 +272,51 @@ def llama_attention_launches(kv: str, phase: str, compute_units: int = 132, quer
              if codes is not None else
              torch.zeros(16, kv_heads, bs, dim, dtype=torch.uint8 if fp8 else torch.int8 if int8 else torch.bfloat16))
     token_scales = torch.ones(16, kv_heads, bs) if int8 or int4 else None
+    v_cache, v_token_scales = cache.clone(), None if token_scales is None else token_scales.clone()
+    v_codes = packed.get(v_kv)
+    if v_kv != kv:   # a pair: V's rows and scales of its own format (only the group formats so far)
+        assert v_codes is not None
+        v_cache = torch.zeros(16, kv_heads, bs, code_width(kernel_format(v_codes), dim), dtype=torch.uint8)
+        v_token_scales = None
     blocks = -(-max(ctxs) // bs)
     starts = [0]
     for n in q_lens:
         starts.append(starts[-1] + n)
     return A.plan_launches(
-        query, cache, cache.clone(), torch.empty_like(query),
+        query, cache, v_cache, torch.empty_like(query),
         query_start_loc=torch.tensor(starts, dtype=torch.int32),
         seq_lens=torch.tensor(ctxs, dtype=torch.int32),
         block_tables=torch.zeros(len(q_lens), blocks, dtype=torch.int32),
         max_query_len=max(q_lens), max_seq_len=max(ctxs), scale=dim ** -0.5, sliding_window=None,
         fp8=E4M3 if fp8 else INT8 if int8 else codes,
         k_scale=torch.ones(kv_heads, 1) if fp8 else None, v_scale=torch.ones(kv_heads, 1) if fp8 else None,
-        k_token_scales=token_scales,
-        v_token_scales=None if token_scales is None else token_scales.clone(),
+        k_token_scales=token_scales, v_token_scales=v_token_scales,
         num_kv_splits=None, platform=Platform.cuda((9, 0), "H100", compute_units=compute_units),
-        min_query_len=min(q_lens))
+        min_query_len=min(q_lens), v_fp8=v_codes if v_kv != kv else SAME_AS_K)
 
 
 def llama_store_launch(kv: str) -> Any:
     """What :func:`~kv8.kernels.triton.store.store_kv` launches for one decode step of 32 sequences (8 KV heads,
     head_dim 128, blocks of 16; ``kv`` "fp8_e4m3" with static per-head scales, "int8" (dynamic scales),
-    "fp4_e2m1" (its group scales in the rows) or "bfloat16")."""
+    "fp4_e2m1" (its group scales in the rows), "bfloat16" or "k8v4" (K int8 with dynamic scales, V
+    int4_per_group32: one launch stores both))."""
     import torch
 
     from kv8.kernels.triton import store as S
     from kv8.kernels.triton.formats import kernel_format
     from kv8.quant.formats import E4M3, INT8
     from kv8.quant.fp4 import FP4_E2M1
+    from kv8.quant.int4_group import INT4_G32
 
+    if kv == "k8v4":
+        key = torch.zeros(32, 8, 128, dtype=torch.bfloat16)
+        k_cache = torch.zeros(16, 8, 16, 128, dtype=torch.int8)
+        v_cache = torch.zeros(16, 8, 16, INT4_G32.row_bytes(128), dtype=torch.uint8)
+        ts = torch.ones(16, 8, 16)
+        slots = torch.arange(32, dtype=torch.int64)
+        return S.store_launch(key, key.clone(), k_cache, v_cache, slots, slots, slots, ts, slots, (0, 0, 0, 0),
+                              (*ts.stride(), 0, 0, 0), mode=2, fmt=kernel_format(INT8), v_mode=3,
+                              v_fmt=kernel_format(INT4_G32))
     if kv == "fp4_e2m1":
         key = torch.zeros(32, 8, 128, dtype=torch.bfloat16)
         cache = torch.zeros(16, 8, 16, FP4_E2M1.row_bytes(128), dtype=torch.uint8)
@@ -324,12 +352,12 @@ def attention_launch(kv: str, phase: str, query_dtype: str = "bfloat16") -> Any:
 
 
 def attention_figures(launch: Any) -> Figures:
-    """:func:`measure` of an attention launch; an iteration reads TILE_N keys of K and V of one KV head (a row of the
-    cache each: ``head_dim`` elements, or a packed format's row of codes and group scales)."""
+    """:func:`measure` of an attention launch; an iteration reads TILE_N keys of K and V of one KV head (a row of each
+    cache: ``head_dim`` elements, or a packed format's row of codes and group scales; K's and V's own)."""
     kw = launch.kwargs
-    cache = launch.args[2]
+    row_bytes = sum(c.shape[-1] * c.element_size() for c in launch.args[2:4])   # k_cache, v_cache
     return measure(compile_launch(launch), int(kw["num_warps"]), int(kw.get("num_stages", 3)),
-                   2 * int(kw["TILE_N"]) * cache.shape[-1] * cache.element_size())
+                   int(kw["TILE_N"]) * row_bytes)
 
 
 # what an H100 SM holds (sm_90): registers, shared memory one block may use

@@ -154,6 +154,32 @@ def test_group_format_decode_loads_are_vectorised_and_pipelined(tmp_path: Path) 
         assert r["instr_per_kb"] <= 1.5 * int4, (kv, r["instr_per_kb"], int4)
 
 
+def test_k8v4_kernels_compiled_for_sm90_do_not_spill(tmp_path: Path) -> None:
+    """A cache of two formats, int8 K (dynamic per-token scales) and int4_per_group32 V ("k8v4"), at Llama-3.1-8B
+    shapes compiled for an H100 as the wrappers launch them: the decode and prefill attention (each tile decoded by
+    its side's format) and the store (int8's dynamic scales and int4_per_group32's scale search in one launch) spill
+    no registers, and the attention's key loops are pipelined, copying V's 72-byte rows (8-byte aligned) at least 8
+    bytes a thread. The figures are printed (``pytest -s``; docs/benchmarks.md lists them beside int8's and
+    int4_per_group32's)."""
+    missing = sm90.tools_missing()
+    if missing:
+        pytest.skip(missing)
+    env = {**os.environ, "TRITON_CACHE_DIR": str(tmp_path), "PYTHONPATH": os.pathsep.join(sys.path)}
+    env.pop("TRITON_INTERPRET", None)
+    run = subprocess.run([sys.executable, "-m", "tests.helpers.sm90", "k8v4"], env=env, capture_output=True,
+                         text=True, timeout=900, cwd=Path(__file__).resolve().parents[2])
+    assert run.returncode == 0, run.stderr[-3000:]
+    lines = run.stdout.strip().splitlines()
+    rows = json.loads(lines[-1])
+    print("\n".join(lines[:-1]))          # the table (pytest -s)
+    assert set(rows) == {"decode-k8v4", "prefill-k8v4", "store-k8v4"}
+    for name, r in rows.items():
+        assert r["spill_bytes"] == 0 and r["registers"] <= 255, (name, r)
+        if not name.startswith("store-"):
+            assert r["wait_groups"] and max(r["wait_groups"]) > 0, (name, r["wait_groups"])
+            assert max(r["async_copy_bytes"], default=0) >= 8, (name, r["async_copy_bytes"])
+
+
 def test_float32_query_decode_does_not_spill(tmp_path: Path) -> None:
     """Float32 queries (float32 products on CUDA cores, 16 x 16 tiles) at Llama-3.1-8B decode shapes over every
     cache format, compiled for an H100 as the wrappers launch them: 8 warps (launch_config), no register spills (on

@@ -877,7 +877,8 @@ out = []
 for mode, fmt, kind_in, kind_out in json.loads(sys.argv[1]):
     fmt = None if fmt is None else kernel_format({**FP8_FORMATS, "int8": INT8, "int4": INT4, "int4_g32": INT4_G32,
                                                   "fp4": FP4_E2M1}[fmt])
-    consts = dict(MODE=mode, FMT=fmt, IN=kind_in, OUT=kind_out, BLOCK_H=4, BLOCK_D=128)
+    consts = dict(MODE=mode, FMT=fmt, IN=kind_in, OUT=kind_out, BLOCK_H=4, BLOCK_D=128, V_MODE=mode, V_FMT=fmt,
+                  V_OUT=kind_out)   # one format: V's constexprs are K's
     sig = {}
     for name in fn.arg_names:
         if name in consts:
@@ -895,7 +896,7 @@ for mode, fmt, kind_in, kind_out in json.loads(sys.argv[1]):
         else:
             sig[name] = "i64" if name.endswith("cb") else "i32"
     kernel = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),
-                            options={"num_warps": 4, **store._compile_options(mode)})
+                            options={"num_warps": 4, **store._compile_options(mode, mode)})
     ptx = kernel.asm["ptx"]
     out.append(dict(ops=sorted(set(re.findall(r"\b(?:div|rcp|cvt|fma|mul)\.[a-z0-9.]+", ptx))), ftz=".ftz" in ptx,
                     cubin=len(kernel.asm["cubin"]),

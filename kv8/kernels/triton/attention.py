@@ -89,6 +89,18 @@ Work decomposition (grid ``(T // BLOCK_Q + B, Hkv, NUM_SPLITS)``; T = query rows
   code per 16 values loaded ``[TILE_N, D_PAD / 16]`` beside them (a tile group past ``ceil(D / 16)`` masked to 0;
   the last group may be shorter) and decoded by the exact bit path; an E2M1 value times an E4M3 scale is exact in
   float32 and in either 16-bit dtype.
+* **K and V in different formats** (``v_fp8``: e.g. ``kv_cache_dtype="k8v4"``, int8 K and int4_per_group32 V).
+  The kernel's format constexprs come in two sets: ``FP8_FMT``, ``NATIVE_FP8``, ``SCALES``, ``PACKED``,
+  ``GROUPED`` and ``ROW_ALIGN`` describe the K cache, ``V_FMT``, ``V_NATIVE``, ``V_SCALES``, ``V_PACKED``,
+  ``V_GROUPED`` and ``V_ROW_ALIGN`` the V cache; a K tile is loaded and decoded by K's, a V tile by V's (a packed
+  side as above, the other as its own format's ``[.., D]`` tile), each with its own token scales or group scales.
+  A single-format launch passes the same values twice, so it compiles to the same kernel as before the split (the
+  sm_90 SASS of the int8, int4_per_group32 and FP8 decodes is unchanged). A side of FP8 codes in a pair has
+  dynamic scales (no static scales with two formats). Both products take the query's 16-bit dtype where each side
+  would as a single format (codes with per-key or per-group scales, a 16-bit side of the query's dtype), else
+  float32; the tiles are the wider side's (:attr:`KernelVariant.config`: a side of codes gives the 1-byte tiles
+  with per-key scales, a packed or group side its warps and register cap), and the row alignment is each side's
+  own.
 * **Dot precision** (``DOT_DTYPE``, one for both products). Decoded FP8 values are exact in float16 (and in
   bfloat16), so over an FP8 cache with static or no scales both products take **float16** operands with float32
   accumulation, whatever the 16-bit query: FP8 codes convert to float16 pairs in one instruction, to bfloat16 only
@@ -124,6 +136,9 @@ What a caller must provide (checked, ``ValueError`` before any launch, unless ma
   multiple of 32), ``uint8`` rows of E2M1 codes and their E4M3 group scales with ``fp8``
   :data:`kv8.quant.fp4.FP4_E2M1` (``D / 2 + ceil(D / 16)``; ``D`` even), or bfloat16/float16/float32 values with
   ``fp8=None``.
+* K and V in different formats: ``fp8`` K's, ``v_fp8`` V's (default ``SAME_AS_K``: one format), each cache of its
+  own dtype and row width as above (``[num_blocks, Hkv, block_size]`` shared); ``k_token_scales`` exactly when K is
+  FP8 or per-token integer codes, ``v_token_scales`` exactly when V is; no static scales.
 * ``query_start_loc [B + 1]`` and ``seq_lens [B]`` contiguous, ``block_tables [B, max_blocks]`` with a contiguous
   last dim; int32 or int64, each independently. Unchecked (the launch reads no tensor on the host, so it can be
   captured in a CUDA graph): ``query_start_loc`` nondecreasing from 0 with ``query_start_loc[B] <= T``, ``0 <=
@@ -152,15 +167,14 @@ from kv8.kernels.triton.dequant import (
     native_fp8_supported,
 )
 from kv8.kernels.triton.formats import (
-    FloatGroupLayout,
-    FP8Layout,
-    GroupLayout,
-    IntLayout,
+    SAME_AS_K,
+    AnyLayout,
     KernelFormat,
+    SameAsK,
     code_dtype,
     code_width,
-    kernel_format,
     scale_bytes,
+    side_formats,
 )
 from kv8.kernels.triton.interpreter import INTERPRETER, add_combine, cast_rn, dot, max_combine, widen
 from kv8.kernels.triton.launch import Launch
@@ -197,6 +211,33 @@ def _spread(x, AXIS: tl.constexpr):
 
 
 @triton.jit
+def _row_group_scales(rows, FMT: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr):
+    """The group scales of ``FMT`` (a group format) that follow the ``HEAD_DIM / 2`` code bytes of each row at
+    ``rows`` ``[TILE_N]`` -> float32 ``[TILE_N, D_PAD / group_size]`` (a tile group past the row's reads 0)."""
+    NG: tl.constexpr = D_PAD // FMT.group_size
+    if FMT.scale_format is not None:
+        # fp4_e2m1: an FP8 scale code (E4M3) per group follows the codes, one byte each, the last group maybe
+        # shorter (a tile group past it reads 0), decoded by the exact bit path
+        SCALE_FMT: tl.constexpr = FMT.scale_format
+        NG_ROW: tl.constexpr = (HEAD_DIM + FMT.group_size - 1) // FMT.group_size
+        offs_g = tl.arange(0, NG)
+        sc = rows[:, None] + HEAD_DIM // 2 + offs_g[None, :]
+        if NG_ROW == NG:     # the tile's groups are the row's: unmasked (vectorised where aligned)
+            gs = decode_fp8_bits(tl.load(sc), SCALE_FMT, tl.float32)
+        else:
+            gs = decode_fp8_bits(tl.load(sc, mask=(offs_g < NG_ROW)[None, :], other=0), SCALE_FMT, tl.float32)
+    else:
+        # int4_per_group32: the groups' float16 scales follow the codes, 2 bytes each
+        offs_g = tl.arange(0, 2 * NG)
+        sc = rows[:, None] + HEAD_DIM // 2 + offs_g[None, :]
+        if D_PAD == HEAD_DIM:   # the tile's groups are the row's: unmasked (vectorised where aligned)
+            gs = group_scales(tl.load(sc))
+        else:
+            gs = group_scales(tl.load(sc, mask=(offs_g < 2 * (HEAD_DIM // FMT.group_size))[None, :], other=0))
+    return gs
+
+
+@triton.jit
 def _attend_key_tile(
     j, q_hi, q_lo, m_i, l_i, acc, q_pos, row_ok, s_mult, key_lo, key_hi, window, table_row, kv_head,
     k_ptr, v_ptr, k_tok_ptr, v_tok_ptr, stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt,
@@ -205,6 +246,8 @@ def _attend_key_tile(
     TILE_IN_BLOCK: tl.constexpr, FP8_FMT: tl.constexpr, NATIVE_FP8: tl.constexpr, SCALES: tl.constexpr,
     USE_WINDOW: tl.constexpr, DOT_DTYPE: tl.constexpr, Q_SPLIT: tl.constexpr, KEY_ROWS: tl.constexpr,
     MASKED: tl.constexpr, PACKED: tl.constexpr, GROUPED: tl.constexpr, ROW_ALIGN: tl.constexpr,
+    V_FMT: tl.constexpr, V_NATIVE: tl.constexpr, V_SCALES: tl.constexpr, V_PACKED: tl.constexpr,
+    V_GROUPED: tl.constexpr, V_ROW_ALIGN: tl.constexpr,
 ):
     """One online-softmax step over key tile ``j`` (keys ``j * TILE_N ..``) -> the updated ``(m_i, l_i, acc)``.
 
@@ -212,7 +255,9 @@ def _attend_key_tile(
     (``q_hi``/``q_lo`` ``[D_PAD, BLOCK_M]``), else ``[BLOCK_M, TILE_N]`` and ``[BLOCK_M, D_PAD]``. ``MASKED`` False:
     the caller promises every key of the tile is visible to every row (no causal or window edge, no clamped key).
     ``PACKED`` (int4 codes, two per byte): each tile's bytes are loaded in its layout with half the channels (K^T
-    ``[D_PAD / 2, TILE_N]`` in the usual orientation) and unpacked in registers along the channel axis."""
+    ``[D_PAD / 2, TILE_N]`` in the usual orientation) and unpacked in registers along the channel axis. ``FP8_FMT``,
+    ``NATIVE_FP8``, ``SCALES``, ``PACKED``, ``GROUPED`` and ``ROW_ALIGN`` describe the K cache, the ``V_`` ones the V
+    cache (the same values for a single-format cache)."""
     ROWS: tl.constexpr = 1 if KEY_ROWS else 0      # the axis of query rows in s, p and acc
     KEYS: tl.constexpr = 1 - ROWS                  # the axis of keys in s and p
     K_KEYS: tl.constexpr = 0 if KEY_ROWS else 1    # the axis of keys in the K tile: K [TILE_N, D] or K^T [D, TILE_N]
@@ -238,13 +283,16 @@ def _attend_key_tile(
         v_head = block * stride_vb + kv_head * stride_vh
         k_slot = slot * stride_kt
         v_slot = slot * stride_vt
+        # the (block, head) base and the slots' offsets are multiples of ROW_ALIGN (K) and V_ROW_ALIGN (V) elements
+        # (row_alignment; a hint on the value where it is made: Triton drops one on a called function's argument)
         if ROW_ALIGN > 1:
-            # the (block, head) base and the slots' offsets are multiples of ROW_ALIGN elements (row_alignment;
-            # a hint on the value where it is made: Triton drops one on a called function's argument)
             k_head = tl.multiple_of(k_head, ROW_ALIGN)
-            v_head = tl.multiple_of(v_head, ROW_ALIGN)
+        if V_ROW_ALIGN > 1:
+            v_head = tl.multiple_of(v_head, V_ROW_ALIGN)
+        if ROW_ALIGN > 1:
             k_slot = tl.multiple_of(k_slot, ROW_ALIGN)
-            v_slot = tl.multiple_of(v_slot, ROW_ALIGN)
+        if V_ROW_ALIGN > 1:
+            v_slot = tl.multiple_of(v_slot, V_ROW_ALIGN)
         k_base = k_ptr + k_head
         v_base = v_ptr + v_head
         k_ptrs = k_base + _spread(k_slot, K_KEYS) + _spread(offs_d, 1 - K_KEYS)
@@ -266,59 +314,50 @@ def _attend_key_tile(
         v_head = kv_head * stride_vh
         k_off = blocks * stride_kb + slots * stride_kt                            # [TILE_N] row offsets in the head
         v_off = blocks * stride_vb + slots * stride_vt
-        if ROW_ALIGN > 1:   # each a multiple of ROW_ALIGN elements (row_alignment)
+        if ROW_ALIGN > 1:   # each a multiple of ROW_ALIGN (K) / V_ROW_ALIGN (V) elements (row_alignment)
             k_head = tl.multiple_of(k_head, ROW_ALIGN)
-            v_head = tl.multiple_of(v_head, ROW_ALIGN)
+        if V_ROW_ALIGN > 1:
+            v_head = tl.multiple_of(v_head, V_ROW_ALIGN)
+        if ROW_ALIGN > 1:
             k_off = tl.multiple_of(k_off, ROW_ALIGN)
-            v_off = tl.multiple_of(v_off, ROW_ALIGN)
+        if V_ROW_ALIGN > 1:
+            v_off = tl.multiple_of(v_off, V_ROW_ALIGN)
         k_ptrs = k_ptr + k_head + _spread(k_off, K_KEYS) + _spread(offs_d, 1 - K_KEYS)
         v_ptrs = v_ptr + v_head + _spread(v_off, V_KEYS) + _spread(offs_d, 1 - V_KEYS)
         k_ts_ptr = k_tok_ptr + blocks * stride_ksb + kv_head * stride_ksh + slots * stride_kst
         v_ts_ptr = v_tok_ptr + blocks * stride_vsb + kv_head * stride_vsh + slots * stride_vst
         k_rows = k_ptr + k_head + k_off
         v_rows = v_ptr + v_head + v_off
-    if PACKED:
-        # int4: each key's row is D / 2 bytes of two codes, laid out as the tiles are (K^T [D / 2, TILE_N] bytes
-        # in the usual orientation)
+    if PACKED or V_PACKED:
+        # int4 and the group formats: each key's row is D / 2 bytes of two codes (then the group scales), laid out as
+        # the tiles are (K^T [D / 2, TILE_N] bytes in the usual orientation); a side that is not packed (a cache of
+        # two formats) loads its [.., D] tile as below
         offs_w = tl.arange(0, D_PAD // 2)
-        k_bytes = _spread(k_rows, K_KEYS) + _spread(offs_w, 1 - K_KEYS)
-        v_bytes = v_rows[:, None] + offs_w[None, :]
+        if PACKED:
+            k_src = _spread(k_rows, K_KEYS) + _spread(offs_w, 1 - K_KEYS)
+        else:
+            k_src = k_ptrs
+        if V_PACKED:
+            v_src = v_rows[:, None] + offs_w[None, :]
+        else:
+            v_src = v_ptrs
         if D_PAD == HEAD_DIM:
-            k_raw = tl.load(k_bytes)
-            v_raw = tl.load(v_bytes)
+            k_raw = tl.load(k_src)
+            v_raw = tl.load(v_src)
         else:
             w_ok = offs_w < HEAD_DIM // 2
-            k_raw = tl.load(k_bytes, mask=_spread(w_ok, 1 - K_KEYS), other=0)
-            v_raw = tl.load(v_bytes, mask=w_ok[None, :], other=0)
-        if FP8_FMT.group_size > 0:
-            NG: tl.constexpr = D_PAD // FP8_FMT.group_size
-            if FP8_FMT.scale_format is not None:
-                # fp4_e2m1: an FP8 scale code (E4M3) per group follows the codes, one byte each, the last group maybe
-                # shorter (a tile group past it reads 0): [TILE_N, NG] float32, by the exact bit decode
-                SCALE_FMT: tl.constexpr = FP8_FMT.scale_format
-                NG_ROW: tl.constexpr = (HEAD_DIM + FP8_FMT.group_size - 1) // FP8_FMT.group_size
-                offs_g = tl.arange(0, NG)
-                k_sc = k_rows[:, None] + HEAD_DIM // 2 + offs_g[None, :]
-                v_sc = v_rows[:, None] + HEAD_DIM // 2 + offs_g[None, :]
-                if NG_ROW == NG:     # the tile's groups are the row's: unmasked (vectorised where aligned)
-                    k_gs = decode_fp8_bits(tl.load(k_sc), SCALE_FMT, tl.float32)
-                    v_gs = decode_fp8_bits(tl.load(v_sc), SCALE_FMT, tl.float32)
-                else:
-                    g_ok = (offs_g < NG_ROW)[None, :]
-                    k_gs = decode_fp8_bits(tl.load(k_sc, mask=g_ok, other=0), SCALE_FMT, tl.float32)
-                    v_gs = decode_fp8_bits(tl.load(v_sc, mask=g_ok, other=0), SCALE_FMT, tl.float32)
+            if PACKED:
+                k_raw = tl.load(k_src, mask=_spread(w_ok, 1 - K_KEYS), other=0)
             else:
-                # int4_per_group32: the groups' float16 scales follow the codes, 2 bytes each: [TILE_N, NG] float32
-                offs_g = tl.arange(0, 2 * NG)
-                k_sc = k_rows[:, None] + HEAD_DIM // 2 + offs_g[None, :]
-                v_sc = v_rows[:, None] + HEAD_DIM // 2 + offs_g[None, :]
-                if D_PAD == HEAD_DIM:   # the tile's groups are the row's: unmasked (vectorised where aligned)
-                    k_gs = group_scales(tl.load(k_sc))
-                    v_gs = group_scales(tl.load(v_sc))
-                else:
-                    g_ok = (offs_g < 2 * (HEAD_DIM // FP8_FMT.group_size))[None, :]
-                    k_gs = group_scales(tl.load(k_sc, mask=g_ok, other=0))
-                    v_gs = group_scales(tl.load(v_sc, mask=g_ok, other=0))
+                k_raw = tl.load(k_src, mask=_spread(d_ok, 1 - K_KEYS), other=0)
+            if V_PACKED:
+                v_raw = tl.load(v_src, mask=w_ok[None, :], other=0)
+            else:
+                v_raw = tl.load(v_src, mask=_spread(d_ok, 1 - V_KEYS), other=0)
+        if GROUPED:
+            k_gs = _row_group_scales(k_rows, FP8_FMT, HEAD_DIM, D_PAD)
+        if V_GROUPED:
+            v_gs = _row_group_scales(v_rows, V_FMT, HEAD_DIM, D_PAD)
     elif KEY_ROWS and (not MASKED) and (not TILE_IN_BLOCK) and TILE_N % BLOCK_SIZE == 0 and D_PAD == HEAD_DIM:
         # whole blocks, unclamped, both tiles [TILE_N, D]: loaded as [blocks, BLOCK_SIZE, D], one table entry and
         # one base address per block, the offsets inside a block loop-invariant and non-negative (int32 products of
@@ -368,12 +407,12 @@ def _attend_key_tile(
     p = tl.exp2(s - _spread(m_base, ROWS))
     l_i = l_i * alpha + tl.reduce(p, KEYS, add_combine)
 
-    if GROUPED:
-        v = cast_rn(apply_group_scales(decode_fp8(v_raw, FP8_FMT, NATIVE_FP8, tl.float32), v_gs, 1,
-                                       FP8_FMT.group_size), DOT_DTYPE)
+    if V_GROUPED:
+        v = cast_rn(apply_group_scales(decode_fp8(v_raw, V_FMT, V_NATIVE, tl.float32), v_gs, 1,
+                                       V_FMT.group_size), DOT_DTYPE)
     else:
-        v = decode_fp8(v_raw, FP8_FMT, NATIVE_FP8, DOT_DTYPE)
-    if SCALES == 2:
+        v = decode_fp8(v_raw, V_FMT, V_NATIVE, DOT_DTYPE)
+    if V_SCALES == 2:
         p = p * _spread(tl.load(v_ts_ptr), KEYS)
     if KEY_ROWS:
         acc = acc * alpha[None, :] + dot(tl.trans(v), cast_rn(p, DOT_DTYPE))   # [D_PAD, BLOCK_M]
@@ -400,6 +439,8 @@ def _paged_attention_kernel(
     K_CHANNEL_SCALE: tl.constexpr, USE_WINDOW: tl.constexpr, DOT_DTYPE: tl.constexpr, Q_SPLIT: tl.constexpr,
     ROW_SCALE: tl.constexpr, KEY_ROWS: tl.constexpr, Q_LEN_MIN: tl.constexpr, Q_LEN_MAX: tl.constexpr,
     PACKED: tl.constexpr, GROUPED: tl.constexpr, ROW_ALIGN: tl.constexpr,
+    V_FMT: tl.constexpr, V_NATIVE: tl.constexpr, V_SCALES: tl.constexpr, V_PACKED: tl.constexpr,
+    V_GROUPED: tl.constexpr, V_ROW_ALIGN: tl.constexpr,
 ):
     pid_q = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -509,7 +550,8 @@ def _paged_attention_kernel(
                 k_ptr, v_ptr, k_tok_ptr, v_tok_ptr, stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt,
                 stride_ksb, stride_ksh, stride_kst, stride_vsb, stride_vsh, stride_vst,
                 D_PAD, HEAD_DIM, BLOCK_SIZE, TILE_N, TILE_IN_BLOCK, FP8_FMT, NATIVE_FP8, SCALES, USE_WINDOW,
-                DOT_DTYPE, Q_SPLIT, KEY_ROWS, False, PACKED, GROUPED, ROW_ALIGN)
+                DOT_DTYPE, Q_SPLIT, KEY_ROWS, False, PACKED, GROUPED, ROW_ALIGN,
+                V_FMT, V_NATIVE, V_SCALES, V_PACKED, V_GROUPED, V_ROW_ALIGN)
             j += 1
         t = 0
         while t < n_masked:
@@ -519,7 +561,8 @@ def _paged_attention_kernel(
                 k_ptr, v_ptr, k_tok_ptr, v_tok_ptr, stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt,
                 stride_ksb, stride_ksh, stride_kst, stride_vsb, stride_vsh, stride_vst,
                 D_PAD, HEAD_DIM, BLOCK_SIZE, TILE_N, TILE_IN_BLOCK, FP8_FMT, NATIVE_FP8, SCALES, USE_WINDOW,
-                DOT_DTYPE, Q_SPLIT, KEY_ROWS, True, PACKED, GROUPED, ROW_ALIGN)
+                DOT_DTYPE, Q_SPLIT, KEY_ROWS, True, PACKED, GROUPED, ROW_ALIGN,
+                V_FMT, V_NATIVE, V_SCALES, V_PACKED, V_GROUPED, V_ROW_ALIGN)
             t += 1
     elif KEY_ROWS:
         for j in range(u_lo, u_hi):
@@ -528,7 +571,8 @@ def _paged_attention_kernel(
                 k_ptr, v_ptr, k_tok_ptr, v_tok_ptr, stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt,
                 stride_ksb, stride_ksh, stride_kst, stride_vsb, stride_vsh, stride_vst,
                 D_PAD, HEAD_DIM, BLOCK_SIZE, TILE_N, TILE_IN_BLOCK, FP8_FMT, NATIVE_FP8, SCALES, USE_WINDOW,
-                DOT_DTYPE, Q_SPLIT, KEY_ROWS, False, PACKED, GROUPED, ROW_ALIGN)
+                DOT_DTYPE, Q_SPLIT, KEY_ROWS, False, PACKED, GROUPED, ROW_ALIGN,
+                V_FMT, V_NATIVE, V_SCALES, V_PACKED, V_GROUPED, V_ROW_ALIGN)
         for t in range(0, n_masked):
             m_i, l_i, acc = _attend_key_tile(
                 tl.where(t < n_lead, j_lo + t, u_hi + t - n_lead), q_hi, q_lo, m_i, l_i, acc, q_pos, row_ok,
@@ -536,7 +580,8 @@ def _paged_attention_kernel(
                 k_ptr, v_ptr, k_tok_ptr, v_tok_ptr, stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt,
                 stride_ksb, stride_ksh, stride_kst, stride_vsb, stride_vsh, stride_vst,
                 D_PAD, HEAD_DIM, BLOCK_SIZE, TILE_N, TILE_IN_BLOCK, FP8_FMT, NATIVE_FP8, SCALES, USE_WINDOW,
-                DOT_DTYPE, Q_SPLIT, KEY_ROWS, True, PACKED, GROUPED, ROW_ALIGN)
+                DOT_DTYPE, Q_SPLIT, KEY_ROWS, True, PACKED, GROUPED, ROW_ALIGN,
+                V_FMT, V_NATIVE, V_SCALES, V_PACKED, V_GROUPED, V_ROW_ALIGN)
     else:
         for j in range(j_lo, j_hi):
             m_i, l_i, acc = _attend_key_tile(
@@ -544,11 +589,12 @@ def _paged_attention_kernel(
                 k_ptr, v_ptr, k_tok_ptr, v_tok_ptr, stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt,
                 stride_ksb, stride_ksh, stride_kst, stride_vsb, stride_vsh, stride_vst,
                 D_PAD, HEAD_DIM, BLOCK_SIZE, TILE_N, TILE_IN_BLOCK, FP8_FMT, NATIVE_FP8, SCALES, USE_WINDOW,
-                DOT_DTYPE, Q_SPLIT, KEY_ROWS, True, PACKED, GROUPED, ROW_ALIGN)
+                DOT_DTYPE, Q_SPLIT, KEY_ROWS, True, PACKED, GROUPED, ROW_ALIGN,
+                V_FMT, V_NATIVE, V_SCALES, V_PACKED, V_GROUPED, V_ROW_ALIGN)
     if KEY_ROWS:
         acc = tl.trans(acc)                                        # [BLOCK_M, D_PAD]
 
-    if SCALES == 1:
+    if V_SCALES == 1:
         acc = acc * tl.load(v_scale_ptr + kv_head * HEAD_DIM + offs_d, mask=d_ok, other=0.0)[None, :]
     if NUM_SPLITS == 1:
         # l > 0 in every real row (a query always sees its own key); masked rows divide by 1, not 0
@@ -683,8 +729,8 @@ class KernelVariant:
     (:meth:`constexprs`) and nothing else, so the wrapper and a compile check build the same kernels."""
 
     query_dtype: torch.dtype
-    cache_dtype: torch.dtype        # torch.uint8 for FP8 codes and packed int4 codes, torch.int8 for int8 codes
-    fp8: KernelFormat | None        # what the kernels need of the FP8, int8 or int4 format (None: 16/32-bit cache)
+    cache_dtype: torch.dtype        # torch.uint8 for FP8 codes and packed int4 codes, torch.int8 for int8 codes (K's)
+    fp8: KernelFormat | None        # what the kernels need of K's FP8, int8 or int4 format (None: 16/32-bit cache)
     native_fp8: bool                # decode with the GPU's FP8 conversion (else the exact bit path)
     scales: int                     # SCALES_NONE, SCALES_STATIC or SCALES_DYNAMIC
     k_channel_scale: bool           # static K scales vary along head_dim
@@ -693,7 +739,28 @@ class KernelVariant:
     head_dim: int
     block_size: int
     max_query_len: int
-    row_align: int = 1              # every K/V row start is a multiple of this many cache elements (row_alignment)
+    row_align: int = 1              # every K row start is a multiple of this many cache elements (row_alignment)
+    # V's side where it differs from K's (a cache of two formats); the defaults are K's: a single-format cache
+    v_fp8: KernelFormat | None | SameAsK = SAME_AS_K   # V's code format (None: a 16/32-bit V cache)
+    v_cache_dtype: torch.dtype | None = None           # the V cache's dtype
+    v_native_fp8: bool | None = None
+    v_scales: int | None = None                        # SCALES_NONE or SCALES_DYNAMIC (a pair has no static scales)
+    v_row_align: int | None = None
+
+    @property
+    def v_side(self) -> tuple[KernelFormat | None, torch.dtype, bool, int, int]:
+        """V's ``(format, cache dtype, native FP8 decode, scales, row alignment)``, each K's where not given."""
+        return (self.fp8 if self.v_fp8 is SAME_AS_K else self.v_fp8,
+                self.cache_dtype if self.v_cache_dtype is None else self.v_cache_dtype,
+                self.native_fp8 if self.v_native_fp8 is None else self.v_native_fp8,
+                self.scales if self.v_scales is None else self.v_scales,
+                self.row_align if self.v_row_align is None else self.v_row_align)
+
+    @property
+    def pair(self) -> bool:
+        """K and V are stored in different formats (or 16/32-bit dtypes)."""
+        v_fmt, v_dtype = self.v_side[:2]
+        return (v_fmt, v_dtype) != (self.fp8, self.cache_dtype)
 
     @property
     def dot_dtype(self) -> tl.dtype:
@@ -703,6 +770,14 @@ class KernelVariant:
         float32."""
         if self.query_dtype == torch.float32:
             return tl.float32
+        if self.pair:
+            # two formats (an FP8 side has dynamic scales): each side's values go into the query's 16-bit dtype as a
+            # single format's would (codes with a scale per key or group; a 16-bit side of the query's own dtype),
+            # else both products are float32
+            v_fmt, v_dtype = self.v_side[:2]
+            own = all(f is not None or d == self.query_dtype for f, d in ((self.fp8, self.cache_dtype),
+                                                                          (v_fmt, v_dtype)))
+            return _TL_DTYPES[self.query_dtype] if own else tl.float32
         if self.fp8 is not None:
             per_key = self.scales == SCALES_DYNAMIC or self.fp8.group_size > 0
             return _TL_DTYPES[self.query_dtype] if per_key else tl.float16
@@ -719,17 +794,23 @@ class KernelVariant:
         all 255 registers a thread has: at ptxas's own cap for their 4-warp tiles (168) the decode spills with some
         Triton versions (measured at Llama-3.1-8B shapes: fp4_e2m1 8 bytes with 3.7.1, 32 with 3.9; int4_per_group32
         40 with 3.9), while its ~210 registers leave as many programs per SM (2) as the 176 of 3.6."""
-        cache_bytes = 1 if self.fp8 is not None else self.cache_dtype.itemsize
-        grouped = self.fp8 is not None and self.fp8.group_size > 0
+        v_fmt, v_dtype, _, v_scales, _ = self.v_side
+        sides = ((self.fp8, self.cache_dtype, self.scales), (v_fmt, v_dtype, v_scales))
+        # a cache of two formats takes the tiles of its wider side (1 byte: codes) with the per-key scales, packed
+        # codes and register cap of either side's
+        cache_bytes = max(1 if f is not None else d.itemsize for f, d, _ in sides)
+        grouped = any(f is not None and f.group_size > 0 for f, _, _ in sides)
         cfg = launch_config(self.group, self.head_dim, self.max_query_len, self.block_size,
-                            self.dot_dtype == tl.float32, cache_bytes, self.scales == SCALES_DYNAMIC or grouped,
-                            self.fp8 is not None and self.fp8.packed, self.query_dtype.itemsize)
+                            self.dot_dtype == tl.float32, cache_bytes,
+                            any(sc == SCALES_DYNAMIC for _, _, sc in sides) or grouped,
+                            any(f is not None and f.packed for f, _, _ in sides), self.query_dtype.itemsize)
         return replace(cfg, max_registers=_GROUP_MAX_REGISTERS) if grouped else cfg
 
     def constexprs(self, num_kv_splits: int, q_len_min: int = 0, q_len_max: int = _MAX_INT32) -> dict[str, object]:
         """The kernel's constexprs; the program of a sequence with fewer than ``q_len_min`` or more than
         ``q_len_max`` new tokens returns at once (a mixed batch's two launches, :func:`plan_launches`)."""
         cfg = self.config
+        v_fmt, _, v_native, v_scales, v_row_align = self.v_side
         return dict(
             HEAD_DIM=self.head_dim, D_PAD=cfg.d_pad, BLOCK_SIZE=self.block_size, GROUP=self.group,
             BLOCK_Q=cfg.block_q, BLOCK_M=cfg.block_m, TILE_N=cfg.tile_n, TILE_IN_BLOCK=cfg.tile_in_block,
@@ -741,6 +822,10 @@ class KernelVariant:
             PACKED=self.fp8 is not None and self.fp8.packed,
             GROUPED=self.fp8 is not None and self.fp8.group_size > 0,
             ROW_ALIGN=self.row_align,
+            V_FMT=v_fmt, V_NATIVE=v_native, V_SCALES=v_scales,
+            V_PACKED=v_fmt is not None and v_fmt.packed,
+            V_GROUPED=v_fmt is not None and v_fmt.group_size > 0,
+            V_ROW_ALIGN=v_row_align,
         )
 
 
@@ -831,10 +916,30 @@ def _check_token_scales(name: str, s: object, cache_shape: torch.Size, device: t
     return s
 
 
+def _check_pair_scales(fmt: KernelFormat | None, v_fmt: KernelFormat | None, k_cache: torch.Tensor,
+                       v_cache: torch.Tensor, static: bool, k_token_scales: object, v_token_scales: object) -> None:
+    """The scales of a cache whose K and V formats differ: no static ones (an FP8 side of a pair has dynamic
+    scales); ``k_token_scales`` / ``v_token_scales`` exactly for a side of FP8 or per-token integer codes (a group or
+    16/32-bit side keeps none). ``ValueError`` naming the argument, its value and what is allowed."""
+    labels = [f.name if f is not None else str(c.dtype) for f, c in ((fmt, k_cache), (v_fmt, v_cache))]
+    if static:
+        raise _fail(f"k_scale/v_scale given for K {labels[0]} and V {labels[1]}; a cache of two formats takes no "
+                    "static scales (an FP8 side has dynamic per-token scales: k_token_scales / v_token_scales)")
+    for side, name, side_fmt, label, ts in (("K", "k_token_scales", fmt, labels[0], k_token_scales),
+                                             ("V", "v_token_scales", v_fmt, labels[1], v_token_scales)):
+        per_token = side_fmt is not None and not side_fmt.group_size
+        if per_token and ts is None:
+            raise _fail(f"{name}=None, but {side}'s {label} codes need a scale per token and head: pass a float32 "
+                        "[num_blocks, Hkv, bs] tensor")
+        if not per_token and ts is not None:
+            kind = "keeps a scale per group in each row" if side_fmt is not None else "stores plain values"
+            raise _fail(f"{name} given, but {side} ({label}) {kind}; allowed: {name}=None")
+
+
 def unified_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor, *,
                       query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
                       max_query_len: int, max_seq_len: int, scale: float, sliding_window: int | None,
-                      fp8: FP8Layout | IntLayout | GroupLayout | FloatGroupLayout | None,
+                      fp8: AnyLayout | None, v_fp8: AnyLayout | None | SameAsK = SAME_AS_K,
                       k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
                       k_token_scales: torch.Tensor | None = None,
                       v_token_scales: torch.Tensor | None = None, num_kv_splits: int | None = None,
@@ -855,7 +960,9 @@ def unified_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     promise: a sequence with fewer new tokens may be left unattended. FP8 needs either static
     ``k_scale``/``v_scale`` (broadcastable to ``[Hkv, D]``) or dynamic ``k_token_scales``/``v_token_scales``
     ``[num_blocks, Hkv, bs]`` float32; int8 and int4 need the dynamic ones; the group formats and a 16/32-bit cache
-    take none.
+    take none. ``v_fp8``: V's format where it differs from K's (``fp8``), with the V cache of its own dtype and row
+    width and each side's token scales, given exactly for a side of FP8 (dynamic) or per-token integer codes;
+    default :data:`~kv8.kernels.triton.formats.SAME_AS_K`.
     ``num_kv_splits``: key segments per query tile (1 = no split-K; None = :func:`choose_num_kv_splits`).
     ``platform``: the device's facts (its native FP8 conversions, its compute units; :class:`kv8.platform.Platform`,
     resolved once by the engine); None resolves the tensors' device on each call. Output rows of tokens past
@@ -878,36 +985,43 @@ def unified_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     if not 1 <= head_dim <= 256:
         raise _fail(f"head_dim={head_dim} is not supported; allowed 1 .. 256")
     try:
-        fmt = None if fp8 is None else kernel_format(fp8)
+        fmt, v_fmt = side_formats(fp8, v_fp8)
     except ValueError as exc:
         raise _fail(str(exc)) from None
-    for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
+    pair = v_fmt != fmt
+    for name, c, side, arg, arg_name in (("k_cache", k_cache, fmt, fp8, "fp8"),
+                                         ("v_cache", v_cache, v_fmt, fp8 if v_fp8 is SAME_AS_K else v_fp8, "v_fp8")):
         if not isinstance(c, torch.Tensor) or c.ndim != 4:
             raise _fail(f"{name} must be a [num_blocks, Hkv, bs, D] tensor, got "
                         f"{tuple(c.shape) if isinstance(c, torch.Tensor) else type(c).__name__}")
-        want = f"{code_dtype(fmt)} ({fmt.name} codes)" if fmt is not None else "bfloat16/float16/float32"
-        ok = c.dtype == code_dtype(fmt) if fmt is not None else c.dtype in _QUERY_DTYPES
+        want = f"{code_dtype(side)} ({side.name} codes)" if side is not None else "bfloat16/float16/float32"
+        ok = c.dtype == code_dtype(side) if side is not None else c.dtype in _QUERY_DTYPES
         if not ok:
-            raise _fail(f"{name}.dtype={c.dtype} but fp8={getattr(fp8, 'name', None)!r} needs {want}")
+            raise _fail(f"{name}.dtype={c.dtype} but {'fp8' if not pair else arg_name}="
+                        f"{getattr(arg, 'name', None)!r} needs {want}")
         if c.device != device:
             raise _fail(f"{name} is on {c.device}, query on {device}; all tensors must share one device")
         if c.stride(-1) != 1:
             raise _fail(f"{name} needs a contiguous last dim, got strides {c.stride()}")
-    if k_cache.shape != v_cache.shape or k_cache.dtype != v_cache.dtype:
+    if not pair and (k_cache.shape != v_cache.shape or k_cache.dtype != v_cache.dtype):
         raise _fail(f"k_cache {tuple(k_cache.shape)} {k_cache.dtype} and v_cache {tuple(v_cache.shape)} "
                     f"{v_cache.dtype} must match")
+    if pair and k_cache.shape[:3] != v_cache.shape[:3]:
+        raise _fail(f"k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} must share [num_blocks, Hkv, "
+                    "bs] (their row widths are their formats')")
     num_blocks, num_kv_heads, block_size, cache_dim = k_cache.shape
-    if fmt is not None and fmt.packed and head_dim % 2:
-        raise _fail(f"an {fmt.name} cache packs two codes per byte: it needs an even head_dim, got {head_dim}")
-    if fmt is not None and fmt.group_size and head_dim % fmt.head_dim_multiple:
-        raise _fail(f"an {fmt.name} cache has a scale per group of {fmt.group_size} values: it needs a head_dim that "
-                    f"is a multiple of {fmt.head_dim_multiple}, got {head_dim}")
-    if cache_dim != code_width(fmt, head_dim):
-        raise _fail(f"cache row width={cache_dim} != {code_width(fmt, head_dim)}, the "
-                    + (f"bytes of query head_dim={head_dim} in two codes per byte" if fmt is not None and fmt.packed
-                       else f"query head_dim={head_dim}")
-                    + (f" and {scale_bytes(fmt)} per group of {fmt.group_size}'s scale"
-                       if fmt is not None and fmt.group_size else ""))
+    for name, side, dim in (("k_cache", fmt, cache_dim), ("v_cache", v_fmt, v_cache.shape[3])):
+        if side is not None and side.packed and head_dim % 2:
+            raise _fail(f"an {side.name} cache packs two codes per byte: it needs an even head_dim, got {head_dim}")
+        if side is not None and side.group_size and head_dim % side.head_dim_multiple:
+            raise _fail(f"an {side.name} cache has a scale per group of {side.group_size} values: it needs a head_dim "
+                        f"that is a multiple of {side.head_dim_multiple}, got {head_dim}")
+        if dim != code_width(side, head_dim):
+            raise _fail(("cache" if not pair else name) + f" row width={dim} != {code_width(side, head_dim)}, the "
+                        + (f"bytes of query head_dim={head_dim} in two codes per byte"
+                           if side is not None and side.packed else f"query head_dim={head_dim}")
+                        + (f" and {scale_bytes(side)} per group of {side.group_size}'s scale"
+                           if side is not None and side.group_size else ""))
     if num_kv_heads < 1 or num_q_heads % num_kv_heads:
         raise _fail(f"query heads Hq={num_q_heads} must be a multiple of the cache's KV heads Hkv={num_kv_heads}")
     if block_size < 1:
@@ -933,9 +1047,11 @@ def unified_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
 
     static = k_scale is not None or v_scale is not None
     dynamic = k_token_scales is not None or v_token_scales is not None
-    if fmt is None and (static or dynamic):
+    if pair:
+        _check_pair_scales(fmt, v_fmt, k_cache, v_cache, static, k_token_scales, v_token_scales)
+    elif fmt is None and (static or dynamic):
         raise _fail("scales were given for a 16/32-bit cache (fp8=None); such a cache stores plain values")
-    if fmt is not None and fmt.group_size:
+    elif fmt is not None and fmt.group_size:
         if static or dynamic:
             raise _fail(f"an {fmt.name} cache keeps a scale per group of {fmt.group_size} values in each row; it "
                         "takes no k_scale/v_scale or k_token_scales/v_token_scales")
@@ -945,8 +1061,8 @@ def unified_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     elif fmt is not None and static == dynamic:
         raise _fail("an FP8 cache needs exactly one kind of scales: static k_scale and v_scale, or dynamic "
                     "k_token_scales and v_token_scales" + (" (got both)" if static else " (got none)"))
-    if static and (k_scale is None or v_scale is None) or dynamic and (k_token_scales is None
-                                                                       or v_token_scales is None):
+    if static and (k_scale is None or v_scale is None) or dynamic and not pair and (k_token_scales is None
+                                                                                    or v_token_scales is None):
         raise _fail("scales come in pairs: give both k_scale and v_scale, or both k_token_scales and v_token_scales")
 
     if device.type != "cuda" and not interpreter.INTERPRETED:
@@ -956,7 +1072,7 @@ def unified_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     launches = plan_launches(
         query, k_cache, v_cache, out, query_start_loc=query_start_loc, seq_lens=seq_lens, block_tables=block_tables,
         max_query_len=max_query_len, max_seq_len=max_seq_len, scale=scale, sliding_window=sliding_window, fp8=fp8,
-        k_scale=k_scale, v_scale=v_scale, k_token_scales=k_token_scales, v_token_scales=v_token_scales,
+        v_fp8=v_fp8, k_scale=k_scale, v_scale=v_scale, k_token_scales=k_token_scales, v_token_scales=v_token_scales,
         num_kv_splits=num_kv_splits, platform=platform or _platform_of(device), min_query_len=min_query_len)
     for launch in launches:
         launch.run()
@@ -966,10 +1082,11 @@ def unified_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
 def plan_launches(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor, *,
                   query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
                   max_query_len: int, max_seq_len: int, scale: float, sliding_window: int | None,
-                  fp8: FP8Layout | IntLayout | GroupLayout | FloatGroupLayout | None, k_scale: torch.Tensor | None,
+                  fp8: AnyLayout | None, k_scale: torch.Tensor | None,
                   v_scale: torch.Tensor | None, k_token_scales: torch.Tensor | None,
                   v_token_scales: torch.Tensor | None,
-                  num_kv_splits: int | None, platform: Platform, min_query_len: int | None = None) -> list[Launch]:
+                  num_kv_splits: int | None, platform: Platform, min_query_len: int | None = None,
+                  v_fp8: AnyLayout | None | SameAsK = SAME_AS_K) -> list[Launch]:
     """The launches :func:`unified_attention` makes for these (already validated) arguments, in order, for the
     device ``platform`` describes (its native FP8 conversions: :func:`~kv8.kernels.triton.dequant.
     native_fp8_supported`; its compute units, for the split) -- so a compile check can build exactly these kernels
@@ -979,33 +1096,47 @@ def plan_launches(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     num_tokens, num_q_heads, head_dim = query.shape
     _, num_kv_heads, block_size, _ = k_cache.shape
     num_seqs = seq_lens.shape[0]
-    fmt = None if fp8 is None else kernel_format(fp8)
+    fmt, v_fmt = side_formats(fp8, v_fp8)
     native_fp8 = native_fp8_supported(platform, fmt)
     # the interpreter (a CPU platform) runs programs one after another: splitting only adds work there
     compute_units = platform.compute_units or 1
     static = k_scale is not None
     dynamic = k_token_scales is not None
+    v_dynamic = v_token_scales is not None
     dummy = torch.empty(1, dtype=torch.float32, device=device)
-    scales_mode, k_channel = SCALES_NONE, False
+    scales_mode, v_scales_mode, k_channel = SCALES_NONE, SCALES_NONE, False
     ks = vs = kts = vts = dummy
     if static:
         ks, k_channel = _static_scale("k_scale", k_scale, num_kv_heads, head_dim, device)
         vs, _ = _static_scale("v_scale", v_scale, num_kv_heads, head_dim, device)
-        scales_mode = SCALES_STATIC
-    elif dynamic:
+        scales_mode = v_scales_mode = SCALES_STATIC
+    if dynamic:   # per side: a cache of two formats may keep token scales for one of them only
         kts = _check_token_scales("k_token_scales", k_token_scales, k_cache.shape, device)
-        vts = _check_token_scales("v_token_scales", v_token_scales, v_cache.shape, device)
         scales_mode = SCALES_DYNAMIC
+    if v_dynamic:
+        vts = _check_token_scales("v_token_scales", v_token_scales, v_cache.shape, device)
+        v_scales_mode = SCALES_DYNAMIC
     if num_tokens == 0 or num_seqs == 0:
         return []
 
     group = num_q_heads // num_kv_heads
 
-    row_align = row_alignment(k_cache, v_cache)
+    # a single-format cache: one claim for K and V rows; two formats: one per side (rows of their own widths, maybe
+    # of different element sizes)
+    pair = (v_fmt, v_cache.dtype) != (fmt, k_cache.dtype)
+    if pair:
+        row_align, v_row_align = row_alignment(k_cache), row_alignment(v_cache)
+    else:
+        row_align = v_row_align = row_alignment(k_cache, v_cache)
 
     def make_variant(query_len: int) -> KernelVariant:
-        return KernelVariant(query.dtype, k_cache.dtype, fmt, native_fp8, scales_mode, k_channel,
-                             sliding_window is not None, group, head_dim, block_size, query_len, row_align)
+        variant = KernelVariant(query.dtype, k_cache.dtype, fmt, native_fp8, scales_mode, k_channel,
+                                sliding_window is not None, group, head_dim, block_size, query_len, row_align)
+        if pair:   # V's own side; a single-format cache's variant leaves V's fields at K's
+            variant = replace(variant, v_fp8=v_fmt, v_cache_dtype=v_cache.dtype,
+                              v_native_fp8=native_fp8_supported(platform, v_fmt), v_scales=v_scales_mode,
+                              v_row_align=v_row_align)
+        return variant
 
     variant = make_variant(max_query_len)
     cfg = variant.config
@@ -1031,7 +1162,7 @@ def plan_launches(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         kts.stride(0) if dynamic else 0, kts.stride(1) if dynamic else 0, kts.stride(2) if dynamic else 0,
-        vts.stride(0) if dynamic else 0, vts.stride(1) if dynamic else 0, vts.stride(2) if dynamic else 0,
+        vts.stride(0) if v_dynamic else 0, vts.stride(1) if v_dynamic else 0, vts.stride(2) if v_dynamic else 0,
         block_tables.stride(0),
     )
 

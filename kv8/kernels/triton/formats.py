@@ -67,6 +67,11 @@ Why a NamedTuple: Triton keys its compiled kernels on the constexprs' values (a 
 hashable and compares by value), serializes them to JSON for its compile hooks, and reads a field (``FMT.nan_code``)
 as a constant both compiled and in the interpreter (Triton 3.6 and 3.9).
 
+K and V may be stored in different formats (``kv_cache_dtype="int8/int4_g32"``, "k8v4"): the wrappers take K's
+format as ``fp8`` and V's as ``v_fp8`` (default :data:`SAME_AS_K`: V's is K's), derive one ``KernelFormat`` per side
+with :func:`side_formats`, and the kernels take two constexprs (K's and V's); a tile of K is decoded by K's, a tile
+of V by V's. A single-format call passes the same constexpr twice: the same kernel as one format alone.
+
 To add a format family: give it its fields here (and a value of a field that tells the families apart, as
 ``int_codes`` does for the integer codes, ``packed`` without ``int_codes`` for the 4-bit float codes), derive them
 in :func:`kernel_format`, and branch on them in the encode (:func:`kv8.kernels.triton.quant.encode_codes`; fp4:
@@ -79,14 +84,15 @@ one).
 
 from __future__ import annotations
 
+import enum
 import math
 import struct
-from typing import NamedTuple, Protocol, cast
+from typing import NamedTuple, Protocol, TypeAlias, cast
 
 import torch
 
-__all__ = ["FP8Layout", "FloatGroupLayout", "GroupLayout", "IntLayout", "KernelFormat", "code_dtype", "code_width",
-           "kernel_format", "scale_bytes"]
+__all__ = ["SAME_AS_K", "AnyLayout", "FP8Layout", "FloatGroupLayout", "GroupLayout", "IntLayout", "KernelFormat",
+           "SameAsK", "code_dtype", "code_width", "kernel_format", "scale_bytes", "side_formats"]
 
 _SIGN = 0x80
 _HALF_MAX = 65504.0
@@ -163,6 +169,18 @@ class FloatGroupLayout(GroupLayout, Protocol):
     def scale_dtype(self) -> torch.dtype: ...
 
 
+AnyLayout: TypeAlias = FP8Layout | IntLayout | GroupLayout | FloatGroupLayout   # a wrapper's fp8 / v_fp8
+
+
+class SameAsK(enum.Enum):
+    """The type of :data:`SAME_AS_K`, the default of a wrapper's ``v_fp8``."""
+
+    SAME_AS_K = "the K format"
+
+
+SAME_AS_K = SameAsK.SAME_AS_K   # ``v_fp8`` default: V's code format is K's (``fp8``), a single-format cache
+
+
 class KernelFormat(NamedTuple):
     """The constants the encode and the decode of one FP8 or integer format are specialized on (module
     docstring)."""
@@ -212,6 +230,21 @@ def code_width(fmt: KernelFormat | None, head_dim: int) -> int:
     if fmt is None or not fmt.packed:
         return head_dim
     return head_dim // 2 + (scale_bytes(fmt) * -(-head_dim // fmt.group_size) if fmt.group_size else 0)
+
+
+def side_formats(fp8: AnyLayout | None, v_fp8: AnyLayout | None | SameAsK
+                 ) -> tuple[KernelFormat | None, KernelFormat | None]:
+    """K's and V's :class:`KernelFormat` (None: a 16/32-bit side) of a wrapper's ``fp8`` and ``v_fp8``
+    (:data:`SAME_AS_K` or ``fp8`` itself: V's is K's, derived once). ``ValueError`` from :func:`kernel_format`, with
+    ``v_fp8: `` in front for V's."""
+    k_fmt = None if fp8 is None else kernel_format(fp8)
+    if v_fp8 is SAME_AS_K or v_fp8 is fp8:
+        return k_fmt, k_fmt
+    try:
+        v_fmt = None if v_fp8 is None else kernel_format(v_fp8)
+    except ValueError as exc:
+        raise ValueError(f"v_fp8: {exc}") from None
+    return k_fmt, v_fmt
 
 
 def _group_format(fmt: GroupLayout) -> KernelFormat:

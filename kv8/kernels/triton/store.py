@@ -35,6 +35,12 @@ small that the quotient underflows), clamped to ``[2^-9, 448]`` and encoded by t
 code, saturating at ±6, NaN -> +0, -0.0 -> code 8). No search: its tile takes up to 4096 elements, as the other
 modes'.
 
+K and V may be stored in different formats (``v_fp8``: ``kv_cache_dtype="k8v4"``, int8 K and int4_per_group32 V):
+the kernel takes V's own ``V_MODE``, ``V_FMT`` and ``V_OUT`` constexprs beside K's (equal to K's for one format: the
+same kernel as a single-format store), each side is encoded by its own format into a cache of its own dtype and
+row width, and the tile (``BLOCK_H`` x ``BLOCK_D``) serves both: whole groups of either side's group format, at
+most 1024 elements where either side searches int4_per_group32's scales.
+
     |<--------- block b: H tiles of bs x D --------->|
     | head 0: o=0 [D] o=1 [D] ... | head 1: ... | ... |
 
@@ -85,15 +91,14 @@ import triton.language as tl
 from kv8.kernels.triton import interpreter
 from kv8.kernels.triton.dequant import decode_fp8_bits
 from kv8.kernels.triton.formats import (
-    FloatGroupLayout,
-    FP8Layout,
-    GroupLayout,
-    IntLayout,
+    SAME_AS_K,
+    AnyLayout,
     KernelFormat,
+    SameAsK,
     code_dtype,
     code_width,
-    kernel_format,
     scale_bytes,
+    side_formats,
 )
 from kv8.kernels.triton.interpreter import add_combine, max_combine
 from kv8.kernels.triton.launch import Launch
@@ -304,8 +309,12 @@ def _store_kv_kernel(key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
                      stride_ktb, stride_kth, stride_kts, stride_vtb, stride_vth, stride_vts,
                      H, D, block_size, max_finite,
                      MODE: tl.constexpr, FMT: tl.constexpr, IN: tl.constexpr, OUT: tl.constexpr,
-                     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Program (t, hb): token t, heads [hb * BLOCK_H, (hb + 1) * BLOCK_H), K then V."""
+                     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+                     V_MODE: tl.constexpr, V_FMT: tl.constexpr, V_OUT: tl.constexpr):
+    """Program (t, hb): token t, heads [hb * BLOCK_H, (hb + 1) * BLOCK_H), K (``MODE``, ``FMT``, ``OUT``) then V
+    (``V_MODE``, ``V_FMT``, ``V_OUT``: K's for a single-format cache). ``max_finite`` is K's format's; V's dynamic
+    scales divide by it too where V's format is K's (the same kernel as a single-format store), else by V's own
+    (a constant of ``V_FMT``)."""
     t = tl.program_id(0).to(tl.int64)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     dims = tl.arange(0, BLOCK_D)
@@ -319,9 +328,15 @@ def _store_kv_kernel(key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
     _store_one(key_ptr, stride_kt, stride_kh, k_cache_ptr, stride_kcb, stride_kch, stride_kcs,
                k_scale_ptr, stride_ksh, stride_ksd, k_ts_ptr, stride_ktb, stride_kth, stride_kts,
                t, block, off, heads, dims, h_end, D, max_finite, MODE, FMT, IN, OUT, BLOCK_D)
+    if V_FMT == FMT:
+        v_max_finite = max_finite
+    elif V_FMT is None:
+        v_max_finite = max_finite               # a 16/32-bit V side: a plain cast, no scale
+    else:
+        v_max_finite = V_FMT.max_finite
     _store_one(value_ptr, stride_vt, stride_vh, v_cache_ptr, stride_vcb, stride_vch, stride_vcs,
                v_scale_ptr, stride_vsh, stride_vsd, v_ts_ptr, stride_vtb, stride_vth, stride_vts,
-               t, block, off, heads, dims, h_end, D, max_finite, MODE, FMT, IN, OUT, BLOCK_D)
+               t, block, off, heads, dims, h_end, D, v_max_finite, V_MODE, V_FMT, IN, V_OUT, BLOCK_D)
 
 
 def _describe(t: object) -> str:
@@ -343,7 +358,7 @@ def _check_last_contiguous(name: str, t: torch.Tensor) -> None:
 
 
 def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             slot_mapping: torch.Tensor, *, fp8: FP8Layout | IntLayout | GroupLayout | FloatGroupLayout | None,
+             slot_mapping: torch.Tensor, *, fp8: AnyLayout | None, v_fp8: AnyLayout | None | SameAsK = SAME_AS_K,
              k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
              k_token_scales: torch.Tensor | None = None, v_token_scales: torch.Tensor | None = None) -> None:
     """Write ``key``/``value`` ``[T, H, D]`` (stored basis) into their slots of ``k_cache``/``v_cache``.
@@ -370,6 +385,13 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_ca
       codes and an E4M3 scale code per 16 values, the last group shorter when ``D % 16 != 0`` (``[num_blocks, H,
       bs, D / 2 + ceil(D / 16)]``; ``D`` even), as :meth:`FP4GroupFormat.encode` writes them.
 
+    * K and V in different formats (``v_fp8`` V's, ``fp8`` K's; default :data:`~kv8.kernels.triton.formats.
+      SAME_AS_K`: one format): each side as above by its own format, ``k_cache`` and ``v_cache`` each of its own
+      dtype and row width (int8 K: ``D`` int8 codes; int4_per_group32 V: ``D / 2 + D / 16`` bytes; bfloat16 V:
+      ``D`` values), same ``[num_blocks, H, bs]``; a side of FP8 or per-token integer codes takes its token scales
+      (an FP8 side of a pair has dynamic scales), a group or 16/32-bit side none (``k_token_scales`` given with
+      ``v_token_scales=None``, or the other way round); no static scales.
+
     All tensors on one device: CUDA, or the CPU when the kernels run in Triton's interpreter. ``ValueError`` names
     the argument, what it was and what is allowed.
     """
@@ -386,91 +408,153 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_ca
         raise ValueError(f"store_kv: value has shape {list(value.shape)}, key {list(key.shape)}: they must be equal")
     num_tokens, num_heads, head_dim = key.shape
     try:
-        fmt = None if fp8 is None else kernel_format(fp8)
+        fmt, v_fmt = side_formats(fp8, v_fp8)
     except ValueError as exc:
         raise ValueError(f"store_kv: {exc}") from None
+    pair = v_fmt != fmt
     cache_dtypes = CACHE_DTYPES if fmt is None else (code_dtype(fmt),)
     _check_tensor("k_cache", k_cache, 4, cache_dtypes, device)
-    _check_tensor("v_cache", v_cache, 4, (k_cache.dtype,), device)
-    if fmt is not None and fmt.packed and head_dim % 2:
-        raise ValueError(f"store_kv: an {fmt.name} cache packs two codes per byte: key/value need an even head dim, "
-                         f"got {list(key.shape)}")
-    if fmt is not None and fmt.group_size and head_dim % fmt.head_dim_multiple:
-        raise ValueError(f"store_kv: an {fmt.name} cache has a scale per group of {fmt.group_size} values: key/value "
-                         f"need a head dim that is a multiple of {fmt.head_dim_multiple}, got {list(key.shape)}")
+    v_dtypes = ((CACHE_DTYPES if v_fmt is None else (code_dtype(v_fmt),)) if pair else (k_cache.dtype,))
+    _check_tensor("v_cache", v_cache, 4, v_dtypes, device)
+    for side in dict.fromkeys((fmt, v_fmt)):   # each distinct format once
+        if side is not None and side.packed and head_dim % 2:
+            raise ValueError(f"store_kv: an {side.name} cache packs two codes per byte: key/value need an even head "
+                             f"dim, got {list(key.shape)}")
+        if side is not None and side.group_size and head_dim % side.head_dim_multiple:
+            raise ValueError(f"store_kv: an {side.name} cache has a scale per group of {side.group_size} values: "
+                             f"key/value need a head dim that is a multiple of {side.head_dim_multiple}, got "
+                             f"{list(key.shape)}")
     num_blocks, cache_heads, block_size, cache_dim = k_cache.shape
     width = code_width(fmt, head_dim)
-    if (cache_heads, cache_dim) != (num_heads, width) or v_cache.shape != k_cache.shape:
-        what = (f"D={head_dim}" if fmt is None or width == head_dim else
-                f"W={width} (D / 2 bytes)" if not fmt.group_size else
-                f"W={width} (D / 2 bytes of codes, {scale_bytes(fmt)} per group's scale)")
+    if not pair and ((cache_heads, cache_dim) != (num_heads, width) or v_cache.shape != k_cache.shape):
         raise ValueError(f"store_kv: k_cache {list(k_cache.shape)} and v_cache {list(v_cache.shape)} must both be "
-                         f"[num_blocks, H={num_heads}, block_size, {what}] for key/value {list(key.shape)}")
+                         f"[num_blocks, H={num_heads}, block_size, {_width_text(fmt, head_dim)}] for key/value "
+                         f"{list(key.shape)}")
+    for name, c, side in (("k_cache", k_cache, fmt), ("v_cache", v_cache, v_fmt)):
+        want = [num_blocks, num_heads, block_size, code_width(side, head_dim)]
+        if pair and list(c.shape) != want:
+            raise ValueError(f"store_kv: {name} has shape {list(c.shape)}, must be [num_blocks, H={num_heads}, "
+                             f"block_size, {_width_text(side, head_dim)}] = {want} for key/value {list(key.shape)} "
+                             f"(K {_label(fmt, k_cache)}, V {_label(v_fmt, v_cache)})")
     for name, t in (("key", key), ("value", value), ("k_cache", k_cache), ("v_cache", v_cache)):
         _check_last_contiguous(name, t)
     _check_tensor("slot_mapping", slot_mapping, 1, (torch.int64,), device)
     if slot_mapping.shape[0] != num_tokens:
         raise ValueError(f"store_kv: slot_mapping has {slot_mapping.shape[0]} entries for {num_tokens} tokens")
 
-    static = (k_scale, v_scale)
-    dynamic = (k_token_scales, v_token_scales)
-    given = [n for n, t in zip(("k_scale", "v_scale", "k_token_scales", "v_token_scales"), static + dynamic)
-             if t is not None]
-    if fmt is None:
-        if given:
-            raise ValueError(f"store_kv: {', '.join(given)} given for a {k_cache.dtype} cache (fp8=None); "
-                             "scales exist only for FP8 and integer caches")
-        mode = _MODE_CAST
-    elif fmt.group_size:
-        if given:
-            raise ValueError(f"store_kv: an {fmt.name} cache keeps a scale per group of {fmt.group_size} values in "
-                             f"each row; it takes no {', '.join(given)}")
-        mode = _MODE_GROUP
+    if pair:
+        k_mode, v_mode = _pair_modes(fmt, v_fmt, k_cache, v_cache, k_scale, v_scale, k_token_scales, v_token_scales)
     else:
-        if fmt.int_codes and sorted(given) != ["k_token_scales", "v_token_scales"]:
-            raise ValueError(f"store_kv: an {fmt.name} cache needs k_token_scales and v_token_scales (a scale per "
-                             f"token and head; it has no static scales); got {given or 'none'}")
-        if sorted(given) == ["k_scale", "v_scale"]:
-            mode = _MODE_STATIC
-        elif sorted(given) == ["k_token_scales", "v_token_scales"]:
-            mode = _MODE_DYNAMIC
-        else:
-            raise ValueError(f"store_kv: an FP8 cache needs either k_scale and v_scale (static scales) or "
-                             f"k_token_scales and v_token_scales (dynamic scales); got {given or 'none'}")
+        k_mode = v_mode = _single_mode(fmt, k_cache, k_scale, v_scale, k_token_scales, v_token_scales)
 
     k_sc = v_sc = k_ts = v_ts = slot_mapping   # placeholders for pointers the mode does not read
     ks_strides: tuple[int, ...] = (0, 0)
     vs_strides: tuple[int, ...] = (0, 0)
     kt_strides: tuple[int, ...] = (0, 0, 0)
     vt_strides: tuple[int, ...] = (0, 0, 0)
-    if mode == _MODE_STATIC:
+    if k_mode == _MODE_STATIC:   # static scales: a single FP8 format, both sides
         k_sc, ks_strides = _scale_view("k_scale", k_scale, num_heads, head_dim, device)
         v_sc, vs_strides = _scale_view("v_scale", v_scale, num_heads, head_dim, device)
-    elif mode == _MODE_DYNAMIC:
-        want = (num_blocks, num_heads, block_size)
-        k_ts = _token_scales("k_token_scales", k_token_scales, want, device)
-        v_ts = _token_scales("v_token_scales", v_token_scales, want, device)
-        kt_strides, vt_strides = k_ts.stride(), v_ts.stride()
+    want_ts = (num_blocks, num_heads, block_size)
+    if k_mode == _MODE_DYNAMIC:
+        k_ts = _token_scales("k_token_scales", k_token_scales, want_ts, device)
+        kt_strides = k_ts.stride()
+    if v_mode == _MODE_DYNAMIC:
+        v_ts = _token_scales("v_token_scales", v_token_scales, want_ts, device)
+        vt_strides = v_ts.stride()
 
     if num_tokens == 0:
         return
     store_launch(key, value, k_cache, v_cache, slot_mapping, k_sc, v_sc, k_ts, v_ts, (*ks_strides, *vs_strides),
-                 (*kt_strides, *vt_strides), mode=mode, fmt=fmt).run()
+                 (*kt_strides, *vt_strides), mode=k_mode, fmt=fmt, v_mode=v_mode, v_fmt=v_fmt).run()
+
+
+def _width_text(fmt: KernelFormat | None, head_dim: int) -> str:
+    """The last dim of a cache row of ``fmt`` as the shape errors name it."""
+    width = code_width(fmt, head_dim)
+    return (f"D={head_dim}" if fmt is None or width == head_dim else
+            f"W={width} (D / 2 bytes)" if not fmt.group_size else
+            f"W={width} (D / 2 bytes of codes, {scale_bytes(fmt)} per group's scale)")
+
+
+def _label(fmt: KernelFormat | None, cache: torch.Tensor) -> str:
+    """A side's format as the errors name it: its code format, or the dtype of a 16/32-bit side."""
+    return fmt.name if fmt is not None else str(cache.dtype)
+
+
+def _single_mode(fmt: KernelFormat | None, k_cache: torch.Tensor, k_scale: torch.Tensor | None,
+                 v_scale: torch.Tensor | None, k_token_scales: torch.Tensor | None,
+                 v_token_scales: torch.Tensor | None) -> int:
+    """The store's mode for K and V of one format, from the scales given (``ValueError`` naming them)."""
+    given = [n for n, t in zip(("k_scale", "v_scale", "k_token_scales", "v_token_scales"),
+                               (k_scale, v_scale, k_token_scales, v_token_scales)) if t is not None]
+    if fmt is None:
+        if given:
+            raise ValueError(f"store_kv: {', '.join(given)} given for a {k_cache.dtype} cache (fp8=None); "
+                             "scales exist only for FP8 and integer caches")
+        return _MODE_CAST
+    if fmt.group_size:
+        if given:
+            raise ValueError(f"store_kv: an {fmt.name} cache keeps a scale per group of {fmt.group_size} values in "
+                             f"each row; it takes no {', '.join(given)}")
+        return _MODE_GROUP
+    if fmt.int_codes and sorted(given) != ["k_token_scales", "v_token_scales"]:
+        raise ValueError(f"store_kv: an {fmt.name} cache needs k_token_scales and v_token_scales (a scale per "
+                         f"token and head; it has no static scales); got {given or 'none'}")
+    if sorted(given) == ["k_scale", "v_scale"]:
+        return _MODE_STATIC
+    if sorted(given) == ["k_token_scales", "v_token_scales"]:
+        return _MODE_DYNAMIC
+    raise ValueError(f"store_kv: an FP8 cache needs either k_scale and v_scale (static scales) or "
+                     f"k_token_scales and v_token_scales (dynamic scales); got {given or 'none'}")
+
+
+def _pair_modes(fmt: KernelFormat | None, v_fmt: KernelFormat | None, k_cache: torch.Tensor,
+                v_cache: torch.Tensor, k_scale: torch.Tensor | None, v_scale: torch.Tensor | None,
+                k_token_scales: torch.Tensor | None, v_token_scales: torch.Tensor | None) -> tuple[int, int]:
+    """K's and V's store modes when their formats differ: a side of FP8 or per-token integer codes takes its
+    dynamic token scales (``k_token_scales`` / ``v_token_scales``), a group or 16/32-bit side none; static scales
+    belong to single-format FP8 caches only. ``ValueError`` naming the argument, its value and what is allowed."""
+    static = [n for n, t in (("k_scale", k_scale), ("v_scale", v_scale)) if t is not None]
+    if static:
+        raise ValueError(f"store_kv: {', '.join(static)} given for K {_label(fmt, k_cache)} and V "
+                         f"{_label(v_fmt, v_cache)}; a cache of two formats takes no static scales (an FP8 side "
+                         "has dynamic per-token scales: k_token_scales / v_token_scales)")
+    modes = []
+    for side, name, side_fmt, cache, ts in (("K", "k_token_scales", fmt, k_cache, k_token_scales),
+                                             ("V", "v_token_scales", v_fmt, v_cache, v_token_scales)):
+        per_token = side_fmt is not None and not side_fmt.group_size
+        if per_token and ts is None:
+            raise ValueError(f"store_kv: {name}=None, but {side}'s {side_fmt.name} codes need a scale per token "  # type: ignore[union-attr]
+                             f"and head: pass a float32 [num_blocks, H, block_size] tensor")
+        if not per_token and ts is not None:
+            kind = ("keeps a scale per group in each row" if side_fmt is not None else "stores plain values")
+            raise ValueError(f"store_kv: {name} given, but {side} ({_label(side_fmt, cache)}) {kind}; allowed: "
+                             f"{name}=None")
+        modes.append(_MODE_DYNAMIC if per_token else _MODE_GROUP if side_fmt is not None else _MODE_CAST)
+    return modes[0], modes[1]
 
 
 def store_launch(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  slot_mapping: torch.Tensor, k_scale: torch.Tensor, v_scale: torch.Tensor,
                  k_token_scales: torch.Tensor, v_token_scales: torch.Tensor, scale_strides: tuple[int, ...],
-                 token_scale_strides: tuple[int, ...], *, mode: int, fmt: KernelFormat | None) -> Launch:
+                 token_scale_strides: tuple[int, ...], *, mode: int, fmt: KernelFormat | None,
+                 v_mode: int | None = None, v_fmt: KernelFormat | None | SameAsK = SAME_AS_K) -> Launch:
     """The one launch :func:`store_kv` makes for its validated arguments (unused scale pointers are placeholders,
-    their strides 0; ``fmt`` None for a 16/32-bit cache), as a value a compile check can build for a GPU it does not
-    have."""
+    their strides 0; ``fmt`` None for a 16/32-bit cache; ``v_mode`` / ``v_fmt`` V's where it differs from K's,
+    default K's), as a value a compile check can build for a GPU it does not have. The tile (``BLOCK_H`` x
+    ``BLOCK_D``) and the warps serve both sides: whole groups of either side's group format, the smaller tile of
+    int4_per_group32's search where either side searches."""
+    v_mode = mode if v_mode is None else v_mode
+    v_fmt = fmt if v_fmt is SAME_AS_K else v_fmt
     num_tokens, num_heads, head_dim = key.shape
     block_size = k_cache.shape[2]
     block_d = triton.next_power_of_2(head_dim)
-    if fmt is not None and fmt.group_size:
-        block_d = max(block_d, fmt.group_size)   # whole groups in the tile (fp4_e2m1's D = 8: one group of 16)
-    searched = mode == _MODE_GROUP and fmt is not None and fmt.scale_format is None
+    for side in (fmt, v_fmt):
+        if side is not None and side.group_size:
+            block_d = max(block_d, side.group_size)   # whole groups in the tile (fp4_e2m1's D = 8: one group of 16)
+    searched = any(m == _MODE_GROUP and f is not None and f.scale_format is None for m, f in ((mode, fmt),
+                                                                                              (v_mode, v_fmt)))
     block_h = min(triton.next_power_of_2(num_heads), max(1, (_MAX_GROUP_TILE if searched else _MAX_TILE) // block_d))
     grid = (num_tokens, triton.cdiv(num_heads, block_h))
     return Launch(_store_kv_kernel, grid, (
@@ -482,14 +566,16 @@ def store_launch(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, 
         num_heads, head_dim, block_size, 1.0 if fmt is None else fmt.max_finite,
     ), dict(MODE=mode, FMT=fmt, IN=_KIND[key.dtype], OUT=_KIND.get(k_cache.dtype, 0),
             BLOCK_H=block_h, BLOCK_D=block_d, num_warps=4 if block_h * block_d >= 1024 else 2,
-            **_compile_options(mode)))
+            V_MODE=v_mode, V_FMT=v_fmt, V_OUT=_KIND.get(v_cache.dtype, 0),
+            **_compile_options(mode, v_mode)))
 
 
-def _compile_options(mode: int) -> dict[str, object]:
-    """Compile options of a store launch of ``mode`` beyond its warps: ``enable_fp_fusion=False`` for the group store
-    (int4_per_group32's squares and products must each round once, as the reference's: no FMA; module docstring;
-    fp4_e2m1 has nothing to fuse either way), none otherwise (no float product there to fuse)."""
-    return {"enable_fp_fusion": False} if mode == _MODE_GROUP else {}
+def _compile_options(mode: int, v_mode: int) -> dict[str, object]:
+    """Compile options of a store launch of K's ``mode`` and V's ``v_mode`` beyond its warps:
+    ``enable_fp_fusion=False`` where either side is a group store (int4_per_group32's squares and products must
+    each round once, as the reference's: no FMA; module docstring; fp4_e2m1 has nothing to fuse either way), none
+    otherwise (no float product there to fuse)."""
+    return {"enable_fp_fusion": False} if _MODE_GROUP in (mode, v_mode) else {}
 
 
 def _scale_view(name: str, scale: torch.Tensor | None, num_heads: int, head_dim: int,
