@@ -34,6 +34,14 @@ def tiny_models(tmp_path_factory) -> dict[str, str]:
 
 
 @pytest.fixture(scope="session")
+def d32_models(tmp_path_factory) -> dict[str, str]:
+    """Tiny GQA and sliding-window models with head_dim 32 (tiny_models' llama_gqa / mistral_swa have 16): what
+    int4_per_group32 (whole groups of 32) needs."""
+    root = tmp_path_factory.mktemp("d32")
+    return {name: make_tiny_model(str(root / name), name, head_dim=32) for name in ("llama_gqa", "mistral_swa")}
+
+
+@pytest.fixture(scope="session")
 def tiny_llama(tiny_models) -> str:
     return tiny_models["llama"]
 

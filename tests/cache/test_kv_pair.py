@@ -1,9 +1,9 @@
 """Keys and values stored in different formats (``kv_cache_dtype="KFORMAT/VFORMAT"``, alias ``k8v4``): the names,
 each side's bytes equal to the one-format codec of its format (so every single-format oracle covers the pair), the
-cache's tensors and sizes, the options' checks, and the engine on tiny models with the reference attention
-(prefix caching, chunked prefill, preemption, a plan, sliding windows). Transformers with each side rounded by its
-own format is the oracle of tests/models/test_model_vs_hf.py; the fused CPU and Triton kernels' pair paths are tested
-in tests/kernels."""
+cache's tensors and sizes, the options' checks, and the engine on tiny models (the fused CPU attention gives the
+reference attention's tokens across chunked prefill, prefix caching and preemption; a plan; sliding windows).
+Transformers with each side rounded by its own format is the oracle of tests/models/test_model_vs_hf.py; the fused CPU
+and Triton kernels' pair paths are tested in tests/kernels, TP=2 in tests/distributed."""
 
 from __future__ import annotations
 
@@ -26,8 +26,13 @@ from kv8.quant.formats import (
 )
 from kv8.quant.key_offsets import KeyOffsets
 from kv8.quant.scales import KVScales
-from tests.helpers.engine import PROMPTS, assert_greedy_match, check_all_blocks_free, make_llm
-from tests.helpers.tiny_models import make_tiny_model
+from tests.helpers.engine import (
+    PROMPTS,
+    assert_greedy_match,
+    assert_tokens_on_every_engine_path,
+    check_all_blocks_free,
+    make_llm,
+)
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=2)
 F32 = torch.float32
@@ -145,13 +150,6 @@ def test_codec_of_a_pair_refuses_static_scales_and_checks_each_sides_head_dim() 
     assert centered.key_offsets is offsets and centered.values_dtype.name == "int4_per_group32"
 
 
-@pytest.fixture(scope="module")
-def d32_models(tmp_path_factory) -> dict[str, str]:
-    """Tiny GQA and sliding-window models with head_dim 32 (int4_per_group32 needs whole groups of 32)."""
-    root = tmp_path_factory.mktemp("d32pair")
-    return {name: make_tiny_model(str(root / name), name, head_dim=32) for name in ("llama_gqa", "mistral_swa")}
-
-
 def test_engine_with_a_pair_keeps_its_tokens_across_chunks_prefix_hits_and_preemption(d32_models) -> None:
     path = d32_models["llama_gqa"]
     alone = make_llm(path, kv_cache_dtype="k8v4", attention_backend="reference", enable_prefix_caching=False)
@@ -160,20 +158,8 @@ def test_engine_with_a_pair_keeps_its_tokens_across_chunks_prefix_hits_and_preem
     one_format = make_llm(path, kv_cache_dtype="int8", attention_backend="reference", enable_prefix_caching=False)
     int8_values = one_format.generate(PROMPTS[0], GREEDY)[0].outputs[0]
     assert int8_values.logprobs != expected[0].logprobs            # the values' format is used
-    for kw in (dict(enable_prefix_caching=False, max_num_batched_tokens=16, block_size=4),   # chunked prefill
-               dict(enable_prefix_caching=True, block_size=4),
-               dict(enable_prefix_caching=True, block_size=4, num_kv_blocks=24, max_model_len=64,
-                    max_num_batched_tokens=16)):
-        llm = make_llm(path, kv_cache_dtype="int8/int4_g32", attention_backend="reference", **kw)
-        outs = llm.generate(PROMPTS, GREEDY)
-        assert_greedy_match([o.outputs[0] for o in outs], expected)
-        if kw["enable_prefix_caching"] and "num_kv_blocks" not in kw:
-            again = llm.generate(PROMPTS, GREEDY)
-            assert_greedy_match([o.outputs[0] for o in again], expected)
-            assert any(o.num_cached_tokens > 0 for o in again)
-        if "num_kv_blocks" in kw:
-            assert llm.engine.scheduler.num_preemptions > 0
-        check_all_blocks_free(llm)
+    assert_tokens_on_every_engine_path(path, expected, GREEDY, kv_cache_dtype="int8/int4_g32",
+                                       attention_backend="cpu_fused")
 
 
 def test_a_plan_naming_a_pair_gives_the_tokens_of_the_same_formats_set_by_hand(d32_models, tmp_path) -> None:

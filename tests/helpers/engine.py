@@ -94,3 +94,27 @@ def tokens_and_logprobs(llm: LLM, prompts: list[str]) -> tuple[list[list[int]], 
     assert sampled.logprobs is not None
     lps += [pos[tid].logprob for tid, pos in zip(sampled.token_ids, sampled.logprobs)]
     return [list(o.outputs[0].token_ids) for o in outs], torch.tensor(lps)
+
+
+#: the engine paths a cache format must give its tokens on: chunked prefill (16 tokens a step, blocks of 4),
+#: prefix-cache hits, and preemption (24 blocks of 4 tokens for all of PROMPTS)
+ENGINE_PATHS = (dict(enable_prefix_caching=False, max_num_batched_tokens=16, block_size=4),
+                dict(enable_prefix_caching=True, block_size=4),
+                dict(enable_prefix_caching=True, block_size=4, num_kv_blocks=24, max_model_len=64,
+                     max_num_batched_tokens=16))
+
+
+def assert_tokens_on_every_engine_path(path: str, expected: list, params: SamplingParams, **llm_kw) -> None:
+    """PROMPTS through engines of ``llm_kw`` on each of :data:`ENGINE_PATHS` give ``expected`` (the outputs of
+    one prompt at a time), the prefix cache hits on a second pass, the small cache preempts, and every block is
+    free afterwards."""
+    for kw in ENGINE_PATHS:
+        llm = make_llm(path, **llm_kw, **kw)
+        assert_greedy_match([o.outputs[0] for o in llm.generate(PROMPTS, params)], expected)
+        if kw["enable_prefix_caching"] and "num_kv_blocks" not in kw:
+            again = llm.generate(PROMPTS, params)
+            assert_greedy_match([o.outputs[0] for o in again], expected)
+            assert any(o.num_cached_tokens > 0 for o in again)
+        if "num_kv_blocks" in kw:
+            assert llm.engine.scheduler.num_preemptions > 0
+        check_all_blocks_free(llm)

@@ -26,8 +26,13 @@ from kv8.quant.formats import KVCacheDtype, resolve_kv_cache_dtype
 from kv8.quant.fp4 import pack_nibbles
 from kv8.quant.int4_group import INT4_G32, Int4GroupFormat
 from kv8.quant.scales import KVScales
-from tests.helpers.engine import PROMPTS, assert_greedy_match, check_all_blocks_free, make_llm
-from tests.helpers.tiny_models import make_tiny_model
+from tests.helpers.engine import (
+    PROMPTS,
+    assert_greedy_match,
+    assert_tokens_on_every_engine_path,
+    check_all_blocks_free,
+    make_llm,
+)
 
 I4G_KV = resolve_kv_cache_dtype("int4_per_group32", torch.bfloat16)
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=2)
@@ -270,32 +275,13 @@ def test_engine_options_need_head_dim_a_multiple_of_32_and_triton_reads_it(tiny_
     assert config.cache.kv_dtype == I4G_KV and config.attention_backend == "triton"
 
 
-@pytest.fixture(scope="module")
-def d32_models(tmp_path_factory) -> dict[str, str]:
-    """Tiny GQA and sliding-window models with head_dim 32 (the session's llama_gqa / mistral_swa have 16)."""
-    root = tmp_path_factory.mktemp("d32")
-    return {name: make_tiny_model(str(root / name), name, head_dim=32) for name in ("llama_gqa", "mistral_swa")}
-
-
 def test_fused_attention_gives_the_reference_tokens_with_batching_prefix_caching_and_preemption(d32_models) -> None:
     path = d32_models["llama_gqa"]
     alone = make_llm(path, kv_cache_dtype="int4_per_group32", attention_backend="reference",
                      enable_prefix_caching=False)
     expected = [alone.generate(p, GREEDY)[0].outputs[0] for p in PROMPTS]
-    for kw in (dict(enable_prefix_caching=False, max_num_batched_tokens=16, block_size=4),   # chunked prefill
-               dict(enable_prefix_caching=True, block_size=4),
-               dict(enable_prefix_caching=True, block_size=4, num_kv_blocks=24, max_model_len=64,
-                    max_num_batched_tokens=16)):
-        llm = make_llm(path, kv_cache_dtype="int4_per_group32", attention_backend="cpu_fused", **kw)
-        outs = llm.generate(PROMPTS, GREEDY)
-        assert_greedy_match([o.outputs[0] for o in outs], expected)
-        if kw["enable_prefix_caching"] and "num_kv_blocks" not in kw:
-            again = llm.generate(PROMPTS, GREEDY)
-            assert_greedy_match([o.outputs[0] for o in again], expected)
-            assert any(o.num_cached_tokens > 0 for o in again)
-        if "num_kv_blocks" in kw:
-            assert llm.engine.scheduler.num_preemptions > 0
-        check_all_blocks_free(llm)
+    assert_tokens_on_every_engine_path(path, expected, GREEDY, kv_cache_dtype="int4_per_group32",
+                                       attention_backend="cpu_fused")
 
 
 def test_sliding_windows_free_blocks_and_keep_the_tokens(d32_models) -> None:
