@@ -55,10 +55,10 @@ import torch
 
 from kv8.attention.backend import AttentionBackend, get_backend
 from kv8.attention.metadata import AttentionMetadata, token_slot
-from kv8.cache.codec import K, KVCodec, V
+from kv8.cache.codec import GROUP_FORMATS, K, KVCodec, V
 from kv8.cache.paged_cache import CacheShape, PagedKVCache
 from kv8.kernels.cpu.build import KernelUnavailable
-from kv8.quant.formats import resolve_kv_cache_dtype, unpack_int4
+from kv8.quant.formats import resolve_kv_cache_dtype, resolve_kv_cache_dtypes, unpack_int4
 from kv8.quant.scales import KVScales, ScaleGranularity
 from tests.helpers.kernels import scattered_tables
 
@@ -141,6 +141,12 @@ CASES = [
     Case("sink-e5m2-dynamic-float16", "fp8_e5m2", "dynamic", torch.float16, rows=(Row(1, 64), Row(3, 40)), sink=True),
     # the same with int8's scales (amax / 127: p * s ~1.2e-5, float16 subnormals but not 0; see KNOWN_BUGS)
     Case("sink-int8-float16", "int8", "dynamic", torch.float16, rows=(Row(1, 64), Row(3, 40)), sink=True),
+    # keys and values in different formats (a K/V pair): each side with its own scales (per token and head, per
+    # group in the row, or none), read by its own format
+    Case("k8v4", "k8v4", "dynamic", torch.bfloat16, seed=30),
+    Case("hadamard-e4m3-int4", "fp8_e4m3/int4", "dynamic", torch.float32, rotation="hadamard", seed=31),
+    Case("window5-mqa-bfloat16-int8", "bfloat16/int8", "dynamic", torch.bfloat16, kv_heads=1, group=4, window=5,
+         seed=32),
     # past Triton's largest head_dim
     Case("head_dim320-e4m3-head", "fp8_e4m3", "head", torch.bfloat16, head_dim=320, rows=(Row(1, 9), Row(3, 20)),
          seed=19),
@@ -208,7 +214,9 @@ def _poison(cache: PagedKVCache) -> None:
     for which, codes in ((K, cache.k_data), (V, cache.v_data)):
         kv_dtype = cache.codec.dtype_of(which)
         fmt = kv_dtype.fp8
-        if kv_dtype.int_codes is not None:
+        if kv_dtype.group is not None:
+            codes.fill_(0xFF)   # codes -1 beside NaN float16 group scales
+        elif kv_dtype.int_codes is not None:
             # int8 / int4 have no NaN: a code never written (int8 -128; int4 0x80 = nibbles 0 and -8), beside NaN
             # token scales
             codes.view(torch.uint8).fill_(0x80)
@@ -251,6 +259,8 @@ def read_float64(cache: PagedKVCache, layer: int, which: int, slots: list[int]) 
     fmt = cache.codec.dtype_of(which).codes
     if fmt is None:
         return stored.double()
+    if isinstance(fmt, GROUP_FORMATS):     # codes times their group's scale, both in the row (exact in float32)
+        return fmt.decode(stored, cache.codec.head_dim, torch.float32).double()
     if cache.codec.packed_of(which):       # int4: two codes per byte
         stored = unpack_int4(stored)
     token_scales = cache.k_token_scales if which == K else cache.v_token_scales
@@ -318,7 +328,7 @@ def sink_kv(positions: list[int], hkv: int, d: int) -> tuple[torch.Tensor, torch
 
 def build(case: Case) -> Problem:
     gen = torch.Generator().manual_seed(case.seed)
-    kv_dtype = resolve_kv_cache_dtype(case.kv, case.q_dtype)
+    kv_dtype, v_dtype = resolve_kv_cache_dtypes(case.kv, case.q_dtype)
     hq, hkv, d = case.kv_heads * case.group, case.kv_heads, case.head_dim
     query_lens = [r.query_len for r in case.rows]
     seq_lens = [r.seq_len for r in case.rows]
@@ -367,7 +377,7 @@ def build(case: Case) -> Problem:
     if kv_dtype.is_fp8 and case.scales != "dynamic":
         static = calibrated_scales(key, value, case, gen)
     codec = KVCodec.build(kv_dtype, d, scale_mode="dynamic" if case.scales == "dynamic" else "static",
-                          rotation=case.rotation, scales=static)
+                          rotation=case.rotation, scales=static, v_dtype=v_dtype)
     cache = PagedKVCache(CacheShape(NUM_LAYERS, num_blocks, hkv, BLOCK, d), codec, SLOTS)
     _poison(cache)
     write_encoded(cache, LAYER, key[:n_ctx], value[:n_ctx], [slot for slot, _ in ctx])
