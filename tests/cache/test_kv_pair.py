@@ -191,3 +191,13 @@ def test_a_plan_naming_a_pair_gives_the_tokens_of_the_same_formats_set_by_hand(d
                        block_size=4, max_num_batched_tokens=16)
     assert_greedy_match([o.outputs[0] for o in freeing.generate(PROMPTS[:4], GREEDY)], expected)
     check_all_blocks_free(freeing)
+
+
+def test_info_lists_k8v4_with_each_sides_bytes(tiny_models, capsys) -> None:
+    from kv8.entrypoints.cli import main
+
+    assert main(["info", tiny_models["qwen3"], "--kv-cache-memory", "1MiB"]) == 0   # 2 layers, 2 KV heads x 32
+    rows = {line.split()[0]: line.split()[1:] for line in capsys.readouterr().out.splitlines()
+            if line.startswith(("k8v4", "int8_per_token_head", "int4_per_group32"))}
+    assert int(rows["k8v4"][0]) == 2 * 2 * ((32 + 4) + (16 + 2))       # layers x heads x (int8 K + int4_g32 V)
+    assert int(rows["k8v4"][0]) * 2 == int(rows["int8_per_token_head"][0]) + int(rows["int4_per_group32"][0])
