@@ -44,9 +44,8 @@ class TritonBackend:
                 layer: int, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         k_cache, v_cache = cache.layer(layer)
         # each side's FP8, int8, int4, int4_per_group32 or fp4_e2m1 code format; None for a 16/32-bit side (V's is
-        # K's object for a single-format cache: the kernels derive it once)
-        fp8 = cache.k_dtype.codes
-        v_fp8 = cache.v_dtype.codes if cache.codec.is_pair else fp8
+        # K's object for a single-format cache, v_dtype being k_dtype: the kernels derive it once)
+        fp8, v_fp8 = cache.k_dtype.codes, cache.v_dtype.codes
         static = cache.layer_scales(layer)
         dynamic = cache.layer_token_scales(layer)
         k_scale, v_scale = static if static is not None else (None, None)

@@ -55,7 +55,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from kv8.quant.formats import KVCacheDtype, dequantize, pack_int4, quantize, unpack_int4
+from kv8.quant.formats import KVCacheDtype, dequantize, kv_cache_dtype_name, pack_int4, quantize, unpack_int4
 from kv8.quant.fp4 import FP4GroupFormat
 from kv8.quant.int4_group import Int4GroupFormat
 from kv8.quant.key_offsets import KeyOffsets
@@ -157,7 +157,7 @@ class KVCodec:
                     scales: KVScales | None, key_offsets: KeyOffsets | None,
                     key_scaling: KeyScaling | None) -> KVCodec:
         """:meth:`build` of a K/V pair (two different formats)."""
-        name = f"{k_dtype.name}/{v_dtype.name}"
+        name = kv_cache_dtype_name(k_dtype, v_dtype)
         if rotation not in ROTATIONS:
             raise ValueError(f"rotation={rotation!r}: allowed are {', '.join(ROTATIONS)}")
         if scales is not None:
@@ -166,8 +166,7 @@ class KVCodec:
         # the offsets' and factors' own checks are the one-format codec's (no static scales here)
         checked = KVCodec.build(k_dtype, head_dim, scale_mode="dynamic" if k_dtype.is_fp8 else "static",
                                 rotation=rotation, key_offsets=key_offsets, key_scaling=key_scaling)
-        dynamic = any(d.is_quantized and not d.group_scales for d in (k_dtype, v_dtype))
-        return replace(checked, dynamic=dynamic, v_dtype=v_dtype)
+        return replace(checked, dynamic=k_dtype.token_scalable or v_dtype.token_scalable, v_dtype=v_dtype)
 
     def to(self, device: torch.device | str) -> KVCodec:
         """The same codec with its tensors (static scales, rotation) on ``device``: what encodes and decodes
@@ -199,7 +198,7 @@ class KVCodec:
     @property
     def name(self) -> str:
         """The cache format's canonical name: the format's, or ``"K/V"`` for a pair."""
-        return self.kv_dtype.name if self.v_dtype is None else f"{self.kv_dtype.name}/{self.v_dtype.name}"
+        return kv_cache_dtype_name(self.kv_dtype, self.values_dtype)
 
     def dtype_of(self, which: int) -> KVCacheDtype:
         """The format of :data:`K` or :data:`V`."""
@@ -207,8 +206,7 @@ class KVCodec:
 
     def dynamic_of(self, which: int) -> bool:
         """Whether :data:`K` or :data:`V` keeps a scale per token and head beside its codes."""
-        fmt = self.dtype_of(which)
-        return self.dynamic and fmt.is_quantized and not fmt.group_scales
+        return self.dynamic and self.dtype_of(which).token_scalable
 
     def packed_of(self, which: int) -> bool:
         """Two integer codes per stored byte on that side (int4 per token and head; the group-scaled rows are
@@ -228,7 +226,7 @@ class KVCodec:
         ``ceil(head_dim / 16)`` bytes; int4_per_group32: ``2 head_dim / 32`` bytes), plus its scale with dynamic
         scales (``dynamic``, and always for int8 / int4 per token and head: ``4 / head_dim`` overhead, 6.25% at
         head_dim 64; never for a 16/32-bit side, nor for a group-scaled one)."""
-        scaled = (dynamic and kv_dtype.is_quantized or kv_dtype.per_token_scales) and not kv_dtype.group_scales
+        scaled = dynamic and kv_dtype.token_scalable or kv_dtype.per_token_scales
         return (kv_dtype.stored_width(head_dim) * kv_dtype.bytes_per_element
                 + (DYNAMIC_SCALE_BYTES if scaled else 0))
 

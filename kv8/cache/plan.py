@@ -40,7 +40,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from kv8.cache.codec import KVCodec
-from kv8.quant.formats import KVCacheDtype, check_kv_cache_dtype
+from kv8.quant.formats import KVCacheDtype, check_kv_cache_dtype, kv_cache_dtype_name
 from kv8.quant.rotation import ROTATIONS
 
 __all__ = ["PLAN_VERSION", "KVPlan", "KVPlanEntry", "KVPlanFile", "KVSpec", "read_plan_file"]
@@ -70,8 +70,7 @@ class KVSpec:
         if v_dtype is None or v_dtype == kv_dtype:
             return KVSpec(kv_dtype, rotation,
                           kv_dtype.per_token_scales or (kv_dtype.is_fp8 and scale_mode == "dynamic"))
-        return KVSpec(kv_dtype, rotation, any(d.is_quantized and not d.group_scales for d in (kv_dtype, v_dtype)),
-                      v_dtype)
+        return KVSpec(kv_dtype, rotation, kv_dtype.token_scalable or v_dtype.token_scalable, v_dtype)
 
     @property
     def values_dtype(self) -> KVCacheDtype:
@@ -81,7 +80,7 @@ class KVSpec:
     @property
     def name(self) -> str:
         """The format's canonical name, ``"K/V"`` for a pair (what ``kv_cache_dtype`` accepts)."""
-        return self.kv_dtype.name if self.v_dtype is None else f"{self.kv_dtype.name}/{self.v_dtype.name}"
+        return kv_cache_dtype_name(self.kv_dtype, self.values_dtype)
 
     @property
     def static_fp8(self) -> bool:

@@ -481,6 +481,13 @@ class KVCacheDtype:
         return self.int_codes is not None
 
     @property
+    def token_scalable(self) -> bool:
+        """True when a scale per token and KV head can scale the format's codes (FP8 and the integer codes): what
+        dynamic scales apply to, and what every such side of a K/V pair keeps. The group-scaled formats carry their
+        scales in each row and 16/32-bit values have none."""
+        return self.is_quantized and not self.group_scales
+
+    @property
     def bytes_per_element(self) -> int:
         """Bytes of one element of the cache tensor (1 for FP8, int8 and int4 -- two int4 values share one --, 2 for
         16-bit, 4 for float32). What one value costs: :attr:`bits_per_value`."""
