@@ -18,6 +18,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import pytest
@@ -56,6 +57,24 @@ _B46A915_FIGURES: dict[str, dict[str, Any]] = {
         ("decode-int8", 245, 40448, 2, 5, 219.0))}
 
 
+def _compiled_rows(tmp_path: Path, tool: ModuleType, *args: str) -> dict[str, Any]:
+    """The figures ``python -m <tool> *args`` prints for the kernels it compiles (``tool``: :mod:`tests.helpers.sm90`
+    or :mod:`tests.helpers.gfx942`, run without Triton's interpreter, its compile cache under ``tmp_path``): the
+    table is printed (``pytest -s``), the JSON rows returned. Skips where the tool's compilers are missing."""
+    missing = tool.tools_missing()
+    if missing:
+        pytest.skip(missing)
+    env = {**os.environ, "TRITON_CACHE_DIR": str(tmp_path), "PYTHONPATH": os.pathsep.join(sys.path)}
+    env.pop("TRITON_INTERPRET", None)
+    run = subprocess.run([sys.executable, "-m", tool.__name__, *args], env=env, capture_output=True, text=True,
+                         timeout=900, cwd=Path(__file__).resolve().parents[2])
+    assert run.returncode == 0, run.stderr[-3000:]
+    lines = run.stdout.strip().splitlines()
+    print("\n".join(lines[:-1]))          # the table (pytest -s)
+    rows: dict[str, Any] = json.loads(lines[-1])
+    return rows
+
+
 def test_the_promises_fail_on_the_old_kernels() -> None:
     """Each promise of :func:`sm90.violations` can fail: the old kernels' figures break the pipelining, conversion
     and per-KB promises; b46a915's break the per-KB one only (which, as "at most twice bf16's", they kept); a
@@ -83,17 +102,7 @@ def test_kernels_compiled_for_sm90_keep_their_promises(tmp_path: Path) -> None:
     """Decode, prefill and store kernels at Llama-3.1-8B shapes, compiled for an H100 as the wrappers launch them:
     no spills, pipelined key loops, packed native FP8 conversion, FP8 decode no dearer per KB than bf16, room for
     4 decode programs per SM (:func:`sm90.violations`; the int8 decode keeps all but the FP8 ones)."""
-    missing = sm90.tools_missing()
-    if missing:
-        pytest.skip(missing)
-    env = {**os.environ, "TRITON_CACHE_DIR": str(tmp_path), "PYTHONPATH": os.pathsep.join(sys.path)}
-    env.pop("TRITON_INTERPRET", None)
-    run = subprocess.run([sys.executable, "-m", "tests.helpers.sm90"], env=env, capture_output=True, text=True,
-                         timeout=900, cwd=Path(__file__).resolve().parents[2])
-    assert run.returncode == 0, run.stderr[-3000:]
-    lines = run.stdout.strip().splitlines()
-    rows = json.loads(lines[-1])
-    print("\n".join(lines[:-1]))          # the table (pytest -s)
+    rows = _compiled_rows(tmp_path, sm90)
     assert set(rows) == set(_OLD_FIGURES) | {"decode-int8", "store-int8"}
     assert sm90.violations(rows) == []
 
@@ -107,17 +116,7 @@ def test_fp4_kernels_compiled_for_sm90_do_not_spill(tmp_path: Path) -> None:
     where it spills with Triton 3.7.1 and 3.9), so 2 programs per SM by registers rather than the 4 that
     :func:`sm90.violations` asks of the FP8, bf16 and int8 decodes; the key loops copy the 72-byte rows (8-byte
     aligned, which the launch tells the kernel: ``ROW_ALIGN``) 8 bytes a thread by ``cp.async``, pipelined."""
-    missing = sm90.tools_missing()
-    if missing:
-        pytest.skip(missing)
-    env = {**os.environ, "TRITON_CACHE_DIR": str(tmp_path), "PYTHONPATH": os.pathsep.join(sys.path)}
-    env.pop("TRITON_INTERPRET", None)
-    run = subprocess.run([sys.executable, "-m", "tests.helpers.sm90", "fp4_e2m1"], env=env, capture_output=True,
-                         text=True, timeout=900, cwd=Path(__file__).resolve().parents[2])
-    assert run.returncode == 0, run.stderr[-3000:]
-    lines = run.stdout.strip().splitlines()
-    rows = json.loads(lines[-1])
-    print("\n".join(lines[:-1]))          # the table (pytest -s)
+    rows = _compiled_rows(tmp_path, sm90, "fp4_e2m1")
     assert set(rows) == {"decode-fp4_e2m1", "prefill-fp4_e2m1", "store-fp4_e2m1"}
     for name, r in rows.items():
         assert r["spill_bytes"] == 0 and r["registers"] <= 255, (name, r)
@@ -133,18 +132,7 @@ def test_group_format_decode_loads_are_vectorised_and_pipelined(tmp_path: Path) 
     pipelined (``cp.async.wait_group`` above 0), at most 1.5 times int4_per_token_head's SASS instructions per KB
     (int4's 32-byte-aligned rows), with no register spills. Without the hint (commit d75ffcf) the loops are not
     pipelined (no ``cp.async``): 1006.2 and 1300.9 instructions per KB against int4's 551.0 (Triton 3.6)."""
-    missing = sm90.tools_missing()
-    if missing:
-        pytest.skip(missing)
-    env = {**os.environ, "TRITON_CACHE_DIR": str(tmp_path), "PYTHONPATH": os.pathsep.join(sys.path)}
-    env.pop("TRITON_INTERPRET", None)
-    run = subprocess.run([sys.executable, "-m", "tests.helpers.sm90", "--decode", "int4", "int4_per_group32",
-                          "fp4_e2m1"], env=env, capture_output=True, text=True, timeout=900,
-                         cwd=Path(__file__).resolve().parents[2])
-    assert run.returncode == 0, run.stderr[-3000:]
-    lines = run.stdout.strip().splitlines()
-    rows = json.loads(lines[-1])
-    print("\n".join(lines[:-1]))          # the table (pytest -s)
+    rows = _compiled_rows(tmp_path, sm90, "--decode", "int4", "int4_per_group32", "fp4_e2m1")
     int4 = rows["decode-int4"]["instr_per_kb"]
     for kv in ("int4_per_group32", "fp4_e2m1"):
         r = rows[f"decode-{kv}"]
@@ -161,17 +149,7 @@ def test_k8v4_kernels_compiled_for_sm90_do_not_spill(tmp_path: Path) -> None:
     no registers, and the attention's key loops are pipelined, copying V's 72-byte rows (8-byte aligned) at least 8
     bytes a thread. The figures are printed (``pytest -s``; docs/benchmarks.md lists them beside int8's and
     int4_per_group32's)."""
-    missing = sm90.tools_missing()
-    if missing:
-        pytest.skip(missing)
-    env = {**os.environ, "TRITON_CACHE_DIR": str(tmp_path), "PYTHONPATH": os.pathsep.join(sys.path)}
-    env.pop("TRITON_INTERPRET", None)
-    run = subprocess.run([sys.executable, "-m", "tests.helpers.sm90", "k8v4"], env=env, capture_output=True,
-                         text=True, timeout=900, cwd=Path(__file__).resolve().parents[2])
-    assert run.returncode == 0, run.stderr[-3000:]
-    lines = run.stdout.strip().splitlines()
-    rows = json.loads(lines[-1])
-    print("\n".join(lines[:-1]))          # the table (pytest -s)
+    rows = _compiled_rows(tmp_path, sm90, "k8v4")
     assert set(rows) == {"decode-k8v4", "prefill-k8v4", "store-k8v4"}
     for name, r in rows.items():
         assert r["spill_bytes"] == 0 and r["registers"] <= 255, (name, r)
@@ -184,18 +162,8 @@ def test_float32_query_decode_does_not_spill(tmp_path: Path) -> None:
     """Float32 queries (float32 products on CUDA cores, 16 x 16 tiles) at Llama-3.1-8B decode shapes over every
     cache format, compiled for an H100 as the wrappers launch them: 8 warps (launch_config), no register spills (on
     4 warps, commit d75ffcf, they spill 448-660 bytes with Triton 3.6)."""
-    missing = sm90.tools_missing()
-    if missing:
-        pytest.skip(missing)
-    env = {**os.environ, "TRITON_CACHE_DIR": str(tmp_path), "PYTHONPATH": os.pathsep.join(sys.path)}
-    env.pop("TRITON_INTERPRET", None)
     kvs = ["fp8_e4m3", "int8", "int4", "int4_per_group32", "fp4_e2m1", "bfloat16"]
-    run = subprocess.run([sys.executable, "-m", "tests.helpers.sm90", "--decode-f32", *kvs], env=env,
-                         capture_output=True, text=True, timeout=900, cwd=Path(__file__).resolve().parents[2])
-    assert run.returncode == 0, run.stderr[-3000:]
-    lines = run.stdout.strip().splitlines()
-    rows = json.loads(lines[-1])
-    print("\n".join(lines[:-1]))          # the table (pytest -s)
+    rows = _compiled_rows(tmp_path, sm90, "--decode-f32", *kvs)
     assert set(rows) == {f"decode-{kv}" for kv in kvs}
     for name, r in rows.items():
         assert r["spill_bytes"] == 0 and r["num_warps"] == 8, (name, r)
@@ -206,17 +174,7 @@ def test_kernels_compiled_for_gfx942_keep_their_promises(tmp_path: Path) -> None
     store, compiled for an MI300X (gfx942) by Triton's HIP backend, which needs neither ROCm nor a GPU: no spills to
     memory, LDS within 64 KB, E4M3FNUZ decoded by ``v_cvt_pk_f32_fp8`` where the MI300 platform picks the native
     path (:func:`tests.helpers.gfx942.violations`). The figures (registers, occupancy, LDS) are printed."""
-    missing = gfx942.tools_missing()
-    if missing:
-        pytest.skip(missing)
-    env = {**os.environ, "TRITON_CACHE_DIR": str(tmp_path), "PYTHONPATH": os.pathsep.join(sys.path)}
-    env.pop("TRITON_INTERPRET", None)
-    run = subprocess.run([sys.executable, "-m", "tests.helpers.gfx942"], env=env, capture_output=True, text=True,
-                         timeout=900, cwd=Path(__file__).resolve().parents[2])
-    assert run.returncode == 0, run.stderr[-3000:]
-    lines = run.stdout.strip().splitlines()
-    rows = json.loads(lines[-1])
-    print("\n".join(lines[:-1]))          # the table (pytest -s)
+    rows = _compiled_rows(tmp_path, gfx942)
     assert set(rows) == {"decode-fp8_e4m3fnuz", "decode-bfloat16", "prefill-fp8_e4m3fnuz", "prefill-bfloat16",
                          "store-fp8_e4m3fnuz"}
     assert gfx942.violations(rows) == []
