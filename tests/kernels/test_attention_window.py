@@ -30,22 +30,11 @@ from kv8.attention.metadata import AttentionMetadata
 from kv8.attention.reference import paged_attention_reference
 from kv8.kernels.cpu import attention as kernels
 from kv8.kernels.cpu.attention import paged_attention_fused
-from tests.helpers.kernels import FP4, I4G, INT4, INT8, decode_kernel, load_or_skip, portable_path, prefill_kernel
+from tests.helpers.kernels import FP4, I4G, INT4, INT8, decode_kernel, portable_path, prefill_kernel
 from tests.helpers.windows import STALE, Case, window_case
 
 FP8 = ["fp8_e4m3", "fp8_e4m3fnuz", "fp8_e5m2"]
 TOL = {torch.float32: 5e-5, torch.bfloat16: 2.0 ** -7}
-
-
-@pytest.fixture(scope="module")
-def lib() -> kernels.KernelLibrary:
-    return load_or_skip()
-
-
-@pytest.fixture(scope="module", params=["x86-64-v2", "x86-64-v3"])
-def portable_lib(request: pytest.FixtureRequest) -> kernels.KernelLibrary:
-    """Builds without AVX-512: the scalar generic kernel (x86-64-v2) and the AVX2 kernel (x86-64-v3)."""
-    return load_or_skip(request.param)
 
 
 def check(lib: kernels.KernelLibrary, case: Case, partitions: tuple[int, ...] = (0,)) -> None:

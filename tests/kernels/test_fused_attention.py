@@ -52,9 +52,7 @@ from tests.helpers.kernels import (
     INT8,
     STAGED,
     TOL,
-    cpu_has_fast_path,
     decode_kernel,
-    load_or_skip,
     make_cache,
     make_case,
     make_scales,
@@ -66,20 +64,6 @@ from tests.helpers.kernels import (
 
 KV_DTYPES = ["fp8_e4m3", "fp8_e4m3fnuz", "fp8_e5m2", "bfloat16", "float16", "float32", INT8, INT4, FP4, I4G]
 
-
-
-@pytest.fixture(scope="module")
-def lib() -> kernels.KernelLibrary:
-    lib = load_or_skip()
-    assert lib.has_fast_path == cpu_has_fast_path(), "-march=native must enable the fast path exactly when the CPU can"
-    return lib
-
-
-@pytest.fixture(scope="module", params=["x86-64-v2", "x86-64-v3"])
-def portable_lib(request: pytest.FixtureRequest) -> kernels.KernelLibrary:
-    """A build without AVX-512: x86-64-v2 (SSE4.2) runs the scalar generic kernel everywhere, x86-64-v3 (AVX2 +
-    FMA + F16C) the AVX2 kernel."""
-    return load_or_skip(request.param)
 
 
 def attention_path(lib: kernels.KernelLibrary, kv_name: str, q_dtype: torch.dtype, dim: int) -> str:

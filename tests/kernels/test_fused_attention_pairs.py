@@ -43,7 +43,6 @@ from tests.helpers.kernels import (
     INT4,
     INT8,
     TOL,
-    load_or_skip,
     make_pair_cache,
     make_pair_case,
     random_kv,
@@ -59,16 +58,6 @@ PAIRS = [(INT8, I4G), (INT8, INT4), ("fp8_e4m3", I4G), ("bfloat16", INT8), (I4G,
 DECODE_PAIRS = [(INT8, I4G), (INT8, INT4)]
 #: the formats a pair's side may have for the fast kernels (tiles of both sides decoded to bf16: item_staged.h)
 STAGEABLE = (INT8, INT4, FP4, I4G, "fp8_e4m3", "fp8_e4m3fnuz", "fp8_e5m2", "bfloat16")
-
-
-@pytest.fixture(scope="module")
-def lib() -> kernels.KernelLibrary:
-    return load_or_skip()
-
-
-@pytest.fixture(scope="module", params=["x86-64-v2", "x86-64-v3"])
-def portable_lib(request: pytest.FixtureRequest) -> kernels.KernelLibrary:
-    return load_or_skip(request.param)
 
 
 def check_pair(lib: kernels.KernelLibrary, cache: PagedKVCache, meta: AttentionMetadata, q: torch.Tensor,
