@@ -17,7 +17,7 @@ from tests.helpers.paths import ROOT, load_file_module
 gpu_check = load_file_module(ROOT / "benchmarks" / "gpu_check.py")
 
 MiB = 2**20
-ALL = ("attention", "engine", "tests")
+ALL = ("attention", "formats", "engine", "tests")
 
 
 def _row(batch: int, context: int, roles: tuple[str, ...], fp8_of_copy: float, fp8_over_bf16: float,
@@ -131,7 +131,7 @@ def test_the_deadline_stops_the_run_with_what_it_has(tmp_path):
 def test_smoke_run_writes_every_section_and_its_verdicts(tmp_path):
     out = tmp_path / "gpu_check.json"
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), "--smoke", "--skip", "tests",
-                           "--json", str(out)], env=_env(), capture_output=True, text=True, timeout=900)
+                           "formats", "--json", str(out)], env=_env(), capture_output=True, text=True, timeout=900)
     result = json.loads(out.read_text())
     # the interpreter's numbers miss the GPU's targets: the run exits 1, having judged every measured one
     assert proc.returncode == 1 == result["exit_status"], proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -150,6 +150,27 @@ def test_smoke_run_writes_every_section_and_its_verdicts(tmp_path):
     assert verdicts["tests"]["verdict"] == "SKIP"
     assert all(v["value"] is not None for k, v in verdicts.items() if k != "tests")
     assert "verdicts:" in proc.stdout and "fp8 / bf16 KV decode tok/s at one KV budget" in proc.stdout
+
+
+def test_format_rows_time_every_format_and_count_its_bytes(monkeypatch):
+    """The formats section at one tiny shape in the interpreter: every format of :data:`FORMATS` timed against the
+    row's FP8 time, its bytes read counted from its own rows and per-token scales (head_dim 32: int8 32 + 4 bytes a
+    side; int4 16 + 4; int4_per_group32 16 + 2, no token scale; k8v4 int8 K and int4_per_group32 V)."""
+    import torch
+
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("a CUDA process: the GPU check times the formats there")
+    monkeypatch.setitem(gpu_check.TIMING, "launches", 1)
+    monkeypatch.setitem(gpu_check.TIMING, "repeats", 1)
+    rows = [{"batch": 1, "context": 40, "fp8_e4m3": {"us": 100.0}}]
+    gpu_check.format_rows(rows, torch.device("cpu"), copy_bps=1e9, l2=0, heads_q=4, heads_kv=2, dim=32)
+    got = rows[0]["formats"]
+    assert list(got) == list(gpu_check.FORMATS)
+    per_token_head = {"int8_per_token_head": 72, "int4_per_token_head": 40, "int4_per_group32": 36, "k8v4": 54}
+    for name, timing in got.items():
+        assert timing["read_bytes"] == 1 * 40 * 2 * per_token_head[name], name
+        assert timing["us"] > 0 and timing["over_fp8"] == pytest.approx(100.0 / timing["us"])
+        assert timing["copies"] == 2
 
 
 def test_refuses_to_run_on_the_cpu_outside_the_interpreter():
