@@ -52,7 +52,7 @@ from kv8.quant.formats import E4M3, FP8_FORMATS, INT4, INT8, FP8Format, resolve_
 from kv8.quant.fp4 import FP4_E2M1
 from kv8.quant.int4_group import INT4_G32
 from kv8.quant.scales import KVScales, ScaleGranularity
-from tests.helpers.triton import DEVICES, INTERPRETED
+from tests.helpers.triton import DEVICES, INTERPRETED, on_device
 
 MAX_KV_SPLITS = triton_attention.MAX_KV_SPLITS
 choose_num_kv_splits = triton_attention.choose_num_kv_splits
@@ -933,6 +933,7 @@ def _bad_cases() -> list[tuple[str, dict, str]]:
 def test_bad_arguments_raise_value_error(what: str, change: dict, message: str) -> None:
     kwargs = _valid_kwargs()
     kwargs.update(change)
+    kwargs = on_device(kwargs)
     query, k_cache, v_cache, out = (kwargs.pop(n) for n in ("query", "k_cache", "v_cache", "out"))
     with pytest.raises(ValueError, match=message):
         unified_attention(query, k_cache, v_cache, out, **kwargs)
@@ -940,9 +941,7 @@ def test_bad_arguments_raise_value_error(what: str, change: dict, message: str) 
 
 def test_valid_kwargs_run() -> None:
     """The base of the bad-argument cases is itself valid (so each case fails for its own reason)."""
-    if not INTERPRETED:
-        pytest.skip("CPU tensors need the interpreter")
-    kwargs = _valid_kwargs()
+    kwargs = on_device(_valid_kwargs())
     query, k_cache, v_cache, out = (kwargs.pop(n) for n in ("query", "k_cache", "v_cache", "out"))
     unified_attention(query, k_cache, v_cache, out, **kwargs)
     assert not out[:3].isnan().any()

@@ -25,7 +25,7 @@ from kv8.kernels.triton.formats import SAME_AS_K, kernel_format
 from kv8.platform import Platform
 from kv8.quant.formats import INT8, resolve_kv_cache_dtype
 from kv8.quant.int4_group import INT4_G32
-from tests.helpers.triton import DEVICES
+from tests.helpers.triton import DEVICES, on_device
 
 unified_attention = triton_attention.unified_attention
 store_kv = triton_store.store_kv
@@ -137,8 +137,7 @@ def test_store_validation_names_the_side() -> None:
     ts = torch.ones(4, 2, 16)
     args: dict[str, Any] = dict(key=key, value=key.clone(), k_cache=k_cache, v_cache=v_cache,
                                 slot_mapping=torch.arange(3), fp8=INT8, v_fp8=INT4_G32, k_token_scales=ts)
-    if DEVICES == ["cpu"]:
-        store_kv(**args)
+    store_kv(**on_device(args))   # valid as it is: each case below fails for its own reason
     cases: list[tuple[dict[str, Any], str]] = [
         (dict(k_token_scales=None), r"k_token_scales=None, but K's int8 codes need a scale per token and head"),
         (dict(v_token_scales=ts), r"v_token_scales given, but V \(int4_g32\) keeps a scale per group in each row; "
@@ -156,7 +155,7 @@ def test_store_validation_names_the_side() -> None:
     ]
     for change, message in cases:
         with pytest.raises(ValueError, match=message):
-            store_kv(**{**args, **change})
+            store_kv(**on_device({**args, **change}))
 
 
 # ---- the attention ------------------------------------------------------------------------------------------------
