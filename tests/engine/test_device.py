@@ -1,7 +1,8 @@
 """The device option and what it places: the platform it resolves to (kv8.platform: a GPU is faked by patching
 torch.cuda's queries), EngineConfig's checks (a missing GPU, CPU-only backends, Triton outside its interpreter), the
 codec and cache tensors on a device (the meta device stands in for a GPU here), random weights (load_format="dummy"),
-the W8A8 FP8 linear method of GPUs with FP8 tensor cores (torch._scaled_mm runs on the CPU too) and what each part
+the W8A8 FP8 linear method of GPUs with FP8 tensor cores (on such a GPU where there is one, else on the CPU where
+torch's CPU _scaled_mm takes row-wise scales: 2.13's does, 2.11's does not) and what each part
 reads from the platform. The GPU itself is exercised by benchmarks/gpu_check.py."""
 
 from __future__ import annotations
@@ -203,9 +204,26 @@ def _layer(cls, backend, in_features, out_features, bias, seed=0):
     return layer, weight.to(torch.bfloat16)
 
 
+def _scaled_mm_device() -> str:
+    """Where the W8A8 method's test runs ``torch._scaled_mm``: a GPU with FP8 tensor cores (the method's own
+    device), else the CPU; a CPU torch whose ``_scaled_mm`` takes per-tensor scales only (torch 2.11's: "Now
+    _scaled_mm only supports per-tensor scaling for CPU backend") cannot run the method's row-wise scales there,
+    and the test is skipped, saying so."""
+    if torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9):
+        return "cuda"
+    a = torch.ones(16, 16).to(torch.float8_e4m3fn)
+    try:
+        torch._scaled_mm(a, a.t(), scale_a=torch.ones(16, 1), scale_b=torch.ones(1, 16), out_dtype=torch.bfloat16)
+    except RuntimeError as e:
+        pytest.skip(f"torch {torch.__version__}'s CPU _scaled_mm takes no row-wise scales ({str(e).splitlines()[0]}) "
+                    "and there is no GPU with FP8 tensor cores")
+    return "cpu"
+
+
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("rows", [0, 1, 7])
 def test_scaled_mm_method_equals_its_reference(bias, rows):
+    device = _scaled_mm_device()
     backend = DenseBackend("torch", None, "fp8", fp8_scaled_mm=True)
     layer, weight = _layer(MergedLinear, backend, 64, 48, bias)
     assert isinstance(layer.method, ScaledMMFP8LinearMethod)
@@ -213,9 +231,10 @@ def test_scaled_mm_method_equals_its_reference(bias, rows):
     codes, scale = quantize_fp8_rows(weight)
     assert torch.equal(layer.weight_fp8.view(torch.uint8), codes) and torch.equal(layer.scale_row[0], scale)
     x = torch.randn(2, rows, 64).to(torch.bfloat16)
-    got = layer(x)
+    got = layer.to(device)(x.to(device)).cpu()
     assert got.shape == (2, rows, 48) and got.dtype == torch.bfloat16
-    want = scaled_mm_fp8_reference(x.reshape(-1, 64), codes, scale, layer.bias).view(2, rows, 48)
+    bias_cpu = None if layer.bias is None else layer.bias.cpu()
+    want = scaled_mm_fp8_reference(x.reshape(-1, 64), codes, scale, bias_cpu).view(2, rows, 48)
     torch.testing.assert_close(got.float(), want.float(), rtol=2 ** -7, atol=1e-3)
 
 
