@@ -230,12 +230,13 @@ class EngineConfig:
             # the formats the Triton kernels read: those kernel_format derives (every kv8 cache format, fp4_e2m1
             # included; a format it cannot derive is refused here, before any layer is built); imported here only,
             # the CPU path never imports the kernel package
-            from kv8.kernels.triton.formats import kernel_format
+            from kv8.kernels.triton.formats import check_compiled_packed_head_dim, kernel_format
             for layer, name in named:
                 try:
-                    for side in resolve_kv_cache_dtypes(name, self.dtype):
-                        if side.codes is not None:
-                            kernel_format(side.codes)
+                    k, v = (None if side.codes is None else kernel_format(side.codes)
+                            for side in resolve_kv_cache_dtypes(name, self.dtype))
+                    if not triton_interpret():   # compiled kernels: 4-bit codes up to head_dim 128
+                        check_compiled_packed_head_dim((k, v), self.arch.head_dim)
                 except ValueError as exc:
                     where = (f"kv_cache_dtype={name!r}" if layer is None else
                              f"kv_cache_plan={plan.path!r} stores layer {layer} as {name}")  # type: ignore[union-attr]

@@ -284,3 +284,26 @@ def test_info_names_the_device(tiny_llama, capsys, monkeypatch):
     assert "\ndevice       cpu (" in capsys.readouterr().out
     assert main(["info", tiny_llama, "--device", "cuda"]) == 2
     assert "kv8: error: device='cuda' but torch sees no CUDA GPU" in capsys.readouterr().err
+
+
+def test_triton_on_a_gpu_refuses_4_bit_codes_above_head_dim_128(tmp_path, monkeypatch):
+    """Compiled kernels read 4-bit codes up to head_dim 128 (kv8.kernels.triton.formats.COMPILED_PACKED_MAX_HEAD_DIM):
+    on a GPU a model of head_dim 256 with a 4-bit side (one format or a K/V pair) is refused at
+    load, naming the format, the side and the head_dim; int8 and FP8 are not. In Triton's interpreter every
+    head_dim is read right, so nothing is refused."""
+    from tests.helpers.tiny_models import make_tiny_model
+
+    model = make_tiny_model(str(tmp_path / "d256"), "llama", head_dim=256)
+    _fake_gpu(monkeypatch)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    for name, side, fmt in (("int4_per_group32", "K", "int4_g32"), ("k8v4", "V", "int4_g32"),
+                            ("fp4_e2m1", "K", "e2m1"), ("int8/int4", "V", "int4")):
+        with pytest.raises(ValueError, match=rf"kv_cache_dtype='{name}': the triton attention backend \(the GPU "
+                                             rf"path\) cannot read this format \({side}'s {fmt} codes at "
+                                             r"head_dim=256: the compiled Triton attention reads 4-bit codes up to "
+                                             r"head_dim 128 only"):
+            _config(model, device="cuda", kv_cache_dtype=name)
+    for name in ("int8_per_token_head", "fp8_e4m3", "auto"):
+        assert _config(model, device="cuda", kv_cache_dtype=name).attention_backend == "auto"
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert _config(model, device="cuda", kv_cache_dtype="k8v4").cache.is_pair

@@ -46,7 +46,7 @@ from kv8.attention.metadata import AttentionMetadata
 from kv8.attention.reference import paged_attention_reference
 from kv8.cache.codec import KVCodec
 from kv8.cache.paged_cache import CacheShape, PagedKVCache
-from kv8.kernels.triton.formats import kernel_format
+from kv8.kernels.triton.formats import COMPILED_PACKED_MAX_HEAD_DIM, kernel_format
 from kv8.platform import CPU, Platform
 from kv8.quant.formats import E4M3, FP8_FORMATS, INT4, INT8, FP8Format, resolve_kv_cache_dtype, unpack_int4
 from kv8.quant.fp4 import FP4_E2M1
@@ -595,6 +595,20 @@ def test_int_caches(kv: str, q_dtype: torch.dtype, head_dim: int, group: int, bl
     batch = Batch((1, 6, 19, 0, 1, 3), (37, 40, 19, 5, 16, 50))
     p = _build(kv, q_dtype, head_dim=head_dim, kv_heads=1 if head_dim == 256 else 2, group=group,
                block_size=block_size, batch=batch, window=window, seed=15)
+    _check_or_refused(p, device, splits)
+
+
+def _check_or_refused(p: Problem, device: str, splits: int) -> None:
+    """:func:`_check` of the kernel's output, or, compiled with 4-bit codes above
+    :data:`COMPILED_PACKED_MAX_HEAD_DIM` (wrong outputs measured on an H200), the wrapper's refusal."""
+    head_dim = p.query.shape[-1]
+    codes = p.cache.k_dtype.codes   # one format: K's is V's
+    if not INTERPRETED and head_dim > COMPILED_PACKED_MAX_HEAD_DIM and codes is not None \
+            and kernel_format(codes).packed:
+        with pytest.raises(ValueError, match=rf"codes at head_dim={head_dim}: the compiled Triton attention reads "
+                                             rf"4-bit codes up to head_dim {COMPILED_PACKED_MAX_HEAD_DIM} only"):
+            _run(p, device, num_kv_splits=splits)
+        return
     _check(p, _run(p, device, num_kv_splits=splits))
 
 
@@ -614,7 +628,7 @@ def test_fp4_head_dims_with_a_short_last_group(q_dtype: torch.dtype, head_dim: i
     p = _build(FP4_CACHE, q_dtype, head_dim=head_dim, kv_heads=2, group=group, block_size=block_size, batch=batch,
                window=window, seed=16)
     assert p.cache.k_data.shape[-1] == p.cache.v_data.shape[-1] == FP4_E2M1.row_bytes(head_dim)
-    _check(p, _run(p, device, num_kv_splits=splits))
+    _check_or_refused(p, device, splits)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -1132,3 +1146,23 @@ def test_sweep(kv: str, shape: tuple[int, int], window_splits: tuple[int | None,
     p = _build(kv, q_dtype, head_dim=head_dim, kv_heads=2, group=group, batch=batch, window=window,
                scales=scales, seed=13 + head_dim + group)
     _check(p, _run(p, device, num_kv_splits=splits))
+
+
+def test_compiled_kernels_refuse_4_bit_codes_above_head_dim_128(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Compiled (not interpreted), a 4-bit side above :data:`COMPILED_PACKED_MAX_HEAD_DIM` is refused before any
+    launch, naming the side, its format and the head_dim; int8 and FP8 sides, and head_dim 128, pass the check."""
+    from kv8.kernels.triton.formats import check_compiled_packed_head_dim
+
+    int8, g32, fp8 = kernel_format(INT8), kernel_format(INT4_G32), kernel_format(E4M3)
+    check_compiled_packed_head_dim((g32, g32), 128)
+    check_compiled_packed_head_dim((int8, fp8), 256)
+    check_compiled_packed_head_dim((None, None), 256)
+    with pytest.raises(ValueError, match=r"V's int4_g32 codes at head_dim=256: the compiled Triton attention"):
+        check_compiled_packed_head_dim((int8, g32), 256)
+    with pytest.raises(ValueError, match=r"K's int4 codes at head_dim=160"):
+        check_compiled_packed_head_dim((kernel_format(INT4), None), 160)
+    # the wrapper makes the check before its device check: compiled, CPU tensors reach it too
+    monkeypatch.setattr(triton_interpreter, "INTERPRETED", False)
+    p = _build(INT4G_CACHE, torch.bfloat16, head_dim=256, kv_heads=1, group=1, block_size=32, seed=3)
+    with pytest.raises(ValueError, match=r"unified_attention: K's int4_g32 codes at head_dim=256"):
+        _run(p, "cpu")

@@ -171,6 +171,7 @@ from kv8.kernels.triton.formats import (
     AnyLayout,
     KernelFormat,
     SameAsK,
+    check_compiled_packed_head_dim,
     code_dtype,
     code_width,
     scale_bytes,
@@ -1065,6 +1066,11 @@ def unified_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
                                                                                     or v_token_scales is None):
         raise _fail("scales come in pairs: give both k_scale and v_scale, or both k_token_scales and v_token_scales")
 
+    if not interpreter.INTERPRETED:
+        try:
+            check_compiled_packed_head_dim((fmt, v_fmt), head_dim)
+        except ValueError as exc:
+            raise _fail(str(exc)) from None
     if device.type != "cuda" and not interpreter.INTERPRETED:
         raise _fail(f"tensors on {device} need Triton's interpreter: set TRITON_INTERPRET=1 before "
                     "kv8.kernels.triton is imported (compiled kernels run on CUDA/ROCm devices)")

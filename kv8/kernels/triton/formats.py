@@ -91,8 +91,9 @@ from typing import NamedTuple, Protocol, TypeAlias, cast
 
 import torch
 
-__all__ = ["SAME_AS_K", "AnyLayout", "FP8Layout", "FloatGroupLayout", "GroupLayout", "IntLayout", "KernelFormat",
-           "SameAsK", "code_dtype", "code_width", "kernel_format", "scale_bytes", "side_formats"]
+__all__ = ["COMPILED_PACKED_MAX_HEAD_DIM", "SAME_AS_K", "AnyLayout", "FP8Layout", "FloatGroupLayout", "GroupLayout",
+           "IntLayout", "KernelFormat", "SameAsK", "check_compiled_packed_head_dim", "code_dtype", "code_width",
+           "kernel_format", "scale_bytes", "side_formats"]
 
 _SIGN = 0x80
 _HALF_MAX = 65504.0
@@ -230,6 +231,29 @@ def code_width(fmt: KernelFormat | None, head_dim: int) -> int:
     if fmt is None or not fmt.packed:
         return head_dim
     return head_dim // 2 + (scale_bytes(fmt) * -(-head_dim // fmt.group_size) if fmt.group_size else 0)
+
+
+#: The largest head_dim at which the *compiled* attention kernels read 4-bit codes (two per byte: int4_per_token_head,
+#: int4_per_group32, fp4_e2m1). Above it they gave wrong outputs on an NVIDIA H200 (Triton 3.6.0, torch 2.11,
+#: 2026-11-30; ``benchmarks/gpu_check.py``'s tests: head_dim 256 with bf16 queries, each of the three formats, and
+#: fp4_e2m1 at 200; up to 128 all right) while Triton's interpreter gives the reference's; the cause is not
+#: established. Compiled launches refuse those shapes (:func:`check_compiled_packed_head_dim`) until a GPU run shows
+#: them right.
+COMPILED_PACKED_MAX_HEAD_DIM = 128
+
+
+def check_compiled_packed_head_dim(sides: tuple[KernelFormat | None, KernelFormat | None], head_dim: int) -> None:
+    """``ValueError`` naming the side, its format and ``head_dim`` when a side of 4-bit codes (``packed``) has a
+    head_dim above :data:`COMPILED_PACKED_MAX_HEAD_DIM`: for compiled kernels only (the interpreter reads every
+    head_dim right; the caller decides which runs)."""
+    if head_dim <= COMPILED_PACKED_MAX_HEAD_DIM:
+        return
+    for which, fmt in zip("KV", sides):
+        if fmt is not None and fmt.packed:
+            raise ValueError(f"{which}'s {fmt.name} codes at head_dim={head_dim}: the compiled Triton attention reads "
+                             f"4-bit codes up to head_dim {COMPILED_PACKED_MAX_HEAD_DIM} only (above it, wrong "
+                             "outputs were measured on an H200 with Triton 3.6); use int8_per_token_head or an FP8 "
+                             "format for this model on a GPU, or run on the CPU")
 
 
 def side_formats(fp8: AnyLayout | None, v_fp8: AnyLayout | None | SameAsK
