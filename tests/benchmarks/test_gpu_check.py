@@ -178,3 +178,29 @@ def test_refuses_to_run_on_the_cpu_outside_the_interpreter():
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), "--smoke"], env=env,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "no CUDA GPU: run with TRITON_INTERPRET=1" in proc.stderr
+
+
+def test_each_request_outlasts_the_timed_steps():
+    """A request whose prompt is prefilled early decodes a token in each later prefill step (mixed batches): its
+    max_tokens covers those and the timed steps, and the batch is sized for that growth (an H200 run timed steps of
+    54 and 62 of 65 and 131 sequences when each request had decode_steps + 4 tokens)."""
+    assert gpu_check.request_tokens(1, 2048, 32) == 1 + 32 + 4
+    assert gpu_check.request_tokens(131, 2048, 32) == 33 + 32 + 4      # 131 x 2048 prompt tokens in 8192-token steps
+    assert gpu_check.request_tokens(2, 10000, 32) == 2 + 32 + 4       # a prompt longer than 8192: one per step
+    for blocks, want in ((8704, 65), (17408, 130)):   # 17 GiB of bf16 / fp8 KV at Llama-3.1-8B's 128 KiB per token
+        bound = gpu_check.admissible_batch(blocks, 16, 2048, 2048 + 36)
+        batch = gpu_check.admissible_batch(blocks, 16, 2048, 2048 + gpu_check.request_tokens(bound, 2048, 32))
+        assert batch == want
+        assert batch * -(-(2048 + gpu_check.request_tokens(batch, 2048, 32)) // 16) <= blocks
+
+
+@pytest.mark.slow
+def test_timed_steps_hold_the_whole_batch_when_the_prefill_takes_several_steps(tmp_path, monkeypatch):
+    """Prompts prefilled over several steps (64-token steps: 2 x 40 tokens in 2), requests sized by
+    :func:`request_tokens`: every timed decode step holds the whole batch."""
+    monkeypatch.setattr(gpu_check, "max_batched_tokens", lambda context: 64)
+    model = gpu_check.make_model_dir(tmp_path / "model", gpu_check.TINY_LLAMA)
+    batch = gpu_check.batch_in_budget(model, "bfloat16", 40, 3, 64 * 1024, "cpu", "triton")
+    assert batch == 2 and gpu_check.request_tokens(batch, 40, 3) == 2 + 3 + 4
+    row = gpu_check.engine_decode(model, "bfloat16", batch, 40, 3, 64 * 1024, "cpu", "triton")
+    assert row["full_batch"] and row["decode_tokens"] == batch * 3
