@@ -48,6 +48,7 @@ import math
 import os
 import platform
 import random
+import re
 import signal
 import statistics
 import subprocess
@@ -597,24 +598,37 @@ TEST_FILES = ("tests/kernels/test_triton_store.py", "tests/kernels/test_triton_a
               "tests/engine/test_device.py", "tests/engine/test_triton_engine.py")
 
 
-def run_tests(timeout: float, result: dict) -> None:
-    """pytest over the GPU path's tests in a subprocess (compiled: TRITON_INTERPRET removed), into ``result``;
-    its return code is kept (None when it ran out of time)."""
+def run_tests(timeout: float, result: dict, log: Path | None = None) -> None:
+    """pytest over the GPU path's tests in a subprocess (compiled: TRITON_INTERPRET removed), into ``result``:
+    its return code (None when it ran out of time), its summary line, every ``FAILED`` / ``ERROR`` line with its
+    message (``-rfE``) and the output's last 30 lines; the whole output to ``log`` where given."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    env["COLUMNS"] = "400"   # room for each failure's message in the short summary
     # the kernels compile on the host's cores: pytest-xdist's workers compile them side by side where it is there
     workers = ["-n", str(min(8, os.cpu_count() or 1))] if importlib.util.find_spec("xdist") is not None else []
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *workers, *TEST_FILES]
+    cmd = [sys.executable, "-m", "pytest", "-q", "-rfE", "--tb=short", "-p", "no:cacheprovider", *workers,
+           *TEST_FILES]
     start = time.perf_counter()
     try:
         proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
-        tail, rc = (proc.stdout + proc.stderr).strip().splitlines()[-30:], proc.returncode
+        out, rc = proc.stdout + proc.stderr, proc.returncode
     except subprocess.TimeoutExpired as e:
         out = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
-        tail, rc = out.strip().splitlines()[-30:] + [f"(stopped after {timeout:.0f} s)"], None
-    summary = tail[-1] if tail else ""
+        out, rc = out + f"\n(stopped after {timeout:.0f} s)", None
+    lines = out.strip().splitlines()
+    if log is not None:
+        log.parent.mkdir(parents=True, exist_ok=True)
+        log.write_text(out)
+    # pytest's own last line ("3 failed, 40 passed in 9.1s"), not a plugin's warning printed after it
+    counts = [ln for ln in lines if re.search(r"\d+ (passed|failed|error)", ln) and " in " in ln]
+    summary = counts[-1].strip("= ") if counts else (lines[-1] if lines else "")
+    failures = [ln for ln in lines if ln.startswith(("FAILED ", "ERROR "))]
     print(f"tests ({time.perf_counter() - start:.0f} s, return code {rc}): {summary}", flush=True)
-    result.update(returncode=rc, summary=summary, tail=tail, seconds=time.perf_counter() - start)
+    for ln in failures:
+        print(f"  {ln}", flush=True)
+    result.update(returncode=rc, summary=summary, failures=failures, tail=lines[-30:],
+                  seconds=time.perf_counter() - start, log=None if log is None else str(log))
 
 
 # ---- the run -----------------------------------------------------------------------------------------------------
@@ -692,7 +706,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                                 device=device.type, attention_backend="auto", result=result.setdefault("engine", {}))
         if "tests" not in args.skip:
             ran.append("tests")
-            run_tests(max(1.0, deadline.left() - 5), result.setdefault("tests", {}))
+            run_tests(max(1.0, deadline.left() - 5), result.setdefault("tests", {}),
+                      None if args.json is None else args.json.with_name(args.json.stem + "_tests.log"))
         deadline_hit = False
     except DeadlineExceeded as e:
         print(f"{e} during {ran[-1] if ran else 'start-up'}: the verdicts of what was measured", flush=True)

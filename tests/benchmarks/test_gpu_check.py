@@ -104,8 +104,11 @@ def test_the_tests_section_passes_pytests_return_code_on(tmp_path, monkeypatch):
     (tmp_path / "test_one.py").write_text("def test_fails():\n    assert 1 == 2\n")
     monkeypatch.setattr(gpu_check, "TEST_FILES", (str(tmp_path / "test_one.py"),))
     result: dict = {}
-    gpu_check.run_tests(120, result)
+    gpu_check.run_tests(120, result, tmp_path / "tests.log")
     assert result["returncode"] == 1 and "1 failed" in result["summary"]
+    assert len(result["failures"]) == 1 and result["failures"][0].startswith("FAILED ")
+    assert result["failures"][0].endswith("test_one.py::test_fails - assert 1 == 2")
+    assert "assert 1 == 2" in (tmp_path / "tests.log").read_text()
     assert _by_target({"tests": result}, ["tests"])["tests"]["verdict"] == "FAIL"
     (tmp_path / "test_one.py").write_text("def test_passes():\n    pass\n")
     gpu_check.run_tests(120, result)
