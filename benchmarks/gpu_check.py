@@ -21,9 +21,12 @@ Sections, in this order (``--skip`` leaves some out):
    engine on the triton backend, compiled for the GPU (pytest without ``TRITON_INTERPRET``, on pytest-xdist's
    workers where it is installed) in a subprocess, with the time the deadline leaves.
 
-Between 1 and 2, **formats** times the same decode attention over int8_per_token_head, int4_per_token_head,
-int4_per_group32 and k8v4 caches at section 1's shapes, against its FP8 kernel (no target: issue 40's speed
-targets are the CPU's).
+Between 1 and 2, judged by no target: **formats** times the same decode attention over int8_per_token_head,
+int4_per_token_head, int4_per_group32 and k8v4 caches at section 1's shapes, against its FP8 kernel (issue 40's
+speed targets are the CPU's); **sweep** times the FP8 decode with fewer pipeline stages and with two warps
+(:data:`SWEEP_VARIANTS`), a lead for its speed; **probe** checks 4-bit caches at head_dim 256, which compiled
+launches refuse, against the reference attention and store with the refusal lifted, in two tilings
+(:data:`PROBE_VARIANTS`), a lead for lifting it.
 
 Then one verdict per target (:data:`TARGETS`, the numbers of issue 39), PASS or FAIL, and the exit status
 (:func:`exit_status`): 0 when every target of the sections run passes, 1 when one fails (the tests section fails
@@ -453,6 +456,132 @@ def format_rows(rows: list[dict], device: torch.device, copy_bps: float, l2: int
             torch.cuda.empty_cache()
 
 
+# (after formats) leads for the next change: the FP8 decode's stages and warps; 4-bit codes above head_dim 128
+def _with_config(**fields):
+    """A context in which every attention launch's :class:`LaunchConfig` has ``fields`` replaced (the kernel
+    compiles once per distinct config: stages and warps are compile options, tile sizes constexprs)."""
+    import contextlib
+    from dataclasses import replace
+
+    from kv8.kernels.triton import attention as A
+
+    @contextlib.contextmanager
+    def patched():
+        original = A.launch_config
+        A.launch_config = lambda *a, **k: replace(original(*a, **k), **fields)
+        try:
+            yield
+        finally:
+            A.launch_config = original
+    return patched()
+
+
+#: (name, LaunchConfig fields) of the FP8 decode launches the sweep times: the default, then fewer stages (less
+#: shared memory a program, more programs an SM) and two warps
+SWEEP_VARIANTS = (("default", {}), ("3 stages", {"num_stages": 3}), ("2 stages", {"num_stages": 2}),
+                  ("3 stages, 2 warps", {"num_stages": 3, "num_warps": 2}))
+
+
+def sweep_rows(rows: list[dict], device: torch.device, copy_bps: float, l2: int, heads_q: int = 32,
+               heads_kv: int = 8, dim: int = 128, block: int = 16) -> None:
+    """Section ``sweep``: the fp8_e4m3 decode attention of section 1's first two shapes with each of
+    :data:`SWEEP_VARIANTS` (into the row's ``sweep``). The H200 run read FP8 at about half the bytes per second
+    of bf16 with one warp and 48.5 KB of shared memory a program (4 programs an SM): this says whether more programs
+    an SM, or more warps a program, read faster. No target."""
+    from kv8.attention.triton import TritonBackend
+
+    backend = TritonBackend()
+    for row in rows[:2]:
+        out = row.setdefault("sweep", {})
+        for name, fields in SWEEP_VARIANTS:
+            with _with_config(**fields):
+                out[name] = _time_paged(backend, row["batch"], heads_q, "fp8_e4m3", row["context"], heads_kv, dim,
+                                        block, device, copy_bps, l2)
+        print(f"sweep fp8 B {row['batch']:4d} x {row['context']:6d}: " + " | ".join(
+            f"{k} {v['us']:8.1f} us ({v['gbps']:.0f} GB/s)" for k, v in out.items()), flush=True)
+
+
+#: (name, LaunchConfig fields) the 4-bit probe tries at head_dim 256: the default (16-key tiles; the tensor cores'
+#: B operand then spans fewer keys than 8 x its warps, which repeat it), and 32-key tiles on 4 warps (no repeat)
+PROBE_VARIANTS = (("default", {}), ("32 keys, 4 warps", {"tile_n": 32, "tile_in_block": True, "num_warps": 4}))
+PROBE_FORMATS = ("int4_per_token_head", "int4_per_group32", "fp4_e2m1", "int8_per_token_head")
+
+
+def probe_packed(device: torch.device, result: dict, head_dim: int = 256,
+                 formats: Sequence[str] = PROBE_FORMATS) -> None:
+    """Section ``probe``: 4-bit caches at ``head_dim`` 256, which the compiled kernels refuse
+    (:data:`kv8.kernels.triton.formats.COMPILED_PACKED_MAX_HEAD_DIM`; on an H200 their outputs were wrong): the
+    refusal lifted here alone, each of ``formats`` x :data:`PROBE_VARIANTS` is compared with the
+    reference attention on the CPU (a decode row, a prefill chunk and a fresh prompt over blocks of 32, bf16
+    queries, one KV head), and the Triton store's bytes with the reference store's. No target: it says whether the
+    refusal can go, and with which tiles."""
+    from kv8.attention.metadata import AttentionMetadata
+    from kv8.attention.reference import paged_attention_reference
+    from kv8.cache.codec import KVCodec
+    from kv8.cache.paged_cache import CacheShape, PagedKVCache
+    from kv8.kernels.triton import attention as A
+    from kv8.kernels.triton.store import store_kv
+    from kv8.quant.formats import resolve_kv_cache_dtype
+
+    gen = torch.Generator().manual_seed(7)
+    q_lens, seq_lens, bs, heads_q = [1, 6, 19], [37, 40, 19], 32, 2
+    tables = [[0, 1], [2, 3], [4]]
+    for kv_name in formats:
+        kv_dtype = resolve_kv_cache_dtype(kv_name, torch.bfloat16)
+        cache = PagedKVCache(CacheShape(1, 5, 1, bs, head_dim), KVCodec.build(kv_dtype, head_dim), device="cpu")
+        slots = torch.tensor([tables[s][i // bs] * bs + i % bs for s, n in enumerate(seq_lens) for i in range(n)])
+        k = torch.randn(len(slots), 1, head_dim, generator=gen)
+        v = torch.randn(len(slots), 1, head_dim, generator=gen)
+        cache.store(0, k, v, slots)
+        # the Triton store of the same tokens into a cache on the device: the written slots' bytes and scales bit for
+        # bit the reference store's?
+        twin = PagedKVCache(CacheShape(1, 5, 1, bs, head_dim), KVCodec.build(kv_dtype, head_dim), device=device)
+        tk, tv = twin.layer(0)
+        tts = twin.layer_token_scales(0) or (None, None)
+        store_kv(k.to(device), v.to(device), tk, tv, slots.to(device), fp8=kv_dtype.codes, k_token_scales=tts[0],
+                 v_token_scales=tts[1])
+        blocks, offsets = slots // bs, slots % bs
+        store_same = all(torch.equal(a.cpu()[0, blocks, :, offsets], b[0, blocks, :, offsets])
+                         for a, b in zip(twin.tensors, cache.tensors))
+        meta = AttentionMetadata.build(q_lens, seq_lens, tables, bs)
+        query = torch.randn(sum(q_lens), heads_q, head_dim, generator=gen).to(torch.bfloat16)
+        ref = paged_attention_reference(query, cache, 0, meta, head_dim ** -0.5).float()
+        row = result.setdefault(kv_name, {"store_bit_exact": store_same})
+        kc, vc = (c.to(device) for c in cache.layer(0))
+        ts = cache.layer_token_scales(0) or (None, None)
+        for name, fields in PROBE_VARIANTS:
+            out = torch.full_like(query, 7.0).to(device)
+            with _lifted(A), _with_config(**fields):
+                A.unified_attention(
+                    query.to(device), kc, vc, out, query_start_loc=meta.query_start_loc.to(device),
+                    seq_lens=meta.seq_lens.to(device), block_tables=meta.block_tables.to(device),
+                    max_query_len=max(q_lens), max_seq_len=max(seq_lens), scale=head_dim ** -0.5,
+                    sliding_window=None, fp8=kv_dtype.codes,
+                    k_token_scales=None if ts[0] is None else ts[0].to(device),
+                    v_token_scales=None if ts[1] is None else ts[1].to(device), num_kv_splits=1)
+            err = float((out.cpu().float() - ref).abs().max())
+            bound = float(torch.finfo(torch.bfloat16).eps) * (1.0 + float(ref.abs().max()))
+            row[name] = {"max_abs_err": err, "right": err <= 2 * bound}
+        print(f"probe {kv_name:20s} D {head_dim}: store {'bit-exact' if store_same else 'DIFFERS'} | " + " | ".join(
+            f"{n}: {'right' if row[n]['right'] else 'WRONG'} ({row[n]['max_abs_err']:.3g})" for n, _ in PROBE_VARIANTS),
+            flush=True)
+
+
+def _lifted(A):
+    """A context without the compiled kernels' refusal of 4-bit codes above head_dim 128 (the probe's alone)."""
+    import contextlib
+
+    @contextlib.contextmanager
+    def lifted():
+        original = A.check_compiled_packed_head_dim
+        A.check_compiled_packed_head_dim = lambda sides, head_dim: None
+        try:
+            yield
+        finally:
+            A.check_compiled_packed_head_dim = original
+    return lifted()
+
+
 # ---- 2. the engine -----------------------------------------------------------------------------------------------
 def make_model_dir(path: Path, config: dict) -> str:
     """A model directory with a Llama config.json and a word-level tokenizer of ``vocab_size`` tokens (t0, t1, ...):
@@ -648,7 +777,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--json", type=Path, help="write the results and verdicts here")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes (the test suite's run; CPU + interpreter)")
-    ap.add_argument("--skip", nargs="*", default=[], choices=("attention", "formats", "engine", "tests"))
+    ap.add_argument("--skip", nargs="*", default=[],
+                    choices=("attention", "formats", "sweep", "probe", "engine", "tests"))
     ap.add_argument("--deadline", type=float, default=DEADLINE_S,
                     help="seconds for the whole run, compile included; then it prints what it has and exits 3")
     ap.add_argument("--kv-budget-gib", type=float, default=17.0, help="section 2's KV budget")
@@ -692,6 +822,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             if "formats" not in args.skip:
                 ran.append("formats")
                 format_rows(result["attention"], device, copy_bps, l2, **dims)
+            if "sweep" not in args.skip:
+                ran.append("sweep")
+                sweep_rows(result["attention"], device, copy_bps, l2, **dims)
+        if "probe" not in args.skip:
+            ran.append("probe")
+            probe_packed(device, result.setdefault("probe", {}),
+                         formats=PROBE_FORMATS[1:2] if args.smoke else PROBE_FORMATS)
         if "engine" not in args.skip:
             ran.append("engine")
             with tempfile.TemporaryDirectory() as tmp:

@@ -17,7 +17,7 @@ from tests.helpers.paths import ROOT, load_file_module
 gpu_check = load_file_module(ROOT / "benchmarks" / "gpu_check.py")
 
 MiB = 2**20
-ALL = ("attention", "formats", "engine", "tests")
+ALL = ("attention", "formats", "sweep", "probe", "engine", "tests")
 
 
 def _row(batch: int, context: int, roles: tuple[str, ...], fp8_of_copy: float, fp8_over_bf16: float,
@@ -134,7 +134,8 @@ def test_the_deadline_stops_the_run_with_what_it_has(tmp_path):
 def test_smoke_run_writes_every_section_and_its_verdicts(tmp_path):
     out = tmp_path / "gpu_check.json"
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), "--smoke", "--skip", "tests",
-                           "formats", "--json", str(out)], env=_env(), capture_output=True, text=True, timeout=900)
+                           "formats", "sweep", "probe", "--json", str(out)], env=_env(), capture_output=True, text=True,
+                          timeout=900)
     result = json.loads(out.read_text())
     # the interpreter's numbers miss the GPU's targets: the run exits 1, having judged every measured one
     assert proc.returncode == 1 == result["exit_status"], proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -207,3 +208,48 @@ def test_timed_steps_hold_the_whole_batch_when_the_prefill_takes_several_steps(t
     assert batch == 2 and gpu_check.request_tokens(batch, 40, 3) == 2 + 3 + 4
     row = gpu_check.engine_decode(model, "bfloat16", batch, 40, 3, 64 * 1024, "cpu", "triton")
     assert row["full_batch"] and row["decode_tokens"] == batch * 3
+
+
+def test_the_probe_tells_a_wrong_kernel_and_store(monkeypatch):
+    """The 4-bit probe can fail: an attention that leaves its output zero reads WRONG in every variant, a store
+    that writes nothing differs from the reference store's bytes."""
+    import torch
+
+    import kv8.kernels.triton.attention as A
+    import kv8.kernels.triton.store as S
+
+    monkeypatch.setattr(A, "unified_attention", lambda query, k, v, out, **kw: out.zero_())
+    monkeypatch.setattr(S, "store_kv", lambda *a, **kw: None)
+    result: dict = {}
+    gpu_check.probe_packed(torch.device("cpu"), result, formats=("int4_per_token_head",))
+    row = result["int4_per_token_head"]
+    assert row["store_bit_exact"] is False
+    for name, _ in gpu_check.PROBE_VARIANTS:
+        assert row[name]["right"] is False and row[name]["max_abs_err"] > 0.1
+
+
+@pytest.mark.slow
+def test_the_probe_and_the_sweep_in_the_interpreter(monkeypatch):
+    """In the interpreter (right at every head_dim) the probe reads every variant right and the Triton store bit for
+    bit the reference's; the refusal of 4-bit codes above head_dim 128 is back after it; the sweep times each
+    variant of the FP8 decode."""
+    import torch
+
+    import kv8.kernels.triton.attention as A
+    from kv8.kernels.triton.formats import check_compiled_packed_head_dim
+
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("a CUDA process: the GPU check runs the probe there")
+    result: dict = {}
+    gpu_check.probe_packed(torch.device("cpu"), result, formats=("int4_per_group32",))
+    row = result["int4_per_group32"]
+    assert row["store_bit_exact"] is True
+    assert all(row[name]["right"] for name, _ in gpu_check.PROBE_VARIANTS)
+    assert A.check_compiled_packed_head_dim is check_compiled_packed_head_dim
+    monkeypatch.setitem(gpu_check.TIMING, "launches", 1)
+    monkeypatch.setitem(gpu_check.TIMING, "repeats", 1)
+    rows = [{"batch": 1, "context": 40}]
+    gpu_check.sweep_rows(rows, torch.device("cpu"), copy_bps=1e9, l2=0, heads_q=4, heads_kv=2, dim=32)
+    assert list(rows[0]["sweep"]) == [name for name, _ in gpu_check.SWEEP_VARIANTS]
+    assert all(v["us"] > 0 for v in rows[0]["sweep"].values())
+    assert A.launch_config.__module__ == A.__name__      # the sweep's replacement is gone
