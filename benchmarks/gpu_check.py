@@ -62,6 +62,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from unittest import mock
 
 import torch
 import torch.nn.functional as F
@@ -319,7 +320,7 @@ def _paged(kv_name: str, batch: int, context: int, heads: int, dim: int, block: 
     codec = KVCodec.build(k_dtype, dim, scales=scales, v_dtype=v_dtype if pair else None)
     cache = PagedKVCache(CacheShape(1, num_blocks, heads, block, dim), codec, device=device)
     k_cache, v_cache = cache.layer(0)
-    static = cache.layer_scales(0)
+    k_scale, v_scale = cache.layer_scales(0) or (None, None)
     k_ts, v_ts = cache.layer_token_scales(0) or (None, None)
     gen = torch.Generator(device=device).manual_seed(seed)
     chunk = 1 << 15   # tokens per store: 64 MiB of bf16 K at 8 x 128
@@ -329,8 +330,8 @@ def _paged(kv_name: str, batch: int, context: int, heads: int, dim: int, block: 
         k = torch.randn(n, heads, dim, dtype=torch.bfloat16, device=device, generator=gen)
         v = torch.randn(n, heads, dim, dtype=torch.bfloat16, device=device, generator=gen)
         store_kv(k, v, k_cache, v_cache, torch.arange(start, start + n, device=device),
-                 fp8=cache.k_dtype.codes, v_fp8=cache.v_dtype.codes, k_scale=None if static is None else static[0],
-                 v_scale=None if static is None else static[1], k_token_scales=k_ts, v_token_scales=v_ts)
+                 fp8=cache.k_dtype.codes, v_fp8=cache.v_dtype.codes, k_scale=k_scale, v_scale=v_scale,
+                 k_token_scales=k_ts, v_token_scales=v_ts)
     order = list(range(num_blocks))
     random.Random(seed).shuffle(order)
     tables = [order[i * per_seq:(i + 1) * per_seq] for i in range(batch)]
@@ -363,17 +364,16 @@ def _time_paged(backend, batch: int, heads_q: int, kv_name: str, context: int, h
         cache, meta = first if copy == 0 else _paged(kv_name, batch, context, heads_kv, dim, block, device,
                                                      seed=batch * 7 + context + copy)
         k_cache, v_cache = cache.layer(0)
-        static = cache.layer_scales(0)
+        k_scale, v_scale = cache.layer_scales(0) or (None, None)
         k_ts, v_ts = cache.layer_token_scales(0) or (None, None)
         q = torch.randn(batch, heads_q, dim, dtype=torch.bfloat16, device=device)
         out = torch.empty_like(q)
         calls.append(lambda q=q, k=k_cache, v=v_cache, out=out, meta=meta, fp8=cache.k_dtype.codes,
-                     v_fp8=cache.v_dtype.codes, s=static, k_ts=k_ts, v_ts=v_ts:
+                     v_fp8=cache.v_dtype.codes, ks=k_scale, vs=v_scale, k_ts=k_ts, v_ts=v_ts:
                      backend._attend(q, k, v, out, query_start_loc=meta.query_start_loc, seq_lens=meta.seq_lens,
                                      block_tables=meta.block_tables, max_query_len=1, max_seq_len=context,
-                                     scale=dim ** -0.5, sliding_window=None, fp8=fp8, v_fp8=v_fp8,
-                                     k_scale=None if s is None else s[0], v_scale=None if s is None else s[1],
-                                     k_token_scales=k_ts, v_token_scales=v_ts))
+                                     scale=dim ** -0.5, sliding_window=None, fp8=fp8, v_fp8=v_fp8, k_scale=ks,
+                                     v_scale=vs, k_token_scales=k_ts, v_token_scales=v_ts))
     seconds, method = time_launches(calls, device)
     return dict(_rate(seconds, read, copy_bps, method), copies=n, read_bytes=read)
 
@@ -460,20 +460,12 @@ def format_rows(rows: list[dict], device: torch.device, copy_bps: float, l2: int
 def _with_config(**fields):
     """A context in which every attention launch's :class:`LaunchConfig` has ``fields`` replaced (the kernel
     compiles once per distinct config: stages and warps are compile options, tile sizes constexprs)."""
-    import contextlib
     from dataclasses import replace
 
     from kv8.kernels.triton import attention as A
 
-    @contextlib.contextmanager
-    def patched():
-        original = A.launch_config
-        A.launch_config = lambda *a, **k: replace(original(*a, **k), **fields)
-        try:
-            yield
-        finally:
-            A.launch_config = original
-    return patched()
+    original = A.launch_config
+    return mock.patch.object(A, "launch_config", lambda *a, **k: replace(original(*a, **k), **fields))
 
 
 #: (name, LaunchConfig fields) of the FP8 decode launches the sweep times: the default, then fewer stages (less
@@ -528,14 +520,15 @@ def probe_packed(device: torch.device, result: dict, head_dim: int = 256,
     tables = [[0, 1], [2, 3], [4]]
     for kv_name in formats:
         kv_dtype = resolve_kv_cache_dtype(kv_name, torch.bfloat16)
-        cache = PagedKVCache(CacheShape(1, 5, 1, bs, head_dim), KVCodec.build(kv_dtype, head_dim), device="cpu")
+        shape, codec = CacheShape(1, 5, 1, bs, head_dim), KVCodec.build(kv_dtype, head_dim)
+        cache = PagedKVCache(shape, codec, device="cpu")
         slots = torch.tensor([tables[s][i // bs] * bs + i % bs for s, n in enumerate(seq_lens) for i in range(n)])
         k = torch.randn(len(slots), 1, head_dim, generator=gen)
         v = torch.randn(len(slots), 1, head_dim, generator=gen)
         cache.store(0, k, v, slots)
         # the Triton store of the same tokens into a cache on the device: the written slots' bytes and scales bit for
         # bit the reference store's?
-        twin = PagedKVCache(CacheShape(1, 5, 1, bs, head_dim), KVCodec.build(kv_dtype, head_dim), device=device)
+        twin = PagedKVCache(shape, codec, device=device)
         tk, tv = twin.layer(0)
         tts = twin.layer_token_scales(0) or (None, None)
         store_kv(k.to(device), v.to(device), tk, tv, slots.to(device), fp8=kv_dtype.codes, k_token_scales=tts[0],
@@ -569,17 +562,7 @@ def probe_packed(device: torch.device, result: dict, head_dim: int = 256,
 
 def _lifted(A):
     """A context without the compiled kernels' refusal of 4-bit codes above head_dim 128 (the probe's alone)."""
-    import contextlib
-
-    @contextlib.contextmanager
-    def lifted():
-        original = A.check_compiled_packed_head_dim
-        A.check_compiled_packed_head_dim = lambda sides, head_dim: None
-        try:
-            yield
-        finally:
-            A.check_compiled_packed_head_dim = original
-    return lifted()
+    return mock.patch.object(A, "check_compiled_packed_head_dim", lambda sides, head_dim: None)
 
 
 # ---- 2. the engine -----------------------------------------------------------------------------------------------
@@ -753,11 +736,12 @@ def run_tests(timeout: float, result: dict, log: Path | None = None) -> None:
     counts = [ln for ln in lines if re.search(r"\d+ (passed|failed|error)", ln) and " in " in ln]
     summary = counts[-1].strip("= ") if counts else (lines[-1] if lines else "")
     failures = [ln for ln in lines if ln.startswith(("FAILED ", "ERROR "))]
-    print(f"tests ({time.perf_counter() - start:.0f} s, return code {rc}): {summary}", flush=True)
+    seconds = time.perf_counter() - start
+    print(f"tests ({seconds:.0f} s, return code {rc}): {summary}", flush=True)
     for ln in failures:
         print(f"  {ln}", flush=True)
     result.update(returncode=rc, summary=summary, failures=failures, tail=lines[-30:],
-                  seconds=time.perf_counter() - start, log=None if log is None else str(log))
+                  seconds=seconds, log=None if log is None else str(log))
 
 
 # ---- the run -----------------------------------------------------------------------------------------------------
