@@ -33,8 +33,8 @@ INT8 = "int8_per_token_head"   # int8 codes, a scale per token and head (always 
 INT4 = "int4_per_token_head"   # int4 codes, two per byte, a scale per token and head (always dynamic)
 FP4 = "fp4_e2m1"               # E2M1 codes, two per byte, an E4M3 scale per 16 values in the row
 I4G = "int4_per_group32"       # int4 codes, two per byte, a float16 scale per 32 values in the row (head_dim % 32 == 0)
-#: the formats whose prefill items the tile kernel reads through tiles decoded to bf16 (csrc/attention/item_staged.h:
-#: never on AMX tiles; int4_per_group32 with bf16 compute only)
+#: the formats whose prefill items the tile kernel reads through tiles decoded to bf16 (csrc/attention/item_staged.h;
+#: on AMX tiles where the library has them, as a bf16 cache's; int4_per_group32 with bf16 compute only)
 STAGED = [INT8, INT4, FP4, I4G]
 
 # A ragged batch mixing decode and chunked prefill over cached prefixes; lengths at / across block edges.
@@ -221,13 +221,12 @@ def prefill_kernel(lib: kernels.KernelLibrary, kv_name: str, gran: str, q_dtype:
                    bs: int = 16) -> str:
     """The item kernel of a 48-row prefill item, asserted to be the expected one: :func:`portable_path` without the
     fast path (or for int4_per_group32 with fp16 / fp32 compute); "amx" where the library multiplies with AMX tiles
-    and the item qualifies (bf16 compute, K scales not per channel, head_dim a multiple of 64 up to 256, a format
-    other than :data:`STAGED`); else "prefill" (head_dim <= 128) or "tile"."""
+    and the item qualifies (bf16 compute, K scales not per channel, head_dim a multiple of 64 up to 256; the
+    :data:`STAGED` formats too, on their staged tiles); else "prefill" (head_dim <= 128) or "tile"."""
     got = kernels.KernelTesting(lib).item_kernel(kv_name, q_dtype, dim, bs, 48, k_per_channel=gran == "channel")
     if not lib.has_fast_path or (kv_name == I4G and q_dtype != torch.bfloat16):
         expected = portable_path(lib, dim, kv_name)
-    elif (lib.amx and q_dtype == torch.bfloat16 and gran != "channel" and dim % 64 == 0 and dim <= 256
-          and kv_name not in STAGED):
+    elif lib.amx and q_dtype == torch.bfloat16 and gran != "channel" and dim % 64 == 0 and dim <= 256:
         expected = "amx"
     else:
         expected = "prefill" if dim <= 128 else "tile"
@@ -239,13 +238,13 @@ def decode_kernel(lib: kernels.KernelLibrary, kv_name: str, gran: str, dim: int,
     """The item kernel of a decode-sized item (bf16 compute, <= 4 rows, head_dim 64 / 128 / 256, blocks of a
     multiple of 16 tokens), asserted to be the expected one: :func:`portable_path` without the fast path;
     "amx_decode" where the library multiplies with AMX tiles, the K scales are not per channel and the cache is
-    not 4- or 8-bit coded (int8 / int4 / int4_per_group32 / FP4 run the AVX-512 decode kernel only); else "decode"."""
+    not 4-bit coded (int4 / int4_per_group32 / FP4 run the AVX-512 decode kernel only); else "decode"."""
     got = kernels.KernelTesting(lib).item_kernel(kv_name, torch.bfloat16, dim, bs, rows,
                                                  k_per_channel=gran == "channel")
     if not lib.has_fast_path:
         expected = portable_path(lib, dim, kv_name)
     else:
-        expected = ("amx_decode" if lib.amx and gran != "channel" and kv_name not in (INT8, INT4, I4G, FP4)
+        expected = ("amx_decode" if lib.amx and gran != "channel" and kv_name not in (INT4, I4G, FP4)
                     else "decode")
     assert got == expected, (got, expected)
     return got

@@ -532,7 +532,7 @@ def test_decode_items_of_several_heads(lib: kernels.KernelLibrary, kernel_path: 
     seq_lens = [1, 17, 64, 200, 333]
     cache, meta, q = make_case(kv_name, gran, torch.bfloat16, group=group, heads=heads, query_lens=[1] * 5,
                                seq_lens=seq_lens, seed=heads * 10 + group, poison=True)
-    amx = kernel_path == "amx" and kv_name not in (INT8, INT4, I4G, FP4)
+    amx = kernel_path == "amx" and kv_name not in (INT4, I4G, FP4)
     assert decode_kernel(lib, kv_name, gran, 64, 16, group) in ("amx_decode" if amx else "decode",
                                                                  portable_path(lib, 64, kv_name))
     for partition in (0, 16, 96):
@@ -580,15 +580,15 @@ def test_decode_item_kernel_conditions(lib: kernels.KernelLibrary) -> None:
     assert not uses_decode_kernel(lib, "fp8_e4m3", torch.float16, 64, 16, 3)     # fp16 compute
     assert not uses_decode_kernel(lib, "float16", torch.bfloat16, 64, 16, 3)     # fp16 cache: AVX2 / generic
     assert not uses_decode_kernel(lib, "fp8_e4m3", torch.bfloat16, 64, 16, 16)   # prefill-sized items
-    for ints in (INT8, INT4):  # the AVX-512 decode kernel (never AMX), else the fp32 kernels
+    for ints in (INT8, INT4):  # a decode kernel (int8: on AMX tiles where the library has them), else fp32 ones
         assert kernels.KernelTesting(lib).item_kernel(ints, torch.bfloat16, 128, 32, 4) == (
-            "decode" if fast else portable_path(lib, 128))
+            portable_path(lib, 128) if not fast else "amx_decode" if lib.amx and ints == INT8 else "decode")
         assert not uses_decode_kernel(lib, ints, torch.bfloat16, 64, 8, 3)       # blocks of 8 tokens
         assert not uses_decode_kernel(lib, ints, torch.bfloat16, 80, 16, 3)      # head_dim 80
         assert not uses_decode_kernel(lib, ints, torch.float32, 64, 16, 3)       # fp32 compute
         assert kernels.KernelTesting(lib).item_kernel(ints, torch.float32, 64, 16, 3) == portable_path(lib, 64)
         assert kernels.KernelTesting(lib).item_kernel(ints, torch.bfloat16, 64, 16, 16) == (   # prefill: staged
-            "prefill" if fast else portable_path(lib, 64))
+            portable_path(lib, 64) if not fast else "amx" if lib.amx else "prefill")
     # int4_per_group32 and fp4_e2m1: the AVX-512 decode kernel too (never AMX), else the generic kernel
     for group_scaled in (I4G, FP4):
         for dim in (64, 128, 256):
@@ -598,12 +598,18 @@ def test_decode_item_kernel_conditions(lib: kernels.KernelLibrary) -> None:
         assert not uses_decode_kernel(lib, group_scaled, torch.bfloat16, 64, 8, 3)     # blocks of 8 tokens
         assert not uses_decode_kernel(lib, group_scaled, torch.float32, 64, 16, 3)     # fp32 compute
         assert kernels.KernelTesting(lib).item_kernel(group_scaled, torch.float32, 64, 16, 3) == "generic"
-    # their prefill items staged (int4_per_group32: bf16 compute only; FP4 exact: any compute dtype), the rest generic
-    assert kernels.KernelTesting(lib).item_kernel(I4G, torch.bfloat16, 64, 16, 16) == ("prefill" if fast else "generic")
+    # their prefill items staged (int4_per_group32: bf16 compute only; FP4 exact: any compute dtype), the rest generic;
+    # with bf16 compute on AMX tiles where the library has them
+    amx = fast and lib.amx
+    assert kernels.KernelTesting(lib).item_kernel(I4G, torch.bfloat16, 64, 16, 16) == (
+        "amx" if amx else "prefill" if fast else "generic")
     assert kernels.KernelTesting(lib).item_kernel(I4G, torch.float32, 64, 16, 16) == "generic"   # staged: bf16 only
     for q_dtype in (torch.bfloat16, torch.float32):
-        assert kernels.KernelTesting(lib).item_kernel(FP4, q_dtype, 64, 16, 16) == ("prefill" if fast else "generic")
-        assert kernels.KernelTesting(lib).item_kernel(FP4, q_dtype, 256, 16, 16) == ("tile" if fast else "generic")
+        bf16_amx = amx and q_dtype == torch.bfloat16
+        assert kernels.KernelTesting(lib).item_kernel(FP4, q_dtype, 64, 16, 16) == (
+            "amx" if bf16_amx else "prefill" if fast else "generic")
+        assert kernels.KernelTesting(lib).item_kernel(FP4, q_dtype, 256, 16, 16) == (
+            "amx" if bf16_amx else "tile" if fast else "generic")
 
 
 @pytest.mark.parametrize("group,dim,bs", [(1, 64, 16), (2, 128, 32), (3, 64, 16), (4, 256, 16)])
@@ -706,10 +712,11 @@ STAGED_SHAPES = [(3, 64, 16), (1, 128, 8), (4, 80, 32), (8, 32, 16), (2, 96, 16)
     (kv_name, gran, *shape) for kv_name, gran in ((INT8, "dynamic"), (INT4, "dynamic"), (FP4, "none"), (I4G, "none"))
     for shape in STAGED_SHAPES if kv_name != I4G or shape[1] % 32 == 0])   # int4_per_group32: whole groups of 32
 @pytest.mark.parametrize("q_dtype", [torch.bfloat16, torch.float16, torch.float32])
-def test_staged_prefill(lib: kernels.KernelLibrary, kv_name: str, gran: str, q_dtype: torch.dtype, group: int,
-                        dim: int, bs: int) -> None:
+def test_staged_prefill(lib: kernels.KernelLibrary, kernel_path: str, kv_name: str, gran: str, q_dtype: torch.dtype,
+                        group: int, dim: int, bs: int) -> None:
     """Prefill items of the integer and group-scaled caches on the tile kernel, their K / V tiles decoded to bf16
-    (item_staged.h; asserted to serve: the prefill loop for head_dim <= 128, the chunked tile loop for 256; the
+    (item_staged.h; asserted to serve: with bf16 compute and head_dim a multiple of 64 the prefill loop on AMX tiles
+    where the library has them, else the prefill loop for head_dim <= 128 and the chunked tile loop for 256; the
     generic kernel for int4_per_group32 with fp16 / fp32 compute): a 300-token prompt and chunked prefills of 77 and
     200 tokens over cached prefixes (lengths that end mid-tile), next to a decode and a 5-token prompt; GQA 1 / 2 / 3
     / 4 / 8; head_dim 32 / 64 / 96 / 128 / 256 and 80 (int4 / FP4 rows of 40 bytes: a last 16 channels apart);

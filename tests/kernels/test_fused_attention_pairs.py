@@ -86,6 +86,8 @@ def expected_kernel(lib: kernels.KernelLibrary, k_name: str, v_name: str, q_dtyp
         return "decode"
     if q_dtype != torch.bfloat16 and I4G in (k_name, v_name):
         return "generic"   # int4_per_group32's staged values round to bf16: bf16 compute only
+    if lib.amx and rows > 4 and q_dtype == torch.bfloat16 and dim % 64 == 0 and dim <= 256:
+        return "amx"       # the prefill loop on AMX tiles, as for a bf16 cache
     return "prefill" if rows > 4 and dim <= 128 else "tile"
 
 
@@ -124,8 +126,10 @@ def test_pair_store_bit_exact(lib: kernels.KernelLibrary, k_name: str, v_name: s
 
 @pytest.mark.parametrize("k_name,v_name", PAIRS)
 @pytest.mark.parametrize("q_dtype", [torch.bfloat16, torch.float32])
-def test_pair_attention(lib: kernels.KernelLibrary, k_name: str, v_name: str, q_dtype: torch.dtype) -> None:
-    """A ragged batch of decode and chunked-prefill rows over cached prefixes (GQA 3, blocks of 16)."""
+def test_pair_attention(lib: kernels.KernelLibrary, kernel_path: str, k_name: str, v_name: str,
+                        q_dtype: torch.dtype) -> None:
+    """A ragged batch of decode and chunked-prefill rows over cached prefixes (GQA 3, blocks of 16), on AMX tiles
+    (where this CPU has them) and on AVX-512."""
     testing = kernels.KernelTesting(lib)
     for rows in (3, 48):
         got = testing.item_kernel(k_name, q_dtype, 64, 16, rows, v_kv_dtype=v_name)
@@ -139,7 +143,8 @@ def test_pair_attention(lib: kernels.KernelLibrary, k_name: str, v_name: str, q_
 @pytest.mark.parametrize("group,dim,bs", [(1, 64, 16), (3, 64, 8), (8, 64, 32), (3, 128, 16), (1, 128, 32),
                                           (3, 256, 16), (3, 64, 24)])
 @pytest.mark.parametrize("k_name,v_name", [(INT8, I4G), (INT8, INT4), (I4G, INT8)])
-def test_pair_shapes(lib: kernels.KernelLibrary, group: int, dim: int, bs: int, k_name: str, v_name: str) -> None:
+def test_pair_shapes(lib: kernels.KernelLibrary, kernel_path: str, group: int, dim: int, bs: int, k_name: str,
+                     v_name: str) -> None:
     """GQA groups, head dims and block sizes (24: tiles that cross blocks; the decode kernel needs multiples of 16)."""
     cache, meta, q = make_pair_case(k_name, v_name, torch.bfloat16, group=group, dim=dim, bs=bs, heads=2,
                                    query_lens=[1, 9, 1, 3], seq_lens=[bs, 2 * bs + 3, 5 * bs + 1, 40],

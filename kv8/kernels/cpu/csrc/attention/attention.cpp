@@ -43,8 +43,9 @@
 //     tiles, bf16 compute without per-channel K scales and D % 64 == 0, D <= 256 -> the same loop on AMX
 //     tiles, 16 rows per block)
 //   FAST, KV dtype int8 / int4 / int4_per_group32 / fp4_e2m1 (D % 16 == 0, D <= 1024; run_item_coded):
-//     decode-shaped items the decode kernel serves -> run_item_decode; items of more than 4 rows -> run_item_tile
-//     on tiles decoded to bf16 (item_staged.h; never on AMX tiles; int4_per_group32 with bf16 compute only);
+//     decode-shaped items the decode kernel serves -> run_item_decode (int8 with AMX tiles and K scales not per
+//     channel: run_item_decode_amx); items of more than 4 rows -> run_item_tile on tiles decoded to bf16
+//     (item_staged.h; its prefill loop on AMX tiles as for a bf16 cache; int4_per_group32 with bf16 compute only);
 //     every other item -> the AVX2 / generic kernel below
 //   FAST, K and V in different formats (a pair), each of those four, FP8 or bf16 (run_item_coded): decode-shaped items of the pairs with decode instances (int8 K with int4_per_group32 or int4
 //     V: decode_pair_fn) -> run_item_decode on K's and V's formats; every other item -> run_item_tile on K tiles
@@ -98,11 +99,14 @@ static inline bool staged_item(const Problem& P, int rows) {
     return (rows > 4 || P.vkv != P.kv) && staged_serves(P);
 }
 
-// An item of an integer or group-scaled cache (kv_staged): the AVX-512 decode kernel where it serves the item's
-// rows, else the tile kernel on staged bf16 tiles for prefill items, else the fp32 kernel.
+// An item of an integer or group-scaled cache (kv_staged): a decode kernel where one serves the item's rows (AMX
+// tiles first: int8), else the tile kernel on staged bf16 tiles for prefill items, else the fp32 kernel.
 template <bool QLO, bool PLO>
 static int run_item_coded(const Problem& P, const Item& it, float* ws) {
     const int rows = (it.j1 - it.j0) * P.G;
+#if KV8_ATTN_AMX
+    if (ItemFn f = decode_amx_fn(P, rows)) return f(P, it, ws);
+#endif
     if (ItemFn f = decode_fn(P, rows)) return f(P, it, ws);
     if (staged_item(P, rows)) return run_item_staged<QLO, PLO>(P, it, ws);
     return fp32_item_fn(P)(P, it, ws);
@@ -231,10 +235,17 @@ int kv8_test_item_kernel(int kv, int vkv, int q_dtype, int D, int bs, int rows, 
     const ItemFn fn = pick_item_fn(P, &fast);
     if (!fast) return fn == run_item_generic ? KERNEL_GENERIC : KERNEL_AVX2;
 #if KV8_FAST
-    if (!kv_bf16_exact(kv) || vkv != kv) {  // integer / group codes, or a pair (run_item_coded): the decode kernel,
-                                            // the tile kernel on staged tiles (never AMX: staged_view) or fp32
+    if (!kv_bf16_exact(kv) || vkv != kv) {  // integer / group codes, or a pair (run_item_coded): a decode kernel,
+                                            // the tile kernel on staged tiles (its prefill loop on AMX tiles where
+                                            // granted: staged_view keeps P.amx) or fp32
+#if KV8_ATTN_AMX
+        if (bs > 0 && decode_amx_fn(P, rows) != nullptr) return KERNEL_AMX_DECODE;
+#endif
         if (bs > 0 && decode_fn(P, rows) != nullptr) return KERNEL_DECODE;
         if (!staged_item(P, rows)) return fp32_item_fn(P) == run_item_generic ? KERNEL_GENERIC : KERNEL_AVX2;
+#if KV8_ATTN_AMX
+        if (uses_amx_loop(staged_view(P), rows)) return KERNEL_AMX;
+#endif
         return uses_prefill_loop(D, rows) ? KERNEL_PREFILL : KERNEL_TILE;
     }
 #if KV8_ATTN_AMX

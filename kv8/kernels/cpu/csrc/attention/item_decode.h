@@ -18,7 +18,8 @@
 // layout and building blocks (fast_simd.h); the softmax weights are bf16 (the output is bf16), computed by
 // exp2_weights as the prefill loop's are.
 //
-// Integer caches (int8, int4; this kernel only -- the tile and AMX kernels read FP8 and bf16): a code c is a bf16
+// Integer caches (int8, int4; the tile kernel reads them staged, item_staged.h; int8 also runs item_decode_amx.h's
+// kernel, its K decoded as FP8's through the byte table): a code c is a bf16
 // exactly (|c| <= 127), so as for FP8 with per-token scales, score = bf16(q) . c (exact products, fp32 sums)
 // x softmax scale x the token's K scale, and the token's V scale multiplies its softmax weight before the weight
 // rounds to bf16: out = sum_t bf16(p_t vs_t) c_t / sum_t p_t. int4 rows are D / 2 bytes (32 per 64-channel

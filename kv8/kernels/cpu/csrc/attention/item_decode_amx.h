@@ -1,7 +1,7 @@
 // The decode item kernel on AMX tiles: decode_fn's items (<= 4 rows, bf16 compute, blocks of a multiple of 16
 // tokens, D = 64 / 128 / 256) where the call grants AMX (Problem::amx) and the K scales are not per channel. The
 // loop of run_item_decode (item_decode.h): chunks of CHUNK_TILES tiles of 16 tokens, one online-softmax step per
-// chunk with the same arithmetic (exp2_weights, bf16 weights), the same stream of prefetches (stream_row: fp8 K as
+// chunk with the same arithmetic (exp2_weights, bf16 weights), the same stream of prefetches (stream_row: FP8 / int8 K as
 // it is decoded, a bf16 cache's K beside its S^T tiles, V as its pairs are built); the two products move to
 // tdpbf16ps. Why: vdpbf16ps retires ~1.8 G/s per core on the Xeon kv8 is measured on (a microbenchmark of 12
 // independent chains), and the AVX-512 kernel issues ~190 per tile of 16 tokens (R = 3, D = 64).
@@ -64,7 +64,7 @@ struct DecodeHead : DecodeHeadState<D, R> {
 
 template <int KV, int D, int R>
 static int run_item_decode_amx(const Problem& P, const Item& item, float* ws) {
-    constexpr bool fp8 = KV_FORMATS[KV].fp8;
+    constexpr bool coded = byte_codes(KV);  // FP8 or int8: K decoded through the byte table
     constexpr int RBYTES = D * KV_FORMATS[KV].esize, CT = CHUNK_TILES, STEPS = D / 32, NG = D / 16;
     constexpr int NV = chunk_accs<KV>();  // V accumulators (channel groups) per 64-byte chunk of a row
     constexpr bool QT_RESIDENT = STEPS == 2;  // D = 64: both Q^T steps stay in tiles 1 and 7 (O in 5, 6)
@@ -72,12 +72,12 @@ static int run_item_decode_amx(const Problem& P, const Item& item, float* ws) {
     if (item.nh < 1 || item.nh > MAX_ITEM_HEADS) return ERR_ARGS;
     const Lut& L = lut_for(P.kv);
     const Rows w = rows_of(P, item);
-    alignas(64) __m512i kbuf[CT][fp8 ? STEPS * 16 : 1];  // decoded K (fp8): tile j, step s, row t at [j][s 16 + t]
+    alignas(64) __m512i kbuf[CT][coded ? STEPS * 16 : 1];  // decoded K (coded): tile j, step s, row t at [j][s 16 + t]
     alignas(64) __m512i vbuf[2 * NG * 16];         // decoded V: half h, group g, token pair u at (h NG + g) 16 + u
     alignas(64) float sbuf[CT * 16 * 4];           // S^T of tile j: token t, row r at (j * 16 + t) * 4 + r
     alignas(64) uint16_t pbuf[2 * R * 32];         // weights: half h, row r, token i at (h R + r) 32 + i
     alignas(64) float cbuf[R * D], nat[D];
-    alignas(64) uint8_t pad_k_first[fp8 ? 1 : TILE * RBYTES], pad_k_last[fp8 ? 1 : TILE * RBYTES];
+    alignas(64) uint8_t pad_k_first[coded ? 1 : TILE * RBYTES], pad_k_last[coded ? 1 : TILE * RBYTES];
     alignas(64) uint8_t pad_v_first[TILE * RBYTES], pad_v_last[TILE * RBYTES];
     DecodeHead<D, R> heads[MAX_ITEM_HEADS];
     float alpha[R];
@@ -96,7 +96,7 @@ static int run_item_decode_amx(const Problem& P, const Item& item, float* ws) {
             for (int s = 0; s < STEPS; ++s)
                 for (int k = 0; k < 16; ++k) {
                     // the channel pair at position k of step s's A rows: fp8_to_bf16's lane order, or natural
-                    const int c = fp8 ? 64 * (s / 2) + 16 * (k / 4) + 8 * (s % 2) + 2 * (k % 4) : 32 * s + 2 * k;
+                    const int c = coded ? 64 * (s / 2) + 16 * (k / 4) + 8 * (s % 2) + 2 * (k % 4) : 32 * s + 2 * k;
                     memcpy(H.qt + (s * 16 + k) * R + r, q + c, 4);  // bf16 channels c, c + 1
                 }
         }
@@ -121,7 +121,7 @@ static int run_item_decode_amx(const Problem& P, const Item& item, float* ws) {
             for (int j = 0; j < nt; ++j) {
                 DecodeTile T;
                 if (decode_tile<RBYTES, RBYTES>(P, it, table, c0 + j * TILE, H.sfac, T) != OK) return ERR_BLOCK_ID;
-                kahead[j] = fp8 ? nullptr : T.ka;  // fp8: streamed as K is decoded; bf16: beside its S^T tiles
+                kahead[j] = coded ? nullptr : T.ka;  // coded: streamed as K is decoded; bf16: beside its S^T tiles
                 vahead[j] = T.va;
                 const uint8_t* kb = T.k;
                 const int lead = T.lead, n = T.n;
@@ -130,7 +130,7 @@ static int run_item_decode_amx(const Problem& P, const Item& item, float* ws) {
                 vsv[j] = T.vs;
                 const bool partial = n < TILE || lead > 0;
                 vb[j] = partial ? pad_tile<RBYTES>(lead > 0 ? pad_v_first : pad_v_last, T.v, lead, n) : T.v;
-                if (fp8) {
+                if (coded) {
                     __m512i* kd = kbuf[j];
                     for (int t = 0; t < TILE; ++t) {
                         stream_row<RBYTES>(T.ka, t);
@@ -148,7 +148,7 @@ static int run_item_decode_amx(const Problem& P, const Item& item, float* ws) {
                 }
             }
             // S^T of each tile (A steps 64 bytes apart in a row of RA bytes), stored for the gathers below.
-            constexpr int RA = fp8 ? 64 : RBYTES;
+            constexpr int RA = coded ? 64 : RBYTES;
             if (QT_RESIDENT) {
                 _tile_loadd(1, H.qt, 4 * R);
                 _tile_loadd(7, H.qt + 16 * R, 4 * R);
@@ -160,11 +160,11 @@ static int run_item_decode_amx(const Problem& P, const Item& item, float* ws) {
                 if (QT_RESIDENT) {
                     _tile_loadd(0, a, RA);
                     _tile_dpbf16ps(2, 0, 1);
-                    _tile_loadd(0, a + (fp8 ? 16 * 64 : 64), RA);
+                    _tile_loadd(0, a + (coded ? 16 * 64 : 64), RA);
                     _tile_dpbf16ps(2, 0, 7);
                 } else {
                     for (int st = 0; st < STEPS; ++st) {
-                        _tile_loadd(0, a + (fp8 ? st * 16 * 64 : st * 64), RA);
+                        _tile_loadd(0, a + (coded ? st * 16 * 64 : st * 64), RA);
                         _tile_loadd(1, H.qt + st * 16 * R, 4 * R);
                         _tile_dpbf16ps(2, 0, 1);
                     }
@@ -237,7 +237,9 @@ static int run_item_decode_amx(const Problem& P, const Item& item, float* ws) {
 struct AmxDecode {
     template <int KV, int D, int R>
     static ItemFn fn() { return run_item_decode_amx<KV, D, R>; }
-    static constexpr bool serves(int kv) { return kv_bf16_exact(kv); }  // FP8 and bf16: no integer codes
+    // FP8, bf16 and int8 (|code| <= 127: a bf16 exactly; its per-token scales as FP8's dynamic ones). 4-bit codes
+    // keep the AVX-512 kernel.
+    static constexpr bool serves(int kv) { return kv_bf16_exact(kv) || KV_FORMATS[kv].ibits == 8; }
 };
 
 // The AMX decode item kernel for this problem and item rows, or NULL where it does not serve (decode_fn's

@@ -23,9 +23,9 @@
 //   scales in fp32 instead. With bf16 compute the output is bf16 (2^-9 relative) anyway; fp16 / fp32 compute
 //   promises ~16 significant bits, so those items keep the generic kernel (staged_serves).
 //
-// The AMX form of the prefill loop (item_prefill_amx.h) reads these tiles as well as the AVX-512 loop does, but it
-// cannot be tested on a machine without AMX, so staged_view turns it off: these formats' prefill items run the
-// AVX-512 loop everywhere.
+// Where the call grants AMX (Problem::amx), the prefill loop reads these tiles on AMX tiles (item_prefill_amx.h), as
+// it reads a bf16 cache's: the staged tiles are in the same pair and P.V layouts, and the per-token scales ride on
+// the score factors and the weights as above.
 #pragma once
 
 #include "item_tile.h"
@@ -193,13 +193,12 @@ struct Staged {
     }
 };
 
-// The problem the tile kernel sees for a staged format: its K and V tiles are bf16 (kv, vkv, esize, vesize), no AMX
-// (see above); the rows (each side's row bytes), scales and pointers are P's.
+// The problem the tile kernel sees for a staged format: its K and V tiles are bf16 (kv, vkv, esize, vesize); the rows
+// (each side's row bytes), scales, pointers and the AMX grant are P's.
 static inline Problem staged_view(const Problem& P) {
     Problem V = P;
     V.kv = V.vkv = KV_BF16;
     V.esize = V.vesize = 2;
-    V.amx = false;
     return V;
 }
 
