@@ -88,6 +88,7 @@ class KVCacheManager:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.pools = [BlockPool(n, enable_prefix_caching) for n in num_blocks]
+        self._windowed = any(g.kept_window is not None for g in self.groups)
         self.req_blocks: dict[str, list[list[int]]] = {}
         self._num_cached: dict[str, list[int]] = {}   # per request and group: blocks already published
         # Prefix cache statistics, in blocks.
@@ -225,6 +226,13 @@ class KVCacheManager:
         taken on each. Returns False (and allocates nothing) when a pool cannot supply the blocks.
         """
         computed = computed_blocks if computed_blocks is not None and any(computed_blocks) else None
+        if computed is None and not self._windowed:
+            # A decode step's common case: the tables already hold the new tokens' slots, and no group has a
+            # window to free blocks from -- the full path below would find nothing to free or to take.
+            tables = self.req_blocks.get(request.request_id)
+            end = request.num_computed_tokens + num_new_tokens
+            if tables and all(len(t) * self.block_size >= end for t in tables):
+                return True
         if computed is not None and self.req_blocks.get(request.request_id):
             raise RuntimeError("computed blocks can only be added to a request without blocks")
         self._free_out_of_window(request, request.num_computed_tokens)

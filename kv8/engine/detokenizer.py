@@ -3,23 +3,50 @@
 Text is produced a token at a time without re-decoding the whole output: decode a short window of ids twice
 (with and without the newest ones) and emit the difference, holding back text that ends in an incomplete
 UTF-8 sequence (U+FFFD) until the next token completes it.
+
+The windows are decoded by the ``tokenizers`` library's own ``decode`` where that is what the tokenizer's
+``decode`` returns for a list of ids (:func:`backend_decode`): transformers' Python around it (argument
+conversion, batch checks) cost more than the decode itself, twice per request and token.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 
+def backend_decode(tokenizer: Any) -> Callable[..., str] | None:
+    """The ``tokenizers`` decode (``ids, skip_special_tokens=``) that returns exactly ``tokenizer.decode``'s text
+    for a list of ids, or None where that is not known: a transformers fast tokenizer whose class keeps
+    ``PreTrainedTokenizerFast``'s ``decode`` and ``_decode`` (that ``_decode`` is the backend's decode, then the
+    optional clean-up of tokenization spaces) and has that clean-up off."""
+    try:
+        from transformers import PreTrainedTokenizerFast
+    except ImportError:   # pragma: no cover - transformers is a dependency
+        return None
+    cls = type(tokenizer)
+    if (not isinstance(tokenizer, PreTrainedTokenizerFast) or cls.decode is not PreTrainedTokenizerFast.decode
+            or cls._decode is not PreTrainedTokenizerFast._decode or tokenizer.clean_up_tokenization_spaces):
+        return None
+    decode: Callable[..., str] = tokenizer.backend_tokenizer.decode
+    return decode
+
+
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer: Any, skip_special_tokens: bool) -> None:
+    """One request's text, a token at a time. ``decode``: :func:`backend_decode`'s function for ``tokenizer``
+    where the caller has it (found once per tokenizer), else ``tokenizer.decode`` is used; both give the same
+    text."""
+
+    def __init__(self, tokenizer: Any, skip_special_tokens: bool, decode: Callable[..., str] | None = None) -> None:
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
+        self._decode_ids = decode if decode is not None else tokenizer.decode
         self.ids: list[int] = []
         self.prefix_offset = 0
         self.read_offset = 0
 
     def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+        return self._decode_ids(ids, skip_special_tokens=self.skip_special_tokens)
 
     def add(self, token_id: int) -> str:
         """Append one token; return the new text it completes (possibly empty)."""

@@ -25,7 +25,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, cast
 
-from kv8.engine.detokenizer import IncrementalDetokenizer, find_stop
+from kv8.engine.detokenizer import IncrementalDetokenizer, backend_decode, find_stop
 from kv8.engine.request import Request, RequestStatus, TokenLogprobs
 from kv8.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
 
@@ -53,10 +53,12 @@ class _Group:
 class OutputProcessor:
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
+        self._decode = backend_decode(tokenizer)
         self.groups: dict[str, _Group] = {}
 
     def add_request(self, request_id: str, prompt: str | None, children: list[Request]) -> None:
-        states = [_TextState(IncrementalDetokenizer(self.tokenizer, c.sampling_params.skip_special_tokens))
+        states = [_TextState(IncrementalDetokenizer(self.tokenizer, c.sampling_params.skip_special_tokens,
+                                                    self._decode))
                   for c in children]
         self.groups[request_id] = _Group(request_id, prompt, children, states)
 

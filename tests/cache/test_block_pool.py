@@ -144,3 +144,36 @@ def test_chain_hash_names_the_whole_prefix():
     h1 = hash_block(None, [1, 2])
     assert hash_block(h1, [3, 4]) != hash_block(hash_block(None, [9, 9]), [3, 4])
     assert hash_block(None, [1, 2]) == h1 and len(h1) == 16
+
+
+@pytest.mark.parametrize("window", [None, 6])
+def test_decode_allocation_takes_a_block_only_at_a_block_edge(window: int | None) -> None:
+    """A decode step's allocation of a request whose last block still has room takes nothing and frees nothing
+    (the manager answers it without its full path where no group has a window); the step that crosses a block's
+    end takes exactly one block; in a sliding-window layout the blocks the window left are freed at every step.
+    All or nothing: a pool without a free block refuses the crossing step and changes nothing."""
+    from kv8.cache.layout import KVCacheLayout
+
+    kv = KVCacheManager(KVCacheLayout.build([window]), [4], block_size=4, enable_prefix_caching=False)
+    r = req("a", list(range(5)))
+    assert kv.allocate_slots(r, 5)
+    held = kv.block_ids("a")
+    assert held == ((0, 1),)
+    r.num_computed_tokens = 5
+    for pos in range(5, 16):   # one new token at a time, positions 5..15
+        before = kv.num_free_blocks
+        assert kv.allocate_slots(r, 1)
+        table = kv.block_ids("a")[0]
+        assert len(table) == pos // 4 + 1
+        if window is None:
+            assert table[:len(held[0])] == held[0] and before - kv.num_free_blocks == (pos % 4 == 0)
+        else:   # blocks wholly before the window of position pos are freed
+            first = max(pos - window + 1, 0) // 4
+            assert all(b == -1 for b in table[:first]) and all(b != -1 for b in table[first:])
+        held = kv.block_ids("a")
+        r.num_computed_tokens = pos + 1
+        kv.check_integrity()
+    free = kv.num_free_blocks   # another request takes them: the next edge cannot be crossed
+    assert kv.allocate_slots(req("b", list(range(4 * free))), 4 * free) and kv.num_free_blocks == 0
+    assert not kv.allocate_slots(r, 1) and kv.block_ids("a") == held
+    kv.check_integrity()
