@@ -589,7 +589,7 @@ def test_decode_item_kernel_conditions(lib: kernels.KernelLibrary) -> None:
         assert kernels.KernelTesting(lib).item_kernel(ints, torch.float32, 64, 16, 3) == portable_path(lib, 64)
         assert kernels.KernelTesting(lib).item_kernel(ints, torch.bfloat16, 64, 16, 16) == (   # prefill: staged
             portable_path(lib, 64) if not fast else "amx" if lib.amx else "prefill")
-    # int4_per_group32 and fp4_e2m1: the AVX-512 decode kernel too (never AMX), else the generic kernel
+    # int4_per_group32 and fp4_e2m1: the AVX-512 decode kernel too (never its AMX form), else the generic kernel
     for group_scaled in (I4G, FP4):
         for dim in (64, 128, 256):
             assert kernels.KernelTesting(lib).item_kernel(group_scaled, torch.bfloat16, dim, 16, 4) == (

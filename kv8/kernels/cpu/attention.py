@@ -254,18 +254,19 @@ class KernelTesting:
           at most 4 rows the decode kernel does not serve, head dims not a multiple of 16);
         * "tile": AVX-512 BF16, any item (int8 / int4 / FP4 / int4_per_group32: items of more than 4 rows, their
           tiles decoded to bf16; int4_per_group32 with bf16 compute only);
-        * "decode": AVX-512 BF16, decode-sized items (bf16 compute, an FP8, bf16, int8 or int4 cache, head_dim
-          64 / 128 / 256, blocks of a multiple of 16 tokens, at most 4 rows);
+        * "decode": AVX-512 BF16, decode-sized items (bf16 compute, an FP8, bf16, int8, int4, int4_per_group32 or FP4
+          cache, head_dim 64 / 128 / 256, blocks of a multiple of 16 tokens, at most 4 rows);
         * "amx_decode": those items on AMX tiles, where :attr:`KernelLibrary.amx` and the K scales are not per
-          channel (``k_per_channel``) and the cache is not int8 / int4;
+          channel (``k_per_channel``) and the cache is FP8, bf16 or int8;
         * "prefill": the tile kernel's loop for items of more than 4 rows and head_dim <= 128 (the formats above
           through tiles decoded to bf16 as well);
         * "amx": that loop on AMX tiles, where :attr:`KernelLibrary.amx` (bf16 compute, head_dim a multiple of
-          64 up to 256, K scales not per channel, an FP8 or bf16 cache).
+          64 up to 256, K scales not per channel; the integer and group-scaled formats and the pairs on their tiles
+          decoded to bf16).
 
         ``kv_dtype`` is K's format, ``v_kv_dtype`` V's (default: K's). A pair whose sides are each int8, int4,
         FP4, int4_per_group32, FP8 or bf16: "decode" for the decode-sized items of int8 K with int4_per_group32 or
-        int4 V, else "prefill" / "tile" (every item, on tiles of both sides decoded to bf16; with an
+        int4 V, else "amx" / "prefill" / "tile" (every item, on tiles of both sides decoded to bf16; with an
         int4_per_group32 side bf16 compute only, else "generic"); a pair with an fp16 / fp32 side: "generic"."""
         codes = self.lib.kv_dtype_codes
         code = self._c.kv8_test_item_kernel(codes[kv_dtype], codes[v_kv_dtype or kv_dtype],
