@@ -21,7 +21,8 @@ from kv8.platform import CPU, Platform
 
 logger = logging.getLogger("kv8")
 
-__all__ = ["DenseBackend", "GGUF_DEQUANTIZE_ROWS", "TORCH_BACKEND", "select_dense_backend"]
+__all__ = ["DenseBackend", "GGUF_BF16_ROWS", "GGUF_DEQUANTIZE_ROWS", "GGUF_EXPANSIONS", "TORCH_BACKEND",
+           "select_dense_backend"]
 
 #: with ``quantization="gguf"``, the fixed rule's row count from which the packed backend dequantizes the blocks and
 #: runs the float32 GEMM instead of the int8 kernel (``dense_backend="packed_bf16"``, ``KV8_TUNING=off``;
@@ -30,6 +31,17 @@ __all__ = ["DenseBackend", "GGUF_DEQUANTIZE_ROWS", "TORCH_BACKEND", "select_dens
 #: shared): int8 / dequantize+GEMM 0.76 at 16 rows, 0.99 at 24, 1.08 at 32, 1.67 at 64, 1.80 at 128. On an Intel
 #: Xeon with AVX-512 VNNI the int8 kernel wins at every row count (docs/benchmarks.md, "GGUF blocks kept quantized").
 GGUF_DEQUANTIZE_ROWS = 32
+
+#: with ``quantization="gguf"``, what the blocks are dequantized to from a backend's switch on: ``"f32"`` (float32,
+#: multiplied by torch's float32 GEMM, :func:`kv8.layers.linear.linear_f32`) or ``"bf16"`` (each value rounded to
+#: bf16 and multiplied by torch's bf16 GEMM, oneDNN: AMX tiles where the CPU has them)
+GGUF_EXPANSIONS = ("f32", "bf16")
+
+#: the row count from which ``dense_backend="auto"``'s bf16 candidate (on CPUs with AMX) dequantizes the blocks to bf16
+#: instead of running the int8 kernel. Measured on an Intel Xeon with AMX (family 6 model 207), 2 threads, SmolLM2's
+#: four Q4_1 shapes (576 x 576 to 3,072 x 576), the int8 kernel's time over the bf16 expansion's: 0.50-0.57 at 64 rows,
+#: 0.76-0.88 at 128, 1.08-1.34 at 256, 1.59-1.76 at 512 (docs/benchmarks.md, "GGUF blocks expanded to bf16 on AMX").
+GGUF_BF16_ROWS = 256
 
 _auto_fallback_logged = False
 
@@ -56,6 +68,11 @@ class DenseBackend:
     # quantization="gguf": ``(block type, rows)`` pairs, sorted by type, each type's own ``wide_rows`` (0: the int8
     # kernel at every row count), chosen per type by kv8.layers.tuning; a type not listed uses ``wide_rows``
     gguf_wide_rows: tuple[tuple[str, int], ...] = ()
+    # quantization="gguf": what the blocks are dequantized to from the switch on (GGUF_EXPANSIONS): ``gguf_expand``
+    # for ``wide_rows``, and ``"bf16"`` for the types of ``gguf_wide_rows`` listed in ``gguf_bf16`` (sorted; the others
+    # there: "f32")
+    gguf_expand: str = "f32"
+    gguf_bf16: tuple[str, ...] = ()
     # packed_bf16 with quantization="fp8": calls of up to this many rows decode the codes in registers, longer ones
     # into a buffer once per call (the same bits; :data:`kv8.kernels.cpu.dense.FP8_REGISTER_ROWS`), chosen per
     # machine by kv8.layers.tuning
@@ -66,11 +83,11 @@ class DenseBackend:
         """The name, with the float32 GEMM of long chunks where it is on (``packed_bf16+f32_from_512``), FP8 codes
         decoded into a buffer from a row count other than the fixed rule's (``packed_bf16+fp8_buffer_from_17``), and
         each block type's switch where it has its own (``packed_bf16[Q4_K:int8,Q6_K:f32_from_32]``)."""
-        label = f"{self.name}+f32_from_{self.wide_rows}" if self.wide_rows else self.name
+        label = f"{self.name}+{self.gguf_expand}_from_{self.wide_rows}" if self.wide_rows else self.name
         if self.fp8_register_rows != FP8_REGISTER_ROWS:
             label += f"+fp8_buffer_from_{self.fp8_register_rows + 1}"
         if self.gguf_wide_rows:
-            label += "[" + ",".join(f"{qtype}:f32_from_{rows}" if rows else f"{qtype}:int8"
+            label += "[" + ",".join(f"{qtype}:{self.expansion_of(qtype)}_from_{rows}" if rows else f"{qtype}:int8"
                                     for qtype, rows in self.gguf_wide_rows) + "]"
         return label
 
@@ -78,6 +95,12 @@ class DenseBackend:
         """The row count from which a layer's blocks of ``qtype`` are dequantized (0: never): its own, else
         ``wide_rows``."""
         return dict(self.gguf_wide_rows).get(qtype, self.wide_rows)
+
+    def expansion_of(self, qtype: str) -> str:
+        """What a layer's blocks of ``qtype`` are dequantized to from its switch on (:data:`GGUF_EXPANSIONS`)."""
+        if qtype in dict(self.gguf_wide_rows):
+            return "bf16" if qtype in self.gguf_bf16 else "f32"
+        return self.gguf_expand
 
     @property
     def linear_fp32(self) -> bool:
@@ -105,6 +128,14 @@ class DenseBackend:
             if types != sorted(set(types)) or any(rows < 0 for _, rows in self.gguf_wide_rows):
                 raise ValueError(f"gguf_wide_rows={self.gguf_wide_rows}: one (block type, rows >= 0) pair per type, "
                                  "sorted by type")
+        if self.gguf_expand not in GGUF_EXPANSIONS:
+            raise ValueError(f"gguf_expand={self.gguf_expand!r}: one of {', '.join(GGUF_EXPANSIONS)}")
+        if self.gguf_expand != "f32" and (self.quantization != "gguf" or not self.wide_rows):
+            raise ValueError(f"gguf_expand={self.gguf_expand!r} needs quantization='gguf' and a switch (wide_rows > 0)")
+        switched = [qtype for qtype, rows in self.gguf_wide_rows if rows]
+        if list(self.gguf_bf16) != sorted(set(self.gguf_bf16)) or any(t not in switched for t in self.gguf_bf16):
+            raise ValueError(f"gguf_bf16={self.gguf_bf16}: sorted block types, each with a switch of its own in "
+                             f"gguf_wide_rows ({self.gguf_wide_rows})")
 
 
 TORCH_BACKEND = DenseBackend("torch")

@@ -82,7 +82,7 @@ from torch import nn
 from kv8.distributed.shard import kv_head_shard, shard_group, split_evenly
 from kv8.kernels.cpu.dense import FP8_REGISTER_ROWS, DenseKernels
 from kv8.layers.activation import SiluAndMul
-from kv8.layers.dense_backend import GGUF_DEQUANTIZE_ROWS, DenseBackend
+from kv8.layers.dense_backend import GGUF_DEQUANTIZE_ROWS, GGUF_EXPANSIONS, DenseBackend
 from kv8.quant.formats import E4M3
 from kv8.quant.gguf_blocks import (
     BLOCK_VALUES,
@@ -471,7 +471,10 @@ class GGUFLinearMethod(LinearMethod):
       (an LM head; slices start at multiples of 8 rows, whole groups of the kernel's layout). The scratch is
       allocated per call and freed after it; only the blocks stay resident. The result is
       :func:`~kv8.quant.gguf_blocks.gguf_linear_reference`'s (no activation rounding) up to the order of the float32
-      sums.
+      sums. Where the segment's expansion is ``"bf16"`` (``expansion``, ``type_expansion``; bf16 input) the
+      dequantized values are rounded to bf16 and multiplied by torch's bf16 GEMM (oneDNN: AMX tiles where the CPU
+      has them; float32 sums, one rounding; the bias, if any, rounded to bf16): the reference's result on bf16-rounded
+      weights (2^-9 relative per weight), as a GGUF file dequantized to bf16 at load gives.
 
     Without the kernels for the type, :func:`gguf_linear_reference` (float32 on the blocks dequantized in torch at
     each call, in the same slices): the oracle, and the path of builds without the AVX2 kernels. An expanded segment
@@ -488,18 +491,28 @@ class GGUFLinearMethod(LinearMethod):
     name = "gguf"
 
     def __init__(self, kernels: DenseKernels | None, dequantize_rows: int = GGUF_DEQUANTIZE_ROWS,
-                 type_rows: Mapping[str, int] | None = None) -> None:
+                 type_rows: Mapping[str, int] | None = None, expansion: str = "f32",
+                 type_expansion: Mapping[str, str] | None = None) -> None:
         for what, rows in [("dequantize_rows", dequantize_rows), *(type_rows or {}).items()]:
             if rows < 0:
                 raise ValueError(f"{what}: the row count from which blocks are dequantized must be >= 0 (0: the int8 "
                                  f"kernel at every row count), got {rows}")
+        for what, kind in [("expansion", expansion), *(type_expansion or {}).items()]:
+            if kind not in GGUF_EXPANSIONS:
+                raise ValueError(f"{what}: blocks are dequantized to one of {', '.join(GGUF_EXPANSIONS)}, got {kind!r}")
         self.kernels = kernels
         self.dequantize_rows = dequantize_rows
         self.type_rows = dict(type_rows or {})
+        self.expansion = expansion
+        self.type_expansion = dict(type_expansion or {})
 
     def dequantize_rows_of(self, qtype: str) -> int:
         """The row count from which segments of block type ``qtype`` are dequantized (0: never)."""
         return self.type_rows.get(qtype, self.dequantize_rows)
+
+    def expansion_of(self, qtype: str) -> str:
+        """What segments of block type ``qtype`` are dequantized to (:data:`GGUF_EXPANSIONS`)."""
+        return self.type_expansion.get(qtype, self.expansion)
 
     def process_weights_after_loading(self, layer: LinearBase) -> None:
         parts = layer.gguf_parts
@@ -558,6 +571,8 @@ class GGUFLinearMethod(LinearMethod):
         dequantization and :func:`linear_f32`, or :func:`gguf_linear_reference` (torch)."""
         if segment.grouped and self.kernels is not None:
             weight = self.kernels.gguf_dequantize(blocks, segment.qtype, segment.in_features)
+            if rows.dtype == torch.bfloat16 and self.expansion_of(segment.qtype) == "bf16":
+                return F.linear(rows, weight.to(torch.bfloat16), None if bias is None else bias.to(torch.bfloat16))
             return linear_f32(rows, weight, bias)
         return gguf_linear_reference(rows, blocks, segment.qtype, bias)
 
@@ -580,7 +595,8 @@ def linear_method(backend: DenseBackend, quantize: bool = True) -> LinearMethod:
     """The linear method of a dense backend; ``quantize=False`` keeps the weights as loaded whatever the
     backend's quantization (the LM head)."""
     if quantize and backend.quantization == "gguf":
-        return GGUFLinearMethod(backend.kernels, backend.wide_rows, dict(backend.gguf_wide_rows))
+        return GGUFLinearMethod(backend.kernels, backend.wide_rows, dict(backend.gguf_wide_rows), backend.gguf_expand,
+                                {qtype: backend.expansion_of(qtype) for qtype, _ in backend.gguf_wide_rows})
     fp8 = quantize and backend.quantization == "fp8"
     if fp8 and backend.fp8_scaled_mm:
         return ScaledMMFP8LinearMethod()

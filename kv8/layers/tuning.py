@@ -46,10 +46,11 @@ gguf_wide_rows`). The LM head is not timed: its switch is its own, fixed
 Invariant: the choice changes only speed, within the kernels' documented rounding. Every candidate for 16-bit and
 FP8 weights computes ``x @ W.T + b`` with float32 sums and one rounding to the compute dtype (bf16 products are exact
 in float32), so outputs differ by the order of the float32 additions, as the packed kernel's already do. With GGUF
-blocks the two candidates differ where one runs the int8 kernel and the other the float32 GEMM (calls of 32 rows or
-more): the int8 kernel rounds the activations to int8 per block of 32, as llama.cpp does, within
-:func:`~kv8.quant.gguf_blocks.gguf_activation_bound` (docs/benchmarks.md, "GGUF blocks kept quantized", measures
-what that costs in KL divergence).
+blocks the candidates differ where one runs the int8 kernel and another a GEMM on the dequantized blocks (calls of
+32 rows or more; of 256 or more for the bf16 expansion): the int8 kernel rounds the activations to int8 per block of
+32, as llama.cpp does, within :func:`~kv8.quant.gguf_blocks.gguf_activation_bound` (docs/benchmarks.md, "GGUF blocks
+kept quantized", measures what that costs in KL divergence); the bf16 expansion rounds each dequantized weight to
+bf16 (2^-9 relative), as a file dequantized to bf16 at load does.
 """
 
 from __future__ import annotations
@@ -72,7 +73,7 @@ from kv8 import envs
 from kv8.cpu_load import others_cores, read_cpu_clock, this_process_cpus
 from kv8.kernels.cpu.build import KernelUnavailable
 from kv8.kernels.cpu.dense import FP8_REGISTER_ROWS, load_dense_kernels
-from kv8.layers.dense_backend import GGUF_DEQUANTIZE_ROWS, DenseBackend, select_dense_backend
+from kv8.layers.dense_backend import GGUF_BF16_ROWS, GGUF_DEQUANTIZE_ROWS, DenseBackend, select_dense_backend
 from kv8.layers.linear import WIDE_ROWS, Linear, linear_method
 from kv8.quant.gguf_blocks import random_blocks
 from kv8.validators import memory_available
@@ -325,9 +326,9 @@ class _LayerTimer:
 
     @staticmethod
     def _layout(backend: DenseBackend) -> object:
-        """What a layer's buffers depend on: the backend but its ``wide_rows`` and ``fp8_register_rows`` (which only
-        its method reads)."""
-        return replace(backend, wide_rows=0, fp8_register_rows=FP8_REGISTER_ROWS)
+        """What a layer's buffers depend on: the backend but its ``wide_rows``, ``gguf_expand`` and
+        ``fp8_register_rows`` (which only its method reads)."""
+        return replace(backend, wide_rows=0, gguf_expand="f32", fp8_register_rows=FP8_REGISTER_ROWS)
 
     def _layer(self, backend: DenseBackend, shape: LinearShape) -> Linear:
         layer = self.layers.get((backend.label, shape))
@@ -423,8 +424,10 @@ def candidates(shapes: Sequence[LinearShape], dtype: torch.dtype, quantization: 
     ``quantization="gguf"``: where the kernels load (bf16) and some decoder shape has a block type they read
     (:attr:`LinearShape.qtype`; the shapes :func:`tuning_groups` times, type by type),
     ``packed_bf16+f32_from_<GGUF_DEQUANTIZE_ROWS>`` (the blocks dequantized for the float32 GEMM from that many rows)
-    and ``packed_bf16`` (the int8 kernel at every row count); else one candidate, not timed (the fixed rule: the
-    first, or ``torch``, the GGUF reference)."""
+    and ``packed_bf16`` (the int8 kernel at every row count), and on CPUs with AMX
+    ``packed_bf16+bf16_from_<GGUF_BF16_ROWS>`` (the blocks dequantized to bf16 for torch's bf16 GEMM, oneDNN's AMX
+    tiles, from that many rows; without AMX torch's bf16 GEMM has no more throughput than its float32 one); else one
+    candidate, not timed (the fixed rule: the first, or ``torch``, the GGUF reference)."""
     found: list[DenseBackend] = []
     if quantization == "gguf":
         fixed = select_dense_backend("auto", dtype, quantization)
@@ -433,6 +436,9 @@ def candidates(shapes: Sequence[LinearShape], dtype: torch.dtype, quantization: 
             return {fixed.label: fixed}
         found = [DenseBackend("packed_bf16", kernels, quantization, wide_rows=GGUF_DEQUANTIZE_ROWS),
                  DenseBackend("packed_bf16", kernels, quantization)]
+        if kernels.amx:
+            found.append(DenseBackend("packed_bf16", kernels, quantization, wide_rows=GGUF_BF16_ROWS,
+                                      gguf_expand="bf16"))
         return {backend.label: backend for backend in found}
     if dtype == torch.bfloat16:
         try:
@@ -532,7 +538,8 @@ def tuned_dense_backend(shapes: Sequence[LinearShape], dtype: torch.dtype, quant
         return found[chosen.pop()], results
     first = next(iter(found.values()))
     by_type = tuple((str(group), found[result.choice].wide_rows) for group, result in results.items())
-    return DenseBackend(first.name, first.kernels, quantization, gguf_wide_rows=by_type), results
+    bf16 = tuple(str(group) for group, result in results.items() if found[result.choice].gguf_expand == "bf16")
+    return DenseBackend(first.name, first.kernels, quantization, gguf_wide_rows=by_type, gguf_bf16=bf16), results
 
 
 def static_dense_backend(dtype: torch.dtype, quantization: str | None) -> DenseBackend:

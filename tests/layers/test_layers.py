@@ -349,6 +349,20 @@ def test_gguf_wide_rows_give_each_block_type_its_switch(lib: DenseKernels) -> No
                 dict(name="packed_bf16", kernels=lib, quantization="gguf", gguf_wide_rows=(("Q6_K", -1),))):
         with pytest.raises(ValueError, match="gguf_wide_rows="):
             DenseBackend(**bad)
+    # what the blocks are dequantized to: a type of its own (gguf_bf16) or the backend's (gguf_expand)
+    mixed = DenseBackend("packed_bf16", lib, "gguf", gguf_wide_rows=(("Q4_K", 0), ("Q6_K", 128)), gguf_bf16=("Q6_K",))
+    assert mixed.label == "packed_bf16[Q4_K:int8,Q6_K:bf16_from_128]"
+    assert [mixed.expansion_of(q) for q in ("Q4_K", "Q6_K", "Q8_0")] == ["f32", "bf16", "f32"]
+    every = DenseBackend("packed_bf16", lib, "gguf", wide_rows=128, gguf_expand="bf16")
+    assert every.label == "packed_bf16+bf16_from_128" and every.expansion_of("Q8_0") == "bf16"
+    for bad, match in ((dict(gguf_expand="f16", wide_rows=128), "gguf_expand='f16': one of f32, bf16"),
+                       (dict(gguf_expand="bf16"), "needs quantization='gguf' and a switch"),
+                       (dict(gguf_wide_rows=(("Q6_K", 0),), gguf_bf16=("Q6_K",)), "gguf_bf16=.*a switch of its own"),
+                       (dict(gguf_wide_rows=(("Q6_K", 32),), gguf_bf16=("Q8_0",)), "gguf_bf16=.*a switch of its own")):
+        with pytest.raises(ValueError, match=match):
+            DenseBackend("packed_bf16", lib, "gguf", **bad)   # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="gguf_expand='bf16' needs quantization='gguf'"):
+        DenseBackend("packed_bf16", lib, "fp8", wide_rows=512, gguf_expand="bf16")
 
 
 @pytest.mark.parametrize("backend_name", ["torch", "packed_bf16"])

@@ -17,7 +17,7 @@ import torch
 
 from kv8.cpu_load import CpuClock
 from kv8.kernels.cpu.dense import FP8_REGISTER_ROWS
-from kv8.layers.dense_backend import GGUF_DEQUANTIZE_ROWS, DenseBackend
+from kv8.layers.dense_backend import GGUF_BF16_ROWS, GGUF_DEQUANTIZE_ROWS, DenseBackend
 from kv8.layers.linear import WIDE_ROWS, Linear, TorchF32LinearMethod, linear_method, linear_reference
 from kv8.layers.tuning import (
     BUSY_CORES,
@@ -431,16 +431,19 @@ def test_an_engine_uses_and_keeps_this_machines_plan(tiny_llama: str, tmp_path: 
 def test_gguf_weights_time_the_dequantizing_switch_against_the_int8_kernel_everywhere() -> None:
     """``quantization="gguf"``: where the kernels read every quantized shape's block type, two candidates -- the
     blocks dequantized for the float32 GEMM from ``GGUF_DEQUANTIZE_ROWS`` rows, and the int8 kernel at every row
-    count -- timed on layers holding blocks of that type (the real timer here, on tiny shapes); a shape without a
-    type the kernels read leaves the fixed rule, untimed. The choice's speed-ups are quoted against the other."""
+    count -- and on a CPU with AMX a third, the blocks dequantized to bf16 from ``GGUF_BF16_ROWS`` rows, timed on
+    layers holding blocks of that type (the real timer here, on tiny shapes); a shape without a type the kernels read
+    leaves the fixed rule, untimed. The choice's speed-ups are quoted against the other."""
     kernels, why = dense_kernels_or_reason()
     if kernels is None or "Q4_1" not in kernels.gguf_types:
         pytest.skip(f"kv8's GGUF kernels are unavailable: {why}")
     shapes = [LinearShape(48, 64, 2, qtype="Q4_1"), LinearShape(40, 64, 1, qtype="Q8_0")]
     found = candidates(shapes, torch.bfloat16, "gguf")
-    switch = f"packed_bf16+f32_from_{GGUF_DEQUANTIZE_ROWS}"
-    assert set(found) == {switch, "packed_bf16"}
+    switch, bf16 = f"packed_bf16+f32_from_{GGUF_DEQUANTIZE_ROWS}", f"packed_bf16+bf16_from_{GGUF_BF16_ROWS}"
+    assert set(found) == {switch, "packed_bf16"} | ({bf16} if kernels.amx else set())
     assert (found[switch].wide_rows, found["packed_bf16"].wide_rows) == (GGUF_DEQUANTIZE_ROWS, 0)
+    if kernels.amx:
+        assert (found[bf16].wide_rows, found[bf16].gguf_expand) == (GGUF_BF16_ROWS, "bf16")
     for label, backend in found.items():
         assert time_layer(shapes[0], backend, torch.bfloat16, 40) > 0, label
     unreadable = [LinearShape(48, 64, 2, qtype=None)]
@@ -448,7 +451,8 @@ def test_gguf_weights_time_the_dequantizing_switch_against_the_int8_kernel_every
     assert only.wide_rows == GGUF_DEQUANTIZE_ROWS
     with pytest.raises(ValueError, match="needs its block type"):
         time_layer(unreadable[0], found["packed_bf16"], torch.bfloat16, 1)
-    result = choose(found, shapes, torch.bfloat16,
+    two = {label: found[label] for label in (switch, "packed_bf16")}
+    result = choose(two, shapes, torch.bfloat16,
                     lambda backend, shape, rows: 1.0 if backend.wide_rows and rows >= backend.wide_rows else 0.5)
     assert result.choice == "packed_bf16" and result.compared_with == switch
     assert result.speedup(result.compared_with, WIDE_ROWS) == pytest.approx(2.0)
@@ -467,14 +471,16 @@ def test_gguf_layers_are_timed_and_switched_in_their_own_block_type(tmp_path: Pa
     """``quantization="gguf"``: each block type's layers are timed alone, a shape of one (N, K) in two types as two
     shapes in their own types (Gemma-3-270M's Q4_K_M file: nine Q4_K and nine Q6_K down projections); the LM head
     (its switch is fixed) and a type the kernels do not read (multiplied alike at every row count) are not timed.
-    Each type gets its own plan, and the backend switches each type at its own choice; where every type chooses the
-    same candidate, the backend is that candidate."""
+    Each type gets its own plan, and the backend switches each type at its own choice -- the int8 kernel, or from its
+    switch on the blocks dequantized to float32 or to bf16; where every type chooses the same candidate, the backend
+    is that candidate."""
     import kv8.layers.tuning as tuning
 
     kernels = FakeGGUFKernels()
     switch = DenseBackend("packed_bf16", kernels, "gguf", wide_rows=GGUF_DEQUANTIZE_ROWS)   # type: ignore[arg-type]
     int8 = DenseBackend("packed_bf16", kernels, "gguf")   # type: ignore[arg-type]
-    found = {switch.label: switch, int8.label: int8}
+    bf16 = DenseBackend("packed_bf16", kernels, "gguf", wide_rows=GGUF_BF16_ROWS, gguf_expand="bf16")   # type: ignore[arg-type]
+    found = {switch.label: switch, int8.label: int8, bf16.label: bf16}
     monkeypatch.setattr(tuning, "candidates", lambda *args: dict(found))
     shapes = [LinearShape(640, 2048, 9, qtype="Q4_K"), LinearShape(640, 2048, 9, qtype="Q6_K"),
               LinearShape(640, 1024, 18, qtype="Q4_K"), LinearShape(256, 640, 9, qtype="Q8_0"),
@@ -482,23 +488,25 @@ def test_gguf_layers_are_timed_and_switched_in_their_own_block_type(tmp_path: Pa
     groups = tuning_groups(shapes, found)
     assert groups == {"Q4_K": [shapes[0], shapes[2]], "Q6_K": [shapes[1]], "Q8_0": [shapes[3]]}
     timed: list[tuple[str, LinearShape]] = []
-    dequantized_wins = {"Q6_K"}
+    wins = {"Q6_K": switch.label, "Q8_0": bf16.label}   # (the others: the int8 kernel)
 
     def measure(backend: DenseBackend, shape: LinearShape, rows: int) -> float:
         timed.append((backend.label, shape))
-        dequantizes = bool(backend.wide_rows) and rows >= backend.wide_rows
-        return 1.0 if rows == 1 else 1.0 if dequantizes == (shape.qtype in dequantized_wins) else 3.0
+        return 1.0 if rows == 1 or backend.label == wins.get(shape.qtype or "", int8.label) else 3.0
 
     store = PlanStore(tmp_path, MACHINE)
     backend, results = tuned_dense_backend(shapes, torch.bfloat16, "gguf", store, measure)
     assert {shape for _, shape in timed} == {shapes[0], shapes[1], shapes[2], shapes[3]}
     assert {label for label, _ in timed} == set(found)
     assert {qtype: result.choice for qtype, result in results.items()} == {"Q4_K": int8.label, "Q6_K": switch.label,
-                                                                          "Q8_0": int8.label}
-    assert backend.gguf_wide_rows == (("Q4_K", 0), ("Q6_K", GGUF_DEQUANTIZE_ROWS), ("Q8_0", 0))
-    assert backend.label == f"packed_bf16[Q4_K:int8,Q6_K:f32_from_{GGUF_DEQUANTIZE_ROWS},Q8_0:int8]"
+                                                                          "Q8_0": bf16.label}
+    assert backend.gguf_wide_rows == (("Q4_K", 0), ("Q6_K", GGUF_DEQUANTIZE_ROWS), ("Q8_0", GGUF_BF16_ROWS))
+    assert backend.gguf_bf16 == ("Q8_0",)
+    assert backend.label == (f"packed_bf16[Q4_K:int8,Q6_K:f32_from_{GGUF_DEQUANTIZE_ROWS},"
+                             f"Q8_0:bf16_from_{GGUF_BF16_ROWS}]")
     method = linear_method(backend)
-    assert [method.dequantize_rows_of(q) for q in ("Q4_K", "Q6_K", "Q8_0")] == [0, GGUF_DEQUANTIZE_ROWS, 0]   # type: ignore[attr-defined]
+    assert [method.dequantize_rows_of(q) for q in ("Q4_K", "Q6_K", "Q8_0")] == [0, GGUF_DEQUANTIZE_ROWS, GGUF_BF16_ROWS]   # type: ignore[attr-defined]
+    assert [method.expansion_of(q) for q in ("Q4_K", "Q6_K", "Q8_0")] == ["f32", "f32", "bf16"]   # type: ignore[attr-defined]
     data = json.loads(store.path.read_text())
     assert data["version"] == PLAN_VERSION
     assert set(data["plans"]) == {plan_key(group, torch.bfloat16, "gguf") for group in groups.values()}
@@ -507,9 +515,13 @@ def test_gguf_layers_are_timed_and_switched_in_their_own_block_type(tmp_path: Pa
     again, plans = tuned_dense_backend(shapes, torch.bfloat16, "gguf", PlanStore(tmp_path, MACHINE), measure)
     assert len(timed) == calls and again == backend and plans.keys() == results.keys()
     # the int8 kernel faster for every type: the candidate itself
-    dequantized_wins.clear()
+    wins.clear()
     same, _ = tuned_dense_backend(shapes, torch.bfloat16, "gguf", store, measure, retune=True)
     assert same == int8 and same.gguf_wide_rows == ()
+    # the bf16 expansion faster for every type: that candidate itself
+    wins.update({"Q4_K": bf16.label, "Q6_K": bf16.label, "Q8_0": bf16.label})
+    same, _ = tuned_dense_backend(shapes, torch.bfloat16, "gguf", store, measure, retune=True)
+    assert same == bf16 and linear_method(same).expansion_of("Q4_K") == "bf16"   # type: ignore[attr-defined]
 
 
 def test_a_plan_file_of_another_version_is_timed_again(tmp_path: Path) -> None:

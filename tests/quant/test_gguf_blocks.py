@@ -553,6 +553,8 @@ def test_each_segment_switches_at_its_own_types_rows(lib: DenseKernels) -> None:
     assert torch.equal(one[:, 24:], lib.gguf_linear(x[:1], second.blocks, "Q6_K", 16, None))
     with pytest.raises(ValueError, match=r"Q6_K: the row count .* must be >= 0"):
         GGUFLinearMethod(lib, type_rows={"Q6_K": -1})
+    with pytest.raises(ValueError, match=r"Q6_K: blocks are dequantized to one of f32, bf16, got 'fp8'"):
+        GGUFLinearMethod(lib, type_expansion={"Q6_K": "fp8"})
 
 
 @pytest.mark.parametrize("qtype", KEPT_TYPES)
@@ -601,3 +603,39 @@ def test_a_large_segment_is_dequantized_a_slice_of_rows_at_a_time(lib: DenseKern
         y = held(x)
         assert y.dtype == torch.bfloat16 and bool(((y.float() - whole.float()).abs() <= tol).all())
     assert calls == [16, 16, 16, 13]
+
+
+@pytest.mark.parametrize("qtype", ["Q4_1", "Q8_0", "Q4_K", "Q6_K"])
+@pytest.mark.parametrize("bias", [False, True])
+def test_bf16_expansion_is_the_reference_on_bf16_weights(lib: DenseKernels, qtype: str, bias: bool) -> None:
+    """A segment whose expansion is bf16 (``gguf_expand="bf16"``, the tuner's candidate on CPUs with AMX): below its
+    switch the int8 kernel's result bit for bit; from the switch on the blocks dequantized, rounded to bf16 and
+    multiplied by torch's bf16 GEMM -- the float32 reference on those bf16 weights (float32 sums, one rounding; the
+    bias rounded to bf16) to within a bf16 rounding of the output. A float32 input keeps the float32 GEMM."""
+    n, k, switch = 40, 2 * BLOCK_VALUES[qtype], 8
+    blocks = _blocks(n, k, qtype, seed=11)
+    b = torch.randn(n, generator=torch.Generator().manual_seed(12)) if bias else None
+    backend = DenseBackend("packed_bf16", lib, "gguf", wide_rows=switch, gguf_expand="bf16")
+    assert backend.label == f"packed_bf16+bf16_from_{switch}"
+    layer = LinearBase(k, [n], bias, backend)
+    layer.load_gguf(GGUFWeight(qtype, blocks, k))
+    if b is not None:
+        assert layer.bias is not None
+        layer.bias.data = b.clone()
+    layer.process_weights_after_loading()
+    method = layer.method
+    assert isinstance(method, GGUFLinearMethod) and method.expansion_of(qtype) == "bf16"
+    x = (torch.randn(switch + 3, k, generator=torch.Generator().manual_seed(13)) * 2).bfloat16()
+    segment = layer.gguf_segments[0]
+    short = layer(x[:switch - 1])
+    assert torch.equal(short, lib.gguf_linear(x[:switch - 1], segment.blocks, qtype, n, None if b is None else b))
+    w = dequantize_blocks(blocks, qtype, k).bfloat16().float()
+    want = x.float() @ w.T + (0.0 if b is None else b.bfloat16().float())
+    got = layer(x)
+    assert got.dtype == torch.bfloat16
+    tol = 1e-5 * (x.float().abs() @ w.abs().T) + 2.0 ** -8 * want.abs()
+    assert bool(((got.float() - want).abs() <= tol).all())
+    f32 = dequantize_blocks(blocks, qtype, k)
+    assert bool((got.float() - (x.float() @ f32.T)).abs().max() > 0)   # not the float32 weights' products
+    y32 = layer(x.float())
+    assert y32.dtype == torch.float32 and torch.equal(y32, linear_f32(x.float(), f32, b))
