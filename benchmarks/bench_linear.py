@@ -14,8 +14,10 @@ no fast bf16 GEMM). The ``gguf ms`` and ``kv8/gguf`` columns time the same matri
 (default Q4_1, SmolLM2's file; written by ``gguf.quants.quantize``) multiplied as ``quantization="gguf"`` does
 (the int8 kernel ``kv8_gguf_linear`` below ``GGUF_DEQUANTIZE_ROWS`` rows, the blocks dequantized to float32 and the
 float32 GEMM from there); the ``int8 ms`` and ``int8/gguf`` columns time the same layers with the int8 kernel at every
-row count (the choice that threshold is measured from). The header names the kernels' path (``avx512``: AMX tiles
-or ``vdpbf16ps``; ``avx2``: fp32 FMA).
+row count (the choice that threshold is measured from); on a CPU with AMX the ``bf16x ms`` and ``int8/bf16x`` columns
+time them with the blocks dequantized to bf16 for torch's bf16 GEMM from ``GGUF_BF16_ROWS`` rows (the tuner's third
+candidate there, ``packed_bf16+bf16_from_256``; below that row count the int8 kernel). The header names the kernels'
+path (``avx512``: AMX tiles or ``vdpbf16ps``; ``avx2``: fp32 FMA).
 
 ``--shapes`` multiplies other matrices (``OUTxIN`` each, e.g. ``4096x4096,14336x4096``: an 8B model's q/o and up
 projections; use ``--layers 1`` for large ones). ``--no-torch-bf16`` leaves out the bf16 ``F.linear`` columns
@@ -70,7 +72,7 @@ from revisions import worktree
 import kv8
 from kv8.kernels.cpu.build import KernelUnavailable, build_shared_library
 from kv8.kernels.cpu.dense import SOURCE, DenseKernels
-from kv8.layers.dense_backend import GGUF_DEQUANTIZE_ROWS, DenseBackend, select_dense_backend
+from kv8.layers.dense_backend import GGUF_BF16_ROWS, GGUF_DEQUANTIZE_ROWS, DenseBackend, select_dense_backend
 from kv8.layers.linear import GGUFLinearMethod, LinearBase
 from kv8.platform import cpu_name
 from kv8.quant.gguf_blocks import BLOCK_VALUES, KEPT_TYPES, GGUFWeight, group_blocks
@@ -306,7 +308,7 @@ def run(args: argparse.Namespace, before: DenseKernels | None, before_blocks: Mo
           + f"; gguf = {args.gguf_type} blocks, {gguf_bytes / 1e6:.0f} MB")
     extra = f" {'fp8 ms':>8} {'bf16/fp8':>9} {'fp32 ms':>9} {'fp32/kv8':>9} {'fp32/fp8':>9}"
     extra += f" {'gguf ms':>8} {'kv8/gguf':>9} {'fp32/gguf':>10} {'int8 ms':>8} {'int8/gguf':>10}"
-    extra += f" {'vdpbf16ps ms':>13} {'AMX/vdpbf16ps':>14}" if amx else ""
+    extra += f" {'vdpbf16ps ms':>13} {'AMX/vdpbf16ps':>14} {'bf16x ms':>9} {'int8/bf16x':>11}" if amx else ""
     extra += (f" {'before ms':>10} {'speed-up':>9} {'fp8 before':>11} {'speed-up':>9} {'gguf before':>12} "
               f"{'speed-up':>9}" if before is not None else "")
     print(f"{'M':>6} {'torch ms':>10} {'kv8 ms':>10} {'torch GB/s':>11} {'kv8 GB/s':>10} {'speed-up':>9}{extra}")
@@ -347,6 +349,17 @@ def run(args: argparse.Namespace, before: DenseKernels | None, before_blocks: Mo
                     for method, rows in zip(methods, saved):
                         method.dequantize_rows = rows
 
+            def run_gguf_bf16(xs: dict[int, torch.Tensor] = xs) -> None:
+                methods = [p.method for layer in blocks for p in layer if isinstance(p.method, GGUFLinearMethod)]
+                saved = [(method.dequantize_rows, method.expansion) for method in methods]
+                for method in methods:
+                    method.dequantize_rows, method.expansion = GGUF_BF16_ROWS, "bf16"
+                try:
+                    run_kv8(xs, blocks)
+                finally:
+                    for method, (rows, expansion) in zip(methods, saved):
+                        method.dequantize_rows, method.expansion = rows, expansion
+
             def run_before(xs: dict[int, torch.Tensor] = xs) -> None:
                 run_kv8(xs, packed_before)
 
@@ -367,6 +380,7 @@ def run(args: argparse.Namespace, before: DenseKernels | None, before_blocks: Mo
             fns.update({"kv8": run_kv8, "fp8": run_fp8, "fp32": run_fp32, "gguf": run_gguf, "int8": run_gguf_int8})
             if amx:
                 fns["vdpbf16ps"] = run_avx512
+                fns["bf16x"] = run_gguf_bf16
             if before is not None:
                 fns["before"] = run_before
                 fns["fp8 before"] = run_fp8_before
@@ -383,7 +397,8 @@ def run(args: argparse.Namespace, before: DenseKernels | None, before_blocks: Mo
                    f"{t['fp32'] / t['fp8']:>9.2f} {t['gguf'] * 1e3:>8.2f} {t_kv8 / t['gguf']:>9.2f} "
                    f"{t['fp32'] / t['gguf']:>10.2f} {t['int8'] * 1e3:>8.2f} {t['int8'] / t['gguf']:>10.2f}")
             if amx:
-                row += f" {t['vdpbf16ps'] * 1e3:>13.2f} {t['vdpbf16ps'] / t_kv8:>14.2f}"
+                row += (f" {t['vdpbf16ps'] * 1e3:>13.2f} {t['vdpbf16ps'] / t_kv8:>14.2f} {t['bf16x'] * 1e3:>9.2f} "
+                        f"{t['int8'] / t['bf16x']:>11.2f}")
             if before is not None:
                 row += (f" {t['before'] * 1e3:>10.2f} {t['before'] / t_kv8:>9.2f} {t['fp8 before'] * 1e3:>11.2f} "
                         f"{t['fp8 before'] / t['fp8']:>9.2f} {t['gguf before'] * 1e3:>12.2f} "

@@ -38,9 +38,10 @@ GGUF_DEQUANTIZE_ROWS = 32
 GGUF_EXPANSIONS = ("f32", "bf16")
 
 #: the row count from which ``dense_backend="auto"``'s bf16 candidate (on CPUs with AMX) dequantizes the blocks to bf16
-#: instead of running the int8 kernel. Measured on an Intel Xeon with AMX (family 6 model 207), 2 threads, SmolLM2's
-#: four Q4_1 shapes (576 x 576 to 3,072 x 576), the int8 kernel's time over the bf16 expansion's: 0.50-0.57 at 64 rows,
-#: 0.76-0.88 at 128, 1.08-1.34 at 256, 1.59-1.76 at 512 (docs/benchmarks.md, "GGUF blocks expanded to bf16 on AMX").
+#: instead of running the int8 kernel. Measured on an Intel Xeon with AMX (family 6 model 207), 2 threads, 30
+#: SmolLM2-shaped Q4_1 layers (``bench_linear.py``), the int8 kernel's time over the bf16 expansion's: 1.19 at 256
+#: rows, 1.56 at 512; at 128 the int8 kernel was still faster (docs/benchmarks.md, "GGUF blocks expanded to bf16 on
+#: AMX").
 GGUF_BF16_ROWS = 256
 
 _auto_fallback_logged = False
