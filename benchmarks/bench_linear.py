@@ -73,7 +73,7 @@ import kv8
 from kv8.kernels.cpu.build import KernelUnavailable, build_shared_library
 from kv8.kernels.cpu.dense import SOURCE, DenseKernels
 from kv8.layers.dense_backend import GGUF_BF16_ROWS, GGUF_DEQUANTIZE_ROWS, DenseBackend, select_dense_backend
-from kv8.layers.linear import GGUFLinearMethod, LinearBase
+from kv8.layers.linear import LinearBase
 from kv8.platform import cpu_name
 from kv8.quant.gguf_blocks import BLOCK_VALUES, KEPT_TYPES, GGUFWeight, group_blocks
 
@@ -338,27 +338,20 @@ def run(args: argparse.Namespace, before: DenseKernels | None, before_blocks: Mo
             def run_gguf(xs: dict[int, torch.Tensor] = xs) -> None:
                 run_kv8(xs, blocks)
 
-            def run_gguf_int8(xs: dict[int, torch.Tensor] = xs) -> None:
-                methods = [p.method for layer in blocks for p in layer if isinstance(p.method, GGUFLinearMethod)]
-                saved = [method.dequantize_rows for method in methods]
-                for method in methods:
-                    method.dequantize_rows = sys.maxsize
-                try:
+            def run_gguf_as(xs: dict[int, torch.Tensor] = xs, **switch: object) -> None:
+                """The GGUF layers with their methods' ``switch`` attributes set for the call, restored after."""
+                with contextlib.ExitStack() as stack:
+                    for layer in blocks:
+                        for p in layer:
+                            for name, value in switch.items():
+                                stack.enter_context(mock.patch.object(p.method, name, value))
                     run_kv8(xs, blocks)
-                finally:
-                    for method, rows in zip(methods, saved):
-                        method.dequantize_rows = rows
+
+            def run_gguf_int8(xs: dict[int, torch.Tensor] = xs) -> None:
+                run_gguf_as(xs, dequantize_rows=sys.maxsize)
 
             def run_gguf_bf16(xs: dict[int, torch.Tensor] = xs) -> None:
-                methods = [p.method for layer in blocks for p in layer if isinstance(p.method, GGUFLinearMethod)]
-                saved = [(method.dequantize_rows, method.expansion) for method in methods]
-                for method in methods:
-                    method.dequantize_rows, method.expansion = GGUF_BF16_ROWS, "bf16"
-                try:
-                    run_kv8(xs, blocks)
-                finally:
-                    for method, (rows, expansion) in zip(methods, saved):
-                        method.dequantize_rows, method.expansion = rows, expansion
+                run_gguf_as(xs, dequantize_rows=GGUF_BF16_ROWS, expansion="bf16")
 
             def run_before(xs: dict[int, torch.Tensor] = xs) -> None:
                 run_kv8(xs, packed_before)

@@ -38,7 +38,6 @@ class IncrementalDetokenizer:
     text."""
 
     def __init__(self, tokenizer: Any, skip_special_tokens: bool, decode: Callable[..., str] | None = None) -> None:
-        self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
         self._decode_ids = decode if decode is not None else tokenizer.decode
         self.ids: list[int] = []
