@@ -471,10 +471,13 @@ class GGUFLinearMethod(LinearMethod):
       (an LM head; slices start at multiples of 8 rows, whole groups of the kernel's layout). The scratch is
       allocated per call and freed after it; only the blocks stay resident. The result is
       :func:`~kv8.quant.gguf_blocks.gguf_linear_reference`'s (no activation rounding) up to the order of the float32
-      sums. Where the segment's expansion is ``"bf16"`` (``expansion``, ``type_expansion``; bf16 input) the
-      dequantized values are rounded to bf16 and multiplied by torch's bf16 GEMM (oneDNN: AMX tiles where the CPU
-      has them; float32 sums, one rounding; the bias, if any, rounded to bf16): the reference's result on bf16-rounded
-      weights (2^-9 relative per weight), as a GGUF file dequantized to bf16 at load gives.
+      sums. Where the segment's expansion is ``"bf16"`` (``expansion``, ``type_expansion``; bf16 input) the blocks
+      are instead dequantized straight into the packed bf16 kernel's layout (``kernels.gguf_dequantize_packed``: each
+      value the float32 one rounded to bf16, in one pass; slices of :data:`GGUF_SCRATCH_BYTES` of bf16 panels) and
+      multiplied by ``kernels.linear`` (AMX tiles where the CPU has them; float32 sums and bias, one rounding): the
+      reference's result on bf16-rounded weights (2^-9 relative per weight), as a GGUF file dequantized to bf16 at
+      load gives. A :class:`GateUpLinear` of one such segment, no bias and :class:`SiluAndMul` runs the packed
+      kernel's gated form (``apply_gated``: the activation in the epilogue, with the roundings of the unfused pair).
 
     Without the kernels for the type, :func:`gguf_linear_reference` (float32 on the blocks dequantized in torch at
     each call, in the same slices): the oracle, and the path of builds without the AVX2 kernels. An expanded segment
@@ -552,6 +555,8 @@ class GGUFLinearMethod(LinearMethod):
         if kernel and rows.dtype == torch.bfloat16 and (switch == 0 or rows.shape[0] < switch):
             assert self.kernels is not None
             return self.kernels.gguf_linear(rows, segment.blocks, segment.qtype, segment.rows, bias)
+        if self._packs(segment, rows):
+            return self._packed_product(segment, rows.contiguous(), bias)
         # the blocks dequantized to float32, GGUF_SCRATCH_BYTES at a time (whole groups of the kernel's layout: a
         # slice of grouped rows from a multiple of 8 is that layout of those rows); the scratch lives for this call
         step = max(GROUP_ROWS, GGUF_SCRATCH_BYTES // (4 * segment.in_features) // GROUP_ROWS * GROUP_ROWS)
@@ -570,11 +575,49 @@ class GGUFLinearMethod(LinearMethod):
         """``rows @ W.T (+ bias)`` for the weight rows ``blocks`` of ``segment`` dequantized to float32: the kernels'
         dequantization and :func:`linear_f32`, or :func:`gguf_linear_reference` (torch)."""
         if segment.grouped and self.kernels is not None:
-            weight = self.kernels.gguf_dequantize(blocks, segment.qtype, segment.in_features)
-            if rows.dtype == torch.bfloat16 and self.expansion_of(segment.qtype) == "bf16":
-                return F.linear(rows, weight.to(torch.bfloat16), None if bias is None else bias.to(torch.bfloat16))
-            return linear_f32(rows, weight, bias)
+            return linear_f32(rows, self.kernels.gguf_dequantize(blocks, segment.qtype, segment.in_features), bias)
         return gguf_linear_reference(rows, blocks, segment.qtype, bias)
+
+    def _packs(self, segment: GGUFSegment, rows: torch.Tensor) -> bool:
+        """Whether ``rows`` multiply ``segment`` on its blocks dequantized into the packed kernel's layout: blocks the
+        kernels read, bf16 rows from the type's switch on, and the bf16 expansion."""
+        switch = self.dequantize_rows_of(segment.qtype)
+        return (segment.grouped and self.kernels is not None and rows.dtype == torch.bfloat16 and switch > 0
+                and rows.shape[0] >= switch and self.expansion_of(segment.qtype) == "bf16")
+
+    def _packed_product(self, segment: GGUFSegment, rows: torch.Tensor, bias: torch.Tensor | None,
+                        gated: bool = False) -> torch.Tensor:
+        """``rows [M, K]`` (bf16, contiguous) ``@ W_segment.T (+ bias)`` by the packed kernel on the blocks dequantized
+        into its layout, :data:`GGUF_SCRATCH_BYTES` of bf16 panels at a time; ``gated`` (no bias): ``silu(gate) * up``
+        of ``W = [gate; up]``, ``[M, rows / 2]``."""
+        kernels = self.kernels
+        assert kernels is not None and not (gated and bias is not None)
+        width, per_panel = (segment.rows // 2, 16) if gated else (segment.rows, 32)
+        panels = -(-width // per_panel)
+        step = max(1, GGUF_SCRATCH_BYTES // (2 * 32 * segment.in_features))   # panels a slice
+        if panels <= step:
+            packed = kernels.gguf_dequantize_packed(segment.blocks, segment.qtype, segment.in_features, gated)
+            return kernels.linear(rows, packed, width, bias, gated=gated)
+        out = rows.new_empty(rows.shape[0], width)
+        for first in range(0, panels, step):
+            count = min(step, panels - first)
+            c0, c1 = first * per_panel, min((first + count) * per_panel, width)
+            packed = kernels.gguf_dequantize_packed(segment.blocks, segment.qtype, segment.in_features, gated, first,
+                                                    count)
+            out[:, c0:c1] = kernels.linear(rows, packed, c1 - c0, None if bias is None else bias[c0:c1], gated=gated)
+        return out
+
+    def apply_gated(self, layer: GateUpLinear, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[-1] != layer.in_features:
+            raise ValueError(f"input has {x.shape[-1]} features, the layer {layer.in_features}")
+        rows = x.reshape(-1, layer.in_features)
+        segments = list(layer.gguf_segments)
+        if (isinstance(layer.act_fn, SiluAndMul) and len(segments) == 1 and layer.bias_f32 is None
+                and isinstance(segments[0], GGUFSegment) and self._packs(segments[0], rows)):
+            out = self._packed_product(segments[0], rows.contiguous(), None, gated=True)
+        else:
+            out = super().apply_gated(layer, rows)
+        return out.view(*x.shape[:-1], out.shape[-1])
 
     def apply(self, layer: LinearBase, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]

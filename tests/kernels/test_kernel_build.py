@@ -23,6 +23,7 @@ from kv8.kernels.cpu.dense import (
     ArgmaxCall,
     GGUFDequantizeCall,
     GGUFLinearCall,
+    GGUFPackCall,
     LinearCall,
     RmsNormCall,
     RopeCall,
@@ -76,6 +77,10 @@ def test_the_dense_library_of_each_target_says_which_path_it_has() -> None:
     assert raw.kv8_gguf_linear(ctypes.byref(linear)) == 5   # ERR_ARGS
     dequantize = GGUFDequantizeCall(ctypes.addressof(buf), ctypes.addressof(buf), 1, 256, 3, 1)
     assert raw.kv8_gguf_dequantize(ctypes.byref(dequantize)) == 7
+    pack = GGUFPackCall(ctypes.addressof(buf), ctypes.addressof(buf), 1, 256, 0, 1, 3, 0, 1)
+    assert raw.kv8_gguf_dequantize_packed(ctypes.byref(pack)) == 7
+    pack.panels = 2   # past the one panel of a one-row matrix
+    assert raw.kv8_gguf_dequantize_packed(ctypes.byref(pack)) == 5
     with pytest.raises(KernelUnavailable, match="neither AVX-512 BF16 \\+ VBMI nor AVX2 \\+ FMA \\+ F16C"):
         load_dense_kernels("x86-64-v2")
 

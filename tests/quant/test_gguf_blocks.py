@@ -18,9 +18,11 @@ from gguf import GGMLQuantizationType as QT
 from kv8.kernels.cpu import dense
 from kv8.kernels.cpu.dense import DenseKernels
 from kv8.layers import linear
+from kv8.layers.activation import SiluAndMul
 from kv8.layers.dense_backend import DenseBackend
 from kv8.layers.linear import (
     GGUF_DEQUANTIZE_ROWS,
+    GateUpLinear,
     GGUFLinearMethod,
     GGUFSegment,
     LinearBase,
@@ -605,13 +607,93 @@ def test_a_large_segment_is_dequantized_a_slice_of_rows_at_a_time(lib: DenseKern
     assert calls == [16, 16, 16, 13]
 
 
+@pytest.mark.parametrize("qtype", KEPT_TYPES)
+@pytest.mark.parametrize("n", [61, 40, 96])
+def test_dequantize_packed_is_the_packed_bf16_weights(lib: DenseKernels, qtype: str, n: int) -> None:
+    """``gguf_dequantize_packed`` writes in one pass what ``pack`` makes of the float32 dequantization rounded to bf16
+    (torch's rounding), bit for bit: the whole matrix (a short last panel and group: 61 rows), any run of its panels,
+    and, gated, the interleaved order of ``[gate; up]`` (halves of 20 and 48 rows: zero-padded to 32 and 48)."""
+    k = 2 * BLOCK_VALUES[qtype]
+    blocks = _blocks(n, k, qtype, seed=n)
+    grouped = group_blocks(blocks, qtype, k)
+    wb = dequantize_blocks(blocks, qtype, k).bfloat16()
+    whole = lib.pack(wb)
+    assert torch.equal(lib.gguf_dequantize_packed(grouped, qtype, k), whole)
+    panels = -(-n // 32)
+    for first, count in [(0, 1), (panels - 1, 1), (1, panels - 1), (panels, 0)]:
+        got = lib.gguf_dequantize_packed(grouped, qtype, k, first_panel=first, panels=count)
+        assert torch.equal(got, whole[first * 32 * k:(first + count) * 32 * k])
+    if n % 2 == 0:
+        gated = lib.pack(lib.interleave_gate_up(wb))
+        assert torch.equal(lib.gguf_dequantize_packed(grouped, qtype, k, gated=True), gated)
+        half = -(-(n // 2) // 16)
+        tail = lib.gguf_dequantize_packed(grouped, qtype, k, gated=True, first_panel=half - 1, panels=1)
+        assert torch.equal(tail, gated[(half - 1) * 32 * k:])
+
+
+def test_dequantize_packed_refuses_bad_arguments(lib: DenseKernels) -> None:
+    """Each bad argument is refused by name: rows of the wrong width, an odd gated matrix, panels past the end, a type
+    without a kernel."""
+    k = 64
+    grouped = group_blocks(_blocks(40, k, "Q4_1", seed=3), "Q4_1", k)
+    with pytest.raises(ValueError, match=r"do not hold rows of in_features=96 values \(a positive multiple of 32\)"):
+        lib.gguf_dequantize_packed(grouped, "Q4_1", 96)
+    with pytest.raises(ValueError, match="gated: blocks hold \\[gate; up\\], an even number of rows, got 39"):
+        lib.gguf_dequantize_packed(grouped[:39].contiguous(), "Q4_1", k, gated=True)
+    with pytest.raises(ValueError, match="panels 1..3 are not within the 2 panels of the packed matrix of 40 rows"):
+        lib.gguf_dequantize_packed(grouped, "Q4_1", k, first_panel=1, panels=2)
+    with pytest.raises(ValueError, match="panels -1..0 are not within the 2 panels"):
+        lib.gguf_dequantize_packed(grouped, "Q4_1", k, first_panel=-1, panels=1)
+    with pytest.raises(ValueError, match="GGUF block type 'Q5_K' has no kernel in this build"):
+        lib.gguf_dequantize_packed(grouped, "Q5_K", k)
+
+
+@pytest.mark.parametrize("qtype", ["Q4_1", "Q4_K"])
+@pytest.mark.parametrize("inter", [40, 64])
+def test_bf16_expansion_fuses_silu_into_the_gate_up_projection(lib: DenseKernels, qtype: str, inter: int,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """A GateUpLinear of one bf16-expanded segment runs the packed kernel's gated form from the switch on: bit for bit
+    the expanded projection followed by the silu_mul kernel (I = 40: halves padded to 48), also a panel at a time (a
+    scratch of one panel's bf16); below the switch, and with gate and up of different types (two segments), the
+    projection, then the activation."""
+    k, switch = BLOCK_VALUES[qtype], 8
+    backend = DenseBackend("packed_bf16", lib, "gguf", wide_rows=switch, gguf_expand="bf16")
+
+    def layer(up_type: str) -> GateUpLinear:
+        made = GateUpLinear(k, inter, False, backend, SiluAndMul(backend))
+        made.load_gguf(GGUFWeight(qtype, _blocks(inter, k, qtype, seed=21), k), 0)
+        made.load_gguf(GGUFWeight(up_type, _blocks(inter, k, up_type, seed=22), k), 1)
+        made.process_weights_after_loading()
+        return made
+
+    one, two = layer(qtype), layer("Q8_0")
+    assert len(one.gguf_segments) == 1 and len(two.gguf_segments) == 2
+    x = (torch.randn(switch + 5, k, generator=torch.Generator().manual_seed(23)) * 2).bfloat16()
+    calls: list[bool] = []
+    packed_of = lib.gguf_dequantize_packed
+    monkeypatch.setattr(lib, "gguf_dequantize_packed",
+                        lambda *a, **kw: calls.append(bool(kw.get("gated", a[3] if len(a) > 3 else False)))
+                        or packed_of(*a, **kw))
+    for held in (one, two):
+        for rows in (x, x[:switch - 1]):
+            want = lib.silu_mul(held.method.apply(held, rows))
+            assert torch.equal(held(rows), want)
+            assert torch.equal(held(rows.view(1, *rows.shape)), want.view(1, *want.shape))
+    assert calls.count(True) == 2   # the fused form: `one` from the switch (twice: two leading shapes)
+    whole = one(x)
+    monkeypatch.setattr(linear, "GGUF_SCRATCH_BYTES", 2 * 32 * k)
+    calls.clear()
+    assert torch.equal(one(x), whole)
+    assert calls == [True] * -(-inter // 16)
+
+
 @pytest.mark.parametrize("qtype", ["Q4_1", "Q8_0", "Q4_K", "Q6_K"])
 @pytest.mark.parametrize("bias", [False, True])
 def test_bf16_expansion_is_the_reference_on_bf16_weights(lib: DenseKernels, qtype: str, bias: bool) -> None:
     """A segment whose expansion is bf16 (``gguf_expand="bf16"``, the tuner's candidate on CPUs with AMX): below its
-    switch the int8 kernel's result bit for bit; from the switch on the blocks dequantized, rounded to bf16 and
-    multiplied by torch's bf16 GEMM -- the float32 reference on those bf16 weights (float32 sums, one rounding; the
-    bias rounded to bf16) to within a bf16 rounding of the output. A float32 input keeps the float32 GEMM."""
+    switch the int8 kernel's result bit for bit; from the switch on the blocks dequantized into the packed layout
+    (rounded to bf16) and multiplied by the packed kernel -- the float32 reference on those bf16 weights (float32 sums
+    and bias, one rounding) to within a bf16 rounding of the output. A float32 input keeps the float32 GEMM."""
     n, k, switch = 40, 2 * BLOCK_VALUES[qtype], 8
     blocks = _blocks(n, k, qtype, seed=11)
     b = torch.randn(n, generator=torch.Generator().manual_seed(12)) if bias else None
@@ -630,9 +712,11 @@ def test_bf16_expansion_is_the_reference_on_bf16_weights(lib: DenseKernels, qtyp
     short = layer(x[:switch - 1])
     assert torch.equal(short, lib.gguf_linear(x[:switch - 1], segment.blocks, qtype, n, None if b is None else b))
     w = dequantize_blocks(blocks, qtype, k).bfloat16().float()
-    want = x.float() @ w.T + (0.0 if b is None else b.bfloat16().float())
+    want = x.float() @ w.T + (0.0 if b is None else b)
     got = layer(x)
     assert got.dtype == torch.bfloat16
+    packed = lib.gguf_dequantize_packed(segment.blocks, qtype, k)
+    assert torch.equal(got, lib.linear(x, packed, n, None if b is None else b))
     tol = 1e-5 * (x.float().abs() @ w.abs().T) + 2.0 ** -8 * want.abs()
     assert bool(((got.float() - want).abs() <= tol).all())
     f32 = dequantize_blocks(blocks, qtype, k)

@@ -9,7 +9,8 @@ decoded on the fly), ``rmsnorm`` (residual add + RMSNorm in one pass),
 projection, v copied out beside them); ``gguf_linear`` (a linear layer on GGUF blocks read in place, the types of
 :attr:`DenseKernels.gguf_types`, activations quantized to int8 per block, integer dot products with AVX2 ``maddubs``
 or VNNI ``vpdpbusd``, :attr:`DenseKernels.gguf_path`: ``csrc/dense/gguf.h``) and
-``gguf_dequantize`` (the same blocks to float32, for a GEMM over many rows); ``unpack`` (packed bf16 or FP8 weights
+``gguf_dequantize`` (the same blocks to float32, for a GEMM over many rows; ``gguf_dequantize_packed``: to bf16 in
+``pack``'s layout, for ``linear``); ``unpack`` (packed bf16 or FP8 weights
 back to float32, a slab of rows at a time, for the float32 GEMM of long prefill chunks; :func:`unpack_reference` is
 its plain torch definition); and ``argmax`` (rows of float32 logits,
 for the sampler). Every method
@@ -112,6 +113,13 @@ class GGUFDequantizeCall(ctypes.Structure):
                 ("num_threads", _I32)]
 
 
+class GGUFPackCall(ctypes.Structure):
+    """``kv8_gguf_pack_call``: GGUF blocks to bf16 in the packed layout (``csrc/dense/gguf_pack.h``)."""
+
+    _fields_ = [("blocks", _P), ("out", _P), ("rows", _I64), ("in_features", _I64), ("first_panel", _I64),
+                ("panels", _I64), ("qtype", _I32), ("gated", _I32), ("num_threads", _I32)]
+
+
 class UnpackCall(ctypes.Structure):
     """``kv8_unpack_call``: rows of packed weights back to float32 (``csrc/dense/unpack.h``)."""
 
@@ -126,7 +134,7 @@ class DenseKernels(NativeLibrary):
     STRUCTS = (("kv8_pack_call", PackCall), ("kv8_linear_call", LinearCall), ("kv8_rmsnorm_call", RmsNormCall),
                ("kv8_silu_mul_call", SiluMulCall), ("kv8_rope_call", RopeCall), ("kv8_argmax_call", ArgmaxCall),
                ("kv8_gguf_linear_call", GGUFLinearCall), ("kv8_gguf_dequantize_call", GGUFDequantizeCall),
-               ("kv8_unpack_call", UnpackCall))
+               ("kv8_gguf_pack_call", GGUFPackCall), ("kv8_unpack_call", UnpackCall))
 
     def __init__(self, path: Path) -> None:
         super().__init__(path)
@@ -146,6 +154,7 @@ class DenseKernels(NativeLibrary):
         self._bind_structs("kv8_argmax_rows", ArgmaxCall)
         self._bind_structs("kv8_gguf_linear", GGUFLinearCall)
         self._bind_structs("kv8_gguf_dequantize", GGUFDequantizeCall)
+        self._bind_structs("kv8_gguf_dequantize_packed", GGUFPackCall)
         self._bind_structs("kv8_unpack", UnpackCall)
         self._bind_structs("kv8_unpack_fp8", UnpackCall)
         #: the GGUF block types :meth:`gguf_linear` reads (``gguf.GGMLQuantizationType`` names -> the library's codes),
@@ -311,6 +320,37 @@ class DenseKernels(NativeLibrary):
                                   torch.get_num_threads())
         self.invoke(self._lib.kv8_gguf_dequantize,
                     f"GGUF {qtype} dequantize of blocks {list(blocks.shape)}, K={in_features}", call)
+        return out
+
+    def gguf_dequantize_packed(self, blocks: torch.Tensor, qtype: str, in_features: int, gated: bool = False,
+                               first_panel: int = 0, panels: int | None = None) -> torch.Tensor:
+        """The blocks of :meth:`gguf_dequantize` (``[N, row bytes]`` uint8 of type ``qtype``, the kernel's order) as
+        bf16 in :meth:`pack`'s layout, panels ``first_panel .. first_panel + panels`` (default: to the last; 32 rows
+        each, ``32 * in_features`` values a panel), in one pass (``csrc/dense/gguf_pack.h``): each value is
+        :meth:`gguf_dequantize`'s float32 rounded to bf16, so that the result is bit for bit
+        ``pack(gguf_dequantize(...).bfloat16())`` (with ``gated``, of :meth:`interleave_gate_up` of it: ``blocks``
+        holds ``[gate; up]``, N even). Multiply it with :meth:`linear` (``gated`` alike)."""
+        code = self._gguf_code(qtype)
+        if blocks.dtype != torch.uint8 or blocks.ndim != 2 or not blocks.is_contiguous():
+            raise ValueError(f"blocks must be a contiguous 2-D uint8 tensor, got {blocks.dtype} {list(blocks.shape)}")
+        n = blocks.shape[0]
+        values, size = _GGUF_BLOCK_VALUES[qtype], _GGUF_BLOCK_BYTES[qtype]
+        if in_features <= 0 or in_features % values or blocks.shape[1] != in_features // values * size:
+            raise ValueError(f"blocks [{n}, {blocks.shape[1]}] of {qtype} do not hold rows of in_features="
+                             f"{in_features} values (a positive multiple of {values})")
+        if gated and n % 2:
+            raise ValueError(f"gated: blocks hold [gate; up], an even number of rows, got {n}")
+        total = -(-(n // 2) // 16) if gated else -(-n // 32)
+        panels = total - first_panel if panels is None else panels
+        if first_panel < 0 or panels < 0 or first_panel + panels > total:
+            raise ValueError(f"panels {first_panel}..{first_panel + panels} are not within the {total} panels of the "
+                             f"packed matrix of {n} rows{' (gated)' if gated else ''}")
+        out = torch.empty(panels * 32 * in_features, dtype=torch.bfloat16)
+        call = GGUFPackCall(blocks.data_ptr(), out.data_ptr(), n, in_features, first_panel, panels, code, int(gated),
+                            torch.get_num_threads())
+        self.invoke(self._lib.kv8_gguf_dequantize_packed,
+                    f"GGUF {qtype} dequantize of blocks {list(blocks.shape)} to packed panels {first_panel}.."
+                    f"{first_panel + panels}, K={in_features}", call)
         return out
 
     @staticmethod

@@ -10,6 +10,7 @@
 //   kv8_argmax_call    row argmax of float32 logits (kv8_argmax_rows)
 //   kv8_gguf_linear_call  one linear layer on GGUF Q8_0 / Q4_0 / Q4_1 / Q5_0 / Q4_K / Q6_K blocks (kv8_gguf_linear)
 //   kv8_gguf_dequantize_call  those blocks to float32 (kv8_gguf_dequantize, gguf.h)
+//   kv8_gguf_pack_call  those blocks to bf16 in the packed layout (kv8_gguf_dequantize_packed, gguf_pack.h)
 //   kv8_unpack_call    rows of packed weights back to float32 (kv8_unpack: bf16, kv8_unpack_fp8: E4M3 codes; unpack.h)
 //
 // Every entry point returns OK or an error code of ../common/kv8_abi.h (ERR_ARGS, ERR_OOM, ERR_NO_FAST_PATH) whose
@@ -124,6 +125,20 @@
     X(int32_t, qtype)                     \
     X(int32_t, num_threads)
 
+// out = panels first_panel .. first_panel + panels - 1 of the packed bf16 layout (kv8_linear's: 32 * in_features values
+// a panel) of W dequantized and rounded to bf16: blocks as in kv8_gguf_dequantize_call (rows rows of type qtype).
+// gated != 0: W = [gate; up] (rows even), the panels those of the gated kernel's interleaved order (gguf_pack.h).
+#define KV8_GGUF_PACK_CALL_FIELDS(X)      \
+    X(const uint8_t*, blocks)             \
+    X(uint16_t*, out)                     \
+    X(int64_t, rows)                      \
+    X(int64_t, in_features)               \
+    X(int64_t, first_panel)               \
+    X(int64_t, panels)                    \
+    X(int32_t, qtype)                     \
+    X(int32_t, gated)                     \
+    X(int32_t, num_threads)
+
 // out [rows, in_features] float32 = rows first .. first + rows - 1 of the matrix in packed (kv8_unpack: the bf16 packed
 // layout, exact; kv8_unpack_fp8: the FP8 one, decode(code) * scale[first + r], scale float32 per packed row; NULL for
 // kv8_unpack). first % 32 == 0; rows past the packed matrix's last are not allowed (the caller checks its size).
@@ -146,5 +161,6 @@
     Y(kv8_argmax_call, KV8_ARGMAX_CALL_FIELDS)                   \
     Y(kv8_gguf_linear_call, KV8_GGUF_LINEAR_CALL_FIELDS)         \
     Y(kv8_gguf_dequantize_call, KV8_GGUF_DEQUANTIZE_CALL_FIELDS) \
+    Y(kv8_gguf_pack_call, KV8_GGUF_PACK_CALL_FIELDS)             \
     Y(kv8_unpack_call, KV8_UNPACK_CALL_FIELDS)
 KV8_ABI_STRUCTS(KV8_DENSE_STRUCTS)

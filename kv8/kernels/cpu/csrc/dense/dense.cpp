@@ -4,8 +4,9 @@
 // headers so that the build stays one g++ call (kv8/kernels/cpu/build.py hashes every included file).
 //
 // Also the row argmax of float32 logits that the sampler uses (argmax.h), packed weights back to float32 for the
-// float32 GEMM of long prefill chunks (unpack.h), and linear layers on GGUF Q8_0 / Q4_0 /
-// Q4_1 / Q5_0 / Q4_K / Q6_K blocks read in place (gguf.h: AVX2, or VNNI where the CPU has it).
+// float32 GEMM of long prefill chunks (unpack.h), linear layers on GGUF Q8_0 / Q4_0 /
+// Q4_1 / Q5_0 / Q4_K / Q6_K blocks read in place (gguf.h: AVX2, or VNNI where the CPU has it), and those blocks
+// dequantized into the packed layout for the GEMM of long calls (gguf_pack.h).
 //
 // Plain C ABI (extern "C"), loaded with ctypes by kv8/kernels/cpu/dense.py, compiled there with
 // `g++ -O3 -march=native -fopenmp -shared -fPIC` (the build is kv8/kernels/cpu/build.py's). No torch headers. Each entry
@@ -72,6 +73,7 @@
 #include "avx2.h"
 #include "gguf.h"
 #include "unpack.h"
+#include "gguf_pack.h"
 
 // ------------------------------------------------------------------------------------------------
 // The C ABI
@@ -160,3 +162,15 @@ KV8_ENTRY(kv8_unpack_fp8, kv8_unpack_call, unpack<true>, check_args(*call, true)
 KV8_GGUF_ENTRY(kv8_gguf_linear, kv8_gguf_linear_call, gguf_linear)
 KV8_GGUF_ENTRY(kv8_gguf_dequantize, kv8_gguf_dequantize_call, gguf_dequantize)
 #undef KV8_GGUF_ENTRY
+
+// kv8_gguf_dequantize_packed (gguf_pack.h): where the build has the GGUF and a linear path; a call of no panels
+// returns OK without reading its pointers.
+extern "C" int kv8_gguf_dequantize_packed(const kv8_gguf_pack_call* call) {
+    if (!call) return ERR_ARGS;
+    const int rc = check_args(*call);
+#if KV8_GGUF_PACK
+    return rc != OK || call->panels == 0 ? rc : gguf_dequantize_packed(*call);
+#else
+    return rc != OK ? rc : ERR_NO_FAST_PATH;
+#endif
+}
