@@ -14,9 +14,10 @@ no fast bf16 GEMM). The ``gguf ms`` and ``kv8/gguf`` columns time the same matri
 (default Q4_1, SmolLM2's file; written by ``gguf.quants.quantize``) multiplied as ``quantization="gguf"`` does
 (the int8 kernel ``kv8_gguf_linear`` below ``GGUF_DEQUANTIZE_ROWS`` rows, the blocks dequantized to float32 and the
 float32 GEMM from there); the ``int8 ms`` and ``int8/gguf`` columns time the same layers with the int8 kernel at every
-row count (the choice that threshold is measured from); on a CPU with AMX the ``bf16x ms`` and ``int8/bf16x`` columns
-time them with the blocks dequantized to bf16 for torch's bf16 GEMM from ``GGUF_BF16_ROWS`` rows (the tuner's third
-candidate there, ``packed_bf16+bf16_from_256``; below that row count the int8 kernel). The header names the kernels'
+row count (the choice that threshold is measured from); the ``bf16x ms`` and ``int8/bf16x`` columns time them with the
+blocks dequantized into the packed kernel's bf16 layout and multiplied by it from ``GGUF_BF16_ROWS`` rows (the tuner's
+third candidate, ``packed_bf16+bf16_from_256``; below that row count the int8 kernel; these layers are plain linears,
+so the gate/up projection runs without its fused SiLU). The header names the kernels'
 path (``avx512``: AMX tiles or ``vdpbf16ps``; ``avx2``: fp32 FMA).
 
 ``--shapes`` multiplies other matrices (``OUTxIN`` each, e.g. ``4096x4096,14336x4096``: an 8B model's q/o and up
@@ -308,7 +309,8 @@ def run(args: argparse.Namespace, before: DenseKernels | None, before_blocks: Mo
           + f"; gguf = {args.gguf_type} blocks, {gguf_bytes / 1e6:.0f} MB")
     extra = f" {'fp8 ms':>8} {'bf16/fp8':>9} {'fp32 ms':>9} {'fp32/kv8':>9} {'fp32/fp8':>9}"
     extra += f" {'gguf ms':>8} {'kv8/gguf':>9} {'fp32/gguf':>10} {'int8 ms':>8} {'int8/gguf':>10}"
-    extra += f" {'vdpbf16ps ms':>13} {'AMX/vdpbf16ps':>14} {'bf16x ms':>9} {'int8/bf16x':>11}" if amx else ""
+    extra += f" {'bf16x ms':>9} {'int8/bf16x':>11}"
+    extra += f" {'vdpbf16ps ms':>13} {'AMX/vdpbf16ps':>14}" if amx else ""
     extra += (f" {'before ms':>10} {'speed-up':>9} {'fp8 before':>11} {'speed-up':>9} {'gguf before':>12} "
               f"{'speed-up':>9}" if before is not None else "")
     print(f"{'M':>6} {'torch ms':>10} {'kv8 ms':>10} {'torch GB/s':>11} {'kv8 GB/s':>10} {'speed-up':>9}{extra}")
@@ -370,10 +372,10 @@ def run(args: argparse.Namespace, before: DenseKernels | None, before_blocks: Mo
                     kernels.amx = True
 
             fns: dict[str, Callable[[], None]] = {"torch": run_torch} if args.torch_bf16 else {}
-            fns.update({"kv8": run_kv8, "fp8": run_fp8, "fp32": run_fp32, "gguf": run_gguf, "int8": run_gguf_int8})
+            fns.update({"kv8": run_kv8, "fp8": run_fp8, "fp32": run_fp32, "gguf": run_gguf, "int8": run_gguf_int8,
+                        "bf16x": run_gguf_bf16})
             if amx:
                 fns["vdpbf16ps"] = run_avx512
-                fns["bf16x"] = run_gguf_bf16
             if before is not None:
                 fns["before"] = run_before
                 fns["fp8 before"] = run_fp8_before
@@ -388,10 +390,10 @@ def run(args: argparse.Namespace, before: DenseKernels | None, before_blocks: Mo
             row = (f"{m:>6} {torch_cols} {t['fp8'] * 1e3:>8.2f} "
                    f"{t_kv8 / t['fp8']:>9.2f} {t['fp32'] * 1e3:>9.2f} {t['fp32'] / t_kv8:>9.2f} "
                    f"{t['fp32'] / t['fp8']:>9.2f} {t['gguf'] * 1e3:>8.2f} {t_kv8 / t['gguf']:>9.2f} "
-                   f"{t['fp32'] / t['gguf']:>10.2f} {t['int8'] * 1e3:>8.2f} {t['int8'] / t['gguf']:>10.2f}")
+                   f"{t['fp32'] / t['gguf']:>10.2f} {t['int8'] * 1e3:>8.2f} {t['int8'] / t['gguf']:>10.2f}"
+                   f" {t['bf16x'] * 1e3:>9.2f} {t['int8'] / t['bf16x']:>11.2f}")
             if amx:
-                row += (f" {t['vdpbf16ps'] * 1e3:>13.2f} {t['vdpbf16ps'] / t_kv8:>14.2f} {t['bf16x'] * 1e3:>9.2f} "
-                        f"{t['int8'] / t['bf16x']:>11.2f}")
+                row += f" {t['vdpbf16ps'] * 1e3:>13.2f} {t['vdpbf16ps'] / t_kv8:>14.2f}"
             if before is not None:
                 row += (f" {t['before'] * 1e3:>10.2f} {t['before'] / t_kv8:>9.2f} {t['fp8 before'] * 1e3:>11.2f} "
                         f"{t['fp8 before'] / t['fp8']:>9.2f} {t['gguf before'] * 1e3:>12.2f} "

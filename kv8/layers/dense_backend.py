@@ -34,11 +34,11 @@ GGUF_DEQUANTIZE_ROWS = 32
 
 #: with ``quantization="gguf"``, what the blocks are dequantized to from a backend's switch on: ``"f32"`` (float32,
 #: multiplied by torch's float32 GEMM, :func:`kv8.layers.linear.linear_f32`) or ``"bf16"`` (each value rounded to
-#: bf16 and multiplied by torch's bf16 GEMM, oneDNN: AMX tiles where the CPU has them)
+#: bf16 in the packed kernel's layout and multiplied by it: AMX tiles where the CPU has them)
 GGUF_EXPANSIONS = ("f32", "bf16")
 
-#: the row count from which ``dense_backend="auto"``'s bf16 candidate (on CPUs with AMX) dequantizes the blocks to bf16
-#: instead of running the int8 kernel. Measured on an Intel Xeon with AMX (family 6 model 207), 2 threads, 30
+#: the row count from which ``dense_backend="auto"``'s bf16 candidate dequantizes the blocks to bf16 instead of
+#: running the int8 kernel. Measured on an Intel Xeon with AMX (family 6 model 207), 2 threads, 30
 #: SmolLM2-shaped Q4_1 layers (``bench_linear.py``), the int8 kernel's time over the bf16 expansion's: 1.19 at 256
 #: rows, 1.56 at 512; at 128 the int8 kernel was still faster (docs/benchmarks.md, "GGUF blocks expanded to bf16 on
 #: AMX").

@@ -424,10 +424,10 @@ def candidates(shapes: Sequence[LinearShape], dtype: torch.dtype, quantization: 
     ``quantization="gguf"``: where the kernels load (bf16) and some decoder shape has a block type they read
     (:attr:`LinearShape.qtype`; the shapes :func:`tuning_groups` times, type by type),
     ``packed_bf16+f32_from_<GGUF_DEQUANTIZE_ROWS>`` (the blocks dequantized for the float32 GEMM from that many rows)
-    and ``packed_bf16`` (the int8 kernel at every row count), and on CPUs with AMX
-    ``packed_bf16+bf16_from_<GGUF_BF16_ROWS>`` (the blocks dequantized to bf16 for torch's bf16 GEMM, oneDNN's AMX
-    tiles, from that many rows; without AMX torch's bf16 GEMM has no more throughput than its float32 one); else one
-    candidate, not timed (the fixed rule: the first, or ``torch``, the GGUF reference)."""
+    ``packed_bf16`` (the int8 kernel at every row count) and ``packed_bf16+bf16_from_<GGUF_BF16_ROWS>`` (the blocks
+    dequantized into the packed kernel's bf16 layout and multiplied by it from that many rows: AMX tiles where the CPU
+    has them, else ``vdpbf16ps`` or the AVX2 path); else one candidate, not timed (the fixed rule: the first, or
+    ``torch``, the GGUF reference)."""
     found: list[DenseBackend] = []
     if quantization == "gguf":
         fixed = select_dense_backend("auto", dtype, quantization)
@@ -435,10 +435,8 @@ def candidates(shapes: Sequence[LinearShape], dtype: torch.dtype, quantization: 
         if kernels is None or not _gguf_switched(shapes, kernels.gguf_types):
             return {fixed.label: fixed}
         found = [DenseBackend("packed_bf16", kernels, quantization, wide_rows=GGUF_DEQUANTIZE_ROWS),
-                 DenseBackend("packed_bf16", kernels, quantization)]
-        if kernels.amx:
-            found.append(DenseBackend("packed_bf16", kernels, quantization, wide_rows=GGUF_BF16_ROWS,
-                                      gguf_expand="bf16"))
+                 DenseBackend("packed_bf16", kernels, quantization),
+                 DenseBackend("packed_bf16", kernels, quantization, wide_rows=GGUF_BF16_ROWS, gguf_expand="bf16")]
         return {backend.label: backend for backend in found}
     if dtype == torch.bfloat16:
         try:

@@ -431,7 +431,7 @@ def test_an_engine_uses_and_keeps_this_machines_plan(tiny_llama: str, tmp_path: 
 def test_gguf_weights_time_the_dequantizing_switch_against_the_int8_kernel_everywhere() -> None:
     """``quantization="gguf"``: where the kernels read every quantized shape's block type, two candidates -- the
     blocks dequantized for the float32 GEMM from ``GGUF_DEQUANTIZE_ROWS`` rows, and the int8 kernel at every row
-    count -- and on a CPU with AMX a third, the blocks dequantized to bf16 from ``GGUF_BF16_ROWS`` rows, timed on
+    count -- and a third, the blocks dequantized to the packed kernel's bf16 from ``GGUF_BF16_ROWS`` rows, timed on
     layers holding blocks of that type (the real timer here, on tiny shapes); a shape without a type the kernels read
     leaves the fixed rule, untimed. The choice's speed-ups are quoted against the other."""
     kernels, why = dense_kernels_or_reason()
@@ -440,10 +440,9 @@ def test_gguf_weights_time_the_dequantizing_switch_against_the_int8_kernel_every
     shapes = [LinearShape(48, 64, 2, qtype="Q4_1"), LinearShape(40, 64, 1, qtype="Q8_0")]
     found = candidates(shapes, torch.bfloat16, "gguf")
     switch, bf16 = f"packed_bf16+f32_from_{GGUF_DEQUANTIZE_ROWS}", f"packed_bf16+bf16_from_{GGUF_BF16_ROWS}"
-    assert set(found) == {switch, "packed_bf16"} | ({bf16} if kernels.amx else set())
+    assert set(found) == {switch, "packed_bf16", bf16}
     assert (found[switch].wide_rows, found["packed_bf16"].wide_rows) == (GGUF_DEQUANTIZE_ROWS, 0)
-    if kernels.amx:
-        assert (found[bf16].wide_rows, found[bf16].gguf_expand) == (GGUF_BF16_ROWS, "bf16")
+    assert (found[bf16].wide_rows, found[bf16].gguf_expand) == (GGUF_BF16_ROWS, "bf16")
     for label, backend in found.items():
         assert time_layer(shapes[0], backend, torch.bfloat16, 40) > 0, label
     unreadable = [LinearShape(48, 64, 2, qtype=None)]

@@ -256,9 +256,8 @@ def test_dense_backend_auto_times_and_switches_each_block_type(tmp_path: Path, m
     """``dense_backend="auto"`` with tuning on times ``quantization="gguf"``'s decoder layers in their own block types
     (not the head: its switch is its own, ``GGUF_HEAD_DEQUANTIZE_ROWS``), and each layer's segment switches at its
     type's choice: here Q6_K and Q8_0 measure faster dequantized from ``GGUF_DEQUANTIZE_ROWS`` rows, Q4_K faster on
-    the int8 kernel at every row count (or not); on a CPU with AMX the bf16 expansion from ``GGUF_BF16_ROWS`` is timed
-    too, and loses. (The timings are faked: which path is faster depends on the CPU.)"""
-    from kv8.kernels.cpu.dense import load_dense_kernels
+    the int8 kernel at every row count (or not); the bf16 expansion from ``GGUF_BF16_ROWS`` is timed too, and loses.
+    (The timings are faked: which path is faster depends on the CPU.)"""
     from kv8.layers.dense_backend import GGUF_BF16_ROWS, GGUF_DEQUANTIZE_ROWS, DenseBackend
     from kv8.layers.tuning import LinearShape, _LayerTimer
 
@@ -276,8 +275,8 @@ def test_dense_backend_auto_times_and_switches_each_block_type(tmp_path: Path, m
     monkeypatch.setenv("KV8_TUNING", "auto")
     monkeypatch.setenv("KV8_CACHE_DIR", os.fspath(tmp_path / "cache"))
     loaded = load_model("gguf", str(path), torch.bfloat16, "auto", quantization="gguf")
-    bf16 = {f"packed_bf16+bf16_from_{GGUF_BF16_ROWS}"} if load_dense_kernels().amx else set()
-    assert {label for label, _ in timed} == {f"packed_bf16+f32_from_{GGUF_DEQUANTIZE_ROWS}", "packed_bf16"} | bf16
+    assert {label for label, _ in timed} == {f"packed_bf16+f32_from_{GGUF_DEQUANTIZE_ROWS}", "packed_bf16",
+                                             f"packed_bf16+bf16_from_{GGUF_BF16_ROWS}"}
     assert {shape.qtype for _, shape in timed} == {"Q4_K", "Q6_K", "Q8_0"}
     assert not any(shape.lm_head for _, shape in timed)
     q4_k = 0 if q4_k_int8_wins else GGUF_DEQUANTIZE_ROWS
