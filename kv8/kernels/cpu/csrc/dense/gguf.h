@@ -117,6 +117,7 @@
 #pragma once
 
 #include <cstdlib>
+#include <type_traits>
 
 // The block types of kv8_gguf_linear_call.qtype, by code; their names are the GGUF (gguf.GGMLQuantizationType) names,
 // which Python reads from kv8_gguf_type_name (no code copied on the Python side).
@@ -1013,15 +1014,22 @@ static void gguf_dequantize_rows(const kv8_gguf_dequantize_call& call) {
     }
 }
 
-static int gguf_dequantize(const kv8_gguf_dequantize_call& call) {
-    switch (call.qtype) {
-        case GGUF_Q8_0: gguf_dequantize_rows<GGUF_Q8_0>(call); break;
-        case GGUF_Q4_0: gguf_dequantize_rows<GGUF_Q4_0>(call); break;
-        case GGUF_Q4_1: gguf_dequantize_rows<GGUF_Q4_1>(call); break;
-        case GGUF_Q5_0: gguf_dequantize_rows<GGUF_Q5_0>(call); break;
-        case GGUF_Q6_K: gguf_dequantize_rows<GGUF_Q6_K>(call); break;
-        default: gguf_dequantize_rows<GGUF_Q4_K>(call); break;
+// f(std::integral_constant<int, QT>{}) for block type code qtype (checked by the caller's check_args; any other code is
+// Q4_K's): one dispatch from a call's type to the kernels' templates.
+template <typename F>
+static inline auto gguf_by_type(int32_t qtype, F&& f) {
+    switch (qtype) {
+        case GGUF_Q8_0: return f(std::integral_constant<int, GGUF_Q8_0>{});
+        case GGUF_Q4_0: return f(std::integral_constant<int, GGUF_Q4_0>{});
+        case GGUF_Q4_1: return f(std::integral_constant<int, GGUF_Q4_1>{});
+        case GGUF_Q5_0: return f(std::integral_constant<int, GGUF_Q5_0>{});
+        case GGUF_Q6_K: return f(std::integral_constant<int, GGUF_Q6_K>{});
+        default: return f(std::integral_constant<int, GGUF_Q4_K>{});
     }
+}
+
+static int gguf_dequantize(const kv8_gguf_dequantize_call& call) {
+    gguf_by_type(call.qtype, [&](auto qt) { gguf_dequantize_rows<decltype(qt)::value>(call); });
     return OK;
 }
 
@@ -1043,15 +1051,7 @@ static int gguf_linear(const kv8_gguf_linear_call& call) {
     for (int64_t m = 0; m < M; ++m)
         gguf_quantize_row(call.x + m * K, K, qa + m * K, scales + m * nb, scales + (M + m) * nb, isum + m * nb,
                           isum + (M + m) * nb);
-    int rc;
-    switch (call.qtype) {
-        case GGUF_Q8_0: rc = gguf_linear_path<GGUF_Q8_0>(call, x); break;
-        case GGUF_Q4_0: rc = gguf_linear_path<GGUF_Q4_0>(call, x); break;
-        case GGUF_Q4_1: rc = gguf_linear_path<GGUF_Q4_1>(call, x); break;
-        case GGUF_Q5_0: rc = gguf_linear_path<GGUF_Q5_0>(call, x); break;
-        case GGUF_Q6_K: rc = gguf_linear_path<GGUF_Q6_K>(call, x); break;
-        default: rc = gguf_linear_path<GGUF_Q4_K>(call, x); break;
-    }
+    const int rc = gguf_by_type(call.qtype, [&](auto qt) { return gguf_linear_path<decltype(qt)::value>(call, x); });
     std::free(qa);
     std::free(scales);
     std::free(isum);

@@ -107,14 +107,7 @@ static void gguf_pack_rows(const kv8_gguf_pack_call& call) {
 }
 
 static int gguf_dequantize_packed(const kv8_gguf_pack_call& call) {
-    switch (call.qtype) {
-        case GGUF_Q8_0: gguf_pack_rows<GGUF_Q8_0>(call); break;
-        case GGUF_Q4_0: gguf_pack_rows<GGUF_Q4_0>(call); break;
-        case GGUF_Q4_1: gguf_pack_rows<GGUF_Q4_1>(call); break;
-        case GGUF_Q5_0: gguf_pack_rows<GGUF_Q5_0>(call); break;
-        case GGUF_Q6_K: gguf_pack_rows<GGUF_Q6_K>(call); break;
-        default: gguf_pack_rows<GGUF_Q4_K>(call); break;
-    }
+    gguf_by_type(call.qtype, [&](auto qt) { gguf_pack_rows<decltype(qt)::value>(call); });
     return OK;
 }
 
