@@ -39,7 +39,10 @@ configuration, the configurations in a rotated order, and the table shows median
 phases of a shared machine spread over all engines. While one configuration is measured, the other kv8 and vLLM
 workers are stopped (SIGSTOP to their process groups, SIGCONT after; ``--no-pause`` leaves them running): an
 idle vLLM worker kept ~6% of a core busy (``top``), and beside the idle workers kv8's and vLLM fp8's prefill of
-one 1,024-token prompt ran at about a third of its rate (docs/benchmarks.md). ``--kld`` adds an accuracy column:
+one 1,024-token prompt ran at about a third of its rate (docs/benchmarks.md). Each kv8 measurement also records the
+fewest threads its steps ran with (the thread governor, ``adaptive_cpu_threads``, gives cores up to other
+processes): the per-round lines show it and the run ends with a line saying whether the governor gave any up, so a
+slow kv8 cell can be told from one that ran short of threads. ``--kld`` adds an accuracy column:
 the mean KL divergence of each configuration's next-token distributions from its own engine with a 32-bit
 cache (llama.cpp: ``llama-perplexity --kl-divergence`` against an f32 cache; kv8: ``kv8 eval`` against a float32
 cache; vLLM returns only top-k logprobs, so it has none).
@@ -108,11 +111,15 @@ class Shape:
 @dataclass(frozen=True)
 class Measurement:
     """What one run of one shape gave: prompt tokens per second (until every sequence has its first token),
-    generated tokens per second after that, and the time to the first token of the whole batch."""
+    generated tokens per second after that, and the time to the first token of the whole batch. ``threads`` (kv8
+    only; 0: not reported): the fewest threads the engine's steps ran with (``torch.get_num_threads()`` before the
+    first step and after each, which the thread governor sets), so that a slow cell can be told from one in which kv8
+    gave up threads to other processes."""
 
     prefill_tok_s: float
     decode_tok_s: float
     ttft_s: float
+    threads: int = 0
 
 
 def make_prompts(batch: int, length: int, seed: int) -> list[list[int]]:
@@ -260,10 +267,11 @@ def kv8_worker(options: dict[str, Any], max_batch: int, max_len: int
               max_num_batched_tokens=2048, enable_prefix_caching=False)
     eng = llm.engine
 
-    def run(prompts: list[list[int]], new: int, seed: int) -> tuple[float, float]:
+    def run(prompts: list[list[int]], new: int, seed: int) -> tuple[float, float, int]:
         """Generate ``new`` tokens for each prompt; (seconds until every sequence has its first token, decode
-        tok/s after that: 0.0 when ``new`` is 1)."""
+        tok/s after that: 0.0 when ``new`` is 1, the fewest threads a step ran with)."""
         params = SamplingParams(temperature=0, max_tokens=new, ignore_eos=True)
+        threads = torch.get_num_threads()
         assert not eng.has_unfinished_requests()
         ids = [eng.add_request(prompt, params, request_id=f"{seed}-{new}-{i}") for i, prompt in enumerate(prompts)]
         tokens = dict.fromkeys(ids, 0)   # each request's tokens so far (its cumulative output's)
@@ -274,18 +282,19 @@ def kv8_worker(options: dict[str, Any], max_batch: int, max_len: int
         while eng.has_unfinished_requests():
             for out in eng.step():
                 tokens[out.request_id] = len(out.outputs[0].token_ids)
+            threads = min(threads, torch.get_num_threads())
             if not first and all(tokens.values()):
                 first = time.perf_counter() - start
                 generated_at_first = sum(tokens.values())
         total = time.perf_counter() - start
         generated = sum(tokens.values())
         assert generated == len(prompts) * new, generated
-        return first, (generated - generated_at_first) / (total - first) if total > first else 0.0
+        return first, (generated - generated_at_first) / (total - first) if total > first else 0.0, threads
 
     def measure(shape: Shape, seed: int) -> Measurement:
-        first, _ = run(make_prompts(shape.batch, shape.prompt, seed), 1, seed)
-        _, decode = run(make_prompts(shape.batch, shape.prompt, seed + 1), shape.new, seed)
-        return Measurement(shape.batch * shape.prompt / first, decode, first)
+        first, _, prefill_threads = run(make_prompts(shape.batch, shape.prompt, seed), 1, seed)
+        _, decode, decode_threads = run(make_prompts(shape.batch, shape.prompt, seed + 1), shape.new, seed)
+        return Measurement(shape.batch * shape.prompt / first, decode, first, min(prefill_threads, decode_threads))
 
     yield measure
 
@@ -423,8 +432,20 @@ class Config:
         ms = self.results.get(shape)
         if not ms:
             return None
-        return Measurement(*(statistics.median(getattr(m, f) for m in ms)
-                             for f in ("prefill_tok_s", "decode_tok_s", "ttft_s")))
+        return Measurement(statistics.median(m.prefill_tok_s for m in ms),
+                           statistics.median(m.decode_tok_s for m in ms), statistics.median(m.ttft_s for m in ms),
+                           min(m.threads for m in ms))
+
+
+def governor_summary(configs: list[Config]) -> str:
+    """One line: whether every kv8 run's steps had all :data:`THREADS` threads, or which runs the thread governor
+    (``adaptive_cpu_threads``) gave threads up in, each with the fewest it ran with: a slow cell with all its threads
+    is the machine's (or the engine's), not the governor's."""
+    fewer = [f"{cfg.name} {shape.label} ({m.threads} of {THREADS})" for cfg in configs
+             for shape, ms in cfg.results.items() for m in ms if 0 < m.threads < THREADS]
+    if fewer:
+        return f"kv8's thread governor gave up threads in {len(fewer)} run(s): " + ", ".join(fewer)
+    return f"every kv8 step ran with all {THREADS} threads (the thread governor gave none up)"
 
 
 def vllm_missing() -> str | None:
@@ -713,7 +734,8 @@ def main() -> None:
                         m = cfg.runner.measure(shape, seed=1000 * rnd + i)
                         cfg.results.setdefault(shape, []).append(m)
                         print(f"  round {rnd + 1} {shape.label:<7} {cfg.name:<24} prefill {m.prefill_tok_s:8.1f} "
-                              f"decode {m.decode_tok_s:7.1f} tok/s  TTFT {m.ttft_s:7.3f} s", flush=True)
+                              f"decode {m.decode_tok_s:7.1f} tok/s  TTFT {m.ttft_s:7.3f} s"
+                              + (f"  threads {m.threads}" if m.threads else ""), flush=True)
                     except Exception as e:
                         cfg.errors[shape] = str(e)
                         print(f"  round {rnd + 1} {shape.label:<7} {cfg.name:<24} FAILED: {e}", flush=True)
@@ -727,6 +749,7 @@ def main() -> None:
         for cfg in live:
             if isinstance(cfg.runner, Worker):
                 cfg.runner.close()
+    print(governor_summary(configs))
     for cfg in configs:
         if cfg.skipped:
             print(f"skipped {cfg.name}: {cfg.skipped}")

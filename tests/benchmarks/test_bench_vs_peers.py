@@ -138,3 +138,42 @@ def test_a_bad_peer_cache_type_is_refused_before_any_engine_starts() -> None:
     assert proc.returncode == 2, proc.stderr
     assert "--llama-kv: int4 is not a cache type it takes" in proc.stderr
     assert "ready in" not in proc.stdout
+
+
+def test_kv8_runs_report_the_fewest_threads_their_steps_had(tiny_llama: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A kv8 measurement carries the fewest threads its steps ran with: all of them on a quiet machine; one when the
+    thread governor gives a core up to other processes (its answer faked here), which the run's summary line names.
+    Peers report none (0), and the median of a cell keeps the fewest."""
+    import torch
+
+    from kv8.engine.threads import ThreadGovernor
+
+    before = torch.get_num_threads()
+    monkeypatch.setattr(bench, "make_prompts", lambda batch, length, seed: [[(seed + 7 * i + j) % 300 + 1
+                                                                             for j in range(length)]
+                                                                            for i in range(batch)])   # its vocab
+    try:
+        measure = next(bench.kv8_worker({"model": tiny_llama, "kv_cache_dtype": "fp8"}, 2, 64))
+        quiet = measure(bench.Shape(2, 32, 3), 1)
+        assert quiet.threads == bench.THREADS and quiet.prefill_tok_s > 0
+
+        def busy_machine(self: ThreadGovernor) -> int:   # the governor's answer to other processes on a core
+            self.threads = 1
+            self.set_threads(1)
+            return 1
+
+        monkeypatch.setattr(ThreadGovernor, "observe", busy_machine)
+        busy = measure(bench.Shape(2, 32, 3), 2)
+        assert busy.threads == 1
+    finally:
+        torch.set_num_threads(before)
+    shape = bench.Shape(2, 32, 3)
+    cfg, peer = bench.Config("kv8", "fp8"), bench.Config("vllm", "auto")
+    cfg.results[shape] = [quiet]
+    peer.results[shape] = [bench.Measurement(1.0, 1.0, 1.0)]
+    assert bench.governor_summary([cfg, peer]) == (f"every kv8 step ran with all {bench.THREADS} threads (the thread "
+                                                   "governor gave none up)")
+    cfg.results[shape].append(busy)
+    assert cfg.median(shape).threads == 1
+    assert bench.governor_summary([cfg, peer]) == (f"kv8's thread governor gave up threads in 1 run(s): kv8 fp8 B=2 "
+                                                   f"(1 of {bench.THREADS})")
