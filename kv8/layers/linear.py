@@ -72,7 +72,7 @@ With one rank every layer holds the whole matrix and nothing is reduced.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 
 import torch
@@ -560,14 +560,23 @@ class GGUFLinearMethod(LinearMethod):
         # the blocks dequantized to float32, GGUF_SCRATCH_BYTES at a time (whole groups of the kernel's layout: a
         # slice of grouped rows from a multiple of 8 is that layout of those rows); the scratch lives for this call
         step = max(GROUP_ROWS, GGUF_SCRATCH_BYTES // (4 * segment.in_features) // GROUP_ROWS * GROUP_ROWS)
-        if segment.rows <= step:
-            return self._dequantized_product(segment, segment.blocks, rows, bias)
-        out = rows.new_empty(rows.shape[0], segment.rows)
-        for first in range(0, segment.rows, step):
-            count = min(step, segment.rows - first)
-            part_bias = None if bias is None else bias[first:first + count]
-            out[:, first:first + count] = self._dequantized_product(segment, segment.blocks.narrow(0, first, count),
-                                                                    rows, part_bias)
+        return self._in_slices(rows, segment.rows, 1, step, bias, lambda first, count, part_bias: (
+            self._dequantized_product(segment, segment.blocks.narrow(0, first, count), rows, part_bias)))
+
+    @staticmethod
+    def _in_slices(rows: torch.Tensor, width: int, per: int, step: int, bias: torch.Tensor | None,
+                   product: Callable[[int, int, torch.Tensor | None], torch.Tensor]) -> torch.Tensor:
+        """``[M, width]``: the output columns in units of ``per`` (a weight row, a packed panel), ``step`` units at a
+        time: ``product(first, count, bias of their columns)`` gives the columns of units ``first .. first + count``
+        (the last unit may be short); one call where one slice holds them all."""
+        units = -(-width // per)
+        if units <= step:
+            return product(0, units, bias)
+        out = rows.new_empty(rows.shape[0], width)
+        for first in range(0, units, step):
+            count = min(step, units - first)
+            c0, c1 = first * per, min((first + count) * per, width)
+            out[:, c0:c1] = product(first, count, None if bias is None else bias[c0:c1])
         return out
 
     def _dequantized_product(self, segment: GGUFSegment, blocks: torch.Tensor, rows: torch.Tensor,
@@ -593,19 +602,15 @@ class GGUFLinearMethod(LinearMethod):
         kernels = self.kernels
         assert kernels is not None and not (gated and bias is not None)
         width, per_panel = (segment.rows // 2, 16) if gated else (segment.rows, 32)
-        panels = -(-width // per_panel)
         step = max(1, GGUF_SCRATCH_BYTES // (2 * 32 * segment.in_features))   # panels a slice
-        if panels <= step:
-            packed = kernels.gguf_dequantize_packed(segment.blocks, segment.qtype, segment.in_features, gated)
-            return kernels.linear(rows, packed, width, bias, gated=gated)
-        out = rows.new_empty(rows.shape[0], width)
-        for first in range(0, panels, step):
-            count = min(step, panels - first)
-            c0, c1 = first * per_panel, min((first + count) * per_panel, width)
+
+        def product(first: int, count: int, part_bias: torch.Tensor | None) -> torch.Tensor:
             packed = kernels.gguf_dequantize_packed(segment.blocks, segment.qtype, segment.in_features, gated, first,
                                                     count)
-            out[:, c0:c1] = kernels.linear(rows, packed, c1 - c0, None if bias is None else bias[c0:c1], gated=gated)
-        return out
+            columns = min((first + count) * per_panel, width) - first * per_panel
+            return kernels.linear(rows, packed, columns, part_bias, gated=gated)
+
+        return self._in_slices(rows, width, per_panel, step, bias, product)
 
     def apply_gated(self, layer: GateUpLinear, x: torch.Tensor) -> torch.Tensor:
         if x.shape[-1] != layer.in_features:

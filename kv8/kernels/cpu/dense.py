@@ -309,8 +309,7 @@ class DenseKernels(NativeLibrary):
         :meth:`gguf_linear`) -> a new float32 ``[N, in_features]``: the values of
         :func:`kv8.quant.gguf_blocks.dequantize_blocks`, bit for bit."""
         code = self._gguf_code(qtype)
-        if blocks.dtype != torch.uint8 or blocks.ndim != 2 or not blocks.is_contiguous():
-            raise ValueError(f"blocks must be a contiguous 2-D uint8 tensor, got {blocks.dtype} {list(blocks.shape)}")
+        _check_blocks(blocks)
         n = blocks.shape[0]
         values, size = _GGUF_BLOCK_VALUES[qtype], _GGUF_BLOCK_BYTES[qtype]
         if in_features % values == 0 and blocks.shape[1] != in_features // values * size:
@@ -331,8 +330,7 @@ class DenseKernels(NativeLibrary):
         ``pack(gguf_dequantize(...).bfloat16())`` (with ``gated``, of :meth:`interleave_gate_up` of it: ``blocks``
         holds ``[gate; up]``, N even). Multiply it with :meth:`linear` (``gated`` alike)."""
         code = self._gguf_code(qtype)
-        if blocks.dtype != torch.uint8 or blocks.ndim != 2 or not blocks.is_contiguous():
-            raise ValueError(f"blocks must be a contiguous 2-D uint8 tensor, got {blocks.dtype} {list(blocks.shape)}")
+        _check_blocks(blocks)
         n = blocks.shape[0]
         values, size = _GGUF_BLOCK_VALUES[qtype], _GGUF_BLOCK_BYTES[qtype]
         if in_features <= 0 or in_features % values or blocks.shape[1] != in_features // values * size:
@@ -451,6 +449,13 @@ _FP8_BYTE_ORDER = {
     "avx512": torch.tensor([8 * (b // 16) + b % 8 + (0 if b % 16 < 8 else 32) for b in range(64)]),
     "avx2": torch.arange(64),
 }
+
+
+def _check_blocks(blocks: torch.Tensor) -> None:
+    """GGUF blocks as the kernels read them (:meth:`DenseKernels.gguf_dequantize` and ``gguf_dequantize_packed``): a
+    contiguous 2-D uint8 tensor, else ``ValueError``."""
+    if blocks.dtype != torch.uint8 or blocks.ndim != 2 or not blocks.is_contiguous():
+        raise ValueError(f"blocks must be a contiguous 2-D uint8 tensor, got {blocks.dtype} {list(blocks.shape)}")
 
 
 def unpack_reference(packed: torch.Tensor, first: int, rows: int, in_features: int, scale: torch.Tensor | None = None,
