@@ -217,6 +217,12 @@ class KVCacheManager:
             raise RuntimeError(f"blocks_needed is for a request without blocks; {request.request_id!r} holds some")
         return self._needed(request, num_new_tokens, computed_blocks or [[] for _ in self.groups])
 
+    def blocks_to_grow(self, request: CachedSequence, num_tokens: int) -> list[int]:
+        """Per pool, the free blocks a request that holds blocks would take to hold ``num_tokens`` tokens after its
+        computed ones (0 where its tables already cover them; no sliding-window freeing is assumed, so this never
+        counts short)."""
+        return self._needed(request, num_tokens, [[] for _ in self.groups])
+
     def allocate_slots(self, request: CachedSequence, num_new_tokens: int,
                        computed_blocks: list[list[int]] | None = None) -> bool:
         """Make room for ``num_new_tokens`` more tokens after the computed ones; all or nothing.

@@ -6,10 +6,13 @@ remaining budget. When the block pool cannot supply a running request, the newes
 preempted -- its blocks freed, its progress reset, and it goes back to the front of the queue to be
 recomputed (its cached prefix blocks usually make that cheap). Then, if nothing was preempted, waiting
 requests are admitted (prefix hits first) while budget, ``max_num_seqs`` and free blocks allow, keeping
-enough free blocks in reserve for every running request to grow by ``GROWTH_RESERVE_TOKENS`` tokens, at most
-a quarter of the pool (a watermark, so that admitting a prompt does not soon force the preemption of a
-decoding request, whose recompute would waste the work done; measured with ``benchmarks/bench_serving.py``:
-a reserve of 64 tokens instead of one block cut the recomputed tokens by a quarter and total time by 3-10%).
+enough free blocks in reserve for every running request to grow by ``GROWTH_RESERVE_TOKENS`` tokens after this
+step's, or to its last possible token (prompt + ``max_tokens``) where that comes sooner, at most a quarter of the
+pool (a watermark, so that admitting a prompt does not soon force the preemption of a decoding request, whose
+recompute would waste the work done; measured with ``benchmarks/bench_serving.py``: a reserve of 64 tokens
+instead of one block cut the recomputed tokens by a quarter and total time by 3-10%). A request never reserves
+blocks it cannot fill: in a pool sized for exactly its requests' final lengths, 8 prompts of 1,024 tokens with 32
+new each, a reserve of 64 tokens per request kept the eighth prompt waiting until the other seven had finished.
 
 The scheduler side also owns the request state that follows from a step: :meth:`Scheduler.update` records
 the computed tokens, appends each sampled token and its logprobs, and ends requests by :func:`check_stop`, the
@@ -116,16 +119,19 @@ class Scheduler:
                 i += 1
 
         kv = self.kv_manager
-        reserve = -(-GROWTH_RESERVE_TOKENS // kv.block_size)  # blocks per running request and group
-        group_counts = [len(kv.layout.pool_groups(p)) for p in range(len(kv.pools))]
+        # Per pool, the running requests' growth (module docstring). Admission runs only when nothing was
+        # preempted and budget is left, so every running request has a chunk this step.
+        reserve = [0] * len(kv.pools)
+        if not preempted and self.waiting:
+            for c in chunks:
+                self._add_growth(reserve, c.request, c.num_new_tokens)
         while not preempted and self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
             hit_blocks, num_hit_tokens = kv.get_computed_blocks(req)
             n = min(req.num_tokens - num_hit_tokens, budget)
             needed = kv.blocks_needed(req, n, hit_blocks)
-            if self.running and any(
-                    need + min(len(self.running) * reserve * groups, pool.num_blocks // 4) > pool.num_free_blocks
-                    for need, groups, pool in zip(needed, group_counts, kv.pools)):
+            if self.running and any(need + min(keep, pool.num_blocks // 4) > pool.num_free_blocks
+                                    for need, keep, pool in zip(needed, reserve, kv.pools)):
                 break
             if not kv.allocate_slots(req, n, hit_blocks):
                 break
@@ -137,7 +143,16 @@ class Scheduler:
             self.running.append(req)
             chunks.append(ScheduledChunk(req, num_hit_tokens, n, self._block_ids(req)))
             budget -= n
+            self._add_growth(reserve, req, n)
         return SchedulerOutput(tuple(chunks), tuple(preempted))
+
+    def _add_growth(self, reserve: list[int], request: Request, scheduled: int) -> None:
+        """Add to ``reserve`` (per pool) the blocks ``request``, with ``scheduled`` tokens allocated this step,
+        would take to grow by ``GROWTH_RESERVE_TOKENS`` more tokens, or to its last possible token if sooner."""
+        room = request.num_prompt_tokens + request.max_tokens - request.num_computed_tokens - scheduled
+        grow = min(GROWTH_RESERVE_TOKENS, max(room, 0))
+        for p, blocks in enumerate(self.kv_manager.blocks_to_grow(request, scheduled + grow)):
+            reserve[p] += blocks
 
     def _block_ids(self, request: Request) -> tuple[tuple[int, ...], ...]:
         # Taken right after the request's allocation succeeded; a preemption later in the same schedule() only
