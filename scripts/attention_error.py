@@ -68,10 +68,10 @@ def layer_errors(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
     logits, weights, out = attention(q, k, v, scale, mask)
 
     def round_trip(x: torch.Tensor, which: int) -> tuple[torch.Tensor, float]:
-        stored = codec.to_stored_basis(x.float())
+        stored = codec.to_stored_basis(x.float(), which)
         back, _ = codec.round_trip(stored, layer, which)
         small = ((stored.abs() < 2.0 ** -6) & (stored != 0)).double().mean().item()
-        return codec.to_stored_basis(back).double(), small   # the rotation is its own inverse
+        return codec.to_stored_basis(back, which).double(), small   # the rotation is its own inverse
 
     kr, k_small = round_trip(k, K)
     vr, v_small = round_trip(v, V)

@@ -104,7 +104,7 @@ def test_eval_configurations_have_one_flag_that_shadows_no_engine_option():
 
 CHOICE_FIELDS = {"dtype": DTYPE_CHOICES,
                  "attention_backend": ATTENTION_BACKENDS, "dense_backend": DENSE_BACKENDS,
-                 "kv_cache_scale_mode": SCALE_MODES, "kv_cache_rotation": ROTATIONS,
+                 "kv_cache_scale_mode": SCALE_MODES,
                  "quantization": QUANTIZATION_CHOICES, "device": DEVICE_CHOICES, "load_format": LOAD_FORMATS}
 
 
@@ -160,6 +160,21 @@ def test_kv_cache_dtype_flag_checks_single_names_and_pairs(bad, why, capsys):
     assert "int8/int4_g32" in err
     for good in ("fp8", "int8/int4_g32", "k8v4", "bf16/fp4"):
         assert build_parser().parse_args(["generate", "x", "--kv-cache-dtype", good]).kv_cache_dtype == good
+
+
+@pytest.mark.parametrize("bad", ["nonsense", "hadamard/", "none/givens", "none/none/none"])
+def test_kv_cache_rotation_flag_checks_single_names_and_pairs(bad, capsys):
+    """--kv-cache-rotation takes a rotation or a K/V pair of them (kv8.quant.rotation.ROTATIONS); a bad one is an
+    argparse error saying what is allowed; a good one arrives spelled canonically."""
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["generate", "x", "--kv-cache-rotation", bad])
+    err = capsys.readouterr().err
+    assert f"argument --kv-cache-rotation: kv_cache_rotation={bad!r} is not supported; choose none, hadamard, or " \
+           "keys/values apart such as none/hadamard" in err
+    assert all(r in err for r in ROTATIONS)
+    for good, canonical in (("hadamard", "hadamard"), ("none/hadamard", "none/hadamard"),
+                            ("hadamard/hadamard", "hadamard")):
+        assert build_parser().parse_args(["generate", "x", "--kv-cache-rotation", good]).kv_cache_rotation == canonical
 
 
 def test_cli_spellings():
@@ -230,7 +245,9 @@ def test_dense_backend_names():
     (dict(seed="1"), "seed='1' must be an int"),
     (dict(kv_cache_scale_mode="per-token"), "kv_cache_scale_mode='per-token' is not supported; choose one of: "
                                             "static, dynamic"),
-    (dict(kv_cache_rotation="random"), "kv_cache_rotation='random' is not supported; choose one of: none, hadamard"),
+    (dict(kv_cache_rotation="random"), "kv_cache_rotation='random' is not supported; choose none, hadamard, or "
+                                       r"keys/values apart such as none/hadamard \(each side one of: none, hadamard\)"),
+    (dict(kv_cache_rotation="hadamard/"), "kv_cache_rotation='hadamard/' is not supported; choose none, hadamard"),
 ])
 def test_config_errors_name_field_value_and_allowed(kw, message):
     with pytest.raises(ValueError, match=message):

@@ -27,8 +27,9 @@ A codec is a storage format plus how values are scaled and in which basis they a
   ``"k8v4"``); each side is encoded, decoded and sized by its own format. In a pair every FP8 or integer side keeps
   dynamic per-token scales (a pair takes no static scales), a group-scaled side its group scales, a 16/32-bit side
   none; the basis, key offsets and key scaling are the layer's, as for one format;
-* basis ``R``: identity, or the orthonormal per-head Hadamard matrix (:mod:`kv8.quant.rotation`). Queries are
-  rotated the same way and the attention output is rotated back (``R`` is its own inverse), so attention over
+* basis ``R``: identity, or the orthonormal per-head Hadamard matrix (:mod:`kv8.quant.rotation`), for keys and
+  values apart (``rotation="none/hadamard"``: keys as they are, values rotated). Queries are rotated as the keys
+  are, and the attention output is rotated back as the values were (``R`` is its own inverse), so attention over
   the stored basis equals attention over the original one in exact arithmetic and nothing stored is ever
   un-rotated.
 
@@ -36,7 +37,7 @@ Everything that writes, reads or measures stored K/V goes through a codec: the r
 (:class:`kv8.cache.paged_cache.PagedKVCache`), the fused kernels (their per-layer scale arguments come from
 :meth:`KVCodec.layer_scales`; their encode is tested bit-exact against :meth:`KVCodec.encode`), the attention
 layer (:meth:`KVCodec.to_stored_basis`, :meth:`KVCodec.keys_to_stored`, :meth:`KVCodec.queries_to_stored`),
-calibration statistics (:attr:`KVCodec.rotation` for the key envelope)
+calibration statistics (:attr:`KVCodec.rotation`, the keys' basis, for the key envelope)
 and ``kv8 eval``'s round-trip error (:meth:`KVCodec.round_trip`).
 
 Invariants (the options are checked by :class:`kv8.cache.config.CacheConfig` when the engine is built, the scales'
@@ -60,7 +61,7 @@ from kv8.quant.fp4 import FP4GroupFormat
 from kv8.quant.int4_group import Int4GroupFormat
 from kv8.quant.key_offsets import KeyOffsets
 from kv8.quant.key_scaling import KeyScaling
-from kv8.quant.rotation import ROTATIONS, hadamard, rotate
+from kv8.quant.rotation import ROTATIONS, hadamard, rotate, rotation_name, rotation_sides
 from kv8.quant.scales import KVScales
 
 SCALE_MODES = ("static", "dynamic")
@@ -79,8 +80,8 @@ class KVCodec:
     scales: KVScales | None = None          # static scales (FP8, static mode, one format); None otherwise
     # per-token, per-head scales stored beside the codes of some side (int8: always; in a pair: FP8 and int sides)
     dynamic: bool = False
-    rotation_name: str = "none"
-    rotation: torch.Tensor | None = None    # [D, D] orthonormal, float32; None = identity
+    rotation_name: str = "none"             # canonical kv_cache_rotation ("none", "hadamard", "none/hadamard", ...)
+    rotation: torch.Tensor | None = None    # the keys' basis: [D, D] orthonormal, float32; None = identity
     # the static scales' (k [L, H|1, D|1], v) on the codec's device (scales stay on the CPU: KVScales)
     device_scales: tuple[torch.Tensor, torch.Tensor] | None = None
     key_offsets: KeyOffsets | None = None   # key centering (every layer, this rank's KV heads); None = off
@@ -90,21 +91,22 @@ class KVCodec:
     # the key factors [L, H, D] float32 on the codec's device, in the model's basis (applied before R)
     device_key_scaling: torch.Tensor | None = None
     v_dtype: KVCacheDtype | None = None     # the values' format when it differs from kv_dtype (a K/V pair)
+    v_rotation: torch.Tensor | None = None  # the values' basis ([D, D] or None, as :attr:`rotation`)
 
     @staticmethod
     def build(kv_dtype: KVCacheDtype, head_dim: int, *, scale_mode: str = "static", rotation: str = "none",
               scales: KVScales | None = None, key_offsets: KeyOffsets | None = None,
               key_scaling: KeyScaling | None = None, v_dtype: KVCacheDtype | None = None) -> KVCodec:
         """A codec for options already validated by :class:`kv8.cache.config.CacheConfig` (``scale_mode`` in
-        :data:`SCALE_MODES`, ``rotation`` in :data:`ROTATIONS`, dynamic scales only with a quantized format, a
-        power-of-two ``head_dim`` for a rotation). ``scales`` are the static scales (dropped for a 16/32-bit format:
-        there is nothing to scale); an FP8 format in static mode needs them -- 1.0 comes from
+        :data:`SCALE_MODES`, ``rotation`` one of :data:`ROTATIONS` or a K/V pair of them, dynamic scales only with a
+        quantized format, a power-of-two ``head_dim`` for a rotation). ``scales`` are the static scales (dropped for a
+        16/32-bit format: there is nothing to scale); an FP8 format in static mode needs them -- 1.0 comes from
         :meth:`KVScales.default`, never invented here. An int8 format is dynamic whatever ``scale_mode`` says (its
-        scales are per token and head by definition) and takes no static scales. ``key_offsets`` (``[L, H, D]``
-        with this codec's ``head_dim``; any format) turn key centering on; ``key_scaling`` (the same shape, only
-        with ``key_offsets``) key scaling. ``v_dtype`` (other than ``kv_dtype``) stores the values in their own
-        format: a K/V pair, whose FP8 and int sides keep dynamic scales whatever ``scale_mode`` says, and which takes
-        no static ``scales``."""
+        scales are per token and head by definition) and takes no static scales. ``key_offsets`` (``[L, H, D]`` with
+        this codec's ``head_dim``; any format) turn key centering on; ``key_scaling`` (the same shape, only with
+        ``key_offsets``) key scaling. ``v_dtype`` (other than ``kv_dtype``) stores the values in their own format: a K/V
+        pair, whose FP8 and int sides keep dynamic scales whatever ``scale_mode`` says, and which takes no static
+        ``scales``."""
         if v_dtype is not None and v_dtype == kv_dtype:
             v_dtype = None
         for side in (kv_dtype,) if v_dtype is None else (kv_dtype, v_dtype):
@@ -115,9 +117,9 @@ class KVCodec:
                                  f"head_dim, not {head_dim}")
         if v_dtype is not None:
             return KVCodec._build_pair(kv_dtype, v_dtype, head_dim, rotation, scales, key_offsets, key_scaling)
-        if scale_mode not in SCALE_MODES or rotation not in ROTATIONS:
-            raise ValueError(f"scale_mode={scale_mode!r} / rotation={rotation!r}: allowed are "
-                             f"{', '.join(SCALE_MODES)} / {', '.join(ROTATIONS)}")
+        if scale_mode not in SCALE_MODES:
+            raise ValueError(f"scale_mode={scale_mode!r}: allowed are {', '.join(SCALE_MODES)}")
+        k_rotation, v_rotation = rotation_sides(rotation, "rotation")
         if kv_dtype.group_scales and (scale_mode == "dynamic" or scales is not None):
             raise ValueError(f"kv_cache_dtype={kv_dtype.name!r} stores a scale per group of values in each row; it "
                              "takes neither dynamic per-token scales nor static scales")
@@ -145,12 +147,13 @@ class KVCodec:
                 raise ValueError(f"k_channel_scale from {key_scaling.source}: a static-scale FP8 cache cannot scale "
                                  "keys (the file's static scales describe unscaled keys); use "
                                  "kv_cache_scale_mode='dynamic' or another cache format")
-        matrix = hadamard(head_dim) if rotation == "hadamard" else None
         scales = scales if kv_dtype.is_fp8 else None
-        return KVCodec(kv_dtype, head_dim, scales, dynamic, rotation, matrix,
+        return KVCodec(kv_dtype, head_dim, scales, dynamic, rotation_name(k_rotation, v_rotation),
+                       hadamard(head_dim) if k_rotation == "hadamard" else None,
                        None if scales is None else (scales.k, scales.v), key_offsets,
                        None if key_offsets is None else key_offsets.k, key_scaling,
-                       None if key_scaling is None else key_scaling.s)
+                       None if key_scaling is None else key_scaling.s,
+                       v_rotation=hadamard(head_dim) if v_rotation == "hadamard" else None)
 
     @staticmethod
     def _build_pair(k_dtype: KVCacheDtype, v_dtype: KVCacheDtype, head_dim: int, rotation: str,
@@ -158,8 +161,7 @@ class KVCodec:
                     key_scaling: KeyScaling | None) -> KVCodec:
         """:meth:`build` of a K/V pair (two different formats)."""
         name = kv_cache_dtype_name(k_dtype, v_dtype)
-        if rotation not in ROTATIONS:
-            raise ValueError(f"rotation={rotation!r}: allowed are {', '.join(ROTATIONS)}")
+        rotation_sides(rotation, "rotation")
         if scales is not None:
             raise ValueError(f"kv_cache_dtype={name!r} keeps a scale per token and head on its FP8 and int sides; "
                              f"static scales ({scales.source}) cannot be combined with a K/V pair")
@@ -174,10 +176,11 @@ class KVCodec:
         moved = None if self.device_scales is None else (self.device_scales[0].to(device),
                                                           self.device_scales[1].to(device))
         rotation = None if self.rotation is None else self.rotation.to(device)
+        v_rotation = None if self.v_rotation is None else self.v_rotation.to(device)
         offsets = None if self.device_key_offsets is None else self.device_key_offsets.to(device)
         factors = None if self.device_key_scaling is None else self.device_key_scaling.to(device)
-        return replace(self, rotation=rotation, device_scales=moved, device_key_offsets=offsets,
-                       device_key_scaling=factors)
+        return replace(self, rotation=rotation, v_rotation=v_rotation, device_scales=moved,
+                       device_key_offsets=offsets, device_key_scaling=factors)
 
     # ---- sides ----------------------------------------------------------------------------------------------
     @property
@@ -231,17 +234,24 @@ class KVCodec:
                 + (DYNAMIC_SCALE_BYTES if scaled else 0))
 
     # ---- basis ----------------------------------------------------------------------------------------------
-    def to_stored_basis(self, x: torch.Tensor) -> torch.Tensor:
-        """``x R`` over the last dim (identity without a rotation); also undoes it, since ``R R = I``."""
-        return x if self.rotation is None else rotate(x, self.rotation)
+    def basis(self, which: int) -> torch.Tensor | None:
+        """The rotation of :data:`K` (queries share it) or :data:`V` (the attention output shares it); None for
+        the identity."""
+        return self.rotation if which == K else self.v_rotation
+
+    def to_stored_basis(self, x: torch.Tensor, which: int) -> torch.Tensor:
+        """``x R`` over the last dim, ``R`` the basis of :data:`K` or :data:`V` (identity without a rotation); also
+        undoes it, since ``R R = I``: the values' basis turns the attention output back."""
+        matrix = self.basis(which)
+        return x if matrix is None else rotate(x, matrix)
 
     def keys_to_stored(self, key: torch.Tensor, layer: int) -> torch.Tensor:
         """New keys ``[T, H, D]`` of ``layer`` (post-RoPE, the model's basis) -> what the cache is asked to store,
         ``((k - c[layer]) * s[layer]) R`` in the keys' dtype: the one place keys are centered and scaled (one
         rounding to the keys' dtype, after the subtraction, the scaling and the rotation in float32). Without key
-        offsets, :meth:`to_stored_basis`."""
+        offsets, :meth:`to_stored_basis` of :data:`K`."""
         if self.device_key_offsets is None:
-            return self.to_stored_basis(key)
+            return self.to_stored_basis(key, K)
         x = key.float() - self.device_key_offsets[layer]            # [T, H, D] - [H, D]
         if self.device_key_scaling is not None:
             x = x * self.device_key_scaling[layer]
@@ -253,9 +263,9 @@ class KVCodec:
         """Queries ``[T, Hq, D]`` of ``layer`` (post-RoPE, the model's basis; ``Hq`` a multiple of the codec's KV
         heads, each KV head's group of query heads consecutive) -> what attends over the stored keys,
         ``(q / s[layer]) R`` in the queries' dtype: the one place queries are scaled. Without key scaling,
-        :meth:`to_stored_basis`."""
+        :meth:`to_stored_basis` of :data:`K`."""
         if self.device_key_scaling is None:
-            return self.to_stored_basis(query)
+            return self.to_stored_basis(query, K)
         s = self.device_key_scaling[layer]                          # [Hkv, D]
         x = query.float() / s.repeat_interleave(query.shape[-2] // s.shape[0], dim=0)   # [T, Hq, D]
         if self.rotation is not None:
@@ -265,7 +275,7 @@ class KVCodec:
     def keys_from_stored(self, stored: torch.Tensor, layer: int) -> torch.Tensor:
         """The inverse of :meth:`keys_to_stored` in float32: stored keys ``[T, H, D]`` -> ``stored R / s + c``, the
         keys in the model's basis (what ``kv8 eval`` measures a key's error against)."""
-        x = self.to_stored_basis(stored.float())                    # R is its own inverse
+        x = self.to_stored_basis(stored.float(), K)                 # R is its own inverse
         if self.device_key_scaling is not None:
             x = x / self.device_key_scaling[layer]
         if self.device_key_offsets is not None:

@@ -12,7 +12,7 @@ from functools import cached_property
 
 import torch
 
-from kv8.cache.codec import ROTATIONS, SCALE_MODES
+from kv8.cache.codec import SCALE_MODES
 from kv8.cache.plan import KVPlanFile, KVSpec, read_plan_file
 from kv8.options import option
 from kv8.quant.formats import (
@@ -23,6 +23,7 @@ from kv8.quant.formats import (
     resolve_kv_cache_dtypes,
     split_kv_cache_dtype,
 )
+from kv8.quant.rotation import canonical_rotation
 from kv8.quant.scale_files import file_has_key_offsets, file_has_key_scaling
 from kv8.validators import check_bool, check_choice, check_int, check_number, is_int
 
@@ -32,6 +33,15 @@ def _kv_cache_dtype_flag(text: str) -> str:
     """``--kv-cache-dtype``'s converter: the name when it is accepted, else argparse's error with what is allowed."""
     try:
         return check_kv_cache_dtype(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _kv_cache_rotation_flag(text: str) -> str:
+    """``--kv-cache-rotation``'s converter: the canonical name when it is accepted, else argparse's error with what
+    is allowed."""
+    try:
+        return canonical_rotation(text)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
 
@@ -74,7 +84,8 @@ class CacheConfig:
 
     Invariants: ``block_size`` is a power of two; at most one of ``kv_cache_memory`` (bytes) and
     ``num_kv_blocks`` is set, and it is an int >= 1; ``gpu_memory_utilization`` is a number in (0, 1]; the scale
-    mode in :data:`SCALE_MODES`, the rotation in :data:`ROTATIONS`; ``quantization_param_path`` needs an FP8
+    mode in :data:`SCALE_MODES`, the rotation one of :data:`kv8.quant.rotation.ROTATIONS` or a K/V pair of them,
+    spelled canonically (``"hadamard/hadamard"`` becomes ``"hadamard"``); ``quantization_param_path`` needs an FP8
     ``kv_dtype`` in static mode (unless the file has key offsets), dynamic scales and skipped layers a quantized
     one (FP8 or int8; the group-scaled fp4_e2m1 and int4_per_group32 take skipped layers, never dynamic scales or a
     file without key offsets) -- with a
@@ -107,7 +118,8 @@ class CacheConfig:
         "(no calibration; +4 bytes per token, head and K/V); int8 is always dynamic", choices=SCALE_MODES)
     kv_cache_rotation: str = option(
         "none", "rotate K/V by a per-head Hadamard matrix before storing (more accurate FP8 on most models; see "
-        "kv8 eval)", choices=ROTATIONS)
+        "kv8 eval): none, hadamard, or keys/values apart such as none/hadamard", type=_kv_cache_rotation_flag,
+        metavar="ROTATION")
     kv_cache_dtype_skip_layers: tuple[int | str, ...] = option(
         (), "layers kept in the compute dtype in an FP8 or int8 cache: comma-separated layer indices and/or "
         "'sliding_window' (every sliding-window layer) or 'full_attention'", metavar="LAYERS")
@@ -179,7 +191,7 @@ class CacheConfig:
 
     def __post_init__(self) -> None:
         check_choice("kv_cache_scale_mode", self.kv_cache_scale_mode, SCALE_MODES)
-        check_choice("kv_cache_rotation", self.kv_cache_rotation, ROTATIONS)
+        object.__setattr__(self, "kv_cache_rotation", canonical_rotation(self.kv_cache_rotation))
         if not is_int(self.block_size) or self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size={self.block_size!r} must be a power of two >= 1 (e.g. 16)")
         if self.kv_cache_memory is not None and self.num_kv_blocks is not None:

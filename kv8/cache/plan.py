@@ -15,9 +15,11 @@ spec. ``kv_cache_dtype_skip_layers`` is one way to set a plan: its layers get th
     {"kv8_kv_plan": 1,
      "layers": {"0": {"kv_cache_dtype": "bfloat16"},
                 "5": {"kv_cache_dtype": "int4_per_token_head", "kv_cache_rotation": "hadamard"},
-                "6": {"kv_cache_dtype": "int8_per_token_head/int4_per_group32"}}}
+                "6": {"kv_cache_dtype": "int8_per_token_head/int4_per_group32"},
+                "7": {"kv_cache_dtype": "fp8_e4m3/int4_per_group32", "kv_cache_rotation": "none/hadamard"}}}
 
-(a ``kv_cache_dtype`` of a layer may be a K/V pair, as the option's may: keys in one format, values in another)
+(a ``kv_cache_dtype`` of a layer may be a K/V pair, as the option's may: keys in one format, values in another; so
+may its ``kv_cache_rotation``: keys as they are, values rotated)
 
 An optional ``"calibration"`` object records how the plan was made (``kv8 calibrate --plan`` writes the budget and
 the predicted and measured KLD there); the engine reads nothing from it. A layer the file does not name, and a key
@@ -41,7 +43,7 @@ from dataclasses import dataclass
 
 from kv8.cache.codec import KVCodec
 from kv8.quant.formats import KVCacheDtype, check_kv_cache_dtype, kv_cache_dtype_name
-from kv8.quant.rotation import ROTATIONS
+from kv8.quant.rotation import canonical_rotation, is_rotated
 
 __all__ = ["PLAN_VERSION", "KVPlan", "KVPlanEntry", "KVPlanFile", "KVSpec", "read_plan_file"]
 
@@ -67,6 +69,7 @@ class KVSpec:
            v_dtype: KVCacheDtype | None = None) -> KVSpec:
         """The spec of a format (or of keys in ``kv_dtype`` beside values in ``v_dtype``) with a rotation and
         ``kv_cache_scale_mode`` (it applies to the FP8 format of one-format specs only)."""
+        rotation = canonical_rotation(rotation)
         if v_dtype is None or v_dtype == kv_dtype:
             return KVSpec(kv_dtype, rotation,
                           kv_dtype.per_token_scales or (kv_dtype.is_fp8 and scale_mode == "dynamic"))
@@ -94,7 +97,7 @@ class KVSpec:
 
     def describe(self) -> str:
         """``fp8_e4m3 + hadamard, dynamic scales``: the format, then what differs from the plain format."""
-        parts = [self.name + (f" + {self.rotation}" if self.rotation != "none" else "")]
+        parts = [self.name + (f" + {self.rotation}" if is_rotated(self.rotation) else "")]
         if self.dynamic and not self.kv_dtype.per_token_scales and self.v_dtype is None:
             parts.append("dynamic scales")
         return ", ".join(parts)
@@ -202,9 +205,11 @@ def read_plan_file(path: str | os.PathLike[str]) -> KVPlanFile:
                 check_kv_cache_dtype(dtype)
             except ValueError as e:
                 raise ValueError(f"{where}: layer {key}: {e}") from None
-        if rotation is not None and rotation not in ROTATIONS:
-            raise ValueError(f"{where}: layer {key} has kv_cache_rotation={rotation!r}; choose one of: "
-                             f"{', '.join(ROTATIONS)}")
+        if rotation is not None:
+            try:
+                rotation = canonical_rotation(rotation)
+            except ValueError as e:
+                raise ValueError(f"{where}: layer {key}: {e}") from None
         entries.append(KVPlanEntry(int(key), dtype, rotation))
     if len({e.layer for e in entries}) != len(entries):
         raise ValueError(f"{where} names a layer twice (e.g. \"1\" and \"01\")")

@@ -25,6 +25,7 @@ from kv8.models.config import ModelArchConfig
 from kv8.options import option
 from kv8.platform import CPU, DEVICES, Platform
 from kv8.quant.formats import resolve_kv_cache_dtype, resolve_kv_cache_dtypes
+from kv8.quant.rotation import is_rotated
 from kv8.validators import check_bool, check_choice, check_int
 
 __all__ = ["ATTENTION_BACKENDS", "DENSE_BACKENDS", "DTYPE_CHOICES", "LOAD_FORMATS", "QUANTIZATION_CHOICES",
@@ -164,12 +165,13 @@ class EngineConfig:
         else:
             plan = self.kv_plan()   # validates kv_cache_dtype_skip_layers and kv_cache_plan against the model
             specs = plan.used()
-            rotated = [i for i, s in enumerate(plan.specs) if s.rotation == "hadamard" and i in plan.layer_spec]
+            rotated = [i for i, s in enumerate(plan.specs) if is_rotated(s.rotation) and i in plan.layer_spec]
             rotated_layers = list(plan.layers_of(rotated[-1])) if rotated and rotated != [0] else None
-        if any(s.rotation == "hadamard" for s in specs) and arch.head_dim & (arch.head_dim - 1):
+        spec_rotated = [s for s in specs if is_rotated(s.rotation)]
+        if spec_rotated and arch.head_dim & (arch.head_dim - 1):
             where = "" if rotated_layers is None else f" (kv_cache_plan: layers {rotated_layers})"
-            raise ValueError(f"kv_cache_rotation='hadamard'{where} needs a power-of-two head_dim; this model has "
-                             f"head_dim={arch.head_dim}")
+            raise ValueError(f"kv_cache_rotation={spec_rotated[-1].rotation!r}{where} needs a power-of-two head_dim; "
+                             f"this model has head_dim={arch.head_dim}")
         for spec in specs:   # a group-scaled format needs whole groups (int4_per_group32: head_dim % 32 == 0)
             for side in (spec.kv_dtype, spec.values_dtype):
                 if side.group is not None:

@@ -6,7 +6,8 @@ model. The layer moves q/k/v into the basis the KV codec stores
 (:meth:`kv8.cache.codec.KVCodec.to_stored_basis`; keys centered and scaled first when the codec has key offsets
 and factors, :meth:`kv8.cache.codec.KVCodec.keys_to_stored`, queries divided by the factors,
 :meth:`kv8.cache.codec.KVCodec.queries_to_stored`), shows the new K/V to an observer if there is one, lets the
-attention backend store them and attend, and moves the output back. Models never see how K/V are stored.
+attention backend store them and attend, and moves the output back (from the values' basis, which may differ from
+the keys': ``kv_cache_rotation="none/hadamard"``). Models never see how K/V are stored.
 
 Under tensor parallelism a layer sees its rank's heads only (``num_heads`` / ``num_kv_heads`` are local counts,
 :mod:`kv8.distributed.shard`) and the rank's cache holds those KV heads; attention is per head, so nothing
@@ -22,6 +23,7 @@ from torch import nn
 
 from kv8.attention.backend import AttentionBackend
 from kv8.attention.metadata import AttentionMetadata
+from kv8.cache.codec import V
 from kv8.cache.paged_cache import PagedKVCache
 from kv8.observer import EngineObserver
 
@@ -72,11 +74,11 @@ class PagedAttention(nn.Module):
         # keys centered and scaled (with key offsets and factors) and rotated here, before any backend stores them,
         # queries divided by the same factors: every key attention reads, fresh or cached, went through this line
         q, k = codec.queries_to_stored(q, self.layer_idx), codec.keys_to_stored(k, self.layer_idx)
-        v = codec.to_stored_basis(v)
+        v = codec.to_stored_basis(v, V)
         if ctx.observer is not None:
             ctx.observer.on_kv_store(self.layer_idx, k, v, codec)
         out = ctx.backend.forward(q, k, v, cache, self.layer_idx, meta, self.scale)   # [T, Hq, D]
-        out = codec.to_stored_basis(out)  # R is its own inverse
+        out = codec.to_stored_basis(out, V)  # back from the values' basis (R is its own inverse)
         return out.reshape(out.shape[0], self.num_heads * self.head_dim)
 
     def extra_repr(self) -> str:

@@ -228,7 +228,8 @@ def write_kv8_scales_json(path: str | os.PathLike[str], scales: KVScales, model:
 
         {"format": "kv8-kv-scales", "version": 1 | 2 | 3, "model_type": str, "num_layers": L, "num_kv_heads": H,
          "head_dim": D, "granularity": "tensor" | "head" | "channel", "made_for": fp8 format name | null,
-         "rotation": "none" | "hadamard", "k": [[[float]]], "v": [[[float]]], "k_offset": [[[float]]],
+         "rotation": "none" | "hadamard" | "none/hadamard" | "hadamard/none", "k": [[[float]]], "v": [[[float]]],
+         "k_offset": [[[float]]],
          "k_channel_scale": [[[float]]]}
 
     ``rotation`` (absent means ``"none"``) names the basis the scales were calibrated in: a cache must use the

@@ -17,7 +17,7 @@ from enum import Enum
 import torch
 
 from kv8.quant.formats import E4M3, E4M3FNUZ, E5M2, FP8Format
-from kv8.quant.rotation import ROTATIONS
+from kv8.quant.rotation import canonical_rotation
 
 __all__ = ["FORMAT_TO_TORCH_DTYPE", "KVScales", "ModelScaleInfo", "ScaleGranularity", "TORCH_DTYPE_TO_FORMAT",
            "check_fits"]
@@ -57,12 +57,12 @@ class KVScales:
     source: str
     made_for: str | None
     # The basis the scales describe: "none", or "hadamard" for scales calibrated on K/V rotated as
-    # kv_cache_rotation="hadamard" stores them (only kv8's JSON schema can carry it).
+    # kv_cache_rotation="hadamard" stores them, or a K/V pair such as "none/hadamard" (only kv8's JSON schema can
+    # carry it); spelled canonically (kv8.quant.rotation.canonical_rotation).
     rotation: str = "none"
 
     def __post_init__(self) -> None:
-        if self.rotation not in ROTATIONS:
-            raise ValueError(f"KVScales.rotation must be one of {', '.join(ROTATIONS)}, got {self.rotation!r}")
+        object.__setattr__(self, "rotation", canonical_rotation(self.rotation, "KVScales.rotation"))
         if not isinstance(self.granularity, ScaleGranularity):
             raise ValueError(
                 f"KVScales.granularity must be a ScaleGranularity, got {self.granularity!r}; "

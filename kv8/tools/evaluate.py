@@ -104,7 +104,7 @@ class KVConfig:
     @property
     def label(self) -> str:
         return (self.kv_cache_dtype + ("+dynamic" if self.kv_cache_scale_mode == "dynamic" else "")
-                + ("+hadamard" if self.kv_cache_rotation == "hadamard" else "")
+                + (f"+{self.kv_cache_rotation}" if self.kv_cache_rotation != "none" else "")
                 + (f"+{self.quantization}-weights" if self.quantization not in (None, "none") else "")
                 + (f"+plan:{self.kv_cache_plan}" if self.kv_cache_plan else "")
                 + (f":{self.quantization_param_path}" if self.quantization_param_path else ""))

@@ -53,7 +53,7 @@ from kv8.cache.plan import PLAN_VERSION, KVSpec
 from kv8.engine.engine import LLMEngine
 from kv8.layers.attention import PagedAttention
 from kv8.quant.formats import resolve_kv_cache_dtype, resolve_kv_cache_dtypes
-from kv8.quant.rotation import ROTATIONS
+from kv8.quant.rotation import canonical_rotation, is_rotated
 from kv8.tools.calibrate import build_engine, cache_size_options, check_length, model_arch
 from kv8.tools.data import read_corpus, token_windows, tokenize_corpus
 from kv8.tools.evaluate import QuantErrorObserver, Scorer, score_window
@@ -73,7 +73,8 @@ Progress = Callable[[str], None]
 
 
 def parse_plan_formats(names: Sequence[str], head_dim: int, compute_dtype: torch.dtype) -> tuple[KVSpec, ...]:
-    """Candidates from ``FORMAT[+ROTATION]`` names (``int8+hadamard``, ``bfloat16``, ``k8v4+hadamard``; every
+    """Candidates from ``FORMAT[+ROTATION]`` names (``int8+hadamard``, ``bfloat16``, ``k8v4+hadamard``,
+    ``fp8/int4_g32+none/hadamard``: keys unrotated, values rotated; every
     ``kv_cache_dtype`` name and alias, K/V pairs included; FP8 formats with dynamic scales). ``ValueError`` for an
     unknown format or rotation, a rotation or a group-scaled format the head size does not allow, a duplicate, or
     none at all."""
@@ -82,15 +83,16 @@ def parse_plan_formats(names: Sequence[str], head_dim: int, compute_dtype: torch
     specs: list[KVSpec] = []
     for name in names:
         fmt, _, rotation = name.partition("+")
-        rotation = rotation or "none"
-        if rotation not in ROTATIONS:
-            raise ValueError(f"--plan-formats {name!r}: rotation {rotation!r} is not one of {', '.join(ROTATIONS)} "
-                             "(write FORMAT or FORMAT+hadamard)")
+        try:
+            rotation = canonical_rotation(rotation or "none", "rotation")
+        except ValueError as e:
+            raise ValueError(f"--plan-formats {name!r}: {e} (write FORMAT, FORMAT+hadamard or FORMAT+none/hadamard)"
+                             ) from None
         try:
             kv_dtype, v_dtype = resolve_kv_cache_dtypes(fmt, compute_dtype)
         except ValueError as e:
             raise ValueError(f"--plan-formats {name!r}: {e}") from None
-        if rotation != "none" and head_dim & (head_dim - 1):
+        if is_rotated(rotation) and head_dim & (head_dim - 1):
             raise ValueError(f"--plan-formats {name!r}: the {rotation} rotation needs a power-of-two head_dim; this "
                              f"model's is {head_dim}")
         for side in (kv_dtype, v_dtype):
@@ -140,7 +142,8 @@ def read_sensitivity_table(path: str) -> SensitivityTable:
 def _recorded_spec(entry: dict[str, Any]) -> KVSpec:
     """A candidate as :func:`table_record` wrote it."""
     k_dtype, v_dtype = resolve_kv_cache_dtypes(entry["kv_cache_dtype"], torch.float32)
-    return KVSpec(k_dtype, entry["kv_cache_rotation"], bool(entry["dynamic"]), None if v_dtype == k_dtype else v_dtype)
+    return KVSpec(k_dtype, canonical_rotation(entry["kv_cache_rotation"]), bool(entry["dynamic"]),
+                  None if v_dtype == k_dtype else v_dtype)
 
 
 def write_plan_file(path: str | os.PathLike[str], specs: Sequence[KVSpec],
@@ -187,8 +190,8 @@ def attention_error(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
                     codec: KVCodec, layer: int) -> tuple[float, float]:
     """``(|out_c - out|^2, |out|^2)`` in float64 for one layer and sequence, K and V round-tripped by ``codec``."""
     def round_trip(x: torch.Tensor, which: int) -> torch.Tensor:
-        back, _ = codec.round_trip(codec.to_stored_basis(x.float()), layer, which)
-        return codec.to_stored_basis(back).double()   # the rotation is its own inverse
+        back, _ = codec.round_trip(codec.to_stored_basis(x.float(), which), layer, which)
+        return codec.to_stored_basis(back, which).double()   # the rotation is its own inverse
 
     out = causal_attention(q.double(), k.double(), v.double(), scale, window)
     out_c = causal_attention(q.double(), round_trip(k, K), round_trip(v, V), scale, window)

@@ -372,7 +372,7 @@ def build(case: Case) -> Problem:
         key = torch.randn(n_ctx + num_tokens, hkv, d, generator=gen) * amp
         value = torch.randn(n_ctx + num_tokens, hkv, d, generator=gen)
         q = 1.5 * torch.randn(num_tokens, hq, d, generator=gen)
-    key, value, q = (basis.to_stored_basis(x).to(case.q_dtype) for x in (key, value, q))
+    key, value, q = (basis.to_stored_basis(x, which).to(case.q_dtype) for x, which in ((key, K), (value, V), (q, K)))
     static = None
     if kv_dtype.is_fp8 and case.scales != "dynamic":
         static = calibrated_scales(key, value, case, gen)

@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from kv8 import LLM
-from kv8.cache.codec import KVCodec
+from kv8.cache.codec import K, KVCodec, V
 from kv8.cache.config import CacheConfig
 from kv8.cache.scale_sources import engine_key_offsets
 from kv8.entrypoints.cli import main
@@ -65,7 +65,7 @@ def test_codec_centers_keys_before_the_rotation(rotation: str) -> None:
     torch.testing.assert_close(codec.keys_from_stored(codec.keys_to_stored(k, 1), 1), k)
     assert "key centering on (test)" in codec.describe()
     plain = KVCodec.build(resolve_kv_cache_dtype("float32", torch.float32), 8, rotation=rotation)
-    assert torch.equal(plain.keys_to_stored(k, 1), plain.to_stored_basis(k))
+    assert torch.equal(plain.keys_to_stored(k, 1), plain.to_stored_basis(k, K))
     torch.testing.assert_close(plain.keys_from_stored(plain.keys_to_stored(k, 1), 1), k)
     with pytest.raises(ValueError, match="k_offset .* head_dim 8, the cache 16"):
         KVCodec.build(resolve_kv_cache_dtype("float32", torch.float32), 16, key_offsets=KeyOffsets(c, "test"))
@@ -95,14 +95,14 @@ def test_a_constant_large_key_channel_costs_less_attention_error_when_centered(d
                               scale_mode="dynamic" if kv_dtype.is_fp8 else "static")
         stored = codec.keys_to_stored(k, 0)
         back, _ = codec.round_trip(stored, 0, 0)
-        vb, _ = codec.round_trip(codec.to_stored_basis(v), 0, 1)
-        qs = codec.to_stored_basis(q)
+        vb, _ = codec.round_trip(codec.to_stored_basis(v, V), 0, V)
+        qs = codec.to_stored_basis(q, K)
 
         def attend(keys: torch.Tensor, values: torch.Tensor, qq: torch.Tensor) -> torch.Tensor:
             p = torch.softmax(torch.einsum("qhd,thd->hqt", qq, keys) / d ** 0.5, dim=-1)
             return torch.einsum("hqt,thd->qhd", p, values)
 
-        exact = attend(stored, codec.to_stored_basis(v), qs)
+        exact = attend(stored, codec.to_stored_basis(v, V), qs)
         got = attend(back, vb, qs)
         errors.append(float(((got - exact) ** 2).sum() / (exact ** 2).sum()))
     assert errors[1] < 0.9 * errors[0], errors

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from kv8 import LLM
-from kv8.cache.codec import KVCodec
+from kv8.cache.codec import K, KVCodec
 from kv8.cache.config import CacheConfig
 from kv8.cache.scale_sources import engine_key_scaling
 from kv8.entrypoints.cli import main
@@ -72,7 +72,7 @@ def test_codec_scales_keys_and_divides_each_gqa_groups_queries(rotation: str) ->
     torch.testing.assert_close(codec.keys_from_stored(stored, 1), k, rtol=1e-4, atol=1e-4)
     assert "key scaling on (test)" in codec.describe()
     plain = KVCodec.build(F32, 8, rotation=rotation, key_offsets=KeyOffsets(c, "test"))
-    assert torch.equal(plain.queries_to_stored(q, 1), plain.to_stored_basis(q))
+    assert torch.equal(plain.queries_to_stored(q, 1), plain.to_stored_basis(q, K))
 
 
 def test_codec_refuses_factors_it_cannot_apply() -> None:

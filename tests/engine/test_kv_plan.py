@@ -158,7 +158,7 @@ def test_every_error_of_the_option(llama4, tmp_path, monkeypatch):
         (dict(kv_cache_plan=plan({"1": {"kv_cache_dtype": "int3"}})),
          "layer 1: kv_cache_dtype='int3' is not supported; choose one of: auto, .*int4_per_token_head.*K/V pair"),
         (dict(kv_cache_plan=plan({"1": {"kv_cache_rotation": "givens"}})),
-         "layer 1 has kv_cache_rotation='givens'; choose one of: none, hadamard"),
+         "layer 1: kv_cache_rotation='givens' is not supported; choose none, hadamard, or keys/values apart"),
         (dict(kv_cache_plan=plan({"1": {"kv_cache_rotation": "hadamard"}}), hf=dict(head_dim=24)),
          r"kv_cache_rotation='hadamard' \(kv_cache_plan: layers \[1\]\) needs a power-of-two head_dim; .*24"),
         (dict(kv_cache_plan=plan({"1": {"kv_cache_dtype": "fp8"}}), kv_cache_dtype_skip_layers="0"),

@@ -44,7 +44,7 @@ import kv8.kernels.triton.interpreter as triton_interpreter
 import kv8.kernels.triton.store as triton_store
 from kv8.attention.metadata import AttentionMetadata
 from kv8.attention.reference import paged_attention_reference
-from kv8.cache.codec import KVCodec
+from kv8.cache.codec import K, KVCodec, V
 from kv8.cache.paged_cache import CacheShape, PagedKVCache
 from kv8.kernels.triton.formats import COMPILED_PACKED_MAX_HEAD_DIM, kernel_format
 from kv8.platform import CPU, Platform
@@ -171,12 +171,12 @@ def _build(kv: str, q_dtype: torch.dtype, *, head_dim: int = 64, kv_heads: int =
                           rotation=rotation, scales=static)
     cache = PagedKVCache(CacheShape(1, num_blocks, kv_heads, bs, d), codec)
     _poison(cache)
-    key, value = codec.to_stored_basis(key), codec.to_stored_basis(value)
+    key, value = codec.to_stored_basis(key, K), codec.to_stored_basis(value, V)
     cache.store(0, key, value, torch.tensor(slots, dtype=torch.int64))
 
     meta = AttentionMetadata.build(list(batch.query_lens), list(batch.seq_lens), tables, bs, sliding_window=window)
     num_tokens = sum(batch.query_lens)
-    query = codec.to_stored_basis(1.5 * torch.randn(num_tokens + PAD_ROWS, kv_heads * group, d, generator=g))
+    query = codec.to_stored_basis(1.5 * torch.randn(num_tokens + PAD_ROWS, kv_heads * group, d, generator=g), K)
     v_max = 1.25 * float(value.abs().max()) if value.numel() else 1.0
     return Problem(query.to(q_dtype), cache, meta, d ** -0.5, v_max, num_tokens)
 
@@ -467,7 +467,7 @@ def test_hadamard_rotated_codec(kv: str, scales: str, device: str) -> None:
     _check(p, out)
     if kv == "float32":
         plain = _build(kv, torch.float32, scales=scales, rotation="none", seed=4)
-        back = p.cache.codec.to_stored_basis(out[:p.num_tokens])
+        back = p.cache.codec.to_stored_basis(out[:p.num_tokens], V)
         torch.testing.assert_close(back, _reference(plain), rtol=1e-5, atol=1e-5 * p.v_max)
 
 

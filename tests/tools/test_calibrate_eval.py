@@ -512,7 +512,8 @@ def test_eval_dynamic_and_rotation_configs(tiny_models: dict[str, str], text_fil
     scaled = KVConfig.from_flags("--kv-cache-rotation hadamard --kv-cache-dtype=fp8_e5m2 --quantization-param-path "
                                  "'my scales.json'")
     assert (scaled.quantization_param_path, scaled.label) == ("my scales.json", "fp8_e5m2+hadamard:my scales.json")
-    for bad, message in (("--kv-cache-dtype fp8_e4m3 --kv-cache-rotation rotate", "invalid choice: 'rotate'"),
+    for bad, message in (("--kv-cache-dtype fp8_e4m3 --kv-cache-rotation rotate",
+                          "kv_cache_rotation='rotate' is not supported; choose none, hadamard, or keys/values apart"),
                          ("--kv-cache-dtype fp8_e4m3 --block-size 32", "unrecognized arguments: --block-size 32"),
                          ("fp8_e4m3+dynamic", "kv_cache_dtype='fp8_e4m3+dynamic' is not supported"),
                          ("--kv-cache-scale-mode dynamic", "names no --kv-cache-dtype")):
@@ -593,6 +594,31 @@ def test_calibration_for_a_rotated_cache(tiny_models: dict[str, str], text_file:
     assert llm.engine.cache.scales.rotation == "hadamard"
     with pytest.raises(ValueError, match="calibrated with rotation 'hadamard', but kv_cache_rotation='none'"):
         LLM(model=model, **common)
+
+
+def test_calibration_for_a_cache_that_rotates_one_side(tiny_models: dict[str, str], text_file: str,
+                                                       tmp_path: Path) -> None:
+    """With ``rotation="none/hadamard"`` the keys' scales are an unrotated calibration's and the values' a rotated
+    one's (key envelope included: the keys' basis is the identity); the file records the pair and loads with it."""
+    from kv8 import LLM
+
+    model = tiny_models["llama_gqa"]
+    recipe = ScaleRecipe(granularity=ScaleGranularity.CHANNEL, statistic="amax", fmt=E4M3)
+    kw = dict(num_samples=2, seq_len=16, dtype="float32", show_progress=False)
+    plain = calibrate(model, [text_file], recipe, **kw).scales
+    both = calibrate(model, [text_file], recipe, rotation="hadamard", **kw).scales
+    apart = calibrate(model, [text_file], recipe, rotation="none/hadamard", **kw)
+    s = apart.scales
+    assert s.rotation == "none/hadamard" and "none/hadamard rotation" in s.source
+    assert torch.equal(s.k, plain.k) and torch.equal(s.v, both.v) and not torch.equal(s.v, plain.v)
+    path = str(tmp_path / "apart.json")
+    write_scales(path, s, apart.info, "kv8")
+    common = dict(dtype="float32", max_model_len=64, kv_cache_memory="2MiB", kv_cache_dtype="fp8",
+                  quantization_param_path=path)
+    assert LLM(model=model, kv_cache_rotation="none/hadamard", **common).engine.cache.scales.rotation == \
+        "none/hadamard"
+    with pytest.raises(ValueError, match="calibrated with rotation 'none/hadamard', but kv_cache_rotation='hadamard'"):
+        LLM(model=model, kv_cache_rotation="hadamard", **common)
 
 
 def test_calibrate_and_eval_on_a_sliding_window_model(tiny_models: dict[str, str], text_file: str) -> None:

@@ -144,7 +144,8 @@ def test_a_bad_table_is_refused(kwargs, match):
 @pytest.mark.parametrize("names,match", [
     ([], "--plan-formats needs at least one format"),
     (["int3"], r"--plan-formats 'int3': kv_cache_dtype='int3' is not supported"),
-    (["int8+givens"], r"--plan-formats 'int8\+givens': rotation 'givens' is not one of none, hadamard"),
+    (["int8+givens"], r"--plan-formats 'int8\+givens': rotation='givens' is not supported; choose none, hadamard"),
+    (["int8+none/givens"], r"--plan-formats 'int8\+none/givens': rotation='none/givens' is not supported"),
     (["int8", "int8_per_token_head"], "names int8_per_token_head twice"),
 ])
 def test_bad_plan_formats_are_refused(names, match):
