@@ -23,7 +23,7 @@ from kv8.quant.formats import (
     resolve_kv_cache_dtypes,
     split_kv_cache_dtype,
 )
-from kv8.quant.rotation import canonical_rotation
+from kv8.quant.rotation import ROTATION_HELP, canonical_rotation
 from kv8.quant.scale_files import file_has_key_offsets, file_has_key_scaling
 from kv8.validators import check_bool, check_choice, check_int, check_number, is_int
 
@@ -118,8 +118,7 @@ class CacheConfig:
         "(no calibration; +4 bytes per token, head and K/V); int8 is always dynamic", choices=SCALE_MODES)
     kv_cache_rotation: str = option(
         "none", "rotate K/V by a per-head Hadamard matrix before storing (more accurate FP8 on most models; see "
-        "kv8 eval): none, hadamard, or keys/values apart such as none/hadamard", type=_kv_cache_rotation_flag,
-        metavar="ROTATION")
+        f"kv8 eval): {ROTATION_HELP}", type=_kv_cache_rotation_flag, metavar="ROTATION")
     kv_cache_dtype_skip_layers: tuple[int | str, ...] = option(
         (), "layers kept in the compute dtype in an FP8 or int8 cache: comma-separated layer indices and/or "
         "'sliding_window' (every sliding-window layer) or 'full_attention'", metavar="LAYERS")

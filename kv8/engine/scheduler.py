@@ -119,13 +119,15 @@ class Scheduler:
                 i += 1
 
         kv = self.kv_manager
-        # Per pool, the running requests' growth (module docstring). Admission runs only when nothing was
-        # preempted and budget is left, so every running request has a chunk this step.
-        reserve = [0] * len(kv.pools)
-        if not preempted and self.waiting:
-            for c in chunks:
-                self._add_growth(reserve, c.request, c.num_new_tokens)
+        # Per pool, the running requests' growth (module docstring), summed when a prompt is first considered (not
+        # on the steps that admit nothing). Admission runs only when nothing was preempted and budget is left, so
+        # every running request has a chunk this step.
+        reserve: list[int] | None = None
         while not preempted and self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            if reserve is None:
+                reserve = [0] * len(kv.pools)
+                for c in chunks:
+                    self._add_growth(reserve, c.request, c.num_new_tokens)
             req = self.waiting[0]
             hit_blocks, num_hit_tokens = kv.get_computed_blocks(req)
             n = min(req.num_tokens - num_hit_tokens, budget)
