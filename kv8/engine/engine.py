@@ -95,7 +95,7 @@ class LLMEngine:
         self.governor = ThreadGovernor(torch.get_num_threads()) \
             if self.tp.size == 1 and self.config.parallel.adaptive_cpu_threads else None
         if self.governor is not None:
-            self.governor.observe()
+            self.governor.idle()
         per_rank = f" per rank ({self.tp.size} tensor-parallel ranks)" if self.tp.size > 1 else ""
         specs = [s.describe() for s in budget.plan.specs]
         logger.info(
@@ -139,8 +139,15 @@ class LLMEngine:
     # ---- stepping -------------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """schedule -> run -> update; then the requests' new text and their outputs."""
-        if self.governor is not None:
-            self.governor.observe()
+        if self.governor is None:
+            return self._step()
+        self.governor.observe()
+        try:
+            return self._step()
+        finally:
+            self.governor.idle()
+
+    def _step(self) -> list[RequestOutput]:
         so = self.scheduler.schedule()
         self._last_schedule = so
         if so.is_empty:

@@ -17,12 +17,16 @@ row (so a single quiet window does not bring the spinning back). With one thread
 for or to spin, and the pool's idle workers sleep after their spin; when the other load goes, the next windows
 see the cores free again and the threads come back.
 
-Only windows in which the engine was stepping decide. A reading older than :attr:`ThreadGovernor.idle_gap`
-seconds spans time the engine sat idle; what other processes did then says nothing about the load the next steps
-meet (a benchmark pauses its other engines before it measures this one; a server idles while a batch job runs,
-then gets a burst after the job ended). Such a reading only starts a new window: without this, the first step
-after an idle minute beside a finished job dropped to one thread and needed two more windows (~0.5 s, a whole
-1k-token prefill) to come back.
+Only windows in which the engine was stepping decide. The engine calls :meth:`ThreadGovernor.observe` as a step
+starts and :meth:`ThreadGovernor.idle` when it is built and whenever a step ends. A window in which the engine sat
+idle for more than :attr:`ThreadGovernor.idle_gap` seconds says nothing about the load the next steps meet (a
+benchmark pauses its other engines before it measures this one; a server idles while a batch job runs, then gets a
+burst after the job ended): it only starts a new window. Without this, the first step after an idle minute beside a
+finished job dropped to one thread and needed two more windows (~0.5 s, a whole 1k-token prefill) to come back.
+A long window in which the engine was stepping does decide, however long its steps: beside a busy process per
+core, steps whose spinning threads wait for parked ones can take seconds each (a first 8 x 64-token batch at 25
+tok/s where one thread then ran 210-300 tok/s, Intel Xeon with AMX, 2 cores, 2026-12-01), and a governor that read
+long windows as idle ones never gave the threads up.
 
 Invariants: the governor changes only the thread count (``torch.set_num_threads``, read by every kv8 kernel call
 and by torch's ops on the engine's thread), never the results: every kernel's rows are independent of the thread
@@ -57,6 +61,7 @@ class ThreadGovernor:
     now: Callable[[], float] = time.monotonic
     threads: int = 0                          # the count in force (max_threads until a change)
     _last: CpuClock | None = None
+    _idle_from: float | None = None           # when the engine last went idle (idle()); None while a step runs
     _pending: int | None = None               # the previous window's answer, applied when this one agrees
 
     def __post_init__(self) -> None:
@@ -73,13 +78,24 @@ class ThreadGovernor:
         ``[1, max_threads]``."""
         return max(1, min(self.max_threads, round(len(self.cpus) - others)))
 
+    def idle(self) -> None:
+        """The engine is idle from now on (it was built, or a step ended) until the next :meth:`observe`; the
+        first call takes the first reading."""
+        if self._last is None:
+            self._last = self.clock(self.cpus)
+        self._idle_from = self.now()
+
     def observe(self) -> int:
+        """A step starts: decide on the window since the last reading if it is at least :attr:`window` long and
+        the engine was idle for at most :attr:`idle_gap` of it (since the last :meth:`idle`; stepping throughout
+        where there was none). Returns the thread count in force."""
+        idle_from, self._idle_from = self._idle_from, None
         if self._last is not None and self.now() - self._last.wall < self.window:
             return self.threads
         reading = self.clock(self.cpus)
         if reading is None:
             return self.threads
-        if self._last is not None and reading.wall - self._last.wall <= self.idle_gap:
+        if self._last is not None and (idle_from is None or reading.wall - idle_from <= self.idle_gap):
             want = self.target(self.others(self._last, reading))
             # fewer threads at once (spinning beside a busy process costs a lot), more only when two windows
             # in a row agree (a single quiet window does not bring the spinning back)

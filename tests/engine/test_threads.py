@@ -65,7 +65,12 @@ def test_a_window_that_spans_an_idle_engine_decides_nothing() -> None:
     steps again: the first step keeps its threads; only windows in which the engine stepped count."""
     m = FakeMachine()
     gov, calls = governor(m)
-    gov.observe()
+    gov.idle()                                            # the engine is built: the first reading
+    assert m.reads == 1
+    m.advance(0.5)
+    gov.observe()                                         # a step
+    m.advance(0.1)
+    gov.idle()
     m.others, m.own_rate = 2.0, 0.0                       # the engine idles for a minute beside a busy job
     m.advance(60.0)
     m.others, m.own_rate = 0.0, 2.0                       # the job ended; a burst arrives
@@ -75,6 +80,29 @@ def test_a_window_that_spans_an_idle_engine_decides_nothing() -> None:
     # a load that is really there is still seen within one window of stepping
     m.others, m.own_rate = 2.0, 0.5
     m.advance(0.3)
+    assert gov.observe() == 1 and calls == [1]
+    # idle gaps up to idle_gap between steps still decide: the load left, and two windows bring the threads back
+    m.others, m.own_rate = 0.0, 2.0
+    for _ in range(2):
+        m.advance(0.2)
+        gov.idle()
+        m.advance(0.8)
+        gov.observe()
+    assert calls == [1, 2]
+
+
+def test_steps_longer_than_the_idle_gap_still_decide() -> None:
+    """Beside a busy process per core, steps whose spinning threads wait for parked ones take seconds each; a
+    window made of such steps is a stepping window, not an idle one, and the threads go down after it."""
+    m = FakeMachine()
+    gov, calls = governor(m)
+    gov.idle()
+    m.advance(0.01)
+    m.others, m.own_rate = 1.2, 0.8                       # two busy processes share the cores with kv8's threads
+    assert gov.observe() == 2                             # a step starts right after the engine was built
+    m.advance(3.0)                                        # ... and takes 3 s
+    gov.idle()
+    m.advance(0.001)
     assert gov.observe() == 1 and calls == [1]
 
 
