@@ -49,6 +49,7 @@ from kv8.engine.args import EngineArgs
 from kv8.engine.engine import LLMEngine
 from kv8.observer import EngineObserver
 from kv8.quant.formats import resolve_kv_cache_dtypes
+from kv8.quant.rotation import canonical_rotation
 from kv8.sampling_params import SamplingParams
 from kv8.tools.calibrate import build_engine, cache_size_options, check_length, model_arch, run_prompts
 from kv8.tools.data import read_corpus, require_bos, start_with_bos, token_windows, tokenize_corpus
@@ -81,8 +82,10 @@ class KVConfig:
 
     def __post_init__(self) -> None:
         # Checked here, before any engine loads weights; the names (aliases included) are the engine's. The other
-        # options are checked by the engine's configs when its engine is built.
+        # options are checked by the engine's configs when its engine is built; the rotation is kept canonical
+        # ("hadamard/hadamard" is "hadamard") so that equal configurations have equal labels.
         resolve_kv_cache_dtypes(self.kv_cache_dtype, torch.float32)
+        object.__setattr__(self, "kv_cache_rotation", canonical_rotation(self.kv_cache_rotation))
 
     @staticmethod
     def from_flags(text: str) -> KVConfig:

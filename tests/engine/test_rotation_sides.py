@@ -42,6 +42,17 @@ def test_rotation_values(value, sides, canonical):
     assert is_rotated(value) == (sides != ("none", "none"))
 
 
+def test_an_eval_configuration_built_directly_keeps_the_canonical_rotation():
+    from kv8.tools.evaluate import KVConfig
+
+    both = KVConfig("int8", kv_cache_rotation="hadamard/hadamard")
+    assert both.kv_cache_rotation == "hadamard" and both.label == "int8+hadamard"
+    assert both == KVConfig.from_flags("--kv-cache-dtype int8 --kv-cache-rotation hadamard")
+    assert KVConfig("int8", kv_cache_rotation="none/none").label == "int8"
+    with pytest.raises(ValueError, match=r"kv_cache_rotation='givens' is not supported"):
+        KVConfig("int8", kv_cache_rotation="givens")
+
+
 @pytest.mark.parametrize("bad", ["", "/", "hadamard/", "/none", "givens", "none/givens", "none/none/none",
                                  "Hadamard", None, 3])
 def test_bad_rotation_values_name_the_field_the_value_and_what_is_allowed(bad):
