@@ -560,23 +560,23 @@ class GGUFLinearMethod(LinearMethod):
         # the blocks dequantized to float32, GGUF_SCRATCH_BYTES at a time (whole groups of the kernel's layout: a
         # slice of grouped rows from a multiple of 8 is that layout of those rows); the scratch lives for this call
         step = max(GROUP_ROWS, GGUF_SCRATCH_BYTES // (4 * segment.in_features) // GROUP_ROWS * GROUP_ROWS)
-        return self._in_slices(rows, segment.rows, 1, step, bias, lambda first, count, part_bias: (
+        return self._in_slices(rows, segment.rows, 1, step, bias, lambda first, count, _columns, part_bias: (
             self._dequantized_product(segment, segment.blocks.narrow(0, first, count), rows, part_bias)))
 
     @staticmethod
     def _in_slices(rows: torch.Tensor, width: int, per: int, step: int, bias: torch.Tensor | None,
-                   product: Callable[[int, int, torch.Tensor | None], torch.Tensor]) -> torch.Tensor:
+                   product: Callable[[int, int, int, torch.Tensor | None], torch.Tensor]) -> torch.Tensor:
         """``[M, width]``: the output columns in units of ``per`` (a weight row, a packed panel), ``step`` units at a
-        time: ``product(first, count, bias of their columns)`` gives the columns of units ``first .. first + count``
-        (the last unit may be short); one call where one slice holds them all."""
+        time: ``product(first, count, columns, bias of those columns)`` gives the ``columns`` output columns of units
+        ``first .. first + count`` (the last unit may be short); one call where one slice holds them all."""
         units = -(-width // per)
         if units <= step:
-            return product(0, units, bias)
+            return product(0, units, width, bias)
         out = rows.new_empty(rows.shape[0], width)
         for first in range(0, units, step):
             count = min(step, units - first)
             c0, c1 = first * per, min((first + count) * per, width)
-            out[:, c0:c1] = product(first, count, None if bias is None else bias[c0:c1])
+            out[:, c0:c1] = product(first, count, c1 - c0, None if bias is None else bias[c0:c1])
         return out
 
     def _dequantized_product(self, segment: GGUFSegment, blocks: torch.Tensor, rows: torch.Tensor,
@@ -604,10 +604,9 @@ class GGUFLinearMethod(LinearMethod):
         width, per_panel = (segment.rows // 2, 16) if gated else (segment.rows, 32)
         step = max(1, GGUF_SCRATCH_BYTES // (2 * 32 * segment.in_features))   # panels a slice
 
-        def product(first: int, count: int, part_bias: torch.Tensor | None) -> torch.Tensor:
+        def product(first: int, count: int, columns: int, part_bias: torch.Tensor | None) -> torch.Tensor:
             packed = kernels.gguf_dequantize_packed(segment.blocks, segment.qtype, segment.in_features, gated, first,
                                                     count)
-            columns = min((first + count) * per_panel, width) - first * per_panel
             return kernels.linear(rows, packed, columns, part_bias, gated=gated)
 
         return self._in_slices(rows, width, per_panel, step, bias, product)
