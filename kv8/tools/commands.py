@@ -175,9 +175,10 @@ def add_calibrate_parser(sub: Any) -> None:
     p.add_argument("--bytes-budget", type=_bytes_budget, default=None, metavar="BYTES|DTYPE",
                    help="the plan of least KLD within these bytes per token (all layers), or within the bytes of a "
                         "cache all in DTYPE (e.g. fp8_e4m3: static scales, one byte per value)")
-    p.add_argument("--plan-formats", nargs="+", default=list(DEFAULT_PLAN_FORMATS), metavar="FORMAT[+ROTATION]",
+    p.add_argument("--plan-formats", nargs="+", default=None, metavar="FORMAT[+ROTATION]",
                    help="candidate specs per layer, preferred first on ties; FP8 ones keep dynamic scales "
-                        f"(default: {' '.join(DEFAULT_PLAN_FORMATS)})")
+                        f"(default: {' '.join(DEFAULT_PLAN_FORMATS)}, less those the model's head_dim does not "
+                        "allow)")
     p.add_argument("--plan-sensitivity", choices=SENSITIVITY_MODES, default="proxy",
                    help="proxy (default): each layer's KLD measured end to end for its least accurate candidate, "
                         "the others scaled by their attention-output error; direct: every layer and candidate end "
@@ -314,9 +315,10 @@ def cmd_calibrate_plan(ns: argparse.Namespace) -> int:
                          check_samples=ns.plan_check_samples, retries=ns.plan_retries, dtype=args.dtype,
                          max_num_batched_tokens=args.max_num_batched_tokens, attention_backend=args.attention_backend,
                          table=table, progress=(lambda line: None) if ns.no_progress else _print_now)
-    print("layer  spec                                 predicted KLD")
+    width = max([36] + [len(spec.describe()) for spec in result.specs])
+    print(f"layer  {'spec':<{width}} predicted KLD")
     for layer, (spec, kld) in enumerate(zip(result.specs, result.calibration["layer_kld"])):
-        print(f"{layer:>5}  {spec.describe():<36} {kld:.3g}")
+        print(f"{layer:>5}  {spec.describe():<{width}} {kld:.3g}")
     c = result.choice
     print(f"plan: {c.bytes_per_token} bytes per token, predicted KLD {c.predicted_kld:.3g}, measured "
           f"{result.measured_kld:.3g}" + (f" (budget {ns.kld_budget:.3g})" if ns.kld_budget is not None else ""))

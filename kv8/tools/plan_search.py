@@ -61,11 +61,11 @@ from kv8.tools.plan_choice import PlanChoice, SensitivityTable, choose_plan
 from kv8.validators import check_int
 
 __all__ = ["DEFAULT_PLAN_FORMATS", "PlanSearchResult", "SENSITIVITY_MODES", "attention_error", "attention_parts",
-           "causal_attention", "causal_mask", "parse_plan_formats", "read_sensitivity_table", "search_plan",
-           "table_record", "write_plan_file"]
+           "causal_attention", "causal_mask", "default_plan_candidates", "parse_plan_formats", "read_sensitivity_table",
+           "search_plan", "table_record", "write_plan_file"]
 
 #: the candidates ``kv8 calibrate --plan`` tries by default, widest first (the order breaks ties: plan_choice)
-DEFAULT_PLAN_FORMATS = ("bfloat16", "int8_per_token_head+hadamard", "int8_per_token_head",
+DEFAULT_PLAN_FORMATS = ("bfloat16", "int8_per_token_head+hadamard", "int8_per_token_head", "k8v4+hadamard", "k8v4",
                         "int4_per_token_head+hadamard", "int4_per_token_head")
 SENSITIVITY_MODES = ("proxy", "direct")
 
@@ -106,6 +106,20 @@ def parse_plan_formats(names: Sequence[str], head_dim: int, compute_dtype: torch
             raise ValueError(f"--plan-formats names {spec.describe()} twice ({', '.join(names)})")
         specs.append(spec)
     return tuple(specs)
+
+
+def default_plan_candidates(head_dim: int, compute_dtype: torch.dtype) -> tuple[tuple[KVSpec, ...], tuple[str, ...]]:
+    """The candidates of :data:`DEFAULT_PLAN_FORMATS` that a model of this ``head_dim`` allows, and the names of
+    those it does not (the rotation needs a power-of-two head_dim, ``k8v4``'s values a multiple of 32). Formats named
+    by the user are checked by :func:`parse_plan_formats` and refused instead."""
+    kept: list[KVSpec] = []
+    dropped: list[str] = []
+    for name in DEFAULT_PLAN_FORMATS:
+        try:
+            kept.extend(parse_plan_formats([name], head_dim, compute_dtype))
+        except ValueError:
+            dropped.append(name)
+    return tuple(kept), tuple(dropped)
 
 
 def spec_entry(spec: KVSpec) -> dict[str, str]:
@@ -341,13 +355,14 @@ class PlanSearchResult:
 
 
 def search_plan(model: str, data: Sequence[str], *, kld_budget: float | None = None, bytes_budget: int | None = None,
-                formats: Sequence[str] = DEFAULT_PLAN_FORMATS, sensitivity: str = "proxy", num_samples: int = 2,
+                formats: Sequence[str] | None = None, sensitivity: str = "proxy", num_samples: int = 2,
                 seq_len: int = 256, skip_tokens: int = 0, check_samples: int = 2, retries: int = 2,
                 dtype: str = "auto", max_num_batched_tokens: int = 2048, attention_backend: str = "auto",
                 table: SensitivityTable | None = None, progress: Progress = print) -> PlanSearchResult:
     """Measure, choose and verify a plan (module docstring). Exactly one of ``kld_budget`` (nats per token) and
-    ``bytes_budget`` (bytes per token, all layers). ``ValueError`` for bad options, data or models, an impossible
-    budget (naming the best reachable KLD or the fewest bytes), or a plan still above the KLD budget after
+    ``bytes_budget`` (bytes per token, all layers). ``formats`` None: :data:`DEFAULT_PLAN_FORMATS`, less those the
+    model's head_dim does not allow (a progress line names them). ``ValueError`` for bad options, data or models,
+    an impossible budget (naming the best reachable KLD or the fewest bytes), or a plan still above the KLD budget after
     ``retries`` tightenings. A ``table`` (from an earlier search: :func:`read_sensitivity_table`) replaces step 1,
     and its candidates ``formats``; it must fit the model (its layer count and its candidates' bytes per token)."""
     if (kld_budget is None) == (bytes_budget is None):
@@ -368,8 +383,15 @@ def search_plan(model: str, data: Sequence[str], *, kld_budget: float | None = N
                        cache_size_options(arch, seq_len + 1, 16, 1, pools=True), workdir)
         obs = _Capture(arch.num_layers)
         ref = setup.reference(obs)
-        candidates = parse_plan_formats(formats, arch.head_dim, ref.config.dtype) if table is None else \
-            table.candidates
+        if table is not None:
+            candidates = table.candidates
+        elif formats is not None:
+            candidates = parse_plan_formats(formats, arch.head_dim, ref.config.dtype)
+        else:
+            candidates, dropped = default_plan_candidates(arch.head_dim, ref.config.dtype)
+            if dropped:
+                progress(f"default candidates without {', '.join(dropped)}: head_dim {arch.head_dim} does not allow "
+                         "them")
         if table is not None and (table.num_layers != arch.num_layers or table.bytes != tuple(
                 c.token_bytes(arch.head_dim, arch.num_kv_heads) for c in candidates)):
             raise ValueError(f"--plan-table: its table has {table.num_layers} layers and candidates of "

@@ -25,8 +25,10 @@ from kv8.quant.formats import resolve_kv_cache_dtype
 from kv8.tools.evaluate import KVConfig, evaluate
 from kv8.tools.plan_choice import SensitivityTable, choose_plan
 from kv8.tools.plan_search import (
+    DEFAULT_PLAN_FORMATS,
     _Setup,
     causal_attention,
+    default_plan_candidates,
     parse_plan_formats,
     read_sensitivity_table,
     search_plan,
@@ -186,6 +188,25 @@ def test_plan_formats_take_kv_pairs_and_their_table_reads_back(tmp_path):
         parse_plan_formats(["int8/int4_g32"], 48, torch.float32)
 
 
+@pytest.mark.parametrize("head_dim, dropped", [
+    (64, ()), (256, ()),
+    (16, ("k8v4+hadamard", "k8v4")),                          # k8v4's values are scaled per 32
+    (96, ("int8_per_token_head+hadamard", "k8v4+hadamard", "int4_per_token_head+hadamard")),   # no Hadamard at 96
+    (48, ("int8_per_token_head+hadamard", "k8v4+hadamard", "k8v4", "int4_per_token_head+hadamard")),
+])
+def test_the_default_candidates_are_those_the_head_size_allows(head_dim, dropped):
+    """Every default candidate a head size allows, in the default order; the others named (a user's
+    --plan-formats naming one is refused instead: test_plan_formats_parse_rotations_and_fp8_keeps_dynamic_scales)."""
+    kept, got = default_plan_candidates(head_dim, torch.float32)
+    assert got == dropped
+    names = [n for n in DEFAULT_PLAN_FORMATS if n not in dropped]
+    assert kept == tuple(parse_plan_formats(names, head_dim, torch.float32))
+    assert len(kept) + len(dropped) == len(DEFAULT_PLAN_FORMATS) == 7
+    if not dropped:   # the K/V pair is a default candidate: int8 keys, 4-bit values per group of 32, rotated or not
+        assert [(s.name, s.rotation) for s in kept if s.v_dtype is not None] == [
+            ("int8_per_token_head/int4_per_group32", "hadamard"), ("int8_per_token_head/int4_per_group32", "none")]
+
+
 def test_causal_attention_matches_torch_sdpa():
     torch.manual_seed(0)
     q, k, v = torch.randn(7, 4, 8, dtype=torch.float64), torch.randn(7, 2, 8, dtype=torch.float64), torch.randn(
@@ -246,6 +267,7 @@ def test_the_search_keeps_the_sensitive_layer_wide_and_its_file_serves_it(sensit
                  "--dtype", "float32", "-o", str(out)]) == 0
     result = search_plan(model, [text], kld_budget=3e-3, seq_len=64, dtype="float32", progress=lines.append)
     assert any("held-out windows" in line for line in lines)
+    assert "default candidates without k8v4+hadamard, k8v4: head_dim 16 does not allow them" in lines
     specs = result.specs
     widths = [s.token_bytes(16, 2) for s in specs]
     others = [w for i, w in enumerate(widths) if i != SENSITIVE]
