@@ -612,7 +612,10 @@ def test_a_large_segment_is_dequantized_a_slice_of_rows_at_a_time(lib: DenseKern
 def test_dequantize_packed_is_the_packed_bf16_weights(lib: DenseKernels, qtype: str, n: int) -> None:
     """``gguf_dequantize_packed`` writes in one pass what ``pack`` makes of the float32 dequantization rounded to bf16
     (torch's rounding), bit for bit: the whole matrix (a short last panel and group: 61 rows), any run of its panels,
-    and, gated, the interleaved order of ``[gate; up]`` (halves of 20 and 48 rows: zero-padded to 32 and 48)."""
+    and, gated, the interleaved order of ``[gate; up]`` (halves of 20 and 48 rows: zero-padded to 32 and 48). Both
+    paths of the kernel: a panel of four whole groups (every panel of 96 rows and of its 48-row halves, the first of
+    61 and 40) takes the AVX-512 path for Q8_0 / Q4_0 / Q4_1 where the build has it, every other panel (and type)
+    the generic one."""
     k = 2 * BLOCK_VALUES[qtype]
     blocks = _blocks(n, k, qtype, seed=n)
     grouped = group_blocks(blocks, qtype, k)
