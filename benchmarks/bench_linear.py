@@ -16,9 +16,11 @@ no fast bf16 GEMM). The ``gguf ms`` and ``kv8/gguf`` columns time the same matri
 float32 GEMM from there); the ``int8 ms`` and ``int8/gguf`` columns time the same layers with the int8 kernel at every
 row count (the choice that threshold is measured from); the ``bf16x ms`` and ``int8/bf16x`` columns time them with the
 blocks dequantized into the packed kernel's bf16 layout and multiplied by it from ``GGUF_BF16_ROWS`` rows (the tuner's
-third candidate, ``packed_bf16+bf16_from_256``; below that row count the int8 kernel; these layers are plain linears,
-so the gate/up projection runs without its fused SiLU). The header names the kernels'
-path (``avx512``: AMX tiles or ``vdpbf16ps``; ``avx2``: fp32 FMA).
+third candidate, ``packed_bf16+bf16_from_<GGUF_BF16_ROWS>``; below that row count the int8 kernel; these layers are
+plain linears, so the gate/up projection runs without its fused SiLU). The header names the kernels'
+path (``avx512``: AMX tiles or ``vdpbf16ps``; ``avx2``: fp32 FMA). The process sets glibc's malloc thresholds as an
+engine process does (:func:`kv8.host_memory.tune_malloc`), so that the per-call scratch of the GGUF expansions reuses
+freed memory instead of faulting in fresh pages each call.
 
 ``--shapes`` multiplies other matrices (``OUTxIN`` each, e.g. ``4096x4096,14336x4096``: an 8B model's q/o and up
 projections; use ``--layers 1`` for large ones). ``--no-torch-bf16`` leaves out the bf16 ``F.linear`` columns
@@ -28,8 +30,8 @@ projections; use ``--layers 1`` for large ones). ``--no-torch-bf16`` leaves out 
 REV's dense library must have the current wrapper's argument structs: its layout is checked at load), packs the same
 weights with it and times it in the same passes: columns ``before ms`` and ``speed-up`` (before / now), and
 the same for the FP8 weights (``fp8 before``) and the GGUF blocks (``gguf before``: REV's kernels on the blocks in
-REV's layout, its ``kv8/quant/gguf_blocks.py``'s ``group_blocks``), a kernel change's effect under the same machine
-conditions.
+REV's layout, its ``kv8/quant/gguf_blocks.py``'s ``group_blocks``; ``bf16x before``: those blocks expanded to bf16 by
+REV's kernels, from the same row count as ``bf16x``), a kernel change's effect under the same machine conditions.
 
     .venv/bin/python benchmarks/bench_linear.py
     .venv/bin/python benchmarks/bench_linear.py --rows 8,32,2048 --before HEAD~1
@@ -71,6 +73,7 @@ import torch.nn.functional as F
 from revisions import worktree
 
 import kv8
+from kv8.host_memory import tune_malloc
 from kv8.kernels.cpu.build import KernelUnavailable, build_shared_library
 from kv8.kernels.cpu.dense import SOURCE, DenseKernels
 from kv8.layers.dense_backend import GGUF_BF16_ROWS, GGUF_DEQUANTIZE_ROWS, DenseBackend, select_dense_backend
@@ -147,6 +150,7 @@ def main() -> None:
         run_gguf_paths(ap, args)
         return
     args.shapes = args.shapes or SHAPES
+    tune_malloc()
     bad = [f"{n}x{k}" for n, k in args.shapes if k % BLOCK_VALUES[args.gguf_type]]
     if bad:
         ap.error(f"--gguf-type {args.gguf_type} needs in-features that are multiples of "
@@ -312,7 +316,7 @@ def run(args: argparse.Namespace, before: DenseKernels | None, before_blocks: Mo
     extra += f" {'bf16x ms':>9} {'int8/bf16x':>11}"
     extra += f" {'vdpbf16ps ms':>13} {'AMX/vdpbf16ps':>14}" if amx else ""
     extra += (f" {'before ms':>10} {'speed-up':>9} {'fp8 before':>11} {'speed-up':>9} {'gguf before':>12} "
-              f"{'speed-up':>9}" if before is not None else "")
+              f"{'speed-up':>9} {'bf16x before':>13} {'speed-up':>9}" if before is not None else "")
     print(f"{'M':>6} {'torch ms':>10} {'kv8 ms':>10} {'torch GB/s':>11} {'kv8 GB/s':>10} {'speed-up':>9}{extra}")
     with torch.inference_mode():
         for m in (int(v) for v in args.rows.split(",")):
@@ -340,14 +344,15 @@ def run(args: argparse.Namespace, before: DenseKernels | None, before_blocks: Mo
             def run_gguf(xs: dict[int, torch.Tensor] = xs) -> None:
                 run_kv8(xs, blocks)
 
-            def run_gguf_as(xs: dict[int, torch.Tensor] = xs, **switch: object) -> None:
-                """The GGUF layers with their methods' ``switch`` attributes set for the call, restored after."""
+            def run_gguf_as(xs: dict[int, torch.Tensor] = xs, layers: list[list[LinearBase]] = blocks,
+                            **switch: object) -> None:
+                """GGUF ``layers`` with their methods' ``switch`` attributes set for the call, restored after."""
                 with contextlib.ExitStack() as stack:
-                    for layer in blocks:
+                    for layer in layers:
                         for p in layer:
                             for name, value in switch.items():
                                 stack.enter_context(mock.patch.object(p.method, name, value))
-                    run_kv8(xs, blocks)
+                    run_kv8(xs, layers)
 
             def run_gguf_int8(xs: dict[int, torch.Tensor] = xs) -> None:
                 run_gguf_as(xs, dequantize_rows=sys.maxsize)
@@ -363,6 +368,9 @@ def run(args: argparse.Namespace, before: DenseKernels | None, before_blocks: Mo
 
             def run_gguf_before(xs: dict[int, torch.Tensor] = xs) -> None:
                 run_kv8(xs, gguf_before)
+
+            def run_bf16x_before(xs: dict[int, torch.Tensor] = xs) -> None:
+                run_gguf_as(xs, gguf_before, dequantize_rows=GGUF_BF16_ROWS, expansion="bf16")
 
             def run_avx512(xs: dict[int, torch.Tensor] = xs) -> None:
                 kernels.amx = False
@@ -380,6 +388,7 @@ def run(args: argparse.Namespace, before: DenseKernels | None, before_blocks: Mo
                 fns["before"] = run_before
                 fns["fp8 before"] = run_fp8_before
                 fns["gguf before"] = run_gguf_before
+                fns["bf16x before"] = run_bf16x_before
             t = best_of(fns, reps)
             t_kv8 = t["kv8"]
             if "torch" in t:
@@ -397,7 +406,8 @@ def run(args: argparse.Namespace, before: DenseKernels | None, before_blocks: Mo
             if before is not None:
                 row += (f" {t['before'] * 1e3:>10.2f} {t['before'] / t_kv8:>9.2f} {t['fp8 before'] * 1e3:>11.2f} "
                         f"{t['fp8 before'] / t['fp8']:>9.2f} {t['gguf before'] * 1e3:>12.2f} "
-                        f"{t['gguf before'] / t['gguf']:>9.2f}")
+                        f"{t['gguf before'] / t['gguf']:>9.2f} {t['bf16x before'] * 1e3:>13.2f} "
+                        f"{t['bf16x before'] / t['bf16x']:>9.2f}")
             print(row)
 
 

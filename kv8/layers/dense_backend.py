@@ -38,11 +38,11 @@ GGUF_DEQUANTIZE_ROWS = 32
 GGUF_EXPANSIONS = ("f32", "bf16")
 
 #: the row count from which ``dense_backend="auto"``'s bf16 candidate dequantizes the blocks to bf16 instead of
-#: running the int8 kernel. Measured on an Intel Xeon with AMX (family 6 model 207), 2 threads, 30
-#: SmolLM2-shaped Q4_1 layers (``bench_linear.py``), the int8 kernel's time over the bf16 expansion's: 1.19 at 256
-#: rows, 1.56 at 512; at 128 the int8 kernel was still faster (docs/benchmarks.md, "GGUF blocks expanded to bf16 on
-#: AMX").
-GGUF_BF16_ROWS = 256
+#: running the int8 kernel. Measured on an Intel Xeon with AMX (family 6 model 207), 2 threads, 30 SmolLM2-shaped
+#: Q4_1 layers (``bench_linear.py --rows 64,128,256,512,1024``, two runs), the int8 kernel's time over the bf16
+#: expansion's: 0.97-0.98 at 64 rows, 1.38-1.79 at 128, 1.98-2.54 at 256 (docs/benchmarks.md, "GGUF blocks expanded
+#: to bf16"). Where the expansion loses (no AMX), the tuner keeps the int8 kernel.
+GGUF_BF16_ROWS = 128
 
 _auto_fallback_logged = False
 
