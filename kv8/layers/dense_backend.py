@@ -82,7 +82,7 @@ class DenseBackend:
     @property
     def label(self) -> str:
         """The name, with the float32 GEMM of long chunks where it is on (``packed_bf16+f32_from_512``; GGUF blocks
-        expanded to bf16: ``packed_bf16+bf16_from_256``), FP8 codes decoded into a buffer from a row count other than
+        expanded to bf16: ``packed_bf16+bf16_from_128``), FP8 codes decoded into a buffer from a row count other than
         the fixed rule's (``packed_bf16+fp8_buffer_from_17``), and each block type's switch where it has its own
         (``packed_bf16[Q4_K:int8,Q6_K:f32_from_32]``)."""
         label = f"{self.name}+{self.gguf_expand}_from_{self.wide_rows}" if self.wide_rows else self.name
