@@ -15,8 +15,8 @@
 // How: a thread takes a contiguous run of panels; per panel and weight block (`values` columns: 32, Q4_K / Q6_K 256),
 // each of the 32 rows is gathered from its group of 8 and dequantized to float32 (gguf.h), rounded to bf16 pairs in
 // 8-lane registers, and the 32 x values / 2 dword tile is transposed 8 x 8 at a time into the panel's pair-rows.
-// Q8_0 / Q4_0 / Q4_1 panels of four whole groups, on the AVX-512 build, are instead read in the groups' own column
-// order (gguf_pack_panel512): no gather and no transpose, 3.2x less time for SmolLM2's Q4_1 layers.
+// Panels of four whole groups of every type but Q6_K, on the AVX-512 build, are instead read in the groups' own
+// column order (gguf_pack_panel512): no gather and no transpose, 3.2x less time for SmolLM2's Q4_1 layers.
 #pragma once
 
 #if KV8_GGUF_AVX2 && (KV8_LINEAR_FAST || KV8_LINEAR_AVX2)
@@ -59,44 +59,84 @@ static inline __m256i gguf_bf16_16(__m256 lo, __m256 hi) {
 }
 
 #if KV8_LINEAR_FAST
-// Q8_0 / Q4_0 / Q4_1 panels whose 32 columns are four full groups of the kernel's layout (grp[0..3]: 8 rows each,
-// columns 8i .. 8i + 7 from grp[i]), read in that layout: one 32-byte section holds 4 codes of each of a group's 8
-// rows, so two groups' sections side by side are 16 columns' codes in dword lanes, and every pair-row of the panel's
-// half comes from shifts of them (Q4: byte b of a section's 4 holds value 4i + b in its low nibble, 4i + b + 16 in its
-// high one; Q8_0: value 4i + b, signed). Each value is gguf_dequantize_block's float32, bit for bit (the same multiply
-// and add, unfused), rounded by vcvtne2ps2bf16 (to nearest even; NaN kept quiet with its payload's top bits, as
-// gguf_bf16_16; these products are never float32 subnormals, which the instruction would flush), and vpermw
-// interleaves the two values of each column into its dword. About a tenth of the instructions per value of the
-// generic gather / dequantize / transpose path, which serves every other panel and type.
+// Q8_0 / Q4_0 / Q4_1 / Q5_0 / Q4_K panels whose 32 columns are four full groups of the kernel's layout (grp[0..3]: 8
+// rows each, columns 8i .. 8i + 7 from grp[i]), read in that layout: one 32-byte section holds 4 codes of each of a
+// group's 8 rows, so two groups' sections side by side are 16 columns' codes in dword lanes, and every pair-row of the
+// panel's half comes from shifts of them (Q4_0 / Q4_1 / Q5_0: byte b of section i holds value 4i + b in its low nibble,
+// 4i + b + 16 in its high one, Q5_0's fifth bits at bits 8b + i and 8b + i + 4 of the row's qh'; Q8_0: value 4i + b,
+// signed; Q4_K: section s holds qs[4s .. 4s + 3], byte b value 64p + 4(s % 8) + b in its low nibble and 32 more in its
+// high one, p = s / 8, of sub-blocks 2p and 2p + 1, whose 6-bit scales and mins are decoded per lane from the groups'
+// sc_lo / m_lo / hi sections). Each value is gguf_dequantize_block's float32, bit for bit (the same products and the
+// same unfused add or subtraction), rounded by vcvtne2ps2bf16 (to nearest even; NaN kept quiet with its payload's top
+// bits, as gguf_bf16_16; these values are never float32 subnormals, which the instruction would flush), and vpermw
+// interleaves the two values of each column into its dword. About a tenth of the instructions per value of the generic
+// gather / dequantize / transpose path, which serves every other panel and type.
 template <int QT>
 static inline void gguf_pack_panel512(const uint8_t* const grp[4], int64_t nwb, uint32_t* dst) {
-    constexpr int unit = QT == GGUF_Q8_0 ? 34 : QT == GGUF_Q4_0 ? 18 : 20;     // GGUF_UNIT
-    constexpr int codes = QT == GGUF_Q4_1 ? 32 : 16;                           // offset of the codes' sections (8 rows)
-    constexpr int sections = QT == GGUF_Q8_0 ? 8 : 4;
-    constexpr int pairs = 16;                                                 // pair-rows per 32-value block
+    constexpr bool K4 = QT == GGUF_Q4_K;
+    constexpr bool Q5 = QT == GGUF_Q5_0;
+    constexpr int unit = QT == GGUF_Q8_0 ? 34 : QT == GGUF_Q4_0 ? 18 : QT == GGUF_Q4_1 ? 20 : Q5 ? 22 : 144;   // UNIT
+    constexpr int codes = QT == GGUF_Q4_1 ? 32 : K4 ? 128 : Q5 ? 48 : 16;   // offset of the codes' sections (8 rows)
+    constexpr int sections = QT == GGUF_Q8_0 ? 8 : K4 ? 32 : 4;
+    constexpr int pairs = K4 ? 128 : 16;                          // pair-rows per block
     alignas(64) static const uint16_t order[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
                                                    8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
-    const __m512i idx = _mm512_load_si512(order), low4 = _mm512_set1_epi32(15), eight = _mm512_set1_epi32(8);
+    const __m512i idx = _mm512_load_si512(order), low4 = _mm512_set1_epi32(15), one = _mm512_set1_epi32(1);
+    const __m512i offset = _mm512_set1_epi32(QT == GGUF_Q4_0 ? 8 : 16);   // Q4_0: c - 8, Q5_0: c - 16
     const auto halves16 = [](const uint8_t* a, const uint8_t* b) {   // 8 float16 of each group -> 16 float32
         return _mm512_cvtph_ps(_mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i*)a)),
                                                        _mm_loadu_si128((const __m128i*)b), 1));
+    };
+    const auto bytes16 = [](const uint8_t* a, const uint8_t* b) {   // 8 bytes of each group -> 16 dword lanes
+        return _mm512_cvtepu8_epi32(_mm_unpacklo_epi64(_mm_loadl_epi64((const __m128i*)a),
+                                                       _mm_loadl_epi64((const __m128i*)b)));
     };
     for (int64_t w = 0; w < nwb; ++w) {
         for (int h = 0; h < 2; ++h) {   // columns 16h .. 16h + 15
             const uint8_t* a = grp[2 * h] + w * GGUF_ROWS * unit;
             const uint8_t* b = grp[2 * h + 1] + w * GGUF_ROWS * unit;
             const __m512 d = halves16(a, b);
-            const __m512 m = QT == GGUF_Q4_1 ? halves16(a + 16, b + 16) : _mm512_setzero_ps();
-            uint32_t* out = dst + w * pairs * PANEL + 16 * h;
-            const auto emit = [&](int kk, __m512i q0, __m512i q1) {   // pair-row kk: values (q0, q1) per column
-                if (QT == GGUF_Q4_0) {
-                    q0 = _mm512_sub_epi32(q0, eight);
-                    q1 = _mm512_sub_epi32(q1, eight);
+            const __m512 m = QT == GGUF_Q4_1 || K4 ? halves16(a + 16, b + 16) : _mm512_setzero_ps();   // m, dmin
+            __m512i qh = _mm512_setzero_si512();   // Q5_0: each lane's qh' (bit 8b + i: value 4i + b's fifth bit)
+            if constexpr (Q5)
+                qh = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i*)(a + 16))),
+                                        _mm256_loadu_si256((const __m256i*)(b + 16)), 1);
+            __m512 dsub[K4 ? 8 : 1], msub[K4 ? 8 : 1];   // Q4_K: d * sc and dmin * m of each sub-block, per lane
+            if constexpr (K4) {
+                for (int t = 0; t < 4; ++t) {
+                    const __m512i sl = bytes16(a + 32 + 8 * t, b + 32 + 8 * t);
+                    const __m512i ml = bytes16(a + 64 + 8 * t, b + 64 + 8 * t);
+                    const __m512i hi = bytes16(a + 96 + 8 * t, b + 96 + 8 * t);
+                    const auto top = [&](int shift) {   // 2 bits of hi at `shift`, as bits 4-5
+                        return _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(hi, shift), _mm512_set1_epi32(3)),
+                                                 4);
+                    };
+                    const __m512i sc0 = _mm512_or_si512(_mm512_and_si512(sl, low4), top(0));
+                    const __m512i sc1 = _mm512_or_si512(_mm512_srli_epi32(sl, 4), top(2));
+                    const __m512i mn0 = _mm512_or_si512(_mm512_and_si512(ml, low4), top(4));
+                    const __m512i mn1 = _mm512_or_si512(_mm512_srli_epi32(ml, 4), top(6));
+                    dsub[t] = _mm512_mul_ps(d, _mm512_cvtepi32_ps(sc0));
+                    dsub[t + 4] = _mm512_mul_ps(d, _mm512_cvtepi32_ps(sc1));
+                    msub[t] = _mm512_mul_ps(m, _mm512_cvtepi32_ps(mn0));
+                    msub[t + 4] = _mm512_mul_ps(m, _mm512_cvtepi32_ps(mn1));
                 }
-                __m512 v0 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(q0)), v1 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(q1));
+            }
+            uint32_t* out = dst + w * pairs * PANEL + 16 * h;
+            // pair-row kk: values (q0, q1) per column (Q4_K: of sub-block t)
+            const auto emit = [&](int kk, __m512i q0, __m512i q1, int t = 0) {
+                if (QT == GGUF_Q4_0 || Q5) {
+                    q0 = _mm512_sub_epi32(q0, offset);
+                    q1 = _mm512_sub_epi32(q1, offset);
+                }
+                const __m512 scale = K4 ? dsub[t] : d;
+                __m512 v0 = _mm512_mul_ps(scale, _mm512_cvtepi32_ps(q0));
+                __m512 v1 = _mm512_mul_ps(scale, _mm512_cvtepi32_ps(q1));
                 if (QT == GGUF_Q4_1) {
                     v0 = _mm512_add_ps(v0, m);
                     v1 = _mm512_add_ps(v1, m);
+                } else if (K4) {
+                    v0 = _mm512_sub_ps(v0, msub[t]);
+                    v1 = _mm512_sub_ps(v1, msub[t]);
                 }
                 const __m512i both = (__m512i)_mm512_cvtne2ps_pbh(v1, v0);   // words 0-15: v0's, 16-31: v1's
                 _mm512_storeu_si512(out + kk * PANEL, _mm512_permutexvar_epi16(idx, both));
@@ -105,14 +145,23 @@ static inline void gguf_pack_panel512(const uint8_t* const grp[4], int64_t nwb, 
                 const __m512i x = _mm512_inserti64x4(
                     _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i*)(a + codes + 32 * i))),
                     _mm256_loadu_si256((const __m256i*)(b + codes + 32 * i)), 1);
+                const auto nib = [&](int k, int hi) {   // Q5_0: with the fifth bit of value 4i + k + 16 hi
+                    const __m512i q = _mm512_and_si512(_mm512_srli_epi32(x, 8 * k + 4 * hi), low4);
+                    if (!Q5) return q;
+                    const __m512i bit = _mm512_and_si512(_mm512_srli_epi32(qh, 8 * k + i + 4 * hi), one);
+                    return _mm512_or_si512(q, _mm512_slli_epi32(bit, 4));
+                };
                 if constexpr (QT == GGUF_Q8_0) {
                     const auto byte = [&](int k) { return _mm512_srai_epi32(_mm512_slli_epi32(x, 24 - 8 * k), 24); };
                     emit(2 * i, byte(0), byte(1));
                     emit(2 * i + 1, byte(2), byte(3));
+                } else if constexpr (K4) {
+                    const int p = i / 8, kk = 32 * p + 2 * (i % 8);
+                    emit(kk, nib(0, 0), nib(1, 0), 2 * p);
+                    emit(kk + 1, nib(2, 0), nib(3, 0), 2 * p);
+                    emit(kk + 16, nib(0, 1), nib(1, 1), 2 * p + 1);
+                    emit(kk + 17, nib(2, 1), nib(3, 1), 2 * p + 1);
                 } else {
-                    const auto nib = [&](int k, int hi) {
-                        return _mm512_and_si512(_mm512_srli_epi32(x, 8 * k + 4 * hi), low4);
-                    };
                     emit(2 * i, nib(0, 0), nib(1, 0));
                     emit(2 * i + 1, nib(2, 0), nib(3, 0));
                     emit(2 * i + 8, nib(0, 1), nib(1, 1));
@@ -134,7 +183,7 @@ static void gguf_pack_rows(const kv8_gguf_pack_call& call) {
         const int64_t p = call.first_panel + i;
         uint32_t* dst = (uint32_t*)(call.out + i * PANEL * K);   // pair-row kk, column c: dst[kk * 32 + c]
 #if KV8_LINEAR_FAST
-        if constexpr (QT == GGUF_Q8_0 || QT == GGUF_Q4_0 || QT == GGUF_Q4_1) {
+        if constexpr (QT != GGUF_Q6_K) {
             // the columns' rows: 32p .. 32p + 31, or (gated) gate rows 16p .. 16p + 15 and up rows half + 16p ..;
             // whole groups of 8 where every row exists and each run starts a group
             const int64_t r0 = call.gated ? 16 * p : 32 * p, r2 = call.gated ? half + 16 * p : 32 * p + 16;
