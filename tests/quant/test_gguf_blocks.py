@@ -614,7 +614,7 @@ def test_dequantize_packed_is_the_packed_bf16_weights(lib: DenseKernels, qtype: 
     (torch's rounding), bit for bit: the whole matrix (a short last panel and group: 61 rows), any run of its panels,
     and, gated, the interleaved order of ``[gate; up]`` (halves of 20 and 48 rows: zero-padded to 32 and 48). Both
     paths of the kernel: a panel of four whole groups (every panel of 96 rows and of its 48-row halves, the first of
-    61 and 40) takes the AVX-512 path for Q8_0 / Q4_0 / Q4_1 where the build has it, every other panel (and type)
+    61 and 40) takes the AVX-512 path for every type but Q6_K where the build has it, every other panel (and Q6_K)
     the generic one."""
     k = 2 * BLOCK_VALUES[qtype]
     blocks = _blocks(n, k, qtype, seed=n)
