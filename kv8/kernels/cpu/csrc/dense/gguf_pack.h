@@ -75,7 +75,7 @@ template <int QT>
 static inline void gguf_pack_panel512(const uint8_t* const grp[4], int64_t nwb, uint32_t* dst) {
     constexpr bool K4 = QT == GGUF_Q4_K;
     constexpr bool Q5 = QT == GGUF_Q5_0;
-    constexpr int unit = QT == GGUF_Q8_0 ? 34 : QT == GGUF_Q4_0 ? 18 : QT == GGUF_Q4_1 ? 20 : Q5 ? 22 : 144;   // UNIT
+    const int64_t unit = GGUF_UNIT[QT];
     constexpr int codes = QT == GGUF_Q4_1 ? 32 : K4 ? 128 : Q5 ? 48 : 16;   // offset of the codes' sections (8 rows)
     constexpr int sections = QT == GGUF_Q8_0 ? 8 : K4 ? 32 : 4;
     constexpr int pairs = K4 ? 128 : 16;                          // pair-rows per block
