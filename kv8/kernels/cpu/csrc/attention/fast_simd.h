@@ -74,26 +74,38 @@ static const Lut& lut_for(int kv) {
 // 64 channels per chunk; else bf16 (32 channels per chunk).
 static constexpr bool byte_codes(int kv) { return KV_FORMATS[kv].esize == 1; }
 
-// Softmax weights e^(s - ref) of the prefill loop, as 2^t with t = s * log2(e) - ref2 (ref2 = ref * log2(e), one
-// fused multiply-subtract): t = n + f with n an integer and f in [-0.5, 0.5], 2^f by a degree-5 polynomial
-// (fitted for relative error: < 2e-7 in fp32), times 2^n by vscalefps -- 10 instructions where exp_ps of
-// s - ref takes 17. Precision: t carries the rounding of the product, |t| x 2^-24 absolute, so a weight is
-// within ~1e-5 relative of e^(s - ref) (weights down to e^-87; ~2e-7 near the row's maximum), against the bf16
-// rounding (2^-9) the weights then get and that fp32 row sums never notice; ref2's own rounding scales every
+// Softmax weights e^(s - ref) of the prefill loop and the decode kernels, as 2^t with t = s * log2(e) - ref2
+// (ref2 = ref * log2(e), one fused multiply-subtract): t = n + f with n an integer and f in [-0.5, 0.5], 2^f by a
+// polynomial fitted for relative error, times 2^n by vscalefps. BF16 (weights that are then rounded to bf16,
+// 2^-9 relative): degree 3, < 7.5e-5 relative, 8 instructions; else (weights kept to ~16 bits or in fp32: the
+// PLO hi + lo weights, the fp32 weights of int V codes): degree 5, < 2e-7 relative, 10 instructions; exp_ps of
+// s - ref takes 17. With AMX the degree-3 form made prefill calls 1.0-1.16x faster (SmolLM2, D 128 and Gemma-3
+// shapes, alternating calls of both libraries; 1.01-1.03x on the AVX-512 loop). Precision beyond the polynomial: t
+// carries the rounding of the product, |t| x 2^-24 absolute, so a weight is within ~1e-5 relative of
+// e^(s - ref) from it (weights down to e^-87; ~2e-7 near the row's maximum); ref2's own rounding scales every
 // weight of a row alike, so it cancels in sum(p v) / sum(p). Zero where t < -125 (exp_ps gives 0 below e^-87 for
 // the same reason: no subnormal results, each costs a microcode assist with subnormals on) and where t is NaN
 // (-inf - -inf, lanes the caller masks).
+template <bool BF16>
 static inline __m512 exp2_weights(__m512 s, __m512 log2e, __m512 ref2) {
     const __m512 t = _mm512_fmsub_ps(s, log2e, ref2);
     const __mmask16 keep = _mm512_cmp_ps_mask(t, _mm512_set1_ps(-125.0f), _CMP_GE_OQ);
     const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     const __m512 f = _mm512_sub_ps(t, n);
-    __m512 p = _mm512_set1_ps(1.3266970636e-3f);
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6754599362e-3f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5507425219e-2f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022121727e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314694404e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0000001192e+0f));
+    __m512 p;
+    if constexpr (BF16) {
+        p = _mm512_set1_ps(5.5173940957e-2f);
+        p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4261131883e-1f));
+        p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9326055050e-1f));
+        p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.9992805719e-1f));
+    } else {
+        p = _mm512_set1_ps(1.3266970636e-3f);
+        p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6754599362e-3f));
+        p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5507425219e-2f));
+        p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022121727e-1f));
+        p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314694404e-1f));
+        p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0000001192e+0f));
+    }
     return _mm512_maskz_scalef_ps(keep, p, n);
 }
 

@@ -377,7 +377,9 @@ static inline float decode_weights(const __m512* s, const __mmask16* valid, cons
     const __m512 log2e = _mm512_set1_ps(LOG2E), m2 = _mm512_set1_ps(mnew * LOG2E);
     __m512 psum = _mm512_setzero_ps();
     for (int j = 0; j < nt; ++j) {
-        __m512 p = _mm512_maskz_mov_ps(valid[j], exp2_weights(s[j], log2e, m2));
+        // fp32 weights (pf) multiply int V codes: the 16-bit-precise form there
+        __m512 p = _mm512_maskz_mov_ps(valid[j], pf ? exp2_weights<false>(s[j], log2e, m2)
+                                                    : exp2_weights<true>(s[j], log2e, m2));
         psum = _mm512_add_ps(psum, p);
         if (pf) _mm512_storeu_ps(pf + 16 * j, p);
         if (vscale) p = _mm512_mul_ps(p, vs[j]);  // per-token V scale rides on the weight

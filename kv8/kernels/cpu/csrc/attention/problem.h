@@ -31,6 +31,7 @@
 
 static const int TILE = 16;  // context tokens per tile
 static const int ROWS_PER_ITEM = 192;  // query rows (tokens x heads of a GQA group) per work item, at most
+static const int ROWS_PER_ITEM_AMX = 384;  // the same where the prefill loop runs on AMX tiles (plan.h)
 static const int64_t SMALL_WORK = 8192;  // (context tokens x query rows) below which one thread is used
 
 // One attention call in the kernels' short names: built by make_problem (plan.h) from kv8_layer and

@@ -160,8 +160,9 @@ static inline void finish_rows(const Problem& P, const Item& it, const Rows& w, 
 // expf per move, where a per-chunk max costs a reduction, an expf and a rescale every chunk). Contract: ref is
 // always a score the row has seen and max - REF_SLACK <= ref <= max, so p <= e^8 ~ 2981 and a row's sum is at
 // most e^8 x its tokens: no fp32 overflow, and the output sum(p v) / sum(p) is the softmax with the same
-// relative rounding (bf16 weights keep 8 significant bits at any magnitude; weights are e^(s - ref) within ~1e-5
-// relative, exp2_weights in fast_simd.h, and a weight below e^-87 is 0, next to the row's largest weight, which
+// relative rounding (bf16 weights keep 8 significant bits at any magnitude; weights are e^(s - ref) within ~1e-4
+// relative before that rounding, ~1e-5 where PLO keeps 16 bits, exp2_weights in fast_simd.h, and a weight below
+// e^-87 is 0, next to the row's largest weight, which
 // is >= 1). The partition combine takes (ref, sum, acc) as it takes (max, sum, acc): any common reference gives
 // the same quotient. The tests' tolerances against reference.py are unchanged (tests/kernels/test_fused_attention.py).
 
@@ -211,7 +212,7 @@ static inline bool prefill_row(const PrefillChunk& C, const __m512* acc, int64_t
     const __m512 log2e = _mm512_set1_ps(LOG2E), ref2 = _mm512_set1_ps(ref * LOG2E);
     __m512 psum = _mm512_setzero_ps();
     for (int j = 0; j < NT; ++j) {
-        __m512 pj = exp2_weights(s[j], log2e, ref2);
+        __m512 pj = exp2_weights<!PLO>(s[j], log2e, ref2);  // PLO keeps ~16 bits of each weight
         if (C.masked) pj = _mm512_maskz_mov_ps(valid[j], pj);
         psum = _mm512_add_ps(psum, pj);
         if (C.vscale) pj = _mm512_mul_ps(pj, _mm512_load_ps(C.vscale + j * TILE));  // per-token V scale
