@@ -25,8 +25,9 @@ fp8/bf16 (windowed and full) and windowed/full (fp8 and bf16). As the engine doe
 only the blocks the window needs; the other block-table entries are 0 and never read.
 
 ``--tables smollm2-prefill``: SmolLM2 prefill shapes (9 query heads, 3 KV heads, head_dim 64, blocks of 16, q
-bf16): 2 sequences x 1024 new tokens (causal prefill from an empty cache) and 1 sequence of 512 new tokens over
-1,536 cached ones (a chunked-prefill step), each over an fp8_e4m3 and a bf16 cache, in microseconds per layer
+bf16): 2 sequences x 1024 new tokens (causal prefill from an empty cache), 1 sequence of 512 new tokens over
+1,536 cached ones (a chunked-prefill step) and 2,048 new over 2,048 cached (the second step of a 4,096-token
+prompt), each over an fp8_e4m3 and a bf16 cache, in microseconds per layer
 call and GFLOP/s (4 * D flops per query head and visible key: q.k and p.v). On a CPU with AMX-BF16 each is
 timed on both paths of the prefill loop (AMX tiles, and AVX-512 with the library's ``amx`` flag off), with
 the speed-up of AMX.
@@ -36,10 +37,14 @@ the speed-up of AMX.
     .venv/bin/python benchmarks/bench_attention.py --kv8-only --batch 1 8 32 --context 4096  # kv8 only
     .venv/bin/python benchmarks/bench_attention.py --tables gemma3 --context 1024 4096 8192  # Gemma-3 rows only
     .venv/bin/python benchmarks/bench_attention.py --tables smollm2-prefill --threads 2  # SmolLM2 prefill rows
+    .venv/bin/python benchmarks/bench_attention.py --tables smollm2-prefill --before HEAD~1 --rounds 30  # now vs then
     .venv/bin/python benchmarks/bench_attention.py --tables smollm2 --blocks contiguous  # blocks in address order
     .venv/bin/python benchmarks/bench_attention.py --tables builds --builds native x86-64-v3 x86-64-v2
     .venv/bin/python benchmarks/bench_attention.py --tables formats --before main  # formats, now and at main
     .venv/bin/python benchmarks/bench_attention.py --tables formats --formats fp8 int8 int4g32 k8v4  # a K/V pair
+
+With ``--before REV`` the prefill rows are also timed on the library's own path at REV and now, one call of each
+in turn for ``--rounds`` rounds (use 20 or more on a drifting machine), with REV's time over now's per round.
 
 ``--tables builds``: the library built for each ``-march`` of ``--builds`` (default ``native`` and ``x86-64-v2``,
 the scalar generic kernel every x86-64 CPU runs; ``x86-64-v3`` is the AVX2 kernel), side by side on SmolLM2
@@ -194,7 +199,9 @@ def print_gemma(batches: list[int], contexts: list[int], args: argparse.Namespac
                   f"{r['fp8_win'] / r['fp8_full']:>12.3f} {r['bf16_win'] / r['bf16_full']:>13.3f}", flush=True)
 
 
-PREFILL_SHAPES = [(2, 1024, 1024), (1, 512, 2048)]  # (sequences, new tokens, context) of the prefill rows
+# (sequences, new tokens, context) of the prefill rows; the last: the second 2,048-token step of a 4,096-token
+# prompt (the engine's default max_num_batched_tokens), as in the TTFT at 4k of bench_vs_peers
+PREFILL_SHAPES = [(2, 1024, 1024), (1, 512, 2048), (1, 2048, 4096)]
 
 
 def prefill_cache(kv_name: str, n_layers: int, batch: int, q_len: int, ctx: int,
@@ -245,7 +252,7 @@ def on_path(lib: KernelLibrary, path: str) -> Iterator[None]:
         lib.amx = chosen
 
 
-def print_smollm2_prefill(args: argparse.Namespace) -> None:
+def print_smollm2_prefill(args: argparse.Namespace, before: tuple[str, KernelLibrary] | None = None) -> None:
     lib = load_kernels()
     scale = D ** -0.5
     paths = ("amx", "avx512") if lib.amx else ("avx512",)  # where the CPU has AMX, both paths side by side
@@ -279,6 +286,40 @@ def print_smollm2_prefill(args: argparse.Namespace) -> None:
             line += (f" {res['fp8', 'avx512'] / res['fp8', 'amx']:>14.2f}"
                      f" {res['bf16', 'avx512'] / res['bf16', 'amx']:>15.2f}")
         print(line, flush=True)
+    if before is not None:
+        print_prefill_before(lib, before, args)
+
+
+def print_prefill_before(lib: KernelLibrary, before: tuple[str, KernelLibrary], args: argparse.Namespace) -> None:
+    """The prefill rows on the library's own path, now and at a revision, calls alternating: ``--rounds`` rounds
+    of one call of each library in turn (the order swapped each round), per shape and cache; the median time of
+    each, and the median (min-max) of the per-round ratios then / now (> 1: faster now)."""
+    rev, old = before
+    scale = D ** -0.5
+    print()
+    print(f"SmolLM2 prefill rows now and at {rev}, {'AMX tiles' if lib.amx else 'AVX-512'}: {args.rounds} rounds of "
+          f"one call of each, alternating; ms per layer call (median), {rev} / now per round: median (min-max)")
+    hdr = f"{'batch':>5} {'new':>5} {'ctx':>6} {'cache':>6} | {'now':>8} {rev[:12]:>12} | {rev[:12] + ' / now':>22}"
+    print(hdr)
+    print("-" * len(hdr))
+    for batch, q_len, ctx in PREFILL_SHAPES:
+        q = torch.randn(batch * q_len, HQ, D, dtype=torch.bfloat16)
+        for kv_name, tag in (("fp8_e4m3", "fp8"), ("bfloat16", "bf16")):
+            cache, meta = prefill_cache(kv_name, 2, batch, q_len, ctx)
+            libs = {"now": lib, rev: old}
+            times: dict[str, list[float]] = {"now": [], rev: []}
+            for name in libs:   # warm-up: each library's first calls
+                libs[name].attention(q, cache, 0, meta, scale)
+            for r in range(args.rounds):
+                for name in (["now", rev] if r % 2 == 0 else [rev, "now"]):
+                    start = time.perf_counter()
+                    libs[name].attention(q, cache, r % 2, meta, scale)
+                    times[name].append(time.perf_counter() - start)
+            ratios = sorted(b / a for a, b in zip(times["now"], times[rev]))
+            now_ms, then_ms = statistics.median(times["now"]) * 1e3, statistics.median(times[rev]) * 1e3
+            cell = f"{statistics.median(ratios):.3f} ({ratios[0]:.2f}-{ratios[-1]:.2f})"
+            print(f"{batch:>5} {q_len:>5} {ctx:>6} {tag:>6} | {now_ms:>8.2f} {then_ms:>12.2f} | {cell:>22}", flush=True)
+            del cache
 
 
 def print_builds(args: argparse.Namespace) -> None:
@@ -501,8 +542,9 @@ def main() -> None:
                     choices=[label for _, _, label in FORMATS],
                     help="--tables formats: only these formats (labels; default: all)")
     ap.add_argument("--before", default=None, metavar="REV",
-                    help="--tables formats: also the kernels as of git revision REV (built from a temporary "
-                         "worktree), every format on both in the same alternating rounds")
+                    help="--tables formats / smollm2-prefill: also the kernels as of git revision REV (built from a "
+                         "temporary worktree): every format on both in the same alternating rounds / the prefill "
+                         "rows on both, one call of each in turn for --rounds rounds")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -515,23 +557,23 @@ def main() -> None:
         print_smollm2(batches, contexts, args)
     if "gemma3" in args.tables:
         print_gemma(args.gemma_batch or ([1] if args.quick else [1, 8]), contexts, args)
-    if "smollm2-prefill" in args.tables:
-        print_smollm2_prefill(args)
-    if "builds" in args.tables:
-        print_builds(args)
-    if "formats" in args.tables:
-        with contextlib.ExitStack() as stack:
-            before = None
-            if args.before:
-                try:
-                    checkout = stack.enter_context(worktree(args.before, "--before"))
-                except (ValueError, RuntimeError) as e:
-                    ap.error(str(e))
-                source = Path(checkout.path) / SOURCE.relative_to(Path(kv8.__file__).parents[1])
-                try:
-                    before = (checkout.rev, KernelLibrary(build_shared_library(source, "native"), "native"))
-                except KernelUnavailable as e:  # e.g. a revision with other argument structs
-                    ap.error(f"--before {args.before}: {e}")
+    with contextlib.ExitStack() as stack:
+        before = None
+        if args.before and {"formats", "smollm2-prefill"} & set(args.tables):
+            try:
+                checkout = stack.enter_context(worktree(args.before, "--before"))
+            except (ValueError, RuntimeError) as e:
+                ap.error(str(e))
+            source = Path(checkout.path) / SOURCE.relative_to(Path(kv8.__file__).parents[1])
+            try:
+                before = (checkout.rev, KernelLibrary(build_shared_library(source, "native"), "native"))
+            except KernelUnavailable as e:  # e.g. a revision with other argument structs
+                ap.error(f"--before {args.before}: {e}")
+        if "smollm2-prefill" in args.tables:
+            print_smollm2_prefill(args, before)
+        if "builds" in args.tables:
+            print_builds(args)
+        if "formats" in args.tables:
             print_formats(args, before)
 
 

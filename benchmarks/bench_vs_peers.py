@@ -474,6 +474,15 @@ def vllm_env() -> dict[str, str]:
     return env
 
 
+def configs_to_run(kv8_configs: list[Config], peer_kvs: dict[str, list[str]],
+                   before: tuple[str, str] | None) -> list[Config]:
+    """What a run measures, in order: kv8's configurations, each again at ``before`` = (revision, worktree) when
+    given (kv8's alone: a peer is never run at a kv8 revision), then each peer engine's cache types."""
+    olds = [] if before is None else [Config("kv8", c.kv, c.options, c.flags, rev=before[0], tree=before[1])
+                                      for c in kv8_configs]
+    return [*kv8_configs, *olds, *(Config(e, kv) for e, kvs in peer_kvs.items() for kv in kvs)]
+
+
 def start(cfg: Config, ns: argparse.Namespace, gguf: str, log: IO[str]) -> None:
     if cfg.engine == "llama.cpp":
         cfg.skipped = LlamaCpp.missing()
@@ -688,14 +697,13 @@ def main() -> None:
         print(f"vllm skipped: its model is SmolLM2's HF directory, not {ns.model}")
     kv8_configs = [Config("kv8", spec.label, spec.engine_options() | model, flags)
                    for flags, spec in kv8_specs.items()]
-    configs = kv8_configs if "kv8" in engines else []
     try:
         peer_kvs = {"llama.cpp": peer_cache_types("--llama-kv", ns.llama_kv, LLAMA_KV_TYPES),
                     "vllm": peer_cache_types("--vllm-kv", ns.vllm_kv, VLLM_KV_TYPES)}
     except ValueError as e:
         ap.error(str(e))
-    configs += [Config(e, kv) for e, kvs in peer_kvs.items() if e in engines for kv in kvs]
     cleanup = contextlib.ExitStack()   # the worktree of --kv8-before, removed at the end
+    before = None
     if ns.kv8_before:
         if "kv8" not in engines:
             ap.error("--kv8-before needs kv8 among --engines")
@@ -703,8 +711,9 @@ def main() -> None:
             before = cleanup.enter_context(worktree(ns.kv8_before))
         except (ValueError, RuntimeError) as e:
             ap.error(str(e))
-        configs[len(kv8_configs):len(kv8_configs)] = [Config("kv8", c.kv, c.options, c.flags, rev=before.rev,
-                                                             tree=before.path) for c in kv8_configs]
+    configs = configs_to_run(kv8_configs if "kv8" in engines else [],
+                             {e: kvs for e, kvs in peer_kvs.items() if e in engines},
+                             None if before is None else (before.rev, before.path))
 
     log_path = ns.log or os.path.join(peers_dir(), "logs", time.strftime("bench_vs_peers-%Y%m%d-%H%M%S.log"))
     os.makedirs(os.path.dirname(os.path.abspath(log_path)), exist_ok=True)

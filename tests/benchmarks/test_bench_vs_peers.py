@@ -177,3 +177,19 @@ def test_kv8_runs_report_the_fewest_threads_their_steps_had(tiny_llama: str, mon
     assert cfg.median(shape).threads == 1
     assert bench.governor_summary([cfg, peer]) == (f"kv8's thread governor gave up threads in 1 run(s): kv8 fp8 B=2 "
                                                    f"(1 of {bench.THREADS})")
+
+
+def test_kv8_before_adds_kv8s_configurations_only() -> None:
+    # --kv8-before measures each kv8 configuration again at the revision; the peers' cache types are never run as
+    # kv8 configurations at that revision (they once were: their workers failed to start and were skipped)
+    kv8 = [bench.Config("kv8", "bfloat16", {"kv_cache_dtype": "bfloat16"}, "--kv-cache-dtype bfloat16"),
+           bench.Config("kv8", "fp8_e4m3", {"kv_cache_dtype": "fp8_e4m3"}, "--kv-cache-dtype fp8_e4m3")]
+    peers = {"llama.cpp": ["f16", "q8_0"], "vllm": ["auto"]}
+    names = [c.name for c in bench.configs_to_run(kv8, peers, ("abc1234", "/tmp/tree"))]
+    assert names == ["kv8 bfloat16", "kv8 fp8_e4m3", "kv8@abc1234 bfloat16", "kv8@abc1234 fp8_e4m3",
+                     "llama.cpp f16", "llama.cpp q8_0", "vllm auto"]
+    olds = bench.configs_to_run(kv8, peers, ("abc1234", "/tmp/tree"))[2:4]
+    assert all(c.tree == "/tmp/tree" and c.options == k.options for c, k in zip(olds, kv8))
+    assert [c.name for c in bench.configs_to_run(kv8, peers, None)] == [
+        "kv8 bfloat16", "kv8 fp8_e4m3", "llama.cpp f16", "llama.cpp q8_0", "vllm auto"]
+    assert [c.name for c in bench.configs_to_run([], {"vllm": ["fp8"]}, None)] == ["vllm fp8"]
