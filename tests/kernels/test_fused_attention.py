@@ -113,6 +113,38 @@ def test_fp8_decode_all_codes(lib: kernels.KernelLibrary, fmt: str, path: str, f
     assert torch.equal(got[~nan].view(torch.int32), want[~nan].view(torch.int32))  # bitwise: -0.0, subnormals
 
 
+@pytest.mark.parametrize("form,poly", [("bf16", 7.6e-5), ("precise", 2e-7)])
+@pytest.mark.parametrize("ref", [0.5, -30.0, 41.0])
+def test_softmax_weights_against_exp(lib: kernels.KernelLibrary, form: str, poly: float, ref: float) -> None:
+    """The AVX-512 kernels' softmax weights e^(s - ref) (exp2_weights): within their polynomial's relative error
+    (degree 3 for weights then rounded to bf16, degree 5 where they keep 16 bits) plus the rounding of
+    t = s log2(e) - ref log2(e) (ln 2 x 2^-24 x each term's size), over s - ref in [-86.5, 8] (what the lazy
+    reference leaves; with ref = 0.5 the polynomial's error dominates the bound near s = ref); 0 below e^-87
+    (never a subnormal), for -inf and for NaN."""
+    k = kernels.KernelTesting(lib)
+    scores = ref + torch.linspace(-86.5, 8.0, 400_003, dtype=torch.float64)
+    scores = scores.float()
+    if not lib.has_fast_path:
+        with pytest.raises(ValueError, match="AVX-512"):
+            k.softmax_weights(scores, ref, form)
+        return
+    got = k.softmax_weights(scores, ref, form).double()
+    x = scores.double() - ref
+    want = torch.exp(x)
+    log2e = 1.4426950408889634
+    bound = poly + math.log(2) * 2.0 ** -24 * (scores.double().abs() * log2e + abs(ref) * log2e + x.abs() * log2e) \
+        + 2.0 ** -23
+    rel = (got - want).abs() / want
+    worst = int(torch.argmax(rel / bound))
+    assert bool((rel <= bound).all()), (form, float(x[worst]), float(rel[worst]), float(bound[worst]))
+    # below e^-87: zeros, never subnormals; masked lanes (-inf, NaN) weigh 0
+    low = ref + torch.tensor([-87.5, -90.0, -120.0, -1e4, float("-inf"), float("nan")])
+    assert torch.equal(k.softmax_weights(low.float(), ref, form), torch.zeros(6))
+    assert float(got.min()) >= 2.0 ** -126
+    with pytest.raises(ValueError, match="form="):
+        k.softmax_weights(scores, ref, "fast")
+
+
 def test_portable_builds_decode_on_bits(portable_lib: kernels.KernelLibrary) -> None:
     """Without AVX-512: the scalar bit decoder, and the AVX2 kernel's 8-lane one where the build has it, give every
     code's value bit for bit (subnormals, -0, NaN) -- with torch's flush-denormal mode on as well."""

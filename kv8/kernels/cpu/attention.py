@@ -240,6 +240,8 @@ class KernelTesting:
         c.kv8_test_item_kernel.restype = ctypes.c_int
         c.kv8_test_decode_fp8.argtypes = [ctypes.c_int, ctypes.c_int, _P, _I64, _P]
         c.kv8_test_decode_fp8.restype = ctypes.c_int
+        c.kv8_test_softmax_weights.argtypes = [ctypes.c_int, _P, _I64, ctypes.c_float, _P]
+        c.kv8_test_softmax_weights.restype = ctypes.c_int
         self._c = c
 
     def item_kernel(self, kv_dtype: str, compute_dtype: torch.dtype, head_dim: int, block_size: int = 16,
@@ -290,6 +292,22 @@ class KernelTesting:
                                          codes.numel(), out.data_ptr())
         if rc != 0:
             raise ValueError(f"decode path {path!r} is not available in this build (march={self.lib.march})")
+        return out
+
+    def softmax_weights(self, scores: torch.Tensor, ref: float, form: str) -> torch.Tensor:
+        """e^(scores - ref) as the AVX-512 kernels compute softmax weights (float32 in and out): ``form="bf16"``
+        for weights then rounded to bf16 (a degree-3 polynomial), ``"precise"`` for weights kept to 16 bits or
+        in fp32 (degree 5). ValueError without the AVX-512 BF16 path."""
+        forms = ("precise", "bf16")
+        if form not in forms:
+            raise ValueError(f"form={form!r}; choose one of {', '.join(map(repr, forms))}")
+        if scores.dtype != torch.float32:
+            raise ValueError(f"scores must be float32, got {scores.dtype}")
+        scores = scores.contiguous()
+        out = torch.empty_like(scores)
+        if self._c.kv8_test_softmax_weights(forms.index(form), scores.data_ptr(), scores.numel(), ref,
+                                            out.data_ptr()) != 0:
+            raise ValueError(f"the softmax weights need the AVX-512 BF16 path (march={self.lib.march})")
         return out
 
 

@@ -321,4 +321,22 @@ int kv8_test_decode_fp8(int fmt, int path, const uint8_t* codes, int64_t n, floa
 #endif
 }
 
+// The softmax weights of the AVX-512 kernels (exp2_weights, fast_simd.h): out[i] = e^(s[i] - ref) in the form whose
+// weights are then rounded to bf16 (bf16 = 1, degree 3) or the one that keeps 16 bits (bf16 = 0, degree 5).
+// ERR_ARGS without the AVX-512 BF16 path.
+int kv8_test_softmax_weights(int bf16, const float* s, int64_t n, float ref, float* out) {
+#if KV8_FAST
+    const __m512 log2e = _mm512_set1_ps(LOG2E), ref2 = _mm512_set1_ps(ref * LOG2E);
+    for (int64_t i = 0; i < n; i += 16) {
+        const __mmask16 m = n - i < 16 ? (__mmask16)((1u << (n - i)) - 1) : (__mmask16)0xFFFF;
+        const __m512 x = _mm512_maskz_loadu_ps(m, s + i);
+        _mm512_mask_storeu_ps(out + i, m, bf16 ? exp2_weights<true>(x, log2e, ref2) : exp2_weights<false>(x, log2e, ref2));
+    }
+    return OK;
+#else
+    (void)bf16; (void)s; (void)n; (void)ref; (void)out;
+    return ERR_ARGS;
+#endif
+}
+
 }  // extern "C"

@@ -77,7 +77,7 @@ static constexpr bool byte_codes(int kv) { return KV_FORMATS[kv].esize == 1; }
 // Softmax weights e^(s - ref) of the prefill loop and the decode kernels, as 2^t with t = s * log2(e) - ref2
 // (ref2 = ref * log2(e), one fused multiply-subtract): t = n + f with n an integer and f in [-0.5, 0.5], 2^f by a
 // polynomial fitted for relative error, times 2^n by vscalefps. BF16 (weights that are then rounded to bf16,
-// 2^-9 relative): degree 3, < 7.5e-5 relative, 8 instructions; else (weights kept to ~16 bits or in fp32: the
+// 2^-9 relative): degree 3, within 7.6e-5 relative, 8 instructions; else (weights kept to ~16 bits or in fp32: the
 // PLO hi + lo weights, the fp32 weights of int V codes): degree 5, < 2e-7 relative, 10 instructions; exp_ps of
 // s - ref takes 17. With AMX the degree-3 form made prefill calls 1.0-1.16x faster (SmolLM2, D 128 and Gemma-3
 // shapes, alternating calls of both libraries; 1.01-1.03x on the AVX-512 loop). Precision beyond the polynomial: t
