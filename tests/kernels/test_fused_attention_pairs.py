@@ -239,10 +239,11 @@ def test_engine_k8v4_cpu_fused_matches_reference(lib: kernels.KernelLibrary, tin
     """Greedy tokens over a k8v4 cache: the cpu_fused backend's equal the reference attention's (near-ties aside,
     assert_greedy_match), with prefills in chunks of 16 tokens and the prompts' blocks found again in the prefix
     cache. This random model's next-token distribution is nearly flat, and its bf16 logits (0.016 nats apart at
-    -4.2) leave three tokens within one rounding of each other here and there: bf16 keeps 3 logprobs."""
+    -4.2) leave three or four tokens within one rounding of each other here and there (a softmax weight's last
+    bits in the kernel move which): bf16 keeps 5 logprobs, so a near-tie's other token is seen."""
     if dtype == "bfloat16" and lib.has_fast_path:
         assert kernels.KernelTesting(lib).item_kernel(INT8, torch.bfloat16, 64, 16, 3, v_kv_dtype=I4G) == "decode"
-    greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=3 if dtype == "bfloat16" else 2)
+    greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=5 if dtype == "bfloat16" else 2)
     outs = {}
     for backend in ("reference", "cpu_fused"):
         llm = make_llm(tiny_llama, dtype=dtype, kv_cache_dtype="k8v4", attention_backend=backend, block_size=16,

@@ -75,38 +75,39 @@ static const Lut& lut_for(int kv) {
 static constexpr bool byte_codes(int kv) { return KV_FORMATS[kv].esize == 1; }
 
 // Softmax weights e^(s - ref) of the prefill loop and the decode kernels, as 2^t with t = s * log2(e) - ref2
-// (ref2 = ref * log2(e), one fused multiply-subtract): t = n + f with n an integer and f in [-0.5, 0.5], 2^f by a
-// polynomial fitted for relative error, times 2^n by vscalefps. BF16 (weights that are then rounded to bf16,
-// 2^-9 relative): degree 3, within 7.6e-5 relative, 8 instructions; else (weights kept to ~16 bits or in fp32: the
-// PLO hi + lo weights, the fp32 weights of int V codes): degree 5, < 2e-7 relative, 10 instructions; exp_ps of
-// s - ref takes 17. With AMX the degree-3 form made prefill calls 1.0-1.16x faster (SmolLM2, D 128 and Gemma-3
-// shapes, alternating calls of both libraries; 1.01-1.03x on the AVX-512 loop). Precision beyond the polynomial: t
-// carries the rounding of the product, |t| x 2^-24 absolute, so a weight is within ~1e-5 relative of
+// (ref2 = ref * log2(e), one fused multiply-subtract): f = t - floor(t) in [0, 1) (vreduceps, exact), 2^f by a
+// polynomial fitted for relative error, times 2^floor(t) by vscalefps (which floors its exponent operand itself).
+// BF16 (weights that are then rounded to bf16, 2^-9 relative): degree 3, within 7.6e-5 relative, 7 instructions;
+// else (weights kept to ~16 bits or in fp32: the PLO hi + lo weights, the fp32 weights of int V codes): degree 5,
+// < 2e-7 relative, 9 instructions; exp_ps of s - ref takes 17. On AMX Xeon prefill calls (SmolLM2, D 128 and
+// Gemma-3 shapes, alternating calls of both libraries, 2026-12-01) the degree-3 form over [-0.5, 0.5] was 1.0-1.16x
+// faster than degree 5, and vreduceps in place of round-and-subtract 1.0-1.10x more. Precision beyond the polynomial:
+// t carries the rounding of the product, |t| x 2^-24 absolute, so a weight is within ~1e-5 relative of
 // e^(s - ref) from it (weights down to e^-87; ~2e-7 near the row's maximum); ref2's own rounding scales every
 // weight of a row alike, so it cancels in sum(p v) / sum(p). Zero where t < -125 (exp_ps gives 0 below e^-87 for
 // the same reason: no subnormal results, each costs a microcode assist with subnormals on) and where t is NaN
-// (-inf - -inf, lanes the caller masks).
+// (-inf - -inf, lanes the caller masks). Tested against exp: tests/kernels/test_fused_attention.py
+// (test_softmax_weights_against_exp, through kv8_test_softmax_weights).
 template <bool BF16>
 static inline __m512 exp2_weights(__m512 s, __m512 log2e, __m512 ref2) {
     const __m512 t = _mm512_fmsub_ps(s, log2e, ref2);
     const __mmask16 keep = _mm512_cmp_ps_mask(t, _mm512_set1_ps(-125.0f), _CMP_GE_OQ);
-    const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const __m512 f = _mm512_sub_ps(t, n);
+    const __m512 f = _mm512_reduce_ps(t, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);  // t - floor(t), exact
     __m512 p;
     if constexpr (BF16) {
-        p = _mm512_set1_ps(5.5173940957e-2f);
-        p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4261131883e-1f));
-        p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9326055050e-1f));
-        p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.9992805719e-1f));
+        p = _mm512_set1_ps(7.8025676310e-2f);
+        p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.2606551647e-1f));
+        p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9583410025e-1f));
+        p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.9992519617e-1f));
     } else {
-        p = _mm512_set1_ps(1.3266970636e-3f);
-        p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6754599362e-3f));
-        p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5507425219e-2f));
-        p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022121727e-1f));
-        p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314694404e-1f));
-        p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0000001192e+0f));
+        p = _mm512_set1_ps(1.8775899662e-3f);
+        p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(8.9893080294e-3f));
+        p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5826343596e-2f));
+        p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4015361071e-1f));
+        p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9315308332e-1f));
+        p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.9999994040e-1f));
     }
-    return _mm512_maskz_scalef_ps(keep, p, n);
+    return _mm512_maskz_scalef_ps(keep, p, t);  // p x 2^floor(t)
 }
 
 // 64 codes (FP8, int8) -> 64 bf16: w0 = codes 0..7 of each 128-bit lane, w1 = codes 8..15 (lane order kept).
