@@ -12,10 +12,7 @@
 // blocks of 16 rows. Tiles (all 16 rows x 64 bytes): 0..3 C (the scores of tile j, then four output
 // accumulators), 4 A (32 channels of 16 q rows, or 32 weights of 16 rows), 5 and 6 B (alternating).
 // tdpbf16ps sums 16 exact bf16 products per row and column in fp32 per instruction, in k order: the same
-// products as the vdpbf16ps blocks, summed in another order.
-static inline bool uses_amx_loop(const Problem& P, int R) {
-    return P.amx && R > 4 && P.D % 64 == 0 && P.D <= 256 && P.q_dtype == DT_BF16 && !k_per_channel(P);
-}
+// products as the vdpbf16ps blocks, summed in another order. Which items take it: uses_amx_loop (problem.h).
 
 // The calling thread's tiles for the AMX blocks, released when the item ends (the dense library configures
 // its own; the two share the OpenMP threads).

@@ -56,11 +56,11 @@ static int make_problem(const kv8_layer& L, const kv8_attention_call& C, Problem
     // (item_prefill.h) 96 rows take ~2% less than 48 on SmolLM2 prefill (2 x 1024, 512 over 1,536 cached) and
     // on Gemma-3's 512-token chunks, decode unchanged; on its AMX form 192 rows take 0-6% less than 96 on 2 x
     // 1024 and 3-15% less on 512 over 1,536 (bench_attention.py --tables smollm2-prefill, alternating builds).
-    // On AMX tiles (bf16 q, D % 64 == 0) 384 rows took 1.02-1.09x less time than 192 on prefill calls of SmolLM2
-    // (D 64), D 128 and Gemma-3 (D 256) shapes (1,024-2,048 new tokens over 1,024-4,096; alternating calls of
-    // both libraries, 2026-12-01, AMX Xeon); on the AVX-512 loop they tied (0.996-1.011x).
+    // Where the prefill loop runs on AMX tiles (uses_amx_loop), 384 rows took 1.02-1.09x less time than 192 on
+    // prefill calls of SmolLM2 (D 64), D 128 and Gemma-3 (D 256) shapes (1,024-2,048 new tokens over 1,024-4,096;
+    // alternating calls of both libraries, 2026-12-01, AMX Xeon); on the AVX-512 loop they tied (0.996-1.011x).
     P.amx = amx_granted(C.use_amx);
-    const int rows = P.amx && P.q_dtype == DT_BF16 && D % 64 == 0 ? ROWS_PER_ITEM_AMX : ROWS_PER_ITEM;
+    const int rows = uses_amx_loop(P, ROWS_PER_ITEM_AMX) ? ROWS_PER_ITEM_AMX : ROWS_PER_ITEM;
     P.qb = P.G >= rows ? 1 : rows / P.G;
     P.bs_shift = (bs & (bs - 1)) == 0 ? __builtin_ctz((unsigned)bs) : -1;
     return OK;

@@ -275,6 +275,13 @@ static const int PREFETCH_TILES = 2;  // prefetch distance (measured: 1..4 are w
 static inline float k_head_scale(const Problem& P, int kvh) { return P.ks ? P.ks[kvh * P.ks_hs] : 1.0f; }
 static inline bool k_per_channel(const Problem& P) { return P.ks && P.ks_ds != 0; }
 
+// Whether items of R rows run the prefill loop on AMX tiles (item_prefill_amx.h): granted AMX, more than 4 rows,
+// bf16 compute, D % 64 == 0 and D <= 256, no per-channel K scale. Here, beside the Problem it reads, so that the
+// plan (plan.h: the rows per item) and the item kernels ask the same question.
+static inline bool uses_amx_loop(const Problem& P, int R) {
+    return P.amx && R > 4 && P.D % 64 == 0 && P.D <= 256 && P.q_dtype == DT_BF16 && !k_per_channel(P);
+}
+
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 // 16 lanes of f_bf16: round to nearest even on the bits, NaN -> 0x7FC0 (vcvtneps2bf16 would flush subnormals
 // and keep NaN payloads), as 16-bit integers in the low half of each 32-bit lane.

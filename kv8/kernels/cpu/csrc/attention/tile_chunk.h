@@ -162,9 +162,9 @@ static inline void finish_rows(const Problem& P, const Item& it, const Rows& w, 
 // most e^8 x its tokens: no fp32 overflow, and the output sum(p v) / sum(p) is the softmax with the same
 // relative rounding (bf16 weights keep 8 significant bits at any magnitude; weights are e^(s - ref) within ~1e-4
 // relative before that rounding, ~1e-5 where PLO keeps 16 bits, exp2_weights in fast_simd.h, and a weight below
-// e^-87 is 0, next to the row's largest weight, which
-// is >= 1). The partition combine takes (ref, sum, acc) as it takes (max, sum, acc): any common reference gives
-// the same quotient. The tests' tolerances against reference.py are unchanged (tests/kernels/test_fused_attention.py).
+// e^-87 is 0, next to the row's largest weight, which is >= 1). The partition combine takes (ref, sum, acc) as it
+// takes (max, sum, acc): any common reference gives the same quotient. The tests' tolerances against reference.py
+// are unchanged (tests/kernels/test_fused_attention.py).
 
 static const float REF_SLACK = 8.0f;   // the lazy reference moves when a score exceeds it by more than this
 
