@@ -474,27 +474,42 @@ def test_killed_replica_fails_its_requests_cleanly_and_comes_back(dp_server: DPS
         return httpx.post(dp_server.url + "/v1/completions", headers=auth, timeout=30,
                           json=dict(body, prompt=prefix + "second"))
 
-    with ThreadPoolExecutor(1) as pool, httpx.Client(timeout=30) as c, \
-            c.stream("POST", dp_server.url + "/v1/completions", json=dict(body, prompt=prefix + "first", stream=True),
-                     headers=auth) as r:
-        assert r.status_code == 200, r.read()
-        lines = r.iter_lines()
-        next(line for line in lines if line.startswith("data: "))
-        victim = _per_replica(metrics(dp_server), "kv8:dp_replica_requests_in_flight").index(1)
-        second = pool.submit(non_streamed)
-        # wait until the replica has admitted both (a call Serve has not delivered yet when the replica dies is
-        # sent again to its replacement, and then succeeds): more than the first's 16 sequences in flight there.
-        # Not all 32: on a fast machine the first's first wave of 8 can finish before the second arrives.
-        deadline = time.monotonic() + 30   # generous: a loaded machine (the suite beside other jobs) is slow
-        while _per_replica(metrics(dp_server), "kv8:num_requests_in_flight")[victim] <= 16:
-            assert time.monotonic() < deadline and not second.done(), "the second request did not follow the prefix"
-            time.sleep(0.02)
-        pid = health["replicas"][victim]["pid"]
-        os.kill(pid, signal.SIGKILL)
-        killed = time.monotonic()
-        rest = [line for line in lines if line]
-        assert time.monotonic() - killed < 20
-        answer = second.result(timeout=20)
+    def attempt() -> tuple[int, int, list[str], httpx.Response] | None:
+        """Both requests in flight on one replica, then that replica killed: (victim, pid, the stream's remaining
+        lines, the second's response); None when the first request finished before the replica had admitted the
+        second (on a fast machine its two waves of 150 steps can end before the second's HTTP call reaches the
+        replica: a miss of the set-up, not of what is tested), after both have finished."""
+        with ThreadPoolExecutor(1) as pool, httpx.Client(timeout=30) as c, \
+                c.stream("POST", dp_server.url + "/v1/completions",
+                         json=dict(body, prompt=prefix + "first", stream=True), headers=auth) as r:
+            assert r.status_code == 200, r.read()
+            lines = r.iter_lines()
+            next(line for line in lines if line.startswith("data: "))
+            victim = _per_replica(metrics(dp_server), "kv8:dp_replica_requests_in_flight").index(1)
+            second = pool.submit(non_streamed)
+            # wait until the replica has admitted both (a call Serve has not delivered yet when the replica dies is
+            # sent again to its replacement, and then succeeds)
+            deadline = time.monotonic() + 30   # generous: a loaded machine (the suite beside other jobs) is slow
+            while _per_replica(metrics(dp_server), "kv8:num_requests_in_flight")[victim] < 32:
+                if second.done():
+                    assert second.result().status_code == 200
+                    assert [line for line in lines if line][-1] == "data: [DONE]"   # the first finished too
+                    return None
+                assert time.monotonic() < deadline, "the second request did not follow the prefix"
+                time.sleep(0.02)
+            pid = health["replicas"][victim]["pid"]
+            os.kill(pid, signal.SIGKILL)
+            killed = time.monotonic()
+            rest = [line for line in lines if line]
+            assert time.monotonic() - killed < 20
+            return victim, pid, rest, second.result(timeout=20)
+
+    for _ in range(5):
+        result = attempt()
+        if result is not None:
+            break
+    assert result is not None, "in 5 attempts the first request always finished before the second was admitted"
+    victim, pid, rest, answer = result
     assert rest[-1] == "data: [DONE]"
     error = json.loads(rest[-2][6:])["error"]
     assert error["code"] == "replica_failed" and error["type"] == "server_error"
