@@ -23,14 +23,13 @@ from dataclasses import dataclass
 
 import pytest
 
-from kv8.kernels.cpu.attention import SOURCE
-from kv8.kernels.cpu.build import build_shared_library, cpu_flags
+from kv8.kernels.cpu.attention import SOURCE, load_kernels
+from kv8.kernels.cpu.build import KernelUnavailable, build_shared_library
 
 pytestmark = pytest.mark.skipif(
     shutil.which("g++") is None or shutil.which("objdump") is None or platform.machine() not in ("x86_64", "AMD64"),
     reason="needs g++, objdump and an x86-64 machine")
 
-FAST_FLAGS = {"avx512f", "avx512bw", "avx512vl", "avx512vbmi", "avx512_bf16"}
 JUMP = re.compile(r"j\w+\s+([0-9a-f]+)\b")
 STACK_STORE = re.compile(r"vmov\w*\s+%zmm\d+,\s*-?(?:0x[0-9a-f]+)?\(%r[bs]p[),]")
 
@@ -74,8 +73,14 @@ def innermost_loops(disassembly: str, wanted: tuple[str, ...]) -> list[Loop]:
 
 @pytest.fixture(scope="module")
 def prefill_loops() -> list[Loop]:
-    march = "native" if FAST_FLAGS <= set(cpu_flags().split()) else "sapphirerapids"
-    path = build_shared_library(SOURCE, march)
+    try:
+        native = load_kernels()
+    except KernelUnavailable:
+        native = None
+    if native is not None and native.has_fast_path:
+        path = native.path
+    else:   # the same source and compiler for a CPU that has the fast path
+        path = build_shared_library(SOURCE, "sapphirerapids")
     text = subprocess.run(["objdump", "-d", "-C", "--no-show-raw-insn", str(path)], check=True, capture_output=True,
                           text=True).stdout
     return [lp for lp in innermost_loops(text, ("run_item_tile_with<", "tile_pv<")) if lp.count("vdpbf16ps") >= 8]
