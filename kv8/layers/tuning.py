@@ -59,8 +59,6 @@ import copy
 import hashlib
 import json
 import logging
-import os
-import tempfile
 import time
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import asdict, dataclass, replace
@@ -69,21 +67,20 @@ from typing import Any
 
 import torch
 
-from kv8 import envs
 from kv8.cpu_load import others_cores, read_cpu_clock, this_process_cpus
 from kv8.kernels.cpu.build import KernelUnavailable
 from kv8.kernels.cpu.dense import FP8_REGISTER_ROWS, load_dense_kernels
 from kv8.layers.dense_backend import GGUF_BF16_ROWS, GGUF_DEQUANTIZE_ROWS, DenseBackend, select_dense_backend
 from kv8.layers.linear import WIDE_ROWS, Linear, linear_method
+from kv8.machine_plans import MachinePlans, fastest_call
 from kv8.quant.gguf_blocks import random_blocks
 from kv8.validators import memory_available
-from kv8.version import __version__
 
 logger = logging.getLogger("kv8")
 
 __all__ = ["BUSY_CORES", "EARLY_MARGIN", "PREFILL_ROWS", "TIMED_ROWS", "TUNE_ROUNDS", "LinearShape", "PlanStore",
-           "TuneResult", "candidates", "choose", "fastest_call", "candidate_ids", "machine_key", "plan_key",
-           "static_dense_backend", "time_layer", "timed_rows", "tuned_dense_backend", "tuning_groups"]
+           "TuneResult", "candidates", "choose", "candidate_ids", "plan_key", "static_dense_backend", "time_layer",
+           "timed_rows", "tuned_dense_backend", "tuning_groups"]
 
 PREFILL_ROWS = 64            # rows of the prefill timing (a chunk's rows pass the same weights; kept short)
 TIMED_ROWS = (1, PREFILL_ROWS, WIDE_ROWS)   # a decode step, a short chunk, a long prompt's chunk
@@ -96,13 +93,6 @@ FP8_SHORT_REGISTER_ROWS = 16
 TUNE_ROUNDS = 3              # rounds over the candidates, each keeping its fastest time (module docstring, step 1)
 EARLY_MARGIN = 0.10          # a leader of every round this much ahead after two rounds ends the timing (step 2)
 BUSY_CORES = 0.25            # other processes' CPU use while timing above which a plan is provisional
-# 2: with quantization="gguf", one plan per block type (1: every decoder layer timed in the file's most common type);
-# a file of another version is ignored, so its plans are timed once again, never read as this version's
-PLAN_VERSION = 2
-# the ISA flags that decide which kernels a machine runs (a plan is reused only where they are the same)
-_ISA_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_vbmi",
-              "avx512_bf16", "avx512_fp16", "avx_vnni", "amx_bf16", "amx_int8", "amx_fp16")
-
 #: ``measure(backend, shape, rows)``: seconds of one call of a layer of ``shape`` on ``backend`` at ``rows`` rows
 Measure = Callable[[DenseBackend, "LinearShape", int], float]
 
@@ -177,23 +167,6 @@ class TuneResult:
         return "\n".join(lines)
 
 
-def machine_key() -> dict[str, str]:
-    """What a plan depends on besides the model: the CPU model, its kernel-relevant ISA flags, kv8's and torch's
-    versions."""
-    name, flags = "", set[str]()
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if line.startswith("model name") and not name:
-                    name = line.split(":", 1)[1].strip()
-                elif line.startswith("flags") and not flags:
-                    flags = set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return {"cpu": name, "isa": " ".join(f for f in _ISA_FLAGS if f in flags), "kv8": __version__,
-            "torch": torch.__version__, "threads": str(torch.get_num_threads())}
-
-
 def plan_key(shapes: Sequence[LinearShape], dtype: torch.dtype, quantization: str | None) -> str:
     """The model's part of a plan's key: its linear shapes, compute dtype and weight quantization."""
     described = [{k: v for k, v in asdict(s).items() if not (k in ("qtype", "lm_head") and not v)} for s in shapes]
@@ -206,21 +179,6 @@ def candidate_ids(found: dict[str, DenseBackend]) -> tuple[str, ...]:
     name, a hash of their source, compiler and flags: a rebuilt library is a new candidate)."""
     return tuple(sorted(f"{name}@{Path(backend.kernels.path).stem}" if backend.kernels is not None else name
                         for name, backend in found.items()))
-
-
-def fastest_call(fn: Callable[[], Any], clock: Callable[[], float] = time.perf_counter, min_time: float = 0.02,
-                 max_calls: int = 50, warm_up: bool = True) -> float:
-    """The fastest of several calls of ``fn`` (after one warm-up call, unless ``warm_up`` is False): at least 2, more
-    until ``min_time``."""
-    if warm_up:
-        fn()
-    best, spent, calls = float("inf"), 0.0, 0
-    while calls < 2 or (spent < min_time and calls < max_calls):
-        start = clock()
-        fn()
-        took = clock() - start
-        best, spent, calls = min(best, took), spent + took, calls + 1
-    return best
 
 
 def _timing_layer(shape: LinearShape, backend: DenseBackend, dtype: torch.dtype,
@@ -362,32 +320,13 @@ class _LayerTimer:
             return fastest_call(lambda: layer(x), min_time=0.01, warm_up=warm)   # (warmed up in the first round)
 
 
-class PlanStore:
-    """The plan file of this machine: ``{"version", "machine", "plans": {plan_key: {"dense_backend", "seconds",
-    "measured"}}}``, one plan per group of shapes (:func:`tuning_groups`). Reading never raises: a missing, corrupt or
-    foreign file is an empty store (a foreign one: another CPU, ISA, kv8 or torch version, or another
-    :data:`PLAN_VERSION`: its plans are timed again, not read). Writing is atomic; a failure is logged and ignored."""
-
-    def __init__(self, directory: str | os.PathLike[str] | None = None, machine: dict[str, str] | None = None) -> None:
-        self.machine = machine if machine is not None else machine_key()
-        digest = hashlib.sha256(json.dumps(self.machine, sort_keys=True).encode()).hexdigest()[:16]
-        self.path = Path(directory if directory is not None else Path(envs.cache_dir()) / "tuning") / f"{digest}.json"
-
-    def _read(self) -> dict[str, Any]:
-        try:
-            data = json.loads(self.path.read_text(encoding="utf-8"))
-        except FileNotFoundError:
-            return {}
-        except (OSError, ValueError) as exc:
-            logger.warning("tuning plans %s unreadable (%s); timing again", self.path, exc)
-            return {}
-        if not isinstance(data, dict) or data.get("version") != PLAN_VERSION or data.get("machine") != self.machine \
-                or not isinstance(data.get("plans"), dict):
-            return {}
-        return data["plans"]
+class PlanStore(MachinePlans):
+    """The dense layers' plans in this machine's plan file (:class:`~kv8.machine_plans.MachinePlans`): ``{plan_key:
+    {"dense_backend", "seconds", "measured", ...}}``, one plan per group of shapes (:func:`tuning_groups`). Reading
+    never raises: a missing, corrupt or foreign file or a damaged entry is no plan (timed again)."""
 
     def get(self, key: str) -> TuneResult | None:
-        entry: Any = self._read().get(key)
+        entry: Any = self.entry(key)
         try:
             seconds = {name: {int(r): float(t) for r, t in per.items()} for name, per in entry["seconds"].items()}
             timed = tuple(str(t) for t in entry.get("timed", ()))
@@ -397,21 +336,10 @@ class PlanStore:
             return None
 
     def put(self, key: str, result: TuneResult) -> bool:
-        plans = self._read()
-        plans[key] = {"dense_backend": result.choice, "measured": result.measured, "timed": list(result.timed),
-                      "others": round(result.others, 3), "rounds": result.rounds,
-                      "seconds": {name: {str(r): t for r, t in per.items()} for name, per in result.seconds.items()}}
-        data = {"version": PLAN_VERSION, "machine": self.machine, "plans": plans}
-        try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=".plan-")
-            with os.fdopen(fd, "w", encoding="utf-8") as f:
-                json.dump(data, f, indent=1)
-            os.replace(tmp, self.path)
-        except OSError as exc:
-            logger.warning("could not write the tuning plan %s (%s); the next run times again", self.path, exc)
-            return False
-        return True
+        return self.keep(key, {"dense_backend": result.choice, "measured": result.measured, "timed": list(result.timed),
+                               "others": round(result.others, 3), "rounds": result.rounds,
+                               "seconds": {name: {str(r): t for r, t in per.items()}
+                                           for name, per in result.seconds.items()}})
 
 
 def candidates(shapes: Sequence[LinearShape], dtype: torch.dtype, quantization: str | None) -> dict[str, DenseBackend]:

@@ -23,7 +23,6 @@ from kv8.layers.tuning import (
     BUSY_CORES,
     EARLY_MARGIN,
     FP8_SHORT_REGISTER_ROWS,
-    PLAN_VERSION,
     PREFILL_ROWS,
     TIMED_ROWS,
     TUNE_ROUNDS,
@@ -33,13 +32,13 @@ from kv8.layers.tuning import (
     candidate_ids,
     candidates,
     choose,
-    fastest_call,
     plan_key,
     time_layer,
     timed_rows,
     tuned_dense_backend,
     tuning_groups,
 )
+from kv8.machine_plans import PLAN_VERSION, fastest_call
 from kv8.quant.weights import dequantize_fp8_rows, quantize_fp8_rows
 from tests.helpers.kernels import dense_kernels_or_reason
 
@@ -417,7 +416,7 @@ def test_an_engine_uses_and_keeps_this_machines_plan(tiny_llama: str, tmp_path: 
 
     monkeypatch.setenv("KV8_TUNING", "auto")
     monkeypatch.setenv("KV8_CACHE_DIR", os.fspath(tmp_path))
-    monkeypatch.setattr("kv8.layers.tuning.machine_key", lambda: MACHINE)
+    monkeypatch.setattr("kv8.machine_plans.machine_key", lambda: MACHINE)
     first = make_llm(tiny_llama, kv_cache_dtype="fp8", dtype="bfloat16")   # float32 models have one candidate
     plans = list((tmp_path / "tuning").glob("*.json"))
     assert len(plans) == 1
