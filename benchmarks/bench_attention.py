@@ -42,9 +42,15 @@ the speed-up of AMX.
     .venv/bin/python benchmarks/bench_attention.py --tables builds --builds native x86-64-v3 x86-64-v2
     .venv/bin/python benchmarks/bench_attention.py --tables formats --before main  # formats, now and at main
     .venv/bin/python benchmarks/bench_attention.py --tables formats --formats fp8 int8 int4g32 k8v4  # a K/V pair
+    .venv/bin/python benchmarks/bench_attention.py --tables stream --min-time 0.2 --rounds 9  # stream distances
 
 With ``--before REV`` the prefill rows are also timed on the library's own path at REV and now, one call of each
 in turn for ``--rounds`` rounds (use 20 or more on a drifting machine), with REV's time over now's per round.
+
+``--tables stream``: the decode kernels' stream distance (how many tiles of 16 tokens ahead K and V are prefetched
+into L2; the engine times it per machine and format, kv8.attention.tuning): each candidate distance and the default
+side by side per format on decode 32 x 1,024 and 8 x 4,096, ``--rounds`` rounds rotating the distances, the default's
+time over each distance's, and the distance the engine's rule would pick from these medians.
 
 ``--tables builds``: the library built for each ``-march`` of ``--builds`` (default ``native`` and ``x86-64-v2``,
 the scalar generic kernel every x86-64 CPU runs; ``x86-64-v3`` is the AVX2 kernel), side by side on SmolLM2
@@ -80,6 +86,7 @@ from revisions import worktree
 
 import kv8
 from kv8.attention.metadata import AttentionMetadata
+from kv8.attention.tuning import STREAM_CANDIDATES, choose_stream_tiles
 from kv8.cache.codec import KVCodec
 from kv8.cache.paged_cache import CacheShape, PagedKVCache
 from kv8.kernels.cpu.attention import SOURCE, KernelLibrary, KernelTesting, load_kernels
@@ -433,6 +440,47 @@ def print_formats(args: argparse.Namespace, before: tuple[str, KernelLibrary] | 
             print(f"{shape:<18}" + "".join(f"{ratio[x]:>14.2f}" for x in both), flush=True)
 
 
+def print_stream(args: argparse.Namespace) -> None:
+    """The decode kernels' stream distance (``stream_tiles``: tiles of 16 tokens ahead that K and V are prefetched into
+    L2), each of :data:`kv8.attention.tuning.STREAM_CANDIDATES` and the build's default side by side on SmolLM2
+    decode shapes per format, ``--rounds`` rounds rotating the distances' order: the median time per layer call and
+    the default's time over each distance's (> 1: faster than the default), with that ratio's min-max over the
+    rounds; and the distance :func:`kv8.attention.tuning.choose_stream_tiles`'s rule would pick from these medians."""
+    lib = load_kernels()
+    scale = D ** -0.5
+    dists = list(dict.fromkeys([lib.default_stream_tiles, *STREAM_CANDIDATES]))
+    chosen = [f for f in FORMATS if args.formats is None or f[2] in args.formats]
+    shapes = (("decode 32 x 1024", 32, 1024), ("decode 8 x 4096", 8, 4096))
+    print(f"\ndecode stream distance (stream_tiles; default {lib.default_stream_tiles}), SmolLM2 shapes (Hq={HQ} "
+          f"Hkv={HKV} D={D} block={BS}, q bf16, fast path: {lib.has_fast_path}); medians of {args.rounds} rounds "
+          "rotating the distances, microseconds per layer call; x default = the default's time over the distance's "
+          "(min-max over rounds)")
+    hdr = f"{'format':<12}{'call':<18}" + "".join(f"{d:>23}" for d in dists) + f"{'rule picks':>12}"
+    print(hdr)
+    print("-" * len(hdr))
+    for kv_name, dynamic, label in chosen:
+        sides = resolve_kv_cache_dtypes(kv_name, torch.bfloat16)
+        for shape, batch, ctx in shapes:
+            nbytes = batch * ctx * HKV * D * sum(side.bits_per_value for side in sides) // 8
+            nl = args.layers or layers_for(nbytes, args.footprint_mb << 20, cap=64)
+            cache, meta = prefill_cache(kv_name, nl, batch, 1, ctx, dynamic)
+            q = torch.randn(batch, HQ, D, dtype=torch.bfloat16)
+            times: dict[int, list[float]] = {d: [] for d in dists}
+            for r in range(args.rounds):
+                for d in dists[r % len(dists):] + dists[:r % len(dists)]:
+                    call = lambda i, n=d, c=cache, m=meta, x=q: lib.attention(  # noqa: E731
+                        x, c, i, m, scale, stream_tiles=n)
+                    times[d].append(timeit(call, nl, args.min_time, windows=2))
+            med = {d: statistics.median(t) for d, t in times.items()}
+            base = times[lib.default_stream_tiles]
+            ratios = {d: [b / t for b, t in zip(base, times[d])] for d in dists}
+            cell = {d: f"{med[d] * 1e6:.0f} {med[lib.default_stream_tiles] / med[d]:.2f}x "
+                       f"({min(ratios[d]):.2f}-{max(ratios[d]):.2f})" for d in dists}
+            cells = "".join(f"{cell[d]:>23}" for d in dists)
+            pick = choose_stream_tiles(lib.default_stream_tiles, med.__getitem__, dists, rounds=1).stream_tiles
+            print(f"{label:<12}{shape:<18}{cells}{pick:>12}", flush=True)
+
+
 def kernel_name(lib: KernelLibrary) -> str:
     """Which item kernel serves a prefill item of the library (bf16 compute, head_dim 64, an FP8 cache)."""
     return KernelTesting(lib).item_kernel("fp8_e4m3", torch.bfloat16, D)
@@ -528,7 +576,8 @@ def main() -> None:
     ap.add_argument("--blocks", choices=["scattered", "contiguous"], default="scattered",
                     help="SmolLM2 decode rows: each sequence's blocks scattered over the cache (default) or at "
                          "ascending addresses (a prompt's blocks in the engine)")
-    ap.add_argument("--tables", nargs="*", choices=["smollm2", "gemma3", "smollm2-prefill", "builds", "formats"],
+    ap.add_argument("--tables", nargs="*",
+                    choices=["smollm2", "gemma3", "smollm2-prefill", "builds", "formats", "stream"],
                     default=["smollm2", "gemma3"],
                     help="which tables to print (default: smollm2 and gemma3, the decode tables)")
     ap.add_argument("--gemma-batch", type=int, nargs="*", default=None,
@@ -537,10 +586,10 @@ def main() -> None:
     ap.add_argument("--builds", nargs="+", default=["native", "x86-64-v2"], metavar="MARCH",
                     help="--tables builds: the -march targets to compare (default: native x86-64-v2)")
     ap.add_argument("--rounds", type=int, default=5,
-                    help="--tables builds / formats: alternating rounds (default 5)")
+                    help="--tables builds / formats / stream: alternating rounds (default 5)")
     ap.add_argument("--formats", nargs="+", default=None, metavar="LABEL",
                     choices=[label for _, _, label in FORMATS],
-                    help="--tables formats: only these formats (labels; default: all)")
+                    help="--tables formats / stream: only these formats (labels; default: all)")
     ap.add_argument("--before", default=None, metavar="REV",
                     help="--tables formats / smollm2-prefill: also the kernels as of git revision REV (built from a "
                          "temporary worktree): every format on both in the same alternating rounds / the prefill "
@@ -575,6 +624,8 @@ def main() -> None:
             print_builds(args)
         if "formats" in args.tables:
             print_formats(args, before)
+        if "stream" in args.tables:
+            print_stream(args)
 
 
 if __name__ == "__main__":

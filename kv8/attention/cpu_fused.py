@@ -27,8 +27,13 @@ class FusedCPUBackend:
         # the work is always split for the threads the engine started with, so that an engine whose thread
         # count kv8.engine.threads lowers under load computes the same bits
         self.plan_threads = torch.get_num_threads()
+        #: (K format, V format) -> how far ahead the decode kernels stream that cache (``stream_tiles``; a cache not
+        #: listed: the build's default). Speed only: the same bits at any distance. The engine sets it from this
+        #: machine's plan (:func:`kv8.attention.tuning.tuned_stream_tiles`).
+        self.stream_tiles: dict[tuple[str, str], int] = {}
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cache: PagedKVCache,
                 layer: int, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         self.lib.store(key, value, cache, layer, meta.slot_mapping)
-        return self.lib.attention(query, cache, layer, meta, scale, plan_threads=self.plan_threads)
+        return self.lib.attention(query, cache, layer, meta, scale, plan_threads=self.plan_threads,
+                                  stream_tiles=self.stream_tiles.get((cache.k_dtype.name, cache.v_dtype.name), 0))

@@ -39,7 +39,10 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
+from kv8 import envs
 from kv8.attention.backend import get_backend
+from kv8.attention.cpu_fused import FusedCPUBackend
+from kv8.attention.tuning import StreamCase, tuned_stream_tiles
 from kv8.cache.budget import KVBudget
 from kv8.cache.codec import KVCodec
 from kv8.cache.paged_cache import CacheShape, PagedKVCache
@@ -59,7 +62,7 @@ if TYPE_CHECKING:
     from kv8.engine.args import EngineArgs
 
 __all__ = ["Shard", "allreduce_slot_bytes", "load_shard", "main", "run_torchrun_worker", "run_worker", "start_ranks",
-           "worker_main"]
+           "stream_cases", "worker_main"]
 
 logger = logging.getLogger("kv8")
 
@@ -107,11 +110,24 @@ def load_shard(config: EngineConfig, budget: KVBudget, num_blocks: Sequence[int]
                               key_scaling=key_scaling, v_dtype=spec.v_dtype)
         shape = CacheShape(arch.num_layers, n, kv_heads[1], cc.block_size, arch.head_dim)
         caches.append(PagedKVCache(shape, codec, {i: layout.layer_slot[i] for i in pool.layers}, device))
-    runner = ModelRunner(loaded.model, caches, layout, get_backend(config.attention_backend, platform), observer,
-                         tp, device, platform)
+    backend = get_backend(config.attention_backend, platform)
+    if isinstance(backend, FusedCPUBackend) and tp.size == 1 and envs.tuning():   # (as the dense tuner: one rank)
+        choices = tuned_stream_tiles(backend.lib, stream_cases(config, budget), backend.plan_threads)
+        backend.stream_tiles = {case.formats: choice.stream_tiles for case, choice in choices.items()}
+    runner = ModelRunner(loaded.model, caches, layout, backend, observer, tp, device, platform)
     if (config.uses_cuda_graphs or config.uses_cpu_graphs) and observer is None:   # an observer sees every step: eager
         runner.enable_decode_graphs(config.scheduler.max_num_seqs, config.scheduler.max_model_len)
     return Shard(loaded, tuple(caches), runner)
+
+
+def stream_cases(config: EngineConfig, budget: KVBudget) -> list[StreamCase]:
+    """The cache formats of an engine's pools with the heads of its decode calls, as the stream-distance tuner
+    (:mod:`kv8.attention.tuning`) times them: one tensor-parallel rank, as it runs (the tuner runs where there is
+    one)."""
+    arch = config.arch
+    return [StreamCase(budget.plan.specs[pool.spec], num_q_heads=arch.num_heads, num_kv_heads=arch.num_kv_heads,
+                       head_dim=arch.head_dim, block_size=config.cache.block_size, dtype=config.dtype)
+            for pool in budget.layout.pools]
 
 
 def allreduce_slot_bytes(config: EngineConfig) -> int:

@@ -25,7 +25,7 @@ import torch
 from kv8.cache.budget import KVBudget, default_kv_cache_memory, default_max_model_len
 from kv8.cache.config import CacheConfig
 from kv8.engine.args import EngineArgs
-from kv8.engine.config import resolve_dtype
+from kv8.engine.config import EngineConfig, resolve_dtype
 from kv8.entrypoints.openai.cli_args import ServerArgs, add_serve_args
 from kv8.kernels.cpu.build import KernelUnavailable
 from kv8.models.config import ModelArchConfig
@@ -48,8 +48,8 @@ models: the alias smollm2-135m (default), a Hugging Face model directory, or a .
 INFO_OPTIONS = ("kv_cache_memory", "gpu_memory_utilization", "block_size", "device", "dtype", "quantization",
                 "kv_cache_plan", "kv_cache_dtype", "kv_cache_rotation", "kv_cache_scale_mode", "max_model_len",
                 "quantization_param_path")
-# kv8 tune times the dense layers of a model in one dtype and quantization
-TUNE_OPTIONS = ("dtype", "quantization")
+# kv8 tune times the dense layers of a model in one dtype and quantization, and the decode attention over its cache
+TUNE_OPTIONS = ("dtype", "quantization", "kv_cache_dtype", "kv_cache_scale_mode", "kv_cache_plan", "block_size")
 
 
 def cmd_serve(ns: argparse.Namespace) -> int:
@@ -197,6 +197,8 @@ def cmd_info(ns: argparse.Namespace) -> int:
         from kv8.kernels.cpu.dense import describe_dense_kernels
 
         print(f"dense kernels {describe_dense_kernels()}")
+        config = EngineArgs.from_cli_args(ns).create_engine_config(hf_config, kind, path)
+        print(f"decode attention {_attention_plan(config)}")
     if ns.quantization_param_path is not None:
         print(f"key centering {_key_centering(ns.quantization_param_path, arch)}")
     print(capacity_table(arch, memory, ns.block_size))
@@ -255,6 +257,36 @@ def _ranges(layers: Sequence[int]) -> str:
         else:
             runs.append([i, i])
     return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
+
+
+def _attention_plan(config: EngineConfig) -> str:
+    """How far ahead the decode attention streams each of the engine's cache formats on this machine, and why
+    (:mod:`kv8.attention.tuning`)."""
+    from kv8 import envs
+    from kv8.attention.tuning import plan_entry_key, stored_stream_tiles, streams
+    from kv8.engine.worker import stream_cases
+    from kv8.kernels.cpu.attention import load_kernels
+    from kv8.machine_plans import MachinePlans
+
+    try:
+        lib = load_kernels()
+    except KernelUnavailable as exc:
+        return f"the reference path (the fused CPU kernels are unavailable: {exc})"
+    plans, said = MachinePlans(), []
+    for case in dict.fromkeys(stream_cases(config, config.kv_budget())):
+        name = case.spec.name
+        if not streams(lib, case):
+            said.append(f"{name}: {lib.default_stream_tiles} tiles ahead (not a cache the decode kernels read here)")
+        elif not envs.tuning():
+            said.append(f"{name}: {lib.default_stream_tiles} tiles ahead (KV8_TUNING=off: the build's default)")
+        elif (choice := stored_stream_tiles(plans, plan_entry_key(case), lib)) is None:
+            said.append(f"{name}: not timed on this machine yet: the first engine times the stream distance (or run "
+                        "kv8 tune)")
+        else:
+            busy = "; provisional (timed beside other work): the next engine times again" if choice.provisional else ""
+            said.append(f"{name}: streams {choice.stream_tiles} tiles ahead (this machine's plan, timed "
+                        f"{choice.measured}: {choice.speedup:.2f}x the default {choice.default}{busy})")
+    return "; ".join(said)
 
 
 def _dense_plan(kind: str, path: str, hf_config: dict, dtype: torch.dtype, quantization: str | None) -> str:
@@ -319,7 +351,6 @@ def cmd_tune(ns: argparse.Namespace) -> int:
     print(f"device       {CPU.describe()}")
     if not results:
         print(f"dense layers {backend.name}: the only candidate on this machine, nothing to time")
-        return 0
     for group, result in results.items():
         layers = "the model's linear layers" if group is None else f"the model's {group} layers"
         print(f"one pass of {layers}, fastest of several calls over {result.rounds} rounds (of at most "
@@ -329,8 +360,39 @@ def cmd_tune(ns: argparse.Namespace) -> int:
         print(f"chosen       {result.choice}: {result.speedup(versus, 1):.2f}x {versus} at 1 row, "
               f"{result.speedup(versus, PREFILL_ROWS):.2f}x at {PREFILL_ROWS} rows, "
               f"{result.speedup(versus, WIDE_ROWS):.2f}x at {WIDE_ROWS}")
-    print(f"dense layers {backend.label}; kept in {store.path}")
+    if results:
+        print(f"dense layers {backend.label}; kept in {store.path}")
+    _tune_attention(config)
     return 0
+
+
+def _tune_attention(config: EngineConfig) -> None:
+    """``kv8 tune``'s second part: the decode attention's stream distance on each of the engine's cache formats
+    (:mod:`kv8.attention.tuning`), timed again and kept, with its table."""
+    from kv8.attention.tuning import TUNE_BATCH, TUNE_CONTEXT, TUNE_ROUNDS, streams, tuned_stream_tiles
+    from kv8.engine.worker import stream_cases
+    from kv8.kernels.cpu.attention import load_kernels
+    from kv8.machine_plans import MachinePlans
+
+    if config.platform.kind != "cpu":
+        return
+    try:
+        lib = load_kernels()
+    except KernelUnavailable as exc:
+        print(f"decode attention: the fused CPU kernels are unavailable ({exc}): nothing to time")
+        return
+    plans = MachinePlans()
+    for case, choice in tuned_stream_tiles(lib, stream_cases(config, config.kv_budget()), torch.get_num_threads(),
+                                           plans, retune=True).items():
+        if not streams(lib, case):
+            print(f"decode attention on a {case.describe()}: not read by the AVX-512 BF16 decode kernels here, "
+                  f"nothing to time (the default {choice.default} tiles ahead)")
+            continue
+        print(f"decode attention on a {case.describe()}: one pass over {choice.layers} layers of {TUNE_BATCH} "
+              f"sequences x {TUNE_CONTEXT} tokens, median of {TUNE_ROUNDS} rounds:")
+        print(choice.table())
+        print(f"chosen       streams {choice.stream_tiles} tiles ahead: {choice.speedup:.2f}x the default "
+              f"{choice.default}; kept in {plans.path}")
 
 
 def capacity_table(arch: ModelArchConfig, memory: int, block_size: int) -> str:

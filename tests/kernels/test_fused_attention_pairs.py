@@ -214,7 +214,7 @@ def test_pair_token_scales_refused(lib: kernels.KernelLibrary, k_name: str, v_na
     out = torch.empty_like(q)
     call = kernels.AttentionCall(q.data_ptr(), out.data_ptr(), 1, 6, lib.compute_codes[q.dtype],
                                  meta.query_start_loc.data_ptr(), meta.seq_lens.data_ptr(),
-                                 meta.block_tables.data_ptr(), meta.block_tables.shape[1], 1, 1, 1, 0.125, 0, 0, 0)
+                                 meta.block_tables.data_ptr(), meta.block_tables.shape[1], 1, 1, 1, 0.125, 0, 0, 0, 0)
     with pytest.raises(ValueError, match="paged attention"):
         lib.invoke(lib._lib.kv8_paged_attention, "paged attention", args, call)
     kv = random_kv(1, 2, 64, gen).to(torch.bfloat16)

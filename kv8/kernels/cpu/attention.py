@@ -91,6 +91,7 @@ class AttentionCall(ctypes.Structure):
         ("partition_size", _I64),
         ("sliding_window", _I64),  # AttentionMetadata.sliding_window, 0 for None (full causal attention)
         ("use_amx", _I32),  # KernelLibrary.amx
+        ("stream_tiles", _I32),  # KernelLibrary.attention's stream_tiles: speed only (kv8.attention.tuning)
     ]
 
 
@@ -139,6 +140,10 @@ class KernelLibrary(NativeLibrary):
         #: paths sum in different orders: keep one choice for the life of an engine, so a row's result never
         #: depends on when it is computed.
         self.amx = bool(self._bind("kv8_attention_amx_available", [])())
+        #: The decode kernels' stream distance (:meth:`attention`'s ``stream_tiles``) where a call passes 0, and the
+        #: largest a call may pass.
+        self.default_stream_tiles = int(self._bind("kv8_default_stream_tiles", [])())
+        self.max_stream_tiles = int(self._bind("kv8_max_stream_tiles", [])())
         #: KV dtype name (``KVCacheDtype.name``) -> the library's code, and torch dtype -> compute code.
         self.kv_dtype_codes: dict[str, int] = code_table(self._lib.kv8_kv_dtype_name)
         self.compute_codes: dict[torch.dtype, int] = {
@@ -148,11 +153,14 @@ class KernelLibrary(NativeLibrary):
             weakref.WeakKeyDictionary()
 
     def attention(self, query: torch.Tensor, cache: PagedKVCache, layer: int, meta: AttentionMetadata,
-                  scale: float, partition_size: int = 0, plan_threads: int | None = None) -> torch.Tensor:
+                  scale: float, partition_size: int = 0, plan_threads: int | None = None,
+                  stream_tiles: int = 0) -> torch.Tensor:
         """query ``[T, Hq, D]`` -> output ``[T, Hq, D]`` (query's dtype) over the stored context; trusted
         arguments (see the class docstring). ``partition_size``: see :func:`paged_attention_fused`;
         ``plan_threads``: the thread count the work is split for (default: the threads it runs on), the only
-        thread count the result depends on."""
+        thread count the result depends on; ``stream_tiles``: how many tiles of 16 tokens ahead the decode kernels
+        stream K and V into L2 (1 .. :attr:`max_stream_tiles`; 0: :attr:`default_stream_tiles`), speed only -- the
+        result is the same bits at every distance (:mod:`kv8.attention.tuning` chooses it per machine)."""
         query = query.contiguous()
         out = torch.empty_like(query)
         tables = meta.block_tables
@@ -161,7 +169,7 @@ class KernelLibrary(NativeLibrary):
                              self.compute_codes[query.dtype], meta.query_start_loc.data_ptr(),
                              meta.seq_lens.data_ptr(), tables.data_ptr(), tables.shape[1], meta.num_seqs,
                              threads, plan_threads or threads, scale, partition_size, meta.sliding_window or 0,
-                             int(self.amx))
+                             int(self.amx), stream_tiles)
         self.invoke(self._lib.kv8_paged_attention, f"paged attention (layer {layer})", self.layer_args(cache, layer),
                     call)
         return out
@@ -366,7 +374,7 @@ def store_kv_fused(lib: KernelLibrary, cache: PagedKVCache, layer: int, key: tor
 
 def paged_attention_fused(lib: KernelLibrary, query: torch.Tensor, cache: PagedKVCache, layer: int,
                           meta: AttentionMetadata, scale: float, partition_size: int = 0,
-                          plan_threads: int | None = None) -> torch.Tensor:
+                          plan_threads: int | None = None, stream_tiles: int = 0) -> torch.Tensor:
     """query ``[T, Hq, D]`` -> output ``[T, Hq, D]`` (query's dtype) over the stored context, with every argument
     validated (``ValueError`` naming the bad one).
 
@@ -375,9 +383,11 @@ def paged_attention_fused(lib: KernelLibrary, query: torch.Tensor, cache: PagedK
     their block-table entries). ``partition_size`` (tokens, rounded up to 16) forces a split of each item's
     context range -- the window with one, else the whole causal context (0: automatic, negative: never).
     ``plan_threads`` (>= 1; default: the threads it runs on) is the thread count the work is split for: the
-    result depends on it, not on how many threads run the call.
+    result depends on it, not on how many threads run the call. ``stream_tiles`` (0 .. ``lib.max_stream_tiles``): see
+    :meth:`KernelLibrary.attention`; speed only.
     """
     check_int("plan_threads", plan_threads, 1, optional=True)
+    check_int("stream_tiles", stream_tiles, 0, lib.max_stream_tiles)
     _check_common(lib, "query", query, cache)
     if query.shape[1] % cache.shape.num_kv_heads != 0:
         raise ValueError(f"query heads {query.shape[1]} must be a multiple of KV heads {cache.shape.num_kv_heads}")
@@ -390,5 +400,5 @@ def paged_attention_fused(lib: KernelLibrary, query: torch.Tensor, cache: PagedK
     if meta.query_start_loc.shape[0] != meta.num_seqs + 1 or meta.block_tables.shape[0] != meta.num_seqs:
         raise ValueError(f"meta has {meta.num_seqs} sequences but query_start_loc {list(meta.query_start_loc.shape)}"
                          f" and block_tables {list(meta.block_tables.shape)}")
-    return lib.attention(query, cache, layer, meta, float(scale), partition_size, plan_threads)
+    return lib.attention(query, cache, layer, meta, float(scale), partition_size, plan_threads, stream_tiles)
 

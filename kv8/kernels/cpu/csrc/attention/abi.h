@@ -9,6 +9,8 @@
 
 #include "../common/kv8_abi.h"
 
+#define KV8_MAX_STREAM_TILES 16   // kv8_attention_call.stream_tiles, at most
+
 // k_cache: [num_blocks, num_kv_heads, block_size, head_dim] elements of kv_dtype (K's format); v_cache: the same of
 // v_kv_dtype (V's format; equal to kv_dtype for a cache of one format, else its rows have their own size). Static
 // scales (FP8): float32 with element strides over (kv head, channel), 0 = broadcast; NULL for a 16/32-bit cache
@@ -43,6 +45,9 @@
 // use_amx: 1 = prefill and decode items may multiply with AMX tiles where the build, the CPU and the OS allow it
 // (item_prefill_amx.h, item_decode_amx.h); 0 = never (the AVX-512 paths; the two sum in different orders, so a caller
 // keeps one choice for good).
+// stream_tiles: how many tiles (16 context tokens of one head) ahead the decode kernels stream K and V into L2, 1 ..
+// KV8_MAX_STREAM_TILES; 0 = the build's default (item_decode.h). It changes speed only, never a bit of the result:
+// the best distance differs between CPUs, and kv8.attention.tuning times it per machine.
 // With a window, block-table entries of blocks wholly before the first query's window hold anything and are
 // never read (kv8.attention.metadata).
 #define KV8_ATTENTION_CALL_FIELDS(X)      \
@@ -61,7 +66,8 @@
     X(float, sm_scale)                    \
     X(int64_t, partition_size)            \
     X(int64_t, sliding_window)            \
-    X(int32_t, use_amx)
+    X(int32_t, use_amx)                   \
+    X(int32_t, stream_tiles)
 
 // key / value: [num_tokens, num_kv_heads, head_dim] contiguous in in_dtype; slot_mapping [num_tokens] int64
 // (slot = block * block_size + offset).

@@ -61,7 +61,7 @@
 // outside a row's [position - W + 1, position], and nothing before the first key is read -- rows, scales or
 // block-table entries (problem.h: tile_rows, prefetch_tile; item_decode.h: its padded first tile).
 //
-// Entry points: production (kv8_has_fast_path, the code tables, kv8_abi_layout, kv8_paged_attention,
+// Entry points: production (kv8_has_fast_path, the stream distances, the code tables, kv8_abi_layout, kv8_paged_attention,
 // kv8_store_kv) and, at the end, a testing interface (kv8_test_*) that production code never calls.
 
 #include "base.h"
@@ -173,6 +173,11 @@ int kv8_has_avx2_path(void) { return KV8_AVX2; }
 
 // 1 when prefill and decode items can multiply with AMX tiles: compiled in, and the OS grants the tiles.
 int kv8_attention_amx_available(void) { return amx_granted(1) ? 1 : 0; }
+
+// The decode kernels' stream distance (kv8_attention_call.stream_tiles) where a call passes 0, and the largest a
+// call may pass.
+int kv8_default_stream_tiles(void) { return DEFAULT_STREAM_TILES; }
+int kv8_max_stream_tiles(void) { return KV8_MAX_STREAM_TILES; }
 
 // Name of KV dtype / compute dtype `code`, NULL past the last one: Python builds its code tables from these.
 const char* kv8_kv_dtype_name(int code) { return code >= 0 && code < KV_COUNT ? KV_FORMATS[code].name : nullptr; }

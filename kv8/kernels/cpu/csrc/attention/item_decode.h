@@ -9,7 +9,7 @@
 // * the online softmax steps once per chunk of CHUNK_TILES tiles: the scores of the whole chunk come
 //   first, so the max, the exponentials and the P.V products of its tiles are independent work (one serial
 //   max/rescale step per 64 tokens, not per 16);
-// * K and V stream into L2 STREAM_TILES tiles ahead, one row's prefetch beside each row read (see decode_tile);
+// * K and V stream into L2 P.stream tiles ahead (the call's stream_tiles, plan.h), one row's prefetch beside each row read (see decode_tile);
 // * an item may hold several KV heads of its sequence (Item::nh): chunk by chunk, each head's tiles in turn
 //   with its own q, softmax state and output (AvxDecodeHead), so each block's rows of those heads, adjacent in
 //   the cache, are read in address order.
@@ -55,12 +55,8 @@
 #if KV8_FAST
 
 static const int CHUNK_TILES = 4;
-// How far ahead (tiles of the same head) the decode kernels stream K and V into L2. Measured on the Xeon with
-// AMX (B = 32 x 1,088 tokens, SmolLM2's heads, 30 layers): 3 is ~1.2x the bursts it replaced, 2 / 4 / 6 a
-// few % slower than 3, prefetcht0 instead of prefetcht1 ~10% slower (see stream_row).
-static const int STREAM_TILES = 3;
 
-// Row t's lines of the tile whose rows start at `ahead` (a head's tile STREAM_TILES ahead; NULL: none) into L2.
+// Row t's lines of the tile whose rows start at `ahead` (a head's tile P.stream ahead; NULL: none) into L2.
 // Issued one row at a time beside the rows being read: a burst of a tile's 16-32 prefetches stalls the core
 // until line-fill buffers free, while prefetches spread over the compute overlap it (a streaming read with the
 // work of a decode tile per 2 KB: ~1.1x the work alone this way, ~2x with bursts).
@@ -296,12 +292,12 @@ static inline int chunk_tiles(const Item& it, int64_t c0) {
     return left < CHUNK_TILES ? (int)left : CHUNK_TILES;
 }
 
-// The item's row of block table, once the K and V of its heads' first STREAM_TILES tiles are on their way into
+// The item's row of block table, once the K and V of its heads' first P.stream tiles are on their way into
 // L1 (decode_tile's stream goes on from there). K rows of KRB bytes, V rows of VRB.
 template <int KRB, int VRB>
 static inline const int64_t* item_table(const Problem& P, const Item& it) {
     const int64_t* table = P.bt + (int64_t)it.seq * P.bt_stride;
-    for (int p = 0; p < STREAM_TILES; ++p)
+    for (int p = 0; p < P.stream; ++p)
         for (int h = 0; h < it.nh; ++h) {
             Item one = it;
             one.kvh += h;
@@ -313,7 +309,7 @@ static inline const int64_t* item_table(const Problem& P, const Item& it) {
 // One tile of a decode item (16 rows of one block): where its K and V rows start, the rows the item reads
 // (have = [lead, n)), the factor of its scores (the score factor, times the per-token K scales where the cache
 // has them: kf) and the per-token V scales (vs, only then); ka / va: the rows of the same head's tile
-// STREAM_TILES ahead, for the kernel to stream (stream_row) as it reads this tile (NULL past the item, or where
+// P.stream ahead, for the kernel to stream (stream_row) as it reads this tile (NULL past the item, or where
 // that block id is outside the cache: decode_tile reports it when the kernel gets there).
 struct DecodeTile {
     const uint8_t* k;
@@ -332,7 +328,7 @@ template <int KRB, int VRB>
 static inline int decode_tile(const Problem& P, const Item& it, const int64_t* table, int64_t t0, float sfac,
                               DecodeTile& T) {
     T.ka = T.va = nullptr;
-    const int64_t ta = t0 + STREAM_TILES * TILE;
+    const int64_t ta = t0 + (int64_t)P.stream * TILE;
     const int64_t ra = ta < it.t1 ? head_row(P, it, table, ta) : -1;
     if (ra >= 0) {
         T.ka = P.kc + ra * KRB;

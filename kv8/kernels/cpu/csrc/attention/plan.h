@@ -33,7 +33,8 @@ static int make_problem(const kv8_layer& L, const kv8_attention_call& C, Problem
     const int vkv = L.v_kv_dtype;
     if (Hkv <= 0 || Hq % Hkv != 0 || D <= 0 || bs <= 0 || C.num_seqs < 0 || C.num_threads <= 0 || kv < 0 ||
         kv >= KV_COUNT || vkv < 0 || vkv >= KV_COUNT || C.q_dtype < 0 || C.q_dtype >= DT_COUNT ||
-        C.sliding_window < 0 || !side_usable(kv, D, L.k_scale, L.k_token_scales) ||
+        C.sliding_window < 0 || C.stream_tiles < 0 || C.stream_tiles > KV8_MAX_STREAM_TILES ||
+        !side_usable(kv, D, L.k_scale, L.k_token_scales) ||
         !side_usable(vkv, D, L.v_scale, L.v_token_scales) ||
         (kv == vkv && ((L.k_token_scales == nullptr) != (L.v_token_scales == nullptr) ||
                        (KV_FORMATS[kv].group && (L.k_scale || L.v_scale)))))
@@ -51,6 +52,7 @@ static int make_problem(const kv8_layer& L, const kv8_attention_call& C, Problem
     P.bt_stride = C.block_table_stride;
     P.sm_scale = C.sm_scale;
     P.window = C.sliding_window;
+    P.stream = C.stream_tiles > 0 ? C.stream_tiles : DEFAULT_STREAM_TILES;
     // Query tokens per item: ~ROWS_PER_ITEM rows (tokens x GQA group) share each decoded K/V tile. Measured
     // on 4 x 512 prefill tokens, 48 rows took ~15% less time than 16 (32: ~9%); with the prefill loop
     // (item_prefill.h) 96 rows take ~2% less than 48 on SmolLM2 prefill (2 x 1024, 512 over 1,536 cached) and
