@@ -41,6 +41,13 @@ speed-ups over eager: what the replay saves of the Python around a step's ~270 k
 
     .venv/bin/python benchmarks/bench_engine_step.py --graphs --batch 1 --context 1024 --rounds 6
 
+``--stream-tiles FORMAT`` compares, in one engine with a ``FORMAT`` cache (eager: a CPU graph keeps the distance it
+was recorded with), decode steps with the decode attention's stream distance this machine's plan chose
+(kv8.attention.tuning: the engine times it at start-up, or reads it) and with the build's default, alternating
+``--rounds`` times (several steps each, the order swapped each round); medians, spreads and chosen / default:
+
+    .venv/bin/python benchmarks/bench_engine_step.py --stream-tiles int4_per_token_head --batch 8 --context 4096
+
 ``--before REV`` measures one backend (``--backend``; default ``packed_bf16`` where the kernels build, else
 ``torch``) as of git revision REV (a temporary worktree) and now (this checkout), each engine in a fresh
 subprocess, alternating ``--rounds`` times, and prints now / before: a change's effect on the whole step under the
@@ -227,6 +234,62 @@ def compare_gguf_paths(paths: list[str], args: argparse.Namespace) -> None:
     print_rows("GGUF kernel path", runs, paths[0], args)
 
 
+def compare_stream(kv_cache_dtype: str, args: argparse.Namespace) -> None:
+    """Decode steps of one eager engine (``args.backend``, a ``kv_cache_dtype`` cache) with the stream distance its
+    plan chose and with the build's default, alternating ``args.rounds`` times; medians, spreads, chosen / default."""
+    import kv8.engine.worker as worker
+    from kv8.attention.cpu_fused import FusedCPUBackend
+
+    chosen: dict[Any, Any] = {}
+    tuned = worker.tuned_stream_tiles
+
+    def tuning(*a: Any, **kw: Any) -> dict[Any, Any]:   # the engine's own choice, timed or read as it starts
+        chosen.update(tuned(*a, **kw))
+        return chosen
+
+    worker.tuned_stream_tiles = tuning   # type: ignore[assignment]
+    try:
+        llm = LLM(model=args.model, kv_cache_dtype=kv_cache_dtype, kv_cache_memory=args.kv_cache_memory,
+                  max_model_len=max(4096, args.context + args.rounds * args.repeats * 4 + 64),
+                  dense_backend=args.backend, enforce_eager=True, quantization=engine_quantization(args.quantization))
+    finally:
+        worker.tuned_stream_tiles = tuned   # type: ignore[assignment]
+    eng = llm.engine
+    backend = eng.backend
+    if not isinstance(backend, FusedCPUBackend) or not chosen:
+        raise SystemExit("--stream-tiles needs the cpu_fused attention backend and KV8_TUNING unset or auto")
+    tuned_map = dict(backend.stream_tiles)
+    (choice,) = chosen.values()
+    rng = random.Random(0)
+    params = SamplingParams(temperature=0, max_tokens=args.rounds * args.repeats * 4 + 20, ignore_eos=True)
+    ids = {eng.add_request([rng.randrange(100, 40000) for _ in range(args.context)], params, request_id=f"d{i}")
+           for i in range(args.batch)}
+    decoding: set[str] = set()
+    while decoding != ids:
+        decoding.update(out.request_id for out in eng.step() if out.outputs[0].token_ids)
+    names = [f"chosen ({choice.stream_tiles})", f"default ({choice.default})"]
+    runs: dict[str, list[float]] = {n: [] for n in names}
+    for r in range(args.rounds):
+        for name in (names if r % 2 == 0 else names[::-1]):
+            backend.stream_tiles = tuned_map if name == names[0] else {}
+            eng.step()
+            times = []
+            for _ in range(args.repeats):
+                start = time.perf_counter()
+                eng.step()
+                times.append(time.perf_counter() - start)
+            runs[name].append(statistics.median(times))
+    backend.stream_tiles = tuned_map
+    print(f"{args.model}, {kv_cache_dtype} cache, {args.backend}, eager; decode batch {args.batch} at ~{args.context} "
+          f"tokens; medians of {args.rounds} alternating rounds of {args.repeats} steps (min-max); the plan's choice "
+          f"timed {choice.speedup:.2f}x the default on its own; {cpu_name() or 'CPU'}, {os.cpu_count()} CPUs")
+    med = {n: statistics.median(v) for n, v in runs.items()}
+    for name, v in runs.items():
+        cell = f"{med[name] * 1e3:.2f} ({min(v) * 1e3:.2f}-{max(v) * 1e3:.2f})"
+        print(f"{name:<16}{cell:>26} ms a decode step")
+    print(f"{'chosen / default':<16}{med[names[1]] / med[names[0]]:>26.3f}x (> 1: the choice is faster)")
+
+
 def compare_quantizations(backends: list[str], args: argparse.Namespace) -> None:
     """Each of ``backends`` with each weight quantization of ``args.quantizations`` ("none": the model's own weights),
     alternating ``args.rounds`` times (a rotated order each round); medians, spreads and the speed-ups over the
@@ -299,17 +362,22 @@ def main() -> None:
     ap.add_argument("--gguf-paths", default=None, metavar="PATHS",
                     help="compare these paths of the GGUF int8 kernel (comma-separated, e.g. avx2,vnni512) on one "
                          "backend (--backend) with --quantization gguf, instead of the backends")
+    ap.add_argument("--stream-tiles", default=None, metavar="FORMAT",
+                    help="compare decode steps with the decode attention's stream distance this machine's plan chose "
+                         "and with the default, in one eager engine with a FORMAT cache, instead of the backends")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:   # --before's subprocess: one backend with the kv8 on PYTHONPATH
         print(RESULT_MARK + json.dumps(measure(args.backend, args)), flush=True)
         return
     available = available_backends()
-    modes = (args.before is not None, args.kv_cache_dtypes is not None, args.graphs, args.gguf_paths is not None)
+    modes = (args.before is not None, args.kv_cache_dtypes is not None, args.graphs, args.gguf_paths is not None,
+             args.stream_tiles is not None)
     if args.quantizations is not None and (any(modes) or args.quantization is not None):
         ap.error("--quantizations compares quantizations on --backends; give neither --quantization nor another mode")
     if sum(modes) > 1:
-        ap.error("--before, --kv-cache-dtypes, --graphs and --gguf-paths compare different things; give one")
+        ap.error("--before, --kv-cache-dtypes, --graphs, --gguf-paths and --stream-tiles compare different things; "
+                 "give one")
     if any(modes):
         args.backend = args.backend or ("packed_bf16" if "packed_bf16" in available else "torch")
     if args.gguf_paths is not None:
@@ -320,6 +388,9 @@ def main() -> None:
         return
     if args.graphs:
         compare_graphs(args)
+        return
+    if args.stream_tiles is not None:
+        compare_stream(args.stream_tiles, args)
         return
     if args.before is not None:
         compare_with(args.before, args)

@@ -10,7 +10,7 @@
 | ``GLIBC_TUNABLES``, ``MALLOC_*_`` | glibc's malloc settings: where set, kv8 keeps them (:mod:`kv8.host_memory`) |
 | ``KV8_HUGE_PAGES`` | ``1``: the loaded weights ask for 2 MiB pages; ``0`` or unset (default): ordinary pages |
 | ``TRITON_INTERPRET`` | ``1``: Triton runs its kernels in its interpreter, on CPU tensors (tests of the GPU path) |
-| ``KV8_TUNING`` | ``auto``/unset: ``dense_backend=auto`` and the decode attention's stream distance timed per machine (:mod:`kv8.layers.tuning`, :mod:`kv8.attention.tuning`); ``off``: fixed |
+| ``KV8_TUNING`` | ``auto``/unset: per-machine plans (``kv8.layers.tuning``, ``kv8.attention.tuning``); ``off``: fixed |
 | ``KV8_GGUF_KERNEL`` | ``auto``/unset: the GGUF int8 kernel's widest path; ``avx2``, ``vnni256``, ``vnni512``: it |
 """
 

@@ -16,7 +16,8 @@ engine times the distances once per machine and cache format:
 2. a pass is one decode call per layer; :data:`TUNE_ROUNDS` rounds take the distances of :data:`STREAM_CANDIDATES`
    in turn, in a rotated order (none always first or last), and each distance's median pass is its time;
 3. the fastest median wins if it is at least :data:`MIN_GAIN` below the default's, else the default stays (a
-   difference inside the machine's noise does not move the choice);
+   difference inside the machine's noise does not move the choice); of distances within :data:`TIE` of the fastest,
+   the one nearest the default (the nearer of two at the same distance: the shorter);
 4. the choice is kept in this machine's plan file (:class:`kv8.machine_plans.MachinePlans`, key ``attention/...``)
    with the attention library's build: a plan timed on another build, or beside other work (:data:`BUSY_CORES`
    cores taken by other processes: provisional), is timed again at the next start.
@@ -54,7 +55,7 @@ from kv8.quant.scales import KVScales
 
 logger = logging.getLogger("kv8")
 
-__all__ = ["BUSY_CORES", "MIN_GAIN", "STREAM_CANDIDATES", "TUNE_BATCH", "TUNE_CONTEXT", "TUNE_FOOTPRINT",
+__all__ = ["BUSY_CORES", "MIN_GAIN", "STREAM_CANDIDATES", "TIE", "TUNE_BATCH", "TUNE_CONTEXT", "TUNE_FOOTPRINT",
            "TUNE_ROUNDS", "StreamCase", "StreamChoice", "choose_stream_tiles", "plan_entry_key", "stored_stream_tiles",
            "streams", "tuned_stream_tiles"]
 
@@ -63,6 +64,7 @@ TUNE_BATCH, TUNE_CONTEXT = 8, 2048       # decode sequences x context tokens of 
 TUNE_FOOTPRINT = 96 << 20                # bytes of cache the layers of a pass hold (more than a CPU's L3)
 TUNE_ROUNDS = 9                          # rounds over the candidates (module docstring, step 2)
 MIN_GAIN = 0.03                          # how much faster than the default a distance must be to be chosen
+TIE = 0.01                               # distances this close to the fastest median count as tied with it
 BUSY_CORES = 0.25                        # other processes' CPU use while timing above which a choice is provisional
 _MIN_LAYERS, _MAX_LAYERS = 2, 64
 
@@ -177,8 +179,8 @@ class _PassTimer:
 def choose_stream_tiles(default: int, measure: Measure, candidates: Sequence[int] = STREAM_CANDIDATES,
                         rounds: int = TUNE_ROUNDS, min_gain: float = MIN_GAIN) -> StreamChoice:
     """Time ``candidates`` (and ``default``) by ``measure`` in ``rounds`` rounds, in a rotated order, after one
-    warm-up pass each; the fastest median wins if ``min_gain`` below the default's, else the default (module
-    docstring, steps 2-3)."""
+    warm-up pass each; the fastest median (of those within :data:`TIE` of it, the nearest the default) wins if
+    ``min_gain`` below the default's, else the default (module docstring, steps 2-3)."""
     if rounds < 1:
         raise ValueError(f"rounds={rounds} must be >= 1")
     names = list(dict.fromkeys([default, *candidates]))
@@ -189,7 +191,8 @@ def choose_stream_tiles(default: int, measure: Measure, candidates: Sequence[int
         for n in names[r % len(names):] + names[:r % len(names)]:
             times[n].append(measure(n))
     median = {n: statistics.median(t) for n, t in times.items()}
-    best = min(median, key=lambda n: median[n])
+    fastest = min(median.values())
+    best = min((n for n in names if median[n] <= fastest * (1 + TIE)), key=lambda n: (abs(n - default), n))
     chosen = best if median[best] <= median[default] * (1 - min_gain) else default
     return StreamChoice(chosen, default, median, time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
 

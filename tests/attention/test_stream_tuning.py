@@ -16,6 +16,7 @@ from kv8.attention.metadata import AttentionMetadata
 from kv8.attention.tuning import (
     MIN_GAIN,
     STREAM_CANDIDATES,
+    TIE,
     StreamCase,
     choose_stream_tiles,
     plan_entry_key,
@@ -127,6 +128,13 @@ def test_the_median_is_robust_to_one_slow_pass() -> None:
     times = iter([1.0] * 7 + [0.5] + [1.0] * 100)   # the 8th call (a timed pass of some distance) looks fast once
     choice = choose_stream_tiles(3, lambda n: next(times), candidates=(2, 3, 4, 5, 6, 8))
     assert choice.stream_tiles == 3
+
+
+def test_of_distances_tied_with_the_fastest_the_nearest_the_default_wins() -> None:
+    assert choose_stream_tiles(3, clock({4: 0.9, 6: 0.9 * (1 - TIE / 2), 8: 0.9 * (1 - TIE / 2)})(None)).stream_tiles \
+        == 4
+    assert choose_stream_tiles(3, clock({4: 0.9, 6: 0.9 * (1 - 2 * TIE)})(None)).stream_tiles == 6
+    assert choose_stream_tiles(4, clock({3: 0.8, 5: 0.8})(None), candidates=(3, 5)).stream_tiles == 3   # the shorter
 
 
 def test_rounds_must_be_positive() -> None:
