@@ -294,12 +294,15 @@ def _dense_plan(kind: str, path: str, hf_config: dict, dtype: torch.dtype, quant
     ``quantization="gguf"``: :func:`kv8.layers.tuning.tuning_groups`)."""
     from kv8 import envs
     from kv8.layers.tuning import (
+        HEAD_GROUP,
         PREFILL_ROWS,
         PlanStore,
         candidate_ids,
         candidates,
+        gguf_path_groups,
         plan_key,
         static_dense_backend,
+        stored_gguf_path,
         tuning_groups,
     )
     from kv8.loader.model import tuning_shapes
@@ -327,12 +330,20 @@ def _dense_plan(kind: str, path: str, hf_config: dict, dtype: torch.dtype, quant
             said.append(f"{layers}{plan.choice} (this machine's plan, timed {plan.measured}: "
                         f"{plan.speedup(versus, 1):.2f}x {versus} at 1 row, {plan.speedup(versus, PREFILL_ROWS):.2f}x "
                         f"at {PREFILL_ROWS}{busy})")
+    kernels = next(iter(found.values())).kernels
+    if quantization == "gguf" and kernels is not None and len(kernels.gguf_paths) > 1 and not envs.gguf_kernel():
+        for group, members in gguf_path_groups(shapes, kernels.gguf_types).items():
+            kept = stored_gguf_path(store, members, dtype, group, kernels)
+            said.append(f"the int8 kernel on the {group if group == HEAD_GROUP else group + ' layers'}: " + (
+                "not timed on this machine yet (the first engine times its paths, or run kv8 tune)" if kept is None
+                else f"{kept.choice} (this machine's plan, timed {kept.measured}: {kept.speedup(1):.2f}x the default "
+                     f"{kept.default} at 1 row)"))
     return "; ".join(said)
 
 
 def cmd_tune(ns: argparse.Namespace) -> int:
     from kv8.layers.linear import WIDE_ROWS
-    from kv8.layers.tuning import PREFILL_ROWS, TUNE_ROUNDS, PlanStore, tuned_dense_backend
+    from kv8.layers.tuning import PREFILL_ROWS, TUNE_ROUNDS, PlanStore, tuned_dense_backend, tuned_gguf_paths
     from kv8.loader.model import read_model_config, tuning_shapes
     from kv8.loader.sources import resolve_model_path
 
@@ -360,7 +371,14 @@ def cmd_tune(ns: argparse.Namespace) -> int:
         print(f"chosen       {result.choice}: {result.speedup(versus, 1):.2f}x {versus} at 1 row, "
               f"{result.speedup(versus, PREFILL_ROWS):.2f}x at {PREFILL_ROWS} rows, "
               f"{result.speedup(versus, WIDE_ROWS):.2f}x at {WIDE_ROWS}")
-    if results:
+    backend, paths = tuned_gguf_paths(backend, shapes, dtype, store, retune=True)
+    for group, kept in paths.items():
+        print(f"the GGUF int8 kernel's paths at one row, the blocks read from memory, on the model's "
+              f"{group if group == 'lm_head' else group + ' layers'}, fastest of several calls over {TUNE_ROUNDS} "
+              "rounds:")
+        print(kept.table())
+        print(f"chosen       {kept.choice}: {kept.speedup(1):.2f}x the default {kept.default} at 1 row")
+    if results or paths:
         print(f"dense layers {backend.label}; kept in {store.path}")
     _tune_attention(config)
     return 0

@@ -78,19 +78,30 @@ class DenseBackend:
     # into a buffer once per call (the same bits; :data:`kv8.kernels.cpu.dense.FP8_REGISTER_ROWS`), chosen per
     # machine by kv8.layers.tuning
     fp8_register_rows: int = FP8_REGISTER_ROWS
+    # quantization="gguf": ``(block type, path)`` pairs, sorted by type: the int8 kernel's path
+    # (``DenseKernels.gguf_paths``) for one-row calls of layers of that type, chosen per machine by kv8.layers.tuning
+    # (the same bits on every path); a type not listed, and calls of more rows, run the kernels' default
+    # (``DenseKernels.gguf_path``)
+    gguf_kernel_paths: tuple[tuple[str, str], ...] = ()
+    # quantization="gguf": the int8 kernel's path for the LM head's one-row calls, chosen alike ("": the default)
+    gguf_head_path: str = ""
 
     @property
     def label(self) -> str:
         """The name, with the float32 GEMM of long chunks where it is on (``packed_bf16+f32_from_512``; GGUF blocks
         expanded to bf16: ``packed_bf16+bf16_from_128``), FP8 codes decoded into a buffer from a row count other than
         the fixed rule's (``packed_bf16+fp8_buffer_from_17``), and each block type's switch where it has its own
-        (``packed_bf16[Q4_K:int8,Q6_K:f32_from_32]``)."""
+        (``packed_bf16[Q4_K:int8,Q6_K:f32_from_32]``), and the int8 kernel's path per type where chosen
+        (``packed_bf16{Q4_K:vnni256,lm_head:vnni256}``)."""
         label = f"{self.name}+{self.gguf_expand}_from_{self.wide_rows}" if self.wide_rows else self.name
         if self.fp8_register_rows != FP8_REGISTER_ROWS:
             label += f"+fp8_buffer_from_{self.fp8_register_rows + 1}"
         if self.gguf_wide_rows:
             label += "[" + ",".join(f"{qtype}:{self.expansion_of(qtype)}_from_{rows}" if rows else f"{qtype}:int8"
                                     for qtype, rows in self.gguf_wide_rows) + "]"
+        paths = [*self.gguf_kernel_paths, *([("lm_head", self.gguf_head_path)] if self.gguf_head_path else [])]
+        if paths:
+            label += "{" + ",".join(f"{group}:{path}" for group, path in paths) + "}"
         return label
 
     def wide_rows_of(self, qtype: str) -> int:

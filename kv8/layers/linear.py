@@ -484,6 +484,10 @@ class GGUFLinearMethod(LinearMethod):
     (a type the loader dequantized, :class:`~kv8.quant.gguf_blocks.ExpandedWeight`) runs the packed bf16 kernel where
     the kernels are loaded and its weights are bf16 (packed at load; bf16 input), else :func:`linear_reference`.
 
+    ``type_paths`` gives a block type the int8 kernel's path its calls of one row run, ``path`` the other types' (the
+    dense backend's ``gguf_kernel_paths`` and, for the LM head, ``gguf_head_path``: timed per machine; None: the
+    kernels' default, which calls of more rows always run); every path computes the same bits.
+
     ``dequantize_rows`` (default :data:`GGUF_DEQUANTIZE_ROWS`) is the row count from which dequantizing wins, 0 where
     it never does (AVX-512 VNNI); ``type_rows`` gives a block type its own (the dense backend's ``wide_rows`` and
     ``gguf_wide_rows``, timed per machine and type): each segment switches at its type's count
@@ -495,7 +499,8 @@ class GGUFLinearMethod(LinearMethod):
 
     def __init__(self, kernels: DenseKernels | None, dequantize_rows: int = GGUF_DEQUANTIZE_ROWS,
                  type_rows: Mapping[str, int] | None = None, expansion: str = "f32",
-                 type_expansion: Mapping[str, str] | None = None) -> None:
+                 type_expansion: Mapping[str, str] | None = None, type_paths: Mapping[str, str] | None = None,
+                 path: str | None = None) -> None:
         for what, rows in [("dequantize_rows", dequantize_rows), *(type_rows or {}).items()]:
             if rows < 0:
                 raise ValueError(f"{what}: the row count from which blocks are dequantized must be >= 0 (0: the int8 "
@@ -508,6 +513,8 @@ class GGUFLinearMethod(LinearMethod):
         self.type_rows = dict(type_rows or {})
         self.expansion = expansion
         self.type_expansion = dict(type_expansion or {})
+        self.type_paths = dict(type_paths or {})   # block type -> the int8 kernel's path at one row (else ``path``)
+        self.path = path or None                    # the other types' path at one row (None: the kernels' default)
 
     def dequantize_rows_of(self, qtype: str) -> int:
         """The row count from which segments of block type ``qtype`` are dequantized (0: never)."""
@@ -554,7 +561,8 @@ class GGUFLinearMethod(LinearMethod):
         switch = self.dequantize_rows_of(segment.qtype)
         if kernel and rows.dtype == torch.bfloat16 and (switch == 0 or rows.shape[0] < switch):
             assert self.kernels is not None
-            return self.kernels.gguf_linear(rows, segment.blocks, segment.qtype, segment.rows, bias)
+            path = self.type_paths.get(segment.qtype, self.path) if rows.shape[0] == 1 else None
+            return self.kernels.gguf_linear(rows, segment.blocks, segment.qtype, segment.rows, bias, path)
         if self._packs(segment, rows):
             return self._packed_product(segment, rows.contiguous(), bias)
         # the blocks dequantized to float32, GGUF_SCRATCH_BYTES at a time (whole groups of the kernel's layout: a
@@ -643,7 +651,8 @@ def linear_method(backend: DenseBackend, quantize: bool = True) -> LinearMethod:
     backend's quantization (the LM head)."""
     if quantize and backend.quantization == "gguf":
         return GGUFLinearMethod(backend.kernels, backend.wide_rows, dict(backend.gguf_wide_rows), backend.gguf_expand,
-                                {qtype: backend.expansion_of(qtype) for qtype, _ in backend.gguf_wide_rows})
+                                {qtype: backend.expansion_of(qtype) for qtype, _ in backend.gguf_wide_rows},
+                                dict(backend.gguf_kernel_paths))
     fp8 = quantize and backend.quantization == "fp8"
     if fp8 and backend.fp8_scaled_mm:
         return ScaledMMFP8LinearMethod()

@@ -67,20 +67,23 @@ from typing import Any
 
 import torch
 
+from kv8 import envs
 from kv8.cpu_load import others_cores, read_cpu_clock, this_process_cpus
 from kv8.kernels.cpu.build import KernelUnavailable
-from kv8.kernels.cpu.dense import FP8_REGISTER_ROWS, load_dense_kernels
+from kv8.kernels.cpu.dense import FP8_REGISTER_ROWS, DenseKernels, load_dense_kernels
 from kv8.layers.dense_backend import GGUF_BF16_ROWS, GGUF_DEQUANTIZE_ROWS, DenseBackend, select_dense_backend
-from kv8.layers.linear import WIDE_ROWS, Linear, linear_method
+from kv8.layers.linear import WIDE_ROWS, Linear, gguf_segment, linear_method
 from kv8.machine_plans import MachinePlans, fastest_call
 from kv8.quant.gguf_blocks import random_blocks
 from kv8.validators import memory_available
 
 logger = logging.getLogger("kv8")
 
-__all__ = ["BUSY_CORES", "EARLY_MARGIN", "PREFILL_ROWS", "TIMED_ROWS", "TUNE_ROUNDS", "LinearShape", "PlanStore",
-           "TuneResult", "candidates", "choose", "candidate_ids", "plan_key", "static_dense_backend", "time_layer",
-           "timed_rows", "tuned_dense_backend", "tuning_groups"]
+__all__ = ["BUSY_CORES", "EARLY_MARGIN", "GGUF_PATH_MIN_GAIN", "HEAD_GROUP", "PREFILL_ROWS", "TIMED_ROWS",
+           "TUNE_ROUNDS", "LinearShape", "PathResult", "PlanStore", "choose_gguf_path", "gguf_path_groups",
+           "stored_gguf_path", "tuned_gguf_paths", "TuneResult", "candidates", "choose",
+           "candidate_ids", "plan_key", "static_dense_backend", "time_layer", "timed_rows", "tuned_dense_backend",
+           "tuning_groups"]
 
 PREFILL_ROWS = 64            # rows of the prefill timing (a chunk's rows pass the same weights; kept short)
 TIMED_ROWS = (1, PREFILL_ROWS, WIDE_ROWS)   # a decode step, a short chunk, a long prompt's chunk
@@ -471,3 +474,191 @@ def tuned_dense_backend(shapes: Sequence[LinearShape], dtype: torch.dtype, quant
 def static_dense_backend(dtype: torch.dtype, quantization: str | None) -> DenseBackend:
     """``dense_backend="auto"`` without timing (``KV8_TUNING=off``, tensor-parallel ranks): the fixed rule."""
     return select_dense_backend("auto", dtype, quantization)
+
+
+# ---- the GGUF int8 kernel's path per block type -------------------------------------------------------------------
+
+GGUF_PATH_MIN_GAIN = 0.03   # how much faster than the kernels' default path another must be to be chosen
+#: ``measure(path, shape, rows)``: seconds of one int8-kernel call of a layer of ``shape`` on ``path`` at ``rows`` rows
+PathMeasure = Callable[[str, LinearShape, int], float]
+
+
+@dataclass(frozen=True)
+class PathResult:
+    """The int8 kernel's path chosen for the one-row calls of one group of :func:`gguf_path_groups` (a block type's
+    decoder layers, or the LM head): ``seconds[path][1]``, one pass over the group's layers at one row on that
+    path."""
+
+    group: str
+    choice: str
+    default: str
+    seconds: dict[str, dict[int, float]]
+    measured: str = ""
+    timed: tuple[str, ...] = ()   # the kernels' build and the paths timed
+    others: float = 0.0
+
+    @property
+    def provisional(self) -> bool:
+        return self.others > BUSY_CORES
+
+    def speedup(self, rows: int) -> float:
+        """The default path's time over the choice's at ``rows`` rows."""
+        return self.seconds[self.default][rows] / self.seconds[self.choice][rows]
+
+    def table(self) -> str:
+        rows = sorted({r for per in self.seconds.values() for r in per})
+        heads = (f"{r} row" + ("s" if r > 1 else "") + " (ms)" for r in rows)
+        lines = [f"{self.group + ' path':<18}" + "".join(f"{h:>16}" for h in heads)]
+        for path, per in self.seconds.items():
+            mark = "  <- chosen" if path == self.choice else ("  (default)" if path == self.default else "")
+            lines.append(f"{path:<18}" + "".join(f"{per[r] * 1e3:>16.3f}" for r in rows) + mark)
+        return "\n".join(lines)
+
+
+HEAD_GROUP = "lm_head"   # gguf_path_groups' name for the LM head (its own method: its own path)
+
+
+def gguf_path_groups(shapes: Sequence[LinearShape], kernel_types: Collection[str]) -> dict[str, list[LinearShape]]:
+    """The shapes held as blocks of a type the int8 kernel reads, in the groups that get a path each: the decoder's
+    by type (sorted), and the LM head's alone (:data:`HEAD_GROUP`: a large matrix read at one row a sequence, whose
+    best path may differ from its type's layers')."""
+    groups: dict[str, list[LinearShape]] = {}
+    for shape in sorted(shapes, key=lambda s: s.qtype or ""):
+        if shape.qtype is not None and shape.qtype in kernel_types and (shape.quantize or shape.lm_head):
+            groups.setdefault(HEAD_GROUP if shape.lm_head else shape.qtype, []).append(shape)
+    return dict(sorted(groups.items(), key=lambda item: item[0] == HEAD_GROUP))
+
+
+#: bytes read between two timed calls of the int8 kernel, so that each call reads its blocks from memory as a decode
+#: step does (each layer's blocks once a step, the whole model between two reads) -- more than a CPU's last-level cache
+PATH_EVICT_BYTES = 128 << 20
+PATH_CALLS = 5   # timed calls of a layer per measurement (the fastest counts)
+
+
+class _PathTimer:
+    """One int8-kernel call of a layer of each shape (random blocks in the kernel's order, built once) on a path, its
+    blocks out of the caches: :data:`PATH_EVICT_BYTES` are read before each timed call. Timed warm (the same blocks
+    call after call) the wide path won every Gemma-3-270M layer on an AMD EPYC (Zen 5) while a whole decode step ran
+    1.22x faster on ``vnni256``."""
+
+    def __init__(self, kernels: DenseKernels) -> None:
+        self.kernels = kernels
+        self.blocks: dict[LinearShape, torch.Tensor] = {}
+        self.inputs: dict[tuple[int, int], torch.Tensor] = {}
+        self.evict = torch.ones(PATH_EVICT_BYTES // 4, dtype=torch.float32)
+
+    def measure(self, path: str, shape: LinearShape, rows: int) -> float:
+        blocks = self.blocks.get(shape)
+        if blocks is None:
+            weight = random_blocks(shape.qtype or "", shape.out_features, shape.in_features,
+                                   torch.Generator().manual_seed(0))
+            blocks = self.blocks[shape] = gguf_segment([weight], shape.in_features, self.kernels).blocks
+        x = self.inputs.get((shape.in_features, rows))
+        if x is None:
+            x = self.inputs[(shape.in_features, rows)] = torch.randn(
+                rows, shape.in_features, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+        best = float("inf")
+        for _ in range(PATH_CALLS):
+            self.evict.sum()
+            start = time.perf_counter()
+            self.kernels.gguf_linear(x, blocks, shape.qtype or "", shape.out_features, None, path)
+            best = min(best, time.perf_counter() - start)
+        return best
+
+
+def choose_gguf_path(paths: Sequence[str], default: str, members: Sequence[LinearShape], measure: PathMeasure,
+                     rounds: int = TUNE_ROUNDS, min_gain: float = GGUF_PATH_MIN_GAIN
+                     ) -> tuple[str, dict[str, dict[int, float]]]:
+    """Time every path on ``members`` at one row in ``rounds`` rounds, the paths in a rotated order, each keeping its
+    fastest time per shape; the fastest pass over the layers wins where it is ``min_gain`` below ``default``'s (else
+    ``default``). Returns the choice and each path's pass (``{1: seconds}``)."""
+    if rounds < 1:
+        raise ValueError(f"rounds={rounds} must be >= 1")
+    names = list(dict.fromkeys([default, *paths]))
+    fastest: dict[tuple[str, int], float] = {}
+    for round_ in range(rounds):
+        order = names[round_ % len(names):] + names[:round_ % len(names)]
+        for i, shape in enumerate(members):
+            for path in order:
+                fastest[(path, i)] = min(fastest.get((path, i), float("inf")), measure(path, shape, 1))
+    seconds = {path: {1: sum(s.count * fastest[(path, i)] for i, s in enumerate(members))} for path in names}
+    best = min(names, key=lambda path: seconds[path][1])
+    return (best if seconds[best][1] <= seconds[default][1] * (1 - min_gain) else default), seconds
+
+
+def tuned_gguf_paths(backend: DenseBackend, shapes: Sequence[LinearShape], dtype: torch.dtype,
+                     store: PlanStore | None = None, measure: PathMeasure | None = None, retune: bool = False
+                     ) -> tuple[DenseBackend, dict[str, PathResult]]:
+    """With ``quantization="gguf"`` on kv8's kernels: the int8 kernel's path for one-row calls (a decode step of one
+    sequence) of each group of :func:`gguf_path_groups` (the decoder's layers by block type, the LM head), this
+    machine's plan or timed now and kept; ``backend`` with ``gguf_kernel_paths`` / ``gguf_head_path`` set where a
+    group's choice is not the kernels' default. Calls of more rows keep the default (the widest path: at 8 and 64 rows
+    it led every Gemma-3-270M layer type 1.2-2x on an AMD EPYC Zen 5, where at one row, its blocks read from memory,
+    it trailed ``avx2`` 1.04-1.36x). Unchanged (and no results) elsewhere: another quantization, no kernels, one path,
+    or ``$KV8_GGUF_KERNEL`` naming one (the user's choice)."""
+    kernels = backend.kernels
+    if backend.quantization != "gguf" or kernels is None or len(kernels.gguf_paths) < 2 or envs.gguf_kernel():
+        return backend, {}
+    store = store if store is not None else PlanStore()
+    paths, default = list(kernels.gguf_paths), kernels.gguf_path
+    timed = (Path(kernels.path).stem, *paths)
+    timer = _PathTimer(kernels) if measure is None else None
+    run = measure if measure is not None else timer.measure   # type: ignore[union-attr]
+    results: dict[str, PathResult] = {}
+    for group, members in gguf_path_groups(shapes, kernels.gguf_types).items():
+        key = "gguf_path/" + plan_key(members, dtype, "gguf")
+        kept = None if retune else _stored_path(store.entry(key), group, timed, default)
+        if kept is not None and not kept.provisional:
+            results[group] = kept
+            continue
+        start = time.perf_counter()
+        logger.warning("timing the GGUF int8 kernel's paths (%s) on this model's %s on this machine: once, then kept "
+                       "in %s", ", ".join(paths), _group_words(group, members), store.path)
+        cpus = this_process_cpus()
+        before = read_cpu_clock(cpus)
+        choice, seconds = choose_gguf_path(paths, default, members, run)
+        after = read_cpu_clock(cpus)
+        others = others_cores(before, after) if before is not None and after is not None else 0.0
+        fresh = PathResult(group, choice, default, seconds, time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                           timed, others)
+        if kept is None or fresh.others <= kept.others:
+            store.keep(key, {"path": fresh.choice, "default": fresh.default, "measured": fresh.measured,
+                             "timed": list(fresh.timed), "others": round(fresh.others, 3),
+                             "seconds": {p: {str(r): t for r, t in per.items()} for p, per in fresh.seconds.items()}})
+            kept = fresh
+        results[group] = kept
+        logger.warning("GGUF int8 kernel on the %s: its %s path, %.2fx the default %s at 1 row (timed in %.1f s)",
+                       _group_words(group, members), kept.choice, kept.speedup(1), default,
+                       time.perf_counter() - start)
+    del timer
+    chosen = tuple((group, result.choice) for group, result in results.items()
+                   if group != HEAD_GROUP and result.choice != default)
+    head = results.get(HEAD_GROUP)
+    return replace(backend, gguf_kernel_paths=chosen,
+                   gguf_head_path=head.choice if head is not None and head.choice != default else ""), results
+
+
+def _group_words(group: str, members: Sequence[LinearShape]) -> str:
+    return f"LM head ({members[0].qtype} blocks)" if group == HEAD_GROUP else f"{group} layers"
+
+
+def stored_gguf_path(store: PlanStore, members: Sequence[LinearShape], dtype: torch.dtype, group: str,
+                     kernels: DenseKernels) -> PathResult | None:
+    """The path kept for the layers ``members`` (group ``group`` of :func:`gguf_path_groups`) on this build of the
+    kernels, or None."""
+    timed = (Path(kernels.path).stem, *kernels.gguf_paths)
+    return _stored_path(store.entry("gguf_path/" + plan_key(members, dtype, "gguf")), group, timed, kernels.gguf_path)
+
+
+def _stored_path(entry: Any, group: str, timed: tuple[str, ...], default: str) -> PathResult | None:
+    """The kept entry as a result where it was timed on the same build and paths and names one of them."""
+    try:
+        result = PathResult(group, str(entry["path"]), str(entry["default"]),
+                            {str(p): {int(r): float(t) for r, t in per.items()} for p, per in entry["seconds"].items()},
+                            str(entry["measured"]), tuple(str(t) for t in entry["timed"]),
+                            float(entry.get("others", 0.0)))
+    except (TypeError, KeyError, ValueError, AttributeError):
+        return None
+    if result.timed != timed or result.default != default or result.choice not in timed[1:]:
+        return None
+    return result

@@ -160,7 +160,7 @@ class ParallelLMHead(LinearBase):
         gguf = backend.quantization == "gguf"
         super().__init__(hidden_size, [rows * tp.size], False, backend, row_shards=[(first, rows)], quantize=gguf)
         if gguf:
-            self.method = GGUFLinearMethod(backend.kernels, GGUF_HEAD_DEQUANTIZE_ROWS)
+            self.method = GGUFLinearMethod(backend.kernels, GGUF_HEAD_DEQUANTIZE_ROWS, path=backend.gguf_head_path)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int | str | None = None) -> None:
         _load_rows(param, loaded, self.vocab_size, self.full_in_features, self.tp)

@@ -43,7 +43,7 @@ from kv8.distributed.shard import building_shard
 from kv8.host_memory import place_on_huge_pages, release_free_heap
 from kv8.layers.dense_backend import TORCH_BACKEND, DenseBackend, select_dense_backend
 from kv8.layers.linear import GGUFSegment, LinearBase
-from kv8.layers.tuning import LinearShape, tuned_dense_backend
+from kv8.layers.tuning import LinearShape, tuned_dense_backend, tuned_gguf_paths
 from kv8.layers.vocab_parallel import ParallelLMHead, VocabParallelEmbedding
 from kv8.models.config import ModelArchConfig
 from kv8.models.registry import CausalLM, arch_config, model_class
@@ -367,13 +367,15 @@ def resolve_dense_backend(name: str, hf_config: dict[str, Any], dtype: torch.dty
                           platform: Platform = CPU, tp: TPGroup = SINGLE_RANK,
                           shapes: Callable[[], list[LinearShape]] | None = None) -> DenseBackend:
     """The dense backend of option ``name``: ``auto`` on the CPU with one rank is this machine's measured choice
-    for the model (:func:`kv8.layers.tuning.tuned_dense_backend`, unless ``KV8_TUNING=off``); everything else
+    for the model (:func:`kv8.layers.tuning.tuned_dense_backend` and, with GGUF blocks, the int8 kernel's path per type:
+    :func:`~kv8.layers.tuning.tuned_gguf_paths`; unless ``KV8_TUNING=off``); everything else
     :func:`kv8.layers.dense_backend.select_dense_backend`'s fixed rule (tensor-parallel ranks too: each rank would
     time beside the others). ``shapes``: the shapes to time (default :func:`linear_shapes`; the loader passes
     :func:`tuning_shapes`')."""
     if name == "auto" and platform.kind == "cpu" and tp.size == 1 and envs.tuning():
-        return tuned_dense_backend(shapes() if shapes is not None else linear_shapes(hf_config), dtype,
-                                   quantization)[0]
+        timed = shapes() if shapes is not None else linear_shapes(hf_config)
+        backend = tuned_dense_backend(timed, dtype, quantization)[0]
+        return tuned_gguf_paths(backend, timed, dtype)[0]   # (GGUF blocks: the int8 kernel's path per type)
     return select_dense_backend(name, dtype, quantization, platform)
 
 

@@ -277,7 +277,7 @@ def test_dense_backend_auto_times_and_switches_each_block_type(tmp_path: Path, m
     the int8 kernel at every row count (or not); the bf16 expansion from ``GGUF_BF16_ROWS`` is timed too, and loses.
     (The timings are faked: which path is faster depends on the CPU.)"""
     from kv8.layers.dense_backend import GGUF_BF16_ROWS, GGUF_DEQUANTIZE_ROWS, DenseBackend
-    from kv8.layers.tuning import LinearShape, _LayerTimer
+    from kv8.layers.tuning import LinearShape, _LayerTimer, _PathTimer
 
     path = tmp_path / "m.gguf"
     write_tiny_gguf(path, types=MIXED, bpe=True, scale=0.2, **SIZES_256)  # type: ignore[arg-type]
@@ -290,6 +290,7 @@ def test_dense_backend_auto_times_and_switches_each_block_type(tmp_path: Path, m
         return 1.0 if rows == 1 else 2.0 if dequantizes == (shape.qtype in int8_wins) else 1.5
 
     monkeypatch.setattr(_LayerTimer, "measure", fake)
+    monkeypatch.setattr(_PathTimer, "measure", lambda self, path, shape, rows: 1.0)   # every path alike: the default
     monkeypatch.setenv("KV8_TUNING", "auto")
     monkeypatch.setenv("KV8_CACHE_DIR", os.fspath(tmp_path / "cache"))
     loaded = load_model("gguf", str(path), torch.bfloat16, "auto", quantization="gguf")

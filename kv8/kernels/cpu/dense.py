@@ -280,14 +280,18 @@ class DenseKernels(NativeLibrary):
         return self.gguf_types[qtype]
 
     def gguf_linear(self, x: torch.Tensor, blocks: torch.Tensor, qtype: str, out_features: int,
-                    bias: torch.Tensor | None) -> torch.Tensor:
+                    bias: torch.Tensor | None, path: str | None = None) -> torch.Tensor:
         """``x [M, K]`` bf16 -> ``[M, out_features]`` bf16 ``= x @ W.T (+ bias)`` with ``W`` held as GGUF blocks of
         type ``qtype`` (one of :attr:`gguf_types`): ``blocks [out_features, row bytes]`` uint8 (``K / block values *
         block bytes``), the file's
         bytes in the kernel's order (:func:`kv8.quant.gguf_blocks.group_blocks`). The activations are quantized to
         int8 per block of 32 (``csrc/dense/gguf.h``: the error bound); ``bias`` is float32 ``[out_features]`` or
-        None. Runs on :attr:`gguf_path`; every path gives the same bits."""
+        None. Runs on ``path`` (one of :attr:`gguf_paths`; None: :attr:`gguf_path`, the process's default); every path
+        gives the same bits (the dense tuner chooses one per block type and machine: kv8.layers.tuning)."""
         code = self._gguf_code(qtype)
+        if path is not None and path not in self.gguf_paths:
+            raise ValueError(f"GGUF kernel path {path!r} is not in this build; it has: "
+                             f"{list(self.gguf_paths) or 'none (no AVX2 + FMA + F16C)'}")
         _check_bf16("x", x, 2)
         m, k = x.shape
         if (blocks.dtype != torch.uint8 or blocks.ndim != 2 or blocks.shape[0] != out_features
@@ -300,7 +304,7 @@ class DenseKernels(NativeLibrary):
         out = torch.empty(m, out_features, dtype=torch.bfloat16)
         call = GGUFLinearCall(x.data_ptr(), blocks.data_ptr(), None if bias is None else bias.data_ptr(),
                               out.data_ptr(), m, k, out_features, code, torch.get_num_threads(),
-                              self.gguf_paths[self.gguf_path])
+                              self.gguf_paths[path or self.gguf_path])
         self.invoke(self._lib.kv8_gguf_linear, f"GGUF {qtype} linear for x {list(x.shape)}, N={out_features}", call)
         return out
 
