@@ -538,8 +538,9 @@ PATH_CALLS = 5   # timed calls of a layer per measurement (the fastest counts)
 class _PathTimer:
     """One int8-kernel call of a layer of each shape (random blocks in the kernel's order, built once) on a path, its
     blocks out of the caches: :data:`PATH_EVICT_BYTES` are read before each timed call. Timed warm (the same blocks
-    call after call) the wide path won every Gemma-3-270M layer on an AMD EPYC (Zen 5) while a whole decode step ran
-    1.22x faster on ``vnni256``."""
+    call after call) the widest path won every Gemma-3-270M layer on an AMD EPYC (Zen 5), while a decode step of one
+    sequence with every call on ``vnni256`` ran 1.27x the step on ``vnni512`` (``bench_engine_step.py --gguf-paths``)
+    and, timed cold, the narrower paths won every group at one row."""
 
     def __init__(self, kernels: DenseKernels) -> None:
         self.kernels = kernels
@@ -592,9 +593,9 @@ def tuned_gguf_paths(backend: DenseBackend, shapes: Sequence[LinearShape], dtype
     """With ``quantization="gguf"`` on kv8's kernels: the int8 kernel's path for one-row calls (a decode step of one
     sequence) of each group of :func:`gguf_path_groups` (the decoder's layers by block type, the LM head), this
     machine's plan or timed now and kept; ``backend`` with ``gguf_kernel_paths`` / ``gguf_head_path`` set where a
-    group's choice is not the kernels' default. Calls of more rows keep the default (the widest path: at 8 and 64 rows
-    it led every Gemma-3-270M layer type 1.2-2x on an AMD EPYC Zen 5, where at one row, its blocks read from memory,
-    it trailed ``avx2`` 1.04-1.36x). Unchanged (and no results) elsewhere: another quantization, no kernels, one path,
+    group's choice is not the kernels' default. Calls of more rows keep the default (the widest path: at 64 rows it
+    led every Gemma-3-270M layer type 1.2-2x on an AMD EPYC Zen 5, where at one row, its blocks read from memory, it
+    trailed ``avx2`` 1.04-1.36x). Unchanged (and no results) elsewhere: another quantization, no kernels, one path,
     or ``$KV8_GGUF_KERNEL`` naming one (the user's choice)."""
     kernels = backend.kernels
     if backend.quantization != "gguf" or kernels is None or len(kernels.gguf_paths) < 2 or envs.gguf_kernel():
