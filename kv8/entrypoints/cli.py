@@ -343,7 +343,14 @@ def _dense_plan(kind: str, path: str, hf_config: dict, dtype: torch.dtype, quant
 
 def cmd_tune(ns: argparse.Namespace) -> int:
     from kv8.layers.linear import WIDE_ROWS
-    from kv8.layers.tuning import PREFILL_ROWS, TUNE_ROUNDS, PlanStore, tuned_dense_backend, tuned_gguf_paths
+    from kv8.layers.tuning import (
+        HEAD_GROUP,
+        PREFILL_ROWS,
+        TUNE_ROUNDS,
+        PlanStore,
+        tuned_dense_backend,
+        tuned_gguf_paths,
+    )
     from kv8.loader.model import read_model_config, tuning_shapes
     from kv8.loader.sources import resolve_model_path
 
@@ -374,7 +381,7 @@ def cmd_tune(ns: argparse.Namespace) -> int:
     backend, paths = tuned_gguf_paths(backend, shapes, dtype, store, retune=True)
     for group, kept in paths.items():
         print(f"the GGUF int8 kernel's paths at one row, the blocks read from memory, on the model's "
-              f"{group if group == 'lm_head' else group + ' layers'}, fastest of several calls over {TUNE_ROUNDS} "
+              f"{group if group == HEAD_GROUP else group + ' layers'}, fastest of several calls over {TUNE_ROUNDS} "
               "rounds:")
         print(kept.table())
         print(f"chosen       {kept.choice}: {kept.speedup(1):.2f}x the default {kept.default} at 1 row")

@@ -46,8 +46,8 @@
 // (item_prefill_amx.h, item_decode_amx.h); 0 = never (the AVX-512 paths; the two sum in different orders, so a caller
 // keeps one choice for good).
 // stream_tiles: how many tiles (16 context tokens of one head) ahead the decode kernels stream K and V into L2, 1 ..
-// KV8_MAX_STREAM_TILES; 0 = the build's default (item_decode.h). It changes speed only, never a bit of the result:
-// the best distance differs between CPUs, and kv8.attention.tuning times it per machine.
+// KV8_MAX_STREAM_TILES; 0 = the build's default (problem.h: DEFAULT_STREAM_TILES). It changes speed only, never a
+// bit of the result: the best distance differs between CPUs, and kv8.attention.tuning times it per machine.
 // With a window, block-table entries of blocks wholly before the first query's window hold anything and are
 // never read (kv8.attention.metadata).
 #define KV8_ATTENTION_CALL_FIELDS(X)      \

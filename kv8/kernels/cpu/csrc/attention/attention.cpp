@@ -61,8 +61,9 @@
 // outside a row's [position - W + 1, position], and nothing before the first key is read -- rows, scales or
 // block-table entries (problem.h: tile_rows, prefetch_tile; item_decode.h: its padded first tile).
 //
-// Entry points: production (kv8_has_fast_path, the stream distances, the code tables, kv8_abi_layout, kv8_paged_attention,
-// kv8_store_kv) and, at the end, a testing interface (kv8_test_*) that production code never calls.
+// Entry points: production (kv8_has_fast_path, the stream distances, the code tables, kv8_abi_layout,
+// kv8_paged_attention, kv8_store_kv) and, at the end, a testing interface (kv8_test_*) that production code never
+// calls.
 
 #include "base.h"
 #include "abi.h"

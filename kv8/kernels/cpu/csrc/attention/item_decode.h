@@ -9,7 +9,8 @@
 // * the online softmax steps once per chunk of CHUNK_TILES tiles: the scores of the whole chunk come
 //   first, so the max, the exponentials and the P.V products of its tiles are independent work (one serial
 //   max/rescale step per 64 tokens, not per 16);
-// * K and V stream into L2 P.stream tiles ahead (the call's stream_tiles, plan.h), one row's prefetch beside each row read (see decode_tile);
+// * K and V stream into L2 P.stream tiles ahead (the call's stream_tiles, plan.h), one row's prefetch beside each
+//   row read (see decode_tile);
 // * an item may hold several KV heads of its sequence (Item::nh): chunk by chunk, each head's tiles in turn
 //   with its own q, softmax state and output (AvxDecodeHead), so each block's rows of those heads, adjacent in
 //   the cache, are read in address order.

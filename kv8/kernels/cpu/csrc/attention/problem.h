@@ -32,13 +32,13 @@
 static const int TILE = 16;  // context tokens per tile
 static const int ROWS_PER_ITEM = 192;  // query rows (tokens x heads of a GQA group) per work item, at most
 static const int ROWS_PER_ITEM_AMX = 384;  // the same where the prefill loop runs on AMX tiles (plan.h)
-static const int64_t SMALL_WORK = 8192;
+static const int64_t SMALL_WORK = 8192;  // (context tokens x query rows) below which one thread is used
 // How far ahead (tiles of the same head) the decode kernels stream K and V into L2 where the call leaves it to the
 // build (kv8_attention_call.stream_tiles 0). Measured on the Xeon with AMX (B = 32 x 1,088 tokens, SmolLM2's heads,
 // 30 layers): 3 is ~1.2x the bursts it replaced, 2 / 4 / 6 a few % slower than 3, prefetcht0 instead of prefetcht1
 // ~10% slower (see stream_row); on an AMD EPYC (Zen 5) 4 was 1.12x 3 with an FP8 cache. The engine times the
 // distances per machine (kv8.attention.tuning) and passes its choice.
-static const int DEFAULT_STREAM_TILES = 3;  // (context tokens x query rows) below which one thread is used
+static const int DEFAULT_STREAM_TILES = 3;
 
 // One attention call in the kernels' short names: built by make_problem (plan.h) from kv8_layer and
 // kv8_attention_call, read-only in the item kernels.
